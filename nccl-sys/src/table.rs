@@ -1,0 +1,221 @@
+//! The NCCL entry points as a table of function pointers.
+//!
+//! One macro lists every entry point once, with its C signature and, for the optional
+//! ones, the NCCL version that introduced it. From that list come the [`FunctionTable`]
+//! struct, its single filling path [`FunctionTable::load`], the symbol lists, and a
+//! compile-time check that every signature equals bindgen's prototype from `nccl.h`.
+
+use core::ffi::{c_char, c_int, c_void, CStr};
+use core::fmt;
+
+use crate::bindings::*;
+
+/// An entry point that the table knows, with the NCCL version that introduced it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Symbol {
+    /// The C name, e.g. `"ncclAlltoAll"`.
+    pub name: &'static str,
+    /// `(major, minor)` of the first NCCL release that exports it. Required symbols say `(2, 18)`.
+    pub since: (u32, u32),
+}
+
+/// Required symbols absent from a library: it cannot back a [`FunctionTable`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MissingSymbol {
+    /// Every required symbol that the lookup did not find, in table order.
+    pub names: Vec<&'static str>,
+}
+
+impl fmt::Display for MissingSymbol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "missing required NCCL symbol(s): {}", self.names.join(", "))
+    }
+}
+
+impl std::error::Error for MissingSymbol {}
+
+macro_rules! function_table {
+    (
+        required {
+            $( fn $rname:ident ( $( $rarg:ident : $rty:ty ),* $(,)? ) -> $rret:ty ; )*
+        }
+        optional {
+            $( [$omaj:literal . $omin:literal] fn $oname:ident ( $( $oarg:ident : $oty:ty ),* $(,)? ) -> $oret:ty ; )*
+        }
+    ) => {
+        /// NCCL's entry points as function pointers.
+        ///
+        /// Required fields are the API of NCCL 2.18, the oldest release this crate supports;
+        /// `Option` fields were added later and are `None` when the provider lacks them.
+        /// Field names are NCCL's C names.
+        #[allow(non_snake_case)]
+        #[derive(Clone, Copy)]
+        pub struct FunctionTable {
+            $(
+                #[doc = concat!("`", stringify!($rname), "` (required).")]
+                pub $rname: unsafe extern "C" fn($($rty),*) -> $rret,
+            )*
+            $(
+                #[doc = concat!("`", stringify!($oname), "` (NCCL ", stringify!($omaj), ".", stringify!($omin), " and later).")]
+                pub $oname: Option<unsafe extern "C" fn($($oty),*) -> $oret>,
+            )*
+        }
+
+        /// Every required entry point, in table order.
+        pub const REQUIRED_SYMBOLS: &[&str] = &[$( stringify!($rname) ),*];
+
+        /// Every optional entry point, with the release that introduced it.
+        pub const OPTIONAL_SYMBOLS: &[Symbol] = &[
+            $( Symbol { name: stringify!($oname), since: ($omaj, $omin) } ),*
+        ];
+
+        // Each signature above must be exactly bindgen's prototype from nccl.h. These
+        // constants only type-check (they are never used, so nothing is linked).
+        $( const _: unsafe extern "C" fn($($rty),*) -> $rret = $rname; )*
+        $( const _: unsafe extern "C" fn($($oty),*) -> $oret = $oname; )*
+
+        impl FunctionTable {
+            /// Fills the table by asking `lookup` for each entry point by its C name.
+            ///
+            /// This is the only way a table is built: a `dlopen`ed library passes a closure
+            /// over `dlsym`, an in-process provider passes one over its own functions.
+            /// A null pointer means "absent": an error for a required symbol (every missing
+            /// one is listed), `None` for an optional one.
+            ///
+            /// # Safety
+            /// Every non-null pointer that `lookup` returns for a name must be a function with
+            /// exactly NCCL's C signature for that name, and must stay callable for as long as
+            /// the table (or any copy of it) is used.
+            #[allow(non_snake_case)]
+            pub unsafe fn load(
+                mut lookup: impl FnMut(&CStr) -> *const c_void,
+            ) -> Result<Self, MissingSymbol> {
+                let mut missing = Vec::new();
+                $(
+                    let $rname = lookup(
+                        // SAFETY: the literal ends in a NUL and has no other.
+                        unsafe { CStr::from_bytes_with_nul_unchecked(concat!(stringify!($rname), "\0").as_bytes()) }
+                    );
+                    if $rname.is_null() {
+                        missing.push(stringify!($rname));
+                    }
+                )*
+                if !missing.is_empty() {
+                    return Err(MissingSymbol { names: missing });
+                }
+                Ok(Self {
+                    $(
+                        // SAFETY: non-null (checked above) and, by the caller's contract, a
+                        // function with this exact signature.
+                        $rname: unsafe {
+                            core::mem::transmute::<*const c_void, unsafe extern "C" fn($($rty),*) -> $rret>($rname)
+                        },
+                    )*
+                    $(
+                        $oname: {
+                            let p = lookup(
+                                // SAFETY: the literal ends in a NUL and has no other.
+                                unsafe { CStr::from_bytes_with_nul_unchecked(concat!(stringify!($oname), "\0").as_bytes()) }
+                            );
+                            if p.is_null() {
+                                None
+                            } else {
+                                // SAFETY: non-null and, by the caller's contract, a function
+                                // with this exact signature.
+                                Some(unsafe {
+                                    core::mem::transmute::<*const c_void, unsafe extern "C" fn($($oty),*) -> $oret>(p)
+                                })
+                            }
+                        },
+                    )*
+                })
+            }
+
+            /// The names of the optional entry points this table has.
+            pub fn present_optional(&self) -> Vec<&'static str> {
+                let mut v = Vec::new();
+                $( if self.$oname.is_some() { v.push(stringify!($oname)); } )*
+                v
+            }
+        }
+    };
+}
+
+/// The release that introduced an optional entry point; `None` for a required or unknown name.
+pub fn optional_since(name: &str) -> Option<(u32, u32)> {
+    OPTIONAL_SYMBOLS.iter().find(|s| s.name == name).map(|s| s.since)
+}
+
+impl fmt::Debug for FunctionTable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FunctionTable")
+            .field("required", &REQUIRED_SYMBOLS.len())
+            .field("optional_present", &self.present_optional())
+            .finish()
+    }
+}
+
+function_table! {
+    required {
+        fn ncclGetVersion(version: *mut c_int) -> ncclResult_t;
+        fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclResult_t;
+        fn ncclCommInitRankConfig(comm: *mut ncclComm_t, nranks: c_int, comm_id: ncclUniqueId, rank: c_int, config: *mut ncclConfig_t) -> ncclResult_t;
+        fn ncclCommInitRank(comm: *mut ncclComm_t, nranks: c_int, comm_id: ncclUniqueId, rank: c_int) -> ncclResult_t;
+        fn ncclCommInitAll(comm: *mut ncclComm_t, ndev: c_int, devlist: *const c_int) -> ncclResult_t;
+        fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t;
+        fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t;
+        fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t;
+        fn ncclCommSplit(comm: ncclComm_t, color: c_int, key: c_int, newcomm: *mut ncclComm_t, config: *mut ncclConfig_t) -> ncclResult_t;
+        fn ncclGetErrorString(result: ncclResult_t) -> *const c_char;
+        fn ncclGetLastError(comm: ncclComm_t) -> *const c_char;
+        fn ncclCommGetAsyncError(comm: ncclComm_t, async_error: *mut ncclResult_t) -> ncclResult_t;
+        fn ncclCommCount(comm: ncclComm_t, count: *mut c_int) -> ncclResult_t;
+        fn ncclCommCuDevice(comm: ncclComm_t, device: *mut c_int) -> ncclResult_t;
+        fn ncclCommUserRank(comm: ncclComm_t, rank: *mut c_int) -> ncclResult_t;
+        fn ncclRedOpCreatePreMulSum(op: *mut ncclRedOp_t, scalar: *mut c_void, datatype: ncclDataType_t, residence: ncclScalarResidence_t, comm: ncclComm_t) -> ncclResult_t;
+        fn ncclRedOpDestroy(op: ncclRedOp_t, comm: ncclComm_t) -> ncclResult_t;
+        fn ncclReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, op: ncclRedOp_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t;
+        fn ncclBcast(buff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t;
+        fn ncclBroadcast(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t;
+        fn ncclAllReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t;
+        fn ncclReduceScatter(sendbuff: *const c_void, recvbuff: *mut c_void, recvcount: usize, datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t;
+        fn ncclAllGather(sendbuff: *const c_void, recvbuff: *mut c_void, sendcount: usize, datatype: ncclDataType_t, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t;
+        fn ncclSend(sendbuff: *const c_void, count: usize, datatype: ncclDataType_t, peer: c_int, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t;
+        fn ncclRecv(recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, peer: c_int, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t;
+        fn ncclGroupStart() -> ncclResult_t;
+        fn ncclGroupEnd() -> ncclResult_t;
+    }
+    optional {
+        [2 . 19] fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> ncclResult_t;
+        [2 . 19] fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t;
+        [2 . 19] fn ncclCommRegister(comm: ncclComm_t, buff: *mut c_void, size: usize, handle: *mut *mut c_void) -> ncclResult_t;
+        [2 . 19] fn ncclCommDeregister(comm: ncclComm_t, handle: *mut c_void) -> ncclResult_t;
+        [2 . 22] fn ncclGroupSimulateEnd(sim_info: *mut ncclSimInfo_t) -> ncclResult_t;
+        [2 . 23] fn ncclCommInitRankScalable(newcomm: *mut ncclComm_t, nranks: c_int, myrank: c_int, n_id: c_int, comm_ids: *mut ncclUniqueId, config: *mut ncclConfig_t) -> ncclResult_t;
+        [2 . 27] fn ncclCommShrink(comm: ncclComm_t, exclude_ranks_list: *mut c_int, exclude_ranks_count: c_int, newcomm: *mut ncclComm_t, config: *mut ncclConfig_t, shrink_flags: c_int) -> ncclResult_t;
+        [2 . 27] fn ncclCommWindowRegister(comm: ncclComm_t, buff: *mut c_void, size: usize, win: *mut ncclWindow_t, win_flags: c_int) -> ncclResult_t;
+        [2 . 27] fn ncclCommWindowDeregister(comm: ncclComm_t, win: ncclWindow_t) -> ncclResult_t;
+        [2 . 28] fn ncclAlltoAll(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t;
+        [2 . 28] fn ncclGather(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t;
+        [2 . 28] fn ncclScatter(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t;
+        [2 . 29] fn ncclCommRevoke(comm: ncclComm_t, revoke_flags: c_int) -> ncclResult_t;
+        [2 . 29] fn ncclCommSuspend(comm: ncclComm_t, flags: c_int) -> ncclResult_t;
+        [2 . 29] fn ncclCommResume(comm: ncclComm_t) -> ncclResult_t;
+        [2 . 29] fn ncclCommMemStats(comm: ncclComm_t, stat: ncclCommMemStat_t, value: *mut u64) -> ncclResult_t;
+        [2 . 29] fn ncclWinGetUserPtr(comm: ncclComm_t, win: ncclWindow_t, out_user_ptr: *mut *mut c_void) -> ncclResult_t;
+        [2 . 29] fn ncclCommGetUniqueId(comm: ncclComm_t, unique_id: *mut ncclUniqueId) -> ncclResult_t;
+        [2 . 29] fn ncclCommGrow(comm: ncclComm_t, n_ranks: c_int, unique_id: *const ncclUniqueId, rank: c_int, newcomm: *mut ncclComm_t, config: *mut ncclConfig_t) -> ncclResult_t;
+        [2 . 29] fn ncclPutSignal(localbuff: *const c_void, count: usize, datatype: ncclDataType_t, peer: c_int, peer_win: ncclWindow_t, peer_win_offset: usize, sig_idx: c_int, ctx: c_int, flags: u32, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t;
+        [2 . 29] fn ncclSignal(peer: c_int, sig_idx: c_int, ctx: c_int, flags: u32, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t;
+        [2 . 29] fn ncclWaitSignal(n_desc: c_int, signal_descs: *mut ncclWaitSignalDesc_t, comm: ncclComm_t, stream: cudaStream_t) -> ncclResult_t;
+        [2 . 32] fn ncclAllReduceConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) -> ncclResult_t;
+        [2 . 32] fn ncclBroadcastConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) -> ncclResult_t;
+        [2 . 32] fn ncclReduceConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, op: ncclRedOp_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) -> ncclResult_t;
+        [2 . 32] fn ncclAllGatherConfig(sendbuff: *const c_void, recvbuff: *mut c_void, sendcount: usize, datatype: ncclDataType_t, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) -> ncclResult_t;
+        [2 . 32] fn ncclReduceScatterConfig(sendbuff: *const c_void, recvbuff: *mut c_void, recvcount: usize, datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) -> ncclResult_t;
+        [2 . 32] fn ncclAlltoAllConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) -> ncclResult_t;
+        [2 . 32] fn ncclGatherConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) -> ncclResult_t;
+        [2 . 32] fn ncclScatterConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) -> ncclResult_t;
+        [2 . 32] fn ncclSetEncryption(config: *const ncclEncryptionConfig_t) -> ncclResult_t;
+    }
+}

@@ -1,0 +1,2 @@
+//! nccl-safe: a safe Rust API over NVIDIA NCCL.
+#![deny(missing_docs)]
