@@ -1,0 +1,324 @@
+//! The one error type of the crate.
+//!
+//! Errors come in two layers, as in rusqlite: [`ResultCode`] is NCCL's raw `ncclResult_t`,
+//! and [`Error`] adds what a person needs to act on it: NCCL's error string, the text of
+//! `ncclGetLastError`, which call failed, on which rank, and from which line of the caller.
+//! [`NcclError`] values are built in one `#[cold]` function ([`crate::Library::error_for`]).
+
+use std::fmt;
+use std::panic::Location;
+use std::path::PathBuf;
+
+use crate::version::Version;
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// NCCL's `ncclResult_t`, one variant per failure code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ResultCode {
+    /// `ncclUnhandledCudaError` (1): a CUDA call inside NCCL failed.
+    UnhandledCudaError,
+    /// `ncclSystemError` (2): a system call (socket, memory, ...) failed.
+    SystemError,
+    /// `ncclInternalError` (3): a bug or inconsistency inside NCCL.
+    InternalError,
+    /// `ncclInvalidArgument` (4): a bad argument reached NCCL.
+    InvalidArgument,
+    /// `ncclInvalidUsage` (5): a call made in a state that does not allow it.
+    InvalidUsage,
+    /// `ncclRemoteError` (6): a peer failed or the network broke.
+    RemoteError,
+    /// `ncclInProgress` (7): a non-blocking operation has not finished.
+    InProgress,
+    /// `ncclTimeout` (8): NCCL gave up waiting.
+    Timeout,
+    /// A code this crate does not know (a newer NCCL).
+    Unknown(u32),
+}
+
+impl ResultCode {
+    /// The code for a raw `ncclResult_t`; `None` for `ncclSuccess`.
+    pub fn from_raw(raw: nccl_sys::ncclResult_t) -> Option<ResultCode> {
+        use nccl_sys::bindings as b;
+        Some(match raw {
+            b::ncclSuccess => return None,
+            b::ncclUnhandledCudaError => ResultCode::UnhandledCudaError,
+            b::ncclSystemError => ResultCode::SystemError,
+            b::ncclInternalError => ResultCode::InternalError,
+            b::ncclInvalidArgument => ResultCode::InvalidArgument,
+            b::ncclInvalidUsage => ResultCode::InvalidUsage,
+            b::ncclRemoteError => ResultCode::RemoteError,
+            b::ncclInProgress => ResultCode::InProgress,
+            b::ncclTimeout => ResultCode::Timeout,
+            other => ResultCode::Unknown(other),
+        })
+    }
+
+    /// The raw `ncclResult_t`.
+    pub fn to_raw(self) -> nccl_sys::ncclResult_t {
+        use nccl_sys::bindings as b;
+        match self {
+            ResultCode::UnhandledCudaError => b::ncclUnhandledCudaError,
+            ResultCode::SystemError => b::ncclSystemError,
+            ResultCode::InternalError => b::ncclInternalError,
+            ResultCode::InvalidArgument => b::ncclInvalidArgument,
+            ResultCode::InvalidUsage => b::ncclInvalidUsage,
+            ResultCode::RemoteError => b::ncclRemoteError,
+            ResultCode::InProgress => b::ncclInProgress,
+            ResultCode::Timeout => b::ncclTimeout,
+            ResultCode::Unknown(raw) => raw,
+        }
+    }
+}
+
+/// A failed NCCL call: the code and everything NCCL said about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NcclError {
+    /// The NCCL function that failed, e.g. `"ncclCommInitRank"`.
+    pub call: &'static str,
+    /// NCCL's result code.
+    pub code: ResultCode,
+    /// `ncclGetErrorString(code)`.
+    pub message: String,
+    /// `ncclGetLastError(comm)`, when NCCL had something to say.
+    pub last_error: Option<String>,
+    /// The communicator's rank, when the call was made on one.
+    pub rank: Option<usize>,
+    /// The line of user code that issued the operation, when known.
+    pub caller: Option<&'static Location<'static>>,
+}
+
+impl fmt::Display for NcclError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} failed", self.call)?;
+        if let Some(rank) = self.rank {
+            write!(f, " on rank {rank}")?;
+        }
+        if let Some(caller) = self.caller {
+            write!(f, " (called at {}:{})", caller.file(), caller.line())?;
+        }
+        write!(f, ": {} [{:?}]", self.message, self.code)?;
+        if let Some(last) = &self.last_error {
+            write!(f, "; NCCL's last error: {last}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for NcclError {}
+
+/// One place the library search looked at, and what it found there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tried {
+    /// Where the candidate came from.
+    pub source: Source,
+    /// The file path, or the bare name handed to the system loader.
+    pub location: PathBuf,
+    /// Why it was not used: "no such file", or the loader's or this crate's error.
+    pub outcome: String,
+}
+
+/// The sources the library search uses, in its order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Source {
+    /// A path given in code.
+    Explicit,
+    /// `$NCCL_LIBRARY`: a file.
+    NcclLibrary,
+    /// `$NCCL_HOME/lib*`.
+    NcclHome,
+    /// `$NCCL_ROOT/lib*`.
+    NcclRoot,
+    /// `$CUDA_HOME/lib*`.
+    CudaHome,
+    /// `$VIRTUAL_ENV/lib/python3*/site-packages/nvidia/nccl/lib`.
+    VirtualEnv,
+    /// `$CONDA_PREFIX/lib` and its `site-packages/nvidia/nccl/lib`.
+    CondaPrefix,
+    /// The dynamic loader's own search (`LD_LIBRARY_PATH`, ld.so.cache, ...).
+    SystemLoader,
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Source::Explicit => "path given in code",
+            Source::NcclLibrary => "NCCL_LIBRARY",
+            Source::NcclHome => "NCCL_HOME",
+            Source::NcclRoot => "NCCL_ROOT",
+            Source::CudaHome => "CUDA_HOME",
+            Source::VirtualEnv => "VIRTUAL_ENV",
+            Source::CondaPrefix => "CONDA_PREFIX",
+            Source::SystemLoader => "system loader",
+        })
+    }
+}
+
+fn fmt_not_found(tried: &[Tried]) -> String {
+    let mut s = String::from("NCCL library (libnccl.so.2) not found. Tried:");
+    for t in tried {
+        s.push_str(&format!(
+            "\n  - [{}] {}: {}",
+            t.source,
+            t.location.display(),
+            t.outcome
+        ));
+    }
+    s.push_str(
+        "\nTo get NCCL: `pip install nvidia-nccl-cu12` in the active Python environment \
+         (VIRTUAL_ENV or CONDA_PREFIX), or set NCCL_LIBRARY=/path/to/libnccl.so.2.",
+    );
+    s
+}
+
+/// Which buffer argument of a collective a length error is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BufferRole {
+    /// The send (input) buffer.
+    Send,
+    /// The receive (output) buffer.
+    Recv,
+}
+
+impl fmt::Display for BufferRole {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BufferRole::Send => "send buffer",
+            BufferRole::Recv => "receive buffer",
+        })
+    }
+}
+
+/// Every error of nccl-safe.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No loadable NCCL was found; `tried` lists every place looked at.
+    #[error("{}", fmt_not_found(.tried))]
+    LibraryNotFound {
+        /// Every candidate, in search order, with why it was not used.
+        tried: Vec<Tried>,
+    },
+    /// The library loaded but is older than the oldest release this crate supports.
+    #[error("NCCL {found} at {path} is too old: nccl-safe needs NCCL {min} or newer (`pip install -U nvidia-nccl-cu12`)")]
+    VersionTooOld {
+        /// Where the library was loaded from.
+        path: PathBuf,
+        /// Its version.
+        found: Version,
+        /// The oldest supported version.
+        min: Version,
+    },
+    /// The library lacks entry points that every supported NCCL has.
+    #[error("{path} is not a usable NCCL: missing required symbol(s) {}", .names.join(", "))]
+    MissingSymbols {
+        /// Where the library was loaded from.
+        path: PathBuf,
+        /// The missing names.
+        names: Vec<&'static str>,
+    },
+    /// A call needs an entry point that the loaded NCCL does not have.
+    #[error("{symbol} needs NCCL {needs} or newer, but the loaded library is NCCL {found}")]
+    Unsupported {
+        /// The missing entry point (or config field).
+        symbol: &'static str,
+        /// The release that introduced it.
+        needs: Version,
+        /// The loaded release.
+        found: Version,
+    },
+    /// An NCCL call returned an error.
+    #[error(transparent)]
+    Nccl(Box<NcclError>),
+    /// A buffer's length does not fit the operation.
+    #[error("{op}: {role} holds {actual} elements but {expected} are needed ({rule})")]
+    LengthMismatch {
+        /// The operation.
+        op: &'static str,
+        /// Which buffer.
+        role: BufferRole,
+        /// What the operation needs.
+        expected: usize,
+        /// What was given.
+        actual: usize,
+        /// The rule, e.g. "recv = world_size x send".
+        rule: &'static str,
+    },
+    /// A root or peer rank outside `0..world_size`.
+    #[error("{op}: {what} {rank} is out of range for a communicator of {world_size} ranks")]
+    RankOutOfRange {
+        /// The operation.
+        op: &'static str,
+        /// "root" or "peer".
+        what: &'static str,
+        /// The rank given.
+        rank: usize,
+        /// The communicator's size.
+        world_size: usize,
+    },
+    /// Any other argument that NCCL would reject or misuse.
+    #[error("{op}: {reason}")]
+    InvalidArgument {
+        /// The operation.
+        op: &'static str,
+        /// What is wrong, in a sentence.
+        reason: String,
+    },
+    /// The communicator failed earlier; it must be dropped (which aborts it).
+    #[error("{op} on rank {rank}: the communicator already failed ({cause}); drop it (it will be aborted) and create a new one")]
+    CommunicatorFailed {
+        /// The operation attempted now.
+        op: &'static str,
+        /// The communicator's rank.
+        rank: usize,
+        /// The first error it saw.
+        cause: String,
+    },
+    /// A wait ran out of time.
+    #[error("{what} did not complete within {timeout:?}")]
+    Timeout {
+        /// What was waited for.
+        what: String,
+        /// The limit.
+        timeout: std::time::Duration,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA: {0}")]
+    Cuda(#[from] cudarc::driver::DriverError),
+    /// The library could not be opened for a reason other than absence.
+    #[error("cannot load NCCL from {path}: {reason}")]
+    LibraryLoad {
+        /// The path tried.
+        path: PathBuf,
+        /// The loader's message.
+        reason: String,
+    },
+}
+
+impl Error {
+    /// NCCL's result code, when the error came from NCCL.
+    pub fn code(&self) -> Option<ResultCode> {
+        match self {
+            Error::Nccl(e) => Some(e.code),
+            _ => None,
+        }
+    }
+
+    /// The NCCL error, when the error came from NCCL.
+    pub fn as_nccl(&self) -> Option<&NcclError> {
+        match self {
+            Error::Nccl(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<NcclError> for Error {
+    fn from(e: NcclError) -> Self {
+        Error::Nccl(Box::new(e))
+    }
+}

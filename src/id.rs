@@ -1,0 +1,152 @@
+//! [`UniqueId`]: the token every rank of a communicator must share.
+
+use std::fmt;
+use std::str::FromStr;
+
+use nccl_sys::ncclUniqueId;
+
+use crate::error::{Error, Result};
+use crate::library::{CallContext, Library};
+use crate::nccl_call;
+
+/// Number of bytes in a unique id (`NCCL_UNIQUE_ID_BYTES`).
+pub const UNIQUE_ID_BYTES: usize = nccl_sys::bindings::NCCL_UNIQUE_ID_BYTES as usize;
+
+/// An `ncclUniqueId`: created by one rank, sent to all others, used once by each in
+/// `Communicator::init_rank`.
+///
+/// Send it as bytes ([`to_bytes`](Self::to_bytes)/[`from_bytes`](Self::from_bytes)) or as
+/// text: `Display` and `FromStr` use 256 lowercase hex digits, safe for an environment
+/// variable or a command line. `Debug` shows only the first bytes.
+///
+/// ```
+/// # use nccl_safe::UniqueId;
+/// let id = UniqueId::from_bytes(&[7u8; 128])?;
+/// let text = id.to_string();
+/// assert_eq!(text.parse::<UniqueId>()?, id);
+/// assert!(UniqueId::from_bytes(&[0u8; 12]).is_err());
+/// # Ok::<(), nccl_safe::Error>(())
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct UniqueId([u8; UNIQUE_ID_BYTES]);
+
+impl UniqueId {
+    /// A fresh id from the default library (`ncclGetUniqueId`).
+    pub fn new() -> Result<UniqueId> {
+        UniqueId::new_with(&*Library::load()?)
+    }
+
+    /// A fresh id from `lib` (`ncclGetUniqueId`).
+    pub fn new_with(lib: &Library) -> Result<UniqueId> {
+        let mut raw = ncclUniqueId {
+            internal: [0; UNIQUE_ID_BYTES],
+        };
+        // SAFETY: `raw` is a valid, writable ncclUniqueId for the duration of the call.
+        unsafe { nccl_call!(lib, ncclGetUniqueId(&mut raw), CallContext::NONE) }?;
+        Ok(UniqueId::from_raw(raw))
+    }
+
+    /// The id from exactly [`UNIQUE_ID_BYTES`] bytes.
+    pub fn from_bytes(bytes: &[u8]) -> Result<UniqueId> {
+        let arr: [u8; UNIQUE_ID_BYTES] = bytes.try_into().map_err(|_| Error::InvalidArgument {
+            op: "UniqueId::from_bytes",
+            reason: format!(
+                "a unique id is {UNIQUE_ID_BYTES} bytes, got {}",
+                bytes.len()
+            ),
+        })?;
+        Ok(UniqueId(arr))
+    }
+
+    /// The id's bytes.
+    pub fn to_bytes(&self) -> [u8; UNIQUE_ID_BYTES] {
+        self.0
+    }
+
+    /// The id's bytes, borrowed.
+    pub fn as_bytes(&self) -> &[u8; UNIQUE_ID_BYTES] {
+        &self.0
+    }
+
+    /// From NCCL's struct.
+    pub fn from_raw(raw: ncclUniqueId) -> UniqueId {
+        UniqueId(raw.internal.map(|c| c as u8))
+    }
+
+    /// As NCCL's struct.
+    pub fn to_raw(&self) -> ncclUniqueId {
+        ncclUniqueId {
+            internal: self.0.map(|b| b as std::ffi::c_char),
+        }
+    }
+}
+
+impl fmt::Debug for UniqueId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "UniqueId(")?;
+        for b in &self.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        write!(f, "…, {UNIQUE_ID_BYTES} bytes)")
+    }
+}
+
+impl fmt::Display for UniqueId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in &self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for UniqueId {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<UniqueId> {
+        let bad = |reason: String| Error::InvalidArgument {
+            op: "UniqueId::from_str",
+            reason,
+        };
+        let s = s.trim();
+        if s.len() != 2 * UNIQUE_ID_BYTES {
+            return Err(bad(format!(
+                "expected {} hex digits, got {}",
+                2 * UNIQUE_ID_BYTES,
+                s.len()
+            )));
+        }
+        let mut out = [0u8; UNIQUE_ID_BYTES];
+        for (i, pair) in s.as_bytes().chunks(2).enumerate() {
+            let text = std::str::from_utf8(pair).map_err(|_| bad("not ASCII hex".into()))?;
+            out[i] = u8::from_str_radix(text, 16)
+                .map_err(|_| bad(format!("{text:?} at byte {i} is not hex")))?;
+        }
+        Ok(UniqueId(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_round_trips_and_debug_is_short() {
+        let mut b = [0u8; 128];
+        for (i, x) in b.iter_mut().enumerate() {
+            *x = (i * 37 % 256) as u8;
+        }
+        let id = UniqueId::from_bytes(&b).unwrap();
+        assert_eq!(id.to_string().len(), 256);
+        assert_eq!(id.to_string().parse::<UniqueId>().unwrap(), id);
+        assert_eq!(UniqueId::from_raw(id.to_raw()), id);
+        let dbg = format!("{id:?}");
+        assert!(dbg.len() < 40, "{dbg}");
+        assert!("zz".repeat(128).parse::<UniqueId>().is_err());
+        assert!("ab".parse::<UniqueId>().is_err());
+        assert!(matches!(
+            UniqueId::from_bytes(&b[..127]),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
+}

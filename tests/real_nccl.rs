@@ -1,0 +1,197 @@
+//! NVIDIA's real libnccl.so.2 (2.32.3, from the nvidia-nccl-cu12 wheel), without a GPU:
+//! loading from every discovery source, version, symbols, error strings, unique ids, and
+//! the error a communicator init gives on a machine with no GPU.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::ffi::OsString;
+use std::os::unix::fs::symlink;
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use nccl_safe::error::Source;
+use nccl_safe::{nccl_call, CallContext, Discovery, Error, Library, Provider, ResultCode, Version};
+
+const WHEEL: &str = "2.32.3";
+
+fn env_of(
+    pairs: Vec<(&'static str, PathBuf)>,
+) -> impl Fn(&str) -> Option<OsString> + Send + Sync + 'static {
+    let map: HashMap<&str, OsString> = pairs
+        .into_iter()
+        .map(|(k, v)| (k, v.into_os_string()))
+        .collect();
+    move |k| map.get(k).cloned()
+}
+
+fn expected_version() -> Version {
+    Version::new(2, 32, 3)
+}
+
+#[test]
+fn loads_from_nccl_library_and_reads_the_wheels_version() {
+    let lib_path = common::real_nccl(WHEEL);
+    let lib = Discovery::new()
+        .env(env_of(vec![("NCCL_LIBRARY", lib_path.clone())]))
+        .system_search(false)
+        .load()
+        .expect("load from NCCL_LIBRARY");
+    assert_eq!(lib.version(), expected_version());
+    assert_eq!(lib.provider(), Provider::Nccl);
+    assert_eq!(lib.path(), Some(lib_path.as_path()));
+}
+
+#[test]
+fn loads_from_an_activated_virtualenv_layout() {
+    let real = common::real_nccl(WHEEL);
+    let venv = common::temp_dir("venv");
+    let libdir = venv.join("lib/python3.11/site-packages/nvidia/nccl/lib");
+    std::fs::create_dir_all(&libdir).unwrap();
+    symlink(&real, libdir.join("libnccl.so.2")).unwrap();
+    let d = Discovery::new()
+        .env(env_of(vec![("VIRTUAL_ENV", venv.clone())]))
+        .system_search(false);
+    let c = d.candidates();
+    assert_eq!(c.len(), 1);
+    assert_eq!(c[0].source, Source::VirtualEnv);
+    let lib = d.load().expect("load from VIRTUAL_ENV");
+    assert_eq!(lib.path(), Some(libdir.join("libnccl.so.2").as_path()));
+    assert_eq!(lib.version(), expected_version());
+    std::fs::remove_dir_all(&venv).ok();
+}
+
+#[test]
+fn loads_from_nccl_home_lib() {
+    let real = common::real_nccl(WHEEL);
+    let home = common::temp_dir("ncclhome");
+    std::fs::create_dir_all(home.join("lib")).unwrap();
+    symlink(&real, home.join("lib/libnccl.so.2")).unwrap();
+    let lib = Discovery::new()
+        .env(env_of(vec![("NCCL_HOME", home.clone())]))
+        .system_search(false)
+        .load()
+        .expect("load from NCCL_HOME");
+    assert_eq!(lib.path(), Some(home.join("lib/libnccl.so.2").as_path()));
+    assert_eq!(lib.version(), expected_version());
+    std::fs::remove_dir_all(&home).ok();
+}
+
+#[test]
+fn a_wrong_nccl_library_pin_is_an_error_listing_it() {
+    let err = Discovery::new()
+        .env(env_of(vec![(
+            "NCCL_LIBRARY",
+            PathBuf::from("/nonexistent/libnccl.so.2"),
+        )]))
+        .load()
+        .unwrap_err();
+    assert!(matches!(err, Error::LibraryNotFound { ref tried } if tried.len() == 1));
+    assert!(err
+        .to_string()
+        .contains("[NCCL_LIBRARY] /nonexistent/libnccl.so.2: no such file"));
+}
+
+#[test]
+fn every_optional_symbol_of_2_31_and_older_resolves() {
+    let lib = Library::load_from(common::real_nccl(WHEEL)).unwrap();
+    let features = lib.optional_features();
+    for s in nccl_sys::OPTIONAL_SYMBOLS {
+        let present = features.iter().any(|(n, p)| *n == s.name && *p);
+        if s.since <= (2, 31) {
+            assert!(
+                present,
+                "{} (since {:?}) should resolve in NCCL 2.32.3",
+                s.name, s.since
+            );
+        }
+    }
+    assert!(lib.has("ncclAlltoAll") && lib.has("ncclCommShrink") && lib.has("ncclAllReduce"));
+    assert!(lib
+        .optional(lib.table().ncclAlltoAll, "ncclAlltoAll")
+        .is_ok());
+}
+
+#[test]
+fn error_strings_for_every_result_code() {
+    let lib = Library::load_from(common::real_nccl(WHEEL)).unwrap();
+    let codes = [
+        ResultCode::UnhandledCudaError,
+        ResultCode::SystemError,
+        ResultCode::InternalError,
+        ResultCode::InvalidArgument,
+        ResultCode::InvalidUsage,
+        ResultCode::RemoteError,
+        ResultCode::InProgress,
+        ResultCode::Timeout,
+    ];
+    let mut seen = HashSet::new();
+    for code in codes {
+        let s = lib.error_string(code);
+        assert!(!s.is_empty(), "{code:?}");
+        assert!(seen.insert(s.clone()), "{code:?} repeats {s:?}");
+        let err = lib.error_for("ncclTest", code.to_raw(), CallContext::NONE);
+        assert_eq!(err.code, code);
+        assert!(Error::from(err).to_string().contains(&s));
+    }
+    assert!(lib
+        .error_string(ResultCode::UnhandledCudaError)
+        .to_lowercase()
+        .contains("cuda"));
+    assert!(lib
+        .error_string(ResultCode::InvalidArgument)
+        .to_lowercase()
+        .contains("invalid argument"));
+    assert!(lib.check("ncclTest", 0, CallContext::NONE).is_ok());
+}
+
+fn unique_id(lib: &Library) -> [u8; 128] {
+    let mut id = nccl_sys::ncclUniqueId { internal: [0; 128] };
+    // SAFETY: `id` is a valid, writable ncclUniqueId.
+    unsafe { nccl_call!(lib, ncclGetUniqueId(&mut id), CallContext::NONE) }
+        .expect("ncclGetUniqueId");
+    id.internal.map(|c| c as u8)
+}
+
+#[test]
+fn unique_ids_are_128_bytes_and_differ() {
+    let lib = Library::load_from(common::real_nccl(WHEEL)).unwrap();
+    let a = unique_id(&lib);
+    let b = unique_id(&lib);
+    assert_eq!(a.len(), 128);
+    assert_ne!(a, b);
+    assert!(a.iter().any(|&x| x != 0));
+}
+
+#[test]
+fn comm_init_without_a_gpu_is_an_error_with_nccls_last_error() {
+    let lib = Library::load_from(common::real_nccl(WHEEL)).unwrap();
+    let id = unique_id(&lib);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut comm: nccl_sys::ncclComm_t = std::ptr::null_mut();
+        let raw_id = nccl_sys::ncclUniqueId {
+            internal: id.map(|b| b as std::ffi::c_char),
+        };
+        // SAFETY: `comm` is writable; the id came from ncclGetUniqueId; 1 rank, rank 0.
+        let r = unsafe {
+            nccl_call!(
+                &lib,
+                ncclCommInitRank(&mut comm, 1, raw_id, 0),
+                CallContext::NONE
+            )
+        };
+        let _ = tx.send(r);
+    });
+    let result = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("ncclCommInitRank hung for 120 s on a GPU-less machine");
+    let err = result.expect_err("ncclCommInitRank cannot succeed without a GPU");
+    let nccl = err.as_nccl().expect("an NCCL error");
+    assert_eq!(nccl.call, "ncclCommInitRank");
+    assert_eq!(nccl.code, ResultCode::UnhandledCudaError, "{err}");
+    let last = nccl.last_error.as_deref().expect("NCCL's last error text");
+    assert!(err.to_string().contains(last), "{err}");
+    eprintln!("init error as users see it: {err}");
+}
