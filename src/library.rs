@@ -6,8 +6,8 @@
 //! provider it is the provider's own symbol lookup. Everything above this module sees only
 //! the table and the [`Provider`] kind.
 //!
-//! Every NCCL call in the crate goes through [`nccl_call!`] (required entry points) or
-//! [`Library::optional`] + [`nccl_call!`] (newer ones), and its result through
+//! Every NCCL call in the crate goes through `nccl_call!` (required entry points) or
+//! [`Library::optional`] + `nccl_call!` (newer ones), and its result through
 //! [`Library::check`], which turns a failure into an [`Error`] carrying NCCL's error string,
 //! its last-error text, the call, the rank and the caller.
 
@@ -27,7 +27,7 @@ use crate::version::Version;
 pub enum Provider {
     /// NVIDIA's NCCL, loaded from a shared library; buffers live in GPU memory.
     Nccl,
-    /// The in-process host provider (CPU memory, ranks as threads); see [`crate::host`].
+    /// The in-process host provider (CPU memory, ranks as threads); see the `host` module.
     Host,
 }
 
