@@ -7,6 +7,7 @@
 
 pub mod error;
 mod id;
+pub mod launch;
 pub mod library;
 pub mod version;
 

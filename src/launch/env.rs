@@ -1,0 +1,403 @@
+//! Reading which rank this process is from the variables a launcher sets.
+//!
+//! Three launchers are understood, checked in this order of precedence (the first one
+//! whose marker variable is present wins, so `srun torchrun ...` is read as torchrun and
+//! `mpirun` inside a Slurm allocation as Open MPI):
+//!
+//! | launcher | marker | rank, world size, local rank | address | port |
+//! |---|---|---|---|---|
+//! | torchrun | `RANK` or `WORLD_SIZE` | `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (`LOCAL_WORLD_SIZE` optional) | `MASTER_ADDR` | `MASTER_PORT` |
+//! | Open MPI | `OMPI_COMM_WORLD_RANK` | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK` (`OMPI_COMM_WORLD_LOCAL_SIZE` optional) | `MASTER_ADDR` | `MASTER_PORT`, else [`DEFAULT_PORT`] |
+//! | Slurm | `SLURM_PROCID` | `SLURM_PROCID`, `SLURM_NTASKS` (or `SLURM_NPROCS`), `SLURM_LOCALID` (`SLURM_NTASKS_PER_NODE` optional) | `MASTER_ADDR`, else the first host of `SLURM_JOB_NODELIST` (or `SLURM_NODELIST`) | `MASTER_PORT`, else [`slurm_default_port`] of `SLURM_JOB_ID`, else [`DEFAULT_PORT`] |
+//!
+//! Detection takes the environment as a closure so it can be tested without touching the
+//! process environment; [`ProcessEnv::from_process_env`] reads the real one.
+
+use std::fmt;
+
+/// Port used when the launcher gives none and none can be derived (torchrun's default).
+pub const DEFAULT_PORT: u16 = 29500;
+
+/// Which launcher started this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum EnvSource {
+    /// PyTorch's `torchrun` (or anything setting `RANK`/`WORLD_SIZE`/`MASTER_ADDR`).
+    Torchrun,
+    /// Slurm's `srun`.
+    Slurm,
+    /// Open MPI's `mpirun`/`mpiexec`.
+    OpenMpi,
+}
+
+impl fmt::Display for EnvSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            EnvSource::Torchrun => "torchrun",
+            EnvSource::Slurm => "Slurm",
+            EnvSource::OpenMpi => "Open MPI",
+        })
+    }
+}
+
+/// Where this process sits in a multi-process job, as told by its launcher.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessEnv {
+    /// The launcher the values were read from.
+    pub source: EnvSource,
+    /// This process's rank in `0..world_size`.
+    pub rank: usize,
+    /// Number of processes (ranks) in the job.
+    pub world_size: usize,
+    /// This process's index among the processes on its node.
+    pub local_rank: usize,
+    /// Number of processes on this node, when the launcher says.
+    pub local_world_size: Option<usize>,
+    /// Host name or address of rank 0, where the rendezvous is served.
+    pub master_addr: String,
+    /// TCP port of the rendezvous on `master_addr` (never 0).
+    pub master_port: u16,
+}
+
+/// Why the launcher's environment could not be read. Every variant names the variable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EnvError {
+    /// None of the launchers' marker variables is set.
+    #[error(
+        "no launcher environment found (none of RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK, SLURM_PROCID is set): \
+         start the processes with torchrun, srun or mpirun, or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
+    )]
+    NotLaunched,
+    /// A variable the launcher should have set is absent.
+    #[error("{launcher} launch detected but the environment variable {var} is not set: {hint}")]
+    Missing {
+        /// The launcher that was detected.
+        launcher: EnvSource,
+        /// The missing variable.
+        var: &'static str,
+        /// What to do about it.
+        hint: &'static str,
+    },
+    /// A variable is set to a value that cannot be used.
+    #[error("environment variable {var}={value:?} is invalid: {reason}")]
+    Invalid {
+        /// The variable.
+        var: &'static str,
+        /// Its value, as read.
+        value: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// The port used under Slurm when `MASTER_PORT` is unset: `10000 + SLURM_JOB_ID % 10000`,
+/// so that jobs sharing a node use different ports (the convention PyTorch Lightning uses).
+pub fn slurm_default_port(job_id: u64) -> u16 {
+    // job_id % 10000 < 10000, so the sum is at most 19999 and fits in u16.
+    10000 + (job_id % 10000) as u16
+}
+
+/// The first host of a Slurm compressed host list, e.g. `node[01-04,07],gpu5` -> `node01`,
+/// `rack[1-2]-n[3-4]` -> `rack1-n3`. Returns `None` for an empty or malformed list.
+pub fn first_slurm_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    let mut host = String::new();
+    let mut chars = list.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            ',' => break,
+            '[' => {
+                // Inside a bracket: take the first entry of the first range, skip the rest.
+                let mut first = String::new();
+                let mut taking = true;
+                let mut closed = false;
+                for c in chars.by_ref() {
+                    match c {
+                        ']' => {
+                            closed = true;
+                            break;
+                        }
+                        ',' | '-' => taking = false,
+                        c if taking => first.push(c),
+                        _ => {}
+                    }
+                }
+                if !closed || first.is_empty() {
+                    return None;
+                }
+                host.push_str(&first);
+            }
+            ']' => return None,
+            c if c.is_whitespace() => return None,
+            c => host.push(c),
+        }
+    }
+    if host.is_empty() {
+        None
+    } else {
+        Some(host)
+    }
+}
+
+impl ProcessEnv {
+    /// Reads the process environment (see the [module docs](self) for the variables).
+    pub fn from_process_env() -> Result<Self, EnvError> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Reads the launcher variables through `lookup` (a variable's value, or `None` when
+    /// unset), so that tests and embedders need not touch the process environment.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
+        let env = Lookup(&lookup);
+        if env.get("RANK").is_some() || env.get("WORLD_SIZE").is_some() {
+            Self::torchrun(&env)
+        } else if env.get("OMPI_COMM_WORLD_RANK").is_some() {
+            Self::open_mpi(&env)
+        } else if env.get("SLURM_PROCID").is_some() {
+            Self::slurm(&env)
+        } else {
+            Err(EnvError::NotLaunched)
+        }
+    }
+
+    /// The CUDA device this rank should use: its local rank.
+    pub fn device(&self) -> usize {
+        self.local_rank
+    }
+
+    fn torchrun(env: &Lookup<'_>) -> Result<Self, EnvError> {
+        let s = EnvSource::Torchrun;
+        const HINT: &str = "torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; set them all when launching by hand";
+        let world_size = env.size(s, "WORLD_SIZE", HINT)?;
+        let rank = env.rank(s, "RANK", HINT, "WORLD_SIZE", world_size)?;
+        let (local_rank, local_world_size) =
+            env.local(s, "LOCAL_RANK", HINT, "LOCAL_WORLD_SIZE")?;
+        let master_addr = env.addr(s, "MASTER_ADDR", HINT)?;
+        let master_port = env.port(s, "MASTER_PORT", HINT)?;
+        Ok(Self {
+            source: s,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+        })
+    }
+
+    fn open_mpi(env: &Lookup<'_>) -> Result<Self, EnvError> {
+        let s = EnvSource::OpenMpi;
+        const HINT: &str = "mpirun sets OMPI_COMM_WORLD_*; pass the address of rank 0's host with `mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port>`";
+        let world_size = env.size(s, "OMPI_COMM_WORLD_SIZE", HINT)?;
+        let rank = env.rank(
+            s,
+            "OMPI_COMM_WORLD_RANK",
+            HINT,
+            "OMPI_COMM_WORLD_SIZE",
+            world_size,
+        )?;
+        let (local_rank, local_world_size) = env.local(
+            s,
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            HINT,
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        )?;
+        let master_addr = env.addr(s, "MASTER_ADDR", HINT)?;
+        let master_port = match env.get("MASTER_PORT") {
+            Some(_) => env.port(s, "MASTER_PORT", HINT)?,
+            None => DEFAULT_PORT,
+        };
+        Ok(Self {
+            source: s,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+        })
+    }
+
+    fn slurm(env: &Lookup<'_>) -> Result<Self, EnvError> {
+        let s = EnvSource::Slurm;
+        const HINT: &str = "srun sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_JOB_NODELIST; run the program with srun inside an allocation";
+        let world_size = match env.get("SLURM_NTASKS") {
+            Some(_) => env.size(s, "SLURM_NTASKS", HINT)?,
+            None => env.size(s, "SLURM_NPROCS", HINT).map_err(|e| match e {
+                EnvError::Missing { .. } => EnvError::Missing {
+                    launcher: s,
+                    var: "SLURM_NTASKS",
+                    hint: HINT,
+                },
+                e => e,
+            })?,
+        };
+        let rank = env.rank(s, "SLURM_PROCID", HINT, "SLURM_NTASKS", world_size)?;
+        let (local_rank, local_world_size) =
+            env.local(s, "SLURM_LOCALID", HINT, "SLURM_NTASKS_PER_NODE")?;
+        let master_addr = if env.get("MASTER_ADDR").is_some() {
+            env.addr(s, "MASTER_ADDR", HINT)?
+        } else {
+            let var = if env.get("SLURM_JOB_NODELIST").is_some() {
+                "SLURM_JOB_NODELIST"
+            } else {
+                "SLURM_NODELIST"
+            };
+            let value = env.get(var).ok_or(EnvError::Missing {
+                launcher: s,
+                var: "SLURM_JOB_NODELIST",
+                hint: HINT,
+            })?;
+            first_slurm_host(&value).ok_or_else(|| EnvError::Invalid {
+                var,
+                value,
+                reason: "not a Slurm host list such as `node[01-04,07],gpu5`".into(),
+            })?
+        };
+        let master_port = if env.get("MASTER_PORT").is_some() {
+            env.port(s, "MASTER_PORT", HINT)?
+        } else if let Some(job) = env.get("SLURM_JOB_ID") {
+            let id = job.trim().parse::<u64>().map_err(|_| EnvError::Invalid {
+                var: "SLURM_JOB_ID",
+                value: job.clone(),
+                reason: "not a non-negative integer (it picks the default port; set MASTER_PORT to override)".into(),
+            })?;
+            slurm_default_port(id)
+        } else {
+            DEFAULT_PORT
+        };
+        Ok(Self {
+            source: s,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+        })
+    }
+}
+
+struct Lookup<'a>(&'a dyn Fn(&str) -> Option<String>);
+
+impl Lookup<'_> {
+    fn get(&self, var: &str) -> Option<String> {
+        (self.0)(var)
+    }
+
+    fn required(
+        &self,
+        s: EnvSource,
+        var: &'static str,
+        hint: &'static str,
+    ) -> Result<String, EnvError> {
+        self.get(var).ok_or(EnvError::Missing {
+            launcher: s,
+            var,
+            hint,
+        })
+    }
+
+    fn number(
+        &self,
+        s: EnvSource,
+        var: &'static str,
+        hint: &'static str,
+    ) -> Result<usize, EnvError> {
+        let value = self.required(s, var, hint)?;
+        value
+            .trim()
+            .parse::<usize>()
+            .map_err(|_| EnvError::Invalid {
+                var,
+                value: value.clone(),
+                reason: "not a non-negative integer".into(),
+            })
+    }
+
+    fn size(&self, s: EnvSource, var: &'static str, hint: &'static str) -> Result<usize, EnvError> {
+        let n = self.number(s, var, hint)?;
+        if n == 0 {
+            return Err(EnvError::Invalid {
+                var,
+                value: n.to_string(),
+                reason: "a job has at least one rank".into(),
+            });
+        }
+        Ok(n)
+    }
+
+    fn rank(
+        &self,
+        s: EnvSource,
+        var: &'static str,
+        hint: &'static str,
+        size_var: &'static str,
+        size: usize,
+    ) -> Result<usize, EnvError> {
+        let r = self.number(s, var, hint)?;
+        if r >= size {
+            return Err(EnvError::Invalid {
+                var,
+                value: r.to_string(),
+                reason: format!("rank must be less than {size_var}={size}"),
+            });
+        }
+        Ok(r)
+    }
+
+    fn local(
+        &self,
+        s: EnvSource,
+        var: &'static str,
+        hint: &'static str,
+        size_var: &'static str,
+    ) -> Result<(usize, Option<usize>), EnvError> {
+        let local = self.number(s, var, hint)?;
+        let size = match self.get(size_var) {
+            None => None,
+            Some(_) => Some(self.size(s, size_var, hint)?),
+        };
+        if let Some(size) = size {
+            if local >= size {
+                return Err(EnvError::Invalid {
+                    var,
+                    value: local.to_string(),
+                    reason: format!("local rank must be less than {size_var}={size}"),
+                });
+            }
+        }
+        Ok((local, size))
+    }
+
+    fn addr(
+        &self,
+        s: EnvSource,
+        var: &'static str,
+        hint: &'static str,
+    ) -> Result<String, EnvError> {
+        let value = self.required(s, var, hint)?;
+        let trimmed = value.trim();
+        if trimmed.is_empty() || trimmed.chars().any(char::is_whitespace) {
+            return Err(EnvError::Invalid {
+                var,
+                value,
+                reason: "expected a host name or IP address of rank 0".into(),
+            });
+        }
+        Ok(trimmed.to_string())
+    }
+
+    fn port(&self, s: EnvSource, var: &'static str, hint: &'static str) -> Result<u16, EnvError> {
+        let value = self.required(s, var, hint)?;
+        match value.trim().parse::<u16>() {
+            Ok(0) | Err(_) => Err(EnvError::Invalid {
+                var,
+                value,
+                reason: "expected a TCP port in 1..=65535".into(),
+            }),
+            Ok(p) => Ok(p),
+        }
+    }
+}

@@ -1,0 +1,945 @@
+//! Getting rank 0's unique id to every other rank of a multi-process job.
+//!
+//! [`Rendezvous`] is one entry point over three transports:
+//! - [`TcpRendezvous`]: rank 0 serves the id on `MASTER_ADDR:MASTER_PORT` from a background
+//!   thread; the other ranks fetch it. Peers prove they hold a job token (HMAC-SHA-256
+//!   challenge/response over fresh nonces; the token never crosses the network and the id
+//!   travels masked), every frame is at most 4 KiB, every wait is bounded.
+//! - [`FileRendezvous`]: rank 0 writes the id to a shared file atomically, the others poll.
+//! - [`Rendezvous::custom`]: a closure of yours (an `MPI_Bcast`, a key-value store, ...).
+//!
+//! The TCP protocol (each message is a big-endian `u32` length and a body of at most 4 KiB):
+//! 1. server -> client `HELLO`: magic `nccl-safe-rdzv/1` and a 32-byte server nonce `sn`.
+//! 2. client -> server `AUTH`: rank, world size, client nonce `cn`,
+//!    `HMAC(token, "client" | sn | cn | rank | world)`.
+//! 3. server -> client `REFUSE` (bad token, world-size mismatch, rank out of range, duplicate
+//!    rank, busy) or `ID`: the id XORed with `HMAC(token, "stream" | sn | cn | i)` blocks and
+//!    `HMAC(token, "server" | sn | cn | rank | world | masked id)`.
+//! 4. client -> server `ACK`; the rank counts as served. Once all ranks are, the server
+//!    closes its listener and its thread ends.
+
+use super::env::{EnvError, ProcessEnv};
+use super::wire::{self, N};
+use std::fmt;
+use std::fs;
+use std::io::{self, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+/// Length of an NCCL unique id (`ncclUniqueId`) in bytes.
+pub const ID_LEN: usize = 128;
+/// Default name of the environment variable holding the job token.
+pub const TOKEN_VAR: &str = "NCCL_SAFE_RENDEZVOUS_TOKEN";
+/// Default overall deadline of a rendezvous.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default bound on a single connect, read or write.
+pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most connections rank 0 handles at once; more are closed at once (the peer retries).
+const MAX_CONNECTIONS: usize = 256;
+
+/// Why rank 0 refused a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// The peer did not prove it holds the job token.
+    BadToken,
+    /// The peer believes the job has a different number of ranks.
+    WorldSizeMismatch {
+        /// World size rank 0 serves.
+        server: usize,
+        /// World size the peer sent.
+        client: usize,
+    },
+    /// The peer claimed rank 0 or a rank outside the job.
+    RankOutOfRange {
+        /// World size rank 0 serves.
+        world_size: usize,
+    },
+    /// Another peer already fetched (or is fetching) the id for this rank.
+    DuplicateRank,
+    /// Rank 0 had too many connections open; retried until the deadline.
+    Busy,
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refusal::BadToken => write!(
+                f,
+                "wrong job token: give every process the same {TOKEN_VAR} (or the same configured token)"
+            ),
+            Refusal::WorldSizeMismatch { server, client } => write!(
+                f,
+                "world size disagreement: rank 0 serves {server} ranks but this peer says {client}; start every process with the same WORLD_SIZE"
+            ),
+            Refusal::RankOutOfRange { world_size } => write!(
+                f,
+                "the rank is not in 1..{world_size} (rank 0 serves the id and does not fetch it); check RANK"
+            ),
+            Refusal::DuplicateRank => write!(
+                f,
+                "another process already claimed this rank; check that every process has a distinct RANK"
+            ),
+            Refusal::Busy => write!(f, "rank 0 has too many connections open"),
+        }
+    }
+}
+
+/// Why a rendezvous failed. The message says where, which rank(s), and what to do.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RendezvousError {
+    /// `rank` is not in `0..world_size` (or `world_size` is 0).
+    #[error(
+        "rank {rank} is not a rank of a job of {world_size} ranks: pass a rank in 0..{world_size}"
+    )]
+    InvalidRank {
+        /// The rank given.
+        rank: usize,
+        /// The world size given.
+        world_size: usize,
+    },
+    /// The job token variable is unset or empty.
+    #[error(
+        "the rendezvous token variable {var} is not set or is empty: set it to the same secret in every process \
+         of the job (e.g. `export {var}=$(openssl rand -hex 16)` before launching)"
+    )]
+    MissingToken {
+        /// The variable that was read.
+        var: String,
+    },
+    /// The launcher's environment could not be read.
+    #[error(transparent)]
+    Env(#[from] EnvError),
+    /// The rendezvous host name did not resolve.
+    #[error("could not resolve the rendezvous address {addr}: {source}; check MASTER_ADDR")]
+    Resolve {
+        /// `host:port` that was looked up.
+        addr: String,
+        /// The resolver's error.
+        source: io::Error,
+    },
+    /// Rank 0 could not listen on the address it was given.
+    #[error(
+        "rank 0 could not listen on {addr}: {source}; check that MASTER_ADDR names an address of this host and that MASTER_PORT is free"
+    )]
+    Bind {
+        /// `host:port` rank 0 tried to bind.
+        addr: String,
+        /// The operating system's error.
+        source: io::Error,
+    },
+    /// Rank 0's deadline passed before every rank fetched the id.
+    #[error(
+        "rank 0 served the unique id at {addr} for {timeout:?} but ranks {missing:?} of {world_size} never fetched it: \
+         check that those processes started, reach {addr} and use the same token"
+    )]
+    ServerTimeout {
+        /// Address rank 0 listened on.
+        addr: String,
+        /// Ranks that never fetched the id.
+        missing: Vec<usize>,
+        /// World size served.
+        world_size: usize,
+        /// The deadline that passed.
+        timeout: Duration,
+    },
+    /// A rank could not fetch the id from rank 0 before its deadline.
+    #[error(
+        "rank {rank} could not reach rank 0 at {addr} within {timeout:?} (last error: {last_error}): \
+         check that rank 0 is running and that MASTER_ADDR/MASTER_PORT point at it"
+    )]
+    ClientTimeout {
+        /// `host:port` of rank 0.
+        addr: String,
+        /// The rank that gave up.
+        rank: usize,
+        /// The deadline that passed.
+        timeout: Duration,
+        /// The last connection error seen.
+        last_error: String,
+    },
+    /// Rank 0 refused this peer.
+    #[error("rank 0 at {addr} refused rank {rank}: {reason}")]
+    Refused {
+        /// `host:port` of rank 0.
+        addr: String,
+        /// The rank this peer claimed.
+        rank: usize,
+        /// Why.
+        reason: Refusal,
+    },
+    /// The server at the address does not hold the job token.
+    #[error(
+        "the server at {addr} did not prove it holds the job token: another job or program may be listening there; check MASTER_PORT and the token"
+    )]
+    ServerAuthentication {
+        /// `host:port` of the server.
+        addr: String,
+    },
+    /// The server at the address does not speak this protocol.
+    #[error("the server at {addr} does not speak the nccl-safe rendezvous protocol ({detail}): check MASTER_PORT")]
+    Protocol {
+        /// `host:port` of the server.
+        addr: String,
+        /// What was wrong.
+        detail: String,
+    },
+    /// An operating system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The operating system's error.
+        source: io::Error,
+    },
+    /// The id file did not appear before the deadline.
+    #[error(
+        "the unique id file {path} did not appear within {timeout:?}: check that rank 0 runs and that every process sees the same shared directory"
+    )]
+    FileTimeout {
+        /// The file waited for.
+        path: PathBuf,
+        /// The deadline that passed.
+        timeout: Duration,
+    },
+    /// Reading or writing the id file failed.
+    #[error("unique id file {path}: {source}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// The operating system's error.
+        source: io::Error,
+    },
+    /// The id file holds something else.
+    #[error("unique id file {path} is not usable: {detail}; use a fresh path per job")]
+    FileContents {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+    /// The user-supplied exchange failed.
+    #[error("the user-supplied rendezvous failed on rank {rank}: {source}")]
+    Custom {
+        /// The rank it failed on.
+        rank: usize,
+        /// The closure's error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The user-supplied exchange returned, on rank 0, an id other than the one it was given.
+    #[error("the user-supplied rendezvous returned a different id on rank 0 than the one it was given to send")]
+    CustomMismatch,
+    /// Rank 0's server thread panicked.
+    #[error("rank 0's rendezvous server thread panicked")]
+    ServerPanicked,
+}
+
+fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> RendezvousError {
+    let context = context.into();
+    move |source| RendezvousError::Io { context, source }
+}
+
+/// TCP rendezvous: rank 0 serves the id, the others fetch it (see the [module docs](self)).
+#[derive(Clone)]
+pub struct TcpRendezvous {
+    host: String,
+    port: u16,
+    token: Vec<u8>,
+    timeout: Duration,
+    io_timeout: Duration,
+}
+
+impl fmt::Debug for TcpRendezvous {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TcpRendezvous")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("token", &"<redacted>")
+            .field("timeout", &self.timeout)
+            .field("io_timeout", &self.io_timeout)
+            .finish()
+    }
+}
+
+impl TcpRendezvous {
+    /// A rendezvous at `host:port` authenticated by `token`, with the default timeouts.
+    /// Rank 0 binds exactly `host` (give `0.0.0.0` to listen on every interface).
+    pub fn new(host: impl Into<String>, port: u16, token: impl Into<Vec<u8>>) -> Self {
+        Self {
+            host: host.into(),
+            port,
+            token: token.into(),
+            timeout: DEFAULT_TIMEOUT,
+            io_timeout: DEFAULT_IO_TIMEOUT,
+        }
+    }
+
+    /// The rendezvous of a launched job: `MASTER_ADDR:MASTER_PORT` of `env`, the token from
+    /// the process environment variable [`TOKEN_VAR`].
+    pub fn from_env(env: &ProcessEnv) -> Result<Self, RendezvousError> {
+        Self::from_lookup(env, TOKEN_VAR, |v| std::env::var(v).ok())
+    }
+
+    /// As [`from_env`](Self::from_env), with the token read from `token_var` through `lookup`.
+    pub fn from_lookup(
+        env: &ProcessEnv,
+        token_var: &str,
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, RendezvousError> {
+        match lookup(token_var) {
+            Some(t) if !t.is_empty() => Ok(Self::new(
+                env.master_addr.clone(),
+                env.master_port,
+                t.into_bytes(),
+            )),
+            _ => Err(RendezvousError::MissingToken {
+                var: token_var.to_string(),
+            }),
+        }
+    }
+
+    /// Sets the overall deadline (default [`DEFAULT_TIMEOUT`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets the bound on each connect, read and write (default [`DEFAULT_IO_TIMEOUT`]).
+    pub fn with_io_timeout(mut self, io_timeout: Duration) -> Self {
+        self.io_timeout = io_timeout;
+        self
+    }
+
+    /// `host:port` of the rendezvous.
+    pub fn addr(&self) -> String {
+        if self.host.contains(':') && !self.host.starts_with('[') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+
+    fn resolve(&self) -> Result<Vec<SocketAddr>, RendezvousError> {
+        let addr = self.addr();
+        let host = self.host.trim_start_matches('[').trim_end_matches(']');
+        (host, self.port)
+            .to_socket_addrs()
+            .map(Iterator::collect)
+            .map_err(|source| RendezvousError::Resolve { addr, source })
+    }
+
+    /// Rank 0: listens on the address and serves `id` to ranks `1..world_size` from a
+    /// background thread, until each has it (then closes the listener) or the deadline passes.
+    pub fn serve(
+        &self,
+        world_size: usize,
+        id: [u8; ID_LEN],
+    ) -> Result<ServerHandle, RendezvousError> {
+        if world_size == 0 {
+            return Err(RendezvousError::InvalidRank {
+                rank: 0,
+                world_size,
+            });
+        }
+        let addr = self.addr();
+        let mut last = io::Error::new(
+            io::ErrorKind::AddrNotAvailable,
+            "the name resolved to no address",
+        );
+        let mut bound = None;
+        for a in self.resolve()? {
+            match TcpListener::bind(a) {
+                Ok(l) => {
+                    bound = Some(l);
+                    break;
+                }
+                Err(e) => last = e,
+            }
+        }
+        let listener = bound.ok_or(RendezvousError::Bind {
+            addr: addr.clone(),
+            source: last,
+        })?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(io_err("rendezvous listener address"))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(io_err("rendezvous listener"))?;
+        let server = Server {
+            world_size,
+            id,
+            token: self.token.clone(),
+            deadline: Instant::now() + self.timeout,
+            timeout: self.timeout,
+            io_timeout: self.io_timeout,
+            addr: local_addr.to_string(),
+        };
+        let thread = thread::Builder::new()
+            .name("nccl-rendezvous".into())
+            .spawn(move || server.run(listener))
+            .map_err(io_err("spawning the rendezvous server thread"))?;
+        Ok(ServerHandle { local_addr, thread })
+    }
+
+    /// Ranks `1..world_size`: fetches the id from rank 0, retrying the connection until the
+    /// deadline. A refusal (wrong token, duplicate rank, ...) is returned at once.
+    pub fn fetch(&self, rank: usize, world_size: usize) -> Result<[u8; ID_LEN], RendezvousError> {
+        if rank == 0 || rank >= world_size {
+            return Err(RendezvousError::InvalidRank { rank, world_size });
+        }
+        let (r32, w32) = match (u32::try_from(rank), u32::try_from(world_size)) {
+            (Ok(r), Ok(w)) => (r, w),
+            _ => return Err(RendezvousError::InvalidRank { rank, world_size }),
+        };
+        let addr = self.addr();
+        let start = Instant::now();
+        let deadline = start + self.timeout;
+        let mut backoff = Duration::from_millis(10);
+        let mut last_error = String::from("no attempt finished");
+        loop {
+            match self.resolve() {
+                Err(e) => last_error = e.to_string(),
+                Ok(addrs) => {
+                    for a in addrs {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            break;
+                        }
+                        let t = left.min(self.io_timeout);
+                        match TcpStream::connect_timeout(&a, t) {
+                            Err(e) => last_error = format!("connecting to {a}: {e}"),
+                            Ok(s) => match self.attempt(s, t, r32, w32) {
+                                Ok(id) => return Ok(id),
+                                Err(Attempt::Fatal(detail)) => return Err(self.fatal(detail, rank)),
+                                Err(Attempt::Retry(e)) => last_error = e,
+                            },
+                        }
+                    }
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(RendezvousError::ClientTimeout {
+                    addr,
+                    rank,
+                    timeout: self.timeout,
+                    last_error,
+                });
+            }
+            thread::sleep(backoff.min(left));
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    fn fatal(&self, f: Fatal, rank: usize) -> RendezvousError {
+        let addr = self.addr();
+        match f {
+            Fatal::Refused(reason) => RendezvousError::Refused { addr, rank, reason },
+            Fatal::Protocol(detail) => RendezvousError::Protocol { addr, detail },
+            Fatal::ServerAuth => RendezvousError::ServerAuthentication { addr },
+            Fatal::Io(source) => RendezvousError::Io {
+                context: "drawing a rendezvous nonce".into(),
+                source,
+            },
+        }
+    }
+
+    fn attempt(
+        &self,
+        mut s: TcpStream,
+        t: Duration,
+        rank: u32,
+        world: u32,
+    ) -> Result<[u8; ID_LEN], Attempt> {
+        s.set_read_timeout(Some(t))
+            .map_err(retry("setting a timeout"))?;
+        s.set_write_timeout(Some(t))
+            .map_err(retry("setting a timeout"))?;
+        let _ = s.set_nodelay(true);
+        let hello = wire::read_frame(&mut s).map_err(retry("reading rank 0's hello"))?;
+        if hello.len() != 1 + wire::MAGIC.len() + N
+            || hello[0] != wire::HELLO
+            || &hello[1..17] != wire::MAGIC
+        {
+            return Err(Attempt::Fatal(Fatal::Protocol("unexpected hello".into())));
+        }
+        let mut sn = [0u8; N];
+        sn.copy_from_slice(&hello[17..]);
+        let cn = wire::nonce().map_err(|e| Attempt::Fatal(Fatal::Io(e)))?;
+        let mut auth = vec![wire::AUTH];
+        auth.extend_from_slice(&rank.to_be_bytes());
+        auth.extend_from_slice(&world.to_be_bytes());
+        auth.extend_from_slice(&cn);
+        auth.extend_from_slice(&wire::client_mac(&self.token, &sn, &cn, rank, world));
+        wire::write_frame(&mut s, &auth).map_err(retry("sending the authentication"))?;
+        let reply = wire::read_frame(&mut s).map_err(retry("reading rank 0's reply"))?;
+        match reply.first() {
+            Some(&wire::REFUSE) if reply.len() == 10 => {
+                let a = u32::from_be_bytes([reply[2], reply[3], reply[4], reply[5]]) as usize;
+                let b = u32::from_be_bytes([reply[6], reply[7], reply[8], reply[9]]) as usize;
+                let reason = match reply[1] {
+                    wire::R_TOKEN => Refusal::BadToken,
+                    wire::R_WORLD => Refusal::WorldSizeMismatch {
+                        server: a,
+                        client: b,
+                    },
+                    wire::R_RANGE => Refusal::RankOutOfRange { world_size: a },
+                    wire::R_DUPLICATE => Refusal::DuplicateRank,
+                    wire::R_BUSY => return Err(Attempt::Retry("rank 0 was busy".into())),
+                    c => {
+                        return Err(Attempt::Fatal(Fatal::Protocol(format!(
+                            "unknown refusal code {c}"
+                        ))))
+                    }
+                };
+                Err(Attempt::Fatal(Fatal::Refused(reason)))
+            }
+            Some(&wire::ID) if reply.len() == 1 + ID_LEN + N => {
+                let (ct, mac) = reply[1..].split_at(ID_LEN);
+                if !wire::ct_eq(
+                    mac,
+                    &wire::server_mac(&self.token, &sn, &cn, rank, world, ct),
+                ) {
+                    return Err(Attempt::Fatal(Fatal::ServerAuth));
+                }
+                let mut masked = [0u8; ID_LEN];
+                masked.copy_from_slice(ct);
+                let id = wire::mask(&self.token, &sn, &cn, &masked);
+                // The id is ours whether or not the acknowledgement arrives.
+                let _ = wire::write_frame(&mut s, &[wire::ACK]);
+                Ok(id)
+            }
+            _ => Err(Attempt::Fatal(Fatal::Protocol(
+                "unexpected reply to authentication".into(),
+            ))),
+        }
+    }
+}
+
+fn retry(what: &'static str) -> impl Fn(io::Error) -> Attempt {
+    move |e| Attempt::Retry(format!("{what}: {e}"))
+}
+
+enum Attempt {
+    Retry(String),
+    Fatal(Fatal),
+}
+
+enum Fatal {
+    Refused(Refusal),
+    Protocol(String),
+    ServerAuth,
+    Io(io::Error),
+}
+
+/// Rank 0's running server. Dropping it leaves the server running in the background until
+/// every rank has the id or the deadline passes.
+#[derive(Debug)]
+pub struct ServerHandle {
+    local_addr: SocketAddr,
+    thread: JoinHandle<Result<(), RendezvousError>>,
+}
+
+impl ServerHandle {
+    /// The address actually bound (its port is the real one when port 0 was asked for).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Whether the server has stopped (all ranks served, or the deadline passed).
+    pub fn is_finished(&self) -> bool {
+        self.thread.is_finished()
+    }
+
+    /// Waits for the server to stop. `Ok` once every rank `1..world_size` has the id;
+    /// [`RendezvousError::ServerTimeout`] lists the ranks that never fetched it.
+    pub fn wait(self) -> Result<(), RendezvousError> {
+        self.thread
+            .join()
+            .map_err(|_| RendezvousError::ServerPanicked)?
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    Pending,
+    InProgress,
+    Served,
+}
+
+struct Server {
+    world_size: usize,
+    id: [u8; ID_LEN],
+    token: Vec<u8>,
+    deadline: Instant,
+    timeout: Duration,
+    io_timeout: Duration,
+    addr: String,
+}
+
+impl Server {
+    fn run(self, listener: TcpListener) -> Result<(), RendezvousError> {
+        let mut slots = vec![Slot::Pending; self.world_size];
+        slots[0] = Slot::Served;
+        let slots = Arc::new(Mutex::new(slots));
+        let active = Arc::new(AtomicUsize::new(0));
+        let this = Arc::new(self);
+        loop {
+            let missing: Vec<usize> = match slots.lock() {
+                Ok(s) => (0..s.len()).filter(|&r| s[r] != Slot::Served).collect(),
+                Err(_) => return Err(RendezvousError::ServerPanicked),
+            };
+            if missing.is_empty() {
+                return Ok(()); // dropping `listener` stops serving
+            }
+            if Instant::now() >= this.deadline {
+                return Err(RendezvousError::ServerTimeout {
+                    addr: this.addr.clone(),
+                    missing,
+                    world_size: this.world_size,
+                    timeout: this.timeout,
+                });
+            }
+            match listener.accept() {
+                Ok((stream, _peer)) => {
+                    if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+                        let mut stream = stream;
+                        let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+                        let _ = wire::write_frame(&mut stream, &refuse(wire::R_BUSY, 0, 0));
+                        continue;
+                    }
+                    active.fetch_add(1, Ordering::SeqCst);
+                    let (this2, slots2, active2) =
+                        (Arc::clone(&this), Arc::clone(&slots), Arc::clone(&active));
+                    let spawned = thread::Builder::new()
+                        .name("nccl-rendezvous-peer".into())
+                        .spawn(move || {
+                            // Errors only mean this peer is dropped; the server goes on.
+                            let _ = this2.handle(stream, &slots2);
+                            active2.fetch_sub(1, Ordering::SeqCst);
+                        });
+                    if spawned.is_err() {
+                        active.fetch_sub(1, Ordering::SeqCst);
+                    }
+                }
+                // WouldBlock, and transient errors such as ECONNABORTED or EMFILE: wait a bit.
+                Err(_) => thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    }
+
+    fn handle(&self, mut s: TcpStream, slots: &Mutex<Vec<Slot>>) -> io::Result<()> {
+        let t = self
+            .deadline
+            .saturating_duration_since(Instant::now())
+            .min(self.io_timeout)
+            .max(Duration::from_millis(1));
+        s.set_nonblocking(false)?;
+        s.set_read_timeout(Some(t))?;
+        s.set_write_timeout(Some(t))?;
+        let _ = s.set_nodelay(true);
+        let sn = wire::nonce()?;
+        let mut hello = vec![wire::HELLO];
+        hello.extend_from_slice(wire::MAGIC);
+        hello.extend_from_slice(&sn);
+        wire::write_frame(&mut s, &hello)?;
+        let auth = wire::read_frame(&mut s)?;
+        if auth.len() != 1 + 4 + 4 + N + N || auth[0] != wire::AUTH {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "not an authentication frame",
+            ));
+        }
+        let rank = u32::from_be_bytes([auth[1], auth[2], auth[3], auth[4]]);
+        let world = u32::from_be_bytes([auth[5], auth[6], auth[7], auth[8]]);
+        let mut cn = [0u8; N];
+        cn.copy_from_slice(&auth[9..9 + N]);
+        if !wire::ct_eq(
+            &auth[9 + N..],
+            &wire::client_mac(&self.token, &sn, &cn, rank, world),
+        ) {
+            return wire::write_frame(&mut s, &refuse(wire::R_TOKEN, 0, 0));
+        }
+        let ours = u32::try_from(self.world_size).unwrap_or(u32::MAX);
+        if world as usize != self.world_size {
+            return wire::write_frame(&mut s, &refuse(wire::R_WORLD, ours, world));
+        }
+        let r = rank as usize;
+        if r == 0 || r >= self.world_size {
+            return wire::write_frame(&mut s, &refuse(wire::R_RANGE, ours, rank));
+        }
+        let claimed = {
+            let mut g = slots.lock().map_err(|_| io::Error::other("poisoned"))?;
+            if g[r] == Slot::Pending {
+                g[r] = Slot::InProgress;
+                true
+            } else {
+                false
+            }
+        };
+        if !claimed {
+            return wire::write_frame(&mut s, &refuse(wire::R_DUPLICATE, ours, rank));
+        }
+        let served = (|| {
+            let ct = wire::mask(&self.token, &sn, &cn, &self.id);
+            let mut msg = vec![wire::ID];
+            msg.extend_from_slice(&ct);
+            msg.extend_from_slice(&wire::server_mac(&self.token, &sn, &cn, rank, world, &ct));
+            wire::write_frame(&mut s, &msg)?;
+            let ack = wire::read_frame(&mut s)?;
+            if ack != [wire::ACK] {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "not an acknowledgement",
+                ));
+            }
+            Ok(())
+        })();
+        if let Ok(mut g) = slots.lock() {
+            g[r] = if served.is_ok() {
+                Slot::Served
+            } else {
+                Slot::Pending
+            };
+        }
+        served
+    }
+}
+
+fn refuse(code: u8, a: u32, b: u32) -> Vec<u8> {
+    let mut v = vec![wire::REFUSE, code];
+    v.extend_from_slice(&a.to_be_bytes());
+    v.extend_from_slice(&b.to_be_bytes());
+    v
+}
+
+/// File rendezvous: rank 0 writes the id to a file every process can see (a shared
+/// file system); the others poll for it until the deadline. Use a fresh path per job
+/// (e.g. one containing `SLURM_JOB_ID`): a file left by an earlier job would be read.
+#[derive(Debug, Clone)]
+pub struct FileRendezvous {
+    path: PathBuf,
+    timeout: Duration,
+    poll: Duration,
+}
+
+const FILE_LEN: usize = 16 + 4 + ID_LEN;
+
+impl FileRendezvous {
+    /// A rendezvous through the file at `path`, with the default deadline.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            timeout: DEFAULT_TIMEOUT,
+            poll: Duration::from_millis(20),
+        }
+    }
+
+    /// Sets the deadline for the other ranks to see the file (default [`DEFAULT_TIMEOUT`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Rank 0: writes the id (readable by the owner only) to a temporary file next to the
+    /// path and renames it into place, so readers never see a partial file.
+    pub fn publish(&self, world_size: usize, id: &[u8; ID_LEN]) -> Result<(), RendezvousError> {
+        let ferr = |source| RendezvousError::File {
+            path: self.path.clone(),
+            source,
+        };
+        let world = u32::try_from(world_size).map_err(|_| RendezvousError::InvalidRank {
+            rank: 0,
+            world_size,
+        })?;
+        let name = self
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let tmp = self
+            .path
+            .with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+        let mut data = Vec::with_capacity(FILE_LEN);
+        data.extend_from_slice(wire::MAGIC);
+        data.extend_from_slice(&world.to_be_bytes());
+        data.extend_from_slice(id);
+        let mut opts = fs::OpenOptions::new();
+        opts.write(true).create(true).truncate(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+        let written = opts.open(&tmp).and_then(|mut f| {
+            f.write_all(&data)?;
+            f.sync_all()
+        });
+        if let Err(e) = written.and_then(|()| fs::rename(&tmp, &self.path)) {
+            let _ = fs::remove_file(&tmp);
+            return Err(ferr(e));
+        }
+        Ok(())
+    }
+
+    /// Ranks other than 0: waits for the file and reads the id, checking the world size.
+    pub fn read(&self, world_size: usize) -> Result<[u8; ID_LEN], RendezvousError> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            match fs::read(&self.path) {
+                Ok(data) => return self.parse(&data, world_size),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(source) => {
+                    return Err(RendezvousError::File {
+                        path: self.path.clone(),
+                        source,
+                    })
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(RendezvousError::FileTimeout {
+                    path: self.path.clone(),
+                    timeout: self.timeout,
+                });
+            }
+            thread::sleep(self.poll.min(left));
+        }
+    }
+
+    fn parse(&self, data: &[u8], world_size: usize) -> Result<[u8; ID_LEN], RendezvousError> {
+        let bad = |detail: String| RendezvousError::FileContents {
+            path: self.path.clone(),
+            detail,
+        };
+        if data.len() != FILE_LEN || &data[..16] != wire::MAGIC {
+            return Err(bad(
+                "it was not written by nccl-safe's file rendezvous".into()
+            ));
+        }
+        let world = u32::from_be_bytes([data[16], data[17], data[18], data[19]]) as usize;
+        if world != world_size {
+            return Err(bad(format!(
+                "rank 0 wrote it for {world} ranks but this rank expects {world_size}"
+            )));
+        }
+        let mut id = [0u8; ID_LEN];
+        id.copy_from_slice(&data[20..]);
+        Ok(id)
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type CustomFn = Box<dyn FnOnce(Option<[u8; ID_LEN]>) -> Result<[u8; ID_LEN], BoxError> + Send>;
+
+/// What [`Rendezvous::exchange`] gives back.
+#[derive(Debug)]
+pub struct Exchanged {
+    /// The job's unique id, the same on every rank.
+    pub id: [u8; ID_LEN],
+    /// On rank 0 of a TCP rendezvous, the background server (others: `None`). Dropping it
+    /// lets the server finish on its own; [`ServerHandle::wait`] reports missing ranks.
+    pub server: Option<ServerHandle>,
+}
+
+/// How the ranks of a job agree on one unique id: one entry point over every transport.
+#[non_exhaustive]
+pub enum Rendezvous {
+    /// Over TCP, served by rank 0.
+    Tcp(TcpRendezvous),
+    /// Through a shared file.
+    File(FileRendezvous),
+    /// Through a closure of the user's (build it with [`Rendezvous::custom`]).
+    Custom(CustomRendezvous),
+}
+
+/// A user-supplied exchange; see [`Rendezvous::custom`].
+pub struct CustomRendezvous(CustomFn);
+
+impl fmt::Debug for CustomRendezvous {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("CustomRendezvous(..)")
+    }
+}
+
+impl fmt::Debug for Rendezvous {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Rendezvous::Tcp(t) => f.debug_tuple("Tcp").field(t).finish(),
+            Rendezvous::File(x) => f.debug_tuple("File").field(x).finish(),
+            Rendezvous::Custom(c) => f.debug_tuple("Custom").field(c).finish(),
+        }
+    }
+}
+
+impl Rendezvous {
+    /// The TCP rendezvous of a launched job (see [`TcpRendezvous::from_env`]).
+    pub fn from_env(env: &ProcessEnv) -> Result<Self, RendezvousError> {
+        TcpRendezvous::from_env(env).map(Rendezvous::Tcp)
+    }
+
+    /// A rendezvous through `exchange`, which gets `Some(id)` on rank 0 (to send) and `None`
+    /// on the other ranks (to receive), and returns the job's id on every rank; for instance
+    /// an `MPI_Bcast` from rank 0 or a put/get on a key-value store.
+    pub fn custom<F, E>(exchange: F) -> Self
+    where
+        F: FnOnce(Option<[u8; ID_LEN]>) -> Result<[u8; ID_LEN], E> + Send + 'static,
+        E: Into<BoxError>,
+    {
+        Rendezvous::Custom(CustomRendezvous(Box::new(move |id| {
+            exchange(id).map_err(Into::into)
+        })))
+    }
+
+    /// Gives every rank the same id. Rank 0 calls `make_id` (e.g. `ncclGetUniqueId`) and
+    /// publishes its result; the other ranks receive it and never call `make_id`. Returns at
+    /// once on rank 0 (a TCP server goes on in the background, see [`Exchanged::server`]).
+    /// Errors of `make_id` come back unchanged; rendezvous errors through `E::from`.
+    pub fn exchange<E: From<RendezvousError>>(
+        self,
+        rank: usize,
+        world_size: usize,
+        make_id: impl FnOnce() -> Result<[u8; ID_LEN], E>,
+    ) -> Result<Exchanged, E> {
+        if rank >= world_size {
+            return Err(RendezvousError::InvalidRank { rank, world_size }.into());
+        }
+        let done = |id| Ok(Exchanged { id, server: None });
+        match (self, rank) {
+            (Rendezvous::Tcp(t), 0) => {
+                let id = make_id()?;
+                let server = t.serve(world_size, id)?;
+                Ok(Exchanged {
+                    id,
+                    server: Some(server),
+                })
+            }
+            (Rendezvous::Tcp(t), r) => done(t.fetch(r, world_size)?),
+            (Rendezvous::File(f), 0) => {
+                let id = make_id()?;
+                f.publish(world_size, &id)?;
+                done(id)
+            }
+            (Rendezvous::File(f), _) => done(f.read(world_size)?),
+            (Rendezvous::Custom(CustomRendezvous(f)), 0) => {
+                let id = make_id()?;
+                let got = f(Some(id)).map_err(|source| RendezvousError::Custom { rank, source })?;
+                if !wire::ct_eq(&got, &id) {
+                    return Err(RendezvousError::CustomMismatch.into());
+                }
+                done(id)
+            }
+            (Rendezvous::Custom(CustomRendezvous(f)), r) => {
+                done(f(None).map_err(|source| RendezvousError::Custom { rank: r, source })?)
+            }
+        }
+    }
+}

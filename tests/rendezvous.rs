@@ -1,0 +1,712 @@
+//! Launch environment parsing and the id rendezvous, on loopback only.
+
+use nccl_safe::launch::env::{
+    first_slurm_host, slurm_default_port, EnvError, EnvSource, ProcessEnv, DEFAULT_PORT,
+};
+use nccl_safe::launch::rendezvous::{
+    FileRendezvous, Refusal, Rendezvous, RendezvousError, TcpRendezvous, ID_LEN, TOKEN_VAR,
+};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+const TOKEN: &[u8] = b"test-job-token";
+const CHILD_VAR: &str = "NCCL_SAFE_TEST_RENDEZVOUS_CHILD";
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn sample_id(seed: u8) -> [u8; ID_LEN] {
+    std::array::from_fn(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+}
+
+fn tcp(port: u16) -> TcpRendezvous {
+    TcpRendezvous::new("127.0.0.1", port, TOKEN)
+        .with_timeout(Duration::from_secs(5))
+        .with_io_timeout(Duration::from_secs(1))
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[test]
+fn four_ranks_in_threads_get_the_same_id() {
+    let port = free_port();
+    let world = 4;
+    let handles: Vec<_> = (0..world)
+        .rev() // the fetching ranks start first and retry until rank 0 listens
+        .map(|rank| {
+            thread::spawn(move || {
+                let ex = Rendezvous::Tcp(tcp(port))
+                    .exchange(rank, world, || Ok::<_, RendezvousError>(sample_id(9)))
+                    .unwrap();
+                if let Some(server) = ex.server {
+                    server.wait().unwrap();
+                }
+                ex.id
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), sample_id(9));
+    }
+}
+
+/// Runs as one rank when the parent test sets CHILD_VAR; a no-op otherwise.
+#[test]
+fn child_rank_process() {
+    if std::env::var_os(CHILD_VAR).is_none() {
+        return;
+    }
+    let env = ProcessEnv::from_process_env().unwrap();
+    let rdzv = TcpRendezvous::from_env(&env)
+        .unwrap()
+        .with_timeout(Duration::from_secs(8));
+    let ex = Rendezvous::Tcp(rdzv)
+        .exchange(env.rank, env.world_size, || {
+            // A per-run id, so a stale server could not satisfy the parent.
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos();
+            let mut id = [0u8; ID_LEN];
+            id[..16].copy_from_slice(&t.to_le_bytes());
+            id[16..20].copy_from_slice(&std::process::id().to_le_bytes());
+            Ok::<_, RendezvousError>(id)
+        })
+        .unwrap();
+    if let Some(server) = ex.server {
+        server.wait().unwrap();
+    }
+    println!("\nNCCL_SAFE_ID={}", hex(&ex.id));
+}
+
+#[test]
+fn four_ranks_as_processes_get_the_same_id() {
+    let exe = std::env::current_exe().unwrap();
+    let port = free_port();
+    let world = 4;
+    let mut children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(&exe)
+                .args([
+                    "--exact",
+                    "child_rank_process",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(CHILD_VAR, "1")
+                .env("RUST_BACKTRACE", "0")
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env(TOKEN_VAR, "process-test-token")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    for c in &mut children {
+        while c.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                for c in &mut children {
+                    let _ = c.kill();
+                }
+                panic!("child ranks did not finish within 15 s");
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let ids: Vec<String> = children
+        .into_iter()
+        .enumerate()
+        .map(|(rank, c)| {
+            let out = c.wait_with_output().unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+            assert!(
+                out.status.success(),
+                "rank {rank} failed: {stdout}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            stdout
+                .lines()
+                .find_map(|l| {
+                    l.split("NCCL_SAFE_ID=")
+                        .nth(1)
+                        .map(|h| h.trim().to_string())
+                })
+                .unwrap_or_else(|| panic!("rank {rank} printed no id: {stdout}"))
+        })
+        .collect();
+    assert_eq!(ids[0].len(), 2 * ID_LEN);
+    assert!(ids.iter().all(|id| id == &ids[0]), "ids differ: {ids:?}");
+}
+
+#[test]
+fn wrong_token_is_refused_without_the_id() {
+    let server = tcp(0).serve(2, sample_id(1)).unwrap();
+    let port = server.local_addr().port();
+    let err = TcpRendezvous::new("127.0.0.1", port, b"not-the-token".to_vec())
+        .with_timeout(Duration::from_secs(3))
+        .fetch(1, 2)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            RendezvousError::Refused {
+                rank: 1,
+                reason: Refusal::BadToken,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains(&format!("127.0.0.1:{port}")),
+        "{err}"
+    );
+
+    // A raw peer that answers the challenge with a made-up MAC gets a short refusal only.
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).unwrap();
+    let mut hello = vec![0u8; u32::from_be_bytes(len) as usize];
+    s.read_exact(&mut hello).unwrap();
+    let mut auth = vec![2u8];
+    auth.extend_from_slice(&1u32.to_be_bytes());
+    auth.extend_from_slice(&2u32.to_be_bytes());
+    auth.extend_from_slice(&[7u8; 64]);
+    s.write_all(&(auth.len() as u32).to_be_bytes()).unwrap();
+    s.write_all(&auth).unwrap();
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).unwrap();
+    assert!(rest.len() < 32, "a refused peer got {} bytes", rest.len());
+    assert!(!rest
+        .windows(8)
+        .any(|w| sample_id(1).windows(8).any(|i| i == w)));
+
+    // The honest rank is still served.
+    assert_eq!(tcp(port).fetch(1, 2).unwrap(), sample_id(1));
+    server.wait().unwrap();
+}
+
+#[test]
+fn missing_rank_times_out_and_is_named() {
+    let server = tcp(0)
+        .with_timeout(Duration::from_millis(500))
+        .serve(3, sample_id(2))
+        .unwrap();
+    let port = server.local_addr().port();
+    assert_eq!(tcp(port).fetch(1, 3).unwrap(), sample_id(2));
+    let err = server.wait().unwrap_err();
+    match &err {
+        RendezvousError::ServerTimeout {
+            missing,
+            world_size: 3,
+            ..
+        } => assert_eq!(missing, &[2]),
+        e => panic!("unexpected error: {e}"),
+    }
+    assert!(err.to_string().contains("ranks [2] of 3"), "{err}");
+}
+
+#[test]
+fn client_without_server_times_out_with_the_address() {
+    let port = free_port();
+    let t0 = Instant::now();
+    let err = tcp(port)
+        .with_timeout(Duration::from_millis(400))
+        .fetch(2, 4)
+        .unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(3));
+    assert!(
+        matches!(err, RendezvousError::ClientTimeout { rank: 2, .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains(&format!(
+            "could not reach rank 0 at 127.0.0.1:{port} within"
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn duplicate_rank_is_refused_and_the_server_goes_on() {
+    let server = tcp(0).serve(3, sample_id(3)).unwrap();
+    let port = server.local_addr().port();
+    assert_eq!(tcp(port).fetch(1, 3).unwrap(), sample_id(3));
+    let err = tcp(port).fetch(1, 3).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            RendezvousError::Refused {
+                rank: 1,
+                reason: Refusal::DuplicateRank,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("distinct RANK"), "{err}");
+    assert_eq!(tcp(port).fetch(2, 3).unwrap(), sample_id(3));
+    server.wait().unwrap();
+}
+
+#[test]
+fn world_size_disagreement_is_refused_and_the_server_goes_on() {
+    let server = tcp(0).serve(3, sample_id(4)).unwrap();
+    let port = server.local_addr().port();
+    let err = tcp(port).fetch(1, 4).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            RendezvousError::Refused {
+                reason: Refusal::WorldSizeMismatch {
+                    server: 3,
+                    client: 4
+                },
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(tcp(port).fetch(1, 3).is_ok());
+    assert!(tcp(port).fetch(2, 3).is_ok());
+    server.wait().unwrap();
+    // Rank 0 never fetches.
+    assert!(matches!(
+        tcp(port).fetch(0, 3),
+        Err(RendezvousError::InvalidRank { rank: 0, .. })
+    ));
+}
+
+#[test]
+fn garbage_and_huge_length_prefixes_are_dropped() {
+    let server = tcp(0).serve(3, sample_id(5)).unwrap();
+    let port = server.local_addr().port();
+    let send = |bytes: &[u8]| {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let _ = s.write_all(bytes);
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink); // the server closes on us
+        sink.len()
+    };
+    // A 4 GiB length prefix, an HTTP request, and a well-sized frame of nonsense.
+    assert!(send(&[0xff, 0xff, 0xff, 0xff, 1, 2, 3]) < 100);
+    assert!(send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n") < 100);
+    assert!(send(&[0, 0, 0, 3, 9, 9, 9]) < 100);
+    // A peer that connects and says nothing does not hold up the others.
+    let _silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    assert_eq!(tcp(port).fetch(1, 3).unwrap(), sample_id(5));
+    assert_eq!(tcp(port).fetch(2, 3).unwrap(), sample_id(5));
+    server.wait().unwrap();
+}
+
+#[test]
+fn server_binds_only_the_address_given_and_stops_when_done() {
+    let server = tcp(0).serve(2, sample_id(6)).unwrap();
+    let addr = server.local_addr();
+    assert!(addr.ip().is_loopback());
+    assert_eq!(tcp(addr.port()).fetch(1, 2).unwrap(), sample_id(6));
+    server.wait().unwrap();
+    assert!(
+        TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_err(),
+        "listener still open"
+    );
+}
+
+fn temp_path(name: &str) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("nccl-safe-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_file(&p);
+    p
+}
+
+#[test]
+fn file_rendezvous_gives_every_rank_the_id() {
+    let path = temp_path("file-rdzv");
+    let world = 4;
+    let handles: Vec<_> = (0..world)
+        .rev()
+        .map(|rank| {
+            let path = path.clone();
+            thread::spawn(move || {
+                if rank == 0 {
+                    thread::sleep(Duration::from_millis(50)); // readers poll first
+                }
+                let f = FileRendezvous::new(path).with_timeout(Duration::from_secs(5));
+                Rendezvous::File(f)
+                    .exchange(rank, world, || Ok::<_, RendezvousError>(sample_id(7)))
+                    .unwrap()
+                    .id
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), sample_id(7));
+    }
+    // A reader that expects another world size is told so.
+    let err = FileRendezvous::new(&path).read(5).unwrap_err();
+    assert!(matches!(err, RendezvousError::FileContents { .. }), "{err}");
+    std::fs::remove_file(&path).unwrap();
+    // No file: a bounded wait, then an error naming the path.
+    let err = FileRendezvous::new(&path)
+        .with_timeout(Duration::from_millis(100))
+        .read(4)
+        .unwrap_err();
+    assert!(matches!(err, RendezvousError::FileTimeout { .. }), "{err}");
+    assert!(err.to_string().contains(&path.display().to_string()));
+}
+
+#[test]
+fn closure_rendezvous_gives_every_rank_the_id() {
+    // A toy broadcast: a slot rank 0 fills and the others wait on.
+    let store: Arc<(Mutex<Option<[u8; ID_LEN]>>, Condvar)> = Arc::default();
+    let world = 3;
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let store = Arc::clone(&store);
+            thread::spawn(move || {
+                let r = Rendezvous::custom(move |id: Option<[u8; ID_LEN]>| {
+                    let (slot, cv) = &*store;
+                    let mut g = slot.lock().unwrap();
+                    if let Some(id) = id {
+                        *g = Some(id);
+                        cv.notify_all();
+                        return Ok::<_, std::io::Error>(id);
+                    }
+                    let (g, _) = cv
+                        .wait_timeout_while(g, Duration::from_secs(5), |v| v.is_none())
+                        .unwrap();
+                    g.ok_or_else(|| std::io::Error::other("timed out"))
+                });
+                r.exchange(rank, world, || Ok::<_, RendezvousError>(sample_id(8)))
+                    .unwrap()
+                    .id
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), sample_id(8));
+    }
+    let err = Rendezvous::custom(|_| Err::<[u8; ID_LEN], _>("store down"))
+        .exchange(1, 2, || Ok::<_, RendezvousError>(sample_id(0)))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("store down") && err.to_string().contains("rank 1"),
+        "{err}"
+    );
+    let err = Rendezvous::custom(|_| Ok::<_, std::io::Error>(sample_id(1)))
+        .exchange(0, 2, || Ok::<_, RendezvousError>(sample_id(0)))
+        .unwrap_err();
+    assert!(matches!(err, RendezvousError::CustomMismatch));
+}
+
+#[derive(Debug)]
+enum AppError {
+    NoId,
+    Rdzv(RendezvousError),
+}
+
+impl From<RendezvousError> for AppError {
+    fn from(e: RendezvousError) -> Self {
+        AppError::Rdzv(e)
+    }
+}
+
+#[test]
+fn exchange_passes_make_id_errors_through_and_checks_the_rank() {
+    let r = Rendezvous::File(FileRendezvous::new(temp_path("unused")));
+    assert!(matches!(
+        r.exchange(0, 2, || Err(AppError::NoId)),
+        Err(AppError::NoId)
+    ));
+    let r = Rendezvous::File(FileRendezvous::new(temp_path("unused")));
+    let e = r.exchange(2, 2, || Err(AppError::NoId)).unwrap_err();
+    assert!(matches!(
+        e,
+        AppError::Rdzv(RendezvousError::InvalidRank {
+            rank: 2,
+            world_size: 2
+        })
+    ));
+}
+
+// ---- environment ----
+
+/// Environment variables as name/value pairs.
+type Vars<'a> = &'a [(&'a str, &'a str)];
+
+fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let map: HashMap<String, String> = pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    move |k| map.get(k).cloned()
+}
+
+const TORCHRUN: &[(&str, &str)] = &[
+    ("RANK", "5"),
+    ("WORLD_SIZE", "8"),
+    ("LOCAL_RANK", "1"),
+    ("LOCAL_WORLD_SIZE", "4"),
+    ("MASTER_ADDR", "10.0.0.1"),
+    ("MASTER_PORT", "29400"),
+];
+
+fn with(
+    base: &[(&'static str, &'static str)],
+    over: &[(&'static str, &'static str)],
+) -> Vec<(&'static str, &'static str)> {
+    let mut v: Vec<_> = base
+        .iter()
+        .filter(|(k, _)| !over.iter().any(|(o, _)| o == k))
+        .copied()
+        .collect();
+    v.extend_from_slice(over);
+    v
+}
+
+fn without(base: &[(&'static str, &'static str)], var: &str) -> Vec<(&'static str, &'static str)> {
+    base.iter().filter(|(k, _)| *k != var).copied().collect()
+}
+
+#[test]
+fn torchrun_environment() {
+    let e = ProcessEnv::from_lookup(env(TORCHRUN)).unwrap();
+    assert_eq!(
+        e,
+        ProcessEnv {
+            source: EnvSource::Torchrun,
+            rank: 5,
+            world_size: 8,
+            local_rank: 1,
+            local_world_size: Some(4),
+            master_addr: "10.0.0.1".into(),
+            master_port: 29400,
+        }
+    );
+    assert_eq!(e.device(), 1);
+}
+
+const OMPI: &[(&str, &str)] = &[
+    ("OMPI_COMM_WORLD_RANK", "3"),
+    ("OMPI_COMM_WORLD_SIZE", "4"),
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+    ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+    ("MASTER_ADDR", "head"),
+];
+
+#[test]
+fn open_mpi_environment() {
+    let e = ProcessEnv::from_lookup(env(OMPI)).unwrap();
+    assert_eq!(
+        (e.source, e.rank, e.world_size, e.device()),
+        (EnvSource::OpenMpi, 3, 4, 1)
+    );
+    assert_eq!(
+        (e.master_addr.as_str(), e.master_port),
+        ("head", DEFAULT_PORT)
+    );
+    let e = ProcessEnv::from_lookup(env(&with(OMPI, &[("MASTER_PORT", "1234")]))).unwrap();
+    assert_eq!(e.master_port, 1234);
+    let err = ProcessEnv::from_lookup(env(&without(OMPI, "MASTER_ADDR"))).unwrap_err();
+    assert!(matches!(
+        err,
+        EnvError::Missing {
+            var: "MASTER_ADDR",
+            launcher: EnvSource::OpenMpi,
+            ..
+        }
+    ));
+    assert!(err.to_string().contains("mpirun -x MASTER_ADDR"), "{err}");
+}
+
+const SLURM: &[(&str, &str)] = &[
+    ("SLURM_PROCID", "6"),
+    ("SLURM_NTASKS", "8"),
+    ("SLURM_LOCALID", "2"),
+    ("SLURM_NTASKS_PER_NODE", "4"),
+    ("SLURM_JOB_NODELIST", "node[01-04,07],gpu5"),
+    ("SLURM_JOB_ID", "123456"),
+];
+
+#[test]
+fn slurm_environment() {
+    let e = ProcessEnv::from_lookup(env(SLURM)).unwrap();
+    assert_eq!(
+        (e.source, e.rank, e.world_size, e.local_rank),
+        (EnvSource::Slurm, 6, 8, 2)
+    );
+    assert_eq!(e.local_world_size, Some(4));
+    assert_eq!(e.master_addr, "node01");
+    assert_eq!(e.master_port, slurm_default_port(123456));
+    assert_eq!(slurm_default_port(123456), 13456);
+    let e = ProcessEnv::from_lookup(env(&with(
+        SLURM,
+        &[("MASTER_ADDR", "login"), ("MASTER_PORT", "4000")],
+    )))
+    .unwrap();
+    assert_eq!((e.master_addr.as_str(), e.master_port), ("login", 4000));
+    // SLURM_NODELIST when SLURM_JOB_NODELIST is absent; SLURM_NPROCS for SLURM_NTASKS.
+    let mut v = without(&without(SLURM, "SLURM_JOB_NODELIST"), "SLURM_NTASKS");
+    v.extend([("SLURM_NODELIST", "gpu5,node[1-2]"), ("SLURM_NPROCS", "8")]);
+    let e = ProcessEnv::from_lookup(env(&v)).unwrap();
+    assert_eq!((e.master_addr.as_str(), e.world_size), ("gpu5", 8));
+    let e = ProcessEnv::from_lookup(env(&without(SLURM, "SLURM_JOB_ID"))).unwrap();
+    assert_eq!(e.master_port, DEFAULT_PORT);
+}
+
+#[test]
+fn slurm_nodelist_forms() {
+    assert_eq!(
+        first_slurm_host("node[01-04,07],gpu5").as_deref(),
+        Some("node01")
+    );
+    assert_eq!(
+        first_slurm_host("gpu5,node[01-04]").as_deref(),
+        Some("gpu5")
+    );
+    assert_eq!(first_slurm_host("node7").as_deref(), Some("node7"));
+    assert_eq!(
+        first_slurm_host("node[007-010]").as_deref(),
+        Some("node007")
+    );
+    assert_eq!(first_slurm_host("node[3,5-6]").as_deref(), Some("node3"));
+    assert_eq!(
+        first_slurm_host("rack[1-2]-n[3-4]-ib").as_deref(),
+        Some("rack1-n3-ib")
+    );
+    assert_eq!(
+        first_slurm_host("a-b.example.org").as_deref(),
+        Some("a-b.example.org")
+    );
+    for bad in ["", "node[01-04", "node]", "node[]", "[", ",node1"] {
+        assert_eq!(first_slurm_host(bad), None, "{bad:?}");
+    }
+}
+
+#[test]
+fn launcher_precedence() {
+    // torchrun under srun: torchrun's variables win; mpirun in a Slurm allocation: Open MPI wins.
+    let mut v = TORCHRUN.to_vec();
+    v.extend_from_slice(SLURM);
+    v.extend_from_slice(&OMPI[..3]);
+    assert_eq!(
+        ProcessEnv::from_lookup(env(&v)).unwrap().source,
+        EnvSource::Torchrun
+    );
+    let mut v = OMPI.to_vec();
+    v.extend_from_slice(SLURM);
+    assert_eq!(
+        ProcessEnv::from_lookup(env(&v)).unwrap().source,
+        EnvSource::OpenMpi
+    );
+    assert_eq!(
+        ProcessEnv::from_lookup(env(&[])).unwrap_err(),
+        EnvError::NotLaunched
+    );
+}
+
+fn invalid(pairs: &[(&'static str, &'static str)]) -> (&'static str, String) {
+    match ProcessEnv::from_lookup(env(pairs)) {
+        Err(EnvError::Invalid { var, value, reason }) => {
+            let msg = EnvError::Invalid {
+                var,
+                value: value.clone(),
+                reason,
+            }
+            .to_string();
+            assert!(msg.contains(var) && msg.contains(&value), "{msg}");
+            (var, value)
+        }
+        other => panic!("expected an invalid value, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_values_name_the_variable_and_value() {
+    let cases: &[(Vars, (&str, &str))] = &[
+        (&[("RANK", "two")], ("RANK", "two")),
+        (&[("RANK", "-1")], ("RANK", "-1")),
+        (&[("RANK", "8")], ("RANK", "8")),
+        (&[("WORLD_SIZE", "0")], ("WORLD_SIZE", "0")),
+        (&[("WORLD_SIZE", "8x")], ("WORLD_SIZE", "8x")),
+        (&[("LOCAL_RANK", "4")], ("LOCAL_RANK", "4")),
+        (&[("LOCAL_WORLD_SIZE", "0")], ("LOCAL_WORLD_SIZE", "0")),
+        (&[("MASTER_PORT", "0")], ("MASTER_PORT", "0")),
+        (&[("MASTER_PORT", "70000")], ("MASTER_PORT", "70000")),
+        (&[("MASTER_PORT", "http")], ("MASTER_PORT", "http")),
+        (&[("MASTER_ADDR", "")], ("MASTER_ADDR", "")),
+        (&[("MASTER_ADDR", "a b")], ("MASTER_ADDR", "a b")),
+    ];
+    for (over, (var, value)) in cases {
+        let got = invalid(&with(TORCHRUN, over));
+        assert_eq!((got.0, got.1.as_str()), (*var, *value), "{over:?}");
+    }
+    assert_eq!(
+        invalid(&with(OMPI, &[("OMPI_COMM_WORLD_RANK", "4")])).0,
+        "OMPI_COMM_WORLD_RANK"
+    );
+    assert_eq!(
+        invalid(&with(SLURM, &[("SLURM_JOB_NODELIST", "node[1-")])).0,
+        "SLURM_JOB_NODELIST"
+    );
+    assert_eq!(
+        invalid(&with(SLURM, &[("SLURM_JOB_ID", "abc")])).0,
+        "SLURM_JOB_ID"
+    );
+    assert_eq!(
+        invalid(&with(SLURM, &[("SLURM_LOCALID", "x")])).0,
+        "SLURM_LOCALID"
+    );
+    // A missing variable names it and the launcher.
+    for var in ["RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
+        let err = ProcessEnv::from_lookup(env(&without(TORCHRUN, var))).unwrap_err();
+        assert!(
+            matches!(err, EnvError::Missing { var: v, launcher: EnvSource::Torchrun, .. } if v == var),
+            "{err}"
+        );
+        assert!(err.to_string().contains(var), "{err}");
+    }
+    let err = ProcessEnv::from_lookup(env(&without(SLURM, "SLURM_JOB_NODELIST"))).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EnvError::Missing {
+                var: "SLURM_JOB_NODELIST",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn token_comes_from_the_environment() {
+    let e = ProcessEnv::from_lookup(env(TORCHRUN)).unwrap();
+    let err = TcpRendezvous::from_lookup(&e, TOKEN_VAR, env(&[])).unwrap_err();
+    assert!(matches!(&err, RendezvousError::MissingToken { var } if var == TOKEN_VAR));
+    assert!(err.to_string().contains(TOKEN_VAR));
+    let err = TcpRendezvous::from_lookup(&e, "MY_TOKEN", env(&[("MY_TOKEN", "")])).unwrap_err();
+    assert!(matches!(err, RendezvousError::MissingToken { .. }));
+    let t = TcpRendezvous::from_lookup(&e, "MY_TOKEN", env(&[("MY_TOKEN", "s3cret")])).unwrap();
+    assert_eq!(t.addr(), "10.0.0.1:29400");
+    assert!(!format!("{t:?}").contains("s3cret"));
+}
