@@ -5,13 +5,27 @@
 //!   NCCL's error string, its last-error text, the call and the caller.
 #![deny(missing_docs)]
 
+mod buffer;
+mod comm;
+mod config;
 pub mod error;
+mod group;
 mod id;
 pub mod launch;
 pub mod library;
+mod ops;
+mod stream;
+mod types;
 pub mod version;
 
+pub use buffer::{BufferGuard, Memory, RecvBuffer, SendBuffer};
+pub use comm::{Communicator, Device, PendingCommunicator, DEFAULT_INIT_TIMEOUT};
+pub use config::Config;
 pub use error::{Error, NcclError, Result, ResultCode};
+pub use group::Group;
+pub use ops::{PreMulSum, Reduction};
+pub use stream::{AsStream, HostStream, Stream, StreamRef};
+pub use types::{DataType, NcclType, ReduceOp};
 pub use id::{UniqueId, UNIQUE_ID_BYTES};
 pub use library::{CallContext, Discovery, Library, Provider};
 pub use version::Version;

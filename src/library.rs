@@ -101,6 +101,33 @@ impl Library {
             .map(Arc::clone)
     }
 
+    /// The in-process host provider (see the `host` module): NCCL's API over CPU memory,
+    /// ranks as threads. One instance per process.
+    pub fn host() -> Arc<Library> {
+        static HOST: OnceCell<Arc<Library>> = OnceCell::new();
+        Arc::clone(HOST.get_or_init(|| {
+            // SAFETY: the host provider's lookup returns its own `extern "C"` functions,
+            // with NCCL's signatures, living for the whole process.
+            match unsafe { Library::from_lookup(Provider::Host, None, crate::host::lookup) } {
+                Ok(lib) => lib,
+                Err(e) => unreachable!("the host provider exports every required symbol: {e}"),
+            }
+        }))
+    }
+
+    /// A host provider that reports NCCL `major.minor` and hides entry points added after
+    /// it, to test code paths for older NCCL releases. A new instance per call.
+    pub fn host_as_version(major: u32, minor: u32) -> Result<Arc<Library>> {
+        // SAFETY: as in `host`.
+        unsafe {
+            Library::from_lookup(
+                Provider::Host,
+                None,
+                crate::host::lookup_as_version(major, minor),
+            )
+        }
+    }
+
     /// Loads NCCL from exactly this file (no search).
     pub fn load_from(path: impl AsRef<Path>) -> Result<Arc<Library>> {
         let path = path.as_ref();

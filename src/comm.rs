@@ -1,0 +1,723 @@
+//! [`Communicator`]: the RAII owner of an `ncclComm_t`.
+
+use std::cell::RefCell;
+use std::ffi::c_int;
+use std::panic::Location;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaContext;
+use nccl_sys::{ncclComm_t, ncclResult_t, FunctionTable};
+
+use crate::config::Config;
+use crate::error::{Error, Result, ResultCode};
+use crate::id::UniqueId;
+use crate::library::{CallContext, Library, Provider};
+use crate::nccl_call;
+
+/// Where a communicator's rank runs: a CUDA device (NVIDIA's NCCL) or the host provider.
+#[derive(Debug, Clone)]
+pub enum Device {
+    /// A CUDA device, through cudarc's context for it.
+    Cuda(Arc<CudaContext>),
+    /// The in-process host provider (CPU memory, ranks as threads).
+    Host,
+}
+
+impl Device {
+    /// The library this kind of device is served by: the default NCCL for CUDA
+    /// ([`Library::load`]), the host provider for [`Device::Host`].
+    pub fn library(&self) -> Result<Arc<Library>> {
+        match self {
+            Device::Cuda(_) => Library::load(),
+            Device::Host => Ok(Library::host()),
+        }
+    }
+
+    /// A fresh unique id from this device's library.
+    pub fn unique_id(&self) -> Result<UniqueId> {
+        UniqueId::new_with(&self.library()?)
+    }
+}
+
+/// Default bound on waits for non-blocking init, split and finalize.
+pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// One rank's handle on an NCCL communicator.
+///
+/// * **Exactly one teardown.** Dropping it calls `ncclCommDestroy` on a healthy communicator
+///   and `ncclCommAbort` on one that saw an error; [`destroy`](Self::destroy),
+///   [`abort`](Self::abort) and [`finalize`](Self::finalize) consume it, so no handle is
+///   torn down twice or used afterwards: the compiler forbids it.
+/// * **Not `Clone`**: a second owner would mean a second teardown.
+/// * **`Send`, not `Sync`**: NCCL lets a communicator move between threads but forbids
+///   concurrent calls on it, so `&Communicator` cannot cross threads.
+/// * **Fails fast.** After an NCCL error, further operations return
+///   [`Error::CommunicatorFailed`] without calling NCCL, and drop aborts.
+///
+/// ```
+/// use nccl_safe::{Communicator, Config, Device, HostStream, ReduceOp};
+/// // Two ranks in threads, on the host provider.
+/// let id = Device::Host.unique_id()?;
+/// std::thread::scope(|s| {
+///     for rank in 0..2 {
+///         s.spawn(move || -> nccl_safe::Result<()> {
+///             let comm = Communicator::init_rank(&Device::Host, 2, rank, &id, &Config::new())?;
+///             let mut grads = vec![rank as f32 + 1.0; 4];
+///             comm.all_reduce_in_place(&mut grads, ReduceOp::Sum, &HostStream)?;
+///             assert_eq!(grads, vec![3.0; 4]);
+///             comm.destroy().map_err(|(_, e)| e)
+///         });
+///     }
+/// });
+/// # Ok::<(), nccl_safe::Error>(())
+/// ```
+pub struct Communicator {
+    raw: ncclComm_t,
+    lib: Arc<Library>,
+    device: Device,
+    rank: usize,
+    world_size: usize,
+    cuda_device: Option<usize>,
+    blocking: bool,
+    /// The first error this communicator saw; `Some` means "abort on drop". `RefCell` also
+    /// makes the type `!Sync`.
+    failure: RefCell<Option<String>>,
+}
+
+// SAFETY: NCCL allows a communicator to be used from any thread, one at a time; `!Sync`
+// (from the RefCell) forbids concurrent use. The raw pointer is only an opaque handle.
+unsafe impl Send for Communicator {}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("device", &self.cuda_device)
+            .field("provider", &self.lib.provider())
+            .field("failed", &self.failure.borrow().is_some())
+            .finish()
+    }
+}
+
+fn check_world(op: &'static str, world_size: usize, rank: usize) -> Result<()> {
+    if world_size == 0 || world_size > c_int::MAX as usize {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!("world size {world_size} must be between 1 and {}", c_int::MAX),
+        });
+    }
+    if rank >= world_size {
+        return Err(Error::RankOutOfRange {
+            op,
+            what: "rank",
+            rank,
+            world_size,
+        });
+    }
+    Ok(())
+}
+
+fn check_device(op: &'static str, lib: &Library, device: &Device) -> Result<()> {
+    match (lib.provider(), device) {
+        (Provider::Host, Device::Host) | (Provider::Nccl, Device::Cuda(_)) => Ok(()),
+        (p, d) => Err(Error::InvalidArgument {
+            op,
+            reason: format!(
+                "a {} device cannot use the {p:?} provider",
+                match d {
+                    Device::Cuda(_) => "CUDA",
+                    Device::Host => "host",
+                }
+            ),
+        }),
+    }
+}
+
+fn bind(device: &Device) -> Result<()> {
+    if let Device::Cuda(ctx) = device {
+        ctx.bind_to_thread()?;
+    }
+    Ok(())
+}
+
+impl Communicator {
+    /// Joins rank `rank` of a `world_size`-rank communicator (`ncclCommInitRankConfig`),
+    /// blocking until every rank has joined with the same `id`.
+    ///
+    /// With a non-blocking `config` this still returns a ready communicator (waiting up to
+    /// [`DEFAULT_INIT_TIMEOUT`]); use [`init_rank_nonblocking`](Self::init_rank_nonblocking)
+    /// to do other work meanwhile.
+    #[track_caller]
+    pub fn init_rank(
+        device: &Device,
+        world_size: usize,
+        rank: usize,
+        id: &UniqueId,
+        config: &Config,
+    ) -> Result<Communicator> {
+        let lib = device.library()?;
+        Communicator::init_rank_in(&lib, device, world_size, rank, id, config)
+    }
+
+    /// [`init_rank`](Self::init_rank) with an explicit library.
+    #[track_caller]
+    pub fn init_rank_in(
+        lib: &Arc<Library>,
+        device: &Device,
+        world_size: usize,
+        rank: usize,
+        id: &UniqueId,
+        config: &Config,
+    ) -> Result<Communicator> {
+        let pending = Communicator::start_init(lib, device, world_size, rank, id, config)?;
+        pending.wait(DEFAULT_INIT_TIMEOUT)
+    }
+
+    /// Starts a non-blocking init (`ncclCommInitRankConfig` with `blocking = 0`): returns at
+    /// once; [`PendingCommunicator::wait`] yields the communicator.
+    #[track_caller]
+    pub fn init_rank_nonblocking(
+        device: &Device,
+        world_size: usize,
+        rank: usize,
+        id: &UniqueId,
+        config: &Config,
+    ) -> Result<PendingCommunicator> {
+        let lib = device.library()?;
+        let config = config.clone().blocking(false);
+        Communicator::start_init(&lib, device, world_size, rank, id, &config)
+    }
+
+    #[track_caller]
+    fn start_init(
+        lib: &Arc<Library>,
+        device: &Device,
+        world_size: usize,
+        rank: usize,
+        id: &UniqueId,
+        config: &Config,
+    ) -> Result<PendingCommunicator> {
+        const OP: &str = "ncclCommInitRankConfig";
+        check_world(OP, world_size, rank)?;
+        check_device(OP, lib, device)?;
+        bind(device)?;
+        let mut raw_config = config.to_raw(lib)?;
+        let mut raw: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `raw` is writable; `raw_config` is a valid ncclConfig_t for this library
+        // whose name pointers borrow `config`, alive for the call; ranks checked above.
+        let r = unsafe {
+            (lib.table().ncclCommInitRankConfig)(
+                &mut raw,
+                world_size as c_int,
+                id.to_raw(),
+                rank as c_int,
+                &mut raw_config,
+            )
+        };
+        let ctx = CallContext {
+            comm: std::ptr::null_mut(),
+            rank: Some(rank),
+            caller: Some(Location::caller()),
+        };
+        let in_progress = r == nccl_sys::bindings::ncclInProgress;
+        if !in_progress {
+            if let Err(e) = lib.check(OP, r, ctx) {
+                if !raw.is_null() {
+                    // NCCL handed out a handle before failing: it is ours to tear down, once.
+                    // SAFETY: `raw` came from this init and is not used again.
+                    let _ = unsafe { (lib.table().ncclCommAbort)(raw) };
+                }
+                return Err(e);
+            }
+        }
+        if raw.is_null() {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "NCCL returned success but no communicator".into(),
+            });
+        }
+        Ok(PendingCommunicator {
+            comm: Some(Communicator {
+                raw,
+                lib: Arc::clone(lib),
+                device: device.clone(),
+                rank,
+                world_size,
+                cuda_device: match device {
+                    Device::Cuda(c) => Some(c.ordinal()),
+                    Device::Host => None,
+                },
+                blocking: config.is_blocking(),
+                failure: RefCell::new(None),
+            }),
+        })
+    }
+
+    /// Creates one communicator per device in this process (`ncclCommInitAll`): rank `i`
+    /// runs on `devices[i]`. For the host provider pass [`Device::Host`] once per rank.
+    #[track_caller]
+    pub fn init_all(devices: &[Device]) -> Result<Vec<Communicator>> {
+        const OP: &str = "ncclCommInitAll";
+        let first = devices.first().ok_or(Error::InvalidArgument {
+            op: OP,
+            reason: "no devices given".into(),
+        })?;
+        let lib = first.library()?;
+        check_world(OP, devices.len(), 0)?;
+        let mut ordinals = Vec::with_capacity(devices.len());
+        for d in devices {
+            check_device(OP, &lib, d)?;
+            ordinals.push(match d {
+                Device::Cuda(c) => c.ordinal() as c_int,
+                Device::Host => ordinals.len() as c_int,
+            });
+        }
+        let mut raws: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
+        let ctx = CallContext {
+            comm: std::ptr::null_mut(),
+            rank: None,
+            caller: Some(Location::caller()),
+        };
+        // SAFETY: `raws` has room for `devices.len()` handles and `ordinals` that many ints.
+        unsafe {
+            nccl_call!(
+                &lib,
+                ncclCommInitAll(raws.as_mut_ptr(), devices.len() as c_int, ordinals.as_ptr()),
+                ctx
+            )
+        }?;
+        Ok(raws
+            .into_iter()
+            .zip(devices)
+            .enumerate()
+            .map(|(rank, (raw, d))| Communicator {
+                raw,
+                lib: Arc::clone(&lib),
+                device: d.clone(),
+                rank,
+                world_size: devices.len(),
+                cuda_device: match d {
+                    Device::Cuda(c) => Some(c.ordinal()),
+                    Device::Host => None,
+                },
+                blocking: true,
+                failure: RefCell::new(None),
+            })
+            .collect())
+    }
+
+    /// This rank (`ncclCommUserRank`, cached at init).
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks (`ncclCommCount`, cached at init).
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// The CUDA device ordinal (`None` on the host provider).
+    pub fn device(&self) -> Option<usize> {
+        self.cuda_device
+    }
+
+    /// The device this rank runs on.
+    pub fn device_handle(&self) -> &Device {
+        &self.device
+    }
+
+    /// The library serving this communicator.
+    pub fn library(&self) -> &Arc<Library> {
+        &self.lib
+    }
+
+    /// The raw handle, for NCCL features this crate does not wrap. It stays owned by
+    /// `self`: do not destroy or abort it.
+    pub fn as_raw(&self) -> ncclComm_t {
+        self.raw
+    }
+
+    /// Whether an error was seen (drop will abort).
+    pub fn is_failed(&self) -> bool {
+        self.failure.borrow().is_some()
+    }
+
+    /// Asks NCCL for an asynchronous error (`ncclCommGetAsyncError`). An error marks the
+    /// communicator failed. `Ok(true)` while a non-blocking operation is still in progress.
+    #[track_caller]
+    pub fn async_error(&self) -> Result<bool> {
+        let caller = Location::caller();
+        let mut state = nccl_sys::bindings::ncclSuccess;
+        // SAFETY: `state` is writable; the handle is live (not yet torn down).
+        let r = unsafe { (self.lib.table().ncclCommGetAsyncError)(self.raw, &mut state) };
+        self.checked("ncclCommGetAsyncError", r, caller)?;
+        match ResultCode::from_raw(state) {
+            None => Ok(false),
+            Some(ResultCode::InProgress) => Ok(true),
+            Some(_) => Err(self.fail("ncclCommGetAsyncError", state, caller)),
+        }
+    }
+
+    /// Marks the communicator failed (drop will abort) and returns the error for `raw`.
+    #[cold]
+    fn fail(&self, call: &'static str, raw: ncclResult_t, caller: &'static Location<'static>) -> Error {
+        let e = self.lib.error_for(call, raw, self.context(caller));
+        let mut failure = self.failure.borrow_mut();
+        if failure.is_none() {
+            *failure = Some(e.to_string());
+        }
+        e.into()
+    }
+
+    /// Marks the communicator failed with `e` (drop will abort), keeping the first cause.
+    pub(crate) fn mark_failed(&self, e: &Error) {
+        let mut failure = self.failure.borrow_mut();
+        if failure.is_none() {
+            *failure = Some(e.to_string());
+        }
+    }
+
+    fn context(&self, caller: &'static Location<'static>) -> CallContext {
+        CallContext {
+            comm: self.raw,
+            rank: Some(self.rank),
+            caller: Some(caller),
+        }
+    }
+
+    /// Checks a result of a call on this communicator: errors mark it failed.
+    #[inline]
+    fn checked(&self, call: &'static str, r: ncclResult_t, caller: &'static Location<'static>) -> Result<()> {
+        if r == nccl_sys::bindings::ncclSuccess {
+            Ok(())
+        } else {
+            Err(self.fail(call, r, caller))
+        }
+    }
+
+    /// The single path of every operation on this communicator: fail fast if it already
+    /// failed, bind the CUDA context, make the call, check the result (an error marks the
+    /// communicator failed), and wait out `ncclInProgress` on a non-blocking communicator.
+    #[inline]
+    pub(crate) fn issue(
+        &self,
+        call: &'static str,
+        caller: &'static Location<'static>,
+        f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
+    ) -> Result<()> {
+        self.ensure_usable(call)?;
+        bind(&self.device)?;
+        let r = f(self.lib.table(), self.raw);
+        if r == nccl_sys::bindings::ncclInProgress && !self.blocking {
+            return self.wait_ready(call, caller, DEFAULT_INIT_TIMEOUT);
+        }
+        self.checked(call, r, caller)
+    }
+
+    #[inline]
+    pub(crate) fn ensure_usable(&self, op: &'static str) -> Result<()> {
+        match &*self.failure.borrow() {
+            None => Ok(()),
+            Some(cause) => Err(self.failed_error(op, cause)),
+        }
+    }
+
+    #[cold]
+    fn failed_error(&self, op: &'static str, cause: &str) -> Error {
+        Error::CommunicatorFailed {
+            op,
+            rank: self.rank,
+            cause: cause.to_string(),
+        }
+    }
+
+    /// Polls `ncclCommGetAsyncError` until the communicator leaves `ncclInProgress`.
+    fn wait_ready(&self, op: &'static str, caller: &'static Location<'static>, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(50);
+        loop {
+            let mut state = nccl_sys::bindings::ncclSuccess;
+            // SAFETY: `state` is writable; the handle is live.
+            let r = unsafe { (self.lib.table().ncclCommGetAsyncError)(self.raw, &mut state) };
+            self.checked("ncclCommGetAsyncError", r, caller)?;
+            match ResultCode::from_raw(state) {
+                None => return Ok(()),
+                Some(ResultCode::InProgress) => {}
+                Some(_) => return Err(self.fail(op, state, caller)),
+            }
+            if start.elapsed() >= timeout {
+                let mut failure = self.failure.borrow_mut();
+                if failure.is_none() {
+                    *failure = Some(format!("{op} timed out"));
+                }
+                return Err(Error::Timeout {
+                    what: format!("{op} on rank {}", self.rank),
+                    timeout,
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(10));
+        }
+    }
+
+    /// Splits this communicator (`ncclCommSplit`); collective over all its ranks.
+    ///
+    /// Ranks passing the same `color` form a new communicator, ordered by `key` (ties by
+    /// rank here). `None` (`NCCL_SPLIT_NOCOLOR`) joins none and gets `Ok(None)`. The child
+    /// inherits this communicator's configuration.
+    #[track_caller]
+    pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Communicator>> {
+        const OP: &str = "ncclCommSplit";
+        let caller = Location::caller();
+        let color = match color {
+            None => nccl_sys::bindings::NCCL_SPLIT_NOCOLOR,
+            Some(c) if c <= c_int::MAX as u32 => c as c_int,
+            Some(c) => {
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    reason: format!("color {c} does not fit NCCL's int (max {})", c_int::MAX),
+                })
+            }
+        };
+        let mut child: ncclComm_t = std::ptr::null_mut();
+        self.issue(OP, caller, |t, comm| {
+            // SAFETY: `child` is writable; a null config means "inherit the parent's".
+            unsafe { (t.ncclCommSplit)(comm, color, key, &mut child, std::ptr::null_mut()) }
+        })?;
+        self.adopt_child(OP, child, caller)
+    }
+
+    /// Removes `exclude` ranks (`ncclCommShrink`, NCCL 2.27+); collective over the ranks
+    /// that stay. The calling rank must not be in `exclude`.
+    #[track_caller]
+    pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
+        const OP: &str = "ncclCommShrink";
+        let caller = Location::caller();
+        let shrink = self.lib.optional(self.lib.table().ncclCommShrink, OP)?;
+        let mut list = Vec::with_capacity(exclude.len());
+        for &r in exclude {
+            if r >= self.world_size {
+                return Err(Error::RankOutOfRange {
+                    op: OP,
+                    what: "excluded rank",
+                    rank: r,
+                    world_size: self.world_size,
+                });
+            }
+            if r == self.rank {
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    reason: format!("rank {r} is excluded, so it must not call shrink"),
+                });
+            }
+            if list.contains(&(r as c_int)) {
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    reason: format!("rank {r} is listed twice"),
+                });
+            }
+            list.push(r as c_int);
+        }
+        if list.len() >= self.world_size {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "every rank is excluded".into(),
+            });
+        }
+        let mut child: ncclComm_t = std::ptr::null_mut();
+        self.issue(OP, caller, |_, comm| {
+            // SAFETY: `list` holds `list.len()` in-range ranks; `child` is writable; null
+            // config inherits the parent's; flags 0 = NCCL_SHRINK_DEFAULT.
+            unsafe {
+                shrink(
+                    comm,
+                    list.as_mut_ptr(),
+                    list.len() as c_int,
+                    &mut child,
+                    std::ptr::null_mut(),
+                    nccl_sys::bindings::NCCL_SHRINK_DEFAULT as c_int,
+                )
+            }
+        })?;
+        match self.adopt_child(OP, child, caller)? {
+            Some(c) => Ok(c),
+            None => Err(Error::InvalidArgument {
+                op: OP,
+                reason: "NCCL returned no communicator".into(),
+            }),
+        }
+    }
+
+    /// Wraps a child handle from split/shrink, reading its rank and size from NCCL.
+    fn adopt_child(
+        &self,
+        op: &'static str,
+        child: ncclComm_t,
+        caller: &'static Location<'static>,
+    ) -> Result<Option<Communicator>> {
+        if child.is_null() {
+            return Ok(None);
+        }
+        let mut comm = Communicator {
+            raw: child,
+            lib: Arc::clone(&self.lib),
+            device: self.device.clone(),
+            rank: 0,
+            world_size: 0,
+            cuda_device: self.cuda_device,
+            blocking: self.blocking,
+            failure: RefCell::new(None),
+        };
+        if !self.blocking {
+            comm.wait_ready(op, caller, DEFAULT_INIT_TIMEOUT)?;
+        }
+        comm.read_shape(caller)?;
+        Ok(Some(comm))
+    }
+
+    /// Reads rank and size from NCCL (`ncclCommUserRank`, `ncclCommCount`).
+    fn read_shape(&mut self, caller: &'static Location<'static>) -> Result<()> {
+        let (mut rank, mut count): (c_int, c_int) = (0, 0);
+        // SAFETY: `rank` is writable and the handle live.
+        let r = unsafe { (self.lib.table().ncclCommUserRank)(self.raw, &mut rank) };
+        self.checked("ncclCommUserRank", r, caller)?;
+        // SAFETY: `count` is writable and the handle live.
+        let r = unsafe { (self.lib.table().ncclCommCount)(self.raw, &mut count) };
+        self.checked("ncclCommCount", r, caller)?;
+        self.rank = rank.max(0) as usize;
+        self.world_size = count.max(0) as usize;
+        Ok(())
+    }
+
+    /// Takes the handle out, so that exactly one teardown call uses it.
+    fn take(&mut self) -> ncclComm_t {
+        std::mem::replace(&mut self.raw, std::ptr::null_mut())
+    }
+
+    /// Destroys the communicator (`ncclCommDestroy`). On failure the communicator comes
+    /// back with the error (marked failed, so dropping it aborts), as rusqlite's
+    /// `Connection::close` does. A communicator that already failed is not destroyed but
+    /// handed back with [`Error::CommunicatorFailed`].
+    #[track_caller]
+    pub fn destroy(mut self) -> std::result::Result<(), (Communicator, Error)> {
+        const OP: &str = "ncclCommDestroy";
+        let caller = Location::caller();
+        if let Err(e) = self.ensure_usable(OP) {
+            return Err((self, e));
+        }
+        if let Err(e) = bind(&self.device) {
+            return Err((self, e));
+        }
+        // SAFETY: the handle is live; on success it is never used again (taken below).
+        let r = unsafe { (self.lib.table().ncclCommDestroy)(self.raw) };
+        match self.checked(OP, r, caller) {
+            Ok(()) => {
+                self.take();
+                Ok(())
+            }
+            Err(e) => Err((self, e)),
+        }
+    }
+
+    /// Aborts the communicator (`ncclCommAbort`): pending operations on every rank end
+    /// with an error. Never blocks on peers.
+    #[track_caller]
+    pub fn abort(mut self) -> Result<()> {
+        let ctx = self.context(Location::caller());
+        let _ = bind(&self.device);
+        let raw = self.take();
+        // SAFETY: the handle is live and, taken out of `self`, used by no one after this.
+        let r = unsafe { (self.lib.table().ncclCommAbort)(raw) };
+        self.lib.check("ncclCommAbort", r, CallContext { comm: std::ptr::null_mut(), ..ctx })
+    }
+
+    /// Flushes pending work everywhere (`ncclCommFinalize`), waits for it, then destroys.
+    /// On a failure or timeout the communicator is aborted (once) and the error returned.
+    #[track_caller]
+    pub fn finalize(self, timeout: Duration) -> Result<()> {
+        const OP: &str = "ncclCommFinalize";
+        let caller = Location::caller();
+        self.ensure_usable(OP)?;
+        bind(&self.device)?;
+        // SAFETY: the handle is live.
+        let r = unsafe { (self.lib.table().ncclCommFinalize)(self.raw) };
+        if r != nccl_sys::bindings::ncclInProgress {
+            self.checked(OP, r, caller)?;
+        }
+        self.wait_ready(OP, caller, timeout)?;
+        self.destroy().map_err(|(_, e)| e)
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        let raw = self.take();
+        if raw.is_null() {
+            return;
+        }
+        let _ = bind(&self.device);
+        let failed = self.failure.get_mut().is_some();
+        // SAFETY: `raw` is live and, taken out of `self`, torn down exactly once here.
+        let _ = unsafe {
+            if failed {
+                (self.lib.table().ncclCommAbort)(raw)
+            } else {
+                (self.lib.table().ncclCommDestroy)(raw)
+            }
+        };
+    }
+}
+
+/// A communicator whose non-blocking init is under way. Dropping it aborts the handle.
+#[derive(Debug)]
+pub struct PendingCommunicator {
+    comm: Option<Communicator>,
+}
+
+impl PendingCommunicator {
+    /// Waits until init completes (polling `ncclCommGetAsyncError`), up to `timeout`.
+    /// On an error or timeout the handle is aborted (once) and the error returned.
+    #[track_caller]
+    pub fn wait(mut self, timeout: Duration) -> Result<Communicator> {
+        let caller = Location::caller();
+        let Some(mut comm) = self.comm.take() else {
+            return Err(Error::InvalidArgument {
+                op: "PendingCommunicator::wait",
+                reason: "already waited".into(),
+            });
+        };
+        comm.wait_ready("ncclCommInitRankConfig", caller, timeout)?;
+        comm.read_shape(caller)?;
+        Ok(comm)
+    }
+
+    /// Whether init has finished (successfully or not) without waiting.
+    pub fn is_ready(&self) -> Result<bool> {
+        match &self.comm {
+            Some(c) => Ok(!c.async_error()?),
+            None => Ok(true),
+        }
+    }
+}
+
+impl Drop for PendingCommunicator {
+    fn drop(&mut self) {
+        if let Some(c) = self.comm.take() {
+            let _ = c.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ensure_send<T: Send>() {}
+    #[test]
+    fn communicator_is_send() {
+        ensure_send::<Communicator>();
+        ensure_send::<PendingCommunicator>();
+    }
+}

@@ -1,0 +1,217 @@
+//! [`Config`]: a builder over `ncclConfig_t`.
+
+use std::ffi::CString;
+use std::mem::{offset_of, size_of};
+
+use nccl_sys::{ncclConfig_t, NCCL_CONFIG_UNDEF_INT};
+
+use crate::error::{Error, Result};
+use crate::library::Library;
+use crate::version::Version;
+
+/// Communicator options (`ncclConfig_t`). Unset fields keep NCCL's defaults.
+///
+/// The raw struct is filled for the loaded library: its `size` and `version` are those of
+/// that release's layout, so NCCL 2.18 through 2.32 all accept it. Setting a field the
+/// loaded release does not have is [`Error::Unsupported`] at init.
+///
+/// ```
+/// use nccl_safe::Config;
+/// let cfg = Config::new().blocking(false).comm_name("grads").max_ctas(16);
+/// assert_eq!(cfg.is_blocking(), false);
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct Config {
+    ints: [Option<i32>; INT_FIELDS.len()],
+    net_name: Option<CString>,
+    comm_name: Option<CString>,
+}
+
+/// Integer fields: (C name, offset in the 2.32 struct, release that added it).
+const INT_FIELDS: [(&str, usize, (u32, u32)); 22] = [
+    ("blocking", offset_of!(ncclConfig_t, blocking), (2, 14)),
+    ("cgaClusterSize", offset_of!(ncclConfig_t, cgaClusterSize), (2, 14)),
+    ("minCTAs", offset_of!(ncclConfig_t, minCTAs), (2, 14)),
+    ("maxCTAs", offset_of!(ncclConfig_t, maxCTAs), (2, 14)),
+    ("splitShare", offset_of!(ncclConfig_t, splitShare), (2, 18)),
+    ("trafficClass", offset_of!(ncclConfig_t, trafficClass), (2, 26)),
+    ("collnetEnable", offset_of!(ncclConfig_t, collnetEnable), (2, 27)),
+    ("CTAPolicy", offset_of!(ncclConfig_t, CTAPolicy), (2, 27)),
+    ("shrinkShare", offset_of!(ncclConfig_t, shrinkShare), (2, 27)),
+    ("nvlsCTAs", offset_of!(ncclConfig_t, nvlsCTAs), (2, 27)),
+    ("nChannelsPerNetPeer", offset_of!(ncclConfig_t, nChannelsPerNetPeer), (2, 28)),
+    ("nvlinkCentricSched", offset_of!(ncclConfig_t, nvlinkCentricSched), (2, 28)),
+    ("graphUsageMode", offset_of!(ncclConfig_t, graphUsageMode), (2, 29)),
+    ("numRmaCtx", offset_of!(ncclConfig_t, numRmaCtx), (2, 29)),
+    ("maxP2pPeers", offset_of!(ncclConfig_t, maxP2pPeers), (2, 30)),
+    ("graphStreamOrdering", offset_of!(ncclConfig_t, graphStreamOrdering), (2, 31)),
+    ("launchOrderImplicit", offset_of!(ncclConfig_t, launchOrderImplicit), (2, 31)),
+    ("numRmaSig", offset_of!(ncclConfig_t, numRmaSig), (2, 31)),
+    ("rmaEagerInit", offset_of!(ncclConfig_t, rmaEagerInit), (2, 31)),
+    ("hostCftMode", offset_of!(ncclConfig_t, hostCftMode), (2, 31)),
+    ("nvlsHostMode", offset_of!(ncclConfig_t, nvlsHostMode), (2, 32)),
+    // Index 21 is not a field: keeps the array length in one place for `commName`'s release.
+    ("commName", offset_of!(ncclConfig_t, commName), (2, 27)),
+];
+
+const COMM_NAME: usize = 21;
+
+/// The size of `ncclConfig_t` in the given release: the 2.32 layout cut after the last
+/// field that release has (fields are only ever appended).
+pub(crate) fn layout_size(v: Version) -> usize {
+    let at = (v.major, v.minor);
+    let mut end = offset_of!(ncclConfig_t, splitShare) + size_of::<i32>();
+    for (_, off, since) in INT_FIELDS {
+        if since <= at {
+            end = end.max(off + size_of::<i32>());
+        }
+    }
+    if (2, 27) <= at {
+        end = end.max(offset_of!(ncclConfig_t, commName) + size_of::<*const i8>());
+    }
+    // Round up to the struct's alignment, as C's sizeof does.
+    let align = std::mem::align_of::<ncclConfig_t>();
+    end.div_ceil(align) * align
+}
+
+macro_rules! int_setters {
+    ($($(#[$doc:meta])* $name:ident => $idx:expr),* $(,)?) => {$(
+        $(#[$doc])*
+        pub fn $name(mut self, value: i32) -> Config {
+            self.ints[$idx] = Some(value);
+            self
+        }
+    )*};
+}
+
+impl Config {
+    /// All fields unset (NCCL's defaults, blocking).
+    pub fn new() -> Config {
+        Config::default()
+    }
+
+    /// `blocking`: with `false`, init and split return at once and complete in the background.
+    pub fn blocking(mut self, on: bool) -> Config {
+        self.ints[0] = Some(on as i32);
+        self
+    }
+
+    /// Whether this config asks for blocking calls (NCCL's default).
+    pub fn is_blocking(&self) -> bool {
+        self.ints[0] != Some(0)
+    }
+
+    int_setters! {
+        /// `cgaClusterSize`: CUDA thread-block cluster size (Hopper and later).
+        cga_cluster_size => 1,
+        /// `minCTAs`: lower bound on CTAs (channels) per collective.
+        min_ctas => 2,
+        /// `maxCTAs`: upper bound on CTAs per collective.
+        max_ctas => 3,
+        /// `splitShare`: children of `split` share the parent's resources (1) or not (0).
+        split_share => 4,
+        /// `trafficClass`: network traffic class (NCCL 2.26+).
+        traffic_class => 5,
+        /// `collnetEnable`: allow CollNet/SHARP (NCCL 2.27+).
+        collnet_enable => 6,
+        /// `CTAPolicy`: `NCCL_CTA_POLICY_*` bits (NCCL 2.27+).
+        cta_policy => 7,
+        /// `shrinkShare`: children of `shrink` share resources (NCCL 2.27+).
+        shrink_share => 8,
+        /// `nvlsCTAs`: CTAs for NVLS collectives (NCCL 2.27+).
+        nvls_ctas => 9,
+        /// `nChannelsPerNetPeer` (NCCL 2.28+).
+        n_channels_per_net_peer => 10,
+        /// `nvlinkCentricSched` (NCCL 2.28+).
+        nvlink_centric_sched => 11,
+        /// `graphUsageMode` (NCCL 2.29+).
+        graph_usage_mode => 12,
+        /// `numRmaCtx` (NCCL 2.29+).
+        num_rma_ctx => 13,
+        /// `maxP2pPeers` (NCCL 2.30+).
+        max_p2p_peers => 14,
+        /// `graphStreamOrdering` (NCCL 2.31+).
+        graph_stream_ordering => 15,
+        /// `launchOrderImplicit` (NCCL 2.31+).
+        launch_order_implicit => 16,
+        /// `numRmaSig` (NCCL 2.31+).
+        num_rma_sig => 17,
+        /// `rmaEagerInit` (NCCL 2.31+).
+        rma_eager_init => 18,
+        /// `hostCftMode`: an `ncclHostCftMode_t` (NCCL 2.31+).
+        host_cft_mode => 19,
+        /// `nvlsHostMode`: `ncclNvlsHostMode_t` bits (NCCL 2.32+).
+        nvls_host_mode => 20,
+    }
+
+    /// `netName`: the network plugin or transport to use (e.g. `"IB"`, `"Socket"`).
+    /// A name with an interior NUL is rejected at init.
+    pub fn net_name(mut self, name: &str) -> Config {
+        self.net_name = Some(CString::new(name).unwrap_or_default());
+        self
+    }
+
+    /// `commName`: a name shown in NCCL's logs and profilers (NCCL 2.27+).
+    pub fn comm_name(mut self, name: &str) -> Config {
+        self.comm_name = Some(CString::new(name).unwrap_or_default());
+        self
+    }
+
+    /// Fills NCCL's struct for `lib`. The returned struct points into `self` (names), so
+    /// `self` must outlive its use.
+    pub(crate) fn to_raw(&self, lib: &Library) -> Result<ncclConfig_t> {
+        let v = lib.version();
+        let at = (v.major, v.minor);
+        // The full 2.32 initializer: every field unset.
+        // SAFETY: ncclConfig_t is plain data (ints and pointers); all-zero is a valid value,
+        // and every field is then set explicitly below.
+        let mut raw: ncclConfig_t = unsafe { std::mem::zeroed() };
+        raw.size = layout_size(v);
+        raw.magic = nccl_sys::bindings::NCCL_API_MAGIC;
+        raw.version = v.code() as u32;
+        let base = &mut raw as *mut ncclConfig_t as *mut u8;
+        for (i, (name, off, since)) in INT_FIELDS.iter().enumerate().take(COMM_NAME) {
+            let value = match self.ints[i] {
+                Some(value) if *since > at => {
+                    return Err(Error::Unsupported {
+                        symbol: name,
+                        needs: Version::new(since.0, since.1, 0),
+                        found: v,
+                    })
+                }
+                Some(value) => value,
+                None => NCCL_CONFIG_UNDEF_INT,
+            };
+            // SAFETY: `off` is the offset of an i32 field of ncclConfig_t (from offset_of!).
+            unsafe { base.add(*off).cast::<i32>().write(value) };
+        }
+        raw.netName = self.net_name.as_ref().map_or(std::ptr::null(), |s| s.as_ptr());
+        raw.commName = match &self.comm_name {
+            Some(_) if at < (2, 27) => {
+                return Err(Error::Unsupported {
+                    symbol: "commName",
+                    needs: Version::new(2, 27, 0),
+                    found: v,
+                })
+            }
+            Some(s) => s.as_ptr(),
+            None => std::ptr::null(),
+        };
+        Ok(raw)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_sizes_match_each_releases_struct() {
+        // Sizes read off the headers of each release (x86_64).
+        assert_eq!(layout_size(Version::new(2, 18, 3)), 48);
+        assert_eq!(layout_size(Version::new(2, 26, 2)), 48);
+        assert_eq!(layout_size(Version::new(2, 27, 3)), 72);
+        assert_eq!(layout_size(Version::new(2, 28, 3)), 80);
+        assert_eq!(layout_size(Version::new(2, 32, 3)), size_of::<ncclConfig_t>());
+    }
+}

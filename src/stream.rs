@@ -1,0 +1,91 @@
+//! Where a collective runs: a cudarc [`CudaStream`] for NVIDIA's NCCL, or [`HostStream`]
+//! for the host provider.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+use nccl_sys::cudaStream_t;
+
+/// The host provider's stream: its work is complete when the call (or the group) returns,
+/// so there is nothing to synchronize.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostStream;
+
+/// A stream, borrowed for one call.
+#[derive(Debug, Clone, Copy)]
+pub enum StreamRef<'a> {
+    /// A CUDA stream.
+    Cuda(&'a CudaStream),
+    /// The host provider's stream.
+    Host,
+}
+
+impl StreamRef<'_> {
+    /// The raw `cudaStream_t` NCCL receives (null for the host provider).
+    pub fn raw(&self) -> cudaStream_t {
+        match self {
+            StreamRef::Cuda(s) => s.cu_stream() as cudaStream_t,
+            StreamRef::Host => std::ptr::null_mut(),
+        }
+    }
+
+    /// The CUDA device ordinal, for a CUDA stream.
+    pub fn device(&self) -> Option<usize> {
+        match self {
+            StreamRef::Cuda(s) => Some(s.context().ordinal()),
+            StreamRef::Host => None,
+        }
+    }
+}
+
+/// Anything a collective accepts as its stream.
+pub trait AsStream {
+    /// The stream for one call.
+    fn as_stream(&self) -> StreamRef<'_>;
+}
+
+impl AsStream for CudaStream {
+    fn as_stream(&self) -> StreamRef<'_> {
+        StreamRef::Cuda(self)
+    }
+}
+
+impl AsStream for Arc<CudaStream> {
+    fn as_stream(&self) -> StreamRef<'_> {
+        StreamRef::Cuda(self)
+    }
+}
+
+impl AsStream for HostStream {
+    fn as_stream(&self) -> StreamRef<'_> {
+        StreamRef::Host
+    }
+}
+
+/// An owned stream of either kind (what the launcher hands each rank).
+#[derive(Debug, Clone)]
+pub enum Stream {
+    /// A CUDA stream.
+    Cuda(Arc<CudaStream>),
+    /// The host provider's stream.
+    Host,
+}
+
+impl AsStream for Stream {
+    fn as_stream(&self) -> StreamRef<'_> {
+        match self {
+            Stream::Cuda(s) => StreamRef::Cuda(s),
+            Stream::Host => StreamRef::Host,
+        }
+    }
+}
+
+impl Stream {
+    /// Waits until the stream's work is done (nothing to wait for on the host provider).
+    pub fn synchronize(&self) -> crate::Result<()> {
+        match self {
+            Stream::Cuda(s) => Ok(s.synchronize()?),
+            Stream::Host => Ok(()),
+        }
+    }
+}
