@@ -1,2 +1,3 @@
 //! nccl-safe: a safe Rust API over NVIDIA NCCL.
 #![deny(missing_docs)]
+pub mod host;
