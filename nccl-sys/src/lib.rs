@@ -30,8 +30,8 @@ pub mod bindings {
 mod table;
 
 pub use bindings::{
-    cudaEvent_t, cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t,
-    ncclResult_t, ncclScalarResidence_t, ncclUniqueId,
+    cudaEvent_t, cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t,
+    ncclScalarResidence_t, ncclUniqueId,
 };
 pub use table::{
     optional_since, FunctionTable, MissingSymbol, Symbol, OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS,

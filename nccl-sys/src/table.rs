@@ -28,7 +28,11 @@ pub struct MissingSymbol {
 
 impl fmt::Display for MissingSymbol {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "missing required NCCL symbol(s): {}", self.names.join(", "))
+        write!(
+            f,
+            "missing required NCCL symbol(s): {}",
+            self.names.join(", ")
+        )
     }
 }
 
@@ -143,7 +147,10 @@ macro_rules! function_table {
 
 /// The release that introduced an optional entry point; `None` for a required or unknown name.
 pub fn optional_since(name: &str) -> Option<(u32, u32)> {
-    OPTIONAL_SYMBOLS.iter().find(|s| s.name == name).map(|s| s.since)
+    OPTIONAL_SYMBOLS
+        .iter()
+        .find(|s| s.name == name)
+        .map(|s| s.since)
 }
 
 impl fmt::Debug for FunctionTable {
