@@ -10,6 +10,7 @@ mod comm;
 mod config;
 pub mod error;
 mod group;
+pub mod host;
 mod id;
 pub mod launch;
 pub mod library;

@@ -1,0 +1,1377 @@
+//! The NCCL C ABI, implemented over host memory (one `extern "C"` function per entry point).
+#![allow(non_snake_case)]
+
+use core::ffi::{c_char, c_int, c_void, CStr};
+use std::cell::{Cell, RefCell};
+use std::ffi::CString;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use nccl_sys::bindings::*;
+
+use super::dtype::{self, RedKind};
+use super::exec::{run_items, Item};
+use super::state::{
+    lock, CollKind, CollPost, CommState, Fail, Global, Handle, IdBytes, P2pPost, PreMul, RootIdx,
+};
+
+/// Prefix of every unique id this provider makes.
+pub(crate) const ID_MAGIC: &[u8; 16] = b"nccl-safe-host\0\x01";
+
+thread_local! {
+    /// (latest error text, the copy last handed out by ncclGetLastError)
+    static LAST: RefCell<(CString, CString)> = RefCell::new((CString::default(), CString::default()));
+    /// (nesting depth, queued items, first error of a call inside the group)
+    static GROUP: RefCell<(u32, Vec<Item>, Option<Fail>)> = const { RefCell::new((0, Vec::new(), None)) };
+    /// The "current device" recorded by ncclCommInitRank(Config) (see `set_current_device`).
+    pub(crate) static DEVICE: Cell<c_int> = const { Cell::new(0) };
+}
+
+fn set_last(msg: &str) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST.with(|l| l.borrow_mut().0 = c);
+}
+
+/// Runs an entry point body: records the error text, turns a panic into `ncclInternalError`.
+fn ffi(f: impl FnOnce() -> Result<ncclResult_t, Fail>) -> ncclResult_t {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(code)) => code,
+        Ok(Err(fail)) => {
+            set_last(&fail.msg);
+            fail.code
+        }
+        Err(_) => {
+            set_last("internal error: the host provider panicked (this is a bug in nccl-safe)");
+            ncclInternalError
+        }
+    }
+}
+
+/// Writes `v` through an out-pointer that was checked non-null.
+fn put<T>(p: *mut T, v: T) {
+    // SAFETY: callers check `p` is non-null; NCCL's contract makes it a valid, writable,
+    // aligned pointer to a `T`.
+    unsafe { p.write(v) }
+}
+
+fn in_group() -> bool {
+    GROUP.with(|g| g.borrow().0 > 0)
+}
+
+/// Queues an item in this thread's group, or runs it now.
+fn submit(g: std::sync::MutexGuard<'static, Global>, item: Item) -> Result<ncclResult_t, Fail> {
+    if in_group() {
+        drop(g);
+        GROUP.with(|gr| gr.borrow_mut().1.push(item));
+        Ok(ncclSuccess)
+    } else {
+        run_items(g, vec![item]).map(|()| ncclSuccess)
+    }
+}
+
+/// Records an argument error raised inside a group so that ncclGroupEnd reports it too.
+fn group_err(r: Result<ncclResult_t, Fail>) -> Result<ncclResult_t, Fail> {
+    if let Err(f) = &r {
+        GROUP.with(|g| {
+            let mut g = g.borrow_mut();
+            if g.0 > 0 && g.2.is_none() {
+                g.2 = Some(f.clone());
+            }
+        });
+    }
+    r
+}
+
+/// A live handle's value, or the misuse it is.
+fn known(g: &mut Global, comm: ncclComm_t, what: &str) -> Result<Handle, Fail> {
+    let h = comm as usize;
+    if comm.is_null() {
+        return Err(g.misuse(
+            None,
+            ncclInvalidArgument,
+            format!("invalid argument: {what}: comm is NULL"),
+        ));
+    }
+    if g.comms.contains_key(&h) {
+        return Ok(h);
+    }
+    if let Some(&root) = g.dead.get(&h) {
+        return Err(g.misuse(
+            Some(root),
+            ncclInvalidUsage,
+            format!("invalid usage: {what}: communicator {h:#x} was already destroyed or aborted"),
+        ));
+    }
+    Err(g.misuse(
+        None,
+        ncclInvalidArgument,
+        format!("invalid argument: {what}: {h:#x} is not a communicator handle"),
+    ))
+}
+
+/// A usable communicator.
+struct Ready {
+    h: Handle,
+    clique: u64,
+    rank: i32,
+    nranks: i32,
+    root: RootIdx,
+}
+
+/// Checks `comm` is initialized (and, with `ops`, not finalized and its clique not aborted).
+fn ready(g: &mut Global, comm: ncclComm_t, what: &str, ops: bool) -> Result<Ready, Fail> {
+    let h = known(g, comm, what)?;
+    let Some(c) = g.comms.get(&h) else {
+        return Err(Fail::new(
+            ncclInternalError,
+            "internal error: handle vanished",
+        ));
+    };
+    let root = c.root;
+    let finalized = c.finalized;
+    match c.state.clone() {
+        CommState::Pending => Err(g.misuse(
+            Some(root),
+            ncclInvalidUsage,
+            format!("invalid usage: {what}: communicator is still initializing (poll ncclCommGetAsyncError)"),
+        )),
+        CommState::Failed(f) => Err(f),
+        CommState::Ready { clique, rank } => {
+            if ops && finalized {
+                return Err(g.misuse(
+                    Some(root),
+                    ncclInvalidUsage,
+                    format!("invalid usage: {what}: communicator was finalized"),
+                ));
+            }
+            let Some(cl) = g.cliques.get(&clique) else {
+                return Err(Fail::new(ncclRemoteError, format!("remote error: {what}: communicator is gone")));
+            };
+            if ops {
+                if let Some(f) = &cl.aborted {
+                    return Err(Fail::new(f.code, format!("{what}: communicator is in error: {}", f.msg)));
+                }
+            }
+            Ok(Ready {
+                h,
+                clique,
+                rank,
+                nranks: cl.nranks,
+                root,
+            })
+        }
+    }
+}
+
+/// `blocking` from a config (`None` = not set), validated as NCCL does.
+fn parse_config(
+    g: &mut Global,
+    cfg: *const ncclConfig_t,
+    root: Option<RootIdx>,
+    what: &str,
+) -> Result<Option<bool>, Fail> {
+    if cfg.is_null() {
+        return Ok(None);
+    }
+    let base = cfg as *const u8;
+    // SAFETY: a non-null config points at least at NCCL's common prefix (size, magic,
+    // version: 16 bytes), which every layout since 2.17 starts with.
+    let (size, magic, version) = unsafe {
+        (
+            (base as *const usize).read_unaligned(),
+            (base.add(8) as *const u32).read_unaligned(),
+            (base.add(12) as *const u32).read_unaligned(),
+        )
+    };
+    if magic != NCCL_API_MAGIC {
+        return Err(g.misuse(
+            root,
+            ncclInvalidArgument,
+            format!("invalid argument: {what}: config magic {magic:#x} is not NCCL_API_MAGIC (0xcafebeef): initialize it with NCCL_CONFIG_INITIALIZER"),
+        ));
+    }
+    if size < super::MIN_CONFIG_SIZE || size > core::mem::size_of::<ncclConfig_t>() {
+        return Err(g.misuse(
+            root,
+            ncclInvalidArgument,
+            format!(
+                "invalid argument: {what}: config size {size} is not a known ncclConfig_t layout ({}..={} bytes, NCCL 2.17..2.32)",
+                super::MIN_CONFIG_SIZE,
+                core::mem::size_of::<ncclConfig_t>()
+            ),
+        ));
+    }
+    if !(21700..30000).contains(&version) {
+        return Err(g.misuse(
+            root,
+            ncclInvalidArgument,
+            format!("invalid argument: {what}: config version {version} is not an NCCL 2.17+ version code"),
+        ));
+    }
+    // SAFETY: `blocking` is at offset 16 in every layout, inside `size` (>= 48) bytes.
+    let blocking = unsafe { (base.add(16) as *const c_int).read_unaligned() };
+    match blocking {
+        nccl_sys::NCCL_CONFIG_UNDEF_INT => Ok(None),
+        0 => Ok(Some(false)),
+        1 => Ok(Some(true)),
+        b => Err(g.misuse(
+            root,
+            ncclInvalidArgument,
+            format!("invalid argument: {what}: config.blocking = {b} (must be 0 or 1)"),
+        )),
+    }
+}
+
+/// Finishes a new handle `h` (init/split/shrink): queues it in a group, returns
+/// ncclInProgress for a non-blocking one, or waits for it.
+fn finish_new(
+    mut g: std::sync::MutexGuard<'static, Global>,
+    h: Handle,
+    out: *mut ncclComm_t,
+    nonblocking: bool,
+) -> Result<ncclResult_t, Fail> {
+    if in_group() || nonblocking {
+        put(out, h as ncclComm_t);
+        g.count_created(h);
+        let done = !matches!(g.comms.get(&h).map(|c| &c.state), Some(CommState::Pending));
+        drop(g);
+        if in_group() {
+            GROUP.with(|gr| gr.borrow_mut().1.push(Item::Handle(h)));
+        }
+        return Ok(if nonblocking && !done {
+            ncclInProgress
+        } else {
+            ncclSuccess
+        });
+    }
+    match run_items(g, vec![Item::Handle(h)]) {
+        Ok(()) => {
+            put(out, h as ncclComm_t);
+            lock().count_created(h);
+            Ok(ncclSuccess)
+        }
+        Err(f) => {
+            lock().forget_handle(h);
+            put(out, core::ptr::null_mut());
+            Err(f)
+        }
+    }
+}
+
+pub(crate) unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
+    get_version(version, 23203)
+}
+
+pub(crate) fn get_version(version: *mut c_int, code: c_int) -> ncclResult_t {
+    ffi(|| {
+        if version.is_null() {
+            return Err(lock().misuse(
+                None,
+                ncclInvalidArgument,
+                "invalid argument: ncclGetVersion: version is NULL".into(),
+            ));
+        }
+        put(version, code);
+        Ok(ncclSuccess)
+    })
+}
+
+/// A fresh unique id: [`ID_MAGIC`], then bytes unique per call in this process.
+pub(crate) fn fresh_id() -> ncclUniqueId {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut b = [0u8; 128];
+    b[..16].copy_from_slice(ID_MAGIC);
+    b[16..20].copy_from_slice(&std::process::id().to_le_bytes());
+    b[20..28].copy_from_slice(&n.to_le_bytes());
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    b[28..44].copy_from_slice(&t.to_le_bytes());
+    let rs = std::collections::hash_map::RandomState::new();
+    for (i, chunk) in b[44..].chunks_mut(8).enumerate() {
+        let mut h = rs.build_hasher();
+        h.write_u64(n);
+        h.write_usize(i);
+        let v = h.finish().to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+    ncclUniqueId {
+        internal: b.map(|x| x as c_char),
+    }
+}
+
+pub(crate) fn id_bytes(id: &ncclUniqueId) -> IdBytes {
+    id.internal.map(|x| x as u8)
+}
+
+pub(crate) unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclResult_t {
+    ffi(|| {
+        if unique_id.is_null() {
+            return Err(lock().misuse(
+                None,
+                ncclInvalidArgument,
+                "invalid argument: ncclGetUniqueId: uniqueId is NULL".into(),
+            ));
+        }
+        put(unique_id, fresh_id());
+        Ok(ncclSuccess)
+    })
+}
+
+/// NCCL's text for a result code (the same strings as libnccl).
+pub(crate) fn error_cstr(result: ncclResult_t) -> &'static CStr {
+    match result {
+        ncclSuccess => c"no error",
+        ncclUnhandledCudaError => c"unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
+        ncclSystemError => c"unhandled system error (run with NCCL_DEBUG=INFO for details)",
+        ncclInternalError => c"internal error - please report this issue to the NCCL developers",
+        ncclInvalidArgument => c"invalid argument (run with NCCL_DEBUG=WARN for details)",
+        ncclInvalidUsage => c"invalid usage (run with NCCL_DEBUG=WARN for details)",
+        ncclRemoteError => c"remote process exited or there was a network error",
+        ncclInProgress => c"NCCL operation in progress",
+        ncclTimeout => c"NCCL timeout",
+        _ => c"unknown result code",
+    }
+}
+
+pub(crate) unsafe extern "C" fn ncclGetErrorString(result: ncclResult_t) -> *const c_char {
+    error_cstr(result).as_ptr()
+}
+
+pub(crate) unsafe extern "C" fn ncclGetLastError(_comm: ncclComm_t) -> *const c_char {
+    // The text is per thread; `comm` (NULL allowed) is not used. The returned pointer stays
+    // valid until this thread's next ncclGetLastError call.
+    match std::panic::catch_unwind(|| {
+        LAST.with(|l| {
+            let mut l = l.borrow_mut();
+            l.1 = l.0.clone();
+            l.1.as_ptr()
+        })
+    }) {
+        Ok(p) => p,
+        Err(_) => c"".as_ptr(),
+    }
+}
+
+fn init_rank(
+    comm: *mut ncclComm_t,
+    nranks: c_int,
+    id: ncclUniqueId,
+    rank: c_int,
+    config: *const ncclConfig_t,
+    what: &str,
+) -> Result<ncclResult_t, Fail> {
+    let mut g = lock();
+    let idb = id_bytes(&id);
+    let root = g.root_of(&idb);
+    if comm.is_null() {
+        return Err(g.misuse(
+            Some(root),
+            ncclInvalidArgument,
+            format!("invalid argument: {what}: comm is NULL"),
+        ));
+    }
+    if nranks < 1 || rank < 0 || rank >= nranks {
+        return Err(g.misuse(
+            Some(root),
+            ncclInvalidArgument,
+            format!("invalid argument: {what}: rank {rank} / nranks {nranks} out of range (need 0 <= rank < nranks)"),
+        ));
+    }
+    let blocking = parse_config(&mut g, config, Some(root), what)?.unwrap_or(true);
+    let h = g.new_handle(root, DEVICE.with(|d| d.get()), !blocking);
+    g.post_init(idb, nranks, rank, h);
+    finish_new(g, h, comm, !blocking)
+}
+
+pub(crate) unsafe extern "C" fn ncclCommInitRankConfig(
+    comm: *mut ncclComm_t,
+    nranks: c_int,
+    comm_id: ncclUniqueId,
+    rank: c_int,
+    config: *mut ncclConfig_t,
+) -> ncclResult_t {
+    ffi(|| {
+        group_err(init_rank(
+            comm,
+            nranks,
+            comm_id,
+            rank,
+            config,
+            "ncclCommInitRankConfig",
+        ))
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclCommInitRank(
+    comm: *mut ncclComm_t,
+    nranks: c_int,
+    comm_id: ncclUniqueId,
+    rank: c_int,
+) -> ncclResult_t {
+    ffi(|| {
+        group_err(init_rank(
+            comm,
+            nranks,
+            comm_id,
+            rank,
+            core::ptr::null(),
+            "ncclCommInitRank",
+        ))
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclCommInitAll(
+    comm: *mut ncclComm_t,
+    ndev: c_int,
+    devlist: *const c_int,
+) -> ncclResult_t {
+    ffi(|| {
+        let mut g = lock();
+        if comm.is_null() || ndev < 1 {
+            return Err(g.misuse(
+                None,
+                ncclInvalidArgument,
+                format!("invalid argument: ncclCommInitAll: comms is NULL or ndev ({ndev}) < 1"),
+            ));
+        }
+        let idb = id_bytes(&fresh_id());
+        let root = g.root_of(&idb);
+        let mut handles = Vec::new();
+        for i in 0..ndev as usize {
+            let dev = if devlist.is_null() {
+                i as c_int
+            } else {
+                // SAFETY: a non-null devlist has ndev entries (NCCL's contract).
+                unsafe { devlist.add(i).read() }
+            };
+            handles.push(g.new_handle(root, dev, false));
+        }
+        g.new_clique(root, &handles);
+        for (i, &h) in handles.iter().enumerate() {
+            // SAFETY: `comm` is non-null and holds ndev entries (NCCL's contract).
+            put(unsafe { comm.add(i) }, h as ncclComm_t);
+            g.count_created(h);
+        }
+        Ok(ncclSuccess)
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t {
+    ffi(|| {
+        let mut g = lock();
+        let r = ready(&mut g, comm, "ncclCommFinalize", false)?;
+        let finalized = g.comms.get(&r.h).is_some_and(|c| c.finalized);
+        if finalized {
+            return Err(g.misuse(
+                Some(r.root),
+                ncclInvalidUsage,
+                "invalid usage: ncclCommFinalize: already finalized".into(),
+            ));
+        }
+        if let Some(c) = g.comms.get_mut(&r.h) {
+            c.finalized = true;
+        }
+        g.count(Some(r.root), |s| s.finalized += 1);
+        Ok(ncclSuccess)
+    })
+}
+
+fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
+    if comm.is_null() {
+        return Ok(ncclSuccess); // as NCCL: destroying/aborting NULL is a no-op
+    }
+    let what = if abort {
+        "ncclCommAbort"
+    } else {
+        "ncclCommDestroy"
+    };
+    let mut g = lock();
+    let h = known(&mut g, comm, what)?;
+    let Some(c) = g.comms.remove(&h) else {
+        return Err(Fail::new(
+            ncclInternalError,
+            "internal error: handle vanished",
+        ));
+    };
+    g.dead.insert(h, c.root);
+    g.count(Some(c.root), |s| {
+        if abort {
+            s.aborted += 1
+        } else {
+            s.destroyed += 1
+        }
+    });
+    match c.state {
+        CommState::Ready { clique, rank } => {
+            if abort {
+                g.abort_clique(
+                    clique,
+                    Fail::new(
+                        ncclRemoteError,
+                        format!("remote error: rank {rank} called ncclCommAbort"),
+                    ),
+                );
+            }
+            g.leave_clique(clique);
+        }
+        CommState::Pending => {
+            let why = Fail::new(
+                ncclRemoteError,
+                format!("remote error: a rank called {what} during initialization"),
+            );
+            g.fail_pending(c.pending_on, why);
+        }
+        CommState::Failed(_) => {}
+    }
+    super::state::notify();
+    Ok(ncclSuccess)
+}
+
+pub(crate) unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
+    ffi(|| teardown(comm, false))
+}
+
+pub(crate) unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
+    ffi(|| teardown(comm, true))
+}
+
+pub(crate) unsafe extern "C" fn ncclCommSplit(
+    comm: ncclComm_t,
+    color: c_int,
+    key: c_int,
+    newcomm: *mut ncclComm_t,
+    config: *mut ncclConfig_t,
+) -> ncclResult_t {
+    ffi(|| {
+        group_err((|| {
+            let mut g = lock();
+            let r = ready(&mut g, comm, "ncclCommSplit", true)?;
+            if newcomm.is_null() || color < NCCL_SPLIT_NOCOLOR {
+                return Err(g.misuse(
+                    Some(r.root),
+                    ncclInvalidArgument,
+                    format!("invalid argument: ncclCommSplit: newcomm is NULL or color {color} < 0 (and not NCCL_SPLIT_NOCOLOR)"),
+                ));
+            }
+            let parent_nb = g.comms.get(&r.h).is_some_and(|c| c.nonblocking);
+            let blocking =
+                parse_config(&mut g, config, Some(r.root), "ncclCommSplit")?.unwrap_or(!parent_nb);
+            let (seq, dev) = match g.comms.get_mut(&r.h) {
+                Some(c) => {
+                    c.coll_seq += 1;
+                    (c.coll_seq - 1, c.device)
+                }
+                None => {
+                    return Err(Fail::new(
+                        ncclInternalError,
+                        "internal error: handle vanished",
+                    ))
+                }
+            };
+            if color == NCCL_SPLIT_NOCOLOR {
+                g.post_rdv(r.clique, seq, None, (r.rank, color, key, None))?;
+                put(newcomm, core::ptr::null_mut());
+                return Ok(ncclSuccess);
+            }
+            let h = g.new_handle(r.root, dev, !blocking);
+            g.post_rdv(r.clique, seq, None, (r.rank, color, key, Some(h)))?;
+            finish_new(g, h, newcomm, !blocking)
+        })())
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclCommShrink(
+    comm: ncclComm_t,
+    exclude_ranks_list: *mut c_int,
+    exclude_ranks_count: c_int,
+    newcomm: *mut ncclComm_t,
+    config: *mut ncclConfig_t,
+    shrink_flags: c_int,
+) -> ncclResult_t {
+    ffi(|| {
+        group_err((|| {
+            let mut g = lock();
+            let r = ready(&mut g, comm, "ncclCommShrink", false)?;
+            let bad = |g: &mut Global, m: String| {
+                g.misuse(
+                    Some(r.root),
+                    ncclInvalidArgument,
+                    format!("invalid argument: ncclCommShrink: {m}"),
+                )
+            };
+            if newcomm.is_null() {
+                return Err(bad(&mut g, "newcomm is NULL".into()));
+            }
+            if shrink_flags != NCCL_SHRINK_DEFAULT as c_int
+                && shrink_flags != NCCL_SHRINK_ABORT as c_int
+            {
+                return Err(bad(&mut g, format!("unknown shrinkFlags {shrink_flags}")));
+            }
+            if exclude_ranks_count < 0 || (exclude_ranks_count > 0 && exclude_ranks_list.is_null())
+            {
+                return Err(bad(
+                    &mut g,
+                    "excludeRanksList is NULL or excludeRanksCount < 0".into(),
+                ));
+            }
+            let mut excl = Vec::new();
+            for i in 0..exclude_ranks_count as usize {
+                // SAFETY: the list is non-null and holds excludeRanksCount entries (NCCL's contract).
+                excl.push(unsafe { exclude_ranks_list.add(i).read() });
+            }
+            excl.sort_unstable();
+            excl.dedup();
+            if excl.len() != exclude_ranks_count as usize
+                || excl.iter().any(|&x| x < 0 || x >= r.nranks || x == r.rank)
+            {
+                return Err(bad(&mut g, format!(
+                    "exclude list {excl:?} has duplicates, ranks outside 0..{}, or the calling rank {}",
+                    r.nranks, r.rank
+                )));
+            }
+            let parent_nb = g.comms.get(&r.h).is_some_and(|c| c.nonblocking);
+            let blocking =
+                parse_config(&mut g, config, Some(r.root), "ncclCommShrink")?.unwrap_or(!parent_nb);
+            if shrink_flags == NCCL_SHRINK_ABORT as c_int {
+                g.abort_clique(
+                    r.clique,
+                    Fail::new(
+                        ncclRemoteError,
+                        "remote error: parent communicator shrunk with NCCL_SHRINK_ABORT",
+                    ),
+                );
+            }
+            let (seq, dev) = match g.comms.get_mut(&r.h) {
+                Some(c) => {
+                    c.coll_seq += 1;
+                    (c.coll_seq - 1, c.device)
+                }
+                None => {
+                    return Err(Fail::new(
+                        ncclInternalError,
+                        "internal error: handle vanished",
+                    ))
+                }
+            };
+            let h = g.new_handle(r.root, dev, !blocking);
+            g.post_rdv(r.clique, seq, Some(excl), (r.rank, 0, r.rank, Some(h)))?;
+            finish_new(g, h, newcomm, !blocking)
+        })())
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
+    comm: ncclComm_t,
+    async_error: *mut ncclResult_t,
+) -> ncclResult_t {
+    ffi(|| {
+        let mut g = lock();
+        let h = known(&mut g, comm, "ncclCommGetAsyncError")?;
+        let root = g.comms.get(&h).map(|c| c.root);
+        if async_error.is_null() {
+            return Err(g.misuse(
+                root,
+                ncclInvalidArgument,
+                "invalid argument: ncclCommGetAsyncError: asyncError is NULL".into(),
+            ));
+        }
+        g.check_pending_deadline(h);
+        let state = g.comms.get(&h).map(|c| c.state.clone());
+        let code = match state {
+            Some(CommState::Pending) => ncclInProgress,
+            Some(CommState::Failed(f)) => {
+                set_last(&f.msg);
+                f.code
+            }
+            Some(CommState::Ready { clique, .. }) => {
+                match g.cliques.get(&clique).and_then(|c| c.aborted.clone()) {
+                    Some(f) => {
+                        set_last(&f.msg);
+                        f.code
+                    }
+                    None => ncclSuccess,
+                }
+            }
+            None => ncclInternalError,
+        };
+        put(async_error, code);
+        Ok(ncclSuccess)
+    })
+}
+
+fn comm_query(
+    comm: ncclComm_t,
+    out: *mut c_int,
+    what: &str,
+    f: impl FnOnce(&Global, &Ready) -> c_int,
+) -> ncclResult_t {
+    ffi(|| {
+        let mut g = lock();
+        let r = ready(&mut g, comm, what, false)?;
+        if out.is_null() {
+            return Err(g.misuse(
+                Some(r.root),
+                ncclInvalidArgument,
+                format!("invalid argument: {what}: output pointer is NULL"),
+            ));
+        }
+        put(out, f(&g, &r));
+        Ok(ncclSuccess)
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclCommCount(comm: ncclComm_t, count: *mut c_int) -> ncclResult_t {
+    comm_query(comm, count, "ncclCommCount", |_, r| r.nranks)
+}
+
+pub(crate) unsafe extern "C" fn ncclCommCuDevice(
+    comm: ncclComm_t,
+    device: *mut c_int,
+) -> ncclResult_t {
+    comm_query(comm, device, "ncclCommCuDevice", |g, r| {
+        g.comms.get(&r.h).map_or(-1, |c| c.device)
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclCommUserRank(
+    comm: ncclComm_t,
+    rank: *mut c_int,
+) -> ncclResult_t {
+    comm_query(comm, rank, "ncclCommUserRank", |_, r| r.rank)
+}
+
+pub(crate) unsafe extern "C" fn ncclRedOpCreatePreMulSum(
+    op: *mut ncclRedOp_t,
+    scalar: *mut c_void,
+    datatype: ncclDataType_t,
+    residence: ncclScalarResidence_t,
+    comm: ncclComm_t,
+) -> ncclResult_t {
+    ffi(|| {
+        let mut g = lock();
+        let r = ready(&mut g, comm, "ncclRedOpCreatePreMulSum", false)?;
+        let Some(es) = dtype::size_of(datatype) else {
+            return Err(g.misuse(
+                Some(r.root),
+                ncclInvalidArgument,
+                format!("invalid argument: ncclRedOpCreatePreMulSum: unknown datatype {datatype}"),
+            ));
+        };
+        if op.is_null()
+            || scalar.is_null()
+            || (residence != ncclScalarDevice && residence != ncclScalarHostImmediate)
+        {
+            return Err(g.misuse(
+                Some(r.root),
+                ncclInvalidArgument,
+                format!("invalid argument: ncclRedOpCreatePreMulSum: op or scalar is NULL, or unknown residence {residence}"),
+            ));
+        }
+        let scalar = if residence == ncclScalarHostImmediate {
+            let mut v = vec![0u8; es];
+            // SAFETY: a host-immediate scalar points at one element of `datatype` (NCCL's contract).
+            unsafe { core::ptr::copy_nonoverlapping(scalar as *const u8, v.as_mut_ptr(), es) };
+            Ok(v)
+        } else {
+            Err(scalar as usize)
+        };
+        let Some(c) = g.comms.get_mut(&r.h) else {
+            return Err(Fail::new(
+                ncclInternalError,
+                "internal error: handle vanished",
+            ));
+        };
+        let id = c.next_redop;
+        c.next_redop += 1;
+        c.redops.insert(
+            id,
+            PreMul {
+                dtype: datatype,
+                scalar,
+            },
+        );
+        put(op, id);
+        Ok(ncclSuccess)
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclRedOpDestroy(
+    op: ncclRedOp_t,
+    comm: ncclComm_t,
+) -> ncclResult_t {
+    ffi(|| {
+        let mut g = lock();
+        let r = ready(&mut g, comm, "ncclRedOpDestroy", false)?;
+        if g.comms
+            .get_mut(&r.h)
+            .and_then(|c| c.redops.remove(&op))
+            .is_none()
+        {
+            return Err(g.misuse(
+                Some(r.root),
+                ncclInvalidArgument,
+                format!("invalid argument: ncclRedOpDestroy: op {op} is not a PreMulSum op created on this communicator"),
+            ));
+        }
+        Ok(ncclSuccess)
+    })
+}
+
+/// Which buffers a rank's collective touches: (send elements, recv elements), 0 = unused.
+fn extents(kind: CollKind, count: usize, nranks: usize, is_root: bool) -> Option<(usize, usize)> {
+    let all = count.checked_mul(nranks)?;
+    Some(match kind {
+        CollKind::AllReduce => (count, count),
+        CollKind::AllGather => (count, all),
+        CollKind::Broadcast => (if is_root { count } else { 0 }, count),
+        CollKind::Reduce => (count, if is_root { count } else { 0 }),
+        CollKind::ReduceScatter => (all, count),
+        CollKind::AlltoAll => (all, all),
+        CollKind::Gather => (count, if is_root { all } else { 0 }),
+        CollKind::Scatter => (if is_root { all } else { 0 }, count),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn coll(
+    name: &str,
+    kind: CollKind,
+    comm: ncclComm_t,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dt: ncclDataType_t,
+    op: Option<ncclRedOp_t>,
+    root: Option<c_int>,
+) -> ncclResult_t {
+    ffi(|| {
+        group_err((|| {
+            let mut g = lock();
+            let r = ready(&mut g, comm, name, true)?;
+            let bad = |g: &mut Global, m: String| {
+                g.misuse(
+                    Some(r.root),
+                    ncclInvalidArgument,
+                    format!("invalid argument: {name}: {m}"),
+                )
+            };
+            let Some(es) = dtype::size_of(dt) else {
+                return Err(bad(&mut g, format!("unknown datatype {dt}")));
+            };
+            let (red, scalar) = match op {
+                None => (RedKind::Sum, Vec::new()),
+                Some(ncclSum) => (RedKind::Sum, Vec::new()),
+                Some(ncclProd) => (RedKind::Prod, Vec::new()),
+                Some(ncclMax) => (RedKind::Max, Vec::new()),
+                Some(ncclMin) => (RedKind::Min, Vec::new()),
+                Some(ncclAvg) => (RedKind::Avg, Vec::new()),
+                Some(o) => match g.comms.get(&r.h).and_then(|c| c.redops.get(&o)).cloned() {
+                    None => return Err(bad(&mut g, format!("unknown reduction op {o}"))),
+                    Some(p) if p.dtype != dt => {
+                        return Err(bad(
+                            &mut g,
+                            format!(
+                                "PreMulSum op {o} was created for datatype {} but used with {dt}",
+                                p.dtype
+                            ),
+                        ))
+                    }
+                    Some(PreMul { scalar: Ok(v), .. }) => (RedKind::PreMulSum, v),
+                    Some(PreMul {
+                        scalar: Err(addr), ..
+                    }) => {
+                        let mut v = vec![0u8; es];
+                        // SAFETY: a "device" scalar is read at op time; the caller keeps it
+                        // valid for the life of the op (NCCL's contract for ncclScalarDevice).
+                        unsafe {
+                            core::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), es)
+                        };
+                        (RedKind::PreMulSum, v)
+                    }
+                },
+            };
+            let rt = root.unwrap_or(0);
+            if rt < 0 || rt >= r.nranks {
+                return Err(bad(
+                    &mut g,
+                    format!("root {rt} out of range 0..{}", r.nranks),
+                ));
+            }
+            let is_root = root.is_none_or(|x| x == r.rank);
+            let Some((ns, nr)) = extents(kind, count, r.nranks as usize, is_root) else {
+                return Err(bad(&mut g, format!("count {count} too large")));
+            };
+            if ns.checked_mul(es).is_none() || nr.checked_mul(es).is_none() {
+                return Err(bad(&mut g, format!("count {count} too large")));
+            }
+            if ns > 0 && send.is_null() {
+                return Err(bad(&mut g, "sendbuff is NULL".into()));
+            }
+            if nr > 0 && recv.is_null() {
+                return Err(bad(&mut g, "recvbuff is NULL".into()));
+            }
+            let post = CollPost {
+                kind,
+                send: if ns > 0 { send as usize } else { 0 },
+                recv: if nr > 0 { recv as usize } else { 0 },
+                count,
+                dtype: dt,
+                red,
+                scalar,
+                root: rt,
+            };
+            let seq = match g.comms.get_mut(&r.h) {
+                Some(c) => {
+                    c.coll_seq += 1;
+                    c.coll_seq - 1
+                }
+                None => {
+                    return Err(Fail::new(
+                        ncclInternalError,
+                        "internal error: handle vanished",
+                    ))
+                }
+            };
+            submit(
+                g,
+                Item::Coll {
+                    clique: r.clique,
+                    rank: r.rank,
+                    seq,
+                    post,
+                },
+            )
+        })())
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    op: ncclRedOp_t,
+    root: c_int,
+    comm: ncclComm_t,
+    _stream: cudaStream_t,
+) -> ncclResult_t {
+    coll(
+        "ncclReduce",
+        CollKind::Reduce,
+        comm,
+        sendbuff,
+        recvbuff,
+        count,
+        datatype,
+        Some(op),
+        Some(root),
+    )
+}
+
+pub(crate) unsafe extern "C" fn ncclBcast(
+    buff: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    root: c_int,
+    comm: ncclComm_t,
+    _stream: cudaStream_t,
+) -> ncclResult_t {
+    coll(
+        "ncclBcast",
+        CollKind::Broadcast,
+        comm,
+        buff,
+        buff,
+        count,
+        datatype,
+        None,
+        Some(root),
+    )
+}
+
+pub(crate) unsafe extern "C" fn ncclBroadcast(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    root: c_int,
+    comm: ncclComm_t,
+    _stream: cudaStream_t,
+) -> ncclResult_t {
+    coll(
+        "ncclBroadcast",
+        CollKind::Broadcast,
+        comm,
+        sendbuff,
+        recvbuff,
+        count,
+        datatype,
+        None,
+        Some(root),
+    )
+}
+
+pub(crate) unsafe extern "C" fn ncclAllReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    op: ncclRedOp_t,
+    comm: ncclComm_t,
+    _stream: cudaStream_t,
+) -> ncclResult_t {
+    coll(
+        "ncclAllReduce",
+        CollKind::AllReduce,
+        comm,
+        sendbuff,
+        recvbuff,
+        count,
+        datatype,
+        Some(op),
+        None,
+    )
+}
+
+pub(crate) unsafe extern "C" fn ncclReduceScatter(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    recvcount: usize,
+    datatype: ncclDataType_t,
+    op: ncclRedOp_t,
+    comm: ncclComm_t,
+    _stream: cudaStream_t,
+) -> ncclResult_t {
+    coll(
+        "ncclReduceScatter",
+        CollKind::ReduceScatter,
+        comm,
+        sendbuff,
+        recvbuff,
+        recvcount,
+        datatype,
+        Some(op),
+        None,
+    )
+}
+
+pub(crate) unsafe extern "C" fn ncclAllGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    sendcount: usize,
+    datatype: ncclDataType_t,
+    comm: ncclComm_t,
+    _stream: cudaStream_t,
+) -> ncclResult_t {
+    coll(
+        "ncclAllGather",
+        CollKind::AllGather,
+        comm,
+        sendbuff,
+        recvbuff,
+        sendcount,
+        datatype,
+        None,
+        None,
+    )
+}
+
+pub(crate) unsafe extern "C" fn ncclAlltoAll(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    comm: ncclComm_t,
+    _stream: cudaStream_t,
+) -> ncclResult_t {
+    coll(
+        "ncclAlltoAll",
+        CollKind::AlltoAll,
+        comm,
+        sendbuff,
+        recvbuff,
+        count,
+        datatype,
+        None,
+        None,
+    )
+}
+
+pub(crate) unsafe extern "C" fn ncclGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    root: c_int,
+    comm: ncclComm_t,
+    _stream: cudaStream_t,
+) -> ncclResult_t {
+    coll(
+        "ncclGather",
+        CollKind::Gather,
+        comm,
+        sendbuff,
+        recvbuff,
+        count,
+        datatype,
+        None,
+        Some(root),
+    )
+}
+
+pub(crate) unsafe extern "C" fn ncclScatter(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    root: c_int,
+    comm: ncclComm_t,
+    _stream: cudaStream_t,
+) -> ncclResult_t {
+    coll(
+        "ncclScatter",
+        CollKind::Scatter,
+        comm,
+        sendbuff,
+        recvbuff,
+        count,
+        datatype,
+        None,
+        Some(root),
+    )
+}
+
+fn p2p(
+    name: &str,
+    is_send: bool,
+    ptr: usize,
+    count: usize,
+    dt: ncclDataType_t,
+    peer: c_int,
+    comm: ncclComm_t,
+) -> ncclResult_t {
+    ffi(|| {
+        group_err((|| {
+            let mut g = lock();
+            let r = ready(&mut g, comm, name, true)?;
+            let bad = |g: &mut Global, m: String| {
+                g.misuse(
+                    Some(r.root),
+                    ncclInvalidArgument,
+                    format!("invalid argument: {name}: {m}"),
+                )
+            };
+            let Some(es) = dtype::size_of(dt) else {
+                return Err(bad(&mut g, format!("unknown datatype {dt}")));
+            };
+            if peer < 0 || peer >= r.nranks {
+                return Err(bad(
+                    &mut g,
+                    format!("peer {peer} out of range 0..{}", r.nranks),
+                ));
+            }
+            if count.checked_mul(es).is_none() {
+                return Err(bad(&mut g, format!("count {count} too large")));
+            }
+            if count > 0 && ptr == 0 {
+                return Err(bad(&mut g, "buffer is NULL".into()));
+            }
+            let Some(c) = g.comms.get_mut(&r.h) else {
+                return Err(Fail::new(
+                    ncclInternalError,
+                    "internal error: handle vanished",
+                ));
+            };
+            let ctr = if is_send {
+                c.send_seq.entry(peer).or_insert(0)
+            } else {
+                c.recv_seq.entry(peer).or_insert(0)
+            };
+            let seq = *ctr;
+            *ctr += 1;
+            let (src, dst) = if is_send {
+                (r.rank, peer)
+            } else {
+                (peer, r.rank)
+            };
+            let item = Item::P2p {
+                clique: r.clique,
+                src,
+                dst,
+                seq,
+                is_send,
+                post: P2pPost {
+                    ptr,
+                    count,
+                    dtype: dt,
+                },
+            };
+            submit(g, item)
+        })())
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclSend(
+    sendbuff: *const c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    peer: c_int,
+    comm: ncclComm_t,
+    _stream: cudaStream_t,
+) -> ncclResult_t {
+    p2p(
+        "ncclSend",
+        true,
+        sendbuff as usize,
+        count,
+        datatype,
+        peer,
+        comm,
+    )
+}
+
+pub(crate) unsafe extern "C" fn ncclRecv(
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    peer: c_int,
+    comm: ncclComm_t,
+    _stream: cudaStream_t,
+) -> ncclResult_t {
+    p2p(
+        "ncclRecv",
+        false,
+        recvbuff as usize,
+        count,
+        datatype,
+        peer,
+        comm,
+    )
+}
+
+pub(crate) unsafe extern "C" fn ncclGroupStart() -> ncclResult_t {
+    ffi(|| {
+        GROUP.with(|g| g.borrow_mut().0 += 1);
+        Ok(ncclSuccess)
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
+    ffi(|| {
+        let (depth, items, err) = GROUP.with(|g| {
+            let mut g = g.borrow_mut();
+            if g.0 == 0 {
+                return (0, Vec::new(), None);
+            }
+            g.0 -= 1;
+            if g.0 > 0 {
+                return (g.0 + 1, Vec::new(), None);
+            }
+            (1, std::mem::take(&mut g.1), g.2.take())
+        });
+        match depth {
+            0 => Err(lock().misuse(
+                None,
+                ncclInvalidUsage,
+                "invalid usage: ncclGroupEnd without a matching ncclGroupStart".into(),
+            )),
+            1 => {
+                let r = run_items(lock(), items);
+                match (err, r) {
+                    (Some(f), _) | (None, Err(f)) => Err(f),
+                    (None, Ok(())) => Ok(ncclSuccess),
+                }
+            }
+            _ => Ok(ncclSuccess),
+        }
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> ncclResult_t {
+    ffi(|| {
+        let mut g = lock();
+        if ptr.is_null() {
+            return Err(g.misuse(
+                None,
+                ncclInvalidArgument,
+                "invalid argument: ncclMemAlloc: ptr is NULL".into(),
+            ));
+        }
+        let Ok(layout) = std::alloc::Layout::from_size_align(size.max(1), 4096) else {
+            return Err(g.misuse(
+                None,
+                ncclInvalidArgument,
+                format!("invalid argument: ncclMemAlloc: size {size} too large"),
+            ));
+        };
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        if p.is_null() {
+            return Err(Fail::new(
+                ncclSystemError,
+                format!("system error: ncclMemAlloc: out of host memory ({size} bytes)"),
+            ));
+        }
+        g.mem.insert(p as usize, layout);
+        put(ptr, p as *mut c_void);
+        Ok(ncclSuccess)
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
+    ffi(|| {
+        if ptr.is_null() {
+            return Ok(ncclSuccess);
+        }
+        let mut g = lock();
+        let Some(layout) = g.mem.remove(&(ptr as usize)) else {
+            return Err(g.misuse(None, ncclInvalidArgument, format!("invalid argument: ncclMemFree: {ptr:p} was not returned by ncclMemAlloc (or was freed already)")));
+        };
+        // SAFETY: `ptr` came from `alloc_zeroed` with this layout and was not freed (it was
+        // still in the table, which we just removed it from).
+        unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+        Ok(ncclSuccess)
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclCommRegister(
+    comm: ncclComm_t,
+    buff: *mut c_void,
+    size: usize,
+    handle: *mut *mut c_void,
+) -> ncclResult_t {
+    ffi(|| {
+        let mut g = lock();
+        let r = ready(&mut g, comm, "ncclCommRegister", false)?;
+        if handle.is_null() || (buff.is_null() && size > 0) {
+            return Err(g.misuse(
+                Some(r.root),
+                ncclInvalidArgument,
+                "invalid argument: ncclCommRegister: buff or handle is NULL".into(),
+            ));
+        }
+        g.next_reg += 1;
+        let token = 0x7e60_0000usize + 16 * g.next_reg;
+        g.regs.insert(token, r.h);
+        put(handle, token as *mut c_void);
+        Ok(ncclSuccess)
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclCommDeregister(
+    comm: ncclComm_t,
+    handle: *mut c_void,
+) -> ncclResult_t {
+    ffi(|| {
+        let mut g = lock();
+        let r = ready(&mut g, comm, "ncclCommDeregister", false)?;
+        if g.regs.get(&(handle as usize)) != Some(&r.h) {
+            return Err(g.misuse(Some(r.root), ncclInvalidArgument, format!("invalid argument: ncclCommDeregister: {handle:p} is not a registration of this communicator")));
+        }
+        g.regs.remove(&(handle as usize));
+        Ok(ncclSuccess)
+    })
+}

@@ -1,0 +1,288 @@
+//! The host provider: NCCL's C ABI implemented in Rust over host (CPU) memory, with ranks
+//! as threads of one process.
+//!
+//! [`lookup`] hands out `unsafe extern "C"` functions with NCCL's exact signatures, so
+//! `nccl_sys::FunctionTable::load(nccl_safe::host::lookup)` fills the same table a
+//! `dlopen`ed `libnccl.so.2` does, and everything above the table runs unchanged.
+//!
+//! # How it maps to NCCL
+//! * A `ncclComm_t` is an opaque number (never null, never reused in the process) looked up
+//!   in a global registry, never dereferenced. Using a destroyed or aborted handle returns
+//!   `ncclInvalidUsage`; a value that was never a handle returns `ncclInvalidArgument`; both
+//!   are counted in [`HostStats::misused`] and never crash.
+//! * `ncclCommInitRank(Config)` is a rendezvous on the unique id: it completes when `nranks`
+//!   ranks joined. Ranks that disagree on `nranks` (or join twice as one rank) all get
+//!   `ncclInvalidArgument`.
+//! * Every operation is *posted* into its communicator's slot (collectives by the
+//!   communicator's sequence number, send/recv by (source, destination, per-pair sequence)).
+//!   The thread whose post completes a slot performs the whole operation for every rank (all
+//!   buffers are host memory of this process) and wakes the others. Nobody blocks on a peer
+//!   before posting everything, so one thread may drive every rank of a clique inside one
+//!   group, and send/recv pairs inside a group never deadlock.
+//! * Inside `ncclGroupStart`/`ncclGroupEnd` (a per-thread nesting depth) operations, inits
+//!   and splits are queued and posted at the outermost `ncclGroupEnd`, which then waits for
+//!   all of them.
+//! * Reductions fold the ranks' inputs in rank order 0, 1, 2, ... rounding every step to the
+//!   element type: integer sum/product
+//!   wrap; `f16`/`bf16`/fp8 compute each step in `f32` and round back (fp8 rounds to
+//!   nearest-even and saturates to the largest finite value); `avg` is that sum divided by
+//!   `nranks` (integers: truncating division of the wrapped sum); PreMulSum is the sum of
+//!   `scalar_r * x_r` with each product rounded to the type. Max/min keep the accumulator on
+//!   ties and NaN comparisons.
+//! * In-place forms (and any other aliasing) work: every input is read before any output is
+//!   written.
+//!
+//! # Documented differences from real NCCL
+//! 1. The `stream` argument is ignored: the work happens on the calling thread when the call
+//!    (or the outermost `ncclGroupEnd`) runs, so an operation is complete when that call
+//!    returns. This holds for non-blocking communicators too: only init/split/shrink are
+//!    asynchronous (they return `ncclInProgress` and are polled with
+//!    `ncclCommGetAsyncError`); there is no background thread, the last rank to join
+//!    completes the rendezvous for everyone.
+//! 2. `ncclCommAbort` (from any thread) wakes every rank blocked on that communicator's
+//!    clique with `ncclRemoteError`; later operations on the surviving ranks return
+//!    `ncclRemoteError` and `ncclCommGetAsyncError` reports it. An operation whose copy had
+//!    already started finishes first (its buffers are never touched after its call returns).
+//! 3. Every wait ends after `NCCL_SAFE_HOST_TIMEOUT_MS` (default 300 000 ms, read once) with
+//!    `ncclTimeout`; the clique is then aborted so no buffer is touched later.
+//! 4. `ncclCommCuDevice` reports the `devlist` entry (or the index) for `ncclCommInitAll`;
+//!    otherwise the calling thread's "current device" at init time, set with
+//!    [`set_current_device`] (default 0, like CUDA's default device). Children inherit it.
+//! 5. `ncclCommDestroy(NULL)` and `ncclCommAbort(NULL)` return `ncclSuccess` (as NCCL does)
+//!    and count nothing. A failed *blocking* init writes NULL to `*comm` and counts nothing;
+//!    a non-blocking (or grouped) init's handle is counted as created at once and must be
+//!    destroyed or aborted even if it fails.
+//! 6. A rank calling `ncclCommSplit` with `NCCL_SPLIT_NOCOLOR` gets `*newcomm = NULL` at once
+//!    without waiting for the other ranks (it has nothing to wait for).
+//! 7. `ncclScalarDevice` PreMulSum scalars are read when the collective is called (also
+//!    inside a group); `ncclScalarHostImmediate` ones at creation.
+//! 8. Ranks that disagree on a collective (kind, count, datatype, root, reduction) all get
+//!    `ncclInvalidUsage` instead of undefined behaviour; a send/recv pair with different
+//!    counts or datatypes likewise.
+//! 9. Config validation: `magic` must be `NCCL_API_MAGIC`, `size` between the 2.17 layout
+//!    (48 bytes) and this crate's 2.32 layout, `version` an NCCL 2.17+ code; only `blocking`
+//!    (present in every layout) is read, other fields are accepted and ignored.
+//! 10. `ncclMemAlloc` returns zeroed, 4096-aligned host memory; `ncclCommRegister` returns a
+//!    token checked by `ncclCommDeregister`. Other optional entry points (windows, RMA,
+//!    `*Config` collectives, ...) are not provided (`lookup` returns null).
+//! 11. `ncclGetLastError` ignores its `comm` argument: the text is per thread, and the
+//!    pointer stays valid until the same thread calls `ncclGetLastError` again.
+
+// NCCL constants (ncclSum, ncclInt8, ...) keep their C names in match patterns.
+#![allow(non_upper_case_globals)]
+
+use core::ffi::{c_int, c_void, CStr};
+
+mod api;
+mod dtype;
+mod exec;
+mod state;
+
+use nccl_sys::bindings::{ncclComm_t, ncclUniqueId};
+use nccl_sys::FunctionTable;
+
+/// The smallest `ncclConfig_t` accepted: the NCCL 2.17-2.26 layout (`splitShare` last).
+const MIN_CONFIG_SIZE: usize = 48;
+
+/// Counters of communicator handles, to prove every handle was torn down exactly once.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostStats {
+    /// Handles handed to the user (init, init-all, split, shrink).
+    pub created: u64,
+    /// Successful `ncclCommDestroy` calls.
+    pub destroyed: u64,
+    /// Successful `ncclCommAbort` calls.
+    pub aborted: u64,
+    /// Successful `ncclCommFinalize` calls.
+    pub finalized: u64,
+    /// Calls rejected as misuse (bad or dead handle, NULL pointer, out-of-range argument, ...).
+    pub misused: u64,
+    /// `created - destroyed - aborted`: handles still alive.
+    pub live: u64,
+}
+
+impl HostStats {
+    fn with_live(mut self) -> Self {
+        self.live = self.created.saturating_sub(self.destroyed + self.aborted);
+        self
+    }
+}
+
+/// Counters for the whole process.
+pub fn stats() -> HostStats {
+    state::lock().total.with_live()
+}
+
+/// Counters for the communicators born from `id` (including their split/shrink children);
+/// misuse is attributed here when the handle involved belongs to that family (or when an
+/// init with this id had a bad argument). All zero for an id never used.
+pub fn stats_for(id: &ncclUniqueId) -> HostStats {
+    let g = state::lock();
+    g.find_root(&api::id_bytes(id))
+        .and_then(|r| g.root_stats.get(r).copied())
+        .unwrap_or_default()
+        .with_live()
+}
+
+/// The root unique id of a live host communicator (for `ncclCommInitAll` cliques, whose
+/// id is made internally), so [`stats_for`] can be used with them. `None` for anything else.
+pub fn root_id_of(comm: ncclComm_t) -> Option<ncclUniqueId> {
+    let g = state::lock();
+    let root = g.comms.get(&(comm as usize))?.root;
+    g.root_id(root)
+}
+
+/// The most recent misuse messages (at most 64, oldest first), process wide.
+pub fn recent_misuse() -> Vec<String> {
+    state::lock().misuse_log.iter().cloned().collect()
+}
+
+/// Sets the calling thread's "current device", recorded by later `ncclCommInitRank(Config)`
+/// calls on this thread and reported by `ncclCommCuDevice` (the host analogue of
+/// `cudaSetDevice`; default 0).
+pub fn set_current_device(device: c_int) {
+    api::DEVICE.with(|d| d.set(device));
+}
+
+/// The version `ncclGetVersion` reports from [`lookup`]: 2.32.3.
+pub const HOST_VERSION: (u32, u32, u32) = (2, 32, 3);
+
+/// The table of host entry points, built as a struct literal so the compiler checks every
+/// signature against `nccl-sys`.
+fn table() -> FunctionTable {
+    use api::*;
+    FunctionTable {
+        ncclGetVersion,
+        ncclGetUniqueId,
+        ncclCommInitRankConfig,
+        ncclCommInitRank,
+        ncclCommInitAll,
+        ncclCommFinalize,
+        ncclCommDestroy,
+        ncclCommAbort,
+        ncclCommSplit,
+        ncclGetErrorString,
+        ncclGetLastError,
+        ncclCommGetAsyncError,
+        ncclCommCount,
+        ncclCommCuDevice,
+        ncclCommUserRank,
+        ncclRedOpCreatePreMulSum,
+        ncclRedOpDestroy,
+        ncclReduce,
+        ncclBcast,
+        ncclBroadcast,
+        ncclAllReduce,
+        ncclReduceScatter,
+        ncclAllGather,
+        ncclSend,
+        ncclRecv,
+        ncclGroupStart,
+        ncclGroupEnd,
+        ncclMemAlloc: Some(ncclMemAlloc),
+        ncclMemFree: Some(ncclMemFree),
+        ncclCommRegister: Some(ncclCommRegister),
+        ncclCommDeregister: Some(ncclCommDeregister),
+        ncclGroupSimulateEnd: None,
+        ncclCommInitRankScalable: None,
+        ncclCommShrink: Some(ncclCommShrink),
+        ncclCommWindowRegister: None,
+        ncclCommWindowDeregister: None,
+        ncclAlltoAll: Some(ncclAlltoAll),
+        ncclGather: Some(ncclGather),
+        ncclScatter: Some(ncclScatter),
+        ncclCommRevoke: None,
+        ncclCommSuspend: None,
+        ncclCommResume: None,
+        ncclCommMemStats: None,
+        ncclWinGetUserPtr: None,
+        ncclCommGetUniqueId: None,
+        ncclCommGrow: None,
+        ncclPutSignal: None,
+        ncclSignal: None,
+        ncclWaitSignal: None,
+        ncclAllReduceConfig: None,
+        ncclBroadcastConfig: None,
+        ncclReduceConfig: None,
+        ncclAllGatherConfig: None,
+        ncclReduceScatterConfig: None,
+        ncclAlltoAllConfig: None,
+        ncclGatherConfig: None,
+        ncclScatterConfig: None,
+        ncclSetEncryption: None,
+    }
+}
+
+macro_rules! lookup_names {
+    ($t:ident, $name:ident; required: $($r:ident),*; optional: $($o:ident),*) => {
+        match $name.to_bytes() {
+            $( n if n == stringify!($r).as_bytes() => $t.$r as *const c_void, )*
+            $( n if n == stringify!($o).as_bytes() => $t.$o.map_or(core::ptr::null(), |f| f as *const c_void), )*
+            _ => core::ptr::null(),
+        }
+    };
+}
+
+/// Looks up a host-provider entry point by its C name (e.g. `c"ncclAllReduce"`); null if
+/// not provided. Pass it to `nccl_sys::FunctionTable::load`.
+pub fn lookup(name: &CStr) -> *const c_void {
+    let t = table();
+    lookup_names!(t, name;
+        required: ncclGetVersion, ncclGetUniqueId, ncclCommInitRankConfig, ncclCommInitRank,
+            ncclCommInitAll, ncclCommFinalize, ncclCommDestroy, ncclCommAbort, ncclCommSplit,
+            ncclGetErrorString, ncclGetLastError, ncclCommGetAsyncError, ncclCommCount,
+            ncclCommCuDevice, ncclCommUserRank, ncclRedOpCreatePreMulSum, ncclRedOpDestroy,
+            ncclReduce, ncclBcast, ncclBroadcast, ncclAllReduce, ncclReduceScatter, ncclAllGather,
+            ncclSend, ncclRecv, ncclGroupStart, ncclGroupEnd;
+        optional: ncclMemAlloc, ncclMemFree, ncclCommRegister, ncclCommDeregister, ncclCommShrink,
+            ncclAlltoAll, ncclGather, ncclScatter)
+}
+
+macro_rules! versioned {
+    ($(($minor:literal, $patch:literal) => $f:ident),* $(,)?) => {
+        $(
+            unsafe extern "C" fn $f(version: *mut c_int) -> nccl_sys::ncclResult_t {
+                api::get_version(version, nccl_sys::nccl_version_code(2, $minor, $patch))
+            }
+        )*
+        /// `ncclGetVersion` reporting the release of minor version `minor` (2.18 to 2.32).
+        fn versioned_get_version(minor: u32) -> *const c_void {
+            match minor {
+                $( $minor => $f as *const c_void, )*
+                _ => core::ptr::null(),
+            }
+        }
+    };
+}
+
+versioned! {
+    (18, 3) => v2_18, (19, 3) => v2_19, (20, 5) => v2_20, (21, 5) => v2_21, (22, 3) => v2_22,
+    (23, 4) => v2_23, (24, 3) => v2_24, (25, 1) => v2_25, (26, 2) => v2_26, (27, 3) => v2_27,
+    (28, 3) => v2_28, (29, 2) => v2_29, (30, 3) => v2_30, (31, 2) => v2_31, (32, 3) => v2_32,
+}
+
+/// Like [`lookup`], but emulating NCCL `major.minor` (2.18 to 2.32): optional symbols newer
+/// than that release are hidden and `ncclGetVersion` reports that release (with the patch
+/// level of the headers this crate was checked against, e.g. 2.18.3). For a version outside
+/// 2.18..=2.32 every lookup returns null, so loading a table fails.
+pub fn lookup_as_version(major: u32, minor: u32) -> impl FnMut(&CStr) -> *const c_void {
+    let supported = major == 2 && (18..=32).contains(&minor);
+    move |name: &CStr| {
+        if !supported {
+            return core::ptr::null();
+        }
+        if name.to_bytes() == b"ncclGetVersion" {
+            return versioned_get_version(minor);
+        }
+        let hidden = name
+            .to_str()
+            .ok()
+            .and_then(nccl_sys::optional_since)
+            .is_some_and(|since| since > (major, minor));
+        if hidden {
+            core::ptr::null()
+        } else {
+            lookup(name)
+        }
+    }
+}

@@ -1,0 +1,541 @@
+//! The process-wide registry of the host provider: handles, cliques, rendezvous and
+//! posted operations, all behind one mutex and one condition variable.
+//!
+//! An operation is "posted" into its clique's slot (collectives by the communicator's
+//! sequence number, send/recv by (source, destination, per-pair sequence)). The thread
+//! whose post completes a slot marks it `Executing`, releases the lock, does every rank's
+//! copy and reduction, and marks it `Done`. A rank's buffers are only touched while that
+//! rank still waits for the op: once a clique is aborted no new execution starts, and a
+//! waiter whose op is executing waits for it to finish even when the clique was aborted.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_int;
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use nccl_sys::bindings::*;
+
+use super::dtype::RedKind;
+use super::HostStats;
+
+/// The opaque value behind an `ncclComm_t`.
+pub(crate) type Handle = usize;
+/// Index of a root unique id in [`Global::roots`].
+pub(crate) type RootIdx = usize;
+/// The bytes of a unique id.
+pub(crate) type IdBytes = [u8; 128];
+
+/// Handles are `HANDLE_BASE + 16 * n`, n = 1, 2, ...: never null, never reused.
+const HANDLE_BASE: usize = 0x4e43_0000;
+
+/// An error to report through the C ABI: a result code and the last-error text.
+#[derive(Debug, Clone)]
+pub(crate) struct Fail {
+    pub code: ncclResult_t,
+    pub msg: String,
+}
+
+impl Fail {
+    pub(crate) fn new(code: ncclResult_t, msg: impl Into<String>) -> Self {
+        Fail {
+            code,
+            msg: msg.into(),
+        }
+    }
+}
+
+/// What a communicator handle currently is.
+#[derive(Debug, Clone)]
+pub(crate) enum CommState {
+    /// Waiting for its init / split / shrink rendezvous.
+    Pending,
+    /// A member of a clique.
+    Ready { clique: u64, rank: i32 },
+    /// Its rendezvous failed (it still has to be destroyed or aborted).
+    Failed(Fail),
+}
+
+/// What a pending handle waits on (so a timeout can fail the whole rendezvous).
+#[derive(Debug, Clone)]
+pub(crate) enum PendingOn {
+    Init(IdBytes),
+    Rdv { clique: u64, seq: u64 },
+    Nothing,
+}
+
+/// A registered PreMulSum reduction.
+#[derive(Debug, Clone)]
+pub(crate) struct PreMul {
+    pub dtype: ncclDataType_t,
+    /// Host-immediate scalar bytes, or the address to read at op time.
+    pub scalar: Result<Vec<u8>, usize>,
+}
+
+/// A live communicator handle.
+#[derive(Debug)]
+pub(crate) struct Comm {
+    pub state: CommState,
+    pub root: RootIdx,
+    pub device: c_int,
+    pub nonblocking: bool,
+    pub finalized: bool,
+    pub coll_seq: u64,
+    pub send_seq: HashMap<i32, u64>,
+    pub recv_seq: HashMap<i32, u64>,
+    pub redops: HashMap<ncclRedOp_t, PreMul>,
+    pub next_redop: ncclRedOp_t,
+    pub pending_on: PendingOn,
+    pub deadline: Instant,
+}
+
+/// Which collective a slot holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CollKind {
+    AllReduce,
+    AllGather,
+    Broadcast,
+    Reduce,
+    ReduceScatter,
+    AlltoAll,
+    Gather,
+    Scatter,
+}
+
+/// One rank's part of a collective.
+#[derive(Debug, Clone)]
+pub(crate) struct CollPost {
+    pub kind: CollKind,
+    pub send: usize,
+    pub recv: usize,
+    pub count: usize,
+    pub dtype: ncclDataType_t,
+    pub red: RedKind,
+    pub scalar: Vec<u8>,
+    pub root: i32,
+}
+
+/// One side of a send/recv pair.
+#[derive(Debug, Clone)]
+pub(crate) struct P2pPost {
+    pub ptr: usize,
+    pub count: usize,
+    pub dtype: ncclDataType_t,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum SlotState {
+    Waiting,
+    Executing,
+    Done(Result<(), Fail>),
+}
+
+#[derive(Debug)]
+pub(crate) struct CollSlot {
+    pub posts: Vec<Option<CollPost>>,
+    pub nposted: usize,
+    pub state: SlotState,
+    pub waiters: usize,
+}
+
+#[derive(Debug)]
+pub(crate) struct P2pSlot {
+    pub send: Option<P2pPost>,
+    pub recv: Option<P2pPost>,
+    pub state: SlotState,
+    pub waiters: usize,
+}
+
+/// A split or shrink rendezvous over a parent clique.
+#[derive(Debug)]
+pub(crate) struct RdvSlot {
+    /// `None` for split; the sorted excluded ranks for shrink.
+    pub shrink: Option<Vec<i32>>,
+    pub expected: usize,
+    /// (parent rank, color, key, handle to fill: None for NOCOLOR)
+    pub posts: Vec<(i32, c_int, c_int, Option<Handle>)>,
+}
+
+/// The ranks that share one communicator (one init, split or shrink result).
+#[derive(Debug)]
+pub(crate) struct Clique {
+    pub nranks: i32,
+    pub root: RootIdx,
+    pub members: usize,
+    pub aborted: Option<Fail>,
+    pub colls: HashMap<u64, CollSlot>,
+    pub p2p: HashMap<(i32, i32, u64), P2pSlot>,
+    pub rdv: HashMap<u64, RdvSlot>,
+}
+
+impl Clique {
+    fn executing(&self) -> bool {
+        self.colls
+            .values()
+            .any(|s| matches!(s.state, SlotState::Executing))
+            || self
+                .p2p
+                .values()
+                .any(|s| matches!(s.state, SlotState::Executing))
+    }
+}
+
+/// An init rendezvous on one unique id.
+#[derive(Debug)]
+pub(crate) struct PendingInit {
+    pub nranks: i32,
+    pub posts: Vec<(i32, Handle)>,
+}
+
+/// Everything, behind [`lock`].
+#[derive(Debug, Default)]
+pub(crate) struct Global {
+    next_handle: usize,
+    next_clique: u64,
+    pub comms: HashMap<Handle, Comm>,
+    pub dead: HashMap<Handle, RootIdx>,
+    pub cliques: HashMap<u64, Clique>,
+    pub inits: HashMap<IdBytes, PendingInit>,
+    pub failed_ids: HashMap<IdBytes, Fail>,
+    roots: HashMap<IdBytes, RootIdx>,
+    pub root_stats: Vec<HostStats>,
+    pub total: HostStats,
+    pub misuse_log: VecDeque<String>,
+    pub mem: HashMap<usize, std::alloc::Layout>,
+    pub regs: HashMap<usize, Handle>,
+    pub next_reg: usize,
+}
+
+static GLOBAL: OnceLock<(Mutex<Global>, Condvar)> = OnceLock::new();
+
+fn global() -> &'static (Mutex<Global>, Condvar) {
+    GLOBAL.get_or_init(|| (Mutex::new(Global::default()), Condvar::new()))
+}
+
+/// Locks the registry (a poisoned lock is recovered: the state stays usable).
+pub(crate) fn lock() -> MutexGuard<'static, Global> {
+    global().0.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Wakes every waiter.
+pub(crate) fn notify() {
+    global().1.notify_all();
+}
+
+/// Waits for a change (or `until`), returning the re-acquired lock.
+pub(crate) fn wait(g: MutexGuard<'static, Global>, until: Instant) -> MutexGuard<'static, Global> {
+    let d = until
+        .saturating_duration_since(Instant::now())
+        .min(Duration::from_millis(200));
+    match global().1.wait_timeout(g, d) {
+        Ok((g, _)) => g,
+        Err(e) => e.into_inner().0,
+    }
+}
+
+/// How long a wait may last before it fails with `ncclTimeout`.
+pub(crate) fn wait_limit() -> Duration {
+    static LIMIT: OnceLock<Duration> = OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        let ms = std::env::var("NCCL_SAFE_HOST_TIMEOUT_MS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(300_000);
+        Duration::from_millis(ms)
+    })
+}
+
+impl Global {
+    /// The stats index of a root unique id (interned on first use).
+    pub(crate) fn root_of(&mut self, id: &IdBytes) -> RootIdx {
+        if let Some(&r) = self.roots.get(id) {
+            return r;
+        }
+        let r = self.root_stats.len();
+        self.root_stats.push(HostStats::default());
+        self.roots.insert(*id, r);
+        r
+    }
+
+    /// The stats index of a root id, if it was ever used.
+    pub(crate) fn find_root(&self, id: &IdBytes) -> Option<RootIdx> {
+        self.roots.get(id).copied()
+    }
+
+    /// The unique id interned as `r`.
+    pub(crate) fn root_id(&self, r: RootIdx) -> Option<ncclUniqueId> {
+        self.roots
+            .iter()
+            .find(|(_, &v)| v == r)
+            .map(|(k, _)| ncclUniqueId {
+                internal: k.map(|x| x as core::ffi::c_char),
+            })
+    }
+
+    /// Applies `f` to the process totals and to `root`'s stats.
+    pub(crate) fn count(&mut self, root: Option<RootIdx>, f: impl Fn(&mut HostStats)) {
+        f(&mut self.total);
+        if let Some(s) = root.and_then(|r| self.root_stats.get_mut(r)) {
+            f(s);
+        }
+    }
+
+    /// Records a misuse and returns the failure to report.
+    pub(crate) fn misuse(
+        &mut self,
+        root: Option<RootIdx>,
+        code: ncclResult_t,
+        msg: String,
+    ) -> Fail {
+        self.count(root, |s| s.misused += 1);
+        if self.misuse_log.len() >= 64 {
+            self.misuse_log.pop_front();
+        }
+        self.misuse_log.push_back(msg.clone());
+        Fail::new(code, msg)
+    }
+
+    /// A new handle in state `Pending`, not yet counted as created.
+    pub(crate) fn new_handle(&mut self, root: RootIdx, device: c_int, nonblocking: bool) -> Handle {
+        self.next_handle += 1;
+        let h = HANDLE_BASE + 16 * self.next_handle;
+        self.comms.insert(
+            h,
+            Comm {
+                state: CommState::Pending,
+                root,
+                device,
+                nonblocking,
+                finalized: false,
+                coll_seq: 0,
+                send_seq: HashMap::new(),
+                recv_seq: HashMap::new(),
+                redops: HashMap::new(),
+                next_redop: ncclNumOps,
+                pending_on: PendingOn::Nothing,
+                deadline: Instant::now() + wait_limit(),
+            },
+        );
+        h
+    }
+
+    /// Counts `h` as handed to the user.
+    pub(crate) fn count_created(&mut self, h: Handle) {
+        let root = self.comms.get(&h).map(|c| c.root);
+        self.count(root, |s| s.created += 1);
+    }
+
+    /// Drops a handle that was never handed to the user (a failed blocking init).
+    pub(crate) fn forget_handle(&mut self, h: Handle) {
+        if let Some(c) = self.comms.remove(&h) {
+            self.dead.insert(h, c.root);
+            if let CommState::Ready { clique, .. } = c.state {
+                self.leave_clique(clique);
+            }
+        }
+    }
+
+    /// A new clique with `handles[i]` as rank i (all set `Ready`).
+    pub(crate) fn new_clique(&mut self, root: RootIdx, handles: &[Handle]) -> u64 {
+        self.next_clique += 1;
+        let id = self.next_clique;
+        self.cliques.insert(
+            id,
+            Clique {
+                nranks: handles.len() as i32,
+                root,
+                members: handles.len(),
+                aborted: None,
+                colls: HashMap::new(),
+                p2p: HashMap::new(),
+                rdv: HashMap::new(),
+            },
+        );
+        for (rank, h) in handles.iter().enumerate() {
+            if let Some(c) = self.comms.get_mut(h) {
+                c.state = CommState::Ready {
+                    clique: id,
+                    rank: rank as i32,
+                };
+                c.pending_on = PendingOn::Nothing;
+            }
+        }
+        id
+    }
+
+    /// One member handle of `clique` is gone; drop the clique when it has none and no
+    /// execution is in flight.
+    pub(crate) fn leave_clique(&mut self, clique: u64) {
+        if let Some(c) = self.cliques.get_mut(&clique) {
+            c.members = c.members.saturating_sub(1);
+            if c.members == 0 && !c.executing() {
+                self.cliques.remove(&clique);
+            }
+        }
+    }
+
+    /// Marks a clique aborted (waking its waiters); the first reason wins.
+    pub(crate) fn abort_clique(&mut self, clique: u64, why: Fail) {
+        if let Some(c) = self.cliques.get_mut(&clique) {
+            if c.aborted.is_none() {
+                c.aborted = Some(why);
+            }
+        }
+        notify();
+    }
+
+    /// Fails every handle of the rendezvous that `h` waits on.
+    pub(crate) fn fail_pending(&mut self, on: PendingOn, why: Fail) {
+        let handles: Vec<Handle> = match on {
+            PendingOn::Init(id) => match self.inits.remove(&id) {
+                Some(p) => {
+                    self.failed_ids.insert(id, why.clone());
+                    p.posts.iter().map(|&(_, h)| h).collect()
+                }
+                None => Vec::new(),
+            },
+            PendingOn::Rdv { clique, seq } => self
+                .cliques
+                .get_mut(&clique)
+                .and_then(|c| c.rdv.remove(&seq))
+                .map(|s| s.posts.iter().filter_map(|p| p.3).collect())
+                .unwrap_or_default(),
+            PendingOn::Nothing => Vec::new(),
+        };
+        for h in handles {
+            if let Some(c) = self.comms.get_mut(&h) {
+                if matches!(c.state, CommState::Pending) {
+                    c.state = CommState::Failed(why.clone());
+                    c.pending_on = PendingOn::Nothing;
+                }
+            }
+        }
+        notify();
+    }
+
+    /// Fails `h`'s rendezvous with `ncclTimeout` when its deadline has passed.
+    pub(crate) fn check_pending_deadline(&mut self, h: Handle) {
+        let Some(c) = self.comms.get(&h) else { return };
+        if matches!(c.state, CommState::Pending) && Instant::now() >= c.deadline {
+            let on = c.pending_on.clone();
+            let msg = format!(
+                "NCCL timeout: communicator initialization did not complete within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)",
+                wait_limit()
+            );
+            let f = Fail::new(ncclTimeout, msg);
+            self.fail_pending(on, f.clone());
+            if let Some(c) = self.comms.get_mut(&h) {
+                if matches!(c.state, CommState::Pending) {
+                    c.state = CommState::Failed(f);
+                }
+            }
+        }
+    }
+
+    /// Posts rank `rank`'s part of an init on `id`.
+    pub(crate) fn post_init(&mut self, id: IdBytes, nranks: i32, rank: i32, h: Handle) {
+        if let Some(f) = self.failed_ids.get(&id).cloned() {
+            if let Some(c) = self.comms.get_mut(&h) {
+                c.state = CommState::Failed(f);
+            }
+            return;
+        }
+        if let Some(c) = self.comms.get_mut(&h) {
+            c.pending_on = PendingOn::Init(id);
+        }
+        let p = self.inits.entry(id).or_insert(PendingInit {
+            nranks,
+            posts: Vec::new(),
+        });
+        if p.nranks != nranks {
+            let msg = format!(
+                "invalid argument: ranks disagree on nranks for one unique id ({} vs {nranks})",
+                p.nranks
+            );
+            p.posts.push((rank, h));
+            self.fail_pending(PendingOn::Init(id), Fail::new(ncclInvalidArgument, msg));
+            return;
+        }
+        if p.posts.iter().any(|&(r, _)| r == rank) {
+            let msg = format!("invalid argument: rank {rank} joined the same unique id twice");
+            p.posts.push((rank, h));
+            self.fail_pending(PendingOn::Init(id), Fail::new(ncclInvalidArgument, msg));
+            return;
+        }
+        p.posts.push((rank, h));
+        if p.posts.len() == nranks as usize {
+            let mut posts = match self.inits.remove(&id) {
+                Some(p) => p.posts,
+                None => return,
+            };
+            posts.sort_by_key(|&(r, _)| r);
+            let handles: Vec<Handle> = posts.iter().map(|&(_, h)| h).collect();
+            let root = self.root_of(&id);
+            self.new_clique(root, &handles);
+            notify();
+        }
+    }
+
+    /// Posts a split/shrink part into `clique`'s rendezvous `seq`.
+    pub(crate) fn post_rdv(
+        &mut self,
+        clique: u64,
+        seq: u64,
+        shrink: Option<Vec<i32>>,
+        post: (i32, c_int, c_int, Option<Handle>),
+    ) -> Result<(), Fail> {
+        let (nranks, root) = match self.cliques.get(&clique) {
+            Some(c) => (c.nranks, c.root),
+            None => {
+                return Err(Fail::new(
+                    ncclInvalidUsage,
+                    "invalid usage: communicator's clique is gone",
+                ))
+            }
+        };
+        if let Some(h) = post.3 {
+            if let Some(c) = self.comms.get_mut(&h) {
+                c.pending_on = PendingOn::Rdv { clique, seq };
+            }
+        }
+        let expected = nranks as usize - shrink.as_ref().map_or(0, |e| e.len());
+        let Some(cl) = self.cliques.get_mut(&clique) else {
+            return Ok(());
+        };
+        let slot = cl.rdv.entry(seq).or_insert(RdvSlot {
+            shrink: shrink.clone(),
+            expected,
+            posts: Vec::new(),
+        });
+        slot.posts.push(post);
+        if slot.shrink != shrink {
+            let msg = "invalid argument: ranks disagree on the split/shrink (different exclude lists or split vs shrink)";
+            self.fail_pending(
+                PendingOn::Rdv { clique, seq },
+                Fail::new(ncclInvalidArgument, msg),
+            );
+            return Ok(());
+        }
+        if slot.posts.len() < slot.expected {
+            return Ok(());
+        }
+        let Some(slot) = cl.rdv.remove(&seq) else {
+            return Ok(());
+        };
+        let mut colors: Vec<c_int> = slot
+            .posts
+            .iter()
+            .map(|p| p.1)
+            .filter(|&c| c != NCCL_SPLIT_NOCOLOR)
+            .collect();
+        colors.sort_unstable();
+        colors.dedup();
+        for color in colors {
+            let mut members: Vec<_> = slot.posts.iter().filter(|p| p.1 == color).collect();
+            members.sort_by_key(|p| (p.2, p.0));
+            let handles: Vec<Handle> = members.iter().filter_map(|p| p.3).collect();
+            self.new_clique(root, &handles);
+        }
+        notify();
+        Ok(())
+    }
+}
