@@ -8,7 +8,9 @@
 
 use std::ffi::c_void;
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+};
 
 use crate::stream::StreamRef;
 use crate::types::NcclType;

@@ -36,7 +36,7 @@ impl Device {
 
     /// A fresh unique id from this device's library.
     pub fn unique_id(&self) -> Result<UniqueId> {
-        UniqueId::new_with(&self.library()?)
+        UniqueId::new_with(&*self.library()?)
     }
 }
 
@@ -105,7 +105,10 @@ fn check_world(op: &'static str, world_size: usize, rank: usize) -> Result<()> {
     if world_size == 0 || world_size > c_int::MAX as usize {
         return Err(Error::InvalidArgument {
             op,
-            reason: format!("world size {world_size} must be between 1 and {}", c_int::MAX),
+            reason: format!(
+                "world size {world_size} must be between 1 and {}",
+                c_int::MAX
+            ),
         });
     }
     if rank >= world_size {
@@ -362,7 +365,12 @@ impl Communicator {
 
     /// Marks the communicator failed (drop will abort) and returns the error for `raw`.
     #[cold]
-    fn fail(&self, call: &'static str, raw: ncclResult_t, caller: &'static Location<'static>) -> Error {
+    fn fail(
+        &self,
+        call: &'static str,
+        raw: ncclResult_t,
+        caller: &'static Location<'static>,
+    ) -> Error {
         let e = self.lib.error_for(call, raw, self.context(caller));
         let mut failure = self.failure.borrow_mut();
         if failure.is_none() {
@@ -389,7 +397,12 @@ impl Communicator {
 
     /// Checks a result of a call on this communicator: errors mark it failed.
     #[inline]
-    fn checked(&self, call: &'static str, r: ncclResult_t, caller: &'static Location<'static>) -> Result<()> {
+    fn checked(
+        &self,
+        call: &'static str,
+        r: ncclResult_t,
+        caller: &'static Location<'static>,
+    ) -> Result<()> {
         if r == nccl_sys::bindings::ncclSuccess {
             Ok(())
         } else {
@@ -434,7 +447,12 @@ impl Communicator {
     }
 
     /// Polls `ncclCommGetAsyncError` until the communicator leaves `ncclInProgress`.
-    fn wait_ready(&self, op: &'static str, caller: &'static Location<'static>, timeout: Duration) -> Result<()> {
+    fn wait_ready(
+        &self,
+        op: &'static str,
+        caller: &'static Location<'static>,
+        timeout: Duration,
+    ) -> Result<()> {
         let start = Instant::now();
         let mut pause = Duration::from_micros(50);
         loop {
@@ -601,6 +619,7 @@ impl Communicator {
     /// `Connection::close` does. A communicator that already failed is not destroyed but
     /// handed back with [`Error::CommunicatorFailed`].
     #[track_caller]
+    #[allow(clippy::result_large_err)] // the shape of rusqlite's `Connection::close`
     pub fn destroy(mut self) -> std::result::Result<(), (Communicator, Error)> {
         const OP: &str = "ncclCommDestroy";
         let caller = Location::caller();
@@ -630,7 +649,14 @@ impl Communicator {
         let raw = self.take();
         // SAFETY: the handle is live and, taken out of `self`, used by no one after this.
         let r = unsafe { (self.lib.table().ncclCommAbort)(raw) };
-        self.lib.check("ncclCommAbort", r, CallContext { comm: std::ptr::null_mut(), ..ctx })
+        self.lib.check(
+            "ncclCommAbort",
+            r,
+            CallContext {
+                comm: std::ptr::null_mut(),
+                ..ctx
+            },
+        )
     }
 
     /// Flushes pending work everywhere (`ncclCommFinalize`), waits for it, then destroys.

@@ -30,26 +30,78 @@ pub struct Config {
 /// Integer fields: (C name, offset in the 2.32 struct, release that added it).
 const INT_FIELDS: [(&str, usize, (u32, u32)); 22] = [
     ("blocking", offset_of!(ncclConfig_t, blocking), (2, 14)),
-    ("cgaClusterSize", offset_of!(ncclConfig_t, cgaClusterSize), (2, 14)),
+    (
+        "cgaClusterSize",
+        offset_of!(ncclConfig_t, cgaClusterSize),
+        (2, 14),
+    ),
     ("minCTAs", offset_of!(ncclConfig_t, minCTAs), (2, 14)),
     ("maxCTAs", offset_of!(ncclConfig_t, maxCTAs), (2, 14)),
     ("splitShare", offset_of!(ncclConfig_t, splitShare), (2, 18)),
-    ("trafficClass", offset_of!(ncclConfig_t, trafficClass), (2, 26)),
-    ("collnetEnable", offset_of!(ncclConfig_t, collnetEnable), (2, 27)),
+    (
+        "trafficClass",
+        offset_of!(ncclConfig_t, trafficClass),
+        (2, 26),
+    ),
+    (
+        "collnetEnable",
+        offset_of!(ncclConfig_t, collnetEnable),
+        (2, 27),
+    ),
     ("CTAPolicy", offset_of!(ncclConfig_t, CTAPolicy), (2, 27)),
-    ("shrinkShare", offset_of!(ncclConfig_t, shrinkShare), (2, 27)),
+    (
+        "shrinkShare",
+        offset_of!(ncclConfig_t, shrinkShare),
+        (2, 27),
+    ),
     ("nvlsCTAs", offset_of!(ncclConfig_t, nvlsCTAs), (2, 27)),
-    ("nChannelsPerNetPeer", offset_of!(ncclConfig_t, nChannelsPerNetPeer), (2, 28)),
-    ("nvlinkCentricSched", offset_of!(ncclConfig_t, nvlinkCentricSched), (2, 28)),
-    ("graphUsageMode", offset_of!(ncclConfig_t, graphUsageMode), (2, 29)),
+    (
+        "nChannelsPerNetPeer",
+        offset_of!(ncclConfig_t, nChannelsPerNetPeer),
+        (2, 28),
+    ),
+    (
+        "nvlinkCentricSched",
+        offset_of!(ncclConfig_t, nvlinkCentricSched),
+        (2, 28),
+    ),
+    (
+        "graphUsageMode",
+        offset_of!(ncclConfig_t, graphUsageMode),
+        (2, 29),
+    ),
     ("numRmaCtx", offset_of!(ncclConfig_t, numRmaCtx), (2, 29)),
-    ("maxP2pPeers", offset_of!(ncclConfig_t, maxP2pPeers), (2, 30)),
-    ("graphStreamOrdering", offset_of!(ncclConfig_t, graphStreamOrdering), (2, 31)),
-    ("launchOrderImplicit", offset_of!(ncclConfig_t, launchOrderImplicit), (2, 31)),
+    (
+        "maxP2pPeers",
+        offset_of!(ncclConfig_t, maxP2pPeers),
+        (2, 30),
+    ),
+    (
+        "graphStreamOrdering",
+        offset_of!(ncclConfig_t, graphStreamOrdering),
+        (2, 31),
+    ),
+    (
+        "launchOrderImplicit",
+        offset_of!(ncclConfig_t, launchOrderImplicit),
+        (2, 31),
+    ),
     ("numRmaSig", offset_of!(ncclConfig_t, numRmaSig), (2, 31)),
-    ("rmaEagerInit", offset_of!(ncclConfig_t, rmaEagerInit), (2, 31)),
-    ("hostCftMode", offset_of!(ncclConfig_t, hostCftMode), (2, 31)),
-    ("nvlsHostMode", offset_of!(ncclConfig_t, nvlsHostMode), (2, 32)),
+    (
+        "rmaEagerInit",
+        offset_of!(ncclConfig_t, rmaEagerInit),
+        (2, 31),
+    ),
+    (
+        "hostCftMode",
+        offset_of!(ncclConfig_t, hostCftMode),
+        (2, 31),
+    ),
+    (
+        "nvlsHostMode",
+        offset_of!(ncclConfig_t, nvlsHostMode),
+        (2, 32),
+    ),
     // Index 21 is not a field: keeps the array length in one place for `commName`'s release.
     ("commName", offset_of!(ncclConfig_t, commName), (2, 27)),
 ];
@@ -172,7 +224,7 @@ impl Config {
         let base = &mut raw as *mut ncclConfig_t as *mut u8;
         for (i, (name, off, since)) in INT_FIELDS.iter().enumerate().take(COMM_NAME) {
             let value = match self.ints[i] {
-                Some(value) if *since > at => {
+                Some(_) if *since > at => {
                     return Err(Error::Unsupported {
                         symbol: name,
                         needs: Version::new(since.0, since.1, 0),
@@ -185,7 +237,10 @@ impl Config {
             // SAFETY: `off` is the offset of an i32 field of ncclConfig_t (from offset_of!).
             unsafe { base.add(*off).cast::<i32>().write(value) };
         }
-        raw.netName = self.net_name.as_ref().map_or(std::ptr::null(), |s| s.as_ptr());
+        raw.netName = self
+            .net_name
+            .as_ref()
+            .map_or(std::ptr::null(), |s| s.as_ptr());
         raw.commName = match &self.comm_name {
             Some(_) if at < (2, 27) => {
                 return Err(Error::Unsupported {
@@ -212,6 +267,9 @@ mod tests {
         assert_eq!(layout_size(Version::new(2, 26, 2)), 48);
         assert_eq!(layout_size(Version::new(2, 27, 3)), 72);
         assert_eq!(layout_size(Version::new(2, 28, 3)), 80);
-        assert_eq!(layout_size(Version::new(2, 32, 3)), size_of::<ncclConfig_t>());
+        assert_eq!(
+            layout_size(Version::new(2, 32, 3)),
+            size_of::<ncclConfig_t>()
+        );
     }
 }

@@ -170,7 +170,13 @@ impl<'a> Group<'a> {
         R: RecvBuffer<T> + ?Sized,
     {
         self.enter(comm, "ncclAllReduce")?;
-        let g = comm.all_reduce_enqueue(send, recv, op.into(), stream.as_stream(), Location::caller())?;
+        let g = comm.all_reduce_enqueue(
+            send,
+            recv,
+            op.into(),
+            stream.as_stream(),
+            Location::caller(),
+        )?;
         self.keep(comm, g);
         Ok(())
     }
@@ -189,7 +195,12 @@ impl<'a> Group<'a> {
         B: RecvBuffer<T> + ?Sized,
     {
         self.enter(comm, "ncclAllReduce")?;
-        let g = comm.all_reduce_in_place_enqueue(buf, op.into(), stream.as_stream(), Location::caller())?;
+        let g = comm.all_reduce_in_place_enqueue(
+            buf,
+            op.into(),
+            stream.as_stream(),
+            Location::caller(),
+        )?;
         self.keep(comm, g);
         Ok(())
     }
@@ -229,7 +240,8 @@ impl<'a> Group<'a> {
         B: RecvBuffer<T> + ?Sized,
     {
         self.enter(comm, "ncclBroadcast")?;
-        let g = comm.broadcast_in_place_enqueue(buf, root, stream.as_stream(), Location::caller())?;
+        let g =
+            comm.broadcast_in_place_enqueue(buf, root, stream.as_stream(), Location::caller())?;
         self.keep(comm, g);
         Ok(())
     }
@@ -251,7 +263,14 @@ impl<'a> Group<'a> {
         R: RecvBuffer<T> + ?Sized,
     {
         self.enter(comm, "ncclReduce")?;
-        let g = comm.reduce_enqueue(send, recv, op.into(), root, stream.as_stream(), Location::caller())?;
+        let g = comm.reduce_enqueue(
+            send,
+            recv,
+            op.into(),
+            root,
+            stream.as_stream(),
+            Location::caller(),
+        )?;
         self.keep(comm, g);
         Ok(())
     }
@@ -292,14 +311,26 @@ impl<'a> Group<'a> {
         R: RecvBuffer<T> + ?Sized,
     {
         self.enter(comm, "ncclReduceScatter")?;
-        let g = comm.reduce_scatter_enqueue(send, recv, op.into(), stream.as_stream(), Location::caller())?;
+        let g = comm.reduce_scatter_enqueue(
+            send,
+            recv,
+            op.into(),
+            stream.as_stream(),
+            Location::caller(),
+        )?;
         self.keep(comm, g);
         Ok(())
     }
 
     /// [`Communicator::send`] in this group.
     #[track_caller]
-    pub fn send<T, S>(&mut self, comm: &'a Communicator, buf: &'a S, peer: usize, stream: &'a impl AsStream) -> Result<()>
+    pub fn send<T, S>(
+        &mut self,
+        comm: &'a Communicator,
+        buf: &'a S,
+        peer: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<()>
     where
         T: NcclType,
         S: SendBuffer<T> + ?Sized,
@@ -312,7 +343,13 @@ impl<'a> Group<'a> {
 
     /// [`Communicator::recv`] in this group.
     #[track_caller]
-    pub fn recv<T, R>(&mut self, comm: &'a Communicator, buf: &'a mut R, peer: usize, stream: &'a impl AsStream) -> Result<()>
+    pub fn recv<T, R>(
+        &mut self,
+        comm: &'a Communicator,
+        buf: &'a mut R,
+        peer: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<()>
     where
         T: NcclType,
         R: RecvBuffer<T> + ?Sized,

@@ -130,7 +130,12 @@ impl Communicator {
 
     // ---- all-reduce -------------------------------------------------------------------
 
-    pub(crate) fn all_reduce_enqueue<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+    pub(crate) fn all_reduce_enqueue<
+        'a,
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    >(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
@@ -147,7 +152,9 @@ impl Communicator {
         self.issue(OP, caller, |t, comm| {
             // SAFETY: both buffers hold `count` elements of T in the memory this provider
             // reads (checked above) and stay borrowed until the work is enqueued.
-            unsafe { (t.ncclAllReduce)(s, r, count, T::DATA_TYPE.to_raw(), red, comm, stream.raw()) }
+            unsafe {
+                (t.ncclAllReduce)(s, r, count, T::DATA_TYPE.to_raw(), red, comm, stream.raw())
+            }
         })?;
         Ok([sg, rg])
     }
@@ -166,7 +173,9 @@ impl Communicator {
         let (p, g) = self.recv_arg(OP, buf, count, "in place", stream)?;
         self.issue(OP, caller, |t, comm| {
             // SAFETY: `p` holds `count` elements; send == recv is NCCL's in-place form.
-            unsafe { (t.ncclAllReduce)(p, p, count, T::DATA_TYPE.to_raw(), red, comm, stream.raw()) }
+            unsafe {
+                (t.ncclAllReduce)(p, p, count, T::DATA_TYPE.to_raw(), red, comm, stream.raw())
+            }
         })?;
         Ok([g, BufferGuard::Host])
     }
@@ -186,8 +195,14 @@ impl Communicator {
         S: SendBuffer<T> + ?Sized,
         R: RecvBuffer<T> + ?Sized,
     {
-        self.all_reduce_enqueue(send, recv, op.into(), stream.as_stream(), Location::caller())
-            .map(drop)
+        self.all_reduce_enqueue(
+            send,
+            recv,
+            op.into(),
+            stream.as_stream(),
+            Location::caller(),
+        )
+        .map(drop)
     }
 
     /// All-reduce in place: `buf` is both input and output (`ncclAllReduce`, send == recv).
@@ -208,7 +223,12 @@ impl Communicator {
 
     // ---- broadcast --------------------------------------------------------------------
 
-    pub(crate) fn broadcast_enqueue<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+    pub(crate) fn broadcast_enqueue<
+        'a,
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    >(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
@@ -224,7 +244,9 @@ impl Communicator {
         let (r, rg) = self.recv_arg(OP, recv, count, "send = recv", stream)?;
         self.issue(OP, caller, |t, comm| {
             // SAFETY: both buffers hold `count` elements; root is in range.
-            unsafe { (t.ncclBroadcast)(s, r, count, T::DATA_TYPE.to_raw(), root, comm, stream.raw()) }
+            unsafe {
+                (t.ncclBroadcast)(s, r, count, T::DATA_TYPE.to_raw(), root, comm, stream.raw())
+            }
         })?;
         Ok([sg, rg])
     }
@@ -243,7 +265,9 @@ impl Communicator {
         let (p, g) = self.recv_arg(OP, buf, count, "in place", stream)?;
         self.issue(OP, caller, |t, comm| {
             // SAFETY: `p` holds `count` elements; send == recv is the in-place form.
-            unsafe { (t.ncclBroadcast)(p, p, count, T::DATA_TYPE.to_raw(), root, comm, stream.raw()) }
+            unsafe {
+                (t.ncclBroadcast)(p, p, count, T::DATA_TYPE.to_raw(), root, comm, stream.raw())
+            }
         })?;
         Ok([g, BufferGuard::Host])
     }
@@ -251,7 +275,13 @@ impl Communicator {
     /// Copies `send` on `root` into every rank's `recv` (`ncclBroadcast`). All ranks pass
     /// buffers of the same length; `send` is read only on the root.
     #[track_caller]
-    pub fn broadcast<T, S, R>(&self, send: &S, recv: &mut R, root: usize, stream: &impl AsStream) -> Result<()>
+    pub fn broadcast<T, S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        root: usize,
+        stream: &impl AsStream,
+    ) -> Result<()>
     where
         T: NcclType,
         S: SendBuffer<T> + ?Sized,
@@ -263,7 +293,12 @@ impl Communicator {
 
     /// Broadcast in place: `buf` is the source on the root and the destination elsewhere.
     #[track_caller]
-    pub fn broadcast_in_place<T, B>(&self, buf: &mut B, root: usize, stream: &impl AsStream) -> Result<()>
+    pub fn broadcast_in_place<T, B>(
+        &self,
+        buf: &mut B,
+        root: usize,
+        stream: &impl AsStream,
+    ) -> Result<()>
     where
         T: NcclType,
         B: RecvBuffer<T> + ?Sized,
@@ -275,7 +310,12 @@ impl Communicator {
     // ---- reduce -----------------------------------------------------------------------
 
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn reduce_enqueue<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+    pub(crate) fn reduce_enqueue<
+        'a,
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    >(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
@@ -293,7 +333,18 @@ impl Communicator {
         let (r, rg) = self.recv_arg(OP, recv, count, "recv = send", stream)?;
         self.issue(OP, caller, |t, comm| {
             // SAFETY: both buffers hold `count` elements; root is in range.
-            unsafe { (t.ncclReduce)(s, r, count, T::DATA_TYPE.to_raw(), red, root, comm, stream.raw()) }
+            unsafe {
+                (t.ncclReduce)(
+                    s,
+                    r,
+                    count,
+                    T::DATA_TYPE.to_raw(),
+                    red,
+                    root,
+                    comm,
+                    stream.raw(),
+                )
+            }
         })?;
         Ok([sg, rg])
     }
@@ -314,8 +365,15 @@ impl Communicator {
         S: SendBuffer<T> + ?Sized,
         R: RecvBuffer<T> + ?Sized,
     {
-        self.reduce_enqueue(send, recv, op.into(), root, stream.as_stream(), Location::caller())
-            .map(drop)
+        self.reduce_enqueue(
+            send,
+            recv,
+            op.into(),
+            root,
+            stream.as_stream(),
+            Location::caller(),
+        )
+        .map(drop)
     }
 
     /// Reduce in place: `buf` is every rank's input and, on the root, the result.
@@ -341,13 +399,29 @@ impl Communicator {
         let (p, _g) = self.recv_arg(OP, buf, count, "in place", stream)?;
         self.issue(OP, caller, |t, comm| {
             // SAFETY: `p` holds `count` elements; send == recv is the in-place form.
-            unsafe { (t.ncclReduce)(p, p, count, T::DATA_TYPE.to_raw(), red, root, comm, stream.raw()) }
+            unsafe {
+                (t.ncclReduce)(
+                    p,
+                    p,
+                    count,
+                    T::DATA_TYPE.to_raw(),
+                    red,
+                    root,
+                    comm,
+                    stream.raw(),
+                )
+            }
         })
     }
 
     // ---- all-gather -------------------------------------------------------------------
 
-    pub(crate) fn all_gather_enqueue<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+    pub(crate) fn all_gather_enqueue<
+        'a,
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    >(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
@@ -408,7 +482,7 @@ impl Communicator {
     /// `len / world_size`, or an error when `len` is not a multiple of it.
     fn block_of(&self, op: &'static str, len: usize) -> Result<usize> {
         let n = self.world_size();
-        if len % n != 0 {
+        if !len.is_multiple_of(n) {
             return Err(Error::LengthMismatch {
                 op,
                 role: BufferRole::Recv,
@@ -422,7 +496,12 @@ impl Communicator {
 
     // ---- reduce-scatter ---------------------------------------------------------------
 
-    pub(crate) fn reduce_scatter_enqueue<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+    pub(crate) fn reduce_scatter_enqueue<
+        'a,
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    >(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
@@ -439,7 +518,9 @@ impl Communicator {
         let (r, rg) = self.recv_arg(OP, recv, count, "recv = count", stream)?;
         self.issue(OP, caller, |t, comm| {
             // SAFETY: send holds `world_size * count`, recv `count` elements.
-            unsafe { (t.ncclReduceScatter)(s, r, count, T::DATA_TYPE.to_raw(), red, comm, stream.raw()) }
+            unsafe {
+                (t.ncclReduceScatter)(s, r, count, T::DATA_TYPE.to_raw(), red, comm, stream.raw())
+            }
         })?;
         Ok([sg, rg])
     }
@@ -459,8 +540,14 @@ impl Communicator {
         S: SendBuffer<T> + ?Sized,
         R: RecvBuffer<T> + ?Sized,
     {
-        self.reduce_scatter_enqueue(send, recv, op.into(), stream.as_stream(), Location::caller())
-            .map(drop)
+        self.reduce_scatter_enqueue(
+            send,
+            recv,
+            op.into(),
+            stream.as_stream(),
+            Location::caller(),
+        )
+        .map(drop)
     }
 
     /// Reduce-scatter in place: the result lands in this rank's block of `buf`.
@@ -559,7 +646,12 @@ impl Communicator {
 
     // ---- all-to-all, gather, scatter (NCCL 2.28+) -------------------------------------
 
-    pub(crate) fn all_to_all_enqueue<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+    pub(crate) fn all_to_all_enqueue<
+        'a,
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    >(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
@@ -567,7 +659,9 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclAlltoAll";
-        let f = self.library().optional(self.library().table().ncclAlltoAll, OP)?;
+        let f = self
+            .library()
+            .optional(self.library().table().ncclAlltoAll, OP)?;
         self.check_stream(OP, stream)?;
         let total = send.len();
         let count = self.block_of(OP, total)?;
@@ -593,7 +687,12 @@ impl Communicator {
             .map(drop)
     }
 
-    pub(crate) fn gather_enqueue<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+    pub(crate) fn gather_enqueue<
+        'a,
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    >(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
@@ -602,14 +701,22 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclGather";
-        let f = self.library().optional(self.library().table().ncclGather, OP)?;
+        let f = self
+            .library()
+            .optional(self.library().table().ncclGather, OP)?;
         self.check_stream(OP, stream)?;
         let root_c = self.check_rank(OP, "root", root)?;
         let count = send.len();
         let total = self.times_world(OP, count)?;
         let (s, sg) = self.send_arg(OP, send, count, "send = count", stream)?;
         let (r, rg) = if self.rank() == root {
-            self.recv_arg(OP, recv, total, "recv = world_size x send on the root", stream)?
+            self.recv_arg(
+                OP,
+                recv,
+                total,
+                "recv = world_size x send on the root",
+                stream,
+            )?
         } else {
             self.check_memory(OP, BufferRole::Recv, recv.memory())?;
             (std::ptr::null_mut(), BufferGuard::Host)
@@ -617,7 +724,17 @@ impl Communicator {
         self.issue(OP, caller, |_, comm| {
             // SAFETY: send holds `count`; on the root recv holds world_size * count; NCCL
             // ignores recv elsewhere (passed as null).
-            unsafe { f(s, r, count, T::DATA_TYPE.to_raw(), root_c, comm, stream.raw()) }
+            unsafe {
+                f(
+                    s,
+                    r,
+                    count,
+                    T::DATA_TYPE.to_raw(),
+                    root_c,
+                    comm,
+                    stream.raw(),
+                )
+            }
         })?;
         Ok([sg, rg])
     }
@@ -625,7 +742,13 @@ impl Communicator {
     /// Gathers every rank's `send` into `recv` on `root`, rank `i` at `i * send.len()`
     /// (`ncclGather`, NCCL 2.28+). Only the root's `recv` is checked and written.
     #[track_caller]
-    pub fn gather<T, S, R>(&self, send: &S, recv: &mut R, root: usize, stream: &impl AsStream) -> Result<()>
+    pub fn gather<T, S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        root: usize,
+        stream: &impl AsStream,
+    ) -> Result<()>
     where
         T: NcclType,
         S: SendBuffer<T> + ?Sized,
@@ -635,7 +758,12 @@ impl Communicator {
             .map(drop)
     }
 
-    pub(crate) fn scatter_enqueue<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+    pub(crate) fn scatter_enqueue<
+        'a,
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    >(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
@@ -644,13 +772,21 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclScatter";
-        let f = self.library().optional(self.library().table().ncclScatter, OP)?;
+        let f = self
+            .library()
+            .optional(self.library().table().ncclScatter, OP)?;
         self.check_stream(OP, stream)?;
         let root_c = self.check_rank(OP, "root", root)?;
         let count = recv.len();
         let total = self.times_world(OP, count)?;
         let (s, sg) = if self.rank() == root {
-            self.send_arg(OP, send, total, "send = world_size x recv on the root", stream)?
+            self.send_arg(
+                OP,
+                send,
+                total,
+                "send = world_size x recv on the root",
+                stream,
+            )?
         } else {
             self.check_memory(OP, BufferRole::Send, send.memory())?;
             (std::ptr::null(), BufferGuard::Host)
@@ -659,7 +795,17 @@ impl Communicator {
         self.issue(OP, caller, |_, comm| {
             // SAFETY: recv holds `count`; on the root send holds world_size * count; NCCL
             // ignores send elsewhere (passed as null).
-            unsafe { f(s, r, count, T::DATA_TYPE.to_raw(), root_c, comm, stream.raw()) }
+            unsafe {
+                f(
+                    s,
+                    r,
+                    count,
+                    T::DATA_TYPE.to_raw(),
+                    root_c,
+                    comm,
+                    stream.raw(),
+                )
+            }
         })?;
         Ok([sg, rg])
     }
@@ -667,7 +813,13 @@ impl Communicator {
     /// Sends block `i` of `send` on `root` to rank `i`'s `recv` (`ncclScatter`, NCCL
     /// 2.28+). Only the root's `send` is checked and read.
     #[track_caller]
-    pub fn scatter<T, S, R>(&self, send: &S, recv: &mut R, root: usize, stream: &impl AsStream) -> Result<()>
+    pub fn scatter<T, S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        root: usize,
+        stream: &impl AsStream,
+    ) -> Result<()>
     where
         T: NcclType,
         S: SendBuffer<T> + ?Sized,
@@ -678,7 +830,13 @@ impl Communicator {
     }
 }
 
-fn check_len(op: &'static str, role: BufferRole, actual: usize, expected: usize, rule: &'static str) -> Result<()> {
+fn check_len(
+    op: &'static str,
+    role: BufferRole,
+    actual: usize,
+    expected: usize,
+    rule: &'static str,
+) -> Result<()> {
     if actual == expected {
         Ok(())
     } else {

@@ -107,8 +107,10 @@ impl<T> Drop for PreMulSum<'_, T> {
     fn drop(&mut self) {
         let raw = self.raw;
         // SAFETY: `raw` was created on this live communicator and is destroyed only here.
-        let _ = self.comm.issue("ncclRedOpDestroy", Location::caller(), |t, comm| unsafe {
-            (t.ncclRedOpDestroy)(raw, comm)
-        });
+        let _ = self
+            .comm
+            .issue("ncclRedOpDestroy", Location::caller(), |t, comm| unsafe {
+                (t.ncclRedOpDestroy)(raw, comm)
+            });
     }
 }
