@@ -289,6 +289,22 @@ pub enum Error {
     /// A CUDA driver call failed.
     #[error("CUDA: {0}")]
     Cuda(#[from] cudarc::driver::DriverError),
+    /// A rank of a [`crate::launch::Launcher`] run failed; the others were aborted.
+    #[error("rank {rank} failed: {cause}\n{}", .ranks.join("\n"))]
+    RankFailed {
+        /// The first rank that failed.
+        rank: usize,
+        /// Its error or panic message.
+        cause: String,
+        /// One line per rank: what it did.
+        ranks: Vec<String>,
+    },
+    /// The multi-process rendezvous failed.
+    #[error(transparent)]
+    Rendezvous(#[from] crate::launch::rendezvous::RendezvousError),
+    /// The launcher's environment variables are missing or wrong.
+    #[error(transparent)]
+    LaunchEnv(#[from] crate::launch::env::EnvError),
     /// The library could not be opened for a reason other than absence.
     #[error("cannot load NCCL from {path}: {reason}")]
     LibraryLoad {

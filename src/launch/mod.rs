@@ -1,7 +1,10 @@
-//! Multi-process launch: reading the launcher's environment and exchanging the unique id.
-//!
-//! A thread `Launcher` (one rank per device) will live next to these modules.
+//! Starting ranks: [`Launcher`] runs one rank per device in threads; [`Launcher::from_env`]
+//! joins a multi-process job started by torchrun, Slurm or mpirun ([`env`] reads their
+//! variables, [`rendezvous`] exchanges the unique id).
 
 pub mod env;
 pub mod rendezvous;
+mod threads;
 mod wire;
+
+pub use threads::{cuda_device_count, Backend, Launcher, ProcessLauncher, Rank, DEFAULT_LAUNCH_TIMEOUT};

@@ -1,0 +1,71 @@
+//! All-reduces a buffer across every GPU of the machine, checks the result on every rank,
+//! and prints a table. Without a GPU (or with `--backend host`) the same program runs on
+//! the host provider with 4 ranks, and its first line says so.
+//!
+//! `cargo run --example allreduce -- [--ranks N] [--count N] [--dtype f32] [--op sum]
+//!  [--backend auto|nccl|host] [--launcher threads|env]`
+
+mod common;
+
+use std::process::ExitCode;
+
+use common::{device_name, print_table, Args, Buf, Elem};
+use nccl_safe::launch::{Launcher, Rank};
+use nccl_safe::{ReduceOp, Result};
+
+/// One rank's work: fill, all-reduce in place, copy back, compare with the exact answer.
+fn rank_body<T: Elem>(rank: &Rank, args: &Args) -> Result<(usize, String, f64, bool)> {
+    let (n, r) = (rank.world_size() as f64, rank.rank() as f64);
+    let (input, expected) = match args.op {
+        ReduceOp::Sum => (r + 1.0, n * (n + 1.0) / 2.0),
+        ReduceOp::Prod => (if r < 3.0 { 2.0 } else { 1.0 }, 2f64.powf(n.min(3.0))),
+        ReduceOp::Max => (r + 1.0, n),
+        ReduceOp::Min => (r + 1.0, 1.0),
+        // Integer types divide with truncation, as NCCL does.
+        ReduceOp::Avg => (r + 1.0, T::from_f64(n * (n + 1.0) / 2.0).to_f64() / n),
+    };
+    let expected = T::from_f64(expected).to_f64();
+    let mut buf = Buf::from_host(rank, &vec![T::from_f64(input); args.count])?;
+    match &mut buf {
+        Buf::Host(v) => rank.comm().all_reduce_in_place(v, args.op, rank.stream())?,
+        Buf::Cuda(b) => rank.comm().all_reduce_in_place(b, args.op, rank.stream())?,
+    }
+    let out = buf.to_host(rank)?;
+    let ok = out.len() == args.count && out.iter().all(|v| v.to_f64() == expected);
+    Ok((rank.rank(), device_name(rank), out.first().map_or(f64::NAN, |v| v.to_f64()), ok))
+}
+
+fn threads<T: Elem>(launcher: &Launcher, args: &Args) -> Result<Vec<(usize, String, f64, bool)>> {
+    launcher.run(|rank| rank_body::<T>(rank, args))
+}
+
+fn one_process<T: Elem>(rank: &Rank, args: &Args) -> Result<Vec<(usize, String, f64, bool)>> {
+    rank_body::<T>(rank, args).map(|row| vec![row])
+}
+
+fn run(args: Args) -> Result<()> {
+    let rows = if args.launcher == "env" {
+        let rank = Launcher::from_env()?.init()?;
+        println!("rank {} of {} (from the launcher's environment)", rank.rank(), rank.world_size());
+        with_dtype!(args.dtype.as_str(), one_process(&rank, &args))?
+    } else {
+        let (launcher, _backend, first_line) = args.launcher()?;
+        println!("{first_line}");
+        println!(
+            "all_reduce ({:?}) of {} x {} per rank",
+            args.op, args.count, args.dtype
+        );
+        with_dtype!(args.dtype.as_str(), threads(&launcher, &args))?
+    };
+    print_table(&rows)
+}
+
+fn main() -> ExitCode {
+    match Args::parse().and_then(run) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! Shared by the examples: flag parsing, element types, and running a per-rank body on
+//! GPU buffers or host buffers.
+#![allow(dead_code)]
+
+use nccl_safe::launch::{Backend, Launcher, Rank};
+use nccl_safe::{Error, NcclType, ReduceOp, Result};
+
+/// Flags common to the examples.
+#[derive(Debug, Clone)]
+pub struct Args {
+    pub ranks: Option<usize>,
+    pub count: usize,
+    pub dtype: String,
+    pub op: ReduceOp,
+    pub backend: String,
+    pub launcher: String,
+    pub root: usize,
+}
+
+fn bad(reason: String) -> Error {
+    Error::InvalidArgument {
+        op: "command line",
+        reason,
+    }
+}
+
+impl Args {
+    /// Parses `--ranks N --count N --dtype T --op OP --backend auto|nccl|host
+    /// --launcher threads|env --root R`.
+    pub fn parse() -> Result<Args> {
+        let mut a = Args {
+            ranks: None,
+            count: 1 << 20,
+            dtype: "f32".into(),
+            op: ReduceOp::Sum,
+            backend: "auto".into(),
+            launcher: "threads".into(),
+            root: 0,
+        };
+        let mut it = std::env::args().skip(1);
+        while let Some(flag) = it.next() {
+            let mut value = || it.next().ok_or_else(|| bad(format!("{flag} needs a value")));
+            match flag.as_str() {
+                "--ranks" => a.ranks = Some(parse_num(&value()?)?),
+                "--count" => a.count = parse_num(&value()?)?,
+                "--root" => a.root = parse_num(&value()?)?,
+                "--dtype" => a.dtype = value()?,
+                "--op" => {
+                    a.op = match value()?.as_str() {
+                        "sum" => ReduceOp::Sum,
+                        "prod" => ReduceOp::Prod,
+                        "max" => ReduceOp::Max,
+                        "min" => ReduceOp::Min,
+                        "avg" => ReduceOp::Avg,
+                        other => return Err(bad(format!("unknown --op {other} (sum, prod, max, min, avg)"))),
+                    }
+                }
+                "--backend" => a.backend = value()?,
+                "--launcher" => a.launcher = value()?,
+                "-h" | "--help" => {
+                    println!(
+                        "flags: --ranks N --count N --dtype i8|u8|i32|u32|i64|u64|f16|bf16|f32|f64 \
+                         --op sum|prod|max|min|avg --backend auto|nccl|host --launcher threads|env --root R"
+                    );
+                    std::process::exit(0);
+                }
+                other => return Err(bad(format!("unknown flag {other} (see --help)"))),
+            }
+        }
+        if !["auto", "nccl", "host"].contains(&a.backend.as_str()) {
+            return Err(bad(format!("--backend {} must be auto, nccl or host", a.backend)));
+        }
+        if !["threads", "env"].contains(&a.launcher.as_str()) {
+            return Err(bad(format!("--launcher {} must be threads or env", a.launcher)));
+        }
+        Ok(a)
+    }
+
+    /// The launcher for `--backend` and `--ranks`, and a first line saying what runs where.
+    pub fn launcher(&self) -> Result<(Launcher, Backend, String)> {
+        let (launcher, backend) = match self.backend.as_str() {
+            "host" => (Launcher::host(self.ranks.unwrap_or(4)), Backend::Host),
+            "nccl" => (gpu_launcher(self.ranks)?, Backend::Nccl),
+            _ => match gpu_launcher(self.ranks) {
+                Ok(l) => (l, Backend::Nccl),
+                Err(_) => (Launcher::host(self.ranks.unwrap_or(4)), Backend::Host),
+            },
+        };
+        let line = match backend {
+            Backend::Host => format!(
+                "no GPU used: running {} ranks on the nccl-safe host provider (CPU memory, ranks as threads)",
+                launcher.world_size()
+            ),
+            Backend::Nccl => format!(
+                "running {} ranks on NVIDIA NCCL {}, one per GPU",
+                launcher.world_size(),
+                nccl_safe::Library::load()?.version()
+            ),
+        };
+        Ok((launcher, backend, line))
+    }
+}
+
+fn gpu_launcher(ranks: Option<usize>) -> Result<Launcher> {
+    match ranks {
+        None => Launcher::all_devices(),
+        Some(n) => Launcher::devices(&(0..n).collect::<Vec<_>>()),
+    }
+}
+
+fn parse_num(s: &str) -> Result<usize> {
+    s.parse().map_err(|_| bad(format!("{s:?} is not a number")))
+}
+
+/// Element types the examples run with: exact small integers in every type.
+pub trait Elem: NcclType + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Default + std::fmt::Debug {
+    fn from_f64(x: f64) -> Self;
+    fn to_f64(self) -> f64;
+}
+
+macro_rules! elem {
+    ($($t:ty),*) => {$(
+        impl Elem for $t {
+            fn from_f64(x: f64) -> Self { x as $t }
+            fn to_f64(self) -> f64 { self as f64 }
+        }
+    )*};
+}
+elem!(i8, u8, i32, u32, i64, u64, f32, f64);
+
+impl Elem for half::f16 {
+    fn from_f64(x: f64) -> Self {
+        half::f16::from_f64(x)
+    }
+    fn to_f64(self) -> f64 {
+        half::f16::to_f64(self)
+    }
+}
+
+impl Elem for half::bf16 {
+    fn from_f64(x: f64) -> Self {
+        half::bf16::from_f64(x)
+    }
+    fn to_f64(self) -> f64 {
+        half::bf16::to_f64(self)
+    }
+}
+
+/// Runs `$body::<T>` for the `--dtype` name.
+#[macro_export]
+macro_rules! with_dtype {
+    ($name:expr, $f:ident ( $($arg:expr),* )) => {
+        match $name {
+            "i8" => $f::<i8>($($arg),*),
+            "u8" => $f::<u8>($($arg),*),
+            "i32" => $f::<i32>($($arg),*),
+            "u32" => $f::<u32>($($arg),*),
+            "i64" => $f::<i64>($($arg),*),
+            "u64" => $f::<u64>($($arg),*),
+            "f16" => $f::<half::f16>($($arg),*),
+            "bf16" => $f::<half::bf16>($($arg),*),
+            "f32" => $f::<f32>($($arg),*),
+            "f64" => $f::<f64>($($arg),*),
+            other => Err(nccl_safe::Error::InvalidArgument {
+                op: "command line",
+                reason: format!("unknown --dtype {other}"),
+            }),
+        }
+    };
+}
+
+/// A buffer of `T` on the rank's device (GPU) or in host memory, for examples that run on
+/// either backend.
+pub enum Buf<T: Elem> {
+    Host(Vec<T>),
+    Cuda(cudarc::driver::CudaSlice<T>),
+}
+
+impl<T: Elem> Buf<T> {
+    /// Copies `data` to where `rank` runs.
+    pub fn from_host(rank: &Rank, data: &[T]) -> Result<Buf<T>> {
+        Ok(match rank.cuda_stream() {
+            Some(s) => Buf::Cuda(s.clone_htod(data)?),
+            None => Buf::Host(data.to_vec()),
+        })
+    }
+
+    /// Copies the buffer back to the host (waiting for the rank's stream).
+    pub fn to_host(&self, rank: &Rank) -> Result<Vec<T>> {
+        match (self, rank.cuda_stream()) {
+            (Buf::Cuda(b), Some(s)) => Ok(s.clone_dtoh(b)?),
+            (Buf::Host(v), _) => Ok(v.clone()),
+            (Buf::Cuda(_), None) => unreachable!("a device buffer exists only on a GPU rank"),
+        }
+    }
+}
+
+/// Prints the per-rank table and fails when a rank's result was wrong.
+pub fn print_table(rows: &[(usize, String, f64, bool)]) -> Result<()> {
+    println!("{:>5}  {:<10}  {:>14}  {}", "rank", "device", "value", "ok");
+    for (rank, device, value, ok) in rows {
+        println!("{rank:>5}  {device:<10}  {value:>14}  {}", if *ok { "ok" } else { "WRONG" });
+    }
+    let wrong = rows.iter().filter(|r| !r.3).count();
+    if wrong > 0 {
+        return Err(bad(format!("{wrong} rank(s) got a wrong result")));
+    }
+    println!("all {} ranks verified", rows.len());
+    Ok(())
+}
+
+/// "cuda:N" or "host".
+pub fn device_name(rank: &Rank) -> String {
+    match rank.comm().device() {
+        Some(d) => format!("cuda:{d}"),
+        None => "host".into(),
+    }
+}

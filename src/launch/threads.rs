@@ -1,0 +1,451 @@
+//! [`Launcher`]: one rank per device, each in its own thread; and [`Launcher::from_env`]
+//! for one rank per process under torchrun, Slurm or mpirun.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaContext;
+
+use crate::comm::{Communicator, Device};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::id::UniqueId;
+use crate::launch::env::ProcessEnv;
+use crate::launch::rendezvous::Rendezvous;
+use crate::stream::Stream;
+
+/// How many CUDA devices this process can use: 0 when the CUDA driver library is absent
+/// or reports none (never panics).
+pub fn cuda_device_count() -> usize {
+    // SAFETY: only probes whether libcuda can be opened.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
+/// Which provider a launcher uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// NVIDIA's NCCL on CUDA devices.
+    Nccl,
+    /// The in-process host provider.
+    Host,
+}
+
+/// Starts one rank per device, each in its own thread with its own device context,
+/// stream and communicator.
+///
+/// ```
+/// use nccl_safe::{launch::Launcher, ReduceOp};
+/// let sums = Launcher::host(4).run(|rank| {
+///     let mut x = vec![rank.rank() as f32; 8];
+///     rank.comm().all_reduce_in_place(&mut x, ReduceOp::Sum, rank.stream())?;
+///     Ok(x[0])
+/// })?;
+/// assert_eq!(sums, vec![6.0; 4]);
+/// # Ok::<(), nccl_safe::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Launcher {
+    devices: Vec<Device>,
+    config: Config,
+    timeout: Duration,
+}
+
+/// What each rank's closure receives.
+#[derive(Debug)]
+pub struct Rank {
+    comm: Communicator,
+    stream: Stream,
+}
+
+impl Rank {
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// The number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// The rank's communicator.
+    pub fn comm(&self) -> &Communicator {
+        &self.comm
+    }
+
+    /// The rank's stream (a CUDA stream of its device, or [`Stream::Host`]).
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The rank's device.
+    pub fn device(&self) -> &Device {
+        self.comm.device_handle()
+    }
+
+    /// The CUDA stream, when the rank runs on a GPU.
+    pub fn cuda_stream(&self) -> Option<&Arc<cudarc::driver::CudaStream>> {
+        match &self.stream {
+            Stream::Cuda(s) => Some(s),
+            Stream::Host => None,
+        }
+    }
+
+    /// Takes the communicator out (to destroy it yourself, say).
+    pub fn into_comm(self) -> Communicator {
+        self.comm
+    }
+}
+
+#[derive(Debug)]
+enum Outcome {
+    Running,
+    Done,
+    Failed(String),
+}
+
+struct Board {
+    outcomes: Mutex<Vec<Outcome>>,
+    changed: Condvar,
+}
+
+impl Board {
+    fn set(&self, rank: usize, outcome: Outcome) {
+        let mut o = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+        o[rank] = outcome;
+        self.changed.notify_all();
+    }
+
+    /// Waits until no rank is running or `deadline`; true when all finished.
+    fn wait_all(&self, deadline: Instant) -> bool {
+        let mut o = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if !o.iter().any(|x| matches!(x, Outcome::Running)) {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            o = self
+                .changed
+                .wait_timeout(o, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    fn summary(&self) -> Vec<String> {
+        let o = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+        o.iter()
+            .enumerate()
+            .map(|(r, x)| match x {
+                Outcome::Running => format!("rank {r}: still running"),
+                Outcome::Done => format!("rank {r}: returned"),
+                Outcome::Failed(e) => format!("rank {r}: {e}"),
+            })
+            .collect()
+    }
+}
+
+/// Default bound for [`Launcher::run`]: how long finished ranks wait for the others.
+pub const DEFAULT_LAUNCH_TIMEOUT: Duration = Duration::from_secs(600);
+
+impl Launcher {
+    /// One rank per visible CUDA device. [`Error::InvalidArgument`] when there is none.
+    pub fn all_devices() -> Result<Launcher> {
+        let n = cuda_device_count();
+        if n == 0 {
+            return Err(Error::InvalidArgument {
+                op: "Launcher::all_devices",
+                reason: "no CUDA device is visible (no driver, or CUDA_VISIBLE_DEVICES is empty); \
+                         use Launcher::host(n) to run on the host provider"
+                    .into(),
+            });
+        }
+        Launcher::devices(&(0..n).collect::<Vec<_>>())
+    }
+
+    /// One rank per listed CUDA device ordinal.
+    pub fn devices(ordinals: &[usize]) -> Result<Launcher> {
+        if ordinals.is_empty() || cuda_device_count() == 0 {
+            return Err(Error::InvalidArgument {
+                op: "Launcher::devices",
+                reason: "no CUDA device to launch on".into(),
+            });
+        }
+        let devices = ordinals
+            .iter()
+            .map(|&i| Ok(Device::Cuda(CudaContext::new(i)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Launcher::with_devices(devices))
+    }
+
+    /// `n` ranks on the in-process host provider.
+    pub fn host(n: usize) -> Launcher {
+        Launcher::with_devices(vec![Device::Host; n])
+    }
+
+    /// Every GPU when there is one, else `host_ranks` ranks on the host provider.
+    pub fn auto(host_ranks: usize) -> (Launcher, Backend) {
+        match Launcher::all_devices() {
+            Ok(l) => (l, Backend::Nccl),
+            Err(_) => (Launcher::host(host_ranks), Backend::Host),
+        }
+    }
+
+    fn with_devices(devices: Vec<Device>) -> Launcher {
+        Launcher {
+            devices,
+            config: Config::new(),
+            timeout: DEFAULT_LAUNCH_TIMEOUT,
+        }
+    }
+
+    /// The communicators' configuration.
+    pub fn config(mut self, config: Config) -> Launcher {
+        self.config = config;
+        self
+    }
+
+    /// How long ranks that finished wait for the others before aborting them (default 10 min).
+    pub fn timeout(mut self, timeout: Duration) -> Launcher {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// Runs `f` on every rank, each in its own thread, and returns each rank's value.
+    ///
+    /// When a rank returns an error or panics, its communicator is aborted at once, so the
+    /// other ranks' pending collectives end with an error instead of hanging (the host
+    /// provider wakes every rank of an aborted communicator; on GPUs the communicator's
+    /// watchdog bounds the wait). Ranks that return early wait up to [`Self::timeout`] for
+    /// the others, then abort. Every communicator is torn down exactly once on every path.
+    /// The error names the first rank that failed and what every rank did.
+    pub fn run<R, F>(&self, f: F) -> Result<Vec<R>>
+    where
+        R: Send,
+        F: Fn(&Rank) -> Result<R> + Sync,
+    {
+        let n = self.devices.len();
+        let Some(first) = self.devices.first() else {
+            return Err(Error::InvalidArgument {
+                op: "Launcher::run",
+                reason: "no ranks to launch".into(),
+            });
+        };
+        let id = first.unique_id()?;
+        let board = Board {
+            outcomes: Mutex::new((0..n).map(|_| Outcome::Running).collect()),
+            changed: Condvar::new(),
+        };
+        let results: Vec<std::thread::Result<Result<R>>> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .devices
+                .iter()
+                .enumerate()
+                .map(|(rank, device)| {
+                    let (board, f, id) = (&board, &f, &id);
+                    std::thread::Builder::new()
+                        .name(format!("nccl-rank-{rank}"))
+                        .spawn_scoped(s, move || self.rank_main(rank, device, id, board, f))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| match h {
+                    Ok(h) => h.join(),
+                    Err(e) => Ok(Err(Error::InvalidArgument {
+                        op: "Launcher::run",
+                        reason: format!("cannot spawn a rank thread: {e}"),
+                    })),
+                })
+                .collect()
+        });
+        let mut values = Vec::with_capacity(n);
+        let mut first_failure: Option<(usize, String)> = None;
+        for (rank, r) in results.into_iter().enumerate() {
+            match r {
+                Ok(Ok(v)) => values.push(v),
+                Ok(Err(e)) => {
+                    first_failure.get_or_insert((rank, e.to_string()));
+                }
+                Err(p) => {
+                    first_failure.get_or_insert((rank, format!("panicked: {}", panic_text(&p))));
+                }
+            }
+        }
+        match first_failure {
+            None => Ok(values),
+            Some((rank, cause)) => Err(Error::RankFailed {
+                rank,
+                cause,
+                ranks: board.summary(),
+            }),
+        }
+    }
+
+    fn rank_main<R, F>(&self, rank: usize, device: &Device, id: &UniqueId, board: &Board, f: &F) -> Result<R>
+    where
+        F: Fn(&Rank) -> Result<R>,
+    {
+        let setup = || -> Result<Rank> {
+            let stream = match device {
+                Device::Cuda(ctx) => {
+                    ctx.bind_to_thread()?;
+                    Stream::Cuda(ctx.new_stream()?)
+                }
+                Device::Host => Stream::Host,
+            };
+            let comm = Communicator::init_rank(device, self.devices.len(), rank, id, &self.config)?;
+            Ok(Rank { comm, stream })
+        };
+        let r = match setup() {
+            Ok(r) => r,
+            Err(e) => {
+                board.set(rank, Outcome::Failed(format!("init failed: {e}")));
+                return Err(e);
+            }
+        };
+        match catch_unwind(AssertUnwindSafe(|| f(&r))) {
+            Ok(Ok(v)) => {
+                board.set(rank, Outcome::Done);
+                let everyone = board.wait_all(Instant::now() + self.timeout);
+                let failed_elsewhere = board
+                    .outcomes
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .any(|o| matches!(o, Outcome::Failed(_)));
+                if everyone && !failed_elsewhere {
+                    r.comm.destroy().map_err(|(_, e)| e)?;
+                    Ok(v)
+                } else {
+                    // Peers are stuck (maybe waiting for a collective this rank skipped) or
+                    // failed: abort so that none of them hangs.
+                    let _ = r.comm.abort();
+                    if everyone {
+                        Ok(v)
+                    } else {
+                        Err(Error::Timeout {
+                            what: format!(
+                                "rank {rank} returned, but other ranks did not finish (a collective this rank did not call?)"
+                            ),
+                            timeout: self.timeout,
+                        })
+                    }
+                }
+            }
+            Ok(Err(e)) => {
+                board.set(rank, Outcome::Failed(e.to_string()));
+                let _ = r.comm.abort();
+                Err(e)
+            }
+            Err(panic) => {
+                board.set(rank, Outcome::Failed(format!("panicked: {}", panic_text(&panic))));
+                let _ = r.comm.abort();
+                std::panic::resume_unwind(panic)
+            }
+        }
+    }
+
+    /// One rank per process: reads torchrun / Open MPI / Slurm variables, picks the GPU
+    /// of the local rank, and exchanges the unique id over the authenticated TCP
+    /// rendezvous hosted by rank 0 (see [`crate::launch::rendezvous`]).
+    pub fn from_env() -> Result<ProcessLauncher> {
+        Ok(ProcessLauncher {
+            env: ProcessEnv::from_process_env()?,
+            config: Config::new(),
+        })
+    }
+}
+
+/// One rank of a multi-process job; see [`Launcher::from_env`].
+#[derive(Debug, Clone)]
+pub struct ProcessLauncher {
+    env: ProcessEnv,
+    config: Config,
+}
+
+impl ProcessLauncher {
+    /// For an environment read elsewhere.
+    pub fn new(env: ProcessEnv) -> ProcessLauncher {
+        ProcessLauncher {
+            env,
+            config: Config::new(),
+        }
+    }
+
+    /// The communicator's configuration.
+    pub fn config(mut self, config: Config) -> ProcessLauncher {
+        self.config = config;
+        self
+    }
+
+    /// The environment read.
+    pub fn env(&self) -> &ProcessEnv {
+        &self.env
+    }
+
+    /// Exchanges the id over the TCP rendezvous and joins the communicator on the GPU of
+    /// the local rank.
+    pub fn init(self) -> Result<Rank> {
+        let rendezvous = Rendezvous::from_env(&self.env)?;
+        self.init_with(rendezvous)
+    }
+
+    /// Like [`init`](Self::init) with another rendezvous (file, or your own closure).
+    pub fn init_with(self, rendezvous: Rendezvous) -> Result<Rank> {
+        let lib = crate::Library::load()?;
+        let exchanged = rendezvous.exchange(self.env.rank, self.env.world_size, || {
+            UniqueId::new_with(&lib).map(|id| id.to_bytes())
+        })?;
+        let id = UniqueId::from_bytes(&exchanged.id)?;
+        let result = (|| {
+            let local = self.env.device();
+            if cuda_device_count() <= local {
+                return Err(Error::InvalidArgument {
+                    op: "ProcessLauncher::init",
+                    reason: format!(
+                        "rank {} (local rank {local}) has no CUDA device: {} visible (no driver, or CUDA_VISIBLE_DEVICES)",
+                        self.env.rank,
+                        cuda_device_count()
+                    ),
+                });
+            }
+            let ctx = CudaContext::new(local)?;
+            ctx.bind_to_thread()?;
+            let stream = Stream::Cuda(ctx.new_stream()?);
+            let comm = Communicator::init_rank_in(&lib, &Device::Cuda(ctx), self.env.world_size, self.env.rank, &id, &self.config)?;
+            Ok(Rank { comm, stream })
+        })();
+        if let Some(server) = exchanged.server {
+            // Rank 0: every peer has fetched the id by now, or the deadline reports who did not.
+            if let Err(e) = server.wait() {
+                if result.is_ok() {
+                    return Err(e.into());
+                }
+            }
+        }
+        result
+    }
+}
+
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a non-string panic".into()
+    }
+}
