@@ -700,7 +700,13 @@ fn every_collective_dtype_op_world_size_and_placement() {
     let t = table();
     let total = AtomicUsize::new(0);
     let mut failures = Vec::new();
-    for w in [1usize, 2, 3, 4, 8] {
+    // HOST_CONFORMANCE_WORLDS=2,3 runs a subset (scripts/valgrind-host.sh uses it).
+    let worlds: Vec<usize> = std::env::var("HOST_CONFORMANCE_WORLDS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 2, 3, 4, 8]);
+    let full = worlds == [1, 2, 3, 4, 8];
+    for w in worlds {
         let cs = cases(w);
         let mut id = ncclUniqueId { internal: [0; 128] };
         // SAFETY: valid out pointer.
@@ -742,7 +748,7 @@ fn every_collective_dtype_op_world_size_and_placement() {
     }
     let n = total.load(Ordering::Relaxed);
     println!("host conformance matrix: {n} cases (collective x dtype x op x placement x world size 1,2,3,4,8)");
-    assert!(n > 2000, "matrix unexpectedly small: {n}");
+    assert!(!full || n > 2000, "matrix unexpectedly small: {n}");
     assert!(
         failures.is_empty(),
         "{} mismatches, first: {:#?}",
