@@ -70,7 +70,7 @@ fn fp8_dec(b: u8, e5m2: bool) -> f64 {
     let e = ((b & 0x7f) >> mb) as i32;
     let m = (b & ((1 << mb) - 1)) as f64;
     let v = if e == 0 {
-        m * 2f64.powi(1 - bias - mb as i32)
+        m * 2f64.powi(1 - bias - mb)
     } else {
         (1.0 + m / (1 << mb) as f64) * 2f64.powi(e - bias)
     };
@@ -273,7 +273,9 @@ fn reference_self_check() {
 fn input(dt: ncclDataType_t, op: Op, r: usize, i: usize, salt: usize) -> Vec<u8> {
     let k = r * 3 + i * 5 + salt;
     let x = match (int_info(dt), op) {
-        (Some((_, true)), Op::Prod) => ((k % 3) as f64 + 1.0) * if k % 4 == 0 { -1.0 } else { 1.0 },
+        (Some((_, true)), Op::Prod) => {
+            ((k % 3) as f64 + 1.0) * if k.is_multiple_of(4) { -1.0 } else { 1.0 }
+        }
         (Some((_, false)), Op::Prod) => (k % 3) as f64 + 1.0,
         (Some((_, true)), _) => (k % 11) as f64 - 5.0,
         (Some((_, false)), _) => (k % 11) as f64 + 1.0,
@@ -389,7 +391,7 @@ fn run_case(
         Op::Min => op = ncclMin,
         Op::Avg => op = ncclAvg,
         Op::PreMulSum => {
-            let residence = if c.salt % 2 == 0 {
+            let residence = if c.salt.is_multiple_of(2) {
                 ncclScalarHostImmediate
             } else {
                 ncclScalarDevice
@@ -698,7 +700,13 @@ fn every_collective_dtype_op_world_size_and_placement() {
     let t = table();
     let total = AtomicUsize::new(0);
     let mut failures = Vec::new();
-    for w in [1usize, 2, 3, 4, 8] {
+    // HOST_CONFORMANCE_WORLDS=2,3 runs a subset (scripts/valgrind-host.sh uses it).
+    let worlds: Vec<usize> = std::env::var("HOST_CONFORMANCE_WORLDS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 2, 3, 4, 8]);
+    let full = worlds == [1, 2, 3, 4, 8];
+    for w in worlds {
         let cs = cases(w);
         let mut id = ncclUniqueId { internal: [0; 128] };
         // SAFETY: valid out pointer.
@@ -740,7 +748,7 @@ fn every_collective_dtype_op_world_size_and_placement() {
     }
     let n = total.load(Ordering::Relaxed);
     println!("host conformance matrix: {n} cases (collective x dtype x op x placement x world size 1,2,3,4,8)");
-    assert!(n > 2000, "matrix unexpectedly small: {n}");
+    assert!(!full || n > 2000, "matrix unexpectedly small: {n}");
     assert!(
         failures.is_empty(),
         "{} mismatches, first: {:#?}",

@@ -232,12 +232,13 @@ fn finish_new(
     if in_group() || nonblocking {
         put(out, h as ncclComm_t);
         g.count_created(h);
-        let done = !matches!(g.comms.get(&h).map(|c| &c.state), Some(CommState::Pending));
         drop(g);
         if in_group() {
             GROUP.with(|gr| gr.borrow_mut().1.push(Item::Handle(h)));
         }
-        return Ok(if nonblocking && !done {
+        // As NCCL: a non-blocking init/split reports ncclInProgress even when this call
+        // completed it; ncclCommGetAsyncError then says ncclSuccess.
+        return Ok(if nonblocking {
             ncclInProgress
         } else {
             ncclSuccess

@@ -1,0 +1,775 @@
+//! Semantics of the host provider beyond arithmetic: groups, split/shrink, non-blocking
+//! init, abort, misuse counting, config validation and version emulation. Every call goes
+//! through `nccl_sys::FunctionTable`.
+#![allow(non_upper_case_globals)]
+
+use core::ffi::{c_int, c_void, CStr};
+use std::time::{Duration, Instant};
+
+use nccl_safe::host::{self, HostStats};
+use nccl_sys::bindings::*;
+use nccl_sys::FunctionTable;
+
+fn table() -> FunctionTable {
+    // SAFETY: the host provider's lookup returns functions with NCCL's signatures.
+    unsafe { FunctionTable::load(host::lookup) }.expect("host provider table")
+}
+
+fn null_stream() -> cudaStream_t {
+    core::ptr::null_mut()
+}
+
+fn new_id(t: &FunctionTable) -> ncclUniqueId {
+    let mut id = ncclUniqueId { internal: [0; 128] };
+    // SAFETY: valid out pointer.
+    assert_eq!(unsafe { (t.ncclGetUniqueId)(&mut id) }, ncclSuccess);
+    id
+}
+
+/// Inits `n` ranks on one id, one thread each, then runs `f(rank, comm)` on each thread.
+fn with_ranks<R: Send>(
+    t: &FunctionTable,
+    n: usize,
+    f: impl Fn(usize, ncclComm_t) -> R + Sync,
+) -> (ncclUniqueId, Vec<R>) {
+    let id = new_id(t);
+    let out = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let f = &f;
+                s.spawn(move || {
+                    let mut comm: ncclComm_t = core::ptr::null_mut();
+                    // SAFETY: valid out pointer; same id for every rank.
+                    assert_eq!(
+                        unsafe { (t.ncclCommInitRank)(&mut comm, n as c_int, id, r as c_int) },
+                        ncclSuccess
+                    );
+                    f(r, comm)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank panicked"))
+            .collect()
+    });
+    (id, out)
+}
+
+fn destroy(t: &FunctionTable, c: ncclComm_t) {
+    // SAFETY: c is a live handle destroyed once.
+    assert_eq!(unsafe { (t.ncclCommDestroy)(c) }, ncclSuccess);
+}
+
+fn last_error(t: &FunctionTable) -> String {
+    // SAFETY: the provider returns a NUL-terminated string valid until the next call.
+    unsafe { CStr::from_ptr((t.ncclGetLastError)(core::ptr::null_mut())) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn stats(
+    live: u64,
+    created: u64,
+    destroyed: u64,
+    aborted: u64,
+    misused: u64,
+) -> (u64, u64, u64, u64, u64) {
+    (live, created, destroyed, aborted, misused)
+}
+
+fn tuple(s: HostStats) -> (u64, u64, u64, u64, u64) {
+    (s.live, s.created, s.destroyed, s.aborted, s.misused)
+}
+
+#[test]
+fn group_defers_ops_until_group_end() {
+    let t = table();
+    let (id, _) = with_ranks(&t, 2, |r, comm| {
+        let send = [r as f32 + 1.0; 4];
+        let mut recv = [0f32; 4];
+        // SAFETY: live buffers and comm.
+        unsafe {
+            assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+            let rc = (t.ncclAllReduce)(
+                send.as_ptr() as _,
+                recv.as_mut_ptr() as _,
+                4,
+                ncclFloat32,
+                ncclSum,
+                comm,
+                null_stream(),
+            );
+            assert_eq!(rc, ncclSuccess);
+            assert_eq!(recv, [0.0; 4], "recv written before ncclGroupEnd");
+            assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
+        }
+        assert_eq!(recv, [3.0; 4]);
+        destroy(&t, comm);
+    });
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 2, 2, 0, 0));
+}
+
+#[test]
+fn send_recv_ring_and_exchange_inside_a_group() {
+    let t = table();
+    let n = 4;
+    with_ranks(&t, n, |r, comm| {
+        let send: Vec<i64> = (0..5).map(|i| (r * 100 + i) as i64).collect();
+        let mut from_prev = vec![-1i64; 5];
+        let mut from_next = vec![-1i64; 5];
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        // SAFETY: live buffers and comm. Both directions at once: would deadlock if blocking.
+        unsafe {
+            assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+            assert_eq!(
+                (t.ncclSend)(
+                    send.as_ptr() as _,
+                    5,
+                    ncclInt64,
+                    next as c_int,
+                    comm,
+                    null_stream()
+                ),
+                ncclSuccess
+            );
+            assert_eq!(
+                (t.ncclSend)(
+                    send.as_ptr() as _,
+                    5,
+                    ncclInt64,
+                    prev as c_int,
+                    comm,
+                    null_stream()
+                ),
+                ncclSuccess
+            );
+            assert_eq!(
+                (t.ncclRecv)(
+                    from_prev.as_mut_ptr() as _,
+                    5,
+                    ncclInt64,
+                    prev as c_int,
+                    comm,
+                    null_stream()
+                ),
+                ncclSuccess
+            );
+            assert_eq!(
+                (t.ncclRecv)(
+                    from_next.as_mut_ptr() as _,
+                    5,
+                    ncclInt64,
+                    next as c_int,
+                    comm,
+                    null_stream()
+                ),
+                ncclSuccess
+            );
+            assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
+        }
+        let want = |p: usize| (0..5).map(|i| (p * 100 + i) as i64).collect::<Vec<_>>();
+        assert_eq!(from_prev, want(prev));
+        assert_eq!(from_next, want(next));
+        destroy(&t, comm);
+    });
+}
+
+#[test]
+fn one_thread_drives_an_init_all_clique_in_one_group() {
+    let t = table();
+    let n = 4usize;
+    let devs: [c_int; 4] = [3, 1, 2, 0];
+    let mut comms = vec![core::ptr::null_mut(); n];
+    // SAFETY: comms has n entries, devlist too.
+    assert_eq!(
+        unsafe { (t.ncclCommInitAll)(comms.as_mut_ptr(), n as c_int, devs.as_ptr()) },
+        ncclSuccess
+    );
+    let id = host::root_id_of(comms[0]).expect("root id");
+    let sends: Vec<Vec<i32>> = (0..n).map(|r| vec![r as i32 + 1; 3]).collect();
+    let mut recvs = vec![vec![0i32; 3]; n];
+    // SAFETY: live buffers and comms.
+    unsafe {
+        assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+        for r in 0..n {
+            let rc = (t.ncclAllReduce)(
+                sends[r].as_ptr() as _,
+                recvs[r].as_mut_ptr() as _,
+                3,
+                ncclInt32,
+                ncclSum,
+                comms[r],
+                null_stream(),
+            );
+            assert_eq!(rc, ncclSuccess);
+        }
+        assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
+        for (r, &c) in comms.iter().enumerate() {
+            let (mut dev, mut rank, mut count) = (-9, -9, -9);
+            assert_eq!((t.ncclCommCuDevice)(c, &mut dev), ncclSuccess);
+            assert_eq!((t.ncclCommUserRank)(c, &mut rank), ncclSuccess);
+            assert_eq!((t.ncclCommCount)(c, &mut count), ncclSuccess);
+            assert_eq!((dev, rank, count), (devs[r], r as c_int, n as c_int));
+        }
+    }
+    assert!(recvs.iter().all(|v| v == &vec![10; 3]), "{recvs:?}");
+    for c in comms {
+        destroy(&t, c);
+    }
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 4, 4, 0, 0));
+}
+
+/// Splits a world of `n` with per-rank (color, key); returns (child rank, child size) or None.
+fn split_pattern(
+    n: usize,
+    color: impl Fn(usize) -> c_int + Sync,
+    key: impl Fn(usize) -> c_int + Sync,
+) -> Vec<Option<(c_int, c_int, i32)>> {
+    let t = table();
+    let (id, out) = with_ranks(&t, n, |r, comm| {
+        let mut child: ncclComm_t = 0x1 as ncclComm_t;
+        // SAFETY: live comm, valid out pointer, NULL config.
+        let rc =
+            unsafe { (t.ncclCommSplit)(comm, color(r), key(r), &mut child, core::ptr::null_mut()) };
+        assert_eq!(rc, ncclSuccess);
+        let res = if child.is_null() {
+            None
+        } else {
+            let (mut cr, mut cn) = (0, 0);
+            let mut sum = 0i32;
+            // SAFETY: live child comm and buffers.
+            unsafe {
+                assert_eq!((t.ncclCommUserRank)(child, &mut cr), ncclSuccess);
+                assert_eq!((t.ncclCommCount)(child, &mut cn), ncclSuccess);
+                let one = r as i32;
+                let rc = (t.ncclAllReduce)(
+                    &one as *const i32 as _,
+                    &mut sum as *mut i32 as _,
+                    1,
+                    ncclInt32,
+                    ncclSum,
+                    child,
+                    null_stream(),
+                );
+                assert_eq!(rc, ncclSuccess);
+            }
+            destroy(&t, child);
+            Some((cr, cn, sum))
+        };
+        destroy(&t, comm);
+        res
+    });
+    let st = host::stats_for(&id);
+    let children = out.iter().filter(|x| x.is_some()).count() as u64;
+    assert_eq!(
+        tuple(st),
+        stats(0, n as u64 + children, n as u64 + children, 0, 0)
+    );
+    out
+}
+
+#[test]
+fn split_colors_keys_and_nocolor() {
+    // Two colors by parity, keys in order: child rank = r / 2; sums of parent ranks.
+    let out = split_pattern(6, |r| (r % 2) as c_int, |r| r as c_int);
+    let want: Vec<_> = (0..6)
+        .map(|r| Some(((r / 2) as c_int, 3, if r % 2 == 0 { 6 } else { 9 })))
+        .collect();
+    assert_eq!(out, want);
+    // Reversed keys: child rank = n-1-r.
+    let out = split_pattern(4, |_| 7, |r| -(r as c_int));
+    assert_eq!(
+        out,
+        (0..4)
+            .map(|r| Some((3 - r as c_int, 4, 6)))
+            .collect::<Vec<_>>()
+    );
+    // Equal keys: ties broken by parent rank.
+    let out = split_pattern(3, |_| 0, |_| 5);
+    assert_eq!(
+        out,
+        (0..3).map(|r| Some((r as c_int, 3, 3))).collect::<Vec<_>>()
+    );
+    // NOCOLOR for odd ranks: they get NULL.
+    let out = split_pattern(
+        4,
+        |r| if r % 2 == 1 { NCCL_SPLIT_NOCOLOR } else { 1 },
+        |r| r as c_int,
+    );
+    assert_eq!(out, vec![Some((0, 2, 2)), None, Some((1, 2, 2)), None]);
+}
+
+#[test]
+fn shrink_excludes_ranks_and_hides_nothing_else() {
+    let t = table();
+    let n = 4;
+    let (id, out) = with_ranks(&t, n, |r, comm| {
+        let shrink = t.ncclCommShrink.expect("shrink");
+        let res = if r == 1 {
+            None // the excluded rank does not call shrink
+        } else {
+            let mut excl = [1 as c_int];
+            let mut child: ncclComm_t = core::ptr::null_mut();
+            // SAFETY: live comm, valid list and out pointer.
+            let rc = unsafe {
+                shrink(
+                    comm,
+                    excl.as_mut_ptr(),
+                    1,
+                    &mut child,
+                    core::ptr::null_mut(),
+                    NCCL_SHRINK_DEFAULT as c_int,
+                )
+            };
+            assert_eq!(rc, ncclSuccess);
+            let (mut cr, mut cn) = (0, 0);
+            // SAFETY: live child.
+            unsafe {
+                (t.ncclCommUserRank)(child, &mut cr);
+                (t.ncclCommCount)(child, &mut cn);
+            }
+            destroy(&t, child);
+            Some((cr, cn))
+        };
+        destroy(&t, comm);
+        res
+    });
+    assert_eq!(out, vec![Some((0, 3)), None, Some((1, 3)), Some((2, 3))]);
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 7, 7, 0, 0));
+}
+
+fn config(blocking: c_int) -> ncclConfig_t {
+    // SAFETY: ncclConfig_t is plain data; all-zero is a valid bit pattern.
+    let mut c: ncclConfig_t = unsafe { core::mem::zeroed() };
+    c.size = core::mem::size_of::<ncclConfig_t>();
+    c.magic = NCCL_API_MAGIC;
+    c.version = NCCL_VERSION_CODE;
+    c.blocking = blocking;
+    c.cgaClusterSize = nccl_sys::NCCL_CONFIG_UNDEF_INT;
+    c
+}
+
+#[test]
+fn non_blocking_init_polls_in_progress_then_success() {
+    let t = table();
+    let id = new_id(&t);
+    let mut cfg = config(0);
+    let mut c0: ncclComm_t = core::ptr::null_mut();
+    // SAFETY: valid pointers.
+    let rc = unsafe { (t.ncclCommInitRankConfig)(&mut c0, 2, id, 0, &mut cfg) };
+    assert_eq!(rc, ncclInProgress);
+    assert!(!c0.is_null());
+    let mut st = ncclSuccess;
+    // SAFETY: c0 is a live (initializing) handle.
+    assert_eq!(
+        unsafe { (t.ncclCommGetAsyncError)(c0, &mut st) },
+        ncclSuccess
+    );
+    assert_eq!(st, ncclInProgress);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut c1: ncclComm_t = core::ptr::null_mut();
+            let mut cfg = config(0);
+            // SAFETY: valid pointers.
+            assert_eq!(
+                unsafe { (t.ncclCommInitRankConfig)(&mut c1, 2, id, 1, &mut cfg) },
+                ncclInProgress
+            );
+            loop {
+                let mut st = ncclInProgress;
+                // SAFETY: live handle.
+                assert_eq!(
+                    unsafe { (t.ncclCommGetAsyncError)(c1, &mut st) },
+                    ncclSuccess
+                );
+                if st != ncclInProgress {
+                    assert_eq!(st, ncclSuccess);
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            destroy(&t, c1);
+        });
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        // SAFETY: live handle.
+        assert_eq!(
+            unsafe { (t.ncclCommGetAsyncError)(c0, &mut st) },
+            ncclSuccess
+        );
+        if st != ncclInProgress || Instant::now() > deadline {
+            break;
+        }
+    }
+    assert_eq!(st, ncclSuccess);
+    destroy(&t, c0);
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 2, 2, 0, 0));
+}
+
+#[test]
+fn ranks_disagreeing_on_nranks_get_invalid_argument() {
+    let t = table();
+    let id = new_id(&t);
+    let rcs: Vec<(ncclResult_t, bool)> = std::thread::scope(|s| {
+        let hs: Vec<_> = [(0, 2), (1, 3)]
+            .into_iter()
+            .map(|(r, n)| {
+                let t = &t;
+                s.spawn(move || {
+                    let mut c: ncclComm_t = 0x1 as ncclComm_t;
+                    // SAFETY: valid out pointer.
+                    let rc = unsafe { (t.ncclCommInitRank)(&mut c, n, id, r) };
+                    (rc, c.is_null())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(
+        rcs,
+        vec![(ncclInvalidArgument, true), (ncclInvalidArgument, true)]
+    );
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 0, 0, 0, 0));
+}
+
+#[test]
+fn abort_wakes_a_rank_blocked_in_all_reduce() {
+    let t = table();
+    let id = new_id(&t);
+    let mut comms = [core::ptr::null_mut::<ncclComm>(); 2];
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let t = &t;
+                s.spawn(move || {
+                    let mut c: ncclComm_t = core::ptr::null_mut();
+                    // SAFETY: valid out pointer.
+                    assert_eq!(
+                        unsafe { (t.ncclCommInitRank)(&mut c, 2, id, r) },
+                        ncclSuccess
+                    );
+                    c as usize
+                })
+            })
+            .collect();
+        for (i, h) in hs.into_iter().enumerate() {
+            comms[i] = h.join().unwrap() as ncclComm_t;
+        }
+    });
+    let c0 = comms[0] as usize;
+    let c1 = comms[1] as usize;
+    let (rc, waited) = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            let send = [1f32; 8];
+            let mut recv = [0f32; 8];
+            let start = Instant::now();
+            // SAFETY: live buffers; rank 1 never joins, so this blocks until the abort.
+            let rc = unsafe {
+                (t.ncclAllReduce)(
+                    send.as_ptr() as _,
+                    recv.as_mut_ptr() as _,
+                    8,
+                    ncclFloat32,
+                    ncclSum,
+                    c0 as ncclComm_t,
+                    null_stream(),
+                )
+            };
+            assert_eq!(
+                recv, [0f32; 8],
+                "buffers must not be written after an abort"
+            );
+            (rc, start.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        // SAFETY: c1 is live; aborting it from another thread is allowed.
+        assert_eq!(unsafe { (t.ncclCommAbort)(c1 as ncclComm_t) }, ncclSuccess);
+        h.join().unwrap()
+    });
+    assert_eq!(rc, ncclRemoteError);
+    assert!(waited < Duration::from_secs(2), "woke after {waited:?}");
+    let mut st = ncclSuccess;
+    // SAFETY: c0 is still a live handle (in error).
+    assert_eq!(
+        unsafe { (t.ncclCommGetAsyncError)(c0 as ncclComm_t, &mut st) },
+        ncclSuccess
+    );
+    assert_eq!(st, ncclRemoteError);
+    destroy(&t, c0 as ncclComm_t);
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 2, 1, 1, 0));
+}
+
+#[test]
+fn misuse_is_detected_counted_and_never_crashes() {
+    let t = table();
+    let (id, comms) = with_ranks(&t, 2, |_, c| c as usize);
+    let (c0, c1) = (comms[0] as ncclComm_t, comms[1] as ncclComm_t);
+    let buf = [0f32; 4];
+    let mut out = [0f32; 4];
+    // SAFETY: every call below passes deliberately bad handles/arguments; the provider must
+    // detect them without dereferencing anything invalid.
+    unsafe {
+        // NULL buffers, out-of-range root/peer, unknown dtype/op, NULL out pointers.
+        assert_eq!(
+            (t.ncclAllReduce)(
+                core::ptr::null(),
+                out.as_mut_ptr() as _,
+                4,
+                ncclFloat32,
+                ncclSum,
+                c0,
+                null_stream()
+            ),
+            ncclInvalidArgument
+        );
+        assert!(
+            last_error(&t).contains("sendbuff is NULL"),
+            "{}",
+            last_error(&t)
+        );
+        assert_eq!(
+            (t.ncclBroadcast)(
+                buf.as_ptr() as _,
+                out.as_mut_ptr() as _,
+                4,
+                ncclFloat32,
+                2,
+                c0,
+                null_stream()
+            ),
+            ncclInvalidArgument
+        );
+        assert!(last_error(&t).contains("root 2"), "{}", last_error(&t));
+        assert_eq!(
+            (t.ncclSend)(buf.as_ptr() as _, 4, ncclFloat32, -1, c0, null_stream()),
+            ncclInvalidArgument
+        );
+        assert_eq!(
+            (t.ncclAllReduce)(
+                buf.as_ptr() as _,
+                out.as_mut_ptr() as _,
+                4,
+                99,
+                ncclSum,
+                c0,
+                null_stream()
+            ),
+            ncclInvalidArgument
+        );
+        assert_eq!(
+            (t.ncclAllReduce)(
+                buf.as_ptr() as _,
+                out.as_mut_ptr() as _,
+                4,
+                ncclFloat32,
+                42,
+                c0,
+                null_stream()
+            ),
+            ncclInvalidArgument
+        );
+        assert_eq!(
+            (t.ncclAllGather)(
+                buf.as_ptr() as _,
+                out.as_mut_ptr() as _,
+                usize::MAX / 2,
+                ncclFloat32,
+                c0,
+                null_stream()
+            ),
+            ncclInvalidArgument
+        );
+        assert_eq!(
+            (t.ncclCommCount)(c0, core::ptr::null_mut()),
+            ncclInvalidArgument
+        );
+        // Bogus handle (never issued): counted only process-wide.
+        let bogus = 0xdead_beef_usize as ncclComm_t;
+        assert_eq!((t.ncclCommDestroy)(bogus), ncclInvalidArgument);
+        assert!(
+            last_error(&t).contains("not a communicator"),
+            "{}",
+            last_error(&t)
+        );
+        // Teardown, then double destroy / abort and use after destroy.
+        assert_eq!((t.ncclCommDestroy)(c0), ncclSuccess);
+        assert_eq!((t.ncclCommDestroy)(c0), ncclInvalidUsage);
+        assert!(
+            last_error(&t).contains("already destroyed"),
+            "{}",
+            last_error(&t)
+        );
+        assert_eq!((t.ncclCommAbort)(c0), ncclInvalidUsage);
+        let mut n = 0;
+        assert_eq!((t.ncclCommCount)(c0, &mut n), ncclInvalidUsage);
+        assert_eq!(
+            (t.ncclAllReduce)(
+                buf.as_ptr() as _,
+                out.as_mut_ptr() as _,
+                4,
+                ncclFloat32,
+                ncclSum,
+                c0,
+                null_stream()
+            ),
+            ncclInvalidUsage
+        );
+        assert_eq!((t.ncclCommFinalize)(c1), ncclSuccess);
+        assert_eq!((t.ncclCommFinalize)(c1), ncclInvalidUsage);
+        assert_eq!((t.ncclCommDestroy)(c1), ncclSuccess);
+        assert_eq!((t.ncclCommDestroy)(core::ptr::null_mut()), ncclSuccess);
+        assert_eq!((t.ncclGroupEnd)(), ncclInvalidUsage);
+    }
+    let st = host::stats_for(&id);
+    assert_eq!(
+        (st.created, st.destroyed, st.aborted, st.finalized, st.live),
+        (2, 2, 0, 1, 0)
+    );
+    assert_eq!(st.misused, 12, "{:?}", host::recent_misuse());
+    assert!(host::stats().misused >= 14);
+}
+
+#[test]
+fn config_is_validated_per_layout() {
+    let t = table();
+    let init = |cfg: &mut ncclConfig_t| {
+        let id = new_id(&t);
+        let mut c: ncclComm_t = core::ptr::null_mut();
+        // SAFETY: valid pointers; a one-rank init completes at once.
+        let rc = unsafe { (t.ncclCommInitRankConfig)(&mut c, 1, id, 0, cfg) };
+        if !c.is_null() {
+            destroy(&t, c);
+        }
+        (rc, host::stats_for(&id))
+    };
+    let mut bad = config(1);
+    bad.magic = 0x1234;
+    let (rc, st) = init(&mut bad);
+    assert_eq!((rc, st.misused, st.created), (ncclInvalidArgument, 1, 0));
+    assert!(last_error(&t).contains("magic"), "{}", last_error(&t));
+    let mut small = config(1);
+    small.size = 40;
+    assert_eq!(init(&mut small).0, ncclInvalidArgument);
+    assert!(last_error(&t).contains("size 40"));
+    let mut big = config(1);
+    big.size = core::mem::size_of::<ncclConfig_t>() + 8;
+    assert_eq!(init(&mut big).0, ncclInvalidArgument);
+    let mut weird = config(7);
+    assert_eq!(init(&mut weird).0, ncclInvalidArgument);
+    // Each release's layout: (size, version code).
+    for (size, version) in [
+        (48, 21803),
+        (48, 22605),
+        (72, 22703),
+        (80, 22803),
+        (88, 22902),
+        (96, 23003),
+        (112, 23102),
+        (120, 23203),
+    ] {
+        let mut c = config(1);
+        c.size = size;
+        c.version = version;
+        let (rc, st) = init(&mut c);
+        assert_eq!(
+            (rc, st.created, st.destroyed, st.misused),
+            (ncclSuccess, 1, 1, 0),
+            "layout {size}/{version}"
+        );
+    }
+}
+
+#[test]
+fn version_emulation_hides_newer_symbols() {
+    // SAFETY: the emulated lookup only returns host functions with NCCL's signatures.
+    let old = unsafe { FunctionTable::load(host::lookup_as_version(2, 18)) }.unwrap();
+    assert!(
+        old.ncclAlltoAll.is_none() && old.ncclCommShrink.is_none() && old.ncclMemAlloc.is_none()
+    );
+    let mut v = 0;
+    // SAFETY: valid out pointer.
+    assert_eq!(unsafe { (old.ncclGetVersion)(&mut v) }, ncclSuccess);
+    assert_eq!(v, 21803);
+    // SAFETY: as above.
+    let mid = unsafe { FunctionTable::load(host::lookup_as_version(2, 27)) }.unwrap();
+    assert!(
+        mid.ncclCommShrink.is_some() && mid.ncclMemAlloc.is_some() && mid.ncclAlltoAll.is_none()
+    );
+    let t = table();
+    // SAFETY: valid out pointer.
+    assert_eq!(unsafe { (t.ncclGetVersion)(&mut v) }, ncclSuccess);
+    assert_eq!(v, 23203);
+    assert!(t.ncclAlltoAll.is_some() && t.ncclGather.is_some() && t.ncclCommRegister.is_some());
+    assert!(host::lookup(c"ncclCommWindowRegister").is_null());
+    // SAFETY: unsupported version: every lookup is null, so loading fails.
+    assert!(unsafe { FunctionTable::load(host::lookup_as_version(3, 0)) }.is_err());
+}
+
+#[test]
+fn error_strings_unique_ids_and_mem_alloc() {
+    let t = table();
+    // SAFETY: the provider returns static NUL-terminated strings.
+    let s = |r| {
+        unsafe { CStr::from_ptr((t.ncclGetErrorString)(r)) }
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    assert_eq!(s(ncclSuccess), "no error");
+    assert_eq!(
+        s(ncclUnhandledCudaError),
+        "unhandled cuda error (run with NCCL_DEBUG=INFO for details)"
+    );
+    assert_eq!(
+        s(ncclRemoteError),
+        "remote process exited or there was a network error"
+    );
+    assert_eq!(s(ncclInProgress), "NCCL operation in progress");
+    assert_eq!(s(ncclTimeout), "NCCL timeout");
+    assert_eq!(s(77), "unknown result code");
+    let (a, b) = (new_id(&t), new_id(&t));
+    assert_eq!(&a.internal[..14], &b.internal[..14]);
+    assert_eq!(
+        a.internal[..14]
+            .iter()
+            .map(|&c| c as u8)
+            .collect::<Vec<_>>(),
+        b"nccl-safe-host"
+    );
+    assert_ne!(a.internal, b.internal);
+    let alloc = t.ncclMemAlloc.unwrap();
+    let free = t.ncclMemFree.unwrap();
+    let mut p: *mut c_void = core::ptr::null_mut();
+    // SAFETY: valid out pointer; p is freed once; the second free is detected.
+    unsafe {
+        assert_eq!(alloc(&mut p, 100), ncclSuccess);
+        assert!(!p.is_null());
+        (p as *mut u8).write_bytes(7, 100);
+        assert_eq!(free(p), ncclSuccess);
+        assert_eq!(free(p), ncclInvalidArgument);
+    }
+}
+
+#[test]
+fn grouped_init_of_all_ranks_from_one_thread() {
+    let t = table();
+    let id = new_id(&t);
+    let mut comms = [core::ptr::null_mut::<ncclComm>(); 3];
+    // SAFETY: valid out pointers; the inits complete at group end.
+    unsafe {
+        assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+        for (r, c) in comms.iter_mut().enumerate() {
+            assert_eq!((t.ncclCommInitRank)(c, 3, id, r as c_int), ncclSuccess);
+        }
+        assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
+    }
+    for (r, &c) in comms.iter().enumerate() {
+        let mut rank = -1;
+        // SAFETY: live comm.
+        assert_eq!(unsafe { (t.ncclCommUserRank)(c, &mut rank) }, ncclSuccess);
+        assert_eq!(rank, r as c_int);
+        destroy(&t, c);
+    }
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 3, 3, 0, 0));
+}
