@@ -32,7 +32,12 @@ fn rank_body<T: Elem>(rank: &Rank, args: &Args) -> Result<(usize, String, f64, b
     }
     let out = buf.to_host(rank)?;
     let ok = out.len() == args.count && out.iter().all(|v| v.to_f64() == expected);
-    Ok((rank.rank(), device_name(rank), out.first().map_or(f64::NAN, |v| v.to_f64()), ok))
+    Ok((
+        rank.rank(),
+        device_name(rank),
+        out.first().map_or(f64::NAN, |v| v.to_f64()),
+        ok,
+    ))
 }
 
 fn threads<T: Elem>(launcher: &Launcher, args: &Args) -> Result<Vec<(usize, String, f64, bool)>> {
@@ -46,7 +51,11 @@ fn one_process<T: Elem>(rank: &Rank, args: &Args) -> Result<Vec<(usize, String, 
 fn run(args: Args) -> Result<()> {
     let rows = if args.launcher == "env" {
         let rank = Launcher::from_env()?.init()?;
-        println!("rank {} of {} (from the launcher's environment)", rank.rank(), rank.world_size());
+        println!(
+            "rank {} of {} (from the launcher's environment)",
+            rank.rank(),
+            rank.world_size()
+        );
         with_dtype!(args.dtype.as_str(), one_process(&rank, &args))?
     } else {
         let (launcher, _backend, first_line) = args.launcher()?;

@@ -39,7 +39,10 @@ impl Args {
         };
         let mut it = std::env::args().skip(1);
         while let Some(flag) = it.next() {
-            let mut value = || it.next().ok_or_else(|| bad(format!("{flag} needs a value")));
+            let mut value = || {
+                it.next()
+                    .ok_or_else(|| bad(format!("{flag} needs a value")))
+            };
             match flag.as_str() {
                 "--ranks" => a.ranks = Some(parse_num(&value()?)?),
                 "--count" => a.count = parse_num(&value()?)?,
@@ -52,7 +55,11 @@ impl Args {
                         "max" => ReduceOp::Max,
                         "min" => ReduceOp::Min,
                         "avg" => ReduceOp::Avg,
-                        other => return Err(bad(format!("unknown --op {other} (sum, prod, max, min, avg)"))),
+                        other => {
+                            return Err(bad(format!(
+                                "unknown --op {other} (sum, prod, max, min, avg)"
+                            )))
+                        }
                     }
                 }
                 "--backend" => a.backend = value()?,
@@ -68,10 +75,16 @@ impl Args {
             }
         }
         if !["auto", "nccl", "host"].contains(&a.backend.as_str()) {
-            return Err(bad(format!("--backend {} must be auto, nccl or host", a.backend)));
+            return Err(bad(format!(
+                "--backend {} must be auto, nccl or host",
+                a.backend
+            )));
         }
         if !["threads", "env"].contains(&a.launcher.as_str()) {
-            return Err(bad(format!("--launcher {} must be threads or env", a.launcher)));
+            return Err(bad(format!(
+                "--launcher {} must be threads or env",
+                a.launcher
+            )));
         }
         Ok(a)
     }
@@ -113,7 +126,9 @@ fn parse_num(s: &str) -> Result<usize> {
 }
 
 /// Element types the examples run with: exact small integers in every type.
-pub trait Elem: NcclType + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Default + std::fmt::Debug {
+pub trait Elem:
+    NcclType + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Default + std::fmt::Debug
+{
     fn from_f64(x: f64) -> Self;
     fn to_f64(self) -> f64;
 }
@@ -197,9 +212,12 @@ impl<T: Elem> Buf<T> {
 
 /// Prints the per-rank table and fails when a rank's result was wrong.
 pub fn print_table(rows: &[(usize, String, f64, bool)]) -> Result<()> {
-    println!("{:>5}  {:<10}  {:>14}  {}", "rank", "device", "value", "ok");
+    println!("{:>5}  {:<10}  {:>14}  ok", "rank", "device", "value");
     for (rank, device, value, ok) in rows {
-        println!("{rank:>5}  {device:<10}  {value:>14}  {}", if *ok { "ok" } else { "WRONG" });
+        println!(
+            "{rank:>5}  {device:<10}  {value:>14}  {}",
+            if *ok { "ok" } else { "WRONG" }
+        );
     }
     let wrong = rows.iter().filter(|r| !r.3).count();
     if wrong > 0 {

@@ -1,5 +1,5 @@
 //! Starting ranks: [`Launcher`] runs one rank per device in threads; [`Launcher::from_env`]
-//! joins a multi-process job started by torchrun, Slurm or mpirun ([`env`] reads their
+//! joins a multi-process job started by torchrun, Slurm or mpirun ([`mod@env`] reads their
 //! variables, [`rendezvous`] exchanges the unique id).
 
 pub mod env;
@@ -7,4 +7,6 @@ pub mod rendezvous;
 mod threads;
 mod wire;
 
-pub use threads::{cuda_device_count, Backend, Launcher, ProcessLauncher, Rank, DEFAULT_LAUNCH_TIMEOUT};
+pub use threads::{
+    cuda_device_count, Backend, Launcher, ProcessLauncher, Rank, DEFAULT_LAUNCH_TIMEOUT,
+};

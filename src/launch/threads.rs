@@ -12,7 +12,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::id::UniqueId;
 use crate::launch::env::ProcessEnv;
-use crate::launch::rendezvous::Rendezvous;
+use crate::launch::rendezvous::{Rendezvous, ServerHandle};
 use crate::stream::Stream;
 
 /// How many CUDA devices this process can use: 0 when the CUDA driver library is absent
@@ -294,7 +294,14 @@ impl Launcher {
         }
     }
 
-    fn rank_main<R, F>(&self, rank: usize, device: &Device, id: &UniqueId, board: &Board, f: &F) -> Result<R>
+    fn rank_main<R, F>(
+        &self,
+        rank: usize,
+        device: &Device,
+        id: &UniqueId,
+        board: &Board,
+        f: &F,
+    ) -> Result<R>
     where
         F: Fn(&Rank) -> Result<R>,
     {
@@ -351,7 +358,10 @@ impl Launcher {
                 Err(e)
             }
             Err(panic) => {
-                board.set(rank, Outcome::Failed(format!("panicked: {}", panic_text(&panic))));
+                board.set(
+                    rank,
+                    Outcome::Failed(format!("panicked: {}", panic_text(&panic))),
+                );
                 let _ = r.comm.abort();
                 std::panic::resume_unwind(panic)
             }
@@ -405,30 +415,9 @@ impl ProcessLauncher {
 
     /// Like [`init`](Self::init) with another rendezvous (file, or your own closure).
     pub fn init_with(self, rendezvous: Rendezvous) -> Result<Rank> {
-        let lib = crate::Library::load()?;
-        let exchanged = rendezvous.exchange(self.env.rank, self.env.world_size, || {
-            UniqueId::new_with(&lib).map(|id| id.to_bytes())
-        })?;
-        let id = UniqueId::from_bytes(&exchanged.id)?;
-        let result = (|| {
-            let local = self.env.device();
-            if cuda_device_count() <= local {
-                return Err(Error::InvalidArgument {
-                    op: "ProcessLauncher::init",
-                    reason: format!(
-                        "rank {} (local rank {local}) has no CUDA device: {} visible (no driver, or CUDA_VISIBLE_DEVICES)",
-                        self.env.rank,
-                        cuda_device_count()
-                    ),
-                });
-            }
-            let ctx = CudaContext::new(local)?;
-            ctx.bind_to_thread()?;
-            let stream = Stream::Cuda(ctx.new_stream()?);
-            let comm = Communicator::init_rank_in(&lib, &Device::Cuda(ctx), self.env.world_size, self.env.rank, &id, &self.config)?;
-            Ok(Rank { comm, stream })
-        })();
-        if let Some(server) = exchanged.server {
+        let (id, server) = self.exchange_id(rendezvous)?;
+        let result = self.join(&id);
+        if let Some(server) = server {
             // Rank 0: every peer has fetched the id by now, or the deadline reports who did not.
             if let Err(e) = server.wait() {
                 if result.is_ok() {
@@ -437,6 +426,44 @@ impl ProcessLauncher {
             }
         }
         result
+    }
+
+    /// Step one of [`init_with`](Self::init_with): rank 0 creates the id
+    /// (`ncclGetUniqueId`, which needs no GPU) and every rank receives it. Rank 0 also gets
+    /// the server handle, whose `wait` reports ranks that never fetched the id.
+    pub fn exchange_id(&self, rendezvous: Rendezvous) -> Result<(UniqueId, Option<ServerHandle>)> {
+        let lib = crate::Library::load()?;
+        let exchanged = rendezvous.exchange(self.env.rank, self.env.world_size, || {
+            UniqueId::new_with(&lib).map(|id| id.to_bytes())
+        })?;
+        Ok((UniqueId::from_bytes(&exchanged.id)?, exchanged.server))
+    }
+
+    /// Step two: joins the communicator with `id` on the GPU of the local rank. Without a
+    /// GPU for it, a clear error (on every rank alike), never a hang.
+    pub fn join(&self, id: &UniqueId) -> Result<Rank> {
+        let local = self.env.device();
+        let visible = cuda_device_count();
+        if visible <= local {
+            return Err(Error::InvalidArgument {
+                op: "ProcessLauncher::join",
+                reason: format!(
+                    "rank {} (local rank {local}) has no CUDA device: {visible} visible (no driver, or CUDA_VISIBLE_DEVICES)",
+                    self.env.rank
+                ),
+            });
+        }
+        let ctx = CudaContext::new(local)?;
+        ctx.bind_to_thread()?;
+        let stream = Stream::Cuda(ctx.new_stream()?);
+        let comm = Communicator::init_rank(
+            &Device::Cuda(ctx),
+            self.env.world_size,
+            self.env.rank,
+            id,
+            &self.config,
+        )?;
+        Ok(Rank { comm, stream })
     }
 }
 

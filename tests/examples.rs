@@ -1,0 +1,153 @@
+//! Runs the examples (built by `cargo test` next to this binary) on the host provider and
+//! checks what they print, not only their exit code.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn example(name: &str, args: &[&str]) -> Output {
+    // target/<profile>/deps/examples-<hash> -> target/<profile>/examples/<name>
+    let exe = std::env::current_exe().unwrap();
+    let dir: PathBuf = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("examples");
+    let bin = dir.join(name);
+    assert!(
+        bin.is_file(),
+        "{} not built (cargo test builds examples)",
+        bin.display()
+    );
+    Command::new(&bin)
+        .args(args)
+        .env_remove("NCCL_LIBRARY")
+        .output()
+        .unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn allreduce_runs_on_the_host_provider_and_verifies_every_rank() {
+    let o = example("allreduce", &["--backend", "host", "--count", "1000"]);
+    let out = stdout(&o);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.lines().next().unwrap().contains("host provider"),
+        "{out}"
+    );
+    for rank in 0..4 {
+        assert!(
+            out.contains(&format!("    {rank}  host                    10  ok")),
+            "{out}"
+        );
+    }
+    assert!(out.contains("all 4 ranks verified"), "{out}");
+}
+
+#[test]
+fn allreduce_flags_change_the_result() {
+    let o = example(
+        "allreduce",
+        &[
+            "--backend",
+            "host",
+            "--ranks",
+            "3",
+            "--count",
+            "7",
+            "--dtype",
+            "u8",
+            "--op",
+            "max",
+        ],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(
+        out.contains("all 3 ranks verified") && out.contains("3  ok"),
+        "{out}"
+    );
+    let o = example("allreduce", &["--op", "bogus"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown --op bogus"));
+}
+
+#[test]
+fn allgather_and_broadcast_verify_every_rank() {
+    let o = example(
+        "allgather",
+        &["--backend", "host", "--count", "5", "--dtype", "i64"],
+    );
+    let out = stdout(&o);
+    assert!(
+        o.status.success() && out.contains("all 4 ranks verified") && out.contains("50  ok"),
+        "{out}"
+    );
+    let o = example(
+        "broadcast",
+        &[
+            "--backend",
+            "host",
+            "--ranks",
+            "5",
+            "--root",
+            "3",
+            "--count",
+            "9",
+        ],
+    );
+    let out = stdout(&o);
+    assert!(
+        o.status.success() && out.contains("all 5 ranks verified") && out.contains("42  ok"),
+        "{out}"
+    );
+    let o = example("broadcast", &["--backend", "host", "--root", "7"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("root 7 is out of range"));
+}
+
+#[test]
+fn train_keeps_ranks_identical_and_the_loss_falls() {
+    let o = example("train", &["--backend", "host", "--ranks", "3"]);
+    let out = stdout(&o);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.contains("parameters identical on every rank: yes"),
+        "{out}"
+    );
+    assert!(out.contains("loss fell from"), "{out}");
+}
+
+#[test]
+fn info_without_nccl_exits_1_with_the_paths_tried() {
+    let o = Command::new(
+        std::env::current_exe()
+            .unwrap()
+            .parent()
+            .unwrap()
+            .parent()
+            .unwrap()
+            .join("examples/info"),
+    )
+    .env("NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
+    .output()
+    .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("/nonexistent/libnccl.so.2: no such file")
+            && err.contains("pip install nvidia-nccl-cu12"),
+        "{err}"
+    );
+}
