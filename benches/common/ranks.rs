@@ -95,7 +95,7 @@ pub trait Rank {
     /// The stream collectives are issued on.
     fn stream(&self) -> &Self::Stream;
     /// A buffer holding `data`.
-    fn upload<T: Elem>(&self, data: &[T]) -> Result<Self::Owned<T>>;
+    fn upload<T: Elem>(&self, data: Vec<T>) -> Result<Self::Owned<T>>;
     /// Overwrites `buf` with `data` (same length).
     fn write<T: Elem>(&self, buf: &mut Self::Owned<T>, data: &[T]) -> Result<()>;
     /// The contents of `buf`.
@@ -144,8 +144,8 @@ impl Rank for HostRank {
     fn stream(&self) -> &HostStream {
         &HostStream
     }
-    fn upload<T: Elem>(&self, data: &[T]) -> Result<HostBuf<T>> {
-        Ok(HostBuf(data.to_vec()))
+    fn upload<T: Elem>(&self, data: Vec<T>) -> Result<HostBuf<T>> {
+        Ok(HostBuf(data))
     }
     fn write<T: Elem>(&self, buf: &mut HostBuf<T>, data: &[T]) -> Result<()> {
         buf.0.copy_from_slice(data);
@@ -203,8 +203,8 @@ impl Rank for CudaRank {
     fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
-    fn upload<T: Elem>(&self, data: &[T]) -> Result<CudaBuf<T>> {
-        Ok(CudaBuf(self.stream.clone_htod(data)?))
+    fn upload<T: Elem>(&self, data: Vec<T>) -> Result<CudaBuf<T>> {
+        Ok(CudaBuf(self.stream.clone_htod(&data)?))
     }
     fn write<T: Elem>(&self, buf: &mut CudaBuf<T>, data: &[T]) -> Result<()> {
         Ok(self.stream.memcpy_htod(data, &mut buf.0)?)

@@ -204,104 +204,97 @@ fn raw_in_place<R: Rank, T: Elem>(
     })
 }
 
-/// The inputs of one measurement, per buffer, and the expected output.
-struct Plan {
-    send: Vec<f64>,
-    recv: Vec<f64>,
-    in_place: Vec<f64>,
-    /// Expected contents of the checked output range.
-    expected: Vec<f64>,
+/// A buffer's contents, element by element (generated on demand, never stored as `f64`).
+type Gen<'a> = Box<dyn Fn(usize) -> f64 + Send + Sync + 'a>;
+
+/// The inputs of one measurement, per buffer (length and contents), and the expected output.
+struct Plan<'a> {
+    send: (usize, Gen<'a>),
+    recv: (usize, Gen<'a>),
+    in_place: (usize, Gen<'a>),
+    /// Expected contents of the checked output range (index from its start).
+    expected: Gen<'a>,
     /// Which range of the output buffer is checked (empty: nothing, e.g. reduce off-root).
     checked: std::ops::Range<usize>,
 }
 
-fn plan(coll: Collective, count: usize, n: usize, me: usize, op: ReduceOp, root: usize, integer: bool) -> Plan {
-    let c = coll.counts(count, n);
-    let block = c.param;
-    let red_in = |i| data::reduce_input(op, me, i, n);
-    let red_out = |i| data::reduce_expected(op, i, n, integer);
-    let mv = |r, i| data::move_input(r, i);
-    let v = |len: usize, f: &dyn Fn(usize) -> f64| (0..len).map(f).collect::<Vec<f64>>();
-    let sentinel = |len: usize| vec![SENTINEL; len];
+fn sentinel<'a>(len: usize) -> (usize, Gen<'a>) {
+    (len, Box::new(|_| SENTINEL))
+}
+
+fn plan<'a>(coll: Collective, count: usize, n: usize, me: usize, op: ReduceOp, root: usize, integer: bool) -> Plan<'a> {
+    let block = coll.counts(count, n).param;
+    let b = block.max(1);
+    let red_in = move |i| data::reduce_input(op, me, i, n);
+    let red_out = move |i| data::reduce_expected(op, i, n, integer);
+    let mv = data::move_input;
     match coll {
-        Collective::AllReduce => Plan {
-            send: v(count, &red_in),
+        Collective::AllReduce | Collective::Reduce => Plan {
+            send: (count, Box::new(red_in)),
             recv: sentinel(count),
-            in_place: v(count, &red_in),
-            expected: v(count, &red_out),
+            in_place: (count, Box::new(red_in)),
+            expected: Box::new(red_out),
+            checked: if coll == Collective::Reduce && me != root { 0..0 } else { 0..count },
+        },
+        Collective::Broadcast => Plan {
+            send: (count, Box::new(move |i| mv(root, i))),
+            recv: sentinel(count),
+            in_place: if me == root {
+                (count, Box::new(move |i| mv(root, i)))
+            } else {
+                sentinel(count)
+            },
+            expected: Box::new(move |i| mv(root, i)),
             checked: 0..count,
         },
-        Collective::Reduce => Plan {
-            send: v(count, &red_in),
-            recv: sentinel(count),
-            in_place: v(count, &red_in),
-            expected: v(count, &red_out),
-            checked: if me == root { 0..count } else { 0..0 },
+        Collective::AllGather => Plan {
+            send: (block, Box::new(move |j| mv(me, j))),
+            recv: sentinel(block * n),
+            in_place: (
+                block * n,
+                Box::new(move |k| if k / b == me { mv(me, k % b) } else { SENTINEL }),
+            ),
+            expected: Box::new(move |k| mv(k / b, k % b)),
+            checked: 0..block * n,
         },
-        Collective::Broadcast => {
-            let src = v(count, &|i| mv(root, i));
-            Plan {
-                send: src.clone(),
-                recv: sentinel(count),
-                in_place: if me == root { src.clone() } else { sentinel(count) },
-                expected: src,
-                checked: 0..count,
-            }
-        }
-        Collective::AllGather => {
-            let mut ip = sentinel(block * n);
-            for j in 0..block {
-                ip[me * block + j] = mv(me, j);
-            }
-            Plan {
-                send: v(block, &|j| mv(me, j)),
-                recv: sentinel(block * n),
-                in_place: ip,
-                expected: v(block * n, &|k| mv(k / block.max(1), k % block.max(1))),
-                checked: 0..block * n,
-            }
-        }
         Collective::ReduceScatter => Plan {
-            send: v(block * n, &red_in),
+            send: (block * n, Box::new(red_in)),
             recv: sentinel(block),
-            in_place: v(block * n, &red_in),
-            expected: v(block, &|j| red_out(me * block + j)),
+            in_place: (block * n, Box::new(red_in)),
+            expected: Box::new(move |j| red_out(me * block + j)),
             checked: 0..block,
         },
         Collective::AllToAll => Plan {
-            send: v(block * n, &|k| mv(me, k)),
+            send: (block * n, Box::new(move |k| mv(me, k))),
             recv: sentinel(block * n),
-            in_place: v(block * n, &|k| mv(me, k)),
-            expected: v(block * n, &|k| {
-                let (from, j) = (k / block.max(1), k % block.max(1));
-                mv(from, me * block + j)
-            }),
+            in_place: (block * n, Box::new(move |k| mv(me, k))),
+            expected: Box::new(move |k| mv(k / b, me * block + k % b)),
             checked: 0..block * n,
         },
         Collective::SendRecv => Plan {
-            send: v(count, &|i| mv(me, i)),
+            send: (count, Box::new(move |i| mv(me, i))),
             recv: sentinel(count),
-            in_place: v(count, &|i| mv(me, i)),
-            expected: v(count, &|i| mv((me + n - 1) % n, i)),
+            in_place: (count, Box::new(move |i| mv(me, i))),
+            expected: Box::new(move |i| mv((me + n - 1) % n, i)),
             checked: 0..count,
         },
     }
 }
 
-fn to_elems<T: Elem>(v: &[f64]) -> Vec<T> {
-    v.iter().map(|&x| T::from_f64(x)).collect()
+fn to_elems<T: Elem>((len, f): &(usize, Gen<'_>)) -> Vec<T> {
+    (0..*len).map(|i| T::from_f64(f(i))).collect()
 }
 
 /// Buffers for a measurement, filled per `plan`.
-fn buffers<R: Rank, T: Elem>(rank: &R, p: &Plan, in_place: bool) -> Result<Bufs<R::Owned<T>>> {
+fn buffers<R: Rank, T: Elem>(rank: &R, p: &Plan<'_>, in_place: bool) -> Result<Bufs<R::Owned<T>>> {
     Ok(if in_place {
         Bufs::InPlace {
-            buf: rank.upload(&to_elems::<T>(&p.in_place))?,
+            buf: rank.upload(to_elems::<T>(&p.in_place))?,
         }
     } else {
         Bufs::OutOfPlace {
-            send: rank.upload(&to_elems::<T>(&p.send))?,
-            recv: rank.upload(&to_elems::<T>(&p.recv))?,
+            send: rank.upload(to_elems::<T>(&p.send))?,
+            recv: rank.upload(to_elems::<T>(&p.recv))?,
         }
     })
 }
@@ -373,7 +366,7 @@ fn bench_time<R: Rank, T: Elem>(
         };
         let range = p.checked.start + offset..p.checked.end + offset;
         let tolerant = o.redop == ReduceOp::Avg && !T::INTEGER && coll.has_redop();
-        let mine = data::count_wrong::<T>(&out[range], |i| p.expected[i], tolerant);
+        let mine = data::count_wrong::<T>(&out[range], &p.expected, tolerant);
         let total = cx.shared.all_reduce(me, mine as f64, |v| v.iter().sum())? as u64;
         wrong = Some(total);
         if total != 0 {
