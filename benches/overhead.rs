@@ -392,7 +392,12 @@ fn run() -> Result<()> {
     };
 
     let safe = measure(ITERS, REPS, || {
-        Ok(comm.all_reduce(black_box(&send), black_box(&mut recv), ReduceOp::Sum, &HostStream)?)
+        Ok(comm.all_reduce(
+            black_box(&send),
+            black_box(&mut recv),
+            ReduceOp::Sum,
+            &HostStream,
+        )?)
     })?;
     let raw = measure(ITERS, REPS, || {
         // SAFETY: both buffers hold N f32; the null provider reads nothing.
@@ -451,7 +456,13 @@ fn run() -> Result<()> {
     let safe = measure(group_iters, REPS, || {
         let mut g = Group::new();
         for (s, r) in sends.iter().zip(recvs.iter_mut()) {
-            g.all_reduce(&comm, black_box(s), black_box(r), ReduceOp::Sum, &HostStream)?;
+            g.all_reduce(
+                &comm,
+                black_box(s),
+                black_box(r),
+                ReduceOp::Sum,
+                &HostStream,
+            )?;
         }
         Ok(g.end()?)
     })?;
@@ -500,7 +511,10 @@ fn host_bandwidth() -> Result<()> {
         collectives: vec![Collective::AllReduce],
         ..Options::default()
     };
-    println!("#\n# host provider all_reduce at 64 MiB, {} ranks (threads):", 4);
+    println!(
+        "#\n# host provider all_reduce at 64 MiB, {} ranks (threads):",
+        4
+    );
     let mut table = Vec::new();
     let outcome = common::sweep::run(&opts, &mut table).map_err(|e| e.to_string())?;
     let row = outcome.rows.first().ok_or("no all_reduce row")?;

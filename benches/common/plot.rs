@@ -60,7 +60,9 @@ pub fn draw(path: &Path, info: &RunInfo, rows: &[Row]) -> Result<()> {
         chart
             .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))?
             .label(c.name())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
         chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
     }
     chart

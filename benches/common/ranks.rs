@@ -4,7 +4,9 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
+};
 use nccl_safe::{AsStream, Communicator, HostStream, NcclType, RecvBuffer};
 use nccl_sys::cudaStream_t;
 

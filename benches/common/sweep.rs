@@ -158,11 +158,7 @@ fn issue<R: Rank, T: Elem>(
 /// In-place all_to_all and sendrecv (send buffer == receive buffer, as nccl-tests runs
 /// them): the safe layer has no in-place form for them, so the bench calls the function
 /// table directly.
-fn raw_in_place<R: Rank, T: Elem>(
-    rank: &R,
-    coll: Collective,
-    buf: &mut R::Owned<T>,
-) -> Result<()> {
+fn raw_in_place<R: Rank, T: Elem>(rank: &R, coll: Collective, buf: &mut R::Owned<T>) -> Result<()> {
     let comm = rank.comm();
     let lib = comm.library();
     let t = lib.table();
@@ -222,7 +218,15 @@ fn sentinel<'a>(len: usize) -> (usize, Gen<'a>) {
     (len, Box::new(|_| SENTINEL))
 }
 
-fn plan<'a>(coll: Collective, count: usize, n: usize, me: usize, op: ReduceOp, root: usize, integer: bool) -> Plan<'a> {
+fn plan<'a>(
+    coll: Collective,
+    count: usize,
+    n: usize,
+    me: usize,
+    op: ReduceOp,
+    root: usize,
+    integer: bool,
+) -> Plan<'a> {
     let block = coll.counts(count, n).param;
     let b = block.max(1);
     let red_in = move |i| data::reduce_input(op, me, i, n);
@@ -234,7 +238,11 @@ fn plan<'a>(coll: Collective, count: usize, n: usize, me: usize, op: ReduceOp, r
             recv: sentinel(count),
             in_place: (count, Box::new(red_in)),
             expected: Box::new(red_out),
-            checked: if coll == Collective::Reduce && me != root { 0..0 } else { 0..count },
+            checked: if coll == Collective::Reduce && me != root {
+                0..0
+            } else {
+                0..count
+            },
         },
         Collective::Broadcast => Plan {
             send: (count, Box::new(move |i| mv(root, i))),
@@ -399,7 +407,15 @@ fn sweep_rank<R: Rank, T: Elem>(rank: &R, cx: &Ctx<'_>) -> Result<()> {
         cx.shared.barrier.wait()?;
         // Warm-up at the largest and the smallest size, as nccl-tests does.
         for bytes in [o.max_bytes, o.min_bytes] {
-            let p = plan(coll, bytes / elem, n, comm.rank(), o.redop, o.root, T::INTEGER);
+            let p = plan(
+                coll,
+                bytes / elem,
+                n,
+                comm.rank(),
+                o.redop,
+                o.root,
+                T::INTEGER,
+            );
             let mut bufs = buffers::<R, T>(rank, &p, false)?;
             for _ in 0..o.warmup_iters {
                 issue(rank, coll, &mut bufs, o.redop, o.root)?;
@@ -425,7 +441,11 @@ fn sweep_rank<R: Rank, T: Elem>(rank: &R, cx: &Ctx<'_>) -> Result<()> {
                 size: c.send.max(c.recv) * elem,
                 count: c.param,
                 dtype: T::DATA_TYPE.name(),
-                redop: if coll.has_redop() { o.redop.name() } else { "none" },
+                redop: if coll.has_redop() {
+                    o.redop.name()
+                } else {
+                    "none"
+                },
                 root: if coll.has_root() { o.root as i64 } else { -1 },
                 out_of_place: measure(t_oop, w_oop),
                 in_place: measure(t_ip, w_ip),
@@ -468,7 +488,10 @@ fn resolve(opts: &Options) -> Result<(Arc<Library>, Target, Option<String>)> {
         }
         let want = opts.ranks.unwrap_or(count as usize);
         if want > count as usize {
-            return Err(format!("-g {want} asks for more ranks than the {count} GPUs (one rank per GPU)").into());
+            return Err(format!(
+                "-g {want} asks for more ranks than the {count} GPUs (one rank per GPU)"
+            )
+            .into());
         }
         let ctxs = (0..want)
             .map(|i| quiet_cuda(|| CudaContext::new(i))?.map_err(BoxError::from))
@@ -528,7 +551,10 @@ pub fn run(opts: &Options, out: &mut dyn Write) -> Result<Outcome> {
         Target::Host => vec!["host".to_string(); ranks],
         Target::Cuda(ctxs) => ctxs
             .iter()
-            .map(|c| c.name().unwrap_or_else(|_| format!("CUDA device {}", c.ordinal())))
+            .map(|c| {
+                c.name()
+                    .unwrap_or_else(|_| format!("CUDA device {}", c.ordinal()))
+            })
             .collect(),
     };
     let info = RunInfo {
@@ -634,7 +660,8 @@ fn rank_main(
     let ranks = cx.shared.ranks;
     match target {
         Target::Host => {
-            let comm = Communicator::init_rank_in(lib, &Device::Host, ranks, r, id, &Config::new())?;
+            let comm =
+                Communicator::init_rank_in(lib, &Device::Host, ranks, r, id, &Config::new())?;
             sweep_typed(&HostRank { comm }, cx)
         }
         Target::Cuda(ctxs) => {
@@ -669,7 +696,9 @@ fn print_header(
         _ => writeln!(
             out,
             "# Backend: NVIDIA NCCL {}",
-            lib.path().map(|p| p.display().to_string()).unwrap_or_default()
+            lib.path()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
         )?,
     }
     writeln!(out, "# NCCL version {}", info.nccl_version)?;
