@@ -1,0 +1,358 @@
+//! What nccl-tests prints: per-collective size/count rules, bus-bandwidth factors, the
+//! table and its footer, and the same results as JSON.
+
+use std::fmt::Write as _;
+
+/// The collectives the bandwidth bench measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Collective {
+    /// `ncclAllReduce`
+    AllReduce,
+    /// `ncclAllGather`
+    AllGather,
+    /// `ncclBroadcast`
+    Broadcast,
+    /// `ncclReduce`
+    Reduce,
+    /// `ncclReduceScatter`
+    ReduceScatter,
+    /// `ncclAlltoAll`
+    AllToAll,
+    /// `ncclSend`/`ncclRecv` in a ring: to rank+1, from rank-1, in one group.
+    SendRecv,
+}
+
+/// Element counts of one measurement (nccl-tests' `getCollByteCount`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counts {
+    /// Elements in each rank's send buffer.
+    pub send: usize,
+    /// Elements in each rank's receive buffer.
+    pub recv: usize,
+    /// The count passed to NCCL (and printed in the `count` column).
+    pub param: usize,
+}
+
+impl Collective {
+    /// Every collective, in the order they run by default.
+    pub const ALL: [Collective; 7] = [
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::Broadcast,
+        Collective::Reduce,
+        Collective::ReduceScatter,
+        Collective::AllToAll,
+        Collective::SendRecv,
+    ];
+
+    /// The name used on the command line, in the JSON and in the plot's legend.
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::AllGather => "all_gather",
+            Collective::Broadcast => "broadcast",
+            Collective::Reduce => "reduce",
+            Collective::ReduceScatter => "reduce_scatter",
+            Collective::AllToAll => "all_to_all",
+            Collective::SendRecv => "sendrecv",
+        }
+    }
+
+    /// The collective named `name` (nccl-tests' binary names are accepted too).
+    pub fn from_name(name: &str) -> Option<Collective> {
+        let n = name.trim().trim_end_matches("_perf").replace('-', "_");
+        Collective::ALL
+            .into_iter()
+            .find(|c| c.name() == n)
+            .or(match n.as_str() {
+                "alltoall" => Some(Collective::AllToAll),
+                "allreduce" => Some(Collective::AllReduce),
+                "allgather" => Some(Collective::AllGather),
+                "reducescatter" => Some(Collective::ReduceScatter),
+                "bcast" => Some(Collective::Broadcast),
+                _ => None,
+            })
+    }
+
+    /// Whether it takes a reduction operator (else the table says `none`).
+    pub fn has_redop(self) -> bool {
+        matches!(
+            self,
+            Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter
+        )
+    }
+
+    /// Whether it has a root (else the table says `-1`).
+    pub fn has_root(self) -> bool {
+        matches!(self, Collective::Broadcast | Collective::Reduce)
+    }
+
+    /// Bus bandwidth over algorithm bandwidth for `n` ranks, exactly as nccl-tests:
+    /// all_reduce `2(n-1)/n`; all_gather, reduce_scatter, all_to_all `(n-1)/n`;
+    /// broadcast, reduce, sendrecv `1`.
+    pub fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Collective::AllReduce => 2.0 * (n - 1.0) / n,
+            Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll => {
+                (n - 1.0) / n
+            }
+            Collective::Broadcast | Collective::Reduce | Collective::SendRecv => 1.0,
+        }
+    }
+
+    /// Element counts for a size of `count` elements on `n` ranks. For all_gather,
+    /// reduce_scatter and all_to_all the size is the whole buffer, so each rank's block
+    /// is `count / n` (rounded down, as nccl-tests does).
+    pub fn counts(self, count: usize, n: usize) -> Counts {
+        let block = count / n;
+        match self {
+            Collective::AllReduce
+            | Collective::Broadcast
+            | Collective::Reduce
+            | Collective::SendRecv => Counts {
+                send: count,
+                recv: count,
+                param: count,
+            },
+            Collective::AllGather => Counts {
+                send: block,
+                recv: block * n,
+                param: block,
+            },
+            Collective::ReduceScatter => Counts {
+                send: block * n,
+                recv: block,
+                param: block,
+            },
+            Collective::AllToAll => Counts {
+                send: block * n,
+                recv: block * n,
+                param: block,
+            },
+        }
+    }
+
+    /// Algorithm and bus bandwidth (GB/s, decimal) for `param` elements of `elem` bytes
+    /// moved in `seconds` on `n` ranks (nccl-tests' `getBw`).
+    pub fn bandwidth(self, param: usize, elem: usize, seconds: f64, n: usize) -> (f64, f64) {
+        if seconds <= 0.0 {
+            return (0.0, 0.0);
+        }
+        let bytes = match self {
+            Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll => {
+                param * elem * n
+            }
+            _ => param * elem,
+        } as f64;
+        let alg = bytes / 1.0e9 / seconds;
+        (alg, alg * self.bus_factor(n))
+    }
+}
+
+/// One timed half of a row: out-of-place or in-place.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Measure {
+    /// Average time per iteration, microseconds.
+    pub time_us: f64,
+    /// Algorithm bandwidth, GB/s.
+    pub algbw: f64,
+    /// Bus bandwidth, GB/s.
+    pub busbw: f64,
+    /// Wrong elements found by the check (summed over ranks); `None` when not checked.
+    pub wrong: Option<u64>,
+}
+
+/// One line of the table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    /// The collective.
+    pub collective: Collective,
+    /// Bytes: the larger of the send and receive buffers (nccl-tests' `size`).
+    pub size: usize,
+    /// Elements passed to NCCL.
+    pub count: usize,
+    /// Element type name.
+    pub dtype: &'static str,
+    /// Reduction name, or `none`.
+    pub redop: &'static str,
+    /// Root, or -1.
+    pub root: i64,
+    /// Out-of-place result.
+    pub out_of_place: Measure,
+    /// In-place result.
+    pub in_place: Measure,
+}
+
+/// The three header lines of the table (nccl-tests' layout).
+pub fn table_header() -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}           out-of-place                       in-place          ",
+        "", "", "", "", ""
+    );
+    let _ = writeln!(
+        s,
+        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6} {:>6}  {:>7}  {:>6}  {:>6} {:>6}",
+        "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time",
+        "algbw", "busbw", "#wrong"
+    );
+    let _ = write!(
+        s,
+        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}",
+        "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)",
+        "(GB/s)", ""
+    );
+    s
+}
+
+/// A time the way nccl-tests prints it: fewer decimals as it grows.
+pub fn format_time(us: f64) -> String {
+    if us >= 10000.0 {
+        format!("{us:7.0}")
+    } else if us >= 100.0 {
+        format!("{us:7.1}")
+    } else {
+        format!("{us:7.2}")
+    }
+}
+
+fn format_measure(m: &Measure) -> String {
+    let wrong = match m.wrong {
+        Some(w) => w.to_string(),
+        None => "N/A".to_string(),
+    };
+    format!(
+        "  {}  {:6.2}  {:6.2}  {:>5}",
+        format_time(m.time_us),
+        m.algbw,
+        m.busbw,
+        wrong
+    )
+}
+
+/// One data line of the table.
+pub fn format_row(r: &Row) -> String {
+    format!(
+        "{:>12}  {:>12}  {:>8}  {:>6}  {:>6}{}{}",
+        r.size,
+        r.count,
+        r.dtype,
+        r.redop,
+        r.root,
+        format_measure(&r.out_of_place),
+        format_measure(&r.in_place)
+    )
+}
+
+/// Wrong elements over all rows.
+pub fn total_wrong(rows: &[Row]) -> u64 {
+    rows.iter()
+        .flat_map(|r| [r.out_of_place.wrong, r.in_place.wrong])
+        .map(|w| w.unwrap_or(0))
+        .sum()
+}
+
+/// Mean bus bandwidth over every measurement (out-of-place and in-place), as nccl-tests.
+pub fn average_busbw(rows: &[Row]) -> f64 {
+    if rows.is_empty() {
+        return 0.0;
+    }
+    let sum: f64 = rows
+        .iter()
+        .map(|r| r.out_of_place.busbw + r.in_place.busbw)
+        .sum();
+    sum / (2 * rows.len()) as f64
+}
+
+/// nccl-tests' two closing lines for a set of rows.
+pub fn table_footer(rows: &[Row]) -> String {
+    let wrong = total_wrong(rows);
+    format!(
+        "# Out of bounds values : {wrong} {}\n# Avg bus bandwidth    : {} \n#",
+        if wrong == 0 { "OK" } else { "FAILED" },
+        format_g(average_busbw(rows))
+    )
+}
+
+/// `%g` with six significant digits, as nccl-tests prints the average.
+pub fn format_g(v: f64) -> String {
+    if v == 0.0 || !v.is_finite() {
+        return format!("{v}");
+    }
+    let digits = 6 - 1 - v.abs().log10().floor() as i32;
+    let s = format!("{:.*}", digits.max(0) as usize, v);
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
+}
+
+fn measure_json(m: &Measure) -> serde_json::Value {
+    serde_json::json!({
+        "time_us": m.time_us,
+        "algbw": m.algbw,
+        "busbw": m.busbw,
+        "wrong": m.wrong,
+    })
+}
+
+/// The results as JSON: the run's context, then one object per row with the table's fields.
+pub fn to_json(context: &RunInfo, rows: &[Row]) -> serde_json::Value {
+    serde_json::json!({
+        "backend": context.backend,
+        "nccl_version": context.nccl_version,
+        "devices": context.devices,
+        "ranks": context.ranks,
+        "iters": context.iters,
+        "warmup_iters": context.warmup_iters,
+        "out_of_bounds": total_wrong(rows),
+        "avg_busbw": average_busbw(rows),
+        "results": rows.iter().map(|r| serde_json::json!({
+            "collective": r.collective.name(),
+            "size": r.size,
+            "count": r.count,
+            "type": r.dtype,
+            "redop": r.redop,
+            "root": r.root,
+            "out_of_place": measure_json(&r.out_of_place),
+            "in_place": measure_json(&r.in_place),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// What a run ran on: for the header, the JSON and the plot's title.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunInfo {
+    /// `"nccl"` or `"host"`.
+    pub backend: &'static str,
+    /// The loaded NCCL's version (the host provider reports one too).
+    pub nccl_version: String,
+    /// One name per rank (GPU names, or `host` for the host provider).
+    pub devices: Vec<String>,
+    /// Number of ranks.
+    pub ranks: usize,
+    /// Timed iterations.
+    pub iters: usize,
+    /// Warm-up iterations.
+    pub warmup_iters: usize,
+}
+
+impl RunInfo {
+    /// The device names, each distinct name once with its count (`4 x host`).
+    pub fn device_summary(&self) -> String {
+        let mut seen: Vec<(String, usize)> = Vec::new();
+        for d in &self.devices {
+            match seen.iter_mut().find(|(n, _)| n == d) {
+                Some((_, k)) => *k += 1,
+                None => seen.push((d.clone(), 1)),
+            }
+        }
+        seen.iter()
+            .map(|(n, k)| format!("{k} x {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}

@@ -1,0 +1,554 @@
+//! What the safe layer costs per collective call, against a raw call through the same
+//! function table, on a "null provider" whose entry points return at once.
+//!
+//! `cargo bench --bench overhead`. Also prints the host provider's all_reduce bus
+//! bandwidth at 64 MiB next to a plain memcpy of the same size on this machine.
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::hint::black_box;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use nccl_safe::{
+    Communicator, Config, Device, Group, HostStream, Library, Provider, ReduceOp, UniqueId,
+};
+use nccl_sys::bindings::{ncclFloat32, ncclSuccess, ncclSum};
+use nccl_sys::{
+    cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t,
+    ncclScalarResidence_t, ncclUniqueId,
+};
+
+use common::options::{Average, Backend, Options};
+use common::report::Collective;
+
+// ---- counting allocator ------------------------------------------------------------
+
+/// Counts every allocation (alloc, alloc_zeroed, realloc) of the process.
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract is forwarded.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract is forwarded.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract is forwarded.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract is forwarded.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+// ---- the null provider ---------------------------------------------------------------
+
+/// The one communicator the null provider hands out: an address nobody dereferences.
+static FAKE_COMM: u8 = 0;
+
+fn fake_comm() -> ncclComm_t {
+    std::ptr::addr_of!(FAKE_COMM) as ncclComm_t
+}
+
+/// Writes `v` through `p` when it is not null.
+///
+/// # Safety
+/// `p` is null or valid for a write of `T`.
+unsafe fn put<T>(p: *mut T, v: T) {
+    if !p.is_null() {
+        // SAFETY: by the caller's contract.
+        unsafe { p.write(v) };
+    }
+}
+
+mod null {
+    //! NCCL's required entry points, each returning `ncclSuccess` at once.
+    #![allow(non_snake_case, clippy::missing_safety_doc)]
+    use super::*;
+
+    pub unsafe extern "C" fn ncclGetVersion(v: *mut c_int) -> ncclResult_t {
+        // SAFETY: NCCL's contract: `v` is a writable int.
+        unsafe { put(v, 22800) };
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclGetUniqueId(_: *mut ncclUniqueId) -> ncclResult_t {
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclCommInitRankConfig(
+        comm: *mut ncclComm_t,
+        _: c_int,
+        _: ncclUniqueId,
+        _: c_int,
+        _: *mut ncclConfig_t,
+    ) -> ncclResult_t {
+        // SAFETY: NCCL's contract: `comm` is writable.
+        unsafe { put(comm, fake_comm()) };
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclCommInitRank(
+        comm: *mut ncclComm_t,
+        _: c_int,
+        _: ncclUniqueId,
+        _: c_int,
+    ) -> ncclResult_t {
+        // SAFETY: as above.
+        unsafe { put(comm, fake_comm()) };
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclCommInitAll(
+        comm: *mut ncclComm_t,
+        n: c_int,
+        _: *const c_int,
+    ) -> ncclResult_t {
+        for i in 0..n.max(0) as usize {
+            // SAFETY: NCCL's contract: `comm` has room for `n` handles.
+            unsafe { put(comm.add(i), fake_comm()) };
+        }
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclCommFinalize(_: ncclComm_t) -> ncclResult_t {
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclCommDestroy(_: ncclComm_t) -> ncclResult_t {
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclCommAbort(_: ncclComm_t) -> ncclResult_t {
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclCommSplit(
+        _: ncclComm_t,
+        _: c_int,
+        _: c_int,
+        new: *mut ncclComm_t,
+        _: *mut ncclConfig_t,
+    ) -> ncclResult_t {
+        // SAFETY: NCCL's contract: `new` is writable.
+        unsafe { put(new, fake_comm()) };
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclGetErrorString(_: ncclResult_t) -> *const c_char {
+        c"null provider".as_ptr()
+    }
+    pub unsafe extern "C" fn ncclGetLastError(_: ncclComm_t) -> *const c_char {
+        c"".as_ptr()
+    }
+    pub unsafe extern "C" fn ncclCommGetAsyncError(
+        _: ncclComm_t,
+        e: *mut ncclResult_t,
+    ) -> ncclResult_t {
+        // SAFETY: NCCL's contract: `e` is writable.
+        unsafe { put(e, ncclSuccess) };
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclCommCount(_: ncclComm_t, n: *mut c_int) -> ncclResult_t {
+        // SAFETY: NCCL's contract: `n` is writable.
+        unsafe { put(n, 1) };
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclCommCuDevice(_: ncclComm_t, d: *mut c_int) -> ncclResult_t {
+        // SAFETY: NCCL's contract: `d` is writable.
+        unsafe { put(d, 0) };
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclCommUserRank(_: ncclComm_t, r: *mut c_int) -> ncclResult_t {
+        // SAFETY: NCCL's contract: `r` is writable.
+        unsafe { put(r, 0) };
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
+        op: *mut ncclRedOp_t,
+        _: *mut c_void,
+        _: ncclDataType_t,
+        _: ncclScalarResidence_t,
+        _: ncclComm_t,
+    ) -> ncclResult_t {
+        // SAFETY: NCCL's contract: `op` is writable.
+        unsafe { put(op, 5) };
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclRedOpDestroy(_: ncclRedOp_t, _: ncclComm_t) -> ncclResult_t {
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclReduce(
+        _: *const c_void,
+        _: *mut c_void,
+        _: usize,
+        _: ncclDataType_t,
+        _: ncclRedOp_t,
+        _: c_int,
+        _: ncclComm_t,
+        _: cudaStream_t,
+    ) -> ncclResult_t {
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclBcast(
+        _: *mut c_void,
+        _: usize,
+        _: ncclDataType_t,
+        _: c_int,
+        _: ncclComm_t,
+        _: cudaStream_t,
+    ) -> ncclResult_t {
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclBroadcast(
+        _: *const c_void,
+        _: *mut c_void,
+        _: usize,
+        _: ncclDataType_t,
+        _: c_int,
+        _: ncclComm_t,
+        _: cudaStream_t,
+    ) -> ncclResult_t {
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclAllReduce(
+        _: *const c_void,
+        _: *mut c_void,
+        _: usize,
+        _: ncclDataType_t,
+        _: ncclRedOp_t,
+        _: ncclComm_t,
+        _: cudaStream_t,
+    ) -> ncclResult_t {
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclReduceScatter(
+        _: *const c_void,
+        _: *mut c_void,
+        _: usize,
+        _: ncclDataType_t,
+        _: ncclRedOp_t,
+        _: ncclComm_t,
+        _: cudaStream_t,
+    ) -> ncclResult_t {
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclAllGather(
+        _: *const c_void,
+        _: *mut c_void,
+        _: usize,
+        _: ncclDataType_t,
+        _: ncclComm_t,
+        _: cudaStream_t,
+    ) -> ncclResult_t {
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclSend(
+        _: *const c_void,
+        _: usize,
+        _: ncclDataType_t,
+        _: c_int,
+        _: ncclComm_t,
+        _: cudaStream_t,
+    ) -> ncclResult_t {
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclRecv(
+        _: *mut c_void,
+        _: usize,
+        _: ncclDataType_t,
+        _: c_int,
+        _: ncclComm_t,
+        _: cudaStream_t,
+    ) -> ncclResult_t {
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclGroupStart() -> ncclResult_t {
+        ncclSuccess
+    }
+    pub unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
+        ncclSuccess
+    }
+}
+
+/// The null provider's symbol lookup: required entry points only (optional ones absent).
+fn null_lookup(name: &CStr) -> *const c_void {
+    macro_rules! table {
+        ($($f:ident),* $(,)?) => {
+            match name.to_bytes() {
+                $( n if n == stringify!($f).as_bytes() => null::$f as *const c_void, )*
+                _ => std::ptr::null(),
+            }
+        };
+    }
+    table!(
+        ncclGetVersion,
+        ncclGetUniqueId,
+        ncclCommInitRankConfig,
+        ncclCommInitRank,
+        ncclCommInitAll,
+        ncclCommFinalize,
+        ncclCommDestroy,
+        ncclCommAbort,
+        ncclCommSplit,
+        ncclGetErrorString,
+        ncclGetLastError,
+        ncclCommGetAsyncError,
+        ncclCommCount,
+        ncclCommCuDevice,
+        ncclCommUserRank,
+        ncclRedOpCreatePreMulSum,
+        ncclRedOpDestroy,
+        ncclReduce,
+        ncclBcast,
+        ncclBroadcast,
+        ncclAllReduce,
+        ncclReduceScatter,
+        ncclAllGather,
+        ncclSend,
+        ncclRecv,
+        ncclGroupStart,
+        ncclGroupEnd,
+    )
+}
+
+// ---- measuring -------------------------------------------------------------------------
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+/// Best-of-`reps` nanoseconds per call of `f` and allocations per call.
+fn measure(iters: u64, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    for _ in 0..iters / 10 {
+        f()?;
+    }
+    let mut best = f64::MAX;
+    let mut allocs = 0.0;
+    for _ in 0..reps {
+        let a0 = ALLOCATIONS.load(Ordering::Relaxed);
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            f()?;
+        }
+        let ns = t0.elapsed().as_nanos() as f64 / iters as f64;
+        let a = (ALLOCATIONS.load(Ordering::Relaxed) - a0) as f64 / iters as f64;
+        if ns < best {
+            best = ns;
+            allocs = a;
+        }
+    }
+    Ok((best, allocs))
+}
+
+fn raw_check(r: ncclResult_t) -> Result<()> {
+    if r == ncclSuccess {
+        Ok(())
+    } else {
+        Err(format!("null provider returned {r}").into())
+    }
+}
+
+fn run() -> Result<()> {
+    const N: usize = 1024;
+    const ITERS: u64 = 2_000_000;
+    const REPS: usize = 5;
+    // SAFETY: `null_lookup` returns only the `extern "C"` functions of `null`, each with
+    // exactly NCCL's signature for its name, living for the whole process.
+    let lib = unsafe { Library::from_lookup(Provider::Host, None, null_lookup) }?;
+    let id = UniqueId::new_with(&lib)?;
+    let comm = Communicator::init_rank_in(&lib, &Device::Host, 1, 0, &id, &Config::new())?;
+    let t = *lib.table();
+    let raw_comm = comm.as_raw();
+    let stream: cudaStream_t = std::ptr::null_mut();
+    let send = vec![1.0f32; N];
+    let mut recv = vec![0.0f32; N];
+    let sends: Vec<Vec<f32>> = (0..8).map(|_| vec![1.0f32; N]).collect();
+    let mut recvs: Vec<Vec<f32>> = (0..8).map(|_| vec![0.0f32; N]).collect();
+
+    println!("# nccl-safe overhead: safe layer vs raw table call, null provider (every entry point returns ncclSuccess at once)");
+    println!("# {N} f32 elements, 1 rank, best of {REPS} x {ITERS} calls; allocations counted by a #[global_allocator]");
+    println!(
+        "# {:<18} {:>10} {:>10} {:>10} {:>7} {:>13} {:>13}",
+        "operation", "safe ns", "raw ns", "diff ns", "ratio", "safe allocs", "raw allocs"
+    );
+    let report = |name: &str, safe: (f64, f64), raw: (f64, f64)| {
+        println!(
+            "  {:<18} {:>10.2} {:>10.2} {:>10.2} {:>7.2} {:>13.3} {:>13.3}",
+            name,
+            safe.0,
+            raw.0,
+            safe.0 - raw.0,
+            safe.0 / raw.0,
+            safe.1,
+            raw.1
+        );
+    };
+
+    let safe = measure(ITERS, REPS, || {
+        Ok(comm.all_reduce(
+            black_box(&send),
+            black_box(&mut recv),
+            ReduceOp::Sum,
+            &HostStream,
+        )?)
+    })?;
+    let raw = measure(ITERS, REPS, || {
+        // SAFETY: both buffers hold N f32; the null provider reads nothing.
+        raw_check(unsafe {
+            (t.ncclAllReduce)(
+                black_box(send.as_ptr()).cast(),
+                black_box(recv.as_mut_ptr()).cast(),
+                N,
+                ncclFloat32,
+                ncclSum,
+                raw_comm,
+                stream,
+            )
+        })
+    })?;
+    report("all_reduce", safe, raw);
+
+    let safe = measure(ITERS, REPS, || {
+        Ok(comm.all_gather(black_box(&send), black_box(&mut recv), &HostStream)?)
+    })?;
+    let raw = measure(ITERS, REPS, || {
+        // SAFETY: as above (1 rank: recv = send length).
+        raw_check(unsafe {
+            (t.ncclAllGather)(
+                black_box(send.as_ptr()).cast(),
+                black_box(recv.as_mut_ptr()).cast(),
+                N,
+                ncclFloat32,
+                raw_comm,
+                stream,
+            )
+        })
+    })?;
+    report("all_gather", safe, raw);
+
+    let safe = measure(ITERS, REPS, || {
+        Ok(comm.broadcast(black_box(&send), black_box(&mut recv), 0, &HostStream)?)
+    })?;
+    let raw = measure(ITERS, REPS, || {
+        // SAFETY: as above.
+        raw_check(unsafe {
+            (t.ncclBroadcast)(
+                black_box(send.as_ptr()).cast(),
+                black_box(recv.as_mut_ptr()).cast(),
+                N,
+                ncclFloat32,
+                0,
+                raw_comm,
+                stream,
+            )
+        })
+    })?;
+    report("broadcast", safe, raw);
+
+    let group_iters = ITERS / 8;
+    let safe = measure(group_iters, REPS, || {
+        let mut g = Group::new();
+        for (s, r) in sends.iter().zip(recvs.iter_mut()) {
+            g.all_reduce(
+                &comm,
+                black_box(s),
+                black_box(r),
+                ReduceOp::Sum,
+                &HostStream,
+            )?;
+        }
+        Ok(g.end()?)
+    })?;
+    let raw = measure(group_iters, REPS, || {
+        // SAFETY: every buffer holds N f32; start and end are paired.
+        unsafe {
+            raw_check((t.ncclGroupStart)())?;
+            for (s, r) in sends.iter().zip(recvs.iter_mut()) {
+                raw_check((t.ncclAllReduce)(
+                    black_box(s.as_ptr()).cast(),
+                    black_box(r.as_mut_ptr()).cast(),
+                    N,
+                    ncclFloat32,
+                    ncclSum,
+                    raw_comm,
+                    stream,
+                ))?;
+            }
+            raw_check((t.ncclGroupEnd)())
+        }
+    })?;
+    report("group of 8 (all)", safe, raw);
+    report(
+        "group of 8 (per op)",
+        (safe.0 / 8.0, safe.1 / 8.0),
+        (raw.0 / 8.0, raw.1 / 8.0),
+    );
+    println!("# target: diff < 20 ns and 0 allocations per call");
+    comm.destroy().map_err(|(_, e)| e)?;
+
+    host_bandwidth()
+}
+
+/// The host provider's all_reduce bus bandwidth at 64 MiB (through the bandwidth bench's
+/// sweep) next to a plain memcpy of 64 MiB.
+fn host_bandwidth() -> Result<()> {
+    const BYTES: usize = 64 << 20;
+    let opts = Options {
+        min_bytes: BYTES,
+        max_bytes: BYTES,
+        iters: 5,
+        warmup_iters: 1,
+        ranks: Some(4),
+        average: Average::Max,
+        backend: Backend::Host,
+        collectives: vec![Collective::AllReduce],
+        ..Options::default()
+    };
+    println!(
+        "#\n# host provider all_reduce at 64 MiB, {} ranks (threads):",
+        4
+    );
+    let mut table = Vec::new();
+    let outcome = common::sweep::run(&opts, &mut table).map_err(|e| e.to_string())?;
+    let row = outcome.rows.first().ok_or("no all_reduce row")?;
+    let busbw = row.out_of_place.busbw.max(row.in_place.busbw);
+
+    let src = vec![1u8; BYTES];
+    let mut dst = vec![0u8; BYTES];
+    let mut best = f64::MAX;
+    for _ in 0..10 {
+        let t0 = Instant::now();
+        dst.copy_from_slice(black_box(&src));
+        black_box(&mut dst);
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    let memcpy = BYTES as f64 / 1.0e9 / best;
+    println!(
+        "  all_reduce busbw (best of out-of-place/in-place): {busbw:.2} GB/s  (time {:.0} us, #wrong {})",
+        row.out_of_place.time_us,
+        row.out_of_place.wrong.unwrap_or(0) + row.in_place.wrong.unwrap_or(0)
+    );
+    println!("  memcpy 64 MiB (bytes copied / time, best of 10): {memcpy:.2} GB/s");
+    println!(
+        "  ratio busbw / memcpy: {:.2}",
+        if memcpy > 0.0 { busbw / memcpy } else { 0.0 }
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

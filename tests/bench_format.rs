@@ -1,0 +1,190 @@
+//! The bandwidth bench's output shape, without running `cargo bench`: busbw factors,
+//! size/count rules, option parsing, the table's header and rows, and a tiny sweep on
+//! two host ranks through the same function that prints the table.
+
+#[path = "../benches/common/mod.rs"]
+mod common;
+
+use common::options::{self, Backend, Command, Options};
+use common::report::{self, Collective};
+
+fn opts(args: &[&str]) -> Options {
+    match options::parse(args.iter().copied()) {
+        Ok(Command::Run(o)) => o,
+        other => panic!("{args:?}: {other:?}"),
+    }
+}
+
+#[test]
+fn bus_factors_are_nccl_tests() {
+    for n in [1usize, 2, 4, 8] {
+        let f = n as f64;
+        assert_eq!(Collective::AllReduce.bus_factor(n), 2.0 * (f - 1.0) / f);
+        for c in [
+            Collective::AllGather,
+            Collective::ReduceScatter,
+            Collective::AllToAll,
+        ] {
+            assert_eq!(c.bus_factor(n), (f - 1.0) / f, "{c:?}");
+        }
+        for c in [
+            Collective::Broadcast,
+            Collective::Reduce,
+            Collective::SendRecv,
+        ] {
+            assert_eq!(c.bus_factor(n), 1.0, "{c:?}");
+        }
+    }
+    // 1 GB of all_reduce in 1 s on 4 ranks: algbw 1 GB/s, busbw 1.5 GB/s.
+    let (alg, bus) = Collective::AllReduce.bandwidth(250_000_000, 4, 1.0, 4);
+    assert_eq!((alg, bus), (1.0, 1.5));
+    // all_gather's count is per rank; its bandwidth counts the whole buffer.
+    let (alg, _) = Collective::AllGather.bandwidth(62_500_000, 4, 1.0, 4);
+    assert_eq!(alg, 1.0);
+}
+
+#[test]
+fn sizes_are_whole_buffers() {
+    let c = Collective::AllGather.counts(1024, 4);
+    assert_eq!((c.send, c.recv, c.param), (256, 1024, 256));
+    let c = Collective::ReduceScatter.counts(1024, 4);
+    assert_eq!((c.send, c.recv, c.param), (1024, 256, 256));
+    let c = Collective::AllToAll.counts(1024, 4);
+    assert_eq!((c.send, c.recv, c.param), (1024, 1024, 256));
+    let c = Collective::AllReduce.counts(1024, 4);
+    assert_eq!((c.send, c.recv, c.param), (1024, 1024, 1024));
+}
+
+#[test]
+fn options_follow_nccl_tests() {
+    let o = opts(&["--bench"]);
+    assert_eq!(
+        (o.min_bytes, o.max_bytes, o.iters, o.warmup_iters),
+        (32 << 20, 32 << 20, 20, 5)
+    );
+    assert_eq!(o.collectives, Collective::ALL.to_vec());
+    let o = opts(&[
+        "-b",
+        "8",
+        "-e",
+        "16M",
+        "-f",
+        "4",
+        "--bench",
+        "--backend",
+        "host",
+        "-o",
+        "max",
+    ]);
+    assert_eq!((o.min_bytes, o.max_bytes, o.step_factor), (8, 16 << 20, 4));
+    assert_eq!(o.backend, Backend::Host);
+    assert_eq!(o.sizes().len(), 11); // 8, 32, ..., 8M
+    assert_eq!(options::parse_size("1G"), Some(1 << 30));
+    assert_eq!(options::parse_size("2k"), Some(2048));
+    assert_eq!(
+        opts(&["-b1K", "-e", "4K", "-i", "1K"]).sizes(),
+        vec![1024, 2048, 3072, 4096]
+    );
+    let o = opts(&["--op", "all_reduce,broadcast", "-t", "sendrecv", "alltoall"]);
+    assert_eq!(
+        o.collectives,
+        vec![
+            Collective::AllReduce,
+            Collective::Broadcast,
+            Collective::SendRecv,
+            Collective::AllToAll
+        ]
+    );
+    for bad in [
+        &["-b"][..],
+        &["-b", "x"],
+        &["-e", "3Q"],
+        &["-b", "2M", "-e", "1M"],
+        &["-d", "float7"],
+        &["-o", "xor"],
+        &["--op", "all_shuffle"],
+        &["--backend", "tpu"],
+        &["-n", "0"],
+        &["-g", "2", "-r", "2"],
+        &["--frobnicate"],
+    ] {
+        assert!(
+            options::parse(bad.iter().copied()).is_err(),
+            "{bad:?} must be refused"
+        );
+    }
+}
+
+#[test]
+fn table_shape_matches_nccl_tests() {
+    let header = report::table_header();
+    let lines: Vec<&str> = header.lines().collect();
+    assert_eq!(lines.len(), 3);
+    assert!(lines[0].contains("out-of-place") && lines[0].contains("in-place"));
+    let names: Vec<&str> = lines[1]
+        .trim_start_matches('#')
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time",
+            "algbw", "busbw", "#wrong"
+        ]
+    );
+    assert!(lines[2].contains("(B)") && lines[2].contains("(GB/s)"));
+    assert_eq!(report::format_time(12.345), "  12.35");
+    assert_eq!(report::format_time(123.45), "  123.5");
+    assert_eq!(report::format_time(12345.6), "  12346");
+    assert_eq!(report::format_g(67.92171), "67.9217");
+}
+
+#[test]
+fn tiny_host_sweep_prints_a_full_table_with_no_wrong_values() {
+    let o = opts(&[
+        "-b",
+        "8",
+        "-e",
+        "64",
+        "-f",
+        "2",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "-g",
+        "2",
+        "--backend",
+        "host",
+    ]);
+    let mut out = Vec::new();
+    let outcome = common::sweep::run(&o, &mut out).expect("the sweep runs");
+    let text = String::from_utf8(out).expect("utf-8");
+    assert!(text.contains("host provider"), "{text}");
+    let sizes = o.sizes().len();
+    assert_eq!(sizes, 4);
+    assert_eq!(outcome.rows.len(), sizes * Collective::ALL.len(), "{text}");
+    assert_eq!(report::total_wrong(&outcome.rows), 0, "{text}");
+    let data_rows: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .collect();
+    assert_eq!(data_rows.len(), outcome.rows.len(), "{text}");
+    for row in &data_rows {
+        assert_eq!(row.split_whitespace().count(), 13, "{row}");
+    }
+    assert_eq!(
+        text.matches("# Out of bounds values : 0 OK").count(),
+        Collective::ALL.len()
+    );
+    assert_eq!(
+        text.matches("# Avg bus bandwidth    : ").count(),
+        Collective::ALL.len()
+    );
+    let json = report::to_json(&outcome.info, &outcome.rows);
+    assert_eq!(
+        json["results"].as_array().map(Vec::len),
+        Some(outcome.rows.len())
+    );
+    assert_eq!(json["backend"], "host");
+}
