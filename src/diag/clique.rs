@@ -206,6 +206,7 @@ impl Clique {
                 }
             }
         }
+        t.truncate(t.trim_end().len());
         t
     }
 
