@@ -116,6 +116,11 @@ fn skipped_collective_times_out_on_every_rank_with_a_desync_report() {
             r.map(|()| 0).map_err(|e| (e, 0, start.elapsed()))
         }
     });
+    for (rank, r) in results.iter().enumerate() {
+        if let Err((e, ..)) = r {
+            eprintln!("--- rank {rank}:\n{e}");
+        }
+    }
     let mut skipped_line = 0;
     for (rank, r) in results.iter().enumerate() {
         let (e, line, at) = match r {

@@ -70,7 +70,7 @@ fn fp8_dec(b: u8, e5m2: bool) -> f64 {
     let e = ((b & 0x7f) >> mb) as i32;
     let m = (b & ((1 << mb) - 1)) as f64;
     let v = if e == 0 {
-        m * 2f64.powi(1 - bias - mb as i32)
+        m * 2f64.powi(1 - bias - mb)
     } else {
         (1.0 + m / (1 << mb) as f64) * 2f64.powi(e - bias)
     };
@@ -273,7 +273,9 @@ fn reference_self_check() {
 fn input(dt: ncclDataType_t, op: Op, r: usize, i: usize, salt: usize) -> Vec<u8> {
     let k = r * 3 + i * 5 + salt;
     let x = match (int_info(dt), op) {
-        (Some((_, true)), Op::Prod) => ((k % 3) as f64 + 1.0) * if k % 4 == 0 { -1.0 } else { 1.0 },
+        (Some((_, true)), Op::Prod) => {
+            ((k % 3) as f64 + 1.0) * if k.is_multiple_of(4) { -1.0 } else { 1.0 }
+        }
         (Some((_, false)), Op::Prod) => (k % 3) as f64 + 1.0,
         (Some((_, true)), _) => (k % 11) as f64 - 5.0,
         (Some((_, false)), _) => (k % 11) as f64 + 1.0,
@@ -389,7 +391,7 @@ fn run_case(
         Op::Min => op = ncclMin,
         Op::Avg => op = ncclAvg,
         Op::PreMulSum => {
-            let residence = if c.salt % 2 == 0 {
+            let residence = if c.salt.is_multiple_of(2) {
                 ncclScalarHostImmediate
             } else {
                 ncclScalarDevice

@@ -63,10 +63,10 @@
 //!    (48 bytes) and this crate's 2.32 layout, `version` an NCCL 2.17+ code; only `blocking`
 //!    (present in every layout) is read, other fields are accepted and ignored.
 //! 10. `ncclMemAlloc` returns zeroed, 4096-aligned host memory; `ncclCommRegister` returns a
-//!    token checked by `ncclCommDeregister`. Other optional entry points (windows, RMA,
-//!    `*Config` collectives, ...) are not provided (`lookup` returns null).
+//!     token checked by `ncclCommDeregister`. Other optional entry points (windows, RMA,
+//!     `*Config` collectives, ...) are not provided (`lookup` returns null).
 //! 11. `ncclGetLastError` ignores its `comm` argument: the text is per thread, and the
-//!    pointer stays valid until the same thread calls `ncclGetLastError` again.
+//!     pointer stays valid until the same thread calls `ncclGetLastError` again.
 
 // NCCL constants (ncclSum, ncclInt8, ...) keep their C names in match patterns.
 #![allow(non_upper_case_globals)]
