@@ -248,11 +248,8 @@ fn all_reduce_against_all_gather_is_a_mismatch() {
                 (comm.all_gather(&send, &mut recv, &HostStream), line)
             } else {
                 let mut recv = vec![0.0f32; 4];
-                let line = line!() + 1;
-                (
-                    comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &HostStream),
-                    line,
-                )
+                let r = comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &HostStream);
+                (r, line!() - 1)
             }
         },
         &["ncclAllReduce(float x 4)", "ncclAllGather(float x 4)"],
@@ -265,11 +262,8 @@ fn different_counts_are_a_mismatch() {
         4,
         |rank, comm| {
             let mut buf = vec![1i32; if rank == 3 { 5 } else { 4 }];
-            let line = line!() + 1;
-            (
-                comm.all_reduce_in_place(&mut buf, ReduceOp::Max, &HostStream),
-                line,
-            )
+            let r = comm.all_reduce_in_place(&mut buf, ReduceOp::Max, &HostStream);
+            (r, line!() - 1)
         },
         &["x 4)", "x 5)"],
     );
