@@ -83,6 +83,8 @@ pub struct Communicator {
     /// The first error this communicator saw; `Some` means "abort on drop". `RefCell` also
     /// makes the type `!Sync`.
     failure: RefCell<Option<String>>,
+    /// Watchdog, flight recorder and fingerprint state (`crate::diag`).
+    pub(crate) diag: crate::diag::CommDiag,
 }
 
 // SAFETY: NCCL allows a communicator to be used from any thread, one at a time; `!Sync`
@@ -254,6 +256,7 @@ impl Communicator {
                 },
                 blocking: config.is_blocking(),
                 failure: RefCell::new(None),
+                diag: crate::diag::CommDiag::for_id(config, id),
             }),
         })
     }
@@ -278,6 +281,7 @@ impl Communicator {
             });
         }
         let mut raws: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
+        let clique = crate::diag::CommDiag::init_all_key();
         let ctx = CallContext {
             comm: std::ptr::null_mut(),
             rank: None,
@@ -307,6 +311,7 @@ impl Communicator {
                 },
                 blocking: true,
                 failure: RefCell::new(None),
+                diag: crate::diag::CommDiag::for_init_all(clique),
             })
             .collect())
     }
@@ -414,23 +419,29 @@ impl Communicator {
     /// failed, bind the CUDA context, make the call, check the result (an error marks the
     /// communicator failed), and wait out `ncclInProgress` on a non-blocking communicator.
     #[inline]
-    pub(crate) fn issue(
+    pub(crate) fn issue<'a>(
         &self,
-        call: &'static str,
+        op: impl Into<crate::diag::OpInfo<'a>>,
         caller: &'static Location<'static>,
         f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
     ) -> Result<()> {
+        let op = op.into();
+        let call = op.name();
         self.ensure_usable(call)?;
         bind(&self.device)?;
+        let ticket = self.diag.begin(self, op, caller)?;
         let r = f(self.lib.table(), self.raw);
-        if r == nccl_sys::bindings::ncclInProgress && !self.blocking {
-            return self.wait_ready(call, caller, DEFAULT_INIT_TIMEOUT);
-        }
-        self.checked(call, r, caller)
+        let r = if r == nccl_sys::bindings::ncclInProgress && !self.blocking {
+            self.wait_ready(call, caller, DEFAULT_INIT_TIMEOUT)
+        } else {
+            self.checked(call, r, caller)
+        };
+        self.diag.end(self, ticket, r)
     }
 
     #[inline]
     pub(crate) fn ensure_usable(&self, op: &'static str) -> Result<()> {
+        self.diag.check_alive()?;
         match &*self.failure.borrow() {
             None => Ok(()),
             Some(cause) => Err(self.failed_error(op, cause)),
@@ -504,7 +515,7 @@ impl Communicator {
             // SAFETY: `child` is writable; a null config means "inherit the parent's".
             unsafe { (t.ncclCommSplit)(comm, color, key, &mut child, std::ptr::null_mut()) }
         })?;
-        self.adopt_child(OP, child, caller)
+        self.adopt_child(OP, child, caller, color as u64)
     }
 
     /// Removes `exclude` ranks (`ncclCommShrink`, NCCL 2.27+); collective over the ranks
@@ -559,7 +570,7 @@ impl Communicator {
                 )
             }
         })?;
-        match self.adopt_child(OP, child, caller)? {
+        match self.adopt_child(OP, child, caller, u64::MAX)? {
             Some(c) => Ok(c),
             None => Err(Error::InvalidArgument {
                 op: OP,
@@ -574,6 +585,7 @@ impl Communicator {
         op: &'static str,
         child: ncclComm_t,
         caller: &'static Location<'static>,
+        tag: u64,
     ) -> Result<Option<Communicator>> {
         if child.is_null() {
             return Ok(None);
@@ -587,6 +599,7 @@ impl Communicator {
             cuda_device: self.cuda_device,
             blocking: self.blocking,
             failure: RefCell::new(None),
+            diag: self.diag.child(tag),
         };
         if !self.blocking {
             comm.wait_ready(op, caller, DEFAULT_INIT_TIMEOUT)?;
@@ -606,12 +619,20 @@ impl Communicator {
         self.checked("ncclCommCount", r, caller)?;
         self.rank = rank.max(0) as usize;
         self.world_size = count.max(0) as usize;
+        self.diag
+            .attach(self.raw, self.rank, self.world_size, &self.lib);
         Ok(())
     }
 
     /// Takes the handle out, so that exactly one teardown call uses it.
     fn take(&mut self) -> ncclComm_t {
-        std::mem::replace(&mut self.raw, std::ptr::null_mut())
+        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+        // Null when the watchdog already aborted it (its one teardown).
+        if self.diag.release() {
+            raw
+        } else {
+            std::ptr::null_mut()
+        }
     }
 
     /// Destroys the communicator (`ncclCommDestroy`). On failure the communicator comes
@@ -623,6 +644,9 @@ impl Communicator {
     pub fn destroy(mut self) -> std::result::Result<(), (Communicator, Error)> {
         const OP: &str = "ncclCommDestroy";
         let caller = Location::caller();
+        if let Err(e) = self.diag.before_teardown(&self) {
+            return Err((self, e));
+        }
         if let Err(e) = self.ensure_usable(OP) {
             return Err((self, e));
         }
@@ -679,12 +703,14 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
+        // Waits (bounded by the watchdog) for work in flight; `false`: abort, not destroy.
+        let healthy = self.diag.drain();
         let raw = self.take();
         if raw.is_null() {
             return;
         }
         let _ = bind(&self.device);
-        let failed = self.failure.get_mut().is_some();
+        let failed = self.failure.get_mut().is_some() || !healthy;
         // SAFETY: `raw` is live and, taken out of `self`, torn down exactly once here.
         let _ = unsafe {
             if failed {

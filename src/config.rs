@@ -25,6 +25,8 @@ pub struct Config {
     ints: [Option<i32>; INT_FIELDS.len()],
     net_name: Option<CString>,
     comm_name: Option<CString>,
+    /// Watchdog, flight recorder and fingerprint options (builder methods in `diag`).
+    pub(crate) diag: crate::diag::DiagConfig,
 }
 
 /// Integer fields: (C name, offset in the 2.32 struct, release that added it).

@@ -286,6 +286,19 @@ pub enum Error {
         /// The limit.
         timeout: std::time::Duration,
     },
+    /// Ranks called different collectives at the same position (opt-in fingerprint check,
+    /// see [`crate::diag`]): nothing was handed to NCCL, every rank gets this error.
+    #[error("{op} (seq {seq}) on rank {rank}: ranks disagree on the collective; nothing was run\n{table}")]
+    CollectiveMismatch {
+        /// The operation this rank called.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The collective's sequence number on this communicator.
+        seq: u64,
+        /// What every rank called, and from which line.
+        table: String,
+    },
     /// A CUDA driver call failed.
     #[error("CUDA: {0}")]
     Cuda(#[from] cudarc::driver::DriverError),

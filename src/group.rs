@@ -99,6 +99,7 @@ impl<'a> Group<'a> {
                 // SAFETY: ncclGroupStart takes no arguments; it is paired with the
                 // ncclGroupEnd of `end` or `Drop`.
                 unsafe { nccl_call!(&lib, ncclGroupStart(), CallContext::NONE) }?;
+                crate::diag::group_started();
                 self.lib = Some(lib);
             }
         }
@@ -133,6 +134,7 @@ impl<'a> Group<'a> {
         // SAFETY: closes the ncclGroupStart of `enter`; every buffer of the group is still
         // borrowed by `self`.
         let r = unsafe { nccl_call!(&lib, ncclGroupEnd(), ctx) };
+        crate::diag::group_ended();
         // Only now may cudarc record its events: the work is enqueued.
         self.guards.clear();
         match r {

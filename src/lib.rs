@@ -8,6 +8,7 @@
 mod buffer;
 mod comm;
 mod config;
+pub mod diag;
 pub mod error;
 mod group;
 pub mod host;

@@ -19,6 +19,7 @@ pub use reduce_op::{PreMulSum, Reduction};
 
 use crate::buffer::{BufferGuard, Memory, RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
+use crate::diag::OpInfo;
 use crate::error::{BufferRole, Error, Result};
 use crate::library::Provider;
 use crate::stream::{AsStream, StreamRef};
@@ -149,7 +150,8 @@ impl Communicator {
         let count = send.len();
         let (s, sg) = self.send_arg(OP, send, count, "recv = send", stream)?;
         let (r, rg) = self.recv_arg(OP, recv, count, "recv = send", stream)?;
-        self.issue(OP, caller, |t, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, None, stream);
+        self.issue(info, caller, |t, comm| {
             // SAFETY: both buffers hold `count` elements of T in the memory this provider
             // reads (checked above) and stay borrowed until the work is enqueued.
             unsafe {
@@ -171,7 +173,8 @@ impl Communicator {
         let red = op.raw_for(self, OP)?;
         let count = buf.len();
         let (p, g) = self.recv_arg(OP, buf, count, "in place", stream)?;
-        self.issue(OP, caller, |t, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, None, stream);
+        self.issue(info, caller, |t, comm| {
             // SAFETY: `p` holds `count` elements; send == recv is NCCL's in-place form.
             unsafe {
                 (t.ncclAllReduce)(p, p, count, T::DATA_TYPE.to_raw(), red, comm, stream.raw())
@@ -242,7 +245,8 @@ impl Communicator {
         let count = recv.len();
         let (s, sg) = self.send_arg(OP, send, count, "send = recv", stream)?;
         let (r, rg) = self.recv_arg(OP, recv, count, "send = recv", stream)?;
-        self.issue(OP, caller, |t, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(root as usize), stream);
+        self.issue(info, caller, |t, comm| {
             // SAFETY: both buffers hold `count` elements; root is in range.
             unsafe {
                 (t.ncclBroadcast)(s, r, count, T::DATA_TYPE.to_raw(), root, comm, stream.raw())
@@ -263,7 +267,8 @@ impl Communicator {
         let root = self.check_rank(OP, "root", root)?;
         let count = buf.len();
         let (p, g) = self.recv_arg(OP, buf, count, "in place", stream)?;
-        self.issue(OP, caller, |t, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(root as usize), stream);
+        self.issue(info, caller, |t, comm| {
             // SAFETY: `p` holds `count` elements; send == recv is the in-place form.
             unsafe {
                 (t.ncclBroadcast)(p, p, count, T::DATA_TYPE.to_raw(), root, comm, stream.raw())
@@ -331,7 +336,8 @@ impl Communicator {
         let count = send.len();
         let (s, sg) = self.send_arg(OP, send, count, "recv = send", stream)?;
         let (r, rg) = self.recv_arg(OP, recv, count, "recv = send", stream)?;
-        self.issue(OP, caller, |t, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(root as usize), stream);
+        self.issue(info, caller, |t, comm| {
             // SAFETY: both buffers hold `count` elements; root is in range.
             unsafe {
                 (t.ncclReduce)(
@@ -397,7 +403,8 @@ impl Communicator {
         let root = self.check_rank(OP, "root", root)?;
         let count = buf.len();
         let (p, _g) = self.recv_arg(OP, buf, count, "in place", stream)?;
-        self.issue(OP, caller, |t, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(root as usize), stream);
+        self.issue(info, caller, |t, comm| {
             // SAFETY: `p` holds `count` elements; send == recv is the in-place form.
             unsafe {
                 (t.ncclReduce)(
@@ -434,7 +441,8 @@ impl Communicator {
         let total = self.times_world(OP, count)?;
         let (s, sg) = self.send_arg(OP, send, count, "send = count", stream)?;
         let (r, rg) = self.recv_arg(OP, recv, total, "recv = world_size x send", stream)?;
-        self.issue(OP, caller, |t, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, None, stream);
+        self.issue(info, caller, |t, comm| {
             // SAFETY: send holds `count`, recv `world_size * count` elements.
             unsafe { (t.ncclAllGather)(s, r, count, T::DATA_TYPE.to_raw(), comm, stream.raw()) }
         })?;
@@ -469,7 +477,8 @@ impl Communicator {
         let count = self.block_of(OP, buf.len())?;
         let rank = self.rank();
         let (p, _g) = self.recv_arg(OP, buf, count * self.world_size(), "in place", stream)?;
-        self.issue(OP, caller, |t, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, None, stream);
+        self.issue(info, caller, |t, comm| {
             // SAFETY: `p` holds world_size * count elements of T; the send pointer is this
             // rank's block inside it, NCCL's in-place form.
             unsafe {
@@ -516,7 +525,8 @@ impl Communicator {
         let total = self.times_world(OP, count)?;
         let (s, sg) = self.send_arg(OP, send, total, "send = world_size x recv", stream)?;
         let (r, rg) = self.recv_arg(OP, recv, count, "recv = count", stream)?;
-        self.issue(OP, caller, |t, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, None, stream);
+        self.issue(info, caller, |t, comm| {
             // SAFETY: send holds `world_size * count`, recv `count` elements.
             unsafe {
                 (t.ncclReduceScatter)(s, r, count, T::DATA_TYPE.to_raw(), red, comm, stream.raw())
@@ -570,7 +580,8 @@ impl Communicator {
         let count = self.block_of(OP, buf.len())?;
         let rank = self.rank();
         let (p, _g) = self.recv_arg(OP, buf, count * self.world_size(), "in place", stream)?;
-        self.issue(OP, caller, |t, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, None, stream);
+        self.issue(info, caller, |t, comm| {
             // SAFETY: `p` holds world_size * count elements; the receive pointer is this
             // rank's block inside it, NCCL's in-place form.
             unsafe {
@@ -594,7 +605,8 @@ impl Communicator {
         let peer = self.check_rank(OP, "peer", peer)?;
         let count = buf.len();
         let (s, sg) = self.send_arg(OP, buf, count, "any length", stream)?;
-        self.issue(OP, caller, |t, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(peer as usize), stream);
+        self.issue(info, caller, |t, comm| {
             // SAFETY: `s` holds `count` elements; peer is in range.
             unsafe { (t.ncclSend)(s, count, T::DATA_TYPE.to_raw(), peer, comm, stream.raw()) }
         })?;
@@ -613,7 +625,8 @@ impl Communicator {
         let peer = self.check_rank(OP, "peer", peer)?;
         let count = buf.len();
         let (r, rg) = self.recv_arg(OP, buf, count, "any length", stream)?;
-        self.issue(OP, caller, |t, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(peer as usize), stream);
+        self.issue(info, caller, |t, comm| {
             // SAFETY: `r` holds `count` elements; peer is in range.
             unsafe { (t.ncclRecv)(r, count, T::DATA_TYPE.to_raw(), peer, comm, stream.raw()) }
         })?;
@@ -667,7 +680,8 @@ impl Communicator {
         let count = self.block_of(OP, total)?;
         let (s, sg) = self.send_arg(OP, send, total, "send = world_size x block", stream)?;
         let (r, rg) = self.recv_arg(OP, recv, total, "recv = send", stream)?;
-        self.issue(OP, caller, |_, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, None, stream);
+        self.issue(info, caller, |_, comm| {
             // SAFETY: both buffers hold world_size * count elements.
             unsafe { f(s, r, count, T::DATA_TYPE.to_raw(), comm, stream.raw()) }
         })?;
@@ -721,7 +735,8 @@ impl Communicator {
             self.check_memory(OP, BufferRole::Recv, recv.memory())?;
             (std::ptr::null_mut(), BufferGuard::Host)
         };
-        self.issue(OP, caller, |_, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(root), stream);
+        self.issue(info, caller, |_, comm| {
             // SAFETY: send holds `count`; on the root recv holds world_size * count; NCCL
             // ignores recv elsewhere (passed as null).
             unsafe {
@@ -792,7 +807,8 @@ impl Communicator {
             (std::ptr::null(), BufferGuard::Host)
         };
         let (r, rg) = self.recv_arg(OP, recv, count, "recv = count", stream)?;
-        self.issue(OP, caller, |_, comm| {
+        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(root), stream);
+        self.issue(info, caller, |_, comm| {
             // SAFETY: recv holds `count`; on the root send holds world_size * count; NCCL
             // ignores send elsewhere (passed as null).
             unsafe {

@@ -1,0 +1,301 @@
+//! What the ranks of one communicator in this process know about each other: each rank's
+//! last operation (for the desync report) and the fingerprint board (for the opt-in check).
+//!
+//! A clique is keyed by a hash of the unique id (plus the split path for children); all
+//! ranks of it that live in this process share one [`Clique`]. Ranks in other processes are
+//! reported as "not in this process" (the cross-process report through the rendezvous
+//! server is not done).
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use super::recorder::{OpRecord, OpState};
+
+/// How many sequence numbers of fingerprints each rank keeps on the board. A rank cannot
+/// post seq n+1 before every rank posted seq n, so two would do.
+const BOARD_DEPTH: usize = 4;
+
+/// The process-wide key of a clique.
+pub(crate) type CliqueKey = u64;
+
+pub(crate) fn key_of(parts: impl Hash) -> CliqueKey {
+    // DefaultHasher::new() has fixed keys: every rank computes the same value.
+    let mut h = std::hash::DefaultHasher::new();
+    parts.hash(&mut h);
+    h.finish()
+}
+
+/// A fresh key, for cliques created in one call (`ncclCommInitAll`).
+pub(crate) fn fresh_key() -> CliqueKey {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(1);
+    key_of((
+        "nccl-safe init_all",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed),
+    ))
+}
+
+/// What one rank was last seen doing.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct RankView {
+    /// A communicator of this rank is (or was) attached in this process.
+    pub present: bool,
+    /// It was torn down.
+    pub gone: bool,
+    /// Collectives issued so far (the next one gets this sequence number).
+    pub issued: u64,
+    /// The last operation, with its state.
+    pub last: Option<OpRecord>,
+}
+
+/// The shape of a collective that every rank must agree on, and where it was called.
+pub(crate) type Fingerprint = OpRecord;
+
+#[derive(Debug)]
+pub(crate) struct CliqueState {
+    pub ranks: Vec<RankView>,
+    board: Vec<[Option<Fingerprint>; BOARD_DEPTH]>,
+    /// Set once, by the first timeout: the report every later call returns.
+    pub timed_out: Option<Arc<str>>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Clique {
+    pub key: CliqueKey,
+    pub world_size: usize,
+    state: Mutex<CliqueState>,
+    cv: Condvar,
+}
+
+fn registry() -> &'static Mutex<HashMap<CliqueKey, Weak<Clique>>> {
+    static R: OnceLock<Mutex<HashMap<CliqueKey, Weak<Clique>>>> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The clique `key` of `world_size` ranks, shared by every rank of it in this process.
+pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
+    let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
+    r.retain(|_, w| w.strong_count() > 0);
+    if let Some(c) = r.get(&key).and_then(Weak::upgrade) {
+        if c.world_size == world_size {
+            return c;
+        }
+    }
+    let c = Arc::new(Clique {
+        key,
+        world_size,
+        state: Mutex::new(CliqueState {
+            ranks: vec![RankView::default(); world_size],
+            board: vec![[None; BOARD_DEPTH]; world_size],
+            timed_out: None,
+        }),
+        cv: Condvar::new(),
+    });
+    r.insert(key, Arc::downgrade(&c));
+    c
+}
+
+/// How a fingerprint comparison ended.
+pub(crate) enum Agreement {
+    Agree,
+    /// The table of what each rank called.
+    Mismatch(String),
+    /// The clique timed out (the report), or our wait ran out (`None`: build the report).
+    TimedOut(Option<Arc<str>>),
+}
+
+impl Clique {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, CliqueState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Updates rank `rank`'s view (no allocation).
+    pub(crate) fn update(&self, rank: usize, f: impl FnOnce(&mut RankView)) {
+        if let Some(v) = self.lock().ranks.get_mut(rank) {
+            f(v);
+        }
+    }
+
+    pub(crate) fn timed_out(&self) -> Option<Arc<str>> {
+        self.lock().timed_out.clone()
+    }
+
+    /// Records the clique's first timeout and wakes everyone waiting on the board.
+    pub(crate) fn set_timed_out(&self, report: &Arc<str>) -> Arc<str> {
+        let mut s = self.lock();
+        let r = s
+            .timed_out
+            .get_or_insert_with(|| Arc::clone(report))
+            .clone();
+        drop(s);
+        self.cv.notify_all();
+        r
+    }
+
+    /// Posts `fp` for rank `rank` and waits (until `deadline`) for every rank's fingerprint
+    /// of the same sequence number, then compares them.
+    pub(crate) fn agree(&self, rank: usize, fp: Fingerprint, deadline: Instant) -> Agreement {
+        let slot = (fp.seq % BOARD_DEPTH as u64) as usize;
+        let mut s = self.lock();
+        if let Some(b) = s.board.get_mut(rank) {
+            b[slot] = Some(fp);
+        }
+        self.cv.notify_all();
+        loop {
+            if let Some(r) = &s.timed_out {
+                return Agreement::TimedOut(Some(Arc::clone(r)));
+            }
+            let posted = s
+                .board
+                .iter()
+                .all(|b| b[slot].is_some_and(|p| p.seq == fp.seq));
+            if posted {
+                let same = s.board.iter().all(|b| {
+                    b[slot].is_some_and(|p| {
+                        p.op == fp.op
+                            && p.dtype == fp.dtype
+                            && p.count == fp.count
+                            && p.root == fp.root
+                    })
+                });
+                if same {
+                    return Agreement::Agree;
+                }
+                return Agreement::Mismatch(self.table(&s, slot));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Agreement::TimedOut(None);
+            }
+            s = match self.cv.wait_timeout(s, deadline - now) {
+                Ok((g, _)) => g,
+                Err(e) => e.into_inner().0,
+            };
+        }
+    }
+
+    fn table(&self, s: &CliqueState, slot: usize) -> String {
+        let mut t =
+            String::from("  rank  seq   call                                      called at\n");
+        let first = s.board.first().and_then(|b| b[slot]);
+        for (r, b) in s.board.iter().enumerate() {
+            match b[slot] {
+                Some(p) => {
+                    let differs = first.is_some_and(|f| {
+                        f.op != p.op || f.dtype != p.dtype || f.count != p.count || f.root != p.root
+                    });
+                    let _ = writeln!(
+                        t,
+                        "  {r:>4}  {:<4}  {:<40}  {}{}",
+                        p.seq,
+                        p.signature(),
+                        p.at(),
+                        if differs {
+                            "   <-- differs from rank 0"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+                None => {
+                    let _ = writeln!(t, "  {r:>4}  -     (nothing posted)");
+                }
+            }
+        }
+        t.truncate(t.trim_end().len());
+        t
+    }
+
+    /// The desync report for rank `rank` stuck in `stuck` (its operation `stuck.seq`).
+    pub(crate) fn report(
+        &self,
+        rank: usize,
+        stuck: &OpRecord,
+        timeout: Duration,
+        what: &str,
+    ) -> String {
+        let s = self.lock();
+        let now = Instant::now();
+        let mut out = format!(
+            "{} (seq {}) on rank {rank}, called at {}, {what}.\nDesync report (clique {:016x}, {} ranks):\n",
+            stuck.signature(),
+            stuck.seq,
+            stuck.at(),
+            self.key,
+            self.world_size,
+        );
+        let mut behind = Vec::new();
+        for (r, v) in s.ranks.iter().enumerate() {
+            let _ = write!(out, "  rank {r}: ");
+            if !v.present {
+                let _ = writeln!(out, "no record (not in this process, or not attached yet)");
+                continue;
+            }
+            let last = match v.last {
+                Some(l) => format!(
+                    "{} seq {} at {} ({}{})",
+                    l.signature(),
+                    l.seq,
+                    l.at(),
+                    match l.state {
+                        OpState::Enqueued => "in progress",
+                        OpState::Completed => "completed",
+                        OpState::Failed => "failed",
+                    },
+                    if l.state == OpState::Enqueued {
+                        format!(
+                            " for {:.3}s",
+                            now.saturating_duration_since(l.enqueued).as_secs_f64()
+                        )
+                    } else {
+                        String::new()
+                    }
+                ),
+                None => "nothing".to_string(),
+            };
+            let gone = if v.gone {
+                "; communicator torn down"
+            } else {
+                ""
+            };
+            if v.issued <= stuck.seq {
+                behind.push(r);
+                let _ = writeln!(
+                    out,
+                    "BEHIND: has issued {} collective(s), never seq {}; last: {last}{gone}",
+                    v.issued, stuck.seq
+                );
+            } else if v.issued == stuck.seq + 1 {
+                let _ = writeln!(out, "at seq {}: {last}{gone}", stuck.seq);
+            } else {
+                let _ = writeln!(out, "ahead ({} issued); last: {last}{gone}", v.issued);
+            }
+        }
+        if behind.is_empty() {
+            let _ = writeln!(
+                out,
+                "=> no rank in this process is behind: a rank in another process, or the work itself, is stuck"
+            );
+        } else {
+            let _ = writeln!(
+                out,
+                "=> rank(s) {behind:?} are behind: they never called seq {} ({} at {}) that the others wait in",
+                stuck.seq,
+                stuck.signature(),
+                stuck.at()
+            );
+        }
+        let _ = write!(
+            out,
+            "=> the watchdog aborted this clique's communicators (timeout {timeout:?}: Config::timeout or NCCL_SAFE_TIMEOUT_MS) because {} seq {} on rank {rank} (called at {})",
+            stuck.op,
+            stuck.seq,
+            stuck.at()
+        );
+        out
+    }
+}

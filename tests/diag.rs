@@ -1,0 +1,393 @@
+//! Diagnostics on the host provider (ranks as threads): the watchdog turns a skipped
+//! collective into `Error::Timeout` on every rank with a desync report, the fingerprint
+//! check turns disagreeing collectives into `Error::CollectiveMismatch`, every handle is
+//! torn down exactly once, and recording allocates nothing.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::time::{Duration, Instant};
+
+use nccl_safe::diag::OpState;
+use nccl_safe::{Communicator, Config, Device, Error, HostStream, ReduceOp, Result, UniqueId};
+
+// ---- a per-thread counting allocator ----------------------------------------------------
+
+struct Counting;
+
+thread_local! {
+    static ALLOCS: Cell<u64> = const { Cell::new(0) };
+}
+
+fn count_one() {
+    let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count_one();
+        System.alloc(layout)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout)
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        count_one();
+        System.alloc_zeroed(layout)
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count_one();
+        System.realloc(ptr, layout, new_size)
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+fn allocs() -> u64 {
+    ALLOCS.with(|c| c.get())
+}
+
+// ---- helpers ------------------------------------------------------------------------------
+
+/// Runs `f(rank, comm)` on `world` thread ranks of one fresh host communicator; returns each
+/// rank's result (after its communicator was dropped) and the unique id.
+fn ranks<R: Send>(
+    world: usize,
+    config: &Config,
+    f: impl Fn(usize, &Communicator) -> R + Sync,
+) -> (Vec<R>, UniqueId) {
+    let id = Device::Host.unique_id().expect("unique id");
+    let out = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let (id, f) = (&id, &f);
+                s.spawn(move || {
+                    let comm = Communicator::init_rank(&Device::Host, world, rank, id, config)
+                        .expect("init");
+                    f(rank, &comm)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    (out, id)
+}
+
+/// Every handle of `id`'s family was torn down exactly once, and nothing was misused.
+fn assert_exactly_once(id: &UniqueId, world: u64) {
+    let st = nccl_safe::host::stats_for(&id.to_raw());
+    assert_eq!(st.created, world, "{st:?}");
+    assert_eq!(st.created, st.destroyed + st.aborted, "{st:?}");
+    assert_eq!(
+        st.misused,
+        0,
+        "{st:?}: {:?}",
+        nccl_safe::host::recent_misuse()
+    );
+    assert_eq!(st.live, 0, "{st:?}");
+}
+
+fn sum(comm: &Communicator, n: usize) -> Result<()> {
+    let mut buf = vec![1.0f32; n];
+    comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &HostStream)
+}
+
+// ---- watchdog -----------------------------------------------------------------------------
+
+#[test]
+fn skipped_collective_times_out_on_every_rank_with_a_desync_report() {
+    const WORLD: usize = 3;
+    let timeout = Duration::from_secs(1);
+    let config = Config::new().timeout(timeout);
+    let start = Instant::now();
+    let (results, id) = ranks(WORLD, &config, |rank, comm| {
+        sum(comm, 4).expect("seq 0, every rank");
+        let mut buf = vec![1.0f32; 4];
+        if rank != 1 {
+            let skipped = line!() + 1;
+            let r = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &HostStream);
+            r.map(|()| skipped)
+                .map_err(|e| (e, skipped, start.elapsed()))
+        } else {
+            // Rank 1 skips it, does something slow, then comes back to a collective.
+            std::thread::sleep(timeout + Duration::from_millis(300));
+            let r = sum(comm, 4);
+            r.map(|()| 0).map_err(|e| (e, 0, start.elapsed()))
+        }
+    });
+    for (rank, r) in results.iter().enumerate() {
+        if let Err((e, ..)) = r {
+            eprintln!("--- rank {rank}:\n{e}");
+        }
+    }
+    let mut skipped_line = 0;
+    for (rank, r) in results.iter().enumerate() {
+        let (e, line, at) = match r {
+            Ok(_) => panic!("rank {rank} did not fail"),
+            Err(x) => x,
+        };
+        assert!(matches!(e, Error::Timeout { .. }), "rank {rank}: {e}");
+        assert!(
+            *at < timeout + Duration::from_secs(1),
+            "rank {rank} returned after {at:?}"
+        );
+        if *line != 0 {
+            skipped_line = *line;
+        }
+        let text = e.to_string();
+        assert!(text.contains("rank 1: BEHIND"), "rank {rank}: {text}");
+        assert!(
+            text.contains("rank(s) [1] are behind"),
+            "rank {rank}: {text}"
+        );
+        assert!(text.contains("ncclAllReduce"), "rank {rank}: {text}");
+        assert!(
+            text.contains(&format!("rank {rank}")),
+            "rank {rank}: {text}"
+        );
+    }
+    for (rank, r) in results.iter().enumerate() {
+        let text = r
+            .as_ref()
+            .err()
+            .map(|x| x.0.to_string())
+            .unwrap_or_default();
+        assert!(
+            text.contains(&format!("tests/diag.rs:{skipped_line}")),
+            "rank {rank} does not name the skipped call's line {skipped_line}: {text}"
+        );
+    }
+    assert_exactly_once(&id, WORLD as u64);
+    let st = nccl_safe::host::stats_for(&id.to_raw());
+    assert_eq!(st.aborted, WORLD as u64, "{st:?}");
+}
+
+#[test]
+fn skipped_collective_with_the_check_on_times_out_in_the_check() {
+    const WORLD: usize = 2;
+    let timeout = Duration::from_millis(500);
+    let config = Config::new().timeout(timeout).check_collectives(true);
+    let start = Instant::now();
+    let (results, id) = ranks(WORLD, &config, |rank, comm| {
+        sum(comm, 2)?;
+        if rank == 0 {
+            sum(comm, 2)
+        } else {
+            std::thread::sleep(timeout + Duration::from_millis(200));
+            sum(comm, 2)
+        }
+    });
+    for (rank, r) in results.iter().enumerate() {
+        let e = r.as_ref().expect_err("must fail");
+        assert!(matches!(e, Error::Timeout { .. }), "rank {rank}: {e}");
+        assert!(e.to_string().contains("rank 1: BEHIND"), "{e}");
+    }
+    assert!(start.elapsed() < timeout + Duration::from_secs(1));
+    assert_exactly_once(&id, WORLD as u64);
+}
+
+// ---- fingerprint check --------------------------------------------------------------------
+
+/// Runs `call(rank, comm)` once per rank with the check on; every rank must get
+/// `CollectiveMismatch` whose table shows `expect` (each string at least once).
+fn expect_mismatch(
+    world: usize,
+    call: impl Fn(usize, &Communicator) -> (Result<()>, u32) + Sync,
+    expect: &[&str],
+) {
+    let config = Config::new()
+        .check_collectives(true)
+        .timeout(Duration::from_secs(10));
+    let start = Instant::now();
+    let (results, id) = ranks(world, &config, |rank, comm| {
+        let r = call(rank, comm);
+        assert!(comm.is_failed(), "a mismatch marks the communicator failed");
+        r
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    let lines: Vec<u32> = results.iter().map(|r| r.1).collect();
+    for (rank, (r, _)) in results.iter().enumerate() {
+        let e = r.as_ref().expect_err("every rank fails");
+        let Error::CollectiveMismatch {
+            rank: er, table, ..
+        } = e
+        else {
+            panic!("rank {rank}: {e}");
+        };
+        assert_eq!(*er, rank);
+        for want in expect {
+            assert!(table.contains(want), "rank {rank}: no {want:?} in\n{table}");
+        }
+        for (r, line) in lines.iter().enumerate() {
+            assert!(
+                table.contains(&format!("tests/diag.rs:{line}")),
+                "rank {rank}: no line of rank {r} in\n{table}"
+            );
+        }
+        assert!(table.contains("differs from rank 0"), "{table}");
+    }
+    assert_exactly_once(&id, world as u64);
+    let st = nccl_safe::host::stats_for(&id.to_raw());
+    assert_eq!(st.aborted, world as u64, "{st:?}");
+}
+
+#[test]
+fn all_reduce_against_all_gather_is_a_mismatch() {
+    expect_mismatch(
+        3,
+        |rank, comm| {
+            let send = vec![1.0f32; 4];
+            if rank == 1 {
+                let mut recv = vec![0.0f32; 12];
+                let line = line!() + 1;
+                (comm.all_gather(&send, &mut recv, &HostStream), line)
+            } else {
+                let mut recv = vec![0.0f32; 4];
+                let r = comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &HostStream);
+                (r, line!() - 1)
+            }
+        },
+        &["ncclAllReduce(float x 4)", "ncclAllGather(float x 4)"],
+    );
+}
+
+#[test]
+fn different_counts_are_a_mismatch() {
+    expect_mismatch(
+        4,
+        |rank, comm| {
+            let mut buf = vec![1i32; if rank == 3 { 5 } else { 4 }];
+            let r = comm.all_reduce_in_place(&mut buf, ReduceOp::Max, &HostStream);
+            (r, line!() - 1)
+        },
+        &["x 4)", "x 5)"],
+    );
+}
+
+#[test]
+fn different_roots_are_a_mismatch() {
+    expect_mismatch(
+        2,
+        |rank, comm| {
+            let mut buf = vec![1.0f64; 3];
+            let root = if rank == 0 { 0 } else { 1 };
+            let line = line!() + 1;
+            (comm.broadcast_in_place(&mut buf, root, &HostStream), line)
+        },
+        &["root 0", "root 1"],
+    );
+}
+
+#[test]
+fn matching_collectives_pass_the_check_and_off_it_never_runs() {
+    for on in [true, false] {
+        let config = Config::new().check_collectives(on);
+        let (results, id) = ranks(2, &config, |_, comm| {
+            for _ in 0..5 {
+                sum(comm, 8)?;
+            }
+            Ok::<_, Error>(comm.diagnostics())
+        });
+        for d in results {
+            let d = d.expect("collectives");
+            assert_eq!(d.check_enabled, on);
+            assert_eq!(d.fingerprint_checks, if on { 5 } else { 0 }, "{d:?}");
+            assert_eq!(d.collectives, 5);
+        }
+        let st = nccl_safe::host::stats_for(&id.to_raw());
+        assert_eq!((st.created, st.destroyed, st.misused), (2, 2, 0), "{st:?}");
+    }
+}
+
+// ---- flight recorder and straggler view ---------------------------------------------------
+
+#[test]
+fn flight_record_keeps_the_last_operations_without_allocating() {
+    // Allocations of `n` collectives on a 1-rank communicator, after a warm-up.
+    fn per_run(config: Config, n: usize) -> u64 {
+        let id = Device::Host.unique_id().expect("id");
+        let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &config).expect("init");
+        let mut buf = vec![1.0f32; 16];
+        for _ in 0..4 {
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &HostStream)
+                .expect("warm-up");
+        }
+        let before = allocs();
+        for _ in 0..n {
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &HostStream)
+                .expect("op");
+        }
+        allocs() - before
+    }
+    let n = 200;
+    let recording = per_run(Config::new().flight_record_len(8), n);
+    let not_recording = per_run(Config::new().flight_record_len(0), n);
+    let checked = per_run(
+        Config::new().flight_record_len(8).check_collectives(true),
+        n,
+    );
+    assert_eq!(
+        recording, not_recording,
+        "recording allocated ({recording} vs {not_recording} allocations for {n} ops)"
+    );
+    assert_eq!(checked, not_recording, "the fingerprint check allocated");
+
+    // The ring keeps the last 8, oldest first, with lines and states.
+    let id = Device::Host.unique_id().expect("id");
+    let comm = Communicator::init_rank(
+        &Device::Host,
+        1,
+        0,
+        &id,
+        &Config::new().flight_record_len(8),
+    )
+    .expect("init");
+    let mut buf = vec![1u8; 3];
+    let line = line!() + 2;
+    for _ in 0..10 {
+        comm.broadcast_in_place(&mut buf, 0, &HostStream)
+            .expect("op");
+    }
+    let fr = comm.flight_record();
+    assert_eq!(fr.entries.len(), 8);
+    let seqs: Vec<u64> = fr.entries.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (2..10).collect::<Vec<_>>());
+    for e in &fr.entries {
+        assert_eq!(e.op, "ncclBroadcast");
+        assert_eq!((e.count, e.root), (3, Some(0)));
+        assert_eq!(e.state, OpState::Completed);
+        assert_eq!(e.caller.line(), line);
+    }
+    let text = fr.to_string();
+    assert!(text.contains(&format!("tests/diag.rs:{line}")), "{text}");
+    let dir = std::env::temp_dir().join(format!("nccl-safe-diag-{}", std::process::id()));
+    let path = comm.dump_flight_record(&dir).expect("dump");
+    let json = std::fs::read_to_string(&path).expect("read");
+    assert!(json.starts_with("{\"rank\":0,"), "{json}");
+    assert_eq!(
+        json.matches("\"op\":\"ncclBroadcast\"").count(),
+        8,
+        "{json}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn straggler_view_shows_who_waited() {
+    let (results, id) = ranks(2, &Config::new(), |rank, comm| {
+        if rank == 1 {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        sum(comm, 4).expect("sum");
+        comm.diagnostics()
+    });
+    assert!(results[0].wait >= Duration::from_millis(200), "{results:?}");
+    assert!(results[1].wait < Duration::from_millis(200), "{results:?}");
+    assert_eq!(results[0].operations, 1);
+    assert_exactly_once(&id, 2);
+}
