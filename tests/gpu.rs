@@ -18,7 +18,8 @@ fn all_reduce_cudarc_slices_on_every_gpu() {
         .run(|rank| {
             let stream = rank.cuda_stream().expect("a CUDA rank");
             let mut x = stream.clone_htod(&vec![rank.rank() as f32 + 1.0; 1 << 20])?;
-            rank.comm().all_reduce_in_place(&mut x, ReduceOp::Sum, stream)?;
+            rank.comm()
+                .all_reduce_in_place(&mut x, ReduceOp::Sum, stream)?;
             let host = stream.clone_dtoh(&x)?;
             Ok(host[0])
         })
@@ -36,7 +37,9 @@ fn out_of_place_views_and_a_second_stream_keep_order() {
         .unwrap()
         .run(|rank| {
             let b = rank.cuda_stream().expect("a CUDA rank");
-            let Device::Cuda(ctx) = rank.device() else { unreachable!() };
+            let Device::Cuda(ctx) = rank.device() else {
+                unreachable!()
+            };
             let a = ctx.new_stream()?;
             let src = a.clone_htod(&vec![2.0f64; 1 << 22])?;
             let mut dst = b.alloc_zeros::<f64>(1 << 22)?;

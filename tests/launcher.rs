@@ -236,3 +236,27 @@ fn four_processes_share_one_id_and_fail_init_alike_without_a_gpu() {
         "{inits:?}"
     );
 }
+
+#[test]
+fn the_straggler_view_names_the_slow_rank() {
+    let report = Launcher::host(3)
+        .run_report(|rank| {
+            for _ in 0..5 {
+                if rank.rank() == 2 {
+                    std::thread::sleep(Duration::from_millis(20)); // a slow data loader
+                }
+                let mut x = vec![1.0f32; 16];
+                rank.comm().all_reduce_in_place(&mut x, ReduceOp::Sum, rank.stream())?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(report.ranks.len(), 3);
+    assert!(report.ranks.iter().all(|r| r.collectives == 5), "{report}");
+    // Ranks 0 and 1 waited ~100 ms for rank 2; rank 2 hardly waited.
+    assert!(report.ranks[0].waiting >= Duration::from_millis(60), "{report}");
+    assert_eq!(report.straggler(), Some(2), "{report}");
+    let text = report.to_string();
+    assert!(text.lines().nth(3).unwrap().contains("<-- straggler"), "{text}");
+    eprintln!("{text}");
+}

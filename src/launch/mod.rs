@@ -8,5 +8,6 @@ mod threads;
 mod wire;
 
 pub use threads::{
-    cuda_device_count, Backend, Launcher, ProcessLauncher, Rank, DEFAULT_LAUNCH_TIMEOUT,
+    cuda_device_count, Backend, LaunchReport, Launcher, ProcessLauncher, Rank, RankStats,
+    DEFAULT_LAUNCH_TIMEOUT,
 };

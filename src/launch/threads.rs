@@ -236,6 +236,29 @@ impl Launcher {
         R: Send,
         F: Fn(&Rank) -> Result<R> + Sync,
     {
+        self.run_report(f).map(|r| r.values)
+    }
+
+    /// [`run`](Self::run), also returning each rank's [`RankStats`]: the straggler view.
+    /// A rank that is slower than the others (a slow data loader, a misplaced pause) spends
+    /// *less* time waiting in collectives, because the others wait for it.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// let report = Launcher::host(2).run_report(|rank| {
+    ///     let mut x = vec![1u8; 4];
+    ///     rank.comm().all_reduce_in_place(&mut x, ReduceOp::Sum, rank.stream())?;
+    ///     Ok(())
+    /// })?;
+    /// assert_eq!(report.ranks[1].collectives, 1);
+    /// println!("{report}");
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    pub fn run_report<R, F>(&self, f: F) -> Result<LaunchReport<R>>
+    where
+        R: Send,
+        F: Fn(&Rank) -> Result<R> + Sync,
+    {
         let n = self.devices.len();
         let Some(first) = self.devices.first() else {
             return Err(Error::InvalidArgument {
@@ -248,7 +271,7 @@ impl Launcher {
             outcomes: Mutex::new((0..n).map(|_| Outcome::Running).collect()),
             changed: Condvar::new(),
         };
-        let results: Vec<std::thread::Result<Result<R>>> = std::thread::scope(|s| {
+        let results: Vec<std::thread::Result<Result<(R, RankStats)>>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .devices
                 .iter()
@@ -272,10 +295,14 @@ impl Launcher {
                 .collect()
         });
         let mut values = Vec::with_capacity(n);
+        let mut ranks = Vec::with_capacity(n);
         let mut first_failure: Option<(usize, String)> = None;
         for (rank, r) in results.into_iter().enumerate() {
             match r {
-                Ok(Ok(v)) => values.push(v),
+                Ok(Ok((v, stats))) => {
+                    values.push(v);
+                    ranks.push(stats);
+                }
                 Ok(Err(e)) => {
                     first_failure.get_or_insert((rank, e.to_string()));
                 }
@@ -285,7 +312,7 @@ impl Launcher {
             }
         }
         match first_failure {
-            None => Ok(values),
+            None => Ok(LaunchReport { values, ranks }),
             Some((rank, cause)) => Err(Error::RankFailed {
                 rank,
                 cause,
@@ -301,7 +328,7 @@ impl Launcher {
         id: &UniqueId,
         board: &Board,
         f: &F,
-    ) -> Result<R>
+    ) -> Result<(R, RankStats)>
     where
         F: Fn(&Rank) -> Result<R>,
     {
@@ -323,8 +350,17 @@ impl Launcher {
                 return Err(e);
             }
         };
+        let started = Instant::now();
         match catch_unwind(AssertUnwindSafe(|| f(&r))) {
             Ok(Ok(v)) => {
+                let d = r.comm.diagnostics();
+                let stats = RankStats {
+                    rank,
+                    busy: started.elapsed(),
+                    waiting: d.wait,
+                    collectives: d.collectives,
+                };
+                let v = (v, stats);
                 board.set(rank, Outcome::Done);
                 let everyone = board.wait_all(Instant::now() + self.timeout);
                 let failed_elsewhere = board
@@ -376,6 +412,74 @@ impl Launcher {
             env: ProcessEnv::from_process_env()?,
             config: Config::new(),
         })
+    }
+}
+
+/// What one rank did in [`Launcher::run_report`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankStats {
+    /// The rank.
+    pub rank: usize,
+    /// Time in the rank's closure.
+    pub busy: Duration,
+    /// Of that, time inside NCCL operations (mostly waiting for peers on the host
+    /// provider; only the enqueue on GPUs).
+    pub waiting: Duration,
+    /// Collectives the rank issued.
+    pub collectives: u64,
+}
+
+/// The values and per-rank statistics of a [`Launcher::run_report`].
+#[derive(Debug, Clone)]
+pub struct LaunchReport<R> {
+    /// Each rank's return value, in rank order.
+    pub values: Vec<R>,
+    /// Each rank's statistics, in rank order.
+    pub ranks: Vec<RankStats>,
+}
+
+impl<R> LaunchReport<R> {
+    /// The rank that waited least in collectives, when it waited clearly less than the
+    /// median (under half): the others were waiting for it.
+    pub fn straggler(&self) -> Option<usize> {
+        if self.ranks.len() < 2 {
+            return None;
+        }
+        let mut waits: Vec<Duration> = self.ranks.iter().map(|r| r.waiting).collect();
+        waits.sort();
+        let median = waits[waits.len() / 2];
+        let least = self.ranks.iter().min_by_key(|r| r.waiting)?;
+        (least.waiting * 2 < median && median > Duration::from_millis(1)).then_some(least.rank)
+    }
+}
+
+impl<R> std::fmt::Display for LaunchReport<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{:>5} {:>11} {:>12} {:>8} {:>12}",
+            "rank", "collectives", "busy (ms)", "waiting", "working (ms)"
+        )?;
+        let straggler = self.straggler();
+        for r in &self.ranks {
+            let busy = r.busy.as_secs_f64() * 1e3;
+            let wait = r.waiting.as_secs_f64() * 1e3;
+            let pct = if busy > 0.0 { 100.0 * wait / busy } else { 0.0 };
+            write!(
+                f,
+                "{:>5} {:>11} {:>12.1} {:>7.0}% {:>12.1}",
+                r.rank,
+                r.collectives,
+                busy,
+                pct,
+                busy - wait
+            )?;
+            if straggler == Some(r.rank) {
+                write!(f, "   <-- straggler: the others waited for it")?;
+            }
+            writeln!(f)?;
+        }
+        Ok(())
     }
 }
 
