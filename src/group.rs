@@ -1,6 +1,8 @@
 //! [`Group`]: `ncclGroupStart` / `ncclGroupEnd` as a guard.
 
 use std::marker::PhantomData;
+
+use smallvec::SmallVec;
 use std::panic::Location;
 use std::sync::Arc;
 
@@ -40,8 +42,11 @@ use crate::types::NcclType;
 /// ```
 pub struct Group<'a> {
     lib: Option<Arc<Library>>,
-    comms: Vec<&'a Communicator>,
-    guards: Vec<BufferGuard<'a>>,
+    /// The distinct communicators used (inline for up to 8: no allocation per group).
+    comms: SmallVec<[&'a Communicator; 8]>,
+    /// cudarc guards, released after `ncclGroupEnd` (host buffers have none).
+    guards: SmallVec<[BufferGuard<'a>; 8]>,
+    operations: usize,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -49,7 +54,7 @@ impl std::fmt::Debug for Group<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Group")
             .field("started", &self.lib.is_some())
-            .field("operations", &self.comms.len())
+            .field("operations", &self.operations)
             .finish()
     }
 }
@@ -66,8 +71,9 @@ impl<'a> Group<'a> {
     pub fn new() -> Group<'a> {
         Group {
             lib: None,
-            comms: Vec::new(),
-            guards: Vec::new(),
+            comms: SmallVec::new(),
+            guards: SmallVec::new(),
+            operations: 0,
             _not_send: PhantomData,
         }
     }
@@ -107,7 +113,10 @@ impl<'a> Group<'a> {
     }
 
     fn keep(&mut self, comm: &'a Communicator, guards: Guards<'a>) {
-        self.comms.push(comm);
+        self.operations += 1;
+        if !self.comms.iter().any(|c| std::ptr::eq(*c, comm)) {
+            self.comms.push(comm);
+        }
         for g in guards {
             if let BufferGuard::Cuda(_) = g {
                 self.guards.push(g);

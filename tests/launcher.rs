@@ -246,7 +246,8 @@ fn the_straggler_view_names_the_slow_rank() {
                     std::thread::sleep(Duration::from_millis(20)); // a slow data loader
                 }
                 let mut x = vec![1.0f32; 16];
-                rank.comm().all_reduce_in_place(&mut x, ReduceOp::Sum, rank.stream())?;
+                rank.comm()
+                    .all_reduce_in_place(&mut x, ReduceOp::Sum, rank.stream())?;
             }
             Ok(())
         })
@@ -254,9 +255,15 @@ fn the_straggler_view_names_the_slow_rank() {
     assert_eq!(report.ranks.len(), 3);
     assert!(report.ranks.iter().all(|r| r.collectives == 5), "{report}");
     // Ranks 0 and 1 waited ~100 ms for rank 2; rank 2 hardly waited.
-    assert!(report.ranks[0].waiting >= Duration::from_millis(60), "{report}");
+    assert!(
+        report.ranks[0].waiting >= Duration::from_millis(60),
+        "{report}"
+    );
     assert_eq!(report.straggler(), Some(2), "{report}");
     let text = report.to_string();
-    assert!(text.lines().nth(3).unwrap().contains("<-- straggler"), "{text}");
+    assert!(
+        text.lines().nth(3).unwrap().contains("<-- straggler"),
+        "{text}"
+    );
     eprintln!("{text}");
 }

@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -57,7 +58,6 @@ pub(crate) type Fingerprint = OpRecord;
 
 #[derive(Debug)]
 pub(crate) struct CliqueState {
-    pub ranks: Vec<RankView>,
     board: Vec<[Option<Fingerprint>; BOARD_DEPTH]>,
     /// Set once, by the first timeout: the report every later call returns.
     pub timed_out: Option<Arc<str>>,
@@ -68,7 +68,12 @@ pub(crate) struct Clique {
     pub key: CliqueKey,
     pub world_size: usize,
     state: Mutex<CliqueState>,
+    /// One slot per rank, each written only by its rank: no contention between ranks on
+    /// the per-operation path.
+    views: Vec<Mutex<RankView>>,
     cv: Condvar,
+    /// Mirrors `CliqueState::timed_out.is_some()`, so the per-operation check takes no lock.
+    any_timeout: AtomicBool,
 }
 
 fn registry() -> &'static Mutex<HashMap<CliqueKey, Weak<Clique>>> {
@@ -89,11 +94,14 @@ pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
         key,
         world_size,
         state: Mutex::new(CliqueState {
-            ranks: vec![RankView::default(); world_size],
             board: vec![[None; BOARD_DEPTH]; world_size],
             timed_out: None,
         }),
+        views: (0..world_size)
+            .map(|_| Mutex::new(RankView::default()))
+            .collect(),
         cv: Condvar::new(),
+        any_timeout: AtomicBool::new(false),
     });
     r.insert(key, Arc::downgrade(&c));
     c
@@ -115,12 +123,15 @@ impl Clique {
 
     /// Updates rank `rank`'s view (no allocation).
     pub(crate) fn update(&self, rank: usize, f: impl FnOnce(&mut RankView)) {
-        if let Some(v) = self.lock().ranks.get_mut(rank) {
-            f(v);
+        if let Some(v) = self.views.get(rank) {
+            f(&mut v.lock().unwrap_or_else(|e| e.into_inner()));
         }
     }
 
     pub(crate) fn timed_out(&self) -> Option<Arc<str>> {
+        if !self.any_timeout.load(Ordering::Acquire) {
+            return None;
+        }
         self.lock().timed_out.clone()
     }
 
@@ -131,6 +142,7 @@ impl Clique {
             .timed_out
             .get_or_insert_with(|| Arc::clone(report))
             .clone();
+        self.any_timeout.store(true, Ordering::Release);
         drop(s);
         self.cv.notify_all();
         r
@@ -218,7 +230,6 @@ impl Clique {
         timeout: Duration,
         what: &str,
     ) -> String {
-        let s = self.lock();
         let now = Instant::now();
         let mut out = format!(
             "{} (seq {}) on rank {rank}, called at {}, {what}.\nDesync report (clique {:016x}, {} ranks):\n",
@@ -229,7 +240,12 @@ impl Clique {
             self.world_size,
         );
         let mut behind = Vec::new();
-        for (r, v) in s.ranks.iter().enumerate() {
+        let views: Vec<RankView> = self
+            .views
+            .iter()
+            .map(|v| *v.lock().unwrap_or_else(|e| e.into_inner()))
+            .collect();
+        for (r, v) in views.iter().enumerate() {
             let _ = write!(out, "  rank {r}: ");
             if !v.present {
                 let _ = writeln!(out, "no record (not in this process, or not attached yet)");

@@ -493,10 +493,21 @@ impl CommDiag {
             took: None,
             state: OpState::Enqueued,
         };
+        let check = s.settings.check && collective && !in_group();
+        let deadline = start + s.settings.timeout;
         let ring_id = {
             let mut inner = s.lock();
             s.retire(&mut inner);
-            inner.ring.push(rec)
+            let ring_id = inner.ring.push(rec);
+            if !check {
+                // Fast path: one lock records the operation and arms the watchdog.
+                inner.current = Some(Pending {
+                    rec,
+                    ring_id,
+                    deadline,
+                });
+            }
+            ring_id
         };
         s.clique.update(s.rank, |v| {
             v.present = true;
@@ -508,12 +519,13 @@ impl CommDiag {
         let pending = Pending {
             rec,
             ring_id,
-            deadline: start + s.settings.timeout,
+            deadline,
         };
         if let Some(first) = s.timed_out() {
+            s.lock().current = None;
             return Err(self.fail(comm, s, &pending, s.peer_timeout(&rec, &first)));
         }
-        if s.settings.check && collective && !in_group() {
+        if check {
             s.checks.fetch_add(1, Ordering::Relaxed);
             match s.clique.agree(s.rank, rec, pending.deadline) {
                 Agreement::Agree => {}
@@ -542,7 +554,9 @@ impl CommDiag {
                 }
             }
         }
-        s.lock().current = Some(pending);
+        if check {
+            s.lock().current = Some(pending);
+        }
         Ok(Ticket {
             pending: Some(pending),
             stream: op.stream,
