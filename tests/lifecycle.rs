@@ -1,0 +1,592 @@
+//! Teardown accounting: every handle the safe layer creates is destroyed or aborted exactly
+//! once, on every path (normal end, errors, peer aborts, panics, dropped pending inits),
+//! and no call ever reaches a dead handle. A seeded randomized test walks sequences of
+//! create / split / op / bad input / abort / destroy / drop / finalize / panic over 1..=4
+//! ranks; targeted tests pin down the individual guarantees.
+
+mod support;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Barrier;
+use std::time::Duration;
+
+use nccl_safe::host::stats_for;
+use nccl_safe::{
+    Communicator, Config, Device, Error, Group, HostStream, ReduceOp, ResultCode, UniqueId,
+};
+use support::{assert_balanced, within};
+
+const S: HostStream = HostStream;
+const T: Duration = Duration::from_secs(30);
+
+/// Keeps the deliberate panics of these tests (messages containing "deliberate") out of
+/// the output; every other panic reaches the default hook.
+fn quiet_deliberate_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let msg = info
+                .payload()
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| info.payload().downcast_ref::<&str>().copied())
+                .unwrap_or("");
+            if !msg.contains("deliberate") {
+                default(info);
+            }
+        }));
+    });
+}
+
+/// xorshift64*: small, seeded, no dependency.
+#[derive(Clone)]
+struct Rng(u64);
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Teardown {
+    Destroy,
+    Drop,
+    Finalize,
+    Abort,
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    /// A collective every rank takes part in; 0..6 picks which.
+    Op(usize, usize),
+    /// Each rank makes a bad call (kind picked per rank) and checks the typed error.
+    BadInput,
+    /// Split with these per-rank colors and keys, an op on each child, then per-rank
+    /// teardown of the children.
+    Split(Vec<Option<u32>>, Vec<i32>, Vec<Teardown>),
+}
+
+#[derive(Debug, Clone)]
+enum Ending {
+    /// Each rank tears its communicator down its own way (no abort: peers are healthy).
+    Teardown(Vec<Teardown>),
+    /// Rank v aborts; the others' next op fails with an NCCL error; then each tears down.
+    PeerAbort(usize, Vec<Teardown>),
+    /// Every rank posts an all_reduce in a group; rank v panics before `end` (the group's
+    /// drop ends it, so the peers complete). `owned`: the panicking closure owns the
+    /// communicator (dropped while unwinding) rather than borrowing it.
+    Panic(usize, bool, Vec<Teardown>),
+    /// The ranks outside `excluded` shrink, run an op on the child and destroy it.
+    Shrink(Vec<usize>, Vec<Teardown>),
+}
+
+#[derive(Debug, Clone)]
+struct Plan {
+    world: usize,
+    nonblocking: bool,
+    /// Non-blocking init only: rank v drops its pending communicator once all ranks joined.
+    drop_pending: Option<usize>,
+    steps: Vec<Step>,
+    ending: Ending,
+}
+
+fn teardowns(rng: &mut Rng, world: usize, abort_ok: bool) -> Vec<Teardown> {
+    (0..world)
+        .map(|_| match rng.below(if abort_ok { 4 } else { 3 }) {
+            0 => Teardown::Destroy,
+            1 => Teardown::Drop,
+            2 => Teardown::Finalize,
+            _ => Teardown::Abort,
+        })
+        .collect()
+}
+
+fn plan(seed: u64) -> Plan {
+    let mut rng = Rng::new(seed);
+    let world = 1 + rng.below(4);
+    let nonblocking = rng.below(3) == 0;
+    let drop_pending = (nonblocking && rng.below(4) == 0).then(|| rng.below(world));
+    let steps = (0..rng.below(5))
+        .map(|_| match rng.below(4) {
+            0 | 1 => Step::Op(rng.below(6), rng.below(world)),
+            2 => Step::BadInput,
+            _ => Step::Split(
+                (0..world)
+                    .map(|_| (rng.below(4) != 0).then(|| rng.below(2) as u32))
+                    .collect(),
+                (0..world).map(|_| rng.below(3) as i32 - 1).collect(),
+                teardowns(&mut rng, world, true),
+            ),
+        })
+        .collect();
+    let ending = match rng.below(6) {
+        0 | 1 => Ending::Teardown(teardowns(&mut rng, world, false)),
+        2 | 3 => Ending::PeerAbort(rng.below(world), teardowns(&mut rng, world, true)),
+        4 => Ending::Panic(
+            rng.below(world),
+            rng.below(2) == 0,
+            teardowns(&mut rng, world, false),
+        ),
+        _ => {
+            let mut excluded: Vec<usize> = (0..world).filter(|_| rng.below(3) == 0).collect();
+            if excluded.len() == world {
+                excluded.pop();
+            }
+            Ending::Shrink(excluded, teardowns(&mut rng, world, false))
+        }
+    };
+    Plan {
+        world,
+        nonblocking,
+        drop_pending,
+        steps,
+        ending,
+    }
+}
+
+/// Tears `comm` down as asked, checking each consuming method's result. `failed`: the
+/// communicator saw an error, so destroy/finalize must refuse and hand it back / abort.
+/// `peer_may_abort`: a peer may have aborted, so finalize may meet NCCL's remote error.
+fn tear_down(comm: Communicator, how: Teardown, peer_may_abort: bool) {
+    let failed = comm.is_failed();
+    match how {
+        Teardown::Destroy => match comm.destroy() {
+            Ok(()) => assert!(!failed, "destroy of a failed communicator succeeded"),
+            Err((back, e)) => {
+                assert!(failed, "destroy of a healthy communicator failed: {e}");
+                assert!(
+                    matches!(
+                        e,
+                        Error::CommunicatorFailed {
+                            op: "ncclCommDestroy",
+                            ..
+                        }
+                    ),
+                    "{e:?}"
+                );
+                assert!(back.is_failed());
+                drop(back); // aborts
+            }
+        },
+        Teardown::Drop => drop(comm),
+        Teardown::Finalize => match comm.finalize(T) {
+            Ok(()) => assert!(!failed, "finalize of a failed communicator succeeded"),
+            Err(Error::Nccl(e)) if peer_may_abort && e.code == ResultCode::RemoteError => {}
+            Err(e) => assert!(failed, "finalize of a healthy communicator failed: {e}"),
+        },
+        Teardown::Abort => comm.abort().unwrap(),
+    }
+}
+
+/// One of six collectives, values checked: `Σ (rank + 1)`-style results.
+fn op(comm: &Communicator, kind: usize, root: usize) -> nccl_safe::Result<()> {
+    let (r, w) = (comm.rank(), comm.world_size());
+    let root = root % w;
+    match kind {
+        0 => {
+            let mut x = vec![r as i32 + 1; 3];
+            comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S)?;
+            assert_eq!(x, vec![(w * (w + 1) / 2) as i32; 3]);
+        }
+        1 => {
+            let mut x = vec![r as f32; 2];
+            comm.broadcast_in_place(&mut x, root, &S)?;
+            assert_eq!(x, vec![root as f32; 2]);
+        }
+        2 => {
+            let mut all = vec![0u8; w];
+            comm.all_gather(&[r as u8][..], &mut all, &S)?;
+            assert_eq!(all, (0..w as u8).collect::<Vec<_>>());
+        }
+        3 => {
+            let mut got = vec![u64::MAX; 2];
+            let send = vec![r as u64; 2];
+            let mut g = Group::new();
+            g.send(comm, &send, (r + 1) % w, &S)?;
+            g.recv(comm, &mut got, (r + w - 1) % w, &S)?;
+            g.end()?;
+            assert_eq!(got, vec![((r + w - 1) % w) as u64; 2]);
+        }
+        4 => {
+            let pms = comm.create_pre_mul_sum(2.0f64)?;
+            let mut x = vec![1.0f64; 2];
+            comm.all_reduce_in_place(&mut x, &pms, &S)?;
+            assert_eq!(x, vec![2.0 * w as f64; 2]);
+        }
+        _ => {
+            let send = vec![1i64; 2 * w];
+            let mut recv = vec![0i64; 2];
+            comm.reduce_scatter(&send, &mut recv, ReduceOp::Max, &S)?;
+            assert_eq!(recv, vec![1; 2]);
+        }
+    }
+    Ok(())
+}
+
+fn bad_input(comm: &Communicator, kind: usize) {
+    let w = comm.world_size();
+    let mut buf = vec![0i32; w + 1];
+    let e = match kind {
+        0 => comm.all_reduce(&[1i32; 2][..], &mut buf[..1], ReduceOp::Sum, &S),
+        1 => comm.broadcast_in_place(&mut buf, w, &S),
+        2 => comm.send(&buf, w + 3, &S),
+        _ => comm.split(Some(u32::MAX), 0).map(drop),
+    };
+    match (kind, e) {
+        (0, Err(Error::LengthMismatch { .. })) => {}
+        (1 | 2, Err(Error::RankOutOfRange { .. })) => {}
+        (3, Err(Error::InvalidArgument { .. })) => {}
+        (k, other) => panic!("bad input {k}: {other:?}"),
+    }
+    assert!(!comm.is_failed());
+}
+
+fn expect_nccl_error(r: nccl_safe::Result<()>, p: &Plan, rank: usize) {
+    match r {
+        Err(Error::Nccl(e)) => assert_eq!(e.code, ResultCode::RemoteError, "{e}"),
+        Err(Error::CommunicatorFailed { .. }) => {}
+        other => panic!(
+            "rank {rank} of {p:?}: expected an NCCL error after a peer aborted, got {other:?}"
+        ),
+    }
+}
+
+/// Rank `rank` of case `p`.
+fn run_rank(p: &Plan, rank: usize, id: &UniqueId, barrier: &Barrier, seed: u64) {
+    let mut rng = Rng::new(seed ^ ((rank as u64 + 1) << 32));
+    let w = p.world;
+    let comm = if p.nonblocking {
+        let pending =
+            Communicator::init_rank_nonblocking(&Device::Host, w, rank, id, &Config::new())
+                .unwrap();
+        if let Some(v) = p.drop_pending {
+            barrier.wait(); // every rank joined: the rendezvous is complete
+            if rank == v {
+                drop(pending); // aborts the handle
+                return;
+            }
+            match pending.wait(T) {
+                Err(_) => return, // aborted on drop by `wait`
+                Ok(comm) => {
+                    expect_nccl_error(op(&comm, 0, 0), p, rank);
+                    assert!(comm.is_failed());
+                    let how = teardowns(&mut rng, 1, true)[0];
+                    tear_down(comm, how, true);
+                    return;
+                }
+            }
+        }
+        pending.wait(T).unwrap()
+    } else {
+        Communicator::init_rank(&Device::Host, w, rank, id, &Config::new()).unwrap()
+    };
+    // Every rank's init has returned before any rank may abort (an abort during a peer's
+    // init fails that init, as with NCCL).
+    barrier.wait();
+    for step in &p.steps {
+        match step {
+            Step::Op(kind, root) => op(&comm, *kind, *root).unwrap(),
+            Step::BadInput => bad_input(&comm, rng.below(4)),
+            Step::Split(colors, keys, how) => {
+                let child = comm.split(colors[rank], keys[rank]).unwrap();
+                match (colors[rank], child) {
+                    (None, None) => {}
+                    (Some(c), Some(child)) => {
+                        let members = colors.iter().filter(|x| **x == Some(c)).count();
+                        assert_eq!(child.world_size(), members);
+                        op(&child, 0, 0).unwrap();
+                        tear_down(child, how[rank], true);
+                    }
+                    (c, got) => panic!("color {c:?} gave {got:?}"),
+                }
+            }
+        }
+    }
+    // Every rank has finished every step before the ending (a rank opting out of a split
+    // returns at once, and must not abort while its peers are still splitting).
+    barrier.wait();
+    match &p.ending {
+        Ending::Teardown(how) => tear_down(comm, how[rank], false),
+        Ending::PeerAbort(v, how) => {
+            // The abort happens before the others' next op: a send/recv between two
+            // live ranks could otherwise still complete (the blocked-peer case is
+            // `after_an_error_in_one_rank_the_others_get_errors_not_a_hang`).
+            if rank == *v {
+                comm.abort().unwrap();
+                barrier.wait();
+            } else {
+                barrier.wait();
+                expect_nccl_error(op(&comm, rng.below(6), 0), p, rank);
+                assert!(comm.is_failed());
+                expect_nccl_error(op(&comm, 0, 0), p, rank); // fails fast, NCCL not called
+                tear_down(comm, how[rank], false);
+            }
+        }
+        Ending::Panic(v, owned, how) => {
+            let mut x = vec![1u32; 2];
+            if rank == *v && *owned {
+                let r = catch_unwind(AssertUnwindSafe(move || {
+                    let comm = comm;
+                    let mut g = Group::new();
+                    g.all_reduce_in_place(&comm, &mut x, ReduceOp::Sum, &S)
+                        .unwrap();
+                    panic!("deliberate: rank {rank} panics inside a group");
+                }));
+                assert!(r.is_err());
+            } else if rank == *v {
+                let r = catch_unwind(AssertUnwindSafe(|| {
+                    let mut g = Group::new();
+                    g.all_reduce_in_place(&comm, &mut x, ReduceOp::Sum, &S)
+                        .unwrap();
+                    panic!("deliberate: rank {rank} panics inside a group");
+                }));
+                assert!(r.is_err());
+                assert_eq!(x, vec![w as u32; 2]);
+                tear_down(comm, how[rank], false);
+            } else {
+                let mut g = Group::new();
+                g.all_reduce_in_place(&comm, &mut x, ReduceOp::Sum, &S)
+                    .unwrap();
+                g.end().unwrap();
+                assert_eq!(x, vec![w as u32; 2]);
+                tear_down(comm, how[rank], false);
+            }
+        }
+        Ending::Shrink(excluded, how) => {
+            if !excluded.contains(&rank) {
+                let child = comm.shrink(excluded).unwrap();
+                assert_eq!(child.world_size(), w - excluded.len());
+                op(&child, 0, 0).unwrap();
+                tear_down(child, how[rank], false);
+            }
+            tear_down(comm, how[rank], false);
+        }
+    }
+}
+
+fn run_case(seed: u64) -> (Plan, nccl_safe::host::HostStats) {
+    quiet_deliberate_panics();
+    let p = plan(seed);
+    let id = Device::Host.unique_id().unwrap();
+    let barrier = Barrier::new(p.world);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..p.world)
+            .map(|rank| {
+                let (p, id, barrier) = (&p, &id, &barrier);
+                s.spawn(move || run_rank(p, rank, id, barrier, seed))
+            })
+            .collect();
+        for h in hs {
+            if let Err(e) = h.join() {
+                std::panic::resume_unwind(e);
+            }
+        }
+    });
+    let st = stats_for(&id.to_raw());
+    assert_eq!(
+        st.created,
+        st.destroyed + st.aborted,
+        "seed {seed}: {p:?} {st:?}"
+    );
+    assert_eq!((st.live, st.misused), (0, 0), "seed {seed}: {p:?} {st:?}");
+    (p, st)
+}
+
+#[test]
+fn randomized_lifecycles_tear_down_every_handle_exactly_once() {
+    const CASES: u64 = 2000;
+    let base: u64 = std::env::var("LIFECYCLE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5EED_2024);
+    let (cases, created, destroyed, aborted, finalized) =
+        within(Duration::from_secs(120), move || {
+            let mut t = (0u64, 0u64, 0u64, 0u64, 0u64);
+            for i in 0..CASES {
+                let seed = base.wrapping_add(i);
+                let (_, st) = run_case(seed);
+                t.0 += 1;
+                t.1 += st.created;
+                t.2 += st.destroyed;
+                t.3 += st.aborted;
+                t.4 += st.finalized;
+            }
+            t
+        });
+    println!(
+        "lifecycle: {cases} cases (seed base {base:#x}), {created} handles: \
+         {destroyed} destroyed, {aborted} aborted ({finalized} finalized first)"
+    );
+    assert_eq!(cases, CASES);
+    assert_eq!(created, destroyed + aborted);
+    assert!(aborted > 0 && destroyed > 0 && finalized > 0);
+}
+
+/// Rank 1 aborts; rank 0's all_reduce fails with NCCL's error and marks it failed.
+fn failed_pair(rank0: impl FnOnce(Communicator) + Send) -> nccl_safe::host::HostStats {
+    let id = Device::Host.unique_id().unwrap();
+    let both_joined = Barrier::new(2);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let c = Communicator::init_rank(&Device::Host, 2, 1, &id, &Config::new()).unwrap();
+            both_joined.wait();
+            c.abort().unwrap();
+        });
+        let c = Communicator::init_rank(&Device::Host, 2, 0, &id, &Config::new()).unwrap();
+        both_joined.wait();
+        let mut x = vec![1.0f32; 2];
+        let e = c
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+            .unwrap_err();
+        assert_eq!(e.code(), Some(ResultCode::RemoteError), "{e}");
+        assert!(c.is_failed());
+        rank0(c);
+    });
+    assert_balanced(&id)
+}
+
+#[test]
+fn drop_of_a_failed_communicator_aborts_it() {
+    let st = failed_pair(drop);
+    assert_eq!((st.created, st.destroyed, st.aborted), (2, 0, 2));
+}
+
+#[test]
+fn destroy_of_a_failed_communicator_hands_it_back_with_the_error() {
+    let st = failed_pair(|c| {
+        let (back, e) = c.destroy().unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::CommunicatorFailed {
+                    op: "ncclCommDestroy",
+                    rank: 0,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(back.is_failed());
+        let mut y = vec![0i32; 1];
+        assert!(matches!(
+            back.all_reduce_in_place(&mut y, ReduceOp::Sum, &S),
+            Err(Error::CommunicatorFailed {
+                op: "ncclAllReduce",
+                ..
+            })
+        ));
+        let e = back.finalize(T).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::CommunicatorFailed {
+                    op: "ncclCommFinalize",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+    });
+    assert_eq!((st.created, st.destroyed, st.aborted), (2, 0, 2));
+}
+
+/// Rank 0 leaves its group early with `?` (after queuing a good all_reduce) or by a
+/// panic; the group's drop still calls ncclGroupEnd, so the peers' all_reduce completes.
+fn group_left_early(panic: bool) {
+    quiet_deliberate_panics();
+    let id = Device::Host.unique_id().unwrap();
+    within(Duration::from_secs(30), move || {
+        std::thread::scope(|s| {
+            for rank in 0..3 {
+                s.spawn(move || {
+                    let comm = Communicator::init_rank(&Device::Host, 3, rank, &id, &Config::new())
+                        .unwrap();
+                    let mut x = vec![rank as i64 + 1; 4];
+                    if rank == 0 {
+                        let body = |x: &mut Vec<i64>| -> nccl_safe::Result<()> {
+                            let mut short = vec![0i64; 1];
+                            let mut g = Group::new();
+                            g.all_reduce_in_place(&comm, x, ReduceOp::Sum, &S)?;
+                            if panic {
+                                panic!("deliberate: rank 0 panics with a group open");
+                            }
+                            g.all_gather(&comm, &[1i64; 2][..], &mut short, &S)?;
+                            g.end()
+                        };
+                        let r = catch_unwind(AssertUnwindSafe(|| body(&mut x)));
+                        match (panic, r) {
+                            (true, Err(_)) => {}
+                            (false, Ok(Err(Error::LengthMismatch { .. }))) => {}
+                            (_, other) => panic!("unexpected: {:?}", other.map(|_| ())),
+                        }
+                    } else {
+                        let mut g = Group::new();
+                        g.all_reduce_in_place(&comm, &mut x, ReduceOp::Sum, &S)
+                            .unwrap();
+                        g.end().unwrap();
+                    }
+                    assert_eq!(x, vec![6; 4], "rank {rank}");
+                    assert!(!comm.is_failed());
+                    comm.destroy().map_err(|(_, e)| e).unwrap();
+                });
+            }
+        });
+    });
+    let st = assert_balanced(&id);
+    assert_eq!((st.created, st.destroyed), (3, 3));
+}
+
+#[test]
+fn group_ends_when_left_by_question_mark() {
+    group_left_early(false);
+}
+
+#[test]
+fn group_ends_when_left_by_panic() {
+    group_left_early(true);
+}
+
+#[test]
+fn after_an_error_in_one_rank_the_others_get_errors_not_a_hang() {
+    let id = Device::Host.unique_id().unwrap();
+    within(Duration::from_secs(30), move || {
+        std::thread::scope(|s| {
+            for rank in 0..4 {
+                s.spawn(move || {
+                    let comm = Communicator::init_rank(&Device::Host, 4, rank, &id, &Config::new())
+                        .unwrap();
+                    if rank == 2 {
+                        // An application error on rank 2: it aborts instead of joining,
+                        // after the others are (most likely) blocked in the collective.
+                        std::thread::sleep(Duration::from_millis(50));
+                        comm.abort().unwrap();
+                        return;
+                    }
+                    let mut x = vec![1.0f64; 8];
+                    let e = comm
+                        .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+                        .unwrap_err();
+                    assert_eq!(e.code(), Some(ResultCode::RemoteError), "{e}");
+                    assert!(comm.is_failed());
+                    // Later calls fail fast without reaching NCCL; drop aborts.
+                    assert!(matches!(
+                        comm.split(Some(0), 0),
+                        Err(Error::CommunicatorFailed { .. })
+                    ));
+                });
+            }
+        });
+    });
+    let st = assert_balanced(&id);
+    assert_eq!((st.created, st.destroyed, st.aborted), (4, 0, 4));
+}

@@ -1,0 +1,563 @@
+//! Every bad input the safe layer checks returns its typed error before NCCL sees it, and
+//! the communicator stays usable (a correct all_reduce follows every batch of bad calls).
+
+mod common;
+mod support;
+
+use nccl_safe::error::BufferRole;
+use nccl_safe::{
+    Communicator, Config, Device, Error, Group, HostStream, Library, ReduceOp, UniqueId, Version,
+    UNIQUE_ID_BYTES,
+};
+use support::{assert_balanced, run_ranks};
+
+const S: HostStream = HostStream;
+
+/// Matches `$e` against `Err($p)`, printing what came back otherwise.
+macro_rules! assert_err {
+    ($e:expr, $p:pat $(if $g:expr)?) => {
+        match $e {
+            Err($p) $(if $g)? => {}
+            other => panic!(
+                "{}: expected Err({}), got {:?}",
+                stringify!($e),
+                stringify!($p),
+                other
+            ),
+        }
+    };
+}
+
+/// A correct all_reduce over all ranks: proves the communicator is still usable.
+fn still_usable(comm: &Communicator) {
+    assert!(
+        !comm.is_failed(),
+        "a rejected argument must not fail the communicator"
+    );
+    let mut x = vec![1i32; 4];
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+    assert_eq!(x, vec![comm.world_size() as i32; 4]);
+}
+
+#[test]
+fn wrong_lengths_follow_each_collectives_rule() {
+    run_ranks(3, |comm| {
+        let w = 3;
+        let r = comm.rank();
+        let four = vec![1.0f32; 4];
+        let mut three = vec![0.0f32; 3];
+        let mut twelve = vec![0.0f32; 12];
+        let mut ten = vec![0.0f32; 10];
+        let l = |e: nccl_safe::Result<()>| e;
+
+        // all_reduce / reduce: recv = send.
+        assert_err!(
+            l(comm.all_reduce(&four, &mut three, ReduceOp::Sum, &S)),
+            Error::LengthMismatch {
+                op: "ncclAllReduce",
+                role: BufferRole::Recv,
+                expected: 4,
+                actual: 3,
+                ..
+            }
+        );
+        assert_err!(
+            l(comm.reduce(&four, &mut three, ReduceOp::Sum, 0, &S)),
+            Error::LengthMismatch {
+                op: "ncclReduce",
+                role: BufferRole::Recv,
+                expected: 4,
+                actual: 3,
+                ..
+            }
+        );
+        // broadcast: send = recv.
+        assert_err!(
+            l(comm.broadcast(&four, &mut three, 0, &S)),
+            Error::LengthMismatch {
+                op: "ncclBroadcast",
+                role: BufferRole::Send,
+                expected: 3,
+                actual: 4,
+                ..
+            }
+        );
+        // all_gather: recv = world x send.
+        assert_err!(
+            l(comm.all_gather(&four, &mut ten, &S)),
+            Error::LengthMismatch {
+                op: "ncclAllGather",
+                role: BufferRole::Recv,
+                expected: 12,
+                actual: 10,
+                ..
+            }
+        );
+        // reduce_scatter: send = world x recv.
+        assert_err!(
+            l(comm.reduce_scatter(&four, &mut three, ReduceOp::Sum, &S)),
+            Error::LengthMismatch {
+                op: "ncclReduceScatter",
+                role: BufferRole::Send,
+                expected: 9,
+                actual: 4,
+                ..
+            }
+        );
+        // all_to_all: send a multiple of world, recv = send.
+        assert_err!(
+            l(comm.all_to_all(&four, &mut twelve, &S)),
+            Error::LengthMismatch {
+                op: "ncclAlltoAll",
+                actual: 4,
+                expected: 6,
+                ..
+            }
+        );
+        assert_err!(
+            l(comm.all_to_all(&vec![0.0f32; 12], &mut ten, &S)),
+            Error::LengthMismatch {
+                op: "ncclAlltoAll",
+                role: BufferRole::Recv,
+                expected: 12,
+                actual: 10,
+                ..
+            }
+        );
+        // In-place forms whose buffer holds world_size blocks: not a multiple of 3.
+        assert_err!(
+            l(comm.all_gather_in_place(&mut ten, &S)),
+            Error::LengthMismatch {
+                op: "ncclAllGather",
+                actual: 10,
+                expected: 12,
+                ..
+            }
+        );
+        assert_err!(
+            l(comm.reduce_scatter_in_place(&mut ten, ReduceOp::Sum, &S)),
+            Error::LengthMismatch {
+                op: "ncclReduceScatter",
+                actual: 10,
+                expected: 12,
+                ..
+            }
+        );
+        // gather / scatter: the root's buffer holds world blocks (checked on the root).
+        if r == 1 {
+            assert_err!(
+                l(comm.gather(&four, &mut ten, 1, &S)),
+                Error::LengthMismatch {
+                    op: "ncclGather",
+                    role: BufferRole::Recv,
+                    expected: 12,
+                    actual: 10,
+                    ..
+                }
+            );
+            assert_err!(
+                l(comm.scatter(&ten, &mut three, 1, &S)),
+                Error::LengthMismatch {
+                    op: "ncclScatter",
+                    role: BufferRole::Send,
+                    expected: 9,
+                    actual: 10,
+                    ..
+                }
+            );
+        }
+        // Group forms reject the same way (and the group still ends cleanly).
+        {
+            let mut g = Group::new();
+            assert_err!(
+                g.all_gather(comm, &four, &mut ten, &S),
+                Error::LengthMismatch {
+                    op: "ncclAllGather",
+                    ..
+                }
+            );
+            assert_err!(
+                g.reduce_scatter(comm, &four, &mut three, ReduceOp::Sum, &S),
+                Error::LengthMismatch {
+                    op: "ncclReduceScatter",
+                    ..
+                }
+            );
+            g.end().unwrap();
+        }
+        let _ = w;
+        still_usable(comm);
+    });
+}
+
+#[test]
+fn roots_and_peers_out_of_range() {
+    run_ranks(2, |comm| {
+        let send = vec![1u8; 2];
+        let mut recv = vec![0u8; 2];
+        let mut big = vec![0u8; 4];
+        let root = |e: nccl_safe::Result<()>, op: &str| match e {
+            Err(Error::RankOutOfRange {
+                op: o,
+                what: "root",
+                rank: 2,
+                world_size: 2,
+            }) if o == op => {}
+            other => panic!("{op}: expected RankOutOfRange root 2, got {other:?}"),
+        };
+        root(comm.broadcast(&send, &mut recv, 2, &S), "ncclBroadcast");
+        root(comm.broadcast_in_place(&mut recv, 2, &S), "ncclBroadcast");
+        root(
+            comm.reduce(&send, &mut recv, ReduceOp::Max, 2, &S),
+            "ncclReduce",
+        );
+        root(
+            comm.reduce_in_place(&mut recv, ReduceOp::Max, 2, &S),
+            "ncclReduce",
+        );
+        root(comm.gather(&send, &mut big, 2, &S), "ncclGather");
+        root(comm.scatter(&big, &mut recv, 2, &S), "ncclScatter");
+        assert_err!(
+            comm.send(&send, 2, &S),
+            Error::RankOutOfRange {
+                op: "ncclSend",
+                what: "peer",
+                rank: 2,
+                world_size: 2
+            }
+        );
+        assert_err!(
+            comm.recv(&mut recv, usize::MAX, &S),
+            Error::RankOutOfRange {
+                op: "ncclRecv",
+                what: "peer",
+                rank: usize::MAX,
+                ..
+            }
+        );
+        let mut g = Group::new();
+        assert_err!(
+            g.send(comm, &send, 5, &S),
+            Error::RankOutOfRange {
+                op: "ncclSend",
+                what: "peer",
+                rank: 5,
+                ..
+            }
+        );
+        assert_err!(
+            g.broadcast(comm, &send, &mut recv, 3, &S),
+            Error::RankOutOfRange {
+                op: "ncclBroadcast",
+                what: "root",
+                rank: 3,
+                ..
+            }
+        );
+        drop(g);
+        still_usable(comm);
+    });
+}
+
+#[test]
+fn init_rejects_world_size_zero_and_rank_past_the_world() {
+    let id = Device::Host.unique_id().unwrap();
+    let cfg = Config::new();
+    assert_err!(
+        Communicator::init_rank(&Device::Host, 0, 0, &id, &cfg),
+        Error::InvalidArgument {
+            op: "ncclCommInitRankConfig",
+            ..
+        }
+    );
+    assert_err!(
+        Communicator::init_rank(&Device::Host, 2, 2, &id, &cfg),
+        Error::RankOutOfRange {
+            what: "rank",
+            rank: 2,
+            world_size: 2,
+            ..
+        }
+    );
+    assert_err!(
+        Communicator::init_rank_nonblocking(&Device::Host, 3, 7, &id, &cfg),
+        Error::RankOutOfRange {
+            what: "rank",
+            rank: 7,
+            world_size: 3,
+            ..
+        }
+    );
+    assert_err!(
+        Communicator::init_all(&[]),
+        Error::InvalidArgument {
+            op: "ncclCommInitAll",
+            ..
+        }
+    );
+    // None of them reached NCCL: the id is still fresh and can form a communicator.
+    let st = nccl_safe::host::stats_for(&id.to_raw());
+    assert_eq!((st.created, st.misused), (0, 0), "{st:?}");
+    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &cfg).unwrap();
+    still_usable(&comm);
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+    assert_balanced(&id);
+}
+
+#[test]
+fn entry_points_newer_than_the_library_are_unsupported() {
+    let lib = Library::host_as_version(2, 18).unwrap();
+    let v218 = Version::new(2, 18, 3);
+    assert_eq!(lib.version(), v218);
+    let id = UniqueId::new_with(&lib).unwrap();
+    let comm = Communicator::init_rank_in(&lib, &Device::Host, 1, 0, &id, &Config::new()).unwrap();
+    let send = vec![1i64; 2];
+    let mut recv = vec![0i64; 2];
+    let unsupported = |e: nccl_safe::Result<()>, sym: &str, minor: u32| match e {
+        Err(Error::Unsupported {
+            symbol,
+            needs,
+            found,
+        }) if symbol == sym && needs == Version::new(2, minor, 0) && found == v218 => {}
+        other => panic!("{sym}: expected Unsupported, got {other:?}"),
+    };
+    unsupported(comm.all_to_all(&send, &mut recv, &S), "ncclAlltoAll", 28);
+    unsupported(comm.gather(&send, &mut recv, 0, &S), "ncclGather", 28);
+    unsupported(comm.scatter(&send, &mut recv, 0, &S), "ncclScatter", 28);
+    unsupported(comm.shrink(&[]).map(drop), "ncclCommShrink", 27);
+    let mut g = Group::new();
+    assert_err!(
+        g.all_to_all(&comm, &send, &mut recv, &S),
+        Error::Unsupported {
+            symbol: "ncclAlltoAll",
+            ..
+        }
+    );
+    g.end().unwrap();
+    still_usable(&comm);
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+    assert_balanced(&id);
+}
+
+#[test]
+fn config_fields_newer_than_the_library_are_unsupported() {
+    let lib = Library::host_as_version(2, 18).unwrap();
+    let id = UniqueId::new_with(&lib).unwrap();
+    let init = |cfg: Config| Communicator::init_rank_in(&lib, &Device::Host, 1, 0, &id, &cfg);
+    assert_err!(
+        init(Config::new().comm_name("x")),
+        Error::Unsupported { symbol: "commName", needs, found }
+            if needs == Version::new(2, 27, 0) && found == Version::new(2, 18, 3)
+    );
+    assert_err!(
+        init(Config::new().max_p2p_peers(2)),
+        Error::Unsupported { symbol: "maxP2pPeers", needs, .. } if needs == Version::new(2, 30, 0)
+    );
+    assert_err!(
+        init(Config::new().traffic_class(1)),
+        Error::Unsupported {
+            symbol: "trafficClass",
+            ..
+        }
+    );
+    // Fields 2.18 has are fine, and the id was not consumed by the failed attempts.
+    let comm = init(Config::new().split_share(1).max_ctas(4)).unwrap();
+    still_usable(&comm);
+    drop(comm);
+    assert_balanced(&id);
+    // The current host provider accepts the same name.
+    let id = Device::Host.unique_id().unwrap();
+    let cfg = Config::new().comm_name("x");
+    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &cfg).unwrap();
+    still_usable(&comm);
+    drop(comm);
+    assert_balanced(&id);
+}
+
+#[test]
+fn pre_mul_sum_of_another_communicator_is_refused() {
+    let comms = Communicator::init_all(&[Device::Host, Device::Host]).unwrap();
+    {
+        let op0 = comms[0].create_pre_mul_sum(2.0f32).unwrap();
+        let mut x = vec![1.0f32; 2];
+        assert_err!(
+            comms[1].all_reduce_in_place(&mut x, &op0, &S),
+            Error::InvalidArgument {
+                op: "ncclAllReduce",
+                ..
+            }
+        );
+        assert_err!(
+            comms[1].reduce_scatter(&[1.0f32; 4][..], &mut x, &op0, &S),
+            Error::InvalidArgument {
+                op: "ncclReduceScatter",
+                ..
+            }
+        );
+        let mut g = Group::new();
+        assert_err!(
+            g.all_reduce_in_place(&comms[1], &mut x, &op0, &S),
+            Error::InvalidArgument {
+                op: "ncclAllReduce",
+                ..
+            }
+        );
+        g.end().unwrap();
+        assert!(!comms[1].is_failed());
+        // Used on its own communicator (with the peer in one group) it works.
+        let op1 = comms[1].create_pre_mul_sum(3.0f32).unwrap();
+        let (mut a, mut b) = (vec![1.0f32; 2], vec![1.0f32; 2]);
+        let mut g = Group::new();
+        g.all_reduce_in_place(&comms[0], &mut a, &op0, &S).unwrap();
+        g.all_reduce_in_place(&comms[1], &mut b, &op1, &S).unwrap();
+        g.end().unwrap();
+        assert_eq!((a, b), (vec![5.0; 2], vec![5.0; 2]));
+    }
+    let id = UniqueId::from_raw(nccl_safe::host::root_id_of(comms[0].as_raw()).unwrap());
+    for c in comms {
+        c.destroy().map_err(|(_, e)| e).unwrap();
+    }
+    assert_balanced(&id);
+}
+
+#[test]
+fn split_color_past_i32_max_and_bad_shrink_lists() {
+    run_ranks(3, |comm| {
+        let r = comm.rank();
+        assert_err!(
+            comm.split(Some(i32::MAX as u32 + 1), 0),
+            Error::InvalidArgument {
+                op: "ncclCommSplit",
+                ..
+            }
+        );
+        assert_err!(
+            comm.split(Some(u32::MAX), 0),
+            Error::InvalidArgument {
+                op: "ncclCommSplit",
+                ..
+            }
+        );
+        assert_err!(
+            comm.shrink(&[r]),
+            Error::InvalidArgument {
+                op: "ncclCommShrink",
+                ..
+            }
+        );
+        assert_err!(
+            comm.shrink(&[3]),
+            Error::RankOutOfRange {
+                op: "ncclCommShrink",
+                what: "excluded rank",
+                rank: 3,
+                world_size: 3
+            }
+        );
+        let other = (r + 1) % 3;
+        assert_err!(
+            comm.shrink(&[other, other]),
+            Error::InvalidArgument {
+                op: "ncclCommShrink",
+                ..
+            }
+        );
+        still_usable(comm);
+        // i32::MAX itself is a valid color.
+        let child = comm.split(Some(i32::MAX as u32), 0).unwrap().unwrap();
+        assert_eq!(child.world_size(), 3);
+        still_usable(&child);
+    });
+}
+
+#[test]
+fn a_group_mixing_two_libraries_is_refused() {
+    let lib_a = Library::host();
+    let lib_b = Library::host_as_version(2, 28).unwrap();
+    let (id_a, id_b) = (
+        UniqueId::new_with(&lib_a).unwrap(),
+        UniqueId::new_with(&lib_b).unwrap(),
+    );
+    let a = Communicator::init_rank_in(&lib_a, &Device::Host, 1, 0, &id_a, &Config::new()).unwrap();
+    let b = Communicator::init_rank_in(&lib_b, &Device::Host, 1, 0, &id_b, &Config::new()).unwrap();
+    let (mut x, mut y) = (vec![1u32; 2], vec![1u32; 2]);
+    let mut g = Group::new();
+    g.all_reduce_in_place(&a, &mut x, ReduceOp::Sum, &S)
+        .unwrap();
+    assert_err!(
+        g.all_reduce_in_place(&b, &mut y, ReduceOp::Sum, &S),
+        Error::InvalidArgument {
+            op: "ncclAllReduce",
+            ..
+        }
+    );
+    g.end().unwrap();
+    still_usable(&a);
+    still_usable(&b);
+    drop((a, b));
+    assert_balanced(&id_a);
+    assert_balanced(&id_b);
+}
+
+#[test]
+fn a_host_device_on_nvidias_nccl_is_refused_without_a_gpu() {
+    let lib = Library::load_from(common::real_nccl("2.32.3")).expect("real NCCL loads");
+    let id = UniqueId::new_with(&lib).unwrap();
+    assert_err!(
+        Communicator::init_rank_in(&lib, &Device::Host, 1, 0, &id, &Config::new()),
+        Error::InvalidArgument {
+            op: "ncclCommInitRankConfig",
+            ..
+        }
+    );
+}
+
+#[test]
+fn unique_id_from_wrong_bytes_or_bad_hex() {
+    for n in [0, 1, UNIQUE_ID_BYTES - 1, UNIQUE_ID_BYTES + 1] {
+        assert_err!(
+            UniqueId::from_bytes(&vec![0u8; n]),
+            Error::InvalidArgument {
+                op: "UniqueId::from_bytes",
+                ..
+            }
+        );
+    }
+    assert!(UniqueId::from_bytes(&[0u8; UNIQUE_ID_BYTES]).is_ok());
+    let good = "ab".repeat(UNIQUE_ID_BYTES);
+    assert_eq!(
+        good.parse::<UniqueId>().unwrap(),
+        UniqueId::from_bytes(&[0xab; UNIQUE_ID_BYTES]).unwrap()
+    );
+    let mut bad_digit = good.clone();
+    bad_digit.replace_range(10..12, "zz");
+    let mut non_ascii = "ab".repeat(UNIQUE_ID_BYTES - 1);
+    non_ascii.push('é'); // two bytes: right length, not ASCII
+    for text in [
+        String::new(),
+        "ab".into(),
+        "ab".repeat(UNIQUE_ID_BYTES + 1),
+        bad_digit,
+        non_ascii,
+    ] {
+        assert_err!(
+            text.parse::<UniqueId>(),
+            Error::InvalidArgument {
+                op: "UniqueId::from_str",
+                ..
+            }
+        );
+    }
+}
+
+#[test]
+#[ignore = "bug: src/id.rs:122 u8::from_str_radix accepts a leading '+', so \"+1\" x 128 parses as an id of 0x01 bytes"]
+fn unique_id_text_with_plus_signs_is_not_hex() {
+    assert_err!(
+        "+1".repeat(UNIQUE_ID_BYTES).parse::<UniqueId>(),
+        Error::InvalidArgument {
+            op: "UniqueId::from_str",
+            ..
+        }
+    );
+}

@@ -1,0 +1,475 @@
+//! The safe layer's collectives on the host provider: every operation x every dtype x
+//! world sizes 1..=4, results checked against values computed here; every reduction on
+//! all_reduce; PreMulSum; groups over several communicators; split, shrink and
+//! non-blocking init. Every run also checks that each handle was torn down exactly once.
+
+mod support;
+
+use std::time::Duration;
+
+use half::{bf16, f16};
+use nccl_safe::host::{root_id_of, stats_for};
+use nccl_safe::{
+    Communicator, Config, Device, Group, HostStream, ReduceOp, UniqueId, DEFAULT_INIT_TIMEOUT,
+};
+use support::{assert_balanced, run_ranks, El};
+
+const COUNT: usize = 5;
+const S: HostStream = HostStream;
+
+/// Rank `r`'s element `i`: small, varied, negative too where the type allows.
+fn val(signed: bool, r: usize, i: usize) -> i64 {
+    let v = ((i * 3 + r * 5) % 7) as i64;
+    if signed {
+        v - 3
+    } else {
+        v
+    }
+}
+
+fn vals<T: El>(r: usize, n: usize) -> Vec<T> {
+    (0..n).map(|i| T::of(val(T::SIGNED, r, i))).collect()
+}
+
+fn sum_of(signed: bool, world: usize, i: usize) -> i64 {
+    (0..world).map(|r| val(signed, r, i)).sum()
+}
+
+fn of_all<T: El>(v: impl IntoIterator<Item = i64>) -> Vec<T> {
+    v.into_iter().map(T::of).collect()
+}
+
+/// A sentinel that no computed value equals, to see untouched buffers.
+fn sentinel<T: El>(n: usize) -> Vec<T> {
+    vec![T::of(99); n]
+}
+
+fn check_all_collectives<T: El>() {
+    for world in 1..=4 {
+        run_ranks(world, |comm| {
+            let r = comm.rank();
+            let sg = T::SIGNED;
+            let sums: Vec<T> = of_all((0..COUNT).map(|i| sum_of(sg, world, i)));
+
+            // all_reduce, out of place and in place.
+            let send = vals::<T>(r, COUNT);
+            let mut recv = sentinel::<T>(COUNT);
+            comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &S)
+                .unwrap();
+            assert_eq!(recv, sums, "all_reduce world {world}");
+            let mut buf = vals::<T>(r, COUNT);
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &S)
+                .unwrap();
+            assert_eq!(buf, sums, "all_reduce_in_place world {world}");
+
+            for root in 0..world {
+                // broadcast, out of place and in place.
+                let mut recv = sentinel::<T>(COUNT);
+                comm.broadcast(&send, &mut recv, root, &S).unwrap();
+                assert_eq!(recv, vals::<T>(root, COUNT), "broadcast root {root}");
+                let mut buf = if r == root {
+                    vals::<T>(r, COUNT)
+                } else {
+                    sentinel(COUNT)
+                };
+                comm.broadcast_in_place(&mut buf, root, &S).unwrap();
+                assert_eq!(buf, vals::<T>(root, COUNT), "broadcast_in_place {root}");
+
+                // reduce: only the root's receive buffer is written.
+                let mut recv = sentinel::<T>(COUNT);
+                comm.reduce(&send, &mut recv, ReduceOp::Sum, root, &S)
+                    .unwrap();
+                let want = if r == root {
+                    sums.clone()
+                } else {
+                    sentinel(COUNT)
+                };
+                assert_eq!(recv, want, "reduce root {root} on rank {r}");
+                let mut buf = vals::<T>(r, COUNT);
+                comm.reduce_in_place(&mut buf, ReduceOp::Sum, root, &S)
+                    .unwrap();
+                let want = if r == root {
+                    sums.clone()
+                } else {
+                    vals(r, COUNT)
+                };
+                assert_eq!(buf, want, "reduce_in_place root {root} on rank {r}");
+
+                // gather: rank i's block at i * COUNT on the root.
+                let mut recv = sentinel::<T>(COUNT * world);
+                comm.gather(&send, &mut recv, root, &S).unwrap();
+                let want: Vec<T> = if r == root {
+                    (0..world).flat_map(|q| vals::<T>(q, COUNT)).collect()
+                } else {
+                    sentinel(COUNT * world)
+                };
+                assert_eq!(recv, want, "gather root {root} on rank {r}");
+
+                // scatter: block r of the root's send to rank r.
+                let big: Vec<T> = of_all((0..COUNT * world).map(|i| val(sg, root, i)));
+                let mut recv = sentinel::<T>(COUNT);
+                comm.scatter(&big, &mut recv, root, &S).unwrap();
+                let want: Vec<T> = of_all((0..COUNT).map(|k| val(sg, root, r * COUNT + k)));
+                assert_eq!(recv, want, "scatter root {root} on rank {r}");
+            }
+
+            // all_gather, out of place and in place.
+            let gathered: Vec<T> = (0..world).flat_map(|q| vals::<T>(q, COUNT)).collect();
+            let mut recv = sentinel::<T>(COUNT * world);
+            comm.all_gather(&send, &mut recv, &S).unwrap();
+            assert_eq!(recv, gathered, "all_gather world {world}");
+            let mut buf = sentinel::<T>(COUNT * world);
+            buf[r * COUNT..(r + 1) * COUNT].copy_from_slice(&send);
+            comm.all_gather_in_place(&mut buf, &S).unwrap();
+            assert_eq!(buf, gathered, "all_gather_in_place world {world}");
+
+            // reduce_scatter: block r of the element-wise sum, out of place and in place.
+            let big: Vec<T> = vals(r, COUNT * world);
+            let block: Vec<T> = of_all((0..COUNT).map(|k| sum_of(sg, world, r * COUNT + k)));
+            let mut recv = sentinel::<T>(COUNT);
+            comm.reduce_scatter(&big, &mut recv, ReduceOp::Sum, &S)
+                .unwrap();
+            assert_eq!(recv, block, "reduce_scatter world {world}");
+            let mut buf = big.clone();
+            comm.reduce_scatter_in_place(&mut buf, ReduceOp::Sum, &S)
+                .unwrap();
+            assert_eq!(
+                &buf[r * COUNT..(r + 1) * COUNT],
+                &block[..],
+                "reduce_scatter_in_place"
+            );
+
+            // send/recv ring in one group.
+            let next = (r + 1) % world;
+            let prev = (r + world - 1) % world;
+            let mut got = sentinel::<T>(COUNT);
+            let mut g = Group::new();
+            g.send(comm, &send, next, &S).unwrap();
+            g.recv(comm, &mut got, prev, &S).unwrap();
+            g.end().unwrap();
+            assert_eq!(got, vals::<T>(prev, COUNT), "ring world {world}");
+
+            // all_to_all: block j of rank i's send lands in block i of rank j's recv.
+            let mut recv = sentinel::<T>(COUNT * world);
+            comm.all_to_all(&big, &mut recv, &S).unwrap();
+            let want: Vec<T> = (0..world)
+                .flat_map(|i| (0..COUNT).map(move |k| T::of(val(sg, i, r * COUNT + k))))
+                .collect();
+            assert_eq!(recv, want, "all_to_all world {world}");
+        });
+    }
+}
+
+macro_rules! per_dtype {
+    ($($name:ident => $t:ty),* $(,)?) => {$(
+        #[test]
+        fn $name() {
+            check_all_collectives::<$t>();
+            check_reductions::<$t>();
+            check_pre_mul_sum::<$t>();
+        }
+    )*};
+}
+
+per_dtype! {
+    collectives_i8 => i8, collectives_u8 => u8, collectives_i32 => i32,
+    collectives_u32 => u32, collectives_i64 => i64, collectives_u64 => u64,
+    collectives_f16 => f16, collectives_bf16 => bf16, collectives_f32 => f32,
+    collectives_f64 => f64,
+}
+
+/// Sum, Prod, Max, Min and Avg on all_reduce (and Avg on an exact multiple of the world).
+fn check_reductions<T: El>() {
+    for world in 1..=4 {
+        run_ranks(world, |comm| {
+            let r = comm.rank();
+            let sg = T::SIGNED;
+            let prod_val = |q: usize, i: usize| -> i64 {
+                let table: [i64; 5] = if sg {
+                    [1, 2, -1, 3, -2]
+                } else {
+                    [1, 2, 1, 3, 2]
+                };
+                table[(i + 2 * q) % 5]
+            };
+            // Avg: rank weights summing to 2 * world, so the mean is exact.
+            let weight = |q: usize| -> i64 {
+                if q + 1 < world {
+                    q as i64 + 1
+                } else {
+                    2 * world as i64 - (world as i64 - 1) * world as i64 / 2
+                }
+            };
+            let k = |i: usize| -> i64 {
+                let table: [i64; 3] = if sg { [1, -2, 3] } else { [1, 2, 3] };
+                table[i % 3]
+            };
+            let cases: [(ReduceOp, Vec<T>, Vec<T>); 5] = [
+                (
+                    ReduceOp::Sum,
+                    vals(r, COUNT),
+                    of_all((0..COUNT).map(|i| sum_of(sg, world, i))),
+                ),
+                (
+                    ReduceOp::Prod,
+                    of_all((0..COUNT).map(|i| prod_val(r, i))),
+                    of_all((0..COUNT).map(|i| (0..world).map(|q| prod_val(q, i)).product())),
+                ),
+                (
+                    ReduceOp::Max,
+                    vals(r, COUNT),
+                    of_all((0..COUNT).map(|i| (0..world).map(|q| val(sg, q, i)).max().unwrap())),
+                ),
+                (
+                    ReduceOp::Min,
+                    vals(r, COUNT),
+                    of_all((0..COUNT).map(|i| (0..world).map(|q| val(sg, q, i)).min().unwrap())),
+                ),
+                (
+                    ReduceOp::Avg,
+                    of_all((0..COUNT).map(|i| weight(r) * k(i))),
+                    of_all((0..COUNT).map(|i| 2 * k(i))),
+                ),
+            ];
+            for (op, send, want) in cases {
+                let mut recv = sentinel::<T>(COUNT);
+                comm.all_reduce(&send, &mut recv, op, &S).unwrap();
+                assert_eq!(recv, want, "{op:?} world {world} rank {r}");
+            }
+        });
+    }
+}
+
+/// PreMulSum with rank r's scalar r + 1: sum over ranks of (r + 1) * x_r, on all_reduce,
+/// reduce and reduce_scatter, plain and in a group.
+fn check_pre_mul_sum<T: El>() {
+    for world in 1..=4 {
+        run_ranks(world, |comm| {
+            let r = comm.rank();
+            let sg = T::SIGNED;
+            let op = comm.create_pre_mul_sum(T::of(r as i64 + 1)).unwrap();
+            let weighted =
+                |i: usize| -> i64 { (0..world).map(|q| (q as i64 + 1) * val(sg, q, i)).sum() };
+            let want: Vec<T> = of_all((0..COUNT).map(weighted));
+            let send = vals::<T>(r, COUNT);
+            let mut recv = sentinel::<T>(COUNT);
+            comm.all_reduce(&send, &mut recv, &op, &S).unwrap();
+            assert_eq!(recv, want, "PreMulSum all_reduce world {world}");
+
+            let mut recv = sentinel::<T>(COUNT);
+            comm.reduce(&send, &mut recv, &op, 0, &S).unwrap();
+            if r == 0 {
+                assert_eq!(recv, want, "PreMulSum reduce");
+            }
+
+            let big = vals::<T>(r, COUNT * world);
+            let mut recv = sentinel::<T>(COUNT);
+            comm.reduce_scatter(&big, &mut recv, &op, &S).unwrap();
+            let block: Vec<T> = of_all((0..COUNT).map(|k| weighted(r * COUNT + k)));
+            assert_eq!(recv, block, "PreMulSum reduce_scatter");
+
+            let mut buf = vals::<T>(r, COUNT);
+            let mut g = Group::new();
+            g.all_reduce_in_place(comm, &mut buf, &op, &S).unwrap();
+            g.end().unwrap();
+            assert_eq!(buf, want, "PreMulSum in a group");
+        });
+    }
+}
+
+#[test]
+fn one_thread_drives_four_communicators_in_a_group() {
+    let comms =
+        Communicator::init_all(&[Device::Host, Device::Host, Device::Host, Device::Host]).unwrap();
+    let id = UniqueId::from_raw(root_id_of(comms[0].as_raw()).expect("root id"));
+    assert_eq!(comms.len(), 4);
+    let sends: Vec<Vec<f32>> = (0..4).map(|r| vals::<f32>(r, COUNT)).collect();
+    let mut recvs: Vec<Vec<f32>> = vec![vec![0.0; COUNT]; 4];
+    let mut in_place: Vec<Vec<i64>> = (0..4).map(|r| vals::<i64>(r, COUNT)).collect();
+    {
+        let mut g = Group::new();
+        for ((c, s), r) in comms.iter().zip(&sends).zip(recvs.iter_mut()) {
+            assert_eq!(c.world_size(), 4);
+            g.all_reduce(c, s, r, ReduceOp::Sum, &S).unwrap();
+        }
+        for (c, b) in comms.iter().zip(in_place.iter_mut()) {
+            g.all_reduce_in_place(c, b, ReduceOp::Max, &S).unwrap();
+        }
+        g.end().unwrap();
+    }
+    let sums: Vec<f32> = of_all((0..COUNT).map(|i| sum_of(true, 4, i)));
+    let maxes: Vec<i64> = (0..COUNT)
+        .map(|i| (0..4).map(|q| val(true, q, i)).max().unwrap())
+        .collect();
+    for r in 0..4 {
+        assert_eq!(recvs[r], sums, "rank {r}");
+        assert_eq!(in_place[r], maxes, "rank {r}");
+    }
+    // Group::run form, with a broadcast from rank 2.
+    let mut bufs: Vec<Vec<u8>> = (0..4).map(|r| vec![r as u8; COUNT]).collect();
+    Group::run(|g| {
+        for (c, b) in comms.iter().zip(bufs.iter_mut()) {
+            g.broadcast_in_place(c, b, 2, &S)?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    assert!(bufs.iter().all(|b| b == &vec![2u8; COUNT]));
+    for (r, c) in comms.into_iter().enumerate() {
+        assert_eq!(c.rank(), r);
+        c.destroy().map_err(|(_, e)| e).unwrap();
+    }
+    let st = assert_balanced(&id);
+    assert_eq!((st.created, st.destroyed, st.aborted), (4, 4, 0));
+}
+
+#[test]
+fn split_by_color_key_and_none() {
+    // 4 ranks: even / odd colors, keys reversing the order; rank 3 opts out with None.
+    let st = run_ranks(4, |comm| {
+        let r = comm.rank();
+        let color = if r == 3 { None } else { Some((r % 2) as u32) };
+        let key = -(r as i32);
+        let child = comm.split(color, key).unwrap();
+        match (r, &child) {
+            (3, None) => {}
+            (3, Some(_)) => panic!("NOCOLOR rank got a communicator"),
+            (_, None) => panic!("rank {r} got no communicator"),
+            (_, Some(c)) => {
+                // Even: ranks {0, 2}, keys {0, -2} -> rank 2 first. Odd: rank 1 alone.
+                let (want_rank, want_world) = match r {
+                    0 => (1, 2),
+                    2 => (0, 2),
+                    _ => (0, 1),
+                };
+                assert_eq!(
+                    (c.rank(), c.world_size()),
+                    (want_rank, want_world),
+                    "rank {r}"
+                );
+                let mut x = vec![r as i32 + 1; 3];
+                c.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                let want = if r % 2 == 0 { 1 + 3 } else { 2 };
+                assert_eq!(x, vec![want; 3]);
+            }
+        }
+        // The parent still works after the split.
+        let mut y = vec![1u64; 2];
+        comm.all_reduce_in_place(&mut y, ReduceOp::Sum, &S).unwrap();
+        assert_eq!(y, vec![4; 2]);
+        if let Some(c) = child {
+            c.destroy().map_err(|(_, e)| e).unwrap();
+        }
+    });
+    // 4 parents + 3 children (rank 3 got none).
+    assert_eq!((st.created, st.destroyed, st.aborted), (7, 7, 0));
+}
+
+#[test]
+fn split_with_equal_keys_orders_by_rank() {
+    let st = run_ranks(3, |comm| {
+        let child = comm.split(Some(7), 0).unwrap().expect("child");
+        assert_eq!((child.rank(), child.world_size()), (comm.rank(), 3));
+        let mut x = vec![comm.rank() as f64; 1];
+        child.all_gather_in_place(&mut vec![0.0f64; 3], &S).unwrap();
+        child
+            .all_reduce_in_place(&mut x, ReduceOp::Max, &S)
+            .unwrap();
+        assert_eq!(x, vec![2.0]);
+        drop(child); // drop of a healthy child destroys it
+    });
+    assert_eq!((st.created, st.destroyed, st.aborted), (6, 6, 0));
+}
+
+#[test]
+fn shrink_excludes_ranks_and_the_rest_keep_working() {
+    let id = Device::Host.unique_id().unwrap();
+    std::thread::scope(|s| {
+        for rank in 0..4 {
+            s.spawn(move || {
+                let comm =
+                    Communicator::init_rank(&Device::Host, 4, rank, &id, &Config::new()).unwrap();
+                if rank != 1 {
+                    let small = comm.shrink(&[1]).unwrap();
+                    assert_eq!(small.world_size(), 3);
+                    let want_rank = if rank == 0 { 0 } else { rank - 1 };
+                    assert_eq!(small.rank(), want_rank);
+                    let mut x = vec![rank as i32; 4];
+                    small
+                        .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+                        .unwrap();
+                    assert_eq!(x, vec![2 + 3; 4]);
+                    small.destroy().map_err(|(_, e)| e).unwrap();
+                }
+                // The parent (whose collective sequence the excluded rank no longer
+                // shares) is destroyed normally everywhere.
+                comm.destroy().map_err(|(_, e)| e).unwrap();
+            });
+        }
+    });
+    let st = assert_balanced(&id);
+    assert_eq!((st.created, st.destroyed, st.aborted), (7, 7, 0));
+}
+
+#[test]
+fn non_blocking_init_then_wait_then_collectives() {
+    for world in 1..=4 {
+        let id = Device::Host.unique_id().unwrap();
+        std::thread::scope(|s| {
+            for rank in 0..world {
+                s.spawn(move || {
+                    let pending = Communicator::init_rank_nonblocking(
+                        &Device::Host,
+                        world,
+                        rank,
+                        &id,
+                        &Config::new(),
+                    )
+                    .unwrap();
+                    let _ = pending.is_ready().unwrap();
+                    let comm = pending.wait(Duration::from_secs(30)).unwrap();
+                    assert_eq!((comm.rank(), comm.world_size()), (rank, world));
+                    let mut x = vec![rank as u32 + 1; 3];
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                    assert_eq!(x, vec![(world * (world + 1) / 2) as u32; 3]);
+                    // A non-blocking parent: split completes through the same wait path.
+                    let child = comm.split(Some(0), 0).unwrap().expect("child");
+                    let mut z = vec![1.0f32; 2];
+                    child
+                        .all_reduce_in_place(&mut z, ReduceOp::Sum, &S)
+                        .unwrap();
+                    assert_eq!(z, vec![world as f32; 2]);
+                    child.finalize(DEFAULT_INIT_TIMEOUT).unwrap();
+                    comm.finalize(Duration::from_secs(30)).unwrap();
+                });
+            }
+        });
+        let st = assert_balanced(&id);
+        assert_eq!(st.created, 2 * world as u64);
+        assert_eq!(st.finalized, 2 * world as u64);
+        assert_eq!(st.aborted, 0);
+    }
+}
+
+#[test]
+fn init_rank_with_a_non_blocking_config_returns_a_ready_communicator() {
+    let st = {
+        let id = Device::Host.unique_id().unwrap();
+        std::thread::scope(|s| {
+            for rank in 0..2 {
+                s.spawn(move || {
+                    let cfg = Config::new().blocking(false);
+                    let comm = Communicator::init_rank(&Device::Host, 2, rank, &id, &cfg).unwrap();
+                    let mut x = vec![bf16::from_f32(1.5); 2];
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                    assert_eq!(x, vec![bf16::from_f32(3.0); 2]);
+                });
+            }
+        });
+        stats_for(&id.to_raw())
+    };
+    assert_eq!(
+        (st.created, st.destroyed, st.live, st.misused),
+        (2, 2, 0, 0)
+    );
+}
