@@ -52,6 +52,8 @@ pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(600);
 /// * **Not `Clone`**: a second owner would mean a second teardown.
 /// * **`Send`, not `Sync`**: NCCL lets a communicator move between threads but forbids
 ///   concurrent calls on it, so `&Communicator` cannot cross threads.
+/// * **Aborts on unwind.** Dropped while its thread panics, it aborts: the peers waiting
+///   for this rank in a collective get an error instead of hanging.
 /// * **Fails fast.** After an NCCL error, further operations return
 ///   [`Error::CommunicatorFailed`] without calling NCCL, and drop aborts.
 ///
@@ -710,7 +712,9 @@ impl Drop for Communicator {
             return;
         }
         let _ = bind(&self.device);
-        let failed = self.failure.get_mut().is_some() || !healthy;
+        // Dropped during a panic: this rank will not reach the collectives its peers may be
+        // waiting in, so abort (which wakes them) rather than destroy.
+        let failed = self.failure.get_mut().is_some() || !healthy || std::thread::panicking();
         // SAFETY: `raw` is live and, taken out of `self`, torn down exactly once here.
         let _ = unsafe {
             if failed {

@@ -359,7 +359,9 @@ fn run_rank(p: &Plan, rank: usize, id: &UniqueId, barrier: &Barrier, seed: u64) 
                     .unwrap();
                 g.end().unwrap();
                 assert_eq!(x, vec![w as u32; 2]);
-                tear_down(comm, how[rank], false);
+                // An owned communicator dropped while unwinding is aborted, so a peer's
+                // finalize may meet NCCL's remote error.
+                tear_down(comm, how[rank], *owned);
             }
         }
         Ending::Shrink(excluded, how) => {
@@ -589,4 +591,33 @@ fn after_an_error_in_one_rank_the_others_get_errors_not_a_hang() {
     });
     let st = assert_balanced(&id);
     assert_eq!((st.created, st.destroyed, st.aborted), (4, 0, 4));
+}
+
+/// A healthy communicator dropped while its thread unwinds is aborted, not destroyed, so
+/// a peer already waiting in a collective gets an error instead of waiting forever.
+#[test]
+fn a_communicator_dropped_while_panicking_aborts_and_wakes_its_peer() {
+    quiet_deliberate_panics();
+    let id = nccl_safe::Device::Host.unique_id().unwrap();
+    let cfg = nccl_safe::Config::new();
+    let started = std::time::Instant::now();
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let comm = Communicator::init_rank(&nccl_safe::Device::Host, 2, 1, &id, &cfg).unwrap();
+            let mut x = vec![1.0f32; 4];
+            let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S);
+            assert!(r.is_err(), "the peer's abort must end the wait");
+        });
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            let _comm = Communicator::init_rank(&nccl_safe::Device::Host, 2, 0, &id, &cfg).unwrap();
+            std::thread::sleep(Duration::from_millis(50)); // let the peer enter its all_reduce
+            panic!("deliberate: rank 0 panics holding its communicator");
+        }));
+        assert!(r.is_err());
+        waiter.join().unwrap();
+    });
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let st = stats_for(&id.to_raw());
+    assert_eq!((st.created, st.live, st.misused), (2, 0, 0), "{st:?}");
+    assert!(st.aborted >= 1, "{st:?}");
 }

@@ -551,7 +551,6 @@ fn unique_id_from_wrong_bytes_or_bad_hex() {
 }
 
 #[test]
-#[ignore = "bug: src/id.rs:122 u8::from_str_radix accepts a leading '+', so \"+1\" x 128 parses as an id of 0x01 bytes"]
 fn unique_id_text_with_plus_signs_is_not_hex() {
     assert_err!(
         "+1".repeat(UNIQUE_ID_BYTES).parse::<UniqueId>(),
