@@ -498,6 +498,19 @@ impl Communicator {
     /// Ranks passing the same `color` form a new communicator, ordered by `key` (ties by
     /// rank here). `None` (`NCCL_SPLIT_NOCOLOR`) joins none and gets `Ok(None)`. The child
     /// inherits this communicator's configuration.
+    ///
+    /// ```
+    /// use nccl_safe::launch::Launcher;
+    /// Launcher::host(4).run(|rank| {
+    ///     let r = rank.rank();
+    ///     // Even and odd ranks form two communicators of 2, ordered by descending rank.
+    ///     let sub = rank.comm().split(Some(r as u32 % 2), -(r as i32))?.expect("has a color");
+    ///     assert_eq!((sub.world_size(), sub.rank()), (2, 1 - r / 2));
+    ///     assert!(rank.comm().split(None, 0)?.is_none());
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
     #[track_caller]
     pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Communicator>> {
         const OP: &str = "ncclCommSplit";

@@ -185,6 +185,19 @@ impl Communicator {
 
     /// Reduces `send` across all ranks into every rank's `recv` (`ncclAllReduce`).
     /// `recv.len() == send.len()`.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send = vec![r as f64 + 1.0; 4];
+    ///     let mut recv = vec![0.0; 4];
+    ///     comm.all_reduce(&send, &mut recv, ReduceOp::Max, s)?;
+    ///     assert_eq!(recv, vec![3.0; 4]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
     #[track_caller]
     pub fn all_reduce<'a, T, S, R>(
         &self,
@@ -279,6 +292,19 @@ impl Communicator {
 
     /// Copies `send` on `root` into every rank's `recv` (`ncclBroadcast`). All ranks pass
     /// buffers of the same length; `send` is read only on the root.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send = vec![10 * r as i32; 2];
+    ///     let mut recv = vec![0; 2];
+    ///     comm.broadcast(&send, &mut recv, 2, s)?; // root 2
+    ///     assert_eq!(recv, vec![20, 20]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
     #[track_caller]
     pub fn broadcast<T, S, R>(
         &self,
@@ -357,6 +383,19 @@ impl Communicator {
 
     /// Reduces `send` across all ranks into `recv` on `root` (`ncclReduce`). Every rank
     /// passes `recv.len() == send.len()`; only the root's `recv` is written.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send = vec![r as u64 + 1; 2];
+    ///     let mut recv = vec![0u64; 2];
+    ///     comm.reduce(&send, &mut recv, ReduceOp::Prod, 0, s)?;
+    ///     assert_eq!(recv, if r == 0 { vec![6, 6] } else { vec![0, 0] });
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
     #[track_caller]
     pub fn reduce<'a, T, S, R>(
         &self,
@@ -451,6 +490,19 @@ impl Communicator {
 
     /// Gathers every rank's `send` into every rank's `recv`, rank `i`'s block at
     /// `i * send.len()` (`ncclAllGather`). `recv.len() == world_size * send.len()`.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send = vec![r as u8; 2];
+    ///     let mut recv = vec![9u8; 6];
+    ///     comm.all_gather(&send, &mut recv, s)?;
+    ///     assert_eq!(recv, vec![0, 0, 1, 1, 2, 2]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
     #[track_caller]
     pub fn all_gather<T, S, R>(&self, send: &S, recv: &mut R, stream: &impl AsStream) -> Result<()>
     where
@@ -537,6 +589,19 @@ impl Communicator {
 
     /// Reduces `send` across ranks and leaves block `i` of the result on rank `i`
     /// (`ncclReduceScatter`). `send.len() == world_size * recv.len()`.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send: Vec<f32> = (0..6).map(|i| i as f32).collect(); // the same on every rank
+    ///     let mut recv = vec![0.0f32; 2];
+    ///     comm.reduce_scatter(&send, &mut recv, ReduceOp::Sum, s)?;
+    ///     assert_eq!(recv, vec![3.0 * (2 * r) as f32, 3.0 * (2 * r + 1) as f32]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
     #[track_caller]
     pub fn reduce_scatter<'a, T, S, R>(
         &self,
@@ -690,6 +755,19 @@ impl Communicator {
 
     /// Block `j` of `send` goes to rank `j`; block `i` of `recv` comes from rank `i`
     /// (`ncclAlltoAll`, NCCL 2.28+). Both hold `world_size` equal blocks.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send: Vec<i32> = (0..3).map(|to| (10 * r + to) as i32).collect();
+    ///     let mut recv = vec![0i32; 3];
+    ///     comm.all_to_all(&send, &mut recv, s)?;
+    ///     assert_eq!(recv, (0..3).map(|from| (10 * from + r) as i32).collect::<Vec<_>>());
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
     #[track_caller]
     pub fn all_to_all<T, S, R>(&self, send: &S, recv: &mut R, stream: &impl AsStream) -> Result<()>
     where
@@ -756,6 +834,19 @@ impl Communicator {
 
     /// Gathers every rank's `send` into `recv` on `root`, rank `i` at `i * send.len()`
     /// (`ncclGather`, NCCL 2.28+). Only the root's `recv` is checked and written.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send = vec![r as i64];
+    ///     let mut recv = if r == 1 { vec![0i64; 3] } else { Vec::new() };
+    ///     comm.gather(&send, &mut recv, 1, s)?;
+    ///     if r == 1 { assert_eq!(recv, vec![0, 1, 2]); }
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
     #[track_caller]
     pub fn gather<T, S, R>(
         &self,
@@ -828,6 +919,19 @@ impl Communicator {
 
     /// Sends block `i` of `send` on `root` to rank `i`'s `recv` (`ncclScatter`, NCCL
     /// 2.28+). Only the root's `send` is checked and read.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send: Vec<u32> = if r == 0 { vec![7, 8, 9] } else { Vec::new() };
+    ///     let mut recv = vec![0u32; 1];
+    ///     comm.scatter(&send, &mut recv, 0, s)?;
+    ///     assert_eq!(recv, vec![7 + r as u32]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
     #[track_caller]
     pub fn scatter<T, S, R>(
         &self,
