@@ -371,6 +371,48 @@ impl<'a> Group<'a> {
         Ok(())
     }
 
+    /// [`Communicator::gather`] in this group (NCCL 2.28+).
+    #[track_caller]
+    pub fn gather<T, S, R>(
+        &mut self,
+        comm: &'a Communicator,
+        send: &'a S,
+        recv: &'a mut R,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<()>
+    where
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    {
+        self.enter(comm, "ncclGather")?;
+        let g = comm.gather_enqueue(send, recv, root, stream.as_stream(), Location::caller())?;
+        self.keep(comm, g);
+        Ok(())
+    }
+
+    /// [`Communicator::scatter`] in this group (NCCL 2.28+).
+    #[track_caller]
+    pub fn scatter<T, S, R>(
+        &mut self,
+        comm: &'a Communicator,
+        send: &'a S,
+        recv: &'a mut R,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<()>
+    where
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    {
+        self.enter(comm, "ncclScatter")?;
+        let g = comm.scatter_enqueue(send, recv, root, stream.as_stream(), Location::caller())?;
+        self.keep(comm, g);
+        Ok(())
+    }
+
     /// [`Communicator::all_to_all`] in this group.
     #[track_caller]
     pub fn all_to_all<T, S, R>(

@@ -473,3 +473,30 @@ fn init_rank_with_a_non_blocking_config_returns_a_ready_communicator() {
         (2, 2, 0, 0)
     );
 }
+
+/// One thread drives three ranks through gather and scatter inside one group each.
+#[test]
+fn gather_and_scatter_in_a_group_driven_by_one_thread() {
+    let comms = Communicator::init_all(&[Device::Host, Device::Host, Device::Host]).unwrap();
+    let sends: Vec<Vec<i32>> = (0..3).map(|r| vec![r as i32 + 1; 2]).collect();
+    let mut recvs: Vec<Vec<i32>> = (0..3)
+        .map(|r| if r == 2 { vec![0; 6] } else { Vec::new() })
+        .collect();
+    let mut g = Group::new();
+    for ((c, s), r) in comms.iter().zip(&sends).zip(recvs.iter_mut()) {
+        g.gather(c, s, r, 2, &HostStream).unwrap();
+    }
+    g.end().unwrap();
+    assert_eq!(recvs[2], vec![1, 1, 2, 2, 3, 3]);
+
+    let root_send: Vec<u32> = vec![7, 8, 9];
+    let empty: Vec<u32> = Vec::new();
+    let mut outs = vec![vec![0u32; 1]; 3];
+    let mut g = Group::new();
+    for (rank, (c, o)) in comms.iter().zip(outs.iter_mut()).enumerate() {
+        let send = if rank == 0 { &root_send } else { &empty };
+        g.scatter(c, send, o, 0, &HostStream).unwrap();
+    }
+    g.end().unwrap();
+    assert_eq!(outs, vec![vec![7], vec![8], vec![9]]);
+}
