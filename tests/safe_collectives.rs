@@ -478,7 +478,7 @@ fn init_rank_with_a_non_blocking_config_returns_a_ready_communicator() {
 #[test]
 fn gather_and_scatter_in_a_group_driven_by_one_thread() {
     let comms = Communicator::init_all(&[Device::Host, Device::Host, Device::Host]).unwrap();
-    let sends: Vec<Vec<i32>> = (0..3).map(|r| vec![r as i32 + 1; 2]).collect();
+    let sends: Vec<Vec<i32>> = (0..3).map(|r| vec![r + 1; 2]).collect();
     let mut recvs: Vec<Vec<i32>> = (0..3)
         .map(|r| if r == 2 { vec![0; 6] } else { Vec::new() })
         .collect();
