@@ -151,3 +151,21 @@ fn info_without_nccl_exits_1_with_the_paths_tried() {
         "{err}"
     );
 }
+
+#[test]
+fn mismatch_reports_every_ranks_call_and_line_and_fails_fast() {
+    let start = std::time::Instant::now();
+    let o = example("mismatch", &["3"]);
+    assert!(start.elapsed() < std::time::Duration::from_secs(20));
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("ncclAllReduce(float x 1)") && err.contains("examples/mismatch.rs:19"),
+        "{err}"
+    );
+    assert!(
+        err.contains("ncclBroadcast(float x 1024, root 0)")
+            && err.contains("<-- differs from rank 0"),
+        "{err}"
+    );
+}
