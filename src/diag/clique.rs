@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -49,8 +49,10 @@ pub(crate) struct RankView {
     pub gone: bool,
     /// Collectives issued so far (the next one gets this sequence number).
     pub issued: u64,
-    /// The last operation, with its state.
+    /// The last operation (its state as of when it was issued; see `Clique::set_state`).
     pub last: Option<OpRecord>,
+    /// The communicator's index of `last`, matched against the rank's state word.
+    pub last_id: u64,
 }
 
 /// The shape of a collective that every rank must agree on, and where it was called.
@@ -71,6 +73,9 @@ pub(crate) struct Clique {
     /// One slot per rank, each written only by its rank: no contention between ranks on
     /// the per-operation path.
     views: Vec<Mutex<RankView>>,
+    /// Per rank: `(operation index << 2) | state` of its latest finished operation, written
+    /// with a plain store (no lock, no read-modify-write) when an operation ends.
+    states: Vec<AtomicU64>,
     cv: Condvar,
     /// Mirrors `CliqueState::timed_out.is_some()`, so the per-operation check takes no lock.
     any_timeout: AtomicBool,
@@ -100,6 +105,7 @@ pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
         views: (0..world_size)
             .map(|_| Mutex::new(RankView::default()))
             .collect(),
+        states: (0..world_size).map(|_| AtomicU64::new(u64::MAX)).collect(),
         cv: Condvar::new(),
         any_timeout: AtomicBool::new(false),
     });
@@ -119,6 +125,38 @@ pub(crate) enum Agreement {
 impl Clique {
     pub(crate) fn lock(&self) -> MutexGuard<'_, CliqueState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records that operation `id` of rank `rank` ended in `state` (one plain store).
+    #[inline]
+    pub(crate) fn set_state(&self, rank: usize, id: u64, state: OpState) {
+        if let Some(w) = self.states.get(rank) {
+            let code = match state {
+                OpState::Enqueued => 0,
+                OpState::Completed => 1,
+                OpState::Failed => 2,
+            };
+            w.store((id << 2) | code, Ordering::Release);
+        }
+    }
+
+    /// Rank `rank`'s view with the state of its last operation brought up to date.
+    fn view(&self, rank: usize) -> RankView {
+        let Some(m) = self.views.get(rank) else {
+            return RankView::default();
+        };
+        let mut v = *m.lock().unwrap_or_else(|e| e.into_inner());
+        let w = self.states[rank].load(Ordering::Acquire);
+        if let Some(l) = v.last.as_mut() {
+            if w != u64::MAX && w >> 2 == v.last_id {
+                l.state = match w & 3 {
+                    1 => OpState::Completed,
+                    2 => OpState::Failed,
+                    _ => OpState::Enqueued,
+                };
+            }
+        }
+        v
     }
 
     /// Updates rank `rank`'s view (no allocation).
@@ -240,11 +278,7 @@ impl Clique {
             self.world_size,
         );
         let mut behind = Vec::new();
-        let views: Vec<RankView> = self
-            .views
-            .iter()
-            .map(|v| *v.lock().unwrap_or_else(|e| e.into_inner()))
-            .collect();
+        let views: Vec<RankView> = (0..self.views.len()).map(|r| self.view(r)).collect();
         for (r, v) in views.iter().enumerate() {
             let _ = write!(out, "  rank {r}: ");
             if !v.present {

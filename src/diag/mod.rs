@@ -225,6 +225,8 @@ impl From<&'static str> for OpInfo<'static> {
 struct Pending {
     rec: OpRecord,
     ring_id: u64,
+    /// The operation's index on its communicator (for the clique's state word).
+    id: u64,
     deadline: Instant,
 }
 
@@ -272,11 +274,7 @@ impl Shared {
             inner
                 .ring
                 .finish(p.ring_id, OpState::Completed, Instant::now());
-            self.clique.update(self.rank, |v| {
-                if let Some(l) = v.last.as_mut().filter(|l| l.enqueued == p.rec.enqueued) {
-                    l.state = OpState::Completed;
-                }
-            });
+            self.clique.set_state(self.rank, p.id, OpState::Completed);
         }
     }
 
@@ -477,10 +475,13 @@ impl CommDiag {
         let s = self.shared(comm);
         let collective = op.is_collective();
         let seq = if collective {
-            s.seq.fetch_add(1, Ordering::Relaxed)
+            bump(&s.seq, 1)
         } else {
             s.seq.load(Ordering::Relaxed)
         };
+        // Operations on one communicator are sequential: the count of ended ones is this
+        // one's index.
+        let op_id = s.ops.load(Ordering::Relaxed);
         let start = Instant::now();
         let rec = OpRecord {
             seq,
@@ -504,6 +505,7 @@ impl CommDiag {
                 inner.current = Some(Pending {
                     rec,
                     ring_id,
+                    id: op_id,
                     deadline,
                 });
             }
@@ -515,10 +517,12 @@ impl CommDiag {
                 v.issued = seq + 1;
             }
             v.last = Some(rec);
+            v.last_id = op_id;
         });
         let pending = Pending {
             rec,
             ring_id,
+            id: op_id,
             deadline,
         };
         if let Some(first) = s.timed_out() {
@@ -526,7 +530,7 @@ impl CommDiag {
             return Err(self.fail(comm, s, &pending, s.peer_timeout(&rec, &first)));
         }
         if check {
-            s.checks.fetch_add(1, Ordering::Relaxed);
+            bump(&s.checks, 1);
             match s.clique.agree(s.rank, rec, pending.deadline) {
                 Agreement::Agree => {}
                 Agreement::Mismatch(table) => {
@@ -568,16 +572,12 @@ impl CommDiag {
     fn fail(&self, comm: &Communicator, s: &Shared, p: &Pending, e: Error) -> Error {
         let now = Instant::now();
         s.lock().ring.finish(p.ring_id, OpState::Failed, now);
-        s.clique.update(s.rank, |v| {
-            if let Some(l) = v.last.as_mut().filter(|l| l.enqueued == p.rec.enqueued) {
-                l.state = OpState::Failed;
-            }
-        });
-        s.wait_ns.fetch_add(
+        s.clique.set_state(s.rank, p.id, OpState::Failed);
+        bump(
+            &s.wait_ns,
             now.saturating_duration_since(p.rec.enqueued).as_nanos() as u64,
-            Ordering::Relaxed,
         );
-        s.ops.fetch_add(1, Ordering::Relaxed);
+        bump(&s.ops, 1);
         comm.mark_failed(&e);
         s.dump();
         e
@@ -610,16 +610,12 @@ impl CommDiag {
             inner.ring.finish(p.ring_id, state, now);
         }
         drop(inner);
-        s.clique.update(s.rank, |v| {
-            if let Some(l) = v.last.as_mut().filter(|l| l.enqueued == p.rec.enqueued) {
-                l.state = state;
-            }
-        });
-        s.wait_ns.fetch_add(
+        s.clique.set_state(s.rank, p.id, state);
+        bump(
+            &s.wait_ns,
             now.saturating_duration_since(p.rec.enqueued).as_nanos() as u64,
-            Ordering::Relaxed,
         );
-        s.ops.fetch_add(1, Ordering::Relaxed);
+        bump(&s.ops, 1);
         match r {
             Ok(()) => Ok(()),
             Err(e) => Err(self.end_error(comm, s, &p, e)),
@@ -768,4 +764,14 @@ impl Communicator {
             aborted_by_watchdog: s.aborted_by_watchdog.load(Ordering::Acquire),
         }
     }
+}
+
+/// Adds `by` to a counter that only the communicator's owning thread writes (others only
+/// read it): a load and a store, no read-modify-write, so no locked instruction on the
+/// per-operation path. Returns the old value.
+#[inline]
+fn bump(counter: &AtomicU64, by: u64) -> u64 {
+    let old = counter.load(Ordering::Relaxed);
+    counter.store(old.wrapping_add(by), Ordering::Relaxed);
+    old
 }
