@@ -35,6 +35,7 @@
 
 mod clique;
 mod recorder;
+pub(crate) mod remote;
 mod watchdog;
 
 use std::cell::Cell;
@@ -48,6 +49,7 @@ use cudarc::driver::{CudaEvent, CudaStream};
 use nccl_sys::ncclComm_t;
 
 pub use recorder::{FlightRecord, OpRecord, OpState};
+pub use remote::{DesyncPost, MAX_POST_TEXT};
 
 use crate::comm::Communicator;
 use crate::config::Config;
@@ -73,9 +75,17 @@ pub(crate) struct DiagConfig {
     ring: Option<usize>,
     dump_dir: Option<PathBuf>,
     dump_stderr: Option<bool>,
+    /// The job's desync board in another process (not inherited by children).
+    board: Option<Arc<dyn remote::RemoteBoard>>,
 }
 
 impl Config {
+    /// Sets the remote desync board (see `launch::desync`).
+    pub(crate) fn remote_board(mut self, board: Arc<dyn remote::RemoteBoard>) -> Config {
+        self.diag.board = Some(board);
+        self
+    }
+
     /// The watchdog's timeout for every operation of the communicator (default
     /// `NCCL_SAFE_TIMEOUT_MS`, else 10 minutes). Children from split/shrink inherit it.
     pub fn timeout(mut self, timeout: Duration) -> Config {
