@@ -367,6 +367,8 @@ pub(crate) struct CommDiag {
     settings: Settings,
     key: CliqueKey,
     shared: OnceLock<Arc<Shared>>,
+    /// The job's desync board, given to the clique on attach.
+    board: Option<Arc<dyn remote::RemoteBoard>>,
 }
 
 /// What [`CommDiag::begin`] hands to [`CommDiag::end`].
@@ -383,6 +385,7 @@ impl CommDiag {
             settings: Settings::resolve(&config.diag),
             key: clique::key_of(id.as_bytes()),
             shared: OnceLock::new(),
+            board: config.diag.board.clone(),
         }
     }
 
@@ -392,6 +395,7 @@ impl CommDiag {
             settings: Settings::resolve(&DiagConfig::default()),
             key,
             shared: OnceLock::new(),
+            board: None,
         }
     }
 
@@ -411,6 +415,7 @@ impl CommDiag {
             settings: self.settings.clone(),
             key: clique::key_of((self.key, seq, tag)),
             shared: OnceLock::new(),
+            board: None,
         }
     }
 
@@ -426,6 +431,9 @@ impl CommDiag {
         self.shared.get_or_init(|| {
             let clique = clique::join(self.key, world_size.max(1));
             clique.update(rank, |v| v.present = true);
+            if let Some(b) = &self.board {
+                clique.set_board(b);
+            }
             let s = Arc::new(Shared {
                 rank,
                 world_size,
