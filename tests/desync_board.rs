@@ -185,3 +185,58 @@ fn wrong_token_gets_nothing_and_garbage_is_dropped() {
         "listener still open after stop"
     );
 }
+
+/// End to end on the host provider: a communicator given the board by
+/// `Config::desync_board` posts its ranks' last operations when the watchdog fires (and
+/// not before), and its report still names the rank that is behind.
+#[test]
+fn a_timeout_posts_each_ranks_last_operation_to_the_board() {
+    use nccl_safe::{Communicator, Config, Device, HostStream, ReduceOp};
+    let board = DesyncBoard::serve("127.0.0.1:0", 2, TOKEN).unwrap();
+    let client = BoardClient::new(board.local_addr().to_string(), 2, TOKEN);
+    let timeout = Duration::from_millis(500);
+    let config = Config::new().timeout(timeout).desync_board(client.clone());
+    let id = Device::Host.unique_id().unwrap();
+    let start = Instant::now();
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let (id, config, client) = (&id, &config, &client);
+                s.spawn(move || {
+                    let comm = Communicator::init_rank(&Device::Host, 2, rank, id, config).unwrap();
+                    let mut x = vec![1.0f32; 4];
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)
+                        .unwrap();
+                    // Healthy operations post nothing.
+                    assert_eq!(client.fetch().unwrap(), vec![None, None]);
+                    if rank == 1 {
+                        std::thread::sleep(timeout + Duration::from_millis(300));
+                        return String::new();
+                    }
+                    let e = comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream);
+                    e.unwrap_err().to_string()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(errors[0].contains("rank 1: BEHIND"), "{}", errors[0]);
+    let posts = client.fetch().unwrap();
+    let (p0, p1) = (posts[0].as_ref().unwrap(), posts[1].as_ref().unwrap());
+    assert_eq!((p0.issued, p1.issued), (2, 1), "{posts:?}");
+    assert!(
+        p0.text
+            .starts_with("ncclAllReduce(float x 4) seq 1 at tests/desync_board.rs:"),
+        "{p0:?}"
+    );
+    assert!(
+        p1.text.contains("seq 0") && p1.text.contains("(completed)"),
+        "{p1:?}"
+    );
+    assert_eq!(p0.clique, p1.clique);
+}

@@ -3,8 +3,7 @@
 //!
 //! A clique is keyed by a hash of the unique id (plus the split path for children); all
 //! ranks of it that live in this process share one [`Clique`]. Ranks in other processes are
-//! reported as "not in this process" (the cross-process report through the rendezvous
-//! server is not done).
+//! reported from the job's desync board when the clique has one, else as "no record".
 
 use std::collections::HashMap;
 use std::fmt::Write as _;

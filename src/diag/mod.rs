@@ -21,6 +21,9 @@
 //!   written as JSON to [`Config::flight_record_dir`] (or `NCCL_SAFE_FLIGHT_RECORD_DIR`).
 //! * **Desync report.** Ranks of one clique in this process share their last operation; a
 //!   timeout reports which ranks are behind, what each was last doing and from which line.
+//!   Ranks in other processes come from the job's desync board ([`Config::desync_board`],
+//!   set by `ProcessLauncher::init`): the report posts this process's ranks to it and reads
+//!   the others' posts (only then: nothing is sent per operation).
 //! * **Fingerprint check** (opt-in: [`Config::check_collectives`] or
 //!   `NCCL_SAFE_DEBUG=detail`): before each collective the ranks compare (sequence number,
 //!   operation, type, count, root); on a mismatch every rank gets
@@ -29,8 +32,7 @@
 //! * **Straggler view.** [`Communicator::diagnostics`] reports the time spent inside
 //!   collectives.
 //!
-//! Not done: the cross-process desync report and fingerprint exchange (through the
-//! rendezvous server), watching `ncclGroupEnd`, and fingerprints of operations inside a
+//! Not done: the cross-process fingerprint exchange, watching `ncclGroupEnd`, and fingerprints of operations inside a
 //! [`crate::Group`] (they are recorded, not compared).
 
 mod clique;

@@ -176,7 +176,7 @@ impl BoardServer {
         }
         let req = wire::read_frame(&mut s)?;
         match req.first() {
-            Some(&POST) if req.len() >= 1 + N => {
+            Some(&POST) if req.len() > N => {
                 let (body, mac) = req[1..].split_at(req.len() - 1 - N);
                 if !wire::ct_eq(mac, &post_mac(&self.token, &sn, &cn, rank, body)) {
                     return Err(invalid("bad post MAC"));

@@ -322,6 +322,17 @@ impl TcpRendezvous {
         }
     }
 
+    /// `host:port+1`, where rank 0 hosts the desync board, and the job token (`None` when
+    /// the port is the last one).
+    pub(crate) fn board(&self) -> Option<(String, Vec<u8>)> {
+        let port = self.port.checked_add(super::desync::BOARD_PORT_OFFSET)?;
+        let at = Self {
+            port,
+            ..self.clone()
+        };
+        Some((at.addr(), self.token.clone()))
+    }
+
     fn resolve(&self) -> Result<Vec<SocketAddr>, RendezvousError> {
         let addr = self.addr();
         let host = self.host.trim_start_matches('[').trim_end_matches(']');
