@@ -3,8 +3,7 @@
 //!
 //! A clique is keyed by a hash of the unique id (plus the split path for children); all
 //! ranks of it that live in this process share one [`Clique`]. Ranks in other processes are
-//! reported as "not in this process" (the cross-process report through the rendezvous
-//! server is not done).
+//! reported from the job's desync board when the clique has one, else as "no record".
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -14,6 +13,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::recorder::{OpRecord, OpState};
+use super::remote::{self, DesyncPost, RemoteBoard};
 
 /// How many sequence numbers of fingerprints each rank keeps on the board. A rank cannot
 /// post seq n+1 before every rank posted seq n, so two would do.
@@ -79,6 +79,8 @@ pub(crate) struct Clique {
     cv: Condvar,
     /// Mirrors `CliqueState::timed_out.is_some()`, so the per-operation check takes no lock.
     any_timeout: AtomicBool,
+    /// The job's desync board in another process, read and posted to by [`Clique::report`].
+    board: OnceLock<Arc<dyn RemoteBoard>>,
 }
 
 fn registry() -> &'static Mutex<HashMap<CliqueKey, Weak<Clique>>> {
@@ -108,6 +110,7 @@ pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
         states: (0..world_size).map(|_| AtomicU64::new(u64::MAX)).collect(),
         cv: Condvar::new(),
         any_timeout: AtomicBool::new(false),
+        board: OnceLock::new(),
     });
     r.insert(key, Arc::downgrade(&c));
     c
@@ -164,6 +167,11 @@ impl Clique {
         if let Some(v) = self.views.get(rank) {
             f(&mut v.lock().unwrap_or_else(|e| e.into_inner()));
         }
+    }
+
+    /// Gives the clique its remote desync board (the first one given stays).
+    pub(crate) fn set_board(&self, board: &Arc<dyn RemoteBoard>) {
+        let _ = self.board.set(Arc::clone(board));
     }
 
     pub(crate) fn timed_out(&self) -> Option<Arc<str>> {
@@ -279,51 +287,65 @@ impl Clique {
         );
         let mut behind = Vec::new();
         let views: Vec<RankView> = (0..self.views.len()).map(|r| self.view(r)).collect();
+        // Cross-process: post our ranks' last operations, read the others' (bounded).
+        let remote = self.board.get().map(|b| {
+            let ours: Vec<(usize, DesyncPost)> = (views.iter().enumerate())
+                .filter(|(_, v)| v.present)
+                .map(|(r, v)| (r, DesyncPost::new(self.key, v.issued, &describe(v, now))))
+                .collect();
+            let wanted: Vec<usize> = (0..views.len()).filter(|&r| !views[r].present).collect();
+            remote::exchange(&**b, self.key, &ours, &wanted, timeout)
+        });
+        let mut silent = Vec::new();
         for (r, v) in views.iter().enumerate() {
             let _ = write!(out, "  rank {r}: ");
-            if !v.present {
-                let _ = writeln!(out, "no record (not in this process, or not attached yet)");
-                continue;
-            }
-            let last = match v.last {
-                Some(l) => format!(
-                    "{} seq {} at {} ({}{})",
-                    l.signature(),
-                    l.seq,
-                    l.at(),
-                    match l.state {
-                        OpState::Enqueued => "in progress",
-                        OpState::Completed => "completed",
-                        OpState::Failed => "failed",
-                    },
-                    if l.state == OpState::Enqueued {
-                        format!(
-                            " for {:.3}s",
-                            now.saturating_duration_since(l.enqueued).as_secs_f64()
-                        )
-                    } else {
-                        String::new()
-                    }
-                ),
-                None => "nothing".to_string(),
-            };
-            let gone = if v.gone {
-                "; communicator torn down"
+            let (issued, last, gone) = if v.present {
+                let gone = if v.gone {
+                    "; communicator torn down"
+                } else {
+                    ""
+                };
+                (v.issued, describe(v, now), gone)
+            } else if let Some(p) = remote.as_ref().and_then(|x| x.posts.get(r)?.as_ref()) {
+                (
+                    p.issued,
+                    p.text.clone(),
+                    " (another process, from the desync board)",
+                )
             } else {
-                ""
+                match &remote {
+                    None => {
+                        let _ =
+                            writeln!(out, "no record (not in this process, or not attached yet)");
+                    }
+                    Some(x) => {
+                        silent.push(r);
+                        let _ = match &x.error {
+                            Some(e) => writeln!(out, "no record (another process; the desync board could not be read: {e})"),
+                            None => writeln!(out, "no post on the desync board within {:.1}s (another process that has not timed out: it is not waiting in this clique's collectives, or entered later)", x.waited.as_secs_f64()),
+                        };
+                    }
+                }
+                continue;
             };
-            if v.issued <= stuck.seq {
+            if issued <= stuck.seq {
                 behind.push(r);
                 let _ = writeln!(
                     out,
-                    "BEHIND: has issued {} collective(s), never seq {}; last: {last}{gone}",
-                    v.issued, stuck.seq
+                    "BEHIND: has issued {issued} collective(s), never seq {}; last: {last}{gone}",
+                    stuck.seq
                 );
-            } else if v.issued == stuck.seq + 1 {
+            } else if issued == stuck.seq + 1 {
                 let _ = writeln!(out, "at seq {}: {last}{gone}", stuck.seq);
             } else {
-                let _ = writeln!(out, "ahead ({} issued); last: {last}{gone}", v.issued);
+                let _ = writeln!(out, "ahead ({issued} issued); last: {last}{gone}");
             }
+        }
+        if !silent.is_empty() {
+            let _ = writeln!(
+                out,
+                "=> rank(s) {silent:?} in other processes posted nothing: probably behind (or hung outside this clique's collectives)"
+            );
         }
         if behind.is_empty() {
             let _ = writeln!(
@@ -347,5 +369,130 @@ impl Clique {
             stuck.at()
         );
         out
+    }
+}
+
+/// What a rank was last doing, one line: `ncclAllReduce(f32 x 4) seq 1 at x.rs:9 (in
+/// progress for 1.002s)`.
+fn describe(v: &RankView, now: Instant) -> String {
+    match v.last {
+        Some(l) => format!(
+            "{} seq {} at {} ({}{})",
+            l.signature(),
+            l.seq,
+            l.at(),
+            match l.state {
+                OpState::Enqueued => "in progress",
+                OpState::Completed => "completed",
+                OpState::Failed => "failed",
+            },
+            if l.state == OpState::Enqueued {
+                format!(
+                    " for {:.3}s",
+                    now.saturating_duration_since(l.enqueued).as_secs_f64()
+                )
+            } else {
+                String::new()
+            }
+        ),
+        None => "nothing".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::launch::desync::{BoardClient, DesyncBoard};
+
+    /// A report built in "this process" (rank 0) shows what rank 2 of "another process"
+    /// posted to a real board over loopback, and names rank 1 (which posted nothing).
+    #[test]
+    fn report_shows_remote_ranks_from_the_board() {
+        let board = DesyncBoard::serve("127.0.0.1:0", 3, "t").unwrap();
+        let client = BoardClient::new(board.local_addr().to_string(), 3, "t");
+        let c = join(fresh_key(), 3);
+        let remote_line = "ncclAllReduce(f32 x 4) seq 0 at remote.rs:7 (completed)";
+        client
+            .post(2, &DesyncPost::new(c.key, 1, remote_line))
+            .unwrap();
+        // A post of another clique is not used.
+        client
+            .post(1, &DesyncPost::new(c.key ^ 1, 9, "elsewhere"))
+            .unwrap();
+        let stuck = OpRecord {
+            seq: 1,
+            op: "ncclAllReduce",
+            dtype: Some(crate::types::DataType::Float32),
+            count: 4,
+            root: None,
+            caller: std::panic::Location::caller(),
+            enqueued: Instant::now(),
+            took: None,
+            state: OpState::Enqueued,
+        };
+        c.update(0, |v| {
+            v.present = true;
+            v.issued = 2;
+            v.last = Some(stuck);
+        });
+        c.set_board(&(Arc::new(client.clone()) as Arc<dyn RemoteBoard>));
+        let t = Instant::now();
+        let r = c.report(
+            0,
+            &stuck,
+            Duration::from_millis(400),
+            "did not complete in time",
+        );
+        eprintln!("{r}");
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        assert!(
+            r.contains("  rank 0: at seq 1: ncclAllReduce(float x 4) seq 1 at "),
+            "{r}"
+        );
+        assert!(
+            r.contains(&format!("  rank 2: BEHIND: has issued 1 collective(s), never seq 1; last: {remote_line} (another process, from the desync board)")),
+            "{r}"
+        );
+        assert!(r.contains("  rank 1: no post on the desync board"), "{r}");
+        assert!(r.contains("rank(s) [2] are behind"), "{r}");
+        assert!(
+            r.contains("rank(s) [1] in other processes posted nothing"),
+            "{r}"
+        );
+        // And rank 0's own line went to the board for the other processes.
+        let posts = client.fetch().unwrap();
+        let ours = posts[0].as_ref().expect("rank 0 posted");
+        assert_eq!((ours.clique, ours.issued), (c.key, 2));
+        assert!(
+            ours.text.starts_with("ncclAllReduce(float x 4) seq 1 at "),
+            "{ours:?}"
+        );
+    }
+
+    /// Without a board the report is as before: other ranks are "no record".
+    #[test]
+    fn report_without_a_board_says_no_record() {
+        let c = join(fresh_key(), 2);
+        let stuck = OpRecord {
+            seq: 0,
+            op: "ncclBroadcast",
+            dtype: None,
+            count: 0,
+            root: Some(0),
+            caller: std::panic::Location::caller(),
+            enqueued: Instant::now(),
+            took: None,
+            state: OpState::Enqueued,
+        };
+        c.update(0, |v| {
+            v.present = true;
+            v.issued = 1;
+            v.last = Some(stuck);
+        });
+        let r = c.report(0, &stuck, Duration::from_secs(1), "x");
+        assert!(
+            r.contains("  rank 1: no record (not in this process"),
+            "{r}"
+        );
     }
 }

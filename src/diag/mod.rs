@@ -21,6 +21,9 @@
 //!   written as JSON to [`Config::flight_record_dir`] (or `NCCL_SAFE_FLIGHT_RECORD_DIR`).
 //! * **Desync report.** Ranks of one clique in this process share their last operation; a
 //!   timeout reports which ranks are behind, what each was last doing and from which line.
+//!   Ranks in other processes come from the job's desync board ([`Config::desync_board`],
+//!   set by `ProcessLauncher::init`): the report posts this process's ranks to it and reads
+//!   the others' posts (only then: nothing is sent per operation).
 //! * **Fingerprint check** (opt-in: [`Config::check_collectives`] or
 //!   `NCCL_SAFE_DEBUG=detail`): before each collective the ranks compare (sequence number,
 //!   operation, type, count, root); on a mismatch every rank gets
@@ -29,12 +32,12 @@
 //! * **Straggler view.** [`Communicator::diagnostics`] reports the time spent inside
 //!   collectives.
 //!
-//! Not done: the cross-process desync report and fingerprint exchange (through the
-//! rendezvous server), watching `ncclGroupEnd`, and fingerprints of operations inside a
+//! Not done: the cross-process fingerprint exchange, watching `ncclGroupEnd`, and fingerprints of operations inside a
 //! [`crate::Group`] (they are recorded, not compared).
 
 mod clique;
 mod recorder;
+pub(crate) mod remote;
 mod watchdog;
 
 use std::cell::Cell;
@@ -48,6 +51,7 @@ use cudarc::driver::{CudaEvent, CudaStream};
 use nccl_sys::ncclComm_t;
 
 pub use recorder::{FlightRecord, OpRecord, OpState};
+pub use remote::{DesyncPost, MAX_POST_TEXT};
 
 use crate::comm::Communicator;
 use crate::config::Config;
@@ -73,9 +77,17 @@ pub(crate) struct DiagConfig {
     ring: Option<usize>,
     dump_dir: Option<PathBuf>,
     dump_stderr: Option<bool>,
+    /// The job's desync board in another process (not inherited by children).
+    board: Option<Arc<dyn remote::RemoteBoard>>,
 }
 
 impl Config {
+    /// Sets the remote desync board (see `launch::desync`).
+    pub(crate) fn remote_board(mut self, board: Arc<dyn remote::RemoteBoard>) -> Config {
+        self.diag.board = Some(board);
+        self
+    }
+
     /// The watchdog's timeout for every operation of the communicator (default
     /// `NCCL_SAFE_TIMEOUT_MS`, else 10 minutes). Children from split/shrink inherit it.
     pub fn timeout(mut self, timeout: Duration) -> Config {
@@ -355,6 +367,8 @@ pub(crate) struct CommDiag {
     settings: Settings,
     key: CliqueKey,
     shared: OnceLock<Arc<Shared>>,
+    /// The job's desync board, given to the clique on attach.
+    board: Option<Arc<dyn remote::RemoteBoard>>,
 }
 
 /// What [`CommDiag::begin`] hands to [`CommDiag::end`].
@@ -371,6 +385,7 @@ impl CommDiag {
             settings: Settings::resolve(&config.diag),
             key: clique::key_of(id.as_bytes()),
             shared: OnceLock::new(),
+            board: config.diag.board.clone(),
         }
     }
 
@@ -380,6 +395,7 @@ impl CommDiag {
             settings: Settings::resolve(&DiagConfig::default()),
             key,
             shared: OnceLock::new(),
+            board: None,
         }
     }
 
@@ -399,6 +415,7 @@ impl CommDiag {
             settings: self.settings.clone(),
             key: clique::key_of((self.key, seq, tag)),
             shared: OnceLock::new(),
+            board: None,
         }
     }
 
@@ -414,6 +431,9 @@ impl CommDiag {
         self.shared.get_or_init(|| {
             let clique = clique::join(self.key, world_size.max(1));
             clique.update(rank, |v| v.present = true);
+            if let Some(b) = &self.board {
+                clique.set_board(b);
+            }
             let s = Arc::new(Shared {
                 rank,
                 world_size,

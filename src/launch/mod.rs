@@ -2,6 +2,7 @@
 //! joins a multi-process job started by torchrun, Slurm or mpirun ([`mod@env`] reads their
 //! variables, [`rendezvous`] exchanges the unique id).
 
+pub mod desync;
 pub mod env;
 pub mod rendezvous;
 mod threads;

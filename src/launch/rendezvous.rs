@@ -19,13 +19,13 @@
 //!    closes its listener and its thread ends.
 
 use super::env::{EnvError, ProcessEnv};
-use super::wire::{self, N};
+use super::wire::{self, refuse, N};
 use std::fmt;
 use std::fs;
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -38,8 +38,6 @@ pub const TOKEN_VAR: &str = "NCCL_SAFE_RENDEZVOUS_TOKEN";
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default bound on a single connect, read or write.
 pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(10);
-/// Most connections rank 0 handles at once; more are closed at once (the peer retries).
-const MAX_CONNECTIONS: usize = 256;
 
 /// Why rank 0 refused a peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -324,6 +322,17 @@ impl TcpRendezvous {
         }
     }
 
+    /// `host:port+1`, where rank 0 hosts the desync board, and the job token (`None` when
+    /// the port is the last one).
+    pub(crate) fn board(&self) -> Option<(String, Vec<u8>)> {
+        let port = self.port.checked_add(super::desync::BOARD_PORT_OFFSET)?;
+        let at = Self {
+            port,
+            ..self.clone()
+        };
+        Some((at.addr(), self.token.clone()))
+    }
+
     fn resolve(&self) -> Result<Vec<SocketAddr>, RendezvousError> {
         let addr = self.addr();
         let host = self.host.trim_start_matches('[').trim_end_matches(']');
@@ -457,49 +466,22 @@ impl TcpRendezvous {
         rank: u32,
         world: u32,
     ) -> Result<[u8; ID_LEN], Attempt> {
-        s.set_read_timeout(Some(t))
-            .map_err(retry("setting a timeout"))?;
-        s.set_write_timeout(Some(t))
-            .map_err(retry("setting a timeout"))?;
-        let _ = s.set_nodelay(true);
+        wire::bound_waits(&s, t).map_err(retry("setting a timeout"))?;
         let hello = wire::read_frame(&mut s).map_err(retry("reading rank 0's hello"))?;
-        if hello.len() != 1 + wire::MAGIC.len() + N
-            || hello[0] != wire::HELLO
-            || &hello[1..17] != wire::MAGIC
-        {
-            return Err(Attempt::Fatal(Fatal::Protocol("unexpected hello".into())));
-        }
-        let mut sn = [0u8; N];
-        sn.copy_from_slice(&hello[17..]);
+        let sn = wire::parse_hello(&hello, wire::MAGIC)
+            .ok_or(Attempt::Fatal(Fatal::Protocol("unexpected hello".into())))?;
         let cn = wire::nonce().map_err(|e| Attempt::Fatal(Fatal::Io(e)))?;
-        let mut auth = vec![wire::AUTH];
-        auth.extend_from_slice(&rank.to_be_bytes());
-        auth.extend_from_slice(&world.to_be_bytes());
-        auth.extend_from_slice(&cn);
-        auth.extend_from_slice(&wire::client_mac(&self.token, &sn, &cn, rank, world));
+        let auth = wire::auth_frame(&self.token, &sn, &cn, rank, world);
         wire::write_frame(&mut s, &auth).map_err(retry("sending the authentication"))?;
         let reply = wire::read_frame(&mut s).map_err(retry("reading rank 0's reply"))?;
+        if let Some(refused) = wire::parse_refuse(&reply) {
+            return Err(match refusal(refused) {
+                Ok(Refusal::Busy) => Attempt::Retry("rank 0 was busy".into()),
+                Ok(reason) => Attempt::Fatal(Fatal::Refused(reason)),
+                Err(detail) => Attempt::Fatal(Fatal::Protocol(detail)),
+            });
+        }
         match reply.first() {
-            Some(&wire::REFUSE) if reply.len() == 10 => {
-                let a = u32::from_be_bytes([reply[2], reply[3], reply[4], reply[5]]) as usize;
-                let b = u32::from_be_bytes([reply[6], reply[7], reply[8], reply[9]]) as usize;
-                let reason = match reply[1] {
-                    wire::R_TOKEN => Refusal::BadToken,
-                    wire::R_WORLD => Refusal::WorldSizeMismatch {
-                        server: a,
-                        client: b,
-                    },
-                    wire::R_RANGE => Refusal::RankOutOfRange { world_size: a },
-                    wire::R_DUPLICATE => Refusal::DuplicateRank,
-                    wire::R_BUSY => return Err(Attempt::Retry("rank 0 was busy".into())),
-                    c => {
-                        return Err(Attempt::Fatal(Fatal::Protocol(format!(
-                            "unknown refusal code {c}"
-                        ))))
-                    }
-                };
-                Err(Attempt::Fatal(Fatal::Refused(reason)))
-            }
             Some(&wire::ID) if reply.len() == 1 + ID_LEN + N => {
                 let (ct, mac) = reply[1..].split_at(ID_LEN);
                 if !wire::ct_eq(
@@ -520,6 +502,21 @@ impl TcpRendezvous {
             ))),
         }
     }
+}
+
+/// The refusal a `REFUSE` frame's code and numbers stand for.
+pub(crate) fn refusal((code, a, b): (u8, usize, usize)) -> Result<Refusal, String> {
+    Ok(match code {
+        wire::R_TOKEN => Refusal::BadToken,
+        wire::R_WORLD => Refusal::WorldSizeMismatch {
+            server: a,
+            client: b,
+        },
+        wire::R_RANGE => Refusal::RankOutOfRange { world_size: a },
+        wire::R_DUPLICATE => Refusal::DuplicateRank,
+        wire::R_BUSY => Refusal::Busy,
+        c => return Err(format!("unknown refusal code {c}")),
+    })
 }
 
 fn retry(what: &'static str) -> impl Fn(io::Error) -> Attempt {
@@ -606,31 +603,11 @@ impl Server {
                     timeout: this.timeout,
                 });
             }
-            match listener.accept() {
-                Ok((stream, _peer)) => {
-                    if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
-                        let mut stream = stream;
-                        let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
-                        let _ = wire::write_frame(&mut stream, &refuse(wire::R_BUSY, 0, 0));
-                        continue;
-                    }
-                    active.fetch_add(1, Ordering::SeqCst);
-                    let (this2, slots2, active2) =
-                        (Arc::clone(&this), Arc::clone(&slots), Arc::clone(&active));
-                    let spawned = thread::Builder::new()
-                        .name("nccl-rendezvous-peer".into())
-                        .spawn(move || {
-                            // Errors only mean this peer is dropped; the server goes on.
-                            let _ = this2.handle(stream, &slots2);
-                            active2.fetch_sub(1, Ordering::SeqCst);
-                        });
-                    if spawned.is_err() {
-                        active.fetch_sub(1, Ordering::SeqCst);
-                    }
-                }
-                // WouldBlock, and transient errors such as ECONNABORTED or EMFILE: wait a bit.
-                Err(_) => thread::sleep(Duration::from_millis(5)),
-            }
+            let (this2, slots2) = (Arc::clone(&this), Arc::clone(&slots));
+            wire::accept_one(&listener, &active, "nccl-rendezvous-peer", move |stream| {
+                // Errors only mean this peer is dropped; the server goes on.
+                let _ = this2.handle(stream, &slots2);
+            });
         }
     }
 
@@ -640,32 +617,12 @@ impl Server {
             .saturating_duration_since(Instant::now())
             .min(self.io_timeout)
             .max(Duration::from_millis(1));
-        s.set_nonblocking(false)?;
-        s.set_read_timeout(Some(t))?;
-        s.set_write_timeout(Some(t))?;
-        let _ = s.set_nodelay(true);
-        let sn = wire::nonce()?;
-        let mut hello = vec![wire::HELLO];
-        hello.extend_from_slice(wire::MAGIC);
-        hello.extend_from_slice(&sn);
-        wire::write_frame(&mut s, &hello)?;
-        let auth = wire::read_frame(&mut s)?;
-        if auth.len() != 1 + 4 + 4 + N + N || auth[0] != wire::AUTH {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "not an authentication frame",
-            ));
-        }
-        let rank = u32::from_be_bytes([auth[1], auth[2], auth[3], auth[4]]);
-        let world = u32::from_be_bytes([auth[5], auth[6], auth[7], auth[8]]);
-        let mut cn = [0u8; N];
-        cn.copy_from_slice(&auth[9..9 + N]);
-        if !wire::ct_eq(
-            &auth[9 + N..],
-            &wire::client_mac(&self.token, &sn, &cn, rank, world),
-        ) {
+        wire::bound_waits(&s, t)?;
+        let sn = wire::send_hello(&mut s, wire::MAGIC)?;
+        let Some(wire::Auth { rank, world, cn }) = wire::read_auth(&mut s, &self.token, &sn)?
+        else {
             return wire::write_frame(&mut s, &refuse(wire::R_TOKEN, 0, 0));
-        }
+        };
         let ours = u32::try_from(self.world_size).unwrap_or(u32::MAX);
         if world as usize != self.world_size {
             return wire::write_frame(&mut s, &refuse(wire::R_WORLD, ours, world));
@@ -710,13 +667,6 @@ impl Server {
         }
         served
     }
-}
-
-fn refuse(code: u8, a: u32, b: u32) -> Vec<u8> {
-    let mut v = vec![wire::REFUSE, code];
-    v.extend_from_slice(&a.to_be_bytes());
-    v.extend_from_slice(&b.to_be_bytes());
-    v
 }
 
 /// File rendezvous: rank 0 writes the id to a file every process can see (a shared

@@ -11,8 +11,9 @@ use crate::comm::{Communicator, Device};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::id::UniqueId;
+use crate::launch::desync::{BoardClient, DesyncBoard};
 use crate::launch::env::ProcessEnv;
-use crate::launch::rendezvous::{Rendezvous, ServerHandle};
+use crate::launch::rendezvous::{Rendezvous, ServerHandle, TcpRendezvous};
 use crate::stream::Stream;
 
 /// How many CUDA devices this process can use: 0 when the CUDA driver library is absent
@@ -59,6 +60,8 @@ pub struct Launcher {
 pub struct Rank {
     comm: Communicator,
     stream: Stream,
+    /// Rank 0 of [`ProcessLauncher::init`]: the job's desync board, served while it lives.
+    board: Option<DesyncBoard>,
 }
 
 impl Rank {
@@ -341,7 +344,11 @@ impl Launcher {
                 Device::Host => Stream::Host,
             };
             let comm = Communicator::init_rank(device, self.devices.len(), rank, id, &self.config)?;
-            Ok(Rank { comm, stream })
+            Ok(Rank {
+                comm,
+                stream,
+                board: None,
+            })
         };
         let r = match setup() {
             Ok(r) => r,
@@ -512,9 +519,30 @@ impl ProcessLauncher {
 
     /// Exchanges the id over the TCP rendezvous and joins the communicator on the GPU of
     /// the local rank.
-    pub fn init(self) -> Result<Rank> {
-        let rendezvous = Rendezvous::from_env(&self.env)?;
-        self.init_with(rendezvous)
+    ///
+    /// Rank 0 also hosts the job's desync board on `MASTER_ADDR:MASTER_PORT+1`
+    /// ([`crate::launch::desync`], same token) for as long as its [`Rank`] lives (not after
+    /// [`Rank::into_comm`]), and every rank's communicator gets it
+    /// ([`Config::desync_board`]): a timeout report then shows what the ranks in other
+    /// processes were last doing. When rank 0 cannot listen there, it says so on stderr and
+    /// the job runs without the board.
+    pub fn init(mut self) -> Result<Rank> {
+        let tcp = TcpRendezvous::from_env(&self.env)?;
+        let world = self.env.world_size;
+        let mut board = None;
+        if let Some((addr, token)) = tcp.board() {
+            if self.env.rank == 0 {
+                match DesyncBoard::serve(addr.as_str(), world, token.clone()) {
+                    Ok(b) => board = Some(b),
+                    Err(e) => eprintln!("nccl-safe: no desync board at {addr}: {e}"),
+                }
+            }
+            let client = BoardClient::new(addr, world, token);
+            self.config = self.config.desync_board(client);
+        }
+        let mut rank = self.init_with(Rendezvous::Tcp(tcp))?;
+        rank.board = board;
+        Ok(rank)
     }
 
     /// Like [`init`](Self::init) with another rendezvous (file, or your own closure).
@@ -567,7 +595,11 @@ impl ProcessLauncher {
             id,
             &self.config,
         )?;
-        Ok(Rank { comm, stream })
+        Ok(Rank {
+            comm,
+            stream,
+            board: None,
+        })
     }
 }
 

@@ -5,6 +5,11 @@
 
 use sha2::{Digest, Sha256};
 use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
 
 /// Largest frame body either side accepts.
 pub(crate) const MAX_FRAME: usize = 4096;
@@ -26,6 +31,9 @@ pub(crate) const R_WORLD: u8 = 2;
 pub(crate) const R_RANGE: u8 = 3;
 pub(crate) const R_DUPLICATE: u8 = 4;
 pub(crate) const R_BUSY: u8 = 5;
+
+/// Most connections a server handles at once; more are refused with `R_BUSY` at once.
+pub(crate) const MAX_CONNECTIONS: usize = 256;
 
 pub(crate) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
     let len = u32::try_from(body.len())
@@ -137,6 +145,131 @@ pub(crate) fn mask(token: &[u8], sn: &[u8; N], cn: &[u8; N], id: &[u8; 128]) -> 
         }
     }
     out
+}
+
+/// Puts an accepted or connected stream in blocking mode with every read and write bounded
+/// by `t`.
+pub(crate) fn bound_waits(s: &TcpStream, t: Duration) -> io::Result<()> {
+    s.set_nonblocking(false)?;
+    s.set_read_timeout(Some(t))?;
+    s.set_write_timeout(Some(t))?;
+    let _ = s.set_nodelay(true);
+    Ok(())
+}
+
+/// Accepts at most one connection from the non-blocking `listener` and hands it to
+/// `handle` on its own thread (errors of `handle` only drop that peer). Over
+/// [`MAX_CONNECTIONS`] open ones, the peer gets a `R_BUSY` refusal instead. With nothing to
+/// accept (or a transient error such as `EMFILE`) it sleeps 5 ms.
+pub(crate) fn accept_one(
+    listener: &TcpListener,
+    active: &Arc<AtomicUsize>,
+    thread_name: &str,
+    handle: impl FnOnce(TcpStream) + Send + 'static,
+) {
+    match listener.accept() {
+        Ok((mut stream, _peer)) => {
+            if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+                let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+                let _ = write_frame(&mut stream, &refuse(R_BUSY, 0, 0));
+                return;
+            }
+            active.fetch_add(1, Ordering::SeqCst);
+            let active2 = Arc::clone(active);
+            let spawned = thread::Builder::new()
+                .name(thread_name.into())
+                .spawn(move || {
+                    handle(stream);
+                    active2.fetch_sub(1, Ordering::SeqCst);
+                });
+            if spawned.is_err() {
+                active.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        Err(_) => thread::sleep(Duration::from_millis(5)),
+    }
+}
+
+/// Server side of the handshake, step 1: sends `HELLO` with `magic` and a fresh server
+/// nonce, which it returns.
+pub(crate) fn send_hello(s: &mut impl Write, magic: &[u8; 16]) -> io::Result<[u8; N]> {
+    let sn = nonce()?;
+    let mut hello = vec![HELLO];
+    hello.extend_from_slice(magic);
+    hello.extend_from_slice(&sn);
+    write_frame(s, &hello)?;
+    Ok(sn)
+}
+
+/// Client side, step 1: the server nonce of a `HELLO` frame carrying `magic`.
+pub(crate) fn parse_hello(frame: &[u8], magic: &[u8; 16]) -> Option<[u8; N]> {
+    if frame.len() != 1 + magic.len() + N || frame[0] != HELLO || &frame[1..17] != magic {
+        return None;
+    }
+    let mut sn = [0u8; N];
+    sn.copy_from_slice(&frame[17..]);
+    Some(sn)
+}
+
+/// Client side, step 2: the `AUTH` frame proving the token for `rank` of `world`.
+pub(crate) fn auth_frame(
+    token: &[u8],
+    sn: &[u8; N],
+    cn: &[u8; N],
+    rank: u32,
+    world: u32,
+) -> Vec<u8> {
+    let mut auth = vec![AUTH];
+    auth.extend_from_slice(&rank.to_be_bytes());
+    auth.extend_from_slice(&world.to_be_bytes());
+    auth.extend_from_slice(cn);
+    auth.extend_from_slice(&client_mac(token, sn, cn, rank, world));
+    auth
+}
+
+/// What an authenticated client claimed.
+pub(crate) struct Auth {
+    pub rank: u32,
+    pub world: u32,
+    pub cn: [u8; N],
+}
+
+/// Server side, step 2: reads the `AUTH` frame. `Ok(None)`: well-formed, but the peer does
+/// not hold the token; `Err`: not an `AUTH` frame at all (drop the peer).
+pub(crate) fn read_auth(s: &mut impl Read, token: &[u8], sn: &[u8; N]) -> io::Result<Option<Auth>> {
+    let auth = read_frame(s)?;
+    if auth.len() != 1 + 4 + 4 + N + N || auth[0] != AUTH {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not an authentication frame",
+        ));
+    }
+    let rank = u32::from_be_bytes([auth[1], auth[2], auth[3], auth[4]]);
+    let world = u32::from_be_bytes([auth[5], auth[6], auth[7], auth[8]]);
+    let mut cn = [0u8; N];
+    cn.copy_from_slice(&auth[9..9 + N]);
+    if !ct_eq(&auth[9 + N..], &client_mac(token, sn, &cn, rank, world)) {
+        return Ok(None);
+    }
+    Ok(Some(Auth { rank, world, cn }))
+}
+
+/// A `REFUSE` frame with its code and two numbers.
+pub(crate) fn refuse(code: u8, a: u32, b: u32) -> Vec<u8> {
+    let mut v = vec![REFUSE, code];
+    v.extend_from_slice(&a.to_be_bytes());
+    v.extend_from_slice(&b.to_be_bytes());
+    v
+}
+
+/// The code and numbers of a `REFUSE` frame.
+pub(crate) fn parse_refuse(frame: &[u8]) -> Option<(u8, usize, usize)> {
+    if frame.len() != 10 || frame[0] != REFUSE {
+        return None;
+    }
+    let a = u32::from_be_bytes([frame[2], frame[3], frame[4], frame[5]]) as usize;
+    let b = u32::from_be_bytes([frame[6], frame[7], frame[8], frame[9]]) as usize;
+    Some((frame[1], a, b))
 }
 
 #[cfg(test)]

@@ -1,0 +1,148 @@
+//! The cross-process half of the desync report: what a rank posts to a desync board
+//! (hosted by rank 0, see [`crate::launch::desync`]) when its clique times out, and how the
+//! report reads the other processes' posts back.
+//!
+//! Nothing here runs per operation: a rank posts only while a timeout report is built.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+/// Most bytes of [`DesyncPost::text`] that travel (longer text is cut at a character
+/// boundary); a whole encoded post is at most 1 KiB.
+pub const MAX_POST_TEXT: usize = 1000;
+
+/// What one rank was last doing, as posted to a desync board.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DesyncPost {
+    /// The communicator's clique key (as in [`super::FlightRecord::clique`]); posts of
+    /// another clique are not used by a report.
+    pub clique: u64,
+    /// Collectives the rank had issued (its next collective's sequence number).
+    pub issued: u64,
+    /// One line: the last operation, its sequence number, the caller's file:line, its state
+    /// and age.
+    pub text: String,
+}
+
+impl DesyncPost {
+    /// A post; `text` is cut to [`MAX_POST_TEXT`] bytes and line breaks become spaces.
+    pub fn new(clique: u64, issued: u64, text: &str) -> DesyncPost {
+        let mut end = text.len().min(MAX_POST_TEXT);
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        DesyncPost {
+            clique,
+            issued,
+            text: text[..end].replace(['\n', '\r'], " "),
+        }
+    }
+
+    /// The wire form: clique and issued (big-endian `u64`s), then the UTF-8 text.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let p = DesyncPost::new(self.clique, self.issued, &self.text);
+        let mut v = Vec::with_capacity(16 + p.text.len());
+        v.extend_from_slice(&p.clique.to_be_bytes());
+        v.extend_from_slice(&p.issued.to_be_bytes());
+        v.extend_from_slice(p.text.as_bytes());
+        v
+    }
+
+    /// The post of a wire form; `None` when it is not one.
+    pub(crate) fn decode(b: &[u8]) -> Option<DesyncPost> {
+        if b.len() < 16 || b.len() > 16 + MAX_POST_TEXT {
+            return None;
+        }
+        let (head, text) = b.split_at(16);
+        let clique = u64::from_be_bytes(head[..8].try_into().ok()?);
+        let issued = u64::from_be_bytes(head[8..].try_into().ok()?);
+        let text = std::str::from_utf8(text).ok()?;
+        Some(DesyncPost::new(clique, issued, text))
+    }
+}
+
+/// A desync board in another process, as the report uses it (implemented by
+/// [`crate::launch::desync::BoardClient`]).
+pub(crate) trait RemoteBoard: Send + Sync + fmt::Debug {
+    /// Posts `post` as rank `rank`'s latest, giving up at `deadline`.
+    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<(), String>;
+    /// Every rank's latest post, rank-indexed, giving up at `deadline`.
+    fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, String>;
+}
+
+/// How long a report waits for the other processes' posts (they post when their own
+/// watchdog fires, which is about when ours did).
+pub(crate) fn grace(timeout: Duration) -> Duration {
+    (timeout / 2).min(Duration::from_secs(2))
+}
+
+/// What the board said, for the ranks not in this process.
+#[derive(Debug, Default)]
+pub(crate) struct Remote {
+    pub posts: Vec<Option<DesyncPost>>,
+    /// Why the board could not be read (or posted to), if so.
+    pub error: Option<String>,
+    pub waited: Duration,
+}
+
+/// Posts `ours` (rank, post) and fetches the board until every rank in `wanted` has a post
+/// of `clique` or the grace period ends. Every wait is bounded.
+pub(crate) fn exchange(
+    board: &dyn RemoteBoard,
+    clique: u64,
+    ours: &[(usize, DesyncPost)],
+    wanted: &[usize],
+    timeout: Duration,
+) -> Remote {
+    let start = Instant::now();
+    let io = Duration::from_secs(2);
+    let mut remote = Remote::default();
+    for (rank, post) in ours {
+        if let Err(e) = board.post(*rank, post, Instant::now() + io) {
+            remote.error = Some(e);
+        }
+    }
+    let until = start + grace(timeout);
+    loop {
+        match board.fetch(Instant::now() + io) {
+            Ok(posts) => {
+                remote.posts = posts
+                    .into_iter()
+                    .map(|p| p.filter(|p| p.clique == clique))
+                    .collect();
+                remote.error = None;
+            }
+            Err(e) => remote.error = Some(e),
+        }
+        let all = remote.error.is_none()
+            && wanted
+                .iter()
+                .all(|&r| remote.posts.get(r).is_some_and(Option::is_some));
+        if all || Instant::now() >= until {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100).min(until - Instant::now()));
+    }
+    remote.waited = start.elapsed();
+    remote
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn posts_round_trip_and_are_bounded() {
+        let p = DesyncPost::new(7, 3, "ncclAllReduce seq 2\nat x.rs:1");
+        assert_eq!(p.text, "ncclAllReduce seq 2 at x.rs:1");
+        assert_eq!(DesyncPost::decode(&p.encode()), Some(p));
+        let long = DesyncPost::new(1, 1, &"é".repeat(1000));
+        assert!(long.text.len() <= MAX_POST_TEXT && long.encode().len() <= 1024);
+        assert_eq!(DesyncPost::decode(&[0; 15]), None);
+        assert_eq!(DesyncPost::decode(&[0xff; 16 + 2]), None, "not UTF-8");
+        assert_eq!(
+            DesyncPost::decode(&vec![b'a'; 16 + MAX_POST_TEXT + 1]),
+            None
+        );
+    }
+}

@@ -1,0 +1,426 @@
+//! The desync board: a small service rank 0 hosts for the life of a multi-process job, to
+//! which each rank posts what it was last doing when its clique times out, and from which
+//! every rank reads the others' posts to build the cross-process desync report.
+//!
+//! It speaks the rendezvous's wire format and authentication (length-prefixed frames of at
+//! most 4 KiB, the job token proved by HMAC-SHA-256 over fresh nonces, see
+//! [`super::rendezvous`]), with its own magic `nccl-safe-board1` so neither protocol is
+//! mistaken for the other. [`ProcessLauncher::init`](super::ProcessLauncher::init) hosts
+//! it on `MASTER_PORT + 1` ([`BOARD_PORT_OFFSET`]).
+//!
+//! One request per connection, after the handshake (`HELLO`, `AUTH` as in the rendezvous;
+//! a wrong token, world size or rank gets a `REFUSE`):
+//! - `POST | post | HMAC(token, "post" | sn | cn | rank | post)`, answered by `ACK`;
+//! - `FETCH | HMAC(token, "fetch" | sn | cn)`, answered by `BOARD | world` and one frame per
+//!   rank `ENTRY | present | post | HMAC(token, "entry" | sn | cn | rank | present | post)`.
+//!
+//! Every connect, read and write is bounded (2 s by default); garbage, oversized frames and
+//! failed MACs only drop that connection.
+
+use super::rendezvous::{refusal, RendezvousError};
+use super::wire::{self, refuse, N};
+use crate::config::Config;
+use crate::diag::remote::RemoteBoard;
+use crate::diag::DesyncPost;
+use std::fmt;
+use std::io;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+/// The board listens on the rendezvous port plus this.
+pub const BOARD_PORT_OFFSET: u16 = 1;
+/// Default bound on each connect, read and write of the board.
+pub const DEFAULT_BOARD_IO_TIMEOUT: Duration = Duration::from_secs(2);
+
+const MAGIC: &[u8; 16] = b"nccl-safe-board1";
+const POST: u8 = 16;
+const FETCH: u8 = 17;
+const BOARD: u8 = 18;
+const ENTRY: u8 = 19;
+
+fn post_mac(token: &[u8], sn: &[u8; N], cn: &[u8; N], rank: u32, body: &[u8]) -> [u8; N] {
+    wire::hmac(token, &[b"post", sn, cn, &rank.to_be_bytes(), body])
+}
+
+fn fetch_mac(token: &[u8], sn: &[u8; N], cn: &[u8; N]) -> [u8; N] {
+    wire::hmac(token, &[b"fetch", sn, cn])
+}
+
+fn entry_mac(token: &[u8], sn: &[u8; N], cn: &[u8; N], rank: u32, e: &[u8]) -> [u8; N] {
+    wire::hmac(token, &[b"entry", sn, cn, &rank.to_be_bytes(), e])
+}
+
+fn invalid(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what.to_string())
+}
+
+/// Rank 0's running desync board. Dropping it (or [`stop`](Self::stop)) closes the listener.
+pub struct DesyncBoard {
+    local_addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl fmt::Debug for DesyncBoard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DesyncBoard")
+            .field("local_addr", &self.local_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+struct BoardServer {
+    world_size: usize,
+    token: Vec<u8>,
+    io_timeout: Duration,
+    posts: Mutex<Vec<Option<DesyncPost>>>,
+}
+
+impl DesyncBoard {
+    /// Listens on `addr` (port 0: any free port) and serves a board of `world_size` ranks to
+    /// peers holding `token`, from a background thread, until dropped.
+    pub fn serve(
+        addr: impl ToSocketAddrs,
+        world_size: usize,
+        token: impl Into<Vec<u8>>,
+    ) -> Result<DesyncBoard, RendezvousError> {
+        if world_size == 0 || u32::try_from(world_size).is_err() {
+            return Err(RendezvousError::InvalidRank {
+                rank: 0,
+                world_size,
+            });
+        }
+        let listener = TcpListener::bind(addr).map_err(|source| RendezvousError::Bind {
+            addr: "the desync board's address".into(),
+            source,
+        })?;
+        let io_err = |context: &str| {
+            let context = context.to_string();
+            move |source| RendezvousError::Io { context, source }
+        };
+        let local_addr = listener
+            .local_addr()
+            .map_err(io_err("desync board listener address"))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(io_err("desync board listener"))?;
+        let server = Arc::new(BoardServer {
+            world_size,
+            token: token.into(),
+            io_timeout: DEFAULT_BOARD_IO_TIMEOUT,
+            posts: Mutex::new(vec![None; world_size]),
+        });
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = Arc::clone(&stop);
+        let thread = thread::Builder::new()
+            .name("nccl-desync-board".into())
+            .spawn(move || {
+                let active = Arc::new(AtomicUsize::new(0));
+                while !stop2.load(Ordering::Acquire) {
+                    let s = Arc::clone(&server);
+                    wire::accept_one(&listener, &active, "nccl-desync-peer", move |stream| {
+                        // Errors only mean this peer is dropped; the board goes on.
+                        let _ = s.handle(stream);
+                    });
+                }
+            })
+            .map_err(io_err("spawning the desync board thread"))?;
+        Ok(DesyncBoard {
+            local_addr,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The address actually bound.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Stops serving and closes the listener (within a few milliseconds).
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for DesyncBoard {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl BoardServer {
+    fn handle(&self, mut s: TcpStream) -> io::Result<()> {
+        wire::bound_waits(&s, self.io_timeout)?;
+        let sn = wire::send_hello(&mut s, MAGIC)?;
+        let Some(wire::Auth { rank, world, cn }) = wire::read_auth(&mut s, &self.token, &sn)?
+        else {
+            return wire::write_frame(&mut s, &refuse(wire::R_TOKEN, 0, 0));
+        };
+        let ours = u32::try_from(self.world_size).unwrap_or(u32::MAX);
+        if world as usize != self.world_size {
+            return wire::write_frame(&mut s, &refuse(wire::R_WORLD, ours, world));
+        }
+        if rank as usize >= self.world_size {
+            return wire::write_frame(&mut s, &refuse(wire::R_RANGE, ours, rank));
+        }
+        let req = wire::read_frame(&mut s)?;
+        match req.first() {
+            Some(&POST) if req.len() > N => {
+                let (body, mac) = req[1..].split_at(req.len() - 1 - N);
+                if !wire::ct_eq(mac, &post_mac(&self.token, &sn, &cn, rank, body)) {
+                    return Err(invalid("bad post MAC"));
+                }
+                let post = DesyncPost::decode(body).ok_or_else(|| invalid("not a post"))?;
+                match self.posts.lock() {
+                    Ok(mut g) => g[rank as usize] = Some(post),
+                    Err(_) => return Err(invalid("poisoned")),
+                }
+                wire::write_frame(&mut s, &[wire::ACK])
+            }
+            Some(&FETCH) if req.len() == 1 + N => {
+                if !wire::ct_eq(&req[1..], &fetch_mac(&self.token, &sn, &cn)) {
+                    return Err(invalid("bad fetch MAC"));
+                }
+                let posts = match self.posts.lock() {
+                    Ok(g) => g.clone(),
+                    Err(_) => return Err(invalid("poisoned")),
+                };
+                let mut head = vec![BOARD];
+                head.extend_from_slice(&ours.to_be_bytes());
+                wire::write_frame(&mut s, &head)?;
+                for (r, p) in posts.iter().enumerate() {
+                    let mut e = vec![u8::from(p.is_some())];
+                    if let Some(p) = p {
+                        e.extend_from_slice(&p.encode());
+                    }
+                    let mac = entry_mac(&self.token, &sn, &cn, r as u32, &e);
+                    let mut frame = vec![ENTRY];
+                    frame.extend_from_slice(&e);
+                    frame.extend_from_slice(&mac);
+                    wire::write_frame(&mut s, &frame)?;
+                }
+                Ok(())
+            }
+            _ => Err(invalid("not a board request")),
+        }
+    }
+}
+
+/// A rank's connection details for the desync board: where it is, the job's size and
+/// token. Each [`post`](Self::post) or [`fetch`](Self::fetch) is one short connection.
+#[derive(Clone)]
+pub struct BoardClient {
+    addr: String,
+    world_size: usize,
+    token: Vec<u8>,
+    io_timeout: Duration,
+}
+
+impl fmt::Debug for BoardClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BoardClient")
+            .field("addr", &self.addr)
+            .field("world_size", &self.world_size)
+            .field("token", &"<redacted>")
+            .finish_non_exhaustive()
+    }
+}
+
+impl BoardClient {
+    /// The board at `addr` (`host:port`) of a job of `world_size` ranks holding `token`.
+    pub fn new(addr: impl Into<String>, world_size: usize, token: impl Into<Vec<u8>>) -> Self {
+        BoardClient {
+            addr: addr.into(),
+            world_size,
+            token: token.into(),
+            io_timeout: DEFAULT_BOARD_IO_TIMEOUT,
+        }
+    }
+
+    /// Sets the bound on each connect, read and write (default 2 s).
+    pub fn with_io_timeout(mut self, io_timeout: Duration) -> Self {
+        self.io_timeout = io_timeout;
+        self
+    }
+
+    /// The board's address.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Posts `post` as rank `rank`'s latest (replacing its earlier one).
+    pub fn post(&self, rank: usize, post: &DesyncPost) -> Result<(), RendezvousError> {
+        self.post_by(rank, post, Instant::now() + 2 * self.io_timeout)
+    }
+
+    /// Every rank's latest post, rank-indexed (`None`: that rank posted nothing).
+    pub fn fetch(&self) -> Result<Vec<Option<DesyncPost>>, RendezvousError> {
+        let d = self.io_timeout * (4 + u32::try_from(self.world_size).unwrap_or(u32::MAX) / 64);
+        self.fetch_by(Instant::now() + d)
+    }
+
+    fn protocol(&self, detail: &str) -> RendezvousError {
+        RendezvousError::Protocol {
+            addr: self.addr.clone(),
+            detail: format!("desync board: {detail}"),
+        }
+    }
+
+    fn io(&self, what: &str) -> impl FnOnce(io::Error) -> RendezvousError {
+        let context = format!("desync board at {}: {what}", self.addr);
+        move |source| RendezvousError::Io { context, source }
+    }
+
+    /// Connects and authenticates as `rank`; every wait ends by `deadline`.
+    fn connect(
+        &self,
+        rank: usize,
+        deadline: Instant,
+    ) -> Result<(TcpStream, [u8; N], [u8; N], u32), RendezvousError> {
+        let (Ok(r32), Ok(w32)) = (u32::try_from(rank), u32::try_from(self.world_size)) else {
+            return Err(RendezvousError::InvalidRank {
+                rank,
+                world_size: self.world_size,
+            });
+        };
+        let left = || {
+            deadline
+                .saturating_duration_since(Instant::now())
+                .min(self.io_timeout)
+                .max(Duration::from_millis(1))
+        };
+        let addrs: Vec<SocketAddr> = self
+            .addr
+            .to_socket_addrs()
+            .map_err(|source| RendezvousError::Resolve {
+                addr: self.addr.clone(),
+                source,
+            })?
+            .collect();
+        let mut last = io::Error::new(io::ErrorKind::AddrNotAvailable, "no address");
+        let mut stream = None;
+        for a in addrs {
+            match TcpStream::connect_timeout(&a, left()) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = e,
+            }
+        }
+        let mut s = stream.ok_or(last).map_err(self.io("connecting"))?;
+        wire::bound_waits(&s, left()).map_err(self.io("setting timeouts"))?;
+        let hello = wire::read_frame(&mut s).map_err(self.io("reading the hello"))?;
+        let sn =
+            wire::parse_hello(&hello, MAGIC).ok_or_else(|| self.protocol("unexpected hello"))?;
+        let cn = wire::nonce().map_err(self.io("drawing a nonce"))?;
+        let auth = wire::auth_frame(&self.token, &sn, &cn, r32, w32);
+        wire::write_frame(&mut s, &auth).map_err(self.io("authenticating"))?;
+        Ok((s, sn, cn, r32))
+    }
+
+    fn refused_or(&self, frame: &[u8], rank: usize, detail: &str) -> RendezvousError {
+        match wire::parse_refuse(frame).map(refusal) {
+            Some(Ok(reason)) => RendezvousError::Refused {
+                addr: self.addr.clone(),
+                rank,
+                reason,
+            },
+            Some(Err(d)) => self.protocol(&d),
+            None => self.protocol(detail),
+        }
+    }
+
+    fn post_by(
+        &self,
+        rank: usize,
+        post: &DesyncPost,
+        deadline: Instant,
+    ) -> Result<(), RendezvousError> {
+        let (mut s, sn, cn, r32) = self.connect(rank, deadline)?;
+        let body = post.encode();
+        let mut req = vec![POST];
+        req.extend_from_slice(&body);
+        req.extend_from_slice(&post_mac(&self.token, &sn, &cn, r32, &body));
+        // A refusal (e.g. wrong token) arrives instead of the ACK; the request may then be
+        // unread, so a failed write is not yet an error.
+        let sent = wire::write_frame(&mut s, &req);
+        let reply = wire::read_frame(&mut s);
+        match (sent, reply) {
+            (_, Ok(r)) if r == [wire::ACK] => Ok(()),
+            (_, Ok(r)) => Err(self.refused_or(&r, rank, "unexpected reply to a post")),
+            (Err(e), Err(_)) | (Ok(()), Err(e)) => Err(self.io("posting")(e)),
+        }
+    }
+
+    fn fetch_by(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, RendezvousError> {
+        let (mut s, sn, cn, _) = self.connect(0, deadline)?;
+        let mut req = vec![FETCH];
+        req.extend_from_slice(&fetch_mac(&self.token, &sn, &cn));
+        let sent = wire::write_frame(&mut s, &req);
+        let head = match (sent, wire::read_frame(&mut s)) {
+            (_, Ok(h)) => h,
+            (Err(e), Err(_)) | (Ok(()), Err(e)) => return Err(self.io("fetching")(e)),
+        };
+        let want = u32::try_from(self.world_size)
+            .unwrap_or(u32::MAX)
+            .to_be_bytes();
+        if head.len() != 5 || head[0] != BOARD || head[1..] != want {
+            return Err(self.refused_or(&head, 0, "unexpected reply to a fetch"));
+        }
+        let mut posts = Vec::with_capacity(self.world_size.min(1 << 16));
+        for r in 0..self.world_size {
+            if Instant::now() >= deadline {
+                return Err(self.io("fetching")(io::ErrorKind::TimedOut.into()));
+            }
+            let f = wire::read_frame(&mut s).map_err(self.io("reading an entry"))?;
+            if f.len() < 2 + N || f[0] != ENTRY {
+                return Err(self.protocol("not a board entry"));
+            }
+            let (e, mac) = f[1..].split_at(f.len() - 1 - N);
+            if !wire::ct_eq(mac, &entry_mac(&self.token, &sn, &cn, r as u32, e)) {
+                return Err(RendezvousError::ServerAuthentication {
+                    addr: self.addr.clone(),
+                });
+            }
+            posts.push(match e[0] {
+                0 => None,
+                _ => Some(DesyncPost::decode(&e[1..]).ok_or_else(|| self.protocol("bad post"))?),
+            });
+        }
+        Ok(posts)
+    }
+}
+
+impl RemoteBoard for BoardClient {
+    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<(), String> {
+        self.post_by(rank, post, deadline)
+            .map_err(|e| e.to_string())
+    }
+
+    fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, String> {
+        self.fetch_by(deadline).map_err(|e| e.to_string())
+    }
+}
+
+impl Config {
+    /// Gives the communicator the job's desync board: when its clique times out, it posts
+    /// what its ranks were last doing, and its report shows what the ranks in other
+    /// processes posted (instead of "no record"). Nothing is sent in normal operation.
+    /// [`ProcessLauncher::init`](super::ProcessLauncher::init) sets it for you. Children
+    /// from split/shrink do not inherit it (their ranks are numbered differently).
+    pub fn desync_board(self, board: BoardClient) -> Config {
+        self.remote_board(Arc::new(board))
+    }
+}

@@ -1,0 +1,242 @@
+//! The desync board across processes: rank 0 hosts it, ranks post what they were last
+//! doing, every process fetches every rank's latest post; a wrong token gets nothing, and
+//! garbage does not stop it. Loopback only; every wait is bounded.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nccl_safe::diag::DesyncPost;
+use nccl_safe::launch::desync::{BoardClient, DesyncBoard};
+use nccl_safe::launch::rendezvous::{Refusal, RendezvousError};
+
+const CHILD: &str = "NCCL_SAFE_TEST_BOARD_CHILD";
+const TOKEN: &str = "board-test-token";
+const WORLD: usize = 3;
+
+fn summary(rank: usize) -> DesyncPost {
+    DesyncPost::new(
+        42,
+        rank as u64 + 5,
+        &format!(
+            "ncclAllReduce(f32 x 4) seq {} at train.rs:{rank}0 (in progress)",
+            rank + 4
+        ),
+    )
+}
+
+/// Runs only inside the child processes spawned below.
+#[test]
+fn child_board_rank() {
+    let Some(rank) = std::env::var(CHILD)
+        .ok()
+        .and_then(|r| r.parse::<usize>().ok())
+    else {
+        return;
+    };
+    let addr = std::env::var("BOARD_ADDR").unwrap();
+    let board = (rank == 0).then(|| DesyncBoard::serve(&addr, WORLD, TOKEN).unwrap());
+    let client = BoardClient::new(&addr, WORLD, TOKEN);
+    let deadline = Instant::now() + Duration::from_secs(8);
+    // Rank 1 is "behind": it posts nothing. The others retry until rank 0's board is up.
+    if rank != 1 {
+        while let Err(e) = client.post(rank, &summary(rank)) {
+            assert!(Instant::now() < deadline, "rank {rank} could not post: {e}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let posts = loop {
+        match client.fetch() {
+            Ok(p) if p[0].is_some() && p[2].is_some() => break p,
+            r => assert!(Instant::now() < deadline, "rank {rank}: {r:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    for (r, p) in posts.iter().enumerate() {
+        match p {
+            Some(p) => println!("\n@@POST {r} {} {} {}", p.clique, p.issued, p.text),
+            None => println!("\n@@NONE {r}"),
+        }
+    }
+    if let Some(board) = board {
+        // Serve until the parent says the others are done (closes our stdin).
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        board.stop();
+    }
+}
+
+#[test]
+fn three_processes_see_each_others_posts_and_none_for_the_silent_rank() {
+    let start = Instant::now();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let exe = std::env::current_exe().unwrap();
+    let mut children: Vec<_> = (0..WORLD)
+        .map(|rank| {
+            Command::new(&exe)
+                .args([
+                    "--exact",
+                    "child_board_rank",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(CHILD, rank.to_string())
+                .env("BOARD_ADDR", format!("127.0.0.1:{port}"))
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Ranks 1 and 2 finish on their own (bounded by their 8 s deadline); then rank 0 may stop.
+    let mut outs = vec![None, None, None];
+    for r in [1, 2, 0] {
+        if r == 0 {
+            drop(children[0].stdin.take());
+        }
+        let c = std::mem::replace(&mut children[r], Command::new("true").spawn().unwrap());
+        outs[r] = Some(c.wait_with_output().unwrap());
+    }
+    for (rank, out) in outs.into_iter().enumerate() {
+        let out = out.unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "rank {rank}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for r in 0..WORLD {
+            if r == 1 {
+                assert!(stdout.contains("@@NONE 1\n"), "rank {rank}: {stdout}");
+            } else {
+                let p = summary(r);
+                let line = format!("@@POST {r} {} {} {}\n", p.clique, p.issued, p.text);
+                assert!(stdout.contains(&line), "rank {rank} lacks {line}: {stdout}");
+            }
+        }
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(12),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn wrong_token_gets_nothing_and_garbage_is_dropped() {
+    let board = DesyncBoard::serve("127.0.0.1:0", 2, TOKEN).unwrap();
+    let addr = board.local_addr().to_string();
+    let good = BoardClient::new(&addr, 2, TOKEN);
+    good.post(1, &summary(1)).unwrap();
+
+    let bad = BoardClient::new(&addr, 2, "not-the-token");
+    for r in [bad.fetch().map(|_| ()), bad.post(0, &summary(0))] {
+        assert!(
+            matches!(
+                r,
+                Err(RendezvousError::Refused {
+                    reason: Refusal::BadToken,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+    }
+    let wrong_world = BoardClient::new(&addr, 3, TOKEN).fetch();
+    assert!(matches!(
+        wrong_world,
+        Err(RendezvousError::Refused {
+            reason: Refusal::WorldSizeMismatch { .. },
+            ..
+        })
+    ));
+    assert!(good.post(2, &summary(0)).is_err(), "rank out of range");
+
+    let send = |bytes: &[u8]| {
+        let mut s = TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let _ = s.write_all(bytes);
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink); // the board closes on us
+        sink.len()
+    };
+    let t = Instant::now();
+    // A 4 GiB length prefix, an HTTP request, a well-sized frame of nonsense.
+    assert!(send(&[0xff, 0xff, 0xff, 0xff, 1, 2, 3]) < 100);
+    assert!(send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n") < 100);
+    assert!(send(&[0, 0, 0, 3, 9, 9, 9]) < 100);
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    // A silent peer does not hold up the others.
+    let _silent = TcpStream::connect(&addr).unwrap();
+    let posts = good.fetch().unwrap();
+    assert_eq!(
+        posts,
+        vec![None, Some(summary(1))],
+        "the bad token posted nothing"
+    );
+    board.stop();
+    assert!(
+        TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_millis(500)).is_err(),
+        "listener still open after stop"
+    );
+}
+
+/// End to end on the host provider: a communicator given the board by
+/// `Config::desync_board` posts its ranks' last operations when the watchdog fires (and
+/// not before), and its report still names the rank that is behind.
+#[test]
+fn a_timeout_posts_each_ranks_last_operation_to_the_board() {
+    use nccl_safe::{Communicator, Config, Device, HostStream, ReduceOp};
+    let board = DesyncBoard::serve("127.0.0.1:0", 2, TOKEN).unwrap();
+    let client = BoardClient::new(board.local_addr().to_string(), 2, TOKEN);
+    let timeout = Duration::from_millis(500);
+    let config = Config::new().timeout(timeout).desync_board(client.clone());
+    let id = Device::Host.unique_id().unwrap();
+    let start = Instant::now();
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let (id, config, client) = (&id, &config, &client);
+                s.spawn(move || {
+                    let comm = Communicator::init_rank(&Device::Host, 2, rank, id, config).unwrap();
+                    let mut x = vec![1.0f32; 4];
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)
+                        .unwrap();
+                    // Healthy operations post nothing.
+                    assert_eq!(client.fetch().unwrap(), vec![None, None]);
+                    if rank == 1 {
+                        std::thread::sleep(timeout + Duration::from_millis(300));
+                        return String::new();
+                    }
+                    let e = comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream);
+                    e.unwrap_err().to_string()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(errors[0].contains("rank 1: BEHIND"), "{}", errors[0]);
+    let posts = client.fetch().unwrap();
+    let (p0, p1) = (posts[0].as_ref().unwrap(), posts[1].as_ref().unwrap());
+    assert_eq!((p0.issued, p1.issued), (2, 1), "{posts:?}");
+    assert!(
+        p0.text
+            .starts_with("ncclAllReduce(float x 4) seq 1 at tests/desync_board.rs:"),
+        "{p0:?}"
+    );
+    assert!(
+        p1.text.contains("seq 0") && p1.text.contains("(completed)"),
+        "{p1:?}"
+    );
+    assert_eq!(p0.clique, p1.clique);
+}
