@@ -460,7 +460,7 @@ impl Communicator {
     }
 
     /// Polls `ncclCommGetAsyncError` until the communicator leaves `ncclInProgress`.
-    fn wait_ready(
+    pub(crate) fn wait_ready(
         &self,
         op: &'static str,
         caller: &'static Location<'static>,

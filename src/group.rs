@@ -148,10 +148,9 @@ impl<'a> Group<'a> {
         self.guards.clear();
         match r {
             Err(e) if e.code() == Some(crate::ResultCode::InProgress) => {
-                for c in &self.comms {
-                    while c.async_error()? {
-                        std::thread::yield_now();
-                    }
+                // Non-blocking communicators: wait (bounded) until each has launched its part.
+                for c in self.comms.iter() {
+                    c.wait_ready("ncclGroupEnd", caller, crate::comm::DEFAULT_INIT_TIMEOUT)?;
                 }
                 Ok(())
             }

@@ -28,8 +28,6 @@ use crate::types::NcclType;
 /// The guards of one enqueued operation (at most a send and a receive buffer).
 pub(crate) type Guards<'a> = [BufferGuard<'a>; 2];
 
-const NO_GUARDS: Guards<'static> = [BufferGuard::Host, BufferGuard::Host];
-
 impl Communicator {
     fn check_stream(&self, op: &'static str, stream: StreamRef<'_>) -> Result<()> {
         match (self.library().provider(), stream) {
@@ -968,9 +966,4 @@ fn check_len(
             rule,
         })
     }
-}
-
-#[allow(dead_code)]
-pub(crate) fn no_guards() -> Guards<'static> {
-    NO_GUARDS
 }
