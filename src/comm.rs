@@ -719,7 +719,9 @@ impl Communicator {
 impl Drop for Communicator {
     fn drop(&mut self) {
         // Waits (bounded by the watchdog) for work in flight; `false`: abort, not destroy.
-        let healthy = self.diag.drain();
+        // While unwinding the communicator is aborted anyway, so there is nothing to wait for.
+        let panicking = std::thread::panicking();
+        let healthy = !panicking && self.diag.drain();
         let raw = self.take();
         if raw.is_null() {
             return;
@@ -727,7 +729,7 @@ impl Drop for Communicator {
         let _ = bind(&self.device);
         // Dropped during a panic: this rank will not reach the collectives its peers may be
         // waiting in, so abort (which wakes them) rather than destroy.
-        let failed = self.failure.get_mut().is_some() || !healthy || std::thread::panicking();
+        let failed = self.failure.get_mut().is_some() || !healthy || panicking;
         // SAFETY: `raw` is live and, taken out of `self`, torn down exactly once here.
         let _ = unsafe {
             if failed {
