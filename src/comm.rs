@@ -526,7 +526,7 @@ impl Communicator {
             }
         };
         let mut child: ncclComm_t = std::ptr::null_mut();
-        self.issue(OP, caller, |t, comm| {
+        self.issue(&OP, caller, |t, comm| {
             // SAFETY: `child` is writable; a null config means "inherit the parent's".
             unsafe { (t.ncclCommSplit)(comm, color, key, &mut child, std::ptr::null_mut()) }
         })?;
@@ -571,7 +571,7 @@ impl Communicator {
             });
         }
         let mut child: ncclComm_t = std::ptr::null_mut();
-        self.issue(OP, caller, |_, comm| {
+        self.issue(&OP, caller, |_, comm| {
             // SAFETY: `list` holds `list.len()` in-range ranks; `child` is writable; null
             // config inherits the parent's; flags 0 = NCCL_SHRINK_DEFAULT.
             unsafe {

@@ -44,6 +44,20 @@ pub enum DataType {
 }
 
 impl DataType {
+    /// Every variant, in declaration order (`ALL[d as usize] == d`).
+    pub(crate) const ALL: [DataType; 10] = [
+        DataType::Int8,
+        DataType::Uint8,
+        DataType::Int32,
+        DataType::Uint32,
+        DataType::Int64,
+        DataType::Uint64,
+        DataType::Float16,
+        DataType::Float32,
+        DataType::Float64,
+        DataType::Bfloat16,
+    ];
+
     /// The raw `ncclDataType_t`.
     pub fn to_raw(self) -> ncclDataType_t {
         use nccl_sys::bindings as b;

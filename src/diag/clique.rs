@@ -8,12 +8,13 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::recorder::{OpRecord, OpState};
 use super::remote::{self, DesyncPost, RemoteBoard};
+use super::Shared;
 
 /// How many sequence numbers of fingerprints each rank keeps on the board. A rank cannot
 /// post seq n+1 before every rank posted seq n, so two would do.
@@ -49,10 +50,8 @@ pub(crate) struct RankView {
     pub gone: bool,
     /// Collectives issued so far (the next one gets this sequence number).
     pub issued: u64,
-    /// The last operation (its state as of when it was issued; see `Clique::set_state`).
+    /// The last operation.
     pub last: Option<OpRecord>,
-    /// The communicator's index of `last`, matched against the rank's state word.
-    pub last_id: u64,
 }
 
 /// The shape of a collective that every rank must agree on, and where it was called.
@@ -70,17 +69,20 @@ pub(crate) struct Clique {
     pub key: CliqueKey,
     pub world_size: usize,
     state: Mutex<CliqueState>,
-    /// One slot per rank, each written only by its rank: no contention between ranks on
-    /// the per-operation path.
+    /// Per rank: what was recorded when its communicator was torn down (or set directly).
     views: Vec<Mutex<RankView>>,
-    /// Per rank: `(operation index << 2) | state` of its latest finished operation, written
-    /// with a plain store (no lock, no read-modify-write) when an operation ends.
-    states: Vec<AtomicU64>,
+    /// Per rank: its live communicator's diagnostics, read when a report is built. The
+    /// per-operation path writes nothing here.
+    live: Vec<Mutex<Weak<Shared>>>,
     cv: Condvar,
     /// Mirrors `CliqueState::timed_out.is_some()`, so the per-operation check takes no lock.
     any_timeout: AtomicBool,
     /// The job's desync board in another process, read and posted to by [`Clique::report`].
     board: OnceLock<Arc<dyn RemoteBoard>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn registry() -> &'static Mutex<HashMap<CliqueKey, Weak<Clique>>> {
@@ -107,7 +109,7 @@ pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
         views: (0..world_size)
             .map(|_| Mutex::new(RankView::default()))
             .collect(),
-        states: (0..world_size).map(|_| AtomicU64::new(u64::MAX)).collect(),
+        live: (0..world_size).map(|_| Mutex::new(Weak::new())).collect(),
         cv: Condvar::new(),
         any_timeout: AtomicBool::new(false),
         board: OnceLock::new(),
@@ -130,42 +132,44 @@ impl Clique {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Records that operation `id` of rank `rank` ended in `state` (one plain store).
-    #[inline]
-    pub(crate) fn set_state(&self, rank: usize, id: u64, state: OpState) {
-        if let Some(w) = self.states.get(rank) {
-            let code = match state {
-                OpState::Enqueued => 0,
-                OpState::Completed => 1,
-                OpState::Failed => 2,
-            };
-            w.store((id << 2) | code, Ordering::Release);
+    /// Rank `rank`'s view: its live communicator's, else the one recorded last.
+    fn view(&self, rank: usize) -> RankView {
+        let live = self.live.get(rank).and_then(|l| lock(l).upgrade());
+        match live {
+            Some(s) => s.view(),
+            None => self
+                .views
+                .get(rank)
+                .map_or_else(RankView::default, |v| *lock(v)),
         }
     }
 
-    /// Rank `rank`'s view with the state of its last operation brought up to date.
-    fn view(&self, rank: usize) -> RankView {
-        let Some(m) = self.views.get(rank) else {
-            return RankView::default();
-        };
-        let mut v = *m.lock().unwrap_or_else(|e| e.into_inner());
-        let w = self.states[rank].load(Ordering::Acquire);
-        if let Some(l) = v.last.as_mut() {
-            if w != u64::MAX && w >> 2 == v.last_id {
-                l.state = match w & 3 {
-                    1 => OpState::Completed,
-                    2 => OpState::Failed,
-                    _ => OpState::Enqueued,
-                };
-            }
+    /// Rank `rank`'s communicator joined with its diagnostics `s`.
+    pub(crate) fn attach(&self, rank: usize, s: &Arc<Shared>) {
+        if let Some(l) = self.live.get(rank) {
+            *lock(l) = Arc::downgrade(s);
         }
-        v
+        self.update(rank, |v| v.present = true);
+    }
+
+    /// Rank `rank`'s communicator is torn down; `last` is what it was last seen doing.
+    pub(crate) fn detach(&self, rank: usize, last: RankView) {
+        self.update(rank, |v| *v = last);
+        if let Some(l) = self.live.get(rank) {
+            *lock(l) = Weak::new();
+        }
+    }
+
+    /// Whether the clique timed out (one load).
+    #[inline]
+    pub(crate) fn any_timeout(&self) -> bool {
+        self.any_timeout.load(Ordering::Acquire)
     }
 
     /// Updates rank `rank`'s view (no allocation).
     pub(crate) fn update(&self, rank: usize, f: impl FnOnce(&mut RankView)) {
         if let Some(v) = self.views.get(rank) {
-            f(&mut v.lock().unwrap_or_else(|e| e.into_inner()));
+            f(&mut lock(v));
         }
     }
 

@@ -19,7 +19,7 @@
 //!   allocates. [`Communicator::flight_record`] copies it; it is printed to stderr on a
 //!   timeout or error with `NCCL_SAFE_DEBUG=info|detail` or [`Config::dump_on_failure`], and
 //!   written as JSON to [`Config::flight_record_dir`] (or `NCCL_SAFE_FLIGHT_RECORD_DIR`).
-//! * **Desync report.** Ranks of one clique in this process share their last operation; a
+//! * **Desync report.** Ranks of one clique in this process read each other's last operation; a
 //!   timeout reports which ranks are behind, what each was last doing and from which line.
 //!   Ranks in other processes come from the job's desync board ([`Config::desync_board`],
 //!   set by `ProcessLauncher::init`): the report posts this process's ranks to it and reads
@@ -32,18 +32,30 @@
 //! * **Straggler view.** [`Communicator::diagnostics`] reports the time spent inside
 //!   collectives.
 //!
+//! **Cost.** The per-operation path takes no lock, makes no read-modify-write, reads no
+//! system clock and allocates nothing: about a dozen plain stores into the record's ring
+//! slot (a sequence lock: `journal`), a load of the coarse clock (`clock`, advanced by the
+//! watchdog every 10 ms; [`Config::timing`] switches to `Instant::now()`), and a compiler
+//! fence paired with the watchdog's `membarrier(2)` (`fence`) to keep the owner and the
+//! watchdog from ever both using a handle. CUDA operations add an event record (events
+//! are reused). `cargo bench --bench overhead` measures it.
+//!
 //! Not done: the cross-process fingerprint exchange, watching `ncclGroupEnd`, and fingerprints of operations inside a
 //! [`crate::Group`] (they are recorded, not compared).
 
 mod clique;
+mod clock;
+mod fence;
+mod journal;
 mod recorder;
 pub(crate) mod remote;
 mod watchdog;
 
 use std::cell::Cell;
+use std::collections::VecDeque;
 use std::panic::Location;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -57,11 +69,11 @@ use crate::comm::Communicator;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::id::UniqueId;
-use crate::library::Library;
+use crate::library::{Library, Provider};
 use crate::stream::StreamRef;
 use crate::types::DataType;
-use clique::{Agreement, Clique, CliqueKey};
-use recorder::Ring;
+use clique::{Agreement, Clique, CliqueKey, RankView};
+use journal::{Entry, Journal};
 
 /// The watchdog's default timeout: 10 minutes, as PyTorch's.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -77,11 +89,18 @@ pub(crate) struct DiagConfig {
     ring: Option<usize>,
     dump_dir: Option<PathBuf>,
     dump_stderr: Option<bool>,
+    precise: Option<bool>,
     /// The job's desync board in another process (not inherited by children).
     board: Option<Arc<dyn remote::RemoteBoard>>,
 }
 
 impl Config {
+    /// [`timing`](Self::timing), unless it was set.
+    pub(crate) fn timing_unless_set(mut self, precise: bool) -> Config {
+        self.diag.precise.get_or_insert(precise);
+        self
+    }
+
     /// Sets the remote desync board (see `launch::desync`).
     pub(crate) fn remote_board(mut self, board: Arc<dyn remote::RemoteBoard>) -> Config {
         self.diag.board = Some(board);
@@ -122,6 +141,20 @@ impl Config {
         self.diag.dump_stderr = Some(on);
         self
     }
+
+    /// Times every operation with the precise clock (default: with `NCCL_SAFE_TIMING=1` or
+    /// `NCCL_SAFE_DEBUG=info|detail`; children inherit it).
+    ///
+    /// Off, the watchdog, the flight recorder and [`Diagnostics::wait`] use a coarse clock
+    /// that the watchdog advances every 10 ms: about 1 ns an operation instead of two
+    /// `Instant::now()` calls (about 40 ns here). Timeouts still fire within a tick of
+    /// their deadline; per-operation times read as whole ticks, and sums over many
+    /// operations are right on average. [`crate::launch::Launcher::run_report`] turns it
+    /// on for its communicators.
+    pub fn timing(mut self, precise: bool) -> Config {
+        self.diag.precise = Some(precise);
+        self
+    }
 }
 
 /// A config's options resolved against the environment.
@@ -132,6 +165,7 @@ struct Settings {
     ring: usize,
     dump_dir: Option<PathBuf>,
     dump_stderr: bool,
+    precise: bool,
 }
 
 impl Settings {
@@ -157,6 +191,14 @@ impl Settings {
                 .clone()
                 .or_else(|| env("NCCL_SAFE_FLIGHT_RECORD_DIR").map(PathBuf::from)),
             dump_stderr: c.dump_stderr.unwrap_or(info),
+            precise: c.precise.unwrap_or_else(|| {
+                info || env("NCCL_SAFE_TIMING").is_some_and(|v| {
+                    matches!(
+                        v.trim().to_ascii_lowercase().as_str(),
+                        "1" | "true" | "on" | "yes"
+                    )
+                })
+            }),
         }
     }
 }
@@ -183,7 +225,8 @@ fn in_group() -> bool {
 /// What an operation is, as `issue` records and checks it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct OpInfo<'a> {
-    name: &'static str,
+    name: &'static &'static str,
+    collective: bool,
     dtype: Option<DataType>,
     count: usize,
     root: Option<usize>,
@@ -192,8 +235,9 @@ pub(crate) struct OpInfo<'a> {
 
 impl<'a> OpInfo<'a> {
     /// An operation moving `count` elements of `dtype` on `stream`, with its root or peer.
+    #[inline]
     pub(crate) fn new(
-        name: &'static str,
+        name: &'static &'static str,
         dtype: DataType,
         count: usize,
         root: Option<usize>,
@@ -201,6 +245,7 @@ impl<'a> OpInfo<'a> {
     ) -> OpInfo<'a> {
         OpInfo {
             name,
+            collective: is_collective(name),
             dtype: Some(dtype),
             count,
             root,
@@ -209,21 +254,25 @@ impl<'a> OpInfo<'a> {
     }
 
     /// The NCCL call.
+    #[inline]
     pub(crate) fn name(&self) -> &'static str {
         self.name
     }
-
-    /// Collectives get a sequence number and a fingerprint; send/recv (called by two ranks)
-    /// and shrink (not called by the excluded ranks) do not.
-    fn is_collective(&self) -> bool {
-        !matches!(self.name, "ncclSend" | "ncclRecv" | "ncclCommShrink")
-    }
 }
 
-impl From<&'static str> for OpInfo<'static> {
-    fn from(name: &'static str) -> Self {
+/// Collectives get a sequence number and a fingerprint; send/recv (called by two ranks)
+/// and shrink (not called by the excluded ranks) do not.
+#[inline]
+fn is_collective(name: &str) -> bool {
+    !matches!(name, "ncclSend" | "ncclRecv" | "ncclCommShrink")
+}
+
+impl From<&'static &'static str> for OpInfo<'static> {
+    #[inline]
+    fn from(name: &'static &'static str) -> Self {
         OpInfo {
             name,
+            collective: is_collective(name),
             dtype: None,
             count: 0,
             root: None,
@@ -232,31 +281,33 @@ impl From<&'static str> for OpInfo<'static> {
     }
 }
 
-/// An operation the watchdog watches.
-#[derive(Debug, Clone, Copy)]
-struct Pending {
-    rec: OpRecord,
-    ring_id: u64,
-    /// The operation's index on its communicator (for the clique's state word).
-    id: u64,
-    deadline: Instant,
+/// `Shared::current` while no operation of the communicator is inside its NCCL call.
+const IDLE: u64 = 0;
+
+/// `Shared::claim`: the watchdog leaves the communicator alone.
+const UNCLAIMED: u8 = 0;
+/// `Shared::claim`: the watchdog is deciding whether to abort it (for microseconds).
+const DECIDING: u8 = 1;
+/// `Shared::claim`: the watchdog aborts it; its handle must not be used again.
+const ABORTING: u8 = 2;
+
+/// CUDA work handed to streams: each operation with the event recorded after it.
+#[derive(Debug, Default)]
+struct CudaQueue {
+    /// Journal position, record and end event of each enqueued operation, oldest first.
+    pending: VecDeque<(u64, OpRecord, CudaEvent)>,
+    /// Completed events, recorded again for later operations.
+    spare: Vec<CudaEvent>,
 }
 
-#[derive(Debug)]
-struct Inner {
-    /// The raw handle while this side may tear it down; 0 once taken (by the owner's
-    /// teardown or by the watchdog's abort).
-    handle: usize,
-    /// The operation inside its NCCL call.
-    current: Option<Pending>,
-    /// CUDA: enqueued operations and the events recorded after them.
-    cuda: std::collections::VecDeque<(Pending, CudaEvent)>,
-    ring: Ring,
-    /// The report of the timeout that made the watchdog abort this communicator.
-    report: Option<Arc<str>>,
-}
+/// How many completed events a communicator keeps for reuse.
+const SPARE_EVENTS: usize = 64;
 
-/// One communicator's diagnostics state, shared with the watchdog thread.
+/// One communicator's diagnostics state, shared with the watchdog thread and its clique.
+///
+/// The per-operation path (the owning thread) takes no lock and makes no read-modify-write:
+/// the journal is a sequence-locked ring, the counters have one writer, and the owner and
+/// the watchdog agree on who may use the handle through an asymmetric fence (`fence`).
 #[derive(Debug)]
 pub(crate) struct Shared {
     rank: usize,
@@ -264,29 +315,113 @@ pub(crate) struct Shared {
     settings: Settings,
     lib: Arc<Library>,
     clique: Arc<Clique>,
-    inner: Mutex<Inner>,
+    /// Whether CUDA work can be in flight after a call returns (NVIDIA's NCCL).
+    cuda_capable: bool,
+    journal: Journal,
+    /// The raw handle while it may be torn down; 0 once taken. Whoever swaps it out (the
+    /// owner's teardown or the watchdog's abort) is its one teardown.
+    handle: AtomicUsize,
+    /// [`IDLE`], or the journal position + 1 of the operation inside its NCCL call.
+    /// Written only by the owner.
+    current: AtomicU64,
+    /// [`UNCLAIMED`], [`DECIDING`] or [`ABORTING`]. Written only by the watchdog. The
+    /// owner stores `current`, fences ([`fence::light`]) and loads this before each NCCL
+    /// call; the watchdog stores this, fences ([`fence::heavy`]) and loads `current`
+    /// before it aborts. So either the owner sees the claim and does not make the call, or
+    /// the watchdog sees the owner's new operation and lets it be.
+    claim: AtomicU8,
+    /// Whether [`fence::asymmetric`] is in use.
+    asym: bool,
+    cuda: Mutex<CudaQueue>,
+    /// Operations (journal positions) below this completed on the GPU.
+    cuda_done: AtomicU64,
+    /// The report of the timeout that made the watchdog abort this communicator.
+    report: Mutex<Option<Arc<str>>>,
     aborted_by_watchdog: AtomicBool,
+    /// Torn down by its owner.
+    gone: AtomicBool,
     seq: AtomicU64,
-    ops: AtomicU64,
     wait_ns: AtomicU64,
     checks: AtomicU64,
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    /// Diagnostics clock time (coarse unless precise timing is on).
+    #[inline]
+    fn now(&self) -> u64 {
+        if self.settings.precise {
+            clock::precise()
+        } else {
+            clock::coarse()
+        }
     }
 
-    /// Retires completed CUDA work (oldest first).
-    fn retire(&self, inner: &mut Inner) {
-        while inner.cuda.front().is_some_and(|(_, ev)| ev.is_complete()) {
-            let Some((p, _event)) = inner.cuda.pop_front() else {
+    /// How far past its nominal deadline the watchdog may see an operation's clock time
+    /// (the coarse clock lags by up to a tick).
+    fn slack(&self) -> Duration {
+        if self.settings.precise {
+            Duration::ZERO
+        } else {
+            clock::TICK
+        }
+    }
+
+    fn queue(&self) -> MutexGuard<'_, CudaQueue> {
+        self.cuda.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Retires completed CUDA work (oldest first) and keeps its events for reuse.
+    fn retire(&self, q: &mut CudaQueue) {
+        while q.pending.front().is_some_and(|(_, _, ev)| ev.is_complete()) {
+            let Some((pos, _, event)) = q.pending.pop_front() else {
                 break;
             };
-            inner
-                .ring
-                .finish(p.ring_id, OpState::Completed, Instant::now());
-            self.clique.set_state(self.rank, p.id, OpState::Completed);
+            self.cuda_done.store(pos + 1, Ordering::Release);
+            if q.spare.len() < SPARE_EVENTS {
+                q.spare.push(event);
+            }
+        }
+    }
+
+    /// Records an event after the operation at `pos` on `stream` and queues it; `false`
+    /// when no event could be recorded (then the operation is not watched).
+    #[inline(never)]
+    fn enqueue_cuda(&self, pos: u64, stream: &CudaStream) -> bool {
+        let Some(rec) = self.journal.get(pos) else {
+            return false;
+        };
+        let mut q = self.queue();
+        self.retire(&mut q);
+        let event = match q.spare.pop() {
+            Some(ev) => ev,
+            None => match stream.context().new_event(None) {
+                Ok(ev) => ev,
+                Err(_) => return false,
+            },
+        };
+        if event.record(stream).is_err() {
+            return false;
+        }
+        q.pending.push_back((pos, rec, event));
+        true
+    }
+
+    /// The record at journal position `pos`, with CUDA completion applied.
+    fn record(&self, pos: u64) -> Option<OpRecord> {
+        let mut r = self.journal.get(pos)?;
+        if r.state == OpState::Enqueued && pos < self.cuda_done.load(Ordering::Acquire) {
+            r.state = OpState::Completed;
+        }
+        Some(r)
+    }
+
+    /// What the clique's desync report shows for this rank.
+    fn view(&self) -> RankView {
+        RankView {
+            present: true,
+            gone: self.gone.load(Ordering::Acquire),
+            issued: self.seq.load(Ordering::Relaxed),
+            last: self.journal.last_pos().and_then(|p| self.record(p)),
         }
     }
 
@@ -295,7 +430,11 @@ impl Shared {
             rank: self.rank,
             world_size: self.world_size,
             clique: self.clique.key,
-            entries: self.lock().ring.snapshot(),
+            entries: self
+                .journal
+                .shown()
+                .filter_map(|p| self.record(p))
+                .collect(),
             taken: Instant::now(),
         }
     }
@@ -335,8 +474,13 @@ impl Shared {
     /// The report this communicator's failure is about, if the clique timed out.
     fn timed_out(&self) -> Option<Arc<str>> {
         if self.aborted_by_watchdog.load(Ordering::Acquire) {
-            if let Some(r) = self.lock().report.clone() {
-                return Some(r);
+            let r = self
+                .report
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            if r.is_some() {
+                return r;
             }
         }
         self.clique.timed_out()
@@ -358,6 +502,94 @@ impl Shared {
         );
         self.timeout_error(&what)
     }
+
+    /// Waits for the watchdog's decision on its claim (it takes microseconds): `true`
+    /// when it let the communicator be, `false` when it aborts it (then once the abort is
+    /// visible, so the error carries its report).
+    #[cold]
+    fn await_decision(&self) -> bool {
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            match self.claim.load(Ordering::Acquire) {
+                UNCLAIMED => return true,
+                ABORTING if self.aborted_by_watchdog.load(Ordering::Acquire) => return false,
+                _ if Instant::now() >= until => return false,
+                _ => std::thread::yield_now(),
+            }
+        }
+    }
+
+    // ---- the watchdog's side ------------------------------------------------------------
+
+    /// The operation that ran out of time at `now` (diagnostics clock), if any.
+    fn late(&self, now: Instant) -> Option<OpRecord> {
+        let limit = self.settings.timeout + self.slack();
+        let cur = self.current.load(Ordering::Acquire);
+        if cur != IDLE {
+            if let Some(r) = self.journal.get(cur - 1) {
+                if now.saturating_duration_since(r.enqueued) >= limit {
+                    return Some(r);
+                }
+            }
+        }
+        if self.cuda_capable {
+            let mut q = self.queue();
+            self.retire(&mut q);
+            if let Some((_, r, _)) = q.pending.front() {
+                if now.saturating_duration_since(r.enqueued) >= limit {
+                    return Some(*r);
+                }
+            }
+        }
+        None
+    }
+
+    /// Claims this communicator for an abort at `now`: an operation inside its NCCL call
+    /// for at least `min_age` (so its thread is blocked in NCCL, not about to enter), or
+    /// idle with CUDA work in flight. `false` when it may not be aborted now.
+    fn claim(&self, now: Instant, min_age: Duration) -> bool {
+        let cur = self.current.load(Ordering::Acquire);
+        // Held across the decision for an idle one, so a teardown cannot drain meanwhile.
+        let mut queue = None;
+        if cur != IDLE {
+            let old = self
+                .journal
+                .get(cur - 1)
+                .is_some_and(|r| now.saturating_duration_since(r.enqueued) >= min_age);
+            if !old {
+                return false;
+            }
+        } else {
+            if !self.cuda_capable {
+                return false;
+            }
+            let mut q = self.queue();
+            self.retire(&mut q);
+            if q.pending.is_empty() {
+                return false;
+            }
+            queue = Some(q);
+        }
+        self.claim.store(DECIDING, Ordering::SeqCst);
+        let fenced = fence::heavy(self.asym);
+        // Still the same operation (or still idle: then any operation begun meanwhile has
+        // already ended) means the owner has not passed a check since the claim was
+        // visible, and its next check will see it.
+        let same = fenced && self.current.load(Ordering::SeqCst) == cur;
+        let verdict = if same { ABORTING } else { UNCLAIMED };
+        self.claim.store(verdict, Ordering::Release);
+        drop(queue);
+        same
+    }
+
+    /// After a successful [`claim`](Self::claim): takes the handle (0 when the owner's
+    /// teardown already has it) and marks the communicator aborted with `report`.
+    fn take_for_abort(&self, report: &Arc<str>) -> usize {
+        let h = self.handle.swap(0, Ordering::AcqRel);
+        *self.report.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(report));
+        self.aborted_by_watchdog.store(true, Ordering::Release);
+        h
+    }
 }
 
 /// A communicator's diagnostics: its settings and clique, attached (with its handle, rank
@@ -374,7 +606,10 @@ pub(crate) struct CommDiag {
 /// What [`CommDiag::begin`] hands to [`CommDiag::end`].
 #[derive(Debug)]
 pub(crate) struct Ticket<'a> {
-    pending: Option<Pending>,
+    /// The operation's journal position.
+    pos: u64,
+    /// Its start (diagnostics clock).
+    start: u64,
     stream: StreamRef<'a>,
 }
 
@@ -429,8 +664,8 @@ impl CommDiag {
         lib: &Arc<Library>,
     ) -> &Arc<Shared> {
         self.shared.get_or_init(|| {
+            clock::advance();
             let clique = clique::join(self.key, world_size.max(1));
-            clique.update(rank, |v| v.present = true);
             if let Some(b) = &self.board {
                 clique.set_board(b);
             }
@@ -439,26 +674,38 @@ impl CommDiag {
                 world_size,
                 settings: self.settings.clone(),
                 lib: Arc::clone(lib),
-                clique,
-                inner: Mutex::new(Inner {
-                    handle: raw as usize,
-                    current: None,
-                    cuda: std::collections::VecDeque::new(),
-                    ring: Ring::new(self.settings.ring),
-                    report: None,
-                }),
+                clique: Arc::clone(&clique),
+                cuda_capable: lib.provider() == Provider::Nccl,
+                journal: Journal::new(self.settings.ring),
+                handle: AtomicUsize::new(raw as usize),
+                current: AtomicU64::new(IDLE),
+                claim: AtomicU8::new(UNCLAIMED),
+                asym: fence::asymmetric(),
+                cuda: Mutex::new(CudaQueue::default()),
+                cuda_done: AtomicU64::new(0),
+                report: Mutex::new(None),
                 aborted_by_watchdog: AtomicBool::new(false),
+                gone: AtomicBool::new(false),
                 seq: AtomicU64::new(0),
-                ops: AtomicU64::new(0),
                 wait_ns: AtomicU64::new(0),
                 checks: AtomicU64::new(0),
             });
+            clique.attach(rank, &s);
             watchdog::watch(&s);
             s
         })
     }
 
+    #[inline(always)]
     fn shared(&self, comm: &Communicator) -> &Arc<Shared> {
+        match self.shared.get() {
+            Some(s) => s,
+            None => self.attach_late(comm),
+        }
+    }
+
+    #[cold]
+    fn attach_late(&self, comm: &Communicator) -> &Arc<Shared> {
         match self.shared.get() {
             Some(s) => s,
             None => self.attach(
@@ -474,18 +721,22 @@ impl CommDiag {
     #[inline]
     pub(crate) fn check_alive(&self) -> Result<()> {
         match self.shared.get() {
-            Some(s) if s.aborted_by_watchdog.load(Ordering::Acquire) => {
-                let r = s
-                    .timed_out()
-                    .unwrap_or_else(|| "the watchdog aborted it".into());
-                Err(s.timeout_error(&r))
-            }
+            Some(s) if s.aborted_by_watchdog.load(Ordering::Acquire) => Err(self.aborted_error(s)),
             _ => Ok(()),
         }
     }
 
+    #[cold]
+    fn aborted_error(&self, s: &Shared) -> Error {
+        let r = s
+            .timed_out()
+            .unwrap_or_else(|| "the watchdog aborted it".into());
+        s.timeout_error(&r)
+    }
+
     /// Before the NCCL call of `op`: records it, runs the fingerprint check (when on) and
-    /// registers it with the watchdog. No allocation unless it fails.
+    /// registers it with the watchdog. No lock and no allocation unless it fails.
+    #[inline(always)]
     pub(crate) fn begin<'a>(
         &self,
         comm: &Communicator,
@@ -493,173 +744,162 @@ impl CommDiag {
         caller: &'static Location<'static>,
     ) -> Result<Ticket<'a>> {
         let s = self.shared(comm);
-        let collective = op.is_collective();
-        let seq = if collective {
+        let seq = if op.collective {
             bump(&s.seq, 1)
         } else {
             s.seq.load(Ordering::Relaxed)
         };
-        // Operations on one communicator are sequential: the count of ended ones is this
-        // one's index.
-        let op_id = s.ops.load(Ordering::Relaxed);
-        let start = Instant::now();
-        let rec = OpRecord {
+        let start = s.now();
+        let pos = s.journal.push(&Entry {
             seq,
-            op: op.name,
+            name: op.name,
             dtype: op.dtype,
             count: op.count,
             root: op.root,
             caller,
             enqueued: start,
-            took: None,
-            state: OpState::Enqueued,
-        };
-        let check = s.settings.check && collective && !in_group();
-        let deadline = start + s.settings.timeout;
-        let ring_id = {
-            let mut inner = s.lock();
-            s.retire(&mut inner);
-            let ring_id = inner.ring.push(rec);
-            if !check {
-                // Fast path: one lock records the operation and arms the watchdog.
-                inner.current = Some(Pending {
-                    rec,
-                    ring_id,
-                    id: op_id,
-                    deadline,
-                });
-            }
-            ring_id
-        };
-        s.clique.update(s.rank, |v| {
-            v.present = true;
-            if collective {
-                v.issued = seq + 1;
-            }
-            v.last = Some(rec);
-            v.last_id = op_id;
         });
-        let pending = Pending {
-            rec,
-            ring_id,
-            id: op_id,
-            deadline,
-        };
-        if let Some(first) = s.timed_out() {
-            s.lock().current = None;
-            return Err(self.fail(comm, s, &pending, s.peer_timeout(&rec, &first)));
+        if s.clique.any_timeout() {
+            return Err(self.begin_timed_out(comm, s, pos, start));
         }
-        if check {
-            bump(&s.checks, 1);
-            match s.clique.agree(s.rank, rec, pending.deadline) {
-                Agreement::Agree => {}
-                Agreement::Mismatch(table) => {
-                    let e = Error::CollectiveMismatch {
-                        op: op.name,
-                        rank: s.rank,
-                        seq,
-                        table,
-                    };
-                    return Err(self.fail(comm, s, &pending, e));
-                }
-                Agreement::TimedOut(Some(first)) => {
-                    return Err(self.fail(comm, s, &pending, s.peer_timeout(&rec, &first)));
-                }
-                Agreement::TimedOut(None) => {
-                    let report = s.clique.report(
-                        s.rank,
-                        &rec,
-                        s.settings.timeout,
-                        "waited for the other ranks in the fingerprint check",
-                    );
-                    let report = s.clique.set_timed_out(&Arc::from(report));
-                    let e = s.timeout_error(&report);
-                    return Err(self.fail(comm, s, &pending, e));
-                }
-            }
+        if s.settings.check && op.collective && !in_group() {
+            self.fingerprint(comm, s, pos, start)?;
         }
-        if check {
-            s.lock().current = Some(pending);
+        s.current.store(pos + 1, Ordering::Release);
+        fence::light(s.asym);
+        if s.claim.load(Ordering::Acquire) != UNCLAIMED {
+            self.begin_claimed(comm, s, pos, start)?;
         }
         Ok(Ticket {
-            pending: Some(pending),
+            pos,
+            start,
             stream: op.stream,
         })
     }
 
+    /// The clique timed out before this operation reached NCCL.
+    #[cold]
+    fn begin_timed_out(&self, comm: &Communicator, s: &Shared, pos: u64, start: u64) -> Error {
+        let first = s.timed_out().unwrap_or_else(|| "a timeout".into());
+        let rec = s.journal.get(pos);
+        let e = match &rec {
+            Some(r) => s.peer_timeout(r, &first),
+            None => s.timeout_error(&first),
+        };
+        self.fail(comm, s, pos, start, e)
+    }
+
+    /// The watchdog claimed this communicator as the operation began: waits for its
+    /// decision. `Ok` when it let the communicator be.
+    #[cold]
+    fn begin_claimed(&self, comm: &Communicator, s: &Shared, pos: u64, start: u64) -> Result<()> {
+        if s.await_decision() {
+            return Ok(());
+        }
+        s.current.store(IDLE, Ordering::Release);
+        let e = self.aborted_error(s);
+        Err(self.fail(comm, s, pos, start, e))
+    }
+
+    /// The opt-in fingerprint check: waits for every rank of the clique in this process to
+    /// post the same collective.
+    #[inline(never)]
+    fn fingerprint(&self, comm: &Communicator, s: &Shared, pos: u64, start: u64) -> Result<()> {
+        let Some(rec) = s.journal.get(pos) else {
+            return Ok(());
+        };
+        bump(&s.checks, 1);
+        let deadline = rec.enqueued + s.settings.timeout;
+        let e = match s.clique.agree(s.rank, rec, deadline) {
+            Agreement::Agree => return Ok(()),
+            Agreement::Mismatch(table) => Error::CollectiveMismatch {
+                op: rec.op,
+                rank: s.rank,
+                seq: rec.seq,
+                table,
+            },
+            Agreement::TimedOut(Some(first)) => s.peer_timeout(&rec, &first),
+            Agreement::TimedOut(None) => {
+                let report = s.clique.report(
+                    s.rank,
+                    &rec,
+                    s.settings.timeout,
+                    "waited for the other ranks in the fingerprint check",
+                );
+                let report = s.clique.set_timed_out(&Arc::from(report));
+                s.timeout_error(&report)
+            }
+        };
+        Err(self.fail(comm, s, pos, start, e))
+    }
+
     /// Marks the operation and the communicator failed, dumps the record, returns `e`.
     #[cold]
-    fn fail(&self, comm: &Communicator, s: &Shared, p: &Pending, e: Error) -> Error {
-        let now = Instant::now();
-        s.lock().ring.finish(p.ring_id, OpState::Failed, now);
-        s.clique.set_state(s.rank, p.id, OpState::Failed);
-        bump(
-            &s.wait_ns,
-            now.saturating_duration_since(p.rec.enqueued).as_nanos() as u64,
-        );
-        bump(&s.ops, 1);
+    fn fail(&self, comm: &Communicator, s: &Shared, pos: u64, start: u64, e: Error) -> Error {
+        let took = s.now().saturating_sub(start);
+        s.journal.finish(pos, OpState::Failed, took);
+        bump(&s.wait_ns, took);
         comm.mark_failed(&e);
         s.dump();
         e
     }
 
-    /// After the NCCL call: deregisters (host) or hands the work to the watchdog as a CUDA
-    /// event, records the outcome and the time spent, and turns an error caused by a
+    /// After the NCCL call: deregisters the operation from the watchdog (CUDA: hands it
+    /// over as an event), records its outcome and time, and turns an error caused by a
     /// watchdog abort into [`Error::Timeout`] with the report.
+    #[inline(always)]
     pub(crate) fn end(&self, comm: &Communicator, t: Ticket<'_>, r: Result<()>) -> Result<()> {
-        let (Some(s), Some(p)) = (self.shared.get(), t.pending) else {
+        let Some(s) = self.shared.get() else {
             return r;
         };
-        let now = Instant::now();
-        let mut inner = s.lock();
-        inner.current = None;
+        let now = s.now();
+        // Leaving the call needs no fence: a claim made meanwhile is seen by the next
+        // operation's check (and teardown takes the handle with a swap).
+        s.current.store(IDLE, Ordering::Release);
+        let took = now.saturating_sub(t.start);
         let mut state = if r.is_ok() {
             OpState::Completed
         } else {
             OpState::Failed
         };
         if let (Ok(()), StreamRef::Cuda(stream)) = (&r, t.stream) {
-            if !in_group() && !s.aborted_by_watchdog.load(Ordering::Acquire) {
-                if let Ok(ev) = record_event(stream) {
-                    inner.cuda.push_back((p, ev));
-                    state = OpState::Enqueued;
-                }
+            if !in_group()
+                && !s.aborted_by_watchdog.load(Ordering::Acquire)
+                && s.enqueue_cuda(t.pos, stream)
+            {
+                state = OpState::Enqueued;
             }
         }
-        if state != OpState::Enqueued {
-            inner.ring.finish(p.ring_id, state, now);
-        }
-        drop(inner);
-        s.clique.set_state(s.rank, p.id, state);
-        bump(
-            &s.wait_ns,
-            now.saturating_duration_since(p.rec.enqueued).as_nanos() as u64,
-        );
-        bump(&s.ops, 1);
+        s.journal.finish(t.pos, state, took);
+        bump(&s.wait_ns, took);
         match r {
             Ok(()) => Ok(()),
-            Err(e) => Err(self.end_error(comm, s, &p, e)),
+            Err(e) => Err(self.end_error(comm, s, t.pos, e)),
         }
     }
 
     #[cold]
-    fn end_error(&self, comm: &Communicator, s: &Shared, p: &Pending, e: Error) -> Error {
-        let e = if s.aborted_by_watchdog.load(Ordering::Acquire) {
-            let r = s
-                .timed_out()
-                .unwrap_or_else(|| "the watchdog aborted it".into());
-            if r.contains(&format!(
-                "because {} seq {} on rank {} ",
-                p.rec.op, p.rec.seq, s.rank
-            )) {
-                s.timeout_error(&r)
-            } else {
-                s.peer_timeout(&p.rec, &r)
+    fn end_error(&self, comm: &Communicator, s: &Shared, pos: u64, e: Error) -> Error {
+        let rec = s.journal.get(pos);
+        let e = match (&rec, s.aborted_by_watchdog.load(Ordering::Acquire)) {
+            (Some(rec), true) => {
+                let r = s
+                    .timed_out()
+                    .unwrap_or_else(|| "the watchdog aborted it".into());
+                if r.contains(&format!(
+                    "because {} seq {} on rank {} ",
+                    rec.op, rec.seq, s.rank
+                )) {
+                    s.timeout_error(&r)
+                } else {
+                    s.peer_timeout(rec, &r)
+                }
             }
-        } else if let Some(first) = s.clique.timed_out() {
-            s.peer_timeout(&p.rec, &first)
-        } else {
-            e
+            (Some(rec), false) => match s.clique.timed_out() {
+                Some(first) => s.peer_timeout(rec, &first),
+                None => e,
+            },
+            (None, _) => e,
         };
         comm.mark_failed(&e);
         s.dump();
@@ -673,21 +913,16 @@ impl CommDiag {
         let Some(s) = self.shared.get() else {
             return true;
         };
-        let limit = Instant::now() + s.settings.timeout + Duration::from_secs(1);
+        let limit = Instant::now() + s.settings.timeout + s.slack() + Duration::from_secs(1);
         loop {
-            {
-                let mut inner = s.lock();
-                s.retire(&mut inner);
-                if (inner.current.is_none() && inner.cuda.is_empty())
-                    || s.aborted_by_watchdog.load(Ordering::Acquire)
-                    || Instant::now() >= limit
-                {
-                    let busy = inner.current.is_some() || !inner.cuda.is_empty();
-                    drop(inner);
-                    return !busy
-                        && !s.aborted_by_watchdog.load(Ordering::Acquire)
-                        && s.clique.timed_out().is_none();
-                }
+            let aborted = s.aborted_by_watchdog.load(Ordering::Acquire);
+            let idle = s.current.load(Ordering::Acquire) == IDLE && {
+                let mut q = s.queue();
+                s.retire(&mut q);
+                q.pending.is_empty()
+            };
+            if idle || aborted || Instant::now() >= limit {
+                return idle && !aborted && s.clique.timed_out().is_none();
             }
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -719,20 +954,10 @@ impl CommDiag {
         let Some(s) = self.shared.get() else {
             return true;
         };
-        s.clique.update(s.rank, |v| v.gone = true);
-        let mut inner = s.lock();
-        if inner.handle == 0 {
-            return false;
-        }
-        inner.handle = 0;
-        true
+        s.gone.store(true, Ordering::Release);
+        s.clique.detach(s.rank, s.view());
+        s.handle.swap(0, Ordering::AcqRel) != 0
     }
-}
-
-fn record_event(stream: &CudaStream) -> Result<CudaEvent> {
-    let ev = stream.context().new_event(None)?;
-    ev.record(stream)?;
-    Ok(ev)
 }
 
 /// A rank's diagnostics counters (the straggler view).
@@ -752,6 +977,9 @@ pub struct Diagnostics {
     pub fingerprint_checks: u64,
     /// Whether the fingerprint check is on.
     pub check_enabled: bool,
+    /// Whether times come from the precise clock ([`Config::timing`]); otherwise `wait`
+    /// has the coarse clock's 10 ms resolution (right on average over many operations).
+    pub precise_timing: bool,
     /// The watchdog's timeout.
     pub timeout: Duration,
     /// Whether the watchdog aborted this communicator.
@@ -776,10 +1004,11 @@ impl Communicator {
         Diagnostics {
             rank: s.rank,
             collectives: s.seq.load(Ordering::Relaxed),
-            operations: s.ops.load(Ordering::Relaxed),
+            operations: s.journal.len(),
             wait: Duration::from_nanos(s.wait_ns.load(Ordering::Relaxed)),
             fingerprint_checks: s.checks.load(Ordering::Relaxed),
             check_enabled: s.settings.check,
+            precise_timing: s.settings.precise,
             timeout: s.settings.timeout,
             aborted_by_watchdog: s.aborted_by_watchdog.load(Ordering::Acquire),
         }
@@ -794,4 +1023,102 @@ fn bump(counter: &AtomicU64, by: u64) -> u64 {
     let old = counter.load(Ordering::Relaxed);
     counter.store(old.wrapping_add(by), Ordering::Relaxed);
     old
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Communicator, Config, Device, HostStream, ReduceOp};
+
+    fn comm() -> (Communicator, UniqueId) {
+        let id = Device::Host.unique_id().unwrap();
+        let c = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new()).unwrap();
+        (c, id)
+    }
+
+    fn sum(c: &Communicator) -> Result<()> {
+        let mut x = vec![1.0f32; 4];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)
+    }
+
+    /// The owner's side of the claim: an operation that finds the watchdog deciding waits
+    /// for the verdict; let be, it runs; aborted, it fails without reaching NCCL.
+    #[test]
+    fn an_operation_waits_for_the_watchdogs_verdict() {
+        let (c, id) = comm();
+        let s = Arc::clone(c.diag.shared(&c));
+        s.claim.store(DECIDING, Ordering::SeqCst);
+        let decide = |verdict: u8| {
+            let s = Arc::clone(&s);
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(30));
+                if verdict == ABORTING {
+                    s.claim.store(ABORTING, Ordering::Release);
+                    let h = s.take_for_abort(&Arc::from("the test's report"));
+                    assert_ne!(h, 0);
+                    // SAFETY: the handle was taken out of the communicator above: this is
+                    // its one teardown.
+                    let r = unsafe { (s.lib.table().ncclCommAbort)(h as ncclComm_t) };
+                    assert_eq!(r, nccl_sys::bindings::ncclSuccess);
+                } else {
+                    s.claim.store(verdict, Ordering::Release);
+                }
+            })
+        };
+        let t = decide(UNCLAIMED);
+        let start = Instant::now();
+        sum(&c).expect("the watchdog let it be");
+        assert!(start.elapsed() >= Duration::from_millis(25));
+        t.join().unwrap();
+        assert_eq!(crate::host::stats_for(&id.to_raw()).misused, 0);
+
+        s.claim.store(DECIDING, Ordering::SeqCst);
+        let t = decide(ABORTING);
+        let e = sum(&c).expect_err("aborted");
+        t.join().unwrap();
+        assert!(
+            matches!(&e, Error::Timeout { what, .. } if what.contains("the test's report")),
+            "{e}"
+        );
+        assert!(matches!(sum(&c), Err(Error::Timeout { .. })));
+        let last = c.flight_record().entries.last().copied().unwrap();
+        assert_eq!(last.state, OpState::Failed);
+        drop(c);
+        let st = crate::host::stats_for(&id.to_raw());
+        assert_eq!(
+            (st.created, st.destroyed, st.aborted, st.misused),
+            (1, 0, 1, 0)
+        );
+    }
+
+    /// The watchdog's side: an idle host communicator is never claimed, an operation only
+    /// once it is old enough, and a claim ends in a verdict.
+    #[test]
+    fn the_watchdog_claims_only_an_old_operation() {
+        let (c, id) = comm();
+        let s = Arc::clone(c.diag.shared(&c));
+        let later = Instant::now() + Duration::from_secs(3600);
+        assert!(!s.claim(later, Duration::ZERO));
+        let pos = s.journal.push(&Entry {
+            seq: 0,
+            name: &"ncclAllReduce",
+            dtype: None,
+            count: 0,
+            root: None,
+            caller: Location::caller(),
+            enqueued: clock::precise(),
+        });
+        s.current.store(pos + 1, Ordering::Release);
+        assert!(!s.claim(Instant::now(), Duration::from_secs(60)));
+        assert_eq!(s.claim.load(Ordering::Acquire), UNCLAIMED);
+        assert!(s.claim(later, Duration::from_secs(60)));
+        assert_eq!(s.claim.load(Ordering::Acquire), ABORTING);
+        // Undo the claim (nothing was taken) for an ordinary teardown.
+        s.claim.store(UNCLAIMED, Ordering::Release);
+        s.current.store(IDLE, Ordering::Release);
+        drop(s);
+        c.destroy().map_err(|(_, e)| e).unwrap();
+        let st = crate::host::stats_for(&id.to_raw());
+        assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
+    }
 }

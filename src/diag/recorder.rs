@@ -85,68 +85,6 @@ impl OpRecord {
     }
 }
 
-/// The ring itself (inside the communicator's shared diagnostics state).
-#[derive(Debug)]
-pub(crate) struct Ring {
-    entries: Vec<OpRecord>,
-    cap: usize,
-    /// Total number of records ever pushed; the newest is at `(next - 1) % cap`.
-    next: u64,
-}
-
-impl Ring {
-    pub(crate) fn new(cap: usize) -> Ring {
-        Ring {
-            entries: Vec::with_capacity(cap),
-            cap,
-            next: 0,
-        }
-    }
-
-    /// Records `r`, overwriting the oldest entry when full; returns its slot id. Never
-    /// allocates (the vector's capacity is reserved up front).
-    pub(crate) fn push(&mut self, r: OpRecord) -> u64 {
-        if self.cap == 0 {
-            return u64::MAX;
-        }
-        let id = self.next;
-        let i = (id % self.cap as u64) as usize;
-        if i < self.entries.len() {
-            self.entries[i] = r;
-        } else {
-            self.entries.push(r);
-        }
-        self.next += 1;
-        id
-    }
-
-    /// Updates the record `id` (if it was not overwritten since).
-    pub(crate) fn finish(&mut self, id: u64, state: OpState, now: Instant) {
-        if self.cap == 0 || id == u64::MAX || id + (self.cap as u64) < self.next {
-            return;
-        }
-        let i = (id % self.cap as u64) as usize;
-        if let Some(e) = self.entries.get_mut(i) {
-            e.state = state;
-            e.took = Some(now.saturating_duration_since(e.enqueued));
-        }
-    }
-
-    /// Oldest first.
-    pub(crate) fn snapshot(&self) -> Vec<OpRecord> {
-        let n = self.entries.len();
-        if n < self.cap {
-            return self.entries.clone();
-        }
-        let start = (self.next % self.cap as u64) as usize;
-        self.entries[start..]
-            .iter()
-            .chain(&self.entries[..start])
-            .copied()
-            .collect()
-    }
-}
-
 /// A copy of one communicator's flight recorder, oldest operation first.
 #[derive(Debug, Clone)]
 pub struct FlightRecord {

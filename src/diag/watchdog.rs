@@ -1,10 +1,14 @@
 //! The watchdog: one thread per process, started with the first communicator, that aborts
 //! the communicators of a clique whose operation ran out of time.
 //!
-//! Ownership: the watchdog only aborts a handle it has *taken* out of the communicator's
-//! shared slot (under the slot's lock, and only while an operation is in flight on it); the
-//! communicator's teardown takes the handle through the same slot, so whichever comes first
-//! tears it down and the other does nothing.
+//! It also advances the coarse diagnostics clock each tick (`clock`).
+//!
+//! Ownership: the watchdog first *claims* a communicator (a compare-exchange on its
+//! `current` word, from an operation that has been inside its NCCL call long enough, or
+//! from idle with CUDA work in flight), then *takes* the handle out of the shared slot with
+//! a swap. The owner leaves every call with a swap of `current`, so it sees a claim before
+//! it could use the handle again; its teardown takes the handle with a swap of the same
+//! slot, so whichever comes first tears it down and the other does nothing.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -12,11 +16,8 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::ncclComm_t;
 
-use super::Shared;
+use super::{clock, Shared};
 use crate::library::Library;
-
-/// How often in-flight operations are checked.
-const POLL: Duration = Duration::from_millis(10);
 
 fn registry() -> &'static Mutex<Vec<Weak<Shared>>> {
     static R: OnceLock<Mutex<Vec<Weak<Shared>>>> = OnceLock::new();
@@ -35,7 +36,8 @@ pub(super) fn watch(s: &Arc<Shared>) {
         std::thread::Builder::new()
             .name("nccl-safe-watchdog".into())
             .spawn(|| loop {
-                std::thread::sleep(POLL);
+                std::thread::sleep(clock::TICK);
+                clock::advance();
                 sweep(Instant::now());
             })
             .is_ok()
@@ -45,7 +47,7 @@ pub(super) fn watch(s: &Arc<Shared>) {
 /// Operations younger than this are not aborted along with an expired peer: their thread
 /// may not have entered its NCCL call yet (it gets the timeout from the clique instead).
 fn grace(s: &Shared) -> Duration {
-    (s.settings.timeout / 4).min(Duration::from_millis(50))
+    (s.settings.timeout / 4).min(Duration::from_millis(50)) + s.slack()
 }
 
 fn sweep(now: Instant) {
@@ -53,30 +55,18 @@ fn sweep(now: Instant) {
         let r = registry().lock().unwrap_or_else(|e| e.into_inner());
         r.iter().filter_map(Weak::upgrade).collect()
     };
-    let mut expired = Vec::new();
-    for (i, s) in list.iter().enumerate() {
-        if s.aborted_by_watchdog.load(Ordering::Acquire) {
-            continue;
-        }
-        let mut inner = s.lock();
-        s.retire(&mut inner);
-        let late = inner
-            .current
-            .filter(|p| now >= p.deadline)
-            .or_else(|| inner.cuda.front().map(|(p, _)| *p))
-            .filter(|p| now >= p.deadline);
-        if let Some(p) = late {
-            expired.push((i, p));
-        }
-    }
-    for (i, p) in expired {
+    let expired: Vec<(usize, _)> = (list.iter().enumerate())
+        .filter(|(_, s)| !s.aborted_by_watchdog.load(Ordering::Acquire))
+        .filter_map(|(i, s)| Some((i, s.late(now)?)))
+        .collect();
+    for (i, rec) in expired {
         let s = &list[i];
         if s.aborted_by_watchdog.load(Ordering::Acquire) {
             continue; // aborted with an earlier one of this sweep
         }
         let report: Arc<str> = Arc::from(s.clique.report(
             s.rank,
-            &p.rec,
+            &rec,
             s.settings.timeout,
             "did not complete in time",
         ));
@@ -84,28 +74,24 @@ fn sweep(now: Instant) {
         // The expired one first: when it completed after all, nothing is aborted.
         let others = list.iter().filter(|t| !Arc::ptr_eq(t, s));
         for t in std::iter::once(s).chain(others) {
-            if !Arc::ptr_eq(&t.clique, &s.clique) {
+            if !Arc::ptr_eq(&t.clique, &s.clique) || t.aborted_by_watchdog.load(Ordering::Acquire) {
                 continue;
             }
-            let mut inner = t.lock();
-            let in_flight = if Arc::ptr_eq(t, s) {
-                inner.current.is_some_and(|c| c.ring_id == p.ring_id) || !inner.cuda.is_empty()
+            let min_age = if Arc::ptr_eq(t, s) {
+                t.settings.timeout
             } else {
-                inner
-                    .current
-                    .is_some_and(|c| now.saturating_duration_since(c.rec.enqueued) >= grace(t))
-                    || !inner.cuda.is_empty()
+                grace(t)
             };
-            if !in_flight || inner.handle == 0 {
+            if !t.claim(now, min_age) {
                 if Arc::ptr_eq(t, s) {
                     break; // it completed after all: nothing to abort
                 }
                 continue;
             }
-            let h = std::mem::replace(&mut inner.handle, 0);
-            inner.report = Some(Arc::clone(&report));
-            t.aborted_by_watchdog.store(true, Ordering::Release);
-            taken.push((Arc::clone(&t.lib), h));
+            let h = t.take_for_abort(&report);
+            if h != 0 {
+                taken.push((Arc::clone(&t.lib), h));
+            }
         }
         if taken.is_empty() {
             continue;

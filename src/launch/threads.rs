@@ -239,12 +239,14 @@ impl Launcher {
         R: Send,
         F: Fn(&Rank) -> Result<R> + Sync,
     {
-        self.run_report(f).map(|r| r.values)
+        self.launch(f, false).map(|r| r.values)
     }
 
     /// [`run`](Self::run), also returning each rank's [`RankStats`]: the straggler view.
     /// A rank that is slower than the others (a slow data loader, a misplaced pause) spends
-    /// *less* time waiting in collectives, because the others wait for it.
+    /// *less* time waiting in collectives, because the others wait for it. The
+    /// communicators time their operations precisely ([`Config::timing`]) unless the
+    /// launcher's config says otherwise.
     ///
     /// ```
     /// use nccl_safe::{launch::Launcher, ReduceOp};
@@ -262,6 +264,19 @@ impl Launcher {
         R: Send,
         F: Fn(&Rank) -> Result<R> + Sync,
     {
+        self.launch(f, true)
+    }
+
+    fn launch<R, F>(&self, f: F, timing: bool) -> Result<LaunchReport<R>>
+    where
+        R: Send,
+        F: Fn(&Rank) -> Result<R> + Sync,
+    {
+        let config = if timing {
+            self.config.clone().timing_unless_set(true)
+        } else {
+            self.config.clone()
+        };
         let n = self.devices.len();
         let Some(first) = self.devices.first() else {
             return Err(Error::InvalidArgument {
@@ -280,10 +295,12 @@ impl Launcher {
                 .iter()
                 .enumerate()
                 .map(|(rank, device)| {
-                    let (board, f, id) = (&board, &f, &id);
+                    let (board, f, id, config) = (&board, &f, &id, &config);
                     std::thread::Builder::new()
                         .name(format!("nccl-rank-{rank}"))
-                        .spawn_scoped(s, move || self.rank_main(rank, device, id, board, f))
+                        .spawn_scoped(s, move || {
+                            self.rank_main(rank, device, id, config, board, f)
+                        })
                 })
                 .collect();
             handles
@@ -329,6 +346,7 @@ impl Launcher {
         rank: usize,
         device: &Device,
         id: &UniqueId,
+        config: &Config,
         board: &Board,
         f: &F,
     ) -> Result<(R, RankStats)>
@@ -343,7 +361,7 @@ impl Launcher {
                 }
                 Device::Host => Stream::Host,
             };
-            let comm = Communicator::init_rank(device, self.devices.len(), rank, id, &self.config)?;
+            let comm = Communicator::init_rank(device, self.devices.len(), rank, id, config)?;
             Ok(Rank {
                 comm,
                 stream,

@@ -29,49 +29,56 @@ use crate::types::NcclType;
 pub(crate) type Guards<'a> = [BufferGuard<'a>; 2];
 
 impl Communicator {
+    #[inline(always)]
     fn check_stream(&self, op: &'static str, stream: StreamRef<'_>) -> Result<()> {
         match (self.library().provider(), stream) {
             (Provider::Host, StreamRef::Host) => Ok(()),
             (Provider::Nccl, StreamRef::Cuda(_)) if stream.device() == self.device() => Ok(()),
-            (Provider::Nccl, StreamRef::Cuda(_)) => Err(Error::InvalidArgument {
-                op,
-                reason: format!(
-                    "the stream is on CUDA device {:?} but the communicator on device {:?}",
-                    stream.device(),
-                    self.device()
-                ),
-            }),
-            (Provider::Host, _) => Err(Error::InvalidArgument {
-                op,
-                reason: "a host-provider communicator takes HostStream, not a CUDA stream".into(),
-            }),
-            (_, _) => Err(Error::InvalidArgument {
-                op,
-                reason: "NVIDIA's NCCL needs a CUDA stream, not HostStream".into(),
-            }),
+            _ => Err(self.stream_error(op, stream)),
         }
     }
 
+    #[cold]
+    fn stream_error(&self, op: &'static str, stream: StreamRef<'_>) -> Error {
+        let reason = match (self.library().provider(), stream) {
+            (Provider::Nccl, StreamRef::Cuda(_)) => format!(
+                "the stream is on CUDA device {:?} but the communicator on device {:?}",
+                stream.device(),
+                self.device()
+            ),
+            (Provider::Host, _) => {
+                "a host-provider communicator takes HostStream, not a CUDA stream".into()
+            }
+            (_, _) => "NVIDIA's NCCL needs a CUDA stream, not HostStream".into(),
+        };
+        Error::InvalidArgument { op, reason }
+    }
+
+    #[inline(always)]
     fn check_memory(&self, op: &'static str, role: BufferRole, memory: Memory) -> Result<()> {
         match (self.library().provider(), memory) {
             (Provider::Host, Memory::Host) => Ok(()),
             (Provider::Nccl, Memory::Device(d)) if Some(d) == self.device() => Ok(()),
-            (Provider::Nccl, Memory::Device(d)) => Err(Error::InvalidArgument {
-                op,
-                reason: format!(
-                    "the {role} is on CUDA device {d} but the communicator on device {:?}",
-                    self.device()
-                ),
-            }),
-            (Provider::Nccl, Memory::Host) => Err(Error::InvalidArgument {
-                op,
-                reason: format!("the {role} is host memory, which NVIDIA's NCCL cannot read: copy it to the device"),
-            }),
-            (_, Memory::Device(_)) => Err(Error::InvalidArgument {
-                op,
-                reason: format!("the {role} is GPU memory, which the host provider cannot read"),
-            }),
+            _ => Err(self.memory_error(op, role, memory)),
         }
+    }
+
+    #[cold]
+    fn memory_error(&self, op: &'static str, role: BufferRole, memory: Memory) -> Error {
+        let reason = match (self.library().provider(), memory) {
+            (Provider::Nccl, Memory::Device(d)) => format!(
+                "the {role} is on CUDA device {d} but the communicator on device {:?}",
+                self.device()
+            ),
+            (Provider::Nccl, Memory::Host) => format!(
+                "the {role} is host memory, which NVIDIA's NCCL cannot read: copy it to the device"
+            ),
+            (_, Memory::Device(_)) => {
+                format!("the {role} is GPU memory, which the host provider cannot read")
+            }
+            (_, Memory::Host) => format!("the {role} is host memory"),
+        };
+        Error::InvalidArgument { op, reason }
     }
 
     fn check_rank(&self, op: &'static str, what: &'static str, rank: usize) -> Result<c_int> {
@@ -148,7 +155,7 @@ impl Communicator {
         let count = send.len();
         let (s, sg) = self.send_arg(OP, send, count, "recv = send", stream)?;
         let (r, rg) = self.recv_arg(OP, recv, count, "recv = send", stream)?;
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, None, stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, None, stream);
         self.issue(info, caller, |t, comm| {
             // SAFETY: both buffers hold `count` elements of T in the memory this provider
             // reads (checked above) and stay borrowed until the work is enqueued.
@@ -171,7 +178,7 @@ impl Communicator {
         let red = op.raw_for(self, OP)?;
         let count = buf.len();
         let (p, g) = self.recv_arg(OP, buf, count, "in place", stream)?;
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, None, stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, None, stream);
         self.issue(info, caller, |t, comm| {
             // SAFETY: `p` holds `count` elements; send == recv is NCCL's in-place form.
             unsafe {
@@ -256,7 +263,7 @@ impl Communicator {
         let count = recv.len();
         let (s, sg) = self.send_arg(OP, send, count, "send = recv", stream)?;
         let (r, rg) = self.recv_arg(OP, recv, count, "send = recv", stream)?;
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(root as usize), stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(root as usize), stream);
         self.issue(info, caller, |t, comm| {
             // SAFETY: both buffers hold `count` elements; root is in range.
             unsafe {
@@ -278,7 +285,7 @@ impl Communicator {
         let root = self.check_rank(OP, "root", root)?;
         let count = buf.len();
         let (p, g) = self.recv_arg(OP, buf, count, "in place", stream)?;
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(root as usize), stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(root as usize), stream);
         self.issue(info, caller, |t, comm| {
             // SAFETY: `p` holds `count` elements; send == recv is the in-place form.
             unsafe {
@@ -360,7 +367,7 @@ impl Communicator {
         let count = send.len();
         let (s, sg) = self.send_arg(OP, send, count, "recv = send", stream)?;
         let (r, rg) = self.recv_arg(OP, recv, count, "recv = send", stream)?;
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(root as usize), stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(root as usize), stream);
         self.issue(info, caller, |t, comm| {
             // SAFETY: both buffers hold `count` elements; root is in range.
             unsafe {
@@ -440,7 +447,7 @@ impl Communicator {
         let root = self.check_rank(OP, "root", root)?;
         let count = buf.len();
         let (p, _g) = self.recv_arg(OP, buf, count, "in place", stream)?;
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(root as usize), stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(root as usize), stream);
         self.issue(info, caller, |t, comm| {
             // SAFETY: `p` holds `count` elements; send == recv is the in-place form.
             unsafe {
@@ -478,7 +485,7 @@ impl Communicator {
         let total = self.times_world(OP, count)?;
         let (s, sg) = self.send_arg(OP, send, count, "send = count", stream)?;
         let (r, rg) = self.recv_arg(OP, recv, total, "recv = world_size x send", stream)?;
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, None, stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, None, stream);
         self.issue(info, caller, |t, comm| {
             // SAFETY: send holds `count`, recv `world_size * count` elements.
             unsafe { (t.ncclAllGather)(s, r, count, T::DATA_TYPE.to_raw(), comm, stream.raw()) }
@@ -527,7 +534,7 @@ impl Communicator {
         let count = self.block_of(OP, buf.len())?;
         let rank = self.rank();
         let (p, _g) = self.recv_arg(OP, buf, count * self.world_size(), "in place", stream)?;
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, None, stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, None, stream);
         self.issue(info, caller, |t, comm| {
             // SAFETY: `p` holds world_size * count elements of T; the send pointer is this
             // rank's block inside it, NCCL's in-place form.
@@ -575,7 +582,7 @@ impl Communicator {
         let total = self.times_world(OP, count)?;
         let (s, sg) = self.send_arg(OP, send, total, "send = world_size x recv", stream)?;
         let (r, rg) = self.recv_arg(OP, recv, count, "recv = count", stream)?;
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, None, stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, None, stream);
         self.issue(info, caller, |t, comm| {
             // SAFETY: send holds `world_size * count`, recv `count` elements.
             unsafe {
@@ -643,7 +650,7 @@ impl Communicator {
         let count = self.block_of(OP, buf.len())?;
         let rank = self.rank();
         let (p, _g) = self.recv_arg(OP, buf, count * self.world_size(), "in place", stream)?;
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, None, stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, None, stream);
         self.issue(info, caller, |t, comm| {
             // SAFETY: `p` holds world_size * count elements; the receive pointer is this
             // rank's block inside it, NCCL's in-place form.
@@ -668,7 +675,7 @@ impl Communicator {
         let peer = self.check_rank(OP, "peer", peer)?;
         let count = buf.len();
         let (s, sg) = self.send_arg(OP, buf, count, "any length", stream)?;
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(peer as usize), stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(peer as usize), stream);
         self.issue(info, caller, |t, comm| {
             // SAFETY: `s` holds `count` elements; peer is in range.
             unsafe { (t.ncclSend)(s, count, T::DATA_TYPE.to_raw(), peer, comm, stream.raw()) }
@@ -688,7 +695,7 @@ impl Communicator {
         let peer = self.check_rank(OP, "peer", peer)?;
         let count = buf.len();
         let (r, rg) = self.recv_arg(OP, buf, count, "any length", stream)?;
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(peer as usize), stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(peer as usize), stream);
         self.issue(info, caller, |t, comm| {
             // SAFETY: `r` holds `count` elements; peer is in range.
             unsafe { (t.ncclRecv)(r, count, T::DATA_TYPE.to_raw(), peer, comm, stream.raw()) }
@@ -743,7 +750,7 @@ impl Communicator {
         let count = self.block_of(OP, total)?;
         let (s, sg) = self.send_arg(OP, send, total, "send = world_size x block", stream)?;
         let (r, rg) = self.recv_arg(OP, recv, total, "recv = send", stream)?;
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, None, stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, None, stream);
         self.issue(info, caller, |_, comm| {
             // SAFETY: both buffers hold world_size * count elements.
             unsafe { f(s, r, count, T::DATA_TYPE.to_raw(), comm, stream.raw()) }
@@ -811,7 +818,7 @@ impl Communicator {
             self.check_memory(OP, BufferRole::Recv, recv.memory())?;
             (std::ptr::null_mut(), BufferGuard::Host)
         };
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(root), stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(root), stream);
         self.issue(info, caller, |_, comm| {
             // SAFETY: send holds `count`; on the root recv holds world_size * count; NCCL
             // ignores recv elsewhere (passed as null).
@@ -896,7 +903,7 @@ impl Communicator {
             (std::ptr::null(), BufferGuard::Host)
         };
         let (r, rg) = self.recv_arg(OP, recv, count, "recv = count", stream)?;
-        let info = OpInfo::new(OP, T::DATA_TYPE, count, Some(root), stream);
+        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(root), stream);
         self.issue(info, caller, |_, comm| {
             // SAFETY: recv holds `count`; on the root send holds world_size * count; NCCL
             // ignores send elsewhere (passed as null).

@@ -82,7 +82,7 @@ impl Communicator {
         const OP: &str = "ncclRedOpCreatePreMulSum";
         let mut raw: ncclRedOp_t = 0;
         let mut scalar = scalar;
-        self.issue(OP, Location::caller(), |t, comm| {
+        self.issue(&OP, Location::caller(), |t, comm| {
             // SAFETY: `raw` is writable; `scalar` is a T read before the call returns
             // (HostImmediate); the data type matches T.
             unsafe {
@@ -109,7 +109,7 @@ impl<T> Drop for PreMulSum<'_, T> {
         // SAFETY: `raw` was created on this live communicator and is destroyed only here.
         let _ = self
             .comm
-            .issue("ncclRedOpDestroy", Location::caller(), |t, comm| unsafe {
+            .issue(&"ncclRedOpDestroy", Location::caller(), |t, comm| unsafe {
                 (t.ncclRedOpDestroy)(raw, comm)
             });
     }

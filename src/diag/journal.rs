@@ -1,0 +1,334 @@
+//! The flight recorder's storage: a fixed ring of operation records that the
+//! communicator's own thread writes without a lock, a read-modify-write or an allocation,
+//! and that the watchdog and the reports read from other threads.
+//!
+//! Each slot is a sequence lock. The one writer makes the slot's version odd, writes the
+//! fields and makes the version even again; a reader copies the fields between two reads
+//! of the version and retries when they differ or are odd. Every field is an atomic word,
+//! so a read that races a write is retried, never undefined behaviour. The two references
+//! a record holds, the call's name and the caller's `Location`, are stored as pointers to
+//! `'static` data; every value ever stored in those words is such a pointer (or the
+//! initial null), so following one is sound whether or not the version check passes.
+
+use std::panic::Location;
+use std::sync::atomic::{fence, AtomicPtr, AtomicU64, Ordering};
+use std::time::Duration;
+
+use super::clock;
+use super::recorder::{OpRecord, OpState};
+use crate::types::DataType;
+
+const NONE: u64 = u64::MAX;
+
+/// The fields of one record as the writer gives them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Entry {
+    pub seq: u64,
+    pub name: &'static &'static str,
+    pub dtype: Option<DataType>,
+    pub count: usize,
+    pub root: Option<usize>,
+    pub caller: &'static Location<'static>,
+    /// Diagnostics clock time ([`clock`]).
+    pub enqueued: u64,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    version: AtomicU64,
+    /// The record's position (a slot is reused every `slots.len()` records).
+    pos: AtomicU64,
+    seq: AtomicU64,
+    name: AtomicPtr<&'static str>,
+    caller: AtomicPtr<Location<'static>>,
+    /// `dtype code | state << 8` (dtype code 0: none, else index + 1).
+    meta: AtomicU64,
+    count: AtomicU64,
+    root: AtomicU64,
+    enqueued: AtomicU64,
+    /// Nanoseconds, or `NONE` while enqueued.
+    took: AtomicU64,
+}
+
+fn state_code(s: OpState) -> u64 {
+    match s {
+        OpState::Enqueued => 0,
+        OpState::Completed => 1,
+        OpState::Failed => 2,
+    }
+}
+
+fn state_of(code: u64) -> OpState {
+    match code {
+        1 => OpState::Completed,
+        2 => OpState::Failed,
+        _ => OpState::Enqueued,
+    }
+}
+
+fn dtype_code(d: Option<DataType>) -> u64 {
+    d.map_or(0, |d| d as u64 + 1)
+}
+
+fn dtype_of(code: u64) -> Option<DataType> {
+    DataType::ALL.get((code as usize).checked_sub(1)?).copied()
+}
+
+/// One communicator's records. Written only by the thread that owns the communicator
+/// (one at a time: `Communicator` is not `Sync`).
+#[derive(Debug)]
+pub(crate) struct Journal {
+    slots: Box<[Slot]>,
+    /// How many records the flight record shows (0: recording is off; the newest record is
+    /// still kept for the watchdog and the desync report).
+    cap: usize,
+    /// Records ever pushed: the next record's position.
+    next: AtomicU64,
+}
+
+impl Journal {
+    /// A journal showing the last `cap` records (allocates its slots once, here).
+    pub(crate) fn new(cap: usize) -> Journal {
+        Journal {
+            slots: (0..cap.max(1)).map(|_| Slot::default()).collect(),
+            cap,
+            next: AtomicU64::new(0),
+        }
+    }
+
+    /// Records ever pushed.
+    #[inline]
+    pub(crate) fn len(&self) -> u64 {
+        self.next.load(Ordering::Relaxed)
+    }
+
+    #[inline]
+    fn slot(&self, pos: u64) -> &Slot {
+        &self.slots[(pos % self.slots.len() as u64) as usize]
+    }
+
+    /// Opens `slot` for writing (the owner only).
+    #[inline]
+    fn open(slot: &Slot) -> u64 {
+        let v = slot.version.load(Ordering::Relaxed);
+        slot.version.store(v.wrapping_add(1), Ordering::Relaxed);
+        // Orders the odd version before the field stores that follow.
+        fence(Ordering::Release);
+        v
+    }
+
+    /// Appends `e` as enqueued; returns its position. The owner only.
+    #[inline]
+    pub(crate) fn push(&self, e: &Entry) -> u64 {
+        let pos = self.next.load(Ordering::Relaxed);
+        let s = self.slot(pos);
+        let v = Self::open(s);
+        s.pos.store(pos, Ordering::Relaxed);
+        s.seq.store(e.seq, Ordering::Relaxed);
+        s.name.store(
+            (e.name as *const &'static str).cast_mut(),
+            Ordering::Relaxed,
+        );
+        s.caller.store(
+            (e.caller as *const Location<'static>).cast_mut(),
+            Ordering::Relaxed,
+        );
+        s.meta.store(dtype_code(e.dtype), Ordering::Relaxed);
+        s.count.store(e.count as u64, Ordering::Relaxed);
+        s.root
+            .store(e.root.map_or(NONE, |r| r as u64), Ordering::Relaxed);
+        s.enqueued.store(e.enqueued, Ordering::Relaxed);
+        s.took.store(NONE, Ordering::Relaxed);
+        s.version.store(v.wrapping_add(2), Ordering::Release);
+        // Readers find the record through `next`: publish it after its fields.
+        self.next.store(pos + 1, Ordering::Release);
+        pos
+    }
+
+    /// Sets the state of the record at `pos` and how long it took (when it was not
+    /// overwritten since). The owner only.
+    #[inline]
+    pub(crate) fn finish(&self, pos: u64, state: OpState, took_ns: u64) {
+        if pos + (self.slots.len() as u64) < self.len() {
+            return;
+        }
+        let s = self.slot(pos);
+        let v = Self::open(s);
+        let meta = s.meta.load(Ordering::Relaxed) & 0xff;
+        s.meta
+            .store(meta | state_code(state) << 8, Ordering::Relaxed);
+        s.took.store(
+            if state == OpState::Enqueued {
+                NONE
+            } else {
+                took_ns
+            },
+            Ordering::Relaxed,
+        );
+        s.version.store(v.wrapping_add(2), Ordering::Release);
+    }
+
+    /// The record at `pos`, if it is still in the ring. Any thread.
+    pub(crate) fn get(&self, pos: u64) -> Option<OpRecord> {
+        let s = self.slot(pos);
+        loop {
+            if pos >= self.next.load(Ordering::Acquire) {
+                return None;
+            }
+            let v1 = s.version.load(Ordering::Acquire);
+            if v1 % 2 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let at = s.pos.load(Ordering::Relaxed);
+            let seq = s.seq.load(Ordering::Relaxed);
+            let name = s.name.load(Ordering::Relaxed);
+            let caller = s.caller.load(Ordering::Relaxed);
+            let meta = s.meta.load(Ordering::Relaxed);
+            let count = s.count.load(Ordering::Relaxed);
+            let root = s.root.load(Ordering::Relaxed);
+            let enqueued = s.enqueued.load(Ordering::Relaxed);
+            let took = s.took.load(Ordering::Relaxed);
+            // Orders the field loads before the second version load.
+            fence(Ordering::Acquire);
+            if s.version.load(Ordering::Relaxed) != v1 {
+                continue;
+            }
+            // The slot may since have been reused for a later record.
+            if at != pos || name.is_null() || caller.is_null() {
+                return None;
+            }
+            // SAFETY: every non-null value stored in these words came from a
+            // `&'static &'static str` and a `&'static Location<'static>` (`push`): they
+            // point to immutable data that lives for the whole program.
+            let (op, caller) = unsafe { (*name, &*caller) };
+            return Some(OpRecord {
+                seq,
+                op,
+                dtype: dtype_of(meta & 0xff),
+                count: count as usize,
+                root: (root != NONE).then_some(root as usize),
+                caller,
+                enqueued: clock::instant(enqueued),
+                took: (took != NONE).then(|| Duration::from_nanos(took)),
+                state: state_of(meta >> 8 & 0xff),
+            });
+        }
+    }
+
+    /// The newest record.
+    #[cfg(test)]
+    fn last(&self) -> Option<OpRecord> {
+        self.len().checked_sub(1).and_then(|p| self.get(p))
+    }
+
+    /// The position of the newest record (the count of records, minus one).
+    pub(crate) fn last_pos(&self) -> Option<u64> {
+        self.len().checked_sub(1)
+    }
+
+    /// The positions of the records the flight record shows (the last `cap`).
+    pub(crate) fn shown(&self) -> std::ops::Range<u64> {
+        let end = self.len();
+        end.saturating_sub(self.cap as u64)..end
+    }
+
+    /// The records [`shown`](Self::shown), oldest first.
+    #[cfg(test)]
+    fn snapshot(&self) -> Vec<OpRecord> {
+        self.shown().filter_map(|p| self.get(p)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(seq: u64, name: &'static &'static str) -> Entry {
+        Entry {
+            seq,
+            name,
+            dtype: Some(DataType::Float32),
+            count: seq as usize * 10,
+            root: seq.is_multiple_of(2).then_some(seq as usize),
+            caller: Location::caller(),
+            enqueued: seq * 1000,
+        }
+    }
+
+    #[test]
+    fn records_round_trip_and_the_ring_keeps_the_newest() {
+        let j = Journal::new(3);
+        assert!(j.last().is_none() && j.snapshot().is_empty());
+        for i in 0..5u64 {
+            let p = j.push(&entry(i, &"ncclAllReduce"));
+            assert_eq!(p, i);
+            j.finish(p, OpState::Completed, 7 + i);
+        }
+        let snap = j.snapshot();
+        assert_eq!(
+            snap.iter().map(|r| r.seq).collect::<Vec<_>>(),
+            vec![2, 3, 4]
+        );
+        let r = &snap[2];
+        assert_eq!((r.op, r.count, r.root), ("ncclAllReduce", 40, Some(4)));
+        assert_eq!(r.dtype, Some(DataType::Float32));
+        assert_eq!(r.state, OpState::Completed);
+        assert_eq!(r.took, Some(Duration::from_nanos(11)));
+        assert_eq!(snap[1].root, None);
+        // Overwritten positions are gone; finishing one is a no-op.
+        assert!(j.get(0).is_none() && j.get(5).is_none());
+        j.finish(0, OpState::Failed, 1);
+        assert_eq!(j.get(2).unwrap().state, OpState::Completed);
+        let p = j.push(&entry(9, &"ncclBroadcast"));
+        assert_eq!(j.last().unwrap().state, OpState::Enqueued);
+        assert_eq!(j.last().unwrap().took, None);
+        j.finish(p, OpState::Failed, 3);
+        assert_eq!(j.last().unwrap().state, OpState::Failed);
+    }
+
+    #[test]
+    fn every_dtype_round_trips() {
+        assert_eq!(dtype_of(dtype_code(None)), None);
+        for (i, d) in DataType::ALL.iter().enumerate() {
+            assert_eq!(*d as usize, i);
+            assert_eq!(dtype_of(dtype_code(Some(*d))), Some(*d));
+        }
+    }
+
+    #[test]
+    fn a_zero_length_record_keeps_only_the_newest_for_reports() {
+        let j = Journal::new(0);
+        j.push(&entry(1, &"ncclAllGather"));
+        j.push(&entry(2, &"ncclAllGather"));
+        assert!(j.snapshot().is_empty());
+        assert_eq!(j.last().unwrap().seq, 2);
+        assert_eq!(j.len(), 2);
+    }
+
+    /// A reader racing the writer only ever sees whole records.
+    #[test]
+    fn concurrent_readers_never_see_a_torn_record() {
+        let j = Journal::new(2);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut seen = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    if let Some(r) = j.last() {
+                        // Every field was written from the same seq.
+                        assert_eq!(r.count, r.seq as usize * 10, "{r:?}");
+                        assert_eq!(r.root, r.seq.is_multiple_of(2).then_some(r.seq as usize));
+                        seen += 1;
+                    }
+                }
+                assert!(seen > 0);
+            });
+            for i in 0..200_000u64 {
+                let p = j.push(&entry(i, &"ncclReduce"));
+                j.finish(p, OpState::Completed, i);
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+    }
+}
