@@ -1,6 +1,6 @@
 //! [`Communicator`]: the RAII owner of an `ncclComm_t`.
 
-use std::cell::RefCell;
+use std::cell::OnceCell;
 use std::ffi::c_int;
 use std::panic::Location;
 use std::sync::Arc;
@@ -82,15 +82,15 @@ pub struct Communicator {
     world_size: usize,
     cuda_device: Option<usize>,
     blocking: bool,
-    /// The first error this communicator saw; `Some` means "abort on drop". `RefCell` also
+    /// The first error this communicator saw; set means "abort on drop". `OnceCell` also
     /// makes the type `!Sync`.
-    failure: RefCell<Option<String>>,
+    failure: OnceCell<String>,
     /// Watchdog, flight recorder and fingerprint state (`crate::diag`).
     pub(crate) diag: crate::diag::CommDiag,
 }
 
 // SAFETY: NCCL allows a communicator to be used from any thread, one at a time; `!Sync`
-// (from the RefCell) forbids concurrent use. The raw pointer is only an opaque handle.
+// (from the OnceCell) forbids concurrent use. The raw pointer is only an opaque handle.
 unsafe impl Send for Communicator {}
 
 impl std::fmt::Debug for Communicator {
@@ -100,7 +100,7 @@ impl std::fmt::Debug for Communicator {
             .field("world_size", &self.world_size)
             .field("device", &self.cuda_device)
             .field("provider", &self.lib.provider())
-            .field("failed", &self.failure.borrow().is_some())
+            .field("failed", &self.failure.get().is_some())
             .finish()
     }
 }
@@ -142,11 +142,17 @@ fn check_device(op: &'static str, lib: &Library, device: &Device) -> Result<()> 
     }
 }
 
+#[inline(always)]
 fn bind(device: &Device) -> Result<()> {
-    if let Device::Cuda(ctx) = device {
-        ctx.bind_to_thread()?;
+    match device {
+        Device::Cuda(ctx) => bind_cuda(ctx),
+        Device::Host => Ok(()),
     }
-    Ok(())
+}
+
+#[inline(never)]
+fn bind_cuda(ctx: &CudaContext) -> Result<()> {
+    Ok(ctx.bind_to_thread()?)
 }
 
 impl Communicator {
@@ -257,7 +263,7 @@ impl Communicator {
                     Device::Host => None,
                 },
                 blocking: config.is_blocking(),
-                failure: RefCell::new(None),
+                failure: OnceCell::new(),
                 diag: crate::diag::CommDiag::for_id(config, id),
             }),
         })
@@ -312,7 +318,7 @@ impl Communicator {
                     Device::Host => None,
                 },
                 blocking: true,
-                failure: RefCell::new(None),
+                failure: OnceCell::new(),
                 diag: crate::diag::CommDiag::for_init_all(clique),
             })
             .collect())
@@ -351,7 +357,7 @@ impl Communicator {
 
     /// Whether an error was seen (drop will abort).
     pub fn is_failed(&self) -> bool {
-        self.failure.borrow().is_some()
+        self.failure.get().is_some()
     }
 
     /// Asks NCCL for an asynchronous error (`ncclCommGetAsyncError`). An error marks the
@@ -379,19 +385,13 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Error {
         let e = self.lib.error_for(call, raw, self.context(caller));
-        let mut failure = self.failure.borrow_mut();
-        if failure.is_none() {
-            *failure = Some(e.to_string());
-        }
+        self.failure.get_or_init(|| e.to_string());
         e.into()
     }
 
     /// Marks the communicator failed with `e` (drop will abort), keeping the first cause.
     pub(crate) fn mark_failed(&self, e: &Error) {
-        let mut failure = self.failure.borrow_mut();
-        if failure.is_none() {
-            *failure = Some(e.to_string());
-        }
+        self.failure.get_or_init(|| e.to_string());
     }
 
     fn context(&self, caller: &'static Location<'static>) -> CallContext {
@@ -444,7 +444,7 @@ impl Communicator {
     #[inline]
     pub(crate) fn ensure_usable(&self, op: &'static str) -> Result<()> {
         self.diag.check_alive()?;
-        match &*self.failure.borrow() {
+        match self.failure.get() {
             None => Ok(()),
             Some(cause) => Err(self.failed_error(op, cause)),
         }
@@ -479,10 +479,7 @@ impl Communicator {
                 Some(_) => return Err(self.fail(op, state, caller)),
             }
             if start.elapsed() >= timeout {
-                let mut failure = self.failure.borrow_mut();
-                if failure.is_none() {
-                    *failure = Some(format!("{op} timed out"));
-                }
+                self.failure.get_or_init(|| format!("{op} timed out"));
                 return Err(Error::Timeout {
                     what: format!("{op} on rank {}", self.rank),
                     timeout,
@@ -613,7 +610,7 @@ impl Communicator {
             world_size: 0,
             cuda_device: self.cuda_device,
             blocking: self.blocking,
-            failure: RefCell::new(None),
+            failure: OnceCell::new(),
             diag: self.diag.child(tag),
         };
         if !self.blocking {
@@ -729,7 +726,7 @@ impl Drop for Communicator {
         let _ = bind(&self.device);
         // Dropped during a panic: this rank will not reach the collectives its peers may be
         // waiting in, so abort (which wakes them) rather than destroy.
-        let failed = self.failure.get_mut().is_some() || !healthy || panicking;
+        let failed = self.failure.get().is_some() || !healthy || panicking;
         // SAFETY: `raw` is live and, taken out of `self`, torn down exactly once here.
         let _ = unsafe {
             if failed {

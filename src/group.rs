@@ -90,8 +90,9 @@ impl<'a> Group<'a> {
 
     /// Starts the group on `comm`'s library if needed; all operations of a group must use
     /// one library.
+    #[inline]
     fn enter(&mut self, comm: &'a Communicator, op: &'static str) -> Result<()> {
-        comm.ensure_usable(op)?;
+        // A failed communicator is refused by the operation itself (`issue`).
         match &self.lib {
             Some(lib) if Arc::ptr_eq(lib, comm.library()) => {}
             Some(_) => {
@@ -112,6 +113,7 @@ impl<'a> Group<'a> {
         Ok(())
     }
 
+    #[inline]
     fn keep(&mut self, comm: &'a Communicator, guards: Guards<'a>) {
         self.operations += 1;
         if !self.comms.iter().any(|c| std::ptr::eq(*c, comm)) {

@@ -50,6 +50,7 @@ struct Slot {
     took: AtomicU64,
 }
 
+#[inline]
 fn state_code(s: OpState) -> u64 {
     match s {
         OpState::Enqueued => 0,
@@ -66,6 +67,7 @@ fn state_of(code: u64) -> OpState {
     }
 }
 
+#[inline]
 fn dtype_code(d: Option<DataType>) -> u64 {
     d.map_or(0, |d| d as u64 + 1)
 }
@@ -78,7 +80,10 @@ fn dtype_of(code: u64) -> Option<DataType> {
 /// (one at a time: `Communicator` is not `Sync`).
 #[derive(Debug)]
 pub(crate) struct Journal {
+    /// A power of two long (at least `cap`), so a position's slot is a mask away.
     slots: Box<[Slot]>,
+    /// `slots.len() - 1`.
+    mask: u64,
     /// How many records the flight record shows (0: recording is off; the newest record is
     /// still kept for the watchdog and the desync report).
     cap: usize,
@@ -89,8 +94,10 @@ pub(crate) struct Journal {
 impl Journal {
     /// A journal showing the last `cap` records (allocates its slots once, here).
     pub(crate) fn new(cap: usize) -> Journal {
+        let len = cap.max(1).next_power_of_two();
         Journal {
-            slots: (0..cap.max(1)).map(|_| Slot::default()).collect(),
+            slots: (0..len).map(|_| Slot::default()).collect(),
+            mask: len as u64 - 1,
             cap,
             next: AtomicU64::new(0),
         }
@@ -104,7 +111,7 @@ impl Journal {
 
     #[inline]
     fn slot(&self, pos: u64) -> &Slot {
-        &self.slots[(pos % self.slots.len() as u64) as usize]
+        &self.slots[(pos & self.mask) as usize]
     }
 
     /// Opens `slot` for writing (the owner only).
@@ -149,7 +156,7 @@ impl Journal {
     /// overwritten since). The owner only.
     #[inline]
     pub(crate) fn finish(&self, pos: u64, state: OpState, took_ns: u64) {
-        if pos + (self.slots.len() as u64) < self.len() {
+        if pos + self.mask + 1 < self.len() {
             return;
         }
         let s = self.slot(pos);
