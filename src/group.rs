@@ -41,7 +41,9 @@ use crate::types::NcclType;
 /// # Ok::<(), nccl_safe::Error>(())
 /// ```
 pub struct Group<'a> {
-    lib: Option<Arc<Library>>,
+    /// The library of the started group, borrowed from its first communicator (no
+    /// reference count traffic per group).
+    lib: Option<&'a Arc<Library>>,
     /// The distinct communicators used (inline for up to 8: no allocation per group).
     comms: SmallVec<[&'a Communicator; 8]>,
     /// cudarc guards, released after `ncclGroupEnd` (host buffers have none).
@@ -89,36 +91,53 @@ impl<'a> Group<'a> {
     }
 
     /// Starts the group on `comm`'s library if needed; all operations of a group must use
-    /// one library.
-    #[inline]
+    /// one library. (A failed communicator is refused by the operation itself, in `issue`.)
+    #[inline(always)]
     fn enter(&mut self, comm: &'a Communicator, op: &'static str) -> Result<()> {
-        // A failed communicator is refused by the operation itself (`issue`).
-        match &self.lib {
-            Some(lib) if Arc::ptr_eq(lib, comm.library()) => {}
-            Some(_) => {
-                return Err(Error::InvalidArgument {
-                    op,
-                    reason: "all communicators of a group must come from one NCCL library".into(),
-                })
-            }
-            None => {
-                let lib = Arc::clone(comm.library());
-                // SAFETY: ncclGroupStart takes no arguments; it is paired with the
-                // ncclGroupEnd of `end` or `Drop`.
-                unsafe { nccl_call!(&lib, ncclGroupStart(), CallContext::NONE) }?;
-                crate::diag::group_started();
-                self.lib = Some(lib);
-            }
+        match self.lib {
+            Some(lib) if Arc::ptr_eq(lib, comm.library()) => Ok(()),
+            _ => self.start(comm, op),
         }
+    }
+
+    #[inline(never)]
+    fn start(&mut self, comm: &'a Communicator, op: &'static str) -> Result<()> {
+        if self.lib.is_some() {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: "all communicators of a group must come from one NCCL library".into(),
+            });
+        }
+        let lib = comm.library();
+        // SAFETY: ncclGroupStart takes no arguments; it is paired with the ncclGroupEnd of
+        // `end` or `Drop`.
+        unsafe { nccl_call!(lib, ncclGroupStart(), CallContext::NONE) }?;
+        crate::diag::group_started();
+        self.lib = Some(lib);
         Ok(())
     }
 
-    #[inline]
+    #[inline(always)]
     fn keep(&mut self, comm: &'a Communicator, guards: Guards<'a>) {
         self.operations += 1;
+        // Consecutive operations usually share their communicator.
+        if !self.comms.last().is_some_and(|c| std::ptr::eq(*c, comm)) {
+            self.note(comm);
+        }
+        if guards.iter().any(|g| matches!(g, BufferGuard::Cuda(_))) {
+            self.keep_guards(guards);
+        }
+    }
+
+    #[inline(never)]
+    fn note(&mut self, comm: &'a Communicator) {
         if !self.comms.iter().any(|c| std::ptr::eq(*c, comm)) {
             self.comms.push(comm);
         }
+    }
+
+    #[inline(never)]
+    fn keep_guards(&mut self, guards: Guards<'a>) {
         for g in guards {
             if let BufferGuard::Cuda(_) = g {
                 self.guards.push(g);
@@ -144,7 +163,7 @@ impl<'a> Group<'a> {
         };
         // SAFETY: closes the ncclGroupStart of `enter`; every buffer of the group is still
         // borrowed by `self`.
-        let r = unsafe { nccl_call!(&lib, ncclGroupEnd(), ctx) };
+        let r = unsafe { nccl_call!(lib, ncclGroupEnd(), ctx) };
         crate::diag::group_ended();
         // Only now may cudarc record its events: the work is enqueued.
         self.guards.clear();
