@@ -516,7 +516,7 @@ fn run() -> Result<()> {
 
     let (diff, allocs) = worst.get();
     println!(
-        "# target: diff < 20 ns and 0 allocations per call (single operations and per operation in a group, default config): worst diff {diff:.2} ns, worst allocs {allocs:.3} -> {}",
+        "# target: diff < 20 ns and 0 allocations per call (single operations and per operation in a group, default config): worst diff {diff:.2} ns, worst allocs {allocs:e} -> {}",
         if diff < 20.0 && allocs == 0.0 { "met" } else { "NOT met" }
     );
 

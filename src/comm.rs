@@ -429,7 +429,10 @@ impl Communicator {
     ) -> Result<()> {
         let op = op.into();
         let call = op.name();
-        self.ensure_usable(call)?;
+        if self.failure.get().is_some() {
+            // The error for a failed communicator (a watchdog abort takes precedence).
+            self.ensure_usable(call)?;
+        }
         bind(&self.device)?;
         let ticket = self.diag.begin(self, op, caller)?;
         let r = f(self.lib.table(), self.raw);

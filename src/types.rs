@@ -59,6 +59,7 @@ impl DataType {
     ];
 
     /// The raw `ncclDataType_t`.
+    #[inline]
     pub fn to_raw(self) -> ncclDataType_t {
         use nccl_sys::bindings as b;
         match self {
@@ -133,6 +134,7 @@ pub enum ReduceOp {
 
 impl ReduceOp {
     /// The raw `ncclRedOp_t`.
+    #[inline]
     pub fn to_raw(self) -> ncclRedOp_t {
         use nccl_sys::bindings as b;
         match self {

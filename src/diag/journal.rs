@@ -46,7 +46,7 @@ struct Slot {
     count: AtomicU64,
     root: AtomicU64,
     enqueued: AtomicU64,
-    /// Nanoseconds, or `NONE` while enqueued.
+    /// Nanoseconds; meaningful only once the state is not `Enqueued`.
     took: AtomicU64,
 }
 
@@ -145,7 +145,6 @@ impl Journal {
         s.root
             .store(e.root.map_or(NONE, |r| r as u64), Ordering::Relaxed);
         s.enqueued.store(e.enqueued, Ordering::Relaxed);
-        s.took.store(NONE, Ordering::Relaxed);
         s.version.store(v.wrapping_add(2), Ordering::Release);
         // Readers find the record through `next`: publish it after its fields.
         self.next.store(pos + 1, Ordering::Release);
@@ -164,14 +163,7 @@ impl Journal {
         let meta = s.meta.load(Ordering::Relaxed) & 0xff;
         s.meta
             .store(meta | state_code(state) << 8, Ordering::Relaxed);
-        s.took.store(
-            if state == OpState::Enqueued {
-                NONE
-            } else {
-                took_ns
-            },
-            Ordering::Relaxed,
-        );
+        s.took.store(took_ns, Ordering::Relaxed);
         s.version.store(v.wrapping_add(2), Ordering::Release);
     }
 
@@ -217,7 +209,8 @@ impl Journal {
                 root: (root != NONE).then_some(root as usize),
                 caller,
                 enqueued: clock::instant(enqueued),
-                took: (took != NONE).then(|| Duration::from_nanos(took)),
+                took: (state_of(meta >> 8 & 0xff) != OpState::Enqueued)
+                    .then(|| Duration::from_nanos(took)),
                 state: state_of(meta >> 8 & 0xff),
             });
         }

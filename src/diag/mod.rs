@@ -734,8 +734,9 @@ impl CommDiag {
         s.timeout_error(&r)
     }
 
-    /// Before the NCCL call of `op`: records it, runs the fingerprint check (when on) and
-    /// registers it with the watchdog. No lock and no allocation unless it fails.
+    /// Before the NCCL call of `op`: fails when the watchdog aborted the communicator,
+    /// records the operation, runs the fingerprint check (when on) and registers it with
+    /// the watchdog. No lock and no allocation unless it fails.
     #[inline(always)]
     pub(crate) fn begin<'a>(
         &self,
@@ -744,6 +745,9 @@ impl CommDiag {
         caller: &'static Location<'static>,
     ) -> Result<Ticket<'a>> {
         let s = self.shared(comm);
+        if s.aborted_by_watchdog.load(Ordering::Acquire) {
+            return Err(self.aborted_error(s));
+        }
         let seq = if op.collective {
             bump(&s.seq, 1)
         } else {

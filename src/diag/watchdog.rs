@@ -35,10 +35,15 @@ pub(super) fn watch(s: &Arc<Shared>) {
     STARTED.get_or_init(|| {
         std::thread::Builder::new()
             .name("nccl-safe-watchdog".into())
-            .spawn(|| loop {
-                std::thread::sleep(clock::TICK);
-                clock::advance();
-                sweep(Instant::now());
+            .spawn(|| {
+                // Reused every tick: a quiet sweep allocates nothing.
+                let mut list = Vec::with_capacity(64);
+                loop {
+                    std::thread::sleep(clock::TICK);
+                    clock::advance();
+                    sweep(Instant::now(), &mut list);
+                    list.clear();
+                }
             })
             .is_ok()
     });
@@ -50,11 +55,11 @@ fn grace(s: &Shared) -> Duration {
     (s.settings.timeout / 4).min(Duration::from_millis(50)) + s.slack()
 }
 
-fn sweep(now: Instant) {
-    let list: Vec<Arc<Shared>> = {
+fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) {
+    {
         let r = registry().lock().unwrap_or_else(|e| e.into_inner());
-        r.iter().filter_map(Weak::upgrade).collect()
-    };
+        list.extend(r.iter().filter_map(Weak::upgrade));
+    }
     let expired: Vec<(usize, _)> = (list.iter().enumerate())
         .filter(|(_, s)| !s.aborted_by_watchdog.load(Ordering::Acquire))
         .filter_map(|(i, s)| Some((i, s.late(now)?)))

@@ -136,6 +136,7 @@ impl Communicator {
 
     // ---- all-reduce -------------------------------------------------------------------
 
+    #[inline(always)]
     pub(crate) fn all_reduce_enqueue<
         'a,
         T: NcclType,
@@ -166,6 +167,7 @@ impl Communicator {
         Ok([sg, rg])
     }
 
+    #[inline(always)]
     pub(crate) fn all_reduce_in_place_enqueue<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
         &'a self,
         buf: &'a mut B,
@@ -244,6 +246,7 @@ impl Communicator {
 
     // ---- broadcast --------------------------------------------------------------------
 
+    #[inline(always)]
     pub(crate) fn broadcast_enqueue<
         'a,
         T: NcclType,
@@ -273,6 +276,7 @@ impl Communicator {
         Ok([sg, rg])
     }
 
+    #[inline(always)]
     pub(crate) fn broadcast_in_place_enqueue<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
         &'a self,
         buf: &'a mut B,
@@ -346,6 +350,7 @@ impl Communicator {
     // ---- reduce -----------------------------------------------------------------------
 
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     pub(crate) fn reduce_enqueue<
         'a,
         T: NcclType,
@@ -467,6 +472,7 @@ impl Communicator {
 
     // ---- all-gather -------------------------------------------------------------------
 
+    #[inline(always)]
     pub(crate) fn all_gather_enqueue<
         'a,
         T: NcclType,
@@ -562,6 +568,7 @@ impl Communicator {
 
     // ---- reduce-scatter ---------------------------------------------------------------
 
+    #[inline(always)]
     pub(crate) fn reduce_scatter_enqueue<
         'a,
         T: NcclType,
@@ -663,6 +670,7 @@ impl Communicator {
 
     // ---- point to point ---------------------------------------------------------------
 
+    #[inline(always)]
     pub(crate) fn send_enqueue<'a, T: NcclType, S: SendBuffer<T> + ?Sized>(
         &'a self,
         buf: &'a S,
@@ -683,6 +691,7 @@ impl Communicator {
         Ok([sg, BufferGuard::Host])
     }
 
+    #[inline(always)]
     pub(crate) fn recv_enqueue<'a, T: NcclType, R: RecvBuffer<T> + ?Sized>(
         &'a self,
         buf: &'a mut R,
@@ -729,6 +738,7 @@ impl Communicator {
 
     // ---- all-to-all, gather, scatter (NCCL 2.28+) -------------------------------------
 
+    #[inline(always)]
     pub(crate) fn all_to_all_enqueue<
         'a,
         T: NcclType,
@@ -784,6 +794,7 @@ impl Communicator {
             .map(drop)
     }
 
+    #[inline(always)]
     pub(crate) fn gather_enqueue<
         'a,
         T: NcclType,
@@ -869,6 +880,7 @@ impl Communicator {
             .map(drop)
     }
 
+    #[inline(always)]
     pub(crate) fn scatter_enqueue<
         'a,
         T: NcclType,

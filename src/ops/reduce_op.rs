@@ -32,15 +32,21 @@ impl<'a, T> From<&'a PreMulSum<'a, T>> for Reduction<'a, T> {
 
 impl<T> Reduction<'_, T> {
     /// The raw operator for `comm`; a `PreMulSum` of another communicator is refused.
+    #[inline(always)]
     pub(crate) fn raw_for(&self, comm: &Communicator, op: &'static str) -> Result<ncclRedOp_t> {
         match self {
             Reduction::Op(o) => Ok(o.to_raw()),
             Reduction::PreMulSum(p) if std::ptr::eq(p.comm, comm) => Ok(p.raw),
-            Reduction::PreMulSum(_) => Err(Error::InvalidArgument {
-                op,
-                reason: "this PreMulSum was created on another communicator".into(),
-            }),
+            Reduction::PreMulSum(_) => Err(foreign_pre_mul_sum(op)),
         }
+    }
+}
+
+#[cold]
+fn foreign_pre_mul_sum(op: &'static str) -> Error {
+    Error::InvalidArgument {
+        op,
+        reason: "this PreMulSum was created on another communicator".into(),
     }
 }
 
