@@ -146,9 +146,9 @@ impl Config {
     /// `NCCL_SAFE_DEBUG=info|detail`; children inherit it).
     ///
     /// Off, the watchdog, the flight recorder and [`Diagnostics::wait`] use a coarse clock
-    /// that the watchdog advances every 10 ms: about 1 ns an operation instead of two
-    /// `Instant::now()` calls (about 40 ns here). Timeouts still fire within a tick of
-    /// their deadline; per-operation times read as whole ticks, and sums over many
+    /// that the watchdog advances every 10 ms: a load of about 1 ns instead of two
+    /// `Instant::now()` calls (which add about 50 ns an operation: `cargo bench --bench
+    /// overhead`). Timeouts still fire within a tick of their deadline; per-operation times read as whole ticks, and sums over many
     /// operations are right on average. [`crate::launch::Launcher::run_report`] turns it
     /// on for its communicators.
     pub fn timing(mut self, precise: bool) -> Config {
