@@ -216,20 +216,31 @@ fn write(p: usize, src: &[u8]) {
 
 /// Runs a collective for every rank: all reads happen before any write, so in-place and
 /// aliasing buffers get the same result as separate ones.
-fn run_coll(posts: &[CollPost]) {
+fn run_coll(posts: &[CollPost]) -> Result<(), Fail> {
     let n = posts.len();
     let a = &posts[0];
     let Some(es) = dtype::size_of(a.dtype) else {
-        return;
+        return Ok(());
+    };
+    let scalars: Vec<Vec<u8>> = posts.iter().map(|p| p.scalar.clone()).collect();
+    let reduce = |inputs: &[Vec<u8>], out: &mut [u8]| {
+        let ins: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
+        if dtype::reduce(a.dtype, a.red, &ins, &scalars, out) {
+            Ok(())
+        } else {
+            Err(Fail::new(
+                ncclInternalError,
+                "internal error: malformed reduction (short input or PreMulSum scalar)",
+            ))
+        }
     };
     let bytes = a.count * es;
     let root = a.root as usize;
-    let scalars: Vec<Vec<u8>> = posts.iter().map(|p| p.scalar.clone()).collect();
     match a.kind {
         CollKind::AllReduce | CollKind::Reduce => {
             let inputs: Vec<Vec<u8>> = posts.iter().map(|p| read(p.send, bytes)).collect();
             let mut out = vec![0u8; bytes];
-            dtype::reduce(a.dtype, a.red, &inputs, &scalars, &mut out);
+            reduce(&inputs, &mut out)?;
             for (r, p) in posts.iter().enumerate() {
                 if a.kind == CollKind::AllReduce || r == root {
                     write(p.recv, &out);
@@ -239,7 +250,7 @@ fn run_coll(posts: &[CollPost]) {
         CollKind::ReduceScatter => {
             let inputs: Vec<Vec<u8>> = posts.iter().map(|p| read(p.send, n * bytes)).collect();
             let mut out = vec![0u8; n * bytes];
-            dtype::reduce(a.dtype, a.red, &inputs, &scalars, &mut out);
+            reduce(&inputs, &mut out)?;
             for (r, p) in posts.iter().enumerate() {
                 write(p.recv, &out[r * bytes..(r + 1) * bytes]);
             }
@@ -278,6 +289,7 @@ fn run_coll(posts: &[CollPost]) {
             }
         }
     }
+    Ok(())
 }
 
 fn run_job(job: Job) {
@@ -287,14 +299,17 @@ fn run_job(job: Job) {
             let n = s.count * dtype::size_of(s.dtype).unwrap_or(0);
             let data = read(s.ptr, n);
             write(r.ptr, &data);
+            Ok(())
         }
     }));
-    let res = res.map_err(|_| {
-        Fail::new(
-            ncclInternalError,
-            "internal error: panic while executing an operation",
-        )
-    });
+    let res = res
+        .map_err(|_| {
+            Fail::new(
+                ncclInternalError,
+                "internal error: panic while executing an operation",
+            )
+        })
+        .and_then(|r| r);
     let mut g = lock();
     match job {
         Job::Coll(clique, seq, _) => {
