@@ -199,6 +199,8 @@ const REDUCE_CHUNK: usize = 32 << 10;
 /// Bytes copied per step when one source feeds several destinations, so the source is
 /// read from memory once and from cache for the other destinations.
 const COPY_CHUNK: usize = 256 << 10;
+/// Collectives that touch at least this many bytes per rank are split across threads.
+const PARALLEL_MIN: usize = 4 << 20;
 
 /// A byte range of host memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -261,6 +263,75 @@ unsafe fn write(dst: usize, src: &[u8]) {
 unsafe fn snapshot(s: Span) -> Vec<u8> {
     // SAFETY: forwarded to the caller.
     unsafe { bytes(s) }.to_vec()
+}
+
+/// How many threads share a collective that touches `bytes` bytes per rank: one below
+/// [`PARALLEL_MIN`], else up to the machine's parallelism with at least half of
+/// `PARALLEL_MIN` each.
+fn threads_for(bytes: usize) -> usize {
+    static PARALLELISM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    if bytes < PARALLEL_MIN {
+        return 1;
+    }
+    let avail =
+        *PARALLELISM.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    avail.min(bytes / (PARALLEL_MIN / 2)).max(1)
+}
+
+/// Runs `f` over a partition of `0..len` into ranges that start at multiples of `align`:
+/// on this thread alone for small `len * unit` bytes, else spread over scoped threads
+/// (this one included). A thread that cannot be started leaves its range to this thread.
+/// Returns the first error.
+fn for_parts(
+    len: usize,
+    unit: usize,
+    align: usize,
+    f: impl Fn(core::ops::Range<usize>) -> Result<(), Fail> + Sync,
+) -> Result<(), Fail> {
+    let t = threads_for(len.saturating_mul(unit));
+    let align = align.max(1);
+    let per = len.div_ceil(align).div_ceil(t.max(1)) * align;
+    if t <= 1 || per >= len {
+        return f(0..len);
+    }
+    let parts: Vec<core::ops::Range<usize>> = (0..t)
+        .map(|i| (i * per).min(len)..((i + 1) * per).min(len))
+        .filter(|r| !r.is_empty())
+        .collect();
+    let f = &f;
+    std::thread::scope(|s| {
+        let mut spawned = Vec::new();
+        let mut inline = vec![parts[0].clone()];
+        for p in &parts[1..] {
+            let p = p.clone();
+            match std::thread::Builder::new().spawn_scoped(s, {
+                let p = p.clone();
+                move || f(p)
+            }) {
+                Ok(h) => spawned.push(h),
+                Err(_) => inline.push(p),
+            }
+        }
+        let mut res = Ok(());
+        for p in inline {
+            let r = f(p);
+            if res.is_ok() {
+                res = r;
+            }
+        }
+        for h in spawned {
+            let r = h.join().unwrap_or_else(|_| {
+                Err(Fail::new(
+                    ncclInternalError,
+                    "internal error: panic while executing an operation",
+                ))
+            });
+            if res.is_ok() {
+                res = r;
+            }
+        }
+        res
+    })
 }
 
 /// A reduction over `elems` elements of every rank's input, with each output holding a
@@ -363,17 +434,19 @@ impl Reduction<'_> {
         Ok(())
     }
 
-    /// Runs the reduction: directly when the buffers allow it, else from copies of the
-    /// inputs into a full result written rank by rank.
+    /// Runs the reduction: directly (split across threads when large) when the buffers
+    /// allow it, else from copies of the inputs into a full result written rank by rank.
     fn run(&self) -> Result<(), Fail> {
         let es = self.es;
         if self.elems == 0 || es == 0 || self.inputs.is_empty() {
             return Ok(());
         }
         if self.direct_ok() {
+            let chunk = (REDUCE_CHUNK / es).max(1);
             // SAFETY: `direct_ok` holds; every rank waits for this op, so its buffers are
-            // alive, and nothing else touches them meanwhile.
-            return unsafe { self.run_direct(0..self.elems) };
+            // alive; the parts are disjoint element ranges, and by `direct_ok` the bytes
+            // of one element range (inputs and outputs) are disjoint from any other's.
+            return for_parts(self.elems, es, chunk, |r| unsafe { self.run_direct(r) });
         }
         // SAFETY: the inputs are posted by waiting ranks; nothing is written yet.
         let copies: Vec<Vec<u8>> = self
@@ -1176,6 +1249,45 @@ mod tests {
             0,
             Layout::SharedSend,
             Some(true),
+        );
+    }
+
+    #[test]
+    fn large_reductions_split_across_threads_match() {
+        // Over PARALLEL_MIN per rank, so the element range is split where the machine
+        // has more than one core.
+        let count = PARALLEL_MIN / 4 + REDUCE_CHUNK / 4 + 3;
+        for layout in [Layout::Separate, Layout::InPlace] {
+            check(
+                CollKind::AllReduce,
+                ncclFloat32,
+                RedKind::Sum,
+                3,
+                count,
+                0,
+                layout,
+                None,
+            );
+        }
+        check(
+            CollKind::ReduceScatter,
+            ncclFloat16,
+            RedKind::Avg,
+            2,
+            count,
+            0,
+            Layout::InPlace,
+            None,
+        );
+        check(
+            CollKind::Reduce,
+            ncclInt8,
+            RedKind::PreMulSum,
+            2,
+            4 * count,
+            1,
+            Layout::InPlace,
+            None,
         );
     }
 
