@@ -4,6 +4,7 @@
 //! rounding each step to the element type: integers wrap, `f32`/`f64` use their own
 //! arithmetic, `f16`/`bf16`/fp8 compute each step in `f32` and round back.
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use nccl_sys::bindings::*;
 
@@ -90,10 +91,16 @@ pub(crate) enum RedKind {
     PreMulSum,
 }
 
+/// An element type: its native-endian bytes (read and written without any alignment
+/// requirement, so posted buffers need not be aligned) and its arithmetic.
 trait Elem: Copy {
-    const SIZE: usize;
-    fn load(b: &[u8]) -> Self;
-    fn store(self, b: &mut [u8]);
+    /// The element's bytes, `[u8; size]`.
+    type Raw: Copy;
+    /// `b` as whole elements (a trailing partial element is left out).
+    fn raws(b: &[u8]) -> &[Self::Raw];
+    fn raws_mut(b: &mut [u8]) -> &mut [Self::Raw];
+    fn from_raw(r: Self::Raw) -> Self;
+    fn to_raw(self) -> Self::Raw;
     fn add(self, o: Self) -> Self;
     fn mul(self, o: Self) -> Self;
     /// `o` when `o > self`, else `self` (the accumulator wins ties and NaN comparisons).
@@ -103,20 +110,38 @@ trait Elem: Copy {
     fn div_n(self, n: usize) -> Self;
 }
 
+/// The byte view shared by every element type.
+macro_rules! raw_view {
+    ($n:expr) => {
+        type Raw = [u8; $n];
+        #[inline(always)]
+        fn raws(b: &[u8]) -> &[Self::Raw] {
+            b.as_chunks().0
+        }
+        #[inline(always)]
+        fn raws_mut(b: &mut [u8]) -> &mut [Self::Raw] {
+            b.as_chunks_mut().0
+        }
+    };
+}
+
 macro_rules! int_elem {
     ($($t:ty => $w:ty),*) => {$(
         impl Elem for $t {
-            const SIZE: usize = core::mem::size_of::<$t>();
-            fn load(b: &[u8]) -> Self {
-                let mut a = [0u8; core::mem::size_of::<$t>()];
-                a.copy_from_slice(b);
-                <$t>::from_ne_bytes(a)
-            }
-            fn store(self, b: &mut [u8]) { b.copy_from_slice(&self.to_ne_bytes()) }
+            raw_view!(core::mem::size_of::<$t>());
+            #[inline(always)]
+            fn from_raw(r: Self::Raw) -> Self { <$t>::from_ne_bytes(r) }
+            #[inline(always)]
+            fn to_raw(self) -> Self::Raw { self.to_ne_bytes() }
+            #[inline(always)]
             fn add(self, o: Self) -> Self { self.wrapping_add(o) }
+            #[inline(always)]
             fn mul(self, o: Self) -> Self { self.wrapping_mul(o) }
+            #[inline(always)]
             fn max(self, o: Self) -> Self { if o > self { o } else { self } }
+            #[inline(always)]
             fn min(self, o: Self) -> Self { if o < self { o } else { self } }
+            #[inline(always)]
             fn div_n(self, n: usize) -> Self { ((self as $w) / (n as $w)) as $t }
         }
     )*};
@@ -126,62 +151,112 @@ int_elem!(i8 => i64, u8 => u64, i32 => i64, u32 => u64, i64 => i64, u64 => u64);
 macro_rules! float_elem {
     ($($t:ty),*) => {$(
         impl Elem for $t {
-            const SIZE: usize = core::mem::size_of::<$t>();
-            fn load(b: &[u8]) -> Self {
-                let mut a = [0u8; core::mem::size_of::<$t>()];
-                a.copy_from_slice(b);
-                <$t>::from_ne_bytes(a)
-            }
-            fn store(self, b: &mut [u8]) { b.copy_from_slice(&self.to_ne_bytes()) }
+            raw_view!(core::mem::size_of::<$t>());
+            #[inline(always)]
+            fn from_raw(r: Self::Raw) -> Self { <$t>::from_ne_bytes(r) }
+            #[inline(always)]
+            fn to_raw(self) -> Self::Raw { self.to_ne_bytes() }
+            #[inline(always)]
             fn add(self, o: Self) -> Self { self + o }
+            #[inline(always)]
             fn mul(self, o: Self) -> Self { self * o }
+            #[inline(always)]
             fn max(self, o: Self) -> Self { if o > self { o } else { self } }
+            #[inline(always)]
             fn min(self, o: Self) -> Self { if o < self { o } else { self } }
+            #[inline(always)]
             fn div_n(self, n: usize) -> Self { self / (n as $t) }
         }
     )*};
 }
 float_elem!(f32, f64);
 
+/// Elements per block of the `f32` kernels: the block's values widened to `f32` stay in L1.
+const BLOCK: usize = 256;
+
 /// A type whose arithmetic goes through `f32`, rounding back after every step.
 trait ViaF32: Copy {
+    type Raw: Copy + Default;
+    fn raws(b: &[u8]) -> &[Self::Raw];
+    fn raws_mut(b: &mut [u8]) -> &mut [Self::Raw];
+    fn from_raw(r: Self::Raw) -> Self;
+    fn to_raw(self) -> Self::Raw;
     fn to32(self) -> f32;
     fn from32(x: f32) -> Self;
-    fn bits(self) -> u16;
-    fn from_bits(b: u16) -> Self;
-    const SIZE: usize;
+    /// `dst[i] = to32(src[i])` over the common length (at most [`BLOCK`]).
+    #[inline(always)]
+    fn widen(src: &[Self::Raw], dst: &mut [f32]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = Self::from_raw(s).to32();
+        }
+    }
+    /// `dst[i] = from32(src[i])` over the common length (at most [`BLOCK`]).
+    #[inline(always)]
+    fn narrow(src: &[f32], dst: &mut [Self::Raw]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = Self::from32(s).to_raw();
+        }
+    }
 }
 
 impl ViaF32 for f16 {
+    raw_view!(2);
+    #[inline(always)]
+    fn from_raw(r: Self::Raw) -> Self {
+        f16::from_bits(u16::from_ne_bytes(r))
+    }
+    #[inline(always)]
+    fn to_raw(self) -> Self::Raw {
+        self.to_bits().to_ne_bytes()
+    }
+    #[inline(always)]
     fn to32(self) -> f32 {
         self.to_f32()
     }
+    #[inline(always)]
     fn from32(x: f32) -> Self {
         f16::from_f32(x)
     }
-    fn bits(self) -> u16 {
-        self.to_bits()
+    // `half`'s slice conversions pick the same implementation as its per-element ones
+    // (F16C where the CPU has it, else the same software rounding), a block at a time.
+    #[inline(always)]
+    fn widen(src: &[Self::Raw], dst: &mut [f32]) {
+        let k = src.len().min(dst.len()).min(BLOCK);
+        let mut h = [f16::ZERO; BLOCK];
+        for (h, &s) in h.iter_mut().zip(&src[..k]) {
+            *h = <Self as ViaF32>::from_raw(s);
+        }
+        h[..k].convert_to_f32_slice(&mut dst[..k]);
     }
-    fn from_bits(b: u16) -> Self {
-        f16::from_bits(b)
+    #[inline(always)]
+    fn narrow(src: &[f32], dst: &mut [Self::Raw]) {
+        let k = src.len().min(dst.len()).min(BLOCK);
+        let mut h = [f16::ZERO; BLOCK];
+        h[..k].convert_from_f32_slice(&src[..k]);
+        for (d, h) in dst[..k].iter_mut().zip(&h[..k]) {
+            *d = <Self as ViaF32>::to_raw(*h);
+        }
     }
-    const SIZE: usize = 2;
 }
 
 impl ViaF32 for bf16 {
+    raw_view!(2);
+    #[inline(always)]
+    fn from_raw(r: Self::Raw) -> Self {
+        bf16::from_bits(u16::from_ne_bytes(r))
+    }
+    #[inline(always)]
+    fn to_raw(self) -> Self::Raw {
+        self.to_bits().to_ne_bytes()
+    }
+    #[inline(always)]
     fn to32(self) -> f32 {
         self.to_f32()
     }
+    #[inline(always)]
     fn from32(x: f32) -> Self {
         bf16::from_f32(x)
     }
-    fn bits(self) -> u16 {
-        self.to_bits()
-    }
-    fn from_bits(b: u16) -> Self {
-        bf16::from_bits(b)
-    }
-    const SIZE: usize = 2;
 }
 
 #[derive(Clone, Copy)]
@@ -189,60 +264,168 @@ struct E4M3(u8);
 #[derive(Clone, Copy)]
 struct E5M2(u8);
 
-impl ViaF32 for E4M3 {
-    fn to32(self) -> f32 {
-        fp8_to_f32(self.0, false)
-    }
-    fn from32(x: f32) -> Self {
-        E4M3(f32_to_fp8(x, false))
-    }
-    fn bits(self) -> u16 {
-        self.0 as u16
-    }
-    fn from_bits(b: u16) -> Self {
-        E4M3(b as u8)
-    }
-    const SIZE: usize = 1;
+/// Every fp8 value decoded by [`fp8_to_f32`], indexed by its bits.
+fn fp8_table(e5m2: bool) -> &'static [f32; 256] {
+    static TABLES: [std::sync::OnceLock<[f32; 256]>; 2] =
+        [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
+    TABLES[e5m2 as usize].get_or_init(|| core::array::from_fn(|b| fp8_to_f32(b as u8, e5m2)))
 }
 
-impl ViaF32 for E5M2 {
-    fn to32(self) -> f32 {
-        fp8_to_f32(self.0, true)
+macro_rules! fp8_via_f32 {
+    ($($t:ident => $e5m2:expr),*) => {$(
+        impl ViaF32 for $t {
+            raw_view!(1);
+            #[inline(always)]
+            fn from_raw(r: Self::Raw) -> Self { $t(r[0]) }
+            #[inline(always)]
+            fn to_raw(self) -> Self::Raw { [self.0] }
+            #[inline(always)]
+            fn to32(self) -> f32 { fp8_to_f32(self.0, $e5m2) }
+            #[inline(always)]
+            fn from32(x: f32) -> Self { $t(f32_to_fp8(x, $e5m2)) }
+            #[inline(always)]
+            fn widen(src: &[Self::Raw], dst: &mut [f32]) {
+                let t = fp8_table($e5m2);
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = t[s[0] as usize];
+                }
+            }
+        }
+    )*};
+}
+fp8_via_f32!(E4M3 => false, E5M2 => true);
+
+/// Reduces a type computed through `f32` a block at a time: each input block is widened
+/// once, every step computed in `f32` over the block and rounded back to `T` (then
+/// widened again for the next step), exactly the per-element steps of the [`Elem`] impl.
+/// `false` when a PreMulSum scalar is missing.
+fn reduce_via<T: ViaF32>(
+    kind: RedKind,
+    inputs: &[&[u8]],
+    scalars: &[Vec<u8>],
+    out: &mut [u8],
+) -> bool {
+    let n = inputs.len();
+    if n == 0 {
+        return true;
     }
-    fn from32(x: f32) -> Self {
-        E5M2(f32_to_fp8(x, true))
+    let mut s32 = smallvec::SmallVec::<[f32; 16]>::new();
+    if kind == RedKind::PreMulSum {
+        for r in 0..n {
+            match scalars.get(r).and_then(|s| T::raws(s).first()) {
+                Some(&b) => s32.push(T::from_raw(b).to32()),
+                None => return false,
+            }
+        }
     }
-    fn bits(self) -> u16 {
-        self.0 as u16
+    let (mut a32, mut x32, mut t32) = ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
+    let mut tr = [T::Raw::default(); BLOCK];
+    for (bi, a) in T::raws_mut(out).chunks_mut(BLOCK).enumerate() {
+        let (lo, k) = (bi * BLOCK, a.len());
+        let (a32, x32, t32, tr) = (&mut a32[..k], &mut x32[..k], &mut t32[..k], &mut tr[..k]);
+        let x = |r: usize| T::raws(inputs[r]).get(lo..lo + k).unwrap_or(&[]);
+        match kind {
+            RedKind::Max | RedKind::Min => {
+                let max = kind == RedKind::Max;
+                for (a, &x) in a.iter_mut().zip(x(0)) {
+                    *a = x;
+                }
+                T::widen(a, a32);
+                for r in 1..n {
+                    let xr = x(r);
+                    T::widen(xr, x32);
+                    for (((a, a32), &x), &x32) in
+                        a.iter_mut().zip(a32.iter_mut()).zip(xr).zip(&*x32)
+                    {
+                        if (max && x32 > *a32) || (!max && x32 < *a32) {
+                            *a = x;
+                            *a32 = x32;
+                        }
+                    }
+                }
+            }
+            RedKind::Sum | RedKind::Avg | RedKind::Prod => {
+                let prod = kind == RedKind::Prod;
+                for (a, &x) in a.iter_mut().zip(x(0)) {
+                    *a = x;
+                }
+                T::widen(a, a32);
+                for r in 1..n {
+                    T::widen(x(r), x32);
+                    if prod {
+                        for ((t, &a), &x) in t32.iter_mut().zip(&*a32).zip(&*x32) {
+                            *t = a * x;
+                        }
+                    } else {
+                        for ((t, &a), &x) in t32.iter_mut().zip(&*a32).zip(&*x32) {
+                            *t = a + x;
+                        }
+                    }
+                    T::narrow(t32, a);
+                    T::widen(a, a32);
+                }
+                if kind == RedKind::Avg {
+                    let d = n as f32;
+                    for (t, &a) in t32.iter_mut().zip(&*a32) {
+                        *t = a / d;
+                    }
+                    T::narrow(t32, a);
+                }
+            }
+            RedKind::PreMulSum => {
+                // Each term scalar_r * x_r is rounded to T before it is added.
+                T::widen(x(0), x32);
+                for (t, &x) in t32.iter_mut().zip(&*x32) {
+                    *t = s32[0] * x;
+                }
+                T::narrow(t32, a);
+                T::widen(a, a32);
+                for (r, &s) in s32.iter().enumerate().skip(1) {
+                    T::widen(x(r), x32);
+                    for (t, &x) in t32.iter_mut().zip(&*x32) {
+                        *t = s * x;
+                    }
+                    T::narrow(t32, tr);
+                    T::widen(tr, x32);
+                    for ((t, &a), &x) in t32.iter_mut().zip(&*a32).zip(&*x32) {
+                        *t = a + x;
+                    }
+                    T::narrow(t32, a);
+                    T::widen(a, a32);
+                }
+            }
+        }
     }
-    fn from_bits(b: u16) -> Self {
-        E5M2(b as u8)
-    }
-    const SIZE: usize = 1;
+    true
 }
 
 impl<T: ViaF32> Elem for T {
-    const SIZE: usize = <T as ViaF32>::SIZE;
-    fn load(b: &[u8]) -> Self {
-        if b.len() == 1 {
-            T::from_bits(b[0] as u16)
-        } else {
-            T::from_bits(u16::from_ne_bytes([b[0], b[1]]))
-        }
+    type Raw = <T as ViaF32>::Raw;
+    #[inline(always)]
+    fn raws(b: &[u8]) -> &[Self::Raw] {
+        <T as ViaF32>::raws(b)
     }
-    fn store(self, b: &mut [u8]) {
-        if b.len() == 1 {
-            b[0] = self.bits() as u8;
-        } else {
-            b.copy_from_slice(&self.bits().to_ne_bytes());
-        }
+    #[inline(always)]
+    fn raws_mut(b: &mut [u8]) -> &mut [Self::Raw] {
+        <T as ViaF32>::raws_mut(b)
     }
+    #[inline(always)]
+    fn from_raw(r: Self::Raw) -> Self {
+        <T as ViaF32>::from_raw(r)
+    }
+    #[inline(always)]
+    fn to_raw(self) -> Self::Raw {
+        <T as ViaF32>::to_raw(self)
+    }
+    #[inline(always)]
     fn add(self, o: Self) -> Self {
         T::from32(self.to32() + o.to32())
     }
+    #[inline(always)]
     fn mul(self, o: Self) -> Self {
         T::from32(self.to32() * o.to32())
     }
+    #[inline(always)]
     fn max(self, o: Self) -> Self {
         if o.to32() > self.to32() {
             o
@@ -250,6 +433,7 @@ impl<T: ViaF32> Elem for T {
             self
         }
     }
+    #[inline(always)]
     fn min(self, o: Self) -> Self {
         if o.to32() < self.to32() {
             o
@@ -257,18 +441,163 @@ impl<T: ViaF32> Elem for T {
             self
         }
     }
+    #[inline(always)]
     fn div_n(self, n: usize) -> Self {
         T::from32(self.to32() / n as f32)
     }
 }
 
-fn reduce_t<T: Elem>(kind: RedKind, inputs: &[Vec<u8>], scalars: &[Vec<u8>], out: &mut [u8]) {
-    let s = T::SIZE;
+/// One step of a fold, chosen at compile time so the per-element loop has no branch on
+/// the reduction kind.
+trait Step {
+    fn step<T: Elem>(acc: T, x: T) -> T;
+}
+
+struct AddStep;
+struct MulStep;
+struct MaxStep;
+struct MinStep;
+
+impl Step for AddStep {
+    #[inline(always)]
+    fn step<T: Elem>(acc: T, x: T) -> T {
+        acc.add(x)
+    }
+}
+impl Step for MulStep {
+    #[inline(always)]
+    fn step<T: Elem>(acc: T, x: T) -> T {
+        acc.mul(x)
+    }
+}
+impl Step for MaxStep {
+    #[inline(always)]
+    fn step<T: Elem>(acc: T, x: T) -> T {
+        acc.max(x)
+    }
+}
+impl Step for MinStep {
+    #[inline(always)]
+    fn step<T: Elem>(acc: T, x: T) -> T {
+        acc.min(x)
+    }
+}
+
+/// `acc[i] = S(acc[i], x[i])` for every element.
+#[inline(always)]
+fn fold<T: Elem, S: Step>(acc: &mut [T::Raw], x: &[T::Raw]) {
+    for (a, &x) in acc.iter_mut().zip(x) {
+        *a = S::step(T::from_raw(*a), T::from_raw(x)).to_raw();
+    }
+}
+
+/// `acc = S(S(acc, x), y)` element by element: the same order as two [`fold`]s, with
+/// one pass over the accumulator instead of two.
+#[inline(always)]
+fn fold2<T: Elem, S: Step>(acc: &mut [T::Raw], x: &[T::Raw], y: &[T::Raw]) {
+    for ((a, &x), &y) in acc.iter_mut().zip(x).zip(y) {
+        let t = S::step(T::from_raw(*a), T::from_raw(x));
+        *a = S::step(t, T::from_raw(y)).to_raw();
+    }
+}
+
+/// Folds `rest` into `acc` in order with step `S`.
+fn fold_all<T: Elem, S: Step>(acc: &mut [T::Raw], rest: &[&[u8]]) {
+    let mut pairs = rest.chunks_exact(2);
+    for p in &mut pairs {
+        fold2::<T, S>(acc, T::raws(p[0]), T::raws(p[1]));
+    }
+    if let [x] = pairs.remainder() {
+        fold::<T, S>(acc, T::raws(x));
+    }
+}
+
+/// Reduces with elements of type `T`; `false` when a PreMulSum scalar is missing.
+fn reduce_t<T: Elem>(kind: RedKind, inputs: &[&[u8]], scalars: &[Vec<u8>], out: &mut [u8]) -> bool {
+    let acc = T::raws_mut(out);
+    let Some((first, rest)) = inputs.split_first() else {
+        return true;
+    };
+    if kind == RedKind::PreMulSum {
+        let mut sc = smallvec::SmallVec::<[T; 16]>::with_capacity(inputs.len());
+        for r in 0..inputs.len() {
+            match scalars.get(r).and_then(|s| T::raws(s).first()) {
+                Some(&b) => sc.push(T::from_raw(b)),
+                None => return false,
+            }
+        }
+        let s0 = sc[0];
+        for (a, &x) in acc.iter_mut().zip(T::raws(first)) {
+            *a = s0.mul(T::from_raw(x)).to_raw();
+        }
+        for (x, &s) in rest.iter().zip(&sc[1..]) {
+            for (a, &x) in acc.iter_mut().zip(T::raws(x)) {
+                *a = T::from_raw(*a).add(s.mul(T::from_raw(x))).to_raw();
+            }
+        }
+        return true;
+    }
+    for (a, &x) in acc.iter_mut().zip(T::raws(first)) {
+        *a = x;
+    }
+    match kind {
+        RedKind::Sum | RedKind::Avg | RedKind::PreMulSum => fold_all::<T, AddStep>(acc, rest),
+        RedKind::Prod => fold_all::<T, MulStep>(acc, rest),
+        RedKind::Max => fold_all::<T, MaxStep>(acc, rest),
+        RedKind::Min => fold_all::<T, MinStep>(acc, rest),
+    }
+    if kind == RedKind::Avg {
+        let n = inputs.len();
+        for a in acc.iter_mut() {
+            *a = T::from_raw(*a).div_n(n).to_raw();
+        }
+    }
+    true
+}
+
+/// Reduces `inputs` (one byte slice per rank, each at least `out.len()` long) into `out`,
+/// element by element in rank order. `scalars[r]` is rank r's PreMulSum scalar (ignored
+/// for other kinds). Returns `false`, leaving `out` unspecified, when an input is shorter
+/// than `out` or a PreMulSum scalar is shorter than one element; an unknown data type
+/// leaves `out` untouched.
+pub(crate) fn reduce(
+    dt: ncclDataType_t,
+    kind: RedKind,
+    inputs: &[&[u8]],
+    scalars: &[Vec<u8>],
+    out: &mut [u8],
+) -> bool {
+    if inputs.iter().any(|x| x.len() < out.len()) {
+        return false;
+    }
+    match dt {
+        ncclInt8 => reduce_t::<i8>(kind, inputs, scalars, out),
+        ncclUint8 => reduce_t::<u8>(kind, inputs, scalars, out),
+        ncclInt32 => reduce_t::<i32>(kind, inputs, scalars, out),
+        ncclUint32 => reduce_t::<u32>(kind, inputs, scalars, out),
+        ncclInt64 => reduce_t::<i64>(kind, inputs, scalars, out),
+        ncclUint64 => reduce_t::<u64>(kind, inputs, scalars, out),
+        ncclFloat16 => reduce_via::<f16>(kind, inputs, scalars, out),
+        ncclFloat32 => reduce_t::<f32>(kind, inputs, scalars, out),
+        ncclFloat64 => reduce_t::<f64>(kind, inputs, scalars, out),
+        ncclBfloat16 => reduce_t::<bf16>(kind, inputs, scalars, out),
+        ncclFloat8e4m3 => reduce_via::<E4M3>(kind, inputs, scalars, out),
+        ncclFloat8e5m2 => reduce_via::<E5M2>(kind, inputs, scalars, out),
+        _ => true,
+    }
+}
+
+/// The element-at-a-time form of [`reduce`] (the kind matched per element, each element
+/// loaded and stored on its own): the definition the fast kernels must match bit for bit.
+#[cfg(test)]
+fn reference_t<T: Elem>(kind: RedKind, inputs: &[&[u8]], scalars: &[Vec<u8>], out: &mut [u8]) {
+    let s = core::mem::size_of::<T::Raw>();
+    let load = |b: &[u8], i: usize| T::from_raw(T::raws(&b[i * s..(i + 1) * s])[0]);
     let nranks = inputs.len();
     let term = |r: usize, i: usize| -> T {
-        let x = T::load(&inputs[r][i * s..(i + 1) * s]);
+        let x = load(inputs[r], i);
         if kind == RedKind::PreMulSum {
-            T::load(&scalars[r][..s]).mul(x)
+            load(&scalars[r], 0).mul(x)
         } else {
             x
         }
@@ -287,16 +616,16 @@ fn reduce_t<T: Elem>(kind: RedKind, inputs: &[Vec<u8>], scalars: &[Vec<u8>], out
         if kind == RedKind::Avg {
             acc = acc.div_n(nranks);
         }
-        acc.store(&mut out[i * s..(i + 1) * s]);
+        T::raws_mut(&mut out[i * s..(i + 1) * s])[0] = acc.to_raw();
     }
 }
 
-/// Reduces `inputs` (one byte vector per rank, each at least `out.len()` long) into `out`.
-/// `scalars[r]` is rank r's PreMulSum scalar (ignored for other kinds).
-pub(crate) fn reduce(
+/// [`reduce`] computed element by element by [`reference_t`].
+#[cfg(test)]
+pub(crate) fn reference_reduce(
     dt: ncclDataType_t,
     kind: RedKind,
-    inputs: &[Vec<u8>],
+    inputs: &[&[u8]],
     scalars: &[Vec<u8>],
     out: &mut [u8],
 ) {
@@ -304,18 +633,102 @@ pub(crate) fn reduce(
         return;
     }
     match dt {
-        ncclInt8 => reduce_t::<i8>(kind, inputs, scalars, out),
-        ncclUint8 => reduce_t::<u8>(kind, inputs, scalars, out),
-        ncclInt32 => reduce_t::<i32>(kind, inputs, scalars, out),
-        ncclUint32 => reduce_t::<u32>(kind, inputs, scalars, out),
-        ncclInt64 => reduce_t::<i64>(kind, inputs, scalars, out),
-        ncclUint64 => reduce_t::<u64>(kind, inputs, scalars, out),
-        ncclFloat16 => reduce_t::<f16>(kind, inputs, scalars, out),
-        ncclFloat32 => reduce_t::<f32>(kind, inputs, scalars, out),
-        ncclFloat64 => reduce_t::<f64>(kind, inputs, scalars, out),
-        ncclBfloat16 => reduce_t::<bf16>(kind, inputs, scalars, out),
-        ncclFloat8e4m3 => reduce_t::<E4M3>(kind, inputs, scalars, out),
-        ncclFloat8e5m2 => reduce_t::<E5M2>(kind, inputs, scalars, out),
+        ncclInt8 => reference_t::<i8>(kind, inputs, scalars, out),
+        ncclUint8 => reference_t::<u8>(kind, inputs, scalars, out),
+        ncclInt32 => reference_t::<i32>(kind, inputs, scalars, out),
+        ncclUint32 => reference_t::<u32>(kind, inputs, scalars, out),
+        ncclInt64 => reference_t::<i64>(kind, inputs, scalars, out),
+        ncclUint64 => reference_t::<u64>(kind, inputs, scalars, out),
+        ncclFloat16 => reference_t::<f16>(kind, inputs, scalars, out),
+        ncclFloat32 => reference_t::<f32>(kind, inputs, scalars, out),
+        ncclFloat64 => reference_t::<f64>(kind, inputs, scalars, out),
+        ncclBfloat16 => reference_t::<bf16>(kind, inputs, scalars, out),
+        ncclFloat8e4m3 => reference_t::<E4M3>(kind, inputs, scalars, out),
+        ncclFloat8e5m2 => reference_t::<E5M2>(kind, inputs, scalars, out),
+        _ => {}
+    }
+}
+
+/// Every data type the host provider reduces.
+#[cfg(test)]
+pub(crate) const ALL_DTYPES: [ncclDataType_t; 12] = [
+    ncclInt8,
+    ncclUint8,
+    ncclInt32,
+    ncclUint32,
+    ncclInt64,
+    ncclUint64,
+    ncclFloat16,
+    ncclFloat32,
+    ncclFloat64,
+    ncclBfloat16,
+    ncclFloat8e4m3,
+    ncclFloat8e5m2,
+];
+
+/// Every reduction kind.
+#[cfg(test)]
+pub(crate) const ALL_KINDS: [RedKind; 6] = [
+    RedKind::Sum,
+    RedKind::Prod,
+    RedKind::Max,
+    RedKind::Min,
+    RedKind::Avg,
+    RedKind::PreMulSum,
+];
+
+/// Deterministic pseudo-random bytes (xorshift64*), every bit pattern possible.
+#[cfg(test)]
+pub(crate) fn noise(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut v = Vec::with_capacity(n + 8);
+    while v.len() < n {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        v.extend_from_slice(&x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_ne_bytes());
+    }
+    v.truncate(n);
+    v
+}
+
+/// Replaces every NaN in `b` (elements of `dt`) by the NaN this machine computes for
+/// `inf - inf`. Rust leaves the payload of a NaN computed from two NaN operands unspecified
+/// (the compiler may swap the operands of `+` and `*`), so results are comparable bit for
+/// bit only when every NaN, given or computed, is the same one.
+#[cfg(test)]
+pub(crate) fn one_nan(dt: ncclDataType_t, b: &mut [u8]) {
+    fn each<const N: usize>(b: &mut [u8], is_nan: impl Fn([u8; N]) -> bool, nan: [u8; N]) {
+        for c in b.as_chunks_mut::<N>().0 {
+            if is_nan(*c) {
+                *c = nan;
+            }
+        }
+    }
+    use std::hint::black_box;
+    let nan = black_box(f32::INFINITY) - black_box(f32::INFINITY);
+    let nan64 = black_box(f64::INFINITY) - black_box(f64::INFINITY);
+    match dt {
+        ncclFloat16 => each(
+            b,
+            |c| f16::from_ne_bytes(c).is_nan(),
+            f16::from_f32(nan).to_ne_bytes(),
+        ),
+        ncclBfloat16 => each(
+            b,
+            |c| bf16::from_ne_bytes(c).is_nan(),
+            bf16::from_f32(nan).to_ne_bytes(),
+        ),
+        ncclFloat32 => each(b, |c| f32::from_ne_bytes(c).is_nan(), nan.to_ne_bytes()),
+        ncclFloat64 => each(b, |c| f64::from_ne_bytes(c).is_nan(), nan64.to_ne_bytes()),
+        ncclFloat8e4m3 | ncclFloat8e5m2 => {
+            let e5m2 = dt == ncclFloat8e5m2;
+            each(
+                b,
+                |c: [u8; 1]| fp8_to_f32(c[0], e5m2).is_nan(),
+                [f32_to_fp8(nan, e5m2)],
+            )
+        }
         _ => {}
     }
 }
@@ -339,5 +752,70 @@ mod tests {
         assert_eq!(fp8_to_f32(f32_to_fp8(1000.0, false), false), 448.0);
         assert_eq!(fp8_to_f32(f32_to_fp8(1.0625, false), false), 1.0); // tie to even
         assert_eq!(fp8_to_f32(f32_to_fp8(1.1875, false), false), 1.25); // tie to even
+    }
+
+    fn values(dt: ncclDataType_t, seed: u64, n: usize) -> Vec<u8> {
+        let mut v = noise(seed, n);
+        one_nan(dt, &mut v);
+        v
+    }
+
+    #[test]
+    fn kernels_match_the_element_at_a_time_reduction() {
+        for dt in ALL_DTYPES {
+            let es = size_of(dt).unwrap();
+            for kind in ALL_KINDS {
+                for nranks in [1usize, 2, 3, 4, 5, 8, 9] {
+                    for elems in [0usize, 1, 7, 64, 1000] {
+                        let seed = (dt as u64) << 32 | (nranks as u64) << 16 | elems as u64;
+                        let inputs: Vec<Vec<u8>> = (0..nranks)
+                            .map(|r| values(dt, seed ^ (r as u64 + 1) << 40, elems * es))
+                            .collect();
+                        let scalars: Vec<Vec<u8>> = (0..nranks)
+                            .map(|r| values(dt, !seed ^ r as u64, es))
+                            .collect();
+                        let ins: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
+                        let mut want = vec![0u8; elems * es];
+                        reference_reduce(dt, kind, &ins, &scalars, &mut want);
+                        let mut got = vec![0x5Au8; elems * es];
+                        assert!(reduce(dt, kind, &ins, &scalars, &mut got));
+                        assert!(
+                            want == got,
+                            "dt={dt} kind={kind:?} nranks={nranks} elems={elems}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_reductions_are_refused_without_panicking() {
+        let a = [0u8; 8];
+        let short = [0u8; 4];
+        let mut out = [0u8; 8];
+        assert!(!reduce(
+            ncclFloat32,
+            RedKind::Sum,
+            &[&a, &short],
+            &[],
+            &mut out
+        ));
+        assert!(!reduce(
+            ncclFloat32,
+            RedKind::PreMulSum,
+            &[&a, &a],
+            &[vec![0; 4]],
+            &mut out
+        ));
+        assert!(!reduce(
+            ncclFloat64,
+            RedKind::PreMulSum,
+            &[&a],
+            &[vec![0; 4]],
+            &mut out
+        ));
+        assert!(reduce(ncclFloat32, RedKind::Sum, &[], &[], &mut out));
+        assert!(reduce(u32::MAX, RedKind::Sum, &[&a], &[], &mut out));
     }
 }

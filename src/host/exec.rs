@@ -193,91 +193,516 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
     }
 }
 
-/// Copies `n` bytes from `p` into a new vector (empty for `n == 0`).
-fn read(p: usize, n: usize) -> Vec<u8> {
-    let mut v = vec![0u8; n];
-    if n > 0 {
-        // SAFETY: `p` was posted by a rank that is still waiting for this op (so the buffer
-        // is alive) and, by NCCL's contract, it holds at least `n` readable bytes. The
-        // destination is a fresh vector of `n` bytes, so the ranges cannot overlap.
-        unsafe { core::ptr::copy_nonoverlapping(p as *const u8, v.as_mut_ptr(), n) };
-    }
-    v
+/// Output bytes reduced per step: the partial result stays in L1 while every rank's
+/// input for it streams through once.
+const REDUCE_CHUNK: usize = 32 << 10;
+/// Bytes copied per step when one source feeds several destinations, so the source is
+/// read from memory once and from cache for the other destinations.
+const COPY_CHUNK: usize = 256 << 10;
+/// Collectives that touch at least this many bytes per rank are split across threads.
+const PARALLEL_MIN: usize = 4 << 20;
+
+/// A byte range of host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Span {
+    addr: usize,
+    len: usize,
 }
 
-/// Copies `src` to address `p`.
-fn write(p: usize, src: &[u8]) {
+impl Span {
+    fn new(addr: usize, len: usize) -> Span {
+        Span { addr, len }
+    }
+
+    fn end(self) -> usize {
+        self.addr.saturating_add(self.len)
+    }
+
+    /// The `len` bytes starting `off` bytes in.
+    fn at(self, off: usize, len: usize) -> Span {
+        Span::new(self.addr.wrapping_add(off), len)
+    }
+
+    fn overlaps(self, o: Span) -> bool {
+        self.len > 0 && o.len > 0 && self.addr < o.end() && o.addr < self.end()
+    }
+}
+
+/// The bytes of `s`.
+///
+/// # Safety
+/// `s` lies in a buffer posted by a rank that is still waiting for this operation (or in
+/// memory this module owns), and nothing writes to it while the slice is alive.
+unsafe fn bytes<'a>(s: Span) -> &'a [u8] {
+    if s.len == 0 {
+        return &[];
+    }
+    // SAFETY: by this function's contract `s` is readable and not written meanwhile;
+    // `s.len > 0` so `s.addr` is a posted, non-null pointer.
+    unsafe { core::slice::from_raw_parts(s.addr as *const u8, s.len) }
+}
+
+/// Copies `src` to address `dst`.
+///
+/// # Safety
+/// `dst` starts `src.len()` writable bytes of a buffer posted by a rank that is still
+/// waiting for this operation; they do not overlap `src` and nothing else reads or writes
+/// them meanwhile.
+unsafe fn write(dst: usize, src: &[u8]) {
     if !src.is_empty() {
-        // SAFETY: `p` was posted by a rank that is still waiting for this op and, by NCCL's
-        // contract, it holds at least `src.len()` writable bytes; `src` is our own vector.
-        unsafe { core::ptr::copy_nonoverlapping(src.as_ptr(), p as *mut u8, src.len()) };
+        // SAFETY: by this function's contract the destination is writable, exclusively
+        // ours, and disjoint from `src`.
+        unsafe { core::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
     }
 }
 
-/// Runs a collective for every rank: all reads happen before any write, so in-place and
-/// aliasing buffers get the same result as separate ones.
-fn run_coll(posts: &[CollPost]) {
-    let n = posts.len();
-    let a = &posts[0];
-    let Some(es) = dtype::size_of(a.dtype) else {
+/// A copy of the bytes of `s` (empty for an empty span).
+///
+/// # Safety
+/// As for [`bytes`].
+unsafe fn snapshot(s: Span) -> Vec<u8> {
+    // SAFETY: forwarded to the caller.
+    unsafe { bytes(s) }.to_vec()
+}
+
+/// How many threads share a collective that touches `bytes` bytes per rank: one below
+/// [`PARALLEL_MIN`], else up to the machine's parallelism with at least half of
+/// `PARALLEL_MIN` each.
+fn threads_for(bytes: usize) -> usize {
+    static PARALLELISM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    if bytes < PARALLEL_MIN {
+        return 1;
+    }
+    let avail =
+        *PARALLELISM.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    avail.min(bytes / (PARALLEL_MIN / 2)).max(1)
+}
+
+/// Runs `f` over a partition of `0..len` into ranges that start at multiples of `align`:
+/// on this thread alone for small `len * unit` bytes, else spread over scoped threads
+/// (this one included). A thread that cannot be started leaves its range to this thread.
+/// Returns the first error.
+fn for_parts(
+    len: usize,
+    unit: usize,
+    align: usize,
+    f: impl Fn(core::ops::Range<usize>) -> Result<(), Fail> + Sync,
+) -> Result<(), Fail> {
+    let t = threads_for(len.saturating_mul(unit));
+    let align = align.max(1);
+    let per = len.div_ceil(align).div_ceil(t.max(1)) * align;
+    if t <= 1 || per >= len {
+        return f(0..len);
+    }
+    let parts: Vec<core::ops::Range<usize>> = (0..t)
+        .map(|i| (i * per).min(len)..((i + 1) * per).min(len))
+        .filter(|r| !r.is_empty())
+        .collect();
+    let f = &f;
+    std::thread::scope(|s| {
+        let mut spawned = Vec::new();
+        let mut inline = vec![parts[0].clone()];
+        for p in &parts[1..] {
+            let p = p.clone();
+            match std::thread::Builder::new().spawn_scoped(s, {
+                let p = p.clone();
+                move || f(p)
+            }) {
+                Ok(h) => spawned.push(h),
+                Err(_) => inline.push(p),
+            }
+        }
+        let mut res = Ok(());
+        for p in inline {
+            let r = f(p);
+            if res.is_ok() {
+                res = r;
+            }
+        }
+        for h in spawned {
+            let r = h.join().unwrap_or_else(|_| {
+                Err(Fail::new(
+                    ncclInternalError,
+                    "internal error: panic while executing an operation",
+                ))
+            });
+            if res.is_ok() {
+                res = r;
+            }
+        }
+        res
+    })
+}
+
+/// A reduction over `elems` elements of every rank's input, with each output holding a
+/// contiguous part of the result.
+struct Reduction<'a> {
+    dt: ncclDataType_t,
+    kind: RedKind,
+    es: usize,
+    elems: usize,
+    /// One `elems * es`-byte span per rank, in rank order.
+    inputs: Vec<Span>,
+    /// Destination and the index of the first result element it holds, in rank order.
+    outputs: Vec<(Span, usize)>,
+    scalars: &'a [Vec<u8>],
+}
+
+fn bad_reduce() -> Fail {
+    Fail::new(
+        ncclInternalError,
+        "internal error: malformed reduction (short input or PreMulSum scalar)",
+    )
+}
+
+impl Reduction<'_> {
+    /// Whether reducing chunk by chunk straight from the posted inputs into the posted
+    /// outputs gives the same bytes as reading every input before writing any output:
+    /// outputs are pairwise disjoint, and an output overlaps an input only where both
+    /// hold the same element index (in-place forms), so each byte is read and written
+    /// within one chunk, reads first.
+    fn direct_ok(&self) -> bool {
+        let es = self.es;
+        for (i, &(o, first)) in self.outputs.iter().enumerate() {
+            if self.outputs[..i].iter().any(|&(p, _)| p.overlaps(o)) {
+                return false;
+            }
+            for &inp in &self.inputs {
+                if inp.overlaps(o) && inp.addr.checked_add(first * es) != Some(o.addr) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Writes result elements `lo..lo + acc.len() / es` (in `acc`) to every output that
+    /// holds some of them.
+    ///
+    /// # Safety
+    /// The outputs are posted buffers of waiting ranks, pairwise disjoint and disjoint
+    /// from `acc`; no one else reads or writes the written bytes meanwhile.
+    unsafe fn write_out(&self, lo: usize, acc: &[u8]) {
+        let es = self.es;
+        let hi = lo + acc.len() / es;
+        for &(o, first) in &self.outputs {
+            let (a, b) = (lo.max(first), hi.min(first + o.len / es));
+            if a < b {
+                // SAFETY: forwarded to the caller; `a..b` lies inside output `o`.
+                unsafe {
+                    write(
+                        o.addr + (a - first) * es,
+                        &acc[(a - lo) * es..(b - lo) * es],
+                    )
+                };
+            }
+        }
+    }
+
+    /// Reduces result elements `range` chunk by chunk from the posted inputs straight to
+    /// the outputs.
+    ///
+    /// # Safety
+    /// [`Reduction::direct_ok`] holds, the spans are posted buffers of waiting ranks, and
+    /// no other thread touches the bytes of `range` (in any input or output) meanwhile.
+    unsafe fn run_direct(&self, range: core::ops::Range<usize>) -> Result<(), Fail> {
+        let es = self.es;
+        let chunk = (REDUCE_CHUNK / es).max(1);
+        let mut acc = vec![0u8; chunk.min(range.len()) * es];
+        let mut lo = range.start;
+        while lo < range.end {
+            let hi = (lo + chunk).min(range.end);
+            let out = &mut acc[..(hi - lo) * es];
+            {
+                let ins: smallvec::SmallVec<[&[u8]; 8]> = self
+                    .inputs
+                    .iter()
+                    // SAFETY: the caller guarantees the inputs are readable and that
+                    // nothing writes this chunk while the slices live (outputs of this
+                    // chunk are written below, after they are dropped).
+                    .map(|s| unsafe { bytes(s.at(lo * es, (hi - lo) * es)) })
+                    .collect();
+                if !dtype::reduce(self.dt, self.kind, &ins, self.scalars, out) {
+                    return Err(bad_reduce());
+                }
+            }
+            // SAFETY: every input byte of this chunk has been read; by `direct_ok` the
+            // outputs overlap inputs only at this chunk's own elements, and `acc` is ours.
+            unsafe { self.write_out(lo, out) };
+            lo = hi;
+        }
+        Ok(())
+    }
+
+    /// Runs the reduction: directly (split across threads when large) when the buffers
+    /// allow it, else from copies of the inputs into a full result written rank by rank.
+    fn run(&self) -> Result<(), Fail> {
+        let es = self.es;
+        if self.elems == 0 || es == 0 || self.inputs.is_empty() {
+            return Ok(());
+        }
+        if self.direct_ok() {
+            let chunk = (REDUCE_CHUNK / es).max(1);
+            // SAFETY: `direct_ok` holds; every rank waits for this op, so its buffers are
+            // alive; the parts are disjoint element ranges, and by `direct_ok` the bytes
+            // of one element range (inputs and outputs) are disjoint from any other's.
+            return for_parts(self.elems, es, chunk, |r| unsafe { self.run_direct(r) });
+        }
+        // SAFETY: the inputs are posted by waiting ranks; nothing is written yet.
+        let copies: Vec<Vec<u8>> = self
+            .inputs
+            .iter()
+            .map(|&s| unsafe { snapshot(s) })
+            .collect();
+        let total = self.elems * es;
+        let mut result = Vec::with_capacity(total);
+        let mut acc = vec![0u8; REDUCE_CHUNK.min(total) / es * es];
+        let step = acc.len();
+        let mut off = 0;
+        while off < total {
+            let n = step.min(total - off);
+            let ins: smallvec::SmallVec<[&[u8]; 8]> =
+                copies.iter().map(|c| &c[off..off + n]).collect();
+            if !dtype::reduce(self.dt, self.kind, &ins, self.scalars, &mut acc[..n]) {
+                return Err(bad_reduce());
+            }
+            result.extend_from_slice(&acc[..n]);
+            off += n;
+        }
+        for &(o, first) in &self.outputs {
+            let from = first * es;
+            // SAFETY: `o` is a posted output of a waiting rank and `result` is ours;
+            // outputs are written in rank order, like the all-at-once form.
+            unsafe { write(o.addr, &result[from..from + o.len]) };
+        }
+        Ok(())
+    }
+}
+
+/// One copy of a collective: `src` (inside `sources[src_buf]`) to `dst`, of equal length.
+#[derive(Debug, Clone, Copy)]
+struct Move {
+    src: Span,
+    dst: usize,
+}
+
+/// Whether performing `moves` straight from the posted sources, in any order, gives the
+/// same bytes as reading every source before writing anything: each destination either
+/// is its own source (nothing to do) or is disjoint from every source and from every
+/// other destination.
+fn moves_direct_ok(sources: &[Span], moves: &[Move]) -> bool {
+    let mut spans: Vec<(Span, bool)> = sources
+        .iter()
+        .filter(|s| s.len > 0)
+        .map(|&s| (s, false))
+        .collect();
+    spans.extend(
+        moves
+            .iter()
+            .filter(|m| m.src.len > 0 && m.dst != m.src.addr)
+            .map(|m| (Span::new(m.dst, m.src.len), true)),
+    );
+    spans.sort_unstable_by_key(|(s, _)| s.addr);
+    // Sweep by start address: a span overlaps an earlier one exactly when it starts
+    // before the furthest end seen so far of that kind.
+    let (mut src_end, mut dst_end) = (0usize, 0usize);
+    for (s, is_dst) in spans {
+        if s.addr < dst_end || (is_dst && s.addr < src_end) {
+            return false;
+        }
+        if is_dst {
+            dst_end = dst_end.max(s.end());
+        } else {
+            src_end = src_end.max(s.end());
+        }
+    }
+    true
+}
+
+/// Performs `moves` (listed in rank order of their destinations) with the semantics of
+/// reading every source in `sources` before writing any destination.
+fn run_moves(sources: &[Span], mut moves: Vec<Move>) {
+    if moves_direct_ok(sources, &moves) {
+        // Any order gives the same bytes: group the destinations of each source so a
+        // source chunk is read from memory once for all of them.
+        moves.retain(|m| m.src.len > 0 && m.dst != m.src.addr);
+        moves.sort_by_key(|m| (m.src.addr, m.src.len));
+        for run in moves.chunk_by(|a, b| a.src == b.src) {
+            let src = run[0].src;
+            let step = if run.len() > 1 { COPY_CHUNK } else { src.len };
+            let mut off = 0;
+            while off < src.len {
+                let n = step.min(src.len - off);
+                // SAFETY: `src` lies in a posted source of a waiting rank and, by
+                // `moves_direct_ok`, no destination overlaps any source.
+                let data = unsafe { bytes(src.at(off, n)) };
+                for m in run {
+                    // SAFETY: `m.dst` starts `src.len` bytes of a posted destination of a
+                    // waiting rank, disjoint from every source and every other destination.
+                    unsafe { write(m.dst + off, data) };
+                }
+                off += n;
+            }
+        }
         return;
-    };
+    }
+    // SAFETY: the sources are posted by waiting ranks; nothing is written yet.
+    let copies: Vec<Vec<u8>> = sources.iter().map(|&s| unsafe { snapshot(s) }).collect();
+    for m in moves {
+        let Some((buf, base)) = sources
+            .iter()
+            .zip(&copies)
+            .find(|(s, _)| m.src.addr >= s.addr && m.src.end() <= s.end())
+            .map(|(s, c)| (c, m.src.addr - s.addr))
+        else {
+            continue;
+        };
+        // SAFETY: `m.dst` starts `m.src.len` bytes of a posted destination of a waiting
+        // rank; the data comes from our own copy.
+        unsafe { write(m.dst, &buf[base..base + m.src.len]) };
+    }
+}
+
+/// What a collective does, as buffer spans.
+enum Plan<'a> {
+    Reduce(Reduction<'a>),
+    /// Whole source buffers, and the copies in rank order of their destinations.
+    Moves(Vec<Span>, Vec<Move>),
+    /// In-place all-to-all over pairwise disjoint buffers (one per rank, `n` blocks of
+    /// `block` bytes each): block q of rank r trades places with block r of rank q.
+    SwapBlocks(Vec<usize>, usize),
+}
+
+/// The plan of a collective whose posts agree (see `consistent`); `None` for an unknown
+/// data type. `scalars[r]` is rank r's PreMulSum scalar.
+fn plan<'a>(posts: &[CollPost], scalars: &'a [Vec<u8>]) -> Option<Plan<'a>> {
+    let n = posts.len();
+    let a = posts.first()?;
+    let es = dtype::size_of(a.dtype)?;
     let bytes = a.count * es;
     let root = a.root as usize;
-    let scalars: Vec<Vec<u8>> = posts.iter().map(|p| p.scalar.clone()).collect();
-    match a.kind {
-        CollKind::AllReduce | CollKind::Reduce => {
-            let inputs: Vec<Vec<u8>> = posts.iter().map(|p| read(p.send, bytes)).collect();
-            let mut out = vec![0u8; bytes];
-            dtype::reduce(a.dtype, a.red, &inputs, &scalars, &mut out);
-            for (r, p) in posts.iter().enumerate() {
-                if a.kind == CollKind::AllReduce || r == root {
-                    write(p.recv, &out);
-                }
-            }
-        }
-        CollKind::ReduceScatter => {
-            let inputs: Vec<Vec<u8>> = posts.iter().map(|p| read(p.send, n * bytes)).collect();
-            let mut out = vec![0u8; n * bytes];
-            dtype::reduce(a.dtype, a.red, &inputs, &scalars, &mut out);
-            for (r, p) in posts.iter().enumerate() {
-                write(p.recv, &out[r * bytes..(r + 1) * bytes]);
-            }
+    Some(match a.kind {
+        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => {
+            let rs = a.kind == CollKind::ReduceScatter;
+            let elems = if rs { n * a.count } else { a.count };
+            let outputs = posts
+                .iter()
+                .enumerate()
+                .filter(|&(r, _)| a.kind != CollKind::Reduce || r == root)
+                .map(|(r, p)| {
+                    let first = if rs { r * a.count } else { 0 };
+                    (Span::new(p.recv, bytes), first)
+                })
+                .collect();
+            Plan::Reduce(Reduction {
+                dt: a.dtype,
+                kind: a.red,
+                es,
+                elems,
+                inputs: posts
+                    .iter()
+                    .map(|p| Span::new(p.send, elems * es))
+                    .collect(),
+                outputs,
+                scalars,
+            })
         }
         CollKind::Broadcast => {
-            let data = read(posts[root].send, bytes);
-            for p in posts {
-                write(p.recv, &data);
-            }
+            let src = Span::new(posts.get(root)?.send, bytes);
+            let moves = posts.iter().map(|p| Move { src, dst: p.recv }).collect();
+            Plan::Moves(vec![src], moves)
         }
         CollKind::AllGather | CollKind::Gather => {
-            let mut out = Vec::with_capacity(n * bytes);
-            for p in posts {
-                out.extend_from_slice(&read(p.send, bytes));
-            }
+            let sources: Vec<Span> = posts.iter().map(|p| Span::new(p.send, bytes)).collect();
+            let mut moves = Vec::new();
             for (r, p) in posts.iter().enumerate() {
                 if a.kind == CollKind::AllGather || r == root {
-                    write(p.recv, &out);
+                    for (q, &src) in sources.iter().enumerate() {
+                        moves.push(Move {
+                            src,
+                            dst: p.recv.wrapping_add(q * bytes),
+                        });
+                    }
                 }
             }
+            Plan::Moves(sources, moves)
         }
         CollKind::Scatter => {
-            let data = read(posts[root].send, n * bytes);
-            for (r, p) in posts.iter().enumerate() {
-                write(p.recv, &data[r * bytes..(r + 1) * bytes]);
-            }
+            let src = Span::new(posts.get(root)?.send, n * bytes);
+            let moves = posts
+                .iter()
+                .enumerate()
+                .map(|(r, p)| Move {
+                    src: src.at(r * bytes, bytes),
+                    dst: p.recv,
+                })
+                .collect();
+            Plan::Moves(vec![src], moves)
         }
         CollKind::AlltoAll => {
-            let inputs: Vec<Vec<u8>> = posts.iter().map(|p| read(p.send, n * bytes)).collect();
-            for (r, p) in posts.iter().enumerate() {
-                let mut out = Vec::with_capacity(n * bytes);
-                for input in &inputs {
-                    out.extend_from_slice(&input[r * bytes..(r + 1) * bytes]);
-                }
-                write(p.recv, &out);
+            let sources: Vec<Span> = posts.iter().map(|p| Span::new(p.send, n * bytes)).collect();
+            if posts.iter().all(|p| p.recv == p.send) && pairwise_disjoint(&sources) {
+                return Some(Plan::SwapBlocks(
+                    posts.iter().map(|p| p.send).collect(),
+                    bytes,
+                ));
             }
+            let mut moves = Vec::new();
+            for (r, p) in posts.iter().enumerate() {
+                for (q, &src) in sources.iter().enumerate() {
+                    moves.push(Move {
+                        src: src.at(r * bytes, bytes),
+                        dst: p.recv.wrapping_add(q * bytes),
+                    });
+                }
+            }
+            Plan::Moves(sources, moves)
+        }
+    })
+}
+
+/// Runs a collective for every rank with the semantics of reading all inputs before
+/// writing any output, so in-place and aliasing buffers get the same result as separate
+/// ones (directly from the posted buffers where the layout allows it, else through
+/// copies).
+fn run_coll(posts: &[CollPost]) -> Result<(), Fail> {
+    let scalars: Vec<Vec<u8>> = posts.iter().map(|p| p.scalar.clone()).collect();
+    match plan(posts, &scalars) {
+        None => Ok(()),
+        Some(Plan::Reduce(red)) => red.run(),
+        Some(Plan::Moves(sources, moves)) => {
+            run_moves(&sources, moves);
+            Ok(())
+        }
+        Some(Plan::SwapBlocks(bufs, block)) => {
+            for (r, &a) in bufs.iter().enumerate() {
+                for (q, &b) in bufs.iter().enumerate().skip(r + 1) {
+                    if block > 0 {
+                        // SAFETY: `a` and `b` are the posted in-place buffers of ranks r
+                        // and q, both waiting for this op, each `n * block` bytes and
+                        // disjoint from each other (checked by `plan`); block q of one
+                        // and block r of the other lie inside them. Each block is in
+                        // exactly one swap, so this equals reading everything first.
+                        unsafe {
+                            core::ptr::swap_nonoverlapping(
+                                (a + q * block) as *mut u8,
+                                (b + r * block) as *mut u8,
+                                block,
+                            )
+                        };
+                    }
+                }
+            }
+            Ok(())
         }
     }
+}
+
+/// Whether no two of `spans` share a byte.
+fn pairwise_disjoint(spans: &[Span]) -> bool {
+    let mut v: Vec<Span> = spans.iter().copied().filter(|s| s.len > 0).collect();
+    v.sort_unstable_by_key(|s| s.addr);
+    v.windows(2).all(|w| w[0].end() <= w[1].addr)
 }
 
 fn run_job(job: Job) {
@@ -285,16 +710,23 @@ fn run_job(job: Job) {
         Job::Coll(_, _, posts) => run_coll(posts),
         Job::P2p(_, _, s, r) => {
             let n = s.count * dtype::size_of(s.dtype).unwrap_or(0);
-            let data = read(s.ptr, n);
-            write(r.ptr, &data);
+            if n > 0 && s.ptr != r.ptr {
+                // SAFETY: both ranks wait for this op, so both buffers are alive and, by
+                // NCCL's contract, hold `n` bytes; `copy` handles overlap like reading the
+                // whole source before writing.
+                unsafe { core::ptr::copy(s.ptr as *const u8, r.ptr as *mut u8, n) };
+            }
+            Ok(())
         }
     }));
-    let res = res.map_err(|_| {
-        Fail::new(
-            ncclInternalError,
-            "internal error: panic while executing an operation",
-        )
-    });
+    let res = res
+        .map_err(|_| {
+            Fail::new(
+                ncclInternalError,
+                "internal error: panic while executing an operation",
+            )
+        })
+        .and_then(|r| r);
     let mut g = lock();
     match job {
         Job::Coll(clique, seq, _) => {
@@ -461,5 +893,457 @@ pub(crate) fn run_items(
     match first {
         Some(f) => Err(f),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::dtype::{noise, one_nan, reference_reduce, ALL_DTYPES, ALL_KINDS};
+    use super::*;
+
+    /// The all-reads-then-all-writes form: every input copied out, the result computed
+    /// element by element, then written rank by rank.
+    fn reference(posts: &[CollPost]) {
+        let n = posts.len();
+        let a = &posts[0];
+        let es = dtype::size_of(a.dtype).unwrap();
+        let bytes = a.count * es;
+        let root = a.root as usize;
+        let read = |p: usize, len: usize| unsafe { snapshot(Span::new(p, len)) };
+        let put = |p: usize, src: &[u8]| unsafe { write(p, src) };
+        let scalars: Vec<Vec<u8>> = posts.iter().map(|p| p.scalar.clone()).collect();
+        let reduce = |len: usize| {
+            let inputs: Vec<Vec<u8>> = posts.iter().map(|p| read(p.send, len)).collect();
+            let ins: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
+            let mut out = vec![0u8; len];
+            reference_reduce(a.dtype, a.red, &ins, &scalars, &mut out);
+            out
+        };
+        match a.kind {
+            CollKind::AllReduce | CollKind::Reduce => {
+                let out = reduce(bytes);
+                for (r, p) in posts.iter().enumerate() {
+                    if a.kind == CollKind::AllReduce || r == root {
+                        put(p.recv, &out);
+                    }
+                }
+            }
+            CollKind::ReduceScatter => {
+                let out = reduce(n * bytes);
+                for (r, p) in posts.iter().enumerate() {
+                    put(p.recv, &out[r * bytes..(r + 1) * bytes]);
+                }
+            }
+            CollKind::Broadcast => {
+                let data = read(posts[root].send, bytes);
+                for p in posts {
+                    put(p.recv, &data);
+                }
+            }
+            CollKind::AllGather | CollKind::Gather => {
+                let mut out = Vec::new();
+                for p in posts {
+                    out.extend_from_slice(&read(p.send, bytes));
+                }
+                for (r, p) in posts.iter().enumerate() {
+                    if a.kind == CollKind::AllGather || r == root {
+                        put(p.recv, &out);
+                    }
+                }
+            }
+            CollKind::Scatter => {
+                let data = read(posts[root].send, n * bytes);
+                for (r, p) in posts.iter().enumerate() {
+                    put(p.recv, &data[r * bytes..(r + 1) * bytes]);
+                }
+            }
+            CollKind::AlltoAll => {
+                let inputs: Vec<Vec<u8>> = posts.iter().map(|p| read(p.send, n * bytes)).collect();
+                for (r, p) in posts.iter().enumerate() {
+                    let mut out = Vec::new();
+                    for input in &inputs {
+                        out.extend_from_slice(&input[r * bytes..(r + 1) * bytes]);
+                    }
+                    put(p.recv, &out);
+                }
+            }
+        }
+    }
+
+    const KINDS: [CollKind; 8] = [
+        CollKind::AllReduce,
+        CollKind::Reduce,
+        CollKind::ReduceScatter,
+        CollKind::Broadcast,
+        CollKind::AllGather,
+        CollKind::Gather,
+        CollKind::Scatter,
+        CollKind::AlltoAll,
+    ];
+
+    /// Send and receive bytes of one rank (as the API sizes them).
+    fn extents(kind: CollKind, count: usize, n: usize, is_root: bool) -> (usize, usize) {
+        let all = count * n;
+        match kind {
+            CollKind::AllReduce => (count, count),
+            CollKind::AllGather => (count, all),
+            CollKind::Broadcast => (if is_root { count } else { 0 }, count),
+            CollKind::Reduce => (count, if is_root { count } else { 0 }),
+            CollKind::ReduceScatter => (all, count),
+            CollKind::AlltoAll => (all, all),
+            CollKind::Gather => (count, if is_root { all } else { 0 }),
+            CollKind::Scatter => (if is_root { all } else { 0 }, count),
+        }
+    }
+
+    /// Where each rank's buffers lie (byte offsets into one arena).
+    #[derive(Debug, Clone, Copy)]
+    enum Layout {
+        /// Every buffer on its own, at odd offsets.
+        Separate,
+        /// NCCL's in-place form of the collective.
+        InPlace,
+        /// Each rank's receive buffer starts this many bytes after its send buffer.
+        Shifted(isize),
+        /// Rank r receives into rank r+1's send buffer.
+        Ring,
+        /// Every rank receives into the same buffer.
+        SharedRecv,
+        /// Every rank sends from the same buffer.
+        SharedSend,
+        /// Every rank sends and receives in the same buffer.
+        SharedInPlace,
+    }
+
+    const LAYOUTS: [Layout; 14] = [
+        Layout::Separate,
+        Layout::InPlace,
+        Layout::Shifted(1),
+        Layout::Shifted(-1),
+        Layout::Shifted(8),
+        Layout::Shifted(-8),
+        Layout::Shifted(REDUCE_CHUNK as isize + 8),
+        Layout::Shifted(-(REDUCE_CHUNK as isize) - 8),
+        Layout::Shifted(COPY_CHUNK as isize + 3),
+        Layout::Shifted(-(COPY_CHUNK as isize) - 3),
+        Layout::Ring,
+        Layout::SharedRecv,
+        Layout::SharedSend,
+        Layout::SharedInPlace,
+    ];
+
+    /// (send offset, recv offset) per rank; `None` where a buffer is not posted.
+    fn offsets(
+        layout: Layout,
+        kind: CollKind,
+        n: usize,
+        bytes: usize,
+        root: usize,
+    ) -> Vec<(Option<isize>, Option<isize>)> {
+        let ext: Vec<(usize, usize)> = (0..n).map(|r| extents(kind, bytes, n, r == root)).collect();
+        let shift = match layout {
+            Layout::Shifted(d) => d.unsigned_abs(),
+            _ => 0,
+        };
+        // A multiple of 8, so every send buffer starts at the same offset modulo the
+        // element size (7, unaligned for every type wider than a byte).
+        let room = (n * bytes + shift + 64).next_multiple_of(8) as isize;
+        let base = |r: usize, j: usize| ((2 * r + j) as isize) * room + 7;
+        let some = |len: usize, off: isize| (len > 0).then_some(off);
+        (0..n)
+            .map(|r| {
+                let (ns, nr) = ext[r];
+                let (s, d) = match layout {
+                    Layout::Separate => (base(r, 0), base(r, 1)),
+                    Layout::InPlace => {
+                        let b = base(r, 0);
+                        let rb = (r * bytes) as isize;
+                        match kind {
+                            CollKind::ReduceScatter | CollKind::Scatter => (b, b + rb),
+                            CollKind::AllGather | CollKind::Gather => (b + rb, b),
+                            _ => (b, b),
+                        }
+                    }
+                    Layout::Shifted(d) => (base(r, 0), base(r, 0) + d),
+                    Layout::Ring => (base(r, 0), base((r + 1) % n, 0)),
+                    Layout::SharedRecv => (base(r, 0), base(n, 0)),
+                    Layout::SharedSend => (base(n, 0), base(r, 1)),
+                    Layout::SharedInPlace => (base(n, 0), base(n, 0)),
+                };
+                (some(ns, s), some(nr, d))
+            })
+            .collect()
+    }
+
+    /// Runs `kind` over `layout` with the fast path and with [`reference`] on the same
+    /// random arena, and compares every byte of the arena.
+    #[allow(clippy::too_many_arguments)]
+    fn check(
+        kind: CollKind,
+        dt: ncclDataType_t,
+        red: RedKind,
+        n: usize,
+        count: usize,
+        root: usize,
+        layout: Layout,
+        expect_direct: Option<bool>,
+    ) {
+        let es = dtype::size_of(dt).unwrap();
+        let bytes = count * es;
+        let offs = offsets(layout, kind, n, bytes, root);
+        let lo = offs
+            .iter()
+            .flat_map(|&(s, d)| [s, d])
+            .flatten()
+            .min()
+            .unwrap_or(0)
+            .min(0)
+            .div_euclid(8)
+            * 8;
+        let size = offs
+            .iter()
+            .flat_map(|&(s, d)| [s, d])
+            .flatten()
+            .max()
+            .unwrap_or(0)
+            - lo
+            + (n * bytes) as isize
+            + 64;
+        let seed = (kind as u64) << 48 ^ (dt as u64) << 40 ^ (n as u64) << 32 ^ count as u64;
+        let mut arena = noise(seed, size as usize);
+        one_nan(dt, &mut arena[7 % es..]);
+        let mut want = arena.clone();
+        let scalars: Vec<Vec<u8>> = (0..n)
+            .map(|r| {
+                if red == RedKind::PreMulSum {
+                    noise(seed ^ r as u64, es)
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        let posts = |mem: &mut Vec<u8>| -> Vec<CollPost> {
+            let base = mem.as_mut_ptr() as usize;
+            let at = |o: Option<isize>| o.map_or(0, |o| base + (o - lo) as usize);
+            offs.iter()
+                .zip(&scalars)
+                .map(|(&(s, d), sc)| CollPost {
+                    kind,
+                    send: at(s),
+                    recv: at(d),
+                    count,
+                    dtype: dt,
+                    red,
+                    scalar: sc.clone(),
+                    root: root as i32,
+                })
+                .collect()
+        };
+        let fast = posts(&mut arena);
+        if let Some(direct) = expect_direct {
+            let sc: Vec<Vec<u8>> = fast.iter().map(|p| p.scalar.clone()).collect();
+            let got = match plan(&fast, &sc).unwrap() {
+                Plan::Reduce(r) => r.direct_ok(),
+                Plan::Moves(s, m) => moves_direct_ok(&s, &m),
+                Plan::SwapBlocks(..) => true,
+            };
+            assert_eq!(got, direct, "{kind:?} {layout:?} n={n}: direct path");
+        }
+        run_coll(&fast).unwrap();
+        reference(&posts(&mut want));
+        if arena != want {
+            let i = arena.iter().zip(&want).position(|(a, b)| a != b).unwrap();
+            panic!(
+                "{kind:?} dt={dt} {red:?} n={n} count={count} root={root} {layout:?}: first difference at arena byte {i} (of {})",
+                arena.len()
+            );
+        }
+    }
+
+    /// A shift larger than a chunk (the same as [`Layout::Separate`] for small counts).
+    fn is_far(l: &Layout) -> bool {
+        matches!(l, Layout::Shifted(d) if d.unsigned_abs() > 8)
+    }
+
+    /// A shift of more than a copy chunk (the same as a smaller one for reductions).
+    fn is_copy_far(l: &Layout) -> bool {
+        matches!(l, Layout::Shifted(d) if d.unsigned_abs() > COPY_CHUNK)
+    }
+
+    fn reduces(kind: CollKind) -> bool {
+        matches!(
+            kind,
+            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+        )
+    }
+
+    #[test]
+    fn every_collective_matches_the_read_everything_first_form_on_every_layout() {
+        for kind in KINDS {
+            for dt in ALL_DTYPES {
+                let kinds: &[RedKind] = if reduces(kind) {
+                    &ALL_KINDS
+                } else {
+                    &[RedKind::Sum]
+                };
+                for &red in kinds {
+                    for n in [1usize, 2, 3, 4] {
+                        for layout in LAYOUTS.into_iter().filter(|l| !is_far(l)) {
+                            for count in [0usize, 5] {
+                                check(kind, dt, red, n, count, n / 2, layout, None);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reductions_over_several_chunks_match_on_every_layout() {
+        for kind in KINDS.into_iter().filter(|&k| reduces(k)) {
+            for dt in [ncclInt32, ncclBfloat16, ncclFloat64] {
+                let count = REDUCE_CHUNK / dtype::size_of(dt).unwrap() + 3;
+                for red in [RedKind::Sum, RedKind::Min, RedKind::PreMulSum] {
+                    for layout in LAYOUTS.into_iter().filter(|l| !is_copy_far(l)) {
+                        check(kind, dt, red, 3, count, 2, layout, None);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn copies_larger_than_a_chunk_match_on_every_layout() {
+        for kind in KINDS.into_iter().filter(|&k| !reduces(k)) {
+            for n in [1usize, 3] {
+                for layout in LAYOUTS {
+                    check(
+                        kind,
+                        ncclInt8,
+                        RedKind::Sum,
+                        n,
+                        COPY_CHUNK + 5,
+                        n - 1,
+                        layout,
+                        None,
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn separate_and_in_place_buffers_take_the_direct_path() {
+        for kind in KINDS {
+            for layout in [Layout::Separate, Layout::InPlace] {
+                check(
+                    kind,
+                    ncclFloat32,
+                    RedKind::Sum,
+                    4,
+                    100,
+                    1,
+                    layout,
+                    Some(true),
+                );
+            }
+        }
+        // Outputs read later than they are written, or written twice, are not direct.
+        check(
+            CollKind::AllReduce,
+            ncclFloat32,
+            RedKind::Sum,
+            3,
+            100,
+            0,
+            Layout::Shifted(-4),
+            Some(false),
+        );
+        check(
+            CollKind::AllReduce,
+            ncclFloat32,
+            RedKind::Sum,
+            3,
+            100,
+            0,
+            Layout::SharedRecv,
+            Some(false),
+        );
+        check(
+            CollKind::AllGather,
+            ncclFloat32,
+            RedKind::Sum,
+            3,
+            100,
+            0,
+            Layout::Ring,
+            Some(false),
+        );
+        check(
+            CollKind::Broadcast,
+            ncclFloat32,
+            RedKind::Sum,
+            3,
+            100,
+            0,
+            Layout::SharedSend,
+            Some(true),
+        );
+    }
+
+    #[test]
+    fn large_reductions_split_across_threads_match() {
+        // Over PARALLEL_MIN per rank, so the element range is split where the machine
+        // has more than one core.
+        let count = PARALLEL_MIN / 4 + REDUCE_CHUNK / 4 + 3;
+        for layout in [Layout::Separate, Layout::InPlace] {
+            check(
+                CollKind::AllReduce,
+                ncclFloat32,
+                RedKind::Sum,
+                3,
+                count,
+                0,
+                layout,
+                None,
+            );
+        }
+        check(
+            CollKind::ReduceScatter,
+            ncclFloat16,
+            RedKind::Avg,
+            2,
+            count,
+            0,
+            Layout::InPlace,
+            None,
+        );
+        check(
+            CollKind::Reduce,
+            ncclInt8,
+            RedKind::PreMulSum,
+            2,
+            4 * count,
+            1,
+            Layout::InPlace,
+            None,
+        );
+    }
+
+    #[test]
+    fn a_short_premulsum_scalar_is_an_error_not_a_panic() {
+        let mut a = vec![1u8; 64];
+        let p = CollPost {
+            kind: CollKind::AllReduce,
+            send: a.as_mut_ptr() as usize,
+            recv: a.as_mut_ptr() as usize,
+            count: 16,
+            dtype: ncclFloat32,
+            red: RedKind::PreMulSum,
+            scalar: vec![0; 2],
+            root: 0,
+        };
+        assert!(run_coll(&[p.clone(), p]).is_err());
     }
 }

@@ -29,16 +29,20 @@
 //!   `nranks` (integers: truncating division of the wrapped sum); PreMulSum is the sum of
 //!   `scalar_r * x_r` with each product rounded to the type. Max/min keep the accumulator on
 //!   ties and NaN comparisons.
-//! * In-place forms (and any other aliasing) work: every input is read before any output is
-//!   written.
+//! * In-place forms (and any other aliasing) work: the result is as if every input were read
+//!   before any output is written. Reductions run in 32 KiB chunks straight from the posted
+//!   inputs to the outputs, and copies straight from source to destination, whenever the
+//!   buffers' layout makes that equivalent (separate buffers and NCCL's in-place forms);
+//!   other layouts go through copies of the inputs.
 //!
 //! # Documented differences from real NCCL
 //! 1. The `stream` argument is ignored: the work happens on the calling thread when the call
 //!    (or the outermost `ncclGroupEnd`) runs, so an operation is complete when that call
-//!    returns. This holds for non-blocking communicators too: only init/split/shrink are
-//!    asynchronous (they return `ncclInProgress` and are polled with
-//!    `ncclCommGetAsyncError`); there is no background thread, the last rank to join
-//!    completes the rendezvous for everyone.
+//!    returns (a reduction of 4 MiB or more also uses scoped threads, up to the machine's
+//!    parallelism, that end before it returns). This holds for non-blocking communicators
+//!    too: only init/split/shrink are asynchronous (they return `ncclInProgress` and are
+//!    polled with `ncclCommGetAsyncError`); there is no background thread, the last rank to
+//!    join completes the rendezvous for everyone.
 //! 2. `ncclCommAbort` (from any thread) wakes every rank blocked on that communicator's
 //!    clique with `ncclRemoteError`; later operations on the surviving ranks return
 //!    `ncclRemoteError` and `ncclCommGetAsyncError` reports it. An operation whose copy had
