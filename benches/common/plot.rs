@@ -48,7 +48,10 @@ pub fn draw(path: &Path, info: &RunInfo, rows: &[Row]) -> Result<()> {
         .margin(16)
         .x_label_area_size(48)
         .y_label_area_size(64)
-        .build_cartesian_2d((x0..x1).log_scale(), 0.0..y1)?;
+        .build_cartesian_2d(
+            (x0..x1).log_scale().with_key_points(size_ticks(x0, x1)),
+            0.0..y1,
+        )?;
     chart
         .configure_mesh()
         .x_desc("size (bytes)")
@@ -73,6 +76,21 @@ pub fn draw(path: &Path, info: &RunInfo, rows: &[Row]) -> Result<()> {
         .draw()?;
     root.present()?;
     Ok(())
+}
+
+/// Powers of two from `x0` to `x1`, at most about a dozen (every other one, every fourth,
+/// ... as the range grows): binary sizes as nccl-tests sweeps them.
+fn size_ticks(x0: f64, x1: f64) -> Vec<f64> {
+    let (lo, hi) = (
+        x0.max(1.0).log2().floor() as i32,
+        x1.max(1.0).log2().ceil() as i32,
+    );
+    let stride = ((hi - lo) / 12 + 1).max(1) as usize;
+    (lo..=hi)
+        .step_by(stride)
+        .map(|e| 2f64.powi(e))
+        .filter(|&v| v >= x0 && v <= x1)
+        .collect()
 }
 
 /// `1024` -> `1K`, binary units as the sizes on the command line.
