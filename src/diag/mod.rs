@@ -37,7 +37,8 @@
 //! slot (a sequence lock: `journal`), a load of the coarse clock (`clock`, advanced by the
 //! watchdog every 10 ms; [`Config::timing`] switches to `Instant::now()`), and a compiler
 //! fence paired with the watchdog's `membarrier(2)` (`fence`) to keep the owner and the
-//! watchdog from ever both using a handle. CUDA operations add an event record (events
+//! watchdog from ever both using a handle (where membarrier is refused, or with
+//! `NCCL_SAFE_NO_MEMBARRIER=1`, a full fence on each side instead). CUDA operations add an event record (events
 //! are reused). `cargo bench --bench overhead` measures it.
 //!
 //! Not done: the cross-process fingerprint exchange, watching `ncclGroupEnd`, and fingerprints of operations inside a
