@@ -347,6 +347,24 @@ fn measure(iters: u64, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result
     Ok((best, allocs))
 }
 
+/// [`measure`] of the safe all_reduce on `comm`.
+fn time_all_reduce(
+    comm: &Communicator,
+    send: &[f32],
+    recv: &mut [f32],
+    iters: u64,
+    reps: usize,
+) -> Result<(f64, f64)> {
+    measure(iters, reps, || {
+        Ok(comm.all_reduce(
+            black_box(send),
+            black_box(&mut *recv),
+            ReduceOp::Sum,
+            &HostStream,
+        )?)
+    })
+}
+
 fn raw_check(r: ncclResult_t) -> Result<()> {
     if r == ncclSuccess {
         Ok(())
@@ -396,14 +414,7 @@ fn run() -> Result<()> {
         );
     };
 
-    let safe = measure(ITERS, REPS, || {
-        Ok(comm.all_reduce(
-            black_box(&send),
-            black_box(&mut recv),
-            ReduceOp::Sum,
-            &HostStream,
-        )?)
-    })?;
+    let safe = time_all_reduce(&comm, &send, &mut recv, ITERS, REPS)?;
     let raw = measure(ITERS, REPS, || {
         // SAFETY: both buffers hold N f32; the null provider reads nothing.
         raw_check(unsafe {
@@ -503,14 +514,7 @@ fn run() -> Result<()> {
     let id = UniqueId::new_with(&lib)?;
     let precise =
         Communicator::init_rank_in(&lib, &Device::Host, 1, 0, &id, &Config::new().timing(true))?;
-    let safe = measure(ITERS, REPS, || {
-        Ok(precise.all_reduce(
-            black_box(&send),
-            black_box(&mut recv),
-            ReduceOp::Sum,
-            &HostStream,
-        )?)
-    })?;
+    let safe = time_all_reduce(&precise, &send, &mut recv, ITERS, REPS)?;
     report("all_reduce precise", safe, raw_all_reduce);
     precise.destroy().map_err(|(_, e)| e)?;
 
