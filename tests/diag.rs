@@ -163,6 +163,50 @@ fn skipped_collective_times_out_on_every_rank_with_a_desync_report() {
     assert_eq!(st.aborted, WORLD as u64, "{st:?}");
 }
 
+/// The watchdog racing operations that end right at their deadline: whichever side wins,
+/// no handle is used after its abort (the host provider counts any call on a dead handle as
+/// misuse), every handle is torn down exactly once, and each call either succeeds or
+/// reports the timeout.
+#[test]
+fn operations_ending_at_the_deadline_never_race_the_watchdog_into_misuse() {
+    const ROUNDS: u64 = 32;
+    let config = Config::new().timeout(Duration::from_millis(30));
+    let (mut timed_out, mut clean) = (0, 0);
+    for round in 0..ROUNDS {
+        // Rank 1 arrives 0 to 75 ms late: well inside, around and well past the deadline
+        // (30 ms, plus the coarse clock's 10 ms tick).
+        let late = Duration::from_micros(round * 75_000 / ROUNDS);
+        let (results, id) = ranks(2, &config, |rank, comm| {
+            let mut outcomes = Vec::new();
+            for _ in 0..3 {
+                if rank == 1 {
+                    std::thread::sleep(late);
+                }
+                outcomes.push(sum(comm, 8));
+            }
+            outcomes
+        });
+        for r in results.iter().flatten() {
+            match r {
+                Ok(()) => {}
+                Err(Error::Timeout { .. }) | Err(Error::CommunicatorFailed { .. }) => {}
+                Err(e) => panic!("round {round} ({late:?} late): unexpected error {e}"),
+            }
+        }
+        if results.iter().flatten().any(|r| r.is_err()) {
+            timed_out += 1;
+        } else {
+            clean += 1;
+        }
+        assert_exactly_once(&id, 2);
+    }
+    // Both sides of the race were exercised.
+    assert!(
+        timed_out > 0 && clean > 0,
+        "{timed_out} timed out, {clean} clean"
+    );
+}
+
 #[test]
 fn skipped_collective_with_the_check_on_times_out_in_the_check() {
     const WORLD: usize = 2;

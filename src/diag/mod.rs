@@ -549,7 +549,11 @@ impl Shared {
     /// for at least `min_age` (so its thread is blocked in NCCL, not about to enter), or
     /// idle with CUDA work in flight. `false` when it may not be aborted now.
     fn claim(&self, now: Instant, min_age: Duration) -> bool {
-        let cur = self.current.load(Ordering::Acquire);
+        self.claim_seen(self.current.load(Ordering::Acquire), now, min_age)
+    }
+
+    /// [`claim`](Self::claim) from the value `cur` of `current` the watchdog saw.
+    fn claim_seen(&self, cur: u64, now: Instant, min_age: Duration) -> bool {
         // Held across the decision for an idle one, so a teardown cannot drain meanwhile.
         let mut queue = None;
         if cur != IDLE {
@@ -1104,17 +1108,25 @@ mod tests {
         let s = Arc::clone(c.diag.shared(&c));
         let later = Instant::now() + Duration::from_secs(3600);
         assert!(!s.claim(later, Duration::ZERO));
-        let pos = s.journal.push(&Entry {
-            seq: 0,
-            name: &"ncclAllReduce",
-            dtype: None,
-            count: 0,
-            root: None,
-            caller: Location::caller(),
-            enqueued: clock::precise(),
-        });
+        let push = || {
+            s.journal.push(&Entry {
+                seq: 0,
+                name: &"ncclAllReduce",
+                dtype: None,
+                count: 0,
+                root: None,
+                caller: Location::caller(),
+                enqueued: clock::precise(),
+            })
+        };
+        let first = push();
+        let pos = push();
         s.current.store(pos + 1, Ordering::Release);
         assert!(!s.claim(Instant::now(), Duration::from_secs(60)));
+        assert_eq!(s.claim.load(Ordering::Acquire), UNCLAIMED);
+        // The watchdog saw the first operation in its call, but the owner has moved on to
+        // the next one since: after the fence it sees that and withdraws the claim.
+        assert!(!s.claim_seen(first + 1, later, Duration::from_secs(60)));
         assert_eq!(s.claim.load(Ordering::Acquire), UNCLAIMED);
         assert!(s.claim(later, Duration::from_secs(60)));
         assert_eq!(s.claim.load(Ordering::Acquire), ABORTING);
