@@ -38,11 +38,13 @@
 //! watchdog every 10 ms; [`Config::timing`] switches to `Instant::now()`), and a compiler
 //! fence paired with the watchdog's `membarrier(2)` (`fence`) to keep the owner and the
 //! watchdog from ever both using a handle (where membarrier is refused, or with
-//! `NCCL_SAFE_NO_MEMBARRIER=1`, a full fence on each side instead). CUDA operations add an event record (events
-//! are reused). `cargo bench --bench overhead` measures it.
+//! `NCCL_SAFE_NO_MEMBARRIER=1`, a full fence on each side instead). An operation on a
+//! CUDA stream also records an event after itself (events are reused) and queues it under
+//! a per-communicator lock that only the watchdog shares. `cargo bench --bench overhead`
+//! measures the host path against a raw call.
 //!
-//! Not done: the cross-process fingerprint exchange, watching `ncclGroupEnd`, and fingerprints of operations inside a
-//! [`crate::Group`] (they are recorded, not compared).
+//! Not done: the cross-process fingerprint exchange, watching `ncclGroupEnd`, and
+//! fingerprints of operations inside a [`crate::Group`] (they are recorded, not compared).
 
 mod clique;
 mod clock;

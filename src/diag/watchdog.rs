@@ -3,12 +3,14 @@
 //!
 //! It also advances the coarse diagnostics clock each tick (`clock`).
 //!
-//! Ownership: the watchdog first *claims* a communicator (a compare-exchange on its
-//! `current` word, from an operation that has been inside its NCCL call long enough, or
-//! from idle with CUDA work in flight), then *takes* the handle out of the shared slot with
-//! a swap. The owner leaves every call with a swap of `current`, so it sees a claim before
-//! it could use the handle again; its teardown takes the handle with a swap of the same
-//! slot, so whichever comes first tears it down and the other does nothing.
+//! Ownership: the watchdog first *claims* a communicator (`Shared::claim`): it may, when an
+//! operation has been inside its NCCL call long enough or the communicator is idle with
+//! CUDA work in flight; it marks the claim, fences against the owner (`fence`), and keeps
+//! the claim only if the owner is still where it saw it; an owner that moved on meanwhile
+//! sees the claim before its next call and waits for the verdict. Then the watchdog
+//! *takes* the handle out of the shared slot with a swap. The owner's teardown takes the
+//! handle with a swap of the same slot, so whichever comes first tears it down and the
+//! other does nothing.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
