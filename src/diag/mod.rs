@@ -489,6 +489,12 @@ impl Shared {
         self.clique.timed_out()
     }
 
+    /// The report of the watchdog's abort of this communicator.
+    fn abort_report(&self) -> Arc<str> {
+        self.timed_out()
+            .unwrap_or_else(|| "the watchdog aborted it".into())
+    }
+
     /// The report for an operation of this rank that was not run (or was woken) because the
     /// clique already timed out.
     #[cold]
@@ -735,10 +741,7 @@ impl CommDiag {
 
     #[cold]
     fn aborted_error(&self, s: &Shared) -> Error {
-        let r = s
-            .timed_out()
-            .unwrap_or_else(|| "the watchdog aborted it".into());
-        s.timeout_error(&r)
+        s.timeout_error(&s.abort_report())
     }
 
     /// Before the NCCL call of `op`: fails when the watchdog aborted the communicator,
@@ -894,9 +897,7 @@ impl CommDiag {
         let rec = s.journal.get(pos);
         let e = match (&rec, s.aborted_by_watchdog.load(Ordering::Acquire)) {
             (Some(rec), true) => {
-                let r = s
-                    .timed_out()
-                    .unwrap_or_else(|| "the watchdog aborted it".into());
+                let r = s.abort_report();
                 if r.contains(&format!(
                     "because {} seq {} on rank {} ",
                     rec.op, rec.seq, s.rank

@@ -909,7 +909,10 @@ mod tests {
         let es = dtype::size_of(a.dtype).unwrap();
         let bytes = a.count * es;
         let root = a.root as usize;
+        // SAFETY: the tests post buffers they own, alive and sized for `len` bytes, and run
+        // one collective at a time.
         let read = |p: usize, len: usize| unsafe { snapshot(Span::new(p, len)) };
+        // SAFETY: as above, for writes of `src.len()` bytes.
         let put = |p: usize, src: &[u8]| unsafe { write(p, src) };
         let scalars: Vec<Vec<u8>> = posts.iter().map(|p| p.scalar.clone()).collect();
         let reduce = |len: usize| {
