@@ -151,6 +151,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclAllReduce";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let red = op.raw_for(self, OP)?;
         let count = send.len();
@@ -176,6 +177,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclAllReduce";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let red = op.raw_for(self, OP)?;
         let count = buf.len();
@@ -261,6 +263,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclBroadcast";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let root = self.check_rank(OP, "root", root)?;
         let count = recv.len();
@@ -285,6 +288,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclBroadcast";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let root = self.check_rank(OP, "root", root)?;
         let count = buf.len();
@@ -366,6 +370,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclReduce";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let red = op.raw_for(self, OP)?;
         let root = self.check_rank(OP, "root", root)?;
@@ -447,6 +452,7 @@ impl Communicator {
         const OP: &str = "ncclReduce";
         let caller = Location::caller();
         let stream = stream.as_stream();
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let red = op.into().raw_for(self, OP)?;
         let root = self.check_rank(OP, "root", root)?;
@@ -486,6 +492,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclAllGather";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let count = send.len();
         let total = self.times_world(OP, count)?;
@@ -536,6 +543,7 @@ impl Communicator {
         const OP: &str = "ncclAllGather";
         let caller = Location::caller();
         let stream = stream.as_stream();
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let count = self.block_of(OP, buf.len())?;
         let rank = self.rank();
@@ -583,6 +591,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclReduceScatter";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let red = op.raw_for(self, OP)?;
         let count = recv.len();
@@ -652,6 +661,7 @@ impl Communicator {
         const OP: &str = "ncclReduceScatter";
         let caller = Location::caller();
         let stream = stream.as_stream();
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let red = op.into().raw_for(self, OP)?;
         let count = self.block_of(OP, buf.len())?;
@@ -679,6 +689,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclSend";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let peer = self.check_rank(OP, "peer", peer)?;
         let count = buf.len();
@@ -700,6 +711,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclRecv";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let peer = self.check_rank(OP, "peer", peer)?;
         let count = buf.len();
@@ -755,6 +767,7 @@ impl Communicator {
         let f = self
             .library()
             .optional(self.library().table().ncclAlltoAll, OP)?;
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let total = send.len();
         let count = self.block_of(OP, total)?;
@@ -812,6 +825,7 @@ impl Communicator {
         let f = self
             .library()
             .optional(self.library().table().ncclGather, OP)?;
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let root_c = self.check_rank(OP, "root", root)?;
         let count = send.len();
@@ -898,6 +912,7 @@ impl Communicator {
         let f = self
             .library()
             .optional(self.library().table().ncclScatter, OP)?;
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let root_c = self.check_rank(OP, "root", root)?;
         let count = recv.len();
