@@ -40,6 +40,10 @@ impl Device {
     }
 }
 
+/// How much longer than the parent's timeout a split/shrink child's own wait lasts (the
+/// watchdog's timeout of the parent's operation normally ends it first).
+const CHILD_WAIT_MARGIN: Duration = Duration::from_millis(500);
+
 /// Default bound on waits for non-blocking init, split and finalize.
 pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -444,6 +448,20 @@ impl Communicator {
         caller: &'static Location<'static>,
         f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
     ) -> Result<()> {
+        self.issue_then(op, caller, f, || Ok(()))
+    }
+
+    /// [`issue`](Self::issue), with `then` run after a successful call while the
+    /// operation is still open (watched by the watchdog): split and shrink wait for their
+    /// child there.
+    #[inline]
+    pub(crate) fn issue_then<'a>(
+        &self,
+        op: impl Into<crate::diag::OpInfo<'a>>,
+        caller: &'static Location<'static>,
+        f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
+        then: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         let op = op.into();
         let call = op.name();
         if self.failure.get().is_some() {
@@ -459,6 +477,7 @@ impl Communicator {
         } else {
             self.checked(call, r, caller)
         };
+        let r = r.and_then(|()| then());
         self.diag.end(self, ticket, r)
     }
 
@@ -498,11 +517,24 @@ impl Communicator {
         caller: &'static Location<'static>,
         timeout: Duration,
     ) -> Result<()> {
+        self.wait_ready_for(op, caller, timeout, &self.diag)
+    }
+
+    /// [`wait_ready`](Self::wait_ready) that also ends when the watchdog fails `watched`
+    /// (a child's wait watches its parent).
+    fn wait_ready_for(
+        &self,
+        op: &'static str,
+        caller: &'static Location<'static>,
+        timeout: Duration,
+        watched: &crate::diag::CommDiag,
+    ) -> Result<()> {
         let start = Instant::now();
         let mut pause = Duration::from_micros(50);
         loop {
             // The watchdog may have failed it (and taken the handle) meanwhile.
             self.diag.check_alive()?;
+            watched.check_alive()?;
             let mut state = nccl_sys::bindings::ncclSuccess;
             // SAFETY: `state` is writable; the handle is live (the watchdog has not taken
             // it: checked above, and it takes it only from a call it claimed).
@@ -561,11 +593,24 @@ impl Communicator {
             }
         };
         let mut child: ncclComm_t = std::ptr::null_mut();
-        self.issue(&OP, caller, |t, comm| {
-            // SAFETY: `child` is writable; a null config means "inherit the parent's".
-            unsafe { (t.ncclCommSplit)(comm, color, key, &mut child, std::ptr::null_mut()) }
-        })?;
-        self.adopt_child(OP, child, caller, color as u64)
+        let mut adopted = None;
+        let child_ptr: *mut ncclComm_t = &mut child;
+        self.issue_then(
+            &OP,
+            caller,
+            |t, comm| {
+                // SAFETY: `child_ptr` points to `child`, writable and alive for the call; a
+                // null config means "inherit the parent's".
+                unsafe { (t.ncclCommSplit)(comm, color, key, child_ptr, std::ptr::null_mut()) }
+            },
+            || {
+                // SAFETY: the call above has returned; `child` is read once, here.
+                let raw = unsafe { *child_ptr };
+                adopted = self.adopt_child(OP, raw, caller, color as u64)?;
+                Ok(())
+            },
+        )?;
+        Ok(adopted)
     }
 
     /// Removes `exclude` ranks (`ncclCommShrink`, NCCL 2.27+); collective over the ranks
@@ -606,27 +651,37 @@ impl Communicator {
             });
         }
         let mut child: ncclComm_t = std::ptr::null_mut();
-        self.issue(&OP, caller, |_, comm| {
-            // SAFETY: `list` holds `list.len()` in-range ranks; `child` is writable; null
-            // config inherits the parent's; flags 0 = NCCL_SHRINK_DEFAULT.
-            unsafe {
-                shrink(
-                    comm,
-                    list.as_mut_ptr(),
-                    list.len() as c_int,
-                    &mut child,
-                    std::ptr::null_mut(),
-                    nccl_sys::bindings::NCCL_SHRINK_DEFAULT as c_int,
-                )
-            }
-        })?;
-        match self.adopt_child(OP, child, caller, u64::MAX)? {
-            Some(c) => Ok(c),
-            None => Err(Error::InvalidArgument {
-                op: OP,
-                reason: "NCCL returned no communicator".into(),
-            }),
-        }
+        let child_ptr: *mut ncclComm_t = &mut child;
+        let mut adopted = None;
+        self.issue_then(
+            &OP,
+            caller,
+            |_, comm| {
+                // SAFETY: `list` holds `list.len()` in-range ranks; `child_ptr` points to
+                // `child`, writable and alive for the call; null config inherits the
+                // parent's; flags 0 = NCCL_SHRINK_DEFAULT.
+                unsafe {
+                    shrink(
+                        comm,
+                        list.as_mut_ptr(),
+                        list.len() as c_int,
+                        child_ptr,
+                        std::ptr::null_mut(),
+                        nccl_sys::bindings::NCCL_SHRINK_DEFAULT as c_int,
+                    )
+                }
+            },
+            || {
+                // SAFETY: the call above has returned; `child` is read once, here.
+                let raw = unsafe { *child_ptr };
+                adopted = self.adopt_child(OP, raw, caller, u64::MAX)?;
+                Ok(())
+            },
+        )?;
+        adopted.ok_or(Error::InvalidArgument {
+            op: OP,
+            reason: "NCCL returned no communicator".into(),
+        })
     }
 
     /// Wraps a child handle from split/shrink, reading its rank and size from NCCL.
@@ -652,7 +707,15 @@ impl Communicator {
             diag: self.diag.child(tag),
         };
         // The child inherits the parent's non-blocking mode: wait (bounded) until it is ready.
-        comm.wait_ready(op, caller, self.diag.timeout())?;
+        // This runs inside the parent's operation, so the watchdog's timeout of the
+        // parent's clique (with its report of who is behind) normally ends a wait for a
+        // missing rank; the wait's own limit is a margin later.
+        comm.wait_ready_for(
+            op,
+            caller,
+            self.diag.timeout() + CHILD_WAIT_MARGIN,
+            &self.diag,
+        )?;
         comm.read_shape(caller)?;
         Ok(Some(comm))
     }

@@ -164,10 +164,14 @@ fn unique_ids_are_128_bytes_and_differ() {
     assert!(a.iter().any(|&x| x != 0));
 }
 
+/// Without a GPU, init fails with a CUDA error and NCCL's last-error text; with one (the
+/// test then runs on a GPU machine), a one-rank init succeeds and is destroyed.
 #[test]
-fn comm_init_without_a_gpu_is_an_error_with_nccls_last_error() {
+fn comm_init_fails_without_a_gpu_and_succeeds_with_one() {
+    let gpus = nccl_safe::launch::cuda_device_count();
     let lib = Library::load_from(common::real_nccl(WHEEL)).unwrap();
     let id = unique_id(&lib);
+    let lib2 = std::sync::Arc::clone(&lib);
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let mut comm: nccl_sys::ncclComm_t = std::ptr::null_mut();
@@ -182,11 +186,22 @@ fn comm_init_without_a_gpu_is_an_error_with_nccls_last_error() {
                 CallContext::NONE
             )
         };
-        let _ = tx.send(r);
+        let _ = tx.send(r.map(|()| comm as usize));
     });
     let result = rx
         .recv_timeout(Duration::from_secs(120))
-        .expect("ncclCommInitRank hung for 120 s on a GPU-less machine");
+        .expect("ncclCommInitRank hung for 120 s");
+    if gpus > 0 {
+        let comm =
+            result.unwrap_or_else(|e| panic!("one-rank init on a machine with {gpus} GPU(s): {e}"));
+        assert_ne!(comm, 0);
+        let comm = comm as nccl_sys::ncclComm_t;
+        // SAFETY: `comm` came from the successful init above and is torn down once here.
+        let r = unsafe { nccl_call!(&lib2, ncclCommDestroy(comm), CallContext::NONE) };
+        r.expect("ncclCommDestroy");
+        eprintln!("init with {gpus} GPU(s): ok");
+        return;
+    }
     let err = result.expect_err("ncclCommInitRank cannot succeed without a GPU");
     let nccl = err.as_nccl().expect("an NCCL error");
     assert_eq!(nccl.call, "ncclCommInitRank");

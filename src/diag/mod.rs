@@ -756,9 +756,13 @@ pub(crate) struct CommDiag {
     /// The key of the queue (stream) the last operation used: the owner's cache, so only a
     /// new stream takes the slow path.
     last_queue: Cell<usize>,
-    /// The tracker to use instead of the provider's (tests).
-    #[cfg(test)]
-    tracker: Option<Arc<dyn Tracker>>,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The tracker communicators attached on this thread use instead of their provider's.
+    static TEST_TRACKER: std::cell::RefCell<Option<Arc<dyn Tracker>>> =
+        const { std::cell::RefCell::new(None) };
 }
 
 /// What [`CommDiag::begin`] hands to [`CommDiag::end`].
@@ -780,8 +784,6 @@ impl CommDiag {
             shared: OnceLock::new(),
             board: config.diag.board.clone(),
             last_queue: Cell::new(0),
-            #[cfg(test)]
-            tracker: None,
         }
     }
 
@@ -793,8 +795,6 @@ impl CommDiag {
             shared: OnceLock::new(),
             board: None,
             last_queue: Cell::new(0),
-            #[cfg(test)]
-            tracker: None,
         }
     }
 
@@ -816,8 +816,6 @@ impl CommDiag {
             shared: OnceLock::new(),
             board: None,
             last_queue: Cell::new(0),
-            #[cfg(test)]
-            tracker: None,
         }
     }
 
@@ -837,9 +835,8 @@ impl CommDiag {
                 clique.set_board(b);
             }
             #[cfg(test)]
-            let tracker = self
-                .tracker
-                .clone()
+            let tracker = TEST_TRACKER
+                .with(|t| t.borrow().clone())
                 .unwrap_or_else(|| tracker::for_provider(lib.provider()));
             #[cfg(not(test))]
             let tracker = tracker::for_provider(lib.provider());
@@ -1331,6 +1328,111 @@ mod tests {
         assert!(matches!(sum(&c), Err(Error::Timeout { .. })));
         let last = c.flight_record().entries.last().copied().unwrap();
         assert_eq!(last.state, OpState::Failed);
+        drop(c);
+        let st = crate::host::stats_for(&id.to_raw());
+        assert_eq!(
+            (st.created, st.destroyed, st.aborted, st.misused),
+            (1, 0, 1, 0)
+        );
+    }
+
+    /// A one-rank host communicator whose watched work goes through `counting`.
+    fn counted(
+        counting: &Arc<tracker::counting::Counting>,
+        timeout: Duration,
+    ) -> (Communicator, UniqueId) {
+        let id = Device::Host.unique_id().unwrap();
+        TEST_TRACKER.with(|t| *t.borrow_mut() = Some(Arc::clone(counting) as Arc<dyn Tracker>));
+        let c = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new().timeout(timeout));
+        TEST_TRACKER.with(|t| *t.borrow_mut() = None);
+        (c.unwrap(), id)
+    }
+
+    /// The per-operation path makes no tracker call (no CUDA event record or query on a
+    /// CUDA stream) on the caller's thread: the watchdog records at most one marker per
+    /// queue per tick, on its own thread, and the work is still seen to complete.
+    #[test]
+    fn the_per_operation_path_never_calls_the_tracker() {
+        let counting = Arc::new(tracker::counting::Counting::new(
+            std::thread::current().id(),
+        ));
+        let (c, _id) = counted(&counting, Duration::from_secs(600));
+        let ticks_before = clock::coarse();
+        const OPS: u64 = 2000;
+        for _ in 0..OPS {
+            sum(&c).unwrap();
+        }
+        let marks_during_ops = counting.marks.load(Ordering::SeqCst);
+        let ticks = (clock::coarse() - ticks_before) / clock::TICK.as_nanos() as u64;
+        assert_eq!(counting.owner_marks.load(Ordering::SeqCst), 0);
+        assert_eq!(counting.owner_queries.load(Ordering::SeqCst), 0);
+        assert!(
+            marks_during_ops <= ticks + 2,
+            "{marks_during_ops} markers in {ticks} ticks for {OPS} operations"
+        );
+        let s = Arc::clone(c.diag.shared(&c));
+        let retired = || s.retired.load(Ordering::Acquire);
+        let limit = Instant::now() + Duration::from_secs(10);
+        while retired() < OPS && Instant::now() < limit {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(retired(), OPS, "the watchdog retired every operation");
+        assert!(counting.marks.load(Ordering::SeqCst) >= 1);
+        eprintln!(
+            "{OPS} operations: {} markers and {} queries, all on the watchdog's thread, over {ticks} ticks",
+            counting.marks.load(Ordering::SeqCst),
+            counting.queries.load(Ordering::SeqCst)
+        );
+        drop(s);
+        c.destroy().map_err(|(_, e)| e).unwrap();
+    }
+
+    /// Work on a queue that is being captured into a CUDA graph is never timed out, and is
+    /// tracked again once the capture ends.
+    #[test]
+    fn captured_work_is_never_timed_out() {
+        let counting = Arc::new(tracker::counting::Counting::new(
+            std::thread::current().id(),
+        ));
+        counting.capturing.store(true, Ordering::SeqCst);
+        counting.complete.store(false, Ordering::SeqCst);
+        let (c, id) = counted(&counting, Duration::from_millis(50));
+        sum(&c).unwrap();
+        std::thread::sleep(Duration::from_millis(400)); // 8 timeouts' worth
+        assert!(!c.is_failed(), "captured work must not time out");
+        let s = Arc::clone(c.diag.shared(&c));
+        assert_eq!(s.retired.load(Ordering::Acquire), 0);
+        // The capture ends; the work it captured never runs on the stream, so the first
+        // marker after it completes.
+        counting.capturing.store(false, Ordering::SeqCst);
+        counting.complete.store(true, Ordering::SeqCst);
+        let limit = Instant::now() + Duration::from_secs(10);
+        while s.retired.load(Ordering::Acquire) < 1 && Instant::now() < limit {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(s.retired.load(Ordering::Acquire), 1);
+        assert!(!c.is_failed());
+        drop(s);
+        c.destroy().map_err(|(_, e)| e).unwrap();
+        let st = crate::host::stats_for(&id.to_raw());
+        assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
+    }
+
+    /// Work that never completes is timed out by the watchdog, and the communicator fails.
+    #[test]
+    fn incomplete_work_times_out() {
+        let counting = Arc::new(tracker::counting::Counting::new(
+            std::thread::current().id(),
+        ));
+        counting.complete.store(false, Ordering::SeqCst);
+        let (c, id) = counted(&counting, Duration::from_millis(50));
+        sum(&c).unwrap();
+        let limit = Instant::now() + Duration::from_secs(2);
+        while !c.is_failed() && Instant::now() < limit {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(c.is_failed());
+        assert!(matches!(sum(&c), Err(Error::Timeout { .. })));
         drop(c);
         let st = crate::host::stats_for(&id.to_raw());
         assert_eq!(

@@ -26,9 +26,6 @@ pub(crate) enum Queue {
     /// A host-provider communicator handle (its work completes in the call, unless a
     /// fault holds it).
     Host(usize),
-    /// A queue of the counting tracker in tests.
-    #[cfg(test)]
-    Fake(usize),
 }
 
 impl Queue {
@@ -37,8 +34,6 @@ impl Queue {
         match self {
             Queue::Cuda(s) => s.cu_stream() as usize,
             Queue::Host(h) => *h,
-            #[cfg(test)]
-            Queue::Fake(k) => *k,
         }
     }
 }
@@ -49,7 +44,7 @@ pub(crate) enum Marker {
     Cuda(CudaEvent),
     Host(usize),
     #[cfg(test)]
-    Fake(u64),
+    Fake,
 }
 
 /// What [`Tracker::mark`] could do.
@@ -186,7 +181,8 @@ pub(crate) mod counting {
         pub owner_queries: AtomicU64,
         /// Markers complete only while this is set.
         pub complete: AtomicBool,
-        next: AtomicU64,
+        /// While set, every queue reports a capture in progress.
+        pub capturing: AtomicBool,
     }
 
     impl Counting {
@@ -198,7 +194,7 @@ pub(crate) mod counting {
                 owner_marks: AtomicU64::new(0),
                 owner_queries: AtomicU64::new(0),
                 complete: AtomicBool::new(true),
-                next: AtomicU64::new(0),
+                capturing: AtomicBool::new(false),
             }
         }
 
@@ -213,7 +209,10 @@ pub(crate) mod counting {
             if self.on_owner() {
                 self.owner_marks.fetch_add(1, Ordering::SeqCst);
             }
-            Mark::Marker(Marker::Fake(self.next.fetch_add(1, Ordering::SeqCst)))
+            if self.capturing.load(Ordering::SeqCst) {
+                return Mark::Capturing;
+            }
+            Mark::Marker(Marker::Fake)
         }
 
         fn done(&self, _m: &Marker) -> bool {

@@ -7,7 +7,7 @@
 //! * [`Fault::BlockingAbort`]: `ncclCommAbort` first does its work (the clique is aborted,
 //!   waiters wake, the handle is counted as torn down) and then blocks, as NVIDIA's abort
 //!   does in `cudaFree` behind a stuck stream: for the given time, or until
-//!   [`release_aborts`] (`None`).
+//!   [`release_aborts`] (`None`), which also lifts the fault.
 //!
 //! A missing peer needs no fault: a rank that never calls init is one.
 //!
@@ -45,8 +45,6 @@ struct Faults {
     stuck_ops: HashMap<Handle, u64>,
     /// Aborts blocked right now, per root.
     blocked: HashMap<RootIdx, usize>,
-    /// Bumped by [`release_aborts`]: a blocked abort that sees it change returns.
-    releases: HashMap<RootIdx, u64>,
     /// The process is exiting: blocked aborts crash (see the module docs).
     torn_down: bool,
 }
@@ -86,14 +84,14 @@ pub fn clear(id: &ncclUniqueId) {
     let mut f = lock();
     f.stuck.remove(&root);
     f.blocking_abort.remove(&root);
-    *f.releases.entry(root).or_default() += 1;
     faults().1.notify_all();
 }
 
-/// Releases the aborts of `id`'s communicators that [`Fault::BlockingAbort`] holds now.
+/// Lifts [`Fault::BlockingAbort`] from `id`'s communicators: the aborts it holds return,
+/// and later ones do not block.
 pub fn release_aborts(id: &ncclUniqueId) {
     let root = root_of(id);
-    *lock().releases.entry(root).or_default() += 1;
+    lock().blocking_abort.remove(&root);
     faults().1.notify_all();
 }
 
@@ -127,15 +125,14 @@ pub(crate) fn after_abort(root: RootIdx, h: Handle) {
         return;
     };
     let until = limit.map(|d| Instant::now() + d);
-    let release = f.releases.get(&root).copied().unwrap_or(0);
     *f.blocked.entry(root).or_default() += 1;
     loop {
         if f.torn_down {
             drop(f);
             crash();
         }
-        if f.releases.get(&root).copied().unwrap_or(0) != release {
-            break;
+        if !f.blocking_abort.contains_key(&root) {
+            break; // released
         }
         let wait = match until {
             Some(u) if Instant::now() >= u => break,

@@ -1,0 +1,359 @@
+//! The failure paths, with the GPU's failure modes injected into the host provider
+//! (`nccl_safe::host::fault`): work that never completes (a stuck stream), an abort that
+//! blocks (`cudaFree` behind that stream), a process that exits while the abort is blocked
+//! (the CUDA runtime's teardown), and a peer that never arrives at init.
+//!
+//! Each scenario runs 20 times in a loop. Bounds are the issue's: timeout + 1 s.
+
+mod support;
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::Command;
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use nccl_safe::host::fault::{self, Fault};
+use nccl_safe::host::stats_for;
+use nccl_safe::{Communicator, Config, Device, Error, HostStream, ReduceOp, UniqueId};
+use support::{assert_balanced, within};
+
+const S: HostStream = HostStream;
+const TIMEOUT: Duration = Duration::from_millis(200);
+/// The bound on every failure: the configured timeout + 1 s.
+const BOUND: Duration = Duration::from_millis(1200);
+const ROUNDS: usize = 20;
+
+fn config() -> Config {
+    Config::new()
+        .timeout(TIMEOUT)
+        .abort_timeout(Duration::from_secs(20))
+}
+
+/// Polls `f` until it is true or `limit` passes; the time it took.
+fn until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if f() {
+            return Some(start.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    None
+}
+
+fn is_timeout(e: &Error) -> bool {
+    matches!(e, Error::Timeout { .. })
+}
+
+/// Every rank's collective is accepted and never completes; the abort blocks. Every rank
+/// must see `is_failed()` and get `Error::Timeout` from its next call (and from
+/// `async_error`) within timeout + 1 s, while the aborts are still blocked.
+fn stuck_work_round(world: usize) -> (Duration, Duration) {
+    let id = Device::Host.unique_id().unwrap();
+    fault::inject(&id.to_raw(), Fault::StuckWork);
+    fault::inject(&id.to_raw(), Fault::BlockingAbort(None));
+    let barrier = Barrier::new(world);
+    let times = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let (id, barrier) = (&id, &barrier);
+                sc.spawn(move || {
+                    let comm =
+                        Communicator::init_rank(&Device::Host, world, rank, id, &config()).unwrap();
+                    let mut x = vec![1.0f32; 16];
+                    let start = Instant::now();
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+                        .expect("a stuck collective is accepted");
+                    let failed = until(BOUND, || comm.is_failed())
+                        .unwrap_or_else(|| panic!("rank {rank}: is_failed() still false"));
+                    let e = comm
+                        .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+                        .expect_err("the next call fails");
+                    let next = start.elapsed();
+                    assert!(is_timeout(&e), "rank {rank}: {e}");
+                    assert!(e.to_string().contains("did not complete in time"), "{e}");
+                    assert!(next <= BOUND, "rank {rank}: the next call took {next:?}");
+                    assert!(matches!(comm.async_error(), Err(Error::Timeout { .. })));
+                    barrier.wait();
+                    (failed, next, comm)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    // The aborts are still blocked: the callers above never waited for them.
+    assert!(fault::blocked_aborts(&id.to_raw()) >= 1);
+    let worst_failed = times.iter().map(|t| t.0).max().unwrap();
+    let worst_next = times.iter().map(|t| t.1).max().unwrap();
+    fault::release_aborts(&id.to_raw());
+    drop(times); // the communicators: the watchdog already took their handles
+    within(Duration::from_secs(10), move || {
+        until(Duration::from_secs(5), || {
+            fault::blocked_aborts(&id.to_raw()) == 0
+        })
+        .expect("released aborts return");
+        let st = assert_balanced(&id);
+        assert_eq!(
+            (st.created, st.aborted, st.destroyed),
+            (world as u64, world as u64, 0)
+        );
+    });
+    (worst_failed, worst_next)
+}
+
+#[test]
+fn stuck_work_and_a_blocking_abort_fail_every_rank_fast() {
+    let mut worst = (Duration::ZERO, Duration::ZERO);
+    for round in 0..ROUNDS {
+        let (f, n) = stuck_work_round(1 + round % 3);
+        worst = (worst.0.max(f), worst.1.max(n));
+    }
+    eprintln!(
+        "stuck work + blocking abort, {ROUNDS} rounds, timeout {TIMEOUT:?}: is_failed() after at most {:?} (from the stuck call's return), next call's error at most {:?} after the stuck call",
+        worst.0, worst.1
+    );
+}
+
+/// While one clique's abort is blocked, the watchdog still serves another clique.
+#[test]
+fn a_blocked_abort_does_not_stop_the_watchdog() {
+    let a = Device::Host.unique_id().unwrap();
+    fault::inject(&a.to_raw(), Fault::StuckWork);
+    fault::inject(&a.to_raw(), Fault::BlockingAbort(None));
+    let ca = Communicator::init_rank(&Device::Host, 1, 0, &a, &config()).unwrap();
+    let mut x = vec![1u32; 4];
+    ca.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+    until(BOUND, || fault::blocked_aborts(&a.to_raw()) == 1).expect("the first abort blocks");
+    for _ in 0..5 {
+        let b = Device::Host.unique_id().unwrap();
+        fault::inject(&b.to_raw(), Fault::StuckWork);
+        let cb = Communicator::init_rank(&Device::Host, 1, 0, &b, &config()).unwrap();
+        let start = Instant::now();
+        cb.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+        until(BOUND, || cb.is_failed()).expect("the second clique times out too");
+        let e = cb
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+            .unwrap_err();
+        assert!(is_timeout(&e) && start.elapsed() <= BOUND, "{e}");
+        drop(cb);
+        until(Duration::from_secs(5), || stats_for(&b.to_raw()).live == 0).unwrap();
+        assert_balanced(&b);
+    }
+    fault::release_aborts(&a.to_raw());
+    drop(ca);
+    until(Duration::from_secs(5), || stats_for(&a.to_raw()).live == 0).unwrap();
+    assert_balanced(&a);
+}
+
+/// Dropping a failed communicator whose abort blocks returns within the abort bound.
+#[test]
+fn drop_waits_at_most_the_abort_bound() {
+    let id = Device::Host.unique_id().unwrap();
+    fault::inject(&id.to_raw(), Fault::BlockingAbort(None));
+    let bound = Duration::from_millis(300);
+    let comm = Communicator::init_rank(
+        &Device::Host,
+        1,
+        0,
+        &id,
+        &Config::new().abort_timeout(bound),
+    )
+    .unwrap();
+    let e = comm.all_reduce_in_place(&mut [1u8][..], ReduceOp::Prod, &HostStream);
+    assert!(e.is_ok());
+    let start = Instant::now();
+    let e = comm.abort().expect_err("the abort outlives its bound");
+    let took = start.elapsed();
+    assert!(is_timeout(&e), "{e}");
+    assert!(
+        took >= bound && took < bound + Duration::from_secs(1),
+        "{took:?}"
+    );
+    // It was torn down once (the blocked call counts), and it ends when released.
+    assert_eq!(stats_for(&id.to_raw()).aborted, 1);
+    fault::release_aborts(&id.to_raw());
+    until(Duration::from_secs(5), || {
+        fault::blocked_aborts(&id.to_raw()) == 0
+    })
+    .unwrap();
+    assert_balanced(&id);
+}
+
+// ---- a process that exits while an abort is blocked ----------------------------------
+
+const CHILD_VAR: &str = "NCCL_SAFE_TEST_EXIT_CHILD";
+
+/// The child's part (run only as a child process, see `exit_while_an_abort_is_blocked`):
+/// a timed-out clique whose abort blocks, then the process ends as `NCCL_SAFE_TEST_EXIT_CHILD`
+/// says: `exit3` (`std::process::exit(3)`) or `return` (back to the test harness's main,
+/// which returns 0).
+#[test]
+#[ignore = "run as a child process by exit_while_an_abort_is_blocked"]
+fn child_exits_while_an_abort_is_blocked() {
+    let Ok(mode) = std::env::var(CHILD_VAR) else {
+        panic!("run only as a child process ({CHILD_VAR} unset)");
+    };
+    let id = Device::Host.unique_id().unwrap();
+    fault::inject(&id.to_raw(), Fault::StuckWork);
+    fault::inject(&id.to_raw(), Fault::BlockingAbort(None));
+    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &config()).unwrap();
+    let mut x = vec![0i64; 8];
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+    until(Duration::from_secs(5), || {
+        fault::blocked_aborts(&id.to_raw()) == 1
+    })
+    .expect("the watchdog's abort blocks");
+    assert!(comm.is_failed());
+    std::mem::forget(comm); // as a process that ends without dropping it
+    println!("child: abort blocked, ending with {mode}");
+    if mode == "exit3" {
+        std::process::exit(3);
+    }
+}
+
+#[test]
+fn exit_while_an_abort_is_blocked() {
+    let exe = std::env::current_exe().unwrap();
+    for (mode, want) in [("exit3", 3), ("return", 0)] {
+        // 20 children, 5 at a time.
+        for batch in 0..ROUNDS / 5 {
+            let children: Vec<_> = (0..5)
+                .map(|_| {
+                    Command::new(&exe)
+                        .args([
+                            "--exact",
+                            "child_exits_while_an_abort_is_blocked",
+                            "--ignored",
+                            "--nocapture",
+                        ])
+                        .env(CHILD_VAR, mode)
+                        .stdout(std::process::Stdio::piped())
+                        .stderr(std::process::Stdio::piped())
+                        .spawn()
+                        .unwrap()
+                })
+                .collect();
+            for c in children {
+                let out = c.wait_with_output().unwrap();
+                let text = format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                assert!(
+                    text.contains("child: abort blocked"),
+                    "{mode} batch {batch}: the child did not reach its exit: {text}"
+                );
+                assert_eq!(
+                    out.status.signal(),
+                    None,
+                    "{mode} batch {batch}: killed by a signal: {text}"
+                );
+                assert_eq!(
+                    out.status.code(),
+                    Some(want),
+                    "{mode} batch {batch}: {text}"
+                );
+            }
+        }
+    }
+}
+
+// ---- a peer that never arrives ---------------------------------------------------------
+
+fn assert_names_missing(e: &Error, missing: usize) {
+    assert!(is_timeout(e), "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains(&format!("never seen here: [{missing}]")),
+        "the report names rank {missing}: {text}"
+    );
+}
+
+#[test]
+fn a_missing_rank_at_blocking_init_is_a_timeout_naming_it() {
+    for _ in 0..ROUNDS {
+        let id = Device::Host.unique_id().unwrap();
+        let start = Instant::now();
+        let e = Communicator::init_rank(&Device::Host, 2, 0, &id, &config()).unwrap_err();
+        assert!(start.elapsed() <= BOUND, "{:?}", start.elapsed());
+        assert_names_missing(&e, 1);
+        assert_balanced(&id);
+    }
+}
+
+#[test]
+fn a_missing_rank_at_nonblocking_init_is_a_timeout_naming_it() {
+    for _ in 0..ROUNDS {
+        let id = Device::Host.unique_id().unwrap();
+        let start = Instant::now();
+        let pending =
+            Communicator::init_rank_nonblocking(&Device::Host, 3, 2, &id, &config()).unwrap();
+        let e = pending.wait(TIMEOUT).unwrap_err();
+        assert!(start.elapsed() <= BOUND, "{:?}", start.elapsed());
+        assert!(is_timeout(&e), "{e}");
+        assert!(e.to_string().contains("never seen here: [0, 1]"), "{e}");
+        assert_balanced(&id);
+    }
+}
+
+/// Ranks 0 and 1 init; rank 1 then never calls the split (or shrink), so rank 0 waits.
+fn missing_at_child_creation(shrink: bool) {
+    within(Duration::from_secs(20), move || {
+        missing_at_child_creation_inner(shrink)
+    });
+}
+
+fn missing_at_child_creation_inner(shrink: bool) {
+    let id = UniqueId::new_with(&Device::Host.library().unwrap()).unwrap();
+    let world = 3;
+    let barrier = Barrier::new(world);
+    std::thread::scope(|sc| {
+        for rank in 0..world {
+            let (id, barrier) = (&id, &barrier);
+            sc.spawn(move || {
+                let comm =
+                    Communicator::init_rank(&Device::Host, world, rank, id, &config()).unwrap();
+                barrier.wait();
+                if rank == 0 {
+                    let start = Instant::now();
+                    let e = if shrink {
+                        comm.shrink(&[2]).map(drop).unwrap_err()
+                    } else {
+                        comm.split(Some(0), 0).map(drop).unwrap_err()
+                    };
+                    assert!(start.elapsed() <= BOUND, "{:?}", start.elapsed());
+                    assert!(is_timeout(&e), "{e}");
+                    assert!(
+                        e.to_string().contains("rank 1"),
+                        "names the rank behind: {e}"
+                    );
+                } else if rank == 2 && !shrink {
+                    // Joins the split; gets the timeout too once rank 0's clique fails.
+                    let r = comm.split(Some(0), 0).map(drop);
+                    assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+                }
+                barrier.wait();
+            });
+        }
+    });
+    until(Duration::from_secs(5), || stats_for(&id.to_raw()).live == 0)
+        .expect("every handle torn down");
+    assert_balanced(&id);
+}
+
+#[test]
+fn a_missing_rank_at_split_is_a_timeout() {
+    for _ in 0..ROUNDS {
+        missing_at_child_creation(false);
+    }
+}
+
+#[test]
+fn a_missing_rank_at_shrink_is_a_timeout() {
+    for _ in 0..ROUNDS {
+        missing_at_child_creation(true);
+    }
+}
