@@ -90,8 +90,9 @@ fn stuck_work_round(world: usize) -> (Duration, Duration) {
     fault::release_aborts(&id.to_raw());
     drop(times); // the communicators: the watchdog already took their handles
     within(Duration::from_secs(10), move || {
+        // Every abort thread (some may start only now) returns once released.
         until(Duration::from_secs(5), || {
-            fault::blocked_aborts(&id.to_raw()) == 0
+            fault::blocked_aborts(&id.to_raw()) == 0 && stats_for(&id.to_raw()).live == 0
         })
         .expect("released aborts return");
         let st = assert_balanced(&id);
