@@ -134,7 +134,7 @@ fn wrong_token_gets_nothing_and_garbage_is_dropped() {
     let good = BoardClient::new(&addr, 2, TOKEN);
     good.post(1, &summary(1)).unwrap();
 
-    let bad = BoardClient::new(&addr, 2, "not-the-token");
+    let bad = BoardClient::new(&addr, 2, "not-the-job-token-at-all");
     for r in [bad.fetch().map(|_| ()), bad.post(0, &summary(0))] {
         assert!(
             matches!(

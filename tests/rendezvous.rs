@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-const TOKEN: &[u8] = b"test-job-token";
+const TOKEN: &[u8] = b"test-job-token-0123456789";
 const CHILD_VAR: &str = "NCCL_SAFE_TEST_RENDEZVOUS_CHILD";
 
 fn free_port() -> u16 {
@@ -160,7 +160,7 @@ fn four_ranks_as_processes_get_the_same_id() {
 fn wrong_token_is_refused_without_the_id() {
     let server = tcp(0).serve(2, sample_id(1)).unwrap();
     let port = server.local_addr().port();
-    let err = TcpRendezvous::new("127.0.0.1", port, b"not-the-token".to_vec())
+    let err = TcpRendezvous::new("127.0.0.1", port, b"not-the-job-token-at-all".to_vec())
         .with_timeout(Duration::from_secs(3))
         .fetch(1, 2)
         .unwrap_err();
@@ -500,6 +500,7 @@ fn torchrun_environment() {
             local_world_size: Some(4),
             master_addr: "10.0.0.1".into(),
             master_port: 29400,
+            elastic: None,
         }
     );
     assert_eq!(e.device(), 1);
@@ -706,7 +707,59 @@ fn token_comes_from_the_environment() {
     assert!(err.to_string().contains(TOKEN_VAR));
     let err = TcpRendezvous::from_lookup(&e, "MY_TOKEN", env(&[("MY_TOKEN", "")])).unwrap_err();
     assert!(matches!(err, RendezvousError::MissingToken { .. }));
-    let t = TcpRendezvous::from_lookup(&e, "MY_TOKEN", env(&[("MY_TOKEN", "s3cret")])).unwrap();
+    let t = TcpRendezvous::from_lookup(&e, "MY_TOKEN", env(&[("MY_TOKEN", "s3cret-s3cret-s3cret")]))
+        .unwrap();
     assert_eq!(t.addr(), "10.0.0.1:29400");
     assert!(!format!("{t:?}").contains("s3cret"));
+}
+
+#[test]
+fn tokens_shorter_than_16_bytes_are_refused_with_the_reason() {
+    let e = ProcessEnv::from_lookup(env(TORCHRUN)).unwrap();
+    // `kiwi` fell to an offline search of one sniffed handshake in under a second.
+    let err = TcpRendezvous::from_lookup(&e, "MY_TOKEN", env(&[("MY_TOKEN", "kiwi")])).unwrap_err();
+    assert!(matches!(err, RendezvousError::WeakToken { len: 4 }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("4 bytes") && text.contains("at least 16"), "{text}");
+    assert!(text.contains("offline"), "{text}");
+    let fifteen = "0123456789abcde";
+    assert!(TcpRendezvous::from_lookup(&e, "T", env(&[("T", fifteen)])).is_err());
+    assert!(TcpRendezvous::from_lookup(&e, "T", env(&[("T", "0123456789abcdef")])).is_ok());
+    // Built directly, a weak token is refused by both sides before any traffic.
+    let weak = TcpRendezvous::new("127.0.0.1", free_port(), "kiwi");
+    assert!(matches!(weak.serve(2, sample_id(0)), Err(RendezvousError::WeakToken { len: 4 })));
+    assert!(matches!(weak.fetch(1, 2), Err(RendezvousError::WeakToken { len: 4 })));
+    assert!(matches!(
+        nccl_safe::launch::desync::DesyncBoard::serve("127.0.0.1:0", 2, "kiwi"),
+        Err(RendezvousError::WeakToken { len: 4 })
+    ));
+    let board = nccl_safe::launch::desync::BoardClient::new("127.0.0.1:9", 2, "kiwi");
+    assert!(matches!(board.fetch(), Err(RendezvousError::WeakToken { len: 4 })));
+}
+
+#[test]
+fn torchrun_elastic_variables_are_read_and_checked() {
+    let with_agent = with(
+        TORCHRUN,
+        &[
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RUN_ID", "abc"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ],
+    );
+    let e = ProcessEnv::from_lookup(env(&with_agent)).unwrap();
+    let el = e.elastic.unwrap();
+    assert!(el.use_agent_store);
+    assert_eq!((el.run_id.as_str(), el.restart_count), ("abc", 2));
+    let bad = with(&with_agent, &[("TORCHELASTIC_RESTART_COUNT", "two")]);
+    let err = ProcessEnv::from_lookup(env(&bad)).unwrap_err();
+    assert!(err.to_string().contains("TORCHELASTIC_RESTART_COUNT"), "{err}");
+    let bad = with(&with_agent, &[("TORCHELASTIC_USE_AGENT_STORE", "maybe")]);
+    let err = ProcessEnv::from_lookup(env(&bad)).unwrap_err();
+    assert!(err.to_string().contains("TORCHELASTIC_USE_AGENT_STORE"), "{err}");
+    let partial = without(&with_agent, "TORCHELASTIC_RUN_ID");
+    let err = ProcessEnv::from_lookup(env(&partial)).unwrap_err();
+    assert!(err.to_string().contains("TORCHELASTIC_RUN_ID"), "{err}");
+    // Without them, as before.
+    assert!(ProcessEnv::from_lookup(env(TORCHRUN)).unwrap().elastic.is_none());
 }

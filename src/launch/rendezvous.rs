@@ -1054,3 +1054,98 @@ impl Rendezvous {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TOKEN: &[u8] = b"unit-test-token-0123456789";
+
+    fn id() -> [u8; ID_LEN] {
+        std::array::from_fn(|i| i as u8)
+    }
+
+    /// A raw rank that authenticates as `rank` and reads the id, but never acknowledges it.
+    fn take_id_without_ack(port: u16, rank: u32, world: u32) -> (TcpStream, [u8; ID_LEN]) {
+        let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        wire::bound_waits(&s, Duration::from_secs(5)).unwrap();
+        let mut r = &s;
+        let sn = wire::parse_hello(&wire::read_frame(&mut r).unwrap(), wire::MAGIC).unwrap();
+        let cn = wire::nonce().unwrap();
+        wire::write_frame(&mut r, &wire::auth_frame(TOKEN, &sn, &cn, rank, world)).unwrap();
+        let reply = wire::read_frame(&mut r).unwrap();
+        assert_eq!(reply[0], wire::ID);
+        let mut masked = [0u8; ID_LEN];
+        masked.copy_from_slice(&reply[1..1 + ID_LEN]);
+        (s, wire::mask(TOKEN, &sn, &cn, &masked))
+    }
+
+    /// A rank whose acknowledgement is lost has the id: rank 0 does not report it missing.
+    #[test]
+    fn a_lost_acknowledgement_does_not_fail_rank_0() {
+        let server = TcpRendezvous::new("127.0.0.1", 0, TOKEN)
+            .with_timeout(Duration::from_secs(20))
+            .with_io_timeout(Duration::from_millis(300))
+            .serve(3, id())
+            .unwrap();
+        let port = server.local_addr().port();
+        let (s, got) = take_id_without_ack(port, 1, 3);
+        assert_eq!(got, id());
+        drop(s); // the ACK never comes
+        let two = TcpRendezvous::new("127.0.0.1", port, TOKEN).fetch(2, 3).unwrap();
+        assert_eq!(two, id());
+        let t0 = Instant::now();
+        server.wait().unwrap();
+        // It waited a grace period for the missing ACK, not its whole 20 s deadline.
+        assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    }
+
+    /// A rank whose slot is still being served on another connection retries (it is not
+    /// told "duplicate"), and gets the id once that connection's deadline has passed.
+    #[test]
+    fn an_in_progress_slot_is_retried_not_fatal() {
+        let io = Duration::from_millis(500);
+        let server = TcpRendezvous::new("127.0.0.1", 0, TOKEN)
+            .with_timeout(Duration::from_secs(20))
+            .with_io_timeout(io)
+            .serve(2, id())
+            .unwrap();
+        let port = server.local_addr().port();
+        // The first connection holds rank 1's slot, waiting for an ACK it never sends.
+        let (held, _) = take_id_without_ack(port, 1, 2);
+        let t0 = Instant::now();
+        let got = TcpRendezvous::new("127.0.0.1", port, TOKEN)
+            .with_timeout(Duration::from_secs(5))
+            .fetch(1, 2)
+            .unwrap();
+        assert_eq!(got, id());
+        let took = t0.elapsed();
+        assert!(took < Duration::from_secs(3), "{took:?}");
+        drop(held);
+        server.wait().unwrap();
+        // After an acknowledged fetch, the slot is taken for good.
+        let late = TcpRendezvous::new("127.0.0.1", 0, TOKEN)
+            .serve(2, id())
+            .unwrap();
+        let p2 = late.local_addr().port();
+        let c = TcpRendezvous::new("127.0.0.1", p2, TOKEN).with_timeout(Duration::from_secs(5));
+        c.fetch(1, 2).unwrap();
+        late.wait().unwrap();
+    }
+
+    /// The refusal of an authenticated peer carries a MAC the client checks.
+    #[test]
+    fn refusals_after_authentication_are_authenticated() {
+        let (sn, cn) = (wire::nonce().unwrap(), wire::nonce().unwrap());
+        let f = wire::refuse_authed(TOKEN, &sn, &cn, 1, 2, wire::R_DUPLICATE, 2, 1);
+        assert!(wire::refuse_is_authentic(&f, TOKEN, &sn, &cn, 1, 2));
+        assert!(!wire::refuse_is_authentic(&f, b"another-token-0123456", &sn, &cn, 1, 2));
+        assert!(!wire::refuse_is_authentic(&f, TOKEN, &sn, &cn, 2, 2));
+        let mut flipped = f.clone();
+        flipped[1] = wire::R_WORLD;
+        assert!(!wire::refuse_is_authentic(&flipped, TOKEN, &sn, &cn, 1, 2));
+        let bare = wire::refuse(wire::R_DUPLICATE, 2, 1);
+        assert!(!wire::refuse_is_authentic(&bare, TOKEN, &sn, &cn, 1, 2));
+        assert_eq!(wire::parse_refuse(&f), wire::parse_refuse(&bare));
+    }
+}
