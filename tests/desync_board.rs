@@ -240,3 +240,21 @@ fn a_timeout_posts_each_ranks_last_operation_to_the_board() {
     );
     assert_eq!(p0.clique, p1.clique);
 }
+
+/// A post is text from another process: terminal escapes, carriage returns and
+/// bidirectional overrides in it are replaced before anyone prints it.
+#[test]
+fn control_characters_in_posts_are_replaced_where_they_are_received() {
+    let board = DesyncBoard::serve("127.0.0.1:0", 2, TOKEN).unwrap();
+    let client = BoardClient::new(board.local_addr().to_string(), 2, TOKEN);
+    let evil = DesyncPost {
+        clique: 42,
+        issued: 3,
+        text: "seq 3\u{1b}[2J\u{1b}]0;owned\u{7} at \u{202e}sr.niart\u{9b}1m\u{0}".into(),
+    };
+    client.post(1, &evil).unwrap();
+    let got = client.fetch().unwrap()[1].clone().unwrap();
+    assert_eq!(got.text, "seq 3?[2J?]0;owned? at ?sr.niart?1m?");
+    assert!(!got.text.chars().any(char::is_control), "{:?}", got.text);
+    assert_eq!((got.clique, got.issued), (42, 3));
+}

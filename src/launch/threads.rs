@@ -640,15 +640,22 @@ impl ProcessLauncher {
             Err(_) => "CUDA_VISIBLE_DEVICES is unset".into(),
         };
         let gpus = if visible == 1 { "GPU" } else { "GPUs" };
+        let local_size_var = match self.env.source {
+            crate::launch::env::EnvSource::Torchrun => "LOCAL_WORLD_SIZE",
+            crate::launch::env::EnvSource::OpenMpi => "OMPI_COMM_WORLD_LOCAL_SIZE",
+            crate::launch::env::EnvSource::Slurm => "SLURM_NTASKS_PER_NODE",
+        };
         let why = match self.env.local_world_size {
+            _ if visible == 0 => format!(
+                "this process sees no CUDA GPU ({cvd}; or no CUDA driver), and each rank needs one"
+            ),
             Some(n) if n > visible => format!(
-                "this node runs {n} ranks (one GPU each) but this process sees {visible} CUDA {gpus} ({cvd}{}); \
-                 start at most {visible} processes per node (e.g. torchrun --nproc_per_node={visible})",
-                if visible == 0 { "; or no CUDA driver" } else { "" }
+                "this node runs {n} ranks ({local_size_var}={n}), one GPU each, but this process sees \
+                 {visible} CUDA {gpus} ({cvd}); start at most {visible} processes per node \
+                 (e.g. torchrun --nproc_per_node={visible})"
             ),
             _ => format!(
-                "it needs the GPU of its local rank but this process sees {visible} CUDA {gpus} ({cvd}{})",
-                if visible == 0 { "; or no CUDA driver" } else { "" }
+                "it needs the GPU of its local rank but this process sees {visible} CUDA {gpus} ({cvd})"
             ),
         };
         Err(Error::InvalidArgument {
