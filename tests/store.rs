@@ -296,3 +296,40 @@ fn the_desync_board_goes_through_the_store_and_posts_come_back_clean() {
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
     assert!(err.to_string().contains(&store.addr()), "{err}");
 }
+
+/// Against PyTorch's own store server: runs only when `NCCL_SAFE_TEST_C10D_STORE` names
+/// one (`host:port`), as `scripts/test-torchrun.sh` does for both of PyTorch's servers.
+#[test]
+fn against_a_real_pytorch_store() {
+    let Ok(addr) = std::env::var("NCCL_SAFE_TEST_C10D_STORE") else {
+        return;
+    };
+    let mut c = StoreClient::connect(&addr, T).unwrap();
+    let k = format!("nccl-safe-test/{}/", std::process::id());
+    let key = |s: &str| format!("{k}{s}");
+    assert!(!c.check(&[&key("a")]).unwrap());
+    c.set(&key("a"), &[0, 1, 2, 255]).unwrap();
+    assert!(c.check(&[&key("a")]).unwrap());
+    assert_eq!(c.get(&key("a"), T).unwrap(), [0, 1, 2, 255]);
+    assert_eq!(c.add(&key("n"), 7).unwrap(), 7);
+    assert_eq!(c.add(&key("n"), -2).unwrap(), 5);
+    assert_eq!(c.compare_set(&key("a"), &[0, 1, 2, 255], b"new").unwrap(), b"new");
+    assert_eq!(c.compare_set(&key("a"), b"old", b"x").unwrap(), b"new");
+    let t0 = Instant::now();
+    let err = c.wait(&[&key("never")], Duration::from_millis(300)).unwrap_err();
+    assert!(matches!(err, StoreError::WaitTimeout { .. }), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    // The server answered the cancel: the connection is still in step.
+    c.ping().unwrap();
+    assert_eq!(c.get(&key("a"), T).unwrap(), b"new");
+    let r = StoreRendezvous::new(addr.clone(), key("x/")).with_timeout(T);
+    r.publish(2, &id(9)).unwrap();
+    assert_eq!(r.read(1, 2).unwrap(), id(9));
+    let board = r.board(2);
+    let post = nccl_safe::diag::DesyncPost::new(1, 2, "seq 2\u{1b}[31m");
+    board.post_by(1, &post, Instant::now() + T).unwrap();
+    let got = board.fetch_by(Instant::now() + T).unwrap();
+    assert_eq!(got[0], None);
+    assert_eq!(got[1].as_ref().unwrap().text, "seq 2?[31m");
+    println!("@@REAL-STORE-OK {addr}");
+}
