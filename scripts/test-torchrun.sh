@@ -11,8 +11,9 @@
 #      default, and the older one): every request, a wait that times out, the board.
 # PyTorch comes from PyPI into a venv (default $NCCL_SAFE_CACHE/torch-venv, i.e.
 # ~/.cache/nccl-safe/torch-venv; set NCCL_SAFE_TORCH_VENV to use another). PyPI's torch wheel
-# brings its CUDA libraries (about 3 GB installed): torchrun imports torch, which loads them
-# even on a machine without a GPU. Without network access the script says why it skips.
+# brings its CUDA libraries (about 5 GB installed, 2-3 minutes the first time): torchrun
+# imports torch, which loads them even on a machine without a GPU. Without network access
+# the script says why it skips. With the venv in place it takes about 20 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
@@ -24,7 +25,7 @@ fail() { echo "test-torchrun: FAILED: $*" >&2; exit 1; }
 if [ ! -x "$venv/bin/torchrun" ]; then
   py="$(command -v python3 || command -v python)" || skip "no python3 to create a venv with"
   "$py" -m venv "$venv" || skip "python3 -m venv $venv failed (install python3-venv)"
-  echo "installing torch from PyPI into $venv (about 3 GB with its CUDA libraries) ..."
+  echo "installing torch from PyPI into $venv (about 5 GB with its CUDA libraries, 2-3 minutes) ..."
   if ! "$venv/bin/pip" install --quiet torch; then
     rm -rf "$venv"
     skip "pip could not install torch from PyPI (no network access?)"

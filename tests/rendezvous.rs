@@ -707,8 +707,9 @@ fn token_comes_from_the_environment() {
     assert!(err.to_string().contains(TOKEN_VAR));
     let err = TcpRendezvous::from_lookup(&e, "MY_TOKEN", env(&[("MY_TOKEN", "")])).unwrap_err();
     assert!(matches!(err, RendezvousError::MissingToken { .. }));
-    let t = TcpRendezvous::from_lookup(&e, "MY_TOKEN", env(&[("MY_TOKEN", "s3cret-s3cret-s3cret")]))
-        .unwrap();
+    let t =
+        TcpRendezvous::from_lookup(&e, "MY_TOKEN", env(&[("MY_TOKEN", "s3cret-s3cret-s3cret")]))
+            .unwrap();
     assert_eq!(t.addr(), "10.0.0.1:29400");
     assert!(!format!("{t:?}").contains("s3cret"));
 }
@@ -718,23 +719,38 @@ fn tokens_shorter_than_16_bytes_are_refused_with_the_reason() {
     let e = ProcessEnv::from_lookup(env(TORCHRUN)).unwrap();
     // `kiwi` fell to an offline search of one sniffed handshake in under a second.
     let err = TcpRendezvous::from_lookup(&e, "MY_TOKEN", env(&[("MY_TOKEN", "kiwi")])).unwrap_err();
-    assert!(matches!(err, RendezvousError::WeakToken { len: 4 }), "{err}");
+    assert!(
+        matches!(err, RendezvousError::WeakToken { len: 4 }),
+        "{err}"
+    );
     let text = err.to_string();
-    assert!(text.contains("4 bytes") && text.contains("at least 16"), "{text}");
+    assert!(
+        text.contains("4 bytes") && text.contains("at least 16"),
+        "{text}"
+    );
     assert!(text.contains("offline"), "{text}");
     let fifteen = "0123456789abcde";
     assert!(TcpRendezvous::from_lookup(&e, "T", env(&[("T", fifteen)])).is_err());
     assert!(TcpRendezvous::from_lookup(&e, "T", env(&[("T", "0123456789abcdef")])).is_ok());
     // Built directly, a weak token is refused by both sides before any traffic.
     let weak = TcpRendezvous::new("127.0.0.1", free_port(), "kiwi");
-    assert!(matches!(weak.serve(2, sample_id(0)), Err(RendezvousError::WeakToken { len: 4 })));
-    assert!(matches!(weak.fetch(1, 2), Err(RendezvousError::WeakToken { len: 4 })));
+    assert!(matches!(
+        weak.serve(2, sample_id(0)),
+        Err(RendezvousError::WeakToken { len: 4 })
+    ));
+    assert!(matches!(
+        weak.fetch(1, 2),
+        Err(RendezvousError::WeakToken { len: 4 })
+    ));
     assert!(matches!(
         nccl_safe::launch::desync::DesyncBoard::serve("127.0.0.1:0", 2, "kiwi"),
         Err(RendezvousError::WeakToken { len: 4 })
     ));
     let board = nccl_safe::launch::desync::BoardClient::new("127.0.0.1:9", 2, "kiwi");
-    assert!(matches!(board.fetch(), Err(RendezvousError::WeakToken { len: 4 })));
+    assert!(matches!(
+        board.fetch(),
+        Err(RendezvousError::WeakToken { len: 4 })
+    ));
 }
 
 #[test]
@@ -753,15 +769,24 @@ fn torchrun_elastic_variables_are_read_and_checked() {
     assert_eq!((el.run_id.as_str(), el.restart_count), ("abc", 2));
     let bad = with(&with_agent, &[("TORCHELASTIC_RESTART_COUNT", "two")]);
     let err = ProcessEnv::from_lookup(env(&bad)).unwrap_err();
-    assert!(err.to_string().contains("TORCHELASTIC_RESTART_COUNT"), "{err}");
+    assert!(
+        err.to_string().contains("TORCHELASTIC_RESTART_COUNT"),
+        "{err}"
+    );
     let bad = with(&with_agent, &[("TORCHELASTIC_USE_AGENT_STORE", "maybe")]);
     let err = ProcessEnv::from_lookup(env(&bad)).unwrap_err();
-    assert!(err.to_string().contains("TORCHELASTIC_USE_AGENT_STORE"), "{err}");
+    assert!(
+        err.to_string().contains("TORCHELASTIC_USE_AGENT_STORE"),
+        "{err}"
+    );
     let partial = without(&with_agent, "TORCHELASTIC_RUN_ID");
     let err = ProcessEnv::from_lookup(env(&partial)).unwrap_err();
     assert!(err.to_string().contains("TORCHELASTIC_RUN_ID"), "{err}");
     // Without them, as before.
-    assert!(ProcessEnv::from_lookup(env(TORCHRUN)).unwrap().elastic.is_none());
+    assert!(ProcessEnv::from_lookup(env(TORCHRUN))
+        .unwrap()
+        .elastic
+        .is_none());
 }
 
 // ---- a hostile peer on 127.0.0.1 ------------------------------------------------------
@@ -783,10 +808,11 @@ fn write_frame(s: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
 const BUSY: [u8; 10] = [4, 5, 0, 0, 0, 0, 0, 0, 0, 0];
 
 /// Whether the server closed `s` within `within` (after whatever it had sent).
-fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
+fn closed_within(s: &TcpStream, within: Duration) -> bool {
     s.set_read_timeout(Some(within)).unwrap();
     let mut sink = Vec::new();
-    s.read_to_end(&mut sink).is_ok()
+    let mut r = s;
+    r.read_to_end(&mut sink).is_ok()
 }
 
 /// Busy is retried, not read as a protocol error: a rank 0 that is busy for its first
@@ -860,11 +886,14 @@ fn a_stranger_filling_every_slot_does_not_keep_a_rank_out() {
     let mut idle: Vec<TcpStream> = (0..64)
         .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
         .collect();
-    // Wait until the server has accepted them all (each got its hello).
+    // Wait until the server has accepted them all: each got its hello, or was already
+    // closed to make room for a later one.
     for s in &mut idle {
         s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
         let mut len = [0u8; 4];
-        s.read_exact(&mut len).unwrap();
+        if let Err(e) = s.read_exact(&mut len) {
+            assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof, "{e}");
+        }
     }
     let t0 = Instant::now();
     assert_eq!(tcp(port).fetch(1, 3).unwrap(), sample_id(12));
@@ -872,7 +901,7 @@ fn a_stranger_filling_every_slot_does_not_keep_a_rank_out() {
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
     server.wait().unwrap();
     // The first 32 idle ones were closed to make room, long before their deadline.
-    assert!(closed_within(&mut idle[0], Duration::from_millis(500)));
+    assert!(closed_within(&idle[0], Duration::from_millis(500)));
 }
 
 /// A flood of new connections while the ranks start: every rank still gets in.
@@ -924,14 +953,20 @@ fn connections_per_peer_address_are_capped() {
         .serve(2, sample_id(14))
         .unwrap();
     let port = server.local_addr().port();
-    let mut conns: Vec<TcpStream> = (0..20)
+    let conns: Vec<TcpStream> = (0..20)
         .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
         .collect();
-    thread::sleep(Duration::from_millis(300)); // the server accepts them all
+    // The server has accepted each once it sent its hello, or closed it.
+    for s in &conns {
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut len = [0u8; 4];
+        if let Err(e) = (&mut &*s).read_exact(&mut len) {
+            assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof, "{e}");
+        }
+    }
     let closed = conns
-        .iter_mut()
-        .filter_map(|s| Some(closed_within(s, Duration::from_millis(100))))
-        .filter(|&c| c)
+        .iter()
+        .filter(|s| closed_within(s, Duration::from_millis(100)))
         .count();
     assert_eq!(closed, 12, "20 connections from one address, 8 kept");
     assert_eq!(tcp(port).fetch(1, 2).unwrap(), sample_id(14));
@@ -950,7 +985,7 @@ fn a_slow_drip_peer_is_cut_off_at_the_connection_deadline() {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     let t0 = Instant::now();
     read_frame(&mut s).unwrap(); // the hello
-    // An authentication frame of 77 bytes, dripped a byte every 100 ms.
+                                 // An authentication frame of 77 bytes, dripped a byte every 100 ms.
     let mut frame = 73u32.to_be_bytes().to_vec();
     frame.extend_from_slice(&[2u8; 73]);
     let mut cut = None;

@@ -28,17 +28,20 @@ fn requests_are_byte_for_byte_what_pytorch_sends() {
     assert_eq!(c.compare_set("/k", b"vv", b"ww").unwrap(), b"ww");
     let sent = hex(&store.received()[0]);
     let expect = [
-        "00cef7853c",                                                 // VALIDATE, magic
-        "0d",                                                         // PING (nonce follows)
+        "00cef7853c", // VALIDATE, magic
+        "0d",         // PING (nonce follows)
     ];
-    assert!(sent.starts_with(&(expect[0].to_string() + expect[1])), "{sent}");
+    assert!(
+        sent.starts_with(&(expect[0].to_string() + expect[1])),
+        "{sent}"
+    );
     let rest = &sent[(5 + 1 + 4) * 2..];
     let pytorch = [
-        "0102000000000000002f6b02000000000000007676",                  // SET
-        "06010000000000000002000000000000002f6b",                      // WAIT (before GET)
-        "0302000000000000002f6b",                                      // GET
+        "0102000000000000002f6b02000000000000007676", // SET
+        "06010000000000000002000000000000002f6b",     // WAIT (before GET)
+        "0302000000000000002f6b",                     // GET
         "05020000000000000002000000000000002f6b03000000000000002f7a7a", // CHECK
-        "0402000000000000002f6e0500000000000000",                      // ADD
+        "0402000000000000002f6e0500000000000000",     // ADD
         "0202000000000000002f6b0200000000000000767602000000000000007777", // COMPARE_SET
     ]
     .concat();
@@ -60,7 +63,10 @@ fn set_get_add_check_wait_round_trip() {
     let addr = store.addr();
     let setter = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(100));
-        StoreClient::connect(&addr, T).unwrap().set("later", b"x").unwrap();
+        StoreClient::connect(&addr, T)
+            .unwrap()
+            .set("later", b"x")
+            .unwrap();
     });
     c.wait(&["a", "later"], Duration::from_secs(5)).unwrap();
     setter.join().unwrap();
@@ -74,7 +80,10 @@ fn a_wait_that_times_out_is_canceled_and_the_connection_goes_on() {
     let t0 = Instant::now();
     let err = c.wait(&["never"], Duration::from_millis(300)).unwrap_err();
     let took = t0.elapsed();
-    assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(2), "{took:?}");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
     assert!(matches!(err, StoreError::WaitTimeout { .. }), "{err}");
     assert!(err.to_string().contains(&store.addr()), "{err}");
     // The cancel was answered, so the stream is in step: later requests work.
@@ -107,7 +116,11 @@ fn garbage_answers_are_typed_errors_naming_the_store() {
     let mut ok = StoreClient::connect(&store.addr(), T).unwrap();
     store.set_mode(Mode::Garbage);
     c = ok.check(&["x"]).unwrap_err();
-    assert!(c.to_string().contains("neither ready (0) nor not ready (1)"), "{c}");
+    assert!(
+        c.to_string()
+            .contains("neither ready (0) nor not ready (1)"),
+        "{c}"
+    );
 }
 
 #[test]
@@ -169,8 +182,7 @@ fn torchrun_env(rank: usize, world: usize, port: u16, restart: u32) -> ProcessEn
         ("TORCHELASTIC_RUN_ID", "job7".into()),
         ("TORCHELASTIC_RESTART_COUNT", restart.to_string()),
     ];
-    ProcessEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone()))
-        .unwrap()
+    ProcessEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())).unwrap()
 }
 
 fn id(seed: u8) -> [u8; ID_LEN] {
@@ -210,13 +222,20 @@ fn from_env_uses_the_agent_store_only_under_torchrun_with_it() {
     assert_eq!((e.run_id.as_str(), e.restart_count), ("job7", 3));
     let r = StoreRendezvous::from_env(&env).unwrap();
     assert_eq!(r.addr(), "127.0.0.1:29500");
-    assert!(r.id_key().starts_with("nccl-safe/job7/attempt_3/"), "{}", r.id_key());
+    assert!(
+        r.id_key().starts_with("nccl-safe/job7/attempt_3/"),
+        "{}",
+        r.id_key()
+    );
     assert!(matches!(
         Rendezvous::from_env(&env).unwrap(),
         Rendezvous::Store(_)
     ));
     // Without the agent store: the authenticated TCP rendezvous, which needs its token.
-    let plain = ProcessEnv { elastic: None, ..env };
+    let plain = ProcessEnv {
+        elastic: None,
+        ..env
+    };
     assert!(StoreRendezvous::from_env(&plain).is_none());
 }
 
@@ -245,7 +264,10 @@ fn a_restarted_job_never_reads_the_previous_attempts_id() {
         "{err}"
     );
     assert!(err.to_string().contains("attempt_1"), "{err}");
-    assert!(err.to_string().contains("rank 1 waited for rank 0"), "{err}");
+    assert!(
+        err.to_string().contains("rank 1 waited for rank 0"),
+        "{err}"
+    );
     at(1).publish(2, &id(2)).unwrap();
     assert_eq!(at(1).read(1, 2).unwrap(), id(2));
     // The keys of the two attempts differ by the restart count only.
@@ -264,10 +286,17 @@ fn a_world_size_disagreement_or_a_foreign_value_is_refused() {
     let r = StoreRendezvous::new(store.addr(), "w/").with_timeout(T);
     r.publish(3, &id(5)).unwrap();
     let err = r.read(1, 4).unwrap_err();
-    assert!(err.to_string().contains("rank 0 serves 3 ranks but this peer says 4"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("rank 0 serves 3 ranks but this peer says 4"),
+        "{err}"
+    );
     store.put("w/unique_id", b"something else");
     let err = r.read(1, 3).unwrap_err();
-    assert!(matches!(err, RendezvousError::Store(StoreError::Protocol { .. })), "{err}");
+    assert!(
+        matches!(err, RendezvousError::Store(StoreError::Protocol { .. })),
+        "{err}"
+    );
 }
 
 #[test]
@@ -313,10 +342,15 @@ fn against_a_real_pytorch_store() {
     assert_eq!(c.get(&key("a"), T).unwrap(), [0, 1, 2, 255]);
     assert_eq!(c.add(&key("n"), 7).unwrap(), 7);
     assert_eq!(c.add(&key("n"), -2).unwrap(), 5);
-    assert_eq!(c.compare_set(&key("a"), &[0, 1, 2, 255], b"new").unwrap(), b"new");
+    assert_eq!(
+        c.compare_set(&key("a"), &[0, 1, 2, 255], b"new").unwrap(),
+        b"new"
+    );
     assert_eq!(c.compare_set(&key("a"), b"old", b"x").unwrap(), b"new");
     let t0 = Instant::now();
-    let err = c.wait(&[&key("never")], Duration::from_millis(300)).unwrap_err();
+    let err = c
+        .wait(&[&key("never")], Duration::from_millis(300))
+        .unwrap_err();
     assert!(matches!(err, StoreError::WaitTimeout { .. }), "{err}");
     assert!(t0.elapsed() < Duration::from_secs(2));
     // The server answered the cancel: the connection is still in step.

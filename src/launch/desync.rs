@@ -6,7 +6,8 @@
 //! most 4 KiB, the job token proved by HMAC-SHA-256 over fresh nonces, see
 //! [`super::rendezvous`]), with its own magic `nccl-safe-board1` so neither protocol is
 //! mistaken for the other. [`ProcessLauncher::init`](super::ProcessLauncher::init) hosts
-//! it on `MASTER_PORT + 1` ([`BOARD_PORT_OFFSET`]).
+//! it on `MASTER_PORT + 1` ([`BOARD_PORT_OFFSET`]) under Slurm and mpirun; under torchrun the
+//! board is kept in the agent's store instead ([`super::store::StoreBoard`]).
 //!
 //! One request per connection, after the handshake (`HELLO`, `AUTH` as in the rendezvous;
 //! a wrong token, world size or rank gets a `REFUSE`):
@@ -63,14 +64,17 @@ fn entry_mac(token: &[u8], sn: &[u8; N], cn: &[u8; N], rank: u32, e: &[u8]) -> [
 
 /// `post` with every control character (and bidirectional override) replaced by `?`.
 pub(crate) fn clean_post(post: DesyncPost) -> DesyncPost {
-    let bad = |c: char| {
-        c.is_control() || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
-    };
+    let bad =
+        |c: char| c.is_control() || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
     if !post.text.chars().any(bad) {
         return post;
     }
     DesyncPost {
-        text: post.text.chars().map(|c| if bad(c) { '?' } else { c }).collect(),
+        text: post
+            .text
+            .chars()
+            .map(|c| if bad(c) { '?' } else { c })
+            .collect(),
         ..post
     }
 }

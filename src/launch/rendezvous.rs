@@ -6,6 +6,7 @@
 //!   challenge/response over fresh nonces; the token never crosses the network and the id
 //!   travels masked), every frame is at most 4 KiB, every wait is bounded.
 //! - [`FileRendezvous`]: rank 0 writes the id to a shared file atomically, the others poll.
+//! - [`StoreRendezvous`]: through torchrun's c10d store (see [`super::store`]).
 //! - [`Rendezvous::custom`]: a closure of yours (an `MPI_Bcast`, a key-value store, ...).
 //!
 //! The TCP protocol (each message is a big-endian `u32` length and a body of at most 4 KiB):
@@ -720,7 +721,8 @@ impl Server {
                 .collect();
             let now = Instant::now();
             if missing.is_empty() {
-                let until = *grace.get_or_insert_with(|| (now + this.io_timeout).min(this.deadline));
+                let until =
+                    *grace.get_or_insert_with(|| (now + this.io_timeout).min(this.deadline));
                 if now >= until {
                     return Ok(());
                 }
@@ -760,9 +762,8 @@ impl Server {
             return wire::write_frame(&mut s, &refuse(wire::R_TOKEN, 0, 0));
         };
         conn.authenticated();
-        let refused = |code, a, b| {
-            wire::refuse_authed(&self.token, &sn, &cn, rank, world, code, a, b)
-        };
+        let refused =
+            |code, a, b| wire::refuse_authed(&self.token, &sn, &cn, rank, world, code, a, b);
         let ours = u32::try_from(self.world_size).unwrap_or(u32::MAX);
         if world as usize != self.world_size {
             return wire::write_frame(&mut s, &refused(wire::R_WORLD, ours, world));
@@ -1092,7 +1093,9 @@ mod tests {
         let (s, got) = take_id_without_ack(port, 1, 3);
         assert_eq!(got, id());
         drop(s); // the ACK never comes
-        let two = TcpRendezvous::new("127.0.0.1", port, TOKEN).fetch(2, 3).unwrap();
+        let two = TcpRendezvous::new("127.0.0.1", port, TOKEN)
+            .fetch(2, 3)
+            .unwrap();
         assert_eq!(two, id());
         let t0 = Instant::now();
         server.wait().unwrap();
@@ -1139,7 +1142,14 @@ mod tests {
         let (sn, cn) = (wire::nonce().unwrap(), wire::nonce().unwrap());
         let f = wire::refuse_authed(TOKEN, &sn, &cn, 1, 2, wire::R_DUPLICATE, 2, 1);
         assert!(wire::refuse_is_authentic(&f, TOKEN, &sn, &cn, 1, 2));
-        assert!(!wire::refuse_is_authentic(&f, b"another-token-0123456", &sn, &cn, 1, 2));
+        assert!(!wire::refuse_is_authentic(
+            &f,
+            b"another-token-0123456",
+            &sn,
+            &cn,
+            1,
+            2
+        ));
         assert!(!wire::refuse_is_authentic(&f, TOKEN, &sn, &cn, 2, 2));
         let mut flipped = f.clone();
         flipped[1] = wire::R_WORLD;

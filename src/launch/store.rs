@@ -90,7 +90,9 @@ pub enum StoreError {
         timeout: Duration,
     },
     /// The keys waited for did not appear before the wait's timeout.
-    #[error("waited {timeout:?} on the c10d store at {addr} for {keys:?}, which never appeared: {hint}")]
+    #[error(
+        "waited {timeout:?} on the c10d store at {addr} for {keys:?}, which never appeared: {hint}"
+    )]
     WaitTimeout {
         /// `host:port` of the store.
         addr: String,
@@ -340,10 +342,7 @@ impl StoreClient {
         self.read_exact_by("PING", &mut b, self.op_deadline(self.timeout))?;
         let got = u32::from_le_bytes(b);
         if got != nonce {
-            return Err(self.protocol(
-                "PING",
-                format!("the nonce {got:#x} instead of {nonce:#x}"),
-            ));
+            return Err(self.protocol("PING", format!("the nonce {got:#x} instead of {nonce:#x}")));
         }
         Ok(())
     }
@@ -410,7 +409,10 @@ impl StoreClient {
         match self.read_u8(&op, self.op_deadline(self.timeout))? {
             READY => Ok(true),
             NOT_READY => Ok(false),
-            b => Err(self.protocol(&op, format!("the byte {b}, neither ready (0) nor not ready (1)"))),
+            b => Err(self.protocol(
+                &op,
+                format!("the byte {b}, neither ready (0) nor not ready (1)"),
+            )),
         }
     }
 
@@ -423,7 +425,9 @@ impl StoreClient {
         let by = self.op_deadline(timeout);
         match self.read_u8(&op, by) {
             Ok(STOP_WAITING) => return Ok(()),
-            Ok(b) => return Err(self.protocol(&op, format!("the byte {b} instead of stop-waiting (0)"))),
+            Ok(b) => {
+                return Err(self.protocol(&op, format!("the byte {b} instead of stop-waiting (0)")))
+            }
             Err(StoreError::Timeout { .. }) => {}
             Err(e) => return Err(e),
         }
@@ -435,7 +439,10 @@ impl StoreClient {
             if b == WAIT_CANCELED {
                 Ok(())
             } else {
-                Err(c.protocol("CANCEL_WAIT", format!("the byte {b} instead of wait-canceled (1)")))
+                Err(c.protocol(
+                    "CANCEL_WAIT",
+                    format!("the byte {b} instead of wait-canceled (1)"),
+                ))
             }
         };
         match self.read_u8("CANCEL_WAIT", by)? {
@@ -635,7 +642,10 @@ impl StoreBoard {
             }
             let v = c.get_now(&key)?;
             let post = DesyncPost::decode(&v).ok_or_else(|| {
-                c.protocol(&format!("GET {key:?}"), "a value that is not a desync post".into())
+                c.protocol(
+                    &format!("GET {key:?}"),
+                    "a value that is not a desync post".into(),
+                )
             })?;
             posts.push(Some(clean_post(post)));
         }
@@ -645,7 +655,8 @@ impl StoreBoard {
 
 impl RemoteBoard for StoreBoard {
     fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<(), String> {
-        self.post_by(rank, post, deadline).map_err(|e| e.to_string())
+        self.post_by(rank, post, deadline)
+            .map_err(|e| e.to_string())
     }
 
     fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, String> {

@@ -430,9 +430,10 @@ impl Launcher {
         }
     }
 
-    /// One rank per process: reads torchrun / Open MPI / Slurm variables, picks the GPU
-    /// of the local rank, and exchanges the unique id over the authenticated TCP
-    /// rendezvous hosted by rank 0 (see [`crate::launch::rendezvous`]).
+    /// One rank per process: reads torchrun / Open MPI / Slurm variables and picks the GPU
+    /// of the local rank; [`ProcessLauncher::init`] then exchanges the unique id through
+    /// torchrun's agent store ([`crate::launch::store`]) or, under Slurm and mpirun, over the
+    /// authenticated TCP rendezvous hosted by rank 0 ([`crate::launch::rendezvous`]).
     pub fn from_env() -> Result<ProcessLauncher> {
         Ok(ProcessLauncher {
             env: ProcessEnv::from_process_env()?,

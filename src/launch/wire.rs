@@ -250,7 +250,7 @@ impl Conns {
     fn evict_oldest(open: &mut Vec<Entry>, peer: Option<IpAddr>) -> bool {
         let victim = open
             .iter()
-            .position(|e| !e.authenticated && peer.map_or(true, |p| e.peer == p));
+            .position(|e| !e.authenticated && peer.is_none_or(|p| e.peer == p));
         match victim {
             Some(i) => {
                 let e = open.remove(i);
@@ -435,10 +435,24 @@ pub(crate) fn refuse_authed(
     v
 }
 
-fn refuse_mac(token: &[u8], sn: &[u8; N], cn: &[u8; N], rank: u32, world: u32, f: &[u8]) -> [u8; N] {
+fn refuse_mac(
+    token: &[u8],
+    sn: &[u8; N],
+    cn: &[u8; N],
+    rank: u32,
+    world: u32,
+    f: &[u8],
+) -> [u8; N] {
     hmac(
         token,
-        &[b"refuse", sn, cn, &rank.to_be_bytes(), &world.to_be_bytes(), f],
+        &[
+            b"refuse",
+            sn,
+            cn,
+            &rank.to_be_bytes(),
+            &world.to_be_bytes(),
+            f,
+        ],
     )
 }
 

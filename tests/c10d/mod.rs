@@ -202,7 +202,12 @@ fn serve(
         }
         let q = match c.u8() {
             Ok(q) => q,
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
                 continue
             }
             Err(e) => return Err(e),
@@ -244,7 +249,13 @@ fn serve(
             }
             3 => {
                 let k = c.string()?;
-                let v = shared.map.lock().unwrap().get(&k).cloned().unwrap_or_default();
+                let v = shared
+                    .map
+                    .lock()
+                    .unwrap()
+                    .get(&k)
+                    .cloned()
+                    .unwrap_or_default();
                 Some(vec_answer(&v))
             }
             4 => {
@@ -283,7 +294,9 @@ fn serve(
                     }
                     match c.u8() {
                         Ok(12) => break Some(vec![1]),
-                        Ok(other) => return Err(io::Error::other(format!("query {other} during a wait"))),
+                        Ok(other) => {
+                            return Err(io::Error::other(format!("query {other} during a wait")))
+                        }
                         Err(e)
                             if matches!(
                                 e.kind(),
