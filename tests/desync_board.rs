@@ -258,3 +258,24 @@ fn control_characters_in_posts_are_replaced_where_they_are_received() {
     assert!(!got.text.chars().any(char::is_control), "{:?}", got.text);
     assert_eq!((got.clique, got.issued), (42, 3));
 }
+
+/// A busy board (its busy refusal comes in place of the hello) is retried until the
+/// client's deadline, not read as a protocol error.
+#[test]
+fn a_busy_board_is_retried() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let client = BoardClient::new(addr.to_string(), 2, TOKEN);
+    let c2 = client.clone();
+    let poster = std::thread::spawn(move || c2.post(1, &summary(1)));
+    for _ in 0..2 {
+        let (mut s, _) = listener.accept().unwrap();
+        s.write_all(&[0, 0, 0, 10, 4, 5, 0, 0, 0, 0, 0, 0, 0, 0])
+            .unwrap();
+    }
+    drop(listener);
+    let board = DesyncBoard::serve(addr, 2, TOKEN).unwrap();
+    poster.join().unwrap().unwrap();
+    assert_eq!(client.fetch().unwrap(), vec![None, Some(summary(1))]);
+    board.stop();
+}

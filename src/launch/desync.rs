@@ -62,6 +62,11 @@ fn entry_mac(token: &[u8], sn: &[u8; N], cn: &[u8; N], rank: u32, e: &[u8]) -> [
     wire::hmac(token, &[b"entry", sn, cn, &rank.to_be_bytes(), e])
 }
 
+/// How long a fetch of a board of `world_size` ranks may take.
+fn fetch_time(io_timeout: Duration, world_size: usize) -> Duration {
+    io_timeout.saturating_mul(4 + u32::try_from(world_size / 64).unwrap_or(u32::MAX))
+}
+
 /// `post` with every control character (and bidirectional override) replaced by `?`.
 pub(crate) fn clean_post(post: DesyncPost) -> DesyncPost {
     let bad =
@@ -197,13 +202,16 @@ impl BoardServer {
     fn handle(&self, s: TcpStream, conn: &wire::Slot) -> io::Result<()> {
         wire::bound_waits(&s, self.io_timeout)?;
         // One deadline for the whole connection, whatever the peer's pace.
-        let mut s = wire::Deadlined::new(&s, Instant::now() + self.io_timeout);
+        let start = Instant::now();
+        let mut s = wire::Deadlined::new(&s, start + self.io_timeout);
         let sn = wire::send_hello(&mut s, MAGIC)?;
         let Some(wire::Auth { rank, world, cn }) = wire::read_auth(&mut s, &self.token, &sn)?
         else {
             return wire::write_frame(&mut s, &refuse(wire::R_TOKEN, 0, 0));
         };
         conn.authenticated();
+        // A token holder's fetch sends one frame per rank: as long as a client gives it.
+        s.extend_to(start + fetch_time(self.io_timeout, self.world_size));
         let refused =
             |code, a, b| wire::refuse_authed(&self.token, &sn, &cn, rank, world, code, a, b);
         let ours = u32::try_from(self.world_size).unwrap_or(u32::MAX);
@@ -307,8 +315,7 @@ impl BoardClient {
 
     /// Every rank's latest post, rank-indexed (`None`: that rank posted nothing).
     pub fn fetch(&self) -> Result<Vec<Option<DesyncPost>>, RendezvousError> {
-        let d = self.io_timeout * (4 + u32::try_from(self.world_size).unwrap_or(u32::MAX) / 64);
-        self.fetch_by(Instant::now() + d)
+        self.fetch_by(Instant::now() + fetch_time(self.io_timeout, self.world_size))
     }
 
     fn protocol(&self, detail: &str) -> RendezvousError {

@@ -172,6 +172,12 @@ impl<'a> Deadlined<'a> {
         Deadlined { s, deadline }
     }
 
+    /// Moves the deadline to `deadline` (for an authenticated peer whose request takes
+    /// longer than a handshake).
+    pub(crate) fn extend_to(&mut self, deadline: Instant) {
+        self.deadline = self.deadline.max(deadline);
+    }
+
     fn left(&self) -> io::Result<Duration> {
         let left = self.deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
