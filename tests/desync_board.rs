@@ -134,7 +134,7 @@ fn wrong_token_gets_nothing_and_garbage_is_dropped() {
     let good = BoardClient::new(&addr, 2, TOKEN);
     good.post(1, &summary(1)).unwrap();
 
-    let bad = BoardClient::new(&addr, 2, "not-the-token");
+    let bad = BoardClient::new(&addr, 2, "not-the-job-token-at-all");
     for r in [bad.fetch().map(|_| ()), bad.post(0, &summary(0))] {
         assert!(
             matches!(
@@ -239,4 +239,43 @@ fn a_timeout_posts_each_ranks_last_operation_to_the_board() {
         "{p1:?}"
     );
     assert_eq!(p0.clique, p1.clique);
+}
+
+/// A post is text from another process: terminal escapes, carriage returns and
+/// bidirectional overrides in it are replaced before anyone prints it.
+#[test]
+fn control_characters_in_posts_are_replaced_where_they_are_received() {
+    let board = DesyncBoard::serve("127.0.0.1:0", 2, TOKEN).unwrap();
+    let client = BoardClient::new(board.local_addr().to_string(), 2, TOKEN);
+    let evil = DesyncPost {
+        clique: 42,
+        issued: 3,
+        text: "seq 3\u{1b}[2J\u{1b}]0;owned\u{7} at \u{202e}sr.niart\u{9b}1m\u{0}".into(),
+    };
+    client.post(1, &evil).unwrap();
+    let got = client.fetch().unwrap()[1].clone().unwrap();
+    assert_eq!(got.text, "seq 3?[2J?]0;owned? at ?sr.niart?1m?");
+    assert!(!got.text.chars().any(char::is_control), "{:?}", got.text);
+    assert_eq!((got.clique, got.issued), (42, 3));
+}
+
+/// A busy board (its busy refusal comes in place of the hello) is retried until the
+/// client's deadline, not read as a protocol error.
+#[test]
+fn a_busy_board_is_retried() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let client = BoardClient::new(addr.to_string(), 2, TOKEN);
+    let c2 = client.clone();
+    let poster = std::thread::spawn(move || c2.post(1, &summary(1)));
+    for _ in 0..2 {
+        let (mut s, _) = listener.accept().unwrap();
+        s.write_all(&[0, 0, 0, 10, 4, 5, 0, 0, 0, 0, 0, 0, 0, 0])
+            .unwrap();
+    }
+    drop(listener);
+    let board = DesyncBoard::serve(addr, 2, TOKEN).unwrap();
+    poster.join().unwrap().unwrap();
+    assert_eq!(client.fetch().unwrap(), vec![None, Some(summary(1))]);
+    board.stop();
 }

@@ -169,3 +169,19 @@ fn mismatch_reports_every_ranks_call_and_line_and_fails_fast() {
         "{err}"
     );
 }
+
+/// The host provider's ranks are threads of one process, so a launcher of processes
+/// cannot use it: the combination is refused with the reason, before anything runs.
+#[test]
+fn allreduce_refuses_the_env_launcher_with_the_host_backend() {
+    let o = example("allreduce", &["--launcher", "env", "--backend", "host"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--launcher env cannot run --backend host")
+            && err.contains("thread of one process")
+            && err.contains("--launcher threads --backend host"),
+        "{err}"
+    );
+    assert!(!err.contains("libnccl"), "{err}");
+}

@@ -1,6 +1,7 @@
 //! The thread launcher on the host provider, and the process launcher with child
 //! processes under torchrun-style variables against NVIDIA's real NCCL (no GPU).
 
+mod c10d;
 mod common;
 
 use std::collections::HashSet;
@@ -235,6 +236,122 @@ fn four_processes_share_one_id_and_fail_init_alike_without_a_gpu() {
         inits[0].starts_with("error:") && inits[0].contains("no CUDA device"),
         "{inits:?}"
     );
+}
+
+/// Under torchrun with the agent's store: the id goes through the store (which holds
+/// MASTER_PORT, so a rank binding it would fail), no token is set, every rank gets the same
+/// id, and without a GPU every rank fails alike, naming CUDA_VISIBLE_DEVICES and the count.
+#[test]
+fn four_processes_under_torchrun_share_one_id_through_the_agent_store() {
+    let lib = common::real_nccl("2.32.3");
+    let store = c10d::FakeStore::start(c10d::Mode::Honest);
+    let exe = std::env::current_exe().unwrap();
+    let start = Instant::now();
+    let children: Vec<_> = (0..4)
+        .map(|rank| {
+            Command::new(&exe)
+                .args([
+                    "--exact",
+                    "child_rank_entry",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(CHILD, "1")
+                .env("NCCL_LIBRARY", &lib)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", "4")
+                .env("LOCAL_WORLD_SIZE", "4")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", store.port().to_string())
+                .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+                .env("TORCHELASTIC_RUN_ID", "launcher-test")
+                .env("TORCHELASTIC_RESTART_COUNT", "0")
+                .env_remove("NCCL_SAFE_RENDEZVOUS_TOKEN")
+                .env_remove("CUDA_VISIBLE_DEVICES")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect::<Vec<_>>();
+    let children: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    assert!(start.elapsed() < Duration::from_secs(60));
+    let mut ids = HashSet::new();
+    let mut inits = Vec::new();
+    for (rank, out) in children.iter().enumerate() {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "rank {rank}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let id = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("@@ID="))
+            .expect("an id line")
+            .to_string();
+        ids.insert(id);
+        let init = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("@@INIT="))
+            .expect("an init line");
+        inits.push(init.replace(
+            &format!("rank {rank} (local rank {rank})"),
+            "rank R (local rank R)",
+        ));
+    }
+    eprintln!("each rank: {}", inits[0]);
+    assert_eq!(ids.len(), 1, "every rank got the same id: {ids:?}");
+    // It went through the store, under the run's and attempt's key.
+    let value = store
+        .value("nccl-safe/launcher-test/attempt_0/0/unique_id")
+        .expect("rank 0 set the id in the store");
+    let hex: String = value[4..].iter().map(|b| format!("{b:02x}")).collect();
+    assert!(ids.contains(&hex));
+    assert!(inits.iter().all(|i| i == &inits[0]), "{inits:?}");
+    assert!(
+        inits[0].starts_with("error:")
+            && inits[0].contains("no CUDA device")
+            && inits[0].contains("CUDA_VISIBLE_DEVICES")
+            && inits[0].contains("sees no CUDA GPU"),
+        "{inits:?}"
+    );
+}
+
+/// The device check names the variable, the count, and what to do.
+#[test]
+fn too_few_gpus_for_the_local_ranks_is_a_clear_error_on_every_rank() {
+    use nccl_safe::launch::env::ProcessEnv;
+    use nccl_safe::launch::ProcessLauncher;
+    let at = |local: usize| {
+        let vars = [
+            ("RANK", local.to_string()),
+            ("LOCAL_RANK", local.to_string()),
+            ("WORLD_SIZE", "2".to_string()),
+            ("LOCAL_WORLD_SIZE", "2".to_string()),
+            ("MASTER_ADDR", "127.0.0.1".to_string()),
+            ("MASTER_PORT", "29500".to_string()),
+        ];
+        ProcessLauncher::new(
+            ProcessEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone()))
+                .unwrap(),
+        )
+    };
+    // Two ranks on a node with one GPU: both fail, before any rendezvous.
+    for local in [0, 1] {
+        let err = at(local).check_devices(1).unwrap_err().to_string();
+        assert!(err.contains("LOCAL_WORLD_SIZE=2"), "{err}");
+        assert!(err.contains("sees 1 CUDA GPU"), "{err}");
+        assert!(err.contains("CUDA_VISIBLE_DEVICES"), "{err}");
+        assert!(err.contains("--nproc_per_node=1"), "{err}");
+    }
+    assert!(at(1).check_devices(2).is_ok());
+    let err = at(0).check_devices(0).unwrap_err().to_string();
+    assert!(err.contains("sees no CUDA GPU"), "{err}");
 }
 
 #[test]

@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-const TOKEN: &[u8] = b"test-job-token";
+const TOKEN: &[u8] = b"test-job-token-0123456789";
 const CHILD_VAR: &str = "NCCL_SAFE_TEST_RENDEZVOUS_CHILD";
 
 fn free_port() -> u16 {
@@ -160,7 +160,7 @@ fn four_ranks_as_processes_get_the_same_id() {
 fn wrong_token_is_refused_without_the_id() {
     let server = tcp(0).serve(2, sample_id(1)).unwrap();
     let port = server.local_addr().port();
-    let err = TcpRendezvous::new("127.0.0.1", port, b"not-the-token".to_vec())
+    let err = TcpRendezvous::new("127.0.0.1", port, b"not-the-job-token-at-all".to_vec())
         .with_timeout(Duration::from_secs(3))
         .fetch(1, 2)
         .unwrap_err();
@@ -500,6 +500,7 @@ fn torchrun_environment() {
             local_world_size: Some(4),
             master_addr: "10.0.0.1".into(),
             master_port: 29400,
+            elastic: None,
         }
     );
     assert_eq!(e.device(), 1);
@@ -706,7 +707,378 @@ fn token_comes_from_the_environment() {
     assert!(err.to_string().contains(TOKEN_VAR));
     let err = TcpRendezvous::from_lookup(&e, "MY_TOKEN", env(&[("MY_TOKEN", "")])).unwrap_err();
     assert!(matches!(err, RendezvousError::MissingToken { .. }));
-    let t = TcpRendezvous::from_lookup(&e, "MY_TOKEN", env(&[("MY_TOKEN", "s3cret")])).unwrap();
+    let t =
+        TcpRendezvous::from_lookup(&e, "MY_TOKEN", env(&[("MY_TOKEN", "s3cret-s3cret-s3cret")]))
+            .unwrap();
     assert_eq!(t.addr(), "10.0.0.1:29400");
     assert!(!format!("{t:?}").contains("s3cret"));
+}
+
+#[test]
+fn tokens_shorter_than_16_bytes_are_refused_with_the_reason() {
+    let e = ProcessEnv::from_lookup(env(TORCHRUN)).unwrap();
+    // `kiwi` fell to an offline search of one sniffed handshake in under a second.
+    let err = TcpRendezvous::from_lookup(&e, "MY_TOKEN", env(&[("MY_TOKEN", "kiwi")])).unwrap_err();
+    assert!(
+        matches!(err, RendezvousError::WeakToken { len: 4 }),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("4 bytes") && text.contains("at least 16"),
+        "{text}"
+    );
+    assert!(text.contains("offline"), "{text}");
+    let fifteen = "0123456789abcde";
+    assert!(TcpRendezvous::from_lookup(&e, "T", env(&[("T", fifteen)])).is_err());
+    assert!(TcpRendezvous::from_lookup(&e, "T", env(&[("T", "0123456789abcdef")])).is_ok());
+    // Built directly, a weak token is refused by both sides before any traffic.
+    let weak = TcpRendezvous::new("127.0.0.1", free_port(), "kiwi");
+    assert!(matches!(
+        weak.serve(2, sample_id(0)),
+        Err(RendezvousError::WeakToken { len: 4 })
+    ));
+    assert!(matches!(
+        weak.fetch(1, 2),
+        Err(RendezvousError::WeakToken { len: 4 })
+    ));
+    assert!(matches!(
+        nccl_safe::launch::desync::DesyncBoard::serve("127.0.0.1:0", 2, "kiwi"),
+        Err(RendezvousError::WeakToken { len: 4 })
+    ));
+    let board = nccl_safe::launch::desync::BoardClient::new("127.0.0.1:9", 2, "kiwi");
+    assert!(matches!(
+        board.fetch(),
+        Err(RendezvousError::WeakToken { len: 4 })
+    ));
+}
+
+#[test]
+fn torchrun_elastic_variables_are_read_and_checked() {
+    let with_agent = with(
+        TORCHRUN,
+        &[
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RUN_ID", "abc"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ],
+    );
+    let e = ProcessEnv::from_lookup(env(&with_agent)).unwrap();
+    let el = e.elastic.unwrap();
+    assert!(el.use_agent_store);
+    assert_eq!((el.run_id.as_str(), el.restart_count), ("abc", 2));
+    let bad = with(&with_agent, &[("TORCHELASTIC_RESTART_COUNT", "two")]);
+    let err = ProcessEnv::from_lookup(env(&bad)).unwrap_err();
+    assert!(
+        err.to_string().contains("TORCHELASTIC_RESTART_COUNT"),
+        "{err}"
+    );
+    let bad = with(&with_agent, &[("TORCHELASTIC_USE_AGENT_STORE", "maybe")]);
+    let err = ProcessEnv::from_lookup(env(&bad)).unwrap_err();
+    assert!(
+        err.to_string().contains("TORCHELASTIC_USE_AGENT_STORE"),
+        "{err}"
+    );
+    let partial = without(&with_agent, "TORCHELASTIC_RUN_ID");
+    let err = ProcessEnv::from_lookup(env(&partial)).unwrap_err();
+    assert!(err.to_string().contains("TORCHELASTIC_RUN_ID"), "{err}");
+    // Without them, as before.
+    assert!(ProcessEnv::from_lookup(env(TORCHRUN))
+        .unwrap()
+        .elastic
+        .is_none());
+}
+
+// ---- a hostile peer on 127.0.0.1 ------------------------------------------------------
+
+fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+    s.read_exact(&mut body)?;
+    Ok(body)
+}
+
+fn write_frame(s: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
+    s.write_all(&(body.len() as u32).to_be_bytes())?;
+    s.write_all(body)
+}
+
+/// rank 0's busy refusal, as sent in place of the hello.
+const BUSY: [u8; 10] = [4, 5, 0, 0, 0, 0, 0, 0, 0, 0];
+
+/// Whether the server closed `s` within `within` (after whatever it had sent).
+fn closed_within(s: &TcpStream, within: Duration) -> bool {
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut sink = Vec::new();
+    let mut r = s;
+    r.read_to_end(&mut sink).is_ok()
+}
+
+/// Busy is retried, not read as a protocol error: a rank 0 that is busy for its first
+/// connections and then serves gives the rank its id.
+#[test]
+fn busy_is_retried_until_rank_0_has_room() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let client = thread::spawn(move || tcp(port).fetch(1, 2));
+    for _ in 0..3 {
+        let (mut s, _) = listener.accept().unwrap();
+        write_frame(&mut s, &BUSY).unwrap();
+    }
+    drop(listener);
+    let server = tcp(port).serve(2, sample_id(11)).unwrap();
+    assert_eq!(client.join().unwrap().unwrap(), sample_id(11));
+    server.wait().unwrap();
+}
+
+/// A rank 0 that is busy until the deadline ends in a timeout that says so, with the time
+/// the rank really waited.
+#[test]
+fn busy_until_the_deadline_is_a_timeout_naming_the_time_taken() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    listener.set_nonblocking(true).unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let busy = thread::spawn(move || {
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+            match listener.accept() {
+                Ok((mut s, _)) => {
+                    let _ = write_frame(&mut s, &BUSY);
+                }
+                Err(_) => thread::sleep(Duration::from_millis(2)),
+            }
+        }
+    });
+    let t0 = Instant::now();
+    let err = tcp(port)
+        .with_timeout(Duration::from_millis(700))
+        .fetch(1, 2)
+        .unwrap_err();
+    let took = t0.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    busy.join().unwrap();
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    let RendezvousError::ClientTimeout {
+        elapsed,
+        last_error,
+        ..
+    } = &err
+    else {
+        panic!("{err}")
+    };
+    assert!(last_error.contains("busy"), "{err}");
+    assert!(*elapsed >= Duration::from_millis(700) && *elapsed < Duration::from_secs(2));
+    assert!(err.to_string().contains("gave up after 0.7"), "{err}");
+}
+
+/// A stranger holding every connection slot (and more) does not keep the ranks out: the
+/// oldest connections that never authenticated make room.
+#[test]
+fn a_stranger_filling_every_slot_does_not_keep_a_rank_out() {
+    let server = tcp(0)
+        .with_max_connections(32, 32)
+        .with_io_timeout(Duration::from_secs(5))
+        .serve(3, sample_id(12))
+        .unwrap();
+    let port = server.local_addr().port();
+    let mut idle: Vec<TcpStream> = (0..64)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    // Wait until the server has accepted them all: each got its hello, or was already
+    // closed to make room for a later one.
+    for s in &mut idle {
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut len = [0u8; 4];
+        if let Err(e) = s.read_exact(&mut len) {
+            assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof, "{e}");
+        }
+    }
+    let t0 = Instant::now();
+    assert_eq!(tcp(port).fetch(1, 3).unwrap(), sample_id(12));
+    assert_eq!(tcp(port).fetch(2, 3).unwrap(), sample_id(12));
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    server.wait().unwrap();
+    // The first 32 idle ones were closed to make room, long before their deadline.
+    assert!(closed_within(&idle[0], Duration::from_millis(500)));
+}
+
+/// A flood of new connections while the ranks start: every rank still gets in.
+#[test]
+fn a_connection_flood_does_not_keep_the_ranks_out() {
+    let server = tcp(0)
+        .with_max_connections(16, 16)
+        .serve(4, sample_id(13))
+        .unwrap();
+    let port = server.local_addr().port();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let flood = thread::spawn(move || {
+        let mut held = std::collections::VecDeque::new();
+        let until = Instant::now() + Duration::from_secs(10);
+        let mut n = 0usize;
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < until {
+            if let Ok(s) = TcpStream::connect(("127.0.0.1", port)) {
+                held.push_back(s);
+                n += 1;
+            }
+            if held.len() > 40 {
+                held.pop_front();
+            }
+            thread::sleep(Duration::from_millis(1));
+        }
+        n
+    });
+    thread::sleep(Duration::from_millis(100));
+    let ranks: Vec<_> = (1..4)
+        .map(|r| thread::spawn(move || tcp(port).fetch(r, 4)))
+        .collect();
+    for r in ranks {
+        assert_eq!(r.join().unwrap().unwrap(), sample_id(13));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let n = flood.join().unwrap();
+    assert!(n > 50, "the flood opened only {n} connections");
+    server.wait().unwrap();
+}
+
+/// One peer address holds at most its share of the connections: older ones of the same
+/// address are closed to make room.
+#[test]
+fn connections_per_peer_address_are_capped() {
+    let server = tcp(0)
+        .with_max_connections(256, 8)
+        .with_io_timeout(Duration::from_secs(5))
+        .serve(2, sample_id(14))
+        .unwrap();
+    let port = server.local_addr().port();
+    let conns: Vec<TcpStream> = (0..20)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    // The server has accepted each once it sent its hello, or closed it.
+    for s in &conns {
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut len = [0u8; 4];
+        if let Err(e) = (&mut &*s).read_exact(&mut len) {
+            assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof, "{e}");
+        }
+    }
+    let closed = conns
+        .iter()
+        .filter(|s| closed_within(s, Duration::from_millis(100)))
+        .count();
+    assert_eq!(closed, 12, "20 connections from one address, 8 kept");
+    assert_eq!(tcp(port).fetch(1, 2).unwrap(), sample_id(14));
+    server.wait().unwrap();
+}
+
+/// A peer sending one byte at a time cannot hold its connection past the deadline of the
+/// whole handshake (each byte would have reset a per-read timeout).
+#[test]
+fn a_slow_drip_peer_is_cut_off_at_the_connection_deadline() {
+    let server = tcp(0)
+        .with_io_timeout(Duration::from_millis(600))
+        .serve(2, sample_id(15))
+        .unwrap();
+    let port = server.local_addr().port();
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let t0 = Instant::now();
+    read_frame(&mut s).unwrap(); // the hello
+                                 // An authentication frame of 77 bytes, dripped a byte every 100 ms.
+    let mut frame = 73u32.to_be_bytes().to_vec();
+    frame.extend_from_slice(&[2u8; 73]);
+    let mut cut = None;
+    for b in frame {
+        if s.write_all(&[b]).is_err() {
+            cut = Some(t0.elapsed());
+            break;
+        }
+        thread::sleep(Duration::from_millis(100));
+        let mut probe = [0u8; 1];
+        s.set_nonblocking(true).unwrap();
+        let closed = matches!(s.read(&mut probe), Ok(0) | Ok(_));
+        s.set_nonblocking(false).unwrap();
+        if closed {
+            cut = Some(t0.elapsed());
+            break;
+        }
+    }
+    let cut = cut.expect("the server kept the dripping peer for the whole frame");
+    assert!(cut < Duration::from_millis(1500), "cut off after {cut:?}");
+    assert_eq!(tcp(port).fetch(1, 2).unwrap(), sample_id(15));
+    server.wait().unwrap();
+}
+
+/// A slow fake rank 0 (one byte of its hello every 200 ms) cannot keep a rank past its
+/// own deadline, and the error says how long it really waited.
+#[test]
+fn a_slow_fake_rank_0_cannot_hold_a_rank_past_its_deadline() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    listener.set_nonblocking(true).unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let fake = thread::spawn(move || {
+        let mut conns = Vec::new();
+        let until = Instant::now() + Duration::from_secs(10);
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < until {
+            if let Ok((s, _)) = listener.accept() {
+                conns.push((s, 0usize));
+            }
+            // A hello-sized frame (length 49), one byte per tick.
+            for (s, at) in &mut conns {
+                let b = if *at == 3 { 49 } else { u8::from(*at == 4) };
+                let _ = s.write_all(&[b]);
+                *at += 1;
+            }
+            thread::sleep(Duration::from_millis(200));
+        }
+    });
+    let t0 = Instant::now();
+    let err = TcpRendezvous::new("127.0.0.1", port, TOKEN)
+        .with_timeout(Duration::from_secs(1))
+        .with_io_timeout(Duration::from_secs(10))
+        .fetch(1, 2)
+        .unwrap_err();
+    let took = t0.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    fake.join().unwrap();
+    assert!(took < Duration::from_millis(1800), "{took:?}");
+    assert!(
+        matches!(err, RendezvousError::ClientTimeout { elapsed, .. } if elapsed < Duration::from_millis(1800)),
+        "{err}"
+    );
+    assert!(err.to_string().contains("gave up after 1.0"), "{err}");
+}
+
+/// A relay between a rank and rank 0 cannot forge a refusal: the rank sees that the
+/// answer does not come from a holder of the token.
+#[test]
+fn a_relay_cannot_forge_a_refusal() {
+    let server = tcp(0).serve(2, sample_id(16)).unwrap();
+    let real = server.local_addr().port();
+    let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = relay.local_addr().unwrap().port();
+    let forger = thread::spawn(move || {
+        let (mut c, _) = relay.accept().unwrap();
+        let mut s = TcpStream::connect(("127.0.0.1", real)).unwrap();
+        for x in [&mut c, &mut s] {
+            x.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        }
+        let hello = read_frame(&mut s).unwrap();
+        write_frame(&mut c, &hello).unwrap();
+        let auth = read_frame(&mut c).unwrap();
+        write_frame(&mut s, &auth).unwrap();
+        let _id = read_frame(&mut s).unwrap();
+        // "rank already claimed", unauthenticated, in place of the id.
+        write_frame(&mut c, &[4, 4, 0, 0, 0, 2, 0, 0, 0, 1]).unwrap();
+    });
+    let err = tcp(port).fetch(1, 2).unwrap_err();
+    forger.join().unwrap();
+    assert!(
+        matches!(err, RendezvousError::ServerAuthentication { .. }),
+        "{err}"
+    );
+    drop(server);
 }

@@ -86,6 +86,16 @@ impl Args {
                 a.launcher
             )));
         }
+        if a.launcher == "env" && a.backend == "host" {
+            return Err(bad(
+                "--launcher env cannot run --backend host: the host provider runs every rank as a thread of \
+                 one process and its ranks meet only inside that process, so ranks started as separate \
+                 processes (torchrun, srun, mpirun) could never reach each other. Use --launcher threads \
+                 --backend host --ranks N for a CPU-only run in one process, or --launcher env --backend nccl \
+                 with one GPU per process"
+                    .into(),
+            ));
+        }
         Ok(a)
     }
 

@@ -412,8 +412,8 @@ mod tests {
     /// posted to a real board over loopback, and names rank 1 (which posted nothing).
     #[test]
     fn report_shows_remote_ranks_from_the_board() {
-        let board = DesyncBoard::serve("127.0.0.1:0", 3, "t").unwrap();
-        let client = BoardClient::new(board.local_addr().to_string(), 3, "t");
+        let board = DesyncBoard::serve("127.0.0.1:0", 3, "clique-test-token").unwrap();
+        let client = BoardClient::new(board.local_addr().to_string(), 3, "clique-test-token");
         let c = join(fresh_key(), 3);
         let remote_line = "ncclAllReduce(f32 x 4) seq 0 at remote.rs:7 (completed)";
         client

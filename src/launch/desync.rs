@@ -6,7 +6,8 @@
 //! most 4 KiB, the job token proved by HMAC-SHA-256 over fresh nonces, see
 //! [`super::rendezvous`]), with its own magic `nccl-safe-board1` so neither protocol is
 //! mistaken for the other. [`ProcessLauncher::init`](super::ProcessLauncher::init) hosts
-//! it on `MASTER_PORT + 1` ([`BOARD_PORT_OFFSET`]).
+//! it on `MASTER_PORT + 1` ([`BOARD_PORT_OFFSET`]) under Slurm and mpirun; under torchrun the
+//! board is kept in the agent's store instead ([`super::store::StoreBoard`]).
 //!
 //! One request per connection, after the handshake (`HELLO`, `AUTH` as in the rendezvous;
 //! a wrong token, world size or rank gets a `REFUSE`):
@@ -14,10 +15,18 @@
 //! - `FETCH | HMAC(token, "fetch" | sn | cn)`, answered by `BOARD | world` and one frame per
 //!   rank `ENTRY | present | post | HMAC(token, "entry" | sn | cn | rank | present | post)`.
 //!
-//! Every connect, read and write is bounded (2 s by default); garbage, oversized frames and
-//! failed MACs only drop that connection.
+//! Each connection has one deadline for all its reads and writes (2 s by default), on both
+//! sides; garbage, oversized frames and failed MACs only drop that connection. The server
+//! limits its open connections as the rendezvous does (making room by closing the oldest
+//! unauthenticated one; a busy refusal is retried by the client until its deadline), tokens
+//! shorter than [`MIN_TOKEN_LEN`](super::rendezvous::MIN_TOKEN_LEN) bytes are refused, and
+//! refusals after authentication carry a MAC.
+//!
+//! Posts are text from other processes: control characters (terminal escape sequences,
+//! carriage returns, bidirectional overrides) are replaced with `?` where a post is received,
+//! by the server and by a fetching client alike, so a report never prints them.
 
-use super::rendezvous::{refusal, RendezvousError};
+use super::rendezvous::{check_token, refusal, Refusal, RendezvousError};
 use super::wire::{self, refuse, N};
 use crate::config::Config;
 use crate::diag::remote::RemoteBoard;
@@ -25,7 +34,7 @@ use crate::diag::DesyncPost;
 use std::fmt;
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -51,6 +60,28 @@ fn fetch_mac(token: &[u8], sn: &[u8; N], cn: &[u8; N]) -> [u8; N] {
 
 fn entry_mac(token: &[u8], sn: &[u8; N], cn: &[u8; N], rank: u32, e: &[u8]) -> [u8; N] {
     wire::hmac(token, &[b"entry", sn, cn, &rank.to_be_bytes(), e])
+}
+
+/// How long a fetch of a board of `world_size` ranks may take.
+fn fetch_time(io_timeout: Duration, world_size: usize) -> Duration {
+    io_timeout.saturating_mul(4 + u32::try_from(world_size / 64).unwrap_or(u32::MAX))
+}
+
+/// `post` with every control character (and bidirectional override) replaced by `?`.
+pub(crate) fn clean_post(post: DesyncPost) -> DesyncPost {
+    let bad =
+        |c: char| c.is_control() || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+    if !post.text.chars().any(bad) {
+        return post;
+    }
+    DesyncPost {
+        text: post
+            .text
+            .chars()
+            .map(|c| if bad(c) { '?' } else { c })
+            .collect(),
+        ..post
+    }
 }
 
 fn invalid(what: &str) -> io::Error {
@@ -93,6 +124,8 @@ impl DesyncBoard {
                 world_size,
             });
         }
+        let token = token.into();
+        check_token(&token)?;
         let listener = TcpListener::bind(addr).map_err(|source| RendezvousError::Bind {
             addr: "the desync board's address".into(),
             source,
@@ -109,7 +142,7 @@ impl DesyncBoard {
             .map_err(io_err("desync board listener"))?;
         let server = Arc::new(BoardServer {
             world_size,
-            token: token.into(),
+            token,
             io_timeout: DEFAULT_BOARD_IO_TIMEOUT,
             posts: Mutex::new(vec![None; world_size]),
         });
@@ -118,13 +151,19 @@ impl DesyncBoard {
         let thread = thread::Builder::new()
             .name("nccl-desync-board".into())
             .spawn(move || {
-                let active = Arc::new(AtomicUsize::new(0));
+                let conns = Arc::new(wire::Conns::default());
                 while !stop2.load(Ordering::Acquire) {
                     let s = Arc::clone(&server);
-                    wire::accept_one(&listener, &active, "nccl-desync-peer", move |stream| {
-                        // Errors only mean this peer is dropped; the board goes on.
-                        let _ = s.handle(stream);
-                    });
+                    wire::accept_one(
+                        &listener,
+                        &conns,
+                        wire::Limits::default(),
+                        "nccl-desync-peer",
+                        move |stream, slot| {
+                            // Errors only mean this peer is dropped; the board goes on.
+                            let _ = s.handle(stream, &slot);
+                        },
+                    );
                 }
             })
             .map_err(io_err("spawning the desync board thread"))?;
@@ -160,19 +199,27 @@ impl Drop for DesyncBoard {
 }
 
 impl BoardServer {
-    fn handle(&self, mut s: TcpStream) -> io::Result<()> {
+    fn handle(&self, s: TcpStream, conn: &wire::Slot) -> io::Result<()> {
         wire::bound_waits(&s, self.io_timeout)?;
+        // One deadline for the whole connection, whatever the peer's pace.
+        let start = Instant::now();
+        let mut s = wire::Deadlined::new(&s, start + self.io_timeout);
         let sn = wire::send_hello(&mut s, MAGIC)?;
         let Some(wire::Auth { rank, world, cn }) = wire::read_auth(&mut s, &self.token, &sn)?
         else {
             return wire::write_frame(&mut s, &refuse(wire::R_TOKEN, 0, 0));
         };
+        conn.authenticated();
+        // A token holder's fetch sends one frame per rank: as long as a client gives it.
+        s.extend_to(start + fetch_time(self.io_timeout, self.world_size));
+        let refused =
+            |code, a, b| wire::refuse_authed(&self.token, &sn, &cn, rank, world, code, a, b);
         let ours = u32::try_from(self.world_size).unwrap_or(u32::MAX);
         if world as usize != self.world_size {
-            return wire::write_frame(&mut s, &refuse(wire::R_WORLD, ours, world));
+            return wire::write_frame(&mut s, &refused(wire::R_WORLD, ours, world));
         }
         if rank as usize >= self.world_size {
-            return wire::write_frame(&mut s, &refuse(wire::R_RANGE, ours, rank));
+            return wire::write_frame(&mut s, &refused(wire::R_RANGE, ours, rank));
         }
         let req = wire::read_frame(&mut s)?;
         match req.first() {
@@ -182,6 +229,7 @@ impl BoardServer {
                     return Err(invalid("bad post MAC"));
                 }
                 let post = DesyncPost::decode(body).ok_or_else(|| invalid("not a post"))?;
+                let post = clean_post(post);
                 match self.posts.lock() {
                     Ok(mut g) => g[rank as usize] = Some(post),
                     Err(_) => return Err(invalid("poisoned")),
@@ -248,7 +296,8 @@ impl BoardClient {
         }
     }
 
-    /// Sets the bound on each connect, read and write (default 2 s).
+    /// Sets the deadline of one connection: its connect and all its reads and writes
+    /// (default 2 s).
     pub fn with_io_timeout(mut self, io_timeout: Duration) -> Self {
         self.io_timeout = io_timeout;
         self
@@ -266,8 +315,7 @@ impl BoardClient {
 
     /// Every rank's latest post, rank-indexed (`None`: that rank posted nothing).
     pub fn fetch(&self) -> Result<Vec<Option<DesyncPost>>, RendezvousError> {
-        let d = self.io_timeout * (4 + u32::try_from(self.world_size).unwrap_or(u32::MAX) / 64);
-        self.fetch_by(Instant::now() + d)
+        self.fetch_by(Instant::now() + fetch_time(self.io_timeout, self.world_size))
     }
 
     fn protocol(&self, detail: &str) -> RendezvousError {
@@ -282,18 +330,43 @@ impl BoardClient {
         move |source| RendezvousError::Io { context, source }
     }
 
-    /// Connects and authenticates as `rank`; every wait ends by `deadline`.
-    fn connect(
-        &self,
-        rank: usize,
-        deadline: Instant,
-    ) -> Result<(TcpStream, [u8; N], [u8; N], u32), RendezvousError> {
+    /// Connects and authenticates as `rank`; every wait ends by `deadline`. A busy server is
+    /// retried until then.
+    fn connect(&self, rank: usize, deadline: Instant) -> Result<Conn, RendezvousError> {
         let (Ok(r32), Ok(w32)) = (u32::try_from(rank), u32::try_from(self.world_size)) else {
             return Err(RendezvousError::InvalidRank {
                 rank,
                 world_size: self.world_size,
             });
         };
+        check_token(&self.token)?;
+        let mut backoff = Duration::from_millis(10);
+        loop {
+            match self.connect_once(r32, w32, deadline)? {
+                Some(c) => return Ok(c),
+                None => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(RendezvousError::Refused {
+                            addr: self.addr.clone(),
+                            rank,
+                            reason: Refusal::Busy,
+                        });
+                    }
+                    thread::sleep(backoff.min(left));
+                    backoff = (backoff * 2).min(Duration::from_millis(200));
+                }
+            }
+        }
+    }
+
+    /// One connection; `None` when the server was busy.
+    fn connect_once(
+        &self,
+        r32: u32,
+        w32: u32,
+        deadline: Instant,
+    ) -> Result<Option<Conn>, RendezvousError> {
         let left = || {
             deadline
                 .saturating_duration_since(Instant::now())
@@ -319,19 +392,44 @@ impl BoardClient {
                 Err(e) => last = e,
             }
         }
-        let mut s = stream.ok_or(last).map_err(self.io("connecting"))?;
+        let s = stream.ok_or(last).map_err(self.io("connecting"))?;
         wire::bound_waits(&s, left()).map_err(self.io("setting timeouts"))?;
-        let hello = wire::read_frame(&mut s).map_err(self.io("reading the hello"))?;
+        let mut d = wire::Deadlined::new(&s, deadline);
+        let hello = wire::read_frame(&mut d).map_err(self.io("reading the hello"))?;
+        if wire::is_busy(&hello) {
+            return Ok(None);
+        }
         let sn =
             wire::parse_hello(&hello, MAGIC).ok_or_else(|| self.protocol("unexpected hello"))?;
         let cn = wire::nonce().map_err(self.io("drawing a nonce"))?;
         let auth = wire::auth_frame(&self.token, &sn, &cn, r32, w32);
-        wire::write_frame(&mut s, &auth).map_err(self.io("authenticating"))?;
-        Ok((s, sn, cn, r32))
+        wire::write_frame(&mut d, &auth).map_err(self.io("authenticating"))?;
+        Ok(Some(Conn {
+            s,
+            sn,
+            cn,
+            r32,
+            w32,
+            deadline,
+        }))
     }
 
-    fn refused_or(&self, frame: &[u8], rank: usize, detail: &str) -> RendezvousError {
+    /// The error for a frame that is not the expected answer: a refusal (checked for its
+    /// MAC when it came after authentication), else a protocol error.
+    fn refused_or(&self, c: &Conn, frame: &[u8], rank: usize, detail: &str) -> RendezvousError {
         match wire::parse_refuse(frame).map(refusal) {
+            Some(Ok(Refusal::BadToken)) => RendezvousError::Refused {
+                addr: self.addr.clone(),
+                rank,
+                reason: Refusal::BadToken,
+            },
+            Some(Ok(_))
+                if !wire::refuse_is_authentic(frame, &self.token, &c.sn, &c.cn, c.r32, c.w32) =>
+            {
+                RendezvousError::ServerAuthentication {
+                    addr: self.addr.clone(),
+                }
+            }
             Some(Ok(reason)) => RendezvousError::Refused {
                 addr: self.addr.clone(),
                 rank,
@@ -348,59 +446,68 @@ impl BoardClient {
         post: &DesyncPost,
         deadline: Instant,
     ) -> Result<(), RendezvousError> {
-        let (mut s, sn, cn, r32) = self.connect(rank, deadline)?;
+        let c = self.connect(rank, deadline)?;
+        let mut s = wire::Deadlined::new(&c.s, c.deadline);
         let body = post.encode();
         let mut req = vec![POST];
         req.extend_from_slice(&body);
-        req.extend_from_slice(&post_mac(&self.token, &sn, &cn, r32, &body));
+        req.extend_from_slice(&post_mac(&self.token, &c.sn, &c.cn, c.r32, &body));
         // A refusal (e.g. wrong token) arrives instead of the ACK; the request may then be
         // unread, so a failed write is not yet an error.
         let sent = wire::write_frame(&mut s, &req);
         let reply = wire::read_frame(&mut s);
         match (sent, reply) {
             (_, Ok(r)) if r == [wire::ACK] => Ok(()),
-            (_, Ok(r)) => Err(self.refused_or(&r, rank, "unexpected reply to a post")),
+            (_, Ok(r)) => Err(self.refused_or(&c, &r, rank, "unexpected reply to a post")),
             (Err(e), Err(_)) | (Ok(()), Err(e)) => Err(self.io("posting")(e)),
         }
     }
 
     fn fetch_by(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, RendezvousError> {
-        let (mut s, sn, cn, _) = self.connect(0, deadline)?;
+        let c = self.connect(0, deadline)?;
+        let mut s = wire::Deadlined::new(&c.s, c.deadline);
         let mut req = vec![FETCH];
-        req.extend_from_slice(&fetch_mac(&self.token, &sn, &cn));
+        req.extend_from_slice(&fetch_mac(&self.token, &c.sn, &c.cn));
         let sent = wire::write_frame(&mut s, &req);
         let head = match (sent, wire::read_frame(&mut s)) {
             (_, Ok(h)) => h,
             (Err(e), Err(_)) | (Ok(()), Err(e)) => return Err(self.io("fetching")(e)),
         };
-        let want = u32::try_from(self.world_size)
-            .unwrap_or(u32::MAX)
-            .to_be_bytes();
+        let want = c.w32.to_be_bytes();
         if head.len() != 5 || head[0] != BOARD || head[1..] != want {
-            return Err(self.refused_or(&head, 0, "unexpected reply to a fetch"));
+            return Err(self.refused_or(&c, &head, 0, "unexpected reply to a fetch"));
         }
         let mut posts = Vec::with_capacity(self.world_size.min(1 << 16));
         for r in 0..self.world_size {
-            if Instant::now() >= deadline {
-                return Err(self.io("fetching")(io::ErrorKind::TimedOut.into()));
-            }
             let f = wire::read_frame(&mut s).map_err(self.io("reading an entry"))?;
             if f.len() < 2 + N || f[0] != ENTRY {
                 return Err(self.protocol("not a board entry"));
             }
             let (e, mac) = f[1..].split_at(f.len() - 1 - N);
-            if !wire::ct_eq(mac, &entry_mac(&self.token, &sn, &cn, r as u32, e)) {
+            if !wire::ct_eq(mac, &entry_mac(&self.token, &c.sn, &c.cn, r as u32, e)) {
                 return Err(RendezvousError::ServerAuthentication {
                     addr: self.addr.clone(),
                 });
             }
             posts.push(match e[0] {
                 0 => None,
-                _ => Some(DesyncPost::decode(&e[1..]).ok_or_else(|| self.protocol("bad post"))?),
+                _ => Some(clean_post(
+                    DesyncPost::decode(&e[1..]).ok_or_else(|| self.protocol("bad post"))?,
+                )),
             });
         }
         Ok(posts)
     }
+}
+
+/// An authenticated connection to the board.
+struct Conn {
+    s: TcpStream,
+    sn: [u8; N],
+    cn: [u8; N],
+    r32: u32,
+    w32: u32,
+    deadline: Instant,
 }
 
 impl RemoteBoard for BoardClient {

@@ -10,6 +10,10 @@
 //! | Open MPI | `OMPI_COMM_WORLD_RANK` | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK` (`OMPI_COMM_WORLD_LOCAL_SIZE` optional) | `MASTER_ADDR` | `MASTER_PORT`, else [`DEFAULT_PORT`] |
 //! | Slurm | `SLURM_PROCID` | `SLURM_PROCID`, `SLURM_NTASKS` (or `SLURM_NPROCS`), `SLURM_LOCALID` (`SLURM_NTASKS_PER_NODE` optional) | `MASTER_ADDR`, else the first host of `SLURM_JOB_NODELIST` (or `SLURM_NODELIST`) | `MASTER_PORT`, else [`slurm_default_port`] of `SLURM_JOB_ID`, else [`DEFAULT_PORT`] |
 //!
+//! Under torchrun, `TORCHELASTIC_USE_AGENT_STORE`, `TORCHELASTIC_RUN_ID` and
+//! `TORCHELASTIC_RESTART_COUNT` are read too ([`Elastic`]): with the agent's store, the id
+//! goes through it (see [`super::store`]) under a key unique to the run and its attempt.
+//!
 //! Detection takes the environment as a closure so it can be tested without touching the
 //! process environment; [`ProcessEnv::from_process_env`] reads the real one.
 
@@ -57,6 +61,20 @@ pub struct ProcessEnv {
     pub master_addr: String,
     /// TCP port of the rendezvous on `master_addr` (never 0).
     pub master_port: u16,
+    /// torchrun's elastic-agent variables, when set.
+    pub elastic: Option<Elastic>,
+}
+
+/// What torchrun's elastic agent tells its workers about itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Elastic {
+    /// `TORCHELASTIC_USE_AGENT_STORE`: the agent serves a c10d store on
+    /// `MASTER_ADDR:MASTER_PORT`, which the workers use (and nothing of theirs binds it).
+    pub use_agent_store: bool,
+    /// `TORCHELASTIC_RUN_ID`: the job's run id (`--rdzv-id`).
+    pub run_id: String,
+    /// `TORCHELASTIC_RESTART_COUNT`: how many times the agent restarted the workers.
+    pub restart_count: u64,
 }
 
 /// Why the launcher's environment could not be read. Every variant names the variable.
@@ -183,7 +201,40 @@ impl ProcessEnv {
             local_world_size,
             master_addr,
             master_port,
+            elastic: Self::elastic(env)?,
         })
+    }
+
+    fn elastic(env: &Lookup<'_>) -> Result<Option<Elastic>, EnvError> {
+        const VARS: [&str; 3] = [
+            "TORCHELASTIC_USE_AGENT_STORE",
+            "TORCHELASTIC_RUN_ID",
+            "TORCHELASTIC_RESTART_COUNT",
+        ];
+        if VARS.iter().all(|v| env.get(v).is_none()) {
+            return Ok(None);
+        }
+        const HINT: &str = "torchrun's agent sets TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RUN_ID and TORCHELASTIC_RESTART_COUNT together";
+        let s = EnvSource::Torchrun;
+        let flag = env.required(s, VARS[0], HINT)?;
+        let use_agent_store = match flag.trim().to_ascii_lowercase().as_str() {
+            "true" | "1" => true,
+            "false" | "0" => false,
+            _ => {
+                return Err(EnvError::Invalid {
+                    var: VARS[0],
+                    value: flag,
+                    reason: "expected True or False".into(),
+                })
+            }
+        };
+        let run_id = env.required(s, VARS[1], HINT)?;
+        let restart_count = env.number(s, VARS[2], HINT)? as u64;
+        Ok(Some(Elastic {
+            use_agent_store,
+            run_id,
+            restart_count,
+        }))
     }
 
     fn open_mpi(env: &Lookup<'_>) -> Result<Self, EnvError> {
@@ -216,6 +267,7 @@ impl ProcessEnv {
             local_world_size,
             master_addr,
             master_port,
+            elastic: None,
         })
     }
 
@@ -275,6 +327,7 @@ impl ProcessEnv {
             local_world_size,
             master_addr,
             master_port,
+            elastic: None,
         })
     }
 }

@@ -1,10 +1,12 @@
 //! Starting ranks: [`Launcher`] runs one rank per device in threads; [`Launcher::from_env`]
 //! joins a multi-process job started by torchrun, Slurm or mpirun ([`mod@env`] reads their
-//! variables, [`rendezvous`] exchanges the unique id).
+//! variables; under torchrun the unique id goes through the agent's c10d store, see
+//! [`store`], and under Slurm and mpirun through the authenticated [`rendezvous`]).
 
 pub mod desync;
 pub mod env;
 pub mod rendezvous;
+pub mod store;
 mod threads;
 mod wire;
 

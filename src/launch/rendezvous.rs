@@ -6,26 +6,46 @@
 //!   challenge/response over fresh nonces; the token never crosses the network and the id
 //!   travels masked), every frame is at most 4 KiB, every wait is bounded.
 //! - [`FileRendezvous`]: rank 0 writes the id to a shared file atomically, the others poll.
+//! - [`StoreRendezvous`]: through torchrun's c10d store (see [`super::store`]).
 //! - [`Rendezvous::custom`]: a closure of yours (an `MPI_Bcast`, a key-value store, ...).
 //!
 //! The TCP protocol (each message is a big-endian `u32` length and a body of at most 4 KiB):
 //! 1. server -> client `HELLO`: magic `nccl-safe-rdzv/1` and a 32-byte server nonce `sn`.
 //! 2. client -> server `AUTH`: rank, world size, client nonce `cn`,
 //!    `HMAC(token, "client" | sn | cn | rank | world)`.
-//! 3. server -> client `REFUSE` (bad token, world-size mismatch, rank out of range, duplicate
-//!    rank, busy) or `ID`: the id XORed with `HMAC(token, "stream" | sn | cn | i)` blocks and
-//!    `HMAC(token, "server" | sn | cn | rank | world | masked id)`.
+//! 3. server -> client `REFUSE` or `ID`: the id XORed with `HMAC(token, "stream" | sn | cn | i)`
+//!    blocks and `HMAC(token, "server" | sn | cn | rank | world | masked id)`. A refusal of an
+//!    authenticated peer (world-size mismatch, rank out of range, duplicate rank, rank being
+//!    served) carries `HMAC(token, "refuse" | sn | cn | rank | world | refusal)`, so a relay
+//!    cannot forge one; only the wrong-token refusal cannot be authenticated.
 //! 4. client -> server `ACK`; the rank counts as served. Once all ranks are, the server
 //!    closes its listener and its thread ends.
+//!
+//! What a hostile peer can and cannot do:
+//! - Tokens shorter than [`MIN_TOKEN_LEN`] bytes are refused ([`RendezvousError::WeakToken`]):
+//!   one captured handshake would let a stranger search a short token offline.
+//! - Each connection has one deadline for its whole handshake, on both sides
+//!   ([`TcpRendezvous::with_io_timeout`]): a peer sending a byte at a time is cut off there,
+//!   and a client never waits past its own overall deadline.
+//! - The server keeps at most 256 connections open, at most 64 per peer address. When a new
+//!   one would pass a limit, the oldest connection that has not authenticated yet is closed
+//!   to make room, so a stranger holding idle connections (or flooding new ones) cannot keep
+//!   a rank out. Only when every open connection has authenticated does a newcomer get a
+//!   busy refusal (in place of the hello); clients retry busy until their deadline.
+//! - A rank whose slot is still being served on another connection is told so and retries.
+//! - A rank whose final acknowledgement is lost still counts: its id was delivered, so rank
+//!   0 reports it missing only if it was never delivered (and serves it again if it comes
+//!   back for it).
 
 use super::env::{EnvError, ProcessEnv};
+use super::store::{StoreError, StoreRendezvous};
 use super::wire::{self, refuse, N};
 use std::fmt;
 use std::fs;
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -36,8 +56,18 @@ pub const ID_LEN: usize = 128;
 pub const TOKEN_VAR: &str = "NCCL_SAFE_RENDEZVOUS_TOKEN";
 /// Default overall deadline of a rendezvous.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-/// Default bound on a single connect, read or write.
+/// Default deadline of one connection: its connect, and its whole handshake on either side.
 pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Shortest job token accepted, in bytes.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+/// Refuses a token shorter than [`MIN_TOKEN_LEN`].
+pub(crate) fn check_token(token: &[u8]) -> Result<(), RendezvousError> {
+    if token.len() < MIN_TOKEN_LEN {
+        return Err(RendezvousError::WeakToken { len: token.len() });
+    }
+    Ok(())
+}
 
 /// Why rank 0 refused a peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,10 +87,12 @@ pub enum Refusal {
         /// World size rank 0 serves.
         world_size: usize,
     },
-    /// Another peer already fetched (or is fetching) the id for this rank.
+    /// Another peer already fetched the id for this rank.
     DuplicateRank,
-    /// Rank 0 had too many connections open; retried until the deadline.
+    /// Rank 0 had too many authenticated connections open; retried until the deadline.
     Busy,
+    /// Another connection for this rank was still being served; retried until the deadline.
+    InProgress,
 }
 
 impl fmt::Display for Refusal {
@@ -83,6 +115,10 @@ impl fmt::Display for Refusal {
                 "another process already claimed this rank; check that every process has a distinct RANK"
             ),
             Refusal::Busy => write!(f, "rank 0 has too many connections open"),
+            Refusal::InProgress => write!(
+                f,
+                "another connection for this rank is still being served"
+            ),
         }
     }
 }
@@ -110,9 +146,22 @@ pub enum RendezvousError {
         /// The variable that was read.
         var: String,
     },
+    /// The job token is too short to resist an offline search.
+    #[error(
+        "the rendezvous token is {len} bytes, but at least {MIN_TOKEN_LEN} are required: anyone who captures \
+         one handshake can search a short token offline and then read the unique id; use a random one \
+         (e.g. `export {TOKEN_VAR}=$(openssl rand -hex 16)`)"
+    )]
+    WeakToken {
+        /// Its length in bytes.
+        len: usize,
+    },
     /// The launcher's environment could not be read.
     #[error(transparent)]
     Env(#[from] EnvError),
+    /// A request to torchrun's c10d store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
     /// The rendezvous host name did not resolve.
     #[error("could not resolve the rendezvous address {addr}: {source}; check MASTER_ADDR")]
     Resolve {
@@ -148,8 +197,9 @@ pub enum RendezvousError {
     },
     /// A rank could not fetch the id from rank 0 before its deadline.
     #[error(
-        "rank {rank} could not reach rank 0 at {addr} within {timeout:?} (last error: {last_error}): \
-         check that rank 0 is running and that MASTER_ADDR/MASTER_PORT point at it"
+        "rank {rank} could not reach rank 0 at {addr} within {timeout:?} (gave up after {:.2}s; last error: {last_error}): \
+         check that rank 0 is running and that MASTER_ADDR/MASTER_PORT point at it",
+        elapsed.as_secs_f64()
     )]
     ClientTimeout {
         /// `host:port` of rank 0.
@@ -158,6 +208,8 @@ pub enum RendezvousError {
         rank: usize,
         /// The deadline that passed.
         timeout: Duration,
+        /// How long the rank actually tried.
+        elapsed: Duration,
         /// The last connection error seen.
         last_error: String,
     },
@@ -250,6 +302,7 @@ pub struct TcpRendezvous {
     token: Vec<u8>,
     timeout: Duration,
     io_timeout: Duration,
+    limits: wire::Limits,
 }
 
 impl fmt::Debug for TcpRendezvous {
@@ -260,13 +313,17 @@ impl fmt::Debug for TcpRendezvous {
             .field("token", &"<redacted>")
             .field("timeout", &self.timeout)
             .field("io_timeout", &self.io_timeout)
+            .field("max_connections", &self.limits.total)
+            .field("max_per_peer", &self.limits.per_peer)
             .finish()
     }
 }
 
 impl TcpRendezvous {
     /// A rendezvous at `host:port` authenticated by `token`, with the default timeouts.
-    /// Rank 0 binds exactly `host` (give `0.0.0.0` to listen on every interface).
+    /// Rank 0 binds exactly `host` (give `0.0.0.0` to listen on every interface). A token
+    /// shorter than [`MIN_TOKEN_LEN`] makes [`serve`](Self::serve) and [`fetch`](Self::fetch)
+    /// fail with [`RendezvousError::WeakToken`].
     pub fn new(host: impl Into<String>, port: u16, token: impl Into<Vec<u8>>) -> Self {
         Self {
             host: host.into(),
@@ -274,6 +331,7 @@ impl TcpRendezvous {
             token: token.into(),
             timeout: DEFAULT_TIMEOUT,
             io_timeout: DEFAULT_IO_TIMEOUT,
+            limits: wire::Limits::default(),
         }
     }
 
@@ -290,11 +348,14 @@ impl TcpRendezvous {
         lookup: impl Fn(&str) -> Option<String>,
     ) -> Result<Self, RendezvousError> {
         match lookup(token_var) {
-            Some(t) if !t.is_empty() => Ok(Self::new(
-                env.master_addr.clone(),
-                env.master_port,
-                t.into_bytes(),
-            )),
+            Some(t) if !t.is_empty() => {
+                check_token(t.as_bytes())?;
+                Ok(Self::new(
+                    env.master_addr.clone(),
+                    env.master_port,
+                    t.into_bytes(),
+                ))
+            }
             _ => Err(RendezvousError::MissingToken {
                 var: token_var.to_string(),
             }),
@@ -307,9 +368,18 @@ impl TcpRendezvous {
         self
     }
 
-    /// Sets the bound on each connect, read and write (default [`DEFAULT_IO_TIMEOUT`]).
+    /// Sets the deadline of one connection (default [`DEFAULT_IO_TIMEOUT`]): its connect,
+    /// and its whole handshake, on rank 0's side as on the fetching rank's.
     pub fn with_io_timeout(mut self, io_timeout: Duration) -> Self {
         self.io_timeout = io_timeout;
+        self
+    }
+
+    /// Sets how many connections rank 0 keeps open at once, in all (default 256) and from
+    /// one peer address (default 64); see the [module docs](self) for what happens at the
+    /// limits. Values below 1 count as 1.
+    pub fn with_max_connections(mut self, total: usize, per_peer: usize) -> Self {
+        self.limits = wire::Limits { total, per_peer };
         self
     }
 
@@ -355,6 +425,7 @@ impl TcpRendezvous {
                 world_size,
             });
         }
+        check_token(&self.token)?;
         let addr = self.addr();
         let mut last = io::Error::new(
             io::ErrorKind::AddrNotAvailable,
@@ -380,6 +451,7 @@ impl TcpRendezvous {
         listener
             .set_nonblocking(true)
             .map_err(io_err("rendezvous listener"))?;
+        let stop = Arc::new(AtomicBool::new(false));
         let server = Server {
             world_size,
             id,
@@ -387,17 +459,24 @@ impl TcpRendezvous {
             deadline: Instant::now() + self.timeout,
             timeout: self.timeout,
             io_timeout: self.io_timeout,
+            limits: self.limits,
             addr: local_addr.to_string(),
+            stop: Arc::clone(&stop),
         };
         let thread = thread::Builder::new()
             .name("nccl-rendezvous".into())
             .spawn(move || server.run(listener))
             .map_err(io_err("spawning the rendezvous server thread"))?;
-        Ok(ServerHandle { local_addr, thread })
+        Ok(ServerHandle {
+            local_addr,
+            thread,
+            stop,
+        })
     }
 
-    /// Ranks `1..world_size`: fetches the id from rank 0, retrying the connection until the
-    /// deadline. A refusal (wrong token, duplicate rank, ...) is returned at once.
+    /// Ranks `1..world_size`: fetches the id from rank 0, retrying until the deadline when
+    /// rank 0 is not reachable yet, is busy, or is still serving an earlier connection of
+    /// this rank. A refusal (wrong token, duplicate rank, ...) is returned at once.
     pub fn fetch(&self, rank: usize, world_size: usize) -> Result<[u8; ID_LEN], RendezvousError> {
         if rank == 0 || rank >= world_size {
             return Err(RendezvousError::InvalidRank { rank, world_size });
@@ -406,6 +485,7 @@ impl TcpRendezvous {
             (Ok(r), Ok(w)) => (r, w),
             _ => return Err(RendezvousError::InvalidRank { rank, world_size }),
         };
+        check_token(&self.token)?;
         let addr = self.addr();
         let start = Instant::now();
         let deadline = start + self.timeout;
@@ -420,10 +500,12 @@ impl TcpRendezvous {
                         if left.is_zero() {
                             break;
                         }
+                        // One deadline for this connection: its connect and handshake.
                         let t = left.min(self.io_timeout);
+                        let by = Instant::now() + t;
                         match TcpStream::connect_timeout(&a, t) {
                             Err(e) => last_error = format!("connecting to {a}: {e}"),
-                            Ok(s) => match self.attempt(s, t, r32, w32) {
+                            Ok(s) => match self.attempt(s, by, r32, w32) {
                                 Ok(id) => return Ok(id),
                                 Err(Attempt::Fatal(detail)) => return Err(self.fatal(detail, rank)),
                                 Err(Attempt::Retry(e)) => last_error = e,
@@ -438,6 +520,7 @@ impl TcpRendezvous {
                     addr,
                     rank,
                     timeout: self.timeout,
+                    elapsed: start.elapsed(),
                     last_error,
                 });
             }
@@ -461,13 +544,19 @@ impl TcpRendezvous {
 
     fn attempt(
         &self,
-        mut s: TcpStream,
-        t: Duration,
+        s: TcpStream,
+        deadline: Instant,
         rank: u32,
         world: u32,
     ) -> Result<[u8; ID_LEN], Attempt> {
-        wire::bound_waits(&s, t).map_err(retry("setting a timeout"))?;
+        wire::bound_waits(&s, self.io_timeout).map_err(retry("setting a timeout"))?;
+        let mut s = wire::Deadlined::new(&s, deadline);
         let hello = wire::read_frame(&mut s).map_err(retry("reading rank 0's hello"))?;
+        if wire::is_busy(&hello) {
+            return Err(Attempt::Retry(
+                "rank 0 was busy (too many connections open)".into(),
+            ));
+        }
         let sn = wire::parse_hello(&hello, wire::MAGIC)
             .ok_or(Attempt::Fatal(Fatal::Protocol("unexpected hello".into())))?;
         let cn = wire::nonce().map_err(|e| Attempt::Fatal(Fatal::Io(e)))?;
@@ -476,7 +565,15 @@ impl TcpRendezvous {
         let reply = wire::read_frame(&mut s).map_err(retry("reading rank 0's reply"))?;
         if let Some(refused) = wire::parse_refuse(&reply) {
             return Err(match refusal(refused) {
+                // Sent before the peer proved the token, so it cannot carry a MAC.
+                Ok(Refusal::BadToken) => Attempt::Fatal(Fatal::Refused(Refusal::BadToken)),
+                Ok(_) if !wire::refuse_is_authentic(&reply, &self.token, &sn, &cn, rank, world) => {
+                    Attempt::Fatal(Fatal::ServerAuth)
+                }
                 Ok(Refusal::Busy) => Attempt::Retry("rank 0 was busy".into()),
+                Ok(Refusal::InProgress) => Attempt::Retry(
+                    "rank 0 was still serving an earlier connection for this rank".into(),
+                ),
                 Ok(reason) => Attempt::Fatal(Fatal::Refused(reason)),
                 Err(detail) => Attempt::Fatal(Fatal::Protocol(detail)),
             });
@@ -515,6 +612,7 @@ pub(crate) fn refusal((code, a, b): (u8, usize, usize)) -> Result<Refusal, Strin
         wire::R_RANGE => Refusal::RankOutOfRange { world_size: a },
         wire::R_DUPLICATE => Refusal::DuplicateRank,
         wire::R_BUSY => Refusal::Busy,
+        wire::R_IN_PROGRESS => Refusal::InProgress,
         c => return Err(format!("unknown refusal code {c}")),
     })
 }
@@ -541,6 +639,7 @@ enum Fatal {
 pub struct ServerHandle {
     local_addr: SocketAddr,
     thread: JoinHandle<Result<(), RendezvousError>>,
+    stop: Arc<AtomicBool>,
 }
 
 impl ServerHandle {
@@ -554,19 +653,33 @@ impl ServerHandle {
         self.thread.is_finished()
     }
 
-    /// Waits for the server to stop. `Ok` once every rank `1..world_size` has the id;
-    /// [`RendezvousError::ServerTimeout`] lists the ranks that never fetched it.
+    /// Waits for the server to stop. `Ok` once every rank `1..world_size` has the id (a
+    /// rank whose final acknowledgement was lost counts once its id was sent);
+    /// [`RendezvousError::ServerTimeout`] lists the ranks that never got it.
     pub fn wait(self) -> Result<(), RendezvousError> {
         self.thread
             .join()
             .map_err(|_| RendezvousError::ServerPanicked)?
     }
+
+    /// Stops serving now and closes the listener (within a few milliseconds), for when
+    /// something else proved that every rank has the id (e.g. the communicator of all ranks
+    /// was created).
+    pub fn stop(self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.thread.join();
+    }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Slot {
+    /// Not sent yet.
     Pending,
+    /// Being sent on a connection.
     InProgress,
+    /// Sent, but its acknowledgement did not arrive (the rank may come back for it).
+    Delivered,
+    /// Sent and acknowledged.
     Served,
 }
 
@@ -577,7 +690,9 @@ struct Server {
     deadline: Instant,
     timeout: Duration,
     io_timeout: Duration,
+    limits: wire::Limits,
     addr: String,
+    stop: Arc<AtomicBool>,
 }
 
 impl Server {
@@ -585,17 +700,36 @@ impl Server {
         let mut slots = vec![Slot::Pending; self.world_size];
         slots[0] = Slot::Served;
         let slots = Arc::new(Mutex::new(slots));
-        let active = Arc::new(AtomicUsize::new(0));
+        let conns = Arc::new(wire::Conns::default());
         let this = Arc::new(self);
+        // When every rank has been sent the id but some acknowledgement is missing: until
+        // when the server waits for it (or for that rank to come back).
+        let mut grace: Option<Instant> = None;
         loop {
-            let missing: Vec<usize> = match slots.lock() {
-                Ok(s) => (0..s.len()).filter(|&r| s[r] != Slot::Served).collect(),
+            if this.stop.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            let states = match slots.lock() {
+                Ok(s) => s.clone(),
                 Err(_) => return Err(RendezvousError::ServerPanicked),
             };
-            if missing.is_empty() {
+            if states.iter().all(|&s| s == Slot::Served) {
                 return Ok(()); // dropping `listener` stops serving
             }
-            if Instant::now() >= this.deadline {
+            let missing: Vec<usize> = (0..states.len())
+                .filter(|&r| matches!(states[r], Slot::Pending | Slot::InProgress))
+                .collect();
+            let now = Instant::now();
+            if missing.is_empty() {
+                let until =
+                    *grace.get_or_insert_with(|| (now + this.io_timeout).min(this.deadline));
+                if now >= until {
+                    return Ok(());
+                }
+            } else {
+                grace = None;
+            }
+            if now >= this.deadline {
                 return Err(RendezvousError::ServerTimeout {
                     addr: this.addr.clone(),
                     missing,
@@ -604,51 +738,63 @@ impl Server {
                 });
             }
             let (this2, slots2) = (Arc::clone(&this), Arc::clone(&slots));
-            wire::accept_one(&listener, &active, "nccl-rendezvous-peer", move |stream| {
-                // Errors only mean this peer is dropped; the server goes on.
-                let _ = this2.handle(stream, &slots2);
-            });
+            wire::accept_one(
+                &listener,
+                &conns,
+                this.limits,
+                "nccl-rendezvous-peer",
+                move |stream, slot| {
+                    // Errors only mean this peer is dropped; the server goes on.
+                    let _ = this2.handle(stream, &slot, &slots2);
+                },
+            );
         }
     }
 
-    fn handle(&self, mut s: TcpStream, slots: &Mutex<Vec<Slot>>) -> io::Result<()> {
-        let t = self
-            .deadline
-            .saturating_duration_since(Instant::now())
-            .min(self.io_timeout)
-            .max(Duration::from_millis(1));
-        wire::bound_waits(&s, t)?;
+    fn handle(&self, s: TcpStream, conn: &wire::Slot, slots: &Mutex<Vec<Slot>>) -> io::Result<()> {
+        // One deadline for the whole connection, whatever the peer's pace.
+        let deadline = (Instant::now() + self.io_timeout).min(self.deadline);
+        wire::bound_waits(&s, self.io_timeout)?;
+        let mut s = wire::Deadlined::new(&s, deadline);
         let sn = wire::send_hello(&mut s, wire::MAGIC)?;
         let Some(wire::Auth { rank, world, cn }) = wire::read_auth(&mut s, &self.token, &sn)?
         else {
             return wire::write_frame(&mut s, &refuse(wire::R_TOKEN, 0, 0));
         };
+        conn.authenticated();
+        let refused =
+            |code, a, b| wire::refuse_authed(&self.token, &sn, &cn, rank, world, code, a, b);
         let ours = u32::try_from(self.world_size).unwrap_or(u32::MAX);
         if world as usize != self.world_size {
-            return wire::write_frame(&mut s, &refuse(wire::R_WORLD, ours, world));
+            return wire::write_frame(&mut s, &refused(wire::R_WORLD, ours, world));
         }
         let r = rank as usize;
         if r == 0 || r >= self.world_size {
-            return wire::write_frame(&mut s, &refuse(wire::R_RANGE, ours, rank));
+            return wire::write_frame(&mut s, &refused(wire::R_RANGE, ours, rank));
         }
-        let claimed = {
+        let before = {
             let mut g = slots.lock().map_err(|_| io::Error::other("poisoned"))?;
-            if g[r] == Slot::Pending {
+            let before = g[r];
+            if matches!(before, Slot::Pending | Slot::Delivered) {
                 g[r] = Slot::InProgress;
-                true
-            } else {
-                false
             }
+            before
         };
-        if !claimed {
-            return wire::write_frame(&mut s, &refuse(wire::R_DUPLICATE, ours, rank));
+        match before {
+            Slot::Pending | Slot::Delivered => {}
+            Slot::InProgress => {
+                return wire::write_frame(&mut s, &refused(wire::R_IN_PROGRESS, ours, rank))
+            }
+            Slot::Served => {
+                return wire::write_frame(&mut s, &refused(wire::R_DUPLICATE, ours, rank))
+            }
         }
-        let served = (|| {
-            let ct = wire::mask(&self.token, &sn, &cn, &self.id);
-            let mut msg = vec![wire::ID];
-            msg.extend_from_slice(&ct);
-            msg.extend_from_slice(&wire::server_mac(&self.token, &sn, &cn, rank, world, &ct));
-            wire::write_frame(&mut s, &msg)?;
+        let ct = wire::mask(&self.token, &sn, &cn, &self.id);
+        let mut msg = vec![wire::ID];
+        msg.extend_from_slice(&ct);
+        msg.extend_from_slice(&wire::server_mac(&self.token, &sn, &cn, rank, world, &ct));
+        let sent = wire::write_frame(&mut s, &msg);
+        let acked = sent.as_ref().ok().map(|()| {
             let ack = wire::read_frame(&mut s)?;
             if ack != [wire::ACK] {
                 return Err(io::Error::new(
@@ -657,15 +803,17 @@ impl Server {
                 ));
             }
             Ok(())
-        })();
+        });
+        let after = match &acked {
+            Some(Ok(())) => Slot::Served,
+            Some(Err(_)) => Slot::Delivered,
+            None => before,
+        };
         if let Ok(mut g) = slots.lock() {
-            g[r] = if served.is_ok() {
-                Slot::Served
-            } else {
-                Slot::Pending
-            };
+            g[r] = after;
         }
-        served
+        sent?;
+        acked.unwrap_or(Ok(()))
     }
 }
 
@@ -807,6 +955,8 @@ pub enum Rendezvous {
     Tcp(TcpRendezvous),
     /// Through a shared file.
     File(FileRendezvous),
+    /// Through torchrun's c10d store.
+    Store(StoreRendezvous),
     /// Through a closure of the user's (build it with [`Rendezvous::custom`]).
     Custom(CustomRendezvous),
 }
@@ -825,14 +975,20 @@ impl fmt::Debug for Rendezvous {
         match self {
             Rendezvous::Tcp(t) => f.debug_tuple("Tcp").field(t).finish(),
             Rendezvous::File(x) => f.debug_tuple("File").field(x).finish(),
+            Rendezvous::Store(x) => f.debug_tuple("Store").field(x).finish(),
             Rendezvous::Custom(c) => f.debug_tuple("Custom").field(c).finish(),
         }
     }
 }
 
 impl Rendezvous {
-    /// The TCP rendezvous of a launched job (see [`TcpRendezvous::from_env`]).
+    /// The rendezvous of a launched job: under torchrun with the agent's store
+    /// (`TORCHELASTIC_USE_AGENT_STORE=True`) that store ([`StoreRendezvous::from_env`], no
+    /// token); otherwise the TCP rendezvous ([`TcpRendezvous::from_env`], with its token).
     pub fn from_env(env: &ProcessEnv) -> Result<Self, RendezvousError> {
+        if let Some(store) = StoreRendezvous::from_env(env) {
+            return Ok(Rendezvous::Store(store));
+        }
         TcpRendezvous::from_env(env).map(Rendezvous::Tcp)
     }
 
@@ -879,6 +1035,12 @@ impl Rendezvous {
                 done(id)
             }
             (Rendezvous::File(f), _) => done(f.read(world_size)?),
+            (Rendezvous::Store(s), 0) => {
+                let id = make_id()?;
+                s.publish(world_size, &id)?;
+                done(id)
+            }
+            (Rendezvous::Store(s), r) => done(s.read(r, world_size)?),
             (Rendezvous::Custom(CustomRendezvous(f)), 0) => {
                 let id = make_id()?;
                 let got = f(Some(id)).map_err(|source| RendezvousError::Custom { rank, source })?;
@@ -891,5 +1053,109 @@ impl Rendezvous {
                 done(f(None).map_err(|source| RendezvousError::Custom { rank: r, source })?)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TOKEN: &[u8] = b"unit-test-token-0123456789";
+
+    fn id() -> [u8; ID_LEN] {
+        std::array::from_fn(|i| i as u8)
+    }
+
+    /// A raw rank that authenticates as `rank` and reads the id, but never acknowledges it.
+    fn take_id_without_ack(port: u16, rank: u32, world: u32) -> (TcpStream, [u8; ID_LEN]) {
+        let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        wire::bound_waits(&s, Duration::from_secs(5)).unwrap();
+        let mut r = &s;
+        let sn = wire::parse_hello(&wire::read_frame(&mut r).unwrap(), wire::MAGIC).unwrap();
+        let cn = wire::nonce().unwrap();
+        wire::write_frame(&mut r, &wire::auth_frame(TOKEN, &sn, &cn, rank, world)).unwrap();
+        let reply = wire::read_frame(&mut r).unwrap();
+        assert_eq!(reply[0], wire::ID);
+        let mut masked = [0u8; ID_LEN];
+        masked.copy_from_slice(&reply[1..1 + ID_LEN]);
+        (s, wire::mask(TOKEN, &sn, &cn, &masked))
+    }
+
+    /// A rank whose acknowledgement is lost has the id: rank 0 does not report it missing.
+    #[test]
+    fn a_lost_acknowledgement_does_not_fail_rank_0() {
+        let server = TcpRendezvous::new("127.0.0.1", 0, TOKEN)
+            .with_timeout(Duration::from_secs(20))
+            .with_io_timeout(Duration::from_millis(300))
+            .serve(3, id())
+            .unwrap();
+        let port = server.local_addr().port();
+        let (s, got) = take_id_without_ack(port, 1, 3);
+        assert_eq!(got, id());
+        drop(s); // the ACK never comes
+        let two = TcpRendezvous::new("127.0.0.1", port, TOKEN)
+            .fetch(2, 3)
+            .unwrap();
+        assert_eq!(two, id());
+        let t0 = Instant::now();
+        server.wait().unwrap();
+        // It waited a grace period for the missing ACK, not its whole 20 s deadline.
+        assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    }
+
+    /// A rank whose slot is still being served on another connection retries (it is not
+    /// told "duplicate"), and gets the id once that connection's deadline has passed.
+    #[test]
+    fn an_in_progress_slot_is_retried_not_fatal() {
+        let io = Duration::from_millis(500);
+        let server = TcpRendezvous::new("127.0.0.1", 0, TOKEN)
+            .with_timeout(Duration::from_secs(20))
+            .with_io_timeout(io)
+            .serve(2, id())
+            .unwrap();
+        let port = server.local_addr().port();
+        // The first connection holds rank 1's slot, waiting for an ACK it never sends.
+        let (held, _) = take_id_without_ack(port, 1, 2);
+        let t0 = Instant::now();
+        let got = TcpRendezvous::new("127.0.0.1", port, TOKEN)
+            .with_timeout(Duration::from_secs(5))
+            .fetch(1, 2)
+            .unwrap();
+        assert_eq!(got, id());
+        let took = t0.elapsed();
+        assert!(took < Duration::from_secs(3), "{took:?}");
+        drop(held);
+        server.wait().unwrap();
+        // After an acknowledged fetch, the slot is taken for good.
+        let late = TcpRendezvous::new("127.0.0.1", 0, TOKEN)
+            .serve(2, id())
+            .unwrap();
+        let p2 = late.local_addr().port();
+        let c = TcpRendezvous::new("127.0.0.1", p2, TOKEN).with_timeout(Duration::from_secs(5));
+        c.fetch(1, 2).unwrap();
+        late.wait().unwrap();
+    }
+
+    /// The refusal of an authenticated peer carries a MAC the client checks.
+    #[test]
+    fn refusals_after_authentication_are_authenticated() {
+        let (sn, cn) = (wire::nonce().unwrap(), wire::nonce().unwrap());
+        let f = wire::refuse_authed(TOKEN, &sn, &cn, 1, 2, wire::R_DUPLICATE, 2, 1);
+        assert!(wire::refuse_is_authentic(&f, TOKEN, &sn, &cn, 1, 2));
+        assert!(!wire::refuse_is_authentic(
+            &f,
+            b"another-token-0123456",
+            &sn,
+            &cn,
+            1,
+            2
+        ));
+        assert!(!wire::refuse_is_authentic(&f, TOKEN, &sn, &cn, 2, 2));
+        let mut flipped = f.clone();
+        flipped[1] = wire::R_WORLD;
+        assert!(!wire::refuse_is_authentic(&flipped, TOKEN, &sn, &cn, 1, 2));
+        let bare = wire::refuse(wire::R_DUPLICATE, 2, 1);
+        assert!(!wire::refuse_is_authentic(&bare, TOKEN, &sn, &cn, 1, 2));
+        assert_eq!(wire::parse_refuse(&f), wire::parse_refuse(&bare));
     }
 }

@@ -14,6 +14,7 @@ use crate::id::UniqueId;
 use crate::launch::desync::{BoardClient, DesyncBoard};
 use crate::launch::env::ProcessEnv;
 use crate::launch::rendezvous::{Rendezvous, ServerHandle, TcpRendezvous};
+use crate::launch::store::StoreRendezvous;
 use crate::stream::Stream;
 
 /// How many CUDA devices this process can use: 0 when the CUDA driver library is absent
@@ -429,9 +430,10 @@ impl Launcher {
         }
     }
 
-    /// One rank per process: reads torchrun / Open MPI / Slurm variables, picks the GPU
-    /// of the local rank, and exchanges the unique id over the authenticated TCP
-    /// rendezvous hosted by rank 0 (see [`crate::launch::rendezvous`]).
+    /// One rank per process: reads torchrun / Open MPI / Slurm variables and picks the GPU
+    /// of the local rank; [`ProcessLauncher::init`] then exchanges the unique id through
+    /// torchrun's agent store ([`crate::launch::store`]) or, under Slurm and mpirun, over the
+    /// authenticated TCP rendezvous hosted by rank 0 ([`crate::launch::rendezvous`]).
     pub fn from_env() -> Result<ProcessLauncher> {
         Ok(ProcessLauncher {
             env: ProcessEnv::from_process_env()?,
@@ -535,18 +537,26 @@ impl ProcessLauncher {
         &self.env
     }
 
-    /// Exchanges the id over the TCP rendezvous and joins the communicator on the GPU of
-    /// the local rank.
+    /// Checks that this node has a GPU for the local rank, exchanges the id and joins the
+    /// communicator on the GPU of the local rank.
     ///
-    /// Rank 0 also hosts the job's desync board on `MASTER_ADDR:MASTER_PORT+1`
-    /// ([`crate::launch::desync`], same token) for as long as its [`Rank`] lives (not after
-    /// [`Rank::into_comm`]), and every rank's communicator gets it
-    /// ([`Config::desync_board`]): a timeout report then shows what the ranks in other
-    /// processes were last doing. When rank 0 cannot listen there, it says so on stderr and
-    /// the job runs without the board.
+    /// Under torchrun with the agent's store (`TORCHELASTIC_USE_AGENT_STORE=True`), the id
+    /// and the job's desync board go through that store ([`crate::launch::store`]): nothing
+    /// is bound and no token is needed. Otherwise (Slurm, mpirun, torchrun-style variables
+    /// set by hand) the id goes over the authenticated TCP rendezvous, and rank 0 also hosts
+    /// the job's desync board on `MASTER_ADDR:MASTER_PORT+1` ([`crate::launch::desync`], same
+    /// token) for as long as its [`Rank`] lives (not after [`Rank::into_comm`]); when rank 0
+    /// cannot listen there, it says so on stderr and the job runs without the board. Either
+    /// way every rank's communicator gets the board, so a timeout report shows what the
+    /// ranks in other processes were last doing.
     pub fn init(mut self) -> Result<Rank> {
-        let tcp = TcpRendezvous::from_env(&self.env)?;
+        self.check_devices(cuda_device_count())?;
         let world = self.env.world_size;
+        if let Some(store) = StoreRendezvous::from_env(&self.env) {
+            self.config = self.config.remote_board(Arc::new(store.board(world)));
+            return self.init_with(Rendezvous::Store(store));
+        }
+        let tcp = TcpRendezvous::from_env(&self.env)?;
         let mut board = None;
         if let Some((addr, token)) = tcp.board() {
             if self.env.rank == 0 {
@@ -568,11 +578,14 @@ impl ProcessLauncher {
         let (id, server) = self.exchange_id(rendezvous)?;
         let result = self.join(&id);
         if let Some(server) = server {
-            // Rank 0: every peer has fetched the id by now, or the deadline reports who did not.
-            if let Err(e) = server.wait() {
-                if result.is_ok() {
-                    return Err(e.into());
-                }
+            if result.is_ok() {
+                // Every rank joined the communicator, so every rank had the id, whatever
+                // became of its acknowledgements.
+                server.stop();
+            } else {
+                // Serve the others until they have the id (so they fail on their own terms,
+                // not by waiting for it), or the deadline names who never came.
+                let _ = server.wait();
             }
         }
         result
@@ -593,16 +606,7 @@ impl ProcessLauncher {
     /// GPU for it, a clear error (on every rank alike), never a hang.
     pub fn join(&self, id: &UniqueId) -> Result<Rank> {
         let local = self.env.device();
-        let visible = cuda_device_count();
-        if visible <= local {
-            return Err(Error::InvalidArgument {
-                op: "ProcessLauncher::join",
-                reason: format!(
-                    "rank {} (local rank {local}) has no CUDA device: {visible} visible (no driver, or CUDA_VISIBLE_DEVICES)",
-                    self.env.rank
-                ),
-            });
-        }
+        self.check_devices(cuda_device_count())?;
         let ctx = CudaContext::new(local)?;
         ctx.bind_to_thread()?;
         let stream = Stream::Cuda(ctx.new_stream()?);
@@ -617,6 +621,50 @@ impl ProcessLauncher {
             comm,
             stream,
             board: None,
+        })
+    }
+}
+
+impl ProcessLauncher {
+    /// Whether this node has a GPU for the local rank, given `visible` CUDA devices: an
+    /// error naming `CUDA_VISIBLE_DEVICES` and the count otherwise. When the launcher says
+    /// how many processes run on this node (`LOCAL_WORLD_SIZE` and the like), every one of
+    /// them fails alike when there are too few GPUs for all of them, before any rendezvous.
+    pub fn check_devices(&self, visible: usize) -> Result<()> {
+        let local = self.env.device();
+        let needed = self.env.local_world_size.unwrap_or(0).max(local + 1);
+        if visible >= needed {
+            return Ok(());
+        }
+        let cvd = match std::env::var("CUDA_VISIBLE_DEVICES") {
+            Ok(v) => format!("CUDA_VISIBLE_DEVICES={v:?}"),
+            Err(_) => "CUDA_VISIBLE_DEVICES is unset".into(),
+        };
+        let gpus = if visible == 1 { "GPU" } else { "GPUs" };
+        let local_size_var = match self.env.source {
+            crate::launch::env::EnvSource::Torchrun => "LOCAL_WORLD_SIZE",
+            crate::launch::env::EnvSource::OpenMpi => "OMPI_COMM_WORLD_LOCAL_SIZE",
+            crate::launch::env::EnvSource::Slurm => "SLURM_NTASKS_PER_NODE",
+        };
+        let why = match self.env.local_world_size {
+            _ if visible == 0 => format!(
+                "this process sees no CUDA GPU ({cvd}; or no CUDA driver), and each rank needs one"
+            ),
+            Some(n) if n > visible => format!(
+                "this node runs {n} ranks ({local_size_var}={n}), one GPU each, but this process sees \
+                 {visible} CUDA {gpus} ({cvd}); start at most {visible} processes per node \
+                 (e.g. torchrun --nproc_per_node={visible})"
+            ),
+            _ => format!(
+                "it needs the GPU of its local rank but this process sees {visible} CUDA {gpus} ({cvd})"
+            ),
+        };
+        Err(Error::InvalidArgument {
+            op: "ProcessLauncher::join",
+            reason: format!(
+                "rank {} (local rank {local}) has no CUDA device: {why}",
+                self.env.rank
+            ),
         })
     }
 }

@@ -5,11 +5,10 @@
 
 use sha2::{Digest, Sha256};
 use std::io::{self, Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Largest frame body either side accepts.
 pub(crate) const MAX_FRAME: usize = 4096;
@@ -31,9 +30,12 @@ pub(crate) const R_WORLD: u8 = 2;
 pub(crate) const R_RANGE: u8 = 3;
 pub(crate) const R_DUPLICATE: u8 = 4;
 pub(crate) const R_BUSY: u8 = 5;
+pub(crate) const R_IN_PROGRESS: u8 = 6;
 
-/// Most connections a server handles at once; more are refused with `R_BUSY` at once.
+/// Most connections a server keeps open at once (see [`Conns`]).
 pub(crate) const MAX_CONNECTIONS: usize = 256;
+/// Most connections a server keeps open from one peer address.
+pub(crate) const MAX_PER_PEER: usize = 64;
 
 pub(crate) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
     let len = u32::try_from(body.len())
@@ -157,34 +159,191 @@ pub(crate) fn bound_waits(s: &TcpStream, t: Duration) -> io::Result<()> {
     Ok(())
 }
 
+/// A stream whose reads and writes, together, end by one deadline: before each call the
+/// socket's timeout is set to the time left, so a peer sending one byte at a time cannot
+/// stretch a frame (or a whole handshake) past it.
+pub(crate) struct Deadlined<'a> {
+    s: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl<'a> Deadlined<'a> {
+    pub(crate) fn new(s: &'a TcpStream, deadline: Instant) -> Self {
+        Deadlined { s, deadline }
+    }
+
+    /// Moves the deadline to `deadline` (for an authenticated peer whose request takes
+    /// longer than a handshake).
+    pub(crate) fn extend_to(&mut self, deadline: Instant) {
+        self.deadline = self.deadline.max(deadline);
+    }
+
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the connection's deadline passed",
+            ));
+        }
+        Ok(left)
+    }
+}
+
+fn timed_out(e: io::Error) -> io::Error {
+    if e.kind() == io::ErrorKind::WouldBlock {
+        io::Error::new(io::ErrorKind::TimedOut, "the connection's deadline passed")
+    } else {
+        e
+    }
+}
+
+impl Read for Deadlined<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.s.set_read_timeout(Some(self.left()?))?;
+        (&mut &*self.s).read(buf).map_err(timed_out)
+    }
+}
+
+impl Write for Deadlined<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.s.set_write_timeout(Some(self.left()?))?;
+        (&mut &*self.s).write(buf).map_err(timed_out)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        (&mut &*self.s).flush()
+    }
+}
+
+/// How many connections a server keeps open at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Limits {
+    /// Open connections in all.
+    pub total: usize,
+    /// Open connections from one peer address.
+    pub per_peer: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            total: MAX_CONNECTIONS,
+            per_peer: MAX_PER_PEER,
+        }
+    }
+}
+
+struct Entry {
+    id: u64,
+    peer: IpAddr,
+    authenticated: bool,
+    /// A handle on the same socket, to close it when the connection is evicted.
+    stream: TcpStream,
+}
+
+/// The connections a server has open. When a new one would pass a limit, the oldest
+/// connection that has not yet authenticated (of that peer address, or of all) is closed to
+/// make room: a stranger's idle or slow connections cannot keep a rank out, since a rank
+/// authenticates one round trip after connecting. Only when every open connection has
+/// authenticated is the newcomer told `R_BUSY` (it retries until its deadline).
+#[derive(Default)]
+pub(crate) struct Conns {
+    inner: Mutex<(u64, Vec<Entry>)>,
+}
+
+impl Conns {
+    fn evict_oldest(open: &mut Vec<Entry>, peer: Option<IpAddr>) -> bool {
+        let victim = open
+            .iter()
+            .position(|e| !e.authenticated && peer.is_none_or(|p| e.peer == p));
+        match victim {
+            Some(i) => {
+                let e = open.remove(i);
+                let _ = e.stream.shutdown(Shutdown::Both);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Registers a new connection from `peer`, making room under `limits`; `None` when
+    /// there is none to make.
+    fn admit(self: &Arc<Self>, stream: &TcpStream, peer: IpAddr, limits: Limits) -> Option<Slot> {
+        let handle = stream.try_clone().ok()?;
+        let mut g = self.inner.lock().ok()?;
+        let (next, open) = &mut *g;
+        if open.iter().filter(|e| e.peer == peer).count() >= limits.per_peer.max(1)
+            && !Self::evict_oldest(open, Some(peer))
+        {
+            return None;
+        }
+        if open.len() >= limits.total.max(1) && !Self::evict_oldest(open, None) {
+            return None;
+        }
+        *next += 1;
+        open.push(Entry {
+            id: *next,
+            peer,
+            authenticated: false,
+            stream: handle,
+        });
+        Some(Slot {
+            conns: Arc::clone(self),
+            id: *next,
+        })
+    }
+}
+
+/// One admitted connection's place in [`Conns`]; freed when dropped.
+pub(crate) struct Slot {
+    conns: Arc<Conns>,
+    id: u64,
+}
+
+impl Slot {
+    /// The peer proved it holds the token: it is no longer evicted to make room.
+    pub(crate) fn authenticated(&self) {
+        if let Ok(mut g) = self.conns.inner.lock() {
+            if let Some(e) = g.1.iter_mut().find(|e| e.id == self.id) {
+                e.authenticated = true;
+            }
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Ok(mut g) = self.conns.inner.lock() {
+            g.1.retain(|e| e.id != self.id);
+        }
+    }
+}
+
 /// Accepts at most one connection from the non-blocking `listener` and hands it to
-/// `handle` on its own thread (errors of `handle` only drop that peer). Over
-/// [`MAX_CONNECTIONS`] open ones, the peer gets a `R_BUSY` refusal instead. With nothing to
-/// accept (or a transient error such as `EMFILE`) it sleeps 5 ms.
+/// `handle` on its own thread (errors of `handle` only drop that peer), after making room
+/// for it under `limits` (see [`Conns`]); when there is none, the peer gets an `R_BUSY`
+/// refusal in place of the hello. With nothing to accept (or a transient error such as
+/// `EMFILE`) it sleeps 5 ms.
 pub(crate) fn accept_one(
     listener: &TcpListener,
-    active: &Arc<AtomicUsize>,
+    conns: &Arc<Conns>,
+    limits: Limits,
     thread_name: &str,
-    handle: impl FnOnce(TcpStream) + Send + 'static,
+    handle: impl FnOnce(TcpStream, Slot) + Send + 'static,
 ) {
     match listener.accept() {
-        Ok((mut stream, _peer)) => {
-            if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+        Ok((mut stream, peer)) => {
+            let Some(slot) = conns.admit(&stream, peer.ip(), limits) else {
+                let _ = stream.set_nonblocking(false);
                 let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
                 let _ = write_frame(&mut stream, &refuse(R_BUSY, 0, 0));
                 return;
-            }
-            active.fetch_add(1, Ordering::SeqCst);
-            let active2 = Arc::clone(active);
-            let spawned = thread::Builder::new()
+            };
+            // A failed spawn drops the closure, and with it the stream and the slot.
+            let _ = thread::Builder::new()
                 .name(thread_name.into())
-                .spawn(move || {
-                    handle(stream);
-                    active2.fetch_sub(1, Ordering::SeqCst);
-                });
-            if spawned.is_err() {
-                active.fetch_sub(1, Ordering::SeqCst);
-            }
+                .spawn(move || handle(stream, slot));
         }
         Err(_) => thread::sleep(Duration::from_millis(5)),
     }
@@ -254,7 +413,8 @@ pub(crate) fn read_auth(s: &mut impl Read, token: &[u8], sn: &[u8; N]) -> io::Re
     Ok(Some(Auth { rank, world, cn }))
 }
 
-/// A `REFUSE` frame with its code and two numbers.
+/// A `REFUSE` frame with its code and two numbers, as sent before the peer authenticated
+/// (a wrong token, or busy).
 pub(crate) fn refuse(code: u8, a: u32, b: u32) -> Vec<u8> {
     let mut v = vec![REFUSE, code];
     v.extend_from_slice(&a.to_be_bytes());
@@ -262,14 +422,75 @@ pub(crate) fn refuse(code: u8, a: u32, b: u32) -> Vec<u8> {
     v
 }
 
-/// The code and numbers of a `REFUSE` frame.
+/// A `REFUSE` frame sent after the peer authenticated: followed by
+/// `HMAC(token, "refuse" | sn | cn | rank | world | frame)`, so a relay cannot forge it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn refuse_authed(
+    token: &[u8],
+    sn: &[u8; N],
+    cn: &[u8; N],
+    rank: u32,
+    world: u32,
+    code: u8,
+    a: u32,
+    b: u32,
+) -> Vec<u8> {
+    let mut v = refuse(code, a, b);
+    let mac = refuse_mac(token, sn, cn, rank, world, &v);
+    v.extend_from_slice(&mac);
+    v
+}
+
+fn refuse_mac(
+    token: &[u8],
+    sn: &[u8; N],
+    cn: &[u8; N],
+    rank: u32,
+    world: u32,
+    f: &[u8],
+) -> [u8; N] {
+    hmac(
+        token,
+        &[
+            b"refuse",
+            sn,
+            cn,
+            &rank.to_be_bytes(),
+            &world.to_be_bytes(),
+            f,
+        ],
+    )
+}
+
+/// Whether `frame` is a `REFUSE` frame carrying a valid MAC (see [`refuse_authed`]).
+pub(crate) fn refuse_is_authentic(
+    frame: &[u8],
+    token: &[u8],
+    sn: &[u8; N],
+    cn: &[u8; N],
+    rank: u32,
+    world: u32,
+) -> bool {
+    frame.len() == 10 + N
+        && ct_eq(
+            &frame[10..],
+            &refuse_mac(token, sn, cn, rank, world, &frame[..10]),
+        )
+}
+
+/// The code and numbers of a `REFUSE` frame (with or without its MAC).
 pub(crate) fn parse_refuse(frame: &[u8]) -> Option<(u8, usize, usize)> {
-    if frame.len() != 10 || frame[0] != REFUSE {
+    if (frame.len() != 10 && frame.len() != 10 + N) || frame[0] != REFUSE {
         return None;
     }
     let a = u32::from_be_bytes([frame[2], frame[3], frame[4], frame[5]]) as usize;
     let b = u32::from_be_bytes([frame[6], frame[7], frame[8], frame[9]]) as usize;
     Some((frame[1], a, b))
+}
+
+/// Whether a frame read in place of the hello is the server's busy refusal.
+pub(crate) fn is_busy(frame: &[u8]) -> bool {
+    matches!(parse_refuse(frame), Some((R_BUSY, _, _)))
 }
 
 #[cfg(test)]

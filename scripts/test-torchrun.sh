@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# nccl-safe under PyTorch's real torchrun, no GPU needed:
+#   1. `torchrun --nproc_per_node=4 --no-python` on the launcher test's child rank: every
+#      rank gets the unique id through torchrun's agent store (nothing bound, no token), and
+#      all four print byte-identical ids; then, without a GPU, every rank fails to join with
+#      the same clear error, and none hangs;
+#   2. the allreduce example under torchrun with `--launcher env --backend nccl`: every rank
+#      fails at once with the same clear error naming CUDA_VISIBLE_DEVICES (without a GPU);
+#   3. `--launcher env --backend host` is refused with the reason;
+#   4. the c10d store client against PyTorch's own TCPStore servers (libuv, torchrun's
+#      default, and the older one): every request, a wait that times out, the board.
+# PyTorch comes from PyPI into a venv (default $NCCL_SAFE_CACHE/torch-venv, i.e.
+# ~/.cache/nccl-safe/torch-venv; set NCCL_SAFE_TORCH_VENV to use another). PyPI's torch wheel
+# brings its CUDA libraries (about 5 GB installed, 2-3 minutes the first time): torchrun
+# imports torch, which loads them even on a machine without a GPU. Without network access
+# the script says why it skips. With the venv in place it takes about 20 s.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+t0=$(date +%s)
+cache="${NCCL_SAFE_CACHE:-$HOME/.cache/nccl-safe}"
+venv="${NCCL_SAFE_TORCH_VENV:-$cache/torch-venv}"
+skip() { echo "test-torchrun: SKIPPED: $*"; exit 0; }
+fail() { echo "test-torchrun: FAILED: $*" >&2; exit 1; }
+
+if [ ! -x "$venv/bin/torchrun" ]; then
+  py="$(command -v python3 || command -v python)" || skip "no python3 to create a venv with"
+  "$py" -m venv "$venv" || skip "python3 -m venv $venv failed (install python3-venv)"
+  echo "installing torch from PyPI into $venv (about 5 GB with its CUDA libraries, 2-3 minutes) ..."
+  if ! "$venv/bin/pip" install --quiet torch; then
+    rm -rf "$venv"
+    skip "pip could not install torch from PyPI (no network access?)"
+  fi
+fi
+torchrun="$venv/bin/torchrun"
+"$venv/bin/python" -W ignore -c "import torch.distributed.run" 2>/dev/null \
+  || skip "torch in $venv cannot import torch.distributed.run"
+echo "torch $("$venv/bin/python" -W ignore -c 'import torch; print(torch.__version__)' 2>/dev/null) at $venv"
+
+nccl_dir="$(scripts/fetch-nccl.sh | tail -n 1)"
+export NCCL_LIBRARY="$nccl_dir/2.32.3/nvidia/nccl/lib/libnccl.so.2"
+unset NCCL_SAFE_RENDEZVOUS_TOKEN CUDA_VISIBLE_DEVICES
+
+echo "building the launcher test and the allreduce example ..."
+exe="$(cargo test --test launcher --no-run --message-format=json 2>/dev/null \
+  | "$venv/bin/python" -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "launcher":
+        print(m["executable"])')"
+[ -x "$exe" ] || fail "could not build tests/launcher.rs"
+cargo build --quiet --example allreduce
+example="${CARGO_TARGET_DIR:-target}/debug/examples/allreduce"
+
+logs="$(mktemp -d)"
+trap 'rm -rf "$logs"' EXIT
+# torchrun's own chatter (warnings about OMP_NUM_THREADS, NumPy) is left in the logs.
+run() { # name timeout args...
+  local name="$1" limit="$2"; shift 2
+  local s; s=$(date +%s)
+  set +e
+  timeout --kill-after=10 "$limit" "$torchrun" --standalone "$@" >"$logs/$name" 2>&1
+  local rc=$?
+  set -e
+  echo "  $name: exit $rc after $(( $(date +%s) - s ))s"
+  [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] || { cat "$logs/$name"; fail "$name hung (killed after ${limit}s)"; }
+  return "$rc"
+}
+same_error() { # log pattern count
+  local lines n distinct
+  lines="$(grep -E "$2" "$1" | sed -E 's/rank [0-9]+ \(local rank [0-9]+\)/rank R (local rank R)/')"
+  n="$(printf '%s\n' "$lines" | grep -c . || true)"
+  distinct="$(printf '%s\n' "$lines" | sort -u | grep -c . || true)"
+  [ "$n" -eq "$3" ] && [ "$distinct" -eq 1 ] || { cat "$1"; fail "expected $3 identical '$2' lines, got $n ($distinct distinct)"; }
+  printf '%s\n' "$lines" | head -n 1
+}
+
+echo "1. four ranks exchange the id through torchrun's agent store, then fail to join alike"
+NCCL_SAFE_TEST_LAUNCH_CHILD=1 run ids 120 --nproc_per_node=4 --no-python \
+  "$exe" --exact child_rank_entry --nocapture --test-threads=1 \
+  || { cat "$logs/ids"; fail "a rank failed the id exchange"; }
+ids="$(grep -o '@@ID=[0-9a-f]*' "$logs/ids" || true)"
+[ "$(printf '%s\n' "$ids" | grep -c .)" -eq 4 ] || { cat "$logs/ids"; fail "expected 4 ids"; }
+[ "$(printf '%s\n' "$ids" | sort -u | wc -l)" -eq 1 ] || { printf '%s\n' "$ids"; fail "the ranks got different ids"; }
+[ "$(printf '%s\n' "$ids" | head -n 1 | wc -c)" -eq $((5 + 256 + 1)) ] || fail "an id is not 128 bytes"
+echo "  all 4 ranks: ${ids:0:37}... (byte-identical)"
+echo "  each rank: $(same_error "$logs/ids" '@@INIT=error: .*no CUDA device' 4)"
+
+echo "2. the allreduce example under torchrun, --launcher env --backend nccl"
+if run allreduce 120 --nproc_per_node=4 --no-python "$example" --launcher env --backend nccl --count 16; then
+  fail "the example succeeded without a GPU"
+fi
+echo "  each rank: $(same_error "$logs/allreduce" '^error: .*no CUDA device.*CUDA_VISIBLE_DEVICES' 4)"
+
+echo "3. --launcher env --backend host is refused"
+if run host 60 --nproc_per_node=1 --no-python "$example" --launcher env --backend host; then
+  fail "--launcher env --backend host ran"
+fi
+grep -q 'thread of one process' "$logs/host" || { cat "$logs/host"; fail "no reason given"; }
+echo "  $(grep -o '^error: .*' "$logs/host" | head -n 1 | cut -c1-160)..."
+
+echo "4. the store client against PyTorch's own TCPStore servers (libuv and the older one)"
+store_exe="$(cargo test --test store --no-run --message-format=json 2>/dev/null \
+  | "$venv/bin/python" -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "store":
+        print(m["executable"])')"
+[ -x "$store_exe" ] || fail "could not build tests/store.rs"
+timeout --kill-after=10 120 "$venv/bin/python" -W ignore - "$store_exe" >"$logs/real-store" 2>&1 <<'PY' \
+  || { cat "$logs/real-store"; fail "the store client failed against PyTorch's server"; }
+import os, subprocess, sys
+from datetime import timedelta
+import torch.distributed as dist
+for libuv in (True, False):
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30),
+                          wait_for_workers=False, use_libuv=libuv)
+    env = dict(os.environ, NCCL_SAFE_TEST_C10D_STORE=f"127.0.0.1:{store.port}")
+    out = subprocess.run([sys.argv[1], "--exact", "against_a_real_pytorch_store", "--nocapture"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    ok = out.returncode == 0 and "@@REAL-STORE-OK" in out.stdout
+    print(f"  use_libuv={libuv}: {'ok' if ok else 'FAILED'}")
+    if not ok:
+        print(out.stdout, out.stderr)
+        sys.exit(1)
+PY
+cat "$logs/real-store"
+
+echo "test-torchrun: OK in $(( $(date +%s) - t0 ))s"

@@ -1,0 +1,665 @@
+//! A client of PyTorch's c10d `TCPStore`, the key-value store torchrun's agent serves on
+//! `MASTER_ADDR:MASTER_PORT`, and the id exchange and desync board built on it.
+//!
+//! Under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`), PyTorch's own workers bind nothing:
+//! they connect to the agent's store and exchange what they need through it. [`StoreRendezvous`]
+//! does the same for the NCCL unique id: rank 0 sets it under a key unique to the job's run id
+//! and restart count (so a restarted job never reads the id of its previous attempt), and the
+//! other ranks wait for that key. No token is needed: the store is the job's boundary, as it
+//! is for PyTorch.
+//!
+//! # Wire format
+//! As PyTorch's `TCPStore` client speaks it (`torch/csrc/distributed/c10d/TCPStore.cpp`,
+//! with the query types of `TCPStoreBackend.hpp`; both the libuv server, torchrun's default,
+//! and the older one answer it). Numbers are in the host's byte order, which is
+//! little-endian on every platform PyTorch ships for; strings and byte vectors are a `u64`
+//! length and the bytes. Each request is a query-type byte and its arguments:
+//!
+//! | query | type | arguments | answer |
+//! |---|---|---|---|
+//! | `VALIDATE` | 0 | `u32` magic `0x3C85F7CE` | none (a wrong magic closes the connection) |
+//! | `SET` | 1 | key, value | none |
+//! | `COMPARE_SET` | 2 | key, expected, desired | the value now stored |
+//! | `GET` | 3 | key | the value |
+//! | `ADD` | 4 | key, `i64` delta | the new `i64` value |
+//! | `CHECK` | 5 | `u64` count, keys | `u8`: 0 all present, 1 not |
+//! | `WAIT` | 6 | `u64` count, keys | `u8` 0 (stop waiting) once all are present |
+//! | `CANCEL_WAIT` | 12 | none | `u8` 1 (wait canceled), after a 0 if the wait had just ended |
+//! | `PING` | 13 | `u32` nonce | the same `u32` |
+//!
+//! Every read of [`StoreClient`] ends by a deadline (one per request), every length the
+//! server sends is checked against [`MAX_VALUE_LEN`] before anything is allocated, and a
+//! server that answers garbage or closes mid-answer gives a [`StoreError`] naming its
+//! address and the request.
+
+use super::desync::clean_post;
+use super::env::ProcessEnv;
+use super::rendezvous::{RendezvousError, ID_LEN};
+use super::wire::Deadlined;
+use crate::diag::remote::RemoteBoard;
+use crate::diag::DesyncPost;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// The magic a client sends in its `VALIDATE` query.
+pub const VALIDATION_MAGIC: u32 = 0x3C85_F7CE;
+/// Largest value (or key) the client sends or accepts, in bytes.
+pub const MAX_VALUE_LEN: usize = 1 << 20;
+/// Default deadline of one request (and of connecting).
+pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(30);
+
+const VALIDATE: u8 = 0;
+const SET: u8 = 1;
+const COMPARE_SET: u8 = 2;
+const GET: u8 = 3;
+const ADD: u8 = 4;
+const CHECK: u8 = 5;
+const WAIT: u8 = 6;
+const CANCEL_WAIT: u8 = 12;
+const PING: u8 = 13;
+
+const READY: u8 = 0;
+const NOT_READY: u8 = 1;
+const STOP_WAITING: u8 = 0;
+const WAIT_CANCELED: u8 = 1;
+
+/// Why a store request failed. Every variant names the store's address and the request.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// No connection could be made.
+    #[error(
+        "could not connect to the c10d store at {addr}: {source}; check that torchrun's agent is running and MASTER_ADDR/MASTER_PORT"
+    )]
+    Connect {
+        /// `host:port` of the store.
+        addr: String,
+        /// The last connection error.
+        source: io::Error,
+    },
+    /// The store did not answer before the request's deadline.
+    #[error("the c10d store at {addr} did not answer {op} within {timeout:?}")]
+    Timeout {
+        /// `host:port` of the store.
+        addr: String,
+        /// The request.
+        op: String,
+        /// The deadline that passed.
+        timeout: Duration,
+    },
+    /// The keys waited for did not appear before the wait's timeout.
+    #[error(
+        "waited {timeout:?} on the c10d store at {addr} for {keys:?}, which never appeared: {hint}"
+    )]
+    WaitTimeout {
+        /// `host:port` of the store.
+        addr: String,
+        /// The keys.
+        keys: Vec<String>,
+        /// The wait's timeout.
+        timeout: Duration,
+        /// Who should have set them.
+        hint: String,
+    },
+    /// The store closed the connection in the middle of an answer (or before it).
+    #[error("the c10d store at {addr} closed the connection during {op}")]
+    Closed {
+        /// `host:port` of the store.
+        addr: String,
+        /// The request.
+        op: String,
+    },
+    /// The store answered something the protocol does not allow.
+    #[error("the c10d store at {addr} answered {op} with {detail}: is MASTER_PORT the torchrun agent's store?")]
+    Protocol {
+        /// `host:port` of the store.
+        addr: String,
+        /// The request.
+        op: String,
+        /// What was wrong.
+        detail: String,
+    },
+    /// A key or value is longer than [`MAX_VALUE_LEN`].
+    #[error("{op} at the c10d store at {addr}: a {what} of {len} bytes is over the {MAX_VALUE_LEN}-byte limit")]
+    TooLarge {
+        /// `host:port` of the store.
+        addr: String,
+        /// The request.
+        op: String,
+        /// "key", "value" or "answer".
+        what: &'static str,
+        /// Its length.
+        len: u64,
+    },
+    /// Another socket error.
+    #[error("{op} at the c10d store at {addr}: {source}")]
+    Io {
+        /// `host:port` of the store.
+        addr: String,
+        /// The request.
+        op: String,
+        /// The operating system's error.
+        source: io::Error,
+    },
+}
+
+/// One connection to a c10d `TCPStore` (see the [module docs](self) for the protocol).
+#[derive(Debug)]
+pub struct StoreClient {
+    addr: String,
+    stream: TcpStream,
+    timeout: Duration,
+    deadline: Option<Instant>,
+}
+
+/// `host:port`, with brackets around an IPv6 host.
+pub(crate) fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+impl StoreClient {
+    /// Connects to the store at `addr` (`host:port`), validates (sending the magic) and
+    /// pings it (checking the echo), each step ending within `timeout`.
+    pub fn connect(addr: &str, timeout: Duration) -> Result<StoreClient, StoreError> {
+        Self::connect_by(addr, timeout, None)
+    }
+
+    fn connect_by(
+        addr: &str,
+        timeout: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<StoreClient, StoreError> {
+        let fail = |source| StoreError::Connect {
+            addr: addr.to_string(),
+            source,
+        };
+        let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(fail)?.collect();
+        let mut last = io::Error::new(
+            io::ErrorKind::AddrNotAvailable,
+            "the name resolved to no address",
+        );
+        let mut stream = None;
+        for a in addrs {
+            let left = deadline.map_or(timeout, |d| {
+                d.saturating_duration_since(Instant::now()).min(timeout)
+            });
+            if left.is_zero() {
+                last = io::ErrorKind::TimedOut.into();
+                break;
+            }
+            match TcpStream::connect_timeout(&a, left) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = e,
+            }
+        }
+        let stream = stream.ok_or(last).map_err(fail)?;
+        let _ = stream.set_nodelay(true);
+        let mut c = StoreClient {
+            addr: addr.to_string(),
+            stream,
+            timeout: timeout.max(Duration::from_millis(1)),
+            deadline,
+        };
+        let mut q = vec![VALIDATE];
+        q.extend_from_slice(&VALIDATION_MAGIC.to_le_bytes());
+        c.send("VALIDATE", &q)?;
+        c.ping()?;
+        Ok(c)
+    }
+
+    /// The store's address.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Sets a deadline no request goes past (on top of each request's own timeout).
+    pub fn bounded_by(mut self, deadline: Instant) -> StoreClient {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    fn op_deadline(&self, t: Duration) -> Instant {
+        let d = Instant::now() + t;
+        self.deadline.map_or(d, |o| o.min(d))
+    }
+
+    fn err(&self, op: &str) -> impl Fn(io::Error) -> StoreError + '_ {
+        let op = op.to_string();
+        move |e| match e.kind() {
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => StoreError::Timeout {
+                addr: self.addr.clone(),
+                op: op.clone(),
+                timeout: self.timeout,
+            },
+            io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe => StoreError::Closed {
+                addr: self.addr.clone(),
+                op: op.clone(),
+            },
+            _ => StoreError::Io {
+                addr: self.addr.clone(),
+                op: op.clone(),
+                source: e,
+            },
+        }
+    }
+
+    fn protocol(&self, op: &str, detail: String) -> StoreError {
+        StoreError::Protocol {
+            addr: self.addr.clone(),
+            op: op.to_string(),
+            detail,
+        }
+    }
+
+    fn send(&mut self, op: &str, bytes: &[u8]) -> Result<(), StoreError> {
+        let by = self.op_deadline(self.timeout);
+        let mut s = Deadlined::new(&self.stream, by);
+        s.write_all(bytes)
+            .and_then(|()| s.flush())
+            .map_err(self.err(op))
+    }
+
+    fn read_exact_by(&self, op: &str, buf: &mut [u8], by: Instant) -> Result<(), StoreError> {
+        Deadlined::new(&self.stream, by)
+            .read_exact(buf)
+            .map_err(self.err(op))
+    }
+
+    fn read_u8(&self, op: &str, by: Instant) -> Result<u8, StoreError> {
+        let mut b = [0u8; 1];
+        self.read_exact_by(op, &mut b, by)?;
+        Ok(b[0])
+    }
+
+    fn read_bytes(&self, op: &str, by: Instant) -> Result<Vec<u8>, StoreError> {
+        let mut len = [0u8; 8];
+        self.read_exact_by(op, &mut len, by)?;
+        let len = u64::from_le_bytes(len);
+        if len > MAX_VALUE_LEN as u64 {
+            return Err(StoreError::TooLarge {
+                addr: self.addr.clone(),
+                op: op.to_string(),
+                what: "answer",
+                len,
+            });
+        }
+        let mut v = vec![0u8; len as usize];
+        self.read_exact_by(op, &mut v, by)?;
+        Ok(v)
+    }
+
+    fn put_bytes(
+        &self,
+        q: &mut Vec<u8>,
+        op: &str,
+        what: &'static str,
+        b: &[u8],
+    ) -> Result<(), StoreError> {
+        if b.len() > MAX_VALUE_LEN {
+            return Err(StoreError::TooLarge {
+                addr: self.addr.clone(),
+                op: op.to_string(),
+                what,
+                len: b.len() as u64,
+            });
+        }
+        q.extend_from_slice(&(b.len() as u64).to_le_bytes());
+        q.extend_from_slice(b);
+        Ok(())
+    }
+
+    fn keys_query(&self, kind: u8, op: &str, keys: &[&str]) -> Result<Vec<u8>, StoreError> {
+        let mut q = vec![kind];
+        q.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+        for k in keys {
+            self.put_bytes(&mut q, op, "key", k.as_bytes())?;
+        }
+        Ok(q)
+    }
+
+    /// Checks that the store answers: sends a nonce and expects it back.
+    pub fn ping(&mut self) -> Result<(), StoreError> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let nonce = std::process::id().rotate_left(16) ^ nanos;
+        let mut q = vec![PING];
+        q.extend_from_slice(&nonce.to_le_bytes());
+        self.send("PING", &q)?;
+        let mut b = [0u8; 4];
+        self.read_exact_by("PING", &mut b, self.op_deadline(self.timeout))?;
+        let got = u32::from_le_bytes(b);
+        if got != nonce {
+            return Err(self.protocol("PING", format!("the nonce {got:#x} instead of {nonce:#x}")));
+        }
+        Ok(())
+    }
+
+    /// Stores `value` under `key` (replacing any value).
+    pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        let op = format!("SET {key:?}");
+        let mut q = vec![SET];
+        self.put_bytes(&mut q, &op, "key", key.as_bytes())?;
+        self.put_bytes(&mut q, &op, "value", value)?;
+        self.send(&op, &q)
+    }
+
+    /// The value of `key`, waiting up to `timeout` for it to be set.
+    pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
+        self.wait(&[key], timeout)?;
+        self.get_now(key)
+    }
+
+    /// The value of `key`, which must be set already (the store may answer an empty value
+    /// otherwise, or create the key).
+    fn get_now(&mut self, key: &str) -> Result<Vec<u8>, StoreError> {
+        let op = format!("GET {key:?}");
+        let mut q = vec![GET];
+        self.put_bytes(&mut q, &op, "key", key.as_bytes())?;
+        self.send(&op, &q)?;
+        self.read_bytes(&op, self.op_deadline(self.timeout))
+    }
+
+    /// Sets `key` to `desired` if it holds `expected` (or, with `expected` empty, if it is
+    /// unset); returns the value stored afterwards.
+    pub fn compare_set(
+        &mut self,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+    ) -> Result<Vec<u8>, StoreError> {
+        let op = format!("COMPARE_SET {key:?}");
+        let mut q = vec![COMPARE_SET];
+        self.put_bytes(&mut q, &op, "key", key.as_bytes())?;
+        self.put_bytes(&mut q, &op, "value", expected)?;
+        self.put_bytes(&mut q, &op, "value", desired)?;
+        self.send(&op, &q)?;
+        self.read_bytes(&op, self.op_deadline(self.timeout))
+    }
+
+    /// Adds `delta` to the integer under `key` (0 when unset); returns the new value.
+    pub fn add(&mut self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        let op = format!("ADD {key:?}");
+        let mut q = vec![ADD];
+        self.put_bytes(&mut q, &op, "key", key.as_bytes())?;
+        q.extend_from_slice(&delta.to_le_bytes());
+        self.send(&op, &q)?;
+        let mut b = [0u8; 8];
+        self.read_exact_by(&op, &mut b, self.op_deadline(self.timeout))?;
+        Ok(i64::from_le_bytes(b))
+    }
+
+    /// Whether every key in `keys` is set, without waiting.
+    pub fn check(&mut self, keys: &[&str]) -> Result<bool, StoreError> {
+        let op = format!("CHECK {keys:?}");
+        let q = self.keys_query(CHECK, &op, keys)?;
+        self.send(&op, &q)?;
+        match self.read_u8(&op, self.op_deadline(self.timeout))? {
+            READY => Ok(true),
+            NOT_READY => Ok(false),
+            b => Err(self.protocol(
+                &op,
+                format!("the byte {b}, neither ready (0) nor not ready (1)"),
+            )),
+        }
+    }
+
+    /// Waits until every key in `keys` is set, at most `timeout`; then the wait is canceled
+    /// on the server and [`StoreError::WaitTimeout`] returned.
+    pub fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
+        let op = format!("WAIT {keys:?}");
+        let q = self.keys_query(WAIT, &op, keys)?;
+        self.send(&op, &q)?;
+        let by = self.op_deadline(timeout);
+        match self.read_u8(&op, by) {
+            Ok(STOP_WAITING) => return Ok(()),
+            Ok(b) => {
+                return Err(self.protocol(&op, format!("the byte {b} instead of stop-waiting (0)")))
+            }
+            Err(StoreError::Timeout { .. }) => {}
+            Err(e) => return Err(e),
+        }
+        // Timed out: cancel the wait; the server answers canceled, after a stop-waiting if
+        // the keys appeared meanwhile.
+        self.send("CANCEL_WAIT", &[CANCEL_WAIT])?;
+        let by = self.op_deadline(self.timeout);
+        let canceled = |b: u8, c: &Self| {
+            if b == WAIT_CANCELED {
+                Ok(())
+            } else {
+                Err(c.protocol(
+                    "CANCEL_WAIT",
+                    format!("the byte {b} instead of wait-canceled (1)"),
+                ))
+            }
+        };
+        match self.read_u8("CANCEL_WAIT", by)? {
+            STOP_WAITING => {
+                canceled(self.read_u8("CANCEL_WAIT", by)?, self)?;
+                Ok(())
+            }
+            b => {
+                canceled(b, self)?;
+                Err(StoreError::WaitTimeout {
+                    addr: self.addr.clone(),
+                    keys: keys.iter().map(|k| k.to_string()).collect(),
+                    timeout,
+                    hint: String::new(),
+                })
+            }
+        }
+    }
+}
+
+/// Counts the store rendezvous of this process, so a second communicator of the same job
+/// uses fresh keys (every rank creates its communicators in the same order).
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// The NCCL id exchange through torchrun's agent store (see the [module docs](self)).
+#[derive(Debug, Clone)]
+pub struct StoreRendezvous {
+    addr: String,
+    prefix: String,
+    timeout: Duration,
+    io_timeout: Duration,
+}
+
+impl StoreRendezvous {
+    /// The exchange through the store at `addr` (`host:port`), under keys starting with
+    /// `prefix` (unique to the job and its attempt).
+    pub fn new(addr: impl Into<String>, prefix: impl Into<String>) -> StoreRendezvous {
+        StoreRendezvous {
+            addr: addr.into(),
+            prefix: prefix.into(),
+            timeout: super::rendezvous::DEFAULT_TIMEOUT,
+            io_timeout: DEFAULT_STORE_TIMEOUT,
+        }
+    }
+
+    /// Under torchrun with the agent's store (`TORCHELASTIC_USE_AGENT_STORE=True`): the
+    /// store at `MASTER_ADDR:MASTER_PORT`, keys under
+    /// `nccl-safe/<TORCHELASTIC_RUN_ID>/attempt_<TORCHELASTIC_RESTART_COUNT>/<n>/`, where
+    /// `n` counts the exchanges of this process. `None` for other launchers.
+    pub fn from_env(env: &ProcessEnv) -> Option<StoreRendezvous> {
+        let e = env.elastic.as_ref().filter(|e| e.use_agent_store)?;
+        let n = GENERATION.fetch_add(1, Ordering::Relaxed);
+        Some(StoreRendezvous::new(
+            host_port(&env.master_addr, env.master_port),
+            format!("nccl-safe/{}/attempt_{}/{n}/", e.run_id, e.restart_count),
+        ))
+    }
+
+    /// Sets how long a rank waits for rank 0's id (default 300 s).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets the deadline of each request other than that wait (default 30 s).
+    pub fn with_io_timeout(mut self, io_timeout: Duration) -> Self {
+        self.io_timeout = io_timeout;
+        self
+    }
+
+    /// The store's address.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The key the id is stored under.
+    pub fn id_key(&self) -> String {
+        format!("{}unique_id", self.prefix)
+    }
+
+    fn connect(&self) -> Result<StoreClient, StoreError> {
+        StoreClient::connect(&self.addr, self.io_timeout)
+    }
+
+    /// Rank 0: stores `id` (with the world size) under [`id_key`](Self::id_key).
+    pub fn publish(&self, world_size: usize, id: &[u8; ID_LEN]) -> Result<(), RendezvousError> {
+        let world = u32::try_from(world_size).map_err(|_| RendezvousError::InvalidRank {
+            rank: 0,
+            world_size,
+        })?;
+        let mut v = Vec::with_capacity(4 + ID_LEN);
+        v.extend_from_slice(&world.to_le_bytes());
+        v.extend_from_slice(id);
+        let mut c = self.connect()?;
+        c.set(&self.id_key(), &v)?;
+        // A round trip, so the value is known to be stored when this returns.
+        c.ping()?;
+        Ok(())
+    }
+
+    /// Ranks other than 0: waits for rank 0's id, checking the world size.
+    pub fn read(&self, rank: usize, world_size: usize) -> Result<[u8; ID_LEN], RendezvousError> {
+        let key = self.id_key();
+        let mut c = self.connect()?;
+        let v = c.get(&key, self.timeout).map_err(|e| match e {
+            StoreError::WaitTimeout {
+                addr,
+                keys,
+                timeout,
+                ..
+            } => StoreError::WaitTimeout {
+                addr,
+                keys,
+                timeout,
+                hint: format!(
+                    "rank {rank} waited for rank 0 to publish the unique id; check that rank 0 started and reached \
+                     the rendezvous (its own error says why not)"
+                ),
+            },
+            e => e,
+        })?;
+        if v.len() != 4 + ID_LEN {
+            return Err(StoreError::Protocol {
+                addr: self.addr.clone(),
+                op: format!("GET {key:?}"),
+                detail: format!(
+                    "a value of {} bytes, not a {}-byte world size and id",
+                    v.len(),
+                    4 + ID_LEN
+                ),
+            }
+            .into());
+        }
+        let world = u32::from_le_bytes([v[0], v[1], v[2], v[3]]) as usize;
+        if world != world_size {
+            return Err(RendezvousError::Refused {
+                addr: self.addr.clone(),
+                rank,
+                reason: super::rendezvous::Refusal::WorldSizeMismatch {
+                    server: world,
+                    client: world_size,
+                },
+            });
+        }
+        let mut id = [0u8; ID_LEN];
+        id.copy_from_slice(&v[4..]);
+        Ok(id)
+    }
+
+    /// The job's desync board on the same store, under the same prefix.
+    pub fn board(&self, world_size: usize) -> StoreBoard {
+        StoreBoard {
+            addr: self.addr.clone(),
+            prefix: format!("{}desync/", self.prefix),
+            world_size,
+            io_timeout: self.io_timeout.min(Duration::from_secs(2)),
+        }
+    }
+}
+
+/// The desync board kept in the c10d store: each rank's post under
+/// `<prefix>desync/<rank>`; control characters in posts read back are replaced with `?`.
+#[derive(Debug, Clone)]
+pub struct StoreBoard {
+    addr: String,
+    prefix: String,
+    world_size: usize,
+    io_timeout: Duration,
+}
+
+impl StoreBoard {
+    fn key(&self, rank: usize) -> String {
+        format!("{}{rank}", self.prefix)
+    }
+
+    /// Posts `post` as rank `rank`'s latest, giving up at `deadline`.
+    pub fn post_by(
+        &self,
+        rank: usize,
+        post: &DesyncPost,
+        deadline: Instant,
+    ) -> Result<(), StoreError> {
+        let mut c = StoreClient::connect_by(&self.addr, self.io_timeout, Some(deadline))?;
+        c.set(&self.key(rank), &post.encode())?;
+        c.ping()
+    }
+
+    /// Every rank's latest post, rank-indexed, giving up at `deadline`.
+    pub fn fetch_by(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, StoreError> {
+        let mut c = StoreClient::connect_by(&self.addr, self.io_timeout, Some(deadline))?;
+        let mut posts = Vec::with_capacity(self.world_size.min(1 << 16));
+        for r in 0..self.world_size {
+            let key = self.key(r);
+            if !c.check(&[&key])? {
+                posts.push(None);
+                continue;
+            }
+            let v = c.get_now(&key)?;
+            let post = DesyncPost::decode(&v).ok_or_else(|| {
+                c.protocol(
+                    &format!("GET {key:?}"),
+                    "a value that is not a desync post".into(),
+                )
+            })?;
+            posts.push(Some(clean_post(post)));
+        }
+        Ok(posts)
+    }
+}
+
+impl RemoteBoard for StoreBoard {
+    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<(), String> {
+        self.post_by(rank, post, deadline)
+            .map_err(|e| e.to_string())
+    }
+
+    fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, String> {
+        self.fetch_by(deadline).map_err(|e| e.to_string())
+    }
+}

@@ -1,0 +1,369 @@
+//! The c10d TCPStore client and the id exchange through torchrun's agent store, against a
+//! store server written in the test from PyTorch's protocol (loopback only).
+
+mod c10d;
+
+use c10d::{FakeStore, Mode};
+use nccl_safe::launch::env::ProcessEnv;
+use nccl_safe::launch::rendezvous::{Rendezvous, RendezvousError, ID_LEN};
+use nccl_safe::launch::store::{StoreClient, StoreError, StoreRendezvous};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(2);
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The bytes PyTorch 2.15's own `TCPStore` client sent to a store, captured on loopback:
+/// its validation, then `set("k", b"vv")` (which its Python binding stores as "/k").
+#[test]
+fn requests_are_byte_for_byte_what_pytorch_sends() {
+    let store = FakeStore::start(Mode::Honest);
+    let mut c = StoreClient::connect(&store.addr(), T).unwrap();
+    c.set("/k", b"vv").unwrap();
+    assert_eq!(c.get("/k", T).unwrap(), b"vv");
+    assert!(!c.check(&["/k", "/zz"]).unwrap());
+    assert_eq!(c.add("/n", 5).unwrap(), 5);
+    assert_eq!(c.compare_set("/k", b"vv", b"ww").unwrap(), b"ww");
+    let sent = hex(&store.received()[0]);
+    let expect = [
+        "00cef7853c", // VALIDATE, magic
+        "0d",         // PING (nonce follows)
+    ];
+    assert!(
+        sent.starts_with(&(expect[0].to_string() + expect[1])),
+        "{sent}"
+    );
+    let rest = &sent[(5 + 1 + 4) * 2..];
+    let pytorch = [
+        "0102000000000000002f6b02000000000000007676", // SET
+        "06010000000000000002000000000000002f6b",     // WAIT (before GET)
+        "0302000000000000002f6b",                     // GET
+        "05020000000000000002000000000000002f6b03000000000000002f7a7a", // CHECK
+        "0402000000000000002f6e0500000000000000",     // ADD
+        "0202000000000000002f6b0200000000000000767602000000000000007777", // COMPARE_SET
+    ]
+    .concat();
+    assert_eq!(rest, pytorch);
+}
+
+#[test]
+fn set_get_add_check_wait_round_trip() {
+    let store = FakeStore::start(Mode::Honest);
+    let mut c = StoreClient::connect(&store.addr(), T).unwrap();
+    assert!(!c.check(&["a"]).unwrap());
+    c.set("a", &[1, 2, 3]).unwrap();
+    assert!(c.check(&["a"]).unwrap());
+    assert_eq!(c.get("a", T).unwrap(), [1, 2, 3]);
+    assert_eq!(c.add("counter", 3).unwrap(), 3);
+    assert_eq!(c.add("counter", -1).unwrap(), 2);
+    assert_eq!(store.value("counter").unwrap(), b"2");
+    // A wait on a key another connection sets later ends when it is set.
+    let addr = store.addr();
+    let setter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        StoreClient::connect(&addr, T)
+            .unwrap()
+            .set("later", b"x")
+            .unwrap();
+    });
+    c.wait(&["a", "later"], Duration::from_secs(5)).unwrap();
+    setter.join().unwrap();
+    c.ping().unwrap();
+}
+
+#[test]
+fn a_wait_that_times_out_is_canceled_and_the_connection_goes_on() {
+    let store = FakeStore::start(Mode::Honest);
+    let mut c = StoreClient::connect(&store.addr(), T).unwrap();
+    let t0 = Instant::now();
+    let err = c.wait(&["never"], Duration::from_millis(300)).unwrap_err();
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
+    assert!(matches!(err, StoreError::WaitTimeout { .. }), "{err}");
+    assert!(err.to_string().contains(&store.addr()), "{err}");
+    // The cancel was answered, so the stream is in step: later requests work.
+    c.set("k", b"v").unwrap();
+    assert_eq!(c.get("k", T).unwrap(), b"v");
+}
+
+#[test]
+fn a_silent_store_times_out_naming_its_address() {
+    let store = FakeStore::start(Mode::Silent);
+    let t0 = Instant::now();
+    let err = StoreClient::connect(&store.addr(), Duration::from_millis(300)).unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert!(matches!(err, StoreError::Timeout { .. }), "{err}");
+    assert!(err.to_string().contains(&store.addr()), "{err}");
+    assert!(err.to_string().contains("PING"), "{err}");
+}
+
+#[test]
+fn garbage_answers_are_typed_errors_naming_the_store() {
+    let store = FakeStore::start(Mode::Honest);
+    let mut c = StoreClient::connect(&store.addr(), T).unwrap();
+    store.set_mode(Mode::Garbage);
+    let err = c.ping().unwrap_err();
+    assert!(matches!(err, StoreError::Protocol { .. }), "{err}");
+    assert!(err.to_string().contains(&store.addr()), "{err}");
+    let mut c = StoreClient::connect(&store.addr(), T).unwrap_err();
+    assert!(matches!(c, StoreError::Protocol { .. }), "{c}");
+    store.set_mode(Mode::Honest);
+    let mut ok = StoreClient::connect(&store.addr(), T).unwrap();
+    store.set_mode(Mode::Garbage);
+    c = ok.check(&["x"]).unwrap_err();
+    assert!(
+        c.to_string()
+            .contains("neither ready (0) nor not ready (1)"),
+        "{c}"
+    );
+}
+
+#[test]
+fn truncated_answers_are_typed_errors_naming_the_store() {
+    let store = FakeStore::start(Mode::Honest);
+    let mut c = StoreClient::connect(&store.addr(), T).unwrap();
+    c.set("k", &[7; 64]).unwrap();
+    store.set_mode(Mode::Truncate);
+    let err = c.get("k", T).unwrap_err();
+    // The WAIT's one-byte answer is cut to nothing, and the connection closed.
+    assert!(matches!(err, StoreError::Closed { .. }), "{err}");
+    assert!(err.to_string().contains(&store.addr()), "{err}");
+    store.set_mode(Mode::Honest);
+    let mut c = StoreClient::connect(&store.addr(), T).unwrap();
+    c.wait(&["k"], T).unwrap();
+    store.set_mode(Mode::Truncate);
+    let err = c.compare_set("k", &[7; 64], b"x").unwrap_err();
+    assert!(matches!(err, StoreError::Closed { .. }), "{err}");
+}
+
+#[test]
+fn a_huge_length_is_refused_before_allocating() {
+    let store = FakeStore::start(Mode::Honest);
+    let mut c = StoreClient::connect(&store.addr(), T).unwrap();
+    c.set("k", b"v").unwrap();
+    store.set_mode(Mode::HugeLength);
+    let err = c.get("k", T).unwrap_err();
+    assert!(matches!(err, StoreError::TooLarge { .. }), "{err}");
+    assert!(err.to_string().contains(&store.addr()), "{err}");
+    // And the client does not send one either.
+    store.set_mode(Mode::Honest);
+    let mut c = StoreClient::connect(&store.addr(), T).unwrap();
+    let err = c.set("big", &vec![0; (1 << 20) + 1]).unwrap_err();
+    assert!(matches!(err, StoreError::TooLarge { .. }), "{err}");
+}
+
+#[test]
+fn nothing_listening_is_a_connect_error_naming_the_address() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let err = StoreClient::connect(&addr, Duration::from_millis(300)).unwrap_err();
+    assert!(matches!(err, StoreError::Connect { .. }), "{err}");
+    assert!(err.to_string().contains(&addr), "{err}");
+}
+
+fn torchrun_env(rank: usize, world: usize, port: u16, restart: u32) -> ProcessEnv {
+    let vars = [
+        ("RANK", rank.to_string()),
+        ("LOCAL_RANK", rank.to_string()),
+        ("WORLD_SIZE", world.to_string()),
+        ("LOCAL_WORLD_SIZE", world.to_string()),
+        ("MASTER_ADDR", "127.0.0.1".into()),
+        ("MASTER_PORT", port.to_string()),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True".into()),
+        ("TORCHELASTIC_RUN_ID", "job7".into()),
+        ("TORCHELASTIC_RESTART_COUNT", restart.to_string()),
+    ];
+    ProcessEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())).unwrap()
+}
+
+fn id(seed: u8) -> [u8; ID_LEN] {
+    std::array::from_fn(|i| (i as u8) ^ seed)
+}
+
+#[test]
+fn ranks_exchange_the_id_through_the_agent_store() {
+    let store = FakeStore::start(Mode::Honest);
+    let world = 4;
+    let handles: Vec<_> = (0..world)
+        .rev()
+        .map(|rank| {
+            let env = torchrun_env(rank, world, store.port(), 0);
+            std::thread::spawn(move || {
+                let r = StoreRendezvous::new(format!("127.0.0.1:{}", env.master_port), "p/")
+                    .with_timeout(Duration::from_secs(5));
+                Rendezvous::Store(r)
+                    .exchange(rank, world, || Ok::<_, RendezvousError>(id(3)))
+                    .unwrap()
+                    .id
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), id(3));
+    }
+    let v = store.value("p/unique_id").unwrap();
+    assert_eq!(&v[..4], &4u32.to_le_bytes());
+}
+
+#[test]
+fn from_env_uses_the_agent_store_only_under_torchrun_with_it() {
+    let env = torchrun_env(1, 2, 29500, 3);
+    let e = env.elastic.as_ref().unwrap();
+    assert!(e.use_agent_store);
+    assert_eq!((e.run_id.as_str(), e.restart_count), ("job7", 3));
+    let r = StoreRendezvous::from_env(&env).unwrap();
+    assert_eq!(r.addr(), "127.0.0.1:29500");
+    assert!(
+        r.id_key().starts_with("nccl-safe/job7/attempt_3/"),
+        "{}",
+        r.id_key()
+    );
+    assert!(matches!(
+        Rendezvous::from_env(&env).unwrap(),
+        Rendezvous::Store(_)
+    ));
+    // Without the agent store: the authenticated TCP rendezvous, which needs its token.
+    let plain = ProcessEnv {
+        elastic: None,
+        ..env
+    };
+    assert!(StoreRendezvous::from_env(&plain).is_none());
+}
+
+#[test]
+fn a_restarted_job_never_reads_the_previous_attempts_id() {
+    let store = FakeStore::start(Mode::Honest);
+    let port = store.port();
+    let at = |restart| {
+        let env = torchrun_env(0, 2, port, restart);
+        let e = env.elastic.unwrap();
+        StoreRendezvous::new(
+            format!("127.0.0.1:{port}"),
+            format!("nccl-safe/{}/attempt_{}/0/", e.run_id, e.restart_count),
+        )
+        .with_timeout(Duration::from_millis(300))
+    };
+    // Attempt 0 published its id, then the job was restarted.
+    at(0).publish(2, &id(1)).unwrap();
+    assert_eq!(at(0).read(1, 2).unwrap(), id(1));
+    // Rank 1 of attempt 1 does not take attempt 0's id: it waits for its own rank 0.
+    let t0 = Instant::now();
+    let err = at(1).read(1, 2).unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    assert!(
+        matches!(err, RendezvousError::Store(StoreError::WaitTimeout { .. })),
+        "{err}"
+    );
+    assert!(err.to_string().contains("attempt_1"), "{err}");
+    assert!(
+        err.to_string().contains("rank 1 waited for rank 0"),
+        "{err}"
+    );
+    at(1).publish(2, &id(2)).unwrap();
+    assert_eq!(at(1).read(1, 2).unwrap(), id(2));
+    // The keys of the two attempts differ by the restart count only.
+    assert_eq!(
+        store.keys(),
+        [
+            "nccl-safe/job7/attempt_0/0/unique_id",
+            "nccl-safe/job7/attempt_1/0/unique_id"
+        ]
+    );
+}
+
+#[test]
+fn a_world_size_disagreement_or_a_foreign_value_is_refused() {
+    let store = FakeStore::start(Mode::Honest);
+    let r = StoreRendezvous::new(store.addr(), "w/").with_timeout(T);
+    r.publish(3, &id(5)).unwrap();
+    let err = r.read(1, 4).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("rank 0 serves 3 ranks but this peer says 4"),
+        "{err}"
+    );
+    store.put("w/unique_id", b"something else");
+    let err = r.read(1, 3).unwrap_err();
+    assert!(
+        matches!(err, RendezvousError::Store(StoreError::Protocol { .. })),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_desync_board_goes_through_the_store_and_posts_come_back_clean() {
+    use nccl_safe::diag::DesyncPost;
+    let store = FakeStore::start(Mode::Honest);
+    let r = StoreRendezvous::new(store.addr(), "b/");
+    let board = r.board(3);
+    let by = || Instant::now() + T;
+    let post = DesyncPost::new(9, 4, "ncclAllReduce seq 4 at train.rs:10 (in progress)");
+    board.post_by(2, &post, by()).unwrap();
+    assert_eq!(board.fetch_by(by()).unwrap(), vec![None, None, Some(post)]);
+    assert!(store.keys().contains(&"b/desync/2".to_string()));
+    // A post carrying terminal escapes and a bidirectional override is cleaned on reading.
+    let evil = DesyncPost::new(9, 4, "ok\u{1b}[2J\u{1b}]0;pwned\u{7}\u{202e}txt\u{9b}31m");
+    board.post_by(0, &evil, by()).unwrap();
+    let got = board.fetch_by(by()).unwrap()[0].clone().unwrap();
+    assert_eq!(got.text, "ok?[2J?]0;pwned??txt?31m");
+    assert!(!got.text.chars().any(char::is_control));
+    // A silent store ends the fetch by its deadline, with an error naming the store.
+    store.set_mode(Mode::Silent);
+    let t0 = Instant::now();
+    let err = board
+        .fetch_by(Instant::now() + Duration::from_millis(300))
+        .unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert!(err.to_string().contains(&store.addr()), "{err}");
+}
+
+/// Against PyTorch's own store server: runs only when `NCCL_SAFE_TEST_C10D_STORE` names
+/// one (`host:port`), as `scripts/test-torchrun.sh` does for both of PyTorch's servers.
+#[test]
+fn against_a_real_pytorch_store() {
+    let Ok(addr) = std::env::var("NCCL_SAFE_TEST_C10D_STORE") else {
+        return;
+    };
+    let mut c = StoreClient::connect(&addr, T).unwrap();
+    let k = format!("nccl-safe-test/{}/", std::process::id());
+    let key = |s: &str| format!("{k}{s}");
+    assert!(!c.check(&[&key("a")]).unwrap());
+    c.set(&key("a"), &[0, 1, 2, 255]).unwrap();
+    assert!(c.check(&[&key("a")]).unwrap());
+    assert_eq!(c.get(&key("a"), T).unwrap(), [0, 1, 2, 255]);
+    assert_eq!(c.add(&key("n"), 7).unwrap(), 7);
+    assert_eq!(c.add(&key("n"), -2).unwrap(), 5);
+    assert_eq!(
+        c.compare_set(&key("a"), &[0, 1, 2, 255], b"new").unwrap(),
+        b"new"
+    );
+    assert_eq!(c.compare_set(&key("a"), b"old", b"x").unwrap(), b"new");
+    let t0 = Instant::now();
+    let err = c
+        .wait(&[&key("never")], Duration::from_millis(300))
+        .unwrap_err();
+    assert!(matches!(err, StoreError::WaitTimeout { .. }), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    // The server answered the cancel: the connection is still in step.
+    c.ping().unwrap();
+    assert_eq!(c.get(&key("a"), T).unwrap(), b"new");
+    let r = StoreRendezvous::new(addr.clone(), key("x/")).with_timeout(T);
+    r.publish(2, &id(9)).unwrap();
+    assert_eq!(r.read(1, 2).unwrap(), id(9));
+    let board = r.board(2);
+    let post = nccl_safe::diag::DesyncPost::new(1, 2, "seq 2\u{1b}[31m");
+    board.post_by(1, &post, Instant::now() + T).unwrap();
+    let got = board.fetch_by(Instant::now() + T).unwrap();
+    assert_eq!(got[0], None);
+    assert_eq!(got[1].as_ref().unwrap().text, "seq 2?[31m");
+    println!("@@REAL-STORE-OK {addr}");
+}
