@@ -122,6 +122,24 @@ impl<B: ?Sized> std::fmt::Debug for Window<'_, '_, B> {
     }
 }
 
+/// Why memory of kind `memory` cannot be registered with a communicator of `provider` on
+/// CUDA device `device`; `None` when it can.
+fn unregistrable(provider: Provider, device: Option<usize>, memory: Memory) -> Option<String> {
+    match (provider, memory) {
+        (Provider::Host, Memory::Host) => None,
+        (Provider::Nccl, Memory::Device(d)) if Some(d) == device => None,
+        (Provider::Nccl, Memory::Device(d)) => Some(format!(
+            "the buffer is on CUDA device {d} but the communicator on device {device:?}"
+        )),
+        (Provider::Nccl, Memory::Host) => {
+            Some("the buffer is host memory: NVIDIA's NCCL registers device memory only".into())
+        }
+        (Provider::Host, Memory::Device(_)) => {
+            Some("the buffer is GPU memory, which the host provider cannot use".into())
+        }
+    }
+}
+
 /// What a registration call needs to know about the buffer.
 struct Target {
     ptr: *mut c_void,
@@ -137,20 +155,7 @@ impl Communicator {
         op: &'static str,
         buf: &B,
     ) -> Result<Target> {
-        let reason = match (self.library().provider(), buf.memory()) {
-            (Provider::Host, Memory::Host) => None,
-            (Provider::Nccl, Memory::Device(d)) if Some(d) == self.device() => None,
-            (Provider::Nccl, Memory::Device(d)) => Some(format!(
-                "the buffer is on CUDA device {d} but the communicator on device {:?}",
-                self.device()
-            )),
-            (Provider::Nccl, Memory::Host) => Some(
-                "the buffer is host memory: NVIDIA's NCCL registers device memory only".into(),
-            ),
-            (Provider::Host, Memory::Device(_)) => {
-                Some("the buffer is GPU memory, which the host provider cannot use".into())
-            }
-        };
+        let reason = unregistrable(self.library().provider(), self.device(), buf.memory());
         if let Some(reason) = reason {
             return Err(Error::InvalidArgument { op, reason });
         }
@@ -488,3 +493,33 @@ macro_rules! stands_for_buffer {
 }
 
 stands_for_buffer!(Registration, Window);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_memory_of_the_communicators_kind_and_device_is_registrable() {
+        let nccl = Provider::Nccl;
+        assert_eq!(unregistrable(nccl, Some(1), Memory::Device(1)), None);
+        assert_eq!(unregistrable(Provider::Host, None, Memory::Host), None);
+        let host_on_nccl = unregistrable(nccl, Some(0), Memory::Host).unwrap();
+        assert!(host_on_nccl.contains("host memory"), "{host_on_nccl}");
+        let other = unregistrable(nccl, Some(0), Memory::Device(3)).unwrap();
+        assert!(other.contains("device 3") && other.contains("Some(0)"), "{other}");
+        let gpu_on_host = unregistrable(Provider::Host, None, Memory::Device(0)).unwrap();
+        assert!(gpu_on_host.contains("GPU memory"), "{gpu_on_host}");
+    }
+
+    #[test]
+    fn newer_window_flags_name_their_release() {
+        assert_eq!(WindowFlags::COLL_SYMMETRIC.newest(), None);
+        assert_eq!(WindowFlags::empty().newest(), None);
+        assert_eq!(
+            (WindowFlags::COLL_SYMMETRIC | WindowFlags::STRICT_ORDERING).newest(),
+            Some(("NCCL_WIN_STRICT_ORDERING", Version::new(2, 30, 0)))
+        );
+        assert_eq!(WindowFlags::COLL_SYMMETRIC.bits(), 1);
+        assert_eq!(WindowFlags::STRICT_ORDERING.bits(), 2);
+    }
+}
