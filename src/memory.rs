@@ -111,7 +111,8 @@ impl<T: NcclType> NcclMemory<T> {
     /// zeroed on `stream` (a stream of that device; [`HostStream`] on the host provider).
     ///
     /// Errors: [`Error::Unsupported`] before NCCL 2.19, [`Error::InvalidArgument`] for a
-    /// zero length, a size that overflows, or a stream of another kind or device.
+    /// size that overflows, or a stream of another kind or device. A zero length gives an
+    /// empty buffer (which still holds the allocator's smallest allocation).
     #[track_caller]
     pub fn alloc_zeros(comm: &Communicator, len: usize, stream: impl Into<Stream>) -> Result<Self> {
         const OP: &str = "ncclMemAlloc";
@@ -130,9 +131,17 @@ impl<T: NcclType> NcclMemory<T> {
                 ))
             }
             (Provider::Host, _) => {
-                return Err(invalid(OP, "the host provider takes HostStream, not a CUDA stream"))
+                return Err(invalid(
+                    OP,
+                    "the host provider takes HostStream, not a CUDA stream",
+                ))
             }
-            (_, _) => return Err(invalid(OP, "NVIDIA's NCCL needs a CUDA stream, not HostStream")),
+            (_, _) => {
+                return Err(invalid(
+                    OP,
+                    "NVIDIA's NCCL needs a CUDA stream, not HostStream",
+                ))
+            }
         }
         Self::alloc_zeros_in(comm.library(), len, stream)
     }
@@ -140,21 +149,28 @@ impl<T: NcclType> NcclMemory<T> {
     /// [`alloc_zeros`](Self::alloc_zeros) without a communicator: from `lib`'s allocator, on
     /// `stream`'s device (NVIDIA's NCCL) or in host memory (the host provider).
     #[track_caller]
-    pub fn alloc_zeros_in(lib: &Arc<Library>, len: usize, stream: impl Into<Stream>) -> Result<Self> {
+    pub fn alloc_zeros_in(
+        lib: &Arc<Library>,
+        len: usize,
+        stream: impl Into<Stream>,
+    ) -> Result<Self> {
         const OP: &str = "ncclMemAlloc";
         let caller = Location::caller();
         let alloc = lib.optional(lib.table().ncclMemAlloc, "ncclMemAlloc")?;
         lib.optional(lib.table().ncclMemFree, "ncclMemFree")?;
-        if len == 0 {
-            return Err(invalid(OP, "an NcclMemory needs at least one element"));
-        }
+        // An empty NcclMemory still holds one element's allocation (NCCL's allocator has
+        // no empty allocations); its length stays 0.
         let bytes = len
+            .max(1)
             .checked_mul(std::mem::size_of::<T>())
             .filter(|&b| b <= isize::MAX as usize)
             .ok_or_else(|| {
                 invalid(
                     OP,
-                    format!("{len} elements of {} overflow the address space", T::DATA_TYPE.name()),
+                    format!(
+                        "{len} elements of {} overflow the address space",
+                        T::DATA_TYPE.name()
+                    ),
                 )
             })?;
         let ctx = CallContext {
@@ -177,7 +193,10 @@ impl<T: NcclType> NcclMemory<T> {
                     storage: Some(Storage::Host(ptr)),
                 };
                 if !raw.cast::<T>().is_aligned() {
-                    return Err(invalid(OP, "ncclMemAlloc returned memory not aligned for the type"));
+                    return Err(invalid(
+                        OP,
+                        "ncclMemAlloc returned memory not aligned for the type",
+                    ));
                 }
                 // SAFETY: `ptr` points to `bytes` writable bytes that this NcclMemory owns.
                 unsafe { std::ptr::write_bytes(raw.cast::<u8>(), 0, bytes) };
@@ -225,7 +244,7 @@ impl<T: NcclType> NcclMemory<T> {
         self.len
     }
 
-    /// Whether it has no elements (never: an `NcclMemory` holds at least one).
+    /// Whether it has no elements.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -249,7 +268,9 @@ impl<T: NcclType> NcclMemory<T> {
         match &self.storage {
             // SAFETY: the host allocation holds `len` initialized (zeroed, then written only
             // as T) elements, owned by `self` and borrowed shared with it.
-            Some(Storage::Host(p)) => Ok(unsafe { std::slice::from_raw_parts(p.as_ptr(), self.len) }),
+            Some(Storage::Host(p)) => {
+                Ok(unsafe { std::slice::from_raw_parts(p.as_ptr(), self.len) })
+            }
             _ => Err(self.not_host("NcclMemory::as_host_slice")),
         }
     }
@@ -258,19 +279,30 @@ impl<T: NcclType> NcclMemory<T> {
     pub fn as_host_slice_mut(&mut self) -> Result<&mut [T]> {
         match &mut self.storage {
             // SAFETY: as in `as_host_slice`, borrowed exclusively with `self`.
-            Some(Storage::Host(p)) => Ok(unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), self.len) }),
+            Some(Storage::Host(p)) => {
+                Ok(unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), self.len) })
+            }
             _ => Err(self.not_host("NcclMemory::as_host_slice_mut")),
         }
     }
 
     #[cold]
     fn not_host(&self, op: &'static str) -> Error {
-        invalid(op, format!("the memory is {:?}, not host memory: copy it with to_vec", self.memory()))
+        invalid(
+            op,
+            format!(
+                "the memory is {:?}, not host memory: copy it with to_vec",
+                self.memory()
+            ),
+        )
     }
 
     #[cold]
     fn not_cuda(&self, op: &'static str) -> Error {
-        invalid(op, "the memory is the host provider's host memory, which has no CUDA view")
+        invalid(
+            op,
+            "the memory is the host provider's host memory, which has no CUDA view",
+        )
     }
 
     /// The whole buffer as a cudarc view (NVIDIA's NCCL only): what cudarc's copies,
@@ -433,7 +465,9 @@ impl<T: NcclType> NcclMemory<T> {
             rank: None,
             caller: Some(caller),
         };
-        let free = self.lib.optional(self.lib.table().ncclMemFree, "ncclMemFree")?;
+        let free = self
+            .lib
+            .optional(self.lib.table().ncclMemFree, "ncclMemFree")?;
         // SAFETY: `ptr` came from this library's ncclMemAlloc, is freed here exactly once
         // (the storage was taken out of `self`), and no work uses it any more (device:
         // synchronized above; host: no borrow of `self` is left).
@@ -501,7 +535,9 @@ impl<T: NcclType> SendBuffer<T> for NcclMemory<T> {
     }
     fn send_ptr<'a>(&'a self, stream: StreamRef<'a>) -> (*const c_void, BufferGuard<'a>) {
         match (&self.storage, stream) {
-            (Some(Storage::Host(p)), StreamRef::Host) => (p.as_ptr().cast_const().cast(), BufferGuard::Host),
+            (Some(Storage::Host(p)), StreamRef::Host) => {
+                (p.as_ptr().cast_const().cast(), BufferGuard::Host)
+            }
             (Some(Storage::Cuda(s)), StreamRef::Cuda(_)) => s.send_ptr(stream),
             _ => (std::ptr::null(), BufferGuard::Host),
         }

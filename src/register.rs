@@ -506,7 +506,10 @@ mod tests {
         let host_on_nccl = unregistrable(nccl, Some(0), Memory::Host).unwrap();
         assert!(host_on_nccl.contains("host memory"), "{host_on_nccl}");
         let other = unregistrable(nccl, Some(0), Memory::Device(3)).unwrap();
-        assert!(other.contains("device 3") && other.contains("Some(0)"), "{other}");
+        assert!(
+            other.contains("device 3") && other.contains("Some(0)"),
+            "{other}"
+        );
         let gpu_on_host = unregistrable(Provider::Host, None, Memory::Device(0)).unwrap();
         assert!(gpu_on_host.contains("GPU memory"), "{gpu_on_host}");
     }

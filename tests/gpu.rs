@@ -98,7 +98,10 @@ fn nccl_memory_collectives_views_and_cudarc_copies() {
             assert_eq!(mem.memory(), Memory::Device(comm.device().unwrap()));
             assert!(mem.to_vec(s)?.iter().all(|&x| x == 0.0), "zeroed");
             // cudarc's own copy into the memory, through its CUDA view.
-            stream.memcpy_htod(&vec![rank.rank() as f32 + 1.0; n], &mut mem.cuda_view_mut()?)?;
+            stream.memcpy_htod(
+                &vec![rank.rank() as f32 + 1.0; n],
+                &mut mem.cuda_view_mut()?,
+            )?;
             comm.all_reduce_in_place(&mut mem, ReduceOp::Sum, s)?;
             // A view as the send buffer of an all-gather into another NcclMemory.
             let mut out = NcclMemory::<f32>::alloc_zeros(comm, 2 * comm.world_size(), s)?;
@@ -191,7 +194,10 @@ fn fp8_all_reduce_on_the_gpu() {
         .run(|rank| {
             let stream = rank.cuda_stream().expect("a CUDA rank");
             let mut x = stream.clone_htod(&vec![F8E4M3::from_f32(1.0); 4096])?;
-            match rank.comm().all_reduce_in_place(&mut x, ReduceOp::Sum, stream) {
+            match rank
+                .comm()
+                .all_reduce_in_place(&mut x, ReduceOp::Sum, stream)
+            {
                 Err(Error::Unsupported { needs, .. }) => {
                     assert_eq!(needs, Version::new(2, 24, 0));
                     return Ok(None);

@@ -11,8 +11,8 @@ use float8::{F8E4M3, F8E5M2};
 use nccl_safe::host::{self, stats_for, HostStats};
 use nccl_safe::launch::Launcher;
 use nccl_safe::{
-    Communicator, Config, DataType, Device, Error, Group, HostStream, Library, Memory,
-    NcclMemory, NcclType, ReduceOp, SendBuffer, UniqueId, Version, WindowFlags,
+    Communicator, Config, DataType, Device, Error, Group, HostStream, Library, Memory, NcclMemory,
+    NcclType, ReduceOp, SendBuffer, UniqueId, Version, WindowFlags,
 };
 use nccl_sys::bindings::{ncclInvalidUsage, ncclSuccess};
 
@@ -70,7 +70,11 @@ fn ranks(world: usize, f: impl Fn(&Communicator) + Send + Sync + 'static) -> Hos
 }
 
 #[track_caller]
-fn assert_unsupported<T: std::fmt::Debug>(r: nccl_safe::Result<T>, symbol: &str, needs: (u32, u32)) {
+fn assert_unsupported<T: std::fmt::Debug>(
+    r: nccl_safe::Result<T>,
+    symbol: &str,
+    needs: (u32, u32),
+) {
     match r {
         Err(Error::Unsupported {
             symbol: s,
@@ -98,20 +102,29 @@ fn assert_invalid<T: std::fmt::Debug>(r: nccl_safe::Result<T>, op: &str, says: &
 
 // ---- fp8 -------------------------------------------------------------------------------
 
-fn fp8_collectives<T: NcclType + PartialEq + std::fmt::Debug>(of: fn(f32) -> T, name: &'static str) {
+fn fp8_collectives<T: NcclType + PartialEq + std::fmt::Debug>(
+    of: fn(f32) -> T,
+    name: &'static str,
+) {
     let st = ranks(3, move |comm| {
         let r = comm.rank() as f32;
         let s = HostStream;
         // 1 + 2 + 3, 0.5 * 3, -(1 + 2 + 3): exact in both formats.
         let send = vec![of(r + 1.0), of(0.5), of(-(r + 1.0))];
         let mut recv = vec![of(0.0); 3];
-        comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &s).unwrap();
+        comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &s)
+            .unwrap();
         assert_eq!(recv, vec![of(6.0), of(1.5), of(-6.0)], "{name} sum");
-        comm.all_reduce(&send, &mut recv, ReduceOp::Max, &s).unwrap();
+        comm.all_reduce(&send, &mut recv, ReduceOp::Max, &s)
+            .unwrap();
         assert_eq!(recv, vec![of(3.0), of(0.5), of(-1.0)], "{name} max");
         let mut gathered = vec![of(0.0); 9];
         comm.all_gather(&send, &mut gathered, &s).unwrap();
-        assert_eq!(gathered[3..6], vec![of(2.0), of(0.5), of(-2.0)][..], "{name} gather");
+        assert_eq!(
+            gathered[3..6],
+            vec![of(2.0), of(0.5), of(-2.0)][..],
+            "{name} gather"
+        );
         let mut b = vec![of(r); 2];
         comm.broadcast_in_place(&mut b, 2, &s).unwrap();
         assert_eq!(b, vec![of(2.0); 2], "{name} broadcast");
@@ -127,9 +140,18 @@ fn fp8_e4m3_and_e5m2_reduce_through_the_safe_layer() {
     let _g = serial();
     assert_eq!(F8E4M3::DATA_TYPE, DataType::Float8e4m3);
     assert_eq!(F8E5M2::DATA_TYPE, DataType::Float8e5m2);
-    assert_eq!((DataType::Float8e4m3.size(), DataType::Float8e5m2.size()), (1, 1));
-    assert_eq!(DataType::Float8e4m3.to_raw(), nccl_sys::bindings::ncclFloat8e4m3);
-    assert_eq!(DataType::Float8e5m2.to_raw(), nccl_sys::bindings::ncclFloat8e5m2);
+    assert_eq!(
+        (DataType::Float8e4m3.size(), DataType::Float8e5m2.size()),
+        (1, 1)
+    );
+    assert_eq!(
+        DataType::Float8e4m3.to_raw(),
+        nccl_sys::bindings::ncclFloat8e4m3
+    );
+    assert_eq!(
+        DataType::Float8e5m2.to_raw(),
+        nccl_sys::bindings::ncclFloat8e5m2
+    );
     assert_eq!(DataType::Float8e4m3.name(), "f8e4m3");
     fp8_collectives(F8E4M3::from_f32, "e4m3");
     fp8_collectives(F8E5M2::from_f32, "e5m2");
@@ -142,7 +164,8 @@ fn fp8_saturates_as_the_host_provider_documents() {
     ranks(2, |comm| {
         let send = vec![F8E4M3::from_f32(448.0)];
         let mut recv = vec![F8E4M3::from_f32(0.0)];
-        comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &HostStream).unwrap();
+        comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &HostStream)
+            .unwrap();
         assert_eq!(recv[0].to_f32(), 448.0);
     });
 }
@@ -161,8 +184,16 @@ fn fp8_on_an_nccl_older_than_2_24_is_unsupported_before_nccl_sees_it() {
             (2, 24),
         );
         let mut b = vec![F8E5M2::from_f32(1.0); 2];
-        assert_unsupported(comm.broadcast_in_place(&mut b, 0, &s), "ncclFloat8e5m2", (2, 24));
-        assert_unsupported(comm.send(&b, 1 - comm.rank(), &s), "ncclFloat8e5m2", (2, 24));
+        assert_unsupported(
+            comm.broadcast_in_place(&mut b, 0, &s),
+            "ncclFloat8e5m2",
+            (2, 24),
+        );
+        assert_unsupported(
+            comm.send(&b, 1 - comm.rank(), &s),
+            "ncclFloat8e5m2",
+            (2, 24),
+        );
         assert_unsupported(
             comm.create_pre_mul_sum(F8E4M3::from_f32(2.0)),
             "ncclFloat8e4m3",
@@ -185,7 +216,8 @@ fn fp8_on_an_nccl_older_than_2_24_is_unsupported_before_nccl_sees_it() {
     // 2.24 is enough.
     let (_, st) = ranks_on(Library::host_as_version(2, 24).unwrap(), 2, |comm| {
         let mut v = vec![F8E5M2::from_f32(1.5); 2];
-        comm.all_reduce_in_place(&mut v, ReduceOp::Sum, &HostStream).unwrap();
+        comm.all_reduce_in_place(&mut v, ReduceOp::Sum, &HostStream)
+            .unwrap();
         assert_eq!(v, vec![F8E5M2::from_f32(3.0); 2]);
     });
     assert_eq!(st.misused, 0);
@@ -238,11 +270,11 @@ fn nccl_memory_is_checked_like_any_buffer() {
     let before = host::stats();
     ranks(2, |comm| {
         let s = HostStream;
-        assert_invalid(
-            NcclMemory::<u8>::alloc_zeros(comm, 0, s),
-            "ncclMemAlloc",
-            "at least one element",
-        );
+        let mut empty = NcclMemory::<u8>::alloc_zeros(comm, 0, s).unwrap();
+        assert!(empty.is_empty() && empty.to_vec(&s).unwrap().is_empty());
+        comm.all_reduce_in_place(&mut empty, ReduceOp::Sum, &s)
+            .unwrap();
+        assert_invalid(comm.register(&mut empty), "ncclCommRegister", "empty");
         assert_invalid(
             NcclMemory::<u64>::alloc_zeros(comm, usize::MAX / 4, s),
             "ncclMemAlloc",
@@ -251,18 +283,30 @@ fn nccl_memory_is_checked_like_any_buffer() {
         let mut m = NcclMemory::<i32>::alloc_zeros(comm, 4, s).unwrap();
         assert!(matches!(
             m.copy_from_host(&[1, 2, 3], &s),
-            Err(Error::LengthMismatch { expected: 4, actual: 3, .. })
+            Err(Error::LengthMismatch {
+                expected: 4,
+                actual: 3,
+                ..
+            })
         ));
         let mut short = [0; 5];
         assert!(matches!(
             m.copy_to_host(&mut short, &s),
-            Err(Error::LengthMismatch { expected: 4, actual: 5, .. })
+            Err(Error::LengthMismatch {
+                expected: 4,
+                actual: 5,
+                ..
+            })
         ));
         assert_invalid(m.slice(3..5), "NcclMemory::slice", "not within");
         #[allow(clippy::reversed_empty_ranges)]
         let reversed = m.slice_mut(3..1);
         assert_invalid(reversed, "NcclMemory::slice_mut", "not within");
-        assert_invalid(m.cuda_view_mut(), "NcclMemory::cuda_view_mut", "no CUDA view");
+        assert_invalid(
+            m.cuda_view_mut(),
+            "NcclMemory::cuda_view_mut",
+            "no CUDA view",
+        );
         // A collective checks an NcclMemory's length as any buffer's.
         let mut three = NcclMemory::<i32>::alloc_zeros(comm, 3, s).unwrap();
         assert!(matches!(
@@ -272,8 +316,8 @@ fn nccl_memory_is_checked_like_any_buffer() {
         assert!(!comm.is_failed());
     });
     let after = host::stats();
-    assert_eq!(after.mem_allocated - before.mem_allocated, 4);
-    assert_eq!(after.mem_freed - before.mem_freed, 4);
+    assert_eq!(after.mem_allocated - before.mem_allocated, 6);
+    assert_eq!(after.mem_freed - before.mem_freed, 6);
     assert_eq!(after.misused, before.misused);
 }
 
@@ -305,7 +349,8 @@ fn a_registered_buffer_needs_no_extra_argument_and_is_deregistered_once() {
             assert_eq!(SendBuffer::<i32>::len(&reg), 8);
             assert!(!reg.as_raw().is_null());
             for _ in 0..3 {
-                comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, &s).unwrap();
+                comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, &s)
+                    .unwrap();
             }
             reg.as_mut_slice()[0] = 100;
             let mut out = vec![0i32; 8];
@@ -318,7 +363,8 @@ fn a_registered_buffer_needs_no_extra_argument_and_is_deregistered_once() {
         let mut mem = NcclMemory::<f64>::alloc_zeros(comm, 4, s).unwrap();
         let mut reg = comm.register(&mut mem).unwrap();
         reg.copy_from_host(&[2.0; 4], &s).unwrap();
-        comm.all_reduce_in_place(&mut reg, ReduceOp::Prod, &s).unwrap();
+        comm.all_reduce_in_place(&mut reg, ReduceOp::Prod, &s)
+            .unwrap();
         reg.deregister().unwrap();
         let reg = comm.register(&mut mem).unwrap();
         assert_eq!(reg.buffer().to_vec(&s).unwrap(), vec![4.0; 4]);
@@ -338,8 +384,10 @@ fn registered_buffers_work_inside_a_group() {
         let mut ra = comms[0].register(&mut a).unwrap();
         let mut rb = comms[1].register(&mut b).unwrap();
         let mut g = Group::new();
-        g.all_reduce_in_place(&comms[0], &mut ra, ReduceOp::Sum, &HostStream).unwrap();
-        g.all_reduce_in_place(&comms[1], &mut rb, ReduceOp::Sum, &HostStream).unwrap();
+        g.all_reduce_in_place(&comms[0], &mut ra, ReduceOp::Sum, &HostStream)
+            .unwrap();
+        g.all_reduce_in_place(&comms[1], &mut rb, ReduceOp::Sum, &HostStream)
+            .unwrap();
         g.end().unwrap();
     }
     assert_eq!((a, b), (vec![3; 4], vec![3; 4]));
@@ -370,9 +418,13 @@ fn registration_rules_give_typed_errors_and_keep_the_communicator() {
         assert!(!comm.is_failed());
         // Still fine afterwards.
         let mut reg = comm.register(&mut buf).unwrap();
-        comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, &HostStream).unwrap();
+        comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, &HostStream)
+            .unwrap();
     });
-    assert_eq!((st.registered, st.deregistered, st.windows_registered), (2, 2, 0));
+    assert_eq!(
+        (st.registered, st.deregistered, st.windows_registered),
+        (2, 2, 0)
+    );
     assert_eq!(st.misused, 0);
 }
 
@@ -425,11 +477,14 @@ fn symmetric_windows_on_nccl_memory_and_its_views() {
         let r = comm.rank() as f32;
         let mut mem = NcclMemory::<f32>::alloc_zeros(comm, 8, s).unwrap();
         {
-            let mut win = comm.register_window(&mut mem, WindowFlags::COLL_SYMMETRIC).unwrap();
+            let mut win = comm
+                .register_window(&mut mem, WindowFlags::COLL_SYMMETRIC)
+                .unwrap();
             assert_eq!(win.flags(), WindowFlags::COLL_SYMMETRIC);
             assert!(!win.as_raw().is_null());
             win.copy_from_host(&[r + 1.0; 8], &s).unwrap();
-            comm.all_reduce_in_place(&mut win, ReduceOp::Sum, &s).unwrap();
+            comm.all_reduce_in_place(&mut win, ReduceOp::Sum, &s)
+                .unwrap();
             let mut out = vec![0.0f32; 24];
             comm.all_gather(&win, &mut out, &s).unwrap();
             assert_eq!(out, vec![6.0; 24]);
@@ -437,13 +492,17 @@ fn symmetric_windows_on_nccl_memory_and_its_views() {
         assert_eq!(mem.to_vec(&s).unwrap(), vec![6.0; 8]);
         // A window of a view: part of an ncclMemAlloc allocation is still symmetric.
         let mut view = mem.slice_mut(4..8).unwrap();
-        let mut win = comm.register_window(&mut view, WindowFlags::COLL_SYMMETRIC).unwrap();
-        comm.all_reduce_in_place(&mut win, ReduceOp::Max, &s).unwrap();
+        let mut win = comm
+            .register_window(&mut view, WindowFlags::COLL_SYMMETRIC)
+            .unwrap();
+        comm.all_reduce_in_place(&mut win, ReduceOp::Max, &s)
+            .unwrap();
         win.deregister().unwrap();
         // A plain (non-symmetric) window on ordinary host memory.
         let mut v = vec![1u8; 3];
         let mut win = comm.register_window(&mut v, WindowFlags::empty()).unwrap();
-        comm.all_reduce_in_place(&mut win, ReduceOp::Sum, &s).unwrap();
+        comm.all_reduce_in_place(&mut win, ReduceOp::Sum, &s)
+            .unwrap();
         drop(win);
         assert_eq!(v, vec![3; 3]);
     });
@@ -465,13 +524,18 @@ fn double_and_unknown_deregistrations_are_counted_as_misuse() {
         let token = reg.as_raw();
         reg.deregister().unwrap();
         let mut m = NcclMemory::<u8>::alloc_zeros(comm, 64, HostStream).unwrap();
-        let win = comm.register_window(&mut m, WindowFlags::COLL_SYMMETRIC).unwrap();
+        let win = comm
+            .register_window(&mut m, WindowFlags::COLL_SYMMETRIC)
+            .unwrap();
         let w = win.as_raw();
         win.deregister().unwrap();
         // SAFETY: the host provider checks every handle; these are the misuses it counts.
         unsafe {
             assert_eq!(dereg(comm.as_raw(), token), ncclInvalidUsage);
-            assert_eq!(dereg(comm.as_raw(), 0x1234_5670 as *mut _), ncclInvalidUsage);
+            assert_eq!(
+                dereg(comm.as_raw(), 0x1234_5670 as *mut _),
+                ncclInvalidUsage
+            );
             assert_eq!(dereg(comm.as_raw(), std::ptr::null_mut()), ncclSuccess);
             assert_eq!(wdereg(comm.as_raw(), w), ncclInvalidUsage);
             assert_eq!(wdereg(comm.as_raw(), token.cast()), ncclInvalidUsage);
@@ -501,7 +565,10 @@ fn a_registration_of_another_communicator_is_unknown_to_this_one() {
     }
     let st = stats_for(&id);
     assert_eq!((st.unknown_deregistered, st.misused), (1, 1));
-    assert_eq!((st.registered, st.deregistered, st.live_at_teardown), (1, 1, 0));
+    assert_eq!(
+        (st.registered, st.deregistered, st.live_at_teardown),
+        (1, 1, 0)
+    );
 }
 
 #[test]
@@ -511,8 +578,13 @@ fn a_communicator_torn_down_with_live_registrations_releases_and_counts_them() {
     let st = ranks(2, |comm| {
         let v = Box::leak(Box::new(vec![0u32; 4]));
         std::mem::forget(comm.register(v).unwrap());
-        let m = Box::leak(Box::new(NcclMemory::<u32>::alloc_zeros(comm, 4, HostStream).unwrap()));
-        std::mem::forget(comm.register_window(m, WindowFlags::COLL_SYMMETRIC).unwrap());
+        let m = Box::leak(Box::new(
+            NcclMemory::<u32>::alloc_zeros(comm, 4, HostStream).unwrap(),
+        ));
+        std::mem::forget(
+            comm.register_window(m, WindowFlags::COLL_SYMMETRIC)
+                .unwrap(),
+        );
     });
     assert_eq!((st.registered, st.deregistered), (2, 0));
     assert_eq!((st.windows_registered, st.windows_deregistered), (2, 0));

@@ -1381,10 +1381,9 @@ pub(crate) unsafe extern "C" fn ncclCommDeregister(
 }
 
 /// Window flags this provider knows (`NCCL_WIN_*` of the 2.32 header).
-const KNOWN_WIN_FLAGS: c_int = (NCCL_WIN_COLL_SYMMETRIC
-    | NCCL_WIN_STRICT_ORDERING
-    | NCCL_WIN_GIN_ONLY
-    | NCCL_WIN_CFT_COUNTED) as c_int;
+const KNOWN_WIN_FLAGS: c_int =
+    (NCCL_WIN_COLL_SYMMETRIC | NCCL_WIN_STRICT_ORDERING | NCCL_WIN_GIN_ONLY | NCCL_WIN_CFT_COUNTED)
+        as c_int;
 
 pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
     comm: ncclComm_t,

@@ -119,7 +119,13 @@ pub(crate) fn register_window(g: &mut Global, h: Handle, root: RootIdx) -> usize
     let mut r = registry();
     r.next_window += 1;
     let token = WINDOW_BASE + 16 * r.next_window;
-    r.windows.insert(token, Win { comm: h, live: true });
+    r.windows.insert(
+        token,
+        Win {
+            comm: h,
+            live: true,
+        },
+    );
     drop(r);
     g.count(Some(root), |s| s.windows_registered += 1);
     token
