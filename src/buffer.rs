@@ -68,7 +68,7 @@ pub trait SendBuffer<T: NcclType>: sealed::Sealed {
     /// Whether the memory came from `ncclMemAlloc` ([`crate::NcclMemory`] and its views),
     /// which symmetric windows need.
     #[doc(hidden)]
-    fn from_nccl_alloc(&self) -> bool {
+    fn is_nccl_alloc(&self) -> bool {
         false
     }
 }

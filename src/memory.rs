@@ -549,7 +549,7 @@ impl<T: NcclType> SendBuffer<T> for NcclMemory<T> {
             None => std::ptr::null(),
         }
     }
-    fn from_nccl_alloc(&self) -> bool {
+    fn is_nccl_alloc(&self) -> bool {
         true
     }
 }
@@ -610,7 +610,7 @@ impl<T: NcclType> SendBuffer<T> for NcclView<'_, T> {
             ViewInner::Cuda(v) => SendBuffer::<T>::base_ptr(v),
         }
     }
-    fn from_nccl_alloc(&self) -> bool {
+    fn is_nccl_alloc(&self) -> bool {
         true
     }
 }
@@ -641,7 +641,7 @@ impl<T: NcclType> SendBuffer<T> for NcclViewMut<'_, T> {
             ViewMutInner::Cuda(v) => SendBuffer::<T>::base_ptr(v),
         }
     }
-    fn from_nccl_alloc(&self) -> bool {
+    fn is_nccl_alloc(&self) -> bool {
         true
     }
 }

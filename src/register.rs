@@ -275,7 +275,7 @@ impl Communicator {
                 });
             }
         }
-        if flags.contains(WindowFlags::COLL_SYMMETRIC) && !buf.from_nccl_alloc() {
+        if flags.contains(WindowFlags::COLL_SYMMETRIC) && !buf.is_nccl_alloc() {
             return Err(Error::InvalidArgument {
                 op: OP,
                 reason: "a symmetric window (WindowFlags::COLL_SYMMETRIC) needs memory from \
@@ -421,8 +421,8 @@ macro_rules! stands_for_buffer {
             fn base_ptr(&self) -> *const c_void {
                 self.buf.base_ptr()
             }
-            fn from_nccl_alloc(&self) -> bool {
-                self.buf.from_nccl_alloc()
+            fn is_nccl_alloc(&self) -> bool {
+                self.buf.is_nccl_alloc()
             }
         }
 
