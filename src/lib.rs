@@ -3,6 +3,9 @@
 //! * NCCL is loaded at run time ([`Library`]): no link step, no CUDA toolkit to build.
 //! * Every NCCL call goes through one checked path and fails with an [`Error`] that carries
 //!   NCCL's error string, its last-error text, the call and the caller.
+//! * NCCL's allocator ([`NcclMemory`]), buffer registration ([`Communicator::register`]) and
+//!   windows ([`Communicator::register_window`]) are borrows that end exactly once; fp8
+//!   element types ([`float8::F8E4M3`], [`float8::F8E5M2`]) need NCCL 2.24.
 #![deny(missing_docs)]
 
 mod buffer;
