@@ -159,9 +159,13 @@ impl Communicator {
     /// Joins rank `rank` of a `world_size`-rank communicator (`ncclCommInitRankConfig`),
     /// blocking until every rank has joined with the same `id`.
     ///
-    /// With a non-blocking `config` this still returns a ready communicator (waiting up to
-    /// [`DEFAULT_INIT_TIMEOUT`]); use [`init_rank_nonblocking`](Self::init_rank_nonblocking)
-    /// to do other work meanwhile.
+    /// **Bounded.** The wait ends after the communicator's timeout ([`Config::timeout`], else
+    /// `NCCL_SAFE_TIMEOUT_MS`, else 10 minutes) with [`Error::Timeout`] naming the ranks
+    /// never seen: NCCL's own blocking init waits for a missing peer for ever, so the
+    /// communicator is always created in NCCL's non-blocking mode and waited for here. Its
+    /// later calls behave as a blocking communicator's (an `ncclInProgress` is waited out).
+    /// Use [`init_rank_nonblocking`](Self::init_rank_nonblocking) to do other work
+    /// meanwhile.
     #[track_caller]
     pub fn init_rank(
         device: &Device,
@@ -185,7 +189,11 @@ impl Communicator {
         config: &Config,
     ) -> Result<Communicator> {
         let pending = Communicator::start_init(lib, device, world_size, rank, id, config)?;
-        pending.wait(DEFAULT_INIT_TIMEOUT)
+        let timeout = pending
+            .comm
+            .as_ref()
+            .map_or(DEFAULT_INIT_TIMEOUT, |c| c.diag.timeout());
+        pending.wait(timeout)
     }
 
     /// Starts a non-blocking init (`ncclCommInitRankConfig` with `blocking = 0`): returns at
@@ -216,7 +224,8 @@ impl Communicator {
         check_world(OP, world_size, rank)?;
         check_device(OP, lib, device)?;
         bind(device)?;
-        let mut raw_config = config.to_raw(lib)?;
+        // Always NCCL's non-blocking mode, so that no init can wait for ever (see init_rank).
+        let mut raw_config = config.clone().blocking(false).to_raw(lib)?;
         let mut raw: ncclComm_t = std::ptr::null_mut();
         // SAFETY: `raw` is writable; `raw_config` is a valid ncclConfig_t for this library
         // whose name pointers borrow `config`, alive for the call; ranks checked above.
@@ -264,7 +273,11 @@ impl Communicator {
                 },
                 blocking: config.is_blocking(),
                 failure: OnceCell::new(),
-                diag: crate::diag::CommDiag::for_id(config, id),
+                diag: {
+                    let d = crate::diag::CommDiag::for_id(config, id);
+                    d.arrive(rank, world_size);
+                    d
+                },
             }),
         })
     }
@@ -355,16 +368,20 @@ impl Communicator {
         self.raw
     }
 
-    /// Whether an error was seen (drop will abort).
+    /// Whether an error was seen (drop will abort). True as soon as the watchdog timed
+    /// out this communicator's clique, before any abort starts. No NCCL call.
     pub fn is_failed(&self) -> bool {
-        self.failure.get().is_some()
+        self.failure.get().is_some() || self.diag.failed()
     }
 
     /// Asks NCCL for an asynchronous error (`ncclCommGetAsyncError`). An error marks the
     /// communicator failed. `Ok(true)` while a non-blocking operation is still in progress.
+    /// A communicator the watchdog failed reports its [`Error::Timeout`] without calling
+    /// NCCL (its handle may be under abort).
     #[track_caller]
     pub fn async_error(&self) -> Result<bool> {
         let caller = Location::caller();
+        self.diag.check_alive()?;
         let mut state = nccl_sys::bindings::ncclSuccess;
         // SAFETY: `state` is writable; the handle is live (not yet torn down).
         let r = unsafe { (self.lib.table().ncclCommGetAsyncError)(self.raw, &mut state) };
@@ -436,12 +453,24 @@ impl Communicator {
         bind(&self.device)?;
         let ticket = self.diag.begin(self, op, caller)?;
         let r = f(self.lib.table(), self.raw);
-        let r = if r == nccl_sys::bindings::ncclInProgress && !self.blocking {
-            self.wait_ready(call, caller, DEFAULT_INIT_TIMEOUT)
+        // NCCL's communicator is always non-blocking (see init_rank): wait out progress.
+        let r = if r == nccl_sys::bindings::ncclInProgress {
+            self.wait_ready(call, caller, self.diag.timeout())
         } else {
             self.checked(call, r, caller)
         };
         self.diag.end(self, ticket, r)
+    }
+
+    /// The first check of every operation, before its buffers or the CUDA driver are
+    /// touched: a failed communicator (an NCCL error, or a timeout the watchdog declared)
+    /// fails at once. A few loads.
+    #[inline(always)]
+    pub(crate) fn admit(&self, op: &'static str) -> Result<()> {
+        if self.failure.get().is_some() || self.diag.failed() {
+            return self.ensure_usable(op);
+        }
+        Ok(())
     }
 
     #[inline]
@@ -472,8 +501,11 @@ impl Communicator {
         let start = Instant::now();
         let mut pause = Duration::from_micros(50);
         loop {
+            // The watchdog may have failed it (and taken the handle) meanwhile.
+            self.diag.check_alive()?;
             let mut state = nccl_sys::bindings::ncclSuccess;
-            // SAFETY: `state` is writable; the handle is live.
+            // SAFETY: `state` is writable; the handle is live (the watchdog has not taken
+            // it: checked above, and it takes it only from a call it claimed).
             let r = unsafe { (self.lib.table().ncclCommGetAsyncError)(self.raw, &mut state) };
             self.checked("ncclCommGetAsyncError", r, caller)?;
             match ResultCode::from_raw(state) {
@@ -482,11 +514,14 @@ impl Communicator {
                 Some(_) => return Err(self.fail(op, state, caller)),
             }
             if start.elapsed() >= timeout {
-                self.failure.get_or_init(|| format!("{op} timed out"));
-                return Err(Error::Timeout {
-                    what: format!("{op} on rank {}", self.rank),
+                let e = Error::Timeout {
+                    what: self
+                        .diag
+                        .wait_timeout_report(op, self.rank, self.world_size),
                     timeout,
-                });
+                };
+                self.mark_failed(&e);
+                return Err(e);
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(10));
@@ -616,9 +651,8 @@ impl Communicator {
             failure: OnceCell::new(),
             diag: self.diag.child(tag),
         };
-        if !self.blocking {
-            comm.wait_ready(op, caller, DEFAULT_INIT_TIMEOUT)?;
-        }
+        // The child inherits the parent's non-blocking mode: wait (bounded) until it is ready.
+        comm.wait_ready(op, caller, self.diag.timeout())?;
         comm.read_shape(caller)?;
         Ok(Some(comm))
     }
@@ -670,6 +704,12 @@ impl Communicator {
         }
         // SAFETY: the handle is live; on success it is never used again (taken below).
         let r = unsafe { (self.lib.table().ncclCommDestroy)(self.raw) };
+        // The communicator is non-blocking (see init_rank): progress means it is under way.
+        let r = if r == nccl_sys::bindings::ncclInProgress {
+            nccl_sys::bindings::ncclSuccess
+        } else {
+            r
+        };
         match self.checked(OP, r, caller) {
             Ok(()) => {
                 self.take();
@@ -680,22 +720,37 @@ impl Communicator {
     }
 
     /// Aborts the communicator (`ncclCommAbort`): pending operations on every rank end
-    /// with an error. Never blocks on peers.
+    /// with an error. Never blocks on peers, and never longer than
+    /// [`Config::abort_timeout`]: the abort runs on a thread of its own (NVIDIA's can
+    /// block behind a stuck stream), and past the bound this returns [`Error::Timeout`]
+    /// while [`Config::on_abort_timeout`] applies.
     #[track_caller]
     pub fn abort(mut self) -> Result<()> {
         let ctx = self.context(Location::caller());
-        let _ = bind(&self.device);
         let raw = self.take();
-        // SAFETY: the handle is live and, taken out of `self`, used by no one after this.
-        let r = unsafe { (self.lib.table().ncclCommAbort)(raw) };
-        self.lib.check(
-            "ncclCommAbort",
-            r,
-            CallContext {
-                comm: std::ptr::null_mut(),
-                ..ctx
-            },
-        )
+        if raw.is_null() {
+            return Ok(()); // the watchdog already aborted it: its one teardown
+        }
+        let ctx = CallContext {
+            comm: std::ptr::null_mut(),
+            ..ctx
+        };
+        let r = self.abort_off_thread(raw, "abort")?;
+        self.lib.check("ncclCommAbort", r, ctx)
+    }
+
+    /// Aborts the taken handle `raw` on an abort thread, waiting at most the bound:
+    /// `ncclCommAbort`'s result, or [`Error::Timeout`] when it did not return in time.
+    fn abort_off_thread(&self, raw: ncclComm_t, why: &str) -> Result<ncclResult_t> {
+        let what = format!("rank {} of {} ({why})", self.rank, self.world_size);
+        let (bound, result) = self.diag.abort_off_thread(&self.lib, raw, what);
+        result.ok_or_else(|| Error::Timeout {
+            what: format!(
+                "ncclCommAbort on rank {} did not return within the abort bound (Config::abort_timeout): it goes on in the background",
+                self.rank
+            ),
+            timeout: bound,
+        })
     }
 
     /// Flushes pending work everywhere (`ncclCommFinalize`), waits for it, then destroys.
@@ -726,18 +781,17 @@ impl Drop for Communicator {
         if raw.is_null() {
             return;
         }
-        let _ = bind(&self.device);
         // Dropped during a panic: this rank will not reach the collectives its peers may be
         // waiting in, so abort (which wakes them) rather than destroy.
         let failed = self.failure.get().is_some() || !healthy || panicking;
+        if failed {
+            // On an abort thread, waited for at most the abort bound: drop never hangs.
+            let _ = self.abort_off_thread(raw, "dropped after a failure");
+            return;
+        }
+        let _ = bind(&self.device);
         // SAFETY: `raw` is live and, taken out of `self`, torn down exactly once here.
-        let _ = unsafe {
-            if failed {
-                (self.lib.table().ncclCommAbort)(raw)
-            } else {
-                (self.lib.table().ncclCommDestroy)(raw)
-            }
-        };
+        let _ = unsafe { (self.lib.table().ncclCommDestroy)(raw) };
     }
 }
 

@@ -171,7 +171,8 @@ impl<'a> Group<'a> {
             Err(e) if e.code() == Some(crate::ResultCode::InProgress) => {
                 // Non-blocking communicators: wait (bounded) until each has launched its part.
                 for c in self.comms.iter() {
-                    c.wait_ready("ncclGroupEnd", caller, crate::comm::DEFAULT_INIT_TIMEOUT)?;
+                    c.wait_ready("ncclGroupEnd", caller, c.diag.timeout())?;
+                    c.diag.publish_group();
                 }
                 Ok(())
             }
@@ -181,7 +182,13 @@ impl<'a> Group<'a> {
                 }
                 Err(e)
             }
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                // The operations are on their streams now: the watchdog may track them.
+                for c in &self.comms {
+                    c.diag.publish_group();
+                }
+                Ok(())
+            }
         }
     }
 

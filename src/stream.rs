@@ -15,7 +15,7 @@ pub struct HostStream;
 #[derive(Debug, Clone, Copy)]
 pub enum StreamRef<'a> {
     /// A CUDA stream.
-    Cuda(&'a CudaStream),
+    Cuda(&'a Arc<CudaStream>),
     /// The host provider's stream.
     Host,
 }
@@ -42,12 +42,6 @@ impl StreamRef<'_> {
 pub trait AsStream {
     /// The stream for one call.
     fn as_stream(&self) -> StreamRef<'_>;
-}
-
-impl AsStream for CudaStream {
-    fn as_stream(&self) -> StreamRef<'_> {
-        StreamRef::Cuda(self)
-    }
 }
 
 impl AsStream for Arc<CudaStream> {

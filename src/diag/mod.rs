@@ -46,12 +46,15 @@
 //! Not done: the cross-process fingerprint exchange, watching `ncclGroupEnd`, and
 //! fingerprints of operations inside a [`crate::Group`] (they are recorded, not compared).
 
+mod aborter;
 mod clique;
 mod clock;
+pub(crate) mod exit;
 mod fence;
 mod journal;
 mod recorder;
 pub(crate) mod remote;
+mod tracker;
 mod watchdog;
 
 use std::cell::Cell;
@@ -62,9 +65,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaEvent, CudaStream};
 use nccl_sys::ncclComm_t;
 
+pub use aborter::{OnAbortTimeout, ABORT_TIMEOUT_EXIT_STATUS, DEFAULT_ABORT_TIMEOUT};
+pub use exit::EXIT_GRACE;
 pub use recorder::{FlightRecord, OpRecord, OpState};
 pub use remote::{DesyncPost, MAX_POST_TEXT};
 
@@ -77,6 +81,7 @@ use crate::stream::StreamRef;
 use crate::types::DataType;
 use clique::{Agreement, Clique, CliqueKey, RankView};
 use journal::{Entry, Journal};
+use tracker::{Mark, Marker, Queue, Tracker};
 
 /// The watchdog's default timeout: 10 minutes, as PyTorch's.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -93,6 +98,8 @@ pub(crate) struct DiagConfig {
     dump_dir: Option<PathBuf>,
     dump_stderr: Option<bool>,
     precise: Option<bool>,
+    abort_timeout: Option<Duration>,
+    on_abort_timeout: Option<OnAbortTimeout>,
     /// The job's desync board in another process (not inherited by children).
     board: Option<Arc<dyn remote::RemoteBoard>>,
 }
@@ -158,6 +165,24 @@ impl Config {
         self.diag.precise = Some(precise);
         self
     }
+
+    /// The bound on an abort (default `NCCL_SAFE_ABORT_TIMEOUT_MS`, else
+    /// [`DEFAULT_ABORT_TIMEOUT`], 30 s). NVIDIA's `ncclCommAbort` can block for ever
+    /// behind a stuck stream, so aborts run on a thread of their own: the watchdog never
+    /// waits for one, and a communicator's drop waits at most this long. Past it,
+    /// [`on_abort_timeout`](Self::on_abort_timeout) applies. Children inherit it.
+    pub fn abort_timeout(mut self, bound: Duration) -> Config {
+        self.diag.abort_timeout = Some(bound);
+        self
+    }
+
+    /// What happens to an abort still running at its
+    /// [`abort_timeout`](Self::abort_timeout) (default `NCCL_SAFE_ON_ABORT_TIMEOUT=report|exit`,
+    /// else [`OnAbortTimeout::Report`]). Children inherit it.
+    pub fn on_abort_timeout(mut self, action: OnAbortTimeout) -> Config {
+        self.diag.on_abort_timeout = Some(action);
+        self
+    }
 }
 
 /// A config's options resolved against the environment.
@@ -169,6 +194,8 @@ struct Settings {
     dump_dir: Option<PathBuf>,
     dump_stderr: bool,
     precise: bool,
+    abort_timeout: Duration,
+    on_abort_timeout: OnAbortTimeout,
 }
 
 impl Settings {
@@ -201,6 +228,20 @@ impl Settings {
                         "1" | "true" | "on" | "yes"
                     )
                 })
+            }),
+            abort_timeout: c.abort_timeout.unwrap_or_else(|| {
+                env("NCCL_SAFE_ABORT_TIMEOUT_MS")
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .map_or(DEFAULT_ABORT_TIMEOUT, Duration::from_millis)
+            }),
+            on_abort_timeout: c.on_abort_timeout.unwrap_or_else(|| {
+                match env("NCCL_SAFE_ON_ABORT_TIMEOUT")
+                    .map(|v| v.trim().to_ascii_lowercase())
+                    .as_deref()
+                {
+                    Some("exit") => OnAbortTimeout::ExitProcess,
+                    _ => OnAbortTimeout::Report,
+                }
             }),
         }
     }
@@ -284,6 +325,15 @@ impl From<&'static &'static str> for OpInfo<'static> {
     }
 }
 
+/// At most this many unique ids' arrival boards are kept (see `CommDiag::arrive`).
+const MAX_ARRIVAL_BOARDS: usize = 256;
+
+/// Per clique key: which ranks began their init in this process.
+fn arrivals() -> &'static Mutex<std::collections::HashMap<CliqueKey, Vec<bool>>> {
+    static A: OnceLock<Mutex<std::collections::HashMap<CliqueKey, Vec<bool>>>> = OnceLock::new();
+    A.get_or_init(|| Mutex::new(std::collections::HashMap::new()))
+}
+
 /// `Shared::current` while no operation of the communicator is inside its NCCL call.
 const IDLE: u64 = 0;
 
@@ -294,17 +344,26 @@ const DECIDING: u8 = 1;
 /// `Shared::claim`: the watchdog aborts it; its handle must not be used again.
 const ABORTING: u8 = 2;
 
-/// CUDA work handed to streams: each operation with the event recorded after it.
+/// Work in flight as the watchdog tracks it (see `tracker`).
 #[derive(Debug, Default)]
-struct CudaQueue {
-    /// Journal position, record and end event of each enqueued operation, oldest first.
-    pending: VecDeque<(u64, OpRecord, CudaEvent)>,
-    /// Completed events, recorded again for later operations.
-    spare: Vec<CudaEvent>,
+struct Watch {
+    /// Positions below this have markers recorded after them (or were retired).
+    marked: u64,
+    /// Marked ranges not yet known complete, oldest first.
+    pending: VecDeque<Pending>,
+    /// A queue was capturing into a CUDA graph at the last attempt to mark.
+    capturing: bool,
 }
 
-/// How many completed events a communicator keeps for reuse.
-const SPARE_EVENTS: usize = 64;
+/// The operations at journal positions `from..upto`, with one marker per queue.
+#[derive(Debug)]
+struct Pending {
+    from: u64,
+    upto: u64,
+    /// The oldest operation's enqueue time (diagnostics clock) and record, if still known.
+    oldest: Option<OpRecord>,
+    markers: Vec<Marker>,
+}
 
 /// One communicator's diagnostics state, shared with the watchdog thread and its clique.
 ///
@@ -318,8 +377,16 @@ pub(crate) struct Shared {
     settings: Settings,
     lib: Arc<Library>,
     clique: Arc<Clique>,
-    /// Whether CUDA work can be in flight after a call returns (NVIDIA's NCCL).
-    cuda_capable: bool,
+    /// Learns when queued work finished (the watchdog's and teardown's only).
+    tracker: Arc<dyn Tracker>,
+    /// The queues (streams) this communicator's operations used.
+    queues: Mutex<Vec<Queue>>,
+    /// Positions below this have had their work queued (the owner's plain store after
+    /// each operation; a group's at its end).
+    published: AtomicU64,
+    /// Positions below this are known complete.
+    retired: AtomicU64,
+    watch: Mutex<Watch>,
     journal: Journal,
     /// The raw handle while it may be torn down; 0 once taken. Whoever swaps it out (the
     /// owner's teardown or the watchdog's abort) is its one teardown.
@@ -335,9 +402,6 @@ pub(crate) struct Shared {
     claim: AtomicU8,
     /// Whether [`fence::asymmetric`] is in use.
     asym: bool,
-    cuda: Mutex<CudaQueue>,
-    /// Operations (journal positions) below this completed on the GPU.
-    cuda_done: AtomicU64,
     /// The report of the timeout that made the watchdog abort this communicator.
     report: Mutex<Option<Arc<str>>>,
     aborted_by_watchdog: AtomicBool,
@@ -369,50 +433,145 @@ impl Shared {
         }
     }
 
-    fn queue(&self) -> MutexGuard<'_, CudaQueue> {
-        self.cuda.lock().unwrap_or_else(|e| e.into_inner())
+    fn watch(&self) -> MutexGuard<'_, Watch> {
+        self.watch.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Retires completed CUDA work (oldest first) and keeps its events for reuse.
-    fn retire(&self, q: &mut CudaQueue) {
-        while q.pending.front().is_some_and(|(_, _, ev)| ev.is_complete()) {
-            let Some((pos, _, event)) = q.pending.pop_front() else {
+    /// Whether published work is not yet known complete.
+    fn in_flight(&self) -> bool {
+        self.retired.load(Ordering::Acquire) < self.published.load(Ordering::Acquire)
+    }
+
+    /// The watchdog's tick for this communicator: retires ranges whose markers completed,
+    /// then records one marker per queue after whatever was published since the last tick.
+    fn track(&self) {
+        let published = self.published.load(Ordering::Acquire);
+        let mut w = self.watch();
+        if w.pending.is_empty() && w.marked >= published {
+            return;
+        }
+        self.retire_done(&mut w);
+        if published > w.marked {
+            let queues = self
+                .queues
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            let mut markers = Vec::with_capacity(queues.len());
+            w.capturing = false;
+            for q in &queues {
+                match self.tracker.mark(q) {
+                    Mark::Marker(m) => markers.push(m),
+                    Mark::Capturing => w.capturing = true,
+                    Mark::Unwatched => {}
+                }
+            }
+            if w.capturing {
+                // Nothing of this range reaches the stream before the capture ends: try
+                // again next tick.
+                for m in markers {
+                    self.tracker.recycle(m);
+                }
+                return;
+            }
+            let from = w.marked;
+            w.pending.push_back(Pending {
+                from,
+                upto: published,
+                oldest: self.journal.get(from),
+                markers,
+            });
+            w.marked = published;
+            self.retire_done(&mut w);
+        }
+    }
+
+    /// Retires the oldest ranges whose markers all completed.
+    fn retire_done(&self, w: &mut Watch) {
+        while let Some(p) = w.pending.front() {
+            if !p.markers.iter().all(|m| self.tracker.done(m)) {
+                break;
+            }
+            let Some(p) = w.pending.pop_front() else {
                 break;
             };
-            self.cuda_done.store(pos + 1, Ordering::Release);
-            if q.spare.len() < SPARE_EVENTS {
-                q.spare.push(event);
+            self.retired.store(p.upto, Ordering::Release);
+            for m in p.markers {
+                self.tracker.recycle(m);
             }
         }
     }
 
-    /// Records an event after the operation at `pos` on `stream` and queues it; `false`
-    /// when no event could be recorded (then the operation is not watched).
-    #[inline(never)]
-    fn enqueue_cuda(&self, pos: u64, stream: &CudaStream) -> bool {
-        let Some(rec) = self.journal.get(pos) else {
-            return false;
-        };
-        let mut q = self.queue();
-        self.retire(&mut q);
-        let event = match q.spare.pop() {
-            Some(ev) => ev,
-            None => match stream.context().new_event(None) {
-                Ok(ev) => ev,
-                Err(_) => return false,
-            },
-        };
-        if event.record(stream).is_err() {
-            return false;
+    /// The oldest tracked operation not known complete, if it is older than `limit`.
+    fn late_work(&self, now: Instant, limit: Duration) -> Option<OpRecord> {
+        let w = self.watch();
+        if w.capturing {
+            return None;
         }
-        q.pending.push_back((pos, rec, event));
-        true
+        let p = w.pending.front()?;
+        let rec = p.oldest.or_else(|| self.journal.get(p.from))?;
+        (now.saturating_duration_since(rec.enqueued) >= limit).then_some(rec)
     }
 
-    /// The record at journal position `pos`, with CUDA completion applied.
+    /// The queue of a host-provider communicator is the communicator itself.
+    fn note_host_queue(&self, raw: ncclComm_t) {
+        self.queues
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Queue::Host(raw as usize));
+    }
+
+    /// Adds a queue the owner has not used before.
+    #[cold]
+    fn note_queue(&self, q: Queue) {
+        let mut qs = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        if !qs.iter().any(|x| x.key() == q.key()) {
+            qs.push(q);
+        }
+    }
+
+    /// The owner's wait for its own work, at teardown: records a marker on each queue and
+    /// polls it until `limit`, an abort, or a timeout of the clique. `true` when done.
+    fn wait_own_work(&self, limit: Instant) -> bool {
+        if !self.in_flight() {
+            return true;
+        }
+        let queues = self
+            .queues
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let markers: Vec<Marker> = queues
+            .iter()
+            .filter_map(|q| match self.tracker.mark(q) {
+                Mark::Marker(m) => Some(m),
+                Mark::Capturing | Mark::Unwatched => None,
+            })
+            .collect();
+        let done = loop {
+            if markers.iter().all(|m| self.tracker.done(m)) {
+                self.retired
+                    .store(self.published.load(Ordering::Acquire), Ordering::Release);
+                break true;
+            }
+            if self.aborted_by_watchdog.load(Ordering::Acquire)
+                || self.clique.any_timeout()
+                || Instant::now() >= limit
+            {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        for m in markers {
+            self.tracker.recycle(m);
+        }
+        done
+    }
+
+    /// The record at journal position `pos`, with completion of tracked work applied.
     fn record(&self, pos: u64) -> Option<OpRecord> {
         let mut r = self.journal.get(pos)?;
-        if r.state == OpState::Enqueued && pos < self.cuda_done.load(Ordering::Acquire) {
+        if r.state == OpState::Enqueued && pos < self.retired.load(Ordering::Acquire) {
             r.state = OpState::Completed;
         }
         Some(r)
@@ -541,16 +700,7 @@ impl Shared {
                 }
             }
         }
-        if self.cuda_capable {
-            let mut q = self.queue();
-            self.retire(&mut q);
-            if let Some((_, r, _)) = q.pending.front() {
-                if now.saturating_duration_since(r.enqueued) >= limit {
-                    return Some(*r);
-                }
-            }
-        }
-        None
+        self.late_work(now, limit)
     }
 
     /// Claims this communicator for an abort at `now`: an operation inside its NCCL call
@@ -562,8 +712,6 @@ impl Shared {
 
     /// [`claim`](Self::claim) from the value `cur` of `current` the watchdog saw.
     fn claim_seen(&self, cur: u64, now: Instant, min_age: Duration) -> bool {
-        // Held across the decision for an idle one, so a teardown cannot drain meanwhile.
-        let mut queue = None;
         if cur != IDLE {
             let old = self
                 .journal
@@ -572,16 +720,8 @@ impl Shared {
             if !old {
                 return false;
             }
-        } else {
-            if !self.cuda_capable {
-                return false;
-            }
-            let mut q = self.queue();
-            self.retire(&mut q);
-            if q.pending.is_empty() {
-                return false;
-            }
-            queue = Some(q);
+        } else if !self.in_flight() {
+            return false;
         }
         self.claim.store(DECIDING, Ordering::SeqCst);
         let fenced = fence::heavy(self.asym);
@@ -591,7 +731,6 @@ impl Shared {
         let same = fenced && self.current.load(Ordering::SeqCst) == cur;
         let verdict = if same { ABORTING } else { UNCLAIMED };
         self.claim.store(verdict, Ordering::Release);
-        drop(queue);
         same
     }
 
@@ -614,6 +753,12 @@ pub(crate) struct CommDiag {
     shared: OnceLock<Arc<Shared>>,
     /// The job's desync board, given to the clique on attach.
     board: Option<Arc<dyn remote::RemoteBoard>>,
+    /// The key of the queue (stream) the last operation used: the owner's cache, so only a
+    /// new stream takes the slow path.
+    last_queue: Cell<usize>,
+    /// The tracker to use instead of the provider's (tests).
+    #[cfg(test)]
+    tracker: Option<Arc<dyn Tracker>>,
 }
 
 /// What [`CommDiag::begin`] hands to [`CommDiag::end`].
@@ -634,6 +779,9 @@ impl CommDiag {
             key: clique::key_of(id.as_bytes()),
             shared: OnceLock::new(),
             board: config.diag.board.clone(),
+            last_queue: Cell::new(0),
+            #[cfg(test)]
+            tracker: None,
         }
     }
 
@@ -644,6 +792,9 @@ impl CommDiag {
             key,
             shared: OnceLock::new(),
             board: None,
+            last_queue: Cell::new(0),
+            #[cfg(test)]
+            tracker: None,
         }
     }
 
@@ -664,6 +815,9 @@ impl CommDiag {
             key: clique::key_of((self.key, seq, tag)),
             shared: OnceLock::new(),
             board: None,
+            last_queue: Cell::new(0),
+            #[cfg(test)]
+            tracker: None,
         }
     }
 
@@ -682,20 +836,29 @@ impl CommDiag {
             if let Some(b) = &self.board {
                 clique.set_board(b);
             }
+            #[cfg(test)]
+            let tracker = self
+                .tracker
+                .clone()
+                .unwrap_or_else(|| tracker::for_provider(lib.provider()));
+            #[cfg(not(test))]
+            let tracker = tracker::for_provider(lib.provider());
             let s = Arc::new(Shared {
                 rank,
                 world_size,
                 settings: self.settings.clone(),
                 lib: Arc::clone(lib),
                 clique: Arc::clone(&clique),
-                cuda_capable: lib.provider() == Provider::Nccl,
+                tracker,
+                queues: Mutex::new(Vec::new()),
+                published: AtomicU64::new(0),
+                retired: AtomicU64::new(0),
+                watch: Mutex::new(Watch::default()),
                 journal: Journal::new(self.settings.ring),
                 handle: AtomicUsize::new(raw as usize),
                 current: AtomicU64::new(IDLE),
                 claim: AtomicU8::new(UNCLAIMED),
                 asym: fence::asymmetric(),
-                cuda: Mutex::new(CudaQueue::default()),
-                cuda_done: AtomicU64::new(0),
                 report: Mutex::new(None),
                 aborted_by_watchdog: AtomicBool::new(false),
                 gone: AtomicBool::new(false),
@@ -703,6 +866,9 @@ impl CommDiag {
                 wait_ns: AtomicU64::new(0),
                 checks: AtomicU64::new(0),
             });
+            if lib.provider() == Provider::Host {
+                s.note_host_queue(raw);
+            }
             clique.attach(rank, &s);
             watchdog::watch(&s);
             s
@@ -734,8 +900,79 @@ impl CommDiag {
     #[inline]
     pub(crate) fn check_alive(&self) -> Result<()> {
         match self.shared.get() {
-            Some(s) if s.aborted_by_watchdog.load(Ordering::Acquire) => Err(self.aborted_error(s)),
+            Some(s) if s.aborted_by_watchdog.load(Ordering::Acquire) || s.clique.any_timeout() => {
+                Err(self.aborted_error(s))
+            }
             _ => Ok(()),
+        }
+    }
+
+    /// Whether the watchdog failed this communicator: its clique timed out (set before any
+    /// abort starts) or it was aborted. Two loads; no NCCL call.
+    #[inline]
+    pub(crate) fn failed(&self) -> bool {
+        self.shared.get().is_some_and(|s| {
+            s.clique.any_timeout() || s.aborted_by_watchdog.load(Ordering::Acquire)
+        })
+    }
+
+    /// After `ncclGroupEnd` enqueued a group's operations: they are now on their streams.
+    pub(crate) fn publish_group(&self) {
+        if let Some(s) = self.shared.get() {
+            s.published.store(s.journal.len(), Ordering::Release);
+        }
+    }
+
+    /// The abort bound and policy of this communicator.
+    pub(crate) fn abort_policy(&self) -> (Duration, OnAbortTimeout) {
+        (self.settings.abort_timeout, self.settings.on_abort_timeout)
+    }
+
+    /// The timeout of this communicator's operations (and of its init).
+    pub(crate) fn timeout(&self) -> Duration {
+        self.settings.timeout
+    }
+
+    /// Aborts the handle `raw` (taken out of its communicator) on an abort thread and waits
+    /// at most the abort bound: the bound, and `ncclCommAbort`'s result if it returned.
+    pub(crate) fn abort_off_thread(
+        &self,
+        lib: &Arc<Library>,
+        raw: ncclComm_t,
+        what: String,
+    ) -> (Duration, Option<nccl_sys::ncclResult_t>) {
+        let (bound, action) = self.abort_policy();
+        let job = aborter::spawn(Arc::clone(lib), vec![raw as usize], bound, action, what);
+        let done = job.wait_bounded();
+        (bound, done.then(|| job.result()))
+    }
+
+    /// Notes that rank `rank` of `world_size` began its init in this process.
+    pub(crate) fn arrive(&self, rank: usize, world_size: usize) {
+        let mut a = arrivals().lock().unwrap_or_else(|e| e.into_inner());
+        if a.len() >= MAX_ARRIVAL_BOARDS && !a.contains_key(&self.key) {
+            a.clear(); // old jobs' boards: bounded memory in a long run
+        }
+        let seen = a.entry(self.key).or_insert_with(|| vec![false; world_size]);
+        if seen.len() == world_size && rank < world_size {
+            seen[rank] = true;
+        }
+    }
+
+    /// The report of a wait for `op` (an init, a split child) that ran out of time.
+    pub(crate) fn wait_timeout_report(&self, op: &str, rank: usize, world_size: usize) -> String {
+        let a = arrivals().lock().unwrap_or_else(|e| e.into_inner());
+        match a
+            .get(&self.key)
+            .filter(|v| v.len() == world_size && world_size > 0)
+        {
+            Some(seen) => {
+                let (yes, no): (Vec<usize>, Vec<usize>) = (0..world_size).partition(|&r| seen[r]);
+                format!(
+                    "{op} on rank {rank} of {world_size} did not complete: ranks never seen here: {no:?} (not started, dead, or in another process); ranks that began their init in this process: {yes:?}"
+                )
+            }
+            None => format!("{op} on rank {rank} of {world_size} did not complete"),
         }
     }
 
@@ -876,12 +1113,18 @@ impl CommDiag {
         } else {
             OpState::Failed
         };
-        if let (Ok(()), StreamRef::Cuda(stream)) = (&r, t.stream) {
-            if !in_group()
-                && !s.aborted_by_watchdog.load(Ordering::Acquire)
-                && s.enqueue_cuda(t.pos, stream)
-            {
+        if r.is_ok() {
+            // Hand the work to the watchdog: plain stores, no call into CUDA.
+            if let StreamRef::Cuda(stream) = t.stream {
+                let key = stream.cu_stream() as usize;
+                if self.last_queue.get() != key {
+                    self.last_queue.set(key);
+                    s.note_queue(Queue::Cuda(Arc::clone(stream)));
+                }
                 state = OpState::Enqueued;
+            }
+            if !in_group() {
+                s.published.store(t.pos + 1, Ordering::Release);
             }
         }
         s.journal.finish(t.pos, state, took);
@@ -925,19 +1168,12 @@ impl CommDiag {
         let Some(s) = self.shared.get() else {
             return true;
         };
-        let limit = Instant::now() + s.settings.timeout + s.slack() + Duration::from_secs(1);
-        loop {
-            let aborted = s.aborted_by_watchdog.load(Ordering::Acquire);
-            let idle = s.current.load(Ordering::Acquire) == IDLE && {
-                let mut q = s.queue();
-                s.retire(&mut q);
-                q.pending.is_empty()
-            };
-            if idle || aborted || Instant::now() >= limit {
-                return idle && !aborted && s.clique.timed_out().is_none();
-            }
-            std::thread::sleep(Duration::from_millis(1));
+        if s.current.load(Ordering::Acquire) != IDLE {
+            return false; // left inside a call (an unwinding panic): abort
         }
+        let limit = Instant::now() + s.settings.timeout + s.slack() + Duration::from_secs(1);
+        let done = s.wait_own_work(limit);
+        done && !s.aborted_by_watchdog.load(Ordering::Acquire) && s.clique.timed_out().is_none()
     }
 
     /// Before `destroy`: drains, and refuses (marking the communicator failed, so dropping

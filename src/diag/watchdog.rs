@@ -1,7 +1,15 @@
 //! The watchdog: one thread per process, started with the first communicator, that aborts
 //! the communicators of a clique whose operation ran out of time.
 //!
-//! It also advances the coarse diagnostics clock each tick (`clock`).
+//! It also advances the coarse diagnostics clock each tick (`clock`), records and queries
+//! the completion markers of queued work (`tracker`), and applies the abort bound
+//! (`aborter`).
+//!
+//! Order on a timeout: first the clique is marked timed out, so every rank of it in this
+//! process fails fast (`is_failed()`, and every later call returns [`crate::Error::Timeout`]
+//! without reaching NCCL or CUDA); then the handles are claimed and taken; then they are
+//! aborted on a thread of their own, so a blocking abort stalls neither a caller nor the
+//! watchdog's service of other cliques.
 //!
 //! Ownership: the watchdog first *claims* a communicator (`Shared::claim`): it may, when an
 //! operation has been inside its NCCL call long enough or the communicator is idle with
@@ -16,9 +24,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use nccl_sys::ncclComm_t;
-
-use super::{clock, Shared};
+use super::{aborter, clock, exit, Shared};
 use crate::library::Library;
 
 fn registry() -> &'static Mutex<Vec<Weak<Shared>>> {
@@ -43,12 +49,20 @@ pub(super) fn watch(s: &Arc<Shared>) {
                 loop {
                     std::thread::sleep(clock::TICK);
                     clock::advance();
-                    sweep(Instant::now(), &mut list);
+                    // Once the process exits, no more calls into NCCL or CUDA.
+                    let Some(_busy) = exit::busy() else {
+                        continue;
+                    };
+                    let now = Instant::now();
+                    sweep(now, &mut list);
                     list.clear();
+                    aborter::check_overdue(now);
                 }
             })
             .is_ok()
     });
+    // After the first communicator's init, so after the CUDA runtime's own exit handlers.
+    exit::install();
 }
 
 /// Operations younger than this are not aborted along with an expired peer: their thread
@@ -61,6 +75,9 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) {
     {
         let r = registry().lock().unwrap_or_else(|e| e.into_inner());
         list.extend(r.iter().filter_map(Weak::upgrade));
+    }
+    for s in list.iter() {
+        s.track();
     }
     let expired: Vec<(usize, _)> = (list.iter().enumerate())
         .filter(|(_, s)| !s.aborted_by_watchdog.load(Ordering::Acquire))
@@ -77,6 +94,9 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) {
             s.settings.timeout,
             "did not complete in time",
         ));
+        // Fail fast first: from here on every rank of the clique in this process gets the
+        // report without reaching NCCL, whatever the abort below does.
+        let report = s.clique.set_timed_out(&report);
         let mut taken: Vec<(Arc<Library>, usize)> = Vec::new();
         // The expired one first: when it completed after all, nothing is aborted.
         let others = list.iter().filter(|t| !Arc::ptr_eq(t, s));
@@ -90,9 +110,6 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) {
                 grace(t)
             };
             if !t.claim(now, min_age) {
-                if Arc::ptr_eq(t, s) {
-                    break; // it completed after all: nothing to abort
-                }
                 continue;
             }
             let h = t.take_for_abort(&report);
@@ -103,28 +120,30 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) {
         if taken.is_empty() {
             continue;
         }
-        s.clique.set_timed_out(&report);
-        abort_together(taken);
+        abort_together(taken, s);
     }
 }
 
 /// Aborts the handles inside one NCCL group per library (NCCL 2.22+ requires communicators
-/// that may wait on each other to be aborted together).
-fn abort_together(mut taken: Vec<(Arc<Library>, usize)>) {
+/// that may wait on each other to be aborted together), each group on an abort thread of
+/// its own, bounded by the expired communicator's `abort_timeout`.
+fn abort_together(mut taken: Vec<(Arc<Library>, usize)>, s: &Shared) {
     while let Some((lib, _)) = taken.first() {
         let lib = Arc::clone(lib);
         let (same, rest): (Vec<_>, Vec<_>) =
             taken.into_iter().partition(|(l, _)| Arc::ptr_eq(l, &lib));
-        let t = lib.table();
-        // SAFETY: each handle was taken out of its communicator's slot above, so this is
-        // its one teardown and no one uses it afterwards; group start/end are paired.
-        unsafe {
-            let _ = (t.ncclGroupStart)();
-            for (_, h) in &same {
-                let _ = (t.ncclCommAbort)(*h as ncclComm_t);
-            }
-            let _ = (t.ncclGroupEnd)();
-        }
+        let what = format!(
+            "{} communicator(s) of the clique of rank {} (timed out)",
+            same.len(),
+            s.rank
+        );
+        aborter::spawn(
+            lib,
+            same.into_iter().map(|(_, h)| h).collect(),
+            s.settings.abort_timeout,
+            s.settings.on_abort_timeout,
+            what,
+        );
         taken = rest;
     }
 }

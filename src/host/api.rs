@@ -364,6 +364,7 @@ fn init_rank(
     config: *const ncclConfig_t,
     what: &str,
 ) -> Result<ncclResult_t, Fail> {
+    super::fault::ensure_runtime();
     let mut g = lock();
     let idb = id_bytes(&id);
     let root = g.root_of(&idb);
@@ -429,6 +430,7 @@ pub(crate) unsafe extern "C" fn ncclCommInitAll(
     ndev: c_int,
     devlist: *const c_int,
 ) -> ncclResult_t {
+    super::fault::ensure_runtime();
     ffi(|| {
         let mut g = lock();
         if comm.is_null() || ndev < 1 {
@@ -529,6 +531,10 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
         CommState::Failed(_) => {}
     }
     super::state::notify();
+    drop(g);
+    if abort {
+        super::fault::after_abort(c.root, h);
+    }
     Ok(ncclSuccess)
 }
 
@@ -937,6 +943,9 @@ fn coll(
                     ))
                 }
             };
+            if super::fault::take_stuck(r.root, r.h) {
+                return Ok(ncclSuccess); // accepted, never completes (Fault::StuckWork)
+            }
             submit(
                 g,
                 Item::Coll {
@@ -1211,6 +1220,9 @@ fn p2p(
                     dtype: dt,
                 },
             };
+            if super::fault::take_stuck(r.root, r.h) {
+                return Ok(ncclSuccess); // accepted, never completes (Fault::StuckWork)
+            }
             submit(g, item)
         })())
     })

@@ -87,6 +87,7 @@ use core::ffi::{c_int, c_void, CStr};
 mod api;
 mod dtype;
 mod exec;
+pub mod fault;
 mod registry;
 mod state;
 
@@ -168,6 +169,12 @@ pub fn root_id_of(comm: ncclComm_t) -> Option<ncclUniqueId> {
 /// The most recent misuse messages (at most 64, oldest first), process wide.
 pub fn recent_misuse() -> Vec<String> {
     state::lock().misuse_log.iter().cloned().collect()
+}
+
+/// Operations of the host handle `comm` that were accepted and will never complete
+/// ([`fault::Fault::StuckWork`]); 0 for an unknown handle.
+pub(crate) fn stuck_ops(comm: usize) -> u64 {
+    fault::stuck_ops(comm)
 }
 
 /// Sets the calling thread's "current device", recorded by later `ncclCommInitRank(Config)`

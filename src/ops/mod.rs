@@ -153,6 +153,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclAllReduce";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let red = op.raw_for(self, OP)?;
         let count = send.len();
@@ -178,6 +179,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclAllReduce";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let red = op.raw_for(self, OP)?;
         let count = buf.len();
@@ -263,6 +265,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclBroadcast";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let root = self.check_rank(OP, "root", root)?;
         let count = recv.len();
@@ -287,6 +290,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclBroadcast";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let root = self.check_rank(OP, "root", root)?;
         let count = buf.len();
@@ -368,6 +372,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclReduce";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let red = op.raw_for(self, OP)?;
         let root = self.check_rank(OP, "root", root)?;
@@ -449,6 +454,7 @@ impl Communicator {
         const OP: &str = "ncclReduce";
         let caller = Location::caller();
         let stream = stream.as_stream();
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let red = op.into().raw_for(self, OP)?;
         let root = self.check_rank(OP, "root", root)?;
@@ -488,6 +494,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclAllGather";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let count = send.len();
         let total = self.times_world(OP, count)?;
@@ -538,6 +545,7 @@ impl Communicator {
         const OP: &str = "ncclAllGather";
         let caller = Location::caller();
         let stream = stream.as_stream();
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let count = self.block_of(OP, buf.len())?;
         let rank = self.rank();
@@ -585,6 +593,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclReduceScatter";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let red = op.raw_for(self, OP)?;
         let count = recv.len();
@@ -654,6 +663,7 @@ impl Communicator {
         const OP: &str = "ncclReduceScatter";
         let caller = Location::caller();
         let stream = stream.as_stream();
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let red = op.into().raw_for(self, OP)?;
         let count = self.block_of(OP, buf.len())?;
@@ -681,6 +691,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclSend";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let peer = self.check_rank(OP, "peer", peer)?;
         let count = buf.len();
@@ -702,6 +713,7 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Guards<'a>> {
         const OP: &str = "ncclRecv";
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let peer = self.check_rank(OP, "peer", peer)?;
         let count = buf.len();
@@ -757,6 +769,7 @@ impl Communicator {
         let f = self
             .library()
             .optional(self.library().table().ncclAlltoAll, OP)?;
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let total = send.len();
         let count = self.block_of(OP, total)?;
@@ -814,6 +827,7 @@ impl Communicator {
         let f = self
             .library()
             .optional(self.library().table().ncclGather, OP)?;
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let root_c = self.check_rank(OP, "root", root)?;
         let count = send.len();
@@ -900,6 +914,7 @@ impl Communicator {
         let f = self
             .library()
             .optional(self.library().table().ncclScatter, OP)?;
+        self.admit(OP)?;
         self.check_stream(OP, stream)?;
         let root_c = self.check_rank(OP, "root", root)?;
         let count = recv.len();

@@ -1,0 +1,227 @@
+//! How the watchdog learns that queued work finished: markers recorded after the work on
+//! each queue (a CUDA stream, or a host-provider communicator), behind one small interface.
+//!
+//! Only the watchdog thread (and a communicator's teardown) calls a [`Tracker`]. The
+//! per-operation path publishes its journal position with a plain store and touches no
+//! tracker, so an operation on a CUDA stream costs no CUDA driver call of ours: the
+//! watchdog records at most one event per stream per tick, after whatever was published
+//! by then, and queries it on later ticks. Tests swap in a counting tracker to prove it.
+//!
+//! CUDA graph capture: the watchdog never records an event on a capturing stream (that
+//! would put the event into the graph), and it does not time out work while one of the
+//! communicator's streams is capturing; a collective captured into a graph is never run on
+//! the stream, so the first marker after the capture completes at once. Work a replayed
+//! graph runs is not watched.
+
+use std::cell::Cell;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaEvent, CudaStream};
+
+/// Where an operation's work is queued.
+#[derive(Debug, Clone)]
+pub(crate) enum Queue {
+    /// A CUDA stream (NVIDIA's NCCL).
+    Cuda(Arc<CudaStream>),
+    /// A host-provider communicator handle (its work completes in the call, unless a
+    /// fault holds it).
+    Host(usize),
+    /// A queue of the counting tracker in tests.
+    #[cfg(test)]
+    Fake(usize),
+}
+
+impl Queue {
+    /// The identity the owner compares to skip queues it already noted.
+    pub(crate) fn key(&self) -> usize {
+        match self {
+            Queue::Cuda(s) => s.cu_stream() as usize,
+            Queue::Host(h) => *h,
+            #[cfg(test)]
+            Queue::Fake(k) => *k,
+        }
+    }
+}
+
+/// A marker recorded after the work queued so far.
+#[derive(Debug)]
+pub(crate) enum Marker {
+    Cuda(CudaEvent),
+    Host(usize),
+    #[cfg(test)]
+    Fake(u64),
+}
+
+/// What [`Tracker::mark`] could do.
+#[derive(Debug)]
+pub(crate) enum Mark {
+    Marker(Marker),
+    /// The stream is being captured into a CUDA graph: nothing was recorded.
+    Capturing,
+    /// The work cannot be watched (an error recording the marker): treat it as done.
+    Unwatched,
+}
+
+/// Records and queries completion markers. See the module docs for who may call it.
+pub(crate) trait Tracker: Send + Sync + std::fmt::Debug {
+    /// Records a marker after everything queued on `q` so far.
+    fn mark(&self, q: &Queue) -> Mark;
+    /// Whether the work before `m` finished. Never blocks.
+    fn done(&self, m: &Marker) -> bool;
+    /// Takes back a marker that is no longer needed (events are reused).
+    fn recycle(&self, _m: Marker) {}
+}
+
+/// The tracker for a library's provider.
+pub(crate) fn for_provider(provider: crate::library::Provider) -> Arc<dyn Tracker> {
+    match provider {
+        crate::library::Provider::Nccl => Arc::new(CudaTracker::default()),
+        crate::library::Provider::Host => Arc::new(HostTracker),
+    }
+}
+
+/// Completed events kept for reuse, per tracker.
+const SPARE_EVENTS: usize = 16;
+
+/// CUDA events on the communicator's streams.
+#[derive(Debug, Default)]
+pub(crate) struct CudaTracker {
+    spare: Mutex<Vec<CudaEvent>>,
+}
+
+thread_local! {
+    static RELAXED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Puts this thread in relaxed stream-capture mode, once: its event calls then never
+/// invalidate a capture in global mode on another thread (NCCL does the same).
+fn relaxed_capture_mode() {
+    if RELAXED.with(|r| r.replace(true)) {
+        return;
+    }
+    let mut mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: `mode` is a valid, writable capture mode; the call only swaps this thread's
+    // mode (the old one is written back into `mode` and not needed).
+    let _ = unsafe { cudarc::driver::sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+}
+
+impl Tracker for CudaTracker {
+    fn mark(&self, q: &Queue) -> Mark {
+        let Queue::Cuda(stream) = q else {
+            return Mark::Unwatched;
+        };
+        relaxed_capture_mode();
+        match stream.capture_status() {
+            Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE) => {}
+            Ok(_) => return Mark::Capturing,
+            Err(_) => return Mark::Unwatched,
+        }
+        let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let event = match spare {
+            Some(ev) => ev,
+            None => match stream.context().new_event(None) {
+                Ok(ev) => ev,
+                Err(_) => return Mark::Unwatched,
+            },
+        };
+        match event.record(stream) {
+            Ok(()) => Mark::Marker(Marker::Cuda(event)),
+            Err(_) => Mark::Unwatched,
+        }
+    }
+
+    fn done(&self, m: &Marker) -> bool {
+        match m {
+            Marker::Cuda(ev) => ev.is_complete(),
+            _ => true,
+        }
+    }
+
+    fn recycle(&self, m: Marker) {
+        if let Marker::Cuda(ev) = m {
+            let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+            if spare.len() < SPARE_EVENTS {
+                spare.push(ev);
+            }
+        }
+    }
+}
+
+/// The host provider: work completes in the call unless [`crate::host::fault`] holds it.
+#[derive(Debug)]
+pub(crate) struct HostTracker;
+
+impl Tracker for HostTracker {
+    fn mark(&self, q: &Queue) -> Mark {
+        match q {
+            Queue::Host(h) => Mark::Marker(Marker::Host(*h)),
+            _ => Mark::Unwatched,
+        }
+    }
+
+    fn done(&self, m: &Marker) -> bool {
+        match m {
+            Marker::Host(h) => crate::host::stuck_ops(*h) == 0,
+            _ => true,
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod counting {
+    //! A tracker that counts its calls and the threads they come from.
+
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::thread::ThreadId;
+
+    #[derive(Debug)]
+    pub(crate) struct Counting {
+        /// The communicator's owning thread: calls from it are what must never happen
+        /// per operation.
+        pub owner: ThreadId,
+        pub marks: AtomicU64,
+        pub queries: AtomicU64,
+        pub owner_marks: AtomicU64,
+        pub owner_queries: AtomicU64,
+        /// Markers complete only while this is set.
+        pub complete: AtomicBool,
+        next: AtomicU64,
+    }
+
+    impl Counting {
+        pub(crate) fn new(owner: ThreadId) -> Counting {
+            Counting {
+                owner,
+                marks: AtomicU64::new(0),
+                queries: AtomicU64::new(0),
+                owner_marks: AtomicU64::new(0),
+                owner_queries: AtomicU64::new(0),
+                complete: AtomicBool::new(true),
+                next: AtomicU64::new(0),
+            }
+        }
+
+        fn on_owner(&self) -> bool {
+            std::thread::current().id() == self.owner
+        }
+    }
+
+    impl Tracker for Counting {
+        fn mark(&self, _q: &Queue) -> Mark {
+            self.marks.fetch_add(1, Ordering::SeqCst);
+            if self.on_owner() {
+                self.owner_marks.fetch_add(1, Ordering::SeqCst);
+            }
+            Mark::Marker(Marker::Fake(self.next.fetch_add(1, Ordering::SeqCst)))
+        }
+
+        fn done(&self, _m: &Marker) -> bool {
+            self.queries.fetch_add(1, Ordering::SeqCst);
+            if self.on_owner() {
+                self.owner_queries.fetch_add(1, Ordering::SeqCst);
+            }
+            self.complete.load(Ordering::SeqCst)
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! Fault injection: the GPU's failure modes, reproduced on the host provider so that the
+//! crate's failure handling runs in tests on any machine.
+//!
+//! * [`Fault::StuckWork`]: every collective and send/recv of the communicators born from
+//!   an id returns `ncclSuccess` at once but never completes, as work queued on a CUDA
+//!   stream behind a kernel that never ends. The watchdog sees it as work in flight.
+//! * [`Fault::BlockingAbort`]: `ncclCommAbort` first does its work (the clique is aborted,
+//!   waiters wake, the handle is counted as torn down) and then blocks, as NVIDIA's abort
+//!   does in `cudaFree` behind a stuck stream: for the given time, or until
+//!   [`release_aborts`] (`None`).
+//!
+//! A missing peer needs no fault: a rank that never calls init is one.
+//!
+//! **The runtime's exit.** Like the CUDA runtime, the host provider registers a process-exit
+//! handler at its first use. When the process exits while an abort is blocked by
+//! [`Fault::BlockingAbort`], that handler wakes it and the abort then crashes the process
+//! with `SIGSEGV`, as a thread left inside `cudaFree` does while the CUDA runtime is torn
+//! down. A process whose exit is guarded (the crate's diagnostics are) never reaches it.
+
+use std::collections::HashMap;
+use std::sync::{Condvar, Mutex, MutexGuard, Once, OnceLock};
+use std::time::{Duration, Instant};
+
+use nccl_sys::bindings::ncclUniqueId;
+
+use super::state::{Handle, RootIdx};
+
+/// A fault to inject into the communicators born from one unique id (their split and
+/// shrink children included). See the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Fault {
+    /// Collectives and send/recv return at once and never complete.
+    StuckWork,
+    /// `ncclCommAbort` blocks after doing its work: for this long, or until
+    /// [`release_aborts`] when `None`.
+    BlockingAbort(Option<Duration>),
+}
+
+#[derive(Debug, Default)]
+struct Faults {
+    stuck: HashMap<RootIdx, ()>,
+    blocking_abort: HashMap<RootIdx, Option<Duration>>,
+    /// Per handle: operations that were accepted and will never complete.
+    stuck_ops: HashMap<Handle, u64>,
+    /// Aborts blocked right now, per root.
+    blocked: HashMap<RootIdx, usize>,
+    /// Bumped by [`release_aborts`]: a blocked abort that sees it change returns.
+    releases: HashMap<RootIdx, u64>,
+    /// The process is exiting: blocked aborts crash (see the module docs).
+    torn_down: bool,
+}
+
+fn faults() -> &'static (Mutex<Faults>, Condvar) {
+    static F: OnceLock<(Mutex<Faults>, Condvar)> = OnceLock::new();
+    F.get_or_init(|| (Mutex::new(Faults::default()), Condvar::new()))
+}
+
+fn lock() -> MutexGuard<'static, Faults> {
+    faults().0.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn root_of(id: &ncclUniqueId) -> RootIdx {
+    super::state::lock().root_of(&super::api::id_bytes(id))
+}
+
+/// Injects `fault` into every communicator born from `id` (now or later). Faults stay
+/// until [`clear`].
+pub fn inject(id: &ncclUniqueId, fault: Fault) {
+    let root = root_of(id);
+    let mut f = lock();
+    match fault {
+        Fault::StuckWork => {
+            f.stuck.insert(root, ());
+        }
+        Fault::BlockingAbort(d) => {
+            f.blocking_abort.insert(root, d);
+        }
+    }
+}
+
+/// Removes every fault of `id` and releases its blocked aborts. Work that was already
+/// stuck stays stuck.
+pub fn clear(id: &ncclUniqueId) {
+    let root = root_of(id);
+    let mut f = lock();
+    f.stuck.remove(&root);
+    f.blocking_abort.remove(&root);
+    *f.releases.entry(root).or_default() += 1;
+    faults().1.notify_all();
+}
+
+/// Releases the aborts of `id`'s communicators that [`Fault::BlockingAbort`] holds now.
+pub fn release_aborts(id: &ncclUniqueId) {
+    let root = root_of(id);
+    *lock().releases.entry(root).or_default() += 1;
+    faults().1.notify_all();
+}
+
+/// How many aborts of `id`'s communicators are blocked right now.
+pub fn blocked_aborts(id: &ncclUniqueId) -> usize {
+    let root = root_of(id);
+    lock().blocked.get(&root).copied().unwrap_or(0)
+}
+
+/// Called by an operation of `h` (root `root`) that passed its checks: `true` when it is
+/// to be accepted and never completed.
+pub(crate) fn take_stuck(root: RootIdx, h: Handle) -> bool {
+    let mut f = lock();
+    if !f.stuck.contains_key(&root) {
+        return false;
+    }
+    *f.stuck_ops.entry(h).or_default() += 1;
+    true
+}
+
+/// Operations of `h` that will never complete.
+pub(crate) fn stuck_ops(h: Handle) -> u64 {
+    lock().stuck_ops.get(&h).copied().unwrap_or(0)
+}
+
+/// Called by `ncclCommAbort` of a handle of `root` after its work: blocks as configured.
+pub(crate) fn after_abort(root: RootIdx, h: Handle) {
+    let mut f = lock();
+    f.stuck_ops.remove(&h);
+    let Some(&limit) = f.blocking_abort.get(&root) else {
+        return;
+    };
+    let until = limit.map(|d| Instant::now() + d);
+    let release = f.releases.get(&root).copied().unwrap_or(0);
+    *f.blocked.entry(root).or_default() += 1;
+    loop {
+        if f.torn_down {
+            drop(f);
+            crash();
+        }
+        if f.releases.get(&root).copied().unwrap_or(0) != release {
+            break;
+        }
+        let wait = match until {
+            Some(u) if Instant::now() >= u => break,
+            Some(u) => u - Instant::now(),
+            None => Duration::from_secs(3600),
+        };
+        f = match faults().1.wait_timeout(f, wait) {
+            Ok((g, _)) => g,
+            Err(e) => e.into_inner().0,
+        };
+    }
+    if let Some(n) = f.blocked.get_mut(&root) {
+        *n = n.saturating_sub(1);
+    }
+}
+
+/// What a thread left inside `cudaFree` does when the CUDA runtime is torn down under it.
+fn crash() -> ! {
+    eprintln!(
+        "host provider: an ncclCommAbort blocked by Fault::BlockingAbort was still running when the process exited: crashing as the CUDA runtime does"
+    );
+    // SAFETY: raising a signal has no memory-safety preconditions; SIGSEGV's default
+    // action ends the process.
+    unsafe {
+        libc::raise(libc::SIGSEGV);
+    }
+    std::process::abort()
+}
+
+/// Registers the provider's process-exit handler, once (at first use, as the CUDA runtime
+/// does at its initialization).
+pub(crate) fn ensure_runtime() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: registers a plain `extern "C" fn()` with no arguments.
+        unsafe {
+            libc::atexit(runtime_teardown);
+        }
+    });
+}
+
+/// The runtime's exit handler: blocked aborts wake and crash (see the module docs).
+extern "C" fn runtime_teardown() {
+    let mut f = lock();
+    f.torn_down = true;
+    faults().1.notify_all();
+    // Give a woken abort the time to crash the process, as it would on a GPU.
+    let until = Instant::now() + Duration::from_secs(2);
+    while f.blocked.values().any(|&n| n > 0) && Instant::now() < until {
+        f = match faults().1.wait_timeout(f, Duration::from_millis(20)) {
+            Ok((g, _)) => g,
+            Err(e) => e.into_inner().0,
+        };
+    }
+}
