@@ -79,6 +79,10 @@ impl WindowFlags {
 /// It borrows the communicator and the buffer, so neither can be torn down or freed while it
 /// lives, and it stands for the buffer: pass it to collectives (`&reg` as a send buffer,
 /// `&mut reg` as a receive buffer) and, for cudarc buffers, to cudarc's copies.
+///
+/// Deregistration is local, so it also happens after the communicator failed; only a
+/// communicator the watchdog already aborted is skipped (NCCL released its registrations
+/// with it).
 #[must_use = "dropping a Registration deregisters the buffer at once"]
 pub struct Registration<'comm, 'buf, B: ?Sized> {
     comm: &'comm Communicator,
@@ -93,6 +97,12 @@ pub struct Registration<'comm, 'buf, B: ?Sized> {
 /// registers), deregistered (`ncclCommWindowDeregister`, also collective) on drop, exactly
 /// once. Made by [`Communicator::register_window`]; it stands for the buffer as a
 /// [`Registration`] does.
+///
+/// Deregistration goes through the operation path (watched by the watchdog, and checked by
+/// the fingerprint check when it is on). On a communicator that failed it is not attempted
+/// (its peers may never join it): [`deregister`](Self::deregister) reports
+/// [`Error::CommunicatorFailed`], and NCCL releases the window when the communicator is
+/// aborted.
 #[must_use = "dropping a Window deregisters it at once"]
 pub struct Window<'comm, 'buf, B: ?Sized> {
     comm: &'comm Communicator,

@@ -590,3 +590,53 @@ fn a_communicator_torn_down_with_live_registrations_releases_and_counts_them() {
     assert_eq!((st.windows_registered, st.windows_deregistered), (2, 0));
     assert_eq!((st.live_at_teardown, st.misused), (4, 0));
 }
+
+#[test]
+fn after_a_failure_registrations_are_released_and_windows_left_to_the_abort() {
+    let _g = serial();
+    let (id, st) = within(LIMIT, || {
+        let id = Device::Host.unique_id().unwrap();
+        std::thread::scope(|s| {
+            for rank in 0..2 {
+                let id = &id;
+                s.spawn(move || {
+                    let comm = Communicator::init_rank(&Device::Host, 2, rank, id, &Config::new())
+                        .unwrap();
+                    let mut v = vec![1.0f32; 4];
+                    let mut m = NcclMemory::<f32>::alloc_zeros(&comm, 4, HostStream).unwrap();
+                    let mut reg = comm.register(&mut v).unwrap();
+                    let mut win = comm
+                        .register_window(&mut m, WindowFlags::COLL_SYMMETRIC)
+                        .unwrap();
+                    comm.all_reduce_in_place(&mut win, ReduceOp::Sum, &HostStream)
+                        .unwrap();
+                    if rank == 1 {
+                        // Rank 1 leaves: its window and registration go first, then it aborts.
+                        drop((win, reg));
+                        comm.abort().unwrap();
+                        return;
+                    }
+                    // Rank 0's next collective fails, which marks its communicator failed.
+                    let r = comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, &HostStream);
+                    assert!(r.is_err(), "{r:?}");
+                    assert!(comm.is_failed());
+                    // A local deregistration still happens; the collective window
+                    // deregistration does not (its peer is gone) and is left to the abort.
+                    drop(reg);
+                    assert!(matches!(
+                        win.deregister(),
+                        Err(Error::CommunicatorFailed { .. })
+                    ));
+                    drop(comm); // aborts (failed)
+                });
+            }
+        });
+        let st = stats_for(&id.to_raw());
+        (id, st)
+    });
+    let _ = id;
+    assert_eq!((st.registered, st.deregistered), (2, 2));
+    assert_eq!((st.windows_registered, st.windows_deregistered), (2, 1));
+    assert_eq!((st.live_at_teardown, st.misused), (1, 0));
+    assert_eq!(st.created, st.destroyed + st.aborted);
+}
