@@ -42,7 +42,7 @@ impl std::fmt::Debug for BufferGuard<'_> {
     }
 }
 
-mod sealed {
+pub(crate) mod sealed {
     pub trait Sealed {}
 }
 
@@ -61,6 +61,16 @@ pub trait SendBuffer<T: NcclType>: sealed::Sealed {
     /// `stream` must match [`Self::memory`] (callers check first); else the pointer is null.
     #[doc(hidden)]
     fn send_ptr<'a>(&'a self, stream: StreamRef<'a>) -> (*const c_void, BufferGuard<'a>);
+    /// The buffer's address, for registration: taken on the buffer's own stream (device
+    /// memory), with no stream of the caller's involved.
+    #[doc(hidden)]
+    fn base_ptr(&self) -> *const c_void;
+    /// Whether the memory came from `ncclMemAlloc` ([`crate::NcclMemory`] and its views),
+    /// which symmetric windows need.
+    #[doc(hidden)]
+    fn is_nccl_alloc(&self) -> bool {
+        false
+    }
 }
 
 /// A buffer a collective writes (`recvbuff`).
@@ -81,6 +91,9 @@ impl<T: NcclType> SendBuffer<T> for [T] {
     fn send_ptr<'a>(&'a self, _stream: StreamRef<'a>) -> (*const c_void, BufferGuard<'a>) {
         (self.as_ptr().cast(), BufferGuard::Host)
     }
+    fn base_ptr(&self) -> *const c_void {
+        self.as_ptr().cast()
+    }
 }
 impl<T: NcclType> RecvBuffer<T> for [T] {
     fn recv_ptr<'a>(&'a mut self, _stream: StreamRef<'a>) -> (*mut c_void, BufferGuard<'a>) {
@@ -98,6 +111,9 @@ impl<T: NcclType> SendBuffer<T> for Vec<T> {
     }
     fn send_ptr<'a>(&'a self, stream: StreamRef<'a>) -> (*const c_void, BufferGuard<'a>) {
         self.as_slice().send_ptr(stream)
+    }
+    fn base_ptr(&self) -> *const c_void {
+        self.as_ptr().cast()
     }
 }
 impl<T: NcclType> RecvBuffer<T> for Vec<T> {
@@ -124,6 +140,11 @@ macro_rules! device_send {
                     }
                     StreamRef::Host => (std::ptr::null(), BufferGuard::Host),
                 }
+            }
+            fn base_ptr(&self) -> *const c_void {
+                // On the buffer's own stream: waits for its writes there, records a read.
+                let (ptr, _guard) = self.device_ptr(DeviceSlice::stream(self));
+                ptr as usize as *const c_void
             }
         }
     )*};

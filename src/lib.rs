@@ -3,6 +3,9 @@
 //! * NCCL is loaded at run time ([`Library`]): no link step, no CUDA toolkit to build.
 //! * Every NCCL call goes through one checked path and fails with an [`Error`] that carries
 //!   NCCL's error string, its last-error text, the call and the caller.
+//! * NCCL's allocator ([`NcclMemory`]), buffer registration ([`Communicator::register`]) and
+//!   windows ([`Communicator::register_window`]) are borrows that end exactly once; fp8
+//!   element types ([`float8::F8E4M3`], [`float8::F8E5M2`]) need NCCL 2.24.
 #![deny(missing_docs)]
 
 mod buffer;
@@ -15,7 +18,9 @@ pub mod host;
 mod id;
 pub mod launch;
 pub mod library;
+mod memory;
 mod ops;
+mod register;
 mod stream;
 mod types;
 pub mod version;
@@ -27,7 +32,9 @@ pub use error::{Error, NcclError, Result, ResultCode};
 pub use group::Group;
 pub use id::{UniqueId, UNIQUE_ID_BYTES};
 pub use library::{CallContext, Discovery, Library, Provider};
+pub use memory::{NcclMemory, NcclView, NcclViewMut};
 pub use ops::{PreMulSum, Reduction};
+pub use register::{Registration, Window, WindowFlags};
 pub use stream::{AsStream, HostStream, Stream, StreamRef};
 pub use types::{DataType, NcclType, ReduceOp};
 pub use version::Version;

@@ -2,17 +2,35 @@
 
 use nccl_sys::{ncclDataType_t, ncclRedOp_t};
 
+use crate::error::{Error, Result};
+use crate::library::Library;
+use crate::version::Version;
+
 mod sealed {
     pub trait Sealed {}
 }
 
 /// An element type NCCL can move and reduce. Sealed: the set is NCCL's `ncclDataType_t`.
 ///
+/// The fp8 types come from the `float8` crate ([`float8::F8E4M3`], [`float8::F8E5M2`], the
+/// types cudarc's `f8` feature and candle use) and need NCCL 2.24 or newer
+/// ([`DataType::since`]): on an older NCCL an fp8 operation fails with
+/// [`crate::Error::Unsupported`] before NCCL sees it.
+///
 /// ```
 /// use nccl_safe::{DataType, NcclType};
 /// assert_eq!(<half::bf16 as NcclType>::DATA_TYPE, DataType::Bfloat16);
+/// assert_eq!(<float8::F8E4M3 as NcclType>::DATA_TYPE, DataType::Float8e4m3);
 /// ```
-pub trait NcclType: sealed::Sealed + Copy + Send + Sync + 'static {
+pub trait NcclType:
+    sealed::Sealed
+    + Copy
+    + Send
+    + Sync
+    + 'static
+    + cudarc::driver::DeviceRepr
+    + cudarc::driver::ValidAsZeroBits
+{
     /// The matching `ncclDataType_t`.
     const DATA_TYPE: DataType;
 }
@@ -41,11 +59,15 @@ pub enum DataType {
     Float64,
     /// `ncclBfloat16`
     Bfloat16,
+    /// `ncclFloat8e4m3` (NCCL 2.24+): [`float8::F8E4M3`].
+    Float8e4m3,
+    /// `ncclFloat8e5m2` (NCCL 2.24+): [`float8::F8E5M2`].
+    Float8e5m2,
 }
 
 impl DataType {
     /// Every variant, in declaration order (`ALL[d as usize] == d`).
-    pub(crate) const ALL: [DataType; 10] = [
+    pub(crate) const ALL: [DataType; 12] = [
         DataType::Int8,
         DataType::Uint8,
         DataType::Int32,
@@ -56,6 +78,8 @@ impl DataType {
         DataType::Float32,
         DataType::Float64,
         DataType::Bfloat16,
+        DataType::Float8e4m3,
+        DataType::Float8e5m2,
     ];
 
     /// The raw `ncclDataType_t`.
@@ -73,13 +97,15 @@ impl DataType {
             DataType::Float32 => b::ncclFloat32,
             DataType::Float64 => b::ncclFloat64,
             DataType::Bfloat16 => b::ncclBfloat16,
+            DataType::Float8e4m3 => b::ncclFloat8e4m3,
+            DataType::Float8e5m2 => b::ncclFloat8e5m2,
         }
     }
 
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            DataType::Int8 | DataType::Uint8 => 1,
+            DataType::Int8 | DataType::Uint8 | DataType::Float8e4m3 | DataType::Float8e5m2 => 1,
             DataType::Float16 | DataType::Bfloat16 => 2,
             DataType::Int32 | DataType::Uint32 | DataType::Float32 => 4,
             DataType::Int64 | DataType::Uint64 | DataType::Float64 => 8,
@@ -99,6 +125,60 @@ impl DataType {
             DataType::Float32 => "float",
             DataType::Float64 => "double",
             DataType::Bfloat16 => "bfloat16",
+            DataType::Float8e4m3 => "f8e4m3",
+            DataType::Float8e5m2 => "f8e5m2",
+        }
+    }
+
+    /// The NCCL release that introduced the type, for types newer than the oldest release
+    /// this crate loads (the fp8 types: 2.24); `None` for the others.
+    ///
+    /// ```
+    /// use nccl_safe::{DataType, Version};
+    /// assert_eq!(DataType::Float8e5m2.since(), Some(Version::new(2, 24, 0)));
+    /// assert_eq!(DataType::Float32.since(), None);
+    /// ```
+    pub const fn since(self) -> Option<Version> {
+        match self {
+            DataType::Float8e4m3 | DataType::Float8e5m2 => Some(Version::new(2, 24, 0)),
+            _ => None,
+        }
+    }
+
+    /// `ncclFloat8e4m3`, `ncclFloat32`, ...: the C name, as errors report it.
+    pub fn c_name(self) -> &'static str {
+        match self {
+            DataType::Int8 => "ncclInt8",
+            DataType::Uint8 => "ncclUint8",
+            DataType::Int32 => "ncclInt32",
+            DataType::Uint32 => "ncclUint32",
+            DataType::Int64 => "ncclInt64",
+            DataType::Uint64 => "ncclUint64",
+            DataType::Float16 => "ncclFloat16",
+            DataType::Float32 => "ncclFloat32",
+            DataType::Float64 => "ncclFloat64",
+            DataType::Bfloat16 => "ncclBfloat16",
+            DataType::Float8e4m3 => "ncclFloat8e4m3",
+            DataType::Float8e5m2 => "ncclFloat8e5m2",
+        }
+    }
+
+    /// `Ok` when `lib` knows the type; [`Error::Unsupported`] naming it, the release that
+    /// introduced it and the loaded release otherwise.
+    #[inline]
+    pub fn check_supported(self, lib: &Library) -> Result<()> {
+        match self.since() {
+            Some(needs) if lib.version() < needs => Err(self.unsupported(needs, lib)),
+            _ => Ok(()),
+        }
+    }
+
+    #[cold]
+    fn unsupported(self, needs: Version, lib: &Library) -> Error {
+        Error::Unsupported {
+            symbol: self.c_name(),
+            needs,
+            found: lib.version(),
         }
     }
 }
@@ -115,6 +195,7 @@ macro_rules! nccl_types {
 nccl_types! {
     i8 => Int8, u8 => Uint8, i32 => Int32, u32 => Uint32, i64 => Int64, u64 => Uint64,
     half::f16 => Float16, f32 => Float32, f64 => Float64, half::bf16 => Bfloat16,
+    float8::F8E4M3 => Float8e4m3, float8::F8E5M2 => Float8e5m2,
 }
 
 /// NCCL's built-in reduction operators (`ncclRedOp_t`).

@@ -5,7 +5,7 @@
 #[path = "../benches/common/mod.rs"]
 mod common;
 
-use common::options::{self, Backend, Command, Options};
+use common::options::{self, Backend, Command, Options, Register};
 use common::report::{self, Collective};
 
 fn opts(args: &[&str]) -> Options {
@@ -79,6 +79,10 @@ fn options_follow_nccl_tests() {
     assert_eq!((o.min_bytes, o.max_bytes, o.step_factor), (8, 16 << 20, 4));
     assert_eq!(o.backend, Backend::Host);
     assert_eq!(o.sizes().len(), 11); // 8, 32, ..., 8M
+    assert_eq!(o.register, Register::None);
+    assert_eq!(opts(&["-R", "1"]).register, Register::Local);
+    assert_eq!(opts(&["--local_register=2"]).register, Register::Symmetric);
+    assert_eq!(opts(&["-R0"]).register, Register::None);
     assert_eq!(options::parse_size("1G"), Some(1 << 30));
     assert_eq!(options::parse_size("2k"), Some(2048));
     assert_eq!(
@@ -107,6 +111,8 @@ fn options_follow_nccl_tests() {
         &["-n", "0"],
         &["-g", "2", "-r", "2"],
         &["--frobnicate"],
+        &["-R", "3"],
+        &["-R"],
     ] {
         assert!(
             options::parse(bad.iter().copied()).is_err(),
@@ -187,4 +193,71 @@ fn tiny_host_sweep_prints_a_full_table_with_no_wrong_values() {
         Some(outcome.rows.len())
     );
     assert_eq!(json["backend"], "host");
+}
+
+#[test]
+fn registered_host_sweeps_allocate_with_ncclmemalloc_and_register_every_buffer() {
+    for (flag, line) in [
+        (
+            "1",
+            "# Buffers: ncclMemAlloc, registered with ncclCommRegister (-R 1)",
+        ),
+        (
+            "2",
+            "# Buffers: ncclMemAlloc, registered as symmetric windows (-R 2)",
+        ),
+    ] {
+        let before = nccl_safe::host::stats();
+        let o = opts(&[
+            "-b",
+            "0",
+            "-e",
+            "64",
+            "-f",
+            "4",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "-g",
+            "2",
+            "--backend",
+            "host",
+            "-R",
+            flag,
+        ]);
+        let mut out = Vec::new();
+        let outcome = common::sweep::run(&o, &mut out).expect("the sweep runs");
+        let text = String::from_utf8(out).expect("utf-8");
+        assert!(text.contains(line), "{text}");
+        assert_eq!(
+            outcome.rows.len(),
+            o.sizes().len() * Collective::ALL.len(),
+            "{text}"
+        );
+        assert_eq!(report::total_wrong(&outcome.rows), 0, "{text}");
+        let after = nccl_safe::host::stats();
+        // Every buffer came from ncclMemAlloc and went back to ncclMemFree. (Process-wide
+        // counters: other tests of this binary allocate none.)
+        let allocated = after.mem_allocated - before.mem_allocated;
+        assert!(allocated > 0, "{text}");
+        assert_eq!(after.mem_freed - before.mem_freed, allocated);
+        // Every registration (or window) was deregistered, nothing was misused.
+        let (reg, dereg) = match flag {
+            "1" => (
+                after.registered - before.registered,
+                after.deregistered - before.deregistered,
+            ),
+            _ => (
+                after.windows_registered - before.windows_registered,
+                after.windows_deregistered - before.windows_deregistered,
+            ),
+        };
+        assert!(
+            reg > 0 && reg == dereg,
+            "{reg} registered, {dereg} deregistered"
+        );
+        assert_eq!(after.misused, before.misused);
+        assert_eq!(after.live_at_teardown, before.live_at_teardown);
+    }
 }

@@ -701,7 +701,12 @@ fn version_emulation_hides_newer_symbols() {
     assert_eq!(unsafe { (t.ncclGetVersion)(&mut v) }, ncclSuccess);
     assert_eq!(v, 23203);
     assert!(t.ncclAlltoAll.is_some() && t.ncclGather.is_some() && t.ncclCommRegister.is_some());
-    assert!(host::lookup(c"ncclCommWindowRegister").is_null());
+    assert!(!host::lookup(c"ncclCommWindowRegister").is_null());
+    assert!(host::lookup(c"ncclCommRevoke").is_null());
+    // SAFETY: as above.
+    let pre = unsafe { FunctionTable::load(host::lookup_as_version(2, 26)) }.unwrap();
+    assert!(pre.ncclCommWindowRegister.is_none() && pre.ncclCommRegister.is_some());
+    assert!(mid.ncclCommWindowRegister.is_some() && mid.ncclCommWindowDeregister.is_some());
     // SAFETY: unsupported version: every lookup is null, so loading fails.
     assert!(unsafe { FunctionTable::load(host::lookup_as_version(3, 0)) }.is_err());
 }

@@ -210,3 +210,26 @@ fn comm_init_fails_without_a_gpu_and_succeeds_with_one() {
     assert!(err.to_string().contains(last), "{err}");
     eprintln!("init error as users see it: {err}");
 }
+
+#[test]
+fn fp8_is_supported_and_nccl_memory_needs_a_cuda_stream() {
+    let lib = Library::load_from(common::real_nccl(WHEEL)).expect("the wheel loads");
+    for d in [
+        nccl_safe::DataType::Float8e4m3,
+        nccl_safe::DataType::Float8e5m2,
+    ] {
+        assert!(d.check_supported(&lib).is_ok(), "{d:?}");
+    }
+    assert!(lib.table().ncclCommRegister.is_some() && lib.table().ncclCommWindowRegister.is_some());
+    // Refused before NCCL (or CUDA) is touched: NVIDIA's NCCL allocates device memory.
+    let mem = nccl_safe::NcclMemory::<f32>::alloc_zeros_in(&lib, 4, nccl_safe::HostStream);
+    match mem {
+        Err(Error::InvalidArgument {
+            op: "ncclMemAlloc",
+            reason,
+        }) => {
+            assert!(reason.contains("CUDA stream"), "{reason}")
+        }
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}

@@ -53,3 +53,31 @@ fn required_symbols_resolve_and_newer_ones_are_unsupported() {
         assert!(err.to_string().contains("2.18.3"), "{err}");
     }
 }
+
+#[test]
+fn fp8_nccl_memory_and_registration_are_unsupported_on_2_18() {
+    let lib = Library::load_from(common::real_nccl("2.18.3")).expect("2.18.3 loads");
+    let found = Version::new(2, 18, 3);
+    let fp8 = nccl_safe::DataType::Float8e4m3.check_supported(&lib);
+    assert!(
+        matches!(fp8, Err(Error::Unsupported { symbol: "ncclFloat8e4m3", needs, found: f })
+            if needs == Version::new(2, 24, 0) && f == found),
+        "{fp8:?}"
+    );
+    assert!(nccl_safe::DataType::Bfloat16.check_supported(&lib).is_ok());
+    let mem = nccl_safe::NcclMemory::<f32>::alloc_zeros_in(&lib, 4, nccl_safe::HostStream);
+    assert!(
+        matches!(mem, Err(Error::Unsupported { symbol: "ncclMemAlloc", needs, .. })
+            if needs == Version::new(2, 19, 0)),
+        "{mem:?}"
+    );
+    for (symbol, absent) in [
+        ("ncclCommRegister", lib.table().ncclCommRegister.is_none()),
+        (
+            "ncclCommWindowRegister",
+            lib.table().ncclCommWindowRegister.is_none(),
+        ),
+    ] {
+        assert!(absent, "{symbol} should be absent from 2.18.3");
+    }
+}

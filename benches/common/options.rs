@@ -31,6 +31,18 @@ pub enum Average {
     Max,
 }
 
+/// How the buffers are allocated and registered (nccl-tests' `-R`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Register {
+    /// `-R 0`: plain buffers (cudarc's allocator; `Vec` on the host provider), unregistered.
+    None,
+    /// `-R 1`: buffers from `ncclMemAlloc`, registered with `ncclCommRegister`.
+    Local,
+    /// `-R 2`: buffers from `ncclMemAlloc`, registered as symmetric windows
+    /// (`ncclCommWindowRegister` with `NCCL_WIN_COLL_SYMMETRIC`).
+    Symmetric,
+}
+
 /// Everything the sweep needs.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -62,6 +74,8 @@ pub struct Options {
     pub average: Average,
     /// `--backend`.
     pub backend: Backend,
+    /// `-R`: buffer allocation and registration.
+    pub register: Register,
     /// `--op` / `-t` / positional: the collectives to run, in this order.
     pub collectives: Vec<Collective>,
     /// `--json FILE`.
@@ -87,6 +101,7 @@ impl Default for Options {
             ranks: None,
             average: Average::Max,
             backend: Backend::Auto,
+            register: Register::None,
             collectives: Collective::ALL.to_vec(),
             json: None,
             plot: None,
@@ -135,6 +150,8 @@ collectives (default: all): all_reduce all_gather broadcast reduce reduce_scatte
   -z, --blocking 0|1      synchronize the stream after every operation      [0]
   -g, --ngpus N           ranks (one per GPU; 4 on the host provider)
   -a, --average 0|1|2|3   time reported: rank 0, mean, min, max over ranks  [3]
+  -R, --local_register 0|1|2  buffers from ncclMemAlloc, registered (1) or as
+                          symmetric windows (2); 0: plain buffers           [0]
       --backend B         auto | nccl | host                                 [auto]
       --json FILE         also write the results as JSON
       --plot FILE.svg     draw bus bandwidth against size per collective
@@ -291,6 +308,14 @@ where
                     2 => Average::Min,
                     3 => Average::Max,
                     n => return Err(UsageError(format!("{flag}: {n} is not 0, 1, 2 or 3"))),
+                }
+            }
+            "-R" | "--local_register" => {
+                o.register = match parse_number(&flag, &value()?)? {
+                    0 => Register::None,
+                    1 => Register::Local,
+                    2 => Register::Symmetric,
+                    n => return Err(UsageError(format!("{flag}: {n} is not 0, 1 or 2"))),
                 }
             }
             "-t" | "--op" | "--collective" => push_collectives(&value()?, &mut picked)?,

@@ -1,14 +1,10 @@
 //! One rank of the sweep: its communicator, stream and buffers, on a GPU or on the host
 //! provider, behind one trait so the sweep is written once.
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
-};
-use nccl_safe::{AsStream, Communicator, HostStream, NcclType, RecvBuffer};
-use nccl_sys::cudaStream_t;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use nccl_safe::{AsStream, Communicator, HostStream, NcclMemory, NcclType, RecvBuffer, Stream};
 
 /// Errors of the bench: the crate's, cudarc's, or the bench's own text.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -86,7 +82,7 @@ impl Elem for half::bf16 {
 /// What the sweep needs from one rank.
 pub trait Rank {
     /// A buffer of `T` in the memory this rank's NCCL reads.
-    type Buf<T: Elem>: RecvBuffer<T> + ?Sized;
+    type Buf<T: Elem>: RecvBuffer<T>;
     /// Its stream.
     type Stream: AsStream;
     /// Owned buffer (what `upload` returns).
@@ -104,13 +100,6 @@ pub trait Rank {
     fn download<T: Elem>(&self, buf: &Self::Buf<T>) -> Result<Vec<T>>;
     /// Waits for the stream's work (what nccl-tests times up to).
     fn synchronize(&self) -> Result<()>;
-    /// Calls `f` with `buf`'s raw pointer and the raw stream, for the in-place forms the
-    /// safe layer cannot express (a buffer both sent and received).
-    fn with_raw<T: Elem, R>(
-        &self,
-        buf: &mut Self::Owned<T>,
-        f: impl FnOnce(*mut c_void, cudaStream_t) -> R,
-    ) -> R;
 }
 
 /// A rank of the host provider: `Vec<T>` buffers, [`HostStream`], done when a call returns.
@@ -119,24 +108,24 @@ pub struct HostRank {
     pub comm: Communicator,
 }
 
-/// `Vec<T>` as an owned buffer that derefs to `[T]`.
+/// `Vec<T>` as an owned buffer (it is its own target).
 pub struct HostBuf<T>(pub Vec<T>);
 
 impl<T> std::ops::Deref for HostBuf<T> {
-    type Target = [T];
-    fn deref(&self) -> &[T] {
+    type Target = Vec<T>;
+    fn deref(&self) -> &Vec<T> {
         &self.0
     }
 }
 
 impl<T> std::ops::DerefMut for HostBuf<T> {
-    fn deref_mut(&mut self) -> &mut [T] {
+    fn deref_mut(&mut self) -> &mut Vec<T> {
         &mut self.0
     }
 }
 
 impl Rank for HostRank {
-    type Buf<T: Elem> = [T];
+    type Buf<T: Elem> = Vec<T>;
     type Stream = HostStream;
     type Owned<T: Elem> = HostBuf<T>;
 
@@ -153,18 +142,11 @@ impl Rank for HostRank {
         buf.0.copy_from_slice(data);
         Ok(())
     }
-    fn download<T: Elem>(&self, buf: &[T]) -> Result<Vec<T>> {
-        Ok(buf.to_vec())
+    fn download<T: Elem>(&self, buf: &Vec<T>) -> Result<Vec<T>> {
+        Ok(buf.clone())
     }
     fn synchronize(&self) -> Result<()> {
         Ok(())
-    }
-    fn with_raw<T: Elem, R>(
-        &self,
-        buf: &mut HostBuf<T>,
-        f: impl FnOnce(*mut c_void, cudaStream_t) -> R,
-    ) -> R {
-        f(buf.0.as_mut_ptr().cast(), HostStream.as_stream().raw())
     }
 }
 
@@ -217,13 +199,53 @@ impl Rank for CudaRank {
     fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
     }
-    fn with_raw<T: Elem, R>(
-        &self,
-        buf: &mut CudaBuf<T>,
-        f: impl FnOnce(*mut c_void, cudaStream_t) -> R,
-    ) -> R {
-        // The guard records the stream's use of the buffer when dropped, after `f` enqueued.
-        let (ptr, _guard) = buf.0.device_ptr_mut(&self.stream);
-        f(ptr as usize as *mut c_void, self.stream.as_stream().raw())
+}
+
+/// Any rank, with its buffers from NCCL's allocator (`ncclMemAlloc`): what `-R` runs on.
+pub struct NcclMemRank<'r, R>(pub &'r R);
+
+/// An [`NcclMemory`] as an owned buffer (it is its own target).
+pub struct NcclBuf<T: NcclType>(pub NcclMemory<T>);
+
+impl<T: NcclType> std::ops::Deref for NcclBuf<T> {
+    type Target = NcclMemory<T>;
+    fn deref(&self) -> &NcclMemory<T> {
+        &self.0
+    }
+}
+
+impl<T: NcclType> std::ops::DerefMut for NcclBuf<T> {
+    fn deref_mut(&mut self) -> &mut NcclMemory<T> {
+        &mut self.0
+    }
+}
+
+impl<R: Rank> Rank for NcclMemRank<'_, R>
+where
+    R::Stream: Clone + Into<Stream>,
+{
+    type Buf<T: Elem> = NcclMemory<T>;
+    type Stream = R::Stream;
+    type Owned<T: Elem> = NcclBuf<T>;
+
+    fn comm(&self) -> &Communicator {
+        self.0.comm()
+    }
+    fn stream(&self) -> &R::Stream {
+        self.0.stream()
+    }
+    fn upload<T: Elem>(&self, data: Vec<T>) -> Result<NcclBuf<T>> {
+        let mut mem = NcclMemory::alloc_zeros(self.comm(), data.len(), self.stream().clone())?;
+        mem.copy_from_host(&data, self.stream())?;
+        Ok(NcclBuf(mem))
+    }
+    fn write<T: Elem>(&self, buf: &mut NcclBuf<T>, data: &[T]) -> Result<()> {
+        Ok(buf.0.copy_from_host(data, self.stream())?)
+    }
+    fn download<T: Elem>(&self, buf: &NcclMemory<T>) -> Result<Vec<T>> {
+        Ok(buf.to_vec(self.stream())?)
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.0.synchronize()
     }
 }

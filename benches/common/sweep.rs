@@ -8,13 +8,13 @@ use std::time::Instant;
 
 use cudarc::driver::CudaContext;
 use nccl_safe::{
-    CallContext, Communicator, Config, DataType, Device, Group, Library, Provider, ReduceOp,
-    UniqueId,
+    AsStream, CallContext, Communicator, Config, DataType, Device, Group, Library, Provider,
+    RecvBuffer, ReduceOp, SendBuffer, UniqueId, WindowFlags,
 };
 
 use super::data::{self, SENTINEL};
-use super::options::{Average, Backend, Options};
-use super::ranks::{BoxError, CudaRank, Elem, HostRank, Rank, Result};
+use super::options::{Average, Backend, Options, Register};
+use super::ranks::{BoxError, CudaRank, Elem, HostRank, NcclMemRank, Rank, Result};
 use super::report::{self, Collective, Measure, Row, RunInfo};
 
 /// A barrier that every rank can break: a failing rank aborts it, so the others return
@@ -112,12 +112,66 @@ enum Bufs<O> {
     InPlace { buf: O },
 }
 
+/// The buffers a collective is issued on: the owned buffers themselves, or their
+/// registrations (`-R`), which stand for them.
+type BufRefs<'a, T> = Bufs<&'a mut (dyn RecvBuffer<T> + 'a)>;
+
+/// Calls `f` with `owned`'s buffers as `-R` asks: as they are (`-R 0`), registered with
+/// `ncclCommRegister` (`-R 1`), or as symmetric windows (`-R 2`, a collective: every rank
+/// calls this in the same order). Deregistered when `f` returns. A measurement with an
+/// empty buffer (nothing to register) runs unregistered.
+fn with_registered<R: Rank, T: Elem, X>(
+    rank: &R,
+    owned: &mut Bufs<R::Owned<T>>,
+    mode: Register,
+    f: impl FnOnce(&mut BufRefs<'_, T>) -> Result<X>,
+) -> Result<X> {
+    let comm = rank.comm();
+    let empty = match &*owned {
+        Bufs::OutOfPlace { send, recv } => send.is_empty() || recv.is_empty(),
+        Bufs::InPlace { buf } => buf.is_empty(),
+    };
+    let mode = if empty { Register::None } else { mode };
+    let sym = WindowFlags::COLL_SYMMETRIC;
+    match (mode, owned) {
+        (Register::None, Bufs::OutOfPlace { send, recv }) => f(&mut Bufs::OutOfPlace {
+            send: &mut **send,
+            recv: &mut **recv,
+        }),
+        (Register::None, Bufs::InPlace { buf }) => f(&mut Bufs::InPlace { buf: &mut **buf }),
+        (Register::Local, Bufs::OutOfPlace { send, recv }) => {
+            let mut send = comm.register(&mut **send)?;
+            let mut recv = comm.register(&mut **recv)?;
+            f(&mut Bufs::OutOfPlace {
+                send: &mut send,
+                recv: &mut recv,
+            })
+        }
+        (Register::Local, Bufs::InPlace { buf }) => {
+            let mut buf = comm.register(&mut **buf)?;
+            f(&mut Bufs::InPlace { buf: &mut buf })
+        }
+        (Register::Symmetric, Bufs::OutOfPlace { send, recv }) => {
+            let mut send = comm.register_window(&mut **send, sym)?;
+            let mut recv = comm.register_window(&mut **recv, sym)?;
+            f(&mut Bufs::OutOfPlace {
+                send: &mut send,
+                recv: &mut recv,
+            })
+        }
+        (Register::Symmetric, Bufs::InPlace { buf }) => {
+            let mut buf = comm.register_window(&mut **buf, sym)?;
+            f(&mut Bufs::InPlace { buf: &mut buf })
+        }
+    }
+}
+
 /// One collective on one rank's buffers, through the safe layer (and, for the in-place
 /// all_to_all and sendrecv that it cannot express, through the raw table).
 fn issue<R: Rank, T: Elem>(
     rank: &R,
     coll: Collective,
-    bufs: &mut Bufs<R::Owned<T>>,
+    bufs: &mut BufRefs<'_, T>,
     redop: ReduceOp,
     root: usize,
 ) -> Result<()> {
@@ -149,7 +203,7 @@ fn issue<R: Rank, T: Elem>(
             Collective::Broadcast => comm.broadcast_in_place(&mut **buf, root, s)?,
             Collective::Reduce => comm.reduce_in_place(&mut **buf, redop, root, s)?,
             Collective::ReduceScatter => comm.reduce_scatter_in_place(&mut **buf, redop, s)?,
-            Collective::AllToAll | Collective::SendRecv => raw_in_place(rank, coll, buf)?,
+            Collective::AllToAll | Collective::SendRecv => raw_in_place(rank, coll, &mut **buf)?,
         },
     }
     Ok(())
@@ -158,12 +212,16 @@ fn issue<R: Rank, T: Elem>(
 /// In-place all_to_all and sendrecv (send buffer == receive buffer, as nccl-tests runs
 /// them): the safe layer has no in-place form for them, so the bench calls the function
 /// table directly.
-fn raw_in_place<R: Rank, T: Elem>(rank: &R, coll: Collective, buf: &mut R::Owned<T>) -> Result<()> {
+fn raw_in_place<R: Rank, T: Elem>(
+    rank: &R,
+    coll: Collective,
+    buf: &mut (dyn RecvBuffer<T> + '_),
+) -> Result<()> {
     let comm = rank.comm();
     let lib = comm.library();
     let t = lib.table();
     let (n, me) = (comm.world_size(), comm.rank());
-    let len = nccl_safe::SendBuffer::<T>::len(&**buf);
+    let len = buf.len();
     let dt = T::DATA_TYPE.to_raw();
     let raw_comm = comm.as_raw();
     let ctx = CallContext {
@@ -171,7 +229,11 @@ fn raw_in_place<R: Rank, T: Elem>(rank: &R, coll: Collective, buf: &mut R::Owned
         rank: Some(me),
         caller: None,
     };
-    rank.with_raw(buf, |p, stream| -> Result<()> {
+    let stream = rank.stream().as_stream();
+    // The guard records the stream's use of the buffer when dropped, after the calls.
+    let (p, _guard) = buf.recv_ptr(stream);
+    let stream = stream.raw();
+    {
         match coll {
             Collective::AllToAll => {
                 let f = lib.optional(t.ncclAlltoAll, "ncclAlltoAll")?;
@@ -197,7 +259,7 @@ fn raw_in_place<R: Rank, T: Elem>(rank: &R, coll: Collective, buf: &mut R::Owned
             }
         }
         Ok(())
-    })
+    }
 }
 
 /// A buffer's contents, element by element (generated on demand, never stored as `f64`).
@@ -327,19 +389,22 @@ fn bench_time<R: Rank, T: Elem>(
     let (n, me) = (comm.world_size(), comm.rank());
     let p = plan(coll, count, n, me, o.redop, o.root, T::INTEGER);
     let mut bufs = buffers::<R, T>(rank, &p, in_place)?;
-    // One untimed operation, then every rank starts the timed loop together.
-    issue(rank, coll, &mut bufs, o.redop, o.root)?;
-    rank.synchronize()?;
-    cx.shared.barrier.wait()?;
-    let start = Instant::now();
-    for _ in 0..o.iters {
-        issue(rank, coll, &mut bufs, o.redop, o.root)?;
-        if o.blocking {
-            rank.synchronize()?;
+    // Registration (`-R`) is set up before the clock starts, as nccl-tests does.
+    let seconds = with_registered(rank, &mut bufs, o.register, |regs| {
+        // One untimed operation, then every rank starts the timed loop together.
+        issue(rank, coll, regs, o.redop, o.root)?;
+        rank.synchronize()?;
+        cx.shared.barrier.wait()?;
+        let start = Instant::now();
+        for _ in 0..o.iters {
+            issue(rank, coll, regs, o.redop, o.root)?;
+            if o.blocking {
+                rank.synchronize()?;
+            }
         }
-    }
-    rank.synchronize()?;
-    let seconds = start.elapsed().as_secs_f64() / o.iters as f64;
+        rank.synchronize()?;
+        Ok(start.elapsed().as_secs_f64() / o.iters as f64)
+    })?;
     let seconds = cx.shared.all_reduce(me, seconds, combine_for(o.average))?;
 
     let mut wrong = None;
@@ -360,8 +425,10 @@ fn bench_time<R: Rank, T: Elem>(
             }
         }
         cx.shared.barrier.wait()?;
-        issue(rank, coll, &mut bufs, o.redop, o.root)?;
-        rank.synchronize()?;
+        with_registered(rank, &mut bufs, o.register, |regs| {
+            issue(rank, coll, regs, o.redop, o.root)?;
+            rank.synchronize()
+        })?;
         let out = match &bufs {
             Bufs::InPlace { buf } => rank.download::<T>(buf)?,
             Bufs::OutOfPlace { recv, .. } => rank.download::<T>(recv)?,
@@ -417,10 +484,12 @@ fn sweep_rank<R: Rank, T: Elem>(rank: &R, cx: &Ctx<'_>) -> Result<()> {
                 T::INTEGER,
             );
             let mut bufs = buffers::<R, T>(rank, &p, false)?;
-            for _ in 0..o.warmup_iters {
-                issue(rank, coll, &mut bufs, o.redop, o.root)?;
-            }
-            rank.synchronize()?;
+            with_registered(rank, &mut bufs, o.register, |regs| {
+                for _ in 0..o.warmup_iters {
+                    issue(rank, coll, regs, o.redop, o.root)?;
+                }
+                rank.synchronize()
+            })?;
         }
         for bytes in o.sizes() {
             let count = bytes / elem;
@@ -454,6 +523,17 @@ fn sweep_rank<R: Rank, T: Elem>(rank: &R, cx: &Ctx<'_>) -> Result<()> {
         send(Msg::End(coll));
     }
     Ok(())
+}
+
+/// The sweep on `rank`'s own buffers, or (`-R 1`, `-R 2`) on buffers from `ncclMemAlloc`.
+fn sweep_alloc<R: Rank>(rank: &R, cx: &Ctx<'_>) -> Result<()>
+where
+    R::Stream: Clone + Into<nccl_safe::Stream>,
+{
+    match cx.opts.register {
+        Register::None => sweep_typed(rank, cx),
+        Register::Local | Register::Symmetric => sweep_typed(&NcclMemRank(rank), cx),
+    }
 }
 
 fn sweep_typed<R: Rank>(rank: &R, cx: &Ctx<'_>) -> Result<()> {
@@ -662,7 +742,7 @@ fn rank_main(
         Target::Host => {
             let comm =
                 Communicator::init_rank_in(lib, &Device::Host, ranks, r, id, &Config::new())?;
-            sweep_typed(&HostRank { comm }, cx)
+            sweep_alloc(&HostRank { comm }, cx)
         }
         Target::Cuda(ctxs) => {
             let ctx = Arc::clone(&ctxs[r]);
@@ -670,7 +750,7 @@ fn rank_main(
             let stream = ctx.new_stream()?;
             let device = Device::Cuda(Arc::clone(&ctx));
             let comm = Communicator::init_rank_in(lib, &device, ranks, r, id, &Config::new())?;
-            sweep_typed(&CudaRank { comm, stream, ctx }, cx)
+            sweep_alloc(&CudaRank { comm, stream, ctx }, cx)
         }
     }
 }
@@ -718,6 +798,17 @@ fn print_header(
         o.check,
         o.blocking as u8
     )?;
+    match o.register {
+        Register::None => {}
+        Register::Local => writeln!(
+            out,
+            "# Buffers: ncclMemAlloc, registered with ncclCommRegister (-R 1)"
+        )?,
+        Register::Symmetric => writeln!(
+            out,
+            "# Buffers: ncclMemAlloc, registered as symmetric windows (-R 2)"
+        )?,
+    }
     writeln!(out, "#\n# Using devices")?;
     let pid = std::process::id();
     for (r, d) in info.devices.iter().enumerate() {

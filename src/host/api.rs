@@ -500,6 +500,7 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
         ));
     };
     g.dead.insert(h, c.root);
+    super::registry::teardown(&mut g, h, c.root);
     g.count(Some(c.root), |s| {
         if abort {
             s.aborted += 1
@@ -1329,6 +1330,7 @@ pub(crate) unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize)
             ));
         }
         g.mem.insert(p as usize, layout);
+        g.count(None, |s| s.mem_allocated += 1);
         put(ptr, p as *mut c_void);
         Ok(ncclSuccess)
     })
@@ -1346,6 +1348,7 @@ pub(crate) unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
         // SAFETY: `ptr` came from `alloc_zeroed` with this layout and was not freed (it was
         // still in the table, which we just removed it from).
         unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+        g.count(None, |s| s.mem_freed += 1);
         Ok(ncclSuccess)
     })
 }
@@ -1369,6 +1372,7 @@ pub(crate) unsafe extern "C" fn ncclCommRegister(
         g.next_reg += 1;
         let token = 0x7e60_0000usize + 16 * g.next_reg;
         g.regs.insert(token, r.h);
+        super::registry::registered(&mut g, r.root);
         put(handle, token as *mut c_void);
         Ok(ncclSuccess)
     })
@@ -1381,10 +1385,71 @@ pub(crate) unsafe extern "C" fn ncclCommDeregister(
     ffi(|| {
         let mut g = lock();
         let r = ready(&mut g, comm, "ncclCommDeregister", false)?;
-        if g.regs.get(&(handle as usize)) != Some(&r.h) {
-            return Err(g.misuse(Some(r.root), ncclInvalidArgument, format!("invalid argument: ncclCommDeregister: {handle:p} is not a registration of this communicator")));
+        if handle.is_null() {
+            return Ok(ncclSuccess); // as NCCL: a registration NCCL skipped is NULL
         }
-        g.regs.remove(&(handle as usize));
+        super::registry::deregister(&mut g, r.h, r.root, handle as usize).map(|()| ncclSuccess)
+    })
+}
+
+/// Window flags this provider knows (`NCCL_WIN_*` of the 2.32 header).
+const KNOWN_WIN_FLAGS: c_int =
+    (NCCL_WIN_COLL_SYMMETRIC | NCCL_WIN_STRICT_ORDERING | NCCL_WIN_GIN_ONLY | NCCL_WIN_CFT_COUNTED)
+        as c_int;
+
+pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
+    comm: ncclComm_t,
+    buff: *mut c_void,
+    size: usize,
+    win: *mut ncclWindow_t,
+    win_flags: c_int,
+) -> ncclResult_t {
+    ffi(|| {
+        let mut g = lock();
+        let r = ready(&mut g, comm, "ncclCommWindowRegister", false)?;
+        if win.is_null() {
+            return Err(g.misuse(
+                Some(r.root),
+                ncclInvalidArgument,
+                "invalid argument: ncclCommWindowRegister: win is NULL".into(),
+            ));
+        }
+        put(win, core::ptr::null_mut());
+        if buff.is_null() || size == 0 {
+            return Err(g.misuse(
+                Some(r.root),
+                ncclInvalidArgument,
+                format!("invalid argument: ncclCommWindowRegister: invalid pointer {buff:p} / size {size}"),
+            ));
+        }
+        if win_flags & !KNOWN_WIN_FLAGS != 0 {
+            return Err(g.misuse(
+                Some(r.root),
+                ncclInvalidArgument,
+                format!("invalid argument: ncclCommWindowRegister: unknown flags {win_flags:#x}"),
+            ));
+        }
+        if win_flags & NCCL_WIN_COLL_SYMMETRIC as c_int != 0
+            && !super::registry::in_nccl_memory(&g, buff, size)
+        {
+            return Err(super::registry::not_nccl_memory(&mut g, r.root, buff));
+        }
+        let token = super::registry::register_window(&mut g, r.h, r.root);
+        put(win, token as ncclWindow_t);
         Ok(ncclSuccess)
+    })
+}
+
+pub(crate) unsafe extern "C" fn ncclCommWindowDeregister(
+    comm: ncclComm_t,
+    win: ncclWindow_t,
+) -> ncclResult_t {
+    ffi(|| {
+        let mut g = lock();
+        let r = ready(&mut g, comm, "ncclCommWindowDeregister", false)?;
+        if win.is_null() {
+            return Ok(ncclSuccess); // as NCCL: nothing was registered
+        }
+        super::registry::deregister_window(&mut g, r.h, r.root, win as usize).map(|()| ncclSuccess)
     })
 }

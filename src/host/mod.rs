@@ -66,9 +66,16 @@
 //! 9. Config validation: `magic` must be `NCCL_API_MAGIC`, `size` between the 2.17 layout
 //!    (48 bytes) and this crate's 2.32 layout, `version` an NCCL 2.17+ code; only `blocking`
 //!    (present in every layout) is read, other fields are accepted and ignored.
-//! 10. `ncclMemAlloc` returns zeroed, 4096-aligned host memory; `ncclCommRegister` returns a
-//!     token checked by `ncclCommDeregister`. Other optional entry points (windows, RMA,
-//!     `*Config` collectives, ...) are not provided (`lookup` returns null).
+//! 10. `ncclMemAlloc` returns zeroed, 4096-aligned host memory. `ncclCommRegister` and
+//!     `ncclCommWindowRegister` return tokens that their deregistration checks: deregistering
+//!     one twice, or one the communicator never handed out, is `ncclInvalidUsage` (counted in
+//!     [`HostStats::double_deregistered`] / [`HostStats::unknown_deregistered`] and as
+//!     misuse); a NULL handle is a no-op, as in NCCL. A communicator torn down with
+//!     registrations or windows live releases them ([`HostStats::live_at_teardown`]).
+//!     Windows are not collective here (each rank registers on its own, no rank waits), any
+//!     host memory may be registered, and `NCCL_WIN_COLL_SYMMETRIC` needs a range inside
+//!     one `ncclMemAlloc` allocation. Other optional entry points (RMA, `*Config`
+//!     collectives, ...) are not provided (`lookup` returns null).
 //! 11. `ncclGetLastError` ignores its `comm` argument: the text is per thread, and the
 //!     pointer stays valid until the same thread calls `ncclGetLastError` again.
 
@@ -81,6 +88,7 @@ mod api;
 mod dtype;
 mod exec;
 pub mod fault;
+mod registry;
 mod state;
 
 use nccl_sys::bindings::{ncclComm_t, ncclUniqueId};
@@ -104,6 +112,27 @@ pub struct HostStats {
     pub misused: u64,
     /// `created - destroyed - aborted`: handles still alive.
     pub live: u64,
+    /// Successful `ncclMemAlloc` calls (process totals only: memory belongs to no id).
+    pub mem_allocated: u64,
+    /// Successful `ncclMemFree` calls (process totals only).
+    pub mem_freed: u64,
+    /// Successful `ncclCommRegister` calls.
+    pub registered: u64,
+    /// Successful `ncclCommDeregister` calls (of a live registration).
+    pub deregistered: u64,
+    /// Successful `ncclCommWindowRegister` calls.
+    pub windows_registered: u64,
+    /// Successful `ncclCommWindowDeregister` calls (of a live window).
+    pub windows_deregistered: u64,
+    /// Deregistrations (buffer or window) of a handle already deregistered; each is also
+    /// counted in `misused`.
+    pub double_deregistered: u64,
+    /// Deregistrations of a handle that the communicator never handed out; each is also
+    /// counted in `misused`.
+    pub unknown_deregistered: u64,
+    /// Registrations and windows still live when their communicator was destroyed or
+    /// aborted (released then, as NCCL does).
+    pub live_at_teardown: u64,
 }
 
 impl HostStats {
@@ -197,8 +226,8 @@ fn table() -> FunctionTable {
         ncclGroupSimulateEnd: None,
         ncclCommInitRankScalable: None,
         ncclCommShrink: Some(ncclCommShrink),
-        ncclCommWindowRegister: None,
-        ncclCommWindowDeregister: None,
+        ncclCommWindowRegister: Some(ncclCommWindowRegister),
+        ncclCommWindowDeregister: Some(ncclCommWindowDeregister),
         ncclAlltoAll: Some(ncclAlltoAll),
         ncclGather: Some(ncclGather),
         ncclScatter: Some(ncclScatter),
@@ -246,7 +275,8 @@ pub fn lookup(name: &CStr) -> *const c_void {
             ncclReduce, ncclBcast, ncclBroadcast, ncclAllReduce, ncclReduceScatter, ncclAllGather,
             ncclSend, ncclRecv, ncclGroupStart, ncclGroupEnd;
         optional: ncclMemAlloc, ncclMemFree, ncclCommRegister, ncclCommDeregister, ncclCommShrink,
-            ncclAlltoAll, ncclGather, ncclScatter)
+            ncclCommWindowRegister, ncclCommWindowDeregister, ncclAlltoAll, ncclGather,
+            ncclScatter)
 }
 
 macro_rules! versioned {

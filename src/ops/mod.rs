@@ -7,8 +7,8 @@
 //!
 //! Checks, before NCCL sees anything: buffer lengths against the operation's rule, root and
 //! peer ranges, element counts that overflow, host memory only on the host provider and
-//! device memory only on NVIDIA's NCCL (on the communicator's device), and the stream's
-//! kind and device. A failed check is a typed error and leaves the communicator usable.
+//! device memory only on NVIDIA's NCCL (on the communicator's device), the stream's
+//! kind and device, and element types newer than the loaded NCCL (fp8 before 2.24). A failed check is a typed error and leaves the communicator usable.
 
 mod reduce_op;
 
@@ -116,6 +116,7 @@ impl Communicator {
         rule: &'static str,
         stream: StreamRef<'a>,
     ) -> Result<(*const std::ffi::c_void, BufferGuard<'a>)> {
+        T::DATA_TYPE.check_supported(self.library())?;
         check_len(op, BufferRole::Send, buf.len(), expected, rule)?;
         self.check_memory(op, BufferRole::Send, buf.memory())?;
         Ok(buf.send_ptr(stream))
@@ -129,6 +130,7 @@ impl Communicator {
         rule: &'static str,
         stream: StreamRef<'a>,
     ) -> Result<(*mut std::ffi::c_void, BufferGuard<'a>)> {
+        T::DATA_TYPE.check_supported(self.library())?;
         check_len(op, BufferRole::Recv, buf.len(), expected, rule)?;
         self.check_memory(op, BufferRole::Recv, buf.memory())?;
         Ok(buf.recv_ptr(stream))

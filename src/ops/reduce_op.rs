@@ -86,6 +86,7 @@ impl Communicator {
     #[track_caller]
     pub fn create_pre_mul_sum<T: NcclType>(&self, scalar: T) -> Result<PreMulSum<'_, T>> {
         const OP: &str = "ncclRedOpCreatePreMulSum";
+        T::DATA_TYPE.check_supported(self.library())?;
         let mut raw: ncclRedOp_t = 0;
         let mut scalar = scalar;
         self.issue(&OP, Location::caller(), |t, comm| {

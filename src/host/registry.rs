@@ -1,0 +1,205 @@
+//! Registration bookkeeping of the host provider: what `ncclCommRegister` and
+//! `ncclCommWindowRegister` handed out, what was deregistered, and the misuse that shows.
+//!
+//! Live buffer registrations are the global state's `regs` (token -> communicator); this
+//! registry adds the tokens already deregistered (to tell a double deregistration from a
+//! handle that was never one) and the windows. It is locked only while the global lock is
+//! held (global first), so it never deadlocks with it.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use core::ffi::c_void;
+use nccl_sys::bindings::{ncclInvalidArgument, ncclInvalidUsage};
+
+use super::state::{Fail, Global, Handle, RootIdx};
+
+/// First window token (distinct from communicator handles and registration tokens).
+const WINDOW_BASE: usize = 0x71d0_0000;
+
+/// A window handed out by `ncclCommWindowRegister`.
+#[derive(Debug, Clone, Copy)]
+struct Win {
+    comm: Handle,
+    live: bool,
+}
+
+#[derive(Debug, Default)]
+struct Registry {
+    /// Buffer registrations deregistered (or released at teardown): token -> communicator.
+    retired: HashMap<usize, Handle>,
+    /// Every window ever handed out, by token.
+    windows: HashMap<usize, Win>,
+    next_window: usize,
+}
+
+fn registry() -> MutexGuard<'static, Registry> {
+    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
+    REGISTRY
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Which kind of deregistration failed, for the message and the counter.
+#[derive(Debug, Clone, Copy)]
+enum What {
+    Registration,
+    Window,
+}
+
+impl What {
+    fn call(self) -> &'static str {
+        match self {
+            What::Registration => "ncclCommDeregister",
+            What::Window => "ncclCommWindowDeregister",
+        }
+    }
+}
+
+/// A deregistration of a handle that was deregistered before: misuse, counted.
+fn double(g: &mut Global, root: RootIdx, what: What, token: usize) -> Fail {
+    g.count(Some(root), |s| s.double_deregistered += 1);
+    g.misuse(
+        Some(root),
+        ncclInvalidUsage,
+        format!(
+            "invalid usage: {}: {token:#x} was already deregistered",
+            what.call()
+        ),
+    )
+}
+
+/// A deregistration of a handle this communicator never handed out: misuse, counted.
+fn unknown(g: &mut Global, root: RootIdx, what: What, token: usize) -> Fail {
+    g.count(Some(root), |s| s.unknown_deregistered += 1);
+    g.misuse(
+        Some(root),
+        ncclInvalidUsage,
+        format!(
+            "invalid usage: {}: {token:#x} is not a {} of this communicator",
+            what.call(),
+            match what {
+                What::Registration => "registration",
+                What::Window => "window",
+            }
+        ),
+    )
+}
+
+/// `ncclCommRegister` succeeded: counts it.
+pub(crate) fn registered(g: &mut Global, root: RootIdx) {
+    g.count(Some(root), |s| s.registered += 1);
+}
+
+/// `ncclCommDeregister(comm = h, handle = token)`: removes a live registration of `h`, or
+/// reports the misuse (a double deregistration, or a handle `h` never handed out).
+pub(crate) fn deregister(
+    g: &mut Global,
+    h: Handle,
+    root: RootIdx,
+    token: usize,
+) -> Result<(), Fail> {
+    if g.regs.get(&token) == Some(&h) {
+        g.regs.remove(&token);
+        registry().retired.insert(token, h);
+        g.count(Some(root), |s| s.deregistered += 1);
+        return Ok(());
+    }
+    let retired = registry().retired.get(&token) == Some(&h);
+    Err(if retired {
+        double(g, root, What::Registration, token)
+    } else {
+        unknown(g, root, What::Registration, token)
+    })
+}
+
+/// `ncclCommWindowRegister`: a new window of `h`.
+pub(crate) fn register_window(g: &mut Global, h: Handle, root: RootIdx) -> usize {
+    let mut r = registry();
+    r.next_window += 1;
+    let token = WINDOW_BASE + 16 * r.next_window;
+    r.windows.insert(
+        token,
+        Win {
+            comm: h,
+            live: true,
+        },
+    );
+    drop(r);
+    g.count(Some(root), |s| s.windows_registered += 1);
+    token
+}
+
+/// `ncclCommWindowDeregister(comm = h, win = token)`.
+pub(crate) fn deregister_window(
+    g: &mut Global,
+    h: Handle,
+    root: RootIdx,
+    token: usize,
+) -> Result<(), Fail> {
+    let mut r = registry();
+    match r.windows.get_mut(&token) {
+        Some(w) if w.comm == h && w.live => {
+            w.live = false;
+            drop(r);
+            g.count(Some(root), |s| s.windows_deregistered += 1);
+            Ok(())
+        }
+        Some(w) if w.comm == h => {
+            drop(r);
+            Err(double(g, root, What::Window, token))
+        }
+        _ => {
+            drop(r);
+            Err(unknown(g, root, What::Window, token))
+        }
+    }
+}
+
+/// Whether `[buff, buff + size)` lies inside one `ncclMemAlloc` allocation.
+pub(crate) fn in_nccl_memory(g: &Global, buff: *mut c_void, size: usize) -> bool {
+    let start = buff as usize;
+    let Some(end) = start.checked_add(size) else {
+        return false;
+    };
+    g.mem
+        .iter()
+        .any(|(&base, layout)| base <= start && end <= base + layout.size())
+}
+
+/// The misuse of registering a symmetric window on other memory.
+pub(crate) fn not_nccl_memory(g: &mut Global, root: RootIdx, buff: *mut c_void) -> Fail {
+    g.misuse(
+        Some(root),
+        ncclInvalidArgument,
+        format!(
+            "invalid argument: ncclCommWindowRegister: NCCL_WIN_COLL_SYMMETRIC needs memory from ncclMemAlloc, and {buff:p} is not in such an allocation"
+        ),
+    )
+}
+
+/// Communicator `h` is being destroyed or aborted: releases its live registrations and
+/// windows (as NCCL does) and counts them in `live_at_teardown`.
+pub(crate) fn teardown(g: &mut Global, h: Handle, root: RootIdx) {
+    let tokens: Vec<usize> = g
+        .regs
+        .iter()
+        .filter(|(_, &c)| c == h)
+        .map(|(&t, _)| t)
+        .collect();
+    let mut r = registry();
+    for t in &tokens {
+        g.regs.remove(t);
+        r.retired.insert(*t, h);
+    }
+    let mut n = tokens.len() as u64;
+    for w in r.windows.values_mut().filter(|w| w.comm == h && w.live) {
+        w.live = false;
+        n += 1;
+    }
+    drop(r);
+    if n > 0 {
+        g.count(Some(root), |s| s.live_at_teardown += n);
+    }
+}

@@ -1,0 +1,538 @@
+//! Buffer registration as borrows: [`Registration`] (`ncclCommRegister`, NCCL 2.19+) and
+//! [`Window`] (`ncclCommWindowRegister`, NCCL 2.27+).
+//!
+//! A registration borrows its communicator and, mutably, its buffer, and deregisters on
+//! drop exactly once. So the borrow checker forbids what NCCL forbids: tearing the
+//! communicator down ([`Communicator::destroy`] takes it by value) or freeing the buffer
+//! while it is registered. The registration *is* the buffer for everything else: pass it
+//! (`&reg`, `&mut reg`) to any collective, or to cudarc's copies when the buffer is a cudarc
+//! one; NCCL finds the registration by address, so a collective needs no extra argument.
+//! The buffer itself is not handed out mutably (`mem::swap` or `mem::replace` through
+//! it would move the allocation out of the borrow and let it be freed while registered).
+//!
+//! ```
+//! use nccl_safe::{launch::Launcher, NcclMemory, ReduceOp, WindowFlags};
+//! Launcher::host(2).run(|rank| {
+//!     let (comm, s) = (rank.comm(), rank.stream());
+//!     let mut grads = NcclMemory::<f32>::alloc_zeros(comm, 1024, s.clone())?;
+//!     grads.copy_from_host(&vec![1.0; 1024], s)?;
+//!     {
+//!         // Collective: every rank registers the same size.
+//!         let mut win = comm.register_window(&mut grads, WindowFlags::COLL_SYMMETRIC)?;
+//!         comm.all_reduce_in_place(&mut win, ReduceOp::Sum, s)?;
+//!         // comm.destroy() or drop(grads) here would not compile.
+//!     } // deregistered here, once
+//!     assert_eq!(grads.to_vec(s)?[0], 2.0);
+//!     Ok(())
+//! })?;
+//! # Ok::<(), nccl_safe::Error>(())
+//! ```
+//!
+//! On the host provider registration is bookkeeping (counted in `nccl_safe::host::stats`),
+//! so every rule here is tested without a GPU.
+
+use std::ffi::{c_int, c_void};
+use std::panic::Location;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use nccl_sys::bindings::ncclWindow_t;
+
+use crate::buffer::{sealed, BufferGuard, Memory, RecvBuffer, SendBuffer};
+use crate::comm::{Communicator, Device};
+use crate::error::{Error, Result};
+use crate::library::{CallContext, Provider};
+use crate::memory::NcclMemory;
+use crate::stream::{AsStream, StreamRef};
+use crate::types::NcclType;
+use crate::version::Version;
+
+bitflags::bitflags! {
+    /// Flags of [`Communicator::register_window`] (`NCCL_WIN_*`). The empty set is
+    /// `NCCL_WIN_DEFAULT`.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    pub struct WindowFlags: c_int {
+        /// `NCCL_WIN_COLL_SYMMETRIC` (NCCL 2.27+): every rank registers a buffer of the same
+        /// size from NCCL's allocator ([`NcclMemory`]), which lets collectives on it use
+        /// NCCL's symmetric-memory kernels.
+        const COLL_SYMMETRIC = nccl_sys::bindings::NCCL_WIN_COLL_SYMMETRIC as c_int;
+        /// `NCCL_WIN_STRICT_ORDERING` (NCCL 2.30+).
+        const STRICT_ORDERING = nccl_sys::bindings::NCCL_WIN_STRICT_ORDERING as c_int;
+    }
+}
+
+impl WindowFlags {
+    /// The newest flag in the set with the release that introduced it, when that is newer
+    /// than the window API itself (2.27).
+    fn newest(self) -> Option<(&'static str, Version)> {
+        if self.contains(WindowFlags::STRICT_ORDERING) {
+            Some(("NCCL_WIN_STRICT_ORDERING", Version::new(2, 30, 0)))
+        } else {
+            None
+        }
+    }
+}
+
+/// A buffer registered with a communicator (`ncclCommRegister`), deregistered
+/// (`ncclCommDeregister`) on drop, exactly once. Made by [`Communicator::register`].
+///
+/// It borrows the communicator and the buffer, so neither can be torn down or freed while it
+/// lives, and it stands for the buffer: pass it to collectives (`&reg` as a send buffer,
+/// `&mut reg` as a receive buffer) and, for cudarc buffers, to cudarc's copies.
+///
+/// Deregistration is local, so it also happens after the communicator failed; only a
+/// communicator the watchdog already aborted is skipped (NCCL released its registrations
+/// with it).
+#[must_use = "dropping a Registration deregisters the buffer at once"]
+pub struct Registration<'comm, 'buf, B: ?Sized> {
+    comm: &'comm Communicator,
+    buf: &'buf mut B,
+    /// NCCL's handle (null when NCCL chose not to register, e.g. `NCCL_LOCAL_REGISTER=0`).
+    handle: *mut c_void,
+    /// Whether it still has to be deregistered.
+    live: bool,
+}
+
+/// A buffer registered as a window (`ncclCommWindowRegister`, a collective: every rank
+/// registers), deregistered (`ncclCommWindowDeregister`, also collective) on drop, exactly
+/// once. Made by [`Communicator::register_window`]; it stands for the buffer as a
+/// [`Registration`] does.
+///
+/// Deregistration goes through the operation path (watched by the watchdog, and checked by
+/// the fingerprint check when it is on). On a communicator that failed it is not attempted
+/// (its peers may never join it): [`deregister`](Self::deregister) reports
+/// [`Error::CommunicatorFailed`], and NCCL releases the window when the communicator is
+/// aborted.
+#[must_use = "dropping a Window deregisters it at once"]
+pub struct Window<'comm, 'buf, B: ?Sized> {
+    comm: &'comm Communicator,
+    buf: &'buf mut B,
+    /// NCCL's window (null when NCCL has no symmetric support on this system).
+    win: ncclWindow_t,
+    flags: WindowFlags,
+    live: bool,
+}
+
+impl<B: ?Sized> std::fmt::Debug for Registration<'_, '_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("rank", &self.comm.rank())
+            .field("handle", &self.handle)
+            .finish()
+    }
+}
+
+impl<B: ?Sized> std::fmt::Debug for Window<'_, '_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Window")
+            .field("rank", &self.comm.rank())
+            .field("win", &self.win)
+            .field("flags", &self.flags)
+            .finish()
+    }
+}
+
+/// Why memory of kind `memory` cannot be registered with a communicator of `provider` on
+/// CUDA device `device`; `None` when it can.
+fn unregistrable(provider: Provider, device: Option<usize>, memory: Memory) -> Option<String> {
+    match (provider, memory) {
+        (Provider::Host, Memory::Host) => None,
+        (Provider::Nccl, Memory::Device(d)) if Some(d) == device => None,
+        (Provider::Nccl, Memory::Device(d)) => Some(format!(
+            "the buffer is on CUDA device {d} but the communicator on device {device:?}"
+        )),
+        (Provider::Nccl, Memory::Host) => {
+            Some("the buffer is host memory: NVIDIA's NCCL registers device memory only".into())
+        }
+        (Provider::Host, Memory::Device(_)) => {
+            Some("the buffer is GPU memory, which the host provider cannot use".into())
+        }
+    }
+}
+
+/// What a registration call needs to know about the buffer.
+struct Target {
+    ptr: *mut c_void,
+    bytes: usize,
+}
+
+impl Communicator {
+    /// The buffer's address and size, after checking it is memory this communicator's
+    /// NCCL can register: device memory of its device (NVIDIA's NCCL) or host memory (the
+    /// host provider), not empty.
+    fn registration_target<T: NcclType, B: SendBuffer<T> + ?Sized>(
+        &self,
+        op: &'static str,
+        buf: &B,
+    ) -> Result<Target> {
+        let reason = unregistrable(self.library().provider(), self.device(), buf.memory());
+        if let Some(reason) = reason {
+            return Err(Error::InvalidArgument { op, reason });
+        }
+        if buf.is_empty() {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: "the buffer is empty: there is nothing to register".into(),
+            });
+        }
+        // A buffer that exists cannot overflow its own byte size.
+        let bytes = buf.len().saturating_mul(std::mem::size_of::<T>());
+        if let Device::Cuda(ctx) = self.device_handle() {
+            ctx.bind_to_thread()?;
+        }
+        Ok(Target {
+            ptr: buf.base_ptr().cast_mut(),
+            bytes,
+        })
+    }
+
+    fn call_context(&self, caller: &'static Location<'static>) -> CallContext {
+        CallContext {
+            comm: self.as_raw(),
+            rank: Some(self.rank()),
+            caller: Some(caller),
+        }
+    }
+
+    /// Registers `buf` with this communicator (`ncclCommRegister`, NCCL 2.19+) until the
+    /// returned [`Registration`] is dropped, so NCCL can use it without copies (NVLink
+    /// SHARP, CollNet, ...). Registration is local: ranks need not register together.
+    ///
+    /// Errors: [`Error::Unsupported`] before NCCL 2.19; [`Error::InvalidArgument`] for host
+    /// memory on NVIDIA's NCCL, memory of another device, GPU memory on the host provider,
+    /// or an empty buffer. A failed registration leaves the communicator usable.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(2).run(|rank| {
+    ///     let (comm, s) = (rank.comm(), rank.stream());
+    ///     let mut buf = vec![1i32; 8];
+    ///     let mut reg = comm.register(&mut buf)?;
+    ///     for _ in 0..3 {
+    ///         comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, s)?;
+    ///     }
+    ///     drop(reg); // deregisters; `buf` is free again
+    ///     assert_eq!(buf, vec![8; 8]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn register<'comm, 'buf, T, B>(
+        &'comm self,
+        buf: &'buf mut B,
+    ) -> Result<Registration<'comm, 'buf, B>>
+    where
+        T: NcclType,
+        B: SendBuffer<T> + ?Sized,
+    {
+        const OP: &str = "ncclCommRegister";
+        let caller = Location::caller();
+        let lib = self.library();
+        let register = lib.optional(lib.table().ncclCommRegister, OP)?;
+        lib.optional(lib.table().ncclCommDeregister, "ncclCommDeregister")?;
+        self.ensure_usable(OP)?;
+        let target = self.registration_target::<T, B>(OP, buf)?;
+        let mut handle: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the communicator is live (not torn down: borrowed); `target` is the
+        // address and byte size of memory this NCCL can register (checked above), kept
+        // alive and in place by the borrow the Registration holds; `handle` is writable.
+        let r = unsafe { register(self.as_raw(), target.ptr, target.bytes, &mut handle) };
+        // Not `issue`: registration is local (no sequence number, nothing to watch), and a
+        // refused registration does not break the communicator.
+        lib.check(OP, r, self.call_context(caller))?;
+        Ok(Registration {
+            comm: self,
+            buf,
+            handle,
+            live: true,
+        })
+    }
+
+    /// Registers `buf` as a window (`ncclCommWindowRegister`, NCCL 2.27+) until the returned
+    /// [`Window`] is dropped. A collective call: every rank registers, in the same order
+    /// relative to its collectives (the watchdog and the fingerprint check treat it as
+    /// one). [`WindowFlags::COLL_SYMMETRIC`] needs a buffer from NCCL's allocator
+    /// ([`NcclMemory`] or a view of one) of the same size on every rank.
+    ///
+    /// Errors: [`Error::Unsupported`] before NCCL 2.27 (or before the release of a flag);
+    /// [`Error::InvalidArgument`] as for [`register`](Self::register), and for a symmetric
+    /// window on memory not from `ncclMemAlloc`.
+    #[track_caller]
+    pub fn register_window<'comm, 'buf, T, B>(
+        &'comm self,
+        buf: &'buf mut B,
+        flags: WindowFlags,
+    ) -> Result<Window<'comm, 'buf, B>>
+    where
+        T: NcclType,
+        B: SendBuffer<T> + ?Sized,
+    {
+        const OP: &str = "ncclCommWindowRegister";
+        let caller = Location::caller();
+        let lib = self.library();
+        let register = lib.optional(lib.table().ncclCommWindowRegister, OP)?;
+        lib.optional(
+            lib.table().ncclCommWindowDeregister,
+            "ncclCommWindowDeregister",
+        )?;
+        if let Some((flag, needs)) = flags.newest() {
+            if lib.version() < needs {
+                return Err(Error::Unsupported {
+                    symbol: flag,
+                    needs,
+                    found: lib.version(),
+                });
+            }
+        }
+        if flags.contains(WindowFlags::COLL_SYMMETRIC) && !buf.is_nccl_alloc() {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "a symmetric window (WindowFlags::COLL_SYMMETRIC) needs memory from \
+                         NCCL's allocator: allocate the buffer as an NcclMemory"
+                    .into(),
+            });
+        }
+        self.ensure_usable(OP)?;
+        let target = self.registration_target::<T, B>(OP, buf)?;
+        let mut win: ncclWindow_t = std::ptr::null_mut();
+        self.issue(&OP, caller, |_, comm| {
+            // SAFETY: as in `register`; `win` is writable; the flags are NCCL_WIN_* bits
+            // this NCCL knows (checked above).
+            unsafe { register(comm, target.ptr, target.bytes, &mut win, flags.bits()) }
+        })?;
+        Ok(Window {
+            comm: self,
+            buf,
+            win,
+            flags,
+            live: true,
+        })
+    }
+}
+
+impl<B: ?Sized> Registration<'_, '_, B> {
+    /// The registered buffer.
+    pub fn buffer(&self) -> &B {
+        self.buf
+    }
+
+    /// The communicator it is registered with.
+    pub fn communicator(&self) -> &Communicator {
+        self.comm
+    }
+
+    /// NCCL's registration handle (null when NCCL chose not to register the buffer).
+    pub fn as_raw(&self) -> *mut c_void {
+        self.handle
+    }
+
+    /// Deregisters now (`ncclCommDeregister`), reporting an error that drop would ignore.
+    #[track_caller]
+    pub fn deregister(mut self) -> Result<()> {
+        self.release(Location::caller())
+    }
+
+    fn release(&mut self, caller: &'static Location<'static>) -> Result<()> {
+        const OP: &str = "ncclCommDeregister";
+        if !std::mem::replace(&mut self.live, false) {
+            return Ok(());
+        }
+        // A communicator the watchdog aborted has no handle left: NCCL released its
+        // registrations with it.
+        self.comm.diag.check_alive()?;
+        let lib = self.comm.library();
+        let deregister = lib.optional(lib.table().ncclCommDeregister, OP)?;
+        if let Device::Cuda(ctx) = self.comm.device_handle() {
+            ctx.bind_to_thread()?;
+        }
+        // SAFETY: the communicator is live (borrowed, and not aborted by the watchdog);
+        // `handle` came from its ncclCommRegister and is deregistered exactly once (`live`
+        // was cleared above).
+        let r = unsafe { deregister(self.comm.as_raw(), self.handle) };
+        lib.check(OP, r, self.comm.call_context(caller))
+    }
+}
+
+impl<B: ?Sized> Drop for Registration<'_, '_, B> {
+    fn drop(&mut self) {
+        let _ = self.release(Location::caller());
+    }
+}
+
+impl<B: ?Sized> Window<'_, '_, B> {
+    /// The registered buffer.
+    pub fn buffer(&self) -> &B {
+        self.buf
+    }
+
+    /// The communicator it is registered with.
+    pub fn communicator(&self) -> &Communicator {
+        self.comm
+    }
+
+    /// The flags it was registered with.
+    pub fn flags(&self) -> WindowFlags {
+        self.flags
+    }
+
+    /// NCCL's window handle, for NCCL's one-sided API (null when NCCL has no symmetric
+    /// support on this system and registered nothing).
+    pub fn as_raw(&self) -> ncclWindow_t {
+        self.win
+    }
+
+    /// Deregisters now (`ncclCommWindowDeregister`, collective), reporting an error that
+    /// drop would ignore.
+    #[track_caller]
+    pub fn deregister(mut self) -> Result<()> {
+        self.release(Location::caller())
+    }
+
+    fn release(&mut self, caller: &'static Location<'static>) -> Result<()> {
+        const OP: &str = "ncclCommWindowDeregister";
+        if !std::mem::replace(&mut self.live, false) {
+            return Ok(());
+        }
+        let lib = self.comm.library();
+        let deregister = lib.optional(lib.table().ncclCommWindowDeregister, OP)?;
+        let win = self.win;
+        // Through the operation path: it is collective, so a failed communicator (whose
+        // peers may never call it) skips it, and the watchdog bounds it.
+        self.comm.issue(&OP, caller, |_, comm| {
+            // SAFETY: the communicator is live; `win` came from its ncclCommWindowRegister
+            // and is deregistered exactly once (`live` was cleared above).
+            unsafe { deregister(comm, win) }
+        })
+    }
+}
+
+impl<B: ?Sized> Drop for Window<'_, '_, B> {
+    fn drop(&mut self) {
+        let _ = self.release(Location::caller());
+    }
+}
+
+/// Buffer behaviour shared by [`Registration`] and [`Window`]: they stand for their buffer.
+macro_rules! stands_for_buffer {
+    ($($ty:ident),*) => {$(
+        impl<B: ?Sized> sealed::Sealed for $ty<'_, '_, B> {}
+
+        impl<T: NcclType, B: SendBuffer<T> + ?Sized> SendBuffer<T> for $ty<'_, '_, B> {
+            fn len(&self) -> usize {
+                self.buf.len()
+            }
+            fn memory(&self) -> Memory {
+                self.buf.memory()
+            }
+            fn send_ptr<'a>(&'a self, stream: StreamRef<'a>) -> (*const c_void, BufferGuard<'a>) {
+                self.buf.send_ptr(stream)
+            }
+            fn base_ptr(&self) -> *const c_void {
+                self.buf.base_ptr()
+            }
+            fn is_nccl_alloc(&self) -> bool {
+                self.buf.is_nccl_alloc()
+            }
+        }
+
+        impl<T: NcclType, B: RecvBuffer<T> + ?Sized> RecvBuffer<T> for $ty<'_, '_, B> {
+            fn recv_ptr<'a>(&'a mut self, stream: StreamRef<'a>) -> (*mut c_void, BufferGuard<'a>) {
+                self.buf.recv_ptr(stream)
+            }
+        }
+
+        impl<T, B: DeviceSlice<T> + ?Sized> DeviceSlice<T> for $ty<'_, '_, B> {
+            fn len(&self) -> usize {
+                self.buf.len()
+            }
+            fn stream(&self) -> &Arc<CudaStream> {
+                self.buf.stream()
+            }
+        }
+
+        impl<T, B: DevicePtr<T> + ?Sized> DevicePtr<T> for $ty<'_, '_, B> {
+            fn device_ptr<'a>(
+                &'a self,
+                stream: &'a CudaStream,
+            ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+                self.buf.device_ptr(stream)
+            }
+        }
+
+        impl<T, B: DevicePtrMut<T> + ?Sized> DevicePtrMut<T> for $ty<'_, '_, B> {
+            fn device_ptr_mut<'a>(
+                &'a mut self,
+                stream: &'a CudaStream,
+            ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+                self.buf.device_ptr_mut(stream)
+            }
+        }
+
+        impl<B: ?Sized> $ty<'_, '_, B> {
+            /// The buffer's elements, mutably, for host buffers (`Vec<T>`, `[T]`): writing
+            /// them cannot move the allocation.
+            pub fn as_mut_slice<T>(&mut self) -> &mut [T]
+            where
+                B: AsMut<[T]>,
+            {
+                self.buf.as_mut()
+            }
+        }
+
+        impl<T: NcclType> $ty<'_, '_, NcclMemory<T>> {
+            /// [`NcclMemory::copy_from_host`] on the registered memory.
+            pub fn copy_from_host(&mut self, src: &[T], stream: &impl AsStream) -> Result<()> {
+                self.buf.copy_from_host(src, stream)
+            }
+
+            /// [`NcclMemory::slice_mut`] of the registered memory.
+            pub fn slice_mut(
+                &mut self,
+                range: impl std::ops::RangeBounds<usize>,
+            ) -> Result<crate::memory::NcclViewMut<'_, T>> {
+                self.buf.slice_mut(range)
+            }
+
+            /// [`NcclMemory::as_host_slice_mut`] of the registered memory.
+            pub fn as_host_slice_mut(&mut self) -> Result<&mut [T]> {
+                self.buf.as_host_slice_mut()
+            }
+        }
+    )*};
+}
+
+stands_for_buffer!(Registration, Window);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_memory_of_the_communicators_kind_and_device_is_registrable() {
+        let nccl = Provider::Nccl;
+        assert_eq!(unregistrable(nccl, Some(1), Memory::Device(1)), None);
+        assert_eq!(unregistrable(Provider::Host, None, Memory::Host), None);
+        let host_on_nccl = unregistrable(nccl, Some(0), Memory::Host).unwrap();
+        assert!(host_on_nccl.contains("host memory"), "{host_on_nccl}");
+        let other = unregistrable(nccl, Some(0), Memory::Device(3)).unwrap();
+        assert!(
+            other.contains("device 3") && other.contains("Some(0)"),
+            "{other}"
+        );
+        let gpu_on_host = unregistrable(Provider::Host, None, Memory::Device(0)).unwrap();
+        assert!(gpu_on_host.contains("GPU memory"), "{gpu_on_host}");
+    }
+
+    #[test]
+    fn newer_window_flags_name_their_release() {
+        assert_eq!(WindowFlags::COLL_SYMMETRIC.newest(), None);
+        assert_eq!(WindowFlags::empty().newest(), None);
+        assert_eq!(
+            (WindowFlags::COLL_SYMMETRIC | WindowFlags::STRICT_ORDERING).newest(),
+            Some(("NCCL_WIN_STRICT_ORDERING", Version::new(2, 30, 0)))
+        );
+        assert_eq!(WindowFlags::COLL_SYMMETRIC.bits(), 1);
+        assert_eq!(WindowFlags::STRICT_ORDERING.bits(), 2);
+    }
+}
