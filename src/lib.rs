@@ -8,6 +8,7 @@
 mod buffer;
 mod comm;
 mod config;
+mod cuda_probe;
 pub mod diag;
 pub mod error;
 mod group;
