@@ -7,6 +7,7 @@
 
 mod buffer;
 mod comm;
+mod comm_ref;
 mod config;
 mod cuda_probe;
 pub mod diag;
@@ -23,6 +24,7 @@ pub mod version;
 
 pub use buffer::{BufferGuard, Memory, RecvBuffer, SendBuffer};
 pub use comm::{Communicator, Device, PendingCommunicator, DEFAULT_INIT_TIMEOUT};
+pub use comm_ref::CommRef;
 pub use config::Config;
 pub use error::{Error, NcclError, Result, ResultCode};
 pub use group::Group;
