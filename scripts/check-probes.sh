@@ -6,7 +6,8 @@
 #   probes/pinned-12060  cuda-12060 + dynamic-linking
 # For each it prints what cudarc's build script decided (CUDA version, linking, libraries),
 # and it fails unless the pinned probe got CUDA 12.6 and libcuda linked, not loaded; the
-# pinned probe's code also asserts both at compile time. Needs no CUDA toolkit.
+# pinned probe's code also asserts both at compile time. Needs no CUDA toolkit. Each probe's
+# Cargo.lock pins its crates; a dependency nccl-safe gains later is added to it on the fly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -17,7 +18,7 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}/probes"
 check() {
   local probe="$1" expect="$2" json
   echo "-- probes/$probe"
-  json="$(cd "probes/$probe" && cargo check --locked --quiet --message-format=json)" || {
+  json="$(cd "probes/$probe" && cargo check --quiet --message-format=json)" || {
     echo "probes/$probe does not build beside nccl-safe" >&2
     return 1
   }
@@ -48,7 +49,7 @@ check candle any
 check cubecl any
 check pinned-12060 "12.6 linked"
 features="$(cd probes/pinned-12060 &&
-  cargo tree --locked -e features -i cudarc --prefix none --format '{f}' | head -n 1)"
+  cargo tree -e features -i cudarc --prefix none --format '{f}' | head -n 1)"
 echo "-- cudarc features of the pinned probe: $features"
 case ",$features," in
   *,dynamic-loading,* | *,static-linking,*) echo "a linking mode was forced on the pinned probe" >&2; exit 1 ;;

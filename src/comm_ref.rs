@@ -75,7 +75,9 @@ impl Communicator {
     /// # Safety
     ///
     /// * `raw` is a live communicator (not destroyed, finalized or aborted) created through
-    ///   `lib` (the same loaded NCCL, or the host provider for [`Library::host`]).
+    ///   `lib`: the same loaded NCCL (a handle means nothing to another copy of NCCL, so
+    ///   load `lib` from the file its creator uses, e.g. with [`Library::load_from`]), or the
+    ///   host provider for [`Library::host`].
     /// * Its ownership moves here: nothing else tears it down afterwards, nor calls NCCL
     ///   on it while the returned communicator exists (it may be used from any thread).
     /// * `device` is the device it was created on (for CUDA, also checked).
