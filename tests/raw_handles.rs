@@ -329,3 +329,32 @@ fn the_watchdog_aborts_an_adopted_handle_but_never_a_borrowed_one() {
     foreign.forget(1);
     assert_eq!(teardowns(&foreign.stats()), (2, 0, 2, 0));
 }
+
+/// A non-blocking handle given back and adopted again (with a non-blocking config) keeps
+/// working through the non-blocking path, and is torn down once.
+#[test]
+fn a_non_blocking_handle_round_trips() {
+    let id = Device::Host.unique_id().unwrap();
+    let config = Config::new().blocking(false);
+    let world = 2;
+    std::thread::scope(|s| {
+        for rank in 0..world {
+            let config = config.clone();
+            s.spawn(move || {
+                let comm =
+                    Communicator::init_rank(&Device::Host, world, rank, &id, &config).unwrap();
+                let raw = comm.into_raw();
+                // SAFETY: given back above; adopted again with the config it was made with.
+                let comm =
+                    unsafe { Communicator::from_raw(Library::host(), raw, Device::Host, &config) }
+                        .unwrap();
+                assert_eq!((comm.rank(), comm.world_size()), (rank, world));
+                assert_eq!(sum_of_ranks(&comm).unwrap(), vec![3.0; 8]);
+                comm.finalize(Duration::from_secs(20)).unwrap();
+            });
+        }
+    });
+    let st = stats_for(&id.to_raw());
+    assert_eq!(teardowns(&st), (2, 2, 0, 0));
+    assert_eq!(st.finalized, 2);
+}
