@@ -858,6 +858,68 @@ impl Drop for Communicator {
     }
 }
 
+// Raw-handle interop (`Communicator::from_raw` / `into_raw`, `CommRef`: src/comm_ref.rs).
+impl Communicator {
+    /// A communicator around a handle made outside this crate, its rank and size known.
+    /// Its diagnostics are not attached yet (the caller attaches them).
+    pub(crate) fn from_foreign(
+        raw: ncclComm_t,
+        lib: Arc<Library>,
+        device: Device,
+        rank: usize,
+        world_size: usize,
+        blocking: bool,
+        diag: crate::diag::CommDiag,
+    ) -> Communicator {
+        Communicator {
+            raw,
+            lib,
+            cuda_device: match &device {
+                Device::Cuda(c) => Some(c.ordinal()),
+                Device::Host => None,
+            },
+            device,
+            rank,
+            world_size,
+            blocking,
+            failure: OnceCell::new(),
+            diag,
+        }
+    }
+
+    /// Gives the handle up with no teardown: detaches the diagnostics (clique and watchdog)
+    /// and drops everything else. Null when the handle was not this communicator's to give:
+    /// the watchdog took it (and aborted it), or it was borrowed.
+    pub(crate) fn release_handle(self) -> ncclComm_t {
+        let mut me = std::mem::ManuallyDrop::new(self);
+        let raw = std::mem::replace(&mut me.raw, std::ptr::null_mut());
+        let ours = me.diag.release();
+        // SAFETY: `me` is never used or dropped again: each field that owns something is
+        // read out of it exactly once here and dropped (the others are `Copy`), so nothing
+        // is dropped twice and `Drop for Communicator` (the teardown) never runs.
+        unsafe {
+            drop(std::ptr::read(&me.lib));
+            drop(std::ptr::read(&me.device));
+            drop(std::ptr::read(&me.failure));
+            drop(std::ptr::read(&me.diag));
+        }
+        if ours {
+            raw
+        } else {
+            std::ptr::null_mut()
+        }
+    }
+
+    /// [`check_device`] for src/comm_ref.rs.
+    pub(crate) fn check_foreign_device(
+        op: &'static str,
+        lib: &Library,
+        device: &Device,
+    ) -> Result<()> {
+        check_device(op, lib, device)
+    }
+}
+
 /// A communicator whose non-blocking init is under way. Dropping it aborts the handle.
 #[derive(Debug)]
 pub struct PendingCommunicator {

@@ -10,7 +10,9 @@
 
 mod buffer;
 mod comm;
+mod comm_ref;
 mod config;
+mod cuda_probe;
 pub mod diag;
 pub mod error;
 mod group;
@@ -27,6 +29,7 @@ pub mod version;
 
 pub use buffer::{BufferGuard, Memory, RecvBuffer, SendBuffer};
 pub use comm::{Communicator, Device, PendingCommunicator, DEFAULT_INIT_TIMEOUT};
+pub use comm_ref::CommRef;
 pub use config::Config;
 pub use error::{Error, NcclError, Result, ResultCode};
 pub use group::Group;

@@ -20,8 +20,7 @@ use crate::stream::Stream;
 /// How many CUDA devices this process can use: 0 when the CUDA driver library is absent
 /// or reports none (never panics).
 pub fn cuda_device_count() -> usize {
-    // SAFETY: only probes whether libcuda can be opened.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !crate::cuda_probe::driver_present() {
         return 0;
     }
     CudaContext::device_count().map_or(0, |n| n.max(0) as usize)

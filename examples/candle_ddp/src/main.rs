@@ -1,0 +1,406 @@
+//! Data-parallel training of a small candle model, with gradients all-reduced through
+//! nccl-safe.
+//!
+//! Every rank (a thread, from `nccl_safe::launch::Launcher`) builds the same MLP, takes the
+//! parameters of rank 0 (a broadcast, as PyTorch's DDP does at start), and trains on its own
+//! shard of a synthetic regression set. Each step it packs its gradients into one buffer,
+//! all-reduces it (sum) through nccl-safe, averages, and lets candle-nn's SGD apply it, so
+//! every rank applies the same update. At the end the example checks that the global loss
+//! fell and that every rank holds bit-identical parameters, and exits non-zero otherwise.
+//!
+//! The collectives run in place on candle's own storage through candle's `InplaceOp1`:
+//! on CPU tensors the host provider reduces the `Vec<f32>` inside `CpuStorage`; with the
+//! `cuda` feature NVIDIA's NCCL reduces the `CudaSlice<f32>` inside `CudaStorage`, on
+//! candle's stream, with no copy to the host.
+//!
+//!     cargo run --release                      # 4 ranks on the host provider, CPU tensors
+//!     cargo run --release -- --ranks 2 --steps 300
+//!     cargo run --release --features cuda     # one rank per GPU, CUDA tensors
+//!     cargo run --release -- --no-allreduce    # skip the gradient all-reduce: the check fails
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, Var};
+use candle_nn::{linear, Linear, Module, Optimizer, VarBuilder, VarMap, SGD};
+use nccl_safe::launch::{Launcher, Rank};
+use nccl_safe::{AsStream, Communicator, HostStream, RecvBuffer, ReduceOp};
+
+const INPUTS: usize = 8;
+const HIDDEN: usize = 32;
+const SAMPLES: usize = 1024;
+const LEARNING_RATE: f64 = 0.05;
+
+/// A collective run in place on a tensor's storage.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    /// Sum over all ranks.
+    AllReduceSum,
+    /// Rank `root`'s values on every rank.
+    Broadcast { root: usize },
+}
+
+/// candle's hook into its storage: `cpu_fwd` gets the `CpuStorage`, `cuda_fwd` the
+/// `CudaStorage`, each with the tensor's layout.
+struct Collective<'c> {
+    comm: &'c Communicator,
+    kind: Kind,
+}
+
+impl Collective<'_> {
+    /// Runs the collective on `buf` (the tensor's elements) on `stream`.
+    fn run<B: RecvBuffer<f32> + ?Sized>(
+        &self,
+        buf: &mut B,
+        stream: &impl AsStream,
+    ) -> candle_core::Result<()> {
+        match self.kind {
+            Kind::AllReduceSum => self.comm.all_reduce_in_place(buf, ReduceOp::Sum, stream),
+            Kind::Broadcast { root } => self.comm.broadcast_in_place(buf, root, stream),
+        }
+        .map_err(candle_core::Error::wrap)
+    }
+}
+
+/// The element range of a contiguous layout (in-place collectives need one).
+fn contiguous(layout: &Layout) -> candle_core::Result<(usize, usize)> {
+    layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("a collective needs a contiguous tensor".into()))
+}
+
+impl InplaceOp1 for Collective<'_> {
+    fn name(&self) -> &'static str {
+        match self.kind {
+            Kind::AllReduceSum => "nccl-safe all-reduce",
+            Kind::Broadcast { .. } => "nccl-safe broadcast",
+        }
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let (start, end) = contiguous(layout)?;
+        match storage {
+            CpuStorage::F32(v) => self.run(&mut v[start..end], &HostStream),
+            other => candle_core::bail!("{}: f32 only, got {:?}", self.name(), other.dtype()),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &mut candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::cuda_backend::CudaStorageSlice;
+        let (start, end) = contiguous(layout)?;
+        // candle's stream: NCCL's work is ordered after the kernels that wrote the
+        // gradients and before the ones that read them, with no synchronization here.
+        let stream = storage.device.cuda_stream();
+        let dtype = storage.dtype();
+        match &mut storage.slice {
+            CudaStorageSlice::F32(slice) => {
+                let mut view = slice.try_slice_mut(start..end).ok_or_else(|| {
+                    candle_core::Error::Msg(format!("{start}..{end} is out of the buffer"))
+                })?;
+                self.run(&mut view, &stream)
+            }
+            _ => candle_core::bail!("{}: f32 only, got {dtype:?}", self.name()),
+        }
+    }
+}
+
+/// The model: three linear layers with ReLUs.
+struct Mlp {
+    layers: [Linear; 3],
+}
+
+impl Mlp {
+    fn new(vb: VarBuilder) -> candle_core::Result<Mlp> {
+        Ok(Mlp {
+            layers: [
+                linear(INPUTS, HIDDEN, vb.pp("l1"))?,
+                linear(HIDDEN, HIDDEN, vb.pp("l2"))?,
+                linear(HIDDEN, 1, vb.pp("l3"))?,
+            ],
+        })
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let x = self.layers[0].forward(x)?.relu()?;
+        let x = self.layers[1].forward(&x)?.relu()?;
+        self.layers[2].forward(&x)
+    }
+}
+
+/// A fixed sequence of numbers in [-1, 1) (xorshift64*), so that runs are reproducible.
+fn uniform(seed: u64) -> impl FnMut() -> f32 {
+    let mut state = seed | 1;
+    move || {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        let r = state.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        (r >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+/// A deterministic synthetic regression set (the same on every rank): inputs in [-1, 1)
+/// and a smooth nonlinear target. Returns this rank's shard (every `world`-th sample).
+fn shard(rank: usize, world: usize) -> (Vec<f32>, Vec<f32>, usize) {
+    let mut next = uniform(0x9E37_79B9_7F4A_7C15);
+    let (mut xs, mut ys, mut n) = (Vec::new(), Vec::new(), 0);
+    for i in 0..SAMPLES {
+        let x: Vec<f32> = (0..INPUTS).map(|_| next()).collect();
+        let linear: f32 = x
+            .iter()
+            .enumerate()
+            .map(|(j, v)| v * (j as f32 - 3.5) / 4.0)
+            .sum();
+        let y = linear.sin() + 0.5 * x[0] * x[1];
+        if i % world == rank {
+            xs.extend_from_slice(&x);
+            ys.push(y);
+            n += 1;
+        }
+    }
+    (xs, ys, n)
+}
+
+struct Opts {
+    ranks: usize,
+    steps: usize,
+    all_reduce: bool,
+}
+
+/// What a rank reports: the global loss before and after training, and its parameters.
+struct Outcome {
+    losses: Vec<(usize, f32)>,
+    params: Vec<f32>,
+}
+
+/// The variables in a fixed order (by name), the same on every rank.
+fn sorted_vars(map: &VarMap) -> Vec<Var> {
+    let data = map.data().lock().expect("the var map's lock");
+    let mut named: Vec<_> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named.into_iter().map(|(_, v)| v).collect()
+}
+
+/// The mean of `loss` over all ranks.
+fn global_mean(comm: &Communicator, loss: &Tensor) -> candle_core::Result<f32> {
+    let sum = loss.reshape(1)?.copy()?;
+    sum.inplace_op1(&Collective {
+        comm,
+        kind: Kind::AllReduceSum,
+    })?;
+    Ok(sum.to_vec1::<f32>()?[0] / comm.world_size() as f32)
+}
+
+fn train(rank: &Rank, device: &Device, opts: &Opts) -> candle_core::Result<Outcome> {
+    let comm = rank.comm();
+    let world = comm.world_size();
+    let map = VarMap::new();
+    let model = Mlp::new(VarBuilder::from_varmap(&map, DType::F32, device))?;
+    let vars = sorted_vars(&map);
+    // Rank 0 draws its parameters from a fixed sequence (uniform in +-1/sqrt(fan-in), as
+    // candle-nn's default), so that runs are reproducible; the other ranks keep candle-nn's
+    // random ones, and every rank starts from rank 0's.
+    if comm.rank() == 0 {
+        let mut next = uniform(0x5EED);
+        for v in &vars {
+            let dims = v.as_tensor().dims().to_vec();
+            let fan_in = if dims.len() == 2 { dims[1] } else { HIDDEN };
+            let scale = 1.0 / (fan_in as f32).sqrt();
+            let values: Vec<f32> = (0..v.as_tensor().elem_count())
+                .map(|_| next() * scale)
+                .collect();
+            v.set(&Tensor::from_vec(values, dims, device)?)?;
+        }
+    }
+    for v in &vars {
+        v.as_tensor().inplace_op1(&Collective {
+            comm,
+            kind: Kind::Broadcast { root: 0 },
+        })?;
+    }
+    let (xs, ys, n) = shard(comm.rank(), world);
+    let x = Tensor::from_vec(xs, (n, INPUTS), device)?;
+    let y = Tensor::from_vec(ys, (n, 1), device)?;
+    let mut sgd = SGD::new(vars.clone(), LEARNING_RATE)?;
+    let mut losses = Vec::new();
+    for step in 0..opts.steps {
+        let loss = candle_nn::loss::mse(&model.forward(&x)?, &y)?;
+        if step % 50 == 0 || step + 1 == opts.steps {
+            losses.push((step, global_mean(comm, &loss)?));
+        }
+        let mut grads = loss.backward()?;
+        if opts.all_reduce {
+            // One bucket: the gradients packed into a fresh buffer, summed over the ranks in
+            // one collective, then averaged and unpacked.
+            let flat = vars
+                .iter()
+                .map(|v| match grads.get(v.as_tensor()) {
+                    Some(g) => g.flatten_all(),
+                    None => v.as_tensor().zeros_like()?.flatten_all(),
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let bucket = Tensor::cat(&flat, 0)?;
+            bucket.inplace_op1(&Collective {
+                comm,
+                kind: Kind::AllReduceSum,
+            })?;
+            let bucket = (bucket / world as f64)?;
+            let mut offset = 0;
+            for v in &vars {
+                let len = v.as_tensor().elem_count();
+                let g = bucket
+                    .narrow(0, offset, len)?
+                    .reshape(v.as_tensor().shape())?;
+                grads.insert(v.as_tensor(), g);
+                offset += len;
+            }
+        }
+        sgd.step(&grads)?;
+    }
+    let flat = vars
+        .iter()
+        .map(|v| v.as_tensor().flatten_all())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let params = Tensor::cat(&flat, 0)?.to_vec1::<f32>()?;
+    Ok(Outcome { losses, params })
+}
+
+fn parse() -> Result<Opts, String> {
+    let mut opts = Opts {
+        ranks: 4,
+        steps: 200,
+        all_reduce: true,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut number = |name: &str| -> Result<usize, String> {
+            args.next()
+                .and_then(|v| v.parse().ok())
+                .filter(|&v| v > 0)
+                .ok_or_else(|| format!("{name} needs a positive number"))
+        };
+        match a.as_str() {
+            "--ranks" => opts.ranks = number("--ranks")?,
+            "--steps" => opts.steps = number("--steps")?,
+            "--no-allreduce" => opts.all_reduce = false,
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(opts)
+}
+
+fn main() -> ExitCode {
+    let opts = match parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!(
+                "candle-ddp: {e}\nusage: candle-ddp [--ranks N] [--steps N] [--no-allreduce]"
+            );
+            return ExitCode::from(2);
+        }
+    };
+    #[cfg(not(feature = "cuda"))]
+    let (launcher, backend) = (Launcher::host(opts.ranks), "the host provider, CPU tensors");
+    #[cfg(feature = "cuda")]
+    let (launcher, backend) = match Launcher::all_devices() {
+        Ok(l) => (l, "NVIDIA's NCCL, CUDA tensors"),
+        Err(e) => {
+            eprintln!("candle-ddp: no CUDA devices: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let launcher = launcher.timeout(Duration::from_secs(60));
+    let params = INPUTS * HIDDEN + HIDDEN + HIDDEN * HIDDEN + HIDDEN + HIDDEN + 1;
+    println!(
+        "candle-ddp: {} ranks on {backend}; MLP {INPUTS}-{HIDDEN}-{HIDDEN}-1 ({params} parameters), {SAMPLES} samples, {} steps of SGD (lr {LEARNING_RATE}){}",
+        launcher.world_size(),
+        opts.steps,
+        if opts.all_reduce { "" } else { ", gradients NOT all-reduced" }
+    );
+    let start = Instant::now();
+    let results = launcher.run(|rank| {
+        #[cfg(not(feature = "cuda"))]
+        let device = Device::Cpu;
+        #[cfg(feature = "cuda")]
+        let device = match rank.comm().device().map(Device::new_cuda) {
+            Some(Ok(d)) => d,
+            Some(Err(e)) => return Ok(Err(e.to_string())),
+            None => return Ok(Err("the rank has no CUDA device".into())),
+        };
+        // A rank whose training fails returns early; the launcher then aborts the others.
+        Ok(train(rank, &device, &opts).map_err(|e| format!("rank {}: {e}", rank.rank())))
+    });
+    let outcomes = match results {
+        Ok(r) => match r.into_iter().collect::<Result<Vec<_>, _>>() {
+            Ok(o) => o,
+            Err(e) => {
+                eprintln!("candle-ddp: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        Err(e) => {
+            eprintln!("candle-ddp: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let took = start.elapsed();
+    let first = &outcomes[0];
+    for (step, loss) in &first.losses {
+        println!("step {step:>5}  loss {loss:.6}");
+    }
+    let mut ok = true;
+    let (l0, l1) = (first.losses[0].1, first.losses[first.losses.len() - 1].1);
+    if l1.is_finite() && l1 < l0 / 4.0 {
+        println!(
+            "loss fell from {l0:.6} to {l1:.6} ({:.1}x) in {:.2?}",
+            l0 / l1,
+            took
+        );
+    } else {
+        println!("FAILED: the loss did not fall enough: {l0:.6} -> {l1:.6}");
+        ok = false;
+    }
+    let bits = |p: &[f32]| p.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    let reference = bits(&first.params);
+    let differing: Vec<(usize, usize)> = outcomes
+        .iter()
+        .enumerate()
+        .skip(1)
+        .map(|(r, o)| {
+            let b = bits(&o.params);
+            let n = if b.len() == reference.len() {
+                b.iter().zip(&reference).filter(|(a, b)| a != b).count()
+            } else {
+                reference.len().max(b.len())
+            };
+            (r, n)
+        })
+        .filter(|&(_, n)| n > 0)
+        .collect();
+    if reference.len() != params {
+        println!("FAILED: {} parameters, expected {params}", reference.len());
+        ok = false;
+    } else if differing.is_empty() {
+        println!(
+            "parameters: bit-identical on all {} ranks ({params} values)",
+            outcomes.len()
+        );
+    } else {
+        for (r, n) in differing {
+            println!("FAILED: rank {r} differs from rank 0 in {n} of {params} parameters");
+        }
+        ok = false;
+    }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
