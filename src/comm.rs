@@ -439,7 +439,7 @@ impl Communicator {
     }
 
     /// The single path of every operation on this communicator: fail fast if it already
-    /// failed, bind the CUDA context, make the call, check the result (an error marks the
+    /// failed, make the call, check the result (an error marks the
     /// communicator failed), and wait out `ncclInProgress` on a non-blocking communicator.
     #[inline]
     pub(crate) fn issue<'a>(
@@ -468,7 +468,10 @@ impl Communicator {
             // The error for a failed communicator (a watchdog abort takes precedence).
             self.ensure_usable(call)?;
         }
-        bind(&self.device)?;
+        // No CUDA context bind here: NCCL makes the communicator's device current itself
+        // for every operation (each is an implicit group, and one thread may drive several
+        // devices inside an explicit one), so the per-operation path makes no driver call
+        // of ours. Init and teardown bind.
         let ticket = self.diag.begin(self, op, caller)?;
         let r = f(self.lib.table(), self.raw);
         // NCCL's communicator is always non-blocking (see init_rank): wait out progress.
