@@ -278,7 +278,7 @@ impl Communicator {
                 blocking: config.is_blocking(),
                 failure: OnceCell::new(),
                 diag: {
-                    let d = crate::diag::CommDiag::for_id(config, id);
+                    let d = crate::diag::CommDiag::for_id(&config.diag, id);
                     d.arrive(rank, world_size);
                     d
                 },
@@ -472,7 +472,10 @@ impl Communicator {
         // for every operation (each is an implicit group, and one thread may drive several
         // devices inside an explicit one), so the per-operation path makes no driver call
         // of ours. Init and teardown bind.
-        let ticket = self.diag.begin(self, op, caller)?;
+        let ticket = match self.diag.begin(self.handle(), op, caller) {
+            Ok(t) => t,
+            Err(e) => return Err(self.failed_with(e)),
+        };
         let r = f(self.lib.table(), self.raw);
         // NCCL's communicator is always non-blocking (see init_rank): wait out progress.
         let r = if r == nccl_sys::bindings::ncclInProgress {
@@ -481,7 +484,47 @@ impl Communicator {
             self.checked(call, r, caller)
         };
         let r = r.and_then(|()| then());
-        self.diag.end(self, ticket, r)
+        match self.diag.end(ticket, r) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.failed_with(e)),
+        }
+    }
+
+    /// Marks the communicator failed with `e` (the first cause is kept) and returns it.
+    #[cold]
+    fn failed_with(&self, e: Error) -> Error {
+        self.mark_failed(&e);
+        e
+    }
+
+    /// What the diagnostics need to attach this communicator.
+    #[inline(always)]
+    pub(crate) fn handle(&self) -> crate::diag::Handle<'_> {
+        crate::diag::Handle {
+            raw: self.raw,
+            rank: self.rank,
+            world_size: self.world_size,
+            lib: &self.lib,
+        }
+    }
+
+    /// A copy of the flight recorder: the last operations on this communicator, oldest
+    /// first (no NCCL call).
+    pub fn flight_record(&self) -> crate::diag::FlightRecord {
+        self.diag.flight_record(self.handle())
+    }
+
+    /// Writes the flight record as JSON into `dir`; returns the file's path.
+    pub fn dump_flight_record(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+    ) -> std::io::Result<std::path::PathBuf> {
+        self.flight_record().write_json(dir.as_ref())
+    }
+
+    /// The diagnostics counters of this rank (no NCCL call).
+    pub fn diagnostics(&self) -> crate::diag::Diagnostics {
+        self.diag.diagnostics(self.handle())
     }
 
     /// The first check of every operation, before its buffers or the CUDA driver are
@@ -759,7 +802,8 @@ impl Communicator {
     pub fn destroy(mut self) -> std::result::Result<(), (Communicator, Error)> {
         const OP: &str = "ncclCommDestroy";
         let caller = Location::caller();
-        if let Err(e) = self.diag.before_teardown(&self) {
+        if let Err(e) = self.diag.before_teardown() {
+            self.mark_failed(&e);
             return Err((self, e));
         }
         if let Err(e) = self.ensure_usable(OP) {

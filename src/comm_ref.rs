@@ -296,7 +296,7 @@ fn wrap(
         0,
         0,
         blocking,
-        crate::diag::CommDiag::for_id(config, &foreign_clique_id()),
+        crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id()),
     );
     // From here on an error gives the handle back untouched (no diagnostics attached yet,
     // and `release_handle` never tears down).
@@ -347,7 +347,7 @@ fn wrap(
         rank,
         world_size,
         blocking,
-        crate::diag::CommDiag::for_id(config, &foreign_clique_id()),
+        crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id()),
     );
     // The handle the watchdog may take and abort: none for a borrowed one, so a timeout
     // only marks the view failed.

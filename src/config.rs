@@ -2,6 +2,7 @@
 
 use std::ffi::CString;
 use std::mem::{offset_of, size_of};
+use std::sync::Arc;
 
 use nccl_sys::{ncclConfig_t, NCCL_CONFIG_UNDEF_INT};
 
@@ -255,6 +256,98 @@ impl Config {
             None => std::ptr::null(),
         };
         Ok(raw)
+    }
+}
+
+/// The diagnostics options: the watchdog, the flight recorder, timing and aborts (see
+/// [`crate::diag`]).
+impl Config {
+    /// [`timing`](Self::timing), unless it was set.
+    pub(crate) fn timing_unless_set(mut self, precise: bool) -> Config {
+        self.diag.precise.get_or_insert(precise);
+        self
+    }
+
+    /// Sets the remote desync board (see `launch::desync`).
+    pub(crate) fn remote_board(mut self, board: Arc<dyn crate::diag::RemoteBoard>) -> Config {
+        self.diag.board = Some(board);
+        self
+    }
+
+    /// Gives the communicator the job's desync board: when its clique times out, it posts
+    /// what its ranks were last doing, and its report shows what the ranks in other
+    /// processes posted (instead of "no record"). Nothing is sent in normal operation.
+    /// [`ProcessLauncher::init`](crate::launch::ProcessLauncher::init) sets it for you.
+    /// Children from split/shrink do not inherit it (their ranks are numbered differently).
+    pub fn desync_board(self, board: impl crate::diag::RemoteBoard + 'static) -> Config {
+        self.remote_board(Arc::new(board))
+    }
+
+    /// The watchdog's timeout for every operation of the communicator (default
+    /// `NCCL_SAFE_TIMEOUT_MS`, else 10 minutes). Children from split/shrink inherit it.
+    pub fn timeout(mut self, timeout: std::time::Duration) -> Config {
+        self.diag.timeout = Some(timeout);
+        self
+    }
+
+    /// Turns the collective fingerprint check on or off (default: on with
+    /// `NCCL_SAFE_DEBUG=detail`). Every rank must use the same setting.
+    pub fn check_collectives(mut self, on: bool) -> Config {
+        self.diag.check = Some(on);
+        self
+    }
+
+    /// How many operations the flight recorder keeps (default 64, or
+    /// `NCCL_SAFE_FLIGHT_RECORD_LEN`; 0 turns recording off).
+    pub fn flight_record_len(mut self, len: usize) -> Config {
+        self.diag.ring = Some(len);
+        self
+    }
+
+    /// Writes the flight record as JSON into `dir` on a timeout or error (default
+    /// `NCCL_SAFE_FLIGHT_RECORD_DIR`, else nowhere).
+    pub fn flight_record_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Config {
+        self.diag.dump_dir = Some(dir.into());
+        self
+    }
+
+    /// Prints the flight record to stderr on a timeout or error (default: with
+    /// `NCCL_SAFE_DEBUG=info` or `detail`).
+    pub fn dump_on_failure(mut self, on: bool) -> Config {
+        self.diag.dump_stderr = Some(on);
+        self
+    }
+
+    /// Times every operation with the precise clock (default: with `NCCL_SAFE_TIMING=1` or
+    /// `NCCL_SAFE_DEBUG=info|detail`; children inherit it).
+    ///
+    /// Off, the watchdog, the flight recorder and [`crate::diag::Diagnostics::wait`] use a coarse clock
+    /// that the watchdog advances every 10 ms: a load of about 1 ns instead of two
+    /// `Instant::now()` calls (which add about 50 ns an operation: `cargo bench --bench
+    /// overhead`). Timeouts still fire within a tick of their deadline; per-operation times read as whole ticks, and sums over many
+    /// operations are right on average. [`crate::launch::Launcher::run_report`] turns it
+    /// on for its communicators.
+    pub fn timing(mut self, precise: bool) -> Config {
+        self.diag.precise = Some(precise);
+        self
+    }
+
+    /// The bound on an abort (default `NCCL_SAFE_ABORT_TIMEOUT_MS`, else
+    /// [`crate::diag::DEFAULT_ABORT_TIMEOUT`], 30 s). NVIDIA's `ncclCommAbort` can block for ever
+    /// behind a stuck stream, so aborts run on a thread of their own: the watchdog never
+    /// waits for one, and a communicator's drop waits at most this long. Past it,
+    /// [`on_abort_timeout`](Self::on_abort_timeout) applies. Children inherit it.
+    pub fn abort_timeout(mut self, bound: std::time::Duration) -> Config {
+        self.diag.abort_timeout = Some(bound);
+        self
+    }
+
+    /// What happens to an abort still running at its
+    /// [`abort_timeout`](Self::abort_timeout) (default `NCCL_SAFE_ON_ABORT_TIMEOUT=report|exit`,
+    /// else [`crate::diag::OnAbortTimeout::Report`]). Children inherit it.
+    pub fn on_abort_timeout(mut self, action: crate::diag::OnAbortTimeout) -> Config {
+        self.diag.on_abort_timeout = Some(action);
+        self
     }
 }
 

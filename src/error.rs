@@ -9,6 +9,8 @@ use std::fmt;
 use std::panic::Location;
 use std::path::PathBuf;
 
+use crate::discovery::fmt_not_found;
+pub use crate::discovery::{Source, Tried};
 use crate::version::Version;
 
 /// `Result` with this crate's [`Error`].
@@ -108,71 +110,6 @@ impl fmt::Display for NcclError {
 }
 
 impl std::error::Error for NcclError {}
-
-/// One place the library search looked at, and what it found there.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Tried {
-    /// Where the candidate came from.
-    pub source: Source,
-    /// The file path, or the bare name handed to the system loader.
-    pub location: PathBuf,
-    /// Why it was not used: "no such file", or the loader's or this crate's error.
-    pub outcome: String,
-}
-
-/// The sources the library search uses, in its order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Source {
-    /// A path given in code.
-    Explicit,
-    /// `$NCCL_LIBRARY`: a file.
-    NcclLibrary,
-    /// `$NCCL_HOME/lib*`.
-    NcclHome,
-    /// `$NCCL_ROOT/lib*`.
-    NcclRoot,
-    /// `$CUDA_HOME/lib*`.
-    CudaHome,
-    /// `$VIRTUAL_ENV/lib/python3*/site-packages/nvidia/nccl/lib`.
-    VirtualEnv,
-    /// `$CONDA_PREFIX/lib` and its `site-packages/nvidia/nccl/lib`.
-    CondaPrefix,
-    /// The dynamic loader's own search (`LD_LIBRARY_PATH`, ld.so.cache, ...).
-    SystemLoader,
-}
-
-impl fmt::Display for Source {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Source::Explicit => "path given in code",
-            Source::NcclLibrary => "NCCL_LIBRARY",
-            Source::NcclHome => "NCCL_HOME",
-            Source::NcclRoot => "NCCL_ROOT",
-            Source::CudaHome => "CUDA_HOME",
-            Source::VirtualEnv => "VIRTUAL_ENV",
-            Source::CondaPrefix => "CONDA_PREFIX",
-            Source::SystemLoader => "system loader",
-        })
-    }
-}
-
-fn fmt_not_found(tried: &[Tried]) -> String {
-    let mut s = String::from("NCCL library (libnccl.so.2) not found. Tried:");
-    for t in tried {
-        s.push_str(&format!(
-            "\n  - [{}] {}: {}",
-            t.source,
-            t.location.display(),
-            t.outcome
-        ));
-    }
-    s.push_str(
-        "\nTo get NCCL: `pip install nvidia-nccl-cu12` in the active Python environment \
-         (VIRTUAL_ENV or CONDA_PREFIX), or set NCCL_LIBRARY=/path/to/libnccl.so.2.",
-    );
-    s
-}
 
 /// Which buffer argument of a collective a length error is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -312,12 +249,13 @@ pub enum Error {
         /// One line per rank: what it did.
         ranks: Vec<String>,
     },
-    /// The multi-process rendezvous failed.
+    /// A launcher failed: the multi-process rendezvous or the torchrun store
+    /// (`nccl_safe::launch::rendezvous::RendezvousError`), or the launcher's environment
+    /// variables (`nccl_safe::launch::env::EnvError`); downcast the source to tell them
+    /// apart. The launchers convert their errors into this one at their boundary, so this
+    /// type depends on no launcher.
     #[error(transparent)]
-    Rendezvous(#[from] crate::launch::rendezvous::RendezvousError),
-    /// The launcher's environment variables are missing or wrong.
-    #[error(transparent)]
-    LaunchEnv(#[from] crate::launch::env::EnvError),
+    Launch(Box<dyn std::error::Error + Send + Sync + 'static>),
     /// The library could not be opened for a reason other than absence.
     #[error("cannot load NCCL from {path}: {reason}")]
     LibraryLoad {

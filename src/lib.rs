@@ -14,6 +14,7 @@ mod comm_ref;
 mod config;
 mod cuda_probe;
 pub mod diag;
+mod discovery;
 pub mod error;
 mod group;
 pub mod host;

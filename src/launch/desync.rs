@@ -28,9 +28,8 @@
 
 use super::rendezvous::{check_token, refusal, Refusal, RendezvousError};
 use super::wire::{self, refuse, N};
-use crate::config::Config;
-use crate::diag::remote::RemoteBoard;
 use crate::diag::DesyncPost;
+use crate::diag::{BoardError, RemoteBoard};
 use std::fmt;
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -511,23 +510,11 @@ struct Conn {
 }
 
 impl RemoteBoard for BoardClient {
-    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<(), String> {
-        self.post_by(rank, post, deadline)
-            .map_err(|e| e.to_string())
+    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<(), BoardError> {
+        self.post_by(rank, post, deadline).map_err(BoardError::new)
     }
 
-    fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, String> {
-        self.fetch_by(deadline).map_err(|e| e.to_string())
-    }
-}
-
-impl Config {
-    /// Gives the communicator the job's desync board: when its clique times out, it posts
-    /// what its ranks were last doing, and its report shows what the ranks in other
-    /// processes posted (instead of "no record"). Nothing is sent in normal operation.
-    /// [`ProcessLauncher::init`](super::ProcessLauncher::init) sets it for you. Children
-    /// from split/shrink do not inherit it (their ranks are numbered differently).
-    pub fn desync_board(self, board: BoardClient) -> Config {
-        self.remote_board(Arc::new(board))
+    fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, BoardError> {
+        self.fetch_by(deadline).map_err(BoardError::new)
     }
 }

@@ -454,3 +454,11 @@ impl Lookup<'_> {
         }
     }
 }
+
+impl From<EnvError> for crate::Error {
+    /// An environment error becomes the crate's [`crate::Error::Launch`] at the launcher's
+    /// boundary (the error type does not depend on the launchers).
+    fn from(e: EnvError) -> Self {
+        crate::Error::Launch(Box::new(e))
+    }
+}

@@ -1056,6 +1056,14 @@ impl Rendezvous {
     }
 }
 
+impl From<RendezvousError> for crate::Error {
+    /// A rendezvous error becomes the crate's [`crate::Error::Launch`] at the launcher's
+    /// boundary (the error type does not depend on the launchers).
+    fn from(e: RendezvousError) -> Self {
+        crate::Error::Launch(Box::new(e))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -36,8 +36,8 @@ use super::desync::clean_post;
 use super::env::ProcessEnv;
 use super::rendezvous::{RendezvousError, ID_LEN};
 use super::wire::Deadlined;
-use crate::diag::remote::RemoteBoard;
 use crate::diag::DesyncPost;
+use crate::diag::{BoardError, RemoteBoard};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -654,12 +654,11 @@ impl StoreBoard {
 }
 
 impl RemoteBoard for StoreBoard {
-    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<(), String> {
-        self.post_by(rank, post, deadline)
-            .map_err(|e| e.to_string())
+    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<(), BoardError> {
+        self.post_by(rank, post, deadline).map_err(BoardError::new)
     }
 
-    fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, String> {
-        self.fetch_by(deadline).map_err(|e| e.to_string())
+    fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, BoardError> {
+        self.fetch_by(deadline).map_err(BoardError::new)
     }
 }

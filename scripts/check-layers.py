@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Checks that nccl-safe's modules form layers that only point down.
+
+Reads every `crate::...` and `super::...` path in src/ (outside comments and `#[cfg(test)]`
+items), maps it to the module it names (root re-exports such as `crate::Communicator` are
+followed to their module), collapses modules to their top-level module, and fails when:
+
+  * the top-level modules import each other in a cycle, or
+  * a module imports one from a higher layer than its own (LAYERS below, bottom first).
+
+Prints the layer picture with the edges found. Exit status 1 on a violation.
+Usage: scripts/check-layers.py [--dot]   (--dot: print the module graph in Graphviz form)
+"""
+import os
+import re
+import sys
+
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
+
+# Bottom first. A module may import modules of its own layer or below, never above, and
+# no cycle may form inside a layer.
+LAYERS = [
+    ("leaves", ["version", "discovery", "error"]),
+    ("provider and library", ["host", "types", "library", "id", "stream", "cuda_probe"]),
+    ("diagnostics hooks", ["diag"]),
+    ("the wrapper", ["config", "buffer", "comm", "ops", "group", "memory", "register", "comm_ref"]),
+    ("launchers", ["launch"]),
+]
+LAYER_OF = {m: i for i, (_, ms) in enumerate(LAYERS) for m in ms}
+
+
+def module_of(path):
+    rel = os.path.relpath(path, SRC)[:-3]  # strip .rs
+    parts = rel.split(os.sep)
+    if parts[-1] == "mod":
+        parts = parts[:-1]
+    if parts == ["lib"]:
+        return ""
+    return "::".join(parts)
+
+
+def strip_test_items(text):
+    """Removes `#[cfg(test)]` items (a module, a fn, a use) by brace matching."""
+    out, i = [], 0
+    while True:
+        j = text.find("#[cfg(test)]", i)
+        if j < 0:
+            out.append(text[i:])
+            break
+        out.append(text[i:j])
+        k = j + len("#[cfg(test)]")
+        # The item ends at its matching closing brace, or at a ';' before any '{'.
+        semi, brace = text.find(";", k), text.find("{", k)
+        if brace < 0 or (0 <= semi < brace):
+            i = semi + 1
+            continue
+        depth, p = 0, brace
+        while p < len(text):
+            if text[p] == "{":
+                depth += 1
+            elif text[p] == "}":
+                depth -= 1
+                if depth == 0:
+                    break
+            p += 1
+        i = p + 1
+    return "".join(out)
+
+
+def strip_comments(text):
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return "\n".join(re.sub(r"//.*$", "", line) for line in text.split("\n"))
+
+
+def root_reexports():
+    """Maps names re-exported at the crate root (`pub use comm::{Communicator, ..}`)."""
+    lib = strip_comments(open(os.path.join(SRC, "lib.rs")).read())
+    names = {}
+    for m in re.finditer(r"pub use ([a-z_]+)(?:::([a-z_]+))?::\{([^}]*)\}", lib):
+        for name in m.group(3).split(","):
+            name = name.strip()
+            if name:
+                names[name] = m.group(1)
+    for m in re.finditer(r"pub use ([a-z_]+)(?:::[a-z_]+)*::([A-Za-z_0-9]+);", lib):
+        names[m.group(2)] = m.group(1)
+    return names
+
+
+def use_tree_heads(tree):
+    """First path segment of every item of a `use crate::{...}` tree."""
+    heads, depth, cur = [], 0, ""
+    for ch in tree:
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            heads.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    heads.append(cur.strip())
+    return [re.split(r"::|\s|\{", h)[0] for h in heads if h]
+
+
+def main():
+    files = []
+    for root, _, names in os.walk(SRC):
+        files += [os.path.join(root, n) for n in names if n.endswith(".rs")]
+    modules = {module_of(f) for f in files}
+    tops = {m.split("::")[0] for m in modules if m}
+    reexports = root_reexports()
+    edges = {}  # (from_top, to_top) -> example "file:line"
+    for f in sorted(files):
+        mod = module_of(f)
+        if not mod:
+            continue
+        top = mod.split("::")[0]
+        text = strip_comments(strip_test_items(open(f).read()))
+        targets = []
+        for m in re.finditer(r"\bcrate::\{([^;]*)\}", text):
+            targets += [(h, m.start()) for h in use_tree_heads(m.group(1))]
+        for m in re.finditer(r"\bcrate::([A-Za-z_][A-Za-z0-9_]*)", text):
+            targets.append((m.group(1), m.start()))
+        parent = mod.rsplit("::", 1)[0] if "::" in mod else ""
+        for m in re.finditer(r"\bsuper::([A-Za-z_][A-Za-z0-9_]*)", text):
+            # super:: from a submodule stays inside its top-level module unless it is a
+            # top-level module's own file (then super is the crate root).
+            if parent:
+                continue
+            targets.append((m.group(1), m.start()))
+        for name, pos in targets:
+            if name in ("self", "nccl_call", "Result"):
+                continue
+            dest = name if name in tops else reexports.get(name)
+            if dest is None or dest == top:
+                continue
+            line = text.count("\n", 0, pos) + 1
+            edges.setdefault((top, dest), f"{os.path.relpath(f, os.path.join(SRC, '..'))}:{line}")
+
+    if "--dot" in sys.argv:
+        print("digraph layers {")
+        for (a, b) in sorted(edges):
+            print(f'  "{a}" -> "{b}";')
+        print("}")
+
+    problems = []
+    unknown = sorted(t for t in tops if t not in LAYER_OF)
+    for t in unknown:
+        problems.append(f"module '{t}' is in no layer: add it to LAYERS in {sys.argv[0]}")
+    # Cycles: strongly connected components of the top-level graph (Tarjan).
+    graph = {t: sorted(b for (a, b) in edges if a == t) for t in tops}
+    index, low, stack, on, sccs, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            sccs.append(comp)
+
+    for v in sorted(tops):
+        if v not in index:
+            visit(v)
+    for comp in sccs:
+        if len(comp) > 1:
+            cyc = sorted(comp)
+            where = [f"{a} -> {b} ({edges[(a, b)]})" for (a, b) in sorted(edges) if a in cyc and b in cyc]
+            problems.append("import cycle: " + ", ".join(cyc) + "\n      " + "\n      ".join(where))
+    for (a, b), at in sorted(edges.items()):
+        if a in LAYER_OF and b in LAYER_OF and LAYER_OF[b] > LAYER_OF[a]:
+            problems.append(
+                f"{a} (layer '{LAYERS[LAYER_OF[a]][0]}') imports {b} (layer '{LAYERS[LAYER_OF[b]][0]}', above it) at {at}"
+            )
+
+    print("Layers, top first, with what each imports:")
+    for i in reversed(range(len(LAYERS))):
+        name, ms = LAYERS[i]
+        print(f"  {i}. {name}")
+        for m in ms:
+            if m in tops:
+                deps = ", ".join(graph.get(m, [])) or "-"
+                print(f"       {m:<10} -> {deps}")
+    print(f"{len(tops)} top-level modules, {len(edges)} edges between them, "
+          f"{sum(1 for c in sccs if len(c) > 1)} cycles")
+    if problems:
+        print("\nFAILED:")
+        for p in problems:
+            print("  - " + p)
+        return 1
+    print("OK: no import cycle, every import points down")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

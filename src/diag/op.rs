@@ -1,0 +1,85 @@
+//! What an operation is, as the per-operation hooks record and check it, and whether the
+//! calling thread is inside a group.
+
+use std::cell::Cell;
+
+use crate::stream::StreamRef;
+use crate::types::DataType;
+
+thread_local! {
+    static GROUP_DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Called after `ncclGroupStart` by [`crate::Group`]: operations are only queued until the
+/// group ends, so they are not fingerprint-checked (one thread may drive several ranks).
+pub(crate) fn group_started() {
+    GROUP_DEPTH.with(|d| d.set(d.get() + 1));
+}
+
+/// Called after `ncclGroupEnd` by [`crate::Group`].
+pub(crate) fn group_ended() {
+    GROUP_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+}
+
+pub(super) fn in_group() -> bool {
+    GROUP_DEPTH.with(|d| d.get() > 0)
+}
+
+/// What an operation is, as `issue` records and checks it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OpInfo<'a> {
+    pub(super) name: &'static &'static str,
+    pub(super) collective: bool,
+    pub(super) dtype: Option<DataType>,
+    pub(super) count: usize,
+    pub(super) root: Option<usize>,
+    pub(super) stream: StreamRef<'a>,
+}
+
+impl<'a> OpInfo<'a> {
+    /// An operation moving `count` elements of `dtype` on `stream`, with its root or peer.
+    #[inline]
+    pub(crate) fn new(
+        name: &'static &'static str,
+        dtype: DataType,
+        count: usize,
+        root: Option<usize>,
+        stream: StreamRef<'a>,
+    ) -> OpInfo<'a> {
+        OpInfo {
+            name,
+            collective: is_collective(name),
+            dtype: Some(dtype),
+            count,
+            root,
+            stream,
+        }
+    }
+
+    /// The NCCL call.
+    #[inline]
+    pub(crate) fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+/// Collectives get a sequence number and a fingerprint; send/recv (called by two ranks)
+/// and shrink (not called by the excluded ranks) do not.
+#[inline]
+pub(super) fn is_collective(name: &str) -> bool {
+    !matches!(name, "ncclSend" | "ncclRecv" | "ncclCommShrink")
+}
+
+impl From<&'static &'static str> for OpInfo<'static> {
+    #[inline]
+    fn from(name: &'static &'static str) -> Self {
+        OpInfo {
+            name,
+            collective: is_collective(name),
+            dtype: None,
+            count: 0,
+            root: None,
+            stream: StreamRef::Host,
+        }
+    }
+}

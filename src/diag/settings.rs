@@ -1,0 +1,91 @@
+//! The diagnostics options a [`crate::Config`] carries, and their resolution against the
+//! environment (`NCCL_SAFE_*`). The builders live on `Config` (src/config.rs).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::aborter::{OnAbortTimeout, DEFAULT_ABORT_TIMEOUT};
+use super::remote;
+/// The watchdog's default timeout: 10 minutes, as PyTorch's.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The flight recorder's default length.
+pub const DEFAULT_FLIGHT_RECORD_LEN: usize = 64;
+
+/// The diagnostics options of a [`Config`] (unset: environment, then defaults).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct DiagConfig {
+    pub(crate) timeout: Option<Duration>,
+    pub(crate) check: Option<bool>,
+    pub(crate) ring: Option<usize>,
+    pub(crate) dump_dir: Option<PathBuf>,
+    pub(crate) dump_stderr: Option<bool>,
+    pub(crate) precise: Option<bool>,
+    pub(crate) abort_timeout: Option<Duration>,
+    pub(crate) on_abort_timeout: Option<OnAbortTimeout>,
+    /// The job's desync board in another process (not inherited by children).
+    pub(crate) board: Option<Arc<dyn remote::RemoteBoard>>,
+}
+
+/// A config's options resolved against the environment.
+#[derive(Debug, Clone)]
+pub(super) struct Settings {
+    pub(super) timeout: Duration,
+    pub(super) check: bool,
+    pub(super) ring: usize,
+    pub(super) dump_dir: Option<PathBuf>,
+    pub(super) dump_stderr: bool,
+    pub(super) precise: bool,
+    pub(super) abort_timeout: Duration,
+    pub(super) on_abort_timeout: OnAbortTimeout,
+}
+
+impl Settings {
+    pub(super) fn resolve(c: &DiagConfig) -> Settings {
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        let debug = env("NCCL_SAFE_DEBUG").map(|v| v.trim().to_ascii_lowercase());
+        let detail = debug.as_deref() == Some("detail");
+        let info = detail || debug.as_deref() == Some("info");
+        Settings {
+            timeout: c.timeout.unwrap_or_else(|| {
+                env("NCCL_SAFE_TIMEOUT_MS")
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .map_or(DEFAULT_TIMEOUT, Duration::from_millis)
+            }),
+            check: c.check.unwrap_or(detail),
+            ring: c.ring.unwrap_or_else(|| {
+                env("NCCL_SAFE_FLIGHT_RECORD_LEN")
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(DEFAULT_FLIGHT_RECORD_LEN)
+            }),
+            dump_dir: c
+                .dump_dir
+                .clone()
+                .or_else(|| env("NCCL_SAFE_FLIGHT_RECORD_DIR").map(PathBuf::from)),
+            dump_stderr: c.dump_stderr.unwrap_or(info),
+            precise: c.precise.unwrap_or_else(|| {
+                info || env("NCCL_SAFE_TIMING").is_some_and(|v| {
+                    matches!(
+                        v.trim().to_ascii_lowercase().as_str(),
+                        "1" | "true" | "on" | "yes"
+                    )
+                })
+            }),
+            abort_timeout: c.abort_timeout.unwrap_or_else(|| {
+                env("NCCL_SAFE_ABORT_TIMEOUT_MS")
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .map_or(DEFAULT_ABORT_TIMEOUT, Duration::from_millis)
+            }),
+            on_abort_timeout: c.on_abort_timeout.unwrap_or_else(|| {
+                match env("NCCL_SAFE_ON_ABORT_TIMEOUT")
+                    .map(|v| v.trim().to_ascii_lowercase())
+                    .as_deref()
+                {
+                    Some("exit") => OnAbortTimeout::ExitProcess,
+                    _ => OnAbortTimeout::Report,
+                }
+            }),
+        }
+    }
+}

@@ -1,0 +1,429 @@
+//! One communicator's diagnostics state, shared by its owner, the watchdog thread and its
+//! clique: the flight record, the claim protocol, the tracking of queued work, and the
+//! reports.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use nccl_sys::ncclComm_t;
+
+use super::clique::{Clique, RankView};
+use super::journal::Journal;
+use super::recorder::{FlightRecord, OpRecord, OpState};
+use super::settings::Settings;
+use super::tracker::{Mark, Marker, Queue, Tracker};
+use super::{clock, fence};
+use crate::error::Error;
+use crate::library::Library;
+
+/// `Shared::current` while no operation of the communicator is inside its NCCL call.
+pub(super) const IDLE: u64 = 0;
+
+/// `Shared::claim`: the watchdog leaves the communicator alone.
+pub(super) const UNCLAIMED: u8 = 0;
+/// `Shared::claim`: the watchdog is deciding whether to abort it (for microseconds).
+pub(super) const DECIDING: u8 = 1;
+/// `Shared::claim`: the watchdog aborts it; its handle must not be used again.
+pub(super) const ABORTING: u8 = 2;
+
+/// Work in flight as the watchdog tracks it (see `tracker`).
+#[derive(Debug, Default)]
+pub(super) struct Watch {
+    /// Positions below this have markers recorded after them (or were retired).
+    pub(super) marked: u64,
+    /// Marked ranges not yet known complete, oldest first.
+    pub(super) pending: VecDeque<Pending>,
+    /// A queue was capturing into a CUDA graph at the last attempt to mark.
+    pub(super) capturing: bool,
+}
+
+/// The operations at journal positions `from..upto`, with one marker per queue.
+#[derive(Debug)]
+pub(super) struct Pending {
+    pub(super) from: u64,
+    pub(super) upto: u64,
+    /// The oldest operation's enqueue time (diagnostics clock) and record, if still known.
+    pub(super) oldest: Option<OpRecord>,
+    pub(super) markers: Vec<Marker>,
+}
+
+/// One communicator's diagnostics state, shared with the watchdog thread and its clique.
+///
+/// The per-operation path (the owning thread) takes no lock and makes no read-modify-write:
+/// the journal is a sequence-locked ring, the counters have one writer, and the owner and
+/// the watchdog agree on who may use the handle through an asymmetric fence (`fence`).
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(super) rank: usize,
+    pub(super) world_size: usize,
+    pub(super) settings: Settings,
+    pub(super) lib: Arc<Library>,
+    pub(super) clique: Arc<Clique>,
+    /// Learns when queued work finished (the watchdog's and teardown's only).
+    pub(super) tracker: Arc<dyn Tracker>,
+    /// The queues (streams) this communicator's operations used.
+    pub(super) queues: Mutex<Vec<Queue>>,
+    /// Positions below this have had their work queued (the owner's plain store after
+    /// each operation; a group's at its end).
+    pub(super) published: AtomicU64,
+    /// Positions below this are known complete.
+    pub(super) retired: AtomicU64,
+    pub(super) watch: Mutex<Watch>,
+    pub(super) journal: Journal,
+    /// The raw handle while it may be torn down; 0 once taken. Whoever swaps it out (the
+    /// owner's teardown or the watchdog's abort) is its one teardown.
+    pub(super) handle: AtomicUsize,
+    /// [`IDLE`], or the journal position + 1 of the operation inside its NCCL call.
+    /// Written only by the owner.
+    pub(super) current: AtomicU64,
+    /// [`UNCLAIMED`], [`DECIDING`] or [`ABORTING`]. Written only by the watchdog. The
+    /// owner stores `current`, fences ([`fence::light`]) and loads this before each NCCL
+    /// call; the watchdog stores this, fences ([`fence::heavy`]) and loads `current`
+    /// before it aborts. So either the owner sees the claim and does not make the call, or
+    /// the watchdog sees the owner's new operation and lets it be.
+    pub(super) claim: AtomicU8,
+    /// Whether [`fence::asymmetric`] is in use.
+    pub(super) asym: bool,
+    /// The report of the timeout that made the watchdog abort this communicator.
+    pub(super) report: Mutex<Option<Arc<str>>>,
+    pub(super) aborted_by_watchdog: AtomicBool,
+    /// Torn down by its owner.
+    pub(super) gone: AtomicBool,
+    pub(super) seq: AtomicU64,
+    pub(super) wait_ns: AtomicU64,
+    pub(super) checks: AtomicU64,
+}
+
+impl Shared {
+    /// Diagnostics clock time (coarse unless precise timing is on).
+    #[inline]
+    pub(super) fn now(&self) -> u64 {
+        if self.settings.precise {
+            clock::precise()
+        } else {
+            clock::coarse()
+        }
+    }
+
+    /// How far past its nominal deadline the watchdog may see an operation's clock time
+    /// (the coarse clock lags by up to a tick).
+    pub(super) fn slack(&self) -> Duration {
+        if self.settings.precise {
+            Duration::ZERO
+        } else {
+            clock::TICK
+        }
+    }
+
+    pub(super) fn watch(&self) -> MutexGuard<'_, Watch> {
+        self.watch.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether published work is not yet known complete.
+    pub(super) fn in_flight(&self) -> bool {
+        self.retired.load(Ordering::Acquire) < self.published.load(Ordering::Acquire)
+    }
+
+    /// The watchdog's tick for this communicator: retires ranges whose markers completed,
+    /// then records one marker per queue after whatever was published since the last tick.
+    pub(super) fn track(&self) {
+        let published = self.published.load(Ordering::Acquire);
+        let mut w = self.watch();
+        if w.pending.is_empty() && w.marked >= published {
+            return;
+        }
+        self.retire_done(&mut w);
+        if published > w.marked {
+            let queues = self
+                .queues
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            let mut markers = Vec::with_capacity(queues.len());
+            w.capturing = false;
+            for q in &queues {
+                match self.tracker.mark(q) {
+                    Mark::Marker(m) => markers.push(m),
+                    Mark::Capturing => w.capturing = true,
+                    Mark::Unwatched => {}
+                }
+            }
+            if w.capturing {
+                // Nothing of this range reaches the stream before the capture ends: try
+                // again next tick.
+                for m in markers {
+                    self.tracker.recycle(m);
+                }
+                return;
+            }
+            let from = w.marked;
+            w.pending.push_back(Pending {
+                from,
+                upto: published,
+                oldest: self.journal.get(from),
+                markers,
+            });
+            w.marked = published;
+            self.retire_done(&mut w);
+        }
+    }
+
+    /// Retires the oldest ranges whose markers all completed.
+    pub(super) fn retire_done(&self, w: &mut Watch) {
+        while let Some(p) = w.pending.front() {
+            if !p.markers.iter().all(|m| self.tracker.done(m)) {
+                break;
+            }
+            let Some(p) = w.pending.pop_front() else {
+                break;
+            };
+            self.retired.store(p.upto, Ordering::Release);
+            for m in p.markers {
+                self.tracker.recycle(m);
+            }
+        }
+    }
+
+    /// The oldest tracked operation not known complete, if it is older than `limit`.
+    pub(super) fn late_work(&self, now: Instant, limit: Duration) -> Option<OpRecord> {
+        let w = self.watch();
+        if w.capturing {
+            return None;
+        }
+        let p = w.pending.front()?;
+        let rec = p.oldest.or_else(|| self.journal.get(p.from))?;
+        (now.saturating_duration_since(rec.enqueued) >= limit).then_some(rec)
+    }
+
+    /// The queue of a host-provider communicator is the communicator itself.
+    pub(super) fn note_host_queue(&self, raw: ncclComm_t) {
+        self.queues
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Queue::Host(raw as usize));
+    }
+
+    /// Adds a queue the owner has not used before.
+    #[cold]
+    pub(super) fn note_queue(&self, q: Queue) {
+        let mut qs = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        if !qs.iter().any(|x| x.key() == q.key()) {
+            qs.push(q);
+        }
+    }
+
+    /// The owner's wait for its own work, at teardown: records a marker on each queue and
+    /// polls it until `limit`, an abort, or a timeout of the clique. `true` when done.
+    pub(super) fn wait_own_work(&self, limit: Instant) -> bool {
+        if !self.in_flight() {
+            return true;
+        }
+        let queues = self
+            .queues
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let markers: Vec<Marker> = queues
+            .iter()
+            .filter_map(|q| match self.tracker.mark(q) {
+                Mark::Marker(m) => Some(m),
+                Mark::Capturing | Mark::Unwatched => None,
+            })
+            .collect();
+        let done = loop {
+            if markers.iter().all(|m| self.tracker.done(m)) {
+                self.retired
+                    .store(self.published.load(Ordering::Acquire), Ordering::Release);
+                break true;
+            }
+            if self.aborted_by_watchdog.load(Ordering::Acquire)
+                || self.clique.any_timeout()
+                || Instant::now() >= limit
+            {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        for m in markers {
+            self.tracker.recycle(m);
+        }
+        done
+    }
+
+    /// The record at journal position `pos`, with completion of tracked work applied.
+    pub(super) fn record(&self, pos: u64) -> Option<OpRecord> {
+        let mut r = self.journal.get(pos)?;
+        if r.state == OpState::Enqueued && pos < self.retired.load(Ordering::Acquire) {
+            r.state = OpState::Completed;
+        }
+        Some(r)
+    }
+
+    /// What the clique's desync report shows for this rank.
+    pub(super) fn view(&self) -> RankView {
+        RankView {
+            present: true,
+            gone: self.gone.load(Ordering::Acquire),
+            issued: self.seq.load(Ordering::Relaxed),
+            last: self.journal.last_pos().and_then(|p| self.record(p)),
+        }
+    }
+
+    pub(super) fn flight_record(&self) -> FlightRecord {
+        FlightRecord {
+            rank: self.rank,
+            world_size: self.world_size,
+            clique: self.clique.key,
+            entries: self
+                .journal
+                .shown()
+                .filter_map(|p| self.record(p))
+                .collect(),
+            taken: Instant::now(),
+        }
+    }
+
+    /// Prints and/or writes the flight record, as configured.
+    #[cold]
+    pub(super) fn dump(&self) {
+        if !self.settings.dump_stderr && self.settings.dump_dir.is_none() {
+            return;
+        }
+        let fr = self.flight_record();
+        if self.settings.dump_stderr {
+            eprintln!("nccl-safe: {fr}");
+        }
+        if let Some(dir) = &self.settings.dump_dir {
+            match fr.write_json(dir) {
+                Ok(p) if self.settings.dump_stderr => {
+                    eprintln!("nccl-safe: flight record written to {}", p.display())
+                }
+                Ok(_) => {}
+                Err(e) => eprintln!(
+                    "nccl-safe: cannot write the flight record to {}: {e}",
+                    dir.display()
+                ),
+            }
+        }
+    }
+
+    #[cold]
+    pub(super) fn timeout_error(&self, report: &str) -> Error {
+        Error::Timeout {
+            what: report.to_string(),
+            timeout: self.settings.timeout,
+        }
+    }
+
+    /// The report this communicator's failure is about, if the clique timed out.
+    pub(super) fn timed_out(&self) -> Option<Arc<str>> {
+        if self.aborted_by_watchdog.load(Ordering::Acquire) {
+            let r = self
+                .report
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            if r.is_some() {
+                return r;
+            }
+        }
+        self.clique.timed_out()
+    }
+
+    /// The report of the watchdog's abort of this communicator.
+    pub(super) fn abort_report(&self) -> Arc<str> {
+        self.timed_out()
+            .unwrap_or_else(|| "the watchdog aborted it".into())
+    }
+
+    /// The report for an operation of this rank that was not run (or was woken) because the
+    /// clique already timed out.
+    #[cold]
+    pub(super) fn peer_timeout(&self, rec: &OpRecord, first: &str) -> Error {
+        let what = format!(
+            "{} (seq {}) on rank {}, called at {}: a peer timed out, so the watchdog aborted this communicator. The first timeout:\n{first}\n=> {} seq {} on rank {}",
+            rec.signature(),
+            rec.seq,
+            self.rank,
+            rec.at(),
+            rec.op,
+            rec.seq,
+            self.rank
+        );
+        self.timeout_error(&what)
+    }
+
+    /// Waits for the watchdog's decision on its claim (it takes microseconds): `true`
+    /// when it let the communicator be, `false` when it aborts it (then once the abort is
+    /// visible, so the error carries its report).
+    #[cold]
+    pub(super) fn await_decision(&self) -> bool {
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            match self.claim.load(Ordering::Acquire) {
+                UNCLAIMED => return true,
+                ABORTING if self.aborted_by_watchdog.load(Ordering::Acquire) => return false,
+                _ if Instant::now() >= until => return false,
+                _ => std::thread::yield_now(),
+            }
+        }
+    }
+
+    // ---- the watchdog's side ------------------------------------------------------------
+
+    /// The operation that ran out of time at `now` (diagnostics clock), if any.
+    pub(super) fn late(&self, now: Instant) -> Option<OpRecord> {
+        let limit = self.settings.timeout + self.slack();
+        let cur = self.current.load(Ordering::Acquire);
+        if cur != IDLE {
+            if let Some(r) = self.journal.get(cur - 1) {
+                if now.saturating_duration_since(r.enqueued) >= limit {
+                    return Some(r);
+                }
+            }
+        }
+        self.late_work(now, limit)
+    }
+
+    /// Claims this communicator for an abort at `now`: an operation inside its NCCL call
+    /// for at least `min_age` (so its thread is blocked in NCCL, not about to enter), or
+    /// idle with CUDA work in flight. `false` when it may not be aborted now.
+    pub(super) fn claim(&self, now: Instant, min_age: Duration) -> bool {
+        self.claim_seen(self.current.load(Ordering::Acquire), now, min_age)
+    }
+
+    /// [`claim`](Self::claim) from the value `cur` of `current` the watchdog saw.
+    pub(super) fn claim_seen(&self, cur: u64, now: Instant, min_age: Duration) -> bool {
+        if cur != IDLE {
+            let old = self
+                .journal
+                .get(cur - 1)
+                .is_some_and(|r| now.saturating_duration_since(r.enqueued) >= min_age);
+            if !old {
+                return false;
+            }
+        } else if !self.in_flight() {
+            return false;
+        }
+        self.claim.store(DECIDING, Ordering::SeqCst);
+        let fenced = fence::heavy(self.asym);
+        // Still the same operation (or still idle: then any operation begun meanwhile has
+        // already ended) means the owner has not passed a check since the claim was
+        // visible, and its next check will see it.
+        let same = fenced && self.current.load(Ordering::SeqCst) == cur;
+        let verdict = if same { ABORTING } else { UNCLAIMED };
+        self.claim.store(verdict, Ordering::Release);
+        same
+    }
+
+    /// After a successful [`claim`](Self::claim): takes the handle (0 when the owner's
+    /// teardown already has it) and marks the communicator aborted with `report`.
+    pub(super) fn take_for_abort(&self, report: &Arc<str>) -> usize {
+        let h = self.handle.swap(0, Ordering::AcqRel);
+        *self.report.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(report));
+        self.aborted_by_watchdog.store(true, Ordering::Release);
+        h
+    }
+}
