@@ -41,6 +41,59 @@ pub(crate) fn fresh_key() -> CliqueKey {
     ))
 }
 
+/// The report of a clique's first timeout: which operation of which rank ran out of time,
+/// and the text every rank's error carries. It reads as its text.
+#[derive(Debug)]
+pub(crate) struct TimeoutReport {
+    /// The rank whose operation timed out (`usize::MAX` when no operation is known).
+    pub rank: usize,
+    /// That operation's NCCL call.
+    pub op: &'static str,
+    /// Its collective sequence number.
+    pub seq: u64,
+    pub text: Box<str>,
+}
+
+impl TimeoutReport {
+    /// The report of `rec` on rank `rank`.
+    pub(crate) fn of(rank: usize, rec: &OpRecord, text: String) -> Arc<TimeoutReport> {
+        Arc::new(TimeoutReport {
+            rank,
+            op: rec.op,
+            seq: rec.seq,
+            text: text.into(),
+        })
+    }
+
+    /// A report known only by its text.
+    pub(crate) fn text(text: &str) -> Arc<TimeoutReport> {
+        Arc::new(TimeoutReport {
+            rank: usize::MAX,
+            op: "",
+            seq: u64::MAX,
+            text: text.into(),
+        })
+    }
+
+    /// Whether it reports operation `op` (sequence number `seq`) of rank `rank`.
+    pub(crate) fn is_about(&self, rank: usize, op: &str, seq: u64) -> bool {
+        self.rank == rank && self.op == op && self.seq == seq
+    }
+}
+
+impl std::fmt::Display for TimeoutReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl std::ops::Deref for TimeoutReport {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.text
+    }
+}
+
 /// What one rank was last seen doing.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct RankView {
@@ -61,7 +114,7 @@ pub(crate) type Fingerprint = OpRecord;
 pub(crate) struct CliqueState {
     board: Vec<[Option<Fingerprint>; BOARD_DEPTH]>,
     /// Set once, by the first timeout: the report every later call returns.
-    pub timed_out: Option<Arc<str>>,
+    pub timed_out: Option<Arc<TimeoutReport>>,
 }
 
 #[derive(Debug)]
@@ -124,7 +177,7 @@ pub(crate) enum Agreement {
     /// The table of what each rank called.
     Mismatch(String),
     /// The clique timed out (the report), or our wait ran out (`None`: build the report).
-    TimedOut(Option<Arc<str>>),
+    TimedOut(Option<Arc<TimeoutReport>>),
 }
 
 impl Clique {
@@ -178,7 +231,7 @@ impl Clique {
         let _ = self.board.set(Arc::clone(board));
     }
 
-    pub(crate) fn timed_out(&self) -> Option<Arc<str>> {
+    pub(crate) fn timed_out(&self) -> Option<Arc<TimeoutReport>> {
         if !self.any_timeout.load(Ordering::Acquire) {
             return None;
         }
@@ -186,7 +239,7 @@ impl Clique {
     }
 
     /// Records the clique's first timeout and wakes everyone waiting on the board.
-    pub(crate) fn set_timed_out(&self, report: &Arc<str>) -> Arc<str> {
+    pub(crate) fn set_timed_out(&self, report: &Arc<TimeoutReport>) -> Arc<TimeoutReport> {
         let mut s = self.lock();
         let r = s
             .timed_out

@@ -85,7 +85,7 @@ use crate::error::{Error, Result};
 use crate::id::UniqueId;
 use crate::library::{Library, Provider};
 use crate::stream::StreamRef;
-use clique::{Agreement, CliqueKey};
+use clique::{Agreement, CliqueKey, TimeoutReport};
 use journal::{Entry, Journal};
 use tracker::Queue;
 #[cfg(test)]
@@ -410,7 +410,9 @@ impl CommDiag {
     /// The clique timed out before this operation reached NCCL.
     #[cold]
     fn begin_timed_out(&self, s: &Shared, pos: u64, start: u64) -> Error {
-        let first = s.timed_out().unwrap_or_else(|| "a timeout".into());
+        let first = s
+            .timed_out()
+            .unwrap_or_else(|| TimeoutReport::text("a timeout"));
         let rec = s.journal.get(pos);
         let e = match &rec {
             Some(r) => s.peer_timeout(r, &first),
@@ -456,7 +458,9 @@ impl CommDiag {
                     s.settings.timeout,
                     "waited for the other ranks in the fingerprint check",
                 );
-                let report = s.clique.set_timed_out(&Arc::from(report));
+                let report = s
+                    .clique
+                    .set_timed_out(&TimeoutReport::of(s.rank, &rec, report));
                 s.timeout_error(&report)
             }
         };
@@ -519,10 +523,7 @@ impl CommDiag {
         let e = match (&rec, s.aborted_by_watchdog.load(Ordering::Acquire)) {
             (Some(rec), true) => {
                 let r = s.abort_report();
-                if r.contains(&format!(
-                    "because {} seq {} on rank {} ",
-                    rec.op, rec.seq, s.rank
-                )) {
+                if r.is_about(s.rank, rec.op, rec.seq) {
                     s.timeout_error(&r)
                 } else {
                     s.peer_timeout(rec, &r)
@@ -564,7 +565,7 @@ impl CommDiag {
         };
         let first = s
             .timed_out()
-            .unwrap_or_else(|| "work did not complete".into());
+            .unwrap_or_else(|| TimeoutReport::text("work did not complete"));
         let e = s.timeout_error(&format!(
             "ncclCommDestroy on rank {}: refused (drop the communicator to abort it) because its clique timed out:\n{first}\n=> the communicator's work",
             s.rank
@@ -651,7 +652,7 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(30));
                 if verdict == ABORTING {
                     s.claim.store(ABORTING, Ordering::Release);
-                    let h = s.take_for_abort(&Arc::from("the test's report"));
+                    let h = s.take_for_abort(&TimeoutReport::text("the test's report"));
                     assert_ne!(h, 0);
                     // SAFETY: the handle was taken out of the communicator above: this is
                     // its one teardown.

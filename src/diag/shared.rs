@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::ncclComm_t;
 
-use super::clique::{Clique, RankView};
+use super::clique::{Clique, RankView, TimeoutReport};
 use super::journal::Journal;
 use super::recorder::{FlightRecord, OpRecord, OpState};
 use super::settings::Settings;
@@ -87,7 +87,7 @@ pub(crate) struct Shared {
     /// Whether [`fence::asymmetric`] is in use.
     pub(super) asym: bool,
     /// The report of the timeout that made the watchdog abort this communicator.
-    pub(super) report: Mutex<Option<Arc<str>>>,
+    pub(super) report: Mutex<Option<Arc<TimeoutReport>>>,
     pub(super) aborted_by_watchdog: AtomicBool,
     /// Torn down by its owner.
     pub(super) gone: AtomicBool,
@@ -318,7 +318,7 @@ impl Shared {
     }
 
     /// The report this communicator's failure is about, if the clique timed out.
-    pub(super) fn timed_out(&self) -> Option<Arc<str>> {
+    pub(super) fn timed_out(&self) -> Option<Arc<TimeoutReport>> {
         if self.aborted_by_watchdog.load(Ordering::Acquire) {
             let r = self
                 .report
@@ -333,9 +333,9 @@ impl Shared {
     }
 
     /// The report of the watchdog's abort of this communicator.
-    pub(super) fn abort_report(&self) -> Arc<str> {
+    pub(super) fn abort_report(&self) -> Arc<TimeoutReport> {
         self.timed_out()
-            .unwrap_or_else(|| "the watchdog aborted it".into())
+            .unwrap_or_else(|| TimeoutReport::text("the watchdog aborted it"))
     }
 
     /// The report for an operation of this rank that was not run (or was woken) because the
@@ -420,7 +420,7 @@ impl Shared {
 
     /// After a successful [`claim`](Self::claim): takes the handle (0 when the owner's
     /// teardown already has it) and marks the communicator aborted with `report`.
-    pub(super) fn take_for_abort(&self, report: &Arc<str>) -> usize {
+    pub(super) fn take_for_abort(&self, report: &Arc<TimeoutReport>) -> usize {
         let h = self.handle.swap(0, Ordering::AcqRel);
         *self.report.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(report));
         self.aborted_by_watchdog.store(true, Ordering::Release);

@@ -24,6 +24,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+use super::clique::TimeoutReport;
 use super::{aborter, clock, exit, Shared};
 use crate::library::Library;
 
@@ -88,12 +89,10 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) {
         if s.aborted_by_watchdog.load(Ordering::Acquire) {
             continue; // aborted with an earlier one of this sweep
         }
-        let report: Arc<str> = Arc::from(s.clique.report(
-            s.rank,
-            &rec,
-            s.settings.timeout,
-            "did not complete in time",
-        ));
+        let text = s
+            .clique
+            .report(s.rank, &rec, s.settings.timeout, "did not complete in time");
+        let report = TimeoutReport::of(s.rank, &rec, text);
         // Fail fast first: from here on every rank of the clique in this process gets the
         // report without reaching NCCL, whatever the abort below does.
         let report = s.clique.set_timed_out(&report);
