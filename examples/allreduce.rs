@@ -9,7 +9,7 @@ mod common;
 
 use std::process::ExitCode;
 
-use common::{device_name, print_table, Args, Buf, Elem};
+use common::{device_name, print_table, Args, Buf, Elem, Failure};
 use nccl_safe::launch::{Launcher, Rank};
 use nccl_safe::{ReduceOp, Result};
 
@@ -48,7 +48,7 @@ fn one_process<T: Elem>(rank: &Rank, args: &Args) -> Result<Vec<(usize, String, 
     rank_body::<T>(rank, args).map(|row| vec![row])
 }
 
-fn run(args: Args) -> Result<()> {
+fn run(args: Args) -> std::result::Result<(), Failure> {
     let rows = if args.launcher == "env" {
         let rank = Launcher::from_env()?.init()?;
         println!(

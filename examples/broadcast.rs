@@ -7,7 +7,7 @@ mod common;
 
 use std::process::ExitCode;
 
-use common::{device_name, print_table, Args, Buf, Elem};
+use common::{device_name, print_table, Args, Buf, Elem, Failure};
 use nccl_safe::launch::Rank;
 use nccl_safe::Result;
 
@@ -44,7 +44,7 @@ fn threads<T: Elem>(
     launcher.run(|rank| rank_body::<T>(rank, args))
 }
 
-fn run(args: Args) -> Result<()> {
+fn run(args: Args) -> std::result::Result<(), Failure> {
     let (launcher, _, first_line) = args.launcher()?;
     println!("{first_line}");
     println!(

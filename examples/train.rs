@@ -8,7 +8,7 @@ mod common;
 
 use std::process::ExitCode;
 
-use common::{Args, Buf};
+use common::{Args, Buf, Failure};
 use nccl_safe::launch::Rank;
 use nccl_safe::{ReduceOp, Result};
 
@@ -95,7 +95,7 @@ fn train(rank: &Rank) -> Result<(Vec<f32>, Vec<f32>)> {
     Ok((params, losses))
 }
 
-fn run(args: Args) -> Result<()> {
+fn run(args: Args) -> std::result::Result<(), Failure> {
     let (launcher, _, first_line) = args.launcher()?;
     println!("{first_line}");
     println!(
@@ -126,10 +126,9 @@ fn run(args: Args) -> Result<()> {
         params0[FEATURES]
     );
     if !identical || !fell {
-        return Err(nccl_safe::Error::InvalidArgument {
-            op: "train",
-            reason: format!("training failed: identical = {identical}, loss fell 100x = {fell}"),
-        });
+        return Err(Failure::Wrong(format!(
+            "training failed: identical = {identical}, loss fell 100x = {fell}"
+        )));
     }
     println!(
         "loss fell from {:.4} to {:.6}",

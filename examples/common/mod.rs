@@ -17,17 +17,46 @@ pub struct Args {
     pub root: usize,
 }
 
-fn bad(reason: String) -> Error {
-    Error::InvalidArgument {
-        op: "command line",
-        reason,
+/// Why an example failed: a mistake on its command line, or nccl-safe's error.
+#[derive(Debug)]
+pub enum Failure {
+    /// A flag is unknown, malformed or contradicts another.
+    Usage(String),
+    /// The library's error.
+    Nccl(Error),
+    /// The run finished but a result was wrong.
+    Wrong(String),
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Usage(m) => write!(f, "command line: {m}"),
+            Failure::Nccl(e) => write!(f, "{e}"),
+            Failure::Wrong(m) => write!(f, "{m}"),
+        }
     }
 }
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        Failure::Nccl(e)
+    }
+}
+
+fn bad(reason: String) -> Failure {
+    Failure::Usage(reason)
+}
+
+/// The element types of `--dtype`.
+const DTYPES: [&str; 10] = [
+    "i8", "u8", "i32", "u32", "i64", "u64", "f16", "bf16", "f32", "f64",
+];
 
 impl Args {
     /// Parses `--ranks N --count N --dtype T --op OP --backend auto|nccl|host
     /// --launcher threads|env --root R`.
-    pub fn parse() -> Result<Args> {
+    pub fn parse() -> std::result::Result<Args, Failure> {
         let mut a = Args {
             ranks: None,
             count: 1 << 20,
@@ -73,6 +102,13 @@ impl Args {
                 }
                 other => return Err(bad(format!("unknown flag {other} (see --help)"))),
             }
+        }
+        if !DTYPES.contains(&a.dtype.as_str()) {
+            return Err(bad(format!(
+                "unknown --dtype {} ({})",
+                a.dtype,
+                DTYPES.join(", ")
+            )));
         }
         if !["auto", "nccl", "host"].contains(&a.backend.as_str()) {
             return Err(bad(format!(
@@ -131,7 +167,7 @@ fn gpu_launcher(ranks: Option<usize>) -> Result<Launcher> {
     }
 }
 
-fn parse_num(s: &str) -> Result<usize> {
+fn parse_num(s: &str) -> std::result::Result<usize, Failure> {
     s.parse().map_err(|_| bad(format!("{s:?} is not a number")))
 }
 
@@ -221,7 +257,7 @@ impl<T: Elem> Buf<T> {
 }
 
 /// Prints the per-rank table and fails when a rank's result was wrong.
-pub fn print_table(rows: &[(usize, String, f64, bool)]) -> Result<()> {
+pub fn print_table(rows: &[(usize, String, f64, bool)]) -> std::result::Result<(), Failure> {
     println!("{:>5}  {:<10}  {:>14}  ok", "rank", "device", "value");
     for (rank, device, value, ok) in rows {
         println!(
@@ -231,7 +267,9 @@ pub fn print_table(rows: &[(usize, String, f64, bool)]) -> Result<()> {
     }
     let wrong = rows.iter().filter(|r| !r.3).count();
     if wrong > 0 {
-        return Err(bad(format!("{wrong} rank(s) got a wrong result")));
+        return Err(Failure::Wrong(format!(
+            "{wrong} rank(s) got a wrong result"
+        )));
     }
     println!("all {} ranks verified", rows.len());
     Ok(())

@@ -1,6 +1,6 @@
 //! Diagnostics: a watchdog that turns hangs into errors, a flight recorder of recent
 //! operations, a desync report, an opt-in collective fingerprint check, and per-rank wait
-//! times (DESIGN.md, decision 8).
+//! times.
 //!
 //! Everything hooks into the one path every operation takes (`Communicator::issue`):
 //!
