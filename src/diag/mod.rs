@@ -1480,3 +1480,12 @@ mod tests {
         assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
     }
 }
+
+/// Whether the owner's side of the watchdog handshake is a compiler fence paired with the
+/// watchdog's `membarrier(2)` (`true`), or a full memory fence on every operation
+/// (`false`: membarrier is unavailable or refused, e.g. by a container's seccomp filter,
+/// or `NCCL_SAFE_NO_MEMBARRIER` is set). For the overhead benchmark, which prints it.
+#[doc(hidden)]
+pub fn asymmetric_fence() -> bool {
+    fence::asymmetric()
+}
