@@ -284,7 +284,9 @@ impl HostWord {
     /// Releases the word, waits for `stream` to pass it, frees it.
     fn free(self, stream: &CudaStream) {
         self.release();
-        stream.synchronize().expect("the stream drains once released");
+        stream
+            .synchronize()
+            .expect("the stream drains once released");
         // SAFETY: allocated by cuMemHostAlloc; no stream waits on it any more.
         unsafe { sys::cuMemFreeHost(self.host.cast()) }
             .result()
@@ -329,9 +331,7 @@ fn stuck(abort_timeout: Duration) -> Stuck {
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
     let id = UniqueId::new_with(&lib).unwrap();
-    let config = Config::new()
-        .timeout(TIMEOUT)
-        .abort_timeout(abort_timeout);
+    let config = Config::new().timeout(TIMEOUT).abort_timeout(abort_timeout);
     let comm =
         Communicator::init_rank_in(&lib, &Device::Cuda(ctx.clone()), 1, 0, &id, &config).unwrap();
     let send = stream.clone_htod(&[1.0f32; 256]).unwrap();
@@ -473,7 +473,10 @@ fn a_process_exits_cleanly_while_the_abort_waits_on_a_stuck_stream() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(text.contains(CHILD_MARK), "the child did not reach its exit: {text}");
+    assert!(
+        text.contains(CHILD_MARK),
+        "the child did not reach its exit: {text}"
+    );
     assert_eq!(status.signal(), None, "killed by a signal: {text}");
     assert_eq!(status.code(), Some(3), "{text}");
     eprintln!("child exited with 3 after {:?}", start.elapsed());
@@ -544,7 +547,10 @@ fn a_captured_all_reduce_replays_a_thousand_times() {
     // No false timeout for the captured work: past the limit, the communicator is fine
     // and a plain call still works.
     std::thread::sleep(TIMEOUT + Duration::from_secs(1));
-    assert!(!comm.is_failed(), "a false timeout after capture and replay");
+    assert!(
+        !comm.is_failed(),
+        "a false timeout after capture and replay"
+    );
     comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &stream)
         .expect("a plain call after replays");
     stream.synchronize().unwrap();

@@ -72,6 +72,15 @@ pub use exit::EXIT_GRACE;
 pub use recorder::{FlightRecord, OpRecord, OpState};
 pub use remote::{DesyncPost, MAX_POST_TEXT};
 
+/// Whether the owner's side of the watchdog handshake is a compiler fence paired with the
+/// watchdog's `membarrier(2)` (`true`), or a full memory fence on every operation
+/// (`false`: membarrier is unavailable or refused, e.g. by a container's seccomp filter,
+/// or `NCCL_SAFE_NO_MEMBARRIER` is set). For the overhead benchmark, which prints it.
+#[doc(hidden)]
+pub fn asymmetric_fence() -> bool {
+    fence::asymmetric()
+}
+
 use crate::comm::Communicator;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -1479,13 +1488,4 @@ mod tests {
         let st = crate::host::stats_for(&id.to_raw());
         assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
     }
-}
-
-/// Whether the owner's side of the watchdog handshake is a compiler fence paired with the
-/// watchdog's `membarrier(2)` (`true`), or a full memory fence on every operation
-/// (`false`: membarrier is unavailable or refused, e.g. by a container's seccomp filter,
-/// or `NCCL_SAFE_NO_MEMBARRIER` is set). For the overhead benchmark, which prints it.
-#[doc(hidden)]
-pub fn asymmetric_fence() -> bool {
-    fence::asymmetric()
 }
