@@ -83,6 +83,12 @@ fn options_follow_nccl_tests() {
     assert_eq!(opts(&["-R", "1"]).register, Register::Local);
     assert_eq!(opts(&["--local_register=2"]).register, Register::Symmetric);
     assert_eq!(opts(&["-R0"]).register, Register::None);
+    // cudarc's event tracking: off unless asked for (nccl-tests passes raw pointers).
+    assert!(!opts(&[]).event_tracking);
+    assert!(opts(&["-E", "1"]).event_tracking);
+    assert!(opts(&["--event_tracking=1"]).event_tracking);
+    assert!(!opts(&["-E1", "-E", "0"]).event_tracking);
+    assert!(options::USAGE.contains("--event_tracking"));
     assert_eq!(options::parse_size("1G"), Some(1 << 30));
     assert_eq!(options::parse_size("2k"), Some(2048));
     assert_eq!(
@@ -113,12 +119,23 @@ fn options_follow_nccl_tests() {
         &["--frobnicate"],
         &["-R", "3"],
         &["-R"],
+        &["-E", "2"],
+        &["--event_tracking"],
     ] {
         assert!(
             options::parse(bad.iter().copied()).is_err(),
             "{bad:?} must be refused"
         );
     }
+}
+
+#[test]
+fn the_event_tracking_line_says_on_off_or_not_applicable() {
+    let line = common::sweep::event_tracking_line;
+    assert!(line(false, false).starts_with("# cudarc event tracking: off"));
+    assert!(line(false, true).starts_with("# cudarc event tracking: on"));
+    assert!(line(true, true).starts_with("# cudarc event tracking: n/a"));
+    assert!(line(true, false).starts_with("# cudarc event tracking: n/a"));
 }
 
 #[test]
@@ -167,6 +184,20 @@ fn tiny_host_sweep_prints_a_full_table_with_no_wrong_values() {
     let outcome = common::sweep::run(&o, &mut out).expect("the sweep runs");
     let text = String::from_utf8(out).expect("utf-8");
     assert!(text.contains("host provider"), "{text}");
+    // The header says whether cudarc's event tracking is on, once, before the devices.
+    let tracking: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("# cudarc event tracking: "))
+        .collect();
+    assert_eq!(
+        tracking,
+        vec![common::sweep::event_tracking_line(true, false).as_str()],
+        "{text}"
+    );
+    assert!(
+        text.find("# cudarc event tracking: ") < text.find("# Using devices"),
+        "{text}"
+    );
     let sizes = o.sizes().len();
     assert_eq!(sizes, 4);
     assert_eq!(outcome.rows.len(), sizes * Collective::ALL.len(), "{text}");

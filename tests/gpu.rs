@@ -1,14 +1,19 @@
-//! GPU-only tests: cudarc buffers, stream ordering, groups across devices.
+//! GPU-only tests: cudarc buffers, stream ordering, groups across devices, a stuck stream
+//! (the watchdog fails fast, aborts behind it, and the process still exits cleanly), and
+//! collectives captured into CUDA graphs and replayed.
 //!
 //! They need a machine with at least one NVIDIA GPU and NCCL (`pip install
 //! nvidia-nccl-cu12` in the active environment, or `NCCL_LIBRARY`). Run them with
 //! `cargo test --test gpu -- --ignored`.
 
-use std::sync::Arc;
+use std::os::unix::process::ExitStatusExt;
+use std::process::Command;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
 use nccl_safe::launch::{cuda_device_count, Launcher};
-use nccl_safe::{Communicator, Device, Group, ReduceOp};
+use nccl_safe::{Communicator, Config, Device, Error, Group, Library, ReduceOp, UniqueId};
 
 #[test]
 #[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
@@ -211,4 +216,393 @@ fn fp8_all_reduce_on_the_gpu() {
     for v in got.into_iter().flatten() {
         assert_eq!(v, n);
     }
+}
+
+// ---- a stuck stream --------------------------------------------------------------------
+
+/// The watchdog's limit in the stuck-stream tests.
+const TIMEOUT: Duration = Duration::from_secs(3);
+/// What a user may wait for a verdict: the limit plus one second.
+const BOUND: Duration = Duration::from_secs(4);
+
+/// A 4-byte word of pinned host memory mapped into the device (`cuMemHostAlloc` with
+/// `CU_MEMHOSTALLOC_DEVICEMAP`): a stream told to wait for it (`cuStreamWaitValue32`)
+/// blocks until the host writes it, like a stream behind a kernel that never ends. A word
+/// from cudarc's stream-ordered pool is refused by the wait with
+/// `CUDA_ERROR_INVALID_VALUE`, hence the mapped host memory.
+struct HostWord {
+    host: *mut u32,
+    dev: sys::CUdeviceptr,
+}
+
+// SAFETY: the word is plain pinned memory, written with volatile stores from whichever
+// thread holds the `HostWord`; CUDA allows host memory to be used from any thread.
+unsafe impl Send for HostWord {}
+
+impl HostWord {
+    fn new(ctx: &Arc<CudaContext>) -> HostWord {
+        ctx.bind_to_thread().unwrap();
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: `p` is a writable pointer slot; 4 bytes of mapped pinned memory.
+        unsafe { sys::cuMemHostAlloc(&mut p, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP) }
+            .result()
+            .expect("cuMemHostAlloc");
+        let host = p.cast::<u32>();
+        // SAFETY: `host` points to the 4 writable, aligned bytes just allocated.
+        unsafe { host.write_volatile(0) };
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: `p` is mapped pinned memory of the current context; `dev` is writable.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, p, 0) }
+            .result()
+            .expect("cuMemHostGetDevicePointer");
+        HostWord { host, dev }
+    }
+
+    /// Makes `stream` wait until the word is at least 1.
+    fn block(&self, stream: &CudaStream) {
+        // SAFETY: `dev` is the device address of a live mapped word (freed only after the
+        // stream has passed the wait: see `free`).
+        unsafe {
+            sys::cuStreamWaitValue32_v2(
+                stream.cu_stream(),
+                self.dev,
+                1,
+                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+        }
+        .result()
+        .expect("cuStreamWaitValue32");
+    }
+
+    /// Lets every stream waiting on the word go.
+    fn release(&self) {
+        // SAFETY: `host` is live until `free`, which consumes `self`.
+        unsafe { self.host.write_volatile(1) };
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Releases the word, waits for `stream` to pass it, frees it.
+    fn free(self, stream: &CudaStream) {
+        self.release();
+        stream
+            .synchronize()
+            .expect("the stream drains once released");
+        // SAFETY: allocated by cuMemHostAlloc; no stream waits on it any more.
+        unsafe { sys::cuMemFreeHost(self.host.cast()) }
+            .result()
+            .expect("cuMemFreeHost");
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for HostWord {
+    /// On a failed test: release the stream (the 4 bytes leak rather than be freed under a
+    /// stream that may still read them).
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Polls `f` until it is true or `limit` passes; the time it took.
+fn until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if f() {
+            return Some(start.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    None
+}
+
+/// A world-size-1 communicator on device 0 whose stream is blocked, with an `all_reduce`
+/// queued behind the block.
+struct Stuck {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    comm: Communicator,
+    word: HostWord,
+    send: CudaSlice<f32>,
+    recv: CudaSlice<f32>,
+}
+
+fn stuck(abort_timeout: Duration) -> Stuck {
+    let lib = Library::load().expect("NVIDIA's NCCL");
+    let ctx = CudaContext::new(0).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let id = UniqueId::new_with(&lib).unwrap();
+    let config = Config::new().timeout(TIMEOUT).abort_timeout(abort_timeout);
+    let comm =
+        Communicator::init_rank_in(&lib, &Device::Cuda(ctx.clone()), 1, 0, &id, &config).unwrap();
+    let send = stream.clone_htod(&[1.0f32; 256]).unwrap();
+    let mut recv = stream.alloc_zeros::<f32>(256).unwrap();
+    stream.synchronize().unwrap();
+    let word = HostWord::new(&ctx);
+    word.block(&stream);
+    comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &stream)
+        .expect("queued behind the blocked stream");
+    Stuck {
+        ctx,
+        stream,
+        comm,
+        word,
+        send,
+        recv,
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
+fn a_stuck_stream_fails_fast_then_aborts_behind_it() {
+    let Stuck {
+        ctx,
+        stream,
+        comm,
+        word,
+        send,
+        mut recv,
+    } = stuck(Duration::from_secs(20));
+    let queued = Instant::now();
+    let failed = until(BOUND, || comm.is_failed());
+    assert!(
+        failed.is_some(),
+        "is_failed() still false {:?} after the stuck all_reduce",
+        queued.elapsed()
+    );
+    eprintln!("is_failed() after {:?}", queued.elapsed());
+
+    // The next call, on another thread so that a hang cannot hang the test: the word is
+    // released if it has not answered within the bound.
+    let (tx, rx) = mpsc::channel();
+    let caller = std::thread::spawn(move || {
+        let start = Instant::now();
+        let r = comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &stream);
+        let _ = tx.send((r, start.elapsed()));
+        (comm, stream, send, recv)
+    });
+    let answer = rx.recv_timeout(BOUND);
+    if answer.is_err() {
+        word.release();
+    }
+    let (comm, stream, send, recv) = caller.join().expect("the caller thread");
+    let (result, took) = answer.expect("the call after the timeout answered within 4 s");
+    match result {
+        Err(e @ Error::Timeout { .. }) => eprintln!("next call after {took:?}: {e}"),
+        other => panic!("the call after the timeout must be Error::Timeout: {other:?}"),
+    }
+    assert!(took <= BOUND, "{took:?}");
+
+    // Release the stream: the abort behind it can finish, and teardown ends.
+    word.release();
+    let (tx, rx) = mpsc::channel();
+    let teardown = std::thread::spawn(move || {
+        let start = Instant::now();
+        drop(comm);
+        let _ = tx.send(start.elapsed());
+        word.free(&stream);
+        drop((send, recv));
+    });
+    let took = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("teardown ends once the stream is released");
+    eprintln!("teardown after release: {took:?}");
+    teardown.join().expect("teardown thread");
+    ctx.check_err().unwrap();
+}
+
+/// Set in the child of `a_process_exits_cleanly_while_the_abort_waits_on_a_stuck_stream`.
+const CHILD_VAR: &str = "NCCL_SAFE_GPU_TEST_CHILD";
+const CHILD_MARK: &str = "child: abort waits on the stuck stream, exiting with 3";
+
+/// The child: a stuck stream, the watchdog's abort waiting behind it, and
+/// `std::process::exit(3)` while it waits. Does nothing unless `CHILD_VAR` is set.
+#[test]
+#[ignore = "a child process of a GPU test"]
+fn child_exits_while_the_abort_waits_on_a_stuck_stream() {
+    if std::env::var_os(CHILD_VAR).is_none() {
+        return;
+    }
+    let s = stuck(Duration::from_secs(60));
+    assert!(
+        until(BOUND, || s.comm.is_failed()).is_some(),
+        "is_failed() within 4 s"
+    );
+    // The abort starts right after the communicator is marked failed and then waits on
+    // the stream, which is never released.
+    std::thread::sleep(Duration::from_millis(500));
+    println!("{CHILD_MARK}");
+    std::mem::forget(s); // as a process that ends without dropping anything
+    std::process::exit(3);
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
+fn a_process_exits_cleanly_while_the_abort_waits_on_a_stuck_stream() {
+    let exe = std::env::current_exe().unwrap();
+    let mut child = Command::new(exe)
+        .args([
+            "--exact",
+            "child_exits_while_the_abort_waits_on_a_stuck_stream",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(CHILD_VAR, "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "the child did not end within 60 s: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains(CHILD_MARK),
+        "the child did not reach its exit: {text}"
+    );
+    assert_eq!(status.signal(), None, "killed by a signal: {text}");
+    assert_eq!(status.code(), Some(3), "{text}");
+    eprintln!("child exited with 3 after {:?}", start.elapsed());
+}
+
+// ---- CUDA graphs -----------------------------------------------------------------------
+
+/// Device 0 with cudarc's event tracking off (its events break capture with
+/// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`), a stream, and a world-size-1 communicator with
+/// a 3 s watchdog limit, so that a false timeout for captured work would show.
+fn graph_rank() -> (Arc<CudaContext>, Arc<CudaStream>, Communicator) {
+    let lib = Library::load().expect("NVIDIA's NCCL");
+    let ctx = CudaContext::new(0).unwrap();
+    // SAFETY: every buffer of these tests is allocated, used, read back and freed on the
+    // one stream made below, so no use needs ordering across streams.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().unwrap();
+    let id = UniqueId::new_with(&lib).unwrap();
+    let config = Config::new().timeout(TIMEOUT);
+    let comm =
+        Communicator::init_rank_in(&lib, &Device::Cuda(ctx.clone()), 1, 0, &id, &config).unwrap();
+    (ctx, stream, comm)
+}
+
+const GLOBAL: sys::CUstreamCaptureMode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+
+#[test]
+#[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
+fn a_captured_all_reduce_replays_a_thousand_times() {
+    const N: usize = 256;
+    const REPLAYS: usize = 1000;
+    let (ctx, stream, comm) = graph_rank();
+    let world = comm.world_size() as f32;
+    let input: Vec<f32> = (0..N).map(|i| (i % 7) as f32 + 1.0).collect();
+    let send = stream.clone_htod(&input).unwrap();
+    let mut recv = stream.alloc_zeros::<f32>(N).unwrap();
+    // Every replay's result is copied to its own slot: each slot proves one replay.
+    let mut history = stream.alloc_zeros::<f32>(N * REPLAYS).unwrap();
+    stream.synchronize().unwrap();
+
+    stream.begin_capture(GLOBAL).unwrap();
+    comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &stream)
+        .expect("an all_reduce under capture");
+    let graph = stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("the capture made a graph");
+    stream.synchronize().unwrap();
+    assert!(
+        stream.clone_dtoh(&recv).unwrap().iter().all(|&x| x == 0.0),
+        "capturing must not run the all_reduce"
+    );
+
+    for i in 0..REPLAYS {
+        stream.memset_zeros(&mut recv).unwrap();
+        graph.launch().unwrap();
+        let mut slot = history.slice_mut(i * N..(i + 1) * N);
+        stream.memcpy_dtod(&recv, &mut slot).unwrap();
+    }
+    stream.synchronize().unwrap();
+    let got = stream.clone_dtoh(&history).unwrap();
+    for (i, slot) in got.chunks(N).enumerate() {
+        for (j, &x) in slot.iter().enumerate() {
+            assert_eq!(x, world * input[j], "replay {i}, element {j}");
+        }
+    }
+
+    // No false timeout for the captured work: past the limit, the communicator is fine
+    // and a plain call still works.
+    std::thread::sleep(TIMEOUT + Duration::from_secs(1));
+    assert!(
+        !comm.is_failed(),
+        "a false timeout after capture and replay"
+    );
+    comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &stream)
+        .expect("a plain call after replays");
+    stream.synchronize().unwrap();
+    assert_eq!(
+        stream.clone_dtoh(&recv).unwrap(),
+        input.iter().map(|x| world * x).collect::<Vec<_>>()
+    );
+    drop(graph);
+    drop((send, recv, history));
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+    ctx.check_err().unwrap();
+}
+
+#[test]
+#[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
+fn a_captured_group_replays() {
+    const N: usize = 1024;
+    const REPLAYS: usize = 100;
+    let (ctx, stream, comm) = graph_rank();
+    let world = comm.world_size() as i32;
+    let a: Vec<i32> = (0..N as i32).collect();
+    let send = stream.clone_htod(&a).unwrap();
+    let mut recv = stream.alloc_zeros::<i32>(N).unwrap();
+    let mut acc = stream.clone_htod(&a).unwrap();
+    stream.synchronize().unwrap();
+
+    stream.begin_capture(GLOBAL).unwrap();
+    {
+        let mut g = Group::new();
+        g.all_reduce(&comm, &send, &mut recv, ReduceOp::Sum, &stream)
+            .unwrap();
+        g.all_reduce_in_place(&comm, &mut acc, ReduceOp::Max, &stream)
+            .unwrap();
+        g.end().expect("a group under capture");
+    }
+    let graph = stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("the capture made a graph");
+    for _ in 0..REPLAYS {
+        stream.memset_zeros(&mut recv).unwrap();
+        graph.launch().unwrap();
+    }
+    stream.synchronize().unwrap();
+    let want: Vec<i32> = a.iter().map(|x| world * x).collect();
+    assert_eq!(stream.clone_dtoh(&recv).unwrap(), want);
+    // Max over ranks of the same input is the input, replay after replay.
+    assert_eq!(stream.clone_dtoh(&acc).unwrap(), a);
+    std::thread::sleep(TIMEOUT + Duration::from_secs(1));
+    assert!(!comm.is_failed(), "a false timeout after a captured group");
+    drop(graph);
+    drop((send, recv, acc));
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+    ctx.check_err().unwrap();
 }

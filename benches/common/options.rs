@@ -76,6 +76,9 @@ pub struct Options {
     pub backend: Backend,
     /// `-R`: buffer allocation and registration.
     pub register: Register,
+    /// `-E`: cudarc's event tracking on the bench's CUDA buffers (off by default: nccl-tests
+    /// passes raw pointers, so tracking would time cudarc's events, not NCCL).
+    pub event_tracking: bool,
     /// `--op` / `-t` / positional: the collectives to run, in this order.
     pub collectives: Vec<Collective>,
     /// `--json FILE`.
@@ -102,6 +105,7 @@ impl Default for Options {
             average: Average::Max,
             backend: Backend::Auto,
             register: Register::None,
+            event_tracking: false,
             collectives: Collective::ALL.to_vec(),
             json: None,
             plot: None,
@@ -152,6 +156,8 @@ collectives (default: all): all_reduce all_gather broadcast reduce reduce_scatte
   -a, --average 0|1|2|3   time reported: rank 0, mean, min, max over ranks  [3]
   -R, --local_register 0|1|2  buffers from ncclMemAlloc, registered (1) or as
                           symmetric windows (2); 0: plain buffers           [0]
+  -E, --event_tracking 0|1  cudarc's event tracking on the CUDA buffers (1: on, as
+                          cudarc's default; 0: off, like nccl-tests' raw pointers) [0]
       --backend B         auto | nccl | host                                 [auto]
       --json FILE         also write the results as JSON
       --plot FILE.svg     draw bus bandwidth against size per collective
@@ -316,6 +322,13 @@ where
                     1 => Register::Local,
                     2 => Register::Symmetric,
                     n => return Err(UsageError(format!("{flag}: {n} is not 0, 1 or 2"))),
+                }
+            }
+            "-E" | "--event_tracking" => {
+                o.event_tracking = match parse_number(&flag, &value()?)? {
+                    0 => false,
+                    1 => true,
+                    n => return Err(UsageError(format!("{flag}: {n} is not 0 or 1"))),
                 }
             }
             "-t" | "--op" | "--collective" => push_collectives(&value()?, &mut picked)?,

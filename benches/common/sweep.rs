@@ -576,6 +576,9 @@ fn resolve(opts: &Options) -> Result<(Arc<Library>, Target, Option<String>)> {
         let ctxs = (0..want)
             .map(|i| quiet_cuda(|| CudaContext::new(i))?.map_err(BoxError::from))
             .collect::<Result<Vec<_>>>()?;
+        for ctx in &ctxs {
+            set_event_tracking(ctx, opts.event_tracking);
+        }
         Ok((lib, Target::Cuda(ctxs)))
     };
     match opts.backend {
@@ -591,9 +594,40 @@ fn resolve(opts: &Options) -> Result<(Arc<Library>, Target, Option<String>)> {
     }
 }
 
+/// Turns cudarc's event tracking on or off for the buffers `ctx` allocates from now on
+/// (`-E`). Called before any stream or buffer of the bench exists.
+pub fn set_event_tracking(ctx: &CudaContext, on: bool) {
+    if on {
+        // SAFETY: no buffer of this context was created with tracking off: this runs
+        // before the bench allocates anything.
+        unsafe { ctx.enable_event_tracking() };
+    } else {
+        // SAFETY: cudarc's contract for untracked buffers is that the user orders their
+        // uses across streams. Each rank allocates, fills, uses in collectives, reads back
+        // and frees every buffer on its one stream, so every use is ordered by that stream
+        // and no buffer is touched by two streams.
+        unsafe { ctx.disable_event_tracking() };
+    }
+}
+
+/// The header line that says whether cudarc's event tracking is on.
+pub fn event_tracking_line(host: bool, on: bool) -> String {
+    match (host, on) {
+        (true, _) => "# cudarc event tracking: n/a (host provider: no CUDA buffers)".into(),
+        (false, false) => {
+            "# cudarc event tracking: off (raw device pointers, as nccl-tests; -E 1 turns it on)"
+                .into()
+        }
+        (false, true) => {
+            "# cudarc event tracking: on (-E 1: cudarc records and waits on events around every use of a buffer)"
+                .into()
+        }
+    }
+}
+
 /// Runs a cudarc call that may panic when the CUDA driver library is absent, without
 /// printing the panic.
-fn quiet_cuda<R>(f: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<R> {
+pub fn quiet_cuda<R>(f: impl FnOnce() -> R + std::panic::UnwindSafe) -> Result<R> {
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let out = std::panic::catch_unwind(f);
@@ -782,6 +816,11 @@ fn print_header(
         )?,
     }
     writeln!(out, "# NCCL version {}", info.nccl_version)?;
+    writeln!(
+        out,
+        "{}",
+        event_tracking_line(lib.provider() == Provider::Host, o.event_tracking)
+    )?;
     writeln!(
         out,
         "# nThread 1 nGpus {} minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} agg iters: 1 validation: {} graph: 0 blocking: {}",

@@ -81,6 +81,15 @@ use op::in_group;
 use settings::Settings;
 use shared::{Shared, Watch, IDLE, UNCLAIMED};
 
+/// Whether the owner's side of the watchdog handshake is a compiler fence paired with the
+/// watchdog's `membarrier(2)` (`true`), or a full memory fence on every operation
+/// (`false`: membarrier is unavailable or refused, e.g. by a container's seccomp filter,
+/// or `NCCL_SAFE_NO_MEMBARRIER` is set). For the overhead benchmark, which prints it.
+#[doc(hidden)]
+pub fn asymmetric_fence() -> bool {
+    fence::asymmetric()
+}
+
 use crate::error::{Error, Result};
 use crate::id::UniqueId;
 use crate::library::{Library, Provider};
