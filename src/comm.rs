@@ -30,7 +30,13 @@ impl Device {
     pub fn library(&self) -> Result<Arc<Library>> {
         match self {
             Device::Cuda(_) => Library::load(),
+            #[cfg(feature = "host")]
             Device::Host => Ok(Library::host()),
+            #[cfg(not(feature = "host"))]
+            Device::Host => Err(Error::InvalidArgument {
+                op: "Device::library",
+                reason: "nccl-safe was built without its `host` feature (the host provider)".into(),
+            }),
         }
     }
 
@@ -510,11 +516,13 @@ impl Communicator {
 
     /// A copy of the flight recorder: the last operations on this communicator, oldest
     /// first (no NCCL call).
+    #[cfg(feature = "diag")]
     pub fn flight_record(&self) -> crate::diag::FlightRecord {
         self.diag.flight_record(self.handle())
     }
 
     /// Writes the flight record as JSON into `dir`; returns the file's path.
+    #[cfg(feature = "diag")]
     pub fn dump_flight_record(
         &self,
         dir: impl AsRef<std::path::Path>,
@@ -523,6 +531,7 @@ impl Communicator {
     }
 
     /// The diagnostics counters of this rank (no NCCL call).
+    #[cfg(feature = "diag")]
     pub fn diagnostics(&self) -> crate::diag::Diagnostics {
         self.diag.diagnostics(self.handle())
     }

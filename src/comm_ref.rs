@@ -359,7 +359,7 @@ fn wrap(
     Ok(comm)
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "host", feature = "diag"))]
 mod tests {
     use super::*;
     use crate::{HostStream, ReduceOp};

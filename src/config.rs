@@ -2,6 +2,7 @@
 
 use std::ffi::CString;
 use std::mem::{offset_of, size_of};
+#[cfg(feature = "diag")]
 use std::sync::Arc;
 
 use nccl_sys::{ncclConfig_t, NCCL_CONFIG_UNDEF_INT};
@@ -263,12 +264,14 @@ impl Config {
 /// [`crate::diag`]).
 impl Config {
     /// [`timing`](Self::timing), unless it was set.
+    #[cfg(feature = "launch")]
     pub(crate) fn timing_unless_set(mut self, precise: bool) -> Config {
         self.diag.precise.get_or_insert(precise);
         self
     }
 
     /// Sets the remote desync board (see `launch::desync`).
+    #[cfg(feature = "diag")]
     pub(crate) fn remote_board(mut self, board: Arc<dyn crate::diag::RemoteBoard>) -> Config {
         self.diag.board = Some(board);
         self
@@ -279,6 +282,7 @@ impl Config {
     /// processes posted (instead of "no record"). Nothing is sent in normal operation.
     /// [`ProcessLauncher::init`](crate::launch::ProcessLauncher::init) sets it for you.
     /// Children from split/shrink do not inherit it (their ranks are numbered differently).
+    #[cfg(feature = "diag")]
     pub fn desync_board(self, board: impl crate::diag::RemoteBoard + 'static) -> Config {
         self.remote_board(Arc::new(board))
     }
@@ -292,6 +296,7 @@ impl Config {
 
     /// Turns the collective fingerprint check on or off (default: on with
     /// `NCCL_SAFE_DEBUG=detail`). Every rank must use the same setting.
+    #[cfg(feature = "diag")]
     pub fn check_collectives(mut self, on: bool) -> Config {
         self.diag.check = Some(on);
         self
@@ -299,6 +304,7 @@ impl Config {
 
     /// How many operations the flight recorder keeps (default 64, or
     /// `NCCL_SAFE_FLIGHT_RECORD_LEN`; 0 turns recording off).
+    #[cfg(feature = "diag")]
     pub fn flight_record_len(mut self, len: usize) -> Config {
         self.diag.ring = Some(len);
         self
@@ -306,6 +312,7 @@ impl Config {
 
     /// Writes the flight record as JSON into `dir` on a timeout or error (default
     /// `NCCL_SAFE_FLIGHT_RECORD_DIR`, else nowhere).
+    #[cfg(feature = "diag")]
     pub fn flight_record_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Config {
         self.diag.dump_dir = Some(dir.into());
         self
@@ -313,6 +320,7 @@ impl Config {
 
     /// Prints the flight record to stderr on a timeout or error (default: with
     /// `NCCL_SAFE_DEBUG=info` or `detail`).
+    #[cfg(feature = "diag")]
     pub fn dump_on_failure(mut self, on: bool) -> Config {
         self.diag.dump_stderr = Some(on);
         self
@@ -327,6 +335,7 @@ impl Config {
     /// overhead`). Timeouts still fire within a tick of their deadline; per-operation times read as whole ticks, and sums over many
     /// operations are right on average. [`crate::launch::Launcher::run_report`] turns it
     /// on for its communicators.
+    #[cfg(feature = "diag")]
     pub fn timing(mut self, precise: bool) -> Config {
         self.diag.precise = Some(precise);
         self

@@ -12,13 +12,16 @@ mod buffer;
 mod comm;
 mod comm_ref;
 mod config;
+#[cfg(feature = "launch")]
 mod cuda_probe;
 pub mod diag;
 mod discovery;
 pub mod error;
 mod group;
+#[cfg(feature = "host")]
 pub mod host;
 mod id;
+#[cfg(feature = "launch")]
 pub mod launch;
 pub mod library;
 mod memory;

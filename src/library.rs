@@ -103,6 +103,7 @@ impl Library {
 
     /// The in-process host provider (see the `host` module): NCCL's API over CPU memory,
     /// ranks as threads. One instance per process.
+    #[cfg(feature = "host")]
     pub fn host() -> Arc<Library> {
         static HOST: OnceCell<Arc<Library>> = OnceCell::new();
         Arc::clone(HOST.get_or_init(|| {
@@ -117,6 +118,7 @@ impl Library {
 
     /// A host provider that reports NCCL `major.minor` and hides entry points added after
     /// it, to test code paths for older NCCL releases. A new instance per call.
+    #[cfg(feature = "host")]
     pub fn host_as_version(major: u32, minor: u32) -> Result<Arc<Library>> {
         // SAFETY: as in `host`.
         unsafe {

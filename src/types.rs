@@ -67,6 +67,7 @@ pub enum DataType {
 
 impl DataType {
     /// Every variant, in declaration order (`ALL[d as usize] == d`).
+    #[cfg_attr(not(feature = "diag"), allow(dead_code))]
     pub(crate) const ALL: [DataType; 12] = [
         DataType::Int8,
         DataType::Uint8,

@@ -187,6 +187,7 @@ fn run(job: &Job, work: &Mutex<Option<(Arc<Library>, Vec<usize>)>>) {
 }
 
 /// Applies the policy to every abort past its bound (the watchdog calls it each tick).
+#[cfg(feature = "diag")]
 pub(crate) fn check_overdue(now: Instant) {
     let overdue: Vec<Arc<Job>> = {
         let mut j = jobs().lock().unwrap_or_else(|e| e.into_inner());

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use super::recorder::{OpRecord, OpState};
 use super::remote::{self, DesyncPost, RemoteBoard};
-use super::Shared;
+use super::shared::Shared;
 
 /// How many sequence numbers of fingerprints each rank keeps on the board. A rank cannot
 /// post seq n+1 before every rank posted seq n, so two would do.
@@ -477,11 +477,13 @@ fn describe(v: &RankView, now: Instant) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(feature = "launch")]
     use crate::launch::desync::{BoardClient, DesyncBoard};
 
     /// A report built in "this process" (rank 0) shows what rank 2 of "another process"
     /// posted to a real board over loopback, and names rank 1 (which posted nothing).
     #[test]
+    #[cfg(feature = "launch")]
     fn report_shows_remote_ranks_from_the_board() {
         let board = DesyncBoard::serve("127.0.0.1:0", 3, "clique-test-token").unwrap();
         let client = BoardClient::new(board.local_addr().to_string(), 3, "clique-test-token");

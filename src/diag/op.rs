@@ -21,12 +21,14 @@ pub(crate) fn group_ended() {
     GROUP_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
 }
 
+#[cfg_attr(not(feature = "diag"), allow(dead_code))]
 pub(super) fn in_group() -> bool {
     GROUP_DEPTH.with(|d| d.get() > 0)
 }
 
 /// What an operation is, as `issue` records and checks it.
 #[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "diag"), allow(dead_code))]
 pub(crate) struct OpInfo<'a> {
     pub(super) name: &'static &'static str,
     pub(super) collective: bool,

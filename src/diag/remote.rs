@@ -39,6 +39,7 @@ impl DesyncPost {
     }
 
     /// The wire form: clique and issued (big-endian `u64`s), then the UTF-8 text.
+    #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn encode(&self) -> Vec<u8> {
         let p = DesyncPost::new(self.clique, self.issued, &self.text);
         let mut v = Vec::with_capacity(16 + p.text.len());
@@ -49,6 +50,7 @@ impl DesyncPost {
     }
 
     /// The post of a wire form; `None` when it is not one.
+    #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn decode(b: &[u8]) -> Option<DesyncPost> {
         if b.len() < 16 || b.len() > 16 + MAX_POST_TEXT {
             return None;

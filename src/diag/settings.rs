@@ -2,11 +2,14 @@
 //! environment (`NCCL_SAFE_*`). The builders live on `Config` (src/config.rs).
 
 use std::path::PathBuf;
+#[cfg(feature = "diag")]
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::aborter::{OnAbortTimeout, DEFAULT_ABORT_TIMEOUT};
+#[cfg(feature = "diag")]
 use super::remote;
+
 /// The watchdog's default timeout: 10 minutes, as PyTorch's.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -15,6 +18,7 @@ pub const DEFAULT_FLIGHT_RECORD_LEN: usize = 64;
 
 /// The diagnostics options of a [`Config`] (unset: environment, then defaults).
 #[derive(Debug, Clone, Default)]
+#[cfg_attr(not(feature = "diag"), allow(dead_code))]
 pub(crate) struct DiagConfig {
     pub(crate) timeout: Option<Duration>,
     pub(crate) check: Option<bool>,
@@ -25,11 +29,13 @@ pub(crate) struct DiagConfig {
     pub(crate) abort_timeout: Option<Duration>,
     pub(crate) on_abort_timeout: Option<OnAbortTimeout>,
     /// The job's desync board in another process (not inherited by children).
+    #[cfg(feature = "diag")]
     pub(crate) board: Option<Arc<dyn remote::RemoteBoard>>,
 }
 
 /// A config's options resolved against the environment.
 #[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "diag"), allow(dead_code))]
 pub(super) struct Settings {
     pub(super) timeout: Duration,
     pub(super) check: bool,

@@ -40,6 +40,7 @@ impl Queue {
 
 /// A marker recorded after the work queued so far.
 #[derive(Debug)]
+#[cfg_attr(not(feature = "host"), allow(dead_code))]
 pub(crate) enum Marker {
     Cuda(CudaEvent),
     Host(usize),
@@ -156,13 +157,14 @@ impl Tracker for HostTracker {
 
     fn done(&self, m: &Marker) -> bool {
         match m {
+            #[cfg(feature = "host")]
             Marker::Host(h) => crate::host::stuck_ops(*h) == 0,
             _ => true,
         }
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "host"))]
 pub(crate) mod counting {
     //! A tracker that counts its calls and the threads they come from.
 

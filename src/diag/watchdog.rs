@@ -25,7 +25,8 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::clique::TimeoutReport;
-use super::{aborter, clock, exit, Shared};
+use super::shared::Shared;
+use super::{aborter, clock, exit};
 use crate::library::Library;
 
 fn registry() -> &'static Mutex<Vec<Weak<Shared>>> {

@@ -173,6 +173,7 @@ pub fn recent_misuse() -> Vec<String> {
 
 /// Operations of the host handle `comm` that were accepted and will never complete
 /// ([`fault::Fault::StuckWork`]); 0 for an unknown handle.
+#[cfg_attr(not(feature = "diag"), allow(dead_code))]
 pub(crate) fn stuck_ops(comm: usize) -> u64 {
     fault::stuck_ops(comm)
 }

@@ -1,0 +1,770 @@
+//! The per-operation hooks and a communicator's diagnostics (the `diag` feature): what
+//! `Communicator::issue` calls before and after each NCCL call, and what teardown asks.
+
+use std::cell::Cell;
+use std::panic::Location;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use nccl_sys::ncclComm_t;
+
+use super::aborter::{self, OnAbortTimeout};
+use super::clique::{self, Agreement, CliqueKey, TimeoutReport};
+use super::journal::{Entry, Journal};
+use super::op::{in_group, OpInfo};
+use super::recorder::{FlightRecord, OpState};
+use super::remote;
+use super::settings::{DiagConfig, Settings};
+use super::shared::{Shared, Watch, IDLE, UNCLAIMED};
+#[cfg(test)]
+use super::tracker::Tracker;
+use super::tracker::{self, Queue};
+use super::{clock, fence, watchdog};
+use crate::error::{Error, Result};
+use crate::id::UniqueId;
+use crate::library::{Library, Provider};
+use crate::stream::StreamRef;
+
+/// At most this many unique ids' arrival boards are kept (see `CommDiag::arrive`).
+const MAX_ARRIVAL_BOARDS: usize = 256;
+
+/// Per clique key: which ranks began their init in this process.
+fn arrivals() -> &'static Mutex<std::collections::HashMap<CliqueKey, Vec<bool>>> {
+    static A: OnceLock<Mutex<std::collections::HashMap<CliqueKey, Vec<bool>>>> = OnceLock::new();
+    A.get_or_init(|| Mutex::new(std::collections::HashMap::new()))
+}
+
+/// A communicator's diagnostics: its settings and clique, attached (with its handle, rank
+/// and size) once they are known.
+#[derive(Debug)]
+pub(crate) struct CommDiag {
+    settings: Settings,
+    key: CliqueKey,
+    shared: OnceLock<Arc<Shared>>,
+    /// The job's desync board, given to the clique on attach.
+    board: Option<Arc<dyn remote::RemoteBoard>>,
+    /// The key of the queue (stream) the last operation used: the owner's cache, so only a
+    /// new stream takes the slow path.
+    last_queue: Cell<usize>,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The tracker communicators attached on this thread use instead of their provider's.
+    static TEST_TRACKER: std::cell::RefCell<Option<Arc<dyn Tracker>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// What the diagnostics know of a communicator when they attach it late (communicators of
+/// `ncclCommInitAll`, adopted handles): diagnostics never see the `Communicator` itself.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Handle<'a> {
+    pub raw: ncclComm_t,
+    pub rank: usize,
+    pub world_size: usize,
+    pub lib: &'a Arc<Library>,
+}
+
+/// What [`CommDiag::begin`] hands to [`CommDiag::end`].
+#[derive(Debug)]
+pub(crate) struct Ticket<'a> {
+    /// The operation's journal position.
+    pos: u64,
+    /// Its start (diagnostics clock).
+    start: u64,
+    stream: StreamRef<'a>,
+}
+
+impl CommDiag {
+    /// For a communicator joined through `id`.
+    pub(crate) fn for_id(config: &DiagConfig, id: &UniqueId) -> CommDiag {
+        CommDiag {
+            settings: Settings::resolve(config),
+            key: clique::key_of(id.as_bytes()),
+            shared: OnceLock::new(),
+            board: config.board.clone(),
+            last_queue: Cell::new(0),
+        }
+    }
+
+    /// For one of the communicators of one `ncclCommInitAll` (pass the same `key`).
+    pub(crate) fn for_init_all(key: u64) -> CommDiag {
+        CommDiag {
+            settings: Settings::resolve(&DiagConfig::default()),
+            key,
+            shared: OnceLock::new(),
+            board: None,
+            last_queue: Cell::new(0),
+        }
+    }
+
+    /// A fresh key for [`for_init_all`](Self::for_init_all).
+    pub(crate) fn init_all_key() -> u64 {
+        clique::fresh_key()
+    }
+
+    /// For a child from split (`tag` = color) or shrink: same settings, the key derived
+    /// from the parent's, its last collective's sequence number and `tag`.
+    pub(crate) fn child(&self, tag: u64) -> CommDiag {
+        let seq = self
+            .shared
+            .get()
+            .map_or(0, |s| s.seq.load(Ordering::Relaxed));
+        CommDiag {
+            settings: self.settings.clone(),
+            key: clique::key_of((self.key, seq, tag)),
+            shared: OnceLock::new(),
+            board: None,
+            last_queue: Cell::new(0),
+        }
+    }
+
+    /// Attaches the communicator once its handle, rank and size are known: it joins its
+    /// clique and the watchdog's registry. Allocates the flight recorder.
+    pub(crate) fn attach(
+        &self,
+        raw: ncclComm_t,
+        rank: usize,
+        world_size: usize,
+        lib: &Arc<Library>,
+    ) -> &Arc<Shared> {
+        self.shared.get_or_init(|| {
+            clock::advance();
+            let clique = clique::join(self.key, world_size.max(1));
+            if let Some(b) = &self.board {
+                clique.set_board(b);
+            }
+            #[cfg(test)]
+            let tracker = TEST_TRACKER
+                .with(|t| t.borrow().clone())
+                .unwrap_or_else(|| tracker::for_provider(lib.provider()));
+            #[cfg(not(test))]
+            let tracker = tracker::for_provider(lib.provider());
+            let s = Arc::new(Shared {
+                rank,
+                world_size,
+                settings: self.settings.clone(),
+                lib: Arc::clone(lib),
+                clique: Arc::clone(&clique),
+                tracker,
+                queues: Mutex::new(Vec::new()),
+                published: AtomicU64::new(0),
+                retired: AtomicU64::new(0),
+                watch: Mutex::new(Watch::default()),
+                journal: Journal::new(self.settings.ring),
+                handle: AtomicUsize::new(raw as usize),
+                current: AtomicU64::new(IDLE),
+                claim: AtomicU8::new(UNCLAIMED),
+                asym: fence::asymmetric(),
+                report: Mutex::new(None),
+                aborted_by_watchdog: AtomicBool::new(false),
+                gone: AtomicBool::new(false),
+                seq: AtomicU64::new(0),
+                wait_ns: AtomicU64::new(0),
+                checks: AtomicU64::new(0),
+            });
+            if lib.provider() == Provider::Host {
+                s.note_host_queue(raw);
+            }
+            clique.attach(rank, &s);
+            watchdog::watch(&s);
+            s
+        })
+    }
+
+    #[inline(always)]
+    fn shared(&self, h: Handle<'_>) -> &Arc<Shared> {
+        match self.shared.get() {
+            Some(s) => s,
+            None => self.attach_late(h),
+        }
+    }
+
+    #[cold]
+    fn attach_late(&self, h: Handle<'_>) -> &Arc<Shared> {
+        match self.shared.get() {
+            Some(s) => s,
+            None => self.attach(h.raw, h.rank, h.world_size, h.lib),
+        }
+    }
+
+    /// A copy of the flight recorder.
+    pub(crate) fn flight_record(&self, h: Handle<'_>) -> FlightRecord {
+        self.shared(h).flight_record()
+    }
+
+    /// The diagnostics counters.
+    pub(crate) fn diagnostics(&self, h: Handle<'_>) -> Diagnostics {
+        let s = self.shared(h);
+        Diagnostics {
+            rank: s.rank,
+            collectives: s.seq.load(Ordering::Relaxed),
+            operations: s.journal.len(),
+            wait: Duration::from_nanos(s.wait_ns.load(Ordering::Relaxed)),
+            fingerprint_checks: s.checks.load(Ordering::Relaxed),
+            check_enabled: s.settings.check,
+            precise_timing: s.settings.precise,
+            timeout: s.settings.timeout,
+            aborted_by_watchdog: s.aborted_by_watchdog.load(Ordering::Acquire),
+        }
+    }
+
+    /// Fails when the watchdog aborted this communicator (its handle is gone).
+    #[inline]
+    pub(crate) fn check_alive(&self) -> Result<()> {
+        match self.shared.get() {
+            Some(s) if s.aborted_by_watchdog.load(Ordering::Acquire) || s.clique.any_timeout() => {
+                Err(self.aborted_error(s))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the watchdog failed this communicator: its clique timed out (set before any
+    /// abort starts) or it was aborted. Two loads; no NCCL call.
+    #[inline]
+    pub(crate) fn failed(&self) -> bool {
+        self.shared.get().is_some_and(|s| {
+            s.clique.any_timeout() || s.aborted_by_watchdog.load(Ordering::Acquire)
+        })
+    }
+
+    /// After `ncclGroupEnd` enqueued a group's operations: they are now on their streams.
+    pub(crate) fn publish_group(&self) {
+        if let Some(s) = self.shared.get() {
+            s.published.store(s.journal.len(), Ordering::Release);
+        }
+    }
+
+    /// The abort bound and policy of this communicator.
+    pub(crate) fn abort_policy(&self) -> (Duration, OnAbortTimeout) {
+        (self.settings.abort_timeout, self.settings.on_abort_timeout)
+    }
+
+    /// The timeout of this communicator's operations (and of its init).
+    pub(crate) fn timeout(&self) -> Duration {
+        self.settings.timeout
+    }
+
+    /// Aborts the handle `raw` (taken out of its communicator) on an abort thread and waits
+    /// at most the abort bound: the bound, and `ncclCommAbort`'s result if it returned.
+    pub(crate) fn abort_off_thread(
+        &self,
+        lib: &Arc<Library>,
+        raw: ncclComm_t,
+        what: String,
+    ) -> (Duration, Option<nccl_sys::ncclResult_t>) {
+        let (bound, action) = self.abort_policy();
+        let job = aborter::spawn(Arc::clone(lib), vec![raw as usize], bound, action, what);
+        let done = job.wait_bounded();
+        (bound, done.then(|| job.result()))
+    }
+
+    /// Notes that rank `rank` of `world_size` began its init in this process.
+    pub(crate) fn arrive(&self, rank: usize, world_size: usize) {
+        let mut a = arrivals().lock().unwrap_or_else(|e| e.into_inner());
+        if a.len() >= MAX_ARRIVAL_BOARDS && !a.contains_key(&self.key) {
+            a.clear(); // old jobs' boards: bounded memory in a long run
+        }
+        let seen = a.entry(self.key).or_insert_with(|| vec![false; world_size]);
+        if seen.len() == world_size && rank < world_size {
+            seen[rank] = true;
+        }
+    }
+
+    /// The report of a wait for `op` (an init, a split child) that ran out of time.
+    pub(crate) fn wait_timeout_report(&self, op: &str, rank: usize, world_size: usize) -> String {
+        let a = arrivals().lock().unwrap_or_else(|e| e.into_inner());
+        match a
+            .get(&self.key)
+            .filter(|v| v.len() == world_size && world_size > 0)
+        {
+            Some(seen) => {
+                let (yes, no): (Vec<usize>, Vec<usize>) = (0..world_size).partition(|&r| seen[r]);
+                format!(
+                    "{op} on rank {rank} of {world_size} did not complete: ranks never seen here: {no:?} (not started, dead, or in another process); ranks that began their init in this process: {yes:?}"
+                )
+            }
+            None => format!("{op} on rank {rank} of {world_size} did not complete"),
+        }
+    }
+
+    #[cold]
+    fn aborted_error(&self, s: &Shared) -> Error {
+        s.timeout_error(&s.abort_report())
+    }
+
+    /// Before the NCCL call of `op`: fails when the watchdog aborted the communicator,
+    /// records the operation, runs the fingerprint check (when on) and registers it with
+    /// the watchdog. No lock and no allocation unless it fails.
+    #[inline(always)]
+    pub(crate) fn begin<'a>(
+        &self,
+        h: Handle<'_>,
+        op: OpInfo<'a>,
+        caller: &'static Location<'static>,
+    ) -> Result<Ticket<'a>> {
+        let s = self.shared(h);
+        if s.aborted_by_watchdog.load(Ordering::Acquire) {
+            return Err(self.aborted_error(s));
+        }
+        let seq = if op.collective {
+            bump(&s.seq, 1)
+        } else {
+            s.seq.load(Ordering::Relaxed)
+        };
+        let start = s.now();
+        let pos = s.journal.push(&Entry {
+            seq,
+            name: op.name,
+            dtype: op.dtype,
+            count: op.count,
+            root: op.root,
+            caller,
+            enqueued: start,
+        });
+        if s.clique.any_timeout() {
+            return Err(self.begin_timed_out(s, pos, start));
+        }
+        if s.settings.check && op.collective && !in_group() {
+            self.fingerprint(s, pos, start)?;
+        }
+        s.current.store(pos + 1, Ordering::Release);
+        fence::light(s.asym);
+        if s.claim.load(Ordering::Acquire) != UNCLAIMED {
+            self.begin_claimed(s, pos, start)?;
+        }
+        Ok(Ticket {
+            pos,
+            start,
+            stream: op.stream,
+        })
+    }
+
+    /// The clique timed out before this operation reached NCCL.
+    #[cold]
+    fn begin_timed_out(&self, s: &Shared, pos: u64, start: u64) -> Error {
+        let first = s
+            .timed_out()
+            .unwrap_or_else(|| TimeoutReport::text("a timeout"));
+        let rec = s.journal.get(pos);
+        let e = match &rec {
+            Some(r) => s.peer_timeout(r, &first),
+            None => s.timeout_error(&first),
+        };
+        self.fail(s, pos, start, e)
+    }
+
+    /// The watchdog claimed this communicator as the operation began: waits for its
+    /// decision. `Ok` when it let the communicator be.
+    #[cold]
+    fn begin_claimed(&self, s: &Shared, pos: u64, start: u64) -> Result<()> {
+        if s.await_decision() {
+            return Ok(());
+        }
+        s.current.store(IDLE, Ordering::Release);
+        let e = self.aborted_error(s);
+        Err(self.fail(s, pos, start, e))
+    }
+
+    /// The opt-in fingerprint check: waits for every rank of the clique in this process to
+    /// post the same collective.
+    #[inline(never)]
+    fn fingerprint(&self, s: &Shared, pos: u64, start: u64) -> Result<()> {
+        let Some(rec) = s.journal.get(pos) else {
+            return Ok(());
+        };
+        bump(&s.checks, 1);
+        let deadline = rec.enqueued + s.settings.timeout;
+        let e = match s.clique.agree(s.rank, rec, deadline) {
+            Agreement::Agree => return Ok(()),
+            Agreement::Mismatch(table) => Error::CollectiveMismatch {
+                op: rec.op,
+                rank: s.rank,
+                seq: rec.seq,
+                table,
+            },
+            Agreement::TimedOut(Some(first)) => s.peer_timeout(&rec, &first),
+            Agreement::TimedOut(None) => {
+                let report = s.clique.report(
+                    s.rank,
+                    &rec,
+                    s.settings.timeout,
+                    "waited for the other ranks in the fingerprint check",
+                );
+                let report = s
+                    .clique
+                    .set_timed_out(&TimeoutReport::of(s.rank, &rec, report));
+                s.timeout_error(&report)
+            }
+        };
+        Err(self.fail(s, pos, start, e))
+    }
+
+    /// Marks the operation and the communicator failed, dumps the record, returns `e`.
+    #[cold]
+    fn fail(&self, s: &Shared, pos: u64, start: u64, e: Error) -> Error {
+        let took = s.now().saturating_sub(start);
+        s.journal.finish(pos, OpState::Failed, took);
+        bump(&s.wait_ns, took);
+        s.dump();
+        e
+    }
+
+    /// After the NCCL call: deregisters the operation from the watchdog (CUDA: hands it
+    /// over as an event), records its outcome and time, and turns an error caused by a
+    /// watchdog abort into [`Error::Timeout`] with the report.
+    #[inline(always)]
+    pub(crate) fn end(&self, t: Ticket<'_>, r: Result<()>) -> Result<()> {
+        let Some(s) = self.shared.get() else {
+            return r;
+        };
+        let now = s.now();
+        // Leaving the call needs no fence: a claim made meanwhile is seen by the next
+        // operation's check (and teardown takes the handle with a swap).
+        s.current.store(IDLE, Ordering::Release);
+        let took = now.saturating_sub(t.start);
+        let mut state = if r.is_ok() {
+            OpState::Completed
+        } else {
+            OpState::Failed
+        };
+        if r.is_ok() {
+            // Hand the work to the watchdog: plain stores, no call into CUDA.
+            if let StreamRef::Cuda(stream) = t.stream {
+                let key = stream.cu_stream() as usize;
+                if self.last_queue.get() != key {
+                    self.last_queue.set(key);
+                    s.note_queue(Queue::Cuda(Arc::clone(stream)));
+                }
+                state = OpState::Enqueued;
+            }
+            if !in_group() {
+                s.published.store(t.pos + 1, Ordering::Release);
+            }
+        }
+        s.journal.finish(t.pos, state, took);
+        bump(&s.wait_ns, took);
+        match r {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.end_error(s, t.pos, e)),
+        }
+    }
+
+    #[cold]
+    fn end_error(&self, s: &Shared, pos: u64, e: Error) -> Error {
+        let rec = s.journal.get(pos);
+        let e = match (&rec, s.aborted_by_watchdog.load(Ordering::Acquire)) {
+            (Some(rec), true) => {
+                let r = s.abort_report();
+                if r.is_about(s.rank, rec.op, rec.seq) {
+                    s.timeout_error(&r)
+                } else {
+                    s.peer_timeout(rec, &r)
+                }
+            }
+            (Some(rec), false) => match s.clique.timed_out() {
+                Some(first) => s.peer_timeout(rec, &first),
+                None => e,
+            },
+            (None, _) => e,
+        };
+        s.dump();
+        e
+    }
+
+    /// Before teardown: waits (bounded by the watchdog) until no work of this communicator
+    /// is in flight. `false` when it must be aborted rather than destroyed (its clique
+    /// timed out, or the watchdog already took it).
+    pub(crate) fn drain(&self) -> bool {
+        let Some(s) = self.shared.get() else {
+            return true;
+        };
+        if s.current.load(Ordering::Acquire) != IDLE {
+            return false; // left inside a call (an unwinding panic): abort
+        }
+        let limit = Instant::now() + s.settings.timeout + s.slack() + Duration::from_secs(1);
+        let done = s.wait_own_work(limit);
+        done && !s.aborted_by_watchdog.load(Ordering::Acquire) && s.clique.timed_out().is_none()
+    }
+
+    /// Before `destroy`: drains, and refuses (marking the communicator failed, so dropping
+    /// it aborts) when its clique timed out.
+    pub(crate) fn before_teardown(&self) -> Result<()> {
+        if self.drain() {
+            return Ok(());
+        }
+        let Some(s) = self.shared.get() else {
+            return Ok(());
+        };
+        let first = s
+            .timed_out()
+            .unwrap_or_else(|| TimeoutReport::text("work did not complete"));
+        let e = s.timeout_error(&format!(
+            "ncclCommDestroy on rank {}: refused (drop the communicator to abort it) because its clique timed out:\n{first}\n=> the communicator's work",
+            s.rank
+        ));
+        Err(e)
+    }
+
+    /// Takes the right to tear the handle down: `false` when the watchdog already aborted
+    /// it (then nobody may use it again).
+    pub(crate) fn release(&self) -> bool {
+        let Some(s) = self.shared.get() else {
+            return true;
+        };
+        s.gone.store(true, Ordering::Release);
+        s.clique.detach(s.rank, s.view());
+        s.handle.swap(0, Ordering::AcqRel) != 0
+    }
+}
+
+/// A rank's diagnostics counters (the straggler view).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Diagnostics {
+    /// The communicator's rank.
+    pub rank: usize,
+    /// Collectives issued (the next one's sequence number).
+    pub collectives: u64,
+    /// Operations issued (collectives, send/recv, split, ...).
+    pub operations: u64,
+    /// Time spent inside operations (waiting for peers, the fingerprint check and the
+    /// work; on CUDA only the enqueue).
+    pub wait: Duration,
+    /// Fingerprint checks run (0 when the check is off).
+    pub fingerprint_checks: u64,
+    /// Whether the fingerprint check is on.
+    pub check_enabled: bool,
+    /// Whether times come from the precise clock ([`Config::timing`]); otherwise `wait`
+    /// has the coarse clock's 10 ms resolution (right on average over many operations).
+    pub precise_timing: bool,
+    /// The watchdog's timeout.
+    pub timeout: Duration,
+    /// Whether the watchdog aborted this communicator.
+    pub aborted_by_watchdog: bool,
+}
+
+/// Adds `by` to a counter that only the communicator's owning thread writes (others only
+/// read it): a load and a store, no read-modify-write, so no locked instruction on the
+/// per-operation path. Returns the old value.
+#[inline]
+fn bump(counter: &AtomicU64, by: u64) -> u64 {
+    let old = counter.load(Ordering::Relaxed);
+    counter.store(old.wrapping_add(by), Ordering::Relaxed);
+    old
+}
+
+#[cfg(all(test, feature = "host"))]
+mod tests {
+    use super::*;
+    use crate::diag::journal::Entry;
+    use crate::diag::shared::{ABORTING, DECIDING};
+    use crate::{Communicator, Config, Device, HostStream, ReduceOp};
+
+    fn comm() -> (Communicator, UniqueId) {
+        let id = Device::Host.unique_id().unwrap();
+        let c = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new()).unwrap();
+        (c, id)
+    }
+
+    fn sum(c: &Communicator) -> Result<()> {
+        let mut x = vec![1.0f32; 4];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)
+    }
+
+    /// The owner's side of the claim: an operation that finds the watchdog deciding waits
+    /// for the verdict; let be, it runs; aborted, it fails without reaching NCCL.
+    #[test]
+    fn an_operation_waits_for_the_watchdogs_verdict() {
+        let (c, id) = comm();
+        let s = Arc::clone(c.diag.shared(c.handle()));
+        s.claim.store(DECIDING, Ordering::SeqCst);
+        let decide = |verdict: u8| {
+            let s = Arc::clone(&s);
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(30));
+                if verdict == ABORTING {
+                    s.claim.store(ABORTING, Ordering::Release);
+                    let h = s.take_for_abort(&TimeoutReport::text("the test's report"));
+                    assert_ne!(h, 0);
+                    // SAFETY: the handle was taken out of the communicator above: this is
+                    // its one teardown.
+                    let r = unsafe { (s.lib.table().ncclCommAbort)(h as ncclComm_t) };
+                    assert_eq!(r, nccl_sys::bindings::ncclSuccess);
+                } else {
+                    s.claim.store(verdict, Ordering::Release);
+                }
+            })
+        };
+        let t = decide(UNCLAIMED);
+        let start = Instant::now();
+        sum(&c).expect("the watchdog let it be");
+        assert!(start.elapsed() >= Duration::from_millis(25));
+        t.join().unwrap();
+        assert_eq!(crate::host::stats_for(&id.to_raw()).misused, 0);
+
+        s.claim.store(DECIDING, Ordering::SeqCst);
+        let t = decide(ABORTING);
+        let e = sum(&c).expect_err("aborted");
+        t.join().unwrap();
+        assert!(
+            matches!(&e, Error::Timeout { what, .. } if what.contains("the test's report")),
+            "{e}"
+        );
+        assert!(matches!(sum(&c), Err(Error::Timeout { .. })));
+        let last = c.flight_record().entries.last().copied().unwrap();
+        assert_eq!(last.state, OpState::Failed);
+        drop(c);
+        let st = crate::host::stats_for(&id.to_raw());
+        assert_eq!(
+            (st.created, st.destroyed, st.aborted, st.misused),
+            (1, 0, 1, 0)
+        );
+    }
+
+    /// A one-rank host communicator whose watched work goes through `counting`.
+    fn counted(
+        counting: &Arc<tracker::counting::Counting>,
+        timeout: Duration,
+    ) -> (Communicator, UniqueId) {
+        let id = Device::Host.unique_id().unwrap();
+        TEST_TRACKER.with(|t| *t.borrow_mut() = Some(Arc::clone(counting) as Arc<dyn Tracker>));
+        let c = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new().timeout(timeout));
+        TEST_TRACKER.with(|t| *t.borrow_mut() = None);
+        (c.unwrap(), id)
+    }
+
+    /// The per-operation path makes no tracker call (no CUDA event record or query on a
+    /// CUDA stream) on the caller's thread: the watchdog records at most one marker per
+    /// queue per tick, on its own thread, and the work is still seen to complete.
+    #[test]
+    fn the_per_operation_path_never_calls_the_tracker() {
+        let counting = Arc::new(tracker::counting::Counting::new(
+            std::thread::current().id(),
+        ));
+        let (c, _id) = counted(&counting, Duration::from_secs(600));
+        let ticks_before = clock::coarse();
+        const OPS: u64 = 2000;
+        for _ in 0..OPS {
+            sum(&c).unwrap();
+        }
+        let marks_during_ops = counting.marks.load(Ordering::SeqCst);
+        let ticks = (clock::coarse() - ticks_before) / clock::TICK.as_nanos() as u64;
+        assert_eq!(counting.owner_marks.load(Ordering::SeqCst), 0);
+        assert_eq!(counting.owner_queries.load(Ordering::SeqCst), 0);
+        assert!(
+            marks_during_ops <= ticks + 2,
+            "{marks_during_ops} markers in {ticks} ticks for {OPS} operations"
+        );
+        let s = Arc::clone(c.diag.shared(c.handle()));
+        let retired = || s.retired.load(Ordering::Acquire);
+        let limit = Instant::now() + Duration::from_secs(10);
+        while retired() < OPS && Instant::now() < limit {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(retired(), OPS, "the watchdog retired every operation");
+        assert!(counting.marks.load(Ordering::SeqCst) >= 1);
+        eprintln!(
+            "{OPS} operations: {} markers and {} queries, all on the watchdog's thread, over {ticks} ticks",
+            counting.marks.load(Ordering::SeqCst),
+            counting.queries.load(Ordering::SeqCst)
+        );
+        drop(s);
+        c.destroy().map_err(|(_, e)| e).unwrap();
+    }
+
+    /// Work on a queue that is being captured into a CUDA graph is never timed out, and is
+    /// tracked again once the capture ends.
+    #[test]
+    fn captured_work_is_never_timed_out() {
+        let counting = Arc::new(tracker::counting::Counting::new(
+            std::thread::current().id(),
+        ));
+        counting.capturing.store(true, Ordering::SeqCst);
+        counting.complete.store(false, Ordering::SeqCst);
+        let (c, id) = counted(&counting, Duration::from_millis(50));
+        sum(&c).unwrap();
+        std::thread::sleep(Duration::from_millis(400)); // 8 timeouts' worth
+        assert!(!c.is_failed(), "captured work must not time out");
+        let s = Arc::clone(c.diag.shared(c.handle()));
+        assert_eq!(s.retired.load(Ordering::Acquire), 0);
+        // The capture ends; the work it captured never runs on the stream, so the first
+        // marker after it completes.
+        counting.capturing.store(false, Ordering::SeqCst);
+        counting.complete.store(true, Ordering::SeqCst);
+        let limit = Instant::now() + Duration::from_secs(10);
+        while s.retired.load(Ordering::Acquire) < 1 && Instant::now() < limit {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(s.retired.load(Ordering::Acquire), 1);
+        assert!(!c.is_failed());
+        drop(s);
+        c.destroy().map_err(|(_, e)| e).unwrap();
+        let st = crate::host::stats_for(&id.to_raw());
+        assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
+    }
+
+    /// Work that never completes is timed out by the watchdog, and the communicator fails.
+    #[test]
+    fn incomplete_work_times_out() {
+        let counting = Arc::new(tracker::counting::Counting::new(
+            std::thread::current().id(),
+        ));
+        counting.complete.store(false, Ordering::SeqCst);
+        let (c, id) = counted(&counting, Duration::from_millis(50));
+        sum(&c).unwrap();
+        let limit = Instant::now() + Duration::from_secs(2);
+        while !c.is_failed() && Instant::now() < limit {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(c.is_failed());
+        assert!(matches!(sum(&c), Err(Error::Timeout { .. })));
+        drop(c);
+        let st = crate::host::stats_for(&id.to_raw());
+        assert_eq!(
+            (st.created, st.destroyed, st.aborted, st.misused),
+            (1, 0, 1, 0)
+        );
+    }
+
+    /// The watchdog's side: an idle host communicator is never claimed, an operation only
+    /// once it is old enough, and a claim ends in a verdict.
+    #[test]
+    fn the_watchdog_claims_only_an_old_operation() {
+        let (c, id) = comm();
+        let s = Arc::clone(c.diag.shared(c.handle()));
+        let later = Instant::now() + Duration::from_secs(3600);
+        assert!(!s.claim(later, Duration::ZERO));
+        let push = || {
+            s.journal.push(&Entry {
+                seq: 0,
+                name: &"ncclAllReduce",
+                dtype: None,
+                count: 0,
+                root: None,
+                caller: Location::caller(),
+                enqueued: clock::precise(),
+            })
+        };
+        let first = push();
+        let pos = push();
+        s.current.store(pos + 1, Ordering::Release);
+        assert!(!s.claim(Instant::now(), Duration::from_secs(60)));
+        assert_eq!(s.claim.load(Ordering::Acquire), UNCLAIMED);
+        // The watchdog saw the first operation in its call, but the owner has moved on to
+        // the next one since: after the fence it sees that and withdraws the claim.
+        assert!(!s.claim_seen(first + 1, later, Duration::from_secs(60)));
+        assert_eq!(s.claim.load(Ordering::Acquire), UNCLAIMED);
+        assert!(s.claim(later, Duration::from_secs(60)));
+        assert_eq!(s.claim.load(Ordering::Acquire), ABORTING);
+        // Undo the claim (nothing was taken) for an ordinary teardown.
+        s.claim.store(UNCLAIMED, Ordering::Release);
+        s.current.store(IDLE, Ordering::Release);
+        drop(s);
+        c.destroy().map_err(|(_, e)| e).unwrap();
+        let st = crate::host::stats_for(&id.to_raw());
+        assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
+    }
+}
