@@ -39,16 +39,21 @@ def module_of(path):
     return "::".join(parts)
 
 
+TEST_CFG = re.compile(r"#\[cfg\((?:all\()?\s*test\b[^\]]*\]")
+
+
 def strip_test_items(text):
-    """Removes `#[cfg(test)]` items (a module, a fn, a use) by brace matching."""
+    """Removes test-only items (`#[cfg(test)]`, `#[cfg(all(test, ..))]`: a module, a fn, a
+    use) by brace matching."""
     out, i = [], 0
     while True:
-        j = text.find("#[cfg(test)]", i)
-        if j < 0:
+        m = TEST_CFG.search(text, i)
+        if m is None:
             out.append(text[i:])
             break
+        j = m.start()
         out.append(text[i:j])
-        k = j + len("#[cfg(test)]")
+        k = m.end()
         # The item ends at its matching closing brace, or at a ';' before any '{'.
         semi, brace = text.find(";", k), text.find("{", k)
         if brace < 0 or (0 <= semi < brace):
