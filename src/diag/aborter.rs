@@ -186,6 +186,27 @@ fn run(job: &Job, work: &Mutex<Option<(Arc<Library>, Vec<usize>)>>) {
     job.finish();
 }
 
+/// Aborts the handle `raw` (taken out of its communicator) of `lib` on an abort thread and
+/// waits at most the bound of `settings`: the bound, and `ncclCommAbort`'s result if it
+/// returned (past the bound, the policy has been applied).
+pub(super) fn abort_bounded(
+    settings: &super::settings::Settings,
+    lib: &Arc<Library>,
+    raw: ncclComm_t,
+    what: String,
+) -> (Duration, Option<ncclResult_t>) {
+    let bound = settings.abort_timeout;
+    let job = spawn(
+        Arc::clone(lib),
+        vec![raw as usize],
+        bound,
+        settings.on_abort_timeout,
+        what,
+    );
+    let done = job.wait_bounded();
+    (bound, done.then(|| job.result()))
+}
+
 /// Applies the policy to every abort past its bound (the watchdog calls it each tick).
 #[cfg(feature = "diag")]
 pub(crate) fn check_overdue(now: Instant) {

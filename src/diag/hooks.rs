@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::ncclComm_t;
 
-use super::aborter::{self, OnAbortTimeout};
+use super::aborter;
 use super::clique::{self, Agreement, CliqueKey, TimeoutReport};
 use super::journal::{Entry, Journal};
 use super::op::{in_group, OpInfo};
@@ -237,11 +237,6 @@ impl CommDiag {
         }
     }
 
-    /// The abort bound and policy of this communicator.
-    pub(crate) fn abort_policy(&self) -> (Duration, OnAbortTimeout) {
-        (self.settings.abort_timeout, self.settings.on_abort_timeout)
-    }
-
     /// The timeout of this communicator's operations (and of its init).
     pub(crate) fn timeout(&self) -> Duration {
         self.settings.timeout
@@ -255,10 +250,7 @@ impl CommDiag {
         raw: ncclComm_t,
         what: String,
     ) -> (Duration, Option<nccl_sys::ncclResult_t>) {
-        let (bound, action) = self.abort_policy();
-        let job = aborter::spawn(Arc::clone(lib), vec![raw as usize], bound, action, what);
-        let done = job.wait_bounded();
-        (bound, done.then(|| job.result()))
+        aborter::abort_bounded(&self.settings, lib, raw, what)
     }
 
     /// Notes that rank `rank` of `world_size` began its init in this process.
@@ -722,6 +714,11 @@ mod tests {
         assert!(c.is_failed());
         assert!(matches!(sum(&c), Err(Error::Timeout { .. })));
         drop(c);
+        // The watchdog took the handle; its abort thread may run only now.
+        let limit = Instant::now() + Duration::from_secs(10);
+        while crate::host::stats_for(&id.to_raw()).live > 0 && Instant::now() < limit {
+            std::thread::sleep(Duration::from_millis(2));
+        }
         let st = crate::host::stats_for(&id.to_raw());
         assert_eq!(
             (st.created, st.destroyed, st.aborted, st.misused),

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use nccl_sys::ncclComm_t;
 
-use super::aborter::{self, OnAbortTimeout};
+use super::aborter;
 use super::op::OpInfo;
 use super::settings::{DiagConfig, Settings};
 use crate::error::Result;
@@ -81,24 +81,20 @@ impl CommDiag {
     #[inline(always)]
     pub(crate) fn publish_group(&self) {}
 
-    pub(crate) fn abort_policy(&self) -> (Duration, OnAbortTimeout) {
-        (self.settings.abort_timeout, self.settings.on_abort_timeout)
-    }
-
+    /// The timeout of this communicator's operations (and of its init).
     pub(crate) fn timeout(&self) -> Duration {
         self.settings.timeout
     }
 
+    /// Aborts the handle `raw` (taken out of its communicator) on an abort thread and waits
+    /// at most the abort bound: the bound, and `ncclCommAbort`'s result if it returned.
     pub(crate) fn abort_off_thread(
         &self,
         lib: &Arc<Library>,
         raw: ncclComm_t,
         what: String,
     ) -> (Duration, Option<nccl_sys::ncclResult_t>) {
-        let (bound, action) = self.abort_policy();
-        let job = aborter::spawn(Arc::clone(lib), vec![raw as usize], bound, action, what);
-        let done = job.wait_bounded();
-        (bound, done.then(|| job.result()))
+        aborter::abort_bounded(&self.settings, lib, raw, what)
     }
 
     pub(crate) fn arrive(&self, _rank: usize, _world_size: usize) {}
