@@ -74,8 +74,13 @@ fn ranks<R: Send>(
     (out, id)
 }
 
-/// Every handle of `id`'s family was torn down exactly once, and nothing was misused.
+/// Every handle of `id`'s family was torn down exactly once, and nothing was misused. The
+/// watchdog's aborts run on threads of their own: waits (up to 10 s) until none is live.
 fn assert_exactly_once(id: &UniqueId, world: u64) {
+    let limit = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while nccl_safe::host::stats_for(&id.to_raw()).live > 0 && std::time::Instant::now() < limit {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
     let st = nccl_safe::host::stats_for(&id.to_raw());
     assert_eq!(st.created, world, "{st:?}");
     assert_eq!(st.created, st.destroyed + st.aborted, "{st:?}");

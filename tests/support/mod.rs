@@ -96,9 +96,12 @@ where
 
 /// Asserts that every handle of `id`'s family was torn down exactly once and that no
 /// call reached a dead handle; returns the counters.
+/// Aborts the watchdog started, or that a drop handed over, run on abort threads of
+/// their own and may finish after the caller moved on: waits (up to 10 s) until no handle
+/// of `id`'s family is live before asserting.
 #[track_caller]
 pub fn assert_balanced(id: &UniqueId) -> HostStats {
-    let st = stats_for(&id.to_raw());
+    let st = settled_stats(id);
     assert_eq!(st.created, st.destroyed + st.aborted, "{st:?}");
     assert_eq!(st.live, 0, "{st:?}");
     assert_eq!(st.misused, 0, "{st:?}");
@@ -119,5 +122,17 @@ pub fn within<R: Send + 'static>(limit: Duration, f: impl FnOnce() -> R + Send +
         }
         Ok(Err(p)) => resume_unwind(p),
         Err(_) => panic!("did not finish within {limit:?} (hang)"),
+    }
+}
+
+/// `id`'s counters once no handle is live, or after 10 s (background aborts finish).
+pub fn settled_stats(id: &UniqueId) -> HostStats {
+    let limit = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = stats_for(&id.to_raw());
+        if st.live == 0 || std::time::Instant::now() >= limit {
+            return st;
+        }
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
