@@ -91,7 +91,6 @@ pub struct Communicator {
     rank: usize,
     world_size: usize,
     cuda_device: Option<usize>,
-    blocking: bool,
     /// The first error this communicator saw; set means "abort on drop". `OnceCell` also
     /// makes the type `!Sync`.
     failure: OnceCell<String>,
@@ -281,7 +280,6 @@ impl Communicator {
                     Device::Cuda(c) => Some(c.ordinal()),
                     Device::Host => None,
                 },
-                blocking: config.is_blocking(),
                 failure: OnceCell::new(),
                 diag: {
                     let d = crate::diag::CommDiag::for_id(&config.diag, id);
@@ -340,7 +338,6 @@ impl Communicator {
                     Device::Cuda(c) => Some(c.ordinal()),
                     Device::Host => None,
                 },
-                blocking: true,
                 failure: OnceCell::new(),
                 diag: crate::diag::CommDiag::for_init_all(clique),
             })
@@ -757,7 +754,6 @@ impl Communicator {
             rank: 0,
             world_size: 0,
             cuda_device: self.cuda_device,
-            blocking: self.blocking,
             failure: OnceCell::new(),
             diag: self.diag.child(tag),
         };
@@ -924,7 +920,6 @@ impl Communicator {
         device: Device,
         rank: usize,
         world_size: usize,
-        blocking: bool,
         diag: crate::diag::CommDiag,
     ) -> Communicator {
         Communicator {
@@ -937,7 +932,6 @@ impl Communicator {
             device,
             rank,
             world_size,
-            blocking,
             failure: OnceCell::new(),
             diag,
         }

@@ -295,7 +295,6 @@ fn wrap(
         device.clone(),
         0,
         0,
-        blocking,
         crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id()),
     );
     // From here on an error gives the handle back untouched (no diagnostics attached yet,
@@ -346,7 +345,6 @@ fn wrap(
         device,
         rank,
         world_size,
-        blocking,
         crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id()),
     );
     // The handle the watchdog may take and abort: none for a borrowed one, so a timeout

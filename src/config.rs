@@ -146,7 +146,12 @@ impl Config {
         Config::default()
     }
 
-    /// `blocking`: with `false`, init and split return at once and complete in the background.
+    /// `blocking`. The crate's own communicators are always created in NCCL's non-blocking
+    /// mode, so that no init, split or call can wait for ever, and every `ncclInProgress`
+    /// is waited out (bounded by [`Config::timeout`]): they behave as blocking ones
+    /// whatever this says. It tells [`crate::Communicator::from_raw`] how an adopted handle
+    /// was created. To do other work during init, use
+    /// [`crate::Communicator::init_rank_nonblocking`].
     pub fn blocking(mut self, on: bool) -> Config {
         self.ints[0] = Some(on as i32);
         self
