@@ -529,7 +529,7 @@ pub struct Diagnostics {
     pub fingerprint_checks: u64,
     /// Whether the fingerprint check is on.
     pub check_enabled: bool,
-    /// Whether times come from the precise clock ([`Config::timing`]); otherwise `wait`
+    /// Whether times come from the precise clock ([`Config::timing`](crate::Config::timing)); otherwise `wait`
     /// has the coarse clock's 10 ms resolution (right on average over many operations).
     pub precise_timing: bool,
     /// The watchdog's timeout.

@@ -4,7 +4,7 @@
 //!
 //! Everything hooks into the one path every operation takes (`Communicator::issue`):
 //!
-//! * **Watchdog.** Each communicator has a timeout ([`Config::timeout`], else
+//! * **Watchdog.** Each communicator has a timeout ([`Config::timeout`](crate::Config::timeout), else
 //!   `NCCL_SAFE_TIMEOUT_MS`, else [`DEFAULT_TIMEOUT`]). An operation is registered before
 //!   its NCCL call and deregistered when it completes (host provider: when the call returns;
 //!   CUDA: when an event recorded after it completes). One process-wide thread (started
@@ -12,30 +12,30 @@
 //!   communicator of a clique whose operation ran out of time. The watchdog *takes* each
 //!   handle it aborts out of the communicator's shared slot, so the communicator's own
 //!   teardown skips it: every handle is torn down exactly once. The calls that were woken
-//!   (and any later call on that clique in this process) return [`Error::Timeout`] with the
+//!   (and any later call on that clique in this process) return [`Error::Timeout`](crate::Error::Timeout) with the
 //!   desync report.
 //! * **Flight recorder.** A preallocated ring of the last N operations
-//!   ([`Config::flight_record_len`], default 64) of `Copy` entries: recording never
-//!   allocates. [`Communicator::flight_record`] copies it; it is printed to stderr on a
-//!   timeout or error with `NCCL_SAFE_DEBUG=info|detail` or [`Config::dump_on_failure`], and
-//!   written as JSON to [`Config::flight_record_dir`] (or `NCCL_SAFE_FLIGHT_RECORD_DIR`).
+//!   ([`Config::flight_record_len`](crate::Config::flight_record_len), default 64) of `Copy` entries: recording never
+//!   allocates. [`Communicator::flight_record`](crate::Communicator::flight_record) copies it; it is printed to stderr on a
+//!   timeout or error with `NCCL_SAFE_DEBUG=info|detail` or [`Config::dump_on_failure`](crate::Config::dump_on_failure), and
+//!   written as JSON to [`Config::flight_record_dir`](crate::Config::flight_record_dir) (or `NCCL_SAFE_FLIGHT_RECORD_DIR`).
 //! * **Desync report.** Ranks of one clique in this process read each other's last operation; a
 //!   timeout reports which ranks are behind, what each was last doing and from which line.
-//!   Ranks in other processes come from the job's desync board ([`Config::desync_board`],
+//!   Ranks in other processes come from the job's desync board ([`Config::desync_board`](crate::Config::desync_board),
 //!   set by `ProcessLauncher::init`): the report posts this process's ranks to it and reads
 //!   the others' posts (only then: nothing is sent per operation).
-//! * **Fingerprint check** (opt-in: [`Config::check_collectives`] or
+//! * **Fingerprint check** (opt-in: [`Config::check_collectives`](crate::Config::check_collectives) or
 //!   `NCCL_SAFE_DEBUG=detail`): before each collective the ranks compare (sequence number,
 //!   operation, type, count, root); on a mismatch every rank gets
-//!   [`Error::CollectiveMismatch`] with a table of what each rank called and where, and
+//!   [`Error::CollectiveMismatch`](crate::Error::CollectiveMismatch) with a table of what each rank called and where, and
 //!   nothing reaches NCCL. Off, none of it runs.
-//! * **Straggler view.** [`Communicator::diagnostics`] reports the time spent inside
+//! * **Straggler view.** [`Communicator::diagnostics`](crate::Communicator::diagnostics) reports the time spent inside
 //!   collectives.
 //!
 //! **Cost.** The per-operation path takes no lock, makes no read-modify-write, reads no
 //! system clock and allocates nothing: about a dozen plain stores into the record's ring
 //! slot (a sequence lock: `journal`), a load of the coarse clock (`clock`, advanced by the
-//! watchdog every 10 ms; [`Config::timing`] switches to `Instant::now()`), and a compiler
+//! watchdog every 10 ms; [`Config::timing`](crate::Config::timing) switches to `Instant::now()`), and a compiler
 //! fence paired with the watchdog's `membarrier(2)` (`fence`) to keep the owner and the
 //! watchdog from ever both using a handle (where membarrier is refused, or with
 //! `NCCL_SAFE_NO_MEMBARRIER=1`, a full fence on each side instead). An operation on a
