@@ -144,8 +144,12 @@ fn check_all_collectives<T: El>() {
             let prev = (r + world - 1) % world;
             let mut got = sentinel::<T>(COUNT);
             let mut g = Group::new();
-            g.send(comm, &send, next, &S).unwrap();
-            g.recv(comm, &mut got, prev, &S).unwrap();
+            comm.send_op(&send, next, &S)
+                .and_then(|op| g.push(op))
+                .unwrap();
+            comm.recv_op(&mut got, prev, &S)
+                .and_then(|op| g.push(op))
+                .unwrap();
             g.end().unwrap();
             assert_eq!(got, vals::<T>(prev, COUNT), "ring world {world}");
 
@@ -270,7 +274,9 @@ fn check_pre_mul_sum<T: El>() {
 
             let mut buf = vals::<T>(r, COUNT);
             let mut g = Group::new();
-            g.all_reduce_in_place(comm, &mut buf, &op, &S).unwrap();
+            comm.all_reduce_in_place_op(&mut buf, &op, &S)
+                .and_then(|op| g.push(op))
+                .unwrap();
             g.end().unwrap();
             assert_eq!(buf, want, "PreMulSum in a group");
         });
@@ -290,10 +296,14 @@ fn one_thread_drives_four_communicators_in_a_group() {
         let mut g = Group::new();
         for ((c, s), r) in comms.iter().zip(&sends).zip(recvs.iter_mut()) {
             assert_eq!(c.world_size(), 4);
-            g.all_reduce(c, s, r, ReduceOp::Sum, &S).unwrap();
+            c.all_reduce_op(s, r, ReduceOp::Sum, &S)
+                .and_then(|op| g.push(op))
+                .unwrap();
         }
         for (c, b) in comms.iter().zip(in_place.iter_mut()) {
-            g.all_reduce_in_place(c, b, ReduceOp::Max, &S).unwrap();
+            c.all_reduce_in_place_op(b, ReduceOp::Max, &S)
+                .and_then(|op| g.push(op))
+                .unwrap();
         }
         g.end().unwrap();
     }
@@ -309,7 +319,7 @@ fn one_thread_drives_four_communicators_in_a_group() {
     let mut bufs: Vec<Vec<u8>> = (0..4).map(|r| vec![r as u8; COUNT]).collect();
     Group::run(|g| {
         for (c, b) in comms.iter().zip(bufs.iter_mut()) {
-            g.broadcast_in_place(c, b, 2, &S)?;
+            g.push(c.broadcast_in_place_op(b, 2, &S)?)?;
         }
         Ok(())
     })
@@ -484,7 +494,9 @@ fn gather_and_scatter_in_a_group_driven_by_one_thread() {
         .collect();
     let mut g = Group::new();
     for ((c, s), r) in comms.iter().zip(&sends).zip(recvs.iter_mut()) {
-        g.gather(c, s, r, 2, &HostStream).unwrap();
+        c.gather_op(s, r, 2, &HostStream)
+            .and_then(|op| g.push(op))
+            .unwrap();
     }
     g.end().unwrap();
     assert_eq!(recvs[2], vec![1, 1, 2, 2, 3, 3]);
@@ -495,7 +507,9 @@ fn gather_and_scatter_in_a_group_driven_by_one_thread() {
     let mut g = Group::new();
     for (rank, (c, o)) in comms.iter().zip(outs.iter_mut()).enumerate() {
         let send = if rank == 0 { &root_send } else { &empty };
-        g.scatter(c, send, o, 0, &HostStream).unwrap();
+        c.scatter_op(send, o, 0, &HostStream)
+            .and_then(|op| g.push(op))
+            .unwrap();
     }
     g.end().unwrap();
     assert_eq!(outs, vec![vec![7], vec![8], vec![9]]);

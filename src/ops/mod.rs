@@ -1,36 +1,43 @@
-//! Typed collectives: argument checks, then one FFI call through [`Communicator::issue`].
+//! Typed collectives, each described once.
 //!
-//! Each operation is written once, as an `*_enqueue` function that checks its arguments,
-//! takes the buffers' pointers (and cudarc guards) and makes the NCCL call; it returns the
-//! guards. The plain methods drop them when the work is enqueued; [`crate::Group`] keeps them
-//! until its end.
+//! A description (`all_reduce_op`, `broadcast_in_place_op`, ...) checks its arguments and
+//! returns an [`Op`] holding its buffers' borrows and pointers; [`Op::run`] enqueues it
+//! alone (the plain methods, such as [`Communicator::all_reduce`], are exactly that) and
+//! [`crate::Group::push`] inside a group, through the one generic path
+//! [`Communicator::issue`]. So every form, in place or not, works on its own and in a group.
 //!
-//! Checks, before NCCL sees anything: buffer lengths against the operation's rule, root and
-//! peer ranges, element counts that overflow, host memory only on the host provider and
-//! device memory only on NVIDIA's NCCL (on the communicator's device), the stream's
-//! kind and device, and element types newer than the loaded NCCL (fp8 before 2.24). A failed check is a typed error and leaves the communicator usable.
+//! Checks, in this order, before NCCL sees anything: the communicator has not failed, the
+//! stream's kind and device, the reduction (one of this communicator), root and peer ranges,
+//! element counts that overflow, element types newer than the loaded NCCL (fp8 before
+//! 2.24), buffer lengths against the operation's rule, and host memory only on the host
+//! provider and device memory only on NVIDIA's NCCL (on the communicator's device). Only then
+//! are the buffers' pointers taken (with cudarc's guards, kept until the work is enqueued). A
+//! failed check is a typed error and leaves the communicator usable.
+//!
+//! Adding a collective: its entry point in `nccl-sys`'s function table, a [`Call`] variant
+//! and one description here, its host-provider implementation, and its tests.
 
+mod op;
 mod reduce_op;
 
 use std::ffi::c_int;
-use std::panic::Location;
 
+pub(crate) use op::Guards;
+pub use op::Op;
 pub use reduce_op::{PreMulSum, Reduction};
 
-use crate::buffer::{BufferGuard, Memory, RecvBuffer, SendBuffer};
+use crate::buffer::{Memory, RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
-use crate::diag::OpInfo;
 use crate::error::{BufferRole, Error, Result};
 use crate::library::Provider;
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
-
-/// The guards of one enqueued operation (at most a send and a receive buffer).
-pub(crate) type Guards<'a> = [BufferGuard<'a>; 2];
+use nccl_sys::FunctionTable;
+use op::{Call, Start, NO_RECV, NO_SEND};
 
 impl Communicator {
     #[inline(always)]
-    fn check_stream(&self, op: &'static str, stream: StreamRef<'_>) -> Result<()> {
+    pub(crate) fn check_stream(&self, op: &'static str, stream: StreamRef<'_>) -> Result<()> {
         match (self.library().provider(), stream) {
             (Provider::Host, StreamRef::Host) => Ok(()),
             (Provider::Nccl, StreamRef::Cuda(_)) if stream.device() == self.device() => Ok(()),
@@ -108,90 +115,73 @@ impl Communicator {
             })
     }
 
-    fn send_arg<'a, T: NcclType, S: SendBuffer<T> + ?Sized>(
-        &self,
-        op: &'static str,
-        buf: &'a S,
-        expected: usize,
-        rule: &'static str,
-        stream: StreamRef<'a>,
-    ) -> Result<(*const std::ffi::c_void, BufferGuard<'a>)> {
-        T::DATA_TYPE.check_supported(self.library())?;
-        check_len(op, BufferRole::Send, buf.len(), expected, rule)?;
-        self.check_memory(op, BufferRole::Send, buf.memory())?;
-        Ok(buf.send_ptr(stream))
-    }
-
-    fn recv_arg<'a, T: NcclType, R: RecvBuffer<T> + ?Sized>(
-        &self,
-        op: &'static str,
-        buf: &'a mut R,
-        expected: usize,
-        rule: &'static str,
-        stream: StreamRef<'a>,
-    ) -> Result<(*mut std::ffi::c_void, BufferGuard<'a>)> {
-        T::DATA_TYPE.check_supported(self.library())?;
-        check_len(op, BufferRole::Recv, buf.len(), expected, rule)?;
-        self.check_memory(op, BufferRole::Recv, buf.memory())?;
-        Ok(buf.recv_ptr(stream))
-    }
-
-    // ---- all-reduce -------------------------------------------------------------------
-
+    /// Checks one buffer: its element type against the loaded NCCL, its length against the
+    /// operation's `rule`, its memory against the provider.
     #[inline(always)]
-    pub(crate) fn all_reduce_enqueue<
-        'a,
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    >(
+    fn check_buffer<T: NcclType>(
+        &self,
+        op: &'static str,
+        role: BufferRole,
+        len: usize,
+        memory: Memory,
+        expected: usize,
+        rule: &'static str,
+    ) -> Result<()> {
+        T::DATA_TYPE.check_supported(self.library())?;
+        check_len(op, role, len, expected, rule)?;
+        self.check_memory(op, role, memory)
+    }
+
+    /// `len / world_size`, or an error when `len` is not a multiple of it.
+    fn block_of(&self, op: &'static str, len: usize) -> Result<usize> {
+        let n = self.world_size();
+        if !len.is_multiple_of(n) {
+            return Err(Error::LengthMismatch {
+                op,
+                role: BufferRole::Recv,
+                expected: (len / n + 1) * n,
+                actual: len,
+                rule: "in place: buffer = world_size x block",
+            });
+        }
+        Ok(len / n)
+    }
+
+    /// An optional entry point of the loaded NCCL, or [`Error::Unsupported`].
+    #[inline(always)]
+    fn optional<F: Copy>(
+        &self,
+        f: impl FnOnce(&FunctionTable) -> Option<F>,
+        symbol: &'static str,
+    ) -> Result<F> {
+        self.library().optional(f(self.library().table()), symbol)
+    }
+
+    // ---- all-reduce ---------------------------------------------------------
+
+    /// [`all_reduce`](Self::all_reduce) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn all_reduce_op<'a, T, S, R>(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
-        op: Reduction<'a, T>,
-        stream: StreamRef<'a>,
-        caller: &'static Location<'static>,
-    ) -> Result<Guards<'a>> {
-        const OP: &str = "ncclAllReduce";
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
-        let red = op.raw_for(self, OP)?;
+        op: impl Into<Reduction<'a, T>>,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    {
+        let at = Start::new(self, &"ncclAllReduce", stream)?;
+        let red = at.reduction(op.into())?;
         let count = send.len();
-        let (s, sg) = self.send_arg(OP, send, count, "recv = send", stream)?;
-        let (r, rg) = self.recv_arg(OP, recv, count, "recv = send", stream)?;
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, None, stream);
-        self.issue(info, caller, |t, comm| {
-            // SAFETY: both buffers hold `count` elements of T in the memory this provider
-            // reads (checked above) and stay borrowed until the work is enqueued.
-            unsafe {
-                (t.ncclAllReduce)(s, r, count, T::DATA_TYPE.to_raw(), red, comm, stream.raw())
-            }
-        })?;
-        Ok([sg, rg])
-    }
-
-    #[inline(always)]
-    pub(crate) fn all_reduce_in_place_enqueue<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
-        &'a self,
-        buf: &'a mut B,
-        op: Reduction<'a, T>,
-        stream: StreamRef<'a>,
-        caller: &'static Location<'static>,
-    ) -> Result<Guards<'a>> {
-        const OP: &str = "ncclAllReduce";
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
-        let red = op.raw_for(self, OP)?;
-        let count = buf.len();
-        let (p, g) = self.recv_arg(OP, buf, count, "in place", stream)?;
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, None, stream);
-        self.issue(info, caller, |t, comm| {
-            // SAFETY: `p` holds `count` elements; send == recv is NCCL's in-place form.
-            unsafe {
-                (t.ncclAllReduce)(p, p, count, T::DATA_TYPE.to_raw(), red, comm, stream.raw())
-            }
-        })?;
-        Ok([g, BufferGuard::Host])
+        at.send(send, count, "recv = send")?;
+        at.recv(recv, count, "recv = send")?;
+        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
+        Ok(at.op::<T>(Call::AllReduce(red), count, None, s, r))
     }
 
     /// Reduces `send` across all ranks into every rank's `recv` (`ncclAllReduce`).
@@ -211,98 +201,82 @@ impl Communicator {
     /// ```
     #[track_caller]
     pub fn all_reduce<'a, T, S, R>(
-        &self,
-        send: &S,
-        recv: &mut R,
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
         op: impl Into<Reduction<'a, T>>,
-        stream: &impl AsStream,
+        stream: &'a impl AsStream,
     ) -> Result<()>
     where
         T: NcclType,
         S: SendBuffer<T> + ?Sized,
         R: RecvBuffer<T> + ?Sized,
     {
-        self.all_reduce_enqueue(
-            send,
-            recv,
-            op.into(),
-            stream.as_stream(),
-            Location::caller(),
-        )
-        .map(drop)
+        self.all_reduce_op(send, recv, op, stream)?.run()
+    }
+
+    /// [`all_reduce_in_place`](Self::all_reduce_in_place) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn all_reduce_in_place_op<'a, T, B>(
+        &'a self,
+        buf: &'a mut B,
+        op: impl Into<Reduction<'a, T>>,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        B: RecvBuffer<T> + ?Sized,
+    {
+        let at = Start::new(self, &"ncclAllReduce", stream)?;
+        let red = at.reduction(op.into())?;
+        let count = buf.len();
+        at.recv(buf, count, "in place")?;
+        let (s, r) = at.in_place(buf, 0, 0);
+        Ok(at.op::<T>(Call::AllReduce(red), count, None, s, r))
     }
 
     /// All-reduce in place: `buf` is both input and output (`ncclAllReduce`, send == recv).
     #[track_caller]
     pub fn all_reduce_in_place<'a, T, B>(
-        &self,
-        buf: &mut B,
+        &'a self,
+        buf: &'a mut B,
         op: impl Into<Reduction<'a, T>>,
-        stream: &impl AsStream,
+        stream: &'a impl AsStream,
     ) -> Result<()>
     where
         T: NcclType,
         B: RecvBuffer<T> + ?Sized,
     {
-        self.all_reduce_in_place_enqueue(buf, op.into(), stream.as_stream(), Location::caller())
-            .map(drop)
+        self.all_reduce_in_place_op(buf, op, stream)?.run()
     }
 
-    // ---- broadcast --------------------------------------------------------------------
+    // ---- broadcast ----------------------------------------------------------
 
+    /// [`broadcast`](Self::broadcast) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
     #[inline(always)]
-    pub(crate) fn broadcast_enqueue<
-        'a,
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    >(
+    pub fn broadcast_op<'a, T, S, R>(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
         root: usize,
-        stream: StreamRef<'a>,
-        caller: &'static Location<'static>,
-    ) -> Result<Guards<'a>> {
-        const OP: &str = "ncclBroadcast";
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
-        let root = self.check_rank(OP, "root", root)?;
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    {
+        let at = Start::new(self, &"ncclBroadcast", stream)?;
+        let root_c = at.rank_arg("root", root)?;
         let count = recv.len();
-        let (s, sg) = self.send_arg(OP, send, count, "send = recv", stream)?;
-        let (r, rg) = self.recv_arg(OP, recv, count, "send = recv", stream)?;
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(root as usize), stream);
-        self.issue(info, caller, |t, comm| {
-            // SAFETY: both buffers hold `count` elements; root is in range.
-            unsafe {
-                (t.ncclBroadcast)(s, r, count, T::DATA_TYPE.to_raw(), root, comm, stream.raw())
-            }
-        })?;
-        Ok([sg, rg])
-    }
-
-    #[inline(always)]
-    pub(crate) fn broadcast_in_place_enqueue<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
-        &'a self,
-        buf: &'a mut B,
-        root: usize,
-        stream: StreamRef<'a>,
-        caller: &'static Location<'static>,
-    ) -> Result<Guards<'a>> {
-        const OP: &str = "ncclBroadcast";
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
-        let root = self.check_rank(OP, "root", root)?;
-        let count = buf.len();
-        let (p, g) = self.recv_arg(OP, buf, count, "in place", stream)?;
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(root as usize), stream);
-        self.issue(info, caller, |t, comm| {
-            // SAFETY: `p` holds `count` elements; send == recv is the in-place form.
-            unsafe {
-                (t.ncclBroadcast)(p, p, count, T::DATA_TYPE.to_raw(), root, comm, stream.raw())
-            }
-        })?;
-        Ok([g, BufferGuard::Host])
+        at.send(send, count, "send = recv")?;
+        at.recv(recv, count, "send = recv")?;
+        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
+        Ok(at.op::<T>(Call::Broadcast { root: root_c }, count, Some(root), s, r))
     }
 
     /// Copies `send` on `root` into every rank's `recv` (`ncclBroadcast`). All ranks pass
@@ -321,81 +295,85 @@ impl Communicator {
     /// # Ok::<(), nccl_safe::Error>(())
     /// ```
     #[track_caller]
-    pub fn broadcast<T, S, R>(
-        &self,
-        send: &S,
-        recv: &mut R,
+    pub fn broadcast<'a, T, S, R>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
         root: usize,
-        stream: &impl AsStream,
+        stream: &'a impl AsStream,
     ) -> Result<()>
     where
         T: NcclType,
         S: SendBuffer<T> + ?Sized,
         R: RecvBuffer<T> + ?Sized,
     {
-        self.broadcast_enqueue(send, recv, root, stream.as_stream(), Location::caller())
-            .map(drop)
+        self.broadcast_op(send, recv, root, stream)?.run()
+    }
+
+    /// [`broadcast_in_place`](Self::broadcast_in_place) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn broadcast_in_place_op<'a, T, B>(
+        &'a self,
+        buf: &'a mut B,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        B: RecvBuffer<T> + ?Sized,
+    {
+        let at = Start::new(self, &"ncclBroadcast", stream)?;
+        let root_c = at.rank_arg("root", root)?;
+        let count = buf.len();
+        at.recv(buf, count, "in place")?;
+        let (s, r) = at.in_place(buf, 0, 0);
+        Ok(at.op::<T>(Call::Broadcast { root: root_c }, count, Some(root), s, r))
     }
 
     /// Broadcast in place: `buf` is the source on the root and the destination elsewhere.
     #[track_caller]
-    pub fn broadcast_in_place<T, B>(
-        &self,
-        buf: &mut B,
+    pub fn broadcast_in_place<'a, T, B>(
+        &'a self,
+        buf: &'a mut B,
         root: usize,
-        stream: &impl AsStream,
+        stream: &'a impl AsStream,
     ) -> Result<()>
     where
         T: NcclType,
         B: RecvBuffer<T> + ?Sized,
     {
-        self.broadcast_in_place_enqueue(buf, root, stream.as_stream(), Location::caller())
-            .map(drop)
+        self.broadcast_in_place_op(buf, root, stream)?.run()
     }
 
-    // ---- reduce -----------------------------------------------------------------------
+    // ---- reduce -------------------------------------------------------------
 
-    #[allow(clippy::too_many_arguments)]
+    /// [`reduce`](Self::reduce) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
     #[inline(always)]
-    pub(crate) fn reduce_enqueue<
-        'a,
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    >(
+    pub fn reduce_op<'a, T, S, R>(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
-        op: Reduction<'a, T>,
+        op: impl Into<Reduction<'a, T>>,
         root: usize,
-        stream: StreamRef<'a>,
-        caller: &'static Location<'static>,
-    ) -> Result<Guards<'a>> {
-        const OP: &str = "ncclReduce";
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
-        let red = op.raw_for(self, OP)?;
-        let root = self.check_rank(OP, "root", root)?;
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    {
+        let at = Start::new(self, &"ncclReduce", stream)?;
+        let red = at.reduction(op.into())?;
+        let root_c = at.rank_arg("root", root)?;
         let count = send.len();
-        let (s, sg) = self.send_arg(OP, send, count, "recv = send", stream)?;
-        let (r, rg) = self.recv_arg(OP, recv, count, "recv = send", stream)?;
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(root as usize), stream);
-        self.issue(info, caller, |t, comm| {
-            // SAFETY: both buffers hold `count` elements; root is in range.
-            unsafe {
-                (t.ncclReduce)(
-                    s,
-                    r,
-                    count,
-                    T::DATA_TYPE.to_raw(),
-                    red,
-                    root,
-                    comm,
-                    stream.raw(),
-                )
-            }
-        })?;
-        Ok([sg, rg])
+        at.send(send, count, "recv = send")?;
+        at.recv(recv, count, "recv = send")?;
+        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
+        Ok(at.op::<T>(Call::Reduce(red, root_c), count, Some(root), s, r))
     }
 
     /// Reduces `send` across all ranks into `recv` on `root` (`ncclReduce`). Every rank
@@ -415,97 +393,85 @@ impl Communicator {
     /// ```
     #[track_caller]
     pub fn reduce<'a, T, S, R>(
-        &self,
-        send: &S,
-        recv: &mut R,
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
         op: impl Into<Reduction<'a, T>>,
         root: usize,
-        stream: &impl AsStream,
+        stream: &'a impl AsStream,
     ) -> Result<()>
     where
         T: NcclType,
         S: SendBuffer<T> + ?Sized,
         R: RecvBuffer<T> + ?Sized,
     {
-        self.reduce_enqueue(
-            send,
-            recv,
-            op.into(),
-            root,
-            stream.as_stream(),
-            Location::caller(),
-        )
-        .map(drop)
+        self.reduce_op(send, recv, op, root, stream)?.run()
+    }
+
+    /// [`reduce_in_place`](Self::reduce_in_place) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn reduce_in_place_op<'a, T, B>(
+        &'a self,
+        buf: &'a mut B,
+        op: impl Into<Reduction<'a, T>>,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        B: RecvBuffer<T> + ?Sized,
+    {
+        let at = Start::new(self, &"ncclReduce", stream)?;
+        let red = at.reduction(op.into())?;
+        let root_c = at.rank_arg("root", root)?;
+        let count = buf.len();
+        at.recv(buf, count, "in place")?;
+        let (s, r) = at.in_place(buf, 0, 0);
+        Ok(at.op::<T>(Call::Reduce(red, root_c), count, Some(root), s, r))
     }
 
     /// Reduce in place: `buf` is every rank's input and, on the root, the result.
     #[track_caller]
     pub fn reduce_in_place<'a, T, B>(
-        &self,
-        buf: &mut B,
+        &'a self,
+        buf: &'a mut B,
         op: impl Into<Reduction<'a, T>>,
         root: usize,
-        stream: &impl AsStream,
+        stream: &'a impl AsStream,
     ) -> Result<()>
     where
         T: NcclType,
         B: RecvBuffer<T> + ?Sized,
     {
-        const OP: &str = "ncclReduce";
-        let caller = Location::caller();
-        let stream = stream.as_stream();
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
-        let red = op.into().raw_for(self, OP)?;
-        let root = self.check_rank(OP, "root", root)?;
-        let count = buf.len();
-        let (p, _g) = self.recv_arg(OP, buf, count, "in place", stream)?;
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(root as usize), stream);
-        self.issue(info, caller, |t, comm| {
-            // SAFETY: `p` holds `count` elements; send == recv is the in-place form.
-            unsafe {
-                (t.ncclReduce)(
-                    p,
-                    p,
-                    count,
-                    T::DATA_TYPE.to_raw(),
-                    red,
-                    root,
-                    comm,
-                    stream.raw(),
-                )
-            }
-        })
+        self.reduce_in_place_op(buf, op, root, stream)?.run()
     }
 
-    // ---- all-gather -------------------------------------------------------------------
+    // ---- all-gather ---------------------------------------------------------
 
+    /// [`all_gather`](Self::all_gather) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
     #[inline(always)]
-    pub(crate) fn all_gather_enqueue<
-        'a,
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    >(
+    pub fn all_gather_op<'a, T, S, R>(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
-        stream: StreamRef<'a>,
-        caller: &'static Location<'static>,
-    ) -> Result<Guards<'a>> {
-        const OP: &str = "ncclAllGather";
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    {
+        let at = Start::new(self, &"ncclAllGather", stream)?;
         let count = send.len();
-        let total = self.times_world(OP, count)?;
-        let (s, sg) = self.send_arg(OP, send, count, "send = count", stream)?;
-        let (r, rg) = self.recv_arg(OP, recv, total, "recv = world_size x send", stream)?;
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, None, stream);
-        self.issue(info, caller, |t, comm| {
-            // SAFETY: send holds `count`, recv `world_size * count` elements.
-            unsafe { (t.ncclAllGather)(s, r, count, T::DATA_TYPE.to_raw(), comm, stream.raw()) }
-        })?;
-        Ok([sg, rg])
+        let total = at.times_world(count)?;
+        at.send(send, count, "send = count")?;
+        at.recv(recv, total, "recv = world_size x send")?;
+        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
+        Ok(at.op::<T>(Call::AllGather, count, None, s, r))
     }
 
     /// Gathers every rank's `send` into every rank's `recv`, rank `i`'s block at
@@ -524,90 +490,82 @@ impl Communicator {
     /// # Ok::<(), nccl_safe::Error>(())
     /// ```
     #[track_caller]
-    pub fn all_gather<T, S, R>(&self, send: &S, recv: &mut R, stream: &impl AsStream) -> Result<()>
+    pub fn all_gather<'a, T, S, R>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        stream: &'a impl AsStream,
+    ) -> Result<()>
     where
         T: NcclType,
         S: SendBuffer<T> + ?Sized,
         R: RecvBuffer<T> + ?Sized,
     {
-        self.all_gather_enqueue(send, recv, stream.as_stream(), Location::caller())
-            .map(drop)
+        self.all_gather_op(send, recv, stream)?.run()
+    }
+
+    /// [`all_gather_in_place`](Self::all_gather_in_place) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn all_gather_in_place_op<'a, T, B>(
+        &'a self,
+        buf: &'a mut B,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        B: RecvBuffer<T> + ?Sized,
+    {
+        let at = Start::new(self, &"ncclAllGather", stream)?;
+        let count = at.block_of(buf.len())?;
+        at.recv(buf, count * at.world_size(), "in place")?;
+        // NCCL's in-place form: this rank's block is the input.
+        let (s, r) = at.in_place(buf, at.rank() * count, 0);
+        Ok(at.op::<T>(Call::AllGather, count, None, s, r))
     }
 
     /// All-gather in place: this rank's input is its own block of `buf`
     /// (`buf[rank * n .. (rank + 1) * n]`, `n = buf.len() / world_size`).
     #[track_caller]
-    pub fn all_gather_in_place<T, B>(&self, buf: &mut B, stream: &impl AsStream) -> Result<()>
+    pub fn all_gather_in_place<'a, T, B>(
+        &'a self,
+        buf: &'a mut B,
+        stream: &'a impl AsStream,
+    ) -> Result<()>
     where
         T: NcclType,
         B: RecvBuffer<T> + ?Sized,
     {
-        const OP: &str = "ncclAllGather";
-        let caller = Location::caller();
-        let stream = stream.as_stream();
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
-        let count = self.block_of(OP, buf.len())?;
-        let rank = self.rank();
-        let (p, _g) = self.recv_arg(OP, buf, count * self.world_size(), "in place", stream)?;
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, None, stream);
-        self.issue(info, caller, |t, comm| {
-            // SAFETY: `p` holds world_size * count elements of T; the send pointer is this
-            // rank's block inside it, NCCL's in-place form.
-            unsafe {
-                let s = p.cast::<T>().add(rank * count).cast::<std::ffi::c_void>();
-                (t.ncclAllGather)(s, p, count, T::DATA_TYPE.to_raw(), comm, stream.raw())
-            }
-        })
+        self.all_gather_in_place_op(buf, stream)?.run()
     }
 
-    /// `len / world_size`, or an error when `len` is not a multiple of it.
-    fn block_of(&self, op: &'static str, len: usize) -> Result<usize> {
-        let n = self.world_size();
-        if !len.is_multiple_of(n) {
-            return Err(Error::LengthMismatch {
-                op,
-                role: BufferRole::Recv,
-                expected: (len / n + 1) * n,
-                actual: len,
-                rule: "in place: buffer = world_size x block",
-            });
-        }
-        Ok(len / n)
-    }
+    // ---- reduce-scatter -----------------------------------------------------
 
-    // ---- reduce-scatter ---------------------------------------------------------------
-
+    /// [`reduce_scatter`](Self::reduce_scatter) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
     #[inline(always)]
-    pub(crate) fn reduce_scatter_enqueue<
-        'a,
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    >(
+    pub fn reduce_scatter_op<'a, T, S, R>(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
-        op: Reduction<'a, T>,
-        stream: StreamRef<'a>,
-        caller: &'static Location<'static>,
-    ) -> Result<Guards<'a>> {
-        const OP: &str = "ncclReduceScatter";
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
-        let red = op.raw_for(self, OP)?;
+        op: impl Into<Reduction<'a, T>>,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    {
+        let at = Start::new(self, &"ncclReduceScatter", stream)?;
+        let red = at.reduction(op.into())?;
         let count = recv.len();
-        let total = self.times_world(OP, count)?;
-        let (s, sg) = self.send_arg(OP, send, total, "send = world_size x recv", stream)?;
-        let (r, rg) = self.recv_arg(OP, recv, count, "recv = count", stream)?;
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, None, stream);
-        self.issue(info, caller, |t, comm| {
-            // SAFETY: send holds `world_size * count`, recv `count` elements.
-            unsafe {
-                (t.ncclReduceScatter)(s, r, count, T::DATA_TYPE.to_raw(), red, comm, stream.raw())
-            }
-        })?;
-        Ok([sg, rg])
+        let total = at.times_world(count)?;
+        at.send(send, total, "send = world_size x recv")?;
+        at.recv(recv, count, "recv = count")?;
+        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
+        Ok(at.op::<T>(Call::ReduceScatter(red), count, None, s, r))
     }
 
     /// Reduces `send` across ranks and leaves block `i` of the result on rank `i`
@@ -627,160 +585,161 @@ impl Communicator {
     /// ```
     #[track_caller]
     pub fn reduce_scatter<'a, T, S, R>(
-        &self,
-        send: &S,
-        recv: &mut R,
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
         op: impl Into<Reduction<'a, T>>,
-        stream: &impl AsStream,
+        stream: &'a impl AsStream,
     ) -> Result<()>
     where
         T: NcclType,
         S: SendBuffer<T> + ?Sized,
         R: RecvBuffer<T> + ?Sized,
     {
-        self.reduce_scatter_enqueue(
-            send,
-            recv,
-            op.into(),
-            stream.as_stream(),
-            Location::caller(),
-        )
-        .map(drop)
+        self.reduce_scatter_op(send, recv, op, stream)?.run()
+    }
+
+    /// [`reduce_scatter_in_place`](Self::reduce_scatter_in_place) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn reduce_scatter_in_place_op<'a, T, B>(
+        &'a self,
+        buf: &'a mut B,
+        op: impl Into<Reduction<'a, T>>,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        B: RecvBuffer<T> + ?Sized,
+    {
+        let at = Start::new(self, &"ncclReduceScatter", stream)?;
+        let red = at.reduction(op.into())?;
+        let count = at.block_of(buf.len())?;
+        at.recv(buf, count * at.world_size(), "in place")?;
+        // NCCL's in-place form: the result is this rank's block.
+        let (s, r) = at.in_place(buf, 0, at.rank() * count);
+        Ok(at.op::<T>(Call::ReduceScatter(red), count, None, s, r))
     }
 
     /// Reduce-scatter in place: the result lands in this rank's block of `buf`.
     #[track_caller]
     pub fn reduce_scatter_in_place<'a, T, B>(
-        &self,
-        buf: &mut B,
+        &'a self,
+        buf: &'a mut B,
         op: impl Into<Reduction<'a, T>>,
-        stream: &impl AsStream,
+        stream: &'a impl AsStream,
     ) -> Result<()>
     where
         T: NcclType,
         B: RecvBuffer<T> + ?Sized,
     {
-        const OP: &str = "ncclReduceScatter";
-        let caller = Location::caller();
-        let stream = stream.as_stream();
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
-        let red = op.into().raw_for(self, OP)?;
-        let count = self.block_of(OP, buf.len())?;
-        let rank = self.rank();
-        let (p, _g) = self.recv_arg(OP, buf, count * self.world_size(), "in place", stream)?;
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, None, stream);
-        self.issue(info, caller, |t, comm| {
-            // SAFETY: `p` holds world_size * count elements; the receive pointer is this
-            // rank's block inside it, NCCL's in-place form.
-            unsafe {
-                let r = p.cast::<T>().add(rank * count).cast::<std::ffi::c_void>();
-                (t.ncclReduceScatter)(p, r, count, T::DATA_TYPE.to_raw(), red, comm, stream.raw())
-            }
-        })
+        self.reduce_scatter_in_place_op(buf, op, stream)?.run()
     }
 
-    // ---- point to point ---------------------------------------------------------------
+    // ---- point to point -----------------------------------------------------
 
+    /// [`send`](Self::send) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
     #[inline(always)]
-    pub(crate) fn send_enqueue<'a, T: NcclType, S: SendBuffer<T> + ?Sized>(
+    pub fn send_op<'a, T, S>(
         &'a self,
         buf: &'a S,
         peer: usize,
-        stream: StreamRef<'a>,
-        caller: &'static Location<'static>,
-    ) -> Result<Guards<'a>> {
-        const OP: &str = "ncclSend";
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
-        let peer = self.check_rank(OP, "peer", peer)?;
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+    {
+        let at = Start::new(self, &"ncclSend", stream)?;
+        let peer_c = at.rank_arg("peer", peer)?;
         let count = buf.len();
-        let (s, sg) = self.send_arg(OP, buf, count, "any length", stream)?;
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(peer as usize), stream);
-        self.issue(info, caller, |t, comm| {
-            // SAFETY: `s` holds `count` elements; peer is in range.
-            unsafe { (t.ncclSend)(s, count, T::DATA_TYPE.to_raw(), peer, comm, stream.raw()) }
-        })?;
-        Ok([sg, BufferGuard::Host])
-    }
-
-    #[inline(always)]
-    pub(crate) fn recv_enqueue<'a, T: NcclType, R: RecvBuffer<T> + ?Sized>(
-        &'a self,
-        buf: &'a mut R,
-        peer: usize,
-        stream: StreamRef<'a>,
-        caller: &'static Location<'static>,
-    ) -> Result<Guards<'a>> {
-        const OP: &str = "ncclRecv";
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
-        let peer = self.check_rank(OP, "peer", peer)?;
-        let count = buf.len();
-        let (r, rg) = self.recv_arg(OP, buf, count, "any length", stream)?;
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(peer as usize), stream);
-        self.issue(info, caller, |t, comm| {
-            // SAFETY: `r` holds `count` elements; peer is in range.
-            unsafe { (t.ncclRecv)(r, count, T::DATA_TYPE.to_raw(), peer, comm, stream.raw()) }
-        })?;
-        Ok([rg, BufferGuard::Host])
+        at.send(buf, count, "any length")?;
+        let s = at.send_ptr(buf);
+        Ok(at.op::<T>(Call::Send { peer: peer_c }, count, Some(peer), s, NO_RECV))
     }
 
     /// Sends `buf` to `peer` (`ncclSend`); the peer posts a [`recv`](Self::recv) of the
     /// same length. A send and a receive that depend on each other must be in one
     /// [`crate::Group`].
     #[track_caller]
-    pub fn send<T, S>(&self, buf: &S, peer: usize, stream: &impl AsStream) -> Result<()>
+    pub fn send<'a, T, S>(
+        &'a self,
+        buf: &'a S,
+        peer: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<()>
     where
         T: NcclType,
         S: SendBuffer<T> + ?Sized,
     {
-        self.send_enqueue(buf, peer, stream.as_stream(), Location::caller())
-            .map(drop)
+        self.send_op(buf, peer, stream)?.run()
+    }
+
+    /// [`recv`](Self::recv) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn recv_op<'a, T, R>(
+        &'a self,
+        buf: &'a mut R,
+        peer: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        R: RecvBuffer<T> + ?Sized,
+    {
+        let at = Start::new(self, &"ncclRecv", stream)?;
+        let peer_c = at.rank_arg("peer", peer)?;
+        let count = buf.len();
+        at.recv(buf, count, "any length")?;
+        let r = at.recv_ptr(buf);
+        Ok(at.op::<T>(Call::Recv { peer: peer_c }, count, Some(peer), NO_SEND, r))
     }
 
     /// Receives `buf.len()` elements from `peer` (`ncclRecv`).
     #[track_caller]
-    pub fn recv<T, R>(&self, buf: &mut R, peer: usize, stream: &impl AsStream) -> Result<()>
+    pub fn recv<'a, T, R>(
+        &'a self,
+        buf: &'a mut R,
+        peer: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<()>
     where
         T: NcclType,
         R: RecvBuffer<T> + ?Sized,
     {
-        self.recv_enqueue(buf, peer, stream.as_stream(), Location::caller())
-            .map(drop)
+        self.recv_op(buf, peer, stream)?.run()
     }
 
-    // ---- all-to-all, gather, scatter (NCCL 2.28+) -------------------------------------
+    // ---- all-to-all, gather, scatter (NCCL 2.28+) ---------------------------
 
+    /// [`all_to_all`](Self::all_to_all) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
     #[inline(always)]
-    pub(crate) fn all_to_all_enqueue<
-        'a,
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    >(
+    pub fn all_to_all_op<'a, T, S, R>(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
-        stream: StreamRef<'a>,
-        caller: &'static Location<'static>,
-    ) -> Result<Guards<'a>> {
-        const OP: &str = "ncclAlltoAll";
-        let f = self
-            .library()
-            .optional(self.library().table().ncclAlltoAll, OP)?;
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    {
+        let f = self.optional(|t| t.ncclAlltoAll, "ncclAlltoAll")?;
+        let at = Start::new(self, &"ncclAlltoAll", stream)?;
         let total = send.len();
-        let count = self.block_of(OP, total)?;
-        let (s, sg) = self.send_arg(OP, send, total, "send = world_size x block", stream)?;
-        let (r, rg) = self.recv_arg(OP, recv, total, "recv = send", stream)?;
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, None, stream);
-        self.issue(info, caller, |_, comm| {
-            // SAFETY: both buffers hold world_size * count elements.
-            unsafe { f(s, r, count, T::DATA_TYPE.to_raw(), comm, stream.raw()) }
-        })?;
-        Ok([sg, rg])
+        let count = at.block_of(total)?;
+        at.send(send, total, "send = world_size x block")?;
+        at.recv(recv, total, "recv = send")?;
+        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
+        Ok(at.op::<T>(Call::AllToAll(f), count, None, s, r))
     }
 
     /// Block `j` of `send` goes to rank `j`; block `i` of `recv` comes from rank `i`
@@ -799,69 +758,52 @@ impl Communicator {
     /// # Ok::<(), nccl_safe::Error>(())
     /// ```
     #[track_caller]
-    pub fn all_to_all<T, S, R>(&self, send: &S, recv: &mut R, stream: &impl AsStream) -> Result<()>
+    pub fn all_to_all<'a, T, S, R>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        stream: &'a impl AsStream,
+    ) -> Result<()>
     where
         T: NcclType,
         S: SendBuffer<T> + ?Sized,
         R: RecvBuffer<T> + ?Sized,
     {
-        self.all_to_all_enqueue(send, recv, stream.as_stream(), Location::caller())
-            .map(drop)
+        self.all_to_all_op(send, recv, stream)?.run()
     }
 
+    /// [`gather`](Self::gather) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
     #[inline(always)]
-    pub(crate) fn gather_enqueue<
-        'a,
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    >(
+    pub fn gather_op<'a, T, S, R>(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
         root: usize,
-        stream: StreamRef<'a>,
-        caller: &'static Location<'static>,
-    ) -> Result<Guards<'a>> {
-        const OP: &str = "ncclGather";
-        let f = self
-            .library()
-            .optional(self.library().table().ncclGather, OP)?;
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
-        let root_c = self.check_rank(OP, "root", root)?;
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    {
+        let f = self.optional(|t| t.ncclGather, "ncclGather")?;
+        let at = Start::new(self, &"ncclGather", stream)?;
+        let root_c = at.rank_arg("root", root)?;
         let count = send.len();
-        let total = self.times_world(OP, count)?;
-        let (s, sg) = self.send_arg(OP, send, count, "send = count", stream)?;
-        let (r, rg) = if self.rank() == root {
-            self.recv_arg(
-                OP,
-                recv,
-                total,
-                "recv = world_size x send on the root",
-                stream,
-            )?
+        let total = at.times_world(count)?;
+        at.send(send, count, "send = count")?;
+        let on_root = self.rank() == root;
+        if on_root {
+            at.recv(recv, total, "recv = world_size x send on the root")?;
         } else {
-            self.check_memory(OP, BufferRole::Recv, recv.memory())?;
-            (std::ptr::null_mut(), BufferGuard::Host)
-        };
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(root), stream);
-        self.issue(info, caller, |_, comm| {
-            // SAFETY: send holds `count`; on the root recv holds world_size * count; NCCL
-            // ignores recv elsewhere (passed as null).
-            unsafe {
-                f(
-                    s,
-                    r,
-                    count,
-                    T::DATA_TYPE.to_raw(),
-                    root_c,
-                    comm,
-                    stream.raw(),
-                )
-            }
-        })?;
-        Ok([sg, rg])
+            at.ignored(BufferRole::Recv, recv)?;
+        }
+        let s = at.send_ptr(send);
+        // NCCL ignores recv off the root: passed as null.
+        let r = if on_root { at.recv_ptr(recv) } else { NO_RECV };
+        Ok(at.op::<T>(Call::Gather(f, root_c), count, Some(root), s, r))
     }
 
     /// Gathers every rank's `send` into `recv` on `root`, rank `i` at `i * send.len()`
@@ -880,75 +822,53 @@ impl Communicator {
     /// # Ok::<(), nccl_safe::Error>(())
     /// ```
     #[track_caller]
-    pub fn gather<T, S, R>(
-        &self,
-        send: &S,
-        recv: &mut R,
+    pub fn gather<'a, T, S, R>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
         root: usize,
-        stream: &impl AsStream,
+        stream: &'a impl AsStream,
     ) -> Result<()>
     where
         T: NcclType,
         S: SendBuffer<T> + ?Sized,
         R: RecvBuffer<T> + ?Sized,
     {
-        self.gather_enqueue(send, recv, root, stream.as_stream(), Location::caller())
-            .map(drop)
+        self.gather_op(send, recv, root, stream)?.run()
     }
 
+    /// [`scatter`](Self::scatter) as an [`Op`], to [`run`](Op::run) or push into a
+    /// [`Group`](crate::Group): the same checks, in the same order.
+    #[track_caller]
     #[inline(always)]
-    pub(crate) fn scatter_enqueue<
-        'a,
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    >(
+    pub fn scatter_op<'a, T, S, R>(
         &'a self,
         send: &'a S,
         recv: &'a mut R,
         root: usize,
-        stream: StreamRef<'a>,
-        caller: &'static Location<'static>,
-    ) -> Result<Guards<'a>> {
-        const OP: &str = "ncclScatter";
-        let f = self
-            .library()
-            .optional(self.library().table().ncclScatter, OP)?;
-        self.admit(OP)?;
-        self.check_stream(OP, stream)?;
-        let root_c = self.check_rank(OP, "root", root)?;
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    {
+        let f = self.optional(|t| t.ncclScatter, "ncclScatter")?;
+        let at = Start::new(self, &"ncclScatter", stream)?;
+        let root_c = at.rank_arg("root", root)?;
         let count = recv.len();
-        let total = self.times_world(OP, count)?;
-        let (s, sg) = if self.rank() == root {
-            self.send_arg(
-                OP,
-                send,
-                total,
-                "send = world_size x recv on the root",
-                stream,
-            )?
+        let total = at.times_world(count)?;
+        let on_root = self.rank() == root;
+        if on_root {
+            at.send(send, total, "send = world_size x recv on the root")?;
         } else {
-            self.check_memory(OP, BufferRole::Send, send.memory())?;
-            (std::ptr::null(), BufferGuard::Host)
-        };
-        let (r, rg) = self.recv_arg(OP, recv, count, "recv = count", stream)?;
-        let info = OpInfo::new(&OP, T::DATA_TYPE, count, Some(root), stream);
-        self.issue(info, caller, |_, comm| {
-            // SAFETY: recv holds `count`; on the root send holds world_size * count; NCCL
-            // ignores send elsewhere (passed as null).
-            unsafe {
-                f(
-                    s,
-                    r,
-                    count,
-                    T::DATA_TYPE.to_raw(),
-                    root_c,
-                    comm,
-                    stream.raw(),
-                )
-            }
-        })?;
-        Ok([sg, rg])
+            at.ignored(BufferRole::Send, send)?;
+        }
+        at.recv(recv, count, "recv = count")?;
+        // NCCL ignores send off the root: passed as null.
+        let s = if on_root { at.send_ptr(send) } else { NO_SEND };
+        let r = at.recv_ptr(recv);
+        Ok(at.op::<T>(Call::Scatter(f, root_c), count, Some(root), s, r))
     }
 
     /// Sends block `i` of `send` on `root` to rank `i`'s `recv` (`ncclScatter`, NCCL
@@ -967,20 +887,19 @@ impl Communicator {
     /// # Ok::<(), nccl_safe::Error>(())
     /// ```
     #[track_caller]
-    pub fn scatter<T, S, R>(
-        &self,
-        send: &S,
-        recv: &mut R,
+    pub fn scatter<'a, T, S, R>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
         root: usize,
-        stream: &impl AsStream,
+        stream: &'a impl AsStream,
     ) -> Result<()>
     where
         T: NcclType,
         S: SendBuffer<T> + ?Sized,
         R: RecvBuffer<T> + ?Sized,
     {
-        self.scatter_enqueue(send, recv, root, stream.as_stream(), Location::caller())
-            .map(drop)
+        self.scatter_op(send, recv, root, stream)?.run()
     }
 }
 
