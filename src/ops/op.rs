@@ -3,94 +3,18 @@
 use std::ffi::{c_int, c_void};
 use std::panic::Location;
 
-use nccl_sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t};
+use nccl_sys::{ncclDataType_t, ncclRedOp_t};
 
+use super::{Call, Reduction};
 use crate::buffer::{BufferGuard, RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
 use crate::diag::OpInfo;
 use crate::error::{BufferRole, Result};
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
-use nccl_sys::FunctionTable;
-
-use super::Reduction;
 
 /// The guards of one operation (at most a send and a receive buffer).
 pub(crate) type Guards<'a> = [BufferGuard<'a>; 2];
-
-/// `ncclAlltoAll`'s signature (an optional entry point, NCCL 2.28+).
-type AllToAllFn = unsafe extern "C" fn(
-    *const c_void,
-    *mut c_void,
-    usize,
-    ncclDataType_t,
-    ncclComm_t,
-    cudaStream_t,
-) -> ncclResult_t;
-
-/// `ncclGather`'s and `ncclScatter`'s signature (optional entry points, NCCL 2.28+).
-type RootedFn = unsafe extern "C" fn(
-    *const c_void,
-    *mut c_void,
-    usize,
-    ncclDataType_t,
-    c_int,
-    ncclComm_t,
-    cudaStream_t,
-) -> ncclResult_t;
-
-/// Which NCCL entry point an [`Op`] calls, with the arguments only that call takes.
-#[derive(Clone, Copy)]
-pub(crate) enum Call {
-    AllReduce(ncclRedOp_t),
-    Broadcast { root: c_int },
-    Reduce(ncclRedOp_t, c_int),
-    AllGather,
-    ReduceScatter(ncclRedOp_t),
-    Send { peer: c_int },
-    Recv { peer: c_int },
-    AllToAll(AllToAllFn),
-    Gather(RootedFn, c_int),
-    Scatter(RootedFn, c_int),
-}
-
-impl Call {
-    /// Makes the call.
-    ///
-    /// # Safety
-    /// `send` and `recv` are valid for what the call reads and writes with `count` elements
-    /// of `dtype` (an [`Op`]'s description checked it), and stay so until the work is done.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn make(
-        self,
-        t: &FunctionTable,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: ncclDataType_t,
-        comm: ncclComm_t,
-        stream: cudaStream_t,
-    ) -> ncclResult_t {
-        let (s, r, n, d) = (send, recv, count, dtype);
-        // SAFETY: the buffers' contract is the caller's; every other argument was checked
-        // by the operation's description (ranks in range, the reduction of this
-        // communicator, the entry point present).
-        unsafe {
-            match self {
-                Call::AllReduce(red) => (t.ncclAllReduce)(s, r, n, d, red, comm, stream),
-                Call::Broadcast { root } => (t.ncclBroadcast)(s, r, n, d, root, comm, stream),
-                Call::Reduce(red, root) => (t.ncclReduce)(s, r, n, d, red, root, comm, stream),
-                Call::AllGather => (t.ncclAllGather)(s, r, n, d, comm, stream),
-                Call::ReduceScatter(red) => (t.ncclReduceScatter)(s, r, n, d, red, comm, stream),
-                Call::Send { peer } => (t.ncclSend)(s, n, d, peer, comm, stream),
-                Call::Recv { peer } => (t.ncclRecv)(r, n, d, peer, comm, stream),
-                Call::AllToAll(f) => f(s, r, n, d, comm, stream),
-                Call::Gather(f, root) | Call::Scatter(f, root) => f(s, r, n, d, root, comm, stream),
-            }
-        }
-    }
-}
 
 /// One collective or point-to-point operation, its arguments checked and its buffers (and
 /// reduction, stream and communicator) borrowed, ready to be enqueued.
