@@ -103,12 +103,17 @@ impl<'a> Op<'a> {
             caller,
             guards,
         } = self;
-        comm.issue(info, caller, |t, raw| {
-            // SAFETY: the description checked both buffers against `count` and this
-            // provider's memory; `guards` and the lifetime `'a` keep them borrowed until
-            // the work is enqueued.
-            unsafe { call.make(t, send, recv, count, dtype, raw, stream.raw()) }
-        })?;
+        comm.issue(
+            info,
+            caller,
+            #[inline(always)]
+            |t, raw| {
+                // SAFETY: the description checked both buffers against `count` and this
+                // provider's memory; `guards` and the lifetime `'a` keep them borrowed until
+                // the work is enqueued.
+                unsafe { call.make(t, send, recv, count, dtype, raw, stream.raw()) }
+            },
+        )?;
         Ok(guards)
     }
 }
