@@ -16,6 +16,9 @@ use crate::ops::{Guards, Op};
 /// Operations fused between `ncclGroupStart` and `ncclGroupEnd`: send/receive pairs that
 /// must progress together, or one thread driving several communicators (one per device).
 ///
+/// Any operation goes in, in place or not: describe it with its `*_op` method (such as
+/// [`Communicator::all_reduce_op`]) and [`push`](Self::push) the [`Op`].
+///
 /// * `ncclGroupEnd` runs on every path out: [`end`](Self::end), an early `?`, an error or a
 ///   panic (in `Drop`).
 /// * Every buffer passed to the group stays borrowed until the group ends, so none can be
@@ -89,7 +92,8 @@ impl<'a> Group<'a> {
     }
 
     /// Starts the group on `comm`'s library if needed; all operations of a group must use
-    /// one library. (A failed communicator is refused by the operation itself, in `issue`.)
+    /// one library. (A failed communicator is refused by the operation's description, and
+    /// again in `issue`.)
     #[inline(always)]
     fn enter(&mut self, comm: &'a Communicator, op: &'static str) -> Result<()> {
         match self.lib {

@@ -28,7 +28,8 @@ pub(crate) type Guards<'a> = [BufferGuard<'a>; 2];
 /// * [`Group::push`](crate::Group::push) enqueues it inside a group, which keeps the
 ///   borrows until `ncclGroupEnd`.
 ///
-/// The value holds no allocation; dropping it without running it enqueues nothing.
+/// The value holds no allocation. Dropping it without running it enqueues no NCCL work (it
+/// releases its buffers, as the end of any operation does).
 ///
 /// ```
 /// use nccl_safe::{launch::Launcher, Group, ReduceOp};
