@@ -263,6 +263,63 @@ fn roots_and_peers_out_of_range() {
 }
 
 #[test]
+fn in_place_descriptions_reject_like_the_plain_forms_and_the_group_goes_on() {
+    run_ranks(3, |comm| {
+        let r = comm.rank();
+        let mut ten = vec![1i32; 10]; // not 3 equal blocks
+        let mut nine = vec![1i32; 9];
+        let mut g = Group::new();
+        assert_err!(
+            comm.all_gather_in_place_op(&mut ten, &S),
+            Error::LengthMismatch {
+                op: "ncclAllGather",
+                role: BufferRole::Recv,
+                expected: 12,
+                actual: 10,
+                rule: "in place: buffer = world_size x block",
+            }
+        );
+        assert_err!(
+            comm.reduce_scatter_in_place_op(&mut ten, ReduceOp::Sum, &S),
+            Error::LengthMismatch {
+                op: "ncclReduceScatter",
+                expected: 12,
+                actual: 10,
+                ..
+            }
+        );
+        assert_err!(
+            comm.reduce_in_place_op(&mut ten, ReduceOp::Sum, 3, &S),
+            Error::RankOutOfRange {
+                op: "ncclReduce",
+                what: "root",
+                rank: 3,
+                ..
+            }
+        );
+        assert_err!(
+            comm.broadcast_in_place_op(&mut ten, usize::MAX, &S),
+            Error::RankOutOfRange {
+                op: "ncclBroadcast",
+                what: "root",
+                rank: usize::MAX,
+                ..
+            }
+        );
+        // Nothing was enqueued: the group takes a correct operation and ends cleanly.
+        g.push(
+            comm.reduce_scatter_in_place_op(&mut nine, ReduceOp::Sum, &S)
+                .unwrap(),
+        )
+        .unwrap();
+        g.end().unwrap();
+        assert_eq!(&nine[3 * r..3 * r + 3], &[3, 3, 3]);
+        assert_eq!(ten, vec![1; 10], "a refused operation wrote its buffer");
+        still_usable(comm);
+    });
+}
+
+#[test]
 fn init_rejects_world_size_zero_and_rank_past_the_world() {
     let id = Device::Host.unique_id().unwrap();
     let cfg = Config::new();
