@@ -485,13 +485,7 @@ fn run(no_host: bool) -> Result<()> {
     let safe = measure(group_iters, REPS, || {
         let mut g = Group::new();
         for (s, r) in sends.iter().zip(recvs.iter_mut()) {
-            g.all_reduce(
-                &comm,
-                black_box(s),
-                black_box(r),
-                ReduceOp::Sum,
-                &HostStream,
-            )?;
+            g.push(comm.all_reduce_op(black_box(s), black_box(r), ReduceOp::Sum, &HostStream)?)?;
         }
         Ok(g.end()?)
     })?;

@@ -444,7 +444,7 @@ impl Communicator {
     /// The single path of every operation on this communicator: fail fast if it already
     /// failed, make the call, check the result (an error marks the
     /// communicator failed), and wait out `ncclInProgress` on a non-blocking communicator.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn issue<'a>(
         &self,
         op: impl Into<crate::diag::OpInfo<'a>>,
@@ -457,7 +457,7 @@ impl Communicator {
     /// [`issue`](Self::issue), with `then` run after a successful call while the
     /// operation is still open (watched by the watchdog): split and shrink wait for their
     /// child there.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn issue_then<'a>(
         &self,
         op: impl Into<crate::diag::OpInfo<'a>>,

@@ -6,17 +6,18 @@ use smallvec::SmallVec;
 use std::panic::Location;
 use std::sync::Arc;
 
-use crate::buffer::{BufferGuard, RecvBuffer, SendBuffer};
+use crate::buffer::BufferGuard;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::library::{CallContext, Library};
 use crate::nccl_call;
-use crate::ops::{Guards, Reduction};
-use crate::stream::AsStream;
-use crate::types::NcclType;
+use crate::ops::{Guards, Op};
 
 /// Operations fused between `ncclGroupStart` and `ncclGroupEnd`: send/receive pairs that
 /// must progress together, or one thread driving several communicators (one per device).
+///
+/// Any operation goes in, in place or not: describe it with its `*_op` method (such as
+/// [`Communicator::all_reduce_op`]) and [`push`](Self::push) the [`Op`].
 ///
 /// * `ncclGroupEnd` runs on every path out: [`end`](Self::end), an early `?`, an error or a
 ///   panic (in `Drop`).
@@ -32,10 +33,10 @@ use crate::types::NcclType;
 /// let (a, b) = (vec![1i32; 3], vec![2i32; 3]);
 /// let (mut at_a, mut at_b) = (vec![0i32; 3], vec![0i32; 3]);
 /// let mut g = Group::new();
-/// g.send(&comms[0], &a, 1, &HostStream)?;
-/// g.recv(&comms[1], &mut at_b, 0, &HostStream)?;
-/// g.send(&comms[1], &b, 0, &HostStream)?;
-/// g.recv(&comms[0], &mut at_a, 1, &HostStream)?;
+/// g.push(comms[0].send_op(&a, 1, &HostStream)?)?;
+/// g.push(comms[1].recv_op(&mut at_b, 0, &HostStream)?)?;
+/// g.push(comms[1].send_op(&b, 0, &HostStream)?)?;
+/// g.push(comms[0].recv_op(&mut at_a, 1, &HostStream)?)?;
 /// g.end()?;
 /// assert_eq!((at_a, at_b), (vec![2; 3], vec![1; 3]));
 /// # Ok::<(), nccl_safe::Error>(())
@@ -91,7 +92,8 @@ impl<'a> Group<'a> {
     }
 
     /// Starts the group on `comm`'s library if needed; all operations of a group must use
-    /// one library. (A failed communicator is refused by the operation itself, in `issue`.)
+    /// one library. (A failed communicator is refused by the operation's description, and
+    /// again in `issue`.)
     #[inline(always)]
     fn enter(&mut self, comm: &'a Communicator, op: &'static str) -> Result<()> {
         match self.lib {
@@ -192,271 +194,34 @@ impl<'a> Group<'a> {
         }
     }
 
-    /// [`Communicator::all_reduce`] in this group.
-    #[track_caller]
-    pub fn all_reduce<T, S, R>(
-        &mut self,
-        comm: &'a Communicator,
-        send: &'a S,
-        recv: &'a mut R,
-        op: impl Into<Reduction<'a, T>>,
-        stream: &'a impl AsStream,
-    ) -> Result<()>
-    where
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    {
-        self.enter(comm, "ncclAllReduce")?;
-        let g = comm.all_reduce_enqueue(
-            send,
-            recv,
-            op.into(),
-            stream.as_stream(),
-            Location::caller(),
-        )?;
-        self.keep(comm, g);
-        Ok(())
-    }
-
-    /// [`Communicator::all_reduce_in_place`] in this group.
-    #[track_caller]
-    pub fn all_reduce_in_place<T, B>(
-        &mut self,
-        comm: &'a Communicator,
-        buf: &'a mut B,
-        op: impl Into<Reduction<'a, T>>,
-        stream: &'a impl AsStream,
-    ) -> Result<()>
-    where
-        T: NcclType,
-        B: RecvBuffer<T> + ?Sized,
-    {
-        self.enter(comm, "ncclAllReduce")?;
-        let g = comm.all_reduce_in_place_enqueue(
-            buf,
-            op.into(),
-            stream.as_stream(),
-            Location::caller(),
-        )?;
-        self.keep(comm, g);
-        Ok(())
-    }
-
-    /// [`Communicator::broadcast`] in this group.
-    #[track_caller]
-    pub fn broadcast<T, S, R>(
-        &mut self,
-        comm: &'a Communicator,
-        send: &'a S,
-        recv: &'a mut R,
-        root: usize,
-        stream: &'a impl AsStream,
-    ) -> Result<()>
-    where
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    {
-        self.enter(comm, "ncclBroadcast")?;
-        let g = comm.broadcast_enqueue(send, recv, root, stream.as_stream(), Location::caller())?;
-        self.keep(comm, g);
-        Ok(())
-    }
-
-    /// [`Communicator::broadcast_in_place`] in this group.
-    #[track_caller]
-    pub fn broadcast_in_place<T, B>(
-        &mut self,
-        comm: &'a Communicator,
-        buf: &'a mut B,
-        root: usize,
-        stream: &'a impl AsStream,
-    ) -> Result<()>
-    where
-        T: NcclType,
-        B: RecvBuffer<T> + ?Sized,
-    {
-        self.enter(comm, "ncclBroadcast")?;
-        let g =
-            comm.broadcast_in_place_enqueue(buf, root, stream.as_stream(), Location::caller())?;
-        self.keep(comm, g);
-        Ok(())
-    }
-
-    /// [`Communicator::reduce`] in this group.
-    #[track_caller]
-    pub fn reduce<T, S, R>(
-        &mut self,
-        comm: &'a Communicator,
-        send: &'a S,
-        recv: &'a mut R,
-        op: impl Into<Reduction<'a, T>>,
-        root: usize,
-        stream: &'a impl AsStream,
-    ) -> Result<()>
-    where
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    {
-        self.enter(comm, "ncclReduce")?;
-        let g = comm.reduce_enqueue(
-            send,
-            recv,
-            op.into(),
-            root,
-            stream.as_stream(),
-            Location::caller(),
-        )?;
-        self.keep(comm, g);
-        Ok(())
-    }
-
-    /// [`Communicator::all_gather`] in this group.
-    #[track_caller]
-    pub fn all_gather<T, S, R>(
-        &mut self,
-        comm: &'a Communicator,
-        send: &'a S,
-        recv: &'a mut R,
-        stream: &'a impl AsStream,
-    ) -> Result<()>
-    where
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    {
-        self.enter(comm, "ncclAllGather")?;
-        let g = comm.all_gather_enqueue(send, recv, stream.as_stream(), Location::caller())?;
-        self.keep(comm, g);
-        Ok(())
-    }
-
-    /// [`Communicator::reduce_scatter`] in this group.
-    #[track_caller]
-    pub fn reduce_scatter<T, S, R>(
-        &mut self,
-        comm: &'a Communicator,
-        send: &'a S,
-        recv: &'a mut R,
-        op: impl Into<Reduction<'a, T>>,
-        stream: &'a impl AsStream,
-    ) -> Result<()>
-    where
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    {
-        self.enter(comm, "ncclReduceScatter")?;
-        let g = comm.reduce_scatter_enqueue(
-            send,
-            recv,
-            op.into(),
-            stream.as_stream(),
-            Location::caller(),
-        )?;
-        self.keep(comm, g);
-        Ok(())
-    }
-
-    /// [`Communicator::send`] in this group.
-    #[track_caller]
-    pub fn send<T, S>(
-        &mut self,
-        comm: &'a Communicator,
-        buf: &'a S,
-        peer: usize,
-        stream: &'a impl AsStream,
-    ) -> Result<()>
-    where
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-    {
-        self.enter(comm, "ncclSend")?;
-        let g = comm.send_enqueue(buf, peer, stream.as_stream(), Location::caller())?;
-        self.keep(comm, g);
-        Ok(())
-    }
-
-    /// [`Communicator::recv`] in this group.
-    #[track_caller]
-    pub fn recv<T, R>(
-        &mut self,
-        comm: &'a Communicator,
-        buf: &'a mut R,
-        peer: usize,
-        stream: &'a impl AsStream,
-    ) -> Result<()>
-    where
-        T: NcclType,
-        R: RecvBuffer<T> + ?Sized,
-    {
-        self.enter(comm, "ncclRecv")?;
-        let g = comm.recv_enqueue(buf, peer, stream.as_stream(), Location::caller())?;
-        self.keep(comm, g);
-        Ok(())
-    }
-
-    /// [`Communicator::gather`] in this group (NCCL 2.28+).
-    #[track_caller]
-    pub fn gather<T, S, R>(
-        &mut self,
-        comm: &'a Communicator,
-        send: &'a S,
-        recv: &'a mut R,
-        root: usize,
-        stream: &'a impl AsStream,
-    ) -> Result<()>
-    where
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    {
-        self.enter(comm, "ncclGather")?;
-        let g = comm.gather_enqueue(send, recv, root, stream.as_stream(), Location::caller())?;
-        self.keep(comm, g);
-        Ok(())
-    }
-
-    /// [`Communicator::scatter`] in this group (NCCL 2.28+).
-    #[track_caller]
-    pub fn scatter<T, S, R>(
-        &mut self,
-        comm: &'a Communicator,
-        send: &'a S,
-        recv: &'a mut R,
-        root: usize,
-        stream: &'a impl AsStream,
-    ) -> Result<()>
-    where
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    {
-        self.enter(comm, "ncclScatter")?;
-        let g = comm.scatter_enqueue(send, recv, root, stream.as_stream(), Location::caller())?;
-        self.keep(comm, g);
-        Ok(())
-    }
-
-    /// [`Communicator::all_to_all`] in this group.
-    #[track_caller]
-    pub fn all_to_all<T, S, R>(
-        &mut self,
-        comm: &'a Communicator,
-        send: &'a S,
-        recv: &'a mut R,
-        stream: &'a impl AsStream,
-    ) -> Result<()>
-    where
-        T: NcclType,
-        S: SendBuffer<T> + ?Sized,
-        R: RecvBuffer<T> + ?Sized,
-    {
-        self.enter(comm, "ncclAlltoAll")?;
-        let g = comm.all_to_all_enqueue(send, recv, stream.as_stream(), Location::caller())?;
-        self.keep(comm, g);
+    /// Enqueues `op` inside this group (starting the group with the first operation). Its
+    /// buffers stay borrowed, and cudarc's guards held, until the group ends; an operation
+    /// on a communicator of another NCCL library than the group's is refused.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, Group, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, n, comm, s) = (rank.rank(), rank.world_size(), rank.comm(), rank.stream());
+    ///     let (send, mut got) = (vec![r as u8; 2], vec![0u8; 2]);
+    ///     let mut gathered = vec![0u8; 3];
+    ///     let mut g = Group::new();
+    ///     g.push(comm.send_op(&send, (r + 1) % n, s)?)?;
+    ///     g.push(comm.recv_op(&mut got, (r + n - 1) % n, s)?)?;
+    ///     gathered[r] = 10 + r as u8;
+    ///     g.push(comm.all_gather_in_place_op(&mut gathered, s)?)?;
+    ///     g.end()?;
+    ///     assert_eq!(got, vec![((r + n - 1) % n) as u8; 2]);
+    ///     assert_eq!(gathered, vec![10, 11, 12]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[inline(always)]
+    pub fn push(&mut self, op: Op<'a>) -> Result<()> {
+        let comm = op.comm();
+        self.enter(comm, op.name())?;
+        let guards = op.enqueue()?;
+        self.keep(comm, guards);
         Ok(())
     }
 }

@@ -40,7 +40,7 @@ pub use group::Group;
 pub use id::{UniqueId, UNIQUE_ID_BYTES};
 pub use library::{CallContext, Discovery, Library, Provider};
 pub use memory::{NcclMemory, NcclView, NcclViewMut};
-pub use ops::{PreMulSum, Reduction};
+pub use ops::{Op, PreMulSum, Reduction};
 pub use register::{Registration, Window, WindowFlags};
 pub use stream::{AsStream, HostStream, Stream, StreamRef};
 pub use types::{DataType, NcclType, ReduceOp};

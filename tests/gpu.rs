@@ -76,7 +76,9 @@ fn one_thread_drives_every_device_in_a_group() {
     {
         let mut g = Group::new();
         for ((comm, buf), s) in comms.iter().zip(bufs.iter_mut()).zip(&streams) {
-            g.all_reduce_in_place(comm, buf, ReduceOp::Sum, s).unwrap();
+            comm.all_reduce_in_place_op(buf, ReduceOp::Sum, s)
+                .and_then(|op| g.push(op))
+                .unwrap();
         }
         g.end().unwrap();
     }

@@ -212,8 +212,8 @@ fn op(comm: &Communicator, kind: usize, root: usize) -> nccl_safe::Result<()> {
             let mut got = vec![u64::MAX; 2];
             let send = vec![r as u64; 2];
             let mut g = Group::new();
-            g.send(comm, &send, (r + 1) % w, &S)?;
-            g.recv(comm, &mut got, (r + w - 1) % w, &S)?;
+            g.push(comm.send_op(&send, (r + 1) % w, &S)?)?;
+            g.push(comm.recv_op(&mut got, (r + w - 1) % w, &S)?)?;
             g.end()?;
             assert_eq!(got, vec![((r + w - 1) % w) as u64; 2]);
         }
@@ -338,7 +338,8 @@ fn run_rank(p: &Plan, rank: usize, id: &UniqueId, barrier: &Barrier, seed: u64) 
                 let r = catch_unwind(AssertUnwindSafe(move || {
                     let comm = comm;
                     let mut g = Group::new();
-                    g.all_reduce_in_place(&comm, &mut x, ReduceOp::Sum, &S)
+                    comm.all_reduce_in_place_op(&mut x, ReduceOp::Sum, &S)
+                        .and_then(|op| g.push(op))
                         .unwrap();
                     panic!("deliberate: rank {rank} panics inside a group");
                 }));
@@ -346,7 +347,8 @@ fn run_rank(p: &Plan, rank: usize, id: &UniqueId, barrier: &Barrier, seed: u64) 
             } else if rank == *v {
                 let r = catch_unwind(AssertUnwindSafe(|| {
                     let mut g = Group::new();
-                    g.all_reduce_in_place(&comm, &mut x, ReduceOp::Sum, &S)
+                    comm.all_reduce_in_place_op(&mut x, ReduceOp::Sum, &S)
+                        .and_then(|op| g.push(op))
                         .unwrap();
                     panic!("deliberate: rank {rank} panics inside a group");
                 }));
@@ -355,7 +357,8 @@ fn run_rank(p: &Plan, rank: usize, id: &UniqueId, barrier: &Barrier, seed: u64) 
                 tear_down(comm, how[rank], false);
             } else {
                 let mut g = Group::new();
-                g.all_reduce_in_place(&comm, &mut x, ReduceOp::Sum, &S)
+                comm.all_reduce_in_place_op(&mut x, ReduceOp::Sum, &S)
+                    .and_then(|op| g.push(op))
                     .unwrap();
                 g.end().unwrap();
                 assert_eq!(x, vec![w as u32; 2]);
@@ -518,11 +521,11 @@ fn group_left_early(panic: bool) {
                         let body = |x: &mut Vec<i64>| -> nccl_safe::Result<()> {
                             let mut short = vec![0i64; 1];
                             let mut g = Group::new();
-                            g.all_reduce_in_place(&comm, x, ReduceOp::Sum, &S)?;
+                            g.push(comm.all_reduce_in_place_op(x, ReduceOp::Sum, &S)?)?;
                             if panic {
                                 panic!("deliberate: rank 0 panics with a group open");
                             }
-                            g.all_gather(&comm, &[1i64; 2][..], &mut short, &S)?;
+                            g.push(comm.all_gather_op(&[1i64; 2][..], &mut short, &S)?)?;
                             g.end()
                         };
                         let r = catch_unwind(AssertUnwindSafe(|| body(&mut x)));
@@ -533,7 +536,8 @@ fn group_left_early(panic: bool) {
                         }
                     } else {
                         let mut g = Group::new();
-                        g.all_reduce_in_place(&comm, &mut x, ReduceOp::Sum, &S)
+                        comm.all_reduce_in_place_op(&mut x, ReduceOp::Sum, &S)
+                            .and_then(|op| g.push(op))
                             .unwrap();
                         g.end().unwrap();
                     }

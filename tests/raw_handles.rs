@@ -236,7 +236,8 @@ fn a_borrowed_view_never_tears_down() {
                 let send = vec![1.0f32; 4];
                 let mut recv = vec![0.0f32; 4];
                 let mut g = Group::new();
-                g.all_reduce(&view, &send, &mut recv, ReduceOp::Sum, &HostStream)
+                view.all_reduce_op(&send, &mut recv, ReduceOp::Sum, &HostStream)
+                    .and_then(|op| g.push(op))
                     .unwrap();
                 g.end().unwrap();
                 assert_eq!(recv, vec![2.0; 4]);

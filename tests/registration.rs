@@ -201,7 +201,8 @@ fn fp8_on_an_nccl_older_than_2_24_is_unsupported_before_nccl_sees_it() {
         );
         let mut g = Group::new();
         assert_unsupported(
-            g.all_reduce(comm, &send, &mut recv, ReduceOp::Sum, &s),
+            comm.all_reduce_op(&send, &mut recv, ReduceOp::Sum, &s)
+                .and_then(|op| g.push(op)),
             "ncclFloat8e4m3",
             (2, 24),
         );
@@ -384,9 +385,13 @@ fn registered_buffers_work_inside_a_group() {
         let mut ra = comms[0].register(&mut a).unwrap();
         let mut rb = comms[1].register(&mut b).unwrap();
         let mut g = Group::new();
-        g.all_reduce_in_place(&comms[0], &mut ra, ReduceOp::Sum, &HostStream)
+        comms[0]
+            .all_reduce_in_place_op(&mut ra, ReduceOp::Sum, &HostStream)
+            .and_then(|op| g.push(op))
             .unwrap();
-        g.all_reduce_in_place(&comms[1], &mut rb, ReduceOp::Sum, &HostStream)
+        comms[1]
+            .all_reduce_in_place_op(&mut rb, ReduceOp::Sum, &HostStream)
+            .and_then(|op| g.push(op))
             .unwrap();
         g.end().unwrap();
     }

@@ -170,14 +170,16 @@ fn wrong_lengths_follow_each_collectives_rule() {
         {
             let mut g = Group::new();
             assert_err!(
-                g.all_gather(comm, &four, &mut ten, &S),
+                comm.all_gather_op(&four, &mut ten, &S)
+                    .and_then(|op| g.push(op)),
                 Error::LengthMismatch {
                     op: "ncclAllGather",
                     ..
                 }
             );
             assert_err!(
-                g.reduce_scatter(comm, &four, &mut three, ReduceOp::Sum, &S),
+                comm.reduce_scatter_op(&four, &mut three, ReduceOp::Sum, &S)
+                    .and_then(|op| g.push(op)),
                 Error::LengthMismatch {
                     op: "ncclReduceScatter",
                     ..
@@ -237,7 +239,7 @@ fn roots_and_peers_out_of_range() {
         );
         let mut g = Group::new();
         assert_err!(
-            g.send(comm, &send, 5, &S),
+            comm.send_op(&send, 5, &S).and_then(|op| g.push(op)),
             Error::RankOutOfRange {
                 op: "ncclSend",
                 what: "peer",
@@ -246,7 +248,8 @@ fn roots_and_peers_out_of_range() {
             }
         );
         assert_err!(
-            g.broadcast(comm, &send, &mut recv, 3, &S),
+            comm.broadcast_op(&send, &mut recv, 3, &S)
+                .and_then(|op| g.push(op)),
             Error::RankOutOfRange {
                 op: "ncclBroadcast",
                 what: "root",
@@ -255,6 +258,63 @@ fn roots_and_peers_out_of_range() {
             }
         );
         drop(g);
+        still_usable(comm);
+    });
+}
+
+#[test]
+fn in_place_descriptions_reject_like_the_plain_forms_and_the_group_goes_on() {
+    run_ranks(3, |comm| {
+        let r = comm.rank();
+        let mut ten = vec![1i32; 10]; // not 3 equal blocks
+        let mut nine = vec![1i32; 9];
+        let mut g = Group::new();
+        assert_err!(
+            comm.all_gather_in_place_op(&mut ten, &S),
+            Error::LengthMismatch {
+                op: "ncclAllGather",
+                role: BufferRole::Recv,
+                expected: 12,
+                actual: 10,
+                rule: "in place: buffer = world_size x block",
+            }
+        );
+        assert_err!(
+            comm.reduce_scatter_in_place_op(&mut ten, ReduceOp::Sum, &S),
+            Error::LengthMismatch {
+                op: "ncclReduceScatter",
+                expected: 12,
+                actual: 10,
+                ..
+            }
+        );
+        assert_err!(
+            comm.reduce_in_place_op(&mut ten, ReduceOp::Sum, 3, &S),
+            Error::RankOutOfRange {
+                op: "ncclReduce",
+                what: "root",
+                rank: 3,
+                ..
+            }
+        );
+        assert_err!(
+            comm.broadcast_in_place_op(&mut ten, usize::MAX, &S),
+            Error::RankOutOfRange {
+                op: "ncclBroadcast",
+                what: "root",
+                rank: usize::MAX,
+                ..
+            }
+        );
+        // Nothing was enqueued: the group takes a correct operation and ends cleanly.
+        g.push(
+            comm.reduce_scatter_in_place_op(&mut nine, ReduceOp::Sum, &S)
+                .unwrap(),
+        )
+        .unwrap();
+        g.end().unwrap();
+        assert_eq!(&nine[3 * r..3 * r + 3], &[3, 3, 3]);
+        assert_eq!(ten, vec![1; 10], "a refused operation wrote its buffer");
         still_usable(comm);
     });
 }
@@ -327,7 +387,8 @@ fn entry_points_newer_than_the_library_are_unsupported() {
     unsupported(comm.shrink(&[]).map(drop), "ncclCommShrink", 27);
     let mut g = Group::new();
     assert_err!(
-        g.all_to_all(&comm, &send, &mut recv, &S),
+        comm.all_to_all_op(&send, &mut recv, &S)
+            .and_then(|op| g.push(op)),
         Error::Unsupported {
             symbol: "ncclAlltoAll",
             ..
@@ -396,7 +457,9 @@ fn pre_mul_sum_of_another_communicator_is_refused() {
         );
         let mut g = Group::new();
         assert_err!(
-            g.all_reduce_in_place(&comms[1], &mut x, &op0, &S),
+            comms[1]
+                .all_reduce_in_place_op(&mut x, &op0, &S)
+                .and_then(|op| g.push(op)),
             Error::InvalidArgument {
                 op: "ncclAllReduce",
                 ..
@@ -408,8 +471,14 @@ fn pre_mul_sum_of_another_communicator_is_refused() {
         let op1 = comms[1].create_pre_mul_sum(3.0f32).unwrap();
         let (mut a, mut b) = (vec![1.0f32; 2], vec![1.0f32; 2]);
         let mut g = Group::new();
-        g.all_reduce_in_place(&comms[0], &mut a, &op0, &S).unwrap();
-        g.all_reduce_in_place(&comms[1], &mut b, &op1, &S).unwrap();
+        comms[0]
+            .all_reduce_in_place_op(&mut a, &op0, &S)
+            .and_then(|op| g.push(op))
+            .unwrap();
+        comms[1]
+            .all_reduce_in_place_op(&mut b, &op1, &S)
+            .and_then(|op| g.push(op))
+            .unwrap();
         g.end().unwrap();
         assert_eq!((a, b), (vec![5.0; 2], vec![5.0; 2]));
     }
@@ -482,10 +551,12 @@ fn a_group_mixing_two_libraries_is_refused() {
     let b = Communicator::init_rank_in(&lib_b, &Device::Host, 1, 0, &id_b, &Config::new()).unwrap();
     let (mut x, mut y) = (vec![1u32; 2], vec![1u32; 2]);
     let mut g = Group::new();
-    g.all_reduce_in_place(&a, &mut x, ReduceOp::Sum, &S)
+    a.all_reduce_in_place_op(&mut x, ReduceOp::Sum, &S)
+        .and_then(|op| g.push(op))
         .unwrap();
     assert_err!(
-        g.all_reduce_in_place(&b, &mut y, ReduceOp::Sum, &S),
+        b.all_reduce_in_place_op(&mut y, ReduceOp::Sum, &S)
+            .and_then(|op| g.push(op)),
         Error::InvalidArgument {
             op: "ncclAllReduce",
             ..

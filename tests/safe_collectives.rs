@@ -144,8 +144,12 @@ fn check_all_collectives<T: El>() {
             let prev = (r + world - 1) % world;
             let mut got = sentinel::<T>(COUNT);
             let mut g = Group::new();
-            g.send(comm, &send, next, &S).unwrap();
-            g.recv(comm, &mut got, prev, &S).unwrap();
+            comm.send_op(&send, next, &S)
+                .and_then(|op| g.push(op))
+                .unwrap();
+            comm.recv_op(&mut got, prev, &S)
+                .and_then(|op| g.push(op))
+                .unwrap();
             g.end().unwrap();
             assert_eq!(got, vals::<T>(prev, COUNT), "ring world {world}");
 
@@ -160,6 +164,88 @@ fn check_all_collectives<T: El>() {
     }
 }
 
+/// Every in-place form pushed into one group per root (the five run in order in the group),
+/// each result checked; then the same descriptions run alone.
+fn check_in_place_forms_in_a_group<T: El>() {
+    for world in 1..=4 {
+        run_ranks(world, |comm| {
+            let r = comm.rank();
+            let sg = T::SIGNED;
+            let sums: Vec<T> = of_all((0..COUNT).map(|i| sum_of(sg, world, i)));
+            let gathered: Vec<T> = (0..world).flat_map(|q| vals::<T>(q, COUNT)).collect();
+            let block: Vec<T> = of_all((0..COUNT).map(|k| sum_of(sg, world, r * COUNT + k)));
+            for root in 0..world {
+                let mut ar = vals::<T>(r, COUNT);
+                let mut bc = if r == root {
+                    vals::<T>(r, COUNT)
+                } else {
+                    sentinel(COUNT)
+                };
+                let mut rd = vals::<T>(r, COUNT);
+                let mut ag = sentinel::<T>(COUNT * world);
+                ag[r * COUNT..(r + 1) * COUNT].copy_from_slice(&vals::<T>(r, COUNT));
+                let mut rs = vals::<T>(r, COUNT * world);
+                let mut g = Group::new();
+                g.push(
+                    comm.all_reduce_in_place_op(&mut ar, ReduceOp::Sum, &S)
+                        .unwrap(),
+                )
+                .unwrap();
+                g.push(comm.broadcast_in_place_op(&mut bc, root, &S).unwrap())
+                    .unwrap();
+                g.push(
+                    comm.reduce_in_place_op(&mut rd, ReduceOp::Sum, root, &S)
+                        .unwrap(),
+                )
+                .unwrap();
+                g.push(comm.all_gather_in_place_op(&mut ag, &S).unwrap())
+                    .unwrap();
+                g.push(
+                    comm.reduce_scatter_in_place_op(&mut rs, ReduceOp::Sum, &S)
+                        .unwrap(),
+                )
+                .unwrap();
+                g.end().unwrap();
+                assert_eq!(ar, sums, "all_reduce_in_place in a group, world {world}");
+                assert_eq!(
+                    bc,
+                    vals::<T>(root, COUNT),
+                    "broadcast_in_place, root {root}"
+                );
+                let want = if r == root {
+                    sums.clone()
+                } else {
+                    vals(r, COUNT)
+                };
+                assert_eq!(rd, want, "reduce_in_place in a group, root {root} on {r}");
+                assert_eq!(
+                    ag, gathered,
+                    "all_gather_in_place in a group, world {world}"
+                );
+                assert_eq!(
+                    &rs[r * COUNT..(r + 1) * COUNT],
+                    &block[..],
+                    "reduce_scatter_in_place in a group, world {world}"
+                );
+            }
+            // The same descriptions, run alone.
+            let mut ag = sentinel::<T>(COUNT * world);
+            ag[r * COUNT..(r + 1) * COUNT].copy_from_slice(&vals::<T>(r, COUNT));
+            comm.all_gather_in_place_op(&mut ag, &S)
+                .unwrap()
+                .run()
+                .unwrap();
+            assert_eq!(ag, gathered, "all_gather_in_place_op run alone");
+            let mut rs = vals::<T>(r, COUNT * world);
+            comm.reduce_scatter_in_place_op(&mut rs, ReduceOp::Sum, &S)
+                .unwrap()
+                .run()
+                .unwrap();
+            assert_eq!(&rs[r * COUNT..(r + 1) * COUNT], &block[..], "run alone");
+        });
+    }
+}
+
 macro_rules! per_dtype {
     ($($name:ident => $t:ty),* $(,)?) => {$(
         #[test]
@@ -167,6 +253,7 @@ macro_rules! per_dtype {
             check_all_collectives::<$t>();
             check_reductions::<$t>();
             check_pre_mul_sum::<$t>();
+            check_in_place_forms_in_a_group::<$t>();
         }
     )*};
 }
@@ -270,7 +357,9 @@ fn check_pre_mul_sum<T: El>() {
 
             let mut buf = vals::<T>(r, COUNT);
             let mut g = Group::new();
-            g.all_reduce_in_place(comm, &mut buf, &op, &S).unwrap();
+            comm.all_reduce_in_place_op(&mut buf, &op, &S)
+                .and_then(|op| g.push(op))
+                .unwrap();
             g.end().unwrap();
             assert_eq!(buf, want, "PreMulSum in a group");
         });
@@ -290,10 +379,14 @@ fn one_thread_drives_four_communicators_in_a_group() {
         let mut g = Group::new();
         for ((c, s), r) in comms.iter().zip(&sends).zip(recvs.iter_mut()) {
             assert_eq!(c.world_size(), 4);
-            g.all_reduce(c, s, r, ReduceOp::Sum, &S).unwrap();
+            c.all_reduce_op(s, r, ReduceOp::Sum, &S)
+                .and_then(|op| g.push(op))
+                .unwrap();
         }
         for (c, b) in comms.iter().zip(in_place.iter_mut()) {
-            g.all_reduce_in_place(c, b, ReduceOp::Max, &S).unwrap();
+            c.all_reduce_in_place_op(b, ReduceOp::Max, &S)
+                .and_then(|op| g.push(op))
+                .unwrap();
         }
         g.end().unwrap();
     }
@@ -309,7 +402,7 @@ fn one_thread_drives_four_communicators_in_a_group() {
     let mut bufs: Vec<Vec<u8>> = (0..4).map(|r| vec![r as u8; COUNT]).collect();
     Group::run(|g| {
         for (c, b) in comms.iter().zip(bufs.iter_mut()) {
-            g.broadcast_in_place(c, b, 2, &S)?;
+            g.push(c.broadcast_in_place_op(b, 2, &S)?)?;
         }
         Ok(())
     })
@@ -484,7 +577,9 @@ fn gather_and_scatter_in_a_group_driven_by_one_thread() {
         .collect();
     let mut g = Group::new();
     for ((c, s), r) in comms.iter().zip(&sends).zip(recvs.iter_mut()) {
-        g.gather(c, s, r, 2, &HostStream).unwrap();
+        c.gather_op(s, r, 2, &HostStream)
+            .and_then(|op| g.push(op))
+            .unwrap();
     }
     g.end().unwrap();
     assert_eq!(recvs[2], vec![1, 1, 2, 2, 3, 3]);
@@ -495,8 +590,97 @@ fn gather_and_scatter_in_a_group_driven_by_one_thread() {
     let mut g = Group::new();
     for (rank, (c, o)) in comms.iter().zip(outs.iter_mut()).enumerate() {
         let send = if rank == 0 { &root_send } else { &empty };
-        g.scatter(c, send, o, 0, &HostStream).unwrap();
+        c.scatter_op(send, o, 0, &HostStream)
+            .and_then(|op| g.push(op))
+            .unwrap();
     }
     g.end().unwrap();
     assert_eq!(outs, vec![vec![7], vec![8], vec![9]]);
+}
+
+#[test]
+fn one_thread_drives_every_in_place_form_on_three_communicators_in_a_group() {
+    let comms = Communicator::init_all(&[Device::Host, Device::Host, Device::Host]).unwrap();
+    let n = comms.len();
+    // Per rank: all-reduce, broadcast, reduce, all-gather and reduce-scatter buffers.
+    let mut bufs: Vec<[Vec<i32>; 5]> = (0..n)
+        .map(|r| {
+            let v = r as i32;
+            [
+                vec![v + 1; 2],
+                vec![10 * v; 2],
+                vec![v + 1; 2],
+                (0..n).map(|q| if q == r { 5 * v } else { -1 }).collect(),
+                (0..n as i32).map(|q| q + v).collect(),
+            ]
+        })
+        .collect();
+    Group::run(|g| {
+        for (c, [ar, bc, rd, ag, rs]) in comms.iter().zip(bufs.iter_mut()) {
+            g.push(c.all_reduce_in_place_op(ar, ReduceOp::Prod, &S)?)?;
+            g.push(c.broadcast_in_place_op(bc, 1, &S)?)?;
+            g.push(c.reduce_in_place_op(rd, ReduceOp::Max, 2, &S)?)?;
+            g.push(c.all_gather_in_place_op(ag, &S)?)?;
+            g.push(c.reduce_scatter_in_place_op(rs, ReduceOp::Sum, &S)?)?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    for (r, [ar, bc, rd, ag, rs]) in bufs.iter().enumerate() {
+        assert_eq!(ar, &vec![6, 6], "all_reduce_in_place on {r}");
+        assert_eq!(bc, &vec![10, 10], "broadcast_in_place on {r}");
+        let want = if r == 2 {
+            vec![3, 3]
+        } else {
+            vec![r as i32 + 1; 2]
+        };
+        assert_eq!(rd, &want, "reduce_in_place on {r}");
+        assert_eq!(ag, &vec![0, 5, 10], "all_gather_in_place on {r}");
+        // Block r of the sum over ranks q of (r + q): 3r + 3.
+        assert_eq!(rs[r], 3 * r as i32 + 3, "reduce_scatter_in_place on {r}");
+    }
+    for c in comms {
+        c.destroy().map_err(|(_, e)| e).unwrap();
+    }
+}
+
+#[test]
+fn an_op_enqueues_nothing_until_it_runs_and_keeps_its_reduction() {
+    let id = Device::Host.unique_id().unwrap();
+    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new()).unwrap();
+    let half = comm.create_pre_mul_sum(0.5f32).unwrap();
+    let mut x = vec![4.0f32, 8.0];
+    let op = comm.all_reduce_in_place_op(&mut x, &half, &S).unwrap();
+    assert_eq!(op.name(), "ncclAllReduce");
+    assert_eq!(op.comm().rank(), 0);
+    drop(op);
+    assert_eq!(x, vec![4.0, 8.0], "a dropped Op was enqueued");
+    comm.all_reduce_in_place_op(&mut x, &half, &S)
+        .unwrap()
+        .run()
+        .unwrap();
+    assert_eq!(x, vec![2.0, 4.0]);
+    // A description that fails its checks starts no group: the group stays usable.
+    let mut g = Group::new();
+    let mut odd = vec![1.0f32; 3];
+    assert!(comm
+        .reduce_scatter_in_place_op(&mut odd, ReduceOp::Sum, &S)
+        .is_ok());
+    let two = Communicator::init_all(&[Device::Host, Device::Host]).unwrap();
+    assert!(matches!(
+        two[0].all_gather_in_place_op(&mut odd, &S),
+        Err(nccl_safe::Error::LengthMismatch {
+            op: "ncclAllGather",
+            ..
+        })
+    ));
+    g.push(comm.all_reduce_in_place_op(&mut x, &half, &S).unwrap())
+        .unwrap();
+    g.end().unwrap();
+    assert_eq!(x, vec![1.0, 2.0]);
+    for c in two {
+        c.destroy().map_err(|(_, e)| e).unwrap();
+    }
+    drop(half);
+    comm.destroy().map_err(|(_, e)| e).unwrap();
 }

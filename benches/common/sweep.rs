@@ -191,8 +191,8 @@ fn issue<R: Rank, T: Elem>(
                 Collective::AllToAll => comm.all_to_all(send, recv, s)?,
                 Collective::SendRecv => {
                     let mut g = Group::new();
-                    g.send(comm, send, (me + 1) % n, s)?;
-                    g.recv(comm, recv, (me + n - 1) % n, s)?;
+                    g.push(comm.send_op(send, (me + 1) % n, s)?)?;
+                    g.push(comm.recv_op(recv, (me + n - 1) % n, s)?)?;
                     g.end()?;
                 }
             }

@@ -8,7 +8,7 @@ fn main() -> nccl_safe::Result<()> {
     let mut send = vec![1.0f32; 4];
     let mut recv = vec![0.0f32; 4];
     let mut g = Group::new();
-    g.all_reduce(&comm, &send, &mut recv, ReduceOp::Sum, &HostStream)?;
+    g.push(comm.all_reduce_op(&send, &mut recv, ReduceOp::Sum, &HostStream)?)?;
     drop(recv);
     send[0] = 2.0;
     g.end()?;

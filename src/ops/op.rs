@@ -1,0 +1,307 @@
+//! [`Op`]: one checked operation, holding its borrows until it is run or its group ends.
+
+use std::ffi::{c_int, c_void};
+use std::panic::Location;
+
+use nccl_sys::{ncclDataType_t, ncclRedOp_t};
+
+use super::{Call, Reduction};
+use crate::buffer::{BufferGuard, RecvBuffer, SendBuffer};
+use crate::comm::Communicator;
+use crate::diag::OpInfo;
+use crate::error::{BufferRole, Result};
+use crate::stream::{AsStream, StreamRef};
+use crate::types::NcclType;
+
+/// The guards of one operation (at most a send and a receive buffer).
+pub(crate) type Guards<'a> = [BufferGuard<'a>; 2];
+
+/// One collective or point-to-point operation, its arguments checked and its buffers (and
+/// reduction, stream and communicator) borrowed, ready to be enqueued.
+///
+/// Made by the `*_op` methods of [`Communicator`] (such as
+/// [`all_reduce_op`](Communicator::all_reduce_op)), which run every check before NCCL sees
+/// anything; a failed check is a typed error and leaves the communicator usable. Then:
+///
+/// * [`run`](Self::run) enqueues it on its own (what [`Communicator::all_reduce`] and the
+///   other plain methods do), or
+/// * [`Group::push`](crate::Group::push) enqueues it inside a group, which keeps the
+///   borrows until `ncclGroupEnd`.
+///
+/// The value holds no allocation. Dropping it without running it enqueues no NCCL work (it
+/// releases its buffers, as the end of any operation does).
+///
+/// ```
+/// use nccl_safe::{launch::Launcher, Group, ReduceOp};
+/// Launcher::host(2).run(|rank| {
+///     let (comm, s) = (rank.comm(), rank.stream());
+///     let mut grads = vec![1.0f32; 4];
+///     let mut stats = vec![rank.rank() as u32; 2];
+///     let mut g = Group::new();
+///     g.push(comm.all_reduce_in_place_op(&mut grads, ReduceOp::Sum, s)?)?;
+///     g.push(comm.all_reduce_in_place_op(&mut stats, ReduceOp::Max, s)?)?;
+///     g.end()?;
+///     assert_eq!((grads, stats), (vec![2.0; 4], vec![1; 2]));
+///     Ok(())
+/// })?;
+/// # Ok::<(), nccl_safe::Error>(())
+/// ```
+#[must_use = "an operation does nothing until it is run or pushed into a Group"]
+pub struct Op<'a> {
+    comm: &'a Communicator,
+    call: Call,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: ncclDataType_t,
+    info: OpInfo<'a>,
+    stream: StreamRef<'a>,
+    caller: &'static Location<'static>,
+    guards: Guards<'a>,
+}
+
+impl std::fmt::Debug for Op<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Op")
+            .field("call", &self.info.name())
+            .field("rank", &self.comm.rank())
+            .field("caller", &self.caller)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Op<'a> {
+    /// Enqueues the operation on its own (`ncclAllReduce` and so on, through the
+    /// communicator's one checked call path). The buffers are released when it returns.
+    #[inline(always)]
+    pub fn run(self) -> Result<()> {
+        self.enqueue().map(drop)
+    }
+
+    /// The communicator it runs on.
+    pub fn comm(&self) -> &'a Communicator {
+        self.comm
+    }
+
+    /// The NCCL call it makes, such as `"ncclAllReduce"`.
+    pub fn name(&self) -> &'static str {
+        self.info.name()
+    }
+
+    /// Makes the call, and hands back the guards to keep until the work is enqueued (the
+    /// end of the group inside one).
+    #[inline(always)]
+    pub(crate) fn enqueue(self) -> Result<Guards<'a>> {
+        let Op {
+            comm,
+            call,
+            send,
+            recv,
+            count,
+            dtype,
+            info,
+            stream,
+            caller,
+            guards,
+        } = self;
+        comm.issue(
+            info,
+            caller,
+            #[inline(always)]
+            |t, raw| {
+                // SAFETY: the description checked both buffers against `count` and this
+                // provider's memory; `guards` and the lifetime `'a` keep them borrowed until
+                // the work is enqueued.
+                unsafe { call.make(t, send, recv, count, dtype, raw, stream.raw()) }
+            },
+        )?;
+        Ok(guards)
+    }
+}
+
+/// An operation being described: admitted on its communicator, its stream checked, with the
+/// checks and the pointers of the description's buffers to come.
+pub(crate) struct Start<'a> {
+    comm: &'a Communicator,
+    name: &'static &'static str,
+    stream: StreamRef<'a>,
+    caller: &'static Location<'static>,
+}
+
+impl<'a> Start<'a> {
+    /// The first checks of every operation, in this order: the communicator has not failed
+    /// (before any buffer or the CUDA driver is touched), then the stream.
+    #[inline(always)]
+    #[track_caller]
+    pub(crate) fn new(
+        comm: &'a Communicator,
+        name: &'static &'static str,
+        stream: &'a impl AsStream,
+    ) -> Result<Start<'a>> {
+        let caller = Location::caller();
+        comm.admit(name)?;
+        let stream = stream.as_stream();
+        comm.check_stream(name, stream)?;
+        Ok(Start {
+            comm,
+            name,
+            stream,
+            caller,
+        })
+    }
+
+    /// The communicator's world size.
+    #[inline(always)]
+    pub(crate) fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// This rank.
+    #[inline(always)]
+    pub(crate) fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// The raw reduction, refused when it belongs to another communicator.
+    #[inline(always)]
+    pub(crate) fn reduction<T>(&self, op: Reduction<'a, T>) -> Result<ncclRedOp_t> {
+        op.raw_for(self.comm, self.name)
+    }
+
+    /// `rank` as a root or peer (`what`), refused outside the communicator.
+    #[inline(always)]
+    pub(crate) fn rank_arg(&self, what: &'static str, rank: usize) -> Result<c_int> {
+        self.comm.check_rank(self.name, what, rank)
+    }
+
+    /// `count * world_size`, refused when it overflows.
+    #[inline(always)]
+    pub(crate) fn times_world(&self, count: usize) -> Result<usize> {
+        self.comm.times_world(self.name, count)
+    }
+
+    /// `len / world_size`, refused when `len` is not a multiple of it.
+    #[inline(always)]
+    pub(crate) fn block_of(&self, len: usize) -> Result<usize> {
+        self.comm.block_of(self.name, len)
+    }
+
+    /// Checks a buffer NCCL reads: the element type, its length against the operation's
+    /// `rule`, its memory.
+    #[inline(always)]
+    pub(crate) fn send<T: NcclType, S: SendBuffer<T> + ?Sized>(
+        &self,
+        buf: &S,
+        expected: usize,
+        rule: &'static str,
+    ) -> Result<()> {
+        self.comm.check_buffer::<T>(
+            self.name,
+            BufferRole::Send,
+            buf.len(),
+            buf.memory(),
+            expected,
+            rule,
+        )
+    }
+
+    /// Checks a buffer NCCL writes, as [`send`](Self::send).
+    #[inline(always)]
+    pub(crate) fn recv<T: NcclType, R: RecvBuffer<T> + ?Sized>(
+        &self,
+        buf: &R,
+        expected: usize,
+        rule: &'static str,
+    ) -> Result<()> {
+        self.comm.check_buffer::<T>(
+            self.name,
+            BufferRole::Recv,
+            buf.len(),
+            buf.memory(),
+            expected,
+            rule,
+        )
+    }
+
+    /// Checks only where a buffer lives: the one NCCL ignores on a non-root rank.
+    #[inline(always)]
+    pub(crate) fn ignored<T: NcclType, B: SendBuffer<T> + ?Sized>(
+        &self,
+        role: BufferRole,
+        buf: &B,
+    ) -> Result<()> {
+        self.comm.check_memory(self.name, role, buf.memory())
+    }
+
+    /// A checked buffer NCCL reads: its pointer and the guard to keep.
+    #[inline(always)]
+    pub(crate) fn send_ptr<T: NcclType, S: SendBuffer<T> + ?Sized>(
+        &self,
+        buf: &'a S,
+    ) -> (*const c_void, BufferGuard<'a>) {
+        buf.send_ptr(self.stream)
+    }
+
+    /// A checked buffer NCCL writes: its pointer and the guard to keep.
+    #[inline(always)]
+    pub(crate) fn recv_ptr<T: NcclType, R: RecvBuffer<T> + ?Sized>(
+        &self,
+        buf: &'a mut R,
+    ) -> (*mut c_void, BufferGuard<'a>) {
+        buf.recv_ptr(self.stream)
+    }
+
+    /// The one buffer of an in-place operation, checked: NCCL reads it from element
+    /// `send_at` and writes it from element `recv_at` (this rank's block, or 0).
+    #[inline(always)]
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn in_place<T: NcclType, B: RecvBuffer<T> + ?Sized>(
+        &self,
+        buf: &'a mut B,
+        send_at: usize,
+        recv_at: usize,
+    ) -> (
+        (*const c_void, BufferGuard<'a>),
+        (*mut c_void, BufferGuard<'a>),
+    ) {
+        let (p, guard) = buf.recv_ptr(self.stream);
+        let at = |i: usize| p.cast::<T>().wrapping_add(i).cast::<c_void>();
+        (
+            (at(send_at).cast_const(), BufferGuard::Host),
+            (at(recv_at), guard),
+        )
+    }
+
+    /// The described operation: `call` with `count` elements of T (and `root`, the root or
+    /// peer the diagnostics report), reading `send` and writing `recv`.
+    #[inline(always)]
+    pub(crate) fn op<T: NcclType>(
+        self,
+        call: Call,
+        count: usize,
+        root: Option<usize>,
+        send: (*const c_void, BufferGuard<'a>),
+        recv: (*mut c_void, BufferGuard<'a>),
+    ) -> Op<'a> {
+        Op {
+            comm: self.comm,
+            call,
+            send: send.0,
+            recv: recv.0,
+            count,
+            dtype: T::DATA_TYPE.to_raw(),
+            info: OpInfo::new(self.name, T::DATA_TYPE, count, root, self.stream),
+            stream: self.stream,
+            caller: self.caller,
+            guards: [send.1, recv.1],
+        }
+    }
+}
+
+/// No pointer, no guard: the buffer an operation does not have, or that NCCL ignores.
+pub(crate) const NO_SEND: (*const c_void, BufferGuard<'static>) =
+    (std::ptr::null(), BufferGuard::Host);
+
+/// See [`NO_SEND`].
+pub(crate) const NO_RECV: (*mut c_void, BufferGuard<'static>) =
+    (std::ptr::null_mut(), BufferGuard::Host);
