@@ -826,7 +826,7 @@ fn cuda_overhead() -> Result<()> {
             || {
                 let mut g = Group::new();
                 for b in bufs.iter_mut() {
-                    g.all_reduce_in_place(&comm, black_box(b), ReduceOp::Sum, &stream)?;
+                    g.push(comm.all_reduce_in_place_op(black_box(b), ReduceOp::Sum, &stream)?)?;
                 }
                 Ok(g.end()?)
             },

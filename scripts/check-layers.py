@@ -73,6 +73,9 @@ def strip_test_items(text):
 
 
 def strip_comments(text):
+    """Removes string literals (one line each; doc text built by macros is in them), then
+    block and line comments."""
+    text = re.sub(r'"(?:[^"\\\n]|\\.)*"', '""', text)
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
     return "\n".join(re.sub(r"//.*$", "", line) for line in text.split("\n"))
 

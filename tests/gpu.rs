@@ -582,10 +582,16 @@ fn a_captured_group_replays() {
     stream.begin_capture(GLOBAL).unwrap();
     {
         let mut g = Group::new();
-        g.all_reduce(&comm, &send, &mut recv, ReduceOp::Sum, &stream)
-            .unwrap();
-        g.all_reduce_in_place(&comm, &mut acc, ReduceOp::Max, &stream)
-            .unwrap();
+        g.push(
+            comm.all_reduce_op(&send, &mut recv, ReduceOp::Sum, &stream)
+                .unwrap(),
+        )
+        .unwrap();
+        g.push(
+            comm.all_reduce_in_place_op(&mut acc, ReduceOp::Max, &stream)
+                .unwrap(),
+        )
+        .unwrap();
         g.end().expect("a group under capture");
     }
     let graph = stream
