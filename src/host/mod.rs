@@ -5,6 +5,9 @@
 //! `nccl_sys::FunctionTable::load(nccl_safe::host::lookup)` fills the same table a
 //! `dlopen`ed `libnccl.so.2` does, and everything above the table runs unchanged.
 //!
+//! [`fault`] injects the GPU's failure modes (work that never completes, aborts that block,
+//! the CUDA runtime's teardown at exit), so that failure handling is tested on any machine.
+//!
 //! # How it maps to NCCL
 //! * A `ncclComm_t` is an opaque number (never null, never reused in the process) looked up
 //!   in a global registry, never dereferenced. Using a destroyed or aborted handle returns
