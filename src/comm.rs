@@ -198,10 +198,7 @@ impl Communicator {
         config: &Config,
     ) -> Result<Communicator> {
         let pending = Communicator::start_init(lib, device, world_size, rank, id, config)?;
-        let timeout = pending
-            .comm
-            .as_ref()
-            .map_or(DEFAULT_INIT_TIMEOUT, |c| c.diag.timeout());
+        let timeout = pending.timeout();
         pending.wait(timeout)
     }
 
@@ -269,8 +266,11 @@ impl Communicator {
                 reason: "NCCL returned success but no communicator".into(),
             });
         }
+        // Until its init completes, the communicator counts as failed: dropped, it is aborted.
+        let failure = OnceCell::new();
+        let _ = failure.set(PENDING.to_string());
         Ok(PendingCommunicator {
-            comm: Some(Communicator {
+            comm: Communicator {
                 raw,
                 lib: Arc::clone(lib),
                 device: device.clone(),
@@ -280,13 +280,13 @@ impl Communicator {
                     Device::Cuda(c) => Some(c.ordinal()),
                     Device::Host => None,
                 },
-                failure: OnceCell::new(),
+                failure,
                 diag: {
                     let d = crate::diag::CommDiag::for_id(&config.diag, id);
                     d.arrive(rank, world_size);
                     d
                 },
-            }),
+            },
         })
     }
 
@@ -970,43 +970,39 @@ impl Communicator {
     }
 }
 
-/// A communicator whose non-blocking init is under way. Dropping it aborts the handle.
+/// The failure a communicator carries until its init completes (so dropping it aborts).
+const PENDING: &str = "its initialization did not complete";
+
+/// A communicator whose non-blocking init is under way. Dropping it aborts the handle
+/// (the communicator counts as failed until [`wait`](Self::wait) succeeds).
 #[derive(Debug)]
 pub struct PendingCommunicator {
-    comm: Option<Communicator>,
+    comm: Communicator,
 }
 
 impl PendingCommunicator {
     /// Waits until init completes (polling `ncclCommGetAsyncError`), up to `timeout`.
     /// On an error or timeout the handle is aborted (once) and the error returned.
     #[track_caller]
-    pub fn wait(mut self, timeout: Duration) -> Result<Communicator> {
+    pub fn wait(self, timeout: Duration) -> Result<Communicator> {
         let caller = Location::caller();
-        let Some(mut comm) = self.comm.take() else {
-            return Err(Error::InvalidArgument {
-                op: "PendingCommunicator::wait",
-                reason: "already waited".into(),
-            });
-        };
+        let mut comm = self.comm;
         comm.wait_ready("ncclCommInitRankConfig", caller, timeout)?;
         comm.read_shape(caller)?;
+        if comm.failure.get().map(String::as_str) == Some(PENDING) {
+            comm.failure.take();
+        }
         Ok(comm)
     }
 
     /// Whether init has finished (successfully or not) without waiting.
     pub fn is_ready(&self) -> Result<bool> {
-        match &self.comm {
-            Some(c) => Ok(!c.async_error()?),
-            None => Ok(true),
-        }
+        Ok(!self.comm.async_error()?)
     }
-}
 
-impl Drop for PendingCommunicator {
-    fn drop(&mut self) {
-        if let Some(c) = self.comm.take() {
-            let _ = c.abort();
-        }
+    /// The communicator's timeout ([`Config::timeout`]), which `init_rank` waits.
+    fn timeout(&self) -> Duration {
+        self.comm.diag.timeout()
     }
 }
 
