@@ -16,7 +16,7 @@ use super::op::{in_group, OpInfo};
 use super::recorder::{FlightRecord, OpState};
 use super::remote;
 use super::settings::{DiagConfig, Settings};
-use super::shared::{Shared, Watch, IDLE, UNCLAIMED};
+use super::shared::{Shared, Watch, IDLE, MAX_QUEUES, UNCLAIMED};
 #[cfg(test)]
 use super::tracker::Tracker;
 use super::tracker::{self, Queue};
@@ -44,9 +44,11 @@ pub(crate) struct CommDiag {
     shared: OnceLock<Arc<Shared>>,
     /// The job's desync board, given to the clique on attach.
     board: Option<Arc<dyn remote::RemoteBoard>>,
-    /// The key of the queue (stream) the last operation used: the owner's cache, so only a
-    /// new stream takes the slow path.
-    last_queue: Cell<usize>,
+    /// The keys of the last queues (streams) the owner noted, newest first: only a stream
+    /// not among them takes the slow path. Each is among the [`RECENT_QUEUES`] most
+    /// recently noted in the shared list, which keeps more, so none is dropped there while
+    /// cached here.
+    recent_queues: Cell<[usize; RECENT_QUEUES]>,
 }
 
 #[cfg(test)]
@@ -55,6 +57,10 @@ thread_local! {
     static TEST_TRACKER: std::cell::RefCell<Option<Arc<dyn Tracker>>> =
         const { std::cell::RefCell::new(None) };
 }
+
+/// How many recent queues a communicator's owner caches (see `CommDiag::recent_queues`).
+const RECENT_QUEUES: usize = 4;
+const _: () = assert!(RECENT_QUEUES <= MAX_QUEUES);
 
 /// What the diagnostics know of a communicator when they attach it late (communicators of
 /// `ncclCommInitAll`, adopted handles): diagnostics never see the `Communicator` itself.
@@ -84,7 +90,7 @@ impl CommDiag {
             key: clique::key_of(id.as_bytes()),
             shared: OnceLock::new(),
             board: config.board.clone(),
-            last_queue: Cell::new(0),
+            recent_queues: Cell::new([0; RECENT_QUEUES]),
         }
     }
 
@@ -95,7 +101,7 @@ impl CommDiag {
             key,
             shared: OnceLock::new(),
             board: None,
-            last_queue: Cell::new(0),
+            recent_queues: Cell::new([0; RECENT_QUEUES]),
         }
     }
 
@@ -116,7 +122,7 @@ impl CommDiag {
             key: clique::key_of((self.key, seq, tag)),
             shared: OnceLock::new(),
             board: None,
-            last_queue: Cell::new(0),
+            recent_queues: Cell::new([0; RECENT_QUEUES]),
         }
     }
 
@@ -251,6 +257,17 @@ impl CommDiag {
         what: String,
     ) -> (Duration, Option<nccl_sys::ncclResult_t>) {
         aborter::abort_bounded(&self.settings, lib, raw, what)
+    }
+
+    /// A stream not among the recent ones: noted in the shared list, cached here.
+    #[cold]
+    #[inline(never)]
+    fn note_stream(&self, s: &Shared, key: usize, stream: &Arc<cudarc::driver::CudaStream>) {
+        s.note_queue(Queue::Cuda(Arc::clone(stream)));
+        let mut recent = self.recent_queues.get();
+        recent.rotate_right(1);
+        recent[0] = key;
+        self.recent_queues.set(recent);
     }
 
     /// Notes that rank `rank` of `world_size` began its init in this process.
@@ -426,9 +443,8 @@ impl CommDiag {
             // Hand the work to the watchdog: plain stores, no call into CUDA.
             if let StreamRef::Cuda(stream) = t.stream {
                 let key = stream.cu_stream() as usize;
-                if self.last_queue.get() != key {
-                    self.last_queue.set(key);
-                    s.note_queue(Queue::Cuda(Arc::clone(stream)));
+                if !self.recent_queues.get().contains(&key) {
+                    self.note_stream(s, key, stream);
                 }
                 state = OpState::Enqueued;
             }
@@ -696,6 +712,28 @@ mod tests {
         c.destroy().map_err(|(_, e)| e).unwrap();
         let st = crate::host::stats_for(&id.to_raw());
         assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
+    }
+
+    /// The queues a communicator's watch keeps are bounded, the least recently noted going
+    /// first: a rank that makes a new stream per step leaks nothing.
+    #[test]
+    fn the_watched_queues_are_bounded_and_least_recently_noted_go_first() {
+        let (c, _id) = comm();
+        let s = Arc::clone(c.diag.shared(c.handle()));
+        let keys = |s: &Shared| -> Vec<usize> {
+            s.queues.lock().unwrap().iter().map(Queue::key).collect()
+        };
+        for k in 1..=40 {
+            s.note_queue(Queue::Host(k));
+        }
+        assert_eq!(keys(&s), (25..=40).collect::<Vec<_>>());
+        s.note_queue(Queue::Host(25)); // noted again: now the most recent
+        s.note_queue(Queue::Host(41)); // drops 26, the least recent
+        let k = keys(&s);
+        assert_eq!(k.len(), MAX_QUEUES);
+        assert!(!k.contains(&26) && k.ends_with(&[25, 41]), "{k:?}");
+        drop(s);
+        c.destroy().map_err(|(_, e)| e).unwrap();
     }
 
     /// Work that never completes is timed out by the watchdog, and the communicator fails.

@@ -21,6 +21,9 @@ use crate::library::Library;
 /// `Shared::current` while no operation of the communicator is inside its NCCL call.
 pub(super) const IDLE: u64 = 0;
 
+/// How many queues (streams) a communicator's watch keeps.
+pub(super) const MAX_QUEUES: usize = 16;
+
 /// `Shared::claim`: the watchdog leaves the communicator alone.
 pub(super) const UNCLAIMED: u8 = 0;
 /// `Shared::claim`: the watchdog is deciding whether to abort it (for microseconds).
@@ -207,11 +210,21 @@ impl Shared {
 
     /// Adds a queue the owner has not used before.
     #[cold]
+    /// At most [`MAX_QUEUES`] are kept, the least recently noted dropped first, so a rank
+    /// that makes a new stream per step neither leaks streams nor grows the watchdog's
+    /// work per tick. Work queued on a dropped stream after its last marker is no longer
+    /// watched (never falsely timed out).
     pub(super) fn note_queue(&self, q: Queue) {
         let mut qs = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-        if !qs.iter().any(|x| x.key() == q.key()) {
+        if let Some(i) = qs.iter().position(|x| x.key() == q.key()) {
+            let q = qs.remove(i);
             qs.push(q);
+            return;
         }
+        if qs.len() >= MAX_QUEUES {
+            qs.remove(0);
+        }
+        qs.push(q);
     }
 
     /// The owner's wait for its own work, at teardown: records a marker on each queue and
