@@ -32,7 +32,10 @@ trap cleanup EXIT
 
 if [ "$hide" = 1 ]; then
   # Every installed package owning a libclang.so* / libclang-N.so* file (not libclang-cpp).
-  mapfile -t pkgs < <(dpkg -S 'libclang*.so*' 2>/dev/null | grep -v 'libclang-cpp' \
+  # Exactly the files bindgen loads (the names have_libclang accepts), not libclang-cpp
+  # or compiler-rt's libclang_rt.*.
+  mapfile -t pkgs < <(dpkg -S 'libclang*.so*' 2>/dev/null \
+    | grep -E '/libclang(-[0-9][0-9.]*)?\.so(\.[0-9]+)*$' \
     | cut -d: -f1 | tr ',' '\n' | sed 's/^ *//' | sort -u)
   if [ "${#pkgs[@]}" -gt 0 ]; then
     echo "ci-fresh: removing ${pkgs[*]} so that .ci/run must install libclang"
