@@ -1,0 +1,498 @@
+//! The crate's CUDA code path on a CPU: cudarc contexts, streams and buffers over a fake
+//! CUDA driver that counts every call (`tests/fakes`), and communicators of the host
+//! provider presented as NVIDIA's NCCL (`Provider::Nccl`, so `Device::Cuda`, cudarc
+//! buffers and the watchdog's CUDA event tracker are what run).
+//!
+//! What a GPU run alone could show otherwise:
+//! - collectives on cudarc buffers, views and groups give the right values;
+//! - the per-operation path makes no driver call of its own: with cudarc's event tracking
+//!   off, none at all on the caller's thread; with it on, exactly cudarc's own, the same as
+//!   a raw `ncclAllReduce` on the same buffers;
+//! - the watchdog learns about GPU work from events it records on its own thread, fails a
+//!   stalled stream's communicator fast and aborts behind it, without ever synchronizing
+//!   the stalled stream;
+//! - a stream under graph capture gets no event and no timeout;
+//! - a long run with a new stream per step releases every event and stream it made.
+
+mod fakes;
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use fakes::{driver, nccl, Counts, Gauge};
+use nccl_safe::host::fault::{self, Fault};
+use nccl_safe::{Communicator, Config, Device, Error, Group, ReduceOp, UniqueId};
+use support::within;
+
+/// A CUDA rank over the fakes: its context, a stream, and a world-size-1 communicator.
+struct Rank {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    comm: Communicator,
+    id: UniqueId,
+}
+
+fn rank(ordinal: usize, config: &Config, tracking: bool) -> Rank {
+    let lib = nccl();
+    let ctx = CudaContext::new(ordinal).expect("a fake CUDA context");
+    set_tracking(&ctx, tracking);
+    let stream = ctx.new_stream().unwrap();
+    let id = UniqueId::new_with(&lib).unwrap();
+    let comm = Communicator::init_rank_in(&lib, &Device::Cuda(ctx.clone()), 1, 0, &id, config)
+        .expect("a communicator on the fake device");
+    Rank {
+        ctx,
+        stream,
+        comm,
+        id,
+    }
+}
+
+fn set_tracking(ctx: &CudaContext, on: bool) {
+    // SAFETY: the tests order their streams themselves (one stream per buffer's use, or
+    // host-synchronous fakes); it changes only how buffers made after it are tracked.
+    unsafe {
+        if on {
+            ctx.enable_event_tracking()
+        } else {
+            ctx.disable_event_tracking()
+        }
+    }
+}
+
+/// Polls `f` until it is true or `limit` passes; the time it took.
+fn until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if f() {
+            return Some(start.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    None
+}
+
+#[test]
+fn collectives_on_cudarc_buffers_across_ranks() {
+    let _serial = serial();
+    driver();
+    let lib = nccl();
+    let world = 3;
+    let id = UniqueId::new_with(&lib).unwrap();
+    let results = within(Duration::from_secs(60), move || {
+        std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..world)
+                .map(|r| {
+                    let (lib, id) = (&lib, &id);
+                    sc.spawn(move || {
+                        let ctx = CudaContext::new(r).unwrap();
+                        let s = ctx.new_stream().unwrap();
+                        let comm = Communicator::init_rank_in(
+                            lib,
+                            &Device::Cuda(ctx.clone()),
+                            world,
+                            r,
+                            id,
+                            &Config::new().timeout(Duration::from_secs(20)),
+                        )
+                        .unwrap();
+                        let base = r as f32 + 1.0;
+                        // Out of place, through views of a larger buffer.
+                        let src = s.clone_htod(&[base; 64]).unwrap();
+                        let mut dst = s.alloc_zeros::<f32>(64).unwrap();
+                        {
+                            let view = src.slice(8..24);
+                            let mut out = dst.slice_mut(0..16);
+                            comm.all_reduce(&view, &mut out, ReduceOp::Sum, &s).unwrap();
+                        }
+                        let reduced = s.clone_dtoh(&dst).unwrap();
+                        // In place, then an all_gather and a broadcast in one group.
+                        let mut x = s.clone_htod(&[base as i32; 4]).unwrap();
+                        comm.all_reduce_in_place(&mut x, ReduceOp::Max, &s).unwrap();
+                        let maxed = s.clone_dtoh(&x).unwrap();
+                        let mine = s.clone_htod(&[r as u8; 2]).unwrap();
+                        let mut all = s.alloc_zeros::<u8>(2 * world).unwrap();
+                        let mut b = s.clone_htod(&[r as f64 * 10.0; 3]).unwrap();
+                        {
+                            let mut g = Group::new();
+                            g.push(comm.all_gather_op(&mine, &mut all, &s).unwrap())
+                                .unwrap();
+                            g.push(comm.broadcast_in_place_op(&mut b, 1, &s).unwrap())
+                                .unwrap();
+                            g.end().unwrap();
+                        }
+                        (
+                            reduced,
+                            maxed,
+                            s.clone_dtoh(&all).unwrap(),
+                            s.clone_dtoh(&b).unwrap(),
+                        )
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        })
+    });
+    let sum = (1..=world).sum::<usize>() as f32;
+    for (reduced, maxed, all, b) in results {
+        assert!(reduced[..16].iter().all(|&v| v == sum), "{reduced:?}");
+        assert!(reduced[16..].iter().all(|&v| v == 0.0), "{reduced:?}");
+        assert_eq!(maxed, vec![world as i32; 4]);
+        assert_eq!(all, vec![0, 0, 1, 1, 2, 2]);
+        assert_eq!(b, vec![10.0; 3]);
+    }
+    assert_eq!(driver().gauge(Gauge::BadHandles), 0);
+}
+
+/// One kind of operation, run both ways on the same buffers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    AllReduce,
+    AllReduceInPlace,
+    AllGather,
+    AllGatherInPlace,
+    Broadcast,
+    BroadcastInPlace,
+    GroupOfFour,
+}
+
+const KINDS: [Kind; 7] = [
+    Kind::AllReduce,
+    Kind::AllReduceInPlace,
+    Kind::AllGather,
+    Kind::AllGatherInPlace,
+    Kind::Broadcast,
+    Kind::BroadcastInPlace,
+    Kind::GroupOfFour,
+];
+
+/// The driver calls on this thread for `n` operations of `kind`, made through the raw
+/// table (with cudarc's `device_ptr` guards, as a user of cudarc would) and through the
+/// safe layer.
+fn calls_per_op(r: &Rank, kind: Kind, n: usize) -> (Counts, Counts) {
+    let d = driver();
+    let s = &r.stream;
+    let lib = r.comm.library().clone();
+    let t = lib.table();
+    let send: CudaSlice<f32> = s.alloc_zeros(256).unwrap();
+    let mut recv: CudaSlice<f32> = s.alloc_zeros(256).unwrap();
+    let mut quads: Vec<CudaSlice<f32>> = (0..4).map(|_| s.alloc_zeros(64).unwrap()).collect();
+    let raw = r.comm.as_raw();
+    let stream = s.cu_stream() as nccl_sys::cudaStream_t;
+    let f32_ = nccl_sys::bindings::ncclFloat32;
+    let sum = nccl_sys::bindings::ncclSum;
+    s.synchronize().unwrap();
+
+    d.mark_this_thread(true);
+    let before = d.counts(true);
+    for _ in 0..n {
+        // SAFETY: a live communicator, buffers of 256 f32 on its device, its stream; the
+        // guards are held until the call returned.
+        unsafe {
+            let rc = match kind {
+                Kind::AllReduce => {
+                    let (a, _ga) = send.device_ptr(s);
+                    let (b, _gb) = recv.device_ptr_mut(s);
+                    (t.ncclAllReduce)(a as _, b as _, 256, f32_, sum, raw, stream)
+                }
+                Kind::AllReduceInPlace => {
+                    let (b, _gb) = recv.device_ptr_mut(s);
+                    (t.ncclAllReduce)(b as _, b as _, 256, f32_, sum, raw, stream)
+                }
+                Kind::AllGather => {
+                    let (a, _ga) = send.device_ptr(s);
+                    let (b, _gb) = recv.device_ptr_mut(s);
+                    (t.ncclAllGather)(a as _, b as _, 256, f32_, raw, stream)
+                }
+                Kind::AllGatherInPlace => {
+                    let (b, _gb) = recv.device_ptr_mut(s);
+                    (t.ncclAllGather)(b as _, b as _, 256, f32_, raw, stream)
+                }
+                Kind::Broadcast => {
+                    let (a, _ga) = send.device_ptr(s);
+                    let (b, _gb) = recv.device_ptr_mut(s);
+                    (t.ncclBroadcast)(a as _, b as _, 256, f32_, 0, raw, stream)
+                }
+                Kind::BroadcastInPlace => {
+                    let (b, _gb) = recv.device_ptr_mut(s);
+                    (t.ncclBroadcast)(b as _, b as _, 256, f32_, 0, raw, stream)
+                }
+                Kind::GroupOfFour => {
+                    let mut rc = (t.ncclGroupStart)();
+                    let mut guards = Vec::with_capacity(4);
+                    for q in quads.iter_mut() {
+                        let (b, g) = q.device_ptr_mut(s);
+                        guards.push(g);
+                        rc |= (t.ncclAllReduce)(b as _, b as _, 64, f32_, sum, raw, stream);
+                    }
+                    rc | (t.ncclGroupEnd)()
+                }
+            };
+            assert_eq!(rc, 0);
+        }
+    }
+    let mid = d.counts(true);
+    for _ in 0..n {
+        match kind {
+            Kind::AllReduce => r.comm.all_reduce(&send, &mut recv, ReduceOp::Sum, s),
+            Kind::AllReduceInPlace => r.comm.all_reduce_in_place(&mut recv, ReduceOp::Sum, s),
+            Kind::AllGather => r.comm.all_gather(&send, &mut recv, s),
+            Kind::AllGatherInPlace => r.comm.all_gather_in_place(&mut recv, s),
+            Kind::Broadcast => r.comm.broadcast(&send, &mut recv, 0, s),
+            Kind::BroadcastInPlace => r.comm.broadcast_in_place(&mut recv, 0, s),
+            Kind::GroupOfFour => (|| {
+                let mut g = Group::new();
+                for q in quads.iter_mut() {
+                    g.push(r.comm.all_reduce_in_place_op(q, ReduceOp::Sum, s)?)?;
+                }
+                g.end()
+            })(),
+        }
+        .unwrap();
+    }
+    let after = d.counts(true);
+    d.mark_this_thread(false);
+    (mid.since(&before), after.since(&mid))
+}
+
+/// Calls per operation, for the log.
+fn per_op(c: &Counts, n: usize) -> String {
+    if c.0.is_empty() {
+        return "none".into();
+    }
+    let each: Vec<String> = (c.0.iter())
+        .map(|(name, v)| format!("{name} {}", *v as f64 / n as f64))
+        .collect();
+    each.join(", ")
+}
+
+#[test]
+fn the_per_operation_path_makes_no_driver_call_of_its_own() {
+    let _serial = serial();
+    driver();
+    const N: usize = 200;
+    let mut lines = Vec::new();
+    for tracking in [false, true] {
+        let r = rank(0, &Config::new(), tracking);
+        for kind in KINDS {
+            let (raw, safe) = calls_per_op(&r, kind, N);
+            lines.push(format!(
+                "tracking {}: {kind:?}: raw [{}], safe [{}]",
+                if tracking { "on" } else { "off" },
+                per_op(&raw, N),
+                per_op(&safe, N)
+            ));
+            if !tracking {
+                assert_eq!(safe.total(), 0, "{kind:?}: safe [{safe}]");
+            }
+            assert_eq!(safe, raw, "{kind:?}, tracking {tracking}");
+        }
+    }
+    eprintln!("driver calls per operation on the caller's thread:");
+    for l in &lines {
+        eprintln!("  {l}");
+    }
+    // The watchdog did record and query events, on its own thread.
+    let all = driver().counts(false);
+    assert!(
+        all.get("cuEventRecord") > 0 && all.get("cuEventQuery") > 0,
+        "[{all}]"
+    );
+}
+
+/// The tests of this file share the fake driver's gauges: they run one at a time.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const TIMEOUT: Duration = Duration::from_millis(300);
+/// The bound on every failure: the configured timeout + 1 s.
+const BOUND: Duration = Duration::from_millis(1300);
+
+fn is_timeout(e: &Error) -> bool {
+    matches!(e, Error::Timeout { .. })
+}
+
+/// A GPU's stuck stream, on the CUDA path: the collective is accepted, the watchdog's
+/// events on the stream never complete, the communicator fails fast, and the watchdog's
+/// abort (which blocks, as NVIDIA's does in `cudaFree` behind the stream) runs on a thread
+/// of its own. Nothing synchronizes the stalled stream, and the caller's next call fails
+/// without a driver call.
+#[test]
+fn a_stalled_stream_fails_fast_and_is_aborted_behind_it() {
+    let _serial = serial();
+    let d = driver();
+    within(Duration::from_secs(60), move || {
+        let config = Config::new()
+            .timeout(TIMEOUT)
+            .abort_timeout(Duration::from_secs(20));
+        let r = rank(1, &config, false);
+        fault::inject(&r.id.to_raw(), Fault::BlockingAbort(None));
+        let waits = d.gauge(Gauge::StalledWaits);
+        let records = d.counts(false).get("cuEventRecord");
+        let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
+        r.stream.synchronize().unwrap();
+
+        d.stall(&r.stream, true);
+        let start = Instant::now();
+        r.comm
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
+            .expect("a collective behind a stalled stream is accepted");
+        let failed = until(BOUND, || r.comm.is_failed())
+            .expect("is_failed() within timeout + 1 s of the stalled collective");
+        assert!(
+            failed >= TIMEOUT / 2,
+            "failed after {failed:?}, before the timeout"
+        );
+
+        d.mark_this_thread(true);
+        let before = d.counts(true);
+        let e = r
+            .comm
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
+            .expect_err("the next call fails");
+        let quiet = d.counts(true).since(&before);
+        d.mark_this_thread(false);
+        assert!(is_timeout(&e), "{e}");
+        assert!(e.to_string().contains("did not complete in time"), "{e}");
+        assert!(start.elapsed() <= BOUND, "{:?}", start.elapsed());
+        assert_eq!(
+            quiet.total(),
+            0,
+            "failing fast called the driver: [{quiet}]"
+        );
+        assert!(matches!(r.comm.async_error(), Err(Error::Timeout { .. })));
+
+        until(BOUND, || fault::blocked_aborts(&r.id.to_raw()) >= 1)
+            .expect("the watchdog's abort runs, and blocks");
+        assert!(
+            d.counts(false).get("cuEventRecord") > records,
+            "the watchdog recorded events on the stream"
+        );
+        let t = Instant::now();
+        let Rank {
+            ctx,
+            stream,
+            comm,
+            id,
+        } = r;
+        drop(comm);
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "dropping a communicator whose abort blocks took {:?}",
+            t.elapsed()
+        );
+        assert_eq!(
+            d.gauge(Gauge::StalledWaits),
+            waits,
+            "something synchronized the stalled stream"
+        );
+
+        fault::release_aborts(&id.to_raw());
+        d.stall(&stream, false);
+        let st = support::assert_balanced(&id);
+        assert_eq!((st.created, st.aborted, st.destroyed), (1, 1, 0));
+        drop((x, stream, ctx));
+    });
+}
+
+/// While a stream is being captured into a graph, the watchdog records no event on it and
+/// raises no timeout, however long the capture; once the capture ends, the communicator is
+/// healthy and is destroyed normally.
+#[test]
+fn a_capturing_stream_gets_no_event_and_no_timeout() {
+    let _serial = serial();
+    let d = driver();
+    within(Duration::from_secs(60), move || {
+        let r = rank(2, &Config::new().timeout(TIMEOUT), false);
+        let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
+        r.stream.synchronize().unwrap();
+        let on_capturing = d.gauge(Gauge::RecordsOnCapturing);
+        let captures = d.counts(false).get("cuStreamIsCapturing");
+
+        d.set_capturing(&r.stream, true);
+        d.stall(&r.stream, true); // nothing captured runs on the stream
+        for _ in 0..10 {
+            r.comm
+                .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
+                .unwrap();
+        }
+        std::thread::sleep(TIMEOUT * 4);
+        assert!(!r.comm.is_failed(), "captured work timed out");
+        assert_eq!(d.gauge(Gauge::RecordsOnCapturing), on_capturing);
+        assert!(
+            d.counts(false).get("cuStreamIsCapturing") > captures,
+            "the watchdog asked whether the stream was capturing"
+        );
+
+        d.set_capturing(&r.stream, false);
+        d.stall(&r.stream, false);
+        r.comm
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
+            .unwrap();
+        std::thread::sleep(TIMEOUT * 2);
+        assert!(!r.comm.is_failed());
+        let id = r.id;
+        r.comm.destroy().map_err(|(_, e)| e).unwrap();
+        let st = support::assert_balanced(&id);
+        assert_eq!((st.created, st.aborted, st.destroyed), (1, 0, 1));
+        assert_eq!(d.gauge(Gauge::RecordsOnCapturing), on_capturing);
+    });
+}
+
+/// A long run that uses a new stream every few steps (and cudarc's event tracking) makes
+/// the watchdog keep a bounded set of streams and events, and releases every one of them
+/// with the communicator: nothing leaks, nothing is released twice.
+#[test]
+fn a_long_run_on_new_streams_releases_every_event_and_stream() {
+    let _serial = serial();
+    let d = driver();
+    within(Duration::from_secs(120), move || {
+        let (streams0, events0) = (d.gauge(Gauge::LiveStreams), d.gauge(Gauge::LiveEvents));
+        let r = rank(3, &Config::new().timeout(Duration::from_secs(30)), true);
+        let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
+        r.stream.synchronize().unwrap();
+        let mut most = (0, 0);
+        for _ in 0..40 {
+            let s = r.ctx.new_stream().unwrap();
+            for _ in 0..25 {
+                r.comm
+                    .all_reduce_in_place(&mut x, ReduceOp::Sum, &s)
+                    .unwrap();
+            }
+            s.synchronize().unwrap();
+            drop(s);
+            // Let the watchdog see this stream before the next one.
+            std::thread::sleep(Duration::from_millis(15));
+            most.0 = most.0.max(d.gauge(Gauge::LiveStreams) - streams0);
+            most.1 = most.1.max(d.gauge(Gauge::LiveEvents) - events0);
+        }
+        // The communicator's own stream, the buffer's 2 events, and at most 16 watched
+        // streams with an event each and 16 spare events.
+        assert!(most.0 <= 1 + 16 + 1, "live streams peaked at {}", most.0);
+        assert!(most.1 <= 2 + 16 + 16, "live events peaked at {}", most.1);
+        let id = r.id;
+        let Rank {
+            ctx, stream, comm, ..
+        } = r;
+        comm.destroy().map_err(|(_, e)| e).unwrap();
+        drop((x, stream, ctx));
+        let settled = until(Duration::from_secs(5), || {
+            d.gauge(Gauge::LiveStreams) == streams0 && d.gauge(Gauge::LiveEvents) == events0
+        });
+        assert!(
+            settled.is_some(),
+            "after the run: {} streams and {} events more than before (peaks {most:?})",
+            d.gauge(Gauge::LiveStreams) - streams0,
+            d.gauge(Gauge::LiveEvents) - events0
+        );
+        assert_eq!(d.gauge(Gauge::BadHandles), 0, "a released handle was used");
+        support::assert_balanced(&id);
+        eprintln!("peaks over the run: {} streams, {} events", most.0, most.1);
+    });
+}

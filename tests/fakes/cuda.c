@@ -1,0 +1,744 @@
+/*
+ * A fake CUDA driver (`libcuda.so`) for tests on machines without a GPU.
+ *
+ * It implements the driver entry points that cudarc and nccl-safe call, with "device
+ * memory" that is host memory and streams on which every operation completes inside the
+ * call. Paired with the host provider presented as NCCL, it runs nccl-safe's CUDA code
+ * path (cudarc buffers, streams, events, the watchdog's CUDA tracker) on a CPU.
+ *
+ * What the tests control and observe, through the `fake_cuda_*` functions at the end:
+ * - every entry point's calls are counted, in all and on the threads a test marks as the
+ *   caller's (the per-operation path must make no driver call of its own);
+ * - a stream can be stalled: events recorded on it stay incomplete, and synchronizing it
+ *   blocks, as behind a kernel that never ends (the wait gives up after a bound, counted,
+ *   so that a test fails rather than hangs);
+ * - a stream can report a capture in progress; events recorded on it then are counted;
+ * - streams, events and allocations alive now, to find leaks and double releases.
+ *
+ * Built by the test support code with the system C compiler; it is not part of the crate.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef struct fake_ctx *CUcontext;
+typedef struct fake_stream *CUstream;
+typedef struct fake_event *CUevent;
+
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_NO_DEVICE = 100,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+};
+
+#define MAX_DEVICES 16
+#define MAX_STREAMS 4096
+#define STALL_WAIT_LIMIT_MS 5000
+
+/* ---- call counting ---------------------------------------------------------------- */
+
+#define CALLS(X)                                                                          \
+    X(cuInit) X(cuDriverGetVersion) X(cuDeviceGetCount) X(cuDeviceGet)                    \
+    X(cuDeviceGetAttribute) X(cuDeviceGetName) X(cuDeviceTotalMem_v2) X(cuDeviceGetUuid)  \
+    X(cuDeviceGetUuid_v2) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease_v2)     \
+    X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetDevice) X(cuCtxSynchronize)           \
+    X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2) X(cuCtxGetStreamPriorityRange)           \
+    X(cuStreamCreate) X(cuStreamCreateWithPriority) X(cuStreamDestroy_v2)                 \
+    X(cuStreamSynchronize) X(cuStreamQuery) X(cuStreamWaitEvent) X(cuStreamIsCapturing)   \
+    X(cuThreadExchangeStreamCaptureMode) X(cuLaunchHostFunc) X(cuEventCreate)             \
+    X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize)           \
+    X(cuEventElapsedTime) X(cuEventElapsedTime_v2) X(cuMemAlloc_v2) X(cuMemFree_v2)       \
+    X(cuMemAllocAsync) X(cuMemFreeAsync) X(cuMemcpyHtoDAsync_v2) X(cuMemcpyDtoHAsync_v2)  \
+    X(cuMemcpyDtoDAsync_v2) X(cuMemcpyHtoD_v2) X(cuMemcpyDtoH_v2) X(cuMemcpyDtoD_v2)      \
+    X(cuMemsetD8Async) X(cuMemsetD8_v2) X(cuMemHostAlloc) X(cuMemFreeHost)                \
+    X(cuMemGetInfo_v2) X(cuGetErrorString) X(cuGetErrorName)
+
+#define ENUM(f) N_##f,
+enum { CALLS(ENUM) N_CALLS };
+#undef ENUM
+#define NAME(f) #f,
+static const char *const call_names[N_CALLS] = {CALLS(NAME)};
+#undef NAME
+
+static uint64_t calls_all[N_CALLS];
+static uint64_t calls_marked[N_CALLS];
+static __thread int thread_marked;
+
+#define COUNT(f)                                                                          \
+    do {                                                                                  \
+        __atomic_fetch_add(&calls_all[N_##f], 1, __ATOMIC_RELAXED);                       \
+        if (thread_marked)                                                                \
+            __atomic_fetch_add(&calls_marked[N_##f], 1, __ATOMIC_RELAXED);                \
+    } while (0)
+
+static int64_t live_streams, live_events, live_allocs, live_host_allocs;
+static uint64_t records_on_capturing, stalled_waits, stalled_wait_timeouts, bad_handles;
+
+static void add(int64_t *v, int64_t d) { __atomic_fetch_add(v, d, __ATOMIC_RELAXED); }
+static void bump(uint64_t *v) { __atomic_fetch_add(v, 1, __ATOMIC_RELAXED); }
+
+/* ---- devices, contexts ---------------------------------------------------------------- */
+
+struct fake_ctx {
+    int device;
+};
+
+static int device_count = 8;
+static struct fake_ctx contexts[MAX_DEVICES];
+static __thread CUcontext current;
+
+static int valid_device(CUdevice d) { return d >= 0 && d < device_count; }
+
+/* ---- streams, events ----------------------------------------------------------------- */
+
+struct fake_stream {
+    int in_use;
+    int device;
+    int stalled;     /* work queued now never completes, until released */
+    uint64_t gen;    /* bumped at each release */
+    int capturing;   /* reports CU_STREAM_CAPTURE_STATUS_ACTIVE */
+};
+
+static struct fake_stream streams[MAX_STREAMS];
+static struct fake_stream default_stream; /* the legacy stream (a null handle) */
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t released = PTHREAD_COND_INITIALIZER;
+
+static struct fake_stream *stream_of(CUstream s) {
+    if (s == NULL || s == (CUstream)1 || s == (CUstream)2)
+        return &default_stream;
+    if (s < &streams[0] || s >= &streams[MAX_STREAMS] || !s->in_use) {
+        bump(&bad_handles);
+        return NULL;
+    }
+    return s;
+}
+
+#define EVENT_MAGIC 0x4556454e54ull
+struct fake_event {
+    uint64_t magic;
+    struct fake_stream *stream; /* NULL: never recorded */
+    int pending;                /* recorded while its stream was stalled */
+    uint64_t gen;
+};
+
+static int event_ok(CUevent e) {
+    if (e == NULL || e->magic != EVENT_MAGIC) {
+        bump(&bad_handles);
+        return 0;
+    }
+    return 1;
+}
+
+/* Whether an event's work is done. Call with `lock` held. */
+static int event_done(CUevent e) {
+    return !(e->pending && e->stream->stalled && e->stream->gen == e->gen);
+}
+
+/* Waits (bounded) until the stream is no longer stalled. */
+static void wait_unstalled(struct fake_stream *st) {
+    pthread_mutex_lock(&lock);
+    if (st->stalled) {
+        bump(&stalled_waits);
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += STALL_WAIT_LIMIT_MS / 1000;
+        while (st->stalled) {
+            if (pthread_cond_timedwait(&released, &lock, &until) != 0) {
+                bump(&stalled_wait_timeouts);
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+/* ---- the driver API ------------------------------------------------------------------- */
+
+CUresult cuInit(unsigned int flags) {
+    COUNT(cuInit);
+    (void)flags;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDriverGetVersion(int *v) {
+    COUNT(cuDriverGetVersion);
+    if (!v)
+        return CUDA_ERROR_INVALID_VALUE;
+    *v = 12080;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetCount(int *n) {
+    COUNT(cuDeviceGetCount);
+    if (!n)
+        return CUDA_ERROR_INVALID_VALUE;
+    *n = device_count;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGet(CUdevice *d, int ordinal) {
+    COUNT(cuDeviceGet);
+    if (!d)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(ordinal))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *d = ordinal;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetAttribute(int *v, int attrib, CUdevice d) {
+    COUNT(cuDeviceGetAttribute);
+    if (!v)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    switch (attrib) {
+    case 75: /* compute capability major */
+        *v = 9;
+        break;
+    case 115: /* memory pools supported: cudarc then allocates with cuMemAllocAsync */
+        *v = 1;
+        break;
+    default:
+        *v = 0;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
+    COUNT(cuDeviceGetName);
+    if (!name || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(name, (size_t)len, "nccl-safe fake CUDA device %d", d);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) {
+    COUNT(cuDeviceTotalMem_v2);
+    if (!bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = (size_t)1 << 32;
+    return CUDA_SUCCESS;
+}
+
+static CUresult uuid(unsigned char *out, CUdevice d) {
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    memset(out, 0, 16);
+    out[0] = 0xfa;
+    out[15] = (unsigned char)d;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetUuid(unsigned char *out, CUdevice d) {
+    COUNT(cuDeviceGetUuid);
+    return uuid(out, d);
+}
+
+CUresult cuDeviceGetUuid_v2(unsigned char *out, CUdevice d) {
+    COUNT(cuDeviceGetUuid_v2);
+    return uuid(out, d);
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d) {
+    COUNT(cuDevicePrimaryCtxRetain);
+    if (!ctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(d))
+        return CUDA_ERROR_INVALID_DEVICE;
+    contexts[d].device = d;
+    *ctx = &contexts[d];
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) {
+    COUNT(cuDevicePrimaryCtxRelease_v2);
+    return valid_device(d) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+}
+
+CUresult cuCtxGetCurrent(CUcontext *ctx) {
+    COUNT(cuCtxGetCurrent);
+    if (!ctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    *ctx = current;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxSetCurrent(CUcontext ctx) {
+    COUNT(cuCtxSetCurrent);
+    current = ctx;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetDevice(CUdevice *d) {
+    COUNT(cuCtxGetDevice);
+    if (!d)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!current)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *d = current->device;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxSynchronize(void) {
+    COUNT(cuCtxSynchronize);
+    if (!current)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    for (int i = 0; i < MAX_STREAMS; i++) {
+        if (streams[i].in_use && streams[i].device == current->device)
+            wait_unstalled(&streams[i]);
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
+    COUNT(cuCtxPushCurrent_v2);
+    current = ctx;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxPopCurrent_v2(CUcontext *ctx) {
+    COUNT(cuCtxPopCurrent_v2);
+    if (ctx)
+        *ctx = current;
+    current = NULL;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest) {
+    COUNT(cuCtxGetStreamPriorityRange);
+    if (least)
+        *least = 0;
+    if (greatest)
+        *greatest = -5;
+    return CUDA_SUCCESS;
+}
+
+static CUresult new_stream(CUstream *s) {
+    if (!s)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!current)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_STREAMS; i++) {
+        if (!streams[i].in_use) {
+            memset(&streams[i], 0, sizeof streams[i]);
+            streams[i].in_use = 1;
+            streams[i].device = current->device;
+            pthread_mutex_unlock(&lock);
+            add(&live_streams, 1);
+            *s = &streams[i];
+            return CUDA_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CUresult cuStreamCreate(CUstream *s, unsigned int flags) {
+    COUNT(cuStreamCreate);
+    (void)flags;
+    return new_stream(s);
+}
+
+CUresult cuStreamCreateWithPriority(CUstream *s, unsigned int flags, int priority) {
+    COUNT(cuStreamCreateWithPriority);
+    (void)flags;
+    (void)priority;
+    return new_stream(s);
+}
+
+CUresult cuStreamDestroy_v2(CUstream s) {
+    COUNT(cuStreamDestroy_v2);
+    struct fake_stream *st = stream_of(s);
+    if (!st || st == &default_stream)
+        return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&lock);
+    st->in_use = 0;
+    __atomic_store_n(&st->stalled, 0, __ATOMIC_RELEASE);
+    st->gen++;
+    pthread_cond_broadcast(&released);
+    pthread_mutex_unlock(&lock);
+    add(&live_streams, -1);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamSynchronize(CUstream s) {
+    COUNT(cuStreamSynchronize);
+    struct fake_stream *st = stream_of(s);
+    if (!st)
+        return CUDA_ERROR_INVALID_HANDLE;
+    wait_unstalled(st);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamQuery(CUstream s) {
+    COUNT(cuStreamQuery);
+    struct fake_stream *st = stream_of(s);
+    if (!st)
+        return CUDA_ERROR_INVALID_HANDLE;
+    return __atomic_load_n(&st->stalled, __ATOMIC_ACQUIRE) ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+}
+
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags) {
+    COUNT(cuStreamWaitEvent);
+    (void)flags;
+    if (!stream_of(s) || !event_ok(e))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamIsCapturing(CUstream s, int *status) {
+    COUNT(cuStreamIsCapturing);
+    struct fake_stream *st = stream_of(s);
+    if (!st)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!status)
+        return CUDA_ERROR_INVALID_VALUE;
+    *status = __atomic_load_n(&st->capturing, __ATOMIC_ACQUIRE) ? 1 /* ACTIVE */ : 0 /* NONE */;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+    COUNT(cuThreadExchangeStreamCaptureMode);
+    static __thread int thread_mode;
+    if (!mode)
+        return CUDA_ERROR_INVALID_VALUE;
+    int old = thread_mode;
+    thread_mode = *mode;
+    *mode = old;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuLaunchHostFunc(CUstream s, void (*fn)(void *), void *data) {
+    COUNT(cuLaunchHostFunc);
+    if (!stream_of(s) || !fn)
+        return CUDA_ERROR_INVALID_VALUE;
+    fn(data);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventCreate(CUevent *e, unsigned int flags) {
+    COUNT(cuEventCreate);
+    (void)flags;
+    if (!e)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct fake_event *ev = calloc(1, sizeof *ev);
+    if (!ev)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    ev->magic = EVENT_MAGIC;
+    add(&live_events, 1);
+    *e = ev;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventDestroy_v2(CUevent e) {
+    COUNT(cuEventDestroy_v2);
+    if (!event_ok(e))
+        return CUDA_ERROR_INVALID_HANDLE;
+    e->magic = 0;
+    free(e);
+    add(&live_events, -1);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventRecord(CUevent e, CUstream s) {
+    COUNT(cuEventRecord);
+    struct fake_stream *st = stream_of(s);
+    if (!st || !event_ok(e))
+        return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&lock);
+    if (st->capturing)
+        bump(&records_on_capturing);
+    e->stream = st;
+    e->pending = st->stalled;
+    e->gen = st->gen;
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventQuery(CUevent e) {
+    COUNT(cuEventQuery);
+    if (!event_ok(e))
+        return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&lock);
+    int done = !e->stream || event_done(e);
+    pthread_mutex_unlock(&lock);
+    return done ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+CUresult cuEventSynchronize(CUevent e) {
+    COUNT(cuEventSynchronize);
+    if (!event_ok(e))
+        return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&lock);
+    struct fake_stream *st = e->pending && !event_done(e) ? e->stream : NULL;
+    pthread_mutex_unlock(&lock);
+    if (st)
+        wait_unstalled(st);
+    return CUDA_SUCCESS;
+}
+
+static CUresult elapsed(float *ms, CUevent a, CUevent b) {
+    if (!ms)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!event_ok(a) || !event_ok(b))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *ms = 0.0f;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b) {
+    COUNT(cuEventElapsedTime);
+    return elapsed(ms, a, b);
+}
+
+CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b) {
+    COUNT(cuEventElapsedTime_v2);
+    return elapsed(ms, a, b);
+}
+
+static CUresult alloc(CUdeviceptr *p, size_t bytes) {
+    if (!p)
+        return CUDA_ERROR_INVALID_VALUE;
+    void *m = calloc(1, bytes ? bytes : 1);
+    if (!m)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    add(&live_allocs, 1);
+    *p = (CUdeviceptr)(uintptr_t)m;
+    return CUDA_SUCCESS;
+}
+
+static CUresult release(CUdeviceptr p) {
+    if (!p)
+        return CUDA_SUCCESS;
+    free((void *)(uintptr_t)p);
+    add(&live_allocs, -1);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) {
+    COUNT(cuMemAlloc_v2);
+    return alloc(p, bytes);
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    COUNT(cuMemFree_v2);
+    return release(p);
+}
+
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t bytes, CUstream s) {
+    COUNT(cuMemAllocAsync);
+    if (!stream_of(s))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return alloc(p, bytes);
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
+    COUNT(cuMemFreeAsync);
+    if (!stream_of(s))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return release(p);
+}
+
+#define COPY(name, dst, src, n, s)                                                        \
+    do {                                                                                  \
+        COUNT(name);                                                                      \
+        if ((s) != NULL && !stream_of(s))                                                 \
+            return CUDA_ERROR_INVALID_HANDLE;                                             \
+        if ((n) && (!(dst) || !(src)))                                                    \
+            return CUDA_ERROR_INVALID_VALUE;                                              \
+        if (n)                                                                            \
+            memmove((dst), (src), (n));                                                   \
+        return CUDA_SUCCESS;                                                              \
+    } while (0)
+
+#define PTR(p) ((void *)(uintptr_t)(p))
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
+    COPY(cuMemcpyHtoDAsync_v2, PTR(dst), src, n, s);
+}
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s) {
+    COPY(cuMemcpyDtoHAsync_v2, dst, PTR(src), n, s);
+}
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    COPY(cuMemcpyDtoDAsync_v2, PTR(dst), PTR(src), n, s);
+}
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+    COPY(cuMemcpyHtoD_v2, PTR(dst), src, n, NULL);
+}
+CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+    COPY(cuMemcpyDtoH_v2, dst, PTR(src), n, NULL);
+}
+CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    COPY(cuMemcpyDtoD_v2, PTR(dst), PTR(src), n, NULL);
+}
+
+CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream s) {
+    COUNT(cuMemsetD8Async);
+    if (!stream_of(s))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (n && !p)
+        return CUDA_ERROR_INVALID_VALUE;
+    memset(PTR(p), v, n);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemsetD8_v2(CUdeviceptr p, unsigned char v, size_t n) {
+    COUNT(cuMemsetD8_v2);
+    if (n && !p)
+        return CUDA_ERROR_INVALID_VALUE;
+    memset(PTR(p), v, n);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemHostAlloc(void **p, size_t bytes, unsigned int flags) {
+    COUNT(cuMemHostAlloc);
+    (void)flags;
+    if (!p)
+        return CUDA_ERROR_INVALID_VALUE;
+    *p = calloc(1, bytes ? bytes : 1);
+    if (!*p)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    add(&live_host_allocs, 1);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemFreeHost(void *p) {
+    COUNT(cuMemFreeHost);
+    if (p) {
+        free(p);
+        add(&live_host_allocs, -1);
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    COUNT(cuMemGetInfo_v2);
+    if (free_bytes)
+        *free_bytes = (size_t)1 << 31;
+    if (total)
+        *total = (size_t)1 << 32;
+    return CUDA_SUCCESS;
+}
+
+static const char *error_text(CUresult r) {
+    switch (r) {
+    case CUDA_SUCCESS: return "no error";
+    case CUDA_ERROR_INVALID_VALUE: return "invalid argument";
+    case CUDA_ERROR_OUT_OF_MEMORY: return "out of memory";
+    case CUDA_ERROR_INVALID_DEVICE: return "invalid device ordinal";
+    case CUDA_ERROR_INVALID_CONTEXT: return "invalid device context";
+    case CUDA_ERROR_INVALID_HANDLE: return "invalid resource handle";
+    case CUDA_ERROR_NOT_READY: return "device not ready";
+    default: return "unknown error";
+    }
+}
+
+CUresult cuGetErrorString(CUresult r, const char **s) {
+    COUNT(cuGetErrorString);
+    if (!s)
+        return CUDA_ERROR_INVALID_VALUE;
+    *s = error_text(r);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGetErrorName(CUresult r, const char **s) {
+    COUNT(cuGetErrorName);
+    if (!s)
+        return CUDA_ERROR_INVALID_VALUE;
+    *s = error_text(r);
+    return CUDA_SUCCESS;
+}
+
+/* ---- what the tests control and observe ------------------------------------------------ */
+
+/* Marks (1) or unmarks (0) the calling thread as the one whose calls are counted apart. */
+void fake_cuda_mark_thread(int on) { thread_marked = on; }
+
+/* Calls of `name` so far: on marked threads (`marked` != 0) or on all. -1: unknown name. */
+int64_t fake_cuda_calls(const char *name, int marked) {
+    for (int i = 0; i < N_CALLS; i++) {
+        if (strcmp(call_names[i], name) == 0)
+            return (int64_t)__atomic_load_n(marked ? &calls_marked[i] : &calls_all[i],
+                                            __ATOMIC_RELAXED);
+    }
+    return -1;
+}
+
+/* Every call on marked threads (`marked` != 0) or on all, summed. */
+int64_t fake_cuda_total_calls(int marked) {
+    int64_t n = 0;
+    for (int i = 0; i < N_CALLS; i++)
+        n += (int64_t)__atomic_load_n(marked ? &calls_marked[i] : &calls_all[i],
+                                      __ATOMIC_RELAXED);
+    return n;
+}
+
+/* The name of entry point `i` (NULL past the last), to list the counters. */
+const char *fake_cuda_call_name(int i) { return i >= 0 && i < N_CALLS ? call_names[i] : NULL; }
+
+void fake_cuda_set_device_count(int n) {
+    device_count = n < 0 ? 0 : n > MAX_DEVICES ? MAX_DEVICES : n;
+}
+
+/* Stalls (1) or releases (0) a stream. Returns 0, or -1 for an unknown stream. */
+int fake_cuda_stall(CUstream s, int on) {
+    struct fake_stream *st = stream_of(s);
+    if (!st)
+        return -1;
+    pthread_mutex_lock(&lock);
+    if (st->stalled && !on) {
+        st->gen++;
+        pthread_cond_broadcast(&released);
+    }
+    __atomic_store_n(&st->stalled, on, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+/* Makes a stream report a capture in progress (1) or none (0). */
+int fake_cuda_set_capturing(CUstream s, int on) {
+    struct fake_stream *st = stream_of(s);
+    if (!st)
+        return -1;
+    __atomic_store_n(&st->capturing, on, __ATOMIC_RELEASE);
+    return 0;
+}
+
+/* Gauges: 0 live streams, 1 live events, 2 live device allocations, 3 live pinned host
+ * allocations, 4 events recorded on a capturing stream, 5 waits behind a stalled stream,
+ * 6 of those that gave up, 7 calls with an invalid or released handle. */
+int64_t fake_cuda_gauge(int which) {
+    switch (which) {
+    case 0: return __atomic_load_n(&live_streams, __ATOMIC_RELAXED);
+    case 1: return __atomic_load_n(&live_events, __ATOMIC_RELAXED);
+    case 2: return __atomic_load_n(&live_allocs, __ATOMIC_RELAXED);
+    case 3: return __atomic_load_n(&live_host_allocs, __ATOMIC_RELAXED);
+    case 4: return (int64_t)__atomic_load_n(&records_on_capturing, __ATOMIC_RELAXED);
+    case 5: return (int64_t)__atomic_load_n(&stalled_waits, __ATOMIC_RELAXED);
+    case 6: return (int64_t)__atomic_load_n(&stalled_wait_timeouts, __ATOMIC_RELAXED);
+    case 7: return (int64_t)__atomic_load_n(&bad_handles, __ATOMIC_RELAXED);
+    default: return -1;
+    }
+}

@@ -1,0 +1,203 @@
+//! A fake CUDA driver (`cuda.c`, beside this file) and the host provider presented as
+//! NCCL: together they run the crate's CUDA code path (cudarc contexts, streams, buffers
+//! and events; the watchdog's CUDA tracker; `Provider::Nccl` communicators) on a machine
+//! without a GPU, with every driver call counted and a stream that can be stalled.
+//!
+//! The driver is compiled with the system C compiler (`$CC`, else `cc`) at first use and
+//! loaded before cudarc looks for `libcuda.so`: its file's soname is `libcuda.so`, and the
+//! dynamic loader answers a later `dlopen("libcuda.so")` with an object already loaded
+//! under that soname, so cudarc's own search finds it. Load it before anything touches
+//! CUDA in the process ([`driver`] does, and every helper here calls it first).
+#![allow(dead_code)]
+
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::CudaStream;
+use nccl_safe::{Library, Provider};
+
+/// The loaded fake driver and its control functions.
+pub struct FakeDriver {
+    _lib: libloading::os::unix::Library,
+    mark_thread: unsafe extern "C" fn(c_int),
+    calls: unsafe extern "C" fn(*const c_char, c_int) -> i64,
+    total_calls: unsafe extern "C" fn(c_int) -> i64,
+    call_name: unsafe extern "C" fn(c_int) -> *const c_char,
+    stall: unsafe extern "C" fn(*mut std::ffi::c_void, c_int) -> c_int,
+    set_capturing: unsafe extern "C" fn(*mut std::ffi::c_void, c_int) -> c_int,
+    gauge: unsafe extern "C" fn(c_int) -> i64,
+}
+
+/// What [`FakeDriver::gauge`] reads.
+#[derive(Debug, Clone, Copy)]
+pub enum Gauge {
+    LiveStreams = 0,
+    LiveEvents = 1,
+    LiveAllocations = 2,
+    LivePinned = 3,
+    RecordsOnCapturing = 4,
+    StalledWaits = 5,
+    StalledWaitTimeouts = 6,
+    BadHandles = 7,
+}
+
+/// Compiles (once per process) and loads the fake driver.
+pub fn driver() -> &'static FakeDriver {
+    static DRIVER: OnceLock<FakeDriver> = OnceLock::new();
+    DRIVER.get_or_init(|| {
+        let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fakes/cuda.c");
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-cuda");
+        std::fs::create_dir_all(&dir).expect("a folder for the fake driver");
+        // Its own file per process: test binaries may build it at the same time.
+        let so = dir.join(format!("libcuda-{}.so", std::process::id()));
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        let out = Command::new(&cc)
+            .args(["-shared", "-fPIC", "-O2", "-pthread", "-Wall", "-Wextra"])
+            .arg("-Wl,-soname,libcuda.so")
+            .arg("-o")
+            .arg(&so)
+            .arg(&src)
+            .output()
+            .unwrap_or_else(|e| panic!("running the C compiler `{cc}`: {e}"));
+        assert!(
+            out.status.success(),
+            "compiling {}: {}\n{}",
+            src.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // SAFETY: the fake's initialisers are C's defaults; RTLD_GLOBAL so that the loader
+        // answers cudarc's `dlopen("libcuda.so")` with this object.
+        let lib = unsafe {
+            libloading::os::unix::Library::open(
+                Some(&so),
+                libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+            )
+        }
+        .expect("loading the fake driver");
+        let _ = std::fs::remove_file(&so);
+        // SAFETY: each symbol is the C function of that name in cuda.c, with this signature.
+        unsafe {
+            FakeDriver {
+                mark_thread: *lib.get(b"fake_cuda_mark_thread\0").unwrap(),
+                calls: *lib.get(b"fake_cuda_calls\0").unwrap(),
+                total_calls: *lib.get(b"fake_cuda_total_calls\0").unwrap(),
+                call_name: *lib.get(b"fake_cuda_call_name\0").unwrap(),
+                stall: *lib.get(b"fake_cuda_stall\0").unwrap(),
+                set_capturing: *lib.get(b"fake_cuda_set_capturing\0").unwrap(),
+                gauge: *lib.get(b"fake_cuda_gauge\0").unwrap(),
+                _lib: lib,
+            }
+        }
+    })
+}
+
+impl FakeDriver {
+    /// Counts this thread's calls apart (the caller's thread of a measurement).
+    pub fn mark_this_thread(&self, on: bool) {
+        // SAFETY: sets a thread-local flag.
+        unsafe { (self.mark_thread)(on as c_int) }
+    }
+
+    /// Every entry point's calls so far: on marked threads only, or on all.
+    pub fn counts(&self, marked: bool) -> Counts {
+        let mut v = Vec::new();
+        for i in 0.. {
+            // SAFETY: returns a static string or null past the last entry point.
+            let name = unsafe { (self.call_name)(i) };
+            if name.is_null() {
+                break;
+            }
+            // SAFETY: a NUL-terminated static string.
+            let name = unsafe { CStr::from_ptr(name) }.to_str().unwrap();
+            let c = CString::new(name).unwrap();
+            // SAFETY: `c` is a valid C string for the call.
+            v.push((name, unsafe { (self.calls)(c.as_ptr(), marked as c_int) }
+                as u64));
+        }
+        Counts(v)
+    }
+
+    /// The number of calls of every entry point, summed.
+    pub fn total(&self, marked: bool) -> u64 {
+        // SAFETY: reads counters.
+        unsafe { (self.total_calls)(marked as c_int) as u64 }
+    }
+
+    /// Stalls a stream (its events stay incomplete, synchronizing it blocks) or releases it.
+    pub fn stall(&self, stream: &CudaStream, on: bool) {
+        // SAFETY: the handle is a live stream of the fake driver.
+        let r = unsafe { (self.stall)(stream.cu_stream() as *mut _, on as c_int) };
+        assert_eq!(r, 0, "not a stream of the fake driver");
+    }
+
+    /// Makes a stream report a capture in progress, or none.
+    pub fn set_capturing(&self, stream: &CudaStream, on: bool) {
+        // SAFETY: as in `stall`.
+        let r = unsafe { (self.set_capturing)(stream.cu_stream() as *mut _, on as c_int) };
+        assert_eq!(r, 0, "not a stream of the fake driver");
+    }
+
+    pub fn gauge(&self, g: Gauge) -> i64 {
+        // SAFETY: reads a counter.
+        unsafe { (self.gauge)(g as c_int) }
+    }
+}
+
+/// Calls per driver entry point.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Counts(pub Vec<(&'static str, u64)>);
+
+impl Counts {
+    pub fn get(&self, name: &str) -> u64 {
+        self.0
+            .iter()
+            .find(|(n, _)| *n == name)
+            .unwrap_or_else(|| panic!("the fake driver has no {name}"))
+            .1
+    }
+
+    /// The calls made between `before` and `self`, only the entry points called.
+    pub fn since(&self, before: &Counts) -> Counts {
+        Counts(
+            self.0
+                .iter()
+                .zip(&before.0)
+                .map(|((n, a), (_, b))| (*n, a - b))
+                .filter(|(_, d)| *d > 0)
+                .collect(),
+        )
+    }
+
+    pub fn total(&self) -> u64 {
+        self.0.iter().map(|(_, c)| c).sum()
+    }
+}
+
+impl std::fmt::Display for Counts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("none");
+        }
+        for (i, (n, c)) in self.0.iter().enumerate() {
+            write!(f, "{}{n} {c}", if i > 0 { ", " } else { "" })?;
+        }
+        Ok(())
+    }
+}
+
+/// The host provider presented as NVIDIA's NCCL (`Provider::Nccl`): communicators on CUDA
+/// devices, whose collectives run on the calling thread over the fake driver's "device"
+/// memory (host memory) and ignore the stream.
+pub fn nccl() -> Arc<Library> {
+    static LIB: OnceLock<Arc<Library>> = OnceLock::new();
+    driver();
+    Arc::clone(LIB.get_or_init(|| {
+        // SAFETY: the host provider's lookup returns its own `extern "C"` functions, with
+        // NCCL's signatures, living for the whole process.
+        unsafe { Library::from_lookup(Provider::Nccl, None, nccl_safe::host::lookup) }
+            .expect("the host provider exports NCCL's API")
+    }))
+}
