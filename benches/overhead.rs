@@ -1,7 +1,8 @@
 //! What the safe layer costs per collective call, against a raw call through the same
 //! function table.
 //!
-//! `cargo bench --bench overhead [-- --backend host|nccl] [--no-host]` (`-h` for help).
+//! `cargo bench --bench overhead [-- --backend host|nccl|fake-cuda] [--no-host]` (`-h` for
+//! help).
 //!
 //! - `--backend host` (the default): on a "null provider" whose entry points return at
 //!   once, so only the crate's own work is timed; target 20 ns and 0 allocations a call.
@@ -13,8 +14,13 @@
 //!   1-element `all_reduce_in_place`: the raw `ncclAllReduce` enqueue against the safe
 //!   call, with cudarc's event tracking on and off, single operations and per operation in
 //!   a `Group`; target 50 ns over raw with tracking off. Without a GPU it says so and exits 0.
+//! - `--backend fake-cuda`: the same, on the tests' fake CUDA driver (`tests/fakes`) and the
+//!   null provider presented as NCCL, on any machine: what the crate's (and cudarc's) CPU
+//!   work on the CUDA code path costs, with every driver call returning at once.
 
 mod common;
+#[path = "../tests/fakes/mod.rs"]
+mod fakes;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -694,23 +700,43 @@ fn measure_batched(
     Ok(best)
 }
 
-/// `--backend nccl`: raw `ncclAllReduce` enqueue against the safe `all_reduce_in_place`.
-fn cuda_overhead() -> Result<()> {
+/// What the CUDA mode runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cuda {
+    /// NVIDIA's NCCL and CUDA driver, on GPU 0.
+    Real,
+    /// The fake CUDA driver of the tests (every driver call returns at once, counted) and
+    /// the null provider presented as NCCL: the crate's own CPU work on the CUDA code path
+    /// (and cudarc's, with its event tracking on), on any machine.
+    Fake,
+}
+
+/// `--backend nccl` / `--backend fake-cuda`: raw `ncclAllReduce` enqueue against the safe
+/// `all_reduce_in_place`.
+fn cuda_overhead(source: Cuda) -> Result<()> {
     const ITERS: u64 = 100_000;
     const BATCH: u64 = 1_000;
     const REPS: usize = 5;
     const GROUP: usize = 8;
     println!("# nccl-safe overhead, CUDA path: safe all_reduce_in_place vs raw ncclAllReduce through the function table");
+    if source == Cuda::Fake {
+        fakes::driver();
+        println!("# on the fake CUDA driver (tests/fakes/cuda.c) and the null provider as NCCL: no GPU; only the CPU work of the crate and of cudarc on the CUDA code path is timed");
+    }
     let count = match common::sweep::quiet_cuda(CudaContext::device_count) {
         Ok(Ok(n)) if n > 0 => n,
         Ok(Ok(_)) => return no_gpu("no CUDA device found"),
         Ok(Err(e)) => return no_gpu(&format!("CUDA driver error: {e}")),
         Err(e) => return no_gpu(&e.to_string()),
     };
-    let lib = match Library::load() {
-        Ok(lib) if lib.provider() != Provider::Host => lib,
-        Ok(_) => return no_gpu("the NCCL found is the host provider"),
-        Err(e) => return no_gpu(&format!("NVIDIA's NCCL was not found: {e}")),
+    let lib = match source {
+        // SAFETY: as in `run`: `null_lookup` returns the null provider's functions.
+        Cuda::Fake => unsafe { Library::from_lookup(Provider::Nccl, None, null_lookup) }?,
+        Cuda::Real => match Library::load() {
+            Ok(lib) if lib.provider() != Provider::Host => lib,
+            Ok(_) => return no_gpu("the NCCL found is the host provider"),
+            Err(e) => return no_gpu(&format!("NVIDIA's NCCL was not found: {e}")),
+        },
     };
     let ctx = CudaContext::new(0)?;
     // cudarc's default; the buffers made before the switch below stay tracked.
@@ -722,7 +748,9 @@ fn cuda_overhead() -> Result<()> {
     println!(
         "# NCCL {} ({}), {} ({} device(s) seen, device 0 used), world size 1, one stream, 1 f32 in place",
         lib.version(),
-        lib.path().map(|p| p.display().to_string()).unwrap_or_default(),
+        lib.path()
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|| "in process".into()),
         ctx.name().unwrap_or_else(|_| "CUDA device 0".into()),
         count
     );
@@ -849,8 +877,12 @@ fn cuda_overhead() -> Result<()> {
     stream.synchronize()?;
     comm.destroy().map_err(|(_, e)| e)?;
     println!(
-        "# target: safe - raw <= 50 ns per call with cudarc event tracking off (single operations and per operation in a group): worst {worst_off:.1} ns -> {}",
-        if worst_off <= 50.0 { "met" } else { "NOT met" }
+        "# target: safe - raw <= 50 ns per call with cudarc event tracking off (single operations and per operation in a group): worst {worst_off:.1} ns -> {}{}",
+        if worst_off <= 50.0 { "met" } else { "NOT met" },
+        match source {
+            Cuda::Real => "",
+            Cuda::Fake => " on this CPU, for the crate's CPU work alone (on a GPU the driver calls are the same for both: tests/cuda_path.rs counts them)",
+        }
     );
     Ok(())
 }
@@ -910,18 +942,22 @@ fn host_bandwidth() -> Result<()> {
 }
 
 const HELP: &str = "\
-usage: cargo bench --bench overhead -- [--backend host|nccl] [--no-host]
+usage: cargo bench --bench overhead -- [--backend host|nccl|fake-cuda] [--no-host]
 
   --backend host   the safe layer on a null provider against raw calls (target 20 ns)  [default]
   --backend nccl   NVIDIA's NCCL on CUDA device 0: raw ncclAllReduce enqueue against the
                    safe all_reduce_in_place, cudarc event tracking on and off, single
                    operations and per operation in a Group (target 50 ns with tracking
                    off); without a GPU it says so and exits 0
+  --backend fake-cuda
+                   the same measurement on a fake CUDA driver (compiled from the tests'
+                   C source with `cc`) and a null NCCL: the CPU cost of the CUDA code
+                   path on any machine
   --no-host        host backend: skip the host provider's bandwidth against memcpy
   -h, --help       this text";
 
 fn main() -> ExitCode {
-    let mut cuda = false;
+    let mut cuda = None;
     let mut no_host = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -932,16 +968,17 @@ fn main() -> ExitCode {
                 println!("{HELP}");
                 return ExitCode::SUCCESS;
             }
-            "--backend" | "--backend=host" | "--backend=nccl" => {
+            "--backend" | "--backend=host" | "--backend=nccl" | "--backend=fake-cuda" => {
                 let v = match a.split_once('=') {
                     Some((_, v)) => Some(v.to_string()),
                     None => args.next(),
                 };
                 match v.as_deref() {
-                    Some("host") => cuda = false,
-                    Some("nccl") => cuda = true,
+                    Some("host") => cuda = None,
+                    Some("nccl") => cuda = Some(Cuda::Real),
+                    Some("fake-cuda") => cuda = Some(Cuda::Fake),
                     _ => {
-                        eprintln!("error: --backend takes host or nccl\n\n{HELP}");
+                        eprintln!("error: --backend takes host, nccl or fake-cuda\n\n{HELP}");
                         return ExitCode::from(2);
                     }
                 }
@@ -952,7 +989,10 @@ fn main() -> ExitCode {
             }
         }
     }
-    let result = if cuda { cuda_overhead() } else { run(no_host) };
+    let result = match cuda {
+        Some(source) => cuda_overhead(source),
+        None => run(no_host),
+    };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
