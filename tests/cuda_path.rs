@@ -7,7 +7,8 @@
 //! - collectives on cudarc buffers, views and groups give the right values;
 //! - the per-operation path makes no driver call of its own: with cudarc's event tracking
 //!   off, none at all on the caller's thread; with it on, exactly cudarc's own, the same as
-//!   a raw `ncclAllReduce` on the same buffers;
+//!   a raw `ncclAllReduce` on the same buffers; and NCCL receives the same calls with the
+//!   same arguments (pointers, counts, types, reduction or root, communicator, stream);
 //! - the watchdog learns about GPU work from events it records on its own thread, fails a
 //!   stalled stream's communicator fast and aborts behind it, without ever synchronizing
 //!   the stalled stream;
@@ -188,6 +189,7 @@ fn calls_per_op(r: &Rank, kind: Kind, n: usize) -> (Counts, Counts) {
     s.synchronize().unwrap();
 
     d.mark_this_thread(true);
+    fakes::record_calls(true);
     let before = d.counts(true);
     for _ in 0..n {
         // SAFETY: a live communicator, buffers of 256 f32 on its device, its stream; the
@@ -236,6 +238,7 @@ fn calls_per_op(r: &Rank, kind: Kind, n: usize) -> (Counts, Counts) {
         }
     }
     let mid = d.counts(true);
+    let raw_calls = fakes::record_calls(true);
     for _ in 0..n {
         match kind {
             Kind::AllReduce => r.comm.all_reduce(&send, &mut recv, ReduceOp::Sum, s),
@@ -255,7 +258,14 @@ fn calls_per_op(r: &Rank, kind: Kind, n: usize) -> (Counts, Counts) {
         .unwrap();
     }
     let after = d.counts(true);
+    let safe_calls = fakes::record_calls(false);
     d.mark_this_thread(false);
+    // Like with like: NCCL received the same calls, with the same arguments.
+    assert_eq!(
+        raw_calls.len(),
+        n * if kind == Kind::GroupOfFour { 4 } else { 1 }
+    );
+    assert_eq!(safe_calls, raw_calls, "{kind:?}: NCCL's arguments differ");
     (mid.since(&before), after.since(&mid))
 }
 

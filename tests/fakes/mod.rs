@@ -190,14 +190,172 @@ impl std::fmt::Display for Counts {
 
 /// The host provider presented as NVIDIA's NCCL (`Provider::Nccl`): communicators on CUDA
 /// devices, whose collectives run on the calling thread over the fake driver's "device"
-/// memory (host memory) and ignore the stream.
+/// memory (host memory) and ignore the stream. Its `ncclAllReduce`, `ncclAllGather` and
+/// `ncclBroadcast` also log their arguments on threads that [`record_calls`].
 pub fn nccl() -> Arc<Library> {
     static LIB: OnceLock<Arc<Library>> = OnceLock::new();
     driver();
     Arc::clone(LIB.get_or_init(|| {
-        // SAFETY: the host provider's lookup returns its own `extern "C"` functions, with
-        // NCCL's signatures, living for the whole process.
-        unsafe { Library::from_lookup(Provider::Nccl, None, nccl_safe::host::lookup) }
+        // SAFETY: `recording_lookup` returns the host provider's own `extern "C"`
+        // functions, or the logging wrappers below with the same signatures, all living
+        // for the whole process.
+        unsafe { Library::from_lookup(Provider::Nccl, None, recording_lookup) }
             .expect("the host provider exports NCCL's API")
     }))
+}
+
+/// One collective call as NCCL received it: the entry point and every argument.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NcclCall {
+    pub name: &'static str,
+    pub send: usize,
+    pub recv: usize,
+    pub count: usize,
+    pub dtype: i64,
+    /// The reduction (all_reduce) or the root (broadcast); 0 for all_gather.
+    pub op_or_root: i64,
+    pub comm: usize,
+    pub stream: usize,
+}
+
+thread_local! {
+    static LOG: std::cell::RefCell<Option<Vec<NcclCall>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Starts (`true`) or stops logging this thread's collective calls; stopping returns the log.
+pub fn record_calls(on: bool) -> Vec<NcclCall> {
+    LOG.with(|l| {
+        let mut l = l.borrow_mut();
+        let out = l.take().unwrap_or_default();
+        if on {
+            *l = Some(Vec::new());
+        }
+        out
+    })
+}
+
+fn log(call: NcclCall) {
+    LOG.with(|l| {
+        if let Some(v) = l.borrow_mut().as_mut() {
+            v.push(call);
+        }
+    });
+}
+
+mod wrap {
+    //! Logging wrappers around the host provider's collectives.
+    use super::*;
+    use nccl_sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t};
+    use std::ffi::c_void;
+
+    type AllReduce = unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        ncclDataType_t,
+        ncclRedOp_t,
+        ncclComm_t,
+        cudaStream_t,
+    ) -> ncclResult_t;
+    type AllGather = unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        ncclDataType_t,
+        ncclComm_t,
+        cudaStream_t,
+    ) -> ncclResult_t;
+    type Broadcast = unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        ncclDataType_t,
+        std::ffi::c_int,
+        ncclComm_t,
+        cudaStream_t,
+    ) -> ncclResult_t;
+
+    fn host<F: Copy>(name: &CStr) -> F {
+        let p = nccl_safe::host::lookup(name);
+        assert!(!p.is_null());
+        // SAFETY: the host provider's entry point of that name has NCCL's signature, `F`.
+        unsafe { std::mem::transmute_copy::<*const c_void, F>(&p) }
+    }
+
+    pub unsafe extern "C" fn all_reduce(
+        s: *const c_void,
+        r: *mut c_void,
+        n: usize,
+        t: ncclDataType_t,
+        op: ncclRedOp_t,
+        c: ncclComm_t,
+        st: cudaStream_t,
+    ) -> ncclResult_t {
+        log(NcclCall {
+            name: "ncclAllReduce",
+            send: s as usize,
+            recv: r as usize,
+            count: n,
+            dtype: t as i64,
+            op_or_root: op as i64,
+            comm: c as usize,
+            stream: st as usize,
+        });
+        // SAFETY: forwarded unchanged to the host provider's entry point.
+        unsafe { host::<AllReduce>(c"ncclAllReduce")(s, r, n, t, op, c, st) }
+    }
+
+    pub unsafe extern "C" fn all_gather(
+        s: *const c_void,
+        r: *mut c_void,
+        n: usize,
+        t: ncclDataType_t,
+        c: ncclComm_t,
+        st: cudaStream_t,
+    ) -> ncclResult_t {
+        log(NcclCall {
+            name: "ncclAllGather",
+            send: s as usize,
+            recv: r as usize,
+            count: n,
+            dtype: t as i64,
+            op_or_root: 0,
+            comm: c as usize,
+            stream: st as usize,
+        });
+        // SAFETY: as above.
+        unsafe { host::<AllGather>(c"ncclAllGather")(s, r, n, t, c, st) }
+    }
+
+    pub unsafe extern "C" fn broadcast(
+        s: *const c_void,
+        r: *mut c_void,
+        n: usize,
+        t: ncclDataType_t,
+        root: std::ffi::c_int,
+        c: ncclComm_t,
+        st: cudaStream_t,
+    ) -> ncclResult_t {
+        log(NcclCall {
+            name: "ncclBroadcast",
+            send: s as usize,
+            recv: r as usize,
+            count: n,
+            dtype: t as i64,
+            op_or_root: root as i64,
+            comm: c as usize,
+            stream: st as usize,
+        });
+        // SAFETY: as above.
+        unsafe { host::<Broadcast>(c"ncclBroadcast")(s, r, n, t, root, c, st) }
+    }
+}
+
+fn recording_lookup(name: &CStr) -> *const std::ffi::c_void {
+    match name.to_bytes() {
+        b"ncclAllReduce" => wrap::all_reduce as *const std::ffi::c_void,
+        b"ncclAllGather" => wrap::all_gather as *const std::ffi::c_void,
+        b"ncclBroadcast" => wrap::broadcast as *const std::ffi::c_void,
+        _ => nccl_safe::host::lookup(name),
+    }
 }
