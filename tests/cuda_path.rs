@@ -13,7 +13,9 @@
 //!   stalled stream's communicator fast and aborts behind it, without ever synchronizing
 //!   the stalled stream;
 //! - a stream under graph capture gets no event and no timeout;
-//! - a long run with a new stream per step releases every event and stream it made.
+//! - a long run with a new stream per step releases every event and stream it made;
+//! - a process that exits while the abort behind a stalled stream blocks ends with its own
+//!   status, not a signal.
 
 mod fakes;
 mod support;
@@ -505,4 +507,87 @@ fn a_long_run_on_new_streams_releases_every_event_and_stream() {
         support::assert_balanced(&id);
         eprintln!("peaks over the run: {} streams, {} events", most.0, most.1);
     });
+}
+
+// ---- a process that exits while the abort behind a stalled stream blocks ----------------
+
+const CHILD_VAR: &str = "NCCL_SAFE_TEST_CUDA_EXIT_CHILD";
+
+/// The child's part (run only as a child process, see
+/// `a_process_exits_cleanly_behind_a_stalled_stream`): a stalled stream, the watchdog's
+/// timeout and its blocked abort, then the process ends as `NCCL_SAFE_TEST_CUDA_EXIT_CHILD`
+/// says: `exit3` (`std::process::exit(3)`) or `return` (the harness's main returns 0).
+#[test]
+#[ignore = "run as a child process by a_process_exits_cleanly_behind_a_stalled_stream"]
+fn child_exits_behind_a_stalled_stream() {
+    let Ok(mode) = std::env::var(CHILD_VAR) else {
+        panic!("run only as a child process ({CHILD_VAR} unset)");
+    };
+    let d = driver();
+    let config = Config::new()
+        .timeout(TIMEOUT)
+        .abort_timeout(Duration::from_secs(20));
+    let r = rank(0, &config, false);
+    fault::inject(&r.id.to_raw(), Fault::BlockingAbort(None));
+    let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
+    d.stall(&r.stream, true);
+    r.comm
+        .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
+        .unwrap();
+    until(Duration::from_secs(5), || {
+        fault::blocked_aborts(&r.id.to_raw()) == 1
+    })
+    .expect("the watchdog's abort blocks");
+    assert!(r.comm.is_failed());
+    // As a process that ends without dropping anything.
+    std::mem::forget((x, r));
+    println!("child: abort blocked, ending with {mode}");
+    if mode == "exit3" {
+        std::process::exit(3);
+    }
+}
+
+/// The process ends with its own status, never a signal, while the watchdog's abort is
+/// blocked behind a stalled stream (the host provider's exit handler crashes it otherwise,
+/// as the CUDA runtime's teardown does). 10 children, 5 at a time.
+#[test]
+fn a_process_exits_cleanly_behind_a_stalled_stream() {
+    let exe = std::env::current_exe().unwrap();
+    for (mode, want) in [("exit3", 3), ("return", 0)] {
+        let children: Vec<_> = (0..5)
+            .map(|_| {
+                std::process::Command::new(&exe)
+                    .args([
+                        "--exact",
+                        "child_exits_behind_a_stalled_stream",
+                        "--ignored",
+                        "--nocapture",
+                    ])
+                    .env(CHILD_VAR, mode)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for c in children {
+            let out = c.wait_with_output().unwrap();
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                text.contains("child: abort blocked"),
+                "{mode}: the child did not reach its exit: {text}"
+            );
+            use std::os::unix::process::ExitStatusExt;
+            assert_eq!(
+                out.status.signal(),
+                None,
+                "{mode}: killed by a signal: {text}"
+            );
+            assert_eq!(out.status.code(), Some(want), "{mode}: {text}");
+        }
+    }
 }
