@@ -68,6 +68,17 @@ impl Default for Group<'_> {
     }
 }
 
+/// Whether dropping `g` does anything (records cudarc's event on a tracked buffer): only
+/// those guards are kept until `ncclGroupEnd`; an untracked buffer's is dropped at once.
+#[inline(always)]
+fn acts(g: &BufferGuard<'_>) -> bool {
+    use cudarc::driver::SyncOnDrop;
+    matches!(
+        g,
+        BufferGuard::Cuda(SyncOnDrop::Record(Some(_)) | SyncOnDrop::Sync(Some(_)))
+    )
+}
+
 impl<'a> Group<'a> {
     /// An empty group. `ncclGroupStart` is called with the first operation (on that
     /// communicator's library).
@@ -126,7 +137,7 @@ impl<'a> Group<'a> {
         if !self.comms.last().is_some_and(|c| std::ptr::eq(*c, comm)) {
             self.note(comm);
         }
-        if guards.iter().any(|g| matches!(g, BufferGuard::Cuda(_))) {
+        if guards.iter().any(acts) {
             self.keep_guards(guards);
         }
     }
@@ -141,7 +152,7 @@ impl<'a> Group<'a> {
     #[inline(never)]
     fn keep_guards(&mut self, guards: Guards<'a>) {
         for g in guards {
-            if let BufferGuard::Cuda(_) = g {
+            if acts(&g) {
                 self.guards.push(g);
             }
         }
