@@ -47,9 +47,18 @@ pub enum Gauge {
 pub fn driver() -> &'static FakeDriver {
     static DRIVER: OnceLock<FakeDriver> = OnceLock::new();
     DRIVER.get_or_init(|| {
-        let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fakes/cuda.c");
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-cuda");
-        std::fs::create_dir_all(&dir).expect("a folder for the fake driver");
+        // The source where it was built, else under the current folder (a binary carried
+        // to another machine and run from a checkout there).
+        let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fakes/cuda.c");
+        let src = if built.exists() {
+            built
+        } else {
+            PathBuf::from("tests/fakes/cuda.c")
+        };
+        let mut dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-cuda");
+        if std::fs::create_dir_all(&dir).is_err() {
+            dir = std::env::temp_dir();
+        }
         // Its own file per process: test binaries may build it at the same time.
         let so = dir.join(format!("libcuda-{}.so", std::process::id()));
         let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
