@@ -3,7 +3,7 @@
 //! provider presented as NVIDIA's NCCL (`Provider::Nccl`, so `Device::Cuda`, cudarc
 //! buffers and the watchdog's CUDA event tracker are what run).
 //!
-//! What a GPU run alone could show otherwise:
+//! What it checks, which only a GPU run could check before:
 //! - collectives on cudarc buffers, views and groups give the right values;
 //! - the per-operation path makes no driver call of its own: with cudarc's event tracking
 //!   off, none at all on the caller's thread; with it on, exactly cudarc's own, the same as
