@@ -27,7 +27,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut
 use fakes::{driver, nccl, Counts, Gauge};
 use nccl_safe::host::fault::{self, Fault};
 use nccl_safe::{Communicator, Config, Device, Error, Group, ReduceOp, UniqueId};
-use support::within;
+use support::{until, within};
 
 /// A CUDA rank over the fakes: its context, a stream, and a world-size-1 communicator.
 struct Rank {
@@ -63,18 +63,6 @@ fn set_tracking(ctx: &CudaContext, on: bool) {
             ctx.disable_event_tracking()
         }
     }
-}
-
-/// Polls `f` until it is true or `limit` passes; the time it took.
-fn until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if f() {
-            return Some(start.elapsed());
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    None
 }
 
 #[test]

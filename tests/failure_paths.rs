@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use nccl_safe::host::fault::{self, Fault};
 use nccl_safe::host::stats_for;
 use nccl_safe::{Communicator, Config, Device, Error, HostStream, ReduceOp, UniqueId};
-use support::{assert_balanced, within};
+use support::{assert_balanced, until, within};
 
 const S: HostStream = HostStream;
 const TIMEOUT: Duration = Duration::from_millis(200);
@@ -27,18 +27,6 @@ fn config() -> Config {
     Config::new()
         .timeout(TIMEOUT)
         .abort_timeout(Duration::from_secs(20))
-}
-
-/// Polls `f` until it is true or `limit` passes; the time it took.
-fn until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if f() {
-            return Some(start.elapsed());
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    None
 }
 
 fn is_timeout(e: &Error) -> bool {

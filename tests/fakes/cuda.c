@@ -676,23 +676,12 @@ CUresult cuGetErrorName(CUresult r, const char **s) {
 /* Marks (1) or unmarks (0) the calling thread as the one whose calls are counted apart. */
 void fake_cuda_mark_thread(int on) { thread_marked = on; }
 
-/* Calls of `name` so far: on marked threads (`marked` != 0) or on all. -1: unknown name. */
-int64_t fake_cuda_calls(const char *name, int marked) {
-    for (int i = 0; i < N_CALLS; i++) {
-        if (strcmp(call_names[i], name) == 0)
-            return (int64_t)__atomic_load_n(marked ? &calls_marked[i] : &calls_all[i],
-                                            __ATOMIC_RELAXED);
-    }
-    return -1;
-}
-
-/* Every call on marked threads (`marked` != 0) or on all, summed. */
-int64_t fake_cuda_total_calls(int marked) {
-    int64_t n = 0;
-    for (int i = 0; i < N_CALLS; i++)
-        n += (int64_t)__atomic_load_n(marked ? &calls_marked[i] : &calls_all[i],
-                                      __ATOMIC_RELAXED);
-    return n;
+/* Calls of entry point `i` so far: on marked threads (`marked` != 0) or on all; -1 past
+ * the last. */
+int64_t fake_cuda_calls_at(int i, int marked) {
+    if (i < 0 || i >= N_CALLS)
+        return -1;
+    return (int64_t)__atomic_load_n(marked ? &calls_marked[i] : &calls_all[i], __ATOMIC_RELAXED);
 }
 
 /* The name of entry point `i` (NULL past the last), to list the counters. */

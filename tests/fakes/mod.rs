@@ -10,7 +10,7 @@
 //! CUDA in the process ([`driver`] does, and every helper here calls it first).
 #![allow(dead_code)]
 
-use std::ffi::{c_char, c_int, CStr, CString};
+use std::ffi::{c_char, c_int, CStr};
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::{Arc, OnceLock};
@@ -22,8 +22,7 @@ use nccl_safe::{Library, Provider};
 pub struct FakeDriver {
     _lib: libloading::os::unix::Library,
     mark_thread: unsafe extern "C" fn(c_int),
-    calls: unsafe extern "C" fn(*const c_char, c_int) -> i64,
-    total_calls: unsafe extern "C" fn(c_int) -> i64,
+    calls_at: unsafe extern "C" fn(c_int, c_int) -> i64,
     call_name: unsafe extern "C" fn(c_int) -> *const c_char,
     stall: unsafe extern "C" fn(*mut std::ffi::c_void, c_int) -> c_int,
     set_capturing: unsafe extern "C" fn(*mut std::ffi::c_void, c_int) -> c_int,
@@ -91,8 +90,7 @@ pub fn driver() -> &'static FakeDriver {
         unsafe {
             FakeDriver {
                 mark_thread: *lib.get(b"fake_cuda_mark_thread\0").unwrap(),
-                calls: *lib.get(b"fake_cuda_calls\0").unwrap(),
-                total_calls: *lib.get(b"fake_cuda_total_calls\0").unwrap(),
+                calls_at: *lib.get(b"fake_cuda_calls_at\0").unwrap(),
                 call_name: *lib.get(b"fake_cuda_call_name\0").unwrap(),
                 stall: *lib.get(b"fake_cuda_stall\0").unwrap(),
                 set_capturing: *lib.get(b"fake_cuda_set_capturing\0").unwrap(),
@@ -121,18 +119,10 @@ impl FakeDriver {
             }
             // SAFETY: a NUL-terminated static string.
             let name = unsafe { CStr::from_ptr(name) }.to_str().unwrap();
-            let c = CString::new(name).unwrap();
-            // SAFETY: `c` is a valid C string for the call.
-            v.push((name, unsafe { (self.calls)(c.as_ptr(), marked as c_int) }
-                as u64));
+            // SAFETY: reads counter `i`, which exists (its name did).
+            v.push((name, unsafe { (self.calls_at)(i, marked as c_int) } as u64));
         }
         Counts(v)
-    }
-
-    /// The number of calls of every entry point, summed.
-    pub fn total(&self, marked: bool) -> u64 {
-        // SAFETY: reads counters.
-        unsafe { (self.total_calls)(marked as c_int) as u64 }
     }
 
     /// Stalls a stream (its events stay incomplete, synchronizing it blocks) or releases it.
@@ -257,38 +247,10 @@ mod wrap {
     use nccl_sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t};
     use std::ffi::c_void;
 
-    type AllReduce = unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        ncclDataType_t,
-        ncclRedOp_t,
-        ncclComm_t,
-        cudaStream_t,
-    ) -> ncclResult_t;
-    type AllGather = unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        ncclDataType_t,
-        ncclComm_t,
-        cudaStream_t,
-    ) -> ncclResult_t;
-    type Broadcast = unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        ncclDataType_t,
-        std::ffi::c_int,
-        ncclComm_t,
-        cudaStream_t,
-    ) -> ncclResult_t;
-
-    fn host<F: Copy>(name: &CStr) -> F {
-        let p = nccl_safe::host::lookup(name);
-        assert!(!p.is_null());
-        // SAFETY: the host provider's entry point of that name has NCCL's signature, `F`.
-        unsafe { std::mem::transmute_copy::<*const c_void, F>(&p) }
+    /// The host provider's entry points, typed by the function table.
+    fn host() -> nccl_sys::FunctionTable {
+        static TABLE: OnceLock<nccl_sys::FunctionTable> = OnceLock::new();
+        *TABLE.get_or_init(|| *nccl_safe::Library::host().table())
     }
 
     pub unsafe extern "C" fn all_reduce(
@@ -311,7 +273,7 @@ mod wrap {
             stream: st as usize,
         });
         // SAFETY: forwarded unchanged to the host provider's entry point.
-        unsafe { host::<AllReduce>(c"ncclAllReduce")(s, r, n, t, op, c, st) }
+        unsafe { (host().ncclAllReduce)(s, r, n, t, op, c, st) }
     }
 
     pub unsafe extern "C" fn all_gather(
@@ -333,7 +295,7 @@ mod wrap {
             stream: st as usize,
         });
         // SAFETY: as above.
-        unsafe { host::<AllGather>(c"ncclAllGather")(s, r, n, t, c, st) }
+        unsafe { (host().ncclAllGather)(s, r, n, t, c, st) }
     }
 
     pub unsafe extern "C" fn broadcast(
@@ -356,7 +318,7 @@ mod wrap {
             stream: st as usize,
         });
         // SAFETY: as above.
-        unsafe { host::<Broadcast>(c"ncclBroadcast")(s, r, n, t, root, c, st) }
+        unsafe { (host().ncclBroadcast)(s, r, n, t, root, c, st) }
     }
 }
 

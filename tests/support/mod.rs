@@ -136,3 +136,15 @@ pub fn settled_stats(id: &UniqueId) -> HostStats {
         std::thread::sleep(Duration::from_millis(2));
     }
 }
+
+/// Polls `f` until it is true or `limit` passes; the time it took.
+pub fn until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
+    let start = std::time::Instant::now();
+    while start.elapsed() < limit {
+        if f() {
+            return Some(start.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    None
+}
