@@ -229,6 +229,17 @@ impl Communicator {
         const OP: &str = "ncclCommInitRankConfig";
         check_world(OP, world_size, rank)?;
         check_device(OP, lib, device)?;
+        if let Some(reason) = crate::diag::invalid_settings(&config.diag) {
+            return Err(Error::InvalidArgument { op: OP, reason });
+        }
+        let diag = crate::diag::CommDiag::for_id(&config.diag, id);
+        crate::diag::check_lane(
+            OP,
+            match device {
+                Device::Cuda(c) => crate::diag::Lane::Device(c.ordinal()),
+                Device::Host => diag.host_lane(),
+            },
+        )?;
         bind(device)?;
         // Always NCCL's non-blocking mode, so that no init can wait for ever (see init_rank).
         let mut raw_config = config.clone().blocking(false).to_raw(lib)?;
@@ -282,9 +293,8 @@ impl Communicator {
                 },
                 failure,
                 diag: {
-                    let d = crate::diag::CommDiag::for_id(&config.diag, id);
-                    d.arrive(rank, world_size);
-                    d
+                    diag.arrive(rank, world_size);
+                    diag
                 },
             },
         })
@@ -390,9 +400,12 @@ impl Communicator {
         let caller = Location::caller();
         self.diag.check_alive()?;
         let mut state = nccl_sys::bindings::ncclSuccess;
-        // SAFETY: `state` is writable; the handle is live (not yet torn down).
-        let r = unsafe { (self.lib.table().ncclCommGetAsyncError)(self.raw, &mut state) };
-        self.checked("ncclCommGetAsyncError", r, caller)?;
+        self.pinned(|| {
+            // SAFETY: `state` is writable; the handle is live (not torn down: pinned, so the
+            // watchdog cannot take it during the call).
+            let r = unsafe { (self.lib.table().ncclCommGetAsyncError)(self.raw, &mut state) };
+            self.checked("ncclCommGetAsyncError", r, caller)
+        })?;
         match ResultCode::from_raw(state) {
             None => Ok(false),
             Some(ResultCode::InProgress) => Ok(true),
@@ -493,6 +506,19 @@ impl Communicator {
         }
     }
 
+    /// Runs `f`, an NCCL call on the handle that is not an operation (a poll, a
+    /// registration, a destroy), with the handle claimed: the watchdog cannot abort it
+    /// meanwhile. Fails without calling `f` when the watchdog aborts it.
+    #[inline]
+    pub(crate) fn pinned<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let pinned = self.diag.pin()?;
+        let r = f();
+        if pinned {
+            self.diag.unpin();
+        }
+        r
+    }
+
     /// Marks the communicator failed with `e` (the first cause is kept) and returns it.
     #[cold]
     fn failed_with(&self, e: Error) -> Error {
@@ -508,6 +534,7 @@ impl Communicator {
             rank: self.rank,
             world_size: self.world_size,
             lib: &self.lib,
+            lane: self.lane(),
         }
     }
 
@@ -588,10 +615,13 @@ impl Communicator {
             self.diag.check_alive()?;
             watched.check_alive()?;
             let mut state = nccl_sys::bindings::ncclSuccess;
-            // SAFETY: `state` is writable; the handle is live (the watchdog has not taken
-            // it: checked above, and it takes it only from a call it claimed).
-            let r = unsafe { (self.lib.table().ncclCommGetAsyncError)(self.raw, &mut state) };
-            self.checked("ncclCommGetAsyncError", r, caller)?;
+            self.pinned(|| {
+                // SAFETY: `state` is writable; the handle is live: inside an operation, or
+                // pinned, so the watchdog cannot take it during the call.
+                let r =
+                    unsafe { (self.lib.table().ncclCommGetAsyncError)(self.raw, &mut state) };
+                self.checked("ncclCommGetAsyncError", r, caller)
+            })?;
             match ResultCode::from_raw(state) {
                 None => return Ok(()),
                 Some(ResultCode::InProgress) => {}
@@ -644,6 +674,7 @@ impl Communicator {
                 })
             }
         };
+        crate::diag::check_lane(OP, self.lane())?;
         let mut child: ncclComm_t = std::ptr::null_mut();
         let mut adopted = None;
         let child_ptr: *mut ncclComm_t = &mut child;
@@ -702,6 +733,7 @@ impl Communicator {
                 reason: "every rank is excluded".into(),
             });
         }
+        crate::diag::check_lane(OP, self.lane())?;
         let mut child: ncclComm_t = std::ptr::null_mut();
         let child_ptr: *mut ncclComm_t = &mut child;
         let mut adopted = None;
@@ -783,7 +815,7 @@ impl Communicator {
         self.rank = rank.max(0) as usize;
         self.world_size = count.max(0) as usize;
         self.diag
-            .attach(self.raw, self.rank, self.world_size, &self.lib);
+            .attach(self.raw, self.rank, self.world_size, &self.lib, self.lane());
         Ok(())
     }
 
@@ -817,15 +849,19 @@ impl Communicator {
         if let Err(e) = bind(&self.device) {
             return Err((self, e));
         }
-        // SAFETY: the handle is live; on success it is never used again (taken below).
-        let r = unsafe { (self.lib.table().ncclCommDestroy)(self.raw) };
-        // The communicator is non-blocking (see init_rank): progress means it is under way.
-        let r = if r == nccl_sys::bindings::ncclInProgress {
-            nccl_sys::bindings::ncclSuccess
-        } else {
-            r
-        };
-        match self.checked(OP, r, caller) {
+        let destroyed = self.pinned(|| {
+            // SAFETY: the handle is live (pinned: the watchdog cannot take it during the
+            // call); on success it is never used again (taken below).
+            let r = unsafe { (self.lib.table().ncclCommDestroy)(self.raw) };
+            // The communicator is non-blocking (see init_rank): progress means it is under way.
+            let r = if r == nccl_sys::bindings::ncclInProgress {
+                nccl_sys::bindings::ncclSuccess
+            } else {
+                r
+            };
+            self.checked(OP, r, caller)
+        });
+        match destroyed {
             Ok(()) => {
                 self.take();
                 Ok(())
@@ -835,37 +871,79 @@ impl Communicator {
     }
 
     /// Aborts the communicator (`ncclCommAbort`): pending operations on every rank end
-    /// with an error. Never blocks on peers, and never longer than
-    /// [`Config::abort_timeout`]: the abort runs on a thread of its own (NVIDIA's can
-    /// block behind a stuck stream), and past the bound this returns [`Error::Timeout`]
-    /// while [`Config::on_abort_timeout`] applies.
+    /// with an error. Never blocks on peers, on this communicator's work or on a stalled
+    /// stream for longer than [`Config::abort_timeout`]: the abort runs on the device's
+    /// teardown lane (NVIDIA's blocks behind a stalled stream), and past the bound this
+    /// returns [`Error::Timeout`] while [`Config::on_abort_timeout`] applies. When the
+    /// watchdog already took the handle, this waits (with the same bound) for the
+    /// watchdog's abort and returns its outcome.
     #[track_caller]
     pub fn abort(mut self) -> Result<()> {
         let ctx = self.context(Location::caller());
+        let until = Instant::now() + self.diag.abort_timeout();
         let raw = self.take();
-        if raw.is_null() {
-            return Ok(()); // the watchdog already aborted it: its one teardown
-        }
         let ctx = CallContext {
             comm: std::ptr::null_mut(),
             ..ctx
         };
-        let r = self.abort_off_thread(raw, "abort")?;
+        let (bound, r) = if raw.is_null() {
+            match self.diag.watchdog_abort(until) {
+                Some(outcome) => outcome,
+                None => return Ok(()), // nothing left to tear down
+            }
+        } else {
+            self.teardown(raw, true, "abort", until)
+        };
+        let r = r.ok_or_else(|| self.abort_overdue(bound))?;
         self.lib.check("ncclCommAbort", r, ctx)
     }
 
-    /// Aborts the taken handle `raw` on an abort thread, waiting at most the bound:
-    /// `ncclCommAbort`'s result, or [`Error::Timeout`] when it did not return in time.
-    fn abort_off_thread(&self, raw: ncclComm_t, why: &str) -> Result<ncclResult_t> {
+    /// The lane this communicator's teardowns run on: its CUDA device, or on the host
+    /// provider the unique id its family was born from.
+    pub(crate) fn lane(&self) -> crate::diag::Lane {
+        match self.cuda_device {
+            Some(d) => crate::diag::Lane::Device(d),
+            None => self.diag.host_lane(),
+        }
+    }
+
+    /// Tears the taken handle `raw` down on the teardown lane (abort, or destroy), waiting
+    /// until `until`: the bound, and the call's result when it returned in time.
+    fn teardown(
+        &self,
+        raw: ncclComm_t,
+        abort: bool,
+        why: &str,
+        until: Instant,
+    ) -> (Duration, Option<ncclResult_t>) {
         let what = format!("rank {} of {} ({why})", self.rank, self.world_size);
-        let (bound, result) = self.diag.abort_off_thread(&self.lib, raw, what);
-        result.ok_or_else(|| Error::Timeout {
+        let ctx = match &self.device {
+            Device::Cuda(c) => Some(Arc::clone(c)),
+            Device::Host => None,
+        };
+        let b = self.diag.bound();
+        let (_, r) = crate::diag::teardown_bounded(
+            self.lane(),
+            b,
+            &self.lib,
+            raw,
+            abort,
+            ctx,
+            what,
+            until,
+        );
+        (b.bound, r)
+    }
+
+    #[cold]
+    fn abort_overdue(&self, bound: Duration) -> Error {
+        Error::Timeout {
             what: format!(
                 "ncclCommAbort on rank {} did not return within the abort bound (Config::abort_timeout): it goes on in the background",
                 self.rank
             ),
             timeout: bound,
-        })
+        }
     }
 
     /// Flushes pending work everywhere (`ncclCommFinalize`), waits for it, then destroys.
@@ -876,37 +954,46 @@ impl Communicator {
         let caller = Location::caller();
         self.ensure_usable(OP)?;
         bind(&self.device)?;
-        // SAFETY: the handle is live.
-        let r = unsafe { (self.lib.table().ncclCommFinalize)(self.raw) };
-        if r != nccl_sys::bindings::ncclInProgress {
-            self.checked(OP, r, caller)?;
-        }
+        self.pinned(|| {
+            // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile).
+            let r = unsafe { (self.lib.table().ncclCommFinalize)(self.raw) };
+            if r != nccl_sys::bindings::ncclInProgress {
+                self.checked(OP, r, caller)?;
+            }
+            Ok(())
+        })?;
         self.wait_ready(OP, caller, timeout)?;
         self.destroy().map_err(|(_, e)| e)
     }
 }
 
 impl Drop for Communicator {
+    /// Bounded by [`Config::abort_timeout`] from the start of the drop, whatever the state:
+    /// a healthy communicator waits for its own work (on its own streams only) and is
+    /// destroyed; one that failed, that is dropped during a panic, or whose work did not
+    /// complete in time is aborted. The call runs on the teardown lane; what does not
+    /// return in time is left there and reported once.
     fn drop(&mut self) {
-        // Waits (bounded by the watchdog) for work in flight; `false`: abort, not destroy.
-        // While unwinding the communicator is aborted anyway, so there is nothing to wait for.
-        let panicking = std::thread::panicking();
-        let healthy = !panicking && self.diag.drain();
-        let raw = self.take();
-        if raw.is_null() {
-            return;
+        if self.raw.is_null() {
+            return; // `abort`, `destroy` or `into_raw` took it
         }
+        let until = Instant::now() + self.diag.abort_timeout();
         // Dropped during a panic: this rank will not reach the collectives its peers may be
         // waiting in, so abort (which wakes them) rather than destroy.
-        let failed = self.failure.get().is_some() || !healthy || panicking;
-        if failed {
-            // On an abort thread, waited for at most the abort bound: drop never hangs.
-            let _ = self.abort_off_thread(raw, "dropped after a failure");
-            return;
+        let failed = std::thread::panicking() || self.is_failed();
+        let drained = !failed && self.diag.drain(until);
+        let raw = self.take();
+        if raw.is_null() {
+            return; // the watchdog took it: its one teardown
         }
-        let _ = bind(&self.device);
-        // SAFETY: `raw` is live and, taken out of `self`, torn down exactly once here.
-        let _ = unsafe { (self.lib.table().ncclCommDestroy)(raw) };
+        let why = if drained {
+            "dropped"
+        } else if failed {
+            "dropped after a failure"
+        } else {
+            "dropped with work that did not complete in time"
+        };
+        let _ = self.teardown(raw, !drained, why, until);
     }
 }
 

@@ -353,7 +353,8 @@ fn wrap(
         Ownership::Adopted => raw,
         Ownership::Borrowed => std::ptr::null_mut(),
     };
-    comm.diag.attach(watched, rank, world_size, comm.library());
+    comm.diag
+        .attach(watched, rank, world_size, comm.library(), comm.lane());
     Ok(comm)
 }
 
@@ -382,7 +383,7 @@ mod tests {
         let id = Device::Host.unique_id().unwrap();
         let c = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new()).unwrap();
         sum(&c);
-        let shared = Arc::downgrade(c.diag.attach(c.as_raw(), 0, 1, c.library()));
+        let shared = Arc::downgrade(c.diag.attach(c.as_raw(), 0, 1, c.library(), c.lane()));
         assert!(shared.upgrade().is_some());
         let raw = c.into_raw();
         assert!(shared.upgrade().is_none());
@@ -394,7 +395,7 @@ mod tests {
         }
         .unwrap();
         sum(&view);
-        let shared = Arc::downgrade(view.diag.attach(raw, 0, 1, view.library()));
+        let shared = Arc::downgrade(view.diag.attach(raw, 0, 1, view.library(), view.lane()));
         drop(view);
         assert!(shared.upgrade().is_none());
 

@@ -223,6 +223,19 @@ pub enum Error {
         /// The limit.
         timeout: std::time::Duration,
     },
+    /// A teardown (an abort, a destroy, a release of NCCL memory) on this device has been
+    /// blocked past its bound ([`Config::abort_timeout`](crate::Config::abort_timeout)),
+    /// typically behind a stalled stream: a new communicator there would queue its own
+    /// teardown behind it, so none is made.
+    #[error("{op}: refused because a teardown on {lane} is wedged: {what}")]
+    TeardownWedged {
+        /// The call that was refused.
+        op: &'static str,
+        /// The device (or host-provider id) whose teardown lane is blocked.
+        lane: String,
+        /// The blocked teardown.
+        what: String,
+    },
     /// Ranks called different collectives at the same position (opt-in fingerprint check,
     /// see [`crate::diag`]): nothing was handed to NCCL, every rank gets this error.
     #[error("{op} (seq {seq}) on rank {rank}: ranks disagree on the collective; nothing was run\n{table}")]

@@ -46,6 +46,9 @@ pub struct Group<'a> {
     /// reference count traffic per group).
     lib: Option<&'a Arc<Library>>,
     /// The distinct communicators used (inline for up to 8: no allocation per group).
+    /// The communicators of its operations, each pinned (claimed against the watchdog)
+    /// from its first operation until the group's end, so no handle is aborted under
+    /// `ncclGroupEnd`.
     comms: SmallVec<[&'a Communicator; 8]>,
     /// cudarc guards, released after `ncclGroupEnd` (host buffers have none).
     guards: SmallVec<[BufferGuard<'a>; 8]>,
@@ -133,20 +136,22 @@ impl<'a> Group<'a> {
     #[inline(always)]
     fn keep(&mut self, comm: &'a Communicator, guards: Guards<'a>) {
         self.operations += 1;
-        // Consecutive operations usually share their communicator.
-        if !self.comms.last().is_some_and(|c| std::ptr::eq(*c, comm)) {
-            self.note(comm);
-        }
+        let _ = comm;
         if guards.iter().any(acts) {
             self.keep_guards(guards);
         }
     }
 
+    /// Notes (and pins) the communicator of an operation about to be enqueued.
     #[inline(never)]
-    fn note(&mut self, comm: &'a Communicator) {
+    fn note(&mut self, comm: &'a Communicator) -> Result<()> {
         if !self.comms.iter().any(|c| std::ptr::eq(*c, comm)) {
+            // Inside the group the communicator is never between operations, so the pin
+            // always takes (or fails because the watchdog aborts it).
+            comm.diag.pin()?;
             self.comms.push(comm);
         }
+        Ok(())
     }
 
     #[inline(never)]
@@ -180,6 +185,16 @@ impl<'a> Group<'a> {
         crate::diag::group_ended();
         // Only now may cudarc record its events: the work is enqueued.
         self.guards.clear();
+        let r = self.settle(r, caller);
+        for c in &self.comms {
+            c.diag.unpin();
+        }
+        r
+    }
+
+    /// Waits for the group's launch and publishes its work, with its communicators still
+    /// pinned.
+    fn settle(&self, r: Result<()>, caller: &'static Location<'static>) -> Result<()> {
         match r {
             Err(e) if e.code() == Some(crate::ResultCode::InProgress) => {
                 // Non-blocking communicators: wait (bounded) until each has launched its part.
@@ -231,6 +246,10 @@ impl<'a> Group<'a> {
     pub fn push(&mut self, op: Op<'a>) -> Result<()> {
         let comm = op.comm();
         self.enter(comm, op.name())?;
+        // Consecutive operations usually share their communicator.
+        if !self.comms.last().is_some_and(|c| std::ptr::eq(*c, comm)) {
+            self.note(comm)?;
+        }
         let guards = op.enqueue()?;
         self.keep(comm, guards);
         Ok(())

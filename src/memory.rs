@@ -437,8 +437,10 @@ impl<T: NcclType> NcclMemory<T> {
 
     /// Frees the memory now (`ncclMemFree`), reporting an error that drop would ignore. On
     /// NVIDIA's NCCL it first waits for the device's work (as `cudaFree` does), since
-    /// `ncclMemFree` is not ordered on a stream. If that wait fails the memory is leaked,
-    /// never freed while in use.
+    /// `ncclMemFree` is not ordered on a stream. That wait and the free run on the device's
+    /// teardown lane and are bounded by `NCCL_SAFE_ABORT_TIMEOUT_MS` (default 30 s): if the
+    /// wait fails, or does not end in time (a stalled stream), the memory is leaked, never
+    /// freed while in use, and this returns an error.
     #[track_caller]
     pub fn free(mut self) -> Result<()> {
         self.release(Location::caller())
@@ -448,18 +450,6 @@ impl<T: NcclType> NcclMemory<T> {
         let Some(storage) = self.storage.take() else {
             return Ok(());
         };
-        let ptr: *mut c_void = match storage {
-            Storage::Host(p) => p.as_ptr().cast(),
-            Storage::Cuda(slice) => {
-                let ctx = Arc::clone(slice.context());
-                // Makes the slice's stream wait for its pending reads and writes, and hands
-                // the pointer back without freeing it.
-                let p = slice.leak();
-                ctx.bind_to_thread()?;
-                ctx.synchronize()?;
-                p as usize as *mut c_void
-            }
-        };
         let ctx = CallContext {
             comm: std::ptr::null_mut(),
             rank: None,
@@ -468,11 +458,55 @@ impl<T: NcclType> NcclMemory<T> {
         let free = self
             .lib
             .optional(self.lib.table().ncclMemFree, "ncclMemFree")?;
-        // SAFETY: `ptr` came from this library's ncclMemAlloc, is freed here exactly once
-        // (the storage was taken out of `self`), and no work uses it any more (device:
-        // synchronized above; host: no borrow of `self` is left).
-        let r = unsafe { free(ptr) };
-        self.lib.check("ncclMemFree", r, ctx)
+        match storage {
+            Storage::Host(p) => {
+                // SAFETY: `p` came from this library's ncclMemAlloc, is freed here exactly
+                // once (the storage was taken out of `self`), and no borrow of `self` (so
+                // no use of the memory) is left.
+                let r = unsafe { free(p.as_ptr().cast()) };
+                self.lib.check("ncclMemFree", r, ctx)
+            }
+            Storage::Cuda(slice) => {
+                // The device-wide wait (as `cudaFree`'s: `ncclMemFree` is not ordered on a
+                // stream) and the free run on the device's teardown lane, bounded by
+                // `NCCL_SAFE_ABORT_TIMEOUT_MS` (default 30 s): behind a stalled stream the
+                // memory is leaked and reported, and this returns; it never waits unbounded.
+                let cuda = Arc::clone(slice.context());
+                let device = cuda.ordinal();
+                let bytes = self.len * std::mem::size_of::<T>();
+                // Makes the slice's stream wait for its pending reads and writes, and hands
+                // the pointer back without freeing it.
+                let p = slice.leak() as usize;
+                let b = crate::diag::default_bound();
+                let work: Box<dyn FnOnce() -> nccl_sys::ncclResult_t + Send> =
+                    Box::new(move || {
+                        if cuda.bind_to_thread().is_err() || cuda.synchronize().is_err() {
+                            // The wait failed: leak rather than free memory still in use.
+                            return nccl_sys::bindings::ncclUnhandledCudaError;
+                        }
+                        // SAFETY: `p` came from this library's ncclMemAlloc, is freed here
+                        // exactly once (the storage was taken out of `self`), and the
+                        // device's work has completed, so nothing uses it any more.
+                        unsafe { free(p as *mut c_void) }
+                    });
+                let (_, r) = crate::diag::run_bounded(
+                    crate::diag::Lane::Device(device),
+                    b,
+                    format!("ncclMemFree of {bytes} bytes on CUDA device {device}"),
+                    work,
+                    std::time::Instant::now() + b.bound,
+                );
+                match r {
+                    Some(r) => self.lib.check("ncclMemFree", r, ctx),
+                    None => Err(Error::Timeout {
+                        what: format!(
+                            "ncclMemFree of {bytes} bytes on CUDA device {device} waited behind the device's work for longer than the bound: the memory is left to the background"
+                        ),
+                        timeout: b.bound,
+                    }),
+                }
+            }
+        }
     }
 }
 

@@ -234,13 +234,17 @@ impl Communicator {
         self.ensure_usable(OP)?;
         let target = self.registration_target::<T, B>(OP, buf)?;
         let mut handle: *mut c_void = std::ptr::null_mut();
-        // SAFETY: the communicator is live (not torn down: borrowed); `target` is the
-        // address and byte size of memory this NCCL can register (checked above), kept
-        // alive and in place by the borrow the Registration holds; `handle` is writable.
-        let r = unsafe { register(self.as_raw(), target.ptr, target.bytes, &mut handle) };
         // Not `issue`: registration is local (no sequence number, nothing to watch), and a
-        // refused registration does not break the communicator.
-        lib.check(OP, r, self.call_context(caller))?;
+        // refused registration does not break the communicator. Pinned: the watchdog
+        // cannot abort the handle during the call.
+        self.pinned(|| {
+            // SAFETY: the communicator is live (borrowed, and pinned against the
+            // watchdog); `target` is the address and byte size of memory this NCCL can
+            // register (checked above), kept alive and in place by the borrow the
+            // Registration holds; `handle` is writable.
+            let r = unsafe { register(self.as_raw(), target.ptr, target.bytes, &mut handle) };
+            lib.check(OP, r, self.call_context(caller))
+        })?;
         Ok(Registration {
             comm: self,
             buf,
@@ -338,6 +342,12 @@ impl<B: ?Sized> Registration<'_, '_, B> {
         if !std::mem::replace(&mut self.live, false) {
             return Ok(());
         }
+        // Dropped during a panic: the communicator will be aborted (which releases its
+        // registrations), so mark it failed and leave the deregistration to the abort.
+        if std::thread::panicking() {
+            self.comm.mark_failed(&unwinding(OP));
+            return Ok(());
+        }
         // A communicator the watchdog aborted has no handle left: NCCL released its
         // registrations with it.
         self.comm.diag.check_alive()?;
@@ -346,11 +356,14 @@ impl<B: ?Sized> Registration<'_, '_, B> {
         if let Device::Cuda(ctx) = self.comm.device_handle() {
             ctx.bind_to_thread()?;
         }
-        // SAFETY: the communicator is live (borrowed, and not aborted by the watchdog);
-        // `handle` came from its ncclCommRegister and is deregistered exactly once (`live`
-        // was cleared above).
-        let r = unsafe { deregister(self.comm.as_raw(), self.handle) };
-        lib.check(OP, r, self.comm.call_context(caller))
+        let handle = self.handle;
+        self.comm.pinned(|| {
+            // SAFETY: the communicator is live (borrowed, and pinned against the
+            // watchdog); `handle` came from its ncclCommRegister and is deregistered
+            // exactly once (`live` was cleared above).
+            let r = unsafe { deregister(self.comm.as_raw(), handle) };
+            lib.check(OP, r, self.comm.call_context(caller))
+        })
     }
 }
 
@@ -394,6 +407,13 @@ impl<B: ?Sized> Window<'_, '_, B> {
         if !std::mem::replace(&mut self.live, false) {
             return Ok(());
         }
+        // Dropped during a panic: this rank's peers may never reach the collective
+        // deregistration, so it is skipped; the communicator is marked failed, and its
+        // abort releases the window.
+        if std::thread::panicking() {
+            self.comm.mark_failed(&unwinding(OP));
+            return Ok(());
+        }
         let lib = self.comm.library();
         let deregister = lib.optional(lib.table().ncclCommWindowDeregister, OP)?;
         let win = self.win;
@@ -410,6 +430,15 @@ impl<B: ?Sized> Window<'_, '_, B> {
 impl<B: ?Sized> Drop for Window<'_, '_, B> {
     fn drop(&mut self) {
         let _ = self.release(Location::caller());
+    }
+}
+
+/// The failure a registration dropped during a panic leaves on its communicator.
+#[cold]
+fn unwinding(op: &'static str) -> Error {
+    Error::InvalidArgument {
+        op,
+        reason: "dropped while its thread panicked: skipped, and the communicator is aborted when dropped".into(),
     }
 }
 

@@ -1,16 +1,26 @@
-//! Aborts that cannot block anyone: `ncclCommAbort` runs on a thread of its own, bounded by
+//! Teardowns that cannot block anyone: `ncclCommAbort`, `ncclCommDestroy` and the release
+//! of NCCL memory run on a *teardown lane*, bounded by
 //! [`Config::abort_timeout`](crate::Config::abort_timeout).
 //!
-//! NVIDIA's abort can block for ever: it frees device memory, and `cudaFree` waits for a
-//! stream that a stuck kernel holds. So neither the watchdog (which serves every clique of
-//! the process) nor a caller ever makes the call itself. The watchdog hands the handles of
-//! a timed-out clique to a new abort thread and goes on; a communicator's `Drop` (and
-//! [`Communicator::abort`](crate::Communicator::abort)) hands its handle over and waits at
-//! most the bound. An abort still running at its bound gets the configured
-//! [`OnAbortTimeout`] once: a report on stderr (the handle and its thread are left; every
-//! communicator involved stays failed), or the end of the process with
-//! [`ABORT_TIMEOUT_EXIT_STATUS`].
+//! NVIDIA's abort and destroy free device memory, and `cudaFree` (like `cuCtxSynchronize`)
+//! waits for every stream of the device, a stalled one included. So neither the watchdog
+//! (which serves every clique of the process) nor a caller's `Drop` makes these calls
+//! itself: it queues a job on the lane of the communicator's device and waits for it at
+//! most until its deadline. A job still running at its bound gets the configured
+//! [`OnAbortTimeout`] once: a report on stderr (the handle is left; every communicator
+//! involved stays failed), or the end of the process with [`ABORT_TIMEOUT_EXIT_STATUS`].
+//!
+//! **One thread per lane.** A lane is one CUDA device (a wait behind a stalled stream
+//! blocks every teardown of that device anyway) or, on the host provider, the unique id
+//! the communicators were born from (the scope of its injected faults). Each lane runs at
+//! most one thread, which takes its jobs in order and ends when the queue is empty. So a
+//! wedged GPU holds one blocked thread, not one per failed drop or restart: the jobs
+//! behind it wait in the queue, each caller gives up at its own bound, and a new
+//! communicator on a wedged lane is refused with a typed error ([`wedged`]). The order
+//! also keeps a handle's calls in sequence: a teardown queued after a deregistration of
+//! the same communicator runs after it.
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -25,6 +35,10 @@ pub const DEFAULT_ABORT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The exit status of a process ended by [`OnAbortTimeout::ExitProcess`] (as `timeout(1)`'s).
 pub const ABORT_TIMEOUT_EXIT_STATUS: i32 = 124;
+
+/// The least time a teardown queued at (or past) its deadline is still waited for, so
+/// that one that would return at once is not reported as overdue.
+pub(crate) const MIN_WAIT: Duration = Duration::from_millis(50);
 
 /// What happens when an abort has not returned within its bound.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -42,24 +56,46 @@ pub enum OnAbortTimeout {
     ExitProcess,
 }
 
-/// One abort in flight.
+/// Which lane a teardown runs on (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Lane {
+    /// A CUDA device, by ordinal.
+    Device(usize),
+    /// Host-provider communicators born from one unique id (by its clique key).
+    Host(u64),
+}
+
+impl std::fmt::Display for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Lane::Device(d) => write!(f, "CUDA device {d}"),
+            Lane::Host(k) => write!(f, "host-provider clique {k:016x}"),
+        }
+    }
+}
+
+/// One teardown, queued or running.
 #[derive(Debug)]
 pub(crate) struct Job {
     what: String,
+    lane: Lane,
     bound: Duration,
+    #[cfg_attr(not(feature = "diag"), allow(dead_code))]
     deadline: Instant,
     action: OnAbortTimeout,
     done: Mutex<bool>,
     cv: Condvar,
     overdue: AtomicBool,
-    /// The first failed result of the abort calls (success when none failed).
+    /// When its call began (`None` while queued).
+    started: Mutex<Option<Instant>>,
+    /// The first failed result of its calls (success when none failed).
     result: Mutex<ncclResult_t>,
 }
 
 impl Job {
-    /// Waits until the abort returned or `until`: `true` when it returned.
+    /// Waits until the job finished or `until`: `true` when it finished.
     pub(crate) fn wait(&self, until: Instant) -> bool {
-        let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        let mut done = lock(&self.done);
         while !*done {
             let now = Instant::now();
             if now >= until {
@@ -73,27 +109,35 @@ impl Job {
         true
     }
 
-    /// Waits up to the bound; past it, applies the policy. `true` when the abort returned.
-    pub(crate) fn wait_bounded(&self) -> bool {
-        if self.wait(self.deadline) {
-            return true;
-        }
-        self.handle_overdue();
-        false
-    }
-
-    /// The abort calls' result (meaningful once done).
+    /// The calls' result (meaningful once done).
     pub(crate) fn result(&self) -> ncclResult_t {
-        *self.result.lock().unwrap_or_else(|e| e.into_inner())
+        *lock(&self.result)
     }
 
-    fn is_done(&self) -> bool {
-        *self.done.lock().unwrap_or_else(|e| e.into_inner())
+    /// The bound it was given.
+    #[cfg_attr(not(feature = "diag"), allow(dead_code))]
+    pub(crate) fn bound(&self) -> Duration {
+        self.bound
     }
 
-    fn finish(&self) {
-        *self.done.lock().unwrap_or_else(|e| e.into_inner()) = true;
+    pub(crate) fn is_done(&self) -> bool {
+        *lock(&self.done)
+    }
+
+    fn finish(&self, r: ncclResult_t) {
+        {
+            let mut first = lock(&self.result);
+            if *first == nccl_sys::bindings::ncclSuccess {
+                *first = r;
+            }
+        }
+        *lock(&self.done) = true;
         self.cv.notify_all();
+    }
+
+    /// Whether its call has been running for longer than its bound.
+    fn wedged(&self, now: Instant) -> bool {
+        !self.is_done() && lock(&self.started).is_some_and(|s| now >= s + self.bound)
     }
 
     /// Applies the policy once.
@@ -101,117 +145,276 @@ impl Job {
         if self.overdue.swap(true, Ordering::AcqRel) {
             return;
         }
+        let queued = if lock(&self.started).is_none() {
+            format!(" (it is still queued behind another teardown of {})", self.lane)
+        } else {
+            String::new()
+        };
         match self.action {
             OnAbortTimeout::Report => eprintln!(
-                "nccl-safe: ncclCommAbort of {} did not return within {:?} (Config::abort_timeout, NCCL_SAFE_ABORT_TIMEOUT_MS): its handle and thread are left; the communicators stay failed. NCCL_SAFE_ON_ABORT_TIMEOUT=exit ends the process instead.",
+                "nccl-safe: {} did not return within {:?}{queued} (Config::abort_timeout, NCCL_SAFE_ABORT_TIMEOUT_MS): what it holds is left, and the communicators stay failed. NCCL_SAFE_ON_ABORT_TIMEOUT=exit ends the process instead.",
                 self.what, self.bound
             ),
             OnAbortTimeout::ExitProcess => {
                 eprintln!(
-                    "nccl-safe: ncclCommAbort of {} did not return within {:?} (Config::abort_timeout, NCCL_SAFE_ABORT_TIMEOUT_MS): ending the process with status {ABORT_TIMEOUT_EXIT_STATUS} (NCCL_SAFE_ON_ABORT_TIMEOUT=exit)",
+                    "nccl-safe: {} did not return within {:?}{queued} (Config::abort_timeout, NCCL_SAFE_ABORT_TIMEOUT_MS): ending the process with status {ABORT_TIMEOUT_EXIT_STATUS} (NCCL_SAFE_ON_ABORT_TIMEOUT=exit)",
                     self.what, self.bound
                 );
                 // SAFETY: `_exit` ends the process at once. The normal exit path would run
-                // the CUDA runtime's teardown under the blocked abort.
+                // the CUDA runtime's teardown under the blocked call.
                 unsafe { libc::_exit(ABORT_TIMEOUT_EXIT_STATUS) }
             }
         }
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A teardown's calls: the first failed NCCL result, or success.
+pub(crate) type Work = Box<dyn FnOnce() -> ncclResult_t + Send>;
+
+/// One lane: its queue, the job its thread runs, whether a thread serves it.
+#[derive(Default)]
+struct LaneState {
+    queue: VecDeque<(Arc<Job>, Work)>,
+    running: Option<Arc<Job>>,
+    served: bool,
+}
+
+fn lanes() -> &'static Mutex<HashMap<Lane, LaneState>> {
+    static L: OnceLock<Mutex<HashMap<Lane, LaneState>>> = OnceLock::new();
+    L.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Every job not yet finished, for the watchdog's overdue check.
 fn jobs() -> &'static Mutex<Vec<Arc<Job>>> {
     static J: OnceLock<Mutex<Vec<Arc<Job>>>> = OnceLock::new();
     J.get_or_init(|| Mutex::new(Vec::new()))
 }
 
-/// Aborts `handles` of `lib` together (one NCCL group) on a new thread; returns at once.
-/// Each handle must have been taken out of its communicator: this is its one teardown.
-pub(crate) fn spawn(
-    lib: Arc<Library>,
-    handles: Vec<usize>,
-    bound: Duration,
-    action: OnAbortTimeout,
-    what: String,
-) -> Arc<Job> {
+/// A teardown's options: its bound and what happens past it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Bound {
+    pub(crate) bound: Duration,
+    pub(crate) action: OnAbortTimeout,
+}
+
+/// Queues `work` on `lane` with a deadline of `bound` from now; returns at once. The
+/// lane's thread runs it (`work` returns the first failed NCCL result, or success).
+pub(crate) fn submit(lane: Lane, b: Bound, what: String, work: Work) -> Arc<Job> {
     exit::install();
     let job = Arc::new(Job {
         what,
-        bound,
-        deadline: Instant::now() + bound,
-        action,
+        lane,
+        bound: b.bound,
+        deadline: Instant::now() + b.bound,
+        action: b.action,
         done: Mutex::new(false),
         cv: Condvar::new(),
         overdue: AtomicBool::new(false),
+        started: Mutex::new(None),
         result: Mutex::new(nccl_sys::bindings::ncclSuccess),
     });
     {
-        let mut j = jobs().lock().unwrap_or_else(|e| e.into_inner());
+        let mut j = lock(jobs());
         j.retain(|j| !j.is_done());
         j.push(Arc::clone(&job));
     }
-    let work = Arc::new(Mutex::new(Some((lib, handles))));
-    let (job2, work2) = (Arc::clone(&job), Arc::clone(&work));
-    let spawned = std::thread::Builder::new()
-        .name("nccl-safe-abort".into())
-        .spawn(move || run(&job2, &work2));
-    if spawned.is_err() {
-        // No thread to be had: abort here rather than never.
-        run(&job, &work);
+    let spawn = {
+        let mut l = lock(lanes());
+        let st = l.entry(lane).or_default();
+        st.queue.push_back((Arc::clone(&job), work));
+        !std::mem::replace(&mut st.served, true)
+    };
+    if spawn {
+        let started = std::thread::Builder::new()
+            .name("nccl-safe-teardown".into())
+            .spawn(move || serve(lane));
+        if started.is_err() {
+            // No thread to be had: serve the lane here rather than never.
+            serve(lane);
+        }
     }
     job
 }
 
-fn run(job: &Job, work: &Mutex<Option<(Arc<Library>, Vec<usize>)>>) {
-    let taken = work.lock().unwrap_or_else(|e| e.into_inner()).take();
-    if let (Some((lib, handles)), Some(_busy)) = (taken, exit::busy()) {
-        let t = lib.table();
-        // SAFETY: each handle was taken out of its communicator's slot, so this is its
-        // one teardown and no one uses it afterwards; group start/end are paired.
-        unsafe {
-            if handles.len() > 1 {
-                let _ = (t.ncclGroupStart)();
-            }
-            for &h in &handles {
-                let r = (t.ncclCommAbort)(h as ncclComm_t);
-                let mut first = job.result.lock().unwrap_or_else(|e| e.into_inner());
-                if *first == nccl_sys::bindings::ncclSuccess {
-                    *first = r;
+/// A lane's thread: runs its jobs in order, ends when the queue is empty.
+fn serve(lane: Lane) {
+    loop {
+        let next = {
+            let mut l = lock(lanes());
+            let Some(st) = l.get_mut(&lane) else {
+                return;
+            };
+            match st.queue.pop_front() {
+                Some((job, work)) => {
+                    st.running = Some(Arc::clone(&job));
+                    Some((job, work))
+                }
+                None => {
+                    l.remove(&lane);
+                    None
                 }
             }
-            if handles.len() > 1 {
-                let _ = (t.ncclGroupEnd)();
-            }
+        };
+        let Some((job, work)) = next else {
+            return;
+        };
+        *lock(&job.started) = Some(Instant::now());
+        // A call that outlives its bound at process exit ends the process early (the
+        // exit guard); one within its bound is waited for.
+        let r = match exit::busy(job.bound) {
+            Some(_busy) => work(),
+            None => nccl_sys::bindings::ncclSuccess, // the process is exiting
+        };
+        job.finish(r);
+        if let Some(st) = lock(lanes()).get_mut(&lane) {
+            st.running = None;
         }
     }
-    job.finish();
 }
 
-/// Aborts the handle `raw` (taken out of its communicator) of `lib` on an abort thread and
-/// waits at most the bound of `settings`: the bound, and `ncclCommAbort`'s result if it
-/// returned (past the bound, the policy has been applied).
-pub(super) fn abort_bounded(
-    settings: &super::settings::Settings,
+/// Whether `lane` holds a teardown that has been running past its bound: then a new
+/// communicator there would queue its own teardown behind it. Its description when so.
+pub(crate) fn wedged(lane: Lane) -> Option<String> {
+    let l = lock(lanes());
+    let job = l.get(&lane)?.running.as_ref()?;
+    job.wedged(Instant::now()).then(|| {
+        format!(
+            "{} has been blocked for longer than its bound of {:?}",
+            job.what, job.bound
+        )
+    })
+}
+
+/// [`wedged`] as the error of `op`.
+pub(crate) fn check_lane(op: &'static str, lane: Lane) -> crate::error::Result<()> {
+    match wedged(lane) {
+        None => Ok(()),
+        Some(what) => Err(crate::error::Error::TeardownWedged {
+            op,
+            lane: lane.to_string(),
+            what,
+        }),
+    }
+}
+
+/// Aborts `handles` of `lib` together (one NCCL group) on `lane`; returns at once. Each
+/// handle must have been taken out of its communicator: this is its one teardown.
+#[cfg_attr(not(feature = "diag"), allow(dead_code))]
+pub(crate) fn abort(
+    lane: Lane,
+    lib: Arc<Library>,
+    handles: Vec<usize>,
+    b: Bound,
+    what: String,
+) -> Arc<Job> {
+    submit(
+        lane,
+        b,
+        format!("ncclCommAbort of {what}"),
+        Box::new(move || {
+            let t = lib.table();
+            let mut first = nccl_sys::bindings::ncclSuccess;
+            // SAFETY: each handle was taken out of its communicator's slot, so this is its
+            // one teardown and no one uses it afterwards; group start/end are paired.
+            unsafe {
+                if handles.len() > 1 {
+                    let _ = (t.ncclGroupStart)();
+                }
+                for &h in &handles {
+                    let r = (t.ncclCommAbort)(h as ncclComm_t);
+                    if first == nccl_sys::bindings::ncclSuccess {
+                        first = r;
+                    }
+                }
+                if handles.len() > 1 {
+                    let _ = (t.ncclGroupEnd)();
+                }
+            }
+            first
+        }),
+    )
+}
+
+/// Tears the handle `raw` of `lib` down on `lane` (`ncclCommAbort` when `abort`, else
+/// `ncclCommDestroy`, with `ctx` current on the lane's thread) and waits until `until` (at
+/// least [`MIN_WAIT`]): the job, and the call's result if it returned in time (past that,
+/// the policy has been applied). `raw` must have been taken out of its communicator: this
+/// is its one teardown.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn teardown_bounded(
+    lane: Lane,
+    b: Bound,
     lib: &Arc<Library>,
     raw: ncclComm_t,
+    abort: bool,
+    ctx: Option<Arc<cudarc::driver::CudaContext>>,
     what: String,
-) -> (Duration, Option<ncclResult_t>) {
-    let bound = settings.abort_timeout;
-    let job = spawn(
-        Arc::clone(lib),
-        vec![raw as usize],
-        bound,
-        settings.on_abort_timeout,
-        what,
-    );
-    let done = job.wait_bounded();
-    (bound, done.then(|| job.result()))
+    until: Instant,
+) -> (Arc<Job>, Option<ncclResult_t>) {
+    let lib = Arc::clone(lib);
+    let raw = raw as usize;
+    let call = if abort { "ncclCommAbort" } else { "ncclCommDestroy" };
+    run_bounded(
+        lane,
+        b,
+        format!("{call} of {what}"),
+        Box::new(move || {
+            if let Some(ctx) = ctx {
+                let _ = ctx.bind_to_thread();
+            }
+            let t = lib.table();
+            // SAFETY: `raw` was taken out of its communicator's slot: this is its one
+            // teardown, and no one uses it afterwards.
+            unsafe {
+                if abort {
+                    (t.ncclCommAbort)(raw as ncclComm_t)
+                } else {
+                    (t.ncclCommDestroy)(raw as ncclComm_t)
+                }
+            }
+        }),
+        until,
+    )
 }
 
-/// Applies the policy to every abort past its bound (the watchdog calls it each tick).
+/// Queues `work` on `lane` and waits until `until` (at least [`MIN_WAIT`]): the job, and
+/// its result if it returned in time (past that, the policy has been applied).
+pub(crate) fn run_bounded(
+    lane: Lane,
+    b: Bound,
+    what: String,
+    work: Work,
+    until: Instant,
+) -> (Arc<Job>, Option<ncclResult_t>) {
+    let job = submit(lane, b, what, work);
+    let done = job.wait(until.max(Instant::now() + MIN_WAIT));
+    if !done {
+        job.handle_overdue();
+    }
+    let r = done.then(|| job.result());
+    (job, r)
+}
+
+/// The bound of teardowns that belong to no communicator (NCCL memory): the
+/// `NCCL_SAFE_ABORT_TIMEOUT_MS` and `NCCL_SAFE_ON_ABORT_TIMEOUT` settings, or their
+/// defaults.
+pub(crate) fn default_bound() -> Bound {
+    let s = super::settings::Settings::resolve(&super::settings::DiagConfig::default());
+    Bound {
+        bound: s.abort_timeout,
+        action: s.on_abort_timeout,
+    }
+}
+
+/// Applies the policy to every job past its bound (the watchdog calls it each tick).
 #[cfg(feature = "diag")]
 pub(crate) fn check_overdue(now: Instant) {
     let overdue: Vec<Arc<Job>> = {
-        let mut j = jobs().lock().unwrap_or_else(|e| e.into_inner());
+        let mut j = lock(jobs());
         j.retain(|j| !j.is_done());
         j.iter()
             .filter(|j| now >= j.deadline && !j.overdue.load(Ordering::Acquire))
@@ -220,5 +423,74 @@ pub(crate) fn check_overdue(now: Instant) {
     };
     for j in overdue {
         j.handle_overdue();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bound(ms: u64) -> Bound {
+        Bound {
+            bound: Duration::from_millis(ms),
+            action: OnAbortTimeout::Report,
+        }
+    }
+
+    /// One thread per lane: jobs run in order, a blocked one holds the lane (the jobs
+    /// behind it wait, their callers give up at their bound) and marks it wedged past its
+    /// bound; once it returns, the queue drains and the lane is free again.
+    #[test]
+    fn a_lane_runs_its_jobs_in_order_on_one_thread() {
+        let lane = Lane::Host(0x5eed_0001);
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let g = Arc::clone(&gate);
+        let o = Arc::clone(&order);
+        let first = submit(
+            lane,
+            bound(100),
+            "the blocked job".into(),
+            Box::new(move || {
+                o.lock().unwrap().push((1, std::thread::current().id()));
+                let mut open = g.0.lock().unwrap();
+                while !*open {
+                    open = g.1.wait(open).unwrap();
+                }
+                nccl_sys::bindings::ncclSuccess
+            }),
+        );
+        let o = Arc::clone(&order);
+        let second = submit(
+            lane,
+            bound(100),
+            "the queued job".into(),
+            Box::new(move || {
+                o.lock().unwrap().push((2, std::thread::current().id()));
+                nccl_sys::bindings::ncclInternalError
+            }),
+        );
+        assert!(
+            !second.wait(Instant::now() + Duration::from_millis(150)),
+            "queued behind a blocked job"
+        );
+        assert!(!first.is_done());
+        let limit = Instant::now() + Duration::from_secs(5);
+        while wedged(lane).is_none() && Instant::now() < limit {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let w = wedged(lane).expect("the lane is wedged past the bound");
+        assert!(w.contains("the blocked job"), "{w}");
+        let e = check_lane("ncclCommInitRankConfig", lane).unwrap_err();
+        assert!(matches!(e, crate::Error::TeardownWedged { .. }), "{e}");
+        assert!(check_lane("ncclCommInitRankConfig", Lane::Host(0x5eed_0002)).is_ok());
+        *gate.0.lock().unwrap() = true;
+        gate.1.notify_all();
+        assert!(second.wait(Instant::now() + Duration::from_secs(5)));
+        assert_eq!(second.result(), nccl_sys::bindings::ncclInternalError);
+        let order = order.lock().unwrap();
+        assert_eq!(order.iter().map(|o| o.0).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(order[0].1, order[1].1, "one thread served the lane");
+        assert!(wedged(lane).is_none());
     }
 }

@@ -1,46 +1,55 @@
 //! The process-exit guard: a process that ends (by returning from `main` or with
 //! `std::process::exit`) while one of the crate's background threads is inside NCCL or
-//! CUDA (an abort blocked behind a stuck stream, a watchdog query) exits with its own
-//! status instead of crashing.
+//! CUDA (a teardown on its lane, a watchdog query) waits for that call, and ends early
+//! only when the call is blocked past its bound.
 //!
 //! Without it, `exit` runs the CUDA runtime's teardown while that thread is still inside
 //! the runtime, and the process dies with `SIGSEGV`. The guard is an `on_exit` handler
 //! registered after NCCL (and so the CUDA runtime) was initialized, so it runs before the
-//! runtime's teardown: it stops background threads from starting new calls, waits up to
-//! [`EXIT_GRACE`] for the calls in flight, and if one is still running it reports that on
-//! stderr and ends the process with `_exit(status)`, skipping the handlers that would
-//! crash. Rust has flushed `stdout` by then. Where `on_exit` is not available (other C
-//! libraries than glibc) the guard only waits.
+//! runtime's teardown. It stops background threads from starting new calls, then waits
+//! for the calls in flight: each until it returns or has run for its own bound
+//! ([`Config::abort_timeout`](crate::Config::abort_timeout) for a teardown). When every call
+//! returned, the exit goes on normally and every earlier exit handler runs (C stdio,
+//! profilers, coverage, Python's hooks). Only when a call is still running past its bound
+//! does the guard report it on stderr and end the process with `_exit(status)`, skipping
+//! the handlers that would crash. Rust has flushed `stdout` by then. Network I/O (the
+//! desync board) never counts as a call in flight. Where `on_exit` is not available
+//! (other C libraries than glibc) the guard only waits.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Once;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, Once};
 use std::time::{Duration, Instant};
 
-/// How long an exiting process waits for background NCCL/CUDA calls to return.
-pub const EXIT_GRACE: Duration = Duration::from_secs(1);
-
 static EXITING: AtomicBool = AtomicBool::new(false);
-static BUSY: AtomicUsize = AtomicUsize::new(0);
+
+/// The calls in flight: (id, when it began, its bound).
+static BUSY: Mutex<Vec<(u64, Instant, Duration)>> = Mutex::new(Vec::new());
+
+fn busy_list() -> std::sync::MutexGuard<'static, Vec<(u64, Instant, Duration)>> {
+    BUSY.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// A background thread's permission to be inside NCCL or CUDA; dropping it ends the call.
 #[derive(Debug)]
-pub(crate) struct Busy(());
+pub(crate) struct Busy(u64);
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        BUSY.fetch_sub(1, Ordering::SeqCst);
+        busy_list().retain(|b| b.0 != self.0);
     }
 }
 
-/// Enters a background NCCL/CUDA call: `None` once the process is exiting (then the call
-/// must not be made).
-pub(crate) fn busy() -> Option<Busy> {
-    BUSY.fetch_add(1, Ordering::SeqCst);
+/// Enters a background NCCL/CUDA call that should return within `bound`: `None` once the
+/// process is exiting (then the call must not be made).
+pub(crate) fn busy(bound: Duration) -> Option<Busy> {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    let mut b = busy_list();
     if EXITING.load(Ordering::SeqCst) {
-        BUSY.fetch_sub(1, Ordering::SeqCst);
         return None;
     }
-    Some(Busy(()))
+    b.push((id, Instant::now(), bound));
+    Some(Busy(id))
 }
 
 /// Registers the guard, once. Call it after the library was initialized (its runtime's own
@@ -61,7 +70,7 @@ fn register() {
     extern "C" fn handler(status: std::ffi::c_int, _arg: *mut std::ffi::c_void) {
         if !settle() {
             eprintln!(
-                "nccl-safe: the process is exiting (status {status}) while an NCCL abort or CUDA call of the watchdog is still running: ending it now, without the CUDA runtime's teardown"
+                "nccl-safe: the process is exiting (status {status}) while a background NCCL or CUDA call is blocked past its bound (Config::abort_timeout): ending it now, without the later exit handlers and the CUDA runtime's teardown"
             );
             // SAFETY: `_exit` ends the process at once; nothing runs after it.
             unsafe { libc::_exit(status) }
@@ -85,16 +94,26 @@ fn register() {
     }
 }
 
-/// Stops new background calls and waits (bounded) for those in flight: `true` when none
-/// is left.
+/// Stops new background calls and waits for those in flight, each until it returns or
+/// runs past its bound: `true` when none is left, `false` when one is blocked past it.
 fn settle() -> bool {
-    EXITING.store(true, Ordering::SeqCst);
-    let until = Instant::now() + EXIT_GRACE;
-    while BUSY.load(Ordering::SeqCst) > 0 {
-        if Instant::now() >= until {
+    {
+        // Under the list's lock: a call entering after this sees EXITING.
+        let _b = busy_list();
+        EXITING.store(true, Ordering::SeqCst);
+    }
+    loop {
+        let now = Instant::now();
+        let (left, overdue) = {
+            let b = busy_list();
+            (b.len(), b.iter().any(|&(_, start, bound)| now >= start + bound))
+        };
+        if left == 0 {
+            return true;
+        }
+        if overdue {
             return false;
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-    true
 }

@@ -1,7 +1,7 @@
 //! The per-operation hooks and a communicator's diagnostics (the `diag` feature): what
 //! `Communicator::issue` calls before and after each NCCL call, and what teardown asks.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::panic::Location;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -9,14 +9,14 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::ncclComm_t;
 
-use super::aborter;
+use super::aborter::{self, Bound, Job, Lane};
 use super::clique::{self, Agreement, CliqueKey, TimeoutReport};
 use super::journal::{Entry, Journal};
 use super::op::{in_group, OpInfo};
 use super::recorder::{FlightRecord, OpState};
 use super::remote;
 use super::settings::{DiagConfig, Settings};
-use super::shared::{Shared, Watch, IDLE, MAX_QUEUES, UNCLAIMED};
+use super::shared::{QueueWatch, Shared, IDLE, MAX_QUEUES, PINNED, UNCLAIMED};
 #[cfg(test)]
 use super::tracker::Tracker;
 use super::tracker::{self, Queue};
@@ -41,14 +41,19 @@ fn arrivals() -> &'static Mutex<std::collections::HashMap<CliqueKey, Vec<bool>>>
 pub(crate) struct CommDiag {
     settings: Settings,
     key: CliqueKey,
+    /// The clique key of the unique id (or `ncclCommInitAll`) the communicator's family
+    /// was born from: its teardown lane on the host provider.
+    root: u64,
     shared: OnceLock<Arc<Shared>>,
     /// The job's desync board, given to the clique on attach.
     board: Option<Arc<dyn remote::RemoteBoard>>,
-    /// The keys of the last queues (streams) the owner noted, newest first: only a stream
-    /// not among them takes the slow path. Each is among the [`RECENT_QUEUES`] most
-    /// recently noted in the shared list, which keeps more, so none is dropped there while
-    /// cached here.
-    recent_queues: Cell<[usize; RECENT_QUEUES]>,
+    /// The last queues (streams) the owner noted, newest first: only a stream not among
+    /// them takes the slow path. Each is among the [`RECENT_QUEUES`] most recently noted
+    /// in the shared list, which keeps more, so none is dropped there while cached here.
+    recent_queues: RefCell<[Option<Arc<QueueWatch>>; RECENT_QUEUES]>,
+    /// Children made so far (split and shrink): part of each child's clique key, so two
+    /// children made at the same sequence number never share one.
+    children: Cell<u64>,
 }
 
 #[cfg(test)]
@@ -70,6 +75,8 @@ pub(crate) struct Handle<'a> {
     pub rank: usize,
     pub world_size: usize,
     pub lib: &'a Arc<Library>,
+    /// Where its teardowns run.
+    pub lane: Lane,
 }
 
 /// What [`CommDiag::begin`] hands to [`CommDiag::end`].
@@ -85,12 +92,15 @@ pub(crate) struct Ticket<'a> {
 impl CommDiag {
     /// For a communicator joined through `id`.
     pub(crate) fn for_id(config: &DiagConfig, id: &UniqueId) -> CommDiag {
+        let key = clique::key_of(id.as_bytes());
         CommDiag {
             settings: Settings::resolve(config),
-            key: clique::key_of(id.as_bytes()),
+            key,
+            root: key,
             shared: OnceLock::new(),
             board: config.board.clone(),
-            recent_queues: Cell::new([0; RECENT_QUEUES]),
+            recent_queues: RefCell::new(Default::default()),
+            children: Cell::new(0),
         }
     }
 
@@ -99,9 +109,11 @@ impl CommDiag {
         CommDiag {
             settings: Settings::resolve(&DiagConfig::default()),
             key,
+            root: key,
             shared: OnceLock::new(),
             board: None,
-            recent_queues: Cell::new([0; RECENT_QUEUES]),
+            recent_queues: RefCell::new(Default::default()),
+            children: Cell::new(0),
         }
     }
 
@@ -117,12 +129,17 @@ impl CommDiag {
             .shared
             .get()
             .map_or(0, |s| s.seq.load(Ordering::Relaxed));
+        // Every rank of the child makes its children of this parent in the same order.
+        let nth = self.children.get();
+        self.children.set(nth + 1);
         CommDiag {
             settings: self.settings.clone(),
-            key: clique::key_of((self.key, seq, tag)),
+            key: clique::key_of((self.key, seq, tag, nth)),
+            root: self.root,
             shared: OnceLock::new(),
             board: None,
-            recent_queues: Cell::new([0; RECENT_QUEUES]),
+            recent_queues: RefCell::new(Default::default()),
+            children: Cell::new(0),
         }
     }
 
@@ -134,6 +151,7 @@ impl CommDiag {
         rank: usize,
         world_size: usize,
         lib: &Arc<Library>,
+        lane: Lane,
     ) -> &Arc<Shared> {
         self.shared.get_or_init(|| {
             clock::advance();
@@ -147,6 +165,8 @@ impl CommDiag {
                 .unwrap_or_else(|| tracker::for_provider(lib.provider()));
             #[cfg(not(test))]
             let tracker = tracker::for_provider(lib.provider());
+            let host_queue =
+                (lib.provider() == Provider::Host).then(|| Shared::host_queue_for(raw));
             let s = Arc::new(Shared {
                 rank,
                 world_size,
@@ -154,25 +174,22 @@ impl CommDiag {
                 lib: Arc::clone(lib),
                 clique: Arc::clone(&clique),
                 tracker,
-                queues: Mutex::new(Vec::new()),
-                published: AtomicU64::new(0),
-                retired: AtomicU64::new(0),
-                watch: Mutex::new(Watch::default()),
+                queues: Mutex::new(host_queue.iter().cloned().collect()),
+                host_queue,
                 journal: Journal::new(self.settings.ring),
                 handle: AtomicUsize::new(raw as usize),
                 current: AtomicU64::new(IDLE),
                 claim: AtomicU8::new(UNCLAIMED),
                 asym: fence::asymmetric(),
                 report: Mutex::new(None),
+                lane,
+                abort_job: Mutex::new(None),
                 aborted_by_watchdog: AtomicBool::new(false),
                 gone: AtomicBool::new(false),
                 seq: AtomicU64::new(0),
                 wait_ns: AtomicU64::new(0),
                 checks: AtomicU64::new(0),
             });
-            if lib.provider() == Provider::Host {
-                s.note_host_queue(raw);
-            }
             clique.attach(rank, &s);
             watchdog::watch(&s);
             s
@@ -191,7 +208,7 @@ impl CommDiag {
     fn attach_late(&self, h: Handle<'_>) -> &Arc<Shared> {
         match self.shared.get() {
             Some(s) => s,
-            None => self.attach(h.raw, h.rank, h.world_size, h.lib),
+            None => self.attach(h.raw, h.rank, h.world_size, h.lib, h.lane),
         }
     }
 
@@ -239,7 +256,39 @@ impl CommDiag {
     /// After `ncclGroupEnd` enqueued a group's operations: they are now on their streams.
     pub(crate) fn publish_group(&self) {
         if let Some(s) = self.shared.get() {
-            s.published.store(s.journal.len(), Ordering::Release);
+            s.publish_staged();
+        }
+    }
+
+    /// Claims the handle for an NCCL call that is not an operation (a poll, a
+    /// registration, a destroy, a group's end): the watchdog never aborts it until
+    /// [`unpin`](Self::unpin). `Ok(false)` when nothing was pinned here (not attached yet,
+    /// or already inside an operation or a pin); an error when the watchdog aborts it.
+    pub(crate) fn pin(&self) -> Result<bool> {
+        let Some(s) = self.shared.get() else {
+            return Ok(false);
+        };
+        if s.aborted_by_watchdog.load(Ordering::Acquire) {
+            return Err(self.aborted_error(s));
+        }
+        if s.current.load(Ordering::Relaxed) != IDLE {
+            return Ok(false);
+        }
+        s.current.store(PINNED, Ordering::Release);
+        fence::light(s.asym);
+        if s.claim.load(Ordering::Acquire) != UNCLAIMED && !s.await_decision() {
+            s.current.store(IDLE, Ordering::Release);
+            return Err(self.aborted_error(s));
+        }
+        Ok(true)
+    }
+
+    /// Ends a [`pin`](Self::pin) that returned `Ok(true)`.
+    pub(crate) fn unpin(&self) {
+        if let Some(s) = self.shared.get() {
+            if s.current.load(Ordering::Relaxed) == PINNED {
+                s.current.store(IDLE, Ordering::Release);
+            }
         }
     }
 
@@ -248,26 +297,82 @@ impl CommDiag {
         self.settings.timeout
     }
 
-    /// Aborts the handle `raw` (taken out of its communicator) on an abort thread and waits
-    /// at most the abort bound: the bound, and `ncclCommAbort`'s result if it returned.
-    pub(crate) fn abort_off_thread(
+    /// The lane of a host-provider communicator's teardowns.
+    pub(crate) fn host_lane(&self) -> Lane {
+        Lane::Host(self.root)
+    }
+
+    /// The bound on its teardowns ([`Config::abort_timeout`](crate::Config::abort_timeout)).
+    pub(crate) fn abort_timeout(&self) -> Duration {
+        self.settings.abort_timeout
+    }
+
+    /// The bound and the policy past it.
+    pub(crate) fn bound(&self) -> Bound {
+        Bound {
+            bound: self.settings.abort_timeout,
+            action: self.settings.on_abort_timeout,
+        }
+    }
+
+    /// When the watchdog took this communicator's handle: waits until `until` for its
+    /// abort. `None` when the watchdog did not take it; `Some(None)` when its abort is
+    /// still running at `until`.
+    pub(crate) fn watchdog_abort(
         &self,
-        lib: &Arc<Library>,
-        raw: ncclComm_t,
-        what: String,
-    ) -> (Duration, Option<nccl_sys::ncclResult_t>) {
-        aborter::abort_bounded(&self.settings, lib, raw, what)
+        until: Instant,
+    ) -> Option<(Duration, Option<nccl_sys::ncclResult_t>)> {
+        let s = self.shared.get()?;
+        if !s.aborted_by_watchdog.load(Ordering::Acquire) {
+            return None;
+        }
+        // The watchdog queues the job right after it takes the handle.
+        let job: Arc<Job> = loop {
+            let job = s
+                .abort_job
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            match job {
+                Some(j) => break j,
+                None if Instant::now() >= until => {
+                    return Some((self.settings.abort_timeout, None));
+                }
+                None => std::thread::sleep(Duration::from_millis(1)),
+            }
+        };
+        let done = job.wait(until.max(Instant::now() + aborter::MIN_WAIT));
+        Some((job.bound(), done.then(|| job.result())))
     }
 
     /// A stream not among the recent ones: noted in the shared list, cached here.
     #[cold]
     #[inline(never)]
-    fn note_stream(&self, s: &Shared, key: usize, stream: &Arc<cudarc::driver::CudaStream>) {
-        s.note_queue(Queue::Cuda(Arc::clone(stream)));
-        let mut recent = self.recent_queues.get();
+    fn note_stream(
+        &self,
+        s: &Shared,
+        stream: &Arc<cudarc::driver::CudaStream>,
+    ) -> Arc<QueueWatch> {
+        let q = s.note_queue(Queue::Cuda(Arc::clone(stream)));
+        let mut recent = self.recent_queues.borrow_mut();
         recent.rotate_right(1);
-        recent[0] = key;
-        self.recent_queues.set(recent);
+        recent[0] = Some(Arc::clone(&q));
+        q
+    }
+
+    /// The watch of `stream`'s queue: one of the recent ones, or noted now.
+    #[inline(always)]
+    fn publish_on(&self, s: &Shared, stream: &Arc<cudarc::driver::CudaStream>, upto: u64) {
+        let key = stream.cu_stream() as usize;
+        {
+            let recent = self.recent_queues.borrow();
+            if let Some(q) = recent.iter().flatten().find(|q| q.key == key) {
+                publish(q, upto);
+                return;
+            }
+        }
+        let q = self.note_stream(s, stream);
+        publish(&q, upto);
     }
 
     /// Notes that rank `rank` of `world_size` began its init in this process.
@@ -332,6 +437,10 @@ impl CommDiag {
             root: op.root,
             caller,
             enqueued: start,
+            queue: match op.stream {
+                StreamRef::Cuda(stream) => stream.cu_stream() as usize,
+                StreamRef::Host => s.host_queue.as_ref().map_or(0, |q| q.key),
+            },
         });
         if s.clique.any_timeout() {
             return Err(self.begin_timed_out(s, pos, start));
@@ -339,10 +448,13 @@ impl CommDiag {
         if s.settings.check && op.collective && !in_group() {
             self.fingerprint(s, pos, start)?;
         }
-        s.current.store(pos + 1, Ordering::Release);
-        fence::light(s.asym);
-        if s.claim.load(Ordering::Acquire) != UNCLAIMED {
-            self.begin_claimed(s, pos, start)?;
+        // Inside an open group the communicator is pinned (claimed) until the group ends.
+        if s.current.load(Ordering::Relaxed) != PINNED {
+            s.current.store(pos + 1, Ordering::Release);
+            fence::light(s.asym);
+            if s.claim.load(Ordering::Acquire) != UNCLAIMED {
+                self.begin_claimed(s, pos, start)?;
+            }
         }
         Ok(Ticket {
             pos,
@@ -431,8 +543,11 @@ impl CommDiag {
         };
         let now = s.now();
         // Leaving the call needs no fence: a claim made meanwhile is seen by the next
-        // operation's check (and teardown takes the handle with a swap).
-        s.current.store(IDLE, Ordering::Release);
+        // operation's check (and teardown takes the handle with a swap). A pinned
+        // communicator (an open group) stays pinned.
+        if s.current.load(Ordering::Relaxed) != PINNED {
+            s.current.store(IDLE, Ordering::Release);
+        }
         let took = now.saturating_sub(t.start);
         let mut state = if r.is_ok() {
             OpState::Completed
@@ -440,16 +555,18 @@ impl CommDiag {
             OpState::Failed
         };
         if r.is_ok() {
-            // Hand the work to the watchdog: plain stores, no call into CUDA.
-            if let StreamRef::Cuda(stream) = t.stream {
-                let key = stream.cu_stream() as usize;
-                if !self.recent_queues.get().contains(&key) {
-                    self.note_stream(s, key, stream);
+            // Hand the work to the watchdog, on its own queue: plain stores, no call into
+            // CUDA.
+            match t.stream {
+                StreamRef::Cuda(stream) => {
+                    self.publish_on(s, stream, t.pos + 1);
+                    state = OpState::Enqueued;
                 }
-                state = OpState::Enqueued;
-            }
-            if !in_group() {
-                s.published.store(t.pos + 1, Ordering::Release);
+                StreamRef::Host => {
+                    if let Some(q) = &s.host_queue {
+                        publish(q, t.pos + 1);
+                    }
+                }
             }
         }
         s.journal.finish(t.pos, state, took);
@@ -485,14 +602,13 @@ impl CommDiag {
     /// Before teardown: waits (bounded by the watchdog) until no work of this communicator
     /// is in flight. `false` when it must be aborted rather than destroyed (its clique
     /// timed out, or the watchdog already took it).
-    pub(crate) fn drain(&self) -> bool {
+    pub(crate) fn drain(&self, limit: Instant) -> bool {
         let Some(s) = self.shared.get() else {
             return true;
         };
         if s.current.load(Ordering::Acquire) != IDLE {
             return false; // left inside a call (an unwinding panic): abort
         }
-        let limit = Instant::now() + s.settings.timeout + s.slack() + Duration::from_secs(1);
         let done = s.wait_own_work(limit);
         done && !s.aborted_by_watchdog.load(Ordering::Acquire) && s.clique.timed_out().is_none()
     }
@@ -500,7 +616,8 @@ impl CommDiag {
     /// Before `destroy`: drains, and refuses (marking the communicator failed, so dropping
     /// it aborts) when its clique timed out.
     pub(crate) fn before_teardown(&self) -> Result<()> {
-        if self.drain() {
+        let limit = Instant::now() + self.settings.timeout + clock::TICK + Duration::from_secs(1);
+        if self.drain(limit) {
             return Ok(());
         }
         let Some(s) = self.shared.get() else {
@@ -525,6 +642,16 @@ impl CommDiag {
         s.gone.store(true, Ordering::Release);
         s.clique.detach(s.rank, s.view());
         s.handle.swap(0, Ordering::AcqRel) != 0
+    }
+}
+
+/// Publishes an operation's work on its queue (staged until the end of an open group).
+#[inline(always)]
+fn publish(q: &QueueWatch, upto: u64) {
+    if in_group() {
+        q.staged.store(upto, Ordering::Release);
+    } else {
+        q.published.store(upto, Ordering::Release);
     }
 }
 
@@ -570,6 +697,13 @@ mod tests {
     use crate::diag::journal::Entry;
     use crate::diag::shared::{ABORTING, DECIDING};
     use crate::{Communicator, Config, Device, HostStream, ReduceOp};
+
+    /// Host operations below this are known complete.
+    fn host_retired(s: &Shared) -> u64 {
+        s.host_queue
+            .as_ref()
+            .map_or(0, |q| q.retired.load(Ordering::Acquire))
+    }
 
     fn comm() -> (Communicator, UniqueId) {
         let id = Device::Host.unique_id().unwrap();
@@ -667,7 +801,7 @@ mod tests {
             "{marks_during_ops} markers in {ticks} ticks for {OPS} operations"
         );
         let s = Arc::clone(c.diag.shared(c.handle()));
-        let retired = || s.retired.load(Ordering::Acquire);
+        let retired = || host_retired(&s);
         let limit = Instant::now() + Duration::from_secs(10);
         while retired() < OPS && Instant::now() < limit {
             std::thread::sleep(Duration::from_millis(5));
@@ -697,16 +831,16 @@ mod tests {
         std::thread::sleep(Duration::from_millis(400)); // 8 timeouts' worth
         assert!(!c.is_failed(), "captured work must not time out");
         let s = Arc::clone(c.diag.shared(c.handle()));
-        assert_eq!(s.retired.load(Ordering::Acquire), 0);
+        assert_eq!(host_retired(&s), 0);
         // The capture ends; the work it captured never runs on the stream, so the first
         // marker after it completes.
         counting.capturing.store(false, Ordering::SeqCst);
         counting.complete.store(true, Ordering::SeqCst);
         let limit = Instant::now() + Duration::from_secs(10);
-        while s.retired.load(Ordering::Acquire) < 1 && Instant::now() < limit {
+        while host_retired(&s) < 1 && Instant::now() < limit {
             std::thread::sleep(Duration::from_millis(5));
         }
-        assert_eq!(s.retired.load(Ordering::Acquire), 1);
+        assert_eq!(host_retired(&s), 1);
         assert!(!c.is_failed());
         drop(s);
         c.destroy().map_err(|(_, e)| e).unwrap();
@@ -721,7 +855,7 @@ mod tests {
         let (c, _id) = comm();
         let s = Arc::clone(c.diag.shared(c.handle()));
         let keys = |s: &Shared| -> Vec<usize> {
-            s.queues.lock().unwrap().iter().map(Queue::key).collect()
+            s.queues.lock().unwrap().iter().map(|q| q.key).collect()
         };
         for k in 1..=40 {
             s.note_queue(Queue::Host(k));
@@ -781,6 +915,7 @@ mod tests {
                 root: None,
                 caller: Location::caller(),
                 enqueued: clock::precise(),
+                queue: 0,
             })
         };
         let first = push();

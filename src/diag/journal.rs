@@ -31,6 +31,8 @@ pub(crate) struct Entry {
     pub caller: &'static Location<'static>,
     /// Diagnostics clock time ([`clock`]).
     pub enqueued: u64,
+    /// The key of the queue (stream) its work goes to (`Queue::key`).
+    pub queue: usize,
 }
 
 #[derive(Debug, Default)]
@@ -46,6 +48,8 @@ struct Slot {
     count: AtomicU64,
     root: AtomicU64,
     enqueued: AtomicU64,
+    /// The queue key of the record's work.
+    queue: AtomicU64,
     /// Nanoseconds; meaningful only once the state is not `Enqueued`.
     took: AtomicU64,
 }
@@ -94,6 +98,8 @@ pub(crate) struct Journal {
 impl Journal {
     /// A journal showing the last `cap` records (allocates its slots once, here).
     pub(crate) fn new(cap: usize) -> Journal {
+        // Settings refuse longer records; clamped here too, so no length can overflow.
+        let cap = cap.min(super::settings::MAX_FLIGHT_RECORD_LEN);
         let len = cap.max(1).next_power_of_two();
         Journal {
             slots: (0..len).map(|_| Slot::default()).collect(),
@@ -145,6 +151,7 @@ impl Journal {
         s.root
             .store(e.root.map_or(NONE, |r| r as u64), Ordering::Relaxed);
         s.enqueued.store(e.enqueued, Ordering::Relaxed);
+        s.queue.store(e.queue as u64, Ordering::Relaxed);
         s.version.store(v.wrapping_add(2), Ordering::Release);
         // Readers find the record through `next`: publish it after its fields.
         self.next.store(pos + 1, Ordering::Release);
@@ -216,6 +223,33 @@ impl Journal {
         }
     }
 
+    /// The queue key of the record at `pos`, if it is still in the ring. Any thread.
+    pub(crate) fn queue_of(&self, pos: u64) -> Option<usize> {
+        let s = self.slot(pos);
+        loop {
+            if pos >= self.next.load(Ordering::Acquire) {
+                return None;
+            }
+            let v1 = s.version.load(Ordering::Acquire);
+            if v1 % 2 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let at = s.pos.load(Ordering::Relaxed);
+            let queue = s.queue.load(Ordering::Relaxed);
+            fence(Ordering::Acquire);
+            if s.version.load(Ordering::Relaxed) != v1 {
+                continue;
+            }
+            return (at == pos).then_some(queue as usize);
+        }
+    }
+
+    /// How many records the ring holds (a power of two).
+    pub(crate) fn capacity(&self) -> u64 {
+        self.mask + 1
+    }
+
     /// The newest record.
     #[cfg(test)]
     fn last(&self) -> Option<OpRecord> {
@@ -253,6 +287,7 @@ mod tests {
             root: seq.is_multiple_of(2).then_some(seq as usize),
             caller: Location::caller(),
             enqueued: seq * 1000,
+            queue: seq as usize % 3,
         }
     }
 
@@ -278,6 +313,7 @@ mod tests {
         assert_eq!(snap[1].root, None);
         // Overwritten positions are gone; finishing one is a no-op.
         assert!(j.get(0).is_none() && j.get(5).is_none());
+        assert_eq!((j.queue_of(0), j.queue_of(4)), (None, Some(1)));
         j.finish(0, OpState::Failed, 1);
         assert_eq!(j.get(2).unwrap().state, OpState::Completed);
         let p = j.push(&entry(9, &"ncclBroadcast"));

@@ -76,11 +76,16 @@ mod watchdog;
 mod off;
 
 pub use aborter::{OnAbortTimeout, ABORT_TIMEOUT_EXIT_STATUS, DEFAULT_ABORT_TIMEOUT};
-pub use exit::EXIT_GRACE;
+pub(crate) use aborter::{check_lane, default_bound, run_bounded, teardown_bounded, Lane};
 pub use settings::DEFAULT_TIMEOUT;
 
 pub(crate) use op::{group_ended, group_started, OpInfo};
 pub(crate) use settings::DiagConfig;
+
+/// Why the options of `c` (or the environment) cannot make a communicator, if so.
+pub(crate) fn invalid_settings(c: &DiagConfig) -> Option<String> {
+    settings::Settings::invalid(c)
+}
 
 #[cfg(feature = "diag")]
 pub use hooks::Diagnostics;
@@ -91,7 +96,7 @@ pub use recorder::{FlightRecord, OpRecord, OpState};
 #[cfg(feature = "diag")]
 pub use remote::{BoardError, DesyncPost, RemoteBoard, MAX_POST_TEXT};
 #[cfg(feature = "diag")]
-pub use settings::DEFAULT_FLIGHT_RECORD_LEN;
+pub use settings::{DEFAULT_FLIGHT_RECORD_LEN, MAX_FLIGHT_RECORD_LEN};
 
 #[cfg(not(feature = "diag"))]
 pub(crate) use off::{CommDiag, Handle};

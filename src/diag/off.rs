@@ -5,11 +5,11 @@
 
 use std::panic::Location;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nccl_sys::ncclComm_t;
 
-use super::aborter;
+use super::aborter::{Bound, Lane};
 use super::op::OpInfo;
 use super::settings::{DiagConfig, Settings};
 use crate::error::Result;
@@ -24,12 +24,16 @@ pub(crate) struct Handle<'a> {
     pub rank: usize,
     pub world_size: usize,
     pub lib: &'a Arc<Library>,
+    pub lane: Lane,
 }
 
 /// A communicator's diagnostics without the `diag` feature: its settings only.
 #[derive(Debug)]
 pub(crate) struct CommDiag {
     settings: Settings,
+    /// The unique id the communicator's family was born from, hashed: its teardown lane
+    /// on the host provider.
+    root: u64,
 }
 
 /// What `begin` hands to `end`: nothing.
@@ -37,25 +41,33 @@ pub(crate) struct CommDiag {
 pub(crate) struct Ticket<'a>(std::marker::PhantomData<&'a ()>);
 
 impl CommDiag {
-    pub(crate) fn for_id(config: &DiagConfig, _id: &UniqueId) -> CommDiag {
+    pub(crate) fn for_id(config: &DiagConfig, id: &UniqueId) -> CommDiag {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        id.as_bytes().hash(&mut h);
         CommDiag {
             settings: Settings::resolve(config),
+            root: h.finish(),
         }
     }
 
-    pub(crate) fn for_init_all(_key: u64) -> CommDiag {
+    pub(crate) fn for_init_all(key: u64) -> CommDiag {
         CommDiag {
             settings: Settings::resolve(&DiagConfig::default()),
+            root: key,
         }
     }
 
     pub(crate) fn init_all_key() -> u64 {
-        0
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        NEXT.fetch_add(1, Ordering::Relaxed)
     }
 
     pub(crate) fn child(&self, _tag: u64) -> CommDiag {
         CommDiag {
             settings: self.settings.clone(),
+            root: self.root,
         }
     }
 
@@ -65,6 +77,7 @@ impl CommDiag {
         _rank: usize,
         _world: usize,
         _lib: &Arc<Library>,
+        _lane: Lane,
     ) {
     }
 
@@ -86,15 +99,33 @@ impl CommDiag {
         self.settings.timeout
     }
 
-    /// Aborts the handle `raw` (taken out of its communicator) on an abort thread and waits
-    /// at most the abort bound: the bound, and `ncclCommAbort`'s result if it returned.
-    pub(crate) fn abort_off_thread(
+    pub(crate) fn pin(&self) -> Result<bool> {
+        Ok(false)
+    }
+
+    pub(crate) fn unpin(&self) {}
+
+    pub(crate) fn host_lane(&self) -> Lane {
+        Lane::Host(self.root)
+    }
+
+    pub(crate) fn abort_timeout(&self) -> Duration {
+        self.settings.abort_timeout
+    }
+
+    pub(crate) fn bound(&self) -> Bound {
+        Bound {
+            bound: self.settings.abort_timeout,
+            action: self.settings.on_abort_timeout,
+        }
+    }
+
+    /// Without the watchdog, nothing takes a handle from its owner.
+    pub(crate) fn watchdog_abort(
         &self,
-        lib: &Arc<Library>,
-        raw: ncclComm_t,
-        what: String,
-    ) -> (Duration, Option<nccl_sys::ncclResult_t>) {
-        aborter::abort_bounded(&self.settings, lib, raw, what)
+        _until: Instant,
+    ) -> Option<(Duration, Option<nccl_sys::ncclResult_t>)> {
+        None
     }
 
     pub(crate) fn arrive(&self, _rank: usize, _world_size: usize) {}
@@ -118,7 +149,7 @@ impl CommDiag {
         r
     }
 
-    pub(crate) fn drain(&self) -> bool {
+    pub(crate) fn drain(&self, _until: Instant) -> bool {
         true
     }
 

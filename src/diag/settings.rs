@@ -13,6 +13,9 @@ use super::remote;
 /// The watchdog's default timeout: 10 minutes, as PyTorch's.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 
+/// The longest flight record a communicator keeps (its ring is allocated up front).
+pub const MAX_FLIGHT_RECORD_LEN: usize = 1 << 20;
+
 /// The flight recorder's default length.
 pub const DEFAULT_FLIGHT_RECORD_LEN: usize = 64;
 
@@ -48,6 +51,40 @@ pub(super) struct Settings {
 }
 
 impl Settings {
+    /// Values no communicator can work with: a zero timeout or abort bound, or a flight
+    /// record longer than [`MAX_FLIGHT_RECORD_LEN`]. The reason, naming where the value
+    /// came from.
+    pub(crate) fn invalid(c: &DiagConfig) -> Option<String> {
+        let s = Settings::resolve(c);
+        let from = |set: bool, var: &str| {
+            if set {
+                "Config".to_string()
+            } else {
+                var.to_string()
+            }
+        };
+        if s.timeout.is_zero() {
+            return Some(format!(
+                "the timeout ({}) is zero: every operation would time out at once",
+                from(c.timeout.is_some(), "NCCL_SAFE_TIMEOUT_MS")
+            ));
+        }
+        if s.abort_timeout.is_zero() {
+            return Some(format!(
+                "the abort timeout ({}) is zero: no teardown could ever complete in time",
+                from(c.abort_timeout.is_some(), "NCCL_SAFE_ABORT_TIMEOUT_MS")
+            ));
+        }
+        if s.ring > MAX_FLIGHT_RECORD_LEN {
+            return Some(format!(
+                "the flight record length {} ({}) is above the maximum of {MAX_FLIGHT_RECORD_LEN}",
+                s.ring,
+                from(c.ring.is_some(), "NCCL_SAFE_FLIGHT_RECORD_LEN")
+            ));
+        }
+        None
+    }
+
     pub(super) fn resolve(c: &DiagConfig) -> Settings {
         let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
         let debug = env("NCCL_SAFE_DEBUG").map(|v| v.trim().to_ascii_lowercase());

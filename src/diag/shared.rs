@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::ncclComm_t;
 
+use super::aborter::{Job, Lane};
 use super::clique::{Clique, RankView, TimeoutReport};
 use super::journal::Journal;
 use super::recorder::{FlightRecord, OpRecord, OpState};
@@ -21,6 +22,11 @@ use crate::library::Library;
 /// `Shared::current` while no operation of the communicator is inside its NCCL call.
 pub(super) const IDLE: u64 = 0;
 
+/// `Shared::current` while the owner is inside an NCCL call on the handle that is not an
+/// operation (a poll, a registration, a destroy) or inside an open group: the watchdog
+/// never claims the communicator then.
+pub(super) const PINNED: u64 = u64::MAX;
+
 /// How many queues (streams) a communicator's watch keeps.
 pub(super) const MAX_QUEUES: usize = 16;
 
@@ -31,26 +37,73 @@ pub(super) const DECIDING: u8 = 1;
 /// `Shared::claim`: the watchdog aborts it; its handle must not be used again.
 pub(super) const ABORTING: u8 = 2;
 
-/// Work in flight as the watchdog tracks it (see `tracker`).
+/// One queue (stream) this communicator's operations used, and the watch of its work.
+///
+/// Completion is learned per queue: a marker recorded on this queue covers only the
+/// operations issued on it, so another stream's backlog never delays or times out this
+/// one's work, and a capture pauses the watching of the captured stream only.
+#[derive(Debug)]
+pub(crate) struct QueueWatch {
+    pub(super) queue: Queue,
+    pub(super) key: usize,
+    /// Journal position + 1 of the last operation on this queue whose work is queued (the
+    /// owner's plain store after each operation; for a group's, at the group's end).
+    pub(super) published: AtomicU64,
+    /// The same for operations inside an open group, published when it ends.
+    pub(super) staged: AtomicU64,
+    /// This queue's operations below this position are known complete.
+    pub(super) retired: AtomicU64,
+    /// The watchdog's (and teardown's) state.
+    pub(super) watch: Mutex<Watch>,
+}
+
+impl QueueWatch {
+    pub(super) fn new(queue: Queue) -> QueueWatch {
+        QueueWatch {
+            key: queue.key(),
+            queue,
+            published: AtomicU64::new(0),
+            staged: AtomicU64::new(0),
+            retired: AtomicU64::new(0),
+            watch: Mutex::new(Watch::default()),
+        }
+    }
+
+    pub(super) fn watch(&self) -> MutexGuard<'_, Watch> {
+        self.watch.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether published work on this queue is not yet known complete.
+    pub(super) fn in_flight(&self) -> bool {
+        self.retired.load(Ordering::Acquire) < self.published.load(Ordering::Acquire)
+    }
+}
+
+/// Work in flight on one queue as the watchdog tracks it (see `tracker`).
 #[derive(Debug, Default)]
 pub(super) struct Watch {
-    /// Positions below this have markers recorded after them (or were retired).
+    /// Positions below this have a marker recorded after them (or were retired).
     pub(super) marked: u64,
     /// Marked ranges not yet known complete, oldest first.
     pub(super) pending: VecDeque<Pending>,
-    /// A queue was capturing into a CUDA graph at the last attempt to mark.
+    /// The queue was capturing into a CUDA graph at the last attempt to mark.
     pub(super) capturing: bool,
 }
 
-/// The operations at journal positions `from..upto`, with one marker per queue.
+/// This queue's operations below `upto`, behind one marker.
 #[derive(Debug)]
 pub(super) struct Pending {
-    pub(super) from: u64,
     pub(super) upto: u64,
-    /// The oldest operation's enqueue time (diagnostics clock) and record, if still known.
+    /// The oldest operation of the range on this queue, if its record is still known.
     pub(super) oldest: Option<OpRecord>,
-    pub(super) markers: Vec<Marker>,
+    /// When the range was marked (its start, when no record is left).
+    pub(super) since: Instant,
+    /// `None`: the work cannot be watched (treated as done).
+    pub(super) marker: Option<Marker>,
 }
+
+/// How far back from a range's newest operation the watchdog looks for its oldest one.
+const OLDEST_SCAN: u64 = 256;
 
 /// One communicator's diagnostics state, shared with the watchdog thread and its clique.
 ///
@@ -66,14 +119,10 @@ pub(crate) struct Shared {
     pub(super) clique: Arc<Clique>,
     /// Learns when queued work finished (the watchdog's and teardown's only).
     pub(super) tracker: Arc<dyn Tracker>,
-    /// The queues (streams) this communicator's operations used.
-    pub(super) queues: Mutex<Vec<Queue>>,
-    /// Positions below this have had their work queued (the owner's plain store after
-    /// each operation; a group's at its end).
-    pub(super) published: AtomicU64,
-    /// Positions below this are known complete.
-    pub(super) retired: AtomicU64,
-    pub(super) watch: Mutex<Watch>,
+    /// The queues (streams) this communicator's operations used, at most [`MAX_QUEUES`].
+    pub(super) queues: Mutex<Vec<Arc<QueueWatch>>>,
+    /// The host provider's one queue (the communicator itself).
+    pub(super) host_queue: Option<Arc<QueueWatch>>,
     pub(super) journal: Journal,
     /// The raw handle while it may be torn down; 0 once taken. Whoever swaps it out (the
     /// owner's teardown or the watchdog's abort) is its one teardown.
@@ -91,6 +140,10 @@ pub(crate) struct Shared {
     pub(super) asym: bool,
     /// The report of the timeout that made the watchdog abort this communicator.
     pub(super) report: Mutex<Option<Arc<TimeoutReport>>>,
+    /// Where its teardowns run.
+    pub(super) lane: Lane,
+    /// The watchdog's abort of its handle, once taken (so `abort()` can wait for it).
+    pub(super) abort_job: Mutex<Option<Arc<Job>>>,
     pub(super) aborted_by_watchdog: AtomicBool,
     /// Torn down by its owner.
     pub(super) gone: AtomicBool,
@@ -120,135 +173,177 @@ impl Shared {
         }
     }
 
-    pub(super) fn watch(&self) -> MutexGuard<'_, Watch> {
-        self.watch.lock().unwrap_or_else(|e| e.into_inner())
+    fn queue_list(&self) -> MutexGuard<'_, Vec<Arc<QueueWatch>>> {
+        self.queues.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether published work is not yet known complete.
+    /// Whether published work is not yet known complete, on any of its queues.
     pub(super) fn in_flight(&self) -> bool {
-        self.retired.load(Ordering::Acquire) < self.published.load(Ordering::Acquire)
+        self.queue_list().iter().any(|q| q.in_flight())
     }
 
-    /// The watchdog's tick for this communicator: retires ranges whose markers completed,
-    /// then records one marker per queue after whatever was published since the last tick.
+    /// The watchdog's tick for this communicator: on each queue, retires ranges whose
+    /// marker completed, then records one marker after whatever was published on it since
+    /// the last tick.
     pub(super) fn track(&self) {
-        let published = self.published.load(Ordering::Acquire);
-        let mut w = self.watch();
+        for q in self.queue_list().iter() {
+            self.track_queue(q);
+        }
+    }
+
+    fn track_queue(&self, q: &QueueWatch) {
+        let published = q.published.load(Ordering::Acquire);
+        let mut w = q.watch();
         if w.pending.is_empty() && w.marked >= published {
             return;
         }
-        self.retire_done(&mut w);
-        if published > w.marked {
-            let queues = self
-                .queues
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone();
-            let mut markers = Vec::with_capacity(queues.len());
-            w.capturing = false;
-            for q in &queues {
-                match self.tracker.mark(q) {
-                    Mark::Marker(m) => markers.push(m),
-                    Mark::Capturing => w.capturing = true,
-                    Mark::Unwatched => {}
-                }
-            }
-            if w.capturing {
+        self.retire_done(q, &mut w);
+        if published <= w.marked {
+            return;
+        }
+        let marker = match self.tracker.mark(&q.queue) {
+            Mark::Marker(m) => Some(m),
+            Mark::Capturing => {
                 // Nothing of this range reaches the stream before the capture ends: try
-                // again next tick.
-                for m in markers {
-                    self.tracker.recycle(m);
-                }
+                // again next tick. Only this queue's watching pauses.
+                w.capturing = true;
                 return;
             }
-            let from = w.marked;
-            w.pending.push_back(Pending {
-                from,
-                upto: published,
-                oldest: self.journal.get(from),
-                markers,
-            });
-            w.marked = published;
-            self.retire_done(&mut w);
-        }
+            Mark::Unwatched => None,
+        };
+        w.capturing = false;
+        let oldest = self.oldest_on(q.key, w.marked, published);
+        w.pending.push_back(Pending {
+            upto: published,
+            oldest,
+            since: Instant::now(),
+            marker,
+        });
+        w.marked = published;
+        self.retire_done(q, &mut w);
     }
 
-    /// Retires the oldest ranges whose markers all completed.
-    pub(super) fn retire_done(&self, w: &mut Watch) {
+    /// The record of the oldest operation on queue `key` at positions `from..upto` still
+    /// in the ring (at worst the newest: position `upto - 1` is on this queue).
+    fn oldest_on(&self, key: usize, from: u64, upto: u64) -> Option<OpRecord> {
+        let ring = self.journal.capacity().min(OLDEST_SCAN);
+        let start = from.max(upto.saturating_sub(ring));
+        (start..upto)
+            .find(|&p| self.journal.queue_of(p) == Some(key))
+            .and_then(|p| self.journal.get(p))
+            .or_else(|| self.journal.get(upto.checked_sub(1)?))
+    }
+
+    /// Retires the oldest ranges of `q` whose marker completed.
+    fn retire_done(&self, q: &QueueWatch, w: &mut Watch) {
         while let Some(p) = w.pending.front() {
-            if !p.markers.iter().all(|m| self.tracker.done(m)) {
+            if !p.marker.as_ref().is_none_or(|m| self.tracker.done(m)) {
                 break;
             }
             let Some(p) = w.pending.pop_front() else {
                 break;
             };
-            self.retired.store(p.upto, Ordering::Release);
-            for m in p.markers {
+            q.retired.store(p.upto, Ordering::Release);
+            if let Some(m) = p.marker {
                 self.tracker.recycle(m);
             }
         }
     }
 
-    /// The oldest tracked operation not known complete, if it is older than `limit`.
+    /// The oldest tracked operation not known complete, on a queue not capturing, if it is
+    /// older than `limit`.
     pub(super) fn late_work(&self, now: Instant, limit: Duration) -> Option<OpRecord> {
-        let w = self.watch();
-        if w.capturing {
-            return None;
+        let mut late: Option<(Instant, OpRecord)> = None;
+        for q in self.queue_list().iter() {
+            let w = q.watch();
+            if w.capturing {
+                continue;
+            }
+            let Some(p) = w.pending.front() else {
+                continue;
+            };
+            let rec = p.oldest.or_else(|| self.journal.get(p.upto.checked_sub(1)?));
+            let Some(rec) = rec else {
+                continue;
+            };
+            // The record's enqueue time, or the marking when the record is a later one.
+            let start = if p.oldest.is_some() {
+                rec.enqueued
+            } else {
+                p.since
+            };
+            if now.saturating_duration_since(start) >= limit
+                && late.as_ref().is_none_or(|(s, _)| start < *s)
+            {
+                late = Some((start, rec));
+            }
         }
-        let p = w.pending.front()?;
-        let rec = p.oldest.or_else(|| self.journal.get(p.from))?;
-        (now.saturating_duration_since(rec.enqueued) >= limit).then_some(rec)
+        late.map(|(_, r)| r)
     }
 
     /// The queue of a host-provider communicator is the communicator itself.
-    pub(super) fn note_host_queue(&self, raw: ncclComm_t) {
-        self.queues
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(Queue::Host(raw as usize));
+    pub(super) fn host_queue_for(raw: ncclComm_t) -> Arc<QueueWatch> {
+        Arc::new(QueueWatch::new(Queue::Host(raw as usize)))
     }
 
-    /// Adds a queue the owner has not used before.
-    #[cold]
+    /// Adds a queue the owner has not used before (or notes it again); returns its watch.
+    ///
     /// At most [`MAX_QUEUES`] are kept, the least recently noted dropped first, so a rank
     /// that makes a new stream per step neither leaks streams nor grows the watchdog's
     /// work per tick. Work queued on a dropped stream after its last marker is no longer
     /// watched (never falsely timed out).
-    pub(super) fn note_queue(&self, q: Queue) {
-        let mut qs = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = qs.iter().position(|x| x.key() == q.key()) {
+    #[cold]
+    pub(super) fn note_queue(&self, q: Queue) -> Arc<QueueWatch> {
+        let mut qs = self.queue_list();
+        let key = q.key();
+        if let Some(i) = qs.iter().position(|x| x.key == key) {
             let q = qs.remove(i);
-            qs.push(q);
-            return;
+            qs.push(Arc::clone(&q));
+            return q;
         }
         if qs.len() >= MAX_QUEUES {
             qs.remove(0);
         }
-        qs.push(q);
+        let q = Arc::new(QueueWatch::new(q));
+        qs.push(Arc::clone(&q));
+        q
     }
 
-    /// The owner's wait for its own work, at teardown: records a marker on each queue and
-    /// polls it until `limit`, an abort, or a timeout of the clique. `true` when done.
+    /// Publishes the work of a group that just ended, on every queue it used.
+    pub(super) fn publish_staged(&self) {
+        for q in self.queue_list().iter() {
+            let staged = q.staged.load(Ordering::Acquire);
+            if staged > q.published.load(Ordering::Acquire) {
+                q.published.store(staged, Ordering::Release);
+            }
+        }
+    }
+
+    /// The owner's wait for its own work, at teardown: records a marker on each queue with
+    /// work in flight (only those: another stream's backlog is not this communicator's)
+    /// and polls them until `limit`, an abort, or a timeout of the clique. `true` when done.
     pub(super) fn wait_own_work(&self, limit: Instant) -> bool {
-        if !self.in_flight() {
+        let busy: Vec<(Arc<QueueWatch>, u64)> = self
+            .queue_list()
+            .iter()
+            .filter(|q| q.in_flight())
+            .map(|q| (Arc::clone(q), q.published.load(Ordering::Acquire)))
+            .collect();
+        if busy.is_empty() {
             return true;
         }
-        let queues = self
-            .queues
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        let markers: Vec<Marker> = queues
-            .iter()
-            .filter_map(|q| match self.tracker.mark(q) {
-                Mark::Marker(m) => Some(m),
+        let markers: Vec<(Arc<QueueWatch>, u64, Marker)> = busy
+            .into_iter()
+            .filter_map(|(q, upto)| match self.tracker.mark(&q.queue) {
+                Mark::Marker(m) => Some((q, upto, m)),
                 Mark::Capturing | Mark::Unwatched => None,
             })
             .collect();
         let done = loop {
-            if markers.iter().all(|m| self.tracker.done(m)) {
-                self.retired
-                    .store(self.published.load(Ordering::Acquire), Ordering::Release);
+            if markers.iter().all(|(_, _, m)| self.tracker.done(m)) {
+                for (q, upto, _) in &markers {
+                    q.retired.fetch_max(*upto, Ordering::AcqRel);
+                }
                 break true;
             }
             if self.aborted_by_watchdog.load(Ordering::Acquire)
@@ -259,7 +354,7 @@ impl Shared {
             }
             std::thread::sleep(Duration::from_millis(1));
         };
-        for m in markers {
+        for (_, _, m) in markers {
             self.tracker.recycle(m);
         }
         done
@@ -268,8 +363,15 @@ impl Shared {
     /// The record at journal position `pos`, with completion of tracked work applied.
     pub(super) fn record(&self, pos: u64) -> Option<OpRecord> {
         let mut r = self.journal.get(pos)?;
-        if r.state == OpState::Enqueued && pos < self.retired.load(Ordering::Acquire) {
-            r.state = OpState::Completed;
+        if r.state == OpState::Enqueued {
+            let key = self.journal.queue_of(pos);
+            let done = self
+                .queue_list()
+                .iter()
+                .any(|q| Some(q.key) == key && pos < q.retired.load(Ordering::Acquire));
+            if done {
+                r.state = OpState::Completed;
+            }
         }
         Some(r)
     }
@@ -390,7 +492,7 @@ impl Shared {
     pub(super) fn late(&self, now: Instant) -> Option<OpRecord> {
         let limit = self.settings.timeout + self.slack();
         let cur = self.current.load(Ordering::Acquire);
-        if cur != IDLE {
+        if cur != IDLE && cur != PINNED {
             if let Some(r) = self.journal.get(cur - 1) {
                 if now.saturating_duration_since(r.enqueued) >= limit {
                     return Some(r);
@@ -409,6 +511,9 @@ impl Shared {
 
     /// [`claim`](Self::claim) from the value `cur` of `current` the watchdog saw.
     pub(super) fn claim_seen(&self, cur: u64, now: Instant, min_age: Duration) -> bool {
+        if cur == PINNED {
+            return false;
+        }
         if cur != IDLE {
             let old = self
                 .journal

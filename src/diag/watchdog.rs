@@ -26,7 +26,8 @@ use std::time::{Duration, Instant};
 
 use super::clique::TimeoutReport;
 use super::shared::Shared;
-use super::{aborter, clock, exit};
+use super::aborter::{self, Bound};
+use super::{clock, exit};
 use crate::library::Library;
 
 fn registry() -> &'static Mutex<Vec<Weak<Shared>>> {
@@ -51,12 +52,11 @@ pub(super) fn watch(s: &Arc<Shared>) {
                 loop {
                     std::thread::sleep(clock::TICK);
                     clock::advance();
-                    // Once the process exits, no more calls into NCCL or CUDA.
-                    let Some(_busy) = exit::busy() else {
-                        continue;
-                    };
                     let now = Instant::now();
-                    sweep(now, &mut list);
+                    if !sweep(now, &mut list) {
+                        list.clear();
+                        continue; // the process is exiting
+                    }
                     list.clear();
                     aborter::check_overdue(now);
                 }
@@ -73,13 +73,26 @@ fn grace(s: &Shared) -> Duration {
     (s.settings.timeout / 4).min(Duration::from_millis(50)) + s.slack()
 }
 
-fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) {
+/// One tick: `false` once the process is exiting (then nothing was done).
+fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
     {
         let r = registry().lock().unwrap_or_else(|e| e.into_inner());
         list.extend(r.iter().filter_map(Weak::upgrade));
     }
-    for s in list.iter() {
-        s.track();
+    // The tracker's calls into CUDA count as busy for the exit guard (bounded like a
+    // teardown); the reports below (the desync board's network I/O) do not.
+    let bound = list
+        .iter()
+        .map(|s| s.settings.abort_timeout)
+        .min()
+        .unwrap_or(super::aborter::DEFAULT_ABORT_TIMEOUT);
+    {
+        let Some(_busy) = exit::busy(bound) else {
+            return false;
+        };
+        for s in list.iter() {
+            s.track();
+        }
     }
     let expired: Vec<(usize, _)> = (list.iter().enumerate())
         .filter(|(_, s)| !s.aborted_by_watchdog.load(Ordering::Acquire))
@@ -97,7 +110,7 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) {
         // Fail fast first: from here on every rank of the clique in this process gets the
         // report without reaching NCCL, whatever the abort below does.
         let report = s.clique.set_timed_out(&report);
-        let mut taken: Vec<(Arc<Library>, usize)> = Vec::new();
+        let mut taken: Vec<(Arc<Library>, usize, Arc<Shared>)> = Vec::new();
         // The expired one first: when it completed after all, nothing is aborted.
         let others = list.iter().filter(|t| !Arc::ptr_eq(t, s));
         for t in std::iter::once(s).chain(others) {
@@ -114,7 +127,7 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) {
             }
             let h = t.take_for_abort(&report);
             if h != 0 {
-                taken.push((Arc::clone(&t.lib), h));
+                taken.push((Arc::clone(&t.lib), h, Arc::clone(t)));
             }
         }
         if taken.is_empty() {
@@ -122,28 +135,36 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) {
         }
         abort_together(taken, s);
     }
+    true
 }
 
 /// Aborts the handles inside one NCCL group per library (NCCL 2.22+ requires communicators
-/// that may wait on each other to be aborted together), each group on an abort thread of
-/// its own, bounded by the expired communicator's `abort_timeout`.
-fn abort_together(mut taken: Vec<(Arc<Library>, usize)>, s: &Shared) {
-    while let Some((lib, _)) = taken.first() {
+/// that may wait on each other to be aborted together), each group as one job on the
+/// expired communicator's teardown lane, bounded by its `abort_timeout`. Each
+/// communicator keeps its job, so its owner's `abort()` can wait for it.
+fn abort_together(mut taken: Vec<(Arc<Library>, usize, Arc<Shared>)>, s: &Shared) {
+    while let Some((lib, _, _)) = taken.first() {
         let lib = Arc::clone(lib);
         let (same, rest): (Vec<_>, Vec<_>) =
-            taken.into_iter().partition(|(l, _)| Arc::ptr_eq(l, &lib));
+            taken.into_iter().partition(|(l, _, _)| Arc::ptr_eq(l, &lib));
         let what = format!(
             "{} communicator(s) of the clique of rank {} (timed out)",
             same.len(),
             s.rank
         );
-        aborter::spawn(
+        let job = aborter::abort(
+            s.lane,
             lib,
-            same.into_iter().map(|(_, h)| h).collect(),
-            s.settings.abort_timeout,
-            s.settings.on_abort_timeout,
+            same.iter().map(|(_, h, _)| *h).collect(),
+            Bound {
+                bound: s.settings.abort_timeout,
+                action: s.settings.on_abort_timeout,
+            },
             what,
         );
+        for (_, _, t) in &same {
+            *t.abort_job.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&job));
+        }
         taken = rest;
     }
 }
