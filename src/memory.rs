@@ -47,6 +47,9 @@ use crate::types::NcclType;
 pub struct NcclMemory<T: NcclType> {
     lib: Arc<Library>,
     len: usize,
+    /// The bound on its release (the communicator's `abort_timeout`, or the
+    /// environment's default for memory made without one).
+    bound: crate::diag::Bound,
     /// `None` only once freed (inside `free`/`drop`).
     storage: Option<Storage<T>>,
 }
@@ -143,7 +146,9 @@ impl<T: NcclType> NcclMemory<T> {
                 ))
             }
         }
-        Self::alloc_zeros_in(comm.library(), len, stream)
+        let mut mem = Self::alloc_zeros_in(comm.library(), len, stream)?;
+        mem.bound = comm.diag.bound();
+        Ok(mem)
     }
 
     /// [`alloc_zeros`](Self::alloc_zeros) without a communicator: from `lib`'s allocator, on
@@ -190,6 +195,7 @@ impl<T: NcclType> NcclMemory<T> {
                 let mem = NcclMemory {
                     lib: Arc::clone(lib),
                     len,
+                    bound: crate::diag::default_bound(),
                     storage: Some(Storage::Host(ptr)),
                 };
                 if !raw.cast::<T>().is_aligned() {
@@ -218,6 +224,7 @@ impl<T: NcclType> NcclMemory<T> {
                 let mut mem = NcclMemory {
                     lib: Arc::clone(lib),
                     len,
+                    bound: crate::diag::default_bound(),
                     storage: Some(Storage::Cuda(slice)),
                 };
                 if let Some(Storage::Cuda(slice)) = mem.storage.as_mut() {
@@ -438,9 +445,11 @@ impl<T: NcclType> NcclMemory<T> {
     /// Frees the memory now (`ncclMemFree`), reporting an error that drop would ignore. On
     /// NVIDIA's NCCL it first waits for the device's work (as `cudaFree` does), since
     /// `ncclMemFree` is not ordered on a stream. That wait and the free run on the device's
-    /// teardown lane and are bounded by `NCCL_SAFE_ABORT_TIMEOUT_MS` (default 30 s): if the
-    /// wait fails, or does not end in time (a stalled stream), the memory is leaked, never
-    /// freed while in use, and this returns an error.
+    /// teardown lane and are bounded by the communicator's
+    /// [`Config::abort_timeout`](crate::Config::abort_timeout) (memory made with
+    /// [`alloc_zeros_in`](Self::alloc_zeros_in): `NCCL_SAFE_ABORT_TIMEOUT_MS`, default
+    /// 30 s): if the wait fails, or does not end in time (a stalled stream), the memory is
+    /// leaked, never freed while in use, and this returns an error.
     #[track_caller]
     pub fn free(mut self) -> Result<()> {
         self.release(Location::caller())
@@ -468,8 +477,8 @@ impl<T: NcclType> NcclMemory<T> {
             }
             Storage::Cuda(slice) => {
                 // The device-wide wait (as `cudaFree`'s: `ncclMemFree` is not ordered on a
-                // stream) and the free run on the device's teardown lane, bounded by
-                // `NCCL_SAFE_ABORT_TIMEOUT_MS` (default 30 s): behind a stalled stream the
+                // stream) and the free run on the device's teardown lane, bounded by the
+                // communicator's abort timeout: behind a stalled stream the
                 // memory is leaked and reported, and this returns; it never waits unbounded.
                 let cuda = Arc::clone(slice.context());
                 let device = cuda.ordinal();
@@ -477,7 +486,7 @@ impl<T: NcclType> NcclMemory<T> {
                 // Makes the slice's stream wait for its pending reads and writes, and hands
                 // the pointer back without freeing it.
                 let p = slice.leak() as usize;
-                let b = crate::diag::default_bound();
+                let b = self.bound;
                 let work: Box<dyn FnOnce() -> nccl_sys::ncclResult_t + Send> =
                     Box::new(move || {
                         if cuda.bind_to_thread().is_err() || cuda.synchronize().is_err() {

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use fakes::{driver, nccl, Counts, Gauge};
 use nccl_safe::host::fault::{self, Fault};
+use nccl_safe::diag::OpState;
 use nccl_safe::{Communicator, Config, Device, Error, Group, ReduceOp, UniqueId};
 use support::{until, within};
 
@@ -501,6 +502,141 @@ fn a_long_run_on_new_streams_releases_every_event_and_stream() {
 
 const CHILD_VAR: &str = "NCCL_SAFE_TEST_CUDA_EXIT_CHILD";
 
+/// Completion is learned per stream: a broadcast on a compute stream, then a long backlog
+/// there (the stream stalls), while the communicator's all-reduces on its own stream
+/// complete. Nothing times out (before, the communicator failed after one timeout,
+/// blaming the long-completed broadcast).
+#[test]
+fn another_streams_backlog_never_times_out_a_communicator() {
+    let _serial = serial();
+    let d = driver();
+    within(Duration::from_secs(60), move || {
+        let config = Config::new().timeout(TIMEOUT);
+        let r = rank(1, &config, false);
+        let compute = r.ctx.new_stream().unwrap();
+        let mut x = compute.alloc_zeros::<f32>(16).unwrap();
+        let mut y = r.stream.alloc_zeros::<f32>(16).unwrap();
+        compute.synchronize().unwrap();
+        r.comm.broadcast_in_place(&mut x, 0, &compute).unwrap();
+        until(Duration::from_secs(5), || {
+            r.comm.flight_record().entries[0].state == OpState::Completed
+        })
+        .expect("the broadcast completes");
+        d.stall(&compute, true);
+        let start = Instant::now();
+        while start.elapsed() < TIMEOUT * 4 {
+            r.comm
+                .all_reduce_in_place(&mut y, ReduceOp::Sum, &r.stream)
+                .expect("the communicator is healthy");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!r.comm.is_failed(), "another stream's backlog timed it out");
+        // Its own work is seen done, although the compute stream's is not.
+        until(Duration::from_secs(5), || {
+            r.comm
+                .flight_record()
+                .entries
+                .iter()
+                .all(|e| e.state == OpState::Completed)
+        })
+        .unwrap_or_else(|| panic!("{}", r.comm.flight_record()));
+        // NCCL's destroy frees through the driver, which waits for every stream of the
+        // device (the model of tests/fakes): release the backlog first.
+        d.stall(&compute, false);
+        let Rank { comm, id, .. } = r;
+        comm.destroy().map_err(|(_, e)| e).unwrap();
+        let st = nccl_safe::host::stats_for(&id.to_raw());
+        assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
+        drop((x, y));
+    });
+}
+
+/// Behind a stalled stream every teardown returns within the abort bound (+100 ms) with
+/// the op timeout far away: `abort()`, the drop of a healthy communicator whose work is
+/// stuck, and the drop of NCCL memory. Their calls block in the fake driver's device-wide
+/// wait (as NVIDIA's do in `cudaFree`), are left on the device's teardown lane and
+/// reported; once the stall is released they complete, each handle torn down once.
+#[test]
+fn teardowns_behind_a_stalled_stream_keep_the_abort_bound() {
+    let _serial = serial();
+    let d = driver();
+    within(Duration::from_secs(60), move || {
+        let bound = Duration::from_millis(200);
+        let slack = Duration::from_millis(100);
+        let config = Config::new()
+            .timeout(Duration::from_secs(4))
+            .abort_timeout(bound);
+        // abort(): before, it drained until the op timeout (4 s).
+        let r = rank(1, &config, false);
+        let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
+        r.stream.synchronize().unwrap();
+        d.stall(&r.stream, true);
+        r.comm
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
+            .unwrap();
+        let (comm, id1, stream) = (r.comm, r.id, r.stream);
+        let t = Instant::now();
+        let e = comm.abort().expect_err("the abort blocks behind the stall");
+        assert!(t.elapsed() < bound + slack, "abort() took {:?}", t.elapsed());
+        assert!(is_timeout(&e), "{e}");
+        // A new communicator on that device is refused while the abort is wedged (its call
+        // began just after the bound started).
+        std::thread::sleep(slack);
+        let ctx = CudaContext::new(1).unwrap();
+        let e = Communicator::init_rank_in(&nccl(), &Device::Cuda(ctx), 1, 0, &UniqueId::new_with(&nccl()).unwrap(), &config)
+            .expect_err("the device's teardown lane is wedged");
+        assert!(matches!(e, Error::TeardownWedged { .. }), "{e}");
+        // Drop of a healthy communicator whose work never completes (on another device).
+        let r2 = rank(2, &config, false);
+        let mut y = r2.stream.alloc_zeros::<f32>(16).unwrap();
+        r2.stream.synchronize().unwrap();
+        d.stall(&r2.stream, true);
+        r2.comm
+            .all_reduce_in_place(&mut y, ReduceOp::Sum, &r2.stream)
+            .unwrap();
+        assert!(!r2.comm.is_failed());
+        let (comm2, id2, stream2) = (r2.comm, r2.id, r2.stream);
+        let t = Instant::now();
+        drop(comm2);
+        assert!(t.elapsed() < bound + slack, "drop took {:?}", t.elapsed());
+        // NCCL memory: its free waits for the device.
+        let lib = nccl();
+        if lib.table().ncclMemAlloc.is_some() {
+            let helper = rank(3, &config, false);
+            let mem = nccl_safe::NcclMemory::<f32>::alloc_zeros(&helper.comm, 16, &helper.stream)
+                .expect("NCCL memory on the fake device");
+            helper.stream.synchronize().unwrap();
+            d.stall(&helper.stream, true);
+            let waits = d.gauge(Gauge::StalledWaits);
+            let t = Instant::now();
+            drop(mem);
+            assert!(t.elapsed() < bound + slack, "NcclMemory drop took {:?}", t.elapsed());
+            until(Duration::from_secs(5), || d.gauge(Gauge::StalledWaits) > waits)
+                .expect("the free waits behind the stalled stream");
+            d.stall(&stream, false);
+            d.stall(&stream2, false);
+            d.stall(&helper.stream, false);
+            drop(helper);
+        } else {
+            d.stall(&stream, false);
+            d.stall(&stream2, false);
+        }
+        for id in [id1, id2] {
+            until(Duration::from_secs(10), || {
+                nccl_safe::host::stats_for(&id.to_raw()).live == 0
+            })
+            .expect("the teardowns complete once the stall is released");
+            let st = nccl_safe::host::stats_for(&id.to_raw());
+            assert_eq!(
+                (st.created, st.destroyed + st.aborted, st.misused),
+                (1, 1, 0),
+                "{st:?}"
+            );
+        }
+        drop((x, y, stream, stream2));
+    });
+}
+
 /// The child's part (run only as a child process, see
 /// `a_process_exits_cleanly_behind_a_stalled_stream`): a stalled stream, the watchdog's
 /// timeout and its blocked abort, then the process ends as `NCCL_SAFE_TEST_CUDA_EXIT_CHILD`
@@ -512,9 +648,10 @@ fn child_exits_behind_a_stalled_stream() {
         panic!("run only as a child process ({CHILD_VAR} unset)");
     };
     let d = driver();
+    // The exit guard waits for the blocked abort up to this bound, then ends the process.
     let config = Config::new()
         .timeout(TIMEOUT)
-        .abort_timeout(Duration::from_secs(20));
+        .abort_timeout(Duration::from_millis(300));
     let r = rank(0, &config, false);
     fault::inject(&r.id.to_raw(), Fault::BlockingAbort(None));
     let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();

@@ -175,20 +175,44 @@ fn drop_waits_at_most_the_abort_bound() {
 
 const CHILD_VAR: &str = "NCCL_SAFE_TEST_EXIT_CHILD";
 
+/// What the exit handler the child registers before anything of the crate prints.
+const EARLIER_HANDLER: &str = "child: the earlier exit handler ran";
+
+extern "C" fn earlier_exit_handler() {
+    let msg = format!("{EARLIER_HANDLER}\n");
+    // SAFETY: writes a valid buffer of `msg.len()` bytes to the process's stdout.
+    unsafe {
+        libc::write(1, msg.as_ptr().cast(), msg.len());
+    }
+}
+
 /// The child's part (run only as a child process, see `exit_while_an_abort_is_blocked`):
-/// a timed-out clique whose abort blocks, then the process ends as `NCCL_SAFE_TEST_EXIT_CHILD`
-/// says: `exit3` (`std::process::exit(3)`) or `return` (back to the test harness's main,
-/// which returns 0).
+/// an exit handler registered first (as C stdio, a profiler or Python's would be), then a
+/// timed-out clique whose abort blocks, then the process ends as
+/// `NCCL_SAFE_TEST_EXIT_CHILD` says: `{stuck,slow}-{exit3,return}`. `stuck`: the abort
+/// never returns (past its bound of 300 ms, the guard ends the process); `slow`: it returns
+/// after 1.5 s, within its bound of 5 s (the guard waits for it). `exit3` is
+/// `std::process::exit(3)`, `return` a return to the harness's main (status 0).
 #[test]
 #[ignore = "run as a child process by exit_while_an_abort_is_blocked"]
 fn child_exits_while_an_abort_is_blocked() {
     let Ok(mode) = std::env::var(CHILD_VAR) else {
         panic!("run only as a child process ({CHILD_VAR} unset)");
     };
+    // SAFETY: registers a plain `extern "C" fn()`.
+    unsafe {
+        libc::atexit(earlier_exit_handler);
+    }
+    let (block, bound) = if mode.starts_with("slow") {
+        (Some(Duration::from_millis(1500)), Duration::from_secs(5))
+    } else {
+        (None, Duration::from_millis(300))
+    };
     let id = Device::Host.unique_id().unwrap();
     fault::inject(&id.to_raw(), Fault::StuckWork);
-    fault::inject(&id.to_raw(), Fault::BlockingAbort(None));
-    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &config()).unwrap();
+    fault::inject(&id.to_raw(), Fault::BlockingAbort(block));
+    let config = Config::new().timeout(TIMEOUT).abort_timeout(bound);
+    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &config).unwrap();
     let mut x = vec![0i64; 8];
     comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
     until(Duration::from_secs(5), || {
@@ -198,55 +222,58 @@ fn child_exits_while_an_abort_is_blocked() {
     assert!(comm.is_failed());
     std::mem::forget(comm); // as a process that ends without dropping it
     println!("child: abort blocked, ending with {mode}");
-    if mode == "exit3" {
+    if mode.ends_with("exit3") {
         std::process::exit(3);
     }
 }
 
+/// The process ends with its own status, never a signal, while the watchdog's abort is
+/// blocked. An abort that is only slow is waited for, and every earlier exit handler runs;
+/// one blocked past its bound ends the process early (skipping them, which would crash
+/// under a blocked abort). 5 children of each of the four modes.
 #[test]
 fn exit_while_an_abort_is_blocked() {
     let exe = std::env::current_exe().unwrap();
-    for (mode, want) in [("exit3", 3), ("return", 0)] {
-        // 20 children, 5 at a time.
-        for batch in 0..ROUNDS / 5 {
-            let children: Vec<_> = (0..5)
-                .map(|_| {
-                    Command::new(&exe)
-                        .args([
-                            "--exact",
-                            "child_exits_while_an_abort_is_blocked",
-                            "--ignored",
-                            "--nocapture",
-                        ])
-                        .env(CHILD_VAR, mode)
-                        .stdout(std::process::Stdio::piped())
-                        .stderr(std::process::Stdio::piped())
-                        .spawn()
-                        .unwrap()
-                })
-                .collect();
-            for c in children {
-                let out = c.wait_with_output().unwrap();
-                let text = format!(
-                    "{}{}",
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr)
-                );
-                assert!(
-                    text.contains("child: abort blocked"),
-                    "{mode} batch {batch}: the child did not reach its exit: {text}"
-                );
-                assert_eq!(
-                    out.status.signal(),
-                    None,
-                    "{mode} batch {batch}: killed by a signal: {text}"
-                );
-                assert_eq!(
-                    out.status.code(),
-                    Some(want),
-                    "{mode} batch {batch}: {text}"
-                );
-            }
+    for (mode, want, handlers) in [
+        ("stuck-exit3", 3, false),
+        ("stuck-return", 0, false),
+        ("slow-exit3", 3, true),
+        ("slow-return", 0, true),
+    ] {
+        let children: Vec<_> = (0..5)
+            .map(|_| {
+                Command::new(&exe)
+                    .args([
+                        "--exact",
+                        "child_exits_while_an_abort_is_blocked",
+                        "--ignored",
+                        "--nocapture",
+                    ])
+                    .env(CHILD_VAR, mode)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for c in children {
+            let out = c.wait_with_output().unwrap();
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                text.contains("child: abort blocked"),
+                "{mode}: the child did not reach its exit: {text}"
+            );
+            assert_eq!(out.status.signal(), None, "{mode}: killed by a signal: {text}");
+            assert_eq!(out.status.code(), Some(want), "{mode}: {text}");
+            assert_eq!(
+                text.contains(EARLIER_HANDLER),
+                handlers,
+                "{mode}: the earlier exit handler must run exactly when no call is blocked past its bound: {text}"
+            );
         }
     }
 }

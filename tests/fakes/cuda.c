@@ -544,6 +544,14 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) {
 
 CUresult cuMemFree_v2(CUdeviceptr p) {
     COUNT(cuMemFree_v2);
+    /* As CUDA's: a free waits for the device's work, so it blocks behind a stalled
+     * stream (until it is released). */
+    if (current) {
+        for (int i = 0; i < MAX_STREAMS; i++) {
+            if (streams[i].in_use && streams[i].device == current->device)
+                wait_unstalled(&streams[i]);
+        }
+    }
     return release(p);
 }
 

@@ -253,6 +253,33 @@ mod wrap {
         *TABLE.get_or_init(|| *nccl_safe::Library::host().table())
     }
 
+    /// NVIDIA's abort and destroy release the communicator's device memory through the
+    /// driver, whose frees wait for the device's work: behind a stalled stream they block
+    /// until it is released. Modelled with the fake's device-wide wait first.
+    fn release_through_the_driver() {
+        // SAFETY: no arguments; the fake driver waits for the current context's streams
+        // (nothing when no context is current).
+        let _ = unsafe { cudarc::driver::sys::cuCtxSynchronize() };
+    }
+
+    pub unsafe extern "C" fn abort(c: ncclComm_t) -> ncclResult_t {
+        release_through_the_driver();
+        // SAFETY: forwarded unchanged to the host provider's entry point.
+        unsafe { (host().ncclCommAbort)(c) }
+    }
+
+    pub unsafe extern "C" fn destroy(c: ncclComm_t) -> ncclResult_t {
+        release_through_the_driver();
+        // SAFETY: as above.
+        unsafe { (host().ncclCommDestroy)(c) }
+    }
+
+    pub unsafe extern "C" fn mem_free(p: *mut c_void) -> ncclResult_t {
+        release_through_the_driver();
+        // SAFETY: as above.
+        unsafe { (host().ncclMemFree.expect("the host provider has ncclMemFree"))(p) }
+    }
+
     pub unsafe extern "C" fn all_reduce(
         s: *const c_void,
         r: *mut c_void,
@@ -324,6 +351,9 @@ mod wrap {
 
 fn recording_lookup(name: &CStr) -> *const std::ffi::c_void {
     match name.to_bytes() {
+        b"ncclCommAbort" => wrap::abort as *const std::ffi::c_void,
+        b"ncclCommDestroy" => wrap::destroy as *const std::ffi::c_void,
+        b"ncclMemFree" => wrap::mem_free as *const std::ffi::c_void,
         b"ncclAllReduce" => wrap::all_reduce as *const std::ffi::c_void,
         b"ncclAllGather" => wrap::all_gather as *const std::ffi::c_void,
         b"ncclBroadcast" => wrap::broadcast as *const std::ffi::c_void,
