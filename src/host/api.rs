@@ -492,7 +492,18 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
         "ncclCommDestroy"
     };
     let mut g = lock();
-    let h = known(&mut g, comm, what)?;
+    let mut h = known(&mut g, comm, what)?;
+    if abort {
+        // As NVIDIA's abort frees its resources through the driver, which waits behind a
+        // stalled stream: an injected blocking abort blocks *before* its work, so nothing
+        // stuck is released and no waiter woken while it blocks.
+        if let Some(root) = g.comms.get(&h).map(|c| c.root) {
+            drop(g);
+            super::fault::block_abort(root);
+            g = lock();
+            h = known(&mut g, comm, what)?;
+        }
+    }
     let Some(c) = g.comms.remove(&h) else {
         return Err(Fail::new(
             ncclInternalError,
@@ -532,9 +543,7 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     }
     super::state::notify();
     drop(g);
-    if abort {
-        super::fault::after_abort(c.root, h);
-    }
+    super::fault::torn_down(h);
     Ok(ncclSuccess)
 }
 

@@ -4,10 +4,13 @@
 //! * [`Fault::StuckWork`]: every collective and send/recv of the communicators born from
 //!   an id returns `ncclSuccess` at once but never completes, as work queued on a CUDA
 //!   stream behind a kernel that never ends. The watchdog sees it as work in flight.
-//! * [`Fault::BlockingAbort`]: `ncclCommAbort` first does its work (the clique is aborted,
-//!   waiters wake, the handle is counted as torn down) and then blocks, as NVIDIA's abort
-//!   does in `cudaFree` behind a stuck stream: for the given time, or until
-//!   [`release_aborts`] (`None`), which also lifts the fault.
+//! * [`Fault::BlockingAbort`]: `ncclCommAbort` blocks *before* doing its work, as NVIDIA's
+//!   abort does in `cudaFree` behind a stalled stream: for the given time (a slow but
+//!   finite abort), or until [`release_aborts`] (`None`: a stuck one), which also lifts the
+//!   fault. Meanwhile nothing of it has happened: its stuck work stays stuck, waiters in
+//!   its clique stay waiting, and the handle is not yet counted as torn down. Then it
+//!   does its work (the clique is aborted, waiters wake, stuck work is released, as NCCL's
+//!   kernels end on the abort flag).
 //!
 //! A missing peer needs no fault: a rank that never calls init is one.
 //!
@@ -32,7 +35,7 @@ use super::state::{Handle, RootIdx};
 pub enum Fault {
     /// Collectives and send/recv return at once and never complete.
     StuckWork,
-    /// `ncclCommAbort` blocks after doing its work: for this long, or until
+    /// `ncclCommAbort` blocks before doing its work: for this long, or until
     /// [`release_aborts`] when `None`.
     BlockingAbort(Option<Duration>),
 }
@@ -118,10 +121,9 @@ pub(crate) fn stuck_ops(h: Handle) -> u64 {
     lock().stuck_ops.get(&h).copied().unwrap_or(0)
 }
 
-/// Called by `ncclCommAbort` of a handle of `root` after its work: blocks as configured.
-pub(crate) fn after_abort(root: RootIdx, h: Handle) {
+/// Called by `ncclCommAbort` of a handle of `root` before its work: blocks as configured.
+pub(crate) fn block_abort(root: RootIdx) {
     let mut f = lock();
-    f.stuck_ops.remove(&h);
     let Some(&limit) = f.blocking_abort.get(&root) else {
         return;
     };
@@ -148,6 +150,12 @@ pub(crate) fn after_abort(root: RootIdx, h: Handle) {
     if let Some(n) = f.blocked.get_mut(&root) {
         *n = n.saturating_sub(1);
     }
+}
+
+/// Called once the handle `h` was torn down: its stuck work goes with it (NCCL's kernels
+/// end on the abort flag).
+pub(crate) fn torn_down(h: Handle) {
+    lock().stuck_ops.remove(&h);
 }
 
 /// What a thread left inside `cudaFree` does when the CUDA runtime is torn down under it.
