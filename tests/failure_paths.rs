@@ -235,6 +235,51 @@ fn teardowns_behind_stuck_work_keep_the_abort_bound() {
     }
 }
 
+/// `abort()` of a communicator whose handle the watchdog took waits (bounded) for the
+/// watchdog's abort and reports it, instead of returning `Ok` while it is still blocked.
+#[test]
+fn abort_reports_the_watchdogs_blocked_abort() {
+    let id = Device::Host.unique_id().unwrap();
+    fault::inject(&id.to_raw(), Fault::StuckWork);
+    fault::inject(&id.to_raw(), Fault::BlockingAbort(None));
+    let bound = Duration::from_millis(300);
+    let config = Config::new().timeout(TIMEOUT).abort_timeout(bound);
+    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &config).unwrap();
+    comm.all_reduce_in_place(&mut [1u8][..], ReduceOp::Sum, &S)
+        .unwrap();
+    until(BOUND, || fault::blocked_aborts(&id.to_raw()) == 1).expect("the watchdog aborts");
+    let t = Instant::now();
+    let e = comm.abort().expect_err("the watchdog's abort is still blocked");
+    assert!(is_timeout(&e), "{e}");
+    assert!(t.elapsed() < bound + Duration::from_millis(100), "{:?}", t.elapsed());
+    fault::release_aborts(&id.to_raw());
+    until(Duration::from_secs(5), || stats_for(&id.to_raw()).live == 0).unwrap();
+    assert_balanced(&id);
+}
+
+/// Settings no communicator can work with are typed errors, never a panic or a
+/// communicator that times out at once.
+#[test]
+fn impossible_settings_are_refused() {
+    let id = Device::Host.unique_id().unwrap();
+    for (config, what) in [
+        (Config::new().timeout(Duration::ZERO), "timeout"),
+        (Config::new().abort_timeout(Duration::ZERO), "abort timeout"),
+        (Config::new().flight_record_len(usize::MAX), "flight record length"),
+    ] {
+        let e = Communicator::init_rank(&Device::Host, 1, 0, &id, &config)
+            .expect_err("refused");
+        assert!(
+            matches!(&e, Error::InvalidArgument { reason, .. } if reason.contains(what)),
+            "{e}"
+        );
+    }
+    // The largest accepted length still works.
+    let ok = Config::new().flight_record_len(nccl_safe::diag::MAX_FLIGHT_RECORD_LEN);
+    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &ok).unwrap();
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+}
+
 // ---- a process that exits while an abort is blocked ----------------------------------
 
 const CHILD_VAR: &str = "NCCL_SAFE_TEST_EXIT_CHILD";

@@ -937,4 +937,76 @@ mod tests {
         let st = crate::host::stats_for(&id.to_raw());
         assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
     }
+
+    /// Two children of one parent made at the same sequence number with the same tag
+    /// (two shrinks) get distinct clique keys, the same on every rank.
+    #[test]
+    fn children_made_at_one_point_get_distinct_keys() {
+        let (c, _id) = comm();
+        let a = c.diag.child(u64::MAX);
+        let b = c.diag.child(u64::MAX);
+        assert_ne!(a.key, b.key);
+        assert_eq!(a.root, b.root, "children share the teardown lane of their family");
+        // Another rank of the parent (same parent key, same order) derives the same keys.
+        let other = CommDiag {
+            settings: c.diag.settings.clone(),
+            key: c.diag.key,
+            root: c.diag.root,
+            shared: OnceLock::new(),
+            board: None,
+            recent_queues: RefCell::new(Default::default()),
+            children: Cell::new(0),
+        };
+        assert_eq!(other.child(u64::MAX).key, a.key);
+        assert_eq!(other.child(u64::MAX).key, b.key);
+        c.destroy().map_err(|(_, e)| e).unwrap();
+    }
+
+    /// A pinned communicator (inside a call on its handle that is not an operation, or
+    /// an open group) is never claimed by the watchdog, even with work in flight; a pin
+    /// taken while the watchdog decides waits for the verdict, and fails when it aborts.
+    #[test]
+    fn a_pinned_communicator_is_never_claimed() {
+        let counting = Arc::new(tracker::counting::Counting::new(
+            std::thread::current().id(),
+        ));
+        counting.complete.store(false, Ordering::SeqCst);
+        let (c, id) = counted(&counting, Duration::from_secs(600));
+        sum(&c).unwrap();
+        let s = Arc::clone(c.diag.shared(c.handle()));
+        let limit = Instant::now() + Duration::from_secs(5);
+        while !s.in_flight() && Instant::now() < limit {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(s.in_flight());
+        let later = Instant::now() + Duration::from_secs(3600);
+        assert!(c.diag.pin().unwrap(), "pinned");
+        assert!(!c.diag.pin().unwrap(), "a pin inside a pin is a no-op");
+        assert!(!s.claim(later, Duration::ZERO), "claimed while pinned");
+        assert_eq!(s.claim.load(Ordering::Acquire), UNCLAIMED);
+        c.diag.unpin();
+        // Idle with work in flight: claimable again (then the claim is undone).
+        assert!(s.claim(later, Duration::ZERO));
+        s.claim.store(DECIDING, Ordering::SeqCst);
+        let t = {
+            let s = Arc::clone(&s);
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(30));
+                s.claim.store(ABORTING, Ordering::Release);
+                let h = s.take_for_abort(&TimeoutReport::text("the test's abort"));
+                // SAFETY: taken out of the communicator above: its one teardown.
+                let r = unsafe { (s.lib.table().ncclCommAbort)(h as ncclComm_t) };
+                assert_eq!(r, nccl_sys::bindings::ncclSuccess);
+            })
+        };
+        let e = c.diag.pin().expect_err("the watchdog aborts it");
+        assert!(matches!(&e, Error::Timeout { what, .. } if what.contains("the test's abort")), "{e}");
+        t.join().unwrap();
+        counting.complete.store(true, Ordering::SeqCst);
+        drop(s);
+        drop(c);
+        let st = crate::host::stats_for(&id.to_raw());
+        assert_eq!((st.created, st.aborted, st.misused), (1, 1, 0));
+    }
+
 }
