@@ -426,6 +426,12 @@ impl Communicator {
         e.into()
     }
 
+    /// This rank is done with the communicator (its launcher closure returned): peers that
+    /// wait for a collective it never issued fail at once with [`Error::RankLeft`].
+    pub(crate) fn leave(&self, how: &str) {
+        self.diag.leave(how);
+    }
+
     /// Marks the communicator failed with `e` (drop will abort), keeping the first cause.
     pub(crate) fn mark_failed(&self, e: &Error) {
         self.failure.get_or_init(|| e.to_string());
@@ -618,8 +624,7 @@ impl Communicator {
             self.pinned(|| {
                 // SAFETY: `state` is writable; the handle is live: inside an operation, or
                 // pinned, so the watchdog cannot take it during the call.
-                let r =
-                    unsafe { (self.lib.table().ncclCommGetAsyncError)(self.raw, &mut state) };
+                let r = unsafe { (self.lib.table().ncclCommGetAsyncError)(self.raw, &mut state) };
                 self.checked("ncclCommGetAsyncError", r, caller)
             })?;
             match ResultCode::from_raw(state) {
@@ -823,7 +828,7 @@ impl Communicator {
     fn take(&mut self) -> ncclComm_t {
         let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
         // Null when the watchdog already aborted it (its one teardown).
-        if self.diag.release() {
+        if self.diag.release(true) {
             raw
         } else {
             std::ptr::null_mut()
@@ -922,16 +927,8 @@ impl Communicator {
             Device::Host => None,
         };
         let b = self.diag.bound();
-        let (_, r) = crate::diag::teardown_bounded(
-            self.lane(),
-            b,
-            &self.lib,
-            raw,
-            abort,
-            ctx,
-            what,
-            until,
-        );
+        let (_, r) =
+            crate::diag::teardown_bounded(self.lane(), b, &self.lib, raw, abort, ctx, what, until);
         (b.bound, r)
     }
 
@@ -1030,7 +1027,7 @@ impl Communicator {
     pub(crate) fn release_handle(self) -> ncclComm_t {
         let mut me = std::mem::ManuallyDrop::new(self);
         let raw = std::mem::replace(&mut me.raw, std::ptr::null_mut());
-        let ours = me.diag.release();
+        let ours = me.diag.release(false);
         // SAFETY: `me` is never used or dropped again: each field that owns something is
         // read out of it exactly once here and dropped (the others are `Copy`), so nothing
         // is dropped twice and `Drop for Communicator` (the teardown) never runs.

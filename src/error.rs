@@ -223,6 +223,17 @@ pub enum Error {
         /// The limit.
         timeout: std::time::Duration,
     },
+    /// A rank of the communicator left (its communicator was torn down, or its launcher
+    /// closure returned) while this rank waited in a collective that it never called: the
+    /// clique was aborted at once instead of waiting out the timeout. `what` names the rank,
+    /// how and where it left, and the operation this rank was in.
+    #[error("{what}")]
+    RankLeft {
+        /// The rank that left.
+        rank: usize,
+        /// The report.
+        what: String,
+    },
     /// A teardown (an abort, a destroy, a release of NCCL memory) on this device has been
     /// blocked past its bound ([`Config::abort_timeout`](crate::Config::abort_timeout)),
     /// typically behind a stalled stream: a new communicator there would queue its own

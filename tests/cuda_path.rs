@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use fakes::{driver, nccl, Counts, Gauge};
-use nccl_safe::host::fault::{self, Fault};
 use nccl_safe::diag::OpState;
+use nccl_safe::host::fault::{self, Fault};
 use nccl_safe::{Communicator, Config, Device, Error, Group, ReduceOp, UniqueId};
 use support::{until, within};
 
@@ -577,14 +577,25 @@ fn teardowns_behind_a_stalled_stream_keep_the_abort_bound() {
         let (comm, id1, stream) = (r.comm, r.id, r.stream);
         let t = Instant::now();
         let e = comm.abort().expect_err("the abort blocks behind the stall");
-        assert!(t.elapsed() < bound + slack, "abort() took {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < bound + slack,
+            "abort() took {:?}",
+            t.elapsed()
+        );
         assert!(is_timeout(&e), "{e}");
         // A new communicator on that device is refused while the abort is wedged (its call
         // began just after the bound started).
         std::thread::sleep(slack);
         let ctx = CudaContext::new(1).unwrap();
-        let e = Communicator::init_rank_in(&nccl(), &Device::Cuda(ctx), 1, 0, &UniqueId::new_with(&nccl()).unwrap(), &config)
-            .expect_err("the device's teardown lane is wedged");
+        let e = Communicator::init_rank_in(
+            &nccl(),
+            &Device::Cuda(ctx),
+            1,
+            0,
+            &UniqueId::new_with(&nccl()).unwrap(),
+            &config,
+        )
+        .expect_err("the device's teardown lane is wedged");
         assert!(matches!(e, Error::TeardownWedged { .. }), "{e}");
         // Drop of a healthy communicator whose work never completes (on another device).
         let r2 = rank(2, &config, false);
@@ -610,9 +621,15 @@ fn teardowns_behind_a_stalled_stream_keep_the_abort_bound() {
             let waits = d.gauge(Gauge::StalledWaits);
             let t = Instant::now();
             drop(mem);
-            assert!(t.elapsed() < bound + slack, "NcclMemory drop took {:?}", t.elapsed());
-            until(Duration::from_secs(5), || d.gauge(Gauge::StalledWaits) > waits)
-                .expect("the free waits behind the stalled stream");
+            assert!(
+                t.elapsed() < bound + slack,
+                "NcclMemory drop took {:?}",
+                t.elapsed()
+            );
+            until(Duration::from_secs(5), || {
+                d.gauge(Gauge::StalledWaits) > waits
+            })
+            .expect("the free waits behind the stalled stream");
             d.stall(&stream, false);
             d.stall(&stream2, false);
             d.stall(&helper.stream, false);

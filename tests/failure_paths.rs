@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use nccl_safe::host::fault::{self, Fault};
 use nccl_safe::host::stats_for;
+use nccl_safe::launch::Launcher;
 use nccl_safe::{Communicator, Config, Device, Error, HostStream, ReduceOp, UniqueId};
 use support::{assert_balanced, until, within};
 
@@ -249,9 +250,15 @@ fn abort_reports_the_watchdogs_blocked_abort() {
         .unwrap();
     until(BOUND, || fault::blocked_aborts(&id.to_raw()) == 1).expect("the watchdog aborts");
     let t = Instant::now();
-    let e = comm.abort().expect_err("the watchdog's abort is still blocked");
+    let e = comm
+        .abort()
+        .expect_err("the watchdog's abort is still blocked");
     assert!(is_timeout(&e), "{e}");
-    assert!(t.elapsed() < bound + Duration::from_millis(100), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() < bound + Duration::from_millis(100),
+        "{:?}",
+        t.elapsed()
+    );
     fault::release_aborts(&id.to_raw());
     until(Duration::from_secs(5), || stats_for(&id.to_raw()).live == 0).unwrap();
     assert_balanced(&id);
@@ -265,10 +272,12 @@ fn impossible_settings_are_refused() {
     for (config, what) in [
         (Config::new().timeout(Duration::ZERO), "timeout"),
         (Config::new().abort_timeout(Duration::ZERO), "abort timeout"),
-        (Config::new().flight_record_len(usize::MAX), "flight record length"),
+        (
+            Config::new().flight_record_len(usize::MAX),
+            "flight record length",
+        ),
     ] {
-        let e = Communicator::init_rank(&Device::Host, 1, 0, &id, &config)
-            .expect_err("refused");
+        let e = Communicator::init_rank(&Device::Host, 1, 0, &id, &config).expect_err("refused");
         assert!(
             matches!(&e, Error::InvalidArgument { reason, .. } if reason.contains(what)),
             "{e}"
@@ -278,6 +287,183 @@ fn impossible_settings_are_refused() {
     let ok = Config::new().flight_record_len(nccl_safe::diag::MAX_FLIGHT_RECORD_LEN);
     let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &ok).unwrap();
     comm.destroy().map_err(|(_, e)| e).unwrap();
+}
+
+// ---- a rank that leaves ------------------------------------------------------------
+
+/// A long timeout, so that only the departure can end these runs in time.
+fn patient() -> Config {
+    Config::new()
+        .timeout(Duration::from_secs(60))
+        .abort_timeout(Duration::from_secs(5))
+}
+
+/// A rank whose communicator is torn down while its peer waits in a collective it never
+/// called: the peer fails at once with `RankLeft`, naming it, how it left and the
+/// operation the peer was in (before, the peer waited out the whole timeout).
+#[test]
+fn a_rank_torn_down_under_a_waiting_peer_is_reported_at_once() {
+    let id = Device::Host.unique_id().unwrap();
+    let start = Instant::now();
+    let (e, took) = within(Duration::from_secs(30), move || {
+        std::thread::scope(|s| {
+            let leaver = s.spawn(|| {
+                let c = Communicator::init_rank(&Device::Host, 2, 1, &id, &patient()).unwrap();
+                c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &S)
+                    .unwrap();
+                std::thread::sleep(Duration::from_millis(200));
+                drop(c);
+            });
+            let c = Communicator::init_rank(&Device::Host, 2, 0, &id, &patient()).unwrap();
+            c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &S)
+                .unwrap();
+            let t = Instant::now();
+            let e = c
+                .all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &S)
+                .expect_err("rank 1 left");
+            leaver.join().unwrap();
+            (e, t.elapsed())
+        })
+    });
+    assert!(took < Duration::from_secs(2), "took {took:?}");
+    match &e {
+        Error::RankLeft { rank, what } => {
+            assert_eq!(*rank, 1);
+            assert!(
+                what.contains("rank 1 left: its communicator was torn down after 1 collective(s)"),
+                "{what}"
+            );
+            assert!(
+                what.contains("ncclAllReduce") && what.contains("seq 1"),
+                "{what}"
+            );
+            assert!(what.contains("failure_paths.rs"), "where it left: {what}");
+        }
+        e => panic!("expected RankLeft: {e}"),
+    }
+    until(Duration::from_secs(5), || stats_for(&id.to_raw()).live == 0).unwrap();
+    assert_balanced(&id);
+    assert!(start.elapsed() < Duration::from_secs(10));
+}
+
+/// Under the launcher: rank 2 returns while its peers still call collectives (a loop of a
+/// different length on one rank). The run fails within a second, not after the 60 s
+/// timeout, naming rank 2; the report is in the error once, not once per rank.
+#[test]
+fn a_rank_that_returns_early_fails_the_run_at_once() {
+    let t = Instant::now();
+    let e = Launcher::host(4)
+        .config(patient())
+        .run(|rank| {
+            let steps = if rank.rank() == 2 { 2 } else { 5 };
+            for _ in 0..steps {
+                let mut g = vec![1.0f32; 4];
+                rank.comm()
+                    .all_reduce_in_place(&mut g, ReduceOp::Sum, rank.stream())?;
+            }
+            Ok(())
+        })
+        .expect_err("ranks 0, 1 and 3 wait for rank 2");
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    let text = e.to_string();
+    match &e {
+        Error::RankFailed { rank, cause, .. } => {
+            assert_ne!(*rank, 2, "rank 2 returned Ok: {text}");
+            assert!(
+                cause.contains("rank 2 left: its launcher closure returned after 2 collective(s)"),
+                "{text}"
+            );
+        }
+        e => panic!("expected RankFailed: {e}"),
+    }
+    // The report in the cause, and one line per rank after it (a rank's first line).
+    assert!(text.matches("will never call").count() <= 2, "{text}");
+    for r in 0..4 {
+        let lines = text
+            .lines()
+            .filter(|l| l.starts_with(&format!("rank {r}: ")))
+            .count();
+        assert_eq!(lines, 1, "rank {r}: {text}");
+    }
+}
+
+/// Only rank 0 runs one more collective after the loop: it fails at once.
+#[test]
+fn one_extra_collective_on_one_rank_fails_at_once() {
+    let t = Instant::now();
+    let e = Launcher::host(3)
+        .config(patient())
+        .run(|rank| {
+            let mut g = vec![1.0f32; 4];
+            rank.comm()
+                .all_reduce_in_place(&mut g, ReduceOp::Sum, rank.stream())?;
+            if rank.rank() == 0 {
+                rank.comm()
+                    .all_reduce_in_place(&mut g, ReduceOp::Sum, rank.stream())?;
+            }
+            Ok(())
+        })
+        .expect_err("rank 0's extra collective has no peers");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    match &e {
+        Error::RankFailed { rank: 0, cause, .. } => assert!(cause.contains("left"), "{e}"),
+        e => panic!("expected rank 0 to fail: {e}"),
+    }
+}
+
+/// `RankFailed` names the first rank to fail, not the lowest-numbered: rank 2 fails, and
+/// ranks 0 and 1 fail after it because it aborted. A timeout's desync report appears once
+/// in the error, with one line per rank.
+#[test]
+fn rank_failed_names_the_first_rank_to_fail_and_reports_once() {
+    let e = Launcher::host(3)
+        .config(patient())
+        .run(|rank| {
+            if rank.rank() == 2 {
+                return Err(Error::InvalidArgument {
+                    op: "the test",
+                    reason: "rank 2 fails first".into(),
+                });
+            }
+            let mut g = vec![1.0f32; 4];
+            rank.comm()
+                .all_reduce_in_place(&mut g, ReduceOp::Sum, rank.stream())?;
+            Ok(())
+        })
+        .expect_err("rank 2 fails");
+    match &e {
+        Error::RankFailed { rank, cause, .. } => {
+            assert_eq!(*rank, 2, "{e}");
+            assert!(cause.contains("rank 2 fails first"), "{e}");
+        }
+        e => panic!("expected RankFailed: {e}"),
+    }
+    let e = Launcher::host(3)
+        .config(Config::new().timeout(TIMEOUT))
+        .run(|rank| {
+            if rank.rank() == 1 {
+                std::thread::sleep(TIMEOUT * 5); // a straggler, not a leaver
+            }
+            let mut g = vec![1.0f32; 4];
+            rank.comm()
+                .all_reduce_in_place(&mut g, ReduceOp::Sum, rank.stream())?;
+            Ok(())
+        })
+        .expect_err("rank 1 is too late");
+    let text = e.to_string();
+    assert_eq!(text.matches("Desync report").count(), 1, "{text}");
+    for r in 0..3 {
+        let lines = text
+            .lines()
+            .filter(|l| l.starts_with(&format!("rank {r}: ")))
+            .count();
+        assert_eq!(lines, 1, "rank {r}: {text}");
+    }
 }
 
 // ---- a process that exits while an abort is blocked ----------------------------------
@@ -376,7 +562,11 @@ fn exit_while_an_abort_is_blocked() {
                 text.contains("child: abort blocked"),
                 "{mode}: the child did not reach its exit: {text}"
             );
-            assert_eq!(out.status.signal(), None, "{mode}: killed by a signal: {text}");
+            assert_eq!(
+                out.status.signal(),
+                None,
+                "{mode}: killed by a signal: {text}"
+            );
             assert_eq!(out.status.code(), Some(want), "{mode}: {text}");
             assert_eq!(
                 text.contains(EARLIER_HANDLER),

@@ -146,7 +146,10 @@ impl Job {
             return;
         }
         let queued = if lock(&self.started).is_none() {
-            format!(" (it is still queued behind another teardown of {})", self.lane)
+            format!(
+                " (it is still queued behind another teardown of {})",
+                self.lane
+            )
         } else {
             String::new()
         };
@@ -357,7 +360,11 @@ pub(crate) fn teardown_bounded(
 ) -> (Arc<Job>, Option<ncclResult_t>) {
     let lib = Arc::clone(lib);
     let raw = raw as usize;
-    let call = if abort { "ncclCommAbort" } else { "ncclCommDestroy" };
+    let call = if abort {
+        "ncclCommAbort"
+    } else {
+        "ncclCommDestroy"
+    };
     run_bounded(
         lane,
         b,

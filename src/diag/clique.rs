@@ -70,6 +70,8 @@ pub(crate) struct TimeoutReport {
     /// Its collective sequence number.
     pub seq: u64,
     pub text: Box<str>,
+    /// The rank whose departure failed the clique (not a timeout), if so.
+    pub left: Option<usize>,
 }
 
 impl TimeoutReport {
@@ -80,6 +82,7 @@ impl TimeoutReport {
             op: rec.op,
             seq: rec.seq,
             text: text.into(),
+            left: None,
         })
     }
 
@@ -90,6 +93,7 @@ impl TimeoutReport {
             op: "",
             seq: u64::MAX,
             text: text.into(),
+            left: None,
         })
     }
 
@@ -150,6 +154,20 @@ pub(crate) struct Clique {
     any_timeout: AtomicBool,
     /// The job's desync board in another process, read and posted to by [`Clique::report`].
     board: OnceLock<Arc<dyn RemoteBoard>>,
+    /// The first rank that left (its communicator torn down, or its launcher closure
+    /// returned) while the clique was healthy.
+    departed: OnceLock<Departure>,
+}
+
+/// A rank that left its clique: no collective of sequence number `issued` or later will
+/// ever come from it.
+#[derive(Debug, Clone)]
+pub(crate) struct Departure {
+    pub rank: usize,
+    /// Collectives it issued before it left.
+    pub issued: u64,
+    /// How it left, and its last call.
+    pub how: String,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -184,6 +202,7 @@ pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
         cv: Condvar::new(),
         any_timeout: AtomicBool::new(false),
         board: OnceLock::new(),
+        departed: OnceLock::new(),
     });
     r.insert(key, Arc::downgrade(&c));
     c
@@ -229,6 +248,79 @@ impl Clique {
         if let Some(l) = self.live.get(rank) {
             *lock(l) = Weak::new();
         }
+    }
+
+    /// Rank `rank` leaves (`how`: its communicator was torn down, or its launcher closure
+    /// returned) having issued what `view` says. The first departure is kept. When a rank
+    /// still here has already issued a collective beyond the departed rank's last, it waits
+    /// for a collective that will never come: the clique fails at once with a report
+    /// naming the departed rank (the watchdog then aborts the ranks in flight). Returns
+    /// that report.
+    pub(crate) fn depart(
+        &self,
+        rank: usize,
+        view: RankView,
+        how: &str,
+    ) -> Option<Arc<TimeoutReport>> {
+        if self.any_timeout() || self.world_size < 2 {
+            return None;
+        }
+        let last = match &view.last {
+            Some(l) => format!(
+                "its last call was {} seq {} at {}",
+                l.signature(),
+                l.seq,
+                l.at()
+            ),
+            None => "it made no call".to_string(),
+        };
+        let d = self.departed.get_or_init(|| Departure {
+            rank,
+            issued: view.issued,
+            how: format!("{how} after {} collective(s); {last}", view.issued),
+        });
+        if d.rank != rank {
+            return None;
+        }
+        let waiting = (0..self.world_size)
+            .filter(|&r| r != rank)
+            .map(|r| (r, self.view(r)))
+            .find(|(_, v)| v.present && !v.gone && v.issued > d.issued)?;
+        Some(self.fail_for_departure(d, waiting.0, waiting.1.last.as_ref()))
+    }
+
+    /// The departure that rank `r`'s operation `rec` waits for, if any: the operation is a
+    /// collective the departed rank never issued.
+    pub(crate) fn waits_for_departed(&self, rank: usize, rec: &OpRecord) -> Option<&Departure> {
+        let d = self.departed.get()?;
+        // Point-to-point operations need only their peer, not every rank.
+        let every_rank = !matches!(rec.op, "ncclSend" | "ncclRecv");
+        (d.rank != rank && every_rank && rec.seq >= d.issued).then_some(d)
+    }
+
+    /// Fails the clique because rank `waiting` (in `rec`) waits for departed `d`.
+    pub(crate) fn fail_for_departure(
+        &self,
+        d: &Departure,
+        waiting: usize,
+        rec: Option<&OpRecord>,
+    ) -> Arc<TimeoutReport> {
+        let op = match rec {
+            Some(r) => format!("{} seq {} (called at {})", r.signature(), r.seq, r.at()),
+            None => "a collective".to_string(),
+        };
+        let text = format!(
+            "rank {} left: {}. Rank {waiting} waits in {op}, a collective rank {} will never call: the clique's communicators are aborted",
+            d.rank, d.how, d.rank
+        );
+        let report = Arc::new(TimeoutReport {
+            rank: waiting,
+            op: rec.map_or("", |r| r.op),
+            seq: rec.map_or(u64::MAX, |r| r.seq),
+            text: text.into(),
+            left: Some(d.rank),
+        });
+        self.set_timed_out(&report)
     }
 
     /// Whether the clique timed out (one load).

@@ -106,7 +106,10 @@ fn settle() -> bool {
         let now = Instant::now();
         let (left, overdue) = {
             let b = busy_list();
-            (b.len(), b.iter().any(|&(_, start, bound)| now >= start + bound))
+            (
+                b.len(),
+                b.iter().any(|&(_, start, bound)| now >= start + bound),
+            )
         };
         if left == 0 {
             return true;

@@ -348,11 +348,7 @@ impl CommDiag {
     /// A stream not among the recent ones: noted in the shared list, cached here.
     #[cold]
     #[inline(never)]
-    fn note_stream(
-        &self,
-        s: &Shared,
-        stream: &Arc<cudarc::driver::CudaStream>,
-    ) -> Arc<QueueWatch> {
+    fn note_stream(&self, s: &Shared, stream: &Arc<cudarc::driver::CudaStream>) -> Arc<QueueWatch> {
         let q = s.note_queue(Queue::Cuda(Arc::clone(stream)));
         let mut recent = self.recent_queues.borrow_mut();
         recent.rotate_right(1);
@@ -635,13 +631,29 @@ impl CommDiag {
 
     /// Takes the right to tear the handle down: `false` when the watchdog already aborted
     /// it (then nobody may use it again).
-    pub(crate) fn release(&self) -> bool {
+    ///
+    /// `departing`: the rank leaves its clique (a teardown, not `into_raw`), so peers that
+    /// wait for a collective it never issued fail at once.
+    pub(crate) fn release(&self, departing: bool) -> bool {
         let Some(s) = self.shared.get() else {
             return true;
         };
         s.gone.store(true, Ordering::Release);
-        s.clique.detach(s.rank, s.view());
+        let view = s.view();
+        s.clique.detach(s.rank, view);
+        if departing {
+            s.clique
+                .depart(s.rank, view, "its communicator was torn down");
+        }
         s.handle.swap(0, Ordering::AcqRel) != 0
+    }
+
+    /// The rank's code is done with its communicator (its launcher closure returned): a
+    /// peer that waits for a collective it never issued fails at once, naming it.
+    pub(crate) fn leave(&self, how: &str) {
+        if let Some(s) = self.shared.get() {
+            s.clique.depart(s.rank, s.view(), how);
+        }
     }
 }
 
@@ -854,9 +866,8 @@ mod tests {
     fn the_watched_queues_are_bounded_and_least_recently_noted_go_first() {
         let (c, _id) = comm();
         let s = Arc::clone(c.diag.shared(c.handle()));
-        let keys = |s: &Shared| -> Vec<usize> {
-            s.queues.lock().unwrap().iter().map(|q| q.key).collect()
-        };
+        let keys =
+            |s: &Shared| -> Vec<usize> { s.queues.lock().unwrap().iter().map(|q| q.key).collect() };
         for k in 1..=40 {
             s.note_queue(Queue::Host(k));
         }
@@ -946,7 +957,10 @@ mod tests {
         let a = c.diag.child(u64::MAX);
         let b = c.diag.child(u64::MAX);
         assert_ne!(a.key, b.key);
-        assert_eq!(a.root, b.root, "children share the teardown lane of their family");
+        assert_eq!(
+            a.root, b.root,
+            "children share the teardown lane of their family"
+        );
         // Another rank of the parent (same parent key, same order) derives the same keys.
         let other = CommDiag {
             settings: c.diag.settings.clone(),
@@ -1000,7 +1014,10 @@ mod tests {
             })
         };
         let e = c.diag.pin().expect_err("the watchdog aborts it");
-        assert!(matches!(&e, Error::Timeout { what, .. } if what.contains("the test's abort")), "{e}");
+        assert!(
+            matches!(&e, Error::Timeout { what, .. } if what.contains("the test's abort")),
+            "{e}"
+        );
         t.join().unwrap();
         counting.complete.store(true, Ordering::SeqCst);
         drop(s);
@@ -1008,5 +1025,4 @@ mod tests {
         let st = crate::host::stats_for(&id.to_raw());
         assert_eq!((st.created, st.aborted, st.misused), (1, 1, 0));
     }
-
 }

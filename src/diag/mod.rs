@@ -75,10 +75,8 @@ mod watchdog;
 #[cfg(not(feature = "diag"))]
 mod off;
 
+pub(crate) use aborter::{check_lane, default_bound, run_bounded, teardown_bounded, Bound, Lane};
 pub use aborter::{OnAbortTimeout, ABORT_TIMEOUT_EXIT_STATUS, DEFAULT_ABORT_TIMEOUT};
-pub(crate) use aborter::{
-    check_lane, default_bound, run_bounded, teardown_bounded, Bound, Lane,
-};
 pub use settings::DEFAULT_TIMEOUT;
 
 pub(crate) use op::{group_ended, group_started, OpInfo};

@@ -157,7 +157,9 @@ impl CommDiag {
         Ok(())
     }
 
-    pub(crate) fn release(&self) -> bool {
+    pub(crate) fn release(&self, _departing: bool) -> bool {
         true
     }
+
+    pub(crate) fn leave(&self, _how: &str) {}
 }

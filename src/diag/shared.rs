@@ -262,7 +262,9 @@ impl Shared {
             let Some(p) = w.pending.front() else {
                 continue;
             };
-            let rec = p.oldest.or_else(|| self.journal.get(p.upto.checked_sub(1)?));
+            let rec = p
+                .oldest
+                .or_else(|| self.journal.get(p.upto.checked_sub(1)?));
             let Some(rec) = rec else {
                 continue;
             };
@@ -426,10 +428,30 @@ impl Shared {
 
     #[cold]
     pub(super) fn timeout_error(&self, report: &str) -> Error {
+        if let Some(rank) = self.timed_out().and_then(|r| r.left) {
+            return Error::RankLeft {
+                rank,
+                what: report.to_string(),
+            };
+        }
         Error::Timeout {
             what: report.to_string(),
             timeout: self.settings.timeout,
         }
+    }
+
+    /// The operation of this communicator that waits for a collective a departed rank
+    /// never issued (see `Clique::depart`), if any: the one inside its NCCL call, else the
+    /// oldest tracked work not known complete.
+    pub(super) fn waits_for_departed(&self, now: Instant) -> Option<OpRecord> {
+        let cur = self.current.load(Ordering::Acquire);
+        let rec = if cur != IDLE && cur != PINNED {
+            self.journal.get(cur - 1)
+        } else {
+            None
+        };
+        let rec = rec.or_else(|| self.late_work(now, Duration::ZERO))?;
+        self.clique.waits_for_departed(self.rank, &rec).map(|_| rec)
     }
 
     /// The report this communicator's failure is about, if the clique timed out.
@@ -457,8 +479,15 @@ impl Shared {
     /// clique already timed out.
     #[cold]
     pub(super) fn peer_timeout(&self, rec: &OpRecord, first: &str) -> Error {
+        let why = match self.timed_out().and_then(|r| r.left) {
+            Some(r) => format!("rank {r} left, so the watchdog aborted this communicator"),
+            None => {
+                "a peer timed out, so the watchdog aborted this communicator. The first timeout"
+                    .into()
+            }
+        };
         let what = format!(
-            "{} (seq {}) on rank {}, called at {}: a peer timed out, so the watchdog aborted this communicator. The first timeout:\n{first}\n=> {} seq {} on rank {}",
+            "{} (seq {}) on rank {}, called at {}: {why}:\n{first}\n=> {} seq {} on rank {}",
             rec.signature(),
             rec.seq,
             self.rank,

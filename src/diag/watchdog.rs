@@ -24,9 +24,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+use super::aborter::{self, Bound};
 use super::clique::TimeoutReport;
 use super::shared::Shared;
-use super::aborter::{self, Bound};
 use super::{clock, exit};
 use crate::library::Library;
 
@@ -94,22 +94,35 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
             s.track();
         }
     }
-    let expired: Vec<(usize, _)> = (list.iter().enumerate())
+    // Late work, or work that waits for a collective a departed rank never issued (that
+    // one at once, without waiting out the timeout).
+    let expired: Vec<(usize, _, bool)> = (list.iter().enumerate())
         .filter(|(_, s)| !s.aborted_by_watchdog.load(Ordering::Acquire))
-        .filter_map(|(i, s)| Some((i, s.late(now)?)))
+        .filter_map(|(i, s)| match s.late(now) {
+            Some(rec) => Some((i, rec, false)),
+            None => Some((i, s.waits_for_departed(now)?, true)),
+        })
         .collect();
-    for (i, rec) in expired {
+    for (i, rec, departed) in expired {
         let s = &list[i];
         if s.aborted_by_watchdog.load(Ordering::Acquire) {
             continue; // aborted with an earlier one of this sweep
         }
-        let text = s
-            .clique
-            .report(s.rank, &rec, s.settings.timeout, "did not complete in time");
-        let report = TimeoutReport::of(s.rank, &rec, text);
         // Fail fast first: from here on every rank of the clique in this process gets the
         // report without reaching NCCL, whatever the abort below does.
-        let report = s.clique.set_timed_out(&report);
+        let report = match (departed, s.clique.waits_for_departed(s.rank, &rec)) {
+            (true, Some(d)) => {
+                let d = d.clone();
+                s.clique.fail_for_departure(&d, s.rank, Some(&rec))
+            }
+            _ => {
+                let text =
+                    s.clique
+                        .report(s.rank, &rec, s.settings.timeout, "did not complete in time");
+                s.clique
+                    .set_timed_out(&TimeoutReport::of(s.rank, &rec, text))
+            }
+        };
         let mut taken: Vec<(Arc<Library>, usize, Arc<Shared>)> = Vec::new();
         // The expired one first: when it completed after all, nothing is aborted.
         let others = list.iter().filter(|t| !Arc::ptr_eq(t, s));
@@ -117,7 +130,7 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
             if !Arc::ptr_eq(&t.clique, &s.clique) || t.aborted_by_watchdog.load(Ordering::Acquire) {
                 continue;
             }
-            let min_age = if Arc::ptr_eq(t, s) {
+            let min_age = if Arc::ptr_eq(t, s) && !departed {
                 t.settings.timeout
             } else {
                 grace(t)
@@ -145,8 +158,9 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
 fn abort_together(mut taken: Vec<(Arc<Library>, usize, Arc<Shared>)>, s: &Shared) {
     while let Some((lib, _, _)) = taken.first() {
         let lib = Arc::clone(lib);
-        let (same, rest): (Vec<_>, Vec<_>) =
-            taken.into_iter().partition(|(l, _, _)| Arc::ptr_eq(l, &lib));
+        let (same, rest): (Vec<_>, Vec<_>) = taken
+            .into_iter()
+            .partition(|(l, _, _)| Arc::ptr_eq(l, &lib));
         let what = format!(
             "{} communicator(s) of the clique of rank {} (timed out)",
             same.len(),

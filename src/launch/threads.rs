@@ -113,14 +113,31 @@ enum Outcome {
 
 struct Board {
     outcomes: Mutex<Vec<Outcome>>,
+    /// The ranks that failed, in the order they did.
+    failed: Mutex<Vec<usize>>,
     changed: Condvar,
 }
 
 impl Board {
     fn set(&self, rank: usize, outcome: Outcome) {
         let mut o = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(outcome, Outcome::Failed(_)) {
+            self.failed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(rank);
+        }
         o[rank] = outcome;
         self.changed.notify_all();
+    }
+
+    /// The first rank to fail, if any failed.
+    fn first_failed(&self) -> Option<usize> {
+        self.failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .first()
+            .copied()
     }
 
     /// Waits until no rank is running or `deadline`; true when all finished.
@@ -149,7 +166,8 @@ impl Board {
             .map(|(r, x)| match x {
                 Outcome::Running => format!("rank {r}: still running"),
                 Outcome::Done => format!("rank {r}: returned"),
-                Outcome::Failed(e) => format!("rank {r}: {e}"),
+                // The first line only: the full report is the error's cause, once.
+                Outcome::Failed(e) => format!("rank {r}: {}", e.lines().next().unwrap_or("")),
             })
             .collect()
     }
@@ -287,6 +305,7 @@ impl Launcher {
         let id = first.unique_id()?;
         let board = Board {
             outcomes: Mutex::new((0..n).map(|_| Outcome::Running).collect()),
+            failed: Mutex::new(Vec::new()),
             changed: Condvar::new(),
         };
         let results: Vec<std::thread::Result<Result<(R, RankStats)>>> = std::thread::scope(|s| {
@@ -316,21 +335,25 @@ impl Launcher {
         });
         let mut values = Vec::with_capacity(n);
         let mut ranks = Vec::with_capacity(n);
-        let mut first_failure: Option<(usize, String)> = None;
+        let mut failures: Vec<(usize, String)> = Vec::new();
         for (rank, r) in results.into_iter().enumerate() {
             match r {
                 Ok(Ok((v, stats))) => {
                     values.push(v);
                     ranks.push(stats);
                 }
-                Ok(Err(e)) => {
-                    first_failure.get_or_insert((rank, e.to_string()));
-                }
-                Err(p) => {
-                    first_failure.get_or_insert((rank, format!("panicked: {}", panic_text(&p))));
-                }
+                Ok(Err(e)) => failures.push((rank, e.to_string())),
+                Err(p) => failures.push((rank, format!("panicked: {}", panic_text(&p)))),
             }
         }
+        // The first rank to fail (the others mostly failed because of it), not the
+        // lowest-numbered.
+        let first = board.first_failed();
+        let first_failure = failures
+            .iter()
+            .position(|(r, _)| Some(*r) == first)
+            .or((!failures.is_empty()).then_some(0))
+            .map(|i| failures.swap_remove(i));
         match first_failure {
             None => Ok(LaunchReport { values, ranks }),
             Some((rank, cause)) => Err(Error::RankFailed {
@@ -378,6 +401,8 @@ impl Launcher {
         let started = Instant::now();
         match catch_unwind(AssertUnwindSafe(|| f(&r))) {
             Ok(Ok(v)) => {
+                // Peers waiting for a collective this rank never called fail at once.
+                r.comm.leave("its launcher closure returned");
                 let d = r.comm.diagnostics();
                 let stats = RankStats {
                     rank,

@@ -277,7 +277,11 @@ mod wrap {
     pub unsafe extern "C" fn mem_free(p: *mut c_void) -> ncclResult_t {
         release_through_the_driver();
         // SAFETY: as above.
-        unsafe { (host().ncclMemFree.expect("the host provider has ncclMemFree"))(p) }
+        unsafe {
+            (host()
+                .ncclMemFree
+                .expect("the host provider has ncclMemFree"))(p)
+        }
     }
 
     pub unsafe extern "C" fn all_reduce(
