@@ -614,3 +614,109 @@ fn a_captured_group_replays() {
     comm.destroy().map_err(|(_, e)| e).unwrap();
     ctx.check_err().unwrap();
 }
+
+/// Completion is learned per stream: a compute stream blocked behind a long backlog (here a
+/// wait on a host word) after one broadcast on it does not time out the communicator,
+/// whose all-reduces on its own stream complete.
+#[test]
+#[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
+fn another_streams_backlog_never_times_out_a_communicator_on_a_gpu() {
+    let lib = Library::load().expect("NVIDIA's NCCL");
+    let ctx = CudaContext::new(0).unwrap();
+    let (comm_stream, compute) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    let id = UniqueId::new_with(&lib).unwrap();
+    let config = Config::new().timeout(TIMEOUT);
+    let comm =
+        Communicator::init_rank_in(&lib, &Device::Cuda(ctx.clone()), 1, 0, &id, &config).unwrap();
+    let mut x = compute.alloc_zeros::<f32>(256).unwrap();
+    let mut y = comm_stream.alloc_zeros::<f32>(256).unwrap();
+    comm.broadcast_in_place(&mut x, 0, &compute).unwrap();
+    compute.synchronize().unwrap();
+    let word = HostWord::new(&ctx);
+    word.block(&compute);
+    let start = Instant::now();
+    while start.elapsed() < TIMEOUT * 3 {
+        comm.all_reduce_in_place(&mut y, ReduceOp::Sum, &comm_stream)
+            .expect("the communicator is healthy");
+        comm_stream.synchronize().unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let failed = comm.is_failed();
+    word.free(&compute);
+    assert!(!failed, "another stream's backlog timed the communicator out");
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+    drop((x, y));
+}
+
+/// Behind a blocked stream, `abort()` returns within its bound (200 ms, + 100 ms) while
+/// the operation timeout is 3 s; then, on a second communicator, a drop of NCCL memory
+/// whose free waits for the device does too. Whatever blocks is left on the device's
+/// teardown lane and finishes once the stream is released.
+#[test]
+#[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
+fn teardowns_behind_a_blocked_stream_keep_the_abort_bound_on_a_gpu() {
+    let bound = Duration::from_millis(200);
+    let limit = bound + Duration::from_millis(100);
+    let Stuck {
+        ctx,
+        stream,
+        comm,
+        word,
+        send,
+        recv,
+    } = stuck(bound);
+    let t = Instant::now();
+    let r = comm.abort();
+    let took = t.elapsed();
+    eprintln!("abort() behind the blocked stream: {r:?} after {took:?}");
+    if took >= limit {
+        word.release();
+    }
+    assert!(took < limit, "abort() took {took:?}");
+    word.free(&stream);
+    drop((send, recv));
+    ctx.check_err().unwrap();
+}
+
+/// The drop of NCCL memory waits for the device (as `cudaFree` does): behind a blocked
+/// stream it returns within its communicator's abort bound, and the free finishes on the
+/// device's teardown lane once the stream is released.
+#[test]
+#[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
+fn nccl_memory_dropped_behind_a_blocked_stream_keeps_the_abort_bound_on_a_gpu() {
+    let bound = Duration::from_millis(200);
+    let lib = Library::load().expect("NVIDIA's NCCL");
+    if lib.table().ncclMemAlloc.is_none() {
+        panic!("ncclMemAlloc needs NCCL 2.19+: {}", lib.version());
+    }
+    let ctx = CudaContext::new(0).unwrap();
+    let (s, blocked) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    let config = Config::new().timeout(TIMEOUT).abort_timeout(bound);
+    // Another test's abort may still hold the device's teardown lane: wait for it.
+    let mut comm = None;
+    until(Duration::from_secs(30), || {
+        let id = UniqueId::new_with(&lib).unwrap();
+        match Communicator::init_rank_in(&lib, &Device::Cuda(ctx.clone()), 1, 0, &id, &config) {
+            Ok(c) => {
+                comm = Some(c);
+                true
+            }
+            Err(Error::TeardownWedged { .. }) => false,
+            Err(e) => panic!("{e}"),
+        }
+    })
+    .expect("the device's teardown lane frees up");
+    let comm = comm.unwrap();
+    let mem = nccl_safe::NcclMemory::<f32>::alloc_zeros(&comm, 1 << 20, &s).unwrap();
+    s.synchronize().unwrap();
+    let word = HostWord::new(&ctx);
+    word.block(&blocked);
+    let t = Instant::now();
+    drop(mem);
+    let took = t.elapsed();
+    eprintln!("NcclMemory drop behind the blocked stream: {took:?}");
+    word.free(&blocked);
+    assert!(took < bound + Duration::from_millis(100), "the drop took {took:?}");
+    drop(comm);
+    ctx.check_err().unwrap();
+}

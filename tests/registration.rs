@@ -645,3 +645,53 @@ fn after_a_failure_registrations_are_released_and_windows_left_to_the_abort() {
     assert_eq!((st.live_at_teardown, st.misused), (1, 0));
     assert_eq!(st.created, st.destroyed + st.aborted);
 }
+
+/// A rank that panics while holding a window skips the collective deregistration (its
+/// peers are elsewhere and would never join it) and marks its communicator failed, which
+/// is then aborted: a peer waiting for it in a collective gets an error at once, not
+/// after the 60 s timeout. A registration dropped during a panic does the same.
+#[test]
+fn a_panic_holding_a_window_or_registration_fails_the_peers_at_once() {
+    let _g = serial();
+    let config = Config::new()
+        .timeout(Duration::from_secs(60))
+        .abort_timeout(Duration::from_secs(5));
+    for window in [true, false] {
+        let id = UniqueId::new_with(&Library::host()).unwrap();
+        let took = within(LIMIT, {
+            let config = config.clone();
+            move || {
+                std::thread::scope(|s| {
+                    let panicker = s.spawn(|| {
+                        let c = Communicator::init_rank(&Device::Host, 2, 0, &id, &config).unwrap();
+                        let mut buf = vec![0f32; 16];
+                        if window {
+                            let _w = c.register_window(&mut buf, WindowFlags::empty()).unwrap();
+                            panic!("rank 0 panics holding a window");
+                        } else {
+                            let _r = c.register(&mut buf).unwrap();
+                            panic!("rank 0 panics holding a registration");
+                        }
+                    });
+                    let c = Communicator::init_rank(&Device::Host, 2, 1, &id, &config).unwrap();
+                    let mut buf = vec![0f32; 16];
+                    let t = std::time::Instant::now();
+                    let r = if window {
+                        let w = c.register_window(&mut buf, WindowFlags::empty());
+                        w.and_then(|_w| {
+                            c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &HostStream)
+                        })
+                    } else {
+                        c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &HostStream)
+                    };
+                    assert!(r.is_err(), "rank 0 is gone");
+                    assert!(panicker.join().is_err());
+                    t.elapsed()
+                })
+            }
+        });
+        assert!(took < Duration::from_secs(5), "window {window}: took {took:?}");
+        let st = stats_for(&id.to_raw());
+        assert_eq!((st.created, st.misused), (2, 0), "{st:?}");
+    }
+}
