@@ -577,11 +577,12 @@ impl Communicator {
         Ok(())
     }
 
+    /// Fails when the communicator failed: with its own first error when it saw one,
+    /// else with the watchdog's report (a timeout, a rank that left).
     #[inline]
     pub(crate) fn ensure_usable(&self, op: &'static str) -> Result<()> {
-        self.diag.check_alive()?;
         match self.failure.get() {
-            None => Ok(()),
+            None => self.diag.check_alive(),
             Some(cause) => Err(self.failed_error(op, cause)),
         }
     }
@@ -824,11 +825,12 @@ impl Communicator {
         Ok(())
     }
 
-    /// Takes the handle out, so that exactly one teardown call uses it.
-    fn take(&mut self) -> ncclComm_t {
+    /// Takes the handle out, so that exactly one teardown call uses it; `how` says how the
+    /// rank leaves its clique (for peers that wait for it).
+    fn take(&mut self, how: &str) -> ncclComm_t {
         let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
         // Null when the watchdog already aborted it (its one teardown).
-        if self.diag.release(true) {
+        if self.diag.release(Some(how)) {
             raw
         } else {
             std::ptr::null_mut()
@@ -844,11 +846,11 @@ impl Communicator {
     pub fn destroy(mut self) -> std::result::Result<(), (Communicator, Error)> {
         const OP: &str = "ncclCommDestroy";
         let caller = Location::caller();
-        if let Err(e) = self.diag.before_teardown() {
-            self.mark_failed(&e);
+        if let Err(e) = self.ensure_usable(OP) {
             return Err((self, e));
         }
-        if let Err(e) = self.ensure_usable(OP) {
+        if let Err(e) = self.diag.before_teardown() {
+            self.mark_failed(&e);
             return Err((self, e));
         }
         if let Err(e) = bind(&self.device) {
@@ -868,7 +870,7 @@ impl Communicator {
         });
         match destroyed {
             Ok(()) => {
-                self.take();
+                self.take("it destroyed its communicator");
                 Ok(())
             }
             Err(e) => Err((self, e)),
@@ -886,7 +888,7 @@ impl Communicator {
     pub fn abort(mut self) -> Result<()> {
         let ctx = self.context(Location::caller());
         let until = Instant::now() + self.diag.abort_timeout();
-        let raw = self.take();
+        let raw = self.take("it aborted its communicator");
         let ctx = CallContext {
             comm: std::ptr::null_mut(),
             ..ctx
@@ -979,7 +981,11 @@ impl Drop for Communicator {
         // waiting in, so abort (which wakes them) rather than destroy.
         let failed = std::thread::panicking() || self.is_failed();
         let drained = !failed && self.diag.drain(until);
-        let raw = self.take();
+        let raw = self.take(if std::thread::panicking() {
+            "it panicked"
+        } else {
+            "its communicator was dropped"
+        });
         if raw.is_null() {
             return; // the watchdog took it: its one teardown
         }
@@ -1027,7 +1033,7 @@ impl Communicator {
     pub(crate) fn release_handle(self) -> ncclComm_t {
         let mut me = std::mem::ManuallyDrop::new(self);
         let raw = std::mem::replace(&mut me.raw, std::ptr::null_mut());
-        let ours = me.diag.release(false);
+        let ours = me.diag.release(None);
         // SAFETY: `me` is never used or dropped again: each field that owns something is
         // read out of it exactly once here and dropped (the others are `Copy`), so nothing
         // is dropped twice and `Drop for Communicator` (the teardown) never runs.

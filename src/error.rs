@@ -295,6 +295,8 @@ impl Error {
     pub fn code(&self) -> Option<ResultCode> {
         match self {
             Error::Nccl(e) => Some(e.code),
+            // What NCCL reports when a peer failed or went away.
+            Error::RankLeft { .. } => Some(ResultCode::RemoteError),
             _ => None,
         }
     }

@@ -643,7 +643,10 @@ fn another_streams_backlog_never_times_out_a_communicator_on_a_gpu() {
     }
     let failed = comm.is_failed();
     word.free(&compute);
-    assert!(!failed, "another stream's backlog timed the communicator out");
+    assert!(
+        !failed,
+        "another stream's backlog timed the communicator out"
+    );
     comm.destroy().map_err(|(_, e)| e).unwrap();
     drop((x, y));
 }
@@ -716,7 +719,10 @@ fn nccl_memory_dropped_behind_a_blocked_stream_keeps_the_abort_bound_on_a_gpu() 
     let took = t.elapsed();
     eprintln!("NcclMemory drop behind the blocked stream: {took:?}");
     word.free(&blocked);
-    assert!(took < bound + Duration::from_millis(100), "the drop took {took:?}");
+    assert!(
+        took < bound + Duration::from_millis(100),
+        "the drop took {took:?}"
+    );
     drop(comm);
     ctx.check_err().unwrap();
 }

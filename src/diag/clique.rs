@@ -282,19 +282,40 @@ impl Clique {
         if d.rank != rank {
             return None;
         }
-        let waiting = (0..self.world_size)
+        // A rank of this process already in such a collective (the watchdog finds the
+        // others, and later ones, within a tick).
+        let (waiting, rec) = (0..self.world_size)
             .filter(|&r| r != rank)
-            .map(|r| (r, self.view(r)))
-            .find(|(_, v)| v.present && !v.gone && v.issued > d.issued)?;
-        Some(self.fail_for_departure(d, waiting.0, waiting.1.last.as_ref()))
+            .filter_map(|r| {
+                let v = self.view(r);
+                let l = v.last.filter(|l| l.state == OpState::Enqueued)?;
+                (v.present && !v.gone && self.waits_for_departed(r, &l).is_some()).then_some((r, l))
+            })
+            .next()?;
+        Some(self.fail_for_departure(d, waiting, Some(&rec)))
     }
 
     /// The departure that rank `r`'s operation `rec` waits for, if any: the operation is a
     /// collective the departed rank never issued.
     pub(crate) fn waits_for_departed(&self, rank: usize, rec: &OpRecord) -> Option<&Departure> {
         let d = self.departed.get()?;
-        // Point-to-point operations need only their peer, not every rank.
-        let every_rank = !matches!(rec.op, "ncclSend" | "ncclRecv");
+        // Only the calls that need every rank: not point-to-point (only its peer), a
+        // shrink (only the ranks it keeps: the excluded ones may well be gone), or local
+        // calls.
+        let every_rank = matches!(
+            rec.op,
+            "ncclAllReduce"
+                | "ncclAllGather"
+                | "ncclAlltoAll"
+                | "ncclBroadcast"
+                | "ncclGather"
+                | "ncclReduce"
+                | "ncclReduceScatter"
+                | "ncclScatter"
+                | "ncclCommSplit"
+                | "ncclCommWindowRegister"
+                | "ncclCommWindowDeregister"
+        );
         (d.rank != rank && every_rank && rec.seq >= d.issued).then_some(d)
     }
 

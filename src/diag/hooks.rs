@@ -632,18 +632,17 @@ impl CommDiag {
     /// Takes the right to tear the handle down: `false` when the watchdog already aborted
     /// it (then nobody may use it again).
     ///
-    /// `departing`: the rank leaves its clique (a teardown, not `into_raw`), so peers that
-    /// wait for a collective it never issued fail at once.
-    pub(crate) fn release(&self, departing: bool) -> bool {
+    /// `departing`: how the rank leaves its clique (a teardown; `None` for `into_raw`), so
+    /// peers that wait for a collective it never issued fail at once.
+    pub(crate) fn release(&self, departing: Option<&str>) -> bool {
         let Some(s) = self.shared.get() else {
             return true;
         };
         s.gone.store(true, Ordering::Release);
         let view = s.view();
         s.clique.detach(s.rank, view);
-        if departing {
-            s.clique
-                .depart(s.rank, view, "its communicator was torn down");
+        if let Some(how) = departing {
+            s.clique.depart(s.rank, view, how);
         }
         s.handle.swap(0, Ordering::AcqRel) != 0
     }

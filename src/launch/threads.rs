@@ -159,6 +159,8 @@ impl Board {
         }
     }
 
+    /// One line per rank: a failed rank shows its error's first line (the full report is
+    /// the error's `cause`, once per job).
     fn summary(&self) -> Vec<String> {
         let o = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
         o.iter()
@@ -166,7 +168,6 @@ impl Board {
             .map(|(r, x)| match x {
                 Outcome::Running => format!("rank {r}: still running"),
                 Outcome::Done => format!("rank {r}: returned"),
-                // The first line only: the full report is the error's cause, once.
                 Outcome::Failed(e) => format!("rank {r}: {}", e.lines().next().unwrap_or("")),
             })
             .collect()
@@ -358,8 +359,8 @@ impl Launcher {
             None => Ok(LaunchReport { values, ranks }),
             Some((rank, cause)) => Err(Error::RankFailed {
                 rank,
-                cause,
                 ranks: board.summary(),
+                cause,
             }),
         }
     }
