@@ -577,13 +577,17 @@ impl Communicator {
         Ok(())
     }
 
-    /// Fails when the communicator failed: with its own first error when it saw one,
-    /// else with the watchdog's report (a timeout, a rank that left).
+    /// Fails when the communicator failed: with the watchdog's timeout when its clique
+    /// timed out, else with its own first error (one it saw before a peer left, too), else
+    /// with the report of a peer that left.
     #[inline]
     pub(crate) fn ensure_usable(&self, op: &'static str) -> Result<()> {
-        match self.failure.get() {
-            None => self.diag.check_alive(),
-            Some(cause) => Err(self.failed_error(op, cause)),
+        match (self.failure.get(), self.diag.check_alive()) {
+            (None, alive) => alive,
+            (Some(cause), Err(Error::RankLeft { .. }) | Ok(())) => {
+                Err(self.failed_error(op, cause))
+            }
+            (Some(_), Err(e)) => Err(e),
         }
     }
 
