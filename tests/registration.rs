@@ -661,9 +661,11 @@ fn a_panic_holding_a_window_or_registration_fails_the_peers_at_once() {
         let took = within(LIMIT, {
             let config = config.clone();
             move || {
+                let joined = std::sync::Barrier::new(2);
                 std::thread::scope(|s| {
                     let panicker = s.spawn(|| {
                         let c = Communicator::init_rank(&Device::Host, 2, 0, &id, &config).unwrap();
+                        joined.wait();
                         let mut buf = vec![0f32; 16];
                         if window {
                             let _w = c.register_window(&mut buf, WindowFlags::empty()).unwrap();
@@ -674,6 +676,7 @@ fn a_panic_holding_a_window_or_registration_fails_the_peers_at_once() {
                         }
                     });
                     let c = Communicator::init_rank(&Device::Host, 2, 1, &id, &config).unwrap();
+                    joined.wait();
                     let mut buf = vec![0f32; 16];
                     let t = std::time::Instant::now();
                     let r = if window {

@@ -51,8 +51,8 @@ pub(crate) struct CommDiag {
     /// them takes the slow path. Each is among the [`RECENT_QUEUES`] most recently noted
     /// in the shared list, which keeps more, so none is dropped there while cached here.
     recent_queues: RefCell<[Option<Arc<QueueWatch>>; RECENT_QUEUES]>,
-    /// Children made so far (split and shrink): part of each child's clique key, so two
-    /// children made at the same sequence number never share one.
+    /// Shrinks made so far: part of each shrink child's clique key, so two shrinks at the
+    /// same sequence number never share one.
     children: Cell<u64>,
 }
 
@@ -129,9 +129,17 @@ impl CommDiag {
             .shared
             .get()
             .map_or(0, |s| s.seq.load(Ordering::Relaxed));
-        // Every rank of the child makes its children of this parent in the same order.
-        let nth = self.children.get();
-        self.children.set(nth + 1);
+        // A shrink does not advance the sequence number and has one tag: number the
+        // shrinks (every rank of the child made the parent's shrinks in the same order).
+        // A split is a collective (its own sequence number), and its excluded ranks
+        // call it too.
+        let nth = if tag == u64::MAX {
+            let n = self.children.get();
+            self.children.set(n + 1);
+            n
+        } else {
+            0
+        };
         CommDiag {
             settings: self.settings.clone(),
             key: clique::key_of((self.key, seq, tag, nth)),
