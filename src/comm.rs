@@ -428,6 +428,7 @@ impl Communicator {
 
     /// This rank is done with the communicator (its launcher closure returned): peers that
     /// wait for a collective it never issued fail at once with [`Error::RankLeft`].
+    #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn leave(&self, how: &str) {
         self.diag.leave(how);
     }

@@ -161,5 +161,6 @@ impl CommDiag {
         true
     }
 
+    #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn leave(&self, _how: &str) {}
 }
