@@ -384,8 +384,84 @@ fn init_rank(
     }
     let blocking = parse_config(&mut g, config, Some(root), what)?.unwrap_or(true);
     let h = g.new_handle(root, DEVICE.with(|d| d.get()), !blocking);
-    g.post_init(idb, nranks, rank, h);
+    if super::shm::is_shared(&idb) {
+        join_shared(&mut g, idb, nranks, rank, h, root)?;
+    } else {
+        g.post_init(idb, nranks, rank, h);
+    }
     finish_new(g, h, comm, !blocking)
+}
+
+/// Joins a communicator whose ranks may be in other processes: the shared segment's
+/// rendezvous runs on a thread of its own, and the handle stays `Pending` until it ends
+/// (so blocking, non-blocking and grouped inits all wait the usual way).
+fn join_shared(
+    g: &mut Global,
+    idb: IdBytes,
+    nranks: c_int,
+    rank: c_int,
+    h: Handle,
+    root: RootIdx,
+) -> Result<(), Fail> {
+    let deadline = std::time::Instant::now() + super::state::wait_limit();
+    if let Some(c) = g.comms.get_mut(&h) {
+        // The segment's own deadline reports first, naming the missing ranks.
+        c.deadline = deadline + std::time::Duration::from_secs(1);
+    }
+    let spawned = std::thread::Builder::new()
+        .name("nccl-safe-shm-init".into())
+        .spawn(move || {
+            let r = super::shm::Segment::join(&idb, nranks as usize, rank as usize, deadline);
+            let mut g = lock();
+            let pending = matches!(
+                g.comms.get(&h).map(|c| &c.state),
+                Some(CommState::Pending)
+            );
+            match r {
+                Ok(seg) if pending => {
+                    g.new_shared_clique(root, h, std::sync::Arc::new(seg), nranks);
+                }
+                // Destroyed or failed meanwhile: the peers must not wait for this rank.
+                Ok(seg) => seg.abort(),
+                Err(f) => {
+                    if let Some(c) = g.comms.get_mut(&h) {
+                        if pending {
+                            c.state = CommState::Failed(f);
+                        }
+                    }
+                }
+            }
+            drop(g);
+            super::state::notify();
+        });
+    match spawned {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            g.forget_handle(h);
+            Err(Fail::new(
+                ncclSystemError,
+                format!("system error: cannot start the shared-memory init thread: {e}"),
+            ))
+        }
+    }
+}
+
+/// Refuses what a communicator across processes does not offer (yet): send/recv, split
+/// and shrink.
+fn not_shared(g: &mut Global, r: &Ready, what: &str) -> Result<(), Fail> {
+    if shared_of(g, r.clique).is_none() {
+        return Ok(());
+    }
+    Err(g.misuse(
+        Some(r.root),
+        ncclInvalidUsage,
+        format!("invalid usage: {what}: not supported by the host provider on a communicator whose ranks are in several processes (collectives are)"),
+    ))
+}
+
+/// The shared segment of a communicator across processes, if `clique` is one.
+fn shared_of(g: &Global, clique: u64) -> Option<std::sync::Arc<super::shm::Segment>> {
+    g.cliques.get(&clique).and_then(|c| c.shared.clone())
 }
 
 pub(crate) unsafe extern "C" fn ncclCommInitRankConfig(
@@ -510,6 +586,13 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     });
     match c.state {
         CommState::Ready { clique, rank } => {
+            if let Some(seg) = shared_of(&g, clique) {
+                if abort {
+                    seg.abort();
+                } else {
+                    seg.leave();
+                }
+            }
             if abort {
                 g.abort_clique(
                     clique,
@@ -557,6 +640,7 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
         group_err((|| {
             let mut g = lock();
             let r = ready(&mut g, comm, "ncclCommSplit", true)?;
+            not_shared(&mut g, &r, "ncclCommSplit")?;
             if newcomm.is_null() || color < NCCL_SPLIT_NOCOLOR {
                 return Err(g.misuse(
                     Some(r.root),
@@ -603,6 +687,7 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
         group_err((|| {
             let mut g = lock();
             let r = ready(&mut g, comm, "ncclCommShrink", false)?;
+            not_shared(&mut g, &r, "ncclCommShrink")?;
             let bad = |g: &mut Global, m: String| {
                 g.misuse(
                     Some(r.root),
@@ -695,6 +780,9 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
                 f.code
             }
             Some(CommState::Ready { clique, .. }) => {
+                if let Some(f) = shared_of(&g, clique).and_then(|s| s.failure()) {
+                    g.abort_clique(clique, f);
+                }
                 match g.cliques.get(&clique).and_then(|c| c.aborted.clone()) {
                     Some(f) => {
                         set_last(&f.msg);
@@ -1168,6 +1256,7 @@ fn p2p(
         group_err((|| {
             let mut g = lock();
             let r = ready(&mut g, comm, name, true)?;
+            not_shared(&mut g, &r, name)?;
             let bad = |g: &mut Global, m: String| {
                 g.misuse(
                     Some(r.root),

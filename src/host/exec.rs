@@ -825,9 +825,46 @@ fn poll(g: &mut Global, w: &Wait, deadline: Instant) -> Option<Result<(), Fail>>
     }
 }
 
+/// Runs `items`: those of communicators in this process as in [`run_local`], then those
+/// of communicators across processes, in order, through their shared segments. Returns
+/// the first error. Consumes the lock.
+pub(crate) fn run_items(
+    g: std::sync::MutexGuard<'static, Global>,
+    items: Vec<Item>,
+) -> Result<(), Fail> {
+    let mut local = Vec::new();
+    let mut shared = Vec::new();
+    for it in items {
+        let seg = match &it {
+            Item::Coll { clique, .. } => g.cliques.get(clique).and_then(|c| c.shared.clone()),
+            _ => None,
+        };
+        match seg {
+            Some(seg) => shared.push((seg, it)),
+            None => local.push(it),
+        }
+    }
+    let mut res = run_local(g, local);
+    for (seg, it) in shared {
+        if let Item::Coll {
+            clique, seq, post, ..
+        } = it
+        {
+            if let Err(f) = seg.run_coll(seq, &post) {
+                // The communicator failed on every rank: later calls fail at once.
+                lock().abort_clique(clique, f.clone());
+                if res.is_ok() {
+                    res = Err(f);
+                }
+            }
+        }
+    }
+    res
+}
+
 /// Posts `items` in order, runs the work this thread completed, then waits until every
 /// item is done (or failed). Returns the first error. Consumes the lock.
-pub(crate) fn run_items(
+fn run_local(
     mut g: std::sync::MutexGuard<'static, Global>,
     items: Vec<Item>,
 ) -> Result<(), Fail> {

@@ -92,6 +92,7 @@ mod dtype;
 mod exec;
 pub mod fault;
 mod registry;
+mod shm;
 mod state;
 
 use nccl_sys::bindings::{ncclComm_t, ncclUniqueId};
@@ -167,6 +168,18 @@ pub fn root_id_of(comm: ncclComm_t) -> Option<ncclUniqueId> {
     let g = state::lock();
     let root = g.comms.get(&(comm as usize))?.root;
     g.root_id(root)
+}
+
+/// A unique id for a host communicator whose ranks may be in several processes of this
+/// machine (and threads of each): `ncclCommInitRank` with it meets the other ranks in a
+/// shared memory segment named from the id instead of inside this process. Hand it to
+/// every rank as any unique id (the process launchers do). Collectives of every kind, type
+/// and reduction run across processes; send/recv, split and shrink are refused there with
+/// `ncclInvalidUsage`. A rank whose process is gone, or that destroyed or aborted its
+/// communicator while others wait for it, fails the waiting collective on every rank with
+/// an error naming it.
+pub fn shared_unique_id() -> ncclUniqueId {
+    shm::shared_id()
 }
 
 /// The most recent misuse messages (at most 64, oldest first), process wide.

@@ -1,0 +1,842 @@
+//! Host communicators whose ranks live in several processes of one machine: a shared
+//! memory segment per communicator, named from the unique id, with one staging slot per
+//! rank and a barrier whose waits have deadlines and watch the peers' processes.
+//!
+//! Segment layout: a [`Header`], then one [`RankInfo`] per rank, then `nranks` staging
+//! slots of `slot` bytes. Every collective runs in rounds of at most one slot per rank:
+//! each rank copies its part in, a barrier, reductions split so that each rank reduces
+//! `1/nranks` of the round in place, a barrier, each rank copies its result out, a
+//! barrier. The element arithmetic is [`super::dtype::reduce`], as for ranks in threads.
+//!
+//! The segment's name is removed from `/dev/shm` as soon as every rank has mapped it (and
+//! on every failed join), so a crash later leaves nothing behind; segments whose creator
+//! process is gone are swept by the next init on the machine.
+//!
+//! A wait fails (and the communicator with it, on every rank) when a peer's process is
+//! gone, when a peer destroyed or aborted its communicator, when ranks disagree on the
+//! operation, or at the deadline (`NCCL_SAFE_HOST_TIMEOUT_MS`); every error names the rank.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
+use std::time::{Duration, Instant};
+
+use nccl_sys::bindings::*;
+
+use super::dtype::{self, RedKind};
+use super::state::{wait_limit, CollKind, CollPost, Fail, IdBytes};
+
+/// The second half of a unique id's magic for communicators that may span processes
+/// (`api::ID_MAGIC` ends in `\x01` for thread-only ids).
+pub(crate) const SHARED_TAG: u8 = 0x02;
+
+const MAGIC: u64 = 0x6e63_636c_7368_6d31; // "ncclshm1"
+const DIR: &str = "/dev/shm";
+const PREFIX: &str = "nccl-safe-";
+/// Largest rank count of a shared communicator.
+const MAX_RANKS: usize = 1024;
+/// Bytes of one rank's staging slot (a multiple of every element size); overridden by
+/// `NCCL_SAFE_HOST_SHM_SLOT_BYTES`.
+const DEFAULT_SLOT: usize = 4 << 20;
+/// Bytes reduced per step (the partial result stays in cache).
+const STEP: usize = 32 << 10;
+
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    nranks: AtomicU32,
+    joined: AtomicU32,
+    slot: AtomicU64,
+    creator: AtomicU32,
+    bar_count: AtomicU32,
+    /// The futex word: bumped when a barrier completes or the segment is failed.
+    bar_gen: AtomicU32,
+    _pad: u32,
+    /// 0 while healthy, else `kind << 32 | rank` of the first failure.
+    failed: AtomicU64,
+    /// The operation sequence number that failed.
+    failed_seq: AtomicU64,
+}
+
+#[repr(C)]
+struct RankInfo {
+    pid: AtomicU32,
+    /// 0 absent, 1 joined, 2 left (destroyed its communicator).
+    state: AtomicU32,
+    /// Barriers entered, so a timeout names the ranks that did not come.
+    epoch: AtomicU64,
+    /// The operation it runs: sequence number + 1 (0 = none yet).
+    seq: AtomicU64,
+    /// kind | dtype << 8 | red << 16 | (root + 1) << 32
+    desc: AtomicU64,
+    count: AtomicU64,
+    scalar: AtomicU64,
+    _pad: [u64; 2],
+}
+
+const HEADER: usize = 128;
+const INFO: usize = core::mem::size_of::<RankInfo>();
+
+/// Why a shared communicator failed (the high half of [`Header::failed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Why {
+    Abort = 1,
+    Died = 2,
+    Left = 3,
+    Timeout = 4,
+    Mismatch = 5,
+}
+
+fn why_of(k: u64) -> Option<Why> {
+    Some(match k {
+        1 => Why::Abort,
+        2 => Why::Died,
+        3 => Why::Left,
+        4 => Why::Timeout,
+        5 => Why::Mismatch,
+        _ => return None,
+    })
+}
+
+fn layout(nranks: usize, slot: usize) -> Option<(usize, usize)> {
+    let data = (HEADER + nranks * INFO).div_ceil(4096) * 4096;
+    Some((data, data.checked_add(nranks.checked_mul(slot)?)?))
+}
+
+fn slot_bytes() -> usize {
+    std::env::var("NCCL_SAFE_HOST_SHM_SLOT_BYTES")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .map(|b| (b / 64 * 64).max(4096))
+        .unwrap_or(DEFAULT_SLOT)
+}
+
+/// A system call's failure as a typed NCCL error with its context.
+fn sys_fail(what: &str, e: std::io::Error) -> Fail {
+    Fail::new(
+        ncclSystemError,
+        format!("system error: host provider shared memory: {what}: {e}"),
+    )
+}
+
+/// Whether process `pid` still runs (a zombie counts as gone).
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => !matches!(
+            s.rsplit_once(')').and_then(|(_, r)| r.trim_start().chars().next()),
+            Some('Z' | 'X')
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        // No /proc: ask the kernel.
+        // SAFETY: kill with signal 0 sends nothing; it only checks the pid exists.
+        Err(_) => unsafe { libc::kill(pid as libc::pid_t, 0) == 0 },
+    }
+}
+
+fn futex_wait(word: &AtomicU32, val: u32, d: Duration) {
+    let ts = libc::timespec {
+        tv_sec: d.as_secs() as libc::time_t,
+        tv_nsec: d.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a live, aligned u32 in a shared mapping (so no FUTEX_PRIVATE flag);
+    // FUTEX_WAIT only reads it. A spurious or early return is handled by the caller's loop.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            val,
+            &ts as *const libc::timespec,
+            core::ptr::null::<u32>(),
+            0,
+        )
+    };
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: as in `futex_wait`; FUTEX_WAKE touches no memory.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            core::ptr::null::<libc::timespec>(),
+            core::ptr::null::<u32>(),
+            0,
+        )
+    };
+}
+
+/// Removes segments in `/dev/shm` whose creating process is gone (left by a job whose
+/// ranks all died before they had all joined).
+fn sweep() {
+    let Ok(dir) = std::fs::read_dir(DIR) else {
+        return;
+    };
+    for e in dir.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)) else {
+            continue;
+        };
+        let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid {
+            if !alive(pid) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
+/// One rank's view of a shared communicator's segment.
+#[derive(Debug)]
+pub(crate) struct Segment {
+    base: *mut u8,
+    len: usize,
+    data: usize,
+    slot: usize,
+    nranks: usize,
+    rank: usize,
+    path: String,
+}
+
+// SAFETY: the mapping is process-wide memory accessed through atomics (header, rank
+// infos) or under the barrier protocol (slots); the pointer is never freed before drop.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: `base..base+len` is our mapping; nothing borrowed from it outlives self.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// Whether `id` was made for communicators that may span processes.
+pub(crate) fn is_shared(id: &IdBytes) -> bool {
+    id[..15] == super::api::ID_MAGIC[..15] && id[15] == SHARED_TAG
+}
+
+fn name_of(id: &IdBytes) -> String {
+    use sha2::Digest;
+    let h = sha2::Sha256::digest(id);
+    let pid = u32::from_le_bytes([id[16], id[17], id[18], id[19]]);
+    let hex: String = h[..12].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{DIR}/{PREFIX}{pid}-{hex}")
+}
+
+impl Segment {
+    fn header(&self) -> &Header {
+        // SAFETY: the mapping starts with a Header (at least `HEADER` bytes, page aligned).
+        unsafe { &*(self.base as *const Header) }
+    }
+
+    fn info(&self, r: usize) -> &RankInfo {
+        debug_assert!(r < self.nranks);
+        // SAFETY: rank infos follow the header, `nranks` of them, inside the mapping.
+        unsafe { &*(self.base.add(HEADER + r * INFO) as *const RankInfo) }
+    }
+
+    fn slot_ptr(&self, r: usize) -> *mut u8 {
+        // SAFETY: slot r lies inside the mapping (checked by `layout` at join).
+        unsafe { self.base.add(self.data + r * self.slot) }
+    }
+
+    /// This rank's rank.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Joins (creating when first) the segment of `id` as `rank` of `nranks`, waiting for
+    /// every rank until `deadline`.
+    pub(crate) fn join(
+        id: &IdBytes,
+        nranks: usize,
+        rank: usize,
+        deadline: Instant,
+    ) -> Result<Segment, Fail> {
+        if nranks > MAX_RANKS {
+            return Err(Fail::new(
+                ncclInvalidArgument,
+                format!("invalid argument: a communicator across processes has at most {MAX_RANKS} ranks, not {nranks}"),
+            ));
+        }
+        let path = name_of(id);
+        let r = Self::join_inner(&path, nranks, rank, deadline);
+        if r.is_err() {
+            let _ = std::fs::remove_file(&path);
+        }
+        r
+    }
+
+    fn join_inner(
+        path: &str,
+        nranks: usize,
+        rank: usize,
+        deadline: Instant,
+    ) -> Result<Segment, Fail> {
+        let slot = slot_bytes();
+        let created = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path);
+        let (file, creator) = match created {
+            Ok(f) => (f, true),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => (
+                OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(path)
+                    .map_err(|e| sys_fail(&format!("open {path}"), e))?,
+                false,
+            ),
+            Err(e) => return Err(sys_fail(&format!("create {path}"), e)),
+        };
+        if creator {
+            sweep();
+            let Some((_, len)) = layout(nranks, slot) else {
+                return Err(Fail::new(ncclInvalidArgument, "invalid argument: segment too large"));
+            };
+            file.set_len(len as u64)
+                .map_err(|e| sys_fail(&format!("size {path} to {len} bytes"), e))?;
+            // Reserve the pages now: a full /dev/shm is this error, not a SIGBUS later.
+            // SAFETY: a valid open descriptor and a range inside the file's size.
+            let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+            if rc != 0 && rc != libc::EOPNOTSUPP && rc != libc::EINVAL {
+                return Err(sys_fail(
+                    &format!("reserve {len} bytes for {path} (is /dev/shm full?)"),
+                    std::io::Error::from_raw_os_error(rc),
+                ));
+            }
+        }
+        // Wait until the creator sized the file and wrote the header.
+        let len = loop {
+            let l = file
+                .metadata()
+                .map_err(|e| sys_fail(&format!("stat {path}"), e))?
+                .len() as usize;
+            if l >= 4096 {
+                break l;
+            }
+            if Instant::now() >= deadline {
+                return Err(Fail::new(ncclTimeout, format!("NCCL timeout: the shared memory segment {path} was never sized by its creator")));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        // SAFETY: mapping `len` bytes of a regular file we hold open, shared and writable.
+        let base = unsafe {
+            libc::mmap(
+                core::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(sys_fail(&format!("map {path}"), std::io::Error::last_os_error()));
+        }
+        let mut seg = Segment {
+            base: base.cast(),
+            len,
+            data: 0,
+            slot: 0,
+            nranks,
+            rank,
+            path: path.to_string(),
+        };
+        let h = seg.header();
+        if creator {
+            h.nranks.store(nranks as u32, Relaxed);
+            h.slot.store(slot as u64, Relaxed);
+            h.creator.store(std::process::id(), Relaxed);
+            h.magic.store(MAGIC, Release);
+        }
+        while h.magic.load(Acquire) != MAGIC {
+            if Instant::now() >= deadline {
+                return Err(Fail::new(ncclTimeout, format!("NCCL timeout: the shared memory segment {path} was never initialized by its creator")));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let theirs = h.nranks.load(Relaxed) as usize;
+        if theirs != nranks {
+            return Err(Fail::new(
+                ncclInvalidArgument,
+                format!("invalid argument: ranks disagree on nranks for one unique id ({theirs} vs {nranks})"),
+            ));
+        }
+        let slot = h.slot.load(Relaxed) as usize;
+        let (data, need) = layout(nranks, slot)
+            .filter(|&(_, need)| need <= len)
+            .ok_or_else(|| Fail::new(ncclInternalError, format!("internal error: shared memory segment {path} is smaller than its header says")))?;
+        let _ = need;
+        seg.data = data;
+        seg.slot = slot;
+        let me = seg.info(rank);
+        if me
+            .pid
+            .compare_exchange(0, std::process::id(), AcqRel, Acquire)
+            .is_err()
+        {
+            return Err(Fail::new(
+                ncclInvalidArgument,
+                format!("invalid argument: rank {rank} joined the same unique id twice"),
+            ));
+        }
+        me.state.store(1, Release);
+        let h = seg.header();
+        if h.joined.fetch_add(1, AcqRel) as usize + 1 == nranks {
+            // Everyone has the segment mapped: its name is no longer needed.
+            let _ = std::fs::remove_file(path);
+            futex_wake(&h.bar_gen);
+        }
+        // Wait for every rank (the futex word is bumped by the last one).
+        loop {
+            let g = h.bar_gen.load(Acquire);
+            if h.joined.load(Acquire) as usize >= nranks {
+                return Ok(seg);
+            }
+            if let Some((why, r)) = seg.peer_gone(true) {
+                if h.joined.load(Acquire) as usize >= nranks {
+                    return Ok(seg);
+                }
+                seg.fail(why, r, u64::MAX);
+                return Err(seg.failure().unwrap_or_else(|| Fail::new(ncclRemoteError, "remote error: a rank is gone")));
+            }
+            if Instant::now() >= deadline {
+                let missing: Vec<usize> = (0..nranks)
+                    .filter(|&r| seg.info(r).state.load(Acquire) == 0)
+                    .collect();
+                return Err(Fail::new(
+                    ncclTimeout,
+                    format!(
+                        "NCCL timeout: communicator initialization did not complete within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS): rank(s) {missing:?} never joined",
+                        wait_limit()
+                    ),
+                ));
+            }
+            futex_wait(&h.bar_gen, g, Duration::from_millis(20));
+        }
+    }
+
+    /// Marks the communicator failed (the first reason wins) and wakes every waiter.
+    fn fail(&self, why: Why, rank: usize, seq: u64) {
+        let h = self.header();
+        if h
+            .failed
+            .compare_exchange(0, (why as u64) << 32 | rank as u64, AcqRel, Acquire)
+            .is_ok()
+        {
+            h.failed_seq.store(seq, Release);
+        }
+        h.bar_gen.fetch_add(1, AcqRel);
+        futex_wake(&h.bar_gen);
+    }
+
+    /// The error every rank reports once the communicator failed, if it did.
+    pub(crate) fn failure(&self) -> Option<Fail> {
+        let h = self.header();
+        let f = h.failed.load(Acquire);
+        if f == 0 {
+            return None;
+        }
+        let (why, r) = (why_of(f >> 32)?, (f & 0xffff_ffff) as usize);
+        let seq = h.failed_seq.load(Acquire);
+        let at = if seq == u64::MAX {
+            "during initialization".to_string()
+        } else {
+            format!("at collective #{seq}")
+        };
+        let pid = if r < self.nranks {
+            self.info(r).pid.load(Acquire)
+        } else {
+            0
+        };
+        Some(match why {
+            Why::Abort => Fail::new(
+                ncclRemoteError,
+                format!("remote error: rank {r} (pid {pid}) called ncclCommAbort"),
+            ),
+            Why::Died => Fail::new(
+                ncclRemoteError,
+                format!("remote error: rank {r} (pid {pid}) died: its process is gone ({at})"),
+            ),
+            Why::Left => Fail::new(
+                ncclRemoteError,
+                format!("remote error: rank {r} (pid {pid}) destroyed its communicator while the others waited for it ({at})"),
+            ),
+            Why::Timeout => Fail::new(
+                ncclTimeout,
+                format!(
+                    "NCCL timeout: rank {r} (pid {pid}) did not reach collective #{seq} within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
+                    wait_limit()
+                ),
+            ),
+            Why::Mismatch => Fail::new(
+                ncclInvalidUsage,
+                format!("invalid usage: ranks disagree on collective #{seq}: rank {r} called something else (see the other ranks' errors)"),
+            ),
+        })
+    }
+
+    /// A peer whose process is gone or that left (not yet recorded as the failure).
+    fn peer_gone(&self, joining: bool) -> Option<(Why, usize)> {
+        let me = std::process::id();
+        for r in 0..self.nranks {
+            let i = self.info(r);
+            let pid = i.pid.load(Acquire);
+            if i.state.load(Acquire) == 2 {
+                return Some((Why::Left, r));
+            }
+            if pid != 0 && pid != me && !alive(pid) {
+                return Some((Why::Died, r));
+            }
+        }
+        let creator = self.header().creator.load(Acquire);
+        if joining && creator != 0 && creator != me && !alive(creator) {
+            // The creator died before it joined as a rank: blame the first missing rank.
+            let r = (0..self.nranks)
+                .find(|&r| self.info(r).pid.load(Acquire) == 0)
+                .unwrap_or(0);
+            return Some((Why::Died, r));
+        }
+        None
+    }
+
+    /// Waits until every rank entered this barrier; fails on a failed communicator, a
+    /// gone peer, or the deadline.
+    fn barrier(&self, seq: u64, deadline: Instant) -> Result<(), Fail> {
+        let h = self.header();
+        let me = self.info(self.rank);
+        let epoch = me.epoch.fetch_add(1, AcqRel) + 1;
+        if let Some(f) = self.failure() {
+            return Err(f);
+        }
+        let gen = h.bar_gen.load(Acquire);
+        if h.bar_count.fetch_add(1, AcqRel) as usize + 1 == self.nranks {
+            h.bar_count.store(0, Release);
+            h.bar_gen.fetch_add(1, AcqRel);
+            futex_wake(&h.bar_gen);
+            return Ok(());
+        }
+        let mut spins = 0u32;
+        let mut next_check = Instant::now() + Duration::from_millis(10);
+        loop {
+            let g = h.bar_gen.load(Acquire);
+            if let Some(f) = self.failure() {
+                return Err(f);
+            }
+            if g != gen {
+                return Ok(());
+            }
+            if spins < 64 {
+                spins += 1;
+                std::thread::yield_now();
+                continue;
+            }
+            let now = Instant::now();
+            if now >= next_check {
+                next_check = now + Duration::from_millis(10);
+                if let Some((why, r)) = self.peer_gone(false) {
+                    // A peer that passed this barrier may leave or die right after it:
+                    // only a barrier that is still incomplete fails.
+                    if h.bar_gen.load(Acquire) != gen && self.failure().is_none() {
+                        return Ok(());
+                    }
+                    self.fail(why, r, seq);
+                    return Err(self.failure().unwrap_or_else(|| Fail::new(ncclRemoteError, "remote error: a rank is gone")));
+                }
+                if now >= deadline {
+                    let late = (0..self.nranks)
+                        .find(|&r| self.info(r).epoch.load(Acquire) < epoch)
+                        .unwrap_or(self.rank);
+                    self.fail(Why::Timeout, late, seq);
+                    return Err(self.failure().unwrap_or_else(|| Fail::new(ncclTimeout, "NCCL timeout")));
+                }
+            }
+            futex_wait(&h.bar_gen, g, Duration::from_millis(5));
+        }
+    }
+
+    /// This rank destroys its communicator: peers waiting for it fail at once.
+    pub(crate) fn leave(&self) {
+        // Peers notice it at their next liveness check (no wake-up: the barrier's word
+        // only moves when a barrier completes or the communicator fails).
+        self.info(self.rank).state.store(2, Release);
+        let _ = std::fs::remove_file(&self.path);
+    }
+
+    /// This rank aborts its communicator: every peer's communicator fails.
+    pub(crate) fn abort(&self) {
+        self.fail(Why::Abort, self.rank, self.info(self.rank).seq.load(Acquire).saturating_sub(1));
+        let _ = std::fs::remove_file(&self.path);
+    }
+
+    /// Checks every rank called the same collective as this one (after the first
+    /// barrier: every rank's description is published).
+    fn check(&self, seq: u64) -> Result<(), Fail> {
+        let read = |r: usize| {
+            let i = self.info(r);
+            (i.seq.load(Acquire), i.desc.load(Acquire), i.count.load(Acquire))
+        };
+        let mine = read(self.rank);
+        let describe = |(s, d, c): (u64, u64, u64)| {
+            let kind = kind_name(d & 0xff);
+            let (dt, red, root) = ((d >> 8) & 0xff, (d >> 16) & 0xff, (d >> 32) as i64 - 1);
+            format!(
+                "collective #{} {kind}(count={c}, dtype={dt}, reduction={red}, root={root})",
+                s.wrapping_sub(1)
+            )
+        };
+        let odd: Vec<usize> = (0..self.nranks).filter(|&r| read(r) != mine).collect();
+        if odd.is_empty() {
+            return Ok(());
+        }
+        let lines: Vec<String> = (0..self.nranks)
+            .map(|r| format!("rank {r}: {}", describe(read(r))))
+            .collect();
+        // Name the ranks that differ from the majority.
+        let majority = (0..self.nranks)
+            .map(read)
+            .max_by_key(|d| (0..self.nranks).filter(|&r| read(r) == *d).count())
+            .unwrap_or(mine);
+        let culprits: Vec<usize> = (0..self.nranks).filter(|&r| read(r) != majority).collect();
+        let first = culprits.first().copied().unwrap_or(self.rank);
+        self.fail(Why::Mismatch, first, seq);
+        Err(Fail::new(
+            ncclInvalidUsage,
+            format!(
+                "invalid usage: ranks disagree on collective #{seq}: rank(s) {culprits:?} called something else; {}",
+                lines.join("; ")
+            ),
+        ))
+    }
+
+    /// Runs this rank's part of collective `seq`.
+    pub(crate) fn run_coll(&self, seq: u64, p: &CollPost) -> Result<(), Fail> {
+        if let Some(f) = self.failure() {
+            return Err(f);
+        }
+        let deadline = Instant::now() + wait_limit();
+        let es = dtype::size_of(p.dtype).ok_or_else(|| {
+            Fail::new(ncclInvalidArgument, format!("invalid argument: unknown datatype {}", p.dtype))
+        })?;
+        let me = self.info(self.rank);
+        let red = p.red as u64;
+        let desc = kind_code(p.kind) | (p.dtype as u64) << 8 | red << 16 | ((p.root + 1) as u64) << 32;
+        me.desc.store(desc, Relaxed);
+        me.count.store(p.count as u64, Relaxed);
+        let mut sc = [0u8; 8];
+        let k = p.scalar.len().min(8);
+        sc[..k].copy_from_slice(&p.scalar[..k]);
+        me.scalar.store(u64::from_le_bytes(sc), Relaxed);
+        me.seq.store(seq + 1, Release);
+        let r = self.rounds(seq, p, es, deadline);
+        if let Err(f) = &r {
+            // A failure on this rank fails the communicator for everyone.
+            if self.failure().is_none() {
+                let _ = f;
+                self.fail(Why::Abort, self.rank, seq);
+            }
+        }
+        r
+    }
+
+    fn rounds(&self, seq: u64, p: &CollPost, es: usize, deadline: Instant) -> Result<(), Fail> {
+        let n = self.nranks;
+        let me = self.rank;
+        let root = p.root as usize;
+        let count = p.count;
+        let bytes = |e: usize| e * es;
+        let slot_elems = (self.slot / es).max(1);
+        // Elements of the whole operation walked in rounds, and per round.
+        let (total, per_round) = match p.kind {
+            CollKind::AllReduce | CollKind::Reduce => (count, slot_elems),
+            CollKind::ReduceScatter => (count * n, slot_elems),
+            CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter => {
+                (count, slot_elems)
+            }
+            CollKind::AlltoAll => (count, (slot_elems / n).max(1)),
+        };
+        let reduces = matches!(
+            p.kind,
+            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+        );
+        let scalars: Vec<Vec<u8>> = if p.red == RedKind::PreMulSum {
+            (0..n)
+                .map(|r| self.info(r).scalar.load(Acquire).to_le_bytes()[..es.min(8)].to_vec())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut lo = 0usize;
+        let mut first = true;
+        loop {
+            let hi = (lo + per_round).min(total);
+            let m = hi - lo;
+            // 1. Copy in.
+            // SAFETY (all copies below): user buffers hold what NCCL's contract says for
+            // this collective (checked lengths in `api::coll`), and slot r is written only
+            // by its owner before the first barrier of a round and read by others only
+            // between that barrier and the last; `m` elements fit a slot.
+            unsafe {
+                let mine = self.slot_ptr(me);
+                match p.kind {
+                    CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+                    | CollKind::AllGather | CollKind::Gather => {
+                        copy(p.send + bytes(lo), mine as usize, bytes(m));
+                    }
+                    CollKind::Broadcast if me == root => {
+                        copy(p.send + bytes(lo), mine as usize, bytes(m));
+                    }
+                    CollKind::Scatter if me == root => {
+                        for q in 0..n {
+                            copy(p.send + bytes(q * count + lo), self.slot_ptr(q) as usize, bytes(m));
+                        }
+                    }
+                    CollKind::AlltoAll => {
+                        for q in 0..n {
+                            copy(p.send + bytes(q * count + lo), mine as usize + bytes(q * per_round), bytes(m));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            self.barrier(seq, deadline)?;
+            if first {
+                self.check(seq)?;
+                first = false;
+            }
+            // 2. Reduce this rank's share in place.
+            let share = m.div_ceil(n).max(1);
+            if reduces {
+                let (a, b) = ((me * share).min(m), ((me + 1) * share).min(m));
+                let step = (STEP / es).max(1);
+                let mut acc = vec![0u8; bytes(step.min(b - a).max(1))];
+                let mut x = a;
+                while x < b {
+                    let y = (x + step).min(b);
+                    let out = &mut acc[..bytes(y - x)];
+                    {
+                        // SAFETY: every rank's slot holds `m` elements of this round
+                        // (barrier above); elements x..y of every slot are read only by
+                        // this rank, and written (below) only by this rank in its own slot.
+                        let ins: smallvec::SmallVec<[&[u8]; 8]> = (0..n)
+                            .map(|q| unsafe {
+                                core::slice::from_raw_parts(self.slot_ptr(q).add(bytes(x)), bytes(y - x))
+                            })
+                            .collect();
+                        if !dtype::reduce(p.dtype, p.red, &ins, &scalars, out) {
+                            return Err(Fail::new(ncclInternalError, "internal error: malformed reduction (short PreMulSum scalar)"));
+                        }
+                    }
+                    // SAFETY: as above; `out` is our own buffer.
+                    unsafe { copy(out.as_ptr() as usize, self.slot_ptr(me) as usize + bytes(x), out.len()) };
+                    x = y;
+                }
+                self.barrier(seq, deadline)?;
+            }
+            // 3. Copy out.
+            // SAFETY: as for the copy in; the slots are complete for this round.
+            unsafe {
+                // Result element e (lo <= e < hi) of a reduction lives in slot e / share.
+                let reduced = |dst: usize, a: usize, b: usize| {
+                    let mut e = a;
+                    while e < b {
+                        let q = (e - lo) / share;
+                        let end = (lo + (q + 1) * share).min(b);
+                        copy(self.slot_ptr(q) as usize + bytes(e - lo), dst + bytes(e - a), bytes(end - e));
+                        e = end;
+                    }
+                };
+                match p.kind {
+                    CollKind::AllReduce => reduced(p.recv + bytes(lo), lo, hi),
+                    CollKind::Reduce if me == root => reduced(p.recv + bytes(lo), lo, hi),
+                    CollKind::ReduceScatter => {
+                        let (a, b) = ((me * count).max(lo), ((me + 1) * count).min(hi));
+                        if a < b {
+                            reduced(p.recv + bytes(a - me * count), a, b);
+                        }
+                    }
+                    CollKind::Broadcast => {
+                        copy(self.slot_ptr(root) as usize, p.recv + bytes(lo), bytes(m));
+                    }
+                    CollKind::AllGather => {
+                        for q in 0..n {
+                            copy(self.slot_ptr(q) as usize, p.recv + bytes(q * count + lo), bytes(m));
+                        }
+                    }
+                    CollKind::Gather if me == root => {
+                        for q in 0..n {
+                            copy(self.slot_ptr(q) as usize, p.recv + bytes(q * count + lo), bytes(m));
+                        }
+                    }
+                    CollKind::Scatter => {
+                        copy(self.slot_ptr(me) as usize, p.recv + bytes(lo), bytes(m));
+                    }
+                    CollKind::AlltoAll => {
+                        for q in 0..n {
+                            copy(self.slot_ptr(q) as usize + bytes(me * per_round), p.recv + bytes(q * count + lo), bytes(m));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            self.barrier(seq, deadline)?;
+            lo = hi;
+            if lo >= total {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Copies `len` bytes (regions may overlap, as in-place forms do).
+///
+/// # Safety
+/// Both ranges are valid for `len` bytes.
+unsafe fn copy(src: usize, dst: usize, len: usize) {
+    if len > 0 && src != dst {
+        // SAFETY: forwarded to the caller.
+        unsafe { core::ptr::copy(src as *const u8, dst as *mut u8, len) };
+    }
+}
+
+fn kind_code(k: CollKind) -> u64 {
+    match k {
+        CollKind::AllReduce => 1,
+        CollKind::AllGather => 2,
+        CollKind::Broadcast => 3,
+        CollKind::Reduce => 4,
+        CollKind::ReduceScatter => 5,
+        CollKind::AlltoAll => 6,
+        CollKind::Gather => 7,
+        CollKind::Scatter => 8,
+    }
+}
+
+fn kind_name(code: u64) -> &'static str {
+    match code {
+        1 => "AllReduce",
+        2 => "AllGather",
+        3 => "Broadcast",
+        4 => "Reduce",
+        5 => "ReduceScatter",
+        6 => "AlltoAll",
+        7 => "Gather",
+        8 => "Scatter",
+        _ => "nothing",
+    }
+}
+
+/// A unique id for communicators whose ranks may be in several processes of this machine.
+pub(crate) fn shared_id() -> ncclUniqueId {
+    let mut id = super::api::fresh_id();
+    id.internal[15] = SHARED_TAG as core::ffi::c_char;
+    id
+}
