@@ -110,9 +110,11 @@ fn one_process(args: &Args) -> std::result::Result<(), Failure> {
     let (params, losses) = train(&rank)?;
     let mut all = vec![0.0f32; params.len() * rank.world_size()];
     rank.comm().all_gather(&params, &mut all, rank.stream())?;
-    let identical = all
-        .chunks(params.len())
-        .all(|p| p.iter().zip(&params).all(|(a, b)| a.to_bits() == b.to_bits()));
+    let identical = all.chunks(params.len()).all(|p| {
+        p.iter()
+            .zip(&params)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    });
     let fell = losses.last().copied().unwrap_or(f32::NAN) < losses[0] / 100.0;
     println!(
         "rank {}: loss {:.4} -> {:.6}, parameters identical on every rank: {}",

@@ -413,10 +413,7 @@ fn join_shared(
         .spawn(move || {
             let r = super::shm::Segment::join(&idb, nranks as usize, rank as usize, deadline);
             let mut g = lock();
-            let pending = matches!(
-                g.comms.get(&h).map(|c| &c.state),
-                Some(CommState::Pending)
-            );
+            let pending = matches!(g.comms.get(&h).map(|c| &c.state), Some(CommState::Pending));
             match r {
                 Ok(seg) if pending => {
                     g.new_shared_clique(root, h, std::sync::Arc::new(seg), nranks);

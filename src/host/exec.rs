@@ -864,10 +864,7 @@ pub(crate) fn run_items(
 
 /// Posts `items` in order, runs the work this thread completed, then waits until every
 /// item is done (or failed). Returns the first error. Consumes the lock.
-fn run_local(
-    mut g: std::sync::MutexGuard<'static, Global>,
-    items: Vec<Item>,
-) -> Result<(), Fail> {
+fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) -> Result<(), Fail> {
     let mut first: Option<Fail> = None;
     let mut waits = Vec::new();
     let mut jobs = Vec::new();

@@ -124,7 +124,8 @@ fn sys_fail(what: &str, e: std::io::Error) -> Fail {
 fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(s) => !matches!(
-            s.rsplit_once(')').and_then(|(_, r)| r.trim_start().chars().next()),
+            s.rsplit_once(')')
+                .and_then(|(_, r)| r.trim_start().chars().next()),
             Some('Z' | 'X')
         ),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
@@ -299,7 +300,10 @@ impl Segment {
         if creator {
             sweep();
             let Some((_, len)) = layout(nranks, slot) else {
-                return Err(Fail::new(ncclInvalidArgument, "invalid argument: segment too large"));
+                return Err(Fail::new(
+                    ncclInvalidArgument,
+                    "invalid argument: segment too large",
+                ));
             };
             file.set_len(len as u64)
                 .map_err(|e| sys_fail(&format!("size {path} to {len} bytes"), e))?;
@@ -339,7 +343,10 @@ impl Segment {
             )
         };
         if base == libc::MAP_FAILED {
-            return Err(sys_fail(&format!("map {path}"), std::io::Error::last_os_error()));
+            return Err(sys_fail(
+                &format!("map {path}"),
+                std::io::Error::last_os_error(),
+            ));
         }
         let mut seg = Segment {
             base: base.cast(),
@@ -406,7 +413,9 @@ impl Segment {
                     return Ok(seg);
                 }
                 seg.fail(why, r, u64::MAX);
-                return Err(seg.failure().unwrap_or_else(|| Fail::new(ncclRemoteError, "remote error: a rank is gone")));
+                return Err(seg.failure().unwrap_or_else(|| {
+                    Fail::new(ncclRemoteError, "remote error: a rank is gone")
+                }));
             }
             if Instant::now() >= deadline {
                 let missing: Vec<usize> = (0..nranks)
@@ -427,8 +436,7 @@ impl Segment {
     /// Marks the communicator failed (the first reason wins) and wakes every waiter.
     fn fail(&self, why: Why, rank: usize, seq: u64) {
         let h = self.header();
-        if h
-            .failed
+        if h.failed
             .compare_exchange(0, (why as u64) << 32 | rank as u64, AcqRel, Acquire)
             .is_ok()
         {
@@ -479,7 +487,9 @@ impl Segment {
             ),
             Why::Mismatch => Fail::new(
                 ncclInvalidUsage,
-                format!("invalid usage: ranks disagree on collective #{seq}: rank {r} called something else (see the other ranks' errors)"),
+                self.mismatch(seq).map(|m| m.1).unwrap_or_else(|| {
+                    format!("invalid usage: ranks disagree on collective #{seq}: rank {r} called something else")
+                }),
             ),
         })
     }
@@ -549,14 +559,18 @@ impl Segment {
                         return Ok(());
                     }
                     self.fail(why, r, seq);
-                    return Err(self.failure().unwrap_or_else(|| Fail::new(ncclRemoteError, "remote error: a rank is gone")));
+                    return Err(self.failure().unwrap_or_else(|| {
+                        Fail::new(ncclRemoteError, "remote error: a rank is gone")
+                    }));
                 }
                 if now >= deadline {
                     let late = (0..self.nranks)
                         .find(|&r| self.info(r).epoch.load(Acquire) < epoch)
                         .unwrap_or(self.rank);
                     self.fail(Why::Timeout, late, seq);
-                    return Err(self.failure().unwrap_or_else(|| Fail::new(ncclTimeout, "NCCL timeout")));
+                    return Err(self
+                        .failure()
+                        .unwrap_or_else(|| Fail::new(ncclTimeout, "NCCL timeout")));
                 }
             }
             futex_wait(&h.bar_gen, g, Duration::from_millis(5));
@@ -573,19 +587,30 @@ impl Segment {
 
     /// This rank aborts its communicator: every peer's communicator fails.
     pub(crate) fn abort(&self) {
-        self.fail(Why::Abort, self.rank, self.info(self.rank).seq.load(Acquire).saturating_sub(1));
+        self.fail(
+            Why::Abort,
+            self.rank,
+            self.info(self.rank).seq.load(Acquire).saturating_sub(1),
+        );
         let _ = std::fs::remove_file(&self.path);
     }
 
-    /// Checks every rank called the same collective as this one (after the first
-    /// barrier: every rank's description is published).
-    fn check(&self, seq: u64) -> Result<(), Fail> {
+    /// When the ranks' published operations differ: the ranks that differ from the
+    /// majority, and the error text naming them and listing what every rank called.
+    fn mismatch(&self, seq: u64) -> Option<(usize, String)> {
         let read = |r: usize| {
             let i = self.info(r);
-            (i.seq.load(Acquire), i.desc.load(Acquire), i.count.load(Acquire))
+            (
+                i.seq.load(Acquire),
+                i.desc.load(Acquire),
+                i.count.load(Acquire),
+            )
         };
-        let mine = read(self.rank);
-        let describe = |(s, d, c): (u64, u64, u64)| {
+        let all: Vec<_> = (0..self.nranks).map(read).collect();
+        if all.iter().all(|d| *d == all[0]) {
+            return None;
+        }
+        let describe = |&(s, d, c): &(u64, u64, u64)| {
             let kind = kind_name(d & 0xff);
             let (dt, red, root) = ((d >> 8) & 0xff, (d >> 16) & 0xff, (d >> 32) as i64 - 1);
             format!(
@@ -593,28 +618,36 @@ impl Segment {
                 s.wrapping_sub(1)
             )
         };
-        let odd: Vec<usize> = (0..self.nranks).filter(|&r| read(r) != mine).collect();
-        if odd.is_empty() {
-            return Ok(());
-        }
-        let lines: Vec<String> = (0..self.nranks)
-            .map(|r| format!("rank {r}: {}", describe(read(r))))
+        let majority = all
+            .iter()
+            .max_by_key(|d| all.iter().filter(|e| e == d).count())
+            .copied()
+            .unwrap_or(all[0]);
+        let culprits: Vec<usize> = (0..self.nranks).filter(|&r| all[r] != majority).collect();
+        let lines: Vec<String> = all
+            .iter()
+            .enumerate()
+            .map(|(r, d)| format!("rank {r}: {}", describe(d)))
             .collect();
-        // Name the ranks that differ from the majority.
-        let majority = (0..self.nranks)
-            .map(read)
-            .max_by_key(|d| (0..self.nranks).filter(|&r| read(r) == *d).count())
-            .unwrap_or(mine);
-        let culprits: Vec<usize> = (0..self.nranks).filter(|&r| read(r) != majority).collect();
-        let first = culprits.first().copied().unwrap_or(self.rank);
-        self.fail(Why::Mismatch, first, seq);
-        Err(Fail::new(
-            ncclInvalidUsage,
+        Some((
+            culprits.first().copied().unwrap_or(self.rank),
             format!(
                 "invalid usage: ranks disagree on collective #{seq}: rank(s) {culprits:?} called something else; {}",
                 lines.join("; ")
             ),
         ))
+    }
+
+    /// Checks every rank called the same collective as this one (after the first
+    /// barrier: every rank's description is published).
+    fn check(&self, seq: u64) -> Result<(), Fail> {
+        match self.mismatch(seq) {
+            None => Ok(()),
+            Some((first, text)) => {
+                self.fail(Why::Mismatch, first, seq);
+                Err(Fail::new(ncclInvalidUsage, text))
+            }
+        }
     }
 
     /// Runs this rank's part of collective `seq`.
@@ -624,11 +657,15 @@ impl Segment {
         }
         let deadline = Instant::now() + wait_limit();
         let es = dtype::size_of(p.dtype).ok_or_else(|| {
-            Fail::new(ncclInvalidArgument, format!("invalid argument: unknown datatype {}", p.dtype))
+            Fail::new(
+                ncclInvalidArgument,
+                format!("invalid argument: unknown datatype {}", p.dtype),
+            )
         })?;
         let me = self.info(self.rank);
         let red = p.red as u64;
-        let desc = kind_code(p.kind) | (p.dtype as u64) << 8 | red << 16 | ((p.root + 1) as u64) << 32;
+        let desc =
+            kind_code(p.kind) | (p.dtype as u64) << 8 | red << 16 | ((p.root + 1) as u64) << 32;
         me.desc.store(desc, Relaxed);
         me.count.store(p.count as u64, Relaxed);
         let mut sc = [0u8; 8];
@@ -667,13 +704,8 @@ impl Segment {
             p.kind,
             CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
         );
-        let scalars: Vec<Vec<u8>> = if p.red == RedKind::PreMulSum {
-            (0..n)
-                .map(|r| self.info(r).scalar.load(Acquire).to_le_bytes()[..es.min(8)].to_vec())
-                .collect()
-        } else {
-            Vec::new()
-        };
+        // Every rank's PreMulSum scalar, read after the first barrier (published before it).
+        let mut scalars: Vec<Vec<u8>> = Vec::new();
         let mut lo = 0usize;
         let mut first = true;
         loop {
@@ -687,8 +719,11 @@ impl Segment {
             unsafe {
                 let mine = self.slot_ptr(me);
                 match p.kind {
-                    CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
-                    | CollKind::AllGather | CollKind::Gather => {
+                    CollKind::AllReduce
+                    | CollKind::Reduce
+                    | CollKind::ReduceScatter
+                    | CollKind::AllGather
+                    | CollKind::Gather => {
                         copy(p.send + bytes(lo), mine as usize, bytes(m));
                     }
                     CollKind::Broadcast if me == root => {
@@ -696,12 +731,20 @@ impl Segment {
                     }
                     CollKind::Scatter if me == root => {
                         for q in 0..n {
-                            copy(p.send + bytes(q * count + lo), self.slot_ptr(q) as usize, bytes(m));
+                            copy(
+                                p.send + bytes(q * count + lo),
+                                self.slot_ptr(q) as usize,
+                                bytes(m),
+                            );
                         }
                     }
                     CollKind::AlltoAll => {
                         for q in 0..n {
-                            copy(p.send + bytes(q * count + lo), mine as usize + bytes(q * per_round), bytes(m));
+                            copy(
+                                p.send + bytes(q * count + lo),
+                                mine as usize + bytes(q * per_round),
+                                bytes(m),
+                            );
                         }
                     }
                     _ => {}
@@ -710,6 +753,13 @@ impl Segment {
             self.barrier(seq, deadline)?;
             if first {
                 self.check(seq)?;
+                if p.red == RedKind::PreMulSum {
+                    scalars = (0..n)
+                        .map(|r| {
+                            self.info(r).scalar.load(Acquire).to_le_bytes()[..es.min(8)].to_vec()
+                        })
+                        .collect();
+                }
                 first = false;
             }
             // 2. Reduce this rank's share in place.
@@ -728,15 +778,27 @@ impl Segment {
                         // this rank, and written (below) only by this rank in its own slot.
                         let ins: smallvec::SmallVec<[&[u8]; 8]> = (0..n)
                             .map(|q| unsafe {
-                                core::slice::from_raw_parts(self.slot_ptr(q).add(bytes(x)), bytes(y - x))
+                                core::slice::from_raw_parts(
+                                    self.slot_ptr(q).add(bytes(x)),
+                                    bytes(y - x),
+                                )
                             })
                             .collect();
                         if !dtype::reduce(p.dtype, p.red, &ins, &scalars, out) {
-                            return Err(Fail::new(ncclInternalError, "internal error: malformed reduction (short PreMulSum scalar)"));
+                            return Err(Fail::new(
+                                ncclInternalError,
+                                "internal error: malformed reduction (short PreMulSum scalar)",
+                            ));
                         }
                     }
                     // SAFETY: as above; `out` is our own buffer.
-                    unsafe { copy(out.as_ptr() as usize, self.slot_ptr(me) as usize + bytes(x), out.len()) };
+                    unsafe {
+                        copy(
+                            out.as_ptr() as usize,
+                            self.slot_ptr(me) as usize + bytes(x),
+                            out.len(),
+                        )
+                    };
                     x = y;
                 }
                 self.barrier(seq, deadline)?;
@@ -750,7 +812,11 @@ impl Segment {
                     while e < b {
                         let q = (e - lo) / share;
                         let end = (lo + (q + 1) * share).min(b);
-                        copy(self.slot_ptr(q) as usize + bytes(e - lo), dst + bytes(e - a), bytes(end - e));
+                        copy(
+                            self.slot_ptr(q) as usize + bytes(e - lo),
+                            dst + bytes(e - a),
+                            bytes(end - e),
+                        );
                         e = end;
                     }
                 };
@@ -768,12 +834,20 @@ impl Segment {
                     }
                     CollKind::AllGather => {
                         for q in 0..n {
-                            copy(self.slot_ptr(q) as usize, p.recv + bytes(q * count + lo), bytes(m));
+                            copy(
+                                self.slot_ptr(q) as usize,
+                                p.recv + bytes(q * count + lo),
+                                bytes(m),
+                            );
                         }
                     }
                     CollKind::Gather if me == root => {
                         for q in 0..n {
-                            copy(self.slot_ptr(q) as usize, p.recv + bytes(q * count + lo), bytes(m));
+                            copy(
+                                self.slot_ptr(q) as usize,
+                                p.recv + bytes(q * count + lo),
+                                bytes(m),
+                            );
                         }
                     }
                     CollKind::Scatter => {
@@ -781,7 +855,11 @@ impl Segment {
                     }
                     CollKind::AlltoAll => {
                         for q in 0..n {
-                            copy(self.slot_ptr(q) as usize + bytes(me * per_round), p.recv + bytes(q * count + lo), bytes(m));
+                            copy(
+                                self.slot_ptr(q) as usize + bytes(me * per_round),
+                                p.recv + bytes(q * count + lo),
+                                bytes(m),
+                            );
                         }
                     }
                     _ => {}
