@@ -240,12 +240,7 @@ fn allreduce_and_train_run_as_processes_on_the_host_provider() {
             "{out}"
         );
     }
-    let outs = as_processes(
-        "train",
-        4,
-        29_433,
-        &["--launcher", "env", "--backend", "host"],
-    );
+    let outs = as_processes("train", 4, &["--launcher", "env", "--backend", "host"]);
     for (r, o) in outs.iter().enumerate() {
         let out = stdout(o);
         assert!(
