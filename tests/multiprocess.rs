@@ -33,6 +33,18 @@ fn now_ms() -> f64 {
 /// A child's part: (rank, world size, communicator).
 fn child() -> Option<(usize, usize, Communicator)> {
     let spec = std::env::var(ENV).ok()?;
+    if spec == "launcher" {
+        // Started by mpirun, srun or torchrun (scripts/test-mpirun.sh): the id comes
+        // through the launcher's rendezvous.
+        let rank = Launcher::from_env()
+            .and_then(|l| l.host().init())
+            .unwrap_or_else(|e| {
+                eprintln!("init failed: {e}");
+                std::process::exit(2)
+            });
+        let (r, n) = (rank.rank(), rank.world_size());
+        return Some((r, n, rank.into_comm()));
+    }
     let mut it = spec.split(':');
     let rank: usize = it.next()?.parse().ok()?;
     let n: usize = it.next()?.parse().ok()?;
@@ -298,8 +310,9 @@ fn faulty(fault: &str) {
             }
         }
         if let Err(e) = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream) {
-            println!("ERROR_AT_MS {:.1}", now_ms());
-            eprintln!("rank {r} step {step}: {e}");
+            // One write, so that lines of ranks under mpirun do not interleave.
+            let text = format!("ERROR_AT_MS {:.1}\nrank {r} step {step}: {e}\n", now_ms());
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), text.as_bytes());
             drop(c);
             std::process::exit(1);
         }
@@ -310,8 +323,11 @@ fn faulty(fault: &str) {
 }
 
 fn stamp(o: &Out, key: &str) -> Option<f64> {
-    o.stdout
-        .lines()
+    stamp_in(&o.stdout, key)
+}
+
+fn stamp_in(text: &str, key: &str) -> Option<f64> {
+    text.lines()
         .find_map(|l| l.find(key).map(|i| &l[i + key.len()..]))
         .and_then(|v| v.trim().parse().ok())
 }
@@ -328,7 +344,7 @@ fn survivors_name_rank_1(outs: &[Out], key: &str, what: &str) -> Option<f64> {
             "rank {r}'s error must say {what:?}: {}",
             o.stderr
         );
-        if let (Some(t0), Some(t)) = (t0, stamp(o, "ERROR_AT_MS")) {
+        if let (Some(t0), Some(t)) = (t0, stamp_in(&o.stderr, "ERROR_AT_MS")) {
             worst = Some(worst.unwrap_or(0.0).max(t - t0));
         }
     }
