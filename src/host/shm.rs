@@ -38,7 +38,7 @@ const PREFIX: &str = "nccl-safe-";
 const MAX_RANKS: usize = 1024;
 /// Bytes of one rank's staging slot (a multiple of every element size); overridden by
 /// `NCCL_SAFE_HOST_SHM_SLOT_BYTES`.
-const DEFAULT_SLOT: usize = 4 << 20;
+const DEFAULT_SLOT: usize = 1 << 20;
 /// Bytes reduced per step (the partial result stays in cache).
 const STEP: usize = 32 << 10;
 
@@ -799,6 +799,30 @@ impl Segment {
                             out.len(),
                         )
                     };
+                    // This rank's own share of the result goes straight to its output too
+                    // (the copy-out below skips it). In-place forms only overwrite input
+                    // elements of this round, which were copied in before the barrier.
+                    let (ea, eb) = (lo + x, lo + y);
+                    let own = match p.kind {
+                        CollKind::AllReduce => Some((ea, eb, 0)),
+                        CollKind::Reduce if me == root => Some((ea, eb, 0)),
+                        CollKind::ReduceScatter => {
+                            let (a, b) = (ea.max(me * count), eb.min((me + 1) * count));
+                            (a < b).then_some((a, b, me * count))
+                        }
+                        _ => None,
+                    };
+                    if let Some((a, b, base)) = own {
+                        // SAFETY: elements a..b of the result are in `out`; the output holds
+                        // them at `a - base` (lengths checked by `api::coll`).
+                        unsafe {
+                            copy(
+                                out.as_ptr() as usize + bytes(a - ea),
+                                p.recv + bytes(a - base),
+                                bytes(b - a),
+                            )
+                        };
+                    }
                     x = y;
                 }
                 self.barrier(seq, deadline)?;
@@ -807,16 +831,19 @@ impl Segment {
             // SAFETY: as for the copy in; the slots are complete for this round.
             unsafe {
                 // Result element e (lo <= e < hi) of a reduction lives in slot e / share.
+                // (This rank's own share was written while it was reduced.)
                 let reduced = |dst: usize, a: usize, b: usize| {
                     let mut e = a;
                     while e < b {
                         let q = (e - lo) / share;
                         let end = (lo + (q + 1) * share).min(b);
-                        copy(
-                            self.slot_ptr(q) as usize + bytes(e - lo),
-                            dst + bytes(e - a),
-                            bytes(end - e),
-                        );
+                        if q != me {
+                            copy(
+                                self.slot_ptr(q) as usize + bytes(e - lo),
+                                dst + bytes(e - a),
+                                bytes(end - e),
+                            );
+                        }
                         e = end;
                     }
                 };
