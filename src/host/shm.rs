@@ -66,13 +66,20 @@ struct RankInfo {
     state: AtomicU32,
     /// Barriers entered, so a timeout names the ranks that did not come.
     epoch: AtomicU64,
-    /// The operation it runs: sequence number + 1 (0 = none yet).
+    /// The operations it runs, by sequence number parity (a fast rank publishes its next
+    /// operation while a slow one still checks the current one).
+    ops: [OpDesc; 2],
+    _pad: [u64; 6],
+}
+
+#[repr(C)]
+struct OpDesc {
+    /// Sequence number + 1 (0 = none yet).
     seq: AtomicU64,
     /// kind | dtype << 8 | red << 16 | (root + 1) << 32
     desc: AtomicU64,
     count: AtomicU64,
     scalar: AtomicU64,
-    _pad: [u64; 2],
 }
 
 const HEADER: usize = 128;
@@ -200,6 +207,10 @@ pub(crate) struct Segment {
     nranks: usize,
     rank: usize,
     path: String,
+    /// Rounds run so far (the same on every rank): its parity picks the slots' half.
+    rounds: AtomicU64,
+    /// The latest operation's sequence number.
+    seq: AtomicU64,
 }
 
 // SAFETY: the mapping is process-wide memory accessed through atomics (header, rank
@@ -238,6 +249,11 @@ impl Segment {
         debug_assert!(r < self.nranks);
         // SAFETY: rank infos follow the header, `nranks` of them, inside the mapping.
         unsafe { &*(self.base.add(HEADER + r * INFO) as *const RankInfo) }
+    }
+
+    /// Rank `r`'s description of operation `seq`.
+    fn op(&self, r: usize, seq: u64) -> &OpDesc {
+        &self.info(r).ops[(seq % 2) as usize]
     }
 
     fn slot_ptr(&self, r: usize) -> *mut u8 {
@@ -356,6 +372,8 @@ impl Segment {
             nranks,
             rank,
             path: path.to_string(),
+            rounds: AtomicU64::new(0),
+            seq: AtomicU64::new(0),
         };
         let h = seg.header();
         if creator {
@@ -587,11 +605,7 @@ impl Segment {
 
     /// This rank aborts its communicator: every peer's communicator fails.
     pub(crate) fn abort(&self) {
-        self.fail(
-            Why::Abort,
-            self.rank,
-            self.info(self.rank).seq.load(Acquire).saturating_sub(1),
-        );
+        self.fail(Why::Abort, self.rank, self.seq.load(Acquire));
         let _ = std::fs::remove_file(&self.path);
     }
 
@@ -599,7 +613,7 @@ impl Segment {
     /// majority, and the error text naming them and listing what every rank called.
     fn mismatch(&self, seq: u64) -> Option<(usize, String)> {
         let read = |r: usize| {
-            let i = self.info(r);
+            let i = self.op(r, seq);
             (
                 i.seq.load(Acquire),
                 i.desc.load(Acquire),
@@ -662,7 +676,8 @@ impl Segment {
                 format!("invalid argument: unknown datatype {}", p.dtype),
             )
         })?;
-        let me = self.info(self.rank);
+        self.seq.store(seq, Release);
+        let me = self.op(self.rank, seq);
         let red = p.red as u64;
         let desc =
             kind_code(p.kind) | (p.dtype as u64) << 8 | red << 16 | ((p.root + 1) as u64) << 32;
@@ -690,7 +705,11 @@ impl Segment {
         let root = p.root as usize;
         let count = p.count;
         let bytes = |e: usize| e * es;
-        let slot_elems = (self.slot / es).max(1);
+        // Rounds alternate between the two halves of every slot, so a rank may copy the
+        // next round in while the others still copy the last one out: two barriers per
+        // round of a reduction, one per round of a copy.
+        let half = self.slot / 2 / 64 * 64;
+        let slot_elems = (half / es).max(1);
         // Elements of the whole operation walked in rounds, and per round.
         let (total, per_round) = match p.kind {
             CollKind::AllReduce | CollKind::Reduce => (count, slot_elems),
@@ -709,15 +728,19 @@ impl Segment {
         let mut lo = 0usize;
         let mut first = true;
         loop {
+            let off = (self.rounds.fetch_add(1, Relaxed) % 2) as usize * half;
+            // SAFETY: both halves lie inside every slot.
+            let sp = |r: usize| unsafe { self.slot_ptr(r).add(off) };
             let hi = (lo + per_round).min(total);
             let m = hi - lo;
             // 1. Copy in.
             // SAFETY (all copies below): user buffers hold what NCCL's contract says for
             // this collective (checked lengths in `api::coll`), and slot r is written only
             // by its owner before the first barrier of a round and read by others only
-            // between that barrier and the last; `m` elements fit a slot.
+            // after it, until they enter the next round's first barrier (the round after
+            // uses the other half); `m` elements fit half a slot.
             unsafe {
-                let mine = self.slot_ptr(me);
+                let mine = sp(me);
                 match p.kind {
                     CollKind::AllReduce
                     | CollKind::Reduce
@@ -731,11 +754,7 @@ impl Segment {
                     }
                     CollKind::Scatter if me == root => {
                         for q in 0..n {
-                            copy(
-                                p.send + bytes(q * count + lo),
-                                self.slot_ptr(q) as usize,
-                                bytes(m),
-                            );
+                            copy(p.send + bytes(q * count + lo), sp(q) as usize, bytes(m));
                         }
                     }
                     CollKind::AlltoAll => {
@@ -756,7 +775,7 @@ impl Segment {
                 if p.red == RedKind::PreMulSum {
                     scalars = (0..n)
                         .map(|r| {
-                            self.info(r).scalar.load(Acquire).to_le_bytes()[..es.min(8)].to_vec()
+                            self.op(r, seq).scalar.load(Acquire).to_le_bytes()[..es.min(8)].to_vec()
                         })
                         .collect();
                 }
@@ -778,10 +797,7 @@ impl Segment {
                         // this rank, and written (below) only by this rank in its own slot.
                         let ins: smallvec::SmallVec<[&[u8]; 8]> = (0..n)
                             .map(|q| unsafe {
-                                core::slice::from_raw_parts(
-                                    self.slot_ptr(q).add(bytes(x)),
-                                    bytes(y - x),
-                                )
+                                core::slice::from_raw_parts(sp(q).add(bytes(x)), bytes(y - x))
                             })
                             .collect();
                         if !dtype::reduce(p.dtype, p.red, &ins, &scalars, out) {
@@ -792,13 +808,7 @@ impl Segment {
                         }
                     }
                     // SAFETY: as above; `out` is our own buffer.
-                    unsafe {
-                        copy(
-                            out.as_ptr() as usize,
-                            self.slot_ptr(me) as usize + bytes(x),
-                            out.len(),
-                        )
-                    };
+                    unsafe { copy(out.as_ptr() as usize, sp(me) as usize + bytes(x), out.len()) };
                     // This rank's own share of the result goes straight to its output too
                     // (the copy-out below skips it). In-place forms only overwrite input
                     // elements of this round, which were copied in before the barrier.
@@ -839,7 +849,7 @@ impl Segment {
                         let end = (lo + (q + 1) * share).min(b);
                         if q != me {
                             copy(
-                                self.slot_ptr(q) as usize + bytes(e - lo),
+                                sp(q) as usize + bytes(e - lo),
                                 dst + bytes(e - a),
                                 bytes(end - e),
                             );
@@ -857,33 +867,25 @@ impl Segment {
                         }
                     }
                     CollKind::Broadcast => {
-                        copy(self.slot_ptr(root) as usize, p.recv + bytes(lo), bytes(m));
+                        copy(sp(root) as usize, p.recv + bytes(lo), bytes(m));
                     }
                     CollKind::AllGather => {
                         for q in 0..n {
-                            copy(
-                                self.slot_ptr(q) as usize,
-                                p.recv + bytes(q * count + lo),
-                                bytes(m),
-                            );
+                            copy(sp(q) as usize, p.recv + bytes(q * count + lo), bytes(m));
                         }
                     }
                     CollKind::Gather if me == root => {
                         for q in 0..n {
-                            copy(
-                                self.slot_ptr(q) as usize,
-                                p.recv + bytes(q * count + lo),
-                                bytes(m),
-                            );
+                            copy(sp(q) as usize, p.recv + bytes(q * count + lo), bytes(m));
                         }
                     }
                     CollKind::Scatter => {
-                        copy(self.slot_ptr(me) as usize, p.recv + bytes(lo), bytes(m));
+                        copy(sp(me) as usize, p.recv + bytes(lo), bytes(m));
                     }
                     CollKind::AlltoAll => {
                         for q in 0..n {
                             copy(
-                                self.slot_ptr(q) as usize + bytes(me * per_round),
+                                sp(q) as usize + bytes(me * per_round),
                                 p.recv + bytes(q * count + lo),
                                 bytes(m),
                             );
@@ -892,7 +894,6 @@ impl Segment {
                     _ => {}
                 }
             }
-            self.barrier(seq, deadline)?;
             lo = hi;
             if lo >= total {
                 return Ok(());
