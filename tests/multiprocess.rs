@@ -5,7 +5,9 @@
 //! left in /dev/shm.
 //!
 //! Each test re-runs this test binary as its ranks (the child runs only that test, with
-//! `NCCL_SAFE_TEST_MP` set); the parent checks their exit codes and output.
+//! `NCCL_SAFE_TEST_MP` set); the parent checks their exit codes and output. With
+//! `NCCL_SAFE_TEST_MP=launcher` the ranks come from torchrun, srun or mpirun instead and
+//! exchange the id through the launcher (`scripts/test-mpirun.sh` runs the fault tests so).
 
 use std::io::Read;
 use std::process::{Command, Stdio};
@@ -15,7 +17,7 @@ use half::f16;
 use nccl_safe::host::shared_unique_id;
 use nccl_safe::launch::Launcher;
 use nccl_safe::{
-    AsStream, Communicator, Config, Device, HostStream, NcclType, ReduceOp, Result, UniqueId,
+    AsStream, Communicator, Config, Device, Group, HostStream, NcclType, ReduceOp, Result, UniqueId,
 };
 
 const ENV: &str = "NCCL_SAFE_TEST_MP";
@@ -240,6 +242,14 @@ fn every_collective<T: V>(
     let mut y = vec![T::default(); count];
     c.scatter(&big, &mut y, 0, s)?;
     outs.push(y);
+    // Two collectives in one group.
+    let (mut y, mut z) = (vec![T::default(); count], vec![T::default(); count * n]);
+    let mut g = Group::new();
+    g.push(c.all_reduce_op(&x, &mut y, ReduceOp::Max, s)?)?;
+    g.push(c.all_gather_op(&x, &mut z, s)?)?;
+    g.end()?;
+    outs.push(y);
+    outs.push(z);
     Ok(outs)
 }
 

@@ -5,6 +5,10 @@
 //! `nccl_sys::FunctionTable::load(nccl_safe::host::lookup)` fills the same table a
 //! `dlopen`ed `libnccl.so.2` does, and everything above the table runs unchanged.
 //!
+//! Ranks may also be processes of one machine: an id from [`shared_unique_id`] makes
+//! `ncclCommInitRank` meet the other ranks in a shared memory segment instead of inside this
+//! process (see [`shared_unique_id`] for what runs there and how a dead peer is reported).
+//!
 //! [`fault`] injects the GPU's failure modes (work that never completes, aborts that block,
 //! the CUDA runtime's teardown at exit), so that failure handling is tested on any machine.
 //!
