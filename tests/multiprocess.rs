@@ -410,3 +410,56 @@ fn a_rank_that_leaves_early_fails_the_others_naming_it() {
     eprintln!("time from rank 1's exit to the last survivor's error: {t:.1} ms");
     assert!(t < (TIMEOUT_MS + 1000) as f64, "errors took {t} ms");
 }
+
+/// Ranks that are threads of several processes share one communicator: 2 processes x 2
+/// threads, every collective as in one process.
+#[test]
+fn threads_of_several_processes_share_one_communicator() {
+    const THREADS: usize = 2;
+    if let Ok(spec) = std::env::var(ENV) {
+        let parts: Vec<&str> = spec.split(':').collect();
+        let (p, procs): (usize, usize) = (parts[0].parse().unwrap(), parts[1].parse().unwrap());
+        let bytes: Vec<u8> = (0..parts[2].len() / 2)
+            .map(|i| u8::from_str_radix(&parts[2][2 * i..2 * i + 2], 16).unwrap_or(0))
+            .collect();
+        let id = UniqueId::from_bytes(&bytes).expect("a unique id");
+        let n = procs * THREADS;
+        let mine: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..THREADS)
+                .map(|t| {
+                    let id = &id;
+                    s.spawn(move || {
+                        let c = Communicator::init_rank(
+                            &Device::Host,
+                            n,
+                            p * THREADS + t,
+                            id,
+                            &Config::new(),
+                        )?;
+                        every_collective::<f32>(&c, &HostStream, 1000)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a rank thread").expect("collectives"))
+                .collect()
+        });
+        let reference = Launcher::host(n)
+            .run(|rank| every_collective::<f32>(rank.comm(), rank.stream(), 1000))
+            .expect("collectives in threads");
+        let ok = (0..THREADS).all(|t| mine[t] == reference[p * THREADS + t]);
+        if !ok {
+            eprintln!("process {p}: differs from ranks in threads");
+        }
+        std::process::exit(if ok { 0 } else { 1 });
+    }
+    let outs = spawn(
+        "threads_of_several_processes_share_one_communicator",
+        2,
+        &[("NCCL_SAFE_HOST_SHM_SLOT_BYTES", "8192")],
+    );
+    for (p, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(0), "process {p}: {}", o.stderr);
+    }
+}

@@ -9,11 +9,11 @@
 //! barrier. The element arithmetic is [`super::dtype::reduce`], as for ranks in threads.
 //!
 //! The segment's name is removed from `/dev/shm` as soon as every rank has mapped it (and
-//! on every failed join), so a crash later leaves nothing behind; segments whose creator
-//! process is gone are swept by the next init on the machine.
+//! on every failed join), so a crash later leaves nothing behind; a segment older than the
+//! init deadline whose id's maker process is gone is swept by the next init on the machine.
 //!
 //! A wait fails (and the communicator with it, on every rank) when a peer's process is
-//! gone, when a peer destroyed or aborted its communicator, when ranks disagree on the
+//! gone (once seen alive from this process: pids of another namespace are not watched), when a peer destroyed or aborted its communicator, when ranks disagree on the
 //! operation, or at the deadline (`NCCL_SAFE_HOST_TIMEOUT_MS`); every error names the rank.
 
 use std::fs::OpenOptions;
@@ -177,9 +177,10 @@ fn futex_wake(word: &AtomicU32) {
     };
 }
 
-/// Removes segments in `/dev/shm` whose creating process is gone (left by a job whose
-/// ranks all died before they had all joined).
+/// Removes segments in `/dev/shm` whose id's maker process is gone and that no init can
+/// still be waiting on (left by a job whose ranks all died before they had all joined).
 fn sweep() {
+    let stale = wait_limit() + Duration::from_secs(60);
     let Ok(dir) = std::fs::read_dir(DIR) else {
         return;
     };
@@ -189,10 +190,14 @@ fn sweep() {
             continue;
         };
         let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
-        if let Some(pid) = pid {
-            if !alive(pid) {
-                let _ = std::fs::remove_file(e.path());
-            }
+        let old = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > stale);
+        if old && pid.is_some_and(|p| !alive(p)) {
+            let _ = std::fs::remove_file(e.path());
         }
     }
 }
@@ -211,6 +216,8 @@ pub(crate) struct Segment {
     rounds: AtomicU64,
     /// The latest operation's sequence number.
     seq: AtomicU64,
+    /// Which peers' processes were seen alive from this process.
+    seen: Vec<std::sync::atomic::AtomicBool>,
 }
 
 // SAFETY: the mapping is process-wide memory accessed through atomics (header, rank
@@ -374,6 +381,9 @@ impl Segment {
             path: path.to_string(),
             rounds: AtomicU64::new(0),
             seq: AtomicU64::new(0),
+            seen: (0..nranks)
+                .map(|_| std::sync::atomic::AtomicBool::new(false))
+                .collect(),
         };
         let h = seg.header();
         if creator {
@@ -426,7 +436,7 @@ impl Segment {
             if h.joined.load(Acquire) as usize >= nranks {
                 return Ok(seg);
             }
-            if let Some((why, r)) = seg.peer_gone(true) {
+            if let Some((why, r)) = seg.peer_gone() {
                 if h.joined.load(Acquire) as usize >= nranks {
                     return Ok(seg);
                 }
@@ -513,7 +523,7 @@ impl Segment {
     }
 
     /// A peer whose process is gone or that left (not yet recorded as the failure).
-    fn peer_gone(&self, joining: bool) -> Option<(Why, usize)> {
+    fn peer_gone(&self) -> Option<(Why, usize)> {
         let me = std::process::id();
         for r in 0..self.nranks {
             let i = self.info(r);
@@ -521,17 +531,16 @@ impl Segment {
             if i.state.load(Acquire) == 2 {
                 return Some((Why::Left, r));
             }
-            if pid != 0 && pid != me && !alive(pid) {
-                return Some((Why::Died, r));
+            if pid != 0 && pid != me {
+                // Only a process seen alive from here can be declared gone: a peer in
+                // another pid namespace (a container sharing /dev/shm) is never seen, and
+                // its failures surface at the deadline instead.
+                if alive(pid) {
+                    self.seen[r].store(true, Relaxed);
+                } else if self.seen[r].load(Relaxed) {
+                    return Some((Why::Died, r));
+                }
             }
-        }
-        let creator = self.header().creator.load(Acquire);
-        if joining && creator != 0 && creator != me && !alive(creator) {
-            // The creator died before it joined as a rank: blame the first missing rank.
-            let r = (0..self.nranks)
-                .find(|&r| self.info(r).pid.load(Acquire) == 0)
-                .unwrap_or(0);
-            return Some((Why::Died, r));
         }
         None
     }
@@ -570,7 +579,7 @@ impl Segment {
             let now = Instant::now();
             if now >= next_check {
                 next_check = now + Duration::from_millis(10);
-                if let Some((why, r)) = self.peer_gone(false) {
+                if let Some((why, r)) = self.peer_gone() {
                     // A peer that passed this barrier may leave or die right after it:
                     // only a barrier that is still incomplete fails.
                     if h.bar_gen.load(Acquire) != gen && self.failure().is_none() {
