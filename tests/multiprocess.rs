@@ -250,6 +250,17 @@ fn every_collective<T: V>(
     g.end()?;
     outs.push(y);
     outs.push(z);
+    // Send/receive rings in one group: a short message and one of many channel chunks.
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    for len in [count, count * 97] {
+        let send = input::<T>(r, len, 4);
+        let mut got = vec![T::default(); len];
+        let mut g = Group::new();
+        g.push(c.send_op(&send, next, s)?)?;
+        g.push(c.recv_op(&mut got, prev, s)?)?;
+        g.end()?;
+        outs.push(got);
+    }
     Ok(outs)
 }
 

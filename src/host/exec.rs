@@ -836,7 +836,9 @@ pub(crate) fn run_items(
     let mut shared = Vec::new();
     for it in items {
         let seg = match &it {
-            Item::Coll { clique, .. } => g.cliques.get(clique).and_then(|c| c.shared.clone()),
+            Item::Coll { clique, .. } | Item::P2p { clique, .. } => {
+                g.cliques.get(clique).and_then(|c| c.shared.clone())
+            }
             _ => None,
         };
         match seg {
@@ -845,6 +847,37 @@ pub(crate) fn run_items(
         }
     }
     let mut res = run_local(g, local);
+    // Collectives in order, then every send and receive together (per communicator), the
+    // same on every rank.
+    let mut p2p: Vec<(
+        u64,
+        std::sync::Arc<super::shm::Segment>,
+        Vec<super::shm::P2pWork>,
+    )> = Vec::new();
+    shared.retain(|(seg, it)| match it {
+        Item::P2p {
+            clique,
+            src,
+            dst,
+            is_send,
+            post,
+            ..
+        } => {
+            let w = super::shm::P2pWork {
+                peer: if *is_send { *dst } else { *src } as usize,
+                is_send: *is_send,
+                ptr: post.ptr,
+                bytes: post.count * dtype::size_of(post.dtype).unwrap_or(0),
+                dtype: post.dtype,
+            };
+            match p2p.iter_mut().find(|(c, _, _)| c == clique) {
+                Some((_, _, ws)) => ws.push(w),
+                None => p2p.push((*clique, seg.clone(), vec![w])),
+            }
+            false
+        }
+        _ => true,
+    });
     for (seg, it) in shared {
         if let Item::Coll {
             clique, seq, post, ..
@@ -856,6 +889,14 @@ pub(crate) fn run_items(
                 if res.is_ok() {
                     res = Err(f);
                 }
+            }
+        }
+    }
+    for (clique, seg, work) in p2p {
+        if let Err(f) = seg.run_p2p(&work) {
+            lock().abort_clique(clique, f.clone());
+            if res.is_ok() {
+                res = Err(f);
             }
         }
     }

@@ -69,7 +69,37 @@ struct RankInfo {
     /// The operations it runs, by sequence number parity (a fast rank publishes its next
     /// operation while a slow one still checks the current one).
     ops: [OpDesc; 2],
-    _pad: [u64; 6],
+    /// Bumped (and woken) by a peer that changed one of this rank's send/recv channels.
+    bell: AtomicU32,
+    _pad32: u32,
+    _pad: [u64; 5],
+}
+
+/// One direction of send/recv between two ranks: the sender posts a chunk when the
+/// channel is empty, the receiver takes it.
+#[repr(C)]
+struct Chan {
+    posted: AtomicU64,
+    taken: AtomicU64,
+    /// Bytes in the posted chunk.
+    len: AtomicU64,
+    /// The whole message's bytes and data type, `bytes << 8 | dtype`.
+    msg: AtomicU64,
+    _pad: [u64; 4],
+}
+
+const CHAN: usize = core::mem::size_of::<Chan>();
+/// Largest communicator across processes with send/recv (channels grow as nranks²).
+const MAX_P2P_RANKS: usize = 64;
+/// The failure sequence number of a send/recv.
+const P2P_SEQ: u64 = u64::MAX - 1;
+
+/// Data bytes of one send/recv channel for `nranks` ranks (0: none).
+fn chan_bytes(nranks: usize) -> usize {
+    if nranks > MAX_P2P_RANKS {
+        return 0;
+    }
+    ((16 << 20) / (nranks * nranks)).clamp(4096, 256 << 10) / 64 * 64
 }
 
 #[repr(C)]
@@ -93,6 +123,7 @@ enum Why {
     Left = 3,
     Timeout = 4,
     Mismatch = 5,
+    P2p = 6,
 }
 
 fn why_of(k: u64) -> Option<Why> {
@@ -102,13 +133,22 @@ fn why_of(k: u64) -> Option<Why> {
         3 => Why::Left,
         4 => Why::Timeout,
         5 => Why::Mismatch,
+        6 => Why::P2p,
         _ => return None,
     })
 }
 
-fn layout(nranks: usize, slot: usize) -> Option<(usize, usize)> {
+/// (offset of the slots, offset of the send/recv channels, total bytes).
+fn layout(nranks: usize, slot: usize) -> Option<(usize, usize, usize)> {
     let data = (HEADER + nranks * INFO).div_ceil(4096) * 4096;
-    Some((data, data.checked_add(nranks.checked_mul(slot)?)?))
+    let chans = data.checked_add(nranks.checked_mul(slot)?)?;
+    let n2 = if chan_bytes(nranks) > 0 {
+        nranks * nranks
+    } else {
+        0
+    };
+    let len = chans.checked_add(n2.checked_mul(CHAN + chan_bytes(nranks))?)?;
+    Some((data, chans, len))
 }
 
 fn slot_bytes() -> usize {
@@ -218,6 +258,8 @@ pub(crate) struct Segment {
     seq: AtomicU64,
     /// Which peers' processes were seen alive from this process.
     seen: Vec<std::sync::atomic::AtomicBool>,
+    /// Offset of the send/recv channels.
+    chans: usize,
 }
 
 // SAFETY: the mapping is process-wide memory accessed through atomics (header, rank
@@ -322,7 +364,7 @@ impl Segment {
         };
         if creator {
             sweep();
-            let Some((_, len)) = layout(nranks, slot) else {
+            let Some((_, _, len)) = layout(nranks, slot) else {
                 return Err(Fail::new(
                     ncclInvalidArgument,
                     "invalid argument: segment too large",
@@ -384,6 +426,7 @@ impl Segment {
             seen: (0..nranks)
                 .map(|_| std::sync::atomic::AtomicBool::new(false))
                 .collect(),
+            chans: 0,
         };
         let h = seg.header();
         if creator {
@@ -406,11 +449,11 @@ impl Segment {
             ));
         }
         let slot = h.slot.load(Relaxed) as usize;
-        let (data, need) = layout(nranks, slot)
-            .filter(|&(_, need)| need <= len)
+        let (data, chans, _) = layout(nranks, slot)
+            .filter(|&(_, _, need)| need <= len)
             .ok_or_else(|| Fail::new(ncclInternalError, format!("internal error: shared memory segment {path} is smaller than its header says")))?;
-        let _ = need;
         seg.data = data;
+        seg.chans = chans;
         seg.slot = slot;
         let me = seg.info(rank);
         if me
@@ -485,6 +528,8 @@ impl Segment {
         let seq = h.failed_seq.load(Acquire);
         let at = if seq == u64::MAX {
             "during initialization".to_string()
+        } else if seq == P2P_SEQ {
+            "in a send/recv".to_string()
         } else {
             format!("at collective #{seq}")
         };
@@ -509,9 +554,14 @@ impl Segment {
             Why::Timeout => Fail::new(
                 ncclTimeout,
                 format!(
-                    "NCCL timeout: rank {r} (pid {pid}) did not reach collective #{seq} within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
+                    "NCCL timeout: rank {r} (pid {pid}) did not reach {} within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
+                    if seq == P2P_SEQ { "its matching send/recv".to_string() } else { format!("collective #{seq}") },
                     wait_limit()
                 ),
+            ),
+            Why::P2p => Fail::new(
+                ncclInvalidUsage,
+                format!("invalid usage: a send and its receive disagree on the size or data type (rank {r} received it)"),
             ),
             Why::Mismatch => Fail::new(
                 ncclInvalidUsage,
@@ -907,6 +957,144 @@ impl Segment {
             if lo >= total {
                 return Ok(());
             }
+        }
+    }
+}
+
+/// One send or receive of a group (or a plain call), run by [`Segment::run_p2p`].
+pub(crate) struct P2pWork {
+    pub peer: usize,
+    pub is_send: bool,
+    pub ptr: usize,
+    pub bytes: usize,
+    pub dtype: ncclDataType_t,
+}
+
+impl Segment {
+    fn chan(&self, src: usize, dst: usize) -> (&Chan, *mut u8) {
+        let cb = chan_bytes(self.nranks);
+        let at = self.chans + (src * self.nranks + dst) * (CHAN + cb);
+        // SAFETY: channel (src, dst) lies inside the mapping (checked by `layout` at join).
+        unsafe {
+            let p = self.base.add(at);
+            (&*(p as *const Chan), p.add(CHAN))
+        }
+    }
+
+    fn ring(&self, r: usize) {
+        let b = &self.info(r).bell;
+        b.fetch_add(1, AcqRel);
+        futex_wake(b);
+    }
+
+    /// Runs this rank's sends and receives, all progressing together (so a ring of sends
+    /// and receives in one group never waits on itself), chunk by chunk through the
+    /// channels of each pair.
+    pub(crate) fn run_p2p(&self, work: &[P2pWork]) -> Result<(), Fail> {
+        if let Some(f) = self.failure() {
+            return Err(f);
+        }
+        let cb = chan_bytes(self.nranks);
+        if cb == 0 {
+            return Err(Fail::new(
+                ncclInvalidUsage,
+                format!("invalid usage: send/recv across processes needs at most {MAX_P2P_RANKS} ranks, not {}", self.nranks),
+            ));
+        }
+        let me = self.rank;
+        let deadline = Instant::now() + wait_limit();
+        // Bytes moved so far, and whether the (possibly empty) message is complete.
+        let mut moved = vec![0usize; work.len()];
+        let mut done = vec![false; work.len()];
+        let bell = &self.info(me).bell;
+        let mut next_check = Instant::now() + Duration::from_millis(10);
+        loop {
+            let rung = bell.load(Acquire);
+            let mut progressed = false;
+            for (i, w) in work.iter().enumerate() {
+                // Messages on one channel go one after the other.
+                let queued = work[..i]
+                    .iter()
+                    .zip(&done[..i])
+                    .any(|(o, d)| !d && o.peer == w.peer && o.is_send == w.is_send);
+                if done[i] || queued {
+                    continue;
+                }
+                let msg = (w.bytes as u64) << 8 | (w.dtype as u64 & 0xff);
+                if w.is_send {
+                    let (c, data) = self.chan(me, w.peer);
+                    if c.posted.load(Acquire) != c.taken.load(Acquire) {
+                        continue;
+                    }
+                    let l = (w.bytes - moved[i]).min(cb);
+                    // SAFETY: the channel is empty, so only this sender touches its data;
+                    // the user's buffer holds `bytes` (NCCL's contract).
+                    unsafe { copy(w.ptr + moved[i], data as usize, l) };
+                    c.len.store(l as u64, Relaxed);
+                    c.msg.store(msg, Relaxed);
+                    c.posted.fetch_add(1, Release);
+                    moved[i] += l;
+                    done[i] = moved[i] == w.bytes;
+                    self.ring(w.peer);
+                    progressed = true;
+                } else {
+                    let (c, data) = self.chan(w.peer, me);
+                    if c.posted.load(Acquire) == c.taken.load(Acquire) {
+                        continue;
+                    }
+                    let l = c.len.load(Relaxed) as usize;
+                    if c.msg.load(Relaxed) != msg || moved[i] + l > w.bytes {
+                        let text = format!(
+                            "invalid usage: ncclSend from rank {} ({} bytes, dtype {}) does not match ncclRecv on rank {me} ({} bytes, dtype {})",
+                            w.peer,
+                            c.msg.load(Relaxed) >> 8,
+                            c.msg.load(Relaxed) & 0xff,
+                            w.bytes,
+                            w.dtype
+                        );
+                        self.fail(Why::P2p, me, P2P_SEQ);
+                        return Err(Fail::new(ncclInvalidUsage, text));
+                    }
+                    // SAFETY: the chunk was posted (Acquire above) and stays until taken.
+                    unsafe { copy(data as usize, w.ptr + moved[i], l) };
+                    c.taken.fetch_add(1, Release);
+                    moved[i] += l;
+                    done[i] = moved[i] == w.bytes;
+                    self.ring(w.peer);
+                    progressed = true;
+                }
+            }
+            if done.iter().all(|&d| d) {
+                return Ok(());
+            }
+            if progressed {
+                continue;
+            }
+            if let Some(f) = self.failure() {
+                return Err(f);
+            }
+            let now = Instant::now();
+            if now >= next_check {
+                next_check = now + Duration::from_millis(10);
+                if let Some((why, r)) = self.peer_gone() {
+                    self.fail(why, r, P2P_SEQ);
+                    return Err(self.failure().unwrap_or_else(|| {
+                        Fail::new(ncclRemoteError, "remote error: a rank is gone")
+                    }));
+                }
+                if now >= deadline {
+                    let late = work
+                        .iter()
+                        .zip(&done)
+                        .find(|(_, d)| !**d)
+                        .map_or(me, |(w, _)| w.peer);
+                    self.fail(Why::Timeout, late, P2P_SEQ);
+                    return Err(self
+                        .failure()
+                        .unwrap_or_else(|| Fail::new(ncclTimeout, "NCCL timeout")));
+                }
+            }
+            futex_wait(bell, rung, Duration::from_millis(5));
         }
     }
 }
