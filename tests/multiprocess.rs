@@ -261,6 +261,21 @@ fn every_collective<T: V>(
         g.end()?;
         outs.push(got);
     }
+    // A split (the last rank opts out), and an all-reduce on the child.
+    let color = if r == n - 1 && n > 2 {
+        None
+    } else {
+        Some((r % 2) as u32)
+    };
+    if let Some(sub) = c.split(color, -(r as i32))? {
+        let mut y = vec![T::default(); count];
+        sub.all_reduce(&x, &mut y, ReduceOp::Sum, s)?;
+        outs.push(y);
+        outs.push(vec![
+            T::of(sub.rank() as i64),
+            T::of(sub.world_size() as i64),
+        ]);
+    }
     Ok(outs)
 }
 
@@ -472,5 +487,50 @@ fn threads_of_several_processes_share_one_communicator() {
     );
     for (p, o) in outs.iter().enumerate() {
         assert_eq!(o.code, Some(0), "process {p}: {}", o.stderr);
+    }
+}
+
+/// Ranks 0, 2 and 3 shrink the communicator without rank 1 (which calls nothing more)
+/// and go on with three ranks.
+#[test]
+fn ranks_shrink_a_communicator_across_processes() {
+    if let Some((r, _, c)) = child() {
+        let mut x = vec![1.0f32; 1000];
+        for _ in 0..3 {
+            c.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)
+                .expect("all_reduce");
+        }
+        if r == 1 {
+            std::thread::sleep(Duration::from_millis(500));
+            std::process::exit(0);
+        }
+        let run = || -> Result<(usize, usize, f32)> {
+            let small = c.shrink(&[1])?;
+            let mut y = vec![(r + 1) as f32; 1000];
+            small.all_reduce_in_place(&mut y, ReduceOp::Sum, &HostStream)?;
+            Ok((small.rank(), small.world_size(), y[999]))
+        };
+        match run() {
+            Ok((sr, sn, sum)) => {
+                println!("SHRUNK rank {sr} of {sn}: sum {sum}");
+                std::process::exit(0)
+            }
+            Err(e) => {
+                eprintln!("rank {r}: shrink: {e}");
+                std::process::exit(3)
+            }
+        }
+    }
+    let outs = spawn("ranks_shrink_a_communicator_across_processes", 4, &[]);
+    for (r, new) in [(0, 0), (2, 1), (3, 2)] {
+        assert_eq!(outs[r].code, Some(0), "rank {r}: {}", outs[r].stderr);
+        // Ranks 0, 2 and 3 contribute 1 + 3 + 4.
+        assert!(
+            outs[r]
+                .stdout
+                .contains(&format!("SHRUNK rank {new} of 3: sum 8")),
+            "rank {r}: {}",
+            outs[r].stdout
+        );
     }
 }

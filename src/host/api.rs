@@ -443,18 +443,6 @@ fn join_shared(
     }
 }
 
-/// Refuses what a communicator across processes does not offer (yet): split and shrink.
-fn not_shared(g: &mut Global, r: &Ready, what: &str) -> Result<(), Fail> {
-    if shared_of(g, r.clique).is_none() {
-        return Ok(());
-    }
-    Err(g.misuse(
-        Some(r.root),
-        ncclInvalidUsage,
-        format!("invalid usage: {what}: not supported by the host provider on a communicator whose ranks are in several processes (collectives and send/recv are)"),
-    ))
-}
-
 /// The shared segment of a communicator across processes, if `clique` is one.
 fn shared_of(g: &Global, clique: u64) -> Option<std::sync::Arc<super::shm::Segment>> {
     g.cliques.get(&clique).and_then(|c| c.shared.clone())
@@ -636,7 +624,6 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
         group_err((|| {
             let mut g = lock();
             let r = ready(&mut g, comm, "ncclCommSplit", true)?;
-            not_shared(&mut g, &r, "ncclCommSplit")?;
             if newcomm.is_null() || color < NCCL_SPLIT_NOCOLOR {
                 return Err(g.misuse(
                     Some(r.root),
@@ -659,6 +646,41 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
                     ))
                 }
             };
+            if let Some(seg) = shared_of(&g, r.clique) {
+                // Across processes: every rank's (color, key) through the parent, then the
+                // child's id derived alike on every rank and joined as any shared init.
+                drop(g);
+                let all = seg.exchange_split(seq, color, key).inspect_err(|f| {
+                    lock().abort_clique(r.clique, f.clone());
+                })?;
+                let id = seg.child_id(&format!("split {color}"));
+                if color == NCCL_SPLIT_NOCOLOR {
+                    put(newcomm, core::ptr::null_mut());
+                    return Ok(ncclSuccess);
+                }
+                let mut members: Vec<(i32, usize)> = all
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &(c, _))| c == color)
+                    .map(|(q, &(_, k))| (k, q))
+                    .collect();
+                members.sort_unstable();
+                let new_rank = members
+                    .iter()
+                    .position(|&(_, q)| q == r.rank as usize)
+                    .unwrap_or(0);
+                let mut g = lock();
+                let h = g.new_handle(r.root, dev, !blocking);
+                join_shared(
+                    &mut g,
+                    id,
+                    members.len() as c_int,
+                    new_rank as c_int,
+                    h,
+                    r.root,
+                )?;
+                return finish_new(g, h, newcomm, !blocking);
+            }
             if color == NCCL_SPLIT_NOCOLOR {
                 g.post_rdv(r.clique, seq, None, (r.rank, color, key, None))?;
                 put(newcomm, core::ptr::null_mut());
@@ -683,7 +705,6 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
         group_err((|| {
             let mut g = lock();
             let r = ready(&mut g, comm, "ncclCommShrink", false)?;
-            not_shared(&mut g, &r, "ncclCommShrink")?;
             let bad = |g: &mut Global, m: String| {
                 g.misuse(
                     Some(r.root),
@@ -746,6 +767,20 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
                 }
             };
             let h = g.new_handle(r.root, dev, !blocking);
+            if let Some(seg) = shared_of(&g, r.clique) {
+                // Across processes: the survivors need not talk through the (possibly failed)
+                // parent: each derives the child's id and its rank from the exclude list.
+                if shrink_flags == NCCL_SHRINK_ABORT as c_int {
+                    seg.abort();
+                }
+                let id = seg.child_id(&format!("shrink {excl:?}"));
+                let new_rank = (0..r.nranks)
+                    .filter(|q| !excl.contains(q))
+                    .position(|q| q == r.rank);
+                let n = r.nranks - excl.len() as c_int;
+                join_shared(&mut g, id, n, new_rank.unwrap_or(0) as c_int, h, r.root)?;
+                return finish_new(g, h, newcomm, !blocking);
+            }
             g.post_rdv(r.clique, seq, Some(excl), (r.rank, 0, r.rank, Some(h)))?;
             finish_new(g, h, newcomm, !blocking)
         })())

@@ -178,8 +178,8 @@ pub fn root_id_of(comm: ncclComm_t) -> Option<ncclUniqueId> {
 /// machine (and threads of each): `ncclCommInitRank` with it meets the other ranks in a
 /// shared memory segment named from the id instead of inside this process. Hand it to
 /// every rank as any unique id (the process launchers do). Collectives of every kind, type
-/// and reduction, and send/recv (up to 64 ranks), run across processes, alone or in groups;
-/// split and shrink are refused there with `ncclInvalidUsage`. A rank whose process is gone, or that destroyed or aborted its
+/// and reduction, send/recv (up to 64 ranks), split and shrink run across processes, alone
+/// or in groups. A rank whose process is gone, or that destroyed or aborted its
 /// communicator while others wait for it, fails the waiting collective on every rank with
 /// an error naming it.
 pub fn shared_unique_id() -> ncclUniqueId {

@@ -260,6 +260,10 @@ pub(crate) struct Segment {
     seen: Vec<std::sync::atomic::AtomicBool>,
     /// Offset of the send/recv channels.
     chans: usize,
+    /// The communicator's unique id.
+    id: IdBytes,
+    /// Splits and shrinks of this communicator so far (the same on every rank).
+    children: AtomicU64,
 }
 
 // SAFETY: the mapping is process-wide memory accessed through atomics (header, rank
@@ -315,6 +319,47 @@ impl Segment {
         self.rank
     }
 
+    /// The id of this communicator's next split or shrink child (`what` tells them apart):
+    /// every rank derives the same one without talking to the others.
+    pub(crate) fn child_id(&self, what: &str) -> IdBytes {
+        use sha2::Digest;
+        let k = self.children.fetch_add(1, Relaxed);
+        let mut h = sha2::Sha256::new();
+        h.update(self.id);
+        h.update(k.to_le_bytes());
+        h.update(what.as_bytes());
+        let d = h.finalize();
+        // The magic, the shared tag and the maker's pid stay; the rest is the digest.
+        let mut id = self.id;
+        for (i, b) in id[20..].iter_mut().enumerate() {
+            *b = d[i % d.len()] ^ (i / d.len()) as u8;
+        }
+        id
+    }
+
+    /// Every rank's `(color, key)` of split `seq`, through this communicator.
+    pub(crate) fn exchange_split(
+        &self,
+        seq: u64,
+        color: i32,
+        key: i32,
+    ) -> Result<Vec<(i32, i32)>, Fail> {
+        let mine = [color, key];
+        let mut all = vec![0i32; 2 * self.nranks];
+        let post = CollPost {
+            kind: CollKind::AllGather,
+            send: mine.as_ptr() as usize,
+            recv: all.as_mut_ptr() as usize,
+            count: 2,
+            dtype: ncclInt32,
+            red: RedKind::Sum,
+            scalar: Vec::new(),
+            root: 0,
+        };
+        self.run_coll(seq, &post)?;
+        Ok(all.chunks(2).map(|c| (c[0], c[1])).collect())
+    }
+
     /// Joins (creating when first) the segment of `id` as `rank` of `nranks`, waiting for
     /// every rank until `deadline`.
     pub(crate) fn join(
@@ -330,7 +375,7 @@ impl Segment {
             ));
         }
         let path = name_of(id);
-        let r = Self::join_inner(&path, nranks, rank, deadline);
+        let r = Self::join_inner(id, &path, nranks, rank, deadline);
         if r.is_err() {
             let _ = std::fs::remove_file(&path);
         }
@@ -338,6 +383,7 @@ impl Segment {
     }
 
     fn join_inner(
+        id: &IdBytes,
         path: &str,
         nranks: usize,
         rank: usize,
@@ -427,6 +473,8 @@ impl Segment {
                 .map(|_| std::sync::atomic::AtomicBool::new(false))
                 .collect(),
             chans: 0,
+            id: *id,
+            children: AtomicU64::new(0),
         };
         let h = seg.header();
         if creator {
@@ -477,10 +525,12 @@ impl Segment {
         loop {
             let g = h.bar_gen.load(Acquire);
             if h.joined.load(Acquire) as usize >= nranks {
+                seg.peer_gone(); // marks the peers' processes seen alive
                 return Ok(seg);
             }
             if let Some((why, r)) = seg.peer_gone() {
                 if h.joined.load(Acquire) as usize >= nranks {
+                    seg.peer_gone(); // marks the peers' processes seen alive
                     return Ok(seg);
                 }
                 seg.fail(why, r, u64::MAX);
