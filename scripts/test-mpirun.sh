@@ -4,7 +4,7 @@
 #      the id goes over the authenticated TCP rendezvous, the ranks meet in shared memory;
 #   2. the fault tests of tests/multiprocess.rs as 4 mpirun processes:
 #      - rank 1 SIGKILLs itself mid-job: every other rank fails naming it (its process is
-#        gone) within the host timeout + 1 s, the job exits non-zero;
+#        gone) within the host timeout + 1 s;
 #      - rank 1 skips a collective: every rank fails naming it, with what each rank called;
 #      - rank 1 destroys its communicator and exits 0 early: the others fail naming it;
 #      every time nothing hangs and nothing is left in /dev/shm. The times from the fault
@@ -84,25 +84,25 @@ delay() {
 }
 limit=$(( NCCL_SAFE_HOST_TIMEOUT_MS + 1000 ))
 echo "2. faults as 4 mpirun processes (host timeout ${NCCL_SAFE_HOST_TIMEOUT_MS} ms)"
-run kill "$exe" --exact a_killed_rank_fails_every_other_rank_naming_it --nocapture --test-threads=1
-[ "$rc" -ne 0 ] || { cat "$logs/kill"; fail "kill: the job exited 0"; }
+# --enable-recovery: mpirun must not kill the survivors when a rank dies, or they could not
+# report; it then exits 0 whatever the ranks did, so each rank's error line is checked (a
+# rank that prints one exits 1 right after; tests/multiprocess.rs checks the exit codes).
+run kill --enable-recovery "$exe" --exact a_killed_rank_fails_every_other_rank_naming_it --nocapture --test-threads=1
 for r in 0 2 3; do
   grep -qE "^rank $r step [0-9]+: .*rank 1 \(pid [0-9]+\) died" "$logs/kill" \
     || { cat "$logs/kill"; fail "kill: rank $r did not fail naming rank 1"; }
 done
 t="$(delay "$logs/kill" KILLED_AT_MS)"
 awk -v t="$t" -v l="$limit" 'BEGIN { exit !(t < l) }' || fail "kill: errors took $t ms (limit $limit)"
-echo "  SIGKILL of rank 1: ranks 0, 2, 3 failed naming it; last error $t ms after the kill; job exit $rc"
+echo "  SIGKILL of rank 1: ranks 0, 2, 3 failed naming it; last error $t ms after the kill"
 
-run skip "$exe" --exact a_rank_that_skips_a_collective_is_named_on_every_rank --nocapture --test-threads=1
-[ "$rc" -ne 0 ] || { cat "$logs/skip"; fail "skip: the job exited 0"; }
+run skip --enable-recovery "$exe" --exact a_rank_that_skips_a_collective_is_named_on_every_rank --nocapture --test-threads=1
 [ "$(count "$logs/skip" '^rank [0-3] step [0-9]+: .*rank\(s\) \[1\] called something else')" -eq 4 ] \
   || { cat "$logs/skip"; fail "skip: expected 4 ranks naming rank 1"; }
 echo "  rank 1 skips a collective: all 4 ranks fail naming it"
 echo "    $(grep -m1 -oE '^rank 0 step [0-9]+: .*' "$logs/skip" | sed -E 's/.*NCCL.s last error: //' | cut -c1-150)..."
 
-run leave "$exe" --exact a_rank_that_leaves_early_fails_the_others_naming_it --nocapture --test-threads=1
-[ "$rc" -ne 0 ] || { cat "$logs/leave"; fail "leave: the job exited 0"; }
+run leave --enable-recovery "$exe" --exact a_rank_that_leaves_early_fails_the_others_naming_it --nocapture --test-threads=1
 [ "$(count "$logs/leave" '^rank [023] step [0-9]+: .*rank 1 \(pid [0-9]+\) destroyed its communicator')" -eq 3 ] \
   || { cat "$logs/leave"; fail "leave: expected ranks 0, 2, 3 naming rank 1"; }
 t="$(delay "$logs/leave" LEFT_AT_MS)"
