@@ -2,7 +2,10 @@
 //! `y = w . x + b` by SGD on its own shard, all-reduces (averages) the gradients every step,
 //! and applies the same update. The ranks' parameters stay identical and the loss falls.
 //!
-//! `cargo run --example train -- [--ranks N] [--backend auto|nccl|host]`
+//! `cargo run --example train -- [--ranks N] [--backend auto|nccl|host] [--launcher threads|env]`
+//!
+//! With `--launcher env` each process is one rank of a job started by torchrun, srun or
+//! mpirun (`--backend host` runs it on the CPU).
 
 mod common;
 
@@ -95,7 +98,44 @@ fn train(rank: &Rank) -> Result<(Vec<f32>, Vec<f32>)> {
     Ok((params, losses))
 }
 
+/// One rank of a job started by torchrun, srun or mpirun: trains, then gathers every
+/// rank's parameters to check they are identical.
+fn one_process(args: &Args) -> std::result::Result<(), Failure> {
+    let rank = args.process_rank()?;
+    println!(
+        "rank {} of {} (from the launcher's environment): linear regression by data-parallel SGD, {STEPS} steps",
+        rank.rank(),
+        rank.world_size()
+    );
+    let (params, losses) = train(&rank)?;
+    let mut all = vec![0.0f32; params.len() * rank.world_size()];
+    rank.comm().all_gather(&params, &mut all, rank.stream())?;
+    let identical = all.chunks(params.len()).all(|p| {
+        p.iter()
+            .zip(&params)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    });
+    let fell = losses.last().copied().unwrap_or(f32::NAN) < losses[0] / 100.0;
+    println!(
+        "rank {}: loss {:.4} -> {:.6}, parameters identical on every rank: {}",
+        rank.rank(),
+        losses[0],
+        losses[losses.len() - 1],
+        if identical { "yes" } else { "NO" }
+    );
+    if !identical || !fell {
+        return Err(Failure::Wrong(format!(
+            "training failed on rank {}: identical = {identical}, loss fell 100x = {fell}",
+            rank.rank()
+        )));
+    }
+    Ok(())
+}
+
 fn run(args: Args) -> std::result::Result<(), Failure> {
+    if args.launcher == "env" {
+        return one_process(&args);
+    }
     let (launcher, _, first_line) = args.launcher()?;
     println!("{first_line}");
     println!(

@@ -6,7 +6,8 @@
 #      the same clear error, and none hangs;
 #   2. the allreduce example under torchrun with `--launcher env --backend nccl`: every rank
 #      fails at once with the same clear error naming CUDA_VISIBLE_DEVICES (without a GPU);
-#   3. `--launcher env --backend host` is refused with the reason;
+#   3. the allreduce and train examples with `--launcher env --backend host`: 4 processes on
+#      the CPU, meeting in shared memory;
 #   4. the c10d store client against PyTorch's own TCPStore servers (libuv, torchrun's
 #      default, and the older one): every request, a wait that times out, the board.
 # PyTorch comes from PyPI into a venv (default $NCCL_SAFE_CACHE/torch-venv, i.e.
@@ -92,12 +93,15 @@ if run allreduce 120 --nproc_per_node=4 --no-python "$example" --launcher env --
 fi
 echo "  each rank: $(same_error "$logs/allreduce" '^error: .*no CUDA device.*CUDA_VISIBLE_DEVICES' 4)"
 
-echo "3. --launcher env --backend host is refused"
-if run host 60 --nproc_per_node=1 --no-python "$example" --launcher env --backend host; then
-  fail "--launcher env --backend host ran"
-fi
-grep -q 'thread of one process' "$logs/host" || { cat "$logs/host"; fail "no reason given"; }
-echo "  $(grep -o '^error: .*' "$logs/host" | head -n 1 | cut -c1-160)..."
+echo "3. the allreduce and train examples under torchrun, --launcher env --backend host (CPU)"
+cargo build --quiet --example train
+run host 120 --nproc_per_node=4 --no-python "$example" --launcher env --backend host --count 100000 \
+  || { cat "$logs/host"; fail "allreduce --launcher env --backend host failed"; }
+[ "$(grep -cE '^ +[0-3]  host +10  ok$' "$logs/host" || true)" -eq 4 ] || { cat "$logs/host"; fail "expected 4 verified ranks"; }
+run train 120 --nproc_per_node=4 --no-python "${example%/allreduce}/train" --launcher env --backend host \
+  || { cat "$logs/train"; fail "train --launcher env --backend host failed"; }
+[ "$(grep -c 'parameters identical on every rank: yes' "$logs/train" || true)" -eq 4 ] || { cat "$logs/train"; fail "expected 4 ranks with identical parameters"; }
+echo "  4 ranks verified; train's parameters identical on 4 ranks"
 
 echo "4. the store client against PyTorch's own TCPStore servers (libuv and the older one)"
 store_exe="$(cargo test --test store --no-run --message-format=json 2>/dev/null \

@@ -170,18 +170,88 @@ fn mismatch_reports_every_ranks_call_and_line_and_fails_fast() {
     );
 }
 
-/// The host provider's ranks are threads of one process, so a launcher of processes
-/// cannot use it: the combination is refused with the reason, before anything runs.
+/// Starts `name` as `n` processes with the variables torchrun sets (as torchrun, srun or
+/// mpirun would), on the host provider: they meet in shared memory.
+fn as_processes(name: &str, n: usize, args: &[&str]) -> Vec<Output> {
+    // A free port (rank 0 also serves the desync board on the next one).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("examples")
+        .join(name);
+    let kids: Vec<_> = (0..n)
+        .map(|r| {
+            Command::new(&bin)
+                .args(args)
+                .env_remove("NCCL_LIBRARY")
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("LOCAL_WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env(
+                    "NCCL_SAFE_RENDEZVOUS_TOKEN",
+                    "examples-test-token-0123456789",
+                )
+                .env("NCCL_SAFE_HOST_TIMEOUT_MS", "30000")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    kids.into_iter()
+        .map(|k| k.wait_with_output().unwrap())
+        .collect()
+}
+
+/// `--launcher env --backend host`: each process is one rank, on the CPU.
 #[test]
-fn allreduce_refuses_the_env_launcher_with_the_host_backend() {
-    let o = example("allreduce", &["--launcher", "env", "--backend", "host"]);
-    assert_eq!(o.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        err.contains("--launcher env cannot run --backend host")
-            && err.contains("thread of one process")
-            && err.contains("--launcher threads --backend host"),
-        "{err}"
+fn allreduce_and_train_run_as_processes_on_the_host_provider() {
+    let outs = as_processes(
+        "allreduce",
+        4,
+        &[
+            "--launcher",
+            "env",
+            "--backend",
+            "host",
+            "--count",
+            "100000",
+        ],
     );
-    assert!(!err.contains("libnccl"), "{err}");
+    for (r, o) in outs.iter().enumerate() {
+        let out = stdout(o);
+        assert!(
+            o.status.success(),
+            "rank {r}: {out}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(out.contains(&format!("rank {r} of 4")), "{out}");
+        assert!(
+            out.contains(&format!("    {r}  host                    10  ok")),
+            "{out}"
+        );
+    }
+    let outs = as_processes("train", 4, &["--launcher", "env", "--backend", "host"]);
+    for (r, o) in outs.iter().enumerate() {
+        let out = stdout(o);
+        assert!(
+            o.status.success(),
+            "rank {r}: {out}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(
+            out.contains(&format!("rank {r}: loss"))
+                && out.contains("parameters identical on every rank: yes"),
+            "{out}"
+        );
+    }
 }

@@ -122,17 +122,20 @@ impl Args {
                 a.launcher
             )));
         }
-        if a.launcher == "env" && a.backend == "host" {
-            return Err(bad(
-                "--launcher env cannot run --backend host: the host provider runs every rank as a thread of \
-                 one process and its ranks meet only inside that process, so ranks started as separate \
-                 processes (torchrun, srun, mpirun) could never reach each other. Use --launcher threads \
-                 --backend host --ranks N for a CPU-only run in one process, or --launcher env --backend nccl \
-                 with one GPU per process"
-                    .into(),
-            ));
-        }
         Ok(a)
+    }
+
+    /// This process's rank of a job started by torchrun, srun or mpirun (`--launcher env`),
+    /// on the host provider with `--backend host` (the job's processes meet in shared
+    /// memory), else on the GPU of its local rank.
+    pub fn process_rank(&self) -> Result<Rank> {
+        let launcher = Launcher::from_env()?;
+        let launcher = if self.backend == "host" {
+            launcher.host()
+        } else {
+            launcher
+        };
+        launcher.init()
     }
 
     /// The launcher for `--backend` and `--ranks`, and a first line saying what runs where.

@@ -384,8 +384,68 @@ fn init_rank(
     }
     let blocking = parse_config(&mut g, config, Some(root), what)?.unwrap_or(true);
     let h = g.new_handle(root, DEVICE.with(|d| d.get()), !blocking);
-    g.post_init(idb, nranks, rank, h);
+    if super::shm::is_shared(&idb) {
+        join_shared(&mut g, idb, nranks, rank, h, root)?;
+    } else {
+        g.post_init(idb, nranks, rank, h);
+    }
     finish_new(g, h, comm, !blocking)
+}
+
+/// Joins a communicator whose ranks may be in other processes: the shared segment's
+/// rendezvous runs on a thread of its own, and the handle stays `Pending` until it ends
+/// (so blocking, non-blocking and grouped inits all wait the usual way).
+fn join_shared(
+    g: &mut Global,
+    idb: IdBytes,
+    nranks: c_int,
+    rank: c_int,
+    h: Handle,
+    root: RootIdx,
+) -> Result<(), Fail> {
+    let deadline = std::time::Instant::now() + super::state::wait_limit();
+    if let Some(c) = g.comms.get_mut(&h) {
+        // The segment's own deadline reports first, naming the missing ranks.
+        c.deadline = deadline + std::time::Duration::from_secs(1);
+    }
+    let spawned = std::thread::Builder::new()
+        .name("nccl-safe-shm-init".into())
+        .spawn(move || {
+            let r = super::shm::Segment::join(&idb, nranks as usize, rank as usize, deadline);
+            let mut g = lock();
+            let pending = matches!(g.comms.get(&h).map(|c| &c.state), Some(CommState::Pending));
+            match r {
+                Ok(seg) if pending => {
+                    g.new_shared_clique(root, h, std::sync::Arc::new(seg), nranks);
+                }
+                // Destroyed or failed meanwhile: the peers must not wait for this rank.
+                Ok(seg) => seg.abort(),
+                Err(f) => {
+                    if let Some(c) = g.comms.get_mut(&h) {
+                        if pending {
+                            c.state = CommState::Failed(f);
+                        }
+                    }
+                }
+            }
+            drop(g);
+            super::state::notify();
+        });
+    match spawned {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            g.forget_handle(h);
+            Err(Fail::new(
+                ncclSystemError,
+                format!("system error: cannot start the shared-memory init thread: {e}"),
+            ))
+        }
+    }
+}
+
+/// The shared segment of a communicator across processes, if `clique` is one.
+fn shared_of(g: &Global, clique: u64) -> Option<std::sync::Arc<super::shm::Segment>> {
+    g.cliques.get(&clique).and_then(|c| c.shared.clone())
 }
 
 pub(crate) unsafe extern "C" fn ncclCommInitRankConfig(
@@ -521,6 +581,13 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     });
     match c.state {
         CommState::Ready { clique, rank } => {
+            if let Some(seg) = shared_of(&g, clique) {
+                if abort {
+                    seg.abort();
+                } else {
+                    seg.leave();
+                }
+            }
             if abort {
                 g.abort_clique(
                     clique,
@@ -588,6 +655,41 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
                     ))
                 }
             };
+            if let Some(seg) = shared_of(&g, r.clique) {
+                // Across processes: every rank's (color, key) through the parent, then the
+                // child's id derived alike on every rank and joined as any shared init.
+                drop(g);
+                let all = seg.exchange_split(seq, color, key).inspect_err(|f| {
+                    lock().abort_clique(r.clique, f.clone());
+                })?;
+                let id = seg.child_id(&format!("split {color}"));
+                if color == NCCL_SPLIT_NOCOLOR {
+                    put(newcomm, core::ptr::null_mut());
+                    return Ok(ncclSuccess);
+                }
+                let mut members: Vec<(i32, usize)> = all
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &(c, _))| c == color)
+                    .map(|(q, &(_, k))| (k, q))
+                    .collect();
+                members.sort_unstable();
+                let new_rank = members
+                    .iter()
+                    .position(|&(_, q)| q == r.rank as usize)
+                    .unwrap_or(0);
+                let mut g = lock();
+                let h = g.new_handle(r.root, dev, !blocking);
+                join_shared(
+                    &mut g,
+                    id,
+                    members.len() as c_int,
+                    new_rank as c_int,
+                    h,
+                    r.root,
+                )?;
+                return finish_new(g, h, newcomm, !blocking);
+            }
             if color == NCCL_SPLIT_NOCOLOR {
                 g.post_rdv(r.clique, seq, None, (r.rank, color, key, None))?;
                 put(newcomm, core::ptr::null_mut());
@@ -674,6 +776,20 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
                 }
             };
             let h = g.new_handle(r.root, dev, !blocking);
+            if let Some(seg) = shared_of(&g, r.clique) {
+                // Across processes: the survivors need not talk through the (possibly failed)
+                // parent: each derives the child's id and its rank from the exclude list.
+                if shrink_flags == NCCL_SHRINK_ABORT as c_int {
+                    seg.abort();
+                }
+                let id = seg.child_id(&format!("shrink {excl:?}"));
+                let new_rank = (0..r.nranks)
+                    .filter(|q| !excl.contains(q))
+                    .position(|q| q == r.rank);
+                let n = r.nranks - excl.len() as c_int;
+                join_shared(&mut g, id, n, new_rank.unwrap_or(0) as c_int, h, r.root)?;
+                return finish_new(g, h, newcomm, !blocking);
+            }
             g.post_rdv(r.clique, seq, Some(excl), (r.rank, 0, r.rank, Some(h)))?;
             finish_new(g, h, newcomm, !blocking)
         })())
@@ -704,6 +820,9 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
                 f.code
             }
             Some(CommState::Ready { clique, .. }) => {
+                if let Some(f) = shared_of(&g, clique).and_then(|s| s.failure()) {
+                    g.abort_clique(clique, f);
+                }
                 match g.cliques.get(&clique).and_then(|c| c.aborted.clone()) {
                     Some(f) => {
                         set_last(&f.msg);

@@ -825,12 +825,87 @@ fn poll(g: &mut Global, w: &Wait, deadline: Instant) -> Option<Result<(), Fail>>
     }
 }
 
-/// Posts `items` in order, runs the work this thread completed, then waits until every
-/// item is done (or failed). Returns the first error. Consumes the lock.
+/// Runs `items`: those of communicators in this process as in [`run_local`], then those
+/// of communicators across processes, in order, through their shared segments. Returns
+/// the first error. Consumes the lock.
 pub(crate) fn run_items(
-    mut g: std::sync::MutexGuard<'static, Global>,
+    g: std::sync::MutexGuard<'static, Global>,
     items: Vec<Item>,
 ) -> Result<(), Fail> {
+    let mut local = Vec::new();
+    let mut shared = Vec::new();
+    for it in items {
+        let seg = match &it {
+            Item::Coll { clique, .. } | Item::P2p { clique, .. } => {
+                g.cliques.get(clique).and_then(|c| c.shared.clone())
+            }
+            _ => None,
+        };
+        match seg {
+            Some(seg) => shared.push((seg, it)),
+            None => local.push(it),
+        }
+    }
+    let mut res = run_local(g, local);
+    // Collectives in order, then every send and receive together (per communicator), the
+    // same on every rank.
+    let mut p2p: Vec<(
+        u64,
+        std::sync::Arc<super::shm::Segment>,
+        Vec<super::shm::P2pWork>,
+    )> = Vec::new();
+    shared.retain(|(seg, it)| match it {
+        Item::P2p {
+            clique,
+            src,
+            dst,
+            is_send,
+            post,
+            ..
+        } => {
+            let w = super::shm::P2pWork {
+                peer: if *is_send { *dst } else { *src } as usize,
+                is_send: *is_send,
+                ptr: post.ptr,
+                bytes: post.count * dtype::size_of(post.dtype).unwrap_or(0),
+                dtype: post.dtype,
+            };
+            match p2p.iter_mut().find(|(c, _, _)| c == clique) {
+                Some((_, _, ws)) => ws.push(w),
+                None => p2p.push((*clique, seg.clone(), vec![w])),
+            }
+            false
+        }
+        _ => true,
+    });
+    for (seg, it) in shared {
+        if let Item::Coll {
+            clique, seq, post, ..
+        } = it
+        {
+            if let Err(f) = seg.run_coll(seq, &post) {
+                // The communicator failed on every rank: later calls fail at once.
+                lock().abort_clique(clique, f.clone());
+                if res.is_ok() {
+                    res = Err(f);
+                }
+            }
+        }
+    }
+    for (clique, seg, work) in p2p {
+        if let Err(f) = seg.run_p2p(&work) {
+            lock().abort_clique(clique, f.clone());
+            if res.is_ok() {
+                res = Err(f);
+            }
+        }
+    }
+    res
+}
+
+/// Posts `items` in order, runs the work this thread completed, then waits until every
+/// item is done (or failed). Returns the first error. Consumes the lock.
+fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) -> Result<(), Fail> {
     let mut first: Option<Fail> = None;
     let mut waits = Vec::new();
     let mut jobs = Vec::new();

@@ -5,6 +5,10 @@
 //! `nccl_sys::FunctionTable::load(nccl_safe::host::lookup)` fills the same table a
 //! `dlopen`ed `libnccl.so.2` does, and everything above the table runs unchanged.
 //!
+//! Ranks may also be processes of one machine: an id from [`shared_unique_id`] makes
+//! `ncclCommInitRank` meet the other ranks in a shared memory segment instead of inside this
+//! process (see [`shared_unique_id`] for what runs there and how a dead peer is reported).
+//!
 //! [`fault`] injects the GPU's failure modes (work that never completes, aborts that block,
 //! the CUDA runtime's teardown at exit), so that failure handling is tested on any machine.
 //!
@@ -92,6 +96,7 @@ mod dtype;
 mod exec;
 pub mod fault;
 mod registry;
+mod shm;
 mod state;
 
 use nccl_sys::bindings::{ncclComm_t, ncclUniqueId};
@@ -167,6 +172,18 @@ pub fn root_id_of(comm: ncclComm_t) -> Option<ncclUniqueId> {
     let g = state::lock();
     let root = g.comms.get(&(comm as usize))?.root;
     g.root_id(root)
+}
+
+/// A unique id for a host communicator whose ranks may be in several processes of this
+/// machine (and threads of each): `ncclCommInitRank` with it meets the other ranks in a
+/// shared memory segment named from the id instead of inside this process. Hand it to
+/// every rank as any unique id (the process launchers do). Collectives of every kind, type
+/// and reduction, send/recv (up to 64 ranks), split and shrink run across processes, alone
+/// or in groups. A rank whose process is gone, or that destroyed or aborted its
+/// communicator while others wait for it, fails the waiting collective on every rank with
+/// an error naming it.
+pub fn shared_unique_id() -> ncclUniqueId {
+    shm::shared_id()
 }
 
 /// The most recent misuse messages (at most 64, oldest first), process wide.

@@ -165,6 +165,9 @@ pub(crate) struct Clique {
     pub colls: HashMap<u64, CollSlot>,
     pub p2p: HashMap<(i32, i32, u64), P2pSlot>,
     pub rdv: HashMap<u64, RdvSlot>,
+    /// For a communicator across processes: this rank's view of the shared segment (the
+    /// clique then holds this one rank of the communicator).
+    pub shared: Option<std::sync::Arc<super::shm::Segment>>,
 }
 
 impl Clique {
@@ -348,6 +351,7 @@ impl Global {
                 colls: HashMap::new(),
                 p2p: HashMap::new(),
                 rdv: HashMap::new(),
+                shared: None,
             },
         );
         for (rank, h) in handles.iter().enumerate() {
@@ -358,6 +362,37 @@ impl Global {
                 };
                 c.pending_on = PendingOn::Nothing;
             }
+        }
+        id
+    }
+
+    /// A clique for handle `h`, rank `rank` of a communicator across processes.
+    pub(crate) fn new_shared_clique(
+        &mut self,
+        root: RootIdx,
+        h: Handle,
+        seg: std::sync::Arc<super::shm::Segment>,
+        nranks: i32,
+    ) -> u64 {
+        self.next_clique += 1;
+        let id = self.next_clique;
+        let rank = seg.rank() as i32;
+        self.cliques.insert(
+            id,
+            Clique {
+                nranks,
+                root,
+                members: 1,
+                aborted: None,
+                colls: HashMap::new(),
+                p2p: HashMap::new(),
+                rdv: HashMap::new(),
+                shared: Some(seg),
+            },
+        );
+        if let Some(c) = self.comms.get_mut(&h) {
+            c.state = CommState::Ready { clique: id, rank };
+            c.pending_on = PendingOn::Nothing;
         }
         id
     }

@@ -463,6 +463,7 @@ impl Launcher {
         Ok(ProcessLauncher {
             env: ProcessEnv::from_process_env()?,
             config: Config::new(),
+            host: false,
         })
     }
 }
@@ -540,6 +541,7 @@ impl<R> std::fmt::Display for LaunchReport<R> {
 pub struct ProcessLauncher {
     env: ProcessEnv,
     config: Config,
+    host: bool,
 }
 
 impl ProcessLauncher {
@@ -548,7 +550,17 @@ impl ProcessLauncher {
         ProcessLauncher {
             env,
             config: Config::new(),
+            host: false,
         }
+    }
+
+    /// Runs the ranks on the host provider ([`Device::Host`], CPU memory) instead of a GPU
+    /// each: the processes of one machine meet in shared memory
+    /// ([`crate::host::shared_unique_id`]), so multi-process code runs on any machine.
+    #[cfg(feature = "host")]
+    pub fn host(mut self) -> ProcessLauncher {
+        self.host = true;
+        self
     }
 
     /// The communicator's configuration.
@@ -575,7 +587,9 @@ impl ProcessLauncher {
     /// way every rank's communicator gets the board, so a timeout report shows what the
     /// ranks in other processes were last doing.
     pub fn init(mut self) -> Result<Rank> {
-        self.check_devices(cuda_device_count())?;
+        if !self.host {
+            self.check_devices(cuda_device_count())?;
+        }
         let world = self.env.world_size;
         if let Some(store) = StoreRendezvous::from_env(&self.env) {
             self.config = self.config.remote_board(Arc::new(store.board(world)));
@@ -620,6 +634,13 @@ impl ProcessLauncher {
     /// (`ncclGetUniqueId`, which needs no GPU) and every rank receives it. Rank 0 also gets
     /// the server handle, whose `wait` reports ranks that never fetched the id.
     pub fn exchange_id(&self, rendezvous: Rendezvous) -> Result<(UniqueId, Option<ServerHandle>)> {
+        #[cfg(feature = "host")]
+        if self.host {
+            let exchanged = rendezvous.exchange(self.env.rank, self.env.world_size, || {
+                Ok::<_, Error>(UniqueId::from_raw(crate::host::shared_unique_id()).to_bytes())
+            })?;
+            return Ok((UniqueId::from_bytes(&exchanged.id)?, exchanged.server));
+        }
         let lib = crate::Library::load()?;
         let exchanged = rendezvous.exchange(self.env.rank, self.env.world_size, || {
             UniqueId::new_with(&lib).map(|id| id.to_bytes())
@@ -630,6 +651,20 @@ impl ProcessLauncher {
     /// Step two: joins the communicator with `id` on the GPU of the local rank. Without a
     /// GPU for it, a clear error (on every rank alike), never a hang.
     pub fn join(&self, id: &UniqueId) -> Result<Rank> {
+        if self.host {
+            let comm = Communicator::init_rank(
+                &Device::Host,
+                self.env.world_size,
+                self.env.rank,
+                id,
+                &self.config,
+            )?;
+            return Ok(Rank {
+                comm,
+                stream: Stream::Host,
+                board: None,
+            });
+        }
         let local = self.env.device();
         self.check_devices(cuda_device_count())?;
         let ctx = CudaContext::new(local)?;

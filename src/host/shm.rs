@@ -1,0 +1,1195 @@
+//! Host communicators whose ranks live in several processes of one machine: a shared
+//! memory segment per communicator, named from the unique id, with one staging slot per
+//! rank and a barrier whose waits have deadlines and watch the peers' processes.
+//!
+//! Segment layout: a [`Header`], then one [`RankInfo`] per rank, then `nranks` staging
+//! slots of `slot` bytes. Every collective runs in rounds of at most one slot per rank:
+//! each rank copies its part in, a barrier, reductions split so that each rank reduces
+//! `1/nranks` of the round in place, a barrier, each rank copies its result out, a
+//! barrier. The element arithmetic is [`super::dtype::reduce`], as for ranks in threads.
+//!
+//! The segment's name is removed from `/dev/shm` as soon as every rank has mapped it (and
+//! on every failed join), so a crash later leaves nothing behind; a segment older than the
+//! init deadline whose id's maker process is gone is swept by the next init on the machine.
+//!
+//! A wait fails (and the communicator with it, on every rank) when a peer's process is
+//! gone (once seen alive from this process: pids of another namespace are not watched), when a peer destroyed or aborted its communicator, when ranks disagree on the
+//! operation, or at the deadline (`NCCL_SAFE_HOST_TIMEOUT_MS`); every error names the rank.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
+use std::time::{Duration, Instant};
+
+use nccl_sys::bindings::*;
+
+use super::dtype::{self, RedKind};
+use super::state::{wait_limit, CollKind, CollPost, Fail, IdBytes};
+
+/// The second half of a unique id's magic for communicators that may span processes
+/// (`api::ID_MAGIC` ends in `\x01` for thread-only ids).
+pub(crate) const SHARED_TAG: u8 = 0x02;
+
+const MAGIC: u64 = 0x6e63_636c_7368_6d31; // "ncclshm1"
+const DIR: &str = "/dev/shm";
+const PREFIX: &str = "nccl-safe-";
+/// Largest rank count of a shared communicator.
+const MAX_RANKS: usize = 1024;
+/// Bytes of one rank's staging slot (a multiple of every element size); overridden by
+/// `NCCL_SAFE_HOST_SHM_SLOT_BYTES`.
+const DEFAULT_SLOT: usize = 1 << 20;
+/// Bytes reduced per step (the partial result stays in cache).
+const STEP: usize = 32 << 10;
+
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    nranks: AtomicU32,
+    joined: AtomicU32,
+    slot: AtomicU64,
+    creator: AtomicU32,
+    bar_count: AtomicU32,
+    /// The futex word: bumped when a barrier completes or the segment is failed.
+    bar_gen: AtomicU32,
+    _pad: u32,
+    /// 0 while healthy, else `kind << 32 | rank` of the first failure.
+    failed: AtomicU64,
+    /// The operation sequence number that failed.
+    failed_seq: AtomicU64,
+}
+
+#[repr(C)]
+struct RankInfo {
+    pid: AtomicU32,
+    /// 0 absent, 1 joined, 2 left (destroyed its communicator).
+    state: AtomicU32,
+    /// Barriers entered, so a timeout names the ranks that did not come.
+    epoch: AtomicU64,
+    /// The operations it runs, by sequence number parity (a fast rank publishes its next
+    /// operation while a slow one still checks the current one).
+    ops: [OpDesc; 2],
+    /// Bumped (and woken) by a peer that changed one of this rank's send/recv channels.
+    bell: AtomicU32,
+    _pad32: u32,
+    _pad: [u64; 5],
+}
+
+/// One direction of send/recv between two ranks: the sender posts a chunk when the
+/// channel is empty, the receiver takes it.
+#[repr(C)]
+struct Chan {
+    posted: AtomicU64,
+    taken: AtomicU64,
+    /// Bytes in the posted chunk.
+    len: AtomicU64,
+    /// The whole message's bytes and data type, `bytes << 8 | dtype`.
+    msg: AtomicU64,
+    _pad: [u64; 4],
+}
+
+const CHAN: usize = core::mem::size_of::<Chan>();
+/// Largest communicator across processes with send/recv (channels grow as nranks²).
+const MAX_P2P_RANKS: usize = 64;
+/// The failure sequence number of a send/recv.
+const P2P_SEQ: u64 = u64::MAX - 1;
+
+/// Data bytes of one send/recv channel for `nranks` ranks (0: none).
+fn chan_bytes(nranks: usize) -> usize {
+    if nranks > MAX_P2P_RANKS {
+        return 0;
+    }
+    ((16 << 20) / (nranks * nranks)).clamp(4096, 256 << 10) / 64 * 64
+}
+
+#[repr(C)]
+struct OpDesc {
+    /// Sequence number + 1 (0 = none yet).
+    seq: AtomicU64,
+    /// kind | dtype << 8 | red << 16 | (root + 1) << 32
+    desc: AtomicU64,
+    count: AtomicU64,
+    scalar: AtomicU64,
+}
+
+const HEADER: usize = 128;
+const INFO: usize = core::mem::size_of::<RankInfo>();
+
+/// Why a shared communicator failed (the high half of [`Header::failed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Why {
+    Abort = 1,
+    Died = 2,
+    Left = 3,
+    Timeout = 4,
+    Mismatch = 5,
+    P2p = 6,
+}
+
+fn why_of(k: u64) -> Option<Why> {
+    Some(match k {
+        1 => Why::Abort,
+        2 => Why::Died,
+        3 => Why::Left,
+        4 => Why::Timeout,
+        5 => Why::Mismatch,
+        6 => Why::P2p,
+        _ => return None,
+    })
+}
+
+/// (offset of the slots, offset of the send/recv channels, total bytes).
+fn layout(nranks: usize, slot: usize) -> Option<(usize, usize, usize)> {
+    let data = (HEADER + nranks * INFO).div_ceil(4096) * 4096;
+    let chans = data.checked_add(nranks.checked_mul(slot)?)?;
+    let n2 = if chan_bytes(nranks) > 0 {
+        nranks * nranks
+    } else {
+        0
+    };
+    let len = chans.checked_add(n2.checked_mul(CHAN + chan_bytes(nranks))?)?;
+    Some((data, chans, len))
+}
+
+fn slot_bytes() -> usize {
+    std::env::var("NCCL_SAFE_HOST_SHM_SLOT_BYTES")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .map(|b| (b / 64 * 64).max(4096))
+        .unwrap_or(DEFAULT_SLOT)
+}
+
+/// A system call's failure as a typed NCCL error with its context.
+fn sys_fail(what: &str, e: std::io::Error) -> Fail {
+    Fail::new(
+        ncclSystemError,
+        format!("system error: host provider shared memory: {what}: {e}"),
+    )
+}
+
+/// Whether process `pid` still runs (a zombie counts as gone).
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => !matches!(
+            s.rsplit_once(')')
+                .and_then(|(_, r)| r.trim_start().chars().next()),
+            Some('Z' | 'X')
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        // No /proc: ask the kernel.
+        // SAFETY: kill with signal 0 sends nothing; it only checks the pid exists.
+        Err(_) => unsafe { libc::kill(pid as libc::pid_t, 0) == 0 },
+    }
+}
+
+fn futex_wait(word: &AtomicU32, val: u32, d: Duration) {
+    let ts = libc::timespec {
+        tv_sec: d.as_secs() as libc::time_t,
+        tv_nsec: d.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a live, aligned u32 in a shared mapping (so no FUTEX_PRIVATE flag);
+    // FUTEX_WAIT only reads it. A spurious or early return is handled by the caller's loop.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            val,
+            &ts as *const libc::timespec,
+            core::ptr::null::<u32>(),
+            0,
+        )
+    };
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: as in `futex_wait`; FUTEX_WAKE touches no memory.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            core::ptr::null::<libc::timespec>(),
+            core::ptr::null::<u32>(),
+            0,
+        )
+    };
+}
+
+/// Removes segments in `/dev/shm` whose id's maker process is gone and that no init can
+/// still be waiting on (left by a job whose ranks all died before they had all joined).
+fn sweep() {
+    let stale = wait_limit() + Duration::from_secs(60);
+    let Ok(dir) = std::fs::read_dir(DIR) else {
+        return;
+    };
+    for e in dir.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)) else {
+            continue;
+        };
+        let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
+        let old = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > stale);
+        if old && pid.is_some_and(|p| !alive(p)) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// One rank's view of a shared communicator's segment.
+#[derive(Debug)]
+pub(crate) struct Segment {
+    base: *mut u8,
+    len: usize,
+    data: usize,
+    slot: usize,
+    nranks: usize,
+    rank: usize,
+    path: String,
+    /// Rounds run so far (the same on every rank): its parity picks the slots' half.
+    rounds: AtomicU64,
+    /// The latest operation's sequence number.
+    seq: AtomicU64,
+    /// Which peers' processes were seen alive from this process.
+    seen: Vec<std::sync::atomic::AtomicBool>,
+    /// Offset of the send/recv channels.
+    chans: usize,
+    /// The communicator's unique id.
+    id: IdBytes,
+    /// Splits and shrinks of this communicator so far (the same on every rank).
+    children: AtomicU64,
+}
+
+// SAFETY: the mapping is process-wide memory accessed through atomics (header, rank
+// infos) or under the barrier protocol (slots); the pointer is never freed before drop.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: `base..base+len` is our mapping; nothing borrowed from it outlives self.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// Whether `id` was made for communicators that may span processes.
+pub(crate) fn is_shared(id: &IdBytes) -> bool {
+    id[..15] == super::api::ID_MAGIC[..15] && id[15] == SHARED_TAG
+}
+
+fn name_of(id: &IdBytes) -> String {
+    use sha2::Digest;
+    let h = sha2::Sha256::digest(id);
+    let pid = u32::from_le_bytes([id[16], id[17], id[18], id[19]]);
+    let hex: String = h[..12].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{DIR}/{PREFIX}{pid}-{hex}")
+}
+
+impl Segment {
+    fn header(&self) -> &Header {
+        // SAFETY: the mapping starts with a Header (at least `HEADER` bytes, page aligned).
+        unsafe { &*(self.base as *const Header) }
+    }
+
+    fn info(&self, r: usize) -> &RankInfo {
+        debug_assert!(r < self.nranks);
+        // SAFETY: rank infos follow the header, `nranks` of them, inside the mapping.
+        unsafe { &*(self.base.add(HEADER + r * INFO) as *const RankInfo) }
+    }
+
+    /// Rank `r`'s description of operation `seq`.
+    fn op(&self, r: usize, seq: u64) -> &OpDesc {
+        &self.info(r).ops[(seq % 2) as usize]
+    }
+
+    fn slot_ptr(&self, r: usize) -> *mut u8 {
+        // SAFETY: slot r lies inside the mapping (checked by `layout` at join).
+        unsafe { self.base.add(self.data + r * self.slot) }
+    }
+
+    /// This rank's rank.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The id of this communicator's next split or shrink child (`what` tells them apart):
+    /// every rank derives the same one without talking to the others.
+    pub(crate) fn child_id(&self, what: &str) -> IdBytes {
+        use sha2::Digest;
+        let k = self.children.fetch_add(1, Relaxed);
+        let mut h = sha2::Sha256::new();
+        h.update(self.id);
+        h.update(k.to_le_bytes());
+        h.update(what.as_bytes());
+        let d = h.finalize();
+        // The magic, the shared tag and the maker's pid stay; the rest is the digest.
+        let mut id = self.id;
+        for (i, b) in id[20..].iter_mut().enumerate() {
+            *b = d[i % d.len()] ^ (i / d.len()) as u8;
+        }
+        id
+    }
+
+    /// Every rank's `(color, key)` of split `seq`, through this communicator.
+    pub(crate) fn exchange_split(
+        &self,
+        seq: u64,
+        color: i32,
+        key: i32,
+    ) -> Result<Vec<(i32, i32)>, Fail> {
+        let mine = [color, key];
+        let mut all = vec![0i32; 2 * self.nranks];
+        let post = CollPost {
+            kind: CollKind::AllGather,
+            send: mine.as_ptr() as usize,
+            recv: all.as_mut_ptr() as usize,
+            count: 2,
+            dtype: ncclInt32,
+            red: RedKind::Sum,
+            scalar: Vec::new(),
+            root: 0,
+        };
+        self.run_coll(seq, &post)?;
+        Ok(all.chunks(2).map(|c| (c[0], c[1])).collect())
+    }
+
+    /// Joins (creating when first) the segment of `id` as `rank` of `nranks`, waiting for
+    /// every rank until `deadline`.
+    pub(crate) fn join(
+        id: &IdBytes,
+        nranks: usize,
+        rank: usize,
+        deadline: Instant,
+    ) -> Result<Segment, Fail> {
+        if nranks > MAX_RANKS {
+            return Err(Fail::new(
+                ncclInvalidArgument,
+                format!("invalid argument: a communicator across processes has at most {MAX_RANKS} ranks, not {nranks}"),
+            ));
+        }
+        let path = name_of(id);
+        let r = Self::join_inner(id, &path, nranks, rank, deadline);
+        if r.is_err() {
+            let _ = std::fs::remove_file(&path);
+        }
+        r
+    }
+
+    fn join_inner(
+        id: &IdBytes,
+        path: &str,
+        nranks: usize,
+        rank: usize,
+        deadline: Instant,
+    ) -> Result<Segment, Fail> {
+        let slot = slot_bytes();
+        let created = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path);
+        let (file, creator) = match created {
+            Ok(f) => (f, true),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => (
+                OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(path)
+                    .map_err(|e| sys_fail(&format!("open {path}"), e))?,
+                false,
+            ),
+            Err(e) => return Err(sys_fail(&format!("create {path}"), e)),
+        };
+        if creator {
+            sweep();
+            let Some((_, _, len)) = layout(nranks, slot) else {
+                return Err(Fail::new(
+                    ncclInvalidArgument,
+                    "invalid argument: segment too large",
+                ));
+            };
+            file.set_len(len as u64)
+                .map_err(|e| sys_fail(&format!("size {path} to {len} bytes"), e))?;
+            // Reserve the pages now: a full /dev/shm is this error, not a SIGBUS later.
+            // SAFETY: a valid open descriptor and a range inside the file's size.
+            let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+            if rc != 0 && rc != libc::EOPNOTSUPP && rc != libc::EINVAL {
+                return Err(sys_fail(
+                    &format!("reserve {len} bytes for {path} (is /dev/shm full?)"),
+                    std::io::Error::from_raw_os_error(rc),
+                ));
+            }
+        }
+        // Wait until the creator sized the file and wrote the header.
+        let len = loop {
+            let l = file
+                .metadata()
+                .map_err(|e| sys_fail(&format!("stat {path}"), e))?
+                .len() as usize;
+            if l >= 4096 {
+                break l;
+            }
+            if Instant::now() >= deadline {
+                return Err(Fail::new(ncclTimeout, format!("NCCL timeout: the shared memory segment {path} was never sized by its creator")));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        // SAFETY: mapping `len` bytes of a regular file we hold open, shared and writable.
+        let base = unsafe {
+            libc::mmap(
+                core::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(sys_fail(
+                &format!("map {path}"),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let mut seg = Segment {
+            base: base.cast(),
+            len,
+            data: 0,
+            slot: 0,
+            nranks,
+            rank,
+            path: path.to_string(),
+            rounds: AtomicU64::new(0),
+            seq: AtomicU64::new(0),
+            seen: (0..nranks)
+                .map(|_| std::sync::atomic::AtomicBool::new(false))
+                .collect(),
+            chans: 0,
+            id: *id,
+            children: AtomicU64::new(0),
+        };
+        let h = seg.header();
+        if creator {
+            h.nranks.store(nranks as u32, Relaxed);
+            h.slot.store(slot as u64, Relaxed);
+            h.creator.store(std::process::id(), Relaxed);
+            h.magic.store(MAGIC, Release);
+        }
+        while h.magic.load(Acquire) != MAGIC {
+            if Instant::now() >= deadline {
+                return Err(Fail::new(ncclTimeout, format!("NCCL timeout: the shared memory segment {path} was never initialized by its creator")));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let theirs = h.nranks.load(Relaxed) as usize;
+        if theirs != nranks {
+            return Err(Fail::new(
+                ncclInvalidArgument,
+                format!("invalid argument: ranks disagree on nranks for one unique id ({theirs} vs {nranks})"),
+            ));
+        }
+        let slot = h.slot.load(Relaxed) as usize;
+        let (data, chans, _) = layout(nranks, slot)
+            .filter(|&(_, _, need)| need <= len)
+            .ok_or_else(|| Fail::new(ncclInternalError, format!("internal error: shared memory segment {path} is smaller than its header says")))?;
+        seg.data = data;
+        seg.chans = chans;
+        seg.slot = slot;
+        let me = seg.info(rank);
+        if me
+            .pid
+            .compare_exchange(0, std::process::id(), AcqRel, Acquire)
+            .is_err()
+        {
+            return Err(Fail::new(
+                ncclInvalidArgument,
+                format!("invalid argument: rank {rank} joined the same unique id twice"),
+            ));
+        }
+        me.state.store(1, Release);
+        let h = seg.header();
+        if h.joined.fetch_add(1, AcqRel) as usize + 1 == nranks {
+            // Everyone has the segment mapped: its name is no longer needed.
+            let _ = std::fs::remove_file(path);
+            futex_wake(&h.bar_gen);
+        }
+        // Wait for every rank (the futex word is bumped by the last one).
+        loop {
+            let g = h.bar_gen.load(Acquire);
+            if h.joined.load(Acquire) as usize >= nranks {
+                seg.peer_gone(); // marks the peers' processes seen alive
+                return Ok(seg);
+            }
+            if let Some((why, r)) = seg.peer_gone() {
+                if h.joined.load(Acquire) as usize >= nranks {
+                    seg.peer_gone(); // marks the peers' processes seen alive
+                    return Ok(seg);
+                }
+                seg.fail(why, r, u64::MAX);
+                return Err(seg.failure().unwrap_or_else(|| {
+                    Fail::new(ncclRemoteError, "remote error: a rank is gone")
+                }));
+            }
+            if Instant::now() >= deadline {
+                let missing: Vec<usize> = (0..nranks)
+                    .filter(|&r| seg.info(r).state.load(Acquire) == 0)
+                    .collect();
+                return Err(Fail::new(
+                    ncclTimeout,
+                    format!(
+                        "NCCL timeout: communicator initialization did not complete within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS): rank(s) {missing:?} never joined",
+                        wait_limit()
+                    ),
+                ));
+            }
+            futex_wait(&h.bar_gen, g, Duration::from_millis(20));
+        }
+    }
+
+    /// Marks the communicator failed (the first reason wins) and wakes every waiter.
+    fn fail(&self, why: Why, rank: usize, seq: u64) {
+        let h = self.header();
+        if h.failed
+            .compare_exchange(0, (why as u64) << 32 | rank as u64, AcqRel, Acquire)
+            .is_ok()
+        {
+            h.failed_seq.store(seq, Release);
+        }
+        h.bar_gen.fetch_add(1, AcqRel);
+        futex_wake(&h.bar_gen);
+    }
+
+    /// The error every rank reports once the communicator failed, if it did.
+    pub(crate) fn failure(&self) -> Option<Fail> {
+        let h = self.header();
+        let f = h.failed.load(Acquire);
+        if f == 0 {
+            return None;
+        }
+        let (why, r) = (why_of(f >> 32)?, (f & 0xffff_ffff) as usize);
+        let seq = h.failed_seq.load(Acquire);
+        let at = if seq == u64::MAX {
+            "during initialization".to_string()
+        } else if seq == P2P_SEQ {
+            "in a send/recv".to_string()
+        } else {
+            format!("at collective #{seq}")
+        };
+        let pid = if r < self.nranks {
+            self.info(r).pid.load(Acquire)
+        } else {
+            0
+        };
+        Some(match why {
+            Why::Abort => Fail::new(
+                ncclRemoteError,
+                format!("remote error: rank {r} (pid {pid}) called ncclCommAbort"),
+            ),
+            Why::Died => Fail::new(
+                ncclRemoteError,
+                format!("remote error: rank {r} (pid {pid}) died: its process is gone ({at})"),
+            ),
+            Why::Left => Fail::new(
+                ncclRemoteError,
+                format!("remote error: rank {r} (pid {pid}) destroyed its communicator while the others waited for it ({at})"),
+            ),
+            Why::Timeout => Fail::new(
+                ncclTimeout,
+                format!(
+                    "NCCL timeout: rank {r} (pid {pid}) did not reach {} within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
+                    if seq == P2P_SEQ { "its matching send/recv".to_string() } else { format!("collective #{seq}") },
+                    wait_limit()
+                ),
+            ),
+            Why::P2p => Fail::new(
+                ncclInvalidUsage,
+                format!("invalid usage: a send and its receive disagree on the size or data type (rank {r} received it)"),
+            ),
+            Why::Mismatch => Fail::new(
+                ncclInvalidUsage,
+                self.mismatch(seq).map(|m| m.1).unwrap_or_else(|| {
+                    format!("invalid usage: ranks disagree on collective #{seq}: rank {r} called something else")
+                }),
+            ),
+        })
+    }
+
+    /// A peer whose process is gone or that left (not yet recorded as the failure).
+    fn peer_gone(&self) -> Option<(Why, usize)> {
+        let me = std::process::id();
+        for r in 0..self.nranks {
+            let i = self.info(r);
+            let pid = i.pid.load(Acquire);
+            if i.state.load(Acquire) == 2 {
+                return Some((Why::Left, r));
+            }
+            if pid != 0 && pid != me {
+                // Only a process seen alive from here can be declared gone: a peer in
+                // another pid namespace (a container sharing /dev/shm) is never seen, and
+                // its failures surface at the deadline instead.
+                if alive(pid) {
+                    self.seen[r].store(true, Relaxed);
+                } else if self.seen[r].load(Relaxed) {
+                    return Some((Why::Died, r));
+                }
+            }
+        }
+        None
+    }
+
+    /// Waits until every rank entered this barrier; fails on a failed communicator, a
+    /// gone peer, or the deadline.
+    fn barrier(&self, seq: u64, deadline: Instant) -> Result<(), Fail> {
+        let h = self.header();
+        let me = self.info(self.rank);
+        let epoch = me.epoch.fetch_add(1, AcqRel) + 1;
+        if let Some(f) = self.failure() {
+            return Err(f);
+        }
+        let gen = h.bar_gen.load(Acquire);
+        if h.bar_count.fetch_add(1, AcqRel) as usize + 1 == self.nranks {
+            h.bar_count.store(0, Release);
+            h.bar_gen.fetch_add(1, AcqRel);
+            futex_wake(&h.bar_gen);
+            return Ok(());
+        }
+        let mut spins = 0u32;
+        let mut next_check = Instant::now() + Duration::from_millis(10);
+        loop {
+            let g = h.bar_gen.load(Acquire);
+            if let Some(f) = self.failure() {
+                return Err(f);
+            }
+            if g != gen {
+                return Ok(());
+            }
+            if spins < 64 {
+                spins += 1;
+                std::thread::yield_now();
+                continue;
+            }
+            let now = Instant::now();
+            if now >= next_check {
+                next_check = now + Duration::from_millis(10);
+                if let Some((why, r)) = self.peer_gone() {
+                    // A peer that passed this barrier may leave or die right after it:
+                    // only a barrier that is still incomplete fails.
+                    if h.bar_gen.load(Acquire) != gen && self.failure().is_none() {
+                        return Ok(());
+                    }
+                    self.fail(why, r, seq);
+                    return Err(self.failure().unwrap_or_else(|| {
+                        Fail::new(ncclRemoteError, "remote error: a rank is gone")
+                    }));
+                }
+                if now >= deadline {
+                    let late = (0..self.nranks)
+                        .find(|&r| self.info(r).epoch.load(Acquire) < epoch)
+                        .unwrap_or(self.rank);
+                    self.fail(Why::Timeout, late, seq);
+                    return Err(self
+                        .failure()
+                        .unwrap_or_else(|| Fail::new(ncclTimeout, "NCCL timeout")));
+                }
+            }
+            futex_wait(&h.bar_gen, g, Duration::from_millis(5));
+        }
+    }
+
+    /// This rank destroys its communicator: peers waiting for it fail at once.
+    pub(crate) fn leave(&self) {
+        // Peers notice it at their next liveness check (no wake-up: the barrier's word
+        // only moves when a barrier completes or the communicator fails).
+        self.info(self.rank).state.store(2, Release);
+        let _ = std::fs::remove_file(&self.path);
+    }
+
+    /// This rank aborts its communicator: every peer's communicator fails.
+    pub(crate) fn abort(&self) {
+        self.fail(Why::Abort, self.rank, self.seq.load(Acquire));
+        let _ = std::fs::remove_file(&self.path);
+    }
+
+    /// When the ranks' published operations differ: the ranks that differ from the
+    /// majority, and the error text naming them and listing what every rank called.
+    fn mismatch(&self, seq: u64) -> Option<(usize, String)> {
+        let read = |r: usize| {
+            let i = self.op(r, seq);
+            (
+                i.seq.load(Acquire),
+                i.desc.load(Acquire),
+                i.count.load(Acquire),
+            )
+        };
+        let all: Vec<_> = (0..self.nranks).map(read).collect();
+        if all.iter().all(|d| *d == all[0]) {
+            return None;
+        }
+        let describe = |&(s, d, c): &(u64, u64, u64)| {
+            let kind = kind_name(d & 0xff);
+            let (dt, red, root) = ((d >> 8) & 0xff, (d >> 16) & 0xff, (d >> 32) as i64 - 1);
+            format!(
+                "collective #{} {kind}(count={c}, dtype={dt}, reduction={red}, root={root})",
+                s.wrapping_sub(1)
+            )
+        };
+        let majority = all
+            .iter()
+            .max_by_key(|d| all.iter().filter(|e| e == d).count())
+            .copied()
+            .unwrap_or(all[0]);
+        let culprits: Vec<usize> = (0..self.nranks).filter(|&r| all[r] != majority).collect();
+        let lines: Vec<String> = all
+            .iter()
+            .enumerate()
+            .map(|(r, d)| format!("rank {r}: {}", describe(d)))
+            .collect();
+        Some((
+            culprits.first().copied().unwrap_or(self.rank),
+            format!(
+                "invalid usage: ranks disagree on collective #{seq}: rank(s) {culprits:?} called something else; {}",
+                lines.join("; ")
+            ),
+        ))
+    }
+
+    /// Checks every rank called the same collective as this one (after the first
+    /// barrier: every rank's description is published).
+    fn check(&self, seq: u64) -> Result<(), Fail> {
+        match self.mismatch(seq) {
+            None => Ok(()),
+            Some((first, text)) => {
+                self.fail(Why::Mismatch, first, seq);
+                Err(Fail::new(ncclInvalidUsage, text))
+            }
+        }
+    }
+
+    /// Runs this rank's part of collective `seq`.
+    pub(crate) fn run_coll(&self, seq: u64, p: &CollPost) -> Result<(), Fail> {
+        if let Some(f) = self.failure() {
+            return Err(f);
+        }
+        let deadline = Instant::now() + wait_limit();
+        let es = dtype::size_of(p.dtype).ok_or_else(|| {
+            Fail::new(
+                ncclInvalidArgument,
+                format!("invalid argument: unknown datatype {}", p.dtype),
+            )
+        })?;
+        self.seq.store(seq, Release);
+        let me = self.op(self.rank, seq);
+        let red = p.red as u64;
+        let desc =
+            kind_code(p.kind) | (p.dtype as u64) << 8 | red << 16 | ((p.root + 1) as u64) << 32;
+        me.desc.store(desc, Relaxed);
+        me.count.store(p.count as u64, Relaxed);
+        let mut sc = [0u8; 8];
+        let k = p.scalar.len().min(8);
+        sc[..k].copy_from_slice(&p.scalar[..k]);
+        me.scalar.store(u64::from_le_bytes(sc), Relaxed);
+        me.seq.store(seq + 1, Release);
+        let r = self.rounds(seq, p, es, deadline);
+        if let Err(f) = &r {
+            // A failure on this rank fails the communicator for everyone.
+            if self.failure().is_none() {
+                let _ = f;
+                self.fail(Why::Abort, self.rank, seq);
+            }
+        }
+        r
+    }
+
+    fn rounds(&self, seq: u64, p: &CollPost, es: usize, deadline: Instant) -> Result<(), Fail> {
+        let n = self.nranks;
+        let me = self.rank;
+        let root = p.root as usize;
+        let count = p.count;
+        let bytes = |e: usize| e * es;
+        // Rounds alternate between the two halves of every slot, so a rank may copy the
+        // next round in while the others still copy the last one out: two barriers per
+        // round of a reduction, one per round of a copy.
+        let half = self.slot / 2 / 64 * 64;
+        let slot_elems = (half / es).max(1);
+        // Elements of the whole operation walked in rounds, and per round.
+        let (total, per_round) = match p.kind {
+            CollKind::AllReduce | CollKind::Reduce => (count, slot_elems),
+            CollKind::ReduceScatter => (count * n, slot_elems),
+            CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter => {
+                (count, slot_elems)
+            }
+            CollKind::AlltoAll => (count, (slot_elems / n).max(1)),
+        };
+        let reduces = matches!(
+            p.kind,
+            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
+        );
+        // Every rank's PreMulSum scalar, read after the first barrier (published before it).
+        let mut scalars: Vec<Vec<u8>> = Vec::new();
+        let mut lo = 0usize;
+        let mut first = true;
+        loop {
+            let off = (self.rounds.fetch_add(1, Relaxed) % 2) as usize * half;
+            // SAFETY: both halves lie inside every slot.
+            let sp = |r: usize| unsafe { self.slot_ptr(r).add(off) };
+            let hi = (lo + per_round).min(total);
+            let m = hi - lo;
+            // 1. Copy in.
+            // SAFETY (all copies below): user buffers hold what NCCL's contract says for
+            // this collective (checked lengths in `api::coll`), and slot r is written only
+            // by its owner before the first barrier of a round and read by others only
+            // after it, until they enter the next round's first barrier (the round after
+            // uses the other half); `m` elements fit half a slot.
+            unsafe {
+                let mine = sp(me);
+                match p.kind {
+                    CollKind::AllReduce
+                    | CollKind::Reduce
+                    | CollKind::ReduceScatter
+                    | CollKind::AllGather
+                    | CollKind::Gather => {
+                        copy(p.send + bytes(lo), mine as usize, bytes(m));
+                    }
+                    CollKind::Broadcast if me == root => {
+                        copy(p.send + bytes(lo), mine as usize, bytes(m));
+                    }
+                    CollKind::Scatter if me == root => {
+                        for q in 0..n {
+                            copy(p.send + bytes(q * count + lo), sp(q) as usize, bytes(m));
+                        }
+                    }
+                    CollKind::AlltoAll => {
+                        for q in 0..n {
+                            copy(
+                                p.send + bytes(q * count + lo),
+                                mine as usize + bytes(q * per_round),
+                                bytes(m),
+                            );
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            self.barrier(seq, deadline)?;
+            if first {
+                self.check(seq)?;
+                if p.red == RedKind::PreMulSum {
+                    scalars = (0..n)
+                        .map(|r| {
+                            self.op(r, seq).scalar.load(Acquire).to_le_bytes()[..es.min(8)].to_vec()
+                        })
+                        .collect();
+                }
+                first = false;
+            }
+            // 2. Reduce this rank's share in place.
+            let share = m.div_ceil(n).max(1);
+            if reduces {
+                let (a, b) = ((me * share).min(m), ((me + 1) * share).min(m));
+                let step = (STEP / es).max(1);
+                let mut acc = vec![0u8; bytes(step.min(b - a).max(1))];
+                let mut x = a;
+                while x < b {
+                    let y = (x + step).min(b);
+                    let out = &mut acc[..bytes(y - x)];
+                    {
+                        // SAFETY: every rank's slot holds `m` elements of this round
+                        // (barrier above); elements x..y of every slot are read only by
+                        // this rank, and written (below) only by this rank in its own slot.
+                        let ins: smallvec::SmallVec<[&[u8]; 8]> = (0..n)
+                            .map(|q| unsafe {
+                                core::slice::from_raw_parts(sp(q).add(bytes(x)), bytes(y - x))
+                            })
+                            .collect();
+                        if !dtype::reduce(p.dtype, p.red, &ins, &scalars, out) {
+                            return Err(Fail::new(
+                                ncclInternalError,
+                                "internal error: malformed reduction (short PreMulSum scalar)",
+                            ));
+                        }
+                    }
+                    // SAFETY: as above; `out` is our own buffer.
+                    unsafe { copy(out.as_ptr() as usize, sp(me) as usize + bytes(x), out.len()) };
+                    // This rank's own share of the result goes straight to its output too
+                    // (the copy-out below skips it). In-place forms only overwrite input
+                    // elements of this round, which were copied in before the barrier.
+                    let (ea, eb) = (lo + x, lo + y);
+                    let own = match p.kind {
+                        CollKind::AllReduce => Some((ea, eb, 0)),
+                        CollKind::Reduce if me == root => Some((ea, eb, 0)),
+                        CollKind::ReduceScatter => {
+                            let (a, b) = (ea.max(me * count), eb.min((me + 1) * count));
+                            (a < b).then_some((a, b, me * count))
+                        }
+                        _ => None,
+                    };
+                    if let Some((a, b, base)) = own {
+                        // SAFETY: elements a..b of the result are in `out`; the output holds
+                        // them at `a - base` (lengths checked by `api::coll`).
+                        unsafe {
+                            copy(
+                                out.as_ptr() as usize + bytes(a - ea),
+                                p.recv + bytes(a - base),
+                                bytes(b - a),
+                            )
+                        };
+                    }
+                    x = y;
+                }
+                self.barrier(seq, deadline)?;
+            }
+            // 3. Copy out.
+            // SAFETY: as for the copy in; the slots are complete for this round.
+            unsafe {
+                // Result element e (lo <= e < hi) of a reduction lives in slot e / share.
+                // (This rank's own share was written while it was reduced.)
+                let reduced = |dst: usize, a: usize, b: usize| {
+                    let mut e = a;
+                    while e < b {
+                        let q = (e - lo) / share;
+                        let end = (lo + (q + 1) * share).min(b);
+                        if q != me {
+                            copy(
+                                sp(q) as usize + bytes(e - lo),
+                                dst + bytes(e - a),
+                                bytes(end - e),
+                            );
+                        }
+                        e = end;
+                    }
+                };
+                match p.kind {
+                    CollKind::AllReduce => reduced(p.recv + bytes(lo), lo, hi),
+                    CollKind::Reduce if me == root => reduced(p.recv + bytes(lo), lo, hi),
+                    CollKind::ReduceScatter => {
+                        let (a, b) = ((me * count).max(lo), ((me + 1) * count).min(hi));
+                        if a < b {
+                            reduced(p.recv + bytes(a - me * count), a, b);
+                        }
+                    }
+                    CollKind::Broadcast => {
+                        copy(sp(root) as usize, p.recv + bytes(lo), bytes(m));
+                    }
+                    CollKind::AllGather => {
+                        for q in 0..n {
+                            copy(sp(q) as usize, p.recv + bytes(q * count + lo), bytes(m));
+                        }
+                    }
+                    CollKind::Gather if me == root => {
+                        for q in 0..n {
+                            copy(sp(q) as usize, p.recv + bytes(q * count + lo), bytes(m));
+                        }
+                    }
+                    CollKind::Scatter => {
+                        copy(sp(me) as usize, p.recv + bytes(lo), bytes(m));
+                    }
+                    CollKind::AlltoAll => {
+                        for q in 0..n {
+                            copy(
+                                sp(q) as usize + bytes(me * per_round),
+                                p.recv + bytes(q * count + lo),
+                                bytes(m),
+                            );
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            lo = hi;
+            if lo >= total {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// One send or receive of a group (or a plain call), run by [`Segment::run_p2p`].
+pub(crate) struct P2pWork {
+    pub peer: usize,
+    pub is_send: bool,
+    pub ptr: usize,
+    pub bytes: usize,
+    pub dtype: ncclDataType_t,
+}
+
+impl Segment {
+    fn chan(&self, src: usize, dst: usize) -> (&Chan, *mut u8) {
+        let cb = chan_bytes(self.nranks);
+        let at = self.chans + (src * self.nranks + dst) * (CHAN + cb);
+        // SAFETY: channel (src, dst) lies inside the mapping (checked by `layout` at join).
+        unsafe {
+            let p = self.base.add(at);
+            (&*(p as *const Chan), p.add(CHAN))
+        }
+    }
+
+    fn ring(&self, r: usize) {
+        let b = &self.info(r).bell;
+        b.fetch_add(1, AcqRel);
+        futex_wake(b);
+    }
+
+    /// Runs this rank's sends and receives, all progressing together (so a ring of sends
+    /// and receives in one group never waits on itself), chunk by chunk through the
+    /// channels of each pair.
+    pub(crate) fn run_p2p(&self, work: &[P2pWork]) -> Result<(), Fail> {
+        if let Some(f) = self.failure() {
+            return Err(f);
+        }
+        let cb = chan_bytes(self.nranks);
+        if cb == 0 {
+            return Err(Fail::new(
+                ncclInvalidUsage,
+                format!("invalid usage: send/recv across processes needs at most {MAX_P2P_RANKS} ranks, not {}", self.nranks),
+            ));
+        }
+        let me = self.rank;
+        let deadline = Instant::now() + wait_limit();
+        // Bytes moved so far, and whether the (possibly empty) message is complete.
+        let mut moved = vec![0usize; work.len()];
+        let mut done = vec![false; work.len()];
+        let bell = &self.info(me).bell;
+        let mut next_check = Instant::now() + Duration::from_millis(10);
+        loop {
+            let rung = bell.load(Acquire);
+            let mut progressed = false;
+            for (i, w) in work.iter().enumerate() {
+                // Messages on one channel go one after the other.
+                let queued = work[..i]
+                    .iter()
+                    .zip(&done[..i])
+                    .any(|(o, d)| !d && o.peer == w.peer && o.is_send == w.is_send);
+                if done[i] || queued {
+                    continue;
+                }
+                let msg = (w.bytes as u64) << 8 | (w.dtype as u64 & 0xff);
+                if w.is_send {
+                    let (c, data) = self.chan(me, w.peer);
+                    if c.posted.load(Acquire) != c.taken.load(Acquire) {
+                        continue;
+                    }
+                    let l = (w.bytes - moved[i]).min(cb);
+                    // SAFETY: the channel is empty, so only this sender touches its data;
+                    // the user's buffer holds `bytes` (NCCL's contract).
+                    unsafe { copy(w.ptr + moved[i], data as usize, l) };
+                    c.len.store(l as u64, Relaxed);
+                    c.msg.store(msg, Relaxed);
+                    c.posted.fetch_add(1, Release);
+                    moved[i] += l;
+                    done[i] = moved[i] == w.bytes;
+                    self.ring(w.peer);
+                    progressed = true;
+                } else {
+                    let (c, data) = self.chan(w.peer, me);
+                    if c.posted.load(Acquire) == c.taken.load(Acquire) {
+                        continue;
+                    }
+                    let l = c.len.load(Relaxed) as usize;
+                    if c.msg.load(Relaxed) != msg || moved[i] + l > w.bytes {
+                        let text = format!(
+                            "invalid usage: ncclSend from rank {} ({} bytes, dtype {}) does not match ncclRecv on rank {me} ({} bytes, dtype {})",
+                            w.peer,
+                            c.msg.load(Relaxed) >> 8,
+                            c.msg.load(Relaxed) & 0xff,
+                            w.bytes,
+                            w.dtype
+                        );
+                        self.fail(Why::P2p, me, P2P_SEQ);
+                        return Err(Fail::new(ncclInvalidUsage, text));
+                    }
+                    // SAFETY: the chunk was posted (Acquire above) and stays until taken.
+                    unsafe { copy(data as usize, w.ptr + moved[i], l) };
+                    c.taken.fetch_add(1, Release);
+                    moved[i] += l;
+                    done[i] = moved[i] == w.bytes;
+                    self.ring(w.peer);
+                    progressed = true;
+                }
+            }
+            if done.iter().all(|&d| d) {
+                return Ok(());
+            }
+            if progressed {
+                continue;
+            }
+            if let Some(f) = self.failure() {
+                return Err(f);
+            }
+            let now = Instant::now();
+            if now >= next_check {
+                next_check = now + Duration::from_millis(10);
+                if let Some((why, r)) = self.peer_gone() {
+                    self.fail(why, r, P2P_SEQ);
+                    return Err(self.failure().unwrap_or_else(|| {
+                        Fail::new(ncclRemoteError, "remote error: a rank is gone")
+                    }));
+                }
+                if now >= deadline {
+                    let late = work
+                        .iter()
+                        .zip(&done)
+                        .find(|(_, d)| !**d)
+                        .map_or(me, |(w, _)| w.peer);
+                    self.fail(Why::Timeout, late, P2P_SEQ);
+                    return Err(self
+                        .failure()
+                        .unwrap_or_else(|| Fail::new(ncclTimeout, "NCCL timeout")));
+                }
+            }
+            futex_wait(bell, rung, Duration::from_millis(5));
+        }
+    }
+}
+
+/// Copies `len` bytes (regions may overlap, as in-place forms do).
+///
+/// # Safety
+/// Both ranges are valid for `len` bytes.
+unsafe fn copy(src: usize, dst: usize, len: usize) {
+    if len > 0 && src != dst {
+        // SAFETY: forwarded to the caller.
+        unsafe { core::ptr::copy(src as *const u8, dst as *mut u8, len) };
+    }
+}
+
+fn kind_code(k: CollKind) -> u64 {
+    match k {
+        CollKind::AllReduce => 1,
+        CollKind::AllGather => 2,
+        CollKind::Broadcast => 3,
+        CollKind::Reduce => 4,
+        CollKind::ReduceScatter => 5,
+        CollKind::AlltoAll => 6,
+        CollKind::Gather => 7,
+        CollKind::Scatter => 8,
+    }
+}
+
+fn kind_name(code: u64) -> &'static str {
+    match code {
+        1 => "AllReduce",
+        2 => "AllGather",
+        3 => "Broadcast",
+        4 => "Reduce",
+        5 => "ReduceScatter",
+        6 => "AlltoAll",
+        7 => "Gather",
+        8 => "Scatter",
+        _ => "nothing",
+    }
+}
+
+/// A unique id for communicators whose ranks may be in several processes of this machine.
+pub(crate) fn shared_id() -> ncclUniqueId {
+    let mut id = super::api::fresh_id();
+    id.internal[15] = SHARED_TAG as core::ffi::c_char;
+    id
+}

@@ -1,0 +1,536 @@
+//! The host provider with ranks in separate processes (a shared unique id, one process per
+//! rank), as torchrun, srun or mpirun start them: every collective gives the same bytes as
+//! ranks in threads, and a rank that is killed, skips a collective or leaves early makes
+//! every other rank fail with an error naming it, well within the timeout, with nothing
+//! left in /dev/shm.
+//!
+//! Each test re-runs this test binary as its ranks (the child runs only that test, with
+//! `NCCL_SAFE_TEST_MP` set); the parent checks their exit codes and output. With
+//! `NCCL_SAFE_TEST_MP=launcher` the ranks come from torchrun, srun or mpirun instead and
+//! exchange the id through the launcher (`scripts/test-mpirun.sh` runs the fault tests so).
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use half::f16;
+use nccl_safe::host::shared_unique_id;
+use nccl_safe::launch::Launcher;
+use nccl_safe::{
+    AsStream, Communicator, Config, Device, Group, HostStream, NcclType, ReduceOp, Result, UniqueId,
+};
+
+const ENV: &str = "NCCL_SAFE_TEST_MP";
+/// The host provider's wait limit in the children.
+const TIMEOUT_MS: u64 = 8_000;
+/// A child still running after this is hung.
+const HUNG: Duration = Duration::from_secs(40);
+
+fn now_ms() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
+}
+
+/// A child's part: (rank, world size, communicator).
+fn child() -> Option<(usize, usize, Communicator)> {
+    let spec = std::env::var(ENV).ok()?;
+    if spec == "launcher" {
+        // Started by mpirun, srun or torchrun (scripts/test-mpirun.sh): the id comes
+        // through the launcher's rendezvous.
+        let rank = Launcher::from_env()
+            .and_then(|l| l.host().init())
+            .unwrap_or_else(|e| {
+                eprintln!("init failed: {e}");
+                std::process::exit(2)
+            });
+        let (r, n) = (rank.rank(), rank.world_size());
+        return Some((r, n, rank.into_comm()));
+    }
+    let mut it = spec.split(':');
+    let rank: usize = it.next()?.parse().ok()?;
+    let n: usize = it.next()?.parse().ok()?;
+    let hex = it.next()?;
+    let bytes: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
+        .collect();
+    let id = UniqueId::from_bytes(&bytes).expect("a unique id");
+    match Communicator::init_rank(&Device::Host, n, rank, &id, &Config::new()) {
+        Ok(c) => Some((rank, n, c)),
+        Err(e) => {
+            eprintln!("rank {rank}: init failed: {e}");
+            std::process::exit(2)
+        }
+    }
+}
+
+struct Out {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+fn shm_files_of(pids: &[u32]) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| {
+                    pids.iter()
+                        .any(|p| n.starts_with(&format!("nccl-safe-{p}-")))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Runs test `name` as `n` processes and returns what each did (in rank order). Fails
+/// the test when one hangs, or when something is left in /dev/shm.
+fn spawn(name: &str, n: usize, extra: &[(&str, &str)]) -> Vec<Out> {
+    let id = UniqueId::from_raw(shared_unique_id());
+    let hex: String = id.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    let exe = std::env::current_exe().expect("test binary");
+    let mut kids: Vec<_> = (0..n)
+        .map(|r| {
+            let mut c = Command::new(&exe);
+            c.args([name, "--exact", "--nocapture", "--test-threads=1"])
+                .env(ENV, format!("{r}:{n}:{hex}"))
+                .env("NCCL_SAFE_HOST_TIMEOUT_MS", TIMEOUT_MS.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in extra {
+                c.env(k, v);
+            }
+            c.spawn().expect("spawn a rank")
+        })
+        .collect();
+    let pids: Vec<u32> = kids.iter().map(|k| k.id()).collect();
+    let start = Instant::now();
+    let mut codes: Vec<Option<Option<i32>>> = vec![None; n];
+    while codes.iter().any(|c| c.is_none()) {
+        for (i, k) in kids.iter_mut().enumerate() {
+            if codes[i].is_none() {
+                if let Ok(Some(st)) = k.try_wait() {
+                    codes[i] = Some(st.code());
+                }
+            }
+        }
+        if start.elapsed() > HUNG {
+            for k in &mut kids {
+                let _ = k.kill();
+                let _ = k.wait();
+            }
+            panic!("{name}: a rank hung for {HUNG:?}: exit codes so far {codes:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let outs: Vec<Out> = kids
+        .iter_mut()
+        .zip(codes)
+        .map(|(k, code)| {
+            let (mut stdout, mut stderr) = (String::new(), String::new());
+            if let Some(o) = k.stdout.as_mut() {
+                let _ = o.read_to_string(&mut stdout);
+            }
+            if let Some(e) = k.stderr.as_mut() {
+                let _ = e.read_to_string(&mut stderr);
+            }
+            Out {
+                code: code.flatten(),
+                stdout,
+                stderr,
+            }
+        })
+        .collect();
+    for (r, o) in outs.iter().enumerate() {
+        eprintln!("--- rank {r} exit {:?}\n{}{}", o.code, o.stdout, o.stderr);
+    }
+    let left = shm_files_of(&pids);
+    assert!(left.is_empty(), "{name}: left in /dev/shm: {left:?}");
+    outs
+}
+
+/// A value every element type holds exactly.
+trait V: NcclType + Copy + Default + PartialEq + std::fmt::Debug + Send + Sync + 'static {
+    fn of(v: i64) -> Self;
+}
+impl V for f32 {
+    fn of(v: i64) -> Self {
+        v as f32
+    }
+}
+impl V for f64 {
+    fn of(v: i64) -> Self {
+        v as f64
+    }
+}
+impl V for i32 {
+    fn of(v: i64) -> Self {
+        v as i32
+    }
+}
+impl V for u8 {
+    fn of(v: i64) -> Self {
+        v as u8
+    }
+}
+impl V for f16 {
+    fn of(v: i64) -> Self {
+        f16::from_f64(v as f64)
+    }
+}
+
+fn input<T: V>(rank: usize, len: usize, salt: usize) -> Vec<T> {
+    (0..len)
+        .map(|i| T::of(((rank * 31 + i * 7 + salt * 5) % 13) as i64 + 1))
+        .collect()
+}
+
+/// Every collective, in every form, with every built-in reduction and a PreMulSum; the
+/// outputs in order.
+fn every_collective<T: V>(
+    c: &Communicator,
+    s: &impl AsStream,
+    count: usize,
+) -> Result<Vec<Vec<T>>> {
+    let (r, n) = (c.rank(), c.world_size());
+    let mut outs = Vec::new();
+    let x = input::<T>(r, count, 0);
+    for op in [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Avg,
+    ] {
+        let mut y = vec![T::default(); count];
+        c.all_reduce(&x, &mut y, op, s)?;
+        outs.push(y);
+    }
+    let pre = c.create_pre_mul_sum(T::of(r as i64 + 2))?;
+    let mut y = vec![T::default(); count];
+    c.all_reduce(&x, &mut y, &pre, s)?;
+    outs.push(y);
+    let mut y = input::<T>(r, count, 1);
+    c.all_reduce_in_place(&mut y, ReduceOp::Sum, s)?;
+    outs.push(y);
+    let mut y = vec![T::default(); count];
+    c.reduce(&x, &mut y, ReduceOp::Max, 1 % n, s)?;
+    outs.push(y);
+    let mut y = vec![T::default(); count];
+    c.broadcast(&x, &mut y, 2 % n, s)?;
+    outs.push(y);
+    let mut y = vec![T::default(); count * n];
+    c.all_gather(&x, &mut y, s)?;
+    outs.push(y);
+    let mut y = input::<T>(r, count * n, 2);
+    c.all_gather_in_place(&mut y, s)?;
+    outs.push(y);
+    let big = input::<T>(r, count * n, 3);
+    let mut y = vec![T::default(); count];
+    c.reduce_scatter(&big, &mut y, ReduceOp::Sum, s)?;
+    outs.push(y);
+    let mut y = big.clone();
+    c.reduce_scatter_in_place(&mut y, ReduceOp::Min, s)?;
+    outs.push(y);
+    let mut y = vec![T::default(); count * n];
+    c.all_to_all(&big, &mut y, s)?;
+    outs.push(y);
+    let mut y = vec![T::default(); count * n];
+    c.gather(&x, &mut y, n - 1, s)?;
+    outs.push(y);
+    let mut y = vec![T::default(); count];
+    c.scatter(&big, &mut y, 0, s)?;
+    outs.push(y);
+    // Two collectives in one group.
+    let (mut y, mut z) = (vec![T::default(); count], vec![T::default(); count * n]);
+    let mut g = Group::new();
+    g.push(c.all_reduce_op(&x, &mut y, ReduceOp::Max, s)?)?;
+    g.push(c.all_gather_op(&x, &mut z, s)?)?;
+    g.end()?;
+    outs.push(y);
+    outs.push(z);
+    // Send/receive rings in one group: a short message and one of many channel chunks.
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    for len in [count, count * 97] {
+        let send = input::<T>(r, len, 4);
+        let mut got = vec![T::default(); len];
+        let mut g = Group::new();
+        g.push(c.send_op(&send, next, s)?)?;
+        g.push(c.recv_op(&mut got, prev, s)?)?;
+        g.end()?;
+        outs.push(got);
+    }
+    // A split (the last rank opts out), and an all-reduce on the child.
+    let color = if r == n - 1 && n > 2 {
+        None
+    } else {
+        Some((r % 2) as u32)
+    };
+    if let Some(sub) = c.split(color, -(r as i32))? {
+        let mut y = vec![T::default(); count];
+        sub.all_reduce(&x, &mut y, ReduceOp::Sum, s)?;
+        outs.push(y);
+        outs.push(vec![
+            T::of(sub.rank() as i64),
+            T::of(sub.world_size() as i64),
+        ]);
+    }
+    Ok(outs)
+}
+
+/// This rank's outputs against the same collectives on ranks in threads of this process.
+fn check_type<T: V>(c: &Communicator, count: usize) -> bool {
+    let (r, n) = (c.rank(), c.world_size());
+    let mine = every_collective::<T>(c, &HostStream, count).expect("collectives across processes");
+    let reference = Launcher::host(n)
+        .run(move |rank| every_collective::<T>(rank.comm(), rank.stream(), count))
+        .expect("collectives in threads");
+    let same = mine == reference[r];
+    if !same {
+        let op = (0..mine.len()).find(|&i| mine[i] != reference[r][i]);
+        eprintln!(
+            "rank {r}: {} x {count}: collective {op:?} differs from ranks in threads",
+            std::any::type_name::<T>()
+        );
+    }
+    same
+}
+
+#[test]
+fn every_collective_across_processes_matches_ranks_in_threads() {
+    if let Some((_, _, c)) = child() {
+        // Counts below, at and above a slot (4 KiB here), not multiples of the world size.
+        let mut ok = true;
+        for count in [0, 1, 7, 1000, 3001] {
+            ok &= check_type::<f32>(&c, count);
+            ok &= check_type::<f16>(&c, count);
+            ok &= check_type::<i32>(&c, count);
+            ok &= check_type::<u8>(&c, count);
+            ok &= check_type::<f64>(&c, count);
+        }
+        drop(c);
+        std::process::exit(if ok { 0 } else { 1 });
+    }
+    let outs = spawn(
+        "every_collective_across_processes_matches_ranks_in_threads",
+        3,
+        &[("NCCL_SAFE_HOST_SHM_SLOT_BYTES", "4096")],
+    );
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(0), "rank {r}: {}", o.stderr);
+    }
+}
+
+/// The fault scenarios: `steps` all-reduces; `bad` does its fault at step 3.
+fn faulty(fault: &str) {
+    let Some((r, _, c)) = child() else { return };
+    let bad = 1;
+    for step in 0..20 {
+        // Sizes change with the step, as a training loop's buckets do, so a rank that
+        // skips one is out of step with the others.
+        let mut x = vec![1.0f32; (1 << 16) + step];
+        if r == bad && step == 3 {
+            match fault {
+                "kill" => {
+                    println!("KILLED_AT_MS {:.1}", now_ms());
+                    // SAFETY: kill(2) on our own pid; nothing is touched.
+                    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+                }
+                "skip" => continue,
+                _ => {
+                    println!("LEFT_AT_MS {:.1}", now_ms());
+                    drop(c);
+                    std::process::exit(0);
+                }
+            }
+        }
+        if let Err(e) = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream) {
+            // One write, so that lines of ranks under mpirun do not interleave.
+            let text = format!("ERROR_AT_MS {:.1}\nrank {r} step {step}: {e}\n", now_ms());
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), text.as_bytes());
+            drop(c);
+            std::process::exit(1);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(c);
+    std::process::exit(0);
+}
+
+fn stamp(o: &Out, key: &str) -> Option<f64> {
+    stamp_in(&o.stdout, key)
+}
+
+fn stamp_in(text: &str, key: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.find(key).map(|i| &l[i + key.len()..]))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Checks every rank but 1 failed naming rank 1 (with `what` in its error), and returns
+/// the slowest survivor's time from `key`'s stamp on rank 1 to its error.
+fn survivors_name_rank_1(outs: &[Out], key: &str, what: &str) -> Option<f64> {
+    let t0 = stamp(&outs[1], key);
+    let mut worst: Option<f64> = None;
+    for (r, o) in outs.iter().enumerate().filter(|(r, _)| *r != 1) {
+        assert_eq!(o.code, Some(1), "rank {r} must fail: {}", o.stderr);
+        assert!(
+            o.stderr.contains(what),
+            "rank {r}'s error must say {what:?}: {}",
+            o.stderr
+        );
+        if let (Some(t0), Some(t)) = (t0, stamp_in(&o.stderr, "ERROR_AT_MS")) {
+            worst = Some(worst.unwrap_or(0.0).max(t - t0));
+        }
+    }
+    worst
+}
+
+#[test]
+fn a_killed_rank_fails_every_other_rank_naming_it() {
+    faulty("kill");
+    let outs = spawn("a_killed_rank_fails_every_other_rank_naming_it", 4, &[]);
+    assert_eq!(outs[1].code, None, "rank 1 was killed by a signal");
+    let t =
+        survivors_name_rank_1(&outs, "KILLED_AT_MS", "rank 1 (pid").expect("kill and error times");
+    assert!(
+        outs.iter()
+            .enumerate()
+            .all(|(r, o)| r == 1 || o.stderr.contains("died")),
+        "the error says the process died"
+    );
+    eprintln!("time from SIGKILL to the last survivor's error: {t:.1} ms");
+    assert!(t < (TIMEOUT_MS + 1000) as f64, "errors took {t} ms");
+}
+
+#[test]
+fn a_rank_that_skips_a_collective_is_named_on_every_rank() {
+    faulty("skip");
+    let outs = spawn(
+        "a_rank_that_skips_a_collective_is_named_on_every_rank",
+        4,
+        &[],
+    );
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(1), "rank {r} must fail: {}", o.stderr);
+        assert!(
+            o.stderr.contains("rank(s) [1] called something else"),
+            "rank {r} must name rank 1: {}",
+            o.stderr
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_leaves_early_fails_the_others_naming_it() {
+    faulty("leave");
+    let outs = spawn(
+        "a_rank_that_leaves_early_fails_the_others_naming_it",
+        4,
+        &[],
+    );
+    assert_eq!(outs[1].code, Some(0), "rank 1 left cleanly");
+    let t = survivors_name_rank_1(&outs, "LEFT_AT_MS", "destroyed its communicator")
+        .expect("leave and error times");
+    eprintln!("time from rank 1's exit to the last survivor's error: {t:.1} ms");
+    assert!(t < (TIMEOUT_MS + 1000) as f64, "errors took {t} ms");
+}
+
+/// Ranks that are threads of several processes share one communicator: 2 processes x 2
+/// threads, every collective as in one process.
+#[test]
+fn threads_of_several_processes_share_one_communicator() {
+    const THREADS: usize = 2;
+    if let Ok(spec) = std::env::var(ENV) {
+        let parts: Vec<&str> = spec.split(':').collect();
+        let (p, procs): (usize, usize) = (parts[0].parse().unwrap(), parts[1].parse().unwrap());
+        let bytes: Vec<u8> = (0..parts[2].len() / 2)
+            .map(|i| u8::from_str_radix(&parts[2][2 * i..2 * i + 2], 16).unwrap_or(0))
+            .collect();
+        let id = UniqueId::from_bytes(&bytes).expect("a unique id");
+        let n = procs * THREADS;
+        let mine: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..THREADS)
+                .map(|t| {
+                    let id = &id;
+                    s.spawn(move || {
+                        let c = Communicator::init_rank(
+                            &Device::Host,
+                            n,
+                            p * THREADS + t,
+                            id,
+                            &Config::new(),
+                        )?;
+                        every_collective::<f32>(&c, &HostStream, 1000)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a rank thread").expect("collectives"))
+                .collect()
+        });
+        let reference = Launcher::host(n)
+            .run(|rank| every_collective::<f32>(rank.comm(), rank.stream(), 1000))
+            .expect("collectives in threads");
+        let ok = (0..THREADS).all(|t| mine[t] == reference[p * THREADS + t]);
+        if !ok {
+            eprintln!("process {p}: differs from ranks in threads");
+        }
+        std::process::exit(if ok { 0 } else { 1 });
+    }
+    let outs = spawn(
+        "threads_of_several_processes_share_one_communicator",
+        2,
+        &[("NCCL_SAFE_HOST_SHM_SLOT_BYTES", "8192")],
+    );
+    for (p, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(0), "process {p}: {}", o.stderr);
+    }
+}
+
+/// Ranks 0, 2 and 3 shrink the communicator without rank 1 (which calls nothing more)
+/// and go on with three ranks.
+#[test]
+fn ranks_shrink_a_communicator_across_processes() {
+    if let Some((r, _, c)) = child() {
+        let mut x = vec![1.0f32; 1000];
+        for _ in 0..3 {
+            c.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)
+                .expect("all_reduce");
+        }
+        if r == 1 {
+            std::thread::sleep(Duration::from_millis(500));
+            std::process::exit(0);
+        }
+        let run = || -> Result<(usize, usize, f32)> {
+            let small = c.shrink(&[1])?;
+            let mut y = vec![(r + 1) as f32; 1000];
+            small.all_reduce_in_place(&mut y, ReduceOp::Sum, &HostStream)?;
+            Ok((small.rank(), small.world_size(), y[999]))
+        };
+        match run() {
+            Ok((sr, sn, sum)) => {
+                println!("SHRUNK rank {sr} of {sn}: sum {sum}");
+                std::process::exit(0)
+            }
+            Err(e) => {
+                eprintln!("rank {r}: shrink: {e}");
+                std::process::exit(3)
+            }
+        }
+    }
+    let outs = spawn("ranks_shrink_a_communicator_across_processes", 4, &[]);
+    for (r, new) in [(0, 0), (2, 1), (3, 2)] {
+        assert_eq!(outs[r].code, Some(0), "rank {r}: {}", outs[r].stderr);
+        // Ranks 0, 2 and 3 contribute 1 + 3 + 4.
+        assert!(
+            outs[r]
+                .stdout
+                .contains(&format!("SHRUNK rank {new} of 3: sum 8")),
+            "rank {r}: {}",
+            outs[r].stdout
+        );
+    }
+}
