@@ -648,8 +648,11 @@ fn after_a_failure_registrations_are_released_and_windows_left_to_the_abort() {
 
 /// A rank that panics while holding a window skips the collective deregistration (its
 /// peers are elsewhere and would never join it) and marks its communicator failed, which
-/// is then aborted: a peer waiting for it in a collective gets an error at once, not
-/// after the 60 s timeout. A registration dropped during a panic does the same.
+/// is then aborted: its thread ends at once. Before, the panicking rank blocked in the
+/// deregistration until its peer deregistered too, here never (the peer waits for it to
+/// end): both hung until the 60 s timeout. (The host provider's window deregistration is
+/// local, unlike NCCL's, so here only the registration's skip shows in its counters.) A
+/// registration dropped during a panic is skipped the same way.
 #[test]
 fn a_panic_holding_a_window_or_registration_fails_the_peers_at_once() {
     let _g = serial();
@@ -661,43 +664,42 @@ fn a_panic_holding_a_window_or_registration_fails_the_peers_at_once() {
         let took = within(LIMIT, {
             let config = config.clone();
             move || {
-                let joined = std::sync::Barrier::new(2);
+                let registered = std::sync::Barrier::new(2);
                 std::thread::scope(|s| {
                     let panicker = s.spawn(|| {
                         let c = Communicator::init_rank(&Device::Host, 2, 0, &id, &config).unwrap();
-                        joined.wait();
                         let mut buf = vec![0f32; 16];
                         if window {
                             let _w = c.register_window(&mut buf, WindowFlags::empty()).unwrap();
+                            registered.wait();
                             panic!("rank 0 panics holding a window");
                         } else {
                             let _r = c.register(&mut buf).unwrap();
+                            registered.wait();
                             panic!("rank 0 panics holding a registration");
                         }
                     });
                     let c = Communicator::init_rank(&Device::Host, 2, 1, &id, &config).unwrap();
-                    joined.wait();
                     let mut buf = vec![0f32; 16];
+                    let w = window.then(|| c.register_window(&mut buf, WindowFlags::empty()));
+                    registered.wait();
+                    // Rank 1 holds its window until rank 0's thread has ended.
                     let t = std::time::Instant::now();
-                    let r = if window {
-                        let w = c.register_window(&mut buf, WindowFlags::empty());
-                        w.and_then(|_w| {
-                            c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &HostStream)
-                        })
-                    } else {
-                        c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &HostStream)
-                    };
-                    assert!(r.is_err(), "rank 0 is gone");
                     assert!(panicker.join().is_err());
-                    t.elapsed()
+                    let took = t.elapsed();
+                    drop(w);
+                    let r = c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &HostStream);
+                    assert!(r.is_err(), "rank 0 is gone");
+                    took
                 })
             }
         });
-        assert!(
-            took < Duration::from_secs(5),
-            "window {window}: took {took:?}"
-        );
+        assert!(took < Duration::from_secs(5), "window {window}: rank 0 ended after {took:?}");
         let st = stats_for(&id.to_raw());
         assert_eq!((st.created, st.misused), (2, 0), "{st:?}");
+        if !window {
+            // Skipped: still registered when the abort tore the communicator down.
+            assert_eq!((st.deregistered, st.live_at_teardown), (0, 1), "{st:?}");
+        }
     }
 }
