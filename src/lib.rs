@@ -1,8 +1,10 @@
 //! nccl-safe: a safe Rust API over NVIDIA NCCL.
 //!
 //! * NCCL is loaded at run time ([`Library`]): no link step, no CUDA toolkit to build.
-//! * Every NCCL call goes through one checked path and fails with an [`Error`] that carries
-//!   NCCL's error string, its last-error text, the call and the caller.
+//! * Every NCCL result goes through one check (`Library::check`) and fails with an
+//!   [`Error`] that carries NCCL's error string, its last-error text, the call and the
+//!   caller; every call on a communicator's handle is made with the handle claimed
+//!   against the watchdog, so none is ever made on a handle under teardown.
 //! * NCCL's allocator ([`NcclMemory`]), buffer registration ([`Communicator::register`]) and
 //!   windows ([`Communicator::register_window`]) are borrows that end exactly once; fp8
 //!   element types ([`float8::F8E4M3`], [`float8::F8E5M2`]) need NCCL 2.24.
