@@ -694,7 +694,10 @@ fn a_panic_holding_a_window_or_registration_fails_the_peers_at_once() {
                 })
             }
         });
-        assert!(took < Duration::from_secs(5), "window {window}: rank 0 ended after {took:?}");
+        assert!(
+            took < Duration::from_secs(5),
+            "window {window}: rank 0 ended after {took:?}"
+        );
         let st = stats_for(&id.to_raw());
         assert_eq!((st.created, st.misused), (2, 0), "{st:?}");
         if !window {
