@@ -14,6 +14,13 @@
 //!
 //! The variants take turns, round after round, in one run; the figures are medians over
 //! the rounds, and the ratios are to the default (time / default's time).
+//!
+//! Then the optimizer state per rank of the same model, counted as the bytes of the state
+//! tensors of a momentum SGD (one velocity per element): over all parameters, as with DDP,
+//! and over this rank's part, as with ZeRO-1.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
 
 use std::time::{Duration, Instant};
 
@@ -21,7 +28,9 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Optimizer, SGD};
 use nccl_safe::launch::Launcher;
-use nccl_safe_candle::{all_reduce, DistributedDataParallel, ReduceOp, DEFAULT_BUCKET_CAP};
+use nccl_safe_candle::{
+    all_reduce, DistributedDataParallel, ReduceOp, ZeroRedundancyOptimizer, DEFAULT_BUCKET_CAP,
+};
 
 const RANKS: usize = 4;
 
@@ -52,8 +61,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ("ddp, one bucket", Some(usize::MAX)),
         ("ddp, default (25 MiB)", Some(DEFAULT_BUCKET_CAP)),
     ];
-    let times =
-        Launcher::host(RANKS).try_run(|rank| -> nccl_safe_candle::Result<Vec<Vec<Duration>>> {
+    let times = Launcher::host(RANKS).try_run(
+        |rank| -> nccl_safe_candle::Result<(Vec<Vec<Duration>>, usize, usize)> {
             let comm = rank.comm();
             let named: Vec<(String, Var)> = (0..params)
                 .map(|i| {
@@ -107,8 +116,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     }
                 }
             }
-            Ok(times)
-        })?;
+            // Optimizer state per rank: DDP's optimizer holds all parameters, ZeRO-1's its part.
+            let ddp_state = common::Momentum::new(vars.clone(), (1e-6, 0.9))?.state_bytes();
+            let zero = ZeroRedundancyOptimizer::<common::Momentum>::from_named(
+                comm,
+                named.clone(),
+                (1e-6, 0.9),
+            )?;
+            Ok((times, ddp_state, zero.optimizer().state_bytes()))
+        },
+    )?;
+    let state: Vec<(usize, usize)> = times.iter().map(|t| (t.1, t.2)).collect();
+    let times: Vec<Vec<Vec<Duration>>> = times.into_iter().map(|t| t.0).collect();
     let rank0 = times.into_iter().next().expect("4 ranks");
     let medians: Vec<Duration> = rank0.into_iter().map(median).collect();
     let default = medians[variants.len() - 1].as_secs_f64();
@@ -125,6 +144,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "{name:<28} {:>12.2} {:>16.2}",
             m.as_secs_f64() * 1e3,
             m.as_secs_f64() / default
+        );
+    }
+    for (r, (ddp, zero)) in state.iter().enumerate() {
+        println!(
+            "optimizer state, rank {r}: DDP {:.3} MiB, ZeRO-1 {:.3} MiB ({:.3} of DDP's)",
+            *ddp as f64 / (1 << 20) as f64,
+            *zero as f64 / (1 << 20) as f64,
+            *zero as f64 / *ddp as f64
         );
     }
     Ok(())

@@ -45,6 +45,7 @@
 //! communicator for the duration of candle's storage hook, on the rank's own thread.
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod ddp;
 pub mod tensor;
