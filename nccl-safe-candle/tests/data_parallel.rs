@@ -357,6 +357,16 @@ fn bad_input_gets_a_typed_error() {
                 DistributedDataParallel::from_named(comm, params.clone(), 0),
                 Err(Error::InvalidArgument { .. })
             ));
+            assert!(matches!(
+                DistributedDataParallel::from_named(comm, Vec::new(), 64),
+                Err(Error::InvalidArgument { .. })
+            ));
+            // ZeRO-1 flattens all parameters into one vector: one element type only.
+            let mixed = vars(&[("f", &[2], DType::F32), ("g", &[2], DType::F64)]);
+            assert!(matches!(
+                ZeroRedundancyOptimizer::<SGD>::from_named(comm, mixed, 0.1),
+                Err(Error::InvalidArgument { .. })
+            ));
             let ddp = DistributedDataParallel::from_named(comm, params, 64)?;
             assert!(matches!(
                 ddp.shard(&odd.reshape((3, 2))?),
