@@ -153,9 +153,10 @@ struct Pending {
 /// The gradients of one element type are packed into one fresh buffer, in reverse
 /// parameter order, and each bucket of it (up to [`DEFAULT_BUCKET_CAP`] bytes, see
 /// [`with_bucket_cap`](Self::with_bucket_cap)) is all-reduced with NCCL's average as its
-/// own call, the calls issued back to back. On CUDA they run on candle's stream, after the
-/// kernels that packed the buffer and before the ones that unpack it: candle orders them,
-/// with no synchronization. The gradients handed back are views of that buffer: no tensor
+/// own call: on the host provider all of them in one NCCL group, on CUDA back to back on
+/// candle's stream, after the kernels that packed the buffer and before the ones that
+/// unpack it (the stream orders them, with no synchronization; there is no separate
+/// communication stream, so packing does not overlap with reducing). The gradients handed back are views of that buffer: no tensor
 /// of the caller's is ever written.
 pub struct DistributedDataParallel<'c> {
     comm: &'c Communicator,

@@ -21,7 +21,7 @@ use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, DeviceLocation, InplaceOp1, InplaceOp2, Layout, Tensor};
-use nccl_safe::{Communicator, HostStream, NcclType, ReduceOp};
+use nccl_safe::{Communicator, Group, HostStream, NcclType, ReduceOp};
 
 use crate::{Error, Result};
 
@@ -30,8 +30,8 @@ use crate::{Error, Result};
 enum Kind<'r> {
     AllReduce(ReduceOp),
     Broadcast(usize),
-    /// One all-reduce per range of the tensor's elements (the buckets of a flat buffer),
-    /// issued back to back.
+    /// One all-reduce per range of the tensor's elements (the buckets of a flat buffer): as
+    /// one group on host memory, back to back on candle's stream on CUDA.
     Buckets(ReduceOp, &'r [Range<usize>]),
     /// Into the mutable (first) tensor, from the second.
     AllGather,
@@ -86,9 +86,17 @@ impl<'a> Collective<'a> {
         match self.kind {
             Kind::AllReduce(op) => comm.all_reduce_in_place(v, op, s),
             Kind::Broadcast(root) => comm.broadcast_in_place(v, root, s),
-            Kind::Buckets(op, ranges) => ranges
-                .iter()
-                .try_for_each(|r| comm.all_reduce_in_place(&mut v[r.clone()], op, s)),
+            // The buckets as one NCCL group: the host provider runs them together at its end.
+            Kind::Buckets(op, ranges) => Group::run(|g| {
+                let (mut rest, mut at) = (v, 0);
+                for r in ranges {
+                    let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - at);
+                    let (bucket, tail) = tail.split_at_mut(r.len());
+                    g.push(comm.all_reduce_in_place_op(bucket, op, &HostStream)?)?;
+                    (rest, at) = (tail, r.end);
+                }
+                Ok(())
+            }),
             Kind::AllGather | Kind::ReduceScatter(_) => unreachable!("two-tensor kinds"),
         }
     }
