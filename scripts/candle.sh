@@ -2,7 +2,8 @@
 # nccl-safe-candle, its own workspace (like examples/candle_ddp, so candle stays out of
 # nccl-safe's build and dependency tree), built in the same target folder as the example:
 #   scripts/candle.sh test   its tests: 4 host-provider ranks as threads (DDP against one
-#                            rank, ZeRO-1 against DDP, buckets, bad input, a failed rank)
+#                            rank, ZeRO-1 against DDP, buckets, bad input, a failed rank),
+#                            and DDP with its 4 ranks in processes against threads
 #   scripts/candle.sh lint   cargo fmt --check, clippy -D warnings (benches included) and
 #                            cargo doc -D warnings
 # A cold build takes about 3 minutes on 2 cores (candle); its Cargo.lock pins candle, and a

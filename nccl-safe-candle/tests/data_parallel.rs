@@ -36,26 +36,10 @@ fn reference<O: Optimizer>(config: O::Config) -> Vec<f32> {
     flat_params(&map).unwrap()
 }
 
-/// DDP over 4 ranks, each on its quarter of the batch; rank 0 alone starts from the fixed
-/// parameters (the others from candle's random ones: the broadcast must fix that).
+/// DDP over 4 ranks in threads ([`train_ddp`]).
 fn ddp_run(cap: usize) -> Vec<Vec<f32>> {
     launcher()
-        .try_run(|rank| -> nccl_safe_candle::Result<Vec<f32>> {
-            let map = VarMap::new();
-            let model = Mlp::new(&map)?;
-            if rank.rank() == 0 {
-                init_fixed(&map)?;
-            }
-            let ddp = DistributedDataParallel::with_bucket_cap(rank.comm(), &map, cap)?;
-            let mut sgd = SGD::new(map.all_vars(), 0.1)?;
-            let (x, y) = batch()?;
-            let (x, y) = (ddp.shard(&x)?, ddp.shard(&y)?);
-            for _ in 0..STEPS {
-                let l = loss::mse(&model.forward(&x)?, &y)?;
-                ddp.backward_step(&mut sgd, &l)?;
-            }
-            Ok(flat_params(&map)?)
-        })
+        .try_run(|rank| train_ddp(rank.comm(), cap, STEPS))
         .unwrap()
 }
 

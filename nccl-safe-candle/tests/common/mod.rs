@@ -149,3 +149,28 @@ pub fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs() / (1.0 + x.abs().max(y.abs())))
         .fold(0.0, f32::max)
 }
+
+/// DDP training on this rank's quarter of the batch with buckets of `cap` bytes; rank 0
+/// alone starts from the fixed parameters (the others from candle's random ones: the
+/// broadcast must fix that). Returns the parameters, flattened in name order.
+pub fn train_ddp(
+    comm: &nccl_safe::Communicator,
+    cap: usize,
+    steps: usize,
+) -> nccl_safe_candle::Result<Vec<f32>> {
+    use candle_nn::{loss, SGD};
+    let map = VarMap::new();
+    let model = Mlp::new(&map)?;
+    if comm.rank() == 0 {
+        init_fixed(&map)?;
+    }
+    let ddp = nccl_safe_candle::DistributedDataParallel::with_bucket_cap(comm, &map, cap)?;
+    let mut sgd = SGD::new(map.all_vars(), 0.1)?;
+    let (x, y) = batch()?;
+    let (x, y) = (ddp.shard(&x)?, ddp.shard(&y)?);
+    for _ in 0..steps {
+        let l = loss::mse(&model.forward(&x)?, &y)?;
+        ddp.backward_step(&mut sgd, &l)?;
+    }
+    Ok(flat_params(&map)?)
+}
