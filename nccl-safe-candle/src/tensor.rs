@@ -25,6 +25,9 @@ use nccl_safe::{Communicator, Group, HostStream, NcclType, ReduceOp};
 
 use crate::{Error, Result};
 
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::cudarc;
+
 /// What runs on a tensor's storage.
 #[derive(Clone, Copy, Debug)]
 enum Kind<'r> {
@@ -119,11 +122,6 @@ impl<'a> Collective<'a> {
         stream: &std::sync::Arc<cudarc::driver::CudaStream>,
     ) -> nccl_safe::Result<()> {
         let comm = self.comm;
-        let view = |slice: &mut cudarc::driver::CudaSlice<T>, r: Range<usize>| {
-            slice
-                .try_slice_mut(r.clone())
-                .ok_or_else(|| out_of_range(&r))
-        };
         match self.kind {
             Kind::AllReduce(op) => comm.all_reduce_in_place(&mut view(slice, at)?, op, stream),
             Kind::Broadcast(root) => comm.broadcast_in_place(&mut view(slice, at)?, root, stream),
@@ -156,6 +154,16 @@ impl<'a> Collective<'a> {
             _ => unreachable!("in-place kinds"),
         }
     }
+}
+
+/// Elements `r` of `slice`, as a view.
+#[cfg(feature = "cuda")]
+fn view<T>(
+    slice: &mut cudarc::driver::CudaSlice<T>,
+    r: Range<usize>,
+) -> nccl_safe::Result<cudarc::driver::CudaViewMut<'_, T>> {
+    let bounds = r.clone();
+    slice.try_slice_mut(r).ok_or_else(|| out_of_range(&bounds))
 }
 
 #[cfg(feature = "cuda")]
