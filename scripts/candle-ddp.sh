@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Builds and runs examples/candle_ddp (its own workspace, so candle stays out of nccl-safe's
-# build) on the host provider with CPU tensors: the loss must fall and every rank must end
+# Builds and runs examples/candle_ddp (written on nccl-safe-candle; its own workspace, so
+# candle stays out of nccl-safe's build, in the same target folder as scripts/candle.sh) on
+# the host provider with CPU tensors: the loss must fall and every rank must end
 # with bit-identical parameters. Then runs it with the gradient all-reduce left out, where
 # the parameter check must fail: the check can tell. A cold build takes about 2.5 minutes on
 # 2 cores; the runs take seconds. Its Cargo.lock pins candle; a dependency nccl-safe gains
 # later is added to it on the fly.
 set -euo pipefail
 cd "$(dirname "$0")/../examples/candle_ddp"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/../../target}/candle-ddp"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/../../target}/candle"
 cargo build --quiet
 bin="$CARGO_TARGET_DIR/debug/candle-ddp"
 "$bin" --ranks 4 --steps 200

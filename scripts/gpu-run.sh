@@ -2,7 +2,9 @@
 # The GPU checks of nccl-safe on a machine with NVIDIA GPUs and no Rust toolchain: every GPU
 # test binary with --ignored, the examples, the bandwidth bench (cudarc event tracking off and
 # on) and the CUDA overhead bench, and nccl-tests 2.19.6 at the same sizes, with the
-# bandwidth tables printed side by side. Not part of CI: for whoever has a GPU.
+# bandwidth tables printed side by side. Not part of CI: for whoever has a GPU. With a CUDA
+# toolkit on the build machine, `collect` also builds examples/candle_ddp with CUDA tensors
+# (nccl-safe-candle's DDP on candle's stream), which `run` runs with the other examples.
 #
 # On a build machine (with cargo), gather the binaries into a folder:
 #   scripts/gpu-run.sh collect DIR
@@ -53,6 +55,21 @@ for line in open(src):
     print("collected", name)
 EOF
     rm -f "$json"
+    # examples/candle_ddp with CUDA tensors (DDP on nccl-safe-candle, candle's stream): needs
+    # a CUDA toolkit here (nvcc; cublas, curand, nvrtc to link).
+    local root
+    root="$(cd "$(dirname "$0")/.." && pwd)"
+    if command -v nvcc >/dev/null; then
+        local target="${CARGO_TARGET_DIR:-$root/target}/candle-cuda"
+        if (cd "$root/examples/candle_ddp" && CARGO_TARGET_DIR="$target" cargo build --release --features cuda); then
+            cp "$target/release/candle-ddp" "$dir/examples/candle-ddp"
+            echo "collected candle-ddp (CUDA tensors)"
+        else
+            echo "gpu-run: candle-ddp's CUDA build failed; collecting the rest" >&2
+        fi
+    else
+        echo "gpu-run: no nvcc, so no CUDA build of examples/candle_ddp (it needs a CUDA toolkit)" >&2
+    fi
 }
 
 [ $# -ge 2 ] || die "usage: $0 collect DIR | run DIR [options] (see the comment at the top)"

@@ -261,6 +261,37 @@ impl Launcher {
         self.launch(f, false).map(|r| r.values)
     }
 
+    /// [`run`](Self::run) for a closure with its own error type: a candle loop's
+    /// `candle_core::Result`, an `anyhow::Error`, a `Box<dyn Error + Send + Sync>`, a
+    /// `String`, so that it uses `?` on its own calls. A rank's error fails the run exactly
+    /// as in `run` (the others aborted, [`Error::RankFailed`] naming it with its message).
+    /// (`run` keeps nccl-safe's error: a generic error there would leave the error type of
+    /// every closure that only uses `?` on nccl-safe calls for the caller to spell out.)
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// fn parse(s: &str) -> Result<f32, std::num::ParseFloatError> { s.parse() }
+    /// let sums = Launcher::host(2).try_run(|rank| -> Result<f32, Box<dyn std::error::Error + Send + Sync>> {
+    ///     let mut x = vec![parse("1.5")?; 4];
+    ///     rank.comm().all_reduce_in_place(&mut x, ReduceOp::Sum, rank.stream())?;
+    ///     Ok(x[0])
+    /// })?;
+    /// assert_eq!(sums, vec![3.0; 2]);
+    /// let failed = Launcher::host(2).try_run(|rank| parse(if rank.rank() == 1 { "x" } else { "1" }));
+    /// assert!(matches!(failed, Err(nccl_safe::Error::RankFailed { rank: 1, .. })));
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    pub fn try_run<R, E, F>(&self, f: F) -> Result<Vec<R>>
+    where
+        R: Send,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+        F: Fn(&Rank) -> std::result::Result<R, E> + Sync,
+    {
+        // The one conversion, at this boundary: the rank's error as nccl-safe's (its text
+        // is what `RankFailed` reports).
+        self.run(|rank| f(rank).map_err(|e| Error::Launch(e.into())))
+    }
+
     /// [`run`](Self::run), also returning each rank's [`RankStats`]: the straggler view.
     /// A rank that is slower than the others (a slow data loader, a misplaced pause) spends
     /// *less* time waiting in collectives, because the others wait for it. The

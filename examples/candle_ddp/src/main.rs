@@ -1,17 +1,14 @@
-//! Data-parallel training of a small candle model, with gradients all-reduced through
-//! nccl-safe.
+//! Data-parallel training of a small candle model with `nccl-safe-candle`.
 //!
-//! Every rank (a thread, from `nccl_safe::launch::Launcher`) builds the same MLP, takes the
-//! parameters of rank 0 (a broadcast, as PyTorch's DDP does at start), and trains on its own
-//! shard of a synthetic regression set. Each step it packs its gradients into one buffer,
-//! all-reduces it (sum) through nccl-safe, averages, and lets candle-nn's SGD apply it, so
-//! every rank applies the same update. At the end the example checks that the global loss
-//! fell and that every rank holds bit-identical parameters, and exits non-zero otherwise.
+//! Every rank (a thread, from `nccl_safe::launch::Launcher`) builds the same MLP;
+//! `DistributedDataParallel` gives every rank rank 0's parameters (after checking that all
+//! ranks hold the same ones) and, each step, averages the gradients over the ranks in
+//! buckets, so every rank applies the same SGD update to its own shard of a synthetic
+//! regression set. At the end the example checks that the global loss fell and that every
+//! rank holds bit-identical parameters, and exits non-zero otherwise.
 //!
-//! The collectives run in place on candle's own storage through candle's `InplaceOp1`:
-//! on CPU tensors the host provider reduces the `Vec<f32>` inside `CpuStorage`; with the
-//! `cuda` feature NVIDIA's NCCL reduces the `CudaSlice<f32>` inside `CudaStorage`, on
-//! candle's stream, with no copy to the host.
+//! On CPU tensors the collectives run on the host provider; with the `cuda` feature on
+//! candle's `CudaStorage`, on candle's stream, with no copy to the host.
 //!
 //!     cargo run --release                      # 4 ranks on the host provider, CPU tensors
 //!     cargo run --release -- --ranks 2 --steps 300
@@ -20,94 +17,15 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{linear, Linear, Module, Optimizer, VarBuilder, VarMap, SGD};
 use nccl_safe::launch::{Launcher, Rank};
-use nccl_safe::{AsStream, Communicator, HostStream, RecvBuffer, ReduceOp};
+use nccl_safe_candle::{DistributedDataParallel, ReduceOp};
 
 const INPUTS: usize = 8;
 const HIDDEN: usize = 32;
 const SAMPLES: usize = 1024;
 const LEARNING_RATE: f64 = 0.05;
-
-/// A collective run in place on a tensor's storage.
-#[derive(Clone, Copy, Debug)]
-enum Kind {
-    /// Sum over all ranks.
-    AllReduceSum,
-    /// Rank `root`'s values on every rank.
-    Broadcast { root: usize },
-}
-
-/// candle's hook into its storage: `cpu_fwd` gets the `CpuStorage`, `cuda_fwd` the
-/// `CudaStorage`, each with the tensor's layout.
-struct Collective<'c> {
-    comm: &'c Communicator,
-    kind: Kind,
-}
-
-impl Collective<'_> {
-    /// Runs the collective on `buf` (the tensor's elements) on `stream`.
-    fn run<B: RecvBuffer<f32> + ?Sized>(
-        &self,
-        buf: &mut B,
-        stream: &impl AsStream,
-    ) -> candle_core::Result<()> {
-        match self.kind {
-            Kind::AllReduceSum => self.comm.all_reduce_in_place(buf, ReduceOp::Sum, stream),
-            Kind::Broadcast { root } => self.comm.broadcast_in_place(buf, root, stream),
-        }
-        .map_err(candle_core::Error::wrap)
-    }
-}
-
-/// The element range of a contiguous layout (in-place collectives need one).
-fn contiguous(layout: &Layout) -> candle_core::Result<(usize, usize)> {
-    layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("a collective needs a contiguous tensor".into()))
-}
-
-impl InplaceOp1 for Collective<'_> {
-    fn name(&self) -> &'static str {
-        match self.kind {
-            Kind::AllReduceSum => "nccl-safe all-reduce",
-            Kind::Broadcast { .. } => "nccl-safe broadcast",
-        }
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let (start, end) = contiguous(layout)?;
-        match storage {
-            CpuStorage::F32(v) => self.run(&mut v[start..end], &HostStream),
-            other => candle_core::bail!("{}: f32 only, got {:?}", self.name(), other.dtype()),
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        storage: &mut candle_core::CudaStorage,
-        layout: &Layout,
-    ) -> candle_core::Result<()> {
-        use candle_core::cuda_backend::CudaStorageSlice;
-        let (start, end) = contiguous(layout)?;
-        // candle's stream: NCCL's work is ordered after the kernels that wrote the
-        // gradients and before the ones that read them, with no synchronization here.
-        let stream = storage.device.cuda_stream();
-        let dtype = storage.dtype();
-        match &mut storage.slice {
-            CudaStorageSlice::F32(slice) => {
-                let mut view = slice.try_slice_mut(start..end).ok_or_else(|| {
-                    candle_core::Error::Msg(format!("{start}..{end} is out of the buffer"))
-                })?;
-                self.run(&mut view, &stream)
-            }
-            _ => candle_core::bail!("{}: f32 only, got {dtype:?}", self.name()),
-        }
-    }
-}
 
 /// The model: three linear layers with ReLUs.
 struct Mlp {
@@ -180,36 +98,15 @@ struct Outcome {
     params: Vec<f32>,
 }
 
-/// The variables in a fixed order (by name), the same on every rank.
-fn sorted_vars(map: &VarMap) -> Vec<Var> {
-    let data = map.data().lock().expect("the var map's lock");
-    let mut named: Vec<_> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
-    named.into_iter().map(|(_, v)| v).collect()
-}
-
-/// The mean of `loss` over all ranks.
-fn global_mean(comm: &Communicator, loss: &Tensor) -> candle_core::Result<f32> {
-    let sum = loss.reshape(1)?.copy()?;
-    sum.inplace_op1(&Collective {
-        comm,
-        kind: Kind::AllReduceSum,
-    })?;
-    Ok(sum.to_vec1::<f32>()?[0] / comm.world_size() as f32)
-}
-
 fn train(rank: &Rank, device: &Device, opts: &Opts) -> candle_core::Result<Outcome> {
-    let comm = rank.comm();
-    let world = comm.world_size();
     let map = VarMap::new();
     let model = Mlp::new(VarBuilder::from_varmap(&map, DType::F32, device))?;
-    let vars = sorted_vars(&map);
+    let ddp = DistributedDataParallel::new(rank.comm(), &map)?;
     // Rank 0 draws its parameters from a fixed sequence (uniform in +-1/sqrt(fan-in), as
-    // candle-nn's default), so that runs are reproducible; the other ranks keep candle-nn's
-    // random ones, and every rank starts from rank 0's.
-    if comm.rank() == 0 {
+    // candle-nn's default), so that runs are reproducible, and every rank takes them.
+    if rank.rank() == 0 {
         let mut next = uniform(0x5EED);
-        for v in &vars {
+        for (_, v) in ddp.params() {
             let dims = v.as_tensor().dims().to_vec();
             let fan_in = if dims.len() == 2 { dims[1] } else { HIDDEN };
             let scale = 1.0 / (fan_in as f32).sqrt();
@@ -219,56 +116,28 @@ fn train(rank: &Rank, device: &Device, opts: &Opts) -> candle_core::Result<Outco
             v.set(&Tensor::from_vec(values, dims, device)?)?;
         }
     }
-    for v in &vars {
-        v.as_tensor().inplace_op1(&Collective {
-            comm,
-            kind: Kind::Broadcast { root: 0 },
-        })?;
-    }
-    let (xs, ys, n) = shard(comm.rank(), world);
+    ddp.broadcast_params()?;
+    let (xs, ys, n) = shard(rank.rank(), rank.world_size());
     let x = Tensor::from_vec(xs, (n, INPUTS), device)?;
     let y = Tensor::from_vec(ys, (n, 1), device)?;
-    let mut sgd = SGD::new(vars.clone(), LEARNING_RATE)?;
+    let mut sgd = SGD::new(ddp.vars(), LEARNING_RATE)?;
     let mut losses = Vec::new();
     for step in 0..opts.steps {
         let loss = candle_nn::loss::mse(&model.forward(&x)?, &y)?;
         if step % 50 == 0 || step + 1 == opts.steps {
-            losses.push((step, global_mean(comm, &loss)?));
+            let mean = ddp.all_reduce_scalar(&loss, ReduceOp::Avg)?;
+            losses.push((step, mean as f32));
         }
-        let mut grads = loss.backward()?;
         if opts.all_reduce {
-            // One bucket: the gradients packed into a fresh buffer, summed over the ranks in
-            // one collective, then averaged and unpacked.
-            let flat = vars
-                .iter()
-                .map(|v| match grads.get(v.as_tensor()) {
-                    Some(g) => g.flatten_all(),
-                    None => v.as_tensor().zeros_like()?.flatten_all(),
-                })
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            let bucket = Tensor::cat(&flat, 0)?;
-            bucket.inplace_op1(&Collective {
-                comm,
-                kind: Kind::AllReduceSum,
-            })?;
-            let bucket = (bucket / world as f64)?;
-            let mut offset = 0;
-            for v in &vars {
-                let len = v.as_tensor().elem_count();
-                let g = bucket
-                    .narrow(0, offset, len)?
-                    .reshape(v.as_tensor().shape())?;
-                grads.insert(v.as_tensor(), g);
-                offset += len;
-            }
+            ddp.backward_step(&mut sgd, &loss)?;
+        } else {
+            sgd.backward_step(&loss)?;
         }
-        sgd.step(&grads)?;
     }
-    let flat = vars
-        .iter()
-        .map(|v| v.as_tensor().flatten_all())
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    let params = Tensor::cat(&flat, 0)?.to_vec1::<f32>()?;
+    let mut params = Vec::new();
+    for (_, v) in ddp.params() {
+        params.extend(v.as_tensor().flatten_all()?.to_vec1::<f32>()?);
+    }
     Ok(Outcome { losses, params })
 }
 

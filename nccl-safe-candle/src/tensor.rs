@@ -1,0 +1,407 @@
+//! Collectives on candle [`Tensor`]s: all-reduce, broadcast, all-gather, reduce-scatter.
+//!
+//! They run on the tensor's own storage through candle's `InplaceOp1` / `InplaceOp2` hooks:
+//! on CPU tensors the host provider reads and writes the `Vec` inside `CpuStorage`; with
+//! the `cuda` feature NVIDIA's NCCL reads and writes the `CudaSlice` inside `CudaStorage`,
+//! on candle's own stream, with no copy to the host. Work on candle's stream is ordered
+//! after the kernels that produced the tensor and before the ones that read it, so no
+//! synchronization is needed.
+//!
+//! In-place operations ([`all_reduce`], [`broadcast`]) change the tensor's storage: every
+//! tensor that shares it (a `reshape`, a `narrow`, a `Tensor::cat` of one tensor) sees
+//! the change. Copy first (`t.copy()?`) to keep the original. [`all_gather`] and
+//! [`reduce_scatter`] return a new tensor.
+//!
+//! Checked before NCCL sees anything, each a typed [`Error`]: the element type (f32, f64,
+//! f16, bf16), contiguity, the device (CPU tensors with a host-provider communicator, CUDA
+//! tensors on the communicator's GPU), and the shapes.
+
+use std::ops::Range;
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, DeviceLocation, InplaceOp1, InplaceOp2, Layout, Tensor};
+use nccl_safe::{Communicator, Group, HostStream, NcclType, ReduceOp};
+
+use crate::{Error, Result};
+
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::cudarc;
+
+/// What runs on a tensor's storage.
+#[derive(Clone, Copy, Debug)]
+enum Kind<'r> {
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+    /// One all-reduce per range of the tensor's elements (the buckets of a flat buffer): as
+    /// one group on host memory, back to back on candle's stream on CUDA.
+    Buckets(ReduceOp, &'r [Range<usize>]),
+    /// Into the mutable (first) tensor, from the second.
+    AllGather,
+    /// Into the mutable (first) tensor, from the second.
+    ReduceScatter(ReduceOp),
+}
+
+/// candle's hook into its storage. nccl-safe's error is kept here, typed: candle's error
+/// can carry only its text.
+struct Collective<'a> {
+    comm: &'a Communicator,
+    kind: Kind<'a>,
+    failed: Mutex<Option<nccl_safe::Error>>,
+}
+
+impl<'a> Collective<'a> {
+    fn new(comm: &'a Communicator, kind: Kind<'a>) -> Collective<'a> {
+        Collective {
+            comm,
+            kind,
+            failed: Mutex::new(None),
+        }
+    }
+
+    /// Keeps `e` and hands candle its text.
+    fn fail(&self, e: nccl_safe::Error) -> candle_core::Error {
+        let text = e.to_string();
+        *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        candle_core::Error::Msg(text)
+    }
+
+    /// The typed error when nccl-safe failed, else candle's.
+    fn error(&self, e: candle_core::Error) -> Error {
+        match self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Error::Nccl(e),
+            None => Error::Candle(e),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self.kind {
+            Kind::AllReduce(_) | Kind::Buckets(..) => "nccl-safe all-reduce",
+            Kind::Broadcast(_) => "nccl-safe broadcast",
+            Kind::AllGather => "nccl-safe all-gather",
+            Kind::ReduceScatter(_) => "nccl-safe reduce-scatter",
+        }
+    }
+
+    /// The in-place kinds on host memory.
+    fn host<T: NcclType>(&self, v: &mut [T]) -> nccl_safe::Result<()> {
+        let (comm, s) = (self.comm, &HostStream);
+        match self.kind {
+            Kind::AllReduce(op) => comm.all_reduce_in_place(v, op, s),
+            Kind::Broadcast(root) => comm.broadcast_in_place(v, root, s),
+            // The buckets as one NCCL group: the host provider runs them together at its end.
+            Kind::Buckets(op, ranges) => Group::run(|g| {
+                let (mut rest, mut at) = (v, 0);
+                for r in ranges {
+                    let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - at);
+                    let (bucket, tail) = tail.split_at_mut(r.len());
+                    g.push(comm.all_reduce_in_place_op(bucket, op, &HostStream)?)?;
+                    (rest, at) = (tail, r.end);
+                }
+                Ok(())
+            }),
+            Kind::AllGather | Kind::ReduceScatter(_) => unreachable!("two-tensor kinds"),
+        }
+    }
+
+    /// The two-tensor kinds on host memory.
+    fn host2<T: NcclType>(&self, out: &mut [T], inp: &[T]) -> nccl_safe::Result<()> {
+        let (comm, s) = (self.comm, &HostStream);
+        match self.kind {
+            Kind::AllGather => comm.all_gather(inp, out, s),
+            Kind::ReduceScatter(op) => comm.reduce_scatter(inp, out, op, s),
+            _ => unreachable!("in-place kinds"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda<T: NcclType + cudarc::driver::DeviceRepr>(
+        &self,
+        slice: &mut cudarc::driver::CudaSlice<T>,
+        at: Range<usize>,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> nccl_safe::Result<()> {
+        let comm = self.comm;
+        match self.kind {
+            Kind::AllReduce(op) => comm.all_reduce_in_place(&mut view(slice, at)?, op, stream),
+            Kind::Broadcast(root) => comm.broadcast_in_place(&mut view(slice, at)?, root, stream),
+            Kind::Buckets(op, ranges) => ranges.iter().try_for_each(|r| {
+                let r = at.start + r.start..at.start + r.end;
+                comm.all_reduce_in_place(&mut view(slice, r)?, op, stream)
+            }),
+            Kind::AllGather | Kind::ReduceScatter(_) => unreachable!("two-tensor kinds"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda2<T: NcclType + cudarc::driver::DeviceRepr>(
+        &self,
+        out: &mut cudarc::driver::CudaSlice<T>,
+        out_at: Range<usize>,
+        inp: &cudarc::driver::CudaSlice<T>,
+        inp_at: Range<usize>,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> nccl_safe::Result<()> {
+        let mut o = out
+            .try_slice_mut(out_at.clone())
+            .ok_or_else(|| out_of_range(&out_at))?;
+        let i = inp
+            .try_slice(inp_at.clone())
+            .ok_or_else(|| out_of_range(&inp_at))?;
+        match self.kind {
+            Kind::AllGather => self.comm.all_gather(&i, &mut o, stream),
+            Kind::ReduceScatter(op) => self.comm.reduce_scatter(&i, &mut o, op, stream),
+            _ => unreachable!("in-place kinds"),
+        }
+    }
+}
+
+/// Elements `r` of `slice`, as a view.
+#[cfg(feature = "cuda")]
+fn view<T>(
+    slice: &mut cudarc::driver::CudaSlice<T>,
+    r: Range<usize>,
+) -> nccl_safe::Result<cudarc::driver::CudaViewMut<'_, T>> {
+    let bounds = r.clone();
+    slice.try_slice_mut(r).ok_or_else(|| out_of_range(&bounds))
+}
+
+#[cfg(feature = "cuda")]
+fn out_of_range(r: &Range<usize>) -> nccl_safe::Error {
+    nccl_safe::Error::InvalidArgument {
+        op: "nccl-safe-candle",
+        reason: format!("elements {r:?} are out of the tensor's buffer"),
+    }
+}
+
+/// The element range of a contiguous layout (checked before the op; this is a guard).
+fn offsets(layout: &Layout) -> candle_core::Result<(usize, usize)> {
+    layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("a collective needs a contiguous tensor".into()))
+}
+
+/// Runs `$body` with `$v` bound to the storage's elements of a supported type.
+macro_rules! cpu_dispatch {
+    ($self:ident, $storage:expr, $v:ident => $body:expr) => {
+        match $storage {
+            CpuStorage::F32($v) => $body,
+            CpuStorage::F64($v) => $body,
+            CpuStorage::F16($v) => $body,
+            CpuStorage::BF16($v) => $body,
+            other => candle_core::bail!("{}: {:?} is not supported", $self.name(), other.dtype()),
+        }
+    };
+}
+
+impl InplaceOp1 for Collective<'_> {
+    fn name(&self) -> &'static str {
+        Collective::name(self)
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let (start, end) = offsets(layout)?;
+        cpu_dispatch!(self, storage, v => self.host(&mut v[start..end]).map_err(|e| self.fail(e)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &mut candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::cuda_backend::CudaStorageSlice as S;
+        let (start, end) = offsets(layout)?;
+        // candle's stream: see the module's documentation.
+        let stream = storage.device.cuda_stream();
+        let dtype = storage.dtype();
+        let r = start..end;
+        match &mut storage.slice {
+            S::F32(s) => self.cuda(s, r, &stream),
+            S::F64(s) => self.cuda(s, r, &stream),
+            S::F16(s) => self.cuda(s, r, &stream),
+            S::BF16(s) => self.cuda(s, r, &stream),
+            _ => candle_core::bail!("{}: {dtype:?} is not supported", self.name()),
+        }
+        .map_err(|e| self.fail(e))
+    }
+}
+
+impl InplaceOp2 for Collective<'_> {
+    fn name(&self) -> &'static str {
+        Collective::name(self)
+    }
+
+    fn cpu_fwd(
+        &self,
+        out: &mut CpuStorage,
+        out_layout: &Layout,
+        inp: &CpuStorage,
+        inp_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        let (os, oe) = offsets(out_layout)?;
+        let (is, ie) = offsets(inp_layout)?;
+        let r = match (out, inp) {
+            (CpuStorage::F32(o), CpuStorage::F32(i)) => self.host2(&mut o[os..oe], &i[is..ie]),
+            (CpuStorage::F64(o), CpuStorage::F64(i)) => self.host2(&mut o[os..oe], &i[is..ie]),
+            (CpuStorage::F16(o), CpuStorage::F16(i)) => self.host2(&mut o[os..oe], &i[is..ie]),
+            (CpuStorage::BF16(o), CpuStorage::BF16(i)) => self.host2(&mut o[os..oe], &i[is..ie]),
+            (o, i) => candle_core::bail!(
+                "{}: {:?} into {:?} is not supported",
+                self.name(),
+                i.dtype(),
+                o.dtype()
+            ),
+        };
+        r.map_err(|e| self.fail(e))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        out: &mut candle_core::CudaStorage,
+        out_layout: &Layout,
+        inp: &candle_core::CudaStorage,
+        inp_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::cuda_backend::CudaStorageSlice as S;
+        let (os, oe) = offsets(out_layout)?;
+        let (is, ie) = offsets(inp_layout)?;
+        let stream = out.device.cuda_stream();
+        let (o, i) = (os..oe, is..ie);
+        match (&mut out.slice, &inp.slice) {
+            (S::F32(a), S::F32(b)) => self.cuda2(a, o, b, i, &stream),
+            (S::F64(a), S::F64(b)) => self.cuda2(a, o, b, i, &stream),
+            (S::F16(a), S::F16(b)) => self.cuda2(a, o, b, i, &stream),
+            (S::BF16(a), S::BF16(b)) => self.cuda2(a, o, b, i, &stream),
+            _ => candle_core::bail!("{}: this element type is not supported", self.name()),
+        }
+        .map_err(|e| self.fail(e))
+    }
+}
+
+/// The element types the collectives take.
+pub const SUPPORTED_DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
+
+/// Checks what NCCL would otherwise meet as a bad buffer: the element type, contiguity and
+/// the device.
+pub(crate) fn check(comm: &Communicator, op: &'static str, t: &Tensor) -> Result<()> {
+    if !SUPPORTED_DTYPES.contains(&t.dtype()) {
+        return Err(Error::UnsupportedDtype {
+            op,
+            dtype: t.dtype(),
+        });
+    }
+    if !t.is_contiguous() {
+        return Err(Error::NotContiguous {
+            op,
+            shape: t.dims().to_vec(),
+            stride: t.stride().to_vec(),
+        });
+    }
+    let ok = match (t.device().location(), comm.device()) {
+        (DeviceLocation::Cpu, None) => true,
+        (DeviceLocation::Cuda { gpu_id }, Some(d)) => gpu_id == d,
+        _ => false,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::WrongDevice {
+            op,
+            tensor: format!("{:?}", t.device().location()),
+            comm: match comm.device() {
+                None => "the host provider (which takes CPU tensors)".into(),
+                Some(d) => format!("CUDA device {d}"),
+            },
+        })
+    }
+}
+
+fn run1(comm: &Communicator, t: &Tensor, kind: Kind<'_>) -> Result<()> {
+    let op = Collective::new(comm, kind);
+    t.inplace_op1(&op).map_err(|e| op.error(e))
+}
+
+fn run2(comm: &Communicator, out: &Tensor, inp: &Tensor, kind: Kind<'_>) -> Result<()> {
+    let op = Collective::new(comm, kind);
+    out.inplace_op2(inp, &op).map_err(|e| op.error(e))
+}
+
+/// Reduces `t` over all ranks, in place: every rank ends with the sum (or average, min,
+/// max, product) of every rank's `t`. Every tensor sharing `t`'s storage sees the result.
+pub fn all_reduce(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<()> {
+    check(comm, "all_reduce", t)?;
+    run1(comm, t, Kind::AllReduce(op))
+}
+
+/// Copies rank `root`'s `t` into every rank's `t`, in place (all ranks pass tensors of the
+/// same number of elements).
+pub fn broadcast(comm: &Communicator, t: &Tensor, root: usize) -> Result<()> {
+    check(comm, "broadcast", t)?;
+    run1(comm, t, Kind::Broadcast(root))
+}
+
+/// Every rank's `t`, concatenated along the first dimension in rank order (a scalar
+/// becomes a vector of `world_size` values).
+pub fn all_gather(comm: &Communicator, t: &Tensor) -> Result<Tensor> {
+    check(comm, "all_gather", t)?;
+    let mut dims = t.dims().to_vec();
+    match dims.first_mut() {
+        Some(d) => *d *= comm.world_size(),
+        None => dims.push(comm.world_size()),
+    }
+    let out = Tensor::zeros(dims, t.dtype(), t.device())?;
+    run2(comm, &out, t, Kind::AllGather)?;
+    Ok(out)
+}
+
+/// Reduces `t` over all ranks and leaves rank `r` the `r`-th of `world_size` equal parts
+/// along the first dimension, which must divide evenly.
+pub fn reduce_scatter(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+    check(comm, "reduce_scatter", t)?;
+    let world = comm.world_size();
+    let mut dims = t.dims().to_vec();
+    match dims.first_mut() {
+        Some(d) if *d % world == 0 => *d /= world,
+        _ => {
+            return Err(Error::Shape {
+                op: "reduce_scatter",
+                reason: format!(
+                    "the first dimension of shape {:?} must divide into {world} equal parts",
+                    t.dims()
+                ),
+            })
+        }
+    }
+    let out = Tensor::zeros(dims, t.dtype(), t.device())?;
+    run2(comm, &out, t, Kind::ReduceScatter(op))?;
+    Ok(out)
+}
+
+/// A one-element tensor (a loss, say) reduced over all ranks, as `f64`, for logging.
+/// `t` itself is left unchanged.
+pub fn all_reduce_scalar(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<f64> {
+    if t.elem_count() != 1 {
+        return Err(Error::Shape {
+            op: "all_reduce_scalar",
+            reason: format!("a scalar has one element; shape {:?} has more", t.dims()),
+        });
+    }
+    // A fresh f64 copy: never the caller's storage.
+    let v = t.flatten_all()?.to_dtype(DType::F64)?.copy()?;
+    all_reduce(comm, &v, op)?;
+    Ok(v.to_vec1::<f64>()?[0])
+}
+
+/// One all-reduce per range of `flat`'s elements, in place (the buckets of a flat
+/// gradient buffer).
+pub(crate) fn all_reduce_buckets(
+    comm: &Communicator,
+    flat: &Tensor,
+    op: ReduceOp,
+    ranges: &[Range<usize>],
+) -> Result<()> {
+    check(comm, "all_reduce (buckets)", flat)?;
+    run1(comm, flat, Kind::Buckets(op, ranges))
+}
