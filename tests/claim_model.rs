@@ -31,6 +31,13 @@
 //!   teardown asserts that it is the first; `ncclCommDestroy` asserts that no call is in
 //!   progress (`ncclCommAbort` may interrupt one: that is how a blocked call is woken).
 //!
+//! Why shuttle rather than loom: the protocol's one cross-location ordering is the fence
+//! pair, which loom cannot express either (it has no membarrier; it would be two `SeqCst`
+//! fences, i.e. the sequential consistency shuttle gives), while the parties spin
+//! (`await_decision`, waiting for the abort job), which blows up loom's exhaustive search
+//! and which shuttle's randomized and PCT schedulers take in their stride, for four
+//! threads and 72 scenarios in seconds.
+//!
 //! # What is abstracted
 //!
 //! * **Memory order.** shuttle runs the threads sequentially consistently. That is what
@@ -886,7 +893,9 @@ fn mutant_pin_skips_the_claim_check_is_caught() {
 /// The claim of an operation inside its call is safe only because the operation is old
 /// enough (`min_age`) for its thread to be inside NCCL: an operation claimed between its
 /// claim check and its call would enter NCCL after the abort began. This documents the
-/// assumption: without it the model finds exactly that.
+/// assumption: without it the model finds exactly that. (The age counts from the
+/// operation's `enqueued` time, taken before the fingerprint check's wait; an operation
+/// that waited there longer than `min_age` is "old" from the moment it stores `current`.)
 #[test]
 fn the_age_of_an_operation_is_a_timing_assumption() {
     let mut p = Protocol::with_known_gaps_fixed();
