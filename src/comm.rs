@@ -831,11 +831,13 @@ impl Communicator {
     }
 
     /// Takes the handle out, so that exactly one teardown call uses it; `how` says how the
-    /// rank leaves its clique (for peers that wait for it).
-    fn take(&mut self, how: &str) -> ncclComm_t {
+    /// rank leaves its clique (for peers that wait for it), `broken` whether it leaves by
+    /// a failure (a panic, a failed communicator dropped): then the whole clique fails. An
+    /// explicit `abort()` may be a normal ending, so it fails only the peers that wait.
+    fn take(&mut self, how: &str, broken: bool) -> ncclComm_t {
         let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
         // Null when the watchdog already aborted it (its one teardown).
-        if self.diag.release(Some(how)) {
+        if self.diag.release(Some((how, broken))) {
             raw
         } else {
             std::ptr::null_mut()
@@ -861,23 +863,30 @@ impl Communicator {
         if let Err(e) = bind(&self.device) {
             return Err((self, e));
         }
-        let destroyed = self.pinned(|| {
-            // SAFETY: the handle is live (pinned: the watchdog cannot take it during the
-            // call); on success it is never used again (taken below).
-            let r = unsafe { (self.lib.table().ncclCommDestroy)(self.raw) };
-            // The communicator is non-blocking (see init_rank): progress means it is under way.
-            let r = if r == nccl_sys::bindings::ncclInProgress {
-                nccl_sys::bindings::ncclSuccess
-            } else {
-                r
-            };
-            self.checked(OP, r, caller)
-        });
+        // Pinned from before the call until the handle is out of its slot: a watchdog
+        // claim can never fall between the destroy and the take.
+        let pinned = match self.diag.pin() {
+            Ok(p) => p,
+            Err(e) => return Err((self, e)),
+        };
+        // SAFETY: the handle is live (pinned: the watchdog cannot take it during the call);
+        // on success it is never used again (taken below, still pinned).
+        let r = unsafe { (self.lib.table().ncclCommDestroy)(self.raw) };
+        // The communicator is non-blocking (see init_rank): progress means it is under way.
+        let r = if r == nccl_sys::bindings::ncclInProgress {
+            nccl_sys::bindings::ncclSuccess
+        } else {
+            r
+        };
+        let destroyed = self.checked(OP, r, caller);
+        if destroyed.is_ok() {
+            self.take("it destroyed its communicator", false);
+        }
+        if pinned {
+            self.diag.unpin();
+        }
         match destroyed {
-            Ok(()) => {
-                self.take("it destroyed its communicator");
-                Ok(())
-            }
+            Ok(()) => Ok(()),
             Err(e) => Err((self, e)),
         }
     }
@@ -893,7 +902,7 @@ impl Communicator {
     pub fn abort(mut self) -> Result<()> {
         let ctx = self.context(Location::caller());
         let until = Instant::now() + self.diag.abort_timeout();
-        let raw = self.take("it aborted its communicator");
+        let raw = self.take("it aborted its communicator", false);
         let ctx = CallContext {
             comm: std::ptr::null_mut(),
             ..ctx
@@ -986,11 +995,14 @@ impl Drop for Communicator {
         // waiting in, so abort (which wakes them) rather than destroy.
         let failed = std::thread::panicking() || self.is_failed();
         let drained = !failed && self.diag.drain(until);
-        let raw = self.take(if std::thread::panicking() {
+        let how = if std::thread::panicking() {
             "it panicked"
-        } else {
+        } else if drained {
             "its communicator was dropped"
-        });
+        } else {
+            "its failed communicator was dropped (aborted)"
+        };
+        let raw = self.take(how, !drained);
         if raw.is_null() {
             return; // the watchdog took it: its one teardown
         }

@@ -122,11 +122,7 @@ const EXIT_CHILDREN: u64 = 12;
 ///   blocks `ncclCommAbort` before its work, waking the clique's waiters included, while
 ///   NVIDIA's abort sets the communicator's abort flag (which wakes blocked calls) before
 ///   it frees resources, where it blocks behind a stalled stream.
-const KNOWN_VIOLATIONS: &[&str] = &[
-    "fails-fast-after-a-peer-abort",
-    "group-call-bound",
-    "call-bound-behind-a-stuck-abort",
-];
+const KNOWN_VIOLATIONS: &[&str] = &["group-call-bound"];
 
 /// A small xorshift64* generator.
 struct Rng(u64);

@@ -256,11 +256,15 @@ impl Clique {
     /// for a collective that will never come: the clique fails at once with a report
     /// naming the departed rank (the watchdog then aborts the ranks in flight). Returns
     /// that report.
+    ///
+    /// `broken`: it left by an abort. Then no collective of the clique can complete again,
+    /// so the clique fails at once, waiting ranks or not (every rank's `is_failed()`).
     pub(crate) fn depart(
         &self,
         rank: usize,
         view: RankView,
         how: &str,
+        broken: bool,
     ) -> Option<Arc<TimeoutReport>> {
         if self.any_timeout() || self.world_size < 2 {
             return None;
@@ -282,6 +286,9 @@ impl Clique {
         if d.rank != rank {
             return None;
         }
+        if broken {
+            return Some(self.fail_for_departure(d, None, None));
+        }
         // A rank of this process already in such a collective (the watchdog finds the
         // others, and later ones, within a tick).
         let (waiting, rec) = (0..self.world_size)
@@ -292,7 +299,7 @@ impl Clique {
                 (v.present && !v.gone && self.waits_for_departed(r, &l).is_some()).then_some((r, l))
             })
             .next()?;
-        Some(self.fail_for_departure(d, waiting, Some(&rec)))
+        Some(self.fail_for_departure(d, Some(waiting), Some(&rec)))
     }
 
     /// The departure that rank `r`'s operation `rec` waits for, if any: the operation is a
@@ -323,19 +330,25 @@ impl Clique {
     pub(crate) fn fail_for_departure(
         &self,
         d: &Departure,
-        waiting: usize,
+        waiting: Option<usize>,
         rec: Option<&OpRecord>,
     ) -> Arc<TimeoutReport> {
         let op = match rec {
             Some(r) => format!("{} seq {} (called at {})", r.signature(), r.seq, r.at()),
             None => "a collective".to_string(),
         };
-        let text = format!(
-            "rank {} left: {}. Rank {waiting} waits in {op}, a collective rank {} will never call: the clique's communicators are aborted",
-            d.rank, d.how, d.rank
-        );
+        let text = match waiting {
+            Some(w) => format!(
+                "rank {} left: {}. Rank {w} waits in {op}, a collective rank {} will never call: the clique's communicators are aborted",
+                d.rank, d.how, d.rank
+            ),
+            None => format!(
+                "rank {} left: {}: no collective of this clique can complete any more",
+                d.rank, d.how
+            ),
+        };
         let report = Arc::new(TimeoutReport {
-            rank: waiting,
+            rank: waiting.unwrap_or(usize::MAX),
             op: rec.map_or("", |r| r.op),
             seq: rec.map_or(u64::MAX, |r| r.seq),
             text: text.into(),

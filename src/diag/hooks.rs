@@ -641,16 +641,17 @@ impl CommDiag {
     /// it (then nobody may use it again).
     ///
     /// `departing`: how the rank leaves its clique (a teardown; `None` for `into_raw`), so
-    /// peers that wait for a collective it never issued fail at once.
-    pub(crate) fn release(&self, departing: Option<&str>) -> bool {
+    /// peers that wait for a collective it never issued fail at once, and whether by an
+    /// abort (then the clique fails at once: no collective of it can complete again).
+    pub(crate) fn release(&self, departing: Option<(&str, bool)>) -> bool {
         let Some(s) = self.shared.get() else {
             return true;
         };
         s.gone.store(true, Ordering::Release);
         let view = s.view();
         s.clique.detach(s.rank, view);
-        if let Some(how) = departing {
-            s.clique.depart(s.rank, view, how);
+        if let Some((how, broken)) = departing {
+            s.clique.depart(s.rank, view, how, broken);
         }
         s.handle.swap(0, Ordering::AcqRel) != 0
     }
@@ -660,7 +661,7 @@ impl CommDiag {
     #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn leave(&self, how: &str) {
         if let Some(s) = self.shared.get() {
-            s.clique.depart(s.rank, s.view(), how);
+            s.clique.depart(s.rank, s.view(), how, false);
         }
     }
 }

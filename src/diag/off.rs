@@ -157,7 +157,7 @@ impl CommDiag {
         Ok(())
     }
 
-    pub(crate) fn release(&self, _departing: Option<&str>) -> bool {
+    pub(crate) fn release(&self, _departing: Option<(&str, bool)>) -> bool {
         true
     }
 

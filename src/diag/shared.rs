@@ -567,10 +567,13 @@ impl Shared {
 
     /// After a successful [`claim`](Self::claim): takes the handle (0 when the owner's
     /// teardown already has it) and marks the communicator aborted with `report`.
+    ///
+    /// The report and the flag are set before the handle leaves its slot, so an owner's
+    /// `abort()` that finds the slot empty always sees that the watchdog took it (and
+    /// waits for its abort) rather than returning `Ok` at once.
     pub(super) fn take_for_abort(&self, report: &Arc<TimeoutReport>) -> usize {
-        let h = self.handle.swap(0, Ordering::AcqRel);
         *self.report.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(report));
         self.aborted_by_watchdog.store(true, Ordering::Release);
-        h
+        self.handle.swap(0, Ordering::AcqRel)
     }
 }

@@ -113,7 +113,7 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
         let report = match (departed, s.clique.waits_for_departed(s.rank, &rec)) {
             (true, Some(d)) => {
                 let d = d.clone();
-                s.clique.fail_for_departure(&d, s.rank, Some(&rec))
+                s.clique.fail_for_departure(&d, Some(s.rank), Some(&rec))
             }
             _ => {
                 let text =

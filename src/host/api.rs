@@ -554,10 +554,25 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     let mut g = lock();
     let mut h = known(&mut g, comm, what)?;
     if abort {
-        // As NVIDIA's abort frees its resources through the driver, which waits behind a
-        // stalled stream: an injected blocking abort blocks *before* its work, so nothing
-        // stuck is released and no waiter woken while it blocks.
-        if let Some(root) = g.comms.get(&h).map(|c| c.root) {
+        // As NVIDIA's abort: it first sets the abort flag, which ends the operations that
+        // wait for peers in this clique (here: wakes them with the abort's error), then
+        // frees its resources through the driver, which waits behind a stalled stream. So
+        // an injected blocking abort blocks after waking the clique and *before* the rest
+        // of its work: its stuck work is not released, and the handle is not counted as
+        // torn down, while it blocks.
+        if let Some(c) = g.comms.get(&h) {
+            let root = c.root;
+            if let CommState::Ready { clique, rank } = c.state {
+                if shared_of(&g, clique).is_none() {
+                    g.abort_clique(
+                        clique,
+                        Fail::new(
+                            ncclRemoteError,
+                            format!("remote error: rank {rank} called ncclCommAbort"),
+                        ),
+                    );
+                }
+            }
             drop(g);
             super::fault::block_abort(root);
             g = lock();
