@@ -373,7 +373,14 @@ impl StoreClient {
     }
 
     /// Sets `key` to `desired` if it holds `expected` (or, with `expected` empty, if it is
-    /// unset); returns the value stored afterwards.
+    /// unset), and answers the server's reply, which is not always what the key holds:
+    ///
+    /// - key set: the value it holds afterwards (`desired` if it held `expected`, else the
+    ///   value it held, unchanged);
+    /// - key unset and `expected` empty: `desired`, now stored;
+    /// - key unset and `expected` not empty: `expected` echoed back, though the key stays
+    ///   unset (PyTorch's TCPStore server answers so). Compare the reply with `desired`,
+    ///   never with `expected`, to learn whether the swap happened.
     pub fn compare_set(
         &mut self,
         key: &str,
