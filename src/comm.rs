@@ -832,8 +832,9 @@ impl Communicator {
 
     /// Takes the handle out, so that exactly one teardown call uses it; `how` says how the
     /// rank leaves its clique (for peers that wait for it), `broken` whether it leaves by
-    /// a failure (a panic, a failed communicator dropped): then the whole clique fails. An
-    /// explicit `abort()` may be a normal ending, so it fails only the peers that wait.
+    /// a panic: then the whole clique fails. An explicit `abort()` may be a normal ending,
+    /// and a failed communicator's failure may be its peers' too (a fingerprint mismatch
+    /// every rank reports), so those fail only the peers that wait for the rank.
     fn take(&mut self, how: &str, broken: bool) -> ncclComm_t {
         let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
         // Null when the watchdog already aborted it (its one teardown).
@@ -1002,7 +1003,7 @@ impl Drop for Communicator {
         } else {
             "its failed communicator was dropped (aborted)"
         };
-        let raw = self.take(how, !drained);
+        let raw = self.take(how, std::thread::panicking());
         if raw.is_null() {
             return; // the watchdog took it: its one teardown
         }
