@@ -44,9 +44,21 @@ pub(crate) fn coarse() -> u64 {
 /// when a communicator is attached). Never moves it backwards.
 pub(crate) fn advance() -> u64 {
     let now = precise();
-    COARSE.fetch_max(now, Ordering::Relaxed);
+    let before = COARSE.fetch_max(now, Ordering::Relaxed);
+    if before != 0 {
+        MAX_LAG.fetch_max(now.saturating_sub(before), Ordering::Relaxed);
+    }
     now
 }
+
+/// The longest the coarse clock has stood still between two advances (a watchdog thread
+/// starved of CPU, a machine under load or a tool like valgrind): how far a time read
+/// from it can lag behind. Never less than a tick.
+pub(crate) fn max_lag() -> Duration {
+    Duration::from_nanos(MAX_LAG.load(Ordering::Relaxed)).max(TICK)
+}
+
+static MAX_LAG: AtomicU64 = AtomicU64::new(0);
 
 /// The `Instant` of a diagnostics time.
 pub(crate) fn instant(t: u64) -> Instant {

@@ -165,11 +165,15 @@ impl Shared {
 
     /// How far past its nominal deadline the watchdog may see an operation's clock time
     /// (the coarse clock lags by up to a tick).
+    ///
+    /// That lag is at most the longest the clock has ever stood still between two of the
+    /// watchdog's advances (a tick, or more when its thread was starved), so a stalled
+    /// watchdog makes a timeout late, never false.
     pub(super) fn slack(&self) -> Duration {
         if self.settings.precise {
             Duration::ZERO
         } else {
-            clock::TICK
+            clock::max_lag()
         }
     }
 
@@ -186,7 +190,11 @@ impl Shared {
     /// marker completed, then records one marker after whatever was published on it since
     /// the last tick.
     pub(super) fn track(&self) {
-        for q in self.queue_list().iter() {
+        // Not under the list's lock: the tracker calls into CUDA, and the owner takes the
+        // lock when it uses a new stream.
+        let queues: smallvec::SmallVec<[Arc<QueueWatch>; MAX_QUEUES]> =
+            self.queue_list().iter().cloned().collect();
+        for q in &queues {
             self.track_queue(q);
         }
     }
