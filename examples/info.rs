@@ -7,9 +7,10 @@ use nccl_safe::{Library, Result, UniqueId};
 
 fn run() -> Result<()> {
     let lib = Library::load()?;
-    match lib.path() {
-        Some(p) => println!("library:  {}", p.display()),
-        None => println!("library:  in-process ({:?})", lib.provider()),
+    match (lib.path(), lib.source()) {
+        (Some(p), Some(source)) => println!("library:  {} ({source})", p.display()),
+        (Some(p), None) => println!("library:  {}", p.display()),
+        (None, _) => println!("library:  in-process ({:?})", lib.provider()),
     }
     println!("version:  NCCL {}", lib.version());
     println!("optional entry points:");

@@ -75,9 +75,11 @@ impl Communicator {
     /// # Safety
     ///
     /// * `raw` is a live communicator (not destroyed, finalized or aborted) created through
-    ///   `lib`: the same loaded NCCL (a handle means nothing to another copy of NCCL, so
-    ///   load `lib` from the file its creator uses, e.g. with [`Library::load_from`]), or the
-    ///   host provider for [`Library::host`].
+    ///   `lib`: the same loaded NCCL (a handle means nothing to another copy of NCCL), or
+    ///   the host provider for [`Library::host`]. [`Library::load`] finds the libnccl the
+    ///   process has already mapped, which is the creator's when it loaded NCCL as a shared
+    ///   library ([`Library::source`] is then [`crate::error::Source::AlreadyLoaded`]); a
+    ///   copy of NCCL linked statically into the creator is not visible to it.
     /// * Its ownership moves here: nothing else tears it down afterwards, nor calls NCCL
     ///   on it while the returned communicator exists (it may be used from any thread).
     /// * `device` is the device it was created on (for CUDA, also checked).
@@ -197,8 +199,9 @@ impl<'a> CommRef<'a> {
     ///
     /// # Safety
     ///
-    /// * `raw` is a live communicator created through `lib`, and stays live (not destroyed,
-    ///   finalized, aborted or revoked) while `owner` is borrowed.
+    /// * `raw` is a live communicator created through `lib` (the same loaded NCCL: see
+    ///   [`Communicator::from_raw`]), and stays live (not destroyed, finalized, aborted or revoked)
+    ///   while `owner` is borrowed.
     /// * Nothing calls NCCL on it while the view makes a call: the owner may use it between
     ///   the view's calls on the view's thread, but not from another thread meanwhile.
     /// * `device` is the device it was created on (for CUDA, also checked).

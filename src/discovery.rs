@@ -19,6 +19,10 @@ pub struct Tried {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Source {
+    /// A libnccl the process had already mapped before the search (loaded by PyTorch, by
+    /// cudarc for another crate, by a C++ library): looked for first, so that a process
+    /// never holds two NCCLs.
+    AlreadyLoaded,
     /// A path given in code.
     Explicit,
     /// `$NCCL_LIBRARY`: a file.
@@ -40,6 +44,7 @@ pub enum Source {
 impl fmt::Display for Source {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
+            Source::AlreadyLoaded => "already loaded by the process",
             Source::Explicit => "path given in code",
             Source::NcclLibrary => "NCCL_LIBRARY",
             Source::NcclHome => "NCCL_HOME",

@@ -280,6 +280,24 @@ pub enum Error {
     /// type depends on no launcher.
     #[error(transparent)]
     Launch(Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// The process already holds an NCCL (loaded by other code: PyTorch, another crate, a
+    /// C++ library) and a pin names a different file. Loading it too would put two NCCLs in
+    /// one process, where a handle from one reaching the other is undefined behaviour.
+    #[error(
+        "NCCL at {} is already loaded by this process, and {pin} names another file, {}: a \
+         process can hold only one NCCL. Point {pin} at the loaded file (or unset it), or load \
+         nccl-safe's NCCL before the code that loads the other one",
+        loaded.display(),
+        requested.display()
+    )]
+    AnotherNcclLoaded {
+        /// The library the process had mapped.
+        loaded: PathBuf,
+        /// The file the pin names.
+        requested: PathBuf,
+        /// Which pin named it ([`Source::Explicit`] or [`Source::NcclLibrary`]).
+        pin: Source,
+    },
     /// The library could not be opened for a reason other than absence.
     #[error("cannot load NCCL from {path}: {reason}")]
     LibraryLoad {

@@ -41,6 +41,7 @@ pub struct Library {
     version: Version,
     provider: Provider,
     path: Option<PathBuf>,
+    source: Option<Source>,
 }
 
 impl std::fmt::Debug for Library {
@@ -49,6 +50,7 @@ impl std::fmt::Debug for Library {
             .field("provider", &self.provider)
             .field("version", &self.version)
             .field("path", &self.path)
+            .field("source", &self.source)
             .finish()
     }
 }
@@ -130,14 +132,10 @@ impl Library {
         }
     }
 
-    /// Loads NCCL from exactly this file (no search).
+    /// Loads NCCL from exactly this file (no search): [`Discovery::path`]. When the process
+    /// already holds an NCCL from another file, this is [`Error::AnotherNcclLoaded`].
     pub fn load_from(path: impl AsRef<Path>) -> Result<Arc<Library>> {
-        let path = path.as_ref();
-        let mut tried = Vec::new();
-        match try_open(Source::Explicit, path, &mut tried)? {
-            Some(lib) => Ok(lib),
-            None => Err(Error::LibraryNotFound { tried }),
-        }
+        Discovery::new().path(path.as_ref()).load()
     }
 
     /// Builds a library from a symbol lookup: the single way tables are filled.
@@ -151,6 +149,20 @@ impl Library {
     pub unsafe fn from_lookup(
         provider: Provider,
         path: Option<PathBuf>,
+        lookup: impl FnMut(&CStr) -> *const c_void,
+    ) -> Result<Arc<Library>> {
+        // SAFETY: forwarded from the caller.
+        unsafe { Library::build(provider, path, None, lookup) }
+    }
+
+    /// [`Library::from_lookup`], recording how discovery found the library.
+    ///
+    /// # Safety
+    /// As [`Library::from_lookup`].
+    unsafe fn build(
+        provider: Provider,
+        path: Option<PathBuf>,
+        source: Option<Source>,
         mut lookup: impl FnMut(&CStr) -> *const c_void,
     ) -> Result<Arc<Library>> {
         let where_ = path
@@ -195,6 +207,7 @@ impl Library {
             version,
             provider,
             path,
+            source,
         }))
     }
 
@@ -211,6 +224,12 @@ impl Library {
     /// The file it was loaded from (`None` for in-process providers).
     pub fn path(&self) -> Option<&Path> {
         self.path.as_deref()
+    }
+
+    /// How [`Discovery`] found it: [`Source::AlreadyLoaded`] when the process had mapped
+    /// it before the search. `None` for in-process providers and [`Library::from_lookup`].
+    pub fn source(&self) -> Option<Source> {
+        self.source
     }
 
     /// The raw function table, for calling NCCL features this crate does not wrap.
@@ -310,7 +329,11 @@ fn c_text(p: *const std::ffi::c_char) -> Option<String> {
 /// symbols), which stops the search: that is a broken install the user must hear about.
 fn try_open(source: Source, path: &Path, tried: &mut Vec<Tried>) -> Result<Option<Arc<Library>>> {
     let is_bare_name = path.components().count() == 1 && source == Source::SystemLoader;
-    if !is_bare_name && !path.is_file() {
+    // An already-mapped library is only looked up (by the name the loader holds), never
+    // loaded again, even if its file has since gone.
+    let mapped = source == Source::AlreadyLoaded;
+    let no_load = if mapped { libc::RTLD_NOLOAD } else { 0 };
+    if !is_bare_name && !mapped && !path.is_file() {
         tried.push(Tried {
             source,
             location: path.to_path_buf(),
@@ -327,7 +350,7 @@ fn try_open(source: Source, path: &Path, tried: &mut Vec<Tried>) -> Result<Optio
     let opened = unsafe {
         libloading::os::unix::Library::open(
             Some(path.as_os_str()),
-            libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_LOCAL,
+            libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_LOCAL | no_load,
         )
     };
     let handle = match opened {
@@ -359,7 +382,7 @@ fn try_open(source: Source, path: &Path, tried: &mut Vec<Tried>) -> Result<Optio
     // SAFETY: the symbols come from an NCCL library (checked by its version call) whose
     // exported functions have nccl.h's signatures; the handle is leaked below, so they
     // stay valid for the life of the process.
-    let lib = unsafe { Library::from_lookup(Provider::Nccl, Some(loaded_path), lookup) }?;
+    let lib = unsafe { Library::build(Provider::Nccl, Some(loaded_path), Some(source), lookup) }?;
     // Never dlclose NCCL: its proxy and bootstrap threads may outlive the communicators.
     std::mem::forget(handle);
     Ok(Some(lib))
@@ -400,10 +423,58 @@ extern "C" {
     fn dladdr(addr: *const c_void, info: *mut DlInfo) -> std::ffi::c_int;
 }
 
+/// The libnccl files the process has mapped, in load order (the dynamic linker's list of
+/// loaded objects, read with `dl_iterate_phdr`). A copy of NCCL linked statically into
+/// another library has no file of its own and is not seen.
+pub(crate) fn mapped_nccl() -> Vec<PathBuf> {
+    unsafe extern "C" fn each(
+        info: *mut libc::dl_phdr_info,
+        _size: usize,
+        data: *mut c_void,
+    ) -> std::ffi::c_int {
+        // SAFETY: `data` is the `Vec` passed below, alive and borrowed only by this call.
+        let found = unsafe { &mut *data.cast::<Vec<PathBuf>>() };
+        // SAFETY: the loader passes a valid `dl_phdr_info` for the duration of the call.
+        let name = unsafe { (*info).dlpi_name };
+        if !name.is_null() {
+            // SAFETY: `dlpi_name` is a NUL-terminated string owned by the loader.
+            let name = unsafe { CStr::from_ptr(name) };
+            use std::os::unix::ffi::OsStrExt;
+            let path = Path::new(std::ffi::OsStr::from_bytes(name.to_bytes()));
+            let is_nccl = path
+                .file_name()
+                .is_some_and(|f| f.as_encoded_bytes().starts_with(b"libnccl.so"));
+            if is_nccl {
+                found.push(path.to_path_buf());
+            }
+        }
+        0
+    }
+    let mut found: Vec<PathBuf> = Vec::new();
+    // SAFETY: the callback matches dl_iterate_phdr's signature and only reads the info it
+    // is given; `found` outlives the call.
+    unsafe { libc::dl_iterate_phdr(Some(each), (&mut found as *mut Vec<PathBuf>).cast()) };
+    found
+}
+
+/// Whether two paths name one file (after symbolic links).
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
 type EnvFn = dyn Fn(&str) -> Option<OsString> + Send + Sync;
 
 /// The search for `libnccl.so.2`, in this order, stopping at the first library that loads:
 ///
+/// 0. a libnccl the process has already mapped (loaded by PyTorch's `libtorch_cuda.so`, by
+///    cudarc for another crate, by a C++ library), found with `dl_iterate_phdr`: it is
+///    used as it is ([`Source::AlreadyLoaded`]), so that a process never holds two NCCLs.
+///    A pin below that names a different file is [`Error::AnotherNcclLoaded`]; one that
+///    names the same file is used;
 /// 1. a path given in code ([`Discovery::path`]);
 /// 2. `NCCL_LIBRARY` (a file);
 /// 3. `NCCL_HOME`, `NCCL_ROOT`, `CUDA_HOME`: their `lib64/` and `lib/` folders;
@@ -531,7 +602,40 @@ impl Discovery {
     /// Runs the search; [`Error::LibraryNotFound`] lists every candidate and why it failed.
     pub fn load(&self) -> Result<Arc<Library>> {
         let mut tried = Vec::new();
-        for c in self.candidates() {
+        let candidates = self.candidates();
+        let pin = candidates
+            .first()
+            .filter(|c| matches!(c.source, Source::Explicit | Source::NcclLibrary));
+        match mapped_nccl().into_iter().next() {
+            Some(loaded) => match pin {
+                // The pin is honoured under its own name: it is the same file.
+                Some(pin) if same_file(&pin.path, &loaded) => {}
+                Some(pin) if pin.path.is_file() => {
+                    return Err(Error::AnotherNcclLoaded {
+                        loaded,
+                        requested: pin.path.clone(),
+                        pin: pin.source,
+                    })
+                }
+                // A pin naming no file is reported as not found, beside what is loaded.
+                Some(_) => tried.push(Tried {
+                    source: Source::AlreadyLoaded,
+                    location: loaded,
+                    outcome: "mapped, but the pin names another file".into(),
+                }),
+                None => {
+                    if let Some(lib) = try_open(Source::AlreadyLoaded, &loaded, &mut tried)? {
+                        return Ok(lib);
+                    }
+                }
+            },
+            None => tried.push(Tried {
+                source: Source::AlreadyLoaded,
+                location: PathBuf::from("libnccl.so*"),
+                outcome: "none mapped in this process".into(),
+            }),
+        }
+        for c in candidates {
             if let Some(lib) = try_open(c.source, &c.path, &mut tried)? {
                 return Ok(lib);
             }
@@ -638,7 +742,10 @@ mod tests {
         let Error::LibraryNotFound { tried } = &err else {
             panic!("expected LibraryNotFound, got {err:?}")
         };
-        assert_eq!(tried.len(), 3);
+        assert_eq!(tried.len(), 4);
+        // Nothing of the unit tests loads NVIDIA's NCCL.
+        assert_eq!(tried[0].source, Source::AlreadyLoaded);
+        assert_eq!(tried[0].outcome, "none mapped in this process");
         let text = err.to_string();
         assert!(
             text.contains("/nonexistent-home/lib64/libnccl.so.2: no such file"),

@@ -43,8 +43,11 @@ fn loads_from_nccl_library_and_reads_the_wheels_version() {
     assert_eq!(lib.path(), Some(lib_path.as_path()));
 }
 
+/// Run by [`discovery_sources_in_a_fresh_process`]: a process that has mapped no NCCL yet.
 #[test]
-fn loads_from_an_activated_virtualenv_layout() {
+#[ignore = "run in a fresh process by discovery_sources_in_a_fresh_process"]
+fn child_loads_from_an_activated_virtualenv_layout() {
+    fresh_child();
     let real = common::real_nccl(WHEEL);
     let venv = common::temp_dir("venv");
     let libdir = venv.join("lib/python3.11/site-packages/nvidia/nccl/lib");
@@ -58,12 +61,16 @@ fn loads_from_an_activated_virtualenv_layout() {
     assert_eq!(c[0].source, Source::VirtualEnv);
     let lib = d.load().expect("load from VIRTUAL_ENV");
     assert_eq!(lib.path(), Some(libdir.join("libnccl.so.2").as_path()));
+    assert_eq!(lib.source(), Some(Source::VirtualEnv));
     assert_eq!(lib.version(), expected_version());
     std::fs::remove_dir_all(&venv).ok();
 }
 
+/// Run by [`discovery_sources_in_a_fresh_process`].
 #[test]
-fn loads_from_nccl_home_lib() {
+#[ignore = "run in a fresh process by discovery_sources_in_a_fresh_process"]
+fn child_loads_from_nccl_home_lib() {
+    fresh_child();
     let real = common::real_nccl(WHEEL);
     let home = common::temp_dir("ncclhome");
     std::fs::create_dir_all(home.join("lib")).unwrap();
@@ -87,10 +94,170 @@ fn a_wrong_nccl_library_pin_is_an_error_listing_it() {
         )]))
         .load()
         .unwrap_err();
-    assert!(matches!(err, Error::LibraryNotFound { ref tried } if tried.len() == 1));
+    // The process's own NCCL (mapped or not, by the tests beside this one), then the pin.
+    assert!(
+        matches!(err, Error::LibraryNotFound { ref tried } if tried.len() == 2
+        && tried[0].source == Source::AlreadyLoaded)
+    );
     assert!(err
         .to_string()
         .contains("[NCCL_LIBRARY] /nonexistent/libnccl.so.2: no such file"));
+}
+
+/// Set in the child processes of the fresh-process tests.
+const CHILD_VAR: &str = "NCCL_SAFE_TEST_FRESH_CHILD";
+
+/// Runs the ignored test `child` alone in a new process of this test binary, where no NCCL
+/// is mapped yet (the tests of this binary load NVIDIA's, and discovery prefers what the
+/// process already holds), and fails with its output unless it passes.
+fn in_fresh_process(child: &str) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            child,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_VAR, "1")
+        .output()
+        .expect("spawn the test binary");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{child} failed:\n{text}");
+    assert!(text.contains("1 passed"), "{child} did not run:\n{text}");
+}
+
+/// The libnccl files `/proc/self/maps` lists, each once.
+fn mapped_nccls() -> Vec<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let mut files: Vec<String> = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .filter(|f| {
+            f.rsplit('/')
+                .next()
+                .is_some_and(|n| n.starts_with("libnccl.so"))
+        })
+        .map(str::to_string)
+        .collect();
+    files.sort();
+    files.dedup();
+    files
+}
+
+/// A child's first step: it runs under its parent and no NCCL is mapped yet.
+fn fresh_child() {
+    assert!(
+        std::env::var_os(CHILD_VAR).is_some(),
+        "run by its parent test, in a fresh process"
+    );
+    assert_eq!(mapped_nccls(), Vec::<String>::new(), "a fresh process");
+}
+
+#[test]
+fn discovery_sources_in_a_fresh_process() {
+    in_fresh_process("child_loads_from_an_activated_virtualenv_layout");
+    in_fresh_process("child_loads_from_nccl_home_lib");
+    in_fresh_process("child_nothing_mapped_is_the_first_line_of_the_listing");
+}
+
+#[test]
+fn one_nccl_per_process() {
+    in_fresh_process("child_the_nccl_another_library_mapped_is_used_and_no_other");
+}
+
+/// Run by [`discovery_sources_in_a_fresh_process`].
+#[test]
+#[ignore = "run in a fresh process by discovery_sources_in_a_fresh_process"]
+fn child_nothing_mapped_is_the_first_line_of_the_listing() {
+    fresh_child();
+    let err = Discovery::new()
+        .env(env_of(vec![("NCCL_HOME", PathBuf::from("/nonexistent"))]))
+        .system_search(false)
+        .load()
+        .unwrap_err();
+    let Error::LibraryNotFound { tried } = &err else {
+        panic!("expected LibraryNotFound, got {err:?}")
+    };
+    assert_eq!(tried[0].source, Source::AlreadyLoaded);
+    assert_eq!(tried[0].outcome, "none mapped in this process");
+    assert!(
+        err.to_string()
+            .contains("[already loaded by the process] libnccl.so*: none mapped in this process"),
+        "{err}"
+    );
+}
+
+/// Another library of the process (PyTorch's `libtorch_cuda.so`, cudarc for another crate)
+/// has mapped NVIDIA's 2.18.3; nccl-safe's search points at 2.32.3.
+#[test]
+#[ignore = "run in a fresh process by one_nccl_per_process"]
+fn child_the_nccl_another_library_mapped_is_used_and_no_other() {
+    fresh_child();
+    let old = common::real_nccl("2.18.3");
+    let new = common::real_nccl(WHEEL);
+    let c_old = std::ffi::CString::new(old.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: loading NVIDIA's NCCL runs its initialisers, which have no preconditions;
+    // the handle is kept for the life of the process, as other code would.
+    let handle = unsafe { libc::dlopen(c_old.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    assert!(!handle.is_null(), "dlopen {}", old.display());
+    assert_eq!(mapped_nccls(), vec![old.display().to_string()]);
+
+    // The search (a virtualenv with 2.32.3 active) uses the mapped 2.18.3, and says so.
+    let venv = common::temp_dir("venv-beside");
+    let libdir = venv.join("lib/python3.11/site-packages/nvidia/nccl/lib");
+    std::fs::create_dir_all(&libdir).unwrap();
+    symlink(&new, libdir.join("libnccl.so.2")).unwrap();
+    let lib = Discovery::new()
+        .env(env_of(vec![("VIRTUAL_ENV", venv.clone())]))
+        .load()
+        .expect("the mapped NCCL");
+    assert_eq!(lib.version(), Version::new(2, 18, 3));
+    assert_eq!(lib.source(), Some(Source::AlreadyLoaded));
+    assert_eq!(lib.path(), Some(old.as_path()));
+
+    // A pin naming another file is a typed error naming both files.
+    for (err, pin) in [
+        (Library::load_from(&new).unwrap_err(), Source::Explicit),
+        (
+            Discovery::new()
+                .env(env_of(vec![("NCCL_LIBRARY", new.clone())]))
+                .load()
+                .unwrap_err(),
+            Source::NcclLibrary,
+        ),
+    ] {
+        match &err {
+            Error::AnotherNcclLoaded {
+                loaded,
+                requested,
+                pin: p,
+            } => {
+                assert_eq!(loaded, &old);
+                assert_eq!(requested, &new);
+                assert_eq!(*p, pin);
+            }
+            other => panic!("expected AnotherNcclLoaded, got {other:?}"),
+        }
+        let text = err.to_string();
+        assert!(text.contains(&old.display().to_string()), "{text}");
+        assert!(text.contains(&new.display().to_string()), "{text}");
+    }
+
+    // A pin naming the same file (through a link) is honoured under its own name.
+    let link = venv.join("pinned-libnccl.so.2");
+    symlink(&old, &link).unwrap();
+    let pinned = Library::load_from(&link).expect("the same file");
+    assert_eq!(pinned.source(), Some(Source::Explicit));
+    assert_eq!(pinned.version(), Version::new(2, 18, 3));
+
+    // And after all of it, the process still holds exactly one NCCL.
+    assert_eq!(mapped_nccls(), vec![old.display().to_string()]);
+    std::fs::remove_dir_all(&venv).ok();
 }
 
 #[test]
