@@ -7,7 +7,7 @@
 //! Each test re-runs this test binary as its ranks (the child runs only that test, with
 //! `NCCL_SAFE_TEST_MP` set); the parent checks their exit codes and output. With
 //! `NCCL_SAFE_TEST_MP=launcher` the ranks come from torchrun, srun or mpirun instead and
-//! exchange the id through the launcher (`scripts/test-mpirun.sh` runs the fault tests so).
+//! exchange the id through the launcher (`scripts/test-processes.sh` runs the fault tests so, under mpirun and srun).
 
 use std::io::Read;
 use std::process::{Command, Stdio};
@@ -36,7 +36,7 @@ fn now_ms() -> f64 {
 fn child() -> Option<(usize, usize, Communicator)> {
     let spec = std::env::var(ENV).ok()?;
     if spec == "launcher" {
-        // Started by mpirun, srun or torchrun (scripts/test-mpirun.sh): the id comes
+        // Started by mpirun, srun or torchrun (scripts/test-processes.sh): the id comes
         // through the launcher's rendezvous.
         let rank = Launcher::from_env()
             .and_then(|l| l.host().init())

@@ -1,27 +1,61 @@
 #!/usr/bin/env bash
-# Multi-process jobs on the CPU under Open MPI's mpirun, no GPU needed:
+# Multi-process jobs on the CPU under a real launcher, no GPU needed:
+#
+#   scripts/test-processes.sh mpirun   # Open MPI's mpirun -np 4
+#   scripts/test-processes.sh srun     # srun -n 4 on a one-node Slurm (scripts/slurm-local.sh)
+#
 #   1. the allreduce and train examples as 4 processes (`--launcher env --backend host`):
 #      the id goes over the authenticated TCP rendezvous, the ranks meet in shared memory;
-#   2. the fault tests of tests/multiprocess.rs as 4 mpirun processes:
+#   2. the fault tests of tests/multiprocess.rs as 4 processes:
 #      - rank 1 SIGKILLs itself mid-job: every other rank fails naming it (its process is
 #        gone) within the host timeout + 1 s;
 #      - rank 1 skips a collective: every rank fails naming it, with what each rank called;
 #      - rank 1 destroys its communicator and exits 0 early: the others fail naming it;
 #      every time nothing hangs and nothing is left in /dev/shm. The times from the fault
 #      to the last survivor's error are printed.
-# Installs Debian's openmpi-bin when mpirun is missing. Takes a few seconds once built.
+# Installs Debian's openmpi-bin when mpirun is missing; for srun, scripts/slurm-local.sh
+# installs and starts the cluster, and stops it afterwards. Takes a few seconds once built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/ci-lib.sh
 t0=$(date +%s)
-fail() { echo "test-mpirun: FAILED: $*" >&2; exit 1; }
+launcher="${1:-}"
+fail() { echo "test-processes ($launcher): FAILED: $*" >&2; exit 1; }
 
-command -v mpirun >/dev/null 2>&1 || { echo "installing Debian's openmpi-bin"; apt_install openmpi-bin; }
-mpirun="$(command -v mpirun)"
-echo "$("$mpirun" --version | head -n 1) at $mpirun"
-# Open MPI refuses to run as root without these (CI containers run as root).
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export OMPI_MCA_rmaps_base_oversubscribe=1
+case "$launcher" in
+  mpirun)
+    command -v mpirun >/dev/null 2>&1 || { echo "installing Debian's openmpi-bin"; apt_install openmpi-bin; }
+    echo "$(mpirun --version | head -n 1) at $(command -v mpirun)"
+    # Open MPI refuses to run as root without these (CI containers run as root).
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    export OMPI_MCA_rmaps_base_oversubscribe=1
+    ;;
+  srun)
+    eval "$(scripts/slurm-local.sh start)"
+    echo "$(srun --version) at $(command -v srun), SLURM_CONF=$SLURM_CONF"
+    ;;
+  *) sed -n '2,17p' "$0"; exit 2 ;;
+esac
+# launch4 [--tolerate-a-dead-rank] PROGRAM ARGS...: sets $cmd to run 4 ranks of PROGRAM
+# under the launcher. With --tolerate-a-dead-rank the launcher must not kill the survivors
+# when a rank dies, or they could not report (mpirun --enable-recovery; srun does not by
+# default, and --kill-on-bad-exit=0 says so); mpirun then exits 0 whatever the ranks did,
+# so each rank's error line is checked (a rank that prints one exits 1 right after;
+# tests/multiprocess.rs checks the exit codes).
+launch4() {
+  local keep=()
+  if [ "$1" = --tolerate-a-dead-rank ]; then
+    shift
+    case "$launcher" in mpirun) keep=(--enable-recovery) ;; srun) keep=(--kill-on-bad-exit=0) ;; esac
+  fi
+  case "$launcher" in
+    mpirun)
+      cmd=(mpirun -np 4 "${keep[@]}" -x MASTER_ADDR -x MASTER_PORT -x NCCL_SAFE_RENDEZVOUS_TOKEN
+        -x NCCL_SAFE_HOST_TIMEOUT_MS -x NCCL_SAFE_TEST_MP "$@") ;;
+    # srun passes the whole environment (--export=ALL is its default).
+    srun) cmd=(srun -n 4 --overcommit "${keep[@]}" "$@") ;;
+  esac
+}
 export NCCL_SAFE_RENDEZVOUS_TOKEN="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
 export NCCL_SAFE_HOST_TIMEOUT_MS=8000
 unset NCCL_LIBRARY CUDA_VISIBLE_DEVICES
@@ -39,20 +73,25 @@ for line in sys.stdin:
 [ -x "$exe" ] || fail "could not build tests/multiprocess.rs"
 
 logs="$(mktemp -d)"
-trap 'rm -rf "$logs"' EXIT
+cleanup() {
+  rm -rf "$logs"
+  [ "$launcher" != srun ] || scripts/slurm-local.sh stop
+}
+trap cleanup EXIT
 shm_before="$(ls /dev/shm | grep '^nccl-safe-' || true)"
 port=$(( 20000 + RANDOM % 20000 ))
-# run NAME PROGRAM ARGS...: 4 ranks under mpirun; sets $rc; fails on a hang.
+# run NAME [--tolerate-a-dead-rank] PROGRAM ARGS...: 4 ranks under the launcher; sets $rc;
+# fails on a hang.
 run() {
   local name="$1"; shift
   port=$(( port + 2 )) # rank 0 serves the rendezvous on port and the desync board on port+1
   local s; s=$(date +%s)
   set +e
-  timeout --kill-after=5 60 "$mpirun" -np 4 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT="$port" \
-    -x NCCL_SAFE_RENDEZVOUS_TOKEN -x NCCL_SAFE_HOST_TIMEOUT_MS -x NCCL_SAFE_TEST_MP "$@" >"$logs/$name" 2>&1
+  launch4 "$@"
+  MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" timeout --kill-after=5 60 "${cmd[@]}" >"$logs/$name" 2>&1
   rc=$?
   set -e
-  # (mpirun itself exits 137 when a rank was SIGKILLed: tell a hang by the clock.)
+  # (the launcher itself exits non-zero when a rank was SIGKILLed: tell a hang by the clock.)
   [ $(( $(date +%s) - s )) -lt 60 ] || { cat "$logs/$name"; fail "$name hung (killed after 60 s)"; }
   local left
   left="$(comm -13 <(printf '%s\n' "$shm_before" | sort) <(ls /dev/shm | grep '^nccl-safe-' | sort) || true)"
@@ -62,7 +101,7 @@ run() {
 count() { grep -cE "$2" "$1" || true; }
 
 export NCCL_SAFE_TEST_MP=launcher
-echo "1. the examples as 4 mpirun processes, --launcher env --backend host"
+echo "1. the examples as 4 $launcher processes, --launcher env --backend host"
 run allreduce "$target/debug/examples/allreduce" --launcher env --backend host --count 1000000
 [ "$rc" -eq 0 ] && [ "$(count "$logs/allreduce" '^ +[0-3]  host +10  ok$')" -eq 4 ] \
   || { cat "$logs/allreduce"; fail "allreduce: expected 4 verified ranks"; }
@@ -83,11 +122,8 @@ delay() {
   awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }'
 }
 limit=$(( NCCL_SAFE_HOST_TIMEOUT_MS + 1000 ))
-echo "2. faults as 4 mpirun processes (host timeout ${NCCL_SAFE_HOST_TIMEOUT_MS} ms)"
-# --enable-recovery: mpirun must not kill the survivors when a rank dies, or they could not
-# report; it then exits 0 whatever the ranks did, so each rank's error line is checked (a
-# rank that prints one exits 1 right after; tests/multiprocess.rs checks the exit codes).
-run kill --enable-recovery "$exe" --exact a_killed_rank_fails_every_other_rank_naming_it --nocapture --test-threads=1
+echo "2. faults as 4 $launcher processes (host timeout ${NCCL_SAFE_HOST_TIMEOUT_MS} ms)"
+run kill --tolerate-a-dead-rank "$exe" --exact a_killed_rank_fails_every_other_rank_naming_it --nocapture --test-threads=1
 for r in 0 2 3; do
   grep -qE "^rank $r step [0-9]+: .*rank 1 \(pid [0-9]+\) died" "$logs/kill" \
     || { cat "$logs/kill"; fail "kill: rank $r did not fail naming rank 1"; }
@@ -96,17 +132,17 @@ t="$(delay "$logs/kill" KILLED_AT_MS)"
 awk -v t="$t" -v l="$limit" 'BEGIN { exit !(t < l) }' || fail "kill: errors took $t ms (limit $limit)"
 echo "  SIGKILL of rank 1: ranks 0, 2, 3 failed naming it; last error $t ms after the kill"
 
-run skip --enable-recovery "$exe" --exact a_rank_that_skips_a_collective_is_named_on_every_rank --nocapture --test-threads=1
+run skip --tolerate-a-dead-rank "$exe" --exact a_rank_that_skips_a_collective_is_named_on_every_rank --nocapture --test-threads=1
 [ "$(count "$logs/skip" '^rank [0-3] step [0-9]+: .*rank\(s\) \[1\] called something else')" -eq 4 ] \
   || { cat "$logs/skip"; fail "skip: expected 4 ranks naming rank 1"; }
 echo "  rank 1 skips a collective: all 4 ranks fail naming it"
 echo "    $(grep -m1 -oE '^rank 0 step [0-9]+: .*' "$logs/skip" | sed -E 's/.*NCCL.s last error: //' | cut -c1-150)..."
 
-run leave --enable-recovery "$exe" --exact a_rank_that_leaves_early_fails_the_others_naming_it --nocapture --test-threads=1
+run leave --tolerate-a-dead-rank "$exe" --exact a_rank_that_leaves_early_fails_the_others_naming_it --nocapture --test-threads=1
 [ "$(count "$logs/leave" '^rank [023] step [0-9]+: .*rank 1 \(pid [0-9]+\) destroyed its communicator')" -eq 3 ] \
   || { cat "$logs/leave"; fail "leave: expected ranks 0, 2, 3 naming rank 1"; }
 t="$(delay "$logs/leave" LEFT_AT_MS)"
 echo "  rank 1 exits early: ranks 0, 2, 3 failed naming it; last error $t ms after it left"
 echo "  nothing left in /dev/shm"
 
-echo "test-mpirun: OK in $(( $(date +%s) - t0 ))s"
+echo "test-processes ($launcher): OK in $(( $(date +%s) - t0 ))s"
