@@ -133,10 +133,10 @@ awk -v t="$t" -v l="$limit" 'BEGIN { exit !(t < l) }' || fail "kill: errors took
 echo "  SIGKILL of rank 1: ranks 0, 2, 3 failed naming it; last error $t ms after the kill"
 
 run skip --tolerate-a-dead-rank "$exe" --exact a_rank_that_skips_a_collective_is_named_on_every_rank --nocapture --test-threads=1
-[ "$(count "$logs/skip" '^rank [0-3] step [0-9]+: .*rank\(s\) \[1\] called something else')" -eq 4 ] \
-  || { cat "$logs/skip"; fail "skip: expected 4 ranks naming rank 1"; }
-echo "  rank 1 skips a collective: all 4 ranks fail naming it"
-echo "    $(grep -m1 -oE '^rank 0 step [0-9]+: .*' "$logs/skip" | sed -E 's/.*NCCL.s last error: //' | cut -c1-150)..."
+[ "$(count "$logs/skip" '^rank [0-3] step [0-9]+: .*rank\(s\) \[1\] called something else.*rank 1: collective #3 [^;]* at tests/multiprocess.rs:[0-9]+')" -eq 4 ] \
+  || { cat "$logs/skip"; fail "skip: expected 4 ranks naming rank 1 and its file:line"; }
+echo "  rank 1 skips a collective: all 4 ranks fail naming it and the line it called from"
+echo "    rank 0's report: ...$(grep -m1 -oE '^rank 0 step [0-9]+: .*' "$logs/skip" | grep -oE 'rank 1: collective #3 [^;]*' | head -n 1)"
 
 run leave --tolerate-a-dead-rank "$exe" --exact a_rank_that_leaves_early_fails_the_others_naming_it --nocapture --test-threads=1
 [ "$(count "$logs/leave" '^rank [023] step [0-9]+: .*rank 1 \(pid [0-9]+\) destroyed its communicator')" -eq 3 ] \

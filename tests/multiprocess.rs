@@ -345,6 +345,10 @@ fn faulty(fault: &str) {
                 }
             }
         }
+        if step == 0 {
+            // The line of the all_reduce below, which every rank's report names.
+            println!("CALL_LINE {}", line!() + 2);
+        }
         if let Err(e) = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream) {
             // One write, so that lines of ranks under mpirun do not interleave.
             let text = format!("ERROR_AT_MS {:.1}\nrank {r} step {step}: {e}\n", now_ms());
@@ -418,6 +422,18 @@ fn a_rank_that_skips_a_collective_is_named_on_every_rank() {
             o.stderr.contains("rank(s) [1] called something else"),
             "rank {r} must name rank 1: {}",
             o.stderr
+        );
+        // And the line rank 1 (and every rank) called from.
+        let line = stamp(o, "CALL_LINE").expect("the call's line") as u32;
+        let rank_1 = o
+            .stderr
+            .split("; ")
+            .find(|s| s.starts_with("rank 1: collective #3 "))
+            .unwrap_or_else(|| panic!("rank {r} does not say what rank 1 called: {}", o.stderr));
+        assert!(
+            rank_1.ends_with(&format!(" at tests/multiprocess.rs:{line}"))
+                || rank_1.contains(&format!(" at tests/multiprocess.rs:{line}\n")),
+            "rank {r} does not name rank 1's line {line}: {rank_1}"
         );
     }
 }

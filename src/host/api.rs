@@ -1073,6 +1073,7 @@ fn coll(
                 red,
                 scalar,
                 root: rt,
+                caller: super::current_caller(),
             };
             let seq = match g.comms.get_mut(&r.h) {
                 Some(c) => {

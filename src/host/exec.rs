@@ -1213,6 +1213,7 @@ mod tests {
                     dtype: dt,
                     red,
                     scalar: sc.clone(),
+                    caller: None,
                     root: root as i32,
                 })
                 .collect()
@@ -1421,6 +1422,7 @@ mod tests {
             red: RedKind::PreMulSum,
             scalar: vec![0; 2],
             root: 0,
+            caller: None,
         };
         assert!(run_coll(&[p.clone(), p]).is_err());
     }

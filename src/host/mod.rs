@@ -150,6 +150,32 @@ impl HostStats {
     }
 }
 
+std::thread_local! {
+    /// The user's line behind the NCCL call this thread is making, when the crate's safe
+    /// layer makes it (see [`with_caller`]).
+    static CALLER: std::cell::Cell<Option<&'static std::panic::Location<'static>>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` (one NCCL call into this provider) with `caller` as the line behind it: the
+/// provider keeps it with the operation, so that a mismatch across processes names the
+/// line each rank called from. Calls made outside it (through the raw table) have none.
+#[inline(always)]
+pub(crate) fn with_caller<R>(
+    caller: &'static std::panic::Location<'static>,
+    f: impl FnOnce() -> R,
+) -> R {
+    CALLER.with(|c| c.set(Some(caller)));
+    let r = f();
+    CALLER.with(|c| c.set(None));
+    r
+}
+
+/// The line behind the call this thread is making into the provider, if known.
+pub(crate) fn current_caller() -> Option<&'static std::panic::Location<'static>> {
+    CALLER.with(|c| c.get())
+}
+
 /// Counters for the whole process.
 pub fn stats() -> HostStats {
     state::lock().total.with_live()

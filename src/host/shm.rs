@@ -110,6 +110,36 @@ struct OpDesc {
     desc: AtomicU64,
     count: AtomicU64,
     scalar: AtomicU64,
+    /// The user's `file:line` behind the call, UTF-8, NUL-padded (truncated from the
+    /// left when longer), so that a mismatch names the line every rank called from.
+    caller: [AtomicU64; CALLER_WORDS],
+}
+
+/// Words of [`OpDesc::caller`].
+const CALLER_WORDS: usize = 12;
+
+/// Writes `file:line` into a description's caller words (all zero when unknown).
+fn put_caller(words: &[AtomicU64; CALLER_WORDS], caller: Option<&std::panic::Location<'_>>) {
+    let mut bytes = [0u8; CALLER_WORDS * 8];
+    if let Some(c) = caller {
+        let text = format!("{}:{}", c.file(), c.line());
+        let text = text.as_bytes();
+        let keep = &text[text.len().saturating_sub(bytes.len())..];
+        bytes[..keep.len()].copy_from_slice(keep);
+    }
+    for (w, b) in words.iter().zip(bytes.chunks_exact(8)) {
+        w.store(u64::from_le_bytes(b.try_into().unwrap_or([0; 8])), Relaxed);
+    }
+}
+
+/// Reads a description's caller words back: `None` when unknown.
+fn get_caller(words: &[AtomicU64; CALLER_WORDS]) -> Option<String> {
+    let bytes: Vec<u8> = words
+        .iter()
+        .flat_map(|w| w.load(Relaxed).to_le_bytes())
+        .collect();
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    (end > 0).then(|| String::from_utf8_lossy(&bytes[..end]).into_owned())
 }
 
 const HEADER: usize = 128;
@@ -355,6 +385,7 @@ impl Segment {
             red: RedKind::Sum,
             scalar: Vec::new(),
             root: 0,
+            caller: None,
         };
         self.run_coll(seq, &post)?;
         Ok(all.chunks(2).map(|c| (c[0], c[1])).collect())
@@ -750,7 +781,14 @@ impl Segment {
         let lines: Vec<String> = all
             .iter()
             .enumerate()
-            .map(|(r, d)| format!("rank {r}: {}", describe(d)))
+            .map(|(r, d)| {
+                // Read after the description: the rank published both before its seq.
+                let at = match get_caller(&self.op(r, seq).caller) {
+                    Some(line) => format!(" at {line}"),
+                    None => String::new(),
+                };
+                format!("rank {r}: {}{at}", describe(d))
+            })
             .collect();
         Some((
             culprits.first().copied().unwrap_or(self.rank),
@@ -796,6 +834,7 @@ impl Segment {
         let k = p.scalar.len().min(8);
         sc[..k].copy_from_slice(&p.scalar[..k]);
         me.scalar.store(u64::from_le_bytes(sc), Relaxed);
+        put_caller(&me.caller, p.caller);
         me.seq.store(seq + 1, Release);
         let r = self.rounds(seq, p, es, deadline);
         if let Err(f) = &r {

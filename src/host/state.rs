@@ -112,6 +112,8 @@ pub(crate) struct CollPost {
     pub red: RedKind,
     pub scalar: Vec<u8>,
     pub root: i32,
+    /// The user's line that called it, when the safe layer made the call.
+    pub caller: Option<&'static std::panic::Location<'static>>,
 }
 
 /// One side of a send/recv pair.

@@ -112,7 +112,11 @@ impl<'a> Op<'a> {
                 // SAFETY: the description checked both buffers against `count` and this
                 // provider's memory; `guards` and the lifetime `'a` keep them borrowed until
                 // the work is enqueued.
-                unsafe { call.make(t, send, recv, count, dtype, raw, stream.raw()) }
+                let make = || unsafe { call.make(t, send, recv, count, dtype, raw, stream.raw()) };
+                #[cfg(feature = "host")]
+                return crate::host::with_caller(caller, make);
+                #[cfg(not(feature = "host"))]
+                make()
             },
         )?;
         Ok(guards)
