@@ -1,10 +1,12 @@
 //! Typed collectives, each described once.
 //!
-//! A description (`all_reduce_op`, `broadcast_in_place_op`, ...) checks its arguments and
-//! returns an [`Op`] holding its buffers' borrows and pointers; [`Op::run`] enqueues it
-//! alone (the plain methods, such as [`Communicator::all_reduce`], are exactly that) and
-//! [`crate::Group::push`] inside a group, through the one generic path
-//! [`Communicator::issue`]. So every form, in place or not, works on its own and in a group.
+//! Every collective is two plain methods: the description (`all_reduce_op`,
+//! `broadcast_in_place_op`, ...) checks its arguments and returns an [`Op`] holding its
+//! buffers' borrows and pointers, and the method of the same name without `_op`
+//! ([`Communicator::all_reduce`], ...) is that description then [`Op::run`], which enqueues
+//! it alone. [`crate::Group::push`] enqueues an [`Op`] inside a group; both go through the
+//! one generic path [`Communicator::issue`]. So every form, in place or not, works on its own
+//! and in a group.
 //!
 //! Checks, in this order, before NCCL sees anything: the communicator has not failed, the
 //! stream's kind and device, the reduction (one of this communicator), root and peer ranges,
@@ -15,8 +17,8 @@
 //! failed check is a typed error and leaves the communicator usable.
 //!
 //! Adding a collective touches its entry point in `nccl-sys`'s function table, this file
-//! (a `Call` variant and one `collective!` description), its host-provider implementation,
-//! and its tests.
+//! (a `Call` variant, its `make` arm, and its two methods), its host-provider
+//! implementation, and its tests.
 
 mod op;
 mod reduce_op;
@@ -235,441 +237,634 @@ impl Communicator {
     }
 }
 
-/// Declares a collective once: its description `$op` (the checks, returning an [`Op`]) and
-/// the plain method `$name`, which runs it. Buffer type parameters get `?Sized`.
-macro_rules! collective {
-    ($(
-        $(#[$doc:meta])*
-        fn $name:ident / $op:ident<$a:lifetime, $t:ident $(, $g:ident: $bound:path)*>(
-            &$self:ident $(, $arg:ident: $ty:ty)* $(,)?
-        ) $body:block
-    )*) => {$(
-        #[doc = concat!(
-            "[`", stringify!($name), "`](Self::", stringify!($name), ") as an [`Op`], to ",
-            "[`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in ",
-            "the same order.",
-        )]
-        #[track_caller]
-        #[inline(always)]
-        pub fn $op<$a, $t: NcclType $(, $g: $bound + ?Sized)*>(
-            &$a $self $(, $arg: $ty)*
-        ) -> Result<Op<$a>> $body
-
-        $(#[$doc])*
-        #[track_caller]
-        pub fn $name<$a, $t: NcclType $(, $g: $bound + ?Sized)*>(
-            &$a $self $(, $arg: $ty)*
-        ) -> Result<()> {
-            $self.$op($($arg),*)?.run()
-        }
-    )*};
-}
-
 impl Communicator {
     // ---- all-reduce --------------------------------------------------------------------
 
-    collective! {
-        /// Reduces `send` across all ranks into every rank's `recv` (`ncclAllReduce`).
-        /// `recv.len() == send.len()`.
-        ///
-        /// ```
-        /// use nccl_safe::{launch::Launcher, ReduceOp};
-        /// Launcher::host(3).run(|rank| {
-        ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
-        ///     let send = vec![r as f64 + 1.0; 4];
-        ///     let mut recv = vec![0.0; 4];
-        ///     comm.all_reduce(&send, &mut recv, ReduceOp::Max, s)?;
-        ///     assert_eq!(recv, vec![3.0; 4]);
-        ///     Ok(())
-        /// })?;
-        /// # Ok::<(), nccl_safe::Error>(())
-        /// ```
-        fn all_reduce / all_reduce_op<'a, T, S: SendBuffer<T>, R: RecvBuffer<T>>(
-            &self,
-            send: &'a S,
-            recv: &'a mut R,
-            op: impl Into<Reduction<'a, T>>,
-            stream: &'a impl AsStream,
-        ) {
-            let at = Start::new(self, &"ncclAllReduce", stream)?;
-            let red = at.reduction(op.into())?;
-            let count = send.len();
-            at.send(send, count, "recv = send")?;
-            at.recv(recv, count, "recv = send")?;
-            let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
-            Ok(at.op::<T>(Call::AllReduce(red), count, None, s, r))
-        }
+    /// Reduces `send` across all ranks into every rank's `recv` (`ncclAllReduce`).
+    /// `recv.len() == send.len()`.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send = vec![r as f64 + 1.0; 4];
+    ///     let mut recv = vec![0.0; 4];
+    ///     comm.all_reduce(&send, &mut recv, ReduceOp::Max, s)?;
+    ///     assert_eq!(recv, vec![3.0; 4]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn all_reduce<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        op: impl Into<Reduction<'a, T>>,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.all_reduce_op(send, recv, op, stream)?.run()
+    }
 
-        /// All-reduce in place: `buf` is both input and output (`ncclAllReduce`, send == recv).
-        fn all_reduce_in_place / all_reduce_in_place_op<'a, T, B: RecvBuffer<T>>(
-            &self,
-            buf: &'a mut B,
-            op: impl Into<Reduction<'a, T>>,
-            stream: &'a impl AsStream,
-        ) {
-            let at = Start::new(self, &"ncclAllReduce", stream)?;
-            let red = at.reduction(op.into())?;
-            let count = buf.len();
-            at.recv(buf, count, "in place")?;
-            let (s, r) = at.in_place(buf, 0, 0);
-            Ok(at.op::<T>(Call::AllReduce(red), count, None, s, r))
-        }
+    /// The [`Op`] of [`all_reduce`](Self::all_reduce),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn all_reduce_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        op: impl Into<Reduction<'a, T>>,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let at = Start::new(self, &"ncclAllReduce", stream)?;
+        let red = at.reduction(op.into())?;
+        let count = send.len();
+        at.send(send, count, "recv = send")?;
+        at.recv(recv, count, "recv = send")?;
+        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
+        Ok(at.op::<T>(Call::AllReduce(red), count, None, s, r))
+    }
+
+    /// All-reduce in place: `buf` is both input and output (`ncclAllReduce`, send == recv).
+    #[track_caller]
+    pub fn all_reduce_in_place<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        buf: &'a mut B,
+        op: impl Into<Reduction<'a, T>>,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.all_reduce_in_place_op(buf, op, stream)?.run()
+    }
+
+    /// The [`Op`] of [`all_reduce_in_place`](Self::all_reduce_in_place),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn all_reduce_in_place_op<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        buf: &'a mut B,
+        op: impl Into<Reduction<'a, T>>,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let at = Start::new(self, &"ncclAllReduce", stream)?;
+        let red = at.reduction(op.into())?;
+        let count = buf.len();
+        at.recv(buf, count, "in place")?;
+        let (s, r) = at.in_place(buf, 0, 0);
+        Ok(at.op::<T>(Call::AllReduce(red), count, None, s, r))
     }
 
     // ---- broadcast ---------------------------------------------------------------------
 
-    collective! {
-        /// Copies `send` on `root` into every rank's `recv` (`ncclBroadcast`). All ranks pass
-        /// buffers of the same length; `send` is read only on the root.
-        ///
-        /// ```
-        /// use nccl_safe::{launch::Launcher, ReduceOp};
-        /// Launcher::host(3).run(|rank| {
-        ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
-        ///     let send = vec![10 * r as i32; 2];
-        ///     let mut recv = vec![0; 2];
-        ///     comm.broadcast(&send, &mut recv, 2, s)?; // root 2
-        ///     assert_eq!(recv, vec![20, 20]);
-        ///     Ok(())
-        /// })?;
-        /// # Ok::<(), nccl_safe::Error>(())
-        /// ```
-        fn broadcast / broadcast_op<'a, T, S: SendBuffer<T>, R: RecvBuffer<T>>(
-            &self,
-            send: &'a S,
-            recv: &'a mut R,
-            root: usize,
-            stream: &'a impl AsStream,
-        ) {
-            let at = Start::new(self, &"ncclBroadcast", stream)?;
-            let root_c = at.rank_arg("root", root)?;
-            let count = recv.len();
-            at.send(send, count, "send = recv")?;
-            at.recv(recv, count, "send = recv")?;
-            let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
-            Ok(at.op::<T>(Call::Broadcast { root: root_c }, count, Some(root), s, r))
-        }
+    /// Copies `send` on `root` into every rank's `recv` (`ncclBroadcast`). All ranks pass
+    /// buffers of the same length; `send` is read only on the root.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send = vec![10 * r as i32; 2];
+    ///     let mut recv = vec![0; 2];
+    ///     comm.broadcast(&send, &mut recv, 2, s)?; // root 2
+    ///     assert_eq!(recv, vec![20, 20]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn broadcast<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.broadcast_op(send, recv, root, stream)?.run()
+    }
 
-        /// Broadcast in place: `buf` is the source on the root and the destination elsewhere.
-        fn broadcast_in_place / broadcast_in_place_op<'a, T, B: RecvBuffer<T>>(
-            &self,
-            buf: &'a mut B,
-            root: usize,
-            stream: &'a impl AsStream,
-        ) {
-            let at = Start::new(self, &"ncclBroadcast", stream)?;
-            let root_c = at.rank_arg("root", root)?;
-            let count = buf.len();
-            at.recv(buf, count, "in place")?;
-            let (s, r) = at.in_place(buf, 0, 0);
-            Ok(at.op::<T>(Call::Broadcast { root: root_c }, count, Some(root), s, r))
-        }
+    /// The [`Op`] of [`broadcast`](Self::broadcast),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn broadcast_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let at = Start::new(self, &"ncclBroadcast", stream)?;
+        let root_c = at.rank_arg("root", root)?;
+        let count = recv.len();
+        at.send(send, count, "send = recv")?;
+        at.recv(recv, count, "send = recv")?;
+        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
+        Ok(at.op::<T>(Call::Broadcast { root: root_c }, count, Some(root), s, r))
+    }
+
+    /// Broadcast in place: `buf` is the source on the root and the destination elsewhere.
+    #[track_caller]
+    pub fn broadcast_in_place<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        buf: &'a mut B,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.broadcast_in_place_op(buf, root, stream)?.run()
+    }
+
+    /// The [`Op`] of [`broadcast_in_place`](Self::broadcast_in_place),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn broadcast_in_place_op<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        buf: &'a mut B,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let at = Start::new(self, &"ncclBroadcast", stream)?;
+        let root_c = at.rank_arg("root", root)?;
+        let count = buf.len();
+        at.recv(buf, count, "in place")?;
+        let (s, r) = at.in_place(buf, 0, 0);
+        Ok(at.op::<T>(Call::Broadcast { root: root_c }, count, Some(root), s, r))
     }
 
     // ---- reduce ------------------------------------------------------------------------
 
-    collective! {
-        /// Reduces `send` across all ranks into `recv` on `root` (`ncclReduce`). Every rank
-        /// passes `recv.len() == send.len()`; only the root's `recv` is written.
-        ///
-        /// ```
-        /// use nccl_safe::{launch::Launcher, ReduceOp};
-        /// Launcher::host(3).run(|rank| {
-        ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
-        ///     let send = vec![r as u64 + 1; 2];
-        ///     let mut recv = vec![0u64; 2];
-        ///     comm.reduce(&send, &mut recv, ReduceOp::Prod, 0, s)?;
-        ///     assert_eq!(recv, if r == 0 { vec![6, 6] } else { vec![0, 0] });
-        ///     Ok(())
-        /// })?;
-        /// # Ok::<(), nccl_safe::Error>(())
-        /// ```
-        fn reduce / reduce_op<'a, T, S: SendBuffer<T>, R: RecvBuffer<T>>(
-            &self,
-            send: &'a S,
-            recv: &'a mut R,
-            op: impl Into<Reduction<'a, T>>,
-            root: usize,
-            stream: &'a impl AsStream,
-        ) {
-            let at = Start::new(self, &"ncclReduce", stream)?;
-            let red = at.reduction(op.into())?;
-            let root_c = at.rank_arg("root", root)?;
-            let count = send.len();
-            at.send(send, count, "recv = send")?;
-            at.recv(recv, count, "recv = send")?;
-            let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
-            Ok(at.op::<T>(Call::Reduce(red, root_c), count, Some(root), s, r))
-        }
+    /// Reduces `send` across all ranks into `recv` on `root` (`ncclReduce`). Every rank
+    /// passes `recv.len() == send.len()`; only the root's `recv` is written.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send = vec![r as u64 + 1; 2];
+    ///     let mut recv = vec![0u64; 2];
+    ///     comm.reduce(&send, &mut recv, ReduceOp::Prod, 0, s)?;
+    ///     assert_eq!(recv, if r == 0 { vec![6, 6] } else { vec![0, 0] });
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn reduce<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        op: impl Into<Reduction<'a, T>>,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.reduce_op(send, recv, op, root, stream)?.run()
+    }
 
-        /// Reduce in place: `buf` is every rank's input and, on the root, the result.
-        fn reduce_in_place / reduce_in_place_op<'a, T, B: RecvBuffer<T>>(
-            &self,
-            buf: &'a mut B,
-            op: impl Into<Reduction<'a, T>>,
-            root: usize,
-            stream: &'a impl AsStream,
-        ) {
-            let at = Start::new(self, &"ncclReduce", stream)?;
-            let red = at.reduction(op.into())?;
-            let root_c = at.rank_arg("root", root)?;
-            let count = buf.len();
-            at.recv(buf, count, "in place")?;
-            let (s, r) = at.in_place(buf, 0, 0);
-            Ok(at.op::<T>(Call::Reduce(red, root_c), count, Some(root), s, r))
-        }
+    /// The [`Op`] of [`reduce`](Self::reduce),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn reduce_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        op: impl Into<Reduction<'a, T>>,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let at = Start::new(self, &"ncclReduce", stream)?;
+        let red = at.reduction(op.into())?;
+        let root_c = at.rank_arg("root", root)?;
+        let count = send.len();
+        at.send(send, count, "recv = send")?;
+        at.recv(recv, count, "recv = send")?;
+        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
+        Ok(at.op::<T>(Call::Reduce(red, root_c), count, Some(root), s, r))
+    }
+
+    /// Reduce in place: `buf` is every rank's input and, on the root, the result.
+    #[track_caller]
+    pub fn reduce_in_place<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        buf: &'a mut B,
+        op: impl Into<Reduction<'a, T>>,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.reduce_in_place_op(buf, op, root, stream)?.run()
+    }
+
+    /// The [`Op`] of [`reduce_in_place`](Self::reduce_in_place),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn reduce_in_place_op<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        buf: &'a mut B,
+        op: impl Into<Reduction<'a, T>>,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let at = Start::new(self, &"ncclReduce", stream)?;
+        let red = at.reduction(op.into())?;
+        let root_c = at.rank_arg("root", root)?;
+        let count = buf.len();
+        at.recv(buf, count, "in place")?;
+        let (s, r) = at.in_place(buf, 0, 0);
+        Ok(at.op::<T>(Call::Reduce(red, root_c), count, Some(root), s, r))
     }
 
     // ---- all-gather --------------------------------------------------------------------
 
-    collective! {
-        /// Gathers every rank's `send` into every rank's `recv`, rank `i`'s block at
-        /// `i * send.len()` (`ncclAllGather`). `recv.len() == world_size * send.len()`.
-        ///
-        /// ```
-        /// use nccl_safe::{launch::Launcher, ReduceOp};
-        /// Launcher::host(3).run(|rank| {
-        ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
-        ///     let send = vec![r as u8; 2];
-        ///     let mut recv = vec![9u8; 6];
-        ///     comm.all_gather(&send, &mut recv, s)?;
-        ///     assert_eq!(recv, vec![0, 0, 1, 1, 2, 2]);
-        ///     Ok(())
-        /// })?;
-        /// # Ok::<(), nccl_safe::Error>(())
-        /// ```
-        fn all_gather / all_gather_op<'a, T, S: SendBuffer<T>, R: RecvBuffer<T>>(
-            &self,
-            send: &'a S,
-            recv: &'a mut R,
-            stream: &'a impl AsStream,
-        ) {
-            let at = Start::new(self, &"ncclAllGather", stream)?;
-            let count = send.len();
-            let total = at.times_world(count)?;
-            at.send(send, count, "send = count")?;
-            at.recv(recv, total, "recv = world_size x send")?;
-            let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
-            Ok(at.op::<T>(Call::AllGather, count, None, s, r))
-        }
+    /// Gathers every rank's `send` into every rank's `recv`, rank `i`'s block at
+    /// `i * send.len()` (`ncclAllGather`). `recv.len() == world_size * send.len()`.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send = vec![r as u8; 2];
+    ///     let mut recv = vec![9u8; 6];
+    ///     comm.all_gather(&send, &mut recv, s)?;
+    ///     assert_eq!(recv, vec![0, 0, 1, 1, 2, 2]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn all_gather<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.all_gather_op(send, recv, stream)?.run()
+    }
 
-        /// All-gather in place: this rank's input is its own block of `buf`
-        /// (`buf[rank * n .. (rank + 1) * n]`, `n = buf.len() / world_size`).
-        fn all_gather_in_place / all_gather_in_place_op<'a, T, B: RecvBuffer<T>>(
-            &self,
-            buf: &'a mut B,
-            stream: &'a impl AsStream,
-        ) {
-            let at = Start::new(self, &"ncclAllGather", stream)?;
-            let count = at.block_of(buf.len())?;
-            at.recv(buf, count * at.world_size(), "in place")?;
-            // NCCL's in-place form: this rank's block is the input.
-            let (s, r) = at.in_place(buf, at.rank() * count, 0);
-            Ok(at.op::<T>(Call::AllGather, count, None, s, r))
-        }
+    /// The [`Op`] of [`all_gather`](Self::all_gather),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn all_gather_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let at = Start::new(self, &"ncclAllGather", stream)?;
+        let count = send.len();
+        let total = at.times_world(count)?;
+        at.send(send, count, "send = count")?;
+        at.recv(recv, total, "recv = world_size x send")?;
+        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
+        Ok(at.op::<T>(Call::AllGather, count, None, s, r))
+    }
+
+    /// All-gather in place: this rank's input is its own block of `buf`
+    /// (`buf[rank * n .. (rank + 1) * n]`, `n = buf.len() / world_size`).
+    #[track_caller]
+    pub fn all_gather_in_place<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        buf: &'a mut B,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.all_gather_in_place_op(buf, stream)?.run()
+    }
+
+    /// The [`Op`] of [`all_gather_in_place`](Self::all_gather_in_place),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn all_gather_in_place_op<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        buf: &'a mut B,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let at = Start::new(self, &"ncclAllGather", stream)?;
+        let count = at.block_of(buf.len())?;
+        at.recv(buf, count * at.world_size(), "in place")?;
+        // NCCL's in-place form: this rank's block is the input.
+        let (s, r) = at.in_place(buf, at.rank() * count, 0);
+        Ok(at.op::<T>(Call::AllGather, count, None, s, r))
     }
 
     // ---- reduce-scatter ----------------------------------------------------------------
 
-    collective! {
-        /// Reduces `send` across ranks and leaves block `i` of the result on rank `i`
-        /// (`ncclReduceScatter`). `send.len() == world_size * recv.len()`.
-        ///
-        /// ```
-        /// use nccl_safe::{launch::Launcher, ReduceOp};
-        /// Launcher::host(3).run(|rank| {
-        ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
-        ///     let send: Vec<f32> = (0..6).map(|i| i as f32).collect(); // the same on every rank
-        ///     let mut recv = vec![0.0f32; 2];
-        ///     comm.reduce_scatter(&send, &mut recv, ReduceOp::Sum, s)?;
-        ///     assert_eq!(recv, vec![3.0 * (2 * r) as f32, 3.0 * (2 * r + 1) as f32]);
-        ///     Ok(())
-        /// })?;
-        /// # Ok::<(), nccl_safe::Error>(())
-        /// ```
-        fn reduce_scatter / reduce_scatter_op<'a, T, S: SendBuffer<T>, R: RecvBuffer<T>>(
-            &self,
-            send: &'a S,
-            recv: &'a mut R,
-            op: impl Into<Reduction<'a, T>>,
-            stream: &'a impl AsStream,
-        ) {
-            let at = Start::new(self, &"ncclReduceScatter", stream)?;
-            let red = at.reduction(op.into())?;
-            let count = recv.len();
-            let total = at.times_world(count)?;
-            at.send(send, total, "send = world_size x recv")?;
-            at.recv(recv, count, "recv = count")?;
-            let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
-            Ok(at.op::<T>(Call::ReduceScatter(red), count, None, s, r))
-        }
+    /// Reduces `send` across ranks and leaves block `i` of the result on rank `i`
+    /// (`ncclReduceScatter`). `send.len() == world_size * recv.len()`.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send: Vec<f32> = (0..6).map(|i| i as f32).collect(); // the same on every rank
+    ///     let mut recv = vec![0.0f32; 2];
+    ///     comm.reduce_scatter(&send, &mut recv, ReduceOp::Sum, s)?;
+    ///     assert_eq!(recv, vec![3.0 * (2 * r) as f32, 3.0 * (2 * r + 1) as f32]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn reduce_scatter<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        op: impl Into<Reduction<'a, T>>,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.reduce_scatter_op(send, recv, op, stream)?.run()
+    }
 
-        /// Reduce-scatter in place: the result lands in this rank's block of `buf`.
-        fn reduce_scatter_in_place / reduce_scatter_in_place_op<'a, T, B: RecvBuffer<T>>(
-            &self,
-            buf: &'a mut B,
-            op: impl Into<Reduction<'a, T>>,
-            stream: &'a impl AsStream,
-        ) {
-            let at = Start::new(self, &"ncclReduceScatter", stream)?;
-            let red = at.reduction(op.into())?;
-            let count = at.block_of(buf.len())?;
-            at.recv(buf, count * at.world_size(), "in place")?;
-            // NCCL's in-place form: the result is this rank's block.
-            let (s, r) = at.in_place(buf, 0, at.rank() * count);
-            Ok(at.op::<T>(Call::ReduceScatter(red), count, None, s, r))
-        }
+    /// The [`Op`] of [`reduce_scatter`](Self::reduce_scatter),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn reduce_scatter_op<
+        'a,
+        T: NcclType,
+        S: SendBuffer<T> + ?Sized,
+        R: RecvBuffer<T> + ?Sized,
+    >(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        op: impl Into<Reduction<'a, T>>,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let at = Start::new(self, &"ncclReduceScatter", stream)?;
+        let red = at.reduction(op.into())?;
+        let count = recv.len();
+        let total = at.times_world(count)?;
+        at.send(send, total, "send = world_size x recv")?;
+        at.recv(recv, count, "recv = count")?;
+        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
+        Ok(at.op::<T>(Call::ReduceScatter(red), count, None, s, r))
+    }
+
+    /// Reduce-scatter in place: the result lands in this rank's block of `buf`.
+    #[track_caller]
+    pub fn reduce_scatter_in_place<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        buf: &'a mut B,
+        op: impl Into<Reduction<'a, T>>,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.reduce_scatter_in_place_op(buf, op, stream)?.run()
+    }
+
+    /// The [`Op`] of [`reduce_scatter_in_place`](Self::reduce_scatter_in_place),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn reduce_scatter_in_place_op<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        buf: &'a mut B,
+        op: impl Into<Reduction<'a, T>>,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let at = Start::new(self, &"ncclReduceScatter", stream)?;
+        let red = at.reduction(op.into())?;
+        let count = at.block_of(buf.len())?;
+        at.recv(buf, count * at.world_size(), "in place")?;
+        // NCCL's in-place form: the result is this rank's block.
+        let (s, r) = at.in_place(buf, 0, at.rank() * count);
+        Ok(at.op::<T>(Call::ReduceScatter(red), count, None, s, r))
     }
 
     // ---- point to point ----------------------------------------------------------------
 
-    collective! {
-        /// Sends `buf` to `peer` (`ncclSend`); the peer posts a [`recv`](Self::recv) of the
-        /// same length. A send and a receive that depend on each other must be in one
-        /// [`crate::Group`].
-        fn send / send_op<'a, T, S: SendBuffer<T>>(
-            &self,
-            buf: &'a S,
-            peer: usize,
-            stream: &'a impl AsStream,
-        ) {
-            let at = Start::new(self, &"ncclSend", stream)?;
-            let peer_c = at.rank_arg("peer", peer)?;
-            let count = buf.len();
-            at.send(buf, count, "any length")?;
-            let s = at.send_ptr(buf);
-            Ok(at.op::<T>(Call::Send { peer: peer_c }, count, Some(peer), s, NO_RECV))
-        }
+    /// Sends `buf` to `peer` (`ncclSend`); the peer posts a [`recv`](Self::recv) of the
+    /// same length. A send and a receive that depend on each other must be in one
+    /// [`crate::Group`].
+    #[track_caller]
+    pub fn send<'a, T: NcclType, S: SendBuffer<T> + ?Sized>(
+        &'a self,
+        buf: &'a S,
+        peer: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.send_op(buf, peer, stream)?.run()
+    }
 
-        /// Receives `buf.len()` elements from `peer` (`ncclRecv`).
-        fn recv / recv_op<'a, T, R: RecvBuffer<T>>(
-            &self,
-            buf: &'a mut R,
-            peer: usize,
-            stream: &'a impl AsStream,
-        ) {
-            let at = Start::new(self, &"ncclRecv", stream)?;
-            let peer_c = at.rank_arg("peer", peer)?;
-            let count = buf.len();
-            at.recv(buf, count, "any length")?;
-            let r = at.recv_ptr(buf);
-            Ok(at.op::<T>(Call::Recv { peer: peer_c }, count, Some(peer), NO_SEND, r))
-        }
+    /// The [`Op`] of [`send`](Self::send),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn send_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized>(
+        &'a self,
+        buf: &'a S,
+        peer: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let at = Start::new(self, &"ncclSend", stream)?;
+        let peer_c = at.rank_arg("peer", peer)?;
+        let count = buf.len();
+        at.send(buf, count, "any length")?;
+        let s = at.send_ptr(buf);
+        Ok(at.op::<T>(Call::Send { peer: peer_c }, count, Some(peer), s, NO_RECV))
+    }
+
+    /// Receives `buf.len()` elements from `peer` (`ncclRecv`).
+    #[track_caller]
+    pub fn recv<'a, T: NcclType, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        buf: &'a mut R,
+        peer: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.recv_op(buf, peer, stream)?.run()
+    }
+
+    /// The [`Op`] of [`recv`](Self::recv),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn recv_op<'a, T: NcclType, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        buf: &'a mut R,
+        peer: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let at = Start::new(self, &"ncclRecv", stream)?;
+        let peer_c = at.rank_arg("peer", peer)?;
+        let count = buf.len();
+        at.recv(buf, count, "any length")?;
+        let r = at.recv_ptr(buf);
+        Ok(at.op::<T>(Call::Recv { peer: peer_c }, count, Some(peer), NO_SEND, r))
     }
 
     // ---- all-to-all, gather, scatter (NCCL 2.28+) --------------------------------------
 
-    collective! {
-        /// Block `j` of `send` goes to rank `j`; block `i` of `recv` comes from rank `i`
-        /// (`ncclAlltoAll`, NCCL 2.28+). Both hold `world_size` equal blocks.
-        ///
-        /// ```
-        /// use nccl_safe::{launch::Launcher, ReduceOp};
-        /// Launcher::host(3).run(|rank| {
-        ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
-        ///     let send: Vec<i32> = (0..3).map(|to| (10 * r + to) as i32).collect();
-        ///     let mut recv = vec![0i32; 3];
-        ///     comm.all_to_all(&send, &mut recv, s)?;
-        ///     assert_eq!(recv, (0..3).map(|from| (10 * from + r) as i32).collect::<Vec<_>>());
-        ///     Ok(())
-        /// })?;
-        /// # Ok::<(), nccl_safe::Error>(())
-        /// ```
-        fn all_to_all / all_to_all_op<'a, T, S: SendBuffer<T>, R: RecvBuffer<T>>(
-            &self,
-            send: &'a S,
-            recv: &'a mut R,
-            stream: &'a impl AsStream,
-        ) {
-            let f = self.optional(|t| t.ncclAlltoAll, "ncclAlltoAll")?;
-            let at = Start::new(self, &"ncclAlltoAll", stream)?;
-            let total = send.len();
-            let count = at.block_of(total)?;
-            at.send(send, total, "send = world_size x block")?;
-            at.recv(recv, total, "recv = send")?;
-            let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
-            Ok(at.op::<T>(Call::AllToAll(f), count, None, s, r))
-        }
+    /// Block `j` of `send` goes to rank `j`; block `i` of `recv` comes from rank `i`
+    /// (`ncclAlltoAll`, NCCL 2.28+). Both hold `world_size` equal blocks.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send: Vec<i32> = (0..3).map(|to| (10 * r + to) as i32).collect();
+    ///     let mut recv = vec![0i32; 3];
+    ///     comm.all_to_all(&send, &mut recv, s)?;
+    ///     assert_eq!(recv, (0..3).map(|from| (10 * from + r) as i32).collect::<Vec<_>>());
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn all_to_all<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.all_to_all_op(send, recv, stream)?.run()
+    }
 
-        /// Gathers every rank's `send` into `recv` on `root`, rank `i` at `i * send.len()`
-        /// (`ncclGather`, NCCL 2.28+). Only the root's `recv` is checked and written.
-        ///
-        /// ```
-        /// use nccl_safe::{launch::Launcher, ReduceOp};
-        /// Launcher::host(3).run(|rank| {
-        ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
-        ///     let send = vec![r as i64];
-        ///     let mut recv = if r == 1 { vec![0i64; 3] } else { Vec::new() };
-        ///     comm.gather(&send, &mut recv, 1, s)?;
-        ///     if r == 1 { assert_eq!(recv, vec![0, 1, 2]); }
-        ///     Ok(())
-        /// })?;
-        /// # Ok::<(), nccl_safe::Error>(())
-        /// ```
-        fn gather / gather_op<'a, T, S: SendBuffer<T>, R: RecvBuffer<T>>(
-            &self,
-            send: &'a S,
-            recv: &'a mut R,
-            root: usize,
-            stream: &'a impl AsStream,
-        ) {
-            let f = self.optional(|t| t.ncclGather, "ncclGather")?;
-            let at = Start::new(self, &"ncclGather", stream)?;
-            let root_c = at.rank_arg("root", root)?;
-            let count = send.len();
-            let total = at.times_world(count)?;
-            at.send(send, count, "send = count")?;
-            let on_root = self.rank() == root;
-            if on_root {
-                at.recv(recv, total, "recv = world_size x send on the root")?;
-            } else {
-                at.ignored(BufferRole::Recv, recv)?;
-            }
-            let s = at.send_ptr(send);
-            // NCCL ignores recv off the root: passed as null.
-            let r = if on_root { at.recv_ptr(recv) } else { NO_RECV };
-            Ok(at.op::<T>(Call::Gather(f, root_c), count, Some(root), s, r))
-        }
+    /// The [`Op`] of [`all_to_all`](Self::all_to_all),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn all_to_all_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let f = self.optional(|t| t.ncclAlltoAll, "ncclAlltoAll")?;
+        let at = Start::new(self, &"ncclAlltoAll", stream)?;
+        let total = send.len();
+        let count = at.block_of(total)?;
+        at.send(send, total, "send = world_size x block")?;
+        at.recv(recv, total, "recv = send")?;
+        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
+        Ok(at.op::<T>(Call::AllToAll(f), count, None, s, r))
+    }
 
-        /// Sends block `i` of `send` on `root` to rank `i`'s `recv` (`ncclScatter`, NCCL
-        /// 2.28+). Only the root's `send` is checked and read.
-        ///
-        /// ```
-        /// use nccl_safe::{launch::Launcher, ReduceOp};
-        /// Launcher::host(3).run(|rank| {
-        ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
-        ///     let send: Vec<u32> = if r == 0 { vec![7, 8, 9] } else { Vec::new() };
-        ///     let mut recv = vec![0u32; 1];
-        ///     comm.scatter(&send, &mut recv, 0, s)?;
-        ///     assert_eq!(recv, vec![7 + r as u32]);
-        ///     Ok(())
-        /// })?;
-        /// # Ok::<(), nccl_safe::Error>(())
-        /// ```
-        fn scatter / scatter_op<'a, T, S: SendBuffer<T>, R: RecvBuffer<T>>(
-            &self,
-            send: &'a S,
-            recv: &'a mut R,
-            root: usize,
-            stream: &'a impl AsStream,
-        ) {
-            let f = self.optional(|t| t.ncclScatter, "ncclScatter")?;
-            let at = Start::new(self, &"ncclScatter", stream)?;
-            let root_c = at.rank_arg("root", root)?;
-            let count = recv.len();
-            let total = at.times_world(count)?;
-            let on_root = self.rank() == root;
-            if on_root {
-                at.send(send, total, "send = world_size x recv on the root")?;
-            } else {
-                at.ignored(BufferRole::Send, send)?;
-            }
-            at.recv(recv, count, "recv = count")?;
-            // NCCL ignores send off the root: passed as null.
-            let s = if on_root { at.send_ptr(send) } else { NO_SEND };
-            let r = at.recv_ptr(recv);
-            Ok(at.op::<T>(Call::Scatter(f, root_c), count, Some(root), s, r))
+    /// Gathers every rank's `send` into `recv` on `root`, rank `i` at `i * send.len()`
+    /// (`ncclGather`, NCCL 2.28+). Only the root's `recv` is checked and written.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send = vec![r as i64];
+    ///     let mut recv = if r == 1 { vec![0i64; 3] } else { Vec::new() };
+    ///     comm.gather(&send, &mut recv, 1, s)?;
+    ///     if r == 1 { assert_eq!(recv, vec![0, 1, 2]); }
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn gather<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.gather_op(send, recv, root, stream)?.run()
+    }
+
+    /// The [`Op`] of [`gather`](Self::gather),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn gather_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let f = self.optional(|t| t.ncclGather, "ncclGather")?;
+        let at = Start::new(self, &"ncclGather", stream)?;
+        let root_c = at.rank_arg("root", root)?;
+        let count = send.len();
+        let total = at.times_world(count)?;
+        at.send(send, count, "send = count")?;
+        let on_root = self.rank() == root;
+        if on_root {
+            at.recv(recv, total, "recv = world_size x send on the root")?;
+        } else {
+            at.ignored(BufferRole::Recv, recv)?;
         }
+        let s = at.send_ptr(send);
+        // NCCL ignores recv off the root: passed as null.
+        let r = if on_root { at.recv_ptr(recv) } else { NO_RECV };
+        Ok(at.op::<T>(Call::Gather(f, root_c), count, Some(root), s, r))
+    }
+
+    /// Sends block `i` of `send` on `root` to rank `i`'s `recv` (`ncclScatter`, NCCL
+    /// 2.28+). Only the root's `send` is checked and read.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// Launcher::host(3).run(|rank| {
+    ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
+    ///     let send: Vec<u32> = if r == 0 { vec![7, 8, 9] } else { Vec::new() };
+    ///     let mut recv = vec![0u32; 1];
+    ///     comm.scatter(&send, &mut recv, 0, s)?;
+    ///     assert_eq!(recv, vec![7 + r as u32]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn scatter<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<()> {
+        self.scatter_op(send, recv, root, stream)?.run()
+    }
+
+    /// The [`Op`] of [`scatter`](Self::scatter),
+    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
+    /// same order.
+    #[track_caller]
+    #[inline(always)]
+    pub fn scatter_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        &'a self,
+        send: &'a S,
+        recv: &'a mut R,
+        root: usize,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        let f = self.optional(|t| t.ncclScatter, "ncclScatter")?;
+        let at = Start::new(self, &"ncclScatter", stream)?;
+        let root_c = at.rank_arg("root", root)?;
+        let count = recv.len();
+        let total = at.times_world(count)?;
+        let on_root = self.rank() == root;
+        if on_root {
+            at.send(send, total, "send = world_size x recv on the root")?;
+        } else {
+            at.ignored(BufferRole::Send, send)?;
+        }
+        at.recv(recv, count, "recv = count")?;
+        // NCCL ignores send off the root: passed as null.
+        let s = if on_root { at.send_ptr(send) } else { NO_SEND };
+        let r = at.recv_ptr(recv);
+        Ok(at.op::<T>(Call::Scatter(f, root_c), count, Some(root), s, r))
     }
 }
 
