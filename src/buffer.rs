@@ -122,6 +122,27 @@ impl<T: NcclType> RecvBuffer<T> for Vec<T> {
     }
 }
 
+impl<T: NcclType, const N: usize> sealed::Sealed for [T; N] {}
+impl<T: NcclType, const N: usize> SendBuffer<T> for [T; N] {
+    fn len(&self) -> usize {
+        N
+    }
+    fn memory(&self) -> Memory {
+        Memory::Host
+    }
+    fn send_ptr<'a>(&'a self, stream: StreamRef<'a>) -> (*const c_void, BufferGuard<'a>) {
+        self.as_slice().send_ptr(stream)
+    }
+    fn base_ptr(&self) -> *const c_void {
+        self.as_ptr().cast()
+    }
+}
+impl<T: NcclType, const N: usize> RecvBuffer<T> for [T; N] {
+    fn recv_ptr<'a>(&'a mut self, stream: StreamRef<'a>) -> (*mut c_void, BufferGuard<'a>) {
+        self.as_mut_slice().recv_ptr(stream)
+    }
+}
+
 macro_rules! device_send {
     ($($ty:ty),*) => {$(
         impl<T: NcclType> sealed::Sealed for $ty {}

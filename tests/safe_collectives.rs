@@ -416,6 +416,27 @@ fn one_thread_drives_four_communicators_in_a_group() {
     assert_eq!((st.created, st.destroyed, st.aborted), (4, 4, 0));
 }
 
+/// Fixed-size arrays are buffers, as slices and vectors are.
+#[test]
+fn arrays_are_buffers() {
+    let st = run_ranks(3, |comm| {
+        let r = comm.rank() as f32;
+        let send = [r + 1.0; 4];
+        let mut recv = [0.0f32; 4];
+        comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &S)
+            .unwrap();
+        assert_eq!(recv, [6.0; 4]);
+        let mut loss = [r];
+        comm.all_reduce_in_place(&mut loss, ReduceOp::Max, &S)
+            .unwrap();
+        assert_eq!(loss, [2.0]);
+        let mut all = [0.0f32; 3];
+        comm.all_gather(&[r], &mut all, &S).unwrap();
+        assert_eq!(all, [0.0, 1.0, 2.0]);
+    });
+    assert_eq!((st.created, st.destroyed, st.aborted), (3, 3, 0));
+}
+
 #[test]
 fn split_by_color_key_and_none() {
     // 4 ranks: even / odd colors, keys reversing the order; rank 3 opts out with None.
