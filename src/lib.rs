@@ -1,13 +1,59 @@
 //! nccl-safe: a safe Rust API over NVIDIA NCCL.
 //!
-//! * NCCL is loaded at run time ([`Library`]): no link step, no CUDA toolkit to build.
-//! * Every NCCL result goes through one check (`Library::check`) and fails with an
-//!   [`Error`] that carries NCCL's error string, its last-error text, the call and the
-//!   caller; every call on a communicator's handle is made with the handle claimed
-//!   against the watchdog, so none is ever made on a handle under teardown.
-//! * NCCL's allocator ([`NcclMemory`]), buffer registration ([`Communicator::register`]) and
-//!   windows ([`Communicator::register_window`]) are borrows that end exactly once; fp8
-//!   element types ([`float8::F8E4M3`], [`float8::F8E5M2`]) need NCCL 2.24.
+//! Four ranks all-reduce a gradient and broadcast a parameter, as threads of one process on
+//! the host provider (NCCL's API on the CPU, so this runs anywhere, `cargo test` included).
+//! With GPUs, `Launcher::all_devices()?` runs a rank per visible GPU (`Launcher::auto` picks
+//! GPUs or the host), and `ProcessLauncher::from_env()?.init()?` a rank per process under
+//! torchrun, Slurm or mpirun; the body stays the same.
+//!
+//! ```
+//! use nccl_safe::{launch::Launcher, Error, ReduceOp};
+//!
+//! let sums = Launcher::host(4).run(|rank| {
+//!     let (comm, stream) = (rank.comm(), rank.stream());
+//!     // Every rank contributes its own gradient; every rank gets the sum.
+//!     let mut grad = vec![rank.rank() as f32 + 1.0; 1024];
+//!     comm.all_reduce_in_place(&mut grad, ReduceOp::Sum, stream)?;
+//!     // Rank 0's parameter reaches everyone.
+//!     let mut param = [if rank.rank() == 0 { 0.5f64 } else { 0.0 }];
+//!     comm.broadcast_in_place(&mut param, 0, stream)?;
+//!     assert_eq!(param, [0.5]);
+//!     // Bad input is a typed error before NCCL sees it, and the communicator stays usable.
+//!     let mut short = vec![0.0f32; 3];
+//!     let e = comm.all_reduce(&grad, &mut short, ReduceOp::Sum, stream).unwrap_err();
+//!     assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
+//!     Ok(grad[0])
+//! })?;
+//! assert_eq!(sums, vec![10.0; 4]);
+//! # Ok::<(), nccl_safe::Error>(())
+//! ```
+//!
+//! Each [`Communicator`] is torn down exactly once, by its `Drop` (destroyed when healthy,
+//! aborted after a failure; [`Communicator::destroy`] and [`Communicator::abort`] consume
+//! it). A watchdog times out a collective whose peers never come and aborts the clique, so
+//! ranks that took different paths get an error naming who called what, not a hang.
+//!
+//! # Map
+//!
+//! * [`library`]: finding and loading `libnccl.so.2` at run time ([`Discovery`]; no link
+//!   step, no CUDA toolkit to build), its version and the function table every call goes
+//!   through. Every NCCL result goes through one check and fails with an [`Error`] that
+//!   carries NCCL's error string, its last-error text, the call and the caller.
+//! * [`Communicator`]: init, split and shrink, collectives (`all_reduce`, `broadcast`, ...,
+//!   each with an `_op` form that returns an [`Op`] for a [`Group`]), teardown. Buffers are
+//!   slices, vectors and arrays on the host provider, cudarc's device slices on GPUs
+//!   ([`SendBuffer`], [`RecvBuffer`]); streams are [`HostStream`] or cudarc streams.
+//! * [`NcclMemory`], [`Registration`], [`Window`]: NCCL's allocator, buffer registration and
+//!   symmetric windows, borrows that end exactly once. fp8 element types
+//!   ([`float8::F8E4M3`], [`float8::F8E5M2`]) need NCCL 2.24.
+//! * [`launch`]: ranks as threads ([`launch::Launcher`]) or processes
+//!   ([`launch::ProcessLauncher`]), the unique-id exchange (torchrun's store, an
+//!   authenticated TCP rendezvous) and the desync board that names diverging ranks.
+//! * [`diag`]: the watchdog, the flight recorder and straggler reports; [`Config`] sets
+//!   their timeouts.
+//! * [`host`]: the host provider, NCCL's C API over CPU memory, for ranks as threads or as
+//!   processes sharing memory, with fault injection for tests.
+//! * [`error`], [`version`]: the error type and NCCL versions.
 #![deny(missing_docs)]
 
 mod buffer;
