@@ -24,6 +24,7 @@ use crate::version::Version;
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct Config {
+    /// Integer fields by [`Field`]; `None` keeps NCCL's default.
     ints: [Option<i32>; INT_FIELDS.len()],
     net_name: Option<CString>,
     comm_name: Option<CString>,
@@ -31,86 +32,88 @@ pub struct Config {
     pub(crate) diag: crate::diag::DiagConfig,
 }
 
-/// Integer fields: (C name, offset in the 2.32 struct, release that added it).
-const INT_FIELDS: [(&str, usize, (u32, u32)); 22] = [
-    ("blocking", offset_of!(ncclConfig_t, blocking), (2, 14)),
-    (
-        "cgaClusterSize",
-        offset_of!(ncclConfig_t, cgaClusterSize),
-        (2, 14),
-    ),
-    ("minCTAs", offset_of!(ncclConfig_t, minCTAs), (2, 14)),
-    ("maxCTAs", offset_of!(ncclConfig_t, maxCTAs), (2, 14)),
-    ("splitShare", offset_of!(ncclConfig_t, splitShare), (2, 18)),
-    (
-        "trafficClass",
-        offset_of!(ncclConfig_t, trafficClass),
-        (2, 26),
-    ),
-    (
-        "collnetEnable",
-        offset_of!(ncclConfig_t, collnetEnable),
-        (2, 27),
-    ),
-    ("CTAPolicy", offset_of!(ncclConfig_t, CTAPolicy), (2, 27)),
-    (
-        "shrinkShare",
-        offset_of!(ncclConfig_t, shrinkShare),
-        (2, 27),
-    ),
-    ("nvlsCTAs", offset_of!(ncclConfig_t, nvlsCTAs), (2, 27)),
-    (
-        "nChannelsPerNetPeer",
-        offset_of!(ncclConfig_t, nChannelsPerNetPeer),
-        (2, 28),
-    ),
-    (
-        "nvlinkCentricSched",
-        offset_of!(ncclConfig_t, nvlinkCentricSched),
-        (2, 28),
-    ),
-    (
-        "graphUsageMode",
-        offset_of!(ncclConfig_t, graphUsageMode),
-        (2, 29),
-    ),
-    ("numRmaCtx", offset_of!(ncclConfig_t, numRmaCtx), (2, 29)),
-    (
-        "maxP2pPeers",
-        offset_of!(ncclConfig_t, maxP2pPeers),
-        (2, 30),
-    ),
-    (
-        "graphStreamOrdering",
-        offset_of!(ncclConfig_t, graphStreamOrdering),
-        (2, 31),
-    ),
-    (
-        "launchOrderImplicit",
-        offset_of!(ncclConfig_t, launchOrderImplicit),
-        (2, 31),
-    ),
-    ("numRmaSig", offset_of!(ncclConfig_t, numRmaSig), (2, 31)),
-    (
-        "rmaEagerInit",
-        offset_of!(ncclConfig_t, rmaEagerInit),
-        (2, 31),
-    ),
-    (
-        "hostCftMode",
-        offset_of!(ncclConfig_t, hostCftMode),
-        (2, 31),
-    ),
-    (
-        "nvlsHostMode",
-        offset_of!(ncclConfig_t, nvlsHostMode),
-        (2, 32),
-    ),
-    // Index 21 is not a field: keeps the array length in one place for `commName`'s release.
-    ("commName", offset_of!(ncclConfig_t, commName), (2, 27)),
-];
+/// The release that added `commName`, the one pointer field after the integers.
+const COMM_NAME_SINCE: (u32, u32) = (2, 27);
 
-const COMM_NAME: usize = 21;
+/// Declares the integer fields of `ncclConfig_t`, one row each: its setter, the C field and
+/// the release that added it. A row yields its entry in [`INT_FIELDS`] (in row order, which
+/// is [`Field`]'s) and its setter, so no index is written by hand.
+macro_rules! int_fields {
+    ($(
+        $(#[$doc:meta])*
+        fn $setter:ident($ty:ty) => $c:ident, since ($maj:literal, $min:literal);
+    )*) => {
+        /// An integer field, by its setter's name; its value is its row in [`INT_FIELDS`].
+        #[allow(non_camel_case_types)]
+        #[derive(Clone, Copy)]
+        enum Field { $($setter,)* }
+
+        /// Integer fields: (C name, offset in the 2.32 struct, release that added it).
+        const INT_FIELDS: &[(&str, usize, (u32, u32))] = &[
+            $((stringify!($c), offset_of!(ncclConfig_t, $c), ($maj, $min)),)*
+        ];
+
+        impl Config {
+            $(
+                $(#[$doc])*
+                pub fn $setter(mut self, value: $ty) -> Config {
+                    self.ints[Field::$setter as usize] = Some(i32::from(value));
+                    self
+                }
+            )*
+        }
+    };
+}
+
+int_fields! {
+    /// `blocking`. The crate's own communicators are always created in NCCL's non-blocking
+    /// mode, so that no init, split or call can wait for ever, and every `ncclInProgress`
+    /// is waited out (bounded by [`Config::timeout`]): they behave as blocking ones
+    /// whatever this says. It tells [`crate::Communicator::from_raw`] how an adopted handle
+    /// was created. To do other work during init, use
+    /// [`crate::Communicator::init_rank_nonblocking`].
+    fn blocking(bool) => blocking, since (2, 14);
+    /// `cgaClusterSize`: CUDA thread-block cluster size (Hopper and later).
+    fn cga_cluster_size(i32) => cgaClusterSize, since (2, 14);
+    /// `minCTAs`: lower bound on CTAs (channels) per collective.
+    fn min_ctas(i32) => minCTAs, since (2, 14);
+    /// `maxCTAs`: upper bound on CTAs per collective.
+    fn max_ctas(i32) => maxCTAs, since (2, 14);
+    /// `splitShare`: children of `split` share the parent's resources (1) or not (0).
+    fn split_share(i32) => splitShare, since (2, 18);
+    /// `trafficClass`: network traffic class (NCCL 2.26+).
+    fn traffic_class(i32) => trafficClass, since (2, 26);
+    /// `collnetEnable`: allow CollNet/SHARP (NCCL 2.27+).
+    fn collnet_enable(i32) => collnetEnable, since (2, 27);
+    /// `CTAPolicy`: `NCCL_CTA_POLICY_*` bits (NCCL 2.27+).
+    fn cta_policy(i32) => CTAPolicy, since (2, 27);
+    /// `shrinkShare`: children of `shrink` share resources (NCCL 2.27+).
+    fn shrink_share(i32) => shrinkShare, since (2, 27);
+    /// `nvlsCTAs`: CTAs for NVLS collectives (NCCL 2.27+).
+    fn nvls_ctas(i32) => nvlsCTAs, since (2, 27);
+    /// `nChannelsPerNetPeer` (NCCL 2.28+).
+    fn n_channels_per_net_peer(i32) => nChannelsPerNetPeer, since (2, 28);
+    /// `nvlinkCentricSched` (NCCL 2.28+).
+    fn nvlink_centric_sched(i32) => nvlinkCentricSched, since (2, 28);
+    /// `graphUsageMode` (NCCL 2.29+).
+    fn graph_usage_mode(i32) => graphUsageMode, since (2, 29);
+    /// `numRmaCtx` (NCCL 2.29+).
+    fn num_rma_ctx(i32) => numRmaCtx, since (2, 29);
+    /// `maxP2pPeers` (NCCL 2.30+).
+    fn max_p2p_peers(i32) => maxP2pPeers, since (2, 30);
+    /// `graphStreamOrdering` (NCCL 2.31+).
+    fn graph_stream_ordering(i32) => graphStreamOrdering, since (2, 31);
+    /// `launchOrderImplicit` (NCCL 2.31+).
+    fn launch_order_implicit(i32) => launchOrderImplicit, since (2, 31);
+    /// `numRmaSig` (NCCL 2.31+).
+    fn num_rma_sig(i32) => numRmaSig, since (2, 31);
+    /// `rmaEagerInit` (NCCL 2.31+).
+    fn rma_eager_init(i32) => rmaEagerInit, since (2, 31);
+    /// `hostCftMode`: an `ncclHostCftMode_t` (NCCL 2.31+).
+    fn host_cft_mode(i32) => hostCftMode, since (2, 31);
+    /// `nvlsHostMode`: `ncclNvlsHostMode_t` bits (NCCL 2.32+).
+    fn nvls_host_mode(i32) => nvlsHostMode, since (2, 32);
+}
 
 /// The size of `ncclConfig_t` in the given release: the 2.32 layout cut after the last
 /// field that release has (fields are only ever appended).
@@ -118,26 +121,16 @@ pub(crate) fn layout_size(v: Version) -> usize {
     let at = (v.major, v.minor);
     let mut end = offset_of!(ncclConfig_t, splitShare) + size_of::<i32>();
     for (_, off, since) in INT_FIELDS {
-        if since <= at {
+        if *since <= at {
             end = end.max(off + size_of::<i32>());
         }
     }
-    if (2, 27) <= at {
+    if COMM_NAME_SINCE <= at {
         end = end.max(offset_of!(ncclConfig_t, commName) + size_of::<*const i8>());
     }
     // Round up to the struct's alignment, as C's sizeof does.
     let align = std::mem::align_of::<ncclConfig_t>();
     end.div_ceil(align) * align
-}
-
-macro_rules! int_setters {
-    ($($(#[$doc:meta])* $name:ident => $idx:expr),* $(,)?) => {$(
-        $(#[$doc])*
-        pub fn $name(mut self, value: i32) -> Config {
-            self.ints[$idx] = Some(value);
-            self
-        }
-    )*};
 }
 
 impl Config {
@@ -146,63 +139,9 @@ impl Config {
         Config::default()
     }
 
-    /// `blocking`. The crate's own communicators are always created in NCCL's non-blocking
-    /// mode, so that no init, split or call can wait for ever, and every `ncclInProgress`
-    /// is waited out (bounded by [`Config::timeout`]): they behave as blocking ones
-    /// whatever this says. It tells [`crate::Communicator::from_raw`] how an adopted handle
-    /// was created. To do other work during init, use
-    /// [`crate::Communicator::init_rank_nonblocking`].
-    pub fn blocking(mut self, on: bool) -> Config {
-        self.ints[0] = Some(on as i32);
-        self
-    }
-
     /// Whether this config asks for blocking calls (NCCL's default).
     pub fn is_blocking(&self) -> bool {
-        self.ints[0] != Some(0)
-    }
-
-    int_setters! {
-        /// `cgaClusterSize`: CUDA thread-block cluster size (Hopper and later).
-        cga_cluster_size => 1,
-        /// `minCTAs`: lower bound on CTAs (channels) per collective.
-        min_ctas => 2,
-        /// `maxCTAs`: upper bound on CTAs per collective.
-        max_ctas => 3,
-        /// `splitShare`: children of `split` share the parent's resources (1) or not (0).
-        split_share => 4,
-        /// `trafficClass`: network traffic class (NCCL 2.26+).
-        traffic_class => 5,
-        /// `collnetEnable`: allow CollNet/SHARP (NCCL 2.27+).
-        collnet_enable => 6,
-        /// `CTAPolicy`: `NCCL_CTA_POLICY_*` bits (NCCL 2.27+).
-        cta_policy => 7,
-        /// `shrinkShare`: children of `shrink` share resources (NCCL 2.27+).
-        shrink_share => 8,
-        /// `nvlsCTAs`: CTAs for NVLS collectives (NCCL 2.27+).
-        nvls_ctas => 9,
-        /// `nChannelsPerNetPeer` (NCCL 2.28+).
-        n_channels_per_net_peer => 10,
-        /// `nvlinkCentricSched` (NCCL 2.28+).
-        nvlink_centric_sched => 11,
-        /// `graphUsageMode` (NCCL 2.29+).
-        graph_usage_mode => 12,
-        /// `numRmaCtx` (NCCL 2.29+).
-        num_rma_ctx => 13,
-        /// `maxP2pPeers` (NCCL 2.30+).
-        max_p2p_peers => 14,
-        /// `graphStreamOrdering` (NCCL 2.31+).
-        graph_stream_ordering => 15,
-        /// `launchOrderImplicit` (NCCL 2.31+).
-        launch_order_implicit => 16,
-        /// `numRmaSig` (NCCL 2.31+).
-        num_rma_sig => 17,
-        /// `rmaEagerInit` (NCCL 2.31+).
-        rma_eager_init => 18,
-        /// `hostCftMode`: an `ncclHostCftMode_t` (NCCL 2.31+).
-        host_cft_mode => 19,
-        /// `nvlsHostMode`: `ncclNvlsHostMode_t` bits (NCCL 2.32+).
-        nvls_host_mode => 20,
+        self.ints[Field::blocking as usize] != Some(0)
     }
 
     /// `netName`: the network plugin or transport to use (e.g. `"IB"`, `"Socket"`).
@@ -231,7 +170,7 @@ impl Config {
         raw.magic = nccl_sys::bindings::NCCL_API_MAGIC;
         raw.version = v.code() as u32;
         let base = &mut raw as *mut ncclConfig_t as *mut u8;
-        for (i, (name, off, since)) in INT_FIELDS.iter().enumerate().take(COMM_NAME) {
+        for (i, (name, off, since)) in INT_FIELDS.iter().enumerate() {
             let value = match self.ints[i] {
                 Some(_) if *since > at => {
                     return Err(Error::Unsupported {
@@ -251,10 +190,10 @@ impl Config {
             .as_ref()
             .map_or(std::ptr::null(), |s| s.as_ptr());
         raw.commName = match &self.comm_name {
-            Some(_) if at < (2, 27) => {
+            Some(_) if at < COMM_NAME_SINCE => {
                 return Err(Error::Unsupported {
                     symbol: "commName",
-                    needs: Version::new(2, 27, 0),
+                    needs: Version::new(COMM_NAME_SINCE.0, COMM_NAME_SINCE.1, 0),
                     found: v,
                 })
             }
