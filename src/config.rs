@@ -320,4 +320,40 @@ mod tests {
             size_of::<ncclConfig_t>()
         );
     }
+
+    /// Every row's setter writes its own C field, and nothing else.
+    #[cfg(feature = "host")]
+    #[test]
+    fn each_setter_writes_its_own_field() {
+        let lib = Library::host();
+        let raw = Config::new()
+            .blocking(false)
+            .cga_cluster_size(2)
+            .min_ctas(3)
+            .max_ctas(4)
+            .split_share(1)
+            .cta_policy(5)
+            .nvls_host_mode(6)
+            .to_raw(&lib)
+            .unwrap();
+        assert_eq!(
+            (raw.blocking, raw.cgaClusterSize, raw.minCTAs, raw.maxCTAs),
+            (0, 2, 3, 4)
+        );
+        assert_eq!((raw.splitShare, raw.CTAPolicy, raw.nvlsHostMode), (1, 5, 6));
+        assert_eq!(raw.trafficClass, NCCL_CONFIG_UNDEF_INT);
+        assert_eq!(raw.maxP2pPeers, NCCL_CONFIG_UNDEF_INT);
+        assert!(!Config::new().blocking(false).is_blocking());
+        assert!(Config::new().blocking(true).is_blocking());
+        // Row i of the table is the field at its offset, for every row.
+        for (i, (name, off, _)) in INT_FIELDS.iter().enumerate() {
+            let mut c = Config::new();
+            c.ints[i] = Some(1000 + i as i32);
+            let raw = c.to_raw(&lib).unwrap();
+            let base = &raw as *const ncclConfig_t as *const u8;
+            // SAFETY: `off` is the offset of an i32 field inside `raw`.
+            let got = unsafe { base.add(*off).cast::<i32>().read() };
+            assert_eq!(got, 1000 + i as i32, "{name}");
+        }
+    }
 }
