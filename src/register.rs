@@ -353,16 +353,53 @@ impl<B: ?Sized> Registration<'_, '_, B> {
         self.comm.diag.check_alive()?;
         let lib = self.comm.library();
         let deregister = lib.optional(lib.table().ncclCommDeregister, OP)?;
-        if let Device::Cuda(ctx) = self.comm.device_handle() {
-            ctx.bind_to_thread()?;
-        }
         let handle = self.handle;
+        let Device::Cuda(ctx) = self.comm.device_handle() else {
+            return self.comm.pinned(|| {
+                // SAFETY: the communicator is live (borrowed, and pinned against the
+                // watchdog); `handle` came from its ncclCommRegister and is deregistered
+                // exactly once (`live` was cleared above).
+                let r = unsafe { deregister(self.comm.as_raw(), handle) };
+                lib.check(OP, r, self.comm.call_context(caller))
+            });
+        };
+        // On a GPU, NCCL releases the registration's mappings through the driver, which may
+        // wait for the device's work: the call runs on the device's teardown lane, bounded
+        // by the communicator's abort timeout. Past it the communicator is marked failed,
+        // so its teardown (an abort, queued on the same lane behind this call, never beside
+        // it) releases the rest, and this returns.
+        let ctx = Arc::clone(ctx);
+        let device = ctx.ordinal();
+        let b = self.comm.diag.bound();
+        let bound = b.bound;
         self.comm.pinned(|| {
-            // SAFETY: the communicator is live (borrowed, and pinned against the
-            // watchdog); `handle` came from its ncclCommRegister and is deregistered
-            // exactly once (`live` was cleared above).
-            let r = unsafe { deregister(self.comm.as_raw(), handle) };
-            lib.check(OP, r, self.comm.call_context(caller))
+            let raw = self.comm.as_raw() as usize;
+            let handle = handle as usize;
+            let work: Box<dyn FnOnce() -> nccl_sys::ncclResult_t + Send> = Box::new(move || {
+                if ctx.bind_to_thread().is_err() {
+                    return nccl_sys::bindings::ncclUnhandledCudaError;
+                }
+                // SAFETY: the communicator is live: it was pinned when this was queued,
+                // and any teardown of it runs on this lane after this call; `handle` came
+                // from its ncclCommRegister and is deregistered exactly once.
+                unsafe { deregister(raw as nccl_sys::ncclComm_t, handle as *mut c_void) }
+            });
+            let what = format!("ncclCommDeregister on CUDA device {device}");
+            let until = std::time::Instant::now() + bound;
+            match crate::diag::run_bounded(crate::diag::Lane::Device(device), b, what, work, until)
+            {
+                (_, Some(r)) => lib.check(OP, r, self.comm.call_context(caller)),
+                (_, None) => {
+                    let e = Error::Timeout {
+                        what: format!(
+                            "ncclCommDeregister on CUDA device {device} waited behind the device's work for longer than the abort timeout: left to the background, and the communicator is failed"
+                        ),
+                        timeout: bound,
+                    };
+                    self.comm.mark_failed(&e);
+                    Err(e)
+                }
+            }
         })
     }
 }

@@ -630,10 +630,51 @@ fn teardowns_behind_a_stalled_stream_keep_the_abort_bound() {
                 d.gauge(Gauge::StalledWaits) > waits
             })
             .expect("the free waits behind the stalled stream");
+            // A registration: NCCL unmaps it through the driver, which waits for the
+            // device. Its drop returns at the bound and fails the communicator, whose own
+            // teardown is then queued behind the deregistration, never beside it.
+            let reg_rank = rank(4, &config, false);
+            let mut buf = reg_rank.stream.alloc_zeros::<f32>(256).unwrap();
+            let reg = reg_rank.comm.register(&mut buf).expect("a registration");
+            reg_rank.stream.synchronize().unwrap();
+            d.stall(&reg_rank.stream, true);
+            let waits = d.gauge(Gauge::StalledWaits);
+            let t = Instant::now();
+            drop(reg);
+            assert!(
+                t.elapsed() < bound + slack,
+                "Registration drop took {:?}",
+                t.elapsed()
+            );
+            until(Duration::from_secs(5), || {
+                d.gauge(Gauge::StalledWaits) > waits
+            })
+            .expect("the deregistration waits behind the stalled stream");
+            assert!(reg_rank.comm.is_failed());
+            let reg_id = reg_rank.id;
+            let t = Instant::now();
+            drop(reg_rank.comm);
+            assert!(
+                t.elapsed() < bound + slack,
+                "the drop of its communicator took {:?}",
+                t.elapsed()
+            );
             d.stall(&stream, false);
             d.stall(&stream2, false);
             d.stall(&helper.stream, false);
+            d.stall(&reg_rank.stream, false);
             drop(helper);
+            until(Duration::from_secs(10), || {
+                nccl_safe::host::stats_for(&reg_id.to_raw()).live == 0
+            })
+            .expect("the registration's communicator is torn down once the stall is released");
+            let st = nccl_safe::host::stats_for(&reg_id.to_raw());
+            assert_eq!(
+                (st.registered, st.deregistered, st.aborted, st.misused),
+                (1, 1, 1, 0),
+                "{st:?}"
+            );
+            drop(buf);
         } else {
             d.stall(&stream, false);
             d.stall(&stream2, false);

@@ -274,6 +274,17 @@ mod wrap {
         unsafe { (host().ncclCommDestroy)(c) }
     }
 
+    /// A registration's release unmaps through the driver too.
+    pub unsafe extern "C" fn deregister(c: ncclComm_t, handle: *mut c_void) -> ncclResult_t {
+        release_through_the_driver();
+        // SAFETY: as above.
+        unsafe {
+            (host()
+                .ncclCommDeregister
+                .expect("the host provider has ncclCommDeregister"))(c, handle)
+        }
+    }
+
     pub unsafe extern "C" fn mem_free(p: *mut c_void) -> ncclResult_t {
         release_through_the_driver();
         // SAFETY: as above.
@@ -358,6 +369,7 @@ fn recording_lookup(name: &CStr) -> *const std::ffi::c_void {
         b"ncclCommAbort" => wrap::abort as *const std::ffi::c_void,
         b"ncclCommDestroy" => wrap::destroy as *const std::ffi::c_void,
         b"ncclMemFree" => wrap::mem_free as *const std::ffi::c_void,
+        b"ncclCommDeregister" => wrap::deregister as *const std::ffi::c_void,
         b"ncclAllReduce" => wrap::all_reduce as *const std::ffi::c_void,
         b"ncclAllGather" => wrap::all_gather as *const std::ffi::c_void,
         b"ncclBroadcast" => wrap::broadcast as *const std::ffi::c_void,
