@@ -1048,20 +1048,16 @@ impl Communicator {
     /// Gives the handle up with no teardown: detaches the diagnostics (clique and watchdog)
     /// and drops everything else. Null when the handle was not this communicator's to give:
     /// the watchdog took it (and aborted it), or it was borrowed.
-    pub(crate) fn release_handle(self) -> ncclComm_t {
-        let mut me = std::mem::ManuallyDrop::new(self);
-        let raw = std::mem::replace(&mut me.raw, std::ptr::null_mut());
-        let ours = me.diag.release(None);
-        // SAFETY: `me` is never used or dropped again: each field that owns something is
-        // read out of it exactly once here and dropped (the others are `Copy`), so nothing
-        // is dropped twice and `Drop for Communicator` (the teardown) never runs.
-        unsafe {
-            drop(std::ptr::read(&me.lib));
-            drop(std::ptr::read(&me.device));
-            drop(std::ptr::read(&me.failure));
-            drop(std::ptr::read(&me.diag));
-        }
-        if ours {
+    pub(crate) fn release_handle(mut self) -> ncclComm_t {
+        self.give_up_handle()
+        // `self` drops here with a null handle, which `Drop` leaves alone.
+    }
+
+    /// [`Self::release_handle`] in place: afterwards the handle is null, so the
+    /// communicator's `Drop` tears nothing down and only drops its other fields.
+    pub(crate) fn give_up_handle(&mut self) -> ncclComm_t {
+        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+        if self.diag.release(None) {
             raw
         } else {
             std::ptr::null_mut()

@@ -18,7 +18,6 @@
 
 use std::ffi::c_int;
 use std::marker::PhantomData;
-use std::mem::ManuallyDrop;
 use std::panic::Location;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -181,9 +180,9 @@ impl Communicator {
 /// # Ok::<(), nccl_safe::Error>(())
 /// ```
 pub struct CommRef<'a> {
-    /// Never dropped as a `Communicator` (that would tear the handle down): `Drop for
-    /// CommRef` gives it up with `release_handle`.
-    comm: ManuallyDrop<Communicator>,
+    /// Its handle is given up (made null) by `Drop for CommRef` before it drops, so its
+    /// own `Drop` never tears the handle down.
+    comm: Communicator,
     _owner: PhantomData<&'a ()>,
 }
 
@@ -224,7 +223,7 @@ impl<'a> CommRef<'a> {
             Location::caller(),
         )?;
         Ok(CommRef {
-            comm: ManuallyDrop::new(comm),
+            comm,
             _owner: PhantomData,
         })
     }
@@ -240,17 +239,15 @@ impl std::ops::Deref for CommRef<'_> {
 
 impl std::fmt::Debug for CommRef<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("CommRef").field(&*self.comm).finish()
+        f.debug_tuple("CommRef").field(&self.comm).finish()
     }
 }
 
 impl Drop for CommRef<'_> {
     fn drop(&mut self) {
-        // SAFETY: `comm` is taken once, here, and `self` is not used afterwards.
-        let comm = unsafe { ManuallyDrop::take(&mut self.comm) };
         // The view's diagnostics never held the handle (see `wrap`), so this is null and no
-        // NCCL call is made.
-        let _ = comm.release_handle();
+        // NCCL call is made; `comm` then drops with a null handle.
+        let _ = self.comm.give_up_handle();
     }
 }
 
