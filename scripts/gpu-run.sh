@@ -141,7 +141,8 @@ step() { # step NAME CMD...: runs CMD, logs to $out/NAME.log, records a failure
 nvidia-smi -L 2>/dev/null | sed 's/^/# /'
 
 for t in "${gpu_tests[@]}"; do
-    step "test-$(basename "$t")" "$t" --ignored --test-threads=1
+    # (child_*: child processes its tests spawn themselves)
+    step "test-$(basename "$t")" "$t" --ignored --skip child_ --test-threads=1
 done
 for e in "${examples[@]}"; do
     step "example-$(basename "$e")" "$e"

@@ -78,7 +78,7 @@ same_error() { # log pattern count
 
 echo "1. four ranks exchange the id through torchrun's agent store, then fail to join alike"
 NCCL_SAFE_TEST_LAUNCH_CHILD=1 run ids 120 --nproc_per_node=4 --no-python \
-  "$exe" --exact child_rank_entry --nocapture --test-threads=1 \
+  "$exe" --exact child_rank_entry --ignored --nocapture --test-threads=1 \
   || { cat "$logs/ids"; fail "a rank failed the id exchange"; }
 ids="$(grep -o '@@ID=[0-9a-f]*' "$logs/ids" || true)"
 [ "$(printf '%s\n' "$ids" | grep -c .)" -eq 4 ] || { cat "$logs/ids"; fail "expected 4 ids"; }

@@ -62,11 +62,12 @@ fn four_ranks_in_threads_get_the_same_id() {
     }
 }
 
-/// Runs as one rank when the parent test sets CHILD_VAR; a no-op otherwise.
+/// Runs as one rank when the parent test sets CHILD_VAR.
 #[test]
+#[ignore = "run as a child process by the test below"]
 fn child_rank_process() {
     if std::env::var_os(CHILD_VAR).is_none() {
-        return;
+        panic!("run only as a child process ({CHILD_VAR} unset)");
     }
     let env = ProcessEnv::from_process_env().unwrap();
     let rdzv = TcpRendezvous::from_env(&env)
@@ -102,6 +103,7 @@ fn four_ranks_as_processes_get_the_same_id() {
                 .args([
                     "--exact",
                     "child_rank_process",
+                    "--ignored",
                     "--nocapture",
                     "--test-threads=1",
                 ])
