@@ -4,6 +4,9 @@
 #   scripts/test-processes.sh mpirun   # Open MPI's mpirun -np 4
 #   scripts/test-processes.sh srun     # srun -n 4 on a one-node Slurm (scripts/slurm-local.sh)
 #
+#   0. four ranks exchange NVIDIA NCCL's unique id through the rendezvous (under srun from
+#      SLURM_JOB_NODELIST and SLURM_JOB_ID alone): byte-identical ids, then the same clear
+#      error without a GPU;
 #   1. the allreduce and train examples as 4 processes (`--launcher env --backend host`):
 #      the id goes over the authenticated TCP rendezvous, the ranks meet in shared memory;
 #   2. the fault tests of tests/multiprocess.rs as 4 processes:
@@ -60,17 +63,24 @@ export NCCL_SAFE_RENDEZVOUS_TOKEN="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n'
 export NCCL_SAFE_HOST_TIMEOUT_MS=8000
 unset NCCL_LIBRARY CUDA_VISIBLE_DEVICES
 
-echo "building the examples and tests/multiprocess.rs ..."
+echo "building the examples, tests/multiprocess.rs and tests/launcher.rs ..."
 cargo build --quiet --example allreduce --example train
 target="${CARGO_TARGET_DIR:-target}"
-exe="$(cargo test --test multiprocess --no-run --message-format=json 2>/dev/null \
-  | python3 -c '
+# test_exe NAME: the executable of tests/NAME.rs.
+test_exe() {
+  cargo test --test "$1" --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "multiprocess":
-        print(m["executable"])')"
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"])' "$1"
+}
+exe="$(test_exe multiprocess)"
 [ -x "$exe" ] || fail "could not build tests/multiprocess.rs"
+launcher_exe="$(test_exe launcher)"
+[ -x "$launcher_exe" ] || fail "could not build tests/launcher.rs"
+nccl_lib="$(scripts/fetch-nccl.sh | tail -n 1)/2.32.3/nvidia/nccl/lib/libnccl.so.2"
+[ -f "$nccl_lib" ] || fail "no NVIDIA NCCL at $nccl_lib"
 
 logs="$(mktemp -d)"
 cleanup() {
@@ -88,7 +98,11 @@ run() {
   local s; s=$(date +%s)
   set +e
   launch4 "$@"
-  MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" timeout --kill-after=5 60 "${cmd[@]}" >"$logs/$name" 2>&1
+  # mpirun passes them; under srun the ranks derive them from SLURM_JOB_NODELIST and
+  # SLURM_JOB_ID, as in a real job.
+  local where=()
+  [ "$launcher" != mpirun ] || where=(MASTER_ADDR=127.0.0.1 MASTER_PORT="$port")
+  env "${where[@]}" timeout --kill-after=5 60 "${cmd[@]}" >"$logs/$name" 2>&1
   rc=$?
   set -e
   # (the launcher itself exits non-zero when a rank was SIGKILLed: tell a hang by the clock.)
@@ -99,6 +113,16 @@ run() {
 }
 # count LOG PATTERN: how many lines match.
 count() { grep -cE "$2" "$1" || true; }
+
+echo "0. four $launcher ranks exchange NVIDIA NCCL's unique id through the rendezvous, then fail to join alike (no GPU)"
+NCCL_LIBRARY="$nccl_lib" NCCL_SAFE_TEST_LAUNCH_CHILD=1 run ids "$launcher_exe" --exact child_rank_entry --ignored --nocapture --test-threads=1
+[ "$rc" -eq 0 ] || { cat "$logs/ids"; fail "a rank failed the id exchange"; }
+ids="$(grep -o '@@ID=[0-9a-f]*' "$logs/ids" || true)"
+[ "$(printf '%s\n' "$ids" | grep -c .)" -eq 4 ] && [ "$(printf '%s\n' "$ids" | sort -u | wc -l)" -eq 1 ] \
+  && [ "$(printf '%s\n' "$ids" | head -n 1 | wc -c)" -eq $((5 + 256 + 1)) ] \
+  || { cat "$logs/ids"; fail "expected 4 byte-identical 128-byte ids"; }
+[ "$(grep -c '@@INIT=error: .*no CUDA device' "$logs/ids" || true)" -eq 4 ] || { cat "$logs/ids"; fail "expected 4 'no CUDA device' errors"; }
+echo "  all 4 ranks: ${ids:0:37}... (byte-identical); each fails to join: no CUDA device"
 
 export NCCL_SAFE_TEST_MP=launcher
 echo "1. the examples as 4 $launcher processes, --launcher env --backend host"
