@@ -135,6 +135,20 @@ macro_rules! function_table {
                 })
             }
 
+            /// The entry point named `name` (a C name such as `c"ncclAllReduce"`), as the
+            /// pointer [`FunctionTable::load`] takes back: null for an unknown name or an
+            /// absent optional entry point. So a provider that builds its table as a
+            /// struct literal serves lookups by name from the same list.
+            pub fn get(&self, name: &CStr) -> *const c_void {
+                match name.to_bytes() {
+                    $( n if n == stringify!($rname).as_bytes() => self.$rname as *const c_void, )*
+                    $( n if n == stringify!($oname).as_bytes() => {
+                        self.$oname.map_or(core::ptr::null(), |f| f as *const c_void)
+                    } )*
+                    _ => core::ptr::null(),
+                }
+            }
+
             /// The names of the optional entry points this table has.
             pub fn present_optional(&self) -> Vec<&'static str> {
                 let mut v = Vec::new();

@@ -300,30 +300,10 @@ fn table() -> FunctionTable {
     }
 }
 
-macro_rules! lookup_names {
-    ($t:ident, $name:ident; required: $($r:ident),*; optional: $($o:ident),*) => {
-        match $name.to_bytes() {
-            $( n if n == stringify!($r).as_bytes() => $t.$r as *const c_void, )*
-            $( n if n == stringify!($o).as_bytes() => $t.$o.map_or(core::ptr::null(), |f| f as *const c_void), )*
-            _ => core::ptr::null(),
-        }
-    };
-}
-
 /// Looks up a host-provider entry point by its C name (e.g. `c"ncclAllReduce"`); null if
 /// not provided. Pass it to `nccl_sys::FunctionTable::load`.
 pub fn lookup(name: &CStr) -> *const c_void {
-    let t = table();
-    lookup_names!(t, name;
-        required: ncclGetVersion, ncclGetUniqueId, ncclCommInitRankConfig, ncclCommInitRank,
-            ncclCommInitAll, ncclCommFinalize, ncclCommDestroy, ncclCommAbort, ncclCommSplit,
-            ncclGetErrorString, ncclGetLastError, ncclCommGetAsyncError, ncclCommCount,
-            ncclCommCuDevice, ncclCommUserRank, ncclRedOpCreatePreMulSum, ncclRedOpDestroy,
-            ncclReduce, ncclBcast, ncclBroadcast, ncclAllReduce, ncclReduceScatter, ncclAllGather,
-            ncclSend, ncclRecv, ncclGroupStart, ncclGroupEnd;
-        optional: ncclMemAlloc, ncclMemFree, ncclCommRegister, ncclCommDeregister, ncclCommShrink,
-            ncclCommWindowRegister, ncclCommWindowDeregister, ncclAlltoAll, ncclGather,
-            ncclScatter)
+    table().get(name)
 }
 
 macro_rules! versioned {
@@ -372,5 +352,36 @@ pub fn lookup_as_version(major: u32, minor: u32) -> impl FnMut(&CStr) -> *const 
         } else {
             lookup(name)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The by-name lookup serves exactly the table: every required entry point, the
+    /// optional ones the table has (and only those), nothing for an unknown name.
+    #[test]
+    fn lookup_serves_the_table_by_name() {
+        let t = table();
+        for name in nccl_sys::REQUIRED_SYMBOLS {
+            let c = std::ffi::CString::new(*name).unwrap();
+            assert!(!lookup(&c).is_null(), "{name}");
+        }
+        let present = t.present_optional();
+        for s in nccl_sys::OPTIONAL_SYMBOLS {
+            let c = std::ffi::CString::new(s.name).unwrap();
+            assert_eq!(
+                !lookup(&c).is_null(),
+                present.contains(&s.name),
+                "{}",
+                s.name
+            );
+        }
+        assert!(lookup(c"ncclNoSuchCall").is_null());
+        assert_eq!(lookup(c"ncclAllReduce"), t.ncclAllReduce as *const c_void);
+        // SAFETY: `lookup` returns the host provider's own functions, with NCCL's signatures.
+        let again = unsafe { FunctionTable::load(lookup) }.unwrap();
+        assert_eq!(again.present_optional(), present);
     }
 }
