@@ -260,10 +260,10 @@ impl Communicator {
         &'a self,
         send: &'a S,
         recv: &'a mut R,
-        op: impl Into<Reduction<'a, T>>,
+        reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<()> {
-        self.all_reduce_op(send, recv, op, stream)?.run()
+        self.all_reduce_op(send, recv, reduction, stream)?.run()
     }
 
     /// The [`Op`] of [`all_reduce`](Self::all_reduce),
@@ -275,11 +275,11 @@ impl Communicator {
         &'a self,
         send: &'a S,
         recv: &'a mut R,
-        op: impl Into<Reduction<'a, T>>,
+        reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
         let at = Start::new(self, &"ncclAllReduce", stream)?;
-        let red = at.reduction(op.into())?;
+        let red = at.reduction(reduction.into())?;
         let count = send.len();
         at.send(send, count, "recv = send")?;
         at.recv(recv, count, "recv = send")?;
@@ -292,10 +292,10 @@ impl Communicator {
     pub fn all_reduce_in_place<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
         &'a self,
         buf: &'a mut B,
-        op: impl Into<Reduction<'a, T>>,
+        reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<()> {
-        self.all_reduce_in_place_op(buf, op, stream)?.run()
+        self.all_reduce_in_place_op(buf, reduction, stream)?.run()
     }
 
     /// The [`Op`] of [`all_reduce_in_place`](Self::all_reduce_in_place),
@@ -306,11 +306,11 @@ impl Communicator {
     pub fn all_reduce_in_place_op<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
         &'a self,
         buf: &'a mut B,
-        op: impl Into<Reduction<'a, T>>,
+        reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
         let at = Start::new(self, &"ncclAllReduce", stream)?;
-        let red = at.reduction(op.into())?;
+        let red = at.reduction(reduction.into())?;
         let count = buf.len();
         at.recv(buf, count, "in place")?;
         let (s, r) = at.in_place(buf, 0, 0);
@@ -418,11 +418,11 @@ impl Communicator {
         &'a self,
         send: &'a S,
         recv: &'a mut R,
-        op: impl Into<Reduction<'a, T>>,
+        reduction: impl Into<Reduction<'a, T>>,
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<()> {
-        self.reduce_op(send, recv, op, root, stream)?.run()
+        self.reduce_op(send, recv, reduction, root, stream)?.run()
     }
 
     /// The [`Op`] of [`reduce`](Self::reduce),
@@ -434,12 +434,12 @@ impl Communicator {
         &'a self,
         send: &'a S,
         recv: &'a mut R,
-        op: impl Into<Reduction<'a, T>>,
+        reduction: impl Into<Reduction<'a, T>>,
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
         let at = Start::new(self, &"ncclReduce", stream)?;
-        let red = at.reduction(op.into())?;
+        let red = at.reduction(reduction.into())?;
         let root_c = at.rank_arg("root", root)?;
         let count = send.len();
         at.send(send, count, "recv = send")?;
@@ -453,11 +453,11 @@ impl Communicator {
     pub fn reduce_in_place<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
         &'a self,
         buf: &'a mut B,
-        op: impl Into<Reduction<'a, T>>,
+        reduction: impl Into<Reduction<'a, T>>,
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<()> {
-        self.reduce_in_place_op(buf, op, root, stream)?.run()
+        self.reduce_in_place_op(buf, reduction, root, stream)?.run()
     }
 
     /// The [`Op`] of [`reduce_in_place`](Self::reduce_in_place),
@@ -468,12 +468,12 @@ impl Communicator {
     pub fn reduce_in_place_op<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
         &'a self,
         buf: &'a mut B,
-        op: impl Into<Reduction<'a, T>>,
+        reduction: impl Into<Reduction<'a, T>>,
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
         let at = Start::new(self, &"ncclReduce", stream)?;
-        let red = at.reduction(op.into())?;
+        let red = at.reduction(reduction.into())?;
         let root_c = at.rank_arg("root", root)?;
         let count = buf.len();
         at.recv(buf, count, "in place")?;
@@ -579,10 +579,10 @@ impl Communicator {
         &'a self,
         send: &'a S,
         recv: &'a mut R,
-        op: impl Into<Reduction<'a, T>>,
+        reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<()> {
-        self.reduce_scatter_op(send, recv, op, stream)?.run()
+        self.reduce_scatter_op(send, recv, reduction, stream)?.run()
     }
 
     /// The [`Op`] of [`reduce_scatter`](Self::reduce_scatter),
@@ -599,11 +599,11 @@ impl Communicator {
         &'a self,
         send: &'a S,
         recv: &'a mut R,
-        op: impl Into<Reduction<'a, T>>,
+        reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
         let at = Start::new(self, &"ncclReduceScatter", stream)?;
-        let red = at.reduction(op.into())?;
+        let red = at.reduction(reduction.into())?;
         let count = recv.len();
         let total = at.times_world(count)?;
         at.send(send, total, "send = world_size x recv")?;
@@ -617,10 +617,10 @@ impl Communicator {
     pub fn reduce_scatter_in_place<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
         &'a self,
         buf: &'a mut B,
-        op: impl Into<Reduction<'a, T>>,
+        reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<()> {
-        self.reduce_scatter_in_place_op(buf, op, stream)?.run()
+        self.reduce_scatter_in_place_op(buf, reduction, stream)?.run()
     }
 
     /// The [`Op`] of [`reduce_scatter_in_place`](Self::reduce_scatter_in_place),
@@ -631,11 +631,11 @@ impl Communicator {
     pub fn reduce_scatter_in_place_op<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
         &'a self,
         buf: &'a mut B,
-        op: impl Into<Reduction<'a, T>>,
+        reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
         let at = Start::new(self, &"ncclReduceScatter", stream)?;
-        let red = at.reduction(op.into())?;
+        let red = at.reduction(reduction.into())?;
         let count = at.block_of(buf.len())?;
         at.recv(buf, count * at.world_size(), "in place")?;
         // NCCL's in-place form: the result is this rank's block.

@@ -13,14 +13,14 @@ use crate::types::{NcclType, ReduceOp};
 #[derive(Debug, Clone, Copy)]
 pub enum Reduction<'a, T> {
     /// A built-in operator.
-    Op(ReduceOp),
+    BuiltIn(ReduceOp),
     /// A pre-multiplied sum created on the same communicator.
     PreMulSum(&'a PreMulSum<'a, T>),
 }
 
 impl<T> From<ReduceOp> for Reduction<'_, T> {
     fn from(op: ReduceOp) -> Self {
-        Reduction::Op(op)
+        Reduction::BuiltIn(op)
     }
 }
 
@@ -35,7 +35,7 @@ impl<T> Reduction<'_, T> {
     #[inline(always)]
     pub(crate) fn raw_for(&self, comm: &Communicator, op: &'static str) -> Result<ncclRedOp_t> {
         match self {
-            Reduction::Op(o) => Ok(o.to_raw()),
+            Reduction::BuiltIn(o) => Ok(o.to_raw()),
             Reduction::PreMulSum(p) if std::ptr::eq(p.comm, comm) => Ok(p.raw),
             Reduction::PreMulSum(_) => Err(foreign_pre_mul_sum(op)),
         }
