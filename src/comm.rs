@@ -364,14 +364,14 @@ impl Communicator {
         self.world_size
     }
 
-    /// The CUDA device ordinal (`None` on the host provider).
-    pub fn device(&self) -> Option<usize> {
-        self.cuda_device
+    /// The device this rank runs on (as [`crate::launch::Rank::device`]).
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
-    /// The device this rank runs on.
-    pub fn device_handle(&self) -> &Device {
-        &self.device
+    /// The CUDA device ordinal (`None` on the host provider).
+    pub fn cuda_ordinal(&self) -> Option<usize> {
+        self.cuda_device
     }
 
     /// The library serving this communicator.

@@ -122,14 +122,15 @@ impl<T: NcclType> NcclMemory<T> {
         let stream = stream.into();
         match (comm.library().provider(), &stream) {
             (Provider::Host, Stream::Host) => {}
-            (Provider::Nccl, Stream::Cuda(s)) if Some(s.context().ordinal()) == comm.device() => {}
+            (Provider::Nccl, Stream::Cuda(s))
+                if Some(s.context().ordinal()) == comm.cuda_ordinal() => {}
             (Provider::Nccl, Stream::Cuda(s)) => {
                 return Err(invalid(
                     OP,
                     format!(
                         "the stream is on CUDA device {} but the communicator on device {:?}",
                         s.context().ordinal(),
-                        comm.device()
+                        comm.cuda_ordinal()
                     ),
                 ))
             }
@@ -434,7 +435,7 @@ impl<T: NcclType> NcclMemory<T> {
             format!(
                 "the memory is {:?} but the stream is {}",
                 self.memory(),
-                match stream.device() {
+                match stream.cuda_ordinal() {
                     Some(d) => format!("on CUDA device {d}"),
                     None => "the host provider's HostStream".into(),
                 }

@@ -165,7 +165,7 @@ impl Communicator {
         op: &'static str,
         buf: &B,
     ) -> Result<Target> {
-        let reason = unregistrable(self.library().provider(), self.device(), buf.memory());
+        let reason = unregistrable(self.library().provider(), self.cuda_ordinal(), buf.memory());
         if let Some(reason) = reason {
             return Err(Error::InvalidArgument { op, reason });
         }
@@ -177,7 +177,7 @@ impl Communicator {
         }
         // A buffer that exists cannot overflow its own byte size.
         let bytes = buf.len().saturating_mul(std::mem::size_of::<T>());
-        if let Device::Cuda(ctx) = self.device_handle() {
+        if let Device::Cuda(ctx) = self.device() {
             ctx.bind_to_thread()?;
         }
         Ok(Target {
@@ -354,7 +354,7 @@ impl<B: ?Sized> Registration<'_, '_, B> {
         let lib = self.comm.library();
         let deregister = lib.optional(lib.table().ncclCommDeregister, OP)?;
         let handle = self.handle;
-        let Device::Cuda(ctx) = self.comm.device_handle() else {
+        let Device::Cuda(ctx) = self.comm.device() else {
             return self.comm.pinned(|| {
                 // SAFETY: the communicator is live (borrowed, and pinned against the
                 // watchdog); `handle` came from its ncclCommRegister and is deregistered

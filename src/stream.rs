@@ -30,7 +30,7 @@ impl StreamRef<'_> {
     }
 
     /// The CUDA device ordinal, for a CUDA stream.
-    pub fn device(&self) -> Option<usize> {
+    pub fn cuda_ordinal(&self) -> Option<usize> {
         match self {
             StreamRef::Cuda(s) => Some(s.context().ordinal()),
             StreamRef::Host => None,

@@ -102,7 +102,7 @@ fn nccl_memory_collectives_views_and_cudarc_copies() {
             let stream = rank.cuda_stream().expect("a CUDA rank");
             let n = 1 << 20;
             let mut mem = NcclMemory::<f32>::alloc_zeros(comm, n, s)?;
-            assert_eq!(mem.memory(), Memory::Device(comm.device().unwrap()));
+            assert_eq!(mem.memory(), Memory::Device(comm.cuda_ordinal().unwrap()));
             assert!(mem.to_vec(s)?.iter().all(|&x| x == 0.0), "zeroed");
             // cudarc's own copy into the memory, through its CUDA view.
             stream.memcpy_htod(

@@ -505,7 +505,7 @@ fn torchrun_environment() {
             elastic: None,
         }
     );
-    assert_eq!(e.device(), 1);
+    assert_eq!(e.cuda_ordinal(), 1);
 }
 
 const OMPI: &[(&str, &str)] = &[
@@ -520,7 +520,7 @@ const OMPI: &[(&str, &str)] = &[
 fn open_mpi_environment() {
     let e = ProcessEnv::from_lookup(env(OMPI)).unwrap();
     assert_eq!(
-        (e.source, e.rank, e.world_size, e.device()),
+        (e.source, e.rank, e.world_size, e.cuda_ordinal()),
         (EnvSource::OpenMpi, 3, 4, 1)
     );
     assert_eq!(

@@ -280,7 +280,7 @@ pub fn print_table(rows: &[(usize, String, f64, bool)]) -> std::result::Result<(
 
 /// "cuda:N" or "host".
 pub fn device_name(rank: &Rank) -> String {
-    match rank.comm().device() {
+    match rank.comm().cuda_ordinal() {
         Some(d) => format!("cuda:{d}"),
         None => "host".into(),
     }

@@ -299,7 +299,7 @@ pub(crate) fn check(comm: &Communicator, op: &'static str, t: &Tensor) -> Result
             stride: t.stride().to_vec(),
         });
     }
-    let ok = match (t.device().location(), comm.device()) {
+    let ok = match (t.device().location(), comm.cuda_ordinal()) {
         (DeviceLocation::Cpu, None) => true,
         (DeviceLocation::Cuda { gpu_id }, Some(d)) => gpu_id == d,
         _ => false,
@@ -310,7 +310,7 @@ pub(crate) fn check(comm: &Communicator, op: &'static str, t: &Tensor) -> Result
         Err(Error::WrongDevice {
             op,
             tensor: format!("{:?}", t.device().location()),
-            comm: match comm.device() {
+            comm: match comm.cuda_ordinal() {
                 None => "the host provider (which takes CPU tensors)".into(),
                 Some(d) => format!("CUDA device {d}"),
             },

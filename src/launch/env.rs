@@ -179,8 +179,8 @@ impl ProcessEnv {
         }
     }
 
-    /// The CUDA device this rank should use: its local rank.
-    pub fn device(&self) -> usize {
+    /// The CUDA device ordinal this rank should use: its local rank.
+    pub fn cuda_ordinal(&self) -> usize {
         self.local_rank
     }
 

@@ -87,7 +87,7 @@ impl Rank {
 
     /// The rank's device.
     pub fn device(&self) -> &Device {
-        self.comm.device_handle()
+        self.comm.device()
     }
 
     /// The CUDA stream, when the rank runs on a GPU.
@@ -696,7 +696,7 @@ impl ProcessLauncher {
                 board: None,
             });
         }
-        let local = self.env.device();
+        let local = self.env.cuda_ordinal();
         self.check_devices(cuda_device_count())?;
         let ctx = CudaContext::new(local)?;
         ctx.bind_to_thread()?;
@@ -722,7 +722,7 @@ impl ProcessLauncher {
     /// how many processes run on this node (`LOCAL_WORLD_SIZE` and the like), every one of
     /// them fails alike when there are too few GPUs for all of them, before any rendezvous.
     pub fn check_devices(&self, visible: usize) -> Result<()> {
-        let local = self.env.device();
+        let local = self.env.cuda_ordinal();
         let needed = self.env.local_world_size.unwrap_or(0).max(local + 1);
         if visible >= needed {
             return Ok(());

@@ -119,7 +119,11 @@ impl Communicator {
     fn check_stream(&self, op: &'static str, stream: StreamRef<'_>) -> Result<()> {
         match (self.library().provider(), stream) {
             (Provider::Host, StreamRef::Host) => Ok(()),
-            (Provider::Nccl, StreamRef::Cuda(_)) if stream.device() == self.device() => Ok(()),
+            (Provider::Nccl, StreamRef::Cuda(_))
+                if stream.cuda_ordinal() == self.cuda_ordinal() =>
+            {
+                Ok(())
+            }
             _ => Err(self.stream_error(op, stream)),
         }
     }
@@ -129,8 +133,8 @@ impl Communicator {
         let reason = match (self.library().provider(), stream) {
             (Provider::Nccl, StreamRef::Cuda(_)) => format!(
                 "the stream is on CUDA device {:?} but the communicator on device {:?}",
-                stream.device(),
-                self.device()
+                stream.cuda_ordinal(),
+                self.cuda_ordinal()
             ),
             (Provider::Host, _) => {
                 "a host-provider communicator takes HostStream, not a CUDA stream".into()
@@ -144,7 +148,7 @@ impl Communicator {
     fn check_memory(&self, op: &'static str, role: BufferRole, memory: Memory) -> Result<()> {
         match (self.library().provider(), memory) {
             (Provider::Host, Memory::Host) => Ok(()),
-            (Provider::Nccl, Memory::Device(d)) if Some(d) == self.device() => Ok(()),
+            (Provider::Nccl, Memory::Device(d)) if Some(d) == self.cuda_ordinal() => Ok(()),
             _ => Err(self.memory_error(op, role, memory)),
         }
     }
@@ -154,7 +158,7 @@ impl Communicator {
         let reason = match (self.library().provider(), memory) {
             (Provider::Nccl, Memory::Device(d)) => format!(
                 "the {role} is on CUDA device {d} but the communicator on device {:?}",
-                self.device()
+                self.cuda_ordinal()
             ),
             (Provider::Nccl, Memory::Host) => format!(
                 "the {role} is host memory, which NVIDIA's NCCL cannot read: copy it to the device"
@@ -620,7 +624,8 @@ impl Communicator {
         reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<()> {
-        self.reduce_scatter_in_place_op(buf, reduction, stream)?.run()
+        self.reduce_scatter_in_place_op(buf, reduction, stream)?
+            .run()
     }
 
     /// The [`Op`] of [`reduce_scatter_in_place`](Self::reduce_scatter_in_place),

@@ -198,7 +198,7 @@ fn main() -> ExitCode {
         #[cfg(not(feature = "cuda"))]
         let device = Device::Cpu;
         #[cfg(feature = "cuda")]
-        let device = match rank.comm().device().map(Device::new_cuda) {
+        let device = match rank.comm().cuda_ordinal().map(Device::new_cuda) {
             Some(Ok(d)) => d,
             Some(Err(e)) => return Ok(Err(e.to_string())),
             None => return Ok(Err("the rank has no CUDA device".into())),
