@@ -406,17 +406,6 @@ pub(crate) fn run_bounded(
     (job, r)
 }
 
-/// The bound of teardowns that belong to no communicator (NCCL memory): the
-/// `NCCL_SAFE_ABORT_TIMEOUT_MS` and `NCCL_SAFE_ON_ABORT_TIMEOUT` settings, or their
-/// defaults.
-pub(crate) fn default_bound() -> Bound {
-    let s = super::settings::Settings::resolve(&super::settings::DiagConfig::default());
-    Bound {
-        bound: s.abort_timeout,
-        action: s.on_abort_timeout,
-    }
-}
-
 /// Applies the policy to every job past its bound (the watchdog calls it each tick).
 #[cfg(feature = "diag")]
 pub(crate) fn check_overdue(now: Instant) {

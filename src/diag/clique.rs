@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 
 use super::recorder::{OpRecord, OpState};
 use super::remote::{self, DesyncPost, RemoteBoard};
-use super::shared::Shared;
 
 /// How many sequence numbers of fingerprints each rank keeps on the board. A rank cannot
 /// post seq n+1 before every rank posted seq n, so two would do.
@@ -148,7 +147,7 @@ pub(crate) struct Clique {
     views: Vec<Mutex<RankView>>,
     /// Per rank: its live communicator's diagnostics, read when a report is built. The
     /// per-operation path writes nothing here.
-    live: Vec<Mutex<Weak<Shared>>>,
+    live: Vec<Mutex<Option<Weak<dyn LiveRank>>>>,
     cv: Condvar,
     /// Mirrors `CliqueState::timed_out.is_some()`, so the per-operation check takes no lock.
     any_timeout: AtomicBool,
@@ -198,7 +197,7 @@ pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
         views: (0..world_size)
             .map(|_| Mutex::new(RankView::default()))
             .collect(),
-        live: (0..world_size).map(|_| Mutex::new(Weak::new())).collect(),
+        live: (0..world_size).map(|_| Mutex::new(None)).collect(),
         cv: Condvar::new(),
         any_timeout: AtomicBool::new(false),
         board: OnceLock::new(),
@@ -217,6 +216,14 @@ pub(crate) enum Agreement {
     TimedOut(Option<Arc<TimeoutReport>>),
 }
 
+/// A rank's live diagnostics, as the clique sees them: what it is doing now. Implemented by
+/// the communicator's shared diagnostics state, which holds the clique (so the clique holds
+/// it weakly, and only through this view).
+pub(crate) trait LiveRank: Send + Sync {
+    /// What the rank is doing now.
+    fn view(&self) -> RankView;
+}
+
 impl Clique {
     pub(crate) fn lock(&self) -> MutexGuard<'_, CliqueState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -224,7 +231,7 @@ impl Clique {
 
     /// Rank `rank`'s view: its live communicator's, else the one recorded last.
     fn view(&self, rank: usize) -> RankView {
-        let live = self.live.get(rank).and_then(|l| lock(l).upgrade());
+        let live = (self.live.get(rank)).and_then(|l| lock(l).as_ref().and_then(Weak::upgrade));
         match live {
             Some(s) => s.view(),
             None => self
@@ -235,9 +242,9 @@ impl Clique {
     }
 
     /// Rank `rank`'s communicator joined with its diagnostics `s`.
-    pub(crate) fn attach(&self, rank: usize, s: &Arc<Shared>) {
+    pub(crate) fn attach(&self, rank: usize, s: Weak<dyn LiveRank>) {
         if let Some(l) = self.live.get(rank) {
-            *lock(l) = Arc::downgrade(s);
+            *lock(l) = Some(s);
         }
         self.update(rank, |v| v.present = true);
     }
@@ -246,7 +253,7 @@ impl Clique {
     pub(crate) fn detach(&self, rank: usize, last: RankView) {
         self.update(rank, |v| *v = last);
         if let Some(l) = self.live.get(rank) {
-            *lock(l) = Weak::new();
+            *lock(l) = None;
         }
     }
 

@@ -4,7 +4,7 @@
 use std::cell::{Cell, RefCell};
 use std::panic::Location;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use nccl_sys::ncclComm_t;
@@ -198,7 +198,10 @@ impl CommDiag {
                 wait_ns: AtomicU64::new(0),
                 checks: AtomicU64::new(0),
             });
-            clique.attach(rank, &s);
+            clique.attach(
+                rank,
+                Arc::downgrade(&s) as Weak<dyn super::clique::LiveRank>,
+            );
             watchdog::watch(&s);
             s
         })
@@ -648,7 +651,7 @@ impl CommDiag {
             return true;
         };
         s.gone.store(true, Ordering::Release);
-        let view = s.view();
+        let view = s.rank_view();
         s.clique.detach(s.rank, view);
         if let Some((how, broken)) = departing {
             s.clique.depart(s.rank, view, how, broken);
@@ -661,7 +664,7 @@ impl CommDiag {
     #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn leave(&self, how: &str) {
         if let Some(s) = self.shared.get() {
-            s.clique.depart(s.rank, s.view(), how, false);
+            s.clique.depart(s.rank, s.rank_view(), how, false);
         }
     }
 }

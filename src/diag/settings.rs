@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::aborter::{OnAbortTimeout, DEFAULT_ABORT_TIMEOUT};
+use super::aborter::{Bound, OnAbortTimeout, DEFAULT_ABORT_TIMEOUT};
 #[cfg(feature = "diag")]
 use super::remote;
 
@@ -130,5 +130,16 @@ impl Settings {
                 }
             }),
         }
+    }
+}
+
+/// The bound of teardowns that belong to no communicator (NCCL memory): the
+/// `NCCL_SAFE_ABORT_TIMEOUT_MS` and `NCCL_SAFE_ON_ABORT_TIMEOUT` settings, or their
+/// defaults.
+pub(crate) fn default_bound() -> Bound {
+    let s = Settings::resolve(&DiagConfig::default());
+    Bound {
+        bound: s.abort_timeout,
+        action: s.on_abort_timeout,
     }
 }

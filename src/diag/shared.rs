@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use nccl_sys::ncclComm_t;
 
 use super::aborter::{Job, Lane};
-use super::clique::{Clique, RankView, TimeoutReport};
+use super::clique::{Clique, LiveRank, RankView, TimeoutReport};
 use super::journal::Journal;
 use super::recorder::{FlightRecord, OpRecord, OpState};
 use super::settings::Settings;
@@ -387,7 +387,7 @@ impl Shared {
     }
 
     /// What the clique's desync report shows for this rank.
-    pub(super) fn view(&self) -> RankView {
+    pub(super) fn rank_view(&self) -> RankView {
         RankView {
             present: true,
             gone: self.gone.load(Ordering::Acquire),
@@ -583,5 +583,11 @@ impl Shared {
         *self.report.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(report));
         self.aborted_by_watchdog.store(true, Ordering::Release);
         self.handle.swap(0, Ordering::AcqRel)
+    }
+}
+
+impl LiveRank for Shared {
+    fn view(&self) -> RankView {
+        self.rank_view()
     }
 }
