@@ -4,18 +4,15 @@
 use core::ffi::{c_char, c_int, c_void, CStr};
 use std::cell::{Cell, RefCell};
 use std::ffi::CString;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use nccl_sys::bindings::*;
 
+pub(crate) use super::defs::{fresh_id, id_bytes};
 use super::dtype::{self, RedKind};
 use super::exec::{run_items, Item};
 use super::state::{
     lock, CollKind, CollPost, CommState, Fail, Global, Handle, IdBytes, P2pPost, PreMul, RootIdx,
 };
-
-/// Prefix of every unique id this provider makes.
-pub(crate) const ID_MAGIC: &[u8; 16] = b"nccl-safe-host\0\x01";
 
 thread_local! {
     /// (latest error text, the copy last handed out by ncclGetLastError)
@@ -276,37 +273,6 @@ pub(crate) fn get_version(version: *mut c_int, code: c_int) -> ncclResult_t {
     })
 }
 
-/// A fresh unique id: [`ID_MAGIC`], then bytes unique per call in this process.
-pub(crate) fn fresh_id() -> ncclUniqueId {
-    use std::hash::{BuildHasher, Hasher};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let mut b = [0u8; 128];
-    b[..16].copy_from_slice(ID_MAGIC);
-    b[16..20].copy_from_slice(&std::process::id().to_le_bytes());
-    b[20..28].copy_from_slice(&n.to_le_bytes());
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    b[28..44].copy_from_slice(&t.to_le_bytes());
-    let rs = std::collections::hash_map::RandomState::new();
-    for (i, chunk) in b[44..].chunks_mut(8).enumerate() {
-        let mut h = rs.build_hasher();
-        h.write_u64(n);
-        h.write_usize(i);
-        let v = h.finish().to_le_bytes();
-        chunk.copy_from_slice(&v[..chunk.len()]);
-    }
-    ncclUniqueId {
-        internal: b.map(|x| x as c_char),
-    }
-}
-
-pub(crate) fn id_bytes(id: &ncclUniqueId) -> IdBytes {
-    id.internal.map(|x| x as u8)
-}
-
 pub(crate) unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclResult_t {
     ffi(|| {
         if unique_id.is_null() {
@@ -403,7 +369,7 @@ fn join_shared(
     h: Handle,
     root: RootIdx,
 ) -> Result<(), Fail> {
-    let deadline = std::time::Instant::now() + super::state::wait_limit();
+    let deadline = std::time::Instant::now() + super::defs::wait_limit();
     if let Some(c) = g.comms.get_mut(&h) {
         // The segment's own deadline reports first, naming the missing ranks.
         c.deadline = deadline + std::time::Duration::from_secs(1);

@@ -62,7 +62,7 @@ fn lock() -> MutexGuard<'static, Faults> {
 }
 
 fn root_of(id: &ncclUniqueId) -> RootIdx {
-    super::state::lock().root_of(&super::api::id_bytes(id))
+    super::state::lock().root_of(&super::defs::id_bytes(id))
 }
 
 /// Injects `fault` into every communicator born from `id` (now or later). Faults stay

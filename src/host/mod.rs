@@ -92,6 +92,7 @@
 use core::ffi::{c_int, c_void, CStr};
 
 mod api;
+mod defs;
 mod dtype;
 mod exec;
 pub mod fault;

@@ -24,11 +24,11 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::bindings::*;
 
+use super::defs::{wait_limit, CollKind, CollPost, Fail, IdBytes};
 use super::dtype::{self, RedKind};
-use super::state::{wait_limit, CollKind, CollPost, Fail, IdBytes};
 
 /// The second half of a unique id's magic for communicators that may span processes
-/// (`api::ID_MAGIC` ends in `\x01` for thread-only ids).
+/// (`defs::ID_MAGIC` ends in `\x01` for thread-only ids).
 pub(crate) const SHARED_TAG: u8 = 0x02;
 
 const MAGIC: u64 = 0x6e63_636c_7368_6d31; // "ncclshm1"
@@ -311,7 +311,7 @@ impl Drop for Segment {
 
 /// Whether `id` was made for communicators that may span processes.
 pub(crate) fn is_shared(id: &IdBytes) -> bool {
-    id[..15] == super::api::ID_MAGIC[..15] && id[15] == SHARED_TAG
+    id[..15] == super::defs::ID_MAGIC[..15] && id[15] == SHARED_TAG
 }
 
 fn name_of(id: &IdBytes) -> String {
@@ -1228,7 +1228,7 @@ fn kind_name(code: u64) -> &'static str {
 
 /// A unique id for communicators whose ranks may be in several processes of this machine.
 pub(crate) fn shared_id() -> ncclUniqueId {
-    let mut id = super::api::fresh_id();
+    let mut id = super::defs::fresh_id();
     id.internal[15] = SHARED_TAG as core::ffi::c_char;
     id
 }

@@ -15,34 +15,16 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::bindings::*;
 
-use super::dtype::RedKind;
+pub(crate) use super::defs::{wait_limit, CollKind, CollPost, Fail, IdBytes, P2pPost};
 use super::HostStats;
 
 /// The opaque value behind an `ncclComm_t`.
 pub(crate) type Handle = usize;
 /// Index of a root unique id in [`Global::roots`].
 pub(crate) type RootIdx = usize;
-/// The bytes of a unique id.
-pub(crate) type IdBytes = [u8; 128];
 
 /// Handles are `HANDLE_BASE + 16 * n`, n = 1, 2, ...: never null, never reused.
 const HANDLE_BASE: usize = 0x4e43_0000;
-
-/// An error to report through the C ABI: a result code and the last-error text.
-#[derive(Debug, Clone)]
-pub(crate) struct Fail {
-    pub code: ncclResult_t,
-    pub msg: String,
-}
-
-impl Fail {
-    pub(crate) fn new(code: ncclResult_t, msg: impl Into<String>) -> Self {
-        Fail {
-            code,
-            msg: msg.into(),
-        }
-    }
-}
 
 /// What a communicator handle currently is.
 #[derive(Debug, Clone)]
@@ -86,42 +68,6 @@ pub(crate) struct Comm {
     pub next_redop: ncclRedOp_t,
     pub pending_on: PendingOn,
     pub deadline: Instant,
-}
-
-/// Which collective a slot holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum CollKind {
-    AllReduce,
-    AllGather,
-    Broadcast,
-    Reduce,
-    ReduceScatter,
-    AlltoAll,
-    Gather,
-    Scatter,
-}
-
-/// One rank's part of a collective.
-#[derive(Debug, Clone)]
-pub(crate) struct CollPost {
-    pub kind: CollKind,
-    pub send: usize,
-    pub recv: usize,
-    pub count: usize,
-    pub dtype: ncclDataType_t,
-    pub red: RedKind,
-    pub scalar: Vec<u8>,
-    pub root: i32,
-    /// The user's line that called it, when the safe layer made the call.
-    pub caller: Option<&'static std::panic::Location<'static>>,
-}
-
-/// One side of a send/recv pair.
-#[derive(Debug, Clone)]
-pub(crate) struct P2pPost {
-    pub ptr: usize,
-    pub count: usize,
-    pub dtype: ncclDataType_t,
 }
 
 #[derive(Debug, Clone)]
@@ -235,18 +181,6 @@ pub(crate) fn wait(g: MutexGuard<'static, Global>, until: Instant) -> MutexGuard
         Ok((g, _)) => g,
         Err(e) => e.into_inner().0,
     }
-}
-
-/// How long a wait may last before it fails with `ncclTimeout`.
-pub(crate) fn wait_limit() -> Duration {
-    static LIMIT: OnceLock<Duration> = OnceLock::new();
-    *LIMIT.get_or_init(|| {
-        let ms = std::env::var("NCCL_SAFE_HOST_TIMEOUT_MS")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(300_000);
-        Duration::from_millis(ms)
-    })
 }
 
 impl Global {

@@ -1,0 +1,114 @@
+//! The host provider's base types, shared by its registry (`state`), its execution
+//! (`exec`), its entry points (`api`) and its shared-memory communicators (`shm`): unique
+//! ids, the error it reports, a collective's description, and the wait limit. A leaf of the
+//! provider: it imports none of its siblings but `dtype`.
+
+use core::ffi::c_char;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use nccl_sys::bindings::*;
+
+use super::dtype::RedKind;
+
+/// The bytes of a unique id.
+pub(crate) type IdBytes = [u8; 128];
+
+/// Prefix of every unique id this provider makes.
+pub(crate) const ID_MAGIC: &[u8; 16] = b"nccl-safe-host\0\x01";
+
+/// A fresh unique id: [`ID_MAGIC`], then bytes unique per call in this process.
+pub(crate) fn fresh_id() -> ncclUniqueId {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut b = [0u8; 128];
+    b[..16].copy_from_slice(ID_MAGIC);
+    b[16..20].copy_from_slice(&std::process::id().to_le_bytes());
+    b[20..28].copy_from_slice(&n.to_le_bytes());
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    b[28..44].copy_from_slice(&t.to_le_bytes());
+    let rs = std::collections::hash_map::RandomState::new();
+    for (i, chunk) in b[44..].chunks_mut(8).enumerate() {
+        let mut h = rs.build_hasher();
+        h.write_u64(n);
+        h.write_usize(i);
+        let v = h.finish().to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+    ncclUniqueId {
+        internal: b.map(|x| x as c_char),
+    }
+}
+
+pub(crate) fn id_bytes(id: &ncclUniqueId) -> IdBytes {
+    id.internal.map(|x| x as u8)
+}
+
+/// An error to report through the C ABI: a result code and the last-error text.
+#[derive(Debug, Clone)]
+pub(crate) struct Fail {
+    pub code: ncclResult_t,
+    pub msg: String,
+}
+
+impl Fail {
+    pub(crate) fn new(code: ncclResult_t, msg: impl Into<String>) -> Self {
+        Fail {
+            code,
+            msg: msg.into(),
+        }
+    }
+}
+
+/// Which collective a slot holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CollKind {
+    AllReduce,
+    AllGather,
+    Broadcast,
+    Reduce,
+    ReduceScatter,
+    AlltoAll,
+    Gather,
+    Scatter,
+}
+
+/// One rank's part of a collective.
+#[derive(Debug, Clone)]
+pub(crate) struct CollPost {
+    pub kind: CollKind,
+    pub send: usize,
+    pub recv: usize,
+    pub count: usize,
+    pub dtype: ncclDataType_t,
+    pub red: RedKind,
+    pub scalar: Vec<u8>,
+    pub root: i32,
+    /// The user's line that called it, when the safe layer made the call.
+    pub caller: Option<&'static std::panic::Location<'static>>,
+}
+
+/// One side of a send/recv pair.
+#[derive(Debug, Clone)]
+pub(crate) struct P2pPost {
+    pub ptr: usize,
+    pub count: usize,
+    pub dtype: ncclDataType_t,
+}
+
+/// How long a wait may last before it fails with `ncclTimeout`.
+pub(crate) fn wait_limit() -> Duration {
+    static LIMIT: OnceLock<Duration> = OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        let ms = std::env::var("NCCL_SAFE_HOST_TIMEOUT_MS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(300_000);
+        Duration::from_millis(ms)
+    })
+}
