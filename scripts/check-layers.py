@@ -5,8 +5,11 @@ Reads every `crate::...` and `super::...` path in src/ (outside comments and `#[
 items), maps it to the module it names (root re-exports such as `crate::Communicator` are
 followed to their module), collapses modules to their top-level module, and fails when:
 
-  * the top-level modules import each other in a cycle, or
-  * a module imports one from a higher layer than its own (LAYERS below, bottom first).
+  * the top-level modules import each other in a cycle,
+  * a module imports one from a higher layer than its own (LAYERS below, bottom first), or
+  * the submodules of a module folder (`diag/aborter.rs`, `diag/settings.rs`, ...) import
+    each other in a cycle (`super::x`, `crate::diag::x`, and names the folder's `mod.rs`
+    re-exports from a submodule, all count).
 
 Prints the layer picture with the edges found. Exit status 1 on a violation.
 Usage: scripts/check-layers.py [--dot]   (--dot: print the module graph in Graphviz form)
@@ -111,6 +114,98 @@ def use_tree_heads(tree):
     return [re.split(r"::|\s|\{", h)[0] for h in heads if h]
 
 
+def tarjan(graph):
+    """Strongly connected components of `graph` (node -> list of nodes)."""
+    index, low, stack, on, sccs, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, []):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            sccs.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sccs
+
+
+def folder_reexports(folder, subs):
+    """Names a folder's mod.rs brings in from its submodules (`pub(crate) use x::{A, B}`,
+    `use x::A;`), mapped to the submodule."""
+    path = os.path.join(SRC, folder.replace("::", os.sep), "mod.rs")
+    if not os.path.exists(path):
+        return {}
+    text = strip_comments(open(path).read())
+    names = {}
+    for m in re.finditer(r"\buse (?:self::)?([a-z_]+)::\{([^}]*)\}", text):
+        if m.group(1) in subs:
+            for name in m.group(2).split(","):
+                name = name.strip().split(" as ")[-1].strip()
+                if name:
+                    names[name] = m.group(1)
+    for m in re.finditer(r"\buse (?:self::)?([a-z_]+)(?:::[a-z_]+)*::([A-Za-z_0-9]+)(?: as ([A-Za-z_0-9]+))?;", text):
+        if m.group(1) in subs:
+            names[m.group(3) or m.group(2)] = m.group(1)
+    return names
+
+
+def submodule_cycles(files):
+    """Cycles among the direct submodules of each module folder, with an example import
+    for each edge."""
+    by_folder = {}
+    for f in files:
+        mod = module_of(f)
+        parts = mod.split("::")
+        if len(parts) == 2:
+            by_folder.setdefault(parts[0], set()).add(parts[1])
+    problems = []
+    for folder, subs in sorted(by_folder.items()):
+        names = folder_reexports(folder, subs)
+        edges = {}
+        for f in files:
+            parts = module_of(f).split("::")
+            if len(parts) < 2 or parts[0] != folder:
+                continue
+            me = parts[1]
+            text = strip_comments(strip_test_items(open(f).read()))
+            found = []
+            prefix = r"\bsuper::" if len(parts) == 2 else r"\bsuper::super::"
+            for pat in (prefix, r"\bcrate::" + folder + "::"):
+                for m in re.finditer(pat + r"\{([^;]*)\}", text):
+                    found += [(h, m.start()) for h in use_tree_heads(m.group(1))]
+                for m in re.finditer(pat + r"([A-Za-z_][A-Za-z0-9_]*)", text):
+                    found.append((m.group(1), m.start()))
+            for name, pos in found:
+                dest = name if name in subs else names.get(name)
+                if dest is None or dest == me:
+                    continue
+                line = text.count("\n", 0, pos) + 1
+                edges.setdefault((me, dest), f"{os.path.relpath(f, os.path.join(SRC, '..'))}:{line}")
+        graph = {s: sorted(b for (a, b) in edges if a == s) for s in subs}
+        for comp in tarjan(graph):
+            if len(comp) > 1:
+                cyc = sorted(comp)
+                where = [f"{a} -> {b} ({edges[(a, b)]})" for (a, b) in sorted(edges) if a in cyc and b in cyc]
+                problems.append(f"import cycle inside {folder}: " + ", ".join(cyc) + "\n      " + "\n      ".join(where))
+    return problems
+
+
 def main():
     files = []
     for root, _, names in os.walk(SRC):
@@ -203,14 +298,16 @@ def main():
             if m in tops:
                 deps = ", ".join(graph.get(m, [])) or "-"
                 print(f"       {m:<10} -> {deps}")
+    inner = submodule_cycles(files)
+    problems += inner
     print(f"{len(tops)} top-level modules, {len(edges)} edges between them, "
-          f"{sum(1 for c in sccs if len(c) > 1)} cycles")
+          f"{sum(1 for c in sccs if len(c) > 1)} cycles; {len(inner)} cycles inside module folders")
     if problems:
         print("\nFAILED:")
         for p in problems:
             print("  - " + p)
         return 1
-    print("OK: no import cycle, every import points down")
+    print("OK: no import cycle (between modules or inside a module folder), every import points down")
     return 0
 
 

@@ -26,7 +26,7 @@
 //! carriage returns, bidirectional overrides) are replaced with `?` where a post is received,
 //! by the server and by a fetching client alike, so a report never prints them.
 
-use super::rendezvous::{check_token, refusal, Refusal, RendezvousError};
+use super::common::{check_token, refusal, Refusal, RendezvousError};
 use super::wire::{self, refuse, N};
 use crate::diag::DesyncPost;
 use crate::diag::{BoardError, RemoteBoard};

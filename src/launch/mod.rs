@@ -3,6 +3,7 @@
 //! variables; under torchrun the unique id goes through the agent's c10d store, see
 //! [`store`], and under Slurm and mpirun through the authenticated [`rendezvous`]).
 
+mod common;
 pub mod desync;
 pub mod env;
 pub mod rendezvous;

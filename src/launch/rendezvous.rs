@@ -37,8 +37,12 @@
 //!   0 reports it missing only if it was never delivered (and serves it again if it comes
 //!   back for it).
 
-use super::env::{EnvError, ProcessEnv};
-use super::store::{StoreError, StoreRendezvous};
+pub(crate) use super::common::{check_token, refusal};
+pub use super::common::{
+    Refusal, RendezvousError, DEFAULT_TIMEOUT, ID_LEN, MIN_TOKEN_LEN, TOKEN_VAR,
+};
+use super::env::ProcessEnv;
+use super::store::StoreRendezvous;
 use super::wire::{self, refuse, N};
 use std::fmt;
 use std::fs;
@@ -50,244 +54,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-/// Length of an NCCL unique id (`ncclUniqueId`) in bytes.
-pub const ID_LEN: usize = 128;
-/// Default name of the environment variable holding the job token.
-pub const TOKEN_VAR: &str = "NCCL_SAFE_RENDEZVOUS_TOKEN";
-/// Default overall deadline of a rendezvous.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default deadline of one connection: its connect, and its whole handshake on either side.
 pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(10);
-/// Shortest job token accepted, in bytes.
-pub const MIN_TOKEN_LEN: usize = 16;
-
-/// Refuses a token shorter than [`MIN_TOKEN_LEN`].
-pub(crate) fn check_token(token: &[u8]) -> Result<(), RendezvousError> {
-    if token.len() < MIN_TOKEN_LEN {
-        return Err(RendezvousError::WeakToken { len: token.len() });
-    }
-    Ok(())
-}
-
-/// Why rank 0 refused a peer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Refusal {
-    /// The peer did not prove it holds the job token.
-    BadToken,
-    /// The peer believes the job has a different number of ranks.
-    WorldSizeMismatch {
-        /// World size rank 0 serves.
-        server: usize,
-        /// World size the peer sent.
-        client: usize,
-    },
-    /// The peer claimed rank 0 or a rank outside the job.
-    RankOutOfRange {
-        /// World size rank 0 serves.
-        world_size: usize,
-    },
-    /// Another peer already fetched the id for this rank.
-    DuplicateRank,
-    /// Rank 0 had too many authenticated connections open; retried until the deadline.
-    Busy,
-    /// Another connection for this rank was still being served; retried until the deadline.
-    InProgress,
-}
-
-impl fmt::Display for Refusal {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Refusal::BadToken => write!(
-                f,
-                "wrong job token: give every process the same {TOKEN_VAR} (or the same configured token)"
-            ),
-            Refusal::WorldSizeMismatch { server, client } => write!(
-                f,
-                "world size disagreement: rank 0 serves {server} ranks but this peer says {client}; start every process with the same WORLD_SIZE"
-            ),
-            Refusal::RankOutOfRange { world_size } => write!(
-                f,
-                "the rank is not in 1..{world_size} (rank 0 serves the id and does not fetch it); check RANK"
-            ),
-            Refusal::DuplicateRank => write!(
-                f,
-                "another process already claimed this rank; check that every process has a distinct RANK"
-            ),
-            Refusal::Busy => write!(f, "rank 0 has too many connections open"),
-            Refusal::InProgress => write!(
-                f,
-                "another connection for this rank is still being served"
-            ),
-        }
-    }
-}
-
-/// Why a rendezvous failed. The message says where, which rank(s), and what to do.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum RendezvousError {
-    /// `rank` is not in `0..world_size` (or `world_size` is 0).
-    #[error(
-        "rank {rank} is not a rank of a job of {world_size} ranks: pass a rank in 0..{world_size}"
-    )]
-    InvalidRank {
-        /// The rank given.
-        rank: usize,
-        /// The world size given.
-        world_size: usize,
-    },
-    /// The job token variable is unset or empty.
-    #[error(
-        "the rendezvous token variable {var} is not set or is empty: set it to the same secret in every process \
-         of the job (e.g. `export {var}=$(openssl rand -hex 16)` before launching)"
-    )]
-    MissingToken {
-        /// The variable that was read.
-        var: String,
-    },
-    /// The job token is too short to resist an offline search.
-    #[error(
-        "the rendezvous token is {len} bytes, but at least {MIN_TOKEN_LEN} are required: anyone who captures \
-         one handshake can search a short token offline and then read the unique id; use a random one \
-         (e.g. `export {TOKEN_VAR}=$(openssl rand -hex 16)`)"
-    )]
-    WeakToken {
-        /// Its length in bytes.
-        len: usize,
-    },
-    /// The launcher's environment could not be read.
-    #[error(transparent)]
-    Env(#[from] EnvError),
-    /// A request to torchrun's c10d store failed.
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    /// The rendezvous host name did not resolve.
-    #[error("could not resolve the rendezvous address {addr}: {source}; check MASTER_ADDR")]
-    Resolve {
-        /// `host:port` that was looked up.
-        addr: String,
-        /// The resolver's error.
-        source: io::Error,
-    },
-    /// Rank 0 could not listen on the address it was given.
-    #[error(
-        "rank 0 could not listen on {addr}: {source}; check that MASTER_ADDR names an address of this host and that MASTER_PORT is free"
-    )]
-    Bind {
-        /// `host:port` rank 0 tried to bind.
-        addr: String,
-        /// The operating system's error.
-        source: io::Error,
-    },
-    /// Rank 0's deadline passed before every rank fetched the id.
-    #[error(
-        "rank 0 served the unique id at {addr} for {timeout:?} but ranks {missing:?} of {world_size} never fetched it: \
-         check that those processes started, reach {addr} and use the same token"
-    )]
-    ServerTimeout {
-        /// Address rank 0 listened on.
-        addr: String,
-        /// Ranks that never fetched the id.
-        missing: Vec<usize>,
-        /// World size served.
-        world_size: usize,
-        /// The deadline that passed.
-        timeout: Duration,
-    },
-    /// A rank could not fetch the id from rank 0 before its deadline.
-    #[error(
-        "rank {rank} could not reach rank 0 at {addr} within {timeout:?} (gave up after {:.2}s; last error: {last_error}): \
-         check that rank 0 is running and that MASTER_ADDR/MASTER_PORT point at it",
-        elapsed.as_secs_f64()
-    )]
-    ClientTimeout {
-        /// `host:port` of rank 0.
-        addr: String,
-        /// The rank that gave up.
-        rank: usize,
-        /// The deadline that passed.
-        timeout: Duration,
-        /// How long the rank actually tried.
-        elapsed: Duration,
-        /// The last connection error seen.
-        last_error: String,
-    },
-    /// Rank 0 refused this peer.
-    #[error("rank 0 at {addr} refused rank {rank}: {reason}")]
-    Refused {
-        /// `host:port` of rank 0.
-        addr: String,
-        /// The rank this peer claimed.
-        rank: usize,
-        /// Why.
-        reason: Refusal,
-    },
-    /// The server at the address does not hold the job token.
-    #[error(
-        "the server at {addr} did not prove it holds the job token: another job or program may be listening there; check MASTER_PORT and the token"
-    )]
-    ServerAuthentication {
-        /// `host:port` of the server.
-        addr: String,
-    },
-    /// The server at the address does not speak this protocol.
-    #[error("the server at {addr} does not speak the nccl-safe rendezvous protocol ({detail}): check MASTER_PORT")]
-    Protocol {
-        /// `host:port` of the server.
-        addr: String,
-        /// What was wrong.
-        detail: String,
-    },
-    /// An operating system call failed.
-    #[error("{context}: {source}")]
-    Io {
-        /// What was being done.
-        context: String,
-        /// The operating system's error.
-        source: io::Error,
-    },
-    /// The id file did not appear before the deadline.
-    #[error(
-        "the unique id file {path} did not appear within {timeout:?}: check that rank 0 runs and that every process sees the same shared directory"
-    )]
-    FileTimeout {
-        /// The file waited for.
-        path: PathBuf,
-        /// The deadline that passed.
-        timeout: Duration,
-    },
-    /// Reading or writing the id file failed.
-    #[error("unique id file {path}: {source}")]
-    File {
-        /// The file.
-        path: PathBuf,
-        /// The operating system's error.
-        source: io::Error,
-    },
-    /// The id file holds something else.
-    #[error("unique id file {path} is not usable: {detail}; use a fresh path per job")]
-    FileContents {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        detail: String,
-    },
-    /// The user-supplied exchange failed.
-    #[error("the user-supplied rendezvous failed on rank {rank}: {source}")]
-    Custom {
-        /// The rank it failed on.
-        rank: usize,
-        /// The closure's error.
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
-    /// The user-supplied exchange returned, on rank 0, an id other than the one it was given.
-    #[error("the user-supplied rendezvous returned a different id on rank 0 than the one it was given to send")]
-    CustomMismatch,
-    /// Rank 0's server thread panicked.
-    #[error("rank 0's rendezvous server thread panicked")]
-    ServerPanicked,
-}
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> RendezvousError {
     let context = context.into();
@@ -599,22 +367,6 @@ impl TcpRendezvous {
             ))),
         }
     }
-}
-
-/// The refusal a `REFUSE` frame's code and numbers stand for.
-pub(crate) fn refusal((code, a, b): (u8, usize, usize)) -> Result<Refusal, String> {
-    Ok(match code {
-        wire::R_TOKEN => Refusal::BadToken,
-        wire::R_WORLD => Refusal::WorldSizeMismatch {
-            server: a,
-            client: b,
-        },
-        wire::R_RANGE => Refusal::RankOutOfRange { world_size: a },
-        wire::R_DUPLICATE => Refusal::DuplicateRank,
-        wire::R_BUSY => Refusal::Busy,
-        wire::R_IN_PROGRESS => Refusal::InProgress,
-        c => return Err(format!("unknown refusal code {c}")),
-    })
 }
 
 fn retry(what: &'static str) -> impl Fn(io::Error) -> Attempt {
@@ -1053,14 +805,6 @@ impl Rendezvous {
                 done(f(None).map_err(|source| RendezvousError::Custom { rank: r, source })?)
             }
         }
-    }
-}
-
-impl From<RendezvousError> for crate::Error {
-    /// A rendezvous error becomes the crate's [`crate::Error::Launch`] at the launcher's
-    /// boundary (the error type does not depend on the launchers).
-    fn from(e: RendezvousError) -> Self {
-        crate::Error::Launch(Box::new(e))
     }
 }
 

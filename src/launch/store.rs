@@ -32,9 +32,10 @@
 //! server that answers garbage or closes mid-answer gives a [`StoreError`] naming its
 //! address and the request.
 
+use super::common::{RendezvousError, ID_LEN};
+pub use super::common::{StoreError, MAX_VALUE_LEN};
 use super::desync::clean_post;
 use super::env::ProcessEnv;
-use super::rendezvous::{RendezvousError, ID_LEN};
 use super::wire::Deadlined;
 use crate::diag::DesyncPost;
 use crate::diag::{BoardError, RemoteBoard};
@@ -45,8 +46,6 @@ use std::time::{Duration, Instant};
 
 /// The magic a client sends in its `VALIDATE` query.
 pub const VALIDATION_MAGIC: u32 = 0x3C85_F7CE;
-/// Largest value (or key) the client sends or accepts, in bytes.
-pub const MAX_VALUE_LEN: usize = 1 << 20;
 /// Default deadline of one request (and of connecting).
 pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -64,86 +63,6 @@ const READY: u8 = 0;
 const NOT_READY: u8 = 1;
 const STOP_WAITING: u8 = 0;
 const WAIT_CANCELED: u8 = 1;
-
-/// Why a store request failed. Every variant names the store's address and the request.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum StoreError {
-    /// No connection could be made.
-    #[error(
-        "could not connect to the c10d store at {addr}: {source}; check that torchrun's agent is running and MASTER_ADDR/MASTER_PORT"
-    )]
-    Connect {
-        /// `host:port` of the store.
-        addr: String,
-        /// The last connection error.
-        source: io::Error,
-    },
-    /// The store did not answer before the request's deadline.
-    #[error("the c10d store at {addr} did not answer {op} within {timeout:?}")]
-    Timeout {
-        /// `host:port` of the store.
-        addr: String,
-        /// The request.
-        op: String,
-        /// The deadline that passed.
-        timeout: Duration,
-    },
-    /// The keys waited for did not appear before the wait's timeout.
-    #[error(
-        "waited {timeout:?} on the c10d store at {addr} for {keys:?}, which never appeared: {hint}"
-    )]
-    WaitTimeout {
-        /// `host:port` of the store.
-        addr: String,
-        /// The keys.
-        keys: Vec<String>,
-        /// The wait's timeout.
-        timeout: Duration,
-        /// Who should have set them.
-        hint: String,
-    },
-    /// The store closed the connection in the middle of an answer (or before it).
-    #[error("the c10d store at {addr} closed the connection during {op}")]
-    Closed {
-        /// `host:port` of the store.
-        addr: String,
-        /// The request.
-        op: String,
-    },
-    /// The store answered something the protocol does not allow.
-    #[error("the c10d store at {addr} answered {op} with {detail}: is MASTER_PORT the torchrun agent's store?")]
-    Protocol {
-        /// `host:port` of the store.
-        addr: String,
-        /// The request.
-        op: String,
-        /// What was wrong.
-        detail: String,
-    },
-    /// A key or value is longer than [`MAX_VALUE_LEN`].
-    #[error("{op} at the c10d store at {addr}: a {what} of {len} bytes is over the {MAX_VALUE_LEN}-byte limit")]
-    TooLarge {
-        /// `host:port` of the store.
-        addr: String,
-        /// The request.
-        op: String,
-        /// "key", "value" or "answer".
-        what: &'static str,
-        /// Its length.
-        len: u64,
-    },
-    /// Another socket error.
-    #[error("{op} at the c10d store at {addr}: {source}")]
-    Io {
-        /// `host:port` of the store.
-        addr: String,
-        /// The request.
-        op: String,
-        /// The operating system's error.
-        source: io::Error,
-    },
-}
 
 /// One connection to a c10d `TCPStore` (see the [module docs](self) for the protocol).
 #[derive(Debug)]
@@ -490,7 +409,7 @@ impl StoreRendezvous {
         StoreRendezvous {
             addr: addr.into(),
             prefix: prefix.into(),
-            timeout: super::rendezvous::DEFAULT_TIMEOUT,
+            timeout: super::common::DEFAULT_TIMEOUT,
             io_timeout: DEFAULT_STORE_TIMEOUT,
         }
     }
@@ -588,7 +507,7 @@ impl StoreRendezvous {
             return Err(RendezvousError::Refused {
                 addr: self.addr.clone(),
                 rank,
-                reason: super::rendezvous::Refusal::WorldSizeMismatch {
+                reason: super::common::Refusal::WorldSizeMismatch {
                     server: world,
                     client: world_size,
                 },
