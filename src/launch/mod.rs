@@ -6,12 +6,13 @@
 mod common;
 pub mod desync;
 pub mod env;
+mod process;
 pub mod rendezvous;
 pub mod store;
 mod threads;
 mod wire;
 
+pub use process::ProcessLauncher;
 pub use threads::{
-    cuda_device_count, Backend, LaunchReport, Launcher, ProcessLauncher, Rank, RankStats,
-    DEFAULT_LAUNCH_TIMEOUT,
+    cuda_device_count, Backend, LaunchReport, Launcher, Rank, RankStats, DEFAULT_LAUNCH_TIMEOUT,
 };

@@ -1,0 +1,222 @@
+//! [`ProcessLauncher`]: one rank per process under torchrun, Slurm or mpirun: the id
+//! exchange (torchrun's store, or the authenticated TCP rendezvous), the desync board, and
+//! the device check.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+
+use crate::comm::{Communicator, Device};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::id::UniqueId;
+use crate::launch::desync::{BoardClient, DesyncBoard};
+use crate::launch::env::ProcessEnv;
+use crate::launch::rendezvous::{Rendezvous, ServerHandle, TcpRendezvous};
+use crate::launch::store::StoreRendezvous;
+use crate::stream::Stream;
+
+use super::threads::{cuda_device_count, Launcher, Rank};
+
+/// One rank of a multi-process job; see [`Launcher::from_env`].
+#[derive(Debug, Clone)]
+pub struct ProcessLauncher {
+    env: ProcessEnv,
+    config: Config,
+    host: bool,
+}
+
+impl ProcessLauncher {
+    /// For an environment read elsewhere.
+    pub fn new(env: ProcessEnv) -> ProcessLauncher {
+        ProcessLauncher {
+            env,
+            config: Config::new(),
+            host: false,
+        }
+    }
+
+    /// Runs the ranks on the host provider ([`Device::Host`], CPU memory) instead of a GPU
+    /// each: the processes of one machine meet in shared memory
+    /// ([`crate::host::shared_unique_id`]), so multi-process code runs on any machine.
+    #[cfg(feature = "host")]
+    pub fn host(mut self) -> ProcessLauncher {
+        self.host = true;
+        self
+    }
+
+    /// The communicator's configuration.
+    pub fn config(mut self, config: Config) -> ProcessLauncher {
+        self.config = config;
+        self
+    }
+
+    /// The environment read.
+    pub fn env(&self) -> &ProcessEnv {
+        &self.env
+    }
+
+    /// Checks that this node has a GPU for the local rank, exchanges the id and joins the
+    /// communicator on the GPU of the local rank.
+    ///
+    /// Under torchrun with the agent's store (`TORCHELASTIC_USE_AGENT_STORE=True`), the id
+    /// and the job's desync board go through that store ([`crate::launch::store`]): nothing
+    /// is bound and no token is needed. Otherwise (Slurm, mpirun, torchrun-style variables
+    /// set by hand) the id goes over the authenticated TCP rendezvous, and rank 0 also hosts
+    /// the job's desync board on `MASTER_ADDR:MASTER_PORT+1` ([`crate::launch::desync`], same
+    /// token) for as long as its [`Rank`] lives (not after [`Rank::into_comm`]); when rank 0
+    /// cannot listen there, it says so on stderr and the job runs without the board. Either
+    /// way every rank's communicator gets the board, so a timeout report shows what the
+    /// ranks in other processes were last doing.
+    pub fn init(mut self) -> Result<Rank> {
+        if !self.host {
+            self.check_devices(cuda_device_count())?;
+        }
+        let world = self.env.world_size;
+        if let Some(store) = StoreRendezvous::from_env(&self.env) {
+            self.config = self.config.remote_board(Arc::new(store.board(world)));
+            return self.init_with(Rendezvous::Store(store));
+        }
+        let tcp = TcpRendezvous::from_env(&self.env)?;
+        let mut board = None;
+        if let Some((addr, token)) = tcp.board() {
+            if self.env.rank == 0 {
+                match DesyncBoard::serve(addr.as_str(), world, token.clone()) {
+                    Ok(b) => board = Some(b),
+                    Err(e) => eprintln!("nccl-safe: no desync board at {addr}: {e}"),
+                }
+            }
+            let client = BoardClient::new(addr, world, token);
+            self.config = self.config.desync_board(client);
+        }
+        let mut rank = self.init_with(Rendezvous::Tcp(tcp))?;
+        rank.board = board;
+        Ok(rank)
+    }
+
+    /// Like [`init`](Self::init) with another rendezvous (file, or your own closure).
+    pub fn init_with(self, rendezvous: Rendezvous) -> Result<Rank> {
+        let (id, server) = self.exchange_id(rendezvous)?;
+        let result = self.join(&id);
+        if let Some(server) = server {
+            if result.is_ok() {
+                // Every rank joined the communicator, so every rank had the id, whatever
+                // became of its acknowledgements.
+                server.stop();
+            } else {
+                // Serve the others until they have the id (so they fail on their own terms,
+                // not by waiting for it), or the deadline names who never came.
+                let _ = server.wait();
+            }
+        }
+        result
+    }
+
+    /// Step one of [`init_with`](Self::init_with): rank 0 creates the id
+    /// (`ncclGetUniqueId`, which needs no GPU) and every rank receives it. Rank 0 also gets
+    /// the server handle, whose `wait` reports ranks that never fetched the id.
+    pub fn exchange_id(&self, rendezvous: Rendezvous) -> Result<(UniqueId, Option<ServerHandle>)> {
+        #[cfg(feature = "host")]
+        if self.host {
+            let exchanged = rendezvous.exchange(self.env.rank, self.env.world_size, || {
+                Ok::<_, Error>(UniqueId::from_raw(crate::host::shared_unique_id()).to_bytes())
+            })?;
+            return Ok((UniqueId::from_bytes(&exchanged.id)?, exchanged.server));
+        }
+        let lib = crate::Library::load()?;
+        let exchanged = rendezvous.exchange(self.env.rank, self.env.world_size, || {
+            UniqueId::new_with(&lib).map(|id| id.to_bytes())
+        })?;
+        Ok((UniqueId::from_bytes(&exchanged.id)?, exchanged.server))
+    }
+
+    /// Step two: joins the communicator with `id` on the GPU of the local rank. Without a
+    /// GPU for it, a clear error (on every rank alike), never a hang.
+    pub fn join(&self, id: &UniqueId) -> Result<Rank> {
+        if self.host {
+            let comm = Communicator::init_rank(
+                &Device::Host,
+                self.env.world_size,
+                self.env.rank,
+                id,
+                &self.config,
+            )?;
+            return Ok(Rank {
+                comm,
+                stream: Stream::Host,
+                board: None,
+            });
+        }
+        let local = self.env.cuda_ordinal();
+        self.check_devices(cuda_device_count())?;
+        let ctx = CudaContext::new(local)?;
+        ctx.bind_to_thread()?;
+        let stream = Stream::Cuda(ctx.new_stream()?);
+        let comm = Communicator::init_rank(
+            &Device::Cuda(ctx),
+            self.env.world_size,
+            self.env.rank,
+            id,
+            &self.config,
+        )?;
+        Ok(Rank {
+            comm,
+            stream,
+            board: None,
+        })
+    }
+}
+
+impl ProcessLauncher {
+    /// Whether this node has a GPU for the local rank, given `visible` CUDA devices: an
+    /// error naming `CUDA_VISIBLE_DEVICES` and the count otherwise. When the launcher says
+    /// how many processes run on this node (`LOCAL_WORLD_SIZE` and the like), every one of
+    /// them fails alike when there are too few GPUs for all of them, before any rendezvous.
+    pub fn check_devices(&self, visible: usize) -> Result<()> {
+        let local = self.env.cuda_ordinal();
+        let needed = self.env.local_world_size.unwrap_or(0).max(local + 1);
+        if visible >= needed {
+            return Ok(());
+        }
+        let cvd = match std::env::var("CUDA_VISIBLE_DEVICES") {
+            Ok(v) => format!("CUDA_VISIBLE_DEVICES={v:?}"),
+            Err(_) => "CUDA_VISIBLE_DEVICES is unset".into(),
+        };
+        let gpus = if visible == 1 { "GPU" } else { "GPUs" };
+        let local_size_var = match self.env.source {
+            crate::launch::env::EnvSource::Torchrun => "LOCAL_WORLD_SIZE",
+            crate::launch::env::EnvSource::OpenMpi => "OMPI_COMM_WORLD_LOCAL_SIZE",
+            crate::launch::env::EnvSource::Slurm => "SLURM_NTASKS_PER_NODE",
+        };
+        let why = match self.env.local_world_size {
+            _ if visible == 0 => format!(
+                "this process sees no CUDA GPU ({cvd}; or no CUDA driver), and each rank needs one"
+            ),
+            Some(n) if n > visible => format!(
+                "this node runs {n} ranks ({local_size_var}={n}), one GPU each, but this process sees \
+                 {visible} CUDA {gpus} ({cvd}); start at most {visible} processes per node \
+                 (e.g. torchrun --nproc_per_node={visible})"
+            ),
+            _ => format!(
+                "it needs the GPU of its local rank but this process sees {visible} CUDA {gpus} ({cvd})"
+            ),
+        };
+        Err(Error::InvalidArgument {
+            op: "ProcessLauncher::join",
+            reason: format!(
+                "rank {} (local rank {local}) has no CUDA device: {why}",
+                self.env.rank
+            ),
+        })
+    }
+}
+
+impl Launcher {
+    /// One rank per process: reads torchrun / Open MPI / Slurm variables and picks the GPU
+    /// of the local rank; [`ProcessLauncher::init`] then exchanges the unique id through
+    /// torchrun's agent store ([`crate::launch::store`]) or, under Slurm and mpirun, over the
+    /// authenticated TCP rendezvous hosted by rank 0 ([`crate::launch::rendezvous`]).
+    pub fn from_env() -> Result<ProcessLauncher> {
+        Ok(ProcessLauncher::new(ProcessEnv::from_process_env()?))
+    }
+}
