@@ -179,9 +179,40 @@ impl<'a> Group<'a> {
             rank: None,
             caller: Some(caller),
         };
+        // The group's communicators stay pinned through the call, so the watchdog cannot
+        // abort them to end it: its waits end by their tightest timeout instead. NVIDIA's
+        // NCCL returns `ncclInProgress` at once (its communicators are non-blocking) and
+        // `settle` bounds the wait; the host provider runs the group inside the call, so it
+        // is given that deadline.
+        let timeout = self.comms.iter().map(|c| c.diag.timeout()).min();
         // SAFETY: closes the ncclGroupStart of `enter`; every buffer of the group is still
         // borrowed by `self`.
-        let r = unsafe { nccl_call!(lib, ncclGroupEnd(), ctx) };
+        let end = || unsafe { nccl_call!(lib, ncclGroupEnd(), ctx) };
+        let r = match timeout {
+            #[cfg(feature = "host")]
+            Some(t) if lib.provider() == crate::Provider::Host => {
+                crate::host::with_deadline(std::time::Instant::now() + t, end)
+            }
+            _ => end(),
+        };
+        let r = match r {
+            // Timed out inside the call (host provider): as the watchdog would, time out
+            // the cliques of the group's communicators, so that every rank fails fast.
+            Err(e) if e.code() == Some(crate::ResultCode::Timeout) => {
+                let mut first = None;
+                for c in &self.comms {
+                    let what = format!(
+                        "{} ({e})",
+                        c.diag
+                            .wait_timeout_report("ncclGroupEnd", c.rank(), c.world_size())
+                    );
+                    let err = c.diag.group_timed_out(what);
+                    first.get_or_insert(err);
+                }
+                Err(first.unwrap_or(e))
+            }
+            r => r,
+        };
         crate::diag::group_ended();
         // Only now may cudarc record its events: the work is enqueued.
         self.guards.clear();

@@ -106,23 +106,14 @@ const EXIT_CHILDREN: u64 = 12;
 /// Invariants that today's code still breaks (see the module docs for each name). A
 /// violation of one of these is printed and tolerated; remove a name once it is fixed.
 ///
-/// * `fails-fast-after-a-peer-abort` (3 of seeds 1 to 200, e.g. seed 11): a rank that
-///   is idle (it skipped the collective) while a peer panics and aborts never sees
-///   `is_failed()`: the peers' calls fail with NCCL's remote error, no timeout happens,
-///   and `is_failed()` reads only the rank's own failure and the watchdog's.
-/// * `group-call-bound` (15 of seeds 1 to 200, e.g. seed 4): a `Group::end` whose peer
-///   never joins (it skipped, or left) does not return for `NCCL_SAFE_HOST_TIMEOUT_MS`
-///   (300 s): the group pins its communicators, so the watchdog never claims or aborts
-///   them, and the host provider's `ncclGroupEnd` runs the group in the call even on a
-///   non-blocking communicator (NVIDIA's returns `ncclInProgress`, and `Group::end` then
-///   waits at most the timeout).
-/// * `call-bound-behind-a-stuck-abort` (23 of seeds 1 to 200, e.g. seed 39): with a stuck
-///   `BlockingAbort(None)`, a collective blocked waiting for a peer that skipped, left or
-///   panicked stays blocked until the abort is released: the host's strict fault model
-///   blocks `ncclCommAbort` before its work, waking the clique's waiters included, while
-///   NVIDIA's abort sets the communicator's abort flag (which wakes blocked calls) before
-///   it frees resources, where it blocks behind a stalled stream.
-const KNOWN_VIOLATIONS: &[&str] = &["group-call-bound"];
+/// Empty: every violation this test found is fixed. The last three were
+/// `fails-fast-after-a-peer-abort` (an idle rank beside a panicking peer never saw
+/// `is_failed()`: a panic now fails the whole clique), `call-bound-behind-a-stuck-abort`
+/// (a blocking abort now wakes its clique's waiters before it blocks, as NCCL's abort flag
+/// does) and `group-call-bound` (a `Group::end` whose peer never joined waited for
+/// `NCCL_SAFE_HOST_TIMEOUT_MS`: its communicators are pinned against the watchdog, so the
+/// host provider's `ncclGroupEnd` now ends its waits by their tightest timeout).
+const KNOWN_VIOLATIONS: &[&str] = &[];
 
 /// A small xorshift64* generator.
 struct Rng(u64);

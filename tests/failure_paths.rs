@@ -346,6 +346,51 @@ fn a_rank_torn_down_under_a_waiting_peer_is_reported_at_once() {
     assert!(start.elapsed() < Duration::from_secs(10));
 }
 
+/// A group whose peer never joins it: the group's communicators are pinned against the
+/// watchdog for `ncclGroupEnd`, so on the host provider (which runs the group inside the
+/// call) the wait must end by the communicators' own timeout, not the provider's 300 s
+/// limit. `Group::end` then fails with a timeout, the clique is timed out for every rank
+/// (the idle peer's `is_failed()` too), and each handle is torn down once.
+#[test]
+fn a_group_whose_peer_never_joins_ends_at_the_timeout() {
+    let id = Device::Host.unique_id().unwrap();
+    let (e, took, peer_failed) = within(Duration::from_secs(30), move || {
+        let (joined, done) = (Barrier::new(2), Barrier::new(2));
+        std::thread::scope(|s| {
+            let peer = s.spawn(|| {
+                let c = Communicator::init_rank(&Device::Host, 2, 1, &id, &config()).unwrap();
+                joined.wait();
+                // Never joins the group; reads its own state once rank 0's group ended.
+                done.wait();
+                until(BOUND, || c.is_failed()).is_some()
+            });
+            let c = Communicator::init_rank(&Device::Host, 2, 0, &id, &config()).unwrap();
+            joined.wait();
+            let (send, mut recv) = (vec![1.0f32; 8], vec![0.0f32; 8]);
+            let t = Instant::now();
+            let mut g = nccl_safe::Group::new();
+            g.push(
+                c.all_reduce_op(&send, &mut recv, ReduceOp::Sum, &S)
+                    .unwrap(),
+            )
+            .unwrap();
+            let e = g.end().expect_err("the peer never joins");
+            let took = t.elapsed();
+            assert!(c.is_failed());
+            done.wait();
+            (e, took, peer.join().unwrap())
+        })
+    });
+    assert!(
+        took < TIMEOUT + Duration::from_secs(1),
+        "Group::end took {took:?}"
+    );
+    assert!(is_timeout(&e), "{e}");
+    assert!(e.to_string().contains("ncclGroupEnd"), "{e}");
+    assert!(peer_failed, "the idle peer's is_failed() stayed false");
+    assert_balanced(&id);
+}
+
 /// Under the launcher: rank 2 returns while its peers still call collectives (a loop of a
 /// different length on one rank). The run fails within a second, not after the 60 s
 /// timeout, naming rank 2; the report is in the error once, not once per rank.

@@ -264,6 +264,24 @@ impl CommDiag {
         })
     }
 
+    /// A group's call ran out of time. Its communicators were pinned against the watchdog
+    /// for the call, so the watchdog could not time it out: the clique is timed out here as
+    /// the watchdog would have (every rank's `is_failed()` then reads true, and its next
+    /// call fails with this report), and the caller gets the error.
+    #[cold]
+    pub(crate) fn group_timed_out(&self, what: String) -> Error {
+        match self.shared.get() {
+            Some(s) => {
+                let report = s.clique.set_timed_out(&TimeoutReport::text(&what));
+                s.timeout_error(&report.text)
+            }
+            None => Error::Timeout {
+                what,
+                timeout: self.timeout(),
+            },
+        }
+    }
+
     /// After `ncclGroupEnd` enqueued a group's operations: they are now on their streams.
     pub(crate) fn publish_group(&self) {
         if let Some(s) = self.shared.get() {

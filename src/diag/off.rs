@@ -130,6 +130,13 @@ impl CommDiag {
 
     pub(crate) fn arrive(&self, _rank: usize, _world_size: usize) {}
 
+    pub(crate) fn group_timed_out(&self, what: String) -> crate::Error {
+        crate::Error::Timeout {
+            what,
+            timeout: self.timeout(),
+        }
+    }
+
     pub(crate) fn wait_timeout_report(&self, op: &str, rank: usize, world_size: usize) -> String {
         format!("{op} on rank {rank} of {world_size} did not complete")
     }

@@ -4,9 +4,10 @@
 //! provider: it imports none of its siblings but `dtype`.
 
 use core::ffi::c_char;
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nccl_sys::bindings::*;
 
@@ -111,4 +112,29 @@ pub(crate) fn wait_limit() -> Duration {
             .unwrap_or(300_000);
         Duration::from_millis(ms)
     })
+}
+
+std::thread_local! {
+    /// The deadline the caller gave the call this thread is making (see [`with_deadline`]).
+    static CALL_DEADLINE: Cell<Option<Instant>> = const { Cell::new(None) };
+}
+
+/// Runs `f` (one call into the provider) with its waits ending by `deadline` at the latest,
+/// as a non-blocking NCCL communicator's caller bounds its wait for `ncclInProgress`: the
+/// crate's `Group::end` passes its communicators' timeout, because a group's communicators
+/// are claimed against the watchdog for the whole call, so no abort could end the wait.
+pub(crate) fn with_deadline<R>(deadline: Instant, f: impl FnOnce() -> R) -> R {
+    let before = CALL_DEADLINE.with(|c| c.replace(Some(deadline)));
+    let r = f();
+    CALL_DEADLINE.with(|c| c.set(before));
+    r
+}
+
+/// When the waits of this thread's current call give up: [`wait_limit`] from now, or the
+/// caller's deadline when it is sooner.
+pub(crate) fn call_deadline() -> Instant {
+    let limit = Instant::now() + wait_limit();
+    CALL_DEADLINE
+        .with(|c| c.get())
+        .map_or(limit, |d| d.min(limit))
 }

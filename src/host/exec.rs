@@ -754,7 +754,7 @@ fn poll(g: &mut Global, w: &Wait, deadline: Instant) -> Option<Result<(), Fail>>
         Fail::new(
             ncclTimeout,
             format!(
-                "NCCL timeout: an operation did not complete within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
+                "NCCL timeout: an operation did not complete by its deadline (the caller's timeout, at most {:?}: NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
                 wait_limit()
             ),
         )
@@ -927,7 +927,7 @@ fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) ->
         }
         g = lock();
     }
-    let deadline = Instant::now() + wait_limit();
+    let deadline = super::defs::call_deadline();
     loop {
         let mut i = 0;
         while i < waits.len() {

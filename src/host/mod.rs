@@ -172,6 +172,8 @@ pub(crate) fn with_caller<R>(
     r
 }
 
+pub(crate) use defs::with_deadline;
+
 /// The line behind the call this thread is making into the provider, if known.
 pub(crate) fn current_caller() -> Option<&'static std::panic::Location<'static>> {
     CALLER.with(|c| c.get())

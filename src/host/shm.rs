@@ -635,7 +635,7 @@ impl Segment {
             Why::Timeout => Fail::new(
                 ncclTimeout,
                 format!(
-                    "NCCL timeout: rank {r} (pid {pid}) did not reach {} within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
+                    "NCCL timeout: rank {r} (pid {pid}) did not reach {} by the deadline (the caller's timeout, at most {:?}: NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
                     if seq == P2P_SEQ { "its matching send/recv".to_string() } else { format!("collective #{seq}") },
                     wait_limit()
                 ),
@@ -816,7 +816,7 @@ impl Segment {
         if let Some(f) = self.failure() {
             return Err(f);
         }
-        let deadline = Instant::now() + wait_limit();
+        let deadline = super::defs::call_deadline();
         let es = dtype::size_of(p.dtype).ok_or_else(|| {
             Fail::new(
                 ncclInvalidArgument,
@@ -1091,7 +1091,7 @@ impl Segment {
             ));
         }
         let me = self.rank;
-        let deadline = Instant::now() + wait_limit();
+        let deadline = super::defs::call_deadline();
         // Bytes moved so far, and whether the (possibly empty) message is complete.
         let mut moved = vec![0usize; work.len()];
         let mut done = vec![false; work.len()];
