@@ -120,10 +120,16 @@ import torch.distributed as dist
 for libuv in (True, False):
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30),
                           wait_for_workers=False, use_libuv=libuv)
+    # A key for the Rust client to read under the same name, and one it sets for us.
+    store.set("interop/from_python", b"hello from python")
     env = dict(os.environ, NCCL_SAFE_TEST_C10D_STORE=f"127.0.0.1:{store.port}")
     out = subprocess.run([sys.argv[1], "--exact", "against_a_real_pytorch_store", "--ignored", "--nocapture"],
                          env=env, capture_output=True, text=True, timeout=60)
     ok = out.returncode == 0 and "@@REAL-STORE-OK" in out.stdout
+    if ok:
+        store.wait(["interop/from_rust"], timedelta(seconds=5))
+        ok = store.get("interop/from_rust") == b"hello from rust"
+        print(f"  use_libuv={libuv}: Python read the Rust client's key: {ok}")
     print(f"  use_libuv={libuv}: {'ok' if ok else 'FAILED'}")
     if not ok:
         print(out.stdout, out.stderr)

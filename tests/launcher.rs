@@ -311,9 +311,9 @@ fn four_processes_under_torchrun_share_one_id_through_the_agent_store() {
     }
     eprintln!("each rank: {}", inits[0]);
     assert_eq!(ids.len(), 1, "every rank got the same id: {ids:?}");
-    // It went through the store, under the run's and attempt's key.
+    // It went through the store, under the run's and attempt's key (with PyTorch's `/`).
     let value = store
-        .value("nccl-safe/launcher-test/attempt_0/0/unique_id")
+        .value("/nccl-safe/launcher-test/attempt_0/0/unique_id")
         .expect("rank 0 set the id in the store");
     let hex: String = value[4..].iter().map(|b| format!("{b:02x}")).collect();
     assert!(ids.contains(&hex));

@@ -16,16 +16,17 @@ fn hex(b: &[u8]) -> String {
 }
 
 /// The bytes PyTorch 2.15's own `TCPStore` client sent to a store, captured on loopback:
-/// its validation, then `set("k", b"vv")` (which its Python binding stores as "/k").
+/// its validation, then `set("k", b"vv")`, `get("k")`, ...: its C++ client puts `/` before
+/// every key, and so does `StoreClient`, so the same names reach the same keys.
 #[test]
 fn requests_are_byte_for_byte_what_pytorch_sends() {
     let store = FakeStore::start(Mode::Honest);
     let mut c = StoreClient::connect(&store.addr(), T).unwrap();
-    c.set("/k", b"vv").unwrap();
-    assert_eq!(c.get("/k", T).unwrap(), b"vv");
-    assert!(!c.check(&["/k", "/zz"]).unwrap());
-    assert_eq!(c.add("/n", 5).unwrap(), 5);
-    assert_eq!(c.compare_set("/k", b"vv", b"ww").unwrap(), b"ww");
+    c.set("k", b"vv").unwrap();
+    assert_eq!(c.get("k", T).unwrap(), b"vv");
+    assert!(!c.check(&["k", "zz"]).unwrap());
+    assert_eq!(c.add("n", 5).unwrap(), 5);
+    assert_eq!(c.compare_set("k", b"vv", b"ww").unwrap(), b"ww");
     let sent = hex(&store.received()[0]);
     let expect = [
         "00cef7853c", // VALIDATE, magic
@@ -48,6 +49,54 @@ fn requests_are_byte_for_byte_what_pytorch_sends() {
     assert_eq!(rest, pytorch);
 }
 
+/// A key set by another client of the store under PyTorch's name (`/k`, what Python's
+/// `store.set("k", ..)` sends) is `StoreClient`'s `k`, and the reverse.
+#[test]
+fn keys_are_named_as_pytorch_names_them() {
+    let store = FakeStore::start(Mode::Honest);
+    store.put("/from_python", b"py");
+    let mut c = StoreClient::connect(&store.addr(), T).unwrap();
+    assert_eq!(c.get("from_python", T).unwrap(), b"py");
+    assert!(c.check(&["from_python"]).unwrap());
+    c.set("from_rust", b"rs").unwrap();
+    // (SET has no answer: a request with one orders it before the look at the server.)
+    assert!(c.check(&["from_rust"]).unwrap());
+    assert_eq!(store.value("/from_rust").unwrap(), b"rs");
+    assert_eq!(c.add("count", 2).unwrap(), 2);
+    assert_eq!(store.value("/count").unwrap(), b"2");
+    assert_eq!(c.compare_set("from_rust", b"rs", b"x").unwrap(), b"x");
+    assert_eq!(store.value("/from_rust").unwrap(), b"x");
+    assert_eq!(store.keys(), ["/count", "/from_python", "/from_rust"]);
+}
+
+/// A server of a PyTorch release without `PING` and `CANCEL_WAIT` drops a client that
+/// sends them: the client connects again without them, and a wait that times out moves to
+/// a fresh connection instead of canceling.
+#[test]
+fn a_server_without_ping_is_spoken_to_without_it() {
+    let store = FakeStore::start(Mode::NoPing);
+    let mut c = StoreClient::connect(&store.addr(), T).unwrap();
+    assert!(!c.answers_ping());
+    c.ping().unwrap();
+    c.set("a", b"1").unwrap();
+    assert_eq!(c.get("a", T).unwrap(), b"1");
+    let t0 = Instant::now();
+    let err = c.wait(&["never"], Duration::from_millis(200)).unwrap_err();
+    assert!(matches!(err, StoreError::WaitTimeout { .. }), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    // The connection goes on, and the late answer of the abandoned wait never shows.
+    store.put("/never", b"late");
+    c.set("b", b"2").unwrap();
+    assert!(c.check(&["b"]).unwrap());
+    assert_eq!(c.get("b", T).unwrap(), b"2");
+    assert_eq!(c.get("never", T).unwrap(), b"late");
+    // The modern server is pinged, and keeps its connection after a canceled wait.
+    let modern = FakeStore::start(Mode::Honest);
+    assert!(StoreClient::connect(&modern.addr(), T)
+        .unwrap()
+        .answers_ping());
+}
+
 #[test]
 fn set_get_add_check_wait_round_trip() {
     let store = FakeStore::start(Mode::Honest);
@@ -58,7 +107,9 @@ fn set_get_add_check_wait_round_trip() {
     assert_eq!(c.get("a", T).unwrap(), [1, 2, 3]);
     assert_eq!(c.add("counter", 3).unwrap(), 3);
     assert_eq!(c.add("counter", -1).unwrap(), 2);
-    assert_eq!(store.value("counter").unwrap(), b"2");
+    // On the server, under PyTorch's name for it.
+    assert_eq!(store.value("/counter").unwrap(), b"2");
+    assert_eq!(store.value("counter"), None);
     // A wait on a key another connection sets later ends when it is set.
     let addr = store.addr();
     let setter = std::thread::spawn(move || {
@@ -210,7 +261,7 @@ fn ranks_exchange_the_id_through_the_agent_store() {
     for h in handles {
         assert_eq!(h.join().unwrap(), id(3));
     }
-    let v = store.value("p/unique_id").unwrap();
+    let v = store.value("/p/unique_id").unwrap();
     assert_eq!(&v[..4], &4u32.to_le_bytes());
 }
 
@@ -274,8 +325,8 @@ fn a_restarted_job_never_reads_the_previous_attempts_id() {
     assert_eq!(
         store.keys(),
         [
-            "nccl-safe/job7/attempt_0/0/unique_id",
-            "nccl-safe/job7/attempt_1/0/unique_id"
+            "/nccl-safe/job7/attempt_0/0/unique_id",
+            "/nccl-safe/job7/attempt_1/0/unique_id"
         ]
     );
 }
@@ -291,7 +342,7 @@ fn a_world_size_disagreement_or_a_foreign_value_is_refused() {
             .contains("rank 0 serves 3 ranks but this peer says 4"),
         "{err}"
     );
-    store.put("w/unique_id", b"something else");
+    store.put("/w/unique_id", b"something else");
     let err = r.read(1, 3).unwrap_err();
     assert!(
         matches!(err, RendezvousError::Store(StoreError::Protocol { .. })),
@@ -309,7 +360,7 @@ fn the_desync_board_goes_through_the_store_and_posts_come_back_clean() {
     let post = DesyncPost::new(9, 4, "ncclAllReduce seq 4 at train.rs:10 (in progress)");
     board.post_by(2, &post, by()).unwrap();
     assert_eq!(board.fetch_by(by()).unwrap(), vec![None, None, Some(post)]);
-    assert!(store.keys().contains(&"b/desync/2".to_string()));
+    assert!(store.keys().contains(&"/b/desync/2".to_string()));
     // A post carrying terminal escapes and a bidirectional override is cleaned on reading.
     let evil = DesyncPost::new(9, 4, "ok\u{1b}[2J\u{1b}]0;pwned\u{7}\u{202e}txt\u{9b}31m");
     board.post_by(0, &evil, by()).unwrap();
@@ -335,6 +386,14 @@ fn against_a_real_pytorch_store() {
     let addr = std::env::var("NCCL_SAFE_TEST_C10D_STORE")
         .expect("NCCL_SAFE_TEST_C10D_STORE must name a PyTorch TCPStore server (host:port)");
     let mut c = StoreClient::connect(&addr, T).unwrap();
+    assert!(c.answers_ping(), "PyTorch's servers since 2.4 answer PING");
+    // Keys under the same names on both sides: Python set `interop/from_python` before
+    // starting this test, and reads `interop/from_rust` after it.
+    assert_eq!(
+        c.get("interop/from_python", T).unwrap(),
+        b"hello from python"
+    );
+    c.set("interop/from_rust", b"hello from rust").unwrap();
     let k = format!("nccl-safe-test/{}/", std::process::id());
     let key = |s: &str| format!("{k}{s}");
     assert!(!c.check(&[&key("a")]).unwrap());

@@ -27,6 +27,20 @@
 //! | `CANCEL_WAIT` | 12 | none | `u8` 1 (wait canceled), after a 0 if the wait had just ended |
 //! | `PING` | 13 | `u32` nonce | the same `u32` |
 //!
+//! # Keys
+//! PyTorch's C++ client puts `/` before every key it sends (its `TCPStore`'s `keyPrefix_`),
+//! so Python's `store.set("k", ..)` is the key `/k` on the server. [`StoreClient`] does the
+//! same: `set("k")` is Python's `store.get("k")`, and the reverse, under the same names. The
+//! id exchange and the desync board use keys under `nccl-safe/<run id>/attempt_<restart>/`,
+//! apart from any key of the job's own.
+//!
+//! # Older servers
+//! `PING` and `CANCEL_WAIT` are the newest queries; a server from before them drops a
+//! client that sends one. When the first `PING` closes the connection, the client connects
+//! again and speaks without them ([`StoreClient::answers_ping`] is then `false`): a `CHECK`
+//! of no key stands for the ping, and a wait that times out moves to a fresh connection
+//! instead of being canceled. Every other query is as old as the store.
+//!
 //! Every read of [`StoreClient`] ends by a deadline (one per request), every length the
 //! server sends is checked against [`MAX_VALUE_LEN`] before anything is allocated, and a
 //! server that answers garbage or closes mid-answer gives a [`StoreError`] naming its
@@ -71,6 +85,18 @@ pub struct StoreClient {
     stream: TcpStream,
     timeout: Duration,
     deadline: Option<Instant>,
+    /// Whether the server answers `PING` (and `CANCEL_WAIT`): PyTorch's servers before
+    /// those queries drop a client that sends them.
+    modern: bool,
+}
+
+/// A key as PyTorch's C++ client sends it: every key of its `TCPStore` starts with `/`
+/// (its `keyPrefix_`), so that `StoreClient::set("k")` is Python's `store.get("k")`.
+fn wire_key(key: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(key.len() + 1);
+    k.push(b'/');
+    k.extend_from_slice(key.as_bytes());
+    k
 }
 
 /// `host:port`, with brackets around an IPv6 host.
@@ -127,12 +153,63 @@ impl StoreClient {
             stream,
             timeout: timeout.max(Duration::from_millis(1)),
             deadline,
+            modern: true,
         };
         let mut q = vec![VALIDATE];
         q.extend_from_slice(&VALIDATION_MAGIC.to_le_bytes());
         c.send("VALIDATE", &q)?;
-        c.ping()?;
+        match c.ping() {
+            // A server without PING (older PyTorch) drops the client: connect again and
+            // check that it answers with a query every release has.
+            Err(StoreError::Closed { .. }) => {
+                let mut old = Self::connect_plain(addr, timeout, deadline)?;
+                old.modern = false;
+                old.ping()?;
+                Ok(old)
+            }
+            Err(e) => Err(e),
+            Ok(()) => Ok(c),
+        }
+    }
+
+    /// A second connection to a server known to lack PING: validated, not pinged.
+    fn connect_plain(
+        addr: &str,
+        timeout: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<StoreClient, StoreError> {
+        let fail = |source| StoreError::Connect {
+            addr: addr.to_string(),
+            source,
+        };
+        let left = deadline.map_or(timeout, |d| {
+            d.saturating_duration_since(Instant::now()).min(timeout)
+        });
+        let a = addr
+            .to_socket_addrs()
+            .map_err(fail)?
+            .next()
+            .ok_or_else(|| fail(io::ErrorKind::AddrNotAvailable.into()))?;
+        let stream =
+            TcpStream::connect_timeout(&a, left.max(Duration::from_millis(1))).map_err(fail)?;
+        let _ = stream.set_nodelay(true);
+        let c = StoreClient {
+            addr: addr.to_string(),
+            stream,
+            timeout: timeout.max(Duration::from_millis(1)),
+            deadline,
+            modern: false,
+        };
+        let mut q = vec![VALIDATE];
+        q.extend_from_slice(&VALIDATION_MAGIC.to_le_bytes());
+        c.send("VALIDATE", &q)?;
         Ok(c)
+    }
+
+    /// Whether the server answers `PING` and `CANCEL_WAIT` (PyTorch's servers since those
+    /// queries were added); an older one is spoken to without them.
+    pub fn answers_ping(&self) -> bool {
+        self.modern
     }
 
     /// The store's address.
@@ -182,7 +259,7 @@ impl StoreClient {
         }
     }
 
-    fn send(&mut self, op: &str, bytes: &[u8]) -> Result<(), StoreError> {
+    fn send(&self, op: &str, bytes: &[u8]) -> Result<(), StoreError> {
         let by = self.op_deadline(self.timeout);
         let mut s = Deadlined::new(&self.stream, by);
         s.write_all(bytes)
@@ -243,13 +320,17 @@ impl StoreClient {
         let mut q = vec![kind];
         q.extend_from_slice(&(keys.len() as u64).to_le_bytes());
         for k in keys {
-            self.put_bytes(&mut q, op, "key", k.as_bytes())?;
+            self.put_bytes(&mut q, op, "key", &wire_key(k))?;
         }
         Ok(q)
     }
 
-    /// Checks that the store answers: sends a nonce and expects it back.
+    /// Checks that the store answers: sends a nonce and expects it back (on a server
+    /// without `PING`, a `CHECK` of no key, which every release answers).
     pub fn ping(&mut self) -> Result<(), StoreError> {
+        if !self.modern {
+            return self.check(&[]).map(|_| ());
+        }
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
@@ -270,7 +351,7 @@ impl StoreClient {
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         let op = format!("SET {key:?}");
         let mut q = vec![SET];
-        self.put_bytes(&mut q, &op, "key", key.as_bytes())?;
+        self.put_bytes(&mut q, &op, "key", &wire_key(key))?;
         self.put_bytes(&mut q, &op, "value", value)?;
         self.send(&op, &q)
     }
@@ -286,7 +367,7 @@ impl StoreClient {
     fn get_now(&mut self, key: &str) -> Result<Vec<u8>, StoreError> {
         let op = format!("GET {key:?}");
         let mut q = vec![GET];
-        self.put_bytes(&mut q, &op, "key", key.as_bytes())?;
+        self.put_bytes(&mut q, &op, "key", &wire_key(key))?;
         self.send(&op, &q)?;
         self.read_bytes(&op, self.op_deadline(self.timeout))
     }
@@ -308,7 +389,7 @@ impl StoreClient {
     ) -> Result<Vec<u8>, StoreError> {
         let op = format!("COMPARE_SET {key:?}");
         let mut q = vec![COMPARE_SET];
-        self.put_bytes(&mut q, &op, "key", key.as_bytes())?;
+        self.put_bytes(&mut q, &op, "key", &wire_key(key))?;
         self.put_bytes(&mut q, &op, "value", expected)?;
         self.put_bytes(&mut q, &op, "value", desired)?;
         self.send(&op, &q)?;
@@ -319,7 +400,7 @@ impl StoreClient {
     pub fn add(&mut self, key: &str, delta: i64) -> Result<i64, StoreError> {
         let op = format!("ADD {key:?}");
         let mut q = vec![ADD];
-        self.put_bytes(&mut q, &op, "key", key.as_bytes())?;
+        self.put_bytes(&mut q, &op, "key", &wire_key(key))?;
         q.extend_from_slice(&delta.to_le_bytes());
         self.send(&op, &q)?;
         let mut b = [0u8; 8];
@@ -357,6 +438,18 @@ impl StoreClient {
             Err(StoreError::Timeout { .. }) => {}
             Err(e) => return Err(e),
         }
+        let timed_out = |c: &Self| StoreError::WaitTimeout {
+            addr: c.addr.clone(),
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+            timeout,
+            hint: String::new(),
+        };
+        if !self.modern {
+            // No CANCEL_WAIT on this server: its answer could still come on this
+            // connection, so the client moves to a fresh one.
+            *self = Self::connect_plain(&self.addr, self.timeout, self.deadline)?;
+            return Err(timed_out(self));
+        }
         // Timed out: cancel the wait; the server answers canceled, after a stop-waiting if
         // the keys appeared meanwhile.
         self.send("CANCEL_WAIT", &[CANCEL_WAIT])?;
@@ -378,12 +471,7 @@ impl StoreClient {
             }
             b => {
                 canceled(b, self)?;
-                Err(StoreError::WaitTimeout {
-                    addr: self.addr.clone(),
-                    keys: keys.iter().map(|k| k.to_string()).collect(),
-                    timeout,
-                    hint: String::new(),
-                })
+                Err(timed_out(self))
             }
         }
     }

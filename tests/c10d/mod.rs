@@ -27,6 +27,9 @@ pub enum Mode {
     Silent,
     /// Answers a GET or COMPARE_SET with a length prefix of `u64::MAX` and nothing more.
     HugeLength,
+    /// As a server of a PyTorch release without `PING` and `CANCEL_WAIT`: drops a client
+    /// that sends either (an unknown query), and a wait goes on until its keys are set.
+    NoPing,
 }
 
 #[derive(Default)]
@@ -293,6 +296,7 @@ fn serve(
                         break Some(vec![0]);
                     }
                     match c.u8() {
+                        Ok(12) if *mode.lock().unwrap() == Mode::NoPing => return Ok(()),
                         Ok(12) => break Some(vec![1]),
                         Ok(other) => {
                             return Err(io::Error::other(format!("query {other} during a wait")))
@@ -306,6 +310,7 @@ fn serve(
                     }
                 }
             }
+            12 | 13 if *mode.lock().unwrap() == Mode::NoPing => return Ok(()),
             12 => Some(vec![1]), // a cancel with no wait running
             13 => Some(c.u32()?.to_le_bytes().to_vec()),
             _ => return Ok(()), // unknown query: PyTorch drops the client
@@ -314,7 +319,7 @@ fn serve(
         let Some(answer) = answer else { continue };
         let m = *mode.lock().unwrap();
         match m {
-            Mode::Honest => c.s.write_all(&answer)?,
+            Mode::Honest | Mode::NoPing => c.s.write_all(&answer)?,
             Mode::Garbage => c.s.write_all(&vec![0x5a; answer.len()])?,
             Mode::Truncate => {
                 c.s.write_all(&answer[..answer.len() / 2])?;
