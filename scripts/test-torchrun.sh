@@ -9,7 +9,12 @@
 #   3. the allreduce and train examples with `--launcher env --backend host`: 4 processes on
 #      the CPU, meeting in shared memory;
 #   4. the c10d store client against PyTorch's own TCPStore servers (libuv, torchrun's
-#      default, and the older one): every request, a wait that times out, the board.
+#      default, and the older one): every request, a wait that times out, the board, and
+#      keys under the same names on both sides (Python sets one the client reads, and
+#      reads one the client sets);
+#   5. `torchrun --max-restarts 1` on the multi-process fault test: rank 1 is SIGKILLed in
+#      the first attempt, the survivors fail naming it, torchrun restarts the job, and the
+#      second attempt completes on fresh keys with nothing left in /dev/shm.
 # PyTorch comes from PyPI into a venv (default $NCCL_SAFE_CACHE/torch-venv, i.e.
 # ~/.cache/nccl-safe/torch-venv; set NCCL_SAFE_TORCH_VENV to use another). PyPI's torch wheel
 # brings its CUDA libraries (about 5 GB installed, 2-3 minutes the first time): torchrun
@@ -136,5 +141,26 @@ for libuv in (True, False):
         sys.exit(1)
 PY
 cat "$logs/real-store"
+
+echo "5. torchrun --max-restarts 1: rank 1 is SIGKILLed in the first attempt; the job restarts and completes on fresh keys"
+mp_exe="$(cargo test --test multiprocess --no-run --message-format=json 2>/dev/null \
+  | "$venv/bin/python" -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "multiprocess":
+        print(m["executable"])')"
+[ -x "$mp_exe" ] || fail "could not build tests/multiprocess.rs"
+shm_before="$(ls /dev/shm | grep '^nccl-safe-' || true)"
+NCCL_SAFE_TEST_MP=launcher NCCL_SAFE_HOST_TIMEOUT_MS=8000 run restart 120 --nproc_per_node=4 --max-restarts 1 --no-python \
+  "$mp_exe" --exact a_job_restarted_by_torchrun_completes_on_fresh_keys --ignored --nocapture --test-threads=1 \
+  || { cat "$logs/restart"; fail "the restarted job did not complete"; }
+[ "$(grep -c 'rank 1 (pid [0-9]*) died' "$logs/restart" || true)" -ge 3 ] \
+  || { cat "$logs/restart"; fail "the first attempt's survivors did not name the killed rank"; }
+[ "$(grep -c 'COMPLETED ATTEMPT "1"' "$logs/restart" || true)" -eq 4 ] \
+  || { cat "$logs/restart"; fail "expected 4 ranks to complete the second attempt"; }
+left="$(comm -13 <(printf '%s\n' "$shm_before" | sort) <(ls /dev/shm | grep '^nccl-safe-' | sort) || true)"
+[ -z "$left" ] || fail "the restarted job left in /dev/shm: $left"
+echo "  attempt 0: ranks 0, 2, 3 failed naming rank 1; attempt 1: all 4 ranks completed; /dev/shm clean"
 
 echo "test-torchrun: OK in $(( $(date +%s) - t0 ))s"

@@ -322,9 +322,16 @@ fn every_collective_across_processes_matches_ranks_in_threads() {
     }
 }
 
-/// The fault scenarios: `steps` all-reduces; `bad` does its fault at step 3.
+/// The fault scenarios: `steps` all-reduces; `bad` does its fault at step 3
+/// (`kill-first-attempt`: a SIGKILL in the first attempt of a torchrun job only).
 fn faulty(fault: &str) {
     let Some((r, _, c)) = child() else { return };
+    let attempt = std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap_or_default();
+    let fault = match fault {
+        "kill-first-attempt" if attempt == "0" => "kill",
+        "kill-first-attempt" => "none",
+        f => f,
+    };
     let bad = 1;
     for step in 0..20 {
         // Sizes change with the step, as a training loop's buckets do, so a rank that
@@ -338,6 +345,7 @@ fn faulty(fault: &str) {
                     unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
                 }
                 "skip" => continue,
+                "none" => {}
                 _ => {
                     println!("LEFT_AT_MS {:.1}", now_ms());
                     drop(c);
@@ -358,6 +366,7 @@ fn faulty(fault: &str) {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    println!("RANK {r} COMPLETED ATTEMPT {attempt:?}");
     drop(c);
     std::process::exit(0);
 }
@@ -389,6 +398,20 @@ fn survivors_name_rank_1(outs: &[Out], key: &str, what: &str) -> Option<f64> {
         }
     }
     worst
+}
+
+/// Under `torchrun --max-restarts 1` (run so by `scripts/test-torchrun.sh`): rank 1 is
+/// SIGKILLed in the first attempt, the survivors fail naming it, torchrun restarts the job,
+/// and the second attempt exchanges a fresh id under its own keys and completes.
+#[test]
+#[ignore = "run under torchrun --max-restarts 1 by scripts/test-torchrun.sh"]
+fn a_job_restarted_by_torchrun_completes_on_fresh_keys() {
+    assert!(
+        std::env::var_os("TORCHELASTIC_RESTART_COUNT").is_some(),
+        "run under torchrun"
+    );
+    faulty("kill-first-attempt");
+    panic!("{ENV} must be `launcher`: the ranks come from torchrun");
 }
 
 #[test]
