@@ -56,7 +56,7 @@ fn main() -> ExitCode {
     match Args::parse().and_then(run) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            common::print_error(&e);
             ExitCode::FAILURE
         }
     }

@@ -401,8 +401,8 @@ fn survivors_name_rank_1(outs: &[Out], key: &str, what: &str) -> Option<f64> {
 }
 
 /// Under `torchrun --max-restarts 1` (run so by `scripts/test-torchrun.sh`): rank 1 is
-/// SIGKILLed in the first attempt, the survivors fail naming it, torchrun restarts the job,
-/// and the second attempt exchanges a fresh id under its own keys and completes.
+/// SIGKILLed in the first attempt, torchrun stops the others and restarts the job, and the
+/// second attempt exchanges a fresh id under its own keys and completes.
 #[test]
 #[ignore = "run under torchrun --max-restarts 1 by scripts/test-torchrun.sh"]
 fn a_job_restarted_by_torchrun_completes_on_fresh_keys() {

@@ -285,3 +285,11 @@ pub fn device_name(rank: &Rank) -> String {
         None => "host".into(),
     }
 }
+
+/// Prints `error: {e}` on stderr in one write, so that the lines of ranks in other
+/// processes sharing the stream (torchrun, mpirun, srun) never interleave.
+pub fn print_error(e: &dyn std::fmt::Display) {
+    use std::io::Write;
+    let line = format!("error: {e}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
