@@ -331,6 +331,28 @@ fn a_restarted_job_never_reads_the_previous_attempts_id() {
     );
 }
 
+/// A rank whose exchange failed (here: rank 0 was late) and that tries again keeps the key
+/// its peers use, instead of moving to the next one and waiting there until the timeout;
+/// once an exchange completes, the process's next one (a second communicator) moves on.
+#[test]
+fn a_retried_exchange_keeps_its_key_and_the_next_one_moves_on() {
+    let store = FakeStore::start(Mode::Honest);
+    let env1 = torchrun_env(1, 2, store.port(), 0);
+    let first = StoreRendezvous::from_env(&env1)
+        .unwrap()
+        .with_timeout(Duration::from_millis(200));
+    assert!(first.read(1, 2).is_err(), "rank 0 has not published yet");
+    let retry = StoreRendezvous::from_env(&env1).unwrap().with_timeout(T);
+    assert_eq!(retry.id_key(), first.id_key());
+    // Rank 0 (its own process in a real job, at the same count) publishes under that key.
+    let rank0 = StoreRendezvous::from_env(&torchrun_env(0, 2, store.port(), 0)).unwrap();
+    assert_eq!(rank0.id_key(), first.id_key());
+    rank0.publish(2, &id(4)).unwrap();
+    assert_eq!(retry.read(1, 2).unwrap(), id(4));
+    let next = StoreRendezvous::from_env(&env1).unwrap();
+    assert_ne!(next.id_key(), first.id_key());
+}
+
 #[test]
 fn a_world_size_disagreement_or_a_foreign_value_is_refused() {
     let store = FakeStore::start(Mode::Honest);

@@ -477,8 +477,10 @@ impl StoreClient {
     }
 }
 
-/// Counts the store rendezvous of this process, so a second communicator of the same job
-/// uses fresh keys (every rank creates its communicators in the same order).
+/// Counts the store rendezvous of this process that completed, so a second communicator of
+/// the same job uses fresh keys (every rank creates its communicators in the same order),
+/// while an exchange that failed (a timeout, a lost connection) and is retried keeps its
+/// key, which is the one its peers still use.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
 /// The NCCL id exchange through torchrun's agent store (see the [module docs](self)).
@@ -488,6 +490,9 @@ pub struct StoreRendezvous {
     prefix: String,
     timeout: Duration,
     io_timeout: Duration,
+    /// The process's exchange count this one has (from [`Self::from_env`]), advanced when
+    /// it completes.
+    generation: Option<u64>,
 }
 
 impl StoreRendezvous {
@@ -499,20 +504,31 @@ impl StoreRendezvous {
             prefix: prefix.into(),
             timeout: super::common::DEFAULT_TIMEOUT,
             io_timeout: DEFAULT_STORE_TIMEOUT,
+            generation: None,
         }
     }
 
     /// Under torchrun with the agent's store (`TORCHELASTIC_USE_AGENT_STORE=True`): the
     /// store at `MASTER_ADDR:MASTER_PORT`, keys under
     /// `nccl-safe/<TORCHELASTIC_RUN_ID>/attempt_<TORCHELASTIC_RESTART_COUNT>/<n>/`, where
-    /// `n` counts the exchanges of this process. `None` for other launchers.
+    /// `n` counts the exchanges of this process that completed: a retry after a failed one
+    /// uses the same key as its peers. `None` for other launchers.
     pub fn from_env(env: &ProcessEnv) -> Option<StoreRendezvous> {
         let e = env.elastic.as_ref().filter(|e| e.use_agent_store)?;
-        let n = GENERATION.fetch_add(1, Ordering::Relaxed);
-        Some(StoreRendezvous::new(
+        let n = GENERATION.load(Ordering::Acquire);
+        let mut r = StoreRendezvous::new(
             host_port(&env.master_addr, env.master_port),
             format!("nccl-safe/{}/attempt_{}/{n}/", e.run_id, e.restart_count),
-        ))
+        );
+        r.generation = Some(n);
+        Some(r)
+    }
+
+    /// This exchange completed: the process's next one uses the next key.
+    fn completed(&self) {
+        if let Some(n) = self.generation {
+            GENERATION.fetch_max(n + 1, Ordering::AcqRel);
+        }
     }
 
     /// Sets how long a rank waits for rank 0's id (default 300 s).
@@ -554,6 +570,7 @@ impl StoreRendezvous {
         c.set(&self.id_key(), &v)?;
         // A round trip, so the value is known to be stored when this returns.
         c.ping()?;
+        self.completed();
         Ok(())
     }
 
@@ -603,6 +620,7 @@ impl StoreRendezvous {
         }
         let mut id = [0u8; ID_LEN];
         id.copy_from_slice(&v[4..]);
+        self.completed();
         Ok(id)
     }
 
