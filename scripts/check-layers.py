@@ -253,32 +253,7 @@ def main():
         problems.append(f"module '{t}' is in no layer: add it to LAYERS in {sys.argv[0]}")
     # Cycles: strongly connected components of the top-level graph (Tarjan).
     graph = {t: sorted(b for (a, b) in edges if a == t) for t in tops}
-    index, low, stack, on, sccs, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            sccs.append(comp)
-
-    for v in sorted(tops):
-        if v not in index:
-            visit(v)
+    sccs = tarjan(graph)
     for comp in sccs:
         if len(comp) > 1:
             cyc = sorted(comp)

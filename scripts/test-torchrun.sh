@@ -54,13 +54,16 @@ export NCCL_LIBRARY="$nccl_dir/2.32.3/nvidia/nccl/lib/libnccl.so.2"
 unset NCCL_SAFE_RENDEZVOUS_TOKEN CUDA_VISIBLE_DEVICES
 
 echo "building the launcher test and the allreduce example ..."
-exe="$(cargo test --test launcher --no-run --message-format=json 2>/dev/null \
-  | "$venv/bin/python" -c '
+# test_exe NAME: the executable of tests/NAME.rs (built if needed).
+test_exe() {
+  cargo test --test "$1" --no-run --message-format=json 2>/dev/null | "$venv/bin/python" -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "launcher":
-        print(m["executable"])')"
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"])' "$1"
+}
+exe="$(test_exe launcher)"
 [ -x "$exe" ] || fail "could not build tests/launcher.rs"
 cargo build --quiet --example allreduce
 example="${CARGO_TARGET_DIR:-target}/debug/examples/allreduce"
@@ -118,13 +121,7 @@ run train 120 --nproc_per_node=4 --no-python "${example%/allreduce}/train" --lau
 echo "  4 ranks verified; train's parameters identical on 4 ranks"
 
 echo "4. the store client against PyTorch's own TCPStore servers (libuv and the older one)"
-store_exe="$(cargo test --test store --no-run --message-format=json 2>/dev/null \
-  | "$venv/bin/python" -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "store":
-        print(m["executable"])')"
+store_exe="$(test_exe store)"
 [ -x "$store_exe" ] || fail "could not build tests/store.rs"
 timeout --kill-after=10 120 "$venv/bin/python" -W ignore - "$store_exe" >"$logs/real-store" 2>&1 <<'PY' \
   || { cat "$logs/real-store"; fail "the store client failed against PyTorch's server"; }
@@ -152,13 +149,7 @@ PY
 cat "$logs/real-store"
 
 echo "5. torchrun --max-restarts 1: rank 1 is SIGKILLed in the first attempt; the job restarts and completes on fresh keys"
-mp_exe="$(cargo test --test multiprocess --no-run --message-format=json 2>/dev/null \
-  | "$venv/bin/python" -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "multiprocess":
-        print(m["executable"])')"
+mp_exe="$(test_exe multiprocess)"
 [ -x "$mp_exe" ] || fail "could not build tests/multiprocess.rs"
 shm_before="$(ls /dev/shm | grep '^nccl-safe-' || true)"
 NCCL_SAFE_TEST_MP=launcher NCCL_SAFE_HOST_TIMEOUT_MS=8000 run restart 120 --nproc_per_node=4 --max-restarts 1 --no-python \

@@ -120,6 +120,28 @@ impl StoreClient {
         timeout: Duration,
         deadline: Option<Instant>,
     ) -> Result<StoreClient, StoreError> {
+        let mut c = Self::open(addr, timeout, deadline, true)?;
+        match c.ping() {
+            // A server without PING (older PyTorch) drops the client: connect again and
+            // speak without it (`ping` is then a query every release answers).
+            Err(StoreError::Closed { .. }) => {
+                let mut old = Self::open(addr, timeout, deadline, false)?;
+                old.ping()?;
+                Ok(old)
+            }
+            Err(e) => Err(e),
+            Ok(()) => Ok(c),
+        }
+    }
+
+    /// A connection to `addr`, validated (no answer comes to that), each step ending within
+    /// `timeout` and by `deadline`.
+    fn open(
+        addr: &str,
+        timeout: Duration,
+        deadline: Option<Instant>,
+        modern: bool,
+    ) -> Result<StoreClient, StoreError> {
         let fail = |source| StoreError::Connect {
             addr: addr.to_string(),
             source,
@@ -148,57 +170,12 @@ impl StoreClient {
         }
         let stream = stream.ok_or(last).map_err(fail)?;
         let _ = stream.set_nodelay(true);
-        let mut c = StoreClient {
-            addr: addr.to_string(),
-            stream,
-            timeout: timeout.max(Duration::from_millis(1)),
-            deadline,
-            modern: true,
-        };
-        let mut q = vec![VALIDATE];
-        q.extend_from_slice(&VALIDATION_MAGIC.to_le_bytes());
-        c.send("VALIDATE", &q)?;
-        match c.ping() {
-            // A server without PING (older PyTorch) drops the client: connect again and
-            // check that it answers with a query every release has.
-            Err(StoreError::Closed { .. }) => {
-                let mut old = Self::connect_plain(addr, timeout, deadline)?;
-                old.modern = false;
-                old.ping()?;
-                Ok(old)
-            }
-            Err(e) => Err(e),
-            Ok(()) => Ok(c),
-        }
-    }
-
-    /// A second connection to a server known to lack PING: validated, not pinged.
-    fn connect_plain(
-        addr: &str,
-        timeout: Duration,
-        deadline: Option<Instant>,
-    ) -> Result<StoreClient, StoreError> {
-        let fail = |source| StoreError::Connect {
-            addr: addr.to_string(),
-            source,
-        };
-        let left = deadline.map_or(timeout, |d| {
-            d.saturating_duration_since(Instant::now()).min(timeout)
-        });
-        let a = addr
-            .to_socket_addrs()
-            .map_err(fail)?
-            .next()
-            .ok_or_else(|| fail(io::ErrorKind::AddrNotAvailable.into()))?;
-        let stream =
-            TcpStream::connect_timeout(&a, left.max(Duration::from_millis(1))).map_err(fail)?;
-        let _ = stream.set_nodelay(true);
         let c = StoreClient {
             addr: addr.to_string(),
             stream,
             timeout: timeout.max(Duration::from_millis(1)),
             deadline,
-            modern: false,
+            modern,
         };
         let mut q = vec![VALIDATE];
         q.extend_from_slice(&VALIDATION_MAGIC.to_le_bytes());
@@ -447,7 +424,7 @@ impl StoreClient {
         if !self.modern {
             // No CANCEL_WAIT on this server: its answer could still come on this
             // connection, so the client moves to a fresh one.
-            *self = Self::connect_plain(&self.addr, self.timeout, self.deadline)?;
+            *self = Self::open(&self.addr, self.timeout, self.deadline, false)?;
             return Err(timed_out(self));
         }
         // Timed out: cancel the wait; the server answers canceled, after a stop-waiting if
