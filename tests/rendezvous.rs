@@ -587,6 +587,8 @@ fn slurm_nodelist_forms() {
         Some("gpu5")
     );
     assert_eq!(first_slurm_host("node7").as_deref(), Some("node7"));
+    assert_eq!(first_slurm_host("a1,b[2-3]").as_deref(), Some("a1"));
+    assert_eq!(first_slurm_host("b[2-3],a1").as_deref(), Some("b2"));
     assert_eq!(
         first_slurm_host("node[007-010]").as_deref(),
         Some("node007")
