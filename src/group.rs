@@ -202,9 +202,12 @@ impl<'a> Group<'a> {
                 let mut first = None;
                 for c in &self.comms {
                     let what = format!(
-                        "{} ({e})",
-                        c.diag
-                            .wait_timeout_report("ncclGroupEnd", c.rank(), c.world_size())
+                        "the group ended at {caller} did not complete within {:?} on rank {} \
+                         of {}: a peer never joined it (it skipped the group, left, or is \
+                         late) ({e})",
+                        c.diag.timeout(),
+                        c.rank(),
+                        c.world_size()
                     );
                     let err = c.diag.group_timed_out(what);
                     first.get_or_insert(err);

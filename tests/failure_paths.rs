@@ -386,8 +386,56 @@ fn a_group_whose_peer_never_joins_ends_at_the_timeout() {
         "Group::end took {took:?}"
     );
     assert!(is_timeout(&e), "{e}");
-    assert!(e.to_string().contains("ncclGroupEnd"), "{e}");
+    assert!(e.to_string().contains("a peer never joined it"), "{e}");
+    assert!(
+        e.to_string().contains("failure_paths.rs"),
+        "names the group's line: {e}"
+    );
     assert!(peer_failed, "the idle peer's is_failed() stayed false");
+    assert_balanced(&id);
+}
+
+/// The same when the peer does not stay: it drops its communicator at once, while rank 0
+/// is inside `Group::end` waiting for it. The group fails within its timeout with a typed
+/// error (the group's communicators are pinned, so the departure is seen at the deadline
+/// rather than at once, as it is for a plain collective).
+#[test]
+fn a_group_whose_peer_left_fails_within_its_timeout() {
+    let id = Device::Host.unique_id().unwrap();
+    let (e, took) = within(Duration::from_secs(30), move || {
+        let joined = Barrier::new(2);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let c = Communicator::init_rank(&Device::Host, 2, 1, &id, &config()).unwrap();
+                joined.wait();
+                drop(c);
+            });
+            let c = Communicator::init_rank(&Device::Host, 2, 0, &id, &config()).unwrap();
+            joined.wait();
+            let (send, mut recv) = (vec![1.0f32; 8], vec![0.0f32; 8]);
+            let t = Instant::now();
+            let mut g = nccl_safe::Group::new();
+            g.push(
+                c.all_reduce_op(&send, &mut recv, ReduceOp::Sum, &S)
+                    .unwrap(),
+            )
+            .unwrap();
+            let e = g.end().expect_err("the peer left");
+            (e, t.elapsed())
+        })
+    });
+    assert!(
+        took < TIMEOUT + Duration::from_secs(1),
+        "Group::end took {took:?}"
+    );
+    assert!(
+        matches!(e, Error::Timeout { .. } | Error::RankLeft { rank: 1, .. }),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("failure_paths.rs"),
+        "names the group's line: {e}"
+    );
     assert_balanced(&id);
 }
 
