@@ -191,7 +191,16 @@ impl<'a> Group<'a> {
         let r = match timeout {
             #[cfg(feature = "host")]
             Some(t) if lib.provider() == crate::Provider::Host => {
-                crate::host::with_deadline(std::time::Instant::now() + t, end)
+                // A peer that leaves while the group waits for it ends the wait at once
+                // (the watchdog would abort an unpinned communicator for it).
+                let checks: Vec<_> = self
+                    .comms
+                    .iter()
+                    .filter_map(|c| c.diag.departure_check())
+                    .collect();
+                let cancel: Option<crate::host::CallCancel> = (!checks.is_empty())
+                    .then(|| Box::new(move || checks.iter().any(|f| f())) as _);
+                crate::host::with_deadline(std::time::Instant::now() + t, cancel, end)
             }
             _ => end(),
         };

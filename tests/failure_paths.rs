@@ -396,21 +396,21 @@ fn a_group_whose_peer_never_joins_ends_at_the_timeout() {
 }
 
 /// The same when the peer does not stay: it drops its communicator at once, while rank 0
-/// is inside `Group::end` waiting for it. The group fails within its timeout with a typed
-/// error (the group's communicators are pinned, so the departure is seen at the deadline
-/// rather than at once, as it is for a plain collective).
+/// is inside `Group::end` waiting for it (on the host provider the group runs inside that
+/// call, with its communicators pinned against the watchdog). The group fails at once with
+/// `RankLeft` naming rank 1, not at the 60 s timeout.
 #[test]
-fn a_group_whose_peer_left_fails_within_its_timeout() {
+fn a_group_whose_peer_left_fails_at_once() {
     let id = Device::Host.unique_id().unwrap();
     let (e, took) = within(Duration::from_secs(30), move || {
         let joined = Barrier::new(2);
         std::thread::scope(|s| {
             s.spawn(|| {
-                let c = Communicator::init_rank(&Device::Host, 2, 1, &id, &config()).unwrap();
+                let c = Communicator::init_rank(&Device::Host, 2, 1, &id, &patient()).unwrap();
                 joined.wait();
                 drop(c);
             });
-            let c = Communicator::init_rank(&Device::Host, 2, 0, &id, &config()).unwrap();
+            let c = Communicator::init_rank(&Device::Host, 2, 0, &id, &patient()).unwrap();
             joined.wait();
             let (send, mut recv) = (vec![1.0f32; 8], vec![0.0f32; 8]);
             let t = Instant::now();
@@ -424,14 +424,8 @@ fn a_group_whose_peer_left_fails_within_its_timeout() {
             (e, t.elapsed())
         })
     });
-    assert!(
-        took < TIMEOUT + Duration::from_secs(1),
-        "Group::end took {took:?}"
-    );
-    assert!(
-        matches!(e, Error::Timeout { .. } | Error::RankLeft { rank: 1, .. }),
-        "{e}"
-    );
+    assert!(took < Duration::from_secs(5), "Group::end took {took:?}");
+    assert!(matches!(e, Error::RankLeft { rank: 1, .. }), "{e}");
     assert!(
         e.to_string().contains("failure_paths.rs"),
         "names the group's line: {e}"

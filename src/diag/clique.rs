@@ -364,6 +364,12 @@ impl Clique {
         self.set_timed_out(&report)
     }
 
+    /// Whether a rank of the clique left (one load).
+    #[inline]
+    pub(crate) fn has_departure(&self) -> bool {
+        self.departed.get().is_some()
+    }
+
     /// Whether the clique timed out (one load).
     #[inline]
     pub(crate) fn any_timeout(&self) -> bool {

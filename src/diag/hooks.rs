@@ -282,6 +282,15 @@ impl CommDiag {
         }
     }
 
+    /// For a group's end on the host provider, which runs the group inside the call with
+    /// its communicators pinned (so the watchdog cannot abort them when a peer leaves): a
+    /// check that turns `true` once a rank this communicator's staged operations need has
+    /// left, having failed the clique for that departure (so the error names the rank).
+    pub(crate) fn departure_check(&self) -> Option<Box<dyn Fn() -> bool>> {
+        let s = Arc::clone(self.shared.get()?);
+        Some(Box::new(move || s.staged_waits_for_departed()))
+    }
+
     /// After `ncclGroupEnd` enqueued a group's operations: they are now on their streams.
     pub(crate) fn publish_group(&self) {
         if let Some(s) = self.shared.get() {

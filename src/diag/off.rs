@@ -94,6 +94,12 @@ impl CommDiag {
     #[inline(always)]
     pub(crate) fn publish_group(&self) {}
 
+    /// No clique is watched, so no departure is known.
+    #[allow(dead_code)]
+    pub(crate) fn departure_check(&self) -> Option<Box<dyn Fn() -> bool>> {
+        None
+    }
+
     /// The timeout of this communicator's operations (and of its init).
     pub(crate) fn timeout(&self) -> Duration {
         self.settings.timeout

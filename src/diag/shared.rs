@@ -462,6 +462,38 @@ impl Shared {
         self.clique.waits_for_departed(self.rank, &rec).map(|_| rec)
     }
 
+    /// Whether an operation of the group being ended (staged on a queue, not yet
+    /// published) needs a rank that left: then the clique is failed for that departure,
+    /// once, naming the rank, and this returns `true`. Reads only the diagnostics' own
+    /// state (never the provider's), so a provider's wait may poll it.
+    pub(super) fn staged_waits_for_departed(&self) -> bool {
+        if !self.clique.has_departure() {
+            return false;
+        }
+        if self.clique.any_timeout() {
+            return true;
+        }
+        let queues: smallvec::SmallVec<[Arc<QueueWatch>; MAX_QUEUES]> =
+            self.queue_list().iter().cloned().collect();
+        for q in &queues {
+            let (from, to) = (
+                q.published.load(Ordering::Acquire),
+                q.staged.load(Ordering::Acquire),
+            );
+            for pos in from..to {
+                let Some(rec) = self.journal.get(pos) else {
+                    continue;
+                };
+                if let Some(d) = self.clique.waits_for_departed(self.rank, &rec) {
+                    let d = d.clone();
+                    self.clique.fail_for_departure(&d, Some(self.rank), Some(&rec));
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
     /// The report this communicator's failure is about, if the clique timed out.
     pub(super) fn timed_out(&self) -> Option<Arc<TimeoutReport>> {
         if self.aborted_by_watchdog.load(Ordering::Acquire) {

@@ -4,7 +4,7 @@
 //! provider: it imports none of its siblings but `dtype`.
 
 use core::ffi::c_char;
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -114,20 +114,49 @@ pub(crate) fn wait_limit() -> Duration {
     })
 }
 
+/// A check the caller's waits poll: `true` once the call can never complete (a peer it
+/// needs has left), which ends them as their deadline would.
+pub(crate) type CallCancel = Box<dyn Fn() -> bool>;
+
 std::thread_local! {
     /// The deadline the caller gave the call this thread is making (see [`with_deadline`]).
     static CALL_DEADLINE: Cell<Option<Instant>> = const { Cell::new(None) };
+    /// The check the caller gave that call, if any (see [`with_deadline`]).
+    static CALL_CANCEL: RefCell<Option<CallCancel>> = const { RefCell::new(None) };
 }
+
+/// How often a wait with a [`CallCancel`] polls it.
+pub(crate) const CANCEL_POLL: Duration = Duration::from_millis(10);
 
 /// Runs `f` (one call into the provider) with its waits ending by `deadline` at the latest,
 /// as a non-blocking NCCL communicator's caller bounds its wait for `ncclInProgress`: the
 /// crate's `Group::end` passes its communicators' timeout, because a group's communicators
 /// are claimed against the watchdog for the whole call, so no abort could end the wait.
-pub(crate) fn with_deadline<R>(deadline: Instant, f: impl FnOnce() -> R) -> R {
+/// `cancel`, when given, is polled (every [`CANCEL_POLL`], without the provider's lock) and
+/// ends the waits at once when it returns `true`: a group whose peer left fails then, not at
+/// its deadline.
+pub(crate) fn with_deadline<R>(
+    deadline: Instant,
+    cancel: Option<CallCancel>,
+    f: impl FnOnce() -> R,
+) -> R {
     let before = CALL_DEADLINE.with(|c| c.replace(Some(deadline)));
+    let cancel_before = CALL_CANCEL.with(|c| c.replace(cancel));
     let r = f();
     CALL_DEADLINE.with(|c| c.set(before));
+    CALL_CANCEL.with(|c| c.replace(cancel_before));
     r
+}
+
+/// Whether this thread's current call has a [`CallCancel`] to poll.
+pub(crate) fn call_cancellable() -> bool {
+    CALL_CANCEL.with(|c| c.borrow().is_some())
+}
+
+/// Whether this thread's current call's [`CallCancel`] says it can never complete. Call
+/// it without the provider's lock: the check reads the caller's own state.
+pub(crate) fn call_cancelled() -> bool {
+    CALL_CANCEL.with(|c| c.borrow().as_ref().is_some_and(|f| f()))
 }
 
 /// When the waits of this thread's current call give up: [`wait_limit`] from now, or the

@@ -927,7 +927,8 @@ fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) ->
         }
         g = lock();
     }
-    let deadline = super::defs::call_deadline();
+    let mut deadline = super::defs::call_deadline();
+    let cancellable = super::defs::call_cancellable();
     loop {
         let mut i = 0;
         while i < waits.len() {
@@ -960,10 +961,24 @@ fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) ->
         if waits.is_empty() {
             break;
         }
-        g = wait(
-            g,
-            deadline.max(Instant::now() + std::time::Duration::from_millis(10)),
-        );
+        if cancellable {
+            // The caller's check reads its own state, never the provider's: poll it
+            // without the lock. Once it says the call can never complete, the deadline is
+            // now (the clique is aborted as at the deadline, so no peer touches our
+            // buffers afterwards).
+            g = wait(g, deadline.min(Instant::now() + super::defs::CANCEL_POLL));
+            drop(g);
+            let cancelled = super::defs::call_cancelled();
+            g = lock();
+            if cancelled {
+                deadline = deadline.min(Instant::now());
+            }
+        } else {
+            g = wait(
+                g,
+                deadline.max(Instant::now() + std::time::Duration::from_millis(10)),
+            );
+        }
     }
     match first {
         Some(f) => Err(f),

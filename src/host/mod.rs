@@ -172,7 +172,7 @@ pub(crate) fn with_caller<R>(
     r
 }
 
-pub(crate) use defs::with_deadline;
+pub(crate) use defs::{with_deadline, CallCancel};
 
 /// The line behind the call this thread is making into the provider, if known.
 pub(crate) fn current_caller() -> Option<&'static std::panic::Location<'static>> {
