@@ -331,26 +331,68 @@ fn a_restarted_job_never_reads_the_previous_attempts_id() {
     );
 }
 
-/// A rank whose exchange failed (here: rank 0 was late) and that tries again keeps the key
-/// its peers use, instead of moving to the next one and waiting there until the timeout;
-/// once an exchange completes, the process's next one (a second communicator) moves on.
+/// The key of an exchange counts the communicators joined, which is the same on every rank
+/// (an init completes on all ranks or on none), never the exchanges a process completed:
+/// - a rank whose exchange failed (rank 0 was late) and that tries again keeps the key its
+///   peers use;
+/// - when rank 0 published but the communicator never formed (rank 1's read failed, so
+///   rank 0's join failed too), both retry under the same key, and rank 1 never reads the
+///   stale id: rank 0 retracted it, so rank 1 waits for the id of the retry;
+/// - once the communicator is joined, the process's next exchange moves on.
+///
+/// The ranks here are threads of one process sharing the count, as the ranks of a real
+/// job have equal counts; the test shows the count moves on joins only, and the
+/// retraction.
 #[test]
-fn a_retried_exchange_keeps_its_key_and_the_next_one_moves_on() {
+fn a_retried_exchange_keeps_its_key_and_never_reads_a_stale_id() {
     let store = FakeStore::start(Mode::Honest);
+    let env0 = torchrun_env(0, 2, store.port(), 0);
     let env1 = torchrun_env(1, 2, store.port(), 0);
-    let first = StoreRendezvous::from_env(&env1)
-        .unwrap()
-        .with_timeout(Duration::from_millis(200));
+    let short = |env: &ProcessEnv| {
+        StoreRendezvous::from_env(env)
+            .unwrap()
+            .with_timeout(Duration::from_millis(200))
+    };
+    let first = short(&env1);
     assert!(first.read(1, 2).is_err(), "rank 0 has not published yet");
     let retry = StoreRendezvous::from_env(&env1).unwrap().with_timeout(T);
     assert_eq!(retry.id_key(), first.id_key());
-    // Rank 0 (its own process in a real job, at the same count) publishes under that key.
-    let rank0 = StoreRendezvous::from_env(&torchrun_env(0, 2, store.port(), 0)).unwrap();
+    // Rank 0 publishes under that key; the retried read gets it.
+    let rank0 = StoreRendezvous::from_env(&env0).unwrap();
     assert_eq!(rank0.id_key(), first.id_key());
     rank0.publish(2, &id(4)).unwrap();
     assert_eq!(retry.read(1, 2).unwrap(), id(4));
+    // Say that communicator never formed: rank 0's join failed, and it retracts its id.
+    // Both ranks retry under the same key, and rank 1 does not take id(4) again.
+    rank0.retract().unwrap();
+    let (again0, again1) = (short(&env0), short(&env1));
+    assert_eq!(again0.id_key(), first.id_key());
+    assert_eq!(again1.id_key(), first.id_key());
+    assert!(
+        again1.read(1, 2).is_err(),
+        "rank 1 read the retracted id of the failed join"
+    );
+    again0.publish(2, &id(5)).unwrap();
+    assert_eq!(again1.read(1, 2).unwrap(), id(5));
+    // This time the communicator formed: the next exchange (a second communicator) uses
+    // the next key, on every rank.
+    again1.joined();
     let next = StoreRendezvous::from_env(&env1).unwrap();
     assert_ne!(next.id_key(), first.id_key());
+    assert_eq!(
+        next.id_key(),
+        StoreRendezvous::from_env(&env0).unwrap().id_key()
+    );
+}
+
+#[test]
+fn delete_key_removes_a_key_and_says_whether_it_was_set() {
+    let store = FakeStore::start(Mode::Honest);
+    let mut c = StoreClient::connect(&store.addr(), T).unwrap();
+    c.set("gone", b"x").unwrap();
+    assert!(c.delete_key("gone").unwrap());
+    assert!(!c.delete_key("gone").unwrap());
+    assert!(!store.keys().contains(&"/gone".to_string()));
 }
 
 #[test]
@@ -441,9 +483,15 @@ fn against_a_real_pytorch_store() {
     // The server answered the cancel: the connection is still in step.
     c.ping().unwrap();
     assert_eq!(c.get(&key("a"), T).unwrap(), b"new");
+    assert!(c.delete_key(&key("a")).unwrap());
+    assert!(!c.delete_key(&key("a")).unwrap());
+    assert!(!c.check(&[&key("a")]).unwrap());
     let r = StoreRendezvous::new(addr.clone(), key("x/")).with_timeout(T);
     r.publish(2, &id(9)).unwrap();
     assert_eq!(r.read(1, 2).unwrap(), id(9));
+    // A retracted id is gone: a reader waits for the next one.
+    r.retract().unwrap();
+    assert!(!c.check(&[&r.id_key()]).unwrap());
     let board = r.board(2);
     let post = nccl_safe::diag::DesyncPost::new(1, 2, "seq 2\u{1b}[31m");
     board.post_by(1, &post, Instant::now() + T).unwrap();

@@ -96,8 +96,22 @@ impl ProcessLauncher {
 
     /// Like [`init`](Self::init) with another rendezvous (file, or your own closure).
     pub fn init_with(self, rendezvous: Rendezvous) -> Result<Rank> {
+        let store = match &rendezvous {
+            Rendezvous::Store(s) => Some(s.clone()),
+            _ => None,
+        };
         let (id, server) = self.exchange_id(rendezvous)?;
         let result = self.join(&id);
+        if let Some(store) = store {
+            match &result {
+                Ok(_) => store.joined(),
+                // Peers that retry must not read this id again. If the deletion fails
+                // too, a retried peer joins the dead id and fails at its init timeout:
+                // the join's own error is the one to report.
+                Err(_) if self.env.rank == 0 => drop(store.retract()),
+                Err(_) => {}
+            }
+        }
         if let Some(server) = server {
             if result.is_ok() {
                 // Every rank joined the communicator, so every rank had the id, whatever

@@ -24,6 +24,7 @@
 //! | `ADD` | 4 | key, `i64` delta | the new `i64` value |
 //! | `CHECK` | 5 | `u64` count, keys | `u8`: 0 all present, 1 not |
 //! | `WAIT` | 6 | `u64` count, keys | `u8` 0 (stop waiting) once all are present |
+//! | `DELETE_KEY` | 8 | key | `i64`: how many keys were deleted (0 or 1) |
 //! | `CANCEL_WAIT` | 12 | none | `u8` 1 (wait canceled), after a 0 if the wait had just ended |
 //! | `PING` | 13 | `u32` nonce | the same `u32` |
 //!
@@ -70,6 +71,7 @@ const GET: u8 = 3;
 const ADD: u8 = 4;
 const CHECK: u8 = 5;
 const WAIT: u8 = 6;
+const DELETE_KEY: u8 = 8;
 const CANCEL_WAIT: u8 = 12;
 const PING: u8 = 13;
 
@@ -349,6 +351,17 @@ impl StoreClient {
         self.read_bytes(&op, self.op_deadline(self.timeout))
     }
 
+    /// Deletes `key`; `true` when it was set.
+    pub fn delete_key(&mut self, key: &str) -> Result<bool, StoreError> {
+        let op = format!("DELETE_KEY {key:?}");
+        let mut q = vec![DELETE_KEY];
+        self.put_bytes(&mut q, &op, "key", &wire_key(key))?;
+        self.send(&op, &q)?;
+        let mut b = [0u8; 8];
+        self.read_exact_by(&op, &mut b, self.op_deadline(self.timeout))?;
+        Ok(i64::from_le_bytes(b) > 0)
+    }
+
     /// Sets `key` to `desired` if it holds `expected` (or, with `expected` empty, if it is
     /// unset), and answers the server's reply, which is not always what the key holds:
     ///
@@ -454,10 +467,12 @@ impl StoreClient {
     }
 }
 
-/// Counts the store rendezvous of this process that completed, so a second communicator of
-/// the same job uses fresh keys (every rank creates its communicators in the same order),
-/// while an exchange that failed (a timeout, a lost connection) and is retried keeps its
-/// key, which is the one its peers still use.
+/// Counts the communicators this process joined with an id from a store rendezvous
+/// ([`StoreRendezvous::joined`]). That count is the job's, not the process's: every rank
+/// makes its communicators in the same order, and a communicator's init succeeds on all of
+/// its ranks or on none. So a second communicator uses fresh keys, while an exchange that
+/// failed anywhere (a timeout, a lost connection, a join that never completed) is retried
+/// under the key its peers retry under too, whichever rank failed and where.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
 /// The NCCL id exchange through torchrun's agent store (see the [module docs](self)).
@@ -467,8 +482,8 @@ pub struct StoreRendezvous {
     prefix: String,
     timeout: Duration,
     io_timeout: Duration,
-    /// The process's exchange count this one has (from [`Self::from_env`]), advanced when
-    /// it completes.
+    /// The process's count of joined communicators this one has (from [`Self::from_env`]),
+    /// advanced by [`Self::joined`].
     generation: Option<u64>,
 }
 
@@ -488,8 +503,13 @@ impl StoreRendezvous {
     /// Under torchrun with the agent's store (`TORCHELASTIC_USE_AGENT_STORE=True`): the
     /// store at `MASTER_ADDR:MASTER_PORT`, keys under
     /// `nccl-safe/<TORCHELASTIC_RUN_ID>/attempt_<TORCHELASTIC_RESTART_COUNT>/<n>/`, where
-    /// `n` counts the exchanges of this process that completed: a retry after a failed one
-    /// uses the same key as its peers. `None` for other launchers.
+    /// `n` counts the communicators this process joined with such an id (see
+    /// [`joined`](Self::joined)): the same on every rank, so a retry after a failed
+    /// exchange or a failed join uses the same key as its peers. `None` for other launchers.
+    ///
+    /// Call [`joined`](Self::joined) once the communicator made with the id is
+    /// initialized, and on rank 0 [`retract`](Self::retract) when it is not;
+    /// [`crate::launch::ProcessLauncher`] does both.
     pub fn from_env(env: &ProcessEnv) -> Option<StoreRendezvous> {
         let e = env.elastic.as_ref().filter(|e| e.use_agent_store)?;
         let n = GENERATION.load(Ordering::Acquire);
@@ -501,11 +521,23 @@ impl StoreRendezvous {
         Some(r)
     }
 
-    /// This exchange completed: the process's next one uses the next key.
-    fn completed(&self) {
+    /// The communicator made with this exchange's id is initialized (on every rank, as
+    /// NCCL's init completes on all of them or on none): the process's next exchange uses
+    /// the next key. Until then a retry uses this one, as its peers' retries do.
+    pub fn joined(&self) {
         if let Some(n) = self.generation {
             GENERATION.fetch_max(n + 1, Ordering::AcqRel);
         }
+    }
+
+    /// Rank 0, when the communicator made with the id it published was not initialized:
+    /// deletes the id, so a peer that retries waits for the next one rank 0 publishes
+    /// under the same key, instead of reading this stale one and joining a communicator
+    /// that no longer forms. Bounded by the io timeout.
+    pub fn retract(&self) -> Result<(), RendezvousError> {
+        let mut c = self.connect()?;
+        c.delete_key(&self.id_key())?;
+        Ok(())
     }
 
     /// Sets how long a rank waits for rank 0's id (default 300 s).
@@ -547,7 +579,6 @@ impl StoreRendezvous {
         c.set(&self.id_key(), &v)?;
         // A round trip, so the value is known to be stored when this returns.
         c.ping()?;
-        self.completed();
         Ok(())
     }
 
@@ -597,7 +628,6 @@ impl StoreRendezvous {
         }
         let mut id = [0u8; ID_LEN];
         id.copy_from_slice(&v[4..]);
-        self.completed();
         Ok(id)
     }
 

@@ -310,6 +310,12 @@ fn serve(
                     }
                 }
             }
+            8 => {
+                let k = c.string()?;
+                let gone = shared.map.lock().unwrap().remove(&k).is_some();
+                shared.changed.notify_all();
+                Some(i64::from(gone).to_le_bytes().to_vec())
+            }
             12 | 13 if *mode.lock().unwrap() == Mode::NoPing => return Ok(()),
             12 => Some(vec![1]), // a cancel with no wait running
             13 => Some(c.u32()?.to_le_bytes().to_vec()),
