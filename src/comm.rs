@@ -745,6 +745,7 @@ impl Communicator {
             });
         }
         crate::diag::check_lane(OP, self.lane())?;
+        let tag = crate::diag::shrink_tag(&list);
         let mut child: ncclComm_t = std::ptr::null_mut();
         let child_ptr: *mut ncclComm_t = &mut child;
         let mut adopted = None;
@@ -769,7 +770,7 @@ impl Communicator {
             || {
                 // SAFETY: the call above has returned; `child` is read once, here.
                 let raw = unsafe { *child_ptr };
-                adopted = self.adopt_child(OP, raw, caller, u64::MAX)?;
+                adopted = self.adopt_child(OP, raw, caller, tag)?;
                 Ok(())
             },
         )?;

@@ -1,7 +1,7 @@
 //! The per-operation hooks and a communicator's diagnostics (the `diag` feature): what
 //! `Communicator::issue` calls before and after each NCCL call, and what teardown asks.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::panic::Location;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -53,7 +53,8 @@ pub(crate) struct CommDiag {
     recent_queues: RefCell<[Option<Arc<QueueWatch>>; RECENT_QUEUES]>,
     /// Shrinks made so far: part of each shrink child's clique key, so two shrinks at the
     /// same sequence number never share one.
-    children: Cell<u64>,
+    /// The shrinks made from this communicator, per exclude list ([`shrink_tag`]).
+    children: RefCell<Vec<(u64, u64)>>,
 }
 
 #[cfg(test)]
@@ -89,6 +90,17 @@ pub(crate) struct Ticket<'a> {
     stream: StreamRef<'a>,
 }
 
+/// The bit that marks a child's tag as a shrink's ([`shrink_tag`]); a split's tag is its
+/// color, a non-negative `c_int`.
+pub(crate) const SHRINK_TAG: u64 = 1 << 63;
+
+/// The tag of a shrink's child: its exclude list, whatever its order.
+pub(crate) fn shrink_tag(exclude: &[std::ffi::c_int]) -> u64 {
+    let mut list = exclude.to_vec();
+    list.sort_unstable();
+    clique::key_of(("shrink", list)) | SHRINK_TAG
+}
+
 impl CommDiag {
     /// For a communicator joined through `id`.
     pub(crate) fn for_id(config: &DiagConfig, id: &UniqueId) -> CommDiag {
@@ -100,7 +112,7 @@ impl CommDiag {
             shared: OnceLock::new(),
             board: config.board.clone(),
             recent_queues: RefCell::new(Default::default()),
-            children: Cell::new(0),
+            children: RefCell::new(Vec::new()),
         }
     }
 
@@ -113,7 +125,7 @@ impl CommDiag {
             shared: OnceLock::new(),
             board: None,
             recent_queues: RefCell::new(Default::default()),
-            children: Cell::new(0),
+            children: RefCell::new(Vec::new()),
         }
     }
 
@@ -122,21 +134,30 @@ impl CommDiag {
         clique::fresh_key()
     }
 
-    /// For a child from split (`tag` = color) or shrink: same settings, the key derived
-    /// from the parent's, its last collective's sequence number and `tag`.
+    /// For a child from split (`tag` = color) or shrink ([`shrink_tag`]): same settings,
+    /// the key derived from the parent's, its last collective's sequence number and `tag`.
     pub(crate) fn child(&self, tag: u64) -> CommDiag {
         let seq = self
             .shared
             .get()
             .map_or(0, |s| s.seq.load(Ordering::Relaxed));
-        // A shrink does not advance the sequence number and has one tag: number the
-        // shrinks (every rank of the child made the parent's shrinks in the same order).
-        // A split is a collective (its own sequence number), and its excluded ranks
-        // call it too.
-        let nth = if tag == u64::MAX {
-            let n = self.children.get();
-            self.children.set(n + 1);
-            n
+        // A shrink does not advance the sequence number: number the shrinks of each
+        // exclude list (every rank of the child made the parent's shrinks of that list,
+        // in the same order; a rank excluded from another list never made that one). A
+        // split is a collective (its own sequence number), and its excluded ranks call it
+        // too.
+        let nth = if tag & SHRINK_TAG != 0 {
+            let mut made = self.children.borrow_mut();
+            match made.iter_mut().find(|(t, _)| *t == tag) {
+                Some((_, n)) => {
+                    *n += 1;
+                    *n
+                }
+                None => {
+                    made.push((tag, 0));
+                    0
+                }
+            }
         } else {
             0
         };
@@ -147,7 +168,7 @@ impl CommDiag {
             shared: OnceLock::new(),
             board: None,
             recent_queues: RefCell::new(Default::default()),
-            children: Cell::new(0),
+            children: RefCell::new(Vec::new()),
         }
     }
 
@@ -989,29 +1010,45 @@ mod tests {
     }
 
     /// Two children of one parent made at the same sequence number with the same tag
-    /// (two shrinks) get distinct clique keys, the same on every rank.
+    /// (two shrinks of one exclude list) get distinct clique keys, the same on every rank;
+    /// a rank that was excluded from an earlier shrink (so never made it) still derives the
+    /// keys of the later ones as its peers do.
     #[test]
     fn children_made_at_one_point_get_distinct_keys() {
         let (c, _id) = comm();
-        let a = c.diag.child(u64::MAX);
-        let b = c.diag.child(u64::MAX);
+        let (drop3, drop2) = (shrink_tag(&[3]), shrink_tag(&[2]));
+        assert_ne!(drop3, drop2);
+        assert_eq!(
+            shrink_tag(&[1, 3]),
+            shrink_tag(&[3, 1]),
+            "the order of the list"
+        );
+        let a = c.diag.child(drop3);
+        let b = c.diag.child(drop3);
         assert_ne!(a.key, b.key);
+        let d = c.diag.child(drop2);
+        assert_ne!(d.key, a.key);
+        assert_ne!(d.key, b.key);
         assert_eq!(
             a.root, b.root,
             "children share the teardown lane of their family"
         );
-        // Another rank of the parent (same parent key, same order) derives the same keys.
-        let other = CommDiag {
+        let other = || CommDiag {
             settings: c.diag.settings.clone(),
             key: c.diag.key,
             root: c.diag.root,
             shared: OnceLock::new(),
             board: None,
             recent_queues: RefCell::new(Default::default()),
-            children: Cell::new(0),
+            children: RefCell::new(Vec::new()),
         };
-        assert_eq!(other.child(u64::MAX).key, a.key);
-        assert_eq!(other.child(u64::MAX).key, b.key);
+        // Another rank of the parent (same parent key, same order) derives the same keys.
+        let o = other();
+        assert_eq!(o.child(drop3).key, a.key);
+        assert_eq!(o.child(drop3).key, b.key);
+        assert_eq!(o.child(drop2).key, d.key);
+        // Rank 3, excluded from the shrinks that drop it, made only the one dropping 2.
+        assert_eq!(other().child(drop2).key, d.key);
         c.destroy().map_err(|(_, e)| e).unwrap();
     }
 
