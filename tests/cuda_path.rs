@@ -26,7 +26,6 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use fakes::{driver, nccl, Counts, Gauge};
 use nccl_safe::diag::OpState;
-use nccl_safe::host::fault::{self, Fault};
 use nccl_safe::{Communicator, Config, Device, Error, Group, ReduceOp, UniqueId};
 use support::{until, within};
 
@@ -321,9 +320,11 @@ fn is_timeout(e: &Error) -> bool {
 
 /// A GPU's stuck stream, on the CUDA path: the collective is accepted, the watchdog's
 /// events on the stream never complete, the communicator fails fast, and the watchdog's
-/// abort (which blocks, as NVIDIA's does in `cudaFree` behind the stream) runs on a thread
-/// of its own. Nothing synchronizes the stalled stream, and the caller's next call fails
-/// without a driver call.
+/// abort runs on a thread of its own, where it blocks in the driver behind the stalled
+/// stream (the fake NCCL's abort frees through the driver on the communicator's device, as
+/// NVIDIA's does, whatever context the thread has: no fault is injected). Nothing
+/// synchronizes the stalled stream, and the caller's next call fails without a driver
+/// call.
 #[test]
 fn a_stalled_stream_fails_fast_and_is_aborted_behind_it() {
     let _serial = serial();
@@ -333,7 +334,6 @@ fn a_stalled_stream_fails_fast_and_is_aborted_behind_it() {
             .timeout(TIMEOUT)
             .abort_timeout(Duration::from_secs(20));
         let r = rank(1, &config, false);
-        fault::inject(&r.id.to_raw(), Fault::BlockingAbort(None));
         let waits = d.gauge(Gauge::StalledWaits);
         let records = d.counts(false).get("cuEventRecord");
         let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
@@ -369,8 +369,8 @@ fn a_stalled_stream_fails_fast_and_is_aborted_behind_it() {
         );
         assert!(matches!(r.comm.async_error(), Err(Error::Timeout { .. })));
 
-        until(BOUND, || fault::blocked_aborts(&r.id.to_raw()) >= 1)
-            .expect("the watchdog's abort runs, and blocks");
+        until(BOUND, || d.gauge(Gauge::ReleasesInProgress) >= 1)
+            .expect("the watchdog's abort runs, and blocks in the driver behind the stall");
         assert!(
             d.counts(false).get("cuEventRecord") > records,
             "the watchdog recorded events on the stream"
@@ -394,7 +394,6 @@ fn a_stalled_stream_fails_fast_and_is_aborted_behind_it() {
             "something synchronized the stalled stream"
         );
 
-        fault::release_aborts(&id.to_raw());
         d.stall(&stream, false);
         let st = support::assert_balanced(&id);
         assert_eq!((st.created, st.aborted, st.destroyed), (1, 1, 0));
@@ -618,7 +617,7 @@ fn teardowns_behind_a_stalled_stream_keep_the_abort_bound() {
                 .expect("NCCL memory on the fake device");
             helper.stream.synchronize().unwrap();
             d.stall(&helper.stream, true);
-            let waits = d.gauge(Gauge::StalledWaits);
+            let waits = d.gauge(Gauge::ReleaseWaits);
             let t = Instant::now();
             drop(mem);
             assert!(
@@ -627,7 +626,7 @@ fn teardowns_behind_a_stalled_stream_keep_the_abort_bound() {
                 t.elapsed()
             );
             until(Duration::from_secs(5), || {
-                d.gauge(Gauge::StalledWaits) > waits
+                d.gauge(Gauge::ReleaseWaits) > waits
             })
             .expect("the free waits behind the stalled stream");
             // A registration: NCCL unmaps it through the driver, which waits for the
@@ -638,7 +637,7 @@ fn teardowns_behind_a_stalled_stream_keep_the_abort_bound() {
             let reg = reg_rank.comm.register(&mut buf).expect("a registration");
             reg_rank.stream.synchronize().unwrap();
             d.stall(&reg_rank.stream, true);
-            let waits = d.gauge(Gauge::StalledWaits);
+            let waits = d.gauge(Gauge::ReleaseWaits);
             let t = Instant::now();
             drop(reg);
             assert!(
@@ -647,7 +646,7 @@ fn teardowns_behind_a_stalled_stream_keep_the_abort_bound() {
                 t.elapsed()
             );
             until(Duration::from_secs(5), || {
-                d.gauge(Gauge::StalledWaits) > waits
+                d.gauge(Gauge::ReleaseWaits) > waits
             })
             .expect("the deregistration waits behind the stalled stream");
             assert!(reg_rank.comm.is_failed());
@@ -711,16 +710,15 @@ fn child_exits_behind_a_stalled_stream() {
         .timeout(TIMEOUT)
         .abort_timeout(Duration::from_millis(300));
     let r = rank(0, &config, false);
-    fault::inject(&r.id.to_raw(), Fault::BlockingAbort(None));
     let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
     d.stall(&r.stream, true);
     r.comm
         .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
         .unwrap();
     until(Duration::from_secs(5), || {
-        fault::blocked_aborts(&r.id.to_raw()) == 1
+        d.gauge(Gauge::ReleasesInProgress) == 1
     })
-    .expect("the watchdog's abort blocks");
+    .expect("the watchdog's abort blocks in the driver behind the stall");
     assert!(r.comm.is_failed());
     // As a process that ends without dropping anything.
     std::mem::forget((x, r));

@@ -86,6 +86,9 @@ static __thread int thread_marked;
 
 static int64_t live_streams, live_events, live_allocs, live_host_allocs;
 static uint64_t records_on_capturing, stalled_waits, stalled_wait_timeouts, bad_handles;
+/* Releases (NCCL's teardown through the driver) that waited behind a stall; in progress. */
+static uint64_t release_waits;
+static int64_t releases_blocked;
 
 static void add(int64_t *v, int64_t d) { __atomic_fetch_add(v, d, __ATOMIC_RELAXED); }
 static void bump(uint64_t *v) { __atomic_fetch_add(v, 1, __ATOMIC_RELAXED); }
@@ -148,11 +151,11 @@ static int event_done(CUevent e) {
     return !(e->pending && e->stream->stalled && e->stream->gen == e->gen);
 }
 
-/* Waits (bounded) until the stream is no longer stalled. */
-static void wait_unstalled(struct fake_stream *st) {
+/* Waits (bounded) until the stream is no longer stalled; counts the wait in `counter`. */
+static void wait_unstalled_as(struct fake_stream *st, uint64_t *counter) {
     pthread_mutex_lock(&lock);
     if (st->stalled) {
-        bump(&stalled_waits);
+        bump(counter);
         struct timespec until;
         clock_gettime(CLOCK_REALTIME, &until);
         until.tv_sec += STALL_WAIT_LIMIT_MS / 1000;
@@ -164,6 +167,11 @@ static void wait_unstalled(struct fake_stream *st) {
         }
     }
     pthread_mutex_unlock(&lock);
+}
+
+/* Waits (bounded) until the stream is no longer stalled: a synchronization of it. */
+static void wait_unstalled(struct fake_stream *st) {
+    wait_unstalled_as(st, &stalled_waits);
 }
 
 /* ---- the driver API ------------------------------------------------------------------- */
@@ -699,6 +707,20 @@ void fake_cuda_set_device_count(int n) {
     device_count = n < 0 ? 0 : n > MAX_DEVICES ? MAX_DEVICES : n;
 }
 
+/* NCCL's release of a communicator's resources (abort, destroy, deregistration, ncclMemFree):
+ * NCCL makes the communicator's device current itself and frees through the driver, which
+ * waits for that device's work. So it blocks behind a stalled stream of `device` whatever
+ * context the calling thread has, or none (a teardown on a thread of its own). A negative
+ * `device` (one the fake NCCL did not see made) waits for every device. */
+void fake_cuda_release_wait(int device) {
+    __atomic_fetch_add(&releases_blocked, 1, __ATOMIC_RELAXED);
+    for (int i = 0; i < MAX_STREAMS; i++) {
+        if (streams[i].in_use && (device < 0 || streams[i].device == device))
+            wait_unstalled_as(&streams[i], &release_waits);
+    }
+    __atomic_fetch_sub(&releases_blocked, 1, __ATOMIC_RELAXED);
+}
+
 /* Stalls (1) or releases (0) a stream. Returns 0, or -1 for an unknown stream. */
 int fake_cuda_stall(CUstream s, int on) {
     struct fake_stream *st = stream_of(s);
@@ -725,7 +747,8 @@ int fake_cuda_set_capturing(CUstream s, int on) {
 
 /* Gauges: 0 live streams, 1 live events, 2 live device allocations, 3 live pinned host
  * allocations, 4 events recorded on a capturing stream, 5 waits behind a stalled stream,
- * 6 of those that gave up, 7 calls with an invalid or released handle. */
+ * 6 of those that gave up, 7 calls with an invalid or released handle, 8 NCCL releases that
+ * waited behind a stalled stream, 9 NCCL releases in progress (blocked while one is). */
 int64_t fake_cuda_gauge(int which) {
     switch (which) {
     case 0: return __atomic_load_n(&live_streams, __ATOMIC_RELAXED);
@@ -736,6 +759,8 @@ int64_t fake_cuda_gauge(int which) {
     case 5: return (int64_t)__atomic_load_n(&stalled_waits, __ATOMIC_RELAXED);
     case 6: return (int64_t)__atomic_load_n(&stalled_wait_timeouts, __ATOMIC_RELAXED);
     case 7: return (int64_t)__atomic_load_n(&bad_handles, __ATOMIC_RELAXED);
+    case 8: return (int64_t)__atomic_load_n(&release_waits, __ATOMIC_RELAXED);
+    case 9: return __atomic_load_n(&releases_blocked, __ATOMIC_RELAXED);
     default: return -1;
     }
 }

@@ -27,6 +27,7 @@ pub struct FakeDriver {
     stall: unsafe extern "C" fn(*mut std::ffi::c_void, c_int) -> c_int,
     set_capturing: unsafe extern "C" fn(*mut std::ffi::c_void, c_int) -> c_int,
     gauge: unsafe extern "C" fn(c_int) -> i64,
+    release_wait: unsafe extern "C" fn(c_int),
 }
 
 /// What [`FakeDriver::gauge`] reads.
@@ -40,6 +41,11 @@ pub enum Gauge {
     StalledWaits = 5,
     StalledWaitTimeouts = 6,
     BadHandles = 7,
+    /// NCCL teardowns (abort, destroy, deregistration, ncclMemFree) that waited in the
+    /// driver behind a stalled stream of their device.
+    ReleaseWaits = 8,
+    /// NCCL teardowns in the driver right now (blocked, while a stall lasts).
+    ReleasesInProgress = 9,
 }
 
 /// Compiles (once per process) and loads the fake driver.
@@ -95,6 +101,7 @@ pub fn driver() -> &'static FakeDriver {
                 stall: *lib.get(b"fake_cuda_stall\0").unwrap(),
                 set_capturing: *lib.get(b"fake_cuda_set_capturing\0").unwrap(),
                 gauge: *lib.get(b"fake_cuda_gauge\0").unwrap(),
+                release_wait: *lib.get(b"fake_cuda_release_wait\0").unwrap(),
                 _lib: lib,
             }
         }
@@ -253,30 +260,120 @@ mod wrap {
         *TABLE.get_or_init(|| *nccl_safe::Library::host().table())
     }
 
+    /// The CUDA device of each communicator and NCCL allocation, as NVIDIA's NCCL keeps it:
+    /// the device current when it was made (a child's is its parent's).
+    fn devices() -> std::sync::MutexGuard<'static, std::collections::HashMap<usize, c_int>> {
+        static D: OnceLock<std::sync::Mutex<std::collections::HashMap<usize, c_int>>> =
+            OnceLock::new();
+        D.get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The device of the calling thread's current context, or -1 with none.
+    fn current_device() -> c_int {
+        let mut d: cudarc::driver::sys::CUdevice = -1;
+        // SAFETY: writes one int; fails (leaving -1) when no context is current.
+        let r = unsafe { cudarc::driver::sys::cuCtxGetDevice(&mut d) };
+        if r == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            d
+        } else {
+            -1
+        }
+    }
+
+    fn device_of(key: usize) -> c_int {
+        devices().get(&key).copied().unwrap_or(-1)
+    }
+
     /// NVIDIA's abort and destroy release the communicator's device memory through the
-    /// driver, whose frees wait for the device's work: behind a stalled stream they block
-    /// until it is released. Modelled with the fake's device-wide wait first.
-    fn release_through_the_driver() {
-        // SAFETY: no arguments; the fake driver waits for the current context's streams
-        // (nothing when no context is current).
-        let _ = unsafe { cudarc::driver::sys::cuCtxSynchronize() };
+    /// driver, after making the communicator's device current themselves, and the
+    /// driver's frees wait for the device's work: behind a stalled stream they block until
+    /// it is released, on whatever thread they run (a teardown lane, the watchdog's
+    /// abort). Modelled with the fake's wait on that device first (every device, for one
+    /// the fake did not see made: stricter, never kinder).
+    fn release_through_the_driver(device: c_int) {
+        // SAFETY: one int argument; waits for the fake device's stalled streams.
+        unsafe { (driver().release_wait)(device) }
+    }
+
+    pub unsafe extern "C" fn init_rank_config(
+        comm: *mut ncclComm_t,
+        n: c_int,
+        id: nccl_sys::ncclUniqueId,
+        rank: c_int,
+        config: *mut nccl_sys::ncclConfig_t,
+    ) -> ncclResult_t {
+        // SAFETY: forwarded unchanged to the host provider's entry point.
+        let r = unsafe { (host().ncclCommInitRankConfig)(comm, n, id, rank, config) };
+        // SAFETY: `comm` is the caller's out pointer, written by the call.
+        if let Some(c) = unsafe { comm.as_ref() } {
+            devices().insert(*c as usize, current_device());
+        }
+        r
+    }
+
+    pub unsafe extern "C" fn init_rank(
+        comm: *mut ncclComm_t,
+        n: c_int,
+        id: nccl_sys::ncclUniqueId,
+        rank: c_int,
+    ) -> ncclResult_t {
+        // SAFETY: as above.
+        let r = unsafe { (host().ncclCommInitRank)(comm, n, id, rank) };
+        // SAFETY: as above.
+        if let Some(c) = unsafe { comm.as_ref() } {
+            devices().insert(*c as usize, current_device());
+        }
+        r
+    }
+
+    pub unsafe extern "C" fn split(
+        comm: ncclComm_t,
+        color: c_int,
+        key: c_int,
+        child: *mut ncclComm_t,
+        config: *mut nccl_sys::ncclConfig_t,
+    ) -> ncclResult_t {
+        // SAFETY: as above.
+        let r = unsafe { (host().ncclCommSplit)(comm, color, key, child, config) };
+        // SAFETY: as above.
+        if let Some(c) = unsafe { child.as_ref() } {
+            let d = device_of(comm as usize);
+            devices().insert(*c as usize, d);
+        }
+        r
+    }
+
+    pub unsafe extern "C" fn mem_alloc(p: *mut *mut c_void, size: usize) -> ncclResult_t {
+        // SAFETY: as above.
+        let r = unsafe {
+            (host()
+                .ncclMemAlloc
+                .expect("the host provider has ncclMemAlloc"))(p, size)
+        };
+        // SAFETY: as above.
+        if let Some(a) = unsafe { p.as_ref() } {
+            devices().insert(*a as usize, current_device());
+        }
+        r
     }
 
     pub unsafe extern "C" fn abort(c: ncclComm_t) -> ncclResult_t {
-        release_through_the_driver();
+        release_through_the_driver(device_of(c as usize));
         // SAFETY: forwarded unchanged to the host provider's entry point.
         unsafe { (host().ncclCommAbort)(c) }
     }
 
     pub unsafe extern "C" fn destroy(c: ncclComm_t) -> ncclResult_t {
-        release_through_the_driver();
+        release_through_the_driver(device_of(c as usize));
         // SAFETY: as above.
         unsafe { (host().ncclCommDestroy)(c) }
     }
 
     /// A registration's release unmaps through the driver too.
     pub unsafe extern "C" fn deregister(c: ncclComm_t, handle: *mut c_void) -> ncclResult_t {
-        release_through_the_driver();
+        release_through_the_driver(device_of(c as usize));
         // SAFETY: as above.
         unsafe {
             (host()
@@ -286,7 +383,7 @@ mod wrap {
     }
 
     pub unsafe extern "C" fn mem_free(p: *mut c_void) -> ncclResult_t {
-        release_through_the_driver();
+        release_through_the_driver(device_of(p as usize));
         // SAFETY: as above.
         unsafe {
             (host()
@@ -366,6 +463,10 @@ mod wrap {
 
 fn recording_lookup(name: &CStr) -> *const std::ffi::c_void {
     match name.to_bytes() {
+        b"ncclCommInitRankConfig" => wrap::init_rank_config as *const std::ffi::c_void,
+        b"ncclCommInitRank" => wrap::init_rank as *const std::ffi::c_void,
+        b"ncclCommSplit" => wrap::split as *const std::ffi::c_void,
+        b"ncclMemAlloc" => wrap::mem_alloc as *const std::ffi::c_void,
         b"ncclCommAbort" => wrap::abort as *const std::ffi::c_void,
         b"ncclCommDestroy" => wrap::destroy as *const std::ffi::c_void,
         b"ncclMemFree" => wrap::mem_free as *const std::ffi::c_void,
