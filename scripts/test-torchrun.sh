@@ -11,7 +11,9 @@
 #   4. the c10d store client against PyTorch's own TCPStore servers (libuv, torchrun's
 #      default, and the older one): every request, a wait that times out, the board, and
 #      keys under the same names on both sides (Python sets one the client reads, and
-#      reads one the client sets);
+#      reads one the client sets); then the same against the oldest PyTorch the client
+#      supports, 2.2 (servers before 2.4 have no PING: spoken to without it), from its own
+#      venv ($cache/torch-2.2-venv, about 4 GB, 2 minutes the first time);
 #   5. `torchrun --max-restarts 1` on the multi-process fault test: rank 1 is SIGKILLed in
 #      the first attempt, torchrun stops the others and restarts the job, and the second
 #      attempt completes on fresh keys (the first attempt's id named a segment that is
@@ -120,14 +122,17 @@ run train 120 --nproc_per_node=4 --no-python "${example%/allreduce}/train" --lau
 [ "$(grep -c 'parameters identical on every rank: yes' "$logs/train" || true)" -eq 4 ] || { cat "$logs/train"; fail "expected 4 ranks with identical parameters"; }
 echo "  4 ranks verified; train's parameters identical on 4 ranks"
 
-echo "4. the store client against PyTorch's own TCPStore servers (libuv and the older one)"
+echo "4. the store client against PyTorch's own TCPStore servers (libuv and the older one), current and 2.2"
 store_exe="$(test_exe store)"
 [ -x "$store_exe" ] || fail "could not build tests/store.rs"
-timeout --kill-after=10 120 "$venv/bin/python" -W ignore - "$store_exe" >"$logs/real-store" 2>&1 <<'PY' \
-  || { cat "$logs/real-store"; fail "the store client failed against PyTorch's server"; }
+# real_store PYTHON: the test against the servers of that torch (NCCL_SAFE_TEST_C10D_OLD=1
+# in the environment: a server from before PING).
+real_store() {
+timeout --kill-after=10 120 "$1" -W ignore - "$store_exe" >"$logs/real-store" 2>&1 <<'PY' \
+  || { cat "$logs/real-store"; fail "the store client failed against PyTorch's server ($1)"; }
 import os, subprocess, sys
 from datetime import timedelta
-import torch.distributed as dist
+import torch, torch.distributed as dist
 for libuv in (True, False):
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30),
                           wait_for_workers=False, use_libuv=libuv)
@@ -140,13 +145,23 @@ for libuv in (True, False):
     if ok:
         store.wait(["interop/from_rust"], timedelta(seconds=5))
         ok = store.get("interop/from_rust") == b"hello from rust"
-        print(f"  use_libuv={libuv}: Python read the Rust client's key: {ok}")
-    print(f"  use_libuv={libuv}: {'ok' if ok else 'FAILED'}")
+        print(f"  torch {torch.__version__}, use_libuv={libuv}: Python read the Rust client's key: {ok}")
+    print(f"  torch {torch.__version__}, use_libuv={libuv}: {'ok' if ok else 'FAILED'}")
     if not ok:
         print(out.stdout, out.stderr)
         sys.exit(1)
 PY
 cat "$logs/real-store"
+}
+NCCL_SAFE_TEST_C10D_OLD=0 real_store "$venv/bin/python"
+old_venv="${NCCL_SAFE_OLD_TORCH_VENV:-$cache/torch-2.2-venv}"
+if [ ! -x "$old_venv/bin/python" ] || ! "$old_venv/bin/python" -W ignore -c "import torch.distributed" 2>/dev/null; then
+  rm -rf "$old_venv"
+  echo "installing torch 2.2.2 (the oldest supported store server) into $old_venv ..."
+  python3 -m venv "$old_venv" && "$old_venv/bin/pip" install --quiet torch==2.2.2 \
+    || { rm -rf "$old_venv"; skip "pip could not install torch 2.2.2 from PyPI"; }
+fi
+NCCL_SAFE_TEST_C10D_OLD=1 real_store "$old_venv/bin/python"
 
 echo "5. torchrun --max-restarts 1: rank 1 is SIGKILLed in the first attempt; the job restarts and completes on fresh keys"
 mp_exe="$(test_exe multiprocess)"

@@ -40,7 +40,10 @@
 //! client that sends one. When the first `PING` closes the connection, the client connects
 //! again and speaks without them ([`StoreClient::answers_ping`] is then `false`): a `CHECK`
 //! of no key stands for the ping, and a wait that times out moves to a fresh connection
-//! instead of being canceled. Every other query is as old as the store.
+//! instead of being canceled. The oldest server this client speaks to is PyTorch 2.2's
+//! (the first with `VALIDATE`, which moved every other query type up by one); CI checks it
+//! against the servers (libuv and the older one) of PyTorch 2.2.2 and of the current
+//! release.
 //!
 //! Every read of [`StoreClient`] ends by a deadline (one per request), every length the
 //! server sends is checked against [`MAX_VALUE_LEN`] before anything is allocated, and a
