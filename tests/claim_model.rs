@@ -10,7 +10,7 @@
 //!   its call), `claim` (`UNCLAIMED`, `DECIDING`, `ABORTING`), `aborted_by_watchdog`, the
 //!   clique's timed-out flag, whether published work is still in flight, and the
 //!   watchdog's abort job.
-//! * **The owner** (`src/comm.rs`, `src/diag/hooks.rs`): a few calls, each either an
+//! * **The owner** (`src/comm/`, `src/diag/hooks.rs`): a few calls, each either an
 //!   operation (`begin`: the aborted and timed-out checks, `current` stored, the fence,
 //!   the claim checked and `await_decision`; the NCCL call; `end`: `current` back to
 //!   `IDLE`, the work published) or a pinned call (`pin`/`unpin`, as `async_error` and
@@ -82,7 +82,7 @@
 //! asserts it is found while it is listed (and not found once it is removed), and the
 //! other tests check the rest of the protocol with the gap's fix applied, which the model
 //! thereby checks too. The model is a copy of the protocol: a change in `src/diag` or
-//! `src/comm.rs` is mirrored here by hand.
+//! `src/comm/` is mirrored here by hand.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;

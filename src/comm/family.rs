@@ -1,0 +1,184 @@
+//! Children of a communicator: [`Communicator::split`] and [`Communicator::shrink`], and
+//! the adoption of the handle NCCL returns.
+
+use super::*;
+
+impl Communicator {
+    /// Splits this communicator (`ncclCommSplit`); collective over all its ranks.
+    ///
+    /// Ranks passing the same `color` form a new communicator, ordered by `key` (ties by
+    /// rank here). `None` (`NCCL_SPLIT_NOCOLOR`) joins none and gets `Ok(None)`. The child
+    /// inherits this communicator's configuration.
+    ///
+    /// ```
+    /// use nccl_safe::launch::Launcher;
+    /// Launcher::host(4).run(|rank| {
+    ///     let r = rank.rank();
+    ///     // Even and odd ranks form two communicators of 2, ordered by descending rank.
+    ///     let sub = rank.comm().split(Some(r as u32 % 2), -(r as i32))?.expect("has a color");
+    ///     assert_eq!((sub.world_size(), sub.rank()), (2, 1 - r / 2));
+    ///     assert!(rank.comm().split(None, 0)?.is_none());
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Communicator>> {
+        const OP: &str = "ncclCommSplit";
+        let caller = Location::caller();
+        let color = match color {
+            None => nccl_sys::bindings::NCCL_SPLIT_NOCOLOR,
+            Some(c) if c <= c_int::MAX as u32 => c as c_int,
+            Some(c) => {
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    reason: format!("color {c} does not fit NCCL's int (max {})", c_int::MAX),
+                })
+            }
+        };
+        crate::diag::check_lane(OP, self.lane())?;
+        let mut child: ncclComm_t = std::ptr::null_mut();
+        let mut adopted = None;
+        let child_ptr: *mut ncclComm_t = &mut child;
+        self.issue_then(
+            &OP,
+            caller,
+            |t, comm| {
+                // SAFETY: `child_ptr` points to `child`, writable and alive for the call; a
+                // null config means "inherit the parent's".
+                unsafe { (t.ncclCommSplit)(comm, color, key, child_ptr, std::ptr::null_mut()) }
+            },
+            || {
+                // SAFETY: the call above has returned; `child` is read once, here.
+                let raw = unsafe { *child_ptr };
+                adopted = self.adopt_child(OP, raw, caller, color as u64)?;
+                Ok(())
+            },
+        )?;
+        Ok(adopted)
+    }
+
+    /// Removes `exclude` ranks (`ncclCommShrink`, NCCL 2.27+); collective over the ranks
+    /// that stay. The calling rank must not be in `exclude`.
+    #[track_caller]
+    pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
+        const OP: &str = "ncclCommShrink";
+        let caller = Location::caller();
+        let shrink = self.lib.optional(self.lib.table().ncclCommShrink, OP)?;
+        let mut list = Vec::with_capacity(exclude.len());
+        for &r in exclude {
+            if r >= self.world_size {
+                return Err(Error::RankOutOfRange {
+                    op: OP,
+                    what: "excluded rank",
+                    rank: r,
+                    world_size: self.world_size,
+                });
+            }
+            if r == self.rank {
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    reason: format!("rank {r} is excluded, so it must not call shrink"),
+                });
+            }
+            if list.contains(&(r as c_int)) {
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    reason: format!("rank {r} is listed twice"),
+                });
+            }
+            list.push(r as c_int);
+        }
+        if list.len() >= self.world_size {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "every rank is excluded".into(),
+            });
+        }
+        crate::diag::check_lane(OP, self.lane())?;
+        let tag = crate::diag::shrink_tag(&list);
+        let mut child: ncclComm_t = std::ptr::null_mut();
+        let child_ptr: *mut ncclComm_t = &mut child;
+        let mut adopted = None;
+        self.issue_then(
+            &OP,
+            caller,
+            |_, comm| {
+                // SAFETY: `list` holds `list.len()` in-range ranks; `child_ptr` points to
+                // `child`, writable and alive for the call; null config inherits the
+                // parent's; flags 0 = NCCL_SHRINK_DEFAULT.
+                unsafe {
+                    shrink(
+                        comm,
+                        list.as_mut_ptr(),
+                        list.len() as c_int,
+                        child_ptr,
+                        std::ptr::null_mut(),
+                        nccl_sys::bindings::NCCL_SHRINK_DEFAULT as c_int,
+                    )
+                }
+            },
+            || {
+                // SAFETY: the call above has returned; `child` is read once, here.
+                let raw = unsafe { *child_ptr };
+                adopted = self.adopt_child(OP, raw, caller, tag)?;
+                Ok(())
+            },
+        )?;
+        adopted.ok_or(Error::InvalidArgument {
+            op: OP,
+            reason: "NCCL returned no communicator".into(),
+        })
+    }
+
+    /// Wraps a child handle from split/shrink, reading its rank and size from NCCL.
+    fn adopt_child(
+        &self,
+        op: &'static str,
+        child: ncclComm_t,
+        caller: &'static Location<'static>,
+        tag: u64,
+    ) -> Result<Option<Communicator>> {
+        if child.is_null() {
+            return Ok(None);
+        }
+        let mut comm = Communicator {
+            raw: child,
+            lib: Arc::clone(&self.lib),
+            device: self.device.clone(),
+            rank: 0,
+            world_size: 0,
+            cuda_device: self.cuda_device,
+            failure: OnceCell::new(),
+            diag: self.diag.child(tag),
+        };
+        // The child inherits the parent's non-blocking mode: wait (bounded) until it is ready.
+        // This runs inside the parent's operation, so the watchdog's timeout of the
+        // parent's clique (with its report of who is behind) normally ends a wait for a
+        // missing rank; the wait's own limit is a margin later.
+        comm.wait_ready_for(
+            op,
+            caller,
+            self.diag.timeout() + CHILD_WAIT_MARGIN,
+            &self.diag,
+        )?;
+        comm.read_shape(caller)?;
+        Ok(Some(comm))
+    }
+
+    /// Reads rank and size from NCCL (`ncclCommUserRank`, `ncclCommCount`).
+    pub(super) fn read_shape(&mut self, caller: &'static Location<'static>) -> Result<()> {
+        let (mut rank, mut count): (c_int, c_int) = (0, 0);
+        // SAFETY: `rank` is writable and the handle live.
+        let r = unsafe { (self.lib.table().ncclCommUserRank)(self.raw, &mut rank) };
+        self.checked("ncclCommUserRank", r, caller)?;
+        // SAFETY: `count` is writable and the handle live.
+        let r = unsafe { (self.lib.table().ncclCommCount)(self.raw, &mut count) };
+        self.checked("ncclCommCount", r, caller)?;
+        self.rank = rank.max(0) as usize;
+        self.world_size = count.max(0) as usize;
+        self.diag
+            .attach(self.raw, self.rank, self.world_size, &self.lib, self.lane());
+        Ok(())
+    }
+}

@@ -1,0 +1,545 @@
+//! [`Communicator`]: the RAII owner of an `ncclComm_t`.
+//!
+//! By concern: this file holds the type, its accessors and the one checked path of its
+//! calls (`issue`, `pinned`, the failure state); `init` makes communicators (and
+//! [`PendingCommunicator`]), `family` makes children (split, shrink), `teardown` ends them
+//! (destroy, abort, finalize, `Drop`). Raw-handle interop is in `comm_ref`.
+
+use std::cell::OnceCell;
+use std::ffi::c_int;
+use std::panic::Location;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaContext;
+use nccl_sys::{ncclComm_t, ncclResult_t, FunctionTable};
+
+use crate::config::Config;
+use crate::error::{Error, Result, ResultCode};
+use crate::id::UniqueId;
+use crate::library::{CallContext, Library, Provider};
+use crate::nccl_call;
+
+mod family;
+mod init;
+mod teardown;
+
+pub use init::PendingCommunicator;
+
+/// Where a communicator's rank runs: a CUDA device (NVIDIA's NCCL) or the host provider.
+#[derive(Debug, Clone)]
+pub enum Device {
+    /// A CUDA device, through cudarc's context for it.
+    Cuda(Arc<CudaContext>),
+    /// The in-process host provider (CPU memory, ranks as threads).
+    Host,
+}
+
+impl Device {
+    /// The library this kind of device is served by: the default NCCL for CUDA
+    /// ([`Library::load`]), the host provider for [`Device::Host`].
+    pub fn library(&self) -> Result<Arc<Library>> {
+        match self {
+            Device::Cuda(_) => Library::load(),
+            #[cfg(feature = "host")]
+            Device::Host => Ok(Library::host()),
+            #[cfg(not(feature = "host"))]
+            Device::Host => Err(Error::InvalidArgument {
+                op: "Device::library",
+                reason: "nccl-safe was built without its `host` feature (the host provider)".into(),
+            }),
+        }
+    }
+
+    /// A fresh unique id from this device's library.
+    pub fn unique_id(&self) -> Result<UniqueId> {
+        UniqueId::new_with(&*self.library()?)
+    }
+}
+
+/// How much longer than the parent's timeout a split/shrink child's own wait lasts (the
+/// watchdog's timeout of the parent's operation normally ends it first).
+const CHILD_WAIT_MARGIN: Duration = Duration::from_millis(500);
+
+/// Default bound on waits for non-blocking init, split and finalize.
+pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// One rank's handle on an NCCL communicator.
+///
+/// * **Exactly one teardown.** Dropping it calls `ncclCommDestroy` on a healthy communicator
+///   and `ncclCommAbort` on one that saw an error; [`destroy`](Self::destroy),
+///   [`abort`](Self::abort) and [`finalize`](Self::finalize) consume it, so no handle is
+///   torn down twice or used afterwards: the compiler forbids it.
+/// * **Not `Clone`**: a second owner would mean a second teardown.
+/// * **`Send`, not `Sync`**: NCCL lets a communicator move between threads but forbids
+///   concurrent calls on it, so `&Communicator` cannot cross threads.
+/// * **Aborts on unwind.** Dropped while its thread panics, it aborts: the peers waiting
+///   for this rank in a collective get an error instead of hanging.
+/// * **Fails fast.** After an NCCL error, further operations return
+///   [`Error::CommunicatorFailed`] without calling NCCL, and drop aborts.
+///
+/// ```
+/// use nccl_safe::{Communicator, Config, Device, HostStream, ReduceOp};
+/// // Two ranks in threads, on the host provider.
+/// let id = Device::Host.unique_id()?;
+/// std::thread::scope(|s| {
+///     for rank in 0..2 {
+///         s.spawn(move || -> nccl_safe::Result<()> {
+///             let comm = Communicator::init_rank(&Device::Host, 2, rank, &id, &Config::new())?;
+///             let mut grads = vec![rank as f32 + 1.0; 4];
+///             comm.all_reduce_in_place(&mut grads, ReduceOp::Sum, &HostStream)?;
+///             assert_eq!(grads, vec![3.0; 4]);
+///             comm.destroy().map_err(|(_, e)| e)
+///         });
+///     }
+/// });
+/// # Ok::<(), nccl_safe::Error>(())
+/// ```
+pub struct Communicator {
+    raw: ncclComm_t,
+    lib: Arc<Library>,
+    device: Device,
+    rank: usize,
+    world_size: usize,
+    cuda_device: Option<usize>,
+    /// The first error this communicator saw; set means "abort on drop". `OnceCell` also
+    /// makes the type `!Sync`.
+    failure: OnceCell<String>,
+    /// Watchdog, flight recorder and fingerprint state (`crate::diag`).
+    pub(crate) diag: crate::diag::CommDiag,
+}
+
+// SAFETY: NCCL allows a communicator to be used from any thread, one at a time; `!Sync`
+// (from the OnceCell) forbids concurrent use. The raw pointer is only an opaque handle.
+unsafe impl Send for Communicator {}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("device", &self.cuda_device)
+            .field("provider", &self.lib.provider())
+            .field("failed", &self.failure.get().is_some())
+            .finish()
+    }
+}
+
+fn check_world(op: &'static str, world_size: usize, rank: usize) -> Result<()> {
+    if world_size == 0 || world_size > c_int::MAX as usize {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!(
+                "world size {world_size} must be between 1 and {}",
+                c_int::MAX
+            ),
+        });
+    }
+    if rank >= world_size {
+        return Err(Error::RankOutOfRange {
+            op,
+            what: "rank",
+            rank,
+            world_size,
+        });
+    }
+    Ok(())
+}
+
+fn check_device(op: &'static str, lib: &Library, device: &Device) -> Result<()> {
+    match (lib.provider(), device) {
+        (Provider::Host, Device::Host) | (Provider::Nccl, Device::Cuda(_)) => Ok(()),
+        (p, d) => Err(Error::InvalidArgument {
+            op,
+            reason: format!(
+                "a {} device cannot use the {p:?} provider",
+                match d {
+                    Device::Cuda(_) => "CUDA",
+                    Device::Host => "host",
+                }
+            ),
+        }),
+    }
+}
+
+#[inline(always)]
+fn bind(device: &Device) -> Result<()> {
+    match device {
+        Device::Cuda(ctx) => bind_cuda(ctx),
+        Device::Host => Ok(()),
+    }
+}
+
+#[inline(never)]
+fn bind_cuda(ctx: &CudaContext) -> Result<()> {
+    Ok(ctx.bind_to_thread()?)
+}
+
+impl Communicator {
+    /// This rank (`ncclCommUserRank`, cached at init).
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks (`ncclCommCount`, cached at init).
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// The device this rank runs on (as [`crate::launch::Rank::device`]).
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The CUDA device ordinal (`None` on the host provider).
+    pub fn cuda_ordinal(&self) -> Option<usize> {
+        self.cuda_device
+    }
+
+    /// The library serving this communicator.
+    pub fn library(&self) -> &Arc<Library> {
+        &self.lib
+    }
+
+    /// The raw handle, for NCCL features this crate does not wrap. It stays owned by
+    /// `self`: do not destroy or abort it.
+    pub fn as_raw(&self) -> ncclComm_t {
+        self.raw
+    }
+
+    /// Whether an error was seen (drop will abort). True as soon as the watchdog timed
+    /// out this communicator's clique, before any abort starts. No NCCL call.
+    pub fn is_failed(&self) -> bool {
+        self.failure.get().is_some() || self.diag.failed()
+    }
+
+    /// Asks NCCL for an asynchronous error (`ncclCommGetAsyncError`). An error marks the
+    /// communicator failed. `Ok(true)` while a non-blocking operation is still in progress.
+    /// A communicator the watchdog failed reports its [`Error::Timeout`] without calling
+    /// NCCL (its handle may be under abort).
+    #[track_caller]
+    pub fn async_error(&self) -> Result<bool> {
+        let caller = Location::caller();
+        self.diag.check_alive()?;
+        let mut state = nccl_sys::bindings::ncclSuccess;
+        self.pinned(|| {
+            // SAFETY: `state` is writable; the handle is live (not torn down: pinned, so the
+            // watchdog cannot take it during the call).
+            let r = unsafe { (self.lib.table().ncclCommGetAsyncError)(self.raw, &mut state) };
+            self.checked("ncclCommGetAsyncError", r, caller)
+        })?;
+        match ResultCode::from_raw(state) {
+            None => Ok(false),
+            Some(ResultCode::InProgress) => Ok(true),
+            Some(_) => Err(self.fail("ncclCommGetAsyncError", state, caller)),
+        }
+    }
+
+    /// Marks the communicator failed (drop will abort) and returns the error for `raw`.
+    #[cold]
+    fn fail(
+        &self,
+        call: &'static str,
+        raw: ncclResult_t,
+        caller: &'static Location<'static>,
+    ) -> Error {
+        let e = self.lib.error_for(call, raw, self.context(caller));
+        self.failure.get_or_init(|| e.to_string());
+        e.into()
+    }
+
+    /// This rank is done with the communicator (its launcher closure returned): peers that
+    /// wait for a collective it never issued fail at once with [`Error::RankLeft`].
+    #[cfg_attr(not(feature = "launch"), allow(dead_code))]
+    pub(crate) fn leave(&self, how: &str) {
+        self.diag.leave(how);
+    }
+
+    /// Marks the communicator failed with `e` (drop will abort), keeping the first cause.
+    pub(crate) fn mark_failed(&self, e: &Error) {
+        self.failure.get_or_init(|| e.to_string());
+    }
+
+    fn context(&self, caller: &'static Location<'static>) -> CallContext {
+        CallContext {
+            comm: self.raw,
+            rank: Some(self.rank),
+            caller: Some(caller),
+        }
+    }
+
+    /// Checks a result of a call on this communicator: errors mark it failed.
+    #[inline]
+    fn checked(
+        &self,
+        call: &'static str,
+        r: ncclResult_t,
+        caller: &'static Location<'static>,
+    ) -> Result<()> {
+        if r == nccl_sys::bindings::ncclSuccess {
+            Ok(())
+        } else {
+            Err(self.fail(call, r, caller))
+        }
+    }
+
+    /// The single path of every operation on this communicator: fail fast if it already
+    /// failed, make the call, check the result (an error marks the
+    /// communicator failed), and wait out `ncclInProgress` on a non-blocking communicator.
+    #[inline(always)]
+    pub(crate) fn issue<'a>(
+        &self,
+        op: impl Into<crate::diag::OpInfo<'a>>,
+        caller: &'static Location<'static>,
+        f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
+    ) -> Result<()> {
+        self.issue_then(op, caller, f, || Ok(()))
+    }
+
+    /// [`issue`](Self::issue), with `then` run after a successful call while the
+    /// operation is still open (watched by the watchdog): split and shrink wait for their
+    /// child there.
+    #[inline(always)]
+    pub(crate) fn issue_then<'a>(
+        &self,
+        op: impl Into<crate::diag::OpInfo<'a>>,
+        caller: &'static Location<'static>,
+        f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
+        then: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let op = op.into();
+        let call = op.name();
+        if self.failure.get().is_some() {
+            // The error for a failed communicator (a watchdog abort takes precedence).
+            self.ensure_usable(call)?;
+        }
+        // No CUDA context bind here: NCCL makes the communicator's device current itself
+        // for every operation (each is an implicit group, and one thread may drive several
+        // devices inside an explicit one), so the per-operation path makes no driver call
+        // of ours. Init and teardown bind.
+        let ticket = match self.diag.begin(self.handle(), op, caller) {
+            Ok(t) => t,
+            Err(e) => return Err(self.failed_with(e)),
+        };
+        let r = f(self.lib.table(), self.raw);
+        // NCCL's communicator is always non-blocking (see init_rank): wait out progress.
+        let r = if r == nccl_sys::bindings::ncclInProgress {
+            self.wait_ready(call, caller, self.diag.timeout())
+        } else {
+            self.checked(call, r, caller)
+        };
+        let r = r.and_then(|()| then());
+        match self.diag.end(ticket, r) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.failed_with(e)),
+        }
+    }
+
+    /// Runs `f`, an NCCL call on the handle that is not an operation (a poll, a
+    /// registration, a destroy), with the handle claimed: the watchdog cannot abort it
+    /// meanwhile. Fails without calling `f` when the watchdog aborts it.
+    #[inline]
+    pub(crate) fn pinned<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let pinned = self.diag.pin()?;
+        let r = f();
+        if pinned {
+            self.diag.unpin();
+        }
+        r
+    }
+
+    /// Marks the communicator failed with `e` (the first cause is kept) and returns it.
+    #[cold]
+    fn failed_with(&self, e: Error) -> Error {
+        self.mark_failed(&e);
+        e
+    }
+
+    /// What the diagnostics need to attach this communicator.
+    #[inline(always)]
+    pub(crate) fn handle(&self) -> crate::diag::Handle<'_> {
+        crate::diag::Handle {
+            raw: self.raw,
+            rank: self.rank,
+            world_size: self.world_size,
+            lib: &self.lib,
+            lane: self.lane(),
+        }
+    }
+
+    /// A copy of the flight recorder: the last operations on this communicator, oldest
+    /// first (no NCCL call).
+    #[cfg(feature = "diag")]
+    pub fn flight_record(&self) -> crate::diag::FlightRecord {
+        self.diag.flight_record(self.handle())
+    }
+
+    /// Writes the flight record as JSON into `dir`; returns the file's path.
+    #[cfg(feature = "diag")]
+    pub fn dump_flight_record(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+    ) -> std::io::Result<std::path::PathBuf> {
+        self.flight_record().write_json(dir.as_ref())
+    }
+
+    /// The diagnostics counters of this rank (no NCCL call).
+    #[cfg(feature = "diag")]
+    pub fn diagnostics(&self) -> crate::diag::Diagnostics {
+        self.diag.diagnostics(self.handle())
+    }
+
+    /// The first check of every operation, before its buffers or the CUDA driver are
+    /// touched: a failed communicator (an NCCL error, or a timeout the watchdog declared)
+    /// fails at once. A few loads.
+    #[inline(always)]
+    pub(crate) fn admit(&self, op: &'static str) -> Result<()> {
+        if self.failure.get().is_some() || self.diag.failed() {
+            return self.ensure_usable(op);
+        }
+        Ok(())
+    }
+
+    /// Fails when the communicator failed: with the watchdog's timeout when its clique
+    /// timed out, else with its own first error (one it saw before a peer left, too), else
+    /// with the report of a peer that left.
+    #[inline]
+    pub(crate) fn ensure_usable(&self, op: &'static str) -> Result<()> {
+        match (self.failure.get(), self.diag.check_alive()) {
+            (None, alive) => alive,
+            (Some(cause), Err(Error::RankLeft { .. }) | Ok(())) => {
+                Err(self.failed_error(op, cause))
+            }
+            (Some(_), Err(e)) => Err(e),
+        }
+    }
+
+    #[cold]
+    fn failed_error(&self, op: &'static str, cause: &str) -> Error {
+        Error::CommunicatorFailed {
+            op,
+            rank: self.rank,
+            cause: cause.to_string(),
+        }
+    }
+
+    /// Polls `ncclCommGetAsyncError` until the communicator leaves `ncclInProgress`.
+    pub(crate) fn wait_ready(
+        &self,
+        op: &'static str,
+        caller: &'static Location<'static>,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.wait_ready_for(op, caller, timeout, &self.diag)
+    }
+
+    /// [`wait_ready`](Self::wait_ready) that also ends when the watchdog fails `watched`
+    /// (a child's wait watches its parent).
+    fn wait_ready_for(
+        &self,
+        op: &'static str,
+        caller: &'static Location<'static>,
+        timeout: Duration,
+        watched: &crate::diag::CommDiag,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(50);
+        loop {
+            // The watchdog may have failed it (and taken the handle) meanwhile.
+            self.diag.check_alive()?;
+            watched.check_alive()?;
+            let mut state = nccl_sys::bindings::ncclSuccess;
+            self.pinned(|| {
+                // SAFETY: `state` is writable; the handle is live: inside an operation, or
+                // pinned, so the watchdog cannot take it during the call.
+                let r = unsafe { (self.lib.table().ncclCommGetAsyncError)(self.raw, &mut state) };
+                self.checked("ncclCommGetAsyncError", r, caller)
+            })?;
+            match ResultCode::from_raw(state) {
+                None => return Ok(()),
+                Some(ResultCode::InProgress) => {}
+                Some(_) => return Err(self.fail(op, state, caller)),
+            }
+            if start.elapsed() >= timeout {
+                let e = Error::Timeout {
+                    what: self
+                        .diag
+                        .wait_timeout_report(op, self.rank, self.world_size),
+                    timeout,
+                };
+                self.mark_failed(&e);
+                return Err(e);
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(10));
+        }
+    }
+}
+
+// Raw-handle interop (`Communicator::from_raw` / `into_raw`, `CommRef`: src/comm_ref.rs).
+impl Communicator {
+    /// A communicator around a handle made outside this crate, its rank and size known.
+    /// Its diagnostics are not attached yet (the caller attaches them).
+    pub(crate) fn from_foreign(
+        raw: ncclComm_t,
+        lib: Arc<Library>,
+        device: Device,
+        rank: usize,
+        world_size: usize,
+        diag: crate::diag::CommDiag,
+    ) -> Communicator {
+        Communicator {
+            raw,
+            lib,
+            cuda_device: match &device {
+                Device::Cuda(c) => Some(c.ordinal()),
+                Device::Host => None,
+            },
+            device,
+            rank,
+            world_size,
+            failure: OnceCell::new(),
+            diag,
+        }
+    }
+
+    /// Gives the handle up with no teardown: detaches the diagnostics (clique and watchdog)
+    /// and drops everything else. Null when the handle was not this communicator's to give:
+    /// the watchdog took it (and aborted it), or it was borrowed.
+    pub(crate) fn release_handle(mut self) -> ncclComm_t {
+        self.give_up_handle()
+        // `self` drops here with a null handle, which `Drop` leaves alone.
+    }
+
+    /// [`Self::release_handle`] in place: afterwards the handle is null, so the
+    /// communicator's `Drop` tears nothing down and only drops its other fields.
+    pub(crate) fn give_up_handle(&mut self) -> ncclComm_t {
+        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+        if self.diag.release(None) {
+            raw
+        } else {
+            std::ptr::null_mut()
+        }
+    }
+
+    /// [`check_device`] for src/comm_ref.rs.
+    pub(crate) fn check_foreign_device(
+        op: &'static str,
+        lib: &Library,
+        device: &Device,
+    ) -> Result<()> {
+        check_device(op, lib, device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ensure_send<T: Send>() {}
+    #[test]
+    fn communicator_is_send() {
+        ensure_send::<Communicator>();
+        ensure_send::<PendingCommunicator>();
+    }
+}

@@ -1,0 +1,193 @@
+//! The one teardown of a handle: [`Communicator::destroy`], [`Communicator::abort`],
+//! [`Communicator::finalize`] and `Drop`, each bounded (see the crate's ARCHITECTURE.md).
+
+use super::*;
+
+impl Communicator {
+    /// Takes the handle out, so that exactly one teardown call uses it; `how` says how the
+    /// rank leaves its clique (for peers that wait for it), `broken` whether it leaves by
+    /// a panic: then the whole clique fails. An explicit `abort()` may be a normal ending,
+    /// and a failed communicator's failure may be its peers' too (a fingerprint mismatch
+    /// every rank reports), so those fail only the peers that wait for the rank.
+    fn take(&mut self, how: &str, broken: bool) -> ncclComm_t {
+        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+        // Null when the watchdog already aborted it (its one teardown).
+        if self.diag.release(Some((how, broken))) {
+            raw
+        } else {
+            std::ptr::null_mut()
+        }
+    }
+
+    /// Destroys the communicator (`ncclCommDestroy`). On failure the communicator comes
+    /// back with the error (marked failed, so dropping it aborts), as rusqlite's
+    /// `Connection::close` does. A communicator that already failed is not destroyed but
+    /// handed back with [`Error::CommunicatorFailed`].
+    #[track_caller]
+    #[allow(clippy::result_large_err)] // the shape of rusqlite's `Connection::close`
+    pub fn destroy(mut self) -> std::result::Result<(), (Communicator, Error)> {
+        const OP: &str = "ncclCommDestroy";
+        let caller = Location::caller();
+        if let Err(e) = self.ensure_usable(OP) {
+            return Err((self, e));
+        }
+        if let Err(e) = self.diag.before_teardown() {
+            self.mark_failed(&e);
+            return Err((self, e));
+        }
+        if let Err(e) = bind(&self.device) {
+            return Err((self, e));
+        }
+        // Pinned from before the call until the handle is out of its slot: a watchdog
+        // claim can never fall between the destroy and the take.
+        let pinned = match self.diag.pin() {
+            Ok(p) => p,
+            Err(e) => return Err((self, e)),
+        };
+        // SAFETY: the handle is live (pinned: the watchdog cannot take it during the call);
+        // on success it is never used again (taken below, still pinned).
+        let r = unsafe { (self.lib.table().ncclCommDestroy)(self.raw) };
+        // The communicator is non-blocking (see init_rank): progress means it is under way.
+        let r = if r == nccl_sys::bindings::ncclInProgress {
+            nccl_sys::bindings::ncclSuccess
+        } else {
+            r
+        };
+        let destroyed = self.checked(OP, r, caller);
+        if destroyed.is_ok() {
+            self.take("it destroyed its communicator", false);
+        }
+        if pinned {
+            self.diag.unpin();
+        }
+        match destroyed {
+            Ok(()) => Ok(()),
+            Err(e) => Err((self, e)),
+        }
+    }
+
+    /// Aborts the communicator (`ncclCommAbort`): pending operations on every rank end
+    /// with an error. Never blocks on peers, on this communicator's work or on a stalled
+    /// stream for longer than [`Config::abort_timeout`]: the abort runs on the device's
+    /// teardown lane (NVIDIA's blocks behind a stalled stream), and past the bound this
+    /// returns [`Error::Timeout`] while [`Config::on_abort_timeout`] applies. When the
+    /// watchdog already took the handle, this waits (with the same bound) for the
+    /// watchdog's abort and returns its outcome.
+    #[track_caller]
+    pub fn abort(mut self) -> Result<()> {
+        let ctx = self.context(Location::caller());
+        let until = Instant::now() + self.diag.abort_timeout();
+        let raw = self.take("it aborted its communicator", false);
+        let ctx = CallContext {
+            comm: std::ptr::null_mut(),
+            ..ctx
+        };
+        let (bound, r) = if raw.is_null() {
+            match self.diag.watchdog_abort(until) {
+                Some(outcome) => outcome,
+                None => return Ok(()), // nothing left to tear down
+            }
+        } else {
+            self.teardown(raw, true, "abort", until)
+        };
+        let r = r.ok_or_else(|| self.abort_overdue(bound))?;
+        self.lib.check("ncclCommAbort", r, ctx)
+    }
+
+    /// The lane this communicator's teardowns run on: its CUDA device, or on the host
+    /// provider the unique id its family was born from.
+    pub(crate) fn lane(&self) -> crate::diag::Lane {
+        match self.cuda_device {
+            Some(d) => crate::diag::Lane::Device(d),
+            None => self.diag.host_lane(),
+        }
+    }
+
+    /// Tears the taken handle `raw` down on the teardown lane (abort, or destroy), waiting
+    /// until `until`: the bound, and the call's result when it returned in time.
+    fn teardown(
+        &self,
+        raw: ncclComm_t,
+        abort: bool,
+        why: &str,
+        until: Instant,
+    ) -> (Duration, Option<ncclResult_t>) {
+        let what = format!("rank {} of {} ({why})", self.rank, self.world_size);
+        let ctx = match &self.device {
+            Device::Cuda(c) => Some(Arc::clone(c)),
+            Device::Host => None,
+        };
+        let b = self.diag.bound();
+        let (_, r) =
+            crate::diag::teardown_bounded(self.lane(), b, &self.lib, raw, abort, ctx, what, until);
+        (b.bound, r)
+    }
+
+    #[cold]
+    fn abort_overdue(&self, bound: Duration) -> Error {
+        Error::Timeout {
+            what: format!(
+                "ncclCommAbort on rank {} did not return within the abort bound (Config::abort_timeout): it goes on in the background",
+                self.rank
+            ),
+            timeout: bound,
+        }
+    }
+
+    /// Flushes pending work everywhere (`ncclCommFinalize`), waits for it, then destroys.
+    /// On a failure or timeout the communicator is aborted (once) and the error returned.
+    #[track_caller]
+    pub fn finalize(self, timeout: Duration) -> Result<()> {
+        const OP: &str = "ncclCommFinalize";
+        let caller = Location::caller();
+        self.ensure_usable(OP)?;
+        bind(&self.device)?;
+        self.pinned(|| {
+            // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile).
+            let r = unsafe { (self.lib.table().ncclCommFinalize)(self.raw) };
+            if r != nccl_sys::bindings::ncclInProgress {
+                self.checked(OP, r, caller)?;
+            }
+            Ok(())
+        })?;
+        self.wait_ready(OP, caller, timeout)?;
+        self.destroy().map_err(|(_, e)| e)
+    }
+}
+
+impl Drop for Communicator {
+    /// Bounded by [`Config::abort_timeout`] from the start of the drop, whatever the state:
+    /// a healthy communicator waits for its own work (on its own streams only) and is
+    /// destroyed; one that failed, that is dropped during a panic, or whose work did not
+    /// complete in time is aborted. The call runs on the teardown lane; what does not
+    /// return in time is left there and reported once.
+    fn drop(&mut self) {
+        if self.raw.is_null() {
+            return; // `abort`, `destroy` or `into_raw` took it
+        }
+        let until = Instant::now() + self.diag.abort_timeout();
+        // Dropped during a panic: this rank will not reach the collectives its peers may be
+        // waiting in, so abort (which wakes them) rather than destroy.
+        let failed = std::thread::panicking() || self.is_failed();
+        let drained = !failed && self.diag.drain(until);
+        let how = if std::thread::panicking() {
+            "it panicked"
+        } else if drained {
+            "its communicator was dropped"
+        } else {
+            "its failed communicator was dropped (aborted)"
+        };
+        let raw = self.take(how, std::thread::panicking());
+        if raw.is_null() {
+            return; // the watchdog took it: its one teardown
+        }
+        let why = if drained {
+            "dropped"
+        } else if failed {
+            "dropped after a failure"
+        } else {
+            "dropped with work that did not complete in time"
+        };
+        let _ = self.teardown(raw, !drained, why, until);
+    }
+}
