@@ -198,8 +198,8 @@ impl<'a> Group<'a> {
                     .iter()
                     .filter_map(|c| c.diag.departure_check())
                     .collect();
-                let cancel: Option<crate::host::CallCancel> = (!checks.is_empty())
-                    .then(|| Box::new(move || checks.iter().any(|f| f())) as _);
+                let cancel: Option<crate::host::CallCancel> =
+                    (!checks.is_empty()).then(|| Box::new(move || checks.iter().any(|f| f())) as _);
                 crate::host::with_deadline(std::time::Instant::now() + t, cancel, end)
             }
             _ => end(),

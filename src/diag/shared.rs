@@ -486,7 +486,8 @@ impl Shared {
                 };
                 if let Some(d) = self.clique.waits_for_departed(self.rank, &rec) {
                     let d = d.clone();
-                    self.clique.fail_for_departure(&d, Some(self.rank), Some(&rec));
+                    self.clique
+                        .fail_for_departure(&d, Some(self.rank), Some(&rec));
                     return true;
                 }
             }
