@@ -11,6 +11,10 @@ followed to their module), collapses modules to their top-level module, and fail
     each other in a cycle (`super::x`, `crate::diag::x`, and names the folder's `mod.rs`
     re-exports from a submodule, all count).
 
+`crate::host` is the crate nccl-host (re-exported), below every layer: it depends only on
+nccl-sys, so Cargo keeps it from importing nccl-safe. Its own modules (nccl-host/src) are
+checked for cycles the same way, without layers.
+
 Prints the layer picture with the edges found. Exit status 1 on a violation.
 Usage: scripts/check-layers.py [--dot]   (--dot: print the module graph in Graphviz form)
 """
@@ -18,13 +22,16 @@ import os
 import re
 import sys
 
-SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+SRC = os.path.join(ROOT, "src")
+# Other crates of the workspace whose modules are checked for cycles (no layers).
+CYCLE_ONLY_CRATES = [os.path.join(ROOT, "nccl-host", "src")]
 
 # Bottom first. A module may import modules of its own layer or below, never above, and
 # no cycle may form inside a layer.
 LAYERS = [
     ("leaves", ["version", "discovery", "error"]),
-    ("provider and library", ["host", "types", "library", "id", "stream", "cuda_probe"]),
+    ("provider and library", ["types", "library", "id", "stream", "cuda_probe"]),
     ("diagnostics hooks", ["diag"]),
     ("the wrapper", ["config", "buffer", "comm", "ops", "group", "memory", "register", "comm_ref"]),
     ("launchers", ["launch"]),
@@ -32,8 +39,8 @@ LAYERS = [
 LAYER_OF = {m: i for i, (_, ms) in enumerate(LAYERS) for m in ms}
 
 
-def module_of(path):
-    rel = os.path.relpath(path, SRC)[:-3]  # strip .rs
+def module_of(path, src):
+    rel = os.path.relpath(path, src)[:-3]  # strip .rs
     parts = rel.split(os.sep)
     if parts[-1] == "mod":
         parts = parts[:-1]
@@ -83,9 +90,9 @@ def strip_comments(text):
     return "\n".join(re.sub(r"//.*$", "", line) for line in text.split("\n"))
 
 
-def root_reexports():
+def root_reexports(src):
     """Maps names re-exported at the crate root (`pub use comm::{Communicator, ..}`)."""
-    lib = strip_comments(open(os.path.join(SRC, "lib.rs")).read())
+    lib = strip_comments(open(os.path.join(src, "lib.rs")).read())
     names = {}
     for m in re.finditer(r"pub use ([a-z_]+)(?:::([a-z_]+))?::\{([^}]*)\}", lib):
         for name in m.group(3).split(","):
@@ -145,10 +152,10 @@ def tarjan(graph):
     return sccs
 
 
-def folder_reexports(folder, subs):
+def folder_reexports(src, folder, subs):
     """Names a folder's mod.rs brings in from its submodules (`pub(crate) use x::{A, B}`,
     `use x::A;`), mapped to the submodule."""
-    path = os.path.join(SRC, folder.replace("::", os.sep), "mod.rs")
+    path = os.path.join(src, folder.replace("::", os.sep), "mod.rs")
     if not os.path.exists(path):
         return {}
     text = strip_comments(open(path).read())
@@ -165,21 +172,21 @@ def folder_reexports(folder, subs):
     return names
 
 
-def submodule_cycles(files):
+def submodule_cycles(src, files):
     """Cycles among the direct submodules of each module folder, with an example import
     for each edge."""
     by_folder = {}
     for f in files:
-        mod = module_of(f)
+        mod = module_of(f, src)
         parts = mod.split("::")
         if len(parts) == 2:
             by_folder.setdefault(parts[0], set()).add(parts[1])
     problems = []
     for folder, subs in sorted(by_folder.items()):
-        names = folder_reexports(folder, subs)
+        names = folder_reexports(src, folder, subs)
         edges = {}
         for f in files:
-            parts = module_of(f).split("::")
+            parts = module_of(f, src).split("::")
             if len(parts) < 2 or parts[0] != folder:
                 continue
             me = parts[1]
@@ -196,7 +203,7 @@ def submodule_cycles(files):
                 if dest is None or dest == me:
                     continue
                 line = text.count("\n", 0, pos) + 1
-                edges.setdefault((me, dest), f"{os.path.relpath(f, os.path.join(SRC, '..'))}:{line}")
+                edges.setdefault((me, dest), f"{os.path.relpath(f, ROOT)}:{line}")
         graph = {s: sorted(b for (a, b) in edges if a == s) for s in subs}
         for comp in tarjan(graph):
             if len(comp) > 1:
@@ -206,16 +213,22 @@ def submodule_cycles(files):
     return problems
 
 
-def main():
+def rust_files(src):
     files = []
-    for root, _, names in os.walk(SRC):
+    for root, _, names in os.walk(src):
         files += [os.path.join(root, n) for n in names if n.endswith(".rs")]
-    modules = {module_of(f) for f in files}
+    return files
+
+
+def top_level_edges(src, files):
+    """The crate's top-level modules, and the imports between them: (from, to) -> an
+    example "file:line"."""
+    modules = {module_of(f, src) for f in files}
     tops = {m.split("::")[0] for m in modules if m}
-    reexports = root_reexports()
-    edges = {}  # (from_top, to_top) -> example "file:line"
+    reexports = root_reexports(src)
+    edges = {}
     for f in sorted(files):
-        mod = module_of(f)
+        mod = module_of(f, src)
         if not mod:
             continue
         top = mod.split("::")[0]
@@ -239,7 +252,26 @@ def main():
             if dest is None or dest == top:
                 continue
             line = text.count("\n", 0, pos) + 1
-            edges.setdefault((top, dest), f"{os.path.relpath(f, os.path.join(SRC, '..'))}:{line}")
+            edges.setdefault((top, dest), f"{os.path.relpath(f, ROOT)}:{line}")
+    return tops, edges
+
+
+def cycles(tops, edges, what):
+    """The import cycles among `tops`, described, and the strongly connected components."""
+    graph = {t: sorted(b for (a, b) in edges if a == t) for t in tops}
+    sccs = tarjan(graph)
+    problems = []
+    for comp in sccs:
+        if len(comp) > 1:
+            cyc = sorted(comp)
+            where = [f"{a} -> {b} ({edges[(a, b)]})" for (a, b) in sorted(edges) if a in cyc and b in cyc]
+            problems.append(f"import cycle{what}: " + ", ".join(cyc) + "\n      " + "\n      ".join(where))
+    return graph, sccs, problems
+
+
+def main():
+    files = rust_files(SRC)
+    tops, edges = top_level_edges(SRC, files)
 
     if "--dot" in sys.argv:
         print("digraph layers {")
@@ -252,13 +284,8 @@ def main():
     for t in unknown:
         problems.append(f"module '{t}' is in no layer: add it to LAYERS in {sys.argv[0]}")
     # Cycles: strongly connected components of the top-level graph (Tarjan).
-    graph = {t: sorted(b for (a, b) in edges if a == t) for t in tops}
-    sccs = tarjan(graph)
-    for comp in sccs:
-        if len(comp) > 1:
-            cyc = sorted(comp)
-            where = [f"{a} -> {b} ({edges[(a, b)]})" for (a, b) in sorted(edges) if a in cyc and b in cyc]
-            problems.append("import cycle: " + ", ".join(cyc) + "\n      " + "\n      ".join(where))
+    graph, sccs, found = cycles(tops, edges, "")
+    problems += found
     for (a, b), at in sorted(edges.items()):
         if a in LAYER_OF and b in LAYER_OF and LAYER_OF[b] > LAYER_OF[a]:
             problems.append(
@@ -273,16 +300,25 @@ def main():
             if m in tops:
                 deps = ", ".join(graph.get(m, [])) or "-"
                 print(f"       {m:<10} -> {deps}")
-    inner = submodule_cycles(files)
+    inner = submodule_cycles(SRC, files)
     problems += inner
     print(f"{len(tops)} top-level modules, {len(edges)} edges between them, "
           f"{sum(1 for c in sccs if len(c) > 1)} cycles; {len(inner)} cycles inside module folders")
+    for src in CYCLE_ONLY_CRATES:
+        crate_files = rust_files(src)
+        crate_tops, crate_edges = top_level_edges(src, crate_files)
+        name = os.path.basename(os.path.dirname(os.path.abspath(src)))
+        _, crate_sccs, found = cycles(crate_tops, crate_edges, f" inside {name}")
+        crate_inner = submodule_cycles(src, crate_files)
+        problems += found + crate_inner
+        print(f"{name}: {len(crate_tops)} modules, {len(crate_edges)} edges between them, "
+              f"{sum(1 for c in crate_sccs if len(c) > 1)} cycles; {len(crate_inner)} cycles inside module folders")
     if problems:
         print("\nFAILED:")
         for p in problems:
             print("  - " + p)
         return 1
-    print("OK: no import cycle (between modules or inside a module folder), every import points down")
+    print("OK: no import cycle (between modules, inside a module folder or inside nccl-host), every import points down")
     return 0
 
 

@@ -66,8 +66,10 @@ pub mod diag;
 mod discovery;
 pub mod error;
 mod group;
+// The host provider is the crate nccl-host (`nccl_safe::host` keeps its paths).
 #[cfg(feature = "host")]
-pub mod host;
+#[doc(inline)]
+pub use nccl_host as host;
 mod id;
 #[cfg(feature = "launch")]
 pub mod launch;

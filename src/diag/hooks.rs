@@ -307,6 +307,7 @@ impl CommDiag {
     /// its communicators pinned (so the watchdog cannot abort them when a peer leaves): a
     /// check that turns `true` once a rank this communicator's staged operations need has
     /// left, having failed the clique for that departure (so the error names the rank).
+    #[cfg_attr(not(feature = "host"), allow(dead_code))]
     pub(crate) fn departure_check(&self) -> Option<Box<dyn Fn() -> bool>> {
         let s = Arc::clone(self.shared.get()?);
         Some(Box::new(move || s.staged_waits_for_departed()))

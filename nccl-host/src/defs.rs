@@ -115,8 +115,9 @@ pub(crate) fn wait_limit() -> Duration {
 }
 
 /// A check the caller's waits poll: `true` once the call can never complete (a peer it
-/// needs has left), which ends them as their deadline would.
-pub(crate) type CallCancel = Box<dyn Fn() -> bool>;
+/// needs has left), which ends them as their deadline would. For nccl-safe only (its
+/// `Group::end` passes one to [`with_deadline`]).
+pub type CallCancel = Box<dyn Fn() -> bool>;
 
 std::thread_local! {
     /// The deadline the caller gave the call this thread is making (see [`with_deadline`]).
@@ -132,14 +133,10 @@ pub(crate) const CANCEL_POLL: Duration = Duration::from_millis(10);
 /// as a non-blocking NCCL communicator's caller bounds its wait for `ncclInProgress`: the
 /// crate's `Group::end` passes its communicators' timeout, because a group's communicators
 /// are claimed against the watchdog for the whole call, so no abort could end the wait.
-/// `cancel`, when given, is polled (every [`CANCEL_POLL`], without the provider's lock) and
+/// `cancel`, when given, is polled (every `CANCEL_POLL`, without the provider's lock) and
 /// ends the waits at once when it returns `true`: a group whose peer left fails then, not at
-/// its deadline.
-pub(crate) fn with_deadline<R>(
-    deadline: Instant,
-    cancel: Option<CallCancel>,
-    f: impl FnOnce() -> R,
-) -> R {
+/// its deadline. For nccl-safe only.
+pub fn with_deadline<R>(deadline: Instant, cancel: Option<CallCancel>, f: impl FnOnce() -> R) -> R {
     let before = CALL_DEADLINE.with(|c| c.replace(Some(deadline)));
     let cancel_before = CALL_CANCEL.with(|c| c.replace(cancel));
     let r = f();

@@ -2,8 +2,10 @@
 //! as threads of one process.
 //!
 //! [`lookup`] hands out `unsafe extern "C"` functions with NCCL's exact signatures, so
-//! `nccl_sys::FunctionTable::load(nccl_safe::host::lookup)` fills the same table a
-//! `dlopen`ed `libnccl.so.2` does, and everything above the table runs unchanged.
+//! `nccl_sys::FunctionTable::load(nccl_host::lookup)` fills the same table a `dlopen`ed
+//! `libnccl.so.2` does, and everything above the table runs unchanged. nccl-safe re-exports
+//! this crate as `nccl_safe::host` (its `host` feature) and builds `Library::host` on it;
+//! the items hidden from these docs are for nccl-safe only.
 //!
 //! Ranks may also be processes of one machine: an id from [`shared_unique_id`] makes
 //! `ncclCommInitRank` meet the other ranks in a shared memory segment instead of inside this
@@ -86,6 +88,7 @@
 //! 11. `ncclGetLastError` ignores its `comm` argument: the text is per thread, and the
 //!     pointer stays valid until the same thread calls `ncclGetLastError` again.
 
+#![deny(missing_docs)]
 // NCCL constants (ncclSum, ncclInt8, ...) keep their C names in match patterns.
 #![allow(non_upper_case_globals)]
 
@@ -161,18 +164,18 @@ std::thread_local! {
 /// Runs `f` (one NCCL call into this provider) with `caller` as the line behind it: the
 /// provider keeps it with the operation, so that a mismatch across processes names the
 /// line each rank called from. Calls made outside it (through the raw table) have none.
+/// For nccl-safe only (its checked operations call it).
+#[doc(hidden)]
 #[inline(always)]
-pub(crate) fn with_caller<R>(
-    caller: &'static std::panic::Location<'static>,
-    f: impl FnOnce() -> R,
-) -> R {
+pub fn with_caller<R>(caller: &'static std::panic::Location<'static>, f: impl FnOnce() -> R) -> R {
     CALLER.with(|c| c.set(Some(caller)));
     let r = f();
     CALLER.with(|c| c.set(None));
     r
 }
 
-pub(crate) use defs::{with_deadline, CallCancel};
+#[doc(hidden)]
+pub use defs::{with_deadline, CallCancel};
 
 /// The line behind the call this thread is making into the provider, if known.
 pub(crate) fn current_caller() -> Option<&'static std::panic::Location<'static>> {
@@ -221,9 +224,10 @@ pub fn recent_misuse() -> Vec<String> {
 }
 
 /// Operations of the host handle `comm` that were accepted and will never complete
-/// ([`fault::Fault::StuckWork`]); 0 for an unknown handle.
-#[cfg_attr(not(feature = "diag"), allow(dead_code))]
-pub(crate) fn stuck_ops(comm: usize) -> u64 {
+/// ([`fault::Fault::StuckWork`]); 0 for an unknown handle. For nccl-safe only (its
+/// watchdog asks whether host work is still running).
+#[doc(hidden)]
+pub fn stuck_ops(comm: usize) -> u64 {
     fault::stuck_ops(comm)
 }
 

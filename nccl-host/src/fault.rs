@@ -116,7 +116,6 @@ pub(crate) fn take_stuck(root: RootIdx, h: Handle) -> bool {
 }
 
 /// Operations of `h` that will never complete.
-#[cfg_attr(not(feature = "diag"), allow(dead_code))]
 pub(crate) fn stuck_ops(h: Handle) -> u64 {
     lock().stuck_ops.get(&h).copied().unwrap_or(0)
 }
