@@ -3,7 +3,7 @@
 //! Four ranks all-reduce a gradient and broadcast a parameter, as threads of one process on
 //! the host provider (NCCL's API on the CPU, so this runs anywhere, `cargo test` included).
 //! With GPUs, `Launcher::all_devices()?` runs a rank per visible GPU (`Launcher::auto` picks
-//! GPUs or the host), and `ProcessLauncher::from_env()?.init()?` a rank per process under
+//! GPUs or the host), and `Launcher::from_env()?.init()?` a rank per process under
 //! torchrun, Slurm or mpirun; the body stays the same.
 //!
 //! ```

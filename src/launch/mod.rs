@@ -6,13 +6,13 @@
 mod common;
 pub mod desync;
 pub mod env;
+mod launcher;
 mod process;
 pub mod rendezvous;
 pub mod store;
-mod threads;
 mod wire;
 
-pub use process::ProcessLauncher;
-pub use threads::{
+pub use launcher::{
     cuda_device_count, Backend, LaunchReport, Launcher, Rank, RankStats, DEFAULT_LAUNCH_TIMEOUT,
 };
+pub use process::ProcessLauncher;

@@ -16,7 +16,7 @@ use crate::launch::rendezvous::{Rendezvous, ServerHandle, TcpRendezvous};
 use crate::launch::store::StoreRendezvous;
 use crate::stream::Stream;
 
-use super::threads::{cuda_device_count, Launcher, Rank};
+use super::launcher::{cuda_device_count, Launcher, Rank};
 
 /// One rank of a multi-process job; see [`Launcher::from_env`].
 #[derive(Debug, Clone)]
