@@ -43,7 +43,8 @@
 //! instead of being canceled. The oldest server this client speaks to is PyTorch 2.2's
 //! (the first with `VALIDATE`, which moved every other query type up by one); CI checks it
 //! against the servers (libuv and the older one) of PyTorch 2.2.2 and of the current
-//! release.
+//! release. A 2.1 server reads the handshake as another query and never answers it:
+//! [`StoreClient::connect`] then fails with [`StoreError::Timeout`] after its deadline.
 //!
 //! Every read of [`StoreClient`] ends by a deadline (one per request), every length the
 //! server sends is checked against [`MAX_VALUE_LEN`] before anything is allocated, and a
