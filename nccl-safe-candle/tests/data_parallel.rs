@@ -440,3 +440,35 @@ fn a_failed_rank_fails_the_step_on_every_rank() {
         "the other ranks waited for the timeout"
     );
 }
+
+/// A rank that returns early, cleanly (a loop one step shorter on rank 2), while its peers
+/// are inside a step's all-reduce (a group of buckets): they fail at once naming rank 2,
+/// instead of waiting out the 60 s timeout.
+#[test]
+fn a_rank_that_returns_early_fails_its_peers_step_at_once() {
+    let timeout = Duration::from_secs(60);
+    let started = Instant::now();
+    let out =
+        Launcher::host(RANKS)
+            .timeout(timeout)
+            .try_run(|rank| -> nccl_safe_candle::Result<()> {
+                let params = vars(&[("w", &[16], DType::F32), ("b", &[4], DType::F32)]);
+                let ts: Vec<Tensor> = params.iter().map(|(_, v)| v.as_tensor().clone()).collect();
+                // Two buckets: the step's all-reduce is a group of two.
+                let ddp = DistributedDataParallel::from_named(rank.comm(), params, 64)?;
+                let steps = if rank.rank() == 2 { 2 } else { 3 };
+                for _ in 0..steps {
+                    let mut g = GradStore::default();
+                    for t in &ts {
+                        g.insert(t, Tensor::ones(t.shape(), DType::F32, &Device::Cpu)?);
+                    }
+                    ddp.sync_grads(&mut g)?;
+                }
+                Ok(())
+            });
+    let took = started.elapsed();
+    let e = out.expect_err("ranks 0, 1 and 3 wait for rank 2");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    let text = e.to_string();
+    assert!(text.contains("rank 2 left"), "{text}");
+}
