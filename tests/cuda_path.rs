@@ -304,6 +304,109 @@ fn the_per_operation_path_makes_no_driver_call_of_its_own() {
     );
 }
 
+/// Set in the children of `collectives_on_cudarc_buffers_across_processes`: `rank:n:id`.
+const MP_VAR: &str = "NCCL_SAFE_TEST_CUDA_MP";
+
+/// The CUDA code path with a rank per process, as a launcher starts them: each process
+/// loads the fake driver and the host provider presented as NCCL (`Provider::Nccl`), makes
+/// a `Device::Cuda` communicator from one shared unique id (the ranks meet in shared
+/// memory, as the host provider's processes do), and runs collectives and a group on
+/// cudarc buffers; every process checks its values and tears its communicator down once.
+#[test]
+fn collectives_on_cudarc_buffers_across_processes() {
+    const WORLD: usize = 3;
+    let id = UniqueId::from_raw(nccl_safe::host::shared_unique_id());
+    let hex: String = id.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    let exe = std::env::current_exe().unwrap();
+    let kids: Vec<_> = (0..WORLD)
+        .map(|r| {
+            std::process::Command::new(&exe)
+                .args([
+                    "--exact",
+                    "child_cuda_rank_in_a_process",
+                    "--ignored",
+                    "--nocapture",
+                ])
+                .env(MP_VAR, format!("{r}:{WORLD}:{hex}"))
+                .env("NCCL_SAFE_HOST_TIMEOUT_MS", "20000")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs = within(Duration::from_secs(60), move || {
+        kids.into_iter()
+            .map(|k| k.wait_with_output().unwrap())
+            .collect::<Vec<_>>()
+    });
+    for (r, out) in outs.iter().enumerate() {
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "rank {r}: {}: {text}", out.status);
+        assert!(
+            text.contains(&format!("@@CUDA-MP-OK rank {r} of {WORLD}")),
+            "rank {r}: {text}"
+        );
+    }
+}
+
+/// One rank of `collectives_on_cudarc_buffers_across_processes`, in its own process.
+#[test]
+#[ignore = "run as a child process by collectives_on_cudarc_buffers_across_processes"]
+fn child_cuda_rank_in_a_process() {
+    let Ok(spec) = std::env::var(MP_VAR) else {
+        panic!("run only as a child process ({MP_VAR} unset)");
+    };
+    let mut it = spec.split(':');
+    let r: usize = it.next().unwrap().parse().unwrap();
+    let world: usize = it.next().unwrap().parse().unwrap();
+    let hex = it.next().unwrap();
+    let bytes: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    let id = UniqueId::from_bytes(&bytes).unwrap();
+    driver();
+    let lib = nccl();
+    let ctx = CudaContext::new(0).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let comm = Communicator::init_rank_in(
+        &lib,
+        &Device::Cuda(ctx.clone()),
+        world,
+        r,
+        &id,
+        &Config::new().timeout(Duration::from_secs(20)),
+    )
+    .unwrap();
+    assert_eq!((comm.rank(), comm.world_size()), (r, world));
+    let base = r as f32 + 1.0;
+    let mut x = s.clone_htod(&[base; 1000]).unwrap();
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &s).unwrap();
+    let sum = (1..=world).sum::<usize>() as f32;
+    assert!(s.clone_dtoh(&x).unwrap().iter().all(|&v| v == sum));
+    let mine = s.clone_htod(&[r as u8; 2]).unwrap();
+    let mut all = s.alloc_zeros::<u8>(2 * world).unwrap();
+    let mut b = s.clone_htod(&[r as f64 * 10.0; 3]).unwrap();
+    {
+        let mut g = Group::new();
+        g.push(comm.all_gather_op(&mine, &mut all, &s).unwrap())
+            .unwrap();
+        g.push(comm.broadcast_in_place_op(&mut b, 1, &s).unwrap())
+            .unwrap();
+        g.end().unwrap();
+    }
+    let want: Vec<u8> = (0..world as u8).flat_map(|q| [q, q]).collect();
+    assert_eq!(s.clone_dtoh(&all).unwrap(), want);
+    assert_eq!(s.clone_dtoh(&b).unwrap(), vec![10.0; 3]);
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+    assert_eq!(driver().gauge(Gauge::BadHandles), 0);
+    println!("@@CUDA-MP-OK rank {r} of {world}");
+}
+
 /// The tests of this file share the fake driver's gauges: they run one at a time.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
