@@ -51,9 +51,9 @@ pub(crate) struct CommDiag {
     /// them takes the slow path. Each is among the [`RECENT_QUEUES`] most recently noted
     /// in the shared list, which keeps more, so none is dropped there while cached here.
     recent_queues: RefCell<[Option<Arc<QueueWatch>>; RECENT_QUEUES]>,
-    /// Shrinks made so far: part of each shrink child's clique key, so two shrinks at the
-    /// same sequence number never share one.
-    /// The shrinks made from this communicator, per exclude list ([`shrink_tag`]).
+    /// The shrinks made from this communicator so far, counted per exclude list
+    /// ([`shrink_tag`]): part of each shrink child's clique key, so two shrinks at the same
+    /// sequence number never share one.
     children: RefCell<Vec<(u64, u64)>>,
 }
 

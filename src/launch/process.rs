@@ -108,7 +108,9 @@ impl ProcessLauncher {
                 // Peers that retry must not read this id again. If the deletion fails
                 // too, a retried peer joins the dead id and fails at its init timeout:
                 // the join's own error is the one to report.
-                Err(_) if self.env.rank == 0 => drop(store.retract()),
+                Err(_) if self.env.rank == 0 => {
+                    let _ = store.retract();
+                }
                 Err(_) => {}
             }
         }

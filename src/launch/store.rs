@@ -473,8 +473,8 @@ impl StoreClient {
 
 /// Counts the communicators this process joined with an id from a store rendezvous
 /// ([`StoreRendezvous::joined`]). That count is the job's, not the process's: every rank
-/// makes its communicators in the same order, and a communicator's init succeeds on all of
-/// its ranks or on none. So a second communicator uses fresh keys, while an exchange that
+/// makes its communicators in the same order, and an init is collective (it completes on
+/// every rank; when it fails on one, the job's communicator is lost on all). So a second communicator uses fresh keys, while an exchange that
 /// failed anywhere (a timeout, a lost connection, a join that never completed) is retried
 /// under the key its peers retry under too, whichever rank failed and where.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -525,9 +525,9 @@ impl StoreRendezvous {
         Some(r)
     }
 
-    /// The communicator made with this exchange's id is initialized (on every rank, as
-    /// NCCL's init completes on all of them or on none): the process's next exchange uses
-    /// the next key. Until then a retry uses this one, as its peers' retries do.
+    /// The communicator made with this exchange's id is initialized (an init is
+    /// collective, so its peers' are too): the process's next exchange uses the next key.
+    /// Until then a retry uses this one, as its peers' retries do.
     pub fn joined(&self) {
         if let Some(n) = self.generation {
             GENERATION.fetch_max(n + 1, Ordering::AcqRel);
