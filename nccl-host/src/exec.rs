@@ -965,8 +965,9 @@ fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) ->
             // The caller's check reads its own state, never the provider's: poll it
             // without the lock. Once it says the call can never complete, the deadline is
             // now (the clique is aborted as at the deadline, so no peer touches our
-            // buffers afterwards).
-            g = wait(g, deadline.min(Instant::now() + super::defs::CANCEL_POLL));
+            // buffers afterwards). Each wait lasts a poll interval (or until notified),
+            // also past the deadline while a slot is still executing, so this never spins.
+            g = wait(g, Instant::now() + super::defs::CANCEL_POLL);
             drop(g);
             let cancelled = super::defs::call_cancelled();
             g = lock();

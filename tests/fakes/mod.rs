@@ -286,6 +286,18 @@ mod wrap {
         devices().get(&key).copied().unwrap_or(-1)
     }
 
+    /// Notes the device of what a call wrote to `out` (a communicator or an allocation),
+    /// when it wrote something.
+    ///
+    /// # Safety
+    /// `out` is null or points to a readable pointer-sized value.
+    unsafe fn remember<T>(out: *const *mut T, device: c_int) {
+        // SAFETY: by this function's contract.
+        if let Some(p) = unsafe { out.as_ref() } {
+            devices().insert(*p as usize, device);
+        }
+    }
+
     /// NVIDIA's abort and destroy release the communicator's device memory through the
     /// driver, after making the communicator's device current themselves, and the
     /// driver's frees wait for the device's work: behind a stalled stream they block until
@@ -306,10 +318,8 @@ mod wrap {
     ) -> ncclResult_t {
         // SAFETY: forwarded unchanged to the host provider's entry point.
         let r = unsafe { (host().ncclCommInitRankConfig)(comm, n, id, rank, config) };
-        // SAFETY: `comm` is the caller's out pointer, written by the call.
-        if let Some(c) = unsafe { comm.as_ref() } {
-            devices().insert(*c as usize, current_device());
-        }
+        // SAFETY: `comm` is the caller's out pointer (NCCL's contract), written by the call.
+        unsafe { remember(comm, current_device()) };
         r
     }
 
@@ -322,9 +332,7 @@ mod wrap {
         // SAFETY: as above.
         let r = unsafe { (host().ncclCommInitRank)(comm, n, id, rank) };
         // SAFETY: as above.
-        if let Some(c) = unsafe { comm.as_ref() } {
-            devices().insert(*c as usize, current_device());
-        }
+        unsafe { remember(comm, current_device()) };
         r
     }
 
@@ -338,10 +346,7 @@ mod wrap {
         // SAFETY: as above.
         let r = unsafe { (host().ncclCommSplit)(comm, color, key, child, config) };
         // SAFETY: as above.
-        if let Some(c) = unsafe { child.as_ref() } {
-            let d = device_of(comm as usize);
-            devices().insert(*c as usize, d);
-        }
+        unsafe { remember(child, device_of(comm as usize)) };
         r
     }
 
@@ -353,9 +358,7 @@ mod wrap {
                 .expect("the host provider has ncclMemAlloc"))(p, size)
         };
         // SAFETY: as above.
-        if let Some(a) = unsafe { p.as_ref() } {
-            devices().insert(*a as usize, current_device());
-        }
+        unsafe { remember(p, current_device()) };
         r
     }
 
