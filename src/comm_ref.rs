@@ -24,19 +24,12 @@ use std::sync::Arc;
 
 use nccl_sys::ncclComm_t;
 
-use crate::comm::{Communicator, Device, DEFAULT_INIT_TIMEOUT};
+use crate::comm::{Communicator, Device, RawComm, DEFAULT_INIT_TIMEOUT};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::id::{UniqueId, UNIQUE_ID_BYTES};
 use crate::library::{CallContext, Library};
 use crate::nccl_call;
-
-/// Whether a wrapped handle's teardown is ours.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Ownership {
-    Adopted,
-    Borrowed,
-}
 
 impl Communicator {
     /// Adopts a communicator created elsewhere (by C++, PyTorch or another crate): from now
@@ -91,11 +84,9 @@ impl Communicator {
     ) -> Result<Communicator> {
         wrap(
             "Communicator::from_raw",
-            lib,
-            raw,
+            RawComm::owned(raw, lib),
             device,
             config,
-            Ownership::Adopted,
             Location::caller(),
         )
     }
@@ -180,8 +171,7 @@ impl Communicator {
 /// # Ok::<(), nccl_safe::Error>(())
 /// ```
 pub struct CommRef<'a> {
-    /// Its handle is given up (made null) by `Drop for CommRef` before it drops, so its
-    /// own `Drop` never tears the handle down.
+    /// Built on a borrowed [`RawComm`], so its `Drop` never tears the handle down.
     comm: Communicator,
     _owner: PhantomData<&'a ()>,
 }
@@ -215,11 +205,9 @@ impl<'a> CommRef<'a> {
         let _ = owner;
         let comm = wrap(
             "CommRef::from_raw_borrowed",
-            lib,
-            raw,
+            RawComm::borrowed(raw, lib),
             device,
             config,
-            Ownership::Borrowed,
             Location::caller(),
         )?;
         Ok(CommRef {
@@ -243,14 +231,6 @@ impl std::fmt::Debug for CommRef<'_> {
     }
 }
 
-impl Drop for CommRef<'_> {
-    fn drop(&mut self) {
-        // The view's diagnostics never held the handle (see `wrap`), so this is null and no
-        // NCCL call is made; `comm` then drops with a null handle.
-        let _ = self.comm.give_up_handle();
-    }
-}
-
 /// A process-unique stand-in for the unique id of a communicator made elsewhere: it keys
 /// the wrapped communicator's desync clique (one of its own).
 fn foreign_clique_id() -> UniqueId {
@@ -269,39 +249,46 @@ fn foreign_clique_id() -> UniqueId {
 /// diagnostics hold no handle). On an error the handle is left untouched.
 fn wrap(
     op: &'static str,
-    lib: Arc<Library>,
-    raw: ncclComm_t,
+    handle: RawComm,
     device: Device,
     config: &Config,
-    ownership: Ownership,
     caller: &'static Location<'static>,
 ) -> Result<Communicator> {
+    let (raw, lib) = (handle.get(), Arc::clone(handle.lib()));
+    // On an error the handle goes back untouched (still the caller's or its owner's).
+    let give_back = |handle: RawComm, e: Error| {
+        let _ = handle.into_raw();
+        Err(e)
+    };
     if raw.is_null() {
-        return Err(Error::InvalidArgument {
-            op,
-            reason: "the communicator handle is null".into(),
-        });
+        return give_back(
+            handle,
+            Error::InvalidArgument {
+                op,
+                reason: "the communicator handle is null".into(),
+            },
+        );
     }
-    Communicator::check_foreign_device(op, &lib, &device)?;
+    if let Err(e) = Communicator::check_foreign_device(op, &lib, &device) {
+        return give_back(handle, e);
+    }
     let ctx = CallContext {
         comm: raw,
         rank: None,
         caller: Some(caller),
     };
-    let blocking = config.is_blocking();
-    let comm = Communicator::from_foreign(
-        raw,
-        Arc::clone(&lib),
-        device.clone(),
-        0,
-        0,
-        crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id()),
-    );
-    // From here on an error gives the handle back untouched (no diagnostics attached yet,
-    // and `release_handle` never tears down).
     let shape = (|| {
-        if !blocking {
-            comm.wait_ready("ncclCommInitRankConfig", caller, DEFAULT_INIT_TIMEOUT)?;
+        if !config.is_blocking() {
+            // A borrowed stand-in with diagnostics of its own (none attached), for the
+            // wait's polls: its drop leaves the handle alone.
+            Communicator::new(
+                RawComm::borrowed(raw, Arc::clone(&lib)),
+                device.clone(),
+                0,
+                0,
+                crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id()),
+            )
+            .wait_ready("ncclCommInitRankConfig", caller, DEFAULT_INIT_TIMEOUT)?;
         }
         let (mut rank, mut count): (c_int, c_int) = (-1, -1);
         // SAFETY: the caller guarantees `raw` is a live communicator of `lib`; `rank` and
@@ -334,25 +321,22 @@ fn wrap(
     })();
     let (rank, world_size) = match shape {
         Ok(s) => s,
-        Err(e) => {
-            let _ = comm.release_handle();
-            return Err(e);
-        }
+        Err(e) => return give_back(handle, e),
     };
-    let comm = Communicator::from_foreign(
-        comm.release_handle(),
-        lib,
+    // The handle the watchdog may take and abort: none for a borrowed one, so a timeout
+    // only marks the view failed.
+    let watched = if handle.is_owned() {
+        raw
+    } else {
+        std::ptr::null_mut()
+    };
+    let comm = Communicator::new(
+        handle,
         device,
         rank,
         world_size,
         crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id()),
     );
-    // The handle the watchdog may take and abort: none for a borrowed one, so a timeout
-    // only marks the view failed.
-    let watched = match ownership {
-        Ownership::Adopted => raw,
-        Ownership::Borrowed => std::ptr::null_mut(),
-    };
     comm.diag
         .attach(watched, rank, world_size, comm.library(), comm.lane());
     Ok(comm)

@@ -64,7 +64,10 @@ impl Communicator {
     pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
         const OP: &str = "ncclCommShrink";
         let caller = Location::caller();
-        let shrink = self.lib.optional(self.lib.table().ncclCommShrink, OP)?;
+        let shrink = self
+            .handle
+            .lib()
+            .optional(self.handle.table().ncclCommShrink, OP)?;
         let mut list = Vec::with_capacity(exclude.len());
         for &r in exclude {
             if r >= self.world_size {
@@ -142,16 +145,13 @@ impl Communicator {
         if child.is_null() {
             return Ok(None);
         }
-        let mut comm = Communicator {
-            raw: child,
-            lib: Arc::clone(&self.lib),
-            device: self.device.clone(),
-            rank: 0,
-            world_size: 0,
-            cuda_device: self.cuda_device,
-            failure: OnceCell::new(),
-            diag: self.diag.child(tag),
-        };
+        let mut comm = Communicator::new(
+            RawComm::owned(child, Arc::clone(self.handle.lib())),
+            self.device.clone(),
+            0,
+            0,
+            self.diag.child(tag),
+        );
         // The child inherits the parent's non-blocking mode: wait (bounded) until it is ready.
         // This runs inside the parent's operation, so the watchdog's timeout of the
         // parent's clique (with its report of who is behind) normally ends a wait for a
@@ -170,15 +170,20 @@ impl Communicator {
     pub(super) fn read_shape(&mut self, caller: &'static Location<'static>) -> Result<()> {
         let (mut rank, mut count): (c_int, c_int) = (0, 0);
         // SAFETY: `rank` is writable and the handle live.
-        let r = unsafe { (self.lib.table().ncclCommUserRank)(self.raw, &mut rank) };
+        let r = unsafe { (self.handle.table().ncclCommUserRank)(self.handle.get(), &mut rank) };
         self.checked("ncclCommUserRank", r, caller)?;
         // SAFETY: `count` is writable and the handle live.
-        let r = unsafe { (self.lib.table().ncclCommCount)(self.raw, &mut count) };
+        let r = unsafe { (self.handle.table().ncclCommCount)(self.handle.get(), &mut count) };
         self.checked("ncclCommCount", r, caller)?;
         self.rank = rank.max(0) as usize;
         self.world_size = count.max(0) as usize;
-        self.diag
-            .attach(self.raw, self.rank, self.world_size, &self.lib, self.lane());
+        self.diag.attach(
+            self.handle.get(),
+            self.rank,
+            self.world_size,
+            self.handle.lib(),
+            self.lane(),
+        );
         Ok(())
     }
 }

@@ -99,16 +99,11 @@ impl Communicator {
             rank: Some(rank),
             caller: Some(Location::caller()),
         };
-        let in_progress = r == nccl_sys::bindings::ncclInProgress;
-        if !in_progress {
-            if let Err(e) = lib.check(OP, r, ctx) {
-                if !raw.is_null() {
-                    // NCCL handed out a handle before failing: it is ours to tear down, once.
-                    // SAFETY: `raw` came from this init and is not used again.
-                    let _ = unsafe { (lib.table().ncclCommAbort)(raw) };
-                }
-                return Err(e);
-            }
+        // A handle NCCL gave out is ours from here on: if the init failed, dropping it
+        // aborts it, once.
+        let handle = RawComm::owned(raw, Arc::clone(lib));
+        if r != nccl_sys::bindings::ncclInProgress {
+            lib.check(OP, r, ctx)?;
         }
         if raw.is_null() {
             return Err(Error::InvalidArgument {
@@ -117,26 +112,10 @@ impl Communicator {
             });
         }
         // Until its init completes, the communicator counts as failed: dropped, it is aborted.
-        let failure = OnceCell::new();
-        let _ = failure.set(PENDING.to_string());
-        Ok(PendingCommunicator {
-            comm: Communicator {
-                raw,
-                lib: Arc::clone(lib),
-                device: device.clone(),
-                rank,
-                world_size,
-                cuda_device: match device {
-                    Device::Cuda(c) => Some(c.ordinal()),
-                    Device::Host => None,
-                },
-                failure,
-                diag: {
-                    diag.arrive(rank, world_size);
-                    diag
-                },
-            },
-        })
+        diag.arrive(rank, world_size);
+        let comm = Communicator::new(handle, device.clone(), rank, world_size, diag);
+        comm.mark_pending();
+        Ok(PendingCommunicator { comm })
     }
 
     /// Creates one communicator per device in this process (`ncclCommInitAll`): rank `i`
@@ -177,18 +156,14 @@ impl Communicator {
             .into_iter()
             .zip(devices)
             .enumerate()
-            .map(|(rank, (raw, d))| Communicator {
-                raw,
-                lib: Arc::clone(&lib),
-                device: d.clone(),
-                rank,
-                world_size: devices.len(),
-                cuda_device: match d {
-                    Device::Cuda(c) => Some(c.ordinal()),
-                    Device::Host => None,
-                },
-                failure: OnceCell::new(),
-                diag: crate::diag::CommDiag::for_init_all(clique),
+            .map(|(rank, (raw, d))| {
+                Communicator::new(
+                    RawComm::owned(raw, Arc::clone(&lib)),
+                    d.clone(),
+                    rank,
+                    devices.len(),
+                    crate::diag::CommDiag::for_init_all(clique),
+                )
             })
             .collect())
     }
@@ -196,6 +171,20 @@ impl Communicator {
 
 /// The failure a communicator carries until its init completes (so dropping it aborts).
 const PENDING: &str = "its initialization did not complete";
+
+impl Communicator {
+    /// Counts the communicator as failed until its init completes (dropped, it aborts).
+    fn mark_pending(&self) {
+        let _ = self.failure.set(PENDING.to_string());
+    }
+
+    /// Its init completed: healthy again, unless something else failed it meanwhile.
+    fn clear_pending(&mut self) {
+        if self.failure.get().map(String::as_str) == Some(PENDING) {
+            self.failure.take();
+        }
+    }
+}
 
 /// A communicator whose non-blocking init is under way. Dropping it aborts the handle
 /// (the communicator counts as failed until [`wait`](Self::wait) succeeds).
@@ -213,9 +202,7 @@ impl PendingCommunicator {
         let mut comm = self.comm;
         comm.wait_ready("ncclCommInitRankConfig", caller, timeout)?;
         comm.read_shape(caller)?;
-        if comm.failure.get().map(String::as_str) == Some(PENDING) {
-            comm.failure.take();
-        }
+        comm.clear_pending();
         Ok(comm)
     }
 

@@ -1,6 +1,7 @@
 //! [`Communicator`]: the RAII owner of an `ncclComm_t`.
 //!
-//! By concern: this file holds the type, its accessors and the one checked path of its
+//! By concern: `raw` holds [`RawComm`], the one owner of the handle; this file holds the
+//! type built on it, its accessors and the one checked path of its
 //! calls (`issue`, `pinned`, the failure state); `init` makes communicators (and
 //! [`PendingCommunicator`]), `family` makes children (split, shrink), `teardown` ends them
 //! (destroy, abort, finalize, `Drop`). Raw-handle interop is in `comm_ref`.
@@ -22,7 +23,10 @@ use crate::nccl_call;
 
 mod family;
 mod init;
+mod raw;
 mod teardown;
+
+pub(crate) use raw::RawComm;
 
 pub use init::PendingCommunicator;
 
@@ -96,8 +100,9 @@ pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(600);
 /// # Ok::<(), nccl_safe::Error>(())
 /// ```
 pub struct Communicator {
-    raw: ncclComm_t,
-    lib: Arc<Library>,
+    /// The handle and its library: the one owner of the handle (taken once for its
+    /// teardown, never for a borrowed one).
+    handle: RawComm,
     device: Device,
     rank: usize,
     world_size: usize,
@@ -119,7 +124,7 @@ impl std::fmt::Debug for Communicator {
             .field("rank", &self.rank)
             .field("world_size", &self.world_size)
             .field("device", &self.cuda_device)
-            .field("provider", &self.lib.provider())
+            .field("provider", &self.handle.lib().provider())
             .field("failed", &self.failure.get().is_some())
             .finish()
     }
@@ -198,13 +203,13 @@ impl Communicator {
 
     /// The library serving this communicator.
     pub fn library(&self) -> &Arc<Library> {
-        &self.lib
+        self.handle.lib()
     }
 
     /// The raw handle, for NCCL features this crate does not wrap. It stays owned by
     /// `self`: do not destroy or abort it.
     pub fn as_raw(&self) -> ncclComm_t {
-        self.raw
+        self.handle.get()
     }
 
     /// Whether an error was seen (drop will abort). True as soon as the watchdog timed
@@ -225,7 +230,9 @@ impl Communicator {
         self.pinned(|| {
             // SAFETY: `state` is writable; the handle is live (not torn down: pinned, so the
             // watchdog cannot take it during the call).
-            let r = unsafe { (self.lib.table().ncclCommGetAsyncError)(self.raw, &mut state) };
+            let r = unsafe {
+                (self.handle.table().ncclCommGetAsyncError)(self.handle.get(), &mut state)
+            };
             self.checked("ncclCommGetAsyncError", r, caller)
         })?;
         match ResultCode::from_raw(state) {
@@ -243,7 +250,7 @@ impl Communicator {
         raw: ncclResult_t,
         caller: &'static Location<'static>,
     ) -> Error {
-        let e = self.lib.error_for(call, raw, self.context(caller));
+        let e = self.handle.lib().error_for(call, raw, self.context(caller));
         self.failure.get_or_init(|| e.to_string());
         e.into()
     }
@@ -262,7 +269,7 @@ impl Communicator {
 
     fn context(&self, caller: &'static Location<'static>) -> CallContext {
         CallContext {
-            comm: self.raw,
+            comm: self.handle.get(),
             rank: Some(self.rank),
             caller: Some(caller),
         }
@@ -321,7 +328,7 @@ impl Communicator {
             Ok(t) => t,
             Err(e) => return Err(self.failed_with(e)),
         };
-        let r = f(self.lib.table(), self.raw);
+        let r = f(self.handle.table(), self.handle.get());
         // NCCL's communicator is always non-blocking (see init_rank): wait out progress.
         let r = if r == nccl_sys::bindings::ncclInProgress {
             self.wait_ready(call, caller, self.diag.timeout())
@@ -359,10 +366,10 @@ impl Communicator {
     #[inline(always)]
     pub(crate) fn handle(&self) -> crate::diag::Handle<'_> {
         crate::diag::Handle {
-            raw: self.raw,
+            raw: self.handle.get(),
             rank: self.rank,
             world_size: self.world_size,
-            lib: &self.lib,
+            lib: self.handle.lib(),
             lane: self.lane(),
         }
     }
@@ -452,7 +459,9 @@ impl Communicator {
             self.pinned(|| {
                 // SAFETY: `state` is writable; the handle is live: inside an operation, or
                 // pinned, so the watchdog cannot take it during the call.
-                let r = unsafe { (self.lib.table().ncclCommGetAsyncError)(self.raw, &mut state) };
+                let r = unsafe {
+                    (self.handle.table().ncclCommGetAsyncError)(self.handle.get(), &mut state)
+                };
                 self.checked("ncclCommGetAsyncError", r, caller)
             })?;
             match ResultCode::from_raw(state) {
@@ -476,21 +485,18 @@ impl Communicator {
     }
 }
 
-// Raw-handle interop (`Communicator::from_raw` / `into_raw`, `CommRef`: src/comm_ref.rs).
 impl Communicator {
-    /// A communicator around a handle made outside this crate, its rank and size known.
-    /// Its diagnostics are not attached yet (the caller attaches them).
-    pub(crate) fn from_foreign(
-        raw: ncclComm_t,
-        lib: Arc<Library>,
+    /// A communicator around `handle` on `device`, healthy, with `diag` (attached by the
+    /// caller once rank and size are known).
+    pub(crate) fn new(
+        handle: RawComm,
         device: Device,
         rank: usize,
         world_size: usize,
         diag: crate::diag::CommDiag,
     ) -> Communicator {
         Communicator {
-            raw,
-            lib,
+            handle,
             cuda_device: match &device {
                 Device::Cuda(c) => Some(c.ordinal()),
                 Device::Host => None,
@@ -503,22 +509,22 @@ impl Communicator {
         }
     }
 
-    /// Gives the handle up with no teardown: detaches the diagnostics (clique and watchdog)
-    /// and drops everything else. Null when the handle was not this communicator's to give:
-    /// the watchdog took it (and aborted it), or it was borrowed.
+    /// Gives the handle up with no teardown (`into_raw`, and a wrap that failed): detaches
+    /// the diagnostics (clique and watchdog) and drops everything else. Null when the
+    /// handle was not this communicator's to give: the watchdog took it (and aborted it),
+    /// or it was borrowed.
     pub(crate) fn release_handle(mut self) -> ncclComm_t {
-        self.give_up_handle()
-        // `self` drops here with a null handle, which `Drop` leaves alone.
+        self.give_up()
+        // `self` drops here with its handle taken, which `Drop` leaves alone.
     }
 
-    /// [`Self::release_handle`] in place: afterwards the handle is null, so the
-    /// communicator's `Drop` tears nothing down and only drops its other fields.
-    pub(crate) fn give_up_handle(&mut self) -> ncclComm_t {
-        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
-        if self.diag.release(None) {
-            raw
-        } else {
-            std::ptr::null_mut()
+    /// [`release_handle`](Self::release_handle) in place (a view's drop, too).
+    fn give_up(&mut self) -> ncclComm_t {
+        let raw = self.handle.take();
+        let released = self.diag.release(None);
+        match raw {
+            Some(raw) if released => raw,
+            _ => std::ptr::null_mut(),
         }
     }
 

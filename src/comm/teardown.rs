@@ -10,12 +10,11 @@ impl Communicator {
     /// and a failed communicator's failure may be its peers' too (a fingerprint mismatch
     /// every rank reports), so those fail only the peers that wait for the rank.
     fn take(&mut self, how: &str, broken: bool) -> ncclComm_t {
-        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+        let raw = self.handle.take();
         // Null when the watchdog already aborted it (its one teardown).
-        if self.diag.release(Some((how, broken))) {
-            raw
-        } else {
-            std::ptr::null_mut()
+        match raw {
+            Some(raw) if self.diag.release(Some((how, broken))) => raw,
+            _ => std::ptr::null_mut(),
         }
     }
 
@@ -46,7 +45,7 @@ impl Communicator {
         };
         // SAFETY: the handle is live (pinned: the watchdog cannot take it during the call);
         // on success it is never used again (taken below, still pinned).
-        let r = unsafe { (self.lib.table().ncclCommDestroy)(self.raw) };
+        let r = unsafe { (self.handle.table().ncclCommDestroy)(self.handle.get()) };
         // The communicator is non-blocking (see init_rank): progress means it is under way.
         let r = if r == nccl_sys::bindings::ncclInProgress {
             nccl_sys::bindings::ncclSuccess
@@ -91,7 +90,7 @@ impl Communicator {
             self.teardown(raw, true, "abort", until)
         };
         let r = r.ok_or_else(|| self.abort_overdue(bound))?;
-        self.lib.check("ncclCommAbort", r, ctx)
+        self.handle.lib().check("ncclCommAbort", r, ctx)
     }
 
     /// The lane this communicator's teardowns run on: its CUDA device, or on the host
@@ -118,8 +117,16 @@ impl Communicator {
             Device::Host => None,
         };
         let b = self.diag.bound();
-        let (_, r) =
-            crate::diag::teardown_bounded(self.lane(), b, &self.lib, raw, abort, ctx, what, until);
+        let (_, r) = crate::diag::teardown_bounded(
+            self.lane(),
+            b,
+            self.handle.lib(),
+            raw,
+            abort,
+            ctx,
+            what,
+            until,
+        );
         (b.bound, r)
     }
 
@@ -144,7 +151,7 @@ impl Communicator {
         bind(&self.device)?;
         self.pinned(|| {
             // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile).
-            let r = unsafe { (self.lib.table().ncclCommFinalize)(self.raw) };
+            let r = unsafe { (self.handle.table().ncclCommFinalize)(self.handle.get()) };
             if r != nccl_sys::bindings::ncclInProgress {
                 self.checked(OP, r, caller)?;
             }
@@ -162,8 +169,13 @@ impl Drop for Communicator {
     /// complete in time is aborted. The call runs on the teardown lane; what does not
     /// return in time is left there and reported once.
     fn drop(&mut self) {
-        if self.raw.is_null() {
+        if !self.handle.is_live() {
             return; // `abort`, `destroy` or `into_raw` took it
+        }
+        if !self.handle.is_owned() {
+            // A view (`CommRef`): its owner tears the handle down; only the diagnostics go.
+            let _ = self.give_up();
+            return;
         }
         let until = Instant::now() + self.diag.abort_timeout();
         // Dropped during a panic: this rank will not reach the collectives its peers may be
