@@ -14,12 +14,12 @@
 //!   1-element `all_reduce_in_place`: the raw `ncclAllReduce` enqueue against the safe
 //!   call, with cudarc's event tracking on and off, single operations and per operation in
 //!   a `Group`; target 50 ns over raw with tracking off. Without a GPU it says so and exits 0.
-//! - `--backend fake-cuda`: the same, on the tests' fake CUDA driver (`tests/fakes`) and the
+//! - `--backend fake-cuda`: the same, on the tests' fake CUDA driver (`tests/support/fakes`) and the
 //!   null provider presented as NCCL, on any machine: what the crate's (and cudarc's) CPU
 //!   work on the CUDA code path costs, with every driver call returning at once.
 
 mod common;
-#[path = "../tests/fakes/mod.rs"]
+#[path = "../tests/support/fakes/mod.rs"]
 mod fakes;
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -721,7 +721,7 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
     println!("# nccl-safe overhead, CUDA path: safe all_reduce_in_place vs raw ncclAllReduce through the function table");
     if source == Cuda::Fake {
         fakes::driver();
-        println!("# on the fake CUDA driver (tests/fakes/cuda.c) and the null provider as NCCL: no GPU; only the CPU work of the crate and of cudarc on the CUDA code path is timed");
+        println!("# on the fake CUDA driver (tests/support/fakes/cuda.c) and the null provider as NCCL: no GPU; only the CPU work of the crate and of cudarc on the CUDA code path is timed");
     }
     let count = match common::sweep::quiet_cuda(CudaContext::device_count) {
         Ok(Ok(n)) if n > 0 => n,

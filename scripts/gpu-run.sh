@@ -158,7 +158,7 @@ fi
 if [ -n "$overhead" ]; then
     step overhead-nccl "$overhead" --backend nccl
     # The same path on the fake driver: this CPU's cost for the crate's own work, apart
-    # from the driver's (needs `cc`, and tests/fakes/cuda.c under the current folder).
+    # from the driver's (needs `cc`, and tests/support/fakes/cuda.c under the current folder).
     step overhead-fake-cuda "$overhead" --backend fake-cuda
     step overhead-host "$overhead" --no-host
 else

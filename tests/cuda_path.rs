@@ -1,5 +1,5 @@
 //! The crate's CUDA code path on a CPU: cudarc contexts, streams and buffers over a fake
-//! CUDA driver that counts every call (`tests/fakes`), and communicators of the host
+//! CUDA driver that counts every call (`tests/support/fakes`), and communicators of the host
 //! provider presented as NVIDIA's NCCL (`Provider::Nccl`, so `Device::Cuda`, cudarc
 //! buffers and the watchdog's CUDA event tracker are what run).
 //!
@@ -17,16 +17,15 @@
 //! - a process that exits while the abort behind a stalled stream blocks ends with its own
 //!   status, not a signal.
 
-mod fakes;
 mod support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use fakes::{driver, nccl, Counts, Gauge};
 use nccl_safe::diag::OpState;
 use nccl_safe::{Communicator, Config, Device, Error, Group, ReduceOp, UniqueId};
+use support::fakes::{driver, nccl, Counts, Gauge};
 use support::{until, within};
 
 /// A CUDA rank over the fakes: its context, a stream, and a world-size-1 communicator.
@@ -179,7 +178,7 @@ fn calls_per_op(r: &Rank, kind: Kind, n: usize) -> (Counts, Counts) {
     s.synchronize().unwrap();
 
     d.mark_this_thread(true);
-    fakes::record_calls(true);
+    support::fakes::record_calls(true);
     let before = d.counts(true);
     for _ in 0..n {
         // SAFETY: a live communicator, buffers of 256 f32 on its device, its stream; the
@@ -228,7 +227,7 @@ fn calls_per_op(r: &Rank, kind: Kind, n: usize) -> (Counts, Counts) {
         }
     }
     let mid = d.counts(true);
-    let raw_calls = fakes::record_calls(true);
+    let raw_calls = support::fakes::record_calls(true);
     for _ in 0..n {
         match kind {
             Kind::AllReduce => r.comm.all_reduce(&send, &mut recv, ReduceOp::Sum, s),
@@ -248,7 +247,7 @@ fn calls_per_op(r: &Rank, kind: Kind, n: usize) -> (Counts, Counts) {
         .unwrap();
     }
     let after = d.counts(true);
-    let safe_calls = fakes::record_calls(false);
+    let safe_calls = support::fakes::record_calls(false);
     d.mark_this_thread(false);
     // Like with like: NCCL received the same calls, with the same arguments.
     assert_eq!(
@@ -643,7 +642,7 @@ fn another_streams_backlog_never_times_out_a_communicator() {
         })
         .unwrap_or_else(|| panic!("{}", r.comm.flight_record()));
         // NCCL's destroy frees through the driver, which waits for every stream of the
-        // device (the model of tests/fakes): release the backlog first.
+        // device (the model of tests/support/fakes): release the backlog first.
         d.stall(&compute, false);
         let Rank { comm, id, .. } = r;
         comm.destroy().map_err(|(_, e)| e).unwrap();

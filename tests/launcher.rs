@@ -1,8 +1,7 @@
 //! The thread launcher on the host provider, and the process launcher with child
 //! processes under torchrun-style variables against NVIDIA's real NCCL (no GPU).
 
-mod c10d;
-mod common;
+mod support;
 
 use std::collections::HashSet;
 use std::process::Command;
@@ -172,7 +171,7 @@ fn child_rank_entry() {
 
 #[test]
 fn four_processes_share_one_id_and_fail_init_alike_without_a_gpu() {
-    let lib = common::real_nccl("2.32.3");
+    let lib = support::real_nccl("2.32.3");
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -247,8 +246,8 @@ fn four_processes_share_one_id_and_fail_init_alike_without_a_gpu() {
 /// id, and without a GPU every rank fails alike, naming CUDA_VISIBLE_DEVICES and the count.
 #[test]
 fn four_processes_under_torchrun_share_one_id_through_the_agent_store() {
-    let lib = common::real_nccl("2.32.3");
-    let store = c10d::FakeStore::start(c10d::Mode::Honest);
+    let lib = support::real_nccl("2.32.3");
+    let store = support::c10d::FakeStore::start(support::c10d::Mode::Honest);
     let exe = std::env::current_exe().unwrap();
     let start = Instant::now();
     let children: Vec<_> = (0..4)

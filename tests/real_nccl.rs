@@ -2,7 +2,7 @@
 //! loading from every discovery source, version, symbols, error strings, unique ids, and
 //! the error a communicator init gives on a machine with no GPU.
 
-mod common;
+mod support;
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsString;
@@ -32,7 +32,7 @@ fn expected_version() -> Version {
 
 #[test]
 fn loads_from_nccl_library_and_reads_the_wheels_version() {
-    let lib_path = common::real_nccl(WHEEL);
+    let lib_path = support::real_nccl(WHEEL);
     let lib = Discovery::new()
         .env(env_of(vec![("NCCL_LIBRARY", lib_path.clone())]))
         .system_search(false)
@@ -48,8 +48,8 @@ fn loads_from_nccl_library_and_reads_the_wheels_version() {
 #[ignore = "run in a fresh process by discovery_sources_in_a_fresh_process"]
 fn child_loads_from_an_activated_virtualenv_layout() {
     fresh_child();
-    let real = common::real_nccl(WHEEL);
-    let venv = common::temp_dir("venv");
+    let real = support::real_nccl(WHEEL);
+    let venv = support::temp_dir("venv");
     let libdir = venv.join("lib/python3.11/site-packages/nvidia/nccl/lib");
     std::fs::create_dir_all(&libdir).unwrap();
     symlink(&real, libdir.join("libnccl.so.2")).unwrap();
@@ -71,8 +71,8 @@ fn child_loads_from_an_activated_virtualenv_layout() {
 #[ignore = "run in a fresh process by discovery_sources_in_a_fresh_process"]
 fn child_loads_from_nccl_home_lib() {
     fresh_child();
-    let real = common::real_nccl(WHEEL);
-    let home = common::temp_dir("ncclhome");
+    let real = support::real_nccl(WHEEL);
+    let home = support::temp_dir("ncclhome");
     std::fs::create_dir_all(home.join("lib")).unwrap();
     symlink(&real, home.join("lib/libnccl.so.2")).unwrap();
     let lib = Discovery::new()
@@ -198,8 +198,8 @@ fn child_nothing_mapped_is_the_first_line_of_the_listing() {
 #[ignore = "run in a fresh process by one_nccl_per_process"]
 fn child_the_nccl_another_library_mapped_is_used_and_no_other() {
     fresh_child();
-    let old = common::real_nccl("2.18.3");
-    let new = common::real_nccl(WHEEL);
+    let old = support::real_nccl("2.18.3");
+    let new = support::real_nccl(WHEEL);
     let c_old = std::ffi::CString::new(old.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: loading NVIDIA's NCCL runs its initialisers, which have no preconditions;
     // the handle is kept for the life of the process, as other code would.
@@ -208,7 +208,7 @@ fn child_the_nccl_another_library_mapped_is_used_and_no_other() {
     assert_eq!(mapped_nccls(), vec![old.display().to_string()]);
 
     // The search (a virtualenv with 2.32.3 active) uses the mapped 2.18.3, and says so.
-    let venv = common::temp_dir("venv-beside");
+    let venv = support::temp_dir("venv-beside");
     let libdir = venv.join("lib/python3.11/site-packages/nvidia/nccl/lib");
     std::fs::create_dir_all(&libdir).unwrap();
     symlink(&new, libdir.join("libnccl.so.2")).unwrap();
@@ -262,7 +262,7 @@ fn child_the_nccl_another_library_mapped_is_used_and_no_other() {
 
 #[test]
 fn every_optional_symbol_of_2_31_and_older_resolves() {
-    let lib = Library::load_from(common::real_nccl(WHEEL)).unwrap();
+    let lib = Library::load_from(support::real_nccl(WHEEL)).unwrap();
     let features = lib.optional_features();
     for s in nccl_sys::OPTIONAL_SYMBOLS {
         let present = features.iter().any(|(n, p)| *n == s.name && *p);
@@ -282,7 +282,7 @@ fn every_optional_symbol_of_2_31_and_older_resolves() {
 
 #[test]
 fn error_strings_for_every_result_code() {
-    let lib = Library::load_from(common::real_nccl(WHEEL)).unwrap();
+    let lib = Library::load_from(support::real_nccl(WHEEL)).unwrap();
     let codes = [
         ResultCode::UnhandledCudaError,
         ResultCode::SystemError,
@@ -323,7 +323,7 @@ fn unique_id(lib: &Library) -> [u8; 128] {
 
 #[test]
 fn unique_ids_are_128_bytes_and_differ() {
-    let lib = Library::load_from(common::real_nccl(WHEEL)).unwrap();
+    let lib = Library::load_from(support::real_nccl(WHEEL)).unwrap();
     let a = unique_id(&lib);
     let b = unique_id(&lib);
     assert_eq!(a.len(), 128);
@@ -336,7 +336,7 @@ fn unique_ids_are_128_bytes_and_differ() {
 #[test]
 fn comm_init_fails_without_a_gpu_and_succeeds_with_one() {
     let gpus = nccl_safe::launch::cuda_device_count();
-    let lib = Library::load_from(common::real_nccl(WHEEL)).unwrap();
+    let lib = Library::load_from(support::real_nccl(WHEEL)).unwrap();
     let id = unique_id(&lib);
     let lib2 = std::sync::Arc::clone(&lib);
     let (tx, rx) = mpsc::channel();
@@ -380,7 +380,7 @@ fn comm_init_fails_without_a_gpu_and_succeeds_with_one() {
 
 #[test]
 fn fp8_is_supported_and_nccl_memory_needs_a_cuda_stream() {
-    let lib = Library::load_from(common::real_nccl(WHEEL)).expect("the wheel loads");
+    let lib = Library::load_from(support::real_nccl(WHEEL)).expect("the wheel loads");
     for d in [
         nccl_safe::DataType::Float8e4m3,
         nccl_safe::DataType::Float8e5m2,

@@ -2,13 +2,13 @@
 //! symbol resolves, and entry points added later report `Unsupported`.
 //! (A separate test binary, so it never shares a process with the 2.32 library.)
 
-mod common;
+mod support;
 
 use nccl_safe::{Error, Library, Version};
 
 #[test]
 fn required_symbols_resolve_and_newer_ones_are_unsupported() {
-    let lib = Library::load_from(common::real_nccl("2.18.3")).expect("2.18.3 loads");
+    let lib = Library::load_from(support::real_nccl("2.18.3")).expect("2.18.3 loads");
     assert_eq!(lib.version(), Version::new(2, 18, 3));
     for name in nccl_sys::REQUIRED_SYMBOLS {
         assert!(lib.has(name), "{name}");
@@ -56,7 +56,7 @@ fn required_symbols_resolve_and_newer_ones_are_unsupported() {
 
 #[test]
 fn fp8_nccl_memory_and_registration_are_unsupported_on_2_18() {
-    let lib = Library::load_from(common::real_nccl("2.18.3")).expect("2.18.3 loads");
+    let lib = Library::load_from(support::real_nccl("2.18.3")).expect("2.18.3 loads");
     let found = Version::new(2, 18, 3);
     let fp8 = nccl_safe::DataType::Float8e4m3.check_supported(&lib);
     assert!(

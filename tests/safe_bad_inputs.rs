@@ -1,7 +1,6 @@
 //! Every bad input the safe layer checks returns its typed error before NCCL sees it, and
 //! the communicator stays usable (a correct all_reduce follows every batch of bad calls).
 
-mod common;
 mod support;
 
 use nccl_safe::error::BufferRole;
@@ -572,7 +571,7 @@ fn a_group_mixing_two_libraries_is_refused() {
 
 #[test]
 fn a_host_device_on_nvidias_nccl_is_refused_without_a_gpu() {
-    let lib = Library::load_from(common::real_nccl("2.32.3")).expect("real NCCL loads");
+    let lib = Library::load_from(support::real_nccl("2.32.3")).expect("real NCCL loads");
     let id = UniqueId::new_with(&lib).unwrap();
     assert_err!(
         Communicator::init_rank_in(&lib, &Device::Host, 1, 0, &id, &Config::new()),

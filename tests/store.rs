@@ -1,13 +1,13 @@
 //! The c10d TCPStore client and the id exchange through torchrun's agent store, against a
 //! store server written in the test from PyTorch's protocol (loopback only).
 
-mod c10d;
+mod support;
 
-use c10d::{FakeStore, Mode};
 use nccl_safe::launch::env::ProcessEnv;
 use nccl_safe::launch::rendezvous::{Rendezvous, RendezvousError, ID_LEN};
 use nccl_safe::launch::store::{StoreClient, StoreError, StoreRendezvous};
 use std::time::{Duration, Instant};
+use support::c10d::{FakeStore, Mode};
 
 const T: Duration = Duration::from_secs(2);
 

@@ -1,111 +1,59 @@
-//! Helpers shared by the safe-layer tests: ranks as threads on the host provider, element
-//! values that every dtype represents exactly, and teardown accounting.
+//! The integration tests' helpers, in one place (each test binary says `mod support;`):
+//!
+//! * here: bounds on a test's waits ([`within`], [`until`]), NVIDIA's NCCL wheels
+//!   ([`real_nccl`]) and temporary folders;
+//! * [`ranks`] (the host provider): ranks as threads, element values every dtype holds
+//!   exactly, and teardown accounting;
+//! * [`fakes`] (the host provider): the fake CUDA driver (`fakes/cuda.c`) and the host
+//!   provider presented as NCCL;
+//! * [`c10d`]: a PyTorch `TCPStore` server written from its protocol, which can misbehave.
 #![allow(dead_code)]
+
+pub mod c10d;
+#[cfg(feature = "host")]
+pub mod fakes;
+#[cfg(feature = "host")]
+pub mod ranks;
+#[cfg(feature = "host")]
+#[allow(unused_imports)] // each binary uses some
+pub use ranks::{assert_balanced, run_ranks, settled_stats, El};
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use half::{bf16, f16};
-use nccl_safe::host::{stats_for, HostStats};
-use nccl_safe::{Communicator, Config, Device, NcclType, UniqueId};
+use std::path::PathBuf;
 
-/// An element type whose small integers (|v| <= 127) are exact.
-pub trait El: NcclType + PartialEq + std::fmt::Debug + Default {
-    /// Whether negative values can be used.
-    const SIGNED: bool;
-    /// The element for a small integer.
-    fn of(v: i64) -> Self;
-}
-
-macro_rules! el_int {
-    ($($t:ty => $signed:expr),*) => {$(
-        impl El for $t {
-            const SIGNED: bool = $signed;
-            fn of(v: i64) -> Self {
-                <$t>::try_from(v).unwrap_or_else(|_| panic!("{v} does not fit {}", stringify!($t)))
-            }
-        }
-    )*};
-}
-el_int!(i8 => true, u8 => false, i32 => true, u32 => false, i64 => true, u64 => false);
-
-impl El for f16 {
-    const SIGNED: bool = true;
-    fn of(v: i64) -> Self {
-        f16::from_f64(v as f64)
-    }
-}
-impl El for bf16 {
-    const SIGNED: bool = true;
-    fn of(v: i64) -> Self {
-        bf16::from_f64(v as f64)
-    }
-}
-impl El for f32 {
-    const SIGNED: bool = true;
-    fn of(v: i64) -> Self {
-        v as f32
-    }
-}
-impl El for f64 {
-    const SIGNED: bool = true;
-    fn of(v: i64) -> Self {
-        v as f64
-    }
+/// NVIDIA's libnccl.so.2 of `version`, as fetched by `scripts/fetch-nccl.sh`.
+///
+/// Panics (failing the test, never skipping it) when it is absent: run the README's test
+/// command, `scripts/test.sh`, which fetches it.
+pub fn real_nccl(version: &str) -> PathBuf {
+    let dir = std::env::var_os("NCCL_SAFE_TEST_NCCL_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/nccl-safe")))
+        .expect("set NCCL_SAFE_TEST_NCCL_DIR or HOME");
+    let lib = dir.join(version).join("nvidia/nccl/lib/libnccl.so.2");
+    assert!(
+        lib.is_file(),
+        "{} is missing: run scripts/test.sh (it fetches NVIDIA's NCCL {version} from PyPI)",
+        lib.display()
+    );
+    lib
 }
 
-/// Runs `world` ranks in threads, each with a fresh communicator on one new unique id,
-/// calls `f(rank_comm)`, then destroys it. A panicking rank aborts its communicator so
-/// the others fail instead of hanging. Checks that every handle was destroyed exactly
-/// once and nothing was misused, and returns the id's counters.
-pub fn run_ranks<F>(world: usize, f: F) -> HostStats
-where
-    F: Fn(&Communicator) + Sync,
-{
-    let id = Device::Host.unique_id().expect("host unique id");
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let f = &f;
-                s.spawn(move || {
-                    let comm =
-                        Communicator::init_rank(&Device::Host, world, rank, &id, &Config::new())
-                            .expect("init_rank");
-                    assert_eq!((comm.rank(), comm.world_size()), (rank, world));
-                    if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(&comm))) {
-                        let _ = comm.abort();
-                        resume_unwind(p);
-                    }
-                    comm.destroy().map_err(|(_, e)| e).expect("destroy");
-                })
-            })
-            .collect();
-        let mut first_panic = None;
-        for h in handles {
-            if let Err(p) = h.join() {
-                first_panic.get_or_insert(p);
-            }
-        }
-        if let Some(p) = first_panic {
-            resume_unwind(p);
-        }
-    });
-    assert_balanced(&id)
-}
-
-/// Asserts that every handle of `id`'s family was torn down exactly once and that no
-/// call reached a dead handle; returns the counters.
-/// Aborts the watchdog started, or that a drop handed over, run on abort threads of
-/// their own and may finish after the caller moved on: waits (up to 10 s) until no handle
-/// of `id`'s family is live before asserting.
-#[track_caller]
-pub fn assert_balanced(id: &UniqueId) -> HostStats {
-    let st = settled_stats(id);
-    assert_eq!(st.created, st.destroyed + st.aborted, "{st:?}");
-    assert_eq!(st.live, 0, "{st:?}");
-    assert_eq!(st.misused, 0, "{st:?}");
-    st
+/// A fresh, empty temporary folder for one test.
+pub fn temp_dir(tag: &str) -> PathBuf {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let d = std::env::temp_dir().join(format!(
+        "nccl-safe-{tag}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("create temp dir");
+    d
 }
 
 /// Runs `f` on another thread and fails the test if it does not return within `limit`
@@ -122,18 +70,6 @@ pub fn within<R: Send + 'static>(limit: Duration, f: impl FnOnce() -> R + Send +
         }
         Ok(Err(p)) => resume_unwind(p),
         Err(_) => panic!("did not finish within {limit:?} (hang)"),
-    }
-}
-
-/// `id`'s counters once no handle is live, or after 10 s (background aborts finish).
-pub fn settled_stats(id: &UniqueId) -> HostStats {
-    let limit = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let st = stats_for(&id.to_raw());
-        if st.live == 0 || std::time::Instant::now() >= limit {
-            return st;
-        }
-        std::thread::sleep(Duration::from_millis(2));
     }
 }
 

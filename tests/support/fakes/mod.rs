@@ -54,11 +54,11 @@ pub fn driver() -> &'static FakeDriver {
     DRIVER.get_or_init(|| {
         // The source where it was built, else under the current folder (a binary carried
         // to another machine and run from a checkout there).
-        let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fakes/cuda.c");
+        let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support/fakes/cuda.c");
         let src = if built.exists() {
             built
         } else {
-            PathBuf::from("tests/fakes/cuda.c")
+            PathBuf::from("tests/support/fakes/cuda.c")
         };
         let mut dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-cuda");
         if std::fs::create_dir_all(&dir).is_err() {
