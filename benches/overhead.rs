@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
 use nccl_safe::{
-    Communicator, Config, Device, Group, HostStream, Library, Provider, ReduceOp, UniqueId,
+    Communicator, Config, Device, Group, Library, Provider, ReduceOp, Stream, UniqueId,
 };
 use nccl_sys::bindings::{ncclFloat32, ncclSuccess, ncclSum};
 use nccl_sys::{
@@ -378,7 +378,7 @@ fn time_all_reduce(
             black_box(send),
             black_box(&mut *recv),
             ReduceOp::Sum,
-            &HostStream,
+            &Stream::Host,
         )?)
     })
 }
@@ -451,7 +451,7 @@ fn run(no_host: bool) -> Result<()> {
     let raw_all_reduce = raw;
 
     let safe = measure(ITERS, REPS, || {
-        Ok(comm.all_gather(black_box(&send), black_box(&mut recv), &HostStream)?)
+        Ok(comm.all_gather(black_box(&send), black_box(&mut recv), &Stream::Host)?)
     })?;
     let raw = measure(ITERS, REPS, || {
         // SAFETY: as above (1 rank: recv = send length).
@@ -469,7 +469,7 @@ fn run(no_host: bool) -> Result<()> {
     report("all_gather", safe, raw);
 
     let safe = measure(ITERS, REPS, || {
-        Ok(comm.broadcast(black_box(&send), black_box(&mut recv), 0, &HostStream)?)
+        Ok(comm.broadcast(black_box(&send), black_box(&mut recv), 0, &Stream::Host)?)
     })?;
     let raw = measure(ITERS, REPS, || {
         // SAFETY: as above.
@@ -491,7 +491,12 @@ fn run(no_host: bool) -> Result<()> {
     let safe = measure(group_iters, REPS, || {
         let mut g = Group::new();
         for (s, r) in sends.iter().zip(recvs.iter_mut()) {
-            g.push(comm.all_reduce_op(black_box(s), black_box(r), ReduceOp::Sum, &HostStream)?)?;
+            g.push(comm.all_reduce_op(
+                black_box(s),
+                black_box(r),
+                ReduceOp::Sum,
+                &Stream::Host,
+            )?)?;
         }
         Ok(g.end()?)
     })?;

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use nccl_safe::host::shared_unique_id;
 use nccl_safe::launch::Launcher;
-use nccl_safe::{Communicator, Config, Device, HostStream, ReduceOp, Result, UniqueId};
+use nccl_safe::{Communicator, Config, Device, ReduceOp, Result, Stream, UniqueId};
 
 const CHILD: &str = "NCCL_SAFE_BENCH_PROCESS";
 
@@ -65,13 +65,13 @@ fn parse() -> std::result::Result<Opts, String> {
 fn timed(comm: &Communicator, o: Opts) -> Result<f64> {
     let mut buf = vec![1.0f32; o.count];
     for _ in 0..o.warmup {
-        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &HostStream)?;
+        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &Stream::Host)?;
     }
     let mut one = vec![0.0f32];
-    comm.all_reduce_in_place(&mut one, ReduceOp::Sum, &HostStream)?;
+    comm.all_reduce_in_place(&mut one, ReduceOp::Sum, &Stream::Host)?;
     let t = Instant::now();
     for _ in 0..o.iters {
-        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &HostStream)?;
+        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &Stream::Host)?;
     }
     Ok(t.elapsed().as_secs_f64() / o.iters as f64)
 }

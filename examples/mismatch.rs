@@ -10,16 +10,16 @@
 
 use std::time::{Duration, Instant};
 
-use nccl_safe::{Communicator, Config, Device, Error, HostStream, ReduceOp, Result};
+use nccl_safe::{Communicator, Config, Device, Error, ReduceOp, Result, Stream};
 
 fn train_step(comm: &Communicator) -> Result<()> {
     let mut loss = vec![comm.rank() as f32; 1];
     if comm.rank() == 0 {
         // The bug: only rank 0 reduces the loss "to log it".
-        comm.all_reduce_in_place(&mut loss, ReduceOp::Sum, &HostStream)?;
+        comm.all_reduce_in_place(&mut loss, ReduceOp::Sum, &Stream::Host)?;
     }
     let mut weights = vec![0.5f32; 1024];
-    comm.broadcast_in_place(&mut weights, 0, &HostStream)?;
+    comm.broadcast_in_place(&mut weights, 0, &Stream::Host)?;
     Ok(())
 }
 

@@ -47,7 +47,7 @@ impl Communicator {
     /// On an error the handle is left as it was and still belongs to the caller.
     ///
     /// ```
-    /// use nccl_safe::{Communicator, Config, Device, HostStream, Library, ReduceOp};
+    /// use nccl_safe::{Communicator, Config, Device, Stream, Library, ReduceOp};
     /// let lib = Library::host();
     /// let id = Device::Host.unique_id()?;
     /// // A handle from C: a one-rank communicator made through the raw table.
@@ -58,7 +58,7 @@ impl Communicator {
     /// // SAFETY: `raw` is a live host communicator that nothing else uses or tears down.
     /// let comm = unsafe { Communicator::from_raw(lib, raw, Device::Host, &Config::new())? };
     /// let mut x = vec![2.0f32; 4];
-    /// comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)?;
+    /// comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)?;
     /// drop(comm); // ncclCommDestroy, once
     /// assert_eq!(nccl_safe::host::stats_for(&id.to_raw()).destroyed, 1);
     /// # Ok::<(), nccl_safe::Error>(())
@@ -142,7 +142,7 @@ impl Communicator {
 /// new, owned [`Communicator`].
 ///
 /// ```
-/// use nccl_safe::{CommRef, Config, Device, HostStream, Library, ReduceOp};
+/// use nccl_safe::{CommRef, Config, Device, Stream, Library, ReduceOp};
 /// let lib = Library::host();
 /// let id = Device::Host.unique_id()?;
 /// /// What another library hands out: it owns the handle and destroys it.
@@ -163,7 +163,7 @@ impl Communicator {
 ///         CommRef::from_raw_borrowed(&owner, lib, owner.0, Device::Host, &Config::new())?
 ///     };
 ///     let mut x = vec![1.0f32; 4];
-///     view.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)?;
+///     view.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)?;
 /// } // the view is gone; the handle is untouched
 /// assert_eq!(nccl_safe::host::stats_for(&id.to_raw()).destroyed, 0);
 /// drop(owner);
@@ -345,11 +345,11 @@ fn wrap(
 #[cfg(all(test, feature = "host", feature = "diag"))]
 mod tests {
     use super::*;
-    use crate::{HostStream, ReduceOp};
+    use crate::{ReduceOp, Stream};
 
     fn sum(c: &Communicator) {
         let mut x = vec![1.0f32; 4];
-        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
             .unwrap();
     }
 

@@ -27,16 +27,16 @@ use crate::ops::{Guards, Op};
 /// * `!Send`: NCCL's group state belongs to the calling thread.
 ///
 /// ```
-/// use nccl_safe::{Communicator, Device, Group, HostStream};
+/// use nccl_safe::{Communicator, Device, Group, Stream};
 /// // One thread drives two ranks: their send/recv pairs must be in one group.
 /// let comms = Communicator::init_all(&[Device::Host, Device::Host])?;
 /// let (a, b) = (vec![1i32; 3], vec![2i32; 3]);
 /// let (mut at_a, mut at_b) = (vec![0i32; 3], vec![0i32; 3]);
 /// let mut g = Group::new();
-/// g.push(comms[0].send_op(&a, 1, &HostStream)?)?;
-/// g.push(comms[1].recv_op(&mut at_b, 0, &HostStream)?)?;
-/// g.push(comms[1].send_op(&b, 0, &HostStream)?)?;
-/// g.push(comms[0].recv_op(&mut at_a, 1, &HostStream)?)?;
+/// g.push(comms[0].send_op(&a, 1, &Stream::Host)?)?;
+/// g.push(comms[1].recv_op(&mut at_b, 0, &Stream::Host)?)?;
+/// g.push(comms[1].send_op(&b, 0, &Stream::Host)?)?;
+/// g.push(comms[0].recv_op(&mut at_a, 1, &Stream::Host)?)?;
 /// g.end()?;
 /// assert_eq!((at_a, at_b), (vec![2; 3], vec![1; 3]));
 /// # Ok::<(), nccl_safe::Error>(())

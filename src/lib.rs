@@ -42,7 +42,7 @@
 //! * [`Communicator`]: init, split and shrink, collectives (`all_reduce`, `broadcast`, ...,
 //!   each with an `_op` form that returns an [`Op`] for a [`Group`]), teardown. Buffers are
 //!   slices, vectors and arrays on the host provider, cudarc's device slices on GPUs
-//!   ([`SendBuffer`], [`RecvBuffer`]); streams are [`HostStream`] or cudarc streams.
+//!   ([`SendBuffer`], [`RecvBuffer`]); streams are a [`Stream`] (`Stream::Host` on the host provider) or cudarc's.
 //! * [`NcclMemory`], [`Registration`], [`Window`]: NCCL's allocator, buffer registration and
 //!   symmetric windows, borrows that end exactly once. fp8 element types
 //!   ([`float8::F8E4M3`], [`float8::F8E5M2`]) need NCCL 2.24.
@@ -92,6 +92,6 @@ pub use library::{CallContext, Discovery, Library, Provider};
 pub use memory::{NcclMemory, NcclView, NcclViewMut};
 pub use ops::{Op, PreMulSum, Reduction};
 pub use register::{Registration, Window, WindowFlags};
-pub use stream::{AsStream, HostStream, Stream, StreamRef};
+pub use stream::{AsStream, Stream};
 pub use types::{DataType, NcclType, ReduceOp};
 pub use version::Version;

@@ -26,7 +26,7 @@ use crate::buffer::{sealed, BufferGuard, Memory, RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
 use crate::error::{BufferRole, Error, Result};
 use crate::library::{CallContext, Library, Provider};
-use crate::stream::{AsStream, HostStream, Stream, StreamRef};
+use crate::stream::{AsStream, Stream, StreamRef};
 use crate::types::NcclType;
 
 /// Device memory from `ncclMemAlloc` (host memory on the host provider), freed with
@@ -90,12 +90,6 @@ impl From<&Arc<CudaStream>> for Stream {
     }
 }
 
-impl From<HostStream> for Stream {
-    fn from(_: HostStream) -> Stream {
-        Stream::Host
-    }
-}
-
 impl From<&Stream> for Stream {
     fn from(s: &Stream) -> Stream {
         s.clone()
@@ -111,7 +105,7 @@ fn invalid(op: &'static str, reason: impl Into<String>) -> Error {
 
 impl<T: NcclType> NcclMemory<T> {
     /// Allocates `len` zeroed elements with `ncclMemAlloc` (NCCL 2.19+) for `comm`'s device,
-    /// zeroed on `stream` (a stream of that device; [`HostStream`] on the host provider).
+    /// zeroed on `stream` (a stream of that device; [`Stream::Host`] on the host provider).
     ///
     /// Errors: [`Error::Unsupported`] before NCCL 2.19, [`Error::InvalidArgument`] for a
     /// size that overflows, or a stream of another kind or device. A zero length gives an
@@ -137,13 +131,13 @@ impl<T: NcclType> NcclMemory<T> {
             (Provider::Host, _) => {
                 return Err(invalid(
                     OP,
-                    "the host provider takes HostStream, not a CUDA stream",
+                    "the host provider takes Stream::Host, not a CUDA stream",
                 ))
             }
             (_, _) => {
                 return Err(invalid(
                     OP,
-                    "NVIDIA's NCCL needs a CUDA stream, not HostStream",
+                    "NVIDIA's NCCL needs a CUDA stream, not Stream::Host",
                 ))
             }
         }
@@ -239,7 +233,7 @@ impl<T: NcclType> NcclMemory<T> {
                 format!(
                     "the {p:?} provider needs {}",
                     match p {
-                        Provider::Host => "HostStream",
+                        Provider::Host => "Stream::Host",
                         _ => "a CUDA stream",
                     }
                 ),
@@ -437,7 +431,7 @@ impl<T: NcclType> NcclMemory<T> {
                 self.memory(),
                 match stream.cuda_ordinal() {
                     Some(d) => format!("on CUDA device {d}"),
-                    None => "the host provider's HostStream".into(),
+                    None => "the host provider's Stream::Host".into(),
                 }
             ),
         )

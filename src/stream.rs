@@ -1,17 +1,24 @@
-//! Where a collective runs: a cudarc [`CudaStream`] for NVIDIA's NCCL, or [`HostStream`]
-//! for the host provider.
+//! Where a collective runs: a cudarc [`CudaStream`] for NVIDIA's NCCL, or [`Stream::Host`]
+//! for the host provider. A collective takes either by reference ([`AsStream`]).
 
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 use nccl_sys::cudaStream_t;
 
-/// The host provider's stream: its work is complete when the call (or the group) returns,
-/// so there is nothing to synchronize.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct HostStream;
+/// A stream of either kind, owned (what the launcher hands each rank). `&Stream::Host`
+/// is the host provider's stream wherever a collective takes one.
+#[derive(Debug, Clone)]
+pub enum Stream {
+    /// A CUDA stream.
+    Cuda(Arc<CudaStream>),
+    /// The host provider's stream: its work is complete when the call (or the group)
+    /// returns, so there is nothing to synchronize.
+    Host,
+}
 
-/// A stream, borrowed for one call.
+/// A stream, borrowed for one call: what [`AsStream`] yields, inside the crate.
+#[doc(hidden)]
 #[derive(Debug, Clone, Copy)]
 pub enum StreamRef<'a> {
     /// A CUDA stream.
@@ -38,9 +45,18 @@ impl StreamRef<'_> {
     }
 }
 
-/// Anything a collective accepts as its stream.
-pub trait AsStream {
+mod sealed {
+    /// Only the crate's stream types are streams.
+    pub trait Sealed {}
+    impl Sealed for std::sync::Arc<cudarc::driver::CudaStream> {}
+    impl Sealed for super::Stream {}
+}
+
+/// Anything a collective accepts as its stream: `&Arc<CudaStream>` (cudarc's) or
+/// `&Stream` (`&Stream::Host` on the host provider). Sealed.
+pub trait AsStream: sealed::Sealed {
     /// The stream for one call.
+    #[doc(hidden)]
     fn as_stream(&self) -> StreamRef<'_>;
 }
 
@@ -48,21 +64,6 @@ impl AsStream for Arc<CudaStream> {
     fn as_stream(&self) -> StreamRef<'_> {
         StreamRef::Cuda(self)
     }
-}
-
-impl AsStream for HostStream {
-    fn as_stream(&self) -> StreamRef<'_> {
-        StreamRef::Host
-    }
-}
-
-/// An owned stream of either kind (what the launcher hands each rank).
-#[derive(Debug, Clone)]
-pub enum Stream {
-    /// A CUDA stream.
-    Cuda(Arc<CudaStream>),
-    /// The host provider's stream.
-    Host,
 }
 
 impl AsStream for Stream {

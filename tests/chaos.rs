@@ -82,12 +82,12 @@ use std::time::{Duration, Instant};
 use nccl_safe::host::fault::{self, Fault};
 use nccl_safe::host::stats_for;
 use nccl_safe::{
-    Communicator, Config, Device, Error, Group, HostStream, NcclMemory, ReduceOp, Registration,
+    Communicator, Config, Device, Error, Group, NcclMemory, ReduceOp, Registration, Stream,
     UniqueId, Window, WindowFlags,
 };
 use support::until;
 
-const S: HostStream = HostStream;
+const S: Stream = Stream::Host;
 /// The watchdog's timeout of 3 runs in 4.
 const TIMEOUT: Duration = Duration::from_millis(200);
 /// The watchdog's timeout of 1 run in 4: longer than any teardown's bound, so that a

@@ -193,7 +193,7 @@ fn wrong_token_gets_nothing_and_garbage_is_dropped() {
 /// not before), and its report still names the rank that is behind.
 #[test]
 fn a_timeout_posts_each_ranks_last_operation_to_the_board() {
-    use nccl_safe::{Communicator, Config, Device, HostStream, ReduceOp};
+    use nccl_safe::{Communicator, Config, Device, ReduceOp, Stream};
     let board = DesyncBoard::serve("127.0.0.1:0", 2, TOKEN).unwrap();
     let client = BoardClient::new(board.local_addr().to_string(), 2, TOKEN);
     let timeout = Duration::from_millis(500);
@@ -207,7 +207,7 @@ fn a_timeout_posts_each_ranks_last_operation_to_the_board() {
                 s.spawn(move || {
                     let comm = Communicator::init_rank(&Device::Host, 2, rank, id, config).unwrap();
                     let mut x = vec![1.0f32; 4];
-                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
                         .unwrap();
                     // Healthy operations post nothing.
                     assert_eq!(client.fetch().unwrap(), vec![None, None]);
@@ -215,7 +215,7 @@ fn a_timeout_posts_each_ranks_last_operation_to_the_board() {
                         std::thread::sleep(timeout + Duration::from_millis(300));
                         return String::new();
                     }
-                    let e = comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream);
+                    let e = comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host);
                     e.unwrap_err().to_string()
                 })
             })

@@ -8,7 +8,7 @@ use std::cell::Cell;
 use std::time::{Duration, Instant};
 
 use nccl_safe::diag::OpState;
-use nccl_safe::{Communicator, Config, Device, Error, HostStream, ReduceOp, Result, UniqueId};
+use nccl_safe::{Communicator, Config, Device, Error, ReduceOp, Result, Stream, UniqueId};
 
 // ---- a per-thread counting allocator ----------------------------------------------------
 
@@ -95,7 +95,7 @@ fn assert_exactly_once(id: &UniqueId, world: u64) {
 
 fn sum(comm: &Communicator, n: usize) -> Result<()> {
     let mut buf = vec![1.0f32; n];
-    comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &HostStream)
+    comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &Stream::Host)
 }
 
 // ---- watchdog -----------------------------------------------------------------------------
@@ -111,7 +111,7 @@ fn skipped_collective_times_out_on_every_rank_with_a_desync_report() {
         let mut buf = vec![1.0f32; 4];
         if rank != 1 {
             let skipped = line!() + 1;
-            let r = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &HostStream);
+            let r = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &Stream::Host);
             r.map(|()| skipped)
                 .map_err(|e| (e, skipped, start.elapsed()))
         } else {
@@ -309,10 +309,10 @@ fn all_reduce_against_all_gather_is_a_mismatch() {
             if rank == 1 {
                 let mut recv = vec![0.0f32; 12];
                 let line = line!() + 1;
-                (comm.all_gather(&send, &mut recv, &HostStream), line)
+                (comm.all_gather(&send, &mut recv, &Stream::Host), line)
             } else {
                 let mut recv = vec![0.0f32; 4];
-                let r = comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &HostStream);
+                let r = comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &Stream::Host);
                 (r, line!() - 1)
             }
         },
@@ -326,7 +326,7 @@ fn different_counts_are_a_mismatch() {
         4,
         |rank, comm| {
             let mut buf = vec![1i32; if rank == 3 { 5 } else { 4 }];
-            let r = comm.all_reduce_in_place(&mut buf, ReduceOp::Max, &HostStream);
+            let r = comm.all_reduce_in_place(&mut buf, ReduceOp::Max, &Stream::Host);
             (r, line!() - 1)
         },
         &["x 4)", "x 5)"],
@@ -341,7 +341,7 @@ fn different_roots_are_a_mismatch() {
             let mut buf = vec![1.0f64; 3];
             let root = if rank == 0 { 0 } else { 1 };
             let line = line!() + 1;
-            (comm.broadcast_in_place(&mut buf, root, &HostStream), line)
+            (comm.broadcast_in_place(&mut buf, root, &Stream::Host), line)
         },
         &["root 0", "root 1"],
     );
@@ -378,12 +378,12 @@ fn flight_record_keeps_the_last_operations_without_allocating() {
         let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &config).expect("init");
         let mut buf = vec![1.0f32; 16];
         for _ in 0..4 {
-            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &HostStream)
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &Stream::Host)
                 .expect("warm-up");
         }
         let before = allocs();
         for _ in 0..n {
-            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &HostStream)
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &Stream::Host)
                 .expect("op");
         }
         allocs() - before
@@ -414,7 +414,7 @@ fn flight_record_keeps_the_last_operations_without_allocating() {
     let mut buf = vec![1u8; 3];
     let line = line!() + 2;
     for _ in 0..10 {
-        comm.broadcast_in_place(&mut buf, 0, &HostStream)
+        comm.broadcast_in_place(&mut buf, 0, &Stream::Host)
             .expect("op");
     }
     let fr = comm.flight_record();

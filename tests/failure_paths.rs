@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 use nccl_safe::host::fault::{self, Fault};
 use nccl_safe::host::stats_for;
 use nccl_safe::launch::Launcher;
-use nccl_safe::{Communicator, Config, Device, Error, HostStream, ReduceOp, UniqueId};
+use nccl_safe::{Communicator, Config, Device, Error, ReduceOp, Stream, UniqueId};
 use support::{assert_balanced, until, within};
 
-const S: HostStream = HostStream;
+const S: Stream = Stream::Host;
 const TIMEOUT: Duration = Duration::from_millis(200);
 /// The bound on every failure: the configured timeout + 1 s.
 const BOUND: Duration = Duration::from_millis(1200);
@@ -152,7 +152,7 @@ fn drop_waits_at_most_the_abort_bound() {
         &Config::new().abort_timeout(bound),
     )
     .unwrap();
-    let e = comm.all_reduce_in_place(&mut [1u8][..], ReduceOp::Prod, &HostStream);
+    let e = comm.all_reduce_in_place(&mut [1u8][..], ReduceOp::Prod, &Stream::Host);
     assert!(e.is_ok());
     let start = Instant::now();
     let e = comm.abort().expect_err("the abort outlives its bound");

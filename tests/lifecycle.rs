@@ -12,11 +12,11 @@ use std::time::Duration;
 
 use nccl_safe::host::stats_for;
 use nccl_safe::{
-    Communicator, Config, Device, Error, Group, HostStream, ReduceOp, ResultCode, UniqueId,
+    Communicator, Config, Device, Error, Group, ReduceOp, ResultCode, Stream, UniqueId,
 };
 use support::{assert_balanced, within};
 
-const S: HostStream = HostStream;
+const S: Stream = Stream::Host;
 const T: Duration = Duration::from_secs(30);
 
 /// Keeps the deliberate panics of these tests (messages containing "deliberate") out of

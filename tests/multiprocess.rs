@@ -17,7 +17,7 @@ use half::f16;
 use nccl_safe::host::shared_unique_id;
 use nccl_safe::launch::Launcher;
 use nccl_safe::{
-    AsStream, Communicator, Config, Device, Group, HostStream, NcclType, ReduceOp, Result, UniqueId,
+    AsStream, Communicator, Config, Device, Group, NcclType, ReduceOp, Result, Stream, UniqueId,
 };
 
 const ENV: &str = "NCCL_SAFE_TEST_MP";
@@ -282,7 +282,8 @@ fn every_collective<T: V>(
 /// This rank's outputs against the same collectives on ranks in threads of this process.
 fn check_type<T: V>(c: &Communicator, count: usize) -> bool {
     let (r, n) = (c.rank(), c.world_size());
-    let mine = every_collective::<T>(c, &HostStream, count).expect("collectives across processes");
+    let mine =
+        every_collective::<T>(c, &Stream::Host, count).expect("collectives across processes");
     let reference = Launcher::host(n)
         .run(move |rank| every_collective::<T>(rank.comm(), rank.stream(), count))
         .expect("collectives in threads");
@@ -357,7 +358,7 @@ fn faulty(fault: &str) {
             // The line of the all_reduce below, which every rank's report names.
             println!("CALL_LINE {}", line!() + 2);
         }
-        if let Err(e) = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream) {
+        if let Err(e) = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host) {
             // One write, so that lines of ranks under mpirun do not interleave.
             let text = format!("ERROR_AT_MS {:.1}\nrank {r} step {step}: {e}\n", now_ms());
             let _ = std::io::Write::write_all(&mut std::io::stderr(), text.as_bytes());
@@ -501,7 +502,7 @@ fn threads_of_several_processes_share_one_communicator() {
                             id,
                             &Config::new(),
                         )?;
-                        every_collective::<f32>(&c, &HostStream, 1000)
+                        every_collective::<f32>(&c, &Stream::Host, 1000)
                     })
                 })
                 .collect();
@@ -536,7 +537,7 @@ fn ranks_shrink_a_communicator_across_processes() {
     if let Some((r, _, c)) = child() {
         let mut x = vec![1.0f32; 1000];
         for _ in 0..3 {
-            c.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)
+            c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
                 .expect("all_reduce");
         }
         if r == 1 {
@@ -546,7 +547,7 @@ fn ranks_shrink_a_communicator_across_processes() {
         let run = || -> Result<(usize, usize, f32)> {
             let small = c.shrink(&[1])?;
             let mut y = vec![(r + 1) as f32; 1000];
-            small.all_reduce_in_place(&mut y, ReduceOp::Sum, &HostStream)?;
+            small.all_reduce_in_place(&mut y, ReduceOp::Sum, &Stream::Host)?;
             Ok((small.rank(), small.world_size(), y[999]))
         };
         match run() {

@@ -8,9 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nccl_safe::host::{root_id_of, stats_for, HostStats};
-use nccl_safe::{
-    CommRef, Communicator, Config, Device, Error, Group, HostStream, Library, ReduceOp,
-};
+use nccl_safe::{CommRef, Communicator, Config, Device, Error, Group, Library, ReduceOp, Stream};
 use nccl_sys::{bindings::ncclSuccess, ncclComm_t, ncclUniqueId};
 use support::within;
 
@@ -76,7 +74,7 @@ impl Drop for ForeignComms {
 
 fn sum_of_ranks(comm: &Communicator) -> nccl_safe::Result<Vec<f32>> {
     let mut x = vec![comm.rank() as f32 + 1.0; 8];
-    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)?;
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)?;
     Ok(x)
 }
 
@@ -236,7 +234,7 @@ fn a_borrowed_view_never_tears_down() {
                 let send = vec![1.0f32; 4];
                 let mut recv = vec![0.0f32; 4];
                 let mut g = Group::new();
-                view.all_reduce_op(&send, &mut recv, ReduceOp::Sum, &HostStream)
+                view.all_reduce_op(&send, &mut recv, ReduceOp::Sum, &Stream::Host)
                     .and_then(|op| g.push(op))
                     .unwrap();
                 g.end().unwrap();

@@ -389,7 +389,7 @@ fn fp8_is_supported_and_nccl_memory_needs_a_cuda_stream() {
     }
     assert!(lib.table().ncclCommRegister.is_some() && lib.table().ncclCommWindowRegister.is_some());
     // Refused before NCCL (or CUDA) is touched: NVIDIA's NCCL allocates device memory.
-    let mem = nccl_safe::NcclMemory::<f32>::alloc_zeros_in(&lib, 4, nccl_safe::HostStream);
+    let mem = nccl_safe::NcclMemory::<f32>::alloc_zeros_in(&lib, 4, nccl_safe::Stream::Host);
     match mem {
         Err(Error::InvalidArgument {
             op: "ncclMemAlloc",

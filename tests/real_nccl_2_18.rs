@@ -65,7 +65,7 @@ fn fp8_nccl_memory_and_registration_are_unsupported_on_2_18() {
         "{fp8:?}"
     );
     assert!(nccl_safe::DataType::Bfloat16.check_supported(&lib).is_ok());
-    let mem = nccl_safe::NcclMemory::<f32>::alloc_zeros_in(&lib, 4, nccl_safe::HostStream);
+    let mem = nccl_safe::NcclMemory::<f32>::alloc_zeros_in(&lib, 4, nccl_safe::Stream::Host);
     assert!(
         matches!(mem, Err(Error::Unsupported { symbol: "ncclMemAlloc", needs, .. })
             if needs == Version::new(2, 19, 0)),

@@ -11,8 +11,8 @@ use float8::{F8E4M3, F8E5M2};
 use nccl_safe::host::{self, stats_for, HostStats};
 use nccl_safe::launch::Launcher;
 use nccl_safe::{
-    Communicator, Config, DataType, Device, Error, Group, HostStream, Library, Memory, NcclMemory,
-    NcclType, ReduceOp, SendBuffer, UniqueId, Version, WindowFlags,
+    Communicator, Config, DataType, Device, Error, Group, Library, Memory, NcclMemory, NcclType,
+    ReduceOp, SendBuffer, Stream, UniqueId, Version, WindowFlags,
 };
 use nccl_sys::bindings::{ncclInvalidUsage, ncclSuccess};
 
@@ -108,7 +108,7 @@ fn fp8_collectives<T: NcclType + PartialEq + std::fmt::Debug>(
 ) {
     let st = ranks(3, move |comm| {
         let r = comm.rank() as f32;
-        let s = HostStream;
+        let s = Stream::Host;
         // 1 + 2 + 3, 0.5 * 3, -(1 + 2 + 3): exact in both formats.
         let send = vec![of(r + 1.0), of(0.5), of(-(r + 1.0))];
         let mut recv = vec![of(0.0); 3];
@@ -164,7 +164,7 @@ fn fp8_saturates_as_the_host_provider_documents() {
     ranks(2, |comm| {
         let send = vec![F8E4M3::from_f32(448.0)];
         let mut recv = vec![F8E4M3::from_f32(0.0)];
-        comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &HostStream)
+        comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &Stream::Host)
             .unwrap();
         assert_eq!(recv[0].to_f32(), 448.0);
     });
@@ -175,7 +175,7 @@ fn fp8_on_an_nccl_older_than_2_24_is_unsupported_before_nccl_sees_it() {
     let _g = serial();
     let old = Library::host_as_version(2, 23).unwrap();
     let (_, st) = ranks_on(old, 2, |comm| {
-        let s = HostStream;
+        let s = Stream::Host;
         let send = vec![F8E4M3::from_f32(1.0); 4];
         let mut recv = send.clone();
         assert_unsupported(
@@ -217,7 +217,7 @@ fn fp8_on_an_nccl_older_than_2_24_is_unsupported_before_nccl_sees_it() {
     // 2.24 is enough.
     let (_, st) = ranks_on(Library::host_as_version(2, 24).unwrap(), 2, |comm| {
         let mut v = vec![F8E5M2::from_f32(1.5); 2];
-        comm.all_reduce_in_place(&mut v, ReduceOp::Sum, &HostStream)
+        comm.all_reduce_in_place(&mut v, ReduceOp::Sum, &Stream::Host)
             .unwrap();
         assert_eq!(v, vec![F8E5M2::from_f32(3.0); 2]);
     });
@@ -270,18 +270,18 @@ fn nccl_memory_is_checked_like_any_buffer() {
     let _g = serial();
     let before = host::stats();
     ranks(2, |comm| {
-        let s = HostStream;
-        let mut empty = NcclMemory::<u8>::alloc_zeros(comm, 0, s).unwrap();
+        let s = Stream::Host;
+        let mut empty = NcclMemory::<u8>::alloc_zeros(comm, 0, &s).unwrap();
         assert!(empty.is_empty() && empty.to_vec(&s).unwrap().is_empty());
         comm.all_reduce_in_place(&mut empty, ReduceOp::Sum, &s)
             .unwrap();
         assert_invalid(comm.register(&mut empty), "ncclCommRegister", "empty");
         assert_invalid(
-            NcclMemory::<u64>::alloc_zeros(comm, usize::MAX / 4, s),
+            NcclMemory::<u64>::alloc_zeros(comm, usize::MAX / 4, &s),
             "ncclMemAlloc",
             "overflow",
         );
-        let mut m = NcclMemory::<i32>::alloc_zeros(comm, 4, s).unwrap();
+        let mut m = NcclMemory::<i32>::alloc_zeros(comm, 4, &s).unwrap();
         assert!(matches!(
             m.copy_from_host(&[1, 2, 3], &s),
             Err(Error::LengthMismatch {
@@ -309,7 +309,7 @@ fn nccl_memory_is_checked_like_any_buffer() {
             "no CUDA view",
         );
         // A collective checks an NcclMemory's length as any buffer's.
-        let mut three = NcclMemory::<i32>::alloc_zeros(comm, 3, s).unwrap();
+        let mut three = NcclMemory::<i32>::alloc_zeros(comm, 3, &s).unwrap();
         assert!(matches!(
             comm.all_reduce(&m, &mut three, ReduceOp::Sum, &s),
             Err(Error::LengthMismatch { .. })
@@ -327,12 +327,12 @@ fn nccl_memory_before_2_19_is_unsupported() {
     let _g = serial();
     let old = Library::host_as_version(2, 18).unwrap();
     assert_unsupported(
-        NcclMemory::<f32>::alloc_zeros_in(&old, 4, HostStream),
+        NcclMemory::<f32>::alloc_zeros_in(&old, 4, Stream::Host),
         "ncclMemAlloc",
         (2, 19),
     );
     let new = Library::host_as_version(2, 19).unwrap();
-    let m = NcclMemory::<f32>::alloc_zeros_in(&new, 4, HostStream).unwrap();
+    let m = NcclMemory::<f32>::alloc_zeros_in(&new, 4, Stream::Host).unwrap();
     assert_eq!(m.len(), 4);
     m.free().unwrap();
 }
@@ -343,7 +343,7 @@ fn nccl_memory_before_2_19_is_unsupported() {
 fn a_registered_buffer_needs_no_extra_argument_and_is_deregistered_once() {
     let _g = serial();
     let st = ranks(2, |comm| {
-        let s = HostStream;
+        let s = Stream::Host;
         let mut buf = vec![1i32; 8];
         {
             let mut reg = comm.register(&mut buf).unwrap();
@@ -361,7 +361,7 @@ fn a_registered_buffer_needs_no_extra_argument_and_is_deregistered_once() {
         }
         assert_eq!(buf[..2], [100, 8]);
         // NcclMemory registered, explicit deregistration, then registered again.
-        let mut mem = NcclMemory::<f64>::alloc_zeros(comm, 4, s).unwrap();
+        let mut mem = NcclMemory::<f64>::alloc_zeros(comm, 4, &s).unwrap();
         let mut reg = comm.register(&mut mem).unwrap();
         reg.copy_from_host(&[2.0; 4], &s).unwrap();
         comm.all_reduce_in_place(&mut reg, ReduceOp::Prod, &s)
@@ -386,11 +386,11 @@ fn registered_buffers_work_inside_a_group() {
         let mut rb = comms[1].register(&mut b).unwrap();
         let mut g = Group::new();
         comms[0]
-            .all_reduce_in_place_op(&mut ra, ReduceOp::Sum, &HostStream)
+            .all_reduce_in_place_op(&mut ra, ReduceOp::Sum, &Stream::Host)
             .and_then(|op| g.push(op))
             .unwrap();
         comms[1]
-            .all_reduce_in_place_op(&mut rb, ReduceOp::Sum, &HostStream)
+            .all_reduce_in_place_op(&mut rb, ReduceOp::Sum, &Stream::Host)
             .and_then(|op| g.push(op))
             .unwrap();
         g.end().unwrap();
@@ -423,7 +423,7 @@ fn registration_rules_give_typed_errors_and_keep_the_communicator() {
         assert!(!comm.is_failed());
         // Still fine afterwards.
         let mut reg = comm.register(&mut buf).unwrap();
-        comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, &HostStream)
+        comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, &Stream::Host)
             .unwrap();
     });
     assert_eq!(
@@ -458,7 +458,7 @@ fn registration_before_2_19_and_windows_before_2_27_are_unsupported() {
     });
     assert_eq!((st.registered, st.deregistered), (1, 1));
     let (_, st) = ranks_on(Library::host_as_version(2, 29).unwrap(), 1, |comm| {
-        let mut m = NcclMemory::<f32>::alloc_zeros(comm, 4, HostStream).unwrap();
+        let mut m = NcclMemory::<f32>::alloc_zeros(comm, 4, Stream::Host).unwrap();
         assert_unsupported(
             comm.register_window(&mut m, WindowFlags::STRICT_ORDERING),
             "NCCL_WIN_STRICT_ORDERING",
@@ -478,9 +478,9 @@ fn registration_before_2_19_and_windows_before_2_27_are_unsupported() {
 fn symmetric_windows_on_nccl_memory_and_its_views() {
     let _g = serial();
     let st = ranks(3, |comm| {
-        let s = HostStream;
+        let s = Stream::Host;
         let r = comm.rank() as f32;
-        let mut mem = NcclMemory::<f32>::alloc_zeros(comm, 8, s).unwrap();
+        let mut mem = NcclMemory::<f32>::alloc_zeros(comm, 8, &s).unwrap();
         {
             let mut win = comm
                 .register_window(&mut mem, WindowFlags::COLL_SYMMETRIC)
@@ -528,7 +528,7 @@ fn double_and_unknown_deregistrations_are_counted_as_misuse() {
         let reg = comm.register(&mut v).unwrap();
         let token = reg.as_raw();
         reg.deregister().unwrap();
-        let mut m = NcclMemory::<u8>::alloc_zeros(comm, 64, HostStream).unwrap();
+        let mut m = NcclMemory::<u8>::alloc_zeros(comm, 64, Stream::Host).unwrap();
         let win = comm
             .register_window(&mut m, WindowFlags::COLL_SYMMETRIC)
             .unwrap();
@@ -584,7 +584,7 @@ fn a_communicator_torn_down_with_live_registrations_releases_and_counts_them() {
         let v = Box::leak(Box::new(vec![0u32; 4]));
         std::mem::forget(comm.register(v).unwrap());
         let m = Box::leak(Box::new(
-            NcclMemory::<u32>::alloc_zeros(comm, 4, HostStream).unwrap(),
+            NcclMemory::<u32>::alloc_zeros(comm, 4, Stream::Host).unwrap(),
         ));
         std::mem::forget(
             comm.register_window(m, WindowFlags::COLL_SYMMETRIC)
@@ -608,12 +608,12 @@ fn after_a_failure_registrations_are_released_and_windows_left_to_the_abort() {
                     let comm = Communicator::init_rank(&Device::Host, 2, rank, id, &Config::new())
                         .unwrap();
                     let mut v = vec![1.0f32; 4];
-                    let mut m = NcclMemory::<f32>::alloc_zeros(&comm, 4, HostStream).unwrap();
+                    let mut m = NcclMemory::<f32>::alloc_zeros(&comm, 4, Stream::Host).unwrap();
                     let mut reg = comm.register(&mut v).unwrap();
                     let mut win = comm
                         .register_window(&mut m, WindowFlags::COLL_SYMMETRIC)
                         .unwrap();
-                    comm.all_reduce_in_place(&mut win, ReduceOp::Sum, &HostStream)
+                    comm.all_reduce_in_place(&mut win, ReduceOp::Sum, &Stream::Host)
                         .unwrap();
                     if rank == 1 {
                         // Rank 1 leaves: its window and registration go first, then it aborts.
@@ -622,7 +622,7 @@ fn after_a_failure_registrations_are_released_and_windows_left_to_the_abort() {
                         return;
                     }
                     // Rank 0's next collective fails, which marks its communicator failed.
-                    let r = comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, &HostStream);
+                    let r = comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, &Stream::Host);
                     assert!(r.is_err(), "{r:?}");
                     assert!(comm.is_failed());
                     // A local deregistration still happens; the collective window
@@ -688,7 +688,7 @@ fn a_panic_holding_a_window_or_registration_fails_the_peers_at_once() {
                     assert!(panicker.join().is_err());
                     let took = t.elapsed();
                     drop(w);
-                    let r = c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &HostStream);
+                    let r = c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &Stream::Host);
                     assert!(r.is_err(), "rank 0 is gone");
                     took
                 })

@@ -5,12 +5,12 @@ mod support;
 
 use nccl_safe::error::BufferRole;
 use nccl_safe::{
-    Communicator, Config, Device, Error, Group, HostStream, Library, ReduceOp, UniqueId, Version,
+    Communicator, Config, Device, Error, Group, Library, ReduceOp, Stream, UniqueId, Version,
     UNIQUE_ID_BYTES,
 };
 use support::{assert_balanced, run_ranks};
 
-const S: HostStream = HostStream;
+const S: Stream = Stream::Host;
 
 /// Matches `$e` against `Err($p)`, printing what came back otherwise.
 macro_rules! assert_err {

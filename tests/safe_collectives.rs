@@ -10,12 +10,12 @@ use std::time::Duration;
 use half::{bf16, f16};
 use nccl_safe::host::{root_id_of, stats_for};
 use nccl_safe::{
-    Communicator, Config, Device, Group, HostStream, ReduceOp, UniqueId, DEFAULT_INIT_TIMEOUT,
+    Communicator, Config, Device, Group, ReduceOp, Stream, UniqueId, DEFAULT_INIT_TIMEOUT,
 };
 use support::{assert_balanced, run_ranks, El};
 
 const COUNT: usize = 5;
-const S: HostStream = HostStream;
+const S: Stream = Stream::Host;
 
 /// Rank `r`'s element `i`: small, varied, negative too where the type allows.
 fn val(signed: bool, r: usize, i: usize) -> i64 {
@@ -598,7 +598,7 @@ fn gather_and_scatter_in_a_group_driven_by_one_thread() {
         .collect();
     let mut g = Group::new();
     for ((c, s), r) in comms.iter().zip(&sends).zip(recvs.iter_mut()) {
-        c.gather_op(s, r, 2, &HostStream)
+        c.gather_op(s, r, 2, &Stream::Host)
             .and_then(|op| g.push(op))
             .unwrap();
     }
@@ -611,7 +611,7 @@ fn gather_and_scatter_in_a_group_driven_by_one_thread() {
     let mut g = Group::new();
     for (rank, (c, o)) in comms.iter().zip(outs.iter_mut()).enumerate() {
         let send = if rank == 0 { &root_send } else { &empty };
-        c.scatter_op(send, o, 0, &HostStream)
+        c.scatter_op(send, o, 0, &Stream::Host)
             .and_then(|op| g.push(op))
             .unwrap();
     }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-use nccl_safe::{AsStream, Communicator, HostStream, NcclMemory, NcclType, RecvBuffer, Stream};
+use nccl_safe::{AsStream, Communicator, NcclMemory, NcclType, RecvBuffer, Stream};
 
 /// Errors of the bench: the crate's, cudarc's, or the bench's own text.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -102,7 +102,7 @@ pub trait Rank {
     fn synchronize(&self) -> Result<()>;
 }
 
-/// A rank of the host provider: `Vec<T>` buffers, [`HostStream`], done when a call returns.
+/// A rank of the host provider: `Vec<T>` buffers, `Stream::Host`, done when a call returns.
 pub struct HostRank {
     /// The communicator.
     pub comm: Communicator,
@@ -126,14 +126,14 @@ impl<T> std::ops::DerefMut for HostBuf<T> {
 
 impl Rank for HostRank {
     type Buf<T: Elem> = Vec<T>;
-    type Stream = HostStream;
+    type Stream = Stream;
     type Owned<T: Elem> = HostBuf<T>;
 
     fn comm(&self) -> &Communicator {
         &self.comm
     }
-    fn stream(&self) -> &HostStream {
-        &HostStream
+    fn stream(&self) -> &Stream {
+        &Stream::Host
     }
     fn upload<T: Elem>(&self, data: Vec<T>) -> Result<HostBuf<T>> {
         Ok(HostBuf(data))

@@ -2,7 +2,8 @@
 //! GPU buffers or host buffers.
 #![allow(dead_code)]
 
-use nccl_safe::launch::{Backend, Launcher, Rank};
+use nccl_safe::launch::{Launcher, Rank};
+use nccl_safe::Provider;
 use nccl_safe::{Error, NcclType, ReduceOp, Result};
 
 /// Flags common to the examples.
@@ -139,25 +140,26 @@ impl Args {
     }
 
     /// The launcher for `--backend` and `--ranks`, and a first line saying what runs where.
-    pub fn launcher(&self) -> Result<(Launcher, Backend, String)> {
+    pub fn launcher(&self) -> Result<(Launcher, Provider, String)> {
         let (launcher, backend) = match self.backend.as_str() {
-            "host" => (Launcher::host(self.ranks.unwrap_or(4)), Backend::Host),
-            "nccl" => (gpu_launcher(self.ranks)?, Backend::Nccl),
+            "host" => (Launcher::host(self.ranks.unwrap_or(4)), Provider::Host),
+            "nccl" => (gpu_launcher(self.ranks)?, Provider::Nccl),
             _ => match gpu_launcher(self.ranks) {
-                Ok(l) => (l, Backend::Nccl),
-                Err(_) => (Launcher::host(self.ranks.unwrap_or(4)), Backend::Host),
+                Ok(l) => (l, Provider::Nccl),
+                Err(_) => (Launcher::host(self.ranks.unwrap_or(4)), Provider::Host),
             },
         };
-        let line = match backend {
-            Backend::Host => format!(
-                "no GPU used: running {} ranks on the nccl-safe host provider (CPU memory, ranks as threads)",
-                launcher.world_size()
-            ),
-            Backend::Nccl => format!(
+        let line = if backend == Provider::Nccl {
+            format!(
                 "running {} ranks on NVIDIA NCCL {}, one per GPU",
                 launcher.world_size(),
                 nccl_safe::Library::load()?.version()
-            ),
+            )
+        } else {
+            format!(
+                "no GPU used: running {} ranks on the nccl-safe host provider (CPU memory, ranks as threads)",
+                launcher.world_size()
+            )
         };
         Ok((launcher, backend, line))
     }

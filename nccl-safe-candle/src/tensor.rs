@@ -21,7 +21,7 @@ use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, DeviceLocation, InplaceOp1, InplaceOp2, Layout, Tensor};
-use nccl_safe::{Communicator, Group, HostStream, NcclType, ReduceOp};
+use nccl_safe::{Communicator, Group, NcclType, ReduceOp, Stream};
 
 use crate::{Error, Result};
 
@@ -85,7 +85,7 @@ impl<'a> Collective<'a> {
 
     /// The in-place kinds on host memory.
     fn host<T: NcclType>(&self, v: &mut [T]) -> nccl_safe::Result<()> {
-        let (comm, s) = (self.comm, &HostStream);
+        let (comm, s) = (self.comm, &Stream::Host);
         match self.kind {
             Kind::AllReduce(op) => comm.all_reduce_in_place(v, op, s),
             Kind::Broadcast(root) => comm.broadcast_in_place(v, root, s),
@@ -95,7 +95,7 @@ impl<'a> Collective<'a> {
                 for r in ranges {
                     let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - at);
                     let (bucket, tail) = tail.split_at_mut(r.len());
-                    g.push(comm.all_reduce_in_place_op(bucket, op, &HostStream)?)?;
+                    g.push(comm.all_reduce_in_place_op(bucket, op, &Stream::Host)?)?;
                     (rest, at) = (tail, r.end);
                 }
                 Ok(())
@@ -106,7 +106,7 @@ impl<'a> Collective<'a> {
 
     /// The two-tensor kinds on host memory.
     fn host2<T: NcclType>(&self, out: &mut [T], inp: &[T]) -> nccl_safe::Result<()> {
-        let (comm, s) = (self.comm, &HostStream);
+        let (comm, s) = (self.comm, &Stream::Host);
         match self.kind {
             Kind::AllGather => comm.all_gather(inp, out, s),
             Kind::ReduceScatter(op) => comm.reduce_scatter(inp, out, op, s),

@@ -55,6 +55,15 @@ impl Device {
         }
     }
 
+    /// Which provider serves this kind of device: [`Provider::Nccl`] for CUDA,
+    /// [`Provider::Host`] for [`Device::Host`].
+    pub fn provider(&self) -> Provider {
+        match self {
+            Device::Cuda(_) => Provider::Nccl,
+            Device::Host => Provider::Host,
+        }
+    }
+
     /// A fresh unique id from this device's library.
     pub fn unique_id(&self) -> Result<UniqueId> {
         UniqueId::new_with(&*self.library()?)
@@ -83,7 +92,7 @@ pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(600);
 ///   [`Error::CommunicatorFailed`] without calling NCCL, and drop aborts.
 ///
 /// ```
-/// use nccl_safe::{Communicator, Config, Device, HostStream, ReduceOp};
+/// use nccl_safe::{Communicator, Config, Device, Stream, ReduceOp};
 /// // Two ranks in threads, on the host provider.
 /// let id = Device::Host.unique_id()?;
 /// std::thread::scope(|s| {
@@ -91,7 +100,7 @@ pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(600);
 ///         s.spawn(move || -> nccl_safe::Result<()> {
 ///             let comm = Communicator::init_rank(&Device::Host, 2, rank, &id, &Config::new())?;
 ///             let mut grads = vec![rank as f32 + 1.0; 4];
-///             comm.all_reduce_in_place(&mut grads, ReduceOp::Sum, &HostStream)?;
+///             comm.all_reduce_in_place(&mut grads, ReduceOp::Sum, &Stream::Host)?;
 ///             assert_eq!(grads, vec![3.0; 4]);
 ///             comm.destroy().map_err(|(_, e)| e)
 ///         });
@@ -153,7 +162,7 @@ fn check_world(op: &'static str, world_size: usize, rank: usize) -> Result<()> {
 
 fn check_device(op: &'static str, lib: &Library, device: &Device) -> Result<()> {
     match (lib.provider(), device) {
-        (Provider::Host, Device::Host) | (Provider::Nccl, Device::Cuda(_)) => Ok(()),
+        (p, d) if p == d.provider() => Ok(()),
         (p, d) => Err(Error::InvalidArgument {
             op,
             reason: format!(

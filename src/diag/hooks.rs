@@ -769,7 +769,7 @@ mod tests {
     use super::*;
     use crate::diag::journal::Entry;
     use crate::diag::shared::{ABORTING, DECIDING};
-    use crate::{Communicator, Config, Device, HostStream, ReduceOp};
+    use crate::{Communicator, Config, Device, ReduceOp, Stream};
 
     /// Host operations below this are known complete.
     fn host_retired(s: &Shared) -> u64 {
@@ -786,7 +786,7 @@ mod tests {
 
     fn sum(c: &Communicator) -> Result<()> {
         let mut x = vec![1.0f32; 4];
-        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
     }
 
     /// The owner's side of the claim: an operation that finds the watchdog deciding waits

@@ -13,6 +13,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::id::UniqueId;
 use crate::launch::desync::DesyncBoard;
+use crate::library::Provider;
 use crate::stream::Stream;
 
 /// How many CUDA devices this process can use: 0 when the CUDA driver library is absent
@@ -22,15 +23,6 @@ pub fn cuda_device_count() -> usize {
         return 0;
     }
     CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
-}
-
-/// Which provider a launcher uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    /// NVIDIA's NCCL on CUDA devices.
-    Nccl,
-    /// The in-process host provider.
-    Host,
 }
 
 /// Starts one rank per device, each in its own thread with its own device context,
@@ -211,11 +203,12 @@ impl Launcher {
         Launcher::with_devices(vec![Device::Host; n])
     }
 
-    /// Every GPU when there is one, else `host_ranks` ranks on the host provider.
-    pub fn auto(host_ranks: usize) -> (Launcher, Backend) {
+    /// Every GPU when there is one, else `host_ranks` ranks on the host provider; and
+    /// which of the two it is.
+    pub fn auto(host_ranks: usize) -> (Launcher, Provider) {
         match Launcher::all_devices() {
-            Ok(l) => (l, Backend::Nccl),
-            Err(_) => (Launcher::host(host_ranks), Backend::Host),
+            Ok(l) => (l, Provider::Nccl),
+            Err(_) => (Launcher::host(host_ranks), Provider::Host),
         }
     }
 

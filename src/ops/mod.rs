@@ -137,9 +137,9 @@ impl Communicator {
                 self.cuda_ordinal()
             ),
             (Provider::Host, _) => {
-                "a host-provider communicator takes HostStream, not a CUDA stream".into()
+                "a host-provider communicator takes Stream::Host, not a CUDA stream".into()
             }
-            (_, _) => "NVIDIA's NCCL needs a CUDA stream, not HostStream".into(),
+            (_, _) => "NVIDIA's NCCL needs a CUDA stream, not Stream::Host".into(),
         };
         Error::InvalidArgument { op, reason }
     }

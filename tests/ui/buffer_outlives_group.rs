@@ -1,6 +1,6 @@
 // Buffers passed to a Group stay borrowed until the group ends: they cannot be freed or
 // written while NCCL may still use them.
-use nccl_safe::{Communicator, Config, Device, Group, HostStream, ReduceOp};
+use nccl_safe::{Communicator, Config, Device, Group, Stream, ReduceOp};
 
 fn main() -> nccl_safe::Result<()> {
     let id = Device::Host.unique_id()?;
@@ -8,7 +8,7 @@ fn main() -> nccl_safe::Result<()> {
     let mut send = vec![1.0f32; 4];
     let mut recv = vec![0.0f32; 4];
     let mut g = Group::new();
-    g.push(comm.all_reduce_op(&send, &mut recv, ReduceOp::Sum, &HostStream)?)?;
+    g.push(comm.all_reduce_op(&send, &mut recv, ReduceOp::Sum, &Stream::Host)?)?;
     drop(recv);
     send[0] = 2.0;
     g.end()?;

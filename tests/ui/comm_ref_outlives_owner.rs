@@ -1,6 +1,6 @@
 // A borrowed view cannot outlive the owner of its handle: the owner cannot be dropped (or
 // moved) while the view exists.
-use nccl_safe::{CommRef, Config, Device, HostStream, Library, ReduceOp};
+use nccl_safe::{CommRef, Config, Device, Stream, Library, ReduceOp};
 
 struct Owner(nccl_sys::ncclComm_t);
 
@@ -19,6 +19,6 @@ fn main() -> nccl_safe::Result<()> {
     let view = unsafe { CommRef::from_raw_borrowed(&owner, lib, owner.0, Device::Host, &Config::new())? };
     drop(owner);
     let mut x = vec![1.0f32; 4];
-    view.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)?;
+    view.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)?;
     Ok(())
 }

@@ -1,6 +1,6 @@
 // A PreMulSum borrows its communicator: the communicator cannot be destroyed while the
 // operator is alive (ncclRedOpDestroy needs a live communicator).
-use nccl_safe::{Communicator, Config, Device, HostStream};
+use nccl_safe::{Communicator, Config, Device, Stream};
 
 fn main() -> nccl_safe::Result<()> {
     let id = Device::Host.unique_id()?;
@@ -8,6 +8,6 @@ fn main() -> nccl_safe::Result<()> {
     let half = comm.create_pre_mul_sum(0.5f32)?;
     comm.destroy().map_err(|(_, e)| e)?;
     let mut x = vec![4.0f32; 2];
-    let _ = (&half, &mut x, HostStream);
+    let _ = (&half, &mut x, Stream::Host);
     Ok(())
 }

@@ -1,5 +1,5 @@
 // NCCL forbids concurrent calls on one communicator: &Communicator cannot cross threads.
-use nccl_safe::{Communicator, Config, Device, HostStream, ReduceOp};
+use nccl_safe::{Communicator, Config, Device, Stream, ReduceOp};
 
 fn main() -> nccl_safe::Result<()> {
     let id = Device::Host.unique_id()?;
@@ -8,7 +8,7 @@ fn main() -> nccl_safe::Result<()> {
     std::thread::scope(|s| {
         s.spawn(move || {
             let mut x = vec![1.0f32; 4];
-            shared.all_reduce_in_place(&mut x, ReduceOp::Sum, &HostStream)
+            shared.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
         });
     });
     Ok(())
