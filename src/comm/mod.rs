@@ -235,6 +235,12 @@ impl Communicator {
     pub fn async_error(&self) -> Result<bool> {
         let caller = Location::caller();
         self.diag.check_alive()?;
+        self.poll_async("ncclCommGetAsyncError", caller)
+    }
+
+    /// One `ncclCommGetAsyncError`, pinned: `Ok(true)` while in progress, `Ok(false)` when
+    /// done; an error state marks the communicator failed with `op`.
+    fn poll_async(&self, op: &'static str, caller: &'static Location<'static>) -> Result<bool> {
         let mut state = nccl_sys::bindings::ncclSuccess;
         self.pinned(|| {
             // SAFETY: `state` is writable; the handle is live (not torn down: pinned, so the
@@ -247,7 +253,7 @@ impl Communicator {
         match ResultCode::from_raw(state) {
             None => Ok(false),
             Some(ResultCode::InProgress) => Ok(true),
-            Some(_) => Err(self.fail("ncclCommGetAsyncError", state, caller)),
+            Some(_) => Err(self.fail(op, state, caller)),
         }
     }
 
@@ -464,19 +470,8 @@ impl Communicator {
             // The watchdog may have failed it (and taken the handle) meanwhile.
             self.diag.check_alive()?;
             watched.check_alive()?;
-            let mut state = nccl_sys::bindings::ncclSuccess;
-            self.pinned(|| {
-                // SAFETY: `state` is writable; the handle is live: inside an operation, or
-                // pinned, so the watchdog cannot take it during the call.
-                let r = unsafe {
-                    (self.handle.table().ncclCommGetAsyncError)(self.handle.get(), &mut state)
-                };
-                self.checked("ncclCommGetAsyncError", r, caller)
-            })?;
-            match ResultCode::from_raw(state) {
-                None => return Ok(()),
-                Some(ResultCode::InProgress) => {}
-                Some(_) => return Err(self.fail(op, state, caller)),
+            if !self.poll_async(op, caller)? {
+                return Ok(());
             }
             if start.elapsed() >= timeout {
                 let e = Error::Timeout {
