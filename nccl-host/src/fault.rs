@@ -11,6 +11,12 @@
 //!   its clique stay waiting, and the handle is not yet counted as torn down. Then it
 //!   does its work (the clique is aborted, waiters wake, stuck work is released, as NCCL's
 //!   kernels end on the abort flag).
+//! * [`Fault::SlowCalls`]: `ncclCommRegister`, `ncclCommDeregister` and
+//!   `ncclCommGetAsyncError` on the communicators wait the given time before their work, as
+//!   a call the driver holds up (a deregistration that unmaps behind the device's work).
+//!   The wait holds no lock of the provider, and the handle is looked up after it, so a
+//!   handle torn down meanwhile (an abort from another thread) is a use after teardown and
+//!   counted as misuse.
 //!
 //! A missing peer needs no fault: a rank that never calls init is one.
 //!
@@ -38,12 +44,16 @@ pub enum Fault {
     /// `ncclCommAbort` blocks before doing its work: for this long, or until
     /// [`release_aborts`] when `None`.
     BlockingAbort(Option<Duration>),
+    /// `ncclCommRegister`, `ncclCommDeregister` and `ncclCommGetAsyncError` wait this long
+    /// before their work.
+    SlowCalls(Duration),
 }
 
 #[derive(Debug, Default)]
 struct Faults {
     stuck: HashMap<RootIdx, ()>,
     blocking_abort: HashMap<RootIdx, Option<Duration>>,
+    slow_calls: HashMap<RootIdx, Duration>,
     /// Per handle: operations that were accepted and will never complete.
     stuck_ops: HashMap<Handle, u64>,
     /// Aborts blocked right now, per root.
@@ -77,6 +87,9 @@ pub fn inject(id: &ncclUniqueId, fault: Fault) {
         Fault::BlockingAbort(d) => {
             f.blocking_abort.insert(root, d);
         }
+        Fault::SlowCalls(d) => {
+            f.slow_calls.insert(root, d);
+        }
     }
 }
 
@@ -87,6 +100,7 @@ pub fn clear(id: &ncclUniqueId) {
     let mut f = lock();
     f.stuck.remove(&root);
     f.blocking_abort.remove(&root);
+    f.slow_calls.remove(&root);
     faults().1.notify_all();
 }
 
@@ -118,6 +132,19 @@ pub(crate) fn take_stuck(root: RootIdx, h: Handle) -> bool {
 /// Operations of `h` that will never complete.
 pub(crate) fn stuck_ops(h: Handle) -> u64 {
     lock().stuck_ops.get(&h).copied().unwrap_or(0)
+}
+
+/// Called on entry to a call that [`Fault::SlowCalls`] delays, before any lookup of
+/// `comm`: waits as configured for `comm`'s root, holding no lock.
+pub(crate) fn slow_call(comm: Handle) {
+    let root = match super::state::lock().comms.get(&comm) {
+        Some(c) => c.root,
+        None => return,
+    };
+    let delay = lock().slow_calls.get(&root).copied();
+    if let Some(d) = delay {
+        std::thread::sleep(d);
+    }
 }
 
 /// Called by `ncclCommAbort` of a handle of `root` before its work: blocks as configured.
