@@ -10,7 +10,11 @@
 //!   collectives each (all-reduce, broadcast, all-gather, a group of an all-reduce and a
 //!   broadcast; the same sequence on every rank);
 //! * work that gets stuck (`Fault::StuckWork`, injected by rank 0 before a random step;
-//!   probability 1/4), a rank that skips a collective (and every later one, keeping its
+//!   probability 1/4, never released), work that stalls and is released mid-run
+//!   (`Fault::StalledWork`, injected by rank 0 before a random step, 1/4: the collectives
+//!   still run, but are seen complete only once `release_stalls` runs, on a thread of its
+//!   own, after a delay drawn either within a fifth of the timeout, or 0.1 to 0.5 s past
+//!   it), a rank that skips a collective (and every later one, keeping its
 //!   communicator; 1/3), a rank that panics before a collective while holding its
 //!   communicator and possibly a registration or a window (1/3), a rank that leaves early
 //!   (tears its communicator down before a collective; 1/5);
@@ -21,7 +25,11 @@
 //! * each rank's ending (drop, `abort()` or `destroy()`, whose error is followed by a drop)
 //!   in a random order across ranks.
 //!
-//! [`DEFAULT_SEEDS`] seeds run by default (seeds 1 to 200, about 40 s on two cores),
+//! The host provider has one stream per communicator (`Stream::Host`), so several streams
+//! (one stalled and released while collectives complete on another) run over the fake
+//! CUDA driver instead: `tests/cuda_path.rs`, `seeded_stalls_of_another_stream`.
+//!
+//! [`DEFAULT_SEEDS`] seeds run by default (seeds 1 to 200, about 20 s on two cores),
 //! [`WORKERS`] at a time;
 //! `NCCL_SAFE_CHAOS_SEEDS=N` runs seeds 1 to N, and `NCCL_SAFE_CHAOS_SEED=S` replays seed S
 //! alone (a failing seed prints that command). A process-exit test runs
@@ -45,7 +53,9 @@
 //! * `fails-fast-after-a-peer-abort`: the same when the calls failed only because a peer
 //!   aborted (a panicking rank's drop, a rank that left with `abort()` or a failed drop),
 //!   with no timeout;
-//! * `no-false-alarm`: in a run without any fault, no call fails and no rank is failed;
+//! * `no-false-alarm`: in a run without any fault (a stall released within a fifth of the
+//!   timeout counts as none), no call fails and no rank is failed, watched at the gate
+//!   until a timeout (+100 ms) after the stall's release;
 //! * `abort-outcome`: while every abort of the clique is stuck, `abort()` never returns
 //!   `Ok` (its own abort, or the watchdog's that it waits for, cannot have returned);
 //! * `exactly-once`: once the blocked aborts are released, every handle of the run was
@@ -97,6 +107,9 @@ const LONG_TIMEOUT: Duration = Duration::from_millis(1500);
 const ABORT_TIMEOUTS: [Duration; 2] = [Duration::from_millis(150), Duration::from_millis(300)];
 /// What every bound allows beyond the configured time.
 const SLACK: Duration = Duration::from_secs(1);
+/// How long past a timeout after an early stall's release a rank watches for a false
+/// alarm.
+const STALL_WATCH: Duration = Duration::from_millis(100);
 const DEFAULT_SEEDS: u64 = 200;
 /// Runs at a time.
 const WORKERS: usize = 4;
@@ -180,6 +193,16 @@ enum Coll {
     Group(usize),
 }
 
+/// Work stalled (`Fault::StalledWork`, injected by rank 0 before a step) and released
+/// after a delay.
+#[derive(Debug, Clone, Copy)]
+struct Stall {
+    at: usize,
+    release_after: Duration,
+    /// Released well before the timeout (within a fifth of it): no fault at all.
+    early: bool,
+}
+
 /// One run, drawn from a seed.
 #[derive(Debug, Clone)]
 struct Plan {
@@ -200,6 +223,7 @@ struct Plan {
     endings: Vec<Ending>,
     /// The order of the ranks' endings.
     order: Vec<usize>,
+    stall: Option<Stall>,
 }
 
 impl Plan {
@@ -244,6 +268,21 @@ impl Plan {
         for i in (1..world).rev() {
             order.swap(i, r.below(i + 1));
         }
+        // Drawn last, so that the draws above stay what they were before stalls existed.
+        let stall = r.one_in(4).then(|| {
+            let at = r.below(steps);
+            let early = r.one_in(2);
+            let release_after = if early {
+                timeout * r.below(21) as u32 / 100
+            } else {
+                timeout + Duration::from_millis(100 + r.below(400) as u64)
+            };
+            Stall {
+                at,
+                release_after,
+                early,
+            }
+        });
         Plan {
             timeout,
             abort_timeout,
@@ -257,12 +296,15 @@ impl Plan {
             held,
             endings,
             order,
+            stall,
         }
     }
 
-    /// Whether any fault is planned (a slow or stuck abort alone is none: nothing aborts).
+    /// Whether any fault is planned (a slow or stuck abort alone is none: nothing aborts;
+    /// nor is a stall released well before the timeout).
     fn faulty(&self) -> bool {
         self.stuck_at.is_some()
+            || self.stall.is_some_and(|s| !s.early)
             || self.skip.is_some()
             || self.panic.is_some()
             || self.leave.is_some()
@@ -295,6 +337,8 @@ struct Run {
     activity: Vec<Mutex<Activity>>,
     /// The run was given up (a hang): what its threads do afterwards is not judged.
     abandoned: AtomicBool,
+    /// When the planned stall was released: nanoseconds after `start`, + 1 (0: not yet).
+    stall_released: Arc<AtomicU64>,
     violations: Mutex<Vec<Violation>>,
 }
 
@@ -344,6 +388,13 @@ impl Run {
 
     fn first_failure(&self) -> Option<Instant> {
         match self.first_failure.load(Ordering::SeqCst) {
+            0 => None,
+            n => Some(self.start + Duration::from_nanos(n - 1)),
+        }
+    }
+
+    fn stall_released(&self) -> Option<Instant> {
+        match self.stall_released.load(Ordering::SeqCst) {
             0 => None,
             n => Some(self.start + Duration::from_nanos(n - 1)),
         }
@@ -530,6 +581,15 @@ fn rank_main(run: &Run, rank: usize, panicked_at: &Mutex<Option<Instant>>) {
         if rank == 0 && plan.stuck_at == Some(step) {
             fault::inject(&run.id.to_raw(), Fault::StuckWork);
         }
+        if let Some(stall) = plan.stall.filter(|s| rank == 0 && s.at == step) {
+            let (id, start, released) = (run.id.to_raw(), run.start, run.stall_released.clone());
+            fault::inject(&id, Fault::StalledWork);
+            std::thread::spawn(move || {
+                std::thread::sleep(stall.release_after);
+                fault::release_stalls(&id);
+                released.store(start.elapsed().as_nanos() as u64 + 1, Ordering::SeqCst);
+            });
+        }
         if plan.skip == Some((rank, step)) {
             break;
         }
@@ -593,6 +653,16 @@ fn rank_main(run: &Run, rank: usize, panicked_at: &Mutex<Option<Instant>>) {
     run.at_gate.fetch_add(1, Ordering::SeqCst);
     let gate = (plan.colls.len() as u32 + 2) * (plan.call_bound() + plan.teardown_bound());
     until(gate, || run.at_gate.load(Ordering::SeqCst) >= plan.world);
+    if plan.stall.is_some_and(|s| s.early) && !plan.faulty() {
+        // A false alarm from the stall would come within a timeout of its release (when
+        // the last stalled work is seen complete): watch that long before judging.
+        let limit = plan.stall.map_or(Duration::ZERO, |s| s.release_after) + SLACK;
+        until(limit, || run.stall_released().is_some());
+        if let Some(at) = run.stall_released() {
+            let watch_until = at + plan.timeout + STALL_WATCH;
+            std::thread::sleep(watch_until.saturating_duration_since(Instant::now()));
+        }
+    }
     if let Some(t0) = run.first_failure() {
         let deadline = t0 + plan.timeout + SLACK;
         let left = deadline.saturating_duration_since(Instant::now());
@@ -652,6 +722,7 @@ fn run_plan(plan: &Plan) -> Vec<Violation> {
         finished: (0..plan.world).map(|_| AtomicBool::new(false)).collect(),
         activity: (0..plan.world).map(|_| Mutex::new(None)).collect(),
         abandoned: AtomicBool::new(false),
+        stall_released: Arc::new(AtomicU64::new(0)),
         violations: Mutex::new(Vec::new()),
     });
     let ranks: Vec<_> = (0..plan.world)
@@ -870,7 +941,7 @@ fn the_default_seeds_cover_every_fault() {
     let plans: Vec<Plan> = (1..=DEFAULT_SEEDS).map(Plan::new).collect();
     assert_eq!(format!("{:?}", Plan::new(7)), format!("{:?}", Plan::new(7)));
     let count = |f: &dyn Fn(&Plan) -> bool| plans.iter().filter(|p| f(p)).count();
-    let kinds: [(&str, usize); 12] = [
+    let kinds: [(&str, usize); 14] = [
         ("stuck work", count(&|p| p.stuck_at.is_some())),
         ("a skipped collective", count(&|p| p.skip.is_some())),
         ("a panic", count(&|p| p.panic.is_some())),
@@ -892,6 +963,14 @@ fn the_default_seeds_cover_every_fault() {
         ),
         ("a stuck abort", count(&|p| p.abort == AbortKind::Stuck)),
         ("no fault", count(&|p| !p.faulty())),
+        (
+            "a stall released well before the timeout",
+            count(&|p| p.stall.is_some_and(|s| s.early)),
+        ),
+        (
+            "a stall released after the timeout",
+            count(&|p| p.stall.is_some_and(|s| !s.early)),
+        ),
         ("4 ranks", count(&|p| p.world == 4)),
         (
             "an abort() ending",

@@ -652,6 +652,180 @@ fn another_streams_backlog_never_times_out_a_communicator() {
     });
 }
 
+/// Seeds of [`seeded_stalls_of_another_stream`].
+const STALL_SEEDS: u64 = 8;
+
+/// Several streams, seeded (the chaos test's stalls, where the host provider has only one
+/// stream): a communicator's collectives on two or three streams of one device; then one
+/// compute stream stalls and is released after a random delay, well within the timeout
+/// (up to 30 % of it) or past it plus a second, while collectives go on completing on the
+/// other streams. Half the seeds also issue one collective on the stalled stream itself.
+///
+/// Invariants: a communicator whose own work is on healthy streams is never timed out by
+/// another stream's backlog (every call succeeds, `is_failed()` stays false until a
+/// timeout after the release, and its work on the healthy streams is seen complete while
+/// the stall lasts); with its own collective behind a stall released well within the
+/// timeout, the same (no false alarm); with one behind a stall that outlasts timeout + 1 s,
+/// it fails within timeout + 1 s of that collective and its next call is
+/// `Error::Timeout`. Every handle is torn down once and none is misused.
+#[test]
+fn seeded_stalls_of_another_stream() {
+    let _serial = serial();
+    let d = driver();
+    within(Duration::from_secs(120), move || {
+        for seed in 1..=STALL_SEEDS {
+            stall_round(d, seed);
+        }
+    });
+}
+
+fn stall_round(d: &'static support::fakes::FakeDriver, seed: u64) {
+    // xorshift64* on a splitmix64 of the seed.
+    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    let mut state = (z ^ (z >> 31)) | 1;
+    let mut below = |n: u64| {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        state.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    };
+    let config = Config::new()
+        .timeout(TIMEOUT)
+        .abort_timeout(Duration::from_millis(200));
+    let r = rank(1, &config, false);
+    // Stream 0 is the communicator's; stream 1 stalls; stream 2 (some seeds) is healthy.
+    let mut streams = vec![r.stream.clone(), r.ctx.new_stream().unwrap()];
+    if below(2) == 0 {
+        streams.push(r.ctx.new_stream().unwrap());
+    }
+    let mut bufs: Vec<CudaSlice<f32>> = streams
+        .iter()
+        .map(|s| s.alloc_zeros::<f32>(16).unwrap())
+        .collect();
+    for s in &streams {
+        s.synchronize().unwrap();
+    }
+    let own = below(2) == 0;
+    let early = below(2) == 0;
+    let release_after = if early {
+        TIMEOUT * below(31) as u32 / 100
+    } else {
+        BOUND + Duration::from_millis(100 + below(200))
+    };
+    let what = format!(
+        "seed {seed}: {} streams, own collective on the stalled one: {own}, released after {release_after:?}",
+        streams.len()
+    );
+    // The stream of each collective, by sequence number.
+    let mut on: Vec<usize> = Vec::new();
+    let mut run = |i: usize, on: &mut Vec<usize>| {
+        on.push(i);
+        r.comm
+            .all_reduce_in_place(&mut bufs[i], ReduceOp::Sum, &streams[i])
+    };
+    for _ in 0..1 + below(3) {
+        let i = below(streams.len() as u64) as usize;
+        run(i, &mut on).unwrap_or_else(|e| panic!("{what}: {e}"));
+    }
+    until(Duration::from_secs(5), || {
+        r.comm
+            .flight_record()
+            .entries
+            .iter()
+            .all(|e| e.state == OpState::Completed)
+    })
+    .unwrap_or_else(|| panic!("{what}: {}", r.comm.flight_record()));
+
+    d.stall(&streams[1], true);
+    let stalled_at = Instant::now();
+    let own_at = own.then(|| {
+        run(1, &mut on).unwrap_or_else(|e| panic!("{what}: behind the stall: {e}"));
+        Instant::now()
+    });
+    let healthy: Vec<usize> = (0..streams.len()).filter(|&i| i != 1).collect();
+    let mut failed_at = None;
+    while stalled_at.elapsed() < release_after {
+        let i = healthy[below(healthy.len() as u64) as usize];
+        match run(i, &mut on) {
+            Ok(()) => {}
+            Err(e) if own && !early && is_timeout(&e) => {
+                failed_at.get_or_insert(Instant::now());
+                break;
+            }
+            Err(e) => panic!("{what}: a collective on a healthy stream failed: {e}"),
+        }
+        if r.comm.is_failed() {
+            assert!(own && !early, "{what}: failed by another stream's backlog");
+            failed_at.get_or_insert(Instant::now());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5 + below(25)));
+    }
+    if !own || early {
+        // The healthy streams' work is seen complete while the stall lasts.
+        until(Duration::from_secs(1), || {
+            r.comm
+                .flight_record()
+                .entries
+                .iter()
+                .filter(|e| on[e.seq as usize] != 1)
+                .all(|e| e.state == OpState::Completed)
+        })
+        .unwrap_or_else(|| panic!("{what}: {}", r.comm.flight_record()));
+    }
+    let wait = release_after.saturating_sub(stalled_at.elapsed());
+    std::thread::sleep(wait);
+    d.stall(&streams[1], false);
+    let released_at = Instant::now();
+    if let Some(t) = own_at.filter(|_| !early) {
+        // Its own collective waited longer than timeout + 1 s.
+        let failed = failed_at.is_some()
+            || until(BOUND.saturating_sub(t.elapsed()), || r.comm.is_failed()).is_some();
+        assert!(
+            failed,
+            "{what}: is_failed() still false {:?} after its stalled collective",
+            t.elapsed()
+        );
+        let e = run(0, &mut on).expect_err("the next call fails");
+        assert!(is_timeout(&e), "{what}: {e}");
+    } else {
+        // No false alarm: watched until a timeout after the release.
+        let watch = released_at + TIMEOUT + Duration::from_millis(100);
+        while Instant::now() < watch {
+            assert!(
+                !r.comm.is_failed(),
+                "{what}: failed without a fault of its own"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        until(Duration::from_secs(5), || {
+            r.comm
+                .flight_record()
+                .entries
+                .iter()
+                .all(|e| e.state == OpState::Completed)
+        })
+        .unwrap_or_else(|| panic!("{what}: {}", r.comm.flight_record()));
+    }
+    let failed = r.comm.is_failed();
+    let Rank { comm, id, .. } = r;
+    if failed {
+        drop(comm);
+    } else {
+        comm.destroy()
+            .map_err(|(_, e)| e)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+    }
+    let st = support::assert_balanced(&id);
+    eprintln!("stall round {what}: failed {failed}");
+    assert_eq!(st.created, 1, "{what}: {st:?}");
+    assert_eq!(st.aborted, failed as u64, "{what}: {st:?}");
+    assert_eq!(d.gauge(Gauge::BadHandles), 0, "{what}");
+    drop((bufs, streams));
+}
+
 /// Behind a stalled stream every teardown returns within the abort bound (+100 ms) with
 /// the op timeout far away: `abort()`, the drop of a healthy communicator whose work is
 /// stuck, and the drop of NCCL memory. Their calls block in the fake driver's device-wide

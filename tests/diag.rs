@@ -211,9 +211,10 @@ fn operations_ending_at_the_deadline_never_race_the_watchdog_into_misuse() {
         // (30 ms, plus the coarse clock's 10 ms tick).
         count(Duration::from_micros(step * 75_000 / ROUNDS));
     }
-    // The watchdog's slack grows with the longest the coarse clock has stood still, so on a
-    // slow machine (valgrind) 75 ms may still be inside it: go further out until one round
-    // times out, so that both sides of the race are always exercised.
+    // The watchdog's slack grows with how long the coarse clock stood still around an
+    // operation's start, so on a slow machine (valgrind) 75 ms may still be inside it: go
+    // further out until one round times out, so that both sides of the race are always
+    // exercised.
     let mut late = Duration::from_millis(150);
     let mut late_timed_out = false;
     while !late_timed_out && late <= Duration::from_secs(10) {

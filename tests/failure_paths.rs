@@ -1,7 +1,8 @@
 //! The failure paths, with the GPU's failure modes injected into the host provider
 //! (`nccl_safe::host::fault`): work that never completes (a stuck stream), an abort that
 //! blocks (`cudaFree` behind that stream), a process that exits while the abort is blocked
-//! (the CUDA runtime's teardown), and a peer that never arrives at init.
+//! (the CUDA runtime's teardown), a peer that never arrives at init, and a registration or
+//! poll that the driver holds up while the watchdog times its communicator out.
 //!
 //! Each scenario runs 20 times in a loop. Bounds are the issue's: timeout + 1 s.
 
@@ -15,7 +16,7 @@ use std::time::{Duration, Instant};
 use nccl_safe::host::fault::{self, Fault};
 use nccl_safe::host::stats_for;
 use nccl_safe::launch::Launcher;
-use nccl_safe::{Communicator, Config, Device, Error, ReduceOp, Stream, UniqueId};
+use nccl_safe::{Communicator, Config, Device, Error, ReduceOp, ResultCode, Stream, UniqueId};
 use support::{assert_balanced, until, within};
 
 const S: Stream = Stream::Host;
@@ -262,6 +263,118 @@ fn abort_reports_the_watchdogs_blocked_abort() {
     fault::release_aborts(&id.to_raw());
     until(Duration::from_secs(5), || stats_for(&id.to_raw()).live == 0).unwrap();
     assert_balanced(&id);
+}
+
+/// A call on the handle that is not an operation, made while the watchdog times the
+/// communicator out (finding 5 of issue 23, through the public API).
+#[derive(Debug, Clone, Copy)]
+enum LocalCall {
+    Register,
+    Deregister,
+    AsyncError,
+}
+
+/// How long `Fault::SlowCalls` holds each local call: far beyond the watchdog's timeout,
+/// so the watchdog times the communicator out while its owner is inside the call.
+const SLOW_CALL: Duration = Duration::from_millis(700);
+
+/// The communicator is idle with stuck work in flight, which the watchdog may claim and
+/// abort, and its owner is inside a slow `ncclCommRegister`, `ncclCommDeregister` or
+/// `ncclCommGetAsyncError` when the timeout expires. The call is pinned against the
+/// watchdog: the clique is failed during the call (every rank fails fast), but the handle
+/// is aborted only once the call returned, so no call reaches a torn-down handle
+/// (`misused == 0`) and the handle is torn down once. The call returns within its own
+/// time plus the slack, and the communicator ends failed with `Error::Timeout`.
+fn local_call_during_a_timeout(call: LocalCall) {
+    let id = Device::Host.unique_id().unwrap();
+    fault::inject(&id.to_raw(), Fault::StuckWork);
+    let barrier = Barrier::new(2);
+    std::thread::scope(|sc| {
+        // Rank 1: stuck work too; it sees when the watchdog failed the clique.
+        let peer = sc.spawn(|| {
+            let comm = Communicator::init_rank(&Device::Host, 2, 1, &id, &config()).unwrap();
+            barrier.wait();
+            comm.all_reduce_in_place(&mut [1u32; 4][..], ReduceOp::Sum, &S)
+                .expect("a stuck collective is accepted");
+            let failed_at = until(BOUND, || comm.is_failed()).map(|_| Instant::now());
+            (failed_at, comm)
+        });
+        let comm = Communicator::init_rank(&Device::Host, 2, 0, &id, &config()).unwrap();
+        let (mut held, mut buf) = (vec![0u32; 8], vec![0u32; 8]);
+        let mut early = match call {
+            LocalCall::Deregister => Some(comm.register(&mut held).unwrap()),
+            _ => None,
+        };
+        barrier.wait();
+        let mut x = vec![1u32; 4];
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+            .expect("a stuck collective is accepted");
+        // Idle with work in flight: the watchdog may claim it, but not during these calls.
+        fault::inject(&id.to_raw(), Fault::SlowCalls(SLOW_CALL));
+        let start = Instant::now();
+        // A new registration is kept (its drop would deregister, slowly, at once).
+        let r = match call {
+            LocalCall::Register => comm.register(&mut buf).map(Some),
+            LocalCall::Deregister => early
+                .take()
+                .expect("registered")
+                .deregister()
+                .map(|()| None),
+            LocalCall::AsyncError => comm.async_error().map(|_| None),
+        };
+        let took = start.elapsed();
+        let returned_at = start + took;
+        assert!(
+            took >= SLOW_CALL && took <= SLOW_CALL + BOUND - TIMEOUT,
+            "{call:?}: the call took {took:?}"
+        );
+        let (failed_at, peer) = peer.join().unwrap();
+        let failed_at = failed_at.unwrap_or_else(|| panic!("{call:?}: is_failed() still false"));
+        assert!(
+            failed_at < returned_at,
+            "{call:?}: the watchdog failed the clique only after the call returned"
+        );
+        // The handle was live during the call: it succeeded, reported the timeout, or (a
+        // poll) the peer's abort by the watchdog, never a dead handle.
+        assert!(
+            match &r {
+                Ok(_) | Err(Error::Timeout { .. }) => true,
+                Err(e) => e.code() == Some(ResultCode::RemoteError),
+            },
+            "{call:?}: {r:?}"
+        );
+        assert_eq!(stats_for(&id.to_raw()).misused, 0, "{call:?}");
+        // Once the call returned, the watchdog aborts its handle too.
+        until(BOUND, || stats_for(&id.to_raw()).aborted == 2)
+            .unwrap_or_else(|| panic!("{call:?}: the watchdog never aborted the handle"));
+        let e = comm
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+            .expect_err("a failed communicator");
+        assert!(is_timeout(&e), "{call:?}: {e}");
+        assert!(
+            matches!(comm.async_error(), Err(Error::Timeout { .. })),
+            "{call:?}"
+        );
+        // The abort released the registration: its drop makes no call.
+        drop((r, early));
+        drop(comm);
+        drop(peer);
+    });
+    let st = assert_balanced(&id);
+    assert_eq!((st.aborted, st.destroyed), (2, 0), "{call:?}: {st:?}");
+}
+
+#[test]
+fn local_calls_are_never_aborted_under_their_owner() {
+    for _ in 0..3 {
+        for call in [
+            LocalCall::Register,
+            LocalCall::Deregister,
+            LocalCall::AsyncError,
+        ] {
+            local_call_during_a_timeout(call);
+        }
+    }
 }
 
 /// Settings no communicator can work with are typed errors, never a panic or a

@@ -781,6 +781,7 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
     comm: ncclComm_t,
     async_error: *mut ncclResult_t,
 ) -> ncclResult_t {
+    super::fault::slow_call(comm as Handle);
     ffi(|| {
         let mut g = lock();
         let h = known(&mut g, comm, "ncclCommGetAsyncError")?;
@@ -1469,6 +1470,7 @@ pub(crate) unsafe extern "C" fn ncclCommRegister(
     size: usize,
     handle: *mut *mut c_void,
 ) -> ncclResult_t {
+    super::fault::slow_call(comm as Handle);
     ffi(|| {
         let mut g = lock();
         let r = ready(&mut g, comm, "ncclCommRegister", false)?;
@@ -1492,6 +1494,7 @@ pub(crate) unsafe extern "C" fn ncclCommDeregister(
     comm: ncclComm_t,
     handle: *mut c_void,
 ) -> ncclResult_t {
+    super::fault::slow_call(comm as Handle);
     ffi(|| {
         let mut g = lock();
         let r = ready(&mut g, comm, "ncclCommDeregister", false)?;

@@ -4,6 +4,10 @@
 //! * [`Fault::StuckWork`]: every collective and send/recv of the communicators born from
 //!   an id returns `ncclSuccess` at once but never completes, as work queued on a CUDA
 //!   stream behind a kernel that never ends. The watchdog sees it as work in flight.
+//! * [`Fault::StalledWork`]: collectives and send/recv run as usual (they wait for their
+//!   peers and move the data) but are not seen complete until [`release_stalls`], as work
+//!   on a stream stalled behind other work that later drains. The watchdog sees work in
+//!   flight until the release; no peer waits for it.
 //! * [`Fault::BlockingAbort`]: `ncclCommAbort` blocks *before* doing its work, as NVIDIA's
 //!   abort does in `cudaFree` behind a stalled stream: for the given time (a slow but
 //!   finite abort), or until [`release_aborts`] (`None`: a stuck one), which also lifts the
@@ -11,6 +15,12 @@
 //!   its clique stay waiting, and the handle is not yet counted as torn down. Then it
 //!   does its work (the clique is aborted, waiters wake, stuck work is released, as NCCL's
 //!   kernels end on the abort flag).
+//! * [`Fault::SlowCalls`]: `ncclCommRegister`, `ncclCommDeregister` and
+//!   `ncclCommGetAsyncError` on the communicators wait the given time before their work, as
+//!   a call the driver holds up (a deregistration that unmaps behind the device's work).
+//!   The wait holds no lock of the provider, and the handle is looked up after it, so a
+//!   handle torn down meanwhile (an abort from another thread) is a use after teardown and
+//!   counted as misuse.
 //!
 //! A missing peer needs no fault: a rank that never calls init is one.
 //!
@@ -35,17 +45,26 @@ use super::state::{Handle, RootIdx};
 pub enum Fault {
     /// Collectives and send/recv return at once and never complete.
     StuckWork,
+    /// Collectives and send/recv run, but are seen complete only after [`release_stalls`].
+    StalledWork,
     /// `ncclCommAbort` blocks before doing its work: for this long, or until
     /// [`release_aborts`] when `None`.
     BlockingAbort(Option<Duration>),
+    /// `ncclCommRegister`, `ncclCommDeregister` and `ncclCommGetAsyncError` wait this long
+    /// before their work.
+    SlowCalls(Duration),
 }
 
 #[derive(Debug, Default)]
 struct Faults {
     stuck: HashMap<RootIdx, ()>,
+    stalled: HashMap<RootIdx, ()>,
     blocking_abort: HashMap<RootIdx, Option<Duration>>,
+    slow_calls: HashMap<RootIdx, Duration>,
     /// Per handle: operations that were accepted and will never complete.
     stuck_ops: HashMap<Handle, u64>,
+    /// Per handle: operations that ran but are not yet seen complete, and their root.
+    stalled_ops: HashMap<Handle, (RootIdx, u64)>,
     /// Aborts blocked right now, per root.
     blocked: HashMap<RootIdx, usize>,
     /// The process is exiting: blocked aborts crash (see the module docs).
@@ -74,19 +93,28 @@ pub fn inject(id: &ncclUniqueId, fault: Fault) {
         Fault::StuckWork => {
             f.stuck.insert(root, ());
         }
+        Fault::StalledWork => {
+            f.stalled.insert(root, ());
+        }
         Fault::BlockingAbort(d) => {
             f.blocking_abort.insert(root, d);
+        }
+        Fault::SlowCalls(d) => {
+            f.slow_calls.insert(root, d);
         }
     }
 }
 
-/// Removes every fault of `id` and releases its blocked aborts. Work that was already
-/// stuck stays stuck.
+/// Removes every fault of `id` and releases its blocked aborts and its stalled work. Work
+/// that was already stuck stays stuck.
 pub fn clear(id: &ncclUniqueId) {
     let root = root_of(id);
     let mut f = lock();
     f.stuck.remove(&root);
+    f.stalled.remove(&root);
+    f.stalled_ops.retain(|_, (r, _)| *r != root);
     f.blocking_abort.remove(&root);
+    f.slow_calls.remove(&root);
     faults().1.notify_all();
 }
 
@@ -98,6 +126,15 @@ pub fn release_aborts(id: &ncclUniqueId) {
     faults().1.notify_all();
 }
 
+/// Lifts [`Fault::StalledWork`] from `id`'s communicators: the work it held back is seen
+/// complete, and later work is not held back.
+pub fn release_stalls(id: &ncclUniqueId) {
+    let root = root_of(id);
+    let mut f = lock();
+    f.stalled.remove(&root);
+    f.stalled_ops.retain(|_, (r, _)| *r != root);
+}
+
 /// How many aborts of `id`'s communicators are blocked right now.
 pub fn blocked_aborts(id: &ncclUniqueId) -> usize {
     let root = root_of(id);
@@ -105,9 +142,12 @@ pub fn blocked_aborts(id: &ncclUniqueId) -> usize {
 }
 
 /// Called by an operation of `h` (root `root`) that passed its checks: `true` when it is
-/// to be accepted and never completed.
+/// to be accepted and never completed (a stalled one runs: `false`, and it is counted).
 pub(crate) fn take_stuck(root: RootIdx, h: Handle) -> bool {
     let mut f = lock();
+    if f.stalled.contains_key(&root) {
+        f.stalled_ops.entry(h).or_insert((root, 0)).1 += 1;
+    }
     if !f.stuck.contains_key(&root) {
         return false;
     }
@@ -115,9 +155,23 @@ pub(crate) fn take_stuck(root: RootIdx, h: Handle) -> bool {
     true
 }
 
-/// Operations of `h` that will never complete.
+/// Operations of `h` not seen complete: stuck ones (never complete) and stalled ones.
 pub(crate) fn stuck_ops(h: Handle) -> u64 {
-    lock().stuck_ops.get(&h).copied().unwrap_or(0)
+    let f = lock();
+    f.stuck_ops.get(&h).copied().unwrap_or(0) + f.stalled_ops.get(&h).map_or(0, |s| s.1)
+}
+
+/// Called on entry to a call that [`Fault::SlowCalls`] delays, before any lookup of
+/// `comm`: waits as configured for `comm`'s root, holding no lock.
+pub(crate) fn slow_call(comm: Handle) {
+    let root = match super::state::lock().comms.get(&comm) {
+        Some(c) => c.root,
+        None => return,
+    };
+    let delay = lock().slow_calls.get(&root).copied();
+    if let Some(d) = delay {
+        std::thread::sleep(d);
+    }
 }
 
 /// Called by `ncclCommAbort` of a handle of `root` before its work: blocks as configured.
@@ -154,7 +208,9 @@ pub(crate) fn block_abort(root: RootIdx) {
 /// Called once the handle `h` was torn down: its stuck work goes with it (NCCL's kernels
 /// end on the abort flag).
 pub(crate) fn torn_down(h: Handle) {
-    lock().stuck_ops.remove(&h);
+    let mut f = lock();
+    f.stuck_ops.remove(&h);
+    f.stalled_ops.remove(&h);
 }
 
 /// What a thread left inside `cudaFree` does when the CUDA runtime is torn down under it.

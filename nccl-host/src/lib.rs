@@ -223,8 +223,9 @@ pub fn recent_misuse() -> Vec<String> {
     state::lock().misuse_log.iter().cloned().collect()
 }
 
-/// Operations of the host handle `comm` that were accepted and will never complete
-/// ([`fault::Fault::StuckWork`]); 0 for an unknown handle. For nccl-safe only (its
+/// Operations of the host handle `comm` not seen complete: accepted and never completing
+/// ([`fault::Fault::StuckWork`]) or held back until released ([`fault::Fault::StalledWork`]);
+/// 0 for an unknown handle. For nccl-safe only (its
 /// watchdog asks whether host work is still running).
 #[doc(hidden)]
 pub fn stuck_ops(comm: usize) -> u64 {

@@ -163,17 +163,17 @@ impl Shared {
         }
     }
 
-    /// How far past its nominal deadline the watchdog may see an operation's clock time
-    /// (the coarse clock lags by up to a tick).
+    /// How much older than it is an operation enqueued at `enqueued` (a time read from
+    /// the coarse clock) may look: the clock lags by up to a tick, or by a longer
+    /// stand-still of the clock (a watchdog starved of CPU) in which that time was read.
     ///
-    /// That lag is at most the longest the clock has ever stood still between two of the
-    /// watchdog's advances (a tick, or more when its thread was starved), so a stalled
-    /// watchdog makes a timeout late, never false.
-    pub(super) fn slack(&self) -> Duration {
+    /// So a stalled watchdog makes a timeout late, never false; and a stand-still that was
+    /// over before the operation began does not delay its timeout.
+    pub(super) fn slack(&self, enqueued: Instant) -> Duration {
         if self.settings.precise {
             Duration::ZERO
         } else {
-            clock::max_lag()
+            clock::lag_since(clock::nanos(enqueued))
         }
     }
 
@@ -260,7 +260,15 @@ impl Shared {
 
     /// The oldest tracked operation not known complete, on a queue not capturing, if it is
     /// older than `limit`.
-    pub(super) fn late_work(&self, now: Instant, limit: Duration) -> Option<OpRecord> {
+    ///
+    /// `lagged`: the limit is a timeout, extended by the clock's lag at the record's
+    /// enqueue time ([`slack`](Self::slack)); a marking time is precise.
+    pub(super) fn late_work(
+        &self,
+        now: Instant,
+        limit: Duration,
+        lagged: bool,
+    ) -> Option<OpRecord> {
         let mut late: Option<(Instant, OpRecord)> = None;
         for q in self.queue_list().iter() {
             let w = q.watch();
@@ -277,10 +285,10 @@ impl Shared {
                 continue;
             };
             // The record's enqueue time, or the marking when the record is a later one.
-            let start = if p.oldest.is_some() {
-                rec.enqueued
-            } else {
-                p.since
+            let (start, limit) = match p.oldest {
+                Some(_) if lagged => (rec.enqueued, limit + self.slack(rec.enqueued)),
+                Some(_) => (rec.enqueued, limit),
+                None => (p.since, limit),
             };
             if now.saturating_duration_since(start) >= limit
                 && late.as_ref().is_none_or(|(s, _)| start < *s)
@@ -458,7 +466,7 @@ impl Shared {
         } else {
             None
         };
-        let rec = rec.or_else(|| self.late_work(now, Duration::ZERO))?;
+        let rec = rec.or_else(|| self.late_work(now, Duration::ZERO, false))?;
         self.clique.waits_for_departed(self.rank, &rec).map(|_| rec)
     }
 
@@ -560,20 +568,21 @@ impl Shared {
 
     /// The operation that ran out of time at `now` (diagnostics clock), if any.
     pub(super) fn late(&self, now: Instant) -> Option<OpRecord> {
-        let limit = self.settings.timeout + self.slack();
+        let limit = self.settings.timeout;
         let cur = self.current.load(Ordering::Acquire);
         if cur != IDLE && cur != PINNED {
             if let Some(r) = self.journal.get(cur - 1) {
-                if now.saturating_duration_since(r.enqueued) >= limit {
+                if now.saturating_duration_since(r.enqueued) >= limit + self.slack(r.enqueued) {
                     return Some(r);
                 }
             }
         }
-        self.late_work(now, limit)
+        self.late_work(now, limit, true)
     }
 
     /// Claims this communicator for an abort at `now`: an operation inside its NCCL call
-    /// for at least `min_age` (so its thread is blocked in NCCL, not about to enter), or
+    /// for at least `min_age` (so its thread is blocked in NCCL, not about to enter; its
+    /// age read with the clock's lag at its start added), or
     /// idle with CUDA work in flight. `false` when it may not be aborted now.
     pub(super) fn claim(&self, now: Instant, min_age: Duration) -> bool {
         self.claim_seen(self.current.load(Ordering::Acquire), now, min_age)
@@ -585,10 +594,9 @@ impl Shared {
             return false;
         }
         if cur != IDLE {
-            let old = self
-                .journal
-                .get(cur - 1)
-                .is_some_and(|r| now.saturating_duration_since(r.enqueued) >= min_age);
+            let old = self.journal.get(cur - 1).is_some_and(|r| {
+                now.saturating_duration_since(r.enqueued) >= min_age + self.slack(r.enqueued)
+            });
             if !old {
                 return false;
             }

@@ -69,8 +69,9 @@ pub(super) fn watch(s: &Arc<Shared>) {
 
 /// Operations younger than this are not aborted along with an expired peer: their thread
 /// may not have entered its NCCL call yet (it gets the timeout from the clique instead).
+/// The claim adds the clock's lag at the operation's start (`Shared::slack`).
 fn grace(s: &Shared) -> Duration {
-    (s.settings.timeout / 4).min(Duration::from_millis(50)) + s.slack()
+    (s.settings.timeout / 4).min(Duration::from_millis(50))
 }
 
 /// One tick: `false` once the process is exiting (then nothing was done).
