@@ -459,6 +459,56 @@ fn a_rank_torn_down_under_a_waiting_peer_is_reported_at_once() {
     assert!(start.elapsed() < Duration::from_secs(10));
 }
 
+/// A rank that ends with `abort()` before its peers enter the next collective: on the
+/// host provider that collective then fails at once with NCCL's remote error (the clique
+/// is broken), and an idle rank that skipped it must still learn that its clique can
+/// complete nothing more (`is_failed()`), as when the abort finds a peer already waiting.
+/// Before, nothing failed the clique: the idle rank stayed healthy for ever (chaos seed
+/// 338 of 600, under load).
+#[test]
+fn a_collective_failed_by_a_peers_abort_fails_the_idle_ranks_too() {
+    let id = Device::Host.unique_id().unwrap();
+    let aborted = std::sync::Barrier::new(3);
+    let (e, idle_failed) = within(Duration::from_secs(30), move || {
+        std::thread::scope(|s| {
+            let aborted = &aborted;
+            let leaver = s.spawn(move || {
+                let c = Communicator::init_rank(&Device::Host, 3, 1, &id, &patient()).unwrap();
+                c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &S)
+                    .unwrap();
+                c.abort().unwrap();
+                aborted.wait();
+            });
+            let caller = s.spawn(move || {
+                let c = Communicator::init_rank(&Device::Host, 3, 2, &id, &patient()).unwrap();
+                c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &S)
+                    .unwrap();
+                aborted.wait();
+                // Rank 1 is gone (its abort returned): this collective can never complete.
+                c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &S)
+                    .expect_err("rank 1 aborted")
+            });
+            // Rank 0 skips that collective and only watches.
+            let c = Communicator::init_rank(&Device::Host, 3, 0, &id, &patient()).unwrap();
+            c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &S)
+                .unwrap();
+            aborted.wait();
+            leaver.join().unwrap();
+            let e = caller.join().unwrap();
+            let idle_failed = until(BOUND, || c.is_failed());
+            (e, idle_failed)
+        })
+    });
+    // The caller keeps the provider's own error.
+    assert_eq!(e.code(), Some(ResultCode::RemoteError), "{e}");
+    assert!(
+        idle_failed.is_some(),
+        "rank 0 never saw its clique fail after rank 2's collective failed for rank 1's abort"
+    );
+    until(Duration::from_secs(5), || stats_for(&id.to_raw()).live == 0).unwrap();
+    assert_balanced(&id);
+}
+
 /// A group whose peer never joins it: the group's communicators are pinned against the
 /// watchdog for `ncclGroupEnd`, so on the host provider (which runs the group inside the
 /// call) the wait must end by the communicators' own timeout, not the provider's 300 s

@@ -647,7 +647,18 @@ impl CommDiag {
             }
             (Some(rec), false) => match s.clique.timed_out() {
                 Some(first) => s.peer_timeout(rec, &first),
-                None => e,
+                None => {
+                    // A collective that a departed rank never issued failed at once (a
+                    // provider that breaks the clique with a peer's abort, as the host
+                    // provider does): no collective of the clique can complete any more,
+                    // as when the departure finds a rank already waiting. Fail the clique
+                    // so that every rank sees it (`is_failed()`); the caller keeps the
+                    // provider's own error.
+                    if let Some(d) = s.clique.waits_for_departed(s.rank, rec) {
+                        s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
+                    }
+                    e
+                }
             },
             (None, _) => e,
         };
