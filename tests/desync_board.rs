@@ -253,6 +253,7 @@ fn control_characters_in_posts_are_replaced_where_they_are_received() {
         clique: 42,
         issued: 3,
         text: "seq 3\u{1b}[2J\u{1b}]0;owned\u{7} at \u{202e}sr.niart\u{9b}1m\u{0}".into(),
+        left: false,
     };
     client.post(1, &evil).unwrap();
     let got = client.fetch().unwrap()[1].clone().unwrap();

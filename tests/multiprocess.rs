@@ -15,6 +15,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use half::f16;
 use nccl_safe::host::shared_unique_id;
+use nccl_safe::launch::desync::{BoardClient, DesyncBoard};
 use nccl_safe::launch::Launcher;
 use nccl_safe::{
     AsStream, Communicator, Config, Device, Group, NcclType, ReduceOp, Result, Stream, UniqueId,
@@ -475,6 +476,91 @@ fn a_rank_that_leaves_early_fails_the_others_naming_it() {
         .expect("leave and error times");
     eprintln!("time from rank 1's exit to the last survivor's error: {t:.1} ms");
     assert!(t < (TIMEOUT_MS + 1000) as f64, "errors took {t} ms");
+}
+
+/// The desync board's address for [`silent_leave`]'s children.
+const BOARD_ENV: &str = "NCCL_SAFE_TEST_MP_BOARD";
+const BOARD_TOKEN: &str = "multiprocess-departure-token";
+
+/// Rank 1 leaves (drops its communicator and exits) while the others go on; the provider
+/// does not tell them ([`Fault::SilentPeers`], as NVIDIA's NCCL does not), so only the
+/// departure rank 1 posted to the desync board can end their wait before the provider's
+/// deadline (8 s) or the watchdog's timeout (60 s).
+fn silent_leave() {
+    let Ok(spec) = std::env::var(ENV) else { return };
+    let mut it = spec.split(':');
+    let (Some(r), Some(n), Some(hex)) = (it.next(), it.next(), it.next()) else {
+        std::process::exit(3)
+    };
+    let (r, n): (usize, usize) = (r.parse().unwrap(), n.parse().unwrap());
+    let bytes: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
+        .collect();
+    let id = UniqueId::from_bytes(&bytes).expect("a unique id");
+    nccl_safe::host::fault::inject(&id.to_raw(), nccl_safe::host::fault::Fault::SilentPeers);
+    let addr = std::env::var(BOARD_ENV).expect("the board's address");
+    let config = Config::new()
+        .timeout(Duration::from_secs(60))
+        .desync_board(BoardClient::new(addr, n, BOARD_TOKEN));
+    let c = Communicator::init_rank(&Device::Host, n, r, &id, &config).unwrap_or_else(|e| {
+        eprintln!("rank {r}: init failed: {e}");
+        std::process::exit(2)
+    });
+    for step in 0..20 {
+        if r == 1 && step == 3 {
+            println!("LEFT_AT_MS {:.1}", now_ms());
+            drop(c);
+            std::process::exit(0);
+        }
+        let mut x = vec![1.0f32; 1024];
+        if let Err(e) = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host) {
+            let text = format!("ERROR_AT_MS {:.1}\nrank {r} step {step}: {e}\n", now_ms());
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), text.as_bytes());
+            drop(c);
+            std::process::exit(1);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::process::exit(0);
+}
+
+/// Across processes a departure reaches the peers through the desync board, within about
+/// a second, with a provider that does not tell them (as NVIDIA's NCCL).
+#[test]
+fn a_rank_that_leaves_reaches_other_processes_through_the_board() {
+    silent_leave();
+    let board = DesyncBoard::serve("127.0.0.1:0", 4, BOARD_TOKEN).unwrap();
+    let addr = board.local_addr().to_string();
+    let outs = spawn(
+        "a_rank_that_leaves_reaches_other_processes_through_the_board",
+        4,
+        &[(BOARD_ENV, &addr)],
+    );
+    assert_eq!(outs[1].code, Some(0), "rank 1 left cleanly");
+    let left = stamp(&outs[1], "LEFT_AT_MS").expect("rank 1's leave time");
+    let (mut t, mut through_board) = (0.0f64, 0);
+    for (r, o) in outs.iter().enumerate().filter(|(r, _)| *r != 1) {
+        assert_eq!(o.code, Some(1), "rank {r} must fail: {}", o.stderr);
+        // Each survivor learns it from the board, or from a peer's abort that the board
+        // caused first (the provider passes aborts on).
+        let board = o.stderr.contains(
+            "rank 1 left: its communicator was dropped after 3 collective(s); its last call was ncclAllReduce",
+        ) && o.stderr.contains("(another process, from the desync board)");
+        assert!(
+            board || o.stderr.contains("called ncclCommAbort"),
+            "rank {r}: {}",
+            o.stderr
+        );
+        through_board += usize::from(board);
+        let at = stamp_in(&o.stderr, "ERROR_AT_MS").expect("the error's time");
+        t = t.max(at - left);
+    }
+    assert!(through_board > 0, "no rank learned it from the board");
+    eprintln!("time from rank 1's exit to the last survivor's error, through the board: {t:.1} ms");
+    assert!(
+        t < 3000.0,
+        "errors took {t} ms (the provider's deadline is {TIMEOUT_MS} ms)"
+    );
 }
 
 /// Ranks that are threads of several processes share one communicator: 2 processes x 2

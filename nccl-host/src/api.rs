@@ -374,6 +374,7 @@ fn join_shared(
         // The segment's own deadline reports first, naming the missing ranks.
         c.deadline = deadline + std::time::Duration::from_secs(1);
     }
+    let silent = super::fault::silent_peers(root);
     let spawned = std::thread::Builder::new()
         .name("nccl-safe-shm-init".into())
         .spawn(move || {
@@ -381,7 +382,8 @@ fn join_shared(
             let mut g = lock();
             let pending = matches!(g.comms.get(&h).map(|c| &c.state), Some(CommState::Pending));
             match r {
-                Ok(seg) if pending => {
+                Ok(mut seg) if pending => {
+                    seg.silent = silent;
                     g.new_shared_clique(root, h, std::sync::Arc::new(seg), nranks);
                 }
                 // Destroyed or failed meanwhile: the peers must not wait for this rank.

@@ -21,6 +21,10 @@
 //!   The wait holds no lock of the provider, and the handle is looked up after it, so a
 //!   handle torn down meanwhile (an abort from another thread) is a use after teardown and
 //!   counted as misuse.
+//! * [`Fault::SilentPeers`]: across processes (shared memory), a rank whose process left
+//!   its communicator or died is not seen by its peers, as with NVIDIA's NCCL, whose
+//!   peers are not told and wait for it: they learn of it only through the crate's
+//!   diagnostics (the desync board), or at the provider's deadline.
 //!
 //! A missing peer needs no fault: a rank that never calls init is one.
 //!
@@ -53,6 +57,9 @@ pub enum Fault {
     /// `ncclCommRegister`, `ncclCommDeregister` and `ncclCommGetAsyncError` wait this long
     /// before their work.
     SlowCalls(Duration),
+    /// Across processes, peers are not told that a rank left or its process died. Inject
+    /// it before the communicator's init.
+    SilentPeers,
 }
 
 #[derive(Debug, Default)]
@@ -61,6 +68,7 @@ struct Faults {
     stalled: HashMap<RootIdx, ()>,
     blocking_abort: HashMap<RootIdx, Option<Duration>>,
     slow_calls: HashMap<RootIdx, Duration>,
+    silent: HashMap<RootIdx, ()>,
     /// Per handle: operations that were accepted and will never complete.
     stuck_ops: HashMap<Handle, u64>,
     /// Per handle: operations that ran but are not yet seen complete, and their root.
@@ -102,6 +110,9 @@ pub fn inject(id: &ncclUniqueId, fault: Fault) {
         Fault::SlowCalls(d) => {
             f.slow_calls.insert(root, d);
         }
+        Fault::SilentPeers => {
+            f.silent.insert(root, ());
+        }
     }
 }
 
@@ -115,6 +126,7 @@ pub fn clear(id: &ncclUniqueId) {
     f.stalled_ops.retain(|_, (r, _)| *r != root);
     f.blocking_abort.remove(&root);
     f.slow_calls.remove(&root);
+    f.silent.remove(&root);
     faults().1.notify_all();
 }
 
@@ -143,6 +155,11 @@ pub fn blocked_aborts(id: &ncclUniqueId) -> usize {
 
 /// Called by an operation of `h` (root `root`) that passed its checks: `true` when it is
 /// to be accepted and never completed (a stalled one runs: `false`, and it is counted).
+/// Whether [`Fault::SilentPeers`] holds for the communicators of `root`.
+pub(crate) fn silent_peers(root: RootIdx) -> bool {
+    lock().silent.contains_key(&root)
+}
+
 pub(crate) fn take_stuck(root: RootIdx, h: Handle) -> bool {
     let mut f = lock();
     if f.stalled.contains_key(&root) {

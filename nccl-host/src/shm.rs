@@ -294,6 +294,8 @@ pub(crate) struct Segment {
     id: IdBytes,
     /// Splits and shrinks of this communicator so far (the same on every rank).
     children: AtomicU64,
+    /// Peers that leave or die are not seen ([`super::fault::Fault::SilentPeers`]).
+    pub(crate) silent: bool,
 }
 
 // SAFETY: the mapping is process-wide memory accessed through atomics (header, rank
@@ -506,6 +508,7 @@ impl Segment {
             chans: 0,
             id: *id,
             children: AtomicU64::new(0),
+            silent: false,
         };
         let h = seg.header();
         if creator {
@@ -655,6 +658,9 @@ impl Segment {
 
     /// A peer whose process is gone or that left (not yet recorded as the failure).
     fn peer_gone(&self) -> Option<(Why, usize)> {
+        if self.silent {
+            return None;
+        }
         let me = std::process::id();
         for r in 0..self.nranks {
             let i = self.info(r);

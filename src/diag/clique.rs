@@ -285,13 +285,20 @@ impl Clique {
             ),
             None => "it made no call".to_string(),
         };
-        let d = self.departed.get_or_init(|| Departure {
-            rank,
-            issued: view.issued,
-            how: format!("{how} after {} collective(s); {last}", view.issued),
+        let mut first = false;
+        let d = self.departed.get_or_init(|| {
+            first = true;
+            Departure {
+                rank,
+                issued: view.issued,
+                how: format!("{how} after {} collective(s); {last}", view.issued),
+            }
         });
         if d.rank != rank {
             return None;
+        }
+        if first {
+            self.post_departure(d);
         }
         if broken {
             return Some(self.fail_for_departure(d, None, None));
@@ -383,9 +390,66 @@ impl Clique {
         }
     }
 
-    /// Gives the clique its remote desync board (the first one given stays).
-    pub(crate) fn set_board(&self, board: &Arc<dyn RemoteBoard>) {
-        let _ = self.board.set(Arc::clone(board));
+    /// Gives the clique its remote desync board (the first one given stays), and starts
+    /// reading it for ranks of other processes that leave ([`watch_departures`]).
+    pub(crate) fn set_board(self: &Arc<Self>, board: &Arc<dyn RemoteBoard>) {
+        if self.board.set(Arc::clone(board)).is_ok() && self.world_size > 1 {
+            let clique = Arc::downgrade(self);
+            // A thread that cannot start leaves departures in other processes to the
+            // timeout, as without a board.
+            let _ = std::thread::Builder::new()
+                .name("nccl-safe-departures".into())
+                .spawn(move || watch_departures(clique));
+        }
+    }
+
+    /// Tells the ranks of other processes, through the board, that `d` (a rank of this
+    /// process) left: in the background, so a teardown keeps its bound; the process's exit
+    /// waits for the post until its deadline.
+    fn post_departure(&self, d: &Departure) {
+        let Some(board) = self.board.get() else {
+            return;
+        };
+        let deadline = Instant::now() + BOARD_IO;
+        let Some(posting) = super::exit::posting(deadline) else {
+            return;
+        };
+        let board = Arc::clone(board);
+        let post = DesyncPost::departure(self.key, d.issued, &d.how);
+        let rank = d.rank;
+        // A thread that cannot start: the peers fall back to their timeout.
+        let _ = std::thread::Builder::new()
+            .name("nccl-safe-depart".into())
+            .spawn(move || {
+                let _posting = posting;
+                let _ = board.post(rank, &post, deadline);
+            });
+    }
+
+    /// Rank `rank` of another process left, having issued `issued` collectives, as its post
+    /// on the board says (`how`). The first departure is kept; the watchdog then fails, at
+    /// its next tick, every rank of this process that waits in a collective it never
+    /// issued.
+    fn depart_remote(&self, rank: usize, issued: u64, how: &str) {
+        if self.any_timeout() {
+            return;
+        }
+        let _ = self.departed.get_or_init(|| Departure {
+            rank,
+            issued,
+            how: format!("{how} (another process, from the desync board)"),
+        });
+    }
+
+    /// Whether a rank of this process has waited in an operation for at least `age`.
+    fn waiting_for(&self, age: Duration) -> bool {
+        (0..self.world_size).any(|r| {
+            let v = self.view(r);
+            v.present
+                && !v.gone
+                && v.last
+                    .is_some_and(|l| l.state == OpState::Enqueued && l.enqueued.elapsed() >= age)
+        })
     }
 
     pub(crate) fn timed_out(&self) -> Option<Arc<TimeoutReport>> {
@@ -586,6 +650,48 @@ impl Clique {
     }
 }
 
+/// How long a rank of this process waits in an operation before the clique reads the
+/// board for departures, and then how often: a departure reaches a waiting peer in another
+/// process within about a second, and a healthy job, whose operations end sooner, never
+/// reads the board.
+const DEPARTURE_AFTER: Duration = Duration::from_millis(300);
+const DEPARTURE_POLL: Duration = Duration::from_millis(200);
+/// Bound on one post to, or read of, the board by the departure path.
+const BOARD_IO: Duration = Duration::from_secs(1);
+
+/// The clique's departure reader (one thread per clique with a board, ended with the
+/// clique or its first departure or timeout): while a rank of this process waits in an
+/// operation, reads the board for ranks of other processes that posted a departure
+/// ([`DesyncPost::left`]), and records the first as the clique's departure.
+fn watch_departures(clique: Weak<Clique>) {
+    loop {
+        std::thread::sleep(DEPARTURE_POLL);
+        let Some(c) = clique.upgrade() else {
+            return;
+        };
+        if c.any_timeout() || c.departed.get().is_some() {
+            return;
+        }
+        if !c.waiting_for(DEPARTURE_AFTER) {
+            continue;
+        }
+        let Some(board) = c.board.get().cloned() else {
+            continue;
+        };
+        let Ok(posts) = board.fetch(Instant::now() + BOARD_IO) else {
+            continue;
+        };
+        for (r, p) in posts.into_iter().enumerate() {
+            let Some(p) = p else {
+                continue;
+            };
+            if p.left && p.clique == c.key && r < c.world_size && !c.view(r).present {
+                c.depart_remote(r, p.issued, &p.text);
+            }
+        }
+    }
+}
+
 /// What a rank was last doing, one line: `ncclAllReduce(f32 x 4) seq 1 at x.rs:9 (in
 /// progress for 1.002s)`.
 fn describe(v: &RankView, now: Instant) -> String {
@@ -683,6 +789,102 @@ mod tests {
             ours.text.starts_with("ncclAllReduce(float x 4) seq 1 at "),
             "{ours:?}"
         );
+    }
+
+    /// A rank of "this process" that leaves posts its departure to the board, and a rank
+    /// of "this process" that waits in a collective learns from the board that a rank of
+    /// "another process" left (the clique records that departure, which the watchdog then
+    /// turns into `RankLeft` for the waiting rank).
+    #[test]
+    #[cfg(feature = "launch")]
+    fn departures_travel_through_the_board_both_ways() {
+        let board = DesyncBoard::serve("127.0.0.1:0", 3, "departure-test-token").unwrap();
+        let client = BoardClient::new(board.local_addr().to_string(), 3, "departure-test-token");
+        let as_board = || Arc::new(client.clone()) as Arc<dyn RemoteBoard>;
+        let op = |seq: u64, age: Duration| OpRecord {
+            seq,
+            op: "ncclAllReduce",
+            dtype: Some(crate::types::DataType::Float32),
+            count: 4,
+            root: None,
+            caller: std::panic::Location::caller(),
+            enqueued: Instant::now() - age,
+            took: None,
+            state: OpState::Enqueued,
+        };
+
+        // Posting: rank 2 here leaves after 5 collectives.
+        let here = join(fresh_key(), 3);
+        here.set_board(&as_board());
+        here.update(2, |v| {
+            v.present = true;
+            v.issued = 5;
+        });
+        let mut view = here.view(2);
+        view.last = Some(OpRecord {
+            state: OpState::Completed,
+            ..op(4, Duration::ZERO)
+        });
+        assert!(here
+            .depart(2, view, "its launcher closure returned", false)
+            .is_none());
+        let t = Instant::now();
+        let posted = loop {
+            if let Some(p) = client.fetch().unwrap()[2].clone() {
+                break p;
+            }
+            assert!(t.elapsed() < Duration::from_secs(3), "never posted");
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert!(posted.left, "{posted:?}");
+        assert_eq!((posted.clique, posted.issued), (here.key, 5));
+        assert!(
+            posted.text.starts_with("its launcher closure returned after 5 collective(s); its last call was ncclAllReduce"),
+            "{posted:?}"
+        );
+
+        // Reading: rank 0 here waits in seq 3 (for longer than the reader's threshold);
+        // rank 1 of another process posts that it left after 3 collectives.
+        let there = join(fresh_key(), 3);
+        there.update(0, |v| {
+            v.present = true;
+            v.issued = 4;
+            v.last = Some(op(3, Duration::from_secs(1)));
+        });
+        client
+            .post(
+                1,
+                &DesyncPost::departure(there.key, 3, "its communicator was dropped"),
+            )
+            .unwrap();
+        // A departure of another clique is not this one's.
+        client
+            .post(2, &DesyncPost::departure(there.key ^ 1, 0, "elsewhere"))
+            .unwrap();
+        there.set_board(&as_board());
+        let t = Instant::now();
+        let d = loop {
+            if let Some(d) = there.departed.get() {
+                break d.clone();
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(2),
+                "the departure was not read"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert_eq!((d.rank, d.issued), (1, 3));
+        assert!(
+            d.how
+                .contains("its communicator was dropped (another process"),
+            "{d:?}"
+        );
+        assert!(there
+            .waits_for_departed(0, &op(3, Duration::ZERO))
+            .is_some());
+        assert!(there
+            .waits_for_departed(0, &op(2, Duration::ZERO))
+            .is_none());
     }
 
     /// Without a board the report is as before: other ranks are "no record".

@@ -13,7 +13,9 @@
 //! profilers, coverage, Python's hooks). Only when a call is still running past its bound
 //! does the guard report it on stderr and end the process with `_exit(status)`, skipping
 //! the handlers that would crash. Rust has flushed `stdout` by then. Network I/O (the
-//! desync board) never counts as a call in flight. Where `on_exit` is not available
+//! desync board) never counts as a call in flight: a departure being posted to the board
+//! (so that peers in other processes learn that this rank left) is waited for until its
+//! own deadline, and is never a reason to end early. Where `on_exit` is not available
 //! (other C libraries than glibc) the guard only waits.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -50,6 +52,38 @@ pub(crate) fn busy(bound: Duration) -> Option<Busy> {
     }
     b.push((id, Instant::now(), bound));
     Some(Busy(id))
+}
+
+/// Network posts in flight (a departure to the desync board): (id, deadline).
+static POSTS: Mutex<Vec<(u64, Instant)>> = Mutex::new(Vec::new());
+
+fn post_list() -> std::sync::MutexGuard<'static, Vec<(u64, Instant)>> {
+    POSTS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A background post to the desync board that exit waits for (until `deadline`);
+/// dropping it ends the post.
+#[derive(Debug)]
+#[cfg_attr(not(feature = "diag"), allow(dead_code))]
+pub(crate) struct Posting(u64);
+
+impl Drop for Posting {
+    fn drop(&mut self) {
+        post_list().retain(|p| p.0 != self.0);
+    }
+}
+
+/// Enters a post that should end by `deadline`: `None` once the process is exiting.
+#[cfg_attr(not(feature = "diag"), allow(dead_code))]
+pub(crate) fn posting(deadline: Instant) -> Option<Posting> {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    let mut p = post_list();
+    if EXITING.load(Ordering::SeqCst) {
+        return None;
+    }
+    p.push((id, deadline));
+    Some(Posting(id))
 }
 
 /// Registers the guard, once. Call it after the library was initialized (its runtime's own
@@ -98,8 +132,9 @@ fn register() {
 /// runs past its bound: `true` when none is left, `false` when one is blocked past it.
 fn settle() -> bool {
     {
-        // Under the list's lock: a call entering after this sees EXITING.
+        // Under the lists' locks: a call or post entering after this sees EXITING.
         let _b = busy_list();
+        let _p = post_list();
         EXITING.store(true, Ordering::SeqCst);
     }
     loop {
@@ -111,7 +146,9 @@ fn settle() -> bool {
                 b.iter().any(|&(_, start, bound)| now >= start + bound),
             )
         };
-        if left == 0 {
+        // Posts are waited for until their deadline, and never end the process early.
+        let posting = post_list().iter().any(|&(_, deadline)| now < deadline);
+        if left == 0 && !posting {
             return true;
         }
         if overdue {

@@ -20,9 +20,16 @@ pub struct DesyncPost {
     /// Collectives the rank had issued (its next collective's sequence number).
     pub issued: u64,
     /// One line: the last operation, its sequence number, the caller's file:line, its state
-    /// and age.
+    /// and age; for a departure, how the rank left.
     pub text: String,
+    /// The rank left its clique (its communicator was torn down, or its launcher closure
+    /// returned): no collective numbered `issued` or later will come from it. Peers in
+    /// other processes that wait in one fail at once ([`crate::Error::RankLeft`]).
+    pub left: bool,
 }
+
+/// The top bit of `issued` on the wire: the post is a departure.
+const LEFT_BIT: u64 = 1 << 63;
 
 impl DesyncPost {
     /// A post; `text` is cut to [`MAX_POST_TEXT`] bytes and line breaks become spaces.
@@ -35,16 +42,28 @@ impl DesyncPost {
             clique,
             issued,
             text: text[..end].replace(['\n', '\r'], " "),
+            left: false,
         }
     }
 
-    /// The wire form: clique and issued (big-endian `u64`s), then the UTF-8 text.
+    /// The post of a rank that left, having issued `issued` collectives; `how` says how
+    /// (and where its last call was).
+    pub fn departure(clique: u64, issued: u64, how: &str) -> DesyncPost {
+        DesyncPost {
+            left: true,
+            ..DesyncPost::new(clique, issued, how)
+        }
+    }
+
+    /// The wire form: clique and issued (big-endian `u64`s; issued's top bit set for a
+    /// departure), then the UTF-8 text.
     #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn encode(&self) -> Vec<u8> {
         let p = DesyncPost::new(self.clique, self.issued, &self.text);
+        let issued = (p.issued & !LEFT_BIT) | if self.left { LEFT_BIT } else { 0 };
         let mut v = Vec::with_capacity(16 + p.text.len());
         v.extend_from_slice(&p.clique.to_be_bytes());
-        v.extend_from_slice(&p.issued.to_be_bytes());
+        v.extend_from_slice(&issued.to_be_bytes());
         v.extend_from_slice(p.text.as_bytes());
         v
     }
@@ -59,7 +78,10 @@ impl DesyncPost {
         let clique = u64::from_be_bytes(head[..8].try_into().ok()?);
         let issued = u64::from_be_bytes(head[8..].try_into().ok()?);
         let text = std::str::from_utf8(text).ok()?;
-        Some(DesyncPost::new(clique, issued, text))
+        Some(DesyncPost {
+            left: issued & LEFT_BIT != 0,
+            ..DesyncPost::new(clique, issued & !LEFT_BIT, text)
+        })
     }
 }
 
@@ -151,7 +173,10 @@ mod tests {
     fn posts_round_trip_and_are_bounded() {
         let p = DesyncPost::new(7, 3, "ncclAllReduce seq 2\nat x.rs:1");
         assert_eq!(p.text, "ncclAllReduce seq 2 at x.rs:1");
-        assert_eq!(DesyncPost::decode(&p.encode()), Some(p));
+        assert_eq!(DesyncPost::decode(&p.encode()), Some(p.clone()));
+        let left = DesyncPost::departure(7, 3, "its communicator was dropped");
+        assert!(left.left && !p.left);
+        assert_eq!(DesyncPost::decode(&left.encode()), Some(left));
         let long = DesyncPost::new(1, 1, &"é".repeat(1000));
         assert!(long.text.len() <= MAX_POST_TEXT && long.encode().len() <= 1024);
         assert_eq!(DesyncPost::decode(&[0; 15]), None);
