@@ -436,10 +436,11 @@ impl<B: ?Sized> Window<'_, '_, B> {
     /// drop would ignore.
     #[track_caller]
     pub fn deregister(mut self) -> Result<()> {
-        self.release(Location::caller())
+        self.release(Location::caller(), false)
     }
 
-    fn release(&mut self, caller: &'static Location<'static>) -> Result<()> {
+    /// Deregisters (`dropping`: from `Drop`, bounded by the abort timeout).
+    fn release(&mut self, caller: &'static Location<'static>, dropping: bool) -> Result<()> {
         const OP: &str = "ncclCommWindowDeregister";
         if !std::mem::replace(&mut self.live, false) {
             return Ok(());
@@ -450,6 +451,27 @@ impl<B: ?Sized> Window<'_, '_, B> {
         if std::thread::panicking() {
             self.comm.mark_failed(&unwinding(OP));
             return Ok(());
+        }
+        // Dropped: NCCL's deregistration unmaps through the driver, behind the
+        // communicator's work, so a drop behind work that does not complete (a stalled
+        // stream, a missing peer) would wait as long as that work. Like the communicator's
+        // own drop, it waits for that work up to the abort timeout; past it the
+        // deregistration is skipped and the communicator failed (its abort, when it is
+        // dropped, releases the window).
+        if dropping {
+            self.comm.admit(OP)?;
+            let bound = self.comm.diag.abort_timeout();
+            if !self.comm.diag.drain(std::time::Instant::now() + bound) {
+                let e = Error::Timeout {
+                    what: format!(
+                        "{OP} on rank {} skipped: the communicator's work did not complete within the abort timeout (Config::abort_timeout), and the deregistration would wait behind it; the communicator is failed, and its abort releases the window",
+                        self.comm.rank()
+                    ),
+                    timeout: bound,
+                };
+                self.comm.mark_failed(&e);
+                return Err(e);
+            }
         }
         let lib = self.comm.library();
         let deregister = lib.optional(lib.table().ncclCommWindowDeregister, OP)?;
@@ -466,7 +488,7 @@ impl<B: ?Sized> Window<'_, '_, B> {
 
 impl<B: ?Sized> Drop for Window<'_, '_, B> {
     fn drop(&mut self) {
-        let _ = self.release(Location::caller());
+        let _ = self.release(Location::caller(), true);
     }
 }
 

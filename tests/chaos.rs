@@ -13,8 +13,9 @@
 //!   probability 1/4, never released), work that stalls and is released mid-run
 //!   (`Fault::StalledWork`, injected by rank 0 before a random step, 1/4: the collectives
 //!   still run, but are seen complete only once `release_stalls` runs, on a thread of its
-//!   own, after a delay drawn either within a fifth of the timeout, or 0.1 to 0.5 s past
-//!   it), a rank that skips a collective (and every later one, keeping its
+//!   own, after a delay drawn either within a fifth of the shorter of the timeout and the
+//!   abort timeout (a drop waits for its communicator's work at most the abort timeout), or
+//!   0.1 to 0.5 s past the timeout), a rank that skips a collective (and every later one, keeping its
 //!   communicator; 1/3), a rank that panics before a collective while holding its
 //!   communicator and possibly a registration or a window (1/3), a rank that leaves early
 //!   (tears its communicator down before a collective; 1/5);
@@ -54,7 +55,7 @@
 //!   aborted (a panicking rank's drop, a rank that left with `abort()` or a failed drop),
 //!   with no timeout;
 //! * `no-false-alarm`: in a run without any fault (a stall released within a fifth of the
-//!   timeout counts as none), no call fails and no rank is failed, watched at the gate
+//!   shorter bound counts as none), no call fails and no rank is failed, watched at the gate
 //!   until a timeout (+100 ms) after the stall's release;
 //! * `abort-outcome`: while every abort of the clique is stuck, `abort()` never returns
 //!   `Ok` (its own abort, or the watchdog's that it waits for, cannot have returned);
@@ -199,7 +200,8 @@ enum Coll {
 struct Stall {
     at: usize,
     release_after: Duration,
-    /// Released well before the timeout (within a fifth of it): no fault at all.
+    /// Released well before every bound (within a fifth of the shorter of the timeout and
+    /// the abort timeout): no fault at all.
     early: bool,
 }
 
@@ -273,7 +275,7 @@ impl Plan {
             let at = r.below(steps);
             let early = r.one_in(2);
             let release_after = if early {
-                timeout * r.below(21) as u32 / 100
+                timeout.min(abort_timeout) * r.below(21) as u32 / 100
             } else {
                 timeout + Duration::from_millis(100 + r.below(400) as u64)
             };

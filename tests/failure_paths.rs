@@ -237,6 +237,54 @@ fn teardowns_behind_stuck_work_keep_the_abort_bound() {
     }
 }
 
+/// A window dropped behind stuck work keeps the abort bound (200 ms, + 100 ms), with the op
+/// timeout far away (4 s). The host provider's window deregistration waits behind the
+/// communicator's uncompleted work, as NCCL's unmapping does, so before, the drop waited
+/// until the watchdog's timeout. Now the drop skips the collective deregistration past
+/// the bound and fails the communicator, whose abort releases the window, once.
+#[test]
+fn a_window_dropped_behind_stuck_work_keeps_the_abort_bound() {
+    let bound = Duration::from_millis(200);
+    let limit = bound + Duration::from_millis(100);
+    let config = Config::new()
+        .timeout(Duration::from_secs(4))
+        .abort_timeout(bound);
+    let id = Device::Host.unique_id().unwrap();
+    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &config).unwrap();
+    let mut mem = nccl_safe::NcclMemory::<f32>::alloc_zeros(&comm, 4, Stream::Host).unwrap();
+    let win = comm
+        .register_window(&mut mem, nccl_safe::WindowFlags::COLL_SYMMETRIC)
+        .unwrap();
+    fault::inject(&id.to_raw(), Fault::StuckWork);
+    comm.all_reduce_in_place(&mut [1u8][..], ReduceOp::Sum, &S)
+        .unwrap();
+    let t = Instant::now();
+    drop(win);
+    assert!(
+        t.elapsed() < limit,
+        "the window's drop took {:?}",
+        t.elapsed()
+    );
+    assert!(
+        comm.is_failed(),
+        "the skipped deregistration fails the communicator"
+    );
+    drop(mem);
+    drop(comm);
+    until(Duration::from_secs(5), || stats_for(&id.to_raw()).live == 0).unwrap();
+    let st = assert_balanced(&id);
+    assert_eq!(
+        (
+            st.aborted,
+            st.windows_registered,
+            st.windows_deregistered,
+            st.live_at_teardown
+        ),
+        (1, 1, 0, 1),
+        "the abort released the window, once"
+    );
+}
+
 /// `abort()` of a communicator whose handle the watchdog took waits (bounded) for the
 /// watchdog's abort and reports it, instead of returning `Ok` while it is still blocked.
 #[test]

@@ -1560,7 +1560,18 @@ pub(crate) unsafe extern "C" fn ncclCommWindowDeregister(
     win: ncclWindow_t,
 ) -> ncclResult_t {
     ffi(|| {
+        // As NCCL's, which unmaps through the driver: it waits behind the communicator's
+        // work that has not completed (stuck or stalled), holding no lock, until that work
+        // is released, the communicator is aborted (from another thread: a clean error,
+        // not a use after teardown), or the provider's deadline.
+        let waited = super::fault::wait_for_work(comm as Handle, super::defs::wait_limit());
         let mut g = lock();
+        if waited && g.dead.contains_key(&(comm as Handle)) {
+            return Err(Fail::new(
+                ncclRemoteError,
+                "remote error: ncclCommWindowDeregister: the communicator was aborted while the deregistration waited behind its work",
+            ));
+        }
         let r = ready(&mut g, comm, "ncclCommWindowDeregister", false)?;
         if win.is_null() {
             return Ok(ncclSuccess); // as NCCL: nothing was registered

@@ -153,13 +153,13 @@ pub fn blocked_aborts(id: &ncclUniqueId) -> usize {
     lock().blocked.get(&root).copied().unwrap_or(0)
 }
 
-/// Called by an operation of `h` (root `root`) that passed its checks: `true` when it is
-/// to be accepted and never completed (a stalled one runs: `false`, and it is counted).
 /// Whether [`Fault::SilentPeers`] holds for the communicators of `root`.
 pub(crate) fn silent_peers(root: RootIdx) -> bool {
     lock().silent.contains_key(&root)
 }
 
+/// Called by an operation of `h` (root `root`) that passed its checks: `true` when it is
+/// to be accepted and never completed (a stalled one runs: `false`, and it is counted).
 pub(crate) fn take_stuck(root: RootIdx, h: Handle) -> bool {
     let mut f = lock();
     if f.stalled.contains_key(&root) {
@@ -176,6 +176,20 @@ pub(crate) fn take_stuck(root: RootIdx, h: Handle) -> bool {
 pub(crate) fn stuck_ops(h: Handle) -> u64 {
     let f = lock();
     f.stuck_ops.get(&h).copied().unwrap_or(0) + f.stalled_ops.get(&h).map_or(0, |s| s.1)
+}
+
+/// Waits, holding no lock, while `h` has work that is not seen complete (stuck or
+/// stalled), up to `limit`: as a call that frees through the driver waits behind the
+/// device's work. `true` when it had to wait.
+pub(crate) fn wait_for_work(h: Handle, limit: Duration) -> bool {
+    if stuck_ops(h) == 0 {
+        return false;
+    }
+    let until = Instant::now() + limit;
+    while stuck_ops(h) > 0 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    true
 }
 
 /// Called on entry to a call that [`Fault::SlowCalls`] delays, before any lookup of
