@@ -567,9 +567,19 @@ impl Clique {
         let views: Vec<RankView> = (0..self.views.len()).map(|r| self.view(r)).collect();
         // Cross-process: post our ranks' last operations, read the others' (bounded).
         let remote = self.board.get().map(|b| {
+            // A rank of ours that left keeps its departure on the board.
+            let left = self
+                .departed
+                .get()
+                .filter(|d| views.get(d.rank).is_some_and(|v| v.present));
             let ours: Vec<(usize, DesyncPost)> = (views.iter().enumerate())
                 .filter(|(_, v)| v.present)
-                .map(|(r, v)| (r, DesyncPost::new(self.key, v.issued, &describe(v, now))))
+                .map(|(r, v)| match left {
+                    Some(d) if d.rank == r => {
+                        (r, DesyncPost::departure(self.key, d.issued, &d.how))
+                    }
+                    _ => (r, DesyncPost::new(self.key, v.issued, &describe(v, now))),
+                })
                 .collect();
             let wanted: Vec<usize> = (0..views.len()).filter(|&r| !views[r].present).collect();
             remote::exchange(&**b, self.key, &ours, &wanted, timeout)
