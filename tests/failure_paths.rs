@@ -2,9 +2,12 @@
 //! (`nccl_safe::host::fault`): work that never completes (a stuck stream), an abort that
 //! blocks (`cudaFree` behind that stream), a process that exits while the abort is blocked
 //! (the CUDA runtime's teardown), a peer that never arrives at init, and a registration or
-//! poll that the driver holds up while the watchdog times its communicator out.
+//! poll that the driver holds up while the watchdog times its communicator out, ranks that
+//! leave, and windows dropped behind stuck work.
 //!
-//! Each scenario runs 20 times in a loop. Bounds are the issue's: timeout + 1 s.
+//! The stuck-work scenarios run 20 times in a loop ([`ROUNDS`]), the held-up local calls 3
+//! times each, the others once. Bounds: timeout + 1 s for a failure to reach every rank,
+//! abort_timeout + 100 ms for a teardown.
 
 mod support;
 
