@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
 use nccl_safe::{
-    Communicator, Config, Device, Group, Library, Provider, ReduceOp, Stream, UniqueId,
+    CommDevice, Communicator, Config, Group, Library, Provider, ReduceOp, Stream, UniqueId,
 };
 use nccl_sys::bindings::{ncclFloat32, ncclSuccess, ncclSum};
 use nccl_sys::{
@@ -399,7 +399,7 @@ fn run(no_host: bool) -> Result<()> {
     // exactly NCCL's signature for its name, living for the whole process.
     let lib = unsafe { Library::from_lookup(Provider::Host, None, null_lookup) }?;
     let id = UniqueId::new_with(&lib)?;
-    let comm = Communicator::init_rank_in(&lib, &Device::Host, 1, 0, &id, &Config::new())?;
+    let comm = Communicator::init_rank_in(&lib, &CommDevice::Host, 1, 0, &id, &Config::new())?;
     let t = *lib.table();
     let raw_comm = comm.as_raw();
     let stream: cudaStream_t = std::ptr::null_mut();
@@ -529,8 +529,14 @@ fn run(no_host: bool) -> Result<()> {
     // The same all_reduce with the precise clock (`Config::timing`): two Instant::now() an
     // operation instead of coarse-clock loads.
     let id = UniqueId::new_with(&lib)?;
-    let precise =
-        Communicator::init_rank_in(&lib, &Device::Host, 1, 0, &id, &Config::new().timing(true))?;
+    let precise = Communicator::init_rank_in(
+        &lib,
+        &CommDevice::Host,
+        1,
+        0,
+        &id,
+        &Config::new().timing(true),
+    )?;
     let safe = time_all_reduce(&precise, &send, &mut recv, ITERS, REPS)?;
     report("all_reduce precise", safe, raw_all_reduce);
     precise.destroy().map_err(|(_, e)| e)?;
@@ -748,8 +754,14 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
     common::sweep::set_event_tracking(&ctx, true);
     let stream = ctx.new_stream()?;
     let id = UniqueId::new_with(&lib)?;
-    let comm =
-        Communicator::init_rank_in(&lib, &Device::Cuda(ctx.clone()), 1, 0, &id, &Config::new())?;
+    let comm = Communicator::init_rank_in(
+        &lib,
+        &CommDevice::Cuda(ctx.clone()),
+        1,
+        0,
+        &id,
+        &Config::new(),
+    )?;
     println!(
         "# NCCL {} ({}), {} ({} device(s) seen, device 0 used), world size 1, one stream, 1 f32 in place",
         lib.version(),

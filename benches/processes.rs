@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use nccl_safe::host::shared_unique_id;
 use nccl_safe::launch::Launcher;
-use nccl_safe::{Communicator, Config, Device, ReduceOp, Result, Stream, UniqueId};
+use nccl_safe::{CommDevice, Communicator, Config, ReduceOp, Result, Stream, UniqueId};
 
 const CHILD: &str = "NCCL_SAFE_BENCH_PROCESS";
 
@@ -120,7 +120,7 @@ fn child(spec: &str, o: Opts) -> ExitCode {
     let run = || -> Result<f64> {
         let id = UniqueId::from_bytes(&bytes)?;
         let rank = rank.parse().unwrap_or(0);
-        let comm = Communicator::init_rank(&Device::Host, o.ranks, rank, &id, &Config::new())?;
+        let comm = Communicator::init_rank(&CommDevice::Host, o.ranks, rank, &id, &Config::new())?;
         timed(&comm, o)
     };
     match run() {

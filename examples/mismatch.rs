@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use nccl_safe::{Communicator, Config, Device, Error, ReduceOp, Result, Stream};
+use nccl_safe::{CommDevice, Communicator, Config, Error, ReduceOp, Result, Stream};
 
 fn train_step(comm: &Communicator) -> Result<()> {
     let mut loss = vec![comm.rank() as f32; 1];
@@ -37,7 +37,7 @@ fn run() -> Result<()> {
             reason: format!("use 2 to 4 ranks, not {world}"),
         });
     }
-    let id = Device::Host.unique_id()?;
+    let id = CommDevice::Host.unique_id()?;
     let config = Config::new()
         .check_collectives(true)
         .timeout(Duration::from_secs(5));
@@ -47,7 +47,7 @@ fn run() -> Result<()> {
             .map(|rank| {
                 let (id, config) = (&id, &config);
                 s.spawn(move || -> Result<()> {
-                    let comm = Communicator::init_rank(&Device::Host, world, rank, id, config)?;
+                    let comm = Communicator::init_rank(&CommDevice::Host, world, rank, id, config)?;
                     train_step(&comm)?;
                     comm.destroy().map_err(|(_, e)| e)
                 })

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use nccl_sys::ncclComm_t;
 
-use crate::comm::{Communicator, Device, RawComm, DEFAULT_INIT_TIMEOUT};
+use crate::comm::{CommDevice, Communicator, RawComm, DEFAULT_INIT_TIMEOUT};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::id::{UniqueId, UNIQUE_ID_BYTES};
@@ -41,22 +41,22 @@ impl Communicator {
     /// gives the diagnostics (watchdog timeout, flight recorder) and whether the handle was
     /// created non-blocking ([`Config::blocking`]; then this waits, up to
     /// [`DEFAULT_INIT_TIMEOUT`], for its init to finish); its NCCL options are not applied
-    /// (the communicator exists already). For [`Device::Cuda`] the handle's device
+    /// (the communicator exists already). For [`CommDevice::Cuda`] the handle's device
     /// (`ncclCommCuDevice`) must be the context's.
     ///
     /// On an error the handle is left as it was and still belongs to the caller.
     ///
     /// ```
-    /// use nccl_safe::{Communicator, Config, Device, Stream, Library, ReduceOp};
+    /// use nccl_safe::{Communicator, Config, CommDevice, Stream, Library, ReduceOp};
     /// let lib = Library::host();
-    /// let id = Device::Host.unique_id()?;
+    /// let id = CommDevice::Host.unique_id()?;
     /// // A handle from C: a one-rank communicator made through the raw table.
     /// let mut raw = std::ptr::null_mut();
     /// // SAFETY: `raw` is writable; a one-rank communicator needs no peer.
     /// let r = unsafe { (lib.table().ncclCommInitRank)(&mut raw, 1, id.to_raw(), 0) };
     /// assert_eq!(r, nccl_sys::bindings::ncclSuccess);
     /// // SAFETY: `raw` is a live host communicator that nothing else uses or tears down.
-    /// let comm = unsafe { Communicator::from_raw(lib, raw, Device::Host, &Config::new())? };
+    /// let comm = unsafe { Communicator::from_raw(lib, raw, CommDevice::Host, &Config::new())? };
     /// let mut x = vec![2.0f32; 4];
     /// comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)?;
     /// drop(comm); // ncclCommDestroy, once
@@ -79,7 +79,7 @@ impl Communicator {
     pub unsafe fn from_raw(
         lib: Arc<Library>,
         raw: ncclComm_t,
-        device: Device,
+        device: CommDevice,
         config: &Config,
     ) -> Result<Communicator> {
         wrap(
@@ -102,9 +102,9 @@ impl Communicator {
     /// for (stream order keeps later work behind it).
     ///
     /// ```
-    /// use nccl_safe::{Communicator, Config, Device, Library};
-    /// let id = Device::Host.unique_id()?;
-    /// let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new())?;
+    /// use nccl_safe::{Communicator, Config, CommDevice, Library};
+    /// let id = CommDevice::Host.unique_id()?;
+    /// let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &Config::new())?;
     /// let raw = comm.into_raw(); // no teardown
     /// assert!(!raw.is_null());
     /// // The caller's now: here it hands it to C, which destroys it.
@@ -142,9 +142,9 @@ impl Communicator {
 /// new, owned [`Communicator`].
 ///
 /// ```
-/// use nccl_safe::{CommRef, Config, Device, Stream, Library, ReduceOp};
+/// use nccl_safe::{CommRef, Config, CommDevice, Stream, Library, ReduceOp};
 /// let lib = Library::host();
-/// let id = Device::Host.unique_id()?;
+/// let id = CommDevice::Host.unique_id()?;
 /// /// What another library hands out: it owns the handle and destroys it.
 /// struct Owner(nccl_sys::ncclComm_t);
 /// impl Drop for Owner {
@@ -160,7 +160,7 @@ impl Communicator {
 /// {
 ///     // SAFETY: `owner` keeps the handle alive and makes no call on it meanwhile.
 ///     let view = unsafe {
-///         CommRef::from_raw_borrowed(&owner, lib, owner.0, Device::Host, &Config::new())?
+///         CommRef::from_raw_borrowed(&owner, lib, owner.0, CommDevice::Host, &Config::new())?
 ///     };
 ///     let mut x = vec![1.0f32; 4];
 ///     view.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)?;
@@ -199,7 +199,7 @@ impl<'a> CommRef<'a> {
         owner: &'a O,
         lib: Arc<Library>,
         raw: ncclComm_t,
-        device: Device,
+        device: CommDevice,
         config: &Config,
     ) -> Result<CommRef<'a>> {
         let _ = owner;
@@ -250,7 +250,7 @@ fn foreign_clique_id() -> UniqueId {
 fn wrap(
     op: &'static str,
     handle: RawComm,
-    device: Device,
+    device: CommDevice,
     config: &Config,
     caller: &'static Location<'static>,
 ) -> Result<Communicator> {
@@ -303,7 +303,7 @@ fn wrap(
                 reason: format!("NCCL reports rank {rank} of {count}"),
             });
         }
-        if let Device::Cuda(cuda) = &device {
+        if let CommDevice::Cuda(cuda) = &device {
             let mut dev: c_int = -1;
             // SAFETY: as above; `dev` is writable.
             unsafe { nccl_call!(&lib, ncclCommCuDevice(raw, &mut dev), ctx)? };
@@ -364,8 +364,8 @@ mod tests {
     #[test]
     fn no_diagnostics_stay_behind() {
         let lib = Library::host();
-        let id = Device::Host.unique_id().unwrap();
-        let c = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new()).unwrap();
+        let id = CommDevice::Host.unique_id().unwrap();
+        let c = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &Config::new()).unwrap();
         sum(&c);
         let shared = Arc::downgrade(c.diag.attach(c.as_raw(), 0, 1, c.library(), c.lane()));
         assert!(shared.upgrade().is_some());
@@ -375,7 +375,13 @@ mod tests {
         let owner = raw as usize;
         // SAFETY: `raw` is live and ours; nothing else uses it while the view exists.
         let view = unsafe {
-            CommRef::from_raw_borrowed(&owner, Arc::clone(&lib), raw, Device::Host, &Config::new())
+            CommRef::from_raw_borrowed(
+                &owner,
+                Arc::clone(&lib),
+                raw,
+                CommDevice::Host,
+                &Config::new(),
+            )
         }
         .unwrap();
         sum(&view);

@@ -27,9 +27,9 @@ use crate::ops::{Guards, Op};
 /// * `!Send`: NCCL's group state belongs to the calling thread.
 ///
 /// ```
-/// use nccl_safe::{Communicator, Device, Group, Stream};
+/// use nccl_safe::{Communicator, CommDevice, Group, Stream};
 /// // One thread drives two ranks: their send/recv pairs must be in one group.
-/// let comms = Communicator::init_all(&[Device::Host, Device::Host])?;
+/// let comms = Communicator::init_all(&[CommDevice::Host, CommDevice::Host])?;
 /// let (a, b) = (vec![1i32; 3], vec![2i32; 3]);
 /// let (mut at_a, mut at_b) = (vec![0i32; 3], vec![0i32; 3]);
 /// let mut g = Group::new();

@@ -82,7 +82,7 @@ mod types;
 pub mod version;
 
 pub use buffer::{BufferGuard, Memory, RecvBuffer, SendBuffer};
-pub use comm::{Communicator, Device, PendingCommunicator, DEFAULT_INIT_TIMEOUT};
+pub use comm::{CommDevice, Communicator, PendingCommunicator, DEFAULT_INIT_TIMEOUT};
 pub use comm_ref::CommRef;
 pub use config::Config;
 pub use error::{Error, NcclError, Result, ResultCode};

@@ -39,7 +39,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDro
 use nccl_sys::bindings::ncclWindow_t;
 
 use crate::buffer::{sealed, BufferGuard, Memory, RecvBuffer, SendBuffer};
-use crate::comm::{Communicator, Device};
+use crate::comm::{CommDevice, Communicator};
 use crate::error::{Error, Result};
 use crate::library::{CallContext, Provider};
 use crate::memory::NcclMemory;
@@ -177,7 +177,7 @@ impl Communicator {
         }
         // A buffer that exists cannot overflow its own byte size.
         let bytes = buf.len().saturating_mul(std::mem::size_of::<T>());
-        if let Device::Cuda(ctx) = self.device() {
+        if let CommDevice::Cuda(ctx) = self.device() {
             ctx.bind_to_thread()?;
         }
         Ok(Target {
@@ -354,7 +354,7 @@ impl<B: ?Sized> Registration<'_, '_, B> {
         let lib = self.comm.library();
         let deregister = lib.optional(lib.table().ncclCommDeregister, OP)?;
         let handle = self.handle;
-        let Device::Cuda(ctx) = self.comm.device() else {
+        let CommDevice::Cuda(ctx) = self.comm.device() else {
             return self.comm.pinned(|| {
                 // SAFETY: the communicator is live (borrowed, and pinned against the
                 // watchdog); `handle` came from its ncclCommRegister and is deregistered

@@ -93,7 +93,7 @@ use std::time::{Duration, Instant};
 use nccl_safe::host::fault::{self, Fault};
 use nccl_safe::host::stats_for;
 use nccl_safe::{
-    Communicator, Config, Device, Error, Group, NcclMemory, ReduceOp, Registration, Stream,
+    CommDevice, Communicator, Config, Error, Group, NcclMemory, ReduceOp, Registration, Stream,
     UniqueId, Window, WindowFlags,
 };
 use support::until;
@@ -537,7 +537,8 @@ fn drop_memory(run: &Run, rank: usize, mem: Option<NcclMemory<f32>>) {
 fn rank_main(run: &Run, rank: usize, panicked_at: &Mutex<Option<Instant>>) {
     let plan = &run.plan;
     let t = run.begin(rank, "call-bound", "init", plan.call_bound());
-    let comm = Communicator::init_rank(&Device::Host, plan.world, rank, &run.id, &plan.config());
+    let comm =
+        Communicator::init_rank(&CommDevice::Host, plan.world, rank, &run.id, &plan.config());
     run.bounded("call-bound", rank, "init", t, plan.call_bound());
     let Ok(comm) = comm else {
         // A peer that panicked or left early may abort the clique during its init.
@@ -705,7 +706,7 @@ fn rank_main(run: &Run, rank: usize, panicked_at: &Mutex<Option<Instant>>) {
 
 /// Runs `plan`; its violations.
 fn run_plan(plan: &Plan) -> Vec<Violation> {
-    let id = Device::Host.unique_id().expect("a host unique id");
+    let id = CommDevice::Host.unique_id().expect("a host unique id");
     match plan.abort {
         AbortKind::Normal => {}
         AbortKind::Slow(ms) => fault::inject(
@@ -1038,7 +1039,7 @@ fn chaos_exit_child() {
         libc::atexit(marker);
     }
     let (mode, abort, world) = child_plan(seed);
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     fault::inject(&id.to_raw(), Fault::StuckWork);
     match abort {
         AbortKind::Normal => {}
@@ -1056,8 +1057,8 @@ fn chaos_exit_child() {
                     let config = Config::new()
                         .timeout(TIMEOUT)
                         .abort_timeout(child_abort_timeout(abort, world));
-                    let c =
-                        Communicator::init_rank(&Device::Host, world, rank, id, &config).unwrap();
+                    let c = Communicator::init_rank(&CommDevice::Host, world, rank, id, &config)
+                        .unwrap();
                     let mut x = vec![1.0f32; 4];
                     c.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
                     c

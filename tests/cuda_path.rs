@@ -1,6 +1,6 @@
 //! The crate's CUDA code path on a CPU: cudarc contexts, streams and buffers over a fake
 //! CUDA driver that counts every call (`tests/support/fakes`), and communicators of the host
-//! provider presented as NVIDIA's NCCL (`Provider::Nccl`, so `Device::Cuda`, cudarc
+//! provider presented as NVIDIA's NCCL (`Provider::Nccl`, so `CommDevice::Cuda`, cudarc
 //! buffers and the watchdog's CUDA event tracker are what run).
 //!
 //! What it checks, which only a GPU run could check before:
@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use nccl_safe::diag::OpState;
-use nccl_safe::{Communicator, Config, Device, Error, Group, ReduceOp, UniqueId};
+use nccl_safe::{CommDevice, Communicator, Config, Error, Group, ReduceOp, UniqueId};
 use support::fakes::{driver, nccl, Counts, Gauge};
 use support::{until, within};
 
@@ -42,7 +42,7 @@ fn rank(ordinal: usize, config: &Config, tracking: bool) -> Rank {
     set_tracking(&ctx, tracking);
     let stream = ctx.new_stream().unwrap();
     let id = UniqueId::new_with(&lib).unwrap();
-    let comm = Communicator::init_rank_in(&lib, &Device::Cuda(ctx.clone()), 1, 0, &id, config)
+    let comm = Communicator::init_rank_in(&lib, &CommDevice::Cuda(ctx.clone()), 1, 0, &id, config)
         .expect("a communicator on the fake device");
     Rank {
         ctx,
@@ -81,7 +81,7 @@ fn collectives_on_cudarc_buffers_across_ranks() {
                         let s = ctx.new_stream().unwrap();
                         let comm = Communicator::init_rank_in(
                             lib,
-                            &Device::Cuda(ctx.clone()),
+                            &CommDevice::Cuda(ctx.clone()),
                             world,
                             r,
                             id,
@@ -308,7 +308,7 @@ const MP_VAR: &str = "NCCL_SAFE_TEST_CUDA_MP";
 
 /// The CUDA code path with a rank per process, as a launcher starts them: each process
 /// loads the fake driver and the host provider presented as NCCL (`Provider::Nccl`), makes
-/// a `Device::Cuda` communicator from one shared unique id (the ranks meet in shared
+/// a `CommDevice::Cuda` communicator from one shared unique id (the ranks meet in shared
 /// memory, as the host provider's processes do), and runs collectives and a group on
 /// cudarc buffers; every process checks its values and tears its communicator down once.
 #[test]
@@ -374,7 +374,7 @@ fn child_cuda_rank_in_a_process() {
     let s = ctx.new_stream().unwrap();
     let comm = Communicator::init_rank_in(
         &lib,
-        &Device::Cuda(ctx.clone()),
+        &CommDevice::Cuda(ctx.clone()),
         world,
         r,
         &id,
@@ -864,7 +864,7 @@ fn teardowns_behind_a_stalled_stream_keep_the_abort_bound() {
         let ctx = CudaContext::new(1).unwrap();
         let e = Communicator::init_rank_in(
             &nccl(),
-            &Device::Cuda(ctx),
+            &CommDevice::Cuda(ctx),
             1,
             0,
             &UniqueId::new_with(&nccl()).unwrap(),

@@ -193,19 +193,20 @@ fn wrong_token_gets_nothing_and_garbage_is_dropped() {
 /// not before), and its report still names the rank that is behind.
 #[test]
 fn a_timeout_posts_each_ranks_last_operation_to_the_board() {
-    use nccl_safe::{Communicator, Config, Device, ReduceOp, Stream};
+    use nccl_safe::{CommDevice, Communicator, Config, ReduceOp, Stream};
     let board = DesyncBoard::serve("127.0.0.1:0", 2, TOKEN).unwrap();
     let client = BoardClient::new(board.local_addr().to_string(), 2, TOKEN);
     let timeout = Duration::from_millis(500);
     let config = Config::new().timeout(timeout).desync_board(client.clone());
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     let start = Instant::now();
     let errors: Vec<String> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
             .map(|rank| {
                 let (id, config, client) = (&id, &config, &client);
                 s.spawn(move || {
-                    let comm = Communicator::init_rank(&Device::Host, 2, rank, id, config).unwrap();
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 2, rank, id, config).unwrap();
                     let mut x = vec![1.0f32; 4];
                     comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
                         .unwrap();

@@ -8,7 +8,7 @@ use std::cell::Cell;
 use std::time::{Duration, Instant};
 
 use nccl_safe::diag::OpState;
-use nccl_safe::{Communicator, Config, Device, Error, ReduceOp, Result, Stream, UniqueId};
+use nccl_safe::{CommDevice, Communicator, Config, Error, ReduceOp, Result, Stream, UniqueId};
 
 // ---- a per-thread counting allocator ----------------------------------------------------
 
@@ -57,13 +57,13 @@ fn ranks<R: Send>(
     config: &Config,
     f: impl Fn(usize, &Communicator) -> R + Sync,
 ) -> (Vec<R>, UniqueId) {
-    let id = Device::Host.unique_id().expect("unique id");
+    let id = CommDevice::Host.unique_id().expect("unique id");
     let out = std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|rank| {
                 let (id, f) = (&id, &f);
                 s.spawn(move || {
-                    let comm = Communicator::init_rank(&Device::Host, world, rank, id, config)
+                    let comm = Communicator::init_rank(&CommDevice::Host, world, rank, id, config)
                         .expect("init");
                     f(rank, &comm)
                 })
@@ -375,8 +375,8 @@ fn matching_collectives_pass_the_check_and_off_it_never_runs() {
 fn flight_record_keeps_the_last_operations_without_allocating() {
     // Allocations of `n` collectives on a 1-rank communicator, after a warm-up.
     fn per_run(config: Config, n: usize) -> u64 {
-        let id = Device::Host.unique_id().expect("id");
-        let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &config).expect("init");
+        let id = CommDevice::Host.unique_id().expect("id");
+        let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &config).expect("init");
         let mut buf = vec![1.0f32; 16];
         for _ in 0..4 {
             comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &Stream::Host)
@@ -403,9 +403,9 @@ fn flight_record_keeps_the_last_operations_without_allocating() {
     assert_eq!(checked, not_recording, "the fingerprint check allocated");
 
     // The ring keeps the last 8, oldest first, with lines and states.
-    let id = Device::Host.unique_id().expect("id");
+    let id = CommDevice::Host.unique_id().expect("id");
     let comm = Communicator::init_rank(
-        &Device::Host,
+        &CommDevice::Host,
         1,
         0,
         &id,

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use nccl_safe::host::fault::{self, Fault};
 use nccl_safe::host::stats_for;
 use nccl_safe::launch::Launcher;
-use nccl_safe::{Communicator, Config, Device, Error, ReduceOp, ResultCode, Stream, UniqueId};
+use nccl_safe::{CommDevice, Communicator, Config, Error, ReduceOp, ResultCode, Stream, UniqueId};
 use support::{assert_balanced, until, within};
 
 const S: Stream = Stream::Host;
@@ -42,7 +42,7 @@ fn is_timeout(e: &Error) -> bool {
 /// must see `is_failed()` and get `Error::Timeout` from its next call (and from
 /// `async_error`) within timeout + 1 s, while the aborts are still blocked.
 fn stuck_work_round(world: usize) -> (Duration, Duration) {
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     fault::inject(&id.to_raw(), Fault::StuckWork);
     fault::inject(&id.to_raw(), Fault::BlockingAbort(None));
     let barrier = Barrier::new(world);
@@ -52,7 +52,8 @@ fn stuck_work_round(world: usize) -> (Duration, Duration) {
                 let (id, barrier) = (&id, &barrier);
                 sc.spawn(move || {
                     let comm =
-                        Communicator::init_rank(&Device::Host, world, rank, id, &config()).unwrap();
+                        Communicator::init_rank(&CommDevice::Host, world, rank, id, &config())
+                            .unwrap();
                     let mut x = vec![1.0f32; 16];
                     let start = Instant::now();
                     comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
@@ -114,17 +115,17 @@ fn stuck_work_and_a_blocking_abort_fail_every_rank_fast() {
 /// While one clique's abort is blocked, the watchdog still serves another clique.
 #[test]
 fn a_blocked_abort_does_not_stop_the_watchdog() {
-    let a = Device::Host.unique_id().unwrap();
+    let a = CommDevice::Host.unique_id().unwrap();
     fault::inject(&a.to_raw(), Fault::StuckWork);
     fault::inject(&a.to_raw(), Fault::BlockingAbort(None));
-    let ca = Communicator::init_rank(&Device::Host, 1, 0, &a, &config()).unwrap();
+    let ca = Communicator::init_rank(&CommDevice::Host, 1, 0, &a, &config()).unwrap();
     let mut x = vec![1u32; 4];
     ca.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
     until(BOUND, || fault::blocked_aborts(&a.to_raw()) == 1).expect("the first abort blocks");
     for _ in 0..5 {
-        let b = Device::Host.unique_id().unwrap();
+        let b = CommDevice::Host.unique_id().unwrap();
         fault::inject(&b.to_raw(), Fault::StuckWork);
-        let cb = Communicator::init_rank(&Device::Host, 1, 0, &b, &config()).unwrap();
+        let cb = Communicator::init_rank(&CommDevice::Host, 1, 0, &b, &config()).unwrap();
         let start = Instant::now();
         cb.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
         until(BOUND, || cb.is_failed()).expect("the second clique times out too");
@@ -145,11 +146,11 @@ fn a_blocked_abort_does_not_stop_the_watchdog() {
 /// Dropping a failed communicator whose abort blocks returns within the abort bound.
 #[test]
 fn drop_waits_at_most_the_abort_bound() {
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     fault::inject(&id.to_raw(), Fault::BlockingAbort(None));
     let bound = Duration::from_millis(300);
     let comm = Communicator::init_rank(
-        &Device::Host,
+        &CommDevice::Host,
         1,
         0,
         &id,
@@ -190,12 +191,14 @@ fn teardowns_behind_stuck_work_keep_the_abort_bound() {
     let stuck = |id: &nccl_safe::UniqueId| {
         fault::inject(&id.to_raw(), Fault::StuckWork);
         fault::inject(&id.to_raw(), Fault::BlockingAbort(None));
-        let comm = Communicator::init_rank(&Device::Host, 1, 0, id, &config).unwrap();
+        let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, id, &config).unwrap();
         comm.all_reduce_in_place(&mut [1u8][..], ReduceOp::Sum, &S)
             .unwrap();
         comm
     };
-    let ids: Vec<_> = (0..3).map(|_| Device::Host.unique_id().unwrap()).collect();
+    let ids: Vec<_> = (0..3)
+        .map(|_| CommDevice::Host.unique_id().unwrap())
+        .collect();
     let comm = stuck(&ids[0]);
     let t = Instant::now();
     let e = comm.abort().expect_err("the abort blocks");
@@ -252,8 +255,8 @@ fn a_window_dropped_behind_stuck_work_keeps_the_abort_bound() {
     let config = Config::new()
         .timeout(Duration::from_secs(4))
         .abort_timeout(bound);
-    let id = Device::Host.unique_id().unwrap();
-    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &config).unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &config).unwrap();
     let mut mem = nccl_safe::NcclMemory::<f32>::alloc_zeros(&comm, 4, Stream::Host).unwrap();
     let win = comm
         .register_window(&mut mem, nccl_safe::WindowFlags::COLL_SYMMETRIC)
@@ -292,12 +295,12 @@ fn a_window_dropped_behind_stuck_work_keeps_the_abort_bound() {
 /// watchdog's abort and reports it, instead of returning `Ok` while it is still blocked.
 #[test]
 fn abort_reports_the_watchdogs_blocked_abort() {
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     fault::inject(&id.to_raw(), Fault::StuckWork);
     fault::inject(&id.to_raw(), Fault::BlockingAbort(None));
     let bound = Duration::from_millis(300);
     let config = Config::new().timeout(TIMEOUT).abort_timeout(bound);
-    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &config).unwrap();
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &config).unwrap();
     comm.all_reduce_in_place(&mut [1u8][..], ReduceOp::Sum, &S)
         .unwrap();
     until(BOUND, || fault::blocked_aborts(&id.to_raw()) == 1).expect("the watchdog aborts");
@@ -337,20 +340,20 @@ const SLOW_CALL: Duration = Duration::from_millis(700);
 /// (`misused == 0`) and the handle is torn down once. The call returns within its own
 /// time plus the slack, and the communicator ends failed with `Error::Timeout`.
 fn local_call_during_a_timeout(call: LocalCall) {
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     fault::inject(&id.to_raw(), Fault::StuckWork);
     let barrier = Barrier::new(2);
     std::thread::scope(|sc| {
         // Rank 1: stuck work too; it sees when the watchdog failed the clique.
         let peer = sc.spawn(|| {
-            let comm = Communicator::init_rank(&Device::Host, 2, 1, &id, &config()).unwrap();
+            let comm = Communicator::init_rank(&CommDevice::Host, 2, 1, &id, &config()).unwrap();
             barrier.wait();
             comm.all_reduce_in_place(&mut [1u32; 4][..], ReduceOp::Sum, &S)
                 .expect("a stuck collective is accepted");
             let failed_at = until(BOUND, || comm.is_failed()).map(|_| Instant::now());
             (failed_at, comm)
         });
-        let comm = Communicator::init_rank(&Device::Host, 2, 0, &id, &config()).unwrap();
+        let comm = Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &config()).unwrap();
         let (mut held, mut buf) = (vec![0u32; 8], vec![0u32; 8]);
         let mut early = match call {
             LocalCall::Deregister => Some(comm.register(&mut held).unwrap()),
@@ -432,7 +435,7 @@ fn local_calls_are_never_aborted_under_their_owner() {
 /// communicator that times out at once.
 #[test]
 fn impossible_settings_are_refused() {
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     for (config, what) in [
         (Config::new().timeout(Duration::ZERO), "timeout"),
         (Config::new().abort_timeout(Duration::ZERO), "abort timeout"),
@@ -441,7 +444,8 @@ fn impossible_settings_are_refused() {
             "flight record length",
         ),
     ] {
-        let e = Communicator::init_rank(&Device::Host, 1, 0, &id, &config).expect_err("refused");
+        let e =
+            Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &config).expect_err("refused");
         assert!(
             matches!(&e, Error::InvalidArgument { reason, .. } if reason.contains(what)),
             "{e}"
@@ -449,7 +453,7 @@ fn impossible_settings_are_refused() {
     }
     // The largest accepted length still works.
     let ok = Config::new().flight_record_len(nccl_safe::diag::MAX_FLIGHT_RECORD_LEN);
-    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &ok).unwrap();
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &ok).unwrap();
     comm.destroy().map_err(|(_, e)| e).unwrap();
 }
 
@@ -467,18 +471,18 @@ fn patient() -> Config {
 /// operation the peer was in (before, the peer waited out the whole timeout).
 #[test]
 fn a_rank_torn_down_under_a_waiting_peer_is_reported_at_once() {
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     let start = Instant::now();
     let (e, took) = within(Duration::from_secs(30), move || {
         std::thread::scope(|s| {
             let leaver = s.spawn(|| {
-                let c = Communicator::init_rank(&Device::Host, 2, 1, &id, &patient()).unwrap();
+                let c = Communicator::init_rank(&CommDevice::Host, 2, 1, &id, &patient()).unwrap();
                 c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &S)
                     .unwrap();
                 std::thread::sleep(Duration::from_millis(200));
                 drop(c);
             });
-            let c = Communicator::init_rank(&Device::Host, 2, 0, &id, &patient()).unwrap();
+            let c = Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &patient()).unwrap();
             c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &S)
                 .unwrap();
             let t = Instant::now();
@@ -518,20 +522,20 @@ fn a_rank_torn_down_under_a_waiting_peer_is_reported_at_once() {
 /// 338 of 600, under load).
 #[test]
 fn a_collective_failed_by_a_peers_abort_fails_the_idle_ranks_too() {
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     let aborted = std::sync::Barrier::new(3);
     let (e, idle_failed) = within(Duration::from_secs(30), move || {
         std::thread::scope(|s| {
             let aborted = &aborted;
             let leaver = s.spawn(move || {
-                let c = Communicator::init_rank(&Device::Host, 3, 1, &id, &patient()).unwrap();
+                let c = Communicator::init_rank(&CommDevice::Host, 3, 1, &id, &patient()).unwrap();
                 c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &S)
                     .unwrap();
                 c.abort().unwrap();
                 aborted.wait();
             });
             let caller = s.spawn(move || {
-                let c = Communicator::init_rank(&Device::Host, 3, 2, &id, &patient()).unwrap();
+                let c = Communicator::init_rank(&CommDevice::Host, 3, 2, &id, &patient()).unwrap();
                 c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &S)
                     .unwrap();
                 aborted.wait();
@@ -540,7 +544,7 @@ fn a_collective_failed_by_a_peers_abort_fails_the_idle_ranks_too() {
                     .expect_err("rank 1 aborted")
             });
             // Rank 0 skips that collective and only watches.
-            let c = Communicator::init_rank(&Device::Host, 3, 0, &id, &patient()).unwrap();
+            let c = Communicator::init_rank(&CommDevice::Host, 3, 0, &id, &patient()).unwrap();
             c.all_reduce_in_place(&mut [1.0f32][..], ReduceOp::Sum, &S)
                 .unwrap();
             aborted.wait();
@@ -567,18 +571,18 @@ fn a_collective_failed_by_a_peers_abort_fails_the_idle_ranks_too() {
 /// (the idle peer's `is_failed()` too), and each handle is torn down once.
 #[test]
 fn a_group_whose_peer_never_joins_ends_at_the_timeout() {
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     let (e, took, peer_failed) = within(Duration::from_secs(30), move || {
         let (joined, done) = (Barrier::new(2), Barrier::new(2));
         std::thread::scope(|s| {
             let peer = s.spawn(|| {
-                let c = Communicator::init_rank(&Device::Host, 2, 1, &id, &config()).unwrap();
+                let c = Communicator::init_rank(&CommDevice::Host, 2, 1, &id, &config()).unwrap();
                 joined.wait();
                 // Never joins the group; reads its own state once rank 0's group ended.
                 done.wait();
                 until(BOUND, || c.is_failed()).is_some()
             });
-            let c = Communicator::init_rank(&Device::Host, 2, 0, &id, &config()).unwrap();
+            let c = Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &config()).unwrap();
             joined.wait();
             let (send, mut recv) = (vec![1.0f32; 8], vec![0.0f32; 8]);
             let t = Instant::now();
@@ -615,18 +619,18 @@ fn a_group_whose_peer_never_joins_ends_at_the_timeout() {
 /// `RankLeft` naming rank 1, not at the 60 s timeout.
 #[test]
 fn a_group_whose_peer_left_fails_at_once() {
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     let (e, took) = within(Duration::from_secs(30), move || {
         let joined = Barrier::new(2);
         std::thread::scope(|s| {
             s.spawn(|| {
-                let c = Communicator::init_rank(&Device::Host, 2, 1, &id, &patient()).unwrap();
+                let c = Communicator::init_rank(&CommDevice::Host, 2, 1, &id, &patient()).unwrap();
                 joined.wait();
                 // Leave once rank 0 is (normally) inside Group::end.
                 std::thread::sleep(Duration::from_millis(100));
                 drop(c);
             });
-            let c = Communicator::init_rank(&Device::Host, 2, 0, &id, &patient()).unwrap();
+            let c = Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &patient()).unwrap();
             joined.wait();
             let (send, mut recv) = (vec![1.0f32; 8], vec![0.0f32; 8]);
             let t = Instant::now();
@@ -812,11 +816,11 @@ fn child_exits_while_an_abort_is_blocked() {
     } else {
         (None, Duration::from_millis(300))
     };
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     fault::inject(&id.to_raw(), Fault::StuckWork);
     fault::inject(&id.to_raw(), Fault::BlockingAbort(block));
     let config = Config::new().timeout(TIMEOUT).abort_timeout(bound);
-    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &config).unwrap();
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &config).unwrap();
     let mut x = vec![0i64; 8];
     comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
     until(Duration::from_secs(5), || {
@@ -900,9 +904,9 @@ fn assert_names_missing(e: &Error, missing: usize) {
 #[test]
 fn a_missing_rank_at_blocking_init_is_a_timeout_naming_it() {
     for _ in 0..ROUNDS {
-        let id = Device::Host.unique_id().unwrap();
+        let id = CommDevice::Host.unique_id().unwrap();
         let start = Instant::now();
-        let e = Communicator::init_rank(&Device::Host, 2, 0, &id, &config()).unwrap_err();
+        let e = Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &config()).unwrap_err();
         assert!(start.elapsed() <= BOUND, "{:?}", start.elapsed());
         assert_names_missing(&e, 1);
         assert_balanced(&id);
@@ -912,10 +916,10 @@ fn a_missing_rank_at_blocking_init_is_a_timeout_naming_it() {
 #[test]
 fn a_missing_rank_at_nonblocking_init_is_a_timeout_naming_it() {
     for _ in 0..ROUNDS {
-        let id = Device::Host.unique_id().unwrap();
+        let id = CommDevice::Host.unique_id().unwrap();
         let start = Instant::now();
         let pending =
-            Communicator::init_rank_nonblocking(&Device::Host, 3, 2, &id, &config()).unwrap();
+            Communicator::init_rank_nonblocking(&CommDevice::Host, 3, 2, &id, &config()).unwrap();
         let e = pending.wait(TIMEOUT).unwrap_err();
         assert!(start.elapsed() <= BOUND, "{:?}", start.elapsed());
         assert!(is_timeout(&e), "{e}");
@@ -932,7 +936,7 @@ fn missing_at_child_creation(shrink: bool) {
 }
 
 fn missing_at_child_creation_inner(shrink: bool) {
-    let id = UniqueId::new_with(&Device::Host.library().unwrap()).unwrap();
+    let id = UniqueId::new_with(&CommDevice::Host.library().unwrap()).unwrap();
     let world = 3;
     let barrier = Barrier::new(world);
     std::thread::scope(|sc| {
@@ -940,7 +944,7 @@ fn missing_at_child_creation_inner(shrink: bool) {
             let (id, barrier) = (&id, &barrier);
             sc.spawn(move || {
                 let comm =
-                    Communicator::init_rank(&Device::Host, world, rank, id, &config()).unwrap();
+                    Communicator::init_rank(&CommDevice::Host, world, rank, id, &config()).unwrap();
                 barrier.wait();
                 if rank == 0 {
                     let start = Instant::now();

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
 use nccl_safe::launch::{cuda_device_count, Launcher};
-use nccl_safe::{Communicator, Config, Device, Error, Group, Library, ReduceOp, UniqueId};
+use nccl_safe::{CommDevice, Communicator, Config, Error, Group, Library, ReduceOp, UniqueId};
 
 #[test]
 #[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
@@ -42,7 +42,7 @@ fn out_of_place_views_and_a_second_stream_keep_order() {
         .unwrap()
         .run(|rank| {
             let b = rank.cuda_stream().expect("a CUDA rank");
-            let Device::Cuda(ctx) = rank.device() else {
+            let CommDevice::Cuda(ctx) = rank.device() else {
                 unreachable!()
             };
             let a = ctx.new_stream()?;
@@ -65,7 +65,7 @@ fn out_of_place_views_and_a_second_stream_keep_order() {
 fn one_thread_drives_every_device_in_a_group() {
     let n = cuda_device_count();
     let contexts: Vec<Arc<CudaContext>> = (0..n).map(|i| CudaContext::new(i).unwrap()).collect();
-    let devices: Vec<Device> = contexts.iter().cloned().map(Device::Cuda).collect();
+    let devices: Vec<CommDevice> = contexts.iter().cloned().map(CommDevice::Cuda).collect();
     let comms = Communicator::init_all(&devices).unwrap();
     let streams: Vec<_> = contexts.iter().map(|c| c.new_stream().unwrap()).collect();
     let mut bufs: Vec<_> = streams
@@ -334,8 +334,8 @@ fn stuck(abort_timeout: Duration) -> Stuck {
     let stream = ctx.new_stream().unwrap();
     let id = UniqueId::new_with(&lib).unwrap();
     let config = Config::new().timeout(TIMEOUT).abort_timeout(abort_timeout);
-    let comm =
-        Communicator::init_rank_in(&lib, &Device::Cuda(ctx.clone()), 1, 0, &id, &config).unwrap();
+    let comm = Communicator::init_rank_in(&lib, &CommDevice::Cuda(ctx.clone()), 1, 0, &id, &config)
+        .unwrap();
     let send = stream.clone_htod(&[1.0f32; 256]).unwrap();
     let mut recv = stream.alloc_zeros::<f32>(256).unwrap();
     stream.synchronize().unwrap();
@@ -499,8 +499,8 @@ fn graph_rank() -> (Arc<CudaContext>, Arc<CudaStream>, Communicator) {
     let stream = ctx.new_stream().unwrap();
     let id = UniqueId::new_with(&lib).unwrap();
     let config = Config::new().timeout(TIMEOUT);
-    let comm =
-        Communicator::init_rank_in(&lib, &Device::Cuda(ctx.clone()), 1, 0, &id, &config).unwrap();
+    let comm = Communicator::init_rank_in(&lib, &CommDevice::Cuda(ctx.clone()), 1, 0, &id, &config)
+        .unwrap();
     (ctx, stream, comm)
 }
 
@@ -627,8 +627,8 @@ fn another_streams_backlog_never_times_out_a_communicator_on_a_gpu() {
     let (comm_stream, compute) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
     let id = UniqueId::new_with(&lib).unwrap();
     let config = Config::new().timeout(TIMEOUT);
-    let comm =
-        Communicator::init_rank_in(&lib, &Device::Cuda(ctx.clone()), 1, 0, &id, &config).unwrap();
+    let comm = Communicator::init_rank_in(&lib, &CommDevice::Cuda(ctx.clone()), 1, 0, &id, &config)
+        .unwrap();
     let mut x = compute.alloc_zeros::<f32>(256).unwrap();
     let mut y = comm_stream.alloc_zeros::<f32>(256).unwrap();
     comm.broadcast_in_place(&mut x, 0, &compute).unwrap();
@@ -700,7 +700,7 @@ fn nccl_memory_dropped_behind_a_blocked_stream_keeps_the_abort_bound_on_a_gpu() 
     let mut comm = None;
     until(Duration::from_secs(30), || {
         let id = UniqueId::new_with(&lib).unwrap();
-        match Communicator::init_rank_in(&lib, &Device::Cuda(ctx.clone()), 1, 0, &id, &config) {
+        match Communicator::init_rank_in(&lib, &CommDevice::Cuda(ctx.clone()), 1, 0, &id, &config) {
             Ok(c) => {
                 comm = Some(c);
                 true

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use nccl_safe::host::stats_for;
 use nccl_safe::{
-    Communicator, Config, Device, Error, Group, ReduceOp, ResultCode, Stream, UniqueId,
+    CommDevice, Communicator, Config, Error, Group, ReduceOp, ResultCode, Stream, UniqueId,
 };
 use support::{assert_balanced, within};
 
@@ -279,7 +279,7 @@ fn run_rank(p: &Plan, rank: usize, id: &UniqueId, barrier: &Barrier, seed: u64) 
     let w = p.world;
     let comm = if p.nonblocking {
         let pending =
-            Communicator::init_rank_nonblocking(&Device::Host, w, rank, id, &Config::new())
+            Communicator::init_rank_nonblocking(&CommDevice::Host, w, rank, id, &Config::new())
                 .unwrap();
         if let Some(v) = p.drop_pending {
             barrier.wait(); // every rank joined: the rendezvous is complete
@@ -300,7 +300,7 @@ fn run_rank(p: &Plan, rank: usize, id: &UniqueId, barrier: &Barrier, seed: u64) 
         }
         pending.wait(T).unwrap()
     } else {
-        Communicator::init_rank(&Device::Host, w, rank, id, &Config::new()).unwrap()
+        Communicator::init_rank(&CommDevice::Host, w, rank, id, &Config::new()).unwrap()
     };
     // Every rank's init has returned before any rank may abort (an abort during a peer's
     // init fails that init, as with NCCL).
@@ -394,7 +394,7 @@ fn run_rank(p: &Plan, rank: usize, id: &UniqueId, barrier: &Barrier, seed: u64) 
 fn run_case(seed: u64) -> (Plan, nccl_safe::host::HostStats) {
     quiet_deliberate_panics();
     let p = plan(seed);
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     let barrier = Barrier::new(p.world);
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..p.world)
@@ -451,15 +451,15 @@ fn randomized_lifecycles_tear_down_every_handle_exactly_once() {
 
 /// Rank 1 aborts; rank 0's all_reduce fails with NCCL's error and marks it failed.
 fn failed_pair(rank0: impl FnOnce(Communicator) + Send) -> nccl_safe::host::HostStats {
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     let both_joined = Barrier::new(2);
     std::thread::scope(|s| {
         s.spawn(|| {
-            let c = Communicator::init_rank(&Device::Host, 2, 1, &id, &Config::new()).unwrap();
+            let c = Communicator::init_rank(&CommDevice::Host, 2, 1, &id, &Config::new()).unwrap();
             both_joined.wait();
             c.abort().unwrap();
         });
-        let c = Communicator::init_rank(&Device::Host, 2, 0, &id, &Config::new()).unwrap();
+        let c = Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &Config::new()).unwrap();
         both_joined.wait();
         let mut x = vec![1.0f32; 2];
         let e = c
@@ -521,13 +521,14 @@ fn destroy_of_a_failed_communicator_hands_it_back_with_the_error() {
 /// panic; the group's drop still calls ncclGroupEnd, so the peers' all_reduce completes.
 fn group_left_early(panic: bool) {
     quiet_deliberate_panics();
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     within(Duration::from_secs(30), move || {
         std::thread::scope(|s| {
             for rank in 0..3 {
                 s.spawn(move || {
-                    let comm = Communicator::init_rank(&Device::Host, 3, rank, &id, &Config::new())
-                        .unwrap();
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 3, rank, &id, &Config::new())
+                            .unwrap();
                     let mut x = vec![rank as i64 + 1; 4];
                     if rank == 0 {
                         let body = |x: &mut Vec<i64>| -> nccl_safe::Result<()> {
@@ -576,13 +577,14 @@ fn group_ends_when_left_by_panic() {
 
 #[test]
 fn after_an_error_in_one_rank_the_others_get_errors_not_a_hang() {
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     within(Duration::from_secs(30), move || {
         std::thread::scope(|s| {
             for rank in 0..4 {
                 s.spawn(move || {
-                    let comm = Communicator::init_rank(&Device::Host, 4, rank, &id, &Config::new())
-                        .unwrap();
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 4, rank, &id, &Config::new())
+                            .unwrap();
                     if rank == 2 {
                         // An application error on rank 2: it aborts instead of joining,
                         // after the others are (most likely) blocked in the collective.
@@ -614,18 +616,18 @@ fn after_an_error_in_one_rank_the_others_get_errors_not_a_hang() {
 #[test]
 fn a_communicator_dropped_while_panicking_aborts_and_wakes_its_peer() {
     quiet_deliberate_panics();
-    let id = nccl_safe::Device::Host.unique_id().unwrap();
+    let id = nccl_safe::CommDevice::Host.unique_id().unwrap();
     let cfg = nccl_safe::Config::new();
     let started = std::time::Instant::now();
     std::thread::scope(|s| {
         let waiter = s.spawn(|| {
-            let comm = Communicator::init_rank(&nccl_safe::Device::Host, 2, 1, &id, &cfg).unwrap();
+            let comm = Communicator::init_rank(&nccl_safe::CommDevice::Host, 2, 1, &id, &cfg).unwrap();
             let mut x = vec![1.0f32; 4];
             let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S);
             assert!(r.is_err(), "the peer's abort must end the wait");
         });
         let r = catch_unwind(AssertUnwindSafe(|| {
-            let _comm = Communicator::init_rank(&nccl_safe::Device::Host, 2, 0, &id, &cfg).unwrap();
+            let _comm = Communicator::init_rank(&nccl_safe::CommDevice::Host, 2, 0, &id, &cfg).unwrap();
             std::thread::sleep(Duration::from_millis(50)); // let the peer enter its all_reduce
             panic!("deliberate: rank 0 panics holding its communicator");
         }));

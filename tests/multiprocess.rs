@@ -18,7 +18,7 @@ use nccl_safe::host::shared_unique_id;
 use nccl_safe::launch::desync::{BoardClient, DesyncBoard};
 use nccl_safe::launch::Launcher;
 use nccl_safe::{
-    AsStream, Communicator, Config, Device, Group, NcclType, ReduceOp, Result, Stream, UniqueId,
+    AsStream, CommDevice, Communicator, Config, Group, NcclType, ReduceOp, Result, Stream, UniqueId,
 };
 
 const ENV: &str = "NCCL_SAFE_TEST_MP";
@@ -56,7 +56,7 @@ fn child() -> Option<(usize, usize, Communicator)> {
         .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
         .collect();
     let id = UniqueId::from_bytes(&bytes).expect("a unique id");
-    match Communicator::init_rank(&Device::Host, n, rank, &id, &Config::new()) {
+    match Communicator::init_rank(&CommDevice::Host, n, rank, &id, &Config::new()) {
         Ok(c) => Some((rank, n, c)),
         Err(e) => {
             eprintln!("rank {rank}: init failed: {e}");
@@ -502,7 +502,7 @@ fn silent_leave() {
     let config = Config::new()
         .timeout(Duration::from_secs(60))
         .desync_board(BoardClient::new(addr, n, BOARD_TOKEN));
-    let c = Communicator::init_rank(&Device::Host, n, r, &id, &config).unwrap_or_else(|e| {
+    let c = Communicator::init_rank(&CommDevice::Host, n, r, &id, &config).unwrap_or_else(|e| {
         eprintln!("rank {r}: init failed: {e}");
         std::process::exit(2)
     });
@@ -582,7 +582,7 @@ fn threads_of_several_processes_share_one_communicator() {
                     let id = &id;
                     s.spawn(move || {
                         let c = Communicator::init_rank(
-                            &Device::Host,
+                            &CommDevice::Host,
                             n,
                             p * THREADS + t,
                             id,

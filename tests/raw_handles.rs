@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nccl_safe::host::{root_id_of, stats_for, HostStats};
-use nccl_safe::{CommRef, Communicator, Config, Device, Error, Group, Library, ReduceOp, Stream};
+use nccl_safe::{
+    CommDevice, CommRef, Communicator, Config, Error, Group, Library, ReduceOp, Stream,
+};
 use nccl_sys::{bindings::ncclSuccess, ncclComm_t, ncclUniqueId};
 use support::within;
 
@@ -96,7 +98,7 @@ fn an_adopted_handle_is_destroyed_once_by_drop() {
                     Communicator::from_raw(
                         Library::host(),
                         raw as ncclComm_t,
-                        Device::Host,
+                        CommDevice::Host,
                         &Config::new(),
                     )
                 }
@@ -123,7 +125,7 @@ fn an_adopted_handle_is_aborted_or_destroyed_once_explicitly() {
         Communicator::from_raw(
             Arc::clone(&lib),
             foreign.give(0),
-            Device::Host,
+            CommDevice::Host,
             &Config::new(),
         )
     }
@@ -135,7 +137,7 @@ fn an_adopted_handle_is_aborted_or_destroyed_once_explicitly() {
     let mut foreign = ForeignComms::new(1);
     // SAFETY: as above.
     let comm =
-        unsafe { Communicator::from_raw(lib, foreign.give(0), Device::Host, &Config::new()) }
+        unsafe { Communicator::from_raw(lib, foreign.give(0), CommDevice::Host, &Config::new()) }
             .unwrap();
     sum_of_ranks(&comm).unwrap();
     comm.destroy().map_err(|(_, e)| e).unwrap();
@@ -151,7 +153,7 @@ fn a_failed_adoption_leaves_the_handle_alone() {
         Communicator::from_raw(
             Arc::clone(&lib),
             std::ptr::null_mut(),
-            Device::Host,
+            CommDevice::Host,
             &Config::new(),
         )
     }
@@ -165,7 +167,8 @@ fn a_failed_adoption_leaves_the_handle_alone() {
     assert_eq!(unsafe { (lib.table().ncclCommDestroy)(raw) }, ncclSuccess);
     // SAFETY: violates from_raw's contract on purpose: the host provider detects a dead
     // handle (real NCCL would not), which shows the error path makes no teardown.
-    let e = unsafe { Communicator::from_raw(lib, raw, Device::Host, &Config::new()) }.unwrap_err();
+    let e =
+        unsafe { Communicator::from_raw(lib, raw, CommDevice::Host, &Config::new()) }.unwrap_err();
     assert!(matches!(e, Error::Nccl(_)), "{e}");
     let st = foreign.stats();
     assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0), "{st:?}");
@@ -176,8 +179,8 @@ fn a_failed_adoption_leaves_the_handle_alone() {
 /// circle with exactly one teardown.
 #[test]
 fn a_released_handle_is_not_torn_down() {
-    let id = Device::Host.unique_id().unwrap();
-    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new()).unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &Config::new()).unwrap();
     sum_of_ranks(&comm).unwrap();
     let raw = comm.into_raw();
     assert!(!raw.is_null());
@@ -202,7 +205,8 @@ fn a_released_handle_is_not_torn_down() {
     assert_eq!(r, ncclSuccess);
     assert_eq!(x, [5.0; 4]);
     // SAFETY: handed back to a Communicator, which owns it from now on.
-    let again = unsafe { Communicator::from_raw(lib, raw, Device::Host, &Config::new()) }.unwrap();
+    let again =
+        unsafe { Communicator::from_raw(lib, raw, CommDevice::Host, &Config::new()) }.unwrap();
     sum_of_ranks(&again).unwrap();
     drop(again);
     assert_eq!(teardowns(&stats_for(&id.to_raw())), (1, 1, 0, 0));
@@ -223,7 +227,7 @@ fn a_borrowed_view_never_tears_down() {
                         foreign,
                         Library::host(),
                         foreign.raws[i],
-                        Device::Host,
+                        CommDevice::Host,
                         &Config::new(),
                     )
                 }
@@ -268,7 +272,7 @@ fn the_watchdog_aborts_an_adopted_handle_but_never_a_borrowed_one() {
     let (e, comm) = within(Duration::from_secs(20), move || {
         // SAFETY: handed over; nothing else uses it.
         let comm = unsafe {
-            Communicator::from_raw(Library::host(), raw as ncclComm_t, Device::Host, &cfg)
+            Communicator::from_raw(Library::host(), raw as ncclComm_t, CommDevice::Host, &cfg)
         }
         .unwrap();
         (sum_of_ranks(&comm).unwrap_err(), comm)
@@ -293,7 +297,13 @@ fn the_watchdog_aborts_an_adopted_handle_but_never_a_borrowed_one() {
         // SAFETY: `owner` keeps handle 0 alive; its only call meanwhile is the abort that
         // an owner's own watchdog would make, which NCCL allows from another thread.
         let view = unsafe {
-            CommRef::from_raw_borrowed(&*owner, Library::host(), owner.raws[0], Device::Host, &cfg)
+            CommRef::from_raw_borrowed(
+                &*owner,
+                Library::host(),
+                owner.raws[0],
+                CommDevice::Host,
+                &cfg,
+            )
         }
         .unwrap();
         let e = sum_of_ranks(&view).unwrap_err();
@@ -333,7 +343,7 @@ fn the_watchdog_aborts_an_adopted_handle_but_never_a_borrowed_one() {
 /// working through the non-blocking path, and is torn down once.
 #[test]
 fn a_non_blocking_handle_round_trips() {
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     let config = Config::new().blocking(false);
     let world = 2;
     std::thread::scope(|s| {
@@ -341,12 +351,13 @@ fn a_non_blocking_handle_round_trips() {
             let config = config.clone();
             s.spawn(move || {
                 let comm =
-                    Communicator::init_rank(&Device::Host, world, rank, &id, &config).unwrap();
+                    Communicator::init_rank(&CommDevice::Host, world, rank, &id, &config).unwrap();
                 let raw = comm.into_raw();
                 // SAFETY: given back above; adopted again with the config it was made with.
-                let comm =
-                    unsafe { Communicator::from_raw(Library::host(), raw, Device::Host, &config) }
-                        .unwrap();
+                let comm = unsafe {
+                    Communicator::from_raw(Library::host(), raw, CommDevice::Host, &config)
+                }
+                .unwrap();
                 assert_eq!((comm.rank(), comm.world_size()), (rank, world));
                 assert_eq!(sum_of_ranks(&comm).unwrap(), vec![3.0; 8]);
                 comm.finalize(Duration::from_secs(20)).unwrap();

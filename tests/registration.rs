@@ -11,8 +11,8 @@ use float8::{F8E4M3, F8E5M2};
 use nccl_safe::host::{self, stats_for, HostStats};
 use nccl_safe::launch::Launcher;
 use nccl_safe::{
-    Communicator, Config, DataType, Device, Error, Group, Library, Memory, NcclMemory, NcclType,
-    ReduceOp, SendBuffer, Stream, UniqueId, Version, WindowFlags,
+    CommDevice, Communicator, Config, DataType, Error, Group, Library, Memory, NcclMemory,
+    NcclType, ReduceOp, SendBuffer, Stream, UniqueId, Version, WindowFlags,
 };
 use nccl_sys::bindings::{ncclInvalidUsage, ncclSuccess};
 
@@ -42,7 +42,7 @@ fn ranks_on(
                     s.spawn(move || {
                         let comm = Communicator::init_rank_in(
                             lib,
-                            &Device::Host,
+                            &CommDevice::Host,
                             world,
                             rank,
                             id,
@@ -378,7 +378,7 @@ fn a_registered_buffer_needs_no_extra_argument_and_is_deregistered_once() {
 #[test]
 fn registered_buffers_work_inside_a_group() {
     let _g = serial();
-    let comms = Communicator::init_all(&[Device::Host, Device::Host]).unwrap();
+    let comms = Communicator::init_all(&[CommDevice::Host, CommDevice::Host]).unwrap();
     let id = host::root_id_of(comms[0].as_raw()).unwrap();
     let (mut a, mut b) = (vec![1u32; 4], vec![2u32; 4]);
     {
@@ -556,7 +556,7 @@ fn double_and_unknown_deregistrations_are_counted_as_misuse() {
 #[test]
 fn a_registration_of_another_communicator_is_unknown_to_this_one() {
     let _g = serial();
-    let comms = Communicator::init_all(&[Device::Host, Device::Host]).unwrap();
+    let comms = Communicator::init_all(&[CommDevice::Host, CommDevice::Host]).unwrap();
     let id = host::root_id_of(comms[0].as_raw()).unwrap();
     let dereg = comms[0].library().table().ncclCommDeregister.unwrap();
     let mut v = vec![0.0f32; 2];
@@ -600,13 +600,14 @@ fn a_communicator_torn_down_with_live_registrations_releases_and_counts_them() {
 fn after_a_failure_registrations_are_released_and_windows_left_to_the_abort() {
     let _g = serial();
     let (id, st) = within(LIMIT, || {
-        let id = Device::Host.unique_id().unwrap();
+        let id = CommDevice::Host.unique_id().unwrap();
         std::thread::scope(|s| {
             for rank in 0..2 {
                 let id = &id;
                 s.spawn(move || {
-                    let comm = Communicator::init_rank(&Device::Host, 2, rank, id, &Config::new())
-                        .unwrap();
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 2, rank, id, &Config::new())
+                            .unwrap();
                     let mut v = vec![1.0f32; 4];
                     let mut m = NcclMemory::<f32>::alloc_zeros(&comm, 4, Stream::Host).unwrap();
                     let mut reg = comm.register(&mut v).unwrap();
@@ -667,7 +668,8 @@ fn a_panic_holding_a_window_or_registration_fails_the_peers_at_once() {
                 let registered = std::sync::Barrier::new(2);
                 std::thread::scope(|s| {
                     let panicker = s.spawn(|| {
-                        let c = Communicator::init_rank(&Device::Host, 2, 0, &id, &config).unwrap();
+                        let c =
+                            Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &config).unwrap();
                         let mut buf = vec![0f32; 16];
                         if window {
                             let _w = c.register_window(&mut buf, WindowFlags::empty()).unwrap();
@@ -679,7 +681,7 @@ fn a_panic_holding_a_window_or_registration_fails_the_peers_at_once() {
                             panic!("rank 0 panics holding a registration");
                         }
                     });
-                    let c = Communicator::init_rank(&Device::Host, 2, 1, &id, &config).unwrap();
+                    let c = Communicator::init_rank(&CommDevice::Host, 2, 1, &id, &config).unwrap();
                     let mut buf = vec![0f32; 16];
                     let w = window.then(|| c.register_window(&mut buf, WindowFlags::empty()));
                     registered.wait();

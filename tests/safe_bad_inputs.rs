@@ -5,7 +5,7 @@ mod support;
 
 use nccl_safe::error::BufferRole;
 use nccl_safe::{
-    Communicator, Config, Device, Error, Group, Library, ReduceOp, Stream, UniqueId, Version,
+    CommDevice, Communicator, Config, Error, Group, Library, ReduceOp, Stream, UniqueId, Version,
     UNIQUE_ID_BYTES,
 };
 use support::{assert_balanced, run_ranks};
@@ -320,17 +320,17 @@ fn in_place_descriptions_reject_like_the_plain_forms_and_the_group_goes_on() {
 
 #[test]
 fn init_rejects_world_size_zero_and_rank_past_the_world() {
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     let cfg = Config::new();
     assert_err!(
-        Communicator::init_rank(&Device::Host, 0, 0, &id, &cfg),
+        Communicator::init_rank(&CommDevice::Host, 0, 0, &id, &cfg),
         Error::InvalidArgument {
             op: "ncclCommInitRankConfig",
             ..
         }
     );
     assert_err!(
-        Communicator::init_rank(&Device::Host, 2, 2, &id, &cfg),
+        Communicator::init_rank(&CommDevice::Host, 2, 2, &id, &cfg),
         Error::RankOutOfRange {
             what: "rank",
             rank: 2,
@@ -339,7 +339,7 @@ fn init_rejects_world_size_zero_and_rank_past_the_world() {
         }
     );
     assert_err!(
-        Communicator::init_rank_nonblocking(&Device::Host, 3, 7, &id, &cfg),
+        Communicator::init_rank_nonblocking(&CommDevice::Host, 3, 7, &id, &cfg),
         Error::RankOutOfRange {
             what: "rank",
             rank: 7,
@@ -357,7 +357,7 @@ fn init_rejects_world_size_zero_and_rank_past_the_world() {
     // None of them reached NCCL: the id is still fresh and can form a communicator.
     let st = nccl_safe::host::stats_for(&id.to_raw());
     assert_eq!((st.created, st.misused), (0, 0), "{st:?}");
-    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &cfg).unwrap();
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &cfg).unwrap();
     still_usable(&comm);
     comm.destroy().map_err(|(_, e)| e).unwrap();
     assert_balanced(&id);
@@ -369,7 +369,8 @@ fn entry_points_newer_than_the_library_are_unsupported() {
     let v218 = Version::new(2, 18, 3);
     assert_eq!(lib.version(), v218);
     let id = UniqueId::new_with(&lib).unwrap();
-    let comm = Communicator::init_rank_in(&lib, &Device::Host, 1, 0, &id, &Config::new()).unwrap();
+    let comm =
+        Communicator::init_rank_in(&lib, &CommDevice::Host, 1, 0, &id, &Config::new()).unwrap();
     let send = vec![1i64; 2];
     let mut recv = vec![0i64; 2];
     let unsupported = |e: nccl_safe::Result<()>, sym: &str, minor: u32| match e {
@@ -403,7 +404,7 @@ fn entry_points_newer_than_the_library_are_unsupported() {
 fn config_fields_newer_than_the_library_are_unsupported() {
     let lib = Library::host_as_version(2, 18).unwrap();
     let id = UniqueId::new_with(&lib).unwrap();
-    let init = |cfg: Config| Communicator::init_rank_in(&lib, &Device::Host, 1, 0, &id, &cfg);
+    let init = |cfg: Config| Communicator::init_rank_in(&lib, &CommDevice::Host, 1, 0, &id, &cfg);
     assert_err!(
         init(Config::new().comm_name("x")),
         Error::Unsupported { symbol: "commName", needs, found }
@@ -426,9 +427,9 @@ fn config_fields_newer_than_the_library_are_unsupported() {
     drop(comm);
     assert_balanced(&id);
     // The current host provider accepts the same name.
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     let cfg = Config::new().comm_name("x");
-    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &cfg).unwrap();
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &cfg).unwrap();
     still_usable(&comm);
     drop(comm);
     assert_balanced(&id);
@@ -436,7 +437,7 @@ fn config_fields_newer_than_the_library_are_unsupported() {
 
 #[test]
 fn pre_mul_sum_of_another_communicator_is_refused() {
-    let comms = Communicator::init_all(&[Device::Host, Device::Host]).unwrap();
+    let comms = Communicator::init_all(&[CommDevice::Host, CommDevice::Host]).unwrap();
     {
         let op0 = comms[0].create_pre_mul_sum(2.0f32).unwrap();
         let mut x = vec![1.0f32; 2];
@@ -546,8 +547,10 @@ fn a_group_mixing_two_libraries_is_refused() {
         UniqueId::new_with(&lib_a).unwrap(),
         UniqueId::new_with(&lib_b).unwrap(),
     );
-    let a = Communicator::init_rank_in(&lib_a, &Device::Host, 1, 0, &id_a, &Config::new()).unwrap();
-    let b = Communicator::init_rank_in(&lib_b, &Device::Host, 1, 0, &id_b, &Config::new()).unwrap();
+    let a =
+        Communicator::init_rank_in(&lib_a, &CommDevice::Host, 1, 0, &id_a, &Config::new()).unwrap();
+    let b =
+        Communicator::init_rank_in(&lib_b, &CommDevice::Host, 1, 0, &id_b, &Config::new()).unwrap();
     let (mut x, mut y) = (vec![1u32; 2], vec![1u32; 2]);
     let mut g = Group::new();
     a.all_reduce_in_place_op(&mut x, ReduceOp::Sum, &S)
@@ -574,7 +577,7 @@ fn a_host_device_on_nvidias_nccl_is_refused_without_a_gpu() {
     let lib = Library::load_from(support::real_nccl("2.32.3")).expect("real NCCL loads");
     let id = UniqueId::new_with(&lib).unwrap();
     assert_err!(
-        Communicator::init_rank_in(&lib, &Device::Host, 1, 0, &id, &Config::new()),
+        Communicator::init_rank_in(&lib, &CommDevice::Host, 1, 0, &id, &Config::new()),
         Error::InvalidArgument {
             op: "ncclCommInitRankConfig",
             ..

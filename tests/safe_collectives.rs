@@ -10,7 +10,7 @@ use std::time::Duration;
 use half::{bf16, f16};
 use nccl_safe::host::{root_id_of, stats_for};
 use nccl_safe::{
-    Communicator, Config, Device, Group, ReduceOp, Stream, UniqueId, DEFAULT_INIT_TIMEOUT,
+    CommDevice, Communicator, Config, Group, ReduceOp, Stream, UniqueId, DEFAULT_INIT_TIMEOUT,
 };
 use support::{assert_balanced, run_ranks, El};
 
@@ -368,8 +368,13 @@ fn check_pre_mul_sum<T: El>() {
 
 #[test]
 fn one_thread_drives_four_communicators_in_a_group() {
-    let comms =
-        Communicator::init_all(&[Device::Host, Device::Host, Device::Host, Device::Host]).unwrap();
+    let comms = Communicator::init_all(&[
+        CommDevice::Host,
+        CommDevice::Host,
+        CommDevice::Host,
+        CommDevice::Host,
+    ])
+    .unwrap();
     let id = UniqueId::from_raw(root_id_of(comms[0].as_raw()).expect("root id"));
     assert_eq!(comms.len(), 4);
     let sends: Vec<Vec<f32>> = (0..4).map(|r| vals::<f32>(r, COUNT)).collect();
@@ -497,12 +502,12 @@ fn split_with_equal_keys_orders_by_rank() {
 
 #[test]
 fn shrink_excludes_ranks_and_the_rest_keep_working() {
-    let id = Device::Host.unique_id().unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
     std::thread::scope(|s| {
         for rank in 0..4 {
             s.spawn(move || {
-                let comm =
-                    Communicator::init_rank(&Device::Host, 4, rank, &id, &Config::new()).unwrap();
+                let comm = Communicator::init_rank(&CommDevice::Host, 4, rank, &id, &Config::new())
+                    .unwrap();
                 if rank != 1 {
                     let small = comm.shrink(&[1]).unwrap();
                     assert_eq!(small.world_size(), 3);
@@ -528,12 +533,12 @@ fn shrink_excludes_ranks_and_the_rest_keep_working() {
 #[test]
 fn non_blocking_init_then_wait_then_collectives() {
     for world in 1..=4 {
-        let id = Device::Host.unique_id().unwrap();
+        let id = CommDevice::Host.unique_id().unwrap();
         std::thread::scope(|s| {
             for rank in 0..world {
                 s.spawn(move || {
                     let pending = Communicator::init_rank_nonblocking(
-                        &Device::Host,
+                        &CommDevice::Host,
                         world,
                         rank,
                         &id,
@@ -568,12 +573,13 @@ fn non_blocking_init_then_wait_then_collectives() {
 #[test]
 fn init_rank_with_a_non_blocking_config_returns_a_ready_communicator() {
     let st = {
-        let id = Device::Host.unique_id().unwrap();
+        let id = CommDevice::Host.unique_id().unwrap();
         std::thread::scope(|s| {
             for rank in 0..2 {
                 s.spawn(move || {
                     let cfg = Config::new().blocking(false);
-                    let comm = Communicator::init_rank(&Device::Host, 2, rank, &id, &cfg).unwrap();
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &cfg).unwrap();
                     let mut x = vec![bf16::from_f32(1.5); 2];
                     comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
                     assert_eq!(x, vec![bf16::from_f32(3.0); 2]);
@@ -591,7 +597,8 @@ fn init_rank_with_a_non_blocking_config_returns_a_ready_communicator() {
 /// One thread drives three ranks through gather and scatter inside one group each.
 #[test]
 fn gather_and_scatter_in_a_group_driven_by_one_thread() {
-    let comms = Communicator::init_all(&[Device::Host, Device::Host, Device::Host]).unwrap();
+    let comms =
+        Communicator::init_all(&[CommDevice::Host, CommDevice::Host, CommDevice::Host]).unwrap();
     let sends: Vec<Vec<i32>> = (0..3).map(|r| vec![r + 1; 2]).collect();
     let mut recvs: Vec<Vec<i32>> = (0..3)
         .map(|r| if r == 2 { vec![0; 6] } else { Vec::new() })
@@ -621,7 +628,8 @@ fn gather_and_scatter_in_a_group_driven_by_one_thread() {
 
 #[test]
 fn one_thread_drives_every_in_place_form_on_three_communicators_in_a_group() {
-    let comms = Communicator::init_all(&[Device::Host, Device::Host, Device::Host]).unwrap();
+    let comms =
+        Communicator::init_all(&[CommDevice::Host, CommDevice::Host, CommDevice::Host]).unwrap();
     let n = comms.len();
     // Per rank: all-reduce, broadcast, reduce, all-gather and reduce-scatter buffers.
     let mut bufs: Vec<[Vec<i32>; 5]> = (0..n)
@@ -667,8 +675,8 @@ fn one_thread_drives_every_in_place_form_on_three_communicators_in_a_group() {
 
 #[test]
 fn an_op_enqueues_nothing_until_it_runs_and_keeps_its_reduction() {
-    let id = Device::Host.unique_id().unwrap();
-    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new()).unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &Config::new()).unwrap();
     let half = comm.create_pre_mul_sum(0.5f32).unwrap();
     let mut x = vec![4.0f32, 8.0];
     let op = comm.all_reduce_in_place_op(&mut x, &half, &S).unwrap();
@@ -687,7 +695,7 @@ fn an_op_enqueues_nothing_until_it_runs_and_keeps_its_reduction() {
     assert!(comm
         .reduce_scatter_in_place_op(&mut odd, ReduceOp::Sum, &S)
         .is_ok());
-    let two = Communicator::init_all(&[Device::Host, Device::Host]).unwrap();
+    let two = Communicator::init_all(&[CommDevice::Host, CommDevice::Host]).unwrap();
     assert!(matches!(
         two[0].all_gather_in_place_op(&mut odd, &S),
         Err(nccl_safe::Error::LengthMismatch {

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use cudarc::driver::CudaContext;
 use nccl_safe::{
-    AsStream, CallContext, Communicator, Config, DataType, Device, Group, Library, Provider,
+    AsStream, CallContext, CommDevice, Communicator, Config, DataType, Group, Library, Provider,
     RecvBuffer, ReduceOp, SendBuffer, UniqueId, WindowFlags,
 };
 
@@ -775,14 +775,14 @@ fn rank_main(
     match target {
         Target::Host => {
             let comm =
-                Communicator::init_rank_in(lib, &Device::Host, ranks, r, id, &Config::new())?;
+                Communicator::init_rank_in(lib, &CommDevice::Host, ranks, r, id, &Config::new())?;
             sweep_alloc(&HostRank { comm }, cx)
         }
         Target::Cuda(ctxs) => {
             let ctx = Arc::clone(&ctxs[r]);
             ctx.bind_to_thread()?;
             let stream = ctx.new_stream()?;
-            let device = Device::Cuda(Arc::clone(&ctx));
+            let device = CommDevice::Cuda(Arc::clone(&ctx));
             let comm = Communicator::init_rank_in(lib, &device, ranks, r, id, &Config::new())?;
             sweep_alloc(&CudaRank { comm, stream, ctx }, cx)
         }

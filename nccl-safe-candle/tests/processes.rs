@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::train_ddp;
 use nccl_safe::host::shared_unique_id;
 use nccl_safe::launch::Launcher;
-use nccl_safe::{Communicator, Config, Device, UniqueId};
+use nccl_safe::{Communicator, Config, CommDevice, UniqueId};
 
 const ENV: &str = "NCCL_SAFE_CANDLE_TEST_MP";
 const RANKS: usize = 4;
@@ -35,7 +35,7 @@ fn child(spec: &str) {
         .map(|i| u8::from_str_radix(&id[2 * i..2 * i + 2], 16).expect("hex"))
         .collect();
     let id = UniqueId::from_bytes(&bytes).expect("a unique id");
-    let comm = Communicator::init_rank(&Device::Host, world, rank, &id, &Config::new())
+    let comm = Communicator::init_rank(&CommDevice::Host, world, rank, &id, &Config::new())
         .expect("init the rank");
     let params = train_ddp(&comm, CAP, STEPS).expect("training");
     println!(

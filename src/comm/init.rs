@@ -16,7 +16,7 @@ impl Communicator {
     /// meanwhile.
     #[track_caller]
     pub fn init_rank(
-        device: &Device,
+        device: &CommDevice,
         world_size: usize,
         rank: usize,
         id: &UniqueId,
@@ -30,7 +30,7 @@ impl Communicator {
     #[track_caller]
     pub fn init_rank_in(
         lib: &Arc<Library>,
-        device: &Device,
+        device: &CommDevice,
         world_size: usize,
         rank: usize,
         id: &UniqueId,
@@ -45,7 +45,7 @@ impl Communicator {
     /// once; [`PendingCommunicator::wait`] yields the communicator.
     #[track_caller]
     pub fn init_rank_nonblocking(
-        device: &Device,
+        device: &CommDevice,
         world_size: usize,
         rank: usize,
         id: &UniqueId,
@@ -59,7 +59,7 @@ impl Communicator {
     #[track_caller]
     fn start_init(
         lib: &Arc<Library>,
-        device: &Device,
+        device: &CommDevice,
         world_size: usize,
         rank: usize,
         id: &UniqueId,
@@ -75,8 +75,8 @@ impl Communicator {
         crate::diag::check_lane(
             OP,
             match device {
-                Device::Cuda(c) => crate::diag::Lane::Device(c.ordinal()),
-                Device::Host => diag.host_lane(),
+                CommDevice::Cuda(c) => crate::diag::Lane::Device(c.ordinal()),
+                CommDevice::Host => diag.host_lane(),
             },
         )?;
         bind(device)?;
@@ -119,9 +119,9 @@ impl Communicator {
     }
 
     /// Creates one communicator per device in this process (`ncclCommInitAll`): rank `i`
-    /// runs on `devices[i]`. For the host provider pass [`Device::Host`] once per rank.
+    /// runs on `devices[i]`. For the host provider pass [`CommDevice::Host`] once per rank.
     #[track_caller]
-    pub fn init_all(devices: &[Device]) -> Result<Vec<Communicator>> {
+    pub fn init_all(devices: &[CommDevice]) -> Result<Vec<Communicator>> {
         const OP: &str = "ncclCommInitAll";
         let first = devices.first().ok_or(Error::InvalidArgument {
             op: OP,
@@ -133,8 +133,8 @@ impl Communicator {
         for d in devices {
             check_device(OP, &lib, d)?;
             ordinals.push(match d {
-                Device::Cuda(c) => c.ordinal() as c_int,
-                Device::Host => ordinals.len() as c_int,
+                CommDevice::Cuda(c) => c.ordinal() as c_int,
+                CommDevice::Host => ordinals.len() as c_int,
             });
         }
         let mut raws: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];

@@ -32,35 +32,35 @@ pub use init::PendingCommunicator;
 
 /// Where a communicator's rank runs: a CUDA device (NVIDIA's NCCL) or the host provider.
 #[derive(Debug, Clone)]
-pub enum Device {
+pub enum CommDevice {
     /// A CUDA device, through cudarc's context for it.
     Cuda(Arc<CudaContext>),
     /// The in-process host provider (CPU memory, ranks as threads).
     Host,
 }
 
-impl Device {
+impl CommDevice {
     /// The library this kind of device is served by: the default NCCL for CUDA
-    /// ([`Library::load`]), the host provider for [`Device::Host`].
+    /// ([`Library::load`]), the host provider for [`CommDevice::Host`].
     pub fn library(&self) -> Result<Arc<Library>> {
         match self {
-            Device::Cuda(_) => Library::load(),
+            CommDevice::Cuda(_) => Library::load(),
             #[cfg(feature = "host")]
-            Device::Host => Ok(Library::host()),
+            CommDevice::Host => Ok(Library::host()),
             #[cfg(not(feature = "host"))]
-            Device::Host => Err(Error::InvalidArgument {
-                op: "Device::library",
+            CommDevice::Host => Err(Error::InvalidArgument {
+                op: "CommDevice::library",
                 reason: "nccl-safe was built without its `host` feature (the host provider)".into(),
             }),
         }
     }
 
     /// Which provider serves this kind of device: [`Provider::Nccl`] for CUDA,
-    /// [`Provider::Host`] for [`Device::Host`].
+    /// [`Provider::Host`] for [`CommDevice::Host`].
     pub fn provider(&self) -> Provider {
         match self {
-            Device::Cuda(_) => Provider::Nccl,
-            Device::Host => Provider::Host,
+            CommDevice::Cuda(_) => Provider::Nccl,
+            CommDevice::Host => Provider::Host,
         }
     }
 
@@ -92,13 +92,13 @@ pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(600);
 ///   [`Error::CommunicatorFailed`] without calling NCCL, and drop aborts.
 ///
 /// ```
-/// use nccl_safe::{Communicator, Config, Device, Stream, ReduceOp};
+/// use nccl_safe::{Communicator, Config, CommDevice, Stream, ReduceOp};
 /// // Two ranks in threads, on the host provider.
-/// let id = Device::Host.unique_id()?;
+/// let id = CommDevice::Host.unique_id()?;
 /// std::thread::scope(|s| {
 ///     for rank in 0..2 {
 ///         s.spawn(move || -> nccl_safe::Result<()> {
-///             let comm = Communicator::init_rank(&Device::Host, 2, rank, &id, &Config::new())?;
+///             let comm = Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &Config::new())?;
 ///             let mut grads = vec![rank as f32 + 1.0; 4];
 ///             comm.all_reduce_in_place(&mut grads, ReduceOp::Sum, &Stream::Host)?;
 ///             assert_eq!(grads, vec![3.0; 4]);
@@ -112,7 +112,7 @@ pub struct Communicator {
     /// The handle and its library: the one owner of the handle (taken once for its
     /// teardown, never for a borrowed one).
     handle: RawComm,
-    device: Device,
+    device: CommDevice,
     rank: usize,
     world_size: usize,
     cuda_device: Option<usize>,
@@ -160,7 +160,7 @@ fn check_world(op: &'static str, world_size: usize, rank: usize) -> Result<()> {
     Ok(())
 }
 
-fn check_device(op: &'static str, lib: &Library, device: &Device) -> Result<()> {
+fn check_device(op: &'static str, lib: &Library, device: &CommDevice) -> Result<()> {
     match (lib.provider(), device) {
         (p, d) if p == d.provider() => Ok(()),
         (p, d) => Err(Error::InvalidArgument {
@@ -168,8 +168,8 @@ fn check_device(op: &'static str, lib: &Library, device: &Device) -> Result<()> 
             reason: format!(
                 "a {} device cannot use the {p:?} provider",
                 match d {
-                    Device::Cuda(_) => "CUDA",
-                    Device::Host => "host",
+                    CommDevice::Cuda(_) => "CUDA",
+                    CommDevice::Host => "host",
                 }
             ),
         }),
@@ -177,10 +177,10 @@ fn check_device(op: &'static str, lib: &Library, device: &Device) -> Result<()> 
 }
 
 #[inline(always)]
-fn bind(device: &Device) -> Result<()> {
+fn bind(device: &CommDevice) -> Result<()> {
     match device {
-        Device::Cuda(ctx) => bind_cuda(ctx),
-        Device::Host => Ok(()),
+        CommDevice::Cuda(ctx) => bind_cuda(ctx),
+        CommDevice::Host => Ok(()),
     }
 }
 
@@ -201,7 +201,7 @@ impl Communicator {
     }
 
     /// The device this rank runs on (as [`crate::launch::Rank::device`]).
-    pub fn device(&self) -> &Device {
+    pub fn device(&self) -> &CommDevice {
         &self.device
     }
 
@@ -494,7 +494,7 @@ impl Communicator {
     /// caller once rank and size are known).
     pub(crate) fn new(
         handle: RawComm,
-        device: Device,
+        device: CommDevice,
         rank: usize,
         world_size: usize,
         diag: crate::diag::CommDiag,
@@ -502,8 +502,8 @@ impl Communicator {
         Communicator {
             handle,
             cuda_device: match &device {
-                Device::Cuda(c) => Some(c.ordinal()),
-                Device::Host => None,
+                CommDevice::Cuda(c) => Some(c.ordinal()),
+                CommDevice::Host => None,
             },
             device,
             rank,
@@ -536,7 +536,7 @@ impl Communicator {
     pub(crate) fn check_foreign_device(
         op: &'static str,
         lib: &Library,
-        device: &Device,
+        device: &CommDevice,
     ) -> Result<()> {
         check_device(op, lib, device)
     }

@@ -119,7 +119,7 @@ mod tests {
 
     fn one_rank() -> (ncclComm_t, crate::id::UniqueId) {
         let lib = Library::host();
-        let id = crate::Device::Host.unique_id().unwrap();
+        let id = crate::CommDevice::Host.unique_id().unwrap();
         let mut raw = std::ptr::null_mut();
         // SAFETY: `raw` is writable; a one-rank communicator needs no peer.
         let r = unsafe { (lib.table().ncclCommInitRank)(&mut raw, 1, id.to_raw(), 0) };

@@ -113,8 +113,8 @@ impl Communicator {
     ) -> (Duration, Option<ncclResult_t>) {
         let what = format!("rank {} of {} ({why})", self.rank, self.world_size);
         let ctx = match &self.device {
-            Device::Cuda(c) => Some(Arc::clone(c)),
-            Device::Host => None,
+            CommDevice::Cuda(c) => Some(Arc::clone(c)),
+            CommDevice::Host => None,
         };
         let b = self.diag.bound();
         let (_, r) = crate::diag::teardown_bounded(

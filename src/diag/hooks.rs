@@ -780,7 +780,7 @@ mod tests {
     use super::*;
     use crate::diag::journal::Entry;
     use crate::diag::shared::{ABORTING, DECIDING};
-    use crate::{Communicator, Config, Device, ReduceOp, Stream};
+    use crate::{CommDevice, Communicator, Config, ReduceOp, Stream};
 
     /// Host operations below this are known complete.
     fn host_retired(s: &Shared) -> u64 {
@@ -790,8 +790,8 @@ mod tests {
     }
 
     fn comm() -> (Communicator, UniqueId) {
-        let id = Device::Host.unique_id().unwrap();
-        let c = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new()).unwrap();
+        let id = CommDevice::Host.unique_id().unwrap();
+        let c = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &Config::new()).unwrap();
         (c, id)
     }
 
@@ -855,9 +855,15 @@ mod tests {
         counting: &Arc<tracker::counting::Counting>,
         timeout: Duration,
     ) -> (Communicator, UniqueId) {
-        let id = Device::Host.unique_id().unwrap();
+        let id = CommDevice::Host.unique_id().unwrap();
         TEST_TRACKER.with(|t| *t.borrow_mut() = Some(Arc::clone(counting) as Arc<dyn Tracker>));
-        let c = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new().timeout(timeout));
+        let c = Communicator::init_rank(
+            &CommDevice::Host,
+            1,
+            0,
+            &id,
+            &Config::new().timeout(timeout),
+        );
         TEST_TRACKER.with(|t| *t.borrow_mut() = None);
         (c.unwrap(), id)
     }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
 
-use crate::comm::{Communicator, Device};
+use crate::comm::{CommDevice, Communicator};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::id::UniqueId;
@@ -40,7 +40,7 @@ pub fn cuda_device_count() -> usize {
 /// ```
 #[derive(Debug, Clone)]
 pub struct Launcher {
-    devices: Vec<Device>,
+    devices: Vec<CommDevice>,
     config: Config,
     timeout: Duration,
 }
@@ -77,7 +77,7 @@ impl Rank {
     }
 
     /// The rank's device.
-    pub fn device(&self) -> &Device {
+    pub fn device(&self) -> &CommDevice {
         self.comm.device()
     }
 
@@ -193,14 +193,14 @@ impl Launcher {
         }
         let devices = ordinals
             .iter()
-            .map(|&i| Ok(Device::Cuda(CudaContext::new(i)?)))
+            .map(|&i| Ok(CommDevice::Cuda(CudaContext::new(i)?)))
             .collect::<Result<Vec<_>>>()?;
         Ok(Launcher::with_devices(devices))
     }
 
     /// `n` ranks on the in-process host provider.
     pub fn host(n: usize) -> Launcher {
-        Launcher::with_devices(vec![Device::Host; n])
+        Launcher::with_devices(vec![CommDevice::Host; n])
     }
 
     /// Every GPU when there is one, else `host_ranks` ranks on the host provider; and
@@ -212,7 +212,7 @@ impl Launcher {
         }
     }
 
-    fn with_devices(devices: Vec<Device>) -> Launcher {
+    fn with_devices(devices: Vec<CommDevice>) -> Launcher {
         Launcher {
             devices,
             config: Config::new(),
@@ -391,7 +391,7 @@ impl Launcher {
     fn rank_main<R, F>(
         &self,
         rank: usize,
-        device: &Device,
+        device: &CommDevice,
         id: &UniqueId,
         config: &Config,
         board: &Board,
@@ -402,11 +402,11 @@ impl Launcher {
     {
         let setup = || -> Result<Rank> {
             let stream = match device {
-                Device::Cuda(ctx) => {
+                CommDevice::Cuda(ctx) => {
                     ctx.bind_to_thread()?;
                     Stream::Cuda(ctx.new_stream()?)
                 }
-                Device::Host => Stream::Host,
+                CommDevice::Host => Stream::Host,
             };
             let comm = Communicator::init_rank(device, self.devices.len(), rank, id, config)?;
             Ok(Rank {

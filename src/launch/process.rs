@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
-use crate::comm::{Communicator, Device};
+use crate::comm::{CommDevice, Communicator};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::id::UniqueId;
@@ -36,7 +36,7 @@ impl ProcessLauncher {
         }
     }
 
-    /// Runs the ranks on the host provider ([`Device::Host`], CPU memory) instead of a GPU
+    /// Runs the ranks on the host provider ([`CommDevice::Host`], CPU memory) instead of a GPU
     /// each: the processes of one machine meet in shared memory
     /// ([`crate::host::shared_unique_id`]), so multi-process code runs on any machine.
     #[cfg(feature = "host")]
@@ -151,7 +151,7 @@ impl ProcessLauncher {
     pub fn join(&self, id: &UniqueId) -> Result<Rank> {
         if self.host {
             let comm = Communicator::init_rank(
-                &Device::Host,
+                &CommDevice::Host,
                 self.env.world_size,
                 self.env.rank,
                 id,
@@ -169,7 +169,7 @@ impl ProcessLauncher {
         ctx.bind_to_thread()?;
         let stream = Stream::Cuda(ctx.new_stream()?);
         let comm = Communicator::init_rank(
-            &Device::Cuda(ctx),
+            &CommDevice::Cuda(ctx),
             self.env.world_size,
             self.env.rank,
             id,

@@ -56,9 +56,9 @@ fn foreign_pre_mul_sum(op: &'static str) -> Error {
 /// outlive it. Each rank may use its own scalar.
 ///
 /// ```
-/// # use nccl_safe::{Communicator, Config, Device, Stream};
-/// # let id = Device::Host.unique_id()?;
-/// let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new())?;
+/// # use nccl_safe::{Communicator, Config, CommDevice, Stream};
+/// # let id = CommDevice::Host.unique_id()?;
+/// let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &Config::new())?;
 /// let half = comm.create_pre_mul_sum(0.5f32)?;
 /// let mut x = vec![4.0f32, 8.0];
 /// comm.all_reduce_in_place(&mut x, &half, &Stream::Host)?;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use half::{bf16, f16};
 use nccl_safe::host::{stats_for, HostStats};
-use nccl_safe::{Communicator, Config, Device, NcclType, UniqueId};
+use nccl_safe::{CommDevice, Communicator, Config, NcclType, UniqueId};
 
 /// An element type whose small integers (|v| <= 127) are exact.
 pub trait El: NcclType + PartialEq + std::fmt::Debug + Default {
@@ -61,15 +61,20 @@ pub fn run_ranks<F>(world: usize, f: F) -> HostStats
 where
     F: Fn(&Communicator) + Sync,
 {
-    let id = Device::Host.unique_id().expect("host unique id");
+    let id = CommDevice::Host.unique_id().expect("host unique id");
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
             .map(|rank| {
                 let f = &f;
                 s.spawn(move || {
-                    let comm =
-                        Communicator::init_rank(&Device::Host, world, rank, &id, &Config::new())
-                            .expect("init_rank");
+                    let comm = Communicator::init_rank(
+                        &CommDevice::Host,
+                        world,
+                        rank,
+                        &id,
+                        &Config::new(),
+                    )
+                    .expect("init_rank");
                     assert_eq!((comm.rank(), comm.world_size()), (rank, world));
                     if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(&comm))) {
                         let _ = comm.abort();

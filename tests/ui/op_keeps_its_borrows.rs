@@ -1,11 +1,11 @@
 // An Op holds its borrows until it runs or its group ends: its buffers cannot be dropped
 // or written meanwhile, nor its PreMulSum destroyed (ncclRedOpDestroy) before the group
 // has enqueued the work that uses it.
-use nccl_safe::{Communicator, Config, Device, Group, Stream, ReduceOp};
+use nccl_safe::{Communicator, Config, CommDevice, Group, Stream, ReduceOp};
 
 fn main() -> nccl_safe::Result<()> {
-    let id = Device::Host.unique_id()?;
-    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new())?;
+    let id = CommDevice::Host.unique_id()?;
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &Config::new())?;
     let send = vec![1.0f32; 4];
     let mut recv = vec![0.0f32; 4];
     let op = comm.all_reduce_op(&send, &mut recv, ReduceOp::Sum, &Stream::Host)?;

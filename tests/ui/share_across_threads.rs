@@ -1,9 +1,9 @@
 // NCCL forbids concurrent calls on one communicator: &Communicator cannot cross threads.
-use nccl_safe::{Communicator, Config, Device, Stream, ReduceOp};
+use nccl_safe::{Communicator, Config, CommDevice, Stream, ReduceOp};
 
 fn main() -> nccl_safe::Result<()> {
-    let id = Device::Host.unique_id()?;
-    let comm = Communicator::init_rank(&Device::Host, 1, 0, &id, &Config::new())?;
+    let id = CommDevice::Host.unique_id()?;
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &Config::new())?;
     let shared = &comm;
     std::thread::scope(|s| {
         s.spawn(move || {
