@@ -124,6 +124,30 @@ impl Ready {
             format!("invalid argument: {name}: {m}"),
         )
     }
+
+    /// Takes this communicator's next collective sequence number, with its device.
+    fn next_coll(&self, g: &mut Global) -> Result<(u64, c_int), Fail> {
+        let Some(c) = g.comms.get_mut(&self.h) else {
+            return Err(Fail::new(
+                ncclInternalError,
+                "internal error: handle vanished",
+            ));
+        };
+        c.coll_seq += 1;
+        Ok((c.coll_seq - 1, c.device))
+    }
+
+    /// Whether a child of this communicator blocks: as `config` says (checked as
+    /// entry point `name` checks it), else as this parent does.
+    fn child_blocking(
+        &self,
+        g: &mut Global,
+        config: *const ncclConfig_t,
+        name: &str,
+    ) -> Result<bool, Fail> {
+        let parent_nb = g.comms.get(&self.h).is_some_and(|c| c.nonblocking);
+        Ok(parse_config(g, config, Some(self.root), name)?.unwrap_or(!parent_nb))
+    }
 }
 
 /// Checks `comm` is initialized (and, with `ops`, not finalized and its clique not aborted).
@@ -629,27 +653,14 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
             let mut g = lock();
             let r = ready(&mut g, comm, "ncclCommSplit", true)?;
             if newcomm.is_null() || color < NCCL_SPLIT_NOCOLOR {
-                return Err(g.misuse(
-                    Some(r.root),
-                    ncclInvalidArgument,
-                    format!("invalid argument: ncclCommSplit: newcomm is NULL or color {color} < 0 (and not NCCL_SPLIT_NOCOLOR)"),
+                return Err(r.invalid(
+                    &mut g,
+                    "ncclCommSplit",
+                    format!("newcomm is NULL or color {color} < 0 (and not NCCL_SPLIT_NOCOLOR)"),
                 ));
             }
-            let parent_nb = g.comms.get(&r.h).is_some_and(|c| c.nonblocking);
-            let blocking =
-                parse_config(&mut g, config, Some(r.root), "ncclCommSplit")?.unwrap_or(!parent_nb);
-            let (seq, dev) = match g.comms.get_mut(&r.h) {
-                Some(c) => {
-                    c.coll_seq += 1;
-                    (c.coll_seq - 1, c.device)
-                }
-                None => {
-                    return Err(Fail::new(
-                        ncclInternalError,
-                        "internal error: handle vanished",
-                    ))
-                }
-            };
+            let blocking = r.child_blocking(&mut g, config, "ncclCommSplit")?;
+            let (seq, dev) = r.next_coll(&mut g)?;
             if let Some(seg) = shared_of(&g, r.clique) {
                 // Across processes: every rank's (color, key) through the parent, then the
                 // child's id derived alike on every rank and joined as any shared init.
@@ -709,13 +720,7 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
         group_err((|| {
             let mut g = lock();
             let r = ready(&mut g, comm, "ncclCommShrink", false)?;
-            let bad = |g: &mut Global, m: String| {
-                g.misuse(
-                    Some(r.root),
-                    ncclInvalidArgument,
-                    format!("invalid argument: ncclCommShrink: {m}"),
-                )
-            };
+            let bad = |g: &mut Global, m: String| r.invalid(g, "ncclCommShrink", m);
             if newcomm.is_null() {
                 return Err(bad(&mut g, "newcomm is NULL".into()));
             }
@@ -746,9 +751,7 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
                     r.nranks, r.rank
                 )));
             }
-            let parent_nb = g.comms.get(&r.h).is_some_and(|c| c.nonblocking);
-            let blocking =
-                parse_config(&mut g, config, Some(r.root), "ncclCommShrink")?.unwrap_or(!parent_nb);
+            let blocking = r.child_blocking(&mut g, config, "ncclCommShrink")?;
             if shrink_flags == NCCL_SHRINK_ABORT as c_int {
                 g.abort_clique(
                     r.clique,
@@ -758,18 +761,7 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
                     ),
                 );
             }
-            let (seq, dev) = match g.comms.get_mut(&r.h) {
-                Some(c) => {
-                    c.coll_seq += 1;
-                    (c.coll_seq - 1, c.device)
-                }
-                None => {
-                    return Err(Fail::new(
-                        ncclInternalError,
-                        "internal error: handle vanished",
-                    ))
-                }
-            };
+            let (seq, dev) = r.next_coll(&mut g)?;
             let h = g.new_handle(r.root, dev, !blocking);
             if let Some(seg) = shared_of(&g, r.clique) {
                 // Across processes: the survivors need not talk through the (possibly failed)
@@ -1078,18 +1070,7 @@ fn coll(
             root: rt,
             caller: super::current_caller(),
         };
-        let seq = match g.comms.get_mut(&r.h) {
-            Some(c) => {
-                c.coll_seq += 1;
-                c.coll_seq - 1
-            }
-            None => {
-                return Err(Fail::new(
-                    ncclInternalError,
-                    "internal error: handle vanished",
-                ))
-            }
-        };
+        let (seq, _) = r.next_coll(&mut g)?;
         let item = Item::Coll {
             clique: r.clique,
             rank: r.rank,
