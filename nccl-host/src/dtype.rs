@@ -125,22 +125,46 @@ macro_rules! raw_view {
     };
 }
 
+/// What every native number type's [`Elem`] shares: its bytes in native order, and
+/// `max`/`min` by its own comparison.
+macro_rules! native_elem {
+    ($t:ty) => {
+        raw_view!(core::mem::size_of::<$t>());
+        #[inline(always)]
+        fn from_raw(r: Self::Raw) -> Self {
+            <$t>::from_ne_bytes(r)
+        }
+        #[inline(always)]
+        fn to_raw(self) -> Self::Raw {
+            self.to_ne_bytes()
+        }
+        #[inline(always)]
+        fn max(self, o: Self) -> Self {
+            if o > self {
+                o
+            } else {
+                self
+            }
+        }
+        #[inline(always)]
+        fn min(self, o: Self) -> Self {
+            if o < self {
+                o
+            } else {
+                self
+            }
+        }
+    };
+}
+
 macro_rules! int_elem {
     ($($t:ty => $w:ty),*) => {$(
         impl Elem for $t {
-            raw_view!(core::mem::size_of::<$t>());
-            #[inline(always)]
-            fn from_raw(r: Self::Raw) -> Self { <$t>::from_ne_bytes(r) }
-            #[inline(always)]
-            fn to_raw(self) -> Self::Raw { self.to_ne_bytes() }
+            native_elem!($t);
             #[inline(always)]
             fn add(self, o: Self) -> Self { self.wrapping_add(o) }
             #[inline(always)]
             fn mul(self, o: Self) -> Self { self.wrapping_mul(o) }
-            #[inline(always)]
-            fn max(self, o: Self) -> Self { if o > self { o } else { self } }
-            #[inline(always)]
-            fn min(self, o: Self) -> Self { if o < self { o } else { self } }
             #[inline(always)]
             fn div_n(self, n: usize) -> Self { ((self as $w) / (n as $w)) as $t }
         }
@@ -151,19 +175,11 @@ int_elem!(i8 => i64, u8 => u64, i32 => i64, u32 => u64, i64 => i64, u64 => u64);
 macro_rules! float_elem {
     ($($t:ty),*) => {$(
         impl Elem for $t {
-            raw_view!(core::mem::size_of::<$t>());
-            #[inline(always)]
-            fn from_raw(r: Self::Raw) -> Self { <$t>::from_ne_bytes(r) }
-            #[inline(always)]
-            fn to_raw(self) -> Self::Raw { self.to_ne_bytes() }
+            native_elem!($t);
             #[inline(always)]
             fn add(self, o: Self) -> Self { self + o }
             #[inline(always)]
             fn mul(self, o: Self) -> Self { self * o }
-            #[inline(always)]
-            fn max(self, o: Self) -> Self { if o > self { o } else { self } }
-            #[inline(always)]
-            fn min(self, o: Self) -> Self { if o < self { o } else { self } }
             #[inline(always)]
             fn div_n(self, n: usize) -> Self { self / (n as $t) }
         }
