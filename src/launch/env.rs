@@ -186,23 +186,18 @@ impl ProcessEnv {
 
     fn torchrun(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
         const HINT: &str = "torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; set them all when launching by hand";
-        let s = EnvSource::Torchrun;
-        let env = Lookup::new(get, s, HINT);
+        let env = Lookup::new(get, EnvSource::Torchrun, HINT);
         let world_size = env.size("WORLD_SIZE")?;
-        let rank = env.rank("RANK", "WORLD_SIZE", world_size)?;
-        let (local_rank, local_world_size) = env.local("LOCAL_RANK", "LOCAL_WORLD_SIZE")?;
+        let place = env.place(
+            world_size,
+            "WORLD_SIZE",
+            "RANK",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+        )?;
         let master_addr = env.addr("MASTER_ADDR")?;
         let master_port = env.port("MASTER_PORT")?;
-        Ok(Self {
-            source: s,
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
-            master_addr,
-            master_port,
-            elastic: Self::elastic(&env)?,
-        })
+        Ok(place.meeting_at(master_addr, master_port, Self::elastic(&env)?))
     }
 
     fn elastic(env: &Lookup<'_>) -> Result<Option<Elastic>, EnvError> {
@@ -239,27 +234,21 @@ impl ProcessEnv {
 
     fn open_mpi(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
         const HINT: &str = "mpirun sets OMPI_COMM_WORLD_*; pass the address of rank 0's host with `mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port>`";
-        let s = EnvSource::OpenMpi;
-        let env = Lookup::new(get, s, HINT);
+        let env = Lookup::new(get, EnvSource::OpenMpi, HINT);
         let world_size = env.size("OMPI_COMM_WORLD_SIZE")?;
-        let rank = env.rank("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", world_size)?;
-        let (local_rank, local_world_size) =
-            env.local("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")?;
+        let place = env.place(
+            world_size,
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        )?;
         let master_addr = env.addr("MASTER_ADDR")?;
         let master_port = match env.get("MASTER_PORT") {
             Some(_) => env.port("MASTER_PORT")?,
             None => DEFAULT_PORT,
         };
-        Ok(Self {
-            source: s,
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
-            master_addr,
-            master_port,
-            elastic: None,
-        })
+        Ok(place.meeting_at(master_addr, master_port, None))
     }
 
     fn slurm(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
@@ -277,8 +266,13 @@ impl ProcessEnv {
                 e => e,
             })?,
         };
-        let rank = env.rank("SLURM_PROCID", "SLURM_NTASKS", world_size)?;
-        let (local_rank, local_world_size) = env.local("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")?;
+        let place = env.place(
+            world_size,
+            "SLURM_NTASKS",
+            "SLURM_PROCID",
+            "SLURM_LOCALID",
+            "SLURM_NTASKS_PER_NODE",
+        )?;
         let master_addr = if env.get("MASTER_ADDR").is_some() {
             env.addr("MASTER_ADDR")?
         } else {
@@ -310,16 +304,44 @@ impl ProcessEnv {
         } else {
             DEFAULT_PORT
         };
-        Ok(Self {
-            source: s,
+        Ok(place.meeting_at(master_addr, master_port, None))
+    }
+}
+
+/// Where a process sits in its job, as one launcher's variables say.
+struct Place {
+    source: EnvSource,
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+    local_world_size: Option<usize>,
+}
+
+impl Place {
+    /// The process at this place, whose job meets at `master_addr:master_port`.
+    fn meeting_at(
+        self,
+        master_addr: String,
+        master_port: u16,
+        elastic: Option<Elastic>,
+    ) -> ProcessEnv {
+        let Place {
+            source,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+        } = self;
+        ProcessEnv {
+            source,
             rank,
             world_size,
             local_rank,
             local_world_size,
             master_addr,
             master_port,
-            elastic: None,
-        })
+            elastic,
+        }
     }
 }
 
@@ -370,6 +392,27 @@ impl<'a> Lookup<'a> {
             });
         }
         Ok(n)
+    }
+
+    /// The place of this process: its rank from `rank_var`, below `world_size` (read from
+    /// `size_var`), and its local rank and local size as [`Self::local`] reads them.
+    fn place(
+        &self,
+        world_size: usize,
+        size_var: &'static str,
+        rank_var: &'static str,
+        local_var: &'static str,
+        local_size_var: &'static str,
+    ) -> Result<Place, EnvError> {
+        let rank = self.rank(rank_var, size_var, world_size)?;
+        let (local_rank, local_world_size) = self.local(local_var, local_size_var)?;
+        Ok(Place {
+            source: self.source,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+        })
     }
 
     fn rank(
