@@ -369,10 +369,7 @@ impl CommDiag {
 
     /// The bound and the policy past it.
     pub(crate) fn bound(&self) -> Bound {
-        Bound {
-            bound: self.settings.abort_timeout,
-            action: self.settings.on_abort_timeout,
-        }
+        self.settings.bound()
     }
 
     /// When the watchdog took this communicator's handle: waits until `until` for its
