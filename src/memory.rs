@@ -527,7 +527,6 @@ fn same_device<T>(slice: &CudaSlice<T>, s: &CudaStream) -> bool {
     slice.context().ordinal() == s.context().ordinal()
 }
 
-
 /// `range` within `0..len`, as `(start, end)`.
 fn bounds(op: &'static str, range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
     let start = match range.start_bound() {
