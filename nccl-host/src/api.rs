@@ -291,6 +291,15 @@ fn finish_new(
     }
 }
 
+/// The failure of entry point `name`, outside any communicator, given a NULL `arg`.
+fn null_arg(g: &mut Global, name: &str, arg: &str) -> Fail {
+    g.misuse(
+        None,
+        ncclInvalidArgument,
+        format!("invalid argument: {name}: {arg} is NULL"),
+    )
+}
+
 pub(crate) unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
     get_version(version, 23203)
 }
@@ -298,11 +307,7 @@ pub(crate) unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResul
 pub(crate) fn get_version(version: *mut c_int, code: c_int) -> ncclResult_t {
     ffi(|| {
         if version.is_null() {
-            return Err(lock().misuse(
-                None,
-                ncclInvalidArgument,
-                "invalid argument: ncclGetVersion: version is NULL".into(),
-            ));
+            return Err(null_arg(&mut lock(), "ncclGetVersion", "version"));
         }
         put(version, code);
         Ok(ncclSuccess)
@@ -312,11 +317,7 @@ pub(crate) fn get_version(version: *mut c_int, code: c_int) -> ncclResult_t {
 pub(crate) unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclResult_t {
     ffi(|| {
         if unique_id.is_null() {
-            return Err(lock().misuse(
-                None,
-                ncclInvalidArgument,
-                "invalid argument: ncclGetUniqueId: uniqueId is NULL".into(),
-            ));
+            return Err(null_arg(&mut lock(), "ncclGetUniqueId", "uniqueId"));
         }
         put(unique_id, fresh_id());
         Ok(ncclSuccess)
@@ -1228,11 +1229,7 @@ pub(crate) unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize)
     ffi(|| {
         let mut g = lock();
         if ptr.is_null() {
-            return Err(g.misuse(
-                None,
-                ncclInvalidArgument,
-                "invalid argument: ncclMemAlloc: ptr is NULL".into(),
-            ));
+            return Err(null_arg(&mut g, "ncclMemAlloc", "ptr"));
         }
         let Ok(layout) = std::alloc::Layout::from_size_align(size.max(1), 4096) else {
             return Err(g.misuse(
