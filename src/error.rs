@@ -333,3 +333,25 @@ impl From<NcclError> for Error {
         Error::Nccl(Box::new(e))
     }
 }
+
+/// `Ok` when a buffer of `op` holds the `expected` number of elements, else
+/// [`Error::LengthMismatch`] naming `rule`.
+pub(crate) fn check_len(
+    op: &'static str,
+    role: BufferRole,
+    actual: usize,
+    expected: usize,
+    rule: &'static str,
+) -> Result<()> {
+    if actual == expected {
+        Ok(())
+    } else {
+        Err(Error::LengthMismatch {
+            op,
+            role,
+            expected,
+            actual,
+            rule,
+        })
+    }
+}

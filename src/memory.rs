@@ -24,7 +24,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, De
 
 use crate::buffer::{sealed, BufferGuard, Memory, RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
-use crate::error::{BufferRole, Error, Result};
+use crate::error::{check_len, BufferRole, Error, Result};
 use crate::library::{CallContext, Library, Provider};
 use crate::stream::{AsStream, Stream, StreamRef};
 use crate::types::NcclType;
@@ -365,7 +365,7 @@ impl<T: NcclType> NcclMemory<T> {
     /// event tracking is on); returns when the copy is done.
     pub fn copy_from_host(&mut self, src: &[T], stream: &impl AsStream) -> Result<()> {
         const OP: &str = "NcclMemory::copy_from_host";
-        check_len(OP, BufferRole::Send, src.len(), self.len)?;
+        check_len(OP, BufferRole::Send, src.len(), self.len, HOST_SLICE)?;
         let stream = stream.as_stream();
         match (&mut self.storage, stream) {
             (Some(Storage::Host(p)), StreamRef::Host) => {
@@ -392,7 +392,7 @@ impl<T: NcclType> NcclMemory<T> {
     /// returns when the copy is done.
     pub fn copy_to_host(&self, dst: &mut [T], stream: &impl AsStream) -> Result<()> {
         const OP: &str = "NcclMemory::copy_to_host";
-        check_len(OP, BufferRole::Recv, dst.len(), self.len)?;
+        check_len(OP, BufferRole::Recv, dst.len(), self.len, HOST_SLICE)?;
         let stream = stream.as_stream();
         match (&self.storage, stream) {
             (Some(Storage::Host(_)), StreamRef::Host) => {
@@ -520,22 +520,11 @@ impl<T: NcclType> Drop for NcclMemory<T> {
     }
 }
 
+/// The length rule of a copy between a buffer and a host slice.
+const HOST_SLICE: &str = "host slice = buffer";
+
 fn same_device<T>(slice: &CudaSlice<T>, s: &CudaStream) -> bool {
     slice.context().ordinal() == s.context().ordinal()
-}
-
-fn check_len(op: &'static str, role: BufferRole, actual: usize, expected: usize) -> Result<()> {
-    if actual == expected {
-        Ok(())
-    } else {
-        Err(Error::LengthMismatch {
-            op,
-            role,
-            expected,
-            actual,
-            rule: "host slice = buffer",
-        })
-    }
 }
 
 /// `range` within `0..len`, as `(start, end)`.

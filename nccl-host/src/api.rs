@@ -4,6 +4,7 @@
 use core::ffi::{c_char, c_int, c_void, CStr};
 use std::cell::{Cell, RefCell};
 use std::ffi::CString;
+use std::sync::MutexGuard;
 
 use nccl_sys::bindings::*;
 
@@ -112,6 +113,41 @@ struct Ready {
     rank: i32,
     nranks: i32,
     root: RootIdx,
+}
+
+impl Ready {
+    /// An invalid-argument failure of entry point `name` on this communicator.
+    fn invalid(&self, g: &mut Global, name: &str, m: String) -> Fail {
+        g.misuse(
+            Some(self.root),
+            ncclInvalidArgument,
+            format!("invalid argument: {name}: {m}"),
+        )
+    }
+
+    /// Takes this communicator's next collective sequence number, with its device.
+    fn next_coll(&self, g: &mut Global) -> Result<(u64, c_int), Fail> {
+        let Some(c) = g.comms.get_mut(&self.h) else {
+            return Err(Fail::new(
+                ncclInternalError,
+                "internal error: handle vanished",
+            ));
+        };
+        c.coll_seq += 1;
+        Ok((c.coll_seq - 1, c.device))
+    }
+
+    /// Whether a child of this communicator blocks: as `config` says (checked as
+    /// entry point `name` checks it), else as this parent does.
+    fn child_blocking(
+        &self,
+        g: &mut Global,
+        config: *const ncclConfig_t,
+        name: &str,
+    ) -> Result<bool, Fail> {
+        let parent_nb = g.comms.get(&self.h).is_some_and(|c| c.nonblocking);
+        Ok(parse_config(g, config, Some(self.root), name)?.unwrap_or(!parent_nb))
+    }
 }
 
 /// Checks `comm` is initialized (and, with `ops`, not finalized and its clique not aborted).
@@ -255,6 +291,15 @@ fn finish_new(
     }
 }
 
+/// The failure of entry point `name`, outside any communicator, given a NULL `arg`.
+fn null_arg(g: &mut Global, name: &str, arg: &str) -> Fail {
+    g.misuse(
+        None,
+        ncclInvalidArgument,
+        format!("invalid argument: {name}: {arg} is NULL"),
+    )
+}
+
 pub(crate) unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
     get_version(version, 23203)
 }
@@ -262,11 +307,7 @@ pub(crate) unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResul
 pub(crate) fn get_version(version: *mut c_int, code: c_int) -> ncclResult_t {
     ffi(|| {
         if version.is_null() {
-            return Err(lock().misuse(
-                None,
-                ncclInvalidArgument,
-                "invalid argument: ncclGetVersion: version is NULL".into(),
-            ));
+            return Err(null_arg(&mut lock(), "ncclGetVersion", "version"));
         }
         put(version, code);
         Ok(ncclSuccess)
@@ -276,11 +317,7 @@ pub(crate) fn get_version(version: *mut c_int, code: c_int) -> ncclResult_t {
 pub(crate) unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclResult_t {
     ffi(|| {
         if unique_id.is_null() {
-            return Err(lock().misuse(
-                None,
-                ncclInvalidArgument,
-                "invalid argument: ncclGetUniqueId: uniqueId is NULL".into(),
-            ));
+            return Err(null_arg(&mut lock(), "ncclGetUniqueId", "uniqueId"));
         }
         put(unique_id, fresh_id());
         Ok(ncclSuccess)
@@ -617,27 +654,14 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
             let mut g = lock();
             let r = ready(&mut g, comm, "ncclCommSplit", true)?;
             if newcomm.is_null() || color < NCCL_SPLIT_NOCOLOR {
-                return Err(g.misuse(
-                    Some(r.root),
-                    ncclInvalidArgument,
-                    format!("invalid argument: ncclCommSplit: newcomm is NULL or color {color} < 0 (and not NCCL_SPLIT_NOCOLOR)"),
+                return Err(r.invalid(
+                    &mut g,
+                    "ncclCommSplit",
+                    format!("newcomm is NULL or color {color} < 0 (and not NCCL_SPLIT_NOCOLOR)"),
                 ));
             }
-            let parent_nb = g.comms.get(&r.h).is_some_and(|c| c.nonblocking);
-            let blocking =
-                parse_config(&mut g, config, Some(r.root), "ncclCommSplit")?.unwrap_or(!parent_nb);
-            let (seq, dev) = match g.comms.get_mut(&r.h) {
-                Some(c) => {
-                    c.coll_seq += 1;
-                    (c.coll_seq - 1, c.device)
-                }
-                None => {
-                    return Err(Fail::new(
-                        ncclInternalError,
-                        "internal error: handle vanished",
-                    ))
-                }
-            };
+            let blocking = r.child_blocking(&mut g, config, "ncclCommSplit")?;
+            let (seq, dev) = r.next_coll(&mut g)?;
             if let Some(seg) = shared_of(&g, r.clique) {
                 // Across processes: every rank's (color, key) through the parent, then the
                 // child's id derived alike on every rank and joined as any shared init.
@@ -697,13 +721,7 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
         group_err((|| {
             let mut g = lock();
             let r = ready(&mut g, comm, "ncclCommShrink", false)?;
-            let bad = |g: &mut Global, m: String| {
-                g.misuse(
-                    Some(r.root),
-                    ncclInvalidArgument,
-                    format!("invalid argument: ncclCommShrink: {m}"),
-                )
-            };
+            let bad = |g: &mut Global, m: String| r.invalid(g, "ncclCommShrink", m);
             if newcomm.is_null() {
                 return Err(bad(&mut g, "newcomm is NULL".into()));
             }
@@ -734,9 +752,7 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
                     r.nranks, r.rank
                 )));
             }
-            let parent_nb = g.comms.get(&r.h).is_some_and(|c| c.nonblocking);
-            let blocking =
-                parse_config(&mut g, config, Some(r.root), "ncclCommShrink")?.unwrap_or(!parent_nb);
+            let blocking = r.child_blocking(&mut g, config, "ncclCommShrink")?;
             if shrink_flags == NCCL_SHRINK_ABORT as c_int {
                 g.abort_clique(
                     r.clique,
@@ -746,18 +762,7 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
                     ),
                 );
             }
-            let (seq, dev) = match g.comms.get_mut(&r.h) {
-                Some(c) => {
-                    c.coll_seq += 1;
-                    (c.coll_seq - 1, c.device)
-                }
-                None => {
-                    return Err(Fail::new(
-                        ncclInternalError,
-                        "internal error: handle vanished",
-                    ))
-                }
-            };
+            let (seq, dev) = r.next_coll(&mut g)?;
             let h = g.new_handle(r.root, dev, !blocking);
             if let Some(seg) = shared_of(&g, r.clique) {
                 // Across processes: the survivors need not talk through the (possibly failed)
@@ -940,6 +945,40 @@ pub(crate) unsafe extern "C" fn ncclRedOpDestroy(
     })
 }
 
+/// An operation's entry point `name` on `comm`: on a ready communicator and a known
+/// datatype `dt`, `post` checks the rest and queues the work, given the lock, the
+/// communicator and `dt`'s element size. A failure inside a group is kept for its end.
+fn operation(
+    name: &str,
+    comm: ncclComm_t,
+    dt: ncclDataType_t,
+    post: impl FnOnce(MutexGuard<'static, Global>, Ready, usize) -> Result<ncclResult_t, Fail>,
+) -> ncclResult_t {
+    ffi(|| {
+        group_err((|| {
+            let mut g = lock();
+            let r = ready(&mut g, comm, name, true)?;
+            let Some(es) = dtype::size_of(dt) else {
+                return Err(r.invalid(&mut g, name, format!("unknown datatype {dt}")));
+            };
+            post(g, r, es)
+        })())
+    })
+}
+
+/// Queues `item`, or, where a test staged `Fault::StuckWork`, accepts it
+/// and never completes it.
+fn submit_unless_stuck(
+    g: MutexGuard<'static, Global>,
+    r: &Ready,
+    item: Item,
+) -> Result<ncclResult_t, Fail> {
+    if super::fault::take_stuck(r.root, r.h) {
+        return Ok(ncclSuccess);
+    }
+    submit(g, item)
+}
+
 /// Which buffers a rank's collective touches: (send elements, recv elements), 0 = unused.
 fn extents(kind: CollKind, count: usize, nranks: usize, is_root: bool) -> Option<(usize, usize)> {
     let all = count.checked_mul(nranks)?;
@@ -967,305 +1006,80 @@ fn coll(
     op: Option<ncclRedOp_t>,
     root: Option<c_int>,
 ) -> ncclResult_t {
-    ffi(|| {
-        group_err((|| {
-            let mut g = lock();
-            let r = ready(&mut g, comm, name, true)?;
-            let bad = |g: &mut Global, m: String| {
-                g.misuse(
-                    Some(r.root),
-                    ncclInvalidArgument,
-                    format!("invalid argument: {name}: {m}"),
-                )
-            };
-            let Some(es) = dtype::size_of(dt) else {
-                return Err(bad(&mut g, format!("unknown datatype {dt}")));
-            };
-            let (red, scalar) = match op {
-                None => (RedKind::Sum, Vec::new()),
-                Some(ncclSum) => (RedKind::Sum, Vec::new()),
-                Some(ncclProd) => (RedKind::Prod, Vec::new()),
-                Some(ncclMax) => (RedKind::Max, Vec::new()),
-                Some(ncclMin) => (RedKind::Min, Vec::new()),
-                Some(ncclAvg) => (RedKind::Avg, Vec::new()),
-                Some(o) => match g.comms.get(&r.h).and_then(|c| c.redops.get(&o)).cloned() {
-                    None => return Err(bad(&mut g, format!("unknown reduction op {o}"))),
-                    Some(p) if p.dtype != dt => {
-                        return Err(bad(
-                            &mut g,
-                            format!(
-                                "PreMulSum op {o} was created for datatype {} but used with {dt}",
-                                p.dtype
-                            ),
-                        ))
-                    }
-                    Some(PreMul { scalar: Ok(v), .. }) => (RedKind::PreMulSum, v),
-                    Some(PreMul {
-                        scalar: Err(addr), ..
-                    }) => {
-                        let mut v = vec![0u8; es];
-                        // SAFETY: a "device" scalar is read at op time; the caller keeps it
-                        // valid for the life of the op (NCCL's contract for ncclScalarDevice).
-                        unsafe {
-                            core::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), es)
-                        };
-                        (RedKind::PreMulSum, v)
-                    }
-                },
-            };
-            let rt = root.unwrap_or(0);
-            if rt < 0 || rt >= r.nranks {
-                return Err(bad(
-                    &mut g,
-                    format!("root {rt} out of range 0..{}", r.nranks),
-                ));
-            }
-            let is_root = root.is_none_or(|x| x == r.rank);
-            let Some((ns, nr)) = extents(kind, count, r.nranks as usize, is_root) else {
-                return Err(bad(&mut g, format!("count {count} too large")));
-            };
-            if ns.checked_mul(es).is_none() || nr.checked_mul(es).is_none() {
-                return Err(bad(&mut g, format!("count {count} too large")));
-            }
-            if ns > 0 && send.is_null() {
-                return Err(bad(&mut g, "sendbuff is NULL".into()));
-            }
-            if nr > 0 && recv.is_null() {
-                return Err(bad(&mut g, "recvbuff is NULL".into()));
-            }
-            let post = CollPost {
-                kind,
-                send: if ns > 0 { send as usize } else { 0 },
-                recv: if nr > 0 { recv as usize } else { 0 },
-                count,
-                dtype: dt,
-                red,
-                scalar,
-                root: rt,
-                caller: super::current_caller(),
-            };
-            let seq = match g.comms.get_mut(&r.h) {
-                Some(c) => {
-                    c.coll_seq += 1;
-                    c.coll_seq - 1
-                }
-                None => {
-                    return Err(Fail::new(
-                        ncclInternalError,
-                        "internal error: handle vanished",
+    operation(name, comm, dt, |mut g, r, es| {
+        let bad = |g: &mut Global, m: String| r.invalid(g, name, m);
+        let (red, scalar) = match op {
+            None => (RedKind::Sum, Vec::new()),
+            Some(ncclSum) => (RedKind::Sum, Vec::new()),
+            Some(ncclProd) => (RedKind::Prod, Vec::new()),
+            Some(ncclMax) => (RedKind::Max, Vec::new()),
+            Some(ncclMin) => (RedKind::Min, Vec::new()),
+            Some(ncclAvg) => (RedKind::Avg, Vec::new()),
+            Some(o) => match g.comms.get(&r.h).and_then(|c| c.redops.get(&o)).cloned() {
+                None => return Err(bad(&mut g, format!("unknown reduction op {o}"))),
+                Some(p) if p.dtype != dt => {
+                    return Err(bad(
+                        &mut g,
+                        format!(
+                            "PreMulSum op {o} was created for datatype {} but used with {dt}",
+                            p.dtype
+                        ),
                     ))
                 }
-            };
-            if super::fault::take_stuck(r.root, r.h) {
-                return Ok(ncclSuccess); // accepted, never completes (Fault::StuckWork)
-            }
-            submit(
-                g,
-                Item::Coll {
-                    clique: r.clique,
-                    rank: r.rank,
-                    seq,
-                    post,
-                },
-            )
-        })())
+                Some(PreMul { scalar: Ok(v), .. }) => (RedKind::PreMulSum, v),
+                Some(PreMul {
+                    scalar: Err(addr), ..
+                }) => {
+                    let mut v = vec![0u8; es];
+                    // SAFETY: a "device" scalar is read at op time; the caller keeps it
+                    // valid for the life of the op (NCCL's contract for ncclScalarDevice).
+                    unsafe {
+                        core::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), es)
+                    };
+                    (RedKind::PreMulSum, v)
+                }
+            },
+        };
+        let rt = root.unwrap_or(0);
+        if rt < 0 || rt >= r.nranks {
+            return Err(bad(
+                &mut g,
+                format!("root {rt} out of range 0..{}", r.nranks),
+            ));
+        }
+        let is_root = root.is_none_or(|x| x == r.rank);
+        let Some((ns, nr)) = extents(kind, count, r.nranks as usize, is_root) else {
+            return Err(bad(&mut g, format!("count {count} too large")));
+        };
+        if ns.checked_mul(es).is_none() || nr.checked_mul(es).is_none() {
+            return Err(bad(&mut g, format!("count {count} too large")));
+        }
+        if ns > 0 && send.is_null() {
+            return Err(bad(&mut g, "sendbuff is NULL".into()));
+        }
+        if nr > 0 && recv.is_null() {
+            return Err(bad(&mut g, "recvbuff is NULL".into()));
+        }
+        let post = CollPost {
+            kind,
+            send: if ns > 0 { send as usize } else { 0 },
+            recv: if nr > 0 { recv as usize } else { 0 },
+            count,
+            dtype: dt,
+            red,
+            scalar,
+            root: rt,
+            caller: super::current_caller(),
+        };
+        let (seq, _) = r.next_coll(&mut g)?;
+        let item = Item::Coll {
+            clique: r.clique,
+            rank: r.rank,
+            seq,
+            post,
+        };
+        submit_unless_stuck(g, &r, item)
     })
-}
-
-pub(crate) unsafe extern "C" fn ncclReduce(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    op: ncclRedOp_t,
-    root: c_int,
-    comm: ncclComm_t,
-    _stream: cudaStream_t,
-) -> ncclResult_t {
-    coll(
-        "ncclReduce",
-        CollKind::Reduce,
-        comm,
-        sendbuff,
-        recvbuff,
-        count,
-        datatype,
-        Some(op),
-        Some(root),
-    )
-}
-
-pub(crate) unsafe extern "C" fn ncclBcast(
-    buff: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    root: c_int,
-    comm: ncclComm_t,
-    _stream: cudaStream_t,
-) -> ncclResult_t {
-    coll(
-        "ncclBcast",
-        CollKind::Broadcast,
-        comm,
-        buff,
-        buff,
-        count,
-        datatype,
-        None,
-        Some(root),
-    )
-}
-
-pub(crate) unsafe extern "C" fn ncclBroadcast(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    root: c_int,
-    comm: ncclComm_t,
-    _stream: cudaStream_t,
-) -> ncclResult_t {
-    coll(
-        "ncclBroadcast",
-        CollKind::Broadcast,
-        comm,
-        sendbuff,
-        recvbuff,
-        count,
-        datatype,
-        None,
-        Some(root),
-    )
-}
-
-pub(crate) unsafe extern "C" fn ncclAllReduce(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    op: ncclRedOp_t,
-    comm: ncclComm_t,
-    _stream: cudaStream_t,
-) -> ncclResult_t {
-    coll(
-        "ncclAllReduce",
-        CollKind::AllReduce,
-        comm,
-        sendbuff,
-        recvbuff,
-        count,
-        datatype,
-        Some(op),
-        None,
-    )
-}
-
-pub(crate) unsafe extern "C" fn ncclReduceScatter(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    recvcount: usize,
-    datatype: ncclDataType_t,
-    op: ncclRedOp_t,
-    comm: ncclComm_t,
-    _stream: cudaStream_t,
-) -> ncclResult_t {
-    coll(
-        "ncclReduceScatter",
-        CollKind::ReduceScatter,
-        comm,
-        sendbuff,
-        recvbuff,
-        recvcount,
-        datatype,
-        Some(op),
-        None,
-    )
-}
-
-pub(crate) unsafe extern "C" fn ncclAllGather(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    sendcount: usize,
-    datatype: ncclDataType_t,
-    comm: ncclComm_t,
-    _stream: cudaStream_t,
-) -> ncclResult_t {
-    coll(
-        "ncclAllGather",
-        CollKind::AllGather,
-        comm,
-        sendbuff,
-        recvbuff,
-        sendcount,
-        datatype,
-        None,
-        None,
-    )
-}
-
-pub(crate) unsafe extern "C" fn ncclAlltoAll(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    comm: ncclComm_t,
-    _stream: cudaStream_t,
-) -> ncclResult_t {
-    coll(
-        "ncclAlltoAll",
-        CollKind::AlltoAll,
-        comm,
-        sendbuff,
-        recvbuff,
-        count,
-        datatype,
-        None,
-        None,
-    )
-}
-
-pub(crate) unsafe extern "C" fn ncclGather(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    root: c_int,
-    comm: ncclComm_t,
-    _stream: cudaStream_t,
-) -> ncclResult_t {
-    coll(
-        "ncclGather",
-        CollKind::Gather,
-        comm,
-        sendbuff,
-        recvbuff,
-        count,
-        datatype,
-        None,
-        Some(root),
-    )
-}
-
-pub(crate) unsafe extern "C" fn ncclScatter(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    root: c_int,
-    comm: ncclComm_t,
-    _stream: cudaStream_t,
-) -> ncclResult_t {
-    coll(
-        "ncclScatter",
-        CollKind::Scatter,
-        comm,
-        sendbuff,
-        recvbuff,
-        count,
-        datatype,
-        None,
-        Some(root),
-    )
 }
 
 fn p2p(
@@ -1277,106 +1091,100 @@ fn p2p(
     peer: c_int,
     comm: ncclComm_t,
 ) -> ncclResult_t {
-    ffi(|| {
-        group_err((|| {
-            let mut g = lock();
-            let r = ready(&mut g, comm, name, true)?;
-            let bad = |g: &mut Global, m: String| {
-                g.misuse(
-                    Some(r.root),
-                    ncclInvalidArgument,
-                    format!("invalid argument: {name}: {m}"),
-                )
-            };
-            let Some(es) = dtype::size_of(dt) else {
-                return Err(bad(&mut g, format!("unknown datatype {dt}")));
-            };
-            if peer < 0 || peer >= r.nranks {
-                return Err(bad(
-                    &mut g,
-                    format!("peer {peer} out of range 0..{}", r.nranks),
-                ));
-            }
-            if count.checked_mul(es).is_none() {
-                return Err(bad(&mut g, format!("count {count} too large")));
-            }
-            if count > 0 && ptr == 0 {
-                return Err(bad(&mut g, "buffer is NULL".into()));
-            }
-            let Some(c) = g.comms.get_mut(&r.h) else {
-                return Err(Fail::new(
-                    ncclInternalError,
-                    "internal error: handle vanished",
-                ));
-            };
-            let ctr = if is_send {
-                c.send_seq.entry(peer).or_insert(0)
-            } else {
-                c.recv_seq.entry(peer).or_insert(0)
-            };
-            let seq = *ctr;
-            *ctr += 1;
-            let (src, dst) = if is_send {
-                (r.rank, peer)
-            } else {
-                (peer, r.rank)
-            };
-            let item = Item::P2p {
-                clique: r.clique,
-                src,
-                dst,
-                seq,
-                is_send,
-                post: P2pPost {
-                    ptr,
-                    count,
-                    dtype: dt,
-                },
-            };
-            if super::fault::take_stuck(r.root, r.h) {
-                return Ok(ncclSuccess); // accepted, never completes (Fault::StuckWork)
-            }
-            submit(g, item)
-        })())
+    operation(name, comm, dt, |mut g, r, es| {
+        let bad = |g: &mut Global, m: String| r.invalid(g, name, m);
+        if peer < 0 || peer >= r.nranks {
+            return Err(bad(
+                &mut g,
+                format!("peer {peer} out of range 0..{}", r.nranks),
+            ));
+        }
+        if count.checked_mul(es).is_none() {
+            return Err(bad(&mut g, format!("count {count} too large")));
+        }
+        if count > 0 && ptr == 0 {
+            return Err(bad(&mut g, "buffer is NULL".into()));
+        }
+        let Some(c) = g.comms.get_mut(&r.h) else {
+            return Err(Fail::new(
+                ncclInternalError,
+                "internal error: handle vanished",
+            ));
+        };
+        let ctr = if is_send {
+            c.send_seq.entry(peer).or_insert(0)
+        } else {
+            c.recv_seq.entry(peer).or_insert(0)
+        };
+        let seq = *ctr;
+        *ctr += 1;
+        let (src, dst) = if is_send {
+            (r.rank, peer)
+        } else {
+            (peer, r.rank)
+        };
+        let item = Item::P2p {
+            clique: r.clique,
+            src,
+            dst,
+            seq,
+            is_send,
+            post: P2pPost {
+                ptr,
+                count,
+                dtype: dt,
+            },
+        };
+        submit_unless_stuck(g, &r, item)
     })
 }
 
-pub(crate) unsafe extern "C" fn ncclSend(
-    sendbuff: *const c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    peer: c_int,
-    comm: ncclComm_t,
-    _stream: cudaStream_t,
-) -> ncclResult_t {
-    p2p(
-        "ncclSend",
-        true,
-        sendbuff as usize,
-        count,
-        datatype,
-        peer,
-        comm,
-    )
+/// NCCL's entry points that only hand their arguments to the function that checks and posts
+/// them ([`coll`], [`p2p`]), its first argument the entry point's name: each pairs NCCL's C
+/// signature with that call.
+macro_rules! forward {
+    ($($name:ident($($arg:ident: $ty:ty),* $(,)?) => $f:ident($($a:expr),* $(,)?);)*) => {
+        $(pub(crate) unsafe extern "C" fn $name($($arg: $ty),*) -> ncclResult_t {
+            $f(stringify!($name), $($a),*)
+        })*
+    };
 }
 
-pub(crate) unsafe extern "C" fn ncclRecv(
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    peer: c_int,
-    comm: ncclComm_t,
-    _stream: cudaStream_t,
-) -> ncclResult_t {
-    p2p(
-        "ncclRecv",
-        false,
-        recvbuff as usize,
-        count,
-        datatype,
-        peer,
-        comm,
-    )
+forward! {
+    ncclReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
+        datatype: ncclDataType_t, op: ncclRedOp_t, root: c_int, comm: ncclComm_t,
+        _stream: cudaStream_t)
+        => coll(CollKind::Reduce, comm, sendbuff, recvbuff, count, datatype, Some(op), Some(root));
+    ncclBcast(buff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int,
+        comm: ncclComm_t, _stream: cudaStream_t)
+        => coll(CollKind::Broadcast, comm, buff, buff, count, datatype, None, Some(root));
+    ncclBroadcast(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
+        datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, _stream: cudaStream_t)
+        => coll(CollKind::Broadcast, comm, sendbuff, recvbuff, count, datatype, None, Some(root));
+    ncclAllReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
+        datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, _stream: cudaStream_t)
+        => coll(CollKind::AllReduce, comm, sendbuff, recvbuff, count, datatype, Some(op), None);
+    ncclReduceScatter(sendbuff: *const c_void, recvbuff: *mut c_void, recvcount: usize,
+        datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, _stream: cudaStream_t)
+        => coll(CollKind::ReduceScatter, comm, sendbuff, recvbuff, recvcount, datatype, Some(op), None);
+    ncclAllGather(sendbuff: *const c_void, recvbuff: *mut c_void, sendcount: usize,
+        datatype: ncclDataType_t, comm: ncclComm_t, _stream: cudaStream_t)
+        => coll(CollKind::AllGather, comm, sendbuff, recvbuff, sendcount, datatype, None, None);
+    ncclAlltoAll(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
+        datatype: ncclDataType_t, comm: ncclComm_t, _stream: cudaStream_t)
+        => coll(CollKind::AlltoAll, comm, sendbuff, recvbuff, count, datatype, None, None);
+    ncclGather(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
+        datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, _stream: cudaStream_t)
+        => coll(CollKind::Gather, comm, sendbuff, recvbuff, count, datatype, None, Some(root));
+    ncclScatter(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
+        datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, _stream: cudaStream_t)
+        => coll(CollKind::Scatter, comm, sendbuff, recvbuff, count, datatype, None, Some(root));
+    ncclSend(sendbuff: *const c_void, count: usize, datatype: ncclDataType_t, peer: c_int,
+        comm: ncclComm_t, _stream: cudaStream_t)
+        => p2p(true, sendbuff as usize, count, datatype, peer, comm);
+    ncclRecv(recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, peer: c_int,
+        comm: ncclComm_t, _stream: cudaStream_t)
+        => p2p(false, recvbuff as usize, count, datatype, peer, comm);
 }
 
 pub(crate) unsafe extern "C" fn ncclGroupStart() -> ncclResult_t {
@@ -1421,11 +1229,7 @@ pub(crate) unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize)
     ffi(|| {
         let mut g = lock();
         if ptr.is_null() {
-            return Err(g.misuse(
-                None,
-                ncclInvalidArgument,
-                "invalid argument: ncclMemAlloc: ptr is NULL".into(),
-            ));
+            return Err(null_arg(&mut g, "ncclMemAlloc", "ptr"));
         }
         let Ok(layout) = std::alloc::Layout::from_size_align(size.max(1), 4096) else {
             return Err(g.misuse(

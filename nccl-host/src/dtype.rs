@@ -125,22 +125,46 @@ macro_rules! raw_view {
     };
 }
 
+/// What every native number type's [`Elem`] shares: its bytes in native order, and
+/// `max`/`min` by its own comparison.
+macro_rules! native_elem {
+    ($t:ty) => {
+        raw_view!(core::mem::size_of::<$t>());
+        #[inline(always)]
+        fn from_raw(r: Self::Raw) -> Self {
+            <$t>::from_ne_bytes(r)
+        }
+        #[inline(always)]
+        fn to_raw(self) -> Self::Raw {
+            self.to_ne_bytes()
+        }
+        #[inline(always)]
+        fn max(self, o: Self) -> Self {
+            if o > self {
+                o
+            } else {
+                self
+            }
+        }
+        #[inline(always)]
+        fn min(self, o: Self) -> Self {
+            if o < self {
+                o
+            } else {
+                self
+            }
+        }
+    };
+}
+
 macro_rules! int_elem {
     ($($t:ty => $w:ty),*) => {$(
         impl Elem for $t {
-            raw_view!(core::mem::size_of::<$t>());
-            #[inline(always)]
-            fn from_raw(r: Self::Raw) -> Self { <$t>::from_ne_bytes(r) }
-            #[inline(always)]
-            fn to_raw(self) -> Self::Raw { self.to_ne_bytes() }
+            native_elem!($t);
             #[inline(always)]
             fn add(self, o: Self) -> Self { self.wrapping_add(o) }
             #[inline(always)]
             fn mul(self, o: Self) -> Self { self.wrapping_mul(o) }
-            #[inline(always)]
-            fn max(self, o: Self) -> Self { if o > self { o } else { self } }
-            #[inline(always)]
-            fn min(self, o: Self) -> Self { if o < self { o } else { self } }
             #[inline(always)]
             fn div_n(self, n: usize) -> Self { ((self as $w) / (n as $w)) as $t }
         }
@@ -151,19 +175,11 @@ int_elem!(i8 => i64, u8 => u64, i32 => i64, u32 => u64, i64 => i64, u64 => u64);
 macro_rules! float_elem {
     ($($t:ty),*) => {$(
         impl Elem for $t {
-            raw_view!(core::mem::size_of::<$t>());
-            #[inline(always)]
-            fn from_raw(r: Self::Raw) -> Self { <$t>::from_ne_bytes(r) }
-            #[inline(always)]
-            fn to_raw(self) -> Self::Raw { self.to_ne_bytes() }
+            native_elem!($t);
             #[inline(always)]
             fn add(self, o: Self) -> Self { self + o }
             #[inline(always)]
             fn mul(self, o: Self) -> Self { self * o }
-            #[inline(always)]
-            fn max(self, o: Self) -> Self { if o > self { o } else { self } }
-            #[inline(always)]
-            fn min(self, o: Self) -> Self { if o < self { o } else { self } }
             #[inline(always)]
             fn div_n(self, n: usize) -> Self { self / (n as $t) }
         }
@@ -199,24 +215,36 @@ trait ViaF32: Copy {
     }
 }
 
-impl ViaF32 for f16 {
-    raw_view!(2);
-    #[inline(always)]
-    fn from_raw(r: Self::Raw) -> Self {
-        f16::from_bits(u16::from_ne_bytes(r))
-    }
-    #[inline(always)]
-    fn to_raw(self) -> Self::Raw {
-        self.to_bits().to_ne_bytes()
-    }
-    #[inline(always)]
-    fn to32(self) -> f32 {
-        self.to_f32()
-    }
-    #[inline(always)]
-    fn from32(x: f32) -> Self {
-        f16::from_f32(x)
-    }
+/// [`ViaF32`] for a `half` type: its bits as the raw bytes, `half`'s own conversions to and
+/// from f32, and after them any block conversions of its own.
+macro_rules! half_via_f32 {
+    ($t:ident $($block:tt)*) => {
+        impl ViaF32 for $t {
+            raw_view!(2);
+            #[inline(always)]
+            fn from_raw(r: Self::Raw) -> Self {
+                $t::from_bits(u16::from_ne_bytes(r))
+            }
+            #[inline(always)]
+            fn to_raw(self) -> Self::Raw {
+                self.to_bits().to_ne_bytes()
+            }
+            #[inline(always)]
+            fn to32(self) -> f32 {
+                self.to_f32()
+            }
+            #[inline(always)]
+            fn from32(x: f32) -> Self {
+                $t::from_f32(x)
+            }
+            $($block)*
+        }
+    };
+}
+
+half_via_f32!(bf16);
+half_via_f32! {
+    f16
     // `half`'s slice conversions pick the same implementation as its per-element ones
     // (F16C where the CPU has it, else the same software rounding), a block at a time.
     #[inline(always)]
@@ -236,26 +264,6 @@ impl ViaF32 for f16 {
         for (d, h) in dst[..k].iter_mut().zip(&h[..k]) {
             *d = <Self as ViaF32>::to_raw(*h);
         }
-    }
-}
-
-impl ViaF32 for bf16 {
-    raw_view!(2);
-    #[inline(always)]
-    fn from_raw(r: Self::Raw) -> Self {
-        bf16::from_bits(u16::from_ne_bytes(r))
-    }
-    #[inline(always)]
-    fn to_raw(self) -> Self::Raw {
-        self.to_bits().to_ne_bytes()
-    }
-    #[inline(always)]
-    fn to32(self) -> f32 {
-        self.to_f32()
-    }
-    #[inline(always)]
-    fn from32(x: f32) -> Self {
-        bf16::from_f32(x)
     }
 }
 
@@ -453,35 +461,20 @@ trait Step {
     fn step<T: Elem>(acc: T, x: T) -> T;
 }
 
-struct AddStep;
-struct MulStep;
-struct MaxStep;
-struct MinStep;
+/// A [`Step`] type per reduction, each calling its [`Elem`] method.
+macro_rules! steps {
+    ($($step:ident => $method:ident),*) => {$(
+        struct $step;
+        impl Step for $step {
+            #[inline(always)]
+            fn step<T: Elem>(acc: T, x: T) -> T {
+                acc.$method(x)
+            }
+        }
+    )*};
+}
 
-impl Step for AddStep {
-    #[inline(always)]
-    fn step<T: Elem>(acc: T, x: T) -> T {
-        acc.add(x)
-    }
-}
-impl Step for MulStep {
-    #[inline(always)]
-    fn step<T: Elem>(acc: T, x: T) -> T {
-        acc.mul(x)
-    }
-}
-impl Step for MaxStep {
-    #[inline(always)]
-    fn step<T: Elem>(acc: T, x: T) -> T {
-        acc.max(x)
-    }
-}
-impl Step for MinStep {
-    #[inline(always)]
-    fn step<T: Elem>(acc: T, x: T) -> T {
-        acc.min(x)
-    }
-}
+steps!(AddStep => add, MulStep => mul, MaxStep => max, MinStep => min);
 
 /// `acc[i] = S(acc[i], x[i])` for every element.
 #[inline(always)]

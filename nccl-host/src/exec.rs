@@ -6,8 +6,8 @@ use nccl_sys::bindings::*;
 
 use super::dtype::{self, RedKind};
 use super::state::{
-    lock, notify, wait, wait_limit, CollKind, CollPost, CollSlot, CommState, Fail, Global, Handle,
-    P2pPost, P2pSlot, SlotState,
+    lock, notify, wait, wait_limit, Clique, CollKind, CollPost, CollSlot, CommState, Fail, Global,
+    Handle, P2pPost, P2pSlot, SlotState,
 };
 
 /// An operation queued by a thread (inside a group, or the single op of a plain call).
@@ -86,6 +86,16 @@ fn consistent(posts: &[CollPost]) -> Result<(), Fail> {
     Ok(())
 }
 
+/// The clique an item posts to; an aborted one fails the post.
+fn open_clique(g: &mut Global, clique: u64) -> Result<&mut Clique, Fail> {
+    if let Some(f) = aborted_fail(g, clique) {
+        return Err(f);
+    }
+    g.cliques
+        .get_mut(&clique)
+        .ok_or_else(|| Fail::new(ncclInternalError, "internal error: clique vanished"))
+}
+
 fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
     match item {
         Item::Handle(h) => Ok((Wait::Handle(h), None)),
@@ -95,15 +105,7 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
             seq,
             post,
         } => {
-            if let Some(f) = aborted_fail(g, clique) {
-                return Err(f);
-            }
-            let Some(cl) = g.cliques.get_mut(&clique) else {
-                return Err(Fail::new(
-                    ncclInternalError,
-                    "internal error: clique vanished",
-                ));
-            };
+            let cl = open_clique(g, clique)?;
             let n = cl.nranks as usize;
             let slot = cl.colls.entry(seq).or_insert_with(|| CollSlot {
                 posts: vec![None; n],
@@ -141,15 +143,7 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
             is_send,
             post,
         } => {
-            if let Some(f) = aborted_fail(g, clique) {
-                return Err(f);
-            }
-            let Some(cl) = g.cliques.get_mut(&clique) else {
-                return Err(Fail::new(
-                    ncclInternalError,
-                    "internal error: clique vanished",
-                ));
-            };
+            let cl = open_clique(g, clique)?;
             let key = (src, dst, seq);
             let slot = cl.p2p.entry(key).or_insert_with(|| P2pSlot {
                 send: None,
@@ -750,15 +744,6 @@ fn run_job(job: Job) {
 
 /// The state of one wait: `None` while it must go on.
 fn poll(g: &mut Global, w: &Wait, deadline: Instant) -> Option<Result<(), Fail>> {
-    let timeout = || {
-        Fail::new(
-            ncclTimeout,
-            format!(
-                "NCCL timeout: an operation did not complete by its deadline (the caller's timeout, at most {:?}: NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
-                wait_limit()
-            ),
-        )
-    };
     match w {
         Wait::Handle(h) => {
             g.check_pending_deadline(*h);
@@ -773,55 +758,84 @@ fn poll(g: &mut Global, w: &Wait, deadline: Instant) -> Option<Result<(), Fail>>
             }
         }
         Wait::Coll(clique, seq) => {
-            let aborted = aborted_fail(g, *clique);
-            let cl = g.cliques.get_mut(clique)?;
-            let slot = cl.colls.get_mut(seq)?;
-            match &slot.state {
-                SlotState::Executing => None,
-                SlotState::Done(r) => {
-                    let r = r.clone();
-                    slot.waiters -= 1;
-                    if slot.waiters == 0 {
-                        cl.colls.remove(seq);
-                    }
-                    Some(r)
-                }
-                SlotState::Waiting => match aborted {
-                    Some(f) => Some(Err(f)),
-                    None if Instant::now() >= deadline => {
-                        let f = timeout();
-                        g.abort_clique(*clique, f.clone());
-                        Some(Err(f))
-                    }
-                    None => None,
-                },
-            }
+            let state = take_done(&mut g.cliques.get_mut(clique)?.colls, seq)?;
+            wait_slot(g, *clique, state, deadline)
         }
         Wait::P2p(clique, key) => {
-            let aborted = aborted_fail(g, *clique);
-            let cl = g.cliques.get_mut(clique)?;
-            let slot = cl.p2p.get_mut(key)?;
-            match &slot.state {
-                SlotState::Executing => None,
-                SlotState::Done(r) => {
-                    let r = r.clone();
-                    slot.waiters -= 1;
-                    if slot.waiters == 0 {
-                        cl.p2p.remove(key);
-                    }
-                    Some(r)
-                }
-                SlotState::Waiting => match aborted {
-                    Some(f) => Some(Err(f)),
-                    None if Instant::now() >= deadline => {
-                        let f = timeout();
-                        g.abort_clique(*clique, f.clone());
-                        Some(Err(f))
-                    }
-                    None => None,
-                },
-            }
+            let state = take_done(&mut g.cliques.get_mut(clique)?.p2p, key)?;
+            wait_slot(g, *clique, state, deadline)
         }
+    }
+}
+
+/// A slot that waits poll: a collective's or a send/recv pair's.
+trait Slot {
+    fn state(&self) -> &SlotState;
+    /// How many waits have yet to take the slot's result.
+    fn waiters(&mut self) -> &mut usize;
+}
+
+impl Slot for CollSlot {
+    fn state(&self) -> &SlotState {
+        &self.state
+    }
+    fn waiters(&mut self) -> &mut usize {
+        &mut self.waiters
+    }
+}
+
+impl Slot for P2pSlot {
+    fn state(&self) -> &SlotState {
+        &self.state
+    }
+    fn waiters(&mut self) -> &mut usize {
+        &mut self.waiters
+    }
+}
+
+/// The state of the slot at `key` (`None`: no such slot). A done slot's result is taken
+/// for one waiter; the last waiter removes the slot.
+fn take_done<K: Eq + std::hash::Hash, S: Slot>(
+    slots: &mut std::collections::HashMap<K, S>,
+    key: &K,
+) -> Option<SlotState> {
+    let slot = slots.get_mut(key)?;
+    let state = slot.state().clone();
+    if let SlotState::Done(_) = state {
+        *slot.waiters() -= 1;
+        if *slot.waiters() == 0 {
+            slots.remove(key);
+        }
+    }
+    Some(state)
+}
+
+/// One poll of a wait on a slot of `clique` found in `state`: a waiting slot fails when
+/// the clique is aborted, and at `deadline` aborts it with a timeout.
+fn wait_slot(
+    g: &mut Global,
+    clique: u64,
+    state: SlotState,
+    deadline: Instant,
+) -> Option<Result<(), Fail>> {
+    match state {
+        SlotState::Executing => None,
+        SlotState::Done(r) => Some(r),
+        SlotState::Waiting => match aborted_fail(g, clique) {
+            Some(f) => Some(Err(f)),
+            None if Instant::now() >= deadline => {
+                let f = Fail::new(
+                    ncclTimeout,
+                    format!(
+                        "NCCL timeout: an operation did not complete by its deadline (the caller's timeout, at most {:?}: NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
+                        wait_limit()
+                    ),
+                );
+                g.abort_clique(clique, f.clone());
+                Some(Err(f))
+            }
+            None => None,
+        },
     }
 }
 

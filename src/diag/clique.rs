@@ -735,6 +735,22 @@ mod tests {
     #[cfg(feature = "launch")]
     use crate::launch::desync::{BoardClient, DesyncBoard};
 
+    /// An all-reduce of 4 `f32` at `seq`, enqueued `age` ago and not yet started.
+    #[track_caller]
+    fn enqueued_all_reduce(seq: u64, age: Duration) -> OpRecord {
+        OpRecord {
+            seq,
+            op: "ncclAllReduce",
+            dtype: Some(crate::types::DataType::Float32),
+            count: 4,
+            root: None,
+            caller: std::panic::Location::caller(),
+            enqueued: Instant::now() - age,
+            took: None,
+            state: OpState::Enqueued,
+        }
+    }
+
     /// A report built in "this process" (rank 0) shows what rank 2 of "another process"
     /// posted to a real board over loopback, and names rank 1 (which posted nothing).
     #[test]
@@ -751,17 +767,7 @@ mod tests {
         client
             .post(1, &DesyncPost::new(c.key ^ 1, 9, "elsewhere"))
             .unwrap();
-        let stuck = OpRecord {
-            seq: 1,
-            op: "ncclAllReduce",
-            dtype: Some(crate::types::DataType::Float32),
-            count: 4,
-            root: None,
-            caller: std::panic::Location::caller(),
-            enqueued: Instant::now(),
-            took: None,
-            state: OpState::Enqueued,
-        };
+        let stuck = enqueued_all_reduce(1, Duration::ZERO);
         c.update(0, |v| {
             v.present = true;
             v.issued = 2;
@@ -811,17 +817,6 @@ mod tests {
         let board = DesyncBoard::serve("127.0.0.1:0", 3, "departure-test-token").unwrap();
         let client = BoardClient::new(board.local_addr().to_string(), 3, "departure-test-token");
         let as_board = || Arc::new(client.clone()) as Arc<dyn RemoteBoard>;
-        let op = |seq: u64, age: Duration| OpRecord {
-            seq,
-            op: "ncclAllReduce",
-            dtype: Some(crate::types::DataType::Float32),
-            count: 4,
-            root: None,
-            caller: std::panic::Location::caller(),
-            enqueued: Instant::now() - age,
-            took: None,
-            state: OpState::Enqueued,
-        };
 
         // Posting: rank 2 here leaves after 5 collectives.
         let here = join(fresh_key(), 3);
@@ -833,7 +828,7 @@ mod tests {
         let mut view = here.view(2);
         view.last = Some(OpRecord {
             state: OpState::Completed,
-            ..op(4, Duration::ZERO)
+            ..enqueued_all_reduce(4, Duration::ZERO)
         });
         assert!(here
             .depart(2, view, "its launcher closure returned", false)
@@ -859,7 +854,7 @@ mod tests {
         there.update(0, |v| {
             v.present = true;
             v.issued = 4;
-            v.last = Some(op(3, Duration::from_secs(1)));
+            v.last = Some(enqueued_all_reduce(3, Duration::from_secs(1)));
         });
         client
             .post(
@@ -890,10 +885,10 @@ mod tests {
             "{d:?}"
         );
         assert!(there
-            .waits_for_departed(0, &op(3, Duration::ZERO))
+            .waits_for_departed(0, &enqueued_all_reduce(3, Duration::ZERO))
             .is_some());
         assert!(there
-            .waits_for_departed(0, &op(2, Duration::ZERO))
+            .waits_for_departed(0, &enqueued_all_reduce(2, Duration::ZERO))
             .is_none());
     }
 
@@ -919,15 +914,11 @@ mod tests {
     fn report_without_a_board_says_no_record() {
         let c = join(fresh_key(), 2);
         let stuck = OpRecord {
-            seq: 0,
             op: "ncclBroadcast",
             dtype: None,
             count: 0,
             root: Some(0),
-            caller: std::panic::Location::caller(),
-            enqueued: Instant::now(),
-            took: None,
-            state: OpState::Enqueued,
+            ..enqueued_all_reduce(0, Duration::ZERO)
         };
         c.update(0, |v| {
             v.present = true;

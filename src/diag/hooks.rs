@@ -369,10 +369,7 @@ impl CommDiag {
 
     /// The bound and the policy past it.
     pub(crate) fn bound(&self) -> Bound {
-        Bound {
-            bound: self.settings.abort_timeout,
-            action: self.settings.on_abort_timeout,
-        }
+        self.settings.bound()
     }
 
     /// When the watchdog took this communicator's handle: waits until `until` for its
@@ -782,6 +779,14 @@ mod tests {
     use crate::diag::shared::{ABORTING, DECIDING};
     use crate::{CommDevice, Communicator, Config, ReduceOp, Stream};
 
+    /// Polls `done` every `every` until it holds or `within` has passed.
+    fn wait_for(within: Duration, every: Duration, done: impl Fn() -> bool) {
+        let limit = Instant::now() + within;
+        while !done() && Instant::now() < limit {
+            std::thread::sleep(every);
+        }
+    }
+
     /// Host operations below this are known complete.
     fn host_retired(s: &Shared) -> u64 {
         s.host_queue
@@ -851,6 +856,13 @@ mod tests {
     }
 
     /// A one-rank host communicator whose watched work goes through `counting`.
+    /// A counting tracker that expects its calls on this thread.
+    fn counting_here() -> Arc<tracker::counting::Counting> {
+        Arc::new(tracker::counting::Counting::new(
+            std::thread::current().id(),
+        ))
+    }
+
     fn counted(
         counting: &Arc<tracker::counting::Counting>,
         timeout: Duration,
@@ -873,9 +885,7 @@ mod tests {
     /// queue per tick, on its own thread, and the work is still seen to complete.
     #[test]
     fn the_per_operation_path_never_calls_the_tracker() {
-        let counting = Arc::new(tracker::counting::Counting::new(
-            std::thread::current().id(),
-        ));
+        let counting = counting_here();
         let (c, _id) = counted(&counting, Duration::from_secs(600));
         let ticks_before = clock::coarse();
         const OPS: u64 = 2000;
@@ -892,10 +902,9 @@ mod tests {
         );
         let s = Arc::clone(c.diag.shared(c.handle()));
         let retired = || host_retired(&s);
-        let limit = Instant::now() + Duration::from_secs(10);
-        while retired() < OPS && Instant::now() < limit {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_for(Duration::from_secs(10), Duration::from_millis(5), || {
+            retired() >= OPS
+        });
         assert_eq!(retired(), OPS, "the watchdog retired every operation");
         assert!(counting.marks.load(Ordering::SeqCst) >= 1);
         eprintln!(
@@ -911,9 +920,7 @@ mod tests {
     /// tracked again once the capture ends.
     #[test]
     fn captured_work_is_never_timed_out() {
-        let counting = Arc::new(tracker::counting::Counting::new(
-            std::thread::current().id(),
-        ));
+        let counting = counting_here();
         counting.capturing.store(true, Ordering::SeqCst);
         counting.complete.store(false, Ordering::SeqCst);
         let (c, id) = counted(&counting, Duration::from_millis(50));
@@ -926,10 +933,9 @@ mod tests {
         // marker after it completes.
         counting.capturing.store(false, Ordering::SeqCst);
         counting.complete.store(true, Ordering::SeqCst);
-        let limit = Instant::now() + Duration::from_secs(10);
-        while host_retired(&s) < 1 && Instant::now() < limit {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_for(Duration::from_secs(10), Duration::from_millis(5), || {
+            host_retired(&s) >= 1
+        });
         assert_eq!(host_retired(&s), 1);
         assert!(!c.is_failed());
         drop(s);
@@ -962,24 +968,20 @@ mod tests {
     /// Work that never completes is timed out by the watchdog, and the communicator fails.
     #[test]
     fn incomplete_work_times_out() {
-        let counting = Arc::new(tracker::counting::Counting::new(
-            std::thread::current().id(),
-        ));
+        let counting = counting_here();
         counting.complete.store(false, Ordering::SeqCst);
         let (c, id) = counted(&counting, Duration::from_millis(50));
         sum(&c).unwrap();
-        let limit = Instant::now() + Duration::from_secs(2);
-        while !c.is_failed() && Instant::now() < limit {
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        wait_for(Duration::from_secs(2), Duration::from_millis(2), || {
+            c.is_failed()
+        });
         assert!(c.is_failed());
         assert!(matches!(sum(&c), Err(Error::Timeout { .. })));
         drop(c);
         // The watchdog took the handle; its abort thread may run only now.
-        let limit = Instant::now() + Duration::from_secs(10);
-        while crate::host::stats_for(&id.to_raw()).live > 0 && Instant::now() < limit {
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        wait_for(Duration::from_secs(10), Duration::from_millis(2), || {
+            crate::host::stats_for(&id.to_raw()).live == 0
+        });
         let st = crate::host::stats_for(&id.to_raw());
         assert_eq!(
             (st.created, st.destroyed, st.aborted, st.misused),
@@ -1075,17 +1077,14 @@ mod tests {
     /// taken while the watchdog decides waits for the verdict, and fails when it aborts.
     #[test]
     fn a_pinned_communicator_is_never_claimed() {
-        let counting = Arc::new(tracker::counting::Counting::new(
-            std::thread::current().id(),
-        ));
+        let counting = counting_here();
         counting.complete.store(false, Ordering::SeqCst);
         let (c, id) = counted(&counting, Duration::from_secs(600));
         sum(&c).unwrap();
         let s = Arc::clone(c.diag.shared(c.handle()));
-        let limit = Instant::now() + Duration::from_secs(5);
-        while !s.in_flight() && Instant::now() < limit {
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        wait_for(Duration::from_secs(5), Duration::from_millis(2), || {
+            s.in_flight()
+        });
         assert!(s.in_flight());
         let later = Instant::now() + Duration::from_secs(3600);
         assert!(c.diag.pin().unwrap(), "pinned");

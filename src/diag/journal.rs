@@ -174,8 +174,10 @@ impl Journal {
         s.version.store(v.wrapping_add(2), Ordering::Release);
     }
 
-    /// The record at `pos`, if it is still in the ring. Any thread.
-    pub(crate) fn get(&self, pos: u64) -> Option<OpRecord> {
+    /// One consistent read of `pos`'s slot by `load`, with the position the slot held then
+    /// (a seqlock read: retried while a writer is in the slot); `None` when `pos` is not
+    /// written yet. Any thread.
+    fn read<T>(&self, pos: u64, load: impl Fn(&Slot) -> T) -> Option<(u64, T)> {
         let s = self.slot(pos);
         loop {
             if pos >= self.next.load(Ordering::Acquire) {
@@ -187,62 +189,56 @@ impl Journal {
                 continue;
             }
             let at = s.pos.load(Ordering::Relaxed);
-            let seq = s.seq.load(Ordering::Relaxed);
-            let name = s.name.load(Ordering::Relaxed);
-            let caller = s.caller.load(Ordering::Relaxed);
-            let meta = s.meta.load(Ordering::Relaxed);
-            let count = s.count.load(Ordering::Relaxed);
-            let root = s.root.load(Ordering::Relaxed);
-            let enqueued = s.enqueued.load(Ordering::Relaxed);
-            let took = s.took.load(Ordering::Relaxed);
+            let loaded = load(s);
             // Orders the field loads before the second version load.
             fence(Ordering::Acquire);
             if s.version.load(Ordering::Relaxed) != v1 {
                 continue;
             }
-            // The slot may since have been reused for a later record.
-            if at != pos || name.is_null() || caller.is_null() {
-                return None;
-            }
-            // SAFETY: every non-null value stored in these words came from a
-            // `&'static &'static str` and a `&'static Location<'static>` (`push`): they
-            // point to immutable data that lives for the whole program.
-            let (op, caller) = unsafe { (*name, &*caller) };
-            return Some(OpRecord {
-                seq,
-                op,
-                dtype: dtype_of(meta & 0xff),
-                count: count as usize,
-                root: (root != NONE).then_some(root as usize),
-                caller,
-                enqueued: clock::instant(enqueued),
-                took: (state_of(meta >> 8 & 0xff) != OpState::Enqueued)
-                    .then(|| Duration::from_nanos(took)),
-                state: state_of(meta >> 8 & 0xff),
-            });
+            return Some((at, loaded));
         }
+    }
+
+    /// The record at `pos`, if it is still in the ring. Any thread.
+    pub(crate) fn get(&self, pos: u64) -> Option<OpRecord> {
+        let (at, (seq, name, caller, meta, count, root, enqueued, took)) = self.read(pos, |s| {
+            (
+                s.seq.load(Ordering::Relaxed),
+                s.name.load(Ordering::Relaxed),
+                s.caller.load(Ordering::Relaxed),
+                s.meta.load(Ordering::Relaxed),
+                s.count.load(Ordering::Relaxed),
+                s.root.load(Ordering::Relaxed),
+                s.enqueued.load(Ordering::Relaxed),
+                s.took.load(Ordering::Relaxed),
+            )
+        })?;
+        // The slot may since have been reused for a later record.
+        if at != pos || name.is_null() || caller.is_null() {
+            return None;
+        }
+        // SAFETY: every non-null value stored in these words came from a
+        // `&'static &'static str` and a `&'static Location<'static>` (`push`): they
+        // point to immutable data that lives for the whole program.
+        let (op, caller) = unsafe { (*name, &*caller) };
+        Some(OpRecord {
+            seq,
+            op,
+            dtype: dtype_of(meta & 0xff),
+            count: count as usize,
+            root: (root != NONE).then_some(root as usize),
+            caller,
+            enqueued: clock::instant(enqueued),
+            took: (state_of(meta >> 8 & 0xff) != OpState::Enqueued)
+                .then(|| Duration::from_nanos(took)),
+            state: state_of(meta >> 8 & 0xff),
+        })
     }
 
     /// The queue key of the record at `pos`, if it is still in the ring. Any thread.
     pub(crate) fn queue_of(&self, pos: u64) -> Option<usize> {
-        let s = self.slot(pos);
-        loop {
-            if pos >= self.next.load(Ordering::Acquire) {
-                return None;
-            }
-            let v1 = s.version.load(Ordering::Acquire);
-            if v1 % 2 == 1 {
-                std::hint::spin_loop();
-                continue;
-            }
-            let at = s.pos.load(Ordering::Relaxed);
-            let queue = s.queue.load(Ordering::Relaxed);
-            fence(Ordering::Acquire);
-            if s.version.load(Ordering::Relaxed) != v1 {
-                continue;
-            }
-            return (at == pos).then_some(queue as usize);
-        }
+        let (at, queue) = self.read(pos, |s| s.queue.load(Ordering::Relaxed))?;
+        (at == pos).then_some(queue as usize)
     }
 
     /// How many records the ring holds (a power of two).

@@ -125,10 +125,7 @@ impl CommDiag {
     }
 
     pub(crate) fn bound(&self) -> Bound {
-        Bound {
-            bound: self.settings.abort_timeout,
-            action: self.settings.on_abort_timeout,
-        }
+        self.settings.bound()
     }
 
     /// Without the watchdog, nothing takes a handle from its owner.

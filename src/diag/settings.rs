@@ -51,6 +51,14 @@ pub(super) struct Settings {
 }
 
 impl Settings {
+    /// The bound on teardowns and the policy past it.
+    pub(super) fn bound(&self) -> Bound {
+        Bound {
+            bound: self.abort_timeout,
+            action: self.on_abort_timeout,
+        }
+    }
+
     /// Values no communicator can work with: a zero timeout or abort bound, or a flight
     /// record longer than [`MAX_FLIGHT_RECORD_LEN`]. The reason, naming where the value
     /// came from.
@@ -137,9 +145,5 @@ impl Settings {
 /// `NCCL_SAFE_ABORT_TIMEOUT_MS` and `NCCL_SAFE_ON_ABORT_TIMEOUT` settings, or their
 /// defaults.
 pub(crate) fn default_bound() -> Bound {
-    let s = Settings::resolve(&DiagConfig::default());
-    Bound {
-        bound: s.abort_timeout,
-        action: s.on_abort_timeout,
-    }
+    Settings::resolve(&DiagConfig::default()).bound()
 }

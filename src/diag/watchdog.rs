@@ -24,7 +24,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use super::aborter::{self, Bound};
+use super::aborter;
 use super::clique::TimeoutReport;
 use super::shared::Shared;
 use super::{clock, exit};
@@ -171,10 +171,7 @@ fn abort_together(mut taken: Vec<(Arc<Library>, usize, Arc<Shared>)>, s: &Shared
             s.lane,
             lib,
             same.iter().map(|(_, h, _)| *h).collect(),
-            Bound {
-                bound: s.settings.abort_timeout,
-                action: s.settings.on_abort_timeout,
-            },
+            s.settings.bound(),
             what,
         );
         for (_, _, t) in &same {

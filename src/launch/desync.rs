@@ -211,8 +211,8 @@ impl BoardServer {
         conn.authenticated();
         // A token holder's fetch sends one frame per rank: as long as a client gives it.
         s.extend_to(start + fetch_time(self.io_timeout, self.world_size));
-        let refused =
-            |code, a, b| wire::refuse_authed(&self.token, &sn, &cn, rank, world, code, a, b);
+        let session = wire::Session::new(&self.token, &sn, &cn, rank, world);
+        let refused = |code, a, b| session.refuse(code, a, b);
         let ours = u32::try_from(self.world_size).unwrap_or(u32::MAX);
         if world as usize != self.world_size {
             return wire::write_frame(&mut s, &refused(wire::R_WORLD, ours, world));
@@ -401,7 +401,7 @@ impl BoardClient {
         let sn =
             wire::parse_hello(&hello, MAGIC).ok_or_else(|| self.protocol("unexpected hello"))?;
         let cn = wire::nonce().map_err(self.io("drawing a nonce"))?;
-        let auth = wire::auth_frame(&self.token, &sn, &cn, r32, w32);
+        let auth = wire::Session::new(&self.token, &sn, &cn, r32, w32).auth_frame();
         wire::write_frame(&mut d, &auth).map_err(self.io("authenticating"))?;
         Ok(Some(Conn {
             s,
@@ -423,7 +423,8 @@ impl BoardClient {
                 reason: Refusal::BadToken,
             },
             Some(Ok(_))
-                if !wire::refuse_is_authentic(frame, &self.token, &c.sn, &c.cn, c.r32, c.w32) =>
+                if !wire::Session::new(&self.token, &c.sn, &c.cn, c.r32, c.w32)
+                    .refuse_is_authentic(frame) =>
             {
                 RendezvousError::ServerAuthentication {
                     addr: self.addr.clone(),

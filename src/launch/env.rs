@@ -167,13 +167,13 @@ impl ProcessEnv {
     /// Reads the launcher variables through `lookup` (a variable's value, or `None` when
     /// unset), so that tests and embedders need not touch the process environment.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
-        let env = Lookup(&lookup);
-        if env.get("RANK").is_some() || env.get("WORLD_SIZE").is_some() {
-            Self::torchrun(&env)
-        } else if env.get("OMPI_COMM_WORLD_RANK").is_some() {
-            Self::open_mpi(&env)
-        } else if env.get("SLURM_PROCID").is_some() {
-            Self::slurm(&env)
+        let set = |var| lookup(var).is_some();
+        if set("RANK") || set("WORLD_SIZE") {
+            Self::torchrun(&lookup)
+        } else if set("OMPI_COMM_WORLD_RANK") {
+            Self::open_mpi(&lookup)
+        } else if set("SLURM_PROCID") {
+            Self::slurm(&lookup)
         } else {
             Err(EnvError::NotLaunched)
         }
@@ -184,25 +184,20 @@ impl ProcessEnv {
         self.local_rank
     }
 
-    fn torchrun(env: &Lookup<'_>) -> Result<Self, EnvError> {
-        let s = EnvSource::Torchrun;
+    fn torchrun(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
         const HINT: &str = "torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; set them all when launching by hand";
-        let world_size = env.size(s, "WORLD_SIZE", HINT)?;
-        let rank = env.rank(s, "RANK", HINT, "WORLD_SIZE", world_size)?;
-        let (local_rank, local_world_size) =
-            env.local(s, "LOCAL_RANK", HINT, "LOCAL_WORLD_SIZE")?;
-        let master_addr = env.addr(s, "MASTER_ADDR", HINT)?;
-        let master_port = env.port(s, "MASTER_PORT", HINT)?;
-        Ok(Self {
-            source: s,
-            rank,
+        let env = Lookup::new(get, EnvSource::Torchrun, HINT);
+        let world_size = env.size("WORLD_SIZE")?;
+        let place = env.place(
             world_size,
-            local_rank,
-            local_world_size,
-            master_addr,
-            master_port,
-            elastic: Self::elastic(env)?,
-        })
+            "WORLD_SIZE",
+            "RANK",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+        )?;
+        let master_addr = env.addr("MASTER_ADDR")?;
+        let master_port = env.port("MASTER_PORT")?;
+        Ok(place.meeting_at(master_addr, master_port, Self::elastic(&env)?))
     }
 
     fn elastic(env: &Lookup<'_>) -> Result<Option<Elastic>, EnvError> {
@@ -215,8 +210,8 @@ impl ProcessEnv {
             return Ok(None);
         }
         const HINT: &str = "torchrun's agent sets TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RUN_ID and TORCHELASTIC_RESTART_COUNT together";
-        let s = EnvSource::Torchrun;
-        let flag = env.required(s, VARS[0], HINT)?;
+        let env = Lookup { hint: HINT, ..*env };
+        let flag = env.required(VARS[0])?;
         let use_agent_store = match flag.trim().to_ascii_lowercase().as_str() {
             "true" | "1" => true,
             "false" | "0" => false,
@@ -228,8 +223,8 @@ impl ProcessEnv {
                 })
             }
         };
-        let run_id = env.required(s, VARS[1], HINT)?;
-        let restart_count = env.number(s, VARS[2], HINT)? as u64;
+        let run_id = env.required(VARS[1])?;
+        let restart_count = env.number(VARS[2])? as u64;
         Ok(Some(Elastic {
             use_agent_store,
             run_id,
@@ -237,46 +232,32 @@ impl ProcessEnv {
         }))
     }
 
-    fn open_mpi(env: &Lookup<'_>) -> Result<Self, EnvError> {
-        let s = EnvSource::OpenMpi;
+    fn open_mpi(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
         const HINT: &str = "mpirun sets OMPI_COMM_WORLD_*; pass the address of rank 0's host with `mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port>`";
-        let world_size = env.size(s, "OMPI_COMM_WORLD_SIZE", HINT)?;
-        let rank = env.rank(
-            s,
-            "OMPI_COMM_WORLD_RANK",
-            HINT,
-            "OMPI_COMM_WORLD_SIZE",
+        let env = Lookup::new(get, EnvSource::OpenMpi, HINT);
+        let world_size = env.size("OMPI_COMM_WORLD_SIZE")?;
+        let place = env.place(
             world_size,
-        )?;
-        let (local_rank, local_world_size) = env.local(
-            s,
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_RANK",
             "OMPI_COMM_WORLD_LOCAL_RANK",
-            HINT,
             "OMPI_COMM_WORLD_LOCAL_SIZE",
         )?;
-        let master_addr = env.addr(s, "MASTER_ADDR", HINT)?;
+        let master_addr = env.addr("MASTER_ADDR")?;
         let master_port = match env.get("MASTER_PORT") {
-            Some(_) => env.port(s, "MASTER_PORT", HINT)?,
+            Some(_) => env.port("MASTER_PORT")?,
             None => DEFAULT_PORT,
         };
-        Ok(Self {
-            source: s,
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
-            master_addr,
-            master_port,
-            elastic: None,
-        })
+        Ok(place.meeting_at(master_addr, master_port, None))
     }
 
-    fn slurm(env: &Lookup<'_>) -> Result<Self, EnvError> {
-        let s = EnvSource::Slurm;
+    fn slurm(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
         const HINT: &str = "srun sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_JOB_NODELIST; run the program with srun inside an allocation";
+        let s = EnvSource::Slurm;
+        let env = Lookup::new(get, s, HINT);
         let world_size = match env.get("SLURM_NTASKS") {
-            Some(_) => env.size(s, "SLURM_NTASKS", HINT)?,
-            None => env.size(s, "SLURM_NPROCS", HINT).map_err(|e| match e {
+            Some(_) => env.size("SLURM_NTASKS")?,
+            None => env.size("SLURM_NPROCS").map_err(|e| match e {
                 EnvError::Missing { .. } => EnvError::Missing {
                     launcher: s,
                     var: "SLURM_NTASKS",
@@ -285,11 +266,15 @@ impl ProcessEnv {
                 e => e,
             })?,
         };
-        let rank = env.rank(s, "SLURM_PROCID", HINT, "SLURM_NTASKS", world_size)?;
-        let (local_rank, local_world_size) =
-            env.local(s, "SLURM_LOCALID", HINT, "SLURM_NTASKS_PER_NODE")?;
+        let place = env.place(
+            world_size,
+            "SLURM_NTASKS",
+            "SLURM_PROCID",
+            "SLURM_LOCALID",
+            "SLURM_NTASKS_PER_NODE",
+        )?;
         let master_addr = if env.get("MASTER_ADDR").is_some() {
-            env.addr(s, "MASTER_ADDR", HINT)?
+            env.addr("MASTER_ADDR")?
         } else {
             let var = if env.get("SLURM_JOB_NODELIST").is_some() {
                 "SLURM_JOB_NODELIST"
@@ -308,7 +293,7 @@ impl ProcessEnv {
             })?
         };
         let master_port = if env.get("MASTER_PORT").is_some() {
-            env.port(s, "MASTER_PORT", HINT)?
+            env.port("MASTER_PORT")?
         } else if let Some(job) = env.get("SLURM_JOB_ID") {
             let id = job.trim().parse::<u64>().map_err(|_| EnvError::Invalid {
                 var: "SLURM_JOB_ID",
@@ -319,46 +304,74 @@ impl ProcessEnv {
         } else {
             DEFAULT_PORT
         };
-        Ok(Self {
-            source: s,
+        Ok(place.meeting_at(master_addr, master_port, None))
+    }
+}
+
+/// Where a process sits in its job, as one launcher's variables say.
+struct Place {
+    source: EnvSource,
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+    local_world_size: Option<usize>,
+}
+
+impl Place {
+    /// The process at this place, whose job meets at `master_addr:master_port`.
+    fn meeting_at(
+        self,
+        master_addr: String,
+        master_port: u16,
+        elastic: Option<Elastic>,
+    ) -> ProcessEnv {
+        let Place {
+            source,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+        } = self;
+        ProcessEnv {
+            source,
             rank,
             world_size,
             local_rank,
             local_world_size,
             master_addr,
             master_port,
-            elastic: None,
-        })
+            elastic,
+        }
     }
 }
 
-struct Lookup<'a>(&'a dyn Fn(&str) -> Option<String>);
+/// The variables as one launcher sets them: `source`, with the `hint` its errors carry.
+#[derive(Clone, Copy)]
+struct Lookup<'a> {
+    get: &'a dyn Fn(&str) -> Option<String>,
+    source: EnvSource,
+    hint: &'static str,
+}
 
-impl Lookup<'_> {
-    fn get(&self, var: &str) -> Option<String> {
-        (self.0)(var)
+impl<'a> Lookup<'a> {
+    fn new(get: &'a dyn Fn(&str) -> Option<String>, source: EnvSource, hint: &'static str) -> Self {
+        Lookup { get, source, hint }
     }
 
-    fn required(
-        &self,
-        s: EnvSource,
-        var: &'static str,
-        hint: &'static str,
-    ) -> Result<String, EnvError> {
+    fn get(&self, var: &str) -> Option<String> {
+        (self.get)(var)
+    }
+
+    fn required(&self, var: &'static str) -> Result<String, EnvError> {
         self.get(var).ok_or(EnvError::Missing {
-            launcher: s,
+            launcher: self.source,
             var,
-            hint,
+            hint: self.hint,
         })
     }
 
-    fn number(
-        &self,
-        s: EnvSource,
-        var: &'static str,
-        hint: &'static str,
-    ) -> Result<usize, EnvError> {
-        let value = self.required(s, var, hint)?;
+    fn number(&self, var: &'static str) -> Result<usize, EnvError> {
+        let value = self.required(var)?;
         value
             .trim()
             .parse::<usize>()
@@ -369,8 +382,8 @@ impl Lookup<'_> {
             })
     }
 
-    fn size(&self, s: EnvSource, var: &'static str, hint: &'static str) -> Result<usize, EnvError> {
-        let n = self.number(s, var, hint)?;
+    fn size(&self, var: &'static str) -> Result<usize, EnvError> {
+        let n = self.number(var)?;
         if n == 0 {
             return Err(EnvError::Invalid {
                 var,
@@ -381,15 +394,34 @@ impl Lookup<'_> {
         Ok(n)
     }
 
+    /// The place of this process: its rank from `rank_var`, below `world_size` (read from
+    /// `size_var`), and its local rank and local size as [`Self::local`] reads them.
+    fn place(
+        &self,
+        world_size: usize,
+        size_var: &'static str,
+        rank_var: &'static str,
+        local_var: &'static str,
+        local_size_var: &'static str,
+    ) -> Result<Place, EnvError> {
+        let rank = self.rank(rank_var, size_var, world_size)?;
+        let (local_rank, local_world_size) = self.local(local_var, local_size_var)?;
+        Ok(Place {
+            source: self.source,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+        })
+    }
+
     fn rank(
         &self,
-        s: EnvSource,
         var: &'static str,
-        hint: &'static str,
         size_var: &'static str,
         size: usize,
     ) -> Result<usize, EnvError> {
-        let r = self.number(s, var, hint)?;
+        let r = self.number(var)?;
         if r >= size {
             return Err(EnvError::Invalid {
                 var,
@@ -402,15 +434,13 @@ impl Lookup<'_> {
 
     fn local(
         &self,
-        s: EnvSource,
         var: &'static str,
-        hint: &'static str,
         size_var: &'static str,
     ) -> Result<(usize, Option<usize>), EnvError> {
-        let local = self.number(s, var, hint)?;
+        let local = self.number(var)?;
         let size = match self.get(size_var) {
             None => None,
-            Some(_) => Some(self.size(s, size_var, hint)?),
+            Some(_) => Some(self.size(size_var)?),
         };
         if let Some(size) = size {
             if local >= size {
@@ -424,13 +454,8 @@ impl Lookup<'_> {
         Ok((local, size))
     }
 
-    fn addr(
-        &self,
-        s: EnvSource,
-        var: &'static str,
-        hint: &'static str,
-    ) -> Result<String, EnvError> {
-        let value = self.required(s, var, hint)?;
+    fn addr(&self, var: &'static str) -> Result<String, EnvError> {
+        let value = self.required(var)?;
         let trimmed = value.trim();
         if trimmed.is_empty() || trimmed.chars().any(char::is_whitespace) {
             return Err(EnvError::Invalid {
@@ -442,8 +467,8 @@ impl Lookup<'_> {
         Ok(trimmed.to_string())
     }
 
-    fn port(&self, s: EnvSource, var: &'static str, hint: &'static str) -> Result<u16, EnvError> {
-        let value = self.required(s, var, hint)?;
+    fn port(&self, var: &'static str) -> Result<u16, EnvError> {
+        let value = self.required(var)?;
         match value.trim().parse::<u16>() {
             Ok(0) | Err(_) => Err(EnvError::Invalid {
                 var,

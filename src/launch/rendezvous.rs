@@ -328,16 +328,15 @@ impl TcpRendezvous {
         let sn = wire::parse_hello(&hello, wire::MAGIC)
             .ok_or(Attempt::Fatal(Fatal::Protocol("unexpected hello".into())))?;
         let cn = wire::nonce().map_err(|e| Attempt::Fatal(Fatal::Io(e)))?;
-        let auth = wire::auth_frame(&self.token, &sn, &cn, rank, world);
+        let session = wire::Session::new(&self.token, &sn, &cn, rank, world);
+        let auth = session.auth_frame();
         wire::write_frame(&mut s, &auth).map_err(retry("sending the authentication"))?;
         let reply = wire::read_frame(&mut s).map_err(retry("reading rank 0's reply"))?;
         if let Some(refused) = wire::parse_refuse(&reply) {
             return Err(match refusal(refused) {
                 // Sent before the peer proved the token, so it cannot carry a MAC.
                 Ok(Refusal::BadToken) => Attempt::Fatal(Fatal::Refused(Refusal::BadToken)),
-                Ok(_) if !wire::refuse_is_authentic(&reply, &self.token, &sn, &cn, rank, world) => {
-                    Attempt::Fatal(Fatal::ServerAuth)
-                }
+                Ok(_) if !session.refuse_is_authentic(&reply) => Attempt::Fatal(Fatal::ServerAuth),
                 Ok(Refusal::Busy) => Attempt::Retry("rank 0 was busy".into()),
                 Ok(Refusal::InProgress) => Attempt::Retry(
                     "rank 0 was still serving an earlier connection for this rank".into(),
@@ -349,10 +348,7 @@ impl TcpRendezvous {
         match reply.first() {
             Some(&wire::ID) if reply.len() == 1 + ID_LEN + N => {
                 let (ct, mac) = reply[1..].split_at(ID_LEN);
-                if !wire::ct_eq(
-                    mac,
-                    &wire::server_mac(&self.token, &sn, &cn, rank, world, ct),
-                ) {
+                if !wire::ct_eq(mac, &session.server_mac(ct)) {
                     return Err(Attempt::Fatal(Fatal::ServerAuth));
                 }
                 let mut masked = [0u8; ID_LEN];
@@ -514,8 +510,8 @@ impl Server {
             return wire::write_frame(&mut s, &refuse(wire::R_TOKEN, 0, 0));
         };
         conn.authenticated();
-        let refused =
-            |code, a, b| wire::refuse_authed(&self.token, &sn, &cn, rank, world, code, a, b);
+        let session = wire::Session::new(&self.token, &sn, &cn, rank, world);
+        let refused = |code, a, b| session.refuse(code, a, b);
         let ours = u32::try_from(self.world_size).unwrap_or(u32::MAX);
         if world as usize != self.world_size {
             return wire::write_frame(&mut s, &refused(wire::R_WORLD, ours, world));
@@ -544,7 +540,7 @@ impl Server {
         let ct = wire::mask(&self.token, &sn, &cn, &self.id);
         let mut msg = vec![wire::ID];
         msg.extend_from_slice(&ct);
-        msg.extend_from_slice(&wire::server_mac(&self.token, &sn, &cn, rank, world, &ct));
+        msg.extend_from_slice(&session.server_mac(&ct));
         let sent = wire::write_frame(&mut s, &msg);
         let acked = sent.as_ref().ok().map(|()| {
             let ack = wire::read_frame(&mut s)?;
@@ -825,7 +821,8 @@ mod tests {
         let mut r = &s;
         let sn = wire::parse_hello(&wire::read_frame(&mut r).unwrap(), wire::MAGIC).unwrap();
         let cn = wire::nonce().unwrap();
-        wire::write_frame(&mut r, &wire::auth_frame(TOKEN, &sn, &cn, rank, world)).unwrap();
+        let auth = wire::Session::new(TOKEN, &sn, &cn, rank, world).auth_frame();
+        wire::write_frame(&mut r, &auth).unwrap();
         let reply = wire::read_frame(&mut r).unwrap();
         assert_eq!(reply[0], wire::ID);
         let mut masked = [0u8; ID_LEN];
@@ -892,22 +889,16 @@ mod tests {
     #[test]
     fn refusals_after_authentication_are_authenticated() {
         let (sn, cn) = (wire::nonce().unwrap(), wire::nonce().unwrap());
-        let f = wire::refuse_authed(TOKEN, &sn, &cn, 1, 2, wire::R_DUPLICATE, 2, 1);
-        assert!(wire::refuse_is_authentic(&f, TOKEN, &sn, &cn, 1, 2));
-        assert!(!wire::refuse_is_authentic(
-            &f,
-            b"another-token-0123456",
-            &sn,
-            &cn,
-            1,
-            2
-        ));
-        assert!(!wire::refuse_is_authentic(&f, TOKEN, &sn, &cn, 2, 2));
+        let session = |token: &'static [u8], rank| wire::Session::new(token, &sn, &cn, rank, 2);
+        let f = session(TOKEN, 1).refuse(wire::R_DUPLICATE, 2, 1);
+        assert!(session(TOKEN, 1).refuse_is_authentic(&f));
+        assert!(!session(b"another-token-0123456", 1).refuse_is_authentic(&f));
+        assert!(!session(TOKEN, 2).refuse_is_authentic(&f));
         let mut flipped = f.clone();
         flipped[1] = wire::R_WORLD;
-        assert!(!wire::refuse_is_authentic(&flipped, TOKEN, &sn, &cn, 1, 2));
+        assert!(!session(TOKEN, 1).refuse_is_authentic(&flipped));
         let bare = wire::refuse(wire::R_DUPLICATE, 2, 1);
-        assert!(!wire::refuse_is_authentic(&bare, TOKEN, &sn, &cn, 1, 2));
+        assert!(!session(TOKEN, 1).refuse_is_authentic(&bare));
         assert_eq!(wire::parse_refuse(&f), wire::parse_refuse(&bare));
     }
 }

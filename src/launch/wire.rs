@@ -100,40 +100,73 @@ pub(crate) fn nonce() -> io::Result<[u8; N]> {
     Ok(n)
 }
 
-/// The MAC a client proves it holds the token with.
-pub(crate) fn client_mac(
-    token: &[u8],
-    sn: &[u8; N],
-    cn: &[u8; N],
+/// What every MAC of one connection is taken over: the token, both nonces, and the rank and
+/// world the client claims.
+#[derive(Clone, Copy)]
+pub(crate) struct Session<'a> {
+    token: &'a [u8],
+    sn: &'a [u8; N],
+    cn: &'a [u8; N],
     rank: u32,
     world: u32,
-) -> [u8; N] {
-    hmac(
-        token,
-        &[b"client", sn, cn, &rank.to_be_bytes(), &world.to_be_bytes()],
-    )
 }
 
-/// The MAC the server proves it holds the token with, over the encrypted id.
-pub(crate) fn server_mac(
-    token: &[u8],
-    sn: &[u8; N],
-    cn: &[u8; N],
-    rank: u32,
-    world: u32,
-    ct: &[u8],
-) -> [u8; N] {
-    hmac(
-        token,
-        &[
-            b"server",
+impl<'a> Session<'a> {
+    pub(crate) fn new(
+        token: &'a [u8],
+        sn: &'a [u8; N],
+        cn: &'a [u8; N],
+        rank: u32,
+        world: u32,
+    ) -> Self {
+        Session {
+            token,
             sn,
             cn,
-            &rank.to_be_bytes(),
-            &world.to_be_bytes(),
-            ct,
-        ],
-    )
+            rank,
+            world,
+        }
+    }
+
+    /// `HMAC(token, label | sn | cn | rank | world | tail)`.
+    fn mac(&self, label: &[u8], tail: &[u8]) -> [u8; N] {
+        let (rank, world) = (self.rank.to_be_bytes(), self.world.to_be_bytes());
+        hmac(self.token, &[label, self.sn, self.cn, &rank, &world, tail])
+    }
+
+    /// The MAC a client proves it holds the token with.
+    pub(crate) fn client_mac(&self) -> [u8; N] {
+        self.mac(b"client", &[])
+    }
+
+    /// The MAC the server proves it holds the token with, over the encrypted id.
+    pub(crate) fn server_mac(&self, ct: &[u8]) -> [u8; N] {
+        self.mac(b"server", ct)
+    }
+
+    /// Client side, step 2: the `AUTH` frame proving the token for `rank` of `world`.
+    pub(crate) fn auth_frame(&self) -> Vec<u8> {
+        let mut auth = vec![AUTH];
+        auth.extend_from_slice(&self.rank.to_be_bytes());
+        auth.extend_from_slice(&self.world.to_be_bytes());
+        auth.extend_from_slice(self.cn);
+        auth.extend_from_slice(&self.client_mac());
+        auth
+    }
+
+    /// A `REFUSE` frame sent after the peer authenticated: followed by
+    /// `HMAC(token, "refuse" | sn | cn | rank | world | frame)`, so a relay cannot forge it.
+    pub(crate) fn refuse(&self, code: u8, a: u32, b: u32) -> Vec<u8> {
+        let mut v = refuse(code, a, b);
+        let mac = self.mac(b"refuse", &v);
+        v.extend_from_slice(&mac);
+        v
+    }
+
+    /// Whether `frame` is a `REFUSE` frame carrying a valid MAC (see [`Session::refuse`]).
+    pub(crate) fn refuse_is_authentic(&self, frame: &[u8]) -> bool {
+        frame.len() == 10 + N && ct_eq(&frame[10..], &self.mac(b"refuse", &frame[..10]))
+    }
 }
 
 /// XORs `id` with a keystream derived from the token and both nonces (HMAC in counter
@@ -370,22 +403,6 @@ pub(crate) fn parse_hello(frame: &[u8], magic: &[u8; 16]) -> Option<[u8; N]> {
     Some(sn)
 }
 
-/// Client side, step 2: the `AUTH` frame proving the token for `rank` of `world`.
-pub(crate) fn auth_frame(
-    token: &[u8],
-    sn: &[u8; N],
-    cn: &[u8; N],
-    rank: u32,
-    world: u32,
-) -> Vec<u8> {
-    let mut auth = vec![AUTH];
-    auth.extend_from_slice(&rank.to_be_bytes());
-    auth.extend_from_slice(&world.to_be_bytes());
-    auth.extend_from_slice(cn);
-    auth.extend_from_slice(&client_mac(token, sn, cn, rank, world));
-    auth
-}
-
 /// What an authenticated client claimed.
 pub(crate) struct Auth {
     pub rank: u32,
@@ -407,7 +424,10 @@ pub(crate) fn read_auth(s: &mut impl Read, token: &[u8], sn: &[u8; N]) -> io::Re
     let world = u32::from_be_bytes([auth[5], auth[6], auth[7], auth[8]]);
     let mut cn = [0u8; N];
     cn.copy_from_slice(&auth[9..9 + N]);
-    if !ct_eq(&auth[9 + N..], &client_mac(token, sn, &cn, rank, world)) {
+    if !ct_eq(
+        &auth[9 + N..],
+        &Session::new(token, sn, &cn, rank, world).client_mac(),
+    ) {
         return Ok(None);
     }
     Ok(Some(Auth { rank, world, cn }))
@@ -420,62 +440,6 @@ pub(crate) fn refuse(code: u8, a: u32, b: u32) -> Vec<u8> {
     v.extend_from_slice(&a.to_be_bytes());
     v.extend_from_slice(&b.to_be_bytes());
     v
-}
-
-/// A `REFUSE` frame sent after the peer authenticated: followed by
-/// `HMAC(token, "refuse" | sn | cn | rank | world | frame)`, so a relay cannot forge it.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn refuse_authed(
-    token: &[u8],
-    sn: &[u8; N],
-    cn: &[u8; N],
-    rank: u32,
-    world: u32,
-    code: u8,
-    a: u32,
-    b: u32,
-) -> Vec<u8> {
-    let mut v = refuse(code, a, b);
-    let mac = refuse_mac(token, sn, cn, rank, world, &v);
-    v.extend_from_slice(&mac);
-    v
-}
-
-fn refuse_mac(
-    token: &[u8],
-    sn: &[u8; N],
-    cn: &[u8; N],
-    rank: u32,
-    world: u32,
-    f: &[u8],
-) -> [u8; N] {
-    hmac(
-        token,
-        &[
-            b"refuse",
-            sn,
-            cn,
-            &rank.to_be_bytes(),
-            &world.to_be_bytes(),
-            f,
-        ],
-    )
-}
-
-/// Whether `frame` is a `REFUSE` frame carrying a valid MAC (see [`refuse_authed`]).
-pub(crate) fn refuse_is_authentic(
-    frame: &[u8],
-    token: &[u8],
-    sn: &[u8; N],
-    cn: &[u8; N],
-    rank: u32,
-    world: u32,
-) -> bool {
-    frame.len() == 10 + N
-        && ct_eq(
-            &frame[10..],
-            &refuse_mac(token, sn, cn, rank, world, &frame[..10]),
-        )
 }
 
 /// The code and numbers of a `REFUSE` frame (with or without its MAC).

@@ -31,7 +31,7 @@ pub use reduce_op::{PreMulSum, Reduction};
 
 use crate::buffer::{Memory, RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
-use crate::error::{BufferRole, Error, Result};
+use crate::error::{check_len, BufferRole, Error, Result};
 use crate::library::Provider;
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
@@ -870,25 +870,5 @@ impl Communicator {
         let s = if on_root { at.send_ptr(send) } else { NO_SEND };
         let r = at.recv_ptr(recv);
         Ok(at.op::<T>(Call::Scatter(f, root_c), count, Some(root), s, r))
-    }
-}
-
-fn check_len(
-    op: &'static str,
-    role: BufferRole,
-    actual: usize,
-    expected: usize,
-    rule: &'static str,
-) -> Result<()> {
-    if actual == expected {
-        Ok(())
-    } else {
-        Err(Error::LengthMismatch {
-            op,
-            role,
-            expected,
-            actual,
-            rule,
-        })
     }
 }
