@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Type-checks nccl-safe-candle (its tests and bench included) and examples/candle_ddp with
-# their `cuda` feature (candle's CudaStorage reduced in place on candle's stream) on a
-# machine without a CUDA toolkit: installs nvcc and the
+# their `cuda` feature (candle's CudaStorage reduced in place, DDP's buckets on a
+# communication stream ordered against candle's by events) on a machine without a CUDA
+# toolkit: installs nvcc and the
 # CUDA 13.0 headers from PyPI's wheels into a cache (nvvm and crt pinned to the same release:
 # a newer nvvm emits PTX that 13.0's ptxas rejects), then runs `cargo check --features
 # cuda`. CI runs it: candle's CUDA kernels take about 10 minutes on 2 cores. Building a

@@ -4,7 +4,8 @@
 # on) and the CUDA overhead bench, and nccl-tests 2.19.6 at the same sizes, with the
 # bandwidth tables printed side by side. Not part of CI: for whoever has a GPU. With a CUDA
 # toolkit on the build machine, `collect` also builds examples/candle_ddp with CUDA tensors
-# (nccl-safe-candle's DDP on candle's stream), which `run` runs with the other examples.
+# (nccl-safe-candle's DDP, its buckets on a communication stream of their own), which `run`
+# runs with the other examples.
 #
 # On a build machine (with cargo), gather the binaries into a folder:
 #   scripts/gpu-run.sh collect DIR
@@ -55,7 +56,8 @@ for line in open(src):
     print("collected", name)
 EOF
     rm -f "$json"
-    # examples/candle_ddp with CUDA tensors (DDP on nccl-safe-candle, candle's stream): needs
+    # examples/candle_ddp with CUDA tensors (DDP on nccl-safe-candle, its five buckets
+    # pipelined on a communication stream beside candle's): needs
     # a CUDA toolkit here (nvcc; cublas, curand, nvrtc to link).
     local root
     root="$(cd "$(dirname "$0")/.." && pwd)"

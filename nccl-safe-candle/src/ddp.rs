@@ -8,6 +8,8 @@ use candle_core::{DType, Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
 use nccl_safe::{Communicator, ReduceOp};
 
+#[cfg(feature = "cuda")]
+use crate::tensor::all_reduce_on;
 use crate::tensor::{all_reduce, all_reduce_buckets, all_reduce_scalar, broadcast};
 use crate::{Error, Result};
 
@@ -134,6 +136,41 @@ impl BucketPlan {
     }
 }
 
+/// `parts` concatenated into a fresh buffer: `cat` of one tensor (and a flatten) would
+/// share its storage.
+fn fresh(parts: &[Tensor]) -> Result<Tensor> {
+    Ok(if parts.len() == 1 {
+        parts[0].copy()?
+    } else {
+        Tensor::cat(parts, 0)?
+    })
+}
+
+/// How many of the parameters of `lens` elements (in packing order) each bucket holds: a
+/// bucket holds whole parameters, and one of no elements stays in the bucket it starts at
+/// the end of.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn per_bucket(lens: impl Iterator<Item = usize>, buckets: &[Range<usize>]) -> Result<Vec<usize>> {
+    let mut count = vec![0usize; buckets.len()];
+    let (mut b, mut offset) = (0, 0);
+    for len in lens {
+        while buckets.get(b).is_some_and(|r| offset + len > r.end) {
+            b += 1;
+        }
+        if b == buckets.len() || offset < buckets[b].start {
+            return Err(Error::InvalidArgument {
+                op: "sync_grads",
+                reason: format!(
+                    "a parameter of {len} elements at {offset} fits no bucket of {buckets:?}"
+                ),
+            });
+        }
+        count[b] += 1;
+        offset += len;
+    }
+    Ok(count)
+}
+
 /// Gradients added up under [`DistributedDataParallel::no_sync`], not yet reduced.
 #[derive(Default)]
 struct Pending {
@@ -150,19 +187,49 @@ struct Pending {
 /// the same names, shapes and dtypes ([`Error::ParameterMismatch`] on every rank
 /// otherwise), then takes rank 0's values.
 ///
-/// The gradients of one element type are packed into one fresh buffer, in reverse
-/// parameter order, and each bucket of it (up to [`DEFAULT_BUCKET_CAP`] bytes, see
+/// The gradients of one element type are packed in reverse parameter order, and each
+/// bucket of them (up to [`DEFAULT_BUCKET_CAP`] bytes, see
 /// [`with_bucket_cap`](Self::with_bucket_cap)) is all-reduced with NCCL's average as its
-/// own call: on the host provider all of them in one NCCL group, on CUDA back to back on
-/// candle's stream, after the kernels that packed the buffer and before the ones that
-/// unpack it (the stream orders them, with no synchronization; there is no separate
-/// communication stream, so packing does not overlap with reducing). The gradients handed back are views of that buffer: no tensor
-/// of the caller's is ever written.
+/// own call. On the host provider they are packed into one fresh buffer and all buckets
+/// run as one NCCL group. The gradients handed back are views of the packed buffers: no
+/// tensor of the caller's is ever written.
+///
+/// # Ordering on CUDA
+///
+/// Each `DistributedDataParallel` over CUDA parameters creates, at construction, a
+/// communication stream of its own in the CUDA context of the parameters' candle device,
+/// and [`sync_grads`](Self::sync_grads) pipelines the buckets between that stream and
+/// candle's. For bucket k, in this order:
+///
+/// 1. candle's stream runs the kernels that pack bucket k into a fresh buffer of its own;
+/// 2. the communication stream waits on an event recorded on candle's stream after those
+///    kernels;
+/// 3. the all-reduce of bucket k is enqueued on the communication stream.
+///
+/// The host goes on to pack bucket k+1 without waiting, so candle's stream packs bucket
+/// k+1 while the communication stream reduces bucket k. After the last bucket (and on an
+/// error path, once a bucket was enqueued), candle's stream waits on an event recorded on
+/// the communication stream after the last all-reduce: all work enqueued on candle's
+/// stream after `sync_grads` returns (the optimizer reading the gradients, the frees of
+/// the buffers) runs after every bucket is reduced. Nothing synchronizes with the host:
+/// `sync_grads` returns once the work is enqueued. Two events serve every step: each
+/// wait takes the work recorded at the time of the wait.
+///
+/// The communication stream puts the context in cudarc's multi-stream mode. While cudarc's
+/// event tracking is on (candle's default), cudarc also orders each buffer's uses across
+/// streams by the buffer's own read and write events, which covers the same edges; the
+/// events above do not rely on it, because that tracking holds only where every kernel
+/// keeps its buffer's guard across its launch, which candle arranges by hand, and it can
+/// be turned off (candle's `CudaDevice::disable_event_tracking`, which also saves its
+/// per-kernel cost).
 pub struct DistributedDataParallel<'c> {
     comm: &'c Communicator,
     params: Vec<(String, Var)>,
     plans: Vec<BucketPlan>,
     pending: Mutex<Pending>,
+    /// On CUDA, the stream the buckets are reduced on.
+    #[cfg(feature = "cuda")]
+    comm_stream: Option<crate::comm_stream::CommStream>,
 }
 
 impl std::fmt::Debug for DistributedDataParallel<'_> {
@@ -219,7 +286,14 @@ impl<'c> DistributedDataParallel<'c> {
             .map(|(_, v)| (v.as_tensor().elem_count(), v.as_tensor().dtype()))
             .collect();
         let plans = BucketPlan::plan(&sizes, cap_bytes);
+        #[cfg(feature = "cuda")]
+        let comm_stream = match params[0].1.as_tensor().device() {
+            candle_core::Device::Cuda(d) => Some(crate::comm_stream::CommStream::new(d)?),
+            _ => None,
+        };
         Ok(DistributedDataParallel {
+            #[cfg(feature = "cuda")]
+            comm_stream,
             comm,
             pending: Mutex::new(Pending {
                 accumulating: false,
@@ -316,12 +390,12 @@ impl<'c> DistributedDataParallel<'c> {
                     Ok(g.flatten_all()?)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            // A fresh buffer: `cat` of one tensor (and a flatten) would share its storage.
-            let flat = if parts.len() == 1 {
-                parts[0].copy()?
-            } else {
-                Tensor::cat(&parts, 0)?
-            };
+            #[cfg(feature = "cuda")]
+            if let Some(cs) = &self.comm_stream {
+                self.reduce_on_comm_stream(cs, plan, &parts, grads)?;
+                continue;
+            }
+            let flat = fresh(&parts)?;
             all_reduce_buckets(self.comm, &flat, ReduceOp::Avg, &plan.buckets)?;
             let mut offset = 0;
             for &i in &plan.params {
@@ -330,6 +404,64 @@ impl<'c> DistributedDataParallel<'c> {
                 grads.insert(t, flat.narrow(0, offset, len)?.reshape(t.shape())?);
                 offset += len;
             }
+        }
+        Ok(())
+    }
+
+    /// One plan's buckets on CUDA, pipelined: each bucket packed into a buffer of its own
+    /// on candle's stream and reduced on the communication stream, so that packing the
+    /// next bucket overlaps with reducing this one (see the type's documentation for the
+    /// ordering). `parts` are the flattened gradients in `plan.params` order.
+    #[cfg(feature = "cuda")]
+    fn reduce_on_comm_stream(
+        &self,
+        cs: &crate::comm_stream::CommStream,
+        plan: &BucketPlan,
+        parts: &[Tensor],
+        grads: &mut GradStore,
+    ) -> Result<()> {
+        if let Some(p) = parts.iter().find(|p| !cs.serves(p.device())) {
+            return Err(Error::WrongDevice {
+                op: "sync_grads",
+                tensor: format!("{:?} (another candle device)", p.device().location()),
+                comm: "the candle device of the parameters at construction".into(),
+            });
+        }
+        let count = per_bucket(parts.iter().map(|p| p.elem_count()), &plan.buckets)?;
+        // Declared before the joiner, so dropped after it: on every path candle's stream
+        // waits for the communication stream before it frees a buffer.
+        let mut buffers: Vec<Option<Tensor>> = Vec::with_capacity(count.len());
+        let join = cs.joiner();
+        let mut first = 0;
+        for &n in &count {
+            let group = &parts[first..first + n];
+            first += n;
+            if group.iter().all(|p| p.elem_count() == 0) {
+                buffers.push(None); // nothing to reduce (every rank has the same plan)
+                continue;
+            }
+            buffers.push(Some(fresh(group)?));
+            let Some(Some(buffer)) = buffers.last() else {
+                continue;
+            };
+            cs.wait_for_candle()?;
+            all_reduce_on(self.comm, buffer, ReduceOp::Avg, cs.stream())?;
+        }
+        join.finish()?;
+        let mut k = 0;
+        for (buffer, &n) in buffers.iter().zip(&count) {
+            let mut offset = 0;
+            for &i in &plan.params[k..k + n] {
+                let t = self.params[i].1.as_tensor();
+                let len = t.elem_count();
+                let g = match buffer {
+                    Some(buffer) => buffer.narrow(0, offset, len)?.reshape(t.shape())?,
+                    None => t.zeros_like()?,
+                };
+                grads.insert(t, g);
+                offset += len;
+            }
+            k += n;
         }
         Ok(())
     }
@@ -416,6 +548,39 @@ mod tests {
         assert_eq!(plans[0].buckets, vec![0..7, 7..10]);
         assert_eq!(plans[1].params, vec![2, 0]);
         assert_eq!(plans[1].buckets, vec![0..5, 5..7]);
+    }
+
+    #[test]
+    fn each_bucket_gets_the_parameters_its_range_covers() {
+        let f = DType::F32;
+        // Packing order 3, 2, 1, 0 with lengths 4, 4, 100, 4; a cap of 40 bytes.
+        let sizes = [(4, f), (100, f), (4, f), (4, f)];
+        let plans = BucketPlan::plan(&sizes, 40);
+        let lens = plans[0].params.iter().map(|&i| sizes[i].0);
+        assert_eq!(per_bucket(lens, &plans[0].buckets).unwrap(), vec![2, 1, 1]);
+        // Parameters of no elements stay with the bucket they start at the end of.
+        let sizes = [(0, f), (3, f), (0, f), (5, f), (0, f)];
+        let plans = BucketPlan::plan(&sizes, 12);
+        assert_eq!(plans[0].buckets, vec![0..5, 5..8]);
+        let lens = plans[0].params.iter().map(|&i| sizes[i].0);
+        assert_eq!(per_bucket(lens, &plans[0].buckets).unwrap(), vec![3, 2]);
+        // Only empty parameters: one empty bucket holds them all.
+        let plans = BucketPlan::plan(&[(0, f), (0, f)], 12);
+        assert_eq!(
+            per_bucket([0, 0].into_iter(), &plans[0].buckets).unwrap(),
+            vec![2]
+        );
+    }
+
+    #[test]
+    fn lengths_that_fit_no_bucket_are_an_error() {
+        let buckets = [0..4, 4..6];
+        // More elements than the buckets cover.
+        let e = per_bucket([4, 2, 1].into_iter(), &buckets).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        // A parameter straddling two buckets.
+        let e = per_bucket([3, 2, 1].into_iter(), &buckets).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
     }
 
     #[test]

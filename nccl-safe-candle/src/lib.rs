@@ -8,7 +8,9 @@
 //!   alike on every rank at construction; gradients packed into buckets (25 MiB by default)
 //!   in reverse parameter order, averaged over the ranks and unpacked; unused parameters'
 //!   gradients zero-filled; [`no_sync`](DistributedDataParallel::no_sync) for gradient
-//!   accumulation.
+//!   accumulation. On CUDA the buckets are reduced on a communication stream of its own,
+//!   ordered against candle's stream by events, while candle packs the next bucket (see
+//!   [its ordering](DistributedDataParallel#ordering-on-cuda)).
 //! - [`ZeroRedundancyOptimizer`]: ZeRO stage 1. Each rank keeps the optimizer state of
 //!   1/N of the flattened parameters only, and wraps any candle optimizer for it: a step
 //!   reduce-scatters the gradients, updates this rank's shard, and all-gathers the
@@ -47,6 +49,8 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "cuda")]
+mod comm_stream;
 mod ddp;
 pub mod tensor;
 mod zero;

@@ -34,7 +34,7 @@ enum Kind<'r> {
     AllReduce(ReduceOp),
     Broadcast(usize),
     /// One all-reduce per range of the tensor's elements (the buckets of a flat buffer): as
-    /// one group on host memory, back to back on candle's stream on CUDA.
+    /// one group on host memory, back to back on the stream on CUDA.
     Buckets(ReduceOp, &'r [Range<usize>]),
     /// Into the mutable (first) tensor, from the second.
     AllGather,
@@ -48,6 +48,9 @@ struct Collective<'a> {
     comm: &'a Communicator,
     kind: Kind<'a>,
     failed: Mutex<Option<nccl_safe::Error>>,
+    /// On CUDA, the stream to run on instead of candle's (the caller orders it).
+    #[cfg(feature = "cuda")]
+    on: Option<&'a std::sync::Arc<cudarc::driver::CudaStream>>,
 }
 
 impl<'a> Collective<'a> {
@@ -56,6 +59,8 @@ impl<'a> Collective<'a> {
             comm,
             kind,
             failed: Mutex::new(None),
+            #[cfg(feature = "cuda")]
+            on: None,
         }
     }
 
@@ -212,8 +217,11 @@ impl InplaceOp1 for Collective<'_> {
     ) -> candle_core::Result<()> {
         use candle_core::cuda_backend::CudaStorageSlice as S;
         let (start, end) = offsets(layout)?;
-        // candle's stream: see the module's documentation.
-        let stream = storage.device.cuda_stream();
+        // candle's stream (see the module's documentation), or the one the caller ordered.
+        let stream = match self.on {
+            Some(s) => s.clone(),
+            None => storage.device.cuda_stream(),
+        };
         let dtype = storage.dtype();
         let r = start..end;
         match &mut storage.slice {
@@ -404,4 +412,19 @@ pub(crate) fn all_reduce_buckets(
 ) -> Result<()> {
     check(comm, "all_reduce (buckets)", flat)?;
     run1(comm, flat, Kind::Buckets(op, ranges))
+}
+
+/// All-reduces `t` in place on `stream`, a CUDA stream of `t`'s context other than candle's:
+/// the caller orders it against candle's stream (see [`crate::DistributedDataParallel`]).
+#[cfg(feature = "cuda")]
+pub(crate) fn all_reduce_on(
+    comm: &Communicator,
+    t: &Tensor,
+    op: ReduceOp,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+) -> Result<()> {
+    check(comm, "all_reduce (bucket)", t)?;
+    let mut c = Collective::new(comm, Kind::AllReduce(op));
+    c.on = Some(stream);
+    t.inplace_op1(&c).map_err(|e| c.error(e))
 }

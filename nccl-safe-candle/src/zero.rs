@@ -22,7 +22,8 @@ use crate::{Error, Result};
 /// A [`step`](Self::step) packs the gradients into a fresh flat buffer (missing ones as
 /// zeros), reduce-scatters it with NCCL's average, steps `O` on this rank's part, and
 /// all-gathers the parts back into every parameter. All parameters must share one
-/// element type.
+/// element type. On CUDA all of it runs on candle's stream: each step needs the previous
+/// one's result, so a communication stream of its own would add events without overlap.
 ///
 /// ```
 /// use candle_core::{DType, CommDevice, Tensor};
