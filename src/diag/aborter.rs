@@ -272,10 +272,12 @@ fn serve(lane: Lane) {
             Some(_busy) => work(),
             None => nccl_sys::bindings::ncclSuccess, // the process is exiting
         };
-        job.finish(r);
+        // The lane is free before anyone waiting for the job learns that it finished, so
+        // a caller that saw its teardown end never meets that teardown as wedged.
         if let Some(st) = lock(lanes()).get_mut(&lane) {
             st.running = None;
         }
+        job.finish(r);
     }
 }
 
