@@ -37,19 +37,23 @@ struct Rank {
 }
 
 fn rank(ordinal: usize, config: &Config, tracking: bool) -> Rank {
+    try_rank(ordinal, config, tracking).expect("a communicator on the fake device")
+}
+
+fn try_rank(ordinal: usize, config: &Config, tracking: bool) -> Result<Rank, Error> {
     let lib = nccl();
     let ctx = CudaContext::new(ordinal).expect("a fake CUDA context");
     set_tracking(&ctx, tracking);
     let stream = ctx.new_stream().unwrap();
     let id = UniqueId::new_with(&lib).unwrap();
-    let comm = Communicator::init_rank_in(&lib, &CommDevice::Cuda(ctx.clone()), 1, 0, &id, config)
-        .expect("a communicator on the fake device");
-    Rank {
+    let comm =
+        Communicator::init_rank_in(&lib, &CommDevice::Cuda(ctx.clone()), 1, 0, &id, config)?;
+    Ok(Rank {
         ctx,
         stream,
         comm,
         id,
-    }
+    })
 }
 
 fn set_tracking(ctx: &CudaContext, on: bool) {
@@ -694,7 +698,19 @@ fn stall_round(d: &'static support::fakes::FakeDriver, seed: u64) {
     let config = Config::new()
         .timeout(TIMEOUT)
         .abort_timeout(Duration::from_millis(200));
-    let r = rank(1, &config, false);
+    // An earlier round's failed communicator was aborted on the device's teardown lane,
+    // blocked behind its stall past the bound, and finishes once the stall is released: a
+    // new communicator on the device is refused (`TeardownWedged`) until it has.
+    let first = Instant::now();
+    let r = loop {
+        match try_rank(1, &config, false) {
+            Ok(r) => break r,
+            Err(Error::TeardownWedged { .. }) if first.elapsed() < Duration::from_secs(5) => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => panic!("seed {seed}: a communicator on the fake device: {e}"),
+        }
+    };
     // Stream 0 is the communicator's; stream 1 stalls; stream 2 (some seeds) is healthy.
     let mut streams = vec![r.stream.clone(), r.ctx.new_stream().unwrap()];
     if below(2) == 0 {
