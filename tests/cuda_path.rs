@@ -46,8 +46,7 @@ fn try_rank(ordinal: usize, config: &Config, tracking: bool) -> Result<Rank, Err
     set_tracking(&ctx, tracking);
     let stream = ctx.new_stream().unwrap();
     let id = UniqueId::new_with(&lib).unwrap();
-    let comm =
-        Communicator::init_rank_in(&lib, &CommDevice::Cuda(ctx.clone()), 1, 0, &id, config)?;
+    let comm = Communicator::init_rank_in(&lib, &CommDevice::Cuda(ctx.clone()), 1, 0, &id, config)?;
     Ok(Rank {
         ctx,
         stream,

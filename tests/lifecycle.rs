@@ -621,13 +621,15 @@ fn a_communicator_dropped_while_panicking_aborts_and_wakes_its_peer() {
     let started = std::time::Instant::now();
     std::thread::scope(|s| {
         let waiter = s.spawn(|| {
-            let comm = Communicator::init_rank(&nccl_safe::CommDevice::Host, 2, 1, &id, &cfg).unwrap();
+            let comm =
+                Communicator::init_rank(&nccl_safe::CommDevice::Host, 2, 1, &id, &cfg).unwrap();
             let mut x = vec![1.0f32; 4];
             let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S);
             assert!(r.is_err(), "the peer's abort must end the wait");
         });
         let r = catch_unwind(AssertUnwindSafe(|| {
-            let _comm = Communicator::init_rank(&nccl_safe::CommDevice::Host, 2, 0, &id, &cfg).unwrap();
+            let _comm =
+                Communicator::init_rank(&nccl_safe::CommDevice::Host, 2, 0, &id, &cfg).unwrap();
             std::thread::sleep(Duration::from_millis(50)); // let the peer enter its all_reduce
             panic!("deliberate: rank 0 panics holding its communicator");
         }));
