@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::train_ddp;
 use nccl_safe::host::shared_unique_id;
 use nccl_safe::launch::Launcher;
-use nccl_safe::{Communicator, Config, CommDevice, UniqueId};
+use nccl_safe::{CommDevice, Communicator, Config, UniqueId};
 
 const ENV: &str = "NCCL_SAFE_CANDLE_TEST_MP";
 const RANKS: usize = 4;
