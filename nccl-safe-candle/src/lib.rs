@@ -19,19 +19,19 @@
 //! A training loop becomes data-parallel by changing three lines:
 //!
 //! ```
-//! use candle_core::{DType, CommDevice, Tensor};
+//! use candle_core::{DType, Device, Tensor};
 //! use candle_nn::{linear, loss, Module, Optimizer, VarBuilder, VarMap, SGD};
 //! use nccl_safe::launch::Launcher;
 //! use nccl_safe_candle::DistributedDataParallel;
 //!
 //! let losses = Launcher::host(2).try_run(|rank| -> nccl_safe_candle::Result<f64> {
 //!     let map = VarMap::new();
-//!     let model = linear(4, 1, VarBuilder::from_varmap(&map, DType::F32, &CommDevice::Cpu))?;
+//!     let model = linear(4, 1, VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu))?;
 //!     let ddp = DistributedDataParallel::new(rank.comm(), &map)?; // 1: take rank 0's parameters
 //!     let mut sgd = SGD::new(map.all_vars(), 0.1)?;
-//!     let x = Tensor::ones((8, 4), DType::F32, &CommDevice::Cpu)?;
+//!     let x = Tensor::ones((8, 4), DType::F32, &Device::Cpu)?;
 //!     let x = ddp.shard(&x)?; // 2: this rank's part of the batch
-//!     let y = Tensor::zeros((x.dim(0)?, 1), DType::F32, &CommDevice::Cpu)?;
+//!     let y = Tensor::zeros((x.dim(0)?, 1), DType::F32, &Device::Cpu)?;
 //!     for _ in 0..10 {
 //!         let l = loss::mse(&model.forward(&x)?, &y)?;
 //!         ddp.backward_step(&mut sgd, &l)?; // 3: was `sgd.backward_step(&l)?`

@@ -26,17 +26,17 @@ use crate::{Error, Result};
 /// one's result, so a communication stream of its own would add events without overlap.
 ///
 /// ```
-/// use candle_core::{DType, CommDevice, Tensor};
+/// use candle_core::{DType, Device, Tensor};
 /// use candle_nn::{linear, loss, Module, VarBuilder, VarMap, SGD};
 /// use nccl_safe::launch::Launcher;
 /// use nccl_safe_candle::ZeroRedundancyOptimizer;
 ///
 /// let shards = Launcher::host(2).try_run(|rank| -> nccl_safe_candle::Result<usize> {
 ///     let map = VarMap::new();
-///     let model = linear(4, 1, VarBuilder::from_varmap(&map, DType::F32, &CommDevice::Cpu))?;
+///     let model = linear(4, 1, VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu))?;
 ///     let mut opt = ZeroRedundancyOptimizer::<SGD>::new(rank.comm(), &map, 0.1)?;
-///     let x = Tensor::ones((2, 4), DType::F32, &CommDevice::Cpu)?;
-///     let y = Tensor::zeros((2, 1), DType::F32, &CommDevice::Cpu)?;
+///     let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu)?;
+///     let y = Tensor::zeros((2, 1), DType::F32, &Device::Cpu)?;
 ///     opt.backward_step(&loss::mse(&model.forward(&x)?, &y)?)?;
 ///     Ok(opt.shard().as_tensor().elem_count())
 /// })?;
