@@ -13,7 +13,13 @@
  *   blocks, as behind a kernel that never ends (the wait gives up after a bound, counted,
  *   so that a test fails rather than hangs);
  * - a stream can report a capture in progress; events recorded on it then are counted;
- * - streams, events and allocations alive now, to find leaks and double releases.
+ * - streams, events and allocations alive now, to find leaks and double releases;
+ * - on request (`fake_cuda_check_order`), the order CUDA guarantees between streams: see
+ *   "stream order" below. Work still runs inside the call, in the order the host issued it
+ *   (one of the orders a GPU may pick); the model reports every pair of accesses to the
+ *   same memory, one a write, that CUDA leaves unordered, because a GPU may run those in
+ *   the other order;
+ * - a few of candle's kernels (by name, run on the host) for the candle crate's tests.
  *
  * Built by the test support code with the system C compiler; it is not part of the crate.
  */
@@ -64,7 +70,8 @@ enum {
     X(cuMemAllocAsync) X(cuMemFreeAsync) X(cuMemcpyHtoDAsync_v2) X(cuMemcpyDtoHAsync_v2)  \
     X(cuMemcpyDtoDAsync_v2) X(cuMemcpyHtoD_v2) X(cuMemcpyDtoH_v2) X(cuMemcpyDtoD_v2)      \
     X(cuMemsetD8Async) X(cuMemsetD8_v2) X(cuMemHostAlloc) X(cuMemFreeHost)                \
-    X(cuMemGetInfo_v2) X(cuGetErrorString) X(cuGetErrorName)
+    X(cuMemGetInfo_v2) X(cuGetErrorString) X(cuGetErrorName) X(cuModuleLoadData)          \
+    X(cuModuleUnload) X(cuModuleGetFunction) X(cuLaunchKernel)
 
 #define ENUM(f) N_##f,
 enum { CALLS(ENUM) N_CALLS };
@@ -107,7 +114,17 @@ static int valid_device(CUdevice d) { return d >= 0 && d < device_count; }
 
 /* ---- streams, events ----------------------------------------------------------------- */
 
+#define MAX_CLOCKS 128
+
+/* A vector clock: `vc[k]` counts the operations of the stream with clock id k known to be
+ * done before this point. Id 0: none assigned yet (or none left). */
+struct clock {
+    int id;
+    uint32_t vc[MAX_CLOCKS];
+};
+
 struct fake_stream {
+    struct clock clock; /* stream order (only while `order_on`) */
     int in_use;
     int device;
     int stalled;     /* work queued now never completes, until released */
@@ -136,6 +153,7 @@ struct fake_event {
     struct fake_stream *stream; /* NULL: never recorded */
     int pending;                /* recorded while its stream was stalled */
     uint64_t gen;
+    uint32_t vc[MAX_CLOCKS];    /* the recording stream's clock at the record */
 };
 
 static int event_ok(CUevent e) {
@@ -172,6 +190,201 @@ static void wait_unstalled_as(struct fake_stream *st, uint64_t *counter) {
 /* Waits (bounded) until the stream is no longer stalled: a synchronization of it. */
 static void wait_unstalled(struct fake_stream *st) {
     wait_unstalled_as(st, &stalled_waits);
+}
+
+/* ---- stream order ---------------------------------------------------------------------
+ *
+ * CUDA's rules, as vector clocks (off unless a test calls `fake_cuda_check_order(1)`):
+ * - work on one stream runs in issue order;
+ * - `cuEventRecord(e, s)` captures the work issued to `s` so far; `cuStreamWaitEvent(t, e)`
+ *   orders the work later issued to `t` after it;
+ * - a host synchronization (`cuStreamSynchronize`, `cuEventSynchronize`,
+ *   `cuCtxSynchronize`, the synchronous `cuMemFree`) orders whatever that thread issues
+ *   afterwards, on any stream, after the work it waited for;
+ * - nothing else orders two streams: not issue order on the host, not the per-thread or
+ *   legacy stream (cudarc's streams are non-blocking), not the same thread.
+ * Each access (copies, memsets, kernels, frees, and NCCL's through `fake_cuda_access`) is
+ * checked against the earlier accesses to overlapping memory: a pair on two streams, one
+ * of them a write, with the earlier not ordered before the later, is a race. A free removes
+ * its allocation's accesses (the allocator orders reuse itself). The per-thread stream
+ * (`CU_STREAM_PER_THREAD`, candle's) has a clock per host thread. */
+
+static int order_on;
+static uint64_t races, accesses_checked, untracked_ops, unknown_kernels;
+static char last_race[512];
+static __thread uint32_t host_vc[MAX_CLOCKS];
+static __thread struct clock per_thread_clock;
+static int clocks_given;
+
+struct access {
+    uint64_t lo, hi;
+    int id;
+    uint32_t epoch;
+    int write;
+    const char *what;
+};
+static struct access *log_;
+static size_t log_len, log_cap;
+
+struct allocation {
+    uint64_t p;
+    size_t n;
+};
+static struct allocation *allocs_;
+static size_t allocs_len, allocs_cap;
+
+static void merge(uint32_t *into, const uint32_t *from) {
+    for (int k = 0; k < MAX_CLOCKS; k++)
+        if (from[k] > into[k])
+            into[k] = from[k];
+}
+
+/* The clock of stream handle `s`. Call with `lock` held. */
+static struct clock *clock_of(CUstream s) {
+    if (s == (CUstream)2)
+        return &per_thread_clock;
+    struct fake_stream *st = stream_of(s);
+    return st ? &st->clock : NULL;
+}
+
+/* One more operation issued to `c`: after what this thread has synchronized with. Returns
+ * 0 when no clock id is left (the operation is not tracked). Call with `lock` held. */
+static int tick(struct clock *c) {
+    if (!c->id) {
+        if (clocks_given + 1 >= MAX_CLOCKS) {
+            bump(&untracked_ops);
+            return 0;
+        }
+        c->id = ++clocks_given;
+    }
+    merge(c->vc, host_vc);
+    c->vc[c->id]++;
+    return 1;
+}
+
+static void note_race(const struct access *a, const struct access *b) {
+    races++;
+    snprintf(last_race, sizeof last_race,
+             "%s (%s, stream clock %d) of [%#llx, %#llx) and %s (%s, stream clock %d) of "
+             "[%#llx, %#llx) are not ordered",
+             a->write ? "write" : "read", a->what, a->id, (unsigned long long)a->lo,
+             (unsigned long long)a->hi, b->write ? "write" : "read", b->what, b->id,
+             (unsigned long long)b->lo, (unsigned long long)b->hi);
+}
+
+/* Checks and logs an access of [p, p + n) by the next operation on stream `s`. Call with
+ * `lock` held, after `tick`. */
+static void access_as(struct clock *c, uint64_t p, size_t n, int write, const char *what) {
+    if (!n)
+        return;
+    struct access a = {p, p + n, c->id, c->vc[c->id], write, what};
+    bump(&accesses_checked);
+    for (size_t i = 0; i < log_len; i++) {
+        const struct access *b = &log_[i];
+        if (b->hi <= a.lo || a.hi <= b->lo || b->id == a.id || !(a.write || b->write))
+            continue;
+        if (b->epoch > c->vc[b->id])
+            note_race(b, &a);
+    }
+    if (log_len == log_cap) {
+        log_cap = log_cap ? 2 * log_cap : 1024;
+        log_ = realloc(log_, log_cap * sizeof *log_);
+        if (!log_)
+            abort();
+    }
+    log_[log_len++] = a;
+}
+
+/* An operation on stream `s` that reads `rn` bytes at `r` and writes `wn` bytes at `w`. */
+static void stream_op(CUstream s, uint64_t r, size_t rn, uint64_t w, size_t wn,
+                      const char *what) {
+    if (!__atomic_load_n(&order_on, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&lock);
+    struct clock *c = clock_of(s);
+    if (c && tick(c)) {
+        access_as(c, r, rn, 0, what);
+        access_as(c, w, wn, 1, what);
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+/* The allocation's size (0 when unknown), forgotten. Call with `lock` held. */
+static size_t forget_allocation(uint64_t p) {
+    for (size_t i = 0; i < allocs_len; i++) {
+        if (allocs_[i].p == p) {
+            size_t n = allocs_[i].n;
+            allocs_[i] = allocs_[--allocs_len];
+            return n;
+        }
+    }
+    return 0;
+}
+
+static void remember_allocation(uint64_t p, size_t n) {
+    if (!__atomic_load_n(&order_on, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&lock);
+    if (allocs_len == allocs_cap) {
+        allocs_cap = allocs_cap ? 2 * allocs_cap : 256;
+        allocs_ = realloc(allocs_, allocs_cap * sizeof *allocs_);
+        if (!allocs_)
+            abort();
+    }
+    allocs_[allocs_len++] = (struct allocation){p, n};
+    pthread_mutex_unlock(&lock);
+}
+
+/* A free of `p`, on stream `s` (NULL: the synchronous free, after the host's sync): a write
+ * of the whole allocation, then its accesses are forgotten. */
+static void free_op(CUstream s, uint64_t p) {
+    if (!__atomic_load_n(&order_on, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&lock);
+    size_t n = forget_allocation(p);
+    struct clock *c = s ? clock_of(s) : NULL;
+    if (c && n && tick(c))
+        access_as(c, p, n, 1, "free");
+    size_t kept = 0;
+    for (size_t i = 0; i < log_len; i++)
+        if (!(n && log_[i].lo >= p && log_[i].lo < p + n))
+            log_[kept++] = log_[i];
+    log_len = kept;
+    pthread_mutex_unlock(&lock);
+}
+
+/* This thread waited for the work `vc` stands for. */
+static void host_sync(const uint32_t *vc) {
+    if (!__atomic_load_n(&order_on, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&lock);
+    merge(host_vc, vc);
+    pthread_mutex_unlock(&lock);
+}
+
+/* This thread waited for the work issued to stream `s` so far. */
+static void host_sync_stream(CUstream s) {
+    if (!__atomic_load_n(&order_on, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&lock);
+    struct clock *c = clock_of(s);
+    if (c)
+        merge(host_vc, c->vc);
+    pthread_mutex_unlock(&lock);
+}
+
+/* This thread waited for every stream of `device` (-1: of every device), its own
+ * per-thread stream included. */
+static void host_sync_device(int device) {
+    if (!__atomic_load_n(&order_on, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&lock);
+    merge(host_vc, per_thread_clock.vc);
+    merge(host_vc, default_stream.clock.vc);
+    for (int i = 0; i < MAX_STREAMS; i++)
+        if (streams[i].in_use && (device < 0 || streams[i].device == device))
+            merge(host_vc, streams[i].clock.vc);
+    pthread_mutex_unlock(&lock);
 }
 
 /* ---- the driver API ------------------------------------------------------------------- */
@@ -316,6 +529,7 @@ CUresult cuCtxSynchronize(void) {
         if (streams[i].in_use && streams[i].device == current->device)
             wait_unstalled(&streams[i]);
     }
+    host_sync_device(current->device);
     return CUDA_SUCCESS;
 }
 
@@ -397,6 +611,7 @@ CUresult cuStreamSynchronize(CUstream s) {
     if (!st)
         return CUDA_ERROR_INVALID_HANDLE;
     wait_unstalled(st);
+    host_sync_stream(s);
     return CUDA_SUCCESS;
 }
 
@@ -413,6 +628,13 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags) {
     (void)flags;
     if (!stream_of(s) || !event_ok(e))
         return CUDA_ERROR_INVALID_HANDLE;
+    if (__atomic_load_n(&order_on, __ATOMIC_ACQUIRE)) {
+        pthread_mutex_lock(&lock);
+        struct clock *c = clock_of(s);
+        if (c && e->stream)
+            merge(c->vc, e->vc);
+        pthread_mutex_unlock(&lock);
+    }
     return CUDA_SUCCESS;
 }
 
@@ -481,6 +703,11 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
     e->stream = st;
     e->pending = st->stalled;
     e->gen = st->gen;
+    if (__atomic_load_n(&order_on, __ATOMIC_ACQUIRE)) {
+        /* The work issued to `s` so far, and what this thread synchronized with before. */
+        memcpy(e->vc, clock_of(s)->vc, sizeof e->vc);
+        merge(e->vc, host_vc);
+    }
     pthread_mutex_unlock(&lock);
     return CUDA_SUCCESS;
 }
@@ -504,6 +731,8 @@ CUresult cuEventSynchronize(CUevent e) {
     pthread_mutex_unlock(&lock);
     if (st)
         wait_unstalled(st);
+    if (__atomic_load_n(&order_on, __ATOMIC_ACQUIRE) && e->stream)
+        host_sync(e->vc);
     return CUDA_SUCCESS;
 }
 
@@ -534,6 +763,7 @@ static CUresult alloc(CUdeviceptr *p, size_t bytes) {
         return CUDA_ERROR_OUT_OF_MEMORY;
     add(&live_allocs, 1);
     *p = (CUdeviceptr)(uintptr_t)m;
+    remember_allocation(*p, bytes);
     return CUDA_SUCCESS;
 }
 
@@ -559,7 +789,9 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
             if (streams[i].in_use && streams[i].device == current->device)
                 wait_unstalled(&streams[i]);
         }
+        host_sync_device(current->device);
     }
+    free_op(NULL, p);
     return release(p);
 }
 
@@ -574,16 +806,24 @@ CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
     COUNT(cuMemFreeAsync);
     if (!stream_of(s))
         return CUDA_ERROR_INVALID_HANDLE;
+    free_op(s, p);
     return release(p);
 }
 
-#define COPY(name, dst, src, n, s)                                                        \
+/* A copy; `rd` and `wd`: whether its source and destination are device memory (tracked by
+ * the stream-order model). A synchronous one (`s` NULL) runs on the legacy stream, and the
+ * host waits for it. */
+#define COPY(name, dst, src, n, s, rd, wd)                                                \
     do {                                                                                  \
         COUNT(name);                                                                      \
         if ((s) != NULL && !stream_of(s))                                                 \
             return CUDA_ERROR_INVALID_HANDLE;                                             \
         if ((n) && (!(dst) || !(src)))                                                    \
             return CUDA_ERROR_INVALID_VALUE;                                              \
+        stream_op((s), (uint64_t)(uintptr_t)(src), (rd) ? (n) : 0,                        \
+                  (uint64_t)(uintptr_t)(dst), (wd) ? (n) : 0, #name);                     \
+        if ((s) == NULL)                                                                  \
+            host_sync_stream(NULL);                                                       \
         if (n)                                                                            \
             memmove((dst), (src), (n));                                                   \
         return CUDA_SUCCESS;                                                              \
@@ -592,22 +832,22 @@ CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
 #define PTR(p) ((void *)(uintptr_t)(p))
 
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
-    COPY(cuMemcpyHtoDAsync_v2, PTR(dst), src, n, s);
+    COPY(cuMemcpyHtoDAsync_v2, PTR(dst), src, n, s, 0, 1);
 }
 CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s) {
-    COPY(cuMemcpyDtoHAsync_v2, dst, PTR(src), n, s);
+    COPY(cuMemcpyDtoHAsync_v2, dst, PTR(src), n, s, 1, 0);
 }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
-    COPY(cuMemcpyDtoDAsync_v2, PTR(dst), PTR(src), n, s);
+    COPY(cuMemcpyDtoDAsync_v2, PTR(dst), PTR(src), n, s, 1, 1);
 }
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
-    COPY(cuMemcpyHtoD_v2, PTR(dst), src, n, NULL);
+    COPY(cuMemcpyHtoD_v2, PTR(dst), src, n, NULL, 0, 1);
 }
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
-    COPY(cuMemcpyDtoH_v2, dst, PTR(src), n, NULL);
+    COPY(cuMemcpyDtoH_v2, dst, PTR(src), n, NULL, 1, 0);
 }
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
-    COPY(cuMemcpyDtoD_v2, PTR(dst), PTR(src), n, NULL);
+    COPY(cuMemcpyDtoD_v2, PTR(dst), PTR(src), n, NULL, 1, 1);
 }
 
 CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream s) {
@@ -616,6 +856,7 @@ CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream s) {
         return CUDA_ERROR_INVALID_HANDLE;
     if (n && !p)
         return CUDA_ERROR_INVALID_VALUE;
+    stream_op(s, 0, 0, p, n, "cuMemsetD8Async");
     memset(PTR(p), v, n);
     return CUDA_SUCCESS;
 }
@@ -624,6 +865,8 @@ CUresult cuMemsetD8_v2(CUdeviceptr p, unsigned char v, size_t n) {
     COUNT(cuMemsetD8_v2);
     if (n && !p)
         return CUDA_ERROR_INVALID_VALUE;
+    stream_op(NULL, 0, 0, p, n, "cuMemsetD8_v2");
+    host_sync_stream(NULL);
     memset(PTR(p), v, n);
     return CUDA_SUCCESS;
 }
@@ -684,6 +927,89 @@ CUresult cuGetErrorName(CUresult r, const char **s) {
     if (!s)
         return CUDA_ERROR_INVALID_VALUE;
     *s = error_text(r);
+    return CUDA_SUCCESS;
+}
+
+/* ---- kernels ---------------------------------------------------------------------------
+ *
+ * Modules load from any image; a function is found only when the fake knows its name, and
+ * then runs on the host inside `cuLaunchKernel` (an unknown name fails with
+ * CUDA_ERROR_NOT_FOUND, counted). Known: candle's `copy2d_<type>(src, dst, d1, d2, src_s,
+ * dst_s)`, which copies d1 rows of d2 elements between row strides. */
+
+#define CUDA_ERROR_NOT_FOUND 500
+
+typedef struct fake_module *CUmodule;
+struct fake_module {
+    int unused;
+};
+static struct fake_module the_module;
+
+typedef const struct fake_function *CUfunction;
+struct fake_function {
+    const char *name;
+    size_t elem; /* the element's size in bytes */
+};
+static const struct fake_function functions[] = {
+    {"copy2d_u8", 1},  {"copy2d_i16", 2}, {"copy2d_f16", 2},  {"copy2d_bf16", 2},
+    {"copy2d_u32", 4}, {"copy2d_i32", 4}, {"copy2d_f32", 4},  {"copy2d_i64", 8},
+    {"copy2d_f64", 8},
+};
+
+CUresult cuModuleLoadData(CUmodule *m, const void *image) {
+    COUNT(cuModuleLoadData);
+    if (!m || !image)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!current)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *m = &the_module;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuModuleUnload(CUmodule m) {
+    COUNT(cuModuleUnload);
+    return m == &the_module ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
+    COUNT(cuModuleGetFunction);
+    if (!f || !name)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (m != &the_module)
+        return CUDA_ERROR_INVALID_HANDLE;
+    for (size_t i = 0; i < sizeof functions / sizeof functions[0]; i++) {
+        if (strcmp(functions[i].name, name) == 0) {
+            *f = &functions[i];
+            return CUDA_SUCCESS;
+        }
+    }
+    bump(&unknown_kernels);
+    return CUDA_ERROR_NOT_FOUND;
+}
+
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                        unsigned by, unsigned bz, unsigned shared, CUstream s, void **params,
+                        void **extra) {
+    COUNT(cuLaunchKernel);
+    (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shared, (void)extra;
+    if (!stream_of(s))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (f < &functions[0] || f >= &functions[sizeof functions / sizeof functions[0]] ||
+        !params)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* copy2d */
+    uint64_t src = *(const uint64_t *)params[0], dst = *(const uint64_t *)params[1];
+    uint32_t d1 = *(const uint32_t *)params[2], d2 = *(const uint32_t *)params[3];
+    uint32_t src_s = *(const uint32_t *)params[4], dst_s = *(const uint32_t *)params[5];
+    if (!d1 || !d2)
+        return CUDA_SUCCESS;
+    if (!src || !dst)
+        return CUDA_ERROR_INVALID_VALUE;
+    size_t e = f->elem;
+    stream_op(s, src, ((size_t)(d1 - 1) * src_s + d2) * e, dst,
+              ((size_t)(d1 - 1) * dst_s + d2) * e, f->name);
+    for (uint32_t i = 0; i < d1; i++)
+        memmove(PTR(dst + (uint64_t)i * dst_s * e), PTR(src + (uint64_t)i * src_s * e), d2 * e);
     return CUDA_SUCCESS;
 }
 
@@ -748,7 +1074,9 @@ int fake_cuda_set_capturing(CUstream s, int on) {
 /* Gauges: 0 live streams, 1 live events, 2 live device allocations, 3 live pinned host
  * allocations, 4 events recorded on a capturing stream, 5 waits behind a stalled stream,
  * 6 of those that gave up, 7 calls with an invalid or released handle, 8 NCCL releases that
- * waited behind a stalled stream, 9 NCCL releases in progress (blocked while one is). */
+ * waited behind a stalled stream, 9 NCCL releases in progress (blocked while one is);
+ * with the stream-order model on: 10 races found, 11 accesses checked, 12 operations left
+ * untracked (no clock id left); 13 kernels looked up that the fake does not know. */
 int64_t fake_cuda_gauge(int which) {
     switch (which) {
     case 0: return __atomic_load_n(&live_streams, __ATOMIC_RELAXED);
@@ -761,6 +1089,35 @@ int64_t fake_cuda_gauge(int which) {
     case 7: return (int64_t)__atomic_load_n(&bad_handles, __ATOMIC_RELAXED);
     case 8: return (int64_t)__atomic_load_n(&release_waits, __ATOMIC_RELAXED);
     case 9: return __atomic_load_n(&releases_blocked, __ATOMIC_RELAXED);
+    case 10: return (int64_t)__atomic_load_n(&races, __ATOMIC_RELAXED);
+    case 11: return (int64_t)__atomic_load_n(&accesses_checked, __ATOMIC_RELAXED);
+    case 12: return (int64_t)__atomic_load_n(&untracked_ops, __ATOMIC_RELAXED);
+    case 13: return (int64_t)__atomic_load_n(&unknown_kernels, __ATOMIC_RELAXED);
     default: return -1;
     }
+}
+
+/* Turns the stream-order model on (1) or off (0). Turn it on before the work to check is
+ * issued: what was issued while it was off is not known to it. */
+void fake_cuda_check_order(int on) { __atomic_store_n(&order_on, on, __ATOMIC_RELEASE); }
+
+/* NCCL's accesses (or any other work the driver does not see), as an operation on stream
+ * `s` reading `rn` bytes at `r` and writing `wn` bytes at `w`. Returns 0 (also while the
+ * model is off, without a look at `s`), or -1 for an unknown stream. */
+int fake_cuda_access(CUstream s, CUdeviceptr r, size_t rn, CUdeviceptr w, size_t wn) {
+    if (!__atomic_load_n(&order_on, __ATOMIC_ACQUIRE))
+        return 0;
+    if (!stream_of(s))
+        return -1;
+    stream_op(s, r, rn, w, wn, "nccl");
+    return 0;
+}
+
+/* The latest race found, described (empty while none). */
+const char *fake_cuda_last_race(void) {
+    pthread_mutex_lock(&lock);
+    static char copy[sizeof last_race];
+    memcpy(copy, last_race, sizeof copy);
+    pthread_mutex_unlock(&lock);
+    return copy;
 }

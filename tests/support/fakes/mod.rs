@@ -28,6 +28,9 @@ pub struct FakeDriver {
     set_capturing: unsafe extern "C" fn(*mut std::ffi::c_void, c_int) -> c_int,
     gauge: unsafe extern "C" fn(c_int) -> i64,
     release_wait: unsafe extern "C" fn(c_int),
+    check_order: unsafe extern "C" fn(c_int),
+    access: unsafe extern "C" fn(*mut std::ffi::c_void, u64, usize, u64, usize) -> c_int,
+    last_race: unsafe extern "C" fn() -> *const c_char,
 }
 
 /// What [`FakeDriver::gauge`] reads.
@@ -46,6 +49,14 @@ pub enum Gauge {
     ReleaseWaits = 8,
     /// NCCL teardowns in the driver right now (blocked, while a stall lasts).
     ReleasesInProgress = 9,
+    /// With the stream-order model on: pairs of accesses CUDA leaves unordered.
+    Races = 10,
+    /// With the stream-order model on: accesses checked.
+    AccessesChecked = 11,
+    /// With the stream-order model on: operations it could not track (no clock id left).
+    UntrackedOps = 12,
+    /// Kernels looked up that the fake does not run.
+    UnknownKernels = 13,
 }
 
 /// Compiles (once per process) and loads the fake driver.
@@ -102,6 +113,9 @@ pub fn driver() -> &'static FakeDriver {
                 set_capturing: *lib.get(b"fake_cuda_set_capturing\0").unwrap(),
                 gauge: *lib.get(b"fake_cuda_gauge\0").unwrap(),
                 release_wait: *lib.get(b"fake_cuda_release_wait\0").unwrap(),
+                check_order: *lib.get(b"fake_cuda_check_order\0").unwrap(),
+                access: *lib.get(b"fake_cuda_access\0").unwrap(),
+                last_race: *lib.get(b"fake_cuda_last_race\0").unwrap(),
                 _lib: lib,
             }
         }
@@ -144,6 +158,37 @@ impl FakeDriver {
         // SAFETY: as in `stall`.
         let r = unsafe { (self.set_capturing)(stream.cu_stream() as *mut _, on as c_int) };
         assert_eq!(r, 0, "not a stream of the fake driver");
+    }
+
+    /// Turns the stream-order model on or off (`cuda.c`, "stream order"): process-wide, so
+    /// a test that reads its gauges runs alone in its binary.
+    pub fn check_order(&self, on: bool) {
+        // SAFETY: sets a flag.
+        unsafe { (self.check_order)(on as c_int) }
+    }
+
+    /// Work the driver does not see (NCCL's), as an operation on `stream` that reads
+    /// `read.1` bytes at `read.0` and writes `write.1` bytes at `write.0`.
+    pub fn access(&self, stream: &CudaStream, read: (u64, usize), write: (u64, usize)) {
+        // SAFETY: the handle is a stream of the fake driver; the addresses are only compared.
+        let r = unsafe {
+            (self.access)(
+                stream.cu_stream() as *mut _,
+                read.0,
+                read.1,
+                write.0,
+                write.1,
+            )
+        };
+        assert_eq!(r, 0, "not a stream of the fake driver");
+    }
+
+    /// The latest race the stream-order model found, described; empty while none.
+    pub fn last_race(&self) -> String {
+        // SAFETY: a NUL-terminated string in a static buffer.
+        unsafe { CStr::from_ptr((self.last_race)()) }
+            .to_string_lossy()
+            .into_owned()
     }
 
     pub fn gauge(&self, g: Gauge) -> i64 {
@@ -224,6 +269,47 @@ pub struct NcclCall {
     pub stream: usize,
 }
 
+/// Tells the stream-order model what a collective reads and writes on its stream (the
+/// driver does not see NCCL's kernels): its send buffer, then its receive buffer.
+fn accessed(call: &NcclCall) {
+    let elem = match call.dtype as nccl_sys::ncclDataType_t {
+        nccl_sys::bindings::ncclInt8
+        | nccl_sys::bindings::ncclUint8
+        | nccl_sys::bindings::ncclFloat8e4m3
+        | nccl_sys::bindings::ncclFloat8e5m2 => 1,
+        nccl_sys::bindings::ncclFloat16 | nccl_sys::bindings::ncclBfloat16 => 2,
+        nccl_sys::bindings::ncclInt32
+        | nccl_sys::bindings::ncclUint32
+        | nccl_sys::bindings::ncclFloat32 => 4,
+        _ => 8,
+    };
+    let (send, recv) = match call.name {
+        // Every rank's block lands in the receive buffer.
+        "ncclAllGather" => (call.count * elem, call.count * elem * nranks(call.comm)),
+        _ => (call.count * elem, call.count * elem),
+    };
+    // SAFETY: `stream` is the handle the caller passed to NCCL, a stream of the fake driver
+    // (or the null stream); the addresses are only compared.
+    unsafe {
+        (driver().access)(
+            call.stream as *mut _,
+            call.send as u64,
+            send,
+            call.recv as u64,
+            recv,
+        )
+    };
+}
+
+/// The communicator's rank count, as the host provider reports it.
+fn nranks(comm: usize) -> usize {
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: `comm` is a live communicator of the host provider (the call in progress
+    // uses it); writes one int.
+    unsafe { (wrap::host().ncclCommCount)(comm as _, &mut n) };
+    n.max(1) as usize
+}
+
 thread_local! {
     static LOG: std::cell::RefCell<Option<Vec<NcclCall>>> = const { std::cell::RefCell::new(None) };
 }
@@ -241,6 +327,7 @@ pub fn record_calls(on: bool) -> Vec<NcclCall> {
 }
 
 fn log(call: NcclCall) {
+    accessed(&call);
     LOG.with(|l| {
         if let Some(v) = l.borrow_mut().as_mut() {
             v.push(call);
@@ -255,7 +342,7 @@ mod wrap {
     use std::ffi::c_void;
 
     /// The host provider's entry points, typed by the function table.
-    fn host() -> nccl_sys::FunctionTable {
+    pub(super) fn host() -> nccl_sys::FunctionTable {
         static TABLE: OnceLock<nccl_sys::FunctionTable> = OnceLock::new();
         *TABLE.get_or_init(|| *nccl_safe::Library::host().table())
     }
