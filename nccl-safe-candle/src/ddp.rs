@@ -222,6 +222,11 @@ struct Pending {
 /// keeps its buffer's guard across its launch, which candle arranges by hand, and it can
 /// be turned off (candle's `CudaDevice::disable_event_tracking`, which also saves its
 /// per-kernel cost).
+///
+/// The crate's tests run this path without a GPU, on a fake CUDA driver that checks
+/// CUDA's ordering rule beside the work: with cudarc's tracking on and off, and on the
+/// error path, no access to a bucket's buffer on one stream is left unordered against an
+/// access on the other.
 pub struct DistributedDataParallel<'c> {
     comm: &'c Communicator,
     params: Vec<(String, Var)>,

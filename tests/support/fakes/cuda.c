@@ -935,7 +935,8 @@ CUresult cuGetErrorName(CUresult r, const char **s) {
  * Modules load from any image; a function is found only when the fake knows its name, and
  * then runs on the host inside `cuLaunchKernel` (an unknown name fails with
  * CUDA_ERROR_NOT_FOUND, counted). Known: candle's `copy2d_<type>(src, dst, d1, d2, src_s,
- * dst_s)`, which copies d1 rows of d2 elements between row strides. */
+ * dst_s)`, which copies d1 rows of d2 elements between row strides, and `bmul_f32(numel,
+ * num_dims, info, lhs, rhs, out)` on contiguous operands (`info` null). */
 
 #define CUDA_ERROR_NOT_FOUND 500
 
@@ -946,14 +947,17 @@ struct fake_module {
 static struct fake_module the_module;
 
 typedef const struct fake_function *CUfunction;
+enum kernel { COPY2D, BMUL_F32 };
 struct fake_function {
     const char *name;
     size_t elem; /* the element's size in bytes */
+    enum kernel kind;
 };
 static const struct fake_function functions[] = {
-    {"copy2d_u8", 1},  {"copy2d_i16", 2}, {"copy2d_f16", 2},  {"copy2d_bf16", 2},
-    {"copy2d_u32", 4}, {"copy2d_i32", 4}, {"copy2d_f32", 4},  {"copy2d_i64", 8},
-    {"copy2d_f64", 8},
+    {"copy2d_u8", 1, COPY2D},  {"copy2d_i16", 2, COPY2D}, {"copy2d_f16", 2, COPY2D},
+    {"copy2d_bf16", 2, COPY2D}, {"copy2d_u32", 4, COPY2D}, {"copy2d_i32", 4, COPY2D},
+    {"copy2d_f32", 4, COPY2D}, {"copy2d_i64", 8, COPY2D}, {"copy2d_f64", 8, COPY2D},
+    {"bmul_f32", 4, BMUL_F32},
 };
 
 CUresult cuModuleLoadData(CUmodule *m, const void *image) {
@@ -997,6 +1001,24 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
     if (f < &functions[0] || f >= &functions[sizeof functions / sizeof functions[0]] ||
         !params)
         return CUDA_ERROR_INVALID_VALUE;
+    if (f->kind == BMUL_F32) {
+        size_t numel = *(const size_t *)params[0];
+        uint64_t info = *(const uint64_t *)params[2], lhs = *(const uint64_t *)params[3],
+                 rhs = *(const uint64_t *)params[4], out = *(const uint64_t *)params[5];
+        if (info)
+            return CUDA_ERROR_NOT_SUPPORTED; /* strided operands: not modelled */
+        if (!numel)
+            return CUDA_SUCCESS;
+        if (!lhs || !rhs || !out)
+            return CUDA_ERROR_INVALID_VALUE;
+        stream_op(s, lhs, numel * 4, out, numel * 4, f->name);
+        stream_op(s, rhs, numel * 4, 0, 0, f->name);
+        const float *l = PTR(lhs), *r = PTR(rhs);
+        float *o = PTR(out);
+        for (size_t i = 0; i < numel; i++)
+            o[i] = l[i] * r[i];
+        return CUDA_SUCCESS;
+    }
     /* copy2d */
     uint64_t src = *(const uint64_t *)params[0], dst = *(const uint64_t *)params[1];
     uint32_t d1 = *(const uint32_t *)params[2], d2 = *(const uint32_t *)params[3];
