@@ -13,7 +13,9 @@
 //! - the parameters are rank 0's after construction;
 //! - no race, no stream, event or allocation left behind, no kernel the fake lacks;
 //! - a step that fails (a peer left) after handing a bucket to NCCL on the communication
-//!   stream still makes candle's stream wait for it before the bucket's buffer is freed.
+//!   stream still makes candle's stream wait for it before the bucket's buffer is freed;
+//! - the tensor collectives reach the right elements of a view that starts inside candle's
+//!   storage (in place, and as the input of all_gather and reduce_scatter).
 //!
 //! `scripts/candle-ddp-cuda-check.sh` builds the fake driver and link stubs for the CUDA
 //! libraries candle links, then runs these tests; elsewhere they are ignored (a machine
@@ -116,14 +118,27 @@ mod wrap {
         }
     }
 
-    fn accessed(st: cudaStream_t, s: *const c_void, r: *mut c_void, len: usize) {
+    /// Reads `send_len` bytes at `s` and writes `recv_len` at `r` on stream `st`.
+    fn accessed(
+        st: cudaStream_t,
+        (s, send_len): (*const c_void, usize),
+        (r, recv_len): (*mut c_void, usize),
+    ) {
         // SAFETY: `st` is the stream the caller gave NCCL, one of the fake driver's; the
         // addresses are only compared.
-        let rc = unsafe { (fake().access)(st as *mut c_void, s as u64, len, r as u64, len) };
+        let rc =
+            unsafe { (fake().access)(st as *mut c_void, s as u64, send_len, r as u64, recv_len) };
         assert_eq!(
             rc, 0,
             "NCCL was given a stream the fake driver does not know"
         );
+    }
+
+    fn nranks(c: ncclComm_t) -> usize {
+        let mut n: c_int = 0;
+        // SAFETY: `c` is the live communicator of the call in progress; writes one int.
+        unsafe { (host().ncclCommCount)(c, &mut n) };
+        n.max(1) as usize
     }
 
     pub unsafe extern "C" fn all_reduce(
@@ -135,7 +150,7 @@ mod wrap {
         c: ncclComm_t,
         st: cudaStream_t,
     ) -> ncclResult_t {
-        accessed(st, s, r, bytes(n, t));
+        accessed(st, (s, bytes(n, t)), (r, bytes(n, t)));
         // SAFETY: forwarded unchanged to the host provider's entry point.
         unsafe { (host().ncclAllReduce)(s, r, n, t, op, c, st) }
     }
@@ -149,9 +164,36 @@ mod wrap {
         c: ncclComm_t,
         st: cudaStream_t,
     ) -> ncclResult_t {
-        accessed(st, s, r, bytes(n, t));
+        accessed(st, (s, bytes(n, t)), (r, bytes(n, t)));
         // SAFETY: as above.
         unsafe { (host().ncclBroadcast)(s, r, n, t, root, c, st) }
+    }
+
+    pub unsafe extern "C" fn all_gather(
+        s: *const c_void,
+        r: *mut c_void,
+        n: usize,
+        t: ncclDataType_t,
+        c: ncclComm_t,
+        st: cudaStream_t,
+    ) -> ncclResult_t {
+        accessed(st, (s, bytes(n, t)), (r, bytes(n * nranks(c), t)));
+        // SAFETY: as above.
+        unsafe { (host().ncclAllGather)(s, r, n, t, c, st) }
+    }
+
+    pub unsafe extern "C" fn reduce_scatter(
+        s: *const c_void,
+        r: *mut c_void,
+        n: usize,
+        t: ncclDataType_t,
+        op: ncclRedOp_t,
+        c: ncclComm_t,
+        st: cudaStream_t,
+    ) -> ncclResult_t {
+        accessed(st, (s, bytes(n * nranks(c), t)), (r, bytes(n, t)));
+        // SAFETY: as above.
+        unsafe { (host().ncclReduceScatter)(s, r, n, t, op, c, st) }
     }
 }
 
@@ -159,6 +201,8 @@ fn lookup(name: &CStr) -> *const c_void {
     match name.to_bytes() {
         b"ncclAllReduce" => wrap::all_reduce as *const c_void,
         b"ncclBroadcast" => wrap::broadcast as *const c_void,
+        b"ncclAllGather" => wrap::all_gather as *const c_void,
+        b"ncclReduceScatter" => wrap::reduce_scatter as *const c_void,
         _ => nccl_safe::host::lookup(name),
     }
 }
@@ -390,4 +434,46 @@ fn a_failed_step_frees_its_buffers_after_the_comm_stream() {
         errors[0]
     );
     check(before, 10);
+}
+
+/// Rank `rank`'s tensor collectives on views into one storage: what the storage and the
+/// two new tensors hold afterwards.
+fn views(rank: usize, id: &UniqueId, _: &Barrier) -> Result<[Vec<f32>; 3], BoxError> {
+    use nccl_safe_candle::{all_gather, all_reduce, broadcast, reduce_scatter, ReduceOp};
+    let (device, comm, _) = set_up(rank, id, true)?;
+    let values: Vec<f32> = (0..20).map(|i| (100 * rank + i) as f32).collect();
+    let base = Tensor::from_vec(values, 20, &device)?;
+    all_reduce(&comm, &base.narrow(0, 5, 8)?, ReduceOp::Sum)?;
+    broadcast(&comm, &base.narrow(0, 2, 3)?, 1)?;
+    let gathered = all_gather(&comm, &base.narrow(0, 15, 4)?)?;
+    let scattered = reduce_scatter(&comm, &base.narrow(0, 0, 4)?, ReduceOp::Sum)?;
+    Ok([base.to_vec1()?, gathered.to_vec1()?, scattered.to_vec1()?])
+}
+
+#[test]
+#[ignore = "needs nccl-safe's fake CUDA driver: scripts/candle-ddp-cuda-check.sh"]
+fn tensor_collectives_reach_the_elements_of_a_view() {
+    let before = start();
+    let results = ranks(views);
+    for (r, [base, gathered, scattered]) in results.iter().enumerate() {
+        let want: Vec<f32> = (0..20usize)
+            .map(|i| match i {
+                2..5 => (100 + i) as f32,      // rank 1's, broadcast
+                5..13 => (100 + 2 * i) as f32, // the sum over both ranks
+                _ => (100 * r + i) as f32,     // untouched
+            })
+            .collect();
+        assert_eq!(base, &want, "rank {r}'s storage");
+        let want = vec![15f32, 16., 17., 18., 115., 116., 117., 118.];
+        assert_eq!(gathered, &want, "rank {r}'s all_gather");
+        // Elements 0..4 summed (2 and 3 hold rank 1's broadcast on both ranks):
+        // [100, 102, 204, 206], half to each rank.
+        let want = if r == 0 {
+            vec![100f32, 102.]
+        } else {
+            vec![204f32, 206.]
+        };
+        assert_eq!(scattered, &want, "rank {r}'s reduce_scatter");
+    }
+    check(before, 16);
 }
