@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs the host-provider test binaries, the safe layer's multi-rank and diagnostics tests
 # (lock-free records, watchdog aborts), and the CUDA code path over the fake driver (cudarc
-# buffers and events, the watchdog's CUDA tracker, a stalled stream), under valgrind
-# memcheck (errors fail the run; leaks are not checked: the provider keeps a small
-# process-wide registry on purpose).
+# buffers and events, the watchdog's CUDA tracker, a stalled stream, the stream-order
+# model), under valgrind memcheck (errors fail the run; leaks are not checked: the provider
+# keeps a small process-wide registry on purpose).
 # The conformance matrix runs on world sizes 2 and 3 only (HOST_CONFORMANCE_WORLDS) to keep
 # the run to a few minutes; the semantics tests run in full.
 set -euo pipefail
@@ -12,7 +12,7 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}"
 VALGRIND="${VALGRIND:-/usr/bin/valgrind}"
 
 mapfile -t bins < <(cargo test --no-run --message-format=json --test host_conformance --test host_semantics \
-    --test safe_collectives --test diag --test cuda_path \
+    --test safe_collectives --test diag --test cuda_path --test stream_order \
     | grep -o '"executable":"[^"]*"' | sed 's/"executable":"\(.*\)"/\1/')
 if [ "${#bins[@]}" -eq 0 ]; then
     echo "no test binaries found" >&2
