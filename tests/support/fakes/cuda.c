@@ -272,8 +272,8 @@ static void note_race(const struct access *a, const struct access *b) {
              (unsigned long long)b->lo, (unsigned long long)b->hi);
 }
 
-/* Checks and logs an access of [p, p + n) by the next operation on stream `s`. Call with
- * `lock` held, after `tick`. */
+/* Checks and logs an access of [p, p + n) by the operation just counted on clock `c`.
+ * Call with `lock` held, after `tick`. */
 static void access_as(struct clock *c, uint64_t p, size_t n, int write, const char *what) {
     if (!n)
         return;

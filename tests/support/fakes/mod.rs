@@ -163,24 +163,9 @@ impl FakeDriver {
     /// Turns the stream-order model on or off (`cuda.c`, "stream order"): process-wide, so
     /// a test that reads its gauges runs alone in its binary.
     pub fn check_order(&self, on: bool) {
+        ORDER_ON.store(on, std::sync::atomic::Ordering::Release);
         // SAFETY: sets a flag.
         unsafe { (self.check_order)(on as c_int) }
-    }
-
-    /// Work the driver does not see (NCCL's), as an operation on `stream` that reads
-    /// `read.1` bytes at `read.0` and writes `write.1` bytes at `write.0`.
-    pub fn access(&self, stream: &CudaStream, read: (u64, usize), write: (u64, usize)) {
-        // SAFETY: the handle is a stream of the fake driver; the addresses are only compared.
-        let r = unsafe {
-            (self.access)(
-                stream.cu_stream() as *mut _,
-                read.0,
-                read.1,
-                write.0,
-                write.1,
-            )
-        };
-        assert_eq!(r, 0, "not a stream of the fake driver");
     }
 
     /// The latest race the stream-order model found, described; empty while none.
@@ -269,9 +254,16 @@ pub struct NcclCall {
     pub stream: usize,
 }
 
-/// Tells the stream-order model what a collective reads and writes on its stream (the
-/// driver does not see NCCL's kernels): its send buffer, then its receive buffer.
+/// Whether a test turned the stream-order model on.
+static ORDER_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Tells the stream-order model, while it is on, what a collective reads and writes on its
+/// stream (the driver does not see NCCL's kernels): its send buffer, then its receive
+/// buffer.
 fn accessed(call: &NcclCall) {
+    if !ORDER_ON.load(std::sync::atomic::Ordering::Acquire) {
+        return;
+    }
     let elem = match call.dtype as nccl_sys::ncclDataType_t {
         nccl_sys::bindings::ncclInt8
         | nccl_sys::bindings::ncclUint8
