@@ -48,8 +48,9 @@ if expect != "any" and expect != version + " " + mode:
 check candle any
 check cubecl any
 check pinned-12060 "12.6 linked"
-features="$(cd probes/pinned-12060 &&
-  cargo tree -e features -i cudarc --prefix none --format '{f}' | head -n 1)"
+# The whole output, then its first line: `| head -n 1` under pipefail can fail on SIGPIPE.
+tree="$(cd probes/pinned-12060 && cargo tree -e features -i cudarc --prefix none --format '{f}')"
+features="${tree%%$'\n'*}"
 echo "-- cudarc features of the pinned probe: $features"
 case ",$features," in
   *,dynamic-loading,* | *,static-linking,*) echo "a linking mode was forced on the pinned probe" >&2; exit 1 ;;

@@ -12,7 +12,11 @@ have_libclang() {
       [[ "$(basename "$f")" =~ $re ]] && return 0
     done
   fi
-  ldconfig -p 2>/dev/null | awk '{print $1}' | grep -Eq "$re"
+  # The whole list first: under `set -o pipefail`, a `grep -q` that stops at the first match
+  # can kill the writer with SIGPIPE and fail the pipeline although it matched.
+  local libs
+  libs="$(ldconfig -p 2>/dev/null | awk '{print $1}')" || true
+  grep -Eq "$re" <<<"$libs"
 }
 
 # True when `python3 -m pip` runs (scripts/fetch-nccl.sh downloads NCCL's wheels with it).
