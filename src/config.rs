@@ -1,8 +1,7 @@
 //! [`Config`]: a builder over `ncclConfig_t`.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::mem::{offset_of, size_of};
-#[cfg(feature = "diag")]
 use std::sync::Arc;
 
 use nccl_sys::{ncclConfig_t, NCCL_CONFIG_UNDEF_INT};
@@ -26,10 +25,21 @@ use crate::version::Version;
 pub struct Config {
     /// Integer fields by [`Field`]; `None` keeps NCCL's default.
     ints: [Option<i32>; INT_FIELDS.len()],
-    net_name: Option<CString>,
-    comm_name: Option<CString>,
+    /// Shared, not copied: NCCL keeps `commName` by pointer and reads it after the call
+    /// (its async init, and a split child that inherits the parent's config), so a
+    /// communicator keeps these alive through [`ConfigNames`].
+    net_name: Option<Arc<CStr>>,
+    comm_name: Option<Arc<CStr>>,
     /// Watchdog, flight recorder and fingerprint options (builder methods in `diag`).
     pub(crate) diag: crate::diag::DiagConfig,
+}
+
+/// The name strings of a [`Config`] (`netName`, `commName`), kept alive by the
+/// communicator made with it and by its split and shrink children.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ConfigNames {
+    _net: Option<Arc<CStr>>,
+    _comm: Option<Arc<CStr>>,
 }
 
 /// The release that added `commName`, the one pointer field after the integers.
@@ -147,18 +157,30 @@ impl Config {
     /// `netName`: the network plugin or transport to use (e.g. `"IB"`, `"Socket"`).
     /// A name with an interior NUL is rejected at init.
     pub fn net_name(mut self, name: &str) -> Config {
-        self.net_name = Some(CString::new(name).unwrap_or_default());
+        self.net_name = Some(Arc::from(CString::new(name).unwrap_or_default()));
         self
     }
 
     /// `commName`: a name shown in NCCL's logs and profilers (NCCL 2.27+).
     pub fn comm_name(mut self, name: &str) -> Config {
-        self.comm_name = Some(CString::new(name).unwrap_or_default());
+        self.comm_name = Some(Arc::from(CString::new(name).unwrap_or_default()));
         self
     }
 
-    /// Fills NCCL's struct for `lib`. The returned struct points into `self` (names), so
-    /// `self` must outlive its use.
+    /// The name strings the raw struct of [`to_raw`](Self::to_raw) points into, for the
+    /// communicator to keep.
+    pub(crate) fn names(&self) -> ConfigNames {
+        ConfigNames {
+            _net: self.net_name.clone(),
+            _comm: self.comm_name.clone(),
+        }
+    }
+
+    /// Fills NCCL's struct for `lib`. The returned struct points into the name strings
+    /// `self` shares with its clones and its [`names`](Self::names): keep one of those
+    /// alive as long as NCCL may read them (for `commName`, the communicator's life and its
+    /// children's: NCCL 2.28 keeps it by pointer, init.cc:1251, and a split without a
+    /// config inherits the pointer).
     pub(crate) fn to_raw(&self, lib: &Library) -> Result<ncclConfig_t> {
         let v = lib.version();
         let at = (v.major, v.minor);

@@ -299,12 +299,34 @@ impl Communicator {
         }
         self.ensure_usable(OP)?;
         let target = self.registration_target::<T, B>(OP, buf)?;
+        // NCCL's group thread writes the window at the end of its job, after the call
+        // returned ncclSuccess (dev_runtime.cc:891-922, 533): a heap slot, read once the
+        // communicator left ncclInProgress (see `Communicator::issue_job`).
+        let slot = crate::comm::JobSlot::new();
+        let out = slot.out();
         let mut win: ncclWindow_t = std::ptr::null_mut();
-        self.issue(&OP, caller, |_, comm| {
-            // SAFETY: as in `register`; `win` is writable; the flags are NCCL_WIN_* bits
-            // this NCCL knows (checked above).
-            unsafe { register(comm, target.ptr, target.bytes, &mut win, flags.bits()) }
-        })?;
+        let r = self.issue_job(
+            &OP,
+            caller,
+            |_, comm| {
+                // SAFETY: as in `register`; `out` is the heap slot the job writes, alive
+                // until the job ended (else leaked); the flags are NCCL_WIN_* bits this
+                // NCCL knows (checked above).
+                unsafe { register(comm, target.ptr, target.bytes, out, flags.bits()) }
+            },
+            || {
+                win = slot.take();
+                Ok(())
+            },
+        );
+        if let Err(e) = r {
+            // A job that may still be running keeps its slot; one that ended failed the
+            // communicator, whose abort releases what it registered.
+            if !self.job_ended() {
+                slot.leak();
+            }
+            return Err(e);
+        }
         Ok(Window {
             comm: self,
             buf,

@@ -496,8 +496,18 @@ fn abort_wakes_a_rank_blocked_in_all_reduce() {
         ncclSuccess
     );
     assert_eq!(st, ncclRemoteError);
-    destroy(&t, c0 as ncclComm_t);
-    assert_eq!(tuple(host::stats_for(&id)), stats(0, 2, 1, 1, 0));
+    // As NCCL (init.cc:2372-2381): a communicator in error is not destroyed, and the
+    // refused destroy leaves this thread one group level deep; close it, then abort.
+    // SAFETY: c0 is a live handle; refused, it stays live.
+    assert_eq!(
+        unsafe { (t.ncclCommDestroy)(c0 as ncclComm_t) },
+        ncclRemoteError
+    );
+    // SAFETY: no buffer involved.
+    assert_eq!(unsafe { (t.ncclGroupEnd)() }, ncclSuccess);
+    // SAFETY: c0 is live; its one teardown.
+    assert_eq!(unsafe { (t.ncclCommAbort)(c0 as ncclComm_t) }, ncclSuccess);
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 2, 0, 2, 0));
 }
 
 #[test]
@@ -777,4 +787,143 @@ fn grouped_init_of_all_ranks_from_one_thread() {
         destroy(&t, c);
     }
     assert_eq!(tuple(host::stats_for(&id)), stats(0, 3, 3, 0, 0));
+}
+
+/// Inits `n` non-blocking ranks on one id, one thread each, waits each out of
+/// ncclInProgress, then runs `f(rank, comm)` on each thread.
+fn with_non_blocking_ranks<R: Send>(
+    t: &FunctionTable,
+    n: usize,
+    f: impl Fn(usize, ncclComm_t) -> R + Sync,
+) -> (ncclUniqueId, Vec<R>) {
+    let id = new_id(t);
+    let out = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let f = &f;
+                s.spawn(move || {
+                    let mut comm: ncclComm_t = core::ptr::null_mut();
+                    let mut cfg = config(0);
+                    // SAFETY: valid pointers; same id for every rank.
+                    let rc = unsafe {
+                        (t.ncclCommInitRankConfig)(&mut comm, n as c_int, id, r as c_int, &mut cfg)
+                    };
+                    assert_eq!(rc, ncclInProgress);
+                    assert_eq!(wait_out_of_progress(t, comm), ncclSuccess);
+                    f(r, comm)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank panicked"))
+            .collect()
+    });
+    (id, out)
+}
+
+/// Polls `comm`'s asynchronous state until it is not ncclInProgress (10 s at most).
+fn wait_out_of_progress(t: &FunctionTable, comm: ncclComm_t) -> ncclResult_t {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut st = ncclSuccess;
+        // SAFETY: a live handle; a valid out pointer.
+        assert_eq!(
+            unsafe { (t.ncclCommGetAsyncError)(comm, &mut st) },
+            ncclSuccess
+        );
+        if st != ncclInProgress || Instant::now() > deadline {
+            return st;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// NCCL 2.28.9 on a non-blocking parent (init.cc:2550-2680, group.cc:706-738): split and
+/// shrink return ncclSuccess with the out-pointer still NULL, the parent reads ncclInProgress
+/// and refuses every other call with ncclInvalidArgument, and the job stores the child (NULL
+/// for NOCOLOR) from its own thread, only then ending the parent's progress.
+#[test]
+fn a_non_blocking_split_returns_success_and_stores_its_child_later() {
+    let t = table();
+    let (id, out) = with_non_blocking_ranks(&t, 3, |r, comm| {
+        // A heap slot the job may write after this function looked at it.
+        let slot = Box::new(core::sync::atomic::AtomicPtr::<ncclComm>::new(
+            0x1 as ncclComm_t,
+        ));
+        let color = if r == 1 { NCCL_SPLIT_NOCOLOR } else { 5 };
+        // SAFETY: live parent; the slot outlives the job (it is read after the wait).
+        let rc = unsafe { (t.ncclCommSplit)(comm, color, 0, slot.as_ptr(), core::ptr::null_mut()) };
+        assert_eq!(
+            rc, ncclSuccess,
+            "NCCL's split returns ncclSuccess, not ncclInProgress"
+        );
+        assert!(
+            slot.load(core::sync::atomic::Ordering::Acquire).is_null(),
+            "rank {r}: the child must not be there before the job ends"
+        );
+        let mut st = ncclSuccess;
+        // SAFETY: live parent.
+        unsafe { (t.ncclCommGetAsyncError)(comm, &mut st) };
+        assert_eq!(st, ncclInProgress, "rank {r}: the parent is in progress");
+        let mut n = 0;
+        // SAFETY: live parent; the call is refused before it writes `n`.
+        let rc = unsafe { (t.ncclCommCount)(comm, &mut n) };
+        assert_eq!(rc, ncclInvalidArgument, "rank {r}: {}", last_error(&t));
+        assert!(last_error(&t).contains("before the previous operation returned ncclSuccess"));
+        assert_eq!(wait_out_of_progress(&t, comm), ncclSuccess);
+        let child = slot.load(core::sync::atomic::Ordering::Acquire);
+        let size = (!child.is_null()).then(|| {
+            let mut n = 0;
+            // SAFETY: the child the job stored.
+            assert_eq!(unsafe { (t.ncclCommCount)(child, &mut n) }, ncclSuccess);
+            destroy(&t, child);
+            n
+        });
+        destroy(&t, comm);
+        size
+    });
+    assert_eq!(out, vec![Some(2), None, Some(2)]);
+    let st = host::stats_for(&id);
+    // Only the Count refused while in progress counts as misuse.
+    assert_eq!(tuple(st), stats(0, 5, 5, 0, 3));
+}
+
+/// NCCL's window registration on a non-blocking communicator returns ncclSuccess and its
+/// group's thread writes the window later (dev_runtime.cc:891-922); a destroy while it is in
+/// flight is refused with ncclInvalidArgument and leaves the calling thread one group level
+/// deep (init.cc:2372-2381), so a teardown on that thread afterwards is queued until the
+/// level is closed.
+#[test]
+fn a_window_is_written_later_and_destroy_in_progress_leaves_a_group_open() {
+    let t = table();
+    let register = t.ncclCommWindowRegister.expect("window API");
+    let deregister = t.ncclCommWindowDeregister.expect("window API");
+    let (id, _) = with_non_blocking_ranks(&t, 1, |_, comm| {
+        let mut buf = vec![0u8; 64];
+        let slot = Box::new(core::sync::atomic::AtomicPtr::<ncclWindow_vidmem>::new(
+            core::ptr::null_mut(),
+        ));
+        // SAFETY: live comm, live buffer, the slot outlives the job.
+        let rc = unsafe { register(comm, buf.as_mut_ptr().cast(), 64, slot.as_ptr(), 0) };
+        assert_eq!(rc, ncclSuccess);
+        assert!(slot.load(core::sync::atomic::Ordering::Acquire).is_null());
+        // SAFETY: a live handle; refused (in progress) without a teardown.
+        let rc = unsafe { (t.ncclCommDestroy)(comm) };
+        assert_eq!(rc, ncclInvalidArgument, "{}", last_error(&t));
+        assert_eq!(wait_out_of_progress(&t, comm), ncclSuccess);
+        let win = slot.load(core::sync::atomic::Ordering::Acquire);
+        assert!(!win.is_null(), "the window is written when the job ends");
+        // SAFETY: live comm and window.
+        assert_eq!(unsafe { deregister(comm, win) }, ncclSuccess);
+        // This thread is still inside the level the refused destroy opened: the destroy is
+        // queued (ncclSuccess, nothing torn down) until a ncclGroupEnd closes the level.
+        let root = host::root_id_of(comm).expect("a live host communicator");
+        destroy(&t, comm);
+        assert_eq!(host::stats_for(&root).live, 1, "queued, not torn down");
+        // SAFETY: closes the level; runs the queued destroy.
+        assert_eq!(unsafe { (t.ncclGroupEnd)() }, ncclSuccess);
+        assert_eq!(host::stats_for(&root).live, 0);
+    });
+    // The in-progress destroy counts as misuse.
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 1, 1, 0, 1));
 }

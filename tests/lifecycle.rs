@@ -162,9 +162,15 @@ fn tear_down(comm: Communicator, how: Teardown, peer_may_abort: bool) {
     match how {
         Teardown::Destroy => match comm.destroy() {
             Ok(()) => assert!(!failed, "destroy of a failed communicator succeeded"),
-            // A peer aborted after `failed` was read: the clique failed meanwhile (another
-            // rank waits for the aborted one), so destroy refuses, naming it.
-            Err((back, Error::RankLeft { .. })) if peer_may_abort => {
+            // A peer aborted: the clique failed (another rank waits for the aborted one, or
+            // NCCL's asynchronous state reads the peer's abort, and NCCL refuses to destroy
+            // a communicator in error), so destroy refuses, with the departure or NCCL's
+            // remote error.
+            Err((back, e))
+                if peer_may_abort
+                    && (matches!(e, Error::RankLeft { .. })
+                        || e.code() == Some(ResultCode::RemoteError)) =>
+            {
                 assert!(back.is_failed());
                 drop(back); // aborts
             }
@@ -640,4 +646,81 @@ fn a_communicator_dropped_while_panicking_aborts_and_wakes_its_peer() {
     let st = stats_for(&id.to_raw());
     assert_eq!((st.created, st.live, st.misused), (2, 0, 0), "{st:?}");
     assert!(st.aborted >= 1, "{st:?}");
+}
+
+/// Two ranks with a parent and a split child each; rank 1 aborts its parent, which fails the
+/// parent's clique in NCCL (its asynchronous state reads ncclRemoteError on rank 0) while
+/// rank 0's `Communicator` has not seen it. Then `rank0(parent, child)` runs on rank 0's
+/// thread; rank 1 all-reduces on its child (10 s bound) and drops it.
+fn unseen_peer_abort(
+    rank0: impl FnOnce(Communicator, Communicator) + Send,
+) -> nccl_safe::host::HostStats {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let cfg = Config::new().timeout(Duration::from_secs(10));
+    let aborted = Barrier::new(2);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let c = Communicator::init_rank(&CommDevice::Host, 2, 1, &id, &cfg).unwrap();
+            let child = c.split(Some(0), 1).unwrap().expect("a color");
+            c.abort().unwrap();
+            aborted.wait();
+            let mut x = vec![2.0f32; 2];
+            let r = child.all_reduce_in_place(&mut x, ReduceOp::Sum, &S);
+            assert!(
+                r.is_ok() && x == vec![3.0; 2],
+                "rank 1's child: {r:?} {x:?}"
+            );
+        });
+        let c = Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &cfg).unwrap();
+        let child = c.split(Some(0), 0).unwrap().expect("a color");
+        aborted.wait();
+        assert!(!c.is_failed(), "rank 0 must not know of the abort yet");
+        rank0(c, child);
+    });
+    assert_balanced(&id)
+}
+
+/// NCCL refuses to destroy a communicator whose asynchronous state is an error, and then
+/// leaves the calling thread one group level deep with nothing torn down (init.cc:2372-2381
+/// of 2.28.9). Dropping it must abort it instead, and leave the teardown lane able to tear
+/// down the next communicator of the family (with the level left open, the child's destroy
+/// would be queued for a group end that never comes, and leak).
+#[test]
+fn drop_after_an_unseen_peer_abort_aborts_and_leaves_no_group_level_open() {
+    let st = within(T, || {
+        unseen_peer_abort(|parent, child| {
+            drop(parent);
+            let mut x = vec![1.0f32; 2];
+            child
+                .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+                .unwrap();
+            assert_eq!(x, vec![3.0; 2]);
+            drop(child);
+        })
+    });
+    // Both parents aborted (rank 0's as the fallback of its refused destroy), both
+    // children destroyed on the same lane afterwards.
+    assert_eq!((st.created, st.destroyed, st.aborted), (4, 2, 2), "{st:?}");
+}
+
+/// The same through `destroy()`: the communicator comes back failed with NCCL's error, and
+/// the caller's thread is left outside any group level, so its next collective (on the
+/// child) runs instead of being queued.
+#[test]
+fn destroy_after_an_unseen_peer_abort_hands_it_back_and_leaves_no_group_level_open() {
+    let st = within(T, || {
+        unseen_peer_abort(|parent, child| {
+            let (back, e) = parent.destroy().unwrap_err();
+            assert_eq!(e.code(), Some(ResultCode::RemoteError), "{e}");
+            assert!(back.is_failed());
+            drop(back);
+            let mut x = vec![1.0f32; 2];
+            child
+                .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+                .unwrap();
+            assert_eq!(x, vec![3.0; 2], "the child's all_reduce ran");
+            child.destroy().map_err(|(_, e)| e).unwrap();
+        })
+    });
+    assert_eq!((st.created, st.destroyed, st.aborted), (4, 2, 2), "{st:?}");
 }

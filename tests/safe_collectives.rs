@@ -713,3 +713,41 @@ fn an_op_enqueues_nothing_until_it_runs_and_keeps_its_reduction() {
     drop(half);
     comm.destroy().map_err(|(_, e)| e).unwrap();
 }
+
+/// NCCL keeps `commName` by pointer and reads it after the init call returned (2.28.9
+/// init.cc:1251, in the asynchronous init), and a split child made without a config
+/// inherits the pointer: the name must live as long as the communicator and its children,
+/// not only through the call, and not only as long as the caller's `Config`.
+#[test]
+fn a_comm_name_outlives_the_init_call_and_reaches_split_children() {
+    const NAME: &str = "layer-7-gradient-buckets";
+    let id = CommDevice::Host.unique_id().unwrap();
+    std::thread::scope(|s| {
+        for rank in 0..2 {
+            s.spawn(move || {
+                let comm = {
+                    let cfg = Config::new().comm_name(NAME);
+                    Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &cfg).unwrap()
+                }; // the caller's Config is gone here
+                   // Churn the allocator, so that a freed string would be reused.
+                let noise: Vec<Vec<u8>> = (0..256).map(|i| vec![i as u8; NAME.len() + 1]).collect();
+                // SAFETY: the name lives as long as the communicator (what is tested).
+                let name = unsafe { nccl_safe::host::comm_name(comm.as_raw()) };
+                assert_eq!(name.as_deref(), Some(NAME), "rank {rank}");
+                let child = comm.split(Some(0), rank as i32).unwrap().expect("a color");
+                drop(comm);
+                drop(noise);
+                let _more: Vec<Vec<u8>> = (0..256).map(|i| vec![i as u8; NAME.len() + 1]).collect();
+                // SAFETY: as above, through the child.
+                let name = unsafe { nccl_safe::host::comm_name(child.as_raw()) };
+                assert_eq!(name.as_deref(), Some(NAME), "rank {rank}'s child");
+                let mut x = vec![1u8; 4];
+                child
+                    .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+                    .unwrap();
+                assert_eq!(x, vec![2; 4]);
+            });
+        }
+    });
+    assert_balanced(&id);
+}

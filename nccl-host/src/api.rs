@@ -12,7 +12,8 @@ pub(crate) use super::defs::{fresh_id, id_bytes};
 use super::dtype::{self, RedKind};
 use super::exec::{run_items, Item};
 use super::state::{
-    lock, CollKind, CollPost, CommState, Fail, Global, Handle, IdBytes, P2pPost, PreMul, RootIdx,
+    lock, CollKind, CollPost, CommState, Fail, Global, Handle, IdBytes, Job, P2pPost, PendingOn,
+    PreMul, RootIdx,
 };
 
 thread_local! {
@@ -20,6 +21,11 @@ thread_local! {
     static LAST: RefCell<(CString, CString)> = RefCell::new((CString::default(), CString::default()));
     /// (nesting depth, queued items, first error of a call inside the group)
     static GROUP: RefCell<(u32, Vec<Item>, Option<Fail>)> = const { RefCell::new((0, Vec::new(), None)) };
+    /// Teardowns called inside a group (handle, abort): NCCL queues their reclaim job with the
+    /// group's (`ncclAsyncLaunch` at depth > 0) and runs it at the outermost ncclGroupEnd,
+    /// so a group level left open (a refused ncclCommDestroy leaves one: see `teardown`)
+    /// means they never run.
+    static DEFERRED: RefCell<Vec<(usize, bool)>> = const { RefCell::new(Vec::new()) };
     /// The "current device" recorded by ncclCommInitRank(Config) (see `set_current_device`).
     pub(crate) static DEVICE: Cell<c_int> = const { Cell::new(0) };
 }
@@ -161,6 +167,17 @@ fn ready(g: &mut Global, comm: ncclComm_t, what: &str, ops: bool) -> Result<Read
     };
     let root = c.root;
     let finalized = c.finalized;
+    // NCCL's ncclCommEnsureReady (init.cc:373): asynchronous work in flight refuses the
+    // call with ncclInvalidArgument; a failed one is the communicator's error from then on.
+    match c.job.clone() {
+        Job::Busy { .. } => return Err(g.misuse(
+            Some(root),
+            ncclInvalidArgument,
+            format!("invalid argument: {what}: Attempt to use communicator before the previous operation returned ncclSuccess (an asynchronous split, shrink or window registration is in progress: poll ncclCommGetAsyncError until it is no longer ncclInProgress)"),
+        )),
+        Job::Failed(f) if ops => return Err(f),
+        _ => {}
+    }
     match c.state.clone() {
         CommState::Pending => Err(g.misuse(
             Some(root),
@@ -254,6 +271,48 @@ fn parse_config(
     }
 }
 
+/// The `commName` pointer of a config (0 when there is none or the layout predates it):
+/// kept, not copied, as NCCL keeps it. `netName` NCCL copies during the call
+/// (init.cc:1712-1714), so it is read here, during the call, and checked to be a string.
+fn config_name(cfg: *const ncclConfig_t) -> usize {
+    if cfg.is_null() {
+        return 0;
+    }
+    let base = cfg as *const u8;
+    // SAFETY: a config that passed `parse_config` has at least its `size` bytes; both
+    // pointer fields are read only when inside them.
+    unsafe {
+        let size = (base as *const usize).read_unaligned();
+        let net_at = core::mem::offset_of!(ncclConfig_t, netName);
+        if size >= net_at + 8 {
+            let net = (base.add(net_at) as *const *const c_char).read_unaligned();
+            if !net.is_null() {
+                // Read now, as NCCL's strdup of it.
+                let _ = CStr::from_ptr(net).to_bytes().len();
+            }
+        }
+        let name_at = core::mem::offset_of!(ncclConfig_t, commName);
+        if size >= name_at + 8 {
+            (base.add(name_at) as *const *const c_char).read_unaligned() as usize
+        } else {
+            0
+        }
+    }
+}
+
+/// Sets a new handle's kept `commName` pointer: its config's, else `inherit`'s.
+fn set_name(g: &mut Global, h: Handle, cfg: *const ncclConfig_t, inherit: Option<Handle>) {
+    let own = config_name(cfg);
+    let name = if own != 0 {
+        own
+    } else {
+        inherit.and_then(|p| g.comms.get(&p)).map_or(0, |c| c.name)
+    };
+    if let Some(c) = g.comms.get_mut(&h) {
+        c.name = name;
+    }
+}
+
 /// Finishes a new handle `h` (init/split/shrink): queues it in a group, returns
 /// ncclInProgress for a non-blocking one, or waits for it.
 fn finish_new(
@@ -289,6 +348,150 @@ fn finish_new(
             Err(f)
         }
     }
+}
+
+/// NCCL's asynchronous work on a non-blocking communicator, as 2.28.9 does it:
+/// `ncclCommSplit` and `ncclCommShrink` (`ncclCommInitChildComm`, init.cc:2550-2642) and
+/// `ncclCommWindowRegister` (dev_runtime.cc:891-922) queue a job that holds the caller's
+/// out-pointer; the `ncclGroupEndInternal` that ends the call (group.cc:706-738) marks the
+/// communicator ncclInProgress, starts a thread for the job and returns ncclInProgress, which
+/// the entry point's `NCCLCHECK` lets through and drops, so the caller sees **ncclSuccess**
+/// with the out-pointer not yet written. The job stores its result at its end
+/// (`__atomic_store_n(job->newcomm, comm, __ATOMIC_RELEASE)`, init.cc:1612-1614), after a
+/// failure too, and only then does the communicator leave ncclInProgress.
+///
+/// Here: `parent` is marked busy (`ready` refuses every call but ncclCommGetAsyncError and
+/// ncclCommAbort meanwhile, as `ncclCommEnsureReady` does), and a thread runs `body`, waits
+/// until at least [`job_latency`](super::defs::job_latency) has passed since the call, then
+/// stores `body`'s value into `out` (when `out` is not 0) with a release store and ends the
+/// job (a failure stays as the communicator's error, as NCCL's `asyncResult`).
+fn start_job(
+    g: &mut Global,
+    parent: Handle,
+    child: Option<Handle>,
+    what: &'static str,
+    out: usize,
+    body: impl FnOnce() -> (usize, Result<(), Fail>) + Send + 'static,
+) -> Result<ncclResult_t, Fail> {
+    let Some(c) = g.comms.get_mut(&parent) else {
+        return Err(Fail::new(
+            ncclInternalError,
+            "internal error: handle vanished",
+        ));
+    };
+    c.job = Job::Busy { child };
+    let start = std::time::Instant::now();
+    let spawned = std::thread::Builder::new()
+        .name(format!("nccl-host-{what}"))
+        .spawn(move || {
+            let (value, r) = body();
+            std::thread::sleep(super::defs::job_latency().saturating_sub(start.elapsed()));
+            let mut g = lock();
+            if out != 0 {
+                // SAFETY: NCCL's contract: the caller's out-pointer stays valid (and, as a
+                // pointer's slot, aligned) until the job ends, that is until the
+                // communicator leaves ncclInProgress, which happens below, after the store.
+                let slot = unsafe { core::sync::atomic::AtomicUsize::from_ptr(out as *mut usize) };
+                slot.store(value, core::sync::atomic::Ordering::Release);
+            }
+            if let Some(c) = g.comms.get_mut(&parent) {
+                c.job = match r {
+                    Ok(()) => Job::Idle,
+                    Err(f) => Job::Failed(f),
+                };
+            }
+            drop(g);
+            super::state::notify();
+        });
+    match spawned {
+        Ok(_) => Ok(ncclSuccess),
+        Err(e) => {
+            if let Some(c) = g.comms.get_mut(&parent) {
+                c.job = Job::Idle;
+            }
+            Err(Fail::new(
+                ncclSystemError,
+                format!("system error: cannot start the thread of an asynchronous {what}: {e}"),
+            ))
+        }
+    }
+}
+
+/// The end of a child job (split or shrink): waits until the child `h` leaves `Pending`
+/// (its rendezvous completed or failed, or its deadline passed; for a split, a failure of
+/// the parent's clique `split_of` fails it: a shrink is made for failed parents), counts it
+/// as handed out, and returns what the job stores: the child, failed or not (NCCL stores it
+/// either way).
+fn end_child_job(h: Handle, split_of: Option<u64>) -> (usize, Result<(), Fail>) {
+    let mut g = lock();
+    let r = loop {
+        g.check_pending_deadline(h);
+        let Some(c) = g.comms.get(&h) else {
+            break Err(Fail::new(
+                ncclInternalError,
+                "internal error: the child vanished",
+            ));
+        };
+        match &c.state {
+            CommState::Ready { .. } => break Ok(()),
+            CommState::Failed(f) => break Err(f.clone()),
+            CommState::Pending => {}
+        }
+        let (on, until) = (c.pending_on.clone(), c.deadline);
+        let parent_failed = split_of
+            .and_then(|p| g.cliques.get(&p))
+            .and_then(|cl| cl.aborted.clone());
+        if let Some(f) = parent_failed {
+            g.fail_pending(on, f.clone());
+            if let Some(c) = g.comms.get_mut(&h) {
+                if matches!(c.state, CommState::Pending) {
+                    c.state = CommState::Failed(f);
+                }
+            }
+            continue;
+        }
+        g = super::state::wait(g, until);
+    };
+    g.count_created(h);
+    (h, r)
+}
+
+/// The end of a NOCOLOR rank's split job: waits until rendezvous `seq` of `clique` is over
+/// (every rank of the parent takes part in NCCL's `bootstrapSplit`), failed, or past the
+/// provider's wait limit; it stores NULL.
+fn end_nocolor_job(clique: u64, seq: u64) -> (usize, Result<(), Fail>) {
+    let deadline = std::time::Instant::now() + super::defs::wait_limit();
+    let mut g = lock();
+    loop {
+        match g.cliques.get(&clique) {
+            None => return (0, Ok(())),
+            Some(cl) => {
+                if let Some(f) = &cl.aborted {
+                    return (0, Err(f.clone()));
+                }
+                if !cl.rdv.contains_key(&seq) {
+                    return (0, Ok(()));
+                }
+            }
+        }
+        if std::time::Instant::now() >= deadline {
+            let f = Fail::new(
+                ncclTimeout,
+                format!("NCCL timeout: ncclCommSplit: not every rank joined within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)", super::defs::wait_limit()),
+            );
+            g.fail_pending(PendingOn::Rdv { clique, seq }, f.clone());
+            return (0, Err(f));
+        }
+        g = super::state::wait(g, deadline);
+    }
+}
+
+/// Whether a split/shrink/window registration on `h` runs as NCCL's asynchronous job: on a
+/// non-blocking communicator outside a group (NCCL's group mode is the parent's:
+/// `ncclAsyncLaunch(job, .., comm)`, group.cc:52-58; inside a user's group the job waits
+/// for the user's ncclGroupEnd).
+fn asynchronous(g: &Global, h: Handle) -> bool {
+    !in_group() && g.comms.get(&h).is_some_and(|c| c.nonblocking)
 }
 
 /// The failure of entry point `name`, outside any communicator, given a NULL `arg`.
@@ -387,6 +590,7 @@ fn init_rank(
     }
     let blocking = parse_config(&mut g, config, Some(root), what)?.unwrap_or(true);
     let h = g.new_handle(root, DEVICE.with(|d| d.get()), !blocking);
+    set_name(&mut g, h, config, None);
     if super::shm::is_shared(&idb) {
         join_shared(&mut g, idb, nranks, rank, h, root)?;
     } else {
@@ -558,6 +762,30 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     };
     let mut g = lock();
     let mut h = known(&mut g, comm, what)?;
+    if in_group() {
+        // NCCL queues the reclaim job with the caller's group (ncclAsyncLaunch at depth > 0,
+        // group.cc:37-66): it runs at the outermost ncclGroupEnd, or never.
+        DEFERRED.with(|d| d.borrow_mut().push((h, abort)));
+        return Ok(ncclSuccess);
+    }
+    if !abort {
+        if let Some(f) = destroy_refusal(&mut g, h) {
+            // NCCL's ncclCommDestroy (init.cc:2358-2391) enters a group level
+            // (ncclGroupStartInternal), then returns ncclCommEnsureReady's error through
+            // `NCCLCHECK`, before the `exit:` that would leave it: the communicator is not
+            // torn down, and this thread stays one group level deep, so its later calls are
+            // queued for a ncclGroupEnd that never comes.
+            GROUP.with(|gr| gr.borrow_mut().0 += 1);
+            return Err(f);
+        }
+    }
+    if abort {
+        // NCCL's abort sets the abort flags (the child of a split in flight sees them too)
+        // and joins the job in flight (ncclCommEnsureReady -> ncclGroupJobAbort,
+        // init.cc:2503-2520) before it tears down.
+        g = end_job_for_abort(g, h);
+        h = known(&mut g, comm, what)?;
+    }
     if abort {
         // As NVIDIA's abort: it first sets the abort flag, which ends the operations that
         // wait for peers in this clique (here: wakes them with the abort's error), then
@@ -634,12 +862,135 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     Ok(ncclSuccess)
 }
 
+/// What `ncclCommEnsureReady` (init.cc:373-389) says of `h` before a destroy: ncclInvalidArgument
+/// while work is in flight (an init, split, shrink or window registration), the
+/// communicator's error once it has one (a failed init or job, or a failed clique); `None`
+/// when it is ready.
+fn destroy_refusal(g: &mut Global, h: Handle) -> Option<Fail> {
+    let c = g.comms.get(&h)?;
+    let root = c.root;
+    let in_flight = matches!(c.job, Job::Busy { .. }) || matches!(c.state, CommState::Pending);
+    if in_flight {
+        return Some(g.misuse(
+            Some(root),
+            ncclInvalidArgument,
+            "invalid argument: ncclCommDestroy: Attempt to use communicator before the previous operation returned ncclSuccess".into(),
+        ));
+    }
+    if let Job::Failed(f) = &c.job {
+        return Some(f.clone());
+    }
+    match c.state.clone() {
+        CommState::Failed(f) => Some(f),
+        CommState::Ready { clique, .. } => {
+            if let Some(f) = shared_of(g, clique).and_then(|s| s.failure()) {
+                g.abort_clique(clique, f);
+            }
+            g.cliques.get(&clique).and_then(|c| c.aborted.clone())
+        }
+        CommState::Pending => None,
+    }
+}
+
+/// An abort of `h` while asynchronous work is in flight: fails the child the job waits for
+/// (NCCL's `childAbortFlag`), or the parent's clique for a NOCOLOR rank, and waits (within
+/// the provider's wait limit) until the job has ended and stored its result.
+fn end_job_for_abort(
+    mut g: std::sync::MutexGuard<'static, Global>,
+    h: Handle,
+) -> std::sync::MutexGuard<'static, Global> {
+    let deadline = std::time::Instant::now() + super::defs::wait_limit();
+    let why = Fail::new(
+        ncclRemoteError,
+        "remote error: the parent communicator was aborted during the split/shrink",
+    );
+    loop {
+        let Some(c) = g.comms.get(&h) else { return g };
+        let Job::Busy { child } = c.job.clone() else {
+            return g;
+        };
+        match child.and_then(|k| g.comms.get(&k).map(|c| (k, c.pending_on.clone()))) {
+            Some((k, on)) => {
+                g.fail_pending(on, why.clone());
+                if let Some(c) = g.comms.get_mut(&k) {
+                    if matches!(c.state, CommState::Pending) {
+                        c.state = CommState::Failed(why.clone());
+                    }
+                }
+            }
+            None => {
+                if let Some(CommState::Ready { clique, .. }) =
+                    g.comms.get(&h).map(|c| c.state.clone())
+                {
+                    if let Some(seg) = shared_of(&g, clique) {
+                        seg.abort();
+                    }
+                    g.abort_clique(clique, why.clone());
+                }
+            }
+        }
+        if std::time::Instant::now() >= deadline {
+            return g;
+        }
+        g = super::state::wait(g, deadline);
+    }
+}
+
 pub(crate) unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
     ffi(|| teardown(comm, false))
 }
 
 pub(crate) unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
     ffi(|| teardown(comm, true))
+}
+
+/// A split across processes: every rank's (color, key) through the parent, then the
+/// child's id derived alike on every rank and joined as any shared init. The child's
+/// pending handle, or `None` for NOCOLOR.
+#[allow(clippy::too_many_arguments)]
+fn shared_split(
+    seg: std::sync::Arc<super::shm::Segment>,
+    clique: u64,
+    seq: u64,
+    (color, key): (c_int, c_int),
+    rank: i32,
+    root: RootIdx,
+    dev: c_int,
+    blocking: bool,
+    name: usize,
+) -> Result<Option<Handle>, Fail> {
+    let all = seg.exchange_split(seq, color, key).inspect_err(|f| {
+        lock().abort_clique(clique, f.clone());
+    })?;
+    let id = seg.child_id(&format!("split {color}"));
+    if color == NCCL_SPLIT_NOCOLOR {
+        return Ok(None);
+    }
+    let mut members: Vec<(i32, usize)> = all
+        .iter()
+        .enumerate()
+        .filter(|(_, &(c, _))| c == color)
+        .map(|(q, &(_, k))| (k, q))
+        .collect();
+    members.sort_unstable();
+    let new_rank = members
+        .iter()
+        .position(|&(_, q)| q == rank as usize)
+        .unwrap_or(0);
+    let mut g = lock();
+    let h = g.new_handle(root, dev, !blocking);
+    if let Some(c) = g.comms.get_mut(&h) {
+        c.name = name;
+    }
+    join_shared(
+        &mut g,
+        id,
+        members.len() as c_int,
+        new_rank as c_int,
+        h,
+        root,
+    )?;
+    Ok(Some(h))
 }
 
 pub(crate) unsafe extern "C" fn ncclCommSplit(
@@ -662,48 +1013,65 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
             }
             let blocking = r.child_blocking(&mut g, config, "ncclCommSplit")?;
             let (seq, dev) = r.next_coll(&mut g)?;
+            // As NCCL (init.cc:2571-2572): NULL until the split is complete.
+            put(newcomm, core::ptr::null_mut());
+            let out = newcomm as usize;
+            let (clique, rank, root) = (r.clique, r.rank, r.root);
             if let Some(seg) = shared_of(&g, r.clique) {
-                // Across processes: every rank's (color, key) through the parent, then the
-                // child's id derived alike on every rank and joined as any shared init.
-                drop(g);
-                let all = seg.exchange_split(seq, color, key).inspect_err(|f| {
-                    lock().abort_clique(r.clique, f.clone());
-                })?;
-                let id = seg.child_id(&format!("split {color}"));
-                if color == NCCL_SPLIT_NOCOLOR {
-                    put(newcomm, core::ptr::null_mut());
-                    return Ok(ncclSuccess);
+                let own = config_name(config);
+                let name = if own != 0 {
+                    own
+                } else {
+                    g.comms.get(&r.h).map_or(0, |c| c.name)
+                };
+                let split = move || {
+                    shared_split(
+                        seg,
+                        clique,
+                        seq,
+                        (color, key),
+                        rank,
+                        root,
+                        dev,
+                        blocking,
+                        name,
+                    )
+                };
+                if asynchronous(&g, r.h) {
+                    return start_job(&mut g, r.h, None, "split", out, move || match split() {
+                        Ok(Some(h)) => {
+                            if let Some(c) = lock().comms.get_mut(&r.h) {
+                                c.job = Job::Busy { child: Some(h) };
+                            }
+                            end_child_job(h, Some(clique))
+                        }
+                        Ok(None) => (0, Ok(())),
+                        Err(f) => (0, Err(f)),
+                    });
                 }
-                let mut members: Vec<(i32, usize)> = all
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, &(c, _))| c == color)
-                    .map(|(q, &(_, k))| (k, q))
-                    .collect();
-                members.sort_unstable();
-                let new_rank = members
-                    .iter()
-                    .position(|&(_, q)| q == r.rank as usize)
-                    .unwrap_or(0);
-                let mut g = lock();
-                let h = g.new_handle(r.root, dev, !blocking);
-                join_shared(
-                    &mut g,
-                    id,
-                    members.len() as c_int,
-                    new_rank as c_int,
-                    h,
-                    r.root,
-                )?;
-                return finish_new(g, h, newcomm, !blocking);
+                drop(g);
+                return match split()? {
+                    Some(h) => finish_new(lock(), h, newcomm, !blocking),
+                    None => Ok(ncclSuccess),
+                };
             }
             if color == NCCL_SPLIT_NOCOLOR {
                 g.post_rdv(r.clique, seq, None, (r.rank, color, key, None))?;
-                put(newcomm, core::ptr::null_mut());
+                if asynchronous(&g, r.h) {
+                    return start_job(&mut g, r.h, None, "split", out, move || {
+                        end_nocolor_job(clique, seq)
+                    });
+                }
                 return Ok(ncclSuccess);
             }
             let h = g.new_handle(r.root, dev, !blocking);
+            set_name(&mut g, h, config, Some(r.h));
             g.post_rdv(r.clique, seq, None, (r.rank, color, key, Some(h)))?;
+            if asynchronous(&g, r.h) {
+                return start_job(&mut g, r.h, Some(h), "split", out, move || {
+                    end_child_job(h, Some(clique))
+                });
+            }
             finish_new(g, h, newcomm, !blocking)
         })())
     })
@@ -764,6 +1132,9 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
             }
             let (seq, dev) = r.next_coll(&mut g)?;
             let h = g.new_handle(r.root, dev, !blocking);
+            set_name(&mut g, h, config, Some(r.h));
+            // As NCCL (init.cc:2571-2572): NULL until the shrink is complete.
+            put(newcomm, core::ptr::null_mut());
             if let Some(seg) = shared_of(&g, r.clique) {
                 // Across processes: the survivors need not talk through the (possibly failed)
                 // parent: each derives the child's id and its rank from the exclude list.
@@ -776,9 +1147,19 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
                     .position(|q| q == r.rank);
                 let n = r.nranks - excl.len() as c_int;
                 join_shared(&mut g, id, n, new_rank.unwrap_or(0) as c_int, h, r.root)?;
-                return finish_new(g, h, newcomm, !blocking);
+            } else {
+                g.post_rdv(r.clique, seq, Some(excl), (r.rank, 0, r.rank, Some(h)))?;
             }
-            g.post_rdv(r.clique, seq, Some(excl), (r.rank, 0, r.rank, Some(h)))?;
+            if asynchronous(&g, r.h) {
+                return start_job(
+                    &mut g,
+                    r.h,
+                    Some(h),
+                    "shrink",
+                    newcomm as usize,
+                    move || end_child_job(h, None),
+                );
+            }
             finish_new(g, h, newcomm, !blocking)
         })())
     })
@@ -801,6 +1182,19 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
             ));
         }
         g.check_pending_deadline(h);
+        // Asynchronous work in flight, or its sticky failure, first (see `start_job`).
+        match g.comms.get(&h).map(|c| c.job.clone()) {
+            Some(Job::Busy { .. }) => {
+                put(async_error, ncclInProgress);
+                return Ok(ncclSuccess);
+            }
+            Some(Job::Failed(f)) => {
+                set_last(&f.msg);
+                put(async_error, f.code);
+                return Ok(ncclSuccess);
+            }
+            _ => {}
+        }
         let state = g.comms.get(&h).map(|c| c.state.clone());
         let code = match state {
             Some(CommState::Pending) => ncclInProgress,
@@ -1215,6 +1609,9 @@ pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
             )),
             1 => {
                 let r = run_items(lock(), items);
+                for (h, abort) in DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut())) {
+                    let _ = teardown(h as ncclComm_t, abort);
+                }
                 match (err, r) {
                     (Some(f), _) | (None, Err(f)) => Err(f),
                     (None, Ok(())) => Ok(ncclSuccess),
@@ -1333,7 +1730,6 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
                 "invalid argument: ncclCommWindowRegister: win is NULL".into(),
             ));
         }
-        put(win, core::ptr::null_mut());
         if buff.is_null() || size == 0 {
             return Err(g.misuse(
                 Some(r.root),
@@ -1352,6 +1748,25 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
             && !super::registry::in_nccl_memory(&g, buff, size)
         {
             return Err(super::registry::not_nccl_memory(&mut g, r.root, buff));
+        }
+        if asynchronous(&g, r.h) {
+            // As NCCL (dev_runtime.cc:900-921): the registration is a task of the group that
+            // ends the call, run by its thread, which writes the window later.
+            let (h, root) = (r.h, r.root);
+            return start_job(&mut g, r.h, None, "window", win as usize, move || {
+                let mut g = lock();
+                let alive = g.comms.contains_key(&h);
+                match alive {
+                    true => (super::registry::register_window(&mut g, h, root), Ok(())),
+                    false => (
+                        0,
+                        Err(Fail::new(
+                            ncclInternalError,
+                            "internal error: handle vanished",
+                        )),
+                    ),
+                }
+            });
         }
         let token = super::registry::register_window(&mut g, r.h, r.root);
         put(win, token as ncclWindow_t);

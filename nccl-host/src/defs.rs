@@ -114,6 +114,22 @@ pub(crate) fn wait_limit() -> Duration {
     })
 }
 
+/// How long NCCL's asynchronous work (a split, shrink or window registration on a
+/// non-blocking communicator) takes at least before it writes its out-pointer and the
+/// communicator leaves ncclInProgress: 5 ms by default, or `NCCL_SAFE_HOST_JOB_LATENCY_MS`
+/// (an H100's split took 36 ms). Enough that a caller that reads the slot before waiting
+/// finds it empty, as on a GPU, and cheap enough for tests that split thousands of times.
+pub(crate) fn job_latency() -> Duration {
+    static LATENCY: OnceLock<Duration> = OnceLock::new();
+    *LATENCY.get_or_init(|| {
+        let ms = std::env::var("NCCL_SAFE_HOST_JOB_LATENCY_MS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(5);
+        Duration::from_millis(ms)
+    })
+}
+
 /// A check the caller's waits poll: `true` once the call can never complete (a peer it
 /// needs has left), which ends them as their deadline would. For nccl-safe only (its
 /// `Group::end` passes one to [`with_deadline`]).

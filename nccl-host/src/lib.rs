@@ -232,6 +232,25 @@ pub fn stuck_ops(comm: usize) -> u64 {
     fault::stuck_ops(comm)
 }
 
+/// The `commName` of the live host communicator `comm` (its config's, or its parent's for a
+/// split or shrink child made without a config), read now through the pointer the provider
+/// kept, as NVIDIA's NCCL keeps it (2.28.9 reads it after the init call returned: init.cc:1251).
+/// `None` for an unknown handle or no name.
+///
+/// # Safety
+///
+/// As NCCL requires: the string given as `commName` is still alive (its owner keeps it as
+/// long as the communicator and its children).
+pub unsafe fn comm_name(comm: ncclComm_t) -> Option<String> {
+    let name = state::lock().comms.get(&(comm as usize))?.name;
+    if name == 0 {
+        return None;
+    }
+    // SAFETY: the caller's contract: the kept pointer is a live NUL-terminated string.
+    let s = unsafe { std::ffi::CStr::from_ptr(name as *const core::ffi::c_char) };
+    Some(s.to_string_lossy().into_owned())
+}
+
 /// Sets the calling thread's "current device", recorded by later `ncclCommInitRank(Config)`
 /// calls on this thread and reported by `ncclCommCuDevice` (the host analogue of
 /// `cudaSetDevice`; default 0).

@@ -37,6 +37,22 @@ pub(crate) enum CommState {
     Failed(Fail),
 }
 
+/// NCCL's asynchronous work on a communicator (a split, shrink or window registration on a
+/// non-blocking communicator: NCCL 2.28's `ncclAsyncLaunch` / `ncclGroupEndInternal`
+/// return ncclSuccess to the caller and finish the work on a thread of their own).
+#[derive(Debug, Clone, Default)]
+pub(crate) enum Job {
+    /// Nothing in flight.
+    #[default]
+    Idle,
+    /// In flight: `ncclCommGetAsyncError` says ncclInProgress and every other call is
+    /// refused (`ncclCommEnsureReady`: ncclInvalidArgument). `child` is the split/shrink
+    /// child the job waits for (an abort fails it, so the job ends).
+    Busy { child: Option<Handle> },
+    /// Ended with an error: sticky, as NCCL's `asyncResult`.
+    Failed(Fail),
+}
+
 /// What a pending handle waits on (so a timeout can fail the whole rendezvous).
 #[derive(Debug, Clone)]
 pub(crate) enum PendingOn {
@@ -68,6 +84,12 @@ pub(crate) struct Comm {
     pub next_redop: ncclRedOp_t,
     pub pending_on: PendingOn,
     pub deadline: Instant,
+    /// Asynchronous work in flight on this communicator, or its sticky failure.
+    pub job: Job,
+    /// The config's `commName` pointer (0: none), kept, not copied, as NCCL keeps it
+    /// (init.cc:1251, read by the profiler plugin after the call; a split or shrink child
+    /// without a config of its own inherits its parent's).
+    pub name: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -252,6 +274,8 @@ impl Global {
                 next_redop: ncclNumOps,
                 pending_on: PendingOn::Nothing,
                 deadline: Instant::now() + wait_limit(),
+                job: Job::Idle,
+                name: 0,
             },
         );
         h

@@ -37,25 +37,27 @@ impl Communicator {
             }
         };
         crate::diag::check_lane(OP, self.lane())?;
-        let mut child: ncclComm_t = std::ptr::null_mut();
+        let slot = JobSlot::new();
+        let out = slot.out();
         let mut adopted = None;
-        let child_ptr: *mut ncclComm_t = &mut child;
-        self.issue_then(
+        let r = self.issue_job(
             &OP,
             caller,
             |t, comm| {
-                // SAFETY: `child_ptr` points to `child`, writable and alive for the call; a
-                // null config means "inherit the parent's".
-                unsafe { (t.ncclCommSplit)(comm, color, key, child_ptr, std::ptr::null_mut()) }
+                // SAFETY: `out` is the heap slot NCCL's job writes; it outlives the job
+                // (freed only after the job ended, else leaked); a null config means
+                // "inherit the parent's".
+                unsafe { (t.ncclCommSplit)(comm, color, key, out, std::ptr::null_mut()) }
             },
             || {
-                // SAFETY: the call above has returned; `child` is read once, here.
-                let raw = unsafe { *child_ptr };
-                adopted = self.adopt_child(OP, raw, caller, color as u64)?;
+                adopted = self.adopt_child(OP, slot.take(), caller, color as u64)?;
                 Ok(())
             },
-        )?;
-        Ok(adopted)
+        );
+        match r {
+            Ok(()) => Ok(adopted),
+            Err(e) => Err(self.orphan_child(slot, color as u64, e)),
+        }
     }
 
     /// Removes `exclude` ranks (`ncclCommShrink`, NCCL 2.27+); collective over the ranks
@@ -100,38 +102,71 @@ impl Communicator {
         }
         crate::diag::check_lane(OP, self.lane())?;
         let tag = crate::diag::shrink_tag(&list);
-        let mut child: ncclComm_t = std::ptr::null_mut();
-        let child_ptr: *mut ncclComm_t = &mut child;
+        let slot = JobSlot::new();
+        let out = slot.out();
         let mut adopted = None;
-        self.issue_then(
+        let r = self.issue_job(
             &OP,
             caller,
             |_, comm| {
-                // SAFETY: `list` holds `list.len()` in-range ranks; `child_ptr` points to
-                // `child`, writable and alive for the call; null config inherits the
-                // parent's; flags 0 = NCCL_SHRINK_DEFAULT.
+                // SAFETY: `list` holds `list.len()` in-range ranks (NCCL copies it for its
+                // job, init.cc:2615-2618); `out` is the heap slot NCCL's job writes, alive
+                // until the job ended (else leaked); null config inherits the parent's;
+                // flags 0 = NCCL_SHRINK_DEFAULT.
                 unsafe {
                     shrink(
                         comm,
                         list.as_mut_ptr(),
                         list.len() as c_int,
-                        child_ptr,
+                        out,
                         std::ptr::null_mut(),
                         nccl_sys::bindings::NCCL_SHRINK_DEFAULT as c_int,
                     )
                 }
             },
             || {
-                // SAFETY: the call above has returned; `child` is read once, here.
-                let raw = unsafe { *child_ptr };
-                adopted = self.adopt_child(OP, raw, caller, tag)?;
+                adopted = self.adopt_child(OP, slot.take(), caller, tag)?;
                 Ok(())
             },
-        )?;
+        );
+        if let Err(e) = r {
+            return Err(self.orphan_child(slot, tag, e));
+        }
         adopted.ok_or(Error::InvalidArgument {
             op: OP,
             reason: "NCCL returned no communicator".into(),
         })
+    }
+
+    /// After a split or shrink that failed (`e`): a child that NCCL's job stored (after a
+    /// failure too, init.cc:1612-1614) is aborted, once its job has ended; while the job
+    /// may still be running (the wait gave up, or the watchdog has the parent) the slot is
+    /// leaked to it. Returns `e`.
+    #[cold]
+    fn orphan_child(
+        &self,
+        slot: JobSlot<nccl_sys::bindings::ncclComm>,
+        tag: u64,
+        e: Error,
+    ) -> Error {
+        if !self.job_ended() {
+            slot.leak();
+            return e;
+        }
+        let raw = slot.take();
+        if !raw.is_null() {
+            let child = Communicator::new(
+                RawComm::owned(raw, Arc::clone(self.handle.lib())),
+                self.device.clone(),
+                0,
+                0,
+                self.diag.child(tag),
+            )
+            .keeping(self.names.clone());
+            child.mark_failed(&e);
+            drop(child); // aborted, on the lane, bounded
+        }
+        e
     }
 
     /// Wraps a child handle from split/shrink, reading its rank and size from NCCL.
@@ -151,7 +186,8 @@ impl Communicator {
             0,
             0,
             self.diag.child(tag),
-        );
+        )
+        .keeping(self.names.clone());
         // The child inherits the parent's non-blocking mode: wait (bounded) until it is ready.
         // This runs inside the parent's operation, so the watchdog's timeout of the
         // parent's clique (with its report of who is behind) normally ends a wait for a

@@ -81,10 +81,14 @@ impl Communicator {
         )?;
         bind(device)?;
         // Always NCCL's non-blocking mode, so that no init can wait for ever (see init_rank).
-        let mut raw_config = config.clone().blocking(false).to_raw(lib)?;
+        // The raw struct points into `config`'s name strings, which the communicator keeps
+        // (NCCL reads `commName` after the call returns).
+        let config = config.clone().blocking(false);
+        let mut raw_config = config.to_raw(lib)?;
         let mut raw: ncclComm_t = std::ptr::null_mut();
         // SAFETY: `raw` is writable; `raw_config` is a valid ncclConfig_t for this library
-        // whose name pointers borrow `config`, alive for the call; ranks checked above.
+        // whose name pointers point into `config`'s strings, alive for the call and then
+        // kept by the communicator; ranks checked above.
         let r = unsafe {
             (lib.table().ncclCommInitRankConfig)(
                 &mut raw,
@@ -113,7 +117,8 @@ impl Communicator {
         }
         // Until its init completes, the communicator counts as failed: dropped, it is aborted.
         diag.arrive(rank, world_size);
-        let comm = Communicator::new(handle, device.clone(), rank, world_size, diag);
+        let comm = Communicator::new(handle, device.clone(), rank, world_size, diag)
+            .keeping(config.names());
         comm.mark_pending();
         Ok(PendingCommunicator { comm })
     }

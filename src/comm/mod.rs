@@ -30,6 +30,42 @@ pub(crate) use raw::RawComm;
 
 pub use init::PendingCommunicator;
 
+/// An out-pointer that NCCL's asynchronous job writes (a split or shrink child, a window):
+/// on the heap, so that it outlives the call that handed it to NCCL. NCCL stores into it
+/// from its own thread at the job's end (`__atomic_store_n(job->newcomm, comm,
+/// __ATOMIC_RELEASE)`, init.cc:1612-1614 of 2.28.9), so it is read with an acquire load, and
+/// only once the communicator left ncclInProgress. A slot whose job may still be running
+/// (a wait that failed before the job ended) is leaked rather than freed, so a late store
+/// never lands in freed memory.
+pub(crate) struct JobSlot<T>(Option<Box<std::sync::atomic::AtomicPtr<T>>>);
+
+impl<T> JobSlot<T> {
+    pub(crate) fn new() -> JobSlot<T> {
+        JobSlot(Some(Box::new(std::sync::atomic::AtomicPtr::new(
+            std::ptr::null_mut(),
+        ))))
+    }
+
+    /// The out-pointer to hand to NCCL: valid as long as the slot (or, leaked, for ever).
+    pub(crate) fn out(&self) -> *mut *mut T {
+        self.0.as_ref().map_or(std::ptr::null_mut(), |b| b.as_ptr())
+    }
+
+    /// What the job stored, taken (the slot reads null afterwards), with an acquire load.
+    pub(crate) fn take(&self) -> *mut T {
+        self.0.as_ref().map_or(std::ptr::null_mut(), |b| {
+            b.swap(std::ptr::null_mut(), std::sync::atomic::Ordering::AcqRel)
+        })
+    }
+
+    /// Leaves the slot to a job that may still write it.
+    pub(crate) fn leak(mut self) {
+        if let Some(b) = self.0.take() {
+            Box::leak(b);
+        }
+    }
+}
+
 /// Where a communicator's rank runs: a CUDA device (NVIDIA's NCCL) or the host provider.
 #[derive(Debug, Clone)]
 pub enum CommDevice {
@@ -121,6 +157,9 @@ pub struct Communicator {
     failure: OnceCell<String>,
     /// Watchdog, flight recorder and fingerprint state (`crate::diag`).
     pub(crate) diag: crate::diag::CommDiag,
+    /// The config's name strings, which NCCL reads by pointer after the init call (and a
+    /// split or shrink child inherits): alive as long as the communicator.
+    names: crate::config::ConfigNames,
 }
 
 // SAFETY: NCCL allows a communicator to be used from any thread, one at a time; `!Sync`
@@ -257,6 +296,21 @@ impl Communicator {
         }
     }
 
+    /// Whether NCCL's asynchronous job on this communicator has ended (one
+    /// `ncclCommGetAsyncError` that does not say ncclInProgress), so that what it writes is
+    /// final. False when that cannot be known: the watchdog has the handle.
+    pub(crate) fn job_ended(&self) -> bool {
+        let mut state = nccl_sys::bindings::ncclInProgress;
+        let polled = self.pinned(|| {
+            // SAFETY: `state` is writable; the handle is live (pinned).
+            Ok(unsafe {
+                (self.handle.table().ncclCommGetAsyncError)(self.handle.get(), &mut state)
+            })
+        });
+        matches!(polled, Ok(r) if r == nccl_sys::bindings::ncclSuccess)
+            && state != nccl_sys::bindings::ncclInProgress
+    }
+
     /// Marks the communicator failed (drop will abort) and returns the error for `raw`.
     #[cold]
     fn fail(
@@ -315,18 +369,40 @@ impl Communicator {
         caller: &'static Location<'static>,
         f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
     ) -> Result<()> {
-        self.issue_then(op, caller, f, || Ok(()))
+        self.issue_then(op, caller, f, false, || Ok(()))
     }
 
-    /// [`issue`](Self::issue), with `then` run after a successful call while the
-    /// operation is still open (watched by the watchdog): split and shrink wait for their
-    /// child there.
+    /// [`issue`](Self::issue) for a call that NCCL finishes in a job of its own (split,
+    /// shrink, window registration), with `then` run after the job ended, while the
+    /// operation is still open (watched by the watchdog): split and shrink adopt their
+    /// child there, a window reads its handle.
+    ///
+    /// On a non-blocking communicator NCCL 2.28 returns **ncclSuccess** from these calls
+    /// with the job still running (its group end's ncclInProgress is dropped by the entry
+    /// point's `NCCLCHECK`: init.cc:2666-2679, dev_runtime.cc:891-922), and the job writes
+    /// its out-pointer only at its end, from NCCL's thread. So the communicator is waited
+    /// on whatever the call returned, until it leaves ncclInProgress, before anything reads
+    /// what the job writes (ARCHITECTURE.md, "NCCL's asynchronous contract").
     #[inline(always)]
-    pub(crate) fn issue_then<'a>(
+    pub(crate) fn issue_job<'a>(
         &self,
         op: impl Into<crate::diag::OpInfo<'a>>,
         caller: &'static Location<'static>,
         f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
+        then: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        self.issue_then(op, caller, f, true, then)
+    }
+
+    /// [`issue`](Self::issue), then `then` after a successful call: `job` waits the
+    /// communicator out of ncclInProgress even when the call returned ncclSuccess.
+    #[inline(always)]
+    fn issue_then<'a>(
+        &self,
+        op: impl Into<crate::diag::OpInfo<'a>>,
+        caller: &'static Location<'static>,
+        f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
+        job: bool,
         then: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
         let op = op.into();
@@ -345,7 +421,9 @@ impl Communicator {
         };
         let r = f(self.handle.table(), self.handle.get());
         // NCCL's communicator is always non-blocking (see init_rank): wait out progress.
-        let r = if r == nccl_sys::bindings::ncclInProgress {
+        let r = if r == nccl_sys::bindings::ncclInProgress
+            || (job && r == nccl_sys::bindings::ncclSuccess)
+        {
             self.wait_ready(call, caller, self.diag.timeout())
         } else {
             self.checked(call, r, caller)
@@ -510,7 +588,14 @@ impl Communicator {
             world_size,
             failure: OnceCell::new(),
             diag,
+            names: Default::default(),
         }
+    }
+
+    /// Keeps `names` alive as long as this communicator.
+    pub(crate) fn keeping(mut self, names: crate::config::ConfigNames) -> Communicator {
+        self.names = names;
+        self
     }
 
     /// Gives the handle up with no teardown (`into_raw`, and a wrap that failed): detaches

@@ -37,6 +37,21 @@ impl Communicator {
         if let Err(e) = bind(&self.device) {
             return Err((self, e));
         }
+        // NCCL refuses to destroy a communicator with work in flight or an asynchronous
+        // error, and then leaves this thread inside a group level (see
+        // `diag::destroy_or_abort`): such a one comes back failed (dropping it aborts).
+        match self.poll_async(OP, caller) {
+            Ok(false) => {}
+            Ok(true) => {
+                let e = Error::InvalidArgument {
+                    op: OP,
+                    reason: "NCCL still has work of this communicator in flight (ncclCommGetAsyncError says ncclInProgress): it cannot be destroyed now; drop it to abort it, or wait for the work".into(),
+                };
+                self.mark_failed(&e);
+                return Err((self, e));
+            }
+            Err(e) => return Err((self, e)),
+        }
         // Pinned from before the call until the handle is out of its slot: a watchdog
         // claim can never fall between the destroy and the take.
         let pinned = match self.diag.pin() {
@@ -46,6 +61,11 @@ impl Communicator {
         // SAFETY: the handle is live (pinned: the watchdog cannot take it during the call);
         // on success it is never used again (taken below, still pinned).
         let r = unsafe { (self.handle.table().ncclCommDestroy)(self.handle.get()) };
+        if r != nccl_sys::bindings::ncclSuccess && r != nccl_sys::bindings::ncclInProgress {
+            // A refused destroy left this thread one group level deep (init.cc:2372-2381).
+            // SAFETY: ends that level; no buffer or handle is involved.
+            let _ = unsafe { (self.handle.table().ncclGroupEnd)() };
+        }
         // The communicator is non-blocking (see init_rank): progress means it is under way.
         let r = if r == nccl_sys::bindings::ncclInProgress {
             nccl_sys::bindings::ncclSuccess

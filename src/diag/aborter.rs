@@ -376,18 +376,54 @@ pub(crate) fn teardown_bounded(
                 let _ = ctx.bind_to_thread();
             }
             let t = lib.table();
+            let raw = raw as ncclComm_t;
             // SAFETY: `raw` was taken out of its communicator's slot: this is its one
             // teardown, and no one uses it afterwards.
             unsafe {
                 if abort {
-                    (t.ncclCommAbort)(raw as ncclComm_t)
+                    (t.ncclCommAbort)(raw)
                 } else {
-                    (t.ncclCommDestroy)(raw as ncclComm_t)
+                    destroy_or_abort(t, raw)
                 }
             }
         }),
         until,
     )
+}
+
+/// `ncclCommDestroy` of `raw`, or its abort when NCCL refuses to destroy it.
+///
+/// NCCL 2.28's destroy enters a group level, then returns `ncclCommEnsureReady`'s error
+/// (ncclInvalidArgument while work is in flight, else the communicator's asynchronous
+/// error) without leaving that level and without tearing anything down (init.cc:2372-2381):
+/// the handle would leak, and every later NCCL call of this thread (the lane's) would be
+/// queued for a group end that never comes. So a communicator whose asynchronous state is
+/// not ncclSuccess is aborted, and a destroy that fails anyway (an error that arrived
+/// between the two calls) has its level closed with `ncclGroupEnd` (which, when the error
+/// came after the level was left, only reports ncclInvalidUsage) and is aborted.
+///
+/// # Safety
+///
+/// `raw` is a live communicator of `t`'s library that nothing else uses, and this is its
+/// one teardown.
+pub(crate) unsafe fn destroy_or_abort(
+    t: &nccl_sys::FunctionTable,
+    raw: ncclComm_t,
+) -> ncclResult_t {
+    let mut state = nccl_sys::bindings::ncclInProgress;
+    // SAFETY: `raw` is live (the caller's contract); `state` is writable.
+    let polled = unsafe { (t.ncclCommGetAsyncError)(raw, &mut state) };
+    if polled == nccl_sys::bindings::ncclSuccess && state == nccl_sys::bindings::ncclSuccess {
+        // SAFETY: as above.
+        let r = unsafe { (t.ncclCommDestroy)(raw) };
+        if r == nccl_sys::bindings::ncclSuccess || r == nccl_sys::bindings::ncclInProgress {
+            return r;
+        }
+        // SAFETY: closes the level the refused destroy left open on this thread.
+        let _ = unsafe { (t.ncclGroupEnd)() };
+    }
+    // SAFETY: not torn down (the destroy was refused or not tried); this is its teardown.
+    unsafe { (t.ncclCommAbort)(raw) }
 }
 
 /// Queues `work` on `lane` and waits until `until` (at least [`MIN_WAIT`]): the job, and
