@@ -226,9 +226,12 @@ impl<'a> Group<'a> {
             r => r,
         };
         crate::diag::group_ended();
-        // Only now may cudarc record its events: the work is enqueued.
-        self.guards.clear();
         let r = self.settle(r, caller);
+        // Only now may cudarc record its events: the work is enqueued. On non-blocking
+        // communicators NCCL's ncclGroupEnd returns ncclInProgress and its group thread
+        // launches the kernels afterwards (group.cc:706-738), so an event recorded before
+        // `settle` saw them launched would come before them on the stream.
+        self.guards.clear();
         for c in &self.comms {
             c.diag.unpin();
         }

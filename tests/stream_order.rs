@@ -19,7 +19,7 @@ mod support;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use nccl_safe::{CommDevice, Communicator, Config, ReduceOp, UniqueId};
+use nccl_safe::{CommDevice, Communicator, Config, Group, ReduceOp, UniqueId};
 use support::fakes::{driver, nccl, Gauge};
 
 const N: usize = 64;
@@ -143,6 +143,42 @@ fn cuda_stream_order_is_modelled_and_collectives_keep_it() {
     assert_eq!(n, 0, "{}", d.last_race());
 
     drop(comm);
+
+    // Two ranks: NCCL launches a group of non-blocking communicators from its own thread
+    // after ncclGroupEnd returned ncclInProgress (the fake NCCL does too), so cudarc's
+    // events must be recorded only once the launch is done, or a read on another stream
+    // that waits for them is not ordered after NCCL's write.
+    let id = UniqueId::new_with(&lib).unwrap();
+    let n = races_in(|| {
+        std::thread::scope(|s| {
+            for rank in 0..2 {
+                let (lib, id) = (&lib, &id);
+                s.spawn(move || {
+                    let ctx = CudaContext::new(rank).unwrap();
+                    let (a, b) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+                    let dev = CommDevice::Cuda(ctx.clone());
+                    let comm =
+                        Communicator::init_rank_in(lib, &dev, 2, rank, id, &Config::default())
+                            .unwrap();
+                    let mut x = written(&a);
+                    let mut g = Group::new();
+                    g.push(
+                        comm.all_reduce_in_place_op(&mut x, ReduceOp::Sum, &b)
+                            .unwrap(),
+                    )
+                    .unwrap();
+                    g.end().unwrap();
+                    let y = read(&a, &x);
+                    assert_eq!(a.clone_dtoh(&y).unwrap(), vec![2.0f32; N]);
+                    drop(x);
+                    ctx.synchronize().unwrap();
+                    drop(comm);
+                });
+            }
+        });
+    });
+    assert_eq!(n, 0, "{}", d.last_race());
+
     assert!(d.gauge(Gauge::AccessesChecked) > checked + 20);
     assert_eq!(d.gauge(Gauge::UntrackedOps), 0);
 }

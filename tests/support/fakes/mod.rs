@@ -318,13 +318,73 @@ pub fn record_calls(on: bool) -> Vec<NcclCall> {
     })
 }
 
-fn log(call: NcclCall) {
-    accessed(&call);
+/// Logs `call` and launches it, or queues it in this thread's group; true when its launch
+/// is asynchronous (see [`launch`]).
+fn log(call: NcclCall) -> bool {
     LOG.with(|l| {
         if let Some(v) = l.borrow_mut().as_mut() {
-            v.push(call);
+            v.push(call.clone());
         }
     });
+    let queued = GROUPED.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.0 > 0 {
+            g.1.push(call.clone());
+            true
+        } else {
+            false
+        }
+    });
+    !queued && launch(vec![call])
+}
+
+thread_local! {
+    /// This thread's NCCL group depth, and the collectives queued in the group: NVIDIA's
+    /// NCCL launches them (so they touch their buffers) at the outermost ncclGroupEnd.
+    static GROUPED: std::cell::RefCell<(u32, Vec<NcclCall>)> =
+        const { std::cell::RefCell::new((0, Vec::new())) };
+}
+
+/// Communicators whose launch still runs on NCCL's group thread (a count per
+/// communicator): their asynchronous state reads ncclInProgress.
+fn launching() -> std::sync::MutexGuard<'static, std::collections::HashMap<usize, usize>> {
+    static L: OnceLock<std::sync::Mutex<std::collections::HashMap<usize, usize>>> = OnceLock::new();
+    L.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Launches `calls` as NVIDIA's NCCL 2.28 does on non-blocking communicators (the crate's):
+/// with one rank, in the call (enqueue.cc:2569-2571); with more, on the group's own thread
+/// after the call returned ncclInProgress (group.cc:706-738, enqueue.cc:2658), with the
+/// communicators in progress until it is done. The launch is where the stream-order model
+/// learns of the buffers' accesses, so an event recorded on the stream before the launch
+/// ends does not order them. True when the launch is asynchronous.
+fn launch(calls: Vec<NcclCall>) -> bool {
+    if calls.iter().all(|c| nranks(c.comm) <= 1) {
+        calls.iter().for_each(accessed);
+        return false;
+    }
+    {
+        let mut l = launching();
+        for c in &calls {
+            *l.entry(c.comm).or_default() += 1;
+        }
+    }
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        calls.iter().for_each(accessed);
+        let mut l = launching();
+        for c in &calls {
+            if let Some(n) = l.get_mut(&c.comm) {
+                *n -= 1;
+                if *n == 0 {
+                    l.remove(&c.comm);
+                }
+            }
+        }
+    });
+    true
 }
 
 mod wrap {
@@ -483,7 +543,7 @@ mod wrap {
         c: ncclComm_t,
         st: cudaStream_t,
     ) -> ncclResult_t {
-        log(NcclCall {
+        let asynchronous = log(NcclCall {
             name: "ncclAllReduce",
             send: s as usize,
             recv: r as usize,
@@ -494,7 +554,9 @@ mod wrap {
             stream: st as usize,
         });
         // SAFETY: forwarded unchanged to the host provider's entry point.
-        unsafe { (host().ncclAllReduce)(s, r, n, t, op, c, st) }
+        in_progress_if(asynchronous, unsafe {
+            (host().ncclAllReduce)(s, r, n, t, op, c, st)
+        })
     }
 
     pub unsafe extern "C" fn all_gather(
@@ -505,7 +567,7 @@ mod wrap {
         c: ncclComm_t,
         st: cudaStream_t,
     ) -> ncclResult_t {
-        log(NcclCall {
+        let asynchronous = log(NcclCall {
             name: "ncclAllGather",
             send: s as usize,
             recv: r as usize,
@@ -516,7 +578,9 @@ mod wrap {
             stream: st as usize,
         });
         // SAFETY: as above.
-        unsafe { (host().ncclAllGather)(s, r, n, t, c, st) }
+        in_progress_if(asynchronous, unsafe {
+            (host().ncclAllGather)(s, r, n, t, c, st)
+        })
     }
 
     pub unsafe extern "C" fn broadcast(
@@ -528,7 +592,7 @@ mod wrap {
         c: ncclComm_t,
         st: cudaStream_t,
     ) -> ncclResult_t {
-        log(NcclCall {
+        let asynchronous = log(NcclCall {
             name: "ncclBroadcast",
             send: s as usize,
             recv: r as usize,
@@ -539,7 +603,52 @@ mod wrap {
             stream: st as usize,
         });
         // SAFETY: as above.
-        unsafe { (host().ncclBroadcast)(s, r, n, t, root, c, st) }
+        in_progress_if(asynchronous, unsafe {
+            (host().ncclBroadcast)(s, r, n, t, root, c, st)
+        })
+    }
+
+    /// ncclInProgress for a successful call whose launch is asynchronous.
+    fn in_progress_if(asynchronous: bool, r: ncclResult_t) -> ncclResult_t {
+        if asynchronous && r == nccl_sys::bindings::ncclSuccess {
+            nccl_sys::bindings::ncclInProgress
+        } else {
+            r
+        }
+    }
+
+    pub unsafe extern "C" fn group_start() -> ncclResult_t {
+        GROUPED.with(|g| g.borrow_mut().0 += 1);
+        // SAFETY: forwarded unchanged to the host provider's entry point.
+        unsafe { (host().ncclGroupStart)() }
+    }
+
+    /// The outermost end launches the group's collectives (see [`launch`]).
+    pub unsafe extern "C" fn group_end() -> ncclResult_t {
+        let calls = GROUPED.with(|g| {
+            let mut g = g.borrow_mut();
+            g.0 = g.0.saturating_sub(1);
+            if g.0 == 0 {
+                std::mem::take(&mut g.1)
+            } else {
+                Vec::new()
+            }
+        });
+        // SAFETY: forwarded unchanged to the host provider's entry point.
+        let r = unsafe { (host().ncclGroupEnd)() };
+        let asynchronous = !calls.is_empty() && launch(calls);
+        in_progress_if(asynchronous, r)
+    }
+
+    /// A communicator whose launch still runs reads ncclInProgress.
+    pub unsafe extern "C" fn async_error(c: ncclComm_t, out: *mut ncclResult_t) -> ncclResult_t {
+        if launching().contains_key(&(c as usize)) && !out.is_null() {
+            // SAFETY: `out` is the caller's writable out-pointer (checked non-null).
+            unsafe { out.write(nccl_sys::bindings::ncclInProgress) };
+            return nccl_sys::bindings::ncclSuccess;
+        }
+        // SAFETY: forwarded unchanged to the host provider's entry point.
+        unsafe { (host().ncclCommGetAsyncError)(c, out) }
     }
 }
 
@@ -556,6 +665,9 @@ fn recording_lookup(name: &CStr) -> *const std::ffi::c_void {
         b"ncclAllReduce" => wrap::all_reduce as *const std::ffi::c_void,
         b"ncclAllGather" => wrap::all_gather as *const std::ffi::c_void,
         b"ncclBroadcast" => wrap::broadcast as *const std::ffi::c_void,
+        b"ncclGroupStart" => wrap::group_start as *const std::ffi::c_void,
+        b"ncclGroupEnd" => wrap::group_end as *const std::ffi::c_void,
+        b"ncclCommGetAsyncError" => wrap::async_error as *const std::ffi::c_void,
         _ => nccl_safe::host::lookup(name),
     }
 }
