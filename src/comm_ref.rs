@@ -272,6 +272,9 @@ fn wrap(
     if let Err(e) = Communicator::check_foreign_device(op, &lib, &device) {
         return give_back(handle, e);
     }
+    if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
+        return give_back(handle, Error::InvalidArgument { op, reason });
+    }
     let ctx = CallContext {
         comm: raw,
         rank: None,

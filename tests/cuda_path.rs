@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use nccl_safe::diag::OpState;
+use nccl_safe::diag::{OpState, MIN_NCCL_ABORT_TIMEOUT};
 use nccl_safe::{CommDevice, Communicator, Config, Error, Group, ReduceOp, UniqueId};
 use support::fakes::{driver, nccl, Counts, Gauge};
 use support::{until, within};
@@ -423,6 +423,47 @@ fn is_timeout(e: &Error) -> bool {
     matches!(e, Error::Timeout { .. })
 }
 
+/// NVIDIA's NCCL takes about 0.5 s to destroy and 1 s to abort an idle communicator (the
+/// fake NCCL's default teardown time): with the shortest abort bound init accepts, a
+/// healthy drop, destroy and abort report no timeout and leave the device's teardown lane
+/// free for the next communicator; a bound below that minimum is refused at init, naming it.
+#[test]
+fn healthy_teardowns_at_nccls_real_speed_never_time_out() {
+    let _serial = serial();
+    within(Duration::from_secs(60), || {
+        let (destroy, abort) = support::fakes::teardown_time();
+        assert!(
+            destroy >= Duration::from_millis(500) && abort >= Duration::from_secs(1),
+            "the real figures: {destroy:?} {abort:?}"
+        );
+        let config = Config::new().abort_timeout(MIN_NCCL_ABORT_TIMEOUT);
+        let next = || {
+            try_rank(6, &config, false)
+                .unwrap_or_else(|e| panic!("the lane must be free after a healthy teardown: {e}"))
+        };
+        let t = Instant::now();
+        drop(next().comm);
+        assert!(
+            t.elapsed() >= destroy,
+            "the drop destroyed it: {:?}",
+            t.elapsed()
+        );
+        next().comm.destroy().map_err(|(_, e)| e).unwrap();
+        let t = Instant::now();
+        next().comm.abort().unwrap();
+        assert!(t.elapsed() >= abort, "{:?}", t.elapsed());
+        drop(next());
+        let short = Config::new().abort_timeout(Duration::from_millis(200));
+        let Err(e) = try_rank(6, &short, false) else {
+            panic!("an abort bound below the minimum was accepted");
+        };
+        assert!(
+            matches!(&e, Error::InvalidArgument { reason, .. } if reason.contains("minimum")),
+            "{e}"
+        );
+    });
+}
+
 /// A GPU's stuck stream, on the CUDA path: the collective is accepted, the watchdog's
 /// events on the stream never complete, the communicator fails fast, and the watchdog's
 /// abort runs on a thread of its own, where it blocks in the driver behind the stalled
@@ -696,7 +737,7 @@ fn stall_round(d: &'static support::fakes::FakeDriver, seed: u64) {
     };
     let config = Config::new()
         .timeout(TIMEOUT)
-        .abort_timeout(Duration::from_millis(200));
+        .abort_timeout(MIN_NCCL_ABORT_TIMEOUT);
     // An earlier round's failed communicator was aborted on the device's teardown lane,
     // blocked behind its stall past the bound, and finishes once the stall is released: a
     // new communicator on the device is refused (`TeardownWedged`) until it has.
@@ -851,13 +892,13 @@ fn teardowns_behind_a_stalled_stream_keep_the_abort_bound() {
     let _serial = serial();
     let d = driver();
     within(Duration::from_secs(60), move || {
-        let bound = Duration::from_millis(200);
+        let bound = MIN_NCCL_ABORT_TIMEOUT;
         let slack = Duration::from_millis(100);
         let config = Config::new()
             .timeout(Duration::from_secs(4))
             .abort_timeout(bound);
         // abort(): before, it drained until the op timeout (4 s).
-        let r = rank(1, &config, false);
+        let r = rank(5, &config, false);
         let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
         r.stream.synchronize().unwrap();
         d.stall(&r.stream, true);
@@ -876,7 +917,7 @@ fn teardowns_behind_a_stalled_stream_keep_the_abort_bound() {
         // A new communicator on that device is refused while the abort is wedged (its call
         // began just after the bound started).
         std::thread::sleep(slack);
-        let ctx = CudaContext::new(1).unwrap();
+        let ctx = CudaContext::new(5).unwrap();
         let e = Communicator::init_rank_in(
             &nccl(),
             &CommDevice::Cuda(ctx),
@@ -999,7 +1040,7 @@ fn child_exits_behind_a_stalled_stream() {
     // The exit guard waits for the blocked abort up to this bound, then ends the process.
     let config = Config::new()
         .timeout(TIMEOUT)
-        .abort_timeout(Duration::from_millis(300));
+        .abort_timeout(support::EXIT_CHILD_ABORT_TIMEOUT);
     let r = rank(0, &config, false);
     let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
     d.stall(&r.stream, true);
@@ -1024,42 +1065,12 @@ fn child_exits_behind_a_stalled_stream() {
 /// as the CUDA runtime's teardown does). 10 children, 5 at a time.
 #[test]
 fn a_process_exits_cleanly_behind_a_stalled_stream() {
-    let exe = std::env::current_exe().unwrap();
     for (mode, want) in [("exit3", 3), ("return", 0)] {
         let children: Vec<_> = (0..5)
-            .map(|_| {
-                std::process::Command::new(&exe)
-                    .args([
-                        "--exact",
-                        "child_exits_behind_a_stalled_stream",
-                        "--ignored",
-                        "--nocapture",
-                    ])
-                    .env(CHILD_VAR, mode)
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
+            .map(|_| support::spawn_child("child_exits_behind_a_stalled_stream", CHILD_VAR, mode))
             .collect();
         for c in children {
-            let out = c.wait_with_output().unwrap();
-            let text = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            assert!(
-                text.contains("child: abort blocked"),
-                "{mode}: the child did not reach its exit: {text}"
-            );
-            use std::os::unix::process::ExitStatusExt;
-            assert_eq!(
-                out.status.signal(),
-                None,
-                "{mode}: killed by a signal: {text}"
-            );
-            assert_eq!(out.status.code(), Some(want), "{mode}: {text}");
+            support::check_child_exit(c, "child: abort blocked", want, Duration::from_secs(60));
         }
     }
 }

@@ -6,8 +6,8 @@
 //! nvidia-nccl-cu12` in the active environment, or `NCCL_LIBRARY`). Run them with
 //! `cargo test --test gpu -- --ignored`.
 
-use std::os::unix::process::ExitStatusExt;
-use std::process::Command;
+mod support;
+
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -425,7 +425,7 @@ fn child_exits_while_the_abort_waits_on_a_stuck_stream() {
     if std::env::var_os(CHILD_VAR).is_none() {
         panic!("run only as a child process ({CHILD_VAR} unset; run the suite with --skip child_)");
     }
-    let s = stuck(Duration::from_secs(60));
+    let s = stuck(support::EXIT_CHILD_ABORT_TIMEOUT);
     assert!(
         until(BOUND, || s.comm.is_failed()).is_some(),
         "is_failed() within 4 s"
@@ -441,48 +441,13 @@ fn child_exits_while_the_abort_waits_on_a_stuck_stream() {
 #[test]
 #[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
 fn a_process_exits_cleanly_while_the_abort_waits_on_a_stuck_stream() {
-    let exe = std::env::current_exe().unwrap();
-    let mut child = Command::new(exe)
-        .args([
-            "--exact",
-            "child_exits_while_the_abort_waits_on_a_stuck_stream",
-            "--ignored",
-            "--nocapture",
-        ])
-        .env(CHILD_VAR, "1")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!(
-                "the child did not end within 60 s: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let out = child.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let child = support::spawn_child(
+        "child_exits_while_the_abort_waits_on_a_stuck_stream",
+        CHILD_VAR,
+        "1",
     );
-    assert!(
-        text.contains(CHILD_MARK),
-        "the child did not reach its exit: {text}"
-    );
-    assert_eq!(status.signal(), None, "killed by a signal: {text}");
-    assert_eq!(status.code(), Some(3), "{text}");
-    eprintln!("child exited with 3 after {:?}", start.elapsed());
+    let took = support::check_child_exit(child, CHILD_MARK, 3, Duration::from_secs(60));
+    eprintln!("child exited with 3 after {took:?}");
 }
 
 // ---- CUDA graphs -----------------------------------------------------------------------
@@ -688,7 +653,7 @@ fn teardowns_behind_a_blocked_stream_keep_the_abort_bound_on_a_gpu() {
 #[test]
 #[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
 fn nccl_memory_dropped_behind_a_blocked_stream_keeps_the_abort_bound_on_a_gpu() {
-    let bound = Duration::from_millis(200);
+    let bound = nccl_safe::diag::MIN_NCCL_ABORT_TIMEOUT;
     let lib = Library::load().expect("NVIDIA's NCCL");
     if lib.table().ncclMemAlloc.is_none() {
         panic!("ncclMemAlloc needs NCCL 2.19+: {}", lib.version());

@@ -657,11 +657,12 @@ fn unseen_peer_abort(
 ) -> nccl_safe::host::HostStats {
     let id = CommDevice::Host.unique_id().unwrap();
     let cfg = Config::new().timeout(Duration::from_secs(10));
-    let aborted = Barrier::new(2);
+    let (split, aborted) = (Barrier::new(2), Barrier::new(2));
     std::thread::scope(|s| {
         s.spawn(|| {
             let c = Communicator::init_rank(&CommDevice::Host, 2, 1, &id, &cfg).unwrap();
             let child = c.split(Some(0), 1).unwrap().expect("a color");
+            split.wait();
             c.abort().unwrap();
             aborted.wait();
             let mut x = vec![2.0f32; 2];
@@ -673,6 +674,7 @@ fn unseen_peer_abort(
         });
         let c = Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &cfg).unwrap();
         let child = c.split(Some(0), 0).unwrap().expect("a color");
+        split.wait();
         aborted.wait();
         assert!(!c.is_failed(), "rank 0 must not know of the abort yet");
         rank0(c, child);

@@ -56,7 +56,7 @@ impl Communicator {
         );
         match r {
             Ok(()) => Ok(adopted),
-            Err(e) => Err(self.orphan_child(slot, color as u64, e)),
+            Err(e) => Err(self.orphan_child(slot, e)),
         }
     }
 
@@ -130,7 +130,7 @@ impl Communicator {
             },
         );
         if let Err(e) = r {
-            return Err(self.orphan_child(slot, tag, e));
+            return Err(self.orphan_child(slot, e));
         }
         adopted.ok_or(Error::InvalidArgument {
             op: OP,
@@ -138,35 +138,43 @@ impl Communicator {
         })
     }
 
-    /// After a split or shrink that failed (`e`): a child that NCCL's job stored (after a
-    /// failure too, init.cc:1612-1614) is aborted, once its job has ended; while the job
-    /// may still be running (the wait gave up, or the watchdog has the parent) the slot is
-    /// leaked to it. Returns `e`.
+    /// After a split or shrink that failed (`e`): NCCL's job stores the child even after a
+    /// failure (init.cc:1612-1614), so the slot is read once the job has ended, and a child
+    /// found there is aborted. When the parent already left ncclInProgress that is now;
+    /// otherwise the job (waiting for a missing rank, say) ends only when the parent is
+    /// aborted (NCCL's abort joins it first: `ncclCommEnsureReady` -> `ncclGroupJobAbort`,
+    /// init.cc:2519), so the slot stays with the parent until its teardown
+    /// (`reap_orphans`). Returns `e`.
     #[cold]
-    fn orphan_child(
-        &self,
-        slot: JobSlot<nccl_sys::bindings::ncclComm>,
-        tag: u64,
-        e: Error,
-    ) -> Error {
-        if !self.job_ended() {
-            slot.leak();
-            return e;
-        }
-        let raw = slot.take();
-        if !raw.is_null() {
-            let child = Communicator::new(
-                RawComm::owned(raw, Arc::clone(self.handle.lib())),
-                self.device.clone(),
-                0,
-                0,
-                self.diag.child(tag),
-            )
-            .keeping(self.names.clone());
-            child.mark_failed(&e);
-            drop(child); // aborted, on the lane, bounded
+    fn orphan_child(&self, slot: JobSlot<nccl_sys::bindings::ncclComm>, e: Error) -> Error {
+        if self.job_ended() {
+            self.abort_orphan(slot.take());
+        } else {
+            self.orphans.borrow_mut().push(slot);
         }
         e
+    }
+
+    /// After this communicator's teardown: `torn_down` (NCCL's teardown returned, so any
+    /// job of it has ended) aborts the children its failed splits and shrinks left in their
+    /// slots; otherwise the slots are leaked to jobs that may still write them.
+    pub(super) fn reap_orphans(&self, torn_down: bool) {
+        for slot in self.orphans.borrow_mut().drain(..) {
+            if torn_down {
+                self.abort_orphan(slot.take());
+            } else {
+                slot.leak();
+            }
+        }
+    }
+
+    /// Aborts `raw` (when not null), a child handle nobody else has, on the lane, bounded.
+    fn abort_orphan(&self, raw: ncclComm_t) {
+        if raw.is_null() {
+            return;
+        }
+        let until = Instant::now() + self.diag.abort_timeout();
+        let _ = self.teardown(raw, true, "the child of a failed split or shrink", until);
     }
 
     /// Wraps a child handle from split/shrink, reading its rank and size from NCCL.

@@ -68,7 +68,7 @@ impl Communicator {
         const OP: &str = "ncclCommInitRankConfig";
         check_world(OP, world_size, rank)?;
         check_device(OP, lib, device)?;
-        if let Some(reason) = crate::diag::invalid_settings(&config.diag) {
+        if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
             return Err(Error::InvalidArgument { op: OP, reason });
         }
         let diag = crate::diag::CommDiag::for_id(&config.diag, id);

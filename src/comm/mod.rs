@@ -160,6 +160,8 @@ pub struct Communicator {
     /// The config's name strings, which NCCL reads by pointer after the init call (and a
     /// split or shrink child inherits): alive as long as the communicator.
     names: crate::config::ConfigNames,
+    /// Slots of failed splits and shrinks whose job had not ended: read at teardown.
+    orphans: std::cell::RefCell<Vec<JobSlot<nccl_sys::bindings::ncclComm>>>,
 }
 
 // SAFETY: NCCL allows a communicator to be used from any thread, one at a time; `!Sync`
@@ -421,9 +423,11 @@ impl Communicator {
         };
         let r = f(self.handle.table(), self.handle.get());
         // NCCL's communicator is always non-blocking (see init_rank): wait out progress.
-        let r = if r == nccl_sys::bindings::ncclInProgress
-            || (job && r == nccl_sys::bindings::ncclSuccess)
-        {
+        let r = if job && r == nccl_sys::bindings::ncclSuccess {
+            // The watchdog's timeout of this operation (with its report of who is behind)
+            // normally ends the wait for a job first; its own limit is a margin later.
+            self.wait_ready(call, caller, self.diag.timeout() + CHILD_WAIT_MARGIN)
+        } else if r == nccl_sys::bindings::ncclInProgress {
             self.wait_ready(call, caller, self.diag.timeout())
         } else {
             self.checked(call, r, caller)
@@ -589,6 +593,7 @@ impl Communicator {
             failure: OnceCell::new(),
             diag,
             names: Default::default(),
+            orphans: Default::default(),
         }
     }
 
@@ -609,6 +614,7 @@ impl Communicator {
 
     /// [`release_handle`](Self::release_handle) in place (a view's drop, too).
     fn give_up(&mut self) -> ncclComm_t {
+        self.reap_orphans(false);
         let raw = self.handle.take();
         let released = self.diag.release(None);
         match raw {

@@ -75,6 +75,8 @@ impl Communicator {
         let destroyed = self.checked(OP, r, caller);
         if destroyed.is_ok() {
             self.take("it destroyed its communicator", false);
+            // NCCL destroyed it, so no job of it is running (a destroy needs it ready).
+            self.reap_orphans(true);
         }
         if pinned {
             self.diag.unpin();
@@ -104,11 +106,15 @@ impl Communicator {
         let (bound, r) = if raw.is_null() {
             match self.diag.watchdog_abort(until) {
                 Some(outcome) => outcome,
-                None => return Ok(()), // nothing left to tear down
+                None => {
+                    self.reap_orphans(false);
+                    return Ok(()); // nothing left to tear down
+                }
             }
         } else {
             self.teardown(raw, true, "abort", until)
         };
+        self.reap_orphans(r.is_some());
         let r = r.ok_or_else(|| self.abort_overdue(bound))?;
         self.handle.lib().check("ncclCommAbort", r, ctx)
     }
@@ -124,7 +130,7 @@ impl Communicator {
 
     /// Tears the taken handle `raw` down on the teardown lane (abort, or destroy), waiting
     /// until `until`: the bound, and the call's result when it returned in time.
-    fn teardown(
+    pub(super) fn teardown(
         &self,
         raw: ncclComm_t,
         abort: bool,
@@ -211,7 +217,12 @@ impl Drop for Communicator {
         };
         let raw = self.take(how, std::thread::panicking());
         if raw.is_null() {
-            return; // the watchdog took it: its one teardown
+            // The watchdog took it: its one teardown.
+            if !self.orphans.borrow().is_empty() {
+                let done = self.diag.watchdog_abort(until).and_then(|(_, r)| r);
+                self.reap_orphans(done.is_some());
+            }
+            return;
         }
         let why = if drained {
             "dropped"
@@ -220,6 +231,7 @@ impl Drop for Communicator {
         } else {
             "dropped with work that did not complete in time"
         };
-        let _ = self.teardown(raw, !drained, why, until);
+        let (_, r) = self.teardown(raw, !drained, why, until);
+        self.reap_orphans(r.is_some());
     }
 }

@@ -33,6 +33,15 @@ use crate::library::Library;
 /// The default bound on an abort ([`Config::abort_timeout`](crate::Config::abort_timeout)).
 pub const DEFAULT_ABORT_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The shortest [`crate::Config::abort_timeout`] a communicator of NVIDIA's NCCL accepts.
+/// NCCL 2.28.9's teardown is slow even for an idle communicator: `ncclCommDestroy` took
+/// about 0.5 s and `ncclCommAbort` about 1 s on an H100 (commReclaim joins NCCL's proxy
+/// threads and frees through the driver). A shorter bound would report healthy teardowns
+/// as timed out, count their lane as wedged and make the process-exit guard end the
+/// process early, so init refuses it. The host provider, whose teardown is immediate,
+/// takes any bound above zero.
+pub const MIN_NCCL_ABORT_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// The exit status of a process ended by [`OnAbortTimeout::ExitProcess`] (as `timeout(1)`'s).
 pub const ABORT_TIMEOUT_EXIT_STATUS: i32 = 124;
 

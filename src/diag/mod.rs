@@ -76,15 +76,17 @@ mod watchdog;
 mod off;
 
 pub(crate) use aborter::{check_lane, run_bounded, teardown_bounded, Bound, Lane};
-pub use aborter::{OnAbortTimeout, ABORT_TIMEOUT_EXIT_STATUS, DEFAULT_ABORT_TIMEOUT};
+pub use aborter::{
+    OnAbortTimeout, ABORT_TIMEOUT_EXIT_STATUS, DEFAULT_ABORT_TIMEOUT, MIN_NCCL_ABORT_TIMEOUT,
+};
 pub use settings::DEFAULT_TIMEOUT;
 
 pub(crate) use op::{group_ended, group_started, OpInfo};
 pub(crate) use settings::{default_bound, DiagConfig};
 
 /// Why the options of `c` (or the environment) cannot make a communicator, if so.
-pub(crate) fn invalid_settings(c: &DiagConfig) -> Option<String> {
-    settings::Settings::invalid(c)
+pub(crate) fn invalid_settings(c: &DiagConfig, provider: crate::Provider) -> Option<String> {
+    settings::Settings::invalid(c, provider)
 }
 
 #[cfg(feature = "diag")]

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::aborter::{Bound, OnAbortTimeout, DEFAULT_ABORT_TIMEOUT};
+use super::aborter::{Bound, OnAbortTimeout, DEFAULT_ABORT_TIMEOUT, MIN_NCCL_ABORT_TIMEOUT};
 #[cfg(feature = "diag")]
 use super::remote;
 
@@ -59,10 +59,10 @@ impl Settings {
         }
     }
 
-    /// Values no communicator can work with: a zero timeout or abort bound, or a flight
-    /// record longer than [`MAX_FLIGHT_RECORD_LEN`]. The reason, naming where the value
-    /// came from.
-    pub(crate) fn invalid(c: &DiagConfig) -> Option<String> {
+    /// Values no communicator can work with: a zero timeout or abort bound, an abort bound
+    /// below [`MIN_NCCL_ABORT_TIMEOUT`] for NVIDIA's NCCL (`provider`), or a flight record
+    /// longer than [`MAX_FLIGHT_RECORD_LEN`]. The reason, naming where the value came from.
+    pub(crate) fn invalid(c: &DiagConfig, provider: crate::Provider) -> Option<String> {
         let s = Settings::resolve(c);
         let from = |set: bool, var: &str| {
             if set {
@@ -80,6 +80,13 @@ impl Settings {
         if s.abort_timeout.is_zero() {
             return Some(format!(
                 "the abort timeout ({}) is zero: no teardown could ever complete in time",
+                from(c.abort_timeout.is_some(), "NCCL_SAFE_ABORT_TIMEOUT_MS")
+            ));
+        }
+        if provider == crate::Provider::Nccl && s.abort_timeout < MIN_NCCL_ABORT_TIMEOUT {
+            return Some(format!(
+                "the abort timeout {:?} ({}) is below the minimum of {MIN_NCCL_ABORT_TIMEOUT:?} for NVIDIA's NCCL: its destroy takes about 0.5 s and its abort about 1 s even for an idle communicator (NCCL 2.28.9 on an H100), so healthy teardowns would be reported as timed out",
+                s.abort_timeout,
                 from(c.abort_timeout.is_some(), "NCCL_SAFE_ABORT_TIMEOUT_MS")
             ));
         }

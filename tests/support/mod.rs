@@ -42,6 +42,60 @@ pub fn real_nccl(version: &str) -> PathBuf {
     lib
 }
 
+/// The abort bound of the exit tests' children (the GPU test and its fake-driver twin):
+/// the exit guard waits this long for the abort blocked behind the stuck stream, then ends
+/// the process with its own status. Above NVIDIA's real abort time (about 1 s on an H100,
+/// shared/NCCL-MEASURED.md), and short enough that the parent's 60 s bound holds.
+pub const EXIT_CHILD_ABORT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Starts this test binary's ignored test `name` as a child process with `var=value`.
+pub fn spawn_child(name: &str, var: &str, value: &str) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--ignored", "--nocapture"])
+        .env(var, value)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits (at most `limit`, then kills it and fails) for a child of [`spawn_child`], and
+/// checks that it printed `mark` and ended with its own status `code`, never a signal.
+/// The time it took.
+pub fn check_child_exit(
+    mut child: std::process::Child,
+    mark: &str,
+    code: i32,
+    limit: Duration,
+) -> Duration {
+    use std::os::unix::process::ExitStatusExt;
+    let start = std::time::Instant::now();
+    let ended = loop {
+        if child.try_wait().unwrap().is_some() {
+            break true;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(ended, "the child did not end within {limit:?}: {text}");
+    assert!(
+        text.contains(mark),
+        "the child did not reach its exit: {text}"
+    );
+    assert_eq!(out.status.signal(), None, "killed by a signal: {text}");
+    assert_eq!(out.status.code(), Some(code), "{text}");
+    start.elapsed()
+}
+
 /// A fresh, empty temporary folder for one test.
 pub fn temp_dir(tag: &str) -> PathBuf {
     use std::sync::atomic::{AtomicUsize, Ordering};

@@ -240,6 +240,29 @@ pub fn nccl() -> Arc<Library> {
     }))
 }
 
+/// How long the fake NCCL's destroy and abort take, in ms (destroy, abort).
+static TEARDOWN_MS: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new((500 << 32) | 1000);
+
+/// How long the fake NCCL's `ncclCommDestroy` and `ncclCommAbort` take: by default what
+/// NVIDIA's NCCL 2.28.9 took for an idle communicator on an H100 (0.5 s and 1 s:
+/// shared/NCCL-MEASURED.md), which every test sees unless it shortens them with
+/// [`set_teardown_time`].
+pub fn teardown_time() -> (std::time::Duration, std::time::Duration) {
+    let v = TEARDOWN_MS.load(std::sync::atomic::Ordering::Relaxed);
+    (
+        std::time::Duration::from_millis(v >> 32),
+        std::time::Duration::from_millis(v & 0xffff_ffff),
+    )
+}
+
+/// Sets [`teardown_time`] for the whole process (a test that tears down many
+/// communicators may shorten it; at least one run of each teardown test keeps the default).
+pub fn set_teardown_time(destroy: std::time::Duration, abort: std::time::Duration) {
+    let v = ((destroy.as_millis() as u64) << 32) | (abort.as_millis() as u64 & 0xffff_ffff);
+    TEARDOWN_MS.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// One collective call as NCCL received it: the entry point and every argument.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NcclCall {
@@ -504,13 +527,21 @@ mod wrap {
     pub unsafe extern "C" fn abort(c: ncclComm_t) -> ncclResult_t {
         release_through_the_driver(device_of(c as usize));
         // SAFETY: forwarded unchanged to the host provider's entry point.
-        unsafe { (host().ncclCommAbort)(c) }
+        let r = unsafe { (host().ncclCommAbort)(c) };
+        // The abort flag ends the peers' waits at once; the rest of the teardown takes
+        // its time.
+        std::thread::sleep(super::teardown_time().1);
+        r
     }
 
     pub unsafe extern "C" fn destroy(c: ncclComm_t) -> ncclResult_t {
         release_through_the_driver(device_of(c as usize));
         // SAFETY: as above.
-        unsafe { (host().ncclCommDestroy)(c) }
+        let r = unsafe { (host().ncclCommDestroy)(c) };
+        if r == nccl_sys::bindings::ncclSuccess {
+            std::thread::sleep(super::teardown_time().0);
+        }
+        r
     }
 
     /// A registration's release unmaps through the driver too.
