@@ -19,7 +19,16 @@
 # (CUDA toolkit needed for that part only; --no-nccl-tests skips it). Everything is written
 # under OUT (default ./gpu-run-out), each step's output in its own log; a failed step is
 # reported and the others still run; the exit status is 1 if any step failed.
+#
+# Every step has a bound of its own (`timeout`), so that one hang costs its own limit and not
+# the run: each GPU test alone (GPU_RUN_TEST_S, 90 s), each example (GPU_RUN_EXAMPLE_S,
+# 60 s), each bench (GPU_RUN_BENCH_S, 120 s), nccl-tests' build and runs (GPU_RUN_BENCH_S).
+# A healthy run takes under 6 minutes; a step past its bound is reported as timed out.
 set -uo pipefail
+
+TEST_S=${GPU_RUN_TEST_S:-90}
+EXAMPLE_S=${GPU_RUN_EXAMPLE_S:-60}
+BENCH_S=${GPU_RUN_BENCH_S:-120}
 
 SIZES=(-b 8 -e 64K -f 4 -g 1)
 
@@ -125,44 +134,53 @@ if [ -n "$venv" ]; then
 fi
 
 failed=()
-step() { # step NAME CMD...: runs CMD, logs to $out/NAME.log, records a failure
-    local name=$1
-    shift
+step() { # step LIMIT_S NAME CMD...: runs CMD within LIMIT_S, logs to $out/NAME.log, records a failure
+    local limit=$1 name=$2
+    shift 2
     echo "### $name: $*"
-    "$@" >"$out/$name.log" 2>&1
+    local t0=$SECONDS
+    timeout -k 5 "$limit" "$@" >"$out/$name.log" 2>&1
     local rc=$?
     tail -n 40 "$out/$name.log"
-    if [ $rc -ne 0 ]; then
-        echo "### $name: FAILED (exit $rc)"
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+        echo "### $name: TIMED OUT after ${limit} s"
+        failed+=("$name")
+    elif [ $rc -ne 0 ]; then
+        echo "### $name: FAILED (exit $rc, $((SECONDS - t0)) s)"
         failed+=("$name")
     else
-        echo "### $name: ok"
+        echo "### $name: ok ($((SECONDS - t0)) s)"
     fi
 }
 
 nvidia-smi -L 2>/dev/null | sed 's/^/# /'
 
 for t in "${gpu_tests[@]}"; do
-    # (child_*: child processes its tests spawn themselves)
-    step "test-$(basename "$t")" "$t" --ignored --skip child_ --test-threads=1
+    # One test at a time, each with its own bound (child_*: child processes its tests
+    # spawn themselves).
+    mapfile -t names < <("$t" --list --ignored 2>/dev/null | sed -n 's/: test$//p' | grep -v '^child_')
+    [ ${#names[@]} -gt 0 ] || { echo "### $(basename "$t"): no tests listed"; failed+=("list-$(basename "$t")"); }
+    for n in "${names[@]}"; do
+        step "$TEST_S" "test-$(basename "$t")-$n" "$t" --exact "$n" --ignored --test-threads=1
+    done
 done
 for e in "${examples[@]}"; do
-    step "example-$(basename "$e")" "$e"
+    step "$EXAMPLE_S" "example-$(basename "$e")" "$e"
 done
 if [ -n "$bandwidth" ]; then
-    step bandwidth-tracking-off "$bandwidth" "${SIZES[@]}" --backend nccl -E 0 \
+    step "$BENCH_S" bandwidth-tracking-off "$bandwidth" "${SIZES[@]}" --backend nccl -E 0 \
         --op all_reduce,all_gather,broadcast
-    step bandwidth-tracking-on "$bandwidth" "${SIZES[@]}" --backend nccl -E 1 \
+    step "$BENCH_S" bandwidth-tracking-on "$bandwidth" "${SIZES[@]}" --backend nccl -E 1 \
         --op all_reduce,all_gather,broadcast
 else
     echo "# no bandwidth bench binary given"
 fi
 if [ -n "$overhead" ]; then
-    step overhead-nccl "$overhead" --backend nccl
+    step "$BENCH_S" overhead-nccl "$overhead" --backend nccl
     # The same path on the fake driver: this CPU's cost for the crate's own work, apart
     # from the driver's (needs `cc`, and tests/support/fakes/cuda.c under the current folder).
-    step overhead-fake-cuda "$overhead" --backend fake-cuda
-    step overhead-host "$overhead" --no-host
+    step "$BENCH_S" overhead-fake-cuda "$overhead" --backend fake-cuda
+    step "$BENCH_S" overhead-host "$overhead" --no-host
 else
     echo "# no overhead bench binary given"
 fi
@@ -180,11 +198,11 @@ if [ $skip_nccl_tests -eq 0 ]; then
         rm -rf "$H/include"
         cp -r "$nccl_dir/include" "$H/include"
         tar -xzf "$tarball" -C "$out/nccl-tests" --strip-components=1
-        step nccl-tests-build make -C "$out/nccl-tests" -j16 MPI=0 NCCL_HOME="$H" \
+        step "$BENCH_S" nccl-tests-build make -C "$out/nccl-tests" -j16 MPI=0 NCCL_HOME="$H" \
             NVCC_GENCODE=-gencode=arch=compute_90,code=sm_90 src.build
         for c in all_reduce all_gather broadcast; do
             LD_LIBRARY_PATH="$H/lib:${LD_LIBRARY_PATH:-}" \
-                step "nccl-tests-$c" "$out/nccl-tests/build/${c}_perf" "${SIZES[@]}"
+                step "$BENCH_S" "nccl-tests-$c" "$out/nccl-tests/build/${c}_perf" "${SIZES[@]}"
         done
     fi
 fi
