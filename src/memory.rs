@@ -484,7 +484,11 @@ impl<T: NcclType> NcclMemory<T> {
                 let b = self.bound;
                 let work: Box<dyn FnOnce() -> nccl_sys::ncclResult_t + Send> =
                     Box::new(move || {
-                        if cuda.bind_to_thread().is_err() || cuda.synchronize().is_err() {
+                        // Not cudarc's `bind_to_thread`/`synchronize`: they take the
+                        // context's recorded error, which is the user's to see.
+                        let synced = crate::stream::make_current(&cuda)
+                            .and_then(|()| cudarc::driver::result::ctx::synchronize());
+                        if synced.is_err() {
                             // The wait failed: leak rather than free memory still in use.
                             return nccl_sys::bindings::ncclUnhandledCudaError;
                         }

@@ -398,7 +398,8 @@ impl<B: ?Sized> Registration<'_, '_, B> {
             let raw = self.comm.as_raw() as usize;
             let handle = handle as usize;
             let work: Box<dyn FnOnce() -> nccl_sys::ncclResult_t + Send> = Box::new(move || {
-                if ctx.bind_to_thread().is_err() {
+                // Not `bind_to_thread`: it takes the context's recorded error, the user's.
+                if crate::stream::make_current(&ctx).is_err() {
                     return nccl_sys::bindings::ncclUnhandledCudaError;
                 }
                 // SAFETY: the communicator is live: it was pinned when this was queued,

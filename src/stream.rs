@@ -84,3 +84,18 @@ impl Stream {
         }
     }
 }
+
+/// Makes `ctx` current on the calling thread **without** cudarc's `bind_to_thread`, which
+/// first takes (`check_err`) the error cudarc recorded for the context from an earlier
+/// asynchronous failure: a thread of the crate's own (the watchdog, a teardown lane) that
+/// took it would hide it from the user's `check_err`.
+pub(crate) fn make_current(
+    ctx: &cudarc::driver::CudaContext,
+) -> Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::result::ctx;
+    if ctx::get_current()? != Some(ctx.cu_ctx()) {
+        // SAFETY: `ctx.cu_ctx()` is a live context (cudarc keeps it while `ctx` lives).
+        unsafe { ctx::set_current(ctx.cu_ctx()) }?;
+    }
+    Ok(())
+}

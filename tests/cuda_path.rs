@@ -464,6 +464,52 @@ fn healthy_teardowns_at_nccls_real_speed_never_time_out() {
     });
 }
 
+/// A device fault leaves the context with a sticky error: every later driver call of its
+/// work returns it. The watchdog's query of its marker meets it and fails the
+/// communicator at once (not after the 20 s timeout) with the driver's error as
+/// `Error::Cuda`, and it never takes the error cudarc recorded for the context (here by
+/// hand, as a failed asynchronous free records it) away from the user's `check_err`.
+#[test]
+fn a_sticky_cuda_error_fails_fast_as_a_cuda_error_and_stays_the_users() {
+    use cudarc::driver::{sys::CUresult, DriverError};
+    let _serial = serial();
+    let d = driver();
+    within(Duration::from_secs(60), move || {
+        let config = Config::new().timeout(Duration::from_secs(20));
+        let r = rank(7, &config, false);
+        let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
+        r.stream.synchronize().unwrap();
+        d.sticky_error(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS as i32);
+        r.ctx
+            .record_err::<()>(Err(DriverError(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS)));
+        r.comm
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
+            .unwrap();
+        let t = Instant::now();
+        let failed = until(Duration::from_secs(5), || r.comm.is_failed());
+        d.sticky_error(0);
+        failed
+            .unwrap_or_else(|| panic!("is_failed() still false {:?} after the fault", t.elapsed()));
+        let e = r
+            .comm
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Cuda(DriverError(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS))
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            r.ctx.check_err(),
+            Err(DriverError(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS)),
+            "the user's recorded error was taken"
+        );
+        drop((x, r));
+    });
+}
+
 /// A GPU's stuck stream, on the CUDA path: the collective is accepted, the watchdog's
 /// events on the stream never complete, the communicator fails fast, and the watchdog's
 /// abort runs on a thread of its own, where it blocks in the driver behind the stalled

@@ -382,7 +382,9 @@ pub(crate) fn teardown_bounded(
         format!("{call} of {what}"),
         Box::new(move || {
             if let Some(ctx) = ctx {
-                let _ = ctx.bind_to_thread();
+                // Not `bind_to_thread`: it would take the context's recorded error away
+                // from the user's `check_err`.
+                let _ = crate::stream::make_current(&ctx);
             }
             let t = lib.table();
             let raw = raw as ncclComm_t;

@@ -214,6 +214,7 @@ impl CommDiag {
                 lane,
                 abort_job: Mutex::new(None),
                 aborted_by_watchdog: AtomicBool::new(false),
+                cuda_fault: std::sync::OnceLock::new(),
                 gone: AtomicBool::new(false),
                 seq: AtomicU64::new(0),
                 wait_ns: AtomicU64::new(0),

@@ -150,6 +150,10 @@ pub(crate) struct Shared {
     pub(super) seq: AtomicU64,
     pub(super) wait_ns: AtomicU64,
     pub(super) checks: AtomicU64,
+    /// The driver's error for this communicator's stream work (a sticky fault of its
+    /// context), once the tracker met one: the watchdog fails the communicator at once,
+    /// and its own operations report it as `Error::Cuda`.
+    pub(super) cuda_fault: std::sync::OnceLock<cudarc::driver::DriverError>,
 }
 
 impl Shared {
@@ -218,6 +222,11 @@ impl Shared {
                 return;
             }
             Mark::Unwatched => None,
+            Mark::Failed(e) => {
+                // The range stays pending: the fault, not a retirement, ends it.
+                let _ = self.cuda_fault.set(e);
+                return;
+            }
         };
         w.capturing = false;
         let oldest = self.oldest_on(q.key, w.marked, published);
@@ -245,7 +254,15 @@ impl Shared {
     /// Retires the oldest ranges of `q` whose marker completed.
     fn retire_done(&self, q: &QueueWatch, w: &mut Watch) {
         while let Some(p) = w.pending.front() {
-            if !p.marker.as_ref().is_none_or(|m| self.tracker.done(m)) {
+            let done = match p.marker.as_ref().map(|m| self.tracker.done(m)) {
+                None | Some(Ok(true)) => true,
+                Some(Ok(false)) => false,
+                Some(Err(e)) => {
+                    let _ = self.cuda_fault.set(e);
+                    false
+                }
+            };
+            if !done {
                 break;
             }
             let Some(p) = w.pending.pop_front() else {
@@ -355,10 +372,28 @@ impl Shared {
             .filter_map(|(q, upto)| match self.tracker.mark(&q.queue) {
                 Mark::Marker(m) => Some((q, upto, m)),
                 Mark::Capturing | Mark::Unwatched => None,
+                Mark::Failed(e) => {
+                    let _ = self.cuda_fault.set(e);
+                    None
+                }
             })
             .collect();
         let done = loop {
-            if markers.iter().all(|(_, _, m)| self.tracker.done(m)) {
+            if self.cuda_fault.get().is_some() {
+                break false;
+            }
+            let mut all = true;
+            for (_, _, m) in &markers {
+                match self.tracker.done(m) {
+                    Ok(true) => {}
+                    Ok(false) => all = false,
+                    Err(e) => {
+                        let _ = self.cuda_fault.set(e);
+                        all = false;
+                    }
+                }
+            }
+            if all {
                 for (q, upto, _) in &markers {
                     q.retired.fetch_max(*upto, Ordering::AcqRel);
                 }
@@ -444,6 +479,10 @@ impl Shared {
 
     #[cold]
     pub(super) fn timeout_error(&self, report: &str) -> Error {
+        if let Some(&e) = self.cuda_fault.get() {
+            // Its own stream's work failed on the GPU: the driver's error is the cause.
+            return Error::Cuda(e);
+        }
         if let Some(rank) = self.timed_out().and_then(|r| r.left) {
             return Error::RankLeft {
                 rank,
@@ -567,6 +606,20 @@ impl Shared {
     // ---- the watchdog's side ------------------------------------------------------------
 
     /// The operation that ran out of time at `now` (diagnostics clock), if any.
+    /// When the tracker met a driver error for this communicator's work: the oldest
+    /// operation not known complete (else the latest), with the error.
+    pub(super) fn faulted(&self) -> Option<(OpRecord, cudarc::driver::DriverError)> {
+        let e = *self.cuda_fault.get()?;
+        let pending = self.queue_list().iter().find_map(|q| {
+            let w = q.watch();
+            let p = w.pending.front()?;
+            p.oldest
+                .or_else(|| self.journal.get(p.upto.checked_sub(1)?))
+        });
+        let rec = pending.or_else(|| self.journal.get(self.journal.last_pos()?))?;
+        Some((rec, e))
+    }
+
     pub(super) fn late(&self, now: Instant) -> Option<OpRecord> {
         let limit = self.settings.timeout;
         let cur = self.current.load(Ordering::Acquire);

@@ -16,7 +16,7 @@
 use std::cell::Cell;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaEvent, CudaStream};
+use cudarc::driver::{CudaStream, DriverError};
 
 /// Where an operation's work is queued.
 #[derive(Debug, Clone)]
@@ -38,11 +38,65 @@ impl Queue {
     }
 }
 
+/// A CUDA event of the watchdog's, made, recorded, queried and destroyed through the
+/// driver's calls directly: cudarc's own (`new_event`, `record`, `Drop`) call
+/// `bind_to_thread`, which takes the context's recorded error away from the user's
+/// `check_err`.
+#[derive(Debug)]
+pub(crate) struct RawEvent {
+    event: cudarc::driver::sys::CUevent,
+    ctx: Arc<cudarc::driver::CudaContext>,
+}
+
+// SAFETY: a CUDA event handle may be used from any thread; the context it belongs to is
+// kept alive by `ctx`.
+unsafe impl Send for RawEvent {}
+// SAFETY: as above; `&RawEvent` only queries the event.
+unsafe impl Sync for RawEvent {}
+
+impl RawEvent {
+    fn new(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<RawEvent, DriverError> {
+        crate::stream::make_current(ctx)?;
+        let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        Ok(RawEvent {
+            event: cudarc::driver::result::event::create(flags)?,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    fn record(&self, stream: &CudaStream) -> Result<(), DriverError> {
+        crate::stream::make_current(&self.ctx)?;
+        // SAFETY: the event and the stream are live, and of one context (checked by the
+        // caller: the stream's context made it).
+        unsafe { cudarc::driver::result::event::record(self.event, stream.cu_stream()) }
+    }
+
+    /// `Ok(true)` when the work before it finished, `Ok(false)` while it runs, and the
+    /// driver's error otherwise (a sticky fault of the context, say).
+    fn query(&self) -> Result<bool, DriverError> {
+        // SAFETY: the event is live.
+        match unsafe { cudarc::driver::result::event::query(self.event) } {
+            Ok(()) => Ok(true),
+            Err(DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for RawEvent {
+    fn drop(&mut self) {
+        if crate::stream::make_current(&self.ctx).is_ok() {
+            // SAFETY: the event is live and destroyed once, here.
+            let _ = unsafe { cudarc::driver::result::event::destroy(self.event) };
+        }
+    }
+}
+
 /// A marker recorded after the work queued so far.
 #[derive(Debug)]
 #[cfg_attr(not(feature = "host"), allow(dead_code))]
 pub(crate) enum Marker {
-    Cuda(CudaEvent),
+    Cuda(RawEvent),
     Host(usize),
     #[cfg(test)]
     Fake,
@@ -54,16 +108,20 @@ pub(crate) enum Mark {
     Marker(Marker),
     /// The stream is being captured into a CUDA graph: nothing was recorded.
     Capturing,
-    /// The work cannot be watched (an error recording the marker): treat it as done.
+    /// The work cannot be watched: treat it as done.
     Unwatched,
+    /// The driver failed the stream (a sticky fault of its context): the work will never
+    /// complete, and this is why.
+    Failed(DriverError),
 }
 
 /// Records and queries completion markers. See the module docs for who may call it.
 pub(crate) trait Tracker: Send + Sync + std::fmt::Debug {
     /// Records a marker after everything queued on `q` so far.
     fn mark(&self, q: &Queue) -> Mark;
-    /// Whether the work before `m` finished. Never blocks.
-    fn done(&self, m: &Marker) -> bool;
+    /// Whether the work before `m` finished (`Ok(false)`: still running), or the error the
+    /// driver reports for it (a sticky fault of the context). Never blocks.
+    fn done(&self, m: &Marker) -> Result<bool, DriverError>;
     /// Takes back a marker that is no longer needed (events are reused).
     fn recycle(&self, _m: Marker) {}
 }
@@ -82,7 +140,7 @@ const SPARE_EVENTS: usize = 16;
 /// CUDA events on the communicator's streams.
 #[derive(Debug, Default)]
 pub(crate) struct CudaTracker {
-    spare: Mutex<Vec<CudaEvent>>,
+    spare: Mutex<Vec<RawEvent>>,
 }
 
 thread_local! {
@@ -107,29 +165,33 @@ impl Tracker for CudaTracker {
             return Mark::Unwatched;
         };
         relaxed_capture_mode();
-        match stream.capture_status() {
+        if crate::stream::make_current(stream.context()).is_err() {
+            return Mark::Unwatched;
+        }
+        // SAFETY: the stream is live (the queue holds it).
+        match unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) } {
             Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE) => {}
             Ok(_) => return Mark::Capturing,
-            Err(_) => return Mark::Unwatched,
+            Err(e) => return Mark::Failed(e),
         }
         let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let event = match spare {
             Some(ev) => ev,
-            None => match stream.context().new_event(None) {
+            None => match RawEvent::new(stream.context()) {
                 Ok(ev) => ev,
-                Err(_) => return Mark::Unwatched,
+                Err(e) => return Mark::Failed(e),
             },
         };
         match event.record(stream) {
             Ok(()) => Mark::Marker(Marker::Cuda(event)),
-            Err(_) => Mark::Unwatched,
+            Err(e) => Mark::Failed(e),
         }
     }
 
-    fn done(&self, m: &Marker) -> bool {
+    fn done(&self, m: &Marker) -> Result<bool, DriverError> {
         match m {
-            Marker::Cuda(ev) => ev.is_complete(),
-            _ => true,
+            Marker::Cuda(ev) => ev.query(),
+            _ => Ok(true),
         }
     }
 
@@ -155,12 +217,12 @@ impl Tracker for HostTracker {
         }
     }
 
-    fn done(&self, m: &Marker) -> bool {
-        match m {
+    fn done(&self, m: &Marker) -> Result<bool, DriverError> {
+        Ok(match m {
             #[cfg(feature = "host")]
             Marker::Host(h) => crate::host::stuck_ops(*h) == 0,
             _ => true,
-        }
+        })
     }
 }
 
@@ -217,12 +279,12 @@ pub(crate) mod counting {
             Mark::Marker(Marker::Fake)
         }
 
-        fn done(&self, _m: &Marker) -> bool {
+        fn done(&self, _m: &Marker) -> Result<bool, DriverError> {
             self.queries.fetch_add(1, Ordering::SeqCst);
             if self.on_owner() {
                 self.owner_queries.fetch_add(1, Ordering::SeqCst);
             }
-            self.complete.load(Ordering::SeqCst)
+            Ok(self.complete.load(Ordering::SeqCst))
         }
     }
 }

@@ -95,16 +95,18 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
             s.track();
         }
     }
-    // Late work, or work that waits for a collective a departed rank never issued (that
-    // one at once, without waiting out the timeout).
-    let expired: Vec<(usize, _, bool)> = (list.iter().enumerate())
+    // Late work, work whose stream the driver failed (at once), or work that waits for a
+    // collective a departed rank never issued (that one at once too).
+    let expired: Vec<(usize, _, Expiry)> = (list.iter().enumerate())
         .filter(|(_, s)| !s.aborted_by_watchdog.load(Ordering::Acquire))
-        .filter_map(|(i, s)| match s.late(now) {
-            Some(rec) => Some((i, rec, false)),
-            None => Some((i, s.waits_for_departed(now)?, true)),
+        .filter_map(|(i, s)| match (s.faulted(), s.late(now)) {
+            (Some((rec, e)), _) => Some((i, rec, Expiry::Fault(e))),
+            (None, Some(rec)) => Some((i, rec, Expiry::Late)),
+            (None, None) => Some((i, s.waits_for_departed(now)?, Expiry::Departed)),
         })
         .collect();
-    for (i, rec, departed) in expired {
+    for (i, rec, why) in expired {
+        let departed = matches!(why, Expiry::Departed);
         let s = &list[i];
         if s.aborted_by_watchdog.load(Ordering::Acquire) {
             continue; // aborted with an earlier one of this sweep
@@ -117,9 +119,13 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
                 s.clique.fail_for_departure(&d, Some(s.rank), Some(&rec))
             }
             _ => {
-                let text =
-                    s.clique
-                        .report(s.rank, &rec, s.settings.timeout, "did not complete in time");
+                let what = match why {
+                    Expiry::Fault(e) => format!(
+                        "failed on the GPU: the CUDA driver reports {e:?} for its stream's work (a sticky error: the context can run no more work)"
+                    ),
+                    _ => "did not complete in time".to_string(),
+                };
+                let text = s.clique.report(s.rank, &rec, s.settings.timeout, &what);
                 s.clique
                     .set_timed_out(&TimeoutReport::of(s.rank, &rec, text))
             }
@@ -131,10 +137,11 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
             if !Arc::ptr_eq(&t.clique, &s.clique) || t.aborted_by_watchdog.load(Ordering::Acquire) {
                 continue;
             }
-            let min_age = if Arc::ptr_eq(t, s) && !departed {
-                t.settings.timeout
-            } else {
-                grace(t)
+            let min_age = match why {
+                _ if !Arc::ptr_eq(t, s) => grace(t),
+                Expiry::Late => t.settings.timeout,
+                Expiry::Fault(_) => Duration::ZERO,
+                Expiry::Departed => grace(t),
             };
             if !t.claim(now, min_age) {
                 continue;
@@ -150,6 +157,17 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
         abort_together(taken, s);
     }
     true
+}
+
+/// Why the watchdog fails a communicator's clique.
+#[derive(Debug, Clone, Copy)]
+enum Expiry {
+    /// Its work did not complete within the timeout.
+    Late,
+    /// The driver failed its stream's work.
+    Fault(cudarc::driver::DriverError),
+    /// It waits for a collective a departed rank never issued.
+    Departed,
 }
 
 /// Aborts the handles inside one NCCL group per library (NCCL 2.22+ requires communicators

@@ -107,6 +107,18 @@ struct fake_ctx {
 };
 
 static int device_count = 8;
+
+/* A sticky error (0: none), as a device fault leaves the context: from the moment it is
+ * set, every call that touches the device's work (queries, records, synchronizations,
+ * copies, frees, launches) returns it, as CUDA's do after, say, an illegal address. Set
+ * by `fake_cuda_sticky_error`. */
+static int sticky_error;
+#define STICKY()                                                                          \
+    do {                                                                                  \
+        int sticky_ = __atomic_load_n(&sticky_error, __ATOMIC_ACQUIRE);                   \
+        if (sticky_)                                                                      \
+            return (CUresult)sticky_;                                                     \
+    } while (0)
 static struct fake_ctx contexts[MAX_DEVICES];
 static __thread CUcontext current;
 
@@ -523,6 +535,7 @@ CUresult cuCtxGetDevice(CUdevice *d) {
 
 CUresult cuCtxSynchronize(void) {
     COUNT(cuCtxSynchronize);
+    STICKY();
     if (!current)
         return CUDA_ERROR_INVALID_CONTEXT;
     for (int i = 0; i < MAX_STREAMS; i++) {
@@ -607,6 +620,7 @@ CUresult cuStreamDestroy_v2(CUstream s) {
 
 CUresult cuStreamSynchronize(CUstream s) {
     COUNT(cuStreamSynchronize);
+    STICKY();
     struct fake_stream *st = stream_of(s);
     if (!st)
         return CUDA_ERROR_INVALID_HANDLE;
@@ -617,6 +631,7 @@ CUresult cuStreamSynchronize(CUstream s) {
 
 CUresult cuStreamQuery(CUstream s) {
     COUNT(cuStreamQuery);
+    STICKY();
     struct fake_stream *st = stream_of(s);
     if (!st)
         return CUDA_ERROR_INVALID_HANDLE;
@@ -625,6 +640,7 @@ CUresult cuStreamQuery(CUstream s) {
 
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags) {
     COUNT(cuStreamWaitEvent);
+    STICKY();
     (void)flags;
     if (!stream_of(s) || !event_ok(e))
         return CUDA_ERROR_INVALID_HANDLE;
@@ -694,6 +710,7 @@ CUresult cuEventDestroy_v2(CUevent e) {
 
 CUresult cuEventRecord(CUevent e, CUstream s) {
     COUNT(cuEventRecord);
+    STICKY();
     struct fake_stream *st = stream_of(s);
     if (!st || !event_ok(e))
         return CUDA_ERROR_INVALID_HANDLE;
@@ -714,6 +731,7 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
 
 CUresult cuEventQuery(CUevent e) {
     COUNT(cuEventQuery);
+    STICKY();
     if (!event_ok(e))
         return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&lock);
@@ -724,6 +742,7 @@ CUresult cuEventQuery(CUevent e) {
 
 CUresult cuEventSynchronize(CUevent e) {
     COUNT(cuEventSynchronize);
+    STICKY();
     if (!event_ok(e))
         return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&lock);
@@ -782,6 +801,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) {
 
 CUresult cuMemFree_v2(CUdeviceptr p) {
     COUNT(cuMemFree_v2);
+    STICKY();
     /* As CUDA's: a free waits for the device's work, so it blocks behind a stalled
      * stream (until it is released). */
     if (current) {
@@ -804,6 +824,7 @@ CUresult cuMemAllocAsync(CUdeviceptr *p, size_t bytes, CUstream s) {
 
 CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
     COUNT(cuMemFreeAsync);
+    STICKY();
     if (!stream_of(s))
         return CUDA_ERROR_INVALID_HANDLE;
     free_op(s, p);
@@ -816,6 +837,7 @@ CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
 #define COPY(name, dst, src, n, s, rd, wd)                                                \
     do {                                                                                  \
         COUNT(name);                                                                      \
+        STICKY();                                                                         \
         if ((s) != NULL && !stream_of(s))                                                 \
             return CUDA_ERROR_INVALID_HANDLE;                                             \
         if ((n) && (!(dst) || !(src)))                                                    \
@@ -1067,6 +1089,12 @@ void fake_cuda_release_wait(int device) {
             wait_unstalled_as(&streams[i], &release_waits);
     }
     __atomic_fetch_sub(&releases_blocked, 1, __ATOMIC_RELAXED);
+}
+
+/* Sets the sticky error every later call of the device's work returns (0 clears it, which
+ * a real context never does: tests end with it). */
+void fake_cuda_sticky_error(int code) {
+    __atomic_store_n(&sticky_error, code, __ATOMIC_RELEASE);
 }
 
 /* Stalls (1) or releases (0) a stream. Returns 0, or -1 for an unknown stream. */

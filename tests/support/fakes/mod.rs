@@ -25,6 +25,7 @@ pub struct FakeDriver {
     calls_at: unsafe extern "C" fn(c_int, c_int) -> i64,
     call_name: unsafe extern "C" fn(c_int) -> *const c_char,
     stall: unsafe extern "C" fn(*mut std::ffi::c_void, c_int) -> c_int,
+    sticky: unsafe extern "C" fn(c_int),
     set_capturing: unsafe extern "C" fn(*mut std::ffi::c_void, c_int) -> c_int,
     gauge: unsafe extern "C" fn(c_int) -> i64,
     release_wait: unsafe extern "C" fn(c_int),
@@ -110,6 +111,7 @@ pub fn driver() -> &'static FakeDriver {
                 calls_at: *lib.get(b"fake_cuda_calls_at\0").unwrap(),
                 call_name: *lib.get(b"fake_cuda_call_name\0").unwrap(),
                 stall: *lib.get(b"fake_cuda_stall\0").unwrap(),
+                sticky: *lib.get(b"fake_cuda_sticky_error\0").unwrap(),
                 set_capturing: *lib.get(b"fake_cuda_set_capturing\0").unwrap(),
                 gauge: *lib.get(b"fake_cuda_gauge\0").unwrap(),
                 release_wait: *lib.get(b"fake_cuda_release_wait\0").unwrap(),
@@ -147,6 +149,13 @@ impl FakeDriver {
     }
 
     /// Stalls a stream (its events stay incomplete, synchronizing it blocks) or releases it.
+    /// Makes every later call that touches the device's work fail with `code` (a sticky
+    /// error, as a device fault leaves a context); 0 clears it.
+    pub fn sticky_error(&self, code: i32) {
+        // SAFETY: one int argument.
+        unsafe { (self.sticky)(code) }
+    }
+
     pub fn stall(&self, stream: &CudaStream, on: bool) {
         // SAFETY: the handle is a live stream of the fake driver.
         let r = unsafe { (self.stall)(stream.cu_stream() as *mut _, on as c_int) };
