@@ -167,6 +167,24 @@ pub(crate) struct Departure {
     pub issued: u64,
     /// How it left, and its last call.
     pub how: String,
+    /// Its last collectives (sequence number, NCCL call), oldest first, as far as its
+    /// flight record still held them; empty for a rank of another process.
+    pub recent: Vec<(u64, &'static str)>,
+}
+
+impl Departure {
+    /// Whether the departed rank never issued `rec`, a collective of a peer: `rec` comes
+    /// at or after the last sequence number it issued, or the departed rank's collective
+    /// of that number was another call (a window it deregistered as it left, or one only
+    /// it registered, took the number the peer's collective has: the peer waits for a
+    /// call that will never come all the same).
+    fn never_issued(&self, rec: &OpRecord) -> bool {
+        rec.seq >= self.issued
+            || self
+                .recent
+                .iter()
+                .any(|&(seq, op)| seq == rec.seq && op != rec.op)
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -266,10 +284,15 @@ impl Clique {
     ///
     /// `broken`: it left by an abort. Then no collective of the clique can complete again,
     /// so the clique fails at once, waiting ranks or not (every rank's `is_failed()`).
+    ///
+    /// `recent`: the rank's last collectives (sequence number, call), oldest first, so that
+    /// a peer whose collective of a number the rank issued as another call also counts as
+    /// waiting for it.
     pub(crate) fn depart(
         &self,
         rank: usize,
         view: RankView,
+        recent: Vec<(u64, &'static str)>,
         how: &str,
         broken: bool,
     ) -> Option<Arc<TimeoutReport>> {
@@ -292,6 +315,7 @@ impl Clique {
                 rank,
                 issued: view.issued,
                 how: format!("{how} after {} collective(s); {last}", view.issued),
+                recent,
             }
         });
         if d.rank != rank {
@@ -337,7 +361,7 @@ impl Clique {
                 | "ncclCommWindowRegister"
                 | "ncclCommWindowDeregister"
         );
-        (d.rank != rank && every_rank && rec.seq >= d.issued).then_some(d)
+        (d.rank != rank && every_rank && d.never_issued(rec)).then_some(d)
     }
 
     /// Fails the clique because rank `waiting` (in `rec`) waits for departed `d`.
@@ -438,6 +462,7 @@ impl Clique {
             rank,
             issued,
             how: format!("{how} (another process, from the desync board)"),
+            recent: Vec::new(),
         });
     }
 
@@ -831,7 +856,7 @@ mod tests {
             ..enqueued_all_reduce(4, Duration::ZERO)
         });
         assert!(here
-            .depart(2, view, "its launcher closure returned", false)
+            .depart(2, view, Vec::new(), "its launcher closure returned", false)
             .is_none());
         let t = Instant::now();
         let posted = loop {
@@ -889,6 +914,54 @@ mod tests {
             .is_some());
         assert!(there
             .waits_for_departed(0, &enqueued_all_reduce(2, Duration::ZERO))
+            .is_none());
+    }
+
+    /// A peer waits for a departed rank in a collective of a number the rank issued as
+    /// another call (here a window it registered and deregistered as it left, which the
+    /// peer never did): chaos seeds 919, 1941 and 2243, where the peers' collective failed
+    /// by the rank's abort and the clique was never failed for an idle rank to see.
+    #[test]
+    fn a_collective_numbered_as_another_call_of_the_departed_rank_waits_for_it() {
+        let c = join(fresh_key(), 3);
+        let mut view = c.view(1);
+        view.present = true;
+        view.issued = 2;
+        let recent = vec![
+            (0, "ncclCommWindowRegister"),
+            (1, "ncclCommWindowDeregister"),
+        ];
+        assert!(c
+            .depart(1, view, recent, "it aborted its communicator", false)
+            .is_none());
+        let bcast = |seq| OpRecord {
+            op: "ncclBroadcast",
+            root: Some(0),
+            ..enqueued_all_reduce(seq, Duration::ZERO)
+        };
+        // Below `issued`, yet numbered as the rank's window calls.
+        assert!(c.waits_for_departed(0, &bcast(0)).is_some());
+        assert!(c.waits_for_departed(2, &bcast(1)).is_some());
+        assert!(c.waits_for_departed(0, &bcast(2)).is_some());
+        // The same call of the same number: the rank issued it.
+        let dereg = OpRecord {
+            op: "ncclCommWindowDeregister",
+            ..enqueued_all_reduce(1, Duration::ZERO)
+        };
+        assert!(c.waits_for_departed(0, &dereg).is_none());
+        // Beyond what the departure recorded: the number alone decides, as before.
+        let c = join(fresh_key(), 2);
+        let mut view = c.view(1);
+        view.present = true;
+        view.issued = 5;
+        c.depart(1, view, vec![(4, "ncclAllReduce")], "it left", false);
+        assert!(c
+            .waits_for_departed(0, &enqueued_all_reduce(3, Duration::ZERO))
+            .is_none());
+        assert!(c.waits_for_departed(0, &bcast(3)).is_none());
+        assert!(c.waits_for_departed(0, &bcast(4)).is_some());
+        assert!(c
+            .waits_for_departed(0, &enqueued_all_reduce(4, Duration::ZERO))
             .is_none());
     }
 

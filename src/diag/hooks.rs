@@ -711,7 +711,8 @@ impl CommDiag {
         let view = s.rank_view();
         s.clique.detach(s.rank, view);
         if let Some((how, broken)) = departing {
-            s.clique.depart(s.rank, view, how, broken);
+            s.clique
+                .depart(s.rank, view, s.recent_collectives(), how, broken);
         }
         s.handle.swap(0, Ordering::AcqRel) != 0
     }
@@ -721,7 +722,8 @@ impl CommDiag {
     #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn leave(&self, how: &str) {
         if let Some(s) = self.shared.get() {
-            s.clique.depart(s.rank, s.rank_view(), how, false);
+            s.clique
+                .depart(s.rank, s.rank_view(), s.recent_collectives(), how, false);
         }
     }
 }
