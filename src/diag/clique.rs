@@ -309,17 +309,25 @@ impl Clique {
             None => "it made no call".to_string(),
         };
         let mut first = false;
+        let mine = Departure {
+            rank,
+            issued: view.issued,
+            how: format!("{how} after {} collective(s); {last}", view.issued),
+            recent,
+        };
+        let mut mine = Some(mine);
         let d = self.departed.get_or_init(|| {
             first = true;
-            Departure {
-                rank,
-                issued: view.issued,
-                how: format!("{how} after {} collective(s); {last}", view.issued),
-                recent,
-            }
+            mine.take().expect("taken once")
         });
         if d.rank != rank {
-            return None;
+            // Another rank left first (say by `destroy()`, or an `abort()` that broke no
+            // peer's wait): an abort of this one still leaves no collective that can
+            // complete.
+            return match (broken, mine) {
+                (true, Some(mine)) => Some(self.fail_for_departure(&mine, None, None)),
+                _ => None,
+            };
         }
         if first {
             self.post_departure(d);
@@ -963,6 +971,36 @@ mod tests {
         assert!(c
             .waits_for_departed(0, &enqueued_all_reduce(4, Duration::ZERO))
             .is_none());
+    }
+
+    /// A rank that leaves broken (a panic, a failed init) after another left cleanly still
+    /// fails the clique: chaos seed 1941, where a rank's init failed by the abort of a
+    /// rank that had left first, and the idle rank never saw `is_failed()`.
+    #[test]
+    fn a_broken_departure_after_another_fails_the_clique() {
+        let c = join(fresh_key(), 3);
+        let mut view = c.view(1);
+        view.present = true;
+        view.issued = 2;
+        assert!(c
+            .depart(1, view, Vec::new(), "it aborted its communicator", false)
+            .is_none());
+        assert!(!c.any_timeout());
+        // A clean departure of another rank changes nothing.
+        assert!(c
+            .depart(2, RankView::default(), Vec::new(), "it destroyed it", false)
+            .is_none());
+        assert!(!c.any_timeout());
+        let r = c
+            .depart(0, RankView::default(), Vec::new(), "its init failed", true)
+            .expect("the clique fails");
+        assert!(c.any_timeout());
+        assert_eq!(r.left, Some(0));
+        assert!(
+            r.text.contains("rank 0 left: its init failed"),
+            "{}",
+            r.text
+        );
     }
 
     /// Without a board the report is as before: other ranks are "no record".
