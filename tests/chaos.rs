@@ -61,7 +61,16 @@
 //!   with no timeout;
 //! * `no-false-alarm`: in a run without any fault (a stall released within a fifth of the
 //!   shorter bound counts as none), no call fails and no rank is failed, watched at the gate
-//!   until a timeout (+100 ms) after the stall's release;
+//!   until a timeout (+100 ms) after the stall's release. The stall is released by a thread
+//!   that sleeps for the planned delay; on a loaded machine that thread may run late, and a
+//!   stall it releases more than the timeout after its injection held its work unseen for
+//!   longer than the timeout, which the crate promises to time out (README, "Hangs become
+//!   errors": the watchdog bounds every operation by `Config::timeout`). Such a run (seed
+//!   345 once, among 3,000 seeds beside other builds on two cores: both ranks failed with
+//!   no call failed, which in that plan only the watchdog timing out the stalled work does,
+//!   and the releasing thread's sleep is the run's only timing that has no second of slack)
+//!   is judged as one with a fault, and counted in the summary. A stall released within
+//!   the timeout still must raise no alarm;
 //! * `abort-outcome`: while every abort of the clique is stuck, `abort()` never returns
 //!   `Ok` (its own abort, or the watchdog's that it waits for, cannot have returned);
 //! * `exactly-once`: once the blocked aborts are released, every handle of the run was
@@ -129,6 +138,8 @@ const REGRESSION_SEEDS: &[u64] = &[919, 1941, 2243];
 const WINDOW_SEEDS: u64 = 100;
 /// Runs at a time.
 const WORKERS: usize = 4;
+/// Early stalls released past the timeout by a loaded machine (see `no-false-alarm`).
+static LATE_STALLS: AtomicU64 = AtomicU64::new(0);
 /// Child processes of the process-exit test.
 const EXIT_CHILDREN: u64 = 12;
 
@@ -356,6 +367,8 @@ struct Run {
     abandoned: AtomicBool,
     /// When the planned stall was released: nanoseconds after `start`, + 1 (0: not yet).
     stall_released: Arc<AtomicU64>,
+    /// The stall's work was held longer than the timeout (its releasing thread ran late).
+    stall_late: Arc<AtomicBool>,
     violations: Mutex<Vec<Violation>>,
 }
 
@@ -415,6 +428,15 @@ impl Run {
             0 => None,
             n => Some(self.start + Duration::from_nanos(n - 1)),
         }
+    }
+
+    /// Whether a fault was planned, or the planned early stall was released past the
+    /// timeout by a machine too loaded to run its releasing thread in time (see
+    /// `no-false-alarm`). Asked once the stall was awaited.
+    fn faulty(&self) -> bool {
+        self.plan.faulty()
+            || self.stall_late.load(Ordering::SeqCst)
+            || (self.plan.stall.is_some() && self.stall_released().is_none())
     }
 
     fn finish(&self, rank: usize) {
@@ -601,9 +623,15 @@ fn rank_main(run: &Run, rank: usize, panicked_at: &Mutex<Option<Instant>>) {
         }
         if let Some(stall) = plan.stall.filter(|s| rank == 0 && s.at == step) {
             let (id, start, released) = (run.id.to_raw(), run.start, run.stall_released.clone());
+            let (late, timeout) = (run.stall_late.clone(), plan.timeout);
             fault::inject(&id, Fault::StalledWork);
+            let injected = Instant::now();
             std::thread::spawn(move || {
                 std::thread::sleep(stall.release_after);
+                if stall.early && injected.elapsed() > timeout {
+                    late.store(true, Ordering::SeqCst);
+                    LATE_STALLS.fetch_add(1, Ordering::SeqCst);
+                }
                 fault::release_stalls(&id);
                 released.store(start.elapsed().as_nanos() as u64 + 1, Ordering::SeqCst);
             });
@@ -701,7 +729,7 @@ fn rank_main(run: &Run, rank: usize, panicked_at: &Mutex<Option<Instant>>) {
                 ),
             );
         }
-    } else if comm.is_failed() && !plan.faulty() {
+    } else if comm.is_failed() && !run.faulty() {
         run.violate(
             "no-false-alarm",
             format!("rank {rank}: failed in a run without faults"),
@@ -741,6 +769,7 @@ fn run_plan(plan: &Plan) -> Vec<Violation> {
         activity: (0..plan.world).map(|_| Mutex::new(None)).collect(),
         abandoned: AtomicBool::new(false),
         stall_released: Arc::new(AtomicU64::new(0)),
+        stall_late: Arc::new(AtomicBool::new(false)),
         violations: Mutex::new(Vec::new()),
     });
     let ranks: Vec<_> = (0..plan.world)
@@ -807,7 +836,7 @@ fn run_plan(plan: &Plan) -> Vec<Violation> {
     for r in ranks {
         r.join().expect("a rank's thread catches its panics");
     }
-    if !plan.faulty() && run.first_failure().is_some() {
+    if !run.faulty() && run.first_failure().is_some() {
         run.violate(
             "no-false-alarm",
             "a call failed in a run without faults".into(),
@@ -990,6 +1019,10 @@ fn seeded_chaos_runs() {
     });
     let mut found = found.into_inner().unwrap();
     found.sort_by_key(|(s, _)| *s);
+    let late = LATE_STALLS.load(Ordering::SeqCst);
+    if late > 0 {
+        eprintln!("chaos: {late} early stall(s) released past the timeout by a loaded machine: judged as faults, not for no-false-alarm");
+    }
     judge(
         "chaos",
         seeds.len(),
