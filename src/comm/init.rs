@@ -205,8 +205,16 @@ impl PendingCommunicator {
     pub fn wait(self, timeout: Duration) -> Result<Communicator> {
         let caller = Location::caller();
         let mut comm = self.comm;
-        comm.wait_ready("ncclCommInitRankConfig", caller, timeout)?;
-        comm.read_shape(caller)?;
+        let ready = comm
+            .wait_ready("ncclCommInitRankConfig", caller, timeout)
+            .and_then(|()| comm.read_shape(caller));
+        if let Err(e) = ready {
+            // This rank never joins: no collective of its clique can complete (the peers
+            // whose init did complete see `is_failed()` at once). Dropped, it aborts.
+            comm.diag
+                .init_failed(comm.rank, comm.world_size, &e.to_string());
+            return Err(e);
+        }
         comm.clear_pending();
         Ok(comm)
     }

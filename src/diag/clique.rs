@@ -167,6 +167,24 @@ pub(crate) struct Departure {
     pub issued: u64,
     /// How it left, and its last call.
     pub how: String,
+    /// Its last collectives (sequence number, NCCL call), oldest first, as far as its
+    /// flight record still held them; empty for a rank of another process.
+    pub recent: Vec<(u64, &'static str)>,
+}
+
+impl Departure {
+    /// Whether the departed rank never issued `rec`, a collective of a peer: `rec` comes
+    /// at or after the last sequence number it issued, or the departed rank's collective
+    /// of that number was another call (a window it deregistered as it left, or one only
+    /// it registered, took the number the peer's collective has: the peer waits for a
+    /// call that will never come all the same).
+    fn never_issued(&self, rec: &OpRecord) -> bool {
+        rec.seq >= self.issued
+            || self
+                .recent
+                .iter()
+                .any(|&(seq, op)| seq == rec.seq && op != rec.op)
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -266,10 +284,15 @@ impl Clique {
     ///
     /// `broken`: it left by an abort. Then no collective of the clique can complete again,
     /// so the clique fails at once, waiting ranks or not (every rank's `is_failed()`).
+    ///
+    /// `recent`: the rank's last collectives (sequence number, call), oldest first, so that
+    /// a peer whose collective of a number the rank issued as another call also counts as
+    /// waiting for it.
     pub(crate) fn depart(
         &self,
         rank: usize,
         view: RankView,
+        recent: Vec<(u64, &'static str)>,
         how: &str,
         broken: bool,
     ) -> Option<Arc<TimeoutReport>> {
@@ -286,16 +309,25 @@ impl Clique {
             None => "it made no call".to_string(),
         };
         let mut first = false;
+        let mine = Departure {
+            rank,
+            issued: view.issued,
+            how: format!("{how} after {} collective(s); {last}", view.issued),
+            recent,
+        };
+        let mut mine = Some(mine);
         let d = self.departed.get_or_init(|| {
             first = true;
-            Departure {
-                rank,
-                issued: view.issued,
-                how: format!("{how} after {} collective(s); {last}", view.issued),
-            }
+            mine.take().expect("taken once")
         });
         if d.rank != rank {
-            return None;
+            // Another rank left first (say by `destroy()`, or an `abort()` that broke no
+            // peer's wait): an abort of this one still leaves no collective that can
+            // complete.
+            return match (broken, mine) {
+                (true, Some(mine)) => Some(self.fail_for_departure(&mine, None, None)),
+                _ => None,
+            };
         }
         if first {
             self.post_departure(d);
@@ -337,7 +369,7 @@ impl Clique {
                 | "ncclCommWindowRegister"
                 | "ncclCommWindowDeregister"
         );
-        (d.rank != rank && every_rank && rec.seq >= d.issued).then_some(d)
+        (d.rank != rank && every_rank && d.never_issued(rec)).then_some(d)
     }
 
     /// Fails the clique because rank `waiting` (in `rec`) waits for departed `d`.
@@ -438,6 +470,7 @@ impl Clique {
             rank,
             issued,
             how: format!("{how} (another process, from the desync board)"),
+            recent: Vec::new(),
         });
     }
 
@@ -831,7 +864,7 @@ mod tests {
             ..enqueued_all_reduce(4, Duration::ZERO)
         });
         assert!(here
-            .depart(2, view, "its launcher closure returned", false)
+            .depart(2, view, Vec::new(), "its launcher closure returned", false)
             .is_none());
         let t = Instant::now();
         let posted = loop {
@@ -890,6 +923,84 @@ mod tests {
         assert!(there
             .waits_for_departed(0, &enqueued_all_reduce(2, Duration::ZERO))
             .is_none());
+    }
+
+    /// A peer waits for a departed rank in a collective of a number the rank issued as
+    /// another call (here a window it registered and deregistered as it left, which the
+    /// peer never did): chaos seeds 919, 1941 and 2243, where the peers' collective failed
+    /// by the rank's abort and the clique was never failed for an idle rank to see.
+    #[test]
+    fn a_collective_numbered_as_another_call_of_the_departed_rank_waits_for_it() {
+        let c = join(fresh_key(), 3);
+        let mut view = c.view(1);
+        view.present = true;
+        view.issued = 2;
+        let recent = vec![
+            (0, "ncclCommWindowRegister"),
+            (1, "ncclCommWindowDeregister"),
+        ];
+        assert!(c
+            .depart(1, view, recent, "it aborted its communicator", false)
+            .is_none());
+        let bcast = |seq| OpRecord {
+            op: "ncclBroadcast",
+            root: Some(0),
+            ..enqueued_all_reduce(seq, Duration::ZERO)
+        };
+        // Below `issued`, yet numbered as the rank's window calls.
+        assert!(c.waits_for_departed(0, &bcast(0)).is_some());
+        assert!(c.waits_for_departed(2, &bcast(1)).is_some());
+        assert!(c.waits_for_departed(0, &bcast(2)).is_some());
+        // The same call of the same number: the rank issued it.
+        let dereg = OpRecord {
+            op: "ncclCommWindowDeregister",
+            ..enqueued_all_reduce(1, Duration::ZERO)
+        };
+        assert!(c.waits_for_departed(0, &dereg).is_none());
+        // Beyond what the departure recorded: the number alone decides, as before.
+        let c = join(fresh_key(), 2);
+        let mut view = c.view(1);
+        view.present = true;
+        view.issued = 5;
+        c.depart(1, view, vec![(4, "ncclAllReduce")], "it left", false);
+        assert!(c
+            .waits_for_departed(0, &enqueued_all_reduce(3, Duration::ZERO))
+            .is_none());
+        assert!(c.waits_for_departed(0, &bcast(3)).is_none());
+        assert!(c.waits_for_departed(0, &bcast(4)).is_some());
+        assert!(c
+            .waits_for_departed(0, &enqueued_all_reduce(4, Duration::ZERO))
+            .is_none());
+    }
+
+    /// A rank that leaves broken (a panic, a failed init) after another left cleanly still
+    /// fails the clique: chaos seed 1941, where a rank's init failed by the abort of a
+    /// rank that had left first, and the idle rank never saw `is_failed()`.
+    #[test]
+    fn a_broken_departure_after_another_fails_the_clique() {
+        let c = join(fresh_key(), 3);
+        let mut view = c.view(1);
+        view.present = true;
+        view.issued = 2;
+        assert!(c
+            .depart(1, view, Vec::new(), "it aborted its communicator", false)
+            .is_none());
+        assert!(!c.any_timeout());
+        // A clean departure of another rank changes nothing.
+        assert!(c
+            .depart(2, RankView::default(), Vec::new(), "it destroyed it", false)
+            .is_none());
+        assert!(!c.any_timeout());
+        let r = c
+            .depart(0, RankView::default(), Vec::new(), "its init failed", true)
+            .expect("the clique fails");
+        assert!(c.any_timeout());
+        assert_eq!(r.left, Some(0));
+        assert!(
+            r.text.contains("rank 0 left: its init failed"),
+            "{}",
+            r.text
+        );
     }
 
     /// Without a board the report is as before: other ranks are "no record".

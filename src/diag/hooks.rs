@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use nccl_sys::ncclComm_t;
 
 use super::aborter::{self, Bound, Job, Lane};
-use super::clique::{self, Agreement, CliqueKey, TimeoutReport};
+use super::clique::{self, Agreement, CliqueKey, RankView, TimeoutReport};
 use super::journal::{Entry, Journal};
 use super::op::{in_group, OpInfo};
 use super::recorder::{FlightRecord, OpState};
@@ -712,9 +712,24 @@ impl CommDiag {
         let view = s.rank_view();
         s.clique.detach(s.rank, view);
         if let Some((how, broken)) = departing {
-            s.clique.depart(s.rank, view, how, broken);
+            s.clique
+                .depart(s.rank, view, s.recent_collectives(), how, broken);
         }
         s.handle.swap(0, Ordering::AcqRel) != 0
+    }
+
+    /// The communicator's init failed (`why`): this rank never joins its clique, so no
+    /// collective of it can complete, and the clique fails at once (every rank's
+    /// `is_failed()`), as for a rank that left by a panic. Its drop then aborts it.
+    pub(crate) fn init_failed(&self, rank: usize, world_size: usize, why: &str) {
+        // Not attached yet (that follows a complete init): the clique of the ranks whose
+        // init completed, found by its key.
+        let clique = match self.shared.get() {
+            Some(s) => Arc::clone(&s.clique),
+            None => clique::join(self.key, world_size.max(1)),
+        };
+        let how = format!("its init failed ({why})");
+        clique.depart(rank, RankView::default(), Vec::new(), &how, true);
     }
 
     /// The rank's code is done with its communicator (its launcher closure returned): a
@@ -722,7 +737,8 @@ impl CommDiag {
     #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn leave(&self, how: &str) {
         if let Some(s) = self.shared.get() {
-            s.clique.depart(s.rank, s.rank_view(), how, false);
+            s.clique
+                .depart(s.rank, s.rank_view(), s.recent_collectives(), how, false);
         }
     }
 }

@@ -176,6 +176,8 @@ impl CommDiag {
         true
     }
 
+    pub(crate) fn init_failed(&self, _rank: usize, _world_size: usize, _why: &str) {}
+
     #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn leave(&self, _how: &str) {}
 }

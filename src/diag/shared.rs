@@ -105,6 +105,10 @@ pub(super) struct Pending {
 /// How far back from a range's newest operation the watchdog looks for its oldest one.
 const OLDEST_SCAN: u64 = 256;
 
+/// How many of a departing rank's last collectives its departure keeps, to tell whether a
+/// peer's collective of a number it issued was the same call.
+const RECENT_COLLECTIVES: usize = 64;
+
 /// One communicator's diagnostics state, shared with the watchdog thread and its clique.
 ///
 /// The per-operation path (the owning thread) takes no lock and makes no read-modify-write:
@@ -437,6 +441,28 @@ impl Shared {
             issued: self.seq.load(Ordering::Relaxed),
             last: self.journal.last_pos().and_then(|p| self.record(p)),
         }
+    }
+
+    /// The last collectives this rank issued (sequence number, call), oldest first, as
+    /// far as the journal still holds them (at most [`RECENT_COLLECTIVES`]): what a
+    /// departure compares its peers' collectives with. None with the fingerprint check
+    /// on: a peer's collective numbered as another call of this rank is then a mismatch
+    /// that the check reports to every rank (`CollectiveMismatch`, with the table), which
+    /// the departure must not preempt.
+    pub(super) fn recent_collectives(&self) -> Vec<(u64, &'static str)> {
+        let Some(last) = self.journal.last_pos().filter(|_| !self.settings.check) else {
+            return Vec::new();
+        };
+        let first = (last + 1).saturating_sub(self.journal.capacity());
+        let mut out: Vec<(u64, &'static str)> = (first..=last)
+            .rev()
+            .filter_map(|p| self.journal.get(p))
+            .filter(|r| super::op::is_collective(r.op))
+            .map(|r| (r.seq, r.op))
+            .take(RECENT_COLLECTIVES)
+            .collect();
+        out.reverse();
+        out
     }
 
     pub(super) fn flight_record(&self) -> FlightRecord {
