@@ -312,6 +312,10 @@ impl Config {
     /// behind a stuck stream, so aborts run on a thread of their own: the watchdog never
     /// waits for one, and a communicator's drop waits at most this long. Past it,
     /// [`on_abort_timeout`](Self::on_abort_timeout) applies. Children inherit it.
+    ///
+    /// For NVIDIA's NCCL it must be at least [`crate::diag::MIN_NCCL_ABORT_TIMEOUT`] (2 s):
+    /// its teardown of even an idle communicator takes 0.5 to 1 s, so init refuses a
+    /// shorter bound with [`crate::Error::InvalidArgument`].
     pub fn abort_timeout(mut self, bound: std::time::Duration) -> Config {
         self.diag.abort_timeout = Some(bound);
         self
