@@ -28,6 +28,10 @@ if [ ! -x "$cuda/bin/nvcc" ]; then
 fi
 export PATH="$cuda/bin:$PATH" CUDA_ROOT="$cuda" CUDA_PATH="$cuda"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}"
+# candle-kernels' build script (cudaforge) runs nvcc on half the cores by default: one of 2,
+# for ~10 minutes, while candle-core waits on it and the other core has little else left to
+# build. All of them. (Not part of its fingerprint: changing it rebuilds nothing.)
+export CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-$(nproc)}"
 export NVCC_PREPEND_FLAGS="-I$cuda/include -I$cuda/include/cccl"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}/candle"
 nvcc --version | tail -n 2
