@@ -11,8 +11,11 @@
 #   entry point gets a weak definition here that fails);
 # - runs DDP's CUDA path on a CPU with them (nccl-safe-candle's tests/fake_cuda.rs), under
 #   the fake driver's stream-order model;
-# - type-checks examples/candle_ddp.
-# CI runs it.
+# - builds examples/candle_ddp (its dependencies are the units built for the tests: the same
+#   lockfile, profile and features).
+# Its target folder is scripts/candle.sh's ($CARGO_TARGET_DIR/candle): candle's CUDA kernels
+# are built by nvcc once (for CUDA_COMPUTE_CAP only, default 80), and what the `cuda` feature
+# does not change is shared with the CPU builds. CI runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -25,8 +28,12 @@ if [ ! -x "$cuda/bin/nvcc" ]; then
 fi
 export PATH="$cuda/bin:$PATH" CUDA_ROOT="$cuda" CUDA_PATH="$cuda"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}"
+# candle-kernels' build script (cudaforge) runs nvcc on half the cores by default: one of 2,
+# for ~10 minutes, while candle-core waits on it and the other core has little else left to
+# build. All of them. (Not part of its fingerprint: changing it rebuilds nothing.)
+export CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-$(nproc)}"
 export NVCC_PREPEND_FLAGS="-I$cuda/include -I$cuda/include/cccl"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}/candle-ddp-cuda"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}/candle"
 nvcc --version | tail -n 2
 
 # The fake CUDA libraries the tests link against.
@@ -68,4 +75,6 @@ $cc -shared -fPIC -O2 -Wl,-soname,libcudart.so -o "$fake/libcudart.so" "$fake/ru
   LIBRARY_PATH="$fake" LD_LIBRARY_PATH="$fake" \
     cargo test --features cuda --test fake_cuda -- --ignored --test-threads=1
 )
-(cd examples/candle_ddp && cargo check --features cuda)
+# A build, not a check: a check would compile every dependency again in check mode, where
+# the build reuses the ones just built (and links, against the fakes).
+(cd examples/candle_ddp && LIBRARY_PATH="$fake" cargo build --features cuda)

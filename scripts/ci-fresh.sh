@@ -11,7 +11,8 @@
 #                  loads, and a fresh machine has it.
 # --keep           keeps the scratch folder (clone, target, cache) for a look afterwards.
 #
-# Commits only: uncommitted changes are not in the clone. Prints .ci/run's exit status.
+# Commits only: uncommitted changes are not in the clone. Prints .ci/run's exit status, then
+# a table of its steps' times (the failed one marked) and the total.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/ci-lib.sh
@@ -21,7 +22,7 @@ for arg in "$@"; do
   case "$arg" in
     --hide-libclang) hide=1 ;;
     --keep) keep=1 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "ci-fresh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -53,12 +54,22 @@ fi
 git clone --quiet --no-local . "$scratch/repo"
 echo "ci-fresh: fresh clone of $(git rev-parse --short HEAD) in $scratch/repo"
 mkdir -p "$scratch/target" "$scratch/nccl-cache"
+times="$scratch/step-times.tsv"
+: >"$times"
+t0=$(date +%s)
 status=0
 (
   cd "$scratch/repo"
   unset LIBCLANG_PATH NCCL_SAFE_TEST_NCCL_DIR NCCL_LIBRARY NCCL_HOME NCCL_ROOT CUDA_HOME VIRTUAL_ENV CONDA_PREFIX
   export CARGO_TARGET_DIR="$scratch/target" NCCL_SAFE_CACHE="$scratch/nccl-cache" CI=true
+  export CI_STEP_TIMES="$times"
   bash .ci/run </dev/null
 ) || status=$?
 echo "ci-fresh: .ci/run exited with status $status"
+echo "ci-fresh: step times (cold: fresh clone, empty target folder and NCCL cache)"
+awk -F'\t' -v total=$(( $(date +%s) - t0 )) '
+  function mmss(s) { return sprintf("%3dm%02ds", int(s / 60), s % 60) }
+  { printf "  %-12s %s  %s\n", $3, mmss($1), ($2 == "ok" ? "" : $2); sum += $1 }
+  END { printf "  %-12s %s\n  %-12s %s  (with the clone and set-up)\n", "steps", mmss(sum), "total", mmss(total) }
+' "$times"
 exit "$status"

@@ -24,6 +24,8 @@
 # imports torch, which loads them even on a machine without a GPU. Without network access
 # the script says why it skips (with NCCL_SAFE_REQUIRE_TORCH=1, as in CI, it fails). With the
 # venv in place it takes about 30 s.
+#   scripts/test-torchrun.sh --install   only installs both venvs, if missing (.ci/run runs
+#                                        it in the background while it builds)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
@@ -37,6 +39,14 @@ skip() {
   exit 0
 }
 
+old_venv="${NCCL_SAFE_OLD_TORCH_VENV:-$cache/torch-2.2-venv}"
+install_only=0
+case "${1:-}" in
+  "") ;;
+  --install) install_only=1 ;;
+  *) echo "usage: scripts/test-torchrun.sh [--install]" >&2; exit 2 ;;
+esac
+
 if [ ! -x "$venv/bin/torchrun" ]; then
   py="$(command -v python3 || command -v python)" || skip "no python3 to create a venv with"
   "$py" -m venv "$venv" || skip "python3 -m venv $venv failed (install python3-venv)"
@@ -45,6 +55,17 @@ if [ ! -x "$venv/bin/torchrun" ]; then
     rm -rf "$venv"
     skip "pip could not install torch from PyPI (no network access?)"
   fi
+fi
+# The oldest supported store server (step 4), in its own venv.
+if [ ! -x "$old_venv/bin/python" ] || ! "$old_venv/bin/python" -W ignore -c "import torch.distributed" 2>/dev/null; then
+  rm -rf "$old_venv"
+  echo "installing torch 2.2.2 (the oldest supported store server) into $old_venv ..."
+  python3 -m venv "$old_venv" && "$old_venv/bin/pip" install --quiet torch==2.2.2 \
+    || { rm -rf "$old_venv"; skip "pip could not install torch 2.2.2 from PyPI"; }
+fi
+if [ "$install_only" = 1 ]; then
+  echo "test-torchrun: torch installed in $venv and $old_venv after $(( $(date +%s) - t0 ))s"
+  exit 0
 fi
 torchrun="$venv/bin/torchrun"
 "$venv/bin/python" -W ignore -c "import torch.distributed.run" 2>/dev/null \
@@ -154,13 +175,6 @@ PY
 cat "$logs/real-store"
 }
 NCCL_SAFE_TEST_C10D_OLD=0 real_store "$venv/bin/python"
-old_venv="${NCCL_SAFE_OLD_TORCH_VENV:-$cache/torch-2.2-venv}"
-if [ ! -x "$old_venv/bin/python" ] || ! "$old_venv/bin/python" -W ignore -c "import torch.distributed" 2>/dev/null; then
-  rm -rf "$old_venv"
-  echo "installing torch 2.2.2 (the oldest supported store server) into $old_venv ..."
-  python3 -m venv "$old_venv" && "$old_venv/bin/pip" install --quiet torch==2.2.2 \
-    || { rm -rf "$old_venv"; skip "pip could not install torch 2.2.2 from PyPI"; }
-fi
 NCCL_SAFE_TEST_C10D_OLD=1 real_store "$old_venv/bin/python"
 
 echo "5. torchrun --max-restarts 1: rank 1 is SIGKILLed in the first attempt; the job restarts and completes on fresh keys"
