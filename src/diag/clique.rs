@@ -350,6 +350,11 @@ impl Clique {
 
     /// The departure that rank `r`'s operation `rec` waits for, if any: the operation is a
     /// collective the departed rank never issued.
+    /// The rank that left this clique first, other than `rank`, if any.
+    pub(crate) fn departed_other_than(&self, rank: usize) -> Option<&Departure> {
+        self.departed.get().filter(|d| d.rank != rank)
+    }
+
     pub(crate) fn waits_for_departed(&self, rank: usize, rec: &OpRecord) -> Option<&Departure> {
         let d = self.departed.get()?;
         // Only the calls that need every rank: not point-to-point (only its peer), a

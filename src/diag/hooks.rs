@@ -651,8 +651,16 @@ impl CommDiag {
                     // provider does): no collective of the clique can complete any more,
                     // as when the departure finds a rank already waiting. Fail the clique
                     // so that every rank sees it (`is_failed()`); the caller keeps the
-                    // provider's own error.
-                    if let Some(d) = s.clique.waits_for_departed(s.rank, rec) {
+                    // provider's own error. The same for a call the departed rank did
+                    // issue that NCCL failed with its remote error (a peer's abort, say,
+                    // while this rank's part of it was still in flight): a communicator
+                    // that returned an error can run no collective any more.
+                    let d = s.clique.waits_for_departed(s.rank, rec).or_else(|| {
+                        (e.code() == Some(crate::error::ResultCode::RemoteError))
+                            .then(|| s.clique.departed_other_than(s.rank))
+                            .flatten()
+                    });
+                    if let Some(d) = d {
                         s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
                     }
                     e
