@@ -845,7 +845,11 @@ fn wait_out_of_progress(t: &FunctionTable, comm: ncclComm_t) -> ncclResult_t {
 #[test]
 fn a_non_blocking_split_returns_success_and_stores_its_child_later() {
     let t = table();
+    let checked = std::sync::Barrier::new(3);
     let (id, out) = with_non_blocking_ranks(&t, 3, |r, comm| {
+        // The jobs end only once every rank has looked (a slow GPU, without a race).
+        let root = host::root_id_of(comm).expect("a live host communicator");
+        host::fault::inject(&root, host::fault::Fault::HeldJobs);
         // A heap slot the job may write after this function looked at it.
         let slot = Box::new(core::sync::atomic::AtomicPtr::<ncclComm>::new(
             0x1 as ncclComm_t,
@@ -870,6 +874,8 @@ fn a_non_blocking_split_returns_success_and_stores_its_child_later() {
         let rc = unsafe { (t.ncclCommCount)(comm, &mut n) };
         assert_eq!(rc, ncclInvalidArgument, "rank {r}: {}", last_error(&t));
         assert!(last_error(&t).contains("before the previous operation returned ncclSuccess"));
+        checked.wait();
+        host::fault::release_jobs(&root);
         assert_eq!(wait_out_of_progress(&t, comm), ncclSuccess);
         let child = slot.load(core::sync::atomic::Ordering::Acquire);
         let size = (!child.is_null()).then(|| {
@@ -899,6 +905,8 @@ fn a_window_is_written_later_and_destroy_in_progress_leaves_a_group_open() {
     let register = t.ncclCommWindowRegister.expect("window API");
     let deregister = t.ncclCommWindowDeregister.expect("window API");
     let (id, _) = with_non_blocking_ranks(&t, 1, |_, comm| {
+        let root = host::root_id_of(comm).expect("a live host communicator");
+        host::fault::inject(&root, host::fault::Fault::HeldJobs);
         let mut buf = vec![0u8; 64];
         let slot = Box::new(core::sync::atomic::AtomicPtr::<ncclWindow_vidmem>::new(
             core::ptr::null_mut(),
@@ -910,6 +918,7 @@ fn a_window_is_written_later_and_destroy_in_progress_leaves_a_group_open() {
         // SAFETY: a live handle; refused (in progress) without a teardown.
         let rc = unsafe { (t.ncclCommDestroy)(comm) };
         assert_eq!(rc, ncclInvalidArgument, "{}", last_error(&t));
+        host::fault::release_jobs(&root);
         assert_eq!(wait_out_of_progress(&t, comm), ncclSuccess);
         let win = slot.load(core::sync::atomic::Ordering::Acquire);
         assert!(!win.is_null(), "the window is written when the job ends");

@@ -362,7 +362,8 @@ fn finish_new(
 ///
 /// Here: `parent` is marked busy (`ready` refuses every call but ncclCommGetAsyncError and
 /// ncclCommAbort meanwhile, as `ncclCommEnsureReady` does), and a thread runs `body`, waits
-/// until at least [`job_latency`](super::defs::job_latency) has passed since the call, then
+/// until at least [`job_latency`](super::defs::job_latency) has passed since the call (and
+/// while [`Fault::HeldJobs`](super::fault::Fault::HeldJobs) holds it), then
 /// stores `body`'s value into `out` (when `out` is not 0) with a release store and ends the
 /// job (a failure stays as the communicator's error, as NCCL's `asyncResult`).
 fn start_job(
@@ -380,12 +381,14 @@ fn start_job(
         ));
     };
     c.job = Job::Busy { child };
+    let root = c.root;
     let start = std::time::Instant::now();
     let spawned = std::thread::Builder::new()
         .name(format!("nccl-host-{what}"))
         .spawn(move || {
             let (value, r) = body();
             std::thread::sleep(super::defs::job_latency().saturating_sub(start.elapsed()));
+            super::fault::wait_jobs_released(root);
             let mut g = lock();
             if out != 0 {
                 // SAFETY: NCCL's contract: the caller's out-pointer stays valid (and, as a

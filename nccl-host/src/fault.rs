@@ -60,6 +60,10 @@ pub enum Fault {
     /// Across processes, peers are not told that a rank left or its process died. Inject
     /// it before the communicator's init.
     SilentPeers,
+    /// NCCL's asynchronous jobs (a split, shrink or window registration on a non-blocking
+    /// communicator) do their work but do not end (store their out-pointer, leave
+    /// ncclInProgress) until [`release_jobs`]: what a slow GPU does, without a race.
+    HeldJobs,
 }
 
 #[derive(Debug, Default)]
@@ -69,6 +73,7 @@ struct Faults {
     blocking_abort: HashMap<RootIdx, Option<Duration>>,
     slow_calls: HashMap<RootIdx, Duration>,
     silent: HashMap<RootIdx, ()>,
+    held_jobs: HashMap<RootIdx, ()>,
     /// Per handle: operations that were accepted and will never complete.
     stuck_ops: HashMap<Handle, u64>,
     /// Per handle: operations that ran but are not yet seen complete, and their root.
@@ -113,6 +118,9 @@ pub fn inject(id: &ncclUniqueId, fault: Fault) {
         Fault::SilentPeers => {
             f.silent.insert(root, ());
         }
+        Fault::HeldJobs => {
+            f.held_jobs.insert(root, ());
+        }
     }
 }
 
@@ -127,7 +135,34 @@ pub fn clear(id: &ncclUniqueId) {
     f.blocking_abort.remove(&root);
     f.slow_calls.remove(&root);
     f.silent.remove(&root);
+    f.held_jobs.remove(&root);
     faults().1.notify_all();
+}
+
+/// Lets the asynchronous jobs held by [`Fault::HeldJobs`] end.
+pub fn release_jobs(id: &ncclUniqueId) {
+    let root = root_of(id);
+    lock().held_jobs.remove(&root);
+    faults().1.notify_all();
+}
+
+/// Waits (at most the provider's wait limit) while `root`'s jobs are held.
+pub(crate) fn wait_jobs_released(root: RootIdx) {
+    let deadline = Instant::now() + super::defs::wait_limit();
+    let mut f = lock();
+    while f.held_jobs.contains_key(&root) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        f = match faults()
+            .1
+            .wait_timeout(f, left.min(Duration::from_millis(100)))
+        {
+            Ok((g, _)) => g,
+            Err(e) => e.into_inner().0,
+        };
+    }
 }
 
 /// Lifts [`Fault::BlockingAbort`] from `id`'s communicators: the aborts it holds return,

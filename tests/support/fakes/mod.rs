@@ -464,7 +464,7 @@ mod wrap {
     /// `out` is null or points to a readable pointer-sized value.
     unsafe fn remember<T>(out: *const *mut T, device: c_int) {
         // SAFETY: by this function's contract.
-        if let Some(p) = unsafe { out.as_ref() } {
+        if let Some(p) = unsafe { out.as_ref() }.filter(|p| !p.is_null()) {
             devices().insert(*p as usize, device);
         }
     }
@@ -516,6 +516,8 @@ mod wrap {
     ) -> ncclResult_t {
         // SAFETY: as above.
         let r = unsafe { (host().ncclCommSplit)(comm, color, key, child, config) };
+        // On a non-blocking parent the child is stored later, by the split's job: then it is
+        // not known here, and its teardown waits for every device (stricter, never kinder).
         // SAFETY: as above.
         unsafe { remember(child, device_of(comm as usize)) };
         r
