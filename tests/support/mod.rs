@@ -45,7 +45,7 @@ pub fn real_nccl(version: &str) -> PathBuf {
 /// The abort bound of the exit tests' children (the GPU test and its fake-driver twin):
 /// the exit guard waits this long for the abort blocked behind the stuck stream, then ends
 /// the process with its own status. Above NVIDIA's real abort time (about 1 s on an H100,
-/// shared/NCCL-MEASURED.md), and short enough that the parent's 60 s bound holds.
+/// on an H100 with NCCL 2.28.9), and short enough that the parent's 60 s bound holds.
 pub const EXIT_CHILD_ABORT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Starts this test binary's ignored test `name` as a child process with `var=value`.

@@ -255,7 +255,7 @@ static TEARDOWN_MS: std::sync::atomic::AtomicU64 =
 
 /// How long the fake NCCL's `ncclCommDestroy` and `ncclCommAbort` take: by default what
 /// NVIDIA's NCCL 2.28.9 took for an idle communicator on an H100 (0.5 s and 1 s:
-/// shared/NCCL-MEASURED.md), which every test sees unless it shortens them with
+/// measured on an H100 with NCCL 2.28.9), which every test sees unless it shortens them with
 /// [`set_teardown_time`].
 pub fn teardown_time() -> (std::time::Duration, std::time::Duration) {
     let v = TEARDOWN_MS.load(std::sync::atomic::Ordering::Relaxed);
