@@ -58,20 +58,11 @@ impl Communicator {
             Ok(p) => p,
             Err(e) => return Err((self, e)),
         };
-        // SAFETY: the handle is live (pinned: the watchdog cannot take it during the call);
-        // on success it is never used again (taken below, still pinned).
-        let r = unsafe { (self.handle.table().ncclCommDestroy)(self.handle.get()) };
-        if r != nccl_sys::bindings::ncclSuccess && r != nccl_sys::bindings::ncclInProgress {
-            // A refused destroy left this thread one group level deep (init.cc:2372-2381).
-            // SAFETY: ends that level; no buffer or handle is involved.
-            let _ = unsafe { (self.handle.table().ncclGroupEnd)() };
-        }
-        // The communicator is non-blocking (see init_rank): progress means it is under way.
-        let r = if r == nccl_sys::bindings::ncclInProgress {
-            nccl_sys::bindings::ncclSuccess
-        } else {
-            r
-        };
+        // SAFETY: the handle is live (pinned: the watchdog cannot take it during the call)
+        // and used by nothing else; on success it is never used again (taken below, still
+        // pinned). A refused destroy leaves this thread outside any group level.
+        let r =
+            unsafe { crate::diag::destroy_closing_level(self.handle.table(), self.handle.get()) };
         let destroyed = self.checked(OP, r, caller);
         if destroyed.is_ok() {
             self.take("it destroyed its communicator", false);

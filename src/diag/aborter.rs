@@ -426,15 +426,37 @@ pub(crate) unsafe fn destroy_or_abort(
     let polled = unsafe { (t.ncclCommGetAsyncError)(raw, &mut state) };
     if polled == nccl_sys::bindings::ncclSuccess && state == nccl_sys::bindings::ncclSuccess {
         // SAFETY: as above.
-        let r = unsafe { (t.ncclCommDestroy)(raw) };
-        if r == nccl_sys::bindings::ncclSuccess || r == nccl_sys::bindings::ncclInProgress {
+        let r = unsafe { destroy_closing_level(t, raw) };
+        if r == nccl_sys::bindings::ncclSuccess {
             return r;
         }
-        // SAFETY: closes the level the refused destroy left open on this thread.
-        let _ = unsafe { (t.ncclGroupEnd)() };
     }
     // SAFETY: not torn down (the destroy was refused or not tried); this is its teardown.
     unsafe { (t.ncclCommAbort)(raw) }
+}
+
+/// `ncclCommDestroy` of `raw`, ncclInProgress read as success (a destroy is synchronous
+/// even on a non-blocking communicator); a refused one has the group level it left open on
+/// this thread closed (init.cc:2372-2381), and nothing was torn down.
+///
+/// # Safety
+///
+/// `raw` is a live communicator of `t`'s library that nothing else uses during the call.
+pub(crate) unsafe fn destroy_closing_level(
+    t: &nccl_sys::FunctionTable,
+    raw: ncclComm_t,
+) -> ncclResult_t {
+    // SAFETY: `raw` is live (the caller's contract).
+    match unsafe { (t.ncclCommDestroy)(raw) } {
+        nccl_sys::bindings::ncclSuccess | nccl_sys::bindings::ncclInProgress => {
+            nccl_sys::bindings::ncclSuccess
+        }
+        r => {
+            // SAFETY: closes the level the refused destroy left open; no handle involved.
+            let _ = unsafe { (t.ncclGroupEnd)() };
+            r
+        }
+    }
 }
 
 /// Queues `work` on `lane` and waits until `until` (at least [`MIN_WAIT`]): the job, and

@@ -75,7 +75,9 @@ mod watchdog;
 #[cfg(not(feature = "diag"))]
 mod off;
 
-pub(crate) use aborter::{check_lane, run_bounded, teardown_bounded, Bound, Lane};
+pub(crate) use aborter::{
+    check_lane, destroy_closing_level, run_bounded, teardown_bounded, Bound, Lane,
+};
 pub use aborter::{
     OnAbortTimeout, ABORT_TIMEOUT_EXIT_STATUS, DEFAULT_ABORT_TIMEOUT, MIN_NCCL_ABORT_TIMEOUT,
 };
