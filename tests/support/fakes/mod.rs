@@ -204,6 +204,14 @@ impl Counts {
             .1
     }
 
+    /// Calls of `name` in counts from [`since`](Self::since) (0 when not called).
+    pub fn of(&self, name: &str) -> u64 {
+        self.0
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or(0, |(_, c)| *c)
+    }
+
     /// The calls made between `before` and `self`, only the entry points called.
     pub fn since(&self, before: &Counts) -> Counts {
         Counts(
