@@ -337,7 +337,9 @@ impl Config {
     ///
     /// For NVIDIA's NCCL it must be at least [`crate::diag::MIN_NCCL_ABORT_TIMEOUT`] (2 s):
     /// its teardown of even an idle communicator takes 0.5 to 1 s, so init refuses a
-    /// shorter bound with [`crate::Error::InvalidArgument`].
+    /// shorter bound with [`crate::Error::InvalidArgument`]. With several ranks of the
+    /// communicator in this process, NCCL frees them all in the last one's teardown, so the
+    /// bound grows by [`crate::diag::NCCL_RECLAIM_PER_LOCAL_RANK`] per other rank here.
     pub fn abort_timeout(mut self, bound: std::time::Duration) -> Config {
         self.diag.abort_timeout = Some(bound);
         self

@@ -492,6 +492,85 @@ fn healthy_teardowns_at_nccls_real_speed_never_time_out() {
     });
 }
 
+/// With ranks of one communicator in one process (a rank per GPU in threads), NVIDIA's
+/// NCCL frees them all in the teardown of the last one (init.cc `commReclaim`): its
+/// destroy or abort takes their number times one communicator's (the fake NCCL does the
+/// same). With the shortest abort bound init accepts, four ranks' healthy destroys and
+/// aborts still report no timeout and leave every device's teardown lane free: the bound
+/// grows by `NCCL_RECLAIM_PER_LOCAL_RANK` per other rank in the process.
+#[test]
+fn the_last_local_ranks_reclaim_of_its_siblings_is_within_the_bound() {
+    let _serial = serial();
+    driver();
+    const WORLD: usize = 4;
+    within(Duration::from_secs(120), || {
+        let lib = nccl();
+        let config = Config::new().abort_timeout(MIN_NCCL_ABORT_TIMEOUT);
+        for abort in [false, true] {
+            let id = UniqueId::new_with(&lib).unwrap();
+            let comms: Vec<Communicator> = std::thread::scope(|sc| {
+                let hs: Vec<_> = (0..WORLD)
+                    .map(|r| {
+                        let (lib, id, config) = (&lib, &id, &config);
+                        sc.spawn(move || {
+                            let ctx = CudaContext::new(2 + r).unwrap();
+                            Communicator::init_rank_in(
+                                lib,
+                                &CommDevice::Cuda(ctx),
+                                WORLD,
+                                r,
+                                id,
+                                config,
+                            )
+                            .unwrap()
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let t = Instant::now();
+            let results: Vec<Result<(), Error>> = std::thread::scope(|sc| {
+                let hs: Vec<_> = comms
+                    .into_iter()
+                    .map(|c| {
+                        sc.spawn(move || {
+                            if abort {
+                                c.abort()
+                            } else {
+                                c.destroy().map_err(|(_, e)| e)
+                            }
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let took = t.elapsed();
+            let (destroy, abort_time) = support::fakes::teardown_time();
+            let each = if abort { abort_time } else { destroy };
+            assert!(
+                took >= each * WORLD as u32,
+                "the last teardown reclaims every rank: {took:?}"
+            );
+            for (r, res) in results.into_iter().enumerate() {
+                res.unwrap_or_else(|e| panic!("abort {abort}: rank {r}: {e}"));
+            }
+            // Every device's lane is free for the next communicator.
+            for d in 2..2 + WORLD {
+                let id = UniqueId::new_with(&lib).unwrap();
+                let ctx = CudaContext::new(d).unwrap();
+                let c =
+                    Communicator::init_rank_in(&lib, &CommDevice::Cuda(ctx), 1, 0, &id, &config)
+                        .unwrap_or_else(|e| panic!("abort {abort}: device {d}: {e}"));
+                support::fakes::set_teardown_time(Duration::ZERO, Duration::ZERO);
+                c.destroy().map_err(|(_, e)| e).unwrap();
+                support::fakes::set_teardown_time(destroy, abort_time);
+            }
+            let st = support::assert_balanced(&id);
+            assert_eq!(st.created, WORLD as u64);
+        }
+    });
+}
+
 /// A device fault leaves the context with a sticky error: every later driver call of its
 /// work returns it. The watchdog's query of its marker meets it and fails the
 /// communicator at once (not after the 20 s timeout) with the driver's error as

@@ -363,14 +363,19 @@ impl CommDiag {
         Lane::Host(self.root)
     }
 
-    /// The bound on its teardowns ([`Config::abort_timeout`](crate::Config::abort_timeout)).
+    /// The bound on its teardowns ([`Config::abort_timeout`](crate::Config::abort_timeout),
+    /// extended as [`bound`](Self::bound) says).
     pub(crate) fn abort_timeout(&self) -> Duration {
-        self.settings.abort_timeout
+        self.bound().bound
     }
 
-    /// The bound and the policy past it.
+    /// The bound and the policy past it (extended for the other ranks of its clique in
+    /// this process, with NVIDIA's NCCL: see `Shared::teardown_bound`).
     pub(crate) fn bound(&self) -> Bound {
-        self.settings.bound()
+        match self.shared.get() {
+            Some(s) => s.teardown_bound(),
+            None => self.settings.bound(),
+        }
     }
 
     /// When the watchdog took this communicator's handle: waits until `until` for its

@@ -185,6 +185,19 @@ impl Shared {
         }
     }
 
+    /// The bound on this communicator's teardowns: [`Settings::bound`], extended for
+    /// NVIDIA's NCCL by [`NCCL_RECLAIM_PER_LOCAL_RANK`](super::aborter::NCCL_RECLAIM_PER_LOCAL_RANK)
+    /// for each other rank of its clique in this process, whose resources the last
+    /// teardown among them frees.
+    pub(super) fn teardown_bound(&self) -> super::aborter::Bound {
+        let mut b = self.settings.bound();
+        if self.lib.provider() == crate::library::Provider::Nccl {
+            let others = self.clique.local_ranks().saturating_sub(1) as u32;
+            b.bound += super::aborter::NCCL_RECLAIM_PER_LOCAL_RANK * others;
+        }
+        b
+    }
+
     fn queue_list(&self) -> MutexGuard<'_, Vec<Arc<QueueWatch>>> {
         self.queues.lock().unwrap_or_else(|e| e.into_inner())
     }
