@@ -307,6 +307,28 @@ impl Config {
         self
     }
 
+    /// Where the watchdog learns that an operation's GPU work finished (default on, unless
+    /// `NCCL_SAFE_EXACT_COMPLETION=0`; children inherit it).
+    ///
+    /// On, the owner records a CUDA event on the operation's stream right after its NCCL
+    /// call (once per stream for a [`crate::Group`]): nothing enqueued on that stream
+    /// afterwards counts against the operation, so a stream blocked after a collective
+    /// (a wait on another stream's backlog, say) never times it out, and work on
+    /// `CU_STREAM_PER_THREAD` (candle's stream) is watched. It costs a
+    /// `cuCtxGetCurrent`, a `cuStreamIsCapturing` and a `cuEventRecord` per operation or
+    /// group, what PyTorch's ProcessGroupNCCL pays per collective (`cargo bench --bench
+    /// overhead -- --backend nccl` prints it).
+    ///
+    /// Off, the per-operation path makes no CUDA driver call of its own: the watchdog
+    /// records one event per stream per tick, behind whatever was enqueued by then, so
+    /// work enqueued on the same stream shortly after a collective counts against it, and
+    /// a per-thread stream is not watched. The host provider is unaffected.
+    #[cfg(feature = "diag")]
+    pub fn exact_completion(mut self, on: bool) -> Config {
+        self.diag.exact = Some(on);
+        self
+    }
+
     /// The bound on an abort (default `NCCL_SAFE_ABORT_TIMEOUT_MS`, else
     /// [`crate::diag::DEFAULT_ABORT_TIMEOUT`], 30 s). NVIDIA's `ncclCommAbort` can block for ever
     /// behind a stuck stream, so aborts run on a thread of their own: the watchdog never
@@ -315,7 +337,9 @@ impl Config {
     ///
     /// For NVIDIA's NCCL it must be at least [`crate::diag::MIN_NCCL_ABORT_TIMEOUT`] (2 s):
     /// its teardown of even an idle communicator takes 0.5 to 1 s, so init refuses a
-    /// shorter bound with [`crate::Error::InvalidArgument`].
+    /// shorter bound with [`crate::Error::InvalidArgument`]. With several ranks of the
+    /// communicator in this process, NCCL frees them all in the last one's teardown, so the
+    /// bound grows by [`crate::diag::NCCL_RECLAIM_PER_LOCAL_RANK`] per other rank here.
     pub fn abort_timeout(mut self, bound: std::time::Duration) -> Config {
         self.diag.abort_timeout = Some(bound);
         self

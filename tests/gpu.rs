@@ -617,6 +617,39 @@ fn another_streams_backlog_never_times_out_a_communicator_on_a_gpu() {
     drop((x, y));
 }
 
+/// `CU_STREAM_PER_THREAD` (candle's stream) is the calling thread's: a collective enqueued
+/// on it behind a wait on a host word is watched there and times out; the fake twin is
+/// `work_on_the_per_thread_stream_is_watched_on_the_callers_stream` in tests/cuda_path.rs.
+#[test]
+#[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
+fn work_on_the_per_thread_stream_is_watched_on_a_gpu() {
+    let lib = Library::load().expect("NVIDIA's NCCL");
+    let ctx = CudaContext::new(0).unwrap();
+    let pts = ctx.per_thread_stream();
+    let id = UniqueId::new_with(&lib).unwrap();
+    let config = Config::new()
+        .timeout(TIMEOUT)
+        .abort_timeout(nccl_safe::diag::MIN_NCCL_ABORT_TIMEOUT);
+    let comm = Communicator::init_rank_in(&lib, &CommDevice::Cuda(ctx.clone()), 1, 0, &id, &config)
+        .unwrap();
+    let mut x = pts.alloc_zeros::<f32>(256).unwrap();
+    pts.synchronize().unwrap();
+    let word = HostWord::new(&ctx);
+    word.block(&pts);
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &pts)
+        .expect("the collective is enqueued");
+    let failed = until(TIMEOUT * 3 + Duration::from_secs(2), || comm.is_failed());
+    word.release();
+    assert!(
+        failed.is_some(),
+        "a collective stuck on the per-thread stream was never timed out"
+    );
+    drop(comm);
+    word.free(&pts);
+    drop(x);
+    ctx.check_err().unwrap();
+}
+
 /// Behind a blocked stream, `abort()` returns within its bound (200 ms, + 100 ms) while
 /// the operation timeout is 3 s; then, on a second communicator, a drop of NCCL memory
 /// whose free waits for the device does too. Whatever blocks is left on the device's

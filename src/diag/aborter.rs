@@ -42,6 +42,13 @@ pub const DEFAULT_ABORT_TIMEOUT: Duration = Duration::from_secs(30);
 /// takes any bound above zero.
 pub const MIN_NCCL_ABORT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// What each other rank of a communicator in the same process adds to the bound on its
+/// teardowns with NVIDIA's NCCL: the last of them to be destroyed or aborted frees them all,
+/// each on its own device (init.cc `commReclaim`, 2304-2354), so its teardown takes about
+/// their number times one communicator's. The same margin as [`MIN_NCCL_ABORT_TIMEOUT`]
+/// per rank.
+pub const NCCL_RECLAIM_PER_LOCAL_RANK: Duration = MIN_NCCL_ABORT_TIMEOUT;
+
 /// The exit status of a process ended by [`OnAbortTimeout::ExitProcess`] (as `timeout(1)`'s).
 pub const ABORT_TIMEOUT_EXIT_STATUS: i32 = 124;
 

@@ -259,6 +259,11 @@ impl Clique {
         }
     }
 
+    /// How many ranks of the clique have had a communicator in this process.
+    pub(crate) fn local_ranks(&self) -> usize {
+        self.views.iter().filter(|v| lock(v).present).count()
+    }
+
     /// Rank `rank`'s communicator joined with its diagnostics `s`.
     pub(crate) fn attach(&self, rank: usize, s: Weak<dyn LiveRank>) {
         if let Some(l) = self.live.get(rank) {

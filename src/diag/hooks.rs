@@ -363,14 +363,19 @@ impl CommDiag {
         Lane::Host(self.root)
     }
 
-    /// The bound on its teardowns ([`Config::abort_timeout`](crate::Config::abort_timeout)).
+    /// The bound on its teardowns ([`Config::abort_timeout`](crate::Config::abort_timeout),
+    /// extended as [`bound`](Self::bound) says).
     pub(crate) fn abort_timeout(&self) -> Duration {
-        self.settings.abort_timeout
+        self.bound().bound
     }
 
-    /// The bound and the policy past it.
+    /// The bound and the policy past it (extended for the other ranks of its clique in
+    /// this process, with NVIDIA's NCCL: see `Shared::teardown_bound`).
     pub(crate) fn bound(&self) -> Bound {
-        self.settings.bound()
+        match self.shared.get() {
+            Some(s) => s.teardown_bound(),
+            None => self.settings.bound(),
+        }
     }
 
     /// When the watchdog took this communicator's handle: waits until `until` for its
@@ -421,12 +426,12 @@ impl CommDiag {
         {
             let recent = self.recent_queues.borrow();
             if let Some(q) = recent.iter().flatten().find(|q| q.key == key) {
-                publish(q, upto);
+                mark_then_publish(s, q, upto);
                 return;
             }
         }
         let q = self.note_stream(s, stream);
-        publish(&q, upto);
+        mark_then_publish(s, &q, upto);
     }
 
     /// Notes that rank `rank` of `world_size` began its init in this process.
@@ -751,6 +756,16 @@ impl CommDiag {
     }
 }
 
+/// [`publish`] of a CUDA operation's work: marked first, at enqueue, when completion is
+/// exact and no group is open (a group's work is marked when it ends).
+#[inline(always)]
+fn mark_then_publish(s: &Shared, q: &QueueWatch, upto: u64) {
+    if s.settings.exact && !in_group() {
+        s.mark_at_enqueue(q, upto);
+    }
+    publish(q, upto);
+}
+
 /// Publishes an operation's work on its queue (staged until the end of an open group).
 #[inline(always)]
 fn publish(q: &QueueWatch, upto: u64) {
@@ -937,6 +952,41 @@ mod tests {
             counting.marks.load(Ordering::SeqCst),
             counting.queries.load(Ordering::SeqCst)
         );
+        drop(s);
+        c.destroy().map_err(|(_, e)| e).unwrap();
+    }
+
+    /// Markers recorded at enqueue (exact completion) stay bounded when the work runs far
+    /// behind: past `MAX_PENDING` in flight on a queue, the newest is recorded again and its
+    /// range extended; once they complete, every position is retired.
+    #[test]
+    fn markers_at_enqueue_are_bounded_and_retire_everything() {
+        let counting = counting_here();
+        counting.complete.store(false, Ordering::SeqCst);
+        let (c, _id) = counted(&counting, Duration::from_secs(600));
+        let s = Arc::clone(c.diag.shared(c.handle()));
+        let q = Arc::new(QueueWatch::new(Queue::Host(7)));
+        const N: u64 = 3 * tracker::MAX_PENDING as u64;
+        for upto in 1..=N {
+            s.mark_at_enqueue(&q, upto);
+            q.published.store(upto, Ordering::Release);
+        }
+        {
+            let w = q.watch();
+            assert_eq!(w.pending.len(), tracker::MAX_PENDING);
+            assert_eq!(w.marked, N);
+            assert_eq!(w.pending.back().map(|p| p.upto), Some(N));
+        }
+        assert_eq!(counting.owner_now_marks.load(Ordering::SeqCst), N);
+        // Marked already: the watchdog's tick records nothing for this queue.
+        let marks = counting.marks.load(Ordering::SeqCst);
+        s.track_queue(&q);
+        assert_eq!(counting.marks.load(Ordering::SeqCst), marks);
+        assert_eq!(q.retired.load(Ordering::Acquire), 0);
+        counting.complete.store(true, Ordering::SeqCst);
+        s.track_queue(&q);
+        assert_eq!(q.retired.load(Ordering::Acquire), N);
+        assert!(q.watch().pending.is_empty());
         drop(s);
         c.destroy().map_err(|(_, e)| e).unwrap();
     }

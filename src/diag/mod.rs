@@ -80,6 +80,7 @@ pub(crate) use aborter::{
 };
 pub use aborter::{
     OnAbortTimeout, ABORT_TIMEOUT_EXIT_STATUS, DEFAULT_ABORT_TIMEOUT, MIN_NCCL_ABORT_TIMEOUT,
+    NCCL_RECLAIM_PER_LOCAL_RANK,
 };
 pub use settings::DEFAULT_TIMEOUT;
 

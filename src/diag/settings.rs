@@ -29,6 +29,7 @@ pub(crate) struct DiagConfig {
     pub(crate) dump_dir: Option<PathBuf>,
     pub(crate) dump_stderr: Option<bool>,
     pub(crate) precise: Option<bool>,
+    pub(crate) exact: Option<bool>,
     pub(crate) abort_timeout: Option<Duration>,
     pub(crate) on_abort_timeout: Option<OnAbortTimeout>,
     /// The job's desync board in another process (not inherited by children).
@@ -46,6 +47,8 @@ pub(super) struct Settings {
     pub(super) dump_dir: Option<PathBuf>,
     pub(super) dump_stderr: bool,
     pub(super) precise: bool,
+    /// Completion markers recorded at enqueue (`Config::exact_completion`), else lazily.
+    pub(super) exact: bool,
     pub(super) abort_timeout: Duration,
     pub(super) on_abort_timeout: OnAbortTimeout,
 }
@@ -127,6 +130,14 @@ impl Settings {
                     matches!(
                         v.trim().to_ascii_lowercase().as_str(),
                         "1" | "true" | "on" | "yes"
+                    )
+                })
+            }),
+            exact: c.exact.unwrap_or_else(|| {
+                !env("NCCL_SAFE_EXACT_COMPLETION").is_some_and(|v| {
+                    matches!(
+                        v.trim().to_ascii_lowercase().as_str(),
+                        "0" | "false" | "off" | "no"
                     )
                 })
             }),

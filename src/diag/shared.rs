@@ -14,7 +14,7 @@ use super::clique::{Clique, LiveRank, RankView, TimeoutReport};
 use super::journal::Journal;
 use super::recorder::{FlightRecord, OpRecord, OpState};
 use super::settings::Settings;
-use super::tracker::{Mark, Marker, Queue, Tracker};
+use super::tracker::{Mark, Marker, Queue, Tracker, MAX_PENDING};
 use super::{clock, fence};
 use crate::error::Error;
 use crate::library::Library;
@@ -185,6 +185,19 @@ impl Shared {
         }
     }
 
+    /// The bound on this communicator's teardowns: [`Settings::bound`], extended for
+    /// NVIDIA's NCCL by [`NCCL_RECLAIM_PER_LOCAL_RANK`](super::aborter::NCCL_RECLAIM_PER_LOCAL_RANK)
+    /// for each other rank of its clique in this process, whose resources the last
+    /// teardown among them frees.
+    pub(super) fn teardown_bound(&self) -> super::aborter::Bound {
+        let mut b = self.settings.bound();
+        if self.lib.provider() == crate::library::Provider::Nccl {
+            let others = self.clique.local_ranks().saturating_sub(1) as u32;
+            b.bound += super::aborter::NCCL_RECLAIM_PER_LOCAL_RANK * others;
+        }
+        b
+    }
+
     fn queue_list(&self) -> MutexGuard<'_, Vec<Arc<QueueWatch>>> {
         self.queues.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -207,7 +220,7 @@ impl Shared {
         }
     }
 
-    fn track_queue(&self, q: &QueueWatch) {
+    pub(super) fn track_queue(&self, q: &QueueWatch) {
         let published = q.published.load(Ordering::Acquire);
         let mut w = q.watch();
         if w.pending.is_empty() && w.marked >= published {
@@ -219,6 +232,7 @@ impl Shared {
         }
         let marker = match self.tracker.mark(&q.queue) {
             Mark::Marker(m) => Some(m),
+            Mark::Again => return, // only `mark_now` records a marker again
             Mark::Capturing => {
                 // Nothing of this range reaches the stream before the capture ends: try
                 // again next tick. Only this queue's watching pauses.
@@ -242,6 +256,49 @@ impl Shared {
         });
         w.marked = published;
         self.retire_done(q, &mut w);
+    }
+
+    /// The owner's marker right after its NCCL call (exact completion): one on `q`'s stream
+    /// for this queue's work below `upto`, recorded from the calling thread before the
+    /// position is published, so the watchdog never marks that work itself. Past
+    /// [`MAX_PENDING`] markers in flight, the newest is recorded again and its range
+    /// extended (no allocation, no new event).
+    pub(super) fn mark_at_enqueue(&self, q: &QueueWatch, upto: u64) {
+        let mut w = q.watch();
+        if upto <= w.marked {
+            return;
+        }
+        let reuse = if w.pending.len() >= MAX_PENDING {
+            w.pending.back().and_then(|p| p.marker.as_ref())
+        } else {
+            None
+        };
+        let marker = match self.tracker.mark_now(&q.queue, reuse) {
+            Mark::Again => {
+                if let Some(back) = w.pending.back_mut() {
+                    back.upto = upto;
+                }
+                w.marked = upto;
+                return;
+            }
+            Mark::Marker(m) => Some(m),
+            // Captured into a graph (never run on the stream), or not watchable: complete
+            // once what is before it is.
+            Mark::Capturing | Mark::Unwatched => None,
+            Mark::Failed(e) => {
+                // Left to the watchdog, which fails the communicator for the fault.
+                let _ = self.cuda_fault.set(e);
+                return;
+            }
+        };
+        let oldest = self.oldest_on(q.key, w.marked, upto);
+        w.pending.push_back(Pending {
+            upto,
+            since: oldest.map_or_else(Instant::now, |r| r.enqueued),
+            oldest,
+            marker,
+        });
+        w.marked = upto;
     }
 
     /// The record of the oldest operation on queue `key` at positions `from..upto` still
@@ -348,19 +405,25 @@ impl Shared {
         q
     }
 
-    /// Publishes the work of a group that just ended, on every queue it used.
+    /// Publishes the work of a group that just ended, on every queue it used (marking
+    /// each first, with exact completion: the group's work is on its streams now).
     pub(super) fn publish_staged(&self) {
         for q in self.queue_list().iter() {
             let staged = q.staged.load(Ordering::Acquire);
             if staged > q.published.load(Ordering::Acquire) {
+                if self.settings.exact {
+                    self.mark_at_enqueue(q, staged);
+                }
                 q.published.store(staged, Ordering::Release);
             }
         }
     }
 
-    /// The owner's wait for its own work, at teardown: records a marker on each queue with
-    /// work in flight (only those: another stream's backlog is not this communicator's)
-    /// and polls them until `limit`, an abort, or a timeout of the clique. `true` when done.
+    /// The owner's wait for its own work, at teardown: on each queue with work in flight
+    /// (only those: another stream's backlog is not this communicator's), marks what is not
+    /// marked yet (nothing, with exact completion) and polls the markers until `limit`, an
+    /// abort, or a timeout of the clique. `true` when done. A queue capturing into a graph
+    /// is not waited for.
     pub(super) fn wait_own_work(&self, limit: Instant) -> bool {
         let busy: Vec<(Arc<QueueWatch>, u64)> = self
             .queue_list()
@@ -368,53 +431,29 @@ impl Shared {
             .filter(|q| q.in_flight())
             .map(|q| (Arc::clone(q), q.published.load(Ordering::Acquire)))
             .collect();
-        if busy.is_empty() {
-            return true;
-        }
-        let markers: Vec<(Arc<QueueWatch>, u64, Marker)> = busy
-            .into_iter()
-            .filter_map(|(q, upto)| match self.tracker.mark(&q.queue) {
-                Mark::Marker(m) => Some((q, upto, m)),
-                Mark::Capturing | Mark::Unwatched => None,
-                Mark::Failed(e) => {
-                    let _ = self.cuda_fault.set(e);
-                    None
-                }
-            })
-            .collect();
-        let done = loop {
-            if self.cuda_fault.get().is_some() {
-                break false;
-            }
+        loop {
             let mut all = true;
-            for (_, _, m) in &markers {
-                match self.tracker.done(m) {
-                    Ok(true) => {}
-                    Ok(false) => all = false,
-                    Err(e) => {
-                        let _ = self.cuda_fault.set(e);
-                        all = false;
-                    }
+            for (q, upto) in &busy {
+                self.track_queue(q);
+                let capturing = q.watch().capturing;
+                if !capturing && q.retired.load(Ordering::Acquire) < *upto {
+                    all = false;
                 }
+            }
+            if self.cuda_fault.get().is_some() {
+                return false;
             }
             if all {
-                for (q, upto, _) in &markers {
-                    q.retired.fetch_max(*upto, Ordering::AcqRel);
-                }
-                break true;
+                return true;
             }
             if self.aborted_by_watchdog.load(Ordering::Acquire)
                 || self.clique.any_timeout()
                 || Instant::now() >= limit
             {
-                break false;
+                return false;
             }
             std::thread::sleep(Duration::from_millis(1));
-        };
-        for (_, _, m) in markers {
-            self.tracker.recycle(m);
         }
-        done
     }
 
     /// The record at journal position `pos`, with completion of tracked work applied.

@@ -1,17 +1,32 @@
 //! How the watchdog learns that queued work finished: markers recorded after the work on
 //! each queue (a CUDA stream, or a host-provider communicator), behind one small interface.
 //!
-//! Only the watchdog thread (and a communicator's teardown) calls a [`Tracker`]. The
-//! per-operation path publishes its journal position with a plain store and touches no
-//! tracker, so an operation on a CUDA stream costs no CUDA driver call of ours: the
-//! watchdog records at most one event per stream per tick, after whatever was published
-//! by then, and queries it on later ticks. Tests swap in a counting tracker to prove it.
+//! Two ways to place a marker, chosen by [`crate::Config::exact_completion`]:
 //!
-//! CUDA graph capture: the watchdog never records an event on a capturing stream (that
-//! would put the event into the graph), and it does not time out work while one of the
-//! communicator's streams is capturing; a collective captured into a graph is never run on
-//! the stream, so the first marker after the capture completes at once. Work a replayed
-//! graph runs is not watched.
+//! - **At enqueue (the default).** The owner records a marker on the operation's stream
+//!   right after its NCCL call returned (for a group, after `ncclGroupEnd`, once per
+//!   stream), on its own thread ([`Tracker::mark_now`]). The marker covers that work and
+//!   nothing the caller enqueues later, so a stream blocked *after* a collective never
+//!   times the collective out; and `CU_STREAM_PER_THREAD` (candle's stream, handle 0x2)
+//!   resolves to the caller's stream, which is where NCCL enqueued. Cost: one
+//!   `cuCtxGetCurrent`, one `cuStreamIsCapturing` and one `cuEventRecord` per operation or
+//!   group (PyTorch's ProcessGroupNCCL pays the same per collective), no allocation (events
+//!   come from the tracker's spare pool; past [`MAX_PENDING`] markers in flight on a
+//!   stream, the newest is recorded again rather than a new one made).
+//! - **Lazily, on the watchdog's tick.** The per-operation path publishes its journal
+//!   position with a plain store and touches no tracker (no CUDA driver call of ours): the
+//!   watchdog records at most one event per stream per tick, after whatever was published
+//!   by then. Cheaper, but work the caller enqueued on the same stream between the
+//!   operation and the tick is behind that marker and counts against the operation, and a
+//!   per-thread stream (0x2) is not watched (the watchdog's own 0x2 is another stream).
+//!
+//! Tests swap in a counting tracker to prove who calls what, and on which thread.
+//!
+//! CUDA graph capture: no marker is ever recorded on a capturing stream (that would put
+//! the event into the graph). A collective captured into a graph is never run on the
+//! stream: at enqueue it is complete at once; lazily, the watchdog does not time out work
+//! while one of the communicator's streams is capturing, and the first marker after the
+//! capture completes at once. Work a replayed graph runs is not watched.
 
 use std::cell::Cell;
 use std::sync::{Arc, Mutex};
@@ -27,6 +42,14 @@ pub(crate) enum Queue {
     /// fault holds it).
     Host(usize),
 }
+
+/// `CU_STREAM_PER_THREAD`: the calling thread's default stream, a different stream on
+/// every thread.
+pub(crate) const PER_THREAD_STREAM: usize = 0x2;
+
+/// Markers in flight on one stream past which [`Tracker::mark_now`] records the newest
+/// again instead of taking another event (the GPU runs far behind the caller).
+pub(crate) const MAX_PENDING: usize = 64;
 
 impl Queue {
     /// The identity the owner compares to skip queues it already noted.
@@ -64,8 +87,8 @@ impl RawEvent {
         })
     }
 
+    /// Records it on `stream`, whose context (the event's) the caller made current.
     fn record(&self, stream: &CudaStream) -> Result<(), DriverError> {
-        crate::stream::make_current(&self.ctx)?;
         // SAFETY: the event and the stream are live, and of one context (checked by the
         // caller: the stream's context made it).
         unsafe { cudarc::driver::result::event::record(self.event, stream.cu_stream()) }
@@ -106,6 +129,8 @@ pub(crate) enum Marker {
 #[derive(Debug)]
 pub(crate) enum Mark {
     Marker(Marker),
+    /// The marker passed to [`Tracker::mark_now`] was recorded again, here.
+    Again,
     /// The stream is being captured into a CUDA graph: nothing was recorded.
     Capturing,
     /// The work cannot be watched: treat it as done.
@@ -117,8 +142,13 @@ pub(crate) enum Mark {
 
 /// Records and queries completion markers. See the module docs for who may call it.
 pub(crate) trait Tracker: Send + Sync + std::fmt::Debug {
-    /// Records a marker after everything queued on `q` so far.
+    /// Records a marker after everything queued on `q` so far (the watchdog's tick, or a
+    /// teardown's wait: any thread).
     fn mark(&self, q: &Queue) -> Mark;
+    /// Records a marker after the work the calling thread just enqueued on `q` (the owner,
+    /// right after its NCCL call): `reuse` again when given ([`Mark::Again`]), else a
+    /// spare or new one. Never changes the thread's capture mode.
+    fn mark_now(&self, q: &Queue, reuse: Option<&Marker>) -> Mark;
     /// Whether the work before `m` finished (`Ok(false)`: still running), or the error the
     /// driver reports for it (a sticky fault of the context). Never blocks.
     fn done(&self, m: &Marker) -> Result<bool, DriverError>;
@@ -134,8 +164,9 @@ pub(crate) fn for_provider(provider: crate::library::Provider) -> Arc<dyn Tracke
     }
 }
 
-/// Completed events kept for reuse, per tracker.
-const SPARE_EVENTS: usize = 16;
+/// Completed events kept for reuse, per tracker: as many as one stream may have in flight
+/// at enqueue, so a steady run makes no event.
+const SPARE_EVENTS: usize = MAX_PENDING;
 
 /// CUDA events on the communicator's streams.
 #[derive(Debug, Default)]
@@ -159,12 +190,10 @@ fn relaxed_capture_mode() {
     let _ = unsafe { cudarc::driver::sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
 }
 
-impl Tracker for CudaTracker {
-    fn mark(&self, q: &Queue) -> Mark {
-        let Queue::Cuda(stream) = q else {
-            return Mark::Unwatched;
-        };
-        relaxed_capture_mode();
+impl CudaTracker {
+    /// Records `reuse` ([`Mark::Again`]), or a spare or new event, after the work queued on
+    /// `stream` so far, from the calling thread (whose context is made current).
+    fn record_on(&self, stream: &CudaStream, reuse: Option<&Marker>) -> Mark {
         if crate::stream::make_current(stream.context()).is_err() {
             return Mark::Unwatched;
         }
@@ -173,6 +202,12 @@ impl Tracker for CudaTracker {
             Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE) => {}
             Ok(_) => return Mark::Capturing,
             Err(e) => return Mark::Failed(e),
+        }
+        if let Some(Marker::Cuda(ev)) = reuse {
+            return match ev.record(stream) {
+                Ok(()) => Mark::Again,
+                Err(e) => Mark::Failed(e),
+            };
         }
         let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let event = match spare {
@@ -185,6 +220,27 @@ impl Tracker for CudaTracker {
         match event.record(stream) {
             Ok(()) => Mark::Marker(Marker::Cuda(event)),
             Err(e) => Mark::Failed(e),
+        }
+    }
+}
+
+impl Tracker for CudaTracker {
+    fn mark(&self, q: &Queue) -> Mark {
+        let Queue::Cuda(stream) = q else {
+            return Mark::Unwatched;
+        };
+        if stream.cu_stream() as usize == PER_THREAD_STREAM {
+            // This thread's per-thread stream is not the one the work went to.
+            return Mark::Unwatched;
+        }
+        relaxed_capture_mode();
+        self.record_on(stream, None)
+    }
+
+    fn mark_now(&self, q: &Queue, reuse: Option<&Marker>) -> Mark {
+        match q {
+            Queue::Cuda(stream) => self.record_on(stream, reuse),
+            Queue::Host(_) => Mark::Unwatched,
         }
     }
 
@@ -217,6 +273,10 @@ impl Tracker for HostTracker {
         }
     }
 
+    fn mark_now(&self, q: &Queue, _reuse: Option<&Marker>) -> Mark {
+        self.mark(q)
+    }
+
     fn done(&self, m: &Marker) -> Result<bool, DriverError> {
         Ok(match m {
             #[cfg(feature = "host")]
@@ -243,6 +303,9 @@ pub(crate) mod counting {
         pub queries: AtomicU64,
         pub owner_marks: AtomicU64,
         pub owner_queries: AtomicU64,
+        /// Markers recorded at enqueue ([`Tracker::mark_now`]), and those on the owner.
+        pub now_marks: AtomicU64,
+        pub owner_now_marks: AtomicU64,
         /// Markers complete only while this is set.
         pub complete: AtomicBool,
         /// While set, every queue reports a capture in progress.
@@ -257,6 +320,8 @@ pub(crate) mod counting {
                 queries: AtomicU64::new(0),
                 owner_marks: AtomicU64::new(0),
                 owner_queries: AtomicU64::new(0),
+                now_marks: AtomicU64::new(0),
+                owner_now_marks: AtomicU64::new(0),
                 complete: AtomicBool::new(true),
                 capturing: AtomicBool::new(false),
             }
@@ -275,6 +340,20 @@ pub(crate) mod counting {
             }
             if self.capturing.load(Ordering::SeqCst) {
                 return Mark::Capturing;
+            }
+            Mark::Marker(Marker::Fake)
+        }
+
+        fn mark_now(&self, _q: &Queue, reuse: Option<&Marker>) -> Mark {
+            self.now_marks.fetch_add(1, Ordering::SeqCst);
+            if self.on_owner() {
+                self.owner_now_marks.fetch_add(1, Ordering::SeqCst);
+            }
+            if self.capturing.load(Ordering::SeqCst) {
+                return Mark::Capturing;
+            }
+            if reuse.is_some() {
+                return Mark::Again;
             }
             Mark::Marker(Marker::Fake)
         }

@@ -189,7 +189,7 @@ fn abort_together(mut taken: Vec<(Arc<Library>, usize, Arc<Shared>)>, s: &Shared
             s.lane,
             lib,
             same.iter().map(|(_, h, _)| *h).collect(),
-            s.settings.bound(),
+            s.teardown_bound(),
             what,
         );
         for (_, _, t) in &same {

@@ -120,7 +120,6 @@ static int sticky_error;
             return (CUresult)sticky_;                                                     \
     } while (0)
 static struct fake_ctx contexts[MAX_DEVICES];
-static __thread CUcontext current;
 
 static int valid_device(CUdevice d) { return d >= 0 && d < device_count; }
 
@@ -149,8 +148,50 @@ static struct fake_stream default_stream; /* the legacy stream (a null handle) *
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t released = PTHREAD_COND_INITIALIZER;
 
+/* CU_STREAM_PER_THREAD (handle 2) is the calling thread's own stream, as in CUDA: one per
+ * host thread (given at first use, never freed; past MAX_THREAD_STREAMS threads share the
+ * last), on the device current at first use. Stalling it from one thread stalls only that
+ * thread's. */
+#define MAX_THREAD_STREAMS 64
+static struct fake_stream thread_streams[MAX_THREAD_STREAMS];
+static int thread_streams_given;
+static __thread struct fake_stream *my_thread_stream;
+static __thread CUcontext current;
+
+static struct fake_stream *per_thread_stream(void) {
+    if (!my_thread_stream) {
+        int i = __atomic_fetch_add(&thread_streams_given, 1, __ATOMIC_RELAXED);
+        my_thread_stream = &thread_streams[i < MAX_THREAD_STREAMS ? i : MAX_THREAD_STREAMS - 1];
+        pthread_mutex_lock(&lock);
+        my_thread_stream->device = current ? current->device : 0;
+        my_thread_stream->in_use = 1;
+        pthread_mutex_unlock(&lock);
+    }
+    return my_thread_stream;
+}
+
+static int is_thread_stream(const struct fake_stream *st) {
+    return st >= &thread_streams[0] && st < &thread_streams[MAX_THREAD_STREAMS];
+}
+
+static void wait_unstalled_as(struct fake_stream *st, uint64_t *counter);
+
+/* Waits (bounded, counting in `counter`) for every stalled stream of `device` (-1: every
+ * device), the per-thread streams of all threads included. */
+static void wait_device_streams(int device, uint64_t *counter) {
+    for (int i = 0; i < MAX_STREAMS; i++)
+        if (streams[i].in_use && (device < 0 || streams[i].device == device))
+            wait_unstalled_as(&streams[i], counter);
+    for (int i = 0; i < MAX_THREAD_STREAMS; i++)
+        if (__atomic_load_n(&thread_streams[i].in_use, __ATOMIC_ACQUIRE) &&
+            (device < 0 || thread_streams[i].device == device))
+            wait_unstalled_as(&thread_streams[i], counter);
+}
+
 static struct fake_stream *stream_of(CUstream s) {
-    if (s == NULL || s == (CUstream)1 || s == (CUstream)2)
+    if (s == (CUstream)2)
+        return per_thread_stream();
+    if (s == NULL || s == (CUstream)1)
         return &default_stream;
     if (s < &streams[0] || s >= &streams[MAX_STREAMS] || !s->in_use) {
         bump(&bad_handles);
@@ -538,10 +579,7 @@ CUresult cuCtxSynchronize(void) {
     STICKY();
     if (!current)
         return CUDA_ERROR_INVALID_CONTEXT;
-    for (int i = 0; i < MAX_STREAMS; i++) {
-        if (streams[i].in_use && streams[i].device == current->device)
-            wait_unstalled(&streams[i]);
-    }
+    wait_device_streams(current->device, &stalled_waits);
     host_sync_device(current->device);
     return CUDA_SUCCESS;
 }
@@ -606,7 +644,7 @@ CUresult cuStreamCreateWithPriority(CUstream *s, unsigned int flags, int priorit
 CUresult cuStreamDestroy_v2(CUstream s) {
     COUNT(cuStreamDestroy_v2);
     struct fake_stream *st = stream_of(s);
-    if (!st || st == &default_stream)
+    if (!st || st == &default_stream || is_thread_stream(st))
         return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&lock);
     st->in_use = 0;
@@ -805,10 +843,7 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
     /* As CUDA's: a free waits for the device's work, so it blocks behind a stalled
      * stream (until it is released). */
     if (current) {
-        for (int i = 0; i < MAX_STREAMS; i++) {
-            if (streams[i].in_use && streams[i].device == current->device)
-                wait_unstalled(&streams[i]);
-        }
+        wait_device_streams(current->device, &stalled_waits);
         host_sync_device(current->device);
     }
     free_op(NULL, p);
@@ -1084,10 +1119,7 @@ void fake_cuda_set_device_count(int n) {
  * `device` (one the fake NCCL did not see made) waits for every device. */
 void fake_cuda_release_wait(int device) {
     __atomic_fetch_add(&releases_blocked, 1, __ATOMIC_RELAXED);
-    for (int i = 0; i < MAX_STREAMS; i++) {
-        if (streams[i].in_use && (device < 0 || streams[i].device == device))
-            wait_unstalled_as(&streams[i], &release_waits);
-    }
+    wait_device_streams(device, &release_waits);
     __atomic_fetch_sub(&releases_blocked, 1, __ATOMIC_RELAXED);
 }
 

@@ -204,6 +204,14 @@ impl Counts {
             .1
     }
 
+    /// Calls of `name` in counts from [`since`](Self::since) (0 when not called).
+    pub fn of(&self, name: &str) -> u64 {
+        self.0
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or(0, |(_, c)| *c)
+    }
+
     /// The calls made between `before` and `self`, only the entry points called.
     pub fn since(&self, before: &Counts) -> Counts {
         Counts(
@@ -480,6 +488,85 @@ mod wrap {
         unsafe { (driver().release_wait)(device) }
     }
 
+    /// The communicators of one unique id in this process (NCCL's `intraComm0` list) and
+    /// how many of them were torn down.
+    #[derive(Default)]
+    struct Local {
+        members: Vec<(usize, c_int)>,
+        finalized: usize,
+    }
+
+    /// Per unique id (hashed), its communicators in this process; per communicator, its id.
+    #[allow(clippy::type_complexity)]
+    fn locals() -> std::sync::MutexGuard<
+        'static,
+        (
+            std::collections::HashMap<u64, Local>,
+            std::collections::HashMap<usize, u64>,
+        ),
+    > {
+        #[allow(clippy::type_complexity)]
+        static L: OnceLock<
+            std::sync::Mutex<(
+                std::collections::HashMap<u64, Local>,
+                std::collections::HashMap<usize, u64>,
+            )>,
+        > = OnceLock::new();
+        L.get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Notes a communicator made from `id` in this process, on `device`.
+    ///
+    /// # Safety
+    /// `out` is null or points to a readable communicator handle.
+    unsafe fn join_local(out: *const ncclComm_t, id: &nccl_sys::ncclUniqueId, device: c_int) {
+        use std::hash::{Hash, Hasher};
+        // SAFETY: by this function's contract.
+        let Some(c) = unsafe { out.as_ref() }.filter(|c| !c.is_null()) else {
+            return;
+        };
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        id.internal.hash(&mut h);
+        let key = h.finish();
+        let mut l = locals();
+        l.0.entry(key)
+            .or_default()
+            .members
+            .push((*c as usize, device));
+        l.1.insert(*c as usize, key);
+    }
+
+    /// NCCL's teardown of `c` (init.cc `commReclaim`, 2304-2354): only the last of the
+    /// communicators of its unique id in this process to be destroyed or aborted frees
+    /// them all, each on its own device (through the driver: behind a stalled stream of
+    /// that device it waits), taking `each` per communicator; the others return at once.
+    /// A communicator the fake did not see made (a split child) is alone.
+    fn reclaim(c: ncclComm_t, each: std::time::Duration) {
+        let members = {
+            let mut l = locals();
+            match l.1.remove(&(c as usize)) {
+                None => Some(vec![(c as usize, device_of(c as usize))]),
+                Some(key) => {
+                    let last = l.0.get_mut(&key).is_some_and(|e| {
+                        e.finalized += 1;
+                        e.finalized >= e.members.len()
+                    });
+                    if last {
+                        l.0.remove(&key).map(|e| e.members)
+                    } else {
+                        None
+                    }
+                }
+            }
+        };
+        for (_, device) in members.into_iter().flatten() {
+            release_through_the_driver(device);
+            std::thread::sleep(each);
+        }
+    }
+
     pub unsafe extern "C" fn init_rank_config(
         comm: *mut ncclComm_t,
         n: c_int,
@@ -491,6 +578,8 @@ mod wrap {
         let r = unsafe { (host().ncclCommInitRankConfig)(comm, n, id, rank, config) };
         // SAFETY: `comm` is the caller's out pointer (NCCL's contract), written by the call.
         unsafe { remember(comm, current_device()) };
+        // SAFETY: as above.
+        unsafe { join_local(comm, &id, current_device()) };
         r
     }
 
@@ -504,6 +593,8 @@ mod wrap {
         let r = unsafe { (host().ncclCommInitRank)(comm, n, id, rank) };
         // SAFETY: as above.
         unsafe { remember(comm, current_device()) };
+        // SAFETY: as above.
+        unsafe { join_local(comm, &id, current_device()) };
         r
     }
 
@@ -536,12 +627,13 @@ mod wrap {
     }
 
     pub unsafe extern "C" fn abort(c: ncclComm_t) -> ncclResult_t {
+        // Stricter than NCCL for a communicator that is not the last of its id here (NCCL
+        // frees nothing in its teardown): every teardown waits for its device first.
         release_through_the_driver(device_of(c as usize));
         // SAFETY: forwarded unchanged to the host provider's entry point.
         let r = unsafe { (host().ncclCommAbort)(c) };
-        // The abort flag ends the peers' waits at once; the rest of the teardown takes
-        // its time.
-        std::thread::sleep(super::teardown_time().1);
+        // The abort flag ends the peers' waits at once; the reclaim takes its time.
+        reclaim(c, super::teardown_time().1);
         r
     }
 
@@ -550,7 +642,7 @@ mod wrap {
         // SAFETY: as above.
         let r = unsafe { (host().ncclCommDestroy)(c) };
         if r == nccl_sys::bindings::ncclSuccess {
-            std::thread::sleep(super::teardown_time().0);
+            reclaim(c, super::teardown_time().0);
         }
         r
     }
