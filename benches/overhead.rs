@@ -1035,6 +1035,10 @@ fn fmt_per_op(v: f64) -> String {
 
 /// `--backend nccl` / `--backend fake-cuda`: the 1-element in-place all_reduce enqueue by
 /// a raw table call, the crate and cudarc::nccl, side by side in one run.
+/// Whether the crate's communicator in the CUDA modes records its completion markers at
+/// enqueue (`Config::exact_completion`, the default) or lazily (`--lazy-completion`).
+static EXACT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
 fn cuda_overhead(source: Cuda) -> Result<()> {
     const ITERS: usize = 20_000;
     const BATCH: usize = 1_000;
@@ -1074,14 +1078,23 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
     let stream = ctx.new_stream()?;
     let compute = ctx.new_stream()?;
     let id = UniqueId::new_with(&lib)?;
+    let exact = EXACT.load(std::sync::atomic::Ordering::Relaxed);
     let comm = Communicator::init_rank_in(
         &lib,
         &CommDevice::Cuda(ctx.clone()),
         1,
         0,
         &id,
-        &Config::new(),
+        &Config::new().exact_completion(exact),
     )?;
+    println!(
+        "# nccl-safe completion markers: {}",
+        if exact {
+            "at enqueue (Config::exact_completion, the default): cuCtxGetCurrent + cuStreamIsCapturing + cuEventRecord per operation or group"
+        } else {
+            "lazy (--lazy-completion: the watchdog records them on its tick)"
+        }
+    );
     let peer = match &peer_lib {
         Ok(_) => cudarc::nccl::Id::new()
             .and_then(|id| cudarc::nccl::Comm::from_rank(stream.clone(), 0, 1, id))
@@ -1377,7 +1390,7 @@ fn host_bandwidth() -> Result<()> {
 }
 
 const HELP: &str = "\
-usage: cargo bench --bench overhead -- [--backend host|nccl|fake-cuda] [--no-host]
+usage: cargo bench --bench overhead -- [--backend host|nccl|fake-cuda] [--no-host] [--lazy-completion]
 
   --backend host   the safe layer on a null provider against raw calls (target 20 ns)  [default]
   --backend nccl   NVIDIA's NCCL on CUDA device 0: the all_reduce_in_place enqueue of a raw
@@ -1389,6 +1402,10 @@ usage: cargo bench --bench overhead -- [--backend host|nccl|fake-cuda] [--no-hos
                    `cc`) and a null NCCL, with the driver calls per operation counted: the
                    CPU cost of the CUDA code path on any machine
   --no-host        host backend: skip the host provider's bandwidth against memcpy
+  --lazy-completion
+                   CUDA backends: the crate's communicator with Config::exact_completion(false)
+                   (the watchdog marks completion on its tick; no driver call of the crate's
+                   per operation) instead of the default marker at enqueue
   -h, --help       this text";
 
 fn main() -> ExitCode {
@@ -1399,6 +1416,7 @@ fn main() -> ExitCode {
         match a.as_str() {
             "--bench" => {}
             "--no-host" => no_host = true,
+            "--lazy-completion" => EXACT.store(false, std::sync::atomic::Ordering::Relaxed),
             "-h" | "--help" => {
                 println!("{HELP}");
                 return ExitCode::SUCCESS;
