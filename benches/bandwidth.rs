@@ -2,6 +2,10 @@
 //!
 //! `cargo bench --bench bandwidth -- -b 8 -e 16M -f 4 [--op all_reduce] [--plot bw.svg]`;
 //! `-h` lists the options. Without a GPU it runs on the host provider and says so.
+//!
+//! On a GPU it then runs the same sweep again with cudarc's event tracking the other way
+//! (`-E`), its tables not printed, and prints the time per operation with tracking off next
+//! to tracking on: what a user of cudarc's default pays per call beyond NCCL.
 
 mod common;
 
@@ -30,6 +34,28 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if outcome.info.backend == "nccl" {
+        let mut other = opts.clone();
+        other.event_tracking = !opts.event_tracking;
+        other.json = None;
+        other.plot = None;
+        match sweep::run(&other, &mut std::io::sink()) {
+            Ok(twin) => {
+                let (off, on) = if opts.event_tracking {
+                    (&twin.rows, &outcome.rows)
+                } else {
+                    (&outcome.rows, &twin.rows)
+                };
+                print!("{}", report::tracking_comparison(off, on));
+            }
+            Err(e) => {
+                eprintln!("error: the sweep with cudarc's event tracking the other way: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        println!("# Time per operation with cudarc's event tracking on and off: n/a (host provider: no CUDA buffers)");
+    }
     if let Some(path) = &opts.json {
         let text = report::to_json(&outcome.info, &outcome.rows).to_string();
         if let Err(e) = std::fs::write(path, text + "\n") {

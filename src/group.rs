@@ -13,6 +13,10 @@ use crate::library::{CallContext, Library};
 use crate::nccl_call;
 use crate::ops::{Guards, Op};
 
+/// A communicator's check that a peer its staged work waits for has left (diag's).
+#[cfg(feature = "host")]
+type DepartureCheck = Box<dyn Fn() -> bool>;
+
 /// Operations fused between `ncclGroupStart` and `ncclGroupEnd`: send/receive pairs that
 /// must progress together, or one thread driving several communicators (one per device).
 ///
@@ -192,15 +196,23 @@ impl<'a> Group<'a> {
             #[cfg(feature = "host")]
             Some(t) if lib.provider() == crate::Provider::Host => {
                 // A peer that leaves while the group waits for it ends the wait at once
-                // (the watchdog would abort an unpinned communicator for it).
-                let checks: Vec<_> = self
-                    .comms
-                    .iter()
-                    .filter_map(|c| c.diag.departure_check())
-                    .collect();
-                let cancel: Option<crate::host::CallCancel> =
-                    (!checks.is_empty()).then(|| Box::new(move || checks.iter().any(|f| f())) as _);
-                crate::host::with_deadline(std::time::Instant::now() + t, cancel, end)
+                // (the watchdog would abort an unpinned communicator for it). The checks
+                // are made at the first poll, which only a group that waits for a peer
+                // reaches: a group that completes in the call allocates nothing.
+                let checks: std::cell::OnceCell<SmallVec<[DepartureCheck; 8]>> =
+                    std::cell::OnceCell::new();
+                let cancel = || {
+                    checks
+                        .get_or_init(|| {
+                            self.comms
+                                .iter()
+                                .filter_map(|c| c.diag.departure_check())
+                                .collect()
+                        })
+                        .iter()
+                        .any(|f| f())
+                };
+                crate::host::with_deadline(std::time::Instant::now() + t, Some(&cancel), end)
             }
             _ => end(),
         };

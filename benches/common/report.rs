@@ -356,3 +356,55 @@ impl RunInfo {
             .join(", ")
     }
 }
+
+/// The time per operation of the same sweep with cudarc's event tracking off and on, side
+/// by side, as `#` lines (nccl-tests' comment form, so the tables above stay parseable):
+/// tracking adds cudarc's event wait and record to every call, which are GPU work too.
+/// Rows are matched by collective and size; one without its twin is left out.
+pub fn tracking_comparison(off: &[Row], on: &[Row]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "#\n# Time per operation with cudarc's event tracking off and on (the same sweep, run again with the other -E)"
+    );
+    let _ = writeln!(
+        s,
+        "# {:>12}  {:>12}  {:>12}  {:>12}  {:>7}  {:>12}  {:>12}  {:>7}",
+        "collective",
+        "size (B)",
+        "oop off (us)",
+        "oop on (us)",
+        "on/off",
+        "ip off (us)",
+        "ip on (us)",
+        "on/off"
+    );
+    let ratio = |on: f64, off: f64| {
+        if off > 0.0 {
+            format!("{:.2}", on / off)
+        } else {
+            "n/a".into()
+        }
+    };
+    for a in off {
+        let Some(b) = on
+            .iter()
+            .find(|b| b.collective == a.collective && b.size == a.size)
+        else {
+            continue;
+        };
+        let _ = writeln!(
+            s,
+            "# {:>12}  {:>12}  {:>12.2}  {:>12.2}  {:>7}  {:>12.2}  {:>12.2}  {:>7}",
+            a.collective.name(),
+            a.size,
+            a.out_of_place.time_us,
+            b.out_of_place.time_us,
+            ratio(b.out_of_place.time_us, a.out_of_place.time_us),
+            a.in_place.time_us,
+            b.in_place.time_us,
+            ratio(b.in_place.time_us, a.in_place.time_us),
+        );
+    }
+    s
+}

@@ -4,7 +4,7 @@
 //! provider: it imports none of its siblings but `dtype`.
 
 use core::ffi::c_char;
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -132,18 +132,37 @@ pub(crate) fn job_latency() -> Duration {
 
 /// A check the caller's waits poll: `true` once the call can never complete (a peer it
 /// needs has left), which ends them as their deadline would. For nccl-safe only (its
-/// `Group::end` passes one to [`with_deadline`]).
-pub type CallCancel = Box<dyn Fn() -> bool>;
+/// `Group::end` passes one to [`with_deadline`]). Borrowed, not boxed: a group's end passes
+/// one on every call, and the per-operation path makes no heap allocation.
+pub type CallCancel<'a> = &'a dyn Fn() -> bool;
+
+/// [`CallCancel`] with its lifetime erased, for the thread-local: valid only while the
+/// [`with_deadline`] call that stored it runs (its guard takes it back before returning).
+type ErasedCancel = *const (dyn Fn() -> bool + 'static);
 
 std::thread_local! {
     /// The deadline the caller gave the call this thread is making (see [`with_deadline`]).
     static CALL_DEADLINE: Cell<Option<Instant>> = const { Cell::new(None) };
     /// The check the caller gave that call, if any (see [`with_deadline`]).
-    static CALL_CANCEL: RefCell<Option<CallCancel>> = const { RefCell::new(None) };
+    static CALL_CANCEL: Cell<Option<ErasedCancel>> = const { Cell::new(None) };
 }
 
 /// How often a wait with a [`CallCancel`] polls it.
 pub(crate) const CANCEL_POLL: Duration = Duration::from_millis(10);
+
+/// Puts back the deadline and check of an enclosing [`with_deadline`], also when `f`
+/// unwinds, so no erased check outlives its borrow.
+struct Restore {
+    deadline: Option<Instant>,
+    cancel: Option<ErasedCancel>,
+}
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        CALL_DEADLINE.with(|c| c.set(self.deadline));
+        CALL_CANCEL.with(|c| c.set(self.cancel));
+    }
+}
 
 /// Runs `f` (one call into the provider) with its waits ending by `deadline` at the latest,
 /// as a non-blocking NCCL communicator's caller bounds its wait for `ncclInProgress`: the
@@ -152,24 +171,37 @@ pub(crate) const CANCEL_POLL: Duration = Duration::from_millis(10);
 /// `cancel`, when given, is polled (every `CANCEL_POLL`, without the provider's lock) and
 /// ends the waits at once when it returns `true`: a group whose peer left fails then, not at
 /// its deadline. For nccl-safe only.
-pub fn with_deadline<R>(deadline: Instant, cancel: Option<CallCancel>, f: impl FnOnce() -> R) -> R {
-    let before = CALL_DEADLINE.with(|c| c.replace(Some(deadline)));
-    let cancel_before = CALL_CANCEL.with(|c| c.replace(cancel));
-    let r = f();
-    CALL_DEADLINE.with(|c| c.set(before));
-    CALL_CANCEL.with(|c| c.replace(cancel_before));
-    r
+pub fn with_deadline<R>(
+    deadline: Instant,
+    cancel: Option<CallCancel<'_>>,
+    f: impl FnOnce() -> R,
+) -> R {
+    // SAFETY: only the lifetime changes (same fat pointer). The pointer is dereferenced
+    // only by `call_cancelled` on this thread, inside `f`; `_restore` replaces it with the
+    // enclosing call's value before this function returns or unwinds, so it is never used
+    // after `cancel`'s borrow ends.
+    let erased = cancel
+        .map(|c| unsafe { std::mem::transmute::<*const (dyn Fn() -> bool + '_), ErasedCancel>(c) });
+    let _restore = Restore {
+        deadline: CALL_DEADLINE.with(|c| c.replace(Some(deadline))),
+        cancel: CALL_CANCEL.with(|c| c.replace(erased)),
+    };
+    f()
 }
 
 /// Whether this thread's current call has a [`CallCancel`] to poll.
 pub(crate) fn call_cancellable() -> bool {
-    CALL_CANCEL.with(|c| c.borrow().is_some())
+    CALL_CANCEL.with(|c| c.get().is_some())
 }
 
 /// Whether this thread's current call's [`CallCancel`] says it can never complete. Call
 /// it without the provider's lock: the check reads the caller's own state.
 pub(crate) fn call_cancelled() -> bool {
-    CALL_CANCEL.with(|c| c.borrow().as_ref().is_some_and(|f| f()))
+    // SAFETY: a stored check is live while its `with_deadline` runs (see there), and this
+    // runs inside it, on its thread.
+    CALL_CANCEL
+        .with(|c| c.get())
+        .is_some_and(|f| unsafe { (*f)() })
 }
 
 /// When the waits of this thread's current call give up: [`wait_limit`] from now, or the
