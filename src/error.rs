@@ -264,11 +264,16 @@ pub enum Error {
     #[error("CUDA: {0}")]
     Cuda(#[from] cudarc::driver::DriverError),
     /// A rank of a [`crate::launch::Launcher`] run failed; the others were aborted.
-    #[error("rank {rank} failed: {cause}\n{}", .ranks.join("\n"))]
+    #[error("rank {rank} caused the failure: {cause}{}\n{}", if .first == .rank { String::new() } else { format!(" (rank {first} was the first to fail)") }, .ranks.join("\n"))]
     RankFailed {
-        /// The first rank that failed.
+        /// The rank that caused the failure: the first whose closure failed on its own (an
+        /// error or a panic while its communicator was healthy); else the one whose count
+        /// of collectives differs from the others' (it returned early, ran an extra
+        /// collective, or was behind); else the first to fail.
         rank: usize,
-        /// Its error or panic message.
+        /// The first rank whose closure failed (often one that waited for `rank`).
+        first: usize,
+        /// Its error or panic message, or what it did that the others did not.
         cause: String,
         /// One line per rank: what it did.
         ranks: Vec<String>,

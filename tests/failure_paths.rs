@@ -658,7 +658,8 @@ fn a_group_whose_peer_left_fails_at_once() {
 
 /// Under the launcher: rank 2 returns while its peers still call collectives (a loop of a
 /// different length on one rank). The run fails within a second, not after the 60 s
-/// timeout, naming rank 2; the report is in the error once, not once per rank.
+/// timeout, naming rank 2 as the culprit (another rank failed first, waiting for it); the
+/// report is in the error once, not once per rank.
 #[test]
 fn a_rank_that_returns_early_fails_the_run_at_once() {
     let t = Instant::now();
@@ -678,12 +679,16 @@ fn a_rank_that_returns_early_fails_the_run_at_once() {
     assert!(took < Duration::from_secs(5), "took {took:?}");
     let text = e.to_string();
     match &e {
-        Error::RankFailed { rank, cause, .. } => {
-            assert_ne!(*rank, 2, "rank 2 returned Ok: {text}");
+        Error::RankFailed {
+            rank, first, cause, ..
+        } => {
+            assert_eq!(*rank, 2, "rank 2 left the others waiting: {text}");
+            assert_ne!(*first, 2, "rank 2 returned Ok: {text}");
             assert!(
-                cause.contains("rank 2 left: its launcher closure returned after 2 collective(s)"),
+                cause.contains("it returned after 2 collective(s) while the others called 3"),
                 "{text}"
             );
+            assert!(text.starts_with("rank 2 caused the failure"), "{text}");
         }
         e => panic!("expected RankFailed: {e}"),
     }
@@ -724,8 +729,11 @@ fn one_extra_collective_on_one_rank_fails_at_once() {
         t.elapsed()
     );
     match &e {
-        Error::RankFailed { rank: 0, cause, .. } => assert!(cause.contains("left"), "{e}"),
-        e => panic!("expected rank 0 to fail: {e}"),
+        Error::RankFailed { rank: 0, cause, .. } => {
+            assert!(cause.contains("left"), "{e}");
+            assert!(cause.contains("an extra collective on rank 0"), "{e}");
+        }
+        e => panic!("expected rank 0 to be named: {e}"),
     }
 }
 
@@ -769,6 +777,14 @@ fn rank_failed_names_the_first_rank_to_fail_and_reports_once() {
         })
         .expect_err("rank 1 is too late");
     let text = e.to_string();
+    assert!(
+        matches!(&e, Error::RankFailed { rank: 1, .. }),
+        "the straggler is the culprit: {text}"
+    );
+    assert!(
+        text.starts_with("rank 1 caused the failure: it was behind"),
+        "{text}"
+    );
     assert_eq!(text.matches("Desync report").count(), 1, "{text}");
     for r in 0..3 {
         let lines = text
@@ -985,4 +1001,59 @@ fn a_missing_rank_at_shrink_is_a_timeout() {
     for _ in 0..ROUNDS {
         missing_at_child_creation(true);
     }
+}
+
+// ---- the culprit, in words -------------------------------------------------------------
+
+/// A rank that panics is the culprit even when a peer's failure came first in time, and its
+/// peers' errors say that it panicked (not NCCL's stock "remote process exited"); a
+/// backtrace that an error type prints in its message (candle's, with `RUST_BACKTRACE=1`)
+/// stays out of the report.
+#[test]
+fn a_panicking_rank_is_the_culprit_and_its_peers_say_it_panicked() {
+    let e = Launcher::host(3)
+        .config(patient())
+        .run(|rank| {
+            let mut g = vec![1.0f32; 4];
+            rank.comm()
+                .all_reduce_in_place(&mut g, ReduceOp::Sum, rank.stream())?;
+            if rank.rank() == 1 {
+                panic!("rank 1 exploded");
+            }
+            rank.comm()
+                .all_reduce_in_place(&mut g, ReduceOp::Sum, rank.stream())?;
+            Ok(())
+        })
+        .expect_err("rank 1 panics");
+    let text = e.to_string();
+    let Error::RankFailed {
+        rank, cause, ranks, ..
+    } = &e
+    else {
+        panic!("expected RankFailed: {text}");
+    };
+    assert_eq!(*rank, 1, "{text}");
+    assert!(cause.contains("rank 1 exploded"), "{text}");
+    for r in [0, 2] {
+        assert!(
+            ranks[r].contains("panicked: rank 1 exploded"),
+            "rank {r} should say that rank 1 panicked: {text}"
+        );
+    }
+
+    let e = Launcher::host(2)
+        .try_run(|rank| -> Result<(), String> {
+            if rank.rank() == 0 {
+                return Err("shape mismatch\nStack backtrace:\n   0: candle_core::error".into());
+            }
+            Ok(())
+        })
+        .expect_err("rank 0 fails");
+    let text = e.to_string();
+    assert!(matches!(&e, Error::RankFailed { rank: 0, .. }), "{text}");
+    assert!(text.contains("shape mismatch"), "{text}");
+    assert!(
+        !text.contains("candle_core::error"),
+        "a backtrace in the report: {text}"
+    );
 }

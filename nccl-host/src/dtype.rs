@@ -80,6 +80,41 @@ pub(crate) fn f32_to_fp8(x: f32, e5m2: bool) -> u8 {
     sign | bits as u8
 }
 
+/// NCCL's name for an element type (`ncclFloat32` -> "float32"), for messages.
+pub(crate) fn name(dt: ncclDataType_t) -> std::borrow::Cow<'static, str> {
+    use nccl_sys::bindings::*;
+    #[allow(non_upper_case_globals)]
+    let n = match dt {
+        ncclInt8 => "int8",
+        ncclUint8 => "uint8",
+        ncclInt32 => "int32",
+        ncclUint32 => "uint32",
+        ncclInt64 => "int64",
+        ncclUint64 => "uint64",
+        ncclFloat16 => "float16",
+        ncclFloat32 => "float32",
+        ncclFloat64 => "float64",
+        ncclBfloat16 => "bfloat16",
+        ncclFloat8e4m3 => "float8e4m3",
+        ncclFloat8e5m2 => "float8e5m2",
+        other => return format!("unknown type {other}").into(),
+    };
+    n.into()
+}
+
+/// A reduction's name for messages, from its [`RedKind`] discriminant.
+pub(crate) fn red_name(code: u64) -> &'static str {
+    match code {
+        0 => "sum",
+        1 => "prod",
+        2 => "max",
+        3 => "min",
+        4 => "avg",
+        5 => "premulsum",
+        _ => "unknown",
+    }
+}
+
 /// A reduction, resolved (a PreMulSum carries its per-rank scalar separately).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum RedKind {

@@ -62,8 +62,15 @@ fn consistent(posts: &[CollPost]) -> Result<(), Fail> {
             return Err(Fail::new(
                 ncclInvalidUsage,
                 format!(
-                    "invalid usage: ranks disagree on a collective: rank 0 called {:?}(count={}, dtype={}, root={}) but rank {r} called {:?}(count={}, dtype={}, root={})",
-                    a.kind, a.count, a.dtype, a.root, p.kind, p.count, p.dtype, p.root
+                    "invalid usage: ranks disagree on a collective: rank 0 called {:?}(count={}, {}, root={}) but rank {r} called {:?}(count={}, {}, root={})",
+                    a.kind,
+                    a.count,
+                    dtype::name(a.dtype),
+                    a.root,
+                    p.kind,
+                    p.count,
+                    dtype::name(p.dtype),
+                    p.root
                 ),
             ));
         }
@@ -170,8 +177,11 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
                         slot.state = SlotState::Done(Err(Fail::new(
                             ncclInvalidUsage,
                             format!(
-                                "invalid usage: ncclSend from rank {src} (count={}, dtype={}) does not match ncclRecv on rank {dst} (count={}, dtype={})",
-                                s.count, s.dtype, r.count, r.dtype
+                                "invalid usage: ncclSend from rank {src} (count={}, {}) does not match ncclRecv on rank {dst} (count={}, {})",
+                                s.count,
+                                dtype::name(s.dtype),
+                                r.count,
+                                dtype::name(r.dtype)
                             ),
                         )));
                         notify();

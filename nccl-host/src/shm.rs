@@ -773,9 +773,21 @@ impl Segment {
         let describe = |&(s, d, c): &(u64, u64, u64)| {
             let kind = kind_name(d & 0xff);
             let (dt, red, root) = ((d >> 8) & 0xff, (d >> 16) & 0xff, (d >> 32) as i64 - 1);
+            let reduces = matches!(kind, "AllReduce" | "Reduce" | "ReduceScatter");
             format!(
-                "collective #{} {kind}(count={c}, dtype={dt}, reduction={red}, root={root})",
-                s.wrapping_sub(1)
+                "collective #{} {kind}(count={c}, {}{}{})",
+                s.wrapping_sub(1),
+                dtype::name(dt as ncclDataType_t),
+                if reduces {
+                    format!(", {}", dtype::red_name(red))
+                } else {
+                    String::new()
+                },
+                if root >= 0 {
+                    format!(", root={root}")
+                } else {
+                    String::new()
+                }
             )
         };
         let majority = all

@@ -162,6 +162,9 @@ pub struct Communicator {
     names: crate::config::ConfigNames,
     /// Slots of failed splits and shrinks whose job had not ended: read at teardown.
     orphans: std::cell::RefCell<Vec<JobSlot<nccl_sys::bindings::ncclComm>>>,
+    /// Collectives refused before NCCL saw them because the communicator had failed: with
+    /// those issued, how far the rank's program got ([`Self::collectives_called`]).
+    refused: std::cell::Cell<u64>,
 }
 
 // SAFETY: NCCL allows a communicator to be used from any thread, one at a time; `!Sync`
@@ -499,9 +502,25 @@ impl Communicator {
     #[inline(always)]
     pub(crate) fn admit(&self, op: &'static str) -> Result<()> {
         if self.failure.get().is_some() || self.diag.failed() {
-            return self.ensure_usable(op);
+            return self.refuse(op);
         }
         Ok(())
+    }
+
+    #[cold]
+    fn refuse(&self, op: &'static str) -> Result<()> {
+        let r = self.ensure_usable(op);
+        if r.is_err() && crate::diag::is_collective(op) {
+            self.refused.set(self.refused.get() + 1);
+        }
+        r
+    }
+
+    /// Collectives this rank's program called: those issued (each has a sequence number)
+    /// and those refused because the communicator had failed. The launcher compares ranks
+    /// by it to name the one that left early, ran an extra collective, or was behind.
+    pub(crate) fn collectives_called(&self) -> u64 {
+        self.diagnostics().collectives + self.refused.get()
     }
 
     /// Fails when the communicator failed: with the watchdog's timeout when its clique
@@ -594,6 +613,7 @@ impl Communicator {
             diag,
             names: Default::default(),
             orphans: Default::default(),
+            refused: Default::default(),
         }
     }
 

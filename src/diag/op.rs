@@ -68,7 +68,7 @@ impl<'a> OpInfo<'a> {
 /// Collectives get a sequence number and a fingerprint; send/recv (called by two ranks)
 /// and shrink (not called by the excluded ranks) do not.
 #[inline]
-pub(super) fn is_collective(name: &str) -> bool {
+pub(crate) fn is_collective(name: &str) -> bool {
     !matches!(name, "ncclSend" | "ncclRecv" | "ncclCommShrink")
 }
 

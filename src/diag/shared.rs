@@ -633,7 +633,14 @@ impl Shared {
     #[cold]
     pub(super) fn peer_timeout(&self, rec: &OpRecord, first: &str) -> Error {
         let why = match self.timed_out().and_then(|r| r.left) {
-            Some(r) => format!("rank {r} left, so the watchdog aborted this communicator"),
+            Some(r) => {
+                // In this rank's words: who left, and how (it panicked, returned, failed).
+                let how = (self.clique.departed_other_than(self.rank))
+                    .filter(|d| d.rank == r)
+                    .and_then(|d| d.how.lines().next().map(|l| format!(" ({l})")))
+                    .unwrap_or_default();
+                format!("rank {r} left{how}, so the watchdog aborted this communicator")
+            }
             None => {
                 "a peer timed out, so the watchdog aborted this communicator. The first timeout"
                     .into()

@@ -106,10 +106,35 @@ struct Board {
     outcomes: Mutex<Vec<Outcome>>,
     /// The ranks that failed, in the order they did.
     failed: Mutex<Vec<usize>>,
+    /// Per rank, once its closure ended: the collectives it issued, and whether it failed
+    /// on its own (an error or a panic while its communicator was healthy).
+    ends: Mutex<Vec<Option<End>>>,
     changed: Condvar,
 }
 
+/// How a rank's closure ended, for [`culprit`].
+#[derive(Debug, Clone, Copy)]
+struct End {
+    /// Collectives its program called (issued, or refused once its communicator failed).
+    called: u64,
+    /// Collectives NCCL received from it.
+    issued: u64,
+    returned: bool,
+    own_failure: bool,
+}
+
 impl Board {
+    fn end(&self, rank: usize, end: End) {
+        if let Some(e) = self
+            .ends
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(rank)
+        {
+            *e = Some(end);
+        }
+    }
+
     fn set(&self, rank: usize, outcome: Outcome) {
         let mut o = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
         if matches!(outcome, Outcome::Failed(_)) {
@@ -330,6 +355,7 @@ impl Launcher {
         let board = Board {
             outcomes: Mutex::new((0..n).map(|_| Outcome::Running).collect()),
             failed: Mutex::new(Vec::new()),
+            ends: Mutex::new(vec![None; n]),
             changed: Condvar::new(),
         };
         let results: Vec<std::thread::Result<Result<(R, RankStats)>>> = std::thread::scope(|s| {
@@ -370,22 +396,38 @@ impl Launcher {
                 Err(p) => failures.push((rank, format!("panicked: {}", panic_text(&p)))),
             }
         }
-        // The first rank to fail (the others mostly failed because of it), not the
-        // lowest-numbered.
-        let first = board.first_failed();
-        let first_failure = failures
-            .iter()
-            .position(|(r, _)| Some(*r) == first)
-            .or((!failures.is_empty()).then_some(0))
-            .map(|i| failures.swap_remove(i));
-        match first_failure {
-            None => Ok(LaunchReport { values, ranks }),
-            Some((rank, cause)) => Err(Error::RankFailed {
-                rank,
-                ranks: board.summary(),
-                cause,
-            }),
+        if failures.is_empty() {
+            return Ok(LaunchReport { values, ranks });
         }
+        // The first rank to fail, not the lowest-numbered; and the rank that caused it,
+        // which may be another (one that left early, ran an extra collective, or was
+        // behind: the others failed waiting for it).
+        let first = board
+            .first_failed()
+            .filter(|r| failures.iter().any(|(f, _)| f == r))
+            .unwrap_or(failures[0].0);
+        let ends = board.ends.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let (rank, why) = culprit(
+            &ends,
+            &board.failed.lock().unwrap_or_else(|p| p.into_inner()),
+        )
+        .unwrap_or((first, None));
+        let own = failures
+            .iter()
+            .find(|(r, _)| *r == rank)
+            .map(|(_, c)| c.clone());
+        let cause = match (own, why) {
+            (Some(c), Some(why)) => format!("{why}. Its error: {c}"),
+            (Some(c), None) => c,
+            (None, Some(why)) => why,
+            (None, None) => String::from("it returned"),
+        };
+        Err(Error::RankFailed {
+            rank,
+            first,
+            ranks: board.summary(),
+            cause: strip_backtrace(&cause),
+        })
     }
 
     fn rank_main<R, F>(
@@ -428,6 +470,15 @@ impl Launcher {
                 // Peers waiting for a collective this rank never called fail at once.
                 r.comm.leave("its launcher closure returned");
                 let d = r.comm.diagnostics();
+                board.end(
+                    rank,
+                    End {
+                        called: r.comm.collectives_called(),
+                        issued: d.collectives,
+                        returned: true,
+                        own_failure: false,
+                    },
+                );
                 let stats = RankStats {
                     rank,
                     busy: started.elapsed(),
@@ -463,15 +514,31 @@ impl Launcher {
                 }
             }
             Ok(Err(e)) => {
-                board.set(rank, Outcome::Failed(e.to_string()));
+                let end = failed_end(&r.comm);
+                let text = strip_backtrace(&e.to_string());
+                if end.own_failure {
+                    // Peers waiting for it learn why it left, in its words.
+                    r.comm.leave(&format!(
+                        "its launcher closure failed: {}",
+                        text.lines().next().unwrap_or("")
+                    ));
+                }
+                board.end(rank, end);
+                board.set(rank, Outcome::Failed(text));
                 let _ = r.comm.abort();
                 Err(e)
             }
             Err(panic) => {
-                board.set(
-                    rank,
-                    Outcome::Failed(format!("panicked: {}", panic_text(&panic))),
-                );
+                let end = failed_end(&r.comm);
+                let text = panic_text(&panic);
+                if end.own_failure {
+                    r.comm.leave(&format!(
+                        "its launcher closure panicked: {}",
+                        text.lines().next().unwrap_or("")
+                    ));
+                }
+                board.end(rank, end);
+                board.set(rank, Outcome::Failed(format!("panicked: {text}")));
                 let _ = r.comm.abort();
                 std::panic::resume_unwind(panic)
             }
@@ -545,6 +612,117 @@ impl<R> std::fmt::Display for LaunchReport<R> {
         }
         Ok(())
     }
+}
+
+/// How a rank whose closure failed ended: on its own when its communicator was still
+/// healthy (a user error or panic), else because of the communicator's failure.
+fn failed_end(comm: &Communicator) -> End {
+    End {
+        called: comm.collectives_called(),
+        issued: comm.diagnostics().collectives,
+        returned: false,
+        own_failure: !comm.is_failed(),
+    }
+}
+
+/// The rank that caused a failed run, and why when that is not its own error: the first
+/// rank (in the order they failed) whose closure failed on its own; else the rank whose
+/// count of collectives called differs from the others' (it returned early or ran an extra
+/// one); else the rank that got fewer collectives to NCCL (its late call was refused: the
+/// others had timed out waiting for it); none when nothing tells.
+fn culprit(ends: &[Option<End>], failed_order: &[usize]) -> Option<(usize, Option<String>)> {
+    if let Some(&r) = failed_order.iter().find(|&&r| {
+        ends.get(r)
+            .copied()
+            .flatten()
+            .is_some_and(|e| e.own_failure)
+    }) {
+        return Some((r, None));
+    }
+    let known: Vec<(usize, End)> = (ends.iter().enumerate())
+        .filter_map(|(r, e)| e.map(|e| (r, e)))
+        .collect();
+    if let Some((r, e, others)) = odd_one(&known, |e| e.called) {
+        let why = if e.returned {
+            format!(
+                "it returned after {} collective(s) while the others called {others}: it skipped a collective, or they ran an extra one",
+                e.called
+            )
+        } else if e.called > others {
+            format!(
+                "it called {} collective(s) and the others {others}: an extra collective on rank {r}",
+                e.called
+            )
+        } else {
+            format!(
+                "it called {} collective(s) and the others {others}: the others waited for rank {r}, which was behind",
+                e.called
+            )
+        };
+        return Some((r, Some(why)));
+    }
+    let (r, e, others) = odd_one(&known, |e| e.issued)?;
+    (e.issued < others).then(|| {
+        (
+            r,
+            Some(format!(
+                "it was behind: the others timed out waiting in collective #{} for rank {r}, whose own call came too late",
+                e.issued
+            )),
+        )
+    })
+}
+
+/// The rank whose `key` differs from the others', with its end and the others' value: the
+/// one off a majority; with no majority (two ranks, say), the one that returned (it left
+/// the others waiting), else the one with the least.
+fn odd_one(known: &[(usize, End)], key: impl Fn(&End) -> u64) -> Option<(usize, End, u64)> {
+    let mut tally: Vec<(u64, usize)> = Vec::new();
+    for (_, e) in known {
+        match tally.iter_mut().find(|(c, _)| *c == key(e)) {
+            Some(t) => t.1 += 1,
+            None => tally.push((key(e), 1)),
+        }
+    }
+    if tally.len() < 2 {
+        return None;
+    }
+    tally.sort_by(|a, b| b.1.cmp(&a.1));
+    let (usual, how_many) = tally[0];
+    let (r, e) = if tally[1].1 < how_many {
+        *known.iter().find(|(_, e)| key(e) != usual)?
+    } else {
+        let least = known.iter().map(|(_, e)| key(e)).min()?;
+        let returned: Vec<_> = known.iter().filter(|(_, e)| e.returned).collect();
+        match returned.as_slice() {
+            [one] => **one,
+            _ => *known.iter().find(|(_, e)| key(e) == least)?,
+        }
+    };
+    let others = known
+        .iter()
+        .map(|(_, o)| key(o))
+        .find(|&k| k != key(&e))
+        .unwrap_or(usual);
+    let others = if tally[1].1 < how_many { usual } else { others };
+    Some((r, e, others))
+}
+
+/// `text` without a backtrace some error types print in their message (candle's, with
+/// `RUST_BACKTRACE=1`): from the first line that starts one.
+fn strip_backtrace(text: &str) -> String {
+    let mut out = String::new();
+    for line in text.lines() {
+        let t = line.trim_start().to_ascii_lowercase();
+        if t.starts_with("stack backtrace:") || t.starts_with("backtrace:") {
+            break;
+        }
+        if !out.is_empty() {
+            out.push('\n');
+        }
+        out.push_str(line);
+    }
+    out
 }
 
 fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
