@@ -687,7 +687,7 @@ fn odd_one(known: &[(usize, End)], key: impl Fn(&End) -> u64) -> Option<(usize, 
     if tally.len() < 2 {
         return None;
     }
-    tally.sort_by(|a, b| b.1.cmp(&a.1));
+    tally.sort_by_key(|t| std::cmp::Reverse(t.1));
     let (usual, how_many) = tally[0];
     let (r, e) = if tally[1].1 < how_many {
         *known.iter().find(|(_, e)| key(e) != usual)?
