@@ -1057,3 +1057,57 @@ fn a_panicking_rank_is_the_culprit_and_its_peers_say_it_panicked() {
         "a backtrace in the report: {text}"
     );
 }
+
+/// Set in the child of `a_rank_that_waits_long_gets_a_notice_naming_the_rank_behind`.
+const NOTICE_VAR: &str = "NCCL_SAFE_TEST_NOTICE_CHILD";
+
+/// A rank that waits long in a collective gets a notice on stderr, once, long before its
+/// timeout (a quarter of it, at most a minute), naming the rank of its process that has not
+/// called it yet; the run then completes normally when that rank arrives.
+#[test]
+fn a_rank_that_waits_long_gets_a_notice_naming_the_rank_behind() {
+    let child = support::spawn_child("child_waits_long_for_rank_2", NOTICE_VAR, "1");
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let notices: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("nccl-safe: rank "))
+        .collect();
+    assert!(!notices.is_empty(), "no notice: {err}");
+    for n in &notices {
+        assert!(n.contains("has waited"), "{n}");
+        assert!(
+            n.contains("rank(s) [2] of this process have not called it yet"),
+            "{n}"
+        );
+        assert!(
+            n.contains("tests/failure_paths.rs:"),
+            "the caller's line: {n}"
+        );
+    }
+    // Ranks 0 and 1 each once, for their one stuck collective.
+    assert_eq!(notices.len(), 2, "{err}");
+}
+
+#[test]
+#[ignore = "run as a child process by a_rank_that_waits_long_gets_a_notice_naming_the_rank_behind"]
+fn child_waits_long_for_rank_2() {
+    if std::env::var_os(NOTICE_VAR).is_none() {
+        return;
+    }
+    const TIMEOUT: Duration = Duration::from_secs(8);
+    Launcher::host(3)
+        .config(Config::new().timeout(TIMEOUT))
+        .run(|rank| {
+            if rank.rank() == 2 {
+                // Past the notice (TIMEOUT / 4), well within the timeout.
+                std::thread::sleep(TIMEOUT / 2);
+            }
+            let mut g = vec![1.0f32; 4];
+            rank.comm()
+                .all_reduce_in_place(&mut g, ReduceOp::Sum, rank.stream())?;
+            Ok(())
+        })
+        .expect("rank 2 arrives within the timeout");
+}

@@ -259,6 +259,16 @@ impl Clique {
         }
     }
 
+    /// The ranks in this process, not torn down, that have not issued collective `seq`.
+    pub(crate) fn behind_here(&self, seq: u64) -> Vec<usize> {
+        (0..self.views.len())
+            .filter(|&r| {
+                let v = self.view(r);
+                v.present && !v.gone && v.issued <= seq
+            })
+            .collect()
+    }
+
     /// How many ranks of the clique have had a communicator in this process.
     pub(crate) fn local_ranks(&self) -> usize {
         self.views.iter().filter(|v| lock(v).present).count()

@@ -216,6 +216,7 @@ impl CommDiag {
                 aborted_by_watchdog: AtomicBool::new(false),
                 cuda_fault: std::sync::OnceLock::new(),
                 gone: AtomicBool::new(false),
+                noticed: AtomicU64::new(0),
                 seq: AtomicU64::new(0),
                 wait_ns: AtomicU64::new(0),
                 checks: AtomicU64::new(0),

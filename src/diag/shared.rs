@@ -102,6 +102,9 @@ pub(super) struct Pending {
     pub(super) marker: Option<Marker>,
 }
 
+/// The longest an operation waits before the watchdog's notice about it.
+const NOTICE_AFTER: Duration = Duration::from_secs(60);
+
 /// How far back from a range's newest operation the watchdog looks for its oldest one.
 const OLDEST_SCAN: u64 = 256;
 
@@ -158,6 +161,8 @@ pub(crate) struct Shared {
     /// context), once the tracker met one: the watchdog fails the communicator at once,
     /// and its own operations report it as `Error::Cuda`.
     pub(super) cuda_fault: std::sync::OnceLock<cudarc::driver::DriverError>,
+    /// Sequence number + 1 of the last operation the watchdog printed a notice about.
+    pub(super) noticed: AtomicU64,
 }
 
 impl Shared {
@@ -693,7 +698,46 @@ impl Shared {
     }
 
     pub(super) fn late(&self, now: Instant) -> Option<OpRecord> {
-        let limit = self.settings.timeout;
+        self.late_by(now, self.settings.timeout)
+    }
+
+    /// How long an operation waits before the watchdog prints a notice about it (once):
+    /// a quarter of the timeout, at most a minute. So a stuck rank shows within a minute,
+    /// long before the timeout (10 minutes by default) turns it into an error.
+    pub(super) fn notice_after(&self) -> Duration {
+        (self.settings.timeout / 4).min(NOTICE_AFTER)
+    }
+
+    /// The notice of an operation that has waited [`notice_after`](Self::notice_after),
+    /// once per operation: what this rank waits in and, of the ranks in this process,
+    /// which have not called it yet.
+    pub(super) fn notice(&self, now: Instant) -> Option<String> {
+        let rec = self.late_by(now, self.notice_after())?;
+        if self.noticed.fetch_max(rec.seq + 1, Ordering::AcqRel) > rec.seq {
+            return None;
+        }
+        let behind = self.clique.behind_here(rec.seq);
+        let who = if !behind.is_empty() {
+            format!("rank(s) {behind:?} of this process have not called it yet")
+        } else if self.clique.local_ranks() < self.world_size {
+            "every rank of this process called it: a rank in another process has not, or is slow"
+                .into()
+        } else {
+            "every rank called it: the work itself is slow or stuck".into()
+        };
+        Some(format!(
+            "nccl-safe: rank {} has waited {:.0?} in {} (seq {}), called at {}; {who}. It times out after {:?} (Config::timeout, NCCL_SAFE_TIMEOUT_MS).",
+            self.rank,
+            now.saturating_duration_since(rec.enqueued),
+            rec.signature(),
+            rec.seq,
+            rec.at(),
+            self.settings.timeout
+        ))
+    }
+
+    /// [`late`](Self::late) with `limit` instead of the timeout.
+    fn late_by(&self, now: Instant, limit: Duration) -> Option<OpRecord> {
         let cur = self.current.load(Ordering::Acquire);
         if cur != IDLE && cur != PINNED {
             if let Some(r) = self.journal.get(cur - 1) {

@@ -95,6 +95,15 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
             s.track();
         }
     }
+    // Work that has waited long: a notice on stderr, once per operation, long before its
+    // timeout (a stuck rank shows within a minute).
+    for s in list.iter() {
+        if !s.aborted_by_watchdog.load(Ordering::Acquire) {
+            if let Some(n) = s.notice(now) {
+                eprintln!("{n}");
+            }
+        }
+    }
     // Late work, work whose stream the driver failed (at once), or work that waits for a
     // collective a departed rank never issued (that one at once too).
     let expired: Vec<(usize, _, Expiry)> = (list.iter().enumerate())
