@@ -64,7 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ("ddp, default (25 MiB)", Some(DEFAULT_BUCKET_CAP)),
     ];
     let times = Launcher::host(RANKS).try_run(
-        |rank| -> nccl_safe_candle::Result<(Vec<Vec<Duration>>, usize, usize)> {
+        |rank| -> nccl_safe_candle::DistResult<(Vec<Vec<Duration>>, usize, usize)> {
             let comm = rank.comm();
             let named: Vec<(String, Var)> = (0..params)
                 .map(|i| {
@@ -91,7 +91,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     cap.map(|c| DistributedDataParallel::from_named(comm, named.clone(), c))
                         .transpose()
                 })
-                .collect::<nccl_safe_candle::Result<Vec<_>>>()?;
+                .collect::<nccl_safe_candle::DistResult<Vec<_>>>()?;
             let mut sgd = SGD::new(vars.clone(), 1e-6)?;
             let world = comm.world_size() as f64;
             let mut times = vec![Vec::new(); variants.len()];

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream};
 use candle_core::{CudaDevice, Device};
 
-use crate::Result;
+use crate::error::DistResult as Result;
 
 /// A CUDA stream for NCCL's calls, created in the context of candle's device, and the two
 /// events that order it against candle's stream (recorded again for every use: a wait
@@ -29,8 +29,8 @@ impl std::fmt::Debug for CommStream {
     }
 }
 
-fn driver(e: candle_core::cuda_backend::cudarc::driver::DriverError) -> crate::Error {
-    crate::Error::Nccl(e.into())
+fn driver(e: candle_core::cuda_backend::cudarc::driver::DriverError) -> crate::DistError {
+    crate::DistError::from(nccl_safe::Error::from(e))
 }
 
 impl CommStream {

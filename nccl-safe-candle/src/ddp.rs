@@ -1,17 +1,19 @@
 //! [`DistributedDataParallel`]: bucketed gradient averaging for a `VarMap`.
 
 use std::ops::Range;
-use std::sync::Mutex;
+use std::panic::Location;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
 use nccl_safe::{Communicator, ReduceOp};
 
+use crate::accumulate::{check_drift, fnv, private::Target, Accumulate, Accumulation, Tracker};
+use crate::error::{DistError, DistErrorKind as K, DistResult as Result};
 #[cfg(feature = "cuda")]
 use crate::tensor::all_reduce_on;
+use crate::tensor::shard_batch;
 use crate::tensor::{all_reduce, all_reduce_buckets, all_reduce_scalar, broadcast};
-use crate::{Error, Result};
 
 /// PyTorch's default bucket size: 25 MiB.
 pub const DEFAULT_BUCKET_CAP: usize = 25 * 1024 * 1024;
@@ -23,14 +25,6 @@ pub(crate) fn sorted_params(map: &VarMap) -> Vec<(String, Var)> {
     let mut named: Vec<_> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
     named
-}
-
-/// FNV-1a, 64 bits: stable across builds and processes (unlike std's hasher).
-fn fnv(hash: &mut u64, bytes: &[u8]) {
-    for b in bytes {
-        *hash ^= u64::from(*b);
-        *hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-    }
 }
 
 /// Checks that every rank holds the same parameters (names, shapes, dtypes, in order):
@@ -68,12 +62,13 @@ pub(crate) fn check_same_params(comm: &Communicator, params: &[(String, Var)]) -
         .map(|(n, v)| format!("{n} {:?} {:?}", v.as_tensor().dims(), v.as_tensor().dtype()))
         .collect::<Vec<_>>()
         .join(", ");
-    Err(Error::ParameterMismatch {
+    Err(K::ParameterMismatch {
         rank: comm.rank(),
         count: params.len(),
         fingerprint: h,
         first,
-    })
+    }
+    .into())
 }
 
 /// Every parameter from rank 0, in place.
@@ -158,24 +153,18 @@ fn per_bucket(lens: impl Iterator<Item = usize>, buckets: &[Range<usize>]) -> Re
             b += 1;
         }
         if b == buckets.len() || offset < buckets[b].start {
-            return Err(Error::InvalidArgument {
+            return Err(K::InvalidArgument {
                 op: "sync_grads",
                 reason: format!(
                     "a parameter of {len} elements at {offset} fits no bucket of {buckets:?}"
                 ),
-            });
+            }
+            .into());
         }
         count[b] += 1;
         offset += len;
     }
     Ok(count)
-}
-
-/// Gradients added up under [`DistributedDataParallel::no_sync`], not yet reduced.
-#[derive(Default)]
-struct Pending {
-    accumulating: bool,
-    sums: Vec<Option<Tensor>>,
 }
 
 /// Data-parallel training of a `VarMap`'s parameters: every rank computes gradients on its
@@ -184,7 +173,7 @@ struct Pending {
 /// bit-identical.
 ///
 /// Parameters are ordered by name. At construction every rank checks that all ranks hold
-/// the same names, shapes and dtypes ([`Error::ParameterMismatch`] on every rank
+/// the same names, shapes and dtypes ([`DistErrorKind::ParameterMismatch`](crate::DistErrorKind::ParameterMismatch) on every rank
 /// otherwise), then takes rank 0's values.
 ///
 /// The gradients of one element type are packed in reverse parameter order, and each
@@ -231,7 +220,7 @@ pub struct DistributedDataParallel<'c> {
     comm: &'c Communicator,
     params: Vec<(String, Var)>,
     plans: Vec<BucketPlan>,
-    pending: Mutex<Pending>,
+    tracker: Tracker,
     /// On CUDA, the stream the buckets are reduced on.
     #[cfg(feature = "cuda")]
     comm_stream: Option<crate::comm_stream::CommStream>,
@@ -250,39 +239,54 @@ impl std::fmt::Debug for DistributedDataParallel<'_> {
 impl<'c> DistributedDataParallel<'c> {
     /// With [`DEFAULT_BUCKET_CAP`]: checks that every rank holds the same parameters and
     /// broadcasts rank 0's.
+    #[track_caller]
     pub fn new(comm: &'c Communicator, map: &VarMap) -> Result<Self> {
         Self::with_bucket_cap(comm, map, DEFAULT_BUCKET_CAP)
     }
 
     /// With buckets of up to `cap_bytes` (a parameter larger than that gets its own).
+    #[track_caller]
     pub fn with_bucket_cap(comm: &'c Communicator, map: &VarMap, cap_bytes: usize) -> Result<Self> {
         Self::from_named(comm, sorted_params(map), cap_bytes)
     }
 
     /// For named variables held elsewhere than a `VarMap`; they are sorted by name.
+    #[track_caller]
     pub fn from_named(
+        comm: &'c Communicator,
+        params: Vec<(String, Var)>,
+        cap_bytes: usize,
+    ) -> Result<Self> {
+        let at = Location::caller();
+        Self::from_named_inner(comm, params, cap_bytes).map_err(|e| e.at(at, None))
+    }
+
+    fn from_named_inner(
         comm: &'c Communicator,
         mut params: Vec<(String, Var)>,
         cap_bytes: usize,
     ) -> Result<Self> {
         if cap_bytes == 0 {
-            return Err(Error::InvalidArgument {
+            return Err(K::InvalidArgument {
                 op: "DistributedDataParallel",
                 reason: "the bucket cap must be at least one byte".into(),
-            });
+            }
+            .into());
         }
         if params.is_empty() {
-            return Err(Error::InvalidArgument {
+            return Err(K::InvalidArgument {
                 op: "DistributedDataParallel",
                 reason: "no parameters".into(),
-            });
+            }
+            .into());
         }
         params.sort_by(|a, b| a.0.cmp(&b.0));
         if let Some(w) = params.windows(2).find(|w| w[0].0 == w[1].0) {
-            return Err(Error::InvalidArgument {
+            return Err(K::InvalidArgument {
                 op: "DistributedDataParallel",
                 reason: format!("two parameters are named {:?}", w[0].0),
-            });
+            }
+            .into());
         }
         check_same_params(comm, &params)?;
         broadcast_all(comm, &params)?;
@@ -300,10 +304,7 @@ impl<'c> DistributedDataParallel<'c> {
             #[cfg(feature = "cuda")]
             comm_stream,
             comm,
-            pending: Mutex::new(Pending {
-                accumulating: false,
-                sums: vec![None; params.len()],
-            }),
+            tracker: Tracker::default(),
             params,
             plans,
         })
@@ -311,8 +312,10 @@ impl<'c> DistributedDataParallel<'c> {
 
     /// Gives every rank rank 0's parameter values again (after rank 0 loaded a
     /// checkpoint or set its own initialization, say). Every rank must call it.
+    #[track_caller]
     pub fn broadcast_params(&self) -> Result<()> {
-        broadcast_all(self.comm, &self.params)
+        let at = Location::caller();
+        broadcast_all(self.comm, &self.params).map_err(|e| e.at(at, None))
     }
 
     /// The communicator.
@@ -335,52 +338,91 @@ impl<'c> DistributedDataParallel<'c> {
         &self.plans
     }
 
-    /// This rank's equal part of a batch along its first dimension, which must divide by
-    /// the number of ranks (so the average of the ranks' mean gradients is the whole
-    /// batch's). A view: no copy.
-    pub fn shard(&self, batch: &Tensor) -> Result<Tensor> {
-        let (n, world) = (batch.dim(0)?, self.comm.world_size());
-        if n % world != 0 {
-            return Err(Error::Shape {
-                op: "DistributedDataParallel::shard",
-                reason: format!("a batch of {n} does not split into {world} equal parts"),
-            });
-        }
-        Ok(batch.narrow(0, self.comm.rank() * (n / world), n / world)?)
+    /// This rank's equal part of a batch along its first dimension ([`shard_batch`]):
+    /// the first dimension must divide by the number of ranks (so that the average of
+    /// the ranks' mean gradients is the whole batch's). A view: no copy.
+    #[track_caller]
+    pub fn shard_batch(&self, batch: &Tensor) -> Result<Tensor> {
+        shard_batch(self.comm, batch)
     }
 
-    /// Replaces every parameter's gradient in `grads` by its average over the ranks. A
-    /// parameter without a gradient (unused this step) counts as zeros, like PyTorch's
-    /// `find_unused_parameters`, and gets the average too. Inside
-    /// [`no_sync`](Self::no_sync), only adds `grads` to a local sum, which the next call
-    /// outside adds to its own before reducing.
+    /// The old name of [`shard_batch`](Self::shard_batch).
+    #[deprecated(
+        note = "renamed shard_batch (the same on ZeroRedundancyOptimizer and DdpOptimizer)"
+    )]
+    #[track_caller]
+    pub fn shard(&self, batch: &Tensor) -> Result<Tensor> {
+        shard_batch(self.comm, batch)
+    }
+
+    /// Steps completed (each [`sync_grads`](Self::sync_grads) outside an accumulation,
+    /// each [`backward_step`](Self::backward_step), each accumulation's step).
+    pub fn steps(&self) -> u64 {
+        self.tracker.completed()
+    }
+
+    /// Runs [`check_drift`](Self::check_drift) after every `every` steps (0: never, the
+    /// default), inside the step that completes them: the step then fails with
+    /// [`DistErrorKind::Drift`](crate::DistErrorKind::Drift), naming the step and the
+    /// ranks, on every rank.
+    pub fn with_drift_check(self, every: u64) -> Self {
+        self.tracker.set_drift_every(every);
+        self
+    }
+
+    /// Checks that every rank holds bit-identical parameters: each rank hashes its
+    /// parameters' bits (FNV-1a; on CUDA that reads them to the host), and one all-gather
+    /// of four numbers per rank compares the hashes. Every rank must call it at the same
+    /// point. On a difference, every rank gets
+    /// [`DistErrorKind::Drift`](crate::DistErrorKind::Drift), naming the steps completed,
+    /// the step after which the last check passed, and the ranks outside the largest
+    /// group of equal ones. Cheap next to a step (one pass over the parameters, no
+    /// gradient work), so it can run every N steps ([`with_drift_check`](Self::with_drift_check)).
+    #[track_caller]
+    pub fn check_drift(&self) -> Result<()> {
+        let at = Location::caller();
+        check_drift(self.comm, &self.params, &self.tracker).map_err(|e| e.at(at, None))
+    }
+
+    /// Replaces every parameter's gradient in `grads` by its average over the ranks, as
+    /// one step. A parameter without a gradient (unused this step) counts as zeros, like
+    /// PyTorch's `find_unused_parameters`, and gets the average too. Refused while a
+    /// [`no_sync`](Self::no_sync) accumulation is open
+    /// ([`DistErrorKind::AccumulationOpen`](crate::DistErrorKind::AccumulationOpen)).
+    #[track_caller]
     pub fn sync_grads(&self, grads: &mut GradStore) -> Result<()> {
-        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        if pending.accumulating {
-            for (i, (_, v)) in self.params.iter().enumerate() {
-                if let Some(g) = grads.get(v.as_tensor()) {
-                    pending.sums[i] = Some(match pending.sums[i].take() {
-                        Some(s) => s.add(g)?,
-                        None => g.copy()?,
-                    });
-                }
-            }
-            return Ok(());
+        let at = Location::caller();
+        let step = self.tracker.current();
+        self.tracker
+            .may_step("sync_grads", self.comm.rank())
+            .map_err(DistError::from)
+            .and_then(|()| self.sync_step(grads))
+            .map_err(|e| e.at(at, Some(step)))
+    }
+
+    /// One step: the drift check when due, the reduction, the step counted.
+    fn sync_step(&self, grads: &mut GradStore) -> Result<()> {
+        self.reduce(grads)?;
+        if self.tracker.stepped().is_some() {
+            check_drift(self.comm, &self.params, &self.tracker)?;
         }
+        Ok(())
+    }
+
+    /// The gradients' average over the ranks, in buckets.
+    fn reduce(&self, grads: &mut GradStore) -> Result<()> {
         for plan in &self.plans {
             let parts = plan
                 .params
                 .iter()
                 .map(|&i| {
                     let t = self.params[i].1.as_tensor();
-                    let g = match (grads.get(t), pending.sums[i].take()) {
-                        (Some(g), Some(s)) => g.add(&s)?,
-                        (Some(g), None) => g.clone(),
-                        (None, Some(s)) => s,
-                        (None, None) => t.zeros_like()?,
+                    let g = match grads.get(t) {
+                        Some(g) => g.clone(),
+                        None => t.zeros_like()?,
                     };
                     if g.dims() != t.dims() || g.dtype() != t.dtype() {
-                        return Err(Error::Shape {
+                        return Err(K::Shape {
                             op: "sync_grads",
                             reason: format!(
                                 "the gradient of {} is {:?} {:?}, the parameter {:?} {:?}",
@@ -390,7 +432,8 @@ impl<'c> DistributedDataParallel<'c> {
                                 t.dims(),
                                 t.dtype()
                             ),
-                        });
+                        }
+                        .into());
                     }
                     Ok(g.flatten_all()?)
                 })
@@ -426,11 +469,12 @@ impl<'c> DistributedDataParallel<'c> {
         grads: &mut GradStore,
     ) -> Result<()> {
         if let Some(p) = parts.iter().find(|p| !cs.serves(p.device())) {
-            return Err(Error::WrongDevice {
+            return Err(K::WrongDevice {
                 op: "sync_grads",
                 tensor: format!("{:?} (another candle device)", p.device().location()),
                 comm: "the candle device of the parameters at construction".into(),
-            });
+            }
+            .into());
         }
         let count = per_bucket(parts.iter().map(|p| p.elem_count()), &plan.buckets)?;
         // Declared before the joiner, so dropped after it: on every path candle's stream
@@ -471,55 +515,146 @@ impl<'c> DistributedDataParallel<'c> {
         Ok(())
     }
 
-    /// Gradient accumulation: while the guard lives, [`sync_grads`](Self::sync_grads)
-    /// communicates nothing and adds the gradients to a local sum; the first call after it
-    /// reduces the sum together with its own gradients (don't step the optimizer in
-    /// between). Like PyTorch's `no_sync()`.
-    pub fn no_sync(&self) -> NoSync<'_, 'c> {
-        self.pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .accumulating = true;
-        NoSync { ddp: self }
+    /// Gradient accumulation over `micro_batches` micro-batches with `opt`, one reduction
+    /// and one step at the end (PyTorch's `no_sync`); see [`Accumulation`] for why it
+    /// cannot be misused. **Each micro-batch's loss is scaled by `1 / micro_batches`** by
+    /// the guard's `backward`.
+    ///
+    /// ```
+    /// # use candle_core::{DType, Device, Tensor};
+    /// # use candle_nn::{linear, loss, Module, Optimizer, VarBuilder, VarMap, SGD};
+    /// # use nccl_safe_candle::{DistributedDataParallel, DistResult, Launcher};
+    /// Launcher::host(2).try_run(|rank| -> DistResult<()> {
+    ///     let map = VarMap::new();
+    ///     let model = linear(4, 1, VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu))?;
+    ///     let ddp = DistributedDataParallel::new(rank.comm(), &map)?;
+    ///     let mut sgd = SGD::new(ddp.vars(), 0.1)?;
+    ///     let x = Tensor::ones((8, 4), DType::F32, &Device::Cpu)?;
+    ///     let y = Tensor::zeros((8, 1), DType::F32, &Device::Cpu)?;
+    ///     let mut acc = ddp.no_sync(4, &mut sgd)?;
+    ///     for i in 0..4 {
+    ///         let (xi, yi) = (x.narrow(0, 2 * i, 2)?, y.narrow(0, 2 * i, 2)?);
+    ///         acc.backward(&loss::mse(&model.forward(&xi)?, &yi)?)?; // scaled by 1/4
+    ///     }
+    ///     acc.step() // one all-reduce, one SGD step
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    ///
+    /// A step of your own inside it does not compile (the guard holds the optimizer):
+    ///
+    /// ```compile_fail
+    /// # use candle_core::{DType, Device, Tensor};
+    /// # use candle_nn::{linear, loss, Module, Optimizer, VarBuilder, VarMap, SGD};
+    /// # use nccl_safe_candle::{DistributedDataParallel, DistResult, Launcher};
+    /// # Launcher::host(1).try_run(|rank| -> DistResult<()> {
+    /// # let map = VarMap::new();
+    /// # let model = linear(4, 1, VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu))?;
+    /// # let x = Tensor::ones((8, 4), DType::F32, &Device::Cpu)?;
+    /// let ddp = DistributedDataParallel::new(rank.comm(), &map)?;
+    /// let mut sgd = SGD::new(ddp.vars(), 0.1)?;
+    /// let mut acc = ddp.no_sync(2, &mut sgd)?;
+    /// let l = model.forward(&x)?.sum_all()?;
+    /// sgd.backward_step(&l)?; // error: `sgd` is borrowed by the accumulation
+    /// acc.step()
+    /// # })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[track_caller]
+    #[doc(alias = "accumulate")]
+    pub fn no_sync<'a, O: Optimizer>(
+        &'a self,
+        micro_batches: usize,
+        opt: &'a mut O,
+    ) -> Result<Accumulation<DdpStep<'a, 'c, O>>> {
+        Accumulation::open(DdpStep { ddp: self, opt }, micro_batches)
     }
 
     /// `loss.backward()`, [`sync_grads`](Self::sync_grads), then `opt.step`: a drop-in for
-    /// `opt.backward_step(&loss)`.
+    /// `opt.backward_step(&loss)`. Refused inside an accumulation (which holds `opt`).
+    /// [`DdpOptimizer`](crate::DdpOptimizer) holds the optimizer itself, so that a plain
+    /// `opt.backward_step(&loss)` (which here would step on local gradients) cannot happen.
+    #[track_caller]
     pub fn backward_step<O: Optimizer>(&self, opt: &mut O, loss: &Tensor) -> Result<()> {
+        let at = Location::caller();
+        let step = self.tracker.current();
+        self.backward_step_inner(opt, loss)
+            .map_err(|e| e.at(at, Some(step)))
+    }
+
+    fn backward_step_inner<O: Optimizer>(&self, opt: &mut O, loss: &Tensor) -> Result<()> {
+        self.tracker.may_step("backward_step", self.comm.rank())?;
         let mut grads = loss.backward()?;
-        self.sync_grads(&mut grads)?;
+        self.reduce(&mut grads)?;
         opt.step(&grads)?;
+        if self.tracker.stepped().is_some() {
+            check_drift(self.comm, &self.params, &self.tracker)?;
+        }
         Ok(())
     }
 
     /// A one-element tensor (a loss) reduced over the ranks as `f64`, for logging; `t`
     /// itself is left unchanged.
+    #[track_caller]
     pub fn all_reduce_scalar(&self, t: &Tensor, op: ReduceOp) -> Result<f64> {
         all_reduce_scalar(self.comm, t, op)
     }
+
+    pub(crate) fn tracker(&self) -> &Tracker {
+        &self.tracker
+    }
+
+    /// One step of summed gradients: reduced, `step(grads)`, counted and drift-checked.
+    pub(crate) fn step_with(
+        &self,
+        grads: &mut GradStore,
+        step: impl FnOnce(&GradStore) -> candle_core::Result<()>,
+    ) -> Result<()> {
+        self.reduce(grads)?;
+        step(grads)?;
+        if self.tracker.stepped().is_some() {
+            check_drift(self.comm, &self.params, &self.tracker)?;
+        }
+        Ok(())
+    }
 }
 
-/// While it lives, [`DistributedDataParallel::sync_grads`] only accumulates locally.
-#[must_use = "no_sync ends when the guard is dropped"]
-pub struct NoSync<'d, 'c> {
-    ddp: &'d DistributedDataParallel<'c>,
+/// A [`DistributedDataParallel`] with your optimizer, held by an [`Accumulation`] from
+/// [`DistributedDataParallel::no_sync`].
+pub struct DdpStep<'a, 'c, O> {
+    ddp: &'a DistributedDataParallel<'c>,
+    opt: &'a mut O,
 }
 
-impl std::fmt::Debug for NoSync<'_, '_> {
+impl<O> std::fmt::Debug for DdpStep<'_, '_, O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("NoSync")
+        f.debug_struct("DdpStep").field("ddp", self.ddp).finish()
     }
 }
 
-impl Drop for NoSync<'_, '_> {
-    fn drop(&mut self) {
+impl<O: Optimizer> Target for DdpStep<'_, '_, O> {
+    fn params(&self) -> &[(String, Var)] {
+        &self.ddp.params
+    }
+
+    fn tracker(&self) -> &Tracker {
+        &self.ddp.tracker
+    }
+
+    fn rank(&self) -> usize {
+        self.ddp.comm.rank()
+    }
+
+    fn step_summed(&mut self, grads: &mut GradStore, at: &'static Location<'static>) -> Result<()> {
+        let step = self.ddp.tracker.current();
+        let opt = &mut *self.opt;
         self.ddp
-            .pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .accumulating = false;
+            .step_with(grads, |g| opt.step(g))
+            .map_err(|e| e.at(at, Some(step)))
     }
 }
+
+impl<O: Optimizer> Accumulate for DdpStep<'_, '_, O> {}
 
 #[cfg(test)]
 mod tests {
@@ -582,10 +717,10 @@ mod tests {
         let buckets = [0..4, 4..6];
         // More elements than the buckets cover.
         let e = per_bucket([4, 2, 1].into_iter(), &buckets).unwrap_err();
-        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        assert!(matches!(e.kind(), K::InvalidArgument { .. }), "{e}");
         // A parameter straddling two buckets.
         let e = per_bucket([3, 2, 1].into_iter(), &buckets).unwrap_err();
-        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        assert!(matches!(e.kind(), K::InvalidArgument { .. }), "{e}");
     }
 
     #[test]

@@ -16,32 +16,54 @@
 //!   reduce-scatters the gradients, updates this rank's shard, and all-gathers the
 //!   parameters.
 //!
+//! - [`DdpOptimizer`]: a `DistributedDataParallel` holding its candle optimizer, itself a
+//!   `candle_nn::Optimizer`, so that `opt.backward_step(&loss)` is the data-parallel step
+//!   and a local step cannot happen by mistake.
+//! - [`Accumulation`] (`no_sync(micro_batches)` on all three): gradient accumulation whose
+//!   guard takes each micro-batch's backward, **scaling its loss by `1 / micro_batches`**,
+//!   and whose step refuses a wrong count; a step of your own inside it does not compile.
+//! - Drift detection (`check_drift`, `with_drift_check(every)`): a fingerprint of every
+//!   rank's parameters compared across ranks, naming the step and the ranks that differ.
+//!
+//! Errors ([`DistError`]) carry the line of your code that called into the crate
+//! (`#[track_caller]` on every public entry point) and the step, when a data-parallel
+//! object knows it. The crate re-exports what a trainer needs from nccl-safe
+//! ([`Launcher`], [`Rank`], [`Communicator`], [`ReduceOp`], [`Config`], and
+//! [`nccl_safe`] itself), and none of its names clash with candle's under glob imports
+//! (`use candle_core::*; use candle_nn::*; use nccl_safe_candle::*;`): its error is
+//! `DistError`, its result `DistResult`, and `?` turns them into `candle_core::Error` or
+//! `anyhow::Error`.
+//!
 //! A training loop becomes data-parallel by changing three lines:
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
 //! use candle_nn::{linear, loss, Module, Optimizer, VarBuilder, VarMap, SGD};
-//! use nccl_safe::launch::Launcher;
-//! use nccl_safe_candle::DistributedDataParallel;
+//! use nccl_safe_candle::{DdpOptimizer, DistResult, Launcher, ReduceOp};
 //!
-//! let losses = Launcher::host(2).try_run(|rank| -> nccl_safe_candle::Result<f64> {
+//! let losses = Launcher::host(2).try_run(|rank| -> DistResult<f64> {
 //!     let map = VarMap::new();
 //!     let model = linear(4, 1, VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu))?;
-//!     let ddp = DistributedDataParallel::new(rank.comm(), &map)?; // 1: take rank 0's parameters
-//!     let mut sgd = SGD::new(map.all_vars(), 0.1)?;
+//!     // 1: was `SGD::new(map.all_vars(), 0.1)?`; takes rank 0's parameters
+//!     let mut sgd = DdpOptimizer::<SGD>::new(rank.comm(), &map, 0.1)?;
 //!     let x = Tensor::ones((8, 4), DType::F32, &Device::Cpu)?;
-//!     let x = ddp.shard(&x)?; // 2: this rank's part of the batch
+//!     let x = sgd.shard_batch(&x)?; // 2: this rank's part of the batch
 //!     let y = Tensor::zeros((x.dim(0)?, 1), DType::F32, &Device::Cpu)?;
 //!     for _ in 0..10 {
 //!         let l = loss::mse(&model.forward(&x)?, &y)?;
-//!         ddp.backward_step(&mut sgd, &l)?; // 3: was `sgd.backward_step(&l)?`
+//!         sgd.backward_step(&l)?; // unchanged: averages the gradients, then steps
 //!     }
+//!     sgd.check_drift()?; // 3 (optional): every rank holds the same parameters
 //!     let l = loss::mse(&model.forward(&x)?, &y)?;
-//!     ddp.all_reduce_scalar(&l, nccl_safe::ReduceOp::Avg)
+//!     sgd.all_reduce_scalar(&l, ReduceOp::Avg)
 //! })?;
 //! assert_eq!(losses[0], losses[1]);
 //! # Ok::<(), nccl_safe::Error>(())
 //! ```
+//!
+//! One rank per process (torchrun, mpirun, Slurm): [`init_from_env`] gives the rank and its
+//! candle device, on the host provider with CPU tensors unless the crate is built with
+//! its `cuda` feature.
 //!
 //! No type here needs `unsafe impl Send` or `Sync`: a collective borrows the
 //! communicator for the duration of candle's storage hook, on the rank's own thread.
@@ -49,101 +71,54 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+mod accumulate;
 #[cfg(feature = "cuda")]
 mod comm_stream;
 mod ddp;
+pub mod error;
+mod optim;
 pub mod tensor;
 mod zero;
 
-pub use ddp::{BucketPlan, DistributedDataParallel, NoSync, DEFAULT_BUCKET_CAP};
-pub use nccl_safe::ReduceOp;
-pub use tensor::{all_gather, all_reduce, all_reduce_scalar, broadcast, reduce_scatter};
+pub use accumulate::{Accumulate, Accumulation, OptimizerState};
+pub use ddp::{BucketPlan, DdpStep, DistributedDataParallel, DEFAULT_BUCKET_CAP};
+pub use error::{DistError, DistErrorKind, DistResult};
+pub use nccl_safe;
+pub use nccl_safe::launch::{Launcher, Rank};
+pub use nccl_safe::{Communicator, Config, ReduceOp};
+pub use optim::DdpOptimizer;
+pub use tensor::{
+    all_gather, all_reduce, all_reduce_scalar, broadcast, reduce_scatter, shard_batch,
+};
 pub use zero::ZeroRedundancyOptimizer;
 
-use candle_core::DType;
+use candle_core::Device;
 
-/// What can go wrong; every check fails before NCCL sees a buffer.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// An NCCL call (or nccl-safe's own check of it) failed.
-    #[error(transparent)]
-    Nccl(#[from] nccl_safe::Error),
-    /// A candle operation failed.
-    #[error("candle: {0}")]
-    Candle(#[from] candle_core::Error),
-    /// The collectives take f32, f64, f16 and bf16 tensors.
-    #[error("{op}: {dtype:?} tensors are not supported (f32, f64, f16 and bf16 are)")]
-    UnsupportedDtype {
-        /// The operation.
-        op: &'static str,
-        /// The tensor's element type.
-        dtype: DType,
-    },
-    /// The collectives run on a tensor's storage in place, which needs it contiguous.
-    #[error("{op}: the tensor (shape {shape:?}, stride {stride:?}) is not contiguous; call .contiguous() first")]
-    NotContiguous {
-        /// The operation.
-        op: &'static str,
-        /// The tensor's shape.
-        shape: Vec<usize>,
-        /// Its strides.
-        stride: Vec<usize>,
-    },
-    /// The tensor is not where the communicator works.
-    #[error("{op}: the tensor is on {tensor}, but the communicator on {comm}")]
-    WrongDevice {
-        /// The operation.
-        op: &'static str,
-        /// Where the tensor is.
-        tensor: String,
-        /// Where the communicator works.
-        comm: String,
-    },
-    /// A shape the operation cannot take.
-    #[error("{op}: {reason}")]
-    Shape {
-        /// The operation.
-        op: &'static str,
-        /// What is wrong.
-        reason: String,
-    },
-    /// The ranks do not hold the same parameters (names, shapes and element types, in
-    /// name order): training them together would silently mix unrelated values. Every
-    /// rank gets this error.
-    #[error(
-        "rank {rank}: the ranks hold different parameters (names, shapes or dtypes); this rank has {count} \
-         parameters, fingerprint {fingerprint:016x}, first ones: {first}"
-    )]
-    ParameterMismatch {
-        /// This rank.
-        rank: usize,
-        /// How many parameters this rank holds.
-        count: usize,
-        /// The fingerprint of this rank's names, shapes and dtypes.
-        fingerprint: u64,
-        /// This rank's first parameters, for the report.
-        first: String,
-    },
-    /// An argument out of its range.
-    #[error("{op}: {reason}")]
-    InvalidArgument {
-        /// The operation.
-        op: &'static str,
-        /// What is wrong.
-        reason: String,
-    },
+/// One rank per process, from the launcher's environment (torchrun, Open MPI, Slurm; see
+/// nccl-safe's `Launcher::from_env`), with its candle device. Without this crate's `cuda`
+/// feature the rank runs on the host provider with `Device::Cpu` (nccl-safe's
+/// `Launcher::from_env()?.host().init()`), so the same program runs on a machine
+/// without a GPU; with it, on the GPU of its local rank with `Device::new_cuda`.
+#[track_caller]
+pub fn init_from_env() -> DistResult<(Rank, Device)> {
+    let at = std::panic::Location::caller();
+    let launcher = Launcher::from_env().map_err(|e| DistError::from(e).at(at, None))?;
+    #[cfg(not(feature = "cuda"))]
+    let launcher = launcher.host();
+    let rank = launcher
+        .init()
+        .map_err(|e| DistError::from(e).at(at, None))?;
+    let device = candle_device(&rank)?;
+    Ok((rank, device))
 }
 
-/// This crate's result.
-pub type Result<T> = std::result::Result<T, Error>;
-
-/// So that a candle loop (`candle_core::Result`) can use `?` on this crate's calls.
-impl From<Error> for candle_core::Error {
-    fn from(e: Error) -> candle_core::Error {
-        match e {
-            Error::Candle(e) => e,
-            e => candle_core::Error::wrap(e),
-        }
+/// The candle device of a rank's communicator: `Device::Cpu` on the host provider, the
+/// communicator's GPU otherwise.
+#[track_caller]
+pub fn candle_device(rank: &Rank) -> DistResult<Device> {
+    let at = std::panic::Location::caller();
+    match rank.comm().cuda_ordinal() {
+        None => Ok(Device::Cpu),
+        Some(d) => Device::new_cuda(d).map_err(|e| DistError::from(e).at(at, None)),
     }
 }

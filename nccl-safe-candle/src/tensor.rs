@@ -12,7 +12,7 @@
 //! the change. Copy first (`t.copy()?`) to keep the original. [`all_gather`] and
 //! [`reduce_scatter`] return a new tensor.
 //!
-//! Checked before NCCL sees anything, each a typed [`Error`]: the element type (f32, f64,
+//! Checked before NCCL sees anything, each a typed [`DistError`]: the element type (f32, f64,
 //! f16, bf16), contiguity, the device (CPU tensors with a host-provider communicator, CUDA
 //! tensors on the communicator's GPU), and the shapes.
 
@@ -23,7 +23,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, DeviceLocation, InplaceOp1, InplaceOp2, Layout, Tensor};
 use nccl_safe::{Communicator, Group, NcclType, ReduceOp, Stream};
 
-use crate::{Error, Result};
+use std::panic::Location;
+
+use crate::error::{DistError, DistErrorKind as K, DistResult as Result};
 
 #[cfg(feature = "cuda")]
 use candle_core::cuda_backend::cudarc;
@@ -72,10 +74,11 @@ impl<'a> Collective<'a> {
     }
 
     /// The typed error when nccl-safe failed, else candle's.
-    fn error(&self, e: candle_core::Error) -> Error {
+    #[track_caller]
+    fn error(&self, e: candle_core::Error) -> DistError {
         match self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            Some(e) => Error::Nccl(e),
-            None => Error::Candle(e),
+            Some(e) => e.into(),
+            None => e.into(),
         }
     }
 
@@ -295,17 +298,19 @@ pub const SUPPORTED_DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::F16, DT
 /// the device.
 pub(crate) fn check(comm: &Communicator, op: &'static str, t: &Tensor) -> Result<()> {
     if !SUPPORTED_DTYPES.contains(&t.dtype()) {
-        return Err(Error::UnsupportedDtype {
+        return Err(K::UnsupportedDtype {
             op,
             dtype: t.dtype(),
-        });
+        }
+        .into());
     }
     if !t.is_contiguous() {
-        return Err(Error::NotContiguous {
+        return Err(K::NotContiguous {
             op,
             shape: t.dims().to_vec(),
             stride: t.stride().to_vec(),
-        });
+        }
+        .into());
     }
     let ok = match (t.device().location(), comm.cuda_ordinal()) {
         (DeviceLocation::Cpu, None) => true,
@@ -315,14 +320,15 @@ pub(crate) fn check(comm: &Communicator, op: &'static str, t: &Tensor) -> Result
     if ok {
         Ok(())
     } else {
-        Err(Error::WrongDevice {
+        Err(K::WrongDevice {
             op,
             tensor: format!("{:?}", t.device().location()),
             comm: match comm.cuda_ordinal() {
                 None => "the host provider (which takes CPU tensors)".into(),
                 Some(d) => format!("CUDA device {d}"),
             },
-        })
+        }
+        .into())
     }
 }
 
@@ -338,21 +344,39 @@ fn run2(comm: &Communicator, out: &Tensor, inp: &Tensor, kind: Kind<'_>) -> Resu
 
 /// Reduces `t` over all ranks, in place: every rank ends with the sum (or average, min,
 /// max, product) of every rank's `t`. Every tensor sharing `t`'s storage sees the result.
+#[track_caller]
 pub fn all_reduce(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<()> {
+    let at = Location::caller();
+    all_reduce_inner(comm, t, op).map_err(|e| e.at(at, None))
+}
+
+fn all_reduce_inner(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<()> {
     check(comm, "all_reduce", t)?;
     run1(comm, t, Kind::AllReduce(op))
 }
 
 /// Copies rank `root`'s `t` into every rank's `t`, in place (all ranks pass tensors of the
 /// same number of elements).
+#[track_caller]
 pub fn broadcast(comm: &Communicator, t: &Tensor, root: usize) -> Result<()> {
+    let at = Location::caller();
+    broadcast_inner(comm, t, root).map_err(|e| e.at(at, None))
+}
+
+fn broadcast_inner(comm: &Communicator, t: &Tensor, root: usize) -> Result<()> {
     check(comm, "broadcast", t)?;
     run1(comm, t, Kind::Broadcast(root))
 }
 
 /// Every rank's `t`, concatenated along the first dimension in rank order (a scalar
 /// becomes a vector of `world_size` values).
+#[track_caller]
 pub fn all_gather(comm: &Communicator, t: &Tensor) -> Result<Tensor> {
+    let at = Location::caller();
+    all_gather_inner(comm, t).map_err(|e| e.at(at, None))
+}
+
+fn all_gather_inner(comm: &Communicator, t: &Tensor) -> Result<Tensor> {
     check(comm, "all_gather", t)?;
     let mut dims = t.dims().to_vec();
     match dims.first_mut() {
@@ -366,20 +390,27 @@ pub fn all_gather(comm: &Communicator, t: &Tensor) -> Result<Tensor> {
 
 /// Reduces `t` over all ranks and leaves rank `r` the `r`-th of `world_size` equal parts
 /// along the first dimension, which must divide evenly.
+#[track_caller]
 pub fn reduce_scatter(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+    let at = Location::caller();
+    reduce_scatter_inner(comm, t, op).map_err(|e| e.at(at, None))
+}
+
+fn reduce_scatter_inner(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
     check(comm, "reduce_scatter", t)?;
     let world = comm.world_size();
     let mut dims = t.dims().to_vec();
     match dims.first_mut() {
         Some(d) if *d % world == 0 => *d /= world,
         _ => {
-            return Err(Error::Shape {
+            return Err(K::Shape {
                 op: "reduce_scatter",
                 reason: format!(
                     "the first dimension of shape {:?} must divide into {world} equal parts",
                     t.dims()
                 ),
-            })
+            }
+            .into())
         }
     }
     let out = Tensor::zeros(dims, t.dtype(), t.device())?;
@@ -389,16 +420,23 @@ pub fn reduce_scatter(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<T
 
 /// A one-element tensor (a loss, say) reduced over all ranks, as `f64`, for logging.
 /// `t` itself is left unchanged.
+#[track_caller]
 pub fn all_reduce_scalar(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<f64> {
+    let at = Location::caller();
+    all_reduce_scalar_inner(comm, t, op).map_err(|e| e.at(at, None))
+}
+
+fn all_reduce_scalar_inner(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<f64> {
     if t.elem_count() != 1 {
-        return Err(Error::Shape {
+        return Err(K::Shape {
             op: "all_reduce_scalar",
             reason: format!("a scalar has one element; shape {:?} has more", t.dims()),
-        });
+        }
+        .into());
     }
     // A fresh f64 copy: never the caller's storage.
     let v = t.flatten_all()?.to_dtype(DType::F64)?.copy()?;
-    all_reduce(comm, &v, op)?;
+    all_reduce_inner(comm, &v, op)?;
     Ok(v.to_vec1::<f64>()?[0])
 }
 
@@ -427,4 +465,28 @@ pub(crate) fn all_reduce_on(
     let mut c = Collective::new(comm, Kind::AllReduce(op));
     c.on = Some(stream);
     t.inplace_op1(&c).map_err(|e| c.error(e))
+}
+
+/// This rank's equal part of a batch along its first dimension, which must divide by the
+/// number of ranks (so that the average of the ranks' mean gradients is the whole batch's):
+/// rank `r` gets rows `r * n / world ..(r + 1) * n / world`. A view: no copy. The one
+/// sharding helper of [`DistributedDataParallel`](crate::DistributedDataParallel),
+/// [`DdpOptimizer`](crate::DdpOptimizer) and
+/// [`ZeroRedundancyOptimizer`](crate::ZeroRedundancyOptimizer) (their `shard_batch`).
+#[track_caller]
+pub fn shard_batch(comm: &Communicator, batch: &Tensor) -> Result<Tensor> {
+    let at = Location::caller();
+    shard_batch_inner(comm, batch).map_err(|e| e.at(at, None))
+}
+
+fn shard_batch_inner(comm: &Communicator, batch: &Tensor) -> Result<Tensor> {
+    let (n, world) = (batch.dim(0)?, comm.world_size());
+    if n % world != 0 {
+        return Err(K::Shape {
+            op: "shard_batch",
+            reason: format!("a batch of {n} does not split into {world} equal parts"),
+        }
+        .into());
+    }
+    Ok(batch.narrow(0, comm.rank() * (n / world), n / world)?)
 }

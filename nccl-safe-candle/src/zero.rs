@@ -1,13 +1,19 @@
 //! [`ZeroRedundancyOptimizer`]: ZeRO stage 1, optimizer state sharded over the ranks.
 
+use std::panic::Location;
+
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
 use nccl_safe::{Communicator, ReduceOp};
 
+use crate::accumulate::{
+    check_drift, private::Target, Accumulate, Accumulation, OptimizerState, Tracker,
+};
 use crate::ddp::{broadcast_all, check_same_params, sorted_params};
+use crate::error::{DistErrorKind as K, DistResult as Result};
+use crate::tensor::shard_batch;
 use crate::tensor::{all_gather, reduce_scatter};
-use crate::{Error, Result};
 
 /// ZeRO stage 1 (DeepSpeed's flat form) around any candle optimizer `O`.
 ///
@@ -22,23 +28,25 @@ use crate::{Error, Result};
 /// A [`step`](Self::step) packs the gradients into a fresh flat buffer (missing ones as
 /// zeros), reduce-scatters it with NCCL's average, steps `O` on this rank's part, and
 /// all-gathers the parts back into every parameter. All parameters must share one
-/// element type. On CUDA all of it runs on candle's stream: each step needs the previous
+/// element type. It has the same shape as [`DdpOptimizer`](crate::DdpOptimizer):
+/// [`shard_batch`](Self::shard_batch), [`no_sync`](Self::no_sync) (an [`Accumulation`]),
+/// [`check_drift`](Self::check_drift), and `candle_nn::Optimizer` (so that
+/// `opt.backward_step(&loss)` is the data-parallel step). On CUDA all of it runs on candle's stream: each step needs the previous
 /// one's result, so a communication stream of its own would add events without overlap.
 ///
 /// ```
 /// use candle_core::{DType, Device, Tensor};
 /// use candle_nn::{linear, loss, Module, VarBuilder, VarMap, SGD};
-/// use nccl_safe::launch::Launcher;
-/// use nccl_safe_candle::ZeroRedundancyOptimizer;
+/// use nccl_safe_candle::{DistResult, Launcher, ZeroRedundancyOptimizer};
 ///
-/// let shards = Launcher::host(2).try_run(|rank| -> nccl_safe_candle::Result<usize> {
+/// let shards = Launcher::host(2).try_run(|rank| -> DistResult<usize> {
 ///     let map = VarMap::new();
 ///     let model = linear(4, 1, VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu))?;
 ///     let mut opt = ZeroRedundancyOptimizer::<SGD>::new(rank.comm(), &map, 0.1)?;
 ///     let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu)?;
 ///     let y = Tensor::zeros((2, 1), DType::F32, &Device::Cpu)?;
 ///     opt.backward_step(&loss::mse(&model.forward(&x)?, &y)?)?;
-///     Ok(opt.shard().as_tensor().elem_count())
+///     Ok(opt.param_shard().as_tensor().elem_count())
 /// })?;
 /// assert_eq!(shards, vec![3, 3]); // 5 parameters' elements over 2 ranks, padded to 6
 /// # Ok::<(), nccl_safe::Error>(())
@@ -53,6 +61,7 @@ pub struct ZeroRedundancyOptimizer<'c, O> {
     /// This rank's part of the flat parameters: what `opt` updates.
     shard: Var,
     opt: O,
+    tracker: Tracker,
 }
 
 impl<O> std::fmt::Debug for ZeroRedundancyOptimizer<'_, O> {
@@ -78,32 +87,45 @@ fn flat(parts: &[Tensor]) -> Result<Tensor> {
 impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
     /// Over a `VarMap`'s parameters, with `O`'s configuration (`SGD`'s learning rate,
     /// `AdamW`'s `ParamsAdamW`, ...).
+    #[track_caller]
     pub fn new(comm: &'c Communicator, map: &VarMap, config: O::Config) -> Result<Self> {
         Self::from_named(comm, sorted_params(map), config)
     }
 
     /// For named variables held elsewhere than a `VarMap`; they are sorted by name.
+    #[track_caller]
     pub fn from_named(
+        comm: &'c Communicator,
+        params: Vec<(String, Var)>,
+        config: O::Config,
+    ) -> Result<Self> {
+        let at = Location::caller();
+        Self::from_named_inner(comm, params, config).map_err(|e| e.at(at, None))
+    }
+
+    fn from_named_inner(
         comm: &'c Communicator,
         mut params: Vec<(String, Var)>,
         config: O::Config,
     ) -> Result<Self> {
         params.sort_by(|a, b| a.0.cmp(&b.0));
         let Some((_, first)) = params.first() else {
-            return Err(Error::InvalidArgument {
+            return Err(K::InvalidArgument {
                 op: "ZeroRedundancyOptimizer",
                 reason: "no parameters".into(),
-            });
+            }
+            .into());
         };
         let dtype = first.as_tensor().dtype();
         if let Some((name, v)) = params.iter().find(|(_, v)| v.as_tensor().dtype() != dtype) {
-            return Err(Error::InvalidArgument {
+            return Err(K::InvalidArgument {
                 op: "ZeroRedundancyOptimizer",
                 reason: format!(
                     "all parameters must share one dtype: {name} is {:?}, others {dtype:?}",
                     v.as_tensor().dtype()
                 ),
-            });
+            }
+            .into());
         }
         check_same_params(comm, &params)?;
         broadcast_all(comm, &params)?;
@@ -130,22 +152,36 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
             total,
             shard,
             opt,
+            tracker: Tracker::default(),
         })
     }
 
-    /// The wrapped optimizer (over this rank's part only).
+    /// The wrapped optimizer (over this rank's part only). There is no `&mut` access to
+    /// it: a step of its own would skip the reduction and the gather; change its learning
+    /// rate through `candle_nn::Optimizer::set_learning_rate` on this type.
     pub fn optimizer(&self) -> &O {
         &self.opt
     }
 
-    /// The wrapped optimizer, to change its settings.
-    pub fn optimizer_mut(&mut self) -> &mut O {
-        &mut self.opt
+    /// This rank's part of the flat parameters (what the optimizer updates).
+    pub fn param_shard(&self) -> &Var {
+        &self.shard
     }
 
-    /// This rank's part of the flat parameters (what the optimizer updates).
+    /// The old name of [`param_shard`](Self::param_shard): the parameters' shard, not
+    /// the batch's ([`shard_batch`](Self::shard_batch)).
+    #[deprecated(
+        note = "renamed param_shard; the batch's part is shard_batch, as on DistributedDataParallel"
+    )]
     pub fn shard(&self) -> &Var {
         &self.shard
+    }
+
+    /// This rank's equal part of a batch ([`shard_batch`](crate::shard_batch), the same
+    /// helper as [`DistributedDataParallel::shard_batch`](crate::DistributedDataParallel::shard_batch)).
+    #[track_caller]
+    pub fn shard_batch(&self, batch: &Tensor) -> Result<Tensor> {
+        shard_batch(self.comm, batch)
     }
 
     /// The parameters, sorted by name.
@@ -153,9 +189,63 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
         &self.params
     }
 
+    /// The communicator.
+    pub fn comm(&self) -> &'c Communicator {
+        self.comm
+    }
+
+    /// Steps completed.
+    pub fn steps(&self) -> u64 {
+        self.tracker.completed()
+    }
+
+    /// Runs [`check_drift`](Self::check_drift) after every `every` steps (0: never, the
+    /// default), as [`DistributedDataParallel::with_drift_check`](crate::DistributedDataParallel::with_drift_check).
+    pub fn with_drift_check(self, every: u64) -> Self {
+        self.tracker.set_drift_every(every);
+        self
+    }
+
+    /// Checks that every rank holds bit-identical parameters, as
+    /// [`DistributedDataParallel::check_drift`](crate::DistributedDataParallel::check_drift).
+    #[track_caller]
+    pub fn check_drift(&self) -> Result<()> {
+        let at = Location::caller();
+        check_drift(self.comm, &self.params, &self.tracker).map_err(|e| e.at(at, None))
+    }
+
+    /// Gradient accumulation over `micro_batches` micro-batches, one reduce-scatter and one
+    /// step at the end; see [`Accumulation`]. **Each micro-batch's loss is scaled by
+    /// `1 / micro_batches`** by the guard's `backward`.
+    #[track_caller]
+    #[doc(alias = "accumulate")]
+    pub fn no_sync(&mut self, micro_batches: usize) -> Result<Accumulation<&mut Self>> {
+        Accumulation::open(self, micro_batches)
+    }
+
     /// The gradients averaged over the ranks (only this rank's part reduced), this rank's
-    /// part updated, and every parameter set from the gathered parts.
+    /// part updated, and every parameter set from the gathered parts: one step. Refused
+    /// after an accumulation dropped without its step.
+    #[track_caller]
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
+        let at = Location::caller();
+        let step = self.tracker.current();
+        self.tracker
+            .may_step("ZeroRedundancyOptimizer::step", self.comm.rank())
+            .map_err(Into::into)
+            .and_then(|()| self.step_inner(grads))
+            .map_err(|e| e.at(at, Some(step)))
+    }
+
+    fn step_inner(&mut self, grads: &GradStore) -> Result<()> {
+        self.apply(grads)?;
+        if self.tracker.stepped().is_some() {
+            check_drift(self.comm, &self.params, &self.tracker)?;
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, grads: &GradStore) -> Result<()> {
         let world = self.comm.world_size();
         let part = self.shard.as_tensor().elem_count();
         let dtype = self.shard.as_tensor().dtype();
@@ -166,7 +256,7 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
             let g = match grads.get(t) {
                 Some(g) if g.dims() == t.dims() && g.dtype() == dtype => g.flatten_all()?,
                 Some(g) => {
-                    return Err(Error::Shape {
+                    return Err(K::Shape {
                         op: "ZeroRedundancyOptimizer::step",
                         reason: format!(
                             "the gradient of {name} is {:?} {:?}, the parameter {:?} {dtype:?}",
@@ -174,7 +264,8 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
                             g.dtype(),
                             t.dims()
                         ),
-                    })
+                    }
+                    .into())
                 }
                 None => Tensor::zeros(t.elem_count(), dtype, &device)?,
             };
@@ -198,14 +289,94 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
     }
 
     /// `loss.backward()`, then [`step`](Self::step): a drop-in for `opt.backward_step`.
+    #[track_caller]
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
-        let grads = loss.backward()?;
+        let at = Location::caller();
+        let step = self.tracker.current();
+        let grads = loss
+            .backward()
+            .map_err(|e| crate::DistError::from(e).at(at, Some(step)))?;
         self.step(&grads)
     }
 
-    /// The bytes of this rank's part of the flat parameters: the optimizer keeps its
-    /// per-element state for these only.
-    pub fn shard_bytes(&self) -> usize {
+    /// The bytes of this rank's part of the flat parameters (the optimizer's per-element
+    /// state covers these only). Not the optimizer state: see
+    /// [`optimizer_state_bytes`](Self::optimizer_state_bytes).
+    pub fn param_shard_bytes(&self) -> usize {
         self.shard.as_tensor().elem_count() * self.shard.as_tensor().dtype().size_in_bytes()
+    }
+
+    /// The old name of [`param_shard_bytes`](Self::param_shard_bytes), which counts the
+    /// parameters' shard, not the optimizer's state.
+    #[deprecated(
+        note = "counts parameters: renamed param_shard_bytes; optimizer_state_bytes counts the state"
+    )]
+    pub fn shard_bytes(&self) -> usize {
+        self.param_shard_bytes()
+    }
+
+    /// The bytes of optimizer state this rank keeps: `O::COPIES` times its parameter
+    /// shard (AdamW's two moments: 2x [`param_shard_bytes`](Self::param_shard_bytes), about
+    /// 2/N of the parameters' bytes).
+    pub fn optimizer_state_bytes(&self) -> usize
+    where
+        O: OptimizerState,
+    {
+        O::COPIES * self.param_shard_bytes()
+    }
+}
+
+impl<O: Optimizer> Target for &mut ZeroRedundancyOptimizer<'_, O> {
+    fn params(&self) -> &[(String, Var)] {
+        &self.params
+    }
+
+    fn tracker(&self) -> &Tracker {
+        &self.tracker
+    }
+
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn step_summed(&mut self, grads: &mut GradStore, at: &'static Location<'static>) -> Result<()> {
+        let step = self.tracker.current();
+        self.step_inner(grads).map_err(|e| e.at(at, Some(step)))
+    }
+}
+
+impl<O: Optimizer> Accumulate for &mut ZeroRedundancyOptimizer<'_, O> {}
+
+/// The data-parallel step as a candle optimizer: `opt.backward_step(&loss)` and code
+/// generic over `Optimizer` work unchanged. `Optimizer::new` is refused: it gets unnamed
+/// variables, whose order (a `VarMap`'s) differs from rank to rank; build it with
+/// [`ZeroRedundancyOptimizer::new`] (a communicator and a `VarMap`).
+impl<O: Optimizer> Optimizer for ZeroRedundancyOptimizer<'_, O> {
+    type Config = O::Config;
+
+    fn new(_: Vec<Var>, _: O::Config) -> candle_core::Result<Self> {
+        Err(candle_core::Error::Msg(
+            "ZeroRedundancyOptimizer needs a communicator and named parameters: build it with \
+             ZeroRedundancyOptimizer::new(comm, &varmap, config)"
+                .into(),
+        ))
+    }
+
+    #[track_caller]
+    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        Ok(ZeroRedundancyOptimizer::step(self, grads)?)
+    }
+
+    #[track_caller]
+    fn backward_step(&mut self, loss: &Tensor) -> candle_core::Result<()> {
+        Ok(ZeroRedundancyOptimizer::backward_step(self, loss)?)
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.opt.learning_rate()
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.opt.set_learning_rate(lr)
     }
 }

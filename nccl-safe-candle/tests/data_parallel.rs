@@ -11,9 +11,15 @@ use candle_nn::{loss, Module, Optimizer, VarMap, SGD};
 use common::*;
 use nccl_safe::launch::Launcher;
 use nccl_safe_candle::{
-    all_gather, all_reduce, all_reduce_scalar, broadcast, reduce_scatter, DistributedDataParallel,
-    Error, ReduceOp, ZeroRedundancyOptimizer, DEFAULT_BUCKET_CAP,
+    all_gather, all_reduce, all_reduce_scalar, broadcast, reduce_scatter, DistError,
+    DistErrorKind as K, DistResult, DistributedDataParallel, ReduceOp, ZeroRedundancyOptimizer,
+    DEFAULT_BUCKET_CAP,
 };
+
+/// What went wrong, when something did.
+fn kind<T>(r: DistResult<T>) -> Option<K> {
+    r.err().map(DistError::into_kind)
+}
 
 const RANKS: usize = 4;
 const STEPS: usize = 25;
@@ -80,7 +86,7 @@ fn zero1_matches_ddp_with_a_quarter_of_the_optimizer_state() {
     let config = (0.05, 0.9);
     let run = |zero: bool| {
         launcher()
-            .try_run(|rank| -> nccl_safe_candle::Result<(Vec<f32>, usize)> {
+            .try_run(|rank| -> DistResult<(Vec<f32>, usize)> {
                 let map = VarMap::new();
                 let model = Mlp::new(&map)?;
                 if rank.rank() == 0 {
@@ -145,7 +151,7 @@ fn vars(spec: &[(&str, &[usize], DType)]) -> Vec<(String, Var)> {
 #[test]
 fn buckets_average_every_gradient_and_zero_fill_missing_ones() {
     for cap in [1, 64, DEFAULT_BUCKET_CAP] {
-        let out = launcher().try_run(|rank| -> nccl_safe_candle::Result<()> {
+        let out = launcher().try_run(|rank| -> DistResult<()> {
             let r = rank.rank() as f64;
             let params = vars(&[
                 ("a", &[3], DType::F32),
@@ -217,26 +223,35 @@ fn buckets_average_every_gradient_and_zero_fill_missing_ones() {
 }
 
 #[test]
-fn no_sync_accumulates_locally_then_reduces_the_sum() {
+fn no_sync_accumulates_scaled_micro_batches_then_reduces_the_sum() {
     launcher()
-        .try_run(|rank| -> nccl_safe_candle::Result<()> {
+        .try_run(|rank| -> DistResult<()> {
             let params = vars(&[("w", &[4], DType::F32)]);
-            let t = params[0].1.as_tensor().clone();
+            let w = params[0].1.clone();
             let ddp = DistributedDataParallel::from_named(rank.comm(), params, 1024)?;
+            let start = w.as_tensor().to_vec1::<f32>()?;
+            // Plain SGD with lr 1: the step subtracts the reduced gradient.
+            let mut sgd = SGD::new(ddp.vars(), 1.0)?;
             let local = (rank.rank() + 1) as f32;
-            {
-                let _acc = ddp.no_sync();
-                let mut g1 = GradStore::default();
-                g1.insert(&t, Tensor::full(local, 4, &Device::Cpu)?);
-                ddp.sync_grads(&mut g1)?;
-                // Nothing communicated: still this rank's own.
-                assert_eq!(g1.get(&t).unwrap().to_vec1::<f32>()?, vec![local; 4]);
-            }
-            let mut g2 = GradStore::default();
-            g2.insert(&t, Tensor::full(10f32, 4, &Device::Cpu)?);
-            ddp.sync_grads(&mut g2)?;
-            // avg(r + 1 + 10) over r = 0..4
-            assert_eq!(g2.get(&t).unwrap().to_vec1::<f32>()?, vec![12.5; 4]);
+            let mut acc = ddp.no_sync(2, &mut sgd)?;
+            // d(sum(w * c))/dw = c; each micro-batch's loss is scaled by 1/2.
+            let c1 = Tensor::full(local, 4, &Device::Cpu)?;
+            acc.backward(&(w.as_tensor() * &c1)?.sum_all()?)?;
+            let c2 = Tensor::full(10f32, 4, &Device::Cpu)?;
+            acc.backward(&(w.as_tensor() * &c2)?.sum_all()?)?;
+            // Nothing stepped before the accumulation's step.
+            assert_eq!(w.as_tensor().to_vec1::<f32>()?, start);
+            acc.step()?;
+            // avg over r = 0..4 of (r + 1 + 10) / 2 = 6.25
+            let moved: Vec<f32> = w
+                .as_tensor()
+                .to_vec1::<f32>()?
+                .iter()
+                .zip(&start)
+                .map(|(a, b)| b - a)
+                .collect();
+            assert!(moved.iter().all(|m| (m - 6.25).abs() < 1e-5), "{moved:?}");
+            assert_eq!(ddp.steps(), 1);
             Ok(())
         })
         .unwrap();
@@ -245,7 +260,7 @@ fn no_sync_accumulates_locally_then_reduces_the_sum() {
 #[test]
 fn tensor_collectives_on_every_float_type() {
     launcher()
-        .try_run(|rank| -> nccl_safe_candle::Result<()> {
+        .try_run(|rank| -> DistResult<()> {
             let comm = rank.comm();
             let r = rank.rank() as f64;
             let values = |t: &Tensor| -> Vec<f64> {
@@ -308,53 +323,53 @@ fn tensor_collectives_on_every_float_type() {
 #[test]
 fn bad_input_gets_a_typed_error() {
     launcher()
-        .try_run(|rank| -> nccl_safe_candle::Result<()> {
+        .try_run(|rank| -> DistResult<()> {
             let comm = rank.comm();
             let cpu = &Device::Cpu;
             let t = Tensor::zeros((2, 3), DType::F32, cpu)?.t()?;
             assert!(matches!(
-                all_reduce(comm, &t, ReduceOp::Sum),
-                Err(Error::NotContiguous { .. })
+                kind(all_reduce(comm, &t, ReduceOp::Sum)),
+                Some(K::NotContiguous { .. })
             ));
             let u = Tensor::zeros(4, DType::U32, cpu)?;
             assert!(matches!(
-                broadcast(comm, &u, 0),
-                Err(Error::UnsupportedDtype {
+                kind(broadcast(comm, &u, 0)),
+                Some(K::UnsupportedDtype {
                     dtype: DType::U32,
                     ..
                 })
             ));
             let odd = Tensor::zeros(6, DType::F32, cpu)?;
             assert!(matches!(
-                reduce_scatter(comm, &odd, ReduceOp::Sum),
-                Err(Error::Shape { .. })
+                kind(reduce_scatter(comm, &odd, ReduceOp::Sum)),
+                Some(K::Shape { .. })
             ));
             assert!(matches!(
-                all_reduce_scalar(comm, &odd, ReduceOp::Sum),
-                Err(Error::Shape { .. })
+                kind(all_reduce_scalar(comm, &odd, ReduceOp::Sum)),
+                Some(K::Shape { .. })
             ));
             // A root out of range: nccl-safe's own typed error, and the ranks go on.
             let ok = Tensor::zeros(2, DType::F32, cpu)?;
-            assert!(matches!(broadcast(comm, &ok, 9), Err(Error::Nccl(_))));
+            assert!(matches!(kind(broadcast(comm, &ok, 9)), Some(K::Nccl(_))));
             let params = vars(&[("w", &[2], DType::F32)]);
             assert!(matches!(
-                DistributedDataParallel::from_named(comm, params.clone(), 0),
-                Err(Error::InvalidArgument { .. })
+                kind(DistributedDataParallel::from_named(comm, params.clone(), 0)),
+                Some(K::InvalidArgument { .. })
             ));
             assert!(matches!(
-                DistributedDataParallel::from_named(comm, Vec::new(), 64),
-                Err(Error::InvalidArgument { .. })
+                kind(DistributedDataParallel::from_named(comm, Vec::new(), 64)),
+                Some(K::InvalidArgument { .. })
             ));
             // ZeRO-1 flattens all parameters into one vector: one element type only.
             let mixed = vars(&[("f", &[2], DType::F32), ("g", &[2], DType::F64)]);
             assert!(matches!(
-                ZeroRedundancyOptimizer::<SGD>::from_named(comm, mixed, 0.1),
-                Err(Error::InvalidArgument { .. })
+                kind(ZeroRedundancyOptimizer::<SGD>::from_named(comm, mixed, 0.1)),
+                Some(K::InvalidArgument { .. })
             ));
             let ddp = DistributedDataParallel::from_named(comm, params, 64)?;
             assert!(matches!(
-                ddp.shard(&odd.reshape((3, 2))?),
-                Err(Error::Shape { .. })
+                kind(ddp.shard_batch(&odd.reshape((3, 2))?)),
+                Some(K::Shape { .. })
             ));
             // The communicator still works after all of that.
             all_reduce(comm, &ok, ReduceOp::Sum)?;
@@ -368,7 +383,7 @@ fn ranks_with_different_parameters_all_get_a_typed_error() {
     // Two same-sized parameters with their shapes swapped on rank 1, and a renamed one on
     // rank 3: every rank must refuse, none may train on a mix.
     let errors = launcher()
-        .try_run(|rank| -> nccl_safe_candle::Result<Option<String>> {
+        .try_run(|rank| -> DistResult<Option<String>> {
             let (a, b): (&[usize], &[usize]) = if rank.rank() == 1 {
                 (&[3, 2], &[2, 3])
             } else {
@@ -382,7 +397,9 @@ fn ranks_with_different_parameters_all_get_a_typed_error() {
             ]);
             Ok(
                 match DistributedDataParallel::from_named(rank.comm(), params, 64) {
-                    Err(e @ Error::ParameterMismatch { .. }) => Some(e.to_string()),
+                    Err(e) if matches!(e.kind(), K::ParameterMismatch { .. }) => {
+                        Some(e.to_string())
+                    }
                     Err(e) => return Err(e),
                     Ok(_) => None,
                 },
@@ -403,30 +420,30 @@ fn a_failed_rank_fails_the_step_on_every_rank() {
     let timeout = Duration::from_secs(30);
     let failed_steps = AtomicUsize::new(0);
     let started = Instant::now();
-    let out =
-        Launcher::host(RANKS)
-            .timeout(timeout)
-            .try_run(|rank| -> nccl_safe_candle::Result<()> {
-                let params = vars(&[("w", &[16], DType::F32)]);
-                let t = params[0].1.as_tensor().clone();
-                let ddp = DistributedDataParallel::from_named(rank.comm(), params, 64)?;
-                if rank.rank() == 2 {
-                    return Err(Error::InvalidArgument {
-                        op: "test",
-                        reason: "rank 2 gives up".into(),
-                    });
+    let out = Launcher::host(RANKS)
+        .timeout(timeout)
+        .try_run(|rank| -> DistResult<()> {
+            let params = vars(&[("w", &[16], DType::F32)]);
+            let t = params[0].1.as_tensor().clone();
+            let ddp = DistributedDataParallel::from_named(rank.comm(), params, 64)?;
+            if rank.rank() == 2 {
+                return Err(K::InvalidArgument {
+                    op: "test",
+                    reason: "rank 2 gives up".into(),
                 }
-                // The others keep stepping: their all-reduce must fail, not wait for rank 2.
-                for _ in 0..1000 {
-                    let mut g = GradStore::default();
-                    g.insert(&t, Tensor::ones(16, DType::F32, &Device::Cpu)?);
-                    if let Err(e) = ddp.sync_grads(&mut g) {
-                        failed_steps.fetch_add(1, Ordering::SeqCst);
-                        return Err(e);
-                    }
+                .into());
+            }
+            // The others keep stepping: their all-reduce must fail, not wait for rank 2.
+            for _ in 0..1000 {
+                let mut g = GradStore::default();
+                g.insert(&t, Tensor::ones(16, DType::F32, &Device::Cpu)?);
+                if let Err(e) = ddp.sync_grads(&mut g) {
+                    failed_steps.fetch_add(1, Ordering::SeqCst);
+                    return Err(e);
                 }
-                Ok(())
-            });
+            }
+            Ok(())
+        });
     let e = out.expect_err("a rank failed, so the run must fail");
     assert!(matches!(e, nccl_safe::Error::RankFailed { .. }), "{e}");
     assert!(e.to_string().contains("rank 2 gives up"), "{e}");
@@ -448,24 +465,23 @@ fn a_failed_rank_fails_the_step_on_every_rank() {
 fn a_rank_that_returns_early_fails_its_peers_step_at_once() {
     let timeout = Duration::from_secs(60);
     let started = Instant::now();
-    let out =
-        Launcher::host(RANKS)
-            .timeout(timeout)
-            .try_run(|rank| -> nccl_safe_candle::Result<()> {
-                let params = vars(&[("w", &[16], DType::F32), ("b", &[4], DType::F32)]);
-                let ts: Vec<Tensor> = params.iter().map(|(_, v)| v.as_tensor().clone()).collect();
-                // Two buckets: the step's all-reduce is a group of two.
-                let ddp = DistributedDataParallel::from_named(rank.comm(), params, 64)?;
-                let steps = if rank.rank() == 2 { 2 } else { 3 };
-                for _ in 0..steps {
-                    let mut g = GradStore::default();
-                    for t in &ts {
-                        g.insert(t, Tensor::ones(t.shape(), DType::F32, &Device::Cpu)?);
-                    }
-                    ddp.sync_grads(&mut g)?;
+    let out = Launcher::host(RANKS)
+        .timeout(timeout)
+        .try_run(|rank| -> DistResult<()> {
+            let params = vars(&[("w", &[16], DType::F32), ("b", &[4], DType::F32)]);
+            let ts: Vec<Tensor> = params.iter().map(|(_, v)| v.as_tensor().clone()).collect();
+            // Two buckets: the step's all-reduce is a group of two.
+            let ddp = DistributedDataParallel::from_named(rank.comm(), params, 64)?;
+            let steps = if rank.rank() == 2 { 2 } else { 3 };
+            for _ in 0..steps {
+                let mut g = GradStore::default();
+                for t in &ts {
+                    g.insert(t, Tensor::ones(t.shape(), DType::F32, &Device::Cpu)?);
                 }
-                Ok(())
-            });
+                ddp.sync_grads(&mut g)?;
+            }
+            Ok(())
+        });
     let took = started.elapsed();
     let e = out.expect_err("ranks 0, 1 and 3 wait for rank 2");
     assert!(took < Duration::from_secs(10), "took {took:?}");

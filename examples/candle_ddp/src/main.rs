@@ -4,8 +4,10 @@
 //! `DistributedDataParallel` gives every rank rank 0's parameters (after checking that all
 //! ranks hold the same ones) and, each step, averages the gradients over the ranks in
 //! buckets, so every rank applies the same SGD update to its own shard of a synthetic
-//! regression set. At the end the example checks that the global loss fell and that every
-//! rank holds bit-identical parameters, and exits non-zero otherwise.
+//! regression set. Every 25 steps the drift check compares a fingerprint of every rank's
+//! parameters (a step that fails it names the step and the ranks). At the end the example
+//! checks that the global loss fell and that every rank holds bit-identical parameters,
+//! and exits non-zero otherwise.
 //!
 //! On CPU tensors the collectives run on the host provider; with the `cuda` feature on
 //! candle's `CudaStorage`, with no copy to the host: the gradient buckets on a
@@ -14,14 +16,14 @@
 //!     cargo run --release                      # 4 ranks on the host provider, CPU tensors
 //!     cargo run --release -- --ranks 2 --steps 300
 //!     cargo run --release --features cuda     # one rank per GPU, CUDA tensors
-//!     cargo run --release -- --no-allreduce    # skip the gradient all-reduce: the check fails
+//!     cargo run --release -- --accumulate 4    # 4 micro-batches per step (no_sync)
+//!     cargo run --release -- --no-allreduce    # a plain SGD step: the drift check fails
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{linear, Linear, Module, Optimizer, VarBuilder, VarMap, SGD};
-use nccl_safe::launch::{Launcher, Rank};
-use nccl_safe_candle::{DistributedDataParallel, ReduceOp};
+use nccl_safe_candle::{DdpOptimizer, DistributedDataParallel, Launcher, Rank, ReduceOp};
 
 const INPUTS: usize = 8;
 const HIDDEN: usize = 32;
@@ -30,6 +32,8 @@ const LEARNING_RATE: f64 = 0.05;
 /// Buckets of 1 KiB: this small model's gradients (about 5.5 KiB) take five, so that on
 /// CUDA packing one overlaps with reducing the one before (25 MiB would make one bucket).
 const BUCKET_CAP: usize = 1024;
+/// The drift check runs after every this many steps.
+const DRIFT_EVERY: u64 = 25;
 
 /// The model: three linear layers with ReLUs.
 struct Mlp {
@@ -94,6 +98,7 @@ struct Opts {
     ranks: usize,
     steps: usize,
     all_reduce: bool,
+    accumulate: usize,
 }
 
 /// What a rank reports: the global loss before and after training, and its parameters.
@@ -105,7 +110,8 @@ struct Outcome {
 fn train(rank: &Rank, device: &Device, opts: &Opts) -> candle_core::Result<Outcome> {
     let map = VarMap::new();
     let model = Mlp::new(VarBuilder::from_varmap(&map, DType::F32, device))?;
-    let ddp = DistributedDataParallel::with_bucket_cap(rank.comm(), &map, BUCKET_CAP)?;
+    let ddp = DistributedDataParallel::with_bucket_cap(rank.comm(), &map, BUCKET_CAP)?
+        .with_drift_check(DRIFT_EVERY);
     // Rank 0 draws its parameters from a fixed sequence (uniform in +-1/sqrt(fan-in), as
     // candle-nn's default), so that runs are reproducible, and every rank takes them.
     if rank.rank() == 0 {
@@ -124,22 +130,62 @@ fn train(rank: &Rank, device: &Device, opts: &Opts) -> candle_core::Result<Outco
     let (xs, ys, n) = shard(rank.rank(), rank.world_size());
     let x = Tensor::from_vec(xs, (n, INPUTS), device)?;
     let y = Tensor::from_vec(ys, (n, 1), device)?;
-    let mut sgd = SGD::new(ddp.vars(), LEARNING_RATE)?;
     let mut losses = Vec::new();
-    for step in 0..opts.steps {
-        let loss = candle_nn::loss::mse(&model.forward(&x)?, &y)?;
-        if step % 50 == 0 || step + 1 == opts.steps {
-            let mean = ddp.all_reduce_scalar(&loss, ReduceOp::Avg)?;
+    let mut log = |step: usize, loss: &Tensor, ddp: &DistributedDataParallel| {
+        if step.is_multiple_of(50) || step + 1 == opts.steps {
+            let mean = ddp.all_reduce_scalar(loss, ReduceOp::Avg)?;
             losses.push((step, mean as f32));
         }
-        if opts.all_reduce {
-            ddp.backward_step(&mut sgd, &loss)?;
-        } else {
+        candle_core::Result::Ok(())
+    };
+    if !opts.all_reduce {
+        // The mistake the drift check is for: a plain optimizer beside the
+        // DistributedDataParallel, stepped on its own (local) gradients.
+        let mut sgd = SGD::new(ddp.vars(), LEARNING_RATE)?;
+        for step in 0..opts.steps {
+            let loss = candle_nn::loss::mse(&model.forward(&x)?, &y)?;
+            log(step, &loss, &ddp)?;
             sgd.backward_step(&loss)?;
+            if (step as u64 + 1).is_multiple_of(DRIFT_EVERY) {
+                ddp.check_drift()?;
+            }
         }
+    } else {
+        // The optimizer inside the data-parallel object: its backward_step is the
+        // data-parallel step (the drift check runs in it every DRIFT_EVERY steps).
+        let mut opt = DdpOptimizer::<SGD>::from_ddp(ddp, LEARNING_RATE)?;
+        let micro = n / opts.accumulate;
+        for step in 0..opts.steps {
+            let loss = candle_nn::loss::mse(&model.forward(&x)?, &y)?;
+            log(step, &loss, opt.ddp())?;
+            if opts.accumulate == 1 {
+                opt.backward_step(&loss)?;
+            } else {
+                // Each micro-batch's loss goes through the guard, which scales it by
+                // 1/accumulate; one all-reduce and one step at the end.
+                let mut acc = opt.no_sync(opts.accumulate)?;
+                for k in 0..opts.accumulate {
+                    let (xk, yk) = (
+                        x.narrow(0, k * micro, micro)?,
+                        y.narrow(0, k * micro, micro)?,
+                    );
+                    acc.backward(&candle_nn::loss::mse(&model.forward(&xk)?, &yk)?)?;
+                }
+                acc.step()?;
+            }
+        }
+        opt.check_drift()?;
+        return outcome(opt.ddp().params(), losses);
     }
+    outcome(ddp.params(), losses)
+}
+
+fn outcome(
+    named: &[(String, candle_core::Var)],
+    losses: Vec<(usize, f32)>,
+) -> candle_core::Result<Outcome> {
     let mut params = Vec::new();
-    for (_, v) in ddp.params() {
+    for (_, v) in named {
         params.extend(v.as_tensor().flatten_all()?.to_vec1::<f32>()?);
     }
     Ok(Outcome { losses, params })
@@ -150,6 +196,7 @@ fn parse() -> Result<Opts, String> {
         ranks: 4,
         steps: 200,
         all_reduce: true,
+        accumulate: 1,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -162,6 +209,7 @@ fn parse() -> Result<Opts, String> {
         match a.as_str() {
             "--ranks" => opts.ranks = number("--ranks")?,
             "--steps" => opts.steps = number("--steps")?,
+            "--accumulate" => opts.accumulate = number("--accumulate")?,
             "--no-allreduce" => opts.all_reduce = false,
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -174,7 +222,7 @@ fn main() -> ExitCode {
         Ok(o) => o,
         Err(e) => {
             eprintln!(
-                "candle-ddp: {e}\nusage: candle-ddp [--ranks N] [--steps N] [--no-allreduce]"
+                "candle-ddp: {e}\nusage: candle-ddp [--ranks N] [--steps N] [--accumulate N] [--no-allreduce]"
             );
             return ExitCode::from(2);
         }
@@ -195,17 +243,22 @@ fn main() -> ExitCode {
         "candle-ddp: {} ranks on {backend}; MLP {INPUTS}-{HIDDEN}-{HIDDEN}-1 ({params} parameters), {SAMPLES} samples, {} steps of SGD (lr {LEARNING_RATE}){}",
         launcher.world_size(),
         opts.steps,
-        if opts.all_reduce { "" } else { ", gradients NOT all-reduced" }
+        if !opts.all_reduce {
+            ", a plain SGD step (gradients NOT all-reduced)".to_string()
+        } else if opts.accumulate > 1 {
+            format!(", {} micro-batches per step", opts.accumulate)
+        } else {
+            String::new()
+        }
     );
     let start = Instant::now();
     let results = launcher.run(|rank| {
         #[cfg(not(feature = "cuda"))]
         let device = Device::Cpu;
         #[cfg(feature = "cuda")]
-        let device = match rank.comm().cuda_ordinal().map(Device::new_cuda) {
-            Some(Ok(d)) => d,
-            Some(Err(e)) => return Ok(Err(e.to_string())),
-            None => return Ok(Err("the rank has no CUDA device".into())),
+        let device = match nccl_safe_candle::candle_device(rank) {
+            Ok(d) => d,
+            Err(e) => return Ok(Err(e.to_string())),
         };
         // A rank whose training fails returns early; the launcher then aborts the others.
         Ok(train(rank, &device, &opts).map_err(|e| format!("rank {}: {e}", rank.rank())))

@@ -157,7 +157,7 @@ pub fn train_ddp(
     comm: &nccl_safe::Communicator,
     cap: usize,
     steps: usize,
-) -> nccl_safe_candle::Result<Vec<f32>> {
+) -> nccl_safe_candle::DistResult<Vec<f32>> {
     use candle_nn::{loss, SGD};
     let map = VarMap::new();
     let model = Mlp::new(&map)?;
@@ -167,7 +167,7 @@ pub fn train_ddp(
     let ddp = nccl_safe_candle::DistributedDataParallel::with_bucket_cap(comm, &map, cap)?;
     let mut sgd = SGD::new(map.all_vars(), 0.1)?;
     let (x, y) = batch()?;
-    let (x, y) = (ddp.shard(&x)?, ddp.shard(&y)?);
+    let (x, y) = (ddp.shard_batch(&x)?, ddp.shard_batch(&y)?);
     for _ in 0..steps {
         let l = loss::mse(&model.forward(&x)?, &y)?;
         ddp.backward_step(&mut sgd, &l)?;

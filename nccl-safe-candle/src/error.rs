@@ -1,0 +1,334 @@
+//! [`DistError`]: what went wrong ([`DistErrorKind`]), at which line of the caller, and in
+//! which training step.
+//!
+//! The names carry a `Dist` prefix so that they do not clash with candle's `Error` and
+//! `Result` under glob imports (`use candle_core::*; use nccl_safe_candle::*;`). `?` turns a
+//! [`DistError`] into a `candle_core::Error` (a candle loop) or an `anyhow::Error`, and
+//! a `candle_core::Error` or `nccl_safe::Error` into a [`DistError`].
+
+use std::fmt;
+use std::panic::Location;
+
+use candle_core::DType;
+
+/// This crate's result.
+pub type DistResult<T, E = DistError> = std::result::Result<T, E>;
+
+/// What can go wrong; every argument check fails before NCCL sees a buffer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DistErrorKind {
+    /// An NCCL call (or nccl-safe's own check of it) failed.
+    #[error(transparent)]
+    Nccl(nccl_safe::Error),
+    /// A candle operation failed.
+    #[error("candle: {0}")]
+    Candle(candle_core::Error),
+    /// The collectives take f32, f64, f16 and bf16 tensors.
+    #[error("{op}: {dtype:?} tensors are not supported (f32, f64, f16 and bf16 are)")]
+    UnsupportedDtype {
+        /// The operation.
+        op: &'static str,
+        /// The tensor's element type.
+        dtype: DType,
+    },
+    /// The collectives run on a tensor's storage in place, which needs it contiguous.
+    #[error("{op}: the tensor (shape {shape:?}, stride {stride:?}) is not contiguous; call .contiguous() first")]
+    NotContiguous {
+        /// The operation.
+        op: &'static str,
+        /// The tensor's shape.
+        shape: Vec<usize>,
+        /// Its strides.
+        stride: Vec<usize>,
+    },
+    /// The tensor is not where the communicator works.
+    #[error("{op}: the tensor is on {tensor}, but the communicator on {comm}")]
+    WrongDevice {
+        /// The operation.
+        op: &'static str,
+        /// Where the tensor is.
+        tensor: String,
+        /// Where the communicator works.
+        comm: String,
+    },
+    /// A shape the operation cannot take.
+    #[error("{op}: {reason}")]
+    Shape {
+        /// The operation.
+        op: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The ranks do not hold the same parameters (names, shapes and element types, in
+    /// name order): training them together would silently mix unrelated values. Every
+    /// rank gets this error.
+    #[error(
+        "rank {rank}: the ranks hold different parameters (names, shapes or dtypes); this rank has {count} \
+         parameters, fingerprint {fingerprint:016x}, first ones: {first}"
+    )]
+    ParameterMismatch {
+        /// This rank.
+        rank: usize,
+        /// How many parameters this rank holds.
+        count: usize,
+        /// The fingerprint of this rank's names, shapes and dtypes.
+        fingerprint: u64,
+        /// This rank's first parameters, for the report.
+        first: String,
+    },
+    /// An argument out of its range.
+    #[error("{op}: {reason}")]
+    InvalidArgument {
+        /// The operation.
+        op: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A gradient sync or an optimizer step was asked for while a
+    /// [`no_sync`](crate::DistributedDataParallel::no_sync) accumulation is open: stepping
+    /// now would apply local, unreduced gradients and the ranks would drift apart.
+    #[error(
+        "{op} on rank {rank}: a no_sync accumulation of {micro_batches} micro-batches is open \
+         ({done} taken); give each micro-batch's loss to the guard's backward(&loss) and end it \
+         with its step(), not with a step of your own"
+    )]
+    AccumulationOpen {
+        /// The call that was refused.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The micro-batches the accumulation was opened for.
+        micro_batches: usize,
+        /// How many its `backward` took so far.
+        done: usize,
+    },
+    /// An accumulation's `step` came after another number of `backward` calls than the
+    /// micro-batches it was opened for: typically `loss.backward()` was called directly
+    /// (its gradients never reach the guard), or a micro-batch was skipped. Nothing was
+    /// stepped.
+    #[error(
+        "{op} on rank {rank}: the accumulation was opened for {micro_batches} micro-batches but its \
+         backward(&loss) took {done}; every micro-batch's loss must go through the guard's \
+         backward (a plain loss.backward() returns gradients the guard never sees). Nothing was stepped"
+    )]
+    MicroBatchCount {
+        /// The call that was refused.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The micro-batches the accumulation was opened for.
+        micro_batches: usize,
+        /// How many its `backward` took.
+        done: usize,
+    },
+    /// The previous accumulation guard was dropped without its `step()`: its gradients
+    /// were thrown away. Reported once, by the next step.
+    #[error(
+        "{op} on rank {rank}: the previous no_sync accumulation ({done} of {micro_batches} \
+         micro-batches taken) was dropped without its step(), so its gradients were lost; \
+         end every accumulation with step()"
+    )]
+    AccumulationAbandoned {
+        /// The call that reported it.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The micro-batches that accumulation was opened for.
+        micro_batches: usize,
+        /// How many its `backward` took.
+        done: usize,
+    },
+    /// The drift check found ranks whose parameters are not bit-identical to the others'
+    /// (see [`DistributedDataParallel::check_drift`](crate::DistributedDataParallel::check_drift)).
+    /// Every rank gets this error, naming the same ranks.
+    #[error("{}", drift_text(*.rank, *.after_step, *.last_good_step, .differing, .fingerprints))]
+    Drift {
+        /// This rank.
+        rank: usize,
+        /// The steps completed when the check ran.
+        after_step: u64,
+        /// The step after which the previous check passed (0: before the first step).
+        last_good_step: u64,
+        /// The ranks whose parameters differ from the largest group of equal ranks (ties
+        /// go to the group of the lowest rank).
+        differing: Vec<usize>,
+        /// Every rank's fingerprint, by rank.
+        fingerprints: Vec<u64>,
+    },
+}
+
+fn drift_text(
+    rank: usize,
+    after_step: u64,
+    last_good: u64,
+    differing: &[usize],
+    fingerprints: &[u64],
+) -> String {
+    let who = if differing.contains(&rank) {
+        format!("this rank ({rank}) is one of them")
+    } else {
+        format!("this rank ({rank}) agrees with the majority")
+    };
+    let table = fingerprints
+        .iter()
+        .enumerate()
+        .map(|(r, f)| format!("rank {r} {f:016x}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let when = if after_step == 0 {
+        "parameter drift before the first data-parallel step".to_string()
+    } else {
+        format!("parameter drift after step {after_step}")
+    };
+    format!(
+        "{when}: rank(s) {differing:?} hold parameters that differ \
+         from the other ranks' ({who}){}. A step outside \
+         the data-parallel object (opt.step or opt.backward_step on a plain optimizer) or a \
+         parameter set on one rank only does this. Fingerprints: {table}",
+        if after_step == 0 {
+            String::new()
+        } else {
+            format!("; they still agreed after step {last_good}")
+        }
+    )
+}
+
+/// An error of this crate: its [`kind`](Self::kind), the line of your code that called
+/// into the crate ([`caller`](Self::caller), through `#[track_caller]`), and the training
+/// step it happened in when a data-parallel object knows it ([`step`](Self::step)).
+pub struct DistError {
+    kind: DistErrorKind,
+    caller: &'static Location<'static>,
+    step: Option<u64>,
+}
+
+impl DistError {
+    /// An error of `kind` at the caller's line.
+    #[track_caller]
+    pub fn new(kind: DistErrorKind) -> DistError {
+        DistError {
+            kind,
+            caller: Location::caller(),
+            step: None,
+        }
+    }
+
+    /// What went wrong.
+    pub fn kind(&self) -> &DistErrorKind {
+        &self.kind
+    }
+
+    /// What went wrong, by value.
+    pub fn into_kind(self) -> DistErrorKind {
+        self.kind
+    }
+
+    /// The line of the caller's code (the call into this crate) the error comes from.
+    pub fn caller(&self) -> &'static Location<'static> {
+        self.caller
+    }
+
+    /// The training step (counted from 1) it happened in, when known.
+    pub fn step(&self) -> Option<u64> {
+        self.step
+    }
+
+    /// The nccl-safe error, when NCCL or nccl-safe's checks failed.
+    pub fn as_nccl(&self) -> Option<&nccl_safe::Error> {
+        match &self.kind {
+            DistErrorKind::Nccl(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// Sets the caller's line (a public entry point's `#[track_caller]` location) and the
+    /// step when not set yet. An NCCL error's own "called at" then names it too: the call
+    /// into NCCL itself is made from inside candle's storage hook, where no caller's
+    /// location reaches.
+    pub(crate) fn at(mut self, caller: &'static Location<'static>, step: Option<u64>) -> Self {
+        self.caller = caller;
+        if self.step.is_none() {
+            self.step = step;
+        }
+        if let DistErrorKind::Nccl(nccl_safe::Error::Nccl(e)) = &mut self.kind {
+            e.caller = Some(caller);
+        }
+        self
+    }
+}
+
+impl fmt::Display for DistError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} (at {}:{}",
+            self.kind,
+            self.caller.file(),
+            self.caller.line()
+        )?;
+        if let Some(step) = self.step {
+            write!(f, ", step {step}")?;
+        }
+        f.write_str(")")
+    }
+}
+
+impl fmt::Debug for DistError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DistError")
+            .field("kind", &self.kind)
+            .field(
+                "caller",
+                &format_args!("{}:{}", self.caller.file(), self.caller.line()),
+            )
+            .field("step", &self.step)
+            .finish()
+    }
+}
+
+impl std::error::Error for DistError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&self.kind)
+    }
+}
+
+impl From<DistErrorKind> for DistError {
+    #[track_caller]
+    fn from(kind: DistErrorKind) -> DistError {
+        DistError::new(kind)
+    }
+}
+
+impl From<nccl_safe::Error> for DistError {
+    #[track_caller]
+    fn from(e: nccl_safe::Error) -> DistError {
+        DistError::new(DistErrorKind::Nccl(e))
+    }
+}
+
+impl From<candle_core::Error> for DistError {
+    #[track_caller]
+    fn from(e: candle_core::Error) -> DistError {
+        DistError::new(DistErrorKind::Candle(e))
+    }
+}
+
+/// So that a candle loop (`candle_core::Result`) can use `?` on this crate's calls. A
+/// candle error stays candle's, with the caller's line (and step) as its context.
+impl From<DistError> for candle_core::Error {
+    fn from(e: DistError) -> candle_core::Error {
+        let at = format!(
+            "at {}:{}{}",
+            e.caller.file(),
+            e.caller.line(),
+            e.step.map(|s| format!(", step {s}")).unwrap_or_default()
+        );
+        match e.kind {
+            DistErrorKind::Candle(inner) => inner.context(at),
+            // Not `Error::wrap`, which appends a backtrace under RUST_BACKTRACE: the
+            // message already names the caller's line.
+            _ => candle_core::Error::Wrapped(Box::new(e)),
+        }
+    }
+}
