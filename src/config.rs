@@ -255,6 +255,17 @@ impl Config {
 
     /// The watchdog's timeout for every operation of the communicator (default
     /// `NCCL_SAFE_TIMEOUT_MS`, else 10 minutes). Children from split/shrink inherit it.
+    ///
+    /// It bounds how long an operation may wait from its call to its completion, which
+    /// includes waiting for the slowest rank to call it: a rank that saves a checkpoint or
+    /// compiles kernels while the others wait in the next all-reduce makes them wait that
+    /// long. 10 minutes, PyTorch's default, leaves room for that; the transfer itself takes
+    /// well under a second (a 1 GiB all-reduce at 100 GB/s of bus bandwidth is about 20 ms).
+    /// So that a stuck rank does not go unseen meanwhile, the watchdog prints one notice per
+    /// waiting operation after a quarter of the timeout, at most a minute, naming what the
+    /// rank waits in, from which line, and which ranks of its process have not called it.
+    /// The launchers' own bound on finished ranks waiting for the others is separate
+    /// ([`Launcher::timeout`](crate::launch::Launcher::timeout)).
     pub fn timeout(mut self, timeout: std::time::Duration) -> Config {
         self.diag.timeout = Some(timeout);
         self
