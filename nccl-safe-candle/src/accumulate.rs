@@ -195,7 +195,7 @@ impl<T: Accumulate> Accumulation<T> {
     /// Opens an accumulation on `target` (its tracker refuses when one is open already).
     #[track_caller]
     pub(crate) fn open(target: T, micro_batches: usize) -> DistResult<Self> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         let (tracker, rank) = (target.tracker(), target.rank());
         tracker
             .open("no_sync", rank, micro_batches)
@@ -226,7 +226,7 @@ impl<T: Accumulate> Accumulation<T> {
     /// [`DistErrorKind::MicroBatchCount`](crate::DistErrorKind::MicroBatchCount).
     #[track_caller]
     pub fn backward(&mut self, loss: &Tensor) -> DistResult<()> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         let step = self.target.tracker().current();
         self.backward_inner(loss).map_err(|e| e.at(at, Some(step)))
     }
@@ -262,7 +262,7 @@ impl<T: Accumulate> Accumulation<T> {
     /// opened for.
     #[track_caller]
     pub fn step(mut self) -> DistResult<()> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         self.ended = true;
         let tracker = self.target.tracker();
         tracker.close();

@@ -257,7 +257,7 @@ impl<'c> DistributedDataParallel<'c> {
         params: Vec<(String, Var)>,
         cap_bytes: usize,
     ) -> Result<Self> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         Self::from_named_inner(comm, params, cap_bytes).map_err(|e| e.at(at, None))
     }
 
@@ -314,7 +314,7 @@ impl<'c> DistributedDataParallel<'c> {
     /// checkpoint or set its own initialization, say). Every rank must call it.
     #[track_caller]
     pub fn broadcast_params(&self) -> Result<()> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         broadcast_all(self.comm, &self.params).map_err(|e| e.at(at, None))
     }
 
@@ -380,7 +380,7 @@ impl<'c> DistributedDataParallel<'c> {
     /// gradient work), so it can run every N steps ([`with_drift_check`](Self::with_drift_check)).
     #[track_caller]
     pub fn check_drift(&self) -> Result<()> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         check_drift(self.comm, &self.params, &self.tracker).map_err(|e| e.at(at, None))
     }
 
@@ -391,7 +391,7 @@ impl<'c> DistributedDataParallel<'c> {
     /// ([`DistErrorKind::AccumulationOpen`](crate::DistErrorKind::AccumulationOpen)).
     #[track_caller]
     pub fn sync_grads(&self, grads: &mut GradStore) -> Result<()> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         let step = self.tracker.current();
         self.tracker
             .may_step("sync_grads", self.comm.rank())
@@ -576,7 +576,7 @@ impl<'c> DistributedDataParallel<'c> {
     /// `opt.backward_step(&loss)` (which here would step on local gradients) cannot happen.
     #[track_caller]
     pub fn backward_step<O: Optimizer>(&self, opt: &mut O, loss: &Tensor) -> Result<()> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         let step = self.tracker.current();
         self.backward_step_inner(opt, loss)
             .map_err(|e| e.at(at, Some(step)))

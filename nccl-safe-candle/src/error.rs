@@ -332,3 +332,46 @@ impl From<DistError> for candle_core::Error {
         }
     }
 }
+
+thread_local! {
+    /// The user's line of the outermost public call of this crate in progress on this
+    /// thread: what the core crate's records (flight record, desync report, mismatch table)
+    /// name, through `Op::at`, since candle's storage hooks stop `#[track_caller]`.
+    static CALLER: std::cell::Cell<Option<&'static Location<'static>>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// Ends the scope [`caller_scope`] opened, when it was the outermost.
+pub(crate) struct CallerScope {
+    outermost: bool,
+}
+
+impl Drop for CallerScope {
+    fn drop(&mut self) {
+        if self.outermost {
+            CALLER.with(|c| c.set(None));
+        }
+    }
+}
+
+/// The caller's location, and a scope that makes it the line the core crate records for
+/// the collectives run until the scope ends (unless an outer public call of this crate
+/// already set its own: the user's line wins over this crate's internal calls).
+#[track_caller]
+pub(crate) fn caller_scope() -> (&'static Location<'static>, CallerScope) {
+    let here = Location::caller();
+    let outermost = CALLER.with(|c| {
+        if c.get().is_none() {
+            c.set(Some(here));
+            true
+        } else {
+            false
+        }
+    });
+    (here, CallerScope { outermost })
+}
+
+/// The line of the outermost public call in progress on this thread, if any.
+pub(crate) fn scope_caller() -> Option<&'static Location<'static>> {
+    CALLER.with(|c| c.get())
+}

@@ -101,7 +101,7 @@ use candle_core::Device;
 /// without a GPU; with it, on the GPU of its local rank with `Device::new_cuda`.
 #[track_caller]
 pub fn init_from_env() -> DistResult<(Rank, Device)> {
-    let at = std::panic::Location::caller();
+    let (at, _scope) = crate::error::caller_scope();
     let launcher = Launcher::from_env().map_err(|e| DistError::from(e).at(at, None))?;
     #[cfg(not(feature = "cuda"))]
     let launcher = launcher.host();
@@ -116,7 +116,7 @@ pub fn init_from_env() -> DistResult<(Rank, Device)> {
 /// communicator's GPU otherwise.
 #[track_caller]
 pub fn candle_device(rank: &Rank) -> DistResult<Device> {
-    let at = std::panic::Location::caller();
+    let (at, _scope) = crate::error::caller_scope();
     match rank.comm().cuda_ordinal() {
         None => Ok(Device::Cpu),
         Some(d) => Device::new_cuda(d).map_err(|e| DistError::from(e).at(at, None)),

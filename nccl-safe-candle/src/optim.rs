@@ -88,7 +88,7 @@ impl<'c, O: Optimizer> DdpOptimizer<'c, O> {
     /// [`from_named`](DistributedDataParallel::from_named), say): `O` over its parameters.
     #[track_caller]
     pub fn from_ddp(ddp: DistributedDataParallel<'c>, config: O::Config) -> Result<Self> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         let opt = O::new(ddp.vars(), config).map_err(|e| DistError::from(e).at(at, None))?;
         Ok(DdpOptimizer { ddp, opt })
     }
@@ -142,7 +142,7 @@ impl<'c, O: Optimizer> DdpOptimizer<'c, O> {
     /// an accumulation dropped without its step.
     #[track_caller]
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         let step = self.ddp.tracker().current();
         self.step_inner(grads).map_err(|e| e.at(at, Some(step)))
     }
@@ -165,7 +165,7 @@ impl<'c, O: Optimizer> DdpOptimizer<'c, O> {
     /// `loss.backward()`, then [`step`](Self::step).
     #[track_caller]
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         let step = self.ddp.tracker().current();
         let grads = loss
             .backward()

@@ -50,17 +50,22 @@ struct Collective<'a> {
     comm: &'a Communicator,
     kind: Kind<'a>,
     failed: Mutex<Option<nccl_safe::Error>>,
+    /// The line the core crate records for the collective (`Op::at`): the user's, from the
+    /// outermost public call of this crate in progress.
+    caller: &'static Location<'static>,
     /// On CUDA, the stream to run on instead of candle's (the caller orders it).
     #[cfg(feature = "cuda")]
     on: Option<&'a std::sync::Arc<cudarc::driver::CudaStream>>,
 }
 
 impl<'a> Collective<'a> {
+    #[track_caller]
     fn new(comm: &'a Communicator, kind: Kind<'a>) -> Collective<'a> {
         Collective {
             comm,
             kind,
             failed: Mutex::new(None),
+            caller: crate::error::scope_caller().unwrap_or_else(Location::caller),
             #[cfg(feature = "cuda")]
             on: None,
         }
@@ -93,17 +98,20 @@ impl<'a> Collective<'a> {
 
     /// The in-place kinds on host memory.
     fn host<T: NcclType>(&self, v: &mut [T]) -> nccl_safe::Result<()> {
-        let (comm, s) = (self.comm, &Stream::Host);
+        let (comm, s, caller) = (self.comm, &Stream::Host, self.caller);
         match self.kind {
-            Kind::AllReduce(op) => comm.all_reduce_in_place(v, op, s),
-            Kind::Broadcast(root) => comm.broadcast_in_place(v, root, s),
+            Kind::AllReduce(op) => comm.all_reduce_in_place_op(v, op, s)?.at(caller).run(),
+            Kind::Broadcast(root) => comm.broadcast_in_place_op(v, root, s)?.at(caller).run(),
             // The buckets as one NCCL group: the host provider runs them together at its end.
             Kind::Buckets(op, ranges) => Group::run(|g| {
                 let (mut rest, mut at) = (v, 0);
                 for r in ranges {
                     let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - at);
                     let (bucket, tail) = tail.split_at_mut(r.len());
-                    g.push(comm.all_reduce_in_place_op(bucket, op, &Stream::Host)?)?;
+                    g.push(
+                        comm.all_reduce_in_place_op(bucket, op, &Stream::Host)?
+                            .at(caller),
+                    )?;
                     (rest, at) = (tail, r.end);
                 }
                 Ok(())
@@ -114,10 +122,10 @@ impl<'a> Collective<'a> {
 
     /// The two-tensor kinds on host memory.
     fn host2<T: NcclType>(&self, out: &mut [T], inp: &[T]) -> nccl_safe::Result<()> {
-        let (comm, s) = (self.comm, &Stream::Host);
+        let (comm, s, at) = (self.comm, &Stream::Host, self.caller);
         match self.kind {
-            Kind::AllGather => comm.all_gather(inp, out, s),
-            Kind::ReduceScatter(op) => comm.reduce_scatter(inp, out, op, s),
+            Kind::AllGather => comm.all_gather_op(inp, out, s)?.at(at).run(),
+            Kind::ReduceScatter(op) => comm.reduce_scatter_op(inp, out, op, s)?.at(at).run(),
             _ => unreachable!("in-place kinds"),
         }
     }
@@ -129,13 +137,21 @@ impl<'a> Collective<'a> {
         at: Range<usize>,
         stream: &std::sync::Arc<cudarc::driver::CudaStream>,
     ) -> nccl_safe::Result<()> {
-        let comm = self.comm;
+        let (comm, caller) = (self.comm, self.caller);
         match self.kind {
-            Kind::AllReduce(op) => comm.all_reduce_in_place(&mut view(slice, at)?, op, stream),
-            Kind::Broadcast(root) => comm.broadcast_in_place(&mut view(slice, at)?, root, stream),
+            Kind::AllReduce(op) => comm
+                .all_reduce_in_place_op(&mut view(slice, at)?, op, stream)?
+                .at(caller)
+                .run(),
+            Kind::Broadcast(root) => comm
+                .broadcast_in_place_op(&mut view(slice, at)?, root, stream)?
+                .at(caller)
+                .run(),
             Kind::Buckets(op, ranges) => ranges.iter().try_for_each(|r| {
                 let r = at.start + r.start..at.start + r.end;
-                comm.all_reduce_in_place(&mut view(slice, r)?, op, stream)
+                comm.all_reduce_in_place_op(&mut view(slice, r)?, op, stream)?
+                    .at(caller)
+                    .run()
             }),
             Kind::AllGather | Kind::ReduceScatter(_) => unreachable!("two-tensor kinds"),
         }
@@ -157,8 +173,16 @@ impl<'a> Collective<'a> {
             .try_slice(inp_at.clone())
             .ok_or_else(|| out_of_range(&inp_at))?;
         match self.kind {
-            Kind::AllGather => self.comm.all_gather(&i, &mut o, stream),
-            Kind::ReduceScatter(op) => self.comm.reduce_scatter(&i, &mut o, op, stream),
+            Kind::AllGather => self
+                .comm
+                .all_gather_op(&i, &mut o, stream)?
+                .at(self.caller)
+                .run(),
+            Kind::ReduceScatter(op) => self
+                .comm
+                .reduce_scatter_op(&i, &mut o, op, stream)?
+                .at(self.caller)
+                .run(),
             _ => unreachable!("in-place kinds"),
         }
     }
@@ -346,7 +370,7 @@ fn run2(comm: &Communicator, out: &Tensor, inp: &Tensor, kind: Kind<'_>) -> Resu
 /// max, product) of every rank's `t`. Every tensor sharing `t`'s storage sees the result.
 #[track_caller]
 pub fn all_reduce(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<()> {
-    let at = Location::caller();
+    let (at, _scope) = crate::error::caller_scope();
     all_reduce_inner(comm, t, op).map_err(|e| e.at(at, None))
 }
 
@@ -359,7 +383,7 @@ fn all_reduce_inner(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<()>
 /// same number of elements).
 #[track_caller]
 pub fn broadcast(comm: &Communicator, t: &Tensor, root: usize) -> Result<()> {
-    let at = Location::caller();
+    let (at, _scope) = crate::error::caller_scope();
     broadcast_inner(comm, t, root).map_err(|e| e.at(at, None))
 }
 
@@ -372,7 +396,7 @@ fn broadcast_inner(comm: &Communicator, t: &Tensor, root: usize) -> Result<()> {
 /// becomes a vector of `world_size` values).
 #[track_caller]
 pub fn all_gather(comm: &Communicator, t: &Tensor) -> Result<Tensor> {
-    let at = Location::caller();
+    let (at, _scope) = crate::error::caller_scope();
     all_gather_inner(comm, t).map_err(|e| e.at(at, None))
 }
 
@@ -392,7 +416,7 @@ fn all_gather_inner(comm: &Communicator, t: &Tensor) -> Result<Tensor> {
 /// along the first dimension, which must divide evenly.
 #[track_caller]
 pub fn reduce_scatter(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-    let at = Location::caller();
+    let (at, _scope) = crate::error::caller_scope();
     reduce_scatter_inner(comm, t, op).map_err(|e| e.at(at, None))
 }
 
@@ -422,7 +446,7 @@ fn reduce_scatter_inner(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result
 /// `t` itself is left unchanged.
 #[track_caller]
 pub fn all_reduce_scalar(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<f64> {
-    let at = Location::caller();
+    let (at, _scope) = crate::error::caller_scope();
     all_reduce_scalar_inner(comm, t, op).map_err(|e| e.at(at, None))
 }
 
@@ -475,7 +499,7 @@ pub(crate) fn all_reduce_on(
 /// [`ZeroRedundancyOptimizer`](crate::ZeroRedundancyOptimizer) (their `shard_batch`).
 #[track_caller]
 pub fn shard_batch(comm: &Communicator, batch: &Tensor) -> Result<Tensor> {
-    let at = Location::caller();
+    let (at, _scope) = crate::error::caller_scope();
     shard_batch_inner(comm, batch).map_err(|e| e.at(at, None))
 }
 

@@ -99,7 +99,7 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
         params: Vec<(String, Var)>,
         config: O::Config,
     ) -> Result<Self> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         Self::from_named_inner(comm, params, config).map_err(|e| e.at(at, None))
     }
 
@@ -210,7 +210,7 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
     /// [`DistributedDataParallel::check_drift`](crate::DistributedDataParallel::check_drift).
     #[track_caller]
     pub fn check_drift(&self) -> Result<()> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         check_drift(self.comm, &self.params, &self.tracker).map_err(|e| e.at(at, None))
     }
 
@@ -228,7 +228,7 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
     /// after an accumulation dropped without its step.
     #[track_caller]
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         let step = self.tracker.current();
         self.tracker
             .may_step("ZeroRedundancyOptimizer::step", self.comm.rank())
@@ -291,7 +291,7 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
     /// `loss.backward()`, then [`step`](Self::step): a drop-in for `opt.backward_step`.
     #[track_caller]
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
-        let at = Location::caller();
+        let (at, _scope) = crate::error::caller_scope();
         let step = self.tracker.current();
         let grads = loss
             .backward()

@@ -315,6 +315,19 @@ fn errors_carry_the_callers_file_and_line_and_the_step() {
             here(&e, line!() - 1);
             let (x, y) = my_batch(rank.rank())?;
             opt.backward_step(&loss::mse(&m.forward(&x)?, &y)?)?;
+            let step_line = line!() - 1;
+            // The core crate's own record of the step's all-reduce (what its desync report
+            // and mismatch table print) names this line too, not the crate's storage hook.
+            let rec = comm.flight_record();
+            let last = rec
+                .entries
+                .last()
+                .expect("the step's all-reduce is recorded");
+            assert!(
+                last.caller.file().ends_with("misuse.rs") && last.caller.line() == step_line,
+                "the flight record names {}",
+                last.caller
+            );
             // A gradient of the wrong shape in step 2.
             let mut g = GradStore::default();
             let (_, v) = &opt.ddp().params()[0];

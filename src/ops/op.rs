@@ -83,6 +83,15 @@ impl<'a> Op<'a> {
         self.comm
     }
 
+    /// Reports `caller` as where the operation was called (in its errors, the flight record
+    /// and the desync report) instead of the line that described it: for a wrapper whose
+    /// own callers are the lines to name, where `#[track_caller]` cannot reach (a hook that
+    /// another library calls, such as candle's storage operations).
+    pub fn at(mut self, caller: &'static Location<'static>) -> Op<'a> {
+        self.caller = caller;
+        self
+    }
+
     /// The NCCL call it makes, such as `"ncclAllReduce"`.
     pub fn name(&self) -> &'static str {
         self.info.name()
