@@ -334,10 +334,11 @@ impl Shared {
             let Some(p) = w.pending.pop_front() else {
                 break;
             };
-            q.retired.store(p.upto, Ordering::Release);
+            // The event is spare again before the work shows complete.
             if let Some(m) = p.marker {
                 self.tracker.recycle(m);
             }
+            q.retired.store(p.upto, Ordering::Release);
         }
     }
 
