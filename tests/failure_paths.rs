@@ -1036,7 +1036,7 @@ fn a_panicking_rank_is_the_culprit_and_its_peers_say_it_panicked() {
     assert!(cause.contains("rank 1 exploded"), "{text}");
     for r in [0, 2] {
         assert!(
-            ranks[r].contains("panicked: rank 1 exploded"),
+            ranks[r].contains("panicked (\"rank 1 exploded\")"),
             "rank {r} should say that rank 1 panicked: {text}"
         );
     }

@@ -513,7 +513,17 @@ impl Communicator {
         if r.is_err() && crate::diag::is_collective(op) {
             self.refused.set(self.refused.get() + 1);
         }
-        r
+        // The clique's report is shared by its ranks: say first what happened to this one.
+        r.map_err(|e| match e {
+            Error::Timeout { what, timeout } => Error::Timeout {
+                what: format!(
+                    "{op} on rank {}: refused, the watchdog had already failed this communicator. {what}",
+                    self.rank
+                ),
+                timeout,
+            },
+            e => e,
+        })
     }
 
     /// Collectives this rank's program called: those issued (each has a sequence number)

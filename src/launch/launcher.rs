@@ -519,7 +519,7 @@ impl Launcher {
                 if end.own_failure {
                     // Peers waiting for it learn why it left, in its words.
                     r.comm.leave(&format!(
-                        "its launcher closure failed: {}",
+                        "its launcher closure failed (\"{}\")",
                         text.lines().next().unwrap_or("")
                     ));
                 }
@@ -533,7 +533,7 @@ impl Launcher {
                 let text = panic_text(&panic);
                 if end.own_failure {
                     r.comm.leave(&format!(
-                        "its launcher closure panicked: {}",
+                        "its launcher closure panicked (\"{}\")",
                         text.lines().next().unwrap_or("")
                     ));
                 }
