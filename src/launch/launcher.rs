@@ -106,7 +106,7 @@ struct Board {
     outcomes: Mutex<Vec<Outcome>>,
     /// The ranks that failed, in the order they did.
     failed: Mutex<Vec<usize>>,
-    /// Per rank, once its closure ended: the collectives it issued, and whether it failed
+    /// Per rank, once its closure ended: the collectives it called and issued, and whether it failed
     /// on its own (an error or a panic while its communicator was healthy).
     ends: Mutex<Vec<Option<End>>>,
     changed: Condvar,
