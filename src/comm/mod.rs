@@ -500,7 +500,7 @@ impl Communicator {
     /// touched: a failed communicator (an NCCL error, or a timeout the watchdog declared)
     /// fails at once. A few loads.
     #[inline(always)]
-    pub(crate) fn admit(&self, op: &'static str) -> Result<()> {
+    pub(crate) fn admit(&self, op: nccl_sys::EntryPoint) -> Result<()> {
         if self.failure.get().is_some() || self.diag.failed() {
             return self.refuse(op);
         }
@@ -508,8 +508,8 @@ impl Communicator {
     }
 
     #[cold]
-    fn refuse(&self, op: &'static str) -> Result<()> {
-        let r = self.ensure_usable(op);
+    fn refuse(&self, op: nccl_sys::EntryPoint) -> Result<()> {
+        let r = self.ensure_usable(op.name());
         if r.is_err() && crate::diag::is_collective(op) {
             self.refused.set(self.refused.get() + 1);
         }
