@@ -580,11 +580,11 @@ mod tests {
             .collect();
         of.sort();
         assert_eq!(of, Collective::ALL, "each row's entry point, once");
-        assert_eq!(Collective::Gather.since(), (2, 28));
+        assert_eq!(Collective::Scatter.since(), (2, 28));
         assert_eq!(
-            Collective::Gather.elements(3, 4, false),
-            Some((3, 0)),
-            "a non-root rank's receive buffer is unused"
+            Collective::Scatter.elements(3, 4, false),
+            Some((0, 3)),
+            "a non-root rank's send buffer is unused"
         );
         assert_eq!(Collective::Scatter.elements(usize::MAX, 2, true), None);
     }
