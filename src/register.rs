@@ -37,6 +37,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use nccl_sys::bindings::ncclWindow_t;
+use nccl_sys::EntryPoint;
 
 use crate::buffer::{sealed, BufferGuard, Memory, RecvBuffer, SendBuffer};
 use crate::comm::{CommDevice, Communicator};
@@ -272,7 +273,8 @@ impl Communicator {
         T: NcclType,
         B: SendBuffer<T> + ?Sized,
     {
-        const OP: &str = "ncclCommWindowRegister";
+        const CALL: EntryPoint = EntryPoint::ncclCommWindowRegister;
+        const OP: &str = CALL.name();
         let caller = Location::caller();
         let lib = self.library();
         let register = lib.optional(lib.table().ncclCommWindowRegister, OP)?;
@@ -306,7 +308,7 @@ impl Communicator {
         let out = slot.out();
         let mut win: ncclWindow_t = std::ptr::null_mut();
         let r = self.issue_job(
-            &OP,
+            CALL,
             caller,
             |_, comm| {
                 // SAFETY: as in `register`; `out` is the heap slot the job writes, alive
@@ -464,7 +466,8 @@ impl<B: ?Sized> Window<'_, '_, B> {
 
     /// Deregisters (`dropping`: from `Drop`, bounded by the abort timeout).
     fn release(&mut self, caller: &'static Location<'static>, dropping: bool) -> Result<()> {
-        const OP: &str = "ncclCommWindowDeregister";
+        const CALL: EntryPoint = EntryPoint::ncclCommWindowDeregister;
+        const OP: &str = CALL.name();
         if !std::mem::replace(&mut self.live, false) {
             return Ok(());
         }
@@ -482,7 +485,7 @@ impl<B: ?Sized> Window<'_, '_, B> {
         // deregistration is skipped and the communicator failed (its abort, when it is
         // dropped, releases the window).
         if dropping {
-            self.comm.admit(OP)?;
+            self.comm.admit(CALL)?;
             let bound = self.comm.diag.abort_timeout();
             if !self.comm.diag.drain(std::time::Instant::now() + bound) {
                 let e = Error::Timeout {
@@ -501,7 +504,7 @@ impl<B: ?Sized> Window<'_, '_, B> {
         let win = self.win;
         // Through the operation path: it is collective, so a failed communicator (whose
         // peers may never call it) skips it, and the watchdog bounds it.
-        self.comm.issue(&OP, caller, |_, comm| {
+        self.comm.issue(CALL, caller, |_, comm| {
             // SAFETY: the communicator is live; `win` came from its ncclCommWindowRegister
             // and is deregistered exactly once (`live` was cleared above).
             unsafe { deregister(comm, win) }

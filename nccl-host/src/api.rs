@@ -12,7 +12,7 @@ pub(crate) use super::defs::{fresh_id, id_bytes};
 use super::dtype::{self, RedKind};
 use super::exec::{run_items, Item};
 use super::state::{
-    lock, CollKind, CollPost, CommState, Fail, Global, Handle, IdBytes, Job, P2pPost, PendingOn,
+    lock, CollPost, Collective, CommState, Fail, Global, Handle, IdBytes, Job, P2pPost, PendingOn,
     PreMul, RootIdx,
 };
 
@@ -1376,25 +1376,10 @@ fn submit_unless_stuck(
     submit(g, item)
 }
 
-/// Which buffers a rank's collective touches: (send elements, recv elements), 0 = unused.
-fn extents(kind: CollKind, count: usize, nranks: usize, is_root: bool) -> Option<(usize, usize)> {
-    let all = count.checked_mul(nranks)?;
-    Some(match kind {
-        CollKind::AllReduce => (count, count),
-        CollKind::AllGather => (count, all),
-        CollKind::Broadcast => (if is_root { count } else { 0 }, count),
-        CollKind::Reduce => (count, if is_root { count } else { 0 }),
-        CollKind::ReduceScatter => (all, count),
-        CollKind::AlltoAll => (all, all),
-        CollKind::Gather => (count, if is_root { all } else { 0 }),
-        CollKind::Scatter => (if is_root { all } else { 0 }, count),
-    })
-}
-
 #[allow(clippy::too_many_arguments)]
 fn coll(
     name: &str,
-    kind: CollKind,
+    kind: Collective,
     comm: ncclComm_t,
     send: *const c_void,
     recv: *mut c_void,
@@ -1445,7 +1430,7 @@ fn coll(
             ));
         }
         let is_root = root.is_none_or(|x| x == r.rank);
-        let Some((ns, nr)) = extents(kind, count, r.nranks as usize, is_root) else {
+        let Some((ns, nr)) = kind.elements(count, r.nranks as usize, is_root) else {
             return Err(bad(&mut g, format!("count {count} too large")));
         };
         if ns.checked_mul(es).is_none() || nr.checked_mul(es).is_none() {
@@ -1551,31 +1536,31 @@ forward! {
     ncclReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, op: ncclRedOp_t, root: c_int, comm: ncclComm_t,
         _stream: cudaStream_t)
-        => coll(CollKind::Reduce, comm, sendbuff, recvbuff, count, datatype, Some(op), Some(root));
+        => coll(Collective::Reduce, comm, sendbuff, recvbuff, count, datatype, Some(op), Some(root));
     ncclBcast(buff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int,
         comm: ncclComm_t, _stream: cudaStream_t)
-        => coll(CollKind::Broadcast, comm, buff, buff, count, datatype, None, Some(root));
+        => coll(Collective::Broadcast, comm, buff, buff, count, datatype, None, Some(root));
     ncclBroadcast(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, _stream: cudaStream_t)
-        => coll(CollKind::Broadcast, comm, sendbuff, recvbuff, count, datatype, None, Some(root));
+        => coll(Collective::Broadcast, comm, sendbuff, recvbuff, count, datatype, None, Some(root));
     ncclAllReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, _stream: cudaStream_t)
-        => coll(CollKind::AllReduce, comm, sendbuff, recvbuff, count, datatype, Some(op), None);
+        => coll(Collective::AllReduce, comm, sendbuff, recvbuff, count, datatype, Some(op), None);
     ncclReduceScatter(sendbuff: *const c_void, recvbuff: *mut c_void, recvcount: usize,
         datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, _stream: cudaStream_t)
-        => coll(CollKind::ReduceScatter, comm, sendbuff, recvbuff, recvcount, datatype, Some(op), None);
+        => coll(Collective::ReduceScatter, comm, sendbuff, recvbuff, recvcount, datatype, Some(op), None);
     ncclAllGather(sendbuff: *const c_void, recvbuff: *mut c_void, sendcount: usize,
         datatype: ncclDataType_t, comm: ncclComm_t, _stream: cudaStream_t)
-        => coll(CollKind::AllGather, comm, sendbuff, recvbuff, sendcount, datatype, None, None);
+        => coll(Collective::AllGather, comm, sendbuff, recvbuff, sendcount, datatype, None, None);
     ncclAlltoAll(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, comm: ncclComm_t, _stream: cudaStream_t)
-        => coll(CollKind::AlltoAll, comm, sendbuff, recvbuff, count, datatype, None, None);
+        => coll(Collective::AllToAll, comm, sendbuff, recvbuff, count, datatype, None, None);
     ncclGather(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, _stream: cudaStream_t)
-        => coll(CollKind::Gather, comm, sendbuff, recvbuff, count, datatype, None, Some(root));
+        => coll(Collective::Gather, comm, sendbuff, recvbuff, count, datatype, None, Some(root));
     ncclScatter(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, _stream: cudaStream_t)
-        => coll(CollKind::Scatter, comm, sendbuff, recvbuff, count, datatype, None, Some(root));
+        => coll(Collective::Scatter, comm, sendbuff, recvbuff, count, datatype, None, Some(root));
     ncclSend(sendbuff: *const c_void, count: usize, datatype: ncclDataType_t, peer: c_int,
         comm: ncclComm_t, _stream: cudaStream_t)
         => p2p(true, sendbuff as usize, count, datatype, peer, comm);

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use nccl_sys::bindings::*;
 
 use super::dtype::RedKind;
+pub(crate) use nccl_sys::Collective;
 
 /// The bytes of a unique id.
 pub(crate) type IdBytes = [u8; 128];
@@ -66,23 +67,10 @@ impl Fail {
     }
 }
 
-/// Which collective a slot holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum CollKind {
-    AllReduce,
-    AllGather,
-    Broadcast,
-    Reduce,
-    ReduceScatter,
-    AlltoAll,
-    Gather,
-    Scatter,
-}
-
 /// One rank's part of a collective.
 #[derive(Debug, Clone)]
 pub(crate) struct CollPost {
-    pub kind: CollKind,
+    pub kind: Collective,
     pub send: usize,
     pub recv: usize,
     pub count: usize,

@@ -6,8 +6,8 @@ use nccl_sys::bindings::*;
 
 use super::dtype::{self, RedKind};
 use super::state::{
-    lock, notify, wait, wait_limit, Clique, CollKind, CollPost, CollSlot, CommState, Fail, Global,
-    Handle, P2pPost, P2pSlot, SlotState,
+    lock, notify, wait, wait_limit, Clique, CollPost, CollSlot, Collective, CommState, Fail,
+    Global, Handle, P2pPost, P2pSlot, SlotState,
 };
 
 /// An operation queued by a thread (inside a group, or the single op of a plain call).
@@ -74,10 +74,7 @@ fn consistent(posts: &[CollPost]) -> Result<(), Fail> {
                 ),
             ));
         }
-        let reduces = matches!(
-            a.kind,
-            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
-        );
+        let reduces = a.kind.reduces();
         if reduces && (p.red == RedKind::PreMulSum) != (a.red == RedKind::PreMulSum)
             || reduces && p.red != RedKind::PreMulSum && p.red != a.red
         {
@@ -586,13 +583,13 @@ fn plan<'a>(posts: &[CollPost], scalars: &'a [Vec<u8>]) -> Option<Plan<'a>> {
     let bytes = a.count * es;
     let root = a.root as usize;
     Some(match a.kind {
-        CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => {
-            let rs = a.kind == CollKind::ReduceScatter;
+        Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter => {
+            let rs = a.kind == Collective::ReduceScatter;
             let elems = if rs { n * a.count } else { a.count };
             let outputs = posts
                 .iter()
                 .enumerate()
-                .filter(|&(r, _)| a.kind != CollKind::Reduce || r == root)
+                .filter(|&(r, _)| a.kind != Collective::Reduce || r == root)
                 .map(|(r, p)| {
                     let first = if rs { r * a.count } else { 0 };
                     (Span::new(p.recv, bytes), first)
@@ -611,16 +608,16 @@ fn plan<'a>(posts: &[CollPost], scalars: &'a [Vec<u8>]) -> Option<Plan<'a>> {
                 scalars,
             })
         }
-        CollKind::Broadcast => {
+        Collective::Broadcast => {
             let src = Span::new(posts.get(root)?.send, bytes);
             let moves = posts.iter().map(|p| Move { src, dst: p.recv }).collect();
             Plan::Moves(vec![src], moves)
         }
-        CollKind::AllGather | CollKind::Gather => {
+        Collective::AllGather | Collective::Gather => {
             let sources: Vec<Span> = posts.iter().map(|p| Span::new(p.send, bytes)).collect();
             let mut moves = Vec::new();
             for (r, p) in posts.iter().enumerate() {
-                if a.kind == CollKind::AllGather || r == root {
+                if a.kind == Collective::AllGather || r == root {
                     for (q, &src) in sources.iter().enumerate() {
                         moves.push(Move {
                             src,
@@ -631,7 +628,7 @@ fn plan<'a>(posts: &[CollPost], scalars: &'a [Vec<u8>]) -> Option<Plan<'a>> {
             }
             Plan::Moves(sources, moves)
         }
-        CollKind::Scatter => {
+        Collective::Scatter => {
             let src = Span::new(posts.get(root)?.send, n * bytes);
             let moves = posts
                 .iter()
@@ -643,7 +640,7 @@ fn plan<'a>(posts: &[CollPost], scalars: &'a [Vec<u8>]) -> Option<Plan<'a>> {
                 .collect();
             Plan::Moves(vec![src], moves)
         }
-        CollKind::AlltoAll => {
+        Collective::AllToAll => {
             let sources: Vec<Span> = posts.iter().map(|p| Span::new(p.send, n * bytes)).collect();
             if posts.iter().all(|p| p.recv == p.send) && pairwise_disjoint(&sources) {
                 return Some(Plan::SwapBlocks(
@@ -662,6 +659,8 @@ fn plan<'a>(posts: &[CollPost], scalars: &'a [Vec<u8>]) -> Option<Plan<'a>> {
             }
             Plan::Moves(sources, moves)
         }
+        // Point-to-point calls are matched pairwise, never planned as a collective.
+        Collective::Send | Collective::Recv => return None,
     })
 }
 
@@ -1038,44 +1037,44 @@ mod tests {
             out
         };
         match a.kind {
-            CollKind::AllReduce | CollKind::Reduce => {
+            Collective::AllReduce | Collective::Reduce => {
                 let out = reduce(bytes);
                 for (r, p) in posts.iter().enumerate() {
-                    if a.kind == CollKind::AllReduce || r == root {
+                    if a.kind == Collective::AllReduce || r == root {
                         put(p.recv, &out);
                     }
                 }
             }
-            CollKind::ReduceScatter => {
+            Collective::ReduceScatter => {
                 let out = reduce(n * bytes);
                 for (r, p) in posts.iter().enumerate() {
                     put(p.recv, &out[r * bytes..(r + 1) * bytes]);
                 }
             }
-            CollKind::Broadcast => {
+            Collective::Broadcast => {
                 let data = read(posts[root].send, bytes);
                 for p in posts {
                     put(p.recv, &data);
                 }
             }
-            CollKind::AllGather | CollKind::Gather => {
+            Collective::AllGather | Collective::Gather => {
                 let mut out = Vec::new();
                 for p in posts {
                     out.extend_from_slice(&read(p.send, bytes));
                 }
                 for (r, p) in posts.iter().enumerate() {
-                    if a.kind == CollKind::AllGather || r == root {
+                    if a.kind == Collective::AllGather || r == root {
                         put(p.recv, &out);
                     }
                 }
             }
-            CollKind::Scatter => {
+            Collective::Scatter => {
                 let data = read(posts[root].send, n * bytes);
                 for (r, p) in posts.iter().enumerate() {
                     put(p.recv, &data[r * bytes..(r + 1) * bytes]);
                 }
             }
-            CollKind::AlltoAll => {
+            Collective::AllToAll => {
                 let inputs: Vec<Vec<u8>> = posts.iter().map(|p| read(p.send, n * bytes)).collect();
                 for (r, p) in posts.iter().enumerate() {
                     let mut out = Vec::new();
@@ -1085,33 +1084,18 @@ mod tests {
                     put(p.recv, &out);
                 }
             }
+            Collective::Send | Collective::Recv => unreachable!("point-to-point is not planned"),
         }
     }
 
-    const KINDS: [CollKind; 8] = [
-        CollKind::AllReduce,
-        CollKind::Reduce,
-        CollKind::ReduceScatter,
-        CollKind::Broadcast,
-        CollKind::AllGather,
-        CollKind::Gather,
-        CollKind::Scatter,
-        CollKind::AlltoAll,
-    ];
+    /// Every collective that every rank takes part in (point-to-point is not planned).
+    fn kinds() -> impl Iterator<Item = Collective> {
+        Collective::ALL.iter().copied().filter(|c| c.every_rank())
+    }
 
     /// Send and receive bytes of one rank (as the API sizes them).
-    fn extents(kind: CollKind, count: usize, n: usize, is_root: bool) -> (usize, usize) {
-        let all = count * n;
-        match kind {
-            CollKind::AllReduce => (count, count),
-            CollKind::AllGather => (count, all),
-            CollKind::Broadcast => (if is_root { count } else { 0 }, count),
-            CollKind::Reduce => (count, if is_root { count } else { 0 }),
-            CollKind::ReduceScatter => (all, count),
-            CollKind::AlltoAll => (all, all),
-            CollKind::Gather => (count, if is_root { all } else { 0 }),
-            CollKind::Scatter => (if is_root { all } else { 0 }, count),
-        }
+    fn extents(kind: Collective, count: usize, n: usize, is_root: bool) -> (usize, usize) {
+        kind.elements(count, n, is_root).expect("small test sizes")
     }
 
     /// Where each rank's buffers lie (byte offsets into one arena).
@@ -1153,7 +1137,7 @@ mod tests {
     /// (send offset, recv offset) per rank; `None` where a buffer is not posted.
     fn offsets(
         layout: Layout,
-        kind: CollKind,
+        kind: Collective,
         n: usize,
         bytes: usize,
         root: usize,
@@ -1177,8 +1161,8 @@ mod tests {
                         let b = base(r, 0);
                         let rb = (r * bytes) as isize;
                         match kind {
-                            CollKind::ReduceScatter | CollKind::Scatter => (b, b + rb),
-                            CollKind::AllGather | CollKind::Gather => (b + rb, b),
+                            Collective::ReduceScatter | Collective::Scatter => (b, b + rb),
+                            Collective::AllGather | Collective::Gather => (b + rb, b),
                             _ => (b, b),
                         }
                     }
@@ -1197,7 +1181,7 @@ mod tests {
     /// random arena, and compares every byte of the arena.
     #[allow(clippy::too_many_arguments)]
     fn check(
-        kind: CollKind,
+        kind: Collective,
         dt: ncclDataType_t,
         red: RedKind,
         n: usize,
@@ -1289,18 +1273,11 @@ mod tests {
         matches!(l, Layout::Shifted(d) if d.unsigned_abs() > COPY_CHUNK)
     }
 
-    fn reduces(kind: CollKind) -> bool {
-        matches!(
-            kind,
-            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
-        )
-    }
-
     #[test]
     fn every_collective_matches_the_read_everything_first_form_on_every_layout() {
-        for kind in KINDS {
+        for kind in kinds() {
             for dt in ALL_DTYPES {
-                let kinds: &[RedKind] = if reduces(kind) {
+                let kinds: &[RedKind] = if kind.reduces() {
                     &ALL_KINDS
                 } else {
                     &[RedKind::Sum]
@@ -1320,7 +1297,7 @@ mod tests {
 
     #[test]
     fn reductions_over_several_chunks_match_on_every_layout() {
-        for kind in KINDS.into_iter().filter(|&k| reduces(k)) {
+        for kind in kinds().filter(|k| k.reduces()) {
             for dt in [ncclInt32, ncclBfloat16, ncclFloat64] {
                 let count = REDUCE_CHUNK / dtype::size_of(dt).unwrap() + 3;
                 for red in [RedKind::Sum, RedKind::Min, RedKind::PreMulSum] {
@@ -1334,7 +1311,7 @@ mod tests {
 
     #[test]
     fn copies_larger_than_a_chunk_match_on_every_layout() {
-        for kind in KINDS.into_iter().filter(|&k| !reduces(k)) {
+        for kind in kinds().filter(|k| !k.reduces()) {
             for n in [1usize, 3] {
                 for layout in LAYOUTS {
                     check(
@@ -1354,7 +1331,7 @@ mod tests {
 
     #[test]
     fn separate_and_in_place_buffers_take_the_direct_path() {
-        for kind in KINDS {
+        for kind in kinds() {
             for layout in [Layout::Separate, Layout::InPlace] {
                 check(
                     kind,
@@ -1370,7 +1347,7 @@ mod tests {
         }
         // Outputs read later than they are written, or written twice, are not direct.
         check(
-            CollKind::AllReduce,
+            Collective::AllReduce,
             ncclFloat32,
             RedKind::Sum,
             3,
@@ -1380,7 +1357,7 @@ mod tests {
             Some(false),
         );
         check(
-            CollKind::AllReduce,
+            Collective::AllReduce,
             ncclFloat32,
             RedKind::Sum,
             3,
@@ -1390,7 +1367,7 @@ mod tests {
             Some(false),
         );
         check(
-            CollKind::AllGather,
+            Collective::AllGather,
             ncclFloat32,
             RedKind::Sum,
             3,
@@ -1400,7 +1377,7 @@ mod tests {
             Some(false),
         );
         check(
-            CollKind::Broadcast,
+            Collective::Broadcast,
             ncclFloat32,
             RedKind::Sum,
             3,
@@ -1418,7 +1395,7 @@ mod tests {
         let count = PARALLEL_MIN / 4 + REDUCE_CHUNK / 4 + 3;
         for layout in [Layout::Separate, Layout::InPlace] {
             check(
-                CollKind::AllReduce,
+                Collective::AllReduce,
                 ncclFloat32,
                 RedKind::Sum,
                 3,
@@ -1429,7 +1406,7 @@ mod tests {
             );
         }
         check(
-            CollKind::ReduceScatter,
+            Collective::ReduceScatter,
             ncclFloat16,
             RedKind::Avg,
             2,
@@ -1439,7 +1416,7 @@ mod tests {
             None,
         );
         check(
-            CollKind::Reduce,
+            Collective::Reduce,
             ncclInt8,
             RedKind::PreMulSum,
             2,
@@ -1454,7 +1431,7 @@ mod tests {
     fn a_short_premulsum_scalar_is_an_error_not_a_panic() {
         let mut a = vec![1u8; 64];
         let p = CollPost {
-            kind: CollKind::AllReduce,
+            kind: Collective::AllReduce,
             send: a.as_mut_ptr() as usize,
             recv: a.as_mut_ptr() as usize,
             count: 16,

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::bindings::*;
 
-use super::defs::{wait_limit, CollKind, CollPost, Fail, IdBytes};
+use super::defs::{wait_limit, CollPost, Collective, Fail, IdBytes};
 use super::dtype::{self, RedKind};
 
 /// The second half of a unique id's magic for communicators that may span processes
@@ -379,7 +379,7 @@ impl Segment {
         let mine = [color, key];
         let mut all = vec![0i32; 2 * self.nranks];
         let post = CollPost {
-            kind: CollKind::AllGather,
+            kind: Collective::AllGather,
             send: mine.as_ptr() as usize,
             recv: all.as_mut_ptr() as usize,
             count: 2,
@@ -771,9 +771,12 @@ impl Segment {
             return None;
         }
         let describe = |&(s, d, c): &(u64, u64, u64)| {
-            let kind = kind_name(d & 0xff);
+            let kind = ((d & 0xff) as u8)
+                .checked_sub(1)
+                .and_then(Collective::from_index);
             let (dt, red, root) = ((d >> 8) & 0xff, (d >> 16) & 0xff, (d >> 32) as i64 - 1);
-            let reduces = matches!(kind, "AllReduce" | "Reduce" | "ReduceScatter");
+            let reduces = kind.is_some_and(Collective::reduces);
+            let kind = kind.map_or("nothing", Collective::name);
             format!(
                 "collective #{} {kind}(count={c}, {}{}{})",
                 s.wrapping_sub(1),
@@ -844,8 +847,10 @@ impl Segment {
         self.seq.store(seq, Release);
         let me = self.op(self.rank, seq);
         let red = p.red as u64;
-        let desc =
-            kind_code(p.kind) | (p.dtype as u64) << 8 | red << 16 | ((p.root + 1) as u64) << 32;
+        let desc = (p.kind.index() as u64 + 1)
+            | (p.dtype as u64) << 8
+            | red << 16
+            | ((p.root + 1) as u64) << 32;
         me.desc.store(desc, Relaxed);
         me.count.store(p.count as u64, Relaxed);
         let mut sc = [0u8; 8];
@@ -878,17 +883,22 @@ impl Segment {
         let slot_elems = (half / es).max(1);
         // Elements of the whole operation walked in rounds, and per round.
         let (total, per_round) = match p.kind {
-            CollKind::AllReduce | CollKind::Reduce => (count, slot_elems),
-            CollKind::ReduceScatter => (count * n, slot_elems),
-            CollKind::Broadcast | CollKind::AllGather | CollKind::Gather | CollKind::Scatter => {
-                (count, slot_elems)
+            Collective::AllReduce | Collective::Reduce => (count, slot_elems),
+            Collective::ReduceScatter => (count * n, slot_elems),
+            Collective::Broadcast
+            | Collective::AllGather
+            | Collective::Gather
+            | Collective::Scatter => (count, slot_elems),
+            Collective::AllToAll => (count, (slot_elems / n).max(1)),
+            // Point-to-point calls go through the pair channels, never the slots.
+            Collective::Send | Collective::Recv => {
+                return Err(Fail::new(
+                    ncclInternalError,
+                    "internal error: a point-to-point call posted as a collective",
+                ))
             }
-            CollKind::AlltoAll => (count, (slot_elems / n).max(1)),
         };
-        let reduces = matches!(
-            p.kind,
-            CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter
-        );
+        let reduces = p.kind.reduces();
         // Every rank's PreMulSum scalar, read after the first barrier (published before it).
         let mut scalars: Vec<Vec<u8>> = Vec::new();
         let mut lo = 0usize;
@@ -908,22 +918,22 @@ impl Segment {
             unsafe {
                 let mine = sp(me);
                 match p.kind {
-                    CollKind::AllReduce
-                    | CollKind::Reduce
-                    | CollKind::ReduceScatter
-                    | CollKind::AllGather
-                    | CollKind::Gather => {
+                    Collective::AllReduce
+                    | Collective::Reduce
+                    | Collective::ReduceScatter
+                    | Collective::AllGather
+                    | Collective::Gather => {
                         copy(p.send + bytes(lo), mine as usize, bytes(m));
                     }
-                    CollKind::Broadcast if me == root => {
+                    Collective::Broadcast if me == root => {
                         copy(p.send + bytes(lo), mine as usize, bytes(m));
                     }
-                    CollKind::Scatter if me == root => {
+                    Collective::Scatter if me == root => {
                         for q in 0..n {
                             copy(p.send + bytes(q * count + lo), sp(q) as usize, bytes(m));
                         }
                     }
-                    CollKind::AlltoAll => {
+                    Collective::AllToAll => {
                         for q in 0..n {
                             copy(
                                 p.send + bytes(q * count + lo),
@@ -980,9 +990,9 @@ impl Segment {
                     // elements of this round, which were copied in before the barrier.
                     let (ea, eb) = (lo + x, lo + y);
                     let own = match p.kind {
-                        CollKind::AllReduce => Some((ea, eb, 0)),
-                        CollKind::Reduce if me == root => Some((ea, eb, 0)),
-                        CollKind::ReduceScatter => {
+                        Collective::AllReduce => Some((ea, eb, 0)),
+                        Collective::Reduce if me == root => Some((ea, eb, 0)),
+                        Collective::ReduceScatter => {
                             let (a, b) = (ea.max(me * count), eb.min((me + 1) * count));
                             (a < b).then_some((a, b, me * count))
                         }
@@ -1024,31 +1034,31 @@ impl Segment {
                     }
                 };
                 match p.kind {
-                    CollKind::AllReduce => reduced(p.recv + bytes(lo), lo, hi),
-                    CollKind::Reduce if me == root => reduced(p.recv + bytes(lo), lo, hi),
-                    CollKind::ReduceScatter => {
+                    Collective::AllReduce => reduced(p.recv + bytes(lo), lo, hi),
+                    Collective::Reduce if me == root => reduced(p.recv + bytes(lo), lo, hi),
+                    Collective::ReduceScatter => {
                         let (a, b) = ((me * count).max(lo), ((me + 1) * count).min(hi));
                         if a < b {
                             reduced(p.recv + bytes(a - me * count), a, b);
                         }
                     }
-                    CollKind::Broadcast => {
+                    Collective::Broadcast => {
                         copy(sp(root) as usize, p.recv + bytes(lo), bytes(m));
                     }
-                    CollKind::AllGather => {
+                    Collective::AllGather => {
                         for q in 0..n {
                             copy(sp(q) as usize, p.recv + bytes(q * count + lo), bytes(m));
                         }
                     }
-                    CollKind::Gather if me == root => {
+                    Collective::Gather if me == root => {
                         for q in 0..n {
                             copy(sp(q) as usize, p.recv + bytes(q * count + lo), bytes(m));
                         }
                     }
-                    CollKind::Scatter => {
+                    Collective::Scatter => {
                         copy(sp(me) as usize, p.recv + bytes(lo), bytes(m));
                     }
-                    CollKind::AlltoAll => {
+                    Collective::AllToAll => {
                         for q in 0..n {
                             copy(
                                 sp(q) as usize + bytes(me * per_round),
@@ -1214,33 +1224,6 @@ unsafe fn copy(src: usize, dst: usize, len: usize) {
     if len > 0 && src != dst {
         // SAFETY: forwarded to the caller.
         unsafe { core::ptr::copy(src as *const u8, dst as *mut u8, len) };
-    }
-}
-
-fn kind_code(k: CollKind) -> u64 {
-    match k {
-        CollKind::AllReduce => 1,
-        CollKind::AllGather => 2,
-        CollKind::Broadcast => 3,
-        CollKind::Reduce => 4,
-        CollKind::ReduceScatter => 5,
-        CollKind::AlltoAll => 6,
-        CollKind::Gather => 7,
-        CollKind::Scatter => 8,
-    }
-}
-
-fn kind_name(code: u64) -> &'static str {
-    match code {
-        1 => "AllReduce",
-        2 => "AllGather",
-        3 => "Broadcast",
-        4 => "Reduce",
-        5 => "ReduceScatter",
-        6 => "AlltoAll",
-        7 => "Gather",
-        8 => "Scatter",
-        _ => "nothing",
     }
 }
 

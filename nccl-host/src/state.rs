@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::bindings::*;
 
-pub(crate) use super::defs::{wait_limit, CollKind, CollPost, Fail, IdBytes, P2pPost};
+pub(crate) use super::defs::{wait_limit, CollPost, Collective, Fail, IdBytes, P2pPost};
 use super::HostStats;
 
 /// The opaque value behind an `ncclComm_t`.

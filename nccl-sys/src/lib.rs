@@ -6,6 +6,9 @@
 //! * [`FunctionTable`]: the NCCL entry points as function pointers, filled through one
 //!   closure `FnMut(&CStr) -> *const c_void` (as ash does), so `dlopen`ed libraries and
 //!   in-process providers share a single code path.
+//! * [`EntryPoint`]: one entry point of the table as a small `Copy` value, and
+//!   [`Collective`]: the collective and point-to-point calls, one row each (entry point,
+//!   reduction, rank argument, buffer extents), the one list every crate takes them from.
 //!
 //! The safe API lives in the `nccl-safe` crate.
 #![deny(missing_docs)]
@@ -34,7 +37,8 @@ pub use bindings::{
     ncclScalarResidence_t, ncclUniqueId,
 };
 pub use table::{
-    optional_since, FunctionTable, MissingSymbol, Symbol, OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS,
+    optional_since, Collective, EntryPoint, Extent, FunctionTable, MissingSymbol, RankArg, Symbol,
+    OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS,
 };
 
 /// `NCCL_CONFIG_UNDEF_INT` (`INT_MIN`): "not set" for an integer field of `ncclConfig_t`.

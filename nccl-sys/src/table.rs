@@ -65,6 +65,60 @@ macro_rules! function_table {
             )*
         }
 
+        /// One entry point of the table, named by its C name: a one-word `Copy` value
+        /// that stands for the call where a name would (the flight recorder stores it as
+        /// an integer). [`name`](Self::name) and [`since`](Self::since) come from the
+        /// table's row.
+        #[allow(non_camel_case_types)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        #[repr(u16)]
+        pub enum EntryPoint {
+            $(
+                #[doc = concat!("`", stringify!($rname), "` (required).")]
+                $rname,
+            )*
+            $(
+                #[doc = concat!("`", stringify!($oname), "` (NCCL ", stringify!($omaj), ".", stringify!($omin), " and later).")]
+                $oname,
+            )*
+        }
+
+        impl EntryPoint {
+            /// Every entry point, in table order (the required ones first); entry `i` is
+            /// the one whose [`index`](Self::index) is `i`.
+            pub const ALL: &'static [EntryPoint] = &[
+                $( EntryPoint::$rname, )*
+                $( EntryPoint::$oname, )*
+            ];
+
+            /// The C name, e.g. `"ncclAllReduce"`.
+            #[inline]
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $( EntryPoint::$rname => stringify!($rname), )*
+                    $( EntryPoint::$oname => stringify!($oname), )*
+                }
+            }
+
+            /// `(major, minor)` of the first NCCL release that exports it: for a required
+            /// entry point, [`MIN_SUPPORTED_VERSION`](crate::MIN_SUPPORTED_VERSION).
+            pub const fn since(self) -> (u32, u32) {
+                match self {
+                    $( EntryPoint::$rname => crate::MIN_SUPPORTED_VERSION, )*
+                    $( EntryPoint::$oname => ($omaj, $omin), )*
+                }
+            }
+
+            /// Whether the table holds it as an `Option` (an entry point newer than
+            /// NCCL 2.18).
+            pub const fn is_optional(self) -> bool {
+                match self {
+                    $( EntryPoint::$rname => false, )*
+                    $( EntryPoint::$oname => true, )*
+                }
+            }
+        }
+
         /// Every required entry point, in table order.
         pub const REQUIRED_SYMBOLS: &[&str] = &[$( stringify!($rname) ),*];
 
@@ -159,6 +213,56 @@ macro_rules! function_table {
     };
 }
 
+impl EntryPoint {
+    /// Its position in [`EntryPoint::ALL`]: a small integer for compact storage, read back
+    /// with [`from_index`](Self::from_index).
+    #[inline]
+    pub const fn index(self) -> u16 {
+        self as u16
+    }
+
+    /// The entry point at `index` in [`EntryPoint::ALL`].
+    #[inline]
+    pub fn from_index(index: u16) -> Option<EntryPoint> {
+        EntryPoint::ALL.get(usize::from(index)).copied()
+    }
+
+    /// The entry point of C name `name`.
+    pub fn from_name(name: &str) -> Option<EntryPoint> {
+        EntryPoint::ALL.iter().copied().find(|e| e.name() == name)
+    }
+
+    /// The collective it makes, if it is one of [`Collective`]'s entry points.
+    #[inline]
+    pub const fn collective(self) -> Option<Collective> {
+        Collective::of(self)
+    }
+}
+
+impl fmt::Display for EntryPoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(self.name())
+    }
+}
+
+impl PartialEq<str> for EntryPoint {
+    fn eq(&self, other: &str) -> bool {
+        self.name() == other
+    }
+}
+
+impl PartialEq<&str> for EntryPoint {
+    fn eq(&self, other: &&str) -> bool {
+        self.name() == *other
+    }
+}
+
+impl PartialEq<EntryPoint> for &str {
+    fn eq(&self, other: &EntryPoint) -> bool {
+        *self == other.name()
+    }
+}
+
 /// The release that introduced an optional entry point; `None` for a required or unknown name.
 pub fn optional_since(name: &str) -> Option<(u32, u32)> {
     OPTIONAL_SYMBOLS
@@ -238,5 +342,250 @@ function_table! {
         [2 . 31] fn ncclGatherConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) -> ncclResult_t;
         [2 . 31] fn ncclScatterConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) -> ncclResult_t;
         [2 . 32] fn ncclSetEncryption(config: *const ncclEncryptionConfig_t) -> ncclResult_t;
+    }
+}
+
+/// How many elements one rank's buffer of a collective holds, from the `count` argument
+/// NCCL is given (the count per rank, or per block).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Extent {
+    /// The buffer is not used (NCCL ignores it, a null pointer is fine).
+    Unused,
+    /// `count` elements.
+    Count,
+    /// `count x nranks` elements.
+    World,
+    /// `count` elements on the root, unused on every other rank.
+    RootCount,
+    /// `count x nranks` elements on the root, unused on every other rank.
+    RootWorld,
+}
+
+impl Extent {
+    /// The elements it holds on a rank (`is_root`: whether the rank is the root); `None`
+    /// when `count x nranks` overflows.
+    #[inline]
+    pub fn elements(self, count: usize, nranks: usize, is_root: bool) -> Option<usize> {
+        Some(match self {
+            Extent::Unused => 0,
+            Extent::Count => count,
+            Extent::World => count.checked_mul(nranks)?,
+            Extent::RootCount if is_root => count,
+            Extent::RootWorld if is_root => count.checked_mul(nranks)?,
+            Extent::RootCount | Extent::RootWorld => 0,
+        })
+    }
+}
+
+/// The rank argument a collective takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankArg {
+    /// None: every rank plays the same part.
+    None,
+    /// A root, the same on every rank.
+    Root,
+    /// A peer: a point-to-point call, which only it and its peer take part in.
+    Peer,
+}
+
+macro_rules! collectives {
+    ($(
+        $(#[doc = $doc:literal])*
+        $variant:ident = $entry:ident {
+            reduces: $reduces:literal, rank: $rank:ident, send: $send:ident, recv: $recv:ident $(,)?
+        }
+    )*) => {
+        /// The collective and point-to-point calls of NCCL, one row each: everything the
+        /// crates know about one (its entry point, whether it reduces, its rank argument,
+        /// its buffers' extents) comes from its row, so a new one is its entry point's row
+        /// in the function table, its row here, its safe methods and the host provider's
+        /// execution.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        #[repr(u8)]
+        pub enum Collective {
+            $( $(#[doc = $doc])* $variant, )*
+        }
+
+        impl Collective {
+            /// Every collective, in row order; entry `i` is the one whose
+            /// [`index`](Self::index) is `i`.
+            pub const ALL: &'static [Collective] = &[$( Collective::$variant, )*];
+
+            /// Its entry point in the [`FunctionTable`].
+            #[inline]
+            pub const fn entry_point(self) -> EntryPoint {
+                match self {
+                    $( Collective::$variant => EntryPoint::$entry, )*
+                }
+            }
+
+            /// The collective that `entry` makes, if any.
+            #[inline]
+            pub const fn of(entry: EntryPoint) -> Option<Collective> {
+                match entry {
+                    $( EntryPoint::$entry => Some(Collective::$variant), )*
+                    #[allow(unreachable_patterns)]
+                    _ => None,
+                }
+            }
+
+            /// Whether it takes a reduction.
+            #[inline]
+            pub const fn reduces(self) -> bool {
+                match self {
+                    $( Collective::$variant => $reduces, )*
+                }
+            }
+
+            /// Its rank argument: none, a root or a peer.
+            #[inline]
+            pub const fn rank_arg(self) -> RankArg {
+                match self {
+                    $( Collective::$variant => RankArg::$rank, )*
+                }
+            }
+
+            /// The extents of its (send, receive) buffers on one rank.
+            #[inline]
+            pub const fn extents(self) -> (Extent, Extent) {
+                match self {
+                    $( Collective::$variant => (Extent::$send, Extent::$recv), )*
+                }
+            }
+        }
+    };
+}
+
+impl Collective {
+    /// The C name of its entry point, e.g. `"ncclAllReduce"`.
+    #[inline]
+    pub const fn name(self) -> &'static str {
+        self.entry_point().name()
+    }
+
+    /// `(major, minor)` of the first NCCL release that has it (its entry point's).
+    #[inline]
+    pub const fn since(self) -> (u32, u32) {
+        self.entry_point().since()
+    }
+
+    /// Whether every rank of the communicator takes part (not a point-to-point call).
+    #[inline]
+    pub const fn every_rank(self) -> bool {
+        !matches!(self.rank_arg(), RankArg::Peer)
+    }
+
+    /// Its position in [`Collective::ALL`]: a small integer for compact storage, read back
+    /// with [`from_index`](Self::from_index).
+    #[inline]
+    pub const fn index(self) -> u8 {
+        self as u8
+    }
+
+    /// The collective at `index` in [`Collective::ALL`].
+    #[inline]
+    pub fn from_index(index: u8) -> Option<Collective> {
+        Collective::ALL.get(usize::from(index)).copied()
+    }
+
+    /// The elements of its (send, receive) buffers on a rank, for `count` (NCCL's count
+    /// argument) on `nranks` ranks; `None` when one overflows.
+    #[inline]
+    pub fn elements(self, count: usize, nranks: usize, is_root: bool) -> Option<(usize, usize)> {
+        let (send, recv) = self.extents();
+        Some((
+            send.elements(count, nranks, is_root)?,
+            recv.elements(count, nranks, is_root)?,
+        ))
+    }
+}
+
+impl fmt::Display for Collective {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(self.name())
+    }
+}
+
+collectives! {
+    /// `ncclAllReduce`: every rank's send reduced into every rank's receive buffer.
+    AllReduce = ncclAllReduce { reduces: true, rank: None, send: Count, recv: Count }
+    /// `ncclBroadcast`: the root's send buffer copied into every rank's receive buffer.
+    Broadcast = ncclBroadcast { reduces: false, rank: Root, send: RootCount, recv: Count }
+    /// `ncclReduce`: every rank's send reduced into the root's receive buffer.
+    Reduce = ncclReduce { reduces: true, rank: Root, send: Count, recv: RootCount }
+    /// `ncclAllGather`: every rank's send, in rank order, in every rank's receive buffer.
+    AllGather = ncclAllGather { reduces: false, rank: None, send: Count, recv: World }
+    /// `ncclReduceScatter`: block `i` of the reduction in rank `i`'s receive buffer.
+    ReduceScatter = ncclReduceScatter { reduces: true, rank: None, send: World, recv: Count }
+    /// `ncclAlltoAll`: block `j` of rank `i`'s send in block `i` of rank `j`'s receive buffer.
+    AllToAll = ncclAlltoAll { reduces: false, rank: None, send: World, recv: World }
+    /// `ncclGather`: every rank's send, in rank order, in the root's receive buffer.
+    Gather = ncclGather { reduces: false, rank: Root, send: Count, recv: RootWorld }
+    /// `ncclScatter`: block `i` of the root's send in rank `i`'s receive buffer.
+    Scatter = ncclScatter { reduces: false, rank: Root, send: RootWorld, recv: Count }
+    /// `ncclSend`: the send buffer to a peer.
+    Send = ncclSend { reduces: false, rank: Peer, send: Count, recv: Unused }
+    /// `ncclRecv`: the receive buffer from a peer.
+    Recv = ncclRecv { reduces: false, rank: Peer, send: Unused, recv: Count }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entry_points_round_trip_and_match_the_symbol_lists() {
+        for (i, &e) in EntryPoint::ALL.iter().enumerate() {
+            assert_eq!(usize::from(e.index()), i);
+            assert_eq!(EntryPoint::from_index(e.index()), Some(e));
+            assert_eq!(EntryPoint::from_name(e.name()), Some(e));
+            assert_eq!(e.is_optional(), optional_since(e.name()).is_some());
+            assert_eq!(optional_since(e.name()).unwrap_or((2, 18)), e.since());
+        }
+        let names: Vec<&str> = EntryPoint::ALL.iter().map(|e| e.name()).collect();
+        let symbols: Vec<&str> = REQUIRED_SYMBOLS
+            .iter()
+            .copied()
+            .chain(OPTIONAL_SYMBOLS.iter().map(|s| s.name))
+            .collect();
+        assert_eq!(names, symbols);
+    }
+
+    #[test]
+    fn every_collective_has_one_entry_point_and_consistent_rows() {
+        for (i, &c) in Collective::ALL.iter().enumerate() {
+            assert_eq!(usize::from(c.index()), i);
+            assert_eq!(Collective::from_index(c.index()), Some(c));
+            let e = c.entry_point();
+            assert_eq!(Collective::of(e), Some(c), "{c:?}");
+            assert_eq!(e.collective(), Some(c));
+            assert_eq!(c.since(), e.since());
+            let (send, recv) = c.extents();
+            // Only a rooted collective leaves a buffer unused off the root.
+            let rooted = |x: Extent| matches!(x, Extent::RootCount | Extent::RootWorld);
+            assert!(
+                !(rooted(send) || rooted(recv)) || c.rank_arg() == RankArg::Root,
+                "{c:?}"
+            );
+            // Point-to-point calls have one buffer; collectives both.
+            assert_eq!(
+                c.every_rank(),
+                send != Extent::Unused && recv != Extent::Unused,
+                "{c:?}"
+            );
+        }
+        let mut of: Vec<Collective> = EntryPoint::ALL
+            .iter()
+            .filter_map(|e| e.collective())
+            .collect();
+        of.sort();
+        assert_eq!(of, Collective::ALL, "each row's entry point, once");
+        assert_eq!(Collective::Scatter.since(), (2, 28));
+        assert_eq!(
+            Collective::Scatter.elements(3, 4, false),
+            Some((0, 3)),
+            "a non-root rank's send buffer is unused"
+        );
+        assert_eq!(Collective::Scatter.elements(usize::MAX, 2, true), None);
     }
 }

@@ -2,6 +2,7 @@
 //! the adoption of the handle NCCL returns.
 
 use super::*;
+use nccl_sys::EntryPoint;
 
 impl Communicator {
     /// Splits this communicator (`ncclCommSplit`); collective over all its ranks.
@@ -24,7 +25,8 @@ impl Communicator {
     /// ```
     #[track_caller]
     pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Communicator>> {
-        const OP: &str = "ncclCommSplit";
+        const CALL: EntryPoint = EntryPoint::ncclCommSplit;
+        const OP: &str = CALL.name();
         let caller = Location::caller();
         let color = match color {
             None => nccl_sys::bindings::NCCL_SPLIT_NOCOLOR,
@@ -41,7 +43,7 @@ impl Communicator {
         let out = slot.out();
         let mut adopted = None;
         let r = self.issue_job(
-            &OP,
+            CALL,
             caller,
             |t, comm| {
                 // SAFETY: `out` is the heap slot NCCL's job writes; it outlives the job
@@ -64,7 +66,8 @@ impl Communicator {
     /// that stay. The calling rank must not be in `exclude`.
     #[track_caller]
     pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
-        const OP: &str = "ncclCommShrink";
+        const CALL: EntryPoint = EntryPoint::ncclCommShrink;
+        const OP: &str = CALL.name();
         let caller = Location::caller();
         let shrink = self
             .handle
@@ -106,7 +109,7 @@ impl Communicator {
         let out = slot.out();
         let mut adopted = None;
         let r = self.issue_job(
-            &OP,
+            CALL,
             caller,
             |_, comm| {
                 // SAFETY: `list` holds `list.len()` in-range ranks (NCCL copies it for its

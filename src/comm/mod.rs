@@ -500,7 +500,7 @@ impl Communicator {
     /// touched: a failed communicator (an NCCL error, or a timeout the watchdog declared)
     /// fails at once. A few loads.
     #[inline(always)]
-    pub(crate) fn admit(&self, op: &'static str) -> Result<()> {
+    pub(crate) fn admit(&self, op: nccl_sys::EntryPoint) -> Result<()> {
         if self.failure.get().is_some() || self.diag.failed() {
             return self.refuse(op);
         }
@@ -508,8 +508,8 @@ impl Communicator {
     }
 
     #[cold]
-    fn refuse(&self, op: &'static str) -> Result<()> {
-        let r = self.ensure_usable(op);
+    fn refuse(&self, op: nccl_sys::EntryPoint) -> Result<()> {
+        let r = self.ensure_usable(op.name());
         if r.is_err() && crate::diag::is_collective(op) {
             self.refused.set(self.refused.get() + 1);
         }
@@ -529,6 +529,7 @@ impl Communicator {
     /// Collectives this rank's program called: those issued (each has a sequence number)
     /// and those refused because the communicator had failed. The launcher compares ranks
     /// by it to name the one that left early, ran an extra collective, or was behind.
+    #[cfg(feature = "launch")]
     pub(crate) fn collectives_called(&self) -> u64 {
         self.diagnostics().collectives + self.refused.get()
     }

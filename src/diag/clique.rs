@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+use nccl_sys::EntryPoint;
+
 use super::recorder::{OpRecord, OpState};
 use super::remote::{self, DesyncPost, RemoteBoard};
 
@@ -64,8 +66,8 @@ pub(crate) fn fresh_key() -> CliqueKey {
 pub(crate) struct TimeoutReport {
     /// The rank whose operation timed out (`usize::MAX` when no operation is known).
     pub rank: usize,
-    /// That operation's NCCL call.
-    pub op: &'static str,
+    /// That operation's NCCL call (`None` when no operation is known).
+    pub op: Option<EntryPoint>,
     /// Its collective sequence number.
     pub seq: u64,
     pub text: Box<str>,
@@ -78,7 +80,7 @@ impl TimeoutReport {
     pub(crate) fn of(rank: usize, rec: &OpRecord, text: String) -> Arc<TimeoutReport> {
         Arc::new(TimeoutReport {
             rank,
-            op: rec.op,
+            op: Some(rec.op),
             seq: rec.seq,
             text: text.into(),
             left: None,
@@ -89,7 +91,7 @@ impl TimeoutReport {
     pub(crate) fn text(text: &str) -> Arc<TimeoutReport> {
         Arc::new(TimeoutReport {
             rank: usize::MAX,
-            op: "",
+            op: None,
             seq: u64::MAX,
             text: text.into(),
             left: None,
@@ -97,8 +99,8 @@ impl TimeoutReport {
     }
 
     /// Whether it reports operation `op` (sequence number `seq`) of rank `rank`.
-    pub(crate) fn is_about(&self, rank: usize, op: &str, seq: u64) -> bool {
-        self.rank == rank && self.op == op && self.seq == seq
+    pub(crate) fn is_about(&self, rank: usize, op: EntryPoint, seq: u64) -> bool {
+        self.rank == rank && self.op == Some(op) && self.seq == seq
     }
 }
 
@@ -169,7 +171,7 @@ pub(crate) struct Departure {
     pub how: String,
     /// Its last collectives (sequence number, NCCL call), oldest first, as far as its
     /// flight record still held them; empty for a rank of another process.
-    pub recent: Vec<(u64, &'static str)>,
+    pub recent: Vec<(u64, EntryPoint)>,
 }
 
 impl Departure {
@@ -307,7 +309,7 @@ impl Clique {
         &self,
         rank: usize,
         view: RankView,
-        recent: Vec<(u64, &'static str)>,
+        recent: Vec<(u64, EntryPoint)>,
         how: &str,
         broken: bool,
     ) -> Option<Arc<TimeoutReport>> {
@@ -375,20 +377,15 @@ impl Clique {
         // Only the calls that need every rank: not point-to-point (only its peer), a
         // shrink (only the ranks it keeps: the excluded ones may well be gone), or local
         // calls.
-        let every_rank = matches!(
-            rec.op,
-            "ncclAllReduce"
-                | "ncclAllGather"
-                | "ncclAlltoAll"
-                | "ncclBroadcast"
-                | "ncclGather"
-                | "ncclReduce"
-                | "ncclReduceScatter"
-                | "ncclScatter"
-                | "ncclCommSplit"
-                | "ncclCommWindowRegister"
-                | "ncclCommWindowDeregister"
-        );
+        let every_rank = match rec.op.collective() {
+            Some(c) => c.every_rank(),
+            None => matches!(
+                rec.op,
+                EntryPoint::ncclCommSplit
+                    | EntryPoint::ncclCommWindowRegister
+                    | EntryPoint::ncclCommWindowDeregister
+            ),
+        };
         (d.rank != rank && every_rank && d.never_issued(rec)).then_some(d)
     }
 
@@ -415,7 +412,7 @@ impl Clique {
         };
         let report = Arc::new(TimeoutReport {
             rank: waiting.unwrap_or(usize::MAX),
-            op: rec.map_or("", |r| r.op),
+            op: rec.map(|r| r.op),
             seq: rec.map_or(u64::MAX, |r| r.seq),
             text: text.into(),
             left: Some(d.rank),
@@ -793,7 +790,7 @@ mod tests {
     fn enqueued_all_reduce(seq: u64, age: Duration) -> OpRecord {
         OpRecord {
             seq,
-            op: "ncclAllReduce",
+            op: EntryPoint::ncclAllReduce,
             dtype: Some(crate::types::DataType::Float32),
             count: 4,
             root: None,
@@ -956,14 +953,14 @@ mod tests {
         view.present = true;
         view.issued = 2;
         let recent = vec![
-            (0, "ncclCommWindowRegister"),
-            (1, "ncclCommWindowDeregister"),
+            (0, EntryPoint::ncclCommWindowRegister),
+            (1, EntryPoint::ncclCommWindowDeregister),
         ];
         assert!(c
             .depart(1, view, recent, "it aborted its communicator", false)
             .is_none());
         let bcast = |seq| OpRecord {
-            op: "ncclBroadcast",
+            op: EntryPoint::ncclBroadcast,
             root: Some(0),
             ..enqueued_all_reduce(seq, Duration::ZERO)
         };
@@ -973,7 +970,7 @@ mod tests {
         assert!(c.waits_for_departed(0, &bcast(2)).is_some());
         // The same call of the same number: the rank issued it.
         let dereg = OpRecord {
-            op: "ncclCommWindowDeregister",
+            op: EntryPoint::ncclCommWindowDeregister,
             ..enqueued_all_reduce(1, Duration::ZERO)
         };
         assert!(c.waits_for_departed(0, &dereg).is_none());
@@ -982,7 +979,13 @@ mod tests {
         let mut view = c.view(1);
         view.present = true;
         view.issued = 5;
-        c.depart(1, view, vec![(4, "ncclAllReduce")], "it left", false);
+        c.depart(
+            1,
+            view,
+            vec![(4, EntryPoint::ncclAllReduce)],
+            "it left",
+            false,
+        );
         assert!(c
             .waits_for_departed(0, &enqueued_all_reduce(3, Duration::ZERO))
             .is_none());
@@ -1045,7 +1048,7 @@ mod tests {
     fn report_without_a_board_says_no_record() {
         let c = join(fresh_key(), 2);
         let stuck = OpRecord {
-            op: "ncclBroadcast",
+            op: EntryPoint::ncclBroadcast,
             dtype: None,
             count: 0,
             root: Some(0),

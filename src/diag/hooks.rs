@@ -561,7 +561,7 @@ impl CommDiag {
         let e = match s.clique.agree(s.rank, rec, deadline) {
             Agreement::Agree => return Ok(()),
             Agreement::Mismatch(table) => Error::CollectiveMismatch {
-                op: rec.op,
+                op: rec.op.name(),
                 rank: s.rank,
                 seq: rec.seq,
                 table,
@@ -1076,7 +1076,7 @@ mod tests {
         let push = || {
             s.journal.push(&Entry {
                 seq: 0,
-                name: &"ncclAllReduce",
+                name: nccl_sys::EntryPoint::ncclAllReduce,
                 dtype: None,
                 count: 0,
                 root: None,

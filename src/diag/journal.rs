@@ -5,14 +5,17 @@
 //! Each slot is a sequence lock. The one writer makes the slot's version odd, writes the
 //! fields and makes the version even again; a reader copies the fields between two reads
 //! of the version and retries when they differ or are odd. Every field is an atomic word,
-//! so a read that races a write is retried, never undefined behaviour. The two references
-//! a record holds, the call's name and the caller's `Location`, are stored as pointers to
-//! `'static` data; every value ever stored in those words is such a pointer (or the
-//! initial null), so following one is sound whether or not the version check passes.
+//! so a read that races a write is retried, never undefined behaviour. The call is stored
+//! as its entry point's index (a small integer); the one reference a record holds, the
+//! caller's `Location`, is stored as a pointer to `'static` data: every value ever stored in
+//! that word is such a pointer (or the initial null), so following one is sound whether or
+//! not the version check passes.
 
 use std::panic::Location;
 use std::sync::atomic::{fence, AtomicPtr, AtomicU64, Ordering};
 use std::time::Duration;
+
+use nccl_sys::EntryPoint;
 
 use super::clock;
 use super::recorder::{OpRecord, OpState};
@@ -24,7 +27,7 @@ const NONE: u64 = u64::MAX;
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Entry {
     pub seq: u64,
-    pub name: &'static &'static str,
+    pub name: EntryPoint,
     pub dtype: Option<DataType>,
     pub count: usize,
     pub root: Option<usize>,
@@ -41,9 +44,9 @@ struct Slot {
     /// The record's position (a slot is reused every `slots.len()` records).
     pos: AtomicU64,
     seq: AtomicU64,
-    name: AtomicPtr<&'static str>,
     caller: AtomicPtr<Location<'static>>,
-    /// `dtype code | state << 8` (dtype code 0: none, else index + 1).
+    /// `dtype code | state << 8 | entry point index << 16` (dtype code 0: none, else
+    /// index + 1).
     meta: AtomicU64,
     count: AtomicU64,
     root: AtomicU64,
@@ -138,15 +141,14 @@ impl Journal {
         let v = Self::open(s);
         s.pos.store(pos, Ordering::Relaxed);
         s.seq.store(e.seq, Ordering::Relaxed);
-        s.name.store(
-            (e.name as *const &'static str).cast_mut(),
-            Ordering::Relaxed,
-        );
         s.caller.store(
             (e.caller as *const Location<'static>).cast_mut(),
             Ordering::Relaxed,
         );
-        s.meta.store(dtype_code(e.dtype), Ordering::Relaxed);
+        s.meta.store(
+            dtype_code(e.dtype) | u64::from(e.name.index()) << 16,
+            Ordering::Relaxed,
+        );
         s.count.store(e.count as u64, Ordering::Relaxed);
         s.root
             .store(e.root.map_or(NONE, |r| r as u64), Ordering::Relaxed);
@@ -167,7 +169,7 @@ impl Journal {
         }
         let s = self.slot(pos);
         let v = Self::open(s);
-        let meta = s.meta.load(Ordering::Relaxed) & 0xff;
+        let meta = s.meta.load(Ordering::Relaxed) & !(0xff << 8);
         s.meta
             .store(meta | state_code(state) << 8, Ordering::Relaxed);
         s.took.store(took_ns, Ordering::Relaxed);
@@ -201,10 +203,9 @@ impl Journal {
 
     /// The record at `pos`, if it is still in the ring. Any thread.
     pub(crate) fn get(&self, pos: u64) -> Option<OpRecord> {
-        let (at, (seq, name, caller, meta, count, root, enqueued, took)) = self.read(pos, |s| {
+        let (at, (seq, caller, meta, count, root, enqueued, took)) = self.read(pos, |s| {
             (
                 s.seq.load(Ordering::Relaxed),
-                s.name.load(Ordering::Relaxed),
                 s.caller.load(Ordering::Relaxed),
                 s.meta.load(Ordering::Relaxed),
                 s.count.load(Ordering::Relaxed),
@@ -214,13 +215,14 @@ impl Journal {
             )
         })?;
         // The slot may since have been reused for a later record.
-        if at != pos || name.is_null() || caller.is_null() {
+        if at != pos || caller.is_null() {
             return None;
         }
-        // SAFETY: every non-null value stored in these words came from a
-        // `&'static &'static str` and a `&'static Location<'static>` (`push`): they
-        // point to immutable data that lives for the whole program.
-        let (op, caller) = unsafe { (*name, &*caller) };
+        let op = EntryPoint::from_index((meta >> 16) as u16)?;
+        // SAFETY: every non-null value stored in this word came from a
+        // `&'static Location<'static>` (`push`): it points to immutable data that lives
+        // for the whole program.
+        let caller = unsafe { &*caller };
         Some(OpRecord {
             seq,
             op,
@@ -274,7 +276,7 @@ impl Journal {
 mod tests {
     use super::*;
 
-    fn entry(seq: u64, name: &'static &'static str) -> Entry {
+    fn entry(seq: u64, name: EntryPoint) -> Entry {
         Entry {
             seq,
             name,
@@ -292,7 +294,7 @@ mod tests {
         let j = Journal::new(3);
         assert!(j.last().is_none() && j.snapshot().is_empty());
         for i in 0..5u64 {
-            let p = j.push(&entry(i, &"ncclAllReduce"));
+            let p = j.push(&entry(i, EntryPoint::ncclAllReduce));
             assert_eq!(p, i);
             j.finish(p, OpState::Completed, 7 + i);
         }
@@ -302,7 +304,10 @@ mod tests {
             vec![2, 3, 4]
         );
         let r = &snap[2];
-        assert_eq!((r.op, r.count, r.root), ("ncclAllReduce", 40, Some(4)));
+        assert_eq!(
+            (r.op, r.count, r.root),
+            (EntryPoint::ncclAllReduce, 40, Some(4))
+        );
         assert_eq!(r.dtype, Some(DataType::Float32));
         assert_eq!(r.state, OpState::Completed);
         assert_eq!(r.took, Some(Duration::from_nanos(11)));
@@ -312,7 +317,7 @@ mod tests {
         assert_eq!((j.queue_of(0), j.queue_of(4)), (None, Some(1)));
         j.finish(0, OpState::Failed, 1);
         assert_eq!(j.get(2).unwrap().state, OpState::Completed);
-        let p = j.push(&entry(9, &"ncclBroadcast"));
+        let p = j.push(&entry(9, EntryPoint::ncclBroadcast));
         assert_eq!(j.last().unwrap().state, OpState::Enqueued);
         assert_eq!(j.last().unwrap().took, None);
         j.finish(p, OpState::Failed, 3);
@@ -331,8 +336,8 @@ mod tests {
     #[test]
     fn a_zero_length_record_keeps_only_the_newest_for_reports() {
         let j = Journal::new(0);
-        j.push(&entry(1, &"ncclAllGather"));
-        j.push(&entry(2, &"ncclAllGather"));
+        j.push(&entry(1, EntryPoint::ncclAllGather));
+        j.push(&entry(2, EntryPoint::ncclAllGather));
         assert!(j.snapshot().is_empty());
         assert_eq!(j.last().unwrap().seq, 2);
         assert_eq!(j.len(), 2);
@@ -357,7 +362,7 @@ mod tests {
                 assert!(seen > 0);
             });
             for i in 0..200_000u64 {
-                let p = j.push(&entry(i, &"ncclReduce"));
+                let p = j.push(&entry(i, EntryPoint::ncclReduce));
                 j.finish(p, OpState::Completed, i);
             }
             stop.store(true, Ordering::Relaxed);

@@ -97,7 +97,7 @@ pub use hooks::Diagnostics;
 #[cfg(feature = "diag")]
 pub(crate) use hooks::{shrink_tag, CommDiag, Handle};
 #[cfg(feature = "diag")]
-pub use recorder::{FlightRecord, OpRecord, OpState};
+pub use recorder::{EntryPoint, FlightRecord, OpRecord, OpState};
 #[cfg(feature = "diag")]
 pub use remote::{BoardError, DesyncPost, RemoteBoard, MAX_POST_TEXT};
 #[cfg(feature = "diag")]

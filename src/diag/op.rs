@@ -3,6 +3,8 @@
 
 use std::cell::Cell;
 
+use nccl_sys::EntryPoint;
+
 use crate::stream::StreamRef;
 use crate::types::DataType;
 
@@ -30,7 +32,7 @@ pub(super) fn in_group() -> bool {
 #[derive(Debug, Clone, Copy)]
 #[cfg_attr(not(feature = "diag"), allow(dead_code))]
 pub(crate) struct OpInfo<'a> {
-    pub(super) name: &'static &'static str,
+    pub(super) name: EntryPoint,
     pub(super) collective: bool,
     pub(super) dtype: Option<DataType>,
     pub(super) count: usize,
@@ -39,18 +41,18 @@ pub(crate) struct OpInfo<'a> {
 }
 
 impl<'a> OpInfo<'a> {
-    /// An operation moving `count` elements of `dtype` on `stream`, with its root or peer.
+    /// A collective moving `count` elements of `dtype` on `stream`, with its root or peer.
     #[inline]
     pub(crate) fn new(
-        name: &'static &'static str,
+        call: nccl_sys::Collective,
         dtype: DataType,
         count: usize,
         root: Option<usize>,
         stream: StreamRef<'a>,
     ) -> OpInfo<'a> {
         OpInfo {
-            name,
-            collective: is_collective(name),
+            name: call.entry_point(),
+            collective: call.every_rank(),
             dtype: Some(dtype),
             count,
             root,
@@ -61,20 +63,23 @@ impl<'a> OpInfo<'a> {
     /// The NCCL call.
     #[inline]
     pub(crate) fn name(&self) -> &'static str {
-        self.name
+        self.name.name()
     }
 }
 
-/// Collectives get a sequence number and a fingerprint; send/recv (called by two ranks)
-/// and shrink (not called by the excluded ranks) do not.
+/// Collectives get a sequence number and a fingerprint; point-to-point calls (made by two
+/// ranks) and shrink (not called by the excluded ranks) do not.
 #[inline]
-pub(crate) fn is_collective(name: &str) -> bool {
-    !matches!(name, "ncclSend" | "ncclRecv" | "ncclCommShrink")
+pub(crate) fn is_collective(call: EntryPoint) -> bool {
+    match call.collective() {
+        Some(c) => c.every_rank(),
+        None => call != EntryPoint::ncclCommShrink,
+    }
 }
 
-impl From<&'static &'static str> for OpInfo<'static> {
+impl From<EntryPoint> for OpInfo<'static> {
     #[inline]
-    fn from(name: &'static &'static str) -> Self {
+    fn from(name: EntryPoint) -> Self {
         OpInfo {
             name,
             collective: is_collective(name),

@@ -1,6 +1,6 @@
 //! The flight recorder: a preallocated ring of the last operations of one communicator.
 //!
-//! Entries are `Copy` (names are `&'static str`, call sites `&'static Location`), the ring
+//! Entries are `Copy` (calls are [`EntryPoint`]s, call sites `&'static Location`), the ring
 //! is allocated once when the communicator is attached, so recording an operation never
 //! allocates.
 
@@ -8,6 +8,8 @@ use std::fmt::{self, Write as _};
 use std::panic::Location;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
+
+pub use nccl_sys::EntryPoint;
 
 use crate::types::DataType;
 
@@ -39,8 +41,9 @@ pub struct OpRecord {
     /// The collective's sequence number on its communicator (point-to-point operations and
     /// shrink carry the number of the last collective before them).
     pub seq: u64,
-    /// The NCCL call, e.g. `"ncclAllReduce"`.
-    pub op: &'static str,
+    /// The NCCL call, e.g. `ncclAllReduce`: it compares with a name (`rec.op ==
+    /// "ncclAllReduce"`), displays as one, and [`EntryPoint::name`] gives the `&'static str`.
+    pub op: EntryPoint,
     /// The element type, when the operation moves data.
     pub dtype: Option<DataType>,
     /// The element count NCCL received.
@@ -69,7 +72,7 @@ impl OpRecord {
                 s,
                 "{}{} {r}",
                 if self.dtype.is_some() { ", " } else { "" },
-                if self.op == "ncclSend" || self.op == "ncclRecv" {
+                if self.op.collective().is_some_and(|c| !c.every_rank()) {
                     "peer"
                 } else {
                     "root"

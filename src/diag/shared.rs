@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use nccl_sys::ncclComm_t;
+use nccl_sys::{ncclComm_t, EntryPoint};
 
 use super::aborter::{Job, Lane};
 use super::clique::{Clique, LiveRank, RankView, TimeoutReport};
@@ -494,12 +494,12 @@ impl Shared {
     /// on: a peer's collective numbered as another call of this rank is then a mismatch
     /// that the check reports to every rank (`CollectiveMismatch`, with the table), which
     /// the departure must not preempt.
-    pub(super) fn recent_collectives(&self) -> Vec<(u64, &'static str)> {
+    pub(super) fn recent_collectives(&self) -> Vec<(u64, EntryPoint)> {
         let Some(last) = self.journal.last_pos().filter(|_| !self.settings.check) else {
             return Vec::new();
         };
         let first = (last + 1).saturating_sub(self.journal.capacity());
-        let mut out: Vec<(u64, &'static str)> = (first..=last)
+        let mut out: Vec<(u64, EntryPoint)> = (first..=last)
             .rev()
             .filter_map(|p| self.journal.get(p))
             .filter(|r| super::op::is_collective(r.op))

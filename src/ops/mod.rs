@@ -16,7 +16,8 @@
 //! are the buffers' pointers taken (with cudarc's guards, kept until the work is enqueued). A
 //! failed check is a typed error and leaves the communicator usable.
 //!
-//! Adding a collective touches its entry point in `nccl-sys`'s function table, this file
+//! Adding a collective touches `nccl-sys`'s `table.rs` (its entry point's row and its
+//! `Collective` row, where the diagnostics read whether every rank takes part), this file
 //! (a `Call` variant, its `make` arm, and its two methods), its host-provider
 //! implementation, and its tests.
 
@@ -36,7 +37,7 @@ use crate::library::Provider;
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
 use nccl_sys::{
-    cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, FunctionTable,
+    cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, Collective, FunctionTable,
 };
 use op::{Start, NO_RECV, NO_SEND};
 
@@ -282,7 +283,7 @@ impl Communicator {
         reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, &"ncclAllReduce", stream)?;
+        let at = Start::new(self, Collective::AllReduce, stream)?;
         let red = at.reduction(reduction.into())?;
         let count = send.len();
         at.send(send, count, "recv = send")?;
@@ -313,7 +314,7 @@ impl Communicator {
         reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, &"ncclAllReduce", stream)?;
+        let at = Start::new(self, Collective::AllReduce, stream)?;
         let red = at.reduction(reduction.into())?;
         let count = buf.len();
         at.recv(buf, count, "in place")?;
@@ -361,7 +362,7 @@ impl Communicator {
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, &"ncclBroadcast", stream)?;
+        let at = Start::new(self, Collective::Broadcast, stream)?;
         let root_c = at.rank_arg("root", root)?;
         let count = recv.len();
         at.send(send, count, "send = recv")?;
@@ -392,7 +393,7 @@ impl Communicator {
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, &"ncclBroadcast", stream)?;
+        let at = Start::new(self, Collective::Broadcast, stream)?;
         let root_c = at.rank_arg("root", root)?;
         let count = buf.len();
         at.recv(buf, count, "in place")?;
@@ -442,7 +443,7 @@ impl Communicator {
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, &"ncclReduce", stream)?;
+        let at = Start::new(self, Collective::Reduce, stream)?;
         let red = at.reduction(reduction.into())?;
         let root_c = at.rank_arg("root", root)?;
         let count = send.len();
@@ -476,7 +477,7 @@ impl Communicator {
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, &"ncclReduce", stream)?;
+        let at = Start::new(self, Collective::Reduce, stream)?;
         let red = at.reduction(reduction.into())?;
         let root_c = at.rank_arg("root", root)?;
         let count = buf.len();
@@ -523,7 +524,7 @@ impl Communicator {
         recv: &'a mut R,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, &"ncclAllGather", stream)?;
+        let at = Start::new(self, Collective::AllGather, stream)?;
         let count = send.len();
         let total = at.times_world(count)?;
         at.send(send, count, "send = count")?;
@@ -553,7 +554,7 @@ impl Communicator {
         buf: &'a mut B,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, &"ncclAllGather", stream)?;
+        let at = Start::new(self, Collective::AllGather, stream)?;
         let count = at.block_of(buf.len())?;
         at.recv(buf, count * at.world_size(), "in place")?;
         // NCCL's in-place form: this rank's block is the input.
@@ -606,7 +607,7 @@ impl Communicator {
         reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, &"ncclReduceScatter", stream)?;
+        let at = Start::new(self, Collective::ReduceScatter, stream)?;
         let red = at.reduction(reduction.into())?;
         let count = recv.len();
         let total = at.times_world(count)?;
@@ -639,7 +640,7 @@ impl Communicator {
         reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, &"ncclReduceScatter", stream)?;
+        let at = Start::new(self, Collective::ReduceScatter, stream)?;
         let red = at.reduction(reduction.into())?;
         let count = at.block_of(buf.len())?;
         at.recv(buf, count * at.world_size(), "in place")?;
@@ -674,7 +675,7 @@ impl Communicator {
         peer: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, &"ncclSend", stream)?;
+        let at = Start::new(self, Collective::Send, stream)?;
         let peer_c = at.rank_arg("peer", peer)?;
         let count = buf.len();
         at.send(buf, count, "any length")?;
@@ -704,7 +705,7 @@ impl Communicator {
         peer: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, &"ncclRecv", stream)?;
+        let at = Start::new(self, Collective::Recv, stream)?;
         let peer_c = at.rank_arg("peer", peer)?;
         let count = buf.len();
         at.recv(buf, count, "any length")?;
@@ -751,7 +752,7 @@ impl Communicator {
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
         let f = self.optional(|t| t.ncclAlltoAll, "ncclAlltoAll")?;
-        let at = Start::new(self, &"ncclAlltoAll", stream)?;
+        let at = Start::new(self, Collective::AllToAll, stream)?;
         let total = send.len();
         let count = at.block_of(total)?;
         at.send(send, total, "send = world_size x block")?;
@@ -799,7 +800,7 @@ impl Communicator {
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
         let f = self.optional(|t| t.ncclGather, "ncclGather")?;
-        let at = Start::new(self, &"ncclGather", stream)?;
+        let at = Start::new(self, Collective::Gather, stream)?;
         let root_c = at.rank_arg("root", root)?;
         let count = send.len();
         let total = at.times_world(count)?;
@@ -855,7 +856,7 @@ impl Communicator {
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
         let f = self.optional(|t| t.ncclScatter, "ncclScatter")?;
-        let at = Start::new(self, &"ncclScatter", stream)?;
+        let at = Start::new(self, Collective::Scatter, stream)?;
         let root_c = at.rank_arg("root", root)?;
         let count = recv.len();
         let total = at.times_world(count)?;

@@ -3,7 +3,7 @@
 use std::ffi::{c_int, c_void};
 use std::panic::Location;
 
-use nccl_sys::{ncclDataType_t, ncclRedOp_t};
+use nccl_sys::{ncclDataType_t, ncclRedOp_t, Collective};
 
 use super::{Call, Reduction};
 use crate::buffer::{BufferGuard, RecvBuffer, SendBuffer};
@@ -136,7 +136,7 @@ impl<'a> Op<'a> {
 /// checks and the pointers of the description's buffers to come.
 pub(crate) struct Start<'a> {
     comm: &'a Communicator,
-    name: &'static &'static str,
+    call: Collective,
     stream: StreamRef<'a>,
     caller: &'static Location<'static>,
 }
@@ -148,16 +148,16 @@ impl<'a> Start<'a> {
     #[track_caller]
     pub(crate) fn new(
         comm: &'a Communicator,
-        name: &'static &'static str,
+        call: Collective,
         stream: &'a impl AsStream,
     ) -> Result<Start<'a>> {
         let caller = Location::caller();
-        comm.admit(name)?;
+        comm.admit(call.entry_point())?;
         let stream = stream.as_stream();
-        comm.check_stream(name, stream)?;
+        comm.check_stream(call.name(), stream)?;
         Ok(Start {
             comm,
-            name,
+            call,
             stream,
             caller,
         })
@@ -178,25 +178,25 @@ impl<'a> Start<'a> {
     /// The raw reduction, refused when it belongs to another communicator.
     #[inline(always)]
     pub(crate) fn reduction<T>(&self, op: Reduction<'a, T>) -> Result<ncclRedOp_t> {
-        op.raw_for(self.comm, self.name)
+        op.raw_for(self.comm, self.call.name())
     }
 
     /// `rank` as a root or peer (`what`), refused outside the communicator.
     #[inline(always)]
     pub(crate) fn rank_arg(&self, what: &'static str, rank: usize) -> Result<c_int> {
-        self.comm.check_rank(self.name, what, rank)
+        self.comm.check_rank(self.call.name(), what, rank)
     }
 
     /// `count * world_size`, refused when it overflows.
     #[inline(always)]
     pub(crate) fn times_world(&self, count: usize) -> Result<usize> {
-        self.comm.times_world(self.name, count)
+        self.comm.times_world(self.call.name(), count)
     }
 
     /// `len / world_size`, refused when `len` is not a multiple of it.
     #[inline(always)]
     pub(crate) fn block_of(&self, len: usize) -> Result<usize> {
-        self.comm.block_of(self.name, len)
+        self.comm.block_of(self.call.name(), len)
     }
 
     /// Checks a buffer NCCL reads: the element type, its length against the operation's
@@ -209,7 +209,7 @@ impl<'a> Start<'a> {
         rule: &'static str,
     ) -> Result<()> {
         self.comm.check_buffer::<T>(
-            self.name,
+            self.call.name(),
             BufferRole::Send,
             buf.len(),
             buf.memory(),
@@ -227,7 +227,7 @@ impl<'a> Start<'a> {
         rule: &'static str,
     ) -> Result<()> {
         self.comm.check_buffer::<T>(
-            self.name,
+            self.call.name(),
             BufferRole::Recv,
             buf.len(),
             buf.memory(),
@@ -243,7 +243,7 @@ impl<'a> Start<'a> {
         role: BufferRole,
         buf: &B,
     ) -> Result<()> {
-        self.comm.check_memory(self.name, role, buf.memory())
+        self.comm.check_memory(self.call.name(), role, buf.memory())
     }
 
     /// A checked buffer NCCL reads: its pointer and the guard to keep.
@@ -303,7 +303,7 @@ impl<'a> Start<'a> {
             recv: recv.0,
             count,
             dtype: T::DATA_TYPE.to_raw(),
-            info: OpInfo::new(self.name, T::DATA_TYPE, count, root, self.stream),
+            info: OpInfo::new(self.call, T::DATA_TYPE, count, root, self.stream),
             stream: self.stream,
             caller: self.caller,
             guards: [send.1, recv.1],

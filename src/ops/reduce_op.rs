@@ -3,7 +3,7 @@
 use std::marker::PhantomData;
 use std::panic::Location;
 
-use nccl_sys::ncclRedOp_t;
+use nccl_sys::{ncclRedOp_t, EntryPoint};
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -85,11 +85,11 @@ impl Communicator {
     /// (`ncclRedOpCreatePreMulSum`, `ncclScalarHostImmediate`).
     #[track_caller]
     pub fn create_pre_mul_sum<T: NcclType>(&self, scalar: T) -> Result<PreMulSum<'_, T>> {
-        const OP: &str = "ncclRedOpCreatePreMulSum";
+        const CALL: EntryPoint = EntryPoint::ncclRedOpCreatePreMulSum;
         T::DATA_TYPE.check_supported(self.library())?;
         let mut raw: ncclRedOp_t = 0;
         let mut scalar = scalar;
-        self.issue(&OP, Location::caller(), |t, comm| {
+        self.issue(CALL, Location::caller(), |t, comm| {
             // SAFETY: `raw` is writable; `scalar` is a T read before the call returns
             // (HostImmediate); the data type matches T.
             unsafe {
@@ -114,10 +114,10 @@ impl<T> Drop for PreMulSum<'_, T> {
     fn drop(&mut self) {
         let raw = self.raw;
         // SAFETY: `raw` was created on this live communicator and is destroyed only here.
-        let _ = self
-            .comm
-            .issue(&"ncclRedOpDestroy", Location::caller(), |t, comm| unsafe {
-                (t.ncclRedOpDestroy)(raw, comm)
-            });
+        let _ = self.comm.issue(
+            EntryPoint::ncclRedOpDestroy,
+            Location::caller(),
+            |t, comm| unsafe { (t.ncclRedOpDestroy)(raw, comm) },
+        );
     }
 }

@@ -315,11 +315,12 @@ fn accessed(call: &NcclCall) {
         | nccl_sys::bindings::ncclFloat32 => 4,
         _ => 8,
     };
-    let (send, recv) = match call.name {
-        // Every rank's block lands in the receive buffer.
-        "ncclAllGather" => (call.count * elem, call.count * elem * nranks(call.comm)),
-        _ => (call.count * elem, call.count * elem),
-    };
+    // The collective's extents (as on its root: the most it may touch).
+    let (send, recv) = nccl_sys::EntryPoint::from_name(call.name)
+        .and_then(nccl_sys::EntryPoint::collective)
+        .and_then(|c| c.elements(call.count, nranks(call.comm), true))
+        .expect("a collective of small counts");
+    let (send, recv) = (send * elem, recv * elem);
     // SAFETY: `stream` is the handle the caller passed to NCCL, a stream of the fake driver
     // (or the null stream); the addresses are only compared.
     unsafe {
