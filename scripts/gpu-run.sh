@@ -177,6 +177,9 @@ else
 fi
 if [ -n "$overhead" ]; then
     step "$BENCH_S" overhead-nccl "$overhead" --backend nccl
+    # Without the completion marker at enqueue (Config::exact_completion(false)): what the
+    # marker's three driver calls cost on this GPU.
+    step "$BENCH_S" overhead-nccl-lazy "$overhead" --backend nccl --lazy-completion
     # The same path on the fake driver: this CPU's cost for the crate's own work, apart
     # from the driver's (needs `cc`, and tests/support/fakes/cuda.c under the current folder).
     step "$BENCH_S" overhead-fake-cuda "$overhead" --backend fake-cuda
