@@ -13,10 +13,6 @@ use crate::library::{CallContext, Library};
 use crate::nccl_call;
 use crate::ops::{Guards, Op};
 
-/// A communicator's check that a peer its staged work waits for has left (diag's).
-#[cfg(feature = "host")]
-type DepartureCheck = Box<dyn Fn() -> bool>;
-
 /// Operations fused between `ncclGroupStart` and `ncclGroupEnd`: send/receive pairs that
 /// must progress together, or one thread driving several communicators (one per device).
 ///
@@ -196,22 +192,9 @@ impl<'a> Group<'a> {
             #[cfg(feature = "host")]
             Some(t) if lib.provider() == crate::Provider::Host => {
                 // A peer that leaves while the group waits for it ends the wait at once
-                // (the watchdog would abort an unpinned communicator for it). The checks
-                // are made at the first poll, which only a group that waits for a peer
-                // reaches: a group that completes in the call allocates nothing.
-                let checks: std::cell::OnceCell<SmallVec<[DepartureCheck; 8]>> =
-                    std::cell::OnceCell::new();
-                let cancel = || {
-                    checks
-                        .get_or_init(|| {
-                            self.comms
-                                .iter()
-                                .filter_map(|c| c.diag.departure_check())
-                                .collect()
-                        })
-                        .iter()
-                        .any(|f| f())
-                };
+                // (the watchdog would abort an unpinned communicator for it). The check
+                // reads each communicator's diagnostics in place: nothing is allocated.
+                let cancel = || self.comms.iter().any(|c| c.diag.peer_departed());
                 crate::host::with_deadline(std::time::Instant::now() + t, Some(&cancel), end)
             }
             _ => end(),

@@ -102,17 +102,13 @@ pub(crate) fn name(dt: ncclDataType_t) -> std::borrow::Cow<'static, str> {
     n.into()
 }
 
-/// A reduction's name for messages, from its [`RedKind`] discriminant.
+/// A reduction's name for messages, from the code a shared-memory slot stores for it
+/// (`RedKind as u64`).
 pub(crate) fn red_name(code: u64) -> &'static str {
-    match code {
-        0 => "sum",
-        1 => "prod",
-        2 => "max",
-        3 => "min",
-        4 => "avg",
-        5 => "premulsum",
-        _ => "unknown",
-    }
+    RedKind::ALL
+        .iter()
+        .find(|r| **r as u64 == code)
+        .map_or("unknown", |r| r.name())
 }
 
 /// A reduction, resolved (a PreMulSum carries its per-rank scalar separately).
@@ -124,6 +120,29 @@ pub(crate) enum RedKind {
     Min,
     Avg,
     PreMulSum,
+}
+
+impl RedKind {
+    const ALL: [RedKind; 6] = [
+        RedKind::Sum,
+        RedKind::Prod,
+        RedKind::Max,
+        RedKind::Min,
+        RedKind::Avg,
+        RedKind::PreMulSum,
+    ];
+
+    /// Its name in messages.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            RedKind::Sum => "sum",
+            RedKind::Prod => "prod",
+            RedKind::Max => "max",
+            RedKind::Min => "min",
+            RedKind::Avg => "avg",
+            RedKind::PreMulSum => "premulsum",
+        }
+    }
 }
 
 /// An element type: its native-endian bytes (read and written without any alignment

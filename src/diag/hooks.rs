@@ -307,12 +307,14 @@ impl CommDiag {
 
     /// For a group's end on the host provider, which runs the group inside the call with
     /// its communicators pinned (so the watchdog cannot abort them when a peer leaves): a
-    /// check that turns `true` once a rank this communicator's staged operations need has
-    /// left, having failed the clique for that departure (so the error names the rank).
+    /// check, polled during the call, that is `true` once a rank this communicator's staged
+    /// operations need has left, having failed the clique for that departure (so the error
+    /// names the rank).
     #[cfg_attr(not(feature = "host"), allow(dead_code))]
-    pub(crate) fn departure_check(&self) -> Option<Box<dyn Fn() -> bool>> {
-        let s = Arc::clone(self.shared.get()?);
-        Some(Box::new(move || s.staged_waits_for_departed()))
+    pub(crate) fn peer_departed(&self) -> bool {
+        self.shared
+            .get()
+            .is_some_and(|s| s.staged_waits_for_departed())
     }
 
     /// After `ncclGroupEnd` enqueued a group's operations: they are now on their streams.

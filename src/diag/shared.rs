@@ -288,8 +288,16 @@ impl Shared {
             }
             Mark::Marker(m) => Some(m),
             // Captured into a graph (never run on the stream), or not watchable: complete
-            // once what is before it is.
-            Mark::Capturing | Mark::Unwatched => None,
+            // once what is before it is. Joined to a range of the same kind at the back, so
+            // a long capture does not grow the queue.
+            Mark::Capturing | Mark::Unwatched => {
+                if let Some(back) = w.pending.back_mut().filter(|p| p.marker.is_none()) {
+                    back.upto = upto;
+                    w.marked = upto;
+                    return;
+                }
+                None
+            }
             Mark::Failed(e) => {
                 // Left to the watchdog, which fails the communicator for the fault.
                 let _ = self.cuda_fault.set(e);

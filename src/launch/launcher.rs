@@ -689,22 +689,19 @@ fn odd_one(known: &[(usize, End)], key: impl Fn(&End) -> u64) -> Option<(usize, 
     }
     tally.sort_by_key(|t| std::cmp::Reverse(t.1));
     let (usual, how_many) = tally[0];
-    let (r, e) = if tally[1].1 < how_many {
-        *known.iter().find(|(_, e)| key(e) != usual)?
-    } else {
-        let least = known.iter().map(|(_, e)| key(e)).min()?;
-        let returned: Vec<_> = known.iter().filter(|(_, e)| e.returned).collect();
-        match returned.as_slice() {
-            [one] => **one,
-            _ => *known.iter().find(|(_, e)| key(e) == least)?,
-        }
+    if tally[1].1 < how_many {
+        let &(r, e) = known.iter().find(|(_, e)| key(e) != usual)?;
+        return Some((r, e, usual));
+    }
+    let least = known.iter().map(|(_, e)| key(e)).min()?;
+    let returned: Vec<_> = known.iter().filter(|(_, e)| e.returned).collect();
+    let &(r, e) = match returned.as_slice() {
+        [one] => *one,
+        _ => known.iter().find(|(_, e)| key(e) == least)?,
     };
-    let others = known
-        .iter()
-        .map(|(_, o)| key(o))
+    let others = (known.iter().map(|(_, o)| key(o)))
         .find(|&k| k != key(&e))
         .unwrap_or(usual);
-    let others = if tally[1].1 < how_many { usual } else { others };
     Some((r, e, others))
 }
 
