@@ -1090,7 +1090,7 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
     println!(
         "# nccl-safe completion markers: {}",
         if exact {
-            "at enqueue (Config::exact_completion, the default): cuCtxGetCurrent + cuStreamIsCapturing + cuEventRecord per operation or group"
+            "at enqueue (Config::exact_completion, the default): cuStreamIsCapturing + cuEventRecord per operation or group"
         } else {
             "lazy (--lazy-completion: the watchdog records them on its tick)"
         }

@@ -326,9 +326,11 @@ impl Config {
     /// afterwards counts against the operation, so a stream blocked after a collective
     /// (a wait on another stream's backlog, say) never times it out, and work on
     /// `CU_STREAM_PER_THREAD` (candle's stream) is watched. It costs a
-    /// `cuCtxGetCurrent`, a `cuStreamIsCapturing` and a `cuEventRecord` per operation or
-    /// group, what PyTorch's ProcessGroupNCCL pays per collective (`cargo bench --bench
-    /// overhead -- --backend nccl` prints it).
+    /// `cuStreamIsCapturing` and a `cuEventRecord` per operation or group, with the
+    /// stream's context current on the calling thread (as after cudarc used a buffer
+    /// there; otherwise a `cuCtxGetCurrent` and a `cuCtxSetCurrent` more). PyTorch's
+    /// ProcessGroupNCCL records an event per collective too (`cargo bench --bench
+    /// overhead -- --backend nccl` prints the cost).
     ///
     /// Off, the per-operation path makes no CUDA driver call of its own: the watchdog
     /// records one event per stream per tick, behind whatever was enqueued by then, so

@@ -9,8 +9,10 @@
 //!   nothing the caller enqueues later, so a stream blocked *after* a collective never
 //!   times the collective out; and `CU_STREAM_PER_THREAD` (candle's stream, handle 0x2)
 //!   resolves to the caller's stream, which is where NCCL enqueued. Cost: one
-//!   `cuCtxGetCurrent`, one `cuStreamIsCapturing` and one `cuEventRecord` per operation or
-//!   group (PyTorch's ProcessGroupNCCL pays the same per collective), no allocation (events
+//!   `cuStreamIsCapturing` and one `cuEventRecord` per operation or group, with the
+//!   stream's context current on the caller's thread (as it is after cudarc used a buffer
+//!   there; otherwise a failed try and a `cuCtxGetCurrent` more). PyTorch's
+//!   ProcessGroupNCCL records an event per collective too, no allocation (events
 //!   come from the tracker's spare pool; past [`MAX_PENDING`] markers in flight on a
 //!   stream, the newest is recorded again rather than a new one made).
 //! - **Lazily, on the watchdog's tick.** The per-operation path publishes its journal
@@ -87,7 +89,8 @@ impl RawEvent {
         })
     }
 
-    /// Records it on `stream`, whose context (the event's) the caller made current.
+    /// Records it on `stream`, of the event's context (the driver may ask for that
+    /// context current: see [`CudaTracker::record_on`]).
     fn record(&self, stream: &CudaStream) -> Result<(), DriverError> {
         // SAFETY: the event and the stream are live, and of one context (checked by the
         // caller: the stream's context made it).
@@ -192,34 +195,57 @@ fn relaxed_capture_mode() {
 
 impl CudaTracker {
     /// Records `reuse` ([`Mark::Again`]), or a spare or new event, after the work queued on
-    /// `stream` so far, from the calling thread (whose context is made current).
+    /// `stream` so far, from the calling thread.
+    ///
+    /// A stream of its own carries its context, and on the owner's thread that context is
+    /// almost always current already (cudarc binds it at every tracked use of a buffer, and
+    /// the buffers were made there), so the calls are tried as they are and the context is
+    /// made current, and the calls tried again, only when one fails: a `cuCtxGetCurrent`
+    /// per operation saved. The driver does not say whether a stream's calls need its
+    /// context current (the fake driver says they do, the unkind answer), and a failed
+    /// `cuStreamIsCapturing` or `cuEventRecord` changes nothing, so trying again is safe.
+    /// The legacy and per-thread streams (handles 0, 1, 2) are the current context's: for
+    /// them the context is made current first.
     fn record_on(&self, stream: &CudaStream, reuse: Option<&Marker>) -> Mark {
-        if crate::stream::make_current(stream.context()).is_err() {
+        let implicit = (stream.cu_stream() as usize) <= PER_THREAD_STREAM;
+        let current = || crate::stream::make_current(stream.context()).is_ok();
+        if implicit && !current() {
             return Mark::Unwatched;
         }
+        match self.try_record(stream, reuse) {
+            Ok(mark) => mark,
+            Err(_) if !implicit => {
+                if !current() {
+                    return Mark::Unwatched;
+                }
+                self.try_record(stream, reuse).unwrap_or_else(Mark::Failed)
+            }
+            Err(e) => Mark::Failed(e),
+        }
+    }
+
+    /// [`CudaTracker::record_on`]'s calls, once: a failed record gives its event back.
+    fn try_record(&self, stream: &CudaStream, reuse: Option<&Marker>) -> Result<Mark, DriverError> {
         // SAFETY: the stream is live (the queue holds it).
-        match unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) } {
-            Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE) => {}
-            Ok(_) => return Mark::Capturing,
-            Err(e) => return Mark::Failed(e),
+        match unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }? {
+            cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => {}
+            _ => return Ok(Mark::Capturing),
         }
         if let Some(Marker::Cuda(ev)) = reuse {
-            return match ev.record(stream) {
-                Ok(()) => Mark::Again,
-                Err(e) => Mark::Failed(e),
-            };
+            ev.record(stream)?;
+            return Ok(Mark::Again);
         }
         let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let event = match spare {
             Some(ev) => ev,
-            None => match RawEvent::new(stream.context()) {
-                Ok(ev) => ev,
-                Err(e) => return Mark::Failed(e),
-            },
+            None => RawEvent::new(stream.context())?,
         };
         match event.record(stream) {
-            Ok(()) => Mark::Marker(Marker::Cuda(event)),
-            Err(e) => Mark::Failed(e),
+            Ok(()) => Ok(Mark::Marker(Marker::Cuda(event))),
+            Err(e) => {
+                self.recycle(Marker::Cuda(event));
+                Err(e)
+            }
         }
     }
 }

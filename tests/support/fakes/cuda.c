@@ -692,6 +692,19 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags) {
     return CUDA_SUCCESS;
 }
 
+/* Whether the calling thread may use stream `st`: CUDA does not document whether a call on
+ * a stream of its own needs the stream's context current, so this fake takes the unkind
+ * reading (cuda-api-wrappers found recording without it unreliable): no current context,
+ * or another device's, is CUDA_ERROR_INVALID_CONTEXT. The legacy and per-thread streams
+ * are the current context's, so only a current context is needed. */
+static CUresult context_for(const struct fake_stream *st) {
+    if (!current)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (st >= &streams[0] && st < &streams[MAX_STREAMS] && st->device != current->device)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    return CUDA_SUCCESS;
+}
+
 CUresult cuStreamIsCapturing(CUstream s, int *status) {
     COUNT(cuStreamIsCapturing);
     struct fake_stream *st = stream_of(s);
@@ -699,6 +712,9 @@ CUresult cuStreamIsCapturing(CUstream s, int *status) {
         return CUDA_ERROR_INVALID_HANDLE;
     if (!status)
         return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = context_for(st);
+    if (rc != CUDA_SUCCESS)
+        return rc;
     *status = __atomic_load_n(&st->capturing, __ATOMIC_ACQUIRE) ? 1 /* ACTIVE */ : 0 /* NONE */;
     return CUDA_SUCCESS;
 }
@@ -752,6 +768,9 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
     struct fake_stream *st = stream_of(s);
     if (!st || !event_ok(e))
         return CUDA_ERROR_INVALID_HANDLE;
+    CUresult rc = context_for(st);
+    if (rc != CUDA_SUCCESS)
+        return rc;
     pthread_mutex_lock(&lock);
     if (st->capturing)
         bump(&records_on_capturing);
