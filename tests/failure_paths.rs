@@ -1111,3 +1111,120 @@ fn child_waits_long_for_rank_2() {
         })
         .expect("rank 2 arrives within the timeout");
 }
+
+/// Rank 2 of `stuck_run` sleeps in its own code until this is set (or 60 s).
+static RELEASE_RANK_2: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Set when rank 2 of `stuck_run` got its collective's result, after its release.
+static RANK_2_DONE: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+/// 3 ranks; rank 2 stays in its own code (waiting for [`RELEASE_RANK_2`]) while the others
+/// wait for it in an all_reduce and time out after 500 ms.
+fn stuck_rank(rank: &nccl_safe::launch::Rank) -> nccl_safe::Result<()> {
+    use std::sync::atomic::Ordering;
+    if rank.rank() == 2 {
+        let t = Instant::now();
+        while !RELEASE_RANK_2.load(Ordering::Acquire) && t.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let mut g = vec![1.0f32; 4];
+    let r = rank
+        .comm()
+        .all_reduce_in_place(&mut g, ReduceOp::Sum, rank.stream());
+    if rank.rank() == 2 {
+        *RANK_2_DONE.lock().unwrap() = Some(format!("{r:?}"));
+    }
+    r
+}
+
+const STUCK_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// `try_run_detached` returns once every other rank failed and rank 2 stayed in its own
+/// code for `STUCK_AFTER`, naming it the culprit and leaving its thread running; released
+/// later, that thread's collective fails at once (its communicator failed with the
+/// others') and it tears its communicator down.
+#[test]
+fn a_rank_stuck_in_its_own_code_is_named_and_its_thread_detached() {
+    use nccl_safe::launch::STUCK_AFTER;
+    use std::sync::atomic::Ordering;
+    let t = Instant::now();
+    let r = within(Duration::from_secs(30), || {
+        Launcher::host(3)
+            .config(Config::new().timeout(STUCK_TIMEOUT))
+            .try_run_detached(stuck_rank)
+    });
+    let took = t.elapsed();
+    assert!(
+        !RELEASE_RANK_2.load(Ordering::Acquire),
+        "returned only once rank 2 was released"
+    );
+    match &r {
+        Err(Error::RankFailed {
+            rank, cause, ranks, ..
+        }) => {
+            assert_eq!(*rank, 2, "rank 2 is the culprit: {r:?}");
+            assert!(cause.contains("stuck in its own code"), "{cause}");
+            assert!(ranks[2].contains("still running"), "{ranks:?}");
+        }
+        other => panic!("expected RankFailed naming rank 2: {other:?}"),
+    }
+    assert!(
+        took >= STUCK_AFTER && took < STUCK_AFTER + Duration::from_secs(10),
+        "returned after {took:?}"
+    );
+    assert!(RANK_2_DONE.lock().unwrap().is_none());
+    // Released: its collective fails at once and its thread ends.
+    RELEASE_RANK_2.store(true, Ordering::Release);
+    until(Duration::from_secs(10), || {
+        RANK_2_DONE.lock().unwrap().is_some()
+    })
+    .expect("the detached rank's collective returned");
+    let done = RANK_2_DONE.lock().unwrap().clone().unwrap();
+    assert!(done.starts_with("Err("), "rank 2's late collective: {done}");
+}
+
+const STUCK_VAR: &str = "NCCL_SAFE_TEST_STUCK_CHILD";
+
+/// `run` waits for a rank stuck in its own code (its closure may borrow from the caller),
+/// says so on stderr once the others failed, and names it once it ends.
+#[test]
+fn run_waits_for_a_rank_stuck_in_its_own_code_and_says_so() {
+    let child = support::spawn_child("child_run_with_a_stuck_rank", STUCK_VAR, "1");
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let notes: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("nccl-safe: Launcher::run: rank(s) [2] still in their closure"))
+        .collect();
+    assert_eq!(notes.len(), 1, "one note naming rank 2: {err}");
+    assert!(notes[0].contains("try_run_detached"), "{}", notes[0]);
+    assert!(err.contains("RESULT rank 2 is the culprit"), "{err}");
+}
+
+#[test]
+#[ignore = "run as a child process by run_waits_for_a_rank_stuck_in_its_own_code_and_says_so"]
+fn child_run_with_a_stuck_rank() {
+    use nccl_safe::launch::STUCK_AFTER;
+    use std::sync::atomic::Ordering;
+    if std::env::var_os(STUCK_VAR).is_none() {
+        return;
+    }
+    let release = STUCK_AFTER * 2;
+    std::thread::spawn(move || {
+        std::thread::sleep(release);
+        RELEASE_RANK_2.store(true, Ordering::Release);
+    });
+    let t = Instant::now();
+    let r = Launcher::host(3)
+        .config(Config::new().timeout(STUCK_TIMEOUT))
+        .run(stuck_rank);
+    assert!(
+        t.elapsed() >= release,
+        "run returned before rank 2's thread ended"
+    );
+    match r {
+        Err(Error::RankFailed { rank: 2, .. }) => eprintln!("RESULT rank 2 is the culprit"),
+        other => panic!("expected RankFailed naming rank 2: {other:?}"),
+    }
+}

@@ -156,12 +156,16 @@ impl Board {
             .copied()
     }
 
-    /// Waits until no rank is running or `deadline`; true when all finished.
+    /// Waits until no rank is running, a rank failed (the run fails then: a finished rank
+    /// need not wait for the others to abort), or `deadline`; true when all finished.
     fn wait_all(&self, deadline: Instant) -> bool {
         let mut o = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if !o.iter().any(|x| matches!(x, Outcome::Running)) {
                 return true;
+            }
+            if o.iter().any(|x| matches!(x, Outcome::Failed(_))) {
+                return false;
             }
             let now = Instant::now();
             if now >= deadline {
@@ -170,6 +174,51 @@ impl Board {
             o = self
                 .changed
                 .wait_timeout(o, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Waits until no rank is running. Ranks still running [`STUCK_AFTER`] after every
+    /// other rank ended, one of them failed, are stuck in their own code (their
+    /// communicator failed with the clique, so a collective of theirs would have failed at
+    /// once): `stuck` is told which, once, and returns whether to stop waiting for them.
+    /// Returns the ranks it stopped waiting for.
+    fn wait_settled(&self, mut stuck: impl FnMut(&[usize]) -> bool) -> Vec<usize> {
+        let mut o = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+        // Since when the ranks running now are the only ones left, after a failure.
+        let mut since: Option<(Instant, usize)> = None;
+        let mut told = false;
+        loop {
+            let running: Vec<usize> = (o.iter().enumerate())
+                .filter(|(_, x)| matches!(x, Outcome::Running))
+                .map(|(r, _)| r)
+                .collect();
+            if running.is_empty() {
+                return running;
+            }
+            let failed = o.iter().any(|x| matches!(x, Outcome::Failed(_)));
+            let wait = if failed {
+                if since.is_none_or(|(_, n)| n != running.len()) {
+                    since = Some((Instant::now(), running.len()));
+                }
+                let t0 = since.map_or_else(Instant::now, |(t, _)| t);
+                match STUCK_AFTER.checked_sub(t0.elapsed()) {
+                    Some(left) if !left.is_zero() => left,
+                    _ if told => Duration::from_secs(3600),
+                    _ => {
+                        told = true;
+                        if stuck(&running) {
+                            return running;
+                        }
+                        Duration::from_secs(3600)
+                    }
+                }
+            } else {
+                since = None;
+                Duration::from_secs(3600)
+            };
+            o = (self.changed.wait_timeout(o, wait))
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
@@ -192,6 +241,12 @@ impl Board {
 
 /// Default bound for [`Launcher::run`]: how long finished ranks wait for the others.
 pub const DEFAULT_LAUNCH_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// How long a rank may stay in its closure after every other rank ended and one of them
+/// failed before [`Launcher::try_run_detached`] leaves its thread behind (and
+/// [`Launcher::run`] says that it waits for it). Its communicator failed with the others',
+/// so a collective of its own would have returned an error at once: it is in its own code.
+pub const STUCK_AFTER: Duration = Duration::from_secs(2);
 
 impl Launcher {
     /// One rank per visible CUDA device. [`Error::InvalidArgument`] when there is none.
@@ -268,8 +323,15 @@ impl Launcher {
     /// other ranks' pending collectives end with an error instead of hanging (the host
     /// provider wakes every rank of an aborted communicator; on GPUs the communicator's
     /// watchdog bounds the wait). Ranks that return early wait up to [`Self::timeout`] for
-    /// the others, then abort. Every communicator is torn down exactly once on every path.
-    /// The error names the first rank that failed and what every rank did.
+    /// the others (or until one fails), then abort. Every communicator is torn down exactly
+    /// once on every path. The error names the rank that caused the failure, the first rank
+    /// that failed, and what every rank did.
+    ///
+    /// `run` returns when every rank's thread has ended, since `f` may borrow from the
+    /// caller. A rank stuck in its own code (not in a collective: those fail at once after
+    /// another rank's failure) keeps it waiting; [`STUCK_AFTER`] after every other rank
+    /// ended, a note on stderr names it. [`try_run_detached`](Self::try_run_detached)
+    /// returns then instead.
     pub fn run<R, F>(&self, f: F) -> Result<Vec<R>>
     where
         R: Send,
@@ -334,11 +396,74 @@ impl Launcher {
         self.launch(f, true)
     }
 
-    fn launch<R, F>(&self, f: F, timing: bool) -> Result<LaunchReport<R>>
+    /// [`try_run`](Self::try_run) for a closure that owns what it uses (`'static`), so
+    /// that the run returns when every other rank has ended, one of them failed, and a rank
+    /// is still in its own code [`STUCK_AFTER`] later (a sleep, a deadlock of its own, a
+    /// loop that never calls a collective): that rank is the culprit in
+    /// [`Error::RankFailed`], and its thread is left running, detached, with a note on
+    /// stderr. Its communicator failed with the others', so any collective it calls later
+    /// returns an error at once, and it is torn down when its closure returns.
+    /// (`run` and `try_run` wait for every rank's thread instead, and say so on stderr:
+    /// their closures may borrow from the caller, so no thread may outlive the call.)
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, Config, ReduceOp};
+    /// use std::time::Duration;
+    /// let stuck = Launcher::host(2)
+    ///     .config(Config::new().timeout(Duration::from_millis(500)))
+    ///     .try_run_detached(|rank| -> nccl_safe::Result<()> {
+    ///         if rank.rank() == 1 {
+    ///             std::thread::sleep(Duration::from_secs(20)); // stuck in its own code
+    ///         }
+    ///         let mut x = vec![1u8; 4];
+    ///         rank.comm().all_reduce_in_place(&mut x, ReduceOp::Sum, rank.stream())?;
+    ///         Ok(())
+    ///     });
+    /// assert!(matches!(stuck, Err(nccl_safe::Error::RankFailed { rank: 1, .. })));
+    /// ```
+    pub fn try_run_detached<R, E, F>(&self, f: F) -> Result<Vec<R>>
     where
-        R: Send,
-        F: Fn(&Rank) -> Result<R> + Sync,
+        R: Send + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+        F: Fn(&Rank) -> std::result::Result<R, E> + Send + Sync + 'static,
     {
+        let f = move |rank: &Rank| f(rank).map_err(|e| Error::Launch(e.into()));
+        let (config, id, board) = self.prepare(false)?;
+        let shared = Arc::new((self.clone(), config, id, board, f));
+        let handles: Vec<_> = (0..self.devices.len())
+            .map(|rank| {
+                let mine = Arc::clone(&shared);
+                std::thread::Builder::new()
+                    .name(format!("nccl-rank-{rank}"))
+                    .spawn(move || {
+                        let (me, config, id, board, f) = &*mine;
+                        me.rank_main(rank, &me.devices[rank], id, config, board, f)
+                    })
+                    .map_err(|e| spawn_failed(&shared.3, rank, e))
+            })
+            .collect();
+        let board = &shared.3;
+        let stuck = board.wait_settled(|stuck| {
+            eprintln!(
+                "nccl-safe: Launcher::try_run_detached: {}: their threads are left running, detached (each tears its communicator down when its closure returns)",
+                stuck_note(stuck)
+            );
+            true
+        });
+        let results = (handles.into_iter().enumerate())
+            .map(|(rank, h)| match h {
+                // Dropping its handle detaches the thread.
+                Ok(_) if stuck.contains(&rank) => None,
+                Ok(h) => Some(h.join()),
+                Err(e) => Some(Ok(Err(e))),
+            })
+            .collect();
+        report(results, board).map(|r| r.values)
+    }
+
+    /// The communicators' configuration (timed when `timing`), the unique id and a fresh
+    /// board for a run.
+    fn prepare(&self, timing: bool) -> Result<(Config, UniqueId, Board)> {
         let config = if timing {
             self.config.clone().timing_unless_set(true)
         } else {
@@ -358,11 +483,17 @@ impl Launcher {
             ends: Mutex::new(vec![None; n]),
             changed: Condvar::new(),
         };
-        let results: Vec<std::thread::Result<Result<(R, RankStats)>>> = std::thread::scope(|s| {
-            let handles: Vec<_> = self
-                .devices
-                .iter()
-                .enumerate()
+        Ok((config, id, board))
+    }
+
+    fn launch<R, F>(&self, f: F, timing: bool) -> Result<LaunchReport<R>>
+    where
+        R: Send,
+        F: Fn(&Rank) -> Result<R> + Sync,
+    {
+        let (config, id, board) = self.prepare(timing)?;
+        let results = std::thread::scope(|s| {
+            let handles: Vec<_> = (self.devices.iter().enumerate())
                 .map(|(rank, device)| {
                     let (board, f, id, config) = (&board, &f, &id, &config);
                     std::thread::Builder::new()
@@ -370,64 +501,24 @@ impl Launcher {
                         .spawn_scoped(s, move || {
                             self.rank_main(rank, device, id, config, board, f)
                         })
+                        .map_err(|e| spawn_failed(board, rank, e))
                 })
                 .collect();
-            handles
-                .into_iter()
+            board.wait_settled(|stuck| {
+                eprintln!(
+                    "nccl-safe: Launcher::run: {}: run and try_run wait for their threads, since a closure may borrow from the caller (Launcher::try_run_detached returns instead)",
+                    stuck_note(stuck)
+                );
+                false
+            });
+            (handles.into_iter())
                 .map(|h| match h {
-                    Ok(h) => h.join(),
-                    Err(e) => Ok(Err(Error::InvalidArgument {
-                        op: "Launcher::run",
-                        reason: format!("cannot spawn a rank thread: {e}"),
-                    })),
+                    Ok(h) => Some(h.join()),
+                    Err(e) => Some(Ok(Err(e))),
                 })
                 .collect()
         });
-        let mut values = Vec::with_capacity(n);
-        let mut ranks = Vec::with_capacity(n);
-        let mut failures: Vec<(usize, String)> = Vec::new();
-        for (rank, r) in results.into_iter().enumerate() {
-            match r {
-                Ok(Ok((v, stats))) => {
-                    values.push(v);
-                    ranks.push(stats);
-                }
-                Ok(Err(e)) => failures.push((rank, e.to_string())),
-                Err(p) => failures.push((rank, format!("panicked: {}", panic_text(&p)))),
-            }
-        }
-        if failures.is_empty() {
-            return Ok(LaunchReport { values, ranks });
-        }
-        // The first rank to fail, not the lowest-numbered; and the rank that caused it,
-        // which may be another (one that left early, ran an extra collective, or was
-        // behind: the others failed waiting for it).
-        let first = board
-            .first_failed()
-            .filter(|r| failures.iter().any(|(f, _)| f == r))
-            .unwrap_or(failures[0].0);
-        let ends = board.ends.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let (rank, why) = culprit(
-            &ends,
-            &board.failed.lock().unwrap_or_else(|p| p.into_inner()),
-        )
-        .unwrap_or((first, None));
-        let own = failures
-            .iter()
-            .find(|(r, _)| *r == rank)
-            .map(|(_, c)| c.clone());
-        let cause = match (own, why) {
-            (Some(c), Some(why)) => format!("{why}. Its error: {c}"),
-            (Some(c), None) => c,
-            (None, Some(why)) => why,
-            (None, None) => String::from("it returned"),
-        };
-        Err(Error::RankFailed {
-            rank,
-            first,
-            ranks: board.summary(),
-            cause: strip_backtrace(&cause),
-        })
+        report(results, &board)
     }
 
     fn rank_main<R, F>(
@@ -501,7 +592,7 @@ impl Launcher {
                     // Peers are stuck (maybe waiting for a collective this rank skipped) or
                     // failed: abort so that none of them hangs.
                     let _ = r.comm.abort();
-                    if everyone {
+                    if everyone || failed_elsewhere {
                         Ok(v)
                     } else {
                         Err(Error::Timeout {
@@ -614,6 +705,84 @@ impl<R> std::fmt::Display for LaunchReport<R> {
     }
 }
 
+/// One rank's thread's end: its value and stats, its error, or its panic.
+type RankEnd<R> = std::thread::Result<Result<(R, RankStats)>>;
+
+/// A rank whose thread could not be spawned: failed on the board (so no one waits for it).
+fn spawn_failed(board: &Board, rank: usize, e: std::io::Error) -> Error {
+    let reason = format!("cannot spawn a rank thread: {e}");
+    board.set(rank, Outcome::Failed(reason.clone()));
+    Error::InvalidArgument {
+        op: "Launcher::run",
+        reason,
+    }
+}
+
+/// What [`Board::wait_settled`]'s note says of the ranks it found stuck.
+fn stuck_note(stuck: &[usize]) -> String {
+    format!(
+        "rank(s) {stuck:?} still in their closure {STUCK_AFTER:?} after every other rank ended and one failed: stuck in their own code (their communicator failed, so a collective would have returned an error at once)"
+    )
+}
+
+/// The run's result from each rank's end (`None`: stuck, its thread detached).
+fn report<R>(results: Vec<Option<RankEnd<R>>>, board: &Board) -> Result<LaunchReport<R>> {
+    let n = results.len();
+    let mut values = Vec::with_capacity(n);
+    let mut ranks = Vec::with_capacity(n);
+    let mut failures: Vec<(usize, String)> = Vec::new();
+    let mut stuck = Vec::new();
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Some(Ok(Ok((v, stats)))) => {
+                values.push(v);
+                ranks.push(stats);
+            }
+            Some(Ok(Err(e))) => failures.push((rank, e.to_string())),
+            Some(Err(p)) => failures.push((rank, format!("panicked: {}", panic_text(&p)))),
+            None => {
+                stuck.push(rank);
+                failures.push((
+                    rank,
+                    format!("still in its closure {STUCK_AFTER:?} after every other rank ended: its thread was left running, detached"),
+                ));
+            }
+        }
+    }
+    if failures.is_empty() {
+        return Ok(LaunchReport { values, ranks });
+    }
+    // The first rank to fail, not the lowest-numbered; and the rank that caused it,
+    // which may be another (one that left early, ran an extra collective, was behind, or
+    // is stuck in its own code: the others failed waiting for it).
+    let first = board
+        .first_failed()
+        .filter(|r| failures.iter().any(|(f, _)| f == r))
+        .unwrap_or(failures[0].0);
+    let ends = board.ends.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let (rank, why) = culprit(
+        &ends,
+        &board.failed.lock().unwrap_or_else(|p| p.into_inner()),
+        &stuck,
+    )
+    .unwrap_or((first, None));
+    let own = (failures.iter())
+        .find(|(r, _)| *r == rank)
+        .map(|(_, c)| c.clone());
+    let cause = match (own, why) {
+        (Some(c), Some(why)) => format!("{why}. Its error: {c}"),
+        (Some(c), None) => c,
+        (None, Some(why)) => why,
+        (None, None) => String::from("it returned"),
+    };
+    Err(Error::RankFailed {
+        rank,
+        first,
+        ranks: board.summary(),
+        cause: strip_backtrace(&cause),
+    })
+}
+
 /// How a rank whose closure failed ended: on its own when its communicator was still
 /// healthy (a user error or panic), else because of the communicator's failure.
 fn failed_end(comm: &Communicator) -> End {
@@ -629,8 +798,13 @@ fn failed_end(comm: &Communicator) -> End {
 /// rank (in the order they failed) whose closure failed on its own; else the rank whose
 /// count of collectives called differs from the others' (it returned early or ran an extra
 /// one); else the rank that got fewer collectives to NCCL (its late call was refused: the
-/// others had timed out waiting for it); none when nothing tells.
-fn culprit(ends: &[Option<End>], failed_order: &[usize]) -> Option<(usize, Option<String>)> {
+/// others had timed out waiting for it); none when nothing tells. A rank in `stuck` (still
+/// in its closure, its thread detached) comes right after the first to fail on its own.
+fn culprit(
+    ends: &[Option<End>],
+    failed_order: &[usize],
+    stuck: &[usize],
+) -> Option<(usize, Option<String>)> {
     if let Some(&r) = failed_order.iter().find(|&&r| {
         ends.get(r)
             .copied()
@@ -638,6 +812,14 @@ fn culprit(ends: &[Option<End>], failed_order: &[usize]) -> Option<(usize, Optio
             .is_some_and(|e| e.own_failure)
     }) {
         return Some((r, None));
+    }
+    if let Some(&r) = stuck.first() {
+        return Some((
+            r,
+            Some(format!(
+                "it was stuck in its own code: still in its closure {STUCK_AFTER:?} after every other rank had ended (the others failed waiting for it)"
+            )),
+        ));
     }
     let known: Vec<(usize, End)> = (ends.iter().enumerate())
         .filter_map(|(r, e)| e.map(|e| (r, e)))

@@ -13,6 +13,6 @@ pub mod store;
 mod wire;
 
 pub use launcher::{
-    cuda_device_count, LaunchReport, Launcher, Rank, RankStats, DEFAULT_LAUNCH_TIMEOUT,
+    cuda_device_count, LaunchReport, Launcher, Rank, RankStats, DEFAULT_LAUNCH_TIMEOUT, STUCK_AFTER,
 };
 pub use process::ProcessLauncher;
