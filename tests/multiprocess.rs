@@ -1,8 +1,8 @@
 //! The host provider with ranks in separate processes (a shared unique id, one process per
 //! rank), as torchrun, srun or mpirun start them: every collective gives the same bytes as
-//! ranks in threads, and a rank that is killed, skips a collective or leaves early makes
-//! every other rank fail with an error naming it, well within the timeout, with nothing
-//! left in /dev/shm.
+//! ranks in threads, and a rank that is killed, skips a collective, leaves early, panics,
+//! runs an extra collective or is stuck makes every other rank fail with an error naming
+//! it and the user's file:line, well within the timeout, with nothing left in /dev/shm.
 //!
 //! Each test re-runs this test binary as its ranks (the child runs only that test, with
 //! `NCCL_SAFE_TEST_MP` set); the parent checks their exit codes and output. With
