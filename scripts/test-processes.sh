@@ -9,11 +9,16 @@
 #      error without a GPU;
 #   1. the allreduce and train examples as 4 processes (`--launcher env --backend host`):
 #      the id goes over the authenticated TCP rendezvous, the ranks meet in shared memory;
-#   2. the fault tests of tests/multiprocess.rs as 4 processes:
+#   2. the fault tests of tests/multiprocess.rs as 4 processes; each error names the culprit,
+#      rank 1, and the user's file:line:
 #      - rank 1 SIGKILLs itself mid-job: every other rank fails naming it (its process is
 #        gone) within the host timeout + 1 s;
 #      - rank 1 skips a collective: every rank fails naming it, with what each rank called;
 #      - rank 1 destroys its communicator and exits 0 early: the others fail naming it;
+#      - rank 1 panics: the others fail at once saying that it panicked (from the board);
+#      - rank 1 runs an extra collective: every rank fails naming it and the extra's line;
+#      - rank 1 sleeps past the host timeout (1 s here): the others fail at that timeout
+#        naming it as the rank that did not reach the collective;
 #      every time nothing hangs and nothing is left in /dev/shm. The times from the fault
 #      to the last survivor's error are printed.
 # Installs Debian's openmpi-bin when mpirun is missing; for srun, scripts/slurm-local.sh
@@ -37,7 +42,7 @@ case "$launcher" in
     eval "$(scripts/slurm-local.sh start)"
     echo "$(srun --version) at $(command -v srun), SLURM_CONF=$SLURM_CONF"
     ;;
-  *) sed -n '2,17p' "$0"; exit 2 ;;
+  *) sed -n '2,22p' "$0"; exit 2 ;;
 esac
 # launch4 [--tolerate-a-dead-rank] PROGRAM ARGS...: sets $cmd to run 4 ranks of PROGRAM
 # under the launcher. With --tolerate-a-dead-rank the launcher must not kill the survivors
@@ -137,21 +142,30 @@ echo "  train: $(grep -m1 -o 'loss .* -> [0-9.]*' "$logs/train") on each of 4 ra
 
 # stamp LOG KEY: the numbers after KEY, one a line.
 stamp() { grep -oE "$2 [0-9.]+" "$1" | awk '{print $2}'; }
-# delay LOG KEY: ms from rank 1's KEY stamp to the last survivor's error.
+# delay LOG KEY: ms from rank 1's KEY stamp to the last survivor's error (each rank writes
+# its ERROR_AT_MS stamp and its error line at once; rank 1's own error does not count).
 delay() {
   local t0 t1
   t0="$(stamp "$1" "$2" | head -n 1)"
-  t1="$(stamp "$1" ERROR_AT_MS | sort -n | tail -n 1)"
+  t1="$(awk '/^ERROR_AT_MS /{t=$2; next} t!="" && /^rank [023] step /{print t} {t=""}' "$1" | sort -n | tail -n 1)"
   [ -n "$t0" ] && [ -n "$t1" ] || { cat "$1"; fail "no time stamps in $1"; }
   awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }'
 }
 limit=$(( NCCL_SAFE_HOST_TIMEOUT_MS + 1000 ))
 echo "2. faults as 4 $launcher processes (host timeout ${NCCL_SAFE_HOST_TIMEOUT_MS} ms)"
 run kill --tolerate-a-dead-rank "$exe" --exact a_killed_rank_fails_every_other_rank_naming_it --nocapture --test-threads=1
-for r in 0 2 3; do
-  grep -qE "^rank $r step [0-9]+: .*rank 1 \(pid [0-9]+\) died" "$logs/kill" \
-    || { cat "$logs/kill"; fail "kill: rank $r did not fail naming rank 1"; }
-done
+# survivors_say LOG PATTERN: ranks 0, 2 and 3 each print an error, called at the line the
+# ranks printed as CALL_LINE, that matches PATTERN (an extended regex).
+survivors_say() {
+  local line r
+  line="$(grep -m1 -oE 'CALL_LINE [0-9]+' "$1" | awk '{print $2}')"
+  [ -n "$line" ] || { cat "$1"; fail "no CALL_LINE in $1"; }
+  for r in 0 2 3; do
+    grep -qE "^rank $r step [0-9]+: .*called at tests/multiprocess.rs:$line[):].*$2" "$1" \
+      || { cat "$1"; fail "$(basename "$1"): rank $r did not fail naming rank 1 and line $line (/$2/)"; }
+  done
+}
+survivors_say "$logs/kill" 'rank 1 \(pid [0-9]+\) died'
 t="$(delay "$logs/kill" KILLED_AT_MS)"
 awk -v t="$t" -v l="$limit" 'BEGIN { exit !(t < l) }' || fail "kill: errors took $t ms (limit $limit)"
 echo "  SIGKILL of rank 1: ranks 0, 2, 3 failed naming it; last error $t ms after the kill"
@@ -163,10 +177,33 @@ echo "  rank 1 skips a collective: all 4 ranks fail naming it and the line it ca
 echo "    rank 0's report: ...$(grep -m1 -oE '^rank 0 step [0-9]+: .*' "$logs/skip" | grep -oE 'rank 1: collective #3 [^;]*' | head -n 1)"
 
 run leave --tolerate-a-dead-rank "$exe" --exact a_rank_that_leaves_early_fails_the_others_naming_it --nocapture --test-threads=1
-[ "$(count "$logs/leave" '^rank [023] step [0-9]+: .*rank 1 \(pid [0-9]+\) destroyed its communicator')" -eq 3 ] \
-  || { cat "$logs/leave"; fail "leave: expected ranks 0, 2, 3 naming rank 1"; }
+# From the desync board (the launcher's rank 0 serves one): rank 1's own words and its last
+# call's line; the provider's words (rank 1 destroyed its communicator) when the board
+# went down with rank 0's process before this rank read it.
+survivors_say "$logs/leave" 'rank 1 left \(its communicator was dropped after 3 collective\(s\); its last call was ncclAllReduce\(float x 65538\) seq 2 at tests/multiprocess.rs:[0-9]+ \(another process, from the desync board\)\)|rank 1 \(pid [0-9]+\) destroyed its communicator'
 t="$(delay "$logs/leave" LEFT_AT_MS)"
-echo "  rank 1 exits early: ranks 0, 2, 3 failed naming it; last error $t ms after it left"
+echo "  rank 1 exits early: ranks 0, 2, 3 failed naming it and its last call's line; last error $t ms after it left"
+
+run panic --tolerate-a-dead-rank "$exe" --exact a_rank_that_panics_is_named_by_every_other_rank_as_panicked --nocapture --test-threads=1
+survivors_say "$logs/panic" 'rank 1 left \(it panicked after 3 collective\(s\); its last call was ncclAllReduce\(float x 65538\) seq 2 at tests/multiprocess.rs:[0-9]+ \(another process, from the desync board\)\)'
+t="$(delay "$logs/panic" PANICKED_AT_MS)"
+awk -v t="$t" 'BEGIN { exit !(t < 3000) }' || fail "panic: errors took $t ms (limit 3000)"
+echo "  rank 1 panics: ranks 0, 2, 3 failed saying it panicked; last error $t ms after the panic"
+
+run extra --tolerate-a-dead-rank "$exe" --exact a_rank_that_runs_an_extra_collective_is_named_with_its_line --nocapture --test-threads=1
+extra_line="$(grep -m1 -oE 'EXTRA_LINE [0-9]+' "$logs/extra" | awk '{print $2}')"
+[ -n "$extra_line" ] && [ "$(count "$logs/extra" "^rank [0-3] step [0-9]+: .*called at tests/multiprocess.rs:[0-9]+\).*rank\(s\) \[1\] called something else.*rank 1: collective #3 ncclAllReduce\(count=8, [^;]* at tests/multiprocess.rs:$extra_line;")" -eq 4 ] \
+  || { cat "$logs/extra"; fail "extra: expected 4 ranks naming rank 1 and its extra call's line"; }
+survivors_say "$logs/extra" 'rank\(s\) \[1\] called something else'
+echo "  rank 1 runs an extra collective: all 4 ranks fail naming it and its line ($extra_line)"
+
+stuck_ms=1000
+NCCL_SAFE_HOST_TIMEOUT_MS=$stuck_ms run stuck --tolerate-a-dead-rank "$exe" --exact a_stuck_rank_is_named_as_behind_within_the_host_timeout --nocapture --test-threads=1
+survivors_say "$logs/stuck" 'rank 1 \(pid [0-9]+\) did not reach collective #3 by the deadline'
+t="$(delay "$logs/stuck" STUCK_AT_MS)"
+awk -v t="$t" -v l="$stuck_ms" 'BEGIN { exit !(t >= l - 100 && t < l + 1000) }' \
+  || { cat "$logs/stuck"; fail "stuck: errors took $t ms (host timeout $stuck_ms ms)"; }
+echo "  rank 1 is stuck in its own code: ranks 0, 2, 3 failed naming it as behind; last error $t ms after it stopped (host timeout $stuck_ms ms)"
 echo "  nothing left in /dev/shm"
 
 echo "test-processes ($launcher): OK in $(( $(date +%s) - t0 ))s"

@@ -1,8 +1,8 @@
 //! The host provider with ranks in separate processes (a shared unique id, one process per
 //! rank), as torchrun, srun or mpirun start them: every collective gives the same bytes as
-//! ranks in threads, and a rank that is killed, skips a collective or leaves early makes
-//! every other rank fail with an error naming it, well within the timeout, with nothing
-//! left in /dev/shm.
+//! ranks in threads, and a rank that is killed, skips a collective, leaves early, panics,
+//! runs an extra collective or is stuck makes every other rank fail with an error naming
+//! it and the user's file:line, well within the timeout, with nothing left in /dev/shm.
 //!
 //! Each test re-runs this test binary as its ranks (the child runs only that test, with
 //! `NCCL_SAFE_TEST_MP` set); the parent checks their exit codes and output. With
@@ -56,7 +56,12 @@ fn child() -> Option<(usize, usize, Communicator)> {
         .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
         .collect();
     let id = UniqueId::from_bytes(&bytes).expect("a unique id");
-    match Communicator::init_rank(&CommDevice::Host, n, rank, &id, &Config::new()) {
+    // A desync board when the test serves one (as a launcher's rank 0 does).
+    let config = match std::env::var(BOARD_ENV) {
+        Ok(addr) => Config::new().desync_board(BoardClient::new(addr, n, BOARD_TOKEN)),
+        Err(_) => Config::new(),
+    };
+    match Communicator::init_rank(&CommDevice::Host, n, rank, &id, &config) {
         Ok(c) => Some((rank, n, c)),
         Err(e) => {
             eprintln!("rank {rank}: init failed: {e}");
@@ -325,7 +330,14 @@ fn every_collective_across_processes_matches_ranks_in_threads() {
 }
 
 /// The fault scenarios: `steps` all-reduces; `bad` does its fault at step 3
-/// (`kill-first-attempt`: a SIGKILL in the first attempt of a torchrun job only).
+/// (`kill-first-attempt`: a SIGKILL in the first attempt of a torchrun job only):
+/// - `kill`: SIGKILLs itself;
+/// - `skip`: skips the step's collective;
+/// - `leave`: returns early (drops its communicator and exits 0);
+/// - `panic`: panics, unwinding through its communicator's drop;
+/// - `extra`: runs one more all-reduce (of another size, on its own line) before the step's;
+/// - `stuck`: sleeps in its own code, for twice the host provider's wait limit, while the
+///   others wait in the step's collective.
 fn faulty(fault: &str) {
     let Some((r, _, c)) = child() else { return };
     let attempt = std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap_or_default();
@@ -335,6 +347,12 @@ fn faulty(fault: &str) {
         f => f,
     };
     let bad = 1;
+    let fail = |step: usize, e: nccl_safe::Error| -> ! {
+        // One write, so that lines of ranks under mpirun do not interleave.
+        let text = format!("ERROR_AT_MS {:.1}\nrank {r} step {step}: {e}\n", now_ms());
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), text.as_bytes());
+        std::process::exit(1);
+    };
     for step in 0..20 {
         // Sizes change with the step, as a training loop's buckets do, so a rank that
         // skips one is out of step with the others.
@@ -348,6 +366,27 @@ fn faulty(fault: &str) {
                 }
                 "skip" => continue,
                 "none" => {}
+                "panic" => {
+                    println!("PANICKED_AT_MS {:.1}", now_ms());
+                    panic!("rank 1 exploded");
+                }
+                "extra" => {
+                    println!("EXTRA_LINE {}", line!() + 1);
+                    let r = c.all_reduce_in_place(&mut [0.0f32; 8], ReduceOp::Sum, &Stream::Host);
+                    if let Err(e) = r {
+                        drop(c);
+                        fail(step, e);
+                    }
+                }
+                "stuck" => {
+                    // Twice the host provider's wait limit, past which the others fail.
+                    let limit: u64 = std::env::var("NCCL_SAFE_HOST_TIMEOUT_MS")
+                        .ok()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(TIMEOUT_MS);
+                    println!("STUCK_AT_MS {:.1}", now_ms());
+                    std::thread::sleep(Duration::from_millis(2 * limit));
+                }
                 _ => {
                     println!("LEFT_AT_MS {:.1}", now_ms());
                     drop(c);
@@ -360,11 +399,8 @@ fn faulty(fault: &str) {
             println!("CALL_LINE {}", line!() + 2);
         }
         if let Err(e) = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host) {
-            // One write, so that lines of ranks under mpirun do not interleave.
-            let text = format!("ERROR_AT_MS {:.1}\nrank {r} step {step}: {e}\n", now_ms());
-            let _ = std::io::Write::write_all(&mut std::io::stderr(), text.as_bytes());
             drop(c);
-            std::process::exit(1);
+            fail(step, e);
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -383,8 +419,9 @@ fn stamp_in(text: &str, key: &str) -> Option<f64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
-/// Checks every rank but 1 failed naming rank 1 (with `what` in its error), and returns
-/// the slowest survivor's time from `key`'s stamp on rank 1 to its error.
+/// Checks every rank but 1 failed naming rank 1 (with `what` in its error) and the line
+/// it called the collective from, and returns the slowest survivor's time from `key`'s
+/// stamp on rank 1 to its error.
 fn survivors_name_rank_1(outs: &[Out], key: &str, what: &str) -> Option<f64> {
     let t0 = stamp(&outs[1], key);
     let mut worst: Option<f64> = None;
@@ -393,6 +430,13 @@ fn survivors_name_rank_1(outs: &[Out], key: &str, what: &str) -> Option<f64> {
         assert!(
             o.stderr.contains(what),
             "rank {r}'s error must say {what:?}: {}",
+            o.stderr
+        );
+        let line = stamp(o, "CALL_LINE").expect("the call's line");
+        let at = format!("called at tests/multiprocess.rs:{line}");
+        assert!(
+            o.stderr.contains(&at),
+            "rank {r}'s error must name the user's line ({at}): {}",
             o.stderr
         );
         if let (Some(t0), Some(t)) = (t0, stamp_in(&o.stderr, "ERROR_AT_MS")) {
@@ -476,6 +520,103 @@ fn a_rank_that_leaves_early_fails_the_others_naming_it() {
         .expect("leave and error times");
     eprintln!("time from rank 1's exit to the last survivor's error: {t:.1} ms");
     assert!(t < (TIMEOUT_MS + 1000) as f64, "errors took {t} ms");
+}
+
+/// Rank 1 panics mid-job, unwinding through its communicator's drop, which posts why it
+/// leaves to the job's desync board (here served by the test, as a launcher's rank 0 serves
+/// it) before it aborts: every other rank fails at once naming rank 1, saying that it
+/// panicked and its last call's line, not the provider's "called ncclCommAbort".
+#[test]
+fn a_rank_that_panics_is_named_by_every_other_rank_as_panicked() {
+    faulty("panic");
+    let board = DesyncBoard::serve("127.0.0.1:0", 4, BOARD_TOKEN).unwrap();
+    let addr = board.local_addr().to_string();
+    let outs = spawn(
+        "a_rank_that_panics_is_named_by_every_other_rank_as_panicked",
+        4,
+        &[(BOARD_ENV, &addr)],
+    );
+    assert_eq!(
+        outs[1].code,
+        Some(101),
+        "rank 1 panicked: {}",
+        outs[1].stderr
+    );
+    let t = survivors_name_rank_1(&outs, "PANICKED_AT_MS", "rank 1 left: it panicked")
+        .expect("panic and error times");
+    let line = stamp(&outs[1], "CALL_LINE").expect("the call's line");
+    for (r, o) in outs.iter().enumerate().filter(|(r, _)| *r != 1) {
+        assert!(
+            o.stderr.contains(&format!(
+                "its last call was ncclAllReduce(float x 65538) seq 2 at tests/multiprocess.rs:{line}"
+            )),
+            "rank {r} must name rank 1's last call and its line: {}",
+            o.stderr
+        );
+    }
+    eprintln!("time from rank 1's panic to the last survivor's error: {t:.1} ms");
+    assert!(t < 3000.0, "errors took {t} ms");
+}
+
+/// Rank 1 runs one all-reduce more than the others, from its own line: every rank fails
+/// at once naming rank 1, what it called and that line, next to the line of the others.
+#[test]
+fn a_rank_that_runs_an_extra_collective_is_named_with_its_line() {
+    faulty("extra");
+    let outs = spawn(
+        "a_rank_that_runs_an_extra_collective_is_named_with_its_line",
+        4,
+        &[],
+    );
+    let extra = stamp(&outs[1], "EXTRA_LINE").expect("the extra call's line");
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(1), "rank {r} must fail: {}", o.stderr);
+        let line = stamp(o, "CALL_LINE").expect("the call's line");
+        let mine = if r == 1 { extra } else { line };
+        for want in [
+            "rank(s) [1] called something else".to_string(),
+            format!(
+                "rank 1: collective #3 ncclAllReduce(count=8, float32, sum, root=0) at tests/multiprocess.rs:{extra};"
+            ),
+            format!(
+                "rank 0: collective #3 ncclAllReduce(count=65539, float32, sum, root=0) at tests/multiprocess.rs:{line};"
+            ),
+            format!("called at tests/multiprocess.rs:{mine})"),
+        ] {
+            assert!(o.stderr.contains(&want), "rank {r} must say {want:?}: {}", o.stderr);
+        }
+    }
+}
+
+/// The host provider's wait limit for [`a_stuck_rank_is_named_as_behind_within_the_host_timeout`].
+const STUCK_TIMEOUT_MS: u64 = 1000;
+
+/// Rank 1 sleeps in its own code, far past the timeout, while the others wait for it in a
+/// collective: at the host timeout every other rank fails naming rank 1 as the rank that did
+/// not reach the collective, and the line they wait at.
+#[test]
+fn a_stuck_rank_is_named_as_behind_within_the_host_timeout() {
+    faulty("stuck");
+    let outs = spawn(
+        "a_stuck_rank_is_named_as_behind_within_the_host_timeout",
+        4,
+        &[("NCCL_SAFE_HOST_TIMEOUT_MS", &STUCK_TIMEOUT_MS.to_string())],
+    );
+    let t =
+        survivors_name_rank_1(&outs, "STUCK_AT_MS", "rank 1 (pid").expect("stuck and error times");
+    for (r, o) in outs.iter().enumerate().filter(|(r, _)| *r != 1) {
+        assert!(
+            o.stderr
+                .contains(") did not reach collective #3 by the deadline"),
+            "rank {r} must say rank 1 is behind: {}",
+            o.stderr
+        );
+    }
+    eprintln!("time from rank 1's stop to the last survivor's error: {t:.1} ms");
+    assert!(
+        t > (STUCK_TIMEOUT_MS - 100) as f64 && t < (STUCK_TIMEOUT_MS + 1000) as f64,
+        "errors took {t} ms (timeout {STUCK_TIMEOUT_MS} ms)"
+    );
 }
 
 /// The desync board's address for [`silent_leave`]'s children.

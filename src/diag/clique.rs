@@ -466,13 +466,45 @@ impl Clique {
         let board = Arc::clone(board);
         let post = DesyncPost::departure(self.key, d.issued, &d.how);
         let rank = d.rank;
+        let (posted, done) = std::sync::mpsc::channel();
         // A thread that cannot start: the peers fall back to their timeout.
-        let _ = std::thread::Builder::new()
+        let started = std::thread::Builder::new()
             .name("nccl-safe-depart".into())
             .spawn(move || {
                 let _posting = posting;
                 let _ = board.post(rank, &post, deadline);
+                let _ = posted.send(());
             });
+        // Wait a little for it, so that it is on the board before the teardown that follows
+        // wakes the peers through the provider: they then read why this rank left
+        // ([`Clique::remote_departure`]) rather than the provider's words.
+        if started.is_ok() {
+            let _ = done.recv_timeout(DEPARTURE_POST_WAIT);
+        }
+    }
+
+    /// The departure of a rank in another process that the job's desync board holds, read
+    /// once (bounded), for a collective that the provider failed with a peer's remote error:
+    /// the first one found becomes the clique's departure, so that the error names the rank
+    /// that left and how (it panicked, its communicator was dropped, ...) and its last call,
+    /// rather than the provider's words ("called ncclCommAbort", "destroyed its
+    /// communicator"). `None` without a board, or when no rank of another process posted a
+    /// departure.
+    pub(crate) fn remote_departure(&self, rank: usize) -> Option<&Departure> {
+        let board = self.board.get()?;
+        if self.departed.get().is_none() && !self.any_timeout() {
+            let posts = board.fetch(Instant::now() + BOARD_IO).ok()?;
+            for (r, p) in posts.into_iter().enumerate() {
+                let Some(p) = p else {
+                    continue;
+                };
+                if p.left && p.clique == self.key && r < self.world_size && !self.view(r).present {
+                    self.depart_remote(r, p.issued, &p.text);
+                }
+            }
+        }
+        self.departed_other_than(rank)
+            .filter(|d| !self.view(d.rank).present)
     }
 
     /// Rank `rank` of another process left, having issued `issued` collectives, as its post
@@ -718,6 +750,9 @@ const DEPARTURE_AFTER: Duration = Duration::from_millis(300);
 const DEPARTURE_POLL: Duration = Duration::from_millis(200);
 /// Bound on one post to, or read of, the board by the departure path.
 const BOARD_IO: Duration = Duration::from_secs(1);
+/// How long a departing rank's teardown waits for its post to the board (a loopback or LAN
+/// round trip takes milliseconds); a slower post goes on in the background.
+const DEPARTURE_POST_WAIT: Duration = Duration::from_millis(500);
 
 /// The clique's departure reader (one thread per clique with a board, ended with the
 /// clique or its first departure or timeout): while a rank of this process waits in an

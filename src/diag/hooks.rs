@@ -663,15 +663,30 @@ impl CommDiag {
                     // issue that NCCL failed with its remote error (a peer's abort, say,
                     // while this rank's part of it was still in flight): a communicator
                     // that returned an error can run no collective any more.
+                    //
+                    // A peer's remote error with no departure known here: a rank of another
+                    // process that left (say, it panicked) posted why to the job's desync
+                    // board before its teardown woke this rank. Then the error names it and
+                    // how it left, as for a rank of this process.
+                    let remote = e.code() == Some(crate::error::ResultCode::RemoteError);
                     let d = s.clique.waits_for_departed(s.rank, rec).or_else(|| {
-                        (e.code() == Some(crate::error::ResultCode::RemoteError))
+                        remote
                             .then(|| s.clique.departed_other_than(s.rank))
                             .flatten()
                     });
-                    if let Some(d) = d {
-                        s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
+                    match d {
+                        Some(d) => {
+                            s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
+                            e
+                        }
+                        None => match remote.then(|| s.clique.remote_departure(s.rank)).flatten() {
+                            Some(d) => {
+                                let first = s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
+                                s.peer_timeout(rec, &first)
+                            }
+                            None => e,
+                        },
                     }
-                    e
                 }
             },
             (None, _) => e,

@@ -42,6 +42,8 @@ use std::time::{Duration, Instant};
 pub const BOARD_PORT_OFFSET: u16 = 1;
 /// Default bound on each connect, read and write of the board.
 pub const DEFAULT_BOARD_IO_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the exit of rank 0's process waits for a connection the board is serving.
+const SERVE_AT_EXIT: Duration = Duration::from_secs(1);
 
 const MAGIC: &[u8; 16] = b"nccl-safe-board1";
 const POST: u8 = 16;
@@ -159,6 +161,10 @@ impl DesyncBoard {
                         wire::Limits::default(),
                         "nccl-desync-peer",
                         move |stream, slot| {
+                            // A peer's read in flight when this process exits (rank 0 that
+                            // failed first, say) is served to its end: exit waits for it.
+                            let _serving =
+                                crate::diag::exit::posting(Instant::now() + SERVE_AT_EXIT);
                             // Errors only mean this peer is dropped; the board goes on.
                             let _ = s.handle(stream, &slot);
                         },

@@ -89,8 +89,13 @@ impl Rank {
         }
     }
 
-    /// Takes the communicator out (to destroy it yourself, say).
+    /// Takes the communicator out (to destroy it yourself, say). On rank 0 of a
+    /// multi-process job the job's desync board that this rank serves stays up for the
+    /// rest of the process: the other ranks' timeout reports and departures go through it.
     pub fn into_comm(self) -> Communicator {
+        if let Some(board) = self.board {
+            std::mem::forget(board);
+        }
         self.comm
     }
 }
