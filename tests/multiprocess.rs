@@ -57,10 +57,17 @@ fn child() -> Option<(usize, usize, Communicator)> {
         .collect();
     let id = UniqueId::from_bytes(&bytes).expect("a unique id");
     // A desync board when the test serves one (as a launcher's rank 0 does).
-    let config = match std::env::var(BOARD_ENV) {
+    let mut config = match std::env::var(BOARD_ENV) {
         Ok(addr) => Config::new().desync_board(BoardClient::new(addr, n, BOARD_TOKEN)),
         Err(_) => Config::new(),
     };
+    // Watchdog timeouts one apart per rank: rank 0's fires first, always.
+    if let Some(ms) = std::env::var(STAGGER_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        config = config.timeout(Duration::from_millis(ms * (rank as u64 + 1)));
+    }
     match Communicator::init_rank(&CommDevice::Host, n, rank, &id, &config) {
         Ok(c) => Some((rank, n, c)),
         Err(e) => {
@@ -379,13 +386,18 @@ fn faulty(fault: &str) {
                     }
                 }
                 "stuck" => {
-                    // Twice the host provider's wait limit, past which the others fail.
+                    // Twice the host provider's wait limit, past which the others fail
+                    // (or `STUCK_MS_ENV`'s, for the watchdog's timeout).
                     let limit: u64 = std::env::var("NCCL_SAFE_HOST_TIMEOUT_MS")
                         .ok()
                         .and_then(|v| v.parse().ok())
                         .unwrap_or(TIMEOUT_MS);
+                    let sleep = std::env::var(STUCK_MS_ENV)
+                        .ok()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(2 * limit);
                     println!("STUCK_AT_MS {:.1}", now_ms());
-                    std::thread::sleep(Duration::from_millis(2 * limit));
+                    std::thread::sleep(Duration::from_millis(sleep));
                 }
                 _ => {
                     println!("LEFT_AT_MS {:.1}", now_ms());
@@ -617,6 +629,44 @@ fn a_stuck_rank_is_named_as_behind_within_the_host_timeout() {
         t > (STUCK_TIMEOUT_MS - 100) as f64 && t < (STUCK_TIMEOUT_MS + 1000) as f64,
         "errors took {t} ms (timeout {STUCK_TIMEOUT_MS} ms)"
     );
+}
+
+/// How long rank 1 of the `stuck` fault sleeps, when set (ms).
+const STUCK_MS_ENV: &str = "NCCL_SAFE_TEST_STUCK_MS";
+/// When set (ms), rank r's watchdog timeout is r + 1 times it.
+const STAGGER_ENV: &str = "NCCL_SAFE_TEST_STAGGER_MS";
+
+/// The stuck rank again, now found by the watchdog (well before the provider's 8 s), with
+/// a desync board as under a launcher. Watchdogs fire apart (on GPUs by the moments each
+/// rank enqueued; here rank 0's at 1 s, the others' 1 s later each), so the first to abort
+/// gives the others NCCL's remote error ("rank 0 called ncclCommAbort") before their own
+/// timeout. Every survivor still names rank 1, from the board: it posted nothing while the
+/// others waited in collective #3.
+#[test]
+fn a_stuck_rank_is_named_by_every_survivor_when_the_watchdog_fires() {
+    faulty("stuck");
+    let board = DesyncBoard::serve("127.0.0.1:0", 4, BOARD_TOKEN).unwrap();
+    let addr = board.local_addr().to_string();
+    let outs = spawn(
+        "a_stuck_rank_is_named_by_every_survivor_when_the_watchdog_fires",
+        4,
+        &[
+            (BOARD_ENV, &addr),
+            (STAGGER_ENV, "1000"),
+            ("NCCL_SAFE_HOST_TIMEOUT_MS", "8000"),
+            (STUCK_MS_ENV, "4000"),
+        ],
+    );
+    let t = survivors_name_rank_1(
+        &outs,
+        "STUCK_AT_MS",
+        "rank(s) [1] in other processes posted nothing",
+    )
+    .expect("stuck and error times");
+    eprintln!("time from rank 1's stop to the last survivor's error: {t:.1} ms");
+    // Rank 0 at its 1 s timeout; the others after their report waited for rank 1's post
+    // (half their own timeout): all before the provider gives up at 8 s.
+    assert!(t < 6000.0, "errors took {t} ms (watchdog timeouts 1-4 s)");
 }
 
 /// The desync board's address for [`silent_leave`]'s children.

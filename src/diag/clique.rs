@@ -428,6 +428,24 @@ impl Clique {
 
     /// Whether the clique timed out (one load).
     #[inline]
+    /// Whether a rank of another process posted to the board that it waits in collective
+    /// `seq` or later (at its timeout, or at the watchdog's notice): then a remote error in
+    /// `seq` is most likely that rank's watchdog aborting the clique. Read once, bounded;
+    /// false without a board.
+    pub(crate) fn remote_waiting(&self, seq: u64) -> bool {
+        let Some(board) = self.board.get() else {
+            return false;
+        };
+        let Ok(posts) = board.fetch(Instant::now() + BOARD_IO) else {
+            return false;
+        };
+        (posts.iter().enumerate()).any(|(r, p)| {
+            p.as_ref().is_some_and(|p| {
+                !p.left && p.clique == self.key && p.issued > seq && !self.view(r).present
+            })
+        })
+    }
+
     pub(crate) fn any_timeout(&self) -> bool {
         self.any_timeout.load(Ordering::Acquire)
     }
@@ -481,6 +499,37 @@ impl Clique {
         if started.is_ok() {
             let _ = done.recv_timeout(DEPARTURE_POST_WAIT);
         }
+    }
+
+    /// Posts this process's ranks' last operations to the board (in the background, bounded
+    /// like a departure's post), when one of them has waited long in an operation (the
+    /// watchdog's notice): so that the first rank of another process to time out finds
+    /// every rank that waits with it on the board, and only the rank behind silent. Ranks
+    /// otherwise post only at their own timeout, which the first to time out never sees.
+    pub(crate) fn post_waiting(&self) {
+        let Some(board) = self.board.get() else {
+            return;
+        };
+        let deadline = Instant::now() + BOARD_IO;
+        let Some(posting) = super::exit::posting(deadline) else {
+            return;
+        };
+        let now = Instant::now();
+        let posts: Vec<(usize, DesyncPost)> = (0..self.views.len())
+            .map(|r| (r, self.view(r)))
+            .filter(|(_, v)| v.present && !v.gone)
+            .map(|(r, v)| (r, DesyncPost::new(self.key, v.issued, &describe(&v, now))))
+            .collect();
+        let board = Arc::clone(board);
+        // A thread that cannot start: the report says these ranks posted nothing.
+        let _ = std::thread::Builder::new()
+            .name("nccl-safe-post".into())
+            .spawn(move || {
+                let _posting = posting;
+                for (rank, post) in &posts {
+                    let _ = board.post(*rank, post, deadline);
+                }
+            });
     }
 
     /// The departure of a rank in another process that the job's desync board holds, read
@@ -636,6 +685,19 @@ impl Clique {
         timeout: Duration,
         what: &str,
     ) -> String {
+        self.report_as(rank, stuck, timeout, what, true)
+    }
+
+    /// [`report`](Self::report), ending with why this clique was aborted: by this rank's
+    /// watchdog (`ours`), or by a rank of another process.
+    pub(crate) fn report_as(
+        &self,
+        rank: usize,
+        stuck: &OpRecord,
+        timeout: Duration,
+        what: &str,
+        ours: bool,
+    ) -> String {
         let now = Instant::now();
         let mut out = format!(
             "{} (seq {}) on rank {rank}, called at {}, {what}.\nDesync report (clique {:016x}, {} ranks):\n",
@@ -717,12 +779,12 @@ impl Clique {
                 "=> rank(s) {silent:?} in other processes posted nothing: probably behind (or hung outside this clique's collectives)"
             );
         }
-        if behind.is_empty() {
+        if behind.is_empty() && silent.is_empty() {
             let _ = writeln!(
                 out,
                 "=> no rank in this process is behind: a rank in another process, or the work itself, is stuck"
             );
-        } else {
+        } else if !behind.is_empty() {
             let _ = writeln!(
                 out,
                 "=> rank(s) {behind:?} are behind: they never called seq {} ({} at {}) that the others wait in",
@@ -731,13 +793,22 @@ impl Clique {
                 stuck.at()
             );
         }
-        let _ = write!(
-            out,
-            "=> the watchdog aborted this clique's communicators (timeout {timeout:?}: Config::timeout or NCCL_SAFE_TIMEOUT_MS) because {} seq {} on rank {rank} (called at {})",
-            stuck.op,
-            stuck.seq,
-            stuck.at()
-        );
+        if ours {
+            let _ = write!(
+                out,
+                "=> the watchdog aborted this clique's communicators (timeout {timeout:?}: Config::timeout or NCCL_SAFE_TIMEOUT_MS) because {} seq {} on rank {rank} (called at {})",
+                stuck.op,
+                stuck.seq,
+                stuck.at()
+            );
+        } else {
+            let _ = write!(
+                out,
+                "=> a rank of another process aborted this clique first (its own timeout, say), and NCCL failed {} seq {} on rank {rank} with its remote error",
+                stuck.op,
+                stuck.seq,
+            );
+        }
         out
     }
 }

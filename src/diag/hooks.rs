@@ -684,6 +684,26 @@ impl CommDiag {
                                 let first = s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
                                 s.peer_timeout(rec, &first)
                             }
+                            // No departure on the board either, but ranks of other
+                            // processes posted that they wait in this collective: one of them
+                            // aborted the clique, its watchdog timed out (say) a moment
+                            // before this rank's would have. The board tells whom they waited
+                            // for: this rank's report names the rank behind, as theirs do,
+                            // rather than "rank N called ncclCommAbort". (With no such post,
+                            // the provider's error stands: "rank N died", say.)
+                            None if remote && s.clique.remote_waiting(rec.seq) => {
+                                let report = s.clique.report_as(
+                                    s.rank,
+                                    rec,
+                                    s.settings.timeout,
+                                    "failed with a peer's remote error",
+                                    false,
+                                );
+                                let first = s
+                                    .clique
+                                    .set_timed_out(&TimeoutReport::of(s.rank, rec, report));
+                                s.peer_timeout(rec, &first)
+                            }
                             None => e,
                         },
                     }

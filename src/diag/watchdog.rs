@@ -101,6 +101,7 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
         if !s.aborted_by_watchdog.load(Ordering::Acquire) {
             if let Some(n) = s.notice(now) {
                 eprintln!("{n}");
+                s.clique.post_waiting();
             }
         }
     }
