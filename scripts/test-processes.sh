@@ -59,7 +59,8 @@ launch4() {
   case "$launcher" in
     mpirun)
       cmd=(mpirun -np 4 "${keep[@]}" -x MASTER_ADDR -x MASTER_PORT -x NCCL_SAFE_RENDEZVOUS_TOKEN
-        -x NCCL_SAFE_HOST_TIMEOUT_MS -x NCCL_SAFE_TEST_MP "$@") ;;
+        -x NCCL_SAFE_HOST_TIMEOUT_MS -x NCCL_SAFE_TEST_MP -x NCCL_SAFE_TEST_STAGGER_MS
+        -x NCCL_SAFE_TEST_STUCK_MS "$@") ;;
     # srun passes the whole environment (--export=ALL is its default).
     srun) cmd=(srun -n 4 --overcommit "${keep[@]}" "$@") ;;
   esac
@@ -161,7 +162,7 @@ survivors_say() {
   line="$(grep -m1 -oE 'CALL_LINE [0-9]+' "$1" | awk '{print $2}')"
   [ -n "$line" ] || { cat "$1"; fail "no CALL_LINE in $1"; }
   for r in 0 2 3; do
-    grep -qE "^rank $r step [0-9]+: .*called at tests/multiprocess.rs:$line[):].*$2" "$1" \
+    grep -qE "^rank $r step [0-9]+: .*called at tests/multiprocess.rs:$line[),:].*$2" "$1" \
       || { cat "$1"; fail "$(basename "$1"): rank $r did not fail naming rank 1 and line $line (/$2/)"; }
   done
 }
@@ -204,6 +205,19 @@ t="$(delay "$logs/stuck" STUCK_AT_MS)"
 awk -v t="$t" -v l="$stuck_ms" 'BEGIN { exit !(t >= l - 100 && t < l + 1000) }' \
   || { cat "$logs/stuck"; fail "stuck: errors took $t ms (host timeout $stuck_ms ms)"; }
 echo "  rank 1 is stuck in its own code: ranks 0, 2, 3 failed naming it as behind; last error $t ms after it stopped (host timeout $stuck_ms ms)"
+
+# The same, found by the watchdogs (rank 3's after 1 s, rank 0's, which serves the board,
+# last; the provider's 8 s never comes): rank 3's abort reaches the others before their own
+# timeout, and they still name rank 1, from the board.
+NCCL_SAFE_TEST_STAGGER_MS=1000 NCCL_SAFE_TEST_STUCK_MS=4000 run stuck-watchdog --tolerate-a-dead-rank "$exe" --exact a_stuck_rank_is_named_by_every_survivor_when_the_watchdog_fires --nocapture --test-threads=1
+# (The report is several lines: each survivor's first line names the call and its line,
+# and a line of each report names rank 1.)
+survivors_say "$logs/stuck-watchdog" ''
+[ "$(count "$logs/stuck-watchdog" '^=> rank\(s\) \[1\] in other processes posted nothing')" -eq 3 ] \
+  || { cat "$logs/stuck-watchdog"; fail "stuck-watchdog: expected 3 reports naming rank 1"; }
+t="$(delay "$logs/stuck-watchdog" STUCK_AT_MS)"
+awk -v t="$t" 'BEGIN { exit !(t < 6000) }' || { cat "$logs/stuck-watchdog"; fail "stuck-watchdog: errors took $t ms"; }
+echo "  rank 1 is stuck, found by the watchdogs: ranks 0, 2, 3 failed naming it from the desync board; last error $t ms after it stopped"
 echo "  nothing left in /dev/shm"
 
 echo "test-processes ($launcher): OK in $(( $(date +%s) - t0 ))s"

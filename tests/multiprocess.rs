@@ -40,7 +40,10 @@ fn child() -> Option<(usize, usize, Communicator)> {
         // Started by mpirun, srun or torchrun (scripts/test-processes.sh): the id comes
         // through the launcher's rendezvous.
         let rank = Launcher::from_env()
-            .and_then(|l| l.host().init())
+            .and_then(|l| {
+                let (r, n) = (l.env().rank, l.env().world_size);
+                l.host().config(staggered(Config::new(), r, n)).init()
+            })
             .unwrap_or_else(|e| {
                 eprintln!("init failed: {e}");
                 std::process::exit(2)
@@ -57,23 +60,30 @@ fn child() -> Option<(usize, usize, Communicator)> {
         .collect();
     let id = UniqueId::from_bytes(&bytes).expect("a unique id");
     // A desync board when the test serves one (as a launcher's rank 0 does).
-    let mut config = match std::env::var(BOARD_ENV) {
+    let config = match std::env::var(BOARD_ENV) {
         Ok(addr) => Config::new().desync_board(BoardClient::new(addr, n, BOARD_TOKEN)),
         Err(_) => Config::new(),
     };
-    // Watchdog timeouts one apart per rank: rank 0's fires first, always.
-    if let Some(ms) = std::env::var(STAGGER_ENV)
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-    {
-        config = config.timeout(Duration::from_millis(ms * (rank as u64 + 1)));
-    }
+    let config = staggered(config, rank, n);
     match Communicator::init_rank(&CommDevice::Host, n, rank, &id, &config) {
         Ok(c) => Some((rank, n, c)),
         Err(e) => {
             eprintln!("rank {rank}: init failed: {e}");
             std::process::exit(2)
         }
+    }
+}
+
+/// With [`STAGGER_ENV`] set, watchdog timeouts one apart per rank, the last rank's first
+/// and rank 0's last (under a launcher rank 0's process serves the desync board, which
+/// goes when it exits).
+fn staggered(config: Config, rank: usize, world: usize) -> Config {
+    let ms = std::env::var(STAGGER_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok());
+    match ms {
+        Some(ms) => config.timeout(Duration::from_millis(ms * (world - rank) as u64)),
+        None => config,
     }
 }
 
@@ -633,13 +643,13 @@ fn a_stuck_rank_is_named_as_behind_within_the_host_timeout() {
 
 /// How long rank 1 of the `stuck` fault sleeps, when set (ms).
 const STUCK_MS_ENV: &str = "NCCL_SAFE_TEST_STUCK_MS";
-/// When set (ms), rank r's watchdog timeout is r + 1 times it.
+/// When set (ms), rank r's watchdog timeout is world size - r times it.
 const STAGGER_ENV: &str = "NCCL_SAFE_TEST_STAGGER_MS";
 
 /// The stuck rank again, now found by the watchdog (well before the provider's 8 s), with
 /// a desync board as under a launcher. Watchdogs fire apart (on GPUs by the moments each
-/// rank enqueued; here rank 0's at 1 s, the others' 1 s later each), so the first to abort
-/// gives the others NCCL's remote error ("rank 0 called ncclCommAbort") before their own
+/// rank enqueued; here rank 3's at 1 s, the others' 1 s later each), so the first to abort
+/// gives the others NCCL's remote error ("rank 3 called ncclCommAbort") before their own
 /// timeout. Every survivor still names rank 1, from the board: it posted nothing while the
 /// others waited in collective #3.
 #[test]
@@ -664,7 +674,7 @@ fn a_stuck_rank_is_named_by_every_survivor_when_the_watchdog_fires() {
     )
     .expect("stuck and error times");
     eprintln!("time from rank 1's stop to the last survivor's error: {t:.1} ms");
-    // Rank 0 at its 1 s timeout; the others after their report waited for rank 1's post
+    // Rank 3 at its 1 s timeout; the others after their report waited for rank 1's post
     // (half their own timeout): all before the provider gives up at 8 s.
     assert!(t < 6000.0, "errors took {t} ms (watchdog timeouts 1-4 s)");
 }

@@ -64,7 +64,8 @@ impl ProcessLauncher {
     /// is bound and no token is needed. Otherwise (Slurm, mpirun, torchrun-style variables
     /// set by hand) the id goes over the authenticated TCP rendezvous, and rank 0 also hosts
     /// the job's desync board on `MASTER_ADDR:MASTER_PORT+1` ([`crate::launch::desync`], same
-    /// token) for as long as its [`Rank`] lives (not after [`Rank::into_comm`]); when rank 0
+    /// token) for as long as its [`Rank`] lives (after [`Rank::into_comm`], for the rest of the
+    /// process); when rank 0
     /// cannot listen there, it says so on stderr and the job runs without the board. Either
     /// way every rank's communicator gets the board, so a timeout report shows what the
     /// ranks in other processes were last doing.
