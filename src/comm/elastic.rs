@@ -57,8 +57,8 @@ impl Communicator {
     ///
     /// Waits (bounded by the communicator's timeout) until NCCL says the communicator is
     /// quiescent. Afterwards every operation fails with [`Error::CommunicatorFailed`]
-    /// (naming the revoke) without calling NCCL, [`shrink_after_failure`]
-    /// (Self::shrink_after_failure) makes a working communicator of the ranks that are
+    /// (naming the revoke) without calling NCCL,
+    /// [`shrink_after_failure`](Self::shrink_after_failure) makes a working communicator of the ranks that are
     /// left, and dropping it aborts it, once. Allowed on a communicator that failed (that
     /// is what it is for): on NCCL 2.29 a revoke clears the error NCCL recorded, so that
     /// a shrink can follow.
@@ -116,8 +116,8 @@ impl Communicator {
     /// with `NCCL_SHRINK_ABORT`, NCCL 2.27+): collective over the ranks that stay, which
     /// must all call it with the same list. The calling rank must not be in `exclude`.
     ///
-    /// Unlike [`shrink`](Self::shrink) it runs on a communicator that [`is_failed`]
-    /// (Self::is_failed) or was revoked: NCCL first stops this rank's work in flight on it.
+    /// Unlike [`shrink`](Self::shrink) it runs on a communicator that
+    /// [`is_failed`](Self::is_failed) or was revoked: NCCL first stops this rank's work in flight on it.
     /// NCCL refuses a parent whose own asynchronous error is set, in either mode
     /// (init.cc:2762): on NCCL 2.29+ such a communicator is [`revoke`](Self::revoke)d
     /// first (here, unless it already was), which clears that error; before 2.29 NCCL's
