@@ -328,3 +328,121 @@ fn each_call_on_an_nccl_too_old_is_unsupported() {
     comm.destroy().map_err(|(_, e)| e).unwrap();
     assert_balanced(&id);
 }
+
+/// The host provider's C ABI follows NCCL 2.29.7's asynchronous contract (see
+/// `src/comm/elastic.rs`): a revoke on a non-blocking communicator returns ncclInProgress,
+/// its state reads ncclInProgress while the job runs (and other calls are refused with
+/// ncclInvalidArgument) and ncclSuccess after; bad flags and a second revoke are refused.
+/// A grow returns ncclSuccess with the new handle already written, reading ncclInProgress
+/// until every rank joined, the parent untouched; bad arguments write nothing.
+#[test]
+fn the_host_abi_follows_nccl_2_29s_contract() {
+    use nccl_sys::bindings::*;
+    let lib = Library::host();
+    let t = lib.table();
+    let id = CommDevice::Host.unique_id().unwrap();
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &config()).unwrap();
+    let raw = comm.as_raw();
+    let state = |c: ncclComm_t| {
+        let mut s = ncclSuccess;
+        // SAFETY: a live handle and a writable result.
+        assert_eq!(unsafe { (t.ncclCommGetAsyncError)(c, &mut s) }, ncclSuccess);
+        s
+    };
+
+    // Grow: refused arguments write nothing.
+    let (get_id, grow) = (t.ncclCommGetUniqueId.unwrap(), t.ncclCommGrow.unwrap());
+    let mut gid = ncclUniqueId { internal: [0; 128] };
+    // SAFETY: live handle, writable id.
+    assert_eq!(unsafe { get_id(raw, &mut gid) }, ncclSuccess);
+    let sentinel = 0x1234usize as ncclComm_t;
+    let mut out = sentinel;
+    // SAFETY: as above; `out` writable.
+    let r = unsafe { grow(raw, 1, &gid, -1, &mut out, std::ptr::null_mut()) };
+    assert_eq!(
+        (r, out),
+        (ncclInvalidArgument, sentinel),
+        "nRanks not above 1"
+    );
+    // SAFETY: as above.
+    let r = unsafe { grow(raw, 2, &gid, -1, std::ptr::null_mut(), std::ptr::null_mut()) };
+    assert_eq!(r, ncclInvalidArgument, "newcomm NULL");
+    // The existing rank's grow: ncclSuccess, the handle written in the call, in progress.
+    // SAFETY: as above.
+    let r = unsafe { grow(raw, 2, &gid, -1, &mut out, std::ptr::null_mut()) };
+    assert_eq!(r, ncclSuccess);
+    assert!(!out.is_null() && out != sentinel);
+    let existing = out;
+    assert_eq!(state(existing), ncclInProgress);
+    assert_eq!(state(raw), ncclSuccess, "the parent is untouched");
+    let new_rank = std::thread::spawn(move || {
+        let mut mine: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: a valid id and a writable out-pointer; NULL config = blocking.
+        let r = unsafe {
+            grow(
+                std::ptr::null_mut(),
+                2,
+                &gid,
+                1,
+                &mut mine,
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(r, ncclSuccess);
+        mine as usize
+    })
+    .join()
+    .unwrap() as ncclComm_t;
+    let until = Instant::now() + Duration::from_secs(10);
+    while state(existing) == ncclInProgress && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(state(existing), ncclSuccess);
+    for c in [existing, new_rank] {
+        let mut n = 0;
+        // SAFETY: live handles, writable count.
+        assert_eq!(unsafe { (t.ncclCommCount)(c, &mut n) }, ncclSuccess);
+        assert_eq!(n, 2);
+        // SAFETY: torn down once here.
+        assert_eq!(unsafe { (t.ncclCommDestroy)(c) }, ncclSuccess);
+    }
+
+    // Revoke, with its job held.
+    let revoke = t.ncclCommRevoke.unwrap();
+    // SAFETY: live handle.
+    assert_eq!(
+        unsafe { revoke(raw, 1) },
+        ncclInvalidArgument,
+        "flags must be 0"
+    );
+    fault::inject(&id.to_raw(), Fault::HeldJobs);
+    // SAFETY: live handle.
+    assert_eq!(unsafe { revoke(raw, 0) }, ncclInProgress);
+    assert_eq!(state(raw), ncclInProgress);
+    // SAFETY: live handle, writable id.
+    assert_eq!(
+        unsafe { get_id(raw, &mut gid) },
+        ncclInvalidArgument,
+        "refused meanwhile"
+    );
+    fault::release_jobs(&id.to_raw());
+    let until = Instant::now() + Duration::from_secs(10);
+    while state(raw) == ncclInProgress && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(state(raw), ncclSuccess);
+    // SAFETY: live handle.
+    assert_eq!(
+        unsafe { revoke(raw, 0) },
+        ncclInvalidArgument,
+        "a second revoke"
+    );
+    fault::clear(&id.to_raw());
+    drop(comm); // destroyed: NCCL allows a destroy once the revoke ended
+    let st = support::settled_stats(&id);
+    assert_eq!(
+        (st.created, st.destroyed, st.aborted, st.live),
+        (3, 3, 0, 0),
+        "{st:?}"
+    );
+}
