@@ -422,7 +422,8 @@ fn start_job(
 
 /// The end of a child job (split or shrink): waits until the child `h` leaves `Pending`
 /// (its rendezvous completed or failed, or its deadline passed; for a split, a failure of
-/// the parent's clique `split_of` fails it: a shrink is made for failed parents), counts it
+/// the parent's clique `split_of` fails it: a shrink only starts on a parent with no
+/// error, or one whose revoke cleared it, and goes on if the parent fails later), counts it
 /// as handed out, and returns what the job stores: the child, failed or not (NCCL stores it
 /// either way).
 fn end_child_job(h: Handle, split_of: Option<u64>) -> (usize, Result<(), Fail>) {
