@@ -861,3 +861,138 @@ fn ranks_shrink_a_communicator_across_processes() {
         );
     }
 }
+
+/// The rank and id a child of [`spawn`] was given, without an init (for tests whose
+/// ranks do not all join the same communicator).
+fn child_spec() -> Option<(usize, UniqueId)> {
+    let spec = std::env::var(ENV).ok()?;
+    let mut it = spec.split(':');
+    let rank: usize = it.next()?.parse().ok()?;
+    let _n: usize = it.next()?.parse().ok()?;
+    let hex = it.next()?;
+    let bytes: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
+        .collect();
+    Some((rank, UniqueId::from_bytes(&bytes).expect("a unique id")))
+}
+
+const GROW_FILE_ENV: &str = "NCCL_SAFE_TEST_GROW_FILE";
+
+/// Two processes make a communicator; the root (rank 0) takes a grow id and hands it,
+/// through a file, to a third process, which joins as rank 2 while ranks 0 and 1 grow
+/// (`ncclCommGrow`). The grown communicator's all_reduce is right on every rank.
+#[test]
+fn a_process_joins_a_communicator_grown_across_processes() {
+    if let Some((r, id)) = child_spec() {
+        let file = std::path::PathBuf::from(std::env::var(GROW_FILE_ENV).expect("file"));
+        let run = || -> Result<(usize, usize, f32)> {
+            let big = if r < 2 {
+                let c = Communicator::init_rank(&CommDevice::Host, 2, r, &id, &Config::new())?;
+                let big = if r == 0 {
+                    let gid = c.grow_id()?;
+                    let tmp = file.with_extension("tmp");
+                    std::fs::write(&tmp, gid.as_bytes()).expect("write the id");
+                    std::fs::rename(&tmp, &file).expect("publish the id");
+                    c.grow(3, Some(&gid))?
+                } else {
+                    c.grow(3, None)?
+                };
+                c.destroy().map_err(|(_, e)| e)?;
+                big
+            } else {
+                let deadline = Instant::now() + Duration::from_secs(20);
+                let bytes = loop {
+                    if let Ok(b) = std::fs::read(&file) {
+                        break b;
+                    }
+                    assert!(Instant::now() < deadline, "no grow id");
+                    std::thread::sleep(Duration::from_millis(5));
+                };
+                let gid = UniqueId::from_bytes(&bytes)?;
+                Communicator::join_grown(&CommDevice::Host, 3, 2, &gid, &Config::new())?
+            };
+            let mut y = vec![(r + 1) as f32; 1000];
+            big.all_reduce_in_place(&mut y, ReduceOp::Sum, &Stream::Host)?;
+            Ok((big.rank(), big.world_size(), y[999]))
+        };
+        match run() {
+            Ok((gr, gn, sum)) => {
+                println!("GROWN rank {gr} of {gn}: sum {sum}");
+                std::process::exit(0)
+            }
+            Err(e) => {
+                eprintln!("rank {r}: grow: {e}");
+                std::process::exit(3)
+            }
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("nccl-safe-grow-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("id");
+    let outs = spawn(
+        "a_process_joins_a_communicator_grown_across_processes",
+        3,
+        &[(GROW_FILE_ENV, file.to_str().unwrap())],
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(0), "rank {r}: {}", o.stderr);
+        assert!(
+            o.stdout.contains(&format!("GROWN rank {r} of 3: sum 6")),
+            "rank {r}: {}",
+            o.stdout
+        );
+    }
+}
+
+/// Three processes; rank 1 SIGKILLs itself between two all-reduces. The survivors'
+/// all_reduce fails naming it (NCCL records the error), they shrink in abort mode (on the
+/// host provider, as NCCL 2.29: a revoke first clears the error) and carry on with two
+/// ranks, with right results.
+#[test]
+fn survivors_of_a_killed_process_shrink_and_carry_on() {
+    if let Some((r, _, c)) = child() {
+        let mut x = vec![1.0f32; 1000];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect("all_reduce");
+        if r == 1 {
+            // SAFETY: kill(2) on our own pid; nothing is touched.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let e = c
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect_err("rank 1 is dead");
+        println!("FAILED {e}");
+        let run = || -> Result<(usize, usize, f32)> {
+            let small = c.shrink_after_failure(&[1])?;
+            let mut y = vec![(r + 1) as f32; 1000];
+            small.all_reduce_in_place(&mut y, ReduceOp::Sum, &Stream::Host)?;
+            Ok((small.rank(), small.world_size(), y[999]))
+        };
+        match run() {
+            Ok((sr, sn, sum)) => {
+                println!(
+                    "SHRUNK rank {sr} of {sn}: sum {sum}, revoked {}",
+                    c.is_revoked()
+                );
+                std::process::exit(0)
+            }
+            Err(e) => {
+                eprintln!("rank {r}: shrink_after_failure: {e}");
+                std::process::exit(3)
+            }
+        }
+    }
+    let outs = spawn("survivors_of_a_killed_process_shrink_and_carry_on", 3, &[]);
+    assert_eq!(outs[1].code, None, "rank 1 was killed by a signal");
+    for (r, new) in [(0, 0), (2, 1)] {
+        assert_eq!(outs[r].code, Some(0), "rank {r}: {}", outs[r].stderr);
+        assert!(
+            outs[r]
+                .stdout
+                .contains(&format!("SHRUNK rank {new} of 2: sum 4, revoked true")),
+            "rank {r}: {}",
+            outs[r].stdout
+        );
+    }
+}

@@ -81,3 +81,31 @@ fn fp8_nccl_memory_and_registration_are_unsupported_on_2_18() {
         assert!(absent, "{symbol} should be absent from 2.18.3");
     }
 }
+
+/// Joining a grown communicator needs `ncclCommGrow` (2.29): on NVIDIA's 2.18.3 it is
+/// `Unsupported` before anything reaches NCCL (no device needed: the gate comes first).
+#[test]
+fn join_grown_is_unsupported_on_2_18() {
+    let lib = Library::load_from(support::real_nccl("2.18.3")).expect("2.18.3 loads");
+    let id = nccl_safe::UniqueId::from_bytes(&[0u8; 128]).unwrap();
+    let e = nccl_safe::Communicator::join_grown_in(
+        &lib,
+        &nccl_safe::CommDevice::Host,
+        2,
+        1,
+        &id,
+        &nccl_safe::Config::new(),
+    )
+    .unwrap_err();
+    match e {
+        Error::Unsupported {
+            symbol: "ncclCommGrow",
+            needs,
+            found,
+        } => {
+            assert_eq!(needs, Version::new(2, 29, 0));
+            assert_eq!(found, Version::new(2, 18, 3));
+        }
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
+}

@@ -422,7 +422,8 @@ fn start_job(
 
 /// The end of a child job (split or shrink): waits until the child `h` leaves `Pending`
 /// (its rendezvous completed or failed, or its deadline passed; for a split, a failure of
-/// the parent's clique `split_of` fails it: a shrink is made for failed parents), counts it
+/// the parent's clique `split_of` fails it: a shrink only starts on a parent with no
+/// error, or one whose revoke cleared it, and goes on if the parent fails later), counts it
 /// as handed out, and returns what the job stores: the child, failed or not (NCCL stores it
 /// either way).
 fn end_child_job(h: Handle, split_of: Option<u64>) -> (usize, Result<(), Fail>) {
@@ -1125,14 +1126,19 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
             }
             let blocking = r.child_blocking(&mut g, config, "ncclCommShrink")?;
             if shrink_flags == NCCL_SHRINK_ABORT as c_int {
-                g.abort_clique(
-                    r.clique,
-                    Fail::new(
-                        ncclRemoteError,
-                        "remote error: parent communicator shrunk with NCCL_SHRINK_ABORT",
-                    ),
-                );
+                // NCCL sets the abort flags, waits for the parent's kernels to end and
+                // clears the flags (init.cc:2844-2848 of 2.29.7): its work in flight ends.
+                super::fault::torn_down(r.h);
             }
+            // Then `ncclCommInitChildComm`'s `ncclCommEnsureReady` (init.cc:2762, 400-416):
+            // a parent whose asynchronous error is set is refused with that error, in both
+            // modes, unless a revoke's job has since cleared it (init.cc:2635).
+            if let Some(f) = async_failure(&mut g, r.h) {
+                return Err(f);
+            }
+            // NCCL's abort flags are this rank's and cleared again before the child is made
+            // (init.cc:2846): the parent's other ranks are not told, and its state is not
+            // set (so the other survivors' own shrinks are not refused for it).
             let (seq, dev) = r.next_coll(&mut g)?;
             let h = g.new_handle(r.root, dev, !blocking);
             set_name(&mut g, h, config, Some(r.h));
@@ -1141,9 +1147,6 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
             if let Some(seg) = shared_of(&g, r.clique) {
                 // Across processes: the survivors need not talk through the (possibly failed)
                 // parent: each derives the child's id and its rank from the exclude list.
-                if shrink_flags == NCCL_SHRINK_ABORT as c_int {
-                    seg.abort();
-                }
                 let id = seg.child_id(&format!("shrink {excl:?}"));
                 let new_rank = (0..r.nranks)
                     .filter(|q| !excl.contains(q))
@@ -1166,6 +1169,332 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
             finish_new(g, h, newcomm, !blocking)
         })())
     })
+}
+
+/// The error `ncclCommGetAsyncError` reports for the ready communicator `h`, if any: a
+/// failed job, or its clique's failure (across processes too), unless a revoke cleared it.
+fn async_failure(g: &mut Global, h: Handle) -> Option<Fail> {
+    let c = g.comms.get(&h)?;
+    if let Job::Failed(f) = &c.job {
+        return Some(f.clone());
+    }
+    let cleared = c.error_cleared;
+    let CommState::Ready { clique, .. } = c.state else {
+        return None;
+    };
+    if let Some(f) = shared_of(g, clique).and_then(|s| s.failure()) {
+        g.abort_clique(clique, f);
+    }
+    if cleared {
+        return None;
+    }
+    g.cliques.get(&clique).and_then(|c| c.aborted.clone())
+}
+
+/// `ncclCommRevoke` as NCCL 2.29.7 has it (init.cc:2602-2693): NULL is a no-op; flags
+/// other than NCCL_REVOKE_DEFAULT, a finalized (or destroyed) communicator and a second
+/// revoke are refused with ncclInvalidArgument before anything changes. Otherwise it sets
+/// the abort flags and joins a job in flight (`ncclCommEnsureReady` ->
+/// `ncclGroupJobAbort`), marks the communicator revoked and finalized, and launches
+/// `commRevokeAsync`, which waits for the communicator's streams (its kernels end on the
+/// abort flag), stops the proxy, clears the abort flags and stores its own result as the
+/// communicator's asynchronous state (`ncclCommSetAsyncError(comm, res)`, :2635). On a
+/// non-blocking communicator the group's thread runs that job: the state reads
+/// ncclInProgress until it ends, and the call returns that state (ncclInProgress, read
+/// at :2686-2688); a blocking one runs it in the call. Collectives are refused from then
+/// on (ncclInvalidUsage, enqueue.cc:2983-2986), as is ncclCommFinalize; a destroy, split
+/// or shrink may follow once the state is ncclSuccess.
+///
+/// Here: the in-flight work of `comm` ([`Fault::StuckWork`](super::fault::Fault::StuckWork)
+/// and `StalledWork`) ends at once, the job ends no sooner than the job latency, and then
+/// a failure of its clique no longer shows on this handle. Inside a user's group it runs
+/// as on a blocking communicator.
+pub(crate) unsafe extern "C" fn ncclCommRevoke(
+    comm: ncclComm_t,
+    revoke_flags: c_int,
+) -> ncclResult_t {
+    ffi(|| {
+        if comm.is_null() {
+            return Ok(ncclSuccess);
+        }
+        let mut g = lock();
+        let h = known(&mut g, comm, "ncclCommRevoke")?;
+        let Some(c) = g.comms.get(&h) else {
+            return Err(Fail::new(
+                ncclInternalError,
+                "internal error: handle vanished",
+            ));
+        };
+        let root = c.root;
+        let refusal = if revoke_flags != NCCL_REVOKE_DEFAULT as c_int {
+            Some(format!(
+                "revokeFlags {revoke_flags} (must be NCCL_REVOKE_DEFAULT)"
+            ))
+        } else if c.revoked {
+            Some("the communicator was already revoked".to_string())
+        } else if c.finalized {
+            Some("the communicator was finalized".to_string())
+        } else {
+            None
+        };
+        if let Some(m) = refusal {
+            return Err(g.misuse(
+                Some(root),
+                ncclInvalidArgument,
+                format!("invalid argument: ncclCommRevoke: {m}"),
+            ));
+        }
+        g = end_job_for_abort(g, h);
+        let h = known(&mut g, comm, "ncclCommRevoke")?;
+        if let Some(c) = g.comms.get_mut(&h) {
+            c.revoked = true;
+            c.finalized = true;
+        }
+        // The abort flag ends this rank's kernels: its work in flight.
+        super::fault::torn_down(h);
+        let clear = move || {
+            if let Some(c) = lock().comms.get_mut(&h) {
+                c.error_cleared = true;
+            }
+        };
+        if asynchronous(&g, h) {
+            start_job(&mut g, h, None, "revoke", 0, move || {
+                clear();
+                (0, Ok(()))
+            })?;
+            // As NCCL: the call returns the state it reads after launching the job.
+            return Ok(ncclInProgress);
+        }
+        drop(g);
+        clear();
+        Ok(ncclSuccess)
+    })
+}
+
+/// The in-process id of grow `n` of `clique` (no shared segment): unique in the process,
+/// the same on every rank of the clique.
+fn grow_id_in_process(clique: u64, n: u64) -> IdBytes {
+    let mut b = [0u8; 128];
+    b[..16].copy_from_slice(super::defs::ID_MAGIC);
+    b[16..20].copy_from_slice(&std::process::id().to_le_bytes());
+    b[20..24].copy_from_slice(b"grow");
+    b[24..32].copy_from_slice(&clique.to_le_bytes());
+    b[32..40].copy_from_slice(&n.to_le_bytes());
+    b
+}
+
+/// The id of the next grow of the ready communicator `r` (its `grows + 1`-th).
+fn next_grow_id(g: &Global, r: &Ready) -> IdBytes {
+    let n = g.comms.get(&r.h).map_or(0, |c| c.grows) + 1;
+    match shared_of(g, r.clique) {
+        Some(seg) => seg.grow_id(n),
+        None => grow_id_in_process(r.clique, n),
+    }
+}
+
+/// `ncclCommGetUniqueId` as NCCL 2.29.7 has it (init.cc:2860-2875): synchronous, on one
+/// rank (the grow's root). `ncclCommEnsureReady` first (ncclInvalidArgument while a job
+/// is in flight, the communicator's error once it has one); the id is derived from the
+/// communicator and its next grow (bootstrap.cc:438-467: magic `hashCombine(comm->magic,
+/// comm->childCount + 1)`), sent to the boundary ranks 0 and n-1 during the call
+/// (`bcastGrowHandle`, bootstrap.cc:470-486), and written to `*uniqueId` at the end of a
+/// successful call only. Here the boundary ranks' copies wait in the clique's mailbox
+/// (in-process communicators only: across processes every rank derives the id itself).
+pub(crate) unsafe extern "C" fn ncclCommGetUniqueId(
+    comm: ncclComm_t,
+    unique_id: *mut ncclUniqueId,
+) -> ncclResult_t {
+    ffi(|| {
+        let mut g = lock();
+        let r = ready(&mut g, comm, "ncclCommGetUniqueId", false)?;
+        if let Some(f) = async_failure(&mut g, r.h) {
+            return Err(f);
+        }
+        if unique_id.is_null() {
+            return Err(r.invalid(&mut g, "ncclCommGetUniqueId", "uniqueId is NULL".into()));
+        }
+        let id = next_grow_id(&g, &r);
+        g.alias_root(&id, r.root);
+        if shared_of(&g, r.clique).is_none() && r.nranks > 1 {
+            for to in [0, r.nranks - 1] {
+                g.grow_mail.entry((r.clique, to)).or_default().push_back(id);
+            }
+            super::state::notify();
+        }
+        put(
+            unique_id,
+            ncclUniqueId {
+                internal: id.map(|x| x as c_char),
+            },
+        );
+        Ok(ncclSuccess)
+    })
+}
+
+/// A boundary rank's receipt of the grow id (`bcastGrowHandle(.., isRoot=false)`,
+/// init.cc:2913-2923): blocks until the root's `ncclCommGetUniqueId` sent it, the clique
+/// fails, or the provider's wait limit.
+fn receive_grow_id(
+    mut g: MutexGuard<'static, Global>,
+    clique: u64,
+    rank: i32,
+) -> (MutexGuard<'static, Global>, Result<IdBytes, Fail>) {
+    let deadline = std::time::Instant::now() + super::defs::wait_limit();
+    loop {
+        if let Some(id) = g
+            .grow_mail
+            .get_mut(&(clique, rank))
+            .and_then(|q| q.pop_front())
+        {
+            return (g, Ok(id));
+        }
+        if let Some(f) = g.cliques.get(&clique).and_then(|c| c.aborted.clone()) {
+            return (g, Err(f));
+        }
+        if std::time::Instant::now() >= deadline {
+            let f = Fail::new(
+                ncclTimeout,
+                format!("NCCL timeout: ncclCommGrow: rank {rank} did not receive the grow id (no rank called ncclCommGetUniqueId) within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)", super::defs::wait_limit()),
+            );
+            return (g, Err(f));
+        }
+        g = super::state::wait(g, deadline);
+    }
+}
+
+/// `ncclCommGrow` as NCCL 2.29.7 has it (init.cc:2877-3038). Checked first, with nothing
+/// written: a NULL `newcomm`, `nRanks <= 0`, or (existing ranks) `nRanks` not above the
+/// current size are ncclInvalidArgument. Then `*newcomm = NULL` (:2895). Existing ranks
+/// (`comm` set) pass `rank = -1`, after `ncclCommEnsureReady`; the boundary ranks 0 and
+/// n-1 receive the root's id during the call and check it (:2911-2924); the others need
+/// no id. New ranks (`comm` NULL) pass the id and their rank, below `nRanks`. Every rank
+/// gets a new communicator (the parent is untouched and stays usable), written to
+/// `*newcomm` during the call (:2997), before the job; the job (an init over the id,
+/// existing ranks keeping their rank) runs on the new communicator, which reads
+/// ncclInProgress until it ends; the call returns ncclSuccess (the group end's
+/// ncclInProgress is dropped by `NCCLCHECK`, :3016). A failure after the handle was
+/// written frees it and writes NULL again (:3027-3036).
+///
+/// Here: stricter in one point: an id passed by an existing rank must be this grow's.
+pub(crate) unsafe extern "C" fn ncclCommGrow(
+    comm: ncclComm_t,
+    n_ranks: c_int,
+    unique_id: *const ncclUniqueId,
+    rank: c_int,
+    newcomm: *mut ncclComm_t,
+    config: *mut ncclConfig_t,
+) -> ncclResult_t {
+    super::fault::ensure_runtime();
+    ffi(|| {
+        group_err((|| {
+            const NAME: &str = "ncclCommGrow";
+            let mut g = lock();
+            if newcomm.is_null() || n_ranks <= 0 {
+                return Err(g.misuse(
+                    None,
+                    ncclInvalidArgument,
+                    format!("invalid argument: {NAME}: newcomm is NULL or nRanks {n_ranks} <= 0"),
+                ));
+            }
+            let given = (!unique_id.is_null()).then(|| {
+                // SAFETY: non-null, so a readable ncclUniqueId (NCCL's contract).
+                id_bytes(unsafe { &*unique_id })
+            });
+            if !comm.is_null() {
+                let r = ready(&mut g, comm, NAME, false)?;
+                if n_ranks <= r.nranks {
+                    return Err(r.invalid(
+                        &mut g,
+                        NAME,
+                        format!(
+                            "total ranks {n_ranks} is not above the current {}",
+                            r.nranks
+                        ),
+                    ));
+                }
+                put(newcomm, core::ptr::null_mut());
+                if let Some(f) = async_failure(&mut g, r.h) {
+                    return Err(f);
+                }
+                if rank != -1 {
+                    return Err(r.invalid(
+                        &mut g,
+                        NAME,
+                        format!("existing ranks must pass rank = -1, got {rank}"),
+                    ));
+                }
+                let id = next_grow_id(&g, &r);
+                if let Some(c) = g.comms.get_mut(&r.h) {
+                    c.grows += 1;
+                }
+                g.alias_root(&id, r.root);
+                let shared = shared_of(&g, r.clique);
+                if shared.is_none() && r.nranks > 1 && (r.rank == 0 || r.rank == r.nranks - 1) {
+                    let (g2, got) = receive_grow_id(g, r.clique, r.rank);
+                    g = g2;
+                    if got? != id {
+                        return Err(r.invalid(
+                            &mut g,
+                            NAME,
+                            "the grow id received from the root is not this grow's (magic mismatch)".into(),
+                        ));
+                    }
+                }
+                if given.is_some_and(|x| x != id) {
+                    return Err(r.invalid(
+                        &mut g,
+                        NAME,
+                        "uniqueId is not this communicator's next grow id (from ncclCommGetUniqueId)".into(),
+                    ));
+                }
+                let blocking = r.child_blocking(&mut g, config, NAME)?;
+                let dev = g.comms.get(&r.h).map_or(0, |c| c.device);
+                let h = g.new_handle(r.root, dev, !blocking);
+                set_name(&mut g, h, config, Some(r.h));
+                if shared.is_some() {
+                    join_shared(&mut g, id, n_ranks, r.rank, h, r.root)?;
+                } else {
+                    g.post_init(id, n_ranks, r.rank, h);
+                }
+                return finish_new(g, h, newcomm, !blocking).map(grow_result);
+            }
+            let Some(id) = given else {
+                return Err(g.misuse(
+                    None,
+                    ncclInvalidArgument,
+                    format!("invalid argument: {NAME}: new ranks must pass a uniqueId"),
+                ));
+            };
+            let root = g.root_of(&id);
+            if rank < 0 || rank >= n_ranks {
+                return Err(g.misuse(
+                    Some(root),
+                    ncclInvalidArgument,
+                    format!("invalid argument: {NAME}: new rank {rank} is not in 0..{n_ranks}"),
+                ));
+            }
+            put(newcomm, core::ptr::null_mut());
+            let blocking = parse_config(&mut g, config, Some(root), NAME)?.unwrap_or(true);
+            let h = g.new_handle(root, DEVICE.with(|d| d.get()), !blocking);
+            set_name(&mut g, h, config, None);
+            if super::shm::is_shared(&id) {
+                join_shared(&mut g, id, n_ranks, rank, h, root)?;
+            } else {
+                g.post_init(id, n_ranks, rank, h);
+            }
+            finish_new(g, h, newcomm, !blocking).map(grow_result)
+        })())
+    })
+}
+
+/// What `ncclCommGrow` returns where `finish_new` says ncclInProgress: ncclSuccess, the
+/// new communicator's state reading ncclInProgress (init.cc:3016).
+fn grow_result(r: ncclResult_t) -> ncclResult_t {
+    if r == ncclInProgress {
+        ncclSuccess
+    } else {
+        r
+    }
 }
 
 pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
@@ -1209,7 +1538,9 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
                 if let Some(f) = shared_of(&g, clique).and_then(|s| s.failure()) {
                     g.abort_clique(clique, f);
                 }
+                let cleared = g.comms.get(&h).is_some_and(|c| c.error_cleared);
                 match g.cliques.get(&clique).and_then(|c| c.aborted.clone()) {
+                    Some(_) if cleared => ncclSuccess,
                     Some(f) => {
                         set_last(&f.msg);
                         f.code
@@ -1355,6 +1686,14 @@ fn operation(
         group_err((|| {
             let mut g = lock();
             let r = ready(&mut g, comm, name, true)?;
+            if g.comms.get(&r.h).is_some_and(|c| c.revoked) {
+                // As NCCL's ncclEnqueueCheck (enqueue.cc:2983-2986 of 2.29.7).
+                return Err(g.misuse(
+                    Some(r.root),
+                    ncclInvalidUsage,
+                    format!("invalid usage: {name}: communicator was revoked"),
+                ));
+            }
             let Some(es) = dtype::size_of(dt) else {
                 return Err(r.invalid(&mut g, name, format!("unknown datatype {dt}")));
             };

@@ -87,6 +87,10 @@
 //!     collectives, ...) are not provided (`lookup` returns null).
 //! 11. `ncclGetLastError` ignores its `comm` argument: the text is per thread, and the
 //!     pointer stays valid until the same thread calls `ncclGetLastError` again.
+//! 12. `ncclCommRevoke`, `ncclCommGetUniqueId` and `ncclCommGrow` follow NCCL 2.29.7 (see
+//!     each function's docs); a revoke inside a user's group runs as on a blocking
+//!     communicator; across processes the boundary ranks' grow does not wait for the
+//!     root's id (every rank derives it), and an existing rank's id must be this grow's.
 
 #![deny(missing_docs)]
 // NCCL constants (ncclSum, ncclInt8, ...) keep their C names in match patterns.
@@ -305,13 +309,13 @@ fn table() -> FunctionTable {
         ncclAlltoAll: Some(ncclAlltoAll),
         ncclGather: Some(ncclGather),
         ncclScatter: Some(ncclScatter),
-        ncclCommRevoke: None,
+        ncclCommRevoke: Some(ncclCommRevoke),
         ncclCommSuspend: None,
         ncclCommResume: None,
         ncclCommMemStats: None,
         ncclWinGetUserPtr: None,
-        ncclCommGetUniqueId: None,
-        ncclCommGrow: None,
+        ncclCommGetUniqueId: Some(ncclCommGetUniqueId),
+        ncclCommGrow: Some(ncclCommGrow),
         ncclPutSignal: None,
         ncclSignal: None,
         ncclWaitSignal: None,

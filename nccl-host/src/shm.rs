@@ -354,8 +354,21 @@ impl Segment {
     /// The id of this communicator's next split or shrink child (`what` tells them apart):
     /// every rank derives the same one without talking to the others.
     pub(crate) fn child_id(&self, what: &str) -> IdBytes {
-        use sha2::Digest;
         let k = self.children.fetch_add(1, Relaxed);
+        self.derived_id(k, what)
+    }
+
+    /// The id of this communicator's `n`-th grow (1, 2, ...), the same on every rank of
+    /// every process, and without taking a child number: the root's `ncclCommGetUniqueId`
+    /// and every existing rank's `ncclCommGrow` derive it alike, as NCCL derives the grow
+    /// handle's magic from the parent's (`hashCombine(comm->magic, comm->childCount)`,
+    /// bootstrap.cc:455, init.cc:2917).
+    pub(crate) fn grow_id(&self, n: u64) -> IdBytes {
+        self.derived_id(u64::MAX - n, "grow")
+    }
+
+    fn derived_id(&self, k: u64, what: &str) -> IdBytes {
+        use sha2::Digest;
         let mut h = sha2::Sha256::new();
         h.update(self.id);
         h.update(k.to_le_bytes());

@@ -90,6 +90,17 @@ pub(crate) struct Comm {
     /// (init.cc:1251, read by the profiler plugin after the call; a split or shrink child
     /// without a config of its own inherits its parent's).
     pub name: usize,
+    /// `ncclCommRevoke` was called (NCCL's `revokedFlag`, init.cc:2663 of 2.29.7): its
+    /// collectives are refused with ncclInvalidUsage (enqueue.cc:2983-2986).
+    pub revoked: bool,
+    /// The revoke's job ended: as NCCL's `commRevokeAsync` stores its own result into the
+    /// communicator's `asyncResult` (init.cc:2635), an error seen before (a failed clique)
+    /// no longer shows in `ncclCommGetAsyncError`, and a shrink may go on.
+    pub error_cleared: bool,
+    /// Grows this rank took part in (NCCL's `childCount`, bumped by `ncclCommGrow`,
+    /// init.cc:2909): the next grow's id is derived from it, as NCCL derives the grow
+    /// handle's magic (`hashCombine(comm->magic, comm->childCount)`).
+    pub grows: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -176,6 +187,10 @@ pub(crate) struct Global {
     pub mem: HashMap<usize, std::alloc::Layout>,
     pub regs: HashMap<usize, Handle>,
     pub next_reg: usize,
+    /// Grow ids sent by `ncclCommGetUniqueId` to the boundary ranks (0 and n-1) of a
+    /// clique, keyed by (clique, rank): NCCL's `bcastGrowHandle` (bootstrap.cc:470-486),
+    /// received by those ranks' `ncclCommGrow`.
+    pub grow_mail: HashMap<(u64, i32), VecDeque<IdBytes>>,
 }
 
 static GLOBAL: OnceLock<(Mutex<Global>, Condvar)> = OnceLock::new();
@@ -215,6 +230,12 @@ impl Global {
         self.root_stats.push(HostStats::default());
         self.roots.insert(*id, r);
         r
+    }
+
+    /// Counts the communicators of `id` with root `r` (a grow id: its new ranks are
+    /// counted with the communicator they grow), unless `id` has a root already.
+    pub(crate) fn alias_root(&mut self, id: &IdBytes, r: RootIdx) {
+        self.roots.entry(*id).or_insert(r);
     }
 
     /// The stats index of a root id, if it was ever used.
@@ -276,6 +297,9 @@ impl Global {
                 deadline: Instant::now() + wait_limit(),
                 job: Job::Idle,
                 name: 0,
+                revoked: false,
+                error_cleared: false,
+                grows: 0,
             },
         );
         h

@@ -73,36 +73,7 @@ impl Communicator {
             .handle
             .lib()
             .optional(self.handle.table().ncclCommShrink, OP)?;
-        let mut list = Vec::with_capacity(exclude.len());
-        for &r in exclude {
-            if r >= self.world_size {
-                return Err(Error::RankOutOfRange {
-                    op: OP,
-                    what: "excluded rank",
-                    rank: r,
-                    world_size: self.world_size,
-                });
-            }
-            if r == self.rank {
-                return Err(Error::InvalidArgument {
-                    op: OP,
-                    reason: format!("rank {r} is excluded, so it must not call shrink"),
-                });
-            }
-            if list.contains(&(r as c_int)) {
-                return Err(Error::InvalidArgument {
-                    op: OP,
-                    reason: format!("rank {r} is listed twice"),
-                });
-            }
-            list.push(r as c_int);
-        }
-        if list.len() >= self.world_size {
-            return Err(Error::InvalidArgument {
-                op: OP,
-                reason: "every rank is excluded".into(),
-            });
-        }
+        let mut list = self.exclude_list(OP, exclude)?;
         crate::diag::check_lane(OP, self.lane())?;
         let tag = crate::diag::shrink_tag(&list);
         let slot = JobSlot::new();
@@ -149,7 +120,11 @@ impl Communicator {
     /// init.cc:2519), so the slot stays with the parent until its teardown
     /// (`reap_orphans`). Returns `e`.
     #[cold]
-    fn orphan_child(&self, slot: JobSlot<nccl_sys::bindings::ncclComm>, e: Error) -> Error {
+    pub(super) fn orphan_child(
+        &self,
+        slot: JobSlot<nccl_sys::bindings::ncclComm>,
+        e: Error,
+    ) -> Error {
         if self.job_ended() {
             self.abort_orphan(slot.take());
         } else {
@@ -181,7 +156,7 @@ impl Communicator {
     }
 
     /// Wraps a child handle from split/shrink, reading its rank and size from NCCL.
-    fn adopt_child(
+    pub(super) fn adopt_child(
         &self,
         op: &'static str,
         child: ncclComm_t,

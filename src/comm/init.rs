@@ -203,10 +203,25 @@ impl PendingCommunicator {
     /// On an error or timeout the handle is aborted (once) and the error returned.
     #[track_caller]
     pub fn wait(self, timeout: Duration) -> Result<Communicator> {
-        let caller = Location::caller();
+        self.wait_as("ncclCommInitRankConfig", Location::caller(), timeout)
+    }
+
+    /// `comm`, whose init (or grow) was just issued: failed until it completes.
+    pub(super) fn pending(comm: Communicator) -> PendingCommunicator {
+        comm.mark_pending();
+        PendingCommunicator { comm }
+    }
+
+    /// [`wait`](Self::wait) for the call `op` made at `caller`.
+    pub(super) fn wait_as(
+        self,
+        op: &'static str,
+        caller: &'static Location<'static>,
+        timeout: Duration,
+    ) -> Result<Communicator> {
         let mut comm = self.comm;
         let ready = comm
-            .wait_ready("ncclCommInitRankConfig", caller, timeout)
+            .wait_ready(op, caller, timeout)
             .and_then(|()| comm.read_shape(caller));
         if let Err(e) = ready {
             // This rank never joins: no collective of its clique can complete (the peers
@@ -225,7 +240,7 @@ impl PendingCommunicator {
     }
 
     /// The communicator's timeout ([`Config::timeout`]), which `init_rank` waits.
-    fn timeout(&self) -> Duration {
+    pub(super) fn timeout(&self) -> Duration {
         self.comm.diag.timeout()
     }
 }

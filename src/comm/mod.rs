@@ -21,6 +21,7 @@ use crate::id::UniqueId;
 use crate::library::{CallContext, Library, Provider};
 use crate::nccl_call;
 
+mod elastic;
 mod family;
 mod init;
 mod raw;
@@ -165,6 +166,8 @@ pub struct Communicator {
     /// Collectives refused before NCCL saw them because the communicator had failed: with
     /// those issued, how far the rank's program got ([`Self::collectives_called`]).
     refused: std::cell::Cell<u64>,
+    /// `ncclCommRevoke` was called: NCCL refuses its collectives, and a second revoke.
+    revoked: std::cell::Cell<bool>,
 }
 
 // SAFETY: NCCL allows a communicator to be used from any thread, one at a time; `!Sync`
@@ -399,6 +402,19 @@ impl Communicator {
         self.issue_then(op, caller, f, true, then)
     }
 
+    /// [`issue_job`](Self::issue_job) on a communicator that may have failed (or been
+    /// revoked): a shrink in NCCL's abort mode is made for those. Still refused when the
+    /// watchdog aborted it (its handle is gone).
+    pub(crate) fn issue_job_even_if_failed<'a>(
+        &self,
+        op: impl Into<crate::diag::OpInfo<'a>>,
+        caller: &'static Location<'static>,
+        f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
+        then: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        self.issue_inner(op, caller, f, true, then, false)
+    }
+
     /// [`issue`](Self::issue), then `then` after a successful call: `job` waits the
     /// communicator out of ncclInProgress even when the call returned ncclSuccess.
     #[inline(always)]
@@ -410,9 +426,23 @@ impl Communicator {
         job: bool,
         then: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
+        self.issue_inner(op, caller, f, job, then, true)
+    }
+
+    /// [`issue_then`](Self::issue_then); `gate`: refuse a failed communicator first.
+    #[inline(always)]
+    fn issue_inner<'a>(
+        &self,
+        op: impl Into<crate::diag::OpInfo<'a>>,
+        caller: &'static Location<'static>,
+        f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
+        job: bool,
+        then: impl FnOnce() -> Result<()>,
+        gate: bool,
+    ) -> Result<()> {
         let op = op.into();
         let call = op.name();
-        if self.failure.get().is_some() {
+        if gate && self.failure.get().is_some() {
             // The error for a failed communicator (a watchdog abort takes precedence).
             self.ensure_usable(call)?;
         }
@@ -625,6 +655,7 @@ impl Communicator {
             names: Default::default(),
             orphans: Default::default(),
             refused: Default::default(),
+            revoked: Default::default(),
         }
     }
 

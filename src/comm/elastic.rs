@@ -1,0 +1,440 @@
+//! Elastic communicators: [`Communicator::revoke`] (NCCL 2.29), the shrink of a failed
+//! communicator ([`Communicator::shrink_after_failure`], `NCCL_SHRINK_ABORT`, 2.27), and
+//! growth ([`Communicator::grow_id`], [`Communicator::grow`] and
+//! [`Communicator::join_grown`], 2.29).
+//!
+//! What NCCL 2.29.7 does in each call, from its source (`src/init.cc` at tag
+//! `v2.29.7-1`; the table in ARCHITECTURE.md has the rows):
+//!
+//! * `ncclCommRevoke` (init.cc:2602-2693) refuses flags other than 0, a finalized or
+//!   destroyed communicator and a second revoke with ncclInvalidArgument before anything
+//!   changes. Otherwise it sets the abort flags (the communicator's kernels end), joins a
+//!   job in flight, marks the communicator revoked and finalized, and launches a job that
+//!   waits for the streams, stops the proxy, clears the abort flags and stores **its own
+//!   result** as the communicator's asynchronous state (:2635): a failure seen before no
+//!   longer shows once the revoke ended. On a non-blocking communicator the state reads
+//!   ncclInProgress until then, and the call returns the state it reads after launching
+//!   the job (:2686-2688), so usually ncclInProgress. No out-pointer. Collectives are
+//!   refused from then on with ncclInvalidUsage (enqueue.cc:2983-2986), finalize with
+//!   ncclInvalidArgument (:2474); destroy, split and shrink may follow.
+//! * `ncclCommShrink` with `NCCL_SHRINK_ABORT` (init.cc:2838-2858) first sets the abort
+//!   flags, waits for the device stream and clears the flags (:2844-2848), then makes the
+//!   child as a default shrink does (`ncclCommInitChildComm`, :2745-2836), resources never
+//!   shared with the parent (:2776). Its `ncclCommEnsureReady` (:2762, 400-416) refuses a
+//!   parent in progress (ncclInvalidArgument) **and a parent whose asynchronous error is
+//!   set** (that error), in both modes: a communicator NCCL itself flagged can be shrunk
+//!   only after a revoke cleared the flag. `*newcomm` is NULL during the call (:2780) and
+//!   the child is stored by the job at its end (:1747-1750), after the parent read
+//!   ncclInProgress meanwhile; the call returns ncclSuccess (as for a split).
+//! * `ncclCommGetUniqueId` (init.cc:2860-2875) is synchronous, on one existing rank (the
+//!   grow's root): `ncclCommEnsureReady` first; the id is derived from the communicator
+//!   and its next grow (bootstrap.cc:438-467), sent to ranks 0 and n-1 during the call
+//!   (`bcastGrowHandle`, bootstrap.cc:470-486), and written to `*uniqueId` at the end of a
+//!   successful call only. The header (nccl.h.in:237-243): one id at a time, each used
+//!   once, the next only after the grow completed.
+//! * `ncclCommGrow` (init.cc:2877-3038) checks `newcomm`, `nRanks > 0` and (existing ranks)
+//!   `nRanks` above the current size before writing anything; then `*newcomm = NULL`
+//!   (:2895). Existing ranks pass `rank = -1` (the root its id, the others NULL); ranks 0
+//!   and n-1 **block in the call** until the root's `ncclCommGetUniqueId` sent them the id
+//!   (:2913-2924). New ranks pass NULL, the id and their rank. Every rank gets a new
+//!   communicator, written to `*newcomm` **during the call** (:2997) and stored again by
+//!   the job at its end (:1747-1750, so the out-pointer must outlive the job); the job runs
+//!   on the new communicator, which reads ncclInProgress until it ends; the parent is not
+//!   touched (stays usable, its state unchanged); the call returns ncclSuccess (the group
+//!   end's ncclInProgress is dropped, :3016). Existing ranks keep their rank.
+
+use std::ffi::c_int;
+
+use super::*;
+use nccl_sys::EntryPoint;
+
+/// What a revoked communicator says to every later operation.
+const REVOKED: &str = "it was revoked (ncclCommRevoke): its work in flight was stopped and its operations are refused; shrink it with shrink_after_failure, or drop it";
+
+impl Communicator {
+    /// Stops this rank's work in flight on this communicator and refuses its later
+    /// operations (`ncclCommRevoke`, NCCL 2.29+); local to this rank.
+    ///
+    /// Waits (bounded by the communicator's timeout) until NCCL says the communicator is
+    /// quiescent. Afterwards every operation fails with [`Error::CommunicatorFailed`]
+    /// (naming the revoke) without calling NCCL,
+    /// [`shrink_after_failure`](Self::shrink_after_failure) makes a working communicator of the ranks that are
+    /// left, and dropping it aborts it, once. Allowed on a communicator that failed (that
+    /// is what it is for): on NCCL 2.29 a revoke clears the error NCCL recorded, so that
+    /// a shrink can follow.
+    ///
+    /// Errors: [`Error::Unsupported`] before NCCL 2.29 (nothing is called);
+    /// [`Error::InvalidArgument`] for a second revoke; NCCL's error for a communicator
+    /// NCCL refuses (finalized); [`Error::Timeout`] when the watchdog already aborted it.
+    #[track_caller]
+    pub fn revoke(&self) -> Result<()> {
+        const OP: &str = EntryPoint::ncclCommRevoke.name();
+        let caller = Location::caller();
+        let revoke = self
+            .handle
+            .lib()
+            .optional(self.handle.table().ncclCommRevoke, OP)?;
+        if self.revoked.get() {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "the communicator was already revoked".into(),
+            });
+        }
+        crate::diag::check_lane(OP, self.lane())?;
+        self.diag.check_alive()?;
+        let r = self.pinned(|| {
+            // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile);
+            // flags 0 = NCCL_REVOKE_DEFAULT, the only value NCCL accepts.
+            Ok(unsafe {
+                revoke(
+                    self.handle.get(),
+                    nccl_sys::bindings::NCCL_REVOKE_DEFAULT as c_int,
+                )
+            })
+        })?;
+        if r != nccl_sys::bindings::ncclSuccess && r != nccl_sys::bindings::ncclInProgress {
+            // Refused before anything changed (init.cc:2647-2658).
+            return Err(self
+                .handle
+                .lib()
+                .error_for(OP, r, self.context(caller))
+                .into());
+        }
+        // From here NCCL counts it revoked: its collectives are refused, whatever follows.
+        self.revoked.set(true);
+        self.failure.get_or_init(|| REVOKED.to_string());
+        // The revoke's job stores its result as the state (init.cc:2635): wait for it.
+        self.wait_ready(OP, caller, self.diag.timeout())
+    }
+
+    /// Whether [`revoke`](Self::revoke) was called on this communicator.
+    pub fn is_revoked(&self) -> bool {
+        self.revoked.get()
+    }
+
+    /// Removes `exclude` ranks from a communicator that may have failed (`ncclCommShrink`
+    /// with `NCCL_SHRINK_ABORT`, NCCL 2.27+): collective over the ranks that stay, which
+    /// must all call it with the same list. The calling rank must not be in `exclude`.
+    ///
+    /// Unlike [`shrink`](Self::shrink) it runs on a communicator that
+    /// [`is_failed`](Self::is_failed) or was revoked: NCCL first stops this rank's work in flight on it.
+    /// NCCL refuses a parent whose own asynchronous error is set, in either mode
+    /// (init.cc:2762): on NCCL 2.29+ such a communicator is [`revoke`](Self::revoke)d
+    /// first (here, unless it already was), which clears that error; before 2.29 NCCL's
+    /// error is returned, and only an abort and a new init remain.
+    ///
+    /// The parent stays as it was (failed or revoked: dropped, it aborts; healthy: it is
+    /// destroyed), and the child is a new, healthy communicator with its own exactly-once
+    /// teardown. Errors: [`Error::Unsupported`] before NCCL 2.27 (nothing is called); the
+    /// exclude list's errors as [`shrink`](Self::shrink)'s; [`Error::Timeout`] when the
+    /// watchdog already aborted the communicator (its handle is gone) or a rank that
+    /// stays never calls.
+    #[track_caller]
+    pub fn shrink_after_failure(&self, exclude: &[usize]) -> Result<Communicator> {
+        const CALL: EntryPoint = EntryPoint::ncclCommShrink;
+        const OP: &str = CALL.name();
+        let caller = Location::caller();
+        let shrink = self
+            .handle
+            .lib()
+            .optional(self.handle.table().ncclCommShrink, OP)?;
+        let mut list = self.exclude_list(OP, exclude)?;
+        crate::diag::check_lane(OP, self.lane())?;
+        self.diag.check_alive()?;
+        let revoke_available = self.handle.table().ncclCommRevoke.is_some();
+        if revoke_available && !self.revoked.get() && self.nccl_reports_error() {
+            self.revoke()?;
+        }
+        let tag = crate::diag::shrink_tag(&list);
+        let slot = JobSlot::new();
+        let out = slot.out();
+        let mut adopted = None;
+        let r = self.issue_job_even_if_failed(
+            CALL,
+            caller,
+            |_, comm| {
+                // SAFETY: as in `shrink`: `list` holds `list.len()` in-range ranks (NCCL
+                // copies it for its job); `out` is the heap slot NCCL's job writes, alive
+                // until the job ended (else leaked); null config inherits the parent's.
+                unsafe {
+                    shrink(
+                        comm,
+                        list.as_mut_ptr(),
+                        list.len() as c_int,
+                        out,
+                        std::ptr::null_mut(),
+                        nccl_sys::bindings::NCCL_SHRINK_ABORT as c_int,
+                    )
+                }
+            },
+            || {
+                adopted = self.adopt_child(OP, slot.take(), caller, tag)?;
+                Ok(())
+            },
+        );
+        if let Err(e) = r {
+            return Err(self.orphan_child(slot, e));
+        }
+        adopted.ok_or(Error::InvalidArgument {
+            op: OP,
+            reason: "NCCL returned no communicator".into(),
+        })
+    }
+
+    /// Whether `ncclCommGetAsyncError` reports an error (not success, not in progress).
+    fn nccl_reports_error(&self) -> bool {
+        let mut state = nccl_sys::bindings::ncclSuccess;
+        let polled = self.pinned(|| {
+            // SAFETY: `state` is writable; the handle is live (pinned).
+            Ok(unsafe {
+                (self.handle.table().ncclCommGetAsyncError)(self.handle.get(), &mut state)
+            })
+        });
+        matches!(polled, Ok(r) if r == nccl_sys::bindings::ncclSuccess)
+            && state != nccl_sys::bindings::ncclSuccess
+            && state != nccl_sys::bindings::ncclInProgress
+    }
+
+    /// A new id for growing this communicator (`ncclCommGetUniqueId`, NCCL 2.29+), called
+    /// by one existing rank, the grow's root, before the other existing ranks'
+    /// [`grow`](Self::grow): NCCL sends it to ranks 0 and n-1 during this call, and their
+    /// `grow` waits for it. Hand it to the new ranks ([`join_grown`](Self::join_grown))
+    /// and pass it to the root's own `grow`. One id at a time; each grows once.
+    ///
+    /// Errors: [`Error::Unsupported`] before NCCL 2.29 (nothing is called); a failed
+    /// communicator's error.
+    #[track_caller]
+    pub fn grow_id(&self) -> Result<UniqueId> {
+        const OP: &str = EntryPoint::ncclCommGetUniqueId.name();
+        let caller = Location::caller();
+        let get = self
+            .handle
+            .lib()
+            .optional(self.handle.table().ncclCommGetUniqueId, OP)?;
+        self.ensure_usable(OP)?;
+        let mut raw = nccl_sys::bindings::ncclUniqueId {
+            internal: [0; nccl_sys::bindings::NCCL_UNIQUE_ID_BYTES as usize],
+        };
+        self.pinned(|| {
+            // SAFETY: `raw` is a writable ncclUniqueId; the handle is live (pinned).
+            let r = unsafe { get(self.handle.get(), &mut raw) };
+            self.checked(OP, r, caller)
+        })?;
+        Ok(UniqueId::from_raw(raw))
+    }
+
+    /// This rank's part of growing the communicator to `world_size` ranks
+    /// (`ncclCommGrow`, NCCL 2.29+): every existing rank calls it, the root (the rank that
+    /// called [`grow_id`](Self::grow_id)) with `Some(id)`, the others with `None`; the new
+    /// ranks call [`join_grown`](Self::join_grown) with the id. Existing ranks keep their
+    /// rank; new ranks take `self.world_size()..world_size`.
+    ///
+    /// Returns the grown communicator once every rank joined (bounded by the timeout).
+    /// This communicator is untouched and stays usable; both have their own exactly-once
+    /// teardown. Ranks 0 and n-1 wait in the call until the root's `grow_id` returned.
+    ///
+    /// Errors: [`Error::Unsupported`] before NCCL 2.29 (nothing is called);
+    /// [`Error::InvalidArgument`] when `world_size` is not above the current size (or past
+    /// NCCL's `int`); a failed communicator's error; [`Error::Timeout`] when a rank never
+    /// joins.
+    #[track_caller]
+    pub fn grow(&self, world_size: usize, id: Option<&UniqueId>) -> Result<Communicator> {
+        const CALL: EntryPoint = EntryPoint::ncclCommGrow;
+        const OP: &str = CALL.name();
+        let caller = Location::caller();
+        let grow = self
+            .handle
+            .lib()
+            .optional(self.handle.table().ncclCommGrow, OP)?;
+        if world_size <= self.world_size || world_size > c_int::MAX as usize {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!(
+                    "a grown communicator has more than the current {} ranks and at most {}; got {world_size}",
+                    self.world_size,
+                    c_int::MAX
+                ),
+            });
+        }
+        crate::diag::check_lane(OP, self.lane())?;
+        let tag = crate::diag::shrink_tag(&[-1, -(world_size as c_int)]);
+        let raw_id = id.map(UniqueId::to_raw);
+        let slot = JobSlot::new();
+        let out = slot.out();
+        let mut adopted = None;
+        // NCCL's grow leaves this communicator's state alone (its job runs on the new
+        // one), so the wait on it after the call returns at once; the new communicator
+        // is waited for in `adopt_child`, inside the operation (watched).
+        let r = self.issue_job(
+            CALL,
+            caller,
+            |_, comm| {
+                // SAFETY: `out` is a heap slot that outlives NCCL's job (it stores the
+                // handle again at its end), freed only after the new communicator left
+                // ncclInProgress, else leaked; `raw_id` lives across the call (NCCL copies
+                // it); rank -1 = an existing rank; null config inherits this one's.
+                unsafe {
+                    grow(
+                        comm,
+                        world_size as c_int,
+                        raw_id.as_ref().map_or(std::ptr::null(), |r| r as *const _),
+                        -1,
+                        out,
+                        std::ptr::null_mut(),
+                    )
+                }
+            },
+            || {
+                adopted = self.adopt_child(OP, slot.take(), caller, tag)?;
+                Ok(())
+            },
+        );
+        match r {
+            Ok(()) => adopted.ok_or(Error::InvalidArgument {
+                op: OP,
+                reason: "NCCL returned no communicator".into(),
+            }),
+            Err(e) => {
+                // The new handle (if any) was taken from the slot and is aborted by its
+                // drop; NCCL's job may still store into the slot: leave it to the job.
+                slot.leak();
+                Err(e)
+            }
+        }
+    }
+
+    /// Joins a communicator that existing ranks [`grow`](Self::grow) as its rank `rank`
+    /// of `world_size` (`ncclCommGrow` with no parent, NCCL 2.29+), with the id the
+    /// grow's root got from [`grow_id`](Self::grow_id). Blocks (bounded by the
+    /// configuration's timeout) until every rank joined.
+    ///
+    /// Errors: [`Error::Unsupported`] before NCCL 2.29 (nothing is called);
+    /// [`Error::RankOutOfRange`]; [`Error::Timeout`] when a rank never joins.
+    #[track_caller]
+    pub fn join_grown(
+        device: &CommDevice,
+        world_size: usize,
+        rank: usize,
+        id: &UniqueId,
+        config: &Config,
+    ) -> Result<Communicator> {
+        let lib = device.library()?;
+        Communicator::join_grown_in(&lib, device, world_size, rank, id, config)
+    }
+
+    /// [`join_grown`](Self::join_grown) with an explicit library.
+    #[track_caller]
+    pub fn join_grown_in(
+        lib: &Arc<Library>,
+        device: &CommDevice,
+        world_size: usize,
+        rank: usize,
+        id: &UniqueId,
+        config: &Config,
+    ) -> Result<Communicator> {
+        const OP: &str = EntryPoint::ncclCommGrow.name();
+        let caller = Location::caller();
+        let grow = lib.optional(lib.table().ncclCommGrow, OP)?;
+        check_world(OP, world_size, rank)?;
+        check_device(OP, lib, device)?;
+        if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
+            return Err(Error::InvalidArgument { op: OP, reason });
+        }
+        let diag = crate::diag::CommDiag::for_id(&config.diag, id);
+        crate::diag::check_lane(
+            OP,
+            match device {
+                CommDevice::Cuda(c) => crate::diag::Lane::Device(c.ordinal()),
+                CommDevice::Host => diag.host_lane(),
+            },
+        )?;
+        bind(device)?;
+        // Non-blocking, as every communicator of this crate, so the wait is bounded.
+        let config = config.clone().blocking(false);
+        let mut raw_config = config.to_raw(lib)?;
+        let raw_id = id.to_raw();
+        let slot: JobSlot<nccl_sys::bindings::ncclComm> = JobSlot::new();
+        // SAFETY: `slot.out()` is a heap slot that outlives NCCL's job (stored again at its
+        // end), freed only after the communicator left ncclInProgress, else leaked;
+        // `raw_id` and `raw_config` live across the call, the config's name strings as
+        // long as the communicator; ranks checked above.
+        let r = unsafe {
+            grow(
+                std::ptr::null_mut(),
+                world_size as c_int,
+                &raw_id,
+                rank as c_int,
+                slot.out(),
+                &mut raw_config,
+            )
+        };
+        let raw = slot.take();
+        let ctx = CallContext {
+            comm: std::ptr::null_mut(),
+            rank: Some(rank),
+            caller: Some(caller),
+        };
+        // A handle NCCL gave out is ours from here on: dropped after a failure, it aborts.
+        let handle = RawComm::owned(raw, Arc::clone(lib));
+        if r != nccl_sys::bindings::ncclInProgress {
+            if let Err(e) = lib.check(OP, r, ctx) {
+                slot.leak();
+                return Err(e);
+            }
+        }
+        if raw.is_null() {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "NCCL returned success but no communicator".into(),
+            });
+        }
+        diag.arrive(rank, world_size);
+        let comm = Communicator::new(handle, device.clone(), rank, world_size, diag)
+            .keeping(config.names());
+        let pending = PendingCommunicator::pending(comm);
+        let timeout = pending.timeout();
+        match pending.wait_as(OP, caller, timeout) {
+            Ok(c) => Ok(c),
+            Err(e) => {
+                slot.leak();
+                Err(e)
+            }
+        }
+    }
+
+    /// The checked exclude list of a shrink: in range, not this rank, no duplicates, not
+    /// every rank.
+    pub(super) fn exclude_list(&self, op: &'static str, exclude: &[usize]) -> Result<Vec<c_int>> {
+        let mut list = Vec::with_capacity(exclude.len());
+        for &r in exclude {
+            if r >= self.world_size {
+                return Err(Error::RankOutOfRange {
+                    op,
+                    what: "excluded rank",
+                    rank: r,
+                    world_size: self.world_size,
+                });
+            }
+            if r == self.rank {
+                return Err(Error::InvalidArgument {
+                    op,
+                    reason: format!("rank {r} is excluded, so it must not call shrink"),
+                });
+            }
+            if list.contains(&(r as c_int)) {
+                return Err(Error::InvalidArgument {
+                    op,
+                    reason: format!("rank {r} is listed twice"),
+                });
+            }
+            list.push(r as c_int);
+        }
+        if list.len() >= self.world_size {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: "every rank is excluded".into(),
+            });
+        }
+        Ok(list)
+    }
+}

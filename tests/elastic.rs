@@ -1,0 +1,448 @@
+//! Elastic communicators on the host provider (issue 37): revoke stops work in flight and
+//! refuses what follows; a shrink in NCCL's abort mode makes a working communicator of
+//! the ranks left after one died (its work hung, or NCCL flagged it failed); grow adds a
+//! rank that joins with the id; each call on an NCCL too old is `Unsupported`. Every
+//! test checks that each handle was torn down exactly once.
+
+mod support;
+
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use nccl_safe::host::fault::{self, Fault};
+use nccl_safe::host::stuck_ops;
+use nccl_safe::{
+    CommDevice, Communicator, Config, Error, Library, ReduceOp, Stream, UniqueId, Version,
+};
+use support::assert_balanced;
+
+const S: Stream = Stream::Host;
+
+fn config() -> Config {
+    Config::new().timeout(Duration::from_secs(30))
+}
+
+/// Revoke on ranks whose collective never completes (a rank that is gone, on a GPU):
+/// the work in flight ends at once, later operations fail with a typed error naming the
+/// revoke (NCCL itself refuses the collective: ncclInvalidUsage), a second revoke is
+/// refused, and each handle is aborted once by its drop, quickly (nothing left in flight).
+#[test]
+fn revoke_stops_work_in_flight_and_refuses_what_follows() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    fault::inject(&id.to_raw(), Fault::StuckWork);
+    std::thread::scope(|s| {
+        for rank in 0..2 {
+            s.spawn(move || {
+                let comm =
+                    Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &config()).unwrap();
+                let mut x = vec![1.0f32; 8];
+                comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                let raw = comm.as_raw() as usize;
+                assert_eq!(stuck_ops(raw), 1, "the all_reduce is in flight");
+                comm.revoke().unwrap();
+                assert!(comm.is_revoked() && comm.is_failed());
+                assert_eq!(stuck_ops(raw), 0, "revoke ended the work in flight");
+                match comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S) {
+                    Err(Error::CommunicatorFailed { cause, .. }) => {
+                        assert!(cause.contains("revoked"), "{cause}")
+                    }
+                    other => panic!("expected CommunicatorFailed, got {other:?}"),
+                }
+                // NCCL's own refusal, through the raw table (enqueue.cc:2983-2986).
+                let t = comm.library().table();
+                // SAFETY: host buffers of 8 floats; the handle is live (owned by `comm`).
+                let r = unsafe {
+                    (t.ncclAllReduce)(
+                        x.as_ptr().cast(),
+                        x.as_mut_ptr().cast(),
+                        8,
+                        nccl_sys::bindings::ncclFloat32,
+                        nccl_sys::bindings::ncclSum,
+                        comm.as_raw(),
+                        std::ptr::null_mut(),
+                    )
+                };
+                assert_eq!(r, nccl_sys::bindings::ncclInvalidUsage);
+                assert!(matches!(comm.revoke(), Err(Error::InvalidArgument { .. })));
+                let t0 = Instant::now();
+                drop(comm);
+                assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+            });
+        }
+    });
+    fault::clear(&id.to_raw());
+    let st = support::settled_stats(&id);
+    // Two misuses: the raw all_reduce on each revoked handle, refused as NCCL refuses it.
+    assert_eq!(
+        (st.created, st.destroyed, st.aborted, st.live, st.misused),
+        (2, 0, 2, 0, 2),
+        "{st:?}"
+    );
+}
+
+/// Three ranks; rank 2 dies in the middle of a collective without telling anyone (its
+/// handle is never torn down: a SIGKILLed process). The survivors' collective hangs, as
+/// a GPU kernel waiting for a dead peer does, and NCCL records no error. The survivors
+/// shrink in abort mode: NCCL stops their hung work, and the child of 2 ranks computes
+/// correct results. The parent is healthy in NCCL's eyes, so it is destroyed; the child
+/// too: exactly once each.
+fn shrink_after_a_silent_death(lib: &Arc<Library>) {
+    let id = UniqueId::new_with(lib).unwrap();
+    fault::inject(&id.to_raw(), Fault::StuckWork);
+    let issued = Barrier::new(3);
+    let dead_handle = std::sync::Mutex::new(0usize);
+    std::thread::scope(|s| {
+        for rank in 0..3 {
+            let (issued, dead_handle, lib) = (&issued, &dead_handle, Arc::clone(lib));
+            s.spawn(move || {
+                let comm =
+                    Communicator::init_rank_in(&lib, &CommDevice::Host, 3, rank, &id, &config())
+                        .unwrap();
+                let mut x = vec![rank as f64; 4];
+                comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                issued.wait();
+                if rank == 2 {
+                    *dead_handle.lock().unwrap() = comm.into_raw() as usize;
+                    fault::clear(&id.to_raw()); // the survivors' child runs normally
+                    issued.wait();
+                    return;
+                }
+                issued.wait();
+                let raw = comm.as_raw() as usize;
+                assert_eq!(stuck_ops(raw), 1);
+                let small = comm.shrink_after_failure(&[2]).unwrap();
+                assert_eq!(stuck_ops(raw), 0, "the abort mode stopped the hung work");
+                assert_eq!((small.world_size(), small.rank()), (2, rank));
+                let mut y = vec![rank as f64 + 1.0; 4];
+                small
+                    .all_reduce_in_place(&mut y, ReduceOp::Sum, &S)
+                    .unwrap();
+                assert_eq!(y, vec![3.0; 4]);
+                drop(small);
+                drop(comm);
+            });
+        }
+    });
+    // The dead rank's handle, torn down here as its process's end would.
+    let dead = *dead_handle.lock().unwrap() as nccl_sys::ncclComm_t;
+    // SAFETY: the handle rank 2 gave up with `into_raw`, torn down once here.
+    let r = unsafe { (lib.table().ncclCommAbort)(dead) };
+    assert_eq!(r, nccl_sys::bindings::ncclSuccess);
+    let st = assert_balanced(&id);
+    assert_eq!((st.created, st.destroyed, st.aborted), (5, 4, 1), "{st:?}");
+}
+
+#[test]
+fn shrink_after_failure_recovers_a_hung_communicator() {
+    shrink_after_a_silent_death(&Library::host());
+}
+
+/// NCCL 2.28 (no revoke): the abort mode alone recovers a hung communicator.
+#[test]
+fn shrink_after_failure_recovers_a_hung_communicator_on_2_28() {
+    shrink_after_a_silent_death(&Library::host_as_version(2, 28).unwrap());
+}
+
+/// Three ranks; rank 2's NCCL aborts (a death its peers are told of: NCCL records the
+/// error on every survivor, and the crate sees it from `ncclCommGetAsyncError`). On 2.29+ `shrink_after_failure` revokes
+/// first, which clears NCCL's error, then shrinks: the child works. On 2.28 NCCL refuses
+/// the shrink of a communicator in error (init.cc:2762), and that error is returned. Either
+/// way every handle is torn down once: the failed parents by an abort.
+fn shrink_after_a_reported_death(lib: &Arc<Library>, revokes: bool) {
+    let id = UniqueId::new_with(lib).unwrap();
+    let ready = Barrier::new(3);
+    std::thread::scope(|s| {
+        for rank in 0..3 {
+            let (ready, lib) = (&ready, Arc::clone(lib));
+            s.spawn(move || {
+                let comm =
+                    Communicator::init_rank_in(&lib, &CommDevice::Host, 3, rank, &id, &config())
+                        .unwrap();
+                ready.wait(); // every init complete
+                if rank == 2 {
+                    // NCCL's abort of a rank whose process ends: its peers' NCCL records
+                    // the error (a departure the crate's own diagnostics never see: their
+                    // watchdog would abort the survivors' handles).
+                    let raw = comm.into_raw();
+                    // SAFETY: the handle given up by `into_raw`, torn down once here.
+                    let r = unsafe { (lib.table().ncclCommAbort)(raw) };
+                    assert_eq!(r, nccl_sys::bindings::ncclSuccess);
+                    ready.wait();
+                    return;
+                }
+                ready.wait();
+                let e = comm.async_error().unwrap_err();
+                assert_eq!(e.code(), Some(nccl_safe::ResultCode::RemoteError), "{e}");
+                assert!(comm.is_failed(), "{e}");
+                let r = comm.shrink_after_failure(&[2]);
+                if !revokes {
+                    let e = r.unwrap_err();
+                    assert_eq!(e.code(), Some(nccl_safe::ResultCode::RemoteError), "{e}");
+                    assert!(!comm.is_revoked());
+                    return;
+                }
+                let small = r.unwrap();
+                assert!(comm.is_revoked());
+                assert_eq!((small.world_size(), small.rank()), (2, rank));
+                let mut y = vec![rank as i32 + 5; 3];
+                small
+                    .all_reduce_in_place(&mut y, ReduceOp::Sum, &S)
+                    .unwrap();
+                assert_eq!(y, vec![11; 3]);
+                small.destroy().map_err(|(_, e)| e).unwrap();
+            });
+        }
+    });
+    let st = assert_balanced(&id);
+    if revokes {
+        assert_eq!((st.created, st.destroyed, st.aborted), (5, 2, 3), "{st:?}");
+    } else {
+        assert_eq!((st.created, st.destroyed, st.aborted), (3, 0, 3), "{st:?}");
+    }
+}
+
+#[test]
+fn shrink_after_failure_revokes_a_communicator_nccl_failed() {
+    shrink_after_a_reported_death(&Library::host(), true);
+}
+
+#[test]
+fn nccl_2_28_refuses_to_shrink_a_communicator_in_error() {
+    shrink_after_a_reported_death(&Library::host_as_version(2, 28).unwrap(), false);
+}
+
+/// Two ranks grow to three: rank 0 (the root) takes the id and hands it to a new rank,
+/// which joins as rank 2; rank 1 (a boundary rank) waits in its grow for the root's id.
+/// Collectives on the grown communicator are correct, the parent stays usable, and
+/// every handle (2 parents, 3 grown) is destroyed once.
+#[test]
+fn grow_adds_a_rank_that_joins_with_the_id() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<UniqueId>();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let grow_id = rx.recv().unwrap();
+            let big =
+                Communicator::join_grown(&CommDevice::Host, 3, 2, &grow_id, &config()).unwrap();
+            assert_eq!((big.rank(), big.world_size()), (2, 3));
+            let mut x = vec![10.0f32; 5];
+            big.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+            assert_eq!(x, vec![10.0 + 1.0 + 2.0; 5]);
+            let mut all = vec![0u32; 3];
+            big.all_gather(&[7], &mut all, &S).unwrap();
+            assert_eq!(all, vec![0, 1, 7]);
+            big.destroy().map_err(|(_, e)| e).unwrap();
+        });
+        for rank in 0..2 {
+            let tx = tx.clone();
+            s.spawn(move || {
+                let comm =
+                    Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &config()).unwrap();
+                let big = if rank == 0 {
+                    let grow_id = comm.grow_id().unwrap();
+                    tx.send(grow_id).unwrap();
+                    comm.grow(3, Some(&grow_id)).unwrap()
+                } else {
+                    // A boundary rank: NCCL's grow waits here for the root's id.
+                    comm.grow(3, None).unwrap()
+                };
+                assert_eq!((big.rank(), big.world_size()), (rank, 3));
+                let mut x = vec![rank as f32 + 1.0; 5];
+                big.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                assert_eq!(x, vec![10.0 + 1.0 + 2.0; 5]);
+                let mut all = vec![0u32; 3];
+                big.all_gather(&[rank as u32], &mut all, &S).unwrap();
+                assert_eq!(all, vec![0, 1, 7]);
+                // The parent is untouched by the grow.
+                let mut p = vec![1u8; 2];
+                comm.all_reduce_in_place(&mut p, ReduceOp::Sum, &S).unwrap();
+                assert_eq!(p, vec![2, 2]);
+                big.destroy().map_err(|(_, e)| e).unwrap();
+                comm.destroy().map_err(|(_, e)| e).unwrap();
+            });
+        }
+    });
+    let st = assert_balanced(&id);
+    assert_eq!((st.created, st.destroyed, st.aborted), (5, 5, 0), "{st:?}");
+}
+
+/// Growing to a size that is not larger, and joining at a rank outside the new size,
+/// are refused before NCCL is called.
+#[test]
+fn grow_refuses_sizes_that_do_not_grow() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &config()).unwrap();
+    assert!(matches!(
+        comm.grow(1, None),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        Communicator::join_grown(&CommDevice::Host, 2, 2, &id, &config()),
+        Err(Error::RankOutOfRange { .. })
+    ));
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+    assert_balanced(&id);
+}
+
+/// Each call on an NCCL too old for it is `Unsupported`, naming the entry point and the
+/// release that introduced it, before anything reaches NCCL (the communicator stays
+/// healthy and is destroyed).
+#[test]
+fn each_call_on_an_nccl_too_old_is_unsupported() {
+    let unsupported = |e: Result<(), Error>, sym: &str, minor: u32, found: Version| match e {
+        Err(Error::Unsupported {
+            symbol,
+            needs,
+            found: f,
+        }) if symbol == sym && needs == Version::new(2, minor, 0) && f == found => {}
+        other => panic!("{sym}: expected Unsupported, got {other:?}"),
+    };
+    let lib = Library::host_as_version(2, 28).unwrap();
+    let v = lib.version();
+    let id = UniqueId::new_with(&lib).unwrap();
+    let comm = Communicator::init_rank_in(&lib, &CommDevice::Host, 1, 0, &id, &config()).unwrap();
+    unsupported(comm.revoke(), "ncclCommRevoke", 29, v);
+    unsupported(comm.grow_id().map(drop), "ncclCommGetUniqueId", 29, v);
+    unsupported(comm.grow(2, None).map(drop), "ncclCommGrow", 29, v);
+    unsupported(
+        Communicator::join_grown_in(&lib, &CommDevice::Host, 2, 1, &id, &config()).map(drop),
+        "ncclCommGrow",
+        29,
+        v,
+    );
+    assert!(!comm.is_failed() && !comm.is_revoked());
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+    assert_balanced(&id);
+
+    let lib = Library::host_as_version(2, 26).unwrap();
+    let v = lib.version();
+    let id = UniqueId::new_with(&lib).unwrap();
+    let comm = Communicator::init_rank_in(&lib, &CommDevice::Host, 1, 0, &id, &config()).unwrap();
+    // The version gate comes before the exclude list's checks.
+    unsupported(
+        comm.shrink_after_failure(&[]).map(drop),
+        "ncclCommShrink",
+        27,
+        v,
+    );
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+    assert_balanced(&id);
+}
+
+/// The host provider's C ABI follows NCCL 2.29.7's asynchronous contract (see
+/// `src/comm/elastic.rs`): a revoke on a non-blocking communicator returns ncclInProgress,
+/// its state reads ncclInProgress while the job runs (and other calls are refused with
+/// ncclInvalidArgument) and ncclSuccess after; bad flags and a second revoke are refused.
+/// A grow returns ncclSuccess with the new handle already written, reading ncclInProgress
+/// until every rank joined, the parent untouched; bad arguments write nothing.
+#[test]
+fn the_host_abi_follows_nccl_2_29s_contract() {
+    use nccl_sys::bindings::*;
+    let lib = Library::host();
+    let t = lib.table();
+    let id = CommDevice::Host.unique_id().unwrap();
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &config()).unwrap();
+    let raw = comm.as_raw();
+    let state = |c: ncclComm_t| {
+        let mut s = ncclSuccess;
+        // SAFETY: a live handle and a writable result.
+        assert_eq!(unsafe { (t.ncclCommGetAsyncError)(c, &mut s) }, ncclSuccess);
+        s
+    };
+
+    // Grow: refused arguments write nothing.
+    let (get_id, grow) = (t.ncclCommGetUniqueId.unwrap(), t.ncclCommGrow.unwrap());
+    let mut gid = ncclUniqueId { internal: [0; 128] };
+    // SAFETY: live handle, writable id.
+    assert_eq!(unsafe { get_id(raw, &mut gid) }, ncclSuccess);
+    let sentinel = 0x1234usize as ncclComm_t;
+    let mut out = sentinel;
+    // SAFETY: as above; `out` writable.
+    let r = unsafe { grow(raw, 1, &gid, -1, &mut out, std::ptr::null_mut()) };
+    assert_eq!(
+        (r, out),
+        (ncclInvalidArgument, sentinel),
+        "nRanks not above 1"
+    );
+    // SAFETY: as above.
+    let r = unsafe { grow(raw, 2, &gid, -1, std::ptr::null_mut(), std::ptr::null_mut()) };
+    assert_eq!(r, ncclInvalidArgument, "newcomm NULL");
+    // The existing rank's grow: ncclSuccess, the handle written in the call, in progress.
+    // SAFETY: as above.
+    let r = unsafe { grow(raw, 2, &gid, -1, &mut out, std::ptr::null_mut()) };
+    assert_eq!(r, ncclSuccess);
+    assert!(!out.is_null() && out != sentinel);
+    let existing = out;
+    assert_eq!(state(existing), ncclInProgress);
+    assert_eq!(state(raw), ncclSuccess, "the parent is untouched");
+    let new_rank = std::thread::spawn(move || {
+        let mut mine: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: a valid id and a writable out-pointer; NULL config = blocking.
+        let r = unsafe {
+            grow(
+                std::ptr::null_mut(),
+                2,
+                &gid,
+                1,
+                &mut mine,
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(r, ncclSuccess);
+        mine as usize
+    })
+    .join()
+    .unwrap() as ncclComm_t;
+    let until = Instant::now() + Duration::from_secs(10);
+    while state(existing) == ncclInProgress && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(state(existing), ncclSuccess);
+    for c in [existing, new_rank] {
+        let mut n = 0;
+        // SAFETY: live handles, writable count.
+        assert_eq!(unsafe { (t.ncclCommCount)(c, &mut n) }, ncclSuccess);
+        assert_eq!(n, 2);
+        // SAFETY: torn down once here.
+        assert_eq!(unsafe { (t.ncclCommDestroy)(c) }, ncclSuccess);
+    }
+
+    // Revoke, with its job held.
+    let revoke = t.ncclCommRevoke.unwrap();
+    // SAFETY: live handle.
+    assert_eq!(
+        unsafe { revoke(raw, 1) },
+        ncclInvalidArgument,
+        "flags must be 0"
+    );
+    fault::inject(&id.to_raw(), Fault::HeldJobs);
+    // SAFETY: live handle.
+    assert_eq!(unsafe { revoke(raw, 0) }, ncclInProgress);
+    assert_eq!(state(raw), ncclInProgress);
+    // SAFETY: live handle, writable id.
+    assert_eq!(
+        unsafe { get_id(raw, &mut gid) },
+        ncclInvalidArgument,
+        "refused meanwhile"
+    );
+    fault::release_jobs(&id.to_raw());
+    let until = Instant::now() + Duration::from_secs(10);
+    while state(raw) == ncclInProgress && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(state(raw), ncclSuccess);
+    // SAFETY: live handle.
+    assert_eq!(
+        unsafe { revoke(raw, 0) },
+        ncclInvalidArgument,
+        "a second revoke"
+    );
+    fault::clear(&id.to_raw());
+    drop(comm); // destroyed: NCCL allows a destroy once the revoke ended
+    let st = support::settled_stats(&id);
+    assert_eq!(
+        (st.created, st.destroyed, st.aborted, st.live),
+        (3, 3, 0, 0),
+        "{st:?}"
+    );
+}
