@@ -13,6 +13,9 @@ use crate::discovery::fmt_not_found;
 pub use crate::discovery::{Source, Tried};
 use crate::version::Version;
 
+pub(crate) mod launch;
+pub use launch::{EnvError, EnvSource, Refusal, RendezvousError, StoreError};
+
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -278,16 +281,41 @@ pub enum Error {
         /// One line per rank: what it did.
         ranks: Vec<String>,
     },
-    /// A launcher failed: the multi-process rendezvous or the torchrun store
-    /// (`nccl_safe::launch::rendezvous::RendezvousError`), or the launcher's environment
-    /// variables (`nccl_safe::launch::env::EnvError`); downcast the source to tell them
-    /// apart. The launchers convert their errors into this one at their boundary, so this
-    /// type depends on no launcher.
+    /// The variables a launcher (torchrun, Slurm, Open MPI) sets are absent or unusable
+    /// ([`crate::launch::ProcessLauncher`], `ProcessEnv::from_process_env`). The
+    /// [`EnvError`] names the variable and says what is wrong with it: start the process
+    /// with its launcher, or set the variable as the message says.
     #[error(transparent)]
-    Launch(Box<dyn std::error::Error + Send + Sync + 'static>),
+    Env(#[from] EnvError),
+    /// The ranks of a multi-process job could not agree on the unique id (the TCP
+    /// rendezvous rank 0 serves, a shared file, a closure of yours) or reach the desync
+    /// board rank 0 serves. The [`RendezvousError`] says which step failed, on which rank
+    /// and at which address: check that every process started, that `MASTER_ADDR` and
+    /// `MASTER_PORT` point at rank 0, and that every process has the same token and world
+    /// size, as its message says. A timeout may be retried once the missing ranks run.
+    #[error(transparent)]
+    Rendezvous(#[from] RendezvousError),
+    /// A request to torchrun's c10d store (the id exchange, its desync board, or a
+    /// [`StoreClient`](crate::launch::store::StoreClient) call) failed. The [`StoreError`]
+    /// names the store's address and the request: check that torchrun's agent is running
+    /// and that `MASTER_ADDR`/`MASTER_PORT` name its store; a `WaitTimeout` means the rank
+    /// that should have set the key (its own error says why) did not.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A desync board of your own ([`crate::diag::RemoteBoard`]) could not be posted to or
+    /// read; nccl-safe's boards fail with [`Error::Rendezvous`] or [`Error::Store`]. Only a
+    /// timeout report is affected (it leaves out the ranks of other processes): fix the
+    /// board's service if you need those ranks in the report.
+    #[error("desync board: {reason}")]
+    Board {
+        /// What went wrong, in the board's words.
+        reason: String,
+    },
     /// The process already holds an NCCL (loaded by other code: PyTorch, another crate, a
     /// C++ library) and a pin names a different file. Loading it too would put two NCCLs in
     /// one process, where a handle from one reaching the other is undefined behaviour.
+    /// Point the pin at the loaded file (or unset it), or load nccl-safe's NCCL before the
+    /// code that loads the other one.
     #[error(
         "NCCL at {} is already loaded by this process, and {pin} names another file, {}: a \
          process can hold only one NCCL. Point {pin} at the loaded file (or unset it), or load \
