@@ -425,17 +425,20 @@ fn closure_rendezvous_gives_every_rank_the_id() {
     .exchange(1, 2, || Ok::<_, Error>(sample_id(0)))
     .unwrap_err();
     match err {
-        Error::Rendezvous(RendezvousError::Custom { rank: 1, reason }) => {
-            assert_eq!(reason, "the broadcast failed: peer gone")
-        }
-        other => panic!("not Error::Rendezvous(RendezvousError::Custom): {other:?}"),
+        Error::Rendezvous(e) => match *e {
+            RendezvousError::Custom { rank: 1, reason } => {
+                assert_eq!(reason, "the broadcast failed: peer gone")
+            }
+            e => panic!("not RendezvousError::Custom: {e:?}"),
+        },
+        other => panic!("not Error::Rendezvous: {other:?}"),
     }
     let err = Rendezvous::custom(|_| Ok::<_, std::io::Error>(sample_id(1)))
         .exchange(0, 2, || Ok::<_, Error>(sample_id(0)))
         .unwrap_err();
     assert!(matches!(
-        err,
-        Error::Rendezvous(RendezvousError::CustomMismatch)
+        err.as_rendezvous(),
+        Some(RendezvousError::CustomMismatch)
     ));
 }
 
@@ -489,7 +492,7 @@ fn exchange_passes_make_id_errors_through_and_checks_the_rank() {
     let e = r.exchange(2, 2, || Err(AppError::NoId)).unwrap_err();
     assert!(matches!(
         e,
-        AppError::Nccl(Error::Rendezvous(RendezvousError::InvalidRank {
+        AppError::Nccl(ref e) if matches!(e.as_rendezvous(), Some(RendezvousError::InvalidRank {
             rank: 2,
             world_size: 2
         }))

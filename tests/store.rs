@@ -6,7 +6,6 @@ mod support;
 use nccl_safe::launch::env::ProcessEnv;
 use nccl_safe::launch::rendezvous::{Refusal, Rendezvous, RendezvousError, ID_LEN};
 use nccl_safe::launch::store::{StoreClient, StoreError, StoreRendezvous};
-use nccl_safe::Error;
 use std::time::{Duration, Instant};
 use support::c10d::{FakeStore, Mode};
 
@@ -312,7 +311,7 @@ fn a_restarted_job_never_reads_the_previous_attempts_id() {
     let err = at(1).read(1, 2).unwrap_err();
     assert!(t0.elapsed() < Duration::from_secs(2));
     assert!(
-        matches!(err, Error::Store(StoreError::WaitTimeout { .. })),
+        matches!(err.as_store(), Some(StoreError::WaitTimeout { .. })),
         "{err}"
     );
     assert!(err.to_string().contains("attempt_1"), "{err}");
@@ -404,8 +403,8 @@ fn a_world_size_disagreement_or_a_foreign_value_is_refused() {
     let err = r.read(1, 4).unwrap_err();
     assert!(
         matches!(
-            err,
-            Error::Rendezvous(RendezvousError::Refused {
+            err.as_rendezvous(),
+            Some(RendezvousError::Refused {
                 rank: 1,
                 reason: Refusal::WorldSizeMismatch {
                     server: 3,
@@ -424,7 +423,7 @@ fn a_world_size_disagreement_or_a_foreign_value_is_refused() {
     store.put("/w/unique_id", b"something else");
     let err = r.read(1, 3).unwrap_err();
     assert!(
-        matches!(err, Error::Store(StoreError::Protocol { .. })),
+        matches!(err.as_store(), Some(StoreError::Protocol { .. })),
         "{err}"
     );
 }

@@ -321,15 +321,18 @@ pub enum Error {
     /// and at which address: check that every process started, that `MASTER_ADDR` and
     /// `MASTER_PORT` point at rank 0, and that every process has the same token and world
     /// size, as its message says. A timeout may be retried once the missing ranks run.
+    /// (Boxed, as [`Error::Nccl`] is, so that every `Result` of the crate stays small:
+    /// match it with `Error::Rendezvous(e)` and then `*e`.)
     #[error(transparent)]
-    Rendezvous(#[from] RendezvousError),
+    Rendezvous(Box<RendezvousError>),
     /// A request to torchrun's c10d store (the id exchange, its desync board, or a
     /// [`StoreClient`](crate::launch::store::StoreClient) call) failed. The [`StoreError`]
     /// names the store's address and the request: check that torchrun's agent is running
     /// and that `MASTER_ADDR`/`MASTER_PORT` name its store; a `WaitTimeout` means the rank
-    /// that should have set the key (its own error says why) did not.
+    /// that should have set the key (its own error says why) did not. (Boxed, as
+    /// [`Error::Rendezvous`] is.)
     #[error(transparent)]
-    Store(#[from] StoreError),
+    Store(Box<StoreError>),
     /// A desync board of your own ([`crate::diag::RemoteBoard`]) could not be posted to or
     /// read; nccl-safe's boards fail with [`Error::Rendezvous`] or [`Error::Store`]. Only a
     /// timeout report is affected (it leaves out the ranks of other processes): fix the
@@ -389,11 +392,40 @@ impl Error {
             _ => None,
         }
     }
+
+    /// The rendezvous error, when the error is [`Error::Rendezvous`]: for a `match` that
+    /// names its variants, `matches!(e.as_rendezvous(), Some(RendezvousError::ClientTimeout { .. }))`.
+    pub fn as_rendezvous(&self) -> Option<&RendezvousError> {
+        match self {
+            Error::Rendezvous(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The store error, when the error is [`Error::Store`].
+    pub fn as_store(&self) -> Option<&StoreError> {
+        match self {
+            Error::Store(e) => Some(e),
+            _ => None,
+        }
+    }
 }
 
 impl From<NcclError> for Error {
     fn from(e: NcclError) -> Self {
         Error::Nccl(Box::new(e))
+    }
+}
+
+impl From<RendezvousError> for Error {
+    fn from(e: RendezvousError) -> Self {
+        Error::Rendezvous(Box::new(e))
+    }
+}
+
+impl From<StoreError> for Error {
+    fn from(e: StoreError) -> Self {
+        Error::Store(Box::new(e))
     }
 }
 
@@ -416,5 +448,22 @@ pub(crate) fn check_len(
             actual,
             rule,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every call of the crate returns a `Result<_, Error>`: the launchers' errors are boxed
+    /// (as `Nccl` is) so that they do not make it larger than it was before them (nor push
+    /// a wrapper such as nccl-safe-candle's `DistError` over clippy's `result_large_err`).
+    #[test]
+    fn the_error_stays_small() {
+        assert!(
+            std::mem::size_of::<Error>() <= 72,
+            "{}",
+            std::mem::size_of::<Error>()
+        );
     }
 }
