@@ -6,6 +6,7 @@ use nccl_safe::launch::env::{
 use nccl_safe::launch::rendezvous::{
     FileRendezvous, Refusal, Rendezvous, RendezvousError, TcpRendezvous, ID_LEN, TOKEN_VAR,
 };
+use nccl_safe::Error;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -48,7 +49,7 @@ fn four_ranks_in_threads_get_the_same_id() {
         .map(|rank| {
             thread::spawn(move || {
                 let ex = Rendezvous::Tcp(tcp(port))
-                    .exchange(rank, world, || Ok::<_, RendezvousError>(sample_id(9)))
+                    .exchange(rank, world, || Ok::<_, Error>(sample_id(9)))
                     .unwrap();
                 if let Some(server) = ex.server {
                     server.wait().unwrap();
@@ -83,7 +84,7 @@ fn child_rank_process() {
             let mut id = [0u8; ID_LEN];
             id[..16].copy_from_slice(&t.to_le_bytes());
             id[16..20].copy_from_slice(&std::process::id().to_le_bytes());
-            Ok::<_, RendezvousError>(id)
+            Ok::<_, Error>(id)
         })
         .unwrap();
     if let Some(server) = ex.server {
@@ -354,7 +355,7 @@ fn file_rendezvous_gives_every_rank_the_id() {
                 }
                 let f = FileRendezvous::new(path).with_timeout(Duration::from_secs(5));
                 Rendezvous::File(f)
-                    .exchange(rank, world, || Ok::<_, RendezvousError>(sample_id(7)))
+                    .exchange(rank, world, || Ok::<_, Error>(sample_id(7)))
                     .unwrap()
                     .id
             })
@@ -398,7 +399,7 @@ fn closure_rendezvous_gives_every_rank_the_id() {
                         .unwrap();
                     g.ok_or_else(|| std::io::Error::other("timed out"))
                 });
-                r.exchange(rank, world, || Ok::<_, RendezvousError>(sample_id(8)))
+                r.exchange(rank, world, || Ok::<_, Error>(sample_id(8)))
                     .unwrap()
                     .id
             })
@@ -408,27 +409,75 @@ fn closure_rendezvous_gives_every_rank_the_id() {
         assert_eq!(h.join().unwrap(), sample_id(8));
     }
     let err = Rendezvous::custom(|_| Err::<[u8; ID_LEN], _>("store down"))
-        .exchange(1, 2, || Ok::<_, RendezvousError>(sample_id(0)))
+        .exchange(1, 2, || Ok::<_, Error>(sample_id(0)))
         .unwrap_err();
     assert!(
         err.to_string().contains("store down") && err.to_string().contains("rank 1"),
         "{err}"
     );
+    // The closure's error arrives as its text, with its sources: nothing to downcast.
+    let err = Rendezvous::custom(|_| {
+        Err::<[u8; ID_LEN], _>(std::io::Error::other(CausedBy(
+            "the broadcast",
+            Reason("peer gone"),
+        )))
+    })
+    .exchange(1, 2, || Ok::<_, Error>(sample_id(0)))
+    .unwrap_err();
+    match err {
+        Error::Rendezvous(e) => match *e {
+            RendezvousError::Custom { rank: 1, reason } => {
+                assert_eq!(reason, "the broadcast failed: peer gone")
+            }
+            e => panic!("not RendezvousError::Custom: {e:?}"),
+        },
+        other => panic!("not Error::Rendezvous: {other:?}"),
+    }
     let err = Rendezvous::custom(|_| Ok::<_, std::io::Error>(sample_id(1)))
-        .exchange(0, 2, || Ok::<_, RendezvousError>(sample_id(0)))
+        .exchange(0, 2, || Ok::<_, Error>(sample_id(0)))
         .unwrap_err();
-    assert!(matches!(err, RendezvousError::CustomMismatch));
+    assert!(matches!(
+        err.as_rendezvous(),
+        Some(RendezvousError::CustomMismatch)
+    ));
 }
+
+/// An error ("`what` failed") whose source says why.
+#[derive(Debug)]
+struct CausedBy(&'static str, Reason);
+
+impl std::fmt::Display for CausedBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} failed", self.0)
+    }
+}
+
+impl std::error::Error for CausedBy {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.1)
+    }
+}
+
+#[derive(Debug)]
+struct Reason(&'static str);
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for Reason {}
 
 #[derive(Debug)]
 enum AppError {
     NoId,
-    Rdzv(RendezvousError),
+    Nccl(Error),
 }
 
-impl From<RendezvousError> for AppError {
-    fn from(e: RendezvousError) -> Self {
-        AppError::Rdzv(e)
+impl From<Error> for AppError {
+    fn from(e: Error) -> Self {
+        AppError::Nccl(e)
     }
 }
 
@@ -443,10 +492,10 @@ fn exchange_passes_make_id_errors_through_and_checks_the_rank() {
     let e = r.exchange(2, 2, || Err(AppError::NoId)).unwrap_err();
     assert!(matches!(
         e,
-        AppError::Rdzv(RendezvousError::InvalidRank {
+        AppError::Nccl(ref e) if matches!(e.as_rendezvous(), Some(RendezvousError::InvalidRank {
             rank: 2,
             world_size: 2
-        })
+        }))
     ));
 }
 

@@ -4,7 +4,7 @@
 mod support;
 
 use nccl_safe::launch::env::ProcessEnv;
-use nccl_safe::launch::rendezvous::{Rendezvous, RendezvousError, ID_LEN};
+use nccl_safe::launch::rendezvous::{Refusal, Rendezvous, RendezvousError, ID_LEN};
 use nccl_safe::launch::store::{StoreClient, StoreError, StoreRendezvous};
 use std::time::{Duration, Instant};
 use support::c10d::{FakeStore, Mode};
@@ -252,7 +252,7 @@ fn ranks_exchange_the_id_through_the_agent_store() {
                 let r = StoreRendezvous::new(format!("127.0.0.1:{}", env.master_port), "p/")
                     .with_timeout(Duration::from_secs(5));
                 Rendezvous::Store(r)
-                    .exchange(rank, world, || Ok::<_, RendezvousError>(id(3)))
+                    .exchange(rank, world, || Ok::<_, nccl_safe::Error>(id(3)))
                     .unwrap()
                     .id
             })
@@ -311,7 +311,7 @@ fn a_restarted_job_never_reads_the_previous_attempts_id() {
     let err = at(1).read(1, 2).unwrap_err();
     assert!(t0.elapsed() < Duration::from_secs(2));
     assert!(
-        matches!(err, RendezvousError::Store(StoreError::WaitTimeout { .. })),
+        matches!(err.as_store(), Some(StoreError::WaitTimeout { .. })),
         "{err}"
     );
     assert!(err.to_string().contains("attempt_1"), "{err}");
@@ -402,6 +402,20 @@ fn a_world_size_disagreement_or_a_foreign_value_is_refused() {
     r.publish(3, &id(5)).unwrap();
     let err = r.read(1, 4).unwrap_err();
     assert!(
+        matches!(
+            err.as_rendezvous(),
+            Some(RendezvousError::Refused {
+                rank: 1,
+                reason: Refusal::WorldSizeMismatch {
+                    server: 3,
+                    client: 4
+                },
+                ..
+            })
+        ),
+        "{err}"
+    );
+    assert!(
         err.to_string()
             .contains("rank 0 serves 3 ranks but this peer says 4"),
         "{err}"
@@ -409,7 +423,7 @@ fn a_world_size_disagreement_or_a_foreign_value_is_refused() {
     store.put("/w/unique_id", b"something else");
     let err = r.read(1, 3).unwrap_err();
     assert!(
-        matches!(err, RendezvousError::Store(StoreError::Protocol { .. })),
+        matches!(err.as_store(), Some(StoreError::Protocol { .. })),
         "{err}"
     );
 }

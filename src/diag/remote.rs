@@ -4,6 +4,7 @@
 //!
 //! Nothing here runs per operation: a rank posts only while a timeout report is built.
 
+use crate::error::{Error, Result};
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -87,25 +88,15 @@ impl DesyncPost {
 
 /// A job's desync board, as a timeout report uses it: where each rank posts what it was
 /// last doing, so a report can show ranks in other processes. Implemented by
-/// [`crate::launch::desync::BoardClient`] (the board rank 0 hosts) and the torchrun store's
-/// board; give one to a communicator with [`crate::Config::desync_board`].
+/// [`crate::launch::desync::BoardClient`] (the board rank 0 hosts; its errors are
+/// [`Error::Rendezvous`]) and the torchrun store's board ([`Error::Store`]); give one to a
+/// communicator with [`crate::Config::desync_board`]. A board of your own fails with
+/// [`Error::Board`] (or any variant that fits); a report shows the error's message.
 pub trait RemoteBoard: Send + Sync + fmt::Debug {
     /// Posts `post` as rank `rank`'s latest, giving up at `deadline`.
-    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<(), BoardError>;
+    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<()>;
     /// Every rank's latest post, rank-indexed, giving up at `deadline`.
-    fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, BoardError>;
-}
-
-/// Why a desync board could not be posted to or read (the board's own error as source).
-#[derive(Debug, thiserror::Error)]
-#[error("desync board: {0}")]
-pub struct BoardError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
-
-impl BoardError {
-    /// Wraps a board implementation's error.
-    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> BoardError {
-        BoardError(Box::new(e))
-    }
+    fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>>;
 }
 
 /// How long a report waits for the other processes' posts (they post when their own
@@ -119,7 +110,7 @@ pub(crate) fn grace(timeout: Duration) -> Duration {
 pub(crate) struct Remote {
     pub posts: Vec<Option<DesyncPost>>,
     /// Why the board could not be read (or posted to), if so.
-    pub error: Option<BoardError>,
+    pub error: Option<Error>,
     pub waited: Duration,
 }
 

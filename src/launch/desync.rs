@@ -29,7 +29,7 @@
 use super::common::{check_token, refusal, Refusal, RendezvousError};
 use super::wire::{self, refuse, N};
 use crate::diag::DesyncPost;
-use crate::diag::{BoardError, RemoteBoard};
+use crate::diag::RemoteBoard;
 use std::fmt;
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -517,11 +517,11 @@ struct Conn {
 }
 
 impl RemoteBoard for BoardClient {
-    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<(), BoardError> {
-        self.post_by(rank, post, deadline).map_err(BoardError::new)
+    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> crate::Result<()> {
+        Ok(self.post_by(rank, post, deadline)?)
     }
 
-    fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, BoardError> {
-        self.fetch_by(deadline).map_err(BoardError::new)
+    fn fetch(&self, deadline: Instant) -> crate::Result<Vec<Option<DesyncPost>>> {
+        Ok(self.fetch_by(deadline)?)
     }
 }

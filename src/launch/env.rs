@@ -17,32 +17,10 @@
 //! Detection takes the environment as a closure so it can be tested without touching the
 //! process environment; [`ProcessEnv::from_process_env`] reads the real one.
 
-use std::fmt;
+pub use crate::error::{EnvError, EnvSource};
 
 /// Port used when the launcher gives none and none can be derived (torchrun's default).
 pub const DEFAULT_PORT: u16 = 29500;
-
-/// Which launcher started this process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum EnvSource {
-    /// PyTorch's `torchrun` (or anything setting `RANK`/`WORLD_SIZE`/`MASTER_ADDR`).
-    Torchrun,
-    /// Slurm's `srun`.
-    Slurm,
-    /// Open MPI's `mpirun`/`mpiexec`.
-    OpenMpi,
-}
-
-impl fmt::Display for EnvSource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            EnvSource::Torchrun => "torchrun",
-            EnvSource::Slurm => "Slurm",
-            EnvSource::OpenMpi => "Open MPI",
-        })
-    }
-}
 
 /// Where this process sits in a multi-process job, as told by its launcher.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,38 +53,6 @@ pub struct Elastic {
     pub run_id: String,
     /// `TORCHELASTIC_RESTART_COUNT`: how many times the agent restarted the workers.
     pub restart_count: u64,
-}
-
-/// Why the launcher's environment could not be read. Every variant names the variable.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum EnvError {
-    /// None of the launchers' marker variables is set.
-    #[error(
-        "no launcher environment found (none of RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK, SLURM_PROCID is set): \
-         start the processes with torchrun, srun or mpirun, or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
-    )]
-    NotLaunched,
-    /// A variable the launcher should have set is absent.
-    #[error("{launcher} launch detected but the environment variable {var} is not set: {hint}")]
-    Missing {
-        /// The launcher that was detected.
-        launcher: EnvSource,
-        /// The missing variable.
-        var: &'static str,
-        /// What to do about it.
-        hint: &'static str,
-    },
-    /// A variable is set to a value that cannot be used.
-    #[error("environment variable {var}={value:?} is invalid: {reason}")]
-    Invalid {
-        /// The variable.
-        var: &'static str,
-        /// Its value, as read.
-        value: String,
-        /// What is wrong with it.
-        reason: String,
-    },
 }
 
 /// The port used under Slurm when `MASTER_PORT` is unset: `10000 + SLURM_JOB_ID % 10000`,
@@ -477,13 +423,5 @@ impl<'a> Lookup<'a> {
             }),
             Ok(p) => Ok(p),
         }
-    }
-}
-
-impl From<EnvError> for crate::Error {
-    /// An environment error becomes the crate's [`crate::Error::Launch`] at the launcher's
-    /// boundary (the error type does not depend on the launchers).
-    fn from(e: EnvError) -> Self {
-        crate::Error::Launch(Box::new(e))
     }
 }

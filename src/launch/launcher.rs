@@ -2,6 +2,7 @@
 //! which hands over to [`ProcessLauncher`](super::ProcessLauncher) for one rank per
 //! process).
 
+use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -368,12 +369,12 @@ impl Launcher {
     pub fn try_run<R, E, F>(&self, f: F) -> Result<Vec<R>>
     where
         R: Send,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+        E: Into<BoxError>,
         F: Fn(&Rank) -> std::result::Result<R, E> + Sync,
     {
-        // The one conversion, at this boundary: the rank's error as nccl-safe's (its text
-        // is what `RankFailed` reports).
-        self.run(|rank| f(rank).map_err(|e| Error::Launch(e.into())))
+        // The rank's error is reported by its text (in `RankFailed`), as `run`'s are.
+        let f = |rank: &Rank| f(rank).map_err(Into::<BoxError>::into);
+        self.launch(f, false).map(|r| r.values)
     }
 
     /// [`run`](Self::run), also returning each rank's [`RankStats`]: the straggler view.
@@ -429,10 +430,10 @@ impl Launcher {
     pub fn try_run_detached<R, E, F>(&self, f: F) -> Result<Vec<R>>
     where
         R: Send + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+        E: Into<BoxError>,
         F: Fn(&Rank) -> std::result::Result<R, E> + Send + Sync + 'static,
     {
-        let f = move |rank: &Rank| f(rank).map_err(|e| Error::Launch(e.into()));
+        let f = move |rank: &Rank| f(rank).map_err(Into::<BoxError>::into);
         let (config, id, board) = self.prepare(false)?;
         let shared = Arc::new((self.clone(), config, id, board, f));
         let handles: Vec<_> = (0..self.devices.len())
@@ -460,7 +461,7 @@ impl Launcher {
                 // Dropping its handle detaches the thread.
                 Ok(_) if stuck.contains(&rank) => None,
                 Ok(h) => Some(h.join()),
-                Err(e) => Some(Ok(Err(e))),
+                Err(e) => Some(Ok(Err(e.to_string()))),
             })
             .collect();
         report(results, board).map(|r| r.values)
@@ -491,10 +492,12 @@ impl Launcher {
         Ok((config, id, board))
     }
 
-    fn launch<R, F>(&self, f: F, timing: bool) -> Result<LaunchReport<R>>
+    /// Runs `f` on every rank; a rank's error, of any type, fails the run with its text.
+    fn launch<R, E, F>(&self, f: F, timing: bool) -> Result<LaunchReport<R>>
     where
         R: Send,
-        F: Fn(&Rank) -> Result<R> + Sync,
+        E: fmt::Display,
+        F: Fn(&Rank) -> std::result::Result<R, E> + Sync,
     {
         let (config, id, board) = self.prepare(timing)?;
         let results = std::thread::scope(|s| {
@@ -519,14 +522,14 @@ impl Launcher {
             (handles.into_iter())
                 .map(|h| match h {
                     Ok(h) => Some(h.join()),
-                    Err(e) => Some(Ok(Err(e))),
+                    Err(e) => Some(Ok(Err(e.to_string()))),
                 })
                 .collect()
         });
         report(results, &board)
     }
 
-    fn rank_main<R, F>(
+    fn rank_main<R, E, F>(
         &self,
         rank: usize,
         device: &CommDevice,
@@ -534,9 +537,10 @@ impl Launcher {
         config: &Config,
         board: &Board,
         f: &F,
-    ) -> Result<(R, RankStats)>
+    ) -> RankResult<R>
     where
-        F: Fn(&Rank) -> Result<R>,
+        E: fmt::Display,
+        F: Fn(&Rank) -> std::result::Result<R, E>,
     {
         let setup = || -> Result<Rank> {
             let stream = match device {
@@ -557,7 +561,7 @@ impl Launcher {
             Ok(r) => r,
             Err(e) => {
                 board.set(rank, Outcome::Failed(format!("init failed: {e}")));
-                return Err(e);
+                return Err(e.to_string());
             }
         };
         let started = Instant::now();
@@ -591,7 +595,7 @@ impl Launcher {
                     .iter()
                     .any(|o| matches!(o, Outcome::Failed(_)));
                 if everyone && !failed_elsewhere {
-                    r.comm.destroy().map_err(|(_, e)| e)?;
+                    r.comm.destroy().map_err(|(_, e)| e.to_string())?;
                     Ok(v)
                 } else {
                     // Peers are stuck (maybe waiting for a collective this rank skipped) or
@@ -605,7 +609,8 @@ impl Launcher {
                                 "rank {rank} returned, but other ranks did not finish (a collective this rank did not call?)"
                             ),
                             timeout: self.timeout,
-                        })
+                        }
+                        .to_string())
                     }
                 }
             }
@@ -622,7 +627,7 @@ impl Launcher {
                 board.end(rank, end);
                 board.set(rank, Outcome::Failed(text));
                 let _ = r.comm.abort();
-                Err(e)
+                Err(e.to_string())
             }
             Err(panic) => {
                 let end = failed_end(&r.comm);
@@ -711,7 +716,13 @@ impl<R> std::fmt::Display for LaunchReport<R> {
 }
 
 /// One rank's thread's end: its value and stats, its error, or its panic.
-type RankEnd<R> = std::thread::Result<Result<(R, RankStats)>>;
+type RankEnd<R> = std::thread::Result<RankResult<R>>;
+
+/// A rank's values, or the text of its error (all a failed run reports of it).
+type RankResult<R> = std::result::Result<(R, RankStats), String>;
+
+/// A `try_run` closure's error, whatever its type (`Display` is all that is used).
+type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// A rank whose thread could not be spawned: failed on the board (so no one waits for it).
 fn spawn_failed(board: &Board, rank: usize, e: std::io::Error) -> Error {
@@ -743,7 +754,7 @@ fn report<R>(results: Vec<Option<RankEnd<R>>>, board: &Board) -> Result<LaunchRe
                 values.push(v);
                 ranks.push(stats);
             }
-            Some(Ok(Err(e))) => failures.push((rank, e.to_string())),
+            Some(Ok(Err(e))) => failures.push((rank, e)),
             Some(Err(p)) => failures.push((rank, format!("panicked: {}", panic_text(&p)))),
             None => {
                 stuck.push(rank);

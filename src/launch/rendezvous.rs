@@ -44,6 +44,7 @@ pub use super::common::{
 use super::env::ProcessEnv;
 use super::store::StoreRendezvous;
 use super::wire::{self, refuse, N};
+use crate::error::Error;
 use std::fmt;
 use std::fs;
 use std::io::{self, Write};
@@ -756,52 +757,70 @@ impl Rendezvous {
     /// Gives every rank the same id. Rank 0 calls `make_id` (e.g. `ncclGetUniqueId`) and
     /// publishes its result; the other ranks receive it and never call `make_id`. Returns at
     /// once on rank 0 (a TCP server goes on in the background, see [`Exchanged::server`]).
-    /// Errors of `make_id` come back unchanged; rendezvous errors through `E::from`.
-    pub fn exchange<E: From<RendezvousError>>(
+    /// Errors of `make_id` come back unchanged; the exchange's own errors
+    /// ([`Error::Rendezvous`], or [`Error::Store`] through torchrun's store) through `E::from`.
+    pub fn exchange<E: From<Error>>(
         self,
         rank: usize,
         world_size: usize,
         make_id: impl FnOnce() -> Result<[u8; ID_LEN], E>,
     ) -> Result<Exchanged, E> {
         if rank >= world_size {
-            return Err(RendezvousError::InvalidRank { rank, world_size }.into());
+            return lift(Err(RendezvousError::InvalidRank { rank, world_size }));
         }
         let done = |id| Ok(Exchanged { id, server: None });
         match (self, rank) {
             (Rendezvous::Tcp(t), 0) => {
                 let id = make_id()?;
-                let server = t.serve(world_size, id)?;
+                let server = lift(t.serve(world_size, id))?;
                 Ok(Exchanged {
                     id,
                     server: Some(server),
                 })
             }
-            (Rendezvous::Tcp(t), r) => done(t.fetch(r, world_size)?),
+            (Rendezvous::Tcp(t), r) => done(lift(t.fetch(r, world_size))?),
             (Rendezvous::File(f), 0) => {
                 let id = make_id()?;
-                f.publish(world_size, &id)?;
+                lift(f.publish(world_size, &id))?;
                 done(id)
             }
-            (Rendezvous::File(f), _) => done(f.read(world_size)?),
+            (Rendezvous::File(f), _) => done(lift(f.read(world_size))?),
             (Rendezvous::Store(s), 0) => {
                 let id = make_id()?;
-                s.publish(world_size, &id)?;
+                lift(s.publish(world_size, &id))?;
                 done(id)
             }
-            (Rendezvous::Store(s), r) => done(s.read(r, world_size)?),
+            (Rendezvous::Store(s), r) => done(lift(s.read(r, world_size))?),
             (Rendezvous::Custom(CustomRendezvous(f)), 0) => {
                 let id = make_id()?;
-                let got = f(Some(id)).map_err(|source| RendezvousError::Custom { rank, source })?;
+                let got = lift(f(Some(id)).map_err(|e| custom_failed(rank, &*e)))?;
                 if !wire::ct_eq(&got, &id) {
-                    return Err(RendezvousError::CustomMismatch.into());
+                    return lift(Err(RendezvousError::CustomMismatch));
                 }
                 done(id)
             }
             (Rendezvous::Custom(CustomRendezvous(f)), r) => {
-                done(f(None).map_err(|source| RendezvousError::Custom { rank: r, source })?)
+                done(lift(f(None).map_err(|e| custom_failed(r, &*e)))?)
             }
         }
     }
+}
+
+/// An exchange's own error as the caller's `E` (through [`Error`]).
+fn lift<T, X: Into<Error>, E: From<Error>>(r: Result<T, X>) -> Result<T, E> {
+    r.map_err(|e| E::from(e.into()))
+}
+
+/// [`RendezvousError::Custom`]: the closure's error and its sources, as text.
+fn custom_failed(rank: usize, e: &(dyn std::error::Error + 'static)) -> RendezvousError {
+    let mut reason = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        reason.push_str(": ");
+        reason.push_str(&s.to_string());
+        source = s.source();
+    }
+    RendezvousError::Custom { rank, reason }
 }
 
 #[cfg(test)]

@@ -57,7 +57,8 @@ use super::desync::clean_post;
 use super::env::ProcessEnv;
 use super::wire::Deadlined;
 use crate::diag::DesyncPost;
-use crate::diag::{BoardError, RemoteBoard};
+use crate::diag::RemoteBoard;
+use crate::error::Result as NcclResult;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -538,7 +539,7 @@ impl StoreRendezvous {
     /// deletes the id, so a peer that retries waits for the next one rank 0 publishes
     /// under the same key, instead of reading this stale one and joining a communicator
     /// that no longer forms. Bounded by the io timeout.
-    pub fn retract(&self) -> Result<(), RendezvousError> {
+    pub fn retract(&self) -> NcclResult<()> {
         let mut c = self.connect()?;
         c.delete_key(&self.id_key())?;
         Ok(())
@@ -571,7 +572,7 @@ impl StoreRendezvous {
     }
 
     /// Rank 0: stores `id` (with the world size) under [`id_key`](Self::id_key).
-    pub fn publish(&self, world_size: usize, id: &[u8; ID_LEN]) -> Result<(), RendezvousError> {
+    pub fn publish(&self, world_size: usize, id: &[u8; ID_LEN]) -> NcclResult<()> {
         let world = u32::try_from(world_size).map_err(|_| RendezvousError::InvalidRank {
             rank: 0,
             world_size,
@@ -587,7 +588,7 @@ impl StoreRendezvous {
     }
 
     /// Ranks other than 0: waits for rank 0's id, checking the world size.
-    pub fn read(&self, rank: usize, world_size: usize) -> Result<[u8; ID_LEN], RendezvousError> {
+    pub fn read(&self, rank: usize, world_size: usize) -> NcclResult<[u8; ID_LEN]> {
         let key = self.id_key();
         let mut c = self.connect()?;
         let v = c.get(&key, self.timeout).map_err(|e| match e {
@@ -628,7 +629,8 @@ impl StoreRendezvous {
                     server: world,
                     client: world_size,
                 },
-            });
+            }
+            .into());
         }
         let mut id = [0u8; ID_LEN];
         id.copy_from_slice(&v[4..]);
@@ -697,11 +699,11 @@ impl StoreBoard {
 }
 
 impl RemoteBoard for StoreBoard {
-    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<(), BoardError> {
-        self.post_by(rank, post, deadline).map_err(BoardError::new)
+    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> NcclResult<()> {
+        Ok(self.post_by(rank, post, deadline)?)
     }
 
-    fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, BoardError> {
-        self.fetch_by(deadline).map_err(BoardError::new)
+    fn fetch(&self, deadline: Instant) -> NcclResult<Vec<Option<DesyncPost>>> {
+        Ok(self.fetch_by(deadline)?)
     }
 }

@@ -13,6 +13,9 @@ use crate::discovery::fmt_not_found;
 pub use crate::discovery::{Source, Tried};
 use crate::version::Version;
 
+pub(crate) mod launch;
+pub use launch::{EnvError, EnvSource, Refusal, RendezvousError, StoreError};
+
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -130,17 +133,23 @@ impl fmt::Display for BufferRole {
     }
 }
 
-/// Every error of nccl-safe.
+/// Every error of nccl-safe: the one error type of its API. The launchers' errors are
+/// typed variants too ([`Error::Env`], [`Error::Rendezvous`], [`Error::Store`]), matched
+/// like any other; nothing needs a downcast. Each variant's documentation says what to do.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// No loadable NCCL was found; `tried` lists every place looked at.
+    /// No loadable NCCL was found; `tried` lists every place looked at. Install one
+    /// (`pip install nvidia-nccl-cu12`), or point `NCCL_LIBRARY` (or
+    /// [`Library::load_from`](crate::Library::load_from)) at a `libnccl.so.2`; the message
+    /// says why each candidate was passed over.
     #[error("{}", fmt_not_found(.tried))]
     LibraryNotFound {
         /// Every candidate, in search order, with why it was not used.
         tried: Vec<Tried>,
     },
-    /// The library loaded but is older than the oldest release this crate supports.
+    /// The library loaded but is older than the oldest release this crate supports: install
+    /// NCCL `min` or newer (the message says how), or point `NCCL_LIBRARY` at one.
     #[error("NCCL {found} at {path} is too old: nccl-safe needs NCCL {min} or newer (`pip install -U nvidia-nccl-cu12`)")]
     VersionTooOld {
         /// Where the library was loaded from.
@@ -150,7 +159,8 @@ pub enum Error {
         /// The oldest supported version.
         min: Version,
     },
-    /// The library lacks entry points that every supported NCCL has.
+    /// The library lacks entry points that every supported NCCL has: it is not a complete
+    /// NCCL (a stub, a truncated file); point `NCCL_LIBRARY` at NVIDIA's `libnccl.so.2`.
     #[error("{path} is not a usable NCCL: missing required symbol(s) {}", .names.join(", "))]
     MissingSymbols {
         /// Where the library was loaded from.
@@ -158,7 +168,9 @@ pub enum Error {
         /// The missing names.
         names: Vec<&'static str>,
     },
-    /// A call needs an entry point that the loaded NCCL does not have.
+    /// A call (or a [`Config`](crate::Config) field) needs an entry point that the loaded
+    /// NCCL does not have: upgrade NCCL to `needs`, or do without the feature (check
+    /// [`Library::version`](crate::Library::version) before calling).
     #[error("{symbol} needs NCCL {needs} or newer, but the loaded library is NCCL {found}")]
     Unsupported {
         /// The missing entry point (or config field).
@@ -168,10 +180,14 @@ pub enum Error {
         /// The loaded release.
         found: Version,
     },
-    /// An NCCL call returned an error.
+    /// An NCCL call returned an error. [`NcclError`] says which call, on which rank, from
+    /// which line, and what NCCL said (its code and `ncclGetLastError`). After an error on
+    /// a communicator, drop the communicator (it is aborted) and make a new one; a
+    /// [`ResultCode::RemoteError`] means a peer failed, whose own error says why.
     #[error(transparent)]
     Nccl(Box<NcclError>),
-    /// A buffer's length does not fit the operation.
+    /// A buffer's length does not fit the operation (nothing was run): size the buffer as
+    /// `rule` says.
     #[error("{op}: {role} holds {actual} elements but {expected} are needed ({rule})")]
     LengthMismatch {
         /// The operation.
@@ -185,7 +201,8 @@ pub enum Error {
         /// The rule, e.g. "recv = world_size x send".
         rule: &'static str,
     },
-    /// A root or peer rank outside `0..world_size`.
+    /// A root or peer rank outside `0..world_size` (nothing was run): pass a rank below the
+    /// communicator's [`world_size`](crate::Communicator::world_size).
     #[error("{op}: {what} {rank} is out of range for a communicator of {world_size} ranks")]
     RankOutOfRange {
         /// The operation.
@@ -197,7 +214,8 @@ pub enum Error {
         /// The communicator's size.
         world_size: usize,
     },
-    /// Any other argument that NCCL would reject or misuse.
+    /// Any other argument that NCCL would reject or misuse (nothing was run): `reason`
+    /// says what is wrong; fix the call.
     #[error("{op}: {reason}")]
     InvalidArgument {
         /// The operation.
@@ -205,7 +223,8 @@ pub enum Error {
         /// What is wrong, in a sentence.
         reason: String,
     },
-    /// The communicator failed earlier; it must be dropped (which aborts it).
+    /// The communicator failed earlier (`cause`, the first error it saw), so the call was
+    /// refused: drop it (which aborts it) and create a new one, with every rank.
     #[error("{op} on rank {rank}: the communicator already failed ({cause}); drop it (it will be aborted) and create a new one")]
     CommunicatorFailed {
         /// The operation attempted now.
@@ -215,7 +234,10 @@ pub enum Error {
         /// The first error it saw.
         cause: String,
     },
-    /// A wait ran out of time.
+    /// A wait ran out of time (an init, a teardown, a launcher waiting for its ranks).
+    /// `what` says what was waited for: a peer that never came is the usual cause (its own
+    /// error says why); a slow start may need a longer timeout in [`Config`](crate::Config)
+    /// or on the launcher.
     #[error("{what} did not complete within {timeout:?}")]
     Timeout {
         /// What was waited for.
@@ -226,7 +248,8 @@ pub enum Error {
     /// A rank of the communicator left (its communicator was torn down, or its launcher
     /// closure returned) while this rank waited in a collective that it never called: the
     /// clique was aborted at once instead of waiting out the timeout. `what` names the rank,
-    /// how and where it left, and the operation this rank was in.
+    /// how and where it left, and the operation this rank was in: make every rank call the
+    /// same collectives (or look at why that rank left); drop this communicator.
     #[error("{what}")]
     RankLeft {
         /// The rank that left.
@@ -237,7 +260,9 @@ pub enum Error {
     /// A teardown (an abort, a destroy, a release of NCCL memory) on this device has been
     /// blocked past its bound ([`Config::abort_timeout`](crate::Config::abort_timeout)),
     /// typically behind a stalled stream: a new communicator there would queue its own
-    /// teardown behind it, so none is made.
+    /// teardown behind it, so none is made. Find what stalls the stream (a kernel waiting
+    /// for a peer); the device stays refused until the teardown ends, else restart the
+    /// process.
     #[error("{op}: refused because a teardown on {lane} is wedged: {what}")]
     TeardownWedged {
         /// The call that was refused.
@@ -248,7 +273,9 @@ pub enum Error {
         what: String,
     },
     /// Ranks called different collectives at the same position (opt-in fingerprint check,
-    /// see [`crate::diag`]): nothing was handed to NCCL, every rank gets this error.
+    /// see [`crate::diag`]): nothing was handed to NCCL, every rank gets this error. `table`
+    /// shows what each rank called and from where: make the ranks call the same
+    /// collectives in the same order.
     #[error("{op} (seq {seq}) on rank {rank}: ranks disagree on the collective; nothing was run\n{table}")]
     CollectiveMismatch {
         /// The operation this rank called.
@@ -260,10 +287,14 @@ pub enum Error {
         /// What every rank called, and from which line.
         table: String,
     },
-    /// A CUDA driver call failed.
+    /// A CUDA driver call failed (making a context or a stream, binding a device): check
+    /// that the device exists and is visible (`CUDA_VISIBLE_DEVICES`) and that the driver
+    /// works (`nvidia-smi`).
     #[error("CUDA: {0}")]
     Cuda(#[from] cudarc::driver::DriverError),
-    /// A rank of a [`crate::launch::Launcher`] run failed; the others were aborted.
+    /// A rank of a [`crate::launch::Launcher`] run failed; the others were aborted. Fix
+    /// what `cause` says rank `rank` did (its error, or the collective it skipped or added);
+    /// `ranks` says what each rank did.
     #[error("rank {rank} caused the failure: {cause}{}\n{}", if .first == .rank { String::new() } else { format!(" (rank {first} was the first to fail)") }, .ranks.join("\n"))]
     RankFailed {
         /// The rank that caused the failure: the first whose closure failed on its own (an
@@ -278,16 +309,44 @@ pub enum Error {
         /// One line per rank: what it did.
         ranks: Vec<String>,
     },
-    /// A launcher failed: the multi-process rendezvous or the torchrun store
-    /// (`nccl_safe::launch::rendezvous::RendezvousError`), or the launcher's environment
-    /// variables (`nccl_safe::launch::env::EnvError`); downcast the source to tell them
-    /// apart. The launchers convert their errors into this one at their boundary, so this
-    /// type depends on no launcher.
+    /// The variables a launcher (torchrun, Slurm, Open MPI) sets are absent or unusable
+    /// ([`crate::launch::ProcessLauncher`], `ProcessEnv::from_process_env`). The
+    /// [`EnvError`] names the variable and says what is wrong with it: start the process
+    /// with its launcher, or set the variable as the message says.
     #[error(transparent)]
-    Launch(Box<dyn std::error::Error + Send + Sync + 'static>),
+    Env(#[from] EnvError),
+    /// The ranks of a multi-process job could not agree on the unique id (the TCP
+    /// rendezvous rank 0 serves, a shared file, a closure of yours) or reach the desync
+    /// board rank 0 serves. The [`RendezvousError`] says which step failed, on which rank
+    /// and at which address: check that every process started, that `MASTER_ADDR` and
+    /// `MASTER_PORT` point at rank 0, and that every process has the same token and world
+    /// size, as its message says. A timeout may be retried once the missing ranks run.
+    /// (Boxed, as [`Error::Nccl`] is, so that every `Result` of the crate stays small:
+    /// match it with `Error::Rendezvous(e)` and then `*e`.)
+    #[error(transparent)]
+    Rendezvous(Box<RendezvousError>),
+    /// A request to torchrun's c10d store (the id exchange, its desync board, or a
+    /// [`StoreClient`](crate::launch::store::StoreClient) call) failed. The [`StoreError`]
+    /// names the store's address and the request: check that torchrun's agent is running
+    /// and that `MASTER_ADDR`/`MASTER_PORT` name its store; a `WaitTimeout` means the rank
+    /// that should have set the key (its own error says why) did not. (Boxed, as
+    /// [`Error::Rendezvous`] is.)
+    #[error(transparent)]
+    Store(Box<StoreError>),
+    /// A desync board of your own ([`crate::diag::RemoteBoard`]) could not be posted to or
+    /// read; nccl-safe's boards fail with [`Error::Rendezvous`] or [`Error::Store`]. Only a
+    /// timeout report is affected (it leaves out the ranks of other processes): fix the
+    /// board's service if you need those ranks in the report.
+    #[error("desync board: {reason}")]
+    Board {
+        /// What went wrong, in the board's words.
+        reason: String,
+    },
     /// The process already holds an NCCL (loaded by other code: PyTorch, another crate, a
     /// C++ library) and a pin names a different file. Loading it too would put two NCCLs in
     /// one process, where a handle from one reaching the other is undefined behaviour.
+    /// Point the pin at the loaded file (or unset it), or load nccl-safe's NCCL before the
+    /// code that loads the other one.
     #[error(
         "NCCL at {} is already loaded by this process, and {pin} names another file, {}: a \
          process can hold only one NCCL. Point {pin} at the loaded file (or unset it), or load \
@@ -303,7 +362,9 @@ pub enum Error {
         /// Which pin named it ([`Source::Explicit`] or [`Source::NcclLibrary`]).
         pin: Source,
     },
-    /// The library could not be opened for a reason other than absence.
+    /// The library could not be opened for a reason other than absence (`reason` is the
+    /// loader's): a file of another architecture, a missing dependency such as the CUDA
+    /// runtime, no permission; fix that, or point `NCCL_LIBRARY` at another NCCL.
     #[error("cannot load NCCL from {path}: {reason}")]
     LibraryLoad {
         /// The path tried.
@@ -331,11 +392,40 @@ impl Error {
             _ => None,
         }
     }
+
+    /// The rendezvous error, when the error is [`Error::Rendezvous`]: for a `match` that
+    /// names its variants, `matches!(e.as_rendezvous(), Some(RendezvousError::ClientTimeout { .. }))`.
+    pub fn as_rendezvous(&self) -> Option<&RendezvousError> {
+        match self {
+            Error::Rendezvous(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The store error, when the error is [`Error::Store`].
+    pub fn as_store(&self) -> Option<&StoreError> {
+        match self {
+            Error::Store(e) => Some(e),
+            _ => None,
+        }
+    }
 }
 
 impl From<NcclError> for Error {
     fn from(e: NcclError) -> Self {
         Error::Nccl(Box::new(e))
+    }
+}
+
+impl From<RendezvousError> for Error {
+    fn from(e: RendezvousError) -> Self {
+        Error::Rendezvous(Box::new(e))
+    }
+}
+
+impl From<StoreError> for Error {
+    fn from(e: StoreError) -> Self {
+        Error::Store(Box::new(e))
     }
 }
 
@@ -358,5 +448,22 @@ pub(crate) fn check_len(
             actual,
             rule,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every call of the crate returns a `Result<_, Error>`: the launchers' errors are boxed
+    /// (as `Nccl` is) so that they do not make it larger than it was before them (nor push
+    /// a wrapper such as nccl-safe-candle's `DistError` over clippy's `result_large_err`).
+    #[test]
+    fn the_error_stays_small() {
+        assert!(
+            std::mem::size_of::<Error>() <= 72,
+            "{}",
+            std::mem::size_of::<Error>()
+        );
     }
 }

@@ -1,0 +1,237 @@
+//! The launchers fail with `nccl_safe::Error` and a typed variant a user matches as it is:
+//! a bad environment variable is `Error::Env`, a rendezvous that times out
+//! `Error::Rendezvous`, a store that cannot be reached `Error::Store`, a desync board's
+//! failure one of those. Nothing needs a downcast. Loopback only.
+
+use nccl_safe::diag::{DesyncPost, RemoteBoard};
+use nccl_safe::launch::desync::BoardClient;
+use nccl_safe::launch::env::{EnvError, EnvSource, ProcessEnv};
+use nccl_safe::launch::rendezvous::{Rendezvous, RendezvousError, TcpRendezvous, TOKEN_VAR};
+use nccl_safe::launch::store::{StoreError, StoreRendezvous};
+use nccl_safe::launch::{Launcher, ProcessLauncher};
+use nccl_safe::Error;
+use std::net::TcpListener;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const TOKEN: &str = "launch-errors-test-token-0123";
+const CHILD_VAR: &str = "NCCL_SAFE_TEST_LAUNCH_ERRORS_CHILD";
+
+/// A loopback port nothing listens on.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Rank `rank` of a torchrun-style job of 2 that meets at `port`.
+fn rank_of_two(rank: usize, port: u16) -> ProcessEnv {
+    let port = port.to_string();
+    let rank = rank.to_string();
+    ProcessEnv::from_lookup(|v| {
+        Some(match v {
+            "RANK" | "LOCAL_RANK" => rank.clone(),
+            "WORLD_SIZE" => "2".into(),
+            "MASTER_ADDR" => "127.0.0.1".into(),
+            "MASTER_PORT" => port.clone(),
+            _ => return None,
+        })
+    })
+    .unwrap()
+}
+
+/// What a user's own code does: `?` on every launcher call into `nccl_safe::Result`.
+fn parse_env(vars: &'static [(&'static str, &'static str)]) -> nccl_safe::Result<ProcessEnv> {
+    let env = ProcessEnv::from_lookup(|v| {
+        vars.iter()
+            .find(|(k, _)| *k == v)
+            .map(|(_, x)| x.to_string())
+    })?;
+    Ok(env)
+}
+
+#[test]
+fn a_bad_environment_variable_is_error_env() {
+    let err = parse_env(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "two"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ])
+    .unwrap_err();
+    match &err {
+        Error::Env(EnvError::Invalid { var, value, .. }) => {
+            assert_eq!((*var, value.as_str()), ("WORLD_SIZE", "two"))
+        }
+        other => panic!("not Error::Env(EnvError::Invalid): {other:?}"),
+    }
+    let err = parse_env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Env(EnvError::Missing {
+                launcher: EnvSource::Torchrun,
+                var: "MASTER_ADDR",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+}
+
+/// Runs `Launcher::from_env()` (the process environment) as the parent test set it up, and
+/// prints which variant it failed with.
+#[test]
+#[ignore = "run as a child process by the test below"]
+fn child_launcher_from_env() {
+    let Some(scenario) = std::env::var_os(CHILD_VAR) else {
+        panic!("run only as a child process ({CHILD_VAR} unset)");
+    };
+    let result = Launcher::from_env().and_then(|l| l.host().init());
+    let verdict = match (scenario.to_str().unwrap(), result) {
+        (
+            "bad-port",
+            Err(Error::Env(EnvError::Invalid {
+                var: "MASTER_PORT", ..
+            })),
+        ) => "Error::Env",
+        ("no-token", Err(Error::Rendezvous(e))) => match *e {
+            RendezvousError::MissingToken { var } if var == TOKEN_VAR => "Error::Rendezvous",
+            e => panic!("no-token: unexpected rendezvous error {e:?}"),
+        },
+        (s, Err(e)) => panic!("{s}: unexpected error {e:?}"),
+        (s, Ok(_)) => panic!("{s}: init succeeded"),
+    };
+    println!("\nVERDICT={verdict}");
+}
+
+#[test]
+fn launcher_from_env_fails_with_typed_variants() {
+    let exe = std::env::current_exe().unwrap();
+    for (scenario, port, expect) in [
+        ("bad-port", "http", "Error::Env"),
+        ("no-token", "29500", "Error::Rendezvous"),
+    ] {
+        let out = Command::new(&exe)
+            .args([
+                "--exact",
+                "child_launcher_from_env",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_VAR, scenario)
+            .env("RUST_BACKTRACE", "0")
+            .env_remove("OMPI_COMM_WORLD_RANK")
+            .env_remove("SLURM_PROCID")
+            .env_remove("TORCHELASTIC_USE_AGENT_STORE")
+            .env_remove("TORCHELASTIC_RUN_ID")
+            .env_remove("TORCHELASTIC_RESTART_COUNT")
+            .env_remove(TOKEN_VAR)
+            .env("RANK", "1")
+            .env("WORLD_SIZE", "2")
+            .env("LOCAL_RANK", "0")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains(&format!("VERDICT={expect}")),
+            "{scenario}: {}\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn a_rendezvous_timeout_is_error_rendezvous() {
+    let port = free_port();
+    let tcp = TcpRendezvous::new("127.0.0.1", port, TOKEN).with_timeout(Duration::from_millis(300));
+    let t0 = Instant::now();
+    let err = ProcessLauncher::new(rank_of_two(1, port))
+        .host()
+        .init_with(Rendezvous::Tcp(tcp))
+        .unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    match err.as_rendezvous() {
+        Some(RendezvousError::ClientTimeout { rank, timeout, .. }) => {
+            assert_eq!((*rank, *timeout), (1, Duration::from_millis(300)))
+        }
+        _ => panic!("not Error::Rendezvous(RendezvousError::ClientTimeout): {err:?}"),
+    }
+    assert!(err.to_string().contains("MASTER_ADDR/MASTER_PORT"), "{err}");
+}
+
+#[test]
+fn a_store_connection_failure_is_error_store() {
+    let port = free_port();
+    let store = StoreRendezvous::new(format!("127.0.0.1:{port}"), "p/")
+        .with_io_timeout(Duration::from_millis(500))
+        .with_timeout(Duration::from_millis(500));
+    let err = ProcessLauncher::new(rank_of_two(1, port))
+        .host()
+        .init_with(Rendezvous::Store(store.clone()))
+        .unwrap_err();
+    match err {
+        Error::Store(e) => match *e {
+            StoreError::Connect { addr, .. } => assert_eq!(addr, format!("127.0.0.1:{port}")),
+            e => panic!("not StoreError::Connect: {e:?}"),
+        },
+        other => panic!("not Error::Store: {other:?}"),
+    }
+    // Its desync board fails the same way, through the trait a communicator uses.
+    let board = store.board(2);
+    let by = Instant::now() + Duration::from_millis(500);
+    let err = RemoteBoard::post(&board, 1, &DesyncPost::new(1, 1, "x"), by).unwrap_err();
+    assert!(
+        matches!(err.as_store(), Some(StoreError::Connect { .. })),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn the_boards_rank_0_serves_fail_with_error_rendezvous() {
+    let client = BoardClient::new(format!("127.0.0.1:{}", free_port()), 2, TOKEN)
+        .with_io_timeout(Duration::from_millis(300));
+    let by = Instant::now() + Duration::from_millis(500);
+    let err = RemoteBoard::fetch(&client, by).unwrap_err();
+    assert!(
+        matches!(err.as_rendezvous(), Some(RendezvousError::Io { .. })),
+        "{err:?}"
+    );
+}
+
+/// A board of the user's own reports its failure as `Error::Board`.
+#[derive(Debug)]
+struct DownBoard;
+
+impl RemoteBoard for DownBoard {
+    fn post(&self, _: usize, _: &DesyncPost, _: Instant) -> nccl_safe::Result<()> {
+        Err(Error::Board {
+            reason: "the key-value service is down".into(),
+        })
+    }
+
+    fn fetch(&self, _: Instant) -> nccl_safe::Result<Vec<Option<DesyncPost>>> {
+        Ok(vec![None, None])
+    }
+}
+
+#[test]
+fn a_board_of_ones_own_fails_with_error_board() {
+    let err = DownBoard
+        .post(0, &DesyncPost::new(1, 1, "x"), Instant::now())
+        .unwrap_err();
+    assert!(matches!(err, Error::Board { .. }), "{err:?}");
+    assert_eq!(
+        err.to_string(),
+        "desync board: the key-value service is down"
+    );
+    // A communicator takes it like nccl-safe's own boards.
+    let _config = nccl_safe::Config::default().desync_board(DownBoard);
+}
