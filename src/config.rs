@@ -365,6 +365,22 @@ impl Config {
         self.diag.on_abort_timeout = Some(action);
         self
     }
+
+    /// Keep the handle for a shrink when a rank is lost (default off). When the watchdog
+    /// fails this communicator's clique because a rank left or an operation ran out of
+    /// time, it **revokes** the communicator (`ncclCommRevoke`: its work in flight ends,
+    /// its operations are refused) instead of aborting it, and leaves the handle with
+    /// its owner, so that
+    /// [`shrink_after_failure`](crate::Communicator::shrink_after_failure) can make a
+    /// communicator of the ranks left; [`Communicator::lost_rank`](crate::Communicator::lost_rank)
+    /// names the rank that left. Every handle is still torn down once: by its owner (a
+    /// dropped revoked communicator aborts). Without `ncclCommRevoke` (NCCL before 2.29),
+    /// or when the revoke fails, and for a GPU fault, the watchdog aborts as usual.
+    /// Children inherit it.
+    pub fn elastic(mut self, on: bool) -> Config {
+        self.diag.elastic = Some(on);
+        self
+    }
 }
 
 #[cfg(test)]

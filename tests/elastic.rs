@@ -446,3 +446,79 @@ fn the_host_abi_follows_nccl_2_29s_contract() {
         "{st:?}"
     );
 }
+
+/// Three ranks of one process with `Config::elastic`; rank 2 drops its communicator
+/// (destroyed: a thread that failed and left) while ranks 0 and 1 wait in an all-reduce
+/// it never calls. The crate's diagnostics see the departure: without `elastic` the
+/// watchdog aborts the survivors' handles, and nothing can be shrunk; with it the
+/// watchdog revokes them in place, their all-reduce fails naming rank 2, `lost_rank()` is
+/// 2, and `shrink_after_failure(&[2])` makes a working communicator of two. Every handle
+/// is torn down once: rank 2's destroyed, the survivors' revoked parents aborted by their
+/// drop, the children destroyed.
+fn survivors_of_a_departure(elastic: bool) {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let ready = Barrier::new(3);
+    let cfg = config().elastic(elastic);
+    std::thread::scope(|s| {
+        for rank in 0..3 {
+            let (ready, cfg) = (&ready, cfg.clone());
+            s.spawn(move || {
+                let comm = Communicator::init_rank(&CommDevice::Host, 3, rank, &id, &cfg).unwrap();
+                let mut x = vec![1.0f32; 4];
+                comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                ready.wait();
+                if rank == 2 {
+                    std::thread::sleep(Duration::from_millis(50)); // the others wait
+                    drop(comm);
+                    return;
+                }
+                let t0 = Instant::now();
+                let e = comm
+                    .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+                    .unwrap_err();
+                assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+                assert!(e.to_string().contains("rank 2 left"), "{e}");
+                assert!(comm.is_failed());
+                assert_eq!(comm.lost_rank(), Some(2));
+                let r = comm.shrink_after_failure(&[2]);
+                if !elastic {
+                    let e = r.unwrap_err();
+                    // The handle is gone: the watchdog aborted it.
+                    assert!(
+                        matches!(e, Error::RankLeft { rank: 2, .. } | Error::Timeout { .. }),
+                        "{e:?}"
+                    );
+                    return;
+                }
+                assert!(comm.is_revoked(), "the watchdog revoked it in place");
+                let small = r.unwrap();
+                assert_eq!((small.world_size(), small.rank()), (2, rank));
+                let mut y = vec![rank as f32 + 1.0; 4];
+                small
+                    .all_reduce_in_place(&mut y, ReduceOp::Sum, &S)
+                    .unwrap();
+                assert_eq!(y, vec![3.0; 4]);
+                small.destroy().map_err(|(_, e)| e).unwrap();
+                drop(comm);
+            });
+        }
+    });
+    let st = assert_balanced(&id);
+    if elastic {
+        assert_eq!((st.created, st.destroyed, st.aborted), (5, 3, 2), "{st:?}");
+    } else {
+        assert_eq!((st.created, st.destroyed, st.aborted), (3, 1, 2), "{st:?}");
+    }
+}
+
+#[test]
+fn elastic_survivors_keep_a_handle_they_can_shrink() {
+    survivors_of_a_departure(true);
+}
+
+/// The obstacle `Config::elastic` removes: by default the watchdog aborts the survivors'
+/// handles, and a shrink finds them gone.
+#[test]
+fn without_elastic_the_watchdog_aborts_the_survivors() {
+    survivors_of_a_departure(false);
+}

@@ -1250,6 +1250,24 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
             c.revoked = true;
             c.finalized = true;
         }
+        // The abort flag ends the kernels of this rank that wait for peers: here, a
+        // collective of this process's clique in which this rank waits (called from
+        // another thread, the watchdog's) ends with an error for the ranks that posted to
+        // it, as their kernels would end on their own revoke or abort.
+        if let Some(CommState::Ready { clique, rank }) = g.comms.get(&h).map(|c| c.state.clone()) {
+            if let Some(cl) = g.cliques.get_mut(&clique) {
+                for slot in cl.colls.values_mut() {
+                    let posted = slot.posts.get(rank as usize).is_some_and(|p| p.is_some());
+                    if posted && matches!(slot.state, super::state::SlotState::Waiting) {
+                        slot.state = super::state::SlotState::Done(Err(Fail::new(
+                            ncclRemoteError,
+                            format!("remote error: rank {rank} revoked its communicator while this collective waited for a peer"),
+                        )));
+                    }
+                }
+                super::state::notify();
+            }
+        }
         // The abort flag ends this rank's kernels: its work in flight.
         super::fault::torn_down(h);
         let clear = move || {

@@ -74,7 +74,7 @@ impl Communicator {
             .handle
             .lib()
             .optional(self.handle.table().ncclCommRevoke, OP)?;
-        if self.revoked.get() {
+        if self.is_revoked() {
             return Err(Error::InvalidArgument {
                 op: OP,
                 reason: "the communicator was already revoked".into(),
@@ -107,9 +107,19 @@ impl Communicator {
         self.wait_ready(OP, caller, self.diag.timeout())
     }
 
-    /// Whether [`revoke`](Self::revoke) was called on this communicator.
+    /// Whether [`revoke`](Self::revoke) was called on this communicator, or the watchdog
+    /// revoked it ([`Config::elastic`]).
     pub fn is_revoked(&self) -> bool {
-        self.revoked.get()
+        self.revoked.get() || self.diag.revoked_by_watchdog()
+    }
+
+    /// The rank that left this communicator's clique and failed it (a rank that was
+    /// dropped, panicked, returned from its launcher closure, or left through the job's
+    /// desync board while its peers waited), if the diagnostics know it: the rank to
+    /// exclude in [`shrink_after_failure`](Self::shrink_after_failure). Only the first
+    /// such rank is kept. `None` without the `diag` feature.
+    pub fn lost_rank(&self) -> Option<usize> {
+        self.diag.lost_rank()
     }
 
     /// Removes `exclude` ranks from a communicator that may have failed (`ncclCommShrink`
@@ -140,7 +150,27 @@ impl Communicator {
             .optional(self.handle.table().ncclCommShrink, OP)?;
         let mut list = self.exclude_list(OP, exclude)?;
         crate::diag::check_lane(OP, self.lane())?;
+        // A clique the watchdog failed (a rank left, an operation timed out) fails this
+        // call only when the watchdog took the handle; one it revoked in place
+        // (`Config::elastic`), or left alone, is shrunk.
+        struct Recovering<'a>(&'a crate::diag::CommDiag);
+        impl Drop for Recovering<'_> {
+            fn drop(&mut self) {
+                self.0.set_recovering(false);
+            }
+        }
+        self.diag.set_recovering(true);
+        let _recovering = Recovering(&self.diag);
         self.diag.check_alive()?;
+        // A pin waits out a watchdog's decision in progress (a revoke in place of the
+        // operation that just failed), so that the flag read next is final.
+        self.pinned(|| Ok(()))?;
+        if self.diag.revoked_by_watchdog() && !self.revoked.get() {
+            // The watchdog's revoke: NCCL's job stores its result; wait for it.
+            self.revoked.set(true);
+            self.failure.get_or_init(|| REVOKED.to_string());
+            self.wait_ready(OP, caller, self.diag.timeout())?;
+        }
         let revoke_available = self.handle.table().ncclCommRevoke.is_some();
         if revoke_available && !self.revoked.get() && self.nccl_reports_error() {
             self.revoke()?;

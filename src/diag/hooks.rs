@@ -1,7 +1,7 @@
 //! The per-operation hooks and a communicator's diagnostics (the `diag` feature): what
 //! `Communicator::issue` calls before and after each NCCL call, and what teardown asks.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::panic::Location;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -55,6 +55,8 @@ pub(crate) struct CommDiag {
     /// ([`shrink_tag`]): part of each shrink child's clique key, so two shrinks at the same
     /// sequence number never share one.
     children: RefCell<Vec<(u64, u64)>>,
+    /// Inside `shrink_after_failure` (see [`CommDiag::set_recovering`]).
+    recovering: Cell<bool>,
 }
 
 #[cfg(test)]
@@ -113,6 +115,7 @@ impl CommDiag {
             board: config.board.clone(),
             recent_queues: RefCell::new(Default::default()),
             children: RefCell::new(Vec::new()),
+            recovering: Cell::new(false),
         }
     }
 
@@ -126,6 +129,7 @@ impl CommDiag {
             board: None,
             recent_queues: RefCell::new(Default::default()),
             children: RefCell::new(Vec::new()),
+            recovering: Cell::new(false),
         }
     }
 
@@ -169,6 +173,7 @@ impl CommDiag {
             board: None,
             recent_queues: RefCell::new(Default::default()),
             children: RefCell::new(Vec::new()),
+            recovering: Cell::new(false),
         }
     }
 
@@ -214,6 +219,8 @@ impl CommDiag {
                 lane,
                 abort_job: Mutex::new(None),
                 aborted_by_watchdog: AtomicBool::new(false),
+                revoked_by_watchdog: AtomicBool::new(false),
+                in_place: Mutex::new(()),
                 cuda_fault: std::sync::OnceLock::new(),
                 gone: AtomicBool::new(false),
                 noticed: AtomicU64::new(0),
@@ -271,11 +278,39 @@ impl CommDiag {
     #[inline]
     pub(crate) fn check_alive(&self) -> Result<()> {
         match self.shared.get() {
-            Some(s) if s.aborted_by_watchdog.load(Ordering::Acquire) || s.clique.any_timeout() => {
+            Some(s)
+                if s.aborted_by_watchdog.load(Ordering::Acquire)
+                    || (s.clique.any_timeout() && !self.recovering.get()) =>
+            {
                 Err(self.aborted_error(s))
             }
             _ => Ok(()),
         }
+    }
+
+    /// While `on`: a failed clique no longer fails this communicator's checks and calls,
+    /// only a handle the watchdog took does (for `shrink_after_failure`, which runs on a
+    /// communicator whose clique failed).
+    pub(crate) fn set_recovering(&self, on: bool) {
+        self.recovering.set(on);
+    }
+
+    /// Whether the watchdog revoked the handle in place (`Config::elastic`).
+    pub(crate) fn revoked_by_watchdog(&self) -> bool {
+        self.shared
+            .get()
+            .is_some_and(|s| s.revoked_by_watchdog.load(Ordering::Acquire))
+    }
+
+    /// The rank whose departure failed this communicator's clique, else the first rank
+    /// of the clique that left (other than this one), if any.
+    pub(crate) fn lost_rank(&self) -> Option<usize> {
+        let s = self.shared.get()?;
+        s.clique
+            .timed_out()
+            .and_then(|r| r.left)
+            .filter(|&r| r != s.rank)
+            .or_else(|| s.clique.departed_other_than(s.rank).map(|d| d.rank))
     }
 
     /// Whether the watchdog failed this communicator: its clique timed out (set before any
@@ -504,7 +539,7 @@ impl CommDiag {
                 StreamRef::Host => s.host_queue.as_ref().map_or(0, |q| q.key),
             },
         });
-        if s.clique.any_timeout() {
+        if s.clique.any_timeout() && !self.recovering.get() {
             return Err(self.begin_timed_out(s, pos, start));
         }
         if s.settings.check && op.collective && !in_group() {
@@ -759,14 +794,18 @@ impl CommDiag {
         let Some(s) = self.shared.get() else {
             return true;
         };
+        // Under `in_place`: a watchdog's revoke in place never meets a handle taken here.
+        let held = s.in_place.lock().unwrap_or_else(|e| e.into_inner());
         s.gone.store(true, Ordering::Release);
+        let mine = s.handle.swap(0, Ordering::AcqRel) != 0;
+        drop(held);
         let view = s.rank_view();
         s.clique.detach(s.rank, view);
         if let Some((how, broken)) = departing {
             s.clique
                 .depart(s.rank, view, s.recent_collectives(), how, broken);
         }
-        s.handle.swap(0, Ordering::AcqRel) != 0
+        mine
     }
 
     /// The communicator's init failed (`why`): this rank never joins its clique, so no
@@ -1174,6 +1213,7 @@ mod tests {
             board: None,
             recent_queues: RefCell::new(Default::default()),
             children: RefCell::new(Vec::new()),
+            recovering: Cell::new(false),
         };
         // Another rank of the parent (same parent key, same order) derives the same keys.
         let o = other();

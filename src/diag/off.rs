@@ -96,6 +96,16 @@ impl CommDiag {
         false
     }
 
+    pub(crate) fn set_recovering(&self, _on: bool) {}
+
+    pub(crate) fn revoked_by_watchdog(&self) -> bool {
+        false
+    }
+
+    pub(crate) fn lost_rank(&self) -> Option<usize> {
+        None
+    }
+
     #[inline(always)]
     pub(crate) fn publish_group(&self) {}
 

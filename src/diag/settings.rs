@@ -32,6 +32,8 @@ pub(crate) struct DiagConfig {
     pub(crate) exact: Option<bool>,
     pub(crate) abort_timeout: Option<Duration>,
     pub(crate) on_abort_timeout: Option<OnAbortTimeout>,
+    /// `Config::elastic`: the watchdog revokes instead of aborting.
+    pub(crate) elastic: Option<bool>,
     /// The job's desync board in another process (not inherited by children).
     #[cfg(feature = "diag")]
     pub(crate) board: Option<Arc<dyn remote::RemoteBoard>>,
@@ -51,6 +53,9 @@ pub(super) struct Settings {
     pub(super) exact: bool,
     pub(super) abort_timeout: Duration,
     pub(super) on_abort_timeout: OnAbortTimeout,
+    /// `Config::elastic`: the watchdog revokes a failed clique's handles rather than
+    /// aborting them.
+    pub(super) elastic: bool,
 }
 
 impl Settings {
@@ -155,6 +160,7 @@ impl Settings {
                     _ => OnAbortTimeout::Report,
                 }
             }),
+            elastic: c.elastic.unwrap_or(false),
         }
     }
 }

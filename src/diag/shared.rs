@@ -152,6 +152,13 @@ pub(crate) struct Shared {
     /// The watchdog's abort of its handle, once taken (so `abort()` can wait for it).
     pub(super) abort_job: Mutex<Option<Arc<Job>>>,
     pub(super) aborted_by_watchdog: AtomicBool,
+    /// The watchdog revoked the handle in place (`Config::elastic`) and left it with its
+    /// owner.
+    pub(super) revoked_by_watchdog: AtomicBool,
+    /// Held by the watchdog while it revokes the handle in place, and by the owner while
+    /// it takes the handle for its teardown: a revoke never runs on a handle its owner
+    /// already took.
+    pub(super) in_place: Mutex<()>,
     /// Torn down by its owner.
     pub(super) gone: AtomicBool,
     pub(super) seq: AtomicU64,
@@ -790,6 +797,38 @@ impl Shared {
         let verdict = if same { ABORTING } else { UNCLAIMED };
         self.claim.store(verdict, Ordering::Release);
         same
+    }
+
+    /// After a successful [`claim`](Self::claim), with `Config::elastic`: revokes the
+    /// handle where it is (`ncclCommRevoke`: its work in flight ends, its owner's call
+    /// returns) and leaves it with its owner, whose teardown stays its one teardown.
+    /// `false` (nothing done, the claim still held) when the library has no revoke, the
+    /// owner already took the handle, or NCCL refused the revoke: then the caller aborts.
+    pub(super) fn revoke_in_place(&self, report: &Arc<TimeoutReport>) -> bool {
+        let Some(revoke) = self.lib.table().ncclCommRevoke else {
+            return false;
+        };
+        let _held = self.in_place.lock().unwrap_or_else(|e| e.into_inner());
+        let h = self.handle.load(Ordering::Acquire);
+        if h == 0 || self.gone.load(Ordering::Acquire) {
+            return false;
+        }
+        // SAFETY: the handle is live: its owner takes it for a teardown only under
+        // `in_place`, held here, and the claim keeps the owner from any other call (it is
+        // blocked inside one, or idle with work in flight, which a revoke may stop).
+        let r = unsafe {
+            revoke(
+                h as ncclComm_t,
+                nccl_sys::bindings::NCCL_REVOKE_DEFAULT as std::ffi::c_int,
+            )
+        };
+        if r != nccl_sys::bindings::ncclSuccess && r != nccl_sys::bindings::ncclInProgress {
+            return false;
+        }
+        *self.report.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(report));
+        self.revoked_by_watchdog.store(true, Ordering::Release);
+        self.claim.store(UNCLAIMED, Ordering::Release);
+        true
     }
 
     /// After a successful [`claim`](Self::claim): takes the handle (0 when the owner's

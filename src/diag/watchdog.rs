@@ -108,7 +108,10 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
     // Late work, work whose stream the driver failed (at once), or work that waits for a
     // collective a departed rank never issued (that one at once too).
     let expired: Vec<(usize, _, Expiry)> = (list.iter().enumerate())
-        .filter(|(_, s)| !s.aborted_by_watchdog.load(Ordering::Acquire))
+        .filter(|(_, s)| {
+            !s.aborted_by_watchdog.load(Ordering::Acquire)
+                && !s.revoked_by_watchdog.load(Ordering::Acquire)
+        })
         .filter_map(|(i, s)| match (s.faulted(), s.late(now)) {
             (Some((rec, e)), _) => Some((i, rec, Expiry::Fault(e))),
             (None, Some(rec)) => Some((i, rec, Expiry::Late)),
@@ -118,8 +121,10 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
     for (i, rec, why) in expired {
         let departed = matches!(why, Expiry::Departed);
         let s = &list[i];
-        if s.aborted_by_watchdog.load(Ordering::Acquire) {
-            continue; // aborted with an earlier one of this sweep
+        if s.aborted_by_watchdog.load(Ordering::Acquire)
+            || s.revoked_by_watchdog.load(Ordering::Acquire)
+        {
+            continue; // aborted (or revoked) with an earlier one of this sweep
         }
         // Fail fast first: from here on every rank of the clique in this process gets the
         // report without reaching NCCL, whatever the abort below does.
@@ -144,7 +149,10 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
         // The expired one first: when it completed after all, nothing is aborted.
         let others = list.iter().filter(|t| !Arc::ptr_eq(t, s));
         for t in std::iter::once(s).chain(others) {
-            if !Arc::ptr_eq(&t.clique, &s.clique) || t.aborted_by_watchdog.load(Ordering::Acquire) {
+            if !Arc::ptr_eq(&t.clique, &s.clique)
+                || t.aborted_by_watchdog.load(Ordering::Acquire)
+                || t.revoked_by_watchdog.load(Ordering::Acquire)
+            {
                 continue;
             }
             let min_age = match why {
@@ -154,6 +162,12 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
                 Expiry::Departed => grace(t),
             };
             if !t.claim(now, min_age) {
+                continue;
+            }
+            // `Config::elastic`: revoked where it is, the handle left to its owner for a
+            // shrink (a GPU fault leaves nothing to shrink: aborted).
+            let elastic = t.settings.elastic && !matches!(why, Expiry::Fault(_));
+            if elastic && t.revoke_in_place(&report) {
                 continue;
             }
             let h = t.take_for_abort(&report);
