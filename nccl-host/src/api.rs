@@ -1139,7 +1139,23 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
             // NCCL's abort flags are this rank's and cleared again before the child is made
             // (init.cc:2846): the parent's other ranks are not told, and its state is not
             // set (so the other survivors' own shrinks are not refused for it).
-            let (seq, dev) = r.next_coll(&mut g)?;
+            // A default shrink is a collective of the parent (numbered as one). One in
+            // abort mode is not: NCCL's ranks meet through the bootstrap, whatever each had
+            // in flight on the parent when it failed (some never issued the collective the
+            // others waited in), so it gets a number of its own, the same on every rank
+            // left: the how-many-th abort shrink of this parent.
+            let (seq, dev) = if shrink_flags == NCCL_SHRINK_ABORT as c_int {
+                let Some(c) = g.comms.get_mut(&r.h) else {
+                    return Err(Fail::new(
+                        ncclInternalError,
+                        "internal error: handle vanished",
+                    ));
+                };
+                c.abort_shrinks += 1;
+                ((1u64 << 62) + c.abort_shrinks - 1, c.device)
+            } else {
+                r.next_coll(&mut g)?
+            };
             let h = g.new_handle(r.root, dev, !blocking);
             set_name(&mut g, h, config, Some(r.h));
             // As NCCL (init.cc:2571-2572): NULL until the shrink is complete.

@@ -78,6 +78,10 @@ pub(crate) struct Comm {
     pub nonblocking: bool,
     pub finalized: bool,
     pub coll_seq: u64,
+    /// Shrinks in `NCCL_SHRINK_ABORT` mode made of this communicator: their rendezvous
+    /// numbers, apart from the collectives' (the ranks left may differ in what they
+    /// issued before the failure).
+    pub abort_shrinks: u64,
     pub send_seq: HashMap<i32, u64>,
     pub recv_seq: HashMap<i32, u64>,
     pub redops: HashMap<ncclRedOp_t, PreMul>,
@@ -289,6 +293,7 @@ impl Global {
                 nonblocking,
                 finalized: false,
                 coll_seq: 0,
+                abort_shrinks: 0,
                 send_seq: HashMap::new(),
                 recv_seq: HashMap::new(),
                 redops: HashMap::new(),

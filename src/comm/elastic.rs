@@ -171,8 +171,15 @@ impl Communicator {
             self.failure.get_or_init(|| REVOKED.to_string());
             self.wait_ready(OP, caller, self.diag.timeout())?;
         }
+        // Revoked first when NCCL reports an error, or when this crate failed the
+        // communicator (a rank left: the error that rank's abort sets may reach NCCL
+        // only during the shrink, which would then refuse the parent). A revoke clears
+        // NCCL's error for good.
         let revoke_available = self.handle.table().ncclCommRevoke.is_some();
-        if revoke_available && !self.revoked.get() && self.nccl_reports_error() {
+        if revoke_available
+            && !self.revoked.get()
+            && (self.is_failed() || self.nccl_reports_error())
+        {
             self.revoke()?;
         }
         let tag = crate::diag::shrink_tag(&list);

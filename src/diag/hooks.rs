@@ -167,7 +167,14 @@ impl CommDiag {
         };
         CommDiag {
             settings: self.settings.clone(),
-            key: clique::key_of((self.key, seq, tag, nth)),
+            // A shrink's child is numbered by `nth` alone: the ranks left after a failure
+            // may differ in the collectives they issued on the parent.
+            key: clique::key_of((
+                self.key,
+                if tag & SHRINK_TAG != 0 { 0 } else { seq },
+                tag,
+                nth,
+            )),
             root: self.root,
             shared: OnceLock::new(),
             board: None,

@@ -799,6 +799,18 @@ impl Shared {
         same
     }
 
+    /// Whether the operation inside its call is a shrink (with `Config::elastic`, the
+    /// recovery a rank left already began: the watchdog leaves it be).
+    pub(super) fn in_shrink(&self) -> bool {
+        let cur = self.current.load(Ordering::Acquire);
+        cur != IDLE
+            && cur != PINNED
+            && self
+                .journal
+                .get(cur - 1)
+                .is_some_and(|r| r.op == EntryPoint::ncclCommShrink)
+    }
+
     /// After a successful [`claim`](Self::claim), with `Config::elastic`: revokes the
     /// handle where it is (`ncclCommRevoke`: its work in flight ends, its owner's call
     /// returns) and leaves it with its owner, whose teardown stays its one teardown.

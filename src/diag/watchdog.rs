@@ -155,6 +155,10 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
             {
                 continue;
             }
+            let elastic = t.settings.elastic && !matches!(why, Expiry::Fault(_));
+            if elastic && t.in_shrink() {
+                continue; // its rank already recovers: shrink_after_failure
+            }
             let min_age = match why {
                 _ if !Arc::ptr_eq(t, s) => grace(t),
                 Expiry::Late => t.settings.timeout,
@@ -166,7 +170,6 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
             }
             // `Config::elastic`: revoked where it is, the handle left to its owner for a
             // shrink (a GPU fault leaves nothing to shrink: aborted).
-            let elastic = t.settings.elastic && !matches!(why, Expiry::Fault(_));
             if elastic && t.revoke_in_place(&report) {
                 continue;
             }
