@@ -22,6 +22,10 @@
 //! - [`Accumulation`] (`no_sync(micro_batches)` on all three): gradient accumulation whose
 //!   guard takes each micro-batch's backward, **scaling its loss by `1 / micro_batches`**,
 //!   and whose step refuses a wrong count; a step of your own inside it does not compile.
+//! - [`run_elastic`] (module [`elastic`]): training that carries on without a rank it
+//!   lost: the ranks left shrink the communicator, agree on the rank and the step, and
+//!   run the session again on the smaller world (communicators made with
+//!   `Config::elastic`).
 //! - Drift detection (`check_drift`, `with_drift_check(every)`): a fingerprint of every
 //!   rank's parameters compared across ranks, naming the step and the ranks that differ.
 //!
@@ -75,6 +79,7 @@ mod accumulate;
 #[cfg(feature = "cuda")]
 mod comm_stream;
 mod ddp;
+pub mod elastic;
 pub mod error;
 mod optim;
 pub mod tensor;
@@ -82,6 +87,7 @@ mod zero;
 
 pub use accumulate::{Accumulate, Accumulation, OptimizerState};
 pub use ddp::{BucketPlan, DdpStep, DistributedDataParallel, DEFAULT_BUCKET_CAP};
+pub use elastic::{is_rank_loss, recover, run_elastic, ElasticRun, Recovery};
 pub use error::{DistError, DistErrorKind, DistResult};
 pub use nccl_safe;
 pub use nccl_safe::launch::{Launcher, Rank};

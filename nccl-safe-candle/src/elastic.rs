@@ -1,0 +1,200 @@
+//! Training that carries on without a rank it lost: [`run_elastic`] and [`recover`].
+//!
+//! When a step fails because a rank left (it returned, panicked, or dropped its
+//! communicator: nccl-safe's diagnostics see it and name it,
+//! [`Communicator::lost_rank`]), the ranks left
+//!
+//! 1. agree on who is gone: each shrinks its communicator without the rank it names
+//!    ([`Communicator::shrink_after_failure`]), then they check on the new communicator
+//!    that they all named the same rank (a disagreement is an error, not a guess);
+//! 2. agree on the step: the new rank 0's step counter is every rank's (a step is applied
+//!    by all of them or by none: the data-parallel objects are rebuilt from rank 0's
+//!    parameters, [`DistributedDataParallel::new`](crate::DistributedDataParallel::new) and
+//!    [`ZeroRedundancyOptimizer::new`](crate::ZeroRedundancyOptimizer::new) take them);
+//! 3. continue from that step on the smaller world: the session closure builds its
+//!    optimizer again on the new communicator, which re-shards the batch
+//!    (`shard_batch`) and ZeRO-1's parameter shards over the new number of ranks.
+//!
+//! The communicator must be made with [`Config::elastic`](nccl_safe::Config::elastic)
+//! (without it the watchdog aborts the survivors' handles, and [`recover`] returns the
+//! step's error). NCCL 2.27+ (the shrink's abort mode) and, for a rank that left while its
+//! peers waited, 2.29+ (the watchdog's revoke); the host provider has both.
+//!
+//! What it does not do (yet): the optimizer's state of a rebuilt ZeRO-1 or DDP optimizer
+//! starts afresh (candle's optimizers do not expose their state, so the lost rank's shard
+//! of AdamW's moments cannot be rebuilt; SGD without momentum carries on exactly); a
+//! replacement rank cannot join (`Communicator::grow` exists, the loop does not use it
+//! yet); only ranks of this process are seen leaving (a rank of another process that is
+//! SIGKILLed is seen by the watchdog's timeout, not tested here); one rank is lost per
+//! recovery (the first that left).
+//!
+//! ```
+//! use std::time::Duration;
+//! use candle_core::{Device, Tensor};
+//! use candle_nn::{linear, loss, Module, VarBuilder, VarMap, SGD};
+//! use nccl_safe_candle::{run_elastic, Communicator, Config, DistResult, ZeroRedundancyOptimizer};
+//! use nccl_safe::{CommDevice, UniqueId};
+//!
+//! let id = CommDevice::Host.unique_id()?;
+//! let worlds = std::thread::scope(|s| {
+//!     let ranks: Vec<_> = (0..2).map(|r| s.spawn(move || -> DistResult<usize> {
+//!         let config = Config::new().elastic(true).timeout(Duration::from_secs(30));
+//!         let comm = Communicator::init_rank(&CommDevice::Host, 2, r, &id, &config)?;
+//!         let map = VarMap::new();
+//!         let model = linear(4, 1, VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu))?;
+//!         let x = Tensor::ones((6, 4), DType::F32, &Device::Cpu)?;
+//!         let y = Tensor::zeros((6, 1), DType::F32, &Device::Cpu)?;
+//!         let run = run_elastic(comm, 0, |comm, step| {
+//!             // Built again after a loss: rank 0's parameters, shards over the new world.
+//!             let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, &map, 0.1)?;
+//!             let (x, y) = (opt.shard_batch(&x)?, opt.shard_batch(&y)?);
+//!             while *step < 5 {
+//!                 opt.backward_step(&loss::mse(&model.forward(&x)?, &y)?)?;
+//!                 *step += 1;
+//!             }
+//!             Ok(())
+//!         })?;
+//!         Ok(run.comm.world_size())
+//!     })).collect();
+//!     ranks.into_iter().map(|h| h.join().unwrap()).collect::<DistResult<Vec<_>>>()
+//! })?;
+//! assert_eq!(worlds, vec![2, 2]); // nobody left
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use nccl_safe::{Communicator, ReduceOp};
+
+use crate::error::{DistError, DistErrorKind as K, DistResult as Result};
+
+/// One recovery of [`run_elastic`] / [`recover`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovery {
+    /// The rank that was lost (its number in the communicator it left).
+    pub lost: usize,
+    /// The step the ranks left carry on from (the step that failed).
+    pub step: u64,
+    /// The number of ranks before and after.
+    pub world_sizes: (usize, usize),
+    /// This rank's number before and after.
+    pub ranks: (usize, usize),
+    /// From the call to `recover` to the new communicator's agreement.
+    pub took: Duration,
+}
+
+/// What [`run_elastic`] ends with.
+#[derive(Debug)]
+pub struct ElasticRun<T> {
+    /// The communicator the last session ran on (smaller than the first after a loss).
+    pub comm: Communicator,
+    /// What the last session returned.
+    pub value: T,
+    /// The step counter at the end.
+    pub step: u64,
+    /// Each recovery, in order.
+    pub recoveries: Vec<Recovery>,
+}
+
+/// Whether `e`, the error of a step on `comm`, is the loss of a rank that the ranks left
+/// can recover from: the communicator failed, and nccl-safe knows which rank left.
+pub fn is_rank_loss(comm: &Communicator, e: &DistError) -> bool {
+    e.as_nccl().is_some() && comm.is_failed() && comm.lost_rank().is_some()
+}
+
+/// Runs `session(comm, &mut step)` from step `start`, and after the loss of a rank
+/// ([`is_rank_loss`]) [`recover`]s and runs it again on the smaller communicator, from the
+/// step the ranks left agree on. `session` builds its data-parallel objects on the
+/// communicator it is given (so that they take the new world's shards), runs steps while
+/// `*step` is below the end, and increments `*step` after each step that returned `Ok`.
+/// Any other error is returned as it is.
+#[track_caller]
+pub fn run_elastic<T>(
+    comm: Communicator,
+    start: u64,
+    mut session: impl FnMut(&Communicator, &mut u64) -> Result<T>,
+) -> Result<ElasticRun<T>> {
+    let mut comm = comm;
+    let mut step = start;
+    let mut recoveries = Vec::new();
+    loop {
+        match session(&comm, &mut step) {
+            Ok(value) => {
+                return Ok(ElasticRun {
+                    comm,
+                    value,
+                    step,
+                    recoveries,
+                })
+            }
+            Err(e) if is_rank_loss(&comm, &e) => {
+                let (next, r) = recover(comm, &mut step)?;
+                comm = next;
+                recoveries.push(r);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// After the loss of a rank ([`is_rank_loss`]): shrinks `comm` without the lost rank,
+/// checks on the new communicator that every rank left named the same rank, sets `step`
+/// to the new rank 0's, and drops `comm` (revoked, so it is aborted, once). Collective over
+/// the ranks left.
+///
+/// Errors: nothing known to be lost ([`DistErrorKind::InvalidArgument`](crate::DistErrorKind::InvalidArgument)),
+/// the shrink's error (a communicator made without
+/// [`Config::elastic`](nccl_safe::Config::elastic) has had its handle aborted), or ranks
+/// that named different ranks.
+#[track_caller]
+pub fn recover(comm: Communicator, step: &mut u64) -> Result<(Communicator, Recovery)> {
+    let (at, _scope) = crate::error::caller_scope();
+    recover_inner(comm, step).map_err(|e| e.at(at, Some(*step)))
+}
+
+fn recover_inner(comm: Communicator, step: &mut u64) -> Result<(Communicator, Recovery)> {
+    let t0 = Instant::now();
+    let Some(lost) = comm.lost_rank() else {
+        return Err(K::InvalidArgument {
+            op: "recover",
+            reason: "no rank of this communicator is known to have left".into(),
+        }
+        .into());
+    };
+    let small = comm.shrink_after_failure(&[lost])?;
+    let device = match small.cuda_ordinal() {
+        None => Device::Cpu,
+        Some(d) => Device::new_cuda(d)?,
+    };
+    // Rank 0's view of (lost, step) to everyone; each compares the lost rank with its own.
+    let theirs = Tensor::new(&[lost as f64, *step as f64], &device)?;
+    crate::tensor::broadcast(&small, &theirs, 0)?;
+    let theirs = theirs.to_vec1::<f64>()?;
+    let named = Tensor::new(lost as f64, &device)?;
+    let (lo, hi) = (
+        crate::tensor::all_reduce_scalar(&small, &named, ReduceOp::Min)?,
+        crate::tensor::all_reduce_scalar(&small, &named, ReduceOp::Max)?,
+    );
+    if lo != hi || theirs[0] != lost as f64 {
+        return Err(K::InvalidArgument {
+            op: "recover",
+            reason: format!(
+                "the ranks left disagree on the rank that was lost: rank {} of {} named {lost}, others between {lo} and {hi}",
+                comm.rank(),
+                comm.world_size()
+            ),
+        }
+        .into());
+    }
+    *step = theirs[1] as u64;
+    let r = Recovery {
+        lost,
+        step: *step,
+        world_sizes: (comm.world_size(), small.world_size()),
+        ranks: (comm.rank(), small.rank()),
+        took: t0.elapsed(),
+    };
+    drop(comm);
+    Ok((small, r))
+}

@@ -1,0 +1,217 @@
+//! The elastic loop over 4 host-provider ranks (threads, `Config::elastic`): rank 3 is
+//! lost in the middle of step 10 (it returns an error and drops its communicator, or it
+//! panics), ranks 0-2 recover and carry on from step 10 on 3 ranks. Checked: one
+//! recovery, naming rank 3, at step 10; every survivor ends at step 30 with bit-identical
+//! parameters; the loss falls before and after the loss of the rank; the parameters match
+//! one process training on the whole batch for 30 steps (so no step was skipped or
+//! applied twice); every communicator is torn down once.
+
+mod common;
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+use candle_nn::{loss, Module, Optimizer, VarMap, SGD};
+use common::*;
+use nccl_safe::{CommDevice, Communicator, Config, UniqueId};
+use nccl_safe_candle::{run_elastic, DistResult, Recovery, ZeroRedundancyOptimizer};
+
+const RANKS: usize = 4;
+const STEPS: u64 = 30;
+const LOST_AT: u64 = 10;
+/// Divides by 4 and by 3.
+const ROWS: usize = 24;
+const LR: f64 = 0.05;
+
+fn data() -> (Tensor, Tensor) {
+    let (x, y) = batch().unwrap();
+    (x.narrow(0, 0, ROWS).unwrap(), y.narrow(0, 0, ROWS).unwrap())
+}
+
+/// One process, the whole batch.
+fn reference() -> Vec<f32> {
+    let map = VarMap::new();
+    let model = Mlp::new(&map).unwrap();
+    init_fixed(&map).unwrap();
+    let (x, y) = data();
+    let mut opt = SGD::new(map.all_vars(), LR).unwrap();
+    for _ in 0..STEPS {
+        opt.backward_step(&loss::mse(&model.forward(&x).unwrap(), &y).unwrap())
+            .unwrap();
+    }
+    flat_params(&map).unwrap()
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Loss {
+    /// Rank 3's session returns an error: its communicator is dropped (destroyed) while
+    /// the others wait in the step's reduce-scatter.
+    Returns,
+    /// Rank 3 panics in the middle of the step: its communicator is aborted.
+    Panics,
+}
+
+struct Survivor {
+    params: Vec<f32>,
+    losses: Vec<f32>,
+    step: u64,
+    world: usize,
+    recoveries: Vec<Recovery>,
+    /// When the first step on the smaller world completed.
+    first_small_step: Option<Instant>,
+}
+
+fn train(
+    rank: usize,
+    id: UniqueId,
+    how: Loss,
+    config: Config,
+    lost_at: &Mutex<Option<Instant>>,
+) -> DistResult<Survivor> {
+    let comm = Communicator::init_rank(&CommDevice::Host, RANKS, rank, &id, &config)?;
+    let map = VarMap::new();
+    let model = Mlp::new(&map)?;
+    init_fixed(&map)?;
+    let (x, y) = data();
+    let mut losses = Vec::new();
+    let mut first_small_step = None;
+    let run = run_elastic(comm, 0, |comm, step| {
+        // The three lines of an elastic loop: the optimizer (re)built on the communicator
+        // it is given, the batch sharded over its world, `step` counted here.
+        let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, &map, LR)?;
+        let (xs, ys) = (opt.shard_batch(&x)?, opt.shard_batch(&y)?);
+        while *step < STEPS {
+            let l = loss::mse(&model.forward(&xs)?, &ys)?;
+            if rank == 3 && *step == LOST_AT {
+                *lost_at.lock().unwrap() = Some(Instant::now());
+                match how {
+                    Loss::Returns => {
+                        return Err(candle_core::Error::Msg("rank 3 is lost".into()).into())
+                    }
+                    Loss::Panics => panic!("rank 3 is lost"),
+                }
+            }
+            opt.backward_step(&l)?;
+            *step += 1;
+            if comm.world_size() < RANKS && first_small_step.is_none() {
+                first_small_step = Some(Instant::now());
+            }
+            let whole = loss::mse(&model.forward(&x)?, &y)?.to_scalar::<f32>()?;
+            losses.push(whole);
+        }
+        Ok(())
+    })?;
+    Ok(Survivor {
+        params: flat_params(&map)?,
+        losses,
+        step: run.step,
+        world: run.comm.world_size(),
+        recoveries: run.recoveries,
+        first_small_step,
+    })
+}
+
+fn lose_a_rank(how: Loss) {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let config = Config::new().elastic(true).timeout(Duration::from_secs(30));
+    let lost_at = Mutex::new(None);
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..RANKS)
+            .map(|rank| {
+                let (config, lost_at) = (config.clone(), &lost_at);
+                s.spawn(move || train(rank, id, how, config, lost_at))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join()).collect()
+    });
+    for (r, res) in results.iter().enumerate() {
+        if let Ok(Err(e)) = res {
+            eprintln!("rank {r}: {e}");
+        }
+    }
+    let mut results = results.into_iter();
+    let survivors: Vec<Survivor> = results
+        .by_ref()
+        .take(3)
+        .map(|r| {
+            r.expect("no survivor panics")
+                .expect("every survivor recovers")
+        })
+        .collect();
+    match (how, results.next().unwrap()) {
+        (Loss::Returns, Ok(Err(e))) => assert!(e.to_string().contains("rank 3 is lost"), "{e}"),
+        (Loss::Panics, Err(_)) => {}
+        (_, other) => panic!("rank 3 should be lost, got {:?}", other.map(|r| r.is_ok())),
+    }
+    let lost_at = lost_at.lock().unwrap().expect("rank 3 was lost");
+    let reference = reference();
+    for (r, s) in survivors.iter().enumerate() {
+        assert_eq!((s.step, s.world), (STEPS, 3), "rank {r}");
+        assert_eq!(s.recoveries.len(), 1, "rank {r}");
+        let rec = &s.recoveries[0];
+        assert_eq!(
+            (rec.lost, rec.step, rec.world_sizes, rec.ranks),
+            (3, LOST_AT, (4, 3), (r, r)),
+            "rank {r}"
+        );
+        assert_eq!(
+            s.params, survivors[0].params,
+            "rank {r}'s parameters differ from rank 0's"
+        );
+        assert_eq!(s.losses, survivors[0].losses, "rank {r}");
+        assert_eq!(
+            s.losses.len(),
+            STEPS as usize,
+            "one loss per step, none twice"
+        );
+        let l = &s.losses;
+        assert!(
+            l[LOST_AT as usize - 1] < l[0] && l[STEPS as usize - 1] < l[LOST_AT as usize],
+            "the loss falls before and after: {l:?}"
+        );
+        let worst = s
+            .params
+            .iter()
+            .zip(&reference)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst < 1e-5,
+            "rank {r}: {worst} from one process's 30 steps"
+        );
+    }
+    let first = survivors
+        .iter()
+        .filter_map(|s| s.first_small_step)
+        .max()
+        .unwrap();
+    eprintln!(
+        "{}: lost at step {LOST_AT}; recover() took {:?} (rank 0); from the loss to the first step on 3 ranks (every survivor): {:?}",
+        if how == Loss::Panics { "panic" } else { "error" },
+        survivors[0].recoveries[0].took,
+        first.duration_since(lost_at)
+    );
+    let limit = Instant::now() + Duration::from_secs(10);
+    let st = loop {
+        let st = nccl_safe::host::stats_for(&id.to_raw());
+        if st.live == 0 || Instant::now() >= limit {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    // 4 inits and 3 shrinks' children, each torn down once.
+    assert_eq!(st.created, 7, "{st:?}");
+    assert_eq!(st.created, st.destroyed + st.aborted, "{st:?}");
+    assert_eq!((st.live, st.misused), (0, 0), "{st:?}");
+}
+
+#[test]
+fn three_ranks_carry_on_after_one_returns_an_error() {
+    lose_a_rank(Loss::Returns);
+}
+
+#[test]
+fn three_ranks_carry_on_after_one_panics() {
+    lose_a_rank(Loss::Panics);
+}
