@@ -476,7 +476,9 @@ fn survivors_of_a_departure(elastic: bool) {
                 let e = comm
                     .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
                     .unwrap_err();
-                assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+                // Woken by the watchdog's revoke (or abort) within its grace, long before
+                // any timeout.
+                assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
                 assert!(e.to_string().contains("rank 2 left"), "{e}");
                 assert!(comm.is_failed());
                 assert_eq!(comm.lost_rank(), Some(2));
