@@ -30,7 +30,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use candle_core::{Device, Tensor};
+//! use candle_core::{DType, Device, Tensor};
 //! use candle_nn::{linear, loss, Module, VarBuilder, VarMap, SGD};
 //! use nccl_safe_candle::{run_elastic, Communicator, Config, DistResult, ZeroRedundancyOptimizer};
 //! use nccl_safe::{CommDevice, UniqueId};
