@@ -23,8 +23,8 @@
 //! What it does not do (yet): the optimizer's state of a rebuilt ZeRO-1 or DDP optimizer
 //! starts afresh (candle's optimizers do not expose their state, so the lost rank's shard
 //! of AdamW's moments cannot be rebuilt; SGD without momentum carries on exactly); a
-//! replacement rank cannot join (`Communicator::grow` exists, the loop does not use it
-//! yet); only ranks of this process are seen leaving (a rank of another process that is
+//! replacement rank joins only between two `run_elastic` runs ([`grow`] and [`join`]: the
+//! loop does not decide when by itself); only ranks of this process are seen leaving (a rank of another process that is
 //! SIGKILLed is seen by the watchdog's timeout, not tested here); one rank is lost per
 //! recovery (the first that left).
 //!
@@ -65,7 +65,7 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use nccl_safe::{Communicator, ReduceOp};
+use nccl_safe::{CommDevice, Communicator, Config, ReduceOp, UniqueId};
 
 use crate::error::{DistError, DistErrorKind as K, DistResult as Result};
 
@@ -163,10 +163,7 @@ fn recover_inner(comm: Communicator, step: &mut u64) -> Result<(Communicator, Re
         .into());
     };
     let small = comm.shrink_after_failure(&[lost])?;
-    let device = match small.cuda_ordinal() {
-        None => Device::Cpu,
-        Some(d) => Device::new_cuda(d)?,
-    };
+    let device = device_of(&small)?;
     // Rank 0's view of (lost, step) to everyone; each compares the lost rank with its own.
     let theirs = Tensor::new(&[lost as f64, *step as f64], &device)?;
     crate::tensor::broadcast(&small, &theirs, 0)?;
@@ -197,4 +194,66 @@ fn recover_inner(comm: Communicator, step: &mut u64) -> Result<(Communicator, Re
     };
     drop(comm);
     Ok((small, r))
+}
+
+/// The candle device of a communicator's rank.
+fn device_of(comm: &Communicator) -> Result<Device> {
+    Ok(match comm.cuda_ordinal() {
+        None => Device::Cpu,
+        Some(d) => Device::new_cuda(d)?,
+    })
+}
+
+/// Rank 0's step counter to every rank of `comm`.
+fn agree_on_step(comm: &Communicator, step: &mut u64) -> Result<()> {
+    let t = Tensor::new(&[*step as f64], &device_of(comm)?)?;
+    crate::tensor::broadcast(comm, &t, 0)?;
+    *step = t.to_vec1::<f64>()?[0] as u64;
+    Ok(())
+}
+
+/// An existing rank's part of taking new ranks back in, between two [`run_elastic`] runs:
+/// grows `comm` to `world_size` ranks ([`Communicator::grow`]; the root, the rank that
+/// called [`Communicator::grow_id`] and handed the id to the new ranks, passes `Some(id)`,
+/// the others `None`), then gives the new ranks rank 0's step (`step`). The new ranks call
+/// [`join`]. `comm` is destroyed once the grown communicator works. Run the next session
+/// on the grown communicator: its optimizer, built there, takes rank 0's parameters to the
+/// new ranks and re-shards over the larger world.
+#[track_caller]
+pub fn grow(
+    comm: Communicator,
+    world_size: usize,
+    id: Option<&UniqueId>,
+    step: &mut u64,
+) -> Result<Communicator> {
+    let (at, _scope) = crate::error::caller_scope();
+    (|| {
+        let big = comm.grow(world_size, id)?;
+        agree_on_step(&big, step)?;
+        comm.destroy().map_err(|(_, e)| e)?;
+        Ok(big)
+    })()
+    .map_err(|e: DistError| e.at(at, Some(*step)))
+}
+
+/// A new rank's part of [`grow`]: joins as rank `rank` of `world_size` with the root's id
+/// ([`Communicator::join_grown`]) and returns the communicator and the step to start from
+/// (rank 0's). Then run [`run_elastic`] from that step, with the same session as the
+/// others.
+#[track_caller]
+pub fn join(
+    device: &CommDevice,
+    world_size: usize,
+    rank: usize,
+    id: &UniqueId,
+    config: &Config,
+) -> Result<(Communicator, u64)> {
+    let (at, _scope) = crate::error::caller_scope();
+    (|| {
+        let comm = Communicator::join_grown(device, world_size, rank, id, config)?;
+        let mut step = 0;
+        agree_on_step(&comm, &mut step)?;
+        Ok((comm, step))
+    })()
+    .map_err(|e: DistError| e.at(at, None))
 }

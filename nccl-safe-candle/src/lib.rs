@@ -87,7 +87,7 @@ mod zero;
 
 pub use accumulate::{Accumulate, Accumulation, OptimizerState};
 pub use ddp::{BucketPlan, DdpStep, DistributedDataParallel, DEFAULT_BUCKET_CAP};
-pub use elastic::{is_rank_loss, recover, run_elastic, ElasticRun, Recovery};
+pub use elastic::{grow, is_rank_loss, join, recover, run_elastic, ElasticRun, Recovery};
 pub use error::{DistError, DistErrorKind, DistResult};
 pub use nccl_safe;
 pub use nccl_safe::launch::{Launcher, Rank};

@@ -4,7 +4,8 @@
 //! recovery, naming rank 3, at step 10; every survivor ends at step 30 with bit-identical
 //! parameters; the loss falls before and after the loss of the rank; the parameters match
 //! one process training on the whole batch for 30 steps (so no step was skipped or
-//! applied twice); every communicator is torn down once.
+//! applied twice); every communicator is torn down once. And a replacement rank 3 that
+//! rejoins through `grow` at step 20.
 
 mod common;
 
@@ -214,4 +215,155 @@ fn three_ranks_carry_on_after_one_returns_an_error() {
 #[test]
 fn three_ranks_carry_on_after_one_panics() {
     lose_a_rank(Loss::Panics);
+}
+
+/// One rank's steps up to `end` with a ZeRO-1 SGD built on `comm`; `lose`: this rank is
+/// lost (by an error) at step `LOST_AT`. The whole batch's loss after each step goes to
+/// `losses`.
+fn steps(
+    comm: &Communicator,
+    step: &mut u64,
+    end: u64,
+    map: &VarMap,
+    lose: bool,
+    losses: &mut Vec<f32>,
+) -> DistResult<()> {
+    let model = Mlp::new(map)?; // the same variables: the map already holds them
+    let (x, y) = data();
+    let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, map, LR)?;
+    let (xs, ys) = (opt.shard_batch(&x)?, opt.shard_batch(&y)?);
+    while *step < end {
+        let l = loss::mse(&model.forward(&xs)?, &ys)?;
+        if lose && *step == LOST_AT {
+            return Err(candle_core::Error::Msg("rank 3 is lost".into()).into());
+        }
+        opt.backward_step(&l)?;
+        *step += 1;
+        losses.push(loss::mse(&model.forward(&x)?, &y)?.to_scalar::<f32>()?);
+    }
+    Ok(())
+}
+
+const REJOIN_AT: u64 = 20;
+
+/// Rank 3 of 4 is lost at step 10; the 3 left carry on to step 20, then take a new rank 3
+/// back through `grow` (rank 0 hands it the id) and all 4 train to step 30. The new rank
+/// starts at step 20 with rank 0's parameters (its own initialization differs); at the end
+/// the 4 hold bit-identical parameters, equal to one process's 30 steps; 11 handles (4
+/// inits, 3 shrunk, 4 grown) are each torn down once.
+#[test]
+fn a_replacement_rank_rejoins_through_grow() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let config = Config::new().elastic(true).timeout(Duration::from_secs(30));
+    let (tx, rx) = std::sync::mpsc::channel::<(UniqueId, Instant)>();
+    let first_big_step = Mutex::new(Vec::new());
+    type Out = (Vec<f32>, Vec<f32>, u64, usize);
+    let (old, new): (Vec<std::thread::Result<DistResult<Out>>>, DistResult<Out>) =
+        std::thread::scope(|s| {
+            let newcomer = {
+                let (config, first_big_step) = (config.clone(), &first_big_step);
+                s.spawn(move || -> DistResult<Out> {
+                    let (grow_id, sent) = rx.recv().unwrap();
+                    let (comm, start) =
+                        nccl_safe_candle::join(&CommDevice::Host, RANKS, 3, &grow_id, &config)?;
+                    assert_eq!(start, REJOIN_AT);
+                    let map = VarMap::new();
+                    Mlp::new(&map)?; // its own initialization: rank 0's replaces it
+                    let mut losses = Vec::new();
+                    let mut first = None;
+                    let run = run_elastic(comm, start, |comm, step| {
+                        steps(comm, step, REJOIN_AT + 1, &map, false, &mut losses)?;
+                        first.get_or_insert(Instant::now());
+                        steps(comm, step, STEPS, &map, false, &mut losses)
+                    })?;
+                    first_big_step.lock().unwrap().push(first.unwrap() - sent);
+                    Ok((flat_params(&map)?, losses, run.step, run.comm.world_size()))
+                })
+            };
+            let handles: Vec<_> = (0..RANKS)
+                .map(|rank| {
+                    let (config, tx, first_big_step) =
+                        (config.clone(), tx.clone(), &first_big_step);
+                    s.spawn(move || -> DistResult<Out> {
+                        let comm =
+                            Communicator::init_rank(&CommDevice::Host, RANKS, rank, &id, &config)?;
+                        let map = VarMap::new();
+                        Mlp::new(&map)?;
+                        init_fixed(&map)?;
+                        let mut losses = Vec::new();
+                        let run = run_elastic(comm, 0, |comm, step| {
+                            steps(comm, step, REJOIN_AT, &map, rank == 3, &mut losses)
+                        })?;
+                        assert_eq!((run.step, run.comm.world_size()), (REJOIN_AT, 3));
+                        let mut step = run.step;
+                        let sent = Instant::now();
+                        let big = if run.comm.rank() == 0 {
+                            let grow_id = run.comm.grow_id()?;
+                            tx.send((grow_id, sent)).unwrap();
+                            nccl_safe_candle::grow(run.comm, RANKS, Some(&grow_id), &mut step)?
+                        } else {
+                            nccl_safe_candle::grow(run.comm, RANKS, None, &mut step)?
+                        };
+                        assert_eq!(
+                            (big.rank(), big.world_size(), step),
+                            (rank, RANKS, REJOIN_AT)
+                        );
+                        let mut first = None;
+                        let run = run_elastic(big, step, |comm, step| {
+                            steps(comm, step, REJOIN_AT + 1, &map, false, &mut losses)?;
+                            first.get_or_insert(Instant::now());
+                            steps(comm, step, STEPS, &map, false, &mut losses)
+                        })?;
+                        if rank == 0 {
+                            first_big_step.lock().unwrap().push(first.unwrap() - sent);
+                        }
+                        Ok((flat_params(&map)?, losses, run.step, run.comm.world_size()))
+                    })
+                })
+                .collect();
+            drop(tx);
+            let old = handles.into_iter().map(|h| h.join()).collect();
+            (old, newcomer.join().unwrap())
+        });
+    let mut old = old.into_iter();
+    let survivors: Vec<Out> = old.by_ref().take(3).map(|r| r.unwrap().unwrap()).collect();
+    let lost = old.next().unwrap().unwrap();
+    assert!(lost.unwrap_err().to_string().contains("rank 3 is lost"));
+    let new = new.unwrap();
+    let reference = reference();
+    for (r, (params, losses, step, world)) in survivors.iter().chain([&new]).enumerate() {
+        assert_eq!((*step, *world), (STEPS, RANKS), "rank {r}");
+        assert_eq!(
+            params, &survivors[0].0,
+            "rank {r}'s parameters differ from rank 0's"
+        );
+        let worst = params
+            .iter()
+            .zip(&reference)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst < 1e-5,
+            "rank {r}: {worst} from one process's 30 steps"
+        );
+        let expected = if r < 3 { STEPS } else { STEPS - REJOIN_AT };
+        assert_eq!(losses.len(), expected as usize, "rank {r}");
+        assert!(losses.last() < losses.first(), "rank {r}: {losses:?}");
+    }
+    assert_eq!(new.1[..], survivors[0].1[REJOIN_AT as usize..]);
+    eprintln!(
+        "rejoin: from the id sent to the first step on 4 ranks: {:?}",
+        first_big_step.lock().unwrap()
+    );
+    let limit = Instant::now() + Duration::from_secs(10);
+    let st = loop {
+        let st = nccl_safe::host::stats_for(&id.to_raw());
+        if st.live == 0 || Instant::now() >= limit {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    assert_eq!(st.created, 11, "{st:?}");
+    assert_eq!(st.created, st.destroyed + st.aborted, "{st:?}");
+    assert_eq!((st.live, st.misused), (0, 0), "{st:?}");
 }
