@@ -480,6 +480,8 @@ fn survivors_of_a_departure(elastic: bool) {
                 // any timeout.
                 assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
                 assert!(e.to_string().contains("rank 2 left"), "{e}");
+                let said = if elastic { "revoked" } else { "aborted" };
+                assert!(e.to_string().contains(said), "{e}");
                 assert!(comm.is_failed());
                 assert_eq!(comm.lost_rank(), Some(2));
                 let r = comm.shrink_after_failure(&[2]);

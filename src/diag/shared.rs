@@ -660,7 +660,11 @@ impl Shared {
                     .filter(|d| d.rank == r)
                     .and_then(|d| d.how.lines().next().map(|l| format!(" ({l})")))
                     .unwrap_or_default();
-                format!("rank {r} left{how}, so the watchdog aborted this communicator")
+                if self.settings.elastic && !self.aborted_by_watchdog.load(Ordering::Acquire) {
+                    format!("rank {r} left{how}, so the watchdog revoked the communicators of its clique (Config::elastic: shrink_after_failure makes one of the ranks left)")
+                } else {
+                    format!("rank {r} left{how}, so the watchdog aborted this communicator")
+                }
             }
             None => {
                 "a peer timed out, so the watchdog aborted this communicator. The first timeout"
@@ -825,6 +829,9 @@ impl Shared {
         if h == 0 || self.gone.load(Ordering::Acquire) {
             return false;
         }
+        // Marked first, so that the owner's call, woken by the revoke, reports it.
+        *self.report.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(report));
+        self.revoked_by_watchdog.store(true, Ordering::Release);
         // SAFETY: the handle is live: its owner takes it for a teardown only under
         // `in_place`, held here, and the claim keeps the owner from any other call (it is
         // blocked inside one, or idle with work in flight, which a revoke may stop).
@@ -835,10 +842,9 @@ impl Shared {
             )
         };
         if r != nccl_sys::bindings::ncclSuccess && r != nccl_sys::bindings::ncclInProgress {
+            self.revoked_by_watchdog.store(false, Ordering::Release);
             return false;
         }
-        *self.report.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(report));
-        self.revoked_by_watchdog.store(true, Ordering::Release);
         self.claim.store(UNCLAIMED, Ordering::Release);
         true
     }
