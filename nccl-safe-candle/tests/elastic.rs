@@ -5,7 +5,7 @@
 //! parameters; the loss falls before and after the loss of the rank; the parameters match
 //! one process training on the whole batch for 30 steps (so no step was skipped or
 //! applied twice); every communicator is torn down once. And a replacement rank 3 that
-//! rejoins through `grow` at step 20.
+//! rejoins through `grow` at step 20, and two ranks lost one after the other.
 
 mod common;
 
@@ -217,15 +217,15 @@ fn three_ranks_carry_on_after_one_panics() {
     lose_a_rank(Loss::Panics);
 }
 
-/// One rank's steps up to `end` with a ZeRO-1 SGD built on `comm`; `lose`: this rank is
-/// lost (by an error) at step `LOST_AT`. The whole batch's loss after each step goes to
+/// One rank's steps up to `end` with a ZeRO-1 SGD built on `comm`; `lose_at`: this rank
+/// is lost (by an error) at that step. The whole batch's loss after each step goes to
 /// `losses`.
 fn steps(
     comm: &Communicator,
     step: &mut u64,
     end: u64,
     map: &VarMap,
-    lose: bool,
+    lose_at: Option<u64>,
     losses: &mut Vec<f32>,
 ) -> DistResult<()> {
     let model = Mlp::new(map)?; // the same variables: the map already holds them
@@ -234,7 +234,7 @@ fn steps(
     let (xs, ys) = (opt.shard_batch(&x)?, opt.shard_batch(&y)?);
     while *step < end {
         let l = loss::mse(&model.forward(&xs)?, &ys)?;
-        if lose && *step == LOST_AT {
+        if lose_at == Some(*step) {
             return Err(candle_core::Error::Msg("rank 3 is lost".into()).into());
         }
         opt.backward_step(&l)?;
@@ -272,9 +272,9 @@ fn a_replacement_rank_rejoins_through_grow() {
                     let mut losses = Vec::new();
                     let mut first = None;
                     let run = run_elastic(comm, start, |comm, step| {
-                        steps(comm, step, REJOIN_AT + 1, &map, false, &mut losses)?;
+                        steps(comm, step, REJOIN_AT + 1, &map, None, &mut losses)?;
                         first.get_or_insert(Instant::now());
-                        steps(comm, step, STEPS, &map, false, &mut losses)
+                        steps(comm, step, STEPS, &map, None, &mut losses)
                     })?;
                     first_big_step.lock().unwrap().push(first.unwrap() - sent);
                     Ok((flat_params(&map)?, losses, run.step, run.comm.world_size()))
@@ -292,7 +292,14 @@ fn a_replacement_rank_rejoins_through_grow() {
                         init_fixed(&map)?;
                         let mut losses = Vec::new();
                         let run = run_elastic(comm, 0, |comm, step| {
-                            steps(comm, step, REJOIN_AT, &map, rank == 3, &mut losses)
+                            steps(
+                                comm,
+                                step,
+                                REJOIN_AT,
+                                &map,
+                                (rank == 3).then_some(LOST_AT),
+                                &mut losses,
+                            )
                         })?;
                         assert_eq!((run.step, run.comm.world_size()), (REJOIN_AT, 3));
                         let mut step = run.step;
@@ -310,9 +317,9 @@ fn a_replacement_rank_rejoins_through_grow() {
                         );
                         let mut first = None;
                         let run = run_elastic(big, step, |comm, step| {
-                            steps(comm, step, REJOIN_AT + 1, &map, false, &mut losses)?;
+                            steps(comm, step, REJOIN_AT + 1, &map, None, &mut losses)?;
                             first.get_or_insert(Instant::now());
-                            steps(comm, step, STEPS, &map, false, &mut losses)
+                            steps(comm, step, STEPS, &map, None, &mut losses)
                         })?;
                         if rank == 0 {
                             first_big_step.lock().unwrap().push(first.unwrap() - sent);
@@ -364,6 +371,77 @@ fn a_replacement_rank_rejoins_through_grow() {
         std::thread::sleep(Duration::from_millis(2));
     };
     assert_eq!(st.created, 11, "{st:?}");
+    assert_eq!(st.created, st.destroyed + st.aborted, "{st:?}");
+    assert_eq!((st.live, st.misused), (0, 0), "{st:?}");
+}
+
+/// Two losses in one run: rank 3 at step 10, then rank 2 (of the 3 left) at step 20; ranks
+/// 0 and 1 end at step 30 on 2 ranks, with two recoveries, bit-identical parameters equal
+/// to one process's 30 steps, and 9 handles (4 inits, 3 and 2 shrunk) each torn down once.
+#[test]
+fn two_ranks_lost_one_after_the_other() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let config = Config::new().elastic(true).timeout(Duration::from_secs(30));
+    type Out = (Vec<f32>, usize, Vec<Recovery>);
+    let results: Vec<DistResult<Out>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..RANKS)
+            .map(|rank| {
+                let config = config.clone();
+                s.spawn(move || -> DistResult<Out> {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, RANKS, rank, &id, &config)?;
+                    let map = VarMap::new();
+                    Mlp::new(&map)?;
+                    init_fixed(&map)?;
+                    let lose_at = match rank {
+                        3 => Some(LOST_AT),
+                        2 => Some(20),
+                        _ => None,
+                    };
+                    let mut losses = Vec::new();
+                    let run = run_elastic(comm, 0, |comm, step| {
+                        steps(comm, step, STEPS, &map, lose_at, &mut losses)
+                    })?;
+                    assert_eq!(run.step, STEPS);
+                    assert!(losses.last() < losses.first(), "{losses:?}");
+                    Ok((flat_params(&map)?, run.comm.world_size(), run.recoveries))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let reference = reference();
+    let (p0, _, _) = results[0].as_ref().unwrap();
+    for (r, res) in results.iter().enumerate() {
+        match (r, res) {
+            (0 | 1, Ok((params, world, recoveries))) => {
+                assert_eq!(*world, 2, "rank {r}");
+                let seen: Vec<_> = recoveries
+                    .iter()
+                    .map(|x| (x.lost, x.step, x.world_sizes))
+                    .collect();
+                assert_eq!(seen, vec![(3, 10, (4, 3)), (2, 20, (3, 2))], "rank {r}");
+                assert_eq!(params, p0, "rank {r}'s parameters differ from rank 0's");
+                let worst = params
+                    .iter()
+                    .zip(&reference)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(worst < 1e-5, "rank {r}: {worst}");
+            }
+            (2 | 3, Err(e)) => assert!(e.to_string().contains("is lost"), "{e}"),
+            (_, other) => panic!("rank {r}: {:?}", other.as_ref().map(|o| o.1)),
+        }
+    }
+    let limit = Instant::now() + Duration::from_secs(10);
+    let st = loop {
+        let st = nccl_safe::host::stats_for(&id.to_raw());
+        if st.live == 0 || Instant::now() >= limit {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    assert_eq!(st.created, 9, "{st:?}");
     assert_eq!(st.created, st.destroyed + st.aborted, "{st:?}");
     assert_eq!((st.live, st.misused), (0, 0), "{st:?}");
 }
