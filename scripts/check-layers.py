@@ -32,6 +32,7 @@ CYCLE_ONLY_CRATES = [os.path.join(ROOT, "nccl-host", "src")]
 LAYERS = [
     ("leaves", ["version", "discovery", "error"]),
     ("provider and library", ["types", "library", "id", "stream", "cuda_probe"]),
+    ("teardown lanes", ["teardown"]),
     ("diagnostics hooks", ["diag"]),
     ("the wrapper", ["config", "buffer", "comm", "ops", "group", "memory", "register", "comm_ref"]),
     ("launchers", ["launch"]),
