@@ -1,5 +1,7 @@
 //! The one teardown of a handle: [`Communicator::destroy`], [`Communicator::abort`],
-//! [`Communicator::finalize`] and `Drop`, each bounded (see the crate's ARCHITECTURE.md).
+//! [`Communicator::finalize`] and `Drop`, each bounded (see the crate's ARCHITECTURE.md),
+//! and `RawComm`'s `Drop`, the abort of a handle no communicator was built around. The
+//! calls run on a teardown lane (`crate::teardown`).
 
 use super::*;
 
@@ -225,5 +227,19 @@ impl Drop for Communicator {
         };
         let (_, r) = self.teardown(raw, !drained, why, until);
         self.reap_orphans(r.is_some());
+    }
+}
+
+impl Drop for RawComm {
+    /// An owned handle still here was never handed to a teardown: one that NCCL gave out
+    /// by an init that then failed, before any communicator existed around it. No
+    /// operation ever ran on it, so there is no stream work to wait behind: it is aborted
+    /// here, once, through the checked path.
+    fn drop(&mut self) {
+        if let Some(raw) = self.take() {
+            // SAFETY: `raw` is an owned, live handle of `lib` that nothing else holds (it
+            // was never taken); this is its one teardown.
+            let _ = unsafe { nccl_call!(self.lib(), ncclCommAbort(raw), CallContext::NONE) };
+        }
     }
 }
