@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::ncclComm_t;
 
-use super::aborter::{self, Bound, Job, Lane};
 use super::clique::{self, Agreement, CliqueKey, RankView, TimeoutReport};
 use super::journal::{Entry, Journal};
 use super::op::{in_group, OpInfo};
@@ -25,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::id::UniqueId;
 use crate::library::{Library, Provider};
 use crate::stream::StreamRef;
+use crate::teardown::{self, Bound, Job, Lane};
 
 /// At most this many unique ids' arrival boards are kept (see `CommDiag::arrive`).
 const MAX_ARRIVAL_BOARDS: usize = 256;
@@ -407,7 +407,7 @@ impl CommDiag {
                 None => std::thread::sleep(Duration::from_millis(1)),
             }
         };
-        let done = job.wait(until.max(Instant::now() + aborter::MIN_WAIT));
+        let done = job.wait(until.max(Instant::now() + teardown::MIN_WAIT));
         Some((job.bound(), done.then(|| job.result())))
     }
 

@@ -46,8 +46,6 @@
 //! Not done: the cross-process fingerprint exchange, watching `ncclGroupEnd`, and
 //! fingerprints of operations inside a [`crate::Group`] (they are recorded, not compared).
 
-mod aborter;
-pub(crate) mod exit;
 mod op;
 mod settings;
 
@@ -75,10 +73,9 @@ mod watchdog;
 #[cfg(not(feature = "diag"))]
 mod off;
 
-pub(crate) use aborter::{
-    check_lane, destroy_closing_level, run_bounded, teardown_bounded, Bound, Lane,
-};
-pub use aborter::{
+// The teardown options keep their public paths here (they are `Config`'s); the lanes
+// themselves are `crate::teardown`.
+pub use crate::teardown::{
     OnAbortTimeout, ABORT_TIMEOUT_EXIT_STATUS, DEFAULT_ABORT_TIMEOUT, MIN_NCCL_ABORT_TIMEOUT,
     NCCL_RECLAIM_PER_LOCAL_RANK,
 };

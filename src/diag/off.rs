@@ -1,7 +1,7 @@
 //! The hooks without the `diag` feature: nothing is recorded or watched, and every hook is
 //! a no-op the compiler removes. What stays: the settings (the timeout still bounds init
 //! and every wait for `ncclInProgress`), and aborts on their own bounded thread with the
-//! guarded exit (`aborter`, `exit`).
+//! guarded exit (`crate::teardown`).
 
 use std::panic::Location;
 use std::sync::Arc;
@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::ncclComm_t;
 
-use super::aborter::{Bound, Lane};
 use super::op::OpInfo;
 use super::settings::{DiagConfig, Settings};
 use crate::error::Result;
 use crate::id::UniqueId;
 use crate::library::Library;
+use crate::teardown::{Bound, Lane};
 
 /// What the hooks would need to attach a communicator (unused without the feature).
 #[derive(Debug, Clone, Copy)]

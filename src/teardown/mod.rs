@@ -19,6 +19,13 @@
 //! communicator on a wedged lane is refused with a typed error ([`wedged`]). The order
 //! also keeps a handle's calls in sequence: a teardown queued after a deregistration of
 //! the same communicator runs after it.
+//!
+//! Below `diag` and the wrapper, which both tear handles down: the watchdog aborts a
+//! clique's handles here, and a communicator's own teardown (src/comm/teardown.rs) runs
+//! here. `exit` is the process-exit guard every call on a lane (and each watchdog query)
+//! enters.
+
+pub(crate) mod exit;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,7 +34,6 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::{ncclComm_t, ncclResult_t};
 
-use super::exit;
 use crate::library::Library;
 
 /// The default bound on an abort ([`Config::abort_timeout`](crate::Config::abort_timeout)).
