@@ -303,7 +303,7 @@ impl BoardClient {
 
     /// Sets the deadline of one connection: its connect and all its reads and writes
     /// (default 2 s).
-    pub fn with_io_timeout(mut self, io_timeout: Duration) -> Self {
+    pub fn io_timeout(mut self, io_timeout: Duration) -> Self {
         self.io_timeout = io_timeout;
         self
     }
