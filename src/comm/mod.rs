@@ -450,7 +450,7 @@ impl Communicator {
         // for every operation (each is an implicit group, and one thread may drive several
         // devices inside an explicit one), so the per-operation path makes no driver call
         // of ours. Init and teardown bind.
-        let ticket = match self.diag.begin(self.handle(), op, caller) {
+        let ticket = match self.diag.begin(self.diag_view(), op, caller) {
             Ok(t) => t,
             Err(e) => return Err(self.failed_with(e)),
         };
@@ -492,10 +492,11 @@ impl Communicator {
         e
     }
 
-    /// What the diagnostics need to attach this communicator.
+    /// The diagnostics view of this communicator: what they need to attach it (its raw
+    /// handle, rank and size), not the handle itself.
     #[inline(always)]
-    pub(crate) fn handle(&self) -> crate::diag::Handle<'_> {
-        crate::diag::Handle {
+    pub(crate) fn diag_view(&self) -> crate::diag::CommView<'_> {
+        crate::diag::CommView {
             raw: self.handle.get(),
             rank: self.rank,
             world_size: self.world_size,
@@ -508,7 +509,7 @@ impl Communicator {
     /// first (no NCCL call).
     #[cfg(feature = "diag")]
     pub fn flight_record(&self) -> crate::diag::FlightRecord {
-        self.diag.flight_record(self.handle())
+        self.diag.flight_record(self.diag_view())
     }
 
     /// Writes the flight record as JSON into `dir`; returns the file's path.
@@ -523,7 +524,7 @@ impl Communicator {
     /// The diagnostics counters of this rank (no NCCL call).
     #[cfg(feature = "diag")]
     pub fn diagnostics(&self) -> crate::diag::Diagnostics {
-        self.diag.diagnostics(self.handle())
+        self.diag.diagnostics(self.diag_view())
     }
 
     /// The first check of every operation, before its buffers or the CUDA driver are

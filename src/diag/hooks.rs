@@ -71,7 +71,7 @@ const _: () = assert!(RECENT_QUEUES <= MAX_QUEUES);
 /// What the diagnostics know of a communicator when they attach it late (communicators of
 /// `ncclCommInitAll`, adopted handles): diagnostics never see the `Communicator` itself.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Handle<'a> {
+pub(crate) struct CommView<'a> {
     pub raw: ncclComm_t,
     pub rank: usize,
     pub world_size: usize,
@@ -231,7 +231,7 @@ impl CommDiag {
     }
 
     #[inline(always)]
-    fn shared(&self, h: Handle<'_>) -> &Arc<Shared> {
+    fn shared(&self, h: CommView<'_>) -> &Arc<Shared> {
         match self.shared.get() {
             Some(s) => s,
             None => self.attach_late(h),
@@ -239,7 +239,7 @@ impl CommDiag {
     }
 
     #[cold]
-    fn attach_late(&self, h: Handle<'_>) -> &Arc<Shared> {
+    fn attach_late(&self, h: CommView<'_>) -> &Arc<Shared> {
         match self.shared.get() {
             Some(s) => s,
             None => self.attach(h.raw, h.rank, h.world_size, h.lib, h.lane),
@@ -247,12 +247,12 @@ impl CommDiag {
     }
 
     /// A copy of the flight recorder.
-    pub(crate) fn flight_record(&self, h: Handle<'_>) -> FlightRecord {
+    pub(crate) fn flight_record(&self, h: CommView<'_>) -> FlightRecord {
         self.shared(h).flight_record()
     }
 
     /// The diagnostics counters.
-    pub(crate) fn diagnostics(&self, h: Handle<'_>) -> Diagnostics {
+    pub(crate) fn diagnostics(&self, h: CommView<'_>) -> Diagnostics {
         let s = self.shared(h);
         Diagnostics {
             rank: s.rank,
@@ -477,7 +477,7 @@ impl CommDiag {
     #[inline(always)]
     pub(crate) fn begin<'a>(
         &self,
-        h: Handle<'_>,
+        h: CommView<'_>,
         op: OpInfo<'a>,
         caller: &'static Location<'static>,
     ) -> Result<Ticket<'a>> {
@@ -888,7 +888,7 @@ mod tests {
     #[test]
     fn an_operation_waits_for_the_watchdogs_verdict() {
         let (c, id) = comm();
-        let s = Arc::clone(c.diag.shared(c.handle()));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
         s.claim.store(DECIDING, Ordering::SeqCst);
         let decide = |verdict: u8| {
             let s = Arc::clone(&s);
@@ -978,7 +978,7 @@ mod tests {
             marks_during_ops <= ticks + 2,
             "{marks_during_ops} markers in {ticks} ticks for {OPS} operations"
         );
-        let s = Arc::clone(c.diag.shared(c.handle()));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
         let retired = || host_retired(&s);
         wait_for(Duration::from_secs(10), Duration::from_millis(5), || {
             retired() >= OPS
@@ -1002,7 +1002,7 @@ mod tests {
         let counting = counting_here();
         counting.complete.store(false, Ordering::SeqCst);
         let (c, _id) = counted(&counting, Duration::from_secs(600));
-        let s = Arc::clone(c.diag.shared(c.handle()));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
         let q = Arc::new(QueueWatch::new(Queue::Host(7)));
         const N: u64 = 3 * tracker::MAX_PENDING as u64;
         for upto in 1..=N {
@@ -1040,7 +1040,7 @@ mod tests {
         sum(&c).unwrap();
         std::thread::sleep(Duration::from_millis(400)); // 8 timeouts' worth
         assert!(!c.is_failed(), "captured work must not time out");
-        let s = Arc::clone(c.diag.shared(c.handle()));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
         assert_eq!(host_retired(&s), 0);
         // The capture ends; the work it captured never runs on the stream, so the first
         // marker after it completes.
@@ -1062,7 +1062,7 @@ mod tests {
     #[test]
     fn the_watched_queues_are_bounded_and_least_recently_noted_go_first() {
         let (c, _id) = comm();
-        let s = Arc::clone(c.diag.shared(c.handle()));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
         let keys =
             |s: &Shared| -> Vec<usize> { s.queues.lock().unwrap().iter().map(|q| q.key).collect() };
         for k in 1..=40 {
@@ -1107,7 +1107,7 @@ mod tests {
     #[test]
     fn the_watchdog_claims_only_an_old_operation() {
         let (c, id) = comm();
-        let s = Arc::clone(c.diag.shared(c.handle()));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
         let later = Instant::now() + Duration::from_secs(3600);
         assert!(!s.claim(later, Duration::ZERO));
         let push = || {
@@ -1194,7 +1194,7 @@ mod tests {
         counting.complete.store(false, Ordering::SeqCst);
         let (c, id) = counted(&counting, Duration::from_secs(600));
         sum(&c).unwrap();
-        let s = Arc::clone(c.diag.shared(c.handle()));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
         wait_for(Duration::from_secs(5), Duration::from_millis(2), || {
             s.in_flight()
         });

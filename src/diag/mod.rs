@@ -92,7 +92,7 @@ pub(crate) fn invalid_settings(c: &DiagConfig, provider: crate::Provider) -> Opt
 #[cfg(feature = "diag")]
 pub use hooks::Diagnostics;
 #[cfg(feature = "diag")]
-pub(crate) use hooks::{shrink_tag, CommDiag, Handle};
+pub(crate) use hooks::{shrink_tag, CommDiag, CommView};
 #[cfg(feature = "diag")]
 pub use recorder::{EntryPoint, FlightRecord, OpRecord, OpState};
 #[cfg(feature = "diag")]
@@ -101,7 +101,7 @@ pub use remote::{DesyncPost, RemoteBoard, MAX_POST_TEXT};
 pub use settings::{DEFAULT_FLIGHT_RECORD_LEN, MAX_FLIGHT_RECORD_LEN};
 
 #[cfg(not(feature = "diag"))]
-pub(crate) use off::{shrink_tag, CommDiag, Handle};
+pub(crate) use off::{shrink_tag, CommDiag, CommView};
 
 /// Whether the owner's side of the watchdog handshake is a compiler fence paired with the
 /// watchdog's `membarrier(2)` (`true`), or a full memory fence on every operation

@@ -19,7 +19,7 @@ use crate::teardown::{Bound, Lane};
 /// What the hooks would need to attach a communicator (unused without the feature).
 #[derive(Debug, Clone, Copy)]
 #[allow(dead_code)]
-pub(crate) struct Handle<'a> {
+pub(crate) struct CommView<'a> {
     pub raw: ncclComm_t,
     pub rank: usize,
     pub world_size: usize,
@@ -152,7 +152,7 @@ impl CommDiag {
     #[inline(always)]
     pub(crate) fn begin<'a>(
         &self,
-        _h: Handle<'_>,
+        _h: CommView<'_>,
         _op: OpInfo<'a>,
         _caller: &'static Location<'static>,
     ) -> Result<Ticket<'a>> {
