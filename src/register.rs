@@ -485,7 +485,7 @@ impl<B: ?Sized> Window<'_, '_, B> {
         // deregistration is skipped and the communicator failed (its abort, when it is
         // dropped, releases the window).
         if dropping {
-            self.comm.admit(CALL)?;
+            self.comm.ensure_usable_for(CALL)?;
             let bound = self.comm.diag.abort_timeout();
             if !self.comm.diag.drain(std::time::Instant::now() + bound) {
                 let e = Error::Timeout {

@@ -194,7 +194,7 @@ impl Drop for Communicator {
         }
         if !self.handle.is_owned() {
             // A view (`CommRef`): its owner tears the handle down; only the diagnostics go.
-            let _ = self.give_up();
+            let _ = self.release_in_place();
             return;
         }
         let until = Instant::now() + self.diag.abort_timeout();

@@ -152,7 +152,7 @@ impl<'a> Start<'a> {
         stream: &'a impl AsStream,
     ) -> Result<Start<'a>> {
         let caller = Location::caller();
-        comm.admit(call.entry_point())?;
+        comm.ensure_usable_for(call.entry_point())?;
         let stream = stream.as_stream();
         comm.check_stream(call.name(), stream)?;
         Ok(Start {
