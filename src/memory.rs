@@ -498,7 +498,7 @@ impl<T: NcclType> NcclMemory<T> {
                         unsafe { free(p as *mut c_void) }
                     });
                 let (_, r) = crate::teardown::run_bounded(
-                    crate::teardown::Lane::Device(device),
+                    crate::teardown::TeardownLane::Device(device),
                     b,
                     format!("ncclMemFree of {bytes} bytes on CUDA device {device}"),
                     work,

@@ -411,7 +411,7 @@ impl<B: ?Sized> Registration<'_, '_, B> {
             });
             let what = format!("ncclCommDeregister on CUDA device {device}");
             let until = std::time::Instant::now() + bound;
-            match crate::teardown::run_bounded(crate::teardown::Lane::Device(device), b, what, work, until)
+            match crate::teardown::run_bounded(crate::teardown::TeardownLane::Device(device), b, what, work, until)
             {
                 (_, Some(r)) => lib.check(OP, r, self.comm.call_context(caller)),
                 (_, None) => {

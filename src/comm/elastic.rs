@@ -344,7 +344,7 @@ impl Communicator {
         crate::teardown::check_lane(
             OP,
             match device {
-                CommDevice::Cuda(c) => crate::teardown::Lane::Device(c.ordinal()),
+                CommDevice::Cuda(c) => crate::teardown::TeardownLane::Device(c.ordinal()),
                 CommDevice::Host => diag.host_lane(),
             },
         )?;

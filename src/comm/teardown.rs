@@ -115,9 +115,9 @@ impl Communicator {
 
     /// The lane this communicator's teardowns run on: its CUDA device, or on the host
     /// provider the unique id its family was born from.
-    pub(crate) fn lane(&self) -> crate::teardown::Lane {
+    pub(crate) fn lane(&self) -> crate::teardown::TeardownLane {
         match self.cuda_device {
-            Some(d) => crate::teardown::Lane::Device(d),
+            Some(d) => crate::teardown::TeardownLane::Device(d),
             None => self.diag.host_lane(),
         }
     }

@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::id::UniqueId;
 use crate::library::{Library, Provider};
 use crate::stream::StreamRef;
-use crate::teardown::{self, Bound, Job, Lane};
+use crate::teardown::{self, Bound, Job, TeardownLane};
 
 /// At most this many unique ids' arrival boards are kept (see `CommDiag::arrive`).
 const MAX_ARRIVAL_BOARDS: usize = 256;
@@ -77,12 +77,12 @@ pub(crate) struct CommView<'a> {
     pub world_size: usize,
     pub lib: &'a Arc<Library>,
     /// Where its teardowns run.
-    pub lane: Lane,
+    pub lane: TeardownLane,
 }
 
 /// What [`CommDiag::begin`] hands to [`CommDiag::end`].
 #[derive(Debug)]
-pub(crate) struct Ticket<'a> {
+pub(crate) struct InFlight<'a> {
     /// The operation's journal position.
     pos: u64,
     /// Its start (diagnostics clock).
@@ -180,7 +180,7 @@ impl CommDiag {
         rank: usize,
         world_size: usize,
         lib: &Arc<Library>,
-        lane: Lane,
+        lane: TeardownLane,
     ) -> &Arc<Shared> {
         self.shared.get_or_init(|| {
             clock::advance();
@@ -362,8 +362,8 @@ impl CommDiag {
     }
 
     /// The lane of a host-provider communicator's teardowns.
-    pub(crate) fn host_lane(&self) -> Lane {
-        Lane::Host(self.root)
+    pub(crate) fn host_lane(&self) -> TeardownLane {
+        TeardownLane::Host(self.root)
     }
 
     /// The bound on its teardowns ([`Config::abort_timeout`](crate::Config::abort_timeout),
@@ -480,7 +480,7 @@ impl CommDiag {
         h: CommView<'_>,
         op: OpInfo<'a>,
         caller: &'static Location<'static>,
-    ) -> Result<Ticket<'a>> {
+    ) -> Result<InFlight<'a>> {
         let s = self.shared(h);
         if s.aborted_by_watchdog.load(Ordering::Acquire) {
             return Err(self.aborted_error(s));
@@ -518,7 +518,7 @@ impl CommDiag {
                 self.begin_claimed(s, pos, start)?;
             }
         }
-        Ok(Ticket {
+        Ok(InFlight {
             pos,
             start,
             stream: op.stream,
@@ -599,7 +599,7 @@ impl CommDiag {
     /// over as an event), records its outcome and time, and turns an error caused by a
     /// watchdog abort into [`Error::Timeout`] with the report.
     #[inline(always)]
-    pub(crate) fn end(&self, t: Ticket<'_>, r: Result<()>) -> Result<()> {
+    pub(crate) fn end(&self, t: InFlight<'_>, r: Result<()>) -> Result<()> {
         let Some(s) = self.shared.get() else {
             return r;
         };

@@ -14,7 +14,7 @@ use super::settings::{DiagConfig, Settings};
 use crate::error::Result;
 use crate::id::UniqueId;
 use crate::library::Library;
-use crate::teardown::{Bound, Lane};
+use crate::teardown::{Bound, TeardownLane};
 
 /// What the hooks would need to attach a communicator (unused without the feature).
 #[derive(Debug, Clone, Copy)]
@@ -24,7 +24,7 @@ pub(crate) struct CommView<'a> {
     pub rank: usize,
     pub world_size: usize,
     pub lib: &'a Arc<Library>,
-    pub lane: Lane,
+    pub lane: TeardownLane,
 }
 
 /// A communicator's diagnostics without the `diag` feature: its settings only.
@@ -38,7 +38,7 @@ pub(crate) struct CommDiag {
 
 /// What `begin` hands to `end`: nothing.
 #[derive(Debug)]
-pub(crate) struct Ticket<'a>(std::marker::PhantomData<&'a ()>);
+pub(crate) struct InFlight<'a>(std::marker::PhantomData<&'a ()>);
 
 /// The tag of a shrink's child (unused without the watchdog's cliques).
 pub(crate) fn shrink_tag(_exclude: &[std::ffi::c_int]) -> u64 {
@@ -82,7 +82,7 @@ impl CommDiag {
         _rank: usize,
         _world: usize,
         _lib: &Arc<Library>,
-        _lane: Lane,
+        _lane: TeardownLane,
     ) {
     }
 
@@ -116,8 +116,8 @@ impl CommDiag {
 
     pub(crate) fn unpin(&self) {}
 
-    pub(crate) fn host_lane(&self) -> Lane {
-        Lane::Host(self.root)
+    pub(crate) fn host_lane(&self) -> TeardownLane {
+        TeardownLane::Host(self.root)
     }
 
     pub(crate) fn abort_timeout(&self) -> Duration {
@@ -155,12 +155,12 @@ impl CommDiag {
         _h: CommView<'_>,
         _op: OpInfo<'a>,
         _caller: &'static Location<'static>,
-    ) -> Result<Ticket<'a>> {
-        Ok(Ticket(std::marker::PhantomData))
+    ) -> Result<InFlight<'a>> {
+        Ok(InFlight(std::marker::PhantomData))
     }
 
     #[inline(always)]
-    pub(crate) fn end(&self, _t: Ticket<'_>, r: Result<()>) -> Result<()> {
+    pub(crate) fn end(&self, _t: InFlight<'_>, r: Result<()>) -> Result<()> {
         r
     }
 

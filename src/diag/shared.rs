@@ -17,7 +17,7 @@ use super::tracker::{Mark, Marker, Queue, Tracker, MAX_PENDING};
 use super::{clock, fence};
 use crate::error::Error;
 use crate::library::Library;
-use crate::teardown::{Job, Lane};
+use crate::teardown::{Job, TeardownLane};
 
 /// `Shared::current` while no operation of the communicator is inside its NCCL call.
 pub(super) const IDLE: u64 = 0;
@@ -148,7 +148,7 @@ pub(crate) struct Shared {
     /// The report of the timeout that made the watchdog abort this communicator.
     pub(super) report: Mutex<Option<Arc<TimeoutReport>>>,
     /// Where its teardowns run.
-    pub(super) lane: Lane,
+    pub(super) lane: TeardownLane,
     /// The watchdog's abort of its handle, once taken (so `abort()` can wait for it).
     pub(super) abort_job: Mutex<Option<Arc<Job>>>,
     pub(super) aborted_by_watchdog: AtomicBool,
