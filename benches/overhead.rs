@@ -864,7 +864,7 @@ const GROUP: usize = 8;
 
 /// One configuration's buffers: cudarc's event tracking on or off (fixed when they were
 /// made), written by the comm stream itself or by a compute stream beside it.
-struct Lane {
+struct TeardownLane {
     tracking: bool,
     two_streams: bool,
     /// The stream that writes the buffers before each batch (the comm stream with one).
@@ -888,7 +888,7 @@ impl Bench<'_> {
     /// The untimed part before each batch: the lane's writer writes every buffer (as a
     /// backward pass writes the gradients it then reduces), and both streams are waited
     /// for, so a batch never queues behind work of an earlier one.
-    fn prepare(&self, lane: &mut Lane) -> Result<()> {
+    fn prepare(&self, lane: &mut TeardownLane) -> Result<()> {
         common::sweep::set_event_tracking(self.ctx, lane.tracking);
         for b in lane.bufs.iter_mut() {
             lane.writer.memset_zeros(b)?;
@@ -898,7 +898,13 @@ impl Bench<'_> {
     }
 
     /// `calls` calls by `who`: single operations, or groups of [`GROUP`].
-    fn calls(&self, lane: &mut Lane, who: Caller, grouped: bool, calls: usize) -> Result<()> {
+    fn calls(
+        &self,
+        lane: &mut TeardownLane,
+        who: Caller,
+        grouped: bool,
+        calls: usize,
+    ) -> Result<()> {
         let t = &self.table;
         let raw_comm = self.comm.as_raw();
         let raw_stream: cudaStream_t = self.stream.cu_stream().cast();
@@ -976,7 +982,7 @@ impl Bench<'_> {
     /// `batch` with [`prepare`](Self::prepare) (untimed) before each.
     fn time(
         &self,
-        lane: &mut Lane,
+        lane: &mut TeardownLane,
         who: Caller,
         grouped: bool,
         iters: usize,
@@ -995,7 +1001,12 @@ impl Bench<'_> {
     }
 
     /// The fake driver's calls per operation on this thread, and which.
-    fn driver_calls(&self, lane: &mut Lane, who: Caller, grouped: bool) -> Result<(f64, String)> {
+    fn driver_calls(
+        &self,
+        lane: &mut TeardownLane,
+        who: Caller,
+        grouped: bool,
+    ) -> Result<(f64, String)> {
         const OPS: usize = 800;
         let per_call = if grouped { GROUP } else { 1 };
         self.prepare(lane)?;
@@ -1146,7 +1157,7 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
                     p as usize as *mut c_void
                 })
                 .collect();
-            lanes.push(Lane {
+            lanes.push(TeardownLane {
                 tracking,
                 two_streams,
                 writer,

@@ -7,7 +7,7 @@ followed to their module), collapses modules to their top-level module, and fail
 
   * the top-level modules import each other in a cycle,
   * a module imports one from a higher layer than its own (LAYERS below, bottom first), or
-  * the submodules of a module folder (`diag/aborter.rs`, `diag/settings.rs`, ...) import
+  * the submodules of a module folder (`diag/hooks.rs`, `diag/settings.rs`, ...) import
     each other in a cycle (`super::x`, `crate::diag::x`, and names the folder's `mod.rs`
     re-exports from a submodule, all count).
 
@@ -32,6 +32,7 @@ CYCLE_ONLY_CRATES = [os.path.join(ROOT, "nccl-host", "src")]
 LAYERS = [
     ("leaves", ["version", "discovery", "error"]),
     ("provider and library", ["types", "library", "id", "stream", "cuda_probe"]),
+    ("teardown lanes", ["teardown"]),
     ("diagnostics hooks", ["diag"]),
     ("the wrapper", ["config", "buffer", "comm", "ops", "group", "memory", "register", "comm_ref"]),
     ("launchers", ["launch"]),

@@ -78,6 +78,7 @@ mod memory;
 mod ops;
 mod register;
 mod stream;
+mod teardown;
 mod types;
 pub mod version;
 

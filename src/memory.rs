@@ -49,7 +49,7 @@ pub struct NcclMemory<T: NcclType> {
     len: usize,
     /// The bound on its release (the communicator's `abort_timeout`, or the
     /// environment's default for memory made without one).
-    bound: crate::diag::Bound,
+    bound: crate::teardown::Bound,
     /// `None` only once freed (inside `free`/`drop`).
     storage: Option<Storage<T>>,
 }
@@ -497,8 +497,8 @@ impl<T: NcclType> NcclMemory<T> {
                         // device's work has completed, so nothing uses it any more.
                         unsafe { free(p as *mut c_void) }
                     });
-                let (_, r) = crate::diag::run_bounded(
-                    crate::diag::Lane::Device(device),
+                let (_, r) = crate::teardown::run_bounded(
+                    crate::teardown::TeardownLane::Device(device),
                     b,
                     format!("ncclMemFree of {bytes} bytes on CUDA device {device}"),
                     work,

@@ -411,7 +411,7 @@ impl<B: ?Sized> Registration<'_, '_, B> {
             });
             let what = format!("ncclCommDeregister on CUDA device {device}");
             let until = std::time::Instant::now() + bound;
-            match crate::diag::run_bounded(crate::diag::Lane::Device(device), b, what, work, until)
+            match crate::teardown::run_bounded(crate::teardown::TeardownLane::Device(device), b, what, work, until)
             {
                 (_, Some(r)) => lib.check(OP, r, self.comm.call_context(caller)),
                 (_, None) => {
@@ -485,7 +485,7 @@ impl<B: ?Sized> Window<'_, '_, B> {
         // deregistration is skipped and the communicator failed (its abort, when it is
         // dropped, releases the window).
         if dropping {
-            self.comm.admit(CALL)?;
+            self.comm.ensure_usable_for(CALL)?;
             let bound = self.comm.diag.abort_timeout();
             if !self.comm.diag.drain(std::time::Instant::now() + bound) {
                 let e = Error::Timeout {

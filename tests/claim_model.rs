@@ -309,7 +309,7 @@ impl Nccl {
     }
 }
 
-/// The watchdog's abort of a taken handle (`aborter::Job`).
+/// The watchdog's abort of a taken handle (`teardown::Job`).
 struct Job {
     done: AtomicBool,
 }

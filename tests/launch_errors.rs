@@ -151,7 +151,7 @@ fn launcher_from_env_fails_with_typed_variants() {
 #[test]
 fn a_rendezvous_timeout_is_error_rendezvous() {
     let port = free_port();
-    let tcp = TcpRendezvous::new("127.0.0.1", port, TOKEN).with_timeout(Duration::from_millis(300));
+    let tcp = TcpRendezvous::new("127.0.0.1", port, TOKEN).timeout(Duration::from_millis(300));
     let t0 = Instant::now();
     let err = ProcessLauncher::new(rank_of_two(1, port))
         .host()
@@ -171,8 +171,8 @@ fn a_rendezvous_timeout_is_error_rendezvous() {
 fn a_store_connection_failure_is_error_store() {
     let port = free_port();
     let store = StoreRendezvous::new(format!("127.0.0.1:{port}"), "p/")
-        .with_io_timeout(Duration::from_millis(500))
-        .with_timeout(Duration::from_millis(500));
+        .io_timeout(Duration::from_millis(500))
+        .timeout(Duration::from_millis(500));
     let err = ProcessLauncher::new(rank_of_two(1, port))
         .host()
         .init_with(Rendezvous::Store(store.clone()))
@@ -197,7 +197,7 @@ fn a_store_connection_failure_is_error_store() {
 #[test]
 fn the_boards_rank_0_serves_fail_with_error_rendezvous() {
     let client = BoardClient::new(format!("127.0.0.1:{}", free_port()), 2, TOKEN)
-        .with_io_timeout(Duration::from_millis(300));
+        .io_timeout(Duration::from_millis(300));
     let by = Instant::now() + Duration::from_millis(500);
     let err = RemoteBoard::fetch(&client, by).unwrap_err();
     assert!(

@@ -32,8 +32,8 @@ fn sample_id(seed: u8) -> [u8; ID_LEN] {
 
 fn tcp(port: u16) -> TcpRendezvous {
     TcpRendezvous::new("127.0.0.1", port, TOKEN)
-        .with_timeout(Duration::from_secs(5))
-        .with_io_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(5))
+        .io_timeout(Duration::from_secs(1))
 }
 
 fn hex(b: &[u8]) -> String {
@@ -73,7 +73,7 @@ fn child_rank_process() {
     let env = ProcessEnv::from_process_env().unwrap();
     let rdzv = TcpRendezvous::from_env(&env)
         .unwrap()
-        .with_timeout(Duration::from_secs(8));
+        .timeout(Duration::from_secs(8));
     let ex = Rendezvous::Tcp(rdzv)
         .exchange(env.rank, env.world_size, || {
             // A per-run id, so a stale server could not satisfy the parent.
@@ -164,7 +164,7 @@ fn wrong_token_is_refused_without_the_id() {
     let server = tcp(0).serve(2, sample_id(1)).unwrap();
     let port = server.local_addr().port();
     let err = TcpRendezvous::new("127.0.0.1", port, b"not-the-job-token-at-all".to_vec())
-        .with_timeout(Duration::from_secs(3))
+        .timeout(Duration::from_secs(3))
         .fetch(1, 2)
         .unwrap_err();
     assert!(
@@ -211,7 +211,7 @@ fn wrong_token_is_refused_without_the_id() {
 #[test]
 fn missing_rank_times_out_and_is_named() {
     let server = tcp(0)
-        .with_timeout(Duration::from_millis(500))
+        .timeout(Duration::from_millis(500))
         .serve(3, sample_id(2))
         .unwrap();
     let port = server.local_addr().port();
@@ -233,7 +233,7 @@ fn client_without_server_times_out_with_the_address() {
     let port = free_port();
     let t0 = Instant::now();
     let err = tcp(port)
-        .with_timeout(Duration::from_millis(400))
+        .timeout(Duration::from_millis(400))
         .fetch(2, 4)
         .unwrap_err();
     assert!(t0.elapsed() < Duration::from_secs(3));
@@ -353,7 +353,7 @@ fn file_rendezvous_gives_every_rank_the_id() {
                 if rank == 0 {
                     thread::sleep(Duration::from_millis(50)); // readers poll first
                 }
-                let f = FileRendezvous::new(path).with_timeout(Duration::from_secs(5));
+                let f = FileRendezvous::new(path).timeout(Duration::from_secs(5));
                 Rendezvous::File(f)
                     .exchange(rank, world, || Ok::<_, Error>(sample_id(7)))
                     .unwrap()
@@ -370,7 +370,7 @@ fn file_rendezvous_gives_every_rank_the_id() {
     std::fs::remove_file(&path).unwrap();
     // No file: a bounded wait, then an error naming the path.
     let err = FileRendezvous::new(&path)
-        .with_timeout(Duration::from_millis(100))
+        .timeout(Duration::from_millis(100))
         .read(4)
         .unwrap_err();
     assert!(matches!(err, RendezvousError::FileTimeout { .. }), "{err}");
@@ -906,7 +906,7 @@ fn busy_until_the_deadline_is_a_timeout_naming_the_time_taken() {
     });
     let t0 = Instant::now();
     let err = tcp(port)
-        .with_timeout(Duration::from_millis(700))
+        .timeout(Duration::from_millis(700))
         .fetch(1, 2)
         .unwrap_err();
     let took = t0.elapsed();
@@ -931,8 +931,8 @@ fn busy_until_the_deadline_is_a_timeout_naming_the_time_taken() {
 #[test]
 fn a_stranger_filling_every_slot_does_not_keep_a_rank_out() {
     let server = tcp(0)
-        .with_max_connections(32, 32)
-        .with_io_timeout(Duration::from_secs(5))
+        .max_connections(32, 32)
+        .io_timeout(Duration::from_secs(5))
         .serve(3, sample_id(12))
         .unwrap();
     let port = server.local_addr().port();
@@ -961,7 +961,7 @@ fn a_stranger_filling_every_slot_does_not_keep_a_rank_out() {
 #[test]
 fn a_connection_flood_does_not_keep_the_ranks_out() {
     let server = tcp(0)
-        .with_max_connections(16, 16)
+        .max_connections(16, 16)
         .serve(4, sample_id(13))
         .unwrap();
     let port = server.local_addr().port();
@@ -1001,8 +1001,8 @@ fn a_connection_flood_does_not_keep_the_ranks_out() {
 #[test]
 fn connections_per_peer_address_are_capped() {
     let server = tcp(0)
-        .with_max_connections(256, 8)
-        .with_io_timeout(Duration::from_secs(5))
+        .max_connections(256, 8)
+        .io_timeout(Duration::from_secs(5))
         .serve(2, sample_id(14))
         .unwrap();
     let port = server.local_addr().port();
@@ -1031,7 +1031,7 @@ fn connections_per_peer_address_are_capped() {
 #[test]
 fn a_slow_drip_peer_is_cut_off_at_the_connection_deadline() {
     let server = tcp(0)
-        .with_io_timeout(Duration::from_millis(600))
+        .io_timeout(Duration::from_millis(600))
         .serve(2, sample_id(15))
         .unwrap();
     let port = server.local_addr().port();
@@ -1090,8 +1090,8 @@ fn a_slow_fake_rank_0_cannot_hold_a_rank_past_its_deadline() {
     });
     let t0 = Instant::now();
     let err = TcpRendezvous::new("127.0.0.1", port, TOKEN)
-        .with_timeout(Duration::from_secs(1))
-        .with_io_timeout(Duration::from_secs(10))
+        .timeout(Duration::from_secs(1))
+        .io_timeout(Duration::from_secs(10))
         .fetch(1, 2)
         .unwrap_err();
     let took = t0.elapsed();

@@ -250,7 +250,7 @@ fn ranks_exchange_the_id_through_the_agent_store() {
             let env = torchrun_env(rank, world, store.port(), 0);
             std::thread::spawn(move || {
                 let r = StoreRendezvous::new(format!("127.0.0.1:{}", env.master_port), "p/")
-                    .with_timeout(Duration::from_secs(5));
+                    .timeout(Duration::from_secs(5));
                 Rendezvous::Store(r)
                     .exchange(rank, world, || Ok::<_, nccl_safe::Error>(id(3)))
                     .unwrap()
@@ -301,7 +301,7 @@ fn a_restarted_job_never_reads_the_previous_attempts_id() {
             format!("127.0.0.1:{port}"),
             format!("nccl-safe/{}/attempt_{}/0/", e.run_id, e.restart_count),
         )
-        .with_timeout(Duration::from_millis(300))
+        .timeout(Duration::from_millis(300))
     };
     // Attempt 0 published its id, then the job was restarted.
     at(0).publish(2, &id(1)).unwrap();
@@ -351,11 +351,11 @@ fn a_retried_exchange_keeps_its_key_and_never_reads_a_stale_id() {
     let short = |env: &ProcessEnv| {
         StoreRendezvous::from_env(env)
             .unwrap()
-            .with_timeout(Duration::from_millis(200))
+            .timeout(Duration::from_millis(200))
     };
     let first = short(&env1);
     assert!(first.read(1, 2).is_err(), "rank 0 has not published yet");
-    let retry = StoreRendezvous::from_env(&env1).unwrap().with_timeout(T);
+    let retry = StoreRendezvous::from_env(&env1).unwrap().timeout(T);
     assert_eq!(retry.id_key(), first.id_key());
     // Rank 0 publishes under that key; the retried read gets it.
     let rank0 = StoreRendezvous::from_env(&env0).unwrap();
@@ -398,7 +398,7 @@ fn delete_key_removes_a_key_and_says_whether_it_was_set() {
 #[test]
 fn a_world_size_disagreement_or_a_foreign_value_is_refused() {
     let store = FakeStore::start(Mode::Honest);
-    let r = StoreRendezvous::new(store.addr(), "w/").with_timeout(T);
+    let r = StoreRendezvous::new(store.addr(), "w/").timeout(T);
     r.publish(3, &id(5)).unwrap();
     let err = r.read(1, 4).unwrap_err();
     assert!(
@@ -512,7 +512,7 @@ fn against_a_real_pytorch_store() {
     assert!(c.delete_key(&key("a")).unwrap());
     assert!(!c.delete_key(&key("a")).unwrap());
     assert!(!c.check(&[&key("a")]).unwrap());
-    let r = StoreRendezvous::new(addr.clone(), key("x/")).with_timeout(T);
+    let r = StoreRendezvous::new(addr.clone(), key("x/")).timeout(T);
     r.publish(2, &id(9)).unwrap();
     assert_eq!(r.read(1, 2).unwrap(), id(9));
     // A retracted id is gone: a reader waits for the next one.

@@ -6,7 +6,7 @@ use nccl_sys::bindings::*;
 
 use super::dtype::{self, RedKind};
 use super::state::{
-    lock, notify, wait, wait_limit, Clique, CollPost, CollSlot, Collective, CommState, Fail,
+    lock, notify, wait, wait_limit, CollPost, CollSlot, Collective, CommState, CommWorld, Fail,
     Global, Handle, P2pPost, P2pSlot, SlotState,
 };
 
@@ -91,7 +91,7 @@ fn consistent(posts: &[CollPost]) -> Result<(), Fail> {
 }
 
 /// The clique an item posts to; an aborted one fails the post.
-fn open_clique(g: &mut Global, clique: u64) -> Result<&mut Clique, Fail> {
+fn open_clique(g: &mut Global, clique: u64) -> Result<&mut CommWorld, Fail> {
     if let Some(f) = aborted_fail(g, clique) {
         return Err(f);
     }

@@ -142,7 +142,7 @@ pub(crate) struct RdvSlot {
 
 /// The ranks that share one communicator (one init, split or shrink result).
 #[derive(Debug)]
-pub(crate) struct Clique {
+pub(crate) struct CommWorld {
     pub nranks: i32,
     pub root: RootIdx,
     pub members: usize,
@@ -155,7 +155,7 @@ pub(crate) struct Clique {
     pub shared: Option<std::sync::Arc<super::shm::Segment>>,
 }
 
-impl Clique {
+impl CommWorld {
     fn executing(&self) -> bool {
         self.colls
             .values()
@@ -181,7 +181,7 @@ pub(crate) struct Global {
     next_clique: u64,
     pub comms: HashMap<Handle, Comm>,
     pub dead: HashMap<Handle, RootIdx>,
-    pub cliques: HashMap<u64, Clique>,
+    pub cliques: HashMap<u64, CommWorld>,
     pub inits: HashMap<IdBytes, PendingInit>,
     pub failed_ids: HashMap<IdBytes, Fail>,
     roots: HashMap<IdBytes, RootIdx>,
@@ -332,7 +332,7 @@ impl Global {
         let id = self.next_clique;
         self.cliques.insert(
             id,
-            Clique {
+            CommWorld {
                 nranks: handles.len() as i32,
                 root,
                 members: handles.len(),
@@ -368,7 +368,7 @@ impl Global {
         let rank = seg.rank() as i32;
         self.cliques.insert(
             id,
-            Clique {
+            CommWorld {
                 nranks,
                 root,
                 members: 1,

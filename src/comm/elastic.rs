@@ -80,7 +80,7 @@ impl Communicator {
                 reason: "the communicator was already revoked".into(),
             });
         }
-        crate::diag::check_lane(OP, self.lane())?;
+        crate::teardown::check_lane(OP, self.lane())?;
         self.diag.check_alive()?;
         let r = self.pinned(|| {
             // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile);
@@ -149,7 +149,7 @@ impl Communicator {
             .lib()
             .optional(self.handle.table().ncclCommShrink, OP)?;
         let mut list = self.exclude_list(OP, exclude)?;
-        crate::diag::check_lane(OP, self.lane())?;
+        crate::teardown::check_lane(OP, self.lane())?;
         // A clique the watchdog failed (a rank left, an operation timed out) fails this
         // call only when the watchdog took the handle; one it revoked in place
         // (`Config::elastic`), or left alone, is shrunk.
@@ -293,7 +293,7 @@ impl Communicator {
                 ),
             });
         }
-        crate::diag::check_lane(OP, self.lane())?;
+        crate::teardown::check_lane(OP, self.lane())?;
         let tag = crate::diag::shrink_tag(&[-1, -(world_size as c_int)]);
         let raw_id = id.map(UniqueId::to_raw);
         let slot = JobSlot::new();
@@ -378,10 +378,10 @@ impl Communicator {
             return Err(Error::InvalidArgument { op: OP, reason });
         }
         let diag = crate::diag::CommDiag::for_id(&config.diag, id);
-        crate::diag::check_lane(
+        crate::teardown::check_lane(
             OP,
             match device {
-                CommDevice::Cuda(c) => crate::diag::Lane::Device(c.ordinal()),
+                CommDevice::Cuda(c) => crate::teardown::TeardownLane::Device(c.ordinal()),
                 CommDevice::Host => diag.host_lane(),
             },
         )?;

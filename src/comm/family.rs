@@ -38,7 +38,7 @@ impl Communicator {
                 })
             }
         };
-        crate::diag::check_lane(OP, self.lane())?;
+        crate::teardown::check_lane(OP, self.lane())?;
         let slot = JobSlot::new();
         let out = slot.out();
         let mut adopted = None;
@@ -74,7 +74,7 @@ impl Communicator {
             .lib()
             .optional(self.handle.table().ncclCommShrink, OP)?;
         let mut list = self.exclude_list(OP, exclude)?;
-        crate::diag::check_lane(OP, self.lane())?;
+        crate::teardown::check_lane(OP, self.lane())?;
         let tag = crate::diag::shrink_tag(&list);
         let slot = JobSlot::new();
         let out = slot.out();

@@ -72,10 +72,10 @@ impl Communicator {
             return Err(Error::InvalidArgument { op: OP, reason });
         }
         let diag = crate::diag::CommDiag::for_id(&config.diag, id);
-        crate::diag::check_lane(
+        crate::teardown::check_lane(
             OP,
             match device {
-                CommDevice::Cuda(c) => crate::diag::Lane::Device(c.ordinal()),
+                CommDevice::Cuda(c) => crate::teardown::TeardownLane::Device(c.ordinal()),
                 CommDevice::Host => diag.host_lane(),
             },
         )?;

@@ -300,7 +300,7 @@ impl Communicator {
         match ResultCode::from_raw(state) {
             None => Ok(false),
             Some(ResultCode::InProgress) => Ok(true),
-            Some(_) => Err(self.fail(op, state, caller)),
+            Some(_) => Err(self.fail_nccl(op, state, caller)),
         }
     }
 
@@ -319,17 +319,20 @@ impl Communicator {
             && state != nccl_sys::bindings::ncclInProgress
     }
 
-    /// Marks the communicator failed (drop will abort) and returns the error for `raw`.
+    /// NCCL's error `raw` for `call`, which fails the communicator ([`fail`](Self::fail)).
     #[cold]
-    fn fail(
+    fn fail_nccl(
         &self,
         call: &'static str,
         raw: ncclResult_t,
         caller: &'static Location<'static>,
     ) -> Error {
-        let e = self.handle.lib().error_for(call, raw, self.context(caller));
-        self.failure.get_or_init(|| e.to_string());
-        e.into()
+        self.fail(
+            self.handle
+                .lib()
+                .error_for(call, raw, self.context(caller))
+                .into(),
+        )
     }
 
     /// This rank is done with the communicator (its launcher closure returned): peers that
@@ -363,7 +366,7 @@ impl Communicator {
         if r == nccl_sys::bindings::ncclSuccess {
             Ok(())
         } else {
-            Err(self.fail(call, r, caller))
+            Err(self.fail_nccl(call, r, caller))
         }
     }
 
@@ -450,9 +453,9 @@ impl Communicator {
         // for every operation (each is an implicit group, and one thread may drive several
         // devices inside an explicit one), so the per-operation path makes no driver call
         // of ours. Init and teardown bind.
-        let ticket = match self.diag.begin(self.handle(), op, caller) {
+        let ticket = match self.diag.begin(self.diag_view(), op, caller) {
             Ok(t) => t,
-            Err(e) => return Err(self.failed_with(e)),
+            Err(e) => return Err(self.fail(e)),
         };
         let r = f(self.handle.table(), self.handle.get());
         // NCCL's communicator is always non-blocking (see init_rank): wait out progress.
@@ -468,7 +471,7 @@ impl Communicator {
         let r = r.and_then(|()| then());
         match self.diag.end(ticket, r) {
             Ok(()) => Ok(()),
-            Err(e) => Err(self.failed_with(e)),
+            Err(e) => Err(self.fail(e)),
         }
     }
 
@@ -485,17 +488,19 @@ impl Communicator {
         r
     }
 
-    /// Marks the communicator failed with `e` (the first cause is kept) and returns it.
+    /// Marks the communicator failed with `e` (drop will abort; the first cause is kept)
+    /// and returns it.
     #[cold]
-    fn failed_with(&self, e: Error) -> Error {
+    fn fail(&self, e: Error) -> Error {
         self.mark_failed(&e);
         e
     }
 
-    /// What the diagnostics need to attach this communicator.
+    /// The diagnostics view of this communicator: what they need to attach it (its raw
+    /// handle, rank and size), not the handle itself.
     #[inline(always)]
-    pub(crate) fn handle(&self) -> crate::diag::Handle<'_> {
-        crate::diag::Handle {
+    pub(crate) fn diag_view(&self) -> crate::diag::CommView<'_> {
+        crate::diag::CommView {
             raw: self.handle.get(),
             rank: self.rank,
             world_size: self.world_size,
@@ -508,7 +513,7 @@ impl Communicator {
     /// first (no NCCL call).
     #[cfg(feature = "diag")]
     pub fn flight_record(&self) -> crate::diag::FlightRecord {
-        self.diag.flight_record(self.handle())
+        self.diag.flight_record(self.diag_view())
     }
 
     /// Writes the flight record as JSON into `dir`; returns the file's path.
@@ -523,14 +528,15 @@ impl Communicator {
     /// The diagnostics counters of this rank (no NCCL call).
     #[cfg(feature = "diag")]
     pub fn diagnostics(&self) -> crate::diag::Diagnostics {
-        self.diag.diagnostics(self.handle())
+        self.diag.diagnostics(self.diag_view())
     }
 
-    /// The first check of every operation, before its buffers or the CUDA driver are
-    /// touched: a failed communicator (an NCCL error, or a timeout the watchdog declared)
-    /// fails at once. A few loads.
+    /// [`ensure_usable`](Self::ensure_usable) as the first check of every operation, before
+    /// its buffers or the CUDA driver are touched: a failed communicator (an NCCL error, or
+    /// a timeout the watchdog declared) fails at once, and a refused collective is counted.
+    /// A few loads.
     #[inline(always)]
-    pub(crate) fn admit(&self, op: nccl_sys::EntryPoint) -> Result<()> {
+    pub(crate) fn ensure_usable_for(&self, op: nccl_sys::EntryPoint) -> Result<()> {
         if self.failure.get().is_some() || self.diag.failed() {
             return self.refuse(op);
         }
@@ -572,14 +578,14 @@ impl Communicator {
         match (self.failure.get(), self.diag.check_alive()) {
             (None, alive) => alive,
             (Some(cause), Err(Error::RankLeft { .. }) | Ok(())) => {
-                Err(self.failed_error(op, cause))
+                Err(self.communicator_failed(op, cause))
             }
             (Some(_), Err(e)) => Err(e),
         }
     }
 
     #[cold]
-    fn failed_error(&self, op: &'static str, cause: &str) -> Error {
+    fn communicator_failed(&self, op: &'static str, cause: &str) -> Error {
         Error::CommunicatorFailed {
             op,
             rank: self.rank,
@@ -670,12 +676,12 @@ impl Communicator {
     /// handle was not this communicator's to give: the watchdog took it (and aborted it),
     /// or it was borrowed.
     pub(crate) fn release_handle(mut self) -> ncclComm_t {
-        self.give_up()
+        self.release_in_place()
         // `self` drops here with its handle taken, which `Drop` leaves alone.
     }
 
     /// [`release_handle`](Self::release_handle) in place (a view's drop, too).
-    fn give_up(&mut self) -> ncclComm_t {
+    fn release_in_place(&mut self) -> ncclComm_t {
         self.reap_orphans(false);
         let raw = self.handle.take();
         let released = self.diag.release(None);

@@ -7,7 +7,8 @@
 //! it yields an owned handle once, so no path can tear a handle down twice or tear down
 //! one it borrowed. The communicator's failure state and diagnostics live beside it in
 //! [`Communicator`]; the choice between destroy and abort, and its bound, is
-//! `Communicator`'s `Drop` (src/comm/teardown.rs).
+//! `Communicator`'s `Drop`, and the abort of a handle never taken is `RawComm`'s own
+//! `Drop` (both in src/comm/teardown.rs).
 //!
 //! The shape is rusqlite's `InnerConnection` under `Connection` (`from_handle` /
 //! `from_handle_owned`).
@@ -16,8 +17,7 @@ use std::sync::Arc;
 
 use nccl_sys::{ncclComm_t, FunctionTable};
 
-use crate::library::{CallContext, Library};
-use crate::nccl_call;
+use crate::library::Library;
 
 /// An `ncclComm_t` and the library that made it, owned or borrowed.
 pub(crate) struct RawComm {
@@ -87,20 +87,6 @@ impl RawComm {
     /// (or stays its owner's). Null when already taken.
     pub(crate) fn into_raw(mut self) -> ncclComm_t {
         std::mem::replace(&mut self.raw, std::ptr::null_mut())
-    }
-}
-
-impl Drop for RawComm {
-    /// An owned handle still here was never handed to a teardown: one that NCCL gave out
-    /// by an init that then failed, before any communicator existed around it. No
-    /// operation ever ran on it, so there is no stream work to wait behind: it is aborted
-    /// here, once, through the checked path.
-    fn drop(&mut self) {
-        if let Some(raw) = self.take() {
-            // SAFETY: `raw` is an owned, live handle of `lib` that nothing else holds (it
-            // was never taken); this is its one teardown.
-            let _ = unsafe { nccl_call!(&self.lib, ncclCommAbort(raw), CallContext::NONE) };
-        }
     }
 }
 

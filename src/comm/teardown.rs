@@ -1,5 +1,7 @@
 //! The one teardown of a handle: [`Communicator::destroy`], [`Communicator::abort`],
-//! [`Communicator::finalize`] and `Drop`, each bounded (see the crate's ARCHITECTURE.md).
+//! [`Communicator::finalize`] and `Drop`, each bounded (see the crate's ARCHITECTURE.md),
+//! and `RawComm`'s `Drop`, the abort of a handle no communicator was built around. The
+//! calls run on a teardown lane (`crate::teardown`).
 
 use super::*;
 
@@ -39,7 +41,7 @@ impl Communicator {
         }
         // NCCL refuses to destroy a communicator with work in flight or an asynchronous
         // error, and then leaves this thread inside a group level (see
-        // `diag::destroy_or_abort`): such a one comes back failed (dropping it aborts).
+        // `teardown::destroy_or_abort`): such a one comes back failed (dropping it aborts).
         match self.poll_async(OP, caller) {
             Ok(false) => {}
             Ok(true) => {
@@ -61,8 +63,9 @@ impl Communicator {
         // SAFETY: the handle is live (pinned: the watchdog cannot take it during the call)
         // and used by nothing else; on success it is never used again (taken below, still
         // pinned). A refused destroy leaves this thread outside any group level.
-        let r =
-            unsafe { crate::diag::destroy_closing_level(self.handle.table(), self.handle.get()) };
+        let r = unsafe {
+            crate::teardown::destroy_closing_level(self.handle.table(), self.handle.get())
+        };
         let destroyed = self.checked(OP, r, caller);
         if destroyed.is_ok() {
             self.take("it destroyed its communicator", false);
@@ -112,9 +115,9 @@ impl Communicator {
 
     /// The lane this communicator's teardowns run on: its CUDA device, or on the host
     /// provider the unique id its family was born from.
-    pub(crate) fn lane(&self) -> crate::diag::Lane {
+    pub(crate) fn lane(&self) -> crate::teardown::TeardownLane {
         match self.cuda_device {
-            Some(d) => crate::diag::Lane::Device(d),
+            Some(d) => crate::teardown::TeardownLane::Device(d),
             None => self.diag.host_lane(),
         }
     }
@@ -134,7 +137,7 @@ impl Communicator {
             CommDevice::Host => None,
         };
         let b = self.diag.bound();
-        let (_, r) = crate::diag::teardown_bounded(
+        let (_, r) = crate::teardown::teardown_bounded(
             self.lane(),
             b,
             self.handle.lib(),
@@ -191,7 +194,7 @@ impl Drop for Communicator {
         }
         if !self.handle.is_owned() {
             // A view (`CommRef`): its owner tears the handle down; only the diagnostics go.
-            let _ = self.give_up();
+            let _ = self.release_in_place();
             return;
         }
         let until = Instant::now() + self.diag.abort_timeout();
@@ -224,5 +227,19 @@ impl Drop for Communicator {
         };
         let (_, r) = self.teardown(raw, !drained, why, until);
         self.reap_orphans(r.is_some());
+    }
+}
+
+impl Drop for RawComm {
+    /// An owned handle still here was never handed to a teardown: one that NCCL gave out
+    /// by an init that then failed, before any communicator existed around it. No
+    /// operation ever ran on it, so there is no stream work to wait behind: it is aborted
+    /// here, once, through the checked path.
+    fn drop(&mut self) {
+        if let Some(raw) = self.take() {
+            // SAFETY: `raw` is an owned, live handle of `lib` that nothing else holds (it
+            // was never taken); this is its one teardown.
+            let _ = unsafe { nccl_call!(self.lib(), ncclCommAbort(raw), CallContext::NONE) };
+        }
     }
 }

@@ -478,7 +478,7 @@ impl Clique {
             return;
         };
         let deadline = Instant::now() + BOARD_IO;
-        let Some(posting) = super::exit::posting(deadline) else {
+        let Some(posting) = crate::teardown::exit::posting(deadline) else {
             return;
         };
         let board = Arc::clone(board);
@@ -511,7 +511,7 @@ impl Clique {
             return;
         };
         let deadline = Instant::now() + BOARD_IO;
-        let Some(posting) = super::exit::posting(deadline) else {
+        let Some(posting) = crate::teardown::exit::posting(deadline) else {
             return;
         };
         let now = Instant::now();

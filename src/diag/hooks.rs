@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::ncclComm_t;
 
-use super::aborter::{self, Bound, Job, Lane};
 use super::clique::{self, Agreement, CliqueKey, RankView, TimeoutReport};
 use super::journal::{Entry, Journal};
 use super::op::{in_group, OpInfo};
@@ -25,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::id::UniqueId;
 use crate::library::{Library, Provider};
 use crate::stream::StreamRef;
+use crate::teardown::{self, Bound, Job, TeardownLane};
 
 /// At most this many unique ids' arrival boards are kept (see `CommDiag::arrive`).
 const MAX_ARRIVAL_BOARDS: usize = 256;
@@ -73,18 +73,18 @@ const _: () = assert!(RECENT_QUEUES <= MAX_QUEUES);
 /// What the diagnostics know of a communicator when they attach it late (communicators of
 /// `ncclCommInitAll`, adopted handles): diagnostics never see the `Communicator` itself.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Handle<'a> {
+pub(crate) struct CommView<'a> {
     pub raw: ncclComm_t,
     pub rank: usize,
     pub world_size: usize,
     pub lib: &'a Arc<Library>,
     /// Where its teardowns run.
-    pub lane: Lane,
+    pub lane: TeardownLane,
 }
 
 /// What [`CommDiag::begin`] hands to [`CommDiag::end`].
 #[derive(Debug)]
-pub(crate) struct Ticket<'a> {
+pub(crate) struct InFlight<'a> {
     /// The operation's journal position.
     pos: u64,
     /// Its start (diagnostics clock).
@@ -192,7 +192,7 @@ impl CommDiag {
         rank: usize,
         world_size: usize,
         lib: &Arc<Library>,
-        lane: Lane,
+        lane: TeardownLane,
     ) -> &Arc<Shared> {
         self.shared.get_or_init(|| {
             clock::advance();
@@ -245,7 +245,7 @@ impl CommDiag {
     }
 
     #[inline(always)]
-    fn shared(&self, h: Handle<'_>) -> &Arc<Shared> {
+    fn shared(&self, h: CommView<'_>) -> &Arc<Shared> {
         match self.shared.get() {
             Some(s) => s,
             None => self.attach_late(h),
@@ -253,7 +253,7 @@ impl CommDiag {
     }
 
     #[cold]
-    fn attach_late(&self, h: Handle<'_>) -> &Arc<Shared> {
+    fn attach_late(&self, h: CommView<'_>) -> &Arc<Shared> {
         match self.shared.get() {
             Some(s) => s,
             None => self.attach(h.raw, h.rank, h.world_size, h.lib, h.lane),
@@ -261,12 +261,12 @@ impl CommDiag {
     }
 
     /// A copy of the flight recorder.
-    pub(crate) fn flight_record(&self, h: Handle<'_>) -> FlightRecord {
+    pub(crate) fn flight_record(&self, h: CommView<'_>) -> FlightRecord {
         self.shared(h).flight_record()
     }
 
     /// The diagnostics counters.
-    pub(crate) fn diagnostics(&self, h: Handle<'_>) -> Diagnostics {
+    pub(crate) fn diagnostics(&self, h: CommView<'_>) -> Diagnostics {
         let s = self.shared(h);
         Diagnostics {
             rank: s.rank,
@@ -404,8 +404,8 @@ impl CommDiag {
     }
 
     /// The lane of a host-provider communicator's teardowns.
-    pub(crate) fn host_lane(&self) -> Lane {
-        Lane::Host(self.root)
+    pub(crate) fn host_lane(&self) -> TeardownLane {
+        TeardownLane::Host(self.root)
     }
 
     /// The bound on its teardowns ([`Config::abort_timeout`](crate::Config::abort_timeout),
@@ -449,7 +449,7 @@ impl CommDiag {
                 None => std::thread::sleep(Duration::from_millis(1)),
             }
         };
-        let done = job.wait(until.max(Instant::now() + aborter::MIN_WAIT));
+        let done = job.wait(until.max(Instant::now() + teardown::MIN_WAIT));
         Some((job.bound(), done.then(|| job.result())))
     }
 
@@ -519,10 +519,10 @@ impl CommDiag {
     #[inline(always)]
     pub(crate) fn begin<'a>(
         &self,
-        h: Handle<'_>,
+        h: CommView<'_>,
         op: OpInfo<'a>,
         caller: &'static Location<'static>,
-    ) -> Result<Ticket<'a>> {
+    ) -> Result<InFlight<'a>> {
         let s = self.shared(h);
         if s.aborted_by_watchdog.load(Ordering::Acquire) {
             return Err(self.aborted_error(s));
@@ -560,7 +560,7 @@ impl CommDiag {
                 self.begin_claimed(s, pos, start)?;
             }
         }
-        Ok(Ticket {
+        Ok(InFlight {
             pos,
             start,
             stream: op.stream,
@@ -641,7 +641,7 @@ impl CommDiag {
     /// over as an event), records its outcome and time, and turns an error caused by a
     /// watchdog abort into [`Error::Timeout`] with the report.
     #[inline(always)]
-    pub(crate) fn end(&self, t: Ticket<'_>, r: Result<()>) -> Result<()> {
+    pub(crate) fn end(&self, t: InFlight<'_>, r: Result<()>) -> Result<()> {
         let Some(s) = self.shared.get() else {
             return r;
         };
@@ -934,7 +934,7 @@ mod tests {
     #[test]
     fn an_operation_waits_for_the_watchdogs_verdict() {
         let (c, id) = comm();
-        let s = Arc::clone(c.diag.shared(c.handle()));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
         s.claim.store(DECIDING, Ordering::SeqCst);
         let decide = |verdict: u8| {
             let s = Arc::clone(&s);
@@ -1024,7 +1024,7 @@ mod tests {
             marks_during_ops <= ticks + 2,
             "{marks_during_ops} markers in {ticks} ticks for {OPS} operations"
         );
-        let s = Arc::clone(c.diag.shared(c.handle()));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
         let retired = || host_retired(&s);
         wait_for(Duration::from_secs(10), Duration::from_millis(5), || {
             retired() >= OPS
@@ -1048,7 +1048,7 @@ mod tests {
         let counting = counting_here();
         counting.complete.store(false, Ordering::SeqCst);
         let (c, _id) = counted(&counting, Duration::from_secs(600));
-        let s = Arc::clone(c.diag.shared(c.handle()));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
         let q = Arc::new(QueueWatch::new(Queue::Host(7)));
         const N: u64 = 3 * tracker::MAX_PENDING as u64;
         for upto in 1..=N {
@@ -1086,7 +1086,7 @@ mod tests {
         sum(&c).unwrap();
         std::thread::sleep(Duration::from_millis(400)); // 8 timeouts' worth
         assert!(!c.is_failed(), "captured work must not time out");
-        let s = Arc::clone(c.diag.shared(c.handle()));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
         assert_eq!(host_retired(&s), 0);
         // The capture ends; the work it captured never runs on the stream, so the first
         // marker after it completes.
@@ -1108,7 +1108,7 @@ mod tests {
     #[test]
     fn the_watched_queues_are_bounded_and_least_recently_noted_go_first() {
         let (c, _id) = comm();
-        let s = Arc::clone(c.diag.shared(c.handle()));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
         let keys =
             |s: &Shared| -> Vec<usize> { s.queues.lock().unwrap().iter().map(|q| q.key).collect() };
         for k in 1..=40 {
@@ -1153,7 +1153,7 @@ mod tests {
     #[test]
     fn the_watchdog_claims_only_an_old_operation() {
         let (c, id) = comm();
-        let s = Arc::clone(c.diag.shared(c.handle()));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
         let later = Instant::now() + Duration::from_secs(3600);
         assert!(!s.claim(later, Duration::ZERO));
         let push = || {
@@ -1241,7 +1241,7 @@ mod tests {
         counting.complete.store(false, Ordering::SeqCst);
         let (c, id) = counted(&counting, Duration::from_secs(600));
         sum(&c).unwrap();
-        let s = Arc::clone(c.diag.shared(c.handle()));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
         wait_for(Duration::from_secs(5), Duration::from_millis(2), || {
             s.in_flight()
         });

@@ -46,8 +46,6 @@
 //! Not done: the cross-process fingerprint exchange, watching `ncclGroupEnd`, and
 //! fingerprints of operations inside a [`crate::Group`] (they are recorded, not compared).
 
-mod aborter;
-pub(crate) mod exit;
 mod op;
 mod settings;
 
@@ -75,10 +73,9 @@ mod watchdog;
 #[cfg(not(feature = "diag"))]
 mod off;
 
-pub(crate) use aborter::{
-    check_lane, destroy_closing_level, run_bounded, teardown_bounded, Bound, Lane,
-};
-pub use aborter::{
+// The teardown options keep their public paths here (they are `Config`'s); the lanes
+// themselves are `crate::teardown`.
+pub use crate::teardown::{
     OnAbortTimeout, ABORT_TIMEOUT_EXIT_STATUS, DEFAULT_ABORT_TIMEOUT, MIN_NCCL_ABORT_TIMEOUT,
     NCCL_RECLAIM_PER_LOCAL_RANK,
 };
@@ -95,7 +92,7 @@ pub(crate) fn invalid_settings(c: &DiagConfig, provider: crate::Provider) -> Opt
 #[cfg(feature = "diag")]
 pub use hooks::Diagnostics;
 #[cfg(feature = "diag")]
-pub(crate) use hooks::{shrink_tag, CommDiag, Handle};
+pub(crate) use hooks::{shrink_tag, CommDiag, CommView};
 #[cfg(feature = "diag")]
 pub use recorder::{EntryPoint, FlightRecord, OpRecord, OpState};
 #[cfg(feature = "diag")]
@@ -104,7 +101,7 @@ pub use remote::{DesyncPost, RemoteBoard, MAX_POST_TEXT};
 pub use settings::{DEFAULT_FLIGHT_RECORD_LEN, MAX_FLIGHT_RECORD_LEN};
 
 #[cfg(not(feature = "diag"))]
-pub(crate) use off::{shrink_tag, CommDiag, Handle};
+pub(crate) use off::{shrink_tag, CommDiag, CommView};
 
 /// Whether the owner's side of the watchdog handshake is a compiler fence paired with the
 /// watchdog's `membarrier(2)` (`true`), or a full memory fence on every operation

@@ -1,7 +1,7 @@
 //! The hooks without the `diag` feature: nothing is recorded or watched, and every hook is
 //! a no-op the compiler removes. What stays: the settings (the timeout still bounds init
 //! and every wait for `ncclInProgress`), and aborts on their own bounded thread with the
-//! guarded exit (`aborter`, `exit`).
+//! guarded exit (`crate::teardown`).
 
 use std::panic::Location;
 use std::sync::Arc;
@@ -9,22 +9,22 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::ncclComm_t;
 
-use super::aborter::{Bound, Lane};
 use super::op::OpInfo;
 use super::settings::{DiagConfig, Settings};
 use crate::error::Result;
 use crate::id::UniqueId;
 use crate::library::Library;
+use crate::teardown::{Bound, TeardownLane};
 
 /// What the hooks would need to attach a communicator (unused without the feature).
 #[derive(Debug, Clone, Copy)]
 #[allow(dead_code)]
-pub(crate) struct Handle<'a> {
+pub(crate) struct CommView<'a> {
     pub raw: ncclComm_t,
     pub rank: usize,
     pub world_size: usize,
     pub lib: &'a Arc<Library>,
-    pub lane: Lane,
+    pub lane: TeardownLane,
 }
 
 /// A communicator's diagnostics without the `diag` feature: its settings only.
@@ -38,7 +38,7 @@ pub(crate) struct CommDiag {
 
 /// What `begin` hands to `end`: nothing.
 #[derive(Debug)]
-pub(crate) struct Ticket<'a>(std::marker::PhantomData<&'a ()>);
+pub(crate) struct InFlight<'a>(std::marker::PhantomData<&'a ()>);
 
 /// The tag of a shrink's child (unused without the watchdog's cliques).
 pub(crate) fn shrink_tag(_exclude: &[std::ffi::c_int]) -> u64 {
@@ -82,7 +82,7 @@ impl CommDiag {
         _rank: usize,
         _world: usize,
         _lib: &Arc<Library>,
-        _lane: Lane,
+        _lane: TeardownLane,
     ) {
     }
 
@@ -126,8 +126,8 @@ impl CommDiag {
 
     pub(crate) fn unpin(&self) {}
 
-    pub(crate) fn host_lane(&self) -> Lane {
-        Lane::Host(self.root)
+    pub(crate) fn host_lane(&self) -> TeardownLane {
+        TeardownLane::Host(self.root)
     }
 
     pub(crate) fn abort_timeout(&self) -> Duration {
@@ -162,15 +162,15 @@ impl CommDiag {
     #[inline(always)]
     pub(crate) fn begin<'a>(
         &self,
-        _h: Handle<'_>,
+        _h: CommView<'_>,
         _op: OpInfo<'a>,
         _caller: &'static Location<'static>,
-    ) -> Result<Ticket<'a>> {
-        Ok(Ticket(std::marker::PhantomData))
+    ) -> Result<InFlight<'a>> {
+        Ok(InFlight(std::marker::PhantomData))
     }
 
     #[inline(always)]
-    pub(crate) fn end(&self, _t: Ticket<'_>, r: Result<()>) -> Result<()> {
+    pub(crate) fn end(&self, _t: InFlight<'_>, r: Result<()>) -> Result<()> {
         r
     }
 

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::aborter::{Bound, OnAbortTimeout, DEFAULT_ABORT_TIMEOUT, MIN_NCCL_ABORT_TIMEOUT};
 #[cfg(feature = "diag")]
 use super::remote;
+use crate::teardown::{Bound, OnAbortTimeout, DEFAULT_ABORT_TIMEOUT, MIN_NCCL_ABORT_TIMEOUT};
 
 /// The watchdog's default timeout: 10 minutes, as PyTorch's.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);

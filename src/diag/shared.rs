@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::{ncclComm_t, EntryPoint};
 
-use super::aborter::{Job, Lane};
 use super::clique::{Clique, LiveRank, RankView, TimeoutReport};
 use super::journal::Journal;
 use super::recorder::{FlightRecord, OpRecord, OpState};
@@ -18,6 +17,7 @@ use super::tracker::{Mark, Marker, Queue, Tracker, MAX_PENDING};
 use super::{clock, fence};
 use crate::error::Error;
 use crate::library::Library;
+use crate::teardown::{Job, TeardownLane};
 
 /// `Shared::current` while no operation of the communicator is inside its NCCL call.
 pub(super) const IDLE: u64 = 0;
@@ -148,7 +148,7 @@ pub(crate) struct Shared {
     /// The report of the timeout that made the watchdog abort this communicator.
     pub(super) report: Mutex<Option<Arc<TimeoutReport>>>,
     /// Where its teardowns run.
-    pub(super) lane: Lane,
+    pub(super) lane: TeardownLane,
     /// The watchdog's abort of its handle, once taken (so `abort()` can wait for it).
     pub(super) abort_job: Mutex<Option<Arc<Job>>>,
     pub(super) aborted_by_watchdog: AtomicBool,
@@ -198,14 +198,14 @@ impl Shared {
     }
 
     /// The bound on this communicator's teardowns: [`Settings::bound`], extended for
-    /// NVIDIA's NCCL by [`NCCL_RECLAIM_PER_LOCAL_RANK`](super::aborter::NCCL_RECLAIM_PER_LOCAL_RANK)
+    /// NVIDIA's NCCL by [`NCCL_RECLAIM_PER_LOCAL_RANK`](crate::teardown::NCCL_RECLAIM_PER_LOCAL_RANK)
     /// for each other rank of its clique in this process, whose resources the last
     /// teardown among them frees.
-    pub(super) fn teardown_bound(&self) -> super::aborter::Bound {
+    pub(super) fn teardown_bound(&self) -> crate::teardown::Bound {
         let mut b = self.settings.bound();
         if self.lib.provider() == crate::library::Provider::Nccl {
             let others = self.clique.local_ranks().saturating_sub(1) as u32;
-            b.bound += super::aborter::NCCL_RECLAIM_PER_LOCAL_RANK * others;
+            b.bound += crate::teardown::NCCL_RECLAIM_PER_LOCAL_RANK * others;
         }
         b
     }

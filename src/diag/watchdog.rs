@@ -3,7 +3,7 @@
 //!
 //! It also advances the coarse diagnostics clock each tick (`clock`), records and queries
 //! the completion markers of queued work (`tracker`), and applies the abort bound
-//! (`aborter`).
+//! (`crate::teardown`).
 //!
 //! Order on a timeout: first the clique is marked timed out, so every rank of it in this
 //! process fails fast (`is_failed()`, and every later call returns [`crate::Error::Timeout`]
@@ -24,11 +24,11 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use super::aborter;
 use super::clique::TimeoutReport;
+use super::clock;
 use super::shared::Shared;
-use super::{clock, exit};
 use crate::library::Library;
+use crate::teardown::{self, exit};
 
 fn registry() -> &'static Mutex<Vec<Weak<Shared>>> {
     static R: OnceLock<Mutex<Vec<Weak<Shared>>>> = OnceLock::new();
@@ -58,7 +58,7 @@ pub(super) fn watch(s: &Arc<Shared>) {
                         continue; // the process is exiting
                     }
                     list.clear();
-                    aborter::check_overdue(now);
+                    teardown::check_overdue(now);
                 }
             })
             .is_ok()
@@ -86,7 +86,7 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
         .iter()
         .map(|s| s.settings.abort_timeout)
         .min()
-        .unwrap_or(super::aborter::DEFAULT_ABORT_TIMEOUT);
+        .unwrap_or(teardown::DEFAULT_ABORT_TIMEOUT);
     {
         let Some(_busy) = exit::busy(bound) else {
             return false;
@@ -212,7 +212,7 @@ fn abort_together(mut taken: Vec<(Arc<Library>, usize, Arc<Shared>)>, s: &Shared
             same.len(),
             s.rank
         );
-        let job = aborter::abort(
+        let job = teardown::abort(
             s.lane,
             lib,
             same.iter().map(|(_, h, _)| *h).collect(),

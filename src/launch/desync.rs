@@ -164,7 +164,7 @@ impl DesyncBoard {
                             // A peer's read in flight when this process exits (rank 0 that
                             // failed first, say) is served to its end: exit waits for it.
                             let _serving =
-                                crate::diag::exit::posting(Instant::now() + SERVE_AT_EXIT);
+                                crate::teardown::exit::posting(Instant::now() + SERVE_AT_EXIT);
                             // Errors only mean this peer is dropped; the board goes on.
                             let _ = s.handle(stream, &slot);
                         },
@@ -303,7 +303,7 @@ impl BoardClient {
 
     /// Sets the deadline of one connection: its connect and all its reads and writes
     /// (default 2 s).
-    pub fn with_io_timeout(mut self, io_timeout: Duration) -> Self {
+    pub fn io_timeout(mut self, io_timeout: Duration) -> Self {
         self.io_timeout = io_timeout;
         self
     }

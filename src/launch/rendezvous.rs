@@ -25,7 +25,7 @@
 //! - Tokens shorter than [`MIN_TOKEN_LEN`] bytes are refused ([`RendezvousError::WeakToken`]):
 //!   one captured handshake would let a stranger search a short token offline.
 //! - Each connection has one deadline for its whole handshake, on both sides
-//!   ([`TcpRendezvous::with_io_timeout`]): a peer sending a byte at a time is cut off there,
+//!   ([`TcpRendezvous::io_timeout`]): a peer sending a byte at a time is cut off there,
 //!   and a client never waits past its own overall deadline.
 //! - The server keeps at most 256 connections open, at most 64 per peer address. When a new
 //!   one would pass a limit, the oldest connection that has not authenticated yet is closed
@@ -132,14 +132,14 @@ impl TcpRendezvous {
     }
 
     /// Sets the overall deadline (default [`DEFAULT_TIMEOUT`]).
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+    pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
 
     /// Sets the deadline of one connection (default [`DEFAULT_IO_TIMEOUT`]): its connect,
     /// and its whole handshake, on rank 0's side as on the fetching rank's.
-    pub fn with_io_timeout(mut self, io_timeout: Duration) -> Self {
+    pub fn io_timeout(mut self, io_timeout: Duration) -> Self {
         self.io_timeout = io_timeout;
         self
     }
@@ -147,7 +147,7 @@ impl TcpRendezvous {
     /// Sets how many connections rank 0 keeps open at once, in all (default 256) and from
     /// one peer address (default 64); see the [module docs](self) for what happens at the
     /// limits. Values below 1 count as 1.
-    pub fn with_max_connections(mut self, total: usize, per_peer: usize) -> Self {
+    pub fn max_connections(mut self, total: usize, per_peer: usize) -> Self {
         self.limits = wire::Limits { total, per_peer };
         self
     }
@@ -589,7 +589,7 @@ impl FileRendezvous {
     }
 
     /// Sets the deadline for the other ranks to see the file (default [`DEFAULT_TIMEOUT`]).
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+    pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
@@ -853,8 +853,8 @@ mod tests {
     #[test]
     fn a_lost_acknowledgement_does_not_fail_rank_0() {
         let server = TcpRendezvous::new("127.0.0.1", 0, TOKEN)
-            .with_timeout(Duration::from_secs(20))
-            .with_io_timeout(Duration::from_millis(300))
+            .timeout(Duration::from_secs(20))
+            .io_timeout(Duration::from_millis(300))
             .serve(3, id())
             .unwrap();
         let port = server.local_addr().port();
@@ -877,8 +877,8 @@ mod tests {
     fn an_in_progress_slot_is_retried_not_fatal() {
         let io = Duration::from_millis(500);
         let server = TcpRendezvous::new("127.0.0.1", 0, TOKEN)
-            .with_timeout(Duration::from_secs(20))
-            .with_io_timeout(io)
+            .timeout(Duration::from_secs(20))
+            .io_timeout(io)
             .serve(2, id())
             .unwrap();
         let port = server.local_addr().port();
@@ -886,7 +886,7 @@ mod tests {
         let (held, _) = take_id_without_ack(port, 1, 2);
         let t0 = Instant::now();
         let got = TcpRendezvous::new("127.0.0.1", port, TOKEN)
-            .with_timeout(Duration::from_secs(5))
+            .timeout(Duration::from_secs(5))
             .fetch(1, 2)
             .unwrap();
         assert_eq!(got, id());
@@ -899,7 +899,7 @@ mod tests {
             .serve(2, id())
             .unwrap();
         let p2 = late.local_addr().port();
-        let c = TcpRendezvous::new("127.0.0.1", p2, TOKEN).with_timeout(Duration::from_secs(5));
+        let c = TcpRendezvous::new("127.0.0.1", p2, TOKEN).timeout(Duration::from_secs(5));
         c.fetch(1, 2).unwrap();
         late.wait().unwrap();
     }

@@ -546,13 +546,13 @@ impl StoreRendezvous {
     }
 
     /// Sets how long a rank waits for rank 0's id (default 300 s).
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+    pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
 
     /// Sets the deadline of each request other than that wait (default 30 s).
-    pub fn with_io_timeout(mut self, io_timeout: Duration) -> Self {
+    pub fn io_timeout(mut self, io_timeout: Duration) -> Self {
         self.io_timeout = io_timeout;
         self
     }

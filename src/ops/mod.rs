@@ -39,7 +39,7 @@ use crate::types::NcclType;
 use nccl_sys::{
     cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, Collective, FunctionTable,
 };
-use op::{Start, NO_RECV, NO_SEND};
+use op::{OpChecks, NO_RECV, NO_SEND};
 
 /// `ncclAlltoAll`'s signature (an optional entry point, NCCL 2.28+).
 type AllToAllFn = unsafe extern "C" fn(
@@ -283,7 +283,7 @@ impl Communicator {
         reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, Collective::AllReduce, stream)?;
+        let at = OpChecks::new(self, Collective::AllReduce, stream)?;
         let red = at.reduction(reduction.into())?;
         let count = send.len();
         at.send(send, count, "recv = send")?;
@@ -314,7 +314,7 @@ impl Communicator {
         reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, Collective::AllReduce, stream)?;
+        let at = OpChecks::new(self, Collective::AllReduce, stream)?;
         let red = at.reduction(reduction.into())?;
         let count = buf.len();
         at.recv(buf, count, "in place")?;
@@ -362,7 +362,7 @@ impl Communicator {
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, Collective::Broadcast, stream)?;
+        let at = OpChecks::new(self, Collective::Broadcast, stream)?;
         let root_c = at.rank_arg("root", root)?;
         let count = recv.len();
         at.send(send, count, "send = recv")?;
@@ -393,7 +393,7 @@ impl Communicator {
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, Collective::Broadcast, stream)?;
+        let at = OpChecks::new(self, Collective::Broadcast, stream)?;
         let root_c = at.rank_arg("root", root)?;
         let count = buf.len();
         at.recv(buf, count, "in place")?;
@@ -443,7 +443,7 @@ impl Communicator {
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, Collective::Reduce, stream)?;
+        let at = OpChecks::new(self, Collective::Reduce, stream)?;
         let red = at.reduction(reduction.into())?;
         let root_c = at.rank_arg("root", root)?;
         let count = send.len();
@@ -477,7 +477,7 @@ impl Communicator {
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, Collective::Reduce, stream)?;
+        let at = OpChecks::new(self, Collective::Reduce, stream)?;
         let red = at.reduction(reduction.into())?;
         let root_c = at.rank_arg("root", root)?;
         let count = buf.len();
@@ -524,7 +524,7 @@ impl Communicator {
         recv: &'a mut R,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, Collective::AllGather, stream)?;
+        let at = OpChecks::new(self, Collective::AllGather, stream)?;
         let count = send.len();
         let total = at.times_world(count)?;
         at.send(send, count, "send = count")?;
@@ -554,7 +554,7 @@ impl Communicator {
         buf: &'a mut B,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, Collective::AllGather, stream)?;
+        let at = OpChecks::new(self, Collective::AllGather, stream)?;
         let count = at.block_of(buf.len())?;
         at.recv(buf, count * at.world_size(), "in place")?;
         // NCCL's in-place form: this rank's block is the input.
@@ -607,7 +607,7 @@ impl Communicator {
         reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, Collective::ReduceScatter, stream)?;
+        let at = OpChecks::new(self, Collective::ReduceScatter, stream)?;
         let red = at.reduction(reduction.into())?;
         let count = recv.len();
         let total = at.times_world(count)?;
@@ -640,7 +640,7 @@ impl Communicator {
         reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, Collective::ReduceScatter, stream)?;
+        let at = OpChecks::new(self, Collective::ReduceScatter, stream)?;
         let red = at.reduction(reduction.into())?;
         let count = at.block_of(buf.len())?;
         at.recv(buf, count * at.world_size(), "in place")?;
@@ -675,7 +675,7 @@ impl Communicator {
         peer: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, Collective::Send, stream)?;
+        let at = OpChecks::new(self, Collective::Send, stream)?;
         let peer_c = at.rank_arg("peer", peer)?;
         let count = buf.len();
         at.send(buf, count, "any length")?;
@@ -705,7 +705,7 @@ impl Communicator {
         peer: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = Start::new(self, Collective::Recv, stream)?;
+        let at = OpChecks::new(self, Collective::Recv, stream)?;
         let peer_c = at.rank_arg("peer", peer)?;
         let count = buf.len();
         at.recv(buf, count, "any length")?;
@@ -752,7 +752,7 @@ impl Communicator {
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
         let f = self.optional(|t| t.ncclAlltoAll, "ncclAlltoAll")?;
-        let at = Start::new(self, Collective::AllToAll, stream)?;
+        let at = OpChecks::new(self, Collective::AllToAll, stream)?;
         let total = send.len();
         let count = at.block_of(total)?;
         at.send(send, total, "send = world_size x block")?;
@@ -800,7 +800,7 @@ impl Communicator {
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
         let f = self.optional(|t| t.ncclGather, "ncclGather")?;
-        let at = Start::new(self, Collective::Gather, stream)?;
+        let at = OpChecks::new(self, Collective::Gather, stream)?;
         let root_c = at.rank_arg("root", root)?;
         let count = send.len();
         let total = at.times_world(count)?;
@@ -856,7 +856,7 @@ impl Communicator {
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
         let f = self.optional(|t| t.ncclScatter, "ncclScatter")?;
-        let at = Start::new(self, Collective::Scatter, stream)?;
+        let at = OpChecks::new(self, Collective::Scatter, stream)?;
         let root_c = at.rank_arg("root", root)?;
         let count = recv.len();
         let total = at.times_world(count)?;

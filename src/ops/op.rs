@@ -134,14 +134,14 @@ impl<'a> Op<'a> {
 
 /// An operation being described: admitted on its communicator, its stream checked, with the
 /// checks and the pointers of the description's buffers to come.
-pub(crate) struct Start<'a> {
+pub(crate) struct OpChecks<'a> {
     comm: &'a Communicator,
     call: Collective,
     stream: StreamRef<'a>,
     caller: &'static Location<'static>,
 }
 
-impl<'a> Start<'a> {
+impl<'a> OpChecks<'a> {
     /// The first checks of every operation, in this order: the communicator has not failed
     /// (before any buffer or the CUDA driver is touched), then the stream.
     #[inline(always)]
@@ -150,12 +150,12 @@ impl<'a> Start<'a> {
         comm: &'a Communicator,
         call: Collective,
         stream: &'a impl AsStream,
-    ) -> Result<Start<'a>> {
+    ) -> Result<OpChecks<'a>> {
         let caller = Location::caller();
-        comm.admit(call.entry_point())?;
+        comm.ensure_usable_for(call.entry_point())?;
         let stream = stream.as_stream();
         comm.check_stream(call.name(), stream)?;
-        Ok(Start {
+        Ok(OpChecks {
             comm,
             call,
             stream,

@@ -19,6 +19,13 @@
 //! communicator on a wedged lane is refused with a typed error ([`wedged`]). The order
 //! also keeps a handle's calls in sequence: a teardown queued after a deregistration of
 //! the same communicator runs after it.
+//!
+//! Below `diag` and the wrapper, which both tear handles down: the watchdog aborts a
+//! clique's handles here, and a communicator's own teardown (src/comm/teardown.rs) runs
+//! here. `exit` is the process-exit guard every call on a lane (and each watchdog query)
+//! enters.
+
+pub(crate) mod exit;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,7 +34,6 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::{ncclComm_t, ncclResult_t};
 
-use super::exit;
 use crate::library::Library;
 
 /// The default bound on an abort ([`Config::abort_timeout`](crate::Config::abort_timeout)).
@@ -74,18 +80,18 @@ pub enum OnAbortTimeout {
 
 /// Which lane a teardown runs on (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum Lane {
+pub(crate) enum TeardownLane {
     /// A CUDA device, by ordinal.
     Device(usize),
     /// Host-provider communicators born from one unique id (by its clique key).
     Host(u64),
 }
 
-impl std::fmt::Display for Lane {
+impl std::fmt::Display for TeardownLane {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Lane::Device(d) => write!(f, "CUDA device {d}"),
-            Lane::Host(k) => write!(f, "host-provider clique {k:016x}"),
+            TeardownLane::Device(d) => write!(f, "CUDA device {d}"),
+            TeardownLane::Host(k) => write!(f, "host-provider clique {k:016x}"),
         }
     }
 }
@@ -94,7 +100,7 @@ impl std::fmt::Display for Lane {
 #[derive(Debug)]
 pub(crate) struct Job {
     what: String,
-    lane: Lane,
+    lane: TeardownLane,
     bound: Duration,
     #[cfg_attr(not(feature = "diag"), allow(dead_code))]
     deadline: Instant,
@@ -202,8 +208,8 @@ struct LaneState {
     served: bool,
 }
 
-fn lanes() -> &'static Mutex<HashMap<Lane, LaneState>> {
-    static L: OnceLock<Mutex<HashMap<Lane, LaneState>>> = OnceLock::new();
+fn lanes() -> &'static Mutex<HashMap<TeardownLane, LaneState>> {
+    static L: OnceLock<Mutex<HashMap<TeardownLane, LaneState>>> = OnceLock::new();
     L.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
@@ -222,7 +228,7 @@ pub(crate) struct Bound {
 
 /// Queues `work` on `lane` with a deadline of `bound` from now; returns at once. The
 /// lane's thread runs it (`work` returns the first failed NCCL result, or success).
-pub(crate) fn submit(lane: Lane, b: Bound, what: String, work: Work) -> Arc<Job> {
+pub(crate) fn submit(lane: TeardownLane, b: Bound, what: String, work: Work) -> Arc<Job> {
     exit::install();
     let job = Arc::new(Job {
         what,
@@ -260,7 +266,7 @@ pub(crate) fn submit(lane: Lane, b: Bound, what: String, work: Work) -> Arc<Job>
 }
 
 /// A lane's thread: runs its jobs in order, ends when the queue is empty.
-fn serve(lane: Lane) {
+fn serve(lane: TeardownLane) {
     loop {
         let next = {
             let mut l = lock(lanes());
@@ -299,7 +305,7 @@ fn serve(lane: Lane) {
 
 /// Whether `lane` holds a teardown that has been running past its bound: then a new
 /// communicator there would queue its own teardown behind it. Its description when so.
-pub(crate) fn wedged(lane: Lane) -> Option<String> {
+pub(crate) fn wedged(lane: TeardownLane) -> Option<String> {
     let l = lock(lanes());
     let job = l.get(&lane)?.running.as_ref()?;
     job.wedged(Instant::now()).then(|| {
@@ -311,7 +317,7 @@ pub(crate) fn wedged(lane: Lane) -> Option<String> {
 }
 
 /// [`wedged`] as the error of `op`.
-pub(crate) fn check_lane(op: &'static str, lane: Lane) -> crate::error::Result<()> {
+pub(crate) fn check_lane(op: &'static str, lane: TeardownLane) -> crate::error::Result<()> {
     match wedged(lane) {
         None => Ok(()),
         Some(what) => Err(crate::error::Error::TeardownWedged {
@@ -326,7 +332,7 @@ pub(crate) fn check_lane(op: &'static str, lane: Lane) -> crate::error::Result<(
 /// handle must have been taken out of its communicator: this is its one teardown.
 #[cfg_attr(not(feature = "diag"), allow(dead_code))]
 pub(crate) fn abort(
-    lane: Lane,
+    lane: TeardownLane,
     lib: Arc<Library>,
     handles: Vec<usize>,
     b: Bound,
@@ -367,7 +373,7 @@ pub(crate) fn abort(
 /// is its one teardown.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn teardown_bounded(
-    lane: Lane,
+    lane: TeardownLane,
     b: Bound,
     lib: &Arc<Library>,
     raw: ncclComm_t,
@@ -469,7 +475,7 @@ pub(crate) unsafe fn destroy_closing_level(
 /// Queues `work` on `lane` and waits until `until` (at least [`MIN_WAIT`]): the job, and
 /// its result if it returned in time (past that, the policy has been applied).
 pub(crate) fn run_bounded(
-    lane: Lane,
+    lane: TeardownLane,
     b: Bound,
     what: String,
     work: Work,
@@ -516,7 +522,7 @@ mod tests {
     /// bound; once it returns, the queue drains and the lane is free again.
     #[test]
     fn a_lane_runs_its_jobs_in_order_on_one_thread() {
-        let lane = Lane::Host(0x5eed_0001);
+        let lane = TeardownLane::Host(0x5eed_0001);
         let gate = Arc::new((Mutex::new(false), Condvar::new()));
         let order = Arc::new(Mutex::new(Vec::new()));
         let g = Arc::clone(&gate);
@@ -557,7 +563,7 @@ mod tests {
         assert!(w.contains("the blocked job"), "{w}");
         let e = check_lane("ncclCommInitRankConfig", lane).unwrap_err();
         assert!(matches!(e, crate::Error::TeardownWedged { .. }), "{e}");
-        assert!(check_lane("ncclCommInitRankConfig", Lane::Host(0x5eed_0002)).is_ok());
+        assert!(check_lane("ncclCommInitRankConfig", TeardownLane::Host(0x5eed_0002)).is_ok());
         *gate.0.lock().unwrap() = true;
         gate.1.notify_all();
         assert!(second.wait(Instant::now() + Duration::from_secs(5)));
