@@ -454,7 +454,8 @@ fn the_host_abi_follows_nccl_2_29s_contract() {
 /// watchdog revokes them in place, their all-reduce fails naming rank 2, `lost_rank()` is
 /// 2, and `shrink_after_failure(&[2])` makes a working communicator of two. Every handle
 /// is torn down once: rank 2's destroyed, the survivors' revoked parents aborted by their
-/// drop, the children destroyed.
+/// drop, the children destroyed. The watchdog is the `diag` feature's.
+#[cfg(feature = "diag")]
 fn survivors_of_a_departure(elastic: bool) {
     let id = CommDevice::Host.unique_id().unwrap();
     let ready = Barrier::new(3);
@@ -516,6 +517,7 @@ fn survivors_of_a_departure(elastic: bool) {
 }
 
 #[test]
+#[cfg(feature = "diag")]
 fn elastic_survivors_keep_a_handle_they_can_shrink() {
     survivors_of_a_departure(true);
 }
@@ -523,6 +525,7 @@ fn elastic_survivors_keep_a_handle_they_can_shrink() {
 /// The obstacle `Config::elastic` removes: by default the watchdog aborts the survivors'
 /// handles, and a shrink finds them gone.
 #[test]
+#[cfg(feature = "diag")]
 fn without_elastic_the_watchdog_aborts_the_survivors() {
     survivors_of_a_departure(false);
 }
