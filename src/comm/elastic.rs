@@ -148,7 +148,7 @@ impl Communicator {
             .handle
             .lib()
             .optional(self.handle.table().ncclCommShrink, OP)?;
-        let mut list = self.exclude_list(OP, exclude)?;
+        let list = self.exclude_list(OP, exclude)?;
         crate::teardown::check_lane(OP, self.lane())?;
         // A clique the watchdog failed (a rank left, an operation timed out) fails this
         // call only when the watchdog took the handle; one it revoked in place
@@ -182,54 +182,14 @@ impl Communicator {
         {
             self.revoke()?;
         }
-        let tag = crate::diag::shrink_tag(&list);
-        let slot = JobSlot::new();
-        let out = slot.out();
-        let mut adopted = None;
-        let r = self.issue_job_even_if_failed(
-            CALL,
-            caller,
-            |_, comm| {
-                // SAFETY: as in `shrink`: `list` holds `list.len()` in-range ranks (NCCL
-                // copies it for its job); `out` is the heap slot NCCL's job writes, alive
-                // until the job ended (else leaked); null config inherits the parent's.
-                unsafe {
-                    shrink(
-                        comm,
-                        list.as_mut_ptr(),
-                        list.len() as c_int,
-                        out,
-                        std::ptr::null_mut(),
-                        nccl_sys::bindings::NCCL_SHRINK_ABORT as c_int,
-                    )
-                }
-            },
-            || {
-                adopted = self.adopt_child(OP, slot.take(), caller, tag)?;
-                Ok(())
-            },
-        );
-        if let Err(e) = r {
-            return Err(self.orphan_child(slot, e));
-        }
-        adopted.ok_or(Error::InvalidArgument {
-            op: OP,
-            reason: "NCCL returned no communicator".into(),
-        })
+        self.shrink_call(shrink, list, nccl_sys::bindings::NCCL_SHRINK_ABORT, caller)
     }
 
     /// Whether `ncclCommGetAsyncError` reports an error (not success, not in progress).
     fn nccl_reports_error(&self) -> bool {
-        let mut state = nccl_sys::bindings::ncclSuccess;
-        let polled = self.pinned(|| {
-            // SAFETY: `state` is writable; the handle is live (pinned).
-            Ok(unsafe {
-                (self.handle.table().ncclCommGetAsyncError)(self.handle.get(), &mut state)
-            })
-        });
-        matches!(polled, Ok(r) if r == nccl_sys::bindings::ncclSuccess)
-            && state != nccl_sys::bindings::ncclSuccess
-            && state != nccl_sys::bindings::ncclInProgress
+        self.async_state().is_some_and(|state| {
+            state != nccl_sys::bindings::ncclSuccess && state != nccl_sys::bindings::ncclInProgress
+        })
     }
 
     /// A new id for growing this communicator (`ncclCommGetUniqueId`, NCCL 2.29+), called

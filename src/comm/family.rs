@@ -73,36 +73,65 @@ impl Communicator {
             .handle
             .lib()
             .optional(self.handle.table().ncclCommShrink, OP)?;
-        let mut list = self.exclude_list(OP, exclude)?;
+        let list = self.exclude_list(OP, exclude)?;
         crate::teardown::check_lane(OP, self.lane())?;
+        self.shrink_call(
+            shrink,
+            list,
+            nccl_sys::bindings::NCCL_SHRINK_DEFAULT,
+            caller,
+        )
+    }
+
+    /// The `ncclCommShrink` call of [`shrink`](Self::shrink) (`flags` NCCL_SHRINK_DEFAULT,
+    /// refused on a failed communicator) and of
+    /// [`shrink_after_failure`](Self::shrink_after_failure) (NCCL_SHRINK_ABORT, run on one):
+    /// the child from NCCL's job, adopted, or the parent's error with the slot orphaned.
+    pub(super) fn shrink_call(
+        &self,
+        shrink: unsafe extern "C" fn(
+            ncclComm_t,
+            *mut c_int,
+            c_int,
+            *mut ncclComm_t,
+            *mut nccl_sys::bindings::ncclConfig_t,
+            c_int,
+        ) -> ncclResult_t,
+        mut list: Vec<c_int>,
+        flags: u32,
+        caller: &'static Location<'static>,
+    ) -> Result<Communicator> {
+        const CALL: EntryPoint = EntryPoint::ncclCommShrink;
+        const OP: &str = CALL.name();
         let tag = crate::diag::shrink_tag(&list);
         let slot = JobSlot::new();
         let out = slot.out();
         let mut adopted = None;
-        let r = self.issue_job(
-            CALL,
-            caller,
-            |_, comm| {
-                // SAFETY: `list` holds `list.len()` in-range ranks (NCCL copies it for its
-                // job, init.cc:2615-2618); `out` is the heap slot NCCL's job writes, alive
-                // until the job ended (else leaked); null config inherits the parent's;
-                // flags 0 = NCCL_SHRINK_DEFAULT.
-                unsafe {
-                    shrink(
-                        comm,
-                        list.as_mut_ptr(),
-                        list.len() as c_int,
-                        out,
-                        std::ptr::null_mut(),
-                        nccl_sys::bindings::NCCL_SHRINK_DEFAULT as c_int,
-                    )
-                }
-            },
-            || {
-                adopted = self.adopt_child(OP, slot.take(), caller, tag)?;
-                Ok(())
-            },
-        );
+        let call = |_: &FunctionTable, comm| {
+            // SAFETY: `list` holds `list.len()` in-range ranks (NCCL copies it for its job,
+            // init.cc:2615-2618); `out` is the heap slot NCCL's job writes, alive until the
+            // job ended (else leaked); null config inherits the parent's; `flags` is
+            // NCCL_SHRINK_DEFAULT or NCCL_SHRINK_ABORT.
+            unsafe {
+                shrink(
+                    comm,
+                    list.as_mut_ptr(),
+                    list.len() as c_int,
+                    out,
+                    std::ptr::null_mut(),
+                    flags as c_int,
+                )
+            }
+        };
+        let then = || {
+            adopted = self.adopt_child(OP, slot.take(), caller, tag)?;
+            Ok(())
+        };
+        let r = if flags == nccl_sys::bindings::NCCL_SHRINK_ABORT {
+            self.issue_job_even_if_failed(CALL, caller, call, then)
+        } else {
+            self.issue_job(CALL, caller, call, then)
+        };
         if let Err(e) = r {
             return Err(self.orphan_child(slot, e));
         }

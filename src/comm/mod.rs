@@ -308,6 +308,13 @@ impl Communicator {
     /// `ncclCommGetAsyncError` that does not say ncclInProgress), so that what it writes is
     /// final. False when that cannot be known: the watchdog has the handle.
     pub(crate) fn job_ended(&self) -> bool {
+        self.async_state()
+            .is_some_and(|state| state != nccl_sys::bindings::ncclInProgress)
+    }
+
+    /// What `ncclCommGetAsyncError` says, read once; `None` when it cannot be read (the
+    /// watchdog has the handle, or the call failed).
+    pub(crate) fn async_state(&self) -> Option<ncclResult_t> {
         let mut state = nccl_sys::bindings::ncclInProgress;
         let polled = self.pinned(|| {
             // SAFETY: `state` is writable; the handle is live (pinned).
@@ -315,8 +322,7 @@ impl Communicator {
                 (self.handle.table().ncclCommGetAsyncError)(self.handle.get(), &mut state)
             })
         });
-        matches!(polled, Ok(r) if r == nccl_sys::bindings::ncclSuccess)
-            && state != nccl_sys::bindings::ncclInProgress
+        matches!(polled, Ok(r) if r == nccl_sys::bindings::ncclSuccess).then_some(state)
     }
 
     /// NCCL's error `raw` for `call`, which fails the communicator ([`fail`](Self::fail)).
