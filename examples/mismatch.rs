@@ -26,14 +26,14 @@ fn train_step(comm: &Communicator) -> Result<()> {
 fn run() -> Result<()> {
     let world: usize = match std::env::args().nth(1) {
         Some(a) => a.parse().map_err(|_| Error::InvalidArgument {
-            op: "mismatch example",
+            call: "mismatch example",
             reason: format!("{a:?} is not a number of ranks"),
         })?,
         None => 3,
     };
     if !(2..=4).contains(&world) {
         return Err(Error::InvalidArgument {
-            op: "mismatch example",
+            call: "mismatch example",
             reason: format!("use 2 to 4 ranks, not {world}"),
         });
     }
@@ -58,7 +58,7 @@ fn run() -> Result<()> {
             .map(|h| {
                 h.join().unwrap_or_else(|_| {
                     Err(Error::InvalidArgument {
-                        op: "mismatch example",
+                        call: "mismatch example",
                         reason: "a rank panicked".into(),
                     })
                 })

@@ -248,7 +248,7 @@ fn foreign_clique_id() -> UniqueId {
 /// adopted handle is the watchdog's to abort on a timeout; a borrowed one never is (its
 /// diagnostics hold no handle). On an error the handle is left untouched.
 fn wrap(
-    op: &'static str,
+    call: &'static str,
     handle: RawComm,
     device: CommDevice,
     config: &Config,
@@ -264,16 +264,16 @@ fn wrap(
         return give_back(
             handle,
             Error::InvalidArgument {
-                op,
+                call,
                 reason: "the communicator handle is null".into(),
             },
         );
     }
-    if let Err(e) = Communicator::check_foreign_device(op, &lib, &device) {
+    if let Err(e) = Communicator::check_foreign_device(call, &lib, &device) {
         return give_back(handle, e);
     }
     if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
-        return give_back(handle, Error::InvalidArgument { op, reason });
+        return give_back(handle, Error::InvalidArgument { call, reason });
     }
     let ctx = CallContext {
         comm: raw,
@@ -302,7 +302,7 @@ fn wrap(
         }
         if count < 1 || rank < 0 || rank >= count {
             return Err(Error::InvalidArgument {
-                op,
+                call,
                 reason: format!("NCCL reports rank {rank} of {count}"),
             });
         }
@@ -312,7 +312,7 @@ fn wrap(
             unsafe { nccl_call!(&lib, ncclCommCuDevice(raw, &mut dev), ctx)? };
             if usize::try_from(dev).ok() != Some(cuda.ordinal()) {
                 return Err(Error::InvalidArgument {
-                    op,
+                    call,
                     reason: format!(
                         "the communicator is on CUDA device {dev}, the context on {}",
                         cuda.ordinal()

@@ -109,18 +109,18 @@ impl<'a> Group<'a> {
     /// one library. (A failed communicator is refused by the operation's description, and
     /// again in `issue`.)
     #[inline(always)]
-    fn enter(&mut self, comm: &'a Communicator, op: &'static str) -> Result<()> {
+    fn enter(&mut self, comm: &'a Communicator, call: &'static str) -> Result<()> {
         match self.lib {
             Some(lib) if Arc::ptr_eq(lib, comm.library()) => Ok(()),
-            _ => self.start(comm, op),
+            _ => self.start(comm, call),
         }
     }
 
     #[inline(never)]
-    fn start(&mut self, comm: &'a Communicator, op: &'static str) -> Result<()> {
+    fn start(&mut self, comm: &'a Communicator, call: &'static str) -> Result<()> {
         if self.lib.is_some() {
             return Err(Error::InvalidArgument {
-                op,
+                call,
                 reason: "all communicators of a group must come from one NCCL library".into(),
             });
         }

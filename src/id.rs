@@ -49,7 +49,7 @@ impl UniqueId {
     /// The id from exactly [`UNIQUE_ID_BYTES`] bytes.
     pub fn from_bytes(bytes: &[u8]) -> Result<UniqueId> {
         let arr: [u8; UNIQUE_ID_BYTES] = bytes.try_into().map_err(|_| Error::InvalidArgument {
-            op: "UniqueId::from_bytes",
+            call: "UniqueId::from_bytes",
             reason: format!(
                 "a unique id is {UNIQUE_ID_BYTES} bytes, got {}",
                 bytes.len()
@@ -105,7 +105,7 @@ impl FromStr for UniqueId {
 
     fn from_str(s: &str) -> Result<UniqueId> {
         let bad = |reason: String| Error::InvalidArgument {
-            op: "UniqueId::from_str",
+            call: "UniqueId::from_str",
             reason,
         };
         let s = s.trim();

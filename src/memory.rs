@@ -96,9 +96,9 @@ impl From<&Stream> for Stream {
     }
 }
 
-fn invalid(op: &'static str, reason: impl Into<String>) -> Error {
+fn invalid(call: &'static str, reason: impl Into<String>) -> Error {
     Error::InvalidArgument {
-        op,
+        call,
         reason: reason.into(),
     }
 }
@@ -289,9 +289,9 @@ impl<T: NcclType> NcclMemory<T> {
     }
 
     #[cold]
-    fn not_host(&self, op: &'static str) -> Error {
+    fn not_host(&self, call: &'static str) -> Error {
         invalid(
-            op,
+            call,
             format!(
                 "the memory is {:?}, not host memory: copy it with to_vec",
                 self.memory()
@@ -300,9 +300,9 @@ impl<T: NcclType> NcclMemory<T> {
     }
 
     #[cold]
-    fn not_cuda(&self, op: &'static str) -> Error {
+    fn not_cuda(&self, call: &'static str) -> Error {
         invalid(
-            op,
+            call,
             "the memory is the host provider's host memory, which has no CUDA view",
         )
     }
@@ -423,9 +423,9 @@ impl<T: NcclType> NcclMemory<T> {
     }
 
     #[cold]
-    fn stream_mismatch(&self, op: &'static str, stream: StreamRef<'_>) -> Error {
+    fn stream_mismatch(&self, call: &'static str, stream: StreamRef<'_>) -> Error {
         invalid(
-            op,
+            call,
             format!(
                 "the memory is {:?} but the stream is {}",
                 self.memory(),
@@ -532,7 +532,11 @@ fn same_device<T>(slice: &CudaSlice<T>, s: &CudaStream) -> bool {
 }
 
 /// `range` within `0..len`, as `(start, end)`.
-fn bounds(op: &'static str, range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
+fn bounds(
+    call: &'static str,
+    range: impl RangeBounds<usize>,
+    len: usize,
+) -> Result<(usize, usize)> {
     let start = match range.start_bound() {
         Bound::Included(&a) => Some(a),
         Bound::Excluded(&a) => a.checked_add(1),
@@ -546,7 +550,7 @@ fn bounds(op: &'static str, range: impl RangeBounds<usize>, len: usize) -> Resul
     match (start, end) {
         (Some(a), Some(b)) if a <= b && b <= len => Ok((a, b)),
         _ => Err(invalid(
-            op,
+            call,
             format!(
                 "range {:?}..{:?} is not within the buffer's {len} elements",
                 range.start_bound(),

@@ -163,16 +163,16 @@ impl Communicator {
     /// host provider), not empty.
     fn registration_target<T: NcclType, B: SendBuffer<T> + ?Sized>(
         &self,
-        op: &'static str,
+        call: &'static str,
         buf: &B,
     ) -> Result<Target> {
         let reason = unregistrable(self.library().provider(), self.cuda_ordinal(), buf.memory());
         if let Some(reason) = reason {
-            return Err(Error::InvalidArgument { op, reason });
+            return Err(Error::InvalidArgument { call, reason });
         }
         if buf.is_empty() {
             return Err(Error::InvalidArgument {
-                op,
+                call,
                 reason: "the buffer is empty: there is nothing to register".into(),
             });
         }
@@ -293,7 +293,7 @@ impl Communicator {
         }
         if flags.contains(WindowFlags::COLL_SYMMETRIC) && !buf.is_nccl_alloc() {
             return Err(Error::InvalidArgument {
-                op: OP,
+                call: OP,
                 reason: "a symmetric window (WindowFlags::COLL_SYMMETRIC) needs memory from \
                          NCCL's allocator: allocate the buffer as an NcclMemory"
                     .into(),
@@ -520,9 +520,9 @@ impl<B: ?Sized> Drop for Window<'_, '_, B> {
 
 /// The failure a registration dropped during a panic leaves on its communicator.
 #[cold]
-fn unwinding(op: &'static str) -> Error {
+fn unwinding(call: &'static str) -> Error {
     Error::InvalidArgument {
-        op,
+        call,
         reason: "dropped while its thread panicked: skipped, and the communicator is aborted when dropped".into(),
     }
 }

@@ -747,7 +747,7 @@ fn rank_failed_names_the_first_rank_to_fail_and_reports_once() {
         .run(|rank| {
             if rank.rank() == 2 {
                 return Err(Error::InvalidArgument {
-                    op: "the test",
+                    call: "the test",
                     reason: "rank 2 fails first".into(),
                 });
             }

@@ -71,7 +71,7 @@ fn a_rank_that_errors_is_named_and_the_others_do_not_hang() {
     let (result, stats) = launch(4, Duration::from_secs(20), |rank| {
         if rank.rank() == 2 {
             return Err(Error::InvalidArgument {
-                op: "test",
+                call: "test",
                 reason: "rank 2 gives up".into(),
             });
         }

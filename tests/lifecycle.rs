@@ -181,7 +181,7 @@ fn tear_down(comm: Communicator, how: Teardown, peer_may_abort: bool) {
                     matches!(
                         e,
                         Error::CommunicatorFailed {
-                            op: "ncclCommDestroy",
+                            call: "ncclCommDestroy",
                             ..
                         } | Error::RankLeft { .. }
                     ),
@@ -492,7 +492,7 @@ fn destroy_of_a_failed_communicator_hands_it_back_with_the_error() {
             matches!(
                 &e,
                 Error::CommunicatorFailed {
-                    op: "ncclCommDestroy",
+                    call: "ncclCommDestroy",
                     rank: 0,
                     ..
                 }
@@ -504,7 +504,7 @@ fn destroy_of_a_failed_communicator_hands_it_back_with_the_error() {
         assert!(matches!(
             back.all_reduce_in_place(&mut y, ReduceOp::Sum, &S),
             Err(Error::CommunicatorFailed {
-                op: "ncclAllReduce",
+                call: "ncclAllReduce",
                 ..
             })
         ));
@@ -513,7 +513,7 @@ fn destroy_of_a_failed_communicator_hands_it_back_with_the_error() {
             matches!(
                 e,
                 Error::CommunicatorFailed {
-                    op: "ncclCommFinalize",
+                    call: "ncclCommFinalize",
                     ..
                 }
             ),

@@ -392,7 +392,7 @@ fn fp8_is_supported_and_nccl_memory_needs_a_cuda_stream() {
     let mem = nccl_safe::NcclMemory::<f32>::alloc_zeros_in(&lib, 4, nccl_safe::Stream::Host);
     match mem {
         Err(Error::InvalidArgument {
-            op: "ncclMemAlloc",
+            call: "ncclMemAlloc",
             reason,
         }) => {
             assert!(reason.contains("CUDA stream"), "{reason}")

@@ -92,7 +92,7 @@ fn assert_unsupported<T: std::fmt::Debug>(
 #[track_caller]
 fn assert_invalid<T: std::fmt::Debug>(r: nccl_safe::Result<T>, op: &str, says: &str) {
     match r {
-        Err(Error::InvalidArgument { op: o, reason }) => {
+        Err(Error::InvalidArgument { call: o, reason }) => {
             assert_eq!(o, op, "{reason}");
             assert!(reason.contains(says), "{reason:?} should say {says:?}");
         }

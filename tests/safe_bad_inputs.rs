@@ -53,7 +53,7 @@ fn wrong_lengths_follow_each_collectives_rule() {
         assert_err!(
             l(comm.all_reduce(&four, &mut three, ReduceOp::Sum, &S)),
             Error::LengthMismatch {
-                op: "ncclAllReduce",
+                call: "ncclAllReduce",
                 role: BufferRole::Recv,
                 expected: 4,
                 actual: 3,
@@ -63,7 +63,7 @@ fn wrong_lengths_follow_each_collectives_rule() {
         assert_err!(
             l(comm.reduce(&four, &mut three, ReduceOp::Sum, 0, &S)),
             Error::LengthMismatch {
-                op: "ncclReduce",
+                call: "ncclReduce",
                 role: BufferRole::Recv,
                 expected: 4,
                 actual: 3,
@@ -74,7 +74,7 @@ fn wrong_lengths_follow_each_collectives_rule() {
         assert_err!(
             l(comm.broadcast(&four, &mut three, 0, &S)),
             Error::LengthMismatch {
-                op: "ncclBroadcast",
+                call: "ncclBroadcast",
                 role: BufferRole::Send,
                 expected: 3,
                 actual: 4,
@@ -85,7 +85,7 @@ fn wrong_lengths_follow_each_collectives_rule() {
         assert_err!(
             l(comm.all_gather(&four, &mut ten, &S)),
             Error::LengthMismatch {
-                op: "ncclAllGather",
+                call: "ncclAllGather",
                 role: BufferRole::Recv,
                 expected: 12,
                 actual: 10,
@@ -96,7 +96,7 @@ fn wrong_lengths_follow_each_collectives_rule() {
         assert_err!(
             l(comm.reduce_scatter(&four, &mut three, ReduceOp::Sum, &S)),
             Error::LengthMismatch {
-                op: "ncclReduceScatter",
+                call: "ncclReduceScatter",
                 role: BufferRole::Send,
                 expected: 9,
                 actual: 4,
@@ -107,7 +107,7 @@ fn wrong_lengths_follow_each_collectives_rule() {
         assert_err!(
             l(comm.all_to_all(&four, &mut twelve, &S)),
             Error::LengthMismatch {
-                op: "ncclAlltoAll",
+                call: "ncclAlltoAll",
                 actual: 4,
                 expected: 6,
                 ..
@@ -116,7 +116,7 @@ fn wrong_lengths_follow_each_collectives_rule() {
         assert_err!(
             l(comm.all_to_all(&vec![0.0f32; 12], &mut ten, &S)),
             Error::LengthMismatch {
-                op: "ncclAlltoAll",
+                call: "ncclAlltoAll",
                 role: BufferRole::Recv,
                 expected: 12,
                 actual: 10,
@@ -127,7 +127,7 @@ fn wrong_lengths_follow_each_collectives_rule() {
         assert_err!(
             l(comm.all_gather_in_place(&mut ten, &S)),
             Error::LengthMismatch {
-                op: "ncclAllGather",
+                call: "ncclAllGather",
                 actual: 10,
                 expected: 12,
                 ..
@@ -136,7 +136,7 @@ fn wrong_lengths_follow_each_collectives_rule() {
         assert_err!(
             l(comm.reduce_scatter_in_place(&mut ten, ReduceOp::Sum, &S)),
             Error::LengthMismatch {
-                op: "ncclReduceScatter",
+                call: "ncclReduceScatter",
                 actual: 10,
                 expected: 12,
                 ..
@@ -147,7 +147,7 @@ fn wrong_lengths_follow_each_collectives_rule() {
             assert_err!(
                 l(comm.gather(&four, &mut ten, 1, &S)),
                 Error::LengthMismatch {
-                    op: "ncclGather",
+                    call: "ncclGather",
                     role: BufferRole::Recv,
                     expected: 12,
                     actual: 10,
@@ -157,7 +157,7 @@ fn wrong_lengths_follow_each_collectives_rule() {
             assert_err!(
                 l(comm.scatter(&ten, &mut three, 1, &S)),
                 Error::LengthMismatch {
-                    op: "ncclScatter",
+                    call: "ncclScatter",
                     role: BufferRole::Send,
                     expected: 9,
                     actual: 10,
@@ -172,7 +172,7 @@ fn wrong_lengths_follow_each_collectives_rule() {
                 comm.all_gather_op(&four, &mut ten, &S)
                     .and_then(|op| g.push(op)),
                 Error::LengthMismatch {
-                    op: "ncclAllGather",
+                    call: "ncclAllGather",
                     ..
                 }
             );
@@ -180,7 +180,7 @@ fn wrong_lengths_follow_each_collectives_rule() {
                 comm.reduce_scatter_op(&four, &mut three, ReduceOp::Sum, &S)
                     .and_then(|op| g.push(op)),
                 Error::LengthMismatch {
-                    op: "ncclReduceScatter",
+                    call: "ncclReduceScatter",
                     ..
                 }
             );
@@ -199,7 +199,7 @@ fn roots_and_peers_out_of_range() {
         let mut big = vec![0u8; 4];
         let root = |e: nccl_safe::Result<()>, op: &str| match e {
             Err(Error::RankOutOfRange {
-                op: o,
+                call: o,
                 what: "root",
                 rank: 2,
                 world_size: 2,
@@ -221,7 +221,7 @@ fn roots_and_peers_out_of_range() {
         assert_err!(
             comm.send(&send, 2, &S),
             Error::RankOutOfRange {
-                op: "ncclSend",
+                call: "ncclSend",
                 what: "peer",
                 rank: 2,
                 world_size: 2
@@ -230,7 +230,7 @@ fn roots_and_peers_out_of_range() {
         assert_err!(
             comm.recv(&mut recv, usize::MAX, &S),
             Error::RankOutOfRange {
-                op: "ncclRecv",
+                call: "ncclRecv",
                 what: "peer",
                 rank: usize::MAX,
                 ..
@@ -240,7 +240,7 @@ fn roots_and_peers_out_of_range() {
         assert_err!(
             comm.send_op(&send, 5, &S).and_then(|op| g.push(op)),
             Error::RankOutOfRange {
-                op: "ncclSend",
+                call: "ncclSend",
                 what: "peer",
                 rank: 5,
                 ..
@@ -250,7 +250,7 @@ fn roots_and_peers_out_of_range() {
             comm.broadcast_op(&send, &mut recv, 3, &S)
                 .and_then(|op| g.push(op)),
             Error::RankOutOfRange {
-                op: "ncclBroadcast",
+                call: "ncclBroadcast",
                 what: "root",
                 rank: 3,
                 ..
@@ -271,7 +271,7 @@ fn in_place_descriptions_reject_like_the_plain_forms_and_the_group_goes_on() {
         assert_err!(
             comm.all_gather_in_place_op(&mut ten, &S),
             Error::LengthMismatch {
-                op: "ncclAllGather",
+                call: "ncclAllGather",
                 role: BufferRole::Recv,
                 expected: 12,
                 actual: 10,
@@ -281,7 +281,7 @@ fn in_place_descriptions_reject_like_the_plain_forms_and_the_group_goes_on() {
         assert_err!(
             comm.reduce_scatter_in_place_op(&mut ten, ReduceOp::Sum, &S),
             Error::LengthMismatch {
-                op: "ncclReduceScatter",
+                call: "ncclReduceScatter",
                 expected: 12,
                 actual: 10,
                 ..
@@ -290,7 +290,7 @@ fn in_place_descriptions_reject_like_the_plain_forms_and_the_group_goes_on() {
         assert_err!(
             comm.reduce_in_place_op(&mut ten, ReduceOp::Sum, 3, &S),
             Error::RankOutOfRange {
-                op: "ncclReduce",
+                call: "ncclReduce",
                 what: "root",
                 rank: 3,
                 ..
@@ -299,7 +299,7 @@ fn in_place_descriptions_reject_like_the_plain_forms_and_the_group_goes_on() {
         assert_err!(
             comm.broadcast_in_place_op(&mut ten, usize::MAX, &S),
             Error::RankOutOfRange {
-                op: "ncclBroadcast",
+                call: "ncclBroadcast",
                 what: "root",
                 rank: usize::MAX,
                 ..
@@ -325,7 +325,7 @@ fn init_rejects_world_size_zero_and_rank_past_the_world() {
     assert_err!(
         Communicator::init_rank(&CommDevice::Host, 0, 0, &id, &cfg),
         Error::InvalidArgument {
-            op: "ncclCommInitRankConfig",
+            call: "ncclCommInitRankConfig",
             ..
         }
     );
@@ -350,7 +350,7 @@ fn init_rejects_world_size_zero_and_rank_past_the_world() {
     assert_err!(
         Communicator::init_all(&[]),
         Error::InvalidArgument {
-            op: "ncclCommInitAll",
+            call: "ncclCommInitAll",
             ..
         }
     );
@@ -444,14 +444,14 @@ fn pre_mul_sum_of_another_communicator_is_refused() {
         assert_err!(
             comms[1].all_reduce_in_place(&mut x, &op0, &S),
             Error::InvalidArgument {
-                op: "ncclAllReduce",
+                call: "ncclAllReduce",
                 ..
             }
         );
         assert_err!(
             comms[1].reduce_scatter(&[1.0f32; 4][..], &mut x, &op0, &S),
             Error::InvalidArgument {
-                op: "ncclReduceScatter",
+                call: "ncclReduceScatter",
                 ..
             }
         );
@@ -461,7 +461,7 @@ fn pre_mul_sum_of_another_communicator_is_refused() {
                 .all_reduce_in_place_op(&mut x, &op0, &S)
                 .and_then(|op| g.push(op)),
             Error::InvalidArgument {
-                op: "ncclAllReduce",
+                call: "ncclAllReduce",
                 ..
             }
         );
@@ -496,28 +496,28 @@ fn split_color_past_i32_max_and_bad_shrink_lists() {
         assert_err!(
             comm.split(Some(i32::MAX as u32 + 1), 0),
             Error::InvalidArgument {
-                op: "ncclCommSplit",
+                call: "ncclCommSplit",
                 ..
             }
         );
         assert_err!(
             comm.split(Some(u32::MAX), 0),
             Error::InvalidArgument {
-                op: "ncclCommSplit",
+                call: "ncclCommSplit",
                 ..
             }
         );
         assert_err!(
             comm.shrink(&[r]),
             Error::InvalidArgument {
-                op: "ncclCommShrink",
+                call: "ncclCommShrink",
                 ..
             }
         );
         assert_err!(
             comm.shrink(&[3]),
             Error::RankOutOfRange {
-                op: "ncclCommShrink",
+                call: "ncclCommShrink",
                 what: "excluded rank",
                 rank: 3,
                 world_size: 3
@@ -527,7 +527,7 @@ fn split_color_past_i32_max_and_bad_shrink_lists() {
         assert_err!(
             comm.shrink(&[other, other]),
             Error::InvalidArgument {
-                op: "ncclCommShrink",
+                call: "ncclCommShrink",
                 ..
             }
         );
@@ -560,7 +560,7 @@ fn a_group_mixing_two_libraries_is_refused() {
         b.all_reduce_in_place_op(&mut y, ReduceOp::Sum, &S)
             .and_then(|op| g.push(op)),
         Error::InvalidArgument {
-            op: "ncclAllReduce",
+            call: "ncclAllReduce",
             ..
         }
     );
@@ -579,7 +579,7 @@ fn a_host_device_on_nvidias_nccl_is_refused_without_a_gpu() {
     assert_err!(
         Communicator::init_rank_in(&lib, &CommDevice::Host, 1, 0, &id, &Config::new()),
         Error::InvalidArgument {
-            op: "ncclCommInitRankConfig",
+            call: "ncclCommInitRankConfig",
             ..
         }
     );
@@ -591,7 +591,7 @@ fn unique_id_from_wrong_bytes_or_bad_hex() {
         assert_err!(
             UniqueId::from_bytes(&vec![0u8; n]),
             Error::InvalidArgument {
-                op: "UniqueId::from_bytes",
+                call: "UniqueId::from_bytes",
                 ..
             }
         );
@@ -616,7 +616,7 @@ fn unique_id_from_wrong_bytes_or_bad_hex() {
         assert_err!(
             text.parse::<UniqueId>(),
             Error::InvalidArgument {
-                op: "UniqueId::from_str",
+                call: "UniqueId::from_str",
                 ..
             }
         );
@@ -628,7 +628,7 @@ fn unique_id_text_with_plus_signs_is_not_hex() {
     assert_err!(
         "+1".repeat(UNIQUE_ID_BYTES).parse::<UniqueId>(),
         Error::InvalidArgument {
-            op: "UniqueId::from_str",
+            call: "UniqueId::from_str",
             ..
         }
     );

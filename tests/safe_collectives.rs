@@ -699,7 +699,7 @@ fn an_op_enqueues_nothing_until_it_runs_and_keeps_its_reduction() {
     assert!(matches!(
         two[0].all_gather_in_place_op(&mut odd, &S),
         Err(nccl_safe::Error::LengthMismatch {
-            op: "ncclAllGather",
+            call: "ncclAllGather",
             ..
         })
     ));

@@ -228,7 +228,7 @@ macro_rules! with_dtype {
             "f32" => $f::<f32>($($arg),*),
             "f64" => $f::<f64>($($arg),*),
             other => Err(nccl_safe::Error::InvalidArgument {
-                op: "command line",
+                call: "command line",
                 reason: format!("unknown --dtype {other}"),
             }),
         }

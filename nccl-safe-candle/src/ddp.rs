@@ -154,7 +154,7 @@ fn per_bucket(lens: impl Iterator<Item = usize>, buckets: &[Range<usize>]) -> Re
         }
         if b == buckets.len() || offset < buckets[b].start {
             return Err(K::InvalidArgument {
-                op: "sync_grads",
+                call: "sync_grads",
                 reason: format!(
                     "a parameter of {len} elements at {offset} fits no bucket of {buckets:?}"
                 ),
@@ -268,14 +268,14 @@ impl<'c> DistributedDataParallel<'c> {
     ) -> Result<Self> {
         if cap_bytes == 0 {
             return Err(K::InvalidArgument {
-                op: "DistributedDataParallel",
+                call: "DistributedDataParallel",
                 reason: "the bucket cap must be at least one byte".into(),
             }
             .into());
         }
         if params.is_empty() {
             return Err(K::InvalidArgument {
-                op: "DistributedDataParallel",
+                call: "DistributedDataParallel",
                 reason: "no parameters".into(),
             }
             .into());
@@ -283,7 +283,7 @@ impl<'c> DistributedDataParallel<'c> {
         params.sort_by(|a, b| a.0.cmp(&b.0));
         if let Some(w) = params.windows(2).find(|w| w[0].0 == w[1].0) {
             return Err(K::InvalidArgument {
-                op: "DistributedDataParallel",
+                call: "DistributedDataParallel",
                 reason: format!("two parameters are named {:?}", w[0].0),
             }
             .into());
@@ -423,7 +423,7 @@ impl<'c> DistributedDataParallel<'c> {
                     };
                     if g.dims() != t.dims() || g.dtype() != t.dtype() {
                         return Err(K::Shape {
-                            op: "sync_grads",
+                            call: "sync_grads",
                             reason: format!(
                                 "the gradient of {} is {:?} {:?}, the parameter {:?} {:?}",
                                 self.params[i].0,
@@ -470,7 +470,7 @@ impl<'c> DistributedDataParallel<'c> {
     ) -> Result<()> {
         if let Some(p) = parts.iter().find(|p| !cs.serves(p.device())) {
             return Err(K::WrongDevice {
-                op: "sync_grads",
+                call: "sync_grads",
                 tensor: format!("{:?} (another candle device)", p.device().location()),
                 comm: "the candle device of the parameters at construction".into(),
             }

@@ -157,7 +157,7 @@ fn recover_inner(comm: Communicator, step: &mut u64) -> Result<(Communicator, Re
     let t0 = Instant::now();
     let Some(lost) = comm.lost_rank() else {
         return Err(K::InvalidArgument {
-            op: "recover",
+            call: "recover",
             reason: "no rank of this communicator is known to have left".into(),
         }
         .into());
@@ -175,7 +175,7 @@ fn recover_inner(comm: Communicator, step: &mut u64) -> Result<(Communicator, Re
     );
     if lo != hi || theirs[0] != lost as f64 {
         return Err(K::InvalidArgument {
-            op: "recover",
+            call: "recover",
             reason: format!(
                 "the ranks left disagree on the rank that was lost: rank {} of {} named {lost}, others between {lo} and {hi}",
                 comm.rank(),

@@ -76,7 +76,7 @@ impl Communicator {
             .optional(self.handle.table().ncclCommRevoke, OP)?;
         if self.is_revoked() {
             return Err(Error::InvalidArgument {
-                op: OP,
+                call: OP,
                 reason: "the communicator was already revoked".into(),
             });
         }
@@ -245,7 +245,7 @@ impl Communicator {
             .optional(self.handle.table().ncclCommGrow, OP)?;
         if world_size <= self.world_size || world_size > c_int::MAX as usize {
             return Err(Error::InvalidArgument {
-                op: OP,
+                call: OP,
                 reason: format!(
                     "a grown communicator has more than the current {} ranks and at most {}; got {world_size}",
                     self.world_size,
@@ -288,7 +288,7 @@ impl Communicator {
         );
         match r {
             Ok(()) => adopted.ok_or(Error::InvalidArgument {
-                op: OP,
+                call: OP,
                 reason: "NCCL returned no communicator".into(),
             }),
             Err(e) => {
@@ -335,7 +335,7 @@ impl Communicator {
         check_world(OP, world_size, rank)?;
         check_device(OP, lib, device)?;
         if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
-            return Err(Error::InvalidArgument { op: OP, reason });
+            return Err(Error::InvalidArgument { call: OP, reason });
         }
         let diag = crate::diag::CommDiag::for_id(&config.diag, id);
         crate::teardown::check_lane(
@@ -381,7 +381,7 @@ impl Communicator {
         }
         if raw.is_null() {
             return Err(Error::InvalidArgument {
-                op: OP,
+                call: OP,
                 reason: "NCCL returned success but no communicator".into(),
             });
         }
@@ -401,12 +401,12 @@ impl Communicator {
 
     /// The checked exclude list of a shrink: in range, not this rank, no duplicates, not
     /// every rank.
-    pub(super) fn exclude_list(&self, op: &'static str, exclude: &[usize]) -> Result<Vec<c_int>> {
+    pub(super) fn exclude_list(&self, call: &'static str, exclude: &[usize]) -> Result<Vec<c_int>> {
         let mut list = Vec::with_capacity(exclude.len());
         for &r in exclude {
             if r >= self.world_size {
                 return Err(Error::RankOutOfRange {
-                    op,
+                    call,
                     what: "excluded rank",
                     rank: r,
                     world_size: self.world_size,
@@ -414,13 +414,13 @@ impl Communicator {
             }
             if r == self.rank {
                 return Err(Error::InvalidArgument {
-                    op,
+                    call,
                     reason: format!("rank {r} is excluded, so it must not call shrink"),
                 });
             }
             if list.contains(&(r as c_int)) {
                 return Err(Error::InvalidArgument {
-                    op,
+                    call,
                     reason: format!("rank {r} is listed twice"),
                 });
             }
@@ -428,7 +428,7 @@ impl Communicator {
         }
         if list.len() >= self.world_size {
             return Err(Error::InvalidArgument {
-                op,
+                call,
                 reason: "every rank is excluded".into(),
             });
         }

@@ -33,7 +33,7 @@ impl Communicator {
             Some(c) if c <= c_int::MAX as u32 => c as c_int,
             Some(c) => {
                 return Err(Error::InvalidArgument {
-                    op: OP,
+                    call: OP,
                     reason: format!("color {c} does not fit NCCL's int (max {})", c_int::MAX),
                 })
             }
@@ -136,7 +136,7 @@ impl Communicator {
             return Err(self.orphan_child(slot, e));
         }
         adopted.ok_or(Error::InvalidArgument {
-            op: OP,
+            call: OP,
             reason: "NCCL returned no communicator".into(),
         })
     }
@@ -187,7 +187,7 @@ impl Communicator {
     /// Wraps a child handle from split/shrink, reading its rank and size from NCCL.
     pub(super) fn adopt_child(
         &self,
-        op: &'static str,
+        call: &'static str,
         child: ncclComm_t,
         caller: &'static Location<'static>,
         tag: u64,
@@ -208,7 +208,7 @@ impl Communicator {
         // parent's clique (with its report of who is behind) normally ends a wait for a
         // missing rank; the wait's own limit is a margin later.
         comm.wait_ready_for(
-            op,
+            call,
             caller,
             self.diag.timeout() + CHILD_WAIT_MARGIN,
             &self.diag,

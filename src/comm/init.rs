@@ -69,7 +69,7 @@ impl Communicator {
         check_world(OP, world_size, rank)?;
         check_device(OP, lib, device)?;
         if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
-            return Err(Error::InvalidArgument { op: OP, reason });
+            return Err(Error::InvalidArgument { call: OP, reason });
         }
         let diag = crate::diag::CommDiag::for_id(&config.diag, id);
         crate::teardown::check_lane(
@@ -111,7 +111,7 @@ impl Communicator {
         }
         if raw.is_null() {
             return Err(Error::InvalidArgument {
-                op: OP,
+                call: OP,
                 reason: "NCCL returned success but no communicator".into(),
             });
         }
@@ -129,7 +129,7 @@ impl Communicator {
     pub fn init_all(devices: &[CommDevice]) -> Result<Vec<Communicator>> {
         const OP: &str = "ncclCommInitAll";
         let first = devices.first().ok_or(Error::InvalidArgument {
-            op: OP,
+            call: OP,
             reason: "no devices given".into(),
         })?;
         let lib = first.library()?;
@@ -212,16 +212,16 @@ impl PendingCommunicator {
         PendingCommunicator { comm }
     }
 
-    /// [`wait`](Self::wait) for the call `op` made at `caller`.
+    /// [`wait`](Self::wait) for the call `call` made at `caller`.
     pub(super) fn wait_as(
         self,
-        op: &'static str,
+        call: &'static str,
         caller: &'static Location<'static>,
         timeout: Duration,
     ) -> Result<Communicator> {
         let mut comm = self.comm;
         let ready = comm
-            .wait_ready(op, caller, timeout)
+            .wait_ready(call, caller, timeout)
             .and_then(|()| comm.read_shape(caller));
         if let Err(e) = ready {
             // This rank never joins: no collective of its clique can complete (the peers

@@ -186,10 +186,10 @@ impl std::fmt::Debug for Communicator {
     }
 }
 
-fn check_world(op: &'static str, world_size: usize, rank: usize) -> Result<()> {
+fn check_world(call: &'static str, world_size: usize, rank: usize) -> Result<()> {
     if world_size == 0 || world_size > c_int::MAX as usize {
         return Err(Error::InvalidArgument {
-            op,
+            call,
             reason: format!(
                 "world size {world_size} must be between 1 and {}",
                 c_int::MAX
@@ -198,7 +198,7 @@ fn check_world(op: &'static str, world_size: usize, rank: usize) -> Result<()> {
     }
     if rank >= world_size {
         return Err(Error::RankOutOfRange {
-            op,
+            call,
             what: "rank",
             rank,
             world_size,
@@ -207,11 +207,11 @@ fn check_world(op: &'static str, world_size: usize, rank: usize) -> Result<()> {
     Ok(())
 }
 
-fn check_device(op: &'static str, lib: &Library, device: &CommDevice) -> Result<()> {
+fn check_device(call: &'static str, lib: &Library, device: &CommDevice) -> Result<()> {
     match (lib.provider(), device) {
         (p, d) if p == d.provider() => Ok(()),
         (p, d) => Err(Error::InvalidArgument {
-            op,
+            call,
             reason: format!(
                 "a {} device cannot use the {p:?} provider",
                 match d {
@@ -286,8 +286,8 @@ impl Communicator {
     }
 
     /// One `ncclCommGetAsyncError`, pinned: `Ok(true)` while in progress, `Ok(false)` when
-    /// done; an error state marks the communicator failed with `op`.
-    fn poll_async(&self, op: &'static str, caller: &'static Location<'static>) -> Result<bool> {
+    /// done; an error state marks the communicator failed with `call`.
+    fn poll_async(&self, call: &'static str, caller: &'static Location<'static>) -> Result<bool> {
         let mut state = nccl_sys::bindings::ncclSuccess;
         self.pinned(|| {
             // SAFETY: `state` is writable; the handle is live (not torn down: pinned, so the
@@ -300,7 +300,7 @@ impl Communicator {
         match ResultCode::from_raw(state) {
             None => Ok(false),
             Some(ResultCode::InProgress) => Ok(true),
-            Some(_) => Err(self.fail_nccl(op, state, caller)),
+            Some(_) => Err(self.fail_nccl(call, state, caller)),
         }
     }
 
@@ -580,20 +580,20 @@ impl Communicator {
     /// timed out, else with its own first error (one it saw before a peer left, too), else
     /// with the report of a peer that left.
     #[inline]
-    pub(crate) fn ensure_usable(&self, op: &'static str) -> Result<()> {
+    pub(crate) fn ensure_usable(&self, call: &'static str) -> Result<()> {
         match (self.failure.get(), self.diag.check_alive()) {
             (None, alive) => alive,
             (Some(cause), Err(Error::RankLeft { .. }) | Ok(())) => {
-                Err(self.communicator_failed(op, cause))
+                Err(self.communicator_failed(call, cause))
             }
             (Some(_), Err(e)) => Err(e),
         }
     }
 
     #[cold]
-    fn communicator_failed(&self, op: &'static str, cause: &str) -> Error {
+    fn communicator_failed(&self, call: &'static str, cause: &str) -> Error {
         Error::CommunicatorFailed {
-            op,
+            call,
             rank: self.rank,
             cause: cause.to_string(),
         }
@@ -602,18 +602,18 @@ impl Communicator {
     /// Polls `ncclCommGetAsyncError` until the communicator leaves `ncclInProgress`.
     pub(crate) fn wait_ready(
         &self,
-        op: &'static str,
+        call: &'static str,
         caller: &'static Location<'static>,
         timeout: Duration,
     ) -> Result<()> {
-        self.wait_ready_for(op, caller, timeout, &self.diag)
+        self.wait_ready_for(call, caller, timeout, &self.diag)
     }
 
     /// [`wait_ready`](Self::wait_ready) that also ends when the watchdog fails `watched`
     /// (a child's wait watches its parent).
     fn wait_ready_for(
         &self,
-        op: &'static str,
+        call: &'static str,
         caller: &'static Location<'static>,
         timeout: Duration,
         watched: &crate::diag::CommDiag,
@@ -624,14 +624,14 @@ impl Communicator {
             // The watchdog may have failed it (and taken the handle) meanwhile.
             self.diag.check_alive()?;
             watched.check_alive()?;
-            if !self.poll_async(op, caller)? {
+            if !self.poll_async(call, caller)? {
                 return Ok(());
             }
             if start.elapsed() >= timeout {
                 let e = Error::Timeout {
                     what: self
                         .diag
-                        .wait_timeout_report(op, self.rank, self.world_size),
+                        .wait_timeout_report(call, self.rank, self.world_size),
                     timeout,
                 };
                 self.mark_failed(&e);
@@ -699,11 +699,11 @@ impl Communicator {
 
     /// [`check_device`] for src/comm_ref.rs.
     pub(crate) fn check_foreign_device(
-        op: &'static str,
+        call: &'static str,
         lib: &Library,
         device: &CommDevice,
     ) -> Result<()> {
-        check_device(op, lib, device)
+        check_device(call, lib, device)
     }
 }
 

@@ -46,7 +46,7 @@ impl Communicator {
             Ok(false) => {}
             Ok(true) => {
                 let e = Error::InvalidArgument {
-                    op: OP,
+                    call: OP,
                     reason: "NCCL still has work of this communicator in flight (ncclCommGetAsyncError says ncclInProgress): it cannot be destroyed now; drop it to abort it, or wait for the work".into(),
                 };
                 self.mark_failed(&e);

@@ -491,8 +491,8 @@ impl CommDiag {
         }
     }
 
-    /// The report of a wait for `op` (an init, a split child) that ran out of time.
-    pub(crate) fn wait_timeout_report(&self, op: &str, rank: usize, world_size: usize) -> String {
+    /// The report of a wait for `call` (an init, a split child) that ran out of time.
+    pub(crate) fn wait_timeout_report(&self, call: &str, rank: usize, world_size: usize) -> String {
         let a = arrivals().lock().unwrap_or_else(|e| e.into_inner());
         match a
             .get(&self.key)
@@ -501,10 +501,10 @@ impl CommDiag {
             Some(seen) => {
                 let (yes, no): (Vec<usize>, Vec<usize>) = (0..world_size).partition(|&r| seen[r]);
                 format!(
-                    "{op} on rank {rank} of {world_size} did not complete: ranks never seen here: {no:?} (not started, dead, or in another process); ranks that began their init in this process: {yes:?}"
+                    "{call} on rank {rank} of {world_size} did not complete: ranks never seen here: {no:?} (not started, dead, or in another process); ranks that began their init in this process: {yes:?}"
                 )
             }
-            None => format!("{op} on rank {rank} of {world_size} did not complete"),
+            None => format!("{call} on rank {rank} of {world_size} did not complete"),
         }
     }
 
@@ -605,7 +605,7 @@ impl CommDiag {
         let e = match s.clique.agree(s.rank, rec, deadline) {
             Agreement::Agree => return Ok(()),
             Agreement::Mismatch(table) => Error::CollectiveMismatch {
-                op: rec.op.name(),
+                call: rec.op.name(),
                 rank: s.rank,
                 seq: rec.seq,
                 table,

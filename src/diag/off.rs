@@ -155,8 +155,8 @@ impl CommDiag {
         }
     }
 
-    pub(crate) fn wait_timeout_report(&self, op: &str, rank: usize, world_size: usize) -> String {
-        format!("{op} on rank {rank} of {world_size} did not complete")
+    pub(crate) fn wait_timeout_report(&self, call: &str, rank: usize, world_size: usize) -> String {
+        format!("{call} on rank {rank} of {world_size} did not complete")
     }
 
     #[inline(always)]

@@ -302,12 +302,12 @@ pub enum StoreError {
         source: io::Error,
     },
     /// The store did not answer before the request's deadline.
-    #[error("the c10d store at {addr} did not answer {op} within {timeout:?}")]
+    #[error("the c10d store at {addr} did not answer {call} within {timeout:?}")]
     Timeout {
         /// `host:port` of the store.
         addr: String,
         /// The request.
-        op: String,
+        call: String,
         /// The deadline that passed.
         timeout: Duration,
     },
@@ -326,42 +326,42 @@ pub enum StoreError {
         hint: String,
     },
     /// The store closed the connection in the middle of an answer (or before it).
-    #[error("the c10d store at {addr} closed the connection during {op}")]
+    #[error("the c10d store at {addr} closed the connection during {call}")]
     Closed {
         /// `host:port` of the store.
         addr: String,
         /// The request.
-        op: String,
+        call: String,
     },
     /// The store answered something the protocol does not allow.
-    #[error("the c10d store at {addr} answered {op} with {detail}: is MASTER_PORT the torchrun agent's store?")]
+    #[error("the c10d store at {addr} answered {call} with {detail}: is MASTER_PORT the torchrun agent's store?")]
     Protocol {
         /// `host:port` of the store.
         addr: String,
         /// The request.
-        op: String,
+        call: String,
         /// What was wrong.
         detail: String,
     },
     /// A key or value is longer than [`MAX_VALUE_LEN`].
-    #[error("{op} at the c10d store at {addr}: a {what} of {len} bytes is over the {MAX_VALUE_LEN}-byte limit")]
+    #[error("{call} at the c10d store at {addr}: a {what} of {len} bytes is over the {MAX_VALUE_LEN}-byte limit")]
     TooLarge {
         /// `host:port` of the store.
         addr: String,
         /// The request.
-        op: String,
+        call: String,
         /// "key", "value" or "answer".
         what: &'static str,
         /// Its length.
         len: u64,
     },
     /// Another socket error.
-    #[error("{op} at the c10d store at {addr}: {source}")]
+    #[error("{call} at the c10d store at {addr}: {source}")]
     Io {
         /// `host:port` of the store.
         addr: String,
         /// The request.
-        op: String,
+        call: String,
         /// The operating system's error.
         source: io::Error,
     },

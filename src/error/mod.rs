@@ -188,10 +188,10 @@ pub enum Error {
     Nccl(Box<NcclError>),
     /// A buffer's length does not fit the operation (nothing was run): size the buffer as
     /// `rule` says.
-    #[error("{op}: {role} holds {actual} elements but {expected} are needed ({rule})")]
+    #[error("{call}: {role} holds {actual} elements but {expected} are needed ({rule})")]
     LengthMismatch {
         /// The operation.
-        op: &'static str,
+        call: &'static str,
         /// Which buffer.
         role: BufferRole,
         /// What the operation needs.
@@ -203,10 +203,10 @@ pub enum Error {
     },
     /// A root or peer rank outside `0..world_size` (nothing was run): pass a rank below the
     /// communicator's [`world_size`](crate::Communicator::world_size).
-    #[error("{op}: {what} {rank} is out of range for a communicator of {world_size} ranks")]
+    #[error("{call}: {what} {rank} is out of range for a communicator of {world_size} ranks")]
     RankOutOfRange {
         /// The operation.
-        op: &'static str,
+        call: &'static str,
         /// "root" or "peer".
         what: &'static str,
         /// The rank given.
@@ -216,19 +216,19 @@ pub enum Error {
     },
     /// Any other argument that NCCL would reject or misuse (nothing was run): `reason`
     /// says what is wrong; fix the call.
-    #[error("{op}: {reason}")]
+    #[error("{call}: {reason}")]
     InvalidArgument {
         /// The operation.
-        op: &'static str,
+        call: &'static str,
         /// What is wrong, in a sentence.
         reason: String,
     },
     /// The communicator failed earlier (`cause`, the first error it saw), so the call was
     /// refused: drop it (which aborts it) and create a new one, with every rank.
-    #[error("{op} on rank {rank}: the communicator already failed ({cause}); drop it (it will be aborted) and create a new one")]
+    #[error("{call} on rank {rank}: the communicator already failed ({cause}); drop it (it will be aborted) and create a new one")]
     CommunicatorFailed {
         /// The operation attempted now.
-        op: &'static str,
+        call: &'static str,
         /// The communicator's rank.
         rank: usize,
         /// The first error it saw.
@@ -263,10 +263,10 @@ pub enum Error {
     /// teardown behind it, so none is made. Find what stalls the stream (a kernel waiting
     /// for a peer); the device stays refused until the teardown ends, else restart the
     /// process.
-    #[error("{op}: refused because a teardown on {lane} is wedged: {what}")]
+    #[error("{call}: refused because a teardown on {lane} is wedged: {what}")]
     TeardownWedged {
         /// The call that was refused.
-        op: &'static str,
+        call: &'static str,
         /// The device (or host-provider id) whose teardown lane is blocked.
         lane: String,
         /// The blocked teardown.
@@ -276,10 +276,10 @@ pub enum Error {
     /// see [`crate::diag`]): nothing was handed to NCCL, every rank gets this error. `table`
     /// shows what each rank called and from where: make the ranks call the same
     /// collectives in the same order.
-    #[error("{op} (seq {seq}) on rank {rank}: ranks disagree on the collective; nothing was run\n{table}")]
+    #[error("{call} (seq {seq}) on rank {rank}: ranks disagree on the collective; nothing was run\n{table}")]
     CollectiveMismatch {
         /// The operation this rank called.
-        op: &'static str,
+        call: &'static str,
         /// This rank.
         rank: usize,
         /// The collective's sequence number on this communicator.
@@ -429,10 +429,10 @@ impl From<StoreError> for Error {
     }
 }
 
-/// `Ok` when a buffer of `op` holds the `expected` number of elements, else
+/// `Ok` when a buffer of `call` holds the `expected` number of elements, else
 /// [`Error::LengthMismatch`] naming `rule`.
 pub(crate) fn check_len(
-    op: &'static str,
+    call: &'static str,
     role: BufferRole,
     actual: usize,
     expected: usize,
@@ -442,7 +442,7 @@ pub(crate) fn check_len(
         Ok(())
     } else {
         Err(Error::LengthMismatch {
-            op,
+            call,
             role,
             expected,
             actual,

@@ -260,7 +260,7 @@ impl Launcher {
         let n = cuda_device_count();
         if n == 0 {
             return Err(Error::InvalidArgument {
-                op: "Launcher::all_devices",
+                call: "Launcher::all_devices",
                 reason: "no CUDA device is visible (no driver, or CUDA_VISIBLE_DEVICES is empty); \
                          use Launcher::host(n) to run on the host provider"
                     .into(),
@@ -273,7 +273,7 @@ impl Launcher {
     pub fn devices(ordinals: &[usize]) -> Result<Launcher> {
         if ordinals.is_empty() || cuda_device_count() == 0 {
             return Err(Error::InvalidArgument {
-                op: "Launcher::devices",
+                call: "Launcher::devices",
                 reason: "no CUDA device to launch on".into(),
             });
         }
@@ -478,7 +478,7 @@ impl Launcher {
         let n = self.devices.len();
         let Some(first) = self.devices.first() else {
             return Err(Error::InvalidArgument {
-                op: "Launcher::run",
+                call: "Launcher::run",
                 reason: "no ranks to launch".into(),
             });
         };
@@ -729,7 +729,7 @@ fn spawn_failed(board: &Board, rank: usize, e: std::io::Error) -> Error {
     let reason = format!("cannot spawn a rank thread: {e}");
     board.set(rank, Outcome::Failed(reason.clone()));
     Error::InvalidArgument {
-        op: "Launcher::run",
+        call: "Launcher::run",
         reason,
     }
 }

@@ -219,7 +219,7 @@ impl ProcessLauncher {
             ),
         };
         Err(Error::InvalidArgument {
-            op: "ProcessLauncher::join",
+            call: "ProcessLauncher::join",
             reason: format!(
                 "rank {} (local rank {local}) has no CUDA device: {why}. To run on the CPU, \
                  use the host provider: Launcher::from_env()?.host().init()",

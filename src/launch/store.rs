@@ -212,12 +212,12 @@ impl StoreClient {
         self.deadline.map_or(d, |o| o.min(d))
     }
 
-    fn err(&self, op: &str) -> impl Fn(io::Error) -> StoreError + '_ {
-        let op = op.to_string();
+    fn err(&self, call: &str) -> impl Fn(io::Error) -> StoreError + '_ {
+        let call = call.to_string();
         move |e| match e.kind() {
             io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => StoreError::Timeout {
                 addr: self.addr.clone(),
-                op: op.clone(),
+                call: call.clone(),
                 timeout: self.timeout,
             },
             io::ErrorKind::UnexpectedEof
@@ -225,72 +225,72 @@ impl StoreClient {
             | io::ErrorKind::ConnectionAborted
             | io::ErrorKind::BrokenPipe => StoreError::Closed {
                 addr: self.addr.clone(),
-                op: op.clone(),
+                call: call.clone(),
             },
             _ => StoreError::Io {
                 addr: self.addr.clone(),
-                op: op.clone(),
+                call: call.clone(),
                 source: e,
             },
         }
     }
 
-    fn protocol(&self, op: &str, detail: String) -> StoreError {
+    fn protocol(&self, call: &str, detail: String) -> StoreError {
         StoreError::Protocol {
             addr: self.addr.clone(),
-            op: op.to_string(),
+            call: call.to_string(),
             detail,
         }
     }
 
-    fn send(&self, op: &str, bytes: &[u8]) -> Result<(), StoreError> {
+    fn send(&self, call: &str, bytes: &[u8]) -> Result<(), StoreError> {
         let by = self.op_deadline(self.timeout);
         let mut s = Deadlined::new(&self.stream, by);
         s.write_all(bytes)
             .and_then(|()| s.flush())
-            .map_err(self.err(op))
+            .map_err(self.err(call))
     }
 
-    fn read_exact_by(&self, op: &str, buf: &mut [u8], by: Instant) -> Result<(), StoreError> {
+    fn read_exact_by(&self, call: &str, buf: &mut [u8], by: Instant) -> Result<(), StoreError> {
         Deadlined::new(&self.stream, by)
             .read_exact(buf)
-            .map_err(self.err(op))
+            .map_err(self.err(call))
     }
 
-    fn read_u8(&self, op: &str, by: Instant) -> Result<u8, StoreError> {
+    fn read_u8(&self, call: &str, by: Instant) -> Result<u8, StoreError> {
         let mut b = [0u8; 1];
-        self.read_exact_by(op, &mut b, by)?;
+        self.read_exact_by(call, &mut b, by)?;
         Ok(b[0])
     }
 
-    fn read_bytes(&self, op: &str, by: Instant) -> Result<Vec<u8>, StoreError> {
+    fn read_bytes(&self, call: &str, by: Instant) -> Result<Vec<u8>, StoreError> {
         let mut len = [0u8; 8];
-        self.read_exact_by(op, &mut len, by)?;
+        self.read_exact_by(call, &mut len, by)?;
         let len = u64::from_le_bytes(len);
         if len > MAX_VALUE_LEN as u64 {
             return Err(StoreError::TooLarge {
                 addr: self.addr.clone(),
-                op: op.to_string(),
+                call: call.to_string(),
                 what: "answer",
                 len,
             });
         }
         let mut v = vec![0u8; len as usize];
-        self.read_exact_by(op, &mut v, by)?;
+        self.read_exact_by(call, &mut v, by)?;
         Ok(v)
     }
 
     fn put_bytes(
         &self,
         q: &mut Vec<u8>,
-        op: &str,
+        call: &str,
         what: &'static str,
         b: &[u8],
     ) -> Result<(), StoreError> {
         if b.len() > MAX_VALUE_LEN {
             return Err(StoreError::TooLarge {
                 addr: self.addr.clone(),
-                op: op.to_string(),
+                call: call.to_string(),
                 what,
                 len: b.len() as u64,
             });
@@ -300,11 +300,11 @@ impl StoreClient {
         Ok(())
     }
 
-    fn keys_query(&self, kind: u8, op: &str, keys: &[&str]) -> Result<Vec<u8>, StoreError> {
+    fn keys_query(&self, kind: u8, call: &str, keys: &[&str]) -> Result<Vec<u8>, StoreError> {
         let mut q = vec![kind];
         q.extend_from_slice(&(keys.len() as u64).to_le_bytes());
         for k in keys {
-            self.put_bytes(&mut q, op, "key", &wire_key(k))?;
+            self.put_bytes(&mut q, call, "key", &wire_key(k))?;
         }
         Ok(q)
     }
@@ -611,7 +611,7 @@ impl StoreRendezvous {
         if v.len() != 4 + ID_LEN {
             return Err(StoreError::Protocol {
                 addr: self.addr.clone(),
-                op: format!("GET {key:?}"),
+                call: format!("GET {key:?}"),
                 detail: format!(
                     "a value of {} bytes, not a {}-byte world size and id",
                     v.len(),

@@ -117,7 +117,7 @@ impl Call {
 
 impl Communicator {
     #[inline(always)]
-    fn check_stream(&self, op: &'static str, stream: StreamRef<'_>) -> Result<()> {
+    fn check_stream(&self, call: &'static str, stream: StreamRef<'_>) -> Result<()> {
         match (self.library().provider(), stream) {
             (Provider::Host, StreamRef::Host) => Ok(()),
             (Provider::Nccl, StreamRef::Cuda(_))
@@ -125,12 +125,12 @@ impl Communicator {
             {
                 Ok(())
             }
-            _ => Err(self.stream_error(op, stream)),
+            _ => Err(self.stream_error(call, stream)),
         }
     }
 
     #[cold]
-    fn stream_error(&self, op: &'static str, stream: StreamRef<'_>) -> Error {
+    fn stream_error(&self, call: &'static str, stream: StreamRef<'_>) -> Error {
         let reason = match (self.library().provider(), stream) {
             (Provider::Nccl, StreamRef::Cuda(_)) => format!(
                 "the stream is on CUDA device {:?} but the communicator on device {:?}",
@@ -142,20 +142,20 @@ impl Communicator {
             }
             (_, _) => "NVIDIA's NCCL needs a CUDA stream, not Stream::Host".into(),
         };
-        Error::InvalidArgument { op, reason }
+        Error::InvalidArgument { call, reason }
     }
 
     #[inline(always)]
-    fn check_memory(&self, op: &'static str, role: BufferRole, memory: Memory) -> Result<()> {
+    fn check_memory(&self, call: &'static str, role: BufferRole, memory: Memory) -> Result<()> {
         match (self.library().provider(), memory) {
             (Provider::Host, Memory::Host) => Ok(()),
             (Provider::Nccl, Memory::Device(d)) if Some(d) == self.cuda_ordinal() => Ok(()),
-            _ => Err(self.memory_error(op, role, memory)),
+            _ => Err(self.memory_error(call, role, memory)),
         }
     }
 
     #[cold]
-    fn memory_error(&self, op: &'static str, role: BufferRole, memory: Memory) -> Error {
+    fn memory_error(&self, call: &'static str, role: BufferRole, memory: Memory) -> Error {
         let reason = match (self.library().provider(), memory) {
             (Provider::Nccl, Memory::Device(d)) => format!(
                 "the {role} is on CUDA device {d} but the communicator on device {:?}",
@@ -169,15 +169,15 @@ impl Communicator {
             }
             (_, Memory::Host) => format!("the {role} is host memory"),
         };
-        Error::InvalidArgument { op, reason }
+        Error::InvalidArgument { call, reason }
     }
 
-    fn check_rank(&self, op: &'static str, what: &'static str, rank: usize) -> Result<c_int> {
+    fn check_rank(&self, call: &'static str, what: &'static str, rank: usize) -> Result<c_int> {
         if rank < self.world_size() {
             Ok(rank as c_int)
         } else {
             Err(Error::RankOutOfRange {
-                op,
+                call,
                 what,
                 rank,
                 world_size: self.world_size(),
@@ -186,12 +186,12 @@ impl Communicator {
     }
 
     /// `count * world_size`, or an error when it overflows.
-    fn times_world(&self, op: &'static str, count: usize) -> Result<usize> {
+    fn times_world(&self, call: &'static str, count: usize) -> Result<usize> {
         count
             .checked_mul(self.world_size())
             .filter(|n| n.checked_mul(16).is_some())
             .ok_or_else(|| Error::InvalidArgument {
-                op,
+                call,
                 reason: format!(
                     "{count} elements x {} ranks overflows the address space",
                     self.world_size()
@@ -204,7 +204,7 @@ impl Communicator {
     #[inline(always)]
     fn check_buffer<T: NcclType>(
         &self,
-        op: &'static str,
+        call: &'static str,
         role: BufferRole,
         len: usize,
         memory: Memory,
@@ -212,16 +212,16 @@ impl Communicator {
         rule: &'static str,
     ) -> Result<()> {
         T::DATA_TYPE.check_supported(self.library())?;
-        check_len(op, role, len, expected, rule)?;
-        self.check_memory(op, role, memory)
+        check_len(call, role, len, expected, rule)?;
+        self.check_memory(call, role, memory)
     }
 
     /// `len / world_size`, or an error when `len` is not a multiple of it.
-    fn block_of(&self, op: &'static str, len: usize) -> Result<usize> {
+    fn block_of(&self, call: &'static str, len: usize) -> Result<usize> {
         let n = self.world_size();
         if !len.is_multiple_of(n) {
             return Err(Error::LengthMismatch {
-                op,
+                call,
                 role: BufferRole::Recv,
                 expected: (len / n + 1) * n,
                 actual: len,

@@ -33,19 +33,19 @@ impl<'a, T> From<&'a PreMulSum<'a, T>> for Reduction<'a, T> {
 impl<T> Reduction<'_, T> {
     /// The raw operator for `comm`; a `PreMulSum` of another communicator is refused.
     #[inline(always)]
-    pub(crate) fn raw_for(&self, comm: &Communicator, op: &'static str) -> Result<ncclRedOp_t> {
+    pub(crate) fn raw_for(&self, comm: &Communicator, call: &'static str) -> Result<ncclRedOp_t> {
         match self {
             Reduction::BuiltIn(o) => Ok(o.to_raw()),
             Reduction::PreMulSum(p) if std::ptr::eq(p.comm, comm) => Ok(p.raw),
-            Reduction::PreMulSum(_) => Err(foreign_pre_mul_sum(op)),
+            Reduction::PreMulSum(_) => Err(foreign_pre_mul_sum(call)),
         }
     }
 }
 
 #[cold]
-fn foreign_pre_mul_sum(op: &'static str) -> Error {
+fn foreign_pre_mul_sum(call: &'static str) -> Error {
     Error::InvalidArgument {
-        op,
+        call,
         reason: "this PreMulSum was created on another communicator".into(),
     }
 }

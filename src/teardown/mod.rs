@@ -316,12 +316,12 @@ pub(crate) fn wedged(lane: TeardownLane) -> Option<String> {
     })
 }
 
-/// [`wedged`] as the error of `op`.
-pub(crate) fn check_lane(op: &'static str, lane: TeardownLane) -> crate::error::Result<()> {
+/// [`wedged`] as the error of `call`.
+pub(crate) fn check_lane(call: &'static str, lane: TeardownLane) -> crate::error::Result<()> {
     match wedged(lane) {
         None => Ok(()),
         Some(what) => Err(crate::error::Error::TeardownWedged {
-            op,
+            call,
             lane: lane.to_string(),
             what,
         }),
