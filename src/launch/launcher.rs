@@ -108,7 +108,10 @@ enum Outcome {
     Failed(String),
 }
 
-struct Board {
+/// A run's tally of its ranks, in this process: how each one ended, which failed and in
+/// what order; the ranks wait on it for each other (not the desync board, which ranks in
+/// other processes read).
+struct Tally {
     outcomes: Mutex<Vec<Outcome>>,
     /// The ranks that failed, in the order they did.
     failed: Mutex<Vec<usize>>,
@@ -129,7 +132,7 @@ struct End {
     own_failure: bool,
 }
 
-impl Board {
+impl Tally {
     fn end(&self, rank: usize, end: End) {
         if let Some(e) = self
             .ends
@@ -434,22 +437,22 @@ impl Launcher {
         F: Fn(&Rank) -> std::result::Result<R, E> + Send + Sync + 'static,
     {
         let f = move |rank: &Rank| f(rank).map_err(Into::<BoxError>::into);
-        let (config, id, board) = self.prepare(false)?;
-        let shared = Arc::new((self.clone(), config, id, board, f));
+        let (config, id, tally) = self.prepare(false)?;
+        let shared = Arc::new((self.clone(), config, id, tally, f));
         let handles: Vec<_> = (0..self.devices.len())
             .map(|rank| {
                 let mine = Arc::clone(&shared);
                 std::thread::Builder::new()
                     .name(format!("nccl-rank-{rank}"))
                     .spawn(move || {
-                        let (me, config, id, board, f) = &*mine;
-                        me.rank_main(rank, &me.devices[rank], id, config, board, f)
+                        let (me, config, id, tally, f) = &*mine;
+                        me.rank_main(rank, &me.devices[rank], id, config, tally, f)
                     })
                     .map_err(|e| spawn_failed(&shared.3, rank, e))
             })
             .collect();
-        let board = &shared.3;
-        let stuck = board.wait_settled(|stuck| {
+        let tally = &shared.3;
+        let stuck = tally.wait_settled(|stuck| {
             eprintln!(
                 "nccl-safe: Launcher::try_run_detached: {}: their threads are left running, detached (each tears its communicator down when its closure returns)",
                 stuck_note(stuck)
@@ -464,12 +467,12 @@ impl Launcher {
                 Err(e) => Some(Ok(Err(e.to_string()))),
             })
             .collect();
-        report(results, board).map(|r| r.values)
+        report(results, tally).map(|r| r.values)
     }
 
     /// The communicators' configuration (timed when `timing`), the unique id and a fresh
-    /// board for a run.
-    fn prepare(&self, timing: bool) -> Result<(Config, UniqueId, Board)> {
+    /// tally for a run.
+    fn prepare(&self, timing: bool) -> Result<(Config, UniqueId, Tally)> {
         let config = if timing {
             self.config.clone().timing_unless_set(true)
         } else {
@@ -483,13 +486,13 @@ impl Launcher {
             });
         };
         let id = first.unique_id()?;
-        let board = Board {
+        let tally = Tally {
             outcomes: Mutex::new((0..n).map(|_| Outcome::Running).collect()),
             failed: Mutex::new(Vec::new()),
             ends: Mutex::new(vec![None; n]),
             changed: Condvar::new(),
         };
-        Ok((config, id, board))
+        Ok((config, id, tally))
     }
 
     /// Runs `f` on every rank; a rank's error, of any type, fails the run with its text.
@@ -499,20 +502,20 @@ impl Launcher {
         E: fmt::Display,
         F: Fn(&Rank) -> std::result::Result<R, E> + Sync,
     {
-        let (config, id, board) = self.prepare(timing)?;
+        let (config, id, tally) = self.prepare(timing)?;
         let results = std::thread::scope(|s| {
             let handles: Vec<_> = (self.devices.iter().enumerate())
                 .map(|(rank, device)| {
-                    let (board, f, id, config) = (&board, &f, &id, &config);
+                    let (tally, f, id, config) = (&tally, &f, &id, &config);
                     std::thread::Builder::new()
                         .name(format!("nccl-rank-{rank}"))
                         .spawn_scoped(s, move || {
-                            self.rank_main(rank, device, id, config, board, f)
+                            self.rank_main(rank, device, id, config, tally, f)
                         })
-                        .map_err(|e| spawn_failed(board, rank, e))
+                        .map_err(|e| spawn_failed(tally, rank, e))
                 })
                 .collect();
-            board.wait_settled(|stuck| {
+            tally.wait_settled(|stuck| {
                 eprintln!(
                     "nccl-safe: Launcher::run: {}: run and try_run wait for their threads, since a closure may borrow from the caller (Launcher::try_run_detached returns instead)",
                     stuck_note(stuck)
@@ -526,7 +529,7 @@ impl Launcher {
                 })
                 .collect()
         });
-        report(results, &board)
+        report(results, &tally)
     }
 
     fn rank_main<R, E, F>(
@@ -535,7 +538,7 @@ impl Launcher {
         device: &CommDevice,
         id: &UniqueId,
         config: &Config,
-        board: &Board,
+        tally: &Tally,
         f: &F,
     ) -> RankResult<R>
     where
@@ -560,7 +563,7 @@ impl Launcher {
         let r = match setup() {
             Ok(r) => r,
             Err(e) => {
-                board.set(rank, Outcome::Failed(format!("init failed: {e}")));
+                tally.set(rank, Outcome::Failed(format!("init failed: {e}")));
                 return Err(e.to_string());
             }
         };
@@ -570,7 +573,7 @@ impl Launcher {
                 // Peers waiting for a collective this rank never called fail at once.
                 r.comm.leave("its launcher closure returned");
                 let d = r.comm.diagnostics();
-                board.end(
+                tally.end(
                     rank,
                     End {
                         called: r.comm.collectives_called(),
@@ -586,9 +589,9 @@ impl Launcher {
                     collectives: d.collectives,
                 };
                 let v = (v, stats);
-                board.set(rank, Outcome::Done);
-                let everyone = board.wait_all(Instant::now() + self.timeout);
-                let failed_elsewhere = board
+                tally.set(rank, Outcome::Done);
+                let everyone = tally.wait_all(Instant::now() + self.timeout);
+                let failed_elsewhere = tally
                     .outcomes
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -624,8 +627,8 @@ impl Launcher {
                         text.lines().next().unwrap_or("")
                     ));
                 }
-                board.end(rank, end);
-                board.set(rank, Outcome::Failed(text));
+                tally.end(rank, end);
+                tally.set(rank, Outcome::Failed(text));
                 let _ = r.comm.abort();
                 Err(e.to_string())
             }
@@ -638,8 +641,8 @@ impl Launcher {
                         text.lines().next().unwrap_or("")
                     ));
                 }
-                board.end(rank, end);
-                board.set(rank, Outcome::Failed(format!("panicked: {text}")));
+                tally.end(rank, end);
+                tally.set(rank, Outcome::Failed(format!("panicked: {text}")));
                 let _ = r.comm.abort();
                 std::panic::resume_unwind(panic)
             }
@@ -724,17 +727,17 @@ type RankResult<R> = std::result::Result<(R, RankStats), String>;
 /// A `try_run` closure's error, whatever its type (`Display` is all that is used).
 type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// A rank whose thread could not be spawned: failed on the board (so no one waits for it).
-fn spawn_failed(board: &Board, rank: usize, e: std::io::Error) -> Error {
+/// A rank whose thread could not be spawned: failed on the tally (so no one waits for it).
+fn spawn_failed(tally: &Tally, rank: usize, e: std::io::Error) -> Error {
     let reason = format!("cannot spawn a rank thread: {e}");
-    board.set(rank, Outcome::Failed(reason.clone()));
+    tally.set(rank, Outcome::Failed(reason.clone()));
     Error::InvalidArgument {
         call: "Launcher::run",
         reason,
     }
 }
 
-/// What [`Board::wait_settled`]'s note says of the ranks it found stuck.
+/// What [`Tally::wait_settled`]'s note says of the ranks it found stuck.
 fn stuck_note(stuck: &[usize]) -> String {
     format!(
         "rank(s) {stuck:?} still in their closure {STUCK_AFTER:?} after every other rank ended and one failed: stuck in their own code (their communicator failed, so a collective would have returned an error at once)"
@@ -742,7 +745,7 @@ fn stuck_note(stuck: &[usize]) -> String {
 }
 
 /// The run's result from each rank's end (`None`: stuck, its thread detached).
-fn report<R>(results: Vec<Option<RankEnd<R>>>, board: &Board) -> Result<LaunchReport<R>> {
+fn report<R>(results: Vec<Option<RankEnd<R>>>, tally: &Tally) -> Result<LaunchReport<R>> {
     let n = results.len();
     let mut values = Vec::with_capacity(n);
     let mut ranks = Vec::with_capacity(n);
@@ -771,14 +774,14 @@ fn report<R>(results: Vec<Option<RankEnd<R>>>, board: &Board) -> Result<LaunchRe
     // The first rank to fail, not the lowest-numbered; and the rank that caused it,
     // which may be another (one that left early, ran an extra collective, was behind, or
     // is stuck in its own code: the others failed waiting for it).
-    let first = board
+    let first = tally
         .first_failed()
         .filter(|r| failures.iter().any(|(f, _)| f == r))
         .unwrap_or(failures[0].0);
-    let ends = board.ends.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let ends = tally.ends.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let (rank, why) = culprit(
         &ends,
-        &board.failed.lock().unwrap_or_else(|p| p.into_inner()),
+        &tally.failed.lock().unwrap_or_else(|p| p.into_inner()),
         &stuck,
     )
     .unwrap_or((first, None));
@@ -794,7 +797,7 @@ fn report<R>(results: Vec<Option<RankEnd<R>>>, board: &Board) -> Result<LaunchRe
     Err(Error::RankFailed {
         rank,
         first,
-        ranks: board.summary(),
+        ranks: tally.summary(),
         cause: strip_backtrace(&cause),
     })
 }
