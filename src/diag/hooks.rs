@@ -1073,7 +1073,6 @@ mod tests {
         );
     }
 
-    /// A one-rank host communicator whose watched work goes through `counting`.
     /// A counting tracker that expects its calls on this thread.
     fn counting_here() -> Arc<tracker::counting::Counting> {
         Arc::new(tracker::counting::Counting::new(
@@ -1081,6 +1080,7 @@ mod tests {
         ))
     }
 
+    /// A one-rank host communicator whose watched work goes through `counting`.
     fn counted(
         counting: &Arc<tracker::counting::Counting>,
         timeout: Duration,
