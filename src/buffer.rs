@@ -101,47 +101,32 @@ impl<T: NcclType> RecvBuffer<T> for [T] {
     }
 }
 
-impl<T: NcclType> sealed::Sealed for Vec<T> {}
-impl<T: NcclType> SendBuffer<T> for Vec<T> {
-    fn len(&self) -> usize {
-        Vec::len(self)
-    }
-    fn memory(&self) -> Memory {
-        Memory::Host
-    }
-    fn send_ptr<'a>(&'a self, stream: StreamRef<'a>) -> (*const c_void, BufferGuard<'a>) {
-        self.as_slice().send_ptr(stream)
-    }
-    fn base_ptr(&self) -> *const c_void {
-        self.as_ptr().cast()
-    }
+/// `Vec<T>` and `[T; N]`: host memory, passed as their slice.
+macro_rules! host_as_slice {
+    ($([$($generics:tt)*] $ty:ty),*) => {$(
+        impl<T: NcclType $($generics)*> sealed::Sealed for $ty {}
+        impl<T: NcclType $($generics)*> SendBuffer<T> for $ty {
+            fn len(&self) -> usize {
+                self.as_slice().len()
+            }
+            fn memory(&self) -> Memory {
+                Memory::Host
+            }
+            fn send_ptr<'a>(&'a self, stream: StreamRef<'a>) -> (*const c_void, BufferGuard<'a>) {
+                self.as_slice().send_ptr(stream)
+            }
+            fn base_ptr(&self) -> *const c_void {
+                self.as_ptr().cast()
+            }
+        }
+        impl<T: NcclType $($generics)*> RecvBuffer<T> for $ty {
+            fn recv_ptr<'a>(&'a mut self, stream: StreamRef<'a>) -> (*mut c_void, BufferGuard<'a>) {
+                self.as_mut_slice().recv_ptr(stream)
+            }
+        }
+    )*};
 }
-impl<T: NcclType> RecvBuffer<T> for Vec<T> {
-    fn recv_ptr<'a>(&'a mut self, stream: StreamRef<'a>) -> (*mut c_void, BufferGuard<'a>) {
-        self.as_mut_slice().recv_ptr(stream)
-    }
-}
-
-impl<T: NcclType, const N: usize> sealed::Sealed for [T; N] {}
-impl<T: NcclType, const N: usize> SendBuffer<T> for [T; N] {
-    fn len(&self) -> usize {
-        N
-    }
-    fn memory(&self) -> Memory {
-        Memory::Host
-    }
-    fn send_ptr<'a>(&'a self, stream: StreamRef<'a>) -> (*const c_void, BufferGuard<'a>) {
-        self.as_slice().send_ptr(stream)
-    }
-    fn base_ptr(&self) -> *const c_void {
-        self.as_ptr().cast()
-    }
-}
-impl<T: NcclType, const N: usize> RecvBuffer<T> for [T; N] {
-    fn recv_ptr<'a>(&'a mut self, stream: StreamRef<'a>) -> (*mut c_void, BufferGuard<'a>) {
-        self.as_mut_slice().recv_ptr(stream)
-    }
-}
+host_as_slice!([] Vec<T>, [, const N: usize] [T; N]);
 
 macro_rules! device_send {
     ($($ty:ty),*) => {$(

@@ -370,7 +370,7 @@ mod tests {
         let id = CommDevice::Host.unique_id().unwrap();
         let c = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &Config::new()).unwrap();
         sum(&c);
-        let shared = Arc::downgrade(c.diag.attach(c.as_raw(), 0, 1, c.library(), c.lane()));
+        let shared = Arc::downgrade(c.diag.shared(c.diag_view()));
         assert!(shared.upgrade().is_some());
         let raw = c.into_raw();
         assert!(shared.upgrade().is_none());
@@ -388,7 +388,7 @@ mod tests {
         }
         .unwrap();
         sum(&view);
-        let shared = Arc::downgrade(view.diag.attach(raw, 0, 1, view.library(), view.lane()));
+        let shared = Arc::downgrade(view.diag.shared(view.diag_view()));
         drop(view);
         assert!(shared.upgrade().is_none());
 

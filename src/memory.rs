@@ -619,67 +619,43 @@ enum ViewMutInner<'a, T> {
     Cuda(CudaViewMut<'a, T>),
 }
 
-impl<T: NcclType> sealed::Sealed for NcclView<'_, T> {}
-impl<T: NcclType> SendBuffer<T> for NcclView<'_, T> {
-    fn len(&self) -> usize {
-        match &self.0 {
-            ViewInner::Host(s) => s.len(),
-            ViewInner::Cuda(v) => SendBuffer::<T>::len(v),
+/// A view's buffer impls: each call goes to the view's host slice or CUDA view.
+macro_rules! view_send {
+    ($($view:ident: $inner:ident),*) => {$(
+        impl<T: NcclType> sealed::Sealed for $view<'_, T> {}
+        impl<T: NcclType> SendBuffer<T> for $view<'_, T> {
+            fn len(&self) -> usize {
+                match &self.0 {
+                    $inner::Host(s) => s.len(),
+                    $inner::Cuda(v) => SendBuffer::<T>::len(v),
+                }
+            }
+            fn memory(&self) -> Memory {
+                match &self.0 {
+                    $inner::Host(_) => Memory::Host,
+                    $inner::Cuda(v) => SendBuffer::<T>::memory(v),
+                }
+            }
+            fn send_ptr<'a>(&'a self, stream: StreamRef<'a>) -> (*const c_void, BufferGuard<'a>) {
+                match &self.0 {
+                    $inner::Host(s) => s.send_ptr(stream),
+                    $inner::Cuda(v) => v.send_ptr(stream),
+                }
+            }
+            fn base_ptr(&self) -> *const c_void {
+                match &self.0 {
+                    $inner::Host(s) => SendBuffer::<T>::base_ptr(&**s),
+                    $inner::Cuda(v) => SendBuffer::<T>::base_ptr(v),
+                }
+            }
+            fn is_nccl_alloc(&self) -> bool {
+                true
+            }
         }
-    }
-    fn memory(&self) -> Memory {
-        match &self.0 {
-            ViewInner::Host(_) => Memory::Host,
-            ViewInner::Cuda(v) => SendBuffer::<T>::memory(v),
-        }
-    }
-    fn send_ptr<'a>(&'a self, stream: StreamRef<'a>) -> (*const c_void, BufferGuard<'a>) {
-        match &self.0 {
-            ViewInner::Host(s) => s.send_ptr(stream),
-            ViewInner::Cuda(v) => v.send_ptr(stream),
-        }
-    }
-    fn base_ptr(&self) -> *const c_void {
-        match &self.0 {
-            ViewInner::Host(s) => SendBuffer::<T>::base_ptr(*s),
-            ViewInner::Cuda(v) => SendBuffer::<T>::base_ptr(v),
-        }
-    }
-    fn is_nccl_alloc(&self) -> bool {
-        true
-    }
+    )*};
 }
+view_send!(NcclView: ViewInner, NcclViewMut: ViewMutInner);
 
-impl<T: NcclType> sealed::Sealed for NcclViewMut<'_, T> {}
-impl<T: NcclType> SendBuffer<T> for NcclViewMut<'_, T> {
-    fn len(&self) -> usize {
-        match &self.0 {
-            ViewMutInner::Host(s) => s.len(),
-            ViewMutInner::Cuda(v) => SendBuffer::<T>::len(v),
-        }
-    }
-    fn memory(&self) -> Memory {
-        match &self.0 {
-            ViewMutInner::Host(_) => Memory::Host,
-            ViewMutInner::Cuda(v) => SendBuffer::<T>::memory(v),
-        }
-    }
-    fn send_ptr<'a>(&'a self, stream: StreamRef<'a>) -> (*const c_void, BufferGuard<'a>) {
-        match &self.0 {
-            ViewMutInner::Host(s) => s.send_ptr(stream),
-            ViewMutInner::Cuda(v) => v.send_ptr(stream),
-        }
-    }
-    fn base_ptr(&self) -> *const c_void {
-        match &self.0 {
-            ViewMutInner::Host(s) => SendBuffer::<T>::base_ptr(&**s),
-            ViewMutInner::Cuda(v) => SendBuffer::<T>::base_ptr(v),
-        }
-    }
-    fn is_nccl_alloc(&self) -> bool {
-        true
-    }
-}
 impl<T: NcclType> RecvBuffer<T> for NcclViewMut<'_, T> {
     fn recv_ptr<'a>(&'a mut self, stream: StreamRef<'a>) -> (*mut c_void, BufferGuard<'a>) {
         match &mut self.0 {

@@ -592,6 +592,23 @@ fn init_rank(
             format!("invalid argument: {what}: rank {rank} / nranks {nranks} out of range (need 0 <= rank < nranks)"),
         ));
     }
+    new_rank(g, idb, nranks, rank, root, config, what, comm)
+}
+
+/// A rank that joins with a unique id (init, or a rank new to a grow): its handle, named
+/// from `config`, joined (through shared memory when the id is a shared one) and written
+/// to `out`.
+#[allow(clippy::too_many_arguments)]
+fn new_rank(
+    mut g: MutexGuard<'static, Global>,
+    idb: IdBytes,
+    nranks: c_int,
+    rank: c_int,
+    root: RootIdx,
+    config: *const ncclConfig_t,
+    what: &str,
+    out: *mut ncclComm_t,
+) -> Result<ncclResult_t, Fail> {
     let blocking = parse_config(&mut g, config, Some(root), what)?.unwrap_or(true);
     let h = g.new_handle(root, DEVICE.with(|d| d.get()), !blocking);
     set_name(&mut g, h, config, None);
@@ -600,7 +617,7 @@ fn init_rank(
     } else {
         g.post_init(idb, nranks, rank, h);
     }
-    finish_new(g, h, comm, !blocking)
+    finish_new(g, h, out, !blocking)
 }
 
 /// Joins a communicator whose ranks may be in other processes: the shared segment's
@@ -1508,15 +1525,7 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
                 ));
             }
             put(newcomm, core::ptr::null_mut());
-            let blocking = parse_config(&mut g, config, Some(root), NAME)?.unwrap_or(true);
-            let h = g.new_handle(root, DEVICE.with(|d| d.get()), !blocking);
-            set_name(&mut g, h, config, None);
-            if super::shm::is_shared(&id) {
-                join_shared(&mut g, id, n_ranks, rank, h, root)?;
-            } else {
-                g.post_init(id, n_ranks, rank, h);
-            }
-            finish_new(g, h, newcomm, !blocking).map(grow_result)
+            new_rank(g, id, n_ranks, rank, root, config, NAME, newcomm).map(grow_result)
         })())
     })
 }

@@ -123,7 +123,7 @@ pub(crate) enum RedKind {
 }
 
 impl RedKind {
-    const ALL: [RedKind; 6] = [
+    pub(crate) const ALL: [RedKind; 6] = [
         RedKind::Sum,
         RedKind::Prod,
         RedKind::Max,
@@ -713,17 +713,6 @@ pub(crate) const ALL_DTYPES: [ncclDataType_t; 12] = [
     ncclFloat8e5m2,
 ];
 
-/// Every reduction kind.
-#[cfg(test)]
-pub(crate) const ALL_KINDS: [RedKind; 6] = [
-    RedKind::Sum,
-    RedKind::Prod,
-    RedKind::Max,
-    RedKind::Min,
-    RedKind::Avg,
-    RedKind::PreMulSum,
-];
-
 /// Deterministic pseudo-random bytes (xorshift64*), every bit pattern possible.
 #[cfg(test)]
 pub(crate) fn noise(seed: u64, n: usize) -> Vec<u8> {
@@ -811,7 +800,7 @@ mod tests {
     fn kernels_match_the_element_at_a_time_reduction() {
         for dt in ALL_DTYPES {
             let es = size_of(dt).unwrap();
-            for kind in ALL_KINDS {
+            for kind in RedKind::ALL {
                 for nranks in [1usize, 2, 3, 4, 5, 8, 9] {
                     for elems in [0usize, 1, 7, 64, 1000] {
                         let seed = (dt as u64) << 32 | (nranks as u64) << 16 | elems as u64;

@@ -1012,7 +1012,7 @@ fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) ->
 
 #[cfg(test)]
 mod tests {
-    use super::super::dtype::{noise, one_nan, reference_reduce, ALL_DTYPES, ALL_KINDS};
+    use super::super::dtype::{noise, one_nan, reference_reduce, ALL_DTYPES};
     use super::*;
 
     /// The all-reads-then-all-writes form: every input copied out, the result computed
@@ -1278,7 +1278,7 @@ mod tests {
         for kind in kinds() {
             for dt in ALL_DTYPES {
                 let kinds: &[RedKind] = if kind.reduces() {
-                    &ALL_KINDS
+                    &RedKind::ALL
                 } else {
                     &[RedKind::Sum]
                 };

@@ -127,11 +127,10 @@ impl Communicator {
             adopted = self.adopt_child(OP, slot.take(), caller, tag)?;
             Ok(())
         };
-        let r = if flags == nccl_sys::bindings::NCCL_SHRINK_ABORT {
-            self.issue_job_even_if_failed(CALL, caller, call, then)
-        } else {
-            self.issue_job(CALL, caller, call, then)
-        };
+        // A shrink in NCCL's abort mode is made for a communicator that failed (or was
+        // revoked): it is not refused for that.
+        let gate = flags != nccl_sys::bindings::NCCL_SHRINK_ABORT;
+        let r = self.issue_inner(CALL, caller, call, true, then, gate);
         if let Err(e) = r {
             return Err(self.orphan_child(slot, e));
         }

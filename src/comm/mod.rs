@@ -86,7 +86,7 @@ impl CommDevice {
             CommDevice::Host => Ok(Library::host()),
             #[cfg(not(feature = "host"))]
             CommDevice::Host => Err(Error::InvalidArgument {
-                op: "CommDevice::library",
+                call: "CommDevice::library",
                 reason: "nccl-safe was built without its `host` feature (the host provider)".into(),
             }),
         }
@@ -386,7 +386,7 @@ impl Communicator {
         caller: &'static Location<'static>,
         f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
     ) -> Result<()> {
-        self.issue_then(op, caller, f, false, || Ok(()))
+        self.issue_inner(op, caller, f, false, || Ok(()), true)
     }
 
     /// [`issue`](Self::issue) for a call that NCCL finishes in a job of its own (split,
@@ -408,39 +408,15 @@ impl Communicator {
         f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
         then: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
-        self.issue_then(op, caller, f, true, then)
-    }
-
-    /// [`issue_job`](Self::issue_job) on a communicator that may have failed (or been
-    /// revoked): a shrink in NCCL's abort mode is made for those. Still refused when the
-    /// watchdog aborted it (its handle is gone).
-    pub(crate) fn issue_job_even_if_failed<'a>(
-        &self,
-        op: impl Into<crate::diag::OpInfo<'a>>,
-        caller: &'static Location<'static>,
-        f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
-        then: impl FnOnce() -> Result<()>,
-    ) -> Result<()> {
-        self.issue_inner(op, caller, f, true, then, false)
+        self.issue_inner(op, caller, f, true, then, true)
     }
 
     /// [`issue`](Self::issue), then `then` after a successful call: `job` waits the
-    /// communicator out of ncclInProgress even when the call returned ncclSuccess.
+    /// communicator out of ncclInProgress even when the call returned ncclSuccess; `gate`
+    /// refuses a failed communicator first (still refused without it when the watchdog
+    /// aborted it: its handle is gone).
     #[inline(always)]
-    fn issue_then<'a>(
-        &self,
-        op: impl Into<crate::diag::OpInfo<'a>>,
-        caller: &'static Location<'static>,
-        f: impl FnOnce(&FunctionTable, ncclComm_t) -> ncclResult_t,
-        job: bool,
-        then: impl FnOnce() -> Result<()>,
-    ) -> Result<()> {
-        self.issue_inner(op, caller, f, job, then, true)
-    }
-
-    /// [`issue_then`](Self::issue_then); `gate`: refuse a failed communicator first.
-    #[inline(always)]
-    fn issue_inner<'a>(
+    pub(crate) fn issue_inner<'a>(
         &self,
         op: impl Into<crate::diag::OpInfo<'a>>,
         caller: &'static Location<'static>,

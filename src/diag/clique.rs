@@ -7,58 +7,19 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use nccl_sys::EntryPoint;
 
+use super::key::CliqueKey;
 use super::recorder::{OpRecord, OpState};
 use super::remote::{self, DesyncPost, RemoteBoard};
 
 /// How many sequence numbers of fingerprints each rank keeps on the board. A rank cannot
 /// post seq n+1 before every rank posted seq n, so two would do.
 const BOARD_DEPTH: usize = 4;
-
-/// The process-wide key of a clique.
-pub(crate) type CliqueKey = u64;
-
-/// The key of a clique, from its unique id's bytes (and, for children, the parent's key and
-/// the split). Ranks in different processes (different binaries, even) must compute the
-/// same key, since it names the clique on the job's desync board: FNV-1a, whose output is
-/// fixed, unlike `DefaultHasher`'s, which may change between Rust releases.
-pub(crate) fn key_of(parts: impl Hash) -> CliqueKey {
-    let mut h = Fnv1a(0xcbf2_9ce4_8422_2325);
-    parts.hash(&mut h);
-    h.finish()
-}
-
-/// 64-bit FNV-1a.
-struct Fnv1a(u64);
-
-impl Hasher for Fnv1a {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-}
-
-/// A fresh key, for cliques created in one call (`ncclCommInitAll`).
-pub(crate) fn fresh_key() -> CliqueKey {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(1);
-    key_of((
-        "nccl-safe init_all",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed),
-    ))
-}
 
 /// The report of a clique's first timeout: which operation of which rank ran out of time,
 /// and the text every rank's error carries. It reads as its text.
@@ -888,6 +849,7 @@ fn describe(v: &RankView, now: Instant) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::diag::key::fresh_key;
     #[cfg(feature = "launch")]
     use crate::launch::desync::{BoardClient, DesyncBoard};
 
@@ -1133,23 +1095,6 @@ mod tests {
     }
 
     /// Without a board the report is as before: other ranks are "no record".
-    #[test]
-    fn clique_keys_are_fnv1a_of_the_hashed_bytes() {
-        let fnv = |bytes: &[u8]| {
-            bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-                (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-            })
-        };
-        // FNV-1a's published test vector.
-        assert_eq!(fnv(b"a"), 0xaf63_dc4c_8601_ec8c);
-        // A slice hashes as its length (a native-endian usize) and then its bytes.
-        let id = [7u8, 1, 200, 3];
-        let mut stream = id.len().to_ne_bytes().to_vec();
-        stream.extend_from_slice(&id);
-        assert_eq!(key_of(&id[..]), fnv(&stream));
-        assert_ne!(key_of(&id[..]), key_of(&[7u8, 1, 200, 4][..]));
-    }
-
     #[test]
     fn report_without_a_board_says_no_record() {
         let c = join(fresh_key(), 2);

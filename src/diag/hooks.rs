@@ -1,35 +1,49 @@
-//! The per-operation hooks and a communicator's diagnostics (the `diag` feature): what
-//! `Communicator::issue` calls before and after each NCCL call, and what teardown asks.
+//! The per-operation hooks and a communicator's diagnostics: what `Communicator::issue`
+//! calls before and after each NCCL call, and what teardown asks. Without the `diag`
+//! feature a `CommDiag` keeps only its settings and its family's key (the host provider's
+//! teardown lane): nothing is recorded or watched, each hook returns at once (the
+//! compiler removes it), and the timeout still bounds init and every wait for
+//! `ncclInProgress`.
 
-use std::cell::{Cell, RefCell};
 use std::panic::Location;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nccl_sys::ncclComm_t;
 
-use super::clique::{self, Agreement, CliqueKey, RankView, TimeoutReport};
-use super::journal::{Entry, Journal};
-use super::op::{in_group, OpInfo};
-use super::recorder::{FlightRecord, OpState};
-use super::remote;
+use super::key::{self, CliqueKey};
+use super::op::OpInfo;
 use super::settings::{DiagConfig, Settings};
-use super::shared::{QueueWatch, Shared, IDLE, MAX_QUEUES, PINNED, UNCLAIMED};
-#[cfg(test)]
+#[cfg(all(test, feature = "diag"))]
 use super::tracker::Tracker;
-use super::tracker::{self, Queue};
-use super::{clock, fence, watchdog};
 use crate::error::{Error, Result};
 use crate::id::UniqueId;
-use crate::library::{Library, Provider};
+use crate::library::Library;
 use crate::stream::StreamRef;
-use crate::teardown::{self, Bound, Job, TeardownLane};
+use crate::teardown::{Bound, TeardownLane};
+#[cfg(feature = "diag")]
+use {
+    super::clique::{self, Agreement, RankView, TimeoutReport},
+    super::journal::{Entry, Journal},
+    super::op::in_group,
+    super::recorder::{FlightRecord, OpState},
+    super::remote,
+    super::shared::{QueueWatch, Shared, IDLE, MAX_QUEUES, PINNED, UNCLAIMED},
+    super::tracker::{self, Queue},
+    super::{clock, fence, watchdog},
+    crate::library::Provider,
+    crate::teardown::{self, Job},
+    std::cell::{Cell, RefCell},
+    std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering},
+    std::sync::{Mutex, OnceLock, Weak},
+};
 
 /// At most this many unique ids' arrival boards are kept (see `CommDiag::arrive`).
+#[cfg(feature = "diag")]
 const MAX_ARRIVAL_BOARDS: usize = 256;
 
 /// Per clique key: which ranks began their init in this process.
+#[cfg(feature = "diag")]
 fn arrivals() -> &'static Mutex<std::collections::HashMap<CliqueKey, Vec<bool>>> {
     static A: OnceLock<Mutex<std::collections::HashMap<CliqueKey, Vec<bool>>>> = OnceLock::new();
     A.get_or_init(|| Mutex::new(std::collections::HashMap::new()))
@@ -40,26 +54,32 @@ fn arrivals() -> &'static Mutex<std::collections::HashMap<CliqueKey, Vec<bool>>>
 #[derive(Debug)]
 pub(crate) struct CommDiag {
     settings: Settings,
+    #[cfg_attr(not(feature = "diag"), allow(dead_code))]
     key: CliqueKey,
     /// The clique key of the unique id (or `ncclCommInitAll`) the communicator's family
     /// was born from: its teardown lane on the host provider.
     root: u64,
+    #[cfg(feature = "diag")]
     shared: OnceLock<Arc<Shared>>,
     /// The job's desync board, given to the clique on attach.
+    #[cfg(feature = "diag")]
     board: Option<Arc<dyn remote::RemoteBoard>>,
     /// The last queues (streams) the owner noted, newest first: only a stream not among
     /// them takes the slow path. Each is among the [`RECENT_QUEUES`] most recently noted
     /// in the shared list, which keeps more, so none is dropped there while cached here.
+    #[cfg(feature = "diag")]
     recent_queues: RefCell<[Option<Arc<QueueWatch>>; RECENT_QUEUES]>,
     /// The shrinks made from this communicator so far, counted per exclude list
     /// ([`shrink_tag`]): part of each shrink child's clique key, so two shrinks at the same
     /// sequence number never share one.
+    #[cfg(feature = "diag")]
     children: RefCell<Vec<(u64, u64)>>,
     /// Inside `shrink_after_failure` (see [`CommDiag::set_recovering`]).
+    #[cfg(feature = "diag")]
     recovering: Cell<bool>,
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "diag"))]
 thread_local! {
     /// The tracker communicators attached on this thread use instead of their provider's.
     static TEST_TRACKER: std::cell::RefCell<Option<Arc<dyn Tracker>>> =
@@ -67,12 +87,15 @@ thread_local! {
 }
 
 /// How many recent queues a communicator's owner caches (see `CommDiag::recent_queues`).
+#[cfg(feature = "diag")]
 const RECENT_QUEUES: usize = 4;
+#[cfg(feature = "diag")]
 const _: () = assert!(RECENT_QUEUES <= MAX_QUEUES);
 
 /// What the diagnostics know of a communicator when they attach it late (communicators of
 /// `ncclCommInitAll`, adopted handles): diagnostics never see the `Communicator` itself.
 #[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "diag"), allow(dead_code))]
 pub(crate) struct CommView<'a> {
     pub raw: ncclComm_t,
     pub rank: usize,
@@ -84,6 +107,7 @@ pub(crate) struct CommView<'a> {
 
 /// What [`CommDiag::begin`] hands to [`CommDiag::end`].
 #[derive(Debug)]
+#[cfg_attr(not(feature = "diag"), allow(dead_code))]
 pub(crate) struct InFlight<'a> {
     /// The operation's journal position.
     pos: u64,
@@ -100,47 +124,64 @@ pub(crate) const SHRINK_TAG: u64 = 1 << 63;
 pub(crate) fn shrink_tag(exclude: &[std::ffi::c_int]) -> u64 {
     let mut list = exclude.to_vec();
     list.sort_unstable();
-    clique::key_of(("shrink", list)) | SHRINK_TAG
+    key::key_of(("shrink", list)) | SHRINK_TAG
 }
 
+#[cfg_attr(not(feature = "diag"), allow(unused_variables))]
 impl CommDiag {
-    /// For a communicator joined through `id`.
-    pub(crate) fn for_id(config: &DiagConfig, id: &UniqueId) -> CommDiag {
-        let key = clique::key_of(id.as_bytes());
+    fn new(settings: Settings, key: CliqueKey, root: u64) -> CommDiag {
         CommDiag {
-            settings: Settings::resolve(config),
+            settings,
             key,
-            root: key,
+            root,
+            #[cfg(feature = "diag")]
             shared: OnceLock::new(),
-            board: config.board.clone(),
+            #[cfg(feature = "diag")]
+            board: None,
+            #[cfg(feature = "diag")]
             recent_queues: RefCell::new(Default::default()),
+            #[cfg(feature = "diag")]
             children: RefCell::new(Vec::new()),
+            #[cfg(feature = "diag")]
             recovering: Cell::new(false),
         }
+    }
+
+    /// For a communicator joined through `id`.
+    pub(crate) fn for_id(config: &DiagConfig, id: &UniqueId) -> CommDiag {
+        let key = key::key_of(id.as_bytes());
+        #[allow(unused_mut)]
+        let mut d = CommDiag::new(Settings::resolve(config), key, key);
+        #[cfg(feature = "diag")]
+        {
+            d.board = config.board.clone();
+        }
+        d
     }
 
     /// For one of the communicators of one `ncclCommInitAll` (pass the same `key`).
     pub(crate) fn for_init_all(key: u64) -> CommDiag {
-        CommDiag {
-            settings: Settings::resolve(&DiagConfig::default()),
-            key,
-            root: key,
-            shared: OnceLock::new(),
-            board: None,
-            recent_queues: RefCell::new(Default::default()),
-            children: RefCell::new(Vec::new()),
-            recovering: Cell::new(false),
-        }
+        CommDiag::new(Settings::resolve(&DiagConfig::default()), key, key)
     }
 
     /// A fresh key for [`for_init_all`](Self::for_init_all).
     pub(crate) fn init_all_key() -> u64 {
-        clique::fresh_key()
+        key::fresh_key()
     }
 
     /// For a child from split (`tag` = color) or shrink ([`shrink_tag`]): same settings,
     /// the key derived from the parent's, its last collective's sequence number and `tag`.
     pub(crate) fn child(&self, tag: u64) -> CommDiag {
+        #[cfg(not(feature = "diag"))]
+        let key = self.key;
+        #[cfg(feature = "diag")]
+        let key = self.child_key(tag);
+        CommDiag::new(self.settings.clone(), key, self.root)
+    }
+
+    /// The clique key of a child (see [`child`](Self::child)).
+    #[cfg(feature = "diag")]
+    fn child_key(&self, tag: u64) -> CliqueKey {
         let seq = self
             .shared
             .get()
@@ -165,23 +206,14 @@ impl CommDiag {
         } else {
             0
         };
-        CommDiag {
-            settings: self.settings.clone(),
-            // A shrink's child is numbered by `nth` alone: the ranks left after a failure
-            // may differ in the collectives they issued on the parent.
-            key: clique::key_of((
-                self.key,
-                if tag & SHRINK_TAG != 0 { 0 } else { seq },
-                tag,
-                nth,
-            )),
-            root: self.root,
-            shared: OnceLock::new(),
-            board: None,
-            recent_queues: RefCell::new(Default::default()),
-            children: RefCell::new(Vec::new()),
-            recovering: Cell::new(false),
-        }
+        // A shrink's child is numbered by `nth` alone: the ranks left after a failure may
+        // differ in the collectives they issued on the parent.
+        key::key_of((
+            self.key,
+            if tag & SHRINK_TAG != 0 { 0 } else { seq },
+            tag,
+            nth,
+        ))
     }
 
     /// Attaches the communicator once its handle, rank and size are known: it joins its
@@ -193,79 +225,94 @@ impl CommDiag {
         world_size: usize,
         lib: &Arc<Library>,
         lane: TeardownLane,
-    ) -> &Arc<Shared> {
-        self.shared.get_or_init(|| {
-            clock::advance();
-            let clique = clique::join(self.key, world_size.max(1));
-            if let Some(b) = &self.board {
-                clique.set_board(b);
-            }
-            #[cfg(test)]
-            let tracker = TEST_TRACKER
-                .with(|t| t.borrow().clone())
-                .unwrap_or_else(|| tracker::for_provider(lib.provider()));
-            #[cfg(not(test))]
-            let tracker = tracker::for_provider(lib.provider());
-            let host_queue =
-                (lib.provider() == Provider::Host).then(|| Shared::host_queue_for(raw));
-            let s = Arc::new(Shared {
-                rank,
-                world_size,
-                settings: self.settings.clone(),
-                lib: Arc::clone(lib),
-                clique: Arc::clone(&clique),
-                tracker,
-                queues: Mutex::new(host_queue.iter().cloned().collect()),
-                host_queue,
-                journal: Journal::new(self.settings.ring),
-                handle: AtomicUsize::new(raw as usize),
-                current: AtomicU64::new(IDLE),
-                claim: AtomicU8::new(UNCLAIMED),
-                asym: fence::asymmetric(),
-                report: Mutex::new(None),
-                lane,
-                abort_job: Mutex::new(None),
-                aborted_by_watchdog: AtomicBool::new(false),
-                revoked_by_watchdog: AtomicBool::new(false),
-                in_place: Mutex::new(()),
-                cuda_fault: std::sync::OnceLock::new(),
-                gone: AtomicBool::new(false),
-                noticed: AtomicU64::new(0),
-                seq: AtomicU64::new(0),
-                wait_ns: AtomicU64::new(0),
-                checks: AtomicU64::new(0),
-            });
-            clique.attach(
-                rank,
-                Arc::downgrade(&s) as Weak<dyn super::clique::LiveRank>,
-            );
-            watchdog::watch(&s);
-            s
-        })
+    ) {
+        #[cfg(feature = "diag")]
+        self.shared
+            .get_or_init(|| self.watch(raw, rank, world_size, lib, lane));
     }
 
+    /// The shared state of a communicator being attached: joins its clique and the
+    /// watchdog's registry.
+    #[cfg(feature = "diag")]
+    fn watch(
+        &self,
+        raw: ncclComm_t,
+        rank: usize,
+        world_size: usize,
+        lib: &Arc<Library>,
+        lane: TeardownLane,
+    ) -> Arc<Shared> {
+        clock::advance();
+        let clique = clique::join(self.key, world_size.max(1));
+        if let Some(b) = &self.board {
+            clique.set_board(b);
+        }
+        #[cfg(test)]
+        let tracker = TEST_TRACKER
+            .with(|t| t.borrow().clone())
+            .unwrap_or_else(|| tracker::for_provider(lib.provider()));
+        #[cfg(not(test))]
+        let tracker = tracker::for_provider(lib.provider());
+        let host_queue = (lib.provider() == Provider::Host).then(|| Shared::host_queue_for(raw));
+        let s = Arc::new(Shared {
+            rank,
+            world_size,
+            settings: self.settings.clone(),
+            lib: Arc::clone(lib),
+            clique: Arc::clone(&clique),
+            tracker,
+            queues: Mutex::new(host_queue.iter().cloned().collect()),
+            host_queue,
+            journal: Journal::new(self.settings.ring),
+            handle: AtomicUsize::new(raw as usize),
+            current: AtomicU64::new(IDLE),
+            claim: AtomicU8::new(UNCLAIMED),
+            asym: fence::asymmetric(),
+            report: Mutex::new(None),
+            lane,
+            abort_job: Mutex::new(None),
+            aborted_by_watchdog: AtomicBool::new(false),
+            revoked_by_watchdog: AtomicBool::new(false),
+            in_place: Mutex::new(()),
+            cuda_fault: std::sync::OnceLock::new(),
+            gone: AtomicBool::new(false),
+            noticed: AtomicU64::new(0),
+            seq: AtomicU64::new(0),
+            wait_ns: AtomicU64::new(0),
+            checks: AtomicU64::new(0),
+        });
+        clique.attach(
+            rank,
+            Arc::downgrade(&s) as Weak<dyn super::clique::LiveRank>,
+        );
+        watchdog::watch(&s);
+        s
+    }
+
+    #[cfg(feature = "diag")]
     #[inline(always)]
-    fn shared(&self, h: CommView<'_>) -> &Arc<Shared> {
+    pub(crate) fn shared(&self, h: CommView<'_>) -> &Arc<Shared> {
         match self.shared.get() {
             Some(s) => s,
             None => self.attach_late(h),
         }
     }
 
+    #[cfg(feature = "diag")]
     #[cold]
     fn attach_late(&self, h: CommView<'_>) -> &Arc<Shared> {
-        match self.shared.get() {
-            Some(s) => s,
-            None => self.attach(h.raw, h.rank, h.world_size, h.lib, h.lane),
-        }
+        self.shared
+            .get_or_init(|| self.watch(h.raw, h.rank, h.world_size, h.lib, h.lane))
     }
 
     /// A copy of the flight recorder.
+    #[cfg(feature = "diag")]
     pub(crate) fn flight_record(&self, h: CommView<'_>) -> FlightRecord {
         self.shared(h).flight_record()
     }
 
     /// The diagnostics counters.
+    #[cfg(feature = "diag")]
     pub(crate) fn diagnostics(&self, h: CommView<'_>) -> Diagnostics {
         let s = self.shared(h);
         Diagnostics {
@@ -284,49 +331,58 @@ impl CommDiag {
     /// Fails when the watchdog aborted this communicator (its handle is gone).
     #[inline]
     pub(crate) fn check_alive(&self) -> Result<()> {
-        match self.shared.get() {
-            Some(s)
-                if s.aborted_by_watchdog.load(Ordering::Acquire)
-                    || (s.clique.any_timeout() && !self.recovering.get()) =>
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            if s.aborted_by_watchdog.load(Ordering::Acquire)
+                || (s.clique.any_timeout() && !self.recovering.get())
             {
-                Err(self.aborted_error(s))
+                return Err(self.aborted_error(s));
             }
-            _ => Ok(()),
         }
+        Ok(())
     }
 
     /// While `on`: a failed clique no longer fails this communicator's checks and calls,
     /// only a handle the watchdog took does (for `shrink_after_failure`, which runs on a
     /// communicator whose clique failed).
     pub(crate) fn set_recovering(&self, on: bool) {
+        #[cfg(feature = "diag")]
         self.recovering.set(on);
     }
 
     /// Whether the watchdog revoked the handle in place (`Config::elastic`).
     pub(crate) fn revoked_by_watchdog(&self) -> bool {
-        self.shared
-            .get()
-            .is_some_and(|s| s.revoked_by_watchdog.load(Ordering::Acquire))
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            return s.revoked_by_watchdog.load(Ordering::Acquire);
+        }
+        false
     }
 
     /// The rank whose departure failed this communicator's clique, else the first rank
     /// of the clique that left (other than this one), if any.
     pub(crate) fn lost_rank(&self) -> Option<usize> {
-        let s = self.shared.get()?;
-        s.clique
-            .timed_out()
-            .and_then(|r| r.left)
-            .filter(|&r| r != s.rank)
-            .or_else(|| s.clique.departed_other_than(s.rank).map(|d| d.rank))
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            return s
+                .clique
+                .timed_out()
+                .and_then(|r| r.left)
+                .filter(|&r| r != s.rank)
+                .or_else(|| s.clique.departed_other_than(s.rank).map(|d| d.rank));
+        }
+        None
     }
 
     /// Whether the watchdog failed this communicator: its clique timed out (set before any
     /// abort starts) or it was aborted. Two loads; no NCCL call.
     #[inline]
     pub(crate) fn failed(&self) -> bool {
-        self.shared.get().is_some_and(|s| {
-            s.clique.any_timeout() || s.aborted_by_watchdog.load(Ordering::Acquire)
-        })
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            return s.clique.any_timeout() || s.aborted_by_watchdog.load(Ordering::Acquire);
+        }
+        false
     }
 
     /// A group's call ran out of time. Its communicators were pinned against the watchdog
@@ -335,15 +391,14 @@ impl CommDiag {
     /// call fails with this report), and the caller gets the error.
     #[cold]
     pub(crate) fn group_timed_out(&self, what: String) -> Error {
-        match self.shared.get() {
-            Some(s) => {
-                let report = s.clique.set_timed_out(&TimeoutReport::text(&what));
-                s.timeout_error(&report.text)
-            }
-            None => Error::Timeout {
-                what,
-                timeout: self.timeout(),
-            },
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            let report = s.clique.set_timed_out(&TimeoutReport::text(&what));
+            return s.timeout_error(&report.text);
+        }
+        Error::Timeout {
+            what,
+            timeout: self.timeout(),
         }
     }
 
@@ -354,13 +409,16 @@ impl CommDiag {
     /// names the rank).
     #[cfg_attr(not(feature = "host"), allow(dead_code))]
     pub(crate) fn peer_departed(&self) -> bool {
-        self.shared
-            .get()
-            .is_some_and(|s| s.staged_waits_for_departed())
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            return s.staged_waits_for_departed();
+        }
+        false
     }
 
     /// After `ncclGroupEnd` enqueued a group's operations: they are now on their streams.
     pub(crate) fn publish_group(&self) {
+        #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             s.publish_staged();
         }
@@ -371,26 +429,28 @@ impl CommDiag {
     /// [`unpin`](Self::unpin). `Ok(false)` when nothing was pinned here (not attached yet,
     /// or already inside an operation or a pin); an error when the watchdog aborts it.
     pub(crate) fn pin(&self) -> Result<bool> {
-        let Some(s) = self.shared.get() else {
-            return Ok(false);
-        };
-        if s.aborted_by_watchdog.load(Ordering::Acquire) {
-            return Err(self.aborted_error(s));
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            if s.aborted_by_watchdog.load(Ordering::Acquire) {
+                return Err(self.aborted_error(s));
+            }
+            if s.current.load(Ordering::Relaxed) != IDLE {
+                return Ok(false);
+            }
+            s.current.store(PINNED, Ordering::Release);
+            fence::light(s.asym);
+            if s.claim.load(Ordering::Acquire) != UNCLAIMED && !s.await_decision() {
+                s.current.store(IDLE, Ordering::Release);
+                return Err(self.aborted_error(s));
+            }
+            return Ok(true);
         }
-        if s.current.load(Ordering::Relaxed) != IDLE {
-            return Ok(false);
-        }
-        s.current.store(PINNED, Ordering::Release);
-        fence::light(s.asym);
-        if s.claim.load(Ordering::Acquire) != UNCLAIMED && !s.await_decision() {
-            s.current.store(IDLE, Ordering::Release);
-            return Err(self.aborted_error(s));
-        }
-        Ok(true)
+        Ok(false)
     }
 
     /// Ends a [`pin`](Self::pin) that returned `Ok(true)`.
     pub(crate) fn unpin(&self) {
+        #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             if s.current.load(Ordering::Relaxed) == PINNED {
                 s.current.store(IDLE, Ordering::Release);
@@ -417,10 +477,11 @@ impl CommDiag {
     /// The bound and the policy past it (extended for the other ranks of its clique in
     /// this process, with NVIDIA's NCCL: see `Shared::teardown_bound`).
     pub(crate) fn bound(&self) -> Bound {
-        match self.shared.get() {
-            Some(s) => s.teardown_bound(),
-            None => self.settings.bound(),
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            return s.teardown_bound();
         }
+        self.settings.bound()
     }
 
     /// When the watchdog took this communicator's handle: waits until `until` for its
@@ -430,30 +491,35 @@ impl CommDiag {
         &self,
         until: Instant,
     ) -> Option<(Duration, Option<nccl_sys::ncclResult_t>)> {
-        let s = self.shared.get()?;
-        if !s.aborted_by_watchdog.load(Ordering::Acquire) {
-            return None;
-        }
-        // The watchdog queues the job right after it takes the handle.
-        let job: Arc<Job> = loop {
-            let job = s
-                .abort_job
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone();
-            match job {
-                Some(j) => break j,
-                None if Instant::now() >= until => {
-                    return Some((self.settings.abort_timeout, None));
+        #[cfg(feature = "diag")]
+        if let Some(s) = self
+            .shared
+            .get()
+            .filter(|s| s.aborted_by_watchdog.load(Ordering::Acquire))
+        {
+            // The watchdog queues the job right after it takes the handle.
+            let job: Arc<Job> = loop {
+                let job = s
+                    .abort_job
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                match job {
+                    Some(j) => break j,
+                    None if Instant::now() >= until => {
+                        return Some((self.settings.abort_timeout, None));
+                    }
+                    None => std::thread::sleep(Duration::from_millis(1)),
                 }
-                None => std::thread::sleep(Duration::from_millis(1)),
-            }
-        };
-        let done = job.wait(until.max(Instant::now() + teardown::MIN_WAIT));
-        Some((job.bound(), done.then(|| job.result())))
+            };
+            let done = job.wait(until.max(Instant::now() + teardown::MIN_WAIT));
+            return Some((job.bound(), done.then(|| job.result())));
+        }
+        None
     }
 
     /// A stream not among the recent ones: noted in the shared list, cached here.
+    #[cfg(feature = "diag")]
     #[cold]
     #[inline(never)]
     fn note_stream(&self, s: &Shared, stream: &Arc<cudarc::driver::CudaStream>) -> Arc<QueueWatch> {
@@ -465,6 +531,7 @@ impl CommDiag {
     }
 
     /// The watch of `stream`'s queue: one of the recent ones, or noted now.
+    #[cfg(feature = "diag")]
     #[inline(always)]
     fn publish_on(&self, s: &Shared, stream: &Arc<cudarc::driver::CudaStream>, upto: u64) {
         let key = stream.cu_stream() as usize;
@@ -481,33 +548,35 @@ impl CommDiag {
 
     /// Notes that rank `rank` of `world_size` began its init in this process.
     pub(crate) fn arrive(&self, rank: usize, world_size: usize) {
-        let mut a = arrivals().lock().unwrap_or_else(|e| e.into_inner());
-        if a.len() >= MAX_ARRIVAL_BOARDS && !a.contains_key(&self.key) {
-            a.clear(); // old jobs' boards: bounded memory in a long run
-        }
-        let seen = a.entry(self.key).or_insert_with(|| vec![false; world_size]);
-        if seen.len() == world_size && rank < world_size {
-            seen[rank] = true;
+        #[cfg(feature = "diag")]
+        {
+            let mut a = arrivals().lock().unwrap_or_else(|e| e.into_inner());
+            if a.len() >= MAX_ARRIVAL_BOARDS && !a.contains_key(&self.key) {
+                a.clear(); // old jobs' boards: bounded memory in a long run
+            }
+            let seen = a.entry(self.key).or_insert_with(|| vec![false; world_size]);
+            if seen.len() == world_size && rank < world_size {
+                seen[rank] = true;
+            }
         }
     }
 
     /// The report of a wait for `call` (an init, a split child) that ran out of time.
     pub(crate) fn wait_timeout_report(&self, call: &str, rank: usize, world_size: usize) -> String {
-        let a = arrivals().lock().unwrap_or_else(|e| e.into_inner());
-        match a
+        #[cfg(feature = "diag")]
+        if let Some(seen) = (arrivals().lock().unwrap_or_else(|e| e.into_inner()))
             .get(&self.key)
             .filter(|v| v.len() == world_size && world_size > 0)
         {
-            Some(seen) => {
-                let (yes, no): (Vec<usize>, Vec<usize>) = (0..world_size).partition(|&r| seen[r]);
-                format!(
-                    "{call} on rank {rank} of {world_size} did not complete: ranks never seen here: {no:?} (not started, dead, or in another process); ranks that began their init in this process: {yes:?}"
-                )
-            }
-            None => format!("{call} on rank {rank} of {world_size} did not complete"),
+            let (yes, no): (Vec<usize>, Vec<usize>) = (0..world_size).partition(|&r| seen[r]);
+            return format!(
+                "{call} on rank {rank} of {world_size} did not complete: ranks never seen here: {no:?} (not started, dead, or in another process); ranks that began their init in this process: {yes:?}"
+            );
         }
+        format!("{call} on rank {rank} of {world_size} did not complete")
     }
 
+    #[cfg(feature = "diag")]
     #[cold]
     fn aborted_error(&self, s: &Shared) -> Error {
         s.timeout_error(&s.abort_report())
@@ -523,43 +592,49 @@ impl CommDiag {
         op: OpInfo<'a>,
         caller: &'static Location<'static>,
     ) -> Result<InFlight<'a>> {
-        let s = self.shared(h);
-        if s.aborted_by_watchdog.load(Ordering::Acquire) {
-            return Err(self.aborted_error(s));
-        }
-        let seq = if op.collective {
-            bump(&s.seq, 1)
-        } else {
-            s.seq.load(Ordering::Relaxed)
-        };
-        let start = s.now();
-        let pos = s.journal.push(&Entry {
-            seq,
-            name: op.name,
-            dtype: op.dtype,
-            count: op.count,
-            root: op.root,
-            caller,
-            enqueued: start,
-            queue: match op.stream {
-                StreamRef::Cuda(stream) => stream.cu_stream() as usize,
-                StreamRef::Host => s.host_queue.as_ref().map_or(0, |q| q.key),
-            },
-        });
-        if s.clique.any_timeout() && !self.recovering.get() {
-            return Err(self.begin_timed_out(s, pos, start));
-        }
-        if s.settings.check && op.collective && !in_group() {
-            self.fingerprint(s, pos, start)?;
-        }
-        // Inside an open group the communicator is pinned (claimed) until the group ends.
-        if s.current.load(Ordering::Relaxed) != PINNED {
-            s.current.store(pos + 1, Ordering::Release);
-            fence::light(s.asym);
-            if s.claim.load(Ordering::Acquire) != UNCLAIMED {
-                self.begin_claimed(s, pos, start)?;
+        #[cfg(not(feature = "diag"))]
+        let (pos, start) = (0, 0);
+        #[cfg(feature = "diag")]
+        let (pos, start) = {
+            let s = self.shared(h);
+            if s.aborted_by_watchdog.load(Ordering::Acquire) {
+                return Err(self.aborted_error(s));
             }
-        }
+            let seq = if op.collective {
+                bump(&s.seq, 1)
+            } else {
+                s.seq.load(Ordering::Relaxed)
+            };
+            let start = s.now();
+            let pos = s.journal.push(&Entry {
+                seq,
+                name: op.name,
+                dtype: op.dtype,
+                count: op.count,
+                root: op.root,
+                caller,
+                enqueued: start,
+                queue: match op.stream {
+                    StreamRef::Cuda(stream) => stream.cu_stream() as usize,
+                    StreamRef::Host => s.host_queue.as_ref().map_or(0, |q| q.key),
+                },
+            });
+            if s.clique.any_timeout() && !self.recovering.get() {
+                return Err(self.begin_timed_out(s, pos, start));
+            }
+            if s.settings.check && op.collective && !in_group() {
+                self.fingerprint(s, pos, start)?;
+            }
+            // Inside an open group the communicator is pinned (claimed) until the group ends.
+            if s.current.load(Ordering::Relaxed) != PINNED {
+                s.current.store(pos + 1, Ordering::Release);
+                fence::light(s.asym);
+                if s.claim.load(Ordering::Acquire) != UNCLAIMED {
+                    self.begin_claimed(s, pos, start)?;
+                }
+            }
+            (pos, start)
+        };
         Ok(InFlight {
             pos,
             start,
@@ -568,6 +643,7 @@ impl CommDiag {
     }
 
     /// The clique timed out before this operation reached NCCL.
+    #[cfg(feature = "diag")]
     #[cold]
     fn begin_timed_out(&self, s: &Shared, pos: u64, start: u64) -> Error {
         let first = s
@@ -583,6 +659,7 @@ impl CommDiag {
 
     /// The watchdog claimed this communicator as the operation began: waits for its
     /// decision. `Ok` when it let the communicator be.
+    #[cfg(feature = "diag")]
     #[cold]
     fn begin_claimed(&self, s: &Shared, pos: u64, start: u64) -> Result<()> {
         if s.await_decision() {
@@ -595,6 +672,7 @@ impl CommDiag {
 
     /// The opt-in fingerprint check: waits for every rank of the clique in this process to
     /// post the same collective.
+    #[cfg(feature = "diag")]
     #[inline(never)]
     fn fingerprint(&self, s: &Shared, pos: u64, start: u64) -> Result<()> {
         let Some(rec) = s.journal.get(pos) else {
@@ -628,6 +706,7 @@ impl CommDiag {
     }
 
     /// Marks the operation and the communicator failed, dumps the record, returns `e`.
+    #[cfg(feature = "diag")]
     #[cold]
     fn fail(&self, s: &Shared, pos: u64, start: u64, e: Error) -> Error {
         let took = s.now().saturating_sub(start);
@@ -642,45 +721,47 @@ impl CommDiag {
     /// watchdog abort into [`Error::Timeout`] with the report.
     #[inline(always)]
     pub(crate) fn end(&self, t: InFlight<'_>, r: Result<()>) -> Result<()> {
-        let Some(s) = self.shared.get() else {
-            return r;
-        };
-        let now = s.now();
-        // Leaving the call needs no fence: a claim made meanwhile is seen by the next
-        // operation's check (and teardown takes the handle with a swap). A pinned
-        // communicator (an open group) stays pinned.
-        if s.current.load(Ordering::Relaxed) != PINNED {
-            s.current.store(IDLE, Ordering::Release);
-        }
-        let took = now.saturating_sub(t.start);
-        let mut state = if r.is_ok() {
-            OpState::Completed
-        } else {
-            OpState::Failed
-        };
-        if r.is_ok() {
-            // Hand the work to the watchdog, on its own queue: plain stores, no call into
-            // CUDA.
-            match t.stream {
-                StreamRef::Cuda(stream) => {
-                    self.publish_on(s, stream, t.pos + 1);
-                    state = OpState::Enqueued;
-                }
-                StreamRef::Host => {
-                    if let Some(q) = &s.host_queue {
-                        publish(q, t.pos + 1);
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            let now = s.now();
+            // Leaving the call needs no fence: a claim made meanwhile is seen by the next
+            // operation's check (and teardown takes the handle with a swap). A pinned
+            // communicator (an open group) stays pinned.
+            if s.current.load(Ordering::Relaxed) != PINNED {
+                s.current.store(IDLE, Ordering::Release);
+            }
+            let took = now.saturating_sub(t.start);
+            let mut state = if r.is_ok() {
+                OpState::Completed
+            } else {
+                OpState::Failed
+            };
+            if r.is_ok() {
+                // Hand the work to the watchdog, on its own queue: plain stores, no call into
+                // CUDA.
+                match t.stream {
+                    StreamRef::Cuda(stream) => {
+                        self.publish_on(s, stream, t.pos + 1);
+                        state = OpState::Enqueued;
+                    }
+                    StreamRef::Host => {
+                        if let Some(q) = &s.host_queue {
+                            publish(q, t.pos + 1);
+                        }
                     }
                 }
             }
+            s.journal.finish(t.pos, state, took);
+            bump(&s.wait_ns, took);
+            return match r {
+                Ok(()) => Ok(()),
+                Err(e) => Err(self.end_error(s, t.pos, e)),
+            };
         }
-        s.journal.finish(t.pos, state, took);
-        bump(&s.wait_ns, took);
-        match r {
-            Ok(()) => Ok(()),
-            Err(e) => Err(self.end_error(s, t.pos, e)),
-        }
+        r
     }
 
+    #[cfg(feature = "diag")]
     #[cold]
     fn end_error(&self, s: &Shared, pos: u64, e: Error) -> Error {
         let rec = s.journal.get(pos);
@@ -761,34 +842,38 @@ impl CommDiag {
     /// is in flight. `false` when it must be aborted rather than destroyed (its clique
     /// timed out, or the watchdog already took it).
     pub(crate) fn drain(&self, limit: Instant) -> bool {
-        let Some(s) = self.shared.get() else {
-            return true;
-        };
-        if s.current.load(Ordering::Acquire) != IDLE {
-            return false; // left inside a call (an unwinding panic): abort
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            if s.current.load(Ordering::Acquire) != IDLE {
+                return false; // left inside a call (an unwinding panic): abort
+            }
+            let done = s.wait_own_work(limit);
+            return done
+                && !s.aborted_by_watchdog.load(Ordering::Acquire)
+                && s.clique.timed_out().is_none();
         }
-        let done = s.wait_own_work(limit);
-        done && !s.aborted_by_watchdog.load(Ordering::Acquire) && s.clique.timed_out().is_none()
+        true
     }
 
     /// Before `destroy`: drains, and refuses (marking the communicator failed, so dropping
     /// it aborts) when its clique timed out.
     pub(crate) fn before_teardown(&self) -> Result<()> {
-        let limit = Instant::now() + self.settings.timeout + clock::TICK + Duration::from_secs(1);
-        if self.drain(limit) {
-            return Ok(());
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            let limit =
+                Instant::now() + self.settings.timeout + clock::TICK + Duration::from_secs(1);
+            if self.drain(limit) {
+                return Ok(());
+            }
+            let first = s
+                .timed_out()
+                .unwrap_or_else(|| TimeoutReport::text("work did not complete"));
+            return Err(s.timeout_error(&format!(
+                "ncclCommDestroy on rank {}: refused (drop the communicator to abort it) because its clique timed out:\n{first}\n=> the communicator's work",
+                s.rank
+            )));
         }
-        let Some(s) = self.shared.get() else {
-            return Ok(());
-        };
-        let first = s
-            .timed_out()
-            .unwrap_or_else(|| TimeoutReport::text("work did not complete"));
-        let e = s.timeout_error(&format!(
-            "ncclCommDestroy on rank {}: refused (drop the communicator to abort it) because its clique timed out:\n{first}\n=> the communicator's work",
-            s.rank
-        ));
-        Err(e)
+        Ok(())
     }
 
     /// Takes the right to tear the handle down: `false` when the watchdog already aborted
@@ -798,21 +883,22 @@ impl CommDiag {
     /// peers that wait for a collective it never issued fail at once, and whether by an
     /// abort (then the clique fails at once: no collective of it can complete again).
     pub(crate) fn release(&self, departing: Option<(&str, bool)>) -> bool {
-        let Some(s) = self.shared.get() else {
-            return true;
-        };
-        // Under `in_place`: a watchdog's revoke in place never meets a handle taken here.
-        let held = s.in_place.lock().unwrap_or_else(|e| e.into_inner());
-        s.gone.store(true, Ordering::Release);
-        let mine = s.handle.swap(0, Ordering::AcqRel) != 0;
-        drop(held);
-        let view = s.rank_view();
-        s.clique.detach(s.rank, view);
-        if let Some((how, broken)) = departing {
-            s.clique
-                .depart(s.rank, view, s.recent_collectives(), how, broken);
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            // Under `in_place`: a watchdog's revoke in place never meets a handle taken here.
+            let held = s.in_place.lock().unwrap_or_else(|e| e.into_inner());
+            s.gone.store(true, Ordering::Release);
+            let mine = s.handle.swap(0, Ordering::AcqRel) != 0;
+            drop(held);
+            let view = s.rank_view();
+            s.clique.detach(s.rank, view);
+            if let Some((how, broken)) = departing {
+                s.clique
+                    .depart(s.rank, view, s.recent_collectives(), how, broken);
+            }
+            return mine;
         }
-        mine
+        true
     }
 
     /// The communicator's init failed (`why`): this rank never joins its clique, so no
@@ -821,18 +907,22 @@ impl CommDiag {
     pub(crate) fn init_failed(&self, rank: usize, world_size: usize, why: &str) {
         // Not attached yet (that follows a complete init): the clique of the ranks whose
         // init completed, found by its key.
-        let clique = match self.shared.get() {
-            Some(s) => Arc::clone(&s.clique),
-            None => clique::join(self.key, world_size.max(1)),
-        };
-        let how = format!("its init failed ({why})");
-        clique.depart(rank, RankView::default(), Vec::new(), &how, true);
+        #[cfg(feature = "diag")]
+        {
+            let clique = match self.shared.get() {
+                Some(s) => Arc::clone(&s.clique),
+                None => clique::join(self.key, world_size.max(1)),
+            };
+            let how = format!("its init failed ({why})");
+            clique.depart(rank, RankView::default(), Vec::new(), &how, true);
+        }
     }
 
     /// The rank's code is done with its communicator (its launcher closure returned): a
     /// peer that waits for a collective it never issued fails at once, naming it.
     #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn leave(&self, how: &str) {
+        #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             s.clique
                 .depart(s.rank, s.rank_view(), s.recent_collectives(), how, false);
@@ -842,6 +932,7 @@ impl CommDiag {
 
 /// [`publish`] of a CUDA operation's work: marked first, at enqueue, when completion is
 /// exact and no group is open (a group's work is marked when it ends).
+#[cfg(feature = "diag")]
 #[inline(always)]
 fn mark_then_publish(s: &Shared, q: &QueueWatch, upto: u64) {
     if s.settings.exact && !in_group() {
@@ -851,6 +942,7 @@ fn mark_then_publish(s: &Shared, q: &QueueWatch, upto: u64) {
 }
 
 /// Publishes an operation's work on its queue (staged until the end of an open group).
+#[cfg(feature = "diag")]
 #[inline(always)]
 fn publish(q: &QueueWatch, upto: u64) {
     if in_group() {
@@ -861,6 +953,7 @@ fn publish(q: &QueueWatch, upto: u64) {
 }
 
 /// A rank's diagnostics counters (the straggler view).
+#[cfg(feature = "diag")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Diagnostics {
@@ -889,6 +982,7 @@ pub struct Diagnostics {
 /// Adds `by` to a counter that only the communicator's owning thread writes (others only
 /// read it): a load and a store, no read-modify-write, so no locked instruction on the
 /// per-operation path. Returns the old value.
+#[cfg(feature = "diag")]
 #[inline]
 fn bump(counter: &AtomicU64, by: u64) -> u64 {
     let old = counter.load(Ordering::Relaxed);
@@ -896,7 +990,7 @@ fn bump(counter: &AtomicU64, by: u64) -> u64 {
     old
 }
 
-#[cfg(all(test, feature = "host"))]
+#[cfg(all(test, feature = "host", feature = "diag"))]
 mod tests {
     use super::*;
     use crate::diag::journal::Entry;
@@ -979,7 +1073,6 @@ mod tests {
         );
     }
 
-    /// A one-rank host communicator whose watched work goes through `counting`.
     /// A counting tracker that expects its calls on this thread.
     fn counting_here() -> Arc<tracker::counting::Counting> {
         Arc::new(tracker::counting::Counting::new(
@@ -987,6 +1080,7 @@ mod tests {
         ))
     }
 
+    /// A one-rank host communicator whose watched work goes through `counting`.
     fn counted(
         counting: &Arc<tracker::counting::Counting>,
         timeout: Duration,
@@ -1212,16 +1306,7 @@ mod tests {
             a.root, b.root,
             "children share the teardown lane of their family"
         );
-        let other = || CommDiag {
-            settings: c.diag.settings.clone(),
-            key: c.diag.key,
-            root: c.diag.root,
-            shared: OnceLock::new(),
-            board: None,
-            recent_queues: RefCell::new(Default::default()),
-            children: RefCell::new(Vec::new()),
-            recovering: Cell::new(false),
-        };
+        let other = || CommDiag::new(c.diag.settings.clone(), c.diag.key, c.diag.root);
         // Another rank of the parent (same parent key, same order) derives the same keys.
         let o = other();
         assert_eq!(o.child(drop3).key, a.key);

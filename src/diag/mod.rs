@@ -46,6 +46,8 @@
 //! Not done: the cross-process fingerprint exchange, watching `ncclGroupEnd`, and
 //! fingerprints of operations inside a [`crate::Group`] (they are recorded, not compared).
 
+mod hooks;
+mod key;
 mod op;
 mod settings;
 
@@ -55,8 +57,6 @@ mod clique;
 mod clock;
 #[cfg(feature = "diag")]
 mod fence;
-#[cfg(feature = "diag")]
-mod hooks;
 #[cfg(feature = "diag")]
 mod journal;
 #[cfg(feature = "diag")]
@@ -69,9 +69,6 @@ mod shared;
 mod tracker;
 #[cfg(feature = "diag")]
 mod watchdog;
-
-#[cfg(not(feature = "diag"))]
-mod off;
 
 // The teardown options keep their public paths here (they are `Config`'s); the lanes
 // themselves are `crate::teardown`.
@@ -91,7 +88,6 @@ pub(crate) fn invalid_settings(c: &DiagConfig, provider: crate::Provider) -> Opt
 
 #[cfg(feature = "diag")]
 pub use hooks::Diagnostics;
-#[cfg(feature = "diag")]
 pub(crate) use hooks::{shrink_tag, CommDiag, CommView};
 #[cfg(feature = "diag")]
 pub use recorder::{EntryPoint, FlightRecord, OpRecord, OpState};
@@ -99,9 +95,6 @@ pub use recorder::{EntryPoint, FlightRecord, OpRecord, OpState};
 pub use remote::{DesyncPost, RemoteBoard, MAX_POST_TEXT};
 #[cfg(feature = "diag")]
 pub use settings::{DEFAULT_FLIGHT_RECORD_LEN, MAX_FLIGHT_RECORD_LEN};
-
-#[cfg(not(feature = "diag"))]
-pub(crate) use off::{shrink_tag, CommDiag, CommView};
 
 /// Whether the owner's side of the watchdog handshake is a compiler fence paired with the
 /// watchdog's `membarrier(2)` (`true`), or a full memory fence on every operation

@@ -44,14 +44,22 @@ impl Drop for Busy {
 /// Enters a background NCCL/CUDA call that should return within `bound`: `None` once the
 /// process is exiting (then the call must not be made).
 pub(crate) fn busy(bound: Duration) -> Option<Busy> {
+    enter(busy_list(), |id| (id, Instant::now(), bound)).map(Busy)
+}
+
+/// Adds `entry(id)` to `list` (held) under a fresh id, unless the process is exiting:
+/// checked under the list's lock, which the exit takes to set [`EXITING`].
+fn enter<E>(
+    mut list: std::sync::MutexGuard<'_, Vec<E>>,
+    entry: impl FnOnce(u64) -> E,
+) -> Option<u64> {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let id = NEXT.fetch_add(1, Ordering::Relaxed);
-    let mut b = busy_list();
     if EXITING.load(Ordering::SeqCst) {
         return None;
     }
-    b.push((id, Instant::now(), bound));
-    Some(Busy(id))
+    list.push(entry(id));
+    Some(id)
 }
 
 /// Network posts in flight (a departure to the desync board): (id, deadline).
@@ -76,14 +84,7 @@ impl Drop for Posting {
 /// Enters a post that should end by `deadline`: `None` once the process is exiting.
 #[cfg_attr(not(feature = "diag"), allow(dead_code))]
 pub(crate) fn posting(deadline: Instant) -> Option<Posting> {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-    let id = NEXT.fetch_add(1, Ordering::Relaxed);
-    let mut p = post_list();
-    if EXITING.load(Ordering::SeqCst) {
-        return None;
-    }
-    p.push((id, deadline));
-    Some(Posting(id))
+    enter(post_list(), |id| (id, deadline)).map(Posting)
 }
 
 /// Registers the guard, once. Call it after the library was initialized (its runtime's own

@@ -1,0 +1,66 @@
+//! The key of a clique: a hash of its unique id (plus the split path for children), the
+//! same in every process. Also the teardown lane of a host-provider family, so it is kept
+//! without the `diag` feature too.
+
+use std::hash::{Hash, Hasher};
+
+/// The process-wide key of a clique.
+pub(crate) type CliqueKey = u64;
+
+/// The key of a clique, from its unique id's bytes (and, for children, the parent's key and
+/// the split). Ranks in different processes (different binaries, even) must compute the
+/// same key, since it names the clique on the job's desync board: FNV-1a, whose output is
+/// fixed, unlike `DefaultHasher`'s, which may change between Rust releases.
+pub(crate) fn key_of(parts: impl Hash) -> CliqueKey {
+    let mut h = Fnv1a(0xcbf2_9ce4_8422_2325);
+    parts.hash(&mut h);
+    h.finish()
+}
+
+/// 64-bit FNV-1a.
+struct Fnv1a(u64);
+
+impl Hasher for Fnv1a {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
+/// A fresh key, for cliques created in one call (`ncclCommInitAll`).
+pub(crate) fn fresh_key() -> CliqueKey {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(1);
+    key_of((
+        "nccl-safe init_all",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clique_keys_are_fnv1a_of_the_hashed_bytes() {
+        let fnv = |bytes: &[u8]| {
+            bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+            })
+        };
+        // FNV-1a's published test vector.
+        assert_eq!(fnv(b"a"), 0xaf63_dc4c_8601_ec8c);
+        // A slice hashes as its length (a native-endian usize) and then its bytes.
+        let id = [7u8, 1, 200, 3];
+        let mut stream = id.len().to_ne_bytes().to_vec();
+        stream.extend_from_slice(&id);
+        assert_eq!(key_of(&id[..]), fnv(&stream));
+        assert_ne!(key_of(&id[..]), key_of(&[7u8, 1, 200, 4][..]));
+    }
+}
