@@ -996,3 +996,72 @@ fn survivors_of_a_killed_process_shrink_and_carry_on() {
         );
     }
 }
+
+/// Three processes with elastic communicators ([`Config::elastic`]); rank 1 is SIGKILLed
+/// while ranks 0 and 2 wait for it inside an all-reduce. Each survivor's all-reduce fails,
+/// its communicator reads failed, and it knows which rank it lost (`lost_rank()`, from the
+/// provider's report that rank 1's process is gone: a SIGKILLed process posts no
+/// departure), so it shrinks without that rank, chosen by itself, and carries on.
+#[test]
+fn survivors_of_a_process_killed_mid_collective_know_which_rank_they_lost() {
+    if let Some((r, id)) = child_spec() {
+        let config = Config::new().elastic(true);
+        let c =
+            Communicator::init_rank(&CommDevice::Host, 3, r, &id, &config).unwrap_or_else(|e| {
+                eprintln!("rank {r}: init failed: {e}");
+                std::process::exit(2)
+            });
+        let mut x = vec![1.0f32; 1000];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect("all_reduce");
+        if r == 1 {
+            // Let the others reach the next all-reduce and wait in it first.
+            std::thread::sleep(Duration::from_millis(300));
+            // SAFETY: kill(2) on our own pid; nothing is touched.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let e = c
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect_err("rank 1 is dead");
+        println!("FAILED {e}");
+        let lost = c.lost_rank();
+        println!("LOST {lost:?} FAILED {}", c.is_failed());
+        let run = || -> Result<(usize, usize, f32)> {
+            let small = c.shrink_after_failure(&[lost.unwrap_or(usize::MAX)])?;
+            let mut y = vec![(r + 1) as f32; 1000];
+            small.all_reduce_in_place(&mut y, ReduceOp::Sum, &Stream::Host)?;
+            Ok((small.rank(), small.world_size(), y[999]))
+        };
+        match run() {
+            Ok((sr, sn, sum)) => {
+                println!("SHRUNK rank {sr} of {sn}: sum {sum}");
+                std::process::exit(0)
+            }
+            Err(e) => {
+                eprintln!("rank {r}: shrink_after_failure: {e}");
+                std::process::exit(3)
+            }
+        }
+    }
+    let outs = spawn(
+        "survivors_of_a_process_killed_mid_collective_know_which_rank_they_lost",
+        3,
+        &[],
+    );
+    assert_eq!(outs[1].code, None, "rank 1 was killed by a signal");
+    for (r, new) in [(0, 0), (2, 1)] {
+        assert!(
+            outs[r].stdout.contains("LOST Some(1) FAILED true"),
+            "rank {r}: {}",
+            outs[r].stdout
+        );
+        assert_eq!(outs[r].code, Some(0), "rank {r}: {}", outs[r].stderr);
+        assert!(
+            outs[r]
+                .stdout
+                .contains(&format!("SHRUNK rank {new} of 2: sum 4")),
+            "rank {r}: {}",
+            outs[r].stdout
+        );
+    }
+}
