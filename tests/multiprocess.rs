@@ -1065,3 +1065,59 @@ fn survivors_of_a_process_killed_mid_collective_know_which_rank_they_lost() {
         );
     }
 }
+
+/// Three processes with elastic communicators and a 1 s watchdog; rank 1 is stuck in its
+/// own code for 4 s while ranks 0 and 2 wait for it in an all-reduce. Their watchdogs
+/// revoke their handles in place at about 1 s, and the revoke ends the wait in shared
+/// memory then, theirs and the other's (not at the provider's own 8 s limit): the
+/// all-reduce fails within 3 s.
+#[test]
+fn a_watchdog_revoke_ends_a_wait_in_shared_memory() {
+    if let Some((r, id)) = child_spec() {
+        let config = Config::new().elastic(true).timeout(Duration::from_secs(1));
+        let c =
+            Communicator::init_rank(&CommDevice::Host, 3, r, &id, &config).unwrap_or_else(|e| {
+                eprintln!("rank {r}: init failed: {e}");
+                std::process::exit(2)
+            });
+        let mut x = vec![1.0f32; 1000];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect("all_reduce");
+        if r == 1 {
+            std::thread::sleep(Duration::from_secs(4));
+        }
+        let t0 = Instant::now();
+        let r = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host);
+        println!(
+            "RETURNED after {} ms, revoked {}, failed {}: {r:?}",
+            t0.elapsed().as_millis(),
+            c.is_revoked(),
+            r.is_err()
+        );
+        std::process::exit(0)
+    }
+    let outs = spawn("a_watchdog_revoke_ends_a_wait_in_shared_memory", 3, &[]);
+    for r in [0, 2] {
+        assert_eq!(outs[r].code, Some(0), "rank {r}: {}", outs[r].stderr);
+        let ms: u64 = outs[r]
+            .stdout
+            .split("RETURNED after ")
+            .nth(1)
+            .and_then(|t| t.split(' ').next())
+            .and_then(|t| t.parse().ok())
+            .unwrap_or_else(|| panic!("rank {r}: {}", outs[r].stdout));
+        assert!(ms < 3000, "rank {r} waited {ms} ms: {}", outs[r].stdout);
+        assert!(
+            outs[r].stdout.contains(", failed true"),
+            "rank {r}: {}",
+            outs[r].stdout
+        );
+    }
+    // (One of the two may be woken by the other's revoke before its own watchdog fires.)
+    assert!(
+        [0, 2]
+            .iter()
+            .any(|&r| outs[r].stdout.contains("revoked true")),
+        "no watchdog revoked a handle"
+    );
+}
