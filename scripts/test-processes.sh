@@ -241,7 +241,7 @@ job="$logs/elastic-job"
 mkdir "$job"
 port=$(( port + 2 ))
 launchn 5 --tolerate-a-dead-rank "$elastic_exe" --dir "$job"
-s=$(date +%s)
+s=$(date +%s) job_t0=$(date +%s%3N)
 # Rank 1 writes its pid at step 10 and from then on takes 20 ms a step, so that the kill
 # lands while the others wait for it inside a collective.
 timeout --kill-after=5 60 "${cmd[@]}" >"$logs/elastic" 2>&1 &
@@ -255,6 +255,7 @@ set +e
 wait "$job_pid"
 rc=$?
 set -e
+job_ms=$(( $(date +%s%3N) - job_t0 ))
 [ $(( $(date +%s) - s )) -lt 60 ] || { cat "$logs/elastic"; fail "elastic hung (killed after 60 s)"; }
 shm_clean elastic
 # Every rank that fails prints ERROR and exits 1; the killed one prints nothing more.
@@ -278,6 +279,6 @@ t3="$(awk -v a="$killed_at" -v b="$on3" 'BEGIN { printf "%.1f", b - a }')"
 t4="$(awk -v a="$grow_at" -v b="$on4" 'BEGIN { printf "%.1f", b - a }')"
 echo "  rank 1 (pid $victim) SIGKILLed: ranks 0, 2, 3 shrank without it and carried on; the standby joined as rank 3"
 echo "  4 ranks at step 60, parameters bit-identical ($(printf '%s\n' "$finals" | awk 'NR == 1 {print $9}')), loss ${loss% *} -> ${loss#* }, nothing left in /dev/shm"
-echo "  from the kill to the first step on 3 ranks (the last survivor's): $t3 ms; from the grow id to the first step on 4 ranks: $t4 ms"
+echo "  from the kill to the first step on 3 ranks (the last survivor's): $t3 ms; from the grow id to the first step on 4 ranks: $t4 ms; the job took $job_ms ms (launcher exit $rc)"
 
 echo "test-processes ($launcher): OK in $(( $(date +%s) - t0 ))s"
