@@ -240,7 +240,8 @@ echo "3. an elastic job (nccl-safe-candle's examples/elastic.rs): 4 $launcher ra
 job="$logs/elastic-job"
 mkdir "$job"
 port=$(( port + 2 ))
-launchn 5 --tolerate-a-dead-rank "$elastic_exe" --dir "$job"
+# (--timeout-s: a rank that waits for a file or a peer gives up well before the 60 s hang limit.)
+launchn 5 --tolerate-a-dead-rank "$elastic_exe" --dir "$job" --timeout-s 20
 s=$(date +%s) job_t0=$(date +%s%3N)
 # Rank 1 writes its pid at step 10 and from then on takes 20 ms a step, so that the kill
 # lands while the others wait for it inside a collective.
@@ -250,7 +251,7 @@ for ((i = 0; i < 3000; i++)); do [ -s "$job/victim.pid" ] && break; sleep 0.01; 
 [ -s "$job/victim.pid" ] || { kill "$job_pid" 2>/dev/null || true; wait "$job_pid" || true; cat "$logs/elastic"; fail "elastic: rank 1 wrote no pid file within 30 s"; }
 victim="$(cat "$job/victim.pid")"
 killed_at="$(date +%s%3N)"
-kill -9 "$victim"
+kill -9 "$victim" || { wait "$job_pid" || true; cat "$logs/elastic"; fail "elastic: could not kill rank 1 (pid $victim)"; }
 set +e
 wait "$job_pid"
 rc=$?

@@ -18,6 +18,8 @@
 //!   there, joins as rank 3 and takes rank 0's step and parameters;
 //! - all 4 train to `--steps`.
 //!
+//! `--timeout-s` (30 s) bounds each wait: the watchdog's timeout, and the wait for a file.
+//!
 //! Each rank prints lines the script checks (times in ms since the epoch):
 //! `LOST rank R at step S after the loss of rank L: first step on 3 ranks at T`,
 //! `GROW_ID at T`, `FIRST_STEP_ON_4 rank R at T`, and at the end
@@ -59,7 +61,7 @@ fn args() -> Result<Args, Error> {
         kill_at: 10,
         small_steps: 10,
         slow_ms: 20,
-        timeout: Duration::from_secs(60),
+        timeout: Duration::from_secs(30),
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
