@@ -90,9 +90,12 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
         print(m["executable"])' "$1"
 }
-echo "building nccl-safe-candle's examples/elastic.rs (its own workspace, in $target/candle) ..."
-(cd nccl-safe-candle && CARGO_TARGET_DIR="$target/candle" cargo build --quiet --example elastic)
-elastic_exe="$target/candle/debug/examples/elastic"
+# The folder scripts/candle.sh builds nccl-safe-candle in (its tests ran in scripts/test.sh,
+# so only the example is left to build), made absolute: the build runs in the crate's folder.
+candle_target="$(realpath -m "$target")/candle"
+echo "building nccl-safe-candle's examples/elastic.rs (its own workspace, in $candle_target) ..."
+(cd nccl-safe-candle && CARGO_TARGET_DIR="$candle_target" cargo build --quiet --example elastic)
+elastic_exe="$candle_target/debug/examples/elastic"
 exe="$(test_exe multiprocess)"
 [ -x "$exe" ] || fail "could not build tests/multiprocess.rs"
 launcher_exe="$(test_exe launcher)"
