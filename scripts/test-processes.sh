@@ -262,8 +262,12 @@ set -e
 job_ms=$(( $(date +%s%3N) - job_t0 ))
 [ $(( $(date +%s) - s )) -lt 60 ] || { cat "$logs/elastic"; fail "elastic hung (killed after 60 s)"; }
 shm_clean elastic
-# Every rank that fails prints ERROR and exits 1; the killed one prints nothing more.
+# Every rank that fails prints ERROR and exits 1; the killed one prints nothing more; the
+# others print EXIT once their communicators are torn down, and exit 0 right after (under
+# mpirun --enable-recovery the launcher's exit code says nothing about them).
 [ "$(count "$logs/elastic" '^ERROR ')" -eq 0 ] || { cat "$logs/elastic"; fail "elastic: a rank failed"; }
+[ "$(grep -E '^EXIT 0 launcher rank [0-4]$' "$logs/elastic" | awk '{print $5}' | sort | tr -d '\n')" = 0234 ] \
+  || { cat "$logs/elastic"; fail "elastic: expected launcher ranks 0, 2, 3 and 4 (not 1) to exit 0"; }
 [ "$(count "$logs/elastic" '^RECOVERY rank [023] lost rank 1 at step [0-9]+: 4 -> 3 ranks')" -eq 3 ] \
   || { cat "$logs/elastic"; fail "elastic: expected ranks 0, 2 and 3 to recover without rank 1"; }
 finals="$(grep -E '^FINAL rank [0-3] of 4 step 60 params [0-9a-f]{16} ' "$logs/elastic" || true)"

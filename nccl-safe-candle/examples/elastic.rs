@@ -23,7 +23,8 @@
 //! Each rank prints lines the script checks (times in ms since the epoch):
 //! `LOST rank R at step S after the loss of rank L: first step on 3 ranks at T`,
 //! `GROW_ID at T`, `FIRST_STEP_ON_4 rank R at T`, and at the end
-//! `FINAL rank R of 4 step S params HASH loss FIRST -> LAST`.
+//! `FINAL rank R of 4 step S params HASH loss FIRST -> LAST`, and once its communicators
+//! are torn down, `EXIT 0 launcher rank N` (a rank that fails prints `ERROR ...` and exits 1).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -329,11 +330,16 @@ fn run(args: &Args, me: usize) -> Result<(), Error> {
 fn main() {
     let result = args().and_then(|a| {
         let me = launcher_rank()?;
-        run(&a, me).map_err(|e| format!("launcher rank {me}: {e}").into())
+        run(&a, me).map_err(|e| format!("launcher rank {me}: {e}"))?;
+        Ok(me)
     });
-    if let Err(e) = result {
-        println!("ERROR {e}");
-        eprintln!("elastic: {e}");
-        std::process::exit(1);
+    match result {
+        // After every communicator's teardown: the process exits 0 from here.
+        Ok(me) => println!("EXIT 0 launcher rank {me}"),
+        Err(e) => {
+            println!("ERROR {e}");
+            eprintln!("elastic: {e}");
+            std::process::exit(1);
+        }
     }
 }
