@@ -246,8 +246,9 @@ port=$(( port + 2 ))
 # (--timeout-s: a rank that waits for a file or a peer gives up well before the 60 s hang limit.)
 launchn 5 --tolerate-a-dead-rank "$elastic_exe" --dir "$job" --timeout-s 20
 s=$(date +%s) job_t0=$(date +%s%3N)
-# Rank 1 writes its pid at step 10 and from then on takes 20 ms a step, so that the kill
-# lands while the others wait for it inside a collective.
+# Rank 1 writes its pid at step 10 and from then on takes 100 ms a step, so that the kill
+# lands while the others wait for it inside a collective (and a slow machine has 5 s to kill
+# it before it would end the job on 4 ranks).
 timeout --kill-after=5 60 "${cmd[@]}" >"$logs/elastic" 2>&1 &
 job_pid=$!
 for ((i = 0; i < 3000; i++)); do [ -s "$job/victim.pid" ] && break; sleep 0.01; done

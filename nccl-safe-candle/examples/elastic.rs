@@ -11,8 +11,8 @@
 //! - ranks 0-3 (the launcher's `OMPI_COMM_WORLD_RANK`, `SLURM_PROCID` or `PMI_RANK`) make
 //!   the communicator; rank 0 writes its id to `DIR/id`, the others read it there;
 //! - rank 1, at step `--kill-at`, writes its pid to `DIR/victim.pid` (for the outside kill)
-//!   and from then on takes `--slow-ms` per step, so that the kill lands while the others
-//!   wait for it in a collective;
+//!   and from then on takes `--slow-ms` (100 ms) per step, so that the kill lands while
+//!   the others wait for it in a collective;
 //! - the survivors train `--small-steps` steps on 3 ranks, then grow back to 4: the new
 //!   rank 0 writes the grow id to `DIR/grow`; launcher rank 4, the standby, waits for it
 //!   there, joins as rank 3 and takes rank 0's step and parameters;
@@ -61,7 +61,7 @@ fn args() -> Result<Args, Error> {
         steps: 60,
         kill_at: 10,
         small_steps: 10,
-        slow_ms: 20,
+        slow_ms: 100,
         timeout: Duration::from_secs(30),
     };
     let mut it = std::env::args().skip(1);
