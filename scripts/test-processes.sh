@@ -20,7 +20,13 @@
 #      - rank 1 sleeps past the host timeout (1 s here): the others fail at that timeout
 #        naming it as the rank that did not reach the collective;
 #      every time nothing hangs and nothing is left in /dev/shm. The times from the fault
-#      to the last survivor's error are printed.
+#      to the last survivor's error are printed;
+#   3. an elastic job, nccl-safe-candle's examples/elastic.rs, as 4 ranks and a standby:
+#      rank 1 is SIGKILLed from outside (its pid, from the file it writes at step 10) while
+#      the others wait for it in a collective; they shrink without it and train on 3 ranks,
+#      then the standby joins through grow and the 4 end at step 60 with bit-identical
+#      parameters and a falling loss. The times from the kill to the first step on 3 ranks
+#      and from the grow id to the first step on 4 are printed.
 # Installs Debian's openmpi-bin when mpirun is missing; for srun, scripts/slurm-local.sh
 # installs and starts the cluster, and stops it afterwards. Takes a few seconds once built.
 set -euo pipefail
@@ -42,7 +48,7 @@ case "$launcher" in
     eval "$(scripts/slurm-local.sh start)"
     echo "$(srun --version) at $(command -v srun), SLURM_CONF=$SLURM_CONF"
     ;;
-  *) sed -n '2,22p' "$0"; exit 2 ;;
+  *) sed -n '2,28p' "$0"; exit 2 ;;
 esac
 # launch4 [--tolerate-a-dead-rank] PROGRAM ARGS...: sets $cmd to run 4 ranks of PROGRAM
 # under the launcher. With --tolerate-a-dead-rank the launcher must not kill the survivors
@@ -50,19 +56,22 @@ esac
 # default, and --kill-on-bad-exit=0 says so); mpirun then exits 0 whatever the ranks did,
 # so each rank's error line is checked (a rank that prints one exits 1 right after;
 # tests/multiprocess.rs checks the exit codes).
-launch4() {
-  local keep=()
+launch4() { launchn 4 "$@"; }
+# launchn N [--tolerate-a-dead-rank] PROGRAM ARGS...: the same with N ranks.
+launchn() {
+  local n="$1" keep=()
+  shift
   if [ "$1" = --tolerate-a-dead-rank ]; then
     shift
     case "$launcher" in mpirun) keep=(--enable-recovery) ;; srun) keep=(--kill-on-bad-exit=0) ;; esac
   fi
   case "$launcher" in
     mpirun)
-      cmd=(mpirun -np 4 "${keep[@]}" -x MASTER_ADDR -x MASTER_PORT -x NCCL_SAFE_RENDEZVOUS_TOKEN
+      cmd=(mpirun -np "$n" "${keep[@]}" -x MASTER_ADDR -x MASTER_PORT -x NCCL_SAFE_RENDEZVOUS_TOKEN
         -x NCCL_SAFE_HOST_TIMEOUT_MS -x NCCL_SAFE_TEST_MP -x NCCL_SAFE_TEST_STAGGER_MS
         -x NCCL_SAFE_TEST_STUCK_MS "$@") ;;
     # srun passes the whole environment (--export=ALL is its default).
-    srun) cmd=(srun -n 4 --overcommit "${keep[@]}" "$@") ;;
+    srun) cmd=(srun -n "$n" --overcommit "${keep[@]}" "$@") ;;
   esac
 }
 export NCCL_SAFE_RENDEZVOUS_TOKEN="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
@@ -81,6 +90,12 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
         print(m["executable"])' "$1"
 }
+# The folder scripts/candle.sh builds nccl-safe-candle in (its tests ran in scripts/test.sh,
+# so only the example is left to build), made absolute: the build runs in the crate's folder.
+candle_target="$(realpath -m "$target")/candle"
+echo "building nccl-safe-candle's examples/elastic.rs (its own workspace, in $candle_target) ..."
+(cd nccl-safe-candle && CARGO_TARGET_DIR="$candle_target" cargo build --quiet --example elastic)
+elastic_exe="$candle_target/debug/examples/elastic"
 exe="$(test_exe multiprocess)"
 [ -x "$exe" ] || fail "could not build tests/multiprocess.rs"
 launcher_exe="$(test_exe launcher)"
@@ -113,9 +128,13 @@ run() {
   set -e
   # (the launcher itself exits non-zero when a rank was SIGKILLed: tell a hang by the clock.)
   [ $(( $(date +%s) - s )) -lt 60 ] || { cat "$logs/$name"; fail "$name hung (killed after 60 s)"; }
+  shm_clean "$name"
+}
+# shm_clean NAME: fails when the job left something in /dev/shm.
+shm_clean() {
   local left
   left="$(comm -13 <(printf '%s\n' "$shm_before" | sort) <(ls /dev/shm | grep '^nccl-safe-' | sort) || true)"
-  [ -z "$left" ] || fail "$name left in /dev/shm: $left"
+  [ -z "$left" ] || fail "$1 left in /dev/shm: $left"
 }
 # count LOG PATTERN: how many lines match.
 count() { grep -cE "$2" "$1" || true; }
@@ -142,7 +161,7 @@ run train "$target/debug/examples/train" --launcher env --backend host
 echo "  train: $(grep -m1 -o 'loss .* -> [0-9.]*' "$logs/train") on each of 4 ranks, parameters identical"
 
 # stamp LOG KEY: the numbers after KEY, one a line.
-stamp() { grep -oE "$2 [0-9.]+" "$1" | awk '{print $2}'; }
+stamp() { grep -oE "$2 [0-9.]+" "$1" | awk '{print $NF}'; }
 # delay LOG KEY: ms from rank 1's KEY stamp to the last survivor's error (each rank writes
 # its ERROR_AT_MS stamp and its error line at once; rank 1's own error does not count).
 delay() {
@@ -219,5 +238,56 @@ t="$(delay "$logs/stuck-watchdog" STUCK_AT_MS)"
 awk -v t="$t" 'BEGIN { exit !(t < 6000) }' || { cat "$logs/stuck-watchdog"; fail "stuck-watchdog: errors took $t ms"; }
 echo "  rank 1 is stuck, found by the watchdogs: ranks 0, 2, 3 failed naming it from the desync board; last error $t ms after it stopped"
 echo "  nothing left in /dev/shm"
+
+echo "3. an elastic job (nccl-safe-candle's examples/elastic.rs): 4 $launcher ranks and a standby; rank 1 is SIGKILLed from outside, 3 carry on, the standby rejoins through grow"
+job="$logs/elastic-job"
+mkdir "$job"
+port=$(( port + 2 ))
+# (--timeout-s: a rank that waits for a file or a peer gives up well before the 60 s hang limit.)
+launchn 5 --tolerate-a-dead-rank "$elastic_exe" --dir "$job" --timeout-s 20
+s=$(date +%s) job_t0=$(date +%s%3N)
+# Rank 1 writes its pid at step 10 and from then on takes 100 ms a step, so that the kill
+# lands while the others wait for it inside a collective (and a slow machine has 5 s to kill
+# it before it would end the job on 4 ranks).
+timeout --kill-after=5 60 "${cmd[@]}" >"$logs/elastic" 2>&1 &
+job_pid=$!
+for ((i = 0; i < 3000; i++)); do [ -s "$job/victim.pid" ] && break; sleep 0.01; done
+[ -s "$job/victim.pid" ] || { kill "$job_pid" 2>/dev/null || true; wait "$job_pid" || true; cat "$logs/elastic"; fail "elastic: rank 1 wrote no pid file within 30 s"; }
+victim="$(cat "$job/victim.pid")"
+killed_at="$(date +%s%3N)"
+kill -9 "$victim" || { wait "$job_pid" || true; cat "$logs/elastic"; fail "elastic: could not kill rank 1 (pid $victim)"; }
+set +e
+wait "$job_pid"
+rc=$?
+set -e
+job_ms=$(( $(date +%s%3N) - job_t0 ))
+[ $(( $(date +%s) - s )) -lt 60 ] || { cat "$logs/elastic"; fail "elastic hung (killed after 60 s)"; }
+shm_clean elastic
+# Every rank that fails prints ERROR and exits 1; the killed one prints nothing more; the
+# others print EXIT once their communicators are torn down, and exit 0 right after (under
+# mpirun --enable-recovery the launcher's exit code says nothing about them).
+[ "$(count "$logs/elastic" '^ERROR ')" -eq 0 ] || { cat "$logs/elastic"; fail "elastic: a rank failed"; }
+[ "$(grep -E '^EXIT 0 launcher rank [0-4]$' "$logs/elastic" | awk '{print $5}' | sort | tr -d '\n')" = 0234 ] \
+  || { cat "$logs/elastic"; fail "elastic: expected launcher ranks 0, 2, 3 and 4 (not 1) to exit 0"; }
+[ "$(count "$logs/elastic" '^RECOVERY rank [023] lost rank 1 at step [0-9]+: 4 -> 3 ranks')" -eq 3 ] \
+  || { cat "$logs/elastic"; fail "elastic: expected ranks 0, 2 and 3 to recover without rank 1"; }
+finals="$(grep -E '^FINAL rank [0-3] of 4 step 60 params [0-9a-f]{16} ' "$logs/elastic" || true)"
+[ "$(printf '%s\n' "$finals" | awk '{print $3}' | sort -u | grep -c .)" -eq 4 ] \
+  || { cat "$logs/elastic"; fail "elastic: expected ranks 0-3 of 4 to end at step 60"; }
+[ "$(printf '%s\n' "$finals" | awk '{print $9}' | sort -u | wc -l)" -eq 1 ] \
+  || { cat "$logs/elastic"; fail "elastic: the 4 ranks' parameters differ"; }
+loss="$(printf '%s\n' "$finals" | awk '$3 == 0 {print $11, $13}')"
+awk -v f="${loss% *}" -v l="${loss#* }" 'BEGIN { exit !(l < f / 2) }' \
+  || { cat "$logs/elastic"; fail "elastic: the loss did not fall ($loss)"; }
+on3="$(stamp "$logs/elastic" 'first step on 3 ranks at' | sort -n | tail -n 1)"
+grow_at="$(stamp "$logs/elastic" 'GROW_ID at')"
+on4="$(awk '/^FIRST_STEP_ON_4 /{print $5}' "$logs/elastic" | sort -n | tail -n 1)"
+[ "$(stamp "$logs/elastic" 'first step on 3 ranks at' | grep -c .)" -eq 3 ] && [ -n "$grow_at" ] \
+  && [ "$(count "$logs/elastic" '^FIRST_STEP_ON_4 ')" -eq 4 ] || { cat "$logs/elastic"; fail "elastic: missing time stamps"; }
+t3="$(awk -v a="$killed_at" -v b="$on3" 'BEGIN { printf "%.1f", b - a }')"
+t4="$(awk -v a="$grow_at" -v b="$on4" 'BEGIN { printf "%.1f", b - a }')"
+echo "  rank 1 (pid $victim) SIGKILLed: ranks 0, 2, 3 shrank without it and carried on; the standby joined as rank 3"
+echo "  4 ranks at step 60, parameters bit-identical ($(printf '%s\n' "$finals" | awk 'NR == 1 {print $9}')), loss ${loss% *} -> ${loss#* }, nothing left in /dev/shm"
+echo "  from the kill to the first step on 3 ranks (the last survivor's): $t3 ms; from the grow id to the first step on 4 ranks: $t4 ms; the job took $job_ms ms (launcher exit $rc)"
 
 echo "test-processes ($launcher): OK in $(( $(date +%s) - t0 ))s"

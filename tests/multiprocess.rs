@@ -996,3 +996,128 @@ fn survivors_of_a_killed_process_shrink_and_carry_on() {
         );
     }
 }
+
+/// Three processes with elastic communicators ([`Config::elastic`]); rank 1 is SIGKILLed
+/// while ranks 0 and 2 wait for it inside an all-reduce. Each survivor's all-reduce fails,
+/// its communicator reads failed, and it knows which rank it lost (`lost_rank()`, from the
+/// provider's report that rank 1's process is gone: a SIGKILLed process posts no
+/// departure), so it shrinks without that rank, chosen by itself, and carries on.
+#[test]
+fn survivors_of_a_process_killed_mid_collective_know_which_rank_they_lost() {
+    if let Some((r, id)) = child_spec() {
+        let config = Config::new().elastic(true);
+        let c =
+            Communicator::init_rank(&CommDevice::Host, 3, r, &id, &config).unwrap_or_else(|e| {
+                eprintln!("rank {r}: init failed: {e}");
+                std::process::exit(2)
+            });
+        let mut x = vec![1.0f32; 1000];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect("all_reduce");
+        if r == 1 {
+            // Let the others reach the next all-reduce and wait in it first.
+            std::thread::sleep(Duration::from_millis(300));
+            // SAFETY: kill(2) on our own pid; nothing is touched.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let e = c
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect_err("rank 1 is dead");
+        println!("FAILED {e}");
+        let lost = c.lost_rank();
+        println!("LOST {lost:?} FAILED {}", c.is_failed());
+        let run = || -> Result<(usize, usize, f32)> {
+            let small = c.shrink_after_failure(&[lost.unwrap_or(usize::MAX)])?;
+            let mut y = vec![(r + 1) as f32; 1000];
+            small.all_reduce_in_place(&mut y, ReduceOp::Sum, &Stream::Host)?;
+            Ok((small.rank(), small.world_size(), y[999]))
+        };
+        match run() {
+            Ok((sr, sn, sum)) => {
+                println!("SHRUNK rank {sr} of {sn}: sum {sum}");
+                std::process::exit(0)
+            }
+            Err(e) => {
+                eprintln!("rank {r}: shrink_after_failure: {e}");
+                std::process::exit(3)
+            }
+        }
+    }
+    let outs = spawn(
+        "survivors_of_a_process_killed_mid_collective_know_which_rank_they_lost",
+        3,
+        &[],
+    );
+    assert_eq!(outs[1].code, None, "rank 1 was killed by a signal");
+    for (r, new) in [(0, 0), (2, 1)] {
+        assert!(
+            outs[r].stdout.contains("LOST Some(1) FAILED true"),
+            "rank {r}: {}",
+            outs[r].stdout
+        );
+        assert_eq!(outs[r].code, Some(0), "rank {r}: {}", outs[r].stderr);
+        assert!(
+            outs[r]
+                .stdout
+                .contains(&format!("SHRUNK rank {new} of 2: sum 4")),
+            "rank {r}: {}",
+            outs[r].stdout
+        );
+    }
+}
+
+/// Three processes with elastic communicators and a 1 s watchdog; rank 1 is stuck in its
+/// own code for 4 s while ranks 0 and 2 wait for it in an all-reduce. Their watchdogs
+/// revoke their handles in place at about 1 s, and the revoke ends the wait in shared
+/// memory then, theirs and the other's (not at the provider's own 8 s limit): the
+/// all-reduce fails within 3 s.
+#[test]
+fn a_watchdog_revoke_ends_a_wait_in_shared_memory() {
+    if let Some((r, id)) = child_spec() {
+        let config = Config::new().elastic(true).timeout(Duration::from_secs(1));
+        let c =
+            Communicator::init_rank(&CommDevice::Host, 3, r, &id, &config).unwrap_or_else(|e| {
+                eprintln!("rank {r}: init failed: {e}");
+                std::process::exit(2)
+            });
+        let mut x = vec![1.0f32; 1000];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect("all_reduce");
+        if r == 1 {
+            std::thread::sleep(Duration::from_secs(4));
+        }
+        let t0 = Instant::now();
+        let r = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host);
+        println!(
+            "RETURNED after {} ms, revoked {}, failed {}: {r:?}",
+            t0.elapsed().as_millis(),
+            c.is_revoked(),
+            r.is_err()
+        );
+        std::process::exit(0)
+    }
+    let outs = spawn("a_watchdog_revoke_ends_a_wait_in_shared_memory", 3, &[]);
+    for r in [0, 2] {
+        assert_eq!(outs[r].code, Some(0), "rank {r}: {}", outs[r].stderr);
+        let ms: u64 = outs[r]
+            .stdout
+            .split("RETURNED after ")
+            .nth(1)
+            .and_then(|t| t.split(' ').next())
+            .and_then(|t| t.parse().ok())
+            .unwrap_or_else(|| panic!("rank {r}: {}", outs[r].stdout));
+        assert!(ms < 3000, "rank {r} waited {ms} ms: {}", outs[r].stdout);
+        assert!(
+            outs[r].stdout.contains(", failed true"),
+            "rank {r}: {}",
+            outs[r].stdout
+        );
+    }
+    // (One of the two may be woken by the other's revoke before its own watchdog fires.)
+    assert!(
+        [0, 2]
+            .iter()
+            .any(|&r| outs[r].stdout.contains("revoked true")),
+        "no watchdog revoked a handle"
+    );
+}

@@ -1300,6 +1300,11 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
                 }
                 super::state::notify();
             }
+            // Across processes: this rank's wait in shared memory, and its peers' waits
+            // for it, end at once (not at the host timeout).
+            if let Some(seg) = shared_of(&g, clique) {
+                seg.revoke();
+            }
         }
         // The abort flag ends this rank's kernels: its work in flight.
         super::fault::torn_down(h);

@@ -154,6 +154,7 @@ enum Why {
     Timeout = 4,
     Mismatch = 5,
     P2p = 6,
+    Revoked = 7,
 }
 
 fn why_of(k: u64) -> Option<Why> {
@@ -164,6 +165,7 @@ fn why_of(k: u64) -> Option<Why> {
         4 => Why::Timeout,
         5 => Why::Mismatch,
         6 => Why::P2p,
+        7 => Why::Revoked,
         _ => return None,
     })
 }
@@ -644,6 +646,10 @@ impl Segment {
                 ncclRemoteError,
                 format!("remote error: rank {r} (pid {pid}) died: its process is gone ({at})"),
             ),
+            Why::Revoked => Fail::new(
+                ncclRemoteError,
+                format!("remote error: rank {r} (pid {pid}) revoked its communicator ({at})"),
+            ),
             Why::Left => Fail::new(
                 ncclRemoteError,
                 format!("remote error: rank {r} (pid {pid}) destroyed its communicator while the others waited for it ({at})"),
@@ -766,6 +772,14 @@ impl Segment {
     pub(crate) fn abort(&self) {
         self.fail(Why::Abort, self.rank, self.seq.load(Acquire));
         let _ = std::fs::remove_file(&self.path);
+    }
+
+    /// This rank revokes its communicator (`ncclCommRevoke`): its own wait in a collective
+    /// ends, and so do the peers' waits for it (in NCCL a revoke ends this rank's kernels,
+    /// and a peer that waits for them can only end with its own revoke or abort). Unlike
+    /// [`abort`](Self::abort) the segment's name stays for the ranks still joining it.
+    pub(crate) fn revoke(&self) {
+        self.fail(Why::Revoked, self.rank, self.seq.load(Acquire));
     }
 
     /// When the ranks' published operations differ: the ranks that differ from the

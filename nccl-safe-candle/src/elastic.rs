@@ -24,9 +24,12 @@
 //! starts afresh (candle's optimizers do not expose their state, so the lost rank's shard
 //! of AdamW's moments cannot be rebuilt; SGD without momentum carries on exactly); a
 //! replacement rank joins only between two `run_elastic` runs ([`grow`] and [`join`]: the
-//! loop does not decide when by itself); only ranks of this process are seen leaving (a rank of another process that is
-//! SIGKILLed is seen by the watchdog's timeout, not tested here); one rank is lost per
-//! recovery (the first that left).
+//! loop does not decide when by itself); one rank is lost per recovery (the first that
+//! left); a rank of another process that is alive but stuck fails the step by the
+//! watchdog's timeout, which names no lost rank, so `run_elastic` returns that error. A
+//! rank of another process that dies (SIGKILL, the OOM killer) is named by the host
+//! provider and recovered from: `examples/elastic.rs`, run under mpirun and srun by
+//! `scripts/test-processes.sh`, loses one to an outside SIGKILL and takes a standby back.
 //!
 //! ```
 //! use std::time::Duration;

@@ -115,9 +115,11 @@ impl Communicator {
 
     /// The rank that left this communicator's clique and failed it (a rank that was
     /// dropped, panicked, returned from its launcher closure, or left through the job's
-    /// desync board while its peers waited), if the diagnostics know it: the rank to
-    /// exclude in [`shrink_after_failure`](Self::shrink_after_failure). Only the first
-    /// such rank is kept. `None` without the `diag` feature.
+    /// desync board while its peers waited, or whose process the host provider saw gone,
+    /// say SIGKILLed, while a collective waited for it), if the diagnostics know it: the
+    /// rank to exclude in [`shrink_after_failure`](Self::shrink_after_failure). Only the
+    /// first such rank is kept. `None` without the `diag` feature, and after a plain
+    /// timeout (a rank that is slow or stuck has not left).
     pub fn lost_rank(&self) -> Option<usize> {
         self.diag.lost_rank()
     }

@@ -533,6 +533,18 @@ impl Clique {
         });
     }
 
+    /// Rank `rank` of another process died (the provider saw its process gone) in or
+    /// before collective `issued`: the clique's departure, unless one is known already
+    /// (the first is kept, and returned).
+    pub(crate) fn depart_dead(&self, rank: usize, issued: u64, how: String) -> &Departure {
+        self.departed.get_or_init(|| Departure {
+            rank,
+            issued,
+            how,
+            recent: Vec::new(),
+        })
+    }
+
     /// Whether a rank of this process has waited in an operation for at least `age`.
     fn waiting_for(&self, age: Duration) -> bool {
         (0..self.world_size).any(|r| {

@@ -797,6 +797,9 @@ impl CommDiag {
                             .then(|| s.clique.departed_other_than(s.rank))
                             .flatten()
                     });
+                    let died = remote
+                        .then(|| died_rank(&e, s.clique.world_size, s.rank))
+                        .flatten();
                     match d {
                         Some(d) => {
                             s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
@@ -806,6 +809,17 @@ impl CommDiag {
                             Some(d) => {
                                 let first = s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
                                 s.peer_timeout(rec, &first)
+                            }
+                            // No departure on the board, but the provider names a rank whose
+                            // process is gone (a SIGKILLed process posts nothing): that rank
+                            // is the clique's departure, so that every survivor knows which
+                            // rank it lost (`lost_rank()`); the provider's words stand.
+                            None if died.is_some() => {
+                                if let Some((r, how)) = died {
+                                    let d = s.clique.depart_dead(r, rec.seq, how);
+                                    s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
+                                }
+                                e
                             }
                             // No departure on the board either, but ranks of other
                             // processes posted that they wait in this collective: one of them
@@ -934,6 +948,25 @@ impl CommDiag {
 /// exact and no group is open (a group's work is marked when it ends).
 #[cfg(feature = "diag")]
 #[inline(always)]
+/// The rank (other than `me`, below `world`) that the provider's remote error `e` says
+/// died, and how: the host provider's "rank N (pid P) died: its process is gone", which it
+/// reports within a tick of a peer's process vanishing (NVIDIA NCCL's own remote errors
+/// name no rank). `None` for any other error.
+fn died_rank(e: &Error, world: usize, me: usize) -> Option<(usize, String)> {
+    let text = e.as_nccl()?.last_error.as_deref()?;
+    let at = text.find(" died: its process is gone")?;
+    let head = &text[..at];
+    let (rank, pid) = head.rsplit_once("rank ")?.1.split_once(" (pid ")?;
+    let rank: usize = rank.parse().ok()?;
+    let pid: u32 = pid.strip_suffix(')')?.parse().ok()?;
+    (rank < world && rank != me).then(|| {
+        (
+            rank,
+            format!("its process (pid {pid}) is gone (it died or was killed)"),
+        )
+    })
+}
+
 fn mark_then_publish(s: &Shared, q: &QueueWatch, upto: u64) {
     if s.settings.exact && !in_group() {
         s.mark_at_enqueue(q, upto);
