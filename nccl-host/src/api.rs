@@ -674,6 +674,15 @@ fn join_shared(
 }
 
 /// The shared segment of a communicator across processes, if `clique` is one.
+/// [`crate::dead_peer`]: the shared segment of `comm`'s clique, asked why it failed.
+pub(crate) fn dead_peer(comm: ncclComm_t) -> Option<(usize, u32)> {
+    let g = lock();
+    let CommState::Ready { clique, .. } = g.comms.get(&(comm as usize))?.state else {
+        return None;
+    };
+    shared_of(&g, clique)?.dead_peer()
+}
+
 fn shared_of(g: &Global, clique: u64) -> Option<std::sync::Arc<super::shm::Segment>> {
     g.cliques.get(&clique).and_then(|c| c.shared.clone())
 }

@@ -227,6 +227,15 @@ pub fn recent_misuse() -> Vec<String> {
     state::lock().misuse_log.iter().cloned().collect()
 }
 
+/// The rank whose process the live host communicator `comm`'s clique (across processes)
+/// saw gone, it died or was killed, and that process's pid, when that is why the clique
+/// failed; `None` otherwise, and for an unknown handle. For nccl-safe only (its
+/// diagnostics name the rank a SIGKILLed process held, which posted nothing).
+#[doc(hidden)]
+pub fn dead_peer(comm: ncclComm_t) -> Option<(usize, u32)> {
+    api::dead_peer(comm)
+}
+
 /// Operations of the host handle `comm` not seen complete: accepted and never completing
 /// ([`fault::Fault::StuckWork`]) or held back until released ([`fault::Fault::StalledWork`]);
 /// 0 for an unknown handle. For nccl-safe only (its

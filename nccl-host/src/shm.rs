@@ -616,6 +616,15 @@ impl Segment {
         futex_wake(&h.bar_gen);
     }
 
+    /// The rank whose process the communicator saw gone (it died or was killed) and its
+    /// pid, when that is why the communicator failed.
+    pub(crate) fn dead_peer(&self) -> Option<(usize, u32)> {
+        let f = self.header().failed.load(Acquire);
+        let r = (f & 0xffff_ffff) as usize;
+        (why_of(f >> 32)? == Why::Died && r < self.nranks)
+            .then(|| (r, self.info(r).pid.load(Acquire)))
+    }
+
     /// The error every rank reports once the communicator failed, if it did.
     pub(crate) fn failure(&self) -> Option<Fail> {
         let h = self.header();

@@ -797,52 +797,53 @@ impl CommDiag {
                             .then(|| s.clique.departed_other_than(s.rank))
                             .flatten()
                     });
-                    let died = remote
-                        .then(|| died_rank(&e, s.clique.world_size, s.rank))
-                        .flatten();
                     match d {
                         Some(d) => {
                             s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
                             e
                         }
-                        None => match remote.then(|| s.clique.remote_departure(s.rank)).flatten() {
-                            Some(d) => {
-                                let first = s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
-                                s.peer_timeout(rec, &first)
-                            }
-                            // No departure on the board, but the provider names a rank whose
-                            // process is gone (a SIGKILLed process posts nothing): that rank
-                            // is the clique's departure, so that every survivor knows which
-                            // rank it lost (`lost_rank()`); the provider's words stand.
-                            None if died.is_some() => {
-                                if let Some((r, how)) = died {
-                                    let d = s.clique.depart_dead(r, rec.seq, how);
-                                    s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
+                        None => {
+                            let died = remote.then(|| died_rank(s)).flatten();
+                            match remote.then(|| s.clique.remote_departure(s.rank)).flatten() {
+                                Some(d) => {
+                                    let first =
+                                        s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
+                                    s.peer_timeout(rec, &first)
                                 }
-                                e
+                                // No departure on the board, but the provider names a rank whose
+                                // process is gone (a SIGKILLed process posts nothing): that rank
+                                // is the clique's departure, so that every survivor knows which
+                                // rank it lost (`lost_rank()`); the provider's words stand.
+                                None if died.is_some() => {
+                                    if let Some((r, how)) = died {
+                                        let d = s.clique.depart_dead(r, rec.seq, how);
+                                        s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
+                                    }
+                                    e
+                                }
+                                // No departure on the board either, but ranks of other
+                                // processes posted that they wait in this collective: one of them
+                                // aborted the clique, its watchdog timed out (say) a moment
+                                // before this rank's would have. The board tells whom they waited
+                                // for: this rank's report names the rank behind, as theirs do,
+                                // rather than "rank N called ncclCommAbort". (With no such post,
+                                // the provider's error stands: "rank N died", say.)
+                                None if remote && s.clique.remote_waiting(rec.seq) => {
+                                    let report = s.clique.report_as(
+                                        s.rank,
+                                        rec,
+                                        s.settings.timeout,
+                                        "failed with a peer's remote error",
+                                        false,
+                                    );
+                                    let first = s
+                                        .clique
+                                        .set_timed_out(&TimeoutReport::of(s.rank, rec, report));
+                                    s.peer_timeout(rec, &first)
+                                }
+                                None => e,
                             }
-                            // No departure on the board either, but ranks of other
-                            // processes posted that they wait in this collective: one of them
-                            // aborted the clique, its watchdog timed out (say) a moment
-                            // before this rank's would have. The board tells whom they waited
-                            // for: this rank's report names the rank behind, as theirs do,
-                            // rather than "rank N called ncclCommAbort". (With no such post,
-                            // the provider's error stands: "rank N died", say.)
-                            None if remote && s.clique.remote_waiting(rec.seq) => {
-                                let report = s.clique.report_as(
-                                    s.rank,
-                                    rec,
-                                    s.settings.timeout,
-                                    "failed with a peer's remote error",
-                                    false,
-                                );
-                                let first = s
-                                    .clique
-                                    .set_timed_out(&TimeoutReport::of(s.rank, rec, report));
-                                s.peer_timeout(rec, &first)
-                            }
-                            None => e,
-                        },
+                        }
                     }
                 }
             },
@@ -944,29 +945,32 @@ impl CommDiag {
     }
 }
 
+/// The rank whose process the host provider saw gone while this communicator's clique
+/// waited for it (a SIGKILLed process posts nothing on the desync board), and how it left.
+/// NVIDIA's NCCL names no rank in its remote errors: `None` there, and for a handle the
+/// watchdog already took.
+#[cfg(feature = "diag")]
+fn died_rank(s: &Shared) -> Option<(usize, String)> {
+    #[cfg(feature = "host")]
+    if s.lib.provider() == Provider::Host {
+        let raw = s.handle.load(Ordering::Acquire) as ncclComm_t;
+        let (rank, pid) = (!raw.is_null())
+            .then(|| crate::host::dead_peer(raw))
+            .flatten()?;
+        return (rank < s.world_size && rank != s.rank).then(|| {
+            let how = format!("its process (pid {pid}) is gone (it died or was killed)");
+            (rank, how)
+        });
+    }
+    #[cfg(not(feature = "host"))]
+    let _ = s;
+    None
+}
+
 /// [`publish`] of a CUDA operation's work: marked first, at enqueue, when completion is
 /// exact and no group is open (a group's work is marked when it ends).
 #[cfg(feature = "diag")]
 #[inline(always)]
-/// The rank (other than `me`, below `world`) that the provider's remote error `e` says
-/// died, and how: the host provider's "rank N (pid P) died: its process is gone", which it
-/// reports within a tick of a peer's process vanishing (NVIDIA NCCL's own remote errors
-/// name no rank). `None` for any other error.
-fn died_rank(e: &Error, world: usize, me: usize) -> Option<(usize, String)> {
-    let text = e.as_nccl()?.last_error.as_deref()?;
-    let at = text.find(" died: its process is gone")?;
-    let head = &text[..at];
-    let (rank, pid) = head.rsplit_once("rank ")?.1.split_once(" (pid ")?;
-    let rank: usize = rank.parse().ok()?;
-    let pid: u32 = pid.strip_suffix(')')?.parse().ok()?;
-    (rank < world && rank != me).then(|| {
-        (
-            rank,
-            format!("its process (pid {pid}) is gone (it died or was killed)"),
-        )
-    })
-}
-
 fn mark_then_publish(s: &Shared, q: &QueueWatch, upto: u64) {
     if s.settings.exact && !in_group() {
         s.mark_at_enqueue(q, upto);
