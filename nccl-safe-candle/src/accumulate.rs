@@ -53,11 +53,11 @@ impl Tracker {
 
     /// May a step (outside an accumulation) start now? Reports an abandoned
     /// accumulation once.
-    pub(crate) fn may_step(&self, op: &'static str, rank: usize) -> Result<(), K> {
+    pub(crate) fn may_step(&self, call: &'static str, rank: usize) -> Result<(), K> {
         let mut s = self.lock();
         if let Some((micro_batches, done)) = s.open {
             return Err(K::AccumulationOpen {
-                op,
+                call,
                 rank,
                 micro_batches,
                 done,
@@ -65,7 +65,7 @@ impl Tracker {
         }
         if let Some((micro_batches, done)) = s.abandoned.take() {
             return Err(K::AccumulationAbandoned {
-                op,
+                call,
                 rank,
                 micro_batches,
                 done,
@@ -77,17 +77,17 @@ impl Tracker {
     /// Opens an accumulation of `micro_batches`.
     pub(crate) fn open(
         &self,
-        op: &'static str,
+        call: &'static str,
         rank: usize,
         micro_batches: usize,
     ) -> Result<(), K> {
         if micro_batches == 0 {
             return Err(K::InvalidArgument {
-                op,
+                call,
                 reason: "an accumulation needs at least one micro-batch".into(),
             });
         }
-        self.may_step(op, rank)?;
+        self.may_step(call, rank)?;
         self.lock().open = Some((micro_batches, 0));
         Ok(())
     }
@@ -234,7 +234,7 @@ impl<T: Accumulate> Accumulation<T> {
     fn backward_inner(&mut self, loss: &Tensor) -> DistResult<()> {
         if self.done == self.micro_batches {
             return Err(K::MicroBatchCount {
-                op: "Accumulation::backward",
+                call: "Accumulation::backward",
                 rank: self.target.rank(),
                 micro_batches: self.micro_batches,
                 done: self.done + 1,
@@ -269,7 +269,7 @@ impl<T: Accumulate> Accumulation<T> {
         let step = tracker.current();
         if self.done != self.micro_batches {
             return Err(DistError::from(K::MicroBatchCount {
-                op: "Accumulation::step",
+                call: "Accumulation::step",
                 rank: self.target.rank(),
                 micro_batches: self.micro_batches,
                 done: self.done,

@@ -25,38 +25,38 @@ pub enum DistErrorKind {
     #[error("candle: {0}")]
     Candle(candle_core::Error),
     /// The collectives take f32, f64, f16 and bf16 tensors.
-    #[error("{op}: {dtype:?} tensors are not supported (f32, f64, f16 and bf16 are)")]
+    #[error("{call}: {dtype:?} tensors are not supported (f32, f64, f16 and bf16 are)")]
     UnsupportedDtype {
         /// The operation.
-        op: &'static str,
+        call: &'static str,
         /// The tensor's element type.
         dtype: DType,
     },
     /// The collectives run on a tensor's storage in place, which needs it contiguous.
-    #[error("{op}: the tensor (shape {shape:?}, stride {stride:?}) is not contiguous; call .contiguous() first")]
+    #[error("{call}: the tensor (shape {shape:?}, stride {stride:?}) is not contiguous; call .contiguous() first")]
     NotContiguous {
         /// The operation.
-        op: &'static str,
+        call: &'static str,
         /// The tensor's shape.
         shape: Vec<usize>,
         /// Its strides.
         stride: Vec<usize>,
     },
     /// The tensor is not where the communicator works.
-    #[error("{op}: the tensor is on {tensor}, but the communicator on {comm}")]
+    #[error("{call}: the tensor is on {tensor}, but the communicator on {comm}")]
     WrongDevice {
         /// The operation.
-        op: &'static str,
+        call: &'static str,
         /// Where the tensor is.
         tensor: String,
         /// Where the communicator works.
         comm: String,
     },
     /// A shape the operation cannot take.
-    #[error("{op}: {reason}")]
+    #[error("{call}: {reason}")]
     Shape {
         /// The operation.
-        op: &'static str,
+        call: &'static str,
         /// What is wrong.
         reason: String,
     },
@@ -78,10 +78,10 @@ pub enum DistErrorKind {
         first: String,
     },
     /// An argument out of its range.
-    #[error("{op}: {reason}")]
+    #[error("{call}: {reason}")]
     InvalidArgument {
         /// The operation.
-        op: &'static str,
+        call: &'static str,
         /// What is wrong.
         reason: String,
     },
@@ -89,13 +89,13 @@ pub enum DistErrorKind {
     /// [`no_sync`](crate::DistributedDataParallel::no_sync) accumulation is open: stepping
     /// now would apply local, unreduced gradients and the ranks would drift apart.
     #[error(
-        "{op} on rank {rank}: a no_sync accumulation of {micro_batches} micro-batches is open \
+        "{call} on rank {rank}: a no_sync accumulation of {micro_batches} micro-batches is open \
          ({done} taken); give each micro-batch's loss to the guard's backward(&loss) and end it \
          with its step(), not with a step of your own"
     )]
     AccumulationOpen {
         /// The call that was refused.
-        op: &'static str,
+        call: &'static str,
         /// This rank.
         rank: usize,
         /// The micro-batches the accumulation was opened for.
@@ -108,13 +108,13 @@ pub enum DistErrorKind {
     /// (its gradients never reach the guard), or a micro-batch was skipped. Nothing was
     /// stepped.
     #[error(
-        "{op} on rank {rank}: the accumulation was opened for {micro_batches} micro-batches but its \
+        "{call} on rank {rank}: the accumulation was opened for {micro_batches} micro-batches but its \
          backward(&loss) took {done}; every micro-batch's loss must go through the guard's \
          backward (a plain loss.backward() returns gradients the guard never sees). Nothing was stepped"
     )]
     MicroBatchCount {
         /// The call that was refused.
-        op: &'static str,
+        call: &'static str,
         /// This rank.
         rank: usize,
         /// The micro-batches the accumulation was opened for.
@@ -125,13 +125,13 @@ pub enum DistErrorKind {
     /// The previous accumulation guard was dropped without its `step()`: its gradients
     /// were thrown away. Reported once, by the next step.
     #[error(
-        "{op} on rank {rank}: the previous no_sync accumulation ({done} of {micro_batches} \
+        "{call} on rank {rank}: the previous no_sync accumulation ({done} of {micro_batches} \
          micro-batches taken) was dropped without its step(), so its gradients were lost; \
          end every accumulation with step()"
     )]
     AccumulationAbandoned {
         /// The call that reported it.
-        op: &'static str,
+        call: &'static str,
         /// This rank.
         rank: usize,
         /// The micro-batches that accumulation was opened for.

@@ -320,17 +320,17 @@ pub const SUPPORTED_DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::F16, DT
 
 /// Checks what NCCL would otherwise meet as a bad buffer: the element type, contiguity and
 /// the device.
-pub(crate) fn check(comm: &Communicator, op: &'static str, t: &Tensor) -> Result<()> {
+pub(crate) fn check(comm: &Communicator, call: &'static str, t: &Tensor) -> Result<()> {
     if !SUPPORTED_DTYPES.contains(&t.dtype()) {
         return Err(K::UnsupportedDtype {
-            op,
+            call,
             dtype: t.dtype(),
         }
         .into());
     }
     if !t.is_contiguous() {
         return Err(K::NotContiguous {
-            op,
+            call,
             shape: t.dims().to_vec(),
             stride: t.stride().to_vec(),
         }
@@ -345,7 +345,7 @@ pub(crate) fn check(comm: &Communicator, op: &'static str, t: &Tensor) -> Result
         Ok(())
     } else {
         Err(K::WrongDevice {
-            op,
+            call,
             tensor: format!("{:?}", t.device().location()),
             comm: match comm.cuda_ordinal() {
                 None => "the host provider (which takes CPU tensors)".into(),
@@ -428,7 +428,7 @@ fn reduce_scatter_inner(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result
         Some(d) if *d % world == 0 => *d /= world,
         _ => {
             return Err(K::Shape {
-                op: "reduce_scatter",
+                call: "reduce_scatter",
                 reason: format!(
                     "the first dimension of shape {:?} must divide into {world} equal parts",
                     t.dims()
@@ -453,7 +453,7 @@ pub fn all_reduce_scalar(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Resul
 fn all_reduce_scalar_inner(comm: &Communicator, t: &Tensor, op: ReduceOp) -> Result<f64> {
     if t.elem_count() != 1 {
         return Err(K::Shape {
-            op: "all_reduce_scalar",
+            call: "all_reduce_scalar",
             reason: format!("a scalar has one element; shape {:?} has more", t.dims()),
         }
         .into());
@@ -507,7 +507,7 @@ fn shard_batch_inner(comm: &Communicator, batch: &Tensor) -> Result<Tensor> {
     let (n, world) = (batch.dim(0)?, comm.world_size());
     if n % world != 0 {
         return Err(K::Shape {
-            op: "shard_batch",
+            call: "shard_batch",
             reason: format!("a batch of {n} does not split into {world} equal parts"),
         }
         .into());

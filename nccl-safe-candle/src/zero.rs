@@ -111,7 +111,7 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
         params.sort_by(|a, b| a.0.cmp(&b.0));
         let Some((_, first)) = params.first() else {
             return Err(K::InvalidArgument {
-                op: "ZeroRedundancyOptimizer",
+                call: "ZeroRedundancyOptimizer",
                 reason: "no parameters".into(),
             }
             .into());
@@ -119,7 +119,7 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
         let dtype = first.as_tensor().dtype();
         if let Some((name, v)) = params.iter().find(|(_, v)| v.as_tensor().dtype() != dtype) {
             return Err(K::InvalidArgument {
-                op: "ZeroRedundancyOptimizer",
+                call: "ZeroRedundancyOptimizer",
                 reason: format!(
                     "all parameters must share one dtype: {name} is {:?}, others {dtype:?}",
                     v.as_tensor().dtype()
@@ -257,7 +257,7 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
                 Some(g) if g.dims() == t.dims() && g.dtype() == dtype => g.flatten_all()?,
                 Some(g) => {
                     return Err(K::Shape {
-                        op: "ZeroRedundancyOptimizer::step",
+                        call: "ZeroRedundancyOptimizer::step",
                         reason: format!(
                             "the gradient of {name} is {:?} {:?}, the parameter {:?} {dtype:?}",
                             g.dims(),

@@ -428,7 +428,7 @@ fn a_failed_rank_fails_the_step_on_every_rank() {
             let ddp = DistributedDataParallel::from_named(rank.comm(), params, 64)?;
             if rank.rank() == 2 {
                 return Err(K::InvalidArgument {
-                    op: "test",
+                    call: "test",
                     reason: "rank 2 gives up".into(),
                 }
                 .into());
