@@ -646,23 +646,19 @@ impl Segment {
         } else {
             0
         };
+        let remote = |what: String| {
+            Fail::new(
+                ncclRemoteError,
+                format!("remote error: rank {r} (pid {pid}) {what}"),
+            )
+        };
         Some(match why {
-            Why::Abort => Fail::new(
-                ncclRemoteError,
-                format!("remote error: rank {r} (pid {pid}) called ncclCommAbort"),
-            ),
-            Why::Died => Fail::new(
-                ncclRemoteError,
-                format!("remote error: rank {r} (pid {pid}) died: its process is gone ({at})"),
-            ),
-            Why::Revoked => Fail::new(
-                ncclRemoteError,
-                format!("remote error: rank {r} (pid {pid}) revoked its communicator ({at})"),
-            ),
-            Why::Left => Fail::new(
-                ncclRemoteError,
-                format!("remote error: rank {r} (pid {pid}) destroyed its communicator while the others waited for it ({at})"),
-            ),
+            Why::Abort => remote("called ncclCommAbort".to_string()),
+            Why::Died => remote(format!("died: its process is gone ({at})")),
+            Why::Revoked => remote(format!("revoked its communicator ({at})")),
+            Why::Left => remote(format!(
+                "destroyed its communicator while the others waited for it ({at})"
+            )),
             Why::Timeout => Fail::new(
                 ncclTimeout,
                 format!(
