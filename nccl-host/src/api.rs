@@ -7,6 +7,7 @@ use std::ffi::CString;
 use std::sync::MutexGuard;
 
 use nccl_sys::bindings::*;
+use nccl_sys::FunctionTable;
 
 pub(crate) use super::defs::{fresh_id, id_bytes};
 use super::dtype::{self, RedKind};
@@ -2181,4 +2182,70 @@ pub(crate) unsafe extern "C" fn ncclCommWindowDeregister(
         }
         super::registry::deregister_window(&mut g, r.h, r.root, win as usize).map(|()| ncclSuccess)
     })
+}
+
+/// The table of host entry points (each defined above: a new entry point is one function
+/// and its row here), built as a struct literal so the compiler checks every
+/// signature against `nccl-sys`.
+pub(crate) fn table() -> FunctionTable {
+    FunctionTable {
+        ncclGetVersion,
+        ncclGetUniqueId,
+        ncclCommInitRankConfig,
+        ncclCommInitRank,
+        ncclCommInitAll,
+        ncclCommFinalize,
+        ncclCommDestroy,
+        ncclCommAbort,
+        ncclCommSplit,
+        ncclGetErrorString,
+        ncclGetLastError,
+        ncclCommGetAsyncError,
+        ncclCommCount,
+        ncclCommCuDevice,
+        ncclCommUserRank,
+        ncclRedOpCreatePreMulSum,
+        ncclRedOpDestroy,
+        ncclReduce,
+        ncclBcast,
+        ncclBroadcast,
+        ncclAllReduce,
+        ncclReduceScatter,
+        ncclAllGather,
+        ncclSend,
+        ncclRecv,
+        ncclGroupStart,
+        ncclGroupEnd,
+        ncclMemAlloc: Some(ncclMemAlloc),
+        ncclMemFree: Some(ncclMemFree),
+        ncclCommRegister: Some(ncclCommRegister),
+        ncclCommDeregister: Some(ncclCommDeregister),
+        ncclGroupSimulateEnd: None,
+        ncclCommInitRankScalable: None,
+        ncclCommShrink: Some(ncclCommShrink),
+        ncclCommWindowRegister: Some(ncclCommWindowRegister),
+        ncclCommWindowDeregister: Some(ncclCommWindowDeregister),
+        ncclAlltoAll: Some(ncclAlltoAll),
+        ncclGather: Some(ncclGather),
+        ncclScatter: Some(ncclScatter),
+        ncclCommRevoke: Some(ncclCommRevoke),
+        ncclCommSuspend: None,
+        ncclCommResume: None,
+        ncclCommMemStats: None,
+        ncclWinGetUserPtr: None,
+        ncclCommGetUniqueId: Some(ncclCommGetUniqueId),
+        ncclCommGrow: Some(ncclCommGrow),
+        ncclPutSignal: None,
+        ncclSignal: None,
+        ncclWaitSignal: None,
+        ncclAllReduceConfig: None,
+        ncclBroadcastConfig: None,
+        ncclReduceConfig: None,
+        ncclAllGatherConfig: None,
+        ncclReduceScatterConfig: None,
+        ncclAlltoAllConfig: None,
+        ncclGatherConfig: None,
+        ncclScatterConfig: None,
+        ncclSetEncryption: None,
+    }
 }

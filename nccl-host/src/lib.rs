@@ -108,7 +108,6 @@ mod shm;
 mod state;
 
 use nccl_sys::bindings::{ncclComm_t, ncclUniqueId};
-use nccl_sys::FunctionTable;
 
 /// The smallest `ncclConfig_t` accepted: the NCCL 2.17-2.26 layout (`splitShare` last).
 const MIN_CONFIG_SIZE: usize = 48;
@@ -274,76 +273,10 @@ pub fn set_current_device(device: c_int) {
 /// The version `ncclGetVersion` reports from [`lookup`]: 2.32.3.
 pub const HOST_VERSION: (u32, u32, u32) = (2, 32, 3);
 
-/// The table of host entry points, built as a struct literal so the compiler checks every
-/// signature against `nccl-sys`.
-fn table() -> FunctionTable {
-    use api::*;
-    FunctionTable {
-        ncclGetVersion,
-        ncclGetUniqueId,
-        ncclCommInitRankConfig,
-        ncclCommInitRank,
-        ncclCommInitAll,
-        ncclCommFinalize,
-        ncclCommDestroy,
-        ncclCommAbort,
-        ncclCommSplit,
-        ncclGetErrorString,
-        ncclGetLastError,
-        ncclCommGetAsyncError,
-        ncclCommCount,
-        ncclCommCuDevice,
-        ncclCommUserRank,
-        ncclRedOpCreatePreMulSum,
-        ncclRedOpDestroy,
-        ncclReduce,
-        ncclBcast,
-        ncclBroadcast,
-        ncclAllReduce,
-        ncclReduceScatter,
-        ncclAllGather,
-        ncclSend,
-        ncclRecv,
-        ncclGroupStart,
-        ncclGroupEnd,
-        ncclMemAlloc: Some(ncclMemAlloc),
-        ncclMemFree: Some(ncclMemFree),
-        ncclCommRegister: Some(ncclCommRegister),
-        ncclCommDeregister: Some(ncclCommDeregister),
-        ncclGroupSimulateEnd: None,
-        ncclCommInitRankScalable: None,
-        ncclCommShrink: Some(ncclCommShrink),
-        ncclCommWindowRegister: Some(ncclCommWindowRegister),
-        ncclCommWindowDeregister: Some(ncclCommWindowDeregister),
-        ncclAlltoAll: Some(ncclAlltoAll),
-        ncclGather: Some(ncclGather),
-        ncclScatter: Some(ncclScatter),
-        ncclCommRevoke: Some(ncclCommRevoke),
-        ncclCommSuspend: None,
-        ncclCommResume: None,
-        ncclCommMemStats: None,
-        ncclWinGetUserPtr: None,
-        ncclCommGetUniqueId: Some(ncclCommGetUniqueId),
-        ncclCommGrow: Some(ncclCommGrow),
-        ncclPutSignal: None,
-        ncclSignal: None,
-        ncclWaitSignal: None,
-        ncclAllReduceConfig: None,
-        ncclBroadcastConfig: None,
-        ncclReduceConfig: None,
-        ncclAllGatherConfig: None,
-        ncclReduceScatterConfig: None,
-        ncclAlltoAllConfig: None,
-        ncclGatherConfig: None,
-        ncclScatterConfig: None,
-        ncclSetEncryption: None,
-    }
-}
-
 /// Looks up a host-provider entry point by its C name (e.g. `c"ncclAllReduce"`); null if
 /// not provided. Pass it to `nccl_sys::FunctionTable::load`.
 pub fn lookup(name: &CStr) -> *const c_void {
-    table().get(name)
+    api::table().get(name)
 }
 
 macro_rules! versioned {
@@ -403,7 +336,7 @@ mod tests {
     /// optional ones the table has (and only those), nothing for an unknown name.
     #[test]
     fn lookup_serves_the_table_by_name() {
-        let t = table();
+        let t = api::table();
         for name in nccl_sys::REQUIRED_SYMBOLS {
             let c = std::ffi::CString::new(*name).unwrap();
             assert!(!lookup(&c).is_null(), "{name}");
@@ -421,12 +354,12 @@ mod tests {
         assert!(lookup(c"ncclNoSuchCall").is_null());
         assert_eq!(lookup(c"ncclAllReduce"), t.ncclAllReduce as *const c_void);
         // SAFETY: `lookup` returns the host provider's own functions, with NCCL's signatures.
-        let again = unsafe { FunctionTable::load(lookup) }.unwrap();
+        let again = unsafe { nccl_sys::FunctionTable::load(lookup) }.unwrap();
         assert_eq!(again.present_optional(), present);
     }
 
     /// A collective in `nccl_sys::Collective` that the host provider does not serve fails
-    /// here: each row needs its entry point in `table()` and its execution.
+    /// here: each row needs its entry point in `api::table()` and its execution.
     #[test]
     fn every_collective_has_a_host_entry_point() {
         for &c in nccl_sys::Collective::ALL {
