@@ -529,3 +529,56 @@ fn elastic_survivors_keep_a_handle_they_can_shrink() {
 fn without_elastic_the_watchdog_aborts_the_survivors() {
     survivors_of_a_departure(false);
 }
+
+/// A rank that is alive but stuck in its own code past the watchdog's timeout counts as
+/// lost once the timeout names it: three ranks with `Config::elastic` and a 300 ms timeout,
+/// rank 2 sleeps while ranks 0 and 1 wait in an all-reduce it has not called. The
+/// watchdog times them out, revokes their handles in place, and its report finds rank 2
+/// the only one behind, so `lost_rank()` is 2 on both and they shrink without it. Rank 2,
+/// back from its sleep, finds its communicator failed, and names no rank (it lost none).
+/// Without the rank behind in the report, `lost_rank()` was `None` here.
+#[test]
+#[cfg(feature = "diag")]
+fn a_rank_stuck_past_the_timeout_is_the_lost_rank() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let ready = Barrier::new(3);
+    let cfg = Config::new()
+        .elastic(true)
+        .timeout(Duration::from_millis(300));
+    std::thread::scope(|s| {
+        for rank in 0..3 {
+            let (ready, cfg) = (&ready, cfg.clone());
+            s.spawn(move || {
+                let comm = Communicator::init_rank(&CommDevice::Host, 3, rank, &id, &cfg).unwrap();
+                let mut x = vec![1.0f32; 4];
+                comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                ready.wait();
+                if rank == 2 {
+                    std::thread::sleep(Duration::from_millis(1500)); // stuck in its own code
+                    let e = comm
+                        .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+                        .unwrap_err();
+                    assert!(comm.is_failed(), "{e}");
+                    assert_eq!(comm.lost_rank(), None, "rank 2 lost no rank: {e}");
+                    return;
+                }
+                let e = comm
+                    .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+                    .unwrap_err();
+                assert!(e.to_string().contains("rank(s) [2] are behind"), "{e}");
+                assert!(e.to_string().contains("the watchdog revoked"), "{e}");
+                assert_eq!(comm.lost_rank(), Some(2), "{e}");
+                let small = comm.shrink_after_failure(&[2]).unwrap();
+                assert_eq!((small.world_size(), small.rank()), (2, rank));
+                let mut y = vec![rank as f32 + 1.0; 4];
+                small
+                    .all_reduce_in_place(&mut y, ReduceOp::Sum, &S)
+                    .unwrap();
+                assert_eq!(y, vec![3.0; 4]);
+                small.destroy().map_err(|(_, e)| e).unwrap();
+            });
+        }
+    });
+    let st = assert_balanced(&id);
+    assert_eq!(st.created, 5, "{st:?}");
+}

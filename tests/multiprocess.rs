@@ -421,6 +421,7 @@ fn faulty(fault: &str) {
             println!("CALL_LINE {}", line!() + 2);
         }
         if let Err(e) = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host) {
+            println!("LOST_RANK {:?}", c.lost_rank());
             drop(c);
             fail(step, e);
         }
@@ -677,6 +678,15 @@ fn a_stuck_rank_is_named_by_every_survivor_when_the_watchdog_fires() {
     // Rank 3 at its 1 s timeout; the others after their report waited for rank 1's post
     // (half their own timeout): all before the provider gives up at 8 s.
     assert!(t < 6000.0, "errors took {t} ms (watchdog timeouts 1-4 s)");
+    // The timeout found rank 1 the only one behind: the rank each survivor lost, so an
+    // elastic loop shrinks without it.
+    for r in [0, 2, 3] {
+        assert!(
+            outs[r].stdout.contains("LOST_RANK Some(1)"),
+            "rank {r}: {}",
+            outs[r].stdout
+        );
+    }
 }
 
 /// The desync board's address for [`silent_leave`]'s children.

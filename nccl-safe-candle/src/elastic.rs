@@ -25,8 +25,9 @@
 //! of AdamW's moments cannot be rebuilt; SGD without momentum carries on exactly); a
 //! replacement rank joins only between two `run_elastic` runs ([`grow`] and [`join`]: the
 //! loop does not decide when by itself); one rank is lost per recovery (the first that
-//! left); a rank of another process that is alive but stuck fails the step by the
-//! watchdog's timeout, which names no lost rank, so `run_elastic` returns that error. A
+//! left); a rank that is alive but stuck counts as lost only when the watchdog's
+//! timeout finds it the one rank behind (with two or more behind, `run_elastic` returns
+//! the step's error). A
 //! rank of another process that dies (SIGKILL, the OOM killer) is named by the host
 //! provider and recovered from: `examples/elastic.rs`, run under mpirun and srun by
 //! `scripts/test-processes.sh`, loses one to an outside SIGKILL and takes a standby back.

@@ -113,13 +113,22 @@ impl Communicator {
         self.revoked.get() || self.diag.revoked_by_watchdog()
     }
 
-    /// The rank that left this communicator's clique and failed it (a rank that was
-    /// dropped, panicked, returned from its launcher closure, or left through the job's
-    /// desync board while its peers waited, or whose process the host provider saw gone,
-    /// say SIGKILLed, while a collective waited for it), if the diagnostics know it: the
-    /// rank to exclude in [`shrink_after_failure`](Self::shrink_after_failure). Only the
-    /// first such rank is kept. `None` without the `diag` feature, and after a plain
-    /// timeout (a rank that is slow or stuck has not left).
+    /// The rank this communicator's clique lost, if the diagnostics know it: the rank to
+    /// exclude in [`shrink_after_failure`](Self::shrink_after_failure). It is
+    ///
+    /// - a rank that left while its peers waited: dropped, panicked, returned from its
+    ///   launcher closure, or left through the job's desync board;
+    /// - a rank whose process the host provider saw gone (say SIGKILLed) while a
+    ///   collective waited for it;
+    /// - after the watchdog's timeout, the one rank its report found behind (it never
+    ///   reached the collective the others waited in, or, in another process, posted
+    ///   nothing on the desync board): a rank stuck past [`Config::timeout`] counts as
+    ///   lost. With two or more ranks behind, none is named.
+    ///
+    /// Only the first is kept. `None` without the `diag` feature, on the rank that was
+    /// itself behind, and after a failure of this rank's own GPU work.
+    ///
+    /// [`Config::timeout`]: crate::Config::timeout
     pub fn lost_rank(&self) -> Option<usize> {
         self.diag.lost_rank()
     }

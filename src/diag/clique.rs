@@ -34,17 +34,22 @@ pub(crate) struct TimeoutReport {
     pub text: Box<str>,
     /// The rank whose departure failed the clique (not a timeout), if so.
     pub left: Option<usize>,
+    /// After a timeout: the one rank that never reached the collective the others waited
+    /// in (the report's only rank behind, or only silent one on the desync board), if
+    /// exactly one did.
+    pub behind: Option<usize>,
 }
 
 impl TimeoutReport {
     /// The report of `rec` on rank `rank`.
-    pub(crate) fn of(rank: usize, rec: &OpRecord, text: String) -> Arc<TimeoutReport> {
+    pub(crate) fn of(rank: usize, rec: &OpRecord, report: Report) -> Arc<TimeoutReport> {
         Arc::new(TimeoutReport {
             rank,
             op: Some(rec.op),
             seq: rec.seq,
-            text: text.into(),
+            text: report.text.into(),
             left: None,
+            behind: report.behind,
         })
     }
 
@@ -56,6 +61,7 @@ impl TimeoutReport {
             seq: u64::MAX,
             text: text.into(),
             left: None,
+            behind: None,
         })
     }
 
@@ -377,6 +383,7 @@ impl Clique {
             seq: rec.map_or(u64::MAX, |r| r.seq),
             text: text.into(),
             left: Some(d.rank),
+            behind: None,
         });
         self.set_timed_out(&report)
     }
@@ -657,7 +664,7 @@ impl Clique {
         stuck: &OpRecord,
         timeout: Duration,
         what: &str,
-    ) -> String {
+    ) -> Report {
         self.report_as(rank, stuck, timeout, what, true)
     }
 
@@ -670,7 +677,7 @@ impl Clique {
         timeout: Duration,
         what: &str,
         ours: bool,
-    ) -> String {
+    ) -> Report {
         let now = Instant::now();
         let mut out = format!(
             "{} (seq {}) on rank {rank}, called at {}, {what}.\nDesync report (clique {:016x}, {} ranks):\n",
@@ -782,8 +789,22 @@ impl Clique {
                 stuck.seq,
             );
         }
-        out
+        behind.extend(silent);
+        Report {
+            text: out,
+            behind: match behind[..] {
+                [r] if r != rank => Some(r),
+                _ => None,
+            },
+        }
     }
+}
+
+/// A desync report: its text, and the one rank it finds behind, if exactly one is.
+#[derive(Debug)]
+pub(crate) struct Report {
+    pub text: String,
+    pub behind: Option<usize>,
 }
 
 /// How long a rank of this process waits in an operation before the clique reads the
@@ -905,13 +926,16 @@ mod tests {
         });
         c.set_board(&(Arc::new(client.clone()) as Arc<dyn RemoteBoard>));
         let t = Instant::now();
-        let r = c.report(
+        let report = c.report(
             0,
             &stuck,
             Duration::from_millis(400),
             "did not complete in time",
         );
+        let r = &report.text;
         eprintln!("{r}");
+        // Two ranks missing (one behind, one silent): neither is named the one behind.
+        assert_eq!(report.behind, None);
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
         assert!(
             r.contains("  rank 0: at seq 1: ncclAllReduce(float x 4) seq 1 at "),
@@ -1122,7 +1146,7 @@ mod tests {
             v.issued = 1;
             v.last = Some(stuck);
         });
-        let r = c.report(0, &stuck, Duration::from_secs(1), "x");
+        let r = c.report(0, &stuck, Duration::from_secs(1), "x").text;
         assert!(
             r.contains("  rank 1: no record (not in this process"),
             "{r}"

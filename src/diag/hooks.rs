@@ -367,7 +367,7 @@ impl CommDiag {
             return s
                 .clique
                 .timed_out()
-                .and_then(|r| r.left)
+                .and_then(|r| r.left.or(r.behind))
                 .filter(|&r| r != s.rank)
                 .or_else(|| s.clique.departed_other_than(s.rank).map(|d| d.rank));
         }

@@ -666,6 +666,10 @@ impl Shared {
                     format!("rank {r} left{how}, so the watchdog aborted this communicator")
                 }
             }
+            None if self.settings.elastic && !self.aborted_by_watchdog.load(Ordering::Acquire) => {
+                "a peer timed out, so the watchdog revoked the communicators of its clique (Config::elastic: shrink_after_failure makes one of the ranks left). The first timeout"
+                    .into()
+            }
             None => {
                 "a peer timed out, so the watchdog aborted this communicator. The first timeout"
                     .into()

@@ -140,9 +140,12 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
                     ),
                     _ => "did not complete in time".to_string(),
                 };
-                let text = s.clique.report(s.rank, &rec, s.settings.timeout, &what);
+                let mut report = s.clique.report(s.rank, &rec, s.settings.timeout, &what);
+                if matches!(why, Expiry::Fault(_)) {
+                    report.behind = None; // this rank's GPU failed: no peer is to blame
+                }
                 s.clique
-                    .set_timed_out(&TimeoutReport::of(s.rank, &rec, text))
+                    .set_timed_out(&TimeoutReport::of(s.rank, &rec, report))
             }
         };
         let mut taken: Vec<(Arc<Library>, usize, Arc<Shared>)> = Vec::new();
