@@ -11,7 +11,7 @@ use nccl_safe::{Communicator, ReduceOp};
 use crate::accumulate::{private::Target, Accumulate, Accumulation, OptimizerState, Tracker};
 use crate::ddp::{DistributedDataParallel, DEFAULT_BUCKET_CAP};
 use crate::error::{DistError, DistErrorKind as K, DistResult as Result};
-use crate::state::{reshard, CarriedState, FlatState, ShardableState, StateCarry};
+use crate::state::{reshard, CarriedState, Export, ShardableState, StateCarry};
 
 /// Data-parallel training with the optimizer inside: [`DistributedDataParallel`] (rank
 /// 0's parameters, checked alike on every rank; gradients averaged in buckets) and the
@@ -55,7 +55,7 @@ pub struct DdpOptimizer<'c, O> {
     opt: O,
     /// Set by [`resume`](Self::resume): where the state goes when this is dropped, and
     /// how to export it.
-    carry: Option<(&'c StateCarry, fn(&O) -> candle_core::Result<FlatState>)>,
+    carry: Option<(&'c StateCarry, Export<O>)>,
 }
 
 impl<O> std::fmt::Debug for DdpOptimizer<'_, O> {
@@ -264,10 +264,7 @@ impl<O> DdpOptimizer<'_, O> {
 }
 
 /// The whole state (`export` of its optimizer), over the whole flat vector.
-fn carried_with<O>(
-    d: &DdpOptimizer<'_, O>,
-    export: fn(&O) -> candle_core::Result<FlatState>,
-) -> Result<CarriedState> {
+fn carried_with<O>(d: &DdpOptimizer<'_, O>, export: Export<O>) -> Result<CarriedState> {
     let (total, dtype, _) = d.flat_shape()?;
     CarriedState::new(0, total, dtype, export(&d.opt)?)
 }

@@ -27,6 +27,9 @@ pub struct FlatState {
     pub tensors: Vec<Tensor>,
 }
 
+/// How a data-parallel optimizer exports its optimizer's state (`O::export_state`).
+pub(crate) type Export<O> = fn(&O) -> candle_core::Result<FlatState>;
+
 /// An optimizer whose per-element state can be exported and imported, so that it can be
 /// cut into element ranges and moved between ranks ([`ZeroRedundancyOptimizer::resume`](crate::ZeroRedundancyOptimizer::resume),
 /// [`DdpOptimizer::resume`](crate::DdpOptimizer::resume)).

@@ -12,7 +12,7 @@ use crate::accumulate::{
 };
 use crate::ddp::{broadcast_all, check_same_params, sorted_params};
 use crate::error::{DistErrorKind as K, DistResult as Result};
-use crate::state::{reshard, CarriedState, FlatState, ShardableState, StateCarry};
+use crate::state::{reshard, CarriedState, Export, FlatState, ShardableState, StateCarry};
 use crate::tensor::shard_batch;
 use crate::tensor::{all_gather, reduce_scatter};
 
@@ -65,7 +65,7 @@ pub struct ZeroRedundancyOptimizer<'c, O> {
     tracker: Tracker,
     /// Set by [`resume`](Self::resume): exports `opt`'s state before each step, kept in
     /// `before` until the step's all-gather succeeds.
-    exporter: Option<fn(&O) -> candle_core::Result<FlatState>>,
+    exporter: Option<Export<O>>,
     /// The state from before a step whose all-gather has not succeeded (yet).
     before: Option<FlatState>,
     /// Set by [`resume`](Self::resume): where the state goes when this is dropped.
@@ -424,10 +424,7 @@ impl<'c, O: ShardableState> ZeroRedundancyOptimizer<'c, O> {
 }
 
 /// This rank's state (`export` of its optimizer) cut to its range of the flat parameters.
-fn carried_with<O>(
-    z: &ZeroRedundancyOptimizer<'_, O>,
-    export: fn(&O) -> candle_core::Result<FlatState>,
-) -> Result<CarriedState> {
+fn carried_with<O>(z: &ZeroRedundancyOptimizer<'_, O>, export: Export<O>) -> Result<CarriedState> {
     let part = z.shard.as_tensor().elem_count();
     let start = (z.comm.rank() * part).min(z.total);
     let len = ((z.comm.rank() + 1) * part).min(z.total) - start;
