@@ -320,9 +320,12 @@ pub(crate) fn reshard(
         }
         .into()
     };
-    // Each rank's [has, start, end, total, copies, step, before_step]: who carries what.
+    // Each rank's [has, start, end, total, copies, step, before_step, dtype]: who carries
+    // what. Every rank checks every row, so that all of them return the same error (none
+    // is left waiting in a collective the others skipped).
+    let code = |d: DType| d as u8 as f64;
     let mine = match &carried {
-        None => [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0],
+        None => [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0],
         Some(c) => [
             1.0,
             c.range().start as f64,
@@ -331,31 +334,19 @@ pub(crate) fn reshard(
             c.now.tensors.len() as f64,
             c.now.step as f64,
             c.before.as_ref().map_or(-1.0, |b| b.step as f64),
+            code(c.dtype),
         ],
     };
-    if let Some(c) = &carried {
-        if c.total != total || c.now.tensors.len() != copies || c.dtype != dtype {
-            return Err(bad(format!(
-                "the state carried is {} tensors of {:?} over {} elements, this optimizer's {copies} of {dtype:?} over {total}",
-                c.now.tensors.len(),
-                c.dtype,
-                c.total
-            )));
-        }
-    }
+    const COLS: usize = 8;
     let table = crate::tensor::all_gather(comm, &Tensor::new(&mine, device)?)?
-        .reshape((comm.world_size(), 7))?
+        .reshape((comm.world_size(), COLS))?
         .to_vec2::<f64>()?;
-    let holders: Vec<&Vec<f64>> = table.iter().filter(|r| r[0] == 1.0).collect();
-    for r in &holders {
-        if r[3] != total as f64 || r[4] != copies as f64 {
-            return Err(bad(format!(
-                "another rank carries a state over {} elements of {} tensors, this rank's optimizer {total} of {copies}",
-                r[3], r[4]
-            )));
-        }
-    }
-    let Some(first) = holders.first() else {
+    let holders: Vec<(usize, &Vec<f64>)> = table
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r[0] == 1.0)
+        .collect();
+    let Some((_, first)) = holders.first() else {
         // Nobody carries anything: the state starts afresh everywhere.
         return Ok(FlatState {
             step: 0,
@@ -364,26 +355,31 @@ pub(crate) fn reshard(
                 .collect::<candle_core::Result<_>>()?,
         });
     };
-    // The step count every rank takes; a rank whose optimizer had stepped in a step that
-    // failed afterwards carries its state from before that step too, and takes the one
+    // The step count every rank takes (rank 0's; from before the step, when a step failed
+    // after its optimizer had stepped). Such a rank carries both states and takes the one
     // that agrees.
     let step = if first[6] >= 0.0 { first[6] } else { first[5] };
-    let now = match carried {
-        None => None,
-        Some(c) if c.now.step as f64 == step => Some((c.range(), c.now)),
-        Some(c) => {
-            let range = c.range();
-            match c.before {
-                Some(b) if b.step as f64 == step => Some((range, b)),
-                _ => {
-                    return Err(bad(format!(
-                        "this rank's state is at step {}, rank 0's at {step}",
-                        c.now.step
-                    )))
-                }
-            }
+    for (rank, r) in &holders {
+        if r[3] != total as f64 || r[4] != copies as f64 || r[7] != code(dtype) {
+            return Err(bad(format!(
+                "rank {rank} carries a state of {} tensors over {} elements (dtype code {}), the optimizer has {copies} of {dtype:?} over {total}",
+                r[4], r[3], r[7]
+            )));
         }
-    };
+        if r[5] != step && r[6] != step {
+            return Err(bad(format!(
+                "rank {rank}'s state is at step {}, the first holder's at {step}",
+                r[5]
+            )));
+        }
+    }
+    let now = carried.map(|c| {
+        let range = c.range();
+        match c.before {
+            Some(b) if c.now.step as f64 != step => (range, b),
+            _ => (range, c.now),
+        }
+    });
     // The parts of this rank's range no lower rank carries.
     let mut own = Vec::new();
     if let Some((range, _)) = &now {

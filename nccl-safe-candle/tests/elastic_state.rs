@@ -639,3 +639,38 @@ fn two_ranks_lost_then_one_rejoins_with_the_state_carried_each_time() {
     }
     assert!(new.losses.last() < new.losses.first(), "{:?}", new.losses);
 }
+
+/// A carried state that does not fit the optimizer (another model's) is refused by every
+/// rank, the ones that carry nothing too (none is left waiting in a collective).
+#[test]
+fn a_state_that_does_not_fit_is_refused_on_every_rank() {
+    let errors = nccl_safe_candle::Launcher::host(2)
+        .try_run(|rank| -> DistResult<String> {
+            let carry = StateCarry::new();
+            // Another model's state (5 elements), carried by rank 0 only.
+            let other = VarMap::new();
+            let vb = candle_nn::VarBuilder::from_varmap(
+                &other,
+                candle_core::DType::F32,
+                &candle_core::Device::Cpu,
+            );
+            candle_nn::linear(4, 1, vb)?;
+            let opt = ZeroRedundancyOptimizer::<AdamW>::new(rank.comm(), &other, params())?;
+            if rank.comm().rank() == 0 {
+                carry.put(opt.into_state()?);
+            }
+            let map = VarMap::new();
+            Mlp::new(&map)?;
+            let e = ZeroRedundancyOptimizer::<AdamW>::resume(rank.comm(), &map, params(), &carry)
+                .map(|_| ())
+                .unwrap_err();
+            Ok(e.to_string())
+        })
+        .unwrap();
+    for e in errors {
+        assert!(
+            e.contains("rank 0 carries a state of 2 tensors over 5 elements"),
+            "{e}"
+        );
+    }
+}
