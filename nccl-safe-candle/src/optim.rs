@@ -209,7 +209,7 @@ impl<'c, O: ShardableState> DdpOptimizer<'c, O> {
     /// rank 0 (each rank holds the whole state, so a lost rank loses none of it; a new rank,
     /// with an empty carry, receives it); the state goes back to `carry` when this one is
     /// dropped. Collective: every rank of `comm` calls it, with its carry empty or not. All
-    /// parameters must share one element type. See
+    /// parameters must share one element type; the buckets are [`DEFAULT_BUCKET_CAP`]. See
     /// [`ZeroRedundancyOptimizer::resume`](crate::ZeroRedundancyOptimizer::resume).
     #[track_caller]
     pub fn resume(
