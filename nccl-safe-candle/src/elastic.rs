@@ -15,14 +15,26 @@
 //!    optimizer again on the new communicator, which re-shards the batch
 //!    (`shard_batch`) and ZeRO-1's parameter shards over the new number of ranks.
 //!
+//! The optimizer's state comes along when the closure builds its optimizer with `resume`
+//! and a [`StateCarry`](crate::StateCarry) made before `run_elastic`
+//! ([`ZeroRedundancyOptimizer::resume`](crate::ZeroRedundancyOptimizer::resume),
+//! [`DdpOptimizer::resume`](crate::DdpOptimizer::resume)), for an optimizer whose state can
+//! be exported ([`ShardableState`](crate::ShardableState): this crate's
+//! [`AdamW`](crate::state::AdamW), candle's `SGD`): the optimizer dropped by the failed
+//! session leaves its state in the carry, and the next one re-shards it over the new world.
+//! DDP's state is whole on every rank, so nothing of it is lost. ZeRO-1's is not: each
+//! survivor keeps the state of its old range, and **the lost rank's range starts again
+//! from zero** (AdamW's moments there; the step count is rank 0's). A rank that joins
+//! through [`grow`] / [`join`] comes with an empty carry and receives its part.
+//!
 //! The communicator must be made with [`Config::elastic`](nccl_safe::Config::elastic)
 //! (without it the watchdog aborts the survivors' handles, and [`recover`] returns the
 //! step's error). NCCL 2.27+ (the shrink's abort mode) and, for a rank that left while its
 //! peers waited, 2.29+ (the watchdog's revoke); the host provider has both.
 //!
-//! What it does not do (yet): the optimizer's state of a rebuilt ZeRO-1 or DDP optimizer
-//! starts afresh (candle's optimizers do not expose their state, so the lost rank's shard
-//! of AdamW's moments cannot be rebuilt; SGD without momentum carries on exactly); a
+//! What it does not do (yet): bring back the state of a lost rank's ZeRO-1 range (it had
+//! the only copy); an optimizer built with `new` (or candle_nn's AdamW, whose state is private)
+//! starts its state afresh on the smaller world (SGD without momentum carries on exactly); a
 //! replacement rank joins only between two `run_elastic` runs ([`grow`] and [`join`]: the
 //! loop does not decide when by itself); one rank is lost per recovery (the first that
 //! left); a rank that is alive but stuck counts as lost only when the watchdog's
@@ -35,8 +47,9 @@
 //! ```
 //! use std::time::Duration;
 //! use candle_core::{DType, Device, Tensor};
-//! use candle_nn::{linear, loss, Module, VarBuilder, VarMap, SGD};
-//! use nccl_safe_candle::{run_elastic, Communicator, Config, DistResult, ZeroRedundancyOptimizer};
+//! use candle_nn::{linear, loss, Module, ParamsAdamW, VarBuilder, VarMap};
+//! use nccl_safe_candle::state::AdamW;
+//! use nccl_safe_candle::{run_elastic, Communicator, Config, DistResult, StateCarry, ZeroRedundancyOptimizer};
 //! use nccl_safe::{CommDevice, UniqueId};
 //!
 //! let id = CommDevice::Host.unique_id()?;
@@ -48,9 +61,11 @@
 //!         let model = linear(4, 1, VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu))?;
 //!         let x = Tensor::ones((6, 4), DType::F32, &Device::Cpu)?;
 //!         let y = Tensor::zeros((6, 1), DType::F32, &Device::Cpu)?;
+//!         let carry = StateCarry::new(); // the optimizer's state between two sessions
 //!         let run = run_elastic(comm, 0, |comm, step| {
-//!             // Built again after a loss: rank 0's parameters, shards over the new world.
-//!             let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, &map, 0.1)?;
+//!             // Built again after a loss: rank 0's parameters, shards over the new world,
+//!             // the state the survivors carried re-sharded over it.
+//!             let mut opt = ZeroRedundancyOptimizer::<AdamW>::resume(comm, &map, ParamsAdamW::default(), &carry)?;
 //!             let (x, y) = (opt.shard_batch(&x)?, opt.shard_batch(&y)?);
 //!             while *step < 5 {
 //!                 opt.backward_step(&loss::mse(&model.forward(&x)?, &y)?)?;
@@ -222,7 +237,8 @@ fn agree_on_step(comm: &Communicator, step: &mut u64) -> Result<()> {
 /// the others `None`), then gives the new ranks rank 0's step (`step`). The new ranks call
 /// [`join`]. `comm` is destroyed once the grown communicator works. Run the next session
 /// on the grown communicator: its optimizer, built there, takes rank 0's parameters to the
-/// new ranks and re-shards over the larger world.
+/// new ranks and re-shards over the larger world (with `resume`, the optimizer state too:
+/// each new rank receives its ZeRO-1 part, or DDP's whole state).
 #[track_caller]
 pub fn grow(
     comm: Communicator,

@@ -25,7 +25,9 @@
 //! - [`run_elastic`] (module [`elastic`]): training that carries on without a rank it
 //!   lost: the ranks left shrink the communicator, agree on the rank and the step, and
 //!   run the session again on the smaller world (communicators made with
-//!   `Config::elastic`).
+//!   `Config::elastic`). Built with `resume` and a [`StateCarry`], the optimizer's state
+//!   comes along, re-sharded over the new world (module [`state`]: [`ShardableState`],
+//!   this crate's [`AdamW`](state::AdamW)); a lost rank's ZeRO-1 range of it is lost.
 //! - Drift detection (`check_drift`, `with_drift_check(every)`): a fingerprint of every
 //!   rank's parameters compared across ranks, naming the step and the ranks that differ.
 //!
@@ -82,6 +84,7 @@ mod ddp;
 pub mod elastic;
 pub mod error;
 mod optim;
+pub mod state;
 pub mod tensor;
 mod zero;
 
@@ -93,6 +96,7 @@ pub use nccl_safe;
 pub use nccl_safe::launch::{Launcher, Rank};
 pub use nccl_safe::{Communicator, Config, ReduceOp};
 pub use optim::DdpOptimizer;
+pub use state::{CarriedState, FlatState, ShardableState, StateCarry};
 pub use tensor::{
     all_gather, all_reduce, all_reduce_scalar, broadcast, reduce_scatter, shard_batch,
 };

@@ -10,7 +10,8 @@ use nccl_safe::{Communicator, ReduceOp};
 
 use crate::accumulate::{private::Target, Accumulate, Accumulation, OptimizerState, Tracker};
 use crate::ddp::{DistributedDataParallel, DEFAULT_BUCKET_CAP};
-use crate::error::{DistError, DistResult as Result};
+use crate::error::{DistError, DistErrorKind as K, DistResult as Result};
+use crate::state::{reshard, CarriedState, Export, ShardableState, StateCarry};
 
 /// Data-parallel training with the optimizer inside: [`DistributedDataParallel`] (rank
 /// 0's parameters, checked alike on every rank; gradients averaged in buckets) and the
@@ -52,6 +53,9 @@ use crate::error::{DistError, DistResult as Result};
 pub struct DdpOptimizer<'c, O> {
     ddp: DistributedDataParallel<'c>,
     opt: O,
+    /// Set by [`resume`](Self::resume): where the state goes when this is dropped, and
+    /// how to export it.
+    carry: Option<(&'c StateCarry, Export<O>)>,
 }
 
 impl<O> std::fmt::Debug for DdpOptimizer<'_, O> {
@@ -90,7 +94,11 @@ impl<'c, O: Optimizer> DdpOptimizer<'c, O> {
     pub fn from_ddp(ddp: DistributedDataParallel<'c>, config: O::Config) -> Result<Self> {
         let (at, _scope) = crate::error::caller_scope();
         let opt = O::new(ddp.vars(), config).map_err(|e| DistError::from(e).at(at, None))?;
-        Ok(DdpOptimizer { ddp, opt })
+        Ok(DdpOptimizer {
+            ddp,
+            opt,
+            carry: None,
+        })
     }
 
     /// The [`DistributedDataParallel`] inside (its parameters, bucket plans, comm).
@@ -192,6 +200,83 @@ impl<'c, O: Optimizer> DdpOptimizer<'c, O> {
             .map(|(_, v)| v.as_tensor().elem_count() * v.as_tensor().dtype().size_in_bytes())
             .sum();
         O::COPIES * params
+    }
+}
+
+impl<'c, O: ShardableState> DdpOptimizer<'c, O> {
+    /// [`new`](Self::new), then the optimizer state left in `carry` by the previous
+    /// optimizer of this rank (dropped when its session ended or a step failed), taken from
+    /// rank 0 (each rank holds the whole state, so a lost rank loses none of it; a new rank,
+    /// with an empty carry, receives it); the state goes back to `carry` when this one is
+    /// dropped. Collective: every rank of `comm` calls it, with its carry empty or not. All
+    /// parameters must share one element type; the buckets are [`DEFAULT_BUCKET_CAP`]. See
+    /// [`ZeroRedundancyOptimizer::resume`](crate::ZeroRedundancyOptimizer::resume).
+    #[track_caller]
+    pub fn resume(
+        comm: &'c Communicator,
+        map: &VarMap,
+        config: O::Config,
+        carry: &'c StateCarry,
+    ) -> Result<Self> {
+        let (at, _scope) = crate::error::caller_scope();
+        (|| {
+            let mut d = Self::from_ddp(DistributedDataParallel::new(comm, map)?, config)?;
+            let (total, dtype, device) = d.flat_shape()?;
+            let copies = d.opt.export_state()?.tensors.len();
+            let state = reshard(comm, carry.take(), total, dtype, copies, 0..total, &device)?;
+            d.opt.import_state(state)?;
+            d.carry = Some((carry, O::export_state));
+            Ok(d)
+        })()
+        .map_err(|e: DistError| e.at(at, None))
+    }
+
+    /// The whole optimizer state (every rank holds it), for
+    /// [`resume`](Self::resume) or [`ZeroRedundancyOptimizer::resume`](crate::ZeroRedundancyOptimizer::resume)
+    /// on another communicator (put it in a [`StateCarry`]).
+    #[track_caller]
+    pub fn into_state(mut self) -> Result<CarriedState> {
+        let (at, _scope) = crate::error::caller_scope();
+        self.carry = None;
+        carried_with(&self, O::export_state).map_err(|e| e.at(at, None))
+    }
+}
+
+impl<O> DdpOptimizer<'_, O> {
+    /// The flat parameters' length, element type and device.
+    fn flat_shape(&self) -> Result<(usize, candle_core::DType, candle_core::Device)> {
+        let params = self.ddp.params();
+        let first = params[0].1.as_tensor();
+        if let Some((name, v)) = params.iter().find(|(_, v)| v.dtype() != first.dtype()) {
+            return Err(K::InvalidArgument {
+                call: "DdpOptimizer::resume",
+                reason: format!(
+                    "its state is carried for parameters of one dtype: {name} is {:?}, others {:?}",
+                    v.dtype(),
+                    first.dtype()
+                ),
+            }
+            .into());
+        }
+        let total = params.iter().map(|(_, v)| v.elem_count()).sum();
+        Ok((total, first.dtype(), first.device().clone()))
+    }
+}
+
+/// The whole state (`export` of its optimizer), over the whole flat vector.
+fn carried_with<O>(d: &DdpOptimizer<'_, O>, export: Export<O>) -> Result<CarriedState> {
+    let (total, dtype, _) = d.flat_shape()?;
+    CarriedState::new(0, total, dtype, export(&d.opt)?)
+}
+
+/// A [`resume`](DdpOptimizer::resume)d optimizer leaves its state in its carry.
+impl<O> Drop for DdpOptimizer<'_, O> {
+    fn drop(&mut self) {
+        if let Some((carry, export)) = self.carry.take() {
+            if let Ok(c) = carried_with(self, export) {
+                carry.put(c);
+            }
+        }
     }
 }
 

@@ -12,6 +12,7 @@ use crate::accumulate::{
 };
 use crate::ddp::{broadcast_all, check_same_params, sorted_params};
 use crate::error::{DistErrorKind as K, DistResult as Result};
+use crate::state::{reshard, CarriedState, Export, FlatState, ShardableState, StateCarry};
 use crate::tensor::shard_batch;
 use crate::tensor::{all_gather, reduce_scatter};
 
@@ -62,6 +63,13 @@ pub struct ZeroRedundancyOptimizer<'c, O> {
     shard: Var,
     opt: O,
     tracker: Tracker,
+    /// Set by [`resume`](Self::resume): exports `opt`'s state before each step, kept in
+    /// `before` until the step's all-gather succeeds.
+    exporter: Option<Export<O>>,
+    /// The state from before a step whose all-gather has not succeeded (yet).
+    before: Option<FlatState>,
+    /// Set by [`resume`](Self::resume): where the state goes when this is dropped.
+    carry: Option<&'c StateCarry>,
 }
 
 impl<O> std::fmt::Debug for ZeroRedundancyOptimizer<'_, O> {
@@ -153,6 +161,9 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
             shard,
             opt,
             tracker: Tracker::default(),
+            exporter: None,
+            before: None,
+            carry: None,
         })
     }
 
@@ -277,8 +288,12 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
         let g = reduce_scatter(self.comm, &flat(&parts)?, ReduceOp::Avg)?;
         let mut mine = GradStore::default();
         mine.insert(self.shard.as_tensor(), g);
+        if let Some(export) = self.exporter {
+            self.before = Some(export(&self.opt)?);
+        }
         self.opt.step(&mine)?;
         let all = all_gather(self.comm, self.shard.as_tensor())?;
+        self.before = None;
         let mut offset = 0;
         for (_, v) in &self.params {
             let len = v.as_tensor().elem_count();
@@ -323,6 +338,124 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
         O: OptimizerState,
     {
         O::COPIES * self.param_shard_bytes()
+    }
+}
+
+impl<'c, O: ShardableState> ZeroRedundancyOptimizer<'c, O> {
+    /// [`new`](Self::new), then the optimizer state left in `carry` by the previous
+    /// optimizer of this rank (dropped when its session ended or a step failed), re-sharded
+    /// over `comm`; the state goes back to `carry` when this one is dropped. Collective:
+    /// every rank of `comm` calls it, with its carry empty or not.
+    ///
+    /// Each rank contributes the state of the range of the flat parameters it held, and one
+    /// all-reduce per state tensor (AdamW: 2) of the flat length gives each rank the state
+    /// of its new range: O(parameters) memory, once per recovery. What no rank carries is
+    /// zero: **the state of a lost rank's range is lost** (it held the only copy); there,
+    /// AdamW's moments start again from zero, with the step count (bias correction) of the
+    /// others. A new rank (after [`grow`](crate::grow)) comes with an empty carry and
+    /// receives its part. The step count is rank 0's. A state from before a step that
+    /// failed after this rank's optimizer had stepped (the all-gather failed) is the one
+    /// carried, as the parameters are those from before that step: so each step of a
+    /// resumed optimizer keeps the state from before it (for this crate's AdamW, the
+    /// previous moments, no copy) until its all-gather succeeds.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use candle_nn::{linear, loss, Module, ParamsAdamW, VarBuilder, VarMap};
+    /// use nccl_safe_candle::{state::AdamW, DistResult, Launcher, StateCarry, ZeroRedundancyOptimizer};
+    ///
+    /// Launcher::host(2).try_run(|rank| -> DistResult<()> {
+    ///     let map = VarMap::new();
+    ///     let model = linear(4, 1, VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu))?;
+    ///     let (x, y) = (Tensor::ones((2, 4), DType::F32, &Device::Cpu)?, Tensor::zeros((2, 1), DType::F32, &Device::Cpu)?);
+    ///     let carry = StateCarry::new();
+    ///     for _session in 0..2 {
+    ///         let mut opt = ZeroRedundancyOptimizer::<AdamW>::resume(rank.comm(), &map, ParamsAdamW::default(), &carry)?;
+    ///         opt.backward_step(&loss::mse(&model.forward(&x)?, &y)?)?;
+    ///     } // dropped: its state to `carry`, for the next
+    ///     assert_eq!(carry.take().unwrap().state().step, 2);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn resume(
+        comm: &'c Communicator,
+        map: &VarMap,
+        config: O::Config,
+        carry: &'c StateCarry,
+    ) -> Result<Self> {
+        let (at, _scope) = crate::error::caller_scope();
+        (|| {
+            let mut z = Self::from_named_inner(comm, sorted_params(map), config)?;
+            let part = z.shard.as_tensor().elem_count();
+            let copies = z.opt.export_state()?.tensors.len();
+            let t = z.shard.as_tensor();
+            let state = reshard(
+                comm,
+                carry.take(),
+                z.total,
+                t.dtype(),
+                copies,
+                comm.rank() * part..(comm.rank() + 1) * part,
+                t.device(),
+            )?;
+            z.opt.import_state(state)?;
+            z.exporter = Some(O::export_state);
+            z.carry = Some(carry);
+            Ok(z)
+        })()
+        .map_err(|e: crate::DistError| e.at(at, None))
+    }
+
+    /// This rank's optimizer state and the range of the flat parameters it covers (its part,
+    /// without the padding), for [`resume`](Self::resume) on another communicator (put it
+    /// in a [`StateCarry`]).
+    #[track_caller]
+    pub fn into_state(mut self) -> Result<CarriedState> {
+        let (at, _scope) = crate::error::caller_scope();
+        self.carry = None;
+        self.carried().map_err(|e| e.at(at, None))
+    }
+
+    fn carried(&self) -> Result<CarriedState> {
+        carried_with(self, O::export_state)
+    }
+}
+
+/// This rank's state (`export` of its optimizer) cut to its range of the flat parameters.
+fn carried_with<O>(z: &ZeroRedundancyOptimizer<'_, O>, export: Export<O>) -> Result<CarriedState> {
+    let part = z.shard.as_tensor().elem_count();
+    let start = (z.comm.rank() * part).min(z.total);
+    let len = ((z.comm.rank() + 1) * part).min(z.total) - start;
+    let cut = |s: FlatState| -> Result<FlatState> {
+        Ok(FlatState {
+            step: s.step,
+            tensors: s
+                .tensors
+                .iter()
+                .map(|t| t.narrow(0, 0, len))
+                .collect::<candle_core::Result<_>>()?,
+        })
+    };
+    let mut c = CarriedState::new(
+        start,
+        z.total,
+        z.shard.as_tensor().dtype(),
+        cut(export(&z.opt)?)?,
+    )?;
+    c.before = z.before.clone().map(cut).transpose()?;
+    Ok(c)
+}
+
+/// A [`resume`](ZeroRedundancyOptimizer::resume)d optimizer leaves its state in its carry.
+impl<O> Drop for ZeroRedundancyOptimizer<'_, O> {
+    fn drop(&mut self) {
+        if let (Some(carry), Some(export)) = (self.carry.take(), self.exporter) {
+            if let Ok(c) = carried_with(self, export) {
+                carry.put(c);
+            }
+        }
     }
 }
 
