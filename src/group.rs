@@ -164,7 +164,9 @@ impl<'a> Group<'a> {
     }
 
     /// Ends the group (`ncclGroupEnd`): the operations are launched (host provider: run)
-    /// now. An error marks every communicator of the group failed.
+    /// now. An error marks every communicator of the group failed; NCCL's remote error
+    /// after a rank of a communicator's clique left fails that clique too (every rank's
+    /// `is_failed()`), as for a single call.
     #[track_caller]
     pub fn end(mut self) -> Result<()> {
         self.finish(Location::caller())
@@ -247,6 +249,7 @@ impl<'a> Group<'a> {
             }
             Err(e) => {
                 for c in &self.comms {
+                    c.diag.group_failed(&e);
                     c.mark_failed(&e);
                 }
                 Err(e)

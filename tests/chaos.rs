@@ -133,7 +133,11 @@ const DEFAULT_SEEDS: u64 = 200;
 ///   deregistered its window first (a collective, so it took the number of its peers' next
 ///   collective), and an idle peer never saw `is_failed()`. 1941 also (about 1 run in 3
 ///   beside other seeds): that abort failed a peer's init, which the clique ignored.
-const REGRESSION_SEEDS: &[u64] = &[919, 1941, 2243];
+/// * 835777875 (`fails-fast-after-a-peer-abort`, about 1 run in 6): a rank left with
+///   `abort()` after its group's part returned (stuck work), which broke a peer's
+///   `Group::end` with NCCL's remote error; a group's error only marked its own
+///   communicators failed, so the idle rank that skipped the group never saw `is_failed()`.
+const REGRESSION_SEEDS: &[u64] = &[919, 1941, 2243, 835777875];
 /// The seeds of the moving window, derived from the commit's hash.
 const WINDOW_SEEDS: u64 = 100;
 /// Runs at a time.

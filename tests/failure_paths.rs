@@ -564,6 +564,71 @@ fn a_collective_failed_by_a_peers_abort_fails_the_idle_ranks_too() {
     assert_balanced(&id);
 }
 
+/// The same with the failed call a group's end: rank 2 waits in `Group::end` for a
+/// collective that rank 1 issued (its part returned at once: stuck work) and rank 0 never
+/// calls; rank 1 then leaves with `abort()`, which breaks the group with NCCL's remote
+/// error. The group's communicators are pinned through the call, so its error is judged by
+/// `Group::end`, not by the single call's path: it must still fail the clique, or idle
+/// rank 0 stays healthy for ever (chaos seed 835777875, about 1 run in 6).
+#[test]
+fn a_group_failed_by_a_peers_abort_fails_the_idle_ranks_too() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let (e, idle_failed) = within(Duration::from_secs(30), move || {
+        let (joined, in_group, aborted) = (Barrier::new(3), Barrier::new(2), Barrier::new(2));
+        std::thread::scope(|s| {
+            let (joined, in_group, aborted) = (&joined, &in_group, &aborted);
+            let caller = s.spawn(move || {
+                let c = Communicator::init_rank(&CommDevice::Host, 3, 2, &id, &patient()).unwrap();
+                joined.wait();
+                let (send, mut recv) = (vec![1.0f32; 8], vec![0.0f32; 8]);
+                let mut g = nccl_safe::Group::new();
+                g.push(
+                    c.all_reduce_op(&send, &mut recv, ReduceOp::Sum, &S)
+                        .unwrap(),
+                )
+                .unwrap();
+                in_group.wait();
+                g.end().expect_err("rank 1 aborted")
+            });
+            let leaver = s.spawn(move || {
+                let c = Communicator::init_rank(&CommDevice::Host, 3, 1, &id, &patient()).unwrap();
+                joined.wait();
+                in_group.wait();
+                // Rank 2 is (normally) inside Group::end by now, waiting: rank 1's part of
+                // the collective returns at once and never completes.
+                std::thread::sleep(Duration::from_millis(300));
+                fault::inject(&id.to_raw(), Fault::StuckWork);
+                let (send, mut recv) = (vec![1.0f32; 8], vec![0.0f32; 8]);
+                let mut g = nccl_safe::Group::new();
+                g.push(
+                    c.all_reduce_op(&send, &mut recv, ReduceOp::Sum, &S)
+                        .unwrap(),
+                )
+                .unwrap();
+                g.end().unwrap();
+                let _ = c.abort();
+                aborted.wait();
+            });
+            // Rank 0 never calls the collective and only watches.
+            let c = Communicator::init_rank(&CommDevice::Host, 3, 0, &id, &patient()).unwrap();
+            joined.wait();
+            let e = caller.join().unwrap();
+            aborted.wait();
+            leaver.join().unwrap();
+            let idle_failed = until(BOUND, || c.is_failed());
+            (e, idle_failed)
+        })
+    });
+    // The caller keeps the provider's own error.
+    assert_eq!(e.code(), Some(ResultCode::RemoteError), "{e}");
+    assert!(
+        idle_failed.is_some(),
+        "rank 0 never saw its clique fail after rank 2's group failed for rank 1's abort"
+    );
+    until(Duration::from_secs(5), || stats_for(&id.to_raw()).live == 0).unwrap();
+    assert_balanced(&id);
+}
+
 /// A group whose peer never joins it: the group's communicators are pinned against the
 /// watchdog for `ncclGroupEnd`, so on the host provider (which runs the group inside the
 /// call) the wait must end by the communicators' own timeout, not the provider's 300 s

@@ -402,6 +402,21 @@ impl CommDiag {
         }
     }
 
+    /// A group's end failed with `e`, not a timeout (the group's communicators were pinned
+    /// through the call, so this is where its failure is judged). NCCL's remote error after
+    /// a rank left fails the clique for that departure, as [`end_error`](Self::end_error)
+    /// does for a single call: the caller keeps its error.
+    #[cold]
+    pub(crate) fn group_failed(&self, e: &Error) {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            if e.code() == Some(crate::error::ResultCode::RemoteError) {
+                s.group_remote_error();
+            }
+        }
+        let _ = e;
+    }
+
     /// For a group's end on the host provider, which runs the group inside the call with
     /// its communicators pinned (so the watchdog cannot abort them when a peer leaves): a
     /// check, polled during the call, that is `true` once a rank this communicator's staged

@@ -628,6 +628,36 @@ impl Shared {
         false
     }
 
+    /// The group being ended failed with NCCL's remote error (a peer's abort broke the
+    /// clique while the group waited): as `end_error` does for a single call, when a rank
+    /// left (in this process, or another one that posted its departure to the board), the
+    /// clique is failed for that departure, so that every rank sees `is_failed()`, an idle
+    /// one too. The departed rank may well have issued the group's collectives (its part
+    /// was done when it aborted), which `staged_waits_for_departed` does not count: but a
+    /// communicator that returned NCCL's remote error can run no collective any more.
+    pub(super) fn group_remote_error(&self) {
+        if self.clique.any_timeout() {
+            return;
+        }
+        let Some(d) = (self.clique.departed_other_than(self.rank))
+            .or_else(|| self.clique.remote_departure(self.rank))
+            .cloned()
+        else {
+            return;
+        };
+        // The group's first operation on this communicator, still staged (the failed end
+        // published nothing), for the report.
+        let rec = self.queue_list().iter().find_map(|q| {
+            let (from, to) = (
+                q.published.load(Ordering::Acquire),
+                q.staged.load(Ordering::Acquire),
+            );
+            (from..to).find_map(|pos| self.journal.get(pos))
+        });
+        self.clique
+            .fail_for_departure(&d, Some(self.rank), rec.as_ref());
+    }
+
     /// The report this communicator's failure is about, if the clique timed out.
     pub(super) fn timed_out(&self) -> Option<Arc<TimeoutReport>> {
         if self.aborted_by_watchdog.load(Ordering::Acquire) {
