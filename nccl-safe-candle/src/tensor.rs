@@ -201,7 +201,7 @@ fn view<T>(
 #[cfg(feature = "cuda")]
 fn out_of_range(r: &Range<usize>) -> nccl_safe::Error {
     nccl_safe::Error::InvalidArgument {
-        op: "nccl-safe-candle",
+        call: "nccl-safe-candle",
         reason: format!("elements {r:?} are out of the tensor's buffer"),
     }
 }
