@@ -1,7 +1,8 @@
-//! An elastic training job in processes: 4 ranks train a small model with ZeRO-1 over the
-//! host provider (`Config::elastic`, `run_elastic`); when one of them is killed from
-//! outside (SIGKILL) the 3 left carry on, then a standby process joins through `grow` and
-//! the job ends on 4 ranks. `scripts/test-processes.sh` runs it under mpirun and srun as 5
+//! An elastic training job in processes: 4 ranks train a small model with ZeRO-1 and
+//! AdamW over the host provider (`Config::elastic`, `run_elastic`, the optimizer's state
+//! carried by `resume`); when one of them is killed from outside (SIGKILL) the 3 left carry
+//! on with the state they hold, then a standby process joins through `grow`, receives its
+//! part of it, and the job ends on 4 ranks. `scripts/test-processes.sh` runs it under mpirun and srun as 5
 //! processes and kills rank 1 by its pid:
 //!
 //! ```text
@@ -30,9 +31,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{linear, loss, Linear, Module, VarBuilder, VarMap, SGD};
+use candle_nn::{linear, loss, Linear, Module, ParamsAdamW, VarBuilder, VarMap};
 use nccl_safe::{CommDevice, UniqueId};
-use nccl_safe_candle::{run_elastic, Communicator, Config, DistResult, ZeroRedundancyOptimizer};
+use nccl_safe_candle::state::AdamW;
+use nccl_safe_candle::{
+    run_elastic, Communicator, Config, DistResult, StateCarry, ZeroRedundancyOptimizer,
+};
 
 /// The job's ranks (the standby is the launcher's rank `RANKS`).
 const RANKS: usize = 4;
@@ -42,7 +46,7 @@ const VICTIM: usize = 1;
 const ROWS: usize = 24;
 const INPUTS: usize = 8;
 const HIDDEN: usize = 16;
-const LR: f64 = 0.05;
+const LR: f64 = 0.01;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -203,6 +207,9 @@ struct Trainer<'a> {
     victim: bool,
     /// The step at which the job lost a rank, once it did.
     lost_at: Option<u64>,
+    /// The optimizer's state between two sessions (AdamW's moments, re-sharded by
+    /// `resume` over each new world).
+    carry: StateCarry,
 }
 
 impl Trainer<'_> {
@@ -215,8 +222,14 @@ impl Trainer<'_> {
         end: u64,
         until_small: bool,
     ) -> DistResult<()> {
-        // Built again on every communicator: rank 0's parameters, shards of the new world.
-        let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, &self.map, LR)?;
+        // Built again on every communicator: rank 0's parameters, shards of the new world,
+        // and the state the ranks carried, re-sharded over it.
+        let config = ParamsAdamW {
+            lr: LR,
+            ..ParamsAdamW::default()
+        };
+        let mut opt =
+            ZeroRedundancyOptimizer::<AdamW>::resume(comm, &self.map, config, &self.carry)?;
         let (xs, ys) = (opt.shard_batch(&self.x)?, opt.shard_batch(&self.y)?);
         let small = comm.world_size() < RANKS;
         if small && self.lost_at.is_none() {
@@ -273,6 +286,7 @@ fn run(args: &Args, me: usize) -> Result<(), Error> {
         losses: Vec::new(),
         victim: me == VICTIM,
         lost_at: None,
+        carry: StateCarry::new(),
     };
     let (comm, mut step) = if me < RANKS {
         let id_file = args.dir.join("id");
