@@ -242,7 +242,11 @@ impl<'a> Group<'a> {
             Err(e) if e.code() == Some(crate::ResultCode::InProgress) => {
                 // Non-blocking communicators: wait (bounded) until each has launched its part.
                 for c in self.comms.iter() {
-                    c.wait_ready("ncclGroupEnd", caller, c.diag.timeout())?;
+                    if let Err(e) = c.wait_ready("ncclGroupEnd", caller, c.diag.timeout()) {
+                        // As below: a peer's remote error fails the clique too.
+                        c.diag.group_failed(&e);
+                        return Err(e);
+                    }
                     c.diag.publish_group();
                 }
                 Ok(())
