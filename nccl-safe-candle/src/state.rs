@@ -428,14 +428,13 @@ pub(crate) fn reshard(
         crate::tensor::all_reduce(comm, &full, ReduceOp::Sum)?;
         let start = want.start.min(total);
         let end = want.end.min(total);
-        let mut mine = vec![full.narrow(0, start, end - start)?];
-        if end - start < want.len() {
-            mine.push(Tensor::zeros(want.len() - (end - start), dtype, device)?);
-        }
-        tensors.push(if mine.len() == 1 {
-            mine.pop().expect("one").copy()?
+        let mine = full.narrow(0, start, end - start)?;
+        // The padding past `total` is zero; a fresh buffer either way (a narrow shares).
+        tensors.push(if end - start < want.len() {
+            let pad = Tensor::zeros(want.len() - (end - start), dtype, device)?;
+            Tensor::cat(&[mine, pad], 0)?
         } else {
-            Tensor::cat(&mine, 0)?
+            mine.copy()?
         });
     }
     Ok(FlatState {
