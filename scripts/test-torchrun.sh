@@ -106,8 +106,10 @@ run() { # name timeout args...
   return "$rc"
 }
 same_error() { # log pattern count [min]: count identical lines (at least min, when given)
+  # Only the match is compared: torchrun merges the ranks' output, so another rank's text
+  # (libtest's "ok", say) can end up on the same line before it.
   local lines n distinct
-  lines="$(grep -E "$2" "$1" | sed -E 's/rank [0-9]+ \(local rank [0-9]+\)/rank R (local rank R)/')"
+  lines="$(grep -oE "$2" "$1" | sed -E 's/rank [0-9]+ \(local rank [0-9]+\)/rank R (local rank R)/')"
   n="$(printf '%s\n' "$lines" | grep -c . || true)"
   distinct="$(printf '%s\n' "$lines" | sort -u | grep -c . || true)"
   [ "$n" -le "$3" ] && [ "$n" -ge "${4:-$3}" ] && [ "$distinct" -eq 1 ] \
@@ -124,14 +126,17 @@ ids="$(grep -o '@@ID=[0-9a-f]*' "$logs/ids" || true)"
 [ "$(printf '%s\n' "$ids" | sort -u | wc -l)" -eq 1 ] || { printf '%s\n' "$ids"; fail "the ranks got different ids"; }
 [ "$(printf '%s\n' "$ids" | head -n 1 | wc -c)" -eq $((5 + 256 + 1)) ] || fail "an id is not 128 bytes"
 echo "  all 4 ranks: ${ids:0:37}... (byte-identical)"
-echo "  each rank: $(same_error "$logs/ids" '@@INIT=error: .*no CUDA device' 4)"
+# An assignment, not inside echo: a failure in $(...) then ends the script (set -e).
+line="$(same_error "$logs/ids" '@@INIT=error: .*no CUDA device' 4)"
+echo "  each rank: $line"
 
 echo "2. the allreduce example under torchrun, --launcher env --backend nccl"
 if run allreduce 120 --nproc_per_node=4 --no-python "$example" --launcher env --backend nccl --count 16; then
   fail "the example succeeded without a GPU"
 fi
 # (torchrun SIGTERMs the other ranks once one exits non-zero: a slow one may not print.)
-echo "  each rank: $(same_error "$logs/allreduce" '^error: .*no CUDA device.*CUDA_VISIBLE_DEVICES' 4 2)"
+line="$(same_error "$logs/allreduce" '^error: .*no CUDA device.*CUDA_VISIBLE_DEVICES' 4 2)"
+echo "  each rank: $line"
 
 echo "3. the allreduce and train examples under torchrun, --launcher env --backend host (CPU)"
 cargo build --quiet --example train
