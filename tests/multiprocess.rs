@@ -243,6 +243,12 @@ fn every_collective<T: V>(
     let mut y = vec![T::default(); count];
     c.broadcast(&x, &mut y, 2 % n, s)?;
     outs.push(y);
+    let mut y = input::<T>(r, count, 5);
+    c.reduce_in_place(&mut y, ReduceOp::Prod, n - 1, s)?;
+    outs.push(y);
+    let mut y = input::<T>(r, count, 6);
+    c.broadcast_in_place(&mut y, 1 % n, s)?;
+    outs.push(y);
     let mut y = vec![T::default(); count * n];
     c.all_gather(&x, &mut y, s)?;
     outs.push(y);

@@ -3,11 +3,12 @@
 use std::time::Instant;
 
 use nccl_sys::bindings::*;
+use nccl_sys::{Block, BlockSource, Extent, Sender};
 
 use super::dtype::{self, RedKind};
 use super::state::{
-    lock, notify, wait, wait_limit, CollPost, CollSlot, Collective, CommState, CommWorld, Fail,
-    Global, Handle, P2pPost, P2pSlot, SlotState,
+    lock, notify, wait, wait_limit, CollPost, CollSlot, CommState, CommWorld, Fail, Global, Handle,
+    P2pPost, P2pSlot, SlotState,
 };
 
 /// An operation queued by a thread (inside a group, or the single op of a plain call).
@@ -574,94 +575,59 @@ enum Plan<'a> {
     SwapBlocks(Vec<usize>, usize),
 }
 
-/// The plan of a collective whose posts agree (see `consistent`); `None` for an unknown
-/// data type. `scalars[r]` is rank r's PreMulSum scalar.
+/// The plan of a collective whose posts agree (see `consistent`), from its data movement
+/// ([`Collective::source`]); `None` for an unknown data type or a point-to-point call.
+/// `scalars[r]` is rank r's PreMulSum scalar.
 fn plan<'a>(posts: &[CollPost], scalars: &'a [Vec<u8>]) -> Option<Plan<'a>> {
     let n = posts.len();
     let a = posts.first()?;
     let es = dtype::size_of(a.dtype)?;
     let bytes = a.count * es;
     let root = a.root as usize;
-    Some(match a.kind {
-        Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter => {
-            let rs = a.kind == Collective::ReduceScatter;
-            let elems = if rs { n * a.count } else { a.count };
-            let outputs = posts
-                .iter()
-                .enumerate()
-                .filter(|&(r, _)| a.kind != Collective::Reduce || r == root)
-                .map(|(r, p)| {
-                    let first = if rs { r * a.count } else { 0 };
-                    (Span::new(p.recv, bytes), first)
-                })
-                .collect();
-            Plan::Reduce(Reduction {
-                dt: a.dtype,
-                kind: a.red,
-                es,
-                elems,
-                inputs: posts
-                    .iter()
-                    .map(|p| Span::new(p.send, elems * es))
-                    .collect(),
-                outputs,
-                scalars,
-            })
-        }
-        Collective::Broadcast => {
-            let src = Span::new(posts.get(root)?.send, bytes);
-            let moves = posts.iter().map(|p| Move { src, dst: p.recv }).collect();
-            Plan::Moves(vec![src], moves)
-        }
-        Collective::AllGather | Collective::Gather => {
-            let sources: Vec<Span> = posts.iter().map(|p| Span::new(p.send, bytes)).collect();
-            let mut moves = Vec::new();
-            for (r, p) in posts.iter().enumerate() {
-                if a.kind == Collective::AllGather || r == root {
-                    for (q, &src) in sources.iter().enumerate() {
-                        moves.push(Move {
-                            src,
-                            dst: p.recv.wrapping_add(q * bytes),
-                        });
-                    }
+    let (send, recv) = a.kind.extents();
+    let blocks = |ext: Extent, r: usize| ext.elements(1, n, r == root).unwrap_or(0);
+    let sends: Vec<Span> = (posts.iter().enumerate())
+        .map(|(q, p)| Span::new(p.send, blocks(send, q) * bytes))
+        .collect();
+    let (mut outputs, mut moves) = (Vec::new(), Vec::new());
+    for (r, p) in posts.iter().enumerate() {
+        for j in 0..blocks(recv, r) {
+            let dst = p.recv.wrapping_add(j * bytes);
+            match a.kind.source(r, j, root)? {
+                BlockSource { rank: None, block } => {
+                    outputs.push((Span::new(dst, bytes), block * a.count))
                 }
+                BlockSource {
+                    rank: Some(q),
+                    block,
+                } => moves.push(Move {
+                    src: sends.get(q)?.at(block * bytes, bytes),
+                    dst,
+                }),
             }
-            Plan::Moves(sources, moves)
         }
-        Collective::Scatter => {
-            let src = Span::new(posts.get(root)?.send, n * bytes);
-            let moves = posts
-                .iter()
-                .enumerate()
-                .map(|(r, p)| Move {
-                    src: src.at(r * bytes, bytes),
-                    dst: p.recv,
-                })
-                .collect();
-            Plan::Moves(vec![src], moves)
-        }
-        Collective::AllToAll => {
-            let sources: Vec<Span> = posts.iter().map(|p| Span::new(p.send, n * bytes)).collect();
-            if posts.iter().all(|p| p.recv == p.send) && pairwise_disjoint(&sources) {
-                return Some(Plan::SwapBlocks(
-                    posts.iter().map(|p| p.send).collect(),
-                    bytes,
-                ));
-            }
-            let mut moves = Vec::new();
-            for (r, p) in posts.iter().enumerate() {
-                for (q, &src) in sources.iter().enumerate() {
-                    moves.push(Move {
-                        src: src.at(r * bytes, bytes),
-                        dst: p.recv.wrapping_add(q * bytes),
-                    });
-                }
-            }
-            Plan::Moves(sources, moves)
-        }
-        // Point-to-point calls are matched pairwise, never planned as a collective.
-        Collective::Send | Collective::Recv => return None,
-    })
+    }
+    if a.kind.reduces() {
+        return Some(Plan::Reduce(Reduction {
+            dt: a.dtype,
+            kind: a.red,
+            es,
+            elems: sends.first()?.len / es.max(1),
+            inputs: sends,
+            outputs,
+            scalars,
+        }));
+    }
+    let sources: Vec<Span> = sends.into_iter().filter(|s| s.len > 0).collect();
+    // In place, block q of rank r and block r of rank q trade places.
+    let transpose = a.kind.from() == (Sender::RankOfBlock, Block::Receiver);
+    if transpose && posts.iter().all(|p| p.recv == p.send) && pairwise_disjoint(&sources) {
+        return Some(Plan::SwapBlocks(
+            posts.iter().map(|p| p.send).collect(),
+            bytes,
+        ));
+    }
+    Some(Plan::Moves(sources, moves))
 }
 
 /// Runs a collective for every rank with the semantics of reading all inputs before
@@ -1013,6 +979,7 @@ fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) ->
 #[cfg(test)]
 mod tests {
     use super::super::dtype::{noise, one_nan, reference_reduce, ALL_DTYPES};
+    use super::super::state::Collective;
     use super::*;
 
     /// The all-reads-then-all-writes form: every input copied out, the result computed

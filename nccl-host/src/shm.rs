@@ -26,6 +26,7 @@ use nccl_sys::bindings::*;
 
 use super::defs::{wait_limit, CollPost, Collective, Fail, IdBytes};
 use super::dtype::{self, RedKind};
+use nccl_sys::{BlockSource, Extent};
 
 /// The second half of a unique id's magic for communicators that may span processes
 /// (`defs::ID_MAGIC` ends in `\x01` for thread-only ids).
@@ -437,7 +438,9 @@ impl Segment {
         rank: usize,
         deadline: Instant,
     ) -> Result<Segment, Fail> {
-        let slot = slot_bytes();
+        // Half a slot holds at least one 8-byte element of every rank's block (a round of
+        // an all-to-all).
+        let slot = slot_bytes().max((nranks * 16).next_multiple_of(64));
         let created = OpenOptions::new()
             .read(true)
             .write(true)
@@ -902,34 +905,38 @@ impl Segment {
         r
     }
 
+    /// Collective `seq` in rounds, from its data movement ([`Collective::source`]). A round
+    /// moves elements `lo..hi` of every block (`count` elements) of the send buffers:
+    /// each rank copies its blocks' part into its slot (block `b` at `b * per_round`), a
+    /// barrier; for a reduction, each rank reduces `1/nranks` of the round's elements of
+    /// every slot into its own slot, a barrier; then each rank copies every block of its
+    /// receive buffer's part out of the slot that holds it.
     fn rounds(&self, seq: u64, p: &CollPost, es: usize, deadline: Instant) -> Result<(), Fail> {
         let n = self.nranks;
         let me = self.rank;
         let root = p.root as usize;
         let count = p.count;
         let bytes = |e: usize| e * es;
-        // Rounds alternate between the two halves of every slot, so a rank may copy the
-        // next round in while the others still copy the last one out: two barriers per
-        // round of a reduction, one per round of a copy.
-        let half = self.slot / 2 / 64 * 64;
-        let slot_elems = (half / es).max(1);
-        // Elements of the whole operation walked in rounds, and per round.
-        let (total, per_round) = match p.kind {
-            Collective::AllReduce | Collective::Reduce => (count, slot_elems),
-            Collective::ReduceScatter => (count * n, slot_elems),
-            Collective::Broadcast
-            | Collective::AllGather
-            | Collective::Gather
-            | Collective::Scatter => (count, slot_elems),
-            Collective::AllToAll => (count, (slot_elems / n).max(1)),
-            // Point-to-point calls go through the pair channels, never the slots.
-            Collective::Send | Collective::Recv => {
-                return Err(Fail::new(
+        let (send, recv) = p.kind.extents();
+        let blocks = |ext: Extent, r: usize| ext.elements(1, n, r == root).unwrap_or(0);
+        // Block j of our receive buffer comes from `sources[j]`.
+        let sources: Vec<BlockSource> = (0..blocks(recv, me))
+            .map(|j| p.kind.source(me, j, root))
+            .collect::<Option<_>>()
+            .ok_or_else(|| {
+                // Point-to-point calls go through the pair channels, never the slots.
+                Fail::new(
                     ncclInternalError,
                     "internal error: a point-to-point call posted as a collective",
-                ))
-            }
-        };
+                )
+            })?;
+        // Rounds alternate between the two halves of every slot, so a rank may copy the
+        // next round in while the others still copy the last one out: two barriers per
+        // round of a reduction, one per round of a copy. A half holds one part of every
+        // block of the widest send buffer (`join` makes it hold at least one element).
+        let half = self.slot / 2 / 64 * 64;
+        let width = (0..n).map(|r| blocks(send, r)).max().unwrap_or(1).max(1);
+        let per_round = (half / es / width).max(1);
         let reduces = p.kind.reduces();
         // Every rank's PreMulSum scalar, read after the first barrier (published before it).
         let mut scalars: Vec<Vec<u8>> = Vec::new();
@@ -938,44 +945,21 @@ impl Segment {
         loop {
             let off = (self.rounds.fetch_add(1, Relaxed) % 2) as usize * half;
             // SAFETY: both halves lie inside every slot.
-            let sp = |r: usize| unsafe { self.slot_ptr(r).add(off) };
-            let hi = (lo + per_round).min(total);
+            let sp = |r: usize| unsafe { self.slot_ptr(r).add(off) } as usize;
+            let hi = (lo + per_round).min(count);
             let m = hi - lo;
-            // 1. Copy in.
-            // SAFETY (all copies below): user buffers hold what NCCL's contract says for
-            // this collective (checked lengths in `api::coll`), and slot r is written only
-            // by its owner before the first barrier of a round and read by others only
-            // after it, until they enter the next round's first barrier (the round after
-            // uses the other half); `m` elements fit half a slot.
-            unsafe {
-                let mine = sp(me);
-                match p.kind {
-                    Collective::AllReduce
-                    | Collective::Reduce
-                    | Collective::ReduceScatter
-                    | Collective::AllGather
-                    | Collective::Gather => {
-                        copy(p.send + bytes(lo), mine as usize, bytes(m));
-                    }
-                    Collective::Broadcast if me == root => {
-                        copy(p.send + bytes(lo), mine as usize, bytes(m));
-                    }
-                    Collective::Scatter if me == root => {
-                        for q in 0..n {
-                            copy(p.send + bytes(q * count + lo), sp(q) as usize, bytes(m));
-                        }
-                    }
-                    Collective::AllToAll => {
-                        for q in 0..n {
-                            copy(
-                                p.send + bytes(q * count + lo),
-                                mine as usize + bytes(q * per_round),
-                                bytes(m),
-                            );
-                        }
-                    }
-                    _ => {}
-                }
+            // Where element e of block b of the round lies in a slot.
+            let at = |b: usize, e: usize| bytes(b * per_round + e);
+            // SAFETY (every copy below): user buffers hold what NCCL's contract says for
+            // this collective (lengths checked in `api::coll`); slot r is written only by
+            // its owner, before the round's first barrier (copy in) or between its two
+            // barriers (its share of a reduction, which no one else reads then), and read
+            // by others only after that barrier, until they enter the next round's first
+            // barrier (the round after uses the other half); `width` parts of `m` elements
+            // fit half a slot. A round writes only elements lo..hi of a receive block,
+            // whose in-place send elements were copied in before its first barrier.
+            for b in 0..blocks(send, me) {
+                unsafe { copy(p.send + bytes(b * count + lo), sp(me) + at(b, 0), bytes(m)) };
             }
             self.barrier(seq, deadline)?;
             if first {
@@ -989,121 +973,62 @@ impl Segment {
                 }
                 first = false;
             }
-            // 2. Reduce this rank's share in place.
-            let share = m.div_ceil(n).max(1);
+            // A reduction's elements of the round, `width * m`, in shares of `share`: the
+            // result of element f lives in slot `f / share`.
+            let share = (width * m).div_ceil(n).max(1);
             if reduces {
-                let (a, b) = ((me * share).min(m), ((me + 1) * share).min(m));
+                let (a, b) = (
+                    (me * share).min(width * m),
+                    ((me + 1) * share).min(width * m),
+                );
                 let step = (STEP / es).max(1);
-                let mut acc = vec![0u8; bytes(step.min(b - a).max(1))];
-                let mut x = a;
-                while x < b {
-                    let y = (x + step).min(b);
-                    let out = &mut acc[..bytes(y - x)];
-                    {
-                        // SAFETY: every rank's slot holds `m` elements of this round
-                        // (barrier above); elements x..y of every slot are read only by
+                let mut acc = vec![0u8; bytes(step.min(b - a))];
+                let mut f = a;
+                while f < b {
+                    // Elements f..g lie in one block of every slot.
+                    let (blk, e) = (f / m, f % m);
+                    let g = (f + step).min(b).min((blk + 1) * m);
+                    let out = &mut acc[..bytes(g - f)];
+                    let ins: smallvec::SmallVec<[&[u8]; 8]> = (0..n)
+                        // SAFETY: as above; these elements of every slot are read only by
                         // this rank, and written (below) only by this rank in its own slot.
-                        let ins: smallvec::SmallVec<[&[u8]; 8]> = (0..n)
-                            .map(|q| unsafe {
-                                core::slice::from_raw_parts(sp(q).add(bytes(x)), bytes(y - x))
-                            })
-                            .collect();
-                        if !dtype::reduce(p.dtype, p.red, &ins, &scalars, out) {
-                            return Err(Fail::new(
-                                ncclInternalError,
-                                "internal error: malformed reduction (short PreMulSum scalar)",
-                            ));
-                        }
-                    }
-                    // SAFETY: as above; `out` is our own buffer.
-                    unsafe { copy(out.as_ptr() as usize, sp(me) as usize + bytes(x), out.len()) };
-                    // This rank's own share of the result goes straight to its output too
-                    // (the copy-out below skips it). In-place forms only overwrite input
-                    // elements of this round, which were copied in before the barrier.
-                    let (ea, eb) = (lo + x, lo + y);
-                    let own = match p.kind {
-                        Collective::AllReduce => Some((ea, eb, 0)),
-                        Collective::Reduce if me == root => Some((ea, eb, 0)),
-                        Collective::ReduceScatter => {
-                            let (a, b) = (ea.max(me * count), eb.min((me + 1) * count));
-                            (a < b).then_some((a, b, me * count))
-                        }
-                        _ => None,
-                    };
-                    if let Some((a, b, base)) = own {
-                        // SAFETY: elements a..b of the result are in `out`; the output holds
-                        // them at `a - base` (lengths checked by `api::coll`).
-                        unsafe {
-                            copy(
-                                out.as_ptr() as usize + bytes(a - ea),
-                                p.recv + bytes(a - base),
-                                bytes(b - a),
+                        .map(|q| unsafe {
+                            core::slice::from_raw_parts(
+                                (sp(q) + at(blk, e)) as *const u8,
+                                out.len(),
                             )
-                        };
+                        })
+                        .collect();
+                    if !dtype::reduce(p.dtype, p.red, &ins, &scalars, out) {
+                        return Err(Fail::new(
+                            ncclInternalError,
+                            "internal error: malformed reduction (short PreMulSum scalar)",
+                        ));
                     }
-                    x = y;
+                    drop(ins);
+                    unsafe { copy(out.as_ptr() as usize, sp(me) + at(blk, e), out.len()) };
+                    f = g;
                 }
                 self.barrier(seq, deadline)?;
             }
-            // 3. Copy out.
-            // SAFETY: as for the copy in; the slots are complete for this round.
-            unsafe {
-                // Result element e (lo <= e < hi) of a reduction lives in slot e / share.
-                // (This rank's own share was written while it was reduced.)
-                let reduced = |dst: usize, a: usize, b: usize| {
-                    let mut e = a;
-                    while e < b {
-                        let q = (e - lo) / share;
-                        let end = (lo + (q + 1) * share).min(b);
-                        if q != me {
-                            copy(
-                                sp(q) as usize + bytes(e - lo),
-                                dst + bytes(e - a),
-                                bytes(end - e),
-                            );
-                        }
-                        e = end;
-                    }
-                };
-                match p.kind {
-                    Collective::AllReduce => reduced(p.recv + bytes(lo), lo, hi),
-                    Collective::Reduce if me == root => reduced(p.recv + bytes(lo), lo, hi),
-                    Collective::ReduceScatter => {
-                        let (a, b) = ((me * count).max(lo), ((me + 1) * count).min(hi));
-                        if a < b {
-                            reduced(p.recv + bytes(a - me * count), a, b);
+            for (j, src) in sources.iter().enumerate() {
+                let dst = p.recv + bytes(j * count + lo);
+                match src.rank {
+                    Some(q) => unsafe { copy(sp(q) + at(src.block, 0), dst, bytes(m)) },
+                    None => {
+                        let mut f = src.block * m;
+                        while f < (src.block + 1) * m {
+                            let q = f / share;
+                            let g = ((q + 1) * share).min((src.block + 1) * m);
+                            let e = f - src.block * m;
+                            unsafe { copy(sp(q) + at(src.block, e), dst + bytes(e), bytes(g - f)) };
+                            f = g;
                         }
                     }
-                    Collective::Broadcast => {
-                        copy(sp(root) as usize, p.recv + bytes(lo), bytes(m));
-                    }
-                    Collective::AllGather => {
-                        for q in 0..n {
-                            copy(sp(q) as usize, p.recv + bytes(q * count + lo), bytes(m));
-                        }
-                    }
-                    Collective::Gather if me == root => {
-                        for q in 0..n {
-                            copy(sp(q) as usize, p.recv + bytes(q * count + lo), bytes(m));
-                        }
-                    }
-                    Collective::Scatter => {
-                        copy(sp(me) as usize, p.recv + bytes(lo), bytes(m));
-                    }
-                    Collective::AllToAll => {
-                        for q in 0..n {
-                            copy(
-                                sp(q) as usize + bytes(me * per_round),
-                                p.recv + bytes(q * count + lo),
-                                bytes(m),
-                            );
-                        }
-                    }
-                    _ => {}
                 }
             }
             lo = hi;
-            if lo >= total {
+            if lo >= count {
                 return Ok(());
             }
         }

@@ -37,8 +37,8 @@ pub use bindings::{
     ncclScalarResidence_t, ncclUniqueId,
 };
 pub use table::{
-    optional_since, Collective, EntryPoint, Extent, FunctionTable, MissingSymbol, RankArg, Symbol,
-    OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS,
+    optional_since, Block, BlockSource, Collective, EntryPoint, Extent, FunctionTable,
+    MissingSymbol, RankArg, Sender, Symbol, OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS,
 };
 
 /// `NCCL_CONFIG_UNDEF_INT` (`INT_MIN`): "not set" for an integer field of `ncclConfig_t`.

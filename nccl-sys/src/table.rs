@@ -388,18 +388,51 @@ pub enum RankArg {
     Peer,
 }
 
+/// Whose send buffer fills a block of a receive buffer (see [`Collective::source`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sender {
+    /// Every rank's, reduced element by element.
+    Reduced,
+    /// The root's.
+    Root,
+    /// Rank `j`'s, for block `j` of the receive buffer.
+    RankOfBlock,
+    /// The peer's: a point-to-point call, matched pairwise rather than by blocks.
+    Peer,
+}
+
+/// Which block of the sender's send buffer fills a block of a receive buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Block {
+    /// Its first (for a send buffer of one block, the whole buffer).
+    First,
+    /// Block `r`, on receiving rank `r`.
+    Receiver,
+}
+
+/// The source of one block (`count` elements) of a receive buffer: that block of one
+/// rank's send buffer, or of every rank's reduced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSource {
+    /// The rank whose send buffer it is copied from; `None` for a reduction over all.
+    pub rank: Option<usize>,
+    /// The block of the send buffer(s).
+    pub block: usize,
+}
+
 macro_rules! collectives {
     ($(
         $(#[doc = $doc:literal])*
         $variant:ident = $entry:ident {
-            reduces: $reduces:literal, rank: $rank:ident, send: $send:ident, recv: $recv:ident $(,)?
+            rank: $rank:ident, send: $send:ident, recv: $recv:ident, from: $from:ident($block:ident) $(,)?
         }
     )*) => {
         /// The collective and point-to-point calls of NCCL, one row each: everything the
-        /// crates know about one (its entry point, whether it reduces, its rank argument,
-        /// its buffers' extents) comes from its row, so a new one is its entry point's row
-        /// in the function table, its row here, its safe methods and the host provider's
-        /// execution.
+        /// crates know about one (its entry point, its rank argument, its buffers' extents,
+        /// where each block of a receive buffer comes from) comes from its row, so a new
+        /// one is its entry point's row in the function table, its row here, its safe
+        /// methods and the host provider's entry point: the host provider's executors read
+        /// its data movement from [`Collective::source`].
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
         #[repr(u8)]
         pub enum Collective {
@@ -429,11 +462,11 @@ macro_rules! collectives {
                 }
             }
 
-            /// Whether it takes a reduction.
+            /// Where each block of a rank's receive buffer comes from.
             #[inline]
-            pub const fn reduces(self) -> bool {
+            pub const fn from(self) -> (Sender, Block) {
                 match self {
-                    $( Collective::$variant => $reduces, )*
+                    $( Collective::$variant => (Sender::$from, Block::$block), )*
                 }
             }
 
@@ -467,6 +500,31 @@ impl Collective {
     #[inline]
     pub const fn since(self) -> (u32, u32) {
         self.entry_point().since()
+    }
+
+    /// Whether it takes a reduction.
+    #[inline]
+    pub const fn reduces(self) -> bool {
+        matches!(self.from(), (Sender::Reduced, _))
+    }
+
+    /// The source of block `block` of rank `receiver`'s receive buffer: the whole data
+    /// movement of a collective, which the host provider's executors follow. `None` for
+    /// a point-to-point call.
+    #[inline]
+    pub const fn source(self, receiver: usize, block: usize, root: usize) -> Option<BlockSource> {
+        let (sender, which) = self.from();
+        let rank = match sender {
+            Sender::Reduced => None,
+            Sender::Root => Some(root),
+            Sender::RankOfBlock => Some(block),
+            Sender::Peer => return None,
+        };
+        let block = match which {
+            Block::First => 0,
+            Block::Receiver => receiver,
+        };
+        Some(BlockSource { rank, block })
     }
 
     /// Whether every rank of the communicator takes part (not a point-to-point call).
@@ -508,25 +566,25 @@ impl fmt::Display for Collective {
 
 collectives! {
     /// `ncclAllReduce`: every rank's send reduced into every rank's receive buffer.
-    AllReduce = ncclAllReduce { reduces: true, rank: None, send: Count, recv: Count }
+    AllReduce = ncclAllReduce { rank: None, send: Count, recv: Count, from: Reduced(First) }
     /// `ncclBroadcast`: the root's send buffer copied into every rank's receive buffer.
-    Broadcast = ncclBroadcast { reduces: false, rank: Root, send: RootCount, recv: Count }
+    Broadcast = ncclBroadcast { rank: Root, send: RootCount, recv: Count, from: Root(First) }
     /// `ncclReduce`: every rank's send reduced into the root's receive buffer.
-    Reduce = ncclReduce { reduces: true, rank: Root, send: Count, recv: RootCount }
+    Reduce = ncclReduce { rank: Root, send: Count, recv: RootCount, from: Reduced(First) }
     /// `ncclAllGather`: every rank's send, in rank order, in every rank's receive buffer.
-    AllGather = ncclAllGather { reduces: false, rank: None, send: Count, recv: World }
+    AllGather = ncclAllGather { rank: None, send: Count, recv: World, from: RankOfBlock(First) }
     /// `ncclReduceScatter`: block `i` of the reduction in rank `i`'s receive buffer.
-    ReduceScatter = ncclReduceScatter { reduces: true, rank: None, send: World, recv: Count }
+    ReduceScatter = ncclReduceScatter { rank: None, send: World, recv: Count, from: Reduced(Receiver) }
     /// `ncclAlltoAll`: block `j` of rank `i`'s send in block `i` of rank `j`'s receive buffer.
-    AllToAll = ncclAlltoAll { reduces: false, rank: None, send: World, recv: World }
+    AllToAll = ncclAlltoAll { rank: None, send: World, recv: World, from: RankOfBlock(Receiver) }
     /// `ncclGather`: every rank's send, in rank order, in the root's receive buffer.
-    Gather = ncclGather { reduces: false, rank: Root, send: Count, recv: RootWorld }
+    Gather = ncclGather { rank: Root, send: Count, recv: RootWorld, from: RankOfBlock(First) }
     /// `ncclScatter`: block `i` of the root's send in rank `i`'s receive buffer.
-    Scatter = ncclScatter { reduces: false, rank: Root, send: RootWorld, recv: Count }
+    Scatter = ncclScatter { rank: Root, send: RootWorld, recv: Count, from: Root(Receiver) }
     /// `ncclSend`: the send buffer to a peer.
-    Send = ncclSend { reduces: false, rank: Peer, send: Count, recv: Unused }
+    Send = ncclSend { rank: Peer, send: Count, recv: Unused, from: Peer(First) }
     /// `ncclRecv`: the receive buffer from a peer.
-    Recv = ncclRecv { reduces: false, rank: Peer, send: Unused, recv: Count }
+    Recv = ncclRecv { rank: Peer, send: Unused, recv: Count, from: Peer(First) }
 }
 
 #[cfg(test)]
@@ -573,6 +631,26 @@ mod tests {
                 send != Extent::Unused && recv != Extent::Unused,
                 "{c:?}"
             );
+        }
+        // Every block of every receive buffer comes from a block that its sender has.
+        for &c in Collective::ALL {
+            let (send, recv) = c.extents();
+            for (n, root) in [(1, 0), (3, 0), (3, 2), (4, 1)] {
+                for r in 0..n {
+                    for j in 0..recv.elements(1, n, r == root).unwrap() {
+                        let Some(src) = c.source(r, j, root) else {
+                            assert!(!c.every_rank(), "{c:?}");
+                            continue;
+                        };
+                        let senders: Vec<usize> = src.rank.map_or((0..n).collect(), |q| vec![q]);
+                        assert_eq!(src.rank.is_none(), c.reduces(), "{c:?}");
+                        for q in senders {
+                            let has = send.elements(1, n, q == root).unwrap();
+                            assert!(src.block < has, "{c:?} n={n} r={r} j={j}: {src:?}");
+                        }
+                    }
+                }
+            }
         }
         let mut of: Vec<Collective> = EntryPoint::ALL
             .iter()
