@@ -620,7 +620,7 @@ fn plan<'a>(posts: &[CollPost], scalars: &'a [Vec<u8>]) -> Option<Plan<'a>> {
     }
     let sources: Vec<Span> = sends.into_iter().filter(|s| s.len > 0).collect();
     // In place, block q of rank r and block r of rank q trade places.
-    let transpose = a.kind.from() == (Sender::RankOfBlock, Block::Receiver);
+    let transpose = a.kind.movement() == (Sender::RankOfBlock, Block::Receiver);
     if transpose && posts.iter().all(|p| p.recv == p.send) && pairwise_disjoint(&sources) {
         return Some(Plan::SwapBlocks(
             posts.iter().map(|p| p.send).collect(),

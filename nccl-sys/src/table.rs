@@ -464,7 +464,7 @@ macro_rules! collectives {
 
             /// Where each block of a rank's receive buffer comes from.
             #[inline]
-            pub const fn from(self) -> (Sender, Block) {
+            pub const fn movement(self) -> (Sender, Block) {
                 match self {
                     $( Collective::$variant => (Sender::$from, Block::$block), )*
                 }
@@ -505,7 +505,7 @@ impl Collective {
     /// Whether it takes a reduction.
     #[inline]
     pub const fn reduces(self) -> bool {
-        matches!(self.from(), (Sender::Reduced, _))
+        matches!(self.movement(), (Sender::Reduced, _))
     }
 
     /// The source of block `block` of rank `receiver`'s receive buffer: the whole data
@@ -513,7 +513,7 @@ impl Collective {
     /// a point-to-point call.
     #[inline]
     pub const fn source(self, receiver: usize, block: usize, root: usize) -> Option<BlockSource> {
-        let (sender, which) = self.from();
+        let (sender, which) = self.movement();
         let rank = match sender {
             Sender::Reduced => None,
             Sender::Root => Some(root),
