@@ -184,12 +184,20 @@ fn layout(nranks: usize, slot: usize) -> Option<(usize, usize, usize)> {
     Some((data, chans, len))
 }
 
-fn slot_bytes() -> usize {
-    std::env::var("NCCL_SAFE_HOST_SHM_SLOT_BYTES")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .map(|b| (b / 64 * 64).max(4096))
-        .unwrap_or(DEFAULT_SLOT)
+/// Bytes of each rank's slot for `nranks` ranks: `NCCL_SAFE_HOST_SHM_SLOT_BYTES` or
+/// [`DEFAULT_SLOT`], sized by [`slot_for`].
+fn slot_bytes(nranks: usize) -> usize {
+    let asked = std::env::var("NCCL_SAFE_HOST_SHM_SLOT_BYTES").ok();
+    slot_for(asked.and_then(|v| v.trim().parse().ok()), nranks)
+}
+
+/// A slot of `asked` bytes (a multiple of 64, at least 4096; [`DEFAULT_SLOT`] for `None`),
+/// and at least enough that half a slot (a multiple of 64 bytes) holds one 8-byte element
+/// of every rank's block: a round of an all-to-all.
+fn slot_for(asked: Option<usize>, nranks: usize) -> usize {
+    asked
+        .map_or(DEFAULT_SLOT, |b| (b / 64 * 64).max(4096))
+        .max((nranks * 8).next_multiple_of(64) * 2)
 }
 
 /// A system call's failure as a typed NCCL error with its context.
@@ -438,9 +446,7 @@ impl Segment {
         rank: usize,
         deadline: Instant,
     ) -> Result<Segment, Fail> {
-        // Half a slot holds at least one 8-byte element of every rank's block (a round of
-        // an all-to-all).
-        let slot = slot_bytes().max((nranks * 16).next_multiple_of(64));
+        let slot = slot_bytes(nranks);
         let created = OpenOptions::new()
             .read(true)
             .write(true)
@@ -1189,4 +1195,20 @@ pub(crate) fn shared_id() -> ncclUniqueId {
     let mut id = super::defs::fresh_id();
     id.internal[15] = SHARED_TAG as core::ffi::c_char;
     id
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn half_a_slot_holds_an_element_of_every_ranks_block() {
+        for asked in [None, Some(0), Some(4096), Some(5000)] {
+            for n in (1..=super::MAX_RANKS).step_by(7).chain([super::MAX_RANKS]) {
+                let half = super::slot_for(asked, n) / 2 / 64 * 64;
+                assert!(
+                    half >= n * 8,
+                    "{n} ranks, {asked:?}: half a slot is {half} bytes"
+                );
+            }
+        }
+    }
 }
