@@ -161,7 +161,7 @@ for t in "${gpu_tests[@]}"; do
     mapfile -t names < <("$t" --list --ignored 2>/dev/null | sed -n 's/: test$//p' | grep -v '^child_')
     [ ${#names[@]} -gt 0 ] || { echo "### $(basename "$t"): no tests listed"; failed+=("list-$(basename "$t")"); }
     for n in "${names[@]}"; do
-        step "$TEST_S" "test-$(basename "$t")-$n" "$t" --exact "$n" --ignored --test-threads=1
+        step "$TEST_S" "test-$(basename "$t")-$n" "$t" --exact "$n" --ignored --test-threads=1 --nocapture
     done
 done
 for e in "${examples[@]}"; do
