@@ -760,7 +760,9 @@ fn a_marker_recorded_under_capture_can_be_checked_from_the_watchdogs_thread() {
             ctx.bind_to_thread().unwrap();
             let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
             // SAFETY: `mode` is writable; only this thread's mode changes.
-            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) }.result().unwrap();
+            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) }
+                .result()
+                .unwrap();
             // SAFETY: the stream and the event are alive until the thread is joined.
             let capturing = unsafe { raw_stream::is_capturing(cu as sys::CUstream) }.unwrap();
             // SAFETY: as above.
@@ -778,7 +780,9 @@ fn a_marker_recorded_under_capture_can_be_checked_from_the_watchdogs_thread() {
     stream.memset_zeros(&mut scratch).unwrap();
     // SAFETY: both handles are alive; recording into a capturing stream is legal.
     unsafe { event::record(marker, stream.cu_stream()) }.unwrap();
-    let g1 = stream.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap();
+    let g1 = stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .unwrap();
     let after = query_elsewhere(m);
     println!("PROBE after the capture ended: {after:?}");
     assert_eq!(after, (none, captured), "a marker of an ended capture");
@@ -789,10 +793,16 @@ fn a_marker_recorded_under_capture_can_be_checked_from_the_watchdogs_thread() {
     let during = query_elsewhere(m);
     println!("PROBE during a later capture: {during:?}");
     let g2 = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-    println!("PROBE that later capture ended with {:?}", g2.as_ref().map(|g| g.is_some()));
+    println!(
+        "PROBE that later capture ended with {:?}",
+        g2.as_ref().map(|g| g.is_some())
+    );
     assert_eq!(during.1, captured, "the old marker, during a later capture");
     let valid = g2.as_ref().map(|g| g.is_some());
-    assert!(matches!(valid, Ok(true)), "the later capture must stay valid: {valid:?}");
+    assert!(
+        matches!(valid, Ok(true)),
+        "the later capture must stay valid: {valid:?}"
+    );
 
     // Capture 3: a query of the marker it records, while it is open (printed only).
     stream.begin_capture(GLOBAL).unwrap();
