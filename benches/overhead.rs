@@ -39,7 +39,8 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
 use nccl_safe::{
-    CommDevice, Communicator, Config, Group, Library, Provider, ReduceOp, Stream, UniqueId,
+    CommDevice, Communicator, Config, Group, Library, Provider, ReduceOp, Stream, StreamBound,
+    UniqueId,
 };
 use nccl_sys::bindings::{ncclFloat32, ncclSuccess, ncclSum};
 use nccl_sys::{
@@ -857,9 +858,12 @@ enum Caller {
     /// cudarc 0.19's own wrapper, `cudarc::nccl::Comm::all_reduce_in_place` (and its
     /// `Group`).
     Cudarc,
+    /// The crate on buffers bound to the comm stream ([`StreamBound`], the opt-in): no
+    /// cudarc event work per call.
+    Bound,
 }
 
-const CALLERS: [Caller; 3] = [Caller::Raw, Caller::Safe, Caller::Cudarc];
+const CALLERS: [Caller; 4] = [Caller::Raw, Caller::Safe, Caller::Cudarc, Caller::Bound];
 const GROUP: usize = 8;
 
 /// One configuration's buffers: cudarc's event tracking on or off (fixed when they were
@@ -872,6 +876,8 @@ struct TeardownLane {
     bufs: Vec<CudaSlice<f32>>,
     /// Their device addresses, taken once (the raw caller's).
     ptrs: Vec<*mut c_void>,
+    /// Buffers of the comm stream bound to it (the `Bound` caller's).
+    bound: Vec<StreamBound<f32>>,
 }
 
 /// Everything a measurement call needs.
@@ -892,6 +898,14 @@ impl Bench<'_> {
         common::sweep::set_event_tracking(self.ctx, lane.tracking);
         for b in lane.bufs.iter_mut() {
             lane.writer.memset_zeros(b)?;
+        }
+        // A bound buffer is handed back, written by the writer and bound again.
+        for b in lane.bound.iter_mut() {
+            let stand_in =
+                StreamBound::new(self.stream.alloc_zeros::<f32>(1)?).map_err(|(_, e)| e)?;
+            let mut x = std::mem::replace(b, stand_in).into_inner();
+            lane.writer.memset_zeros(&mut x)?;
+            *b = StreamBound::new(x).map_err(|(_, e)| e)?;
         }
         lane.writer.synchronize()?;
         Ok(self.stream.synchronize()?)
@@ -943,6 +957,22 @@ impl Bench<'_> {
                 (Caller::Safe, true) => {
                     let mut g = Group::new();
                     for b in lane.bufs.iter_mut() {
+                        g.push(self.comm.all_reduce_in_place_op(
+                            black_box(b),
+                            ReduceOp::Sum,
+                            self.stream,
+                        )?)?;
+                    }
+                    g.end()?;
+                }
+                (Caller::Bound, false) => self.comm.all_reduce_in_place(
+                    black_box(&mut lane.bound[0]),
+                    ReduceOp::Sum,
+                    self.stream,
+                )?,
+                (Caller::Bound, true) => {
+                    let mut g = Group::new();
+                    for b in lane.bound.iter_mut() {
                         g.push(self.comm.all_reduce_in_place_op(
                             black_box(b),
                             ReduceOp::Sum,
@@ -1058,6 +1088,7 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
     println!("#   raw: ncclAllReduce through the crate's table, the device address taken once (a C caller)");
     println!("#   nccl-safe: Communicator::all_reduce_in_place / Group");
     println!("#   cudarc::nccl: cudarc 0.19's Comm::all_reduce_in_place / Comm::group");
+    println!("#   bound: nccl-safe on buffers of the comm stream under a StreamBound (the opt-in: no cudarc event work per operation)");
     if source == Cuda::Fake {
         fakes::driver();
         println!("# on the fake CUDA driver (tests/support/fakes/cuda.c) and a null NCCL (benches/common/null_nccl.c): no GPU; only the CPU work of each caller is timed, and the driver calls each makes on its thread are counted");
@@ -1157,12 +1188,16 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
                     p as usize as *mut c_void
                 })
                 .collect();
+            let bound = (0..GROUP)
+                .map(|_| StreamBound::new(stream.clone_htod(&[1.0f32])?).map_err(|(_, e)| e.into()))
+                .collect::<Result<Vec<_>>>()?;
             lanes.push(TeardownLane {
                 tracking,
                 two_streams,
                 writer,
                 bufs,
                 ptrs,
+                bound,
             });
         }
     }
@@ -1183,7 +1218,7 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
     let rows: Vec<(usize, bool)> = (0..lanes.len())
         .flat_map(|l| [(l, false), (l, true)])
         .collect();
-    let mut best = vec![[f64::MAX; 3]; rows.len()];
+    let mut best = vec![[f64::MAX; 4]; rows.len()];
     // Warm-up: every cell once (lazy symbols, the first flight-record slot).
     for &(l, grouped) in &rows {
         for &who in &callers {
@@ -1201,7 +1236,7 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
             }
         }
     }
-    let mut calls: Vec<[Option<(f64, String)>; 3]> = vec![Default::default(); rows.len()];
+    let mut calls: Vec<[Option<(f64, String)>; 4]> = vec![Default::default(); rows.len()];
     if source == Cuda::Fake {
         for (r, &(l, grouped)) in rows.iter().enumerate() {
             for &who in &callers {
@@ -1236,18 +1271,20 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
         }
     };
     println!(
-        "# {:<46} {:>8} {:>10} {:>13} {:>13} {:>10} {:>10} {:>10}",
+        "# {:<46} {:>8} {:>10} {:>13} {:>13} {:>10} {:>10} {:>10} {:>10} {:>11}",
         "config",
         "raw ns",
         "safe ns",
         "cudarc ns",
         "safe/cudarc",
+        "bound ns",
         "raw calls",
         "safe calls",
-        "cudarc calls"
+        "cudarc calls",
+        "bound calls"
     );
     for r in 0..rows.len() {
-        let [raw, safe, peer_ns] = best[r];
+        let [raw, safe, peer_ns, bound] = best[r];
         let ratio = if peer_ns == f64::MAX {
             "n/a".to_string()
         } else {
@@ -1258,15 +1295,17 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
             None => "n/a".into(),
         };
         println!(
-            "  {:<46} {:>8} {:>10} {:>13} {:>13} {:>10} {:>10} {:>10}",
+            "  {:<46} {:>8} {:>10} {:>13} {:>13} {:>10} {:>10} {:>10} {:>10} {:>11}",
             name(r),
             ns(raw),
             ns(safe),
             ns(peer_ns),
             ratio,
+            ns(bound),
             c(Caller::Raw),
             c(Caller::Safe),
-            c(Caller::Cudarc)
+            c(Caller::Cudarc),
+            c(Caller::Bound)
         );
     }
     if source == Cuda::Fake {
@@ -1317,6 +1356,36 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
                 println!("# target: two streams, tracking on: nccl-safe <= cudarc::nccl -> not measured (cudarc::nccl n/a)");
             }
         }
+    }
+    // The opt-in against the peer, in the same rows.
+    let bound_vs = |what: &str, d: Option<f64>| {
+        match d {
+        Some(d) if bench.peer.is_some() => println!(
+            "# opt-in StreamBound: two streams, tracking on: bound <= cudarc::nccl ({what}): worst bound - cudarc {d:+.1} -> {}",
+            if d <= 0.0 { "met" } else { "NOT met" }
+        ),
+        _ => println!("# opt-in StreamBound against cudarc::nccl -> not measured"),
+    }
+    };
+    match source {
+        Cuda::Real => bound_vs(
+            "ns",
+            two_on
+                .iter()
+                .map(|&r| best[r][Caller::Bound as usize] - best[r][Caller::Cudarc as usize])
+                .reduce(f64::max),
+        ),
+        Cuda::Fake => bound_vs(
+            "driver calls per operation",
+            two_on
+                .iter()
+                .filter_map(|&r| {
+                    let b = calls[r][Caller::Bound as usize].as_ref()?.0;
+                    let p = calls[r][Caller::Cudarc as usize].as_ref()?.0;
+                    Some(b - p)
+                })
+                .reduce(f64::max),
+        ),
     }
     let worst_off = (0..rows.len())
         .filter(|&r| !lanes[rows[r].0].tracking)

@@ -8,8 +8,10 @@
 
 use std::ffi::c_void;
 
+use std::sync::Arc;
+
 use cudarc::driver::{
-    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 
 use crate::stream::StreamRef;
@@ -70,6 +72,11 @@ pub trait SendBuffer<T: NcclType>: sealed::Sealed {
     #[doc(hidden)]
     fn is_nccl_alloc(&self) -> bool {
         false
+    }
+    /// The one stream an operation on it may run on ([`StreamBound`]): its handle.
+    #[doc(hidden)]
+    fn bound_stream(&self) -> Option<usize> {
+        None
     }
 }
 
@@ -174,3 +181,153 @@ macro_rules! device_recv {
 
 device_send!(CudaSlice<T>, CudaView<'_, T>, CudaViewMut<'_, T>);
 device_recv!(CudaSlice<T>, CudaViewMut<'_, T>);
+
+/// A cudarc buffer that only NCCL's operations on its own stream touch, without cudarc's
+/// event tracking per operation (an opt-in: a plain [`CudaSlice`] is always right).
+///
+/// With tracking on (cudarc's default, once a context has a second stream), every use of a
+/// [`CudaSlice`] makes its stream wait for the buffer's last write (and, to write, its last
+/// read) and records an event afterwards: two `cuStreamWaitEvent` and a `cuEventRecord` per
+/// operation, GPU work included. Work on one stream runs in order, so for a buffer that
+/// only the communication stream touches, those calls order nothing. A `StreamBound` takes
+/// the slice by value and makes them once at each end instead:
+///
+/// - [`new`](Self::new) makes the slice's own stream wait for what other streams did to it
+///   (cudarc's waits, once);
+/// - an operation takes its pointer with no call at all, and is refused with
+///   [`Error::InvalidArgument`](crate::Error::InvalidArgument) on any other stream;
+/// - [`into_inner`](Self::into_inner) (and the drop) record the buffer's write event on its
+///   stream after every operation on it, so the next use on another stream, through cudarc,
+///   waits for them.
+///
+/// Nothing else can reach the memory meanwhile: the slice is owned here. The stream must
+/// be one stream for every thread: [`new`](Self::new) refuses `CU_STREAM_PER_THREAD`. With
+/// tracking off, cudarc orders nothing, here or elsewhere. `tests/stream_order.rs` checks
+/// it with the fake CUDA driver's model of CUDA's stream order: a buffer written on a
+/// compute stream, reduced under a `StreamBound` on the communication stream and read back
+/// on the compute stream has no unordered access.
+///
+/// ```no_run
+/// use nccl_safe::{Communicator, ReduceOp, StreamBound};
+/// # fn f(comm: &Communicator, comm_stream: &std::sync::Arc<cudarc::driver::CudaStream>)
+/// #     -> Result<(), Box<dyn std::error::Error>> {
+/// let grads = comm_stream.alloc_zeros::<f32>(1 << 20)?;
+/// let mut grads = StreamBound::new(grads).map_err(|(_, e)| e)?;
+/// for _ in 0..100 {
+///     comm.all_reduce_in_place(&mut grads, ReduceOp::Sum, comm_stream)?;
+/// }
+/// let grads = grads.into_inner(); // ordered for every stream again
+/// # Ok(()) }
+/// ```
+pub struct StreamBound<T> {
+    /// `None` only inside `into_inner` and the drop.
+    slice: Option<CudaSlice<T>>,
+    ptr: cudarc::driver::sys::CUdeviceptr,
+    stream: usize,
+}
+
+impl<T> StreamBound<T> {
+    /// Binds `slice` to its own stream ([`CudaSlice::stream`]): that stream waits for the
+    /// slice's pending uses on other streams. The slice comes back with
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) when its stream is
+    /// `CU_STREAM_PER_THREAD` (a different stream on every thread).
+    #[allow(clippy::result_large_err)] // the slice comes back
+    pub fn new(
+        mut slice: CudaSlice<T>,
+    ) -> std::result::Result<StreamBound<T>, (CudaSlice<T>, crate::Error)> {
+        let own = Arc::clone(DeviceSlice::stream(&slice));
+        let stream = own.cu_stream() as usize;
+        if stream == crate::stream::PER_THREAD_STREAM {
+            let e = crate::Error::InvalidArgument {
+                call: "StreamBound::new",
+                reason: "the slice's stream is CU_STREAM_PER_THREAD, a different stream on every thread: allocate it on a stream of its own".into(),
+            };
+            return Err((slice, e));
+        }
+        // cudarc's waits for the slice's last read and write, made on its own stream; the
+        // guard's drop records a write there, which orders nothing new.
+        let ptr = slice.device_ptr_mut(&own).0;
+        Ok(StreamBound {
+            slice: Some(slice),
+            ptr,
+            stream,
+        })
+    }
+
+    /// The slice, its write event recorded on its stream after every operation on it, so
+    /// cudarc orders its next use on any stream after them.
+    pub fn into_inner(mut self) -> CudaSlice<T> {
+        self.hand_back().expect("the slice is here until now")
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.slice.as_ref().map_or(0, DeviceSlice::len)
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The stream it is bound to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        DeviceSlice::stream(self.slice.as_ref().expect("the slice is here"))
+    }
+
+    fn hand_back(&mut self) -> Option<CudaSlice<T>> {
+        let mut slice = self.slice.take()?;
+        let own = Arc::clone(DeviceSlice::stream(&slice));
+        // The guard's drop records the slice's write event on its stream.
+        drop(slice.device_ptr_mut(&own));
+        Some(slice)
+    }
+}
+
+impl<T> Drop for StreamBound<T> {
+    /// Records the write event as [`into_inner`](Self::into_inner) does, so cudarc's free
+    /// of the slice (on its stream, after waiting for its events) follows every operation.
+    fn drop(&mut self) {
+        drop(self.hand_back());
+    }
+}
+
+impl<T> std::fmt::Debug for StreamBound<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamBound")
+            .field("len", &self.len())
+            .field("stream", &format_args!("{:#x}", self.stream))
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: NcclType> sealed::Sealed for StreamBound<T> {}
+impl<T: NcclType> SendBuffer<T> for StreamBound<T> {
+    fn len(&self) -> usize {
+        StreamBound::len(self)
+    }
+    fn memory(&self) -> Memory {
+        Memory::Device(self.stream().context().ordinal())
+    }
+    fn send_ptr<'a>(&'a self, stream: StreamRef<'a>) -> (*const c_void, BufferGuard<'a>) {
+        match stream {
+            // The operation's checks refused any other stream.
+            StreamRef::Cuda(s) if s.cu_stream() as usize == self.stream => {
+                (self.ptr as usize as *const c_void, BufferGuard::Host)
+            }
+            _ => (std::ptr::null(), BufferGuard::Host),
+        }
+    }
+    fn base_ptr(&self) -> *const c_void {
+        self.ptr as usize as *const c_void
+    }
+    fn bound_stream(&self) -> Option<usize> {
+        Some(self.stream)
+    }
+}
+impl<T: NcclType> RecvBuffer<T> for StreamBound<T> {
+    fn recv_ptr<'a>(&'a mut self, stream: StreamRef<'a>) -> (*mut c_void, BufferGuard<'a>) {
+        let (p, guard) = self.send_ptr(stream);
+        (p.cast_mut(), guard)
+    }
+}

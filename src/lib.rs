@@ -82,7 +82,7 @@ mod teardown;
 mod types;
 pub mod version;
 
-pub use buffer::{BufferGuard, Memory, RecvBuffer, SendBuffer};
+pub use buffer::{BufferGuard, Memory, RecvBuffer, SendBuffer, StreamBound};
 pub use comm::{CommDevice, Communicator, PendingCommunicator, DEFAULT_INIT_TIMEOUT};
 pub use comm_ref::CommRef;
 pub use config::Config;

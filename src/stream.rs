@@ -6,6 +6,10 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use nccl_sys::cudaStream_t;
 
+/// `CU_STREAM_PER_THREAD`: the calling thread's default stream, a different stream on
+/// every thread.
+pub(crate) const PER_THREAD_STREAM: usize = 0x2;
+
 /// A stream of either kind, owned (what the launcher hands each rank). `&Stream::Host`
 /// is the host provider's stream wherever a collective takes one.
 #[derive(Debug, Clone)]

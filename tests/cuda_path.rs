@@ -1361,3 +1361,29 @@ fn a_process_exits_cleanly_behind_a_stalled_stream() {
         }
     }
 }
+
+/// A `StreamBound` of a slice on `CU_STREAM_PER_THREAD` (a different stream on every
+/// thread, so "its own stream" would not be one stream) is refused, and the slice comes
+/// back whole; a slice of a stream of its own binds, runs its collectives and comes back
+/// with their result.
+#[test]
+fn a_stream_bound_needs_a_stream_of_its_own() {
+    let r = rank(0, &Config::default(), true);
+    let per_thread = r.ctx.per_thread_stream();
+    let x = per_thread.clone_htod(&[2.0f32; 8]).unwrap();
+    let (x, e) = nccl_safe::StreamBound::new(x).expect_err("CU_STREAM_PER_THREAD");
+    assert!(
+        matches!(&e, Error::InvalidArgument { .. }) && e.to_string().contains("PER_THREAD"),
+        "{e}"
+    );
+    assert_eq!(per_thread.clone_dtoh(&x).unwrap(), vec![2.0f32; 8]);
+
+    let x = r.stream.clone_htod(&[2.0f32; 8]).unwrap();
+    let mut x = nccl_safe::StreamBound::new(x).map_err(|(_, e)| e).unwrap();
+    assert_eq!((x.len(), x.is_empty()), (8, false));
+    r.comm
+        .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
+        .unwrap();
+    let x = x.into_inner();
+    assert_eq!(r.stream.clone_dtoh(&x).unwrap(), vec![2.0f32; 8]);
+}

@@ -832,3 +832,40 @@ fn a_marker_recorded_under_capture_can_be_checked_from_the_watchdogs_thread() {
         event::destroy(open).unwrap();
     }
 }
+
+/// A `StreamBound` on a real GPU beside a compute stream: the input is written on the
+/// compute stream (a large copy, still running when the collective is enqueued unless the
+/// binding's wait orders them), reduced out of place on the communication stream with no
+/// cudarc event work, and read back on the compute stream after `into_inner`.
+#[test]
+#[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
+fn a_stream_bound_buffer_is_ordered_with_a_compute_stream_on_a_gpu() {
+    const N: usize = 1 << 24;
+    let lib = Library::load().expect("NVIDIA's NCCL");
+    let ctx = CudaContext::new(0).unwrap();
+    let (comm_stream, compute) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    let id = UniqueId::new_with(&lib).unwrap();
+    let dev = CommDevice::Cuda(ctx.clone());
+    let comm = Communicator::init_rank_in(&lib, &dev, 1, 0, &id, &Config::new()).unwrap();
+    let host = vec![1.5f32; N];
+    for _ in 0..3 {
+        let mut send = comm_stream.alloc_zeros::<f32>(N).unwrap();
+        let recv = comm_stream.alloc_zeros::<f32>(N).unwrap();
+        comm_stream.synchronize().unwrap();
+        compute.memcpy_htod(&host, &mut send).unwrap();
+        let send = nccl_safe::StreamBound::new(send)
+            .map_err(|(_, e)| e)
+            .unwrap();
+        let mut recv = nccl_safe::StreamBound::new(recv)
+            .map_err(|(_, e)| e)
+            .unwrap();
+        comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &comm_stream)
+            .unwrap();
+        let recv = recv.into_inner();
+        let got = compute.clone_dtoh(&recv).unwrap();
+        assert!(got.iter().all(|&v| v == 1.5), "an unordered read or write");
+        drop(send);
+    }
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+    ctx.check_err().unwrap();
+}

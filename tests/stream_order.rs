@@ -10,7 +10,9 @@
 //!   another stream reads, a collective on a buffer another stream is writing), and none
 //!   where an event or a host synchronization orders the two;
 //! - a collective of the crate on a buffer written on another stream is ordered by cudarc's
-//!   event tracking, which the crate keeps by taking every pointer through cudarc.
+//!   event tracking, which the crate keeps by taking every pointer through cudarc;
+//! - a `StreamBound` (no cudarc call per operation) is ordered by its two ends, and without
+//!   them the same collectives race.
 //!
 //! One test: the model's gauges are process-wide, so nothing else may run beside it.
 
@@ -19,7 +21,7 @@ mod support;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use nccl_safe::{CommDevice, Communicator, Config, Group, ReduceOp, UniqueId};
+use nccl_safe::{CommDevice, Communicator, Config, Group, ReduceOp, StreamBound, UniqueId};
 use support::fakes::{driver, nccl, Gauge};
 
 const N: usize = 64;
@@ -141,6 +143,77 @@ fn cuda_stream_order_is_modelled_and_collectives_keep_it() {
         ctx.synchronize().unwrap();
     });
     assert_eq!(n, 0, "{}", d.last_race());
+
+    // A buffer of the communication stream `b`, written on `a`, reduced on `b` with no
+    // cudarc wait or record per operation, then read on `a`. First without its ends (the
+    // collectives untracked, as a StreamBound's are, and nothing recorded after them): the
+    // read on `a` waits only for the old write, so it races the collectives...
+    let reduced = |x: &mut CudaSlice<f32>| {
+        for _ in 0..3 {
+            comm.all_reduce_in_place(x, ReduceOp::Sum, &b).unwrap();
+        }
+    };
+    let n = races_in(|| {
+        let mut x = b.alloc_zeros::<f32>(N).unwrap();
+        a.memcpy_htod(&[1.0f32; N], &mut x).unwrap();
+        b.wait(&a.record_event(None).unwrap()).unwrap();
+        // SAFETY: on purpose, the collectives below are not tracked.
+        unsafe { ctx.disable_event_tracking() };
+        reduced(&mut x);
+        // SAFETY: back to cudarc's ordering for what follows.
+        unsafe { ctx.enable_event_tracking() };
+        let _y = read(&a, &x);
+        ctx.synchronize().unwrap();
+    });
+    assert!(
+        n >= 1,
+        "collectives with no record after them were not seen"
+    );
+    // ... and under a StreamBound, whose two ends order it: no race, and the collectives
+    // make none of cudarc's calls (only the crate's completion marker).
+    let n = races_in(|| {
+        let mut x = b.alloc_zeros::<f32>(N).unwrap();
+        a.memcpy_htod(&[1.0f32; N], &mut x).unwrap();
+        let mut x = StreamBound::new(x).map_err(|(_, e)| e).unwrap();
+        d.mark_this_thread(true);
+        let before = d.counts(true);
+        for _ in 0..3 {
+            comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &b).unwrap();
+        }
+        let calls = d.counts(true).since(&before);
+        d.mark_this_thread(false);
+        assert_eq!(calls.of("cuStreamWaitEvent"), 0, "{calls}");
+        assert_eq!(calls.of("cuEventRecord"), 3, "the markers only: {calls}");
+        let x = x.into_inner();
+        let y = read(&a, &x);
+        assert_eq!(a.clone_dtoh(&y).unwrap(), vec![1.0f32; N]);
+        drop(x);
+        ctx.synchronize().unwrap();
+    });
+    assert_eq!(n, 0, "{}", d.last_race());
+    // Dropped rather than handed back: cudarc's free on `b` follows the collectives too.
+    let n = races_in(|| {
+        let mut x = b.alloc_zeros::<f32>(N).unwrap();
+        a.memcpy_htod(&[1.0f32; N], &mut x).unwrap();
+        let mut x = StreamBound::new(x).map_err(|(_, e)| e).unwrap();
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &b).unwrap();
+        drop(x);
+        ctx.synchronize().unwrap();
+    });
+    assert_eq!(n, 0, "{}", d.last_race());
+    // On another stream than its own: refused before NCCL sees it.
+    let mut x = StreamBound::new(b.alloc_zeros::<f32>(N).unwrap())
+        .map_err(|(_, e)| e)
+        .unwrap();
+    let e = comm
+        .all_reduce_in_place(&mut x, ReduceOp::Sum, &a)
+        .unwrap_err();
+    assert!(
+        matches!(&e, nccl_safe::Error::InvalidArgument { .. })
+            && e.to_string().contains("StreamBound"),
+        "{e}"
+    );
+    drop(x);
 
     drop(comm);
 

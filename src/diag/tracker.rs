@@ -45,9 +45,7 @@ pub(crate) enum Queue {
     Host(usize),
 }
 
-/// `CU_STREAM_PER_THREAD`: the calling thread's default stream, a different stream on
-/// every thread.
-pub(crate) const PER_THREAD_STREAM: usize = 0x2;
+pub(crate) use crate::stream::PER_THREAD_STREAM;
 
 /// Markers in flight on one stream past which [`Tracker::mark_now`] records the newest
 /// again instead of taking another event (the GPU runs far behind the caller).

@@ -215,7 +215,8 @@ impl<'a> OpChecks<'a> {
             buf.memory(),
             expected,
             rule,
-        )
+        )?;
+        self.on_its_stream(BufferRole::Send, buf.bound_stream())
     }
 
     /// Checks a buffer NCCL writes, as [`send`](Self::send).
@@ -233,7 +234,28 @@ impl<'a> OpChecks<'a> {
             buf.memory(),
             expected,
             rule,
-        )
+        )?;
+        self.on_its_stream(BufferRole::Recv, buf.bound_stream())
+    }
+
+    /// A buffer bound to one stream ([`crate::StreamBound`]) is used on that stream only.
+    #[inline(always)]
+    fn on_its_stream(&self, role: BufferRole, bound: Option<usize>) -> Result<()> {
+        match bound {
+            Some(b) if b != self.stream.raw() as usize => Err(self.wrong_stream(role, b)),
+            _ => Ok(()),
+        }
+    }
+
+    #[cold]
+    fn wrong_stream(&self, role: BufferRole, bound: usize) -> crate::Error {
+        crate::Error::InvalidArgument {
+            call: self.call.name(),
+            reason: format!(
+                "the {role} is a StreamBound of stream {bound:#x}, but the operation runs on stream {:#x}: run it on the buffer's stream, or take the slice back with into_inner",
+                self.stream.raw() as usize
+            ),
+        }
     }
 
     /// Checks only where a buffer lives: the one NCCL ignores on a non-root rank.
