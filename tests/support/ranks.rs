@@ -107,7 +107,12 @@ pub fn assert_balanced(id: &UniqueId) -> HostStats {
     let st = settled_stats(id);
     assert_eq!(st.created, st.destroyed + st.aborted, "{st:?}");
     assert_eq!(st.live, 0, "{st:?}");
-    assert_eq!(st.misused, 0, "{st:?}");
+    assert_eq!(
+        st.misused,
+        0,
+        "{st:?}; the process's latest misuses: {:#?}",
+        nccl_safe::host::recent_misuse()
+    );
     st
 }
 
