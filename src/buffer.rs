@@ -7,7 +7,6 @@
 //! event tracking stays right.
 
 use std::ffi::c_void;
-
 use std::sync::Arc;
 
 use cudarc::driver::{
