@@ -12,7 +12,9 @@
 //!   watchdog's abort job.
 //! * **The owner** (`src/comm/`, `src/diag/hooks.rs`): a few calls, each either an
 //!   operation (`begin`: the aborted and timed-out checks, `current` stored, the fence,
-//!   the claim checked and `await_decision`; the NCCL call; `end`: `current` back to
+//!   the claim checked and `await_decision`; the NCCL call; for an operation that left
+//!   NCCL asynchronous work, `wait_ready`'s polls, each after `check_alive` and under a
+//!   pin that stands in for the operation and gives it back; `end`: `current` back to
 //!   `IDLE`, the work published) or a pinned call (`pin`/`unpin`, as `async_error` and
 //!   registrations do); then one of: `Drop` (healthy: `drain` then destroy; failed or
 //!   unwinding: abort), `abort()` (`take`, or wait for the watchdog's abort job),
@@ -36,7 +38,7 @@
 //! fences, i.e. the sequential consistency shuttle gives), while the parties spin
 //! (`await_decision`, waiting for the abort job), which blows up loom's exhaustive search
 //! and which shuttle's randomized and PCT schedulers take in their stride, for four
-//! threads and 72 scenarios in seconds.
+//! threads and 108 scenarios in seconds.
 //!
 //! # What is abstracted
 //!
@@ -59,10 +61,10 @@
 //!
 //! # What is explored and asserted
 //!
-//! Every scenario of [`scenarios`]: 4 call sequences x 3 kinds of work x 5 endings for an
-//! owned handle, and 4 x 3 for a borrowed one (72), each under shuttle's random scheduler
-//! and its PCT scheduler (depth 3), [`ITERATIONS`] schedules each with fixed seeds: 144 000
-//! interleavings of the owner's, the watchdog's and the abort thread's steps (about 5 s).
+//! Every scenario of [`scenarios`]: 6 call sequences x 3 kinds of work x 5 endings for an
+//! owned handle, and 6 x 3 for a borrowed one (108), each under shuttle's random scheduler
+//! and its PCT scheduler (depth 3), [`ITERATIONS`] schedules each with fixed seeds: 216 000
+//! interleavings of the owner's, the watchdog's and the abort thread's steps (about 8 s).
 //! The watchdog's first sweep comes after a random number of steps (drawn by shuttle, so a
 //! failing schedule replays), so its claim meets the owner at every point of its run. In
 //! each interleaving, at every step and at the end:
@@ -146,6 +148,9 @@ struct Protocol {
     take_without_swap: bool,
     /// Mutant: a pin does not check the claim.
     pin_skips_claim_check: bool,
+    /// Mutant (the code before the fix of the flake it explains): a pin inside an
+    /// operation pins nothing, so `wait_ready`'s polls run under the operation alone.
+    pin_inside_an_operation_pins_nothing: bool,
     /// Relaxed timing assumption: an operation counts as old as soon as it is in
     /// `current`, before its thread entered the call.
     old_before_the_call: bool,
@@ -159,6 +164,7 @@ const TODAY: Protocol = Protocol {
     watchdog_skips_reread: false,
     take_without_swap: false,
     pin_skips_claim_check: false,
+    pin_inside_an_operation_pins_nothing: false,
     old_before_the_call: false,
 };
 
@@ -181,6 +187,10 @@ impl Protocol {
 enum Call {
     /// An operation through `Communicator::issue` (a collective).
     Op,
+    /// An operation whose call left NCCL's asynchronous work (ncclInProgress, or a split's
+    /// job): still inside it, `wait_ready` polls `ncclCommGetAsyncError` until the work
+    /// ends, each poll after `check_alive` and under `pinned`.
+    OpThenPolls,
     /// A call under a pin (`async_error`, a registration).
     Pinned,
 }
@@ -216,11 +226,13 @@ struct Scenario {
     ending: Option<Ending>,
 }
 
-const CALLS: [&[Call]; 4] = [
+const CALLS: [&[Call]; 6] = [
     &[Call::Op],
     &[Call::Op, Call::Op],
     &[Call::Pinned, Call::Op],
     &[Call::Op, Call::Pinned],
+    &[Call::OpThenPolls],
+    &[Call::OpThenPolls, Call::Op],
 ];
 const WORK: [Work; 3] = [Work::Completes, Work::Stuck, Work::Unwatched];
 const ENDINGS: [Ending; 5] = [
@@ -413,6 +425,8 @@ struct Owner {
     failed: bool,
     /// The journal position + 1 of the last operation.
     pos: u64,
+    /// What `current` was when the pin began (`CommDiag::pinned_from`).
+    pinned_from: std::cell::Cell<u64>,
 }
 
 impl Owner {
@@ -427,7 +441,8 @@ impl Owner {
 
     fn call(&mut self, c: Call) {
         let ok = match c {
-            Call::Op => self.issue(),
+            Call::Op => self.issue(0),
+            Call::OpThenPolls => self.issue(2),
             Call::Pinned => self.pinned_call(),
         };
         if !ok {
@@ -435,8 +450,9 @@ impl Owner {
         }
     }
 
-    /// `Communicator::issue` with `CommDiag::begin` and `end`.
-    fn issue(&mut self) -> bool {
+    /// `Communicator::issue` with `CommDiag::begin` and `end`, and `polls` rounds of
+    /// `wait_ready` between the call and `end`.
+    fn issue(&mut self, polls: usize) -> bool {
         if self.failed && !self.ensure_usable() {
             return false;
         }
@@ -462,36 +478,55 @@ impl Owner {
         }
         self.n
             .call(self.raw, "an operation", Some((&s.entered, pos)));
+        let mut ok = true;
+        for _ in 0..polls {
+            // `wait_ready_for`: `check_alive`, then `poll_async` under `pinned`.
+            if s.aborted_by_watchdog.load(SC) || s.timed_out.load(SC) {
+                ok = false;
+                break;
+            }
+            let Ok(pinned) = self.pin() else {
+                ok = false;
+                break;
+            };
+            self.n.call(self.raw, "a poll inside an operation", None);
+            if pinned {
+                self.unpin();
+            }
+        }
         // end: out of the call, then the work published.
         if s.current.load(SC) != PINNED {
             s.current.store(IDLE, SC);
         }
         s.in_flight.store(true, SC);
-        true
+        ok
     }
 
     /// `CommDiag::pin`: `Err` when the watchdog aborts it, `Ok(false)` when nothing was
-    /// pinned here.
+    /// pinned here (already pinned). Inside an operation it pins too, and
+    /// [`unpin`](Self::unpin) puts the operation back.
     fn pin(&self) -> Result<bool, ()> {
         let s = &*self.s;
         if s.aborted_by_watchdog.load(SC) {
             return Err(());
         }
-        if s.current.load(SC) != IDLE {
+        let cur = s.current.load(SC);
+        if cur == PINNED || (cur != IDLE && self.p.pin_inside_an_operation_pins_nothing) {
             return Ok(false);
         }
         s.current.store(PINNED, SC);
         // fence::light
         if !self.p.pin_skips_claim_check && s.claim.load(SC) != UNCLAIMED && !s.await_decision() {
-            s.current.store(IDLE, SC);
+            s.current.store(cur, SC);
             return Err(());
         }
+        self.pinned_from.set(cur);
         Ok(true)
     }
 
     fn unpin(&self) {
         if self.s.current.load(SC) == PINNED {
-            self.s.current.store(IDLE, SC);
+            self.s.current.store(self.pinned_from.get(), SC);
         }
     }
 
@@ -677,6 +712,7 @@ fn run(sc: Scenario, p: Protocol) {
                 raw: H,
                 failed: false,
                 pos: 0,
+                pinned_from: std::cell::Cell::new(IDLE),
             };
             for &c in sc.calls {
                 o.call(c);
@@ -794,7 +830,7 @@ fn assert_caught(p: Protocol, scs: &[Scenario], what: &str) {
 fn the_protocol_holds_in_every_scenario() {
     let p = Protocol::with_known_gaps_fixed();
     let scs = scenarios();
-    assert_eq!(scs.len(), 72);
+    assert_eq!(scs.len(), 108);
     let start = std::time::Instant::now();
     if let Some((sc, sched, m)) = first_violation(&scs, p) {
         panic!("{m}\nin {sc:?} under {p:?} ({sched:?} scheduler)");
@@ -887,6 +923,19 @@ fn mutant_pin_skips_the_claim_check_is_caught() {
     let polls_then_drop =
         scenarios_where(|s| s.ending == Some(Ending::Drop) && s.calls.contains(&Call::Pinned));
     assert_caught(p, &polls_then_drop, "used after teardown");
+}
+
+/// A pin inside an operation that pins nothing (the code before this model had polls)
+/// leaves `wait_ready`'s polls to the operation's claim: the watchdog claims the old
+/// operation between two polls and aborts the handle, and the next poll (or one already
+/// past its `check_alive`) calls NCCL on it. A stress run of the host provider's tests
+/// found it as a misuse (a call on an aborted handle), once in about 200 runs.
+#[test]
+fn mutant_pin_inside_an_operation_pins_nothing_is_caught() {
+    let mut p = Protocol::with_known_gaps_fixed();
+    p.pin_inside_an_operation_pins_nothing = true;
+    let polls = scenarios_where(|s| s.calls.contains(&Call::OpThenPolls));
+    assert_caught(p, &polls, "used after teardown: a poll inside an operation");
 }
 
 /// The claim of an operation inside its call is safe only because the operation is old

@@ -77,6 +77,10 @@ pub(crate) struct CommDiag {
     /// Inside `shrink_after_failure` (see [`CommDiag::set_recovering`]).
     #[cfg(feature = "diag")]
     recovering: Cell<bool>,
+    /// What `current` held when the pin in place began (an operation's position, or
+    /// `IDLE`): [`CommDiag::unpin`] puts it back.
+    #[cfg(feature = "diag")]
+    pinned_from: Cell<u64>,
 }
 
 #[cfg(all(test, feature = "diag"))]
@@ -144,6 +148,8 @@ impl CommDiag {
             children: RefCell::new(Vec::new()),
             #[cfg(feature = "diag")]
             recovering: Cell::new(false),
+            #[cfg(feature = "diag")]
+            pinned_from: Cell::new(IDLE),
         }
     }
 
@@ -442,33 +448,43 @@ impl CommDiag {
     /// Claims the handle for an NCCL call that is not an operation (a poll, a
     /// registration, a destroy, a group's end): the watchdog never aborts it until
     /// [`unpin`](Self::unpin). `Ok(false)` when nothing was pinned here (not attached yet,
-    /// or already inside an operation or a pin); an error when the watchdog aborts it.
+    /// or already pinned); an error when the watchdog aborts it.
+    ///
+    /// Inside an operation it pins too: `wait_ready`'s polls of an operation that left
+    /// NCCL asynchronous work are calls of their own, and an old operation may be claimed
+    /// between two of them, so each poll stands in for the operation (and `unpin` gives it
+    /// back). Without that, a poll past its `check_alive` reached an aborted handle
+    /// (`tests/claim_model.rs`, `mutant_pin_inside_an_operation_pins_nothing_is_caught`).
     pub(crate) fn pin(&self) -> Result<bool> {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             if s.aborted_by_watchdog.load(Ordering::Acquire) {
                 return Err(self.aborted_error(s));
             }
-            if s.current.load(Ordering::Relaxed) != IDLE {
+            let cur = s.current.load(Ordering::Relaxed);
+            if cur == PINNED {
                 return Ok(false);
             }
             s.current.store(PINNED, Ordering::Release);
             fence::light(s.asym);
             if s.claim.load(Ordering::Acquire) != UNCLAIMED && !s.await_decision() {
-                s.current.store(IDLE, Ordering::Release);
+                s.current.store(cur, Ordering::Release);
                 return Err(self.aborted_error(s));
             }
+            self.pinned_from.set(cur);
             return Ok(true);
         }
         Ok(false)
     }
 
-    /// Ends a [`pin`](Self::pin) that returned `Ok(true)`.
+    /// Ends a [`pin`](Self::pin) that returned `Ok(true)`: `current` is again what it was
+    /// (idle, or the operation the pin stood in for).
     pub(crate) fn unpin(&self) {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             if s.current.load(Ordering::Relaxed) == PINNED {
-                s.current.store(IDLE, Ordering::Release);
+                s.current
+                    .store(self.pinned_from.replace(IDLE), Ordering::Release);
             }
         }
     }
