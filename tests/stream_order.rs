@@ -182,8 +182,14 @@ fn cuda_stream_order_is_modelled_and_collectives_keep_it() {
         }
         let calls = d.counts(true).since(&before);
         d.mark_this_thread(false);
+        // No cudarc wait or record: the only events recorded are the crate's completion
+        // markers (with the `diag` feature, each behind its cuStreamIsCapturing).
         assert_eq!(calls.of("cuStreamWaitEvent"), 0, "{calls}");
-        assert_eq!(calls.of("cuEventRecord"), 3, "the markers only: {calls}");
+        assert_eq!(
+            calls.of("cuEventRecord"),
+            calls.of("cuStreamIsCapturing"),
+            "the markers only: {calls}"
+        );
         let x = x.into_inner();
         let y = read(&a, &x);
         assert_eq!(a.clone_dtoh(&y).unwrap(), vec![1.0f32; N]);
