@@ -900,13 +900,14 @@ impl Bench<'_> {
             lane.writer.memset_zeros(b)?;
         }
         // A bound buffer is handed back, written by the writer and bound again.
-        for b in lane.bound.iter_mut() {
-            let stand_in =
-                StreamBound::new(self.stream.alloc_zeros::<f32>(1)?).map_err(|(_, e)| e)?;
-            let mut x = std::mem::replace(b, stand_in).into_inner();
-            lane.writer.memset_zeros(&mut x)?;
-            *b = StreamBound::new(x).map_err(|(_, e)| e)?;
-        }
+        lane.bound = std::mem::take(&mut lane.bound)
+            .into_iter()
+            .map(|b| {
+                let mut x = b.into_inner();
+                lane.writer.memset_zeros(&mut x)?;
+                Ok(StreamBound::new(x).map_err(|(_, e)| e)?)
+            })
+            .collect::<Result<_>>()?;
         lane.writer.synchronize()?;
         Ok(self.stream.synchronize()?)
     }

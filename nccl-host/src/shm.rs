@@ -965,6 +965,7 @@ impl Segment {
             // fit half a slot. A round writes only elements lo..hi of a receive block,
             // whose in-place send elements were copied in before its first barrier.
             for b in 0..blocks(send, me) {
+                // SAFETY: as above; block b's part of our send buffer into our own slot.
                 unsafe { copy(p.send + bytes(b * count + lo), sp(me) + at(b, 0), bytes(m)) };
             }
             self.barrier(seq, deadline)?;
@@ -1012,6 +1013,7 @@ impl Segment {
                         ));
                     }
                     drop(ins);
+                    // SAFETY: as above; `out` is ours, written back to our own slot's share.
                     unsafe { copy(out.as_ptr() as usize, sp(me) + at(blk, e), out.len()) };
                     f = g;
                 }
@@ -1019,6 +1021,8 @@ impl Segment {
             }
             for (j, src) in sources.iter().enumerate() {
                 let dst = p.recv + bytes(j * count + lo);
+                // SAFETY (both arms): as above; the slots are complete for this round
+                // (the last barrier), and `dst` is part lo..hi of our receive block j.
                 match src.rank {
                     Some(q) => unsafe { copy(sp(q) + at(src.block, 0), dst, bytes(m)) },
                     None => {

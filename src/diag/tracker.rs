@@ -45,7 +45,7 @@ pub(crate) enum Queue {
     Host(usize),
 }
 
-pub(crate) use crate::stream::PER_THREAD_STREAM;
+use crate::stream::PER_THREAD_STREAM;
 
 /// Markers in flight on one stream past which [`Tracker::mark_now`] records the newest
 /// again instead of taking another event (the GPU runs far behind the caller).
