@@ -1353,6 +1353,9 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
                     "# target: two streams, tracking on: nccl-safe <= cudarc::nccl (driver calls per operation): worst safe - cudarc {worst:+} -> {}",
                     if worst <= 0.0 { "met" } else { "NOT met" }
                 );
+                if worst > 0.0 {
+                    println!("#   the gap: the completion marker (cuStreamIsCapturing, so that no marker goes into a captured graph, and cuEventRecord, which later work on the stream never counts against), one per operation or group, against the cuCtxGetCurrent nccl-safe saves before each of cudarc's event records: +1 for a single operation on one buffer, 0 on two, fewer in a group");
+                }
             } else {
                 println!("# target: two streams, tracking on: nccl-safe <= cudarc::nccl -> not measured (cudarc::nccl n/a)");
             }

@@ -258,6 +258,49 @@ fn cuda_stream_order_is_modelled_and_collectives_keep_it() {
     });
     assert_eq!(n, 0, "{}", d.last_race());
 
+    // One thread, one group over the communicators of two devices (two contexts): each
+    // buffer's cudarc event is recorded after the group, when the current context is at
+    // most one of the two. The crate records it without binding the context first, and
+    // binds it (through cudarc) only when the driver refuses; a record lost there leaves
+    // the reads on the compute streams racing the collectives.
+    let n = races_in(|| {
+        let ranks: Vec<_> = (0..2)
+            .map(|dev| {
+                let ctx = CudaContext::new(dev).unwrap();
+                let (a, b) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+                let id = UniqueId::new_with(&lib).unwrap();
+                let comm = Communicator::init_rank_in(
+                    &lib,
+                    &CommDevice::Cuda(ctx.clone()),
+                    1,
+                    0,
+                    &id,
+                    &Config::default(),
+                )
+                .unwrap();
+                let x = written(&a);
+                (ctx, a, b, comm, x)
+            })
+            .collect();
+        let mut ranks = ranks;
+        {
+            let mut g = Group::new();
+            for (_, _, b, comm, x) in ranks.iter_mut() {
+                g.push(comm.all_reduce_in_place_op(x, ReduceOp::Sum, b).unwrap())
+                    .unwrap();
+            }
+            g.end().unwrap();
+        }
+        for (ctx, a, _, comm, x) in ranks {
+            let y = read(&a, &x);
+            assert_eq!(a.clone_dtoh(&y).unwrap(), vec![1.0f32; N]);
+            drop(x);
+            ctx.synchronize().unwrap();
+            drop(comm);
+        }
+    });
+    assert_eq!(n, 0, "{}", d.last_race());
+
     assert!(d.gauge(Gauge::AccessesChecked) > checked + 20);
     assert_eq!(d.gauge(Gauge::UntrackedOps), 0);
 }
