@@ -272,6 +272,10 @@ fn per_op(c: &Counts, n: usize) -> String {
     each.join(", ")
 }
 
+/// The driver calls of each operation against a raw NCCL call on cudarc's own guards
+/// (what cudarc::nccl makes): the same waits and records, less the context check before
+/// each of cudarc's records, plus the completion marker's two at enqueue (exact
+/// completion); with neither tracking nor the marker, none at all.
 #[test]
 fn the_per_operation_path_makes_no_driver_call_of_its_own() {
     let _serial = serial();
