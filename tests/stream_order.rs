@@ -264,7 +264,7 @@ fn cuda_stream_order_is_modelled_and_collectives_keep_it() {
     // binds it (through cudarc) only when the driver refuses; a record lost there leaves
     // the reads on the compute streams racing the collectives.
     let n = races_in(|| {
-        let ranks: Vec<_> = (0..2)
+        let mut ranks: Vec<_> = (0..2)
             .map(|dev| {
                 let ctx = CudaContext::new(dev).unwrap();
                 let (a, b) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
@@ -282,7 +282,6 @@ fn cuda_stream_order_is_modelled_and_collectives_keep_it() {
                 (ctx, a, b, comm, x)
             })
             .collect();
-        let mut ranks = ranks;
         {
             let mut g = Group::new();
             for (_, _, b, comm, x) in ranks.iter_mut() {
