@@ -1133,7 +1133,7 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
     println!(
         "# nccl-safe completion markers: {}",
         if exact {
-            "at enqueue (Config::exact_completion, the default): cuStreamIsCapturing + cuEventRecord per operation or group"
+            "at enqueue (Config::exact_completion, the default): one cuEventRecord per operation or group"
         } else {
             "lazy (--lazy-completion: the watchdog records them on its tick)"
         }
@@ -1354,7 +1354,7 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
                     if worst <= 0.0 { "met" } else { "NOT met" }
                 );
                 if worst > 0.0 {
-                    println!("#   the gap: the completion marker (cuStreamIsCapturing, so that no marker goes into a captured graph, and cuEventRecord, which later work on the stream never counts against), one per operation or group, against the cuCtxGetCurrent nccl-safe saves before each of cudarc's event records: +1 for a single operation on one buffer, 0 on two, fewer in a group");
+                    println!("#   the gap: the completion marker's cuEventRecord (which later work on the stream never counts against), one per operation or group, against the cuCtxGetCurrent nccl-safe saves before each of cudarc's event records");
                 }
             } else {
                 println!("# target: two streams, tracking on: nccl-safe <= cudarc::nccl -> not measured (cudarc::nccl n/a)");

@@ -325,10 +325,11 @@ impl Config {
     /// call (once per stream for a [`crate::Group`]): nothing enqueued on that stream
     /// afterwards counts against the operation, so a stream blocked after a collective
     /// (a wait on another stream's backlog, say) never times it out, and work on
-    /// `CU_STREAM_PER_THREAD` (candle's stream) is watched. It costs a
-    /// `cuStreamIsCapturing` and a `cuEventRecord` per operation or group, with the
-    /// stream's context current on the calling thread (as after cudarc used a buffer
-    /// there; otherwise a `cuCtxGetCurrent` and a `cuCtxSetCurrent` more). PyTorch's
+    /// `CU_STREAM_PER_THREAD` (candle's stream) is watched. It costs a `cuEventRecord` per
+    /// operation or group, with the stream's context current on the calling thread (as
+    /// after cudarc used a buffer there; otherwise a `cuCtxGetCurrent` and a
+    /// `cuCtxSetCurrent` more). On a stream under graph capture that record adds no node
+    /// to the graph, and the watchdog never queries it while the capture is open. PyTorch's
     /// ProcessGroupNCCL records an event per collective too (`cargo bench --bench
     /// overhead -- --backend nccl` prints the cost).
     ///

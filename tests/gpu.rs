@@ -726,11 +726,11 @@ fn nccl_memory_dropped_behind_a_blocked_stream_keeps_the_abort_bound_on_a_gpu() 
     ctx.check_err().unwrap();
 }
 
-/// Issue 33's open question, put to the driver. The owner could record its completion
-/// marker without a `cuStreamIsCapturing` first (one driver call less per operation) and
-/// leave the capture check to the watchdog thread, which runs in relaxed capture mode: it
-/// would ask `cuStreamIsCapturing` of the stream after it took the markers to query, and
-/// query only when no capture is open. That is sound only if, on that thread:
+/// What the tracker relies on, put to the driver. The owner records its completion marker
+/// without a `cuStreamIsCapturing` first (one driver call less per operation) and leaves
+/// the capture check to the watchdog thread, which runs in relaxed capture mode: it asks
+/// `cuStreamIsCapturing` of the stream after it took the markers to query, and queries only
+/// when no capture is open (`src/diag/tracker.rs`). That is sound only if, on that thread:
 /// - a query of an event last recorded in a capture that has ended fails with
 ///   `CUDA_ERROR_CAPTURED_EVENT` (CUDA's documented "not permitted on an event which was
 ///   last recorded in a capturing stream"), so the watchdog can read it as complete;

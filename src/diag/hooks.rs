@@ -1238,7 +1238,8 @@ mod tests {
     }
 
     /// Work on a queue that is being captured into a CUDA graph is never timed out, and is
-    /// tracked again once the capture ends.
+    /// tracked again once the capture ends. (The host queue is marked by the watchdog: the
+    /// marker recorded at enqueue, on a capturing CUDA stream, is `cuda_path`'s.)
     #[test]
     fn captured_work_is_never_timed_out() {
         let counting = counting_here();
@@ -1250,6 +1251,11 @@ mod tests {
         assert!(!c.is_failed(), "captured work must not time out");
         let s = Arc::clone(c.diag.shared(c.diag_view()));
         assert_eq!(host_retired(&s), 0);
+        assert_eq!(
+            counting.queries_in_capture.load(Ordering::SeqCst),
+            0,
+            "a marker was queried while the capture was open"
+        );
         // The capture ends; the work it captured never runs on the stream, so the first
         // marker after it completes.
         counting.capturing.store(false, Ordering::SeqCst);

@@ -86,7 +86,8 @@ pub(super) struct Watch {
     pub(super) marked: u64,
     /// Marked ranges not yet known complete, oldest first.
     pub(super) pending: VecDeque<Pending>,
-    /// The queue was capturing into a CUDA graph at the last attempt to mark.
+    /// The queue was capturing into a CUDA graph at the last attempt to mark, or to
+    /// query its markers.
     pub(super) capturing: bool,
 }
 
@@ -293,10 +294,10 @@ impl Shared {
                 w.marked = upto;
                 return;
             }
+            // Recorded without asking whether the stream is capturing: see `retire_done`.
             Mark::Marker(m) => Some(m),
-            // Captured into a graph (never run on the stream), or not watchable: complete
-            // once what is before it is. Joined to a range of the same kind at the back, so
-            // a long capture does not grow the queue.
+            // Not watchable: complete once what is before it is. Joined to a range of the
+            // same kind at the back, so that the queue does not grow.
             Mark::Capturing | Mark::Unwatched => {
                 if let Some(back) = w.pending.back_mut().filter(|p| p.marker.is_none()) {
                     back.upto = upto;
@@ -333,7 +334,26 @@ impl Shared {
     }
 
     /// Retires the oldest ranges of `q` whose marker completed.
+    ///
+    /// Asks first whether the queue is capturing into a graph: markers recorded at enqueue
+    /// are recorded without that question, so one may belong to the open capture, and
+    /// CUDA calls its query invalid. While a capture is open nothing is queried (nor timed
+    /// out: [`Watch::capturing`]). The owner adds markers under `w`'s lock, which the
+    /// caller holds, so every marker queried here was recorded before the answer.
     fn retire_done(&self, q: &QueueWatch, w: &mut Watch) {
+        if w.pending.front().is_some_and(|p| p.marker.is_some()) {
+            match self.tracker.capturing(&q.queue) {
+                Ok(false) => w.capturing = false,
+                Ok(true) => {
+                    w.capturing = true;
+                    return;
+                }
+                Err(e) => {
+                    let _ = self.cuda_fault.set(e);
+                    return;
+                }
+            }
+        }
         while let Some(p) = w.pending.front() {
             let done = match p.marker.as_ref().map(|m| self.tracker.done(m)) {
                 None | Some(Ok(true)) => true,

@@ -9,12 +9,12 @@
 //!   nothing the caller enqueues later, so a stream blocked *after* a collective never
 //!   times the collective out; and `CU_STREAM_PER_THREAD` (candle's stream, handle 0x2)
 //!   resolves to the caller's stream, which is where NCCL enqueued. Cost: one
-//!   `cuStreamIsCapturing` and one `cuEventRecord` per operation or group, with the
-//!   stream's context current on the caller's thread (as it is after cudarc used a buffer
-//!   there; otherwise a failed try and a `cuCtxGetCurrent` more). PyTorch's
-//!   ProcessGroupNCCL records an event per collective too, no allocation (events
-//!   come from the tracker's spare pool; past [`MAX_PENDING`] markers in flight on a
-//!   stream, the newest is recorded again rather than a new one made).
+//!   `cuEventRecord` per operation or group, with the stream's context current on the
+//!   caller's thread (as it is after cudarc used a buffer there; otherwise a failed try
+//!   and a `cuCtxGetCurrent` more). PyTorch's ProcessGroupNCCL records an event per
+//!   collective too, no allocation (events come from the tracker's spare pool; past
+//!   [`MAX_PENDING`] markers in flight on a stream, the newest is recorded again rather
+//!   than a new one made).
 //! - **Lazily, on the watchdog's tick.** The per-operation path publishes its journal
 //!   position with a plain store and touches no tracker (no CUDA driver call of ours): the
 //!   watchdog records at most one event per stream per tick, after whatever was published
@@ -24,11 +24,30 @@
 //!
 //! Tests swap in a counting tracker to prove who calls what, and on which thread.
 //!
-//! CUDA graph capture: no marker is ever recorded on a capturing stream (that would put
-//! the event into the graph). A collective captured into a graph is never run on the
-//! stream: at enqueue it is complete at once; lazily, the watchdog does not time out work
-//! while one of the communicator's streams is capturing, and the first marker after the
-//! capture completes at once. Work a replayed graph runs is not watched.
+//! CUDA graph capture. A collective captured into a graph is never run on the stream, so it
+//! must never time out, and nothing of ours may change the user's graph or invalidate the
+//! capture:
+//!
+//! - **At enqueue**, the marker is recorded without asking whether the stream is
+//!   capturing (that question was a second driver call per operation). On a capturing
+//!   stream a plain `cuEventRecord` adds no node to the graph (only
+//!   `CU_EVENT_RECORD_EXTERNAL` would): it makes a *captured event*, as cudarc's own
+//!   write-event record beside it does. CUDA then refuses to query it
+//!   (`CUDA_ERROR_CAPTURED_EVENT`: "not permitted on an event which was last recorded in
+//!   a capturing stream") until it is recorded again outside a capture, and calls a query
+//!   made while that capture is open invalid.
+//! - **The watchdog asks instead**, off the caller's thread: before it queries a queue's
+//!   markers it asks `cuStreamIsCapturing` of the stream ([`Tracker::capturing`]), in
+//!   relaxed capture mode. While a capture is open it queries none of them and times
+//!   nothing out on that stream. Every marker it holds was recorded before that question
+//!   (the queue's lock keeps the owner from adding one meanwhile), so when no capture is
+//!   open, any captured marker among them belongs to a capture that has ended, and its
+//!   query's capture error reads as complete ([`RawEvent::query`]).
+//! - **Lazily**, the watchdog asks before it records, and records nothing on a capturing
+//!   stream; the first marker after the capture completes at once.
+//!
+//! Work a replayed graph runs is not watched. `tests/gpu.rs` puts each step of this to the
+//! driver (`a_marker_recorded_under_capture_can_be_checked_from_the_watchdogs_thread`).
 
 use std::cell::Cell;
 use std::sync::{Arc, Mutex};
@@ -97,11 +116,30 @@ impl RawEvent {
 
     /// `Ok(true)` when the work before it finished, `Ok(false)` while it runs, and the
     /// driver's error otherwise (a sticky fault of the context, say).
+    ///
+    /// A marker recorded at enqueue on a stream that was capturing is a captured event: its
+    /// collective went into a graph and never runs on the stream, and CUDA refuses the
+    /// query with `CUDA_ERROR_CAPTURED_EVENT`. That reads as complete. So do the other
+    /// stream-capture errors (900 to 908): each says a capture was in the way, none says
+    /// the work failed, and reading one as a fault would fail a healthy communicator.
+    /// Callers ask [`Tracker::capturing`] first, so the capture that recorded it has ended.
     fn query(&self) -> Result<bool, DriverError> {
+        use cudarc::driver::sys::CUresult as R;
         // SAFETY: the event is live.
         match unsafe { cudarc::driver::result::event::query(self.event) } {
             Ok(()) => Ok(true),
-            Err(DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(DriverError(R::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(DriverError(
+                R::CUDA_ERROR_CAPTURED_EVENT
+                | R::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+                | R::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+                | R::CUDA_ERROR_STREAM_CAPTURE_MERGE
+                | R::CUDA_ERROR_STREAM_CAPTURE_UNMATCHED
+                | R::CUDA_ERROR_STREAM_CAPTURE_UNJOINED
+                | R::CUDA_ERROR_STREAM_CAPTURE_ISOLATION
+                | R::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+                | R::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD,
+            )) => Ok(true),
             Err(e) => Err(e),
         }
     }
@@ -122,8 +160,9 @@ impl Drop for RawEvent {
 pub(crate) enum Marker {
     Cuda(RawEvent),
     Host(usize),
+    /// The counting tracker's; `true`: recorded while its queue reported a capture.
     #[cfg(test)]
-    Fake,
+    Fake(bool),
 }
 
 /// What [`Tracker::mark`] could do.
@@ -132,7 +171,8 @@ pub(crate) enum Mark {
     Marker(Marker),
     /// The marker passed to [`Tracker::mark_now`] was recorded again, here.
     Again,
-    /// The stream is being captured into a CUDA graph: nothing was recorded.
+    /// The stream is being captured into a CUDA graph: nothing was recorded (only
+    /// [`Tracker::mark`] asks).
     Capturing,
     /// The work cannot be watched: treat it as done.
     Unwatched,
@@ -148,10 +188,19 @@ pub(crate) trait Tracker: Send + Sync + std::fmt::Debug {
     fn mark(&self, q: &Queue) -> Mark;
     /// Records a marker after the work the calling thread just enqueued on `q` (the owner,
     /// right after its NCCL call): `reuse` again when given ([`Mark::Again`]), else a
-    /// spare or new one. Never changes the thread's capture mode.
+    /// spare or new one. Does not ask whether `q` is capturing (the marker is then a
+    /// captured event: see the module docs), and never changes the thread's capture mode.
     fn mark_now(&self, q: &Queue, reuse: Option<&Marker>) -> Mark;
+    /// Whether `q` is being captured into a graph now: its markers must not be queried
+    /// (one recorded by this capture would be a query CUDA calls invalid), and its work
+    /// must not time out. Asked before each round of [`Tracker::done`] on a queue's
+    /// markers (on the watchdog's thread, in relaxed capture mode).
+    fn capturing(&self, _q: &Queue) -> Result<bool, DriverError> {
+        Ok(false)
+    }
     /// Whether the work before `m` finished (`Ok(false)`: still running), or the error the
-    /// driver reports for it (a sticky fault of the context). Never blocks.
+    /// driver reports for it (a sticky fault of the context). Never blocks. A marker of a
+    /// capture that has ended is complete.
     fn done(&self, m: &Marker) -> Result<bool, DriverError>;
     /// Takes back a marker that is no longer needed (events are reused).
     fn recycle(&self, _m: Marker) {}
@@ -176,19 +225,36 @@ pub(crate) struct CudaTracker {
 }
 
 thread_local! {
+    /// Whether this thread is the watchdog's (set by [`on_the_watchdogs_thread`]).
+    static WATCHDOG: Cell<bool> = const { Cell::new(false) };
     static RELAXED: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Puts this thread in relaxed stream-capture mode, once: its event calls then never
-/// invalidate a capture in global mode on another thread (NCCL does the same).
+/// Called once by the watchdog's thread: the tracker's calls from it run in relaxed
+/// capture mode.
+pub(crate) fn on_the_watchdogs_thread() {
+    WATCHDOG.with(|w| w.set(true));
+}
+
+/// Puts the watchdog's thread in relaxed stream-capture mode, once: its event calls then
+/// never invalidate a capture in global mode on another thread (NCCL does the same). Any
+/// other thread (an owner waiting for its work at teardown) keeps the mode its user chose.
 fn relaxed_capture_mode() {
-    if RELAXED.with(|r| r.replace(true)) {
+    if !WATCHDOG.with(Cell::get) || RELAXED.with(|r| r.replace(true)) {
         return;
     }
     let mut mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
     // SAFETY: `mode` is a valid, writable capture mode; the call only swaps this thread's
     // mode (the old one is written back into `mode` and not needed).
     let _ = unsafe { cudarc::driver::sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+}
+
+/// Whether `stream` is being captured into a graph now (a capture that is open, or one
+/// invalidated and not yet ended: its markers are not to be queried either).
+fn is_capturing(stream: &CudaStream) -> Result<bool, DriverError> {
+    // SAFETY: the stream is live (its queue holds it).
+    let status = unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }?;
+    Ok(status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
 impl CudaTracker {
@@ -204,30 +270,37 @@ impl CudaTracker {
     /// `cuStreamIsCapturing` or `cuEventRecord` changes nothing, so trying again is safe.
     /// The legacy and per-thread streams (handles 0, 1, 2) are the current context's: for
     /// them the context is made current first.
-    fn record_on(&self, stream: &CudaStream, reuse: Option<&Marker>) -> Mark {
+    ///
+    /// `ask`: whether to ask first if the stream is capturing, and record nothing then
+    /// (the watchdog's [`Tracker::mark`]; the owner's [`Tracker::mark_now`] does not ask).
+    fn record_on(&self, stream: &CudaStream, reuse: Option<&Marker>, ask: bool) -> Mark {
         let implicit = (stream.cu_stream() as usize) <= PER_THREAD_STREAM;
         let current = || crate::stream::make_current(stream.context()).is_ok();
         if implicit && !current() {
             return Mark::Unwatched;
         }
-        match self.try_record(stream, reuse) {
+        match self.try_record(stream, reuse, ask) {
             Ok(mark) => mark,
             Err(_) if !implicit => {
                 if !current() {
                     return Mark::Unwatched;
                 }
-                self.try_record(stream, reuse).unwrap_or_else(Mark::Failed)
+                self.try_record(stream, reuse, ask)
+                    .unwrap_or_else(Mark::Failed)
             }
             Err(e) => Mark::Failed(e),
         }
     }
 
     /// [`CudaTracker::record_on`]'s calls, once: a failed record gives its event back.
-    fn try_record(&self, stream: &CudaStream, reuse: Option<&Marker>) -> Result<Mark, DriverError> {
-        // SAFETY: the stream is live (the queue holds it).
-        match unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }? {
-            cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => {}
-            _ => return Ok(Mark::Capturing),
+    fn try_record(
+        &self,
+        stream: &CudaStream,
+        reuse: Option<&Marker>,
+        ask: bool,
+    ) -> Result<Mark, DriverError> {
+        if ask && is_capturing(stream)? {
+            return Ok(Mark::Capturing);
         }
         if let Some(Marker::Cuda(ev)) = reuse {
             ev.record(stream)?;
@@ -258,14 +331,26 @@ impl Tracker for CudaTracker {
             return Mark::Unwatched;
         }
         relaxed_capture_mode();
-        self.record_on(stream, None)
+        self.record_on(stream, None, true)
     }
 
     fn mark_now(&self, q: &Queue, reuse: Option<&Marker>) -> Mark {
         match q {
-            Queue::Cuda(stream) => self.record_on(stream, reuse),
+            Queue::Cuda(stream) => self.record_on(stream, reuse, false),
             Queue::Host(_) => Mark::Unwatched,
         }
+    }
+
+    fn capturing(&self, q: &Queue) -> Result<bool, DriverError> {
+        let Queue::Cuda(stream) = q else {
+            return Ok(false);
+        };
+        relaxed_capture_mode();
+        // As `record_on`: tried as it is, and again with the context current.
+        is_capturing(stream).or_else(|e| {
+            crate::stream::make_current(stream.context()).map_err(|_| e)?;
+            is_capturing(stream)
+        })
     }
 
     fn done(&self, m: &Marker) -> Result<bool, DriverError> {
@@ -334,6 +419,8 @@ pub(crate) mod counting {
         pub complete: AtomicBool,
         /// While set, every queue reports a capture in progress.
         pub capturing: AtomicBool,
+        /// Markers queried while `capturing` was set (the watchdog must make none).
+        pub queries_in_capture: AtomicU64,
     }
 
     impl Counting {
@@ -348,6 +435,7 @@ pub(crate) mod counting {
                 owner_now_marks: AtomicU64::new(0),
                 complete: AtomicBool::new(true),
                 capturing: AtomicBool::new(false),
+                queries_in_capture: AtomicU64::new(0),
             }
         }
 
@@ -365,7 +453,7 @@ pub(crate) mod counting {
             if self.capturing.load(Ordering::SeqCst) {
                 return Mark::Capturing;
             }
-            Mark::Marker(Marker::Fake)
+            Mark::Marker(Marker::Fake(false))
         }
 
         fn mark_now(&self, _q: &Queue, reuse: Option<&Marker>) -> Mark {
@@ -373,21 +461,27 @@ pub(crate) mod counting {
             if self.on_owner() {
                 self.owner_now_marks.fetch_add(1, Ordering::SeqCst);
             }
-            if self.capturing.load(Ordering::SeqCst) {
-                return Mark::Capturing;
-            }
             if reuse.is_some() {
                 return Mark::Again;
             }
-            Mark::Marker(Marker::Fake)
+            // As the CUDA tracker's: recorded without asking, captured while capturing.
+            Mark::Marker(Marker::Fake(self.capturing.load(Ordering::SeqCst)))
         }
 
-        fn done(&self, _m: &Marker) -> Result<bool, DriverError> {
+        fn capturing(&self, _q: &Queue) -> Result<bool, DriverError> {
+            Ok(self.capturing.load(Ordering::SeqCst))
+        }
+
+        fn done(&self, m: &Marker) -> Result<bool, DriverError> {
             self.queries.fetch_add(1, Ordering::SeqCst);
             if self.on_owner() {
                 self.owner_queries.fetch_add(1, Ordering::SeqCst);
             }
-            Ok(self.complete.load(Ordering::SeqCst))
+            if self.capturing.load(Ordering::SeqCst) {
+                self.queries_in_capture.fetch_add(1, Ordering::SeqCst);
+            }
+            // A captured marker's query fails, which reads as complete.
+            Ok(matches!(m, Marker::Fake(true)) || self.complete.load(Ordering::SeqCst))
         }
     }
 }

@@ -47,6 +47,7 @@ pub(super) fn watch(s: &Arc<Shared>) {
         std::thread::Builder::new()
             .name("nccl-safe-watchdog".into())
             .spawn(|| {
+                super::tracker::on_the_watchdogs_thread();
                 // Reused every tick: a quiet sweep allocates nothing.
                 let mut list = Vec::with_capacity(64);
                 loop {

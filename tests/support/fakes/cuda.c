@@ -12,7 +12,11 @@
  * - a stream can be stalled: events recorded on it stay incomplete, and synchronizing it
  *   blocks, as behind a kernel that never ends (the wait gives up after a bound, counted,
  *   so that a test fails rather than hangs);
- * - a stream can report a capture in progress; events recorded on it then are counted;
+ * - a stream can report a capture in progress. An event recorded on it then is a captured
+ *   event, counted: as CUDA's, it stands for no work on the stream, and a query or a
+ *   synchronization of it fails with CUDA_ERROR_CAPTURED_EVENT until it is recorded again
+ *   outside a capture. A query made while the capture that recorded it is still open
+ *   (which CUDA calls invalid) is counted as well, so that tests can forbid it;
  * - streams, events and allocations alive now, to find leaks and double releases;
  * - on request (`fake_cuda_check_order`), the order CUDA guarantees between streams: see
  *   "stream order" below. Work still runs inside the call, in the order the host issued it
@@ -48,6 +52,7 @@ enum {
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_CAPTURED_EVENT = 907,
 };
 
 #define MAX_DEVICES 16
@@ -92,7 +97,7 @@ static __thread int thread_marked;
     } while (0)
 
 static int64_t live_streams, live_events, live_allocs, live_host_allocs;
-static uint64_t records_on_capturing, stalled_waits, stalled_wait_timeouts, bad_handles;
+static uint64_t records_on_capturing, queries_in_capture, stalled_waits, stalled_wait_timeouts, bad_handles;
 /* Releases (NCCL's teardown through the driver) that waited behind a stall; in progress. */
 static uint64_t release_waits;
 static int64_t releases_blocked;
@@ -141,6 +146,7 @@ struct fake_stream {
     int stalled;     /* work queued now never completes, until released */
     uint64_t gen;    /* bumped at each release */
     int capturing;   /* reports CU_STREAM_CAPTURE_STATUS_ACTIVE */
+    uint64_t capture_gen; /* bumped as each capture begins */
 };
 
 static struct fake_stream streams[MAX_STREAMS];
@@ -206,6 +212,8 @@ struct fake_event {
     struct fake_stream *stream; /* NULL: never recorded */
     int pending;                /* recorded while its stream was stalled */
     uint64_t gen;
+    int captured;               /* last recorded on a capturing stream */
+    uint64_t capture_gen;       /* that capture, as its stream's `capture_gen` */
     uint32_t vc[MAX_CLOCKS];    /* the recording stream's clock at the record */
 };
 
@@ -772,10 +780,16 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
     if (rc != CUDA_SUCCESS)
         return rc;
     pthread_mutex_lock(&lock);
-    if (st->capturing)
-        bump(&records_on_capturing);
     e->stream = st;
-    e->pending = st->stalled;
+    e->captured = __atomic_load_n(&st->capturing, __ATOMIC_ACQUIRE);
+    if (e->captured) {
+        /* A captured event: the capture's nodes so far, no work on the stream. */
+        bump(&records_on_capturing);
+        e->capture_gen = st->capture_gen;
+        e->pending = 0;
+    } else {
+        e->pending = st->stalled;
+    }
     e->gen = st->gen;
     if (__atomic_load_n(&order_on, __ATOMIC_ACQUIRE)) {
         /* The work issued to `s` so far, and what this thread synchronized with before. */
@@ -786,12 +800,27 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
     return CUDA_SUCCESS;
 }
 
+/* Whether `e` was last recorded in a capture (then its query or synchronization fails);
+ * counts it when that capture is still open. Call with `lock` held. */
+static int captured_event(CUevent e) {
+    if (!e->captured)
+        return 0;
+    if (__atomic_load_n(&e->stream->capturing, __ATOMIC_ACQUIRE) &&
+        e->stream->capture_gen == e->capture_gen)
+        bump(&queries_in_capture);
+    return 1;
+}
+
 CUresult cuEventQuery(CUevent e) {
     COUNT(cuEventQuery);
     STICKY();
     if (!event_ok(e))
         return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&lock);
+    if (captured_event(e)) {
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_CAPTURED_EVENT;
+    }
     int done = !e->stream || event_done(e);
     pthread_mutex_unlock(&lock);
     return done ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
@@ -803,6 +832,10 @@ CUresult cuEventSynchronize(CUevent e) {
     if (!event_ok(e))
         return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&lock);
+    if (captured_event(e)) {
+        pthread_mutex_unlock(&lock);
+        return CUDA_ERROR_CAPTURED_EVENT;
+    }
     struct fake_stream *st = e->pending && !event_done(e) ? e->stream : NULL;
     pthread_mutex_unlock(&lock);
     if (st)
@@ -1163,11 +1196,15 @@ int fake_cuda_stall(CUstream s, int on) {
     return 0;
 }
 
-/* Makes a stream report a capture in progress (1) or none (0). */
+/* Makes a stream report a capture in progress (1: a new capture begins) or none (0). */
 int fake_cuda_set_capturing(CUstream s, int on) {
     struct fake_stream *st = stream_of(s);
     if (!st)
         return -1;
+    pthread_mutex_lock(&lock);
+    if (on && !st->capturing)
+        st->capture_gen++;
+    pthread_mutex_unlock(&lock);
     __atomic_store_n(&st->capturing, on, __ATOMIC_RELEASE);
     return 0;
 }
@@ -1177,7 +1214,8 @@ int fake_cuda_set_capturing(CUstream s, int on) {
  * 6 of those that gave up, 7 calls with an invalid or released handle, 8 NCCL releases that
  * waited behind a stalled stream, 9 NCCL releases in progress (blocked while one is);
  * with the stream-order model on: 10 races found, 11 accesses checked, 12 operations left
- * untracked (no clock id left); 13 kernels looked up that the fake does not know. */
+ * untracked (no clock id left); 13 kernels looked up that the fake does not know; 14 queries
+ * or synchronizations of a captured event while the capture that recorded it was open. */
 int64_t fake_cuda_gauge(int which) {
     switch (which) {
     case 0: return __atomic_load_n(&live_streams, __ATOMIC_RELAXED);
@@ -1194,6 +1232,7 @@ int64_t fake_cuda_gauge(int which) {
     case 11: return (int64_t)__atomic_load_n(&accesses_checked, __ATOMIC_RELAXED);
     case 12: return (int64_t)__atomic_load_n(&untracked_ops, __ATOMIC_RELAXED);
     case 13: return (int64_t)__atomic_load_n(&unknown_kernels, __ATOMIC_RELAXED);
+    case 14: return (int64_t)__atomic_load_n(&queries_in_capture, __ATOMIC_RELAXED);
     default: return -1;
     }
 }

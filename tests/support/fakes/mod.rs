@@ -41,6 +41,7 @@ pub enum Gauge {
     LiveEvents = 1,
     LiveAllocations = 2,
     LivePinned = 3,
+    /// Events recorded on a capturing stream (captured events: no work on the stream).
     RecordsOnCapturing = 4,
     StalledWaits = 5,
     StalledWaitTimeouts = 6,
@@ -58,6 +59,9 @@ pub enum Gauge {
     UntrackedOps = 12,
     /// Kernels looked up that the fake does not run.
     UnknownKernels = 13,
+    /// Queries or synchronizations of a captured event while the capture that recorded it
+    /// was still open (CUDA: invalid; it may invalidate the capture).
+    QueriesInCapture = 14,
 }
 
 /// Compiles (once per process) and loads the fake driver.
