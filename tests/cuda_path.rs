@@ -806,6 +806,53 @@ fn a_capturing_stream_raises_no_timeout_and_its_markers_are_not_queried_during_t
     });
 }
 
+/// An owner that waits for its own work at teardown leaves its thread's stream-capture mode
+/// as its user set it. With lazy completion it marks that work itself (asking first
+/// whether the stream is capturing), and it asks again before it queries the markers; only
+/// the watchdog's thread is put in relaxed capture mode for such calls, since a user
+/// capturing in global mode may rely on the mode of its own threads.
+#[test]
+fn a_teardown_leaves_the_owners_capture_mode_alone() {
+    let _serial = serial();
+    let d = driver();
+    const TRIES: usize = 4;
+    within(Duration::from_secs(60), move || {
+        let mut marked_here = 0;
+        // Each teardown takes NCCL's time (the fakes keep it): a few tries.
+        for _ in 0..TRIES {
+            let r = rank(4, &Config::new().exact_completion(false), false);
+            let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
+            r.stream.synchronize().unwrap();
+            d.mark_this_thread(true);
+            let before = d.counts(true);
+            r.comm
+                .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
+                .unwrap();
+            // At once: most often before the watchdog's next tick has marked the work.
+            let id = r.id;
+            r.comm.destroy().map_err(|(_, e)| e).unwrap();
+            let calls = d.counts(true).since(&before);
+            d.mark_this_thread(false);
+            assert_eq!(
+                calls.of("cuThreadExchangeStreamCaptureMode"),
+                0,
+                "the owner's capture mode was changed: [{calls}]"
+            );
+            if calls.of("cuStreamIsCapturing") > 0 {
+                marked_here += 1;
+            }
+            let st = support::assert_balanced(&id);
+            assert_eq!((st.created, st.aborted, st.destroyed), (1, 0, 1));
+            drop((x, r.stream, r.ctx));
+        }
+        assert!(
+            marked_here > 0,
+            "in {TRIES} tries the owner never marked its own work at teardown"
+        );
+        eprintln!("the owner marked its work at teardown in {marked_here} of {TRIES} tries");
+    });
+}
+
 /// A long run that uses a new stream every few steps (and cudarc's event tracking) makes
 /// the watchdog keep a bounded set of streams and events, and releases every one of them
 /// with the communicator: nothing leaks, nothing is released twice.
