@@ -343,20 +343,7 @@ impl Communicator {
         const OP: &str = EntryPoint::ncclCommGrow.name();
         let caller = Location::caller();
         let grow = lib.optional(lib.table().ncclCommGrow, OP)?;
-        check_world(OP, world_size, rank)?;
-        check_device(OP, lib, device)?;
-        if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
-            return Err(Error::InvalidArgument { call: OP, reason });
-        }
-        let diag = crate::diag::CommDiag::for_id(&config.diag, id);
-        crate::teardown::check_lane(
-            OP,
-            match device {
-                CommDevice::Cuda(c) => crate::teardown::TeardownLane::Device(c.ordinal()),
-                CommDevice::Host => diag.host_lane(),
-            },
-        )?;
-        bind(device)?;
+        let diag = prepare_new(OP, lib, device, world_size, rank, id, config)?;
         // Non-blocking, as every communicator of this crate, so the wait is bounded.
         let config = config.clone().blocking(false);
         let mut raw_config = config.to_raw(lib)?;

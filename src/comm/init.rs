@@ -66,20 +66,7 @@ impl Communicator {
         config: &Config,
     ) -> Result<PendingCommunicator> {
         const OP: &str = "ncclCommInitRankConfig";
-        check_world(OP, world_size, rank)?;
-        check_device(OP, lib, device)?;
-        if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
-            return Err(Error::InvalidArgument { call: OP, reason });
-        }
-        let diag = crate::diag::CommDiag::for_id(&config.diag, id);
-        crate::teardown::check_lane(
-            OP,
-            match device {
-                CommDevice::Cuda(c) => crate::teardown::TeardownLane::Device(c.ordinal()),
-                CommDevice::Host => diag.host_lane(),
-            },
-        )?;
-        bind(device)?;
+        let diag = prepare_new(OP, lib, device, world_size, rank, id, config)?;
         // Always NCCL's non-blocking mode, so that no init can wait for ever (see init_rank).
         // The raw struct points into `config`'s name strings, which the communicator keeps
         // (NCCL reads `commName` after the call returns).
