@@ -806,6 +806,61 @@ fn a_capturing_stream_raises_no_timeout_and_its_markers_are_not_queried_during_t
     });
 }
 
+/// Captures that begin and end while the watchdog sweeps: 40 rounds of a capture with a few
+/// collectives in it and a few after it, paced against the watchdog's 10 ms tick so that
+/// its questions fall before, inside and after the captures. The watchdog never queries a
+/// marker inside the capture that recorded it (it asks whether the stream is capturing
+/// under the queue's lock, which the owner's marker needs too), never times out captured
+/// work, and retires everything once the last capture ended.
+#[test]
+fn captures_that_come_and_go_under_the_watchdog_are_never_queried_inside() {
+    let _serial = serial();
+    let d = driver();
+    within(Duration::from_secs(60), move || {
+        let r = rank(5, &Config::new().timeout(TIMEOUT), false);
+        let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
+        r.stream.synchronize().unwrap();
+        let (on_capturing, in_capture) = (
+            d.gauge(Gauge::RecordsOnCapturing),
+            d.gauge(Gauge::QueriesInCapture),
+        );
+        let mut captured = 0;
+        for round in 0..40u64 {
+            d.set_capturing(&r.stream, true);
+            for _ in 0..(1 + round % 3) {
+                r.comm
+                    .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
+                    .unwrap();
+                captured += 1;
+            }
+            std::thread::sleep(Duration::from_millis(round % 4 * 4));
+            d.set_capturing(&r.stream, false);
+            for _ in 0..(round % 2) {
+                r.comm
+                    .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
+                    .unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(round % 5 * 3));
+        }
+        assert_eq!(d.gauge(Gauge::RecordsOnCapturing), on_capturing + captured);
+        until(Duration::from_secs(10), || {
+            (r.comm.flight_record().entries.iter()).all(|e| e.state == OpState::Completed)
+        })
+        .expect("every collective is seen complete once the captures ended");
+        assert!(!r.comm.is_failed(), "captured work timed out");
+        assert_eq!(
+            d.gauge(Gauge::QueriesInCapture),
+            in_capture,
+            "a marker was queried inside the capture that recorded it"
+        );
+        let id = r.id;
+        r.comm.destroy().map_err(|(_, e)| e).unwrap();
+        let st = support::assert_balanced(&id);
+        assert_eq!((st.created, st.aborted, st.destroyed), (1, 0, 1));
+        drop((x, r.stream, r.ctx));
+    });
+}
+
 /// An owner that waits for its own work at teardown leaves its thread's stream-capture mode
 /// as its user set it. With lazy completion it marks that work itself (asking first
 /// whether the stream is capturing), and it asks again before it queries the markers; only
