@@ -328,8 +328,9 @@ impl Config {
     /// `CU_STREAM_PER_THREAD` (candle's stream) is watched. It costs a `cuEventRecord` per
     /// operation or group, with the stream's context current on the calling thread (as
     /// after cudarc used a buffer there; otherwise a `cuCtxGetCurrent` and a
-    /// `cuCtxSetCurrent` more). On a stream under graph capture that record adds no node
-    /// to the graph, and the watchdog never queries it while the capture is open. PyTorch's
+    /// `cuCtxSetCurrent` more; and on `CU_STREAM_PER_THREAD` a `cuStreamIsCapturing`). On
+    /// a stream under graph capture that record adds no node to the graph, and the
+    /// watchdog never queries it while the capture is open. PyTorch's
     /// ProcessGroupNCCL records an event per collective too (`cargo bench --bench
     /// overhead -- --backend nccl` prints the cost).
     ///

@@ -1057,6 +1057,47 @@ fn work_on_the_per_thread_stream_is_watched_on_the_callers_stream() {
     });
 }
 
+/// A capture of the caller's per-thread stream (`CU_STREAM_PER_THREAD`, candle's): the
+/// watchdog cannot ask whether it is capturing (0x2 on the watchdog's thread is the
+/// watchdog's own stream), so the owner asks at enqueue for that stream and records no
+/// marker into the capture. Nothing is queried inside the capture, nothing times out, and
+/// after the capture the work is seen complete.
+#[test]
+fn a_capture_of_the_per_thread_stream_is_asked_about_on_the_callers_thread() {
+    let _serial = serial();
+    let d = driver();
+    within(Duration::from_secs(60), move || {
+        let r = rank(1, &Config::new().timeout(TIMEOUT), false);
+        let pts = r.ctx.per_thread_stream();
+        let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
+        r.stream.synchronize().unwrap();
+        let in_capture = d.gauge(Gauge::QueriesInCapture);
+        d.set_capturing(&pts, true); // this thread's per-thread stream
+        for _ in 0..5 {
+            r.comm
+                .all_reduce_in_place(&mut x, ReduceOp::Sum, &pts)
+                .unwrap();
+        }
+        std::thread::sleep(TIMEOUT * 4);
+        assert!(!r.comm.is_failed(), "captured work timed out");
+        assert_eq!(
+            d.gauge(Gauge::QueriesInCapture),
+            in_capture,
+            "a marker was queried inside the capture that recorded it"
+        );
+        d.set_capturing(&pts, false);
+        until(Duration::from_secs(10), || {
+            (r.comm.flight_record().entries.iter()).all(|e| e.state == OpState::Completed)
+        })
+        .expect("the captured collectives are seen complete");
+        let id = r.id;
+        r.comm.destroy().map_err(|(_, e)| e).unwrap();
+        let st = support::assert_balanced(&id);
+        assert_eq!((st.created, st.aborted, st.destroyed), (1, 0, 1));
+        drop(x);
+    });
+}
+
 /// The marker at enqueue from a thread where the stream's context is not current (a
 /// worker thread of the user's, with cudarc's tracking off, so nothing bound it there): the
 /// driver may refuse a stream's calls then (the fake does), and the tracker makes the

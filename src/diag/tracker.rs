@@ -43,6 +43,10 @@
 //!   (the queue's lock keeps the owner from adding one meanwhile), so when no capture is
 //!   open, any captured marker among them belongs to a capture that has ended, and its
 //!   query's capture error reads as complete ([`RawEvent::query`]).
+//! - **The per-thread stream** (`CU_STREAM_PER_THREAD`, 0x2) is the exception: on the
+//!   watchdog's thread that handle is the watchdog's own stream, so it cannot ask about
+//!   the caller's. For it (and the legacy stream) the owner asks `cuStreamIsCapturing` at
+//!   enqueue, as before, and records no marker into a capture.
 //! - **Lazily**, the watchdog asks before it records, and records nothing on a capturing
 //!   stream; the first marker after the capture completes at once.
 //!
@@ -189,7 +193,8 @@ pub(crate) trait Tracker: Send + Sync + std::fmt::Debug {
     /// Records a marker after the work the calling thread just enqueued on `q` (the owner,
     /// right after its NCCL call): `reuse` again when given ([`Mark::Again`]), else a
     /// spare or new one. Does not ask whether `q` is capturing (the marker is then a
-    /// captured event: see the module docs), and never changes the thread's capture mode.
+    /// captured event: see the module docs), except for the legacy and per-thread
+    /// streams, and never changes the thread's capture mode.
     fn mark_now(&self, q: &Queue, reuse: Option<&Marker>) -> Mark;
     /// Whether `q` is being captured into a graph now: its markers must not be queried
     /// (one recorded by this capture would be a query CUDA calls invalid), and its work
@@ -249,6 +254,12 @@ fn relaxed_capture_mode() {
     let _ = unsafe { cudarc::driver::sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
 }
 
+/// Whether `stream` is the legacy or the per-thread stream (handles 0, 1, 2): the calling
+/// thread's current context's, and for 0x2 the calling thread's own stream.
+fn implicit(stream: &CudaStream) -> bool {
+    (stream.cu_stream() as usize) <= PER_THREAD_STREAM
+}
+
 /// Whether `stream` is being captured into a graph now (a capture that is open, or one
 /// invalidated and not yet ended: its markers are not to be queried either).
 fn is_capturing(stream: &CudaStream) -> Result<bool, DriverError> {
@@ -274,7 +285,7 @@ impl CudaTracker {
     /// `ask`: whether to ask first if the stream is capturing, and record nothing then
     /// (the watchdog's [`Tracker::mark`]; the owner's [`Tracker::mark_now`] does not ask).
     fn record_on(&self, stream: &CudaStream, reuse: Option<&Marker>, ask: bool) -> Mark {
-        let implicit = (stream.cu_stream() as usize) <= PER_THREAD_STREAM;
+        let implicit = implicit(stream);
         let current = || crate::stream::make_current(stream.context()).is_ok();
         if implicit && !current() {
             return Mark::Unwatched;
@@ -336,7 +347,9 @@ impl Tracker for CudaTracker {
 
     fn mark_now(&self, q: &Queue, reuse: Option<&Marker>) -> Mark {
         match q {
-            Queue::Cuda(stream) => self.record_on(stream, reuse, false),
+            // The legacy and per-thread streams are asked about here, on the caller's
+            // thread: on the watchdog's, 0x2 is another stream (see `capturing`).
+            Queue::Cuda(stream) => self.record_on(stream, reuse, implicit(stream)),
             Queue::Host(_) => Mark::Unwatched,
         }
     }
@@ -345,6 +358,10 @@ impl Tracker for CudaTracker {
         let Queue::Cuda(stream) = q else {
             return Ok(false);
         };
+        if implicit(stream) {
+            // Asked at enqueue instead (`mark_now`): their markers are never captured.
+            return Ok(false);
+        }
         relaxed_capture_mode();
         // As `record_on`: tried as it is, and again with the context current.
         is_capturing(stream).or_else(|e| {
