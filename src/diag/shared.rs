@@ -341,7 +341,7 @@ impl Shared {
     /// out: [`Watch::capturing`]). The owner adds markers under `w`'s lock, which the
     /// caller holds, so every marker queried here was recorded before the answer.
     fn retire_done(&self, q: &QueueWatch, w: &mut Watch) {
-        if w.pending.front().is_some_and(|p| p.marker.is_some()) {
+        if w.pending.iter().any(|p| p.marker.is_some()) {
             match self.tracker.capturing(&q.queue) {
                 Ok(false) => w.capturing = false,
                 Ok(true) => {
