@@ -296,8 +296,9 @@ impl Shared {
             }
             // Recorded without asking whether the stream is capturing: see `retire_done`.
             Mark::Marker(m) => Some(m),
-            // Not watchable: complete once what is before it is. Joined to a range of the
-            // same kind at the back, so that the queue does not grow.
+            // Captured from the per-thread stream (asked at enqueue there: never run on
+            // it), or not watchable: complete once what is before it is. Joined to a range
+            // of the same kind at the back, so a long capture does not grow the queue.
             Mark::Capturing | Mark::Unwatched => {
                 if let Some(back) = w.pending.back_mut().filter(|p| p.marker.is_none()) {
                     back.upto = upto;
