@@ -283,9 +283,12 @@ impl CudaTracker {
     /// them the context is made current first.
     ///
     /// `ask`: whether to ask first if the stream is capturing, and record nothing then
-    /// (the watchdog's [`Tracker::mark`]; the owner's [`Tracker::mark_now`] does not ask).
+    /// (the watchdog's [`Tracker::mark`]). The legacy and per-thread streams are always
+    /// asked about here, on the caller's thread: on the watchdog's, 0x2 is another stream
+    /// (see [`Tracker::capturing`]).
     fn record_on(&self, stream: &CudaStream, reuse: Option<&Marker>, ask: bool) -> Mark {
         let implicit = implicit(stream);
+        let ask = ask || implicit;
         let current = || crate::stream::make_current(stream.context()).is_ok();
         if implicit && !current() {
             return Mark::Unwatched;
@@ -347,9 +350,7 @@ impl Tracker for CudaTracker {
 
     fn mark_now(&self, q: &Queue, reuse: Option<&Marker>) -> Mark {
         match q {
-            // The legacy and per-thread streams are asked about here, on the caller's
-            // thread: on the watchdog's, 0x2 is another stream (see `capturing`).
-            Queue::Cuda(stream) => self.record_on(stream, reuse, implicit(stream)),
+            Queue::Cuda(stream) => self.record_on(stream, reuse, false),
             Queue::Host(_) => Mark::Unwatched,
         }
     }
