@@ -14,6 +14,12 @@ pub const ID_LEN: usize = 128;
 /// Default overall deadline of a rendezvous (and of the id exchange through a store).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// Wraps an I/O error with what was being done.
+pub(crate) fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> RendezvousError {
+    let context = context.into();
+    move |source| RendezvousError::Io { context, source }
+}
+
 /// Refuses a token shorter than [`MIN_TOKEN_LEN`].
 pub(crate) fn check_token(token: &[u8]) -> Result<(), RendezvousError> {
     if token.len() < MIN_TOKEN_LEN {

@@ -26,7 +26,7 @@
 //! carriage returns, bidirectional overrides) are replaced with `?` where a post is received,
 //! by the server and by a fetching client alike, so a report never prints them.
 
-use super::common::{check_token, refusal, Refusal, RendezvousError};
+use super::common::{check_token, io_err, refusal, Refusal, RendezvousError};
 use super::wire::{self, refuse, N};
 use crate::diag::DesyncPost;
 use crate::diag::RemoteBoard;
@@ -131,10 +131,6 @@ impl DesyncBoard {
             addr: "the desync board's address".into(),
             source,
         })?;
-        let io_err = |context: &str| {
-            let context = context.to_string();
-            move |source| RendezvousError::Io { context, source }
-        };
         let local_addr = listener
             .local_addr()
             .map_err(io_err("desync board listener address"))?;

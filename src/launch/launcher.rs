@@ -4,7 +4,7 @@
 
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
@@ -132,25 +132,23 @@ struct End {
     own_failure: bool,
 }
 
+/// The mutex's data even after a rank panicked while holding it: the tally must still be
+/// read to report the run.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Tally {
     fn end(&self, rank: usize, end: End) {
-        if let Some(e) = self
-            .ends
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_mut(rank)
-        {
+        if let Some(e) = lock(&self.ends).get_mut(rank) {
             *e = Some(end);
         }
     }
 
     fn set(&self, rank: usize, outcome: Outcome) {
-        let mut o = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut o = lock(&self.outcomes);
         if matches!(outcome, Outcome::Failed(_)) {
-            self.failed
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(rank);
+            lock(&self.failed).push(rank);
         }
         o[rank] = outcome;
         self.changed.notify_all();
@@ -158,17 +156,13 @@ impl Tally {
 
     /// The first rank to fail, if any failed.
     fn first_failed(&self) -> Option<usize> {
-        self.failed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .first()
-            .copied()
+        lock(&self.failed).first().copied()
     }
 
     /// Waits until no rank is running, a rank failed (the run fails then: a finished rank
     /// need not wait for the others to abort), or `deadline`; true when all finished.
     fn wait_all(&self, deadline: Instant) -> bool {
-        let mut o = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut o = lock(&self.outcomes);
         loop {
             if !o.iter().any(|x| matches!(x, Outcome::Running)) {
                 return true;
@@ -194,7 +188,7 @@ impl Tally {
     /// once): `stuck` is told which, once, and returns whether to stop waiting for them.
     /// Returns the ranks it stopped waiting for.
     fn wait_settled(&self, mut stuck: impl FnMut(&[usize]) -> bool) -> Vec<usize> {
-        let mut o = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut o = lock(&self.outcomes);
         // Since when the ranks running now are the only ones left, after a failure.
         let mut since: Option<(Instant, usize)> = None;
         let mut told = false;
@@ -236,7 +230,7 @@ impl Tally {
     /// One line per rank: a failed rank shows its error's first line (the full report is
     /// the error's `cause`, once per job).
     fn summary(&self) -> Vec<String> {
-        let o = self.outcomes.lock().unwrap_or_else(|p| p.into_inner());
+        let o = lock(&self.outcomes);
         o.iter()
             .enumerate()
             .map(|(r, x)| match x {
@@ -591,10 +585,7 @@ impl Launcher {
                 let v = (v, stats);
                 tally.set(rank, Outcome::Done);
                 let everyone = tally.wait_all(Instant::now() + self.timeout);
-                let failed_elsewhere = tally
-                    .outcomes
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
+                let failed_elsewhere = lock(&tally.outcomes)
                     .iter()
                     .any(|o| matches!(o, Outcome::Failed(_)));
                 if everyone && !failed_elsewhere {
@@ -778,13 +769,8 @@ fn report<R>(results: Vec<Option<RankEnd<R>>>, tally: &Tally) -> Result<LaunchRe
         .first_failed()
         .filter(|r| failures.iter().any(|(f, _)| f == r))
         .unwrap_or(failures[0].0);
-    let ends = tally.ends.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let (rank, why) = culprit(
-        &ends,
-        &tally.failed.lock().unwrap_or_else(|p| p.into_inner()),
-        &stuck,
-    )
-    .unwrap_or((first, None));
+    let ends = lock(&tally.ends).clone();
+    let (rank, why) = culprit(&ends, &lock(&tally.failed), &stuck).unwrap_or((first, None));
     let own = (failures.iter())
         .find(|(r, _)| *r == rank)
         .map(|(_, c)| c.clone());

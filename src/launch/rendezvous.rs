@@ -37,7 +37,7 @@
 //!   0 reports it missing only if it was never delivered (and serves it again if it comes
 //!   back for it).
 
-pub(crate) use super::common::{check_token, refusal};
+pub(crate) use super::common::{check_token, io_err, refusal};
 pub use super::common::{
     Refusal, RendezvousError, DEFAULT_TIMEOUT, ID_LEN, MIN_TOKEN_LEN, TOKEN_VAR,
 };
@@ -57,11 +57,6 @@ use std::time::{Duration, Instant};
 
 /// Default deadline of one connection: its connect, and its whole handshake on either side.
 pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(10);
-
-fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> RendezvousError {
-    let context = context.into();
-    move |source| RendezvousError::Io { context, source }
-}
 
 /// TCP rendezvous: rank 0 serves the id, the others fetch it (see the [module docs](self)).
 #[derive(Clone)]
@@ -154,11 +149,7 @@ impl TcpRendezvous {
 
     /// `host:port` of the rendezvous.
     pub fn addr(&self) -> String {
-        if self.host.contains(':') && !self.host.starts_with('[') {
-            format!("[{}]:{}", self.host, self.port)
-        } else {
-            format!("{}:{}", self.host, self.port)
-        }
+        super::store::host_port(&self.host, self.port)
     }
 
     /// `host:port+1`, where rank 0 hosts the desync board, and the job token (`None` when
@@ -196,24 +187,12 @@ impl TcpRendezvous {
         }
         check_token(&self.token)?;
         let addr = self.addr();
-        let mut last = io::Error::new(
-            io::ErrorKind::AddrNotAvailable,
-            "the name resolved to no address",
-        );
-        let mut bound = None;
-        for a in self.resolve()? {
-            match TcpListener::bind(a) {
-                Ok(l) => {
-                    bound = Some(l);
-                    break;
-                }
-                Err(e) => last = e,
-            }
-        }
-        let listener = bound.ok_or(RendezvousError::Bind {
-            addr: addr.clone(),
-            source: last,
-        })?;
+        // Each address in turn; the error is the last address's.
+        let listener =
+            TcpListener::bind(&self.resolve()?[..]).map_err(|source| RendezvousError::Bind {
+                addr: addr.clone(),
+                source,
+            })?;
         let local_addr = listener
             .local_addr()
             .map_err(io_err("rendezvous listener address"))?;
@@ -698,6 +677,7 @@ pub struct Exchanged {
 }
 
 /// How the ranks of a job agree on one unique id: one entry point over every transport.
+#[derive(Debug)]
 #[non_exhaustive]
 pub enum Rendezvous {
     /// Over TCP, served by rank 0.
@@ -716,17 +696,6 @@ pub struct CustomRendezvous(CustomFn);
 impl fmt::Debug for CustomRendezvous {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("CustomRendezvous(..)")
-    }
-}
-
-impl fmt::Debug for Rendezvous {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Rendezvous::Tcp(t) => f.debug_tuple("Tcp").field(t).finish(),
-            Rendezvous::File(x) => f.debug_tuple("File").field(x).finish(),
-            Rendezvous::Store(x) => f.debug_tuple("Store").field(x).finish(),
-            Rendezvous::Custom(c) => f.debug_tuple("Custom").field(c).finish(),
-        }
     }
 }
 
