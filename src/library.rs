@@ -73,6 +73,15 @@ impl CallContext {
         rank: None,
         caller: None,
     };
+
+    /// A call made on no communicator (yet) from `caller`, for `rank` when known.
+    pub(crate) fn at(rank: Option<usize>, caller: &'static std::panic::Location<'static>) -> Self {
+        CallContext {
+            rank,
+            caller: Some(caller),
+            ..CallContext::NONE
+        }
+    }
 }
 
 /// Calls a required NCCL entry point through a [`Library`]'s table and checks its result.
@@ -393,10 +402,10 @@ fn resolved_path(handle: &libloading::os::unix::Library) -> Option<PathBuf> {
     // SAFETY: only the address is read.
     let sym = unsafe { handle.get::<*const c_void>(c"ncclGetVersion") }.ok()?;
     let addr = sym.into_raw() as *const c_void;
-    let mut info = std::mem::MaybeUninit::<DlInfo>::zeroed();
+    let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
     // SAFETY: dladdr writes a Dl_info for an address inside a loaded object; `info` is
     // zeroed, sized and aligned as Dl_info.
-    let ok = unsafe { dladdr(addr, info.as_mut_ptr()) };
+    let ok = unsafe { libc::dladdr(addr, info.as_mut_ptr()) };
     if ok == 0 {
         return None;
     }
@@ -409,18 +418,6 @@ fn resolved_path(handle: &libloading::os::unix::Library) -> Option<PathBuf> {
     let name = unsafe { CStr::from_ptr(info.dli_fname) };
     use std::os::unix::ffi::OsStrExt;
     Some(PathBuf::from(std::ffi::OsStr::from_bytes(name.to_bytes())))
-}
-
-#[repr(C)]
-struct DlInfo {
-    dli_fname: *const std::ffi::c_char,
-    dli_fbase: *mut c_void,
-    dli_sname: *const std::ffi::c_char,
-    dli_saddr: *mut c_void,
-}
-
-extern "C" {
-    fn dladdr(addr: *const c_void, info: *mut DlInfo) -> std::ffi::c_int;
 }
 
 /// The libnccl files the process has mapped, in load order (the dynamic linker's list of
