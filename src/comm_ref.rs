@@ -269,7 +269,7 @@ fn wrap(
             },
         );
     }
-    if let Err(e) = Communicator::check_foreign_device(call, &lib, &device) {
+    if let Err(e) = crate::comm::check_device(call, &lib, &device) {
         return give_back(handle, e);
     }
     if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {

@@ -176,11 +176,7 @@ impl<'a> Group<'a> {
         let Some(lib) = self.lib.take() else {
             return Ok(());
         };
-        let ctx = CallContext {
-            comm: std::ptr::null_mut(),
-            rank: None,
-            caller: Some(caller),
-        };
+        let ctx = CallContext::at(None, caller);
         // The group's communicators stay pinned through the call, so the watchdog cannot
         // abort them to end it: its waits end by their tightest timeout instead. NVIDIA's
         // NCCL returns `ncclInProgress` at once (its communicators are non-blocking) and

@@ -173,11 +173,7 @@ impl<T: NcclType> NcclMemory<T> {
                     ),
                 )
             })?;
-        let ctx = CallContext {
-            comm: std::ptr::null_mut(),
-            rank: None,
-            caller: Some(caller),
-        };
+        let ctx = CallContext::at(None, caller);
         let mut raw: *mut c_void = std::ptr::null_mut();
         match (lib.provider(), stream.into()) {
             (Provider::Host, Stream::Host) => {
@@ -454,11 +450,7 @@ impl<T: NcclType> NcclMemory<T> {
         let Some(storage) = self.storage.take() else {
             return Ok(());
         };
-        let ctx = CallContext {
-            comm: std::ptr::null_mut(),
-            rank: None,
-            caller: Some(caller),
-        };
+        let ctx = CallContext::at(None, caller);
         let free = self
             .lib
             .optional(self.lib.table().ncclMemFree, "ncclMemFree")?;

@@ -42,7 +42,7 @@ use nccl_sys::EntryPoint;
 use crate::buffer::{sealed, BufferGuard, Memory, RecvBuffer, SendBuffer};
 use crate::comm::{CommDevice, Communicator};
 use crate::error::{Error, Result};
-use crate::library::{CallContext, Provider};
+use crate::library::Provider;
 use crate::memory::NcclMemory;
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
@@ -187,14 +187,6 @@ impl Communicator {
         })
     }
 
-    fn call_context(&self, caller: &'static Location<'static>) -> CallContext {
-        CallContext {
-            comm: self.as_raw(),
-            rank: Some(self.rank()),
-            caller: Some(caller),
-        }
-    }
-
     /// Registers `buf` with this communicator (`ncclCommRegister`, NCCL 2.19+) until the
     /// returned [`Registration`] is dropped, so NCCL can use it without copies (NVLink
     /// SHARP, CollNet, ...). Registration is local: ranks need not register together.
@@ -244,7 +236,7 @@ impl Communicator {
             // register (checked above), kept alive and in place by the borrow the
             // Registration holds; `handle` is writable.
             let r = unsafe { register(self.as_raw(), target.ptr, target.bytes, &mut handle) };
-            lib.check(OP, r, self.call_context(caller))
+            lib.check(OP, r, self.context(caller))
         })?;
         Ok(Registration {
             comm: self,
@@ -384,7 +376,7 @@ impl<B: ?Sized> Registration<'_, '_, B> {
                 // watchdog); `handle` came from its ncclCommRegister and is deregistered
                 // exactly once (`live` was cleared above).
                 let r = unsafe { deregister(self.comm.as_raw(), handle) };
-                lib.check(OP, r, self.comm.call_context(caller))
+                lib.check(OP, r, self.comm.context(caller))
             });
         };
         // On a GPU, NCCL releases the registration's mappings through the driver, which may
@@ -413,7 +405,7 @@ impl<B: ?Sized> Registration<'_, '_, B> {
             let until = std::time::Instant::now() + bound;
             match crate::teardown::run_bounded(crate::teardown::TeardownLane::Device(device), b, what, work, until)
             {
-                (_, Some(r)) => lib.check(OP, r, self.comm.call_context(caller)),
+                (_, Some(r)) => lib.check(OP, r, self.comm.context(caller)),
                 (_, None) => {
                     let e = Error::Timeout {
                         what: format!(

@@ -70,10 +70,7 @@ impl Communicator {
     pub fn revoke(&self) -> Result<()> {
         const OP: &str = EntryPoint::ncclCommRevoke.name();
         let caller = Location::caller();
-        let revoke = self
-            .handle
-            .lib()
-            .optional(self.handle.table().ncclCommRevoke, OP)?;
+        let revoke = self.optional(|t| t.ncclCommRevoke, OP)?;
         if self.is_revoked() {
             return Err(Error::InvalidArgument {
                 call: OP,
@@ -155,10 +152,7 @@ impl Communicator {
         const CALL: EntryPoint = EntryPoint::ncclCommShrink;
         const OP: &str = CALL.name();
         let caller = Location::caller();
-        let shrink = self
-            .handle
-            .lib()
-            .optional(self.handle.table().ncclCommShrink, OP)?;
+        let shrink = self.optional(|t| t.ncclCommShrink, OP)?;
         let list = self.exclude_list(OP, exclude)?;
         crate::teardown::check_lane(OP, self.lane())?;
         // A clique the watchdog failed (a rank left, an operation timed out) fails this
@@ -215,10 +209,7 @@ impl Communicator {
     pub fn grow_id(&self) -> Result<UniqueId> {
         const OP: &str = EntryPoint::ncclCommGetUniqueId.name();
         let caller = Location::caller();
-        let get = self
-            .handle
-            .lib()
-            .optional(self.handle.table().ncclCommGetUniqueId, OP)?;
+        let get = self.optional(|t| t.ncclCommGetUniqueId, OP)?;
         self.ensure_usable(OP)?;
         let mut raw = nccl_sys::bindings::ncclUniqueId {
             internal: [0; nccl_sys::bindings::NCCL_UNIQUE_ID_BYTES as usize],
@@ -250,10 +241,7 @@ impl Communicator {
         const CALL: EntryPoint = EntryPoint::ncclCommGrow;
         const OP: &str = CALL.name();
         let caller = Location::caller();
-        let grow = self
-            .handle
-            .lib()
-            .optional(self.handle.table().ncclCommGrow, OP)?;
+        let grow = self.optional(|t| t.ncclCommGrow, OP)?;
         if world_size <= self.world_size || world_size > c_int::MAX as usize {
             return Err(Error::InvalidArgument {
                 call: OP,
@@ -364,11 +352,7 @@ impl Communicator {
             )
         };
         let raw = slot.take();
-        let ctx = CallContext {
-            comm: std::ptr::null_mut(),
-            rank: Some(rank),
-            caller: Some(caller),
-        };
+        let ctx = CallContext::at(Some(rank), caller);
         // A handle NCCL gave out is ours from here on: dropped after a failure, it aborts.
         let handle = RawComm::owned(raw, Arc::clone(lib));
         if r != nccl_sys::bindings::ncclInProgress {

@@ -69,10 +69,7 @@ impl Communicator {
         const CALL: EntryPoint = EntryPoint::ncclCommShrink;
         const OP: &str = CALL.name();
         let caller = Location::caller();
-        let shrink = self
-            .handle
-            .lib()
-            .optional(self.handle.table().ncclCommShrink, OP)?;
+        let shrink = self.optional(|t| t.ncclCommShrink, OP)?;
         let list = self.exclude_list(OP, exclude)?;
         crate::teardown::check_lane(OP, self.lane())?;
         self.shrink_call(

@@ -85,11 +85,7 @@ impl Communicator {
                 &mut raw_config,
             )
         };
-        let ctx = CallContext {
-            comm: std::ptr::null_mut(),
-            rank: Some(rank),
-            caller: Some(Location::caller()),
-        };
+        let ctx = CallContext::at(Some(rank), Location::caller());
         // A handle NCCL gave out is ours from here on: if the init failed, dropping it
         // aborts it, once.
         let handle = RawComm::owned(raw, Arc::clone(lib));
@@ -131,11 +127,7 @@ impl Communicator {
         }
         let mut raws: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
         let clique = crate::diag::CommDiag::init_all_key();
-        let ctx = CallContext {
-            comm: std::ptr::null_mut(),
-            rank: None,
-            caller: Some(Location::caller()),
-        };
+        let ctx = CallContext::at(None, Location::caller());
         // SAFETY: `raws` has room for `devices.len()` handles and `ordinals` that many ints.
         unsafe {
             nccl_call!(

@@ -207,7 +207,8 @@ fn check_world(call: &'static str, world_size: usize, rank: usize) -> Result<()>
     Ok(())
 }
 
-fn check_device(call: &'static str, lib: &Library, device: &CommDevice) -> Result<()> {
+/// Refuses a device of a provider other than the library's.
+pub(crate) fn check_device(call: &'static str, lib: &Library, device: &CommDevice) -> Result<()> {
     match (lib.provider(), device) {
         (p, d) if p == d.provider() => Ok(()),
         (p, d) => Err(Error::InvalidArgument {
@@ -290,6 +291,16 @@ impl Communicator {
     /// The library serving this communicator.
     pub fn library(&self) -> &Arc<Library> {
         self.handle.lib()
+    }
+
+    /// An optional entry point of the loaded NCCL, or [`Error::Unsupported`].
+    #[inline(always)]
+    pub(crate) fn optional<F: Copy>(
+        &self,
+        f: impl FnOnce(&FunctionTable) -> Option<F>,
+        symbol: &'static str,
+    ) -> Result<F> {
+        self.library().optional(f(self.library().table()), symbol)
     }
 
     /// The raw handle, for NCCL features this crate does not wrap. It stays owned by
@@ -383,7 +394,8 @@ impl Communicator {
         self.failure.get_or_init(|| e.to_string());
     }
 
-    fn context(&self, caller: &'static Location<'static>) -> CallContext {
+    /// The context a checked call on this communicator reports: its handle, rank and caller.
+    pub(crate) fn context(&self, caller: &'static Location<'static>) -> CallContext {
         CallContext {
             comm: self.handle.get(),
             rank: Some(self.rank),
@@ -701,15 +713,6 @@ impl Communicator {
             Some(raw) if released => raw,
             _ => std::ptr::null_mut(),
         }
-    }
-
-    /// [`check_device`] for src/comm_ref.rs.
-    pub(crate) fn check_foreign_device(
-        call: &'static str,
-        lib: &Library,
-        device: &CommDevice,
-    ) -> Result<()> {
-        check_device(call, lib, device)
     }
 }
 

@@ -230,16 +230,6 @@ impl Communicator {
         }
         Ok(len / n)
     }
-
-    /// An optional entry point of the loaded NCCL, or [`Error::Unsupported`].
-    #[inline(always)]
-    fn optional<F: Copy>(
-        &self,
-        f: impl FnOnce(&FunctionTable) -> Option<F>,
-        symbol: &'static str,
-    ) -> Result<F> {
-        self.library().optional(f(self.library().table()), symbol)
-    }
 }
 
 impl Communicator {
