@@ -16,6 +16,7 @@ use nccl_sys::EntryPoint;
 use super::key::CliqueKey;
 use super::recorder::{OpRecord, OpState};
 use super::remote::{self, DesyncPost, RemoteBoard};
+use crate::teardown::lock;
 
 /// How many sequence numbers of fingerprints each rank keeps on the board. A rank cannot
 /// post seq n+1 before every rank posted seq n, so two would do.
@@ -156,10 +157,6 @@ impl Departure {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn registry() -> &'static Mutex<HashMap<CliqueKey, Weak<Clique>>> {
     static R: OnceLock<Mutex<HashMap<CliqueKey, Weak<Clique>>>> = OnceLock::new();
     R.get_or_init(|| Mutex::new(HashMap::new()))
@@ -167,7 +164,7 @@ fn registry() -> &'static Mutex<HashMap<CliqueKey, Weak<Clique>>> {
 
 /// The clique `key` of `world_size` ranks, shared by every rank of it in this process.
 pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
-    let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
+    let mut r = lock(registry());
     r.retain(|_, w| w.strong_count() > 0);
     if let Some(c) = r.get(&key).and_then(Weak::upgrade) {
         if c.world_size == world_size {
@@ -213,7 +210,7 @@ pub(crate) trait LiveRank: Send + Sync {
 
 impl Clique {
     pub(crate) fn lock(&self) -> MutexGuard<'_, CliqueState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     /// Rank `rank`'s view: its live communicator's, else the one recorded last.
@@ -332,13 +329,13 @@ impl Clique {
         Some(self.fail_for_departure(d, Some(waiting), Some(&rec)))
     }
 
-    /// The departure that rank `r`'s operation `rec` waits for, if any: the operation is a
-    /// collective the departed rank never issued.
     /// The rank that left this clique first, other than `rank`, if any.
     pub(crate) fn departed_other_than(&self, rank: usize) -> Option<&Departure> {
         self.departed.get().filter(|d| d.rank != rank)
     }
 
+    /// The departure that rank `r`'s operation `rec` waits for, if any: the operation is a
+    /// collective the departed rank never issued.
     pub(crate) fn waits_for_departed(&self, rank: usize, rec: &OpRecord) -> Option<&Departure> {
         let d = self.departed.get()?;
         // Only the calls that need every rank: not point-to-point (only its peer), a
@@ -394,8 +391,6 @@ impl Clique {
         self.departed.get().is_some()
     }
 
-    /// Whether the clique timed out (one load).
-    #[inline]
     /// Whether a rank of another process posted to the board that it waits in collective
     /// `seq` or later (at its timeout, or at the watchdog's notice): then a remote error in
     /// `seq` is most likely that rank's watchdog aborting the clique. Read once, bounded;
@@ -414,6 +409,8 @@ impl Clique {
         })
     }
 
+    /// Whether the clique timed out (one load).
+    #[inline]
     pub(crate) fn any_timeout(&self) -> bool {
         self.any_timeout.load(Ordering::Acquire)
     }

@@ -15,6 +15,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use crate::teardown::lock;
+
 /// How often the watchdog advances the coarse clock (its poll interval).
 pub(crate) const TICK: Duration = Duration::from_millis(10);
 
@@ -106,7 +108,7 @@ fn gaps() -> std::sync::MutexGuard<'static, Gaps> {
         dropped_end: 0,
         dropped_max: 0,
     });
-    GAPS.lock().unwrap_or_else(|e| e.into_inner())
+    lock(&GAPS)
 }
 
 /// The end of the latest long stand-still (0: none yet).

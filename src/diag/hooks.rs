@@ -32,7 +32,7 @@ use {
     super::tracker::{self, Queue},
     super::{clock, fence, watchdog},
     crate::library::Provider,
-    crate::teardown::{self, Job},
+    crate::teardown::{self, lock, Job},
     std::cell::{Cell, RefCell},
     std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering},
     std::sync::{Mutex, OnceLock, Weak},
@@ -530,11 +530,7 @@ impl CommDiag {
         {
             // The watchdog queues the job right after it takes the handle.
             let job: Arc<Job> = loop {
-                let job = s
-                    .abort_job
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .clone();
+                let job = lock(&s.abort_job).clone();
                 match job {
                     Some(j) => break j,
                     None if Instant::now() >= until => {
@@ -581,7 +577,7 @@ impl CommDiag {
     pub(crate) fn arrive(&self, rank: usize, world_size: usize) {
         #[cfg(feature = "diag")]
         {
-            let mut a = arrivals().lock().unwrap_or_else(|e| e.into_inner());
+            let mut a = lock(arrivals());
             if a.len() >= MAX_ARRIVAL_BOARDS && !a.contains_key(&self.key) {
                 a.clear(); // old jobs' boards: bounded memory in a long run
             }
@@ -595,7 +591,7 @@ impl CommDiag {
     /// The report of a wait for `call` (an init, a split child) that ran out of time.
     pub(crate) fn wait_timeout_report(&self, call: &str, rank: usize, world_size: usize) -> String {
         #[cfg(feature = "diag")]
-        if let Some(seen) = (arrivals().lock().unwrap_or_else(|e| e.into_inner()))
+        if let Some(seen) = lock(arrivals())
             .get(&self.key)
             .filter(|v| v.len() == world_size && world_size > 0)
         {
@@ -932,7 +928,7 @@ impl CommDiag {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             // Under `in_place`: a watchdog's revoke in place never meets a handle taken here.
-            let held = s.in_place.lock().unwrap_or_else(|e| e.into_inner());
+            let held = lock(&s.in_place);
             s.gone.store(true, Ordering::Release);
             let mine = s.handle.swap(0, Ordering::AcqRel) != 0;
             drop(held);

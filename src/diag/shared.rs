@@ -17,7 +17,7 @@ use super::tracker::{Mark, Marker, Queue, Tracker, MAX_PENDING};
 use super::{clock, fence};
 use crate::error::Error;
 use crate::library::Library;
-use crate::teardown::{Job, TeardownLane};
+use crate::teardown::{lock, Job, TeardownLane};
 
 /// `Shared::current` while no operation of the communicator is inside its NCCL call.
 pub(super) const IDLE: u64 = 0;
@@ -70,7 +70,7 @@ impl QueueWatch {
     }
 
     pub(super) fn watch(&self) -> MutexGuard<'_, Watch> {
-        self.watch.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.watch)
     }
 
     /// Whether published work on this queue is not yet known complete.
@@ -212,7 +212,7 @@ impl Shared {
     }
 
     fn queue_list(&self) -> MutexGuard<'_, Vec<Arc<QueueWatch>>> {
-        self.queues.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.queues)
     }
 
     /// Whether published work is not yet known complete, on any of its queues.
@@ -682,11 +682,7 @@ impl Shared {
     /// The report this communicator's failure is about, if the clique timed out.
     pub(super) fn timed_out(&self) -> Option<Arc<TimeoutReport>> {
         if self.aborted_by_watchdog.load(Ordering::Acquire) {
-            let r = self
-                .report
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone();
+            let r = lock(&self.report).clone();
             if r.is_some() {
                 return r;
             }
@@ -879,13 +875,13 @@ impl Shared {
         let Some(revoke) = self.lib.table().ncclCommRevoke else {
             return false;
         };
-        let _held = self.in_place.lock().unwrap_or_else(|e| e.into_inner());
+        let _held = lock(&self.in_place);
         let h = self.handle.load(Ordering::Acquire);
         if h == 0 || self.gone.load(Ordering::Acquire) {
             return false;
         }
         // Marked first, so that the owner's call, woken by the revoke, reports it.
-        *self.report.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(report));
+        *lock(&self.report) = Some(Arc::clone(report));
         self.revoked_by_watchdog.store(true, Ordering::Release);
         // SAFETY: the handle is live: its owner takes it for a teardown only under
         // `in_place`, held here, and the claim keeps the owner from any other call (it is
@@ -911,7 +907,7 @@ impl Shared {
     /// `abort()` that finds the slot empty always sees that the watchdog took it (and
     /// waits for its abort) rather than returning `Ok` at once.
     pub(super) fn take_for_abort(&self, report: &Arc<TimeoutReport>) -> usize {
-        *self.report.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(report));
+        *lock(&self.report) = Some(Arc::clone(report));
         self.aborted_by_watchdog.store(true, Ordering::Release);
         self.handle.swap(0, Ordering::AcqRel)
     }

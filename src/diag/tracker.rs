@@ -69,6 +69,7 @@ pub(crate) enum Queue {
 }
 
 use crate::stream::PER_THREAD_STREAM;
+use crate::teardown::lock;
 
 /// Markers in flight on one stream past which [`Tracker::mark_now`] records the newest
 /// again instead of taking another event (the GPU runs far behind the caller).
@@ -320,7 +321,7 @@ impl CudaTracker {
             ev.record(stream)?;
             return Ok(Mark::Again);
         }
-        let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let spare = lock(&self.spare).pop();
         let event = match spare {
             Some(ev) => ev,
             None => RawEvent::new(stream.context())?,
@@ -380,7 +381,7 @@ impl Tracker for CudaTracker {
 
     fn recycle(&self, m: Marker) {
         if let Marker::Cuda(ev) = m {
-            let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+            let mut spare = lock(&self.spare);
             if spare.len() < SPARE_EVENTS {
                 spare.push(ev);
             }

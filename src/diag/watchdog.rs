@@ -28,7 +28,7 @@ use super::clique::TimeoutReport;
 use super::clock;
 use super::shared::Shared;
 use crate::library::Library;
-use crate::teardown::{self, exit};
+use crate::teardown::{self, exit, lock};
 
 fn registry() -> &'static Mutex<Vec<Weak<Shared>>> {
     static R: OnceLock<Mutex<Vec<Weak<Shared>>>> = OnceLock::new();
@@ -38,7 +38,7 @@ fn registry() -> &'static Mutex<Vec<Weak<Shared>>> {
 /// Puts `s` under watch (and starts the thread on first use).
 pub(super) fn watch(s: &Arc<Shared>) {
     {
-        let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
+        let mut r = lock(registry());
         r.retain(|w| w.strong_count() > 0);
         r.push(Arc::downgrade(s));
     }
@@ -78,7 +78,7 @@ fn grace(s: &Shared) -> Duration {
 /// One tick: `false` once the process is exiting (then nothing was done).
 fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
     {
-        let r = registry().lock().unwrap_or_else(|e| e.into_inner());
+        let r = lock(registry());
         list.extend(r.iter().filter_map(Weak::upgrade));
     }
     // The tracker's calls into CUDA count as busy for the exit guard (bounded like a
@@ -224,7 +224,7 @@ fn abort_together(mut taken: Vec<(Arc<Library>, usize, Arc<Shared>)>, s: &Shared
             what,
         );
         for (_, _, t) in &same {
-            *t.abort_job.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&job));
+            *lock(&t.abort_job) = Some(Arc::clone(&job));
         }
         taken = rest;
     }

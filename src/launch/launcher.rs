@@ -4,7 +4,7 @@
 
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
@@ -16,6 +16,7 @@ use crate::id::UniqueId;
 use crate::launch::desync::DesyncBoard;
 use crate::library::Provider;
 use crate::stream::Stream;
+use crate::teardown::lock;
 
 /// How many CUDA devices this process can use: 0 when the CUDA driver library is absent
 /// or reports none (never panics).
@@ -130,12 +131,6 @@ struct End {
     issued: u64,
     returned: bool,
     own_failure: bool,
-}
-
-/// The mutex's data even after a rank panicked while holding it: the tally must still be
-/// read to report the run.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Tally {

@@ -18,6 +18,7 @@
 //! own deadline, and is never a reason to end early. Where `on_exit` is not available
 //! (other C libraries than glibc) the guard only waits.
 
+use super::lock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, Once};
 use std::time::{Duration, Instant};
@@ -28,7 +29,7 @@ static EXITING: AtomicBool = AtomicBool::new(false);
 static BUSY: Mutex<Vec<(u64, Instant, Duration)>> = Mutex::new(Vec::new());
 
 fn busy_list() -> std::sync::MutexGuard<'static, Vec<(u64, Instant, Duration)>> {
-    BUSY.lock().unwrap_or_else(|e| e.into_inner())
+    lock(&BUSY)
 }
 
 /// A background thread's permission to be inside NCCL or CUDA; dropping it ends the call.
@@ -66,7 +67,7 @@ fn enter<E>(
 static POSTS: Mutex<Vec<(u64, Instant)>> = Mutex::new(Vec::new());
 
 fn post_list() -> std::sync::MutexGuard<'static, Vec<(u64, Instant)>> {
-    POSTS.lock().unwrap_or_else(|e| e.into_inner())
+    lock(&POSTS)
 }
 
 /// A background post to the desync board that exit waits for (until `deadline`);

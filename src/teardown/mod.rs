@@ -193,7 +193,9 @@ impl Job {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// The mutex's data, even if a thread panicked while holding it: every user of this
+/// crate's locks keeps its data consistent at each step, and a failure path must still run.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
