@@ -72,13 +72,7 @@ impl Settings {
     /// longer than [`MAX_FLIGHT_RECORD_LEN`]. The reason, naming where the value came from.
     pub(crate) fn invalid(c: &DiagConfig, provider: crate::Provider) -> Option<String> {
         let s = Settings::resolve(c);
-        let from = |set: bool, var: &str| {
-            if set {
-                "Config".to_string()
-            } else {
-                var.to_string()
-            }
-        };
+        let from = |set: bool, var: &'static str| if set { "Config" } else { var };
         if s.timeout.is_zero() {
             return Some(format!(
                 "the timeout ({}) is zero: every operation would time out at once",
@@ -110,52 +104,37 @@ impl Settings {
 
     pub(super) fn resolve(c: &DiagConfig) -> Settings {
         let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-        let debug = env("NCCL_SAFE_DEBUG").map(|v| v.trim().to_ascii_lowercase());
+        // A word or a number: trimmed and lower-cased (not the flight record's directory).
+        let word = |k: &str| env(k).map(|v| v.trim().to_ascii_lowercase());
+        let ms = |k: &str| word(k)?.parse::<u64>().ok().map(Duration::from_millis);
+        const RING_VAR: &str = "NCCL_SAFE_FLIGHT_RECORD_LEN";
+        let debug = word("NCCL_SAFE_DEBUG");
         let detail = debug.as_deref() == Some("detail");
         let info = detail || debug.as_deref() == Some("info");
         Settings {
-            timeout: c.timeout.unwrap_or_else(|| {
-                env("NCCL_SAFE_TIMEOUT_MS")
-                    .and_then(|v| v.trim().parse::<u64>().ok())
-                    .map_or(DEFAULT_TIMEOUT, Duration::from_millis)
-            }),
+            timeout: (c.timeout.or_else(|| ms("NCCL_SAFE_TIMEOUT_MS"))).unwrap_or(DEFAULT_TIMEOUT),
             check: c.check.unwrap_or(detail),
-            ring: c.ring.unwrap_or_else(|| {
-                env("NCCL_SAFE_FLIGHT_RECORD_LEN")
-                    .and_then(|v| v.trim().parse().ok())
-                    .unwrap_or(DEFAULT_FLIGHT_RECORD_LEN)
-            }),
-            dump_dir: c
-                .dump_dir
-                .clone()
+            ring: (c.ring.or_else(|| word(RING_VAR)?.parse().ok()))
+                .unwrap_or(DEFAULT_FLIGHT_RECORD_LEN),
+            dump_dir: (c.dump_dir.clone())
                 .or_else(|| env("NCCL_SAFE_FLIGHT_RECORD_DIR").map(PathBuf::from)),
             dump_stderr: c.dump_stderr.unwrap_or(info),
             precise: c.precise.unwrap_or_else(|| {
-                info || env("NCCL_SAFE_TIMING").is_some_and(|v| {
-                    matches!(
-                        v.trim().to_ascii_lowercase().as_str(),
-                        "1" | "true" | "on" | "yes"
-                    )
-                })
+                info || matches!(
+                    word("NCCL_SAFE_TIMING").as_deref(),
+                    Some("1" | "true" | "on" | "yes")
+                )
             }),
             exact: c.exact.unwrap_or_else(|| {
-                !env("NCCL_SAFE_EXACT_COMPLETION").is_some_and(|v| {
-                    matches!(
-                        v.trim().to_ascii_lowercase().as_str(),
-                        "0" | "false" | "off" | "no"
-                    )
-                })
+                !matches!(
+                    word("NCCL_SAFE_EXACT_COMPLETION").as_deref(),
+                    Some("0" | "false" | "off" | "no")
+                )
             }),
-            abort_timeout: c.abort_timeout.unwrap_or_else(|| {
-                env("NCCL_SAFE_ABORT_TIMEOUT_MS")
-                    .and_then(|v| v.trim().parse::<u64>().ok())
-                    .map_or(DEFAULT_ABORT_TIMEOUT, Duration::from_millis)
-            }),
+            abort_timeout: (c.abort_timeout.or_else(|| ms("NCCL_SAFE_ABORT_TIMEOUT_MS")))
+                .unwrap_or(DEFAULT_ABORT_TIMEOUT),
             on_abort_timeout: c.on_abort_timeout.unwrap_or_else(|| {
-                match env("NCCL_SAFE_ON_ABORT_TIMEOUT")
-                    .map(|v| v.trim().to_ascii_lowercase())
-                    .as_deref()
-                {
+                match word("NCCL_SAFE_ON_ABORT_TIMEOUT").as_deref() {
                     Some("exit") => OnAbortTimeout::ExitProcess,
                     _ => OnAbortTimeout::Report,
                 }
