@@ -340,8 +340,11 @@ fn wrap(
         world_size,
         crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id()),
     );
-    comm.diag
-        .attach(watched, rank, world_size, comm.library(), comm.lane());
+    let view = crate::diag::CommView {
+        raw: watched,
+        ..comm.diag_view()
+    };
+    comm.diag.attach(view);
     Ok(comm)
 }
 

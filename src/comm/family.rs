@@ -224,13 +224,7 @@ impl Communicator {
         self.checked("ncclCommCount", r, caller)?;
         self.rank = rank.max(0) as usize;
         self.world_size = count.max(0) as usize;
-        self.diag.attach(
-            self.handle.get(),
-            self.rank,
-            self.world_size,
-            self.handle.lib(),
-            self.lane(),
-        );
+        self.diag.attach(self.diag_view());
         Ok(())
     }
 }

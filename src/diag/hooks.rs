@@ -224,30 +224,23 @@ impl CommDiag {
 
     /// Attaches the communicator once its handle, rank and size are known: it joins its
     /// clique and the watchdog's registry. Allocates the flight recorder.
-    pub(crate) fn attach(
-        &self,
-        raw: ncclComm_t,
-        rank: usize,
-        world_size: usize,
-        lib: &Arc<Library>,
-        lane: TeardownLane,
-    ) {
+    #[cfg_attr(not(feature = "diag"), allow(unused_variables))]
+    pub(crate) fn attach(&self, h: CommView<'_>) {
         #[cfg(feature = "diag")]
-        self.shared
-            .get_or_init(|| self.watch(raw, rank, world_size, lib, lane));
+        self.shared.get_or_init(|| self.watch(h));
     }
 
     /// The shared state of a communicator being attached: joins its clique and the
     /// watchdog's registry.
     #[cfg(feature = "diag")]
-    fn watch(
-        &self,
-        raw: ncclComm_t,
-        rank: usize,
-        world_size: usize,
-        lib: &Arc<Library>,
-        lane: TeardownLane,
-    ) -> Arc<Shared> {
+    fn watch(&self, h: CommView<'_>) -> Arc<Shared> {
+        let CommView {
+            raw,
+            rank,
+            world_size,
+            lib,
+            lane,
+        } = h;
         clock::advance();
         let clique = clique::join(self.key, world_size.max(1));
         if let Some(b) = &self.board {
@@ -307,8 +300,7 @@ impl CommDiag {
     #[cfg(feature = "diag")]
     #[cold]
     fn attach_late(&self, h: CommView<'_>) -> &Arc<Shared> {
-        self.shared
-            .get_or_init(|| self.watch(h.raw, h.rank, h.world_size, h.lib, h.lane))
+        self.shared.get_or_init(|| self.watch(h))
     }
 
     /// A copy of the flight recorder.
