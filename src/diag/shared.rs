@@ -606,13 +606,7 @@ impl Shared {
     /// never issued (see `Clique::depart`), if any: the one inside its NCCL call, else the
     /// oldest tracked work not known complete.
     pub(super) fn waits_for_departed(&self, now: Instant) -> Option<OpRecord> {
-        let cur = self.current.load(Ordering::Acquire);
-        let rec = if cur != IDLE && cur != PINNED {
-            self.journal.get(cur - 1)
-        } else {
-            None
-        };
-        let rec = rec.or_else(|| self.late_work(now, Duration::ZERO, false))?;
+        let rec = (self.in_call()).or_else(|| self.late_work(now, Duration::ZERO, false))?;
         self.clique.waits_for_departed(self.rank, &rec).map(|_| rec)
     }
 
@@ -809,15 +803,9 @@ impl Shared {
 
     /// [`late`](Self::late) with `limit` instead of the timeout.
     fn late_by(&self, now: Instant, limit: Duration) -> Option<OpRecord> {
-        let cur = self.current.load(Ordering::Acquire);
-        if cur != IDLE && cur != PINNED {
-            if let Some(r) = self.journal.get(cur - 1) {
-                if now.saturating_duration_since(r.enqueued) >= limit + self.slack(r.enqueued) {
-                    return Some(r);
-                }
-            }
-        }
-        self.late_work(now, limit, true)
+        (self.in_call())
+            .filter(|r| now.saturating_duration_since(r.enqueued) >= limit + self.slack(r.enqueued))
+            .or_else(|| self.late_work(now, limit, true))
     }
 
     /// Claims this communicator for an abort at `now`: an operation inside its NCCL call
@@ -857,13 +845,17 @@ impl Shared {
     /// Whether the operation inside its call is a shrink (with `Config::elastic`, the
     /// recovery a rank left already began: the watchdog leaves it be).
     pub(super) fn in_shrink(&self) -> bool {
+        self.in_call()
+            .is_some_and(|r| r.op == EntryPoint::ncclCommShrink)
+    }
+
+    /// The operation whose NCCL call the owner is inside, if any (not while it is idle or
+    /// pinned).
+    fn in_call(&self) -> Option<OpRecord> {
         let cur = self.current.load(Ordering::Acquire);
-        cur != IDLE
-            && cur != PINNED
-            && self
-                .journal
-                .get(cur - 1)
-                .is_some_and(|r| r.op == EntryPoint::ncclCommShrink)
+        (cur != IDLE && cur != PINNED)
+            .then(|| self.journal.get(cur - 1))
+            .flatten()
     }
 
     /// After a successful [`claim`](Self::claim), with `Config::elastic`: revokes the
