@@ -32,7 +32,7 @@ pub use reduce_op::{PreMulSum, Reduction};
 
 use crate::buffer::{Memory, RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
-use crate::error::{check_len, BufferRole, Error, Result};
+use crate::error::{BufferRole, Error, Result};
 use crate::library::Provider;
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
@@ -146,7 +146,12 @@ impl Communicator {
     }
 
     #[inline(always)]
-    fn check_memory(&self, call: &'static str, role: BufferRole, memory: Memory) -> Result<()> {
+    pub(crate) fn check_memory(
+        &self,
+        call: &'static str,
+        role: BufferRole,
+        memory: Memory,
+    ) -> Result<()> {
         match (self.library().provider(), memory) {
             (Provider::Host, Memory::Host) => Ok(()),
             (Provider::Nccl, Memory::Device(d)) if Some(d) == self.cuda_ordinal() => Ok(()),
@@ -170,65 +175,6 @@ impl Communicator {
             (_, Memory::Host) => format!("the {role} is host memory"),
         };
         Error::InvalidArgument { call, reason }
-    }
-
-    fn check_rank(&self, call: &'static str, what: &'static str, rank: usize) -> Result<c_int> {
-        if rank < self.world_size() {
-            Ok(rank as c_int)
-        } else {
-            Err(Error::RankOutOfRange {
-                call,
-                what,
-                rank,
-                world_size: self.world_size(),
-            })
-        }
-    }
-
-    /// `count * world_size`, or an error when it overflows.
-    fn times_world(&self, call: &'static str, count: usize) -> Result<usize> {
-        count
-            .checked_mul(self.world_size())
-            .filter(|n| n.checked_mul(16).is_some())
-            .ok_or_else(|| Error::InvalidArgument {
-                call,
-                reason: format!(
-                    "{count} elements x {} ranks overflows the address space",
-                    self.world_size()
-                ),
-            })
-    }
-
-    /// Checks one buffer: its element type against the loaded NCCL, its length against the
-    /// operation's `rule`, its memory against the provider.
-    #[inline(always)]
-    fn check_buffer<T: NcclType>(
-        &self,
-        call: &'static str,
-        role: BufferRole,
-        len: usize,
-        memory: Memory,
-        expected: usize,
-        rule: &'static str,
-    ) -> Result<()> {
-        T::DATA_TYPE.check_supported(self.library())?;
-        check_len(call, role, len, expected, rule)?;
-        self.check_memory(call, role, memory)
-    }
-
-    /// `len / world_size`, or an error when `len` is not a multiple of it.
-    fn block_of(&self, call: &'static str, len: usize) -> Result<usize> {
-        let n = self.world_size();
-        if !len.is_multiple_of(n) {
-            return Err(Error::LengthMismatch {
-                call,
-                role: BufferRole::Recv,
-                expected: (len / n + 1) * n,
-                actual: len,
-                rule: "in place: buffer = world_size x block",
-            });
-        }
-        Ok(len / n)
     }
 }
 

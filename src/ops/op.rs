@@ -9,7 +9,7 @@ use super::{Call, Reduction};
 use crate::buffer::{BufferGuard, RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
 use crate::diag::OpInfo;
-use crate::error::{BufferRole, Result};
+use crate::error::{check_len, BufferRole, Error, Result};
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
 
@@ -184,23 +184,47 @@ impl<'a> OpChecks<'a> {
     /// `rank` as a root or peer (`what`), refused outside the communicator.
     #[inline(always)]
     pub(crate) fn rank_arg(&self, what: &'static str, rank: usize) -> Result<c_int> {
-        self.comm.check_rank(self.call.name(), what, rank)
+        match self.world_size() {
+            n if rank < n => Ok(rank as c_int),
+            world_size => Err(Error::RankOutOfRange {
+                call: self.call.name(),
+                what,
+                rank,
+                world_size,
+            }),
+        }
     }
 
     /// `count * world_size`, refused when it overflows.
     #[inline(always)]
     pub(crate) fn times_world(&self, count: usize) -> Result<usize> {
-        self.comm.times_world(self.call.name(), count)
+        let n = self.world_size();
+        (count.checked_mul(n))
+            .filter(|total| total.checked_mul(16).is_some())
+            .ok_or_else(|| Error::InvalidArgument {
+                call: self.call.name(),
+                reason: format!("{count} elements x {n} ranks overflows the address space"),
+            })
     }
 
     /// `len / world_size`, refused when `len` is not a multiple of it.
     #[inline(always)]
     pub(crate) fn block_of(&self, len: usize) -> Result<usize> {
-        self.comm.block_of(self.call.name(), len)
+        let n = self.world_size();
+        if !len.is_multiple_of(n) {
+            return Err(Error::LengthMismatch {
+                call: self.call.name(),
+                role: BufferRole::Recv,
+                expected: (len / n + 1) * n,
+                actual: len,
+                rule: "in place: buffer = world_size x block",
+            });
+        }
+        Ok(len / n)
     }
 
     /// Checks a buffer NCCL reads: the element type, its length against the operation's
-    /// `rule`, its memory.
+    /// `rule`, its memory, its stream.
     #[inline(always)]
     pub(crate) fn send<T: NcclType, S: SendBuffer<T> + ?Sized>(
         &self,
@@ -208,15 +232,7 @@ impl<'a> OpChecks<'a> {
         expected: usize,
         rule: &'static str,
     ) -> Result<()> {
-        self.comm.check_buffer::<T>(
-            self.call.name(),
-            BufferRole::Send,
-            buf.len(),
-            buf.memory(),
-            expected,
-            rule,
-        )?;
-        self.on_its_stream(BufferRole::Send, buf.bound_stream())
+        self.buffer(BufferRole::Send, buf, expected, rule)
     }
 
     /// Checks a buffer NCCL writes, as [`send`](Self::send).
@@ -227,15 +243,22 @@ impl<'a> OpChecks<'a> {
         expected: usize,
         rule: &'static str,
     ) -> Result<()> {
-        self.comm.check_buffer::<T>(
-            self.call.name(),
-            BufferRole::Recv,
-            buf.len(),
-            buf.memory(),
-            expected,
-            rule,
-        )?;
-        self.on_its_stream(BufferRole::Recv, buf.bound_stream())
+        self.buffer(BufferRole::Recv, buf, expected, rule)
+    }
+
+    #[inline(always)]
+    fn buffer<T: NcclType, B: SendBuffer<T> + ?Sized>(
+        &self,
+        role: BufferRole,
+        buf: &B,
+        expected: usize,
+        rule: &'static str,
+    ) -> Result<()> {
+        let call = self.call.name();
+        T::DATA_TYPE.check_supported(self.comm.library())?;
+        check_len(call, role, buf.len(), expected, rule)?;
+        self.comm.check_memory(call, role, buf.memory())?;
+        self.on_its_stream(role, buf.bound_stream())
     }
 
     /// A buffer bound to one stream ([`crate::StreamBound`]) is used on that stream only.
