@@ -134,16 +134,17 @@ impl ProcessEnv {
         const HINT: &str = "torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; set them all when launching by hand";
         let env = Lookup::new(get, EnvSource::Torchrun, HINT);
         let world_size = env.size("WORLD_SIZE")?;
-        let place = env.place(
+        let mut p = env.place(
             world_size,
             "WORLD_SIZE",
             "RANK",
             "LOCAL_RANK",
             "LOCAL_WORLD_SIZE",
         )?;
-        let master_addr = env.addr("MASTER_ADDR")?;
-        let master_port = env.port("MASTER_PORT")?;
-        Ok(place.meeting_at(master_addr, master_port, Self::elastic(&env)?))
+        p.master_addr = env.addr("MASTER_ADDR")?;
+        p.master_port = env.port("MASTER_PORT")?;
+        p.elastic = Self::elastic(&env)?;
+        Ok(p)
     }
 
     fn elastic(env: &Lookup<'_>) -> Result<Option<Elastic>, EnvError> {
@@ -182,19 +183,19 @@ impl ProcessEnv {
         const HINT: &str = "mpirun sets OMPI_COMM_WORLD_*; pass the address of rank 0's host with `mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port>`";
         let env = Lookup::new(get, EnvSource::OpenMpi, HINT);
         let world_size = env.size("OMPI_COMM_WORLD_SIZE")?;
-        let place = env.place(
+        let mut p = env.place(
             world_size,
             "OMPI_COMM_WORLD_SIZE",
             "OMPI_COMM_WORLD_RANK",
             "OMPI_COMM_WORLD_LOCAL_RANK",
             "OMPI_COMM_WORLD_LOCAL_SIZE",
         )?;
-        let master_addr = env.addr("MASTER_ADDR")?;
-        let master_port = match env.get("MASTER_PORT") {
+        p.master_addr = env.addr("MASTER_ADDR")?;
+        p.master_port = match env.get("MASTER_PORT") {
             Some(_) => env.port("MASTER_PORT")?,
             None => DEFAULT_PORT,
         };
-        Ok(place.meeting_at(master_addr, master_port, None))
+        Ok(p)
     }
 
     fn slurm(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
@@ -212,14 +213,14 @@ impl ProcessEnv {
                 e => e,
             })?,
         };
-        let place = env.place(
+        let mut p = env.place(
             world_size,
             "SLURM_NTASKS",
             "SLURM_PROCID",
             "SLURM_LOCALID",
             "SLURM_NTASKS_PER_NODE",
         )?;
-        let master_addr = if env.get("MASTER_ADDR").is_some() {
+        p.master_addr = if env.get("MASTER_ADDR").is_some() {
             env.addr("MASTER_ADDR")?
         } else {
             let var = if env.get("SLURM_JOB_NODELIST").is_some() {
@@ -238,7 +239,7 @@ impl ProcessEnv {
                 reason: "not a Slurm host list such as `node[01-04,07],gpu5`".into(),
             })?
         };
-        let master_port = if env.get("MASTER_PORT").is_some() {
+        p.master_port = if env.get("MASTER_PORT").is_some() {
             env.port("MASTER_PORT")?
         } else if let Some(job) = env.get("SLURM_JOB_ID") {
             let id = job.trim().parse::<u64>().map_err(|_| EnvError::Invalid {
@@ -250,44 +251,7 @@ impl ProcessEnv {
         } else {
             DEFAULT_PORT
         };
-        Ok(place.meeting_at(master_addr, master_port, None))
-    }
-}
-
-/// Where a process sits in its job, as one launcher's variables say.
-struct Place {
-    source: EnvSource,
-    rank: usize,
-    world_size: usize,
-    local_rank: usize,
-    local_world_size: Option<usize>,
-}
-
-impl Place {
-    /// The process at this place, whose job meets at `master_addr:master_port`.
-    fn meeting_at(
-        self,
-        master_addr: String,
-        master_port: u16,
-        elastic: Option<Elastic>,
-    ) -> ProcessEnv {
-        let Place {
-            source,
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
-        } = self;
-        ProcessEnv {
-            source,
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
-            master_addr,
-            master_port,
-            elastic,
-        }
+        Ok(p)
     }
 }
 
@@ -341,7 +305,8 @@ impl<'a> Lookup<'a> {
     }
 
     /// The place of this process: its rank from `rank_var`, below `world_size` (read from
-    /// `size_var`), and its local rank and local size as [`Self::local`] reads them.
+    /// `size_var`), and its local rank and local size as [`Self::local`] reads them. The
+    /// caller fills in where the job meets (and whether torchrun's agent runs it).
     fn place(
         &self,
         world_size: usize,
@@ -349,15 +314,18 @@ impl<'a> Lookup<'a> {
         rank_var: &'static str,
         local_var: &'static str,
         local_size_var: &'static str,
-    ) -> Result<Place, EnvError> {
+    ) -> Result<ProcessEnv, EnvError> {
         let rank = self.rank(rank_var, size_var, world_size)?;
         let (local_rank, local_world_size) = self.local(local_var, local_size_var)?;
-        Ok(Place {
+        Ok(ProcessEnv {
             source: self.source,
             rank,
             world_size,
             local_rank,
             local_world_size,
+            master_addr: String::new(),
+            master_port: 0,
+            elastic: None,
         })
     }
 
