@@ -58,6 +58,30 @@ pub struct Rank {
 }
 
 impl Rank {
+    /// Rank `rank` of `world_size` on `device`: a stream of its own (made in the device's
+    /// context, bound to this thread), then its communicator.
+    pub(super) fn init(
+        device: &CommDevice,
+        world_size: usize,
+        rank: usize,
+        id: &UniqueId,
+        config: &Config,
+    ) -> Result<Rank> {
+        let stream = match device {
+            CommDevice::Cuda(ctx) => {
+                ctx.bind_to_thread()?;
+                Stream::Cuda(ctx.new_stream()?)
+            }
+            CommDevice::Host => Stream::Host,
+        };
+        let comm = Communicator::init_rank(device, world_size, rank, id, config)?;
+        Ok(Rank {
+            comm,
+            stream,
+            board: None,
+        })
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.comm.rank()
@@ -534,22 +558,7 @@ impl Launcher {
         E: fmt::Display,
         F: Fn(&Rank) -> std::result::Result<R, E>,
     {
-        let setup = || -> Result<Rank> {
-            let stream = match device {
-                CommDevice::Cuda(ctx) => {
-                    ctx.bind_to_thread()?;
-                    Stream::Cuda(ctx.new_stream()?)
-                }
-                CommDevice::Host => Stream::Host,
-            };
-            let comm = Communicator::init_rank(device, self.devices.len(), rank, id, config)?;
-            Ok(Rank {
-                comm,
-                stream,
-                board: None,
-            })
-        };
-        let r = match setup() {
+        let r = match Rank::init(device, self.devices.len(), rank, id, config) {
             Ok(r) => r,
             Err(e) => {
                 tally.set(rank, Outcome::Failed(format!("init failed: {e}")));

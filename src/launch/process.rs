@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
-use crate::comm::{CommDevice, Communicator};
+use crate::comm::CommDevice;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::id::UniqueId;
@@ -14,7 +14,6 @@ use crate::launch::desync::{BoardClient, DesyncBoard};
 use crate::launch::env::ProcessEnv;
 use crate::launch::rendezvous::{Rendezvous, ServerHandle, TcpRendezvous};
 use crate::launch::store::StoreRendezvous;
-use crate::stream::Stream;
 
 use super::launcher::{cuda_device_count, Launcher, Rank};
 
@@ -150,37 +149,14 @@ impl ProcessLauncher {
     /// Step two: joins the communicator with `id` on the GPU of the local rank. Without a
     /// GPU for it, a clear error (on every rank alike), never a hang.
     pub fn join(&self, id: &UniqueId) -> Result<Rank> {
-        if self.host {
-            let comm = Communicator::init_rank(
-                &CommDevice::Host,
-                self.env.world_size,
-                self.env.rank,
-                id,
-                &self.config,
-            )?;
-            return Ok(Rank {
-                comm,
-                stream: Stream::Host,
-                board: None,
-            });
-        }
-        let local = self.env.cuda_ordinal();
-        self.check_devices(cuda_device_count())?;
-        let ctx = CudaContext::new(local)?;
-        ctx.bind_to_thread()?;
-        let stream = Stream::Cuda(ctx.new_stream()?);
-        let comm = Communicator::init_rank(
-            &CommDevice::Cuda(ctx),
-            self.env.world_size,
-            self.env.rank,
-            id,
-            &self.config,
-        )?;
-        Ok(Rank {
-            comm,
-            stream,
-            board: None,
-        })
+        let device = if self.host {
+            CommDevice::Host
+        } else {
+            self.check_devices(cuda_device_count())?;
+            CommDevice::Cuda(CudaContext::new(self.env.cuda_ordinal())?)
+        };
+        let env = &self.env;
+        Rank::init(&device, env.world_size, env.rank, id, &self.config)
     }
 }
 
