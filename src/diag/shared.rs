@@ -849,6 +849,12 @@ impl Shared {
             .is_some_and(|r| r.op == EntryPoint::ncclCommShrink)
     }
 
+    /// Whether the watchdog aborted or revoked this communicator (it is done with it).
+    pub(super) fn watchdog_took(&self) -> bool {
+        self.aborted_by_watchdog.load(Ordering::Acquire)
+            || self.revoked_by_watchdog.load(Ordering::Acquire)
+    }
+
     /// The operation whose NCCL call the owner is inside, if any (not while it is idle or
     /// pinned).
     fn in_call(&self) -> Option<OpRecord> {

@@ -54,12 +54,11 @@ pub(super) fn watch(s: &Arc<Shared>) {
                     std::thread::sleep(clock::TICK);
                     clock::advance();
                     let now = Instant::now();
-                    if !sweep(now, &mut list) {
-                        list.clear();
-                        continue; // the process is exiting
-                    }
+                    let live = sweep(now, &mut list); // false: the process is exiting
                     list.clear();
-                    teardown::check_overdue(now);
+                    if live {
+                        teardown::check_overdue(now);
+                    }
                 }
             })
             .is_ok()
@@ -109,10 +108,7 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
     // Late work, work whose stream the driver failed (at once), or work that waits for a
     // collective a departed rank never issued (that one at once too).
     let expired: Vec<(usize, _, Expiry)> = (list.iter().enumerate())
-        .filter(|(_, s)| {
-            !s.aborted_by_watchdog.load(Ordering::Acquire)
-                && !s.revoked_by_watchdog.load(Ordering::Acquire)
-        })
+        .filter(|(_, s)| !s.watchdog_took())
         .filter_map(|(i, s)| match (s.faulted(), s.late(now)) {
             (Some((rec, e)), _) => Some((i, rec, Expiry::Fault(e))),
             (None, Some(rec)) => Some((i, rec, Expiry::Late)),
@@ -122,9 +118,7 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
     for (i, rec, why) in expired {
         let departed = matches!(why, Expiry::Departed);
         let s = &list[i];
-        if s.aborted_by_watchdog.load(Ordering::Acquire)
-            || s.revoked_by_watchdog.load(Ordering::Acquire)
-        {
+        if s.watchdog_took() {
             continue; // aborted (or revoked) with an earlier one of this sweep
         }
         // Fail fast first: from here on every rank of the clique in this process gets the
@@ -153,10 +147,7 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
         // The expired one first: when it completed after all, nothing is aborted.
         let others = list.iter().filter(|t| !Arc::ptr_eq(t, s));
         for t in std::iter::once(s).chain(others) {
-            if !Arc::ptr_eq(&t.clique, &s.clique)
-                || t.aborted_by_watchdog.load(Ordering::Acquire)
-                || t.revoked_by_watchdog.load(Ordering::Acquire)
-            {
+            if !Arc::ptr_eq(&t.clique, &s.clique) || t.watchdog_took() {
                 continue;
             }
             let elastic = t.settings.elastic && !matches!(why, Expiry::Fault(_));
