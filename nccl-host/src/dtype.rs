@@ -4,6 +4,7 @@
 //! rounding each step to the element type: integers wrap, `f32`/`f64` use their own
 //! arithmetic, `f16`/`bf16`/fp8 compute each step in `f32` and round back.
 
+use float8::{F8E4M3, F8E5M2};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use nccl_sys::bindings::*;
@@ -20,70 +21,33 @@ pub(crate) fn size_of(dt: ncclDataType_t) -> Option<usize> {
 }
 
 /// Decodes an fp8 value (`e5m2 == false`: E4M3 "fn", no infinities; `true`: E5M2, IEEE-like).
+/// A NaN keeps its sign (`float8` decodes every NaN to one positive NaN).
 pub(crate) fn fp8_to_f32(bits: u8, e5m2: bool) -> f32 {
-    let neg = bits & 0x80 != 0;
-    let (exp_bits, man_bits, bias) = if e5m2 { (5u32, 2u32, 15i32) } else { (4, 3, 7) };
-    let e = ((bits as u32 & 0x7f) >> man_bits) as i32;
-    let m = (bits as u32) & ((1 << man_bits) - 1);
-    let emax = (1i32 << exp_bits) - 1;
-    let mag = if e5m2 && e == emax {
-        if m == 0 {
-            f32::INFINITY
-        } else {
-            f32::NAN
-        }
-    } else if !e5m2 && e == emax && m == (1 << man_bits) - 1 {
-        f32::NAN
-    } else if e == 0 {
-        m as f32 * 2f32.powi(1 - bias - man_bits as i32)
+    let x = if e5m2 {
+        F8E5M2::from_bits(bits).to_f32()
     } else {
-        (1.0 + m as f32 / (1u32 << man_bits) as f32) * 2f32.powi(e - bias)
+        F8E4M3::from_bits(bits).to_f32()
     };
-    if neg {
-        -mag
+    if x.is_nan() {
+        f32::NAN.copysign(if bits & 0x80 != 0 { -1.0 } else { 1.0 })
     } else {
-        mag
+        x
     }
 }
 
 /// Encodes `x` as fp8, rounding to nearest (ties to even) and saturating to the largest
-/// finite value (CUDA's `__NV_SATFINITE`); NaN stays NaN.
+/// finite value (CUDA's `__NV_SATFINITE`, as `float8` does); NaN stays NaN: E4M3 keeps its
+/// sign, E5M2 is always 0x7f (`float8` would keep the sign and payload bits).
 pub(crate) fn f32_to_fp8(x: f32, e5m2: bool) -> u8 {
-    let (man_bits, bias, max) = if e5m2 {
-        (2i32, 15i32, 57344.0f64)
-    } else {
-        (3, 7, 448.0)
-    };
-    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
-    if x.is_nan() {
-        return if e5m2 { 0x7f } else { 0x7f | sign };
+    match e5m2 {
+        true if x.is_nan() => 0x7f,
+        true => F8E5M2::from_f32(x).to_bits(),
+        false => F8E4M3::from_f32(x).to_bits(),
     }
-    let a = (x as f64).abs();
-    if a == 0.0 {
-        return sign;
-    }
-    // Exponent of the leading bit (a is a normal f64 because it came from an f32).
-    let e = ((a.to_bits() >> 52) & 0x7ff) as i32 - 1023;
-    let e = Ord::max(e, 1 - bias);
-    let quantum = 2f64.powi(e - man_bits);
-    let q = ((a / quantum).round_ties_even() * quantum).min(max);
-    if q == 0.0 {
-        return sign;
-    }
-    let qe = ((q.to_bits() >> 52) & 0x7ff) as i32 - 1023;
-    let bits = if qe < 1 - bias {
-        (q / 2f64.powi(1 - bias - man_bits)) as u32
-    } else {
-        let mant = (q / 2f64.powi(qe - man_bits)) as u32 - (1 << man_bits);
-        (((qe + bias) as u32) << man_bits) | mant
-    };
-    sign | bits as u8
 }
 
 /// NCCL's name for an element type (`ncclFloat32` -> "float32"), for messages.
 pub(crate) fn name(dt: ncclDataType_t) -> std::borrow::Cow<'static, str> {
-    use nccl_sys::bindings::*;
-    #[allow(non_upper_case_globals)]
     let n = match dt {
         ncclInt8 => "int8",
         ncclUint8 => "uint8",
