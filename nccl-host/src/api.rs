@@ -51,6 +51,11 @@ fn ffi(f: impl FnOnce() -> Result<ncclResult_t, Fail>) -> ncclResult_t {
     }
 }
 
+/// The failure of a handle looked up under the lock that was checked live before (a bug).
+fn vanished() -> Fail {
+    Fail::new(ncclInternalError, "internal error: handle vanished")
+}
+
 /// Writes `v` through an out-pointer that was checked non-null.
 fn put<T>(p: *mut T, v: T) {
     // SAFETY: callers check `p` is non-null; NCCL's contract makes it a valid, writable,
@@ -84,6 +89,22 @@ fn group_err(r: Result<ncclResult_t, Fail>) -> Result<ncclResult_t, Fail> {
         });
     }
     r
+}
+
+/// [`ffi`] of an entry point whose argument errors inside a group are kept for its end.
+fn ffi_grouped(f: impl FnOnce() -> Result<ncclResult_t, Fail>) -> ncclResult_t {
+    ffi(|| group_err(f()))
+}
+
+/// NCCL's entry points that only hand their arguments to the function that checks and posts
+/// them ([`coll`], [`p2p`], ...), its first argument the entry point's name: each pairs
+/// NCCL's C signature with that call.
+macro_rules! forward {
+    ($($name:ident($($arg:ident: $ty:ty),* $(,)?) => $f:ident($($a:expr),* $(,)?);)*) => {
+        $(pub(crate) unsafe extern "C" fn $name($($arg: $ty),*) -> ncclResult_t {
+            $f(stringify!($name), $($a),*)
+        })*
+    };
 }
 
 /// A live handle's value, or the misuse it is.
@@ -134,12 +155,7 @@ impl Ready {
 
     /// Takes this communicator's next collective sequence number, with its device.
     fn next_coll(&self, g: &mut Global) -> Result<(u64, c_int), Fail> {
-        let Some(c) = g.comms.get_mut(&self.h) else {
-            return Err(Fail::new(
-                ncclInternalError,
-                "internal error: handle vanished",
-            ));
-        };
+        let c = g.comms.get_mut(&self.h).ok_or_else(vanished)?;
         c.coll_seq += 1;
         Ok((c.coll_seq - 1, c.device))
     }
@@ -160,12 +176,7 @@ impl Ready {
 /// Checks `comm` is initialized (and, with `ops`, not finalized and its clique not aborted).
 fn ready(g: &mut Global, comm: ncclComm_t, what: &str, ops: bool) -> Result<Ready, Fail> {
     let h = known(g, comm, what)?;
-    let Some(c) = g.comms.get(&h) else {
-        return Err(Fail::new(
-            ncclInternalError,
-            "internal error: handle vanished",
-        ));
-    };
+    let c = g.comms.get(&h).ok_or_else(vanished)?;
     let root = c.root;
     let finalized = c.finalized;
     // NCCL's ncclCommEnsureReady (init.cc:373): asynchronous work in flight refuses the
@@ -375,12 +386,7 @@ fn start_job(
     out: usize,
     body: impl FnOnce() -> (usize, Result<(), Fail>) + Send + 'static,
 ) -> Result<ncclResult_t, Fail> {
-    let Some(c) = g.comms.get_mut(&parent) else {
-        return Err(Fail::new(
-            ncclInternalError,
-            "internal error: handle vanished",
-        ));
-    };
+    let c = g.comms.get_mut(&parent).ok_or_else(vanished)?;
     c.job = Job::Busy { child };
     let root = c.root;
     let start = std::time::Instant::now();
@@ -442,17 +448,12 @@ fn end_child_job(h: Handle, split_of: Option<u64>) -> (usize, Result<(), Fail>) 
             CommState::Failed(f) => break Err(f.clone()),
             CommState::Pending => {}
         }
-        let (on, until) = (c.pending_on.clone(), c.deadline);
+        let until = c.deadline;
         let parent_failed = split_of
             .and_then(|p| g.cliques.get(&p))
             .and_then(|cl| cl.aborted.clone());
         if let Some(f) = parent_failed {
-            g.fail_pending(on, f.clone());
-            if let Some(c) = g.comms.get_mut(&h) {
-                if matches!(c.state, CommState::Pending) {
-                    c.state = CommState::Failed(f);
-                }
-            }
+            g.fail_handle(h, f);
             continue;
         }
         g = super::state::wait(g, until);
@@ -555,45 +556,45 @@ pub(crate) unsafe extern "C" fn ncclGetErrorString(result: ncclResult_t) -> *con
 pub(crate) unsafe extern "C" fn ncclGetLastError(_comm: ncclComm_t) -> *const c_char {
     // The text is per thread; `comm` (NULL allowed) is not used. The returned pointer stays
     // valid until this thread's next ncclGetLastError call.
-    match std::panic::catch_unwind(|| {
+    std::panic::catch_unwind(|| {
         LAST.with(|l| {
             let mut l = l.borrow_mut();
             l.1 = l.0.clone();
             l.1.as_ptr()
         })
-    }) {
-        Ok(p) => p,
-        Err(_) => c"".as_ptr(),
-    }
+    })
+    .unwrap_or(c"".as_ptr())
 }
 
 fn init_rank(
+    what: &str,
     comm: *mut ncclComm_t,
     nranks: c_int,
     id: ncclUniqueId,
     rank: c_int,
     config: *const ncclConfig_t,
-    what: &str,
-) -> Result<ncclResult_t, Fail> {
-    super::fault::ensure_runtime();
-    let mut g = lock();
-    let idb = id_bytes(&id);
-    let root = g.root_of(&idb);
-    if comm.is_null() {
-        return Err(g.misuse(
-            Some(root),
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: comm is NULL"),
-        ));
-    }
-    if nranks < 1 || rank < 0 || rank >= nranks {
-        return Err(g.misuse(
+) -> ncclResult_t {
+    ffi_grouped(|| {
+        super::fault::ensure_runtime();
+        let mut g = lock();
+        let idb = id_bytes(&id);
+        let root = g.root_of(&idb);
+        if comm.is_null() {
+            return Err(g.misuse(
+                Some(root),
+                ncclInvalidArgument,
+                format!("invalid argument: {what}: comm is NULL"),
+            ));
+        }
+        if nranks < 1 || rank < 0 || rank >= nranks {
+            return Err(g.misuse(
             Some(root),
             ncclInvalidArgument,
             format!("invalid argument: {what}: rank {rank} / nranks {nranks} out of range (need 0 <= rank < nranks)"),
         ));
-    }
-    new_rank(g, idb, nranks, rank, root, config, what, comm)
+        }
+        new_rank(g, idb, nranks, rank, root, config, what, comm)
+    })
 }
 
 /// A rank that joins with a unique id (init, or a rank new to a grow): its handle, named
@@ -688,41 +689,12 @@ fn shared_of(g: &Global, clique: u64) -> Option<std::sync::Arc<super::shm::Segme
     g.cliques.get(&clique).and_then(|c| c.shared.clone())
 }
 
-pub(crate) unsafe extern "C" fn ncclCommInitRankConfig(
-    comm: *mut ncclComm_t,
-    nranks: c_int,
-    comm_id: ncclUniqueId,
-    rank: c_int,
-    config: *mut ncclConfig_t,
-) -> ncclResult_t {
-    ffi(|| {
-        group_err(init_rank(
-            comm,
-            nranks,
-            comm_id,
-            rank,
-            config,
-            "ncclCommInitRankConfig",
-        ))
-    })
-}
-
-pub(crate) unsafe extern "C" fn ncclCommInitRank(
-    comm: *mut ncclComm_t,
-    nranks: c_int,
-    comm_id: ncclUniqueId,
-    rank: c_int,
-) -> ncclResult_t {
-    ffi(|| {
-        group_err(init_rank(
-            comm,
-            nranks,
-            comm_id,
-            rank,
-            core::ptr::null(),
-            "ncclCommInitRank",
-        ))
-    })
+forward! {
+    ncclCommInitRankConfig(comm: *mut ncclComm_t, nranks: c_int, comm_id: ncclUniqueId,
+        rank: c_int, config: *mut ncclConfig_t)
+        => init_rank(comm, nranks, comm_id, rank, config);
+    ncclCommInitRank(comm: *mut ncclComm_t, nranks: c_int, comm_id: ncclUniqueId, rank: c_int)
+        => init_rank(comm, nranks, comm_id, rank, core::ptr::null());
 }
 
 pub(crate) unsafe extern "C" fn ncclCommInitAll(
@@ -782,6 +754,14 @@ pub(crate) unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult
     })
 }
 
+/// The failure that `rank`'s ncclCommAbort gives its clique.
+fn aborted_by(rank: i32) -> Fail {
+    Fail::new(
+        ncclRemoteError,
+        format!("remote error: rank {rank} called ncclCommAbort"),
+    )
+}
+
 fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     if comm.is_null() {
         return Ok(ncclSuccess); // as NCCL: destroying/aborting NULL is a no-op
@@ -816,8 +796,6 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
         // init.cc:2503-2520) before it tears down.
         g = end_job_for_abort(g, h);
         h = known(&mut g, comm, what)?;
-    }
-    if abort {
         // As NVIDIA's abort: it first sets the abort flag, which ends the operations that
         // wait for peers in this clique (here: wakes them with the abort's error), then
         // frees its resources through the driver, which waits behind a stalled stream. So
@@ -828,13 +806,7 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
             let root = c.root;
             if let CommState::Ready { clique, rank } = c.state {
                 if shared_of(&g, clique).is_none() {
-                    g.abort_clique(
-                        clique,
-                        Fail::new(
-                            ncclRemoteError,
-                            format!("remote error: rank {rank} called ncclCommAbort"),
-                        ),
-                    );
+                    g.abort_clique(clique, aborted_by(rank));
                 }
             }
             drop(g);
@@ -843,12 +815,7 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
             h = known(&mut g, comm, what)?;
         }
     }
-    let Some(c) = g.comms.remove(&h) else {
-        return Err(Fail::new(
-            ncclInternalError,
-            "internal error: handle vanished",
-        ));
-    };
+    let c = g.comms.remove(&h).ok_or_else(vanished)?;
     g.dead.insert(h, c.root);
     super::registry::teardown(&mut g, h, c.root);
     g.count(Some(c.root), |s| {
@@ -868,13 +835,7 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
                 }
             }
             if abort {
-                g.abort_clique(
-                    clique,
-                    Fail::new(
-                        ncclRemoteError,
-                        format!("remote error: rank {rank} called ncclCommAbort"),
-                    ),
-                );
+                g.abort_clique(clique, aborted_by(rank));
             }
             g.leave_clique(clique);
         }
@@ -940,15 +901,8 @@ fn end_job_for_abort(
         let Job::Busy { child } = c.job.clone() else {
             return g;
         };
-        match child.and_then(|k| g.comms.get(&k).map(|c| (k, c.pending_on.clone()))) {
-            Some((k, on)) => {
-                g.fail_pending(on, why.clone());
-                if let Some(c) = g.comms.get_mut(&k) {
-                    if matches!(c.state, CommState::Pending) {
-                        c.state = CommState::Failed(why.clone());
-                    }
-                }
-            }
+        match child.filter(|k| g.comms.contains_key(k)) {
+            Some(k) => g.fail_handle(k, why.clone()),
             None => {
                 if let Some(CommState::Ready { clique, .. }) =
                     g.comms.get(&h).map(|c| c.state.clone())
@@ -1031,80 +985,78 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
     newcomm: *mut ncclComm_t,
     config: *mut ncclConfig_t,
 ) -> ncclResult_t {
-    ffi(|| {
-        group_err((|| {
-            let mut g = lock();
-            let r = ready(&mut g, comm, "ncclCommSplit", true)?;
-            if newcomm.is_null() || color < NCCL_SPLIT_NOCOLOR {
-                return Err(r.invalid(
-                    &mut g,
-                    "ncclCommSplit",
-                    format!("newcomm is NULL or color {color} < 0 (and not NCCL_SPLIT_NOCOLOR)"),
-                ));
-            }
-            let blocking = r.child_blocking(&mut g, config, "ncclCommSplit")?;
-            let (seq, dev) = r.next_coll(&mut g)?;
-            // As NCCL (init.cc:2571-2572): NULL until the split is complete.
-            put(newcomm, core::ptr::null_mut());
-            let out = newcomm as usize;
-            let (clique, rank, root) = (r.clique, r.rank, r.root);
-            if let Some(seg) = shared_of(&g, r.clique) {
-                let own = config_name(config);
-                let name = if own != 0 {
-                    own
-                } else {
-                    g.comms.get(&r.h).map_or(0, |c| c.name)
-                };
-                let split = move || {
-                    shared_split(
-                        seg,
-                        clique,
-                        seq,
-                        (color, key),
-                        rank,
-                        root,
-                        dev,
-                        blocking,
-                        name,
-                    )
-                };
-                if asynchronous(&g, r.h) {
-                    return start_job(&mut g, r.h, None, "split", out, move || match split() {
-                        Ok(Some(h)) => {
-                            if let Some(c) = lock().comms.get_mut(&r.h) {
-                                c.job = Job::Busy { child: Some(h) };
-                            }
-                            end_child_job(h, Some(clique))
-                        }
-                        Ok(None) => (0, Ok(())),
-                        Err(f) => (0, Err(f)),
-                    });
-                }
-                drop(g);
-                return match split()? {
-                    Some(h) => finish_new(lock(), h, newcomm, !blocking),
-                    None => Ok(ncclSuccess),
-                };
-            }
-            if color == NCCL_SPLIT_NOCOLOR {
-                g.post_rdv(r.clique, seq, None, (r.rank, color, key, None))?;
-                if asynchronous(&g, r.h) {
-                    return start_job(&mut g, r.h, None, "split", out, move || {
-                        end_nocolor_job(clique, seq)
-                    });
-                }
-                return Ok(ncclSuccess);
-            }
-            let h = g.new_handle(r.root, dev, !blocking);
-            set_name(&mut g, h, config, Some(r.h));
-            g.post_rdv(r.clique, seq, None, (r.rank, color, key, Some(h)))?;
+    ffi_grouped(|| {
+        let mut g = lock();
+        let r = ready(&mut g, comm, "ncclCommSplit", true)?;
+        if newcomm.is_null() || color < NCCL_SPLIT_NOCOLOR {
+            return Err(r.invalid(
+                &mut g,
+                "ncclCommSplit",
+                format!("newcomm is NULL or color {color} < 0 (and not NCCL_SPLIT_NOCOLOR)"),
+            ));
+        }
+        let blocking = r.child_blocking(&mut g, config, "ncclCommSplit")?;
+        let (seq, dev) = r.next_coll(&mut g)?;
+        // As NCCL (init.cc:2571-2572): NULL until the split is complete.
+        put(newcomm, core::ptr::null_mut());
+        let out = newcomm as usize;
+        let (clique, rank, root) = (r.clique, r.rank, r.root);
+        if let Some(seg) = shared_of(&g, r.clique) {
+            let own = config_name(config);
+            let name = if own != 0 {
+                own
+            } else {
+                g.comms.get(&r.h).map_or(0, |c| c.name)
+            };
+            let split = move || {
+                shared_split(
+                    seg,
+                    clique,
+                    seq,
+                    (color, key),
+                    rank,
+                    root,
+                    dev,
+                    blocking,
+                    name,
+                )
+            };
             if asynchronous(&g, r.h) {
-                return start_job(&mut g, r.h, Some(h), "split", out, move || {
-                    end_child_job(h, Some(clique))
+                return start_job(&mut g, r.h, None, "split", out, move || match split() {
+                    Ok(Some(h)) => {
+                        if let Some(c) = lock().comms.get_mut(&r.h) {
+                            c.job = Job::Busy { child: Some(h) };
+                        }
+                        end_child_job(h, Some(clique))
+                    }
+                    Ok(None) => (0, Ok(())),
+                    Err(f) => (0, Err(f)),
                 });
             }
-            finish_new(g, h, newcomm, !blocking)
-        })())
+            drop(g);
+            return match split()? {
+                Some(h) => finish_new(lock(), h, newcomm, !blocking),
+                None => Ok(ncclSuccess),
+            };
+        }
+        if color == NCCL_SPLIT_NOCOLOR {
+            g.post_rdv(r.clique, seq, None, (r.rank, color, key, None))?;
+            if asynchronous(&g, r.h) {
+                return start_job(&mut g, r.h, None, "split", out, move || {
+                    end_nocolor_job(clique, seq)
+                });
+            }
+            return Ok(ncclSuccess);
+        }
+        let h = g.new_handle(r.root, dev, !blocking);
+        set_name(&mut g, h, config, Some(r.h));
+        g.post_rdv(r.clique, seq, None, (r.rank, color, key, Some(h)))?;
+        if asynchronous(&g, r.h) {
+            return start_job(&mut g, r.h, Some(h), "split", out, move || {
+                end_child_job(h, Some(clique))
+            });
+        }
+        finish_new(g, h, newcomm, !blocking)
     })
 }
 
@@ -1116,101 +1068,96 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
     config: *mut ncclConfig_t,
     shrink_flags: c_int,
 ) -> ncclResult_t {
-    ffi(|| {
-        group_err((|| {
-            let mut g = lock();
-            let r = ready(&mut g, comm, "ncclCommShrink", false)?;
-            let bad = |g: &mut Global, m: String| r.invalid(g, "ncclCommShrink", m);
-            if newcomm.is_null() {
-                return Err(bad(&mut g, "newcomm is NULL".into()));
-            }
-            if shrink_flags != NCCL_SHRINK_DEFAULT as c_int
-                && shrink_flags != NCCL_SHRINK_ABORT as c_int
-            {
-                return Err(bad(&mut g, format!("unknown shrinkFlags {shrink_flags}")));
-            }
-            if exclude_ranks_count < 0 || (exclude_ranks_count > 0 && exclude_ranks_list.is_null())
-            {
-                return Err(bad(
-                    &mut g,
-                    "excludeRanksList is NULL or excludeRanksCount < 0".into(),
-                ));
-            }
-            let mut excl = Vec::new();
-            for i in 0..exclude_ranks_count as usize {
-                // SAFETY: the list is non-null and holds excludeRanksCount entries (NCCL's contract).
-                excl.push(unsafe { exclude_ranks_list.add(i).read() });
-            }
-            excl.sort_unstable();
-            excl.dedup();
-            if excl.len() != exclude_ranks_count as usize
-                || excl.iter().any(|&x| x < 0 || x >= r.nranks || x == r.rank)
-            {
-                return Err(bad(&mut g, format!(
-                    "exclude list {excl:?} has duplicates, ranks outside 0..{}, or the calling rank {}",
-                    r.nranks, r.rank
-                )));
-            }
-            let blocking = r.child_blocking(&mut g, config, "ncclCommShrink")?;
-            if shrink_flags == NCCL_SHRINK_ABORT as c_int {
-                // NCCL sets the abort flags, waits for the parent's kernels to end and
-                // clears the flags (init.cc:2844-2848 of 2.29.7): its work in flight ends.
-                super::fault::torn_down(r.h);
-            }
-            // Then `ncclCommInitChildComm`'s `ncclCommEnsureReady` (init.cc:2762, 400-416):
-            // a parent whose asynchronous error is set is refused with that error, in both
-            // modes, unless a revoke's job has since cleared it (init.cc:2635).
-            if let Some(f) = async_failure(&mut g, r.h) {
-                return Err(f);
-            }
-            // NCCL's abort flags are this rank's and cleared again before the child is made
-            // (init.cc:2846): the parent's other ranks are not told, and its state is not
-            // set (so the other survivors' own shrinks are not refused for it).
-            // A default shrink is a collective of the parent (numbered as one). One in
-            // abort mode is not: NCCL's ranks meet through the bootstrap, whatever each had
-            // in flight on the parent when it failed (some never issued the collective the
-            // others waited in), so it gets a number of its own, the same on every rank
-            // left: the how-many-th abort shrink of this parent.
-            let (seq, dev) = if shrink_flags == NCCL_SHRINK_ABORT as c_int {
-                let Some(c) = g.comms.get_mut(&r.h) else {
-                    return Err(Fail::new(
-                        ncclInternalError,
-                        "internal error: handle vanished",
-                    ));
-                };
-                c.abort_shrinks += 1;
-                ((1u64 << 62) + c.abort_shrinks - 1, c.device)
-            } else {
-                r.next_coll(&mut g)?
-            };
-            let h = g.new_handle(r.root, dev, !blocking);
-            set_name(&mut g, h, config, Some(r.h));
-            // As NCCL (init.cc:2571-2572): NULL until the shrink is complete.
-            put(newcomm, core::ptr::null_mut());
-            if let Some(seg) = shared_of(&g, r.clique) {
-                // Across processes: the survivors need not talk through the (possibly failed)
-                // parent: each derives the child's id and its rank from the exclude list.
-                let id = seg.child_id(&format!("shrink {excl:?}"));
-                let new_rank = (0..r.nranks)
-                    .filter(|q| !excl.contains(q))
-                    .position(|q| q == r.rank);
-                let n = r.nranks - excl.len() as c_int;
-                join_shared(&mut g, id, n, new_rank.unwrap_or(0) as c_int, h, r.root)?;
-            } else {
-                g.post_rdv(r.clique, seq, Some(excl), (r.rank, 0, r.rank, Some(h)))?;
-            }
-            if asynchronous(&g, r.h) {
-                return start_job(
-                    &mut g,
-                    r.h,
-                    Some(h),
-                    "shrink",
-                    newcomm as usize,
-                    move || end_child_job(h, None),
-                );
-            }
-            finish_new(g, h, newcomm, !blocking)
-        })())
+    ffi_grouped(|| {
+        let mut g = lock();
+        let r = ready(&mut g, comm, "ncclCommShrink", false)?;
+        let bad = |g: &mut Global, m: String| r.invalid(g, "ncclCommShrink", m);
+        if newcomm.is_null() {
+            return Err(bad(&mut g, "newcomm is NULL".into()));
+        }
+        if shrink_flags != NCCL_SHRINK_DEFAULT as c_int
+            && shrink_flags != NCCL_SHRINK_ABORT as c_int
+        {
+            return Err(bad(&mut g, format!("unknown shrinkFlags {shrink_flags}")));
+        }
+        if exclude_ranks_count < 0 || (exclude_ranks_count > 0 && exclude_ranks_list.is_null()) {
+            return Err(bad(
+                &mut g,
+                "excludeRanksList is NULL or excludeRanksCount < 0".into(),
+            ));
+        }
+        let mut excl = Vec::new();
+        for i in 0..exclude_ranks_count as usize {
+            // SAFETY: the list is non-null and holds excludeRanksCount entries (NCCL's contract).
+            excl.push(unsafe { exclude_ranks_list.add(i).read() });
+        }
+        excl.sort_unstable();
+        excl.dedup();
+        if excl.len() != exclude_ranks_count as usize
+            || excl.iter().any(|&x| x < 0 || x >= r.nranks || x == r.rank)
+        {
+            return Err(bad(
+                &mut g,
+                format!(
+                "exclude list {excl:?} has duplicates, ranks outside 0..{}, or the calling rank {}",
+                r.nranks, r.rank
+            ),
+            ));
+        }
+        let blocking = r.child_blocking(&mut g, config, "ncclCommShrink")?;
+        if shrink_flags == NCCL_SHRINK_ABORT as c_int {
+            // NCCL sets the abort flags, waits for the parent's kernels to end and
+            // clears the flags (init.cc:2844-2848 of 2.29.7): its work in flight ends.
+            super::fault::torn_down(r.h);
+        }
+        // Then `ncclCommInitChildComm`'s `ncclCommEnsureReady` (init.cc:2762, 400-416):
+        // a parent whose asynchronous error is set is refused with that error, in both
+        // modes, unless a revoke's job has since cleared it (init.cc:2635).
+        if let Some(f) = async_failure(&mut g, r.h) {
+            return Err(f);
+        }
+        // NCCL's abort flags are this rank's and cleared again before the child is made
+        // (init.cc:2846): the parent's other ranks are not told, and its state is not
+        // set (so the other survivors' own shrinks are not refused for it).
+        // A default shrink is a collective of the parent (numbered as one). One in
+        // abort mode is not: NCCL's ranks meet through the bootstrap, whatever each had
+        // in flight on the parent when it failed (some never issued the collective the
+        // others waited in), so it gets a number of its own, the same on every rank
+        // left: the how-many-th abort shrink of this parent.
+        let (seq, dev) = if shrink_flags == NCCL_SHRINK_ABORT as c_int {
+            let c = g.comms.get_mut(&r.h).ok_or_else(vanished)?;
+            c.abort_shrinks += 1;
+            ((1u64 << 62) + c.abort_shrinks - 1, c.device)
+        } else {
+            r.next_coll(&mut g)?
+        };
+        let h = g.new_handle(r.root, dev, !blocking);
+        set_name(&mut g, h, config, Some(r.h));
+        // As NCCL (init.cc:2571-2572): NULL until the shrink is complete.
+        put(newcomm, core::ptr::null_mut());
+        if let Some(seg) = shared_of(&g, r.clique) {
+            // Across processes: the survivors need not talk through the (possibly failed)
+            // parent: each derives the child's id and its rank from the exclude list.
+            let id = seg.child_id(&format!("shrink {excl:?}"));
+            let new_rank = (0..r.nranks)
+                .filter(|q| !excl.contains(q))
+                .position(|q| q == r.rank);
+            let n = r.nranks - excl.len() as c_int;
+            join_shared(&mut g, id, n, new_rank.unwrap_or(0) as c_int, h, r.root)?;
+        } else {
+            g.post_rdv(r.clique, seq, Some(excl), (r.rank, 0, r.rank, Some(h)))?;
+        }
+        if asynchronous(&g, r.h) {
+            return start_job(
+                &mut g,
+                r.h,
+                Some(h),
+                "shrink",
+                newcomm as usize,
+                move || end_child_job(h, None),
+            );
+        }
+        finish_new(g, h, newcomm, !blocking)
     })
 }
 
@@ -1262,12 +1209,7 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
         }
         let mut g = lock();
         let h = known(&mut g, comm, "ncclCommRevoke")?;
-        let Some(c) = g.comms.get(&h) else {
-            return Err(Fail::new(
-                ncclInternalError,
-                "internal error: handle vanished",
-            ));
-        };
+        let c = g.comms.get(&h).ok_or_else(vanished)?;
         let root = c.root;
         let refusal = if revoke_flags != NCCL_REVOKE_DEFAULT as c_int {
             Some(format!(
@@ -1451,97 +1393,97 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
     config: *mut ncclConfig_t,
 ) -> ncclResult_t {
     super::fault::ensure_runtime();
-    ffi(|| {
-        group_err((|| {
-            const NAME: &str = "ncclCommGrow";
-            let mut g = lock();
-            if newcomm.is_null() || n_ranks <= 0 {
-                return Err(g.misuse(
-                    None,
-                    ncclInvalidArgument,
-                    format!("invalid argument: {NAME}: newcomm is NULL or nRanks {n_ranks} <= 0"),
-                ));
-            }
-            let given = (!unique_id.is_null()).then(|| {
-                // SAFETY: non-null, so a readable ncclUniqueId (NCCL's contract).
-                id_bytes(unsafe { &*unique_id })
-            });
-            if !comm.is_null() {
-                let r = ready(&mut g, comm, NAME, false)?;
-                if n_ranks <= r.nranks {
-                    return Err(r.invalid(
-                        &mut g,
-                        NAME,
-                        format!(
-                            "total ranks {n_ranks} is not above the current {}",
-                            r.nranks
-                        ),
-                    ));
-                }
-                put(newcomm, core::ptr::null_mut());
-                if let Some(f) = async_failure(&mut g, r.h) {
-                    return Err(f);
-                }
-                if rank != -1 {
-                    return Err(r.invalid(
-                        &mut g,
-                        NAME,
-                        format!("existing ranks must pass rank = -1, got {rank}"),
-                    ));
-                }
-                let id = next_grow_id(&g, &r);
-                if let Some(c) = g.comms.get_mut(&r.h) {
-                    c.grows += 1;
-                }
-                g.alias_root(&id, r.root);
-                let shared = shared_of(&g, r.clique);
-                if shared.is_none() && r.nranks > 1 && (r.rank == 0 || r.rank == r.nranks - 1) {
-                    let (g2, got) = receive_grow_id(g, r.clique, r.rank);
-                    g = g2;
-                    if got? != id {
-                        return Err(r.invalid(
-                            &mut g,
-                            NAME,
-                            "the grow id received from the root is not this grow's (magic mismatch)".into(),
-                        ));
-                    }
-                }
-                if given.is_some_and(|x| x != id) {
-                    return Err(r.invalid(
-                        &mut g,
-                        NAME,
-                        "uniqueId is not this communicator's next grow id (from ncclCommGetUniqueId)".into(),
-                    ));
-                }
-                let blocking = r.child_blocking(&mut g, config, NAME)?;
-                let dev = g.comms.get(&r.h).map_or(0, |c| c.device);
-                let h = g.new_handle(r.root, dev, !blocking);
-                set_name(&mut g, h, config, Some(r.h));
-                if shared.is_some() {
-                    join_shared(&mut g, id, n_ranks, r.rank, h, r.root)?;
-                } else {
-                    g.post_init(id, n_ranks, r.rank, h);
-                }
-                return finish_new(g, h, newcomm, !blocking).map(grow_result);
-            }
-            let Some(id) = given else {
-                return Err(g.misuse(
-                    None,
-                    ncclInvalidArgument,
-                    format!("invalid argument: {NAME}: new ranks must pass a uniqueId"),
-                ));
-            };
-            let root = g.root_of(&id);
-            if rank < 0 || rank >= n_ranks {
-                return Err(g.misuse(
-                    Some(root),
-                    ncclInvalidArgument,
-                    format!("invalid argument: {NAME}: new rank {rank} is not in 0..{n_ranks}"),
+    ffi_grouped(|| {
+        const NAME: &str = "ncclCommGrow";
+        let mut g = lock();
+        if newcomm.is_null() || n_ranks <= 0 {
+            return Err(g.misuse(
+                None,
+                ncclInvalidArgument,
+                format!("invalid argument: {NAME}: newcomm is NULL or nRanks {n_ranks} <= 0"),
+            ));
+        }
+        let given = (!unique_id.is_null()).then(|| {
+            // SAFETY: non-null, so a readable ncclUniqueId (NCCL's contract).
+            id_bytes(unsafe { &*unique_id })
+        });
+        if !comm.is_null() {
+            let r = ready(&mut g, comm, NAME, false)?;
+            if n_ranks <= r.nranks {
+                return Err(r.invalid(
+                    &mut g,
+                    NAME,
+                    format!(
+                        "total ranks {n_ranks} is not above the current {}",
+                        r.nranks
+                    ),
                 ));
             }
             put(newcomm, core::ptr::null_mut());
-            new_rank(g, id, n_ranks, rank, root, config, NAME, newcomm).map(grow_result)
-        })())
+            if let Some(f) = async_failure(&mut g, r.h) {
+                return Err(f);
+            }
+            if rank != -1 {
+                return Err(r.invalid(
+                    &mut g,
+                    NAME,
+                    format!("existing ranks must pass rank = -1, got {rank}"),
+                ));
+            }
+            let id = next_grow_id(&g, &r);
+            if let Some(c) = g.comms.get_mut(&r.h) {
+                c.grows += 1;
+            }
+            g.alias_root(&id, r.root);
+            let shared = shared_of(&g, r.clique);
+            if shared.is_none() && r.nranks > 1 && (r.rank == 0 || r.rank == r.nranks - 1) {
+                let (g2, got) = receive_grow_id(g, r.clique, r.rank);
+                g = g2;
+                if got? != id {
+                    return Err(r.invalid(
+                        &mut g,
+                        NAME,
+                        "the grow id received from the root is not this grow's (magic mismatch)"
+                            .into(),
+                    ));
+                }
+            }
+            if given.is_some_and(|x| x != id) {
+                return Err(r.invalid(
+                    &mut g,
+                    NAME,
+                    "uniqueId is not this communicator's next grow id (from ncclCommGetUniqueId)"
+                        .into(),
+                ));
+            }
+            let blocking = r.child_blocking(&mut g, config, NAME)?;
+            let dev = g.comms.get(&r.h).map_or(0, |c| c.device);
+            let h = g.new_handle(r.root, dev, !blocking);
+            set_name(&mut g, h, config, Some(r.h));
+            if shared.is_some() {
+                join_shared(&mut g, id, n_ranks, r.rank, h, r.root)?;
+            } else {
+                g.post_init(id, n_ranks, r.rank, h);
+            }
+            return finish_new(g, h, newcomm, !blocking).map(grow_result);
+        }
+        let Some(id) = given else {
+            return Err(g.misuse(
+                None,
+                ncclInvalidArgument,
+                format!("invalid argument: {NAME}: new ranks must pass a uniqueId"),
+            ));
+        };
+        let root = g.root_of(&id);
+        if rank < 0 || rank >= n_ranks {
+            return Err(g.misuse(
+                Some(root),
+                ncclInvalidArgument,
+                format!("invalid argument: {NAME}: new rank {rank} is not in 0..{n_ranks}"),
+            ));
+        }
+        put(newcomm, core::ptr::null_mut());
+        new_rank(g, id, n_ranks, rank, root, config, NAME, newcomm).map(grow_result)
     })
 }
 
@@ -1572,41 +1514,19 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
             ));
         }
         g.check_pending_deadline(h);
-        // Asynchronous work in flight, or its sticky failure, first (see `start_job`).
-        match g.comms.get(&h).map(|c| c.job.clone()) {
-            Some(Job::Busy { .. }) => {
-                put(async_error, ncclInProgress);
-                return Ok(ncclSuccess);
-            }
-            Some(Job::Failed(f)) => {
-                set_last(&f.msg);
-                put(async_error, f.code);
-                return Ok(ncclSuccess);
-            }
-            _ => {}
-        }
-        let state = g.comms.get(&h).map(|c| c.state.clone());
-        let code = match state {
-            Some(CommState::Pending) => ncclInProgress,
-            Some(CommState::Failed(f)) => {
-                set_last(&f.msg);
-                f.code
-            }
-            Some(CommState::Ready { clique, .. }) => {
-                if let Some(f) = shared_of(&g, clique).and_then(|s| s.failure()) {
-                    g.abort_clique(clique, f);
-                }
-                let cleared = g.comms.get(&h).is_some_and(|c| c.error_cleared);
-                match g.cliques.get(&clique).and_then(|c| c.aborted.clone()) {
-                    Some(_) if cleared => ncclSuccess,
-                    Some(f) => {
-                        set_last(&f.msg);
-                        f.code
-                    }
-                    None => ncclSuccess,
-                }
-            }
+        // Asynchronous work in flight, or its sticky failure, first (see `start_job`); then
+        // the communicator's own state.
+        let report = |f: Fail| {
+            set_last(&f.msg);
+            f.code
+        };
+        let code = match g.comms.get(&h).map(|c| (c.job.clone(), c.state.clone())) {
             None => ncclInternalError,
+            Some((Job::Busy { .. }, _) | (Job::Idle, CommState::Pending)) => ncclInProgress,
+            Some((Job::Failed(f), _) | (Job::Idle, CommState::Failed(f))) => report(f),
+            Some((Job::Idle, CommState::Ready { .. })) => {
+                async_failure(&mut g, h).map_or(ncclSuccess, report)
+            }
         };
         put(async_error, code);
         Ok(ncclSuccess)
@@ -1614,9 +1534,9 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
 }
 
 fn comm_query(
+    what: &str,
     comm: ncclComm_t,
     out: *mut c_int,
-    what: &str,
     f: impl FnOnce(&Global, &Ready) -> c_int,
 ) -> ncclResult_t {
     ffi(|| {
@@ -1634,24 +1554,11 @@ fn comm_query(
     })
 }
 
-pub(crate) unsafe extern "C" fn ncclCommCount(comm: ncclComm_t, count: *mut c_int) -> ncclResult_t {
-    comm_query(comm, count, "ncclCommCount", |_, r| r.nranks)
-}
-
-pub(crate) unsafe extern "C" fn ncclCommCuDevice(
-    comm: ncclComm_t,
-    device: *mut c_int,
-) -> ncclResult_t {
-    comm_query(comm, device, "ncclCommCuDevice", |g, r| {
-        g.comms.get(&r.h).map_or(-1, |c| c.device)
-    })
-}
-
-pub(crate) unsafe extern "C" fn ncclCommUserRank(
-    comm: ncclComm_t,
-    rank: *mut c_int,
-) -> ncclResult_t {
-    comm_query(comm, rank, "ncclCommUserRank", |_, r| r.rank)
+forward! {
+    ncclCommCount(comm: ncclComm_t, count: *mut c_int) => comm_query(comm, count, |_, r| r.nranks);
+    ncclCommCuDevice(comm: ncclComm_t, device: *mut c_int)
+        => comm_query(comm, device, |g, r| g.comms.get(&r.h).map_or(-1, |c| c.device));
+    ncclCommUserRank(comm: ncclComm_t, rank: *mut c_int) => comm_query(comm, rank, |_, r| r.rank);
 }
 
 pub(crate) unsafe extern "C" fn ncclRedOpCreatePreMulSum(
@@ -1689,12 +1596,7 @@ pub(crate) unsafe extern "C" fn ncclRedOpCreatePreMulSum(
         } else {
             Err(scalar as usize)
         };
-        let Some(c) = g.comms.get_mut(&r.h) else {
-            return Err(Fail::new(
-                ncclInternalError,
-                "internal error: handle vanished",
-            ));
-        };
+        let c = g.comms.get_mut(&r.h).ok_or_else(vanished)?;
         let id = c.next_redop;
         c.next_redop += 1;
         c.redops.insert(
@@ -1740,23 +1642,21 @@ fn operation(
     dt: ncclDataType_t,
     post: impl FnOnce(MutexGuard<'static, Global>, Ready, usize) -> Result<ncclResult_t, Fail>,
 ) -> ncclResult_t {
-    ffi(|| {
-        group_err((|| {
-            let mut g = lock();
-            let r = ready(&mut g, comm, name, true)?;
-            if g.comms.get(&r.h).is_some_and(|c| c.revoked) {
-                // As NCCL's ncclEnqueueCheck (enqueue.cc:2983-2986 of 2.29.7).
-                return Err(g.misuse(
-                    Some(r.root),
-                    ncclInvalidUsage,
-                    format!("invalid usage: {name}: communicator was revoked"),
-                ));
-            }
-            let Some(es) = dtype::size_of(dt) else {
-                return Err(r.invalid(&mut g, name, format!("unknown datatype {dt}")));
-            };
-            post(g, r, es)
-        })())
+    ffi_grouped(|| {
+        let mut g = lock();
+        let r = ready(&mut g, comm, name, true)?;
+        if g.comms.get(&r.h).is_some_and(|c| c.revoked) {
+            // As NCCL's ncclEnqueueCheck (enqueue.cc:2983-2986 of 2.29.7).
+            return Err(g.misuse(
+                Some(r.root),
+                ncclInvalidUsage,
+                format!("invalid usage: {name}: communicator was revoked"),
+            ));
+        }
+        let Some(es) = dtype::size_of(dt) else {
+            return Err(r.invalid(&mut g, name, format!("unknown datatype {dt}")));
+        };
+        post(g, r, es)
     })
 }
 
@@ -1884,12 +1784,7 @@ fn p2p(
         if count > 0 && ptr == 0 {
             return Err(bad(&mut g, "buffer is NULL".into()));
         }
-        let Some(c) = g.comms.get_mut(&r.h) else {
-            return Err(Fail::new(
-                ncclInternalError,
-                "internal error: handle vanished",
-            ));
-        };
+        let c = g.comms.get_mut(&r.h).ok_or_else(vanished)?;
         let ctr = if is_send {
             c.send_seq.entry(peer).or_insert(0)
         } else {
@@ -1916,17 +1811,6 @@ fn p2p(
         };
         submit_unless_stuck(g, &r, item)
     })
-}
-
-/// NCCL's entry points that only hand their arguments to the function that checks and posts
-/// them ([`coll`], [`p2p`]), its first argument the entry point's name: each pairs NCCL's C
-/// signature with that call.
-macro_rules! forward {
-    ($($name:ident($($arg:ident: $ty:ty),* $(,)?) => $f:ident($($a:expr),* $(,)?);)*) => {
-        $(pub(crate) unsafe extern "C" fn $name($($arg: $ty),*) -> ncclResult_t {
-            $f(stringify!($name), $($a),*)
-        })*
-    };
 }
 
 forward! {
@@ -2072,7 +1956,7 @@ pub(crate) unsafe extern "C" fn ncclCommRegister(
         g.next_reg += 1;
         let token = 0x7e60_0000usize + 16 * g.next_reg;
         g.regs.insert(token, r.h);
-        super::registry::registered(&mut g, r.root);
+        g.count(Some(r.root), |s| s.registered += 1);
         put(handle, token as *mut c_void);
         Ok(ncclSuccess)
     })
@@ -2140,17 +2024,10 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
             let (h, root) = (r.h, r.root);
             return start_job(&mut g, r.h, None, "window", win as usize, move || {
                 let mut g = lock();
-                let alive = g.comms.contains_key(&h);
-                match alive {
-                    true => (super::registry::register_window(&mut g, h, root), Ok(())),
-                    false => (
-                        0,
-                        Err(Fail::new(
-                            ncclInternalError,
-                            "internal error: handle vanished",
-                        )),
-                    ),
+                if !g.comms.contains_key(&h) {
+                    return (0, Err(vanished()));
                 }
+                (super::registry::register_window(&mut g, h, root), Ok(()))
             });
         }
         let token = super::registry::register_window(&mut g, r.h, r.root);

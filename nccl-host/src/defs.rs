@@ -93,13 +93,7 @@ pub(crate) struct P2pPost {
 /// How long a wait may last before it fails with `ncclTimeout`.
 pub(crate) fn wait_limit() -> Duration {
     static LIMIT: OnceLock<Duration> = OnceLock::new();
-    *LIMIT.get_or_init(|| {
-        let ms = std::env::var("NCCL_SAFE_HOST_TIMEOUT_MS")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(300_000);
-        Duration::from_millis(ms)
-    })
+    *LIMIT.get_or_init(|| env_ms("NCCL_SAFE_HOST_TIMEOUT_MS", 300_000))
 }
 
 /// How long NCCL's asynchronous work (a split, shrink or window registration on a
@@ -109,13 +103,13 @@ pub(crate) fn wait_limit() -> Duration {
 /// finds it empty, as on a GPU, and cheap enough for tests that split thousands of times.
 pub(crate) fn job_latency() -> Duration {
     static LATENCY: OnceLock<Duration> = OnceLock::new();
-    *LATENCY.get_or_init(|| {
-        let ms = std::env::var("NCCL_SAFE_HOST_JOB_LATENCY_MS")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(5);
-        Duration::from_millis(ms)
-    })
+    *LATENCY.get_or_init(|| env_ms("NCCL_SAFE_HOST_JOB_LATENCY_MS", 5))
+}
+
+/// The milliseconds in environment variable `name`, or `default` when unset or unparsable.
+fn env_ms(name: &str, default: u64) -> Duration {
+    let ms = std::env::var(name).ok().and_then(|v| v.trim().parse().ok());
+    Duration::from_millis(ms.unwrap_or(default))
 }
 
 /// A check the caller's waits poll: `true` once the call can never complete (a peer it

@@ -280,6 +280,14 @@ fn threads_for(bytes: usize) -> usize {
     avail.min(bytes / (PARALLEL_MIN / 2)).max(1)
 }
 
+/// The failure of an operation whose execution panicked (a bug).
+fn panicked() -> Fail {
+    Fail::new(
+        ncclInternalError,
+        "internal error: panic while executing an operation",
+    )
+}
+
 /// Runs `f` over a partition of `0..len` into ranges that start at multiples of `align`:
 /// on this thread alone for small `len * unit` bytes, else spread over scoped threads
 /// (this one included). A thread that cannot be started leaves its range to this thread.
@@ -322,12 +330,7 @@ fn for_parts(
             }
         }
         for h in spawned {
-            let r = h.join().unwrap_or_else(|_| {
-                Err(Fail::new(
-                    ncclInternalError,
-                    "internal error: panic while executing an operation",
-                ))
-            });
+            let r = h.join().unwrap_or_else(|_| Err(panicked()));
             if res.is_ok() {
                 res = r;
             }
@@ -688,14 +691,7 @@ fn run_job(job: Job) {
             Ok(())
         }
     }));
-    let res = res
-        .map_err(|_| {
-            Fail::new(
-                ncclInternalError,
-                "internal error: panic while executing an operation",
-            )
-        })
-        .and_then(|r| r);
+    let res = res.unwrap_or_else(|_| Err(panicked()));
     let mut g = lock();
     match job {
         Job::Coll(clique, seq, _) => {
@@ -733,11 +729,13 @@ fn poll(g: &mut Global, w: &Wait, deadline: Instant) -> Option<Result<(), Fail>>
             }
         }
         Wait::Coll(clique, seq) => {
-            let state = take_done(&mut g.cliques.get_mut(clique)?.colls, seq)?;
+            let slots = g.cliques.get_mut(clique).map(|c| &mut c.colls);
+            let state = slots.and_then(|s| take_done(s, seq));
             wait_slot(g, *clique, state, deadline)
         }
         Wait::P2p(clique, key) => {
-            let state = take_done(&mut g.cliques.get_mut(clique)?.p2p, key)?;
+            let slots = g.cliques.get_mut(clique).map(|c| &mut c.p2p);
+            let state = slots.and_then(|s| take_done(s, key));
             wait_slot(g, *clique, state, deadline)
         }
     }
@@ -786,13 +784,20 @@ fn take_done<K: Eq + std::hash::Hash, S: Slot>(
 }
 
 /// One poll of a wait on a slot of `clique` found in `state`: a waiting slot fails when
-/// the clique is aborted, and at `deadline` aborts it with a timeout.
+/// the clique is aborted, and at `deadline` aborts it with a timeout. A slot that
+/// vanished (`None`: its clique was dropped) can no longer touch the waiter's buffers.
 fn wait_slot(
     g: &mut Global,
     clique: u64,
-    state: SlotState,
+    state: Option<SlotState>,
     deadline: Instant,
 ) -> Option<Result<(), Fail>> {
+    let Some(state) = state else {
+        return Some(Err(Fail::new(
+            ncclRemoteError,
+            "remote error: communicator torn down during the operation",
+        )));
+    };
     match state {
         SlotState::Executing => None,
         SlotState::Done(r) => Some(r),
@@ -921,23 +926,7 @@ fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) ->
     loop {
         let mut i = 0;
         while i < waits.len() {
-            // A slot that vanished (clique dropped) can no longer touch our buffers.
-            let r = poll(&mut g, &waits[i], deadline).or_else(|| match &waits[i] {
-                Wait::Coll(c, s) if g.cliques.get(c).is_none_or(|cl| !cl.colls.contains_key(s)) => {
-                    Some(Err(Fail::new(
-                        ncclRemoteError,
-                        "remote error: communicator torn down during the operation",
-                    )))
-                }
-                Wait::P2p(c, k) if g.cliques.get(c).is_none_or(|cl| !cl.p2p.contains_key(k)) => {
-                    Some(Err(Fail::new(
-                        ncclRemoteError,
-                        "remote error: communicator torn down during the operation",
-                    )))
-                }
-                _ => None,
-            });
-            match r {
+            match poll(&mut g, &waits[i], deadline) {
                 Some(r) => {
                     if let Err(f) = r {
                         first.get_or_insert(f);
@@ -1160,24 +1149,9 @@ mod tests {
         let es = dtype::size_of(dt).unwrap();
         let bytes = count * es;
         let offs = offsets(layout, kind, n, bytes, root);
-        let lo = offs
-            .iter()
-            .flat_map(|&(s, d)| [s, d])
-            .flatten()
-            .min()
-            .unwrap_or(0)
-            .min(0)
-            .div_euclid(8)
-            * 8;
-        let size = offs
-            .iter()
-            .flat_map(|&(s, d)| [s, d])
-            .flatten()
-            .max()
-            .unwrap_or(0)
-            - lo
-            + (n * bytes) as isize
-            + 64;
+        let all: Vec<isize> = offs.iter().flat_map(|&(s, d)| [s, d]).flatten().collect();
+        let lo = all.iter().fold(0, |m, &o| m.min(o)).div_euclid(8) * 8;
+        let size = all.iter().fold(0, |m, &o| m.max(o)) - lo + (n * bytes) as isize + 64;
         let seed = (kind as u64) << 48 ^ (dt as u64) << 40 ^ (n as u64) << 32 ^ count as u64;
         let mut arena = noise(seed, size as usize);
         one_nan(dt, &mut arena[7 % es..]);
@@ -1298,61 +1272,33 @@ mod tests {
 
     #[test]
     fn separate_and_in_place_buffers_take_the_direct_path() {
-        for kind in kinds() {
-            for layout in [Layout::Separate, Layout::InPlace] {
-                check(
-                    kind,
-                    ncclFloat32,
-                    RedKind::Sum,
-                    4,
-                    100,
-                    1,
-                    layout,
-                    Some(true),
-                );
-            }
+        // (kind, ranks, root, layout, direct): outputs read later than they are written,
+        // or written twice, are not direct.
+        let cases = kinds()
+            .flat_map(|k| {
+                [
+                    (k, 4, 1, Layout::Separate, true),
+                    (k, 4, 1, Layout::InPlace, true),
+                ]
+            })
+            .chain([
+                (Collective::AllReduce, 3, 0, Layout::Shifted(-4), false),
+                (Collective::AllReduce, 3, 0, Layout::SharedRecv, false),
+                (Collective::AllGather, 3, 0, Layout::Ring, false),
+                (Collective::Broadcast, 3, 0, Layout::SharedSend, true),
+            ]);
+        for (kind, n, root, layout, direct) in cases {
+            check(
+                kind,
+                ncclFloat32,
+                RedKind::Sum,
+                n,
+                100,
+                root,
+                layout,
+                Some(direct),
+            );
         }
-        // Outputs read later than they are written, or written twice, are not direct.
-        check(
-            Collective::AllReduce,
-            ncclFloat32,
-            RedKind::Sum,
-            3,
-            100,
-            0,
-            Layout::Shifted(-4),
-            Some(false),
-        );
-        check(
-            Collective::AllReduce,
-            ncclFloat32,
-            RedKind::Sum,
-            3,
-            100,
-            0,
-            Layout::SharedRecv,
-            Some(false),
-        );
-        check(
-            Collective::AllGather,
-            ncclFloat32,
-            RedKind::Sum,
-            3,
-            100,
-            0,
-            Layout::Ring,
-            Some(false),
-        );
-        check(
-            Collective::Broadcast,
-            ncclFloat32,
-            RedKind::Sum,
-            3,
-            100,
-            0,
-            Layout::SharedSend,
-            Some(true),
-        );
     }
 
     #[test]

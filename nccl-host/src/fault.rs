@@ -93,6 +93,14 @@ fn lock() -> MutexGuard<'static, Faults> {
     faults().0.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Waits on the faults' condition variable for at most `d`, returning the re-acquired lock.
+fn wait_on(f: MutexGuard<'static, Faults>, d: Duration) -> MutexGuard<'static, Faults> {
+    faults()
+        .1
+        .wait_timeout(f, d)
+        .map_or_else(|e| e.into_inner().0, |(g, _)| g)
+}
+
 fn root_of(id: &ncclUniqueId) -> RootIdx {
     super::state::lock().root_of(&super::defs::id_bytes(id))
 }
@@ -155,13 +163,7 @@ pub(crate) fn wait_jobs_released(root: RootIdx) {
         if left.is_zero() {
             return;
         }
-        f = match faults()
-            .1
-            .wait_timeout(f, left.min(Duration::from_millis(100)))
-        {
-            Ok((g, _)) => g,
-            Err(e) => e.into_inner().0,
-        };
+        f = wait_on(f, left.min(Duration::from_millis(100)));
     }
 }
 
@@ -261,10 +263,7 @@ pub(crate) fn block_abort(root: RootIdx) {
             Some(u) => u - Instant::now(),
             None => Duration::from_secs(3600),
         };
-        f = match faults().1.wait_timeout(f, wait) {
-            Ok((g, _)) => g,
-            Err(e) => e.into_inner().0,
-        };
+        f = wait_on(f, wait);
     }
     if let Some(n) = f.blocked.get_mut(&root) {
         *n = n.saturating_sub(1);
@@ -312,9 +311,6 @@ extern "C" fn runtime_teardown() {
     // Give a woken abort the time to crash the process, as it would on a GPU.
     let until = Instant::now() + Duration::from_secs(2);
     while f.blocked.values().any(|&n| n > 0) && Instant::now() < until {
-        f = match faults().1.wait_timeout(f, Duration::from_millis(20)) {
-            Ok((g, _)) => g,
-            Err(e) => e.into_inner().0,
-        };
+        f = wait_on(f, Duration::from_millis(20));
     }
 }

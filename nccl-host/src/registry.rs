@@ -87,11 +87,6 @@ fn unknown(g: &mut Global, root: RootIdx, what: What, token: usize) -> Fail {
     )
 }
 
-/// `ncclCommRegister` succeeded: counts it.
-pub(crate) fn registered(g: &mut Global, root: RootIdx) {
-    g.count(Some(root), |s| s.registered += 1);
-}
-
 /// `ncclCommDeregister(comm = h, handle = token)`: removes a live registration of `h`, or
 /// reports the misuse (a double deregistration, or a handle `h` never handed out).
 pub(crate) fn deregister(
@@ -138,22 +133,19 @@ pub(crate) fn deregister_window(
     root: RootIdx,
     token: usize,
 ) -> Result<(), Fail> {
-    let mut r = registry();
-    match r.windows.get_mut(&token) {
-        Some(w) if w.comm == h && w.live => {
-            w.live = false;
-            drop(r);
+    // Whether the window of `h` was live, now that it is not; `None`: not a window of `h`.
+    let was_live = registry()
+        .windows
+        .get_mut(&token)
+        .filter(|w| w.comm == h)
+        .map(|w| std::mem::replace(&mut w.live, false));
+    match was_live {
+        Some(true) => {
             g.count(Some(root), |s| s.windows_deregistered += 1);
             Ok(())
         }
-        Some(w) if w.comm == h => {
-            drop(r);
-            Err(double(g, root, What::Window, token))
-        }
-        _ => {
-            drop(r);
-            Err(unknown(g, root, What::Window, token))
-        }
+        Some(false) => Err(double(g, root, What::Window, token)),
+        None => Err(unknown(g, root, What::Window, token)),
     }
 }
 
@@ -182,18 +174,15 @@ pub(crate) fn not_nccl_memory(g: &mut Global, root: RootIdx, buff: *mut c_void) 
 /// Communicator `h` is being destroyed or aborted: releases its live registrations and
 /// windows (as NCCL does) and counts them in `live_at_teardown`.
 pub(crate) fn teardown(g: &mut Global, h: Handle, root: RootIdx) {
-    let tokens: Vec<usize> = g
-        .regs
-        .iter()
-        .filter(|(_, &c)| c == h)
-        .map(|(&t, _)| t)
-        .collect();
     let mut r = registry();
-    for t in &tokens {
-        g.regs.remove(t);
-        r.retired.insert(*t, h);
-    }
-    let mut n = tokens.len() as u64;
+    let mut n = 0u64;
+    g.regs.retain(|&t, &mut c| {
+        if c == h {
+            r.retired.insert(t, h);
+            n += 1;
+        }
+        c != h
+    });
     for w in r.windows.values_mut().filter(|w| w.comm == h && w.live) {
         w.live = false;
         n += 1;

@@ -159,16 +159,10 @@ enum Why {
 }
 
 fn why_of(k: u64) -> Option<Why> {
-    Some(match k {
-        1 => Why::Abort,
-        2 => Why::Died,
-        3 => Why::Left,
-        4 => Why::Timeout,
-        5 => Why::Mismatch,
-        6 => Why::P2p,
-        7 => Why::Revoked,
-        _ => return None,
-    })
+    use Why::*;
+    [Abort, Died, Left, Timeout, Mismatch, P2p, Revoked]
+        .into_iter()
+        .find(|&w| w as u64 == k)
 }
 
 /// (offset of the slots, offset of the send/recv channels, total bytes).
@@ -591,10 +585,7 @@ impl Segment {
                     seg.peer_gone(); // marks the peers' processes seen alive
                     return Ok(seg);
                 }
-                seg.fail(why, r, u64::MAX);
-                return Err(seg.failure().unwrap_or_else(|| {
-                    Fail::new(ncclRemoteError, "remote error: a rank is gone")
-                }));
+                return Err(seg.fail_err(why, r, u64::MAX));
             }
             if Instant::now() >= deadline {
                 let missing: Vec<usize> = (0..nranks)
@@ -623,6 +614,13 @@ impl Segment {
         }
         h.bar_gen.fetch_add(1, AcqRel);
         futex_wake(&h.bar_gen);
+    }
+
+    /// [`Segment::fail`], then the communicator's error (the first failure's).
+    fn fail_err(&self, why: Why, rank: usize, seq: u64) -> Fail {
+        self.fail(why, rank, seq);
+        self.failure()
+            .unwrap_or_else(|| Fail::new(ncclRemoteError, "remote error: a rank is gone"))
     }
 
     /// The rank whose process the communicator saw gone (it died or was killed) and its
@@ -755,19 +753,13 @@ impl Segment {
                     if h.bar_gen.load(Acquire) != gen && self.failure().is_none() {
                         return Ok(());
                     }
-                    self.fail(why, r, seq);
-                    return Err(self.failure().unwrap_or_else(|| {
-                        Fail::new(ncclRemoteError, "remote error: a rank is gone")
-                    }));
+                    return Err(self.fail_err(why, r, seq));
                 }
                 if now >= deadline {
                     let late = (0..self.nranks)
                         .find(|&r| self.info(r).epoch.load(Acquire) < epoch)
                         .unwrap_or(self.rank);
-                    self.fail(Why::Timeout, late, seq);
-                    return Err(self
-                        .failure()
-                        .unwrap_or_else(|| Fail::new(ncclTimeout, "NCCL timeout")));
+                    return Err(self.fail_err(Why::Timeout, late, seq));
                 }
             }
             futex_wait(&h.bar_gen, g, Duration::from_millis(5));
@@ -901,12 +893,9 @@ impl Segment {
         put_caller(&me.caller, p.caller);
         me.seq.store(seq + 1, Release);
         let r = self.rounds(seq, p, es, deadline);
-        if let Err(f) = &r {
-            // A failure on this rank fails the communicator for everyone.
-            if self.failure().is_none() {
-                let _ = f;
-                self.fail(Why::Abort, self.rank, seq);
-            }
+        // A failure on this rank fails the communicator for everyone.
+        if r.is_err() && self.failure().is_none() {
+            self.fail(Why::Abort, self.rank, seq);
         }
         r
     }
@@ -1161,10 +1150,7 @@ impl Segment {
             if now >= next_check {
                 next_check = now + Duration::from_millis(10);
                 if let Some((why, r)) = self.peer_gone() {
-                    self.fail(why, r, P2P_SEQ);
-                    return Err(self.failure().unwrap_or_else(|| {
-                        Fail::new(ncclRemoteError, "remote error: a rank is gone")
-                    }));
+                    return Err(self.fail_err(why, r, P2P_SEQ));
                 }
                 if now >= deadline {
                     let late = work
@@ -1172,10 +1158,7 @@ impl Segment {
                         .zip(&done)
                         .find(|(_, d)| !**d)
                         .map_or(me, |(w, _)| w.peer);
-                    self.fail(Why::Timeout, late, P2P_SEQ);
-                    return Err(self
-                        .failure()
-                        .unwrap_or_else(|| Fail::new(ncclTimeout, "NCCL timeout")));
+                    return Err(self.fail_err(Why::Timeout, late, P2P_SEQ));
                 }
             }
             futex_wait(bell, rung, Duration::from_millis(5));

@@ -141,7 +141,7 @@ pub(crate) struct RdvSlot {
 }
 
 /// The ranks that share one communicator (one init, split or shrink result).
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct CommWorld {
     pub nranks: i32,
     pub root: RootIdx,
@@ -336,11 +336,7 @@ impl Global {
                 nranks: handles.len() as i32,
                 root,
                 members: handles.len(),
-                aborted: None,
-                colls: HashMap::new(),
-                p2p: HashMap::new(),
-                rdv: HashMap::new(),
-                shared: None,
+                ..Default::default()
             },
         );
         for (rank, h) in handles.iter().enumerate() {
@@ -372,11 +368,8 @@ impl Global {
                 nranks,
                 root,
                 members: 1,
-                aborted: None,
-                colls: HashMap::new(),
-                p2p: HashMap::new(),
-                rdv: HashMap::new(),
                 shared: Some(seg),
+                ..Default::default()
             },
         );
         if let Some(c) = self.comms.get_mut(&h) {
@@ -440,17 +433,24 @@ impl Global {
     pub(crate) fn check_pending_deadline(&mut self, h: Handle) {
         let Some(c) = self.comms.get(&h) else { return };
         if matches!(c.state, CommState::Pending) && Instant::now() >= c.deadline {
-            let on = c.pending_on.clone();
             let msg = format!(
                 "NCCL timeout: communicator initialization did not complete within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)",
                 wait_limit()
             );
-            let f = Fail::new(ncclTimeout, msg);
-            self.fail_pending(on, f.clone());
-            if let Some(c) = self.comms.get_mut(&h) {
-                if matches!(c.state, CommState::Pending) {
-                    c.state = CommState::Failed(f);
-                }
+            self.fail_handle(h, Fail::new(ncclTimeout, msg));
+        }
+    }
+
+    /// Fails the rendezvous the pending handle `h` waits on, and `h` itself (when it is
+    /// still pending), with `why`.
+    pub(crate) fn fail_handle(&mut self, h: Handle, why: Fail) {
+        let Some(on) = self.comms.get(&h).map(|c| c.pending_on.clone()) else {
+            return;
+        };
+        self.fail_pending(on, why.clone());
+        if let Some(c) = self.comms.get_mut(&h) {
+            if matches!(c.state, CommState::Pending) {
+                c.state = CommState::Failed(why);
             }
         }
     }
