@@ -447,6 +447,60 @@ fn the_host_abi_follows_nccl_2_29s_contract() {
     );
 }
 
+/// NCCL's destroy reads the communicator's asynchronous state first
+/// (`ncclCommEnsureReady`, init.cc:373-389, which returns its error), and a revoke's job
+/// stores its own result there (`ncclCommSetAsyncError(comm, res)`, init.cc:2635 of
+/// 2.29.7). So a peer's abort leaves the state at ncclRemoteError, the revoke brings it back
+/// to ncclSuccess, and the destroy that follows succeeds, as NCCL's own revoke tests expect
+/// of a destroy after a revoke. The host provider reads one state for both calls.
+#[test]
+fn a_destroy_after_a_revoke_reads_the_revokes_state_not_the_peers_failure() {
+    use nccl_sys::bindings::*;
+    let lib = Library::host();
+    let id = CommDevice::Host.unique_id().unwrap();
+    let ready = Barrier::new(2);
+    std::thread::scope(|s| {
+        for rank in 0..2 {
+            let (ready, lib) = (&ready, Arc::clone(&lib));
+            s.spawn(move || {
+                let t = lib.table();
+                let comm = Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &config());
+                let raw = comm.unwrap().into_raw();
+                ready.wait(); // both inits complete
+                if rank == 1 {
+                    // SAFETY: the handle given up by `into_raw`, torn down once here.
+                    assert_eq!(unsafe { (t.ncclCommAbort)(raw) }, ncclSuccess);
+                    ready.wait();
+                    return;
+                }
+                ready.wait(); // the peer aborted
+                let state = || {
+                    let mut st = ncclSuccess;
+                    // SAFETY: a live handle and a writable result.
+                    assert_eq!(
+                        unsafe { (t.ncclCommGetAsyncError)(raw, &mut st) },
+                        ncclSuccess
+                    );
+                    st
+                };
+                assert_eq!(state(), ncclRemoteError, "the peer's abort");
+                // SAFETY: a live handle; NCCL_REVOKE_DEFAULT.
+                let r = unsafe { (t.ncclCommRevoke.unwrap())(raw, 0) };
+                assert!(r == ncclSuccess || r == ncclInProgress, "revoke: {r}");
+                let until = Instant::now() + Duration::from_secs(10);
+                while state() == ncclInProgress && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                assert_eq!(state(), ncclSuccess, "the revoke's own result");
+                // SAFETY: the handle given up by `into_raw`, torn down once here.
+                assert_eq!(unsafe { (t.ncclCommDestroy)(raw) }, ncclSuccess);
+            });
+        }
+    });
+    let st = assert_balanced(&id);
+    assert_eq!((st.created, st.destroyed, st.aborted), (2, 1, 1), "{st:?}");
+}
+
 /// Three ranks of one process with `Config::elastic`; rank 2 drops its communicator
 /// (destroyed: a thread that failed and left) while ranks 0 and 1 wait in an all-reduce
 /// it never calls. The crate's diagnostics see the departure: without `elastic` the

@@ -856,8 +856,8 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
 
 /// What `ncclCommEnsureReady` (init.cc:373-389) says of `h` before a destroy: ncclInvalidArgument
 /// while work is in flight (an init, split, shrink or window registration), the
-/// communicator's error once it has one (a failed init or job, or a failed clique); `None`
-/// when it is ready.
+/// communicator's asynchronous error once it has one (a failed init or job, or a failed
+/// clique, unless a revoke stored its own result since); `None` when it is ready.
 fn destroy_refusal(g: &mut Global, h: Handle) -> Option<Fail> {
     let c = g.comms.get(&h)?;
     let root = c.root;
@@ -869,18 +869,10 @@ fn destroy_refusal(g: &mut Global, h: Handle) -> Option<Fail> {
             "invalid argument: ncclCommDestroy: Attempt to use communicator before the previous operation returned ncclSuccess".into(),
         ));
     }
-    if let Job::Failed(f) = &c.job {
-        return Some(f.clone());
-    }
-    match c.state.clone() {
-        CommState::Failed(f) => Some(f),
-        CommState::Ready { clique, .. } => {
-            if let Some(f) = shared_of(g, clique).and_then(|s| s.failure()) {
-                g.abort_clique(clique, f);
-            }
-            g.cliques.get(&clique).and_then(|c| c.aborted.clone())
-        }
-        CommState::Pending => None,
+    // The state ncclCommGetAsyncError reads: a revoke's result replaces a failed clique's.
+    match &c.state {
+        CommState::Failed(f) if !matches!(c.job, Job::Failed(_)) => Some(f.clone()),
+        _ => async_failure(g, h),
     }
 }
 
