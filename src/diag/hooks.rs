@@ -750,32 +750,23 @@ impl CommDiag {
                 s.current.store(IDLE, Ordering::Release);
             }
             let took = now.saturating_sub(t.start);
-            let mut state = if r.is_ok() {
-                OpState::Completed
-            } else {
-                OpState::Failed
-            };
-            if r.is_ok() {
-                // Hand the work to the watchdog, on its own queue: plain stores, no call into
-                // CUDA.
-                match t.stream {
-                    StreamRef::Cuda(stream) => {
-                        self.publish_on(s, stream, t.pos + 1);
-                        state = OpState::Enqueued;
-                    }
-                    StreamRef::Host => {
-                        if let Some(q) = &s.host_queue {
-                            publish(q, t.pos + 1);
-                        }
-                    }
+            // Hand the work to the watchdog, on its own queue: plain stores, no call into CUDA.
+            let state = match (&r, t.stream) {
+                (Err(_), _) => OpState::Failed,
+                (Ok(()), StreamRef::Cuda(stream)) => {
+                    self.publish_on(s, stream, t.pos + 1);
+                    OpState::Enqueued
                 }
-            }
+                (Ok(()), StreamRef::Host) => {
+                    if let Some(q) = &s.host_queue {
+                        publish(q, t.pos + 1);
+                    }
+                    OpState::Completed
+                }
+            };
             s.journal.finish(t.pos, state, took);
             bump(&s.wait_ns, took);
-            return match r {
-                Ok(()) => Ok(()),
-                Err(e) => Err(self.end_error(s, t.pos, e)),
-            };
+            return r.map_err(|e| self.end_error(s, t.pos, e));
         }
         r
     }
