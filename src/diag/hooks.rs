@@ -197,29 +197,22 @@ impl CommDiag {
         // in the same order; a rank excluded from another list never made that one). A
         // split is a collective (its own sequence number), and its excluded ranks call it
         // too.
-        let nth = if tag & SHRINK_TAG != 0 {
-            let mut made = self.children.borrow_mut();
-            match made.iter_mut().find(|(t, _)| *t == tag) {
-                Some((_, n)) => {
-                    *n += 1;
-                    *n
-                }
-                None => {
-                    made.push((tag, 0));
-                    0
-                }
+        let shrink = tag & SHRINK_TAG != 0;
+        let mut made = self.children.borrow_mut();
+        let nth = match made.iter().position(|(t, _)| *t == tag) {
+            _ if !shrink => 0,
+            Some(i) => {
+                made[i].1 += 1;
+                made[i].1
             }
-        } else {
-            0
+            None => {
+                made.push((tag, 0));
+                0
+            }
         };
         // A shrink's child is numbered by `nth` alone: the ranks left after a failure may
         // differ in the collectives they issued on the parent.
-        key::key_of((
-            self.key,
-            if tag & SHRINK_TAG != 0 { 0 } else { seq },
-            tag,
-            nth,
-        ))
+        key::key_of((self.key, if shrink { 0 } else { seq }, tag, nth))
     }
 
     /// Attaches the communicator once its handle, rank and size are known: it joins its
