@@ -71,6 +71,7 @@ impl Communicator {
         const OP: &str = EntryPoint::ncclCommRevoke.name();
         let caller = Location::caller();
         let revoke = self.optional(|t| t.ncclCommRevoke, OP)?;
+        refuse_in_group(OP)?;
         if self.is_revoked() {
             return Err(Error::InvalidArgument {
                 call: OP,
@@ -153,6 +154,7 @@ impl Communicator {
         const OP: &str = CALL.name();
         let caller = Location::caller();
         let shrink = self.optional(|t| t.ncclCommShrink, OP)?;
+        refuse_in_group(OP)?;
         let list = self.exclude_list(OP, exclude)?;
         crate::teardown::check_lane(OP, self.lane())?;
         // A clique the watchdog failed (a rank left, an operation timed out) fails this
@@ -242,6 +244,7 @@ impl Communicator {
         const OP: &str = CALL.name();
         let caller = Location::caller();
         let grow = self.optional(|t| t.ncclCommGrow, OP)?;
+        refuse_in_group(OP)?;
         if world_size <= self.world_size || world_size > c_int::MAX as usize {
             return Err(Error::InvalidArgument {
                 call: OP,
@@ -407,6 +410,13 @@ impl Communicator {
                 });
             }
             list.push(r as c_int);
+        }
+        if list.is_empty() {
+            // As NCCL, which refuses an empty list (init.cc:2561-2562 of 2.28.9).
+            return Err(Error::InvalidArgument {
+                call,
+                reason: "no rank is excluded: a shrink removes at least one".into(),
+            });
         }
         if list.len() >= self.world_size {
             return Err(Error::InvalidArgument {

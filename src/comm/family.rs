@@ -38,6 +38,7 @@ impl Communicator {
                 })
             }
         };
+        refuse_in_group(OP)?;
         crate::teardown::check_lane(OP, self.lane())?;
         let slot = JobSlot::new();
         let out = slot.out();
@@ -70,6 +71,7 @@ impl Communicator {
         const OP: &str = CALL.name();
         let caller = Location::caller();
         let shrink = self.optional(|t| t.ncclCommShrink, OP)?;
+        refuse_in_group(OP)?;
         let list = self.exclude_list(OP, exclude)?;
         crate::teardown::check_lane(OP, self.lane())?;
         self.shrink_call(

@@ -111,6 +111,7 @@ impl Communicator {
     #[track_caller]
     pub fn init_all(devices: &[CommDevice]) -> Result<Vec<Communicator>> {
         const OP: &str = "ncclCommInitAll";
+        refuse_in_group(OP)?;
         let first = devices.first().ok_or(Error::InvalidArgument {
             call: OP,
             reason: "no devices given".into(),

@@ -78,7 +78,7 @@ pub use crate::teardown::{
 };
 pub use settings::DEFAULT_TIMEOUT;
 
-pub(crate) use op::{group_ended, group_started, is_collective, OpInfo};
+pub(crate) use op::{group_ended, group_started, in_group, is_collective, OpInfo};
 pub(crate) use settings::{default_bound, DiagConfig};
 
 /// Why the options of `c` (or the environment) cannot make a communicator, if so.

@@ -23,8 +23,8 @@ pub(crate) fn group_ended() {
     GROUP_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
 }
 
-#[cfg_attr(not(feature = "diag"), allow(dead_code))]
-pub(super) fn in_group() -> bool {
+/// Whether this thread is inside a [`crate::Group`] that has called `ncclGroupStart`.
+pub(crate) fn in_group() -> bool {
     GROUP_DEPTH.with(|d| d.get() > 0)
 }
 
