@@ -447,6 +447,37 @@ fn the_host_abi_follows_nccl_2_29s_contract() {
     );
 }
 
+/// NCCL refuses a shrink that excludes no rank, and a NULL list, with ncclInvalidArgument
+/// before it writes anything (`PtrCheck(excludeRanksList)` and `excludeRanksCount > 0`,
+/// init.cc:2561-2562 of 2.28.9); the host provider did a shrink to the whole world.
+#[test]
+fn the_host_refuses_a_shrink_that_excludes_no_rank() {
+    use nccl_sys::bindings::*;
+    let lib = Library::host();
+    let shrink = lib.table().ncclCommShrink.unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &config()).unwrap();
+    let sentinel = 0x1234usize as ncclComm_t;
+    let mut list = [0 as std::ffi::c_int; 1];
+    let null = std::ptr::null_mut();
+    for (ptr, n) in [(null, 0), (list.as_mut_ptr(), 0), (null, 1)] {
+        let mut out = sentinel;
+        let flags = NCCL_SHRINK_DEFAULT as std::ffi::c_int;
+        // SAFETY: a live handle, a list of `n` entries or NULL, a writable out-pointer.
+        let r = unsafe { shrink(comm.as_raw(), ptr, n, &mut out, std::ptr::null_mut(), flags) };
+        assert_eq!(
+            (r, out),
+            (ncclInvalidArgument, sentinel),
+            "list {ptr:?}, count {n}"
+        );
+    }
+    assert!(!comm.is_failed());
+    drop(comm);
+    let st = support::settled_stats(&id);
+    let counts = (st.created, st.destroyed, st.aborted, st.misused);
+    assert_eq!(counts, (1, 1, 0, 3), "{st:?}");
+}
+
 /// NCCL's destroy reads the communicator's asynchronous state first
 /// (`ncclCommEnsureReady`, init.cc:373-389, which returns its error), and a revoke's job
 /// stores its own result there (`ncclCommSetAsyncError(comm, res)`, init.cc:2635 of

@@ -1072,10 +1072,11 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
         {
             return Err(bad(&mut g, format!("unknown shrinkFlags {shrink_flags}")));
         }
-        if exclude_ranks_count < 0 || (exclude_ranks_count > 0 && exclude_ranks_list.is_null()) {
+        // As NCCL (init.cc:2561-2562 of 2.28.9): a list, and at least one rank in it.
+        if exclude_ranks_count <= 0 || exclude_ranks_list.is_null() {
             return Err(bad(
                 &mut g,
-                "excludeRanksList is NULL or excludeRanksCount < 0".into(),
+                "excludeRanksList is NULL or excludeRanksCount < 1".into(),
             ));
         }
         let mut excl = Vec::new();
