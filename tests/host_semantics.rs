@@ -338,6 +338,61 @@ fn shrink_excludes_ranks_and_hides_nothing_else() {
     assert_eq!(tuple(host::stats_for(&id)), stats(0, 7, 7, 0, 0));
 }
 
+/// A split and a shrink inside a group, as NCCL has them (group.cc:37-66, init.cc:2571-2572
+/// of 2.28.9): each call writes NULL, returns ncclSuccess and leaves the parent's state
+/// alone; the jobs run at the outermost ncclGroupEnd, which (the parents being blocking)
+/// returns with the children written.
+#[test]
+fn splits_and_shrinks_inside_a_group_run_at_its_end() {
+    let t = table();
+    let shrink = t.ncclCommShrink.expect("shrink");
+    let (id, out) = with_ranks(&t, 3, |r, comm| {
+        let (null, no_config) = (core::ptr::null_mut(), core::ptr::null_mut());
+        let sentinel = 0x1 as ncclComm_t;
+        let (mut split, mut small) = (sentinel, sentinel);
+        let mut excl = [2 as c_int];
+        let mut state = ncclInProgress;
+        // SAFETY: a live comm, an exclude list and out-pointers that outlive the group's end.
+        unsafe {
+            assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+            let rc = (t.ncclCommSplit)(comm, 0, r as c_int, &mut split, no_config);
+            assert_eq!(
+                (rc, split),
+                (ncclSuccess, null),
+                "the split's child is NULL for now"
+            );
+            if r != 2 {
+                let flags = NCCL_SHRINK_DEFAULT as c_int;
+                let rc = shrink(comm, excl.as_mut_ptr(), 1, &mut small, no_config, flags);
+                assert_eq!((rc, small), (ncclSuccess, null), "so is the shrink's");
+            }
+            assert_eq!((t.ncclCommGetAsyncError)(comm, &mut state), ncclSuccess);
+            assert_eq!(state, ncclSuccess, "nothing runs before the group's end");
+            assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
+        }
+        let shape = |c: ncclComm_t| {
+            let (mut rank, mut n) = (-1, -1);
+            // SAFETY: a live child and writable ints.
+            unsafe {
+                assert_eq!((t.ncclCommUserRank)(c, &mut rank), ncclSuccess);
+                assert_eq!((t.ncclCommCount)(c, &mut n), ncclSuccess);
+            }
+            destroy(&t, c);
+            (rank, n)
+        };
+        let got = (shape(split), (r != 2).then(|| shape(small)));
+        destroy(&t, comm);
+        got
+    });
+    let want = vec![
+        ((0, 3), Some((0, 2))),
+        ((1, 3), Some((1, 2))),
+        ((2, 3), None),
+    ];
+    assert_eq!(out, want);
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 8, 8, 0, 0));
+}
+
 fn config(blocking: c_int) -> ncclConfig_t {
     // SAFETY: ncclConfig_t is plain data; all-zero is a valid bit pattern.
     let mut c: ncclConfig_t = unsafe { core::mem::zeroed() };

@@ -27,6 +27,9 @@ thread_local! {
     /// so a group level left open (a refused ncclCommDestroy leaves one: see `teardown`)
     /// means they never run.
     static DEFERRED: RefCell<Vec<(usize, bool)>> = const { RefCell::new(Vec::new()) };
+    /// Splits and shrinks called inside a group, as the calls they make at the outermost
+    /// ncclGroupEnd (see `queue_for_group_end`).
+    static QUEUED: RefCell<Vec<Box<dyn FnOnce() -> ncclResult_t>>> = const { RefCell::new(Vec::new()) };
     /// The "current device" recorded by ncclCommInitRank(Config) (see `set_current_device`).
     pub(crate) static DEVICE: Cell<c_int> = const { Cell::new(0) };
 }
@@ -54,6 +57,46 @@ fn ffi(f: impl FnOnce() -> Result<ncclResult_t, Fail>) -> ncclResult_t {
 /// The failure of a handle looked up under the lock that was checked live before (a bug).
 fn vanished() -> Fail {
     Fail::new(ncclInternalError, "internal error: handle vanished")
+}
+
+/// A split or shrink inside a group, as NCCL has it: `ncclAsyncLaunch` at a group depth
+/// above 0 only queues the job (group.cc:37-66 of 2.28.9), after the call has written
+/// `*newcomm = NULL` (init.cc:2571-2572) and copied its config and exclude list, so the
+/// call returns ncclSuccess with the child still NULL, and the parent's asynchronous state
+/// is unchanged. At the outermost ncclGroupEnd the job runs first (group.cc:537, before the
+/// group's collectives), and it is the job that writes the child. Here `job` is the call
+/// made again outside the group, on the copies.
+fn queue_for_group_end(
+    out: *mut ncclComm_t,
+    job: impl FnOnce() -> ncclResult_t + 'static,
+) -> Result<ncclResult_t, Fail> {
+    put(out, core::ptr::null_mut());
+    QUEUED.with(|q| q.borrow_mut().push(Box::new(job)));
+    Ok(ncclSuccess)
+}
+
+/// A copy of a config `parse_config` accepted (its `size` bytes), as NCCL copies it into
+/// the child during the call; its `commName` pointer stays the caller's, as NCCL keeps it.
+fn copy_config(cfg: *const ncclConfig_t) -> Option<Box<ncclConfig_t>> {
+    if cfg.is_null() {
+        return None;
+    }
+    // SAFETY: every field of ncclConfig_t is an integer or a pointer, for which zero is valid.
+    let mut copy: Box<ncclConfig_t> = Box::new(unsafe { core::mem::zeroed() });
+    // SAFETY: `parse_config` checked that the config's `size` (its first field) is at most
+    // size_of::<ncclConfig_t>(), and NCCL's contract is that `size` bytes are readable.
+    unsafe {
+        let size = (cfg as *const usize).read_unaligned();
+        let to = (&mut *copy as *mut ncclConfig_t).cast::<u8>();
+        core::ptr::copy_nonoverlapping(cfg as *const u8, to, size);
+    }
+    Some(copy)
+}
+
+/// The pointer a queued job passes for a copied config.
+fn config_ptr(copy: &mut Option<Box<ncclConfig_t>>) -> *mut ncclConfig_t {
+    copy.as_deref_mut()
+        .map_or(core::ptr::null_mut(), |c| c as *mut ncclConfig_t)
 }
 
 /// Writes `v` through an out-pointer that was checked non-null.
@@ -988,6 +1031,14 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
             ));
         }
         let blocking = r.child_blocking(&mut g, config, "ncclCommSplit")?;
+        if in_group() {
+            let (parent, out, mut cfg) = (comm as usize, newcomm as usize, copy_config(config));
+            return queue_for_group_end(newcomm, move || {
+                // SAFETY: the caller keeps `comm` and `newcomm` valid until the group's end
+                // (NCCL's job uses both then); the config is this call's copy.
+                unsafe { ncclCommSplit(parent as _, color, key, out as _, config_ptr(&mut cfg)) }
+            });
+        }
         let (seq, dev) = r.next_coll(&mut g)?;
         // As NCCL (init.cc:2571-2572): NULL until the split is complete.
         put(newcomm, core::ptr::null_mut());
@@ -1108,6 +1159,26 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
         // modes, unless a revoke's job has since cleared it (init.cc:2635).
         if let Some(f) = async_failure(&mut g, r.h) {
             return Err(f);
+        }
+        if in_group() {
+            let (parent, out, mut cfg) = (comm as usize, newcomm as usize, copy_config(config));
+            let mut list = excl.clone();
+            return queue_for_group_end(newcomm, move || {
+                let n = list.len() as c_int;
+                let cfg = config_ptr(&mut cfg);
+                // SAFETY: the caller keeps `comm` and `newcomm` valid until the group's end
+                // (NCCL's job uses both then); the list and the config are this call's copies.
+                unsafe {
+                    ncclCommShrink(
+                        parent as _,
+                        list.as_mut_ptr(),
+                        n,
+                        out as _,
+                        cfg,
+                        shrink_flags,
+                    )
+                }
+            });
         }
         // NCCL's abort flags are this rank's and cleared again before the child is made
         // (init.cc:2846): the parent's other ranks are not told, and its state is not
@@ -1870,11 +1941,22 @@ pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
                 "invalid usage: ncclGroupEnd without a matching ncclGroupStart".into(),
             )),
             1 => {
+                // The queued jobs first, as NCCL's groupLaunch (group.cc:537), then the
+                // group's operations. A job of a non-blocking parent runs on, as outside a
+                // group (its ncclInProgress is its start, not a failure).
+                let mut failed = None;
+                for job in QUEUED.with(|q| std::mem::take(&mut *q.borrow_mut())) {
+                    let code = job();
+                    if code != ncclSuccess && code != ncclInProgress && failed.is_none() {
+                        let msg = LAST.with(|l| l.borrow().0.to_string_lossy().into_owned());
+                        failed = Some(Fail::new(code, msg));
+                    }
+                }
                 let r = run_items(lock(), items);
                 for (h, abort) in DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut())) {
                     let _ = teardown(h as ncclComm_t, abort);
                 }
-                match (err, r) {
+                match (err.or(failed), r) {
                     (Some(f), _) | (None, Err(f)) => Err(f),
                     (None, Ok(())) => Ok(ncclSuccess),
                 }

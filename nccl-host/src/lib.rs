@@ -28,9 +28,13 @@
 //!   buffers are host memory of this process) and wakes the others. Nobody blocks on a peer
 //!   before posting everything, so one thread may drive every rank of a clique inside one
 //!   group, and send/recv pairs inside a group never deadlock.
-//! * Inside `ncclGroupStart`/`ncclGroupEnd` (a per-thread nesting depth) operations, inits
-//!   and splits are queued and posted at the outermost `ncclGroupEnd`, which then waits for
-//!   all of them.
+//! * Inside `ncclGroupStart`/`ncclGroupEnd` (a per-thread nesting depth) operations are
+//!   queued and posted at the outermost `ncclGroupEnd`, which then waits for all of them.
+//!   A split or shrink is queued whole, as NCCL queues its job: the call writes NULL and
+//!   returns ncclSuccess, and the job runs (and writes the child) at the outermost
+//!   `ncclGroupEnd`, before the operations. An init inside a group joins its clique during
+//!   the call and writes its handle then (NCCL writes the handle then too, but joins at the
+//!   group's end), and `ncclGroupEnd` waits for it.
 //! * Reductions fold the ranks' inputs in rank order 0, 1, 2, ... rounding every step to the
 //!   element type: integer sum/product
 //!   wrap; `f16`/`bf16`/fp8 compute each step in `f32` and round back (fp8 rounds to
