@@ -404,6 +404,77 @@ fn config(blocking: c_int) -> ncclConfig_t {
     c
 }
 
+/// The calls NCCL starts with `ncclCommEnsureReady` (init.cc:373-389 of 2.28.9: Count,
+/// CuDevice, UserRank, Finalize, Split, ncclRedOpCreatePreMulSum) read the state
+/// ncclCommGetAsyncError reads: on a communicator still initializing they are refused
+/// with ncclInvalidArgument, and after a peer's abort with that abort's ncclRemoteError.
+/// A finalize of NULL is ncclSuccess (init.cc:2271), a second one ncclInvalidArgument.
+#[test]
+fn calls_that_ensure_ready_read_the_asynchronous_state() {
+    let t = table();
+    let refusals = |c: ncclComm_t| {
+        let (mut n, mut op) = (0, ncclSum);
+        let mut scalar = 1.0f32;
+        let mut child: ncclComm_t = core::ptr::null_mut();
+        // SAFETY: a live handle and writable outputs; the scalar outlives the call.
+        unsafe {
+            [
+                (t.ncclCommCount)(c, &mut n),
+                (t.ncclCommCuDevice)(c, &mut n),
+                (t.ncclCommUserRank)(c, &mut n),
+                (t.ncclCommSplit)(c, 0, 0, &mut child, core::ptr::null_mut()),
+                (t.ncclRedOpCreatePreMulSum)(
+                    &mut op,
+                    (&mut scalar as *mut f32).cast(),
+                    ncclFloat32,
+                    ncclScalarHostImmediate,
+                    c,
+                ),
+                (t.ncclCommFinalize)(c),
+            ]
+        }
+    };
+    // Still initializing (its peer never comes).
+    let id = new_id(&t);
+    let mut cfg = config(0);
+    let mut pending: ncclComm_t = core::ptr::null_mut();
+    // SAFETY: valid pointers.
+    let rc = unsafe { (t.ncclCommInitRankConfig)(&mut pending, 2, id, 0, &mut cfg) };
+    assert_eq!(rc, ncclInProgress);
+    assert_eq!(refusals(pending), [ncclInvalidArgument; 6]);
+    // SAFETY: the handle, torn down once.
+    assert_eq!(unsafe { (t.ncclCommAbort)(pending) }, ncclSuccess);
+    // After a peer's abort.
+    let ready = std::sync::Barrier::new(2);
+    let (id, out) = with_ranks(&t, 2, |r, comm| {
+        ready.wait(); // both initialized
+        if r == 1 {
+            // SAFETY: the handle, torn down once.
+            assert_eq!(unsafe { (t.ncclCommAbort)(comm) }, ncclSuccess);
+            ready.wait();
+            return None;
+        }
+        ready.wait(); // the peer aborted
+        let mut st = ncclSuccess;
+        // SAFETY: a live handle, a writable result.
+        assert_eq!(
+            unsafe { (t.ncclCommGetAsyncError)(comm, &mut st) },
+            ncclSuccess
+        );
+        let got = (st, refusals(comm));
+        // SAFETY: the handle, torn down once.
+        assert_eq!(unsafe { (t.ncclCommAbort)(comm) }, ncclSuccess);
+        Some(got)
+    });
+    assert_eq!(out[0], Some((ncclRemoteError, [ncclRemoteError; 6])));
+    assert_eq!(tuple(host::stats_for(&id)).1, 2);
+    // SAFETY: NULL is a no-op for NCCL.
+    assert_eq!(
+        unsafe { (t.ncclCommFinalize)(core::ptr::null_mut()) },
+        ncclSuccess
+    );
+}
+
 #[test]
 fn non_blocking_init_polls_in_progress_then_success() {
     let t = table();
@@ -681,7 +752,7 @@ fn misuse_is_detected_counted_and_never_crashes() {
             ncclInvalidUsage
         );
         assert_eq!((t.ncclCommFinalize)(c1), ncclSuccess);
-        assert_eq!((t.ncclCommFinalize)(c1), ncclInvalidUsage);
+        assert_eq!((t.ncclCommFinalize)(c1), ncclInvalidArgument);
         assert_eq!((t.ncclCommDestroy)(c1), ncclSuccess);
         assert_eq!((t.ncclCommDestroy)(core::ptr::null_mut()), ncclSuccess);
         assert_eq!((t.ncclGroupEnd)(), ncclInvalidUsage);

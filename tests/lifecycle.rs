@@ -142,7 +142,15 @@ fn plan(seed: u64) -> Plan {
             if excluded.len() == world {
                 excluded.pop();
             }
-            Ending::Shrink(excluded, teardowns(&mut rng, world, false))
+            // NCCL refuses an empty list; one rank alone cannot shrink.
+            if excluded.is_empty() && world > 1 {
+                excluded.push(rng.below(world));
+            }
+            if excluded.is_empty() {
+                Ending::Teardown(teardowns(&mut rng, world, false))
+            } else {
+                Ending::Shrink(excluded, teardowns(&mut rng, world, false))
+            }
         }
     };
     Plan {

@@ -216,6 +216,18 @@ impl Ready {
     }
 }
 
+/// `ready`, then NCCL's `ncclCommEnsureReady` (init.cc:373-389 of 2.28.9) in full: the
+/// communicator's asynchronous error, as ncclCommGetAsyncError reads it, refuses the call.
+/// The calls that make it their first check (ncclCommCount, CuDevice, UserRank, Finalize,
+/// Split, ncclRedOpCreatePreMulSum) read the same state as ncclCommGetAsyncError.
+fn ensure_ready(g: &mut Global, comm: ncclComm_t, what: &str) -> Result<Ready, Fail> {
+    let r = ready(g, comm, what, false)?;
+    match async_failure(g, r.h) {
+        Some(f) => Err(f),
+        None => Ok(r),
+    }
+}
+
 /// Checks `comm` is initialized (and, with `ops`, not finalized and its clique not aborted).
 fn ready(g: &mut Global, comm: ncclComm_t, what: &str, ops: bool) -> Result<Ready, Fail> {
     let h = known(g, comm, what)?;
@@ -234,10 +246,11 @@ fn ready(g: &mut Global, comm: ncclComm_t, what: &str, ops: bool) -> Result<Read
         _ => {}
     }
     match c.state.clone() {
+        // ncclCommEnsureReady turns the init's ncclInProgress into ncclInvalidArgument.
         CommState::Pending => Err(g.misuse(
             Some(root),
-            ncclInvalidUsage,
-            format!("invalid usage: {what}: communicator is still initializing (poll ncclCommGetAsyncError)"),
+            ncclInvalidArgument,
+            format!("invalid argument: {what}: Attempt to use communicator before the previous operation returned ncclSuccess (it is still initializing: poll ncclCommGetAsyncError)"),
         )),
         CommState::Failed(f) => Err(f),
         CommState::Ready { clique, rank } => {
@@ -779,14 +792,18 @@ pub(crate) unsafe extern "C" fn ncclCommInitAll(
 
 pub(crate) unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t {
     ffi(|| {
+        if comm.is_null() {
+            return Ok(ncclSuccess); // as NCCL (init.cc:2271)
+        }
         let mut g = lock();
-        let r = ready(&mut g, comm, "ncclCommFinalize", false)?;
+        let r = ensure_ready(&mut g, comm, "ncclCommFinalize")?;
+        // A second finalize, or one after a revoke (which finalizes): init.cc:2274-2278.
         let finalized = g.comms.get(&r.h).is_some_and(|c| c.finalized);
         if finalized {
             return Err(g.misuse(
                 Some(r.root),
-                ncclInvalidUsage,
-                "invalid usage: ncclCommFinalize: already finalized".into(),
+                ncclInvalidArgument,
+                "invalid argument: ncclCommFinalize: already finalized (or revoked)".into(),
             ));
         }
         if let Some(c) = g.comms.get_mut(&r.h) {
@@ -1022,7 +1039,9 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
 ) -> ncclResult_t {
     ffi_grouped(|| {
         let mut g = lock();
-        let r = ready(&mut g, comm, "ncclCommSplit", true)?;
+        // NCCL checks no more than this before the split (init.cc:2557-2568): a finalized
+        // or revoked parent may be split (2.29.7 only shares no resources with a revoked one).
+        let r = ensure_ready(&mut g, comm, "ncclCommSplit")?;
         if newcomm.is_null() || color < NCCL_SPLIT_NOCOLOR {
             return Err(r.invalid(
                 &mut g,
@@ -1605,7 +1624,7 @@ fn comm_query(
 ) -> ncclResult_t {
     ffi(|| {
         let mut g = lock();
-        let r = ready(&mut g, comm, what, false)?;
+        let r = ensure_ready(&mut g, comm, what)?;
         if out.is_null() {
             return Err(g.misuse(
                 Some(r.root),
@@ -1634,7 +1653,7 @@ pub(crate) unsafe extern "C" fn ncclRedOpCreatePreMulSum(
 ) -> ncclResult_t {
     ffi(|| {
         let mut g = lock();
-        let r = ready(&mut g, comm, "ncclRedOpCreatePreMulSum", false)?;
+        let r = ensure_ready(&mut g, comm, "ncclRedOpCreatePreMulSum")?;
         let Some(es) = dtype::size_of(datatype) else {
             return Err(g.misuse(
                 Some(r.root),
