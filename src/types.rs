@@ -210,7 +210,10 @@ pub enum ReduceOp {
     Max,
     /// `ncclMin`
     Min,
-    /// `ncclAvg`: the sum divided by the number of ranks.
+    /// `ncclAvg`: the mean over the ranks. NCCL computes it for integers as the sum divided
+    /// by the number of ranks (truncating), and for floating-point types as the sum of each
+    /// input times `1/nranks` rounded to the type, so it does not overflow where the sum
+    /// would, and can differ from sum-then-divide in the last bit.
     Avg,
 }
 

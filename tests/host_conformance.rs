@@ -213,20 +213,17 @@ fn step(dt: ncclDataType_t, op: Op, a: &[u8], b: &[u8]) -> Vec<u8> {
     }
 }
 
+/// An integer average's last step: the wrapped sum divided by `n`, truncating.
 fn div_n(dt: ncclDataType_t, a: &[u8], n: usize) -> Vec<u8> {
-    if let Some((bits, signed)) = int_info(dt) {
-        return int_enc(int_dec(a, bits, signed) / n as i128, size(dt));
-    }
-    if dt == ncclFloat64 {
-        return (f64::from_le_bytes(a.try_into().unwrap()) / n as f64)
-            .to_le_bytes()
-            .to_vec();
-    }
-    from_f32(dt, to_f32(dt, a) / n as f32)
+    let (bits, signed) = int_info(dt).expect("an integer type");
+    int_enc(int_dec(a, bits, signed) / n as i128, size(dt))
 }
 
 /// The serial reference: element-wise fold over ranks in rank order, each step rounded to
-/// the type; avg = (sum in rank order) / nranks; PreMulSum = sum of (scalar_r * x_r).
+/// the type; PreMulSum = sum of (scalar_r * x_r); avg as NCCL computes it
+/// (`hostToDevRedOp`, enqueue.cc:2285-2320 of 2.28.9): integers (sum in rank order) /
+/// nranks, floating-point types a PreMulSum by `float(1.0/nranks)` rounded to the type
+/// (`1.0/nranks` for f64) on every rank.
 fn reference_reduce(
     dt: ncclDataType_t,
     op: Op,
@@ -236,20 +233,22 @@ fn reference_reduce(
     let s = size(dt);
     let n = inputs[0].len() / s;
     let mut out = Vec::with_capacity(n * s);
+    let float_avg =
+        (op == Op::Avg && int_info(dt).is_none()).then(|| make(dt, 1.0 / inputs.len() as f64));
     for i in 0..n {
         let term = |r: usize| {
             let x = &inputs[r][i * s..(i + 1) * s];
-            if op == Op::PreMulSum {
-                step(dt, Op::Prod, &scalars[r], x)
-            } else {
-                x.to_vec()
+            match (op, &float_avg) {
+                (Op::PreMulSum, _) => step(dt, Op::Prod, &scalars[r], x),
+                (_, Some(scalar)) => step(dt, Op::Prod, scalar, x),
+                _ => x.to_vec(),
             }
         };
         let mut acc = term(0);
         for r in 1..inputs.len() {
             acc = step(dt, op, &acc, &term(r));
         }
-        if op == Op::Avg {
+        if op == Op::Avg && float_avg.is_none() {
             acc = div_n(dt, &acc, inputs.len());
         }
         out.extend_from_slice(&acc);
@@ -265,6 +264,10 @@ fn reference_self_check() {
     assert_eq!(r, i(&[-63])); // 200 wraps to -56, then -63
     let r = reference_reduce(ncclInt8, Op::Avg, &[i(&[-7]), i(&[0]), i(&[0])], &[]);
     assert_eq!(r, i(&[-2]));
+    // A float average scales each input first, so a sum that would overflow does not.
+    let f = |v: f32| v.to_le_bytes().to_vec();
+    let r = reference_reduce(ncclFloat32, Op::Avg, &[f(3.0e38), f(3.0e38)], &[]);
+    assert_eq!(r, f(3.0e38));
     assert_eq!(fp8_dec(fp8_enc(1.0625, false), false), 1.0);
     assert_eq!(fp8_dec(fp8_enc(3.0, true), true), 3.0);
 }

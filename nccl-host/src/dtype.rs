@@ -370,6 +370,7 @@ fn reduce_via<T: ViaF32>(
                     }
                 }
             }
+            // (A float average arrives as a PreMulSum: see `float_avg_scalars`.)
             RedKind::Sum | RedKind::Avg | RedKind::Prod => {
                 let prod = kind == RedKind::Prod;
                 for (a, &x) in a.iter_mut().zip(x(0)) {
@@ -389,13 +390,6 @@ fn reduce_via<T: ViaF32>(
                     }
                     T::narrow(t32, a);
                     T::widen(a, a32);
-                }
-                if kind == RedKind::Avg {
-                    let d = n as f32;
-                    for (t, &a) in t32.iter_mut().zip(&*a32) {
-                        *t = a / d;
-                    }
-                    T::narrow(t32, a);
                 }
             }
             RedKind::PreMulSum => {
@@ -566,6 +560,25 @@ fn reduce_t<T: Elem>(kind: RedKind, inputs: &[&[u8]], scalars: &[Vec<u8>], out: 
     true
 }
 
+/// NCCL's average of a floating-point type: a PreMulSum by `T(1/nranks)`, the same scalar on
+/// every rank (`hostToDevRedOp`, enqueue.cc:2285-2320 of 2.28.9): `float(1.0/nRanks)`
+/// rounded to the type (fp8 saturating), `1.0/nRanks` for f64. So each input is scaled and
+/// rounded before the sum, and a sum that would overflow the type does not. `None` for
+/// the integer types, whose average is the sum divided by `nranks`.
+fn float_avg_scalars(dt: ncclDataType_t, nranks: usize) -> Option<Vec<Vec<u8>>> {
+    let inv = 1.0 / nranks as f64;
+    let one: Vec<u8> = match dt {
+        ncclFloat16 => f16::from_f32(inv as f32).to_ne_bytes().into(),
+        ncclBfloat16 => bf16::from_f32(inv as f32).to_ne_bytes().into(),
+        ncclFloat32 => (inv as f32).to_ne_bytes().into(),
+        ncclFloat64 => inv.to_ne_bytes().into(),
+        ncclFloat8e4m3 => vec![f32_to_fp8(inv as f32, false)],
+        ncclFloat8e5m2 => vec![f32_to_fp8(inv as f32, true)],
+        _ => return None,
+    };
+    Some(vec![one; nranks])
+}
+
 /// Reduces `inputs` (one byte slice per rank, each at least `out.len()` long) into `out`,
 /// element by element in rank order. `scalars[r]` is rank r's PreMulSum scalar (ignored
 /// for other kinds). Returns `false`, leaving `out` unspecified, when an input is shorter
@@ -581,6 +594,13 @@ pub(crate) fn reduce(
     if inputs.iter().any(|x| x.len() < out.len()) {
         return false;
     }
+    let avg = (kind == RedKind::Avg)
+        .then(|| float_avg_scalars(dt, inputs.len()))
+        .flatten();
+    let (kind, scalars) = match &avg {
+        Some(avg) => (RedKind::PreMulSum, &avg[..]),
+        None => (kind, scalars),
+    };
     match dt {
         ncclInt8 => reduce_t::<i8>(kind, inputs, scalars, out),
         ncclUint8 => reduce_t::<u8>(kind, inputs, scalars, out),
@@ -643,6 +663,13 @@ pub(crate) fn reference_reduce(
     if inputs.is_empty() {
         return;
     }
+    let avg = (kind == RedKind::Avg)
+        .then(|| float_avg_scalars(dt, inputs.len()))
+        .flatten();
+    let (kind, scalars) = match &avg {
+        Some(avg) => (RedKind::PreMulSum, &avg[..]),
+        None => (kind, scalars),
+    };
     match dt {
         ncclInt8 => reference_t::<i8>(kind, inputs, scalars, out),
         ncclUint8 => reference_t::<u8>(kind, inputs, scalars, out),

@@ -38,10 +38,11 @@
 //! * Reductions fold the ranks' inputs in rank order 0, 1, 2, ... rounding every step to the
 //!   element type: integer sum/product
 //!   wrap; `f16`/`bf16`/fp8 compute each step in `f32` and round back (fp8 rounds to
-//!   nearest-even and saturates to the largest finite value); `avg` is that sum divided by
-//!   `nranks` (integers: truncating division of the wrapped sum); PreMulSum is the sum of
-//!   `scalar_r * x_r` with each product rounded to the type. Max/min keep the accumulator on
-//!   ties and NaN comparisons.
+//!   nearest-even and saturates to the largest finite value); PreMulSum is the sum of
+//!   `scalar_r * x_r` with each product rounded to the type; `avg` is, as NCCL has it, for
+//!   integers the truncating division of the wrapped sum by `nranks`, and for floating-point
+//!   types a PreMulSum by `T(1/nranks)` on every rank (each input scaled and rounded first).
+//!   Max/min keep the accumulator on ties and NaN comparisons.
 //! * In-place forms (and any other aliasing) work: the result is as if every input were read
 //!   before any output is written. Reductions run in 32 KiB chunks straight from the posted
 //!   inputs to the outputs, and copies straight from source to destination, whenever the
