@@ -13,6 +13,23 @@ use common::{device_name, print_table, Args, Buf, Elem, Failure};
 use nccl_safe::launch::{Launcher, Rank};
 use nccl_safe::{ReduceOp, Result};
 
+/// The average of the inputs 1, 2, ..., n as NCCL computes it: integer types divide the
+/// sum, truncating; floating-point types add up each input times `1/n` rounded to the type
+/// (`float(1.0/n)`, and `1.0/n` for f64), each step rounded to the type.
+fn nccl_avg<T: Elem>(n: f64) -> f64 {
+    let round = |x: f64| T::from_f64(x).to_f64();
+    if round(0.5) == 0.0 {
+        return round(n * (n + 1.0) / 2.0) / n; // then truncated by the caller's rounding
+    }
+    let f64_type = std::mem::size_of::<T>() == 8;
+    let scale = round(if f64_type {
+        1.0 / n
+    } else {
+        (1.0 / n) as f32 as f64
+    });
+    (1..=n as usize).fold(0.0, |acc, x| round(acc + round(x as f64 * scale)))
+}
+
 /// One rank's work: fill, all-reduce in place, copy back, compare with the exact answer.
 fn rank_body<T: Elem>(rank: &Rank, args: &Args) -> Result<(usize, String, f64, bool)> {
     let (n, r) = (rank.world_size() as f64, rank.rank() as f64);
@@ -21,8 +38,7 @@ fn rank_body<T: Elem>(rank: &Rank, args: &Args) -> Result<(usize, String, f64, b
         ReduceOp::Prod => (if r < 3.0 { 2.0 } else { 1.0 }, 2f64.powf(n.min(3.0))),
         ReduceOp::Max => (r + 1.0, n),
         ReduceOp::Min => (r + 1.0, 1.0),
-        // Integer types divide with truncation, as NCCL does.
-        ReduceOp::Avg => (r + 1.0, T::from_f64(n * (n + 1.0) / 2.0).to_f64() / n),
+        ReduceOp::Avg => (r + 1.0, nccl_avg::<T>(n)),
     };
     let expected = T::from_f64(expected).to_f64();
     let mut buf = Buf::from_host(rank, &vec![T::from_f64(input); args.count])?;
