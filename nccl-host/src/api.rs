@@ -1770,6 +1770,29 @@ fn coll(
 ) -> ncclResult_t {
     operation(name, comm, dt, |mut g, r, es| {
         let bad = |g: &mut Global, m: String| r.invalid(g, name, m);
+        let rt = root.unwrap_or(0);
+        if rt < 0 || rt >= r.nranks {
+            return Err(bad(
+                &mut g,
+                format!("root {rt} out of range 0..{}", r.nranks),
+            ));
+        }
+        if count == 0 {
+            // After NCCL's ArgsCheck (the root, and an op that exists: argcheck.cc), an
+            // empty collective is discarded (taskAppend, enqueue.cc:2554-2555 of 2.28.9):
+            // no sequence number, no peer, nothing else checked.
+            let built_in = matches!(
+                op,
+                None | Some(ncclSum | ncclProd | ncclMax | ncclMin | ncclAvg)
+            );
+            let made = |o| g.comms.get(&r.h).is_some_and(|c| c.redops.contains_key(&o));
+            return match op {
+                Some(o) if !built_in && !made(o) => {
+                    Err(bad(&mut g, format!("unknown reduction op {o}")))
+                }
+                _ => Ok(ncclSuccess),
+            };
+        }
         let (red, scalar) = match op {
             None => (RedKind::Sum, Vec::new()),
             Some(ncclSum) => (RedKind::Sum, Vec::new()),
@@ -1802,13 +1825,6 @@ fn coll(
                 }
             },
         };
-        let rt = root.unwrap_or(0);
-        if rt < 0 || rt >= r.nranks {
-            return Err(bad(
-                &mut g,
-                format!("root {rt} out of range 0..{}", r.nranks),
-            ));
-        }
         let is_root = root.is_none_or(|x| x == r.rank);
         let Some((ns, nr)) = kind.elements(count, r.nranks as usize, is_root) else {
             return Err(bad(&mut g, format!("count {count} too large")));
