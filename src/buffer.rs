@@ -98,11 +98,12 @@ pub trait SendBuffer<T: NcclType>: sealed::Sealed {
     /// memory), with no stream of the caller's involved.
     #[doc(hidden)]
     fn base_ptr(&self) -> *const c_void;
-    /// Whether the memory came from `ncclMemAlloc` ([`crate::NcclMemory`] and its views),
-    /// which symmetric windows need.
+    /// Where the buffer starts inside the `ncclMemAlloc` allocation it is part of, in
+    /// bytes ([`crate::NcclMemory`]: 0, a view: its offset), or `None` for other memory:
+    /// what symmetric windows need.
     #[doc(hidden)]
-    fn is_nccl_alloc(&self) -> bool {
-        false
+    fn nccl_alloc_offset(&self) -> Option<usize> {
+        None
     }
     /// The one stream an operation on it may run on ([`StreamBound`]): its handle.
     #[doc(hidden)]

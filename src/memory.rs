@@ -330,9 +330,11 @@ impl<T: NcclType> NcclMemory<T> {
         const OP: &str = "NcclMemory::slice";
         let (a, b) = bounds(OP, range, self.len)?;
         match &self.storage {
-            Some(Storage::Host(_)) => Ok(NcclView(ViewInner::Host(&self.as_host_slice()?[a..b]))),
+            Some(Storage::Host(_)) => {
+                Ok(NcclView(ViewInner::Host(&self.as_host_slice()?[a..b]), a))
+            }
             Some(Storage::Cuda(s)) => match s.try_slice(a..b) {
-                Some(v) => Ok(NcclView(ViewInner::Cuda(v))),
+                Some(v) => Ok(NcclView(ViewInner::Cuda(v), a)),
                 None => Err(invalid(OP, format!("{a}..{b} is out of range"))),
             },
             None => Err(invalid(OP, "the memory was freed")),
@@ -345,11 +347,11 @@ impl<T: NcclType> NcclMemory<T> {
         let (a, b) = bounds(OP, range, self.len)?;
         if matches!(self.storage, Some(Storage::Host(_))) {
             let all = self.as_host_slice_mut()?;
-            return Ok(NcclViewMut(ViewMutInner::Host(&mut all[a..b])));
+            return Ok(NcclViewMut(ViewMutInner::Host(&mut all[a..b]), a));
         }
         match &mut self.storage {
             Some(Storage::Cuda(s)) => match s.try_slice_mut(a..b) {
-                Some(v) => Ok(NcclViewMut(ViewMutInner::Cuda(v))),
+                Some(v) => Ok(NcclViewMut(ViewMutInner::Cuda(v), a)),
                 None => Err(invalid(OP, format!("{a}..{b} is out of range"))),
             },
             _ => Err(invalid(OP, "the memory was freed")),
@@ -576,8 +578,8 @@ impl<T: NcclType> SendBuffer<T> for NcclMemory<T> {
             None => std::ptr::null(),
         }
     }
-    fn is_nccl_alloc(&self) -> bool {
-        true
+    fn nccl_alloc_offset(&self) -> Option<usize> {
+        Some(0)
     }
 }
 impl<T: NcclType> RecvBuffer<T> for NcclMemory<T> {
@@ -592,7 +594,7 @@ impl<T: NcclType> RecvBuffer<T> for NcclMemory<T> {
 
 /// A shared view of part of an [`NcclMemory`] ([`NcclMemory::slice`]): a send buffer.
 #[derive(Debug)]
-pub struct NcclView<'a, T>(ViewInner<'a, T>);
+pub struct NcclView<'a, T>(ViewInner<'a, T>, usize);
 
 #[derive(Debug)]
 enum ViewInner<'a, T> {
@@ -603,7 +605,7 @@ enum ViewInner<'a, T> {
 /// A mutable view of part of an [`NcclMemory`] ([`NcclMemory::slice_mut`]): a send and
 /// receive buffer.
 #[derive(Debug)]
-pub struct NcclViewMut<'a, T>(ViewMutInner<'a, T>);
+pub struct NcclViewMut<'a, T>(ViewMutInner<'a, T>, usize);
 
 #[derive(Debug)]
 enum ViewMutInner<'a, T> {
@@ -640,8 +642,8 @@ macro_rules! view_send {
                     $inner::Cuda(v) => SendBuffer::<T>::base_ptr(v),
                 }
             }
-            fn is_nccl_alloc(&self) -> bool {
-                true
+            fn nccl_alloc_offset(&self) -> Option<usize> {
+                Some(self.1 * std::mem::size_of::<T>())
             }
         }
     )*};

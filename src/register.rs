@@ -254,7 +254,9 @@ impl Communicator {
     ///
     /// Errors: [`Error::Unsupported`] before NCCL 2.27 (or before the release of a flag);
     /// [`Error::InvalidArgument`] as for [`register`](Self::register), and for a symmetric
-    /// window on memory not from `ncclMemAlloc`.
+    /// window on memory not from `ncclMemAlloc`, or not starting a multiple of 4096 bytes
+    /// (`NCCL_WIN_REQUIRED_ALIGNMENT`) into it, which NCCL would refuse only in its job,
+    /// failing the communicator.
     #[track_caller]
     pub fn register_window<'comm, 'buf, T, B>(
         &'comm self,
@@ -283,13 +285,25 @@ impl Communicator {
                 });
             }
         }
-        if flags.contains(WindowFlags::COLL_SYMMETRIC) && !buf.is_nccl_alloc() {
-            return Err(Error::InvalidArgument {
-                call: OP,
-                reason: "a symmetric window (WindowFlags::COLL_SYMMETRIC) needs memory from \
-                         NCCL's allocator: allocate the buffer as an NcclMemory"
-                    .into(),
-            });
+        if flags.contains(WindowFlags::COLL_SYMMETRIC) {
+            // NCCL refuses the rest in its job, which fails a non-blocking communicator
+            // (dev_runtime.cc:605-611 of 2.28.9).
+            const ALIGN: usize = nccl_sys::bindings::NCCL_WIN_REQUIRED_ALIGNMENT as usize;
+            let refusal = match buf.nccl_alloc_offset() {
+                None => Some(
+                    "a symmetric window (WindowFlags::COLL_SYMMETRIC) needs memory from \
+                     NCCL's allocator: allocate the buffer as an NcclMemory"
+                        .to_string(),
+                ),
+                Some(at) if at % ALIGN != 0 => Some(format!(
+                    "a symmetric window must start a multiple of {ALIGN} bytes into its \
+                     NcclMemory (NCCL_WIN_REQUIRED_ALIGNMENT); this one starts {at} bytes in"
+                )),
+                Some(_) => None,
+            };
+            if let Some(reason) = refusal {
+                return Err(Error::InvalidArgument { call: OP, reason });
+            }
         }
         self.ensure_usable(OP)?;
         let target = self.registration_target::<T, B>(OP, buf)?;
@@ -537,8 +551,8 @@ macro_rules! stands_for_buffer {
             fn base_ptr(&self) -> *const c_void {
                 self.buf.base_ptr()
             }
-            fn is_nccl_alloc(&self) -> bool {
-                self.buf.is_nccl_alloc()
+            fn nccl_alloc_offset(&self) -> Option<usize> {
+                self.buf.nccl_alloc_offset()
             }
         }
 

@@ -1033,6 +1033,39 @@ fn a_non_blocking_split_returns_success_and_stores_its_child_later() {
 /// flight is refused with ncclInvalidArgument and leaves the calling thread one group level
 /// deep (init.cc:2372-2381), so a teardown on that thread afterwards is queued until the
 /// level is closed.
+/// A symmetric window must start a multiple of NCCL_WIN_REQUIRED_ALIGNMENT (4096) bytes
+/// into its ncclMemAlloc allocation (dev_runtime.cc:605-611 of 2.28.9).
+#[test]
+fn a_symmetric_window_must_be_aligned_in_its_allocation() {
+    let t = table();
+    let register = t.ncclCommWindowRegister.expect("window API");
+    let deregister = t.ncclCommWindowDeregister.expect("window API");
+    let (alloc, free) = (
+        t.ncclMemAlloc.expect("mem API"),
+        t.ncclMemFree.expect("mem API"),
+    );
+    let (id, _) = with_ranks(&t, 1, |_, comm| {
+        let mut base: *mut c_void = core::ptr::null_mut();
+        // SAFETY: a writable out-pointer.
+        assert_eq!(unsafe { alloc(&mut base, 8192) }, ncclSuccess);
+        let sym = NCCL_WIN_COLL_SYMMETRIC as c_int;
+        for (at, want) in [(16, ncclInvalidArgument), (4096, ncclSuccess)] {
+            let mut win: ncclWindow_t = core::ptr::null_mut();
+            // SAFETY: a live comm, a range inside the allocation, a writable window.
+            let rc = unsafe { register(comm, base.cast::<u8>().add(at).cast(), 64, &mut win, sym) };
+            assert_eq!(rc, want, "{at} bytes in: {}", last_error(&t));
+            if rc == ncclSuccess {
+                // SAFETY: the window just registered.
+                assert_eq!(unsafe { deregister(comm, win) }, ncclSuccess);
+            }
+        }
+        // SAFETY: the allocation, freed once.
+        assert_eq!(unsafe { free(base) }, ncclSuccess);
+        destroy(&t, comm);
+    });
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 1, 1, 0, 1));
+}
+
 #[test]
 fn a_window_is_written_later_and_destroy_in_progress_leaves_a_group_open() {
     let t = table();

@@ -480,29 +480,39 @@ fn symmetric_windows_on_nccl_memory_and_its_views() {
     let st = ranks(3, |comm| {
         let s = Stream::Host;
         let r = comm.rank() as f32;
-        let mut mem = NcclMemory::<f32>::alloc_zeros(comm, 8, &s).unwrap();
+        let mut mem = NcclMemory::<f32>::alloc_zeros(comm, 2048, &s).unwrap();
         {
             let mut win = comm
                 .register_window(&mut mem, WindowFlags::COLL_SYMMETRIC)
                 .unwrap();
             assert_eq!(win.flags(), WindowFlags::COLL_SYMMETRIC);
             assert!(!win.as_raw().is_null());
-            win.copy_from_host(&[r + 1.0; 8], &s).unwrap();
+            win.copy_from_host(&[r + 1.0; 2048], &s).unwrap();
             comm.all_reduce_in_place(&mut win, ReduceOp::Sum, &s)
                 .unwrap();
-            let mut out = vec![0.0f32; 24];
+            let mut out = vec![0.0f32; 3 * 2048];
             comm.all_gather(&win, &mut out, &s).unwrap();
-            assert_eq!(out, vec![6.0; 24]);
+            assert_eq!(out, vec![6.0; 3 * 2048]);
         }
-        assert_eq!(mem.to_vec(&s).unwrap(), vec![6.0; 8]);
-        // A window of a view: part of an ncclMemAlloc allocation is still symmetric.
-        let mut view = mem.slice_mut(4..8).unwrap();
+        assert_eq!(mem.to_vec(&s).unwrap(), vec![6.0; 2048]);
+        // A window of a view: part of an ncclMemAlloc allocation is still symmetric, when
+        // it starts a multiple of 4096 bytes in (NCCL_WIN_REQUIRED_ALIGNMENT).
+        let mut view = mem.slice_mut(1024..2048).unwrap();
         let mut win = comm
             .register_window(&mut view, WindowFlags::COLL_SYMMETRIC)
             .unwrap();
         comm.all_reduce_in_place(&mut win, ReduceOp::Max, &s)
             .unwrap();
         win.deregister().unwrap();
+        // 16 bytes in: NCCL's job would refuse it and fail the communicator; refused first.
+        let mut view = mem.slice_mut(4..8).unwrap();
+        match comm.register_window(&mut view, WindowFlags::COLL_SYMMETRIC) {
+            Err(Error::InvalidArgument { reason, .. }) => {
+                assert!(reason.contains("starts 16 bytes in"), "{reason}")
+            }
+            other => panic!("a misaligned symmetric window: {other:?}"),
+        }
+        assert!(!comm.is_failed());
         // A plain (non-symmetric) window on ordinary host memory.
         let mut v = vec![1u8; 3];
         let mut win = comm.register_window(&mut v, WindowFlags::empty()).unwrap();

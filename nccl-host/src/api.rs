@@ -2123,10 +2123,19 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
                 format!("invalid argument: ncclCommWindowRegister: unknown flags {win_flags:#x}"),
             ));
         }
-        if win_flags & NCCL_WIN_COLL_SYMMETRIC as c_int != 0
-            && !super::registry::in_nccl_memory(&g, buff, size)
-        {
-            return Err(super::registry::not_nccl_memory(&mut g, r.root, buff));
+        if win_flags & NCCL_WIN_COLL_SYMMETRIC as c_int != 0 {
+            match super::registry::nccl_memory_offset(&g, buff, size) {
+                None => return Err(super::registry::not_nccl_memory(&mut g, r.root, buff)),
+                // As NCCL (dev_runtime.cc:605-611 of 2.28.9), which refuses it in its job.
+                Some(at) if at % NCCL_WIN_REQUIRED_ALIGNMENT as usize != 0 => {
+                    return Err(g.misuse(
+                        Some(r.root),
+                        ncclInvalidArgument,
+                        format!("invalid argument: ncclCommWindowRegister: Window address must be suitably aligned ({at} bytes into its allocation, not a multiple of {NCCL_WIN_REQUIRED_ALIGNMENT})"),
+                    ));
+                }
+                Some(_) => {}
+            }
         }
         if asynchronous(&g, r.h) {
             // As NCCL (dev_runtime.cc:900-921): the registration is a task of the group that

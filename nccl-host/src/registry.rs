@@ -149,15 +149,14 @@ pub(crate) fn deregister_window(
     }
 }
 
-/// Whether `[buff, buff + size)` lies inside one `ncclMemAlloc` allocation.
-pub(crate) fn in_nccl_memory(g: &Global, buff: *mut c_void, size: usize) -> bool {
+/// Where `[buff, buff + size)` starts inside the one `ncclMemAlloc` allocation that holds it,
+/// in bytes; `None` when no allocation holds it whole.
+pub(crate) fn nccl_memory_offset(g: &Global, buff: *mut c_void, size: usize) -> Option<usize> {
     let start = buff as usize;
-    let Some(end) = start.checked_add(size) else {
-        return false;
-    };
-    g.mem
-        .iter()
-        .any(|(&base, layout)| base <= start && end <= base + layout.size())
+    let end = start.checked_add(size)?;
+    (g.mem.iter())
+        .find(|(&base, layout)| base <= start && end <= base + layout.size())
+        .map(|(&base, _)| start - base)
 }
 
 /// The misuse of registering a symmetric window on other memory.
