@@ -1033,6 +1033,62 @@ fn a_non_blocking_split_returns_success_and_stores_its_child_later() {
 /// flight is refused with ncclInvalidArgument and leaves the calling thread one group level
 /// deep (init.cc:2372-2381), so a teardown on that thread afterwards is queued until the
 /// level is closed.
+/// On a non-blocking communicator NCCL stores an operation's argument error as the
+/// communicator's asynchronous error (ncclEnqueueCheck's `fail:`, enqueue.cc:2660-2661 of
+/// 2.28.9): ncclCommGetAsyncError reports it from then on, and a valid call that follows
+/// is refused with it. A blocking one keeps working.
+#[test]
+fn an_argument_error_is_sticky_on_a_non_blocking_communicator() {
+    let t = table();
+    let broadcast = |comm: ncclComm_t, root: c_int| {
+        let (send, mut recv) = ([1.0f32; 2], [0.0f32; 2]);
+        // SAFETY: a live comm and buffers of 2 elements.
+        unsafe {
+            (t.ncclBroadcast)(
+                send.as_ptr().cast(),
+                recv.as_mut_ptr().cast(),
+                2,
+                ncclFloat32,
+                root,
+                comm,
+                null_stream(),
+            )
+        }
+    };
+    let state = |comm: ncclComm_t| {
+        let mut st = ncclInProgress;
+        // SAFETY: a live comm, a writable result.
+        assert_eq!(
+            unsafe { (t.ncclCommGetAsyncError)(comm, &mut st) },
+            ncclSuccess
+        );
+        st
+    };
+    let (id, _) = with_non_blocking_ranks(&t, 1, |_, comm| {
+        assert_eq!(broadcast(comm, 5), ncclInvalidArgument, "root 5 of 1");
+        assert_eq!(state(comm), ncclInvalidArgument, "sticky");
+        assert_eq!(
+            broadcast(comm, 0),
+            ncclInvalidArgument,
+            "refused from then on"
+        );
+        // SAFETY: the handle, torn down once (its error refuses a destroy).
+        assert_eq!(unsafe { (t.ncclCommAbort)(comm) }, ncclSuccess);
+    });
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 1, 0, 1, 1));
+    let (id, _) = with_ranks(&t, 1, |_, comm| {
+        assert_eq!(broadcast(comm, 5), ncclInvalidArgument);
+        assert_eq!(
+            state(comm),
+            ncclSuccess,
+            "a blocking communicator keeps no error"
+        );
+        assert_eq!(broadcast(comm, 0), ncclSuccess);
+        destroy(&t, comm);
+    });
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 1, 1, 0, 1));
+}
+
 /// A symmetric window must start a multiple of NCCL_WIN_REQUIRED_ALIGNMENT (4096) bytes
 /// into its ncclMemAlloc allocation (dev_runtime.cc:605-611 of 2.28.9).
 #[test]

@@ -1737,10 +1737,23 @@ fn operation(
             ));
         }
         let Some(es) = dtype::size_of(dt) else {
-            return Err(r.invalid(&mut g, name, format!("unknown datatype {dt}")));
+            let f = r.invalid(&mut g, name, format!("unknown datatype {dt}"));
+            return Err(sticky(&mut g, &r, f));
         };
         post(g, r, es)
     })
+}
+
+/// An operation's argument error, which on a non-blocking communicator NCCL also stores as
+/// its asynchronous error (ncclEnqueueCheck's `fail:`, enqueue.cc:2660-2661 of 2.28.9): from
+/// then on ncclCommGetAsyncError reports it and every call that ensures readiness is refused.
+fn sticky(g: &mut Global, r: &Ready, f: Fail) -> Fail {
+    if let Some(c) = g.comms.get_mut(&r.h) {
+        if c.nonblocking && matches!(c.job, Job::Idle) {
+            c.job = Job::Failed(f.clone());
+        }
+    }
+    f
 }
 
 /// Queues `item`, or, where a test staged `Fault::StuckWork`, accepts it
@@ -1769,7 +1782,10 @@ fn coll(
     root: Option<c_int>,
 ) -> ncclResult_t {
     operation(name, comm, dt, |mut g, r, es| {
-        let bad = |g: &mut Global, m: String| r.invalid(g, name, m);
+        let bad = |g: &mut Global, m: String| {
+            let f = r.invalid(g, name, m);
+            sticky(g, &r, f)
+        };
         let rt = root.unwrap_or(0);
         if rt < 0 || rt >= r.nranks {
             return Err(bad(
@@ -1870,7 +1886,10 @@ fn p2p(
     comm: ncclComm_t,
 ) -> ncclResult_t {
     operation(name, comm, dt, |mut g, r, es| {
-        let bad = |g: &mut Global, m: String| r.invalid(g, name, m);
+        let bad = |g: &mut Global, m: String| {
+            let f = r.invalid(g, name, m);
+            sticky(g, &r, f)
+        };
         if peer < 0 || peer >= r.nranks {
             return Err(bad(
                 &mut g,
