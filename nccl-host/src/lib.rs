@@ -88,7 +88,8 @@
 //!     registrations or windows live releases them ([`HostStats::live_at_teardown`]).
 //!     Windows are not collective here (each rank registers on its own, no rank waits), any
 //!     host memory may be registered, and `NCCL_WIN_COLL_SYMMETRIC` needs a range inside
-//!     one `ncclMemAlloc` allocation. Other optional entry points (RMA, `*Config`
+//!     one `ncclMemAlloc` allocation, starting a multiple of `NCCL_WIN_REQUIRED_ALIGNMENT`
+//!     (4096) bytes into it; it is refused in the call (NCCL refuses it in the job). Other optional entry points (RMA, `*Config`
 //!     collectives, ...) are not provided (`lookup` returns null).
 //! 11. `ncclGetLastError` ignores its `comm` argument: the text is per thread, and the
 //!     pointer stays valid until the same thread calls `ncclGetLastError` again.
