@@ -1033,6 +1033,62 @@ fn a_non_blocking_split_returns_success_and_stores_its_child_later() {
 /// flight is refused with ncclInvalidArgument and leaves the calling thread one group level
 /// deep (init.cc:2372-2381), so a teardown on that thread afterwards is queued until the
 /// level is closed.
+/// A group in which a call failed launches nothing at its end (ncclGroupError, group.cc:671,
+/// then groupCleanup, 340-394 of 2.28.9): ncclGroupEnd returns the error, the group's valid
+/// operations never write their buffers, and a non-blocking communicator of the group keeps
+/// the error as its asynchronous state.
+#[test]
+fn a_group_with_a_failed_call_runs_nothing() {
+    let t = table();
+    let all_reduce = |comm: ncclComm_t, dt: ncclDataType_t, recv: &mut [f32; 2]| {
+        let send = [1.0f32; 2];
+        // SAFETY: a live comm and buffers of 2 elements.
+        unsafe {
+            (t.ncclAllReduce)(
+                send.as_ptr().cast(),
+                recv.as_mut_ptr().cast(),
+                2,
+                dt,
+                ncclSum,
+                comm,
+                null_stream(),
+            )
+        }
+    };
+    for nonblocking in [false, true] {
+        let body = |_, comm| {
+            let mut recv = [0.0f32; 2];
+            // SAFETY: balanced group calls on this thread.
+            unsafe { assert_eq!((t.ncclGroupStart)(), ncclSuccess) };
+            assert_eq!(all_reduce(comm, ncclFloat32, &mut recv), ncclSuccess);
+            assert_eq!(all_reduce(comm, 99, &mut [0.0; 2]), ncclInvalidArgument);
+            // SAFETY: as above.
+            assert_eq!(unsafe { (t.ncclGroupEnd)() }, ncclInvalidArgument);
+            assert_eq!(recv, [0.0; 2], "nothing ran");
+            let mut st = ncclInProgress;
+            // SAFETY: a live comm, a writable result.
+            assert_eq!(
+                unsafe { (t.ncclCommGetAsyncError)(comm, &mut st) },
+                ncclSuccess
+            );
+            // SAFETY: the handle, torn down once.
+            assert_eq!(unsafe { (t.ncclCommAbort)(comm) }, ncclSuccess);
+            st
+        };
+        let (_, states) = if nonblocking {
+            with_non_blocking_ranks(&t, 1, body)
+        } else {
+            with_ranks(&t, 1, body)
+        };
+        let want = if nonblocking {
+            ncclInvalidArgument
+        } else {
+            ncclSuccess
+        };
+        assert_eq!(states, vec![want], "nonblocking: {nonblocking}");
+    }
+}
+
 /// On a non-blocking communicator NCCL stores an operation's argument error as the
 /// communicator's asynchronous error (ncclEnqueueCheck's `fail:`, enqueue.cc:2660-2661 of
 /// 2.28.9): ncclCommGetAsyncError reports it from then on, and a valid call that follows

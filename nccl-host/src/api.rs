@@ -29,7 +29,7 @@ thread_local! {
     static DEFERRED: RefCell<Vec<(usize, bool)>> = const { RefCell::new(Vec::new()) };
     /// Splits and shrinks called inside a group, as the calls they make at the outermost
     /// ncclGroupEnd (see `queue_for_group_end`).
-    static QUEUED: RefCell<Vec<Box<dyn FnOnce() -> ncclResult_t>>> = const { RefCell::new(Vec::new()) };
+    static QUEUED: RefCell<Vec<(Handle, Box<dyn FnOnce() -> ncclResult_t>)>> = const { RefCell::new(Vec::new()) };
     /// The "current device" recorded by ncclCommInitRank(Config) (see `set_current_device`).
     pub(crate) static DEVICE: Cell<c_int> = const { Cell::new(0) };
 }
@@ -67,11 +67,12 @@ fn vanished() -> Fail {
 /// group's collectives), and it is the job that writes the child. Here `job` is the call
 /// made again outside the group, on the copies.
 fn queue_for_group_end(
+    parent: Handle,
     out: *mut ncclComm_t,
     job: impl FnOnce() -> ncclResult_t + 'static,
 ) -> Result<ncclResult_t, Fail> {
     put(out, core::ptr::null_mut());
-    QUEUED.with(|q| q.borrow_mut().push(Box::new(job)));
+    QUEUED.with(|q| q.borrow_mut().push((parent, Box::new(job))));
     Ok(ncclSuccess)
 }
 
@@ -1052,7 +1053,7 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
         let blocking = r.child_blocking(&mut g, config, "ncclCommSplit")?;
         if in_group() {
             let (parent, out, mut cfg) = (comm as usize, newcomm as usize, copy_config(config));
-            return queue_for_group_end(newcomm, move || {
+            return queue_for_group_end(r.h, newcomm, move || {
                 // SAFETY: the caller keeps `comm` and `newcomm` valid until the group's end
                 // (NCCL's job uses both then); the config is this call's copy.
                 unsafe { ncclCommSplit(parent as _, color, key, out as _, config_ptr(&mut cfg)) }
@@ -1182,7 +1183,7 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
         if in_group() {
             let (parent, out, mut cfg) = (comm as usize, newcomm as usize, copy_config(config));
             let mut list = excl.clone();
-            return queue_for_group_end(newcomm, move || {
+            return queue_for_group_end(r.h, newcomm, move || {
                 let n = list.len() as c_int;
                 let cfg = config_ptr(&mut cfg);
                 // SAFETY: the caller keeps `comm` and `newcomm` valid until the group's end
@@ -1968,6 +1969,47 @@ forward! {
         => p2p(false, recvbuff as usize, count, datatype, peer, comm);
 }
 
+/// The outermost ncclGroupEnd of a group in which a call failed, as NCCL's
+/// (`ncclGroupError`, group.cc:671, then `groupCleanup`, 340-394 of 2.28.9): nothing runs.
+/// The operations are discarded (their peers wait for them in vain, as on a GPU), the queued
+/// splits and shrinks and the teardowns called in the group are dropped unrun (NCCL destroys
+/// their jobs), and every non-blocking communicator of the group, and the parent of each
+/// dropped split, gets the error as its asynchronous state. Returns the error.
+fn group_failed(
+    f: Fail,
+    queued: Vec<(Handle, Box<dyn FnOnce() -> ncclResult_t>)>,
+    items: &[Item],
+) -> Fail {
+    let mut g = lock();
+    let of_rank = |g: &Global, clique: u64, rank: i32| {
+        (g.comms.iter())
+            .find(|(_, c)| matches!(c.state, CommState::Ready { clique: k, rank: r } if k == clique && r == rank))
+            .map(|(&h, _)| h)
+    };
+    let mut joined: Vec<Handle> = queued.iter().map(|(h, _)| *h).collect();
+    for item in items {
+        joined.extend(match *item {
+            Item::Coll { clique, rank, .. } => of_rank(&g, clique, rank),
+            Item::P2p {
+                clique,
+                src,
+                dst,
+                is_send,
+                ..
+            } => of_rank(&g, clique, if is_send { src } else { dst }),
+            Item::Handle(h) => Some(h),
+        });
+    }
+    for h in joined {
+        if let Some(c) = g.comms.get_mut(&h) {
+            if c.nonblocking && matches!(c.job, Job::Idle) {
+                c.job = Job::Failed(f.clone());
+            }
+        }
+    }
+    f
+}
+
 pub(crate) unsafe extern "C" fn ncclGroupStart() -> ncclResult_t {
     ffi(|| {
         GROUP.with(|g| g.borrow_mut().0 += 1);
@@ -1998,8 +2040,14 @@ pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
                 // The queued jobs first, as NCCL's groupLaunch (group.cc:537), then the
                 // group's operations. A job of a non-blocking parent runs on, as outside a
                 // group (its ncclInProgress is its start, not a failure).
+                let queued = QUEUED.with(|q| std::mem::take(&mut *q.borrow_mut()));
+                let deferred = DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut()));
+                if let Some(f) = err {
+                    drop(deferred); // NCCL destroys the reclaim jobs unrun
+                    return Err(group_failed(f, queued, &items));
+                }
                 let mut failed = None;
-                for job in QUEUED.with(|q| std::mem::take(&mut *q.borrow_mut())) {
+                for (_, job) in queued {
                     let code = job();
                     if code != ncclSuccess && code != ncclInProgress && failed.is_none() {
                         let msg = LAST.with(|l| l.borrow().0.to_string_lossy().into_owned());
@@ -2007,10 +2055,10 @@ pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
                     }
                 }
                 let r = run_items(lock(), items);
-                for (h, abort) in DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut())) {
+                for (h, abort) in deferred {
                     let _ = teardown(h as ncclComm_t, abort);
                 }
-                match (err.or(failed), r) {
+                match (failed, r) {
                     (Some(f), _) | (None, Err(f)) => Err(f),
                     (None, Ok(())) => Ok(ncclSuccess),
                 }
