@@ -475,6 +475,45 @@ fn calls_that_ensure_ready_read_the_asynchronous_state() {
     );
 }
 
+/// A non-blocking init inside a group returns ncclSuccess (the state it reads is set only
+/// by the group's end, init.cc:2163-2166 of 2.28.9), and the group's end does not wait for
+/// it (a non-blocking group returns at once, group.cc:706-738): so one thread may init rank
+/// 0 in a group and rank 1 after it, and both then complete.
+#[test]
+fn a_non_blocking_init_in_a_group_does_not_hold_the_groups_end() {
+    let t = table();
+    let id = new_id(&t);
+    let init = |rank: c_int, comm: &mut ncclComm_t| {
+        let mut cfg = config(0);
+        // SAFETY: valid pointers.
+        unsafe { (t.ncclCommInitRankConfig)(comm, 2, id, rank, &mut cfg) }
+    };
+    let (mut c0, mut c1): (ncclComm_t, ncclComm_t) = (core::ptr::null_mut(), core::ptr::null_mut());
+    // SAFETY: balanced group calls on this thread.
+    unsafe { assert_eq!((t.ncclGroupStart)(), ncclSuccess) };
+    assert_eq!(init(0, &mut c0), ncclSuccess, "in a group");
+    assert!(!c0.is_null(), "the handle is written during the call");
+    // SAFETY: as above. NCCL returns ncclInProgress here, the host provider ncclSuccess.
+    let end = unsafe { (t.ncclGroupEnd)() };
+    assert!(end == ncclSuccess || end == ncclInProgress, "{end}");
+    assert_eq!(init(1, &mut c1), ncclInProgress, "outside a group");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for c in [c0, c1] {
+        let mut st = ncclInProgress;
+        while st == ncclInProgress && Instant::now() < deadline {
+            // SAFETY: a live handle, a writable result.
+            assert_eq!(
+                unsafe { (t.ncclCommGetAsyncError)(c, &mut st) },
+                ncclSuccess
+            );
+        }
+        assert_eq!(st, ncclSuccess);
+    }
+    destroy(&t, c0);
+    destroy(&t, c1);
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 2, 2, 0, 0));
+}
+
 #[test]
 fn non_blocking_init_polls_in_progress_then_success() {
     let t = table();

@@ -394,12 +394,16 @@ fn finish_new(
         put(out, h as ncclComm_t);
         g.count_created(h);
         drop(g);
-        if in_group() {
+        // A blocking group waits for it at its end; a non-blocking one returns at once and
+        // leaves it to ncclCommGetAsyncError (group.cc:706-738 of 2.28.9), so one thread may
+        // init a rank in a group and its peer after it.
+        if in_group() && !nonblocking {
             GROUP.with(|gr| gr.borrow_mut().1.push(Item::Handle(h)));
         }
         // As NCCL: a non-blocking init/split reports ncclInProgress even when this call
-        // completed it; ncclCommGetAsyncError then says ncclSuccess.
-        return Ok(if nonblocking {
+        // completed it; ncclCommGetAsyncError then says ncclSuccess. Inside a group the
+        // call reads the state before the group's end sets it: ncclSuccess (init.cc:2163-2166).
+        return Ok(if nonblocking && !in_group() {
             ncclInProgress
         } else {
             ncclSuccess

@@ -34,7 +34,8 @@
 //!   returns ncclSuccess, and the job runs (and writes the child) at the outermost
 //!   `ncclGroupEnd`, before the operations. An init inside a group joins its clique during
 //!   the call and writes its handle then (NCCL writes the handle then too, but joins at the
-//!   group's end), and `ncclGroupEnd` waits for it.
+//!   group's end) and returns ncclSuccess; a blocking group's `ncclGroupEnd` waits for it, a
+//!   non-blocking one leaves it to `ncclCommGetAsyncError`.
 //! * Reductions fold the ranks' inputs in rank order 0, 1, 2, ... rounding every step to the
 //!   element type: integer sum/product
 //!   wrap; `f16`/`bf16`/fp8 compute each step in `f32` and round back (fp8 rounds to
