@@ -25,6 +25,10 @@ use crate::ops::{Guards, Op};
 ///   freed, moved or read while NCCL may still use it; cudarc's event guards are released
 ///   only after `ncclGroupEnd`.
 /// * `!Send`: NCCL's group state belongs to the calling thread.
+/// * Only operations: once the group has started (at its first `push`), creating a
+///   communicator on this thread (`init_rank`, `split`, `shrink`, `grow`, ...) or revoking
+///   one is refused with [`Error::InvalidArgument`], since NCCL would only queue it until
+///   the group's end.
 ///
 /// ```
 /// use nccl_safe::{Communicator, CommDevice, Group, Stream};
