@@ -17,6 +17,9 @@ use super::state::{
     PreMul, RootIdx,
 };
 
+/// A split or shrink queued for the outermost ncclGroupEnd: the call it makes there.
+type QueuedJob = Box<dyn FnOnce() -> ncclResult_t>;
+
 thread_local! {
     /// (latest error text, the copy last handed out by ncclGetLastError)
     static LAST: RefCell<(CString, CString)> = RefCell::new((CString::default(), CString::default()));
@@ -29,7 +32,7 @@ thread_local! {
     static DEFERRED: RefCell<Vec<(usize, bool)>> = const { RefCell::new(Vec::new()) };
     /// Splits and shrinks called inside a group, as the calls they make at the outermost
     /// ncclGroupEnd (see `queue_for_group_end`).
-    static QUEUED: RefCell<Vec<(Handle, Box<dyn FnOnce() -> ncclResult_t>)>> = const { RefCell::new(Vec::new()) };
+    static QUEUED: RefCell<Vec<(Handle, QueuedJob)>> = const { RefCell::new(Vec::new()) };
     /// The "current device" recorded by ncclCommInitRank(Config) (see `set_current_device`).
     pub(crate) static DEVICE: Cell<c_int> = const { Cell::new(0) };
 }
@@ -1979,11 +1982,7 @@ forward! {
 /// splits and shrinks and the teardowns called in the group are dropped unrun (NCCL destroys
 /// their jobs), and every non-blocking communicator of the group, and the parent of each
 /// dropped split, gets the error as its asynchronous state. Returns the error.
-fn group_failed(
-    f: Fail,
-    queued: Vec<(Handle, Box<dyn FnOnce() -> ncclResult_t>)>,
-    items: &[Item],
-) -> Fail {
+fn group_failed(f: Fail, queued: Vec<(Handle, QueuedJob)>, items: &[Item]) -> Fail {
     let mut g = lock();
     let of_rank = |g: &Global, clique: u64, rank: i32| {
         (g.comms.iter())
