@@ -1756,12 +1756,18 @@ fn operation(
 /// its asynchronous error (ncclEnqueueCheck's `fail:`, enqueue.cc:2660-2661 of 2.28.9): from
 /// then on ncclCommGetAsyncError reports it and every call that ensures readiness is refused.
 fn sticky(g: &mut Global, r: &Ready, f: Fail) -> Fail {
-    if let Some(c) = g.comms.get_mut(&r.h) {
+    set_async_error(g, r.h, &f);
+    f
+}
+
+/// NCCL's `ncclCommSetAsyncError` on a non-blocking communicator `h`: `f` becomes its
+/// asynchronous error, unless a job already owns that state (in flight, or failed first).
+fn set_async_error(g: &mut Global, h: Handle, f: &Fail) {
+    if let Some(c) = g.comms.get_mut(&h) {
         if c.nonblocking && matches!(c.job, Job::Idle) {
             c.job = Job::Failed(f.clone());
         }
     }
-    f
 }
 
 /// Queues `item`, or, where a test staged `Fault::StuckWork`, accepts it
@@ -2004,11 +2010,7 @@ fn group_failed(f: Fail, queued: Vec<(Handle, QueuedJob)>, items: &[Item]) -> Fa
         });
     }
     for h in joined {
-        if let Some(c) = g.comms.get_mut(&h) {
-            if c.nonblocking && matches!(c.job, Job::Idle) {
-                c.job = Job::Failed(f.clone());
-            }
-        }
+        set_async_error(&mut g, h, &f);
     }
     f
 }
