@@ -1072,6 +1072,55 @@ fn a_non_blocking_split_returns_success_and_stores_its_child_later() {
 /// flight is refused with ncclInvalidArgument and leaves the calling thread one group level
 /// deep (init.cc:2372-2381), so a teardown on that thread afterwards is queued until the
 /// level is closed.
+/// NCCL discards an empty collective after its argument checks (taskAppend,
+/// enqueue.cc:2554-2555 of 2.28.9): it takes no sequence number and waits for no peer, so
+/// rank 0's empty all-reduce does not pair with rank 1's next one; its arguments are still
+/// checked (a root out of range is refused).
+#[test]
+fn an_empty_collective_is_discarded() {
+    let t = table();
+    let all_reduce = |comm: ncclComm_t, n: usize, r: usize| {
+        let (send, mut recv) = ([1.0f32 + r as f32; 4], [0.0f32; 4]);
+        // SAFETY: a live comm and buffers of 4 elements (n <= 4).
+        let rc = unsafe {
+            (t.ncclAllReduce)(
+                send.as_ptr().cast(),
+                recv.as_mut_ptr().cast(),
+                n,
+                ncclFloat32,
+                ncclSum,
+                comm,
+                null_stream(),
+            )
+        };
+        (rc, recv)
+    };
+    let (id, out) = with_ranks(&t, 2, |r, comm| {
+        if r == 0 {
+            assert_eq!(all_reduce(comm, 0, r).0, ncclSuccess);
+            let mut buf = [0.0f32; 1];
+            // SAFETY: a live comm; count 0.
+            let rc = unsafe {
+                (t.ncclBroadcast)(
+                    buf.as_ptr().cast(),
+                    buf.as_mut_ptr().cast(),
+                    0,
+                    ncclFloat32,
+                    7,
+                    comm,
+                    null_stream(),
+                )
+            };
+            assert_eq!(rc, ncclInvalidArgument, "root 7 of 2, even when empty");
+        }
+        let got = all_reduce(comm, 4, r);
+        destroy(&t, comm);
+        got
+    });
+    assert_eq!(out, vec![(ncclSuccess, [3.0; 4]); 2]);
+    assert_eq!(tuple(host::stats_for(&id)), stats(0, 2, 2, 0, 1));
+}
+
 /// A group in which a call failed launches nothing at its end (ncclGroupError, group.cc:671,
 /// then groupCleanup, 340-394 of 2.28.9): ncclGroupEnd returns the error, the group's valid
 /// operations never write their buffers, and a non-blocking communicator of the group keeps

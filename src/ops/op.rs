@@ -113,6 +113,14 @@ impl<'a> Op<'a> {
             caller,
             guards,
         } = self;
+        if count == 0 && !matches!(call, Call::Send { .. } | Call::Recv { .. }) {
+            // NCCL discards an empty collective after its argument checks (taskAppend,
+            // enqueue.cc:2554-2555 of 2.28.9): no work and no peer. So it is not issued,
+            // and the diagnostics do not count it either: their sequence numbers must match
+            // the peers' (one rank's empty call would otherwise read as a collective its
+            // peers never call).
+            return Ok(guards);
+        }
         comm.issue(
             info,
             caller,
