@@ -10,7 +10,8 @@ use std::time::Duration;
 use half::{bf16, f16};
 use nccl_safe::host::{root_id_of, stats_for};
 use nccl_safe::{
-    CommDevice, Communicator, Config, Group, ReduceOp, Stream, UniqueId, DEFAULT_INIT_TIMEOUT,
+    CommDevice, Communicator, Config, Group, ReduceOp, ResultCode, Stream, UniqueId,
+    DEFAULT_INIT_TIMEOUT,
 };
 use support::{assert_balanced, run_ranks, El};
 
@@ -778,4 +779,118 @@ fn an_empty_collective_involves_no_peer() {
             }
         });
     }
+}
+
+const CHECK_POINTERS: &str = "NCCL_CHECK_POINTERS";
+
+/// `NCCL_CHECK_POINTERS=1` makes NCCL check a gather's `recvbuff` and a scatter's `sendbuff`
+/// off the root too, though its header says they are unused there (misc/argcheck.cc:72-80
+/// of 2.28.9): the crate passes the caller's buffer, so these calls run; an empty one is
+/// passed as null, which NCCL refuses with a typed error. The host provider reads the
+/// variable once per process, as NCCL does, hence the child process.
+#[test]
+fn gather_and_scatter_run_under_nccl_check_pointers() {
+    let child = support::spawn_child("child_checks_pointers", CHECK_POINTERS, "1");
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("child: pointers checked"));
+}
+
+#[test]
+#[ignore = "run as a child process by gather_and_scatter_run_under_nccl_check_pointers"]
+fn child_checks_pointers() {
+    assert_eq!(
+        std::env::var(CHECK_POINTERS).as_deref(),
+        Ok("1"),
+        "run only as a child process"
+    );
+    run_ranks(3, |comm| {
+        let r = comm.rank();
+        // Off the root, a buffer of any length is passed, untouched.
+        let mut recv = if r == 0 { vec![0i32; 3] } else { vec![-1; 1] };
+        comm.gather(&[r as i32 + 1], &mut recv, 0, &S).unwrap();
+        let want = if r == 0 { vec![1, 2, 3] } else { vec![-1] };
+        assert_eq!(recv, want);
+        let send = if r == 0 {
+            vec![7i32, 8, 9]
+        } else {
+            vec![-1; 2]
+        };
+        let mut out = [0i32];
+        comm.scatter(&send, &mut out, 0, &S).unwrap();
+        assert_eq!(out, [7 + r as i32]);
+    });
+    // Off the root, an empty buffer is a null pointer, which NCCL refuses at once (and the
+    // crate then holds the communicator failed, to be dropped). No rank leaves before both
+    // calls returned, or the calls would be reported as waiting for it.
+    let (id, both) = (
+        CommDevice::Host.unique_id().unwrap(),
+        std::sync::Barrier::new(3),
+    );
+    std::thread::scope(|sc| {
+        for rank in 0..3 {
+            let (id, both) = (&id, &both);
+            sc.spawn(move || {
+                let comm = Communicator::init_rank(&CommDevice::Host, 3, rank, id, &Config::new());
+                let comm = comm.unwrap();
+                both.wait();
+                let err = match rank {
+                    0 => Ok(()),
+                    1 => comm.gather(&[1i32], &mut Vec::<i32>::new(), 0, &S),
+                    _ => comm.scatter(&Vec::<i32>::new(), &mut [0i32], 0, &S),
+                };
+                both.wait();
+                if rank > 0 {
+                    let err = err.unwrap_err();
+                    assert_eq!(err.code(), Some(ResultCode::InvalidArgument), "{err}");
+                    assert!(err.to_string().contains("is not a valid pointer"), "{err}");
+                }
+            });
+        }
+    });
+    // The provider follows NCCL's rule: a broadcast's send and a reduce's recv are
+    // checked only on the root, every other buffer everywhere.
+    use nccl_sys::bindings::*;
+    // SAFETY: the host provider's lookup returns functions with NCCL's signatures.
+    let t = unsafe { nccl_sys::FunctionTable::load(nccl_safe::host::lookup) }.unwrap();
+    let mut c = [core::ptr::null_mut(); 2];
+    // SAFETY: two out-slots; a null device list means devices 0 and 1.
+    let rc = unsafe { (t.ncclCommInitAll)(c.as_mut_ptr(), 2, core::ptr::null()) };
+    assert_eq!(rc, ncclSuccess);
+    let mut b = [[1.0f32; 2]; 3];
+    let [b0, b1, b2] = b
+        .each_mut()
+        .map(|b| b.as_mut_ptr().cast::<core::ffi::c_void>());
+    let (f, null, s) = (ncclFloat32, core::ptr::null_mut(), core::ptr::null_mut());
+    // SAFETY: live communicators, and buffers of 2 floats or null, in a group where one
+    // thread drives both ranks.
+    unsafe {
+        assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+        assert_eq!((t.ncclBroadcast)(b0, b0, 2, f, 0, c[0], s), ncclSuccess);
+        assert_eq!((t.ncclBroadcast)(null, b1, 2, f, 0, c[1], s), ncclSuccess);
+        assert_eq!(
+            (t.ncclReduce)(b0, b2, 2, f, ncclSum, 0, c[0], s),
+            ncclSuccess
+        );
+        assert_eq!(
+            (t.ncclReduce)(b1, null, 2, f, ncclSum, 0, c[1], s),
+            ncclSuccess
+        );
+        assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
+        for rc in [
+            (t.ncclGather.unwrap())(b1, null, 2, f, 0, c[1], s),
+            (t.ncclScatter.unwrap())(null, b1, 2, f, 0, c[1], s),
+            (t.ncclBroadcast)(b1, null, 2, f, 0, c[1], s),
+            (t.ncclReduce)(null, b1, 2, f, ncclSum, 0, c[1], s),
+            (t.ncclAllReduce)(b1, null, 0, f, ncclSum, c[1], s),
+        ] {
+            assert_eq!(rc, ncclInvalidArgument);
+        }
+        for comm in c {
+            assert_eq!((t.ncclCommDestroy)(comm), ncclSuccess);
+        }
+    }
+    assert_eq!(b[2], [2.0; 2]);
+    println!("child: pointers checked");
 }

@@ -1807,6 +1807,20 @@ fn coll(
                 format!("root {rt} out of range 0..{}", r.nranks),
             ));
         }
+        // NCCL_CHECK_POINTERS=1 checks both buffers whatever the count, but a broadcast's
+        // send and a reduce's recv only on the root (ArgsCheck, misc/argcheck.cc:72-80 of
+        // 2.28.9). CudaPtrCheck refuses a pointer CUDA does not know; here, a null one.
+        if super::defs::check_pointers() {
+            let root_only = |k| kind == k && root != Some(r.rank);
+            for (ptr, arg, exempt) in [
+                (send.is_null(), "sendbuff", root_only(Collective::Broadcast)),
+                (recv.is_null(), "recvbuff", root_only(Collective::Reduce)),
+            ] {
+                if ptr && !exempt {
+                    return Err(bad(&mut g, format!("{arg} (nil) is not a valid pointer")));
+                }
+            }
+        }
         if count == 0 {
             // After NCCL's ArgsCheck (the root, and an op that exists: argcheck.cc), an
             // empty collective is discarded (taskAppend, enqueue.cc:2554-2555 of 2.28.9):

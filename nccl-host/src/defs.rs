@@ -106,6 +106,13 @@ pub(crate) fn job_latency() -> Duration {
     *LATENCY.get_or_init(|| env_ms("NCCL_SAFE_HOST_JOB_LATENCY_MS", 5))
 }
 
+/// `NCCL_CHECK_POINTERS=1`, read once per process as NCCL's parameter is (init.cc:55, 452
+/// of 2.28.9): each collective then checks its buffers' pointers (see `api::coll`).
+pub(crate) fn check_pointers() -> bool {
+    static CHECK: OnceLock<bool> = OnceLock::new();
+    *CHECK.get_or_init(|| std::env::var("NCCL_CHECK_POINTERS").is_ok_and(|v| v.trim() == "1"))
+}
+
 /// The milliseconds in environment variable `name`, or `default` when unset or unparsable.
 fn env_ms(name: &str, default: u64) -> Duration {
     let ms = std::env::var(name).ok().and_then(|v| v.trim().parse().ok());

@@ -698,7 +698,9 @@ impl Communicator {
     }
 
     /// Gathers every rank's `send` into `recv` on `root`, rank `i` at `i * send.len()`
-    /// (`ncclGather`, NCCL 2.28+). Only the root's `recv` is checked and written.
+    /// (`ncclGather`, NCCL 2.28+). Only the root's `recv` is checked and written. Off the
+    /// root, NCCL touches no element of `recv` but is given its address (null if empty):
+    /// under `NCCL_CHECK_POINTERS=1` NCCL refuses an empty one, so pass device memory there.
     ///
     /// ```
     /// use nccl_safe::{launch::Launcher, ReduceOp};
@@ -741,20 +743,20 @@ impl Communicator {
         let count = send.len();
         let total = at.times_world(count)?;
         at.send(send, count, "send = count")?;
-        let on_root = self.rank() == root;
-        if on_root {
+        let r = if self.rank() == root {
             at.recv(recv, total, "recv = world_size x send on the root")?;
+            at.recv_ptr(recv)
         } else {
-            at.ignored(BufferRole::Recv, recv)?;
-        }
+            at.ignored_recv(recv)?
+        };
         let s = at.send_ptr(send);
-        // NCCL ignores recv off the root: passed as null.
-        let r = if on_root { at.recv_ptr(recv) } else { NO_RECV };
         Ok(at.op::<T>(Call::Gather(f, root_c), count, Some(root), s, r))
     }
 
     /// Sends block `i` of `send` on `root` to rank `i`'s `recv` (`ncclScatter`, NCCL
-    /// 2.28+). Only the root's `send` is checked and read.
+    /// 2.28+). Only the root's `send` is checked and read. Off the root, NCCL touches no
+    /// element of `send` but is given its address (null if empty): under
+    /// `NCCL_CHECK_POINTERS=1` NCCL refuses an empty one, so pass device memory there.
     ///
     /// ```
     /// use nccl_safe::{launch::Launcher, ReduceOp};
@@ -796,15 +798,13 @@ impl Communicator {
         let root_c = at.rank_arg("root", root)?;
         let count = recv.len();
         let total = at.times_world(count)?;
-        let on_root = self.rank() == root;
-        if on_root {
-            at.send(send, total, "send = world_size x recv on the root")?;
-        } else {
-            at.ignored(BufferRole::Send, send)?;
-        }
         at.recv(recv, count, "recv = count")?;
-        // NCCL ignores send off the root: passed as null.
-        let s = if on_root { at.send_ptr(send) } else { NO_SEND };
+        let s = if self.rank() == root {
+            at.send(send, total, "send = world_size x recv on the root")?;
+            at.send_ptr(send)
+        } else {
+            at.ignored_send(send)?
+        };
         let r = at.recv_ptr(recv);
         Ok(at.op::<T>(Call::Scatter(f, root_c), count, Some(root), s, r))
     }

@@ -289,14 +289,37 @@ impl<'a> OpChecks<'a> {
         }
     }
 
-    /// Checks only where a buffer lives: the one NCCL ignores on a non-root rank.
+    /// The buffer NCCL ignores on a non-root rank (gather's `recv`, scatter's `send`): only
+    /// where it lives is checked, and its pointer is passed unless it is empty. NCCL's
+    /// header says the buffer is not used, but NCCL 2.28.9 still reads its address:
+    /// `NCCL_CHECK_POINTERS=1` rejects a null one (`ArgsCheck`, misc/argcheck.cc:72-80), and
+    /// a gather's copy-engine path over symmetric windows finds the root's window through it
+    /// (`ncclCeGather`, ce_coll.cc:566-569). NCCL reads and writes no element of it.
     #[inline(always)]
-    pub(crate) fn ignored<T: NcclType, B: SendBuffer<T> + ?Sized>(
+    pub(crate) fn ignored_send<T: NcclType, S: SendBuffer<T> + ?Sized>(
         &self,
-        role: BufferRole,
-        buf: &B,
-    ) -> Result<()> {
-        self.comm.check_memory(self.call.name(), role, buf.memory())
+        buf: &'a S,
+    ) -> Result<(*const c_void, BufferGuard<'a>)> {
+        (self.comm).check_memory(self.call.name(), BufferRole::Send, buf.memory())?;
+        Ok(if buf.is_empty() {
+            NO_SEND
+        } else {
+            self.send_ptr(buf)
+        })
+    }
+
+    /// See [`ignored_send`](Self::ignored_send).
+    #[inline(always)]
+    pub(crate) fn ignored_recv<T: NcclType, R: RecvBuffer<T> + ?Sized>(
+        &self,
+        buf: &'a mut R,
+    ) -> Result<(*mut c_void, BufferGuard<'a>)> {
+        (self.comm).check_memory(self.call.name(), BufferRole::Recv, buf.memory())?;
+        Ok(if buf.is_empty() {
+            NO_RECV
+        } else {
+            self.recv_ptr(buf)
+        })
     }
 
     /// A checked buffer NCCL reads: its pointer and the guard to keep.
