@@ -81,7 +81,8 @@ int_fields! {
     /// is waited out (bounded by [`Config::timeout`]): they behave as blocking ones
     /// whatever this says. It tells [`crate::Communicator::from_raw`] how an adopted handle
     /// was created. To do other work during init, use
-    /// [`crate::Communicator::init_rank_nonblocking`].
+    /// [`crate::Communicator::init_rank_nonblocking`]. `NCCL_COMM_BLOCKING=1`, which
+    /// overrides this mode inside NCCL, is refused when a communicator is created.
     fn blocking(bool) => blocking, since (2, 14);
     /// `cgaClusterSize`: CUDA thread-block cluster size (Hopper and later).
     fn cga_cluster_size(i32) => cgaClusterSize, since (2, 14);

@@ -734,3 +734,61 @@ fn destroy_after_an_unseen_peer_abort_hands_it_back_and_leaves_no_group_level_op
     });
     assert_eq!((st.created, st.destroyed, st.aborted), (4, 2, 2), "{st:?}");
 }
+
+const COMM_BLOCKING: &str = "NCCL_COMM_BLOCKING";
+
+/// `NCCL_COMM_BLOCKING=1` overrides the non-blocking mode the crate asks for
+/// (init.cc:1646-1649 of 2.28.9), so NCCL's init would wait inside the call for a rank
+/// that never joins, past `Config::timeout`: the crate refuses to create a communicator
+/// under it, at once and by name. The host provider reads the variable once per process,
+/// as NCCL does, hence the child process.
+#[test]
+fn a_forced_blocking_mode_is_refused_before_it_can_hang_an_init() {
+    let child = support::spawn_child("child_under_forced_blocking", COMM_BLOCKING, "1");
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("child: blocking refused"));
+}
+
+#[test]
+#[ignore = "run as a child process by a_forced_blocking_mode_is_refused_before_it_can_hang_an_init"]
+fn child_under_forced_blocking() {
+    assert_eq!(
+        std::env::var(COMM_BLOCKING).as_deref(),
+        Ok("1"),
+        "run only as a child process"
+    );
+    // Rank 1 never joins. Without the refusal, the provider's init blocks in the call.
+    let id = CommDevice::Host.unique_id().unwrap();
+    let cfg = Config::new().timeout(Duration::from_millis(300));
+    let r = within(Duration::from_secs(20), move || {
+        Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &cfg).map(drop)
+    });
+    match r {
+        Err(Error::InvalidArgument { call, reason }) => {
+            assert_eq!(call, "ncclCommInitRankConfig");
+            assert!(reason.contains("NCCL_COMM_BLOCKING=1"), "{reason}");
+        }
+        other => panic!("expected the refusal, got {other:?}"),
+    }
+    // The provider applies the override as NCCL does: a non-blocking config's init of one
+    // rank returns ncclSuccess in the call, not ncclInProgress.
+    use nccl_sys::bindings::*;
+    // SAFETY: the host provider's lookup returns functions with NCCL's signatures.
+    let t = unsafe { nccl_sys::FunctionTable::load(nccl_safe::host::lookup) }.unwrap();
+    // SAFETY: ncclConfig_t is plain data; all-zero is a valid bit pattern.
+    let mut config: ncclConfig_t = unsafe { core::mem::zeroed() };
+    config.size = core::mem::size_of::<ncclConfig_t>();
+    (config.magic, config.version) = (NCCL_API_MAGIC, NCCL_VERSION_CODE);
+    config.blocking = 0;
+    let id = CommDevice::Host.unique_id().unwrap();
+    let mut comm = core::ptr::null_mut();
+    // SAFETY: a writable slot, a one-rank id and a valid config.
+    unsafe {
+        let rc = (t.ncclCommInitRankConfig)(&mut comm, 1, id.to_raw(), 0, &mut config);
+        assert_eq!(rc, ncclSuccess);
+        assert_eq!((t.ncclCommDestroy)(comm), ncclSuccess);
+    }
+    println!("child: blocking refused");
+}

@@ -284,7 +284,8 @@ fn ready(g: &mut Global, comm: ncclComm_t, what: &str, ops: bool) -> Result<Read
     }
 }
 
-/// `blocking` from a config (`None` = not set), validated as NCCL does.
+/// `blocking` from a config (`None` = not set), validated as NCCL does; then
+/// `NCCL_COMM_BLOCKING` overrides it, and a missing config, as NCCL's `envConfigOverride`.
 fn parse_config(
     g: &mut Global,
     cfg: *const ncclConfig_t,
@@ -292,7 +293,7 @@ fn parse_config(
     what: &str,
 ) -> Result<Option<bool>, Fail> {
     if cfg.is_null() {
-        return Ok(None);
+        return Ok(super::defs::comm_blocking());
     }
     let base = cfg as *const u8;
     // SAFETY: a non-null config points at least at NCCL's common prefix (size, magic,
@@ -331,10 +332,11 @@ fn parse_config(
     }
     // SAFETY: `blocking` is at offset 16 in every layout, inside `size` (>= 48) bytes.
     let blocking = unsafe { (base.add(16) as *const c_int).read_unaligned() };
+    let forced = super::defs::comm_blocking();
     match blocking {
-        nccl_sys::NCCL_CONFIG_UNDEF_INT => Ok(None),
-        0 => Ok(Some(false)),
-        1 => Ok(Some(true)),
+        nccl_sys::NCCL_CONFIG_UNDEF_INT => Ok(forced),
+        0 => Ok(forced.or(Some(false))),
+        1 => Ok(forced.or(Some(true))),
         b => Err(g.misuse(
             root,
             ncclInvalidArgument,

@@ -113,6 +113,22 @@ pub(crate) fn check_pointers() -> bool {
     *CHECK.get_or_init(|| std::env::var("NCCL_CHECK_POINTERS").is_ok_and(|v| v.trim() == "1"))
 }
 
+/// `NCCL_COMM_BLOCKING` when it is 0 or 1, read once per process as NCCL's parameter is
+/// (init.cc:56 of 2.28.9). It overrides every new communicator's `blocking`, whether from
+/// its config or its parent's (`envConfigOverride`, init.cc:1646-1649; a split's child
+/// too, :1800).
+pub(crate) fn comm_blocking() -> Option<bool> {
+    static BLOCKING: OnceLock<Option<bool>> = OnceLock::new();
+    *BLOCKING.get_or_init(|| {
+        let v = std::env::var("NCCL_COMM_BLOCKING").ok()?;
+        match v.trim().parse::<i64>() {
+            Ok(0) => Some(false),
+            Ok(1) => Some(true),
+            _ => None,
+        }
+    })
+}
+
 /// The milliseconds in environment variable `name`, or `default` when unset or unparsable.
 fn env_ms(name: &str, default: u64) -> Duration {
     let ms = std::env::var(name).ok().and_then(|v| v.trim().parse().ok());
