@@ -90,7 +90,9 @@ int_fields! {
     fn min_ctas(i32) => minCTAs, since (2, 14);
     /// `maxCTAs`: upper bound on CTAs per collective.
     fn max_ctas(i32) => maxCTAs, since (2, 14);
-    /// `splitShare`: children of `split` share the parent's resources (1) or not (0).
+    /// `splitShare`: children of `split` share the parent's resources (1) or not (0). 1 is
+    /// refused when a communicator is created: NCCL then shares one abort flag between the
+    /// parent and its children, so aborting one silently ends the others' work.
     fn split_share(i32) => splitShare, since (2, 18);
     /// `trafficClass`: network traffic class (NCCL 2.26+).
     fn traffic_class(i32) => trafficClass, since (2, 26);
@@ -98,7 +100,8 @@ int_fields! {
     fn collnet_enable(i32) => collnetEnable, since (2, 27);
     /// `CTAPolicy`: `NCCL_CTA_POLICY_*` bits (NCCL 2.27+).
     fn cta_policy(i32) => CTAPolicy, since (2, 27);
-    /// `shrinkShare`: children of `shrink` share resources (NCCL 2.27+).
+    /// `shrinkShare`: children of `shrink` share resources (NCCL 2.27+). 1 is refused, as
+    /// for [`split_share`](Self::split_share).
     fn shrink_share(i32) => shrinkShare, since (2, 27);
     /// `nvlsCTAs`: CTAs for NVLS collectives (NCCL 2.27+).
     fn nvls_ctas(i32) => nvlsCTAs, since (2, 27);
@@ -153,6 +156,17 @@ impl Config {
     /// Whether this config asks for blocking calls (NCCL's default).
     pub fn is_blocking(&self) -> bool {
         self.ints[Field::blocking as usize] != Some(0)
+    }
+
+    /// The resource-sharing field this config turns on (`splitShare` or `shrinkShare` set
+    /// to 1), if any: refused at creation (see `comm::params`).
+    pub(crate) fn shared_resources(&self) -> Option<&'static str> {
+        [
+            (Field::split_share, "splitShare"),
+            (Field::shrink_share, "shrinkShare"),
+        ]
+        .into_iter()
+        .find_map(|(f, name)| (self.ints[f as usize] == Some(1)).then_some(name))
     }
 
     /// `netName`: the network plugin or transport to use (e.g. `"IB"`, `"Socket"`).

@@ -735,45 +735,126 @@ fn destroy_after_an_unseen_peer_abort_hands_it_back_and_leaves_no_group_level_op
     assert_eq!((st.created, st.destroyed, st.aborted), (4, 2, 2), "{st:?}");
 }
 
-const COMM_BLOCKING: &str = "NCCL_COMM_BLOCKING";
+/// Runs `child_under_an_nccl_parameter` with `var=value` (NCCL reads its parameters once
+/// per process, and so does the host provider: hence a child process), which checks what
+/// the crate does under it.
+fn under(var: &str, value: &str) {
+    let child = support::spawn_child("child_under_an_nccl_parameter", var, value);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{var}={value}: {err}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("child: checked"), "{var}={value}: {stdout}");
+}
 
 /// `NCCL_COMM_BLOCKING=1` overrides the non-blocking mode the crate asks for
 /// (init.cc:1646-1649 of 2.28.9), so NCCL's init would wait inside the call for a rank
 /// that never joins, past `Config::timeout`: the crate refuses to create a communicator
-/// under it, at once and by name. The host provider reads the variable once per process,
-/// as NCCL does, hence the child process.
+/// under it, at once and by name, whether the environment or an nccl.conf sets it.
 #[test]
 fn a_forced_blocking_mode_is_refused_before_it_can_hang_an_init() {
-    let child = support::spawn_child("child_under_forced_blocking", COMM_BLOCKING, "1");
-    let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("child: blocking refused"));
+    under("NCCL_COMM_BLOCKING", "1");
+    let dir = support::temp_dir("nccl-conf");
+    let conf = dir.join("nccl.conf");
+    std::fs::write(
+        &conf,
+        "# a comment\nNCCL_DEBUG=WARN\nNCCL_COMM_BLOCKING=0x1\n",
+    )
+    .unwrap();
+    under("NCCL_CONF_FILE", conf.to_str().unwrap());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `NCCL_COMM_BLOCKING=0` makes `ncclCommInitAll`'s communicators non-blocking, and the
+/// call returns ncclInProgress: `init_all` waits for them instead of failing (and leaking
+/// the handles NCCL wrote).
+#[test]
+fn init_all_waits_for_communicators_made_non_blocking() {
+    under("NCCL_COMM_BLOCKING", "0");
+}
+
+/// Resource sharing between a parent and its split or shrink children shares NCCL's abort
+/// flag (init.cc:2582-2588): refused, from the config or from NCCL's variables.
+#[test]
+fn resource_sharing_is_refused_at_creation() {
+    for cfg in [Config::new().split_share(1), Config::new().shrink_share(1)] {
+        let id = CommDevice::Host.unique_id().unwrap();
+        match Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &cfg) {
+            Err(Error::InvalidArgument { reason, .. }) => {
+                assert!(reason.contains("Share = 1"), "{reason}")
+            }
+            other => panic!("expected the refusal, got {other:?}"),
+        }
+    }
+    let id = CommDevice::Host.unique_id().unwrap();
+    let off = Config::new().split_share(0).shrink_share(0);
+    drop(Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &off).unwrap());
+    under("NCCL_COMM_SPLIT_SHARE_RESOURCES", "1");
+    under("NCCL_COMM_SHRINK_SHARE_RESOURCES", " 1");
 }
 
 #[test]
-#[ignore = "run as a child process by a_forced_blocking_mode_is_refused_before_it_can_hang_an_init"]
-fn child_under_forced_blocking() {
-    assert_eq!(
-        std::env::var(COMM_BLOCKING).as_deref(),
-        Ok("1"),
-        "run only as a child process"
-    );
-    // Rank 1 never joins. Without the refusal, the provider's init blocks in the call.
-    let id = CommDevice::Host.unique_id().unwrap();
-    let cfg = Config::new().timeout(Duration::from_millis(300));
-    let r = within(Duration::from_secs(20), move || {
-        Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &cfg).map(drop)
-    });
-    match r {
-        Err(Error::InvalidArgument { call, reason }) => {
-            assert_eq!(call, "ncclCommInitRankConfig");
-            assert!(reason.contains("NCCL_COMM_BLOCKING=1"), "{reason}");
+#[ignore = "run as a child process by the tests that call under()"]
+fn child_under_an_nccl_parameter() {
+    let var = [
+        "NCCL_COMM_BLOCKING",
+        "NCCL_CONF_FILE",
+        "NCCL_COMM_SPLIT_SHARE_RESOURCES",
+        "NCCL_COMM_SHRINK_SHARE_RESOURCES",
+    ]
+    .into_iter()
+    .find(|v| std::env::var_os(v).is_some())
+    .expect("run only as a child process");
+    let value = std::env::var(var).unwrap();
+    let refused = |r: nccl_safe::Result<Communicator>, what: &str| match r {
+        Err(Error::InvalidArgument { reason, .. }) => {
+            assert!(reason.contains(what), "{reason}")
         }
         other => panic!("expected the refusal, got {other:?}"),
+    };
+    let id = CommDevice::Host.unique_id().unwrap();
+    match (var, value.as_str()) {
+        ("NCCL_COMM_BLOCKING", "0") => {
+            let comms = Communicator::init_all(&[CommDevice::Host, CommDevice::Host]).unwrap();
+            let mut bufs = [vec![1i32, 2], vec![10, 20]];
+            Group::run(|g| {
+                for (c, b) in comms.iter().zip(bufs.iter_mut()) {
+                    g.push(c.all_reduce_in_place_op(b, ReduceOp::Sum, &S)?)?;
+                }
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(bufs, [vec![11, 22], vec![11, 22]]);
+            for c in comms {
+                c.destroy().unwrap();
+            }
+        }
+        ("NCCL_COMM_BLOCKING" | "NCCL_CONF_FILE", _) => {
+            // Rank 1 never joins. Without the refusal, NCCL's init blocks in the call.
+            let cfg = Config::new().timeout(Duration::from_millis(300));
+            let r = within(Duration::from_secs(20), move || {
+                Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &cfg)
+            });
+            refused(r, "NCCL_COMM_BLOCKING=1");
+            if var == "NCCL_COMM_BLOCKING" {
+                raw_init_is_blocking();
+            }
+        }
+        _ => {
+            let r = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &Config::new());
+            refused(r, &format!("{var}=1"));
+            refused(
+                Communicator::init_all(&[CommDevice::Host]).map(|mut v| v.remove(0)),
+                var,
+            );
+        }
     }
-    // The provider applies the override as NCCL does: a non-blocking config's init of one
-    // rank returns ncclSuccess in the call, not ncclInProgress.
+    println!("child: checked");
+}
+
+/// The provider applies NCCL_COMM_BLOCKING=1 as NCCL does: a non-blocking config's init of
+/// one rank returns ncclSuccess in the call, not ncclInProgress.
+fn raw_init_is_blocking() {
     use nccl_sys::bindings::*;
     // SAFETY: the host provider's lookup returns functions with NCCL's signatures.
     let t = unsafe { nccl_sys::FunctionTable::load(nccl_safe::host::lookup) }.unwrap();
@@ -790,5 +871,4 @@ fn child_under_forced_blocking() {
         assert_eq!(rc, ncclSuccess);
         assert_eq!((t.ncclCommDestroy)(comm), ncclSuccess);
     }
-    println!("child: blocking refused");
 }

@@ -422,7 +422,7 @@ fn config_fields_newer_than_the_library_are_unsupported() {
         }
     );
     // Fields 2.18 has are fine, and the id was not consumed by the failed attempts.
-    let comm = init(Config::new().split_share(1).max_ctas(4)).unwrap();
+    let comm = init(Config::new().split_share(0).max_ctas(4)).unwrap();
     still_usable(&comm);
     drop(comm);
     assert_balanced(&id);

@@ -780,6 +780,10 @@ pub(crate) unsafe extern "C" fn ncclCommInitAll(
         }
         let idb = id_bytes(&fresh_id());
         let root = g.root_of(&idb);
+        // NCCL passes its default config, which NCCL_COMM_BLOCKING overrides (init.cc:2068,
+        // 1646-1649): with 0 the group's end returns ncclInProgress. Kinder than NCCL only
+        // in that the communicators are ready at once.
+        let nonblocking = super::defs::comm_blocking() == Some(false);
         let mut handles = Vec::new();
         for i in 0..ndev as usize {
             let dev = if devlist.is_null() {
@@ -788,7 +792,7 @@ pub(crate) unsafe extern "C" fn ncclCommInitAll(
                 // SAFETY: a non-null devlist has ndev entries (NCCL's contract).
                 unsafe { devlist.add(i).read() }
             };
-            handles.push(g.new_handle(root, dev, false));
+            handles.push(g.new_handle(root, dev, nonblocking));
         }
         g.new_clique(root, &handles);
         for (i, &h) in handles.iter().enumerate() {
@@ -796,7 +800,11 @@ pub(crate) unsafe extern "C" fn ncclCommInitAll(
             put(unsafe { comm.add(i) }, h as ncclComm_t);
             g.count_created(h);
         }
-        Ok(ncclSuccess)
+        Ok(if nonblocking {
+            ncclInProgress
+        } else {
+            ncclSuccess
+        })
     })
 }
 

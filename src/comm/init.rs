@@ -111,7 +111,9 @@ impl Communicator {
     #[track_caller]
     pub fn init_all(devices: &[CommDevice]) -> Result<Vec<Communicator>> {
         const OP: &str = "ncclCommInitAll";
+        let caller = Location::caller();
         refuse_in_group(OP)?;
+        super::params::refuse_overrides(OP, None)?;
         let first = devices.first().ok_or(Error::InvalidArgument {
             call: OP,
             reason: "no devices given".into(),
@@ -128,16 +130,24 @@ impl Communicator {
         }
         let mut raws: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
         let clique = crate::diag::CommDiag::init_all_key();
-        let ctx = CallContext::at(None, Location::caller());
+        let ctx = CallContext::at(None, caller);
         // SAFETY: `raws` has room for `devices.len()` handles and `ordinals` that many ints.
-        unsafe {
-            nccl_call!(
-                &lib,
-                ncclCommInitAll(raws.as_mut_ptr(), devices.len() as c_int, ordinals.as_ptr()),
-                ctx
+        let r = unsafe {
+            (lib.table().ncclCommInitAll)(
+                raws.as_mut_ptr(),
+                devices.len() as c_int,
+                ordinals.as_ptr(),
             )
-        }?;
-        Ok(raws
+        };
+        // NCCL_COMM_BLOCKING=0 makes the communicators non-blocking (NCCL passes its default
+        // config, which the variable overrides: init.cc:2068, 1646-1649): the call then
+        // returns ncclInProgress, every handle written, and each is waited for as a
+        // non-blocking init is.
+        let in_progress = r == nccl_sys::bindings::ncclInProgress;
+        if !in_progress {
+            lib.check(OP, r, ctx)?;
+        }
+        let comms = raws
             .into_iter()
             .zip(devices)
             .enumerate()
@@ -149,8 +159,19 @@ impl Communicator {
                     devices.len(),
                     crate::diag::CommDiag::for_init_all(clique),
                 )
+            });
+        if !in_progress {
+            return Ok(comms.collect());
+        }
+        // Every handle is owned first, so that a failure aborts the rest on the way out.
+        let pending: Vec<_> = comms.map(PendingCommunicator::pending).collect();
+        pending
+            .into_iter()
+            .map(|p| {
+                let timeout = p.timeout();
+                p.wait_as(OP, caller, timeout)
             })
-            .collect())
+            .collect()
     }
 }
 

@@ -24,6 +24,7 @@ use crate::nccl_call;
 mod elastic;
 mod family;
 mod init;
+mod params;
 mod raw;
 mod teardown;
 
@@ -255,7 +256,7 @@ fn prepare_new(
     refuse_in_group(call)?;
     check_world(call, world_size, rank)?;
     check_device(call, lib, device)?;
-    refuse_forced_blocking(call)?;
+    params::refuse_overrides(call, Some(config))?;
     if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
         return Err(Error::InvalidArgument { call, reason });
     }
@@ -269,21 +270,6 @@ fn prepare_new(
     )?;
     bind(device)?;
     Ok(diag)
-}
-
-/// `NCCL_COMM_BLOCKING=1` overrides the non-blocking mode the crate asks for
-/// (`envConfigOverride`, init.cc:1646-1649 of 2.28.9): NCCL's init would then wait inside
-/// the call, for ever for a rank that never joins, where no bound of the crate's can end
-/// it. Refused before NCCL is called.
-fn refuse_forced_blocking(call: &'static str) -> Result<()> {
-    let var = std::env::var("NCCL_COMM_BLOCKING");
-    if var.is_ok_and(|v| v.trim().parse::<i64>() == Ok(1)) {
-        return Err(Error::InvalidArgument {
-            call,
-            reason: "NCCL_COMM_BLOCKING=1 makes NCCL wait inside this call, for ever if a rank never joins, where Config::timeout cannot end it: unset it (the crate's communicators already behave as blocking ones, bounded by Config::timeout)".into(),
-        });
-    }
-    Ok(())
 }
 
 #[inline(always)]
