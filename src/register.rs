@@ -108,7 +108,9 @@ pub struct Registration<'comm, 'buf, B: ?Sized> {
 pub struct Window<'comm, 'buf, B: ?Sized> {
     comm: &'comm Communicator,
     buf: &'buf mut B,
-    /// NCCL's window (null when NCCL has no symmetric support on this system).
+    /// NCCL's window: without symmetric support (say `NCCL_WIN_ENABLE=0`) the handle of a
+    /// local registration (dev_runtime.cc:591-596 of 2.28.9), null when NCCL registered
+    /// nothing (`NCCL_LOCAL_REGISTER=0` too).
     win: ncclWindow_t,
     flags: WindowFlags,
     live: bool,
@@ -251,6 +253,23 @@ impl Communicator {
     /// relative to its collectives (the watchdog and the fingerprint check treat it as
     /// one). [`WindowFlags::COLL_SYMMETRIC`] needs a buffer from NCCL's allocator
     /// ([`NcclMemory`] or a view of one) of the same size on every rank.
+    ///
+    /// **What every rank must agree on.** NCCL finds a peer's part of a symmetric window
+    /// from this rank's own layout: the peer's window of the same registration order, at
+    /// this rank's offset into its own (`ncclSymkMakeDevWork`, sym_kernels.cc:372-381;
+    /// `ncclDevrGetLsaRankPtr`, dev_runtime.cc:1038-1043 of 2.28.9; the copy-engine
+    /// collectives likewise, ce_coll.cc). So every rank registers its windows in the same
+    /// order, over allocations of the same size at the same offset, and passes each
+    /// collective buffers at the same offsets of the same window; off the root of a gather,
+    /// a `recv` laid out as the root's. A rank that does not makes NCCL write into its
+    /// peers' windows outside the buffers they passed: memory those peers may hold through
+    /// other views. Nothing checks this across ranks, the fingerprint check included. With
+    /// `NCCL_CTA_POLICY_ZERO` ([`Config::cta_policy`](crate::Config::cta_policy), or
+    /// `NCCL_CTA_POLICY`), all-gather, all-to-all, gather and scatter over symmetric windows
+    /// on one node run on the copy engines, each rank choosing from its own buffers: every
+    /// rank needs the same policy and the same in-place form, and an empty off-root buffer
+    /// of a gather or scatter (passed as null) sends its rank down the other path, which
+    /// leaves the collective to the watchdog's timeout.
     ///
     /// Errors: [`Error::Unsupported`] before NCCL 2.27 (or before the release of a flag);
     /// [`Error::InvalidArgument`] as for [`register`](Self::register), and for a symmetric
@@ -457,8 +476,9 @@ impl<B: ?Sized> Window<'_, '_, B> {
         self.flags
     }
 
-    /// NCCL's window handle, for NCCL's one-sided API (null when NCCL has no symmetric
-    /// support on this system and registered nothing).
+    /// NCCL's window handle, for NCCL's one-sided API. Without symmetric support on this
+    /// system NCCL returns its local registration's handle instead (dev_runtime.cc:591-596
+    /// of 2.28.9), and null when it registered nothing.
     pub fn as_raw(&self) -> ncclWindow_t {
         self.win
     }

@@ -700,7 +700,9 @@ impl Communicator {
     /// Gathers every rank's `send` into `recv` on `root`, rank `i` at `i * send.len()`
     /// (`ncclGather`, NCCL 2.28+). Only the root's `recv` is checked and written. Off the
     /// root, NCCL touches no element of `recv` but is given its address (null if empty):
-    /// under `NCCL_CHECK_POINTERS=1` NCCL refuses an empty one, so pass device memory there.
+    /// under `NCCL_CHECK_POINTERS=1` NCCL refuses an empty one, so pass device memory there,
+    /// and over symmetric windows a `recv` laid out as the root's
+    /// ([`register_window`](Self::register_window) says why).
     ///
     /// ```
     /// use nccl_safe::{launch::Launcher, ReduceOp};

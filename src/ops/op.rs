@@ -293,8 +293,9 @@ impl<'a> OpChecks<'a> {
     /// where it lives is checked, and its pointer is passed unless it is empty. NCCL's
     /// header says the buffer is not used, but NCCL 2.28.9 still reads its address:
     /// `NCCL_CHECK_POINTERS=1` rejects a null one (`ArgsCheck`, misc/argcheck.cc:72-80), and
-    /// a gather's copy-engine path over symmetric windows finds the root's window through it
-    /// (`ncclCeGather`, ce_coll.cc:566-569). NCCL reads and writes no element of it.
+    /// a gather's copy-engine path over symmetric windows writes this rank's block into the
+    /// root's window at this buffer's offset in its own (`ncclCeGather`,
+    /// ce_coll.cc:566-569; see `register_window`). NCCL reads and writes no element of it.
     #[inline(always)]
     pub(crate) fn ignored_send<T: NcclType, S: SendBuffer<T> + ?Sized>(
         &self,
