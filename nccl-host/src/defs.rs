@@ -107,10 +107,11 @@ pub(crate) fn job_latency() -> Duration {
 }
 
 /// `NCCL_CHECK_POINTERS=1`, read once per process as NCCL's parameter is (init.cc:55, 452
-/// of 2.28.9): each collective then checks its buffers' pointers (see `api::coll`).
+/// of 2.28.9; `nccl_sys::param`): each collective then checks its buffers' pointers (see
+/// `api::coll`).
 pub(crate) fn check_pointers() -> bool {
     static CHECK: OnceLock<bool> = OnceLock::new();
-    *CHECK.get_or_init(|| std::env::var("NCCL_CHECK_POINTERS").is_ok_and(|v| v.trim() == "1"))
+    *CHECK.get_or_init(|| nccl_sys::param("NCCL_CHECK_POINTERS") == Some(1))
 }
 
 /// `NCCL_COMM_BLOCKING` when it is 0 or 1, read once per process as NCCL's parameter is
@@ -119,13 +120,10 @@ pub(crate) fn check_pointers() -> bool {
 /// too, :1800).
 pub(crate) fn comm_blocking() -> Option<bool> {
     static BLOCKING: OnceLock<Option<bool>> = OnceLock::new();
-    *BLOCKING.get_or_init(|| {
-        let v = std::env::var("NCCL_COMM_BLOCKING").ok()?;
-        match v.trim().parse::<i64>() {
-            Ok(0) => Some(false),
-            Ok(1) => Some(true),
-            _ => None,
-        }
+    *BLOCKING.get_or_init(|| match nccl_sys::param("NCCL_COMM_BLOCKING")? as i32 {
+        0 => Some(false),
+        1 => Some(true),
+        _ => None,
     })
 }
 

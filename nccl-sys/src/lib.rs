@@ -30,12 +30,14 @@ pub mod bindings {
     include!("bindings.rs");
 }
 
+mod param;
 mod table;
 
 pub use bindings::{
     cudaEvent_t, cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t,
     ncclScalarResidence_t, ncclUniqueId,
 };
+pub use param::param;
 pub use table::{
     optional_since, Block, BlockSource, Collective, EntryPoint, Extent, FunctionTable,
     MissingSymbol, RankArg, Sender, Symbol, OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS,
