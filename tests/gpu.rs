@@ -869,3 +869,61 @@ fn a_stream_bound_buffer_is_ordered_with_a_compute_stream_on_a_gpu() {
     comm.destroy().map_err(|(_, e)| e).unwrap();
     ctx.check_err().unwrap();
 }
+
+/// Under `NCCL_CHECK_POINTERS=1` NCCL checks every buffer pointer a collective is given
+/// (misc/argcheck.cc:72-80 of 2.28.9), off the root of a gather or scatter too: every
+/// collective the crate issues on device memory passes. NCCL reads the variable once per
+/// process, hence the child process.
+#[test]
+#[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
+fn every_collective_passes_nccls_pointer_checks() {
+    let child = support::spawn_child(
+        "child_runs_every_collective_with_checked_pointers",
+        "NCCL_CHECK_POINTERS",
+        "1",
+    );
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("child: every collective ran"));
+}
+
+#[test]
+#[ignore = "a child process of a GPU test"]
+fn child_runs_every_collective_with_checked_pointers() {
+    assert_eq!(
+        std::env::var("NCCL_CHECK_POINTERS").as_deref(),
+        Ok("1"),
+        "run only as a child process (run the suite with --skip child_)"
+    );
+    Launcher::all_devices()
+        .unwrap()
+        .run(|rank| {
+            let (comm, s) = (rank.comm(), rank.stream());
+            let stream = rank.cuda_stream().expect("a CUDA rank");
+            let (r, n, k) = (rank.rank(), comm.world_size(), 4);
+            let one = stream.clone_htod(&vec![r as f32 + 1.0; k])?;
+            let mut out = stream.alloc_zeros::<f32>(k)?;
+            let mut all = stream.alloc_zeros::<f32>(k * n)?;
+            let mut all2 = stream.alloc_zeros::<f32>(k * n)?;
+            comm.all_reduce(&one, &mut out, ReduceOp::Sum, s)?;
+            comm.broadcast(&one, &mut out, 0, s)?;
+            comm.reduce(&one, &mut out, ReduceOp::Sum, 0, s)?;
+            comm.all_gather(&one, &mut all, s)?;
+            comm.reduce_scatter(&all, &mut out, ReduceOp::Sum, s)?;
+            comm.all_to_all(&all, &mut all2, s)?;
+            // Off the root, `all` is passed though NCCL's header calls it unused.
+            comm.gather(&one, &mut all, 0, s)?;
+            comm.scatter(&all2, &mut out, 0, s)?;
+            Group::run(|g| {
+                g.push(comm.send_op(&one, (r + 1) % n, s)?)?;
+                g.push(comm.recv_op(&mut out, (r + n - 1) % n, s)?)?;
+                Ok(())
+            })?;
+            let got = stream.clone_dtoh(&out)?;
+            assert_eq!(got, vec![((r + n - 1) % n) as f32 + 1.0; k]);
+            Ok(())
+        })
+        .unwrap();
+    println!("child: every collective ran");
+}
