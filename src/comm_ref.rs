@@ -289,7 +289,7 @@ fn wrap(
                 device.clone(),
                 0,
                 0,
-                crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id()),
+                crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id(), 0),
             )
             .wait_ready("ncclCommInitRankConfig", caller, DEFAULT_INIT_TIMEOUT)?;
         }
@@ -338,7 +338,7 @@ fn wrap(
         device,
         rank,
         world_size,
-        crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id()),
+        crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id(), 0),
     );
     let view = crate::diag::CommView {
         raw: watched,

@@ -793,6 +793,15 @@ fn resource_sharing_is_refused_at_creation() {
     under("NCCL_COMM_SHRINK_SHARE_RESOURCES", " 1");
 }
 
+/// Under `NCCL_COMM_ID` every unique id of the job is the same (bootstrap.cc:414-425 of
+/// 2.28.9), so communicators created one after another through it share an id: a failure
+/// of one must not fail the others, which the diagnostics key by that id.
+#[test]
+fn communicators_of_one_nccl_comm_id_fail_apart() {
+    under("NCCL_COMM_ID", "127.0.0.1:29517");
+    under("NCCL_COMM_ID", "no address");
+}
+
 #[test]
 #[ignore = "run as a child process by the tests that call under()"]
 fn child_under_an_nccl_parameter() {
@@ -801,6 +810,7 @@ fn child_under_an_nccl_parameter() {
         "NCCL_CONF_FILE",
         "NCCL_COMM_SPLIT_SHARE_RESOURCES",
         "NCCL_COMM_SHRINK_SHARE_RESOURCES",
+        "NCCL_COMM_ID",
     ]
     .into_iter()
     .find(|v| std::env::var_os(v).is_some())
@@ -812,6 +822,11 @@ fn child_under_an_nccl_parameter() {
         }
         other => panic!("expected the refusal, got {other:?}"),
     };
+    if var == "NCCL_COMM_ID" {
+        nccl_comm_id(&value);
+        println!("child: checked");
+        return;
+    }
     let id = CommDevice::Host.unique_id().unwrap();
     match (var, value.as_str()) {
         ("NCCL_COMM_BLOCKING", "0") => {
@@ -871,4 +886,50 @@ fn raw_init_is_blocking() {
         assert_eq!(rc, ncclSuccess);
         assert_eq!((t.ncclCommDestroy)(comm), ncclSuccess);
     }
+}
+
+/// Two communicators of two ranks through the one id `NCCL_COMM_ID` gives (`at`); the
+/// second's rank 1 leaves while rank 0 waits in a collective, and the first still works.
+fn nccl_comm_id(at: &str) {
+    if at == "no address" {
+        let e = CommDevice::Host.unique_id().unwrap_err();
+        assert_eq!(e.code(), Some(ResultCode::InvalidArgument), "{e}");
+        return;
+    }
+    let id = CommDevice::Host.unique_id().unwrap();
+    assert_eq!(
+        CommDevice::Host.unique_id().unwrap(),
+        id,
+        "NCCL_COMM_ID fixes the id"
+    );
+    let barrier = Barrier::new(2);
+    std::thread::scope(|sc| {
+        for rank in 0..2 {
+            let (barrier, id) = (&barrier, &id);
+            sc.spawn(move || {
+                let init =
+                    || Communicator::init_rank(&CommDevice::Host, 2, rank, id, &Config::new());
+                let first = init().unwrap();
+                barrier.wait();
+                let second = init().unwrap();
+                barrier.wait();
+                if rank == 0 {
+                    let mut x = vec![1i32; 4];
+                    let e = second
+                        .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+                        .unwrap_err();
+                    assert!(matches!(e, Error::RankLeft { rank: 1, .. }), "{e}");
+                }
+                drop(second);
+                barrier.wait();
+                let mut x = vec![rank as i32 + 1; 4];
+                first
+                    .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+                    .unwrap();
+                assert_eq!(x, vec![3; 4]);
+                assert!(!first.is_failed());
+                first.destroy().unwrap();
+            });
+        }
+    });
 }

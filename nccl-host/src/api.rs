@@ -594,9 +594,39 @@ pub(crate) unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) ->
         if unique_id.is_null() {
             return Err(null_arg(&mut lock(), "ncclGetUniqueId", "uniqueId"));
         }
-        put(unique_id, fresh_id());
+        put(
+            unique_id,
+            match nccl_sys::param_str("NCCL_COMM_ID") {
+                Some(at) => fixed_id(&at)?,
+                None => fresh_id(),
+            },
+        );
         Ok(ncclSuccess)
     })
+}
+
+/// The unique id NCCL makes under `NCCL_COMM_ID=<host>:<port>` (`bootstrapGetUniqueId`,
+/// bootstrap.cc:414-425 of 2.28.9): `NCCL_MAGIC`, then the address, so the same id in every
+/// call and every process of the job; an address that does not resolve is
+/// ncclInvalidArgument. Its ranks meet in this process (ranks in threads).
+fn fixed_id(at: &str) -> Result<ncclUniqueId, Fail> {
+    use std::net::ToSocketAddrs;
+    let addr = (at.to_socket_addrs().ok().and_then(|mut a| a.next())).ok_or_else(|| {
+        Fail::new(
+            ncclInvalidArgument,
+            format!("invalid argument: Invalid NCCL_COMM_ID {at:?}, please use format: <ipv4>:<port> or [<ipv6>]:<port> or <hostname>:<port>"),
+        )
+    })?;
+    let mut b = [0 as c_char; 128];
+    let text = addr.to_string();
+    let bytes = nccl_sys::NCCL_MAGIC
+        .to_ne_bytes()
+        .into_iter()
+        .chain(text.bytes());
+    for (slot, byte) in b.iter_mut().zip(bytes) {
+        *slot = byte as c_char;
+    }
+    Ok(ncclUniqueId { internal: b })
 }
 
 /// NCCL's text for a result code (the same strings as libnccl).

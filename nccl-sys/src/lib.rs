@@ -37,7 +37,7 @@ pub use bindings::{
     cudaEvent_t, cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t,
     ncclScalarResidence_t, ncclUniqueId,
 };
-pub use param::param;
+pub use param::{param, param_str};
 pub use table::{
     optional_since, Block, BlockSource, Collective, EntryPoint, Extent, FunctionTable,
     MissingSymbol, RankArg, Sender, Symbol, OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS,
@@ -47,6 +47,11 @@ pub use table::{
 ///
 /// bindgen cannot evaluate `INT_MIN` through `limits.h`, so it is written here by hand.
 pub const NCCL_CONFIG_UNDEF_INT: core::ffi::c_int = core::ffi::c_int::MIN;
+
+/// `NCCL_MAGIC` (comm.h:431 of 2.28.9): the first 8 bytes (native-endian) of every unique
+/// id NCCL makes under `NCCL_COMM_ID` (`bootstrapGetUniqueId`, bootstrap.cc:414-425),
+/// which are then the same for every id of the job; random otherwise.
+pub const NCCL_MAGIC: u64 = 0x0280_0280_0280_0280;
 
 /// The oldest NCCL this crate supports: every symbol of its API is required at load.
 pub const MIN_SUPPORTED_VERSION: (u32, u32) = (2, 18);

@@ -10,11 +10,17 @@
 /// (NCCL then keeps its default too). A config override that takes an `int` takes the low
 /// 32 bits (`as i32`).
 pub fn param(name: &str) -> Option<i64> {
+    param_str(name).and_then(|v| strtoll(&v))
+}
+
+/// NCCL's text of parameter `name` (say `"NCCL_COMM_ID"`), as `ncclGetEnv` gives it:
+/// `None` when it is unset or empty.
+pub fn param_str(name: &str) -> Option<String> {
     let value = match std::env::var_os(name) {
         Some(v) => Some(v.to_string_lossy().into_owned()),
         None => conf_files().iter().find_map(|f| conf_value(f, name)),
     };
-    value.filter(|v| !v.is_empty()).and_then(|v| strtoll(&v))
+    value.filter(|v| !v.is_empty())
 }
 
 /// NCCL's configuration files, in the order it reads them.

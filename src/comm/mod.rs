@@ -260,7 +260,7 @@ fn prepare_new(
     if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
         return Err(Error::InvalidArgument { call, reason });
     }
-    let diag = crate::diag::CommDiag::for_id(&config.diag, id);
+    let diag = crate::diag::CommDiag::for_id(&config.diag, id, rank);
     crate::teardown::check_lane(
         call,
         match device {

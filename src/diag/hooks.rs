@@ -153,9 +153,9 @@ impl CommDiag {
         }
     }
 
-    /// For a communicator joined through `id`.
-    pub(crate) fn for_id(config: &DiagConfig, id: &UniqueId) -> CommDiag {
-        let key = key::key_of(id.as_bytes());
+    /// For rank `rank` of a communicator joined through `id`.
+    pub(crate) fn for_id(config: &DiagConfig, id: &UniqueId, rank: usize) -> CommDiag {
+        let key = key::of_id(id.as_bytes(), rank);
         #[allow(unused_mut)]
         let mut d = CommDiag::new(Settings::resolve(config), key, key);
         #[cfg(feature = "diag")]

@@ -32,6 +32,30 @@ impl Hasher for Fnv1a {
     }
 }
 
+/// The key of the clique that rank `rank` joins through unique id `id`. A unique id made
+/// under `NCCL_COMM_ID` (it starts with [`nccl_sys::NCCL_MAGIC`]) is the same for every
+/// communicator of the job, so those this rank creates through it (one after another, as
+/// NCCL's bootstrap allows) are told apart by their order: the `n`-th of them, on every
+/// rank, forms one clique. Counted per rank index, so that ranks in threads of one process
+/// count apart; only such ids are counted, so the count stays as small as the ranks.
+pub(crate) fn of_id(id: &[u8], rank: usize) -> CliqueKey {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    let key = key_of(id);
+    let fixed = id.first_chunk().map(|m| u64::from_ne_bytes(*m)) == Some(nccl_sys::NCCL_MAGIC);
+    if !fixed {
+        return key;
+    }
+    static MADE: OnceLock<Mutex<HashMap<(CliqueKey, usize), u64>>> = OnceLock::new();
+    let mut made = crate::teardown::lock(MADE.get_or_init(Default::default));
+    let n = made.entry((key, rank)).or_insert(0);
+    *n += 1;
+    match *n - 1 {
+        0 => key,
+        nth => key_of((key, nth)),
+    }
+}
+
 /// A fresh key, for cliques created in one call (`ncclCommInitAll`).
 pub(crate) fn fresh_key() -> CliqueKey {
     use std::sync::atomic::{AtomicU64, Ordering};
