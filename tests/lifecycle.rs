@@ -786,6 +786,23 @@ fn resource_sharing_is_refused_at_creation() {
             other => panic!("expected the refusal, got {other:?}"),
         }
     }
+    // Nor is a handle made with it adopted (and it stays the caller's).
+    use nccl_sys::bindings::ncclSuccess;
+    let lib = nccl_safe::Library::host();
+    let id = CommDevice::Host.unique_id().unwrap();
+    let mut raw = core::ptr::null_mut();
+    // SAFETY: `raw` is writable; a one-rank communicator needs no peer.
+    let r = unsafe { (lib.table().ncclCommInitRank)(&mut raw, 1, id.to_raw(), 0) };
+    assert_eq!(r, ncclSuccess);
+    let cfg = Config::new().split_share(1);
+    // SAFETY: `raw` is a live host communicator that nothing else uses or tears down.
+    let adopted = unsafe { Communicator::from_raw(lib.clone(), raw, CommDevice::Host, &cfg) };
+    assert!(
+        matches!(adopted, Err(Error::InvalidArgument { .. })),
+        "{adopted:?}"
+    );
+    // SAFETY: the refusal gave `raw` back; it is torn down once, here.
+    assert_eq!(unsafe { (lib.table().ncclCommDestroy)(raw) }, ncclSuccess);
     let id = CommDevice::Host.unique_id().unwrap();
     let off = Config::new().split_share(0).shrink_share(0);
     drop(Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &off).unwrap());
@@ -862,6 +879,15 @@ fn child_under_an_nccl_parameter() {
                 Communicator::init_all(&[CommDevice::Host]).map(|mut v| v.remove(0)),
                 var,
             );
+            // A handle made elsewhere (the provider shares nothing) is adopted, but not
+            // split or shrunk under the variable: its children would share its abort flag.
+            let comm = adopted_one_rank();
+            let r = match var {
+                "NCCL_COMM_SPLIT_SHARE_RESOURCES" => comm.split(Some(0), 0).map(Option::unwrap),
+                _ => comm.shrink(&[1]),
+            };
+            refused(r, var);
+            comm.destroy().unwrap();
         }
     }
     println!("child: checked");
@@ -932,4 +958,16 @@ fn nccl_comm_id(at: &str) {
             });
         }
     });
+}
+
+/// A one-rank communicator made through the raw table and adopted.
+fn adopted_one_rank() -> Communicator {
+    let lib = nccl_safe::Library::host();
+    let id = CommDevice::Host.unique_id().unwrap();
+    let mut raw = core::ptr::null_mut();
+    // SAFETY: `raw` is writable; a one-rank communicator needs no peer.
+    let r = unsafe { (lib.table().ncclCommInitRank)(&mut raw, 1, id.to_raw(), 0) };
+    assert_eq!(r, nccl_sys::bindings::ncclSuccess);
+    // SAFETY: `raw` is a live host communicator that nothing else uses or tears down.
+    unsafe { Communicator::from_raw(lib, raw, CommDevice::Host, &Config::new()) }.unwrap()
 }

@@ -39,6 +39,7 @@ impl Communicator {
             }
         };
         refuse_in_group(OP)?;
+        super::params::refuse_overrides(OP, None)?;
         crate::teardown::check_lane(OP, self.lane())?;
         let slot = JobSlot::new();
         let out = slot.out();
@@ -72,6 +73,7 @@ impl Communicator {
         let caller = Location::caller();
         let shrink = self.optional(|t| t.ncclCommShrink, OP)?;
         refuse_in_group(OP)?;
+        super::params::refuse_overrides(OP, None)?;
         let list = self.exclude_list(OP, exclude)?;
         crate::teardown::check_lane(OP, self.lane())?;
         self.shrink_call(
