@@ -287,7 +287,10 @@ fn wrap(
         caller: Some(caller),
     };
     let shape = (|| {
-        if !config.is_blocking() {
+        // NCCL_COMM_BLOCKING=0 made the handle non-blocking whatever its creator asked,
+        // and its ncclCommInitRank returned ncclSuccess with the init still running
+        // (init.cc:2055).
+        if !config.is_blocking() || nccl_sys::param("NCCL_COMM_BLOCKING") == Some(0) {
             // A borrowed stand-in with diagnostics of its own (none attached), for the
             // wait's polls: its drop leaves the handle alone.
             Communicator::new(
@@ -295,7 +298,7 @@ fn wrap(
                 device.clone(),
                 0,
                 0,
-                crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id(), 0),
+                crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id(), 0, 0),
             )
             .wait_ready("ncclCommInitRankConfig", caller, DEFAULT_INIT_TIMEOUT)?;
         }
@@ -344,7 +347,7 @@ fn wrap(
         device,
         rank,
         world_size,
-        crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id(), 0),
+        crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id(), 0, 0),
     );
     let view = crate::diag::CommView {
         raw: watched,

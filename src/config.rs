@@ -34,12 +34,16 @@ pub struct Config {
     pub(crate) diag: crate::diag::DiagConfig,
 }
 
-/// The name strings of a [`Config`] (`netName`, `commName`), kept alive by the
-/// communicator made with it and by its split and shrink children.
+/// What a communicator keeps of the [`Config`] it was made with, and its split and shrink
+/// children inherit (NCCL copies the parent's config into a child made without one,
+/// init.cc:1798-1801 of 2.28.9): the name strings (`netName`, `commName`), kept alive, and
+/// the resource-sharing fields, which decide whether its children share its abort flag.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct ConfigNames {
     _net: Option<Arc<CStr>>,
     _comm: Option<Arc<CStr>>,
+    /// `splitShare` and `shrinkShare` as set (`None`: NCCL's default, 0).
+    pub(crate) share: (Option<i32>, Option<i32>),
 }
 
 /// The release that added `commName`, the one pointer field after the integers.
@@ -90,9 +94,9 @@ int_fields! {
     fn min_ctas(i32) => minCTAs, since (2, 14);
     /// `maxCTAs`: upper bound on CTAs per collective.
     fn max_ctas(i32) => maxCTAs, since (2, 14);
-    /// `splitShare`: children of `split` share the parent's resources (1) or not (0). 1 is
-    /// refused when a communicator is created: NCCL then shares one abort flag between the
-    /// parent and its children, so aborting one silently ends the others' work.
+    /// `splitShare`: children of `split` share the parent's resources (1) or not (0). With
+    /// 1, `split` is refused: NCCL would give the child its parent's abort flag, so that
+    /// aborting one silently ends the other's work.
     fn split_share(i32) => splitShare, since (2, 18);
     /// `trafficClass`: network traffic class (NCCL 2.26+).
     fn traffic_class(i32) => trafficClass, since (2, 26);
@@ -100,8 +104,8 @@ int_fields! {
     fn collnet_enable(i32) => collnetEnable, since (2, 27);
     /// `CTAPolicy`: `NCCL_CTA_POLICY_*` bits (NCCL 2.27+).
     fn cta_policy(i32) => CTAPolicy, since (2, 27);
-    /// `shrinkShare`: children of `shrink` share resources (NCCL 2.27+). 1 is refused, as
-    /// for [`split_share`](Self::split_share).
+    /// `shrinkShare`: children of `shrink` share resources (NCCL 2.27+). With 1, `shrink`
+    /// is refused, as `split` is for [`split_share`](Self::split_share).
     fn shrink_share(i32) => shrinkShare, since (2, 27);
     /// `nvlsCTAs`: CTAs for NVLS collectives (NCCL 2.27+).
     fn nvls_ctas(i32) => nvlsCTAs, since (2, 27);
@@ -158,15 +162,13 @@ impl Config {
         self.ints[Field::blocking as usize] != Some(0)
     }
 
-    /// The resource-sharing field this config turns on (`splitShare` or `shrinkShare` set
-    /// to 1), if any: refused at creation (see `comm::params`).
+    /// The resource-sharing field this config turns on (`splitShare` = 1, `shrinkShare`
+    /// not 0), if any.
     pub(crate) fn shared_resources(&self) -> Option<&'static str> {
-        [
-            (Field::split_share, "splitShare"),
-            (Field::shrink_share, "shrinkShare"),
-        ]
-        .into_iter()
-        .find_map(|(f, name)| (self.ints[f as usize] == Some(1)).then_some(name))
+        let (split, shrink) = self.names().share;
+        (split == Some(1))
+            .then_some("splitShare")
+            .or(shrink.is_some_and(|v| v != 0).then_some("shrinkShare"))
     }
 
     /// `netName`: the network plugin or transport to use (e.g. `"IB"`, `"Socket"`).
@@ -188,6 +190,10 @@ impl Config {
         ConfigNames {
             _net: self.net_name.clone(),
             _comm: self.comm_name.clone(),
+            share: (
+                self.ints[Field::split_share as usize],
+                self.ints[Field::shrink_share as usize],
+            ),
         }
     }
 

@@ -871,8 +871,9 @@ fn a_stream_bound_buffer_is_ordered_with_a_compute_stream_on_a_gpu() {
 }
 
 /// Under `NCCL_CHECK_POINTERS=1` NCCL checks every buffer pointer a collective is given
-/// (misc/argcheck.cc:72-80 of 2.28.9), off the root of a gather or scatter too: every
-/// collective the crate issues on device memory passes. NCCL reads the variable once per
+/// (misc/argcheck.cc:71-83 of 2.28.9), off the root of a gather or scatter too: every
+/// collective the crate issues on device memory passes. With one GPU every rank is the
+/// root; the off-root buffers are checked only with more. NCCL reads the variable once per
 /// process, hence the child process.
 #[test]
 #[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]

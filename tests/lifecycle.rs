@@ -774,17 +774,29 @@ fn init_all_waits_for_communicators_made_non_blocking() {
 }
 
 /// Resource sharing between a parent and its split or shrink children shares NCCL's abort
-/// flag (init.cc:2582-2588): refused, from the config or from NCCL's variables.
+/// flag (init.cc:2582-2588): a split or shrink that would share is refused, whether the
+/// parent's config or NCCL's variables ask for it; the parent itself is made and works.
 #[test]
-fn resource_sharing_is_refused_at_creation() {
-    for cfg in [Config::new().split_share(1), Config::new().shrink_share(1)] {
+fn resource_sharing_is_refused_where_children_are_made() {
+    for (cfg, shrink) in [
+        (Config::new().split_share(1), false),
+        (Config::new().shrink_share(1), true),
+    ] {
         let id = CommDevice::Host.unique_id().unwrap();
-        match Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &cfg) {
+        let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &cfg).unwrap();
+        let child = match shrink {
+            false => comm.split(Some(0), 0).map(Option::unwrap),
+            true => comm.shrink(&[1]),
+        };
+        match child {
             Err(Error::InvalidArgument { reason, .. }) => {
-                assert!(reason.contains("Share = 1"), "{reason}")
+                assert!(reason.contains("Share = 1)"), "{reason}")
             }
             other => panic!("expected the refusal, got {other:?}"),
         }
+        let mut x = vec![1i32; 2];
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+        comm.destroy().unwrap();
     }
     // Nor is a handle made with it adopted (and it stays the caller's).
     use nccl_sys::bindings::ncclSuccess;
@@ -803,11 +815,15 @@ fn resource_sharing_is_refused_at_creation() {
     );
     // SAFETY: the refusal gave `raw` back; it is torn down once, here.
     assert_eq!(unsafe { (lib.table().ncclCommDestroy)(raw) }, ncclSuccess);
+    // Sharing off: the split goes on.
     let id = CommDevice::Host.unique_id().unwrap();
     let off = Config::new().split_share(0).shrink_share(0);
-    drop(Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &off).unwrap());
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &off).unwrap();
+    drop(comm.split(Some(0), 0).unwrap().unwrap());
+    drop(comm);
     under("NCCL_COMM_SPLIT_SHARE_RESOURCES", "1");
-    under("NCCL_COMM_SHRINK_SHARE_RESOURCES", " 1");
+    // Any shrinkShare but 0 shares (init.cc:2582).
+    under("NCCL_COMM_SHRINK_SHARE_RESOURCES", " 2");
 }
 
 /// Under `NCCL_COMM_ID` every unique id of the job is the same (bootstrap.cc:414-425 of
@@ -860,6 +876,35 @@ fn child_under_an_nccl_parameter() {
             for c in comms {
                 c.destroy().unwrap();
             }
+            // ncclCommInitRank returns ncclSuccess with its init still running (rank 1
+            // joins later): from_raw waits for it, though its config says blocking.
+            let lib = nccl_safe::Library::host();
+            std::thread::scope(|sc| {
+                for rank in 0..2 {
+                    let (lib, id) = (&lib, &id);
+                    sc.spawn(move || {
+                        std::thread::sleep(Duration::from_millis(200 * rank as u64));
+                        let mut raw = core::ptr::null_mut();
+                        // SAFETY: `raw` is writable; rank and size are in range.
+                        let r = unsafe {
+                            (lib.table().ncclCommInitRank)(&mut raw, 2, id.to_raw(), rank as i32)
+                        };
+                        assert_eq!(r, nccl_sys::bindings::ncclSuccess);
+                        // SAFETY: a live host communicator that nothing else tears down.
+                        let comm = unsafe {
+                            Communicator::from_raw(
+                                lib.clone(),
+                                raw,
+                                CommDevice::Host,
+                                &Config::new(),
+                            )
+                        };
+                        let comm = comm.unwrap();
+                        assert_eq!((comm.rank(), comm.world_size()), (rank, 2));
+                        comm.destroy().unwrap();
+                    });
+                }
+            });
         }
         ("NCCL_COMM_BLOCKING" | "NCCL_CONF_FILE", _) => {
             // Rank 1 never joins. Without the refusal, NCCL's init blocks in the call.
@@ -873,21 +918,18 @@ fn child_under_an_nccl_parameter() {
             }
         }
         _ => {
-            let r = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &Config::new());
-            refused(r, &format!("{var}=1"));
-            refused(
-                Communicator::init_all(&[CommDevice::Host]).map(|mut v| v.remove(0)),
-                var,
-            );
-            // A handle made elsewhere (the provider shares nothing) is adopted, but not
-            // split or shrunk under the variable: its children would share its abort flag.
-            let comm = adopted_one_rank();
-            let r = match var {
-                "NCCL_COMM_SPLIT_SHARE_RESOURCES" => comm.split(Some(0), 0).map(Option::unwrap),
-                _ => comm.shrink(&[1]),
-            };
-            refused(r, var);
-            comm.destroy().unwrap();
+            // Communicators are made (by init, init_all, or elsewhere and adopted), but
+            // not split or shrunk under the variable: the child would share the abort flag.
+            let made = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &Config::new());
+            let all = Communicator::init_all(&[CommDevice::Host]).unwrap();
+            for comm in [made.unwrap(), adopted_one_rank()].into_iter().chain(all) {
+                let r = match var {
+                    "NCCL_COMM_SPLIT_SHARE_RESOURCES" => comm.split(Some(0), 0).map(Option::unwrap),
+                    _ => comm.shrink(&[1]),
+                };
+                refused(r, &format!("{var}={}", value.trim()));
+                comm.destroy().unwrap();
+            }
         }
     }
     println!("child: checked");

@@ -10,7 +10,7 @@ use std::time::Duration;
 use half::{bf16, f16};
 use nccl_safe::host::{root_id_of, stats_for};
 use nccl_safe::{
-    CommDevice, Communicator, Config, Group, ReduceOp, ResultCode, Stream, UniqueId,
+    CommDevice, Communicator, Config, Error, Group, ReduceOp, ResultCode, Stream, UniqueId,
     DEFAULT_INIT_TIMEOUT,
 };
 use support::{assert_balanced, run_ranks, El};
@@ -784,7 +784,7 @@ fn an_empty_collective_involves_no_peer() {
 const CHECK_POINTERS: &str = "NCCL_CHECK_POINTERS";
 
 /// `NCCL_CHECK_POINTERS=1` makes NCCL check a gather's `recvbuff` and a scatter's `sendbuff`
-/// off the root too, though its header says they are unused there (misc/argcheck.cc:72-80
+/// off the root too, though its header says they are unused there (misc/argcheck.cc:71-83
 /// of 2.28.9): the crate passes the caller's buffer, so these calls run; an empty one is
 /// passed as null, which NCCL refuses with a typed error. The host provider reads the
 /// variable once per process, as NCCL does, hence the child process.
@@ -807,10 +807,23 @@ fn child_checks_pointers() {
     );
     run_ranks(3, |comm| {
         let r = comm.rank();
-        // Off the root, a buffer of any length is passed, untouched.
-        let mut recv = if r == 0 { vec![0i32; 3] } else { vec![-1; 1] };
+        // Off the root, a gather's recv sized as the root's (any other length is refused
+        // before NCCL sees it) and a scatter's send of any length are passed, untouched.
+        let mut short = vec![-1i32; 1];
+        let e = comm.gather(&[1i32], &mut short, 0, &S);
+        if r == 0 {
+            assert!(matches!(e, Err(Error::LengthMismatch { .. })), "{e:?}");
+        } else {
+            let e = e.unwrap_err();
+            assert!(
+                e.to_string()
+                    .contains("off the root, recv is empty or world_size x send"),
+                "{e}"
+            );
+        }
+        let mut recv = if r == 0 { vec![0i32; 3] } else { vec![-1; 3] };
         comm.gather(&[r as i32 + 1], &mut recv, 0, &S).unwrap();
-        let want = if r == 0 { vec![1, 2, 3] } else { vec![-1] };
+        let want = if r == 0 { vec![1, 2, 3] } else { vec![-1; 3] };
         assert_eq!(recv, want);
         let send = if r == 0 {
             vec![7i32, 8, 9]

@@ -670,7 +670,7 @@ fn init_rank(
     rank: c_int,
     config: *const ncclConfig_t,
 ) -> ncclResult_t {
-    ffi_grouped(|| {
+    let r = ffi_grouped(|| {
         super::fault::ensure_runtime();
         let mut g = lock();
         let idb = id_bytes(&id);
@@ -690,7 +690,15 @@ fn init_rank(
         ));
         }
         new_rank(g, idb, nranks, rank, root, config, what, comm)
-    })
+    });
+    // ncclCommInitRank's NCCLCHECK lets ncclInProgress through and it returns ncclSuccess
+    // (init.cc:2055, checks.h:124): made non-blocking by NCCL_COMM_BLOCKING=0, its init
+    // goes on after the call.
+    if config.is_null() && r == ncclInProgress {
+        ncclSuccess
+    } else {
+        r
+    }
 }
 
 /// A rank that joins with a unique id (init, or a rank new to a grow): its handle, named
@@ -1848,7 +1856,7 @@ fn coll(
             ));
         }
         // NCCL_CHECK_POINTERS=1 checks both buffers whatever the count, but a broadcast's
-        // send and a reduce's recv only on the root (ArgsCheck, misc/argcheck.cc:72-80 of
+        // send and a reduce's recv only on the root (ArgsCheck, misc/argcheck.cc:71-83 of
         // 2.28.9). CudaPtrCheck refuses a pointer CUDA does not know; here, a null one.
         if super::defs::check_pointers() {
             let root_only = |k| kind == k && root != Some(r.rank);

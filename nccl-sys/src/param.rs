@@ -10,17 +10,19 @@
 /// (NCCL then keeps its default too). A config override that takes an `int` takes the low
 /// 32 bits (`as i32`).
 pub fn param(name: &str) -> Option<i64> {
-    param_str(name).and_then(|v| strtoll(&v))
+    param_str(name)
+        .filter(|v| !v.is_empty())
+        .and_then(|v| strtoll(&v))
 }
 
 /// NCCL's text of parameter `name` (say `"NCCL_COMM_ID"`), as `ncclGetEnv` gives it:
-/// `None` when it is unset or empty.
+/// `None` when it is unset (an empty value is `Some("")`, which NCCL's integer parameters
+/// take as unset, misc/param.cc:82).
 pub fn param_str(name: &str) -> Option<String> {
-    let value = match std::env::var_os(name) {
+    match std::env::var_os(name) {
         Some(v) => Some(v.to_string_lossy().into_owned()),
         None => conf_files().iter().find_map(|f| conf_value(f, name)),
-    };
-    value.filter(|v| !v.is_empty())
+    }
 }
 
 /// NCCL's configuration files, in the order it reads them.

@@ -155,6 +155,7 @@ impl Communicator {
         let caller = Location::caller();
         let shrink = self.optional(|t| t.ncclCommShrink, OP)?;
         refuse_in_group(OP)?;
+        super::params::refuse_blocking(OP)?;
         let list = self.exclude_list(OP, exclude)?;
         crate::teardown::check_lane(OP, self.lane())?;
         // A clique the watchdog failed (a rank left, an operation timed out) fails this
@@ -245,6 +246,7 @@ impl Communicator {
         let caller = Location::caller();
         let grow = self.optional(|t| t.ncclCommGrow, OP)?;
         refuse_in_group(OP)?;
+        super::params::refuse_blocking(OP)?;
         if world_size <= self.world_size || world_size > c_int::MAX as usize {
             return Err(Error::InvalidArgument {
                 call: OP,

@@ -39,7 +39,8 @@ impl Communicator {
             }
         };
         refuse_in_group(OP)?;
-        super::params::refuse_overrides(OP, None)?;
+        super::params::refuse_blocking(OP)?;
+        super::params::refuse_sharing(OP, self.names.share, false)?;
         crate::teardown::check_lane(OP, self.lane())?;
         let slot = JobSlot::new();
         let out = slot.out();
@@ -73,7 +74,8 @@ impl Communicator {
         let caller = Location::caller();
         let shrink = self.optional(|t| t.ncclCommShrink, OP)?;
         refuse_in_group(OP)?;
-        super::params::refuse_overrides(OP, None)?;
+        super::params::refuse_blocking(OP)?;
+        super::params::refuse_sharing(OP, self.names.share, true)?;
         let list = self.exclude_list(OP, exclude)?;
         crate::teardown::check_lane(OP, self.lane())?;
         self.shrink_call(

@@ -113,7 +113,6 @@ impl Communicator {
         const OP: &str = "ncclCommInitAll";
         let caller = Location::caller();
         refuse_in_group(OP)?;
-        super::params::refuse_overrides(OP, None)?;
         let first = devices.first().ok_or(Error::InvalidArgument {
             call: OP,
             reason: "no devices given".into(),

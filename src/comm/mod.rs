@@ -256,11 +256,11 @@ fn prepare_new(
     refuse_in_group(call)?;
     check_world(call, world_size, rank)?;
     check_device(call, lib, device)?;
-    params::refuse_overrides(call, Some(config))?;
+    params::refuse_blocking(call)?;
     if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
         return Err(Error::InvalidArgument { call, reason });
     }
-    let diag = crate::diag::CommDiag::for_id(&config.diag, id, rank);
+    let diag = crate::diag::CommDiag::for_id(&config.diag, id, rank, world_size);
     crate::teardown::check_lane(
         call,
         match device {

@@ -3,44 +3,56 @@
 
 use super::*;
 
-/// Refuses to create a communicator (`config`: the crate's request, `None` for
-/// `ncclCommInitAll`, which passes NCCL's defaults) when an NCCL parameter overrides it
-/// into a mode the crate cannot keep its promises in:
-///
-/// - `NCCL_COMM_BLOCKING=1` overrides the non-blocking mode (`envConfigOverride`,
-///   init.cc:1646-1649): NCCL's init would wait inside the call, for ever for a rank that
-///   never joins, where no bound of the crate's can end it (not for `ncclCommInitAll`,
-///   blocking anyway, whose ranks are all in the call);
-/// - `splitShare` / `shrinkShare` = 1 (the config's, or `NCCL_COMM_SPLIT_SHARE_RESOURCES` /
-///   `NCCL_COMM_SHRINK_SHARE_RESOURCES`, which override it, init.cc:1719-1730): a child then
-///   shares its parent's abort flag (init.cc:2582-2588), which an abort never clears. Once
-///   either is aborted, the other's calls still return ncclSuccess
-///   (`ncclCommEnsureReady`, init.cc:376-378) and its kernels exit without moving data: a
-///   collective that "succeeds" with its buffers untouched.
-pub(super) fn refuse_overrides(call: &'static str, config: Option<&Config>) -> Result<()> {
-    let refuse = |reason: String| Err(Error::InvalidArgument { call, reason });
-    if config.is_some() && param("NCCL_COMM_BLOCKING") == Some(1) {
-        return refuse(
-            "NCCL_COMM_BLOCKING=1 (in the environment or an nccl.conf) makes NCCL wait inside this call, for ever if a rank never joins, where Config::timeout cannot end it: unset it (the crate's communicators already behave as blocking ones, bounded by Config::timeout)".into(),
-        );
+/// Refuses to make a communicator (an init, a split, a shrink, a grow) under
+/// `NCCL_COMM_BLOCKING=1`, which overrides the non-blocking mode the crate asks for
+/// (`envConfigOverride`, init.cc:1646-1649 of 2.28.9; a child's config too, :1800): NCCL
+/// would then wait inside the call, for ever for a rank that never joins, where no bound of
+/// the crate's can end it. (Not for `ncclCommInitAll`: blocking anyway, with every rank in
+/// the call.)
+pub(super) fn refuse_blocking(call: &'static str) -> Result<()> {
+    if param("NCCL_COMM_BLOCKING") != Some(1) {
+        return Ok(());
     }
-    let shared = [
-        ("NCCL_COMM_SPLIT_SHARE_RESOURCES", "splitShare"),
-        ("NCCL_COMM_SHRINK_SHARE_RESOURCES", "shrinkShare"),
-    ]
-    .into_iter()
-    .find_map(|(var, field)| (param(var) == Some(1)).then(|| format!("{var}=1 ({field})")))
-    .or_else(|| {
-        config?
-            .shared_resources()
-            .map(|f| format!("Config's {f} = 1"))
-    });
-    match shared {
-        Some(what) => refuse(format!(
-            "{what} makes a split's or shrink's child share its parent's abort flag, so aborting one (a failure, a timeout, a drop after an error) makes the other's collectives return success without moving data: leave resource sharing off"
-        )),
-        None => Ok(()),
+    Err(Error::InvalidArgument {
+        call,
+        reason: "NCCL_COMM_BLOCKING=1 (in the environment or an nccl.conf) makes NCCL wait inside this call, for ever if a rank never joins, where Config::timeout cannot end it: unset it (the crate's communicators already behave as blocking ones, bounded by Config::timeout)".into(),
+    })
+}
+
+/// Refuses a split (`shrink` false) or a shrink whose child would share its parent's
+/// resources. `share` is the parent's config (`splitShare`, `shrinkShare`), which
+/// `NCCL_COMM_SPLIT_SHARE_RESOURCES` / `NCCL_COMM_SHRINK_SHARE_RESOURCES` override
+/// (init.cc:1719-1730); `splitShare` other than 0 or 1 counts as 0 (:1775-1778), any
+/// `shrinkShare` but 0 as sharing (:2582). A sharing child gets its parent's abort flag
+/// (:2582-2588), which an abort never clears: once either is aborted (a failure, a timeout,
+/// a drop after an error), the other's calls still return ncclSuccess (`ncclCommEnsureReady`,
+/// :376-378) and its kernels exit without moving data, collectives that "succeed" with
+/// their buffers untouched.
+pub(super) fn refuse_sharing(
+    call: &'static str,
+    share: (Option<i32>, Option<i32>),
+    shrink: bool,
+) -> Result<()> {
+    let (var, field, set) = if shrink {
+        ("NCCL_COMM_SHRINK_SHARE_RESOURCES", "shrinkShare", share.1)
+    } else {
+        ("NCCL_COMM_SPLIT_SHARE_RESOURCES", "splitShare", share.0)
+    };
+    let from_var = param(var).filter(|&v| v != nccl_sys::NCCL_CONFIG_UNDEF_INT);
+    let value = from_var.or(set).unwrap_or(0);
+    if if shrink { value == 0 } else { value != 1 } {
+        return Ok(());
     }
+    let what = match from_var {
+        Some(v) => format!("{var}={v}"),
+        None => format!("the communicator's config ({field} = {value})"),
+    };
+    Err(Error::InvalidArgument {
+        call,
+        reason: format!(
+            "{what} makes the child share its parent's abort flag, so aborting one (a failure, a timeout, a drop after an error) makes the other's collectives return success without moving data: leave resource sharing off"
+        ),
+    })
 }
 
 /// NCCL's value of `name` as the `int` of a config override.

@@ -153,9 +153,14 @@ impl CommDiag {
         }
     }
 
-    /// For rank `rank` of a communicator joined through `id`.
-    pub(crate) fn for_id(config: &DiagConfig, id: &UniqueId, rank: usize) -> CommDiag {
-        let key = key::of_id(id.as_bytes(), rank);
+    /// For rank `rank` of a `world_size`-rank communicator joined through `id`.
+    pub(crate) fn for_id(
+        config: &DiagConfig,
+        id: &UniqueId,
+        rank: usize,
+        world_size: usize,
+    ) -> CommDiag {
+        let key = key::of_id(id.as_bytes(), rank, world_size);
         #[allow(unused_mut)]
         let mut d = CommDiag::new(Settings::resolve(config), key, key);
         #[cfg(feature = "diag")]

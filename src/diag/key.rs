@@ -32,13 +32,16 @@ impl Hasher for Fnv1a {
     }
 }
 
-/// The key of the clique that rank `rank` joins through unique id `id`. A unique id made
-/// under `NCCL_COMM_ID` (it starts with [`nccl_sys::NCCL_MAGIC`]) is the same for every
-/// communicator of the job, so those this rank creates through it (one after another, as
-/// NCCL's bootstrap allows) are told apart by their order: the `n`-th of them, on every
-/// rank, forms one clique. Counted per rank index, so that ranks in threads of one process
-/// count apart; only such ids are counted, so the count stays as small as the ranks.
-pub(crate) fn of_id(id: &[u8], rank: usize) -> CliqueKey {
+/// The key of the clique that rank `rank` of `world_size` joins through unique id `id`. A
+/// unique id made under `NCCL_COMM_ID` (it starts with [`nccl_sys::NCCL_MAGIC`]) is the
+/// same for every communicator of the job, so those this rank creates through it (one
+/// after another, as NCCL's bootstrap allows) are told apart by their size and their order:
+/// the `n`-th of a size, on every rank, forms one clique. Counted per rank index, so that
+/// ranks in threads of one process count apart, and only for such ids, so the count stays
+/// as small as the ranks. It assumes what NCCL's bootstrap does, that every rank creates
+/// the communicators of that id in the same order; a process that starts again (not the
+/// whole job) counts from 0, and its diagnostics then name a clique apart from its peers'.
+pub(crate) fn of_id(id: &[u8], rank: usize, world_size: usize) -> CliqueKey {
     use std::collections::HashMap;
     use std::sync::{Mutex, OnceLock};
     let key = key_of(id);
@@ -46,14 +49,12 @@ pub(crate) fn of_id(id: &[u8], rank: usize) -> CliqueKey {
     if !fixed {
         return key;
     }
-    static MADE: OnceLock<Mutex<HashMap<(CliqueKey, usize), u64>>> = OnceLock::new();
+    type Made = HashMap<(CliqueKey, usize, usize), u64>;
+    static MADE: OnceLock<Mutex<Made>> = OnceLock::new();
     let mut made = crate::teardown::lock(MADE.get_or_init(Default::default));
-    let n = made.entry((key, rank)).or_insert(0);
+    let n = made.entry((key, rank, world_size)).or_insert(0);
     *n += 1;
-    match *n - 1 {
-        0 => key,
-        nth => key_of((key, nth)),
-    }
+    key_of((key, world_size, *n - 1))
 }
 
 /// A fresh key, for cliques created in one call (`ncclCommInitAll`).

@@ -698,11 +698,11 @@ impl Communicator {
     }
 
     /// Gathers every rank's `send` into `recv` on `root`, rank `i` at `i * send.len()`
-    /// (`ncclGather`, NCCL 2.28+). Only the root's `recv` is checked and written. Off the
-    /// root, NCCL touches no element of `recv` but is given its address (null if empty):
-    /// under `NCCL_CHECK_POINTERS=1` NCCL refuses an empty one, so pass device memory there,
-    /// and over symmetric windows a `recv` laid out as the root's
-    /// ([`register_window`](Self::register_window) says why).
+    /// (`ncclGather`, NCCL 2.28+). Only the root's `recv` is written. Off the root, `recv`
+    /// is empty (NCCL gets a null pointer) or `world_size * send.len()` long, as on the
+    /// root: NCCL touches no element of it, but under `NCCL_CHECK_POINTERS=1` it refuses a
+    /// null one, and over symmetric windows it finds the root's buffer through this one's
+    /// place in its window ([`register_window`](Self::register_window) says why).
     ///
     /// ```
     /// use nccl_safe::{launch::Launcher, ReduceOp};
@@ -748,8 +748,20 @@ impl Communicator {
         let r = if self.rank() == root {
             at.recv(recv, total, "recv = world_size x send on the root")?;
             at.recv_ptr(recv)
+        } else if recv.is_empty() {
+            at.ignored(BufferRole::Recv, recv)?;
+            NO_RECV
         } else {
-            at.ignored_recv(recv)?
+            // Sized as the root's: NCCL writes none of it, but its copy-engine gather over
+            // symmetric windows writes this rank's block into the root's window at this
+            // buffer's offset, checking only where the block starts (ce_coll.cc:566-569,
+            // dev_runtime.cc:1038).
+            at.recv(
+                recv,
+                total,
+                "off the root, recv is empty or world_size x send",
+            )?;
+            at.recv_ptr(recv)
         };
         let s = at.send_ptr(send);
         Ok(at.op::<T>(Call::Gather(f, root_c), count, Some(root), s, r))

@@ -289,37 +289,30 @@ impl<'a> OpChecks<'a> {
         }
     }
 
-    /// The buffer NCCL ignores on a non-root rank (gather's `recv`, scatter's `send`): only
-    /// where it lives is checked, and its pointer is passed unless it is empty. NCCL's
-    /// header says the buffer is not used, but NCCL 2.28.9 still reads its address:
-    /// `NCCL_CHECK_POINTERS=1` rejects a null one (`ArgsCheck`, misc/argcheck.cc:72-80), and
-    /// a gather's copy-engine path over symmetric windows writes this rank's block into the
-    /// root's window at this buffer's offset in its own (`ncclCeGather`,
-    /// ce_coll.cc:566-569; see `register_window`). NCCL reads and writes no element of it.
+    /// Checks only where a buffer lives: one NCCL ignores on a non-root rank.
+    #[inline(always)]
+    pub(crate) fn ignored<T: NcclType, B: SendBuffer<T> + ?Sized>(
+        &self,
+        role: BufferRole,
+        buf: &B,
+    ) -> Result<()> {
+        self.comm.check_memory(self.call.name(), role, buf.memory())
+    }
+
+    /// Scatter's `send` off the root: only where it lives is checked, and its pointer is
+    /// passed unless it is empty. NCCL's header says it is not used, but under
+    /// `NCCL_CHECK_POINTERS=1` NCCL 2.28.9 refuses a null one (`ArgsCheck`,
+    /// misc/argcheck.cc:71-83); it reads and writes no element of it.
     #[inline(always)]
     pub(crate) fn ignored_send<T: NcclType, S: SendBuffer<T> + ?Sized>(
         &self,
         buf: &'a S,
     ) -> Result<(*const c_void, BufferGuard<'a>)> {
-        (self.comm).check_memory(self.call.name(), BufferRole::Send, buf.memory())?;
+        self.ignored(BufferRole::Send, buf)?;
         Ok(if buf.is_empty() {
             NO_SEND
         } else {
             self.send_ptr(buf)
-        })
-    }
-
-    /// See [`ignored_send`](Self::ignored_send).
-    #[inline(always)]
-    pub(crate) fn ignored_recv<T: NcclType, R: RecvBuffer<T> + ?Sized>(
-        &self,
-        buf: &'a mut R,
-    ) -> Result<(*mut c_void, BufferGuard<'a>)> {
-        (self.comm).check_memory(self.call.name(), BufferRole::Recv, buf.memory())?;
-        Ok(if buf.is_empty() {
-            NO_RECV
-        } else {
-            self.recv_ptr(buf)
         })
     }
 
