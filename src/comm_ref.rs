@@ -278,7 +278,7 @@ fn wrap(
     // A handle made with resource sharing shares an abort flag with its parent and
     // children, which the crate cannot keep apart (see `Config::split_share`).
     if let Some(field) = config.shared_resources() {
-        let reason = format!("a communicator made with {field} = 1 shares NCCL's abort flag with its family, whose abort would make its collectives return success without moving data: adopt only one made without resource sharing");
+        let reason = format!("a communicator made with {field} on shares NCCL's abort flag with its family, whose abort would make its collectives return success without moving data: adopt only one made without resource sharing");
         return give_back(handle, Error::InvalidArgument { call, reason });
     }
     let ctx = CallContext {
