@@ -46,6 +46,18 @@ pub(crate) struct ConfigNames {
     pub(crate) share: (Option<i32>, Option<i32>),
 }
 
+/// Whether NCCL 2.28.9 shares a parent's resources (and abort flag) with its split
+/// (`shrink` false) or shrink child for this value of `splitShare` or `shrinkShare`: a
+/// `splitShare` other than 1 counts as 0 (init.cc:1775-1778), any `shrinkShare` but 0 as
+/// sharing (init.cc:2582).
+pub(crate) fn shares(value: i32, shrink: bool) -> bool {
+    if shrink {
+        value != 0
+    } else {
+        value == 1
+    }
+}
+
 /// The release that added `commName`, the one pointer field after the integers.
 const COMM_NAME_SINCE: (u32, u32) = (2, 27);
 
@@ -162,13 +174,14 @@ impl Config {
         self.ints[Field::blocking as usize] != Some(0)
     }
 
-    /// The resource-sharing field this config turns on (`splitShare` = 1, `shrinkShare`
-    /// not 0), if any.
+    /// The resource-sharing field this config turns on, if any (see [`shares`]).
     pub(crate) fn shared_resources(&self) -> Option<&'static str> {
         let (split, shrink) = self.names().share;
-        (split == Some(1))
-            .then_some("splitShare")
-            .or(shrink.is_some_and(|v| v != 0).then_some("shrinkShare"))
+        (shares(split.unwrap_or(0), false).then_some("splitShare")).or(shares(
+            shrink.unwrap_or(0),
+            true,
+        )
+        .then_some("shrinkShare"))
     }
 
     /// `netName`: the network plugin or transport to use (e.g. `"IB"`, `"Socket"`).

@@ -800,12 +800,7 @@ fn resource_sharing_is_refused_where_children_are_made() {
     }
     // Nor is a handle made with it adopted (and it stays the caller's).
     use nccl_sys::bindings::ncclSuccess;
-    let lib = nccl_safe::Library::host();
-    let id = CommDevice::Host.unique_id().unwrap();
-    let mut raw = core::ptr::null_mut();
-    // SAFETY: `raw` is writable; a one-rank communicator needs no peer.
-    let r = unsafe { (lib.table().ncclCommInitRank)(&mut raw, 1, id.to_raw(), 0) };
-    assert_eq!(r, ncclSuccess);
+    let (lib, raw) = raw_one_rank();
     let cfg = Config::new().split_share(1);
     // SAFETY: `raw` is a live host communicator that nothing else uses or tears down.
     let adopted = unsafe { Communicator::from_raw(lib.clone(), raw, CommDevice::Host, &cfg) };
@@ -1008,12 +1003,18 @@ fn nccl_comm_id(at: &str) {
 
 /// A one-rank communicator made through the raw table and adopted.
 fn adopted_one_rank() -> Communicator {
+    let (lib, raw) = raw_one_rank();
+    // SAFETY: `raw` is a live host communicator that nothing else uses or tears down.
+    unsafe { Communicator::from_raw(lib, raw, CommDevice::Host, &Config::new()) }.unwrap()
+}
+
+/// A one-rank host communicator made through the raw table, and its library.
+fn raw_one_rank() -> (std::sync::Arc<nccl_safe::Library>, nccl_sys::ncclComm_t) {
     let lib = nccl_safe::Library::host();
     let id = CommDevice::Host.unique_id().unwrap();
     let mut raw = core::ptr::null_mut();
     // SAFETY: `raw` is writable; a one-rank communicator needs no peer.
     let r = unsafe { (lib.table().ncclCommInitRank)(&mut raw, 1, id.to_raw(), 0) };
     assert_eq!(r, nccl_sys::bindings::ncclSuccess);
-    // SAFETY: `raw` is a live host communicator that nothing else uses or tears down.
-    unsafe { Communicator::from_raw(lib, raw, CommDevice::Host, &Config::new()) }.unwrap()
+    (lib, raw)
 }

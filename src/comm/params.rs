@@ -22,12 +22,11 @@ pub(super) fn refuse_blocking(call: &'static str) -> Result<()> {
 /// Refuses a split (`shrink` false) or a shrink whose child would share its parent's
 /// resources. `share` is the parent's config (`splitShare`, `shrinkShare`), which
 /// `NCCL_COMM_SPLIT_SHARE_RESOURCES` / `NCCL_COMM_SHRINK_SHARE_RESOURCES` override
-/// (init.cc:1719-1730); `splitShare` other than 0 or 1 counts as 0 (:1775-1778), any
-/// `shrinkShare` but 0 as sharing (:2582). A sharing child gets its parent's abort flag
-/// (:2582-2588), which an abort never clears: once either is aborted (a failure, a timeout,
-/// a drop after an error), the other's calls still return ncclSuccess (`ncclCommEnsureReady`,
-/// :376-378) and its kernels exit without moving data, collectives that "succeed" with
-/// their buffers untouched.
+/// (init.cc:1719-1730), read as `config::shares` says. A sharing child gets its parent's
+/// abort flag (:2582-2588), which an abort never clears: once either is aborted (a failure,
+/// a timeout, a drop after an error), the other's calls still return ncclSuccess
+/// (`ncclCommEnsureReady`, :376-378) and its kernels exit without moving data, collectives
+/// that "succeed" with their buffers untouched.
 pub(super) fn refuse_sharing(
     call: &'static str,
     share: (Option<i32>, Option<i32>),
@@ -40,7 +39,7 @@ pub(super) fn refuse_sharing(
     };
     let from_var = param(var).filter(|&v| v != nccl_sys::NCCL_CONFIG_UNDEF_INT);
     let value = from_var.or(set).unwrap_or(0);
-    if if shrink { value == 0 } else { value != 1 } {
+    if !crate::config::shares(value, shrink) {
         return Ok(());
     }
     let what = match from_var {
