@@ -28,9 +28,18 @@ pub(crate) fn check_token(token: &[u8]) -> Result<(), RendezvousError> {
     Ok(())
 }
 
-/// The refusal a `REFUSE` frame's code and numbers stand for.
-pub(crate) fn refusal((code, a, b): (u8, usize, usize)) -> Result<Refusal, String> {
-    Ok(match code {
+/// The error a `REFUSE` frame read in place of an answer stands for (`None`: not one). Only
+/// the wrong-token refusal comes before the peer authenticated; any other without a valid
+/// MAC is [`RendezvousError::ServerAuthentication`] (a relay's forgery).
+pub(crate) fn refused(
+    frame: &[u8],
+    session: &wire::Session,
+    addr: &str,
+    rank: usize,
+) -> Option<RendezvousError> {
+    let (code, a, b) = wire::parse_refuse(frame)?;
+    let addr = addr.to_string();
+    let reason = match code {
         wire::R_TOKEN => Refusal::BadToken,
         wire::R_WORLD => Refusal::WorldSizeMismatch {
             server: a,
@@ -40,6 +49,13 @@ pub(crate) fn refusal((code, a, b): (u8, usize, usize)) -> Result<Refusal, Strin
         wire::R_DUPLICATE => Refusal::DuplicateRank,
         wire::R_BUSY => Refusal::Busy,
         wire::R_IN_PROGRESS => Refusal::InProgress,
-        c => return Err(format!("unknown refusal code {c}")),
-    })
+        c => {
+            let detail = format!("unknown refusal code {c}");
+            return Some(RendezvousError::Protocol { addr, detail });
+        }
+    };
+    if reason != Refusal::BadToken && !session.refuse_is_authentic(frame) {
+        return Some(RendezvousError::ServerAuthentication { addr });
+    }
+    Some(RendezvousError::Refused { addr, rank, reason })
 }

@@ -26,8 +26,8 @@
 //! carriage returns, bidirectional overrides) are replaced with `?` where a post is received,
 //! by the server and by a fetching client alike, so a report never prints them.
 
-use super::common::{check_token, io_err, refusal, Refusal, RendezvousError};
-use super::wire::{self, refuse, N};
+use super::common::{check_token, io_err, refused, Refusal, RendezvousError};
+use super::wire::{self, N};
 use crate::diag::DesyncPost;
 use crate::diag::RemoteBoard;
 use std::fmt;
@@ -51,16 +51,16 @@ const FETCH: u8 = 17;
 const BOARD: u8 = 18;
 const ENTRY: u8 = 19;
 
-fn post_mac(token: &[u8], sn: &[u8; N], cn: &[u8; N], rank: u32, body: &[u8]) -> [u8; N] {
-    wire::hmac(token, &[b"post", sn, cn, &rank.to_be_bytes(), body])
+fn post_mac(s: &wire::Session, body: &[u8]) -> [u8; N] {
+    s.keyed(b"post", &[&s.rank.to_be_bytes(), body])
 }
 
-fn fetch_mac(token: &[u8], sn: &[u8; N], cn: &[u8; N]) -> [u8; N] {
-    wire::hmac(token, &[b"fetch", sn, cn])
+fn fetch_mac(s: &wire::Session) -> [u8; N] {
+    s.keyed(b"fetch", &[])
 }
 
-fn entry_mac(token: &[u8], sn: &[u8; N], cn: &[u8; N], rank: u32, e: &[u8]) -> [u8; N] {
-    wire::hmac(token, &[b"entry", sn, cn, &rank.to_be_bytes(), e])
+fn entry_mac(s: &wire::Session, rank: u32, e: &[u8]) -> [u8; N] {
+    s.keyed(b"entry", &[&rank.to_be_bytes(), e])
 }
 
 /// How long a fetch of a board of `world_size` ranks may take.
@@ -205,59 +205,45 @@ impl BoardServer {
         // One deadline for the whole connection, whatever the peer's pace.
         let start = Instant::now();
         let mut s = wire::Deadlined::new(&s, start + self.io_timeout);
-        let sn = wire::send_hello(&mut s, MAGIC)?;
-        let Some(wire::Auth { rank, world, cn }) = wire::read_auth(&mut s, &self.token, &sn)?
+        let Some(session) =
+            wire::accept_peer(&mut s, MAGIC, &self.token, conn, self.world_size, 0)?
         else {
-            return wire::write_frame(&mut s, &refuse(wire::R_TOKEN, 0, 0));
+            return Ok(());
         };
-        conn.authenticated();
         // A token holder's fetch sends one frame per rank: as long as a client gives it.
         s.extend_to(start + fetch_time(self.io_timeout, self.world_size));
-        let session = wire::Session::new(&self.token, &sn, &cn, rank, world);
-        let refused = |code, a, b| session.refuse(code, a, b);
-        let ours = u32::try_from(self.world_size).unwrap_or(u32::MAX);
-        if world as usize != self.world_size {
-            return wire::write_frame(&mut s, &refused(wire::R_WORLD, ours, world));
-        }
-        if rank as usize >= self.world_size {
-            return wire::write_frame(&mut s, &refused(wire::R_RANGE, ours, rank));
-        }
         let req = wire::read_frame(&mut s)?;
         match req.first() {
             Some(&POST) if req.len() > N => {
                 let (body, mac) = req[1..].split_at(req.len() - 1 - N);
-                if !wire::ct_eq(mac, &post_mac(&self.token, &sn, &cn, rank, body)) {
+                if !wire::ct_eq(mac, &post_mac(&session, body)) {
                     return Err(invalid("bad post MAC"));
                 }
                 let post = DesyncPost::decode(body).ok_or_else(|| invalid("not a post"))?;
                 let post = clean_post(post);
                 match self.posts.lock() {
-                    Ok(mut g) => g[rank as usize] = Some(post),
+                    Ok(mut g) => g[session.rank as usize] = Some(post),
                     Err(_) => return Err(invalid("poisoned")),
                 }
                 wire::write_frame(&mut s, &[wire::ACK])
             }
             Some(&FETCH) if req.len() == 1 + N => {
-                if !wire::ct_eq(&req[1..], &fetch_mac(&self.token, &sn, &cn)) {
+                if !wire::ct_eq(&req[1..], &fetch_mac(&session)) {
                     return Err(invalid("bad fetch MAC"));
                 }
                 let posts = match self.posts.lock() {
                     Ok(g) => g.clone(),
                     Err(_) => return Err(invalid("poisoned")),
                 };
-                let mut head = vec![BOARD];
-                head.extend_from_slice(&ours.to_be_bytes());
+                let head = [&[BOARD][..], &session.world.to_be_bytes()].concat();
                 wire::write_frame(&mut s, &head)?;
                 for (r, p) in posts.iter().enumerate() {
                     let mut e = vec![u8::from(p.is_some())];
                     if let Some(p) = p {
                         e.extend_from_slice(&p.encode());
                     }
-                    let mac = entry_mac(&self.token, &sn, &cn, r as u32, &e);
-                    let mut frame = vec![ENTRY];
-                    frame.extend_from_slice(&e);
-                    frame.extend_from_slice(&mac);
-                    wire::write_frame(&mut s, &frame)?;
+                    let mac = entry_mac(&session, r as u32, &e);
+                    wire::write_frame(&mut s, &[&[ENTRY][..], &e, &mac].concat())?;
                 }
                 Ok(())
             }
@@ -333,7 +319,7 @@ impl BoardClient {
 
     /// Connects and authenticates as `rank`; every wait ends by `deadline`. A busy server is
     /// retried until then.
-    fn connect(&self, rank: usize, deadline: Instant) -> Result<Conn, RendezvousError> {
+    fn connect(&self, rank: usize, deadline: Instant) -> Result<Conn<'_>, RendezvousError> {
         let (Ok(r32), Ok(w32)) = (u32::try_from(rank), u32::try_from(self.world_size)) else {
             return Err(RendezvousError::InvalidRank {
                 rank,
@@ -367,34 +353,17 @@ impl BoardClient {
         r32: u32,
         w32: u32,
         deadline: Instant,
-    ) -> Result<Option<Conn>, RendezvousError> {
-        let left = || {
-            deadline
-                .saturating_duration_since(Instant::now())
-                .min(self.io_timeout)
-                .max(Duration::from_millis(1))
-        };
-        let addrs: Vec<SocketAddr> = self
+    ) -> Result<Option<Conn<'_>>, RendezvousError> {
+        let addrs = self
             .addr
             .to_socket_addrs()
             .map_err(|source| RendezvousError::Resolve {
                 addr: self.addr.clone(),
                 source,
-            })?
-            .collect();
-        let mut last = io::Error::new(io::ErrorKind::AddrNotAvailable, "no address");
-        let mut stream = None;
-        for a in addrs {
-            match TcpStream::connect_timeout(&a, left()) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = e,
-            }
-        }
-        let s = stream.ok_or(last).map_err(self.io("connecting"))?;
-        wire::bound_waits(&s, left()).map_err(self.io("setting timeouts"))?;
+            })?;
+        let s = wire::connect_any(addrs, self.io_timeout, Some(deadline))
+            .map_err(self.io("connecting"))?;
+        wire::bound_waits(&s, self.io_timeout).map_err(self.io("setting timeouts"))?;
         let mut d = wire::Deadlined::new(&s, deadline);
         let hello = wire::read_frame(&mut d).map_err(self.io("reading the hello"))?;
         if wire::is_busy(&hello) {
@@ -403,43 +372,19 @@ impl BoardClient {
         let sn =
             wire::parse_hello(&hello, MAGIC).ok_or_else(|| self.protocol("unexpected hello"))?;
         let cn = wire::nonce().map_err(self.io("drawing a nonce"))?;
-        let auth = wire::Session::new(&self.token, &sn, &cn, r32, w32).auth_frame();
-        wire::write_frame(&mut d, &auth).map_err(self.io("authenticating"))?;
+        let session = wire::Session::new(&self.token, sn, cn, r32, w32);
+        wire::write_frame(&mut d, &session.auth_frame()).map_err(self.io("authenticating"))?;
         Ok(Some(Conn {
             s,
-            sn,
-            cn,
-            r32,
-            w32,
+            session,
             deadline,
         }))
     }
 
-    /// The error for a frame that is not the expected answer: a refusal (checked for its
-    /// MAC when it came after authentication), else a protocol error.
+    /// The error for a frame that is not the expected answer: a refusal, else a protocol
+    /// error.
     fn refused_or(&self, c: &Conn, frame: &[u8], rank: usize, detail: &str) -> RendezvousError {
-        match wire::parse_refuse(frame).map(refusal) {
-            Some(Ok(Refusal::BadToken)) => RendezvousError::Refused {
-                addr: self.addr.clone(),
-                rank,
-                reason: Refusal::BadToken,
-            },
-            Some(Ok(_))
-                if !wire::Session::new(&self.token, &c.sn, &c.cn, c.r32, c.w32)
-                    .refuse_is_authentic(frame) =>
-            {
-                RendezvousError::ServerAuthentication {
-                    addr: self.addr.clone(),
-                }
-            }
-            Some(Ok(reason)) => RendezvousError::Refused {
-                addr: self.addr.clone(),
-                rank,
-                reason,
-            },
-            Some(Err(d)) => self.protocol(&d),
-            None => self.protocol(detail),
-        }
+        refused(frame, &c.session, &self.addr, rank).unwrap_or_else(|| self.protocol(detail))
     }
 
     fn post_by(
@@ -451,9 +396,7 @@ impl BoardClient {
         let c = self.connect(rank, deadline)?;
         let mut s = wire::Deadlined::new(&c.s, c.deadline);
         let body = post.encode();
-        let mut req = vec![POST];
-        req.extend_from_slice(&body);
-        req.extend_from_slice(&post_mac(&self.token, &c.sn, &c.cn, c.r32, &body));
+        let req = [&[POST][..], &body, &post_mac(&c.session, &body)].concat();
         // A refusal (e.g. wrong token) arrives instead of the ACK; the request may then be
         // unread, so a failed write is not yet an error.
         let sent = wire::write_frame(&mut s, &req);
@@ -468,14 +411,13 @@ impl BoardClient {
     fn fetch_by(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, RendezvousError> {
         let c = self.connect(0, deadline)?;
         let mut s = wire::Deadlined::new(&c.s, c.deadline);
-        let mut req = vec![FETCH];
-        req.extend_from_slice(&fetch_mac(&self.token, &c.sn, &c.cn));
+        let req = [&[FETCH][..], &fetch_mac(&c.session)].concat();
         let sent = wire::write_frame(&mut s, &req);
         let head = match (sent, wire::read_frame(&mut s)) {
             (_, Ok(h)) => h,
             (Err(e), Err(_)) | (Ok(()), Err(e)) => return Err(self.io("fetching")(e)),
         };
-        let want = c.w32.to_be_bytes();
+        let want = c.session.world.to_be_bytes();
         if head.len() != 5 || head[0] != BOARD || head[1..] != want {
             return Err(self.refused_or(&c, &head, 0, "unexpected reply to a fetch"));
         }
@@ -486,7 +428,7 @@ impl BoardClient {
                 return Err(self.protocol("not a board entry"));
             }
             let (e, mac) = f[1..].split_at(f.len() - 1 - N);
-            if !wire::ct_eq(mac, &entry_mac(&self.token, &c.sn, &c.cn, r as u32, e)) {
+            if !wire::ct_eq(mac, &entry_mac(&c.session, r as u32, e)) {
                 return Err(RendezvousError::ServerAuthentication {
                     addr: self.addr.clone(),
                 });
@@ -503,12 +445,9 @@ impl BoardClient {
 }
 
 /// An authenticated connection to the board.
-struct Conn {
+struct Conn<'a> {
     s: TcpStream,
-    sn: [u8; N],
-    cn: [u8; N],
-    r32: u32,
-    w32: u32,
+    session: wire::Session<'a>,
     deadline: Instant,
 }
 

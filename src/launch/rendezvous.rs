@@ -37,13 +37,13 @@
 //!   0 reports it missing only if it was never delivered (and serves it again if it comes
 //!   back for it).
 
-pub(crate) use super::common::{check_token, io_err, refusal};
+use super::common::{check_token, io_err, refused};
 pub use super::common::{
     Refusal, RendezvousError, DEFAULT_TIMEOUT, ID_LEN, MIN_TOKEN_LEN, TOKEN_VAR,
 };
 use super::env::ProcessEnv;
 use super::store::StoreRendezvous;
-use super::wire::{self, refuse, N};
+use super::wire::{self, N};
 use crate::error::Error;
 use std::fmt;
 use std::fs;
@@ -229,9 +229,8 @@ impl TcpRendezvous {
         if rank == 0 || rank >= world_size {
             return Err(RendezvousError::InvalidRank { rank, world_size });
         }
-        let (r32, w32) = match (u32::try_from(rank), u32::try_from(world_size)) {
-            (Ok(r), Ok(w)) => (r, w),
-            _ => return Err(RendezvousError::InvalidRank { rank, world_size }),
+        let (Ok(r32), Ok(w32)) = (u32::try_from(rank), u32::try_from(world_size)) else {
+            return Err(RendezvousError::InvalidRank { rank, world_size });
         };
         check_token(&self.token)?;
         let addr = self.addr();
@@ -255,7 +254,7 @@ impl TcpRendezvous {
                             Err(e) => last_error = format!("connecting to {a}: {e}"),
                             Ok(s) => match self.attempt(s, by, r32, w32) {
                                 Ok(id) => return Ok(id),
-                                Err(Attempt::Fatal(detail)) => return Err(self.fatal(detail, rank)),
+                                Err(Attempt::Fatal(e)) => return Err(e),
                                 Err(Attempt::Retry(e)) => last_error = e,
                             },
                         }
@@ -277,19 +276,6 @@ impl TcpRendezvous {
         }
     }
 
-    fn fatal(&self, f: Fatal, rank: usize) -> RendezvousError {
-        let addr = self.addr();
-        match f {
-            Fatal::Refused(reason) => RendezvousError::Refused { addr, rank, reason },
-            Fatal::Protocol(detail) => RendezvousError::Protocol { addr, detail },
-            Fatal::ServerAuth => RendezvousError::ServerAuthentication { addr },
-            Fatal::Io(source) => RendezvousError::Io {
-                context: "drawing a rendezvous nonce".into(),
-                source,
-            },
-        }
-    }
-
     fn attempt(
         &self,
         s: TcpStream,
@@ -305,42 +291,49 @@ impl TcpRendezvous {
                 "rank 0 was busy (too many connections open)".into(),
             ));
         }
-        let sn = wire::parse_hello(&hello, wire::MAGIC)
-            .ok_or(Attempt::Fatal(Fatal::Protocol("unexpected hello".into())))?;
-        let cn = wire::nonce().map_err(|e| Attempt::Fatal(Fatal::Io(e)))?;
-        let session = wire::Session::new(&self.token, &sn, &cn, rank, world);
+        let protocol = |detail: &str| {
+            Attempt::Fatal(RendezvousError::Protocol {
+                addr: self.addr(),
+                detail: detail.into(),
+            })
+        };
+        let sn = wire::parse_hello(&hello, wire::MAGIC).ok_or(protocol("unexpected hello"))?;
+        let cn = wire::nonce().map_err(|source| {
+            Attempt::Fatal(RendezvousError::Io {
+                context: "drawing a rendezvous nonce".into(),
+                source,
+            })
+        })?;
+        let session = wire::Session::new(&self.token, sn, cn, rank, world);
         let auth = session.auth_frame();
         wire::write_frame(&mut s, &auth).map_err(retry("sending the authentication"))?;
         let reply = wire::read_frame(&mut s).map_err(retry("reading rank 0's reply"))?;
-        if let Some(refused) = wire::parse_refuse(&reply) {
-            return Err(match refusal(refused) {
-                // Sent before the peer proved the token, so it cannot carry a MAC.
-                Ok(Refusal::BadToken) => Attempt::Fatal(Fatal::Refused(Refusal::BadToken)),
-                Ok(_) if !session.refuse_is_authentic(&reply) => Attempt::Fatal(Fatal::ServerAuth),
-                Ok(Refusal::Busy) => Attempt::Retry("rank 0 was busy".into()),
-                Ok(Refusal::InProgress) => Attempt::Retry(
-                    "rank 0 was still serving an earlier connection for this rank".into(),
-                ),
-                Ok(reason) => Attempt::Fatal(Fatal::Refused(reason)),
-                Err(detail) => Attempt::Fatal(Fatal::Protocol(detail)),
+        if let Some(e) = refused(&reply, &session, &self.addr(), rank as usize) {
+            return Err(match e {
+                RendezvousError::Refused {
+                    reason: reason @ (Refusal::Busy | Refusal::InProgress),
+                    ..
+                } => Attempt::Retry(format!("rank 0 refused: {reason}")),
+                e => Attempt::Fatal(e),
             });
         }
         match reply.first() {
             Some(&wire::ID) if reply.len() == 1 + ID_LEN + N => {
                 let (ct, mac) = reply[1..].split_at(ID_LEN);
                 if !wire::ct_eq(mac, &session.server_mac(ct)) {
-                    return Err(Attempt::Fatal(Fatal::ServerAuth));
+                    let addr = self.addr();
+                    return Err(Attempt::Fatal(RendezvousError::ServerAuthentication {
+                        addr,
+                    }));
                 }
                 let mut masked = [0u8; ID_LEN];
                 masked.copy_from_slice(ct);
-                let id = wire::mask(&self.token, &sn, &cn, &masked);
+                let id = session.mask(&masked);
                 // The id is ours whether or not the acknowledgement arrives.
                 let _ = wire::write_frame(&mut s, &[wire::ACK]);
                 Ok(id)
             }
-            _ => Err(Attempt::Fatal(Fatal::Protocol(
-                "unexpected reply to authentication".into(),
-            ))),
+            _ => Err(protocol("unexpected reply to authentication")),
         }
     }
 }
@@ -351,14 +344,7 @@ fn retry(what: &'static str) -> impl Fn(io::Error) -> Attempt {
 
 enum Attempt {
     Retry(String),
-    Fatal(Fatal),
-}
-
-enum Fatal {
-    Refused(Refusal),
-    Protocol(String),
-    ServerAuth,
-    Io(io::Error),
+    Fatal(RendezvousError),
 }
 
 /// Rank 0's running server. Dropping it leaves the server running in the background until
@@ -484,22 +470,12 @@ impl Server {
         let deadline = (Instant::now() + self.io_timeout).min(self.deadline);
         wire::bound_waits(&s, self.io_timeout)?;
         let mut s = wire::Deadlined::new(&s, deadline);
-        let sn = wire::send_hello(&mut s, wire::MAGIC)?;
-        let Some(wire::Auth { rank, world, cn }) = wire::read_auth(&mut s, &self.token, &sn)?
+        let Some(session) =
+            wire::accept_peer(&mut s, wire::MAGIC, &self.token, conn, self.world_size, 1)?
         else {
-            return wire::write_frame(&mut s, &refuse(wire::R_TOKEN, 0, 0));
+            return Ok(());
         };
-        conn.authenticated();
-        let session = wire::Session::new(&self.token, &sn, &cn, rank, world);
-        let refused = |code, a, b| session.refuse(code, a, b);
-        let ours = u32::try_from(self.world_size).unwrap_or(u32::MAX);
-        if world as usize != self.world_size {
-            return wire::write_frame(&mut s, &refused(wire::R_WORLD, ours, world));
-        }
-        let r = rank as usize;
-        if r == 0 || r >= self.world_size {
-            return wire::write_frame(&mut s, &refused(wire::R_RANGE, ours, rank));
-        }
+        let r = session.rank as usize;
         let before = {
             let mut g = slots.lock().map_err(|_| io::Error::other("poisoned"))?;
             let before = g[r];
@@ -508,19 +484,17 @@ impl Server {
             }
             before
         };
-        match before {
-            Slot::Pending | Slot::Delivered => {}
-            Slot::InProgress => {
-                return wire::write_frame(&mut s, &refused(wire::R_IN_PROGRESS, ours, rank))
-            }
-            Slot::Served => {
-                return wire::write_frame(&mut s, &refused(wire::R_DUPLICATE, ours, rank))
-            }
+        let code = match before {
+            Slot::Pending | Slot::Delivered => None,
+            Slot::InProgress => Some(wire::R_IN_PROGRESS),
+            Slot::Served => Some(wire::R_DUPLICATE),
+        };
+        if let Some(code) = code {
+            let world = session.world;
+            return wire::write_frame(&mut s, &session.refuse(code, world, session.rank));
         }
-        let ct = wire::mask(&self.token, &sn, &cn, &self.id);
-        let mut msg = vec![wire::ID];
-        msg.extend_from_slice(&ct);
-        msg.extend_from_slice(&session.server_mac(&ct));
+        let ct = session.mask(&self.id);
+        let msg = [&[wire::ID][..], &ct, &session.server_mac(&ct)].concat();
         let sent = wire::write_frame(&mut s, &msg);
         let acked = sent.as_ref().ok().map(|()| {
             let ack = wire::read_frame(&mut s)?;
@@ -809,13 +783,13 @@ mod tests {
         let mut r = &s;
         let sn = wire::parse_hello(&wire::read_frame(&mut r).unwrap(), wire::MAGIC).unwrap();
         let cn = wire::nonce().unwrap();
-        let auth = wire::Session::new(TOKEN, &sn, &cn, rank, world).auth_frame();
-        wire::write_frame(&mut r, &auth).unwrap();
+        let session = wire::Session::new(TOKEN, sn, cn, rank, world);
+        wire::write_frame(&mut r, &session.auth_frame()).unwrap();
         let reply = wire::read_frame(&mut r).unwrap();
         assert_eq!(reply[0], wire::ID);
         let mut masked = [0u8; ID_LEN];
         masked.copy_from_slice(&reply[1..1 + ID_LEN]);
-        (s, wire::mask(TOKEN, &sn, &cn, &masked))
+        (s, session.mask(&masked))
     }
 
     /// A rank whose acknowledgement is lost has the id: rank 0 does not report it missing.
@@ -877,7 +851,7 @@ mod tests {
     #[test]
     fn refusals_after_authentication_are_authenticated() {
         let (sn, cn) = (wire::nonce().unwrap(), wire::nonce().unwrap());
-        let session = |token: &'static [u8], rank| wire::Session::new(token, &sn, &cn, rank, 2);
+        let session = |token: &'static [u8], rank| wire::Session::new(token, sn, cn, rank, 2);
         let f = session(TOKEN, 1).refuse(wire::R_DUPLICATE, 2, 1);
         assert!(session(TOKEN, 1).refuse_is_authentic(&f));
         assert!(!session(b"another-token-0123456", 1).refuse_is_authentic(&f));

@@ -55,12 +55,12 @@ use super::common::{RendezvousError, ID_LEN};
 pub use super::common::{StoreError, MAX_VALUE_LEN};
 use super::desync::clean_post;
 use super::env::ProcessEnv;
-use super::wire::Deadlined;
+use super::wire::{connect_any, Deadlined};
 use crate::diag::DesyncPost;
 use crate::diag::RemoteBoard;
 use crate::error::Result as NcclResult;
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -153,29 +153,8 @@ impl StoreClient {
             addr: addr.to_string(),
             source,
         };
-        let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(fail)?.collect();
-        let mut last = io::Error::new(
-            io::ErrorKind::AddrNotAvailable,
-            "the name resolved to no address",
-        );
-        let mut stream = None;
-        for a in addrs {
-            let left = deadline.map_or(timeout, |d| {
-                d.saturating_duration_since(Instant::now()).min(timeout)
-            });
-            if left.is_zero() {
-                last = io::ErrorKind::TimedOut.into();
-                break;
-            }
-            match TcpStream::connect_timeout(&a, left) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = e,
-            }
-        }
-        let stream = stream.ok_or(last).map_err(fail)?;
+        let addrs = addr.to_socket_addrs().map_err(fail)?;
+        let stream = connect_any(addrs, timeout, deadline).map_err(fail)?;
         let _ = stream.set_nodelay(true);
         let c = StoreClient {
             addr: addr.to_string(),

@@ -5,7 +5,7 @@
 
 use sha2::{Digest, Sha256};
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -105,20 +105,14 @@ pub(crate) fn nonce() -> io::Result<[u8; N]> {
 #[derive(Clone, Copy)]
 pub(crate) struct Session<'a> {
     token: &'a [u8],
-    sn: &'a [u8; N],
-    cn: &'a [u8; N],
-    rank: u32,
-    world: u32,
+    pub sn: [u8; N],
+    pub cn: [u8; N],
+    pub rank: u32,
+    pub world: u32,
 }
 
 impl<'a> Session<'a> {
-    pub(crate) fn new(
-        token: &'a [u8],
-        sn: &'a [u8; N],
-        cn: &'a [u8; N],
-        rank: u32,
-        world: u32,
-    ) -> Self {
+    pub(crate) fn new(token: &'a [u8], sn: [u8; N], cn: [u8; N], rank: u32, world: u32) -> Self {
         Session {
             token,
             sn,
@@ -128,10 +122,17 @@ impl<'a> Session<'a> {
         }
     }
 
+    /// `HMAC(token, label | sn | cn | parts)`.
+    pub(crate) fn keyed(&self, label: &[u8], parts: &[&[u8]]) -> [u8; N] {
+        let mut all: Vec<&[u8]> = vec![label, &self.sn, &self.cn];
+        all.extend_from_slice(parts);
+        hmac(self.token, &all)
+    }
+
     /// `HMAC(token, label | sn | cn | rank | world | tail)`.
     fn mac(&self, label: &[u8], tail: &[u8]) -> [u8; N] {
         let (rank, world) = (self.rank.to_be_bytes(), self.world.to_be_bytes());
-        hmac(self.token, &[label, self.sn, self.cn, &rank, &world, tail])
+        self.keyed(label, &[&rank, &world, tail])
     }
 
     /// The MAC a client proves it holds the token with.
@@ -149,7 +150,7 @@ impl<'a> Session<'a> {
         let mut auth = vec![AUTH];
         auth.extend_from_slice(&self.rank.to_be_bytes());
         auth.extend_from_slice(&self.world.to_be_bytes());
-        auth.extend_from_slice(self.cn);
+        auth.extend_from_slice(&self.cn);
         auth.extend_from_slice(&self.client_mac());
         auth
     }
@@ -167,19 +168,48 @@ impl<'a> Session<'a> {
     pub(crate) fn refuse_is_authentic(&self, frame: &[u8]) -> bool {
         frame.len() == 10 + N && ct_eq(&frame[10..], &self.mac(b"refuse", &frame[..10]))
     }
+
+    /// XORs `id` with a keystream derived from the token and both nonces (HMAC in counter
+    /// mode), so the id does not cross the network in clear. Its own inverse.
+    pub(crate) fn mask(&self, id: &[u8; 128]) -> [u8; 128] {
+        let mut out = *id;
+        for (i, chunk) in out.chunks_mut(N).enumerate() {
+            let ks = hmac(
+                self.token,
+                &[b"stream", &self.sn, &self.cn, &(i as u32).to_be_bytes()],
+            );
+            for (o, k) in chunk.iter_mut().zip(ks) {
+                *o ^= k;
+            }
+        }
+        out
+    }
 }
 
-/// XORs `id` with a keystream derived from the token and both nonces (HMAC in counter
-/// mode), so the id does not cross the network in clear. Its own inverse.
-pub(crate) fn mask(token: &[u8], sn: &[u8; N], cn: &[u8; N], id: &[u8; 128]) -> [u8; 128] {
-    let mut out = *id;
-    for (i, chunk) in out.chunks_mut(N).enumerate() {
-        let ks = hmac(token, &[b"stream", sn, cn, &(i as u32).to_be_bytes()]);
-        for (o, k) in chunk.iter_mut().zip(ks) {
-            *o ^= k;
+/// Connects to the first of `addrs` that answers, each try bounded by `timeout` and all of
+/// them by `deadline`.
+pub(crate) fn connect_any(
+    addrs: impl IntoIterator<Item = SocketAddr>,
+    timeout: Duration,
+    deadline: Option<Instant>,
+) -> io::Result<TcpStream> {
+    let mut last = io::Error::new(
+        io::ErrorKind::AddrNotAvailable,
+        "the name resolved to no address",
+    );
+    for a in addrs {
+        let left = deadline.map_or(timeout, |d| {
+            d.saturating_duration_since(Instant::now()).min(timeout)
+        });
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        match TcpStream::connect_timeout(&a, left) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
         }
     }
-    out
+    Err(last)
 }
 
 /// Puts an accepted or connected stream in blocking mode with every read and write bounded
@@ -382,17 +412,6 @@ pub(crate) fn accept_one(
     }
 }
 
-/// Server side of the handshake, step 1: sends `HELLO` with `magic` and a fresh server
-/// nonce, which it returns.
-pub(crate) fn send_hello(s: &mut impl Write, magic: &[u8; 16]) -> io::Result<[u8; N]> {
-    let sn = nonce()?;
-    let mut hello = vec![HELLO];
-    hello.extend_from_slice(magic);
-    hello.extend_from_slice(&sn);
-    write_frame(s, &hello)?;
-    Ok(sn)
-}
-
 /// Client side, step 1: the server nonce of a `HELLO` frame carrying `magic`.
 pub(crate) fn parse_hello(frame: &[u8], magic: &[u8; 16]) -> Option<[u8; N]> {
     if frame.len() != 1 + magic.len() + N || frame[0] != HELLO || &frame[1..17] != magic {
@@ -403,16 +422,21 @@ pub(crate) fn parse_hello(frame: &[u8], magic: &[u8; 16]) -> Option<[u8; N]> {
     Some(sn)
 }
 
-/// What an authenticated client claimed.
-pub(crate) struct Auth {
-    pub rank: u32,
-    pub world: u32,
-    pub cn: [u8; N],
-}
-
-/// Server side, step 2: reads the `AUTH` frame. `Ok(None)`: well-formed, but the peer does
-/// not hold the token; `Err`: not an `AUTH` frame at all (drop the peer).
-pub(crate) fn read_auth(s: &mut impl Read, token: &[u8], sn: &[u8; N]) -> io::Result<Option<Auth>> {
+/// Server side, steps 1 and 2 on an admitted connection: sends `HELLO` with `magic`, reads
+/// the `AUTH` frame and marks `conn` authenticated. A wrong token is refused (`R_TOKEN`,
+/// without a MAC); a world size other than `world_size` (`R_WORLD`) or a rank outside
+/// `first_rank..world_size` (`R_RANGE`), with one. `Ok(None)`: the peer was refused; `Err`:
+/// not an `AUTH` frame at all (drop the peer).
+pub(crate) fn accept_peer<'a>(
+    s: &mut (impl Read + Write),
+    magic: &[u8; 16],
+    token: &'a [u8],
+    conn: &Slot,
+    world_size: usize,
+    first_rank: usize,
+) -> io::Result<Option<Session<'a>>> {
+    let sn = nonce()?;
+    write_frame(s, &[&[HELLO][..], magic, &sn].concat())?;
     let auth = read_frame(s)?;
     if auth.len() != 1 + 4 + 4 + N + N || auth[0] != AUTH {
         return Err(io::Error::new(
@@ -424,13 +448,22 @@ pub(crate) fn read_auth(s: &mut impl Read, token: &[u8], sn: &[u8; N]) -> io::Re
     let world = u32::from_be_bytes([auth[5], auth[6], auth[7], auth[8]]);
     let mut cn = [0u8; N];
     cn.copy_from_slice(&auth[9..9 + N]);
-    if !ct_eq(
-        &auth[9 + N..],
-        &Session::new(token, sn, &cn, rank, world).client_mac(),
-    ) {
+    let session = Session::new(token, sn, cn, rank, world);
+    if !ct_eq(&auth[9 + N..], &session.client_mac()) {
+        write_frame(s, &refuse(R_TOKEN, 0, 0))?;
         return Ok(None);
     }
-    Ok(Some(Auth { rank, world, cn }))
+    conn.authenticated();
+    let ours = u32::try_from(world_size).unwrap_or(u32::MAX);
+    let refusal = if world as usize != world_size {
+        session.refuse(R_WORLD, ours, world)
+    } else if !(first_rank..world_size).contains(&(rank as usize)) {
+        session.refuse(R_RANGE, ours, rank)
+    } else {
+        return Ok(Some(session));
+    };
+    write_frame(s, &refusal)?;
+    Ok(None)
 }
 
 /// A `REFUSE` frame with its code and two numbers, as sent before the peer authenticated
@@ -503,8 +536,9 @@ mod tests {
     fn mask_is_an_involution() {
         let id = [7u8; 128];
         let (sn, cn) = (nonce().unwrap(), nonce().unwrap());
-        let m = mask(b"t", &sn, &cn, &id);
+        let s = Session::new(b"t", sn, cn, 1, 2);
+        let m = s.mask(&id);
         assert_ne!(m, id);
-        assert_eq!(mask(b"t", &sn, &cn, &m), id);
+        assert_eq!(s.mask(&m), id);
     }
 }
