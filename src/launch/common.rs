@@ -7,6 +7,7 @@
 use super::wire;
 pub use crate::error::launch::{MAX_VALUE_LEN, MIN_TOKEN_LEN, TOKEN_VAR};
 pub use crate::error::{Refusal, RendezvousError, StoreError};
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::Duration;
 
 /// Length of an NCCL unique id (`ncclUniqueId`) in bytes.
@@ -18,6 +19,20 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 pub(crate) fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> RendezvousError {
     let context = context.into();
     move |source| RendezvousError::Io { context, source }
+}
+
+/// A non-blocking listener on `addrs` (each in turn; the error is the last one's) and the
+/// address it bound; `addr` and `what` name it in errors.
+pub(crate) fn listen(
+    addrs: impl ToSocketAddrs,
+    addr: String,
+    what: &str,
+) -> Result<(TcpListener, SocketAddr), RendezvousError> {
+    let listener =
+        TcpListener::bind(addrs).map_err(|source| RendezvousError::Bind { addr, source })?;
+    let local = (listener.local_addr()).map_err(io_err(format!("{what} listener address")))?;
+    (listener.set_nonblocking(true)).map_err(io_err(format!("{what} listener")))?;
+    Ok((listener, local))
 }
 
 /// Refuses a token shorter than [`MIN_TOKEN_LEN`].

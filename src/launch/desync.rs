@@ -26,13 +26,13 @@
 //! carriage returns, bidirectional overrides) are replaced with `?` where a post is received,
 //! by the server and by a fetching client alike, so a report never prints them.
 
-use super::common::{check_token, io_err, refused, Refusal, RendezvousError};
+use super::common::{check_token, io_err, listen, refused, Refusal, RendezvousError};
 use super::wire::{self, N};
 use crate::diag::DesyncPost;
 use crate::diag::RemoteBoard;
 use std::fmt;
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
@@ -127,16 +127,8 @@ impl DesyncBoard {
         }
         let token = token.into();
         check_token(&token)?;
-        let listener = TcpListener::bind(addr).map_err(|source| RendezvousError::Bind {
-            addr: "the desync board's address".into(),
-            source,
-        })?;
-        let local_addr = listener
-            .local_addr()
-            .map_err(io_err("desync board listener address"))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(io_err("desync board listener"))?;
+        let (listener, local_addr) =
+            listen(addr, "the desync board's address".into(), "desync board")?;
         let server = Arc::new(BoardServer {
             world_size,
             token,

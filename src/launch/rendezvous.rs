@@ -37,7 +37,7 @@
 //!   0 reports it missing only if it was never delivered (and serves it again if it comes
 //!   back for it).
 
-use super::common::{check_token, io_err, refused};
+use super::common::{check_token, io_err, listen, refused};
 pub use super::common::{
     Refusal, RendezvousError, DEFAULT_TIMEOUT, ID_LEN, MIN_TOKEN_LEN, TOKEN_VAR,
 };
@@ -186,19 +186,7 @@ impl TcpRendezvous {
             });
         }
         check_token(&self.token)?;
-        let addr = self.addr();
-        // Each address in turn; the error is the last address's.
-        let listener =
-            TcpListener::bind(&self.resolve()?[..]).map_err(|source| RendezvousError::Bind {
-                addr: addr.clone(),
-                source,
-            })?;
-        let local_addr = listener
-            .local_addr()
-            .map_err(io_err("rendezvous listener address"))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(io_err("rendezvous listener"))?;
+        let (listener, local_addr) = listen(&self.resolve()?[..], self.addr(), "rendezvous")?;
         let stop = Arc::new(AtomicBool::new(false));
         let server = Server {
             world_size,
