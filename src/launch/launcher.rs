@@ -204,9 +204,9 @@ impl Tally {
     /// Waits until no rank is running. Ranks still running [`STUCK_AFTER`] after every
     /// other rank ended, one of them failed, are stuck in their own code (their
     /// communicator failed with the clique, so a collective of theirs would have failed at
-    /// once): `stuck` is told which, once, and returns whether to stop waiting for them.
+    /// once): a note on stderr names them, once, and with `detach` it stops waiting for them.
     /// Returns the ranks it stopped waiting for.
-    fn wait_settled(&self, mut stuck: impl FnMut(&[usize]) -> bool) -> Vec<usize> {
+    fn wait_settled(&self, detach: bool) -> Vec<usize> {
         let mut o = lock(&self.outcomes);
         // Since when the ranks running now are the only ones left, after a failure.
         let mut since: Option<(Instant, usize)> = None;
@@ -230,7 +230,8 @@ impl Tally {
                     _ if told => Duration::from_secs(3600),
                     _ => {
                         told = true;
-                        if stuck(&running) {
+                        eprintln!("nccl-safe: {}", stuck_note(&running, detach));
+                        if detach {
                             return running;
                         }
                         Duration::from_secs(3600)
@@ -465,13 +466,7 @@ impl Launcher {
             })
             .collect();
         let tally = &shared.3;
-        let stuck = tally.wait_settled(|stuck| {
-            eprintln!(
-                "nccl-safe: Launcher::try_run_detached: {}: their threads are left running, detached (each tears its communicator down when its closure returns)",
-                stuck_note(stuck)
-            );
-            true
-        });
+        let stuck = tally.wait_settled(true);
         let results = (handles.into_iter().enumerate())
             .map(|(rank, h)| match h {
                 // Dropping its handle detaches the thread.
@@ -528,13 +523,7 @@ impl Launcher {
                         .map_err(|e| spawn_failed(tally, rank, e))
                 })
                 .collect();
-            tally.wait_settled(|stuck| {
-                eprintln!(
-                    "nccl-safe: Launcher::run: {}: run and try_run wait for their threads, since a closure may borrow from the caller (Launcher::try_run_detached returns instead)",
-                    stuck_note(stuck)
-                );
-                false
-            });
+            tally.wait_settled(false);
             (handles.into_iter())
                 .map(|h| match h {
                     Ok(h) => Some(h.join()),
@@ -613,32 +602,20 @@ impl Launcher {
                 }
             }
             Ok(Err(e)) => {
-                let end = failed_end(&r.comm);
                 let text = strip_backtrace(&e.to_string());
-                if end.own_failure {
-                    // Peers waiting for it learn why it left, in its words.
-                    r.comm.leave(&format!(
-                        "its launcher closure failed (\"{}\")",
-                        text.lines().next().unwrap_or("")
-                    ));
-                }
-                tally.end(rank, end);
-                tally.set(rank, Outcome::Failed(text));
-                let _ = r.comm.abort();
+                failed(r, rank, tally, "failed", &text, text.clone());
                 Err(e.to_string())
             }
             Err(panic) => {
-                let end = failed_end(&r.comm);
                 let text = panic_text(&panic);
-                if end.own_failure {
-                    r.comm.leave(&format!(
-                        "its launcher closure panicked (\"{}\")",
-                        text.lines().next().unwrap_or("")
-                    ));
-                }
-                tally.end(rank, end);
-                tally.set(rank, Outcome::Failed(format!("panicked: {text}")));
-                let _ = r.comm.abort();
+                failed(
+                    r,
+                    rank,
+                    tally,
+                    "panicked",
+                    &text,
+                    format!("panicked: {text}"),
+                );
                 std::panic::resume_unwind(panic)
             }
         }
@@ -732,10 +709,15 @@ fn spawn_failed(tally: &Tally, rank: usize, e: std::io::Error) -> Error {
     }
 }
 
-/// What [`Tally::wait_settled`]'s note says of the ranks it found stuck.
-fn stuck_note(stuck: &[usize]) -> String {
+/// [`Tally::wait_settled`]'s note on the ranks it found stuck.
+fn stuck_note(stuck: &[usize], detach: bool) -> String {
+    let (call, then) = if detach {
+        ("try_run_detached", "their threads are left running, detached (each tears its communicator down when its closure returns)")
+    } else {
+        ("run", "run and try_run wait for their threads, since a closure may borrow from the caller (Launcher::try_run_detached returns instead)")
+    };
     format!(
-        "rank(s) {stuck:?} still in their closure {STUCK_AFTER:?} after every other rank ended and one failed: stuck in their own code (their communicator failed, so a collective would have returned an error at once)"
+        "Launcher::{call}: rank(s) {stuck:?} still in their closure {STUCK_AFTER:?} after every other rank ended and one failed: stuck in their own code (their communicator failed, so a collective would have returned an error at once): {then}"
     )
 }
 
@@ -792,15 +774,24 @@ fn report<R>(results: Vec<Option<RankEnd<R>>>, tally: &Tally) -> Result<LaunchRe
     })
 }
 
-/// How a rank whose closure failed ended: on its own when its communicator was still
-/// healthy (a user error or panic), else because of the communicator's failure.
-fn failed_end(comm: &Communicator) -> End {
-    End {
-        called: comm.collectives_called(),
-        issued: comm.diagnostics().collectives,
+/// A rank whose closure `how` ("failed", "panicked") with `text`: notes its end (on its own
+/// when its communicator was still healthy: a user error or panic; then its peers learn why
+/// it left, in its words), fails the run with `outcome` and aborts its communicator.
+fn failed(r: Rank, rank: usize, tally: &Tally, how: &str, text: &str, outcome: String) {
+    let end = End {
+        called: r.comm.collectives_called(),
+        issued: r.comm.diagnostics().collectives,
         returned: false,
-        own_failure: !comm.is_failed(),
+        own_failure: !r.comm.is_failed(),
+    };
+    if end.own_failure {
+        let first = text.lines().next().unwrap_or("");
+        r.comm
+            .leave(&format!("its launcher closure {how} (\"{first}\")"));
     }
+    tally.end(rank, end);
+    tally.set(rank, Outcome::Failed(outcome));
+    let _ = r.comm.abort();
 }
 
 /// The rank that caused a failed run, and why when that is not its own error: the first
