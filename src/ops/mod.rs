@@ -207,9 +207,7 @@ impl Communicator {
         self.all_reduce_op(send, recv, reduction, stream)?.run()
     }
 
-    /// The [`Op`] of [`all_reduce`](Self::all_reduce),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// The [`Op`] of [`all_reduce`](Self::all_reduce), to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn all_reduce_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -240,8 +238,7 @@ impl Communicator {
     }
 
     /// The [`Op`] of [`all_reduce_in_place`](Self::all_reduce_in_place),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn all_reduce_in_place_op<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
@@ -286,9 +283,7 @@ impl Communicator {
         self.broadcast_op(send, recv, root, stream)?.run()
     }
 
-    /// The [`Op`] of [`broadcast`](Self::broadcast),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// The [`Op`] of [`broadcast`](Self::broadcast), to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn broadcast_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -319,8 +314,7 @@ impl Communicator {
     }
 
     /// The [`Op`] of [`broadcast_in_place`](Self::broadcast_in_place),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn broadcast_in_place_op<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
@@ -366,9 +360,7 @@ impl Communicator {
         self.reduce_op(send, recv, reduction, root, stream)?.run()
     }
 
-    /// The [`Op`] of [`reduce`](Self::reduce),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// The [`Op`] of [`reduce`](Self::reduce), to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn reduce_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -402,8 +394,7 @@ impl Communicator {
     }
 
     /// The [`Op`] of [`reduce_in_place`](Self::reduce_in_place),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn reduce_in_place_op<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
@@ -449,9 +440,7 @@ impl Communicator {
         self.all_gather_op(send, recv, stream)?.run()
     }
 
-    /// The [`Op`] of [`all_gather`](Self::all_gather),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// The [`Op`] of [`all_gather`](Self::all_gather), to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn all_gather_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -481,8 +470,7 @@ impl Communicator {
     }
 
     /// The [`Op`] of [`all_gather_in_place`](Self::all_gather_in_place),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn all_gather_in_place_op<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
@@ -527,8 +515,7 @@ impl Communicator {
     }
 
     /// The [`Op`] of [`reduce_scatter`](Self::reduce_scatter),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn reduce_scatter_op<
@@ -566,8 +553,7 @@ impl Communicator {
     }
 
     /// The [`Op`] of [`reduce_scatter_in_place`](Self::reduce_scatter_in_place),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn reduce_scatter_in_place_op<'a, T: NcclType, B: RecvBuffer<T> + ?Sized>(
@@ -600,9 +586,7 @@ impl Communicator {
         self.send_op(buf, peer, stream)?.run()
     }
 
-    /// The [`Op`] of [`send`](Self::send),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// The [`Op`] of [`send`](Self::send), to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn send_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized>(
@@ -630,9 +614,7 @@ impl Communicator {
         self.recv_op(buf, peer, stream)?.run()
     }
 
-    /// The [`Op`] of [`recv`](Self::recv),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// The [`Op`] of [`recv`](Self::recv), to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn recv_op<'a, T: NcclType, R: RecvBuffer<T> + ?Sized>(
@@ -676,9 +658,7 @@ impl Communicator {
         self.all_to_all_op(send, recv, stream)?.run()
     }
 
-    /// The [`Op`] of [`all_to_all`](Self::all_to_all),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// The [`Op`] of [`all_to_all`](Self::all_to_all), to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn all_to_all_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -727,9 +707,7 @@ impl Communicator {
         self.gather_op(send, recv, root, stream)?.run()
     }
 
-    /// The [`Op`] of [`gather`](Self::gather),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// The [`Op`] of [`gather`](Self::gather), to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn gather_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -795,9 +773,7 @@ impl Communicator {
         self.scatter_op(send, recv, root, stream)?.run()
     }
 
-    /// The [`Op`] of [`scatter`](Self::scatter),
-    /// to [`run`](Op::run) or push into a [`Group`](crate::Group): the same checks, in the
-    /// same order.
+    /// The [`Op`] of [`scatter`](Self::scatter), to [`run`](Op::run) or push into a group.
     #[track_caller]
     #[inline(always)]
     pub fn scatter_op<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
