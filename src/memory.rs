@@ -114,33 +114,7 @@ impl<T: NcclType> NcclMemory<T> {
     pub fn alloc_zeros(comm: &Communicator, len: usize, stream: impl Into<Stream>) -> Result<Self> {
         const OP: &str = "ncclMemAlloc";
         let stream = stream.into();
-        match (comm.library().provider(), &stream) {
-            (Provider::Host, Stream::Host) => {}
-            (Provider::Nccl, Stream::Cuda(s))
-                if Some(s.context().ordinal()) == comm.cuda_ordinal() => {}
-            (Provider::Nccl, Stream::Cuda(s)) => {
-                return Err(invalid(
-                    OP,
-                    format!(
-                        "the stream is on CUDA device {} but the communicator on device {:?}",
-                        s.context().ordinal(),
-                        comm.cuda_ordinal()
-                    ),
-                ))
-            }
-            (Provider::Host, _) => {
-                return Err(invalid(
-                    OP,
-                    "the host provider takes Stream::Host, not a CUDA stream",
-                ))
-            }
-            (_, _) => {
-                return Err(invalid(
-                    OP,
-                    "NVIDIA's NCCL needs a CUDA stream, not Stream::Host",
-                ))
-            }
-        }
+        comm.check_stream(OP, stream.as_stream())?;
         let mut mem = Self::alloc_zeros_in(comm.library(), len, stream)?;
         mem.bound = comm.diag.bound();
         Ok(mem)
@@ -296,7 +270,7 @@ impl<T: NcclType> NcclMemory<T> {
     }
 
     #[cold]
-    fn not_cuda(&self, call: &'static str) -> Error {
+    fn not_cuda(call: &'static str) -> Error {
         invalid(
             call,
             "the memory is the host provider's host memory, which has no CUDA view",
@@ -308,7 +282,7 @@ impl<T: NcclType> NcclMemory<T> {
     pub fn cuda_view(&self) -> Result<CudaView<'_, T>> {
         match &self.storage {
             Some(Storage::Cuda(s)) => Ok(s.as_view()),
-            _ => Err(self.not_cuda("NcclMemory::cuda_view")),
+            _ => Err(Self::not_cuda("NcclMemory::cuda_view")),
         }
     }
 
@@ -317,10 +291,7 @@ impl<T: NcclType> NcclMemory<T> {
     pub fn cuda_view_mut(&mut self) -> Result<CudaViewMut<'_, T>> {
         match &mut self.storage {
             Some(Storage::Cuda(s)) => Ok(s.as_view_mut()),
-            _ => Err(invalid(
-                "NcclMemory::cuda_view_mut",
-                "the memory is the host provider's host memory, which has no CUDA view",
-            )),
+            _ => Err(Self::not_cuda("NcclMemory::cuda_view_mut")),
         }
     }
 

@@ -117,7 +117,7 @@ impl Call {
 
 impl Communicator {
     #[inline(always)]
-    fn check_stream(&self, call: &'static str, stream: StreamRef<'_>) -> Result<()> {
+    pub(crate) fn check_stream(&self, call: &'static str, stream: StreamRef<'_>) -> Result<()> {
         match (self.library().provider(), stream) {
             (Provider::Host, StreamRef::Host) => Ok(()),
             (Provider::Nccl, StreamRef::Cuda(_))
