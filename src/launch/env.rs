@@ -200,19 +200,8 @@ impl ProcessEnv {
 
     fn slurm(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
         const HINT: &str = "srun sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_JOB_NODELIST; run the program with srun inside an allocation";
-        let s = EnvSource::Slurm;
-        let env = Lookup::new(get, s, HINT);
-        let world_size = match env.get("SLURM_NTASKS") {
-            Some(_) => env.size("SLURM_NTASKS")?,
-            None => env.size("SLURM_NPROCS").map_err(|e| match e {
-                EnvError::Missing { .. } => EnvError::Missing {
-                    launcher: s,
-                    var: "SLURM_NTASKS",
-                    hint: HINT,
-                },
-                e => e,
-            })?,
-        };
+        let env = Lookup::new(get, EnvSource::Slurm, HINT);
+        let world_size = env.size(env.either("SLURM_NTASKS", "SLURM_NPROCS"))?;
         let mut p = env.place(
             world_size,
             "SLURM_NTASKS",
@@ -223,16 +212,8 @@ impl ProcessEnv {
         p.master_addr = if env.get("MASTER_ADDR").is_some() {
             env.addr("MASTER_ADDR")?
         } else {
-            let var = if env.get("SLURM_JOB_NODELIST").is_some() {
-                "SLURM_JOB_NODELIST"
-            } else {
-                "SLURM_NODELIST"
-            };
-            let value = env.get(var).ok_or(EnvError::Missing {
-                launcher: s,
-                var: "SLURM_JOB_NODELIST",
-                hint: HINT,
-            })?;
+            let var = env.either("SLURM_JOB_NODELIST", "SLURM_NODELIST");
+            let value = env.required(var)?;
             first_slurm_host(&value).ok_or_else(|| EnvError::Invalid {
                 var,
                 value,
@@ -270,6 +251,15 @@ impl<'a> Lookup<'a> {
 
     fn get(&self, var: &str) -> Option<String> {
         (self.get)(var)
+    }
+
+    /// `a`, unless only `b` is set: the older name of the same variable.
+    fn either(&self, a: &'static str, b: &'static str) -> &'static str {
+        if self.get(a).is_none() && self.get(b).is_some() {
+            b
+        } else {
+            a
+        }
     }
 
     fn required(&self, var: &'static str) -> Result<String, EnvError> {
