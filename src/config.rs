@@ -288,18 +288,16 @@ impl Config {
     }
 
     /// The watchdog's timeout for every operation of the communicator (default
-    /// `NCCL_SAFE_TIMEOUT_MS`, else 10 minutes). Children from split/shrink inherit it.
+    /// `NCCL_SAFE_TIMEOUT_MS`, else 10 minutes, PyTorch's default). Children from
+    /// split/shrink inherit it.
     ///
-    /// It bounds how long an operation may wait from its call to its completion, which
-    /// includes waiting for the slowest rank to call it: a rank that saves a checkpoint or
-    /// compiles kernels while the others wait in the next all-reduce makes them wait that
-    /// long. 10 minutes, PyTorch's default, leaves room for that; the transfer itself takes
-    /// well under a second (a 1 GiB all-reduce at 100 GB/s of bus bandwidth is about 20 ms).
-    /// So that a stuck rank does not go unseen meanwhile, the watchdog prints one notice per
-    /// waiting operation after a quarter of the timeout, at most a minute, naming what the
-    /// rank waits in, from which line, and which ranks of its process have not called it.
-    /// The launchers' own bound on finished ranks waiting for the others is separate
-    /// ([`Launcher::timeout`](crate::launch::Launcher::timeout)).
+    /// It bounds an operation from its call to its completion, the wait for the slowest rank
+    /// to call it included: a rank that saves a checkpoint while the others wait in the next
+    /// all-reduce makes them wait that long (the transfer itself takes well under a second).
+    /// After a quarter of the timeout (at most a minute) the watchdog prints one notice per
+    /// waiting operation: what the rank waits in, from which line, and which ranks of its
+    /// process have not called it. [`Launcher::timeout`](crate::launch::Launcher::timeout) is
+    /// a bound of its own.
     pub fn timeout(mut self, timeout: std::time::Duration) -> Config {
         self.diag.timeout = Some(timeout);
         self
@@ -340,12 +338,11 @@ impl Config {
     /// Times every operation with the precise clock (default: with `NCCL_SAFE_TIMING=1` or
     /// `NCCL_SAFE_DEBUG=info|detail`; children inherit it).
     ///
-    /// Off, the watchdog, the flight recorder and [`crate::diag::Diagnostics::wait`] use a coarse clock
-    /// that the watchdog advances every 10 ms: a load of about 1 ns instead of two
-    /// `Instant::now()` calls (which add about 50 ns an operation: `cargo bench --bench
-    /// overhead`). Timeouts still fire within a tick of their deadline; per-operation times read as whole ticks, and sums over many
-    /// operations are right on average. [`crate::launch::Launcher::run_report`] turns it
-    /// on for its communicators.
+    /// Off, the watchdog, the flight recorder and [`crate::diag::Diagnostics::wait`] use a
+    /// coarse clock the watchdog advances every 10 ms (see ARCHITECTURE.md for its cost):
+    /// timeouts fire within a tick of their deadline, per-operation times read as whole
+    /// ticks, and sums over many operations are right on average.
+    /// [`crate::launch::Launcher::run_report`] turns it on for its communicators.
     #[cfg(feature = "diag")]
     pub fn timing(mut self, precise: bool) -> Config {
         self.diag.precise = Some(precise);
@@ -358,15 +355,11 @@ impl Config {
     /// On, the owner records a CUDA event on the operation's stream right after its NCCL
     /// call (once per stream for a [`crate::Group`]): nothing enqueued on that stream
     /// afterwards counts against the operation, so a stream blocked after a collective
-    /// (a wait on another stream's backlog, say) never times it out, and work on
-    /// `CU_STREAM_PER_THREAD` (candle's stream) is watched. It costs a `cuEventRecord` per
-    /// operation or group, with the stream's context current on the calling thread (as
-    /// after cudarc used a buffer there; otherwise a `cuCtxGetCurrent` and a
-    /// `cuCtxSetCurrent` more; and on `CU_STREAM_PER_THREAD` a `cuStreamIsCapturing`). On
-    /// a stream under graph capture that record adds no node to the graph, and the
-    /// watchdog never queries it while the capture is open. PyTorch's
-    /// ProcessGroupNCCL records an event per collective too (`cargo bench --bench
-    /// overhead -- --backend nccl` prints the cost).
+    /// never times it out, and work on `CU_STREAM_PER_THREAD` (candle's stream) is watched.
+    /// It costs a `cuEventRecord` per operation or group, as PyTorch's ProcessGroupNCCL
+    /// pays (plus a `cuCtxGetCurrent` and `cuCtxSetCurrent` when the stream's context is not
+    /// current, and a `cuStreamIsCapturing` on `CU_STREAM_PER_THREAD`). Under graph capture
+    /// the record adds no node, and the watchdog does not query it while the capture is open.
     ///
     /// Off, the per-operation path makes no CUDA driver call of its own: the watchdog
     /// records one event per stream per tick, behind whatever was enqueued by then, so

@@ -1,9 +1,6 @@
-//! The launchers' errors: the environment a launcher set ([`EnvError`]), the rendezvous that
-//! gives every rank the unique id ([`RendezvousError`]) and torchrun's c10d store
-//! ([`StoreError`]). They live in this leaf (the launchers import them, never the reverse)
-//! so that [`crate::Error`] holds them as typed variants, `Error::Env`, `Error::Rendezvous`
-//! and `Error::Store`, which a user matches without a downcast. Each is re-exported where
-//! users meet it (`launch::env`, `launch::rendezvous`, `launch::store`).
+//! The launchers' errors ([`EnvError`], [`RendezvousError`], [`StoreError`]), here in the
+//! leaf so that [`crate::Error`] holds them as typed variants (ARCHITECTURE.md says why);
+//! each is re-exported where users meet it (`launch::env`, `launch::rendezvous`, `launch::store`).
 
 use std::fmt;
 use std::io;

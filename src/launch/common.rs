@@ -1,8 +1,7 @@
-//! What the rendezvous, the desync board and the c10d store client share: the unique id's
-//! length and the job token's rules. A leaf of `launch` (it imports `wire` only), so those
-//! three never import each other in a circle. Their error types and the constants their
-//! messages name live in [`crate::error`], re-exported here and where users meet them
-//! ([`super::rendezvous`], [`super::store`]).
+//! What the rendezvous, the desync board and the c10d store client share (a leaf of
+//! `launch` over `wire`, so those three never import each other in a circle): the id's
+//! length, the token's rules, the listener and a refusal's reading; their errors, from
+//! [`crate::error`].
 
 use super::wire;
 pub use crate::error::launch::{MAX_VALUE_LEN, MIN_TOKEN_LEN, TOKEN_VAR};
