@@ -146,7 +146,7 @@ impl DesyncBoard {
                     wire::accept_one(
                         &listener,
                         &conns,
-                        wire::Limits::default(),
+                        wire::LIMITS,
                         "nccl-desync-peer",
                         move |stream, slot| {
                             // A peer's read in flight when this process exits (rank 0 that
@@ -246,22 +246,12 @@ impl BoardServer {
 
 /// A rank's connection details for the desync board: where it is, the job's size and
 /// token. Each [`post`](Self::post) or [`fetch`](Self::fetch) is one short connection.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct BoardClient {
     addr: String,
     world_size: usize,
-    token: Vec<u8>,
+    token: wire::Token,
     io_timeout: Duration,
-}
-
-impl fmt::Debug for BoardClient {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BoardClient")
-            .field("addr", &self.addr)
-            .field("world_size", &self.world_size)
-            .field("token", &"<redacted>")
-            .finish_non_exhaustive()
-    }
 }
 
 impl BoardClient {
@@ -270,7 +260,7 @@ impl BoardClient {
         BoardClient {
             addr: addr.into(),
             world_size,
-            token: token.into(),
+            token: wire::Token(token.into()),
             io_timeout: DEFAULT_BOARD_IO_TIMEOUT,
         }
     }

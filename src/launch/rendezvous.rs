@@ -59,28 +59,14 @@ use std::time::{Duration, Instant};
 pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// TCP rendezvous: rank 0 serves the id, the others fetch it (see the [module docs](self)).
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct TcpRendezvous {
     host: String,
     port: u16,
-    token: Vec<u8>,
+    token: wire::Token,
     timeout: Duration,
     io_timeout: Duration,
     limits: wire::Limits,
-}
-
-impl fmt::Debug for TcpRendezvous {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TcpRendezvous")
-            .field("host", &self.host)
-            .field("port", &self.port)
-            .field("token", &"<redacted>")
-            .field("timeout", &self.timeout)
-            .field("io_timeout", &self.io_timeout)
-            .field("max_connections", &self.limits.total)
-            .field("max_per_peer", &self.limits.per_peer)
-            .finish()
-    }
 }
 
 impl TcpRendezvous {
@@ -92,10 +78,10 @@ impl TcpRendezvous {
         Self {
             host: host.into(),
             port,
-            token: token.into(),
+            token: wire::Token(token.into()),
             timeout: DEFAULT_TIMEOUT,
             io_timeout: DEFAULT_IO_TIMEOUT,
-            limits: wire::Limits::default(),
+            limits: wire::LIMITS,
         }
     }
 
@@ -160,7 +146,7 @@ impl TcpRendezvous {
             port,
             ..self.clone()
         };
-        Some((at.addr(), self.token.clone()))
+        Some((at.addr(), self.token.to_vec()))
     }
 
     fn resolve(&self) -> Result<Vec<SocketAddr>, RendezvousError> {
@@ -191,7 +177,7 @@ impl TcpRendezvous {
         let server = Server {
             world_size,
             id,
-            token: self.token.clone(),
+            token: self.token.to_vec(),
             deadline: Instant::now() + self.timeout,
             timeout: self.timeout,
             io_timeout: self.io_timeout,

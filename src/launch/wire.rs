@@ -4,6 +4,7 @@
 //! [`MAX_FRAME`]; a longer prefix is refused before anything is allocated.
 
 use sha2::{Digest, Sha256};
+use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
@@ -32,10 +33,22 @@ pub(crate) const R_DUPLICATE: u8 = 4;
 pub(crate) const R_BUSY: u8 = 5;
 pub(crate) const R_IN_PROGRESS: u8 = 6;
 
-/// Most connections a server keeps open at once (see [`Conns`]).
-pub(crate) const MAX_CONNECTIONS: usize = 256;
-/// Most connections a server keeps open from one peer address.
-pub(crate) const MAX_PER_PEER: usize = 64;
+/// The job token; its `Debug` is `<redacted>`.
+#[derive(Clone)]
+pub(crate) struct Token(pub Vec<u8>);
+
+impl fmt::Debug for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl std::ops::Deref for Token {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
 
 pub(crate) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
     let len = u32::try_from(body.len())
@@ -279,23 +292,18 @@ impl Write for Deadlined<'_> {
     }
 }
 
-/// How many connections a server keeps open at once.
+/// How many connections a server keeps open at once: in all, and from one peer address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Limits {
-    /// Open connections in all.
     pub total: usize,
-    /// Open connections from one peer address.
     pub per_peer: usize,
 }
 
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            total: MAX_CONNECTIONS,
-            per_peer: MAX_PER_PEER,
-        }
-    }
-}
+/// The default [`Limits`] (see [`Conns`]).
+pub(crate) const LIMITS: Limits = Limits {
+    total: 256,
+    per_peer: 64,
+};
 
 struct Entry {
     id: u64,
