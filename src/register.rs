@@ -365,16 +365,6 @@ impl Communicator {
 }
 
 impl<B: ?Sized> Registration<'_, '_, B> {
-    /// The registered buffer.
-    pub fn buffer(&self) -> &B {
-        self.buf
-    }
-
-    /// The communicator it is registered with.
-    pub fn communicator(&self) -> &Communicator {
-        self.comm
-    }
-
     /// NCCL's registration handle (null when NCCL chose not to register the buffer).
     pub fn as_raw(&self) -> *mut c_void {
         self.handle
@@ -461,16 +451,6 @@ impl<B: ?Sized> Drop for Registration<'_, '_, B> {
 }
 
 impl<B: ?Sized> Window<'_, '_, B> {
-    /// The registered buffer.
-    pub fn buffer(&self) -> &B {
-        self.buf
-    }
-
-    /// The communicator it is registered with.
-    pub fn communicator(&self) -> &Communicator {
-        self.comm
-    }
-
     /// The flags it was registered with.
     pub fn flags(&self) -> WindowFlags {
         self.flags
@@ -610,6 +590,16 @@ macro_rules! stands_for_buffer {
         }
 
         impl<B: ?Sized> $ty<'_, '_, B> {
+            /// The registered buffer.
+            pub fn buffer(&self) -> &B {
+                self.buf
+            }
+
+            /// The communicator it is registered with.
+            pub fn communicator(&self) -> &Communicator {
+                self.comm
+            }
+
             /// The buffer's elements, mutably, for host buffers (`Vec<T>`, `[T]`): writing
             /// them cannot move the allocation.
             pub fn as_mut_slice<T>(&mut self) -> &mut [T]

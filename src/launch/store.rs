@@ -570,22 +570,14 @@ impl StoreRendezvous {
     pub fn read(&self, rank: usize, world_size: usize) -> NcclResult<[u8; ID_LEN]> {
         let key = self.id_key();
         let mut c = self.connect()?;
-        let v = c.get(&key, self.timeout).map_err(|e| match e {
-            StoreError::WaitTimeout {
-                addr,
-                keys,
-                timeout,
-                ..
-            } => StoreError::WaitTimeout {
-                addr,
-                keys,
-                timeout,
-                hint: format!(
+        let v = c.get(&key, self.timeout).map_err(|mut e| {
+            if let StoreError::WaitTimeout { hint, .. } = &mut e {
+                *hint = format!(
                     "rank {rank} waited for rank 0 to publish the unique id; check that rank 0 started and reached \
                      the rendezvous (its own error says why not)"
-                ),
-            },
-            e => e,
+                );
+            }
+            e
         })?;
         if v.len() != 4 + ID_LEN {
             return Err(StoreError::Protocol {
