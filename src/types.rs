@@ -35,102 +35,82 @@ pub trait NcclType:
     const DATA_TYPE: DataType;
 }
 
-/// NCCL's data types (`ncclDataType_t`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum DataType {
+/// Declares [`DataType`], one row per type: the variant, its C name, its size in bytes and
+/// the name nccl-tests prints. Each method below is a column.
+macro_rules! data_types {
+    ($($(#[$doc:meta])* $v:ident = $c:ident, $size:literal, $name:literal;)*) => {
+        /// NCCL's data types (`ncclDataType_t`).
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum DataType {
+            $($(#[$doc])* $v,)*
+        }
+
+        impl DataType {
+            /// Every variant, in declaration order (`ALL[d as usize] == d`).
+            #[cfg_attr(not(feature = "diag"), allow(dead_code))]
+            pub(crate) const ALL: &[DataType] = &[$(DataType::$v),*];
+
+            /// The raw `ncclDataType_t`.
+            #[inline]
+            pub fn to_raw(self) -> ncclDataType_t {
+                match self {
+                    $(DataType::$v => nccl_sys::bindings::$c,)*
+                }
+            }
+
+            /// Bytes per element.
+            pub fn size(self) -> usize {
+                match self {
+                    $(DataType::$v => $size,)*
+                }
+            }
+
+            /// The name nccl-tests prints (`float`, `half`, `bfloat16`, `int32`, ...).
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(DataType::$v => $name,)*
+                }
+            }
+
+            /// `ncclFloat8e4m3`, `ncclFloat32`, ...: the C name, as errors report it.
+            pub fn c_name(self) -> &'static str {
+                match self {
+                    $(DataType::$v => stringify!($c),)*
+                }
+            }
+        }
+    };
+}
+
+data_types! {
     /// `ncclInt8`
-    Int8,
+    Int8 = ncclInt8, 1, "int8";
     /// `ncclUint8`
-    Uint8,
+    Uint8 = ncclUint8, 1, "uint8";
     /// `ncclInt32`
-    Int32,
+    Int32 = ncclInt32, 4, "int32";
     /// `ncclUint32`
-    Uint32,
+    Uint32 = ncclUint32, 4, "uint32";
     /// `ncclInt64`
-    Int64,
+    Int64 = ncclInt64, 8, "int64";
     /// `ncclUint64`
-    Uint64,
+    Uint64 = ncclUint64, 8, "uint64";
     /// `ncclFloat16`
-    Float16,
+    Float16 = ncclFloat16, 2, "half";
     /// `ncclFloat32`
-    Float32,
+    Float32 = ncclFloat32, 4, "float";
     /// `ncclFloat64`
-    Float64,
+    Float64 = ncclFloat64, 8, "double";
     /// `ncclBfloat16`
-    Bfloat16,
+    Bfloat16 = ncclBfloat16, 2, "bfloat16";
     /// `ncclFloat8e4m3` (NCCL 2.24+): [`float8::F8E4M3`].
-    Float8e4m3,
+    Float8e4m3 = ncclFloat8e4m3, 1, "f8e4m3";
     /// `ncclFloat8e5m2` (NCCL 2.24+): [`float8::F8E5M2`].
-    Float8e5m2,
+    Float8e5m2 = ncclFloat8e5m2, 1, "f8e5m2";
 }
 
 impl DataType {
-    /// Every variant, in declaration order (`ALL[d as usize] == d`).
-    #[cfg_attr(not(feature = "diag"), allow(dead_code))]
-    pub(crate) const ALL: [DataType; 12] = [
-        DataType::Int8,
-        DataType::Uint8,
-        DataType::Int32,
-        DataType::Uint32,
-        DataType::Int64,
-        DataType::Uint64,
-        DataType::Float16,
-        DataType::Float32,
-        DataType::Float64,
-        DataType::Bfloat16,
-        DataType::Float8e4m3,
-        DataType::Float8e5m2,
-    ];
-
-    /// The raw `ncclDataType_t`.
-    #[inline]
-    pub fn to_raw(self) -> ncclDataType_t {
-        use nccl_sys::bindings as b;
-        match self {
-            DataType::Int8 => b::ncclInt8,
-            DataType::Uint8 => b::ncclUint8,
-            DataType::Int32 => b::ncclInt32,
-            DataType::Uint32 => b::ncclUint32,
-            DataType::Int64 => b::ncclInt64,
-            DataType::Uint64 => b::ncclUint64,
-            DataType::Float16 => b::ncclFloat16,
-            DataType::Float32 => b::ncclFloat32,
-            DataType::Float64 => b::ncclFloat64,
-            DataType::Bfloat16 => b::ncclBfloat16,
-            DataType::Float8e4m3 => b::ncclFloat8e4m3,
-            DataType::Float8e5m2 => b::ncclFloat8e5m2,
-        }
-    }
-
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DataType::Int8 | DataType::Uint8 | DataType::Float8e4m3 | DataType::Float8e5m2 => 1,
-            DataType::Float16 | DataType::Bfloat16 => 2,
-            DataType::Int32 | DataType::Uint32 | DataType::Float32 => 4,
-            DataType::Int64 | DataType::Uint64 | DataType::Float64 => 8,
-        }
-    }
-
-    /// The name nccl-tests prints (`float`, `half`, `bfloat16`, `int32`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            DataType::Int8 => "int8",
-            DataType::Uint8 => "uint8",
-            DataType::Int32 => "int32",
-            DataType::Uint32 => "uint32",
-            DataType::Int64 => "int64",
-            DataType::Uint64 => "uint64",
-            DataType::Float16 => "half",
-            DataType::Float32 => "float",
-            DataType::Float64 => "double",
-            DataType::Bfloat16 => "bfloat16",
-            DataType::Float8e4m3 => "f8e4m3",
-            DataType::Float8e5m2 => "f8e5m2",
-        }
-    }
-
     /// The NCCL release that introduced the type, for types newer than the oldest release
     /// this crate loads (the fp8 types: 2.24); `None` for the others.
     ///
@@ -143,24 +123,6 @@ impl DataType {
         match self {
             DataType::Float8e4m3 | DataType::Float8e5m2 => Some(Version::new(2, 24, 0)),
             _ => None,
-        }
-    }
-
-    /// `ncclFloat8e4m3`, `ncclFloat32`, ...: the C name, as errors report it.
-    pub fn c_name(self) -> &'static str {
-        match self {
-            DataType::Int8 => "ncclInt8",
-            DataType::Uint8 => "ncclUint8",
-            DataType::Int32 => "ncclInt32",
-            DataType::Uint32 => "ncclUint32",
-            DataType::Int64 => "ncclInt64",
-            DataType::Uint64 => "ncclUint64",
-            DataType::Float16 => "ncclFloat16",
-            DataType::Float32 => "ncclFloat32",
-            DataType::Float64 => "ncclFloat64",
-            DataType::Bfloat16 => "ncclBfloat16",
-            DataType::Float8e4m3 => "ncclFloat8e4m3",
-            DataType::Float8e5m2 => "ncclFloat8e5m2",
         }
     }
 
