@@ -426,8 +426,6 @@ impl Launcher {
     /// [`Error::RankFailed`], and its thread is left running, detached, with a note on
     /// stderr. Its communicator failed with the others', so any collective it calls later
     /// returns an error at once, and it is torn down when its closure returns.
-    /// (`run` and `try_run` wait for every rank's thread instead, and say so on stderr:
-    /// their closures may borrow from the caller, so no thread may outlive the call.)
     ///
     /// ```
     /// use nccl_safe::{launch::Launcher, Config, ReduceOp};

@@ -60,14 +60,12 @@ impl ProcessLauncher {
     ///
     /// Under torchrun with the agent's store (`TORCHELASTIC_USE_AGENT_STORE=True`), the id
     /// and the job's desync board go through that store ([`crate::launch::store`]): nothing
-    /// is bound and no token is needed. Otherwise (Slurm, mpirun, torchrun-style variables
-    /// set by hand) the id goes over the authenticated TCP rendezvous, and rank 0 also hosts
-    /// the job's desync board on `MASTER_ADDR:MASTER_PORT+1` ([`crate::launch::desync`], same
-    /// token) for as long as its [`Rank`] lives (after [`Rank::into_comm`], for the rest of the
-    /// process); when rank 0
-    /// cannot listen there, it says so on stderr and the job runs without the board. Either
-    /// way every rank's communicator gets the board, so a timeout report shows what the
-    /// ranks in other processes were last doing.
+    /// is bound and no token is needed. Otherwise the id goes over the authenticated TCP
+    /// rendezvous, and rank 0 hosts the desync board on `MASTER_ADDR:MASTER_PORT+1`
+    /// ([`crate::launch::desync`], same token) while its [`Rank`] lives (after
+    /// [`Rank::into_comm`], for the rest of the process), or says on stderr that it cannot.
+    /// Every rank's communicator gets the board, so a timeout report shows what the ranks
+    /// in other processes were last doing.
     pub fn init(mut self) -> Result<Rank> {
         if !self.host {
             self.check_devices(cuda_device_count())?;
