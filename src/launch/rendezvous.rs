@@ -685,41 +685,31 @@ impl Rendezvous {
         if rank >= world_size {
             return lift(Err(RendezvousError::InvalidRank { rank, world_size }));
         }
-        let done = |id| Ok(Exchanged { id, server: None });
-        match (self, rank) {
-            (Rendezvous::Tcp(t), 0) => {
-                let id = make_id()?;
-                let server = lift(t.serve(world_size, id))?;
-                Ok(Exchanged {
-                    id,
-                    server: Some(server),
-                })
-            }
-            (Rendezvous::Tcp(t), r) => done(lift(t.fetch(r, world_size))?),
-            (Rendezvous::File(f), 0) => {
-                let id = make_id()?;
-                lift(f.publish(world_size, &id))?;
-                done(id)
-            }
-            (Rendezvous::File(f), _) => done(lift(f.read(world_size))?),
-            (Rendezvous::Store(s), 0) => {
-                let id = make_id()?;
-                lift(s.publish(world_size, &id))?;
-                done(id)
-            }
-            (Rendezvous::Store(s), r) => done(lift(s.read(r, world_size))?),
-            (Rendezvous::Custom(CustomRendezvous(f)), 0) => {
-                let id = make_id()?;
+        if rank > 0 {
+            let id = match self {
+                Rendezvous::Tcp(t) => lift(t.fetch(rank, world_size))?,
+                Rendezvous::File(f) => lift(f.read(world_size))?,
+                Rendezvous::Store(s) => lift(s.read(rank, world_size))?,
+                Rendezvous::Custom(CustomRendezvous(f)) => {
+                    lift(f(None).map_err(|e| custom_failed(rank, &*e)))?
+                }
+            };
+            return Ok(Exchanged { id, server: None });
+        }
+        let id = make_id()?;
+        let server = match self {
+            Rendezvous::Tcp(t) => Some(lift(t.serve(world_size, id))?),
+            Rendezvous::File(f) => lift(f.publish(world_size, &id).map(|()| None))?,
+            Rendezvous::Store(s) => lift(s.publish(world_size, &id).map(|()| None))?,
+            Rendezvous::Custom(CustomRendezvous(f)) => {
                 let got = lift(f(Some(id)).map_err(|e| custom_failed(rank, &*e)))?;
                 if !wire::ct_eq(&got, &id) {
                     return lift(Err(RendezvousError::CustomMismatch));
                 }
-                done(id)
+                None
             }
-            (Rendezvous::Custom(CustomRendezvous(f)), r) => {
-                done(lift(f(None).map_err(|e| custom_failed(r, &*e)))?)
-            }
-        }
+        };
+        Ok(Exchanged { id, server })
     }
 }
 
