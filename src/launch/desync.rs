@@ -16,11 +16,8 @@
 //!   rank `ENTRY | present | post | HMAC(token, "entry" | sn | cn | rank | present | post)`.
 //!
 //! Each connection has one deadline for all its reads and writes (2 s by default), on both
-//! sides; garbage, oversized frames and failed MACs only drop that connection. The server
-//! limits its open connections as the rendezvous does (making room by closing the oldest
-//! unauthenticated one; a busy refusal is retried by the client until its deadline), tokens
-//! shorter than [`MIN_TOKEN_LEN`](super::rendezvous::MIN_TOKEN_LEN) bytes are refused, and
-//! refusals after authentication carry a MAC.
+//! sides; garbage, oversized frames and failed MACs only drop that connection. Connection
+//! limits, short tokens and refusals are handled as in the rendezvous (its module docs).
 //!
 //! Posts are text from other processes: control characters (terminal escape sequences,
 //! carriage returns, bidirectional overrides) are replaced with `?` where a post is received,
