@@ -545,10 +545,7 @@ impl FileRendezvous {
         let tmp = self
             .path
             .with_file_name(format!(".{name}.tmp.{}", std::process::id()));
-        let mut data = Vec::with_capacity(FILE_LEN);
-        data.extend_from_slice(wire::MAGIC);
-        data.extend_from_slice(&world.to_be_bytes());
-        data.extend_from_slice(id);
+        let data = [&wire::MAGIC[..], &world.to_be_bytes(), id].concat();
         let mut opts = fs::OpenOptions::new();
         opts.write(true).create(true).truncate(true);
         #[cfg(unix)]

@@ -100,10 +100,7 @@ pub struct StoreClient {
 /// A key as PyTorch's C++ client sends it: every key of its `TCPStore` starts with `/`
 /// (its `keyPrefix_`), so that `StoreClient::set("k")` is Python's `store.get("k")`.
 fn wire_key(key: &str) -> Vec<u8> {
-    let mut k = Vec::with_capacity(key.len() + 1);
-    k.push(b'/');
-    k.extend_from_slice(key.as_bytes());
-    k
+    [b"/", key.as_bytes()].concat()
 }
 
 /// `host:port`, with brackets around an IPv6 host.
@@ -163,9 +160,10 @@ impl StoreClient {
             deadline,
             modern,
         };
-        let mut q = vec![VALIDATE];
-        q.extend_from_slice(&VALIDATION_MAGIC.to_le_bytes());
-        c.send("VALIDATE", &q)?;
+        c.send(
+            "VALIDATE",
+            &[&[VALIDATE][..], &VALIDATION_MAGIC.to_le_bytes()].concat(),
+        )?;
         Ok(c)
     }
 
@@ -298,9 +296,7 @@ impl StoreClient {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
         let nonce = std::process::id().rotate_left(16) ^ nanos;
-        let mut q = vec![PING];
-        q.extend_from_slice(&nonce.to_le_bytes());
-        self.send("PING", &q)?;
+        self.send("PING", &[&[PING][..], &nonce.to_le_bytes()].concat())?;
         let mut b = [0u8; 4];
         self.read_exact_by("PING", &mut b, self.op_deadline(self.timeout))?;
         let got = u32::from_le_bytes(b);
@@ -556,11 +552,8 @@ impl StoreRendezvous {
             rank: 0,
             world_size,
         })?;
-        let mut v = Vec::with_capacity(4 + ID_LEN);
-        v.extend_from_slice(&world.to_le_bytes());
-        v.extend_from_slice(id);
         let mut c = self.connect()?;
-        c.set(&self.id_key(), &v)?;
+        c.set(&self.id_key(), &[&world.to_le_bytes()[..], id].concat())?;
         // A round trip, so the value is known to be stored when this returns.
         c.ping()?;
         Ok(())

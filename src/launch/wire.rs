@@ -55,10 +55,7 @@ pub(crate) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
         .ok()
         .filter(|&l| l as usize <= MAX_FRAME)
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "frame too large"))?;
-    let mut buf = Vec::with_capacity(4 + body.len());
-    buf.extend_from_slice(&len.to_be_bytes());
-    buf.extend_from_slice(body);
-    w.write_all(&buf)?;
+    w.write_all(&[&len.to_be_bytes()[..], body].concat())?;
     w.flush()
 }
 
@@ -160,21 +157,15 @@ impl<'a> Session<'a> {
 
     /// Client side, step 2: the `AUTH` frame proving the token for `rank` of `world`.
     pub(crate) fn auth_frame(&self) -> Vec<u8> {
-        let mut auth = vec![AUTH];
-        auth.extend_from_slice(&self.rank.to_be_bytes());
-        auth.extend_from_slice(&self.world.to_be_bytes());
-        auth.extend_from_slice(&self.cn);
-        auth.extend_from_slice(&self.client_mac());
-        auth
+        let (rank, world) = (self.rank.to_be_bytes(), self.world.to_be_bytes());
+        [&[AUTH][..], &rank, &world, &self.cn, &self.client_mac()].concat()
     }
 
     /// A `REFUSE` frame sent after the peer authenticated: followed by
     /// `HMAC(token, "refuse" | sn | cn | rank | world | frame)`, so a relay cannot forge it.
     pub(crate) fn refuse(&self, code: u8, a: u32, b: u32) -> Vec<u8> {
-        let mut v = refuse(code, a, b);
-        let mac = self.mac(b"refuse", &v);
-        v.extend_from_slice(&mac);
-        v
+        let v = refuse(code, a, b);
+        [&v[..], &self.mac(b"refuse", &v)].concat()
     }
 
     /// Whether `frame` is a `REFUSE` frame carrying a valid MAC (see [`Session::refuse`]).
@@ -477,10 +468,7 @@ pub(crate) fn accept_peer<'a>(
 /// A `REFUSE` frame with its code and two numbers, as sent before the peer authenticated
 /// (a wrong token, or busy).
 pub(crate) fn refuse(code: u8, a: u32, b: u32) -> Vec<u8> {
-    let mut v = vec![REFUSE, code];
-    v.extend_from_slice(&a.to_be_bytes());
-    v.extend_from_slice(&b.to_be_bytes());
-    v
+    [&[REFUSE, code][..], &a.to_be_bytes(), &b.to_be_bytes()].concat()
 }
 
 /// The code and numbers of a `REFUSE` frame (with or without its MAC).
