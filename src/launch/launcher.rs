@@ -146,6 +146,13 @@ struct Tally {
     changed: Condvar,
 }
 
+/// What the ranks of one run share.
+struct Run {
+    config: Config,
+    id: UniqueId,
+    tally: Tally,
+}
+
 /// How a rank's closure ended, for [`culprit`].
 #[derive(Debug, Clone, Copy)]
 struct End {
@@ -449,21 +456,17 @@ impl Launcher {
         F: Fn(&Rank) -> std::result::Result<R, E> + Send + Sync + 'static,
     {
         let f = move |rank: &Rank| f(rank).map_err(Into::<BoxError>::into);
-        let (config, id, tally) = self.prepare(false)?;
-        let shared = Arc::new((self.clone(), config, id, tally, f));
+        let shared = Arc::new((self.clone(), self.prepare(false)?, f));
+        let tally = &shared.1.tally;
         let handles: Vec<_> = (0..self.devices.len())
             .map(|rank| {
                 let mine = Arc::clone(&shared);
                 std::thread::Builder::new()
                     .name(format!("nccl-rank-{rank}"))
-                    .spawn(move || {
-                        let (me, config, id, tally, f) = &*mine;
-                        me.rank_main(rank, &me.devices[rank], id, config, tally, f)
-                    })
-                    .map_err(|e| spawn_failed(&shared.3, rank, e))
+                    .spawn(move || mine.0.rank_main(rank, &mine.1, &mine.2))
+                    .map_err(|e| spawn_failed(tally, rank, e))
             })
             .collect();
-        let tally = &shared.3;
         let stuck = tally.wait_settled(true);
         let results = (handles.into_iter().enumerate())
             .map(|(rank, h)| match h {
@@ -478,7 +481,7 @@ impl Launcher {
 
     /// The communicators' configuration (timed when `timing`), the unique id and a fresh
     /// tally for a run.
-    fn prepare(&self, timing: bool) -> Result<(Config, UniqueId, Tally)> {
+    fn prepare(&self, timing: bool) -> Result<Run> {
         let config = if timing {
             self.config.clone().timing_unless_set(true)
         } else {
@@ -498,7 +501,7 @@ impl Launcher {
             ends: Mutex::new(vec![None; n]),
             changed: Condvar::new(),
         };
-        Ok((config, id, tally))
+        Ok(Run { config, id, tally })
     }
 
     /// Runs `f` on every rank; a rank's error, of any type, fails the run with its text.
@@ -508,20 +511,18 @@ impl Launcher {
         E: fmt::Display,
         F: Fn(&Rank) -> std::result::Result<R, E> + Sync,
     {
-        let (config, id, tally) = self.prepare(timing)?;
+        let run = self.prepare(timing)?;
         let results = std::thread::scope(|s| {
-            let handles: Vec<_> = (self.devices.iter().enumerate())
-                .map(|(rank, device)| {
-                    let (tally, f, id, config) = (&tally, &f, &id, &config);
+            let handles: Vec<_> = (0..self.devices.len())
+                .map(|rank| {
+                    let (run, f) = (&run, &f);
                     std::thread::Builder::new()
                         .name(format!("nccl-rank-{rank}"))
-                        .spawn_scoped(s, move || {
-                            self.rank_main(rank, device, id, config, tally, f)
-                        })
-                        .map_err(|e| spawn_failed(tally, rank, e))
+                        .spawn_scoped(s, move || self.rank_main(rank, run, f))
+                        .map_err(|e| spawn_failed(&run.tally, rank, e))
                 })
                 .collect();
-            tally.wait_settled(false);
+            run.tally.wait_settled(false);
             (handles.into_iter())
                 .map(|h| match h {
                     Ok(h) => Some(h.join()),
@@ -529,23 +530,16 @@ impl Launcher {
                 })
                 .collect()
         });
-        report(results, &tally)
+        report(results, &run.tally)
     }
 
-    fn rank_main<R, E, F>(
-        &self,
-        rank: usize,
-        device: &CommDevice,
-        id: &UniqueId,
-        config: &Config,
-        tally: &Tally,
-        f: &F,
-    ) -> RankResult<R>
+    fn rank_main<R, E, F>(&self, rank: usize, run: &Run, f: &F) -> RankResult<R>
     where
         E: fmt::Display,
         F: Fn(&Rank) -> std::result::Result<R, E>,
     {
-        let r = match Rank::init(device, self.devices.len(), rank, id, config) {
+        let (tally, n) = (&run.tally, self.devices.len());
+        let r = match Rank::init(&self.devices[rank], n, rank, &run.id, &run.config) {
             Ok(r) => r,
             Err(e) => {
                 tally.set(rank, Outcome::Failed(format!("init failed: {e}")));
