@@ -424,25 +424,19 @@ impl StoreClient {
         // the keys appeared meanwhile.
         self.send("CANCEL_WAIT", &[CANCEL_WAIT])?;
         let by = self.op_deadline(self.timeout);
-        let canceled = |b: u8, c: &Self| {
-            if b == WAIT_CANCELED {
-                Ok(())
-            } else {
-                Err(c.protocol(
-                    "CANCEL_WAIT",
-                    format!("the byte {b} instead of wait-canceled (1)"),
-                ))
-            }
-        };
-        match self.read_u8("CANCEL_WAIT", by)? {
-            STOP_WAITING => {
-                canceled(self.read_u8("CANCEL_WAIT", by)?, self)?;
-                Ok(())
-            }
-            b => {
-                canceled(b, self)?;
-                Err(timed_out(self))
-            }
+        let mut b = self.read_u8("CANCEL_WAIT", by)?;
+        let appeared = b == STOP_WAITING;
+        if appeared {
+            b = self.read_u8("CANCEL_WAIT", by)?;
+        }
+        if b != WAIT_CANCELED {
+            let detail = format!("the byte {b} instead of wait-canceled (1)");
+            return Err(self.protocol("CANCEL_WAIT", detail));
+        }
+        if appeared {
+            Ok(())
+        } else {
+            Err(timed_out(self))
         }
     }
 }
