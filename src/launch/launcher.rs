@@ -133,17 +133,20 @@ enum Outcome {
     Failed(String),
 }
 
-/// A run's tally of its ranks, in this process: how each one ended, which failed and in
-/// what order; the ranks wait on it for each other (not the desync board, which ranks in
-/// other processes read).
+/// A run's tally of its ranks, in this process; the ranks wait on it for each other (not
+/// the desync board, which ranks in other processes read).
 struct Tally {
-    outcomes: Mutex<Vec<Outcome>>,
+    ranks: Mutex<Ranks>,
+    changed: Condvar,
+}
+
+struct Ranks {
+    outcomes: Vec<Outcome>,
     /// The ranks that failed, in the order they did.
-    failed: Mutex<Vec<usize>>,
+    failed: Vec<usize>,
     /// Per rank, once its closure ended: the collectives it called and issued, and whether it failed
     /// on its own (an error or a panic while its communicator was healthy).
-    ends: Mutex<Vec<Option<End>>>,
-    changed: Condvar,
+    ends: Vec<Option<End>>,
 }
 
 /// What the ranks of one run share.
@@ -165,44 +168,43 @@ struct End {
 }
 
 impl Tally {
-    fn end(&self, rank: usize, end: End) {
-        if let Some(e) = lock(&self.ends).get_mut(rank) {
-            *e = Some(end);
+    fn new(n: usize) -> Tally {
+        let ranks = Ranks {
+            outcomes: (0..n).map(|_| Outcome::Running).collect(),
+            failed: Vec::new(),
+            ends: vec![None; n],
+        };
+        Tally {
+            ranks: Mutex::new(ranks),
+            changed: Condvar::new(),
         }
     }
 
-    fn set(&self, rank: usize, outcome: Outcome) {
-        let mut o = lock(&self.outcomes);
+    /// Rank `rank` ended with `outcome` (and, once its closure ended, `end`).
+    fn set(&self, rank: usize, outcome: Outcome, end: Option<End>) {
+        let mut s = lock(&self.ranks);
         if matches!(outcome, Outcome::Failed(_)) {
-            lock(&self.failed).push(rank);
+            s.failed.push(rank);
         }
-        o[rank] = outcome;
+        s.outcomes[rank] = outcome;
+        s.ends[rank] = end;
         self.changed.notify_all();
     }
 
-    /// The first rank to fail, if any failed.
-    fn first_failed(&self) -> Option<usize> {
-        lock(&self.failed).first().copied()
-    }
-
-    /// Waits until no rank is running, a rank failed (the run fails then: a finished rank
-    /// need not wait for the others to abort), or `deadline`; true when all finished.
-    fn wait_all(&self, deadline: Instant) -> bool {
-        let mut o = lock(&self.outcomes);
+    /// Waits until no rank is running or one failed (a finished rank need not wait for the
+    /// others to abort), until `deadline`: whether one failed, `None` when it passed.
+    fn wait_all(&self, deadline: Instant) -> Option<bool> {
+        let mut s = lock(&self.ranks);
         loop {
-            if !o.iter().any(|x| matches!(x, Outcome::Running)) {
-                return true;
-            }
-            if o.iter().any(|x| matches!(x, Outcome::Failed(_))) {
-                return false;
+            let failed = s.outcomes.iter().any(|x| matches!(x, Outcome::Failed(_)));
+            if failed || !s.outcomes.iter().any(|x| matches!(x, Outcome::Running)) {
+                return Some(failed);
             }
             let now = Instant::now();
             if now >= deadline {
-                return false;
+                return None;
             }
-            o = self
-                .changed
-                .wait_timeout(o, deadline - now)
+            s = (self.changed.wait_timeout(s, deadline - now))
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
@@ -214,19 +216,19 @@ impl Tally {
     /// once): a note on stderr names them, once, and with `detach` it stops waiting for them.
     /// Returns the ranks it stopped waiting for.
     fn wait_settled(&self, detach: bool) -> Vec<usize> {
-        let mut o = lock(&self.outcomes);
+        let mut s = lock(&self.ranks);
         // Since when the ranks running now are the only ones left, after a failure.
         let mut since: Option<(Instant, usize)> = None;
         let mut told = false;
         loop {
-            let running: Vec<usize> = (o.iter().enumerate())
+            let running: Vec<usize> = (s.outcomes.iter().enumerate())
                 .filter(|(_, x)| matches!(x, Outcome::Running))
                 .map(|(r, _)| r)
                 .collect();
             if running.is_empty() {
                 return running;
             }
-            let failed = o.iter().any(|x| matches!(x, Outcome::Failed(_)));
+            let failed = s.outcomes.iter().any(|x| matches!(x, Outcome::Failed(_)));
             let wait = if failed {
                 if since.is_none_or(|(_, n)| n != running.len()) {
                     since = Some((Instant::now(), running.len()));
@@ -248,7 +250,7 @@ impl Tally {
                 since = None;
                 Duration::from_secs(3600)
             };
-            o = (self.changed.wait_timeout(o, wait))
+            s = (self.changed.wait_timeout(s, wait))
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
@@ -257,8 +259,7 @@ impl Tally {
     /// One line per rank: a failed rank shows its error's first line (the full report is
     /// the error's `cause`, once per job).
     fn summary(&self) -> Vec<String> {
-        let o = lock(&self.outcomes);
-        o.iter()
+        (lock(&self.ranks).outcomes.iter())
             .enumerate()
             .map(|(r, x)| match x {
                 Outcome::Running => format!("rank {r}: still running"),
@@ -495,12 +496,7 @@ impl Launcher {
             });
         };
         let id = first.unique_id()?;
-        let tally = Tally {
-            outcomes: Mutex::new((0..n).map(|_| Outcome::Running).collect()),
-            failed: Mutex::new(Vec::new()),
-            ends: Mutex::new(vec![None; n]),
-            changed: Condvar::new(),
-        };
+        let tally = Tally::new(n);
         Ok(Run { config, id, tally })
     }
 
@@ -542,7 +538,7 @@ impl Launcher {
         let r = match Rank::init(&self.devices[rank], n, rank, &run.id, &run.config) {
             Ok(r) => r,
             Err(e) => {
-                tally.set(rank, Outcome::Failed(format!("init failed: {e}")));
+                tally.set(rank, Outcome::Failed(format!("init failed: {e}")), None);
                 return Err(e.to_string());
             }
         };
@@ -552,44 +548,37 @@ impl Launcher {
                 // Peers waiting for a collective this rank never called fail at once.
                 r.comm.leave("its launcher closure returned");
                 let d = r.comm.diagnostics();
-                tally.end(
-                    rank,
-                    End {
-                        called: r.comm.collectives_called(),
-                        issued: d.collectives,
-                        returned: true,
-                        own_failure: false,
-                    },
-                );
+                let end = End {
+                    called: r.comm.collectives_called(),
+                    issued: d.collectives,
+                    returned: true,
+                    own_failure: false,
+                };
                 let stats = RankStats {
                     rank,
                     busy: started.elapsed(),
                     waiting: d.wait,
                     collectives: d.collectives,
                 };
-                let v = (v, stats);
-                tally.set(rank, Outcome::Done);
-                let everyone = tally.wait_all(Instant::now() + self.timeout);
-                let failed_elsewhere = lock(&tally.outcomes)
-                    .iter()
-                    .any(|o| matches!(o, Outcome::Failed(_)));
-                if everyone && !failed_elsewhere {
-                    r.comm.destroy().map_err(|(_, e)| e.to_string())?;
-                    Ok(v)
-                } else {
-                    // Peers are stuck (maybe waiting for a collective this rank skipped) or
-                    // failed: abort so that none of them hangs.
-                    let _ = r.comm.abort();
-                    if everyone || failed_elsewhere {
-                        Ok(v)
-                    } else {
-                        Err(Error::Timeout {
-                            what: format!(
-                                "rank {rank} returned, but other ranks did not finish (a collective this rank did not call?)"
-                            ),
-                            timeout: self.timeout,
-                        }
-                        .to_string())
+                tally.set(rank, Outcome::Done, Some(end));
+                match tally.wait_all(Instant::now() + self.timeout) {
+                    Some(false) => {
+                        r.comm.destroy().map_err(|(_, e)| e.to_string())?;
+                        Ok((v, stats))
+                    }
+                    // Peers failed, or are stuck (maybe waiting for a collective this rank
+                    // skipped): abort so that none of them hangs.
+                    failed => {
+                        let _ = r.comm.abort();
+                        failed.map(|_| (v, stats)).ok_or_else(|| {
+                            Error::Timeout {
+                                what: format!(
+                                    "rank {rank} returned, but other ranks did not finish (a collective this rank did not call?)"
+                                ),
+                                timeout: self.timeout,
+                            }
+                            .to_string()
+                        })
                     }
                 }
             }
@@ -694,7 +683,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// A rank whose thread could not be spawned: failed on the tally (so no one waits for it).
 fn spawn_failed(tally: &Tally, rank: usize, e: std::io::Error) -> Error {
     let reason = format!("cannot spawn a rank thread: {e}");
-    tally.set(rank, Outcome::Failed(reason.clone()));
+    tally.set(rank, Outcome::Failed(reason.clone()), None);
     Error::InvalidArgument {
         call: "Launcher::run",
         reason,
@@ -743,12 +732,12 @@ fn report<R>(results: Vec<Option<RankEnd<R>>>, tally: &Tally) -> Result<LaunchRe
     // The first rank to fail, not the lowest-numbered; and the rank that caused it,
     // which may be another (one that left early, ran an extra collective, was behind, or
     // is stuck in its own code: the others failed waiting for it).
-    let first = tally
-        .first_failed()
+    let s = lock(&tally.ranks);
+    let first = (s.failed.first().copied())
         .filter(|r| failures.iter().any(|(f, _)| f == r))
         .unwrap_or(failures[0].0);
-    let ends = lock(&tally.ends).clone();
-    let (rank, why) = culprit(&ends, &lock(&tally.failed), &stuck).unwrap_or((first, None));
+    let (rank, why) = culprit(&s.ends, &s.failed, &stuck).unwrap_or((first, None));
+    drop(s);
     let own = (failures.iter())
         .find(|(r, _)| *r == rank)
         .map(|(_, c)| c.clone());
@@ -781,8 +770,7 @@ fn failed(r: Rank, rank: usize, tally: &Tally, how: &str, text: &str, outcome: S
         r.comm
             .leave(&format!("its launcher closure {how} (\"{first}\")"));
     }
-    tally.end(rank, end);
-    tally.set(rank, Outcome::Failed(outcome));
+    tally.set(rank, Outcome::Failed(outcome), Some(end));
     let _ = r.comm.abort();
 }
 
