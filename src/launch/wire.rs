@@ -115,8 +115,8 @@ pub(crate) fn nonce() -> io::Result<[u8; N]> {
 #[derive(Clone, Copy)]
 pub(crate) struct Session<'a> {
     token: &'a [u8],
-    pub sn: [u8; N],
-    pub cn: [u8; N],
+    sn: [u8; N],
+    cn: [u8; N],
     pub rank: u32,
     pub world: u32,
 }
