@@ -283,3 +283,10 @@ fn a_busy_board_is_retried() {
     assert_eq!(client.fetch().unwrap(), vec![None, Some(summary(1))]);
     board.stop();
 }
+
+#[test]
+fn a_board_clients_debug_output_never_shows_the_token() {
+    let shown = format!("{:?}", BoardClient::new("127.0.0.1:1", 2, TOKEN));
+    assert!(!shown.contains(TOKEN), "{shown}");
+    assert!(shown.contains("<redacted>"), "{shown}");
+}

@@ -1135,3 +1135,11 @@ fn a_relay_cannot_forge_a_refusal() {
     );
     drop(server);
 }
+
+#[test]
+fn debug_output_never_shows_the_token() {
+    let token = "a-secret-job-token-of-enough-length";
+    let shown = format!("{:?}", TcpRendezvous::new("127.0.0.1", 1, token));
+    assert!(!shown.contains(token), "{shown}");
+    assert!(shown.contains("<redacted>"), "{shown}");
+}
