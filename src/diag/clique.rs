@@ -101,6 +101,11 @@ pub(crate) struct RankView {
 /// The shape of a collective that every rank must agree on, and where it was called.
 pub(crate) type Fingerprint = OpRecord;
 
+/// Whether two ranks' fingerprints agree: the same call, type, count and root.
+fn same_shape(a: &Fingerprint, b: &Fingerprint) -> bool {
+    (a.op, a.dtype, a.count, a.root) == (b.op, b.dtype, b.count, b.root)
+}
+
 #[derive(Debug)]
 pub(crate) struct CliqueState {
     board: Vec<[Option<Fingerprint>; BOARD_DEPTH]>,
@@ -439,31 +444,39 @@ impl Clique {
     /// process) left: in the background, so a teardown keeps its bound; the process's exit
     /// waits for the post until its deadline.
     fn post_departure(&self, d: &Departure) {
-        let Some(board) = self.board.get() else {
-            return;
-        };
-        let deadline = Instant::now() + BOARD_IO;
-        let Some(posting) = crate::teardown::exit::posting(deadline) else {
-            return;
-        };
-        let board = Arc::clone(board);
         let post = DesyncPost::departure(self.key, d.issued, &d.how);
-        let rank = d.rank;
-        let (posted, done) = std::sync::mpsc::channel();
-        // A thread that cannot start: the peers fall back to their timeout.
-        let started = std::thread::Builder::new()
-            .name("nccl-safe-depart".into())
-            .spawn(move || {
-                let _posting = posting;
-                let _ = board.post(rank, &post, deadline);
-                let _ = posted.send(());
-            });
         // Wait a little for it, so that it is on the board before the teardown that follows
         // wakes the peers through the provider: they then read why this rank left
-        // ([`Clique::remote_departure`]) rather than the provider's words.
-        if started.is_ok() {
+        // ([`Clique::remote_departure`]) rather than the provider's words. Not posted (no
+        // thread): the peers fall back to their timeout.
+        if let Some(done) = self.post_in_background(vec![(d.rank, post)]) {
             let _ = done.recv_timeout(DEPARTURE_POST_WAIT);
         }
+    }
+
+    /// Posts `posts` (rank, post) to the board on a thread of its own, each bounded by
+    /// [`BOARD_IO`] (the process's exit waits for them until then). `None` (nothing posted)
+    /// without a board, while the process exits, or when no thread starts; else the
+    /// receiver hears when they are done.
+    fn post_in_background(
+        &self,
+        posts: Vec<(usize, DesyncPost)>,
+    ) -> Option<std::sync::mpsc::Receiver<()>> {
+        let board = Arc::clone(self.board.get()?);
+        let deadline = Instant::now() + BOARD_IO;
+        let posting = crate::teardown::exit::posting(deadline)?;
+        let (posted, done) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("nccl-safe-post".into())
+            .spawn(move || {
+                let _posting = posting;
+                for (rank, post) in &posts {
+                    let _ = board.post(*rank, post, deadline);
+                }
+                let _ = posted.send(());
+            })
+            .ok()?;
+        Some(done)
     }
 
     /// Posts this process's ranks' last operations to the board (in the background, bounded
@@ -471,30 +484,18 @@ impl Clique {
     /// watchdog's notice): so that the first rank of another process to time out finds
     /// every rank that waits with it on the board, and only the rank behind silent. Ranks
     /// otherwise post only at their own timeout, which the first to time out never sees.
+    /// Not posted: the report says these ranks posted nothing.
     pub(crate) fn post_waiting(&self) {
-        let Some(board) = self.board.get() else {
+        if self.board.get().is_none() {
             return;
-        };
-        let deadline = Instant::now() + BOARD_IO;
-        let Some(posting) = crate::teardown::exit::posting(deadline) else {
-            return;
-        };
+        }
         let now = Instant::now();
         let posts: Vec<(usize, DesyncPost)> = (0..self.views.len())
             .map(|r| (r, self.view(r)))
             .filter(|(_, v)| v.present && !v.gone)
             .map(|(r, v)| (r, DesyncPost::new(self.key, v.issued, &describe(&v, now))))
             .collect();
-        let board = Arc::clone(board);
-        // A thread that cannot start: the report says these ranks posted nothing.
-        let _ = std::thread::Builder::new()
-            .name("nccl-safe-post".into())
-            .spawn(move || {
-                let _posting = posting;
-                for (rank, post) in &posts {
-                    let _ = board.post(*rank, post, deadline);
-                }
-            });
+        let _ = self.post_in_background(posts);
     }
 
     /// The departure of a rank in another process that the job's desync board holds, read
@@ -507,40 +508,32 @@ impl Clique {
     pub(crate) fn remote_departure(&self, rank: usize) -> Option<&Departure> {
         let board = self.board.get()?;
         if self.departed.get().is_none() && !self.any_timeout() {
-            let posts = board.fetch(Instant::now() + BOARD_IO).ok()?;
-            for (r, p) in posts.into_iter().enumerate() {
-                let Some(p) = p else {
-                    continue;
-                };
-                if p.left && p.clique == self.key && r < self.world_size && !self.view(r).present {
-                    self.depart_remote(r, p.issued, &p.text);
-                }
-            }
+            self.read_departures(board.fetch(Instant::now() + BOARD_IO).ok()?);
         }
         self.departed_other_than(rank)
             .filter(|d| !self.view(d.rank).present)
     }
 
-    /// Rank `rank` of another process left, having issued `issued` collectives, as its post
-    /// on the board says (`how`). The first departure is kept; the watchdog then fails, at
-    /// its next tick, every rank of this process that waits in a collective it never
-    /// issued.
-    fn depart_remote(&self, rank: usize, issued: u64, how: &str) {
-        if self.any_timeout() {
-            return;
-        }
-        let _ = self.departed.get_or_init(|| Departure {
-            rank,
-            issued,
-            how: format!("{how} (another process, from the desync board)"),
-            recent: Vec::new(),
+    /// The first departure posted in `posts` (the board's, as fetched) by a rank of another
+    /// process becomes the clique's, unless it timed out or has one: the watchdog then
+    /// fails, at its next tick, every rank of this process that waits in a collective that
+    /// rank never issued.
+    fn read_departures(&self, posts: Vec<Option<DesyncPost>>) {
+        let left = (posts.into_iter().enumerate()).find_map(|(r, p)| {
+            let mine = |p: &DesyncPost| p.left && p.clique == self.key && r < self.world_size;
+            p.filter(|p| mine(p) && !self.view(r).present)
+                .map(|p| (r, p))
         });
+        if let Some((rank, p)) = left.filter(|_| !self.any_timeout()) {
+            let how = format!("{} (another process, from the desync board)", p.text);
+            self.depart_elsewhere(rank, p.issued, how);
+        }
     }
 
-    /// Rank `rank` of another process died (the provider saw its process gone) in or
-    /// before collective `issued`: the clique's departure, unless one is known already
-    /// (the first is kept, and returned).
-    pub(crate) fn depart_dead(&self, rank: usize, issued: u64, how: String) -> &Departure {
+    /// Rank `rank` of another process left (its post on the board) or died (the provider
+    /// saw its process gone) in or before collective `issued`: the clique's departure,
+    /// unless one is known already (the first is kept, and returned).
+    pub(crate) fn depart_elsewhere(&self, rank: usize, issued: u64, how: String) -> &Departure {
         self.departed.get_or_init(|| Departure {
             rank,
             issued,
@@ -598,15 +591,10 @@ impl Clique {
                 .iter()
                 .all(|b| b[slot].is_some_and(|p| p.seq == fp.seq));
             if posted {
-                let same = s.board.iter().all(|b| {
-                    b[slot].is_some_and(|p| {
-                        p.op == fp.op
-                            && p.dtype == fp.dtype
-                            && p.count == fp.count
-                            && p.root == fp.root
-                    })
-                });
-                if same {
+                if s.board
+                    .iter()
+                    .all(|b| b[slot].is_some_and(|p| same_shape(&p, &fp)))
+                {
                     return Agreement::Agree;
                 }
                 return Agreement::Mismatch(self.table(&s, slot));
@@ -629,9 +617,7 @@ impl Clique {
         for (r, b) in s.board.iter().enumerate() {
             match b[slot] {
                 Some(p) => {
-                    let differs = first.is_some_and(|f| {
-                        f.op != p.op || f.dtype != p.dtype || f.count != p.count || f.root != p.root
-                    });
+                    let differs = first.is_some_and(|f| !same_shape(&f, &p));
                     let _ = writeln!(
                         t,
                         "  {r:>4}  {:<4}  {:<40}  {}{}",
@@ -654,20 +640,10 @@ impl Clique {
         t
     }
 
-    /// The desync report for rank `rank` stuck in `stuck` (its operation `stuck.seq`).
+    /// The desync report for rank `rank` stuck in `stuck` (its operation `stuck.seq`),
+    /// ending with why this clique was aborted: by this rank's watchdog (`ours`), or by a
+    /// rank of another process.
     pub(crate) fn report(
-        &self,
-        rank: usize,
-        stuck: &OpRecord,
-        timeout: Duration,
-        what: &str,
-    ) -> Report {
-        self.report_as(rank, stuck, timeout, what, true)
-    }
-
-    /// [`report`](Self::report), ending with why this clique was aborted: by this rank's
-    /// watchdog (`ours`), or by a rank of another process.
-    pub(crate) fn report_as(
         &self,
         rank: usize,
         stuck: &OpRecord,
@@ -835,16 +811,8 @@ fn watch_departures(clique: Weak<Clique>) {
         let Some(board) = c.board.get().cloned() else {
             continue;
         };
-        let Ok(posts) = board.fetch(Instant::now() + BOARD_IO) else {
-            continue;
-        };
-        for (r, p) in posts.into_iter().enumerate() {
-            let Some(p) = p else {
-                continue;
-            };
-            if p.left && p.clique == c.key && r < c.world_size && !c.view(r).present {
-                c.depart_remote(r, p.issued, &p.text);
-            }
+        if let Ok(posts) = board.fetch(Instant::now() + BOARD_IO) {
+            c.read_departures(posts);
         }
     }
 }
@@ -928,6 +896,7 @@ mod tests {
             &stuck,
             Duration::from_millis(400),
             "did not complete in time",
+            true,
         );
         let r = &report.text;
         eprintln!("{r}");
@@ -1143,7 +1112,7 @@ mod tests {
             v.issued = 1;
             v.last = Some(stuck);
         });
-        let r = c.report(0, &stuck, Duration::from_secs(1), "x").text;
+        let r = c.report(0, &stuck, Duration::from_secs(1), "x", true).text;
         assert!(
             r.contains("  rank 1: no record (not in this process"),
             "{r}"

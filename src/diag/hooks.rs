@@ -712,6 +712,7 @@ impl CommDiag {
                     &rec,
                     s.settings.timeout,
                     "waited for the other ranks in the fingerprint check",
+                    true,
                 );
                 let report = s
                     .clique
@@ -824,7 +825,7 @@ impl CommDiag {
                                 // rank it lost (`lost_rank()`); the provider's words stand.
                                 None if died.is_some() => {
                                     if let Some((r, how)) = died {
-                                        let d = s.clique.depart_dead(r, rec.seq, how);
+                                        let d = s.clique.depart_elsewhere(r, rec.seq, how);
                                         s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
                                     }
                                     e
@@ -837,7 +838,7 @@ impl CommDiag {
                                 // rather than "rank N called ncclCommAbort". (With no such post,
                                 // the provider's error stands: "rank N died", say.)
                                 None if remote && s.clique.remote_waiting(rec.seq) => {
-                                    let report = s.clique.report_as(
+                                    let report = s.clique.report(
                                         s.rank,
                                         rec,
                                         s.settings.timeout,

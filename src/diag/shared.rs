@@ -621,26 +621,27 @@ impl Shared {
         if self.clique.any_timeout() {
             return true;
         }
-        let queues: smallvec::SmallVec<[Arc<QueueWatch>; MAX_QUEUES]> =
-            self.queue_list().iter().cloned().collect();
-        for q in &queues {
-            let (from, to) = (
-                q.published.load(Ordering::Acquire),
-                q.staged.load(Ordering::Acquire),
-            );
-            for pos in from..to {
-                let Some(rec) = self.journal.get(pos) else {
-                    continue;
-                };
-                if let Some(d) = self.clique.waits_for_departed(self.rank, &rec) {
-                    let d = d.clone();
-                    self.clique
-                        .fail_for_departure(&d, Some(self.rank), Some(&rec));
-                    return true;
-                }
+        for rec in self.staged() {
+            if let Some(d) = self.clique.waits_for_departed(self.rank, &rec) {
+                let d = d.clone();
+                self.clique
+                    .fail_for_departure(&d, Some(self.rank), Some(&rec));
+                return true;
             }
         }
         false
+    }
+
+    /// The records of the operations of the group being ended (staged on a queue, not yet
+    /// published), queue by queue.
+    fn staged(&self) -> Vec<OpRecord> {
+        let mut staged = Vec::new();
+        for q in self.queue_list().iter() {
+            let from = q.published.load(Ordering::Acquire);
+            let to = q.staged.load(Ordering::Acquire);
+            staged.extend((from..to).filter_map(|pos| self.journal.get(pos)));
+        }
+        staged
     }
 
     /// The group being ended failed with NCCL's remote error (a peer's abort broke the
@@ -662,13 +663,7 @@ impl Shared {
         };
         // The group's first operation on this communicator, still staged (the failed end
         // published nothing), for the report.
-        let rec = self.queue_list().iter().find_map(|q| {
-            let (from, to) = (
-                q.published.load(Ordering::Acquire),
-                q.staged.load(Ordering::Acquire),
-            );
-            (from..to).find_map(|pos| self.journal.get(pos))
-        });
+        let rec = self.staged().into_iter().next();
         self.clique
             .fail_for_departure(&d, Some(self.rank), rec.as_ref());
     }
@@ -694,6 +689,11 @@ impl Shared {
     /// clique already timed out.
     #[cold]
     pub(super) fn peer_timeout(&self, rec: &OpRecord, first: &str) -> Error {
+        let done = if self.settings.elastic && !self.aborted_by_watchdog.load(Ordering::Acquire) {
+            "the watchdog revoked the communicators of its clique (Config::elastic: shrink_after_failure makes one of the ranks left)"
+        } else {
+            "the watchdog aborted this communicator"
+        };
         let why = match self.timed_out().and_then(|r| r.left) {
             Some(r) => {
                 // In this rank's words: who left, and how (it panicked, returned, failed).
@@ -701,20 +701,9 @@ impl Shared {
                     .filter(|d| d.rank == r)
                     .and_then(|d| d.how.lines().next().map(|l| format!(" ({l})")))
                     .unwrap_or_default();
-                if self.settings.elastic && !self.aborted_by_watchdog.load(Ordering::Acquire) {
-                    format!("rank {r} left{how}, so the watchdog revoked the communicators of its clique (Config::elastic: shrink_after_failure makes one of the ranks left)")
-                } else {
-                    format!("rank {r} left{how}, so the watchdog aborted this communicator")
-                }
+                format!("rank {r} left{how}, so {done}")
             }
-            None if self.settings.elastic && !self.aborted_by_watchdog.load(Ordering::Acquire) => {
-                "a peer timed out, so the watchdog revoked the communicators of its clique (Config::elastic: shrink_after_failure makes one of the ranks left). The first timeout"
-                    .into()
-            }
-            None => {
-                "a peer timed out, so the watchdog aborted this communicator. The first timeout"
-                    .into()
-            }
+            None => format!("a peer timed out, so {done}. The first timeout"),
         };
         let what = format!(
             "{} (seq {}) on rank {}, called at {}: {why}:\n{first}\n=> {} seq {} on rank {}",
