@@ -122,8 +122,11 @@ impl Communicator {
         }
     }
 
-    /// Tears the taken handle `raw` down on the teardown lane (abort, or destroy), waiting
-    /// until `until`: the bound, and the call's result when it returned in time.
+    /// Tears the taken handle `raw` down on the teardown lane (`ncclCommAbort` when
+    /// `abort`, else [`destroy_or_abort`](crate::teardown::destroy_or_abort), with the
+    /// device's context current), waiting until `until` (at least `MIN_WAIT`): the bound,
+    /// and the call's result when it returned in time (past that, the policy applied).
+    /// `raw` must have been taken out of this communicator: this is its one teardown.
     pub(super) fn teardown(
         &self,
         raw: ncclComm_t,
@@ -131,22 +134,41 @@ impl Communicator {
         why: &str,
         until: Instant,
     ) -> (Duration, Option<ncclResult_t>) {
-        let what = format!("rank {} of {} ({why})", self.rank, self.world_size);
+        let call = if abort {
+            "ncclCommAbort"
+        } else {
+            "ncclCommDestroy"
+        };
+        let what = format!(
+            "{call} of rank {} of {} ({why})",
+            self.rank, self.world_size
+        );
         let ctx = match &self.device {
             CommDevice::Cuda(c) => Some(Arc::clone(c)),
             CommDevice::Host => None,
         };
+        let lib = Arc::clone(self.handle.lib());
+        let raw = raw as usize;
+        let work = Box::new(move || {
+            if let Some(ctx) = ctx {
+                // Not `bind_to_thread`: it would take the context's recorded error away
+                // from the user's `check_err`.
+                let _ = crate::stream::make_current(&ctx);
+            }
+            let t = lib.table();
+            let raw = raw as ncclComm_t;
+            // SAFETY: `raw` was taken out of its communicator's slot (the caller's
+            // contract): this is its one teardown, and no one uses it afterwards.
+            unsafe {
+                if abort {
+                    (t.ncclCommAbort)(raw)
+                } else {
+                    crate::teardown::destroy_or_abort(t, raw)
+                }
+            }
+        });
         let b = self.diag.bound();
-        let (_, r) = crate::teardown::teardown_bounded(
-            self.lane(),
-            b,
-            self.handle.lib(),
-            raw,
-            abort,
-            ctx,
-            what,
-            until,
-        );
+        let r = crate::teardown::run_bounded(self.lane(), b, what, work, until);
         (b.bound, r)
     }
 

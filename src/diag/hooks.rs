@@ -26,7 +26,7 @@ use {
     super::clique::{self, Agreement, RankView, TimeoutReport},
     super::journal::{Entry, Journal},
     super::op::in_group,
-    super::recorder::{FlightRecord, OpState},
+    super::recorder::{FlightRecord, OpRecord, OpState},
     super::remote,
     super::shared::{QueueWatch, Shared, IDLE, MAX_QUEUES, PINNED, UNCLAIMED},
     super::tracker::{self, Queue},
@@ -773,90 +773,9 @@ impl CommDiag {
     #[cfg(feature = "diag")]
     #[cold]
     fn end_error(&self, s: &Shared, pos: u64, e: Error) -> Error {
-        let rec = s.journal.get(pos);
-        let e = match (&rec, s.aborted_by_watchdog.load(Ordering::Acquire)) {
-            (Some(rec), true) => {
-                let r = s.abort_report();
-                if r.is_about(s.rank, rec.op, rec.seq) {
-                    s.timeout_error(&r)
-                } else {
-                    s.peer_timeout(rec, &r)
-                }
-            }
-            (Some(rec), false) => match s.clique.timed_out() {
-                Some(first) => s.peer_timeout(rec, &first),
-                None => {
-                    // A collective that a departed rank never issued failed at once (a
-                    // provider that breaks the clique with a peer's abort, as the host
-                    // provider does): no collective of the clique can complete any more,
-                    // as when the departure finds a rank already waiting. Fail the clique
-                    // so that every rank sees it (`is_failed()`); the caller keeps the
-                    // provider's own error. The same for a call the departed rank did
-                    // issue that NCCL failed with its remote error (a peer's abort, say,
-                    // while this rank's part of it was still in flight): a communicator
-                    // that returned an error can run no collective any more.
-                    //
-                    // A peer's remote error with no departure known here: a rank of another
-                    // process that left (say, it panicked) posted why to the job's desync
-                    // board before its teardown woke this rank. Then the error names it and
-                    // how it left, as for a rank of this process.
-                    let remote = e.code() == Some(crate::error::ResultCode::RemoteError);
-                    let d = s.clique.waits_for_departed(s.rank, rec).or_else(|| {
-                        remote
-                            .then(|| s.clique.departed_other_than(s.rank))
-                            .flatten()
-                    });
-                    match d {
-                        Some(d) => {
-                            s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
-                            e
-                        }
-                        None => {
-                            let died = remote.then(|| died_rank(s)).flatten();
-                            match remote.then(|| s.clique.remote_departure(s.rank)).flatten() {
-                                Some(d) => {
-                                    let first =
-                                        s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
-                                    s.peer_timeout(rec, &first)
-                                }
-                                // No departure on the board, but the provider names a rank whose
-                                // process is gone (a SIGKILLed process posts nothing): that rank
-                                // is the clique's departure, so that every survivor knows which
-                                // rank it lost (`lost_rank()`); the provider's words stand.
-                                None if died.is_some() => {
-                                    if let Some((r, how)) = died {
-                                        let d = s.clique.depart_elsewhere(r, rec.seq, how);
-                                        s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
-                                    }
-                                    e
-                                }
-                                // No departure on the board either, but ranks of other
-                                // processes posted that they wait in this collective: one of them
-                                // aborted the clique, its watchdog timed out (say) a moment
-                                // before this rank's would have. The board tells whom they waited
-                                // for: this rank's report names the rank behind, as theirs do,
-                                // rather than "rank N called ncclCommAbort". (With no such post,
-                                // the provider's error stands: "rank N died", say.)
-                                None if remote && s.clique.remote_waiting(rec.seq) => {
-                                    let report = s.clique.report(
-                                        s.rank,
-                                        rec,
-                                        s.settings.timeout,
-                                        "failed with a peer's remote error",
-                                        false,
-                                    );
-                                    let first = s
-                                        .clique
-                                        .set_timed_out(&TimeoutReport::of(s.rank, rec, report));
-                                    s.peer_timeout(rec, &first)
-                                }
-                                None => e,
-                            }
-                        }
-                    }
-                }
-            },
-            (None, _) => e,
+        let e = match s.journal.get(pos) {
+            Some(rec) => explain(s, &rec, e),
+            None => e,
         };
         s.dump();
         e
@@ -952,6 +871,77 @@ impl CommDiag {
                 .depart(s.rank, s.rank_view(), s.recent_collectives(), how, false);
         }
     }
+}
+
+/// The error of `rec`, this rank's operation that NCCL failed with `e`: the watchdog's
+/// report when it aborted the communicator or its clique timed out, else `e`, having failed
+/// the clique for a departure the failure shows.
+#[cfg(feature = "diag")]
+#[cold]
+fn explain(s: &Shared, rec: &OpRecord, e: Error) -> Error {
+    if s.aborted_by_watchdog.load(Ordering::Acquire) {
+        let r = s.abort_report();
+        if r.is_about(s.rank, rec.op, rec.seq) {
+            return s.timeout_error(&r);
+        }
+        return s.peer_timeout(rec, &r);
+    }
+    if let Some(first) = s.clique.timed_out() {
+        return s.peer_timeout(rec, &first);
+    }
+    // A collective that a departed rank never issued failed at once (a provider that breaks
+    // the clique with a peer's abort, as the host provider does): no collective of the
+    // clique can complete any more, as when the departure finds a rank already waiting.
+    // Fail the clique so that every rank sees it (`is_failed()`); the caller keeps the
+    // provider's own error. The same for a call the departed rank did issue that NCCL
+    // failed with its remote error (a peer's abort, say, while this rank's part of it was
+    // still in flight): a communicator that returned an error can run no collective any
+    // more.
+    let remote = e.code() == Some(crate::error::ResultCode::RemoteError);
+    let departed = s.clique.waits_for_departed(s.rank, rec).or_else(|| {
+        remote
+            .then(|| s.clique.departed_other_than(s.rank))
+            .flatten()
+    });
+    if let Some(d) = departed {
+        s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
+        return e;
+    }
+    if !remote {
+        return e;
+    }
+    let died = died_rank(s);
+    // A peer's remote error with no departure known here: a rank of another process that
+    // left (say, it panicked) posted why to the job's desync board before its teardown woke
+    // this rank. Then the error names it and how it left, as for a rank of this process.
+    if let Some(d) = s.clique.remote_departure(s.rank) {
+        let first = s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
+        return s.peer_timeout(rec, &first);
+    }
+    // No departure on the board, but the provider names a rank whose process is gone (a
+    // SIGKILLed process posts nothing): that rank is the clique's departure, so that every
+    // survivor knows which rank it lost (`lost_rank()`); the provider's words stand.
+    if let Some((r, how)) = died {
+        let d = s.clique.depart_elsewhere(r, rec.seq, how);
+        s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
+        return e;
+    }
+    // No departure on the board either, but ranks of other processes posted that they wait
+    // in this collective: one of them aborted the clique, its watchdog timed out (say) a
+    // moment before this rank's would have. The board tells whom they waited for: this
+    // rank's report names the rank behind, as theirs do, rather than "rank N called
+    // ncclCommAbort". (With no such post, the provider's error stands: "rank N died", say.)
+    if s.clique.remote_waiting(rec.seq) {
+        let what = "failed with a peer's remote error";
+        let report = s
+            .clique
+            .report(s.rank, rec, s.settings.timeout, what, false);
+        let first = s
+            .clique
+            .set_timed_out(&TimeoutReport::of(s.rank, rec, report));
+        return s.peer_timeout(rec, &first);
+    }
+    e
 }
 
 /// The rank whose process the host provider saw gone while this communicator's clique

@@ -175,15 +175,17 @@ impl Job {
         } else {
             String::new()
         };
+        let late = format!(
+            "nccl-safe: {} did not return within {:?}{queued} (Config::abort_timeout, NCCL_SAFE_ABORT_TIMEOUT_MS)",
+            self.what, self.bound
+        );
         match self.action {
             OnAbortTimeout::Report => eprintln!(
-                "nccl-safe: {} did not return within {:?}{queued} (Config::abort_timeout, NCCL_SAFE_ABORT_TIMEOUT_MS): what it holds is left, and the communicators stay failed. NCCL_SAFE_ON_ABORT_TIMEOUT=exit ends the process instead.",
-                self.what, self.bound
+                "{late}: what it holds is left, and the communicators stay failed. NCCL_SAFE_ON_ABORT_TIMEOUT=exit ends the process instead."
             ),
             OnAbortTimeout::ExitProcess => {
                 eprintln!(
-                    "nccl-safe: {} did not return within {:?}{queued} (Config::abort_timeout, NCCL_SAFE_ABORT_TIMEOUT_MS): ending the process with status {ABORT_TIMEOUT_EXIT_STATUS} (NCCL_SAFE_ON_ABORT_TIMEOUT=exit)",
-                    self.what, self.bound
+                    "{late}: ending the process with status {ABORT_TIMEOUT_EXIT_STATUS} (NCCL_SAFE_ON_ABORT_TIMEOUT=exit)"
                 );
                 // SAFETY: `_exit` ends the process at once. The normal exit path would run
                 // the CUDA runtime's teardown under the blocked call.
@@ -368,55 +370,6 @@ pub(crate) fn abort(
     )
 }
 
-/// Tears the handle `raw` of `lib` down on `lane` (`ncclCommAbort` when `abort`, else
-/// `ncclCommDestroy`, with `ctx` current on the lane's thread) and waits until `until` (at
-/// least [`MIN_WAIT`]): the job, and the call's result if it returned in time (past that,
-/// the policy has been applied). `raw` must have been taken out of its communicator: this
-/// is its one teardown.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn teardown_bounded(
-    lane: TeardownLane,
-    b: Bound,
-    lib: &Arc<Library>,
-    raw: ncclComm_t,
-    abort: bool,
-    ctx: Option<Arc<cudarc::driver::CudaContext>>,
-    what: String,
-    until: Instant,
-) -> (Arc<Job>, Option<ncclResult_t>) {
-    let lib = Arc::clone(lib);
-    let raw = raw as usize;
-    let call = if abort {
-        "ncclCommAbort"
-    } else {
-        "ncclCommDestroy"
-    };
-    run_bounded(
-        lane,
-        b,
-        format!("{call} of {what}"),
-        Box::new(move || {
-            if let Some(ctx) = ctx {
-                // Not `bind_to_thread`: it would take the context's recorded error away
-                // from the user's `check_err`.
-                let _ = crate::stream::make_current(&ctx);
-            }
-            let t = lib.table();
-            let raw = raw as ncclComm_t;
-            // SAFETY: `raw` was taken out of its communicator's slot: this is its one
-            // teardown, and no one uses it afterwards.
-            unsafe {
-                if abort {
-                    (t.ncclCommAbort)(raw)
-                } else {
-                    destroy_or_abort(t, raw)
-                }
-            }
-        }),
-        until,
-    )
-}
-
 /// `ncclCommDestroy` of `raw`, or its abort when NCCL refuses to destroy it.
 ///
 /// NCCL 2.28's destroy enters a group level, then returns `ncclCommEnsureReady`'s error
@@ -474,22 +427,21 @@ pub(crate) unsafe fn destroy_closing_level(
     }
 }
 
-/// Queues `work` on `lane` and waits until `until` (at least [`MIN_WAIT`]): the job, and
-/// its result if it returned in time (past that, the policy has been applied).
+/// Queues `work` on `lane` and waits until `until` (at least [`MIN_WAIT`]): its result if
+/// it returned in time (past that, the policy has been applied).
 pub(crate) fn run_bounded(
     lane: TeardownLane,
     b: Bound,
     what: String,
     work: Work,
     until: Instant,
-) -> (Arc<Job>, Option<ncclResult_t>) {
+) -> Option<ncclResult_t> {
     let job = submit(lane, b, what, work);
     let done = job.wait(until.max(Instant::now() + MIN_WAIT));
     if !done {
         job.handle_overdue();
     }
-    let r = done.then(|| job.result());
-    (job, r)
+    done.then(|| job.result())
 }
 
 /// Applies the policy to every job past its bound (the watchdog calls it each tick).
