@@ -255,38 +255,25 @@ fn wrap(
     caller: &'static Location<'static>,
 ) -> Result<Communicator> {
     let (raw, lib) = (handle.get(), Arc::clone(handle.lib()));
-    // On an error the handle goes back untouched (still the caller's or its owner's).
-    let give_back = |handle: RawComm, e: Error| {
-        let _ = handle.into_raw();
-        Err(e)
-    };
-    if raw.is_null() {
-        return give_back(
-            handle,
-            Error::InvalidArgument {
-                call,
-                reason: "the communicator handle is null".into(),
-            },
-        );
-    }
-    if let Err(e) = crate::comm::check_device(call, &lib, &device) {
-        return give_back(handle, e);
-    }
-    if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
-        return give_back(handle, Error::InvalidArgument { call, reason });
-    }
-    // A handle made with resource sharing shares an abort flag with its parent and
-    // children, which the crate cannot keep apart (see `Config::split_share`).
-    if let Some(field) = config.shared_resources() {
-        let reason = format!("a communicator made with {field} on shares NCCL's abort flag with its family, whose abort would make its collectives return success without moving data: adopt only one made without resource sharing");
-        return give_back(handle, Error::InvalidArgument { call, reason });
-    }
     let ctx = CallContext {
         comm: raw,
         rank: None,
         caller: Some(caller),
     };
     let shape = (|| {
+        let invalid = |reason: String| Err(Error::InvalidArgument { call, reason });
+        if raw.is_null() {
+            return invalid("the communicator handle is null".into());
+        }
+        crate::comm::check_device(call, &lib, &device)?;
+        if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
+            return invalid(reason);
+        }
+        // A handle made with resource sharing shares an abort flag with its parent and
+        // children, which the crate cannot keep apart (see `Config::split_share`).
+        if let Some(field) = config.shared_resources() {
+            return invalid(format!("a communicator made with {field} on shares NCCL's abort flag with its family, whose abort would make its collectives return success without moving data: adopt only one made without resource sharing"));
+        }
         // NCCL_COMM_BLOCKING=0 made the handle non-blocking whatever its creator asked,
         // and its ncclCommInitRank returned ncclSuccess with the init still running
         // (init.cc:2055).
@@ -310,30 +297,28 @@ fn wrap(
             nccl_call!(&lib, ncclCommCount(raw, &mut count), ctx)?;
         }
         if count < 1 || rank < 0 || rank >= count {
-            return Err(Error::InvalidArgument {
-                call,
-                reason: format!("NCCL reports rank {rank} of {count}"),
-            });
+            return invalid(format!("NCCL reports rank {rank} of {count}"));
         }
         if let CommDevice::Cuda(cuda) = &device {
             let mut dev: c_int = -1;
             // SAFETY: as above; `dev` is writable.
             unsafe { nccl_call!(&lib, ncclCommCuDevice(raw, &mut dev), ctx)? };
             if usize::try_from(dev).ok() != Some(cuda.ordinal()) {
-                return Err(Error::InvalidArgument {
-                    call,
-                    reason: format!(
-                        "the communicator is on CUDA device {dev}, the context on {}",
-                        cuda.ordinal()
-                    ),
-                });
+                return invalid(format!(
+                    "the communicator is on CUDA device {dev}, the context on {}",
+                    cuda.ordinal()
+                ));
             }
         }
         Ok((rank as usize, count as usize))
     })();
     let (rank, world_size) = match shape {
         Ok(s) => s,
-        Err(e) => return give_back(handle, e),
+        Err(e) => {
+            // The handle goes back untouched (still the caller's or its owner's).
+            let _ = handle.into_raw();
+            return Err(e);
+        }
     };
     // The handle the watchdog may take and abort: none for a borrowed one, so a timeout
     // only marks the view failed.

@@ -260,48 +260,28 @@ impl Communicator {
         crate::teardown::check_lane(OP, self.lane())?;
         let tag = crate::diag::shrink_tag(&[-1, -(world_size as c_int)]);
         let raw_id = id.map(UniqueId::to_raw);
-        let slot = JobSlot::new();
-        let out = slot.out();
-        let mut adopted = None;
         // NCCL's grow leaves this communicator's state alone (its job runs on the new
         // one), so the wait on it after the call returns at once; the new communicator
-        // is waited for in `adopt_child`, inside the operation (watched).
-        let r = self.issue_job(
-            CALL,
-            caller,
-            |_, comm| {
-                // SAFETY: `out` is a heap slot that outlives NCCL's job (it stores the
-                // handle again at its end), freed only after the new communicator left
-                // ncclInProgress, else leaked; `raw_id` lives across the call (NCCL copies
-                // it); rank -1 = an existing rank; null config inherits this one's.
-                unsafe {
-                    grow(
-                        comm,
-                        world_size as c_int,
-                        raw_id.as_ref().map_or(std::ptr::null(), |r| r as *const _),
-                        -1,
-                        out,
-                        std::ptr::null_mut(),
-                    )
-                }
-            },
-            || {
-                adopted = self.adopt_child(OP, slot.take(), caller, tag)?;
-                Ok(())
-            },
-        );
-        match r {
-            Ok(()) => adopted.ok_or(Error::InvalidArgument {
-                call: OP,
-                reason: "NCCL returned no communicator".into(),
-            }),
-            Err(e) => {
-                // The new handle (if any) was taken from the slot and is aborted by its
-                // drop; NCCL's job may still store into the slot: leave it to the job.
-                slot.leak();
-                Err(e)
+        // is waited for in `adopt_child`, inside the operation (watched). On an error the
+        // new handle (if any) was taken from the slot and is aborted by its drop, and the
+        // slot is left to NCCL's job, which may still store into it.
+        let child = self.issue_child(CALL, caller, tag, true, true, |_, comm, out| {
+            // SAFETY: `out` is a heap slot that outlives NCCL's job (it stores the handle
+            // again at its end), freed only after the new communicator left
+            // ncclInProgress, else leaked; `raw_id` lives across the call (NCCL copies
+            // it); rank -1 = an existing rank; null config inherits this one's.
+            unsafe {
+                grow(
+                    comm,
+                    world_size as c_int,
+                    raw_id.as_ref().map_or(std::ptr::null(), |r| r as *const _),
+                    -1,
+                    out,
+                    std::ptr::null_mut(),
+                )
             }
-        }
+        })?;
+        child.ok_or_else(|| Communicator::no_child(OP))
     }
 
     /// Joins a communicator that existing ranks [`grow`](Self::grow) as its rank `rank`

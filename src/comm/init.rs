@@ -102,8 +102,7 @@ impl Communicator {
         diag.arrive(rank, world_size);
         let comm = Communicator::new(handle, device.clone(), rank, world_size, diag)
             .keeping(config.names());
-        comm.mark_pending();
-        Ok(PendingCommunicator { comm })
+        Ok(PendingCommunicator::pending(comm))
     }
 
     /// Creates one communicator per device in this process (`ncclCommInitAll`): rank `i`
