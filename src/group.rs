@@ -49,10 +49,9 @@ pub struct Group<'a> {
     /// The library of the started group, borrowed from its first communicator (no
     /// reference count traffic per group).
     lib: Option<&'a Arc<Library>>,
-    /// The distinct communicators used (inline for up to 8: no allocation per group).
-    /// The communicators of its operations, each pinned (claimed against the watchdog)
-    /// from its first operation until the group's end, so no handle is aborted under
-    /// `ncclGroupEnd`.
+    /// The distinct communicators of its operations (inline for up to 8), each pinned
+    /// (claimed against the watchdog) from its first operation until the group's end, so
+    /// no handle is aborted under `ncclGroupEnd`.
     comms: SmallVec<[&'a Communicator; 8]>,
     /// cudarc guards, released after `ncclGroupEnd` (host buffers have none).
     guards: SmallVec<[BufferGuard<'a>; 8]>,
@@ -135,15 +134,6 @@ impl<'a> Group<'a> {
         crate::diag::group_started();
         self.lib = Some(lib);
         Ok(())
-    }
-
-    #[inline(always)]
-    fn keep(&mut self, comm: &'a Communicator, guards: Guards<'a>) {
-        self.operations += 1;
-        let _ = comm;
-        if guards.iter().any(acts) {
-            self.keep_guards(guards);
-        }
     }
 
     /// Notes (and pins) the communicator of an operation about to be enqueued.
@@ -299,7 +289,10 @@ impl<'a> Group<'a> {
             self.note(comm)?;
         }
         let guards = op.enqueue()?;
-        self.keep(comm, guards);
+        self.operations += 1;
+        if guards.iter().any(acts) {
+            self.keep_guards(guards);
+        }
         Ok(())
     }
 }

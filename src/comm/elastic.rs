@@ -3,45 +3,9 @@
 //! growth ([`Communicator::grow_id`], [`Communicator::grow`] and
 //! [`Communicator::join_grown`], 2.29).
 //!
-//! What NCCL 2.29.7 does in each call, from its source (`src/init.cc` at tag
-//! `v2.29.7-1`; the table in ARCHITECTURE.md has the rows):
-//!
-//! * `ncclCommRevoke` (init.cc:2602-2693) refuses flags other than 0, a finalized or
-//!   destroyed communicator and a second revoke with ncclInvalidArgument before anything
-//!   changes. Otherwise it sets the abort flags (the communicator's kernels end), joins a
-//!   job in flight, marks the communicator revoked and finalized, and launches a job that
-//!   waits for the streams, stops the proxy, clears the abort flags and stores **its own
-//!   result** as the communicator's asynchronous state (:2635): a failure seen before no
-//!   longer shows once the revoke ended. On a non-blocking communicator the state reads
-//!   ncclInProgress until then, and the call returns the state it reads after launching
-//!   the job (:2686-2688), so usually ncclInProgress. No out-pointer. Collectives are
-//!   refused from then on with ncclInvalidUsage (enqueue.cc:2983-2986), finalize with
-//!   ncclInvalidArgument (:2474); destroy, split and shrink may follow.
-//! * `ncclCommShrink` with `NCCL_SHRINK_ABORT` (init.cc:2838-2858) first sets the abort
-//!   flags, waits for the device stream and clears the flags (:2844-2848), then makes the
-//!   child as a default shrink does (`ncclCommInitChildComm`, :2745-2836), resources never
-//!   shared with the parent (:2776). Its `ncclCommEnsureReady` (:2762, 400-416) refuses a
-//!   parent in progress (ncclInvalidArgument) **and a parent whose asynchronous error is
-//!   set** (that error), in both modes: a communicator NCCL itself flagged can be shrunk
-//!   only after a revoke cleared the flag. `*newcomm` is NULL during the call (:2780) and
-//!   the child is stored by the job at its end (:1747-1750), after the parent read
-//!   ncclInProgress meanwhile; the call returns ncclSuccess (as for a split).
-//! * `ncclCommGetUniqueId` (init.cc:2860-2875) is synchronous, on one existing rank (the
-//!   grow's root): `ncclCommEnsureReady` first; the id is derived from the communicator
-//!   and its next grow (bootstrap.cc:438-467), sent to ranks 0 and n-1 during the call
-//!   (`bcastGrowHandle`, bootstrap.cc:470-486), and written to `*uniqueId` at the end of a
-//!   successful call only. The header (nccl.h.in:237-243): one id at a time, each used
-//!   once, the next only after the grow completed.
-//! * `ncclCommGrow` (init.cc:2877-3038) checks `newcomm`, `nRanks > 0` and (existing ranks)
-//!   `nRanks` above the current size before writing anything; then `*newcomm = NULL`
-//!   (:2895). Existing ranks pass `rank = -1` (the root its id, the others NULL); ranks 0
-//!   and n-1 **block in the call** until the root's `ncclCommGetUniqueId` sent them the id
-//!   (:2913-2924). New ranks pass NULL, the id and their rank. Every rank gets a new
-//!   communicator, written to `*newcomm` **during the call** (:2997) and stored again by
-//!   the job at its end (:1747-1750, so the out-pointer must outlive the job); the job runs
-//!   on the new communicator, which reads ncclInProgress until it ends; the parent is not
-//!   touched (stays usable, its state unchanged); the call returns ncclSuccess (the group
-//!   end's ncclInProgress is dropped, :3016). Existing ranks keep their rank.
+//! What NCCL does in each call, read from its source (`src/init.cc` at tag `v2.29.7-1`), is
+//! in ARCHITECTURE.md's table ("NCCL's asynchronous contract"); each method below cites the
+//! lines its own behaviour rests on.
 
 use std::ffi::c_int;
 

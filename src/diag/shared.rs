@@ -138,11 +138,9 @@ pub(crate) struct Shared {
     /// [`IDLE`], or the journal position + 1 of the operation inside its NCCL call.
     /// Written only by the owner.
     pub(super) current: AtomicU64,
-    /// [`UNCLAIMED`], [`DECIDING`] or [`ABORTING`]. Written only by the watchdog. The
-    /// owner stores `current`, fences ([`fence::light`]) and loads this before each NCCL
-    /// call; the watchdog stores this, fences ([`fence::heavy`]) and loads `current`
-    /// before it aborts. So either the owner sees the claim and does not make the call, or
-    /// the watchdog sees the owner's new operation and lets it be.
+    /// [`UNCLAIMED`], [`DECIDING`] or [`ABORTING`]. Written only by the watchdog, read by
+    /// the owner after it stored `current` and fenced (ARCHITECTURE.md, "Who may use a
+    /// handle: the claim").
     pub(super) claim: AtomicU8,
     /// Whether [`fence::asymmetric`] is in use.
     pub(super) asym: bool,
@@ -334,13 +332,10 @@ impl Shared {
             .or_else(|| self.journal.get(upto.checked_sub(1)?))
     }
 
-    /// Retires the oldest ranges of `q` whose marker completed.
-    ///
-    /// Asks first whether the queue is capturing into a graph: markers recorded at enqueue
-    /// are recorded without that question, so one may belong to the open capture, and
-    /// CUDA calls its query invalid. While a capture is open nothing is queried (nor timed
-    /// out: [`Watch::capturing`]). The owner adds markers under `w`'s lock, which the
-    /// caller holds, so every marker queried here was recorded before the answer.
+    /// Retires the oldest ranges of `q` whose marker completed. Asks first whether the queue
+    /// is capturing into a graph, and then queries nothing (`tracker`'s module docs); the
+    /// caller holds `w`'s lock, under which the owner adds markers, so every marker queried
+    /// was recorded before the answer.
     fn retire_done(&self, q: &QueueWatch, w: &mut Watch) {
         if w.pending.iter().any(|p| p.marker.is_some()) {
             match self.tracker.capturing(&q.queue) {

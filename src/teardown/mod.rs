@@ -20,10 +20,7 @@
 //! also keeps a handle's calls in sequence: a teardown queued after a deregistration of
 //! the same communicator runs after it.
 //!
-//! Below `diag` and the wrapper, which both tear handles down: the watchdog aborts a
-//! clique's handles here, and a communicator's own teardown (src/comm/teardown.rs) runs
-//! here. `exit` is the process-exit guard every call on a lane (and each watchdog query)
-//! enters.
+//! `exit` is the process-exit guard every call on a lane (and each watchdog query) enters.
 
 pub(crate) mod exit;
 
