@@ -230,13 +230,17 @@ impl Clique {
         }
     }
 
+    /// The ranks in this process whose communicator is not torn down, with their views.
+    fn here(&self) -> impl Iterator<Item = (usize, RankView)> + '_ {
+        (0..self.world_size)
+            .map(|r| (r, self.view(r)))
+            .filter(|(_, v)| v.present && !v.gone)
+    }
+
     /// The ranks in this process, not torn down, that have not issued collective `seq`.
     pub(crate) fn behind_here(&self, seq: u64) -> Vec<usize> {
-        (0..self.views.len())
-            .filter(|&r| {
-                let v = self.view(r);
-                v.present && !v.gone && v.issued <= seq
-            })
+        (self.here().filter(|(_, v)| v.issued <= seq))
+            .map(|(r, _)| r)
             .collect()
     }
 
@@ -323,14 +327,10 @@ impl Clique {
         }
         // A rank of this process already in such a collective (the watchdog finds the
         // others, and later ones, within a tick).
-        let (waiting, rec) = (0..self.world_size)
-            .filter(|&r| r != rank)
-            .filter_map(|r| {
-                let v = self.view(r);
-                let l = v.last.filter(|l| l.state == OpState::Enqueued)?;
-                (v.present && !v.gone && self.waits_for_departed(r, &l).is_some()).then_some((r, l))
-            })
-            .next()?;
+        let (waiting, rec) = self.here().find_map(|(r, v)| {
+            let l = v.last.filter(|l| l.state == OpState::Enqueued)?;
+            (r != rank && self.waits_for_departed(r, &l).is_some()).then_some((r, l))
+        })?;
         Some(self.fail_for_departure(d, Some(waiting), Some(&rec)))
     }
 
@@ -490,9 +490,7 @@ impl Clique {
             return;
         }
         let now = Instant::now();
-        let posts: Vec<(usize, DesyncPost)> = (0..self.views.len())
-            .map(|r| (r, self.view(r)))
-            .filter(|(_, v)| v.present && !v.gone)
+        let posts: Vec<(usize, DesyncPost)> = (self.here())
             .map(|(r, v)| (r, DesyncPost::new(self.key, v.issued, &describe(&v, now))))
             .collect();
         let _ = self.post_in_background(posts);
@@ -544,12 +542,9 @@ impl Clique {
 
     /// Whether a rank of this process has waited in an operation for at least `age`.
     fn waiting_for(&self, age: Duration) -> bool {
-        (0..self.world_size).any(|r| {
-            let v = self.view(r);
-            v.present
-                && !v.gone
-                && v.last
-                    .is_some_and(|l| l.state == OpState::Enqueued && l.enqueued.elapsed() >= age)
+        self.here().any(|(_, v)| {
+            v.last
+                .is_some_and(|l| l.state == OpState::Enqueued && l.enqueued.elapsed() >= age)
         })
     }
 

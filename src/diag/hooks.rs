@@ -183,14 +183,13 @@ impl CommDiag {
     /// For a child from split (`tag` = color) or shrink ([`shrink_tag`]): same settings,
     /// the key derived from the parent's, its last collective's sequence number and `tag`.
     pub(crate) fn child(&self, tag: u64) -> CommDiag {
-        #[cfg(not(feature = "diag"))]
-        let key = self.key;
         #[cfg(feature = "diag")]
         let key = self.child_key(tag);
+        #[cfg(not(feature = "diag"))]
+        let key = self.key;
         CommDiag::new(self.settings.clone(), key, self.root)
     }
 
-    /// The clique key of a child (see [`child`](Self::child)).
     #[cfg(feature = "diag")]
     fn child_key(&self, tag: u64) -> CliqueKey {
         let seq = self
