@@ -1047,6 +1047,12 @@ mod tests {
             .map_or(0, |q| q.retired.load(Ordering::Acquire))
     }
 
+    /// The host provider's (created, destroyed, aborted, misused) of `id`'s communicators.
+    fn counts(id: &UniqueId) -> (u64, u64, u64, u64) {
+        let s = crate::host::stats_for(&id.to_raw());
+        (s.created, s.destroyed, s.aborted, s.misused)
+    }
+
     fn comm() -> (Communicator, UniqueId) {
         let id = CommDevice::Host.unique_id().unwrap();
         let c = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &Config::new()).unwrap();
@@ -1101,11 +1107,7 @@ mod tests {
         let last = c.flight_record().entries.last().copied().unwrap();
         assert_eq!(last.state, OpState::Failed);
         drop(c);
-        let st = crate::host::stats_for(&id.to_raw());
-        assert_eq!(
-            (st.created, st.destroyed, st.aborted, st.misused),
-            (1, 0, 1, 0)
-        );
+        assert_eq!(counts(&id), (1, 0, 1, 0));
     }
 
     /// A counting tracker that expects its calls on this thread.
@@ -1234,8 +1236,7 @@ mod tests {
         assert!(!c.is_failed());
         drop(s);
         c.destroy().map_err(|(_, e)| e).unwrap();
-        let st = crate::host::stats_for(&id.to_raw());
-        assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
+        assert_eq!(counts(&id), (1, 1, 0, 0));
     }
 
     /// The queues a communicator's watch keeps are bounded, the least recently noted going
@@ -1276,11 +1277,7 @@ mod tests {
         wait_for(Duration::from_secs(10), Duration::from_millis(2), || {
             crate::host::stats_for(&id.to_raw()).live == 0
         });
-        let st = crate::host::stats_for(&id.to_raw());
-        assert_eq!(
-            (st.created, st.destroyed, st.aborted, st.misused),
-            (1, 0, 1, 0)
-        );
+        assert_eq!(counts(&id), (1, 0, 1, 0));
     }
 
     /// The watchdog's side: an idle host communicator is never claimed, an operation only
@@ -1319,8 +1316,7 @@ mod tests {
         s.current.store(IDLE, Ordering::Release);
         drop(s);
         c.destroy().map_err(|(_, e)| e).unwrap();
-        let st = crate::host::stats_for(&id.to_raw());
-        assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
+        assert_eq!(counts(&id), (1, 1, 0, 0));
     }
 
     /// Two children of one parent made at the same sequence number with the same tag
@@ -1401,7 +1397,6 @@ mod tests {
         counting.complete.store(true, Ordering::SeqCst);
         drop(s);
         drop(c);
-        let st = crate::host::stats_for(&id.to_raw());
-        assert_eq!((st.created, st.aborted, st.misused), (1, 1, 0));
+        assert_eq!(counts(&id), (1, 0, 1, 0));
     }
 }
