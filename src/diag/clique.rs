@@ -815,28 +815,17 @@ fn watch_departures(clique: Weak<Clique>) {
 /// What a rank was last doing, one line: `ncclAllReduce(f32 x 4) seq 1 at x.rs:9 (in
 /// progress for 1.002s)`.
 fn describe(v: &RankView, now: Instant) -> String {
-    match v.last {
-        Some(l) => format!(
-            "{} seq {} at {} ({}{})",
-            l.signature(),
-            l.seq,
-            l.at(),
-            match l.state {
-                OpState::Enqueued => "in progress",
-                OpState::Completed => "completed",
-                OpState::Failed => "failed",
-            },
-            if l.state == OpState::Enqueued {
-                format!(
-                    " for {:.3}s",
-                    now.saturating_duration_since(l.enqueued).as_secs_f64()
-                )
-            } else {
-                String::new()
-            }
-        ),
-        None => "nothing".to_string(),
-    }
+    let Some(l) = v.last else {
+        return "nothing".to_string();
+    };
+    let state = match l.state {
+        OpState::Enqueued => {
+            let age = now.saturating_duration_since(l.enqueued).as_secs_f64();
+            format!("in progress for {age:.3}s")
+        }
+        s => s.name().to_string(),
+    };
+    format!("{} seq {} at {} ({state})", l.signature(), l.seq, l.at())
 }
 
 #[cfg(test)]
