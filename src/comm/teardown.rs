@@ -27,39 +27,32 @@ impl Communicator {
     #[track_caller]
     #[allow(clippy::result_large_err)] // the shape of rusqlite's `Connection::close`
     pub fn destroy(mut self) -> std::result::Result<(), (Communicator, Error)> {
+        match self.try_destroy(Location::caller()) {
+            Ok(()) => Ok(()),
+            Err(e) => Err((self, e)),
+        }
+    }
+
+    /// [`destroy`](Self::destroy), with the communicator left in place on an error.
+    fn try_destroy(&mut self, caller: &'static Location<'static>) -> Result<()> {
         const OP: &str = "ncclCommDestroy";
-        let caller = Location::caller();
-        if let Err(e) = self.ensure_usable(OP) {
-            return Err((self, e));
-        }
+        self.ensure_usable(OP)?;
         if let Err(e) = self.diag.before_teardown() {
-            self.mark_failed(&e);
-            return Err((self, e));
+            return Err(self.fail(e));
         }
-        if let Err(e) = bind(&self.device) {
-            return Err((self, e));
-        }
+        bind(&self.device)?;
         // NCCL refuses to destroy a communicator with work in flight or an asynchronous
         // error, and then leaves this thread inside a group level (see
         // `teardown::destroy_or_abort`): such a one comes back failed (dropping it aborts).
-        match self.poll_async(OP, caller) {
-            Ok(false) => {}
-            Ok(true) => {
-                let e = Error::InvalidArgument {
-                    call: OP,
-                    reason: "NCCL still has work of this communicator in flight (ncclCommGetAsyncError says ncclInProgress): it cannot be destroyed now; drop it to abort it, or wait for the work".into(),
-                };
-                self.mark_failed(&e);
-                return Err((self, e));
-            }
-            Err(e) => return Err((self, e)),
+        if self.poll_async(OP, caller)? {
+            return Err(self.fail(Error::InvalidArgument {
+                call: OP,
+                reason: "NCCL still has work of this communicator in flight (ncclCommGetAsyncError says ncclInProgress): it cannot be destroyed now; drop it to abort it, or wait for the work".into(),
+            }));
         }
         // Pinned from before the call until the handle is out of its slot: a watchdog
         // claim can never fall between the destroy and the take.
-        let pinned = match self.diag.pin() {
-            Ok(p) => p,
-            Err(e) => return Err((self, e)),
-        };
+        let pinned = self.diag.pin()?;
         // SAFETY: the handle is live (pinned: the watchdog cannot take it during the call)
         // and used by nothing else; on success it is never used again (taken below, still
         // pinned). A refused destroy leaves this thread outside any group level.
@@ -75,10 +68,7 @@ impl Communicator {
         if pinned {
             self.diag.unpin();
         }
-        match destroyed {
-            Ok(()) => Ok(()),
-            Err(e) => Err((self, e)),
-        }
+        destroyed
     }
 
     /// Aborts the communicator (`ncclCommAbort`): pending operations on every rank end
