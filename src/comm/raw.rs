@@ -90,15 +90,6 @@ impl RawComm {
     }
 }
 
-impl std::fmt::Debug for RawComm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RawComm")
-            .field("raw", &self.raw)
-            .field("owned", &self.owned)
-            .finish()
-    }
-}
-
 #[cfg(all(test, feature = "host"))]
 mod tests {
     use super::*;

@@ -835,6 +835,16 @@ mod tests {
     #[cfg(feature = "launch")]
     use crate::launch::desync::{BoardClient, DesyncBoard};
 
+    /// A rank's view: attached, `issued` collectives, last doing `last`.
+    fn seen(issued: u64, last: Option<OpRecord>) -> RankView {
+        RankView {
+            present: true,
+            gone: false,
+            issued,
+            last,
+        }
+    }
+
     /// An all-reduce of 4 `f32` at `seq`, enqueued `age` ago and not yet started.
     #[track_caller]
     fn enqueued_all_reduce(seq: u64, age: Duration) -> OpRecord {
@@ -868,11 +878,7 @@ mod tests {
             .post(1, &DesyncPost::new(c.key ^ 1, 9, "elsewhere"))
             .unwrap();
         let stuck = enqueued_all_reduce(1, Duration::ZERO);
-        c.update(0, |v| {
-            v.present = true;
-            v.issued = 2;
-            v.last = Some(stuck);
-        });
+        c.update(0, |v| *v = seen(2, Some(stuck)));
         c.set_board(&(Arc::new(client.clone()) as Arc<dyn RemoteBoard>));
         let t = Instant::now();
         let report = c.report(
@@ -925,15 +931,12 @@ mod tests {
         // Posting: rank 2 here leaves after 5 collectives.
         let here = join(fresh_key(), 3);
         here.set_board(&as_board());
-        here.update(2, |v| {
-            v.present = true;
-            v.issued = 5;
-        });
-        let mut view = here.view(2);
-        view.last = Some(OpRecord {
+        here.update(2, |v| *v = seen(5, None));
+        let last = OpRecord {
             state: OpState::Completed,
             ..enqueued_all_reduce(4, Duration::ZERO)
-        });
+        };
+        let view = seen(5, Some(last));
         assert!(here
             .depart(2, view, Vec::new(), "its launcher closure returned", false)
             .is_none());
@@ -956,9 +959,7 @@ mod tests {
         // rank 1 of another process posts that it left after 3 collectives.
         let there = join(fresh_key(), 3);
         there.update(0, |v| {
-            v.present = true;
-            v.issued = 4;
-            v.last = Some(enqueued_all_reduce(3, Duration::from_secs(1)));
+            *v = seen(4, Some(enqueued_all_reduce(3, Duration::from_secs(1))));
         });
         client
             .post(
@@ -1003,9 +1004,7 @@ mod tests {
     #[test]
     fn a_collective_numbered_as_another_call_of_the_departed_rank_waits_for_it() {
         let c = join(fresh_key(), 3);
-        let mut view = c.view(1);
-        view.present = true;
-        view.issued = 2;
+        let view = seen(2, None);
         let recent = vec![
             (0, EntryPoint::ncclCommWindowRegister),
             (1, EntryPoint::ncclCommWindowDeregister),
@@ -1030,9 +1029,7 @@ mod tests {
         assert!(c.waits_for_departed(0, &dereg).is_none());
         // Beyond what the departure recorded: the number alone decides, as before.
         let c = join(fresh_key(), 2);
-        let mut view = c.view(1);
-        view.present = true;
-        view.issued = 5;
+        let view = seen(5, None);
         c.depart(
             1,
             view,
@@ -1056,9 +1053,7 @@ mod tests {
     #[test]
     fn a_broken_departure_after_another_fails_the_clique() {
         let c = join(fresh_key(), 3);
-        let mut view = c.view(1);
-        view.present = true;
-        view.issued = 2;
+        let view = seen(2, None);
         assert!(c
             .depart(1, view, Vec::new(), "it aborted its communicator", false)
             .is_none());
@@ -1091,11 +1086,7 @@ mod tests {
             root: Some(0),
             ..enqueued_all_reduce(0, Duration::ZERO)
         };
-        c.update(0, |v| {
-            v.present = true;
-            v.issued = 1;
-            v.last = Some(stuck);
-        });
+        c.update(0, |v| *v = seen(1, Some(stuck)));
         let r = c.report(0, &stuck, Duration::from_secs(1), "x", true).text;
         assert!(
             r.contains("  rank 1: no record (not in this process"),
