@@ -1064,6 +1064,21 @@ mod tests {
         c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
     }
 
+    /// In 30 ms, the watchdog's verdict on a claim of `s`: it aborts the communicator with
+    /// `report`, as its sweep would.
+    fn abort_soon(s: &Arc<Shared>, report: &'static str) -> std::thread::JoinHandle<()> {
+        let s = Arc::clone(s);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            s.claim.store(ABORTING, Ordering::Release);
+            let h = s.take_for_abort(&TimeoutReport::text(report));
+            assert_ne!(h, 0);
+            // SAFETY: the handle was taken out of the communicator above: its one teardown.
+            let r = unsafe { (s.lib.table().ncclCommAbort)(h as ncclComm_t) };
+            assert_eq!(r, nccl_sys::bindings::ncclSuccess);
+        })
+    }
+
     /// The owner's side of the claim: an operation that finds the watchdog deciding waits
     /// for the verdict; let be, it runs; aborted, it fails without reaching NCCL.
     #[test]
@@ -1071,24 +1086,13 @@ mod tests {
         let (c, id) = comm();
         let s = Arc::clone(c.diag.shared(c.diag_view()));
         s.claim.store(DECIDING, Ordering::SeqCst);
-        let decide = |verdict: u8| {
+        let t = {
             let s = Arc::clone(&s);
             std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(30));
-                if verdict == ABORTING {
-                    s.claim.store(ABORTING, Ordering::Release);
-                    let h = s.take_for_abort(&TimeoutReport::text("the test's report"));
-                    assert_ne!(h, 0);
-                    // SAFETY: the handle was taken out of the communicator above: this is
-                    // its one teardown.
-                    let r = unsafe { (s.lib.table().ncclCommAbort)(h as ncclComm_t) };
-                    assert_eq!(r, nccl_sys::bindings::ncclSuccess);
-                } else {
-                    s.claim.store(verdict, Ordering::Release);
-                }
+                s.claim.store(UNCLAIMED, Ordering::Release);
             })
         };
-        let t = decide(UNCLAIMED);
         let start = Instant::now();
         sum(&c).expect("the watchdog let it be");
         assert!(start.elapsed() >= Duration::from_millis(25));
@@ -1096,7 +1100,7 @@ mod tests {
         assert_eq!(crate::host::stats_for(&id.to_raw()).misused, 0);
 
         s.claim.store(DECIDING, Ordering::SeqCst);
-        let t = decide(ABORTING);
+        let t = abort_soon(&s, "the test's report");
         let e = sum(&c).expect_err("aborted");
         t.join().unwrap();
         assert!(
@@ -1377,17 +1381,7 @@ mod tests {
         // Idle with work in flight: claimable again (then the claim is undone).
         assert!(s.claim(later, Duration::ZERO));
         s.claim.store(DECIDING, Ordering::SeqCst);
-        let t = {
-            let s = Arc::clone(&s);
-            std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(30));
-                s.claim.store(ABORTING, Ordering::Release);
-                let h = s.take_for_abort(&TimeoutReport::text("the test's abort"));
-                // SAFETY: taken out of the communicator above: its one teardown.
-                let r = unsafe { (s.lib.table().ncclCommAbort)(h as ncclComm_t) };
-                assert_eq!(r, nccl_sys::bindings::ncclSuccess);
-            })
-        };
+        let t = abort_soon(&s, "the test's abort");
         let e = c.diag.pin().expect_err("the watchdog aborts it");
         assert!(
             matches!(&e, Error::Timeout { what, .. } if what.contains("the test's abort")),

@@ -19,15 +19,13 @@ use super::shared::Shared;
 use crate::library::Library;
 use crate::teardown::{self, exit, lock};
 
-fn registry() -> &'static Mutex<Vec<Weak<Shared>>> {
-    static R: OnceLock<Mutex<Vec<Weak<Shared>>>> = OnceLock::new();
-    R.get_or_init(|| Mutex::new(Vec::new()))
-}
+/// The communicators under watch.
+static REGISTRY: Mutex<Vec<Weak<Shared>>> = Mutex::new(Vec::new());
 
 /// Puts `s` under watch (and starts the thread on first use).
 pub(super) fn watch(s: &Arc<Shared>) {
     {
-        let mut r = lock(registry());
+        let mut r = lock(&REGISTRY);
         r.retain(|w| w.strong_count() > 0);
         r.push(Arc::downgrade(s));
     }
@@ -66,7 +64,7 @@ fn grace(s: &Shared) -> Duration {
 /// One tick: `false` once the process is exiting (then nothing was done).
 fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
     {
-        let r = lock(registry());
+        let r = lock(&REGISTRY);
         list.extend(r.iter().filter_map(Weak::upgrade));
     }
     // The tracker's calls into CUDA count as busy for the exit guard (bounded like a

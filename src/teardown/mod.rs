@@ -215,10 +215,7 @@ fn lanes() -> &'static Mutex<HashMap<TeardownLane, LaneState>> {
 }
 
 /// Every job not yet finished, for the watchdog's overdue check.
-fn jobs() -> &'static Mutex<Vec<Arc<Job>>> {
-    static J: OnceLock<Mutex<Vec<Arc<Job>>>> = OnceLock::new();
-    J.get_or_init(|| Mutex::new(Vec::new()))
-}
+static JOBS: Mutex<Vec<Arc<Job>>> = Mutex::new(Vec::new());
 
 /// A teardown's options: its bound and what happens past it.
 #[derive(Debug, Clone, Copy)]
@@ -244,7 +241,7 @@ pub(crate) fn submit(lane: TeardownLane, b: Bound, what: String, work: Work) -> 
         result: Mutex::new(nccl_sys::bindings::ncclSuccess),
     });
     {
-        let mut j = lock(jobs());
+        let mut j = lock(&JOBS);
         j.retain(|j| !j.is_done());
         j.push(Arc::clone(&job));
     }
@@ -445,7 +442,7 @@ pub(crate) fn run_bounded(
 #[cfg(feature = "diag")]
 pub(crate) fn check_overdue(now: Instant) {
     let overdue: Vec<Arc<Job>> = {
-        let mut j = lock(jobs());
+        let mut j = lock(&JOBS);
         j.retain(|j| !j.is_done());
         j.iter()
             .filter(|j| now >= j.deadline && !j.overdue.load(Ordering::Acquire))
