@@ -1210,39 +1210,6 @@ mod tests {
         c.destroy().map_err(|(_, e)| e).unwrap();
     }
 
-    /// Work on a queue that is being captured into a CUDA graph is never timed out, and is
-    /// tracked again once the capture ends. (The host queue is marked by the watchdog: the
-    /// marker recorded at enqueue, on a capturing CUDA stream, is `cuda_path`'s.)
-    #[test]
-    fn captured_work_is_never_timed_out() {
-        let counting = counting_here();
-        counting.capturing.store(true, Ordering::SeqCst);
-        counting.complete.store(false, Ordering::SeqCst);
-        let (c, id) = counted(&counting, Duration::from_millis(50));
-        sum(&c).unwrap();
-        std::thread::sleep(Duration::from_millis(400)); // 8 timeouts' worth
-        assert!(!c.is_failed(), "captured work must not time out");
-        let s = Arc::clone(c.diag.shared(c.diag_view()));
-        assert_eq!(host_retired(&s), 0);
-        assert_eq!(
-            counting.queries_in_capture.load(Ordering::SeqCst),
-            0,
-            "a marker was queried while the capture was open"
-        );
-        // The capture ends; the work it captured never runs on the stream, so the first
-        // marker after it completes.
-        counting.capturing.store(false, Ordering::SeqCst);
-        counting.complete.store(true, Ordering::SeqCst);
-        wait_for(Duration::from_secs(10), Duration::from_millis(5), || {
-            host_retired(&s) >= 1
-        });
-        assert_eq!(host_retired(&s), 1);
-        assert!(!c.is_failed());
-        drop(s);
-        c.destroy().map_err(|(_, e)| e).unwrap();
-        assert_eq!(counts(&id), (1, 1, 0, 0));
-    }
-
     /// The queues a communicator's watch keeps are bounded, the least recently noted going
     /// first: a rank that makes a new stream per step leaks nothing.
     #[test]
@@ -1262,26 +1229,6 @@ mod tests {
         assert!(!k.contains(&26) && k.ends_with(&[25, 41]), "{k:?}");
         drop(s);
         c.destroy().map_err(|(_, e)| e).unwrap();
-    }
-
-    /// Work that never completes is timed out by the watchdog, and the communicator fails.
-    #[test]
-    fn incomplete_work_times_out() {
-        let counting = counting_here();
-        counting.complete.store(false, Ordering::SeqCst);
-        let (c, id) = counted(&counting, Duration::from_millis(50));
-        sum(&c).unwrap();
-        wait_for(Duration::from_secs(2), Duration::from_millis(2), || {
-            c.is_failed()
-        });
-        assert!(c.is_failed());
-        assert!(matches!(sum(&c), Err(Error::Timeout { .. })));
-        drop(c);
-        // The watchdog took the handle; its abort thread may run only now.
-        wait_for(Duration::from_secs(10), Duration::from_millis(2), || {
-            crate::host::stats_for(&id.to_raw()).live == 0
-        });
-        assert_eq!(counts(&id), (1, 0, 1, 0));
     }
 
     /// The watchdog's side: an idle host communicator is never claimed, an operation only

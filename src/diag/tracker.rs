@@ -155,9 +155,9 @@ impl Drop for RawEvent {
 pub(crate) enum Marker {
     Cuda(RawEvent),
     Host(usize),
-    /// The counting tracker's; `true`: recorded while its queue reported a capture.
+    /// The counting tracker's.
     #[cfg(test)]
-    Fake(bool),
+    Fake,
 }
 
 /// What [`Tracker::mark`] could do.
@@ -422,10 +422,6 @@ pub(crate) mod counting {
         pub owner_now_marks: AtomicU64,
         /// Markers complete only while this is set.
         pub complete: AtomicBool,
-        /// While set, every queue reports a capture in progress.
-        pub capturing: AtomicBool,
-        /// Markers queried while `capturing` was set (the watchdog must make none).
-        pub queries_in_capture: AtomicU64,
     }
 
     impl Counting {
@@ -439,8 +435,6 @@ pub(crate) mod counting {
                 now_marks: AtomicU64::new(0),
                 owner_now_marks: AtomicU64::new(0),
                 complete: AtomicBool::new(true),
-                capturing: AtomicBool::new(false),
-                queries_in_capture: AtomicU64::new(0),
             }
         }
 
@@ -455,10 +449,7 @@ pub(crate) mod counting {
             if self.on_owner() {
                 self.owner_marks.fetch_add(1, Ordering::SeqCst);
             }
-            if self.capturing.load(Ordering::SeqCst) {
-                return Mark::Capturing;
-            }
-            Mark::Marker(Marker::Fake(false))
+            Mark::Marker(Marker::Fake)
         }
 
         fn mark_now(&self, _q: &Queue, reuse: Option<&Marker>) -> Mark {
@@ -469,24 +460,15 @@ pub(crate) mod counting {
             if reuse.is_some() {
                 return Mark::Again;
             }
-            // As the CUDA tracker's: recorded without asking, captured while capturing.
-            Mark::Marker(Marker::Fake(self.capturing.load(Ordering::SeqCst)))
+            Mark::Marker(Marker::Fake)
         }
 
-        fn capturing(&self, _q: &Queue) -> Result<bool, DriverError> {
-            Ok(self.capturing.load(Ordering::SeqCst))
-        }
-
-        fn done(&self, m: &Marker) -> Result<bool, DriverError> {
+        fn done(&self, _m: &Marker) -> Result<bool, DriverError> {
             self.queries.fetch_add(1, Ordering::SeqCst);
             if self.on_owner() {
                 self.owner_queries.fetch_add(1, Ordering::SeqCst);
             }
-            if self.capturing.load(Ordering::SeqCst) {
-                self.queries_in_capture.fetch_add(1, Ordering::SeqCst);
-            }
-            // A captured marker's query fails, which reads as complete.
-            Ok(matches!(m, Marker::Fake(true)) || self.complete.load(Ordering::SeqCst))
+            Ok(self.complete.load(Ordering::SeqCst))
         }
     }
 }
