@@ -176,20 +176,6 @@ impl Communicator {
 /// The failure a communicator carries until its init completes (so dropping it aborts).
 const PENDING: &str = "its initialization did not complete";
 
-impl Communicator {
-    /// Counts the communicator as failed until its init completes (dropped, it aborts).
-    fn mark_pending(&self) {
-        let _ = self.failure.set(PENDING.to_string());
-    }
-
-    /// Its init completed: healthy again, unless something else failed it meanwhile.
-    fn clear_pending(&mut self) {
-        if self.failure.get().map(String::as_str) == Some(PENDING) {
-            self.failure.take();
-        }
-    }
-}
-
 /// A communicator whose non-blocking init is under way. Dropping it aborts the handle
 /// (the communicator counts as failed until [`wait`](Self::wait) succeeds).
 #[derive(Debug)]
@@ -205,9 +191,10 @@ impl PendingCommunicator {
         self.wait_as("ncclCommInitRankConfig", Location::caller(), timeout)
     }
 
-    /// `comm`, whose init (or grow) was just issued: failed until it completes.
+    /// `comm`, whose init (or grow) was just issued: failed until it completes (dropped,
+    /// it aborts).
     pub(super) fn pending(comm: Communicator) -> PendingCommunicator {
-        comm.mark_pending();
+        let _ = comm.failure.set(PENDING.to_string());
         PendingCommunicator { comm }
     }
 
@@ -229,7 +216,10 @@ impl PendingCommunicator {
                 .init_failed(comm.rank, comm.world_size, &e.to_string());
             return Err(e);
         }
-        comm.clear_pending();
+        // Healthy again, unless something else failed it meanwhile.
+        if comm.failure.get().map(String::as_str) == Some(PENDING) {
+            comm.failure.take();
+        }
         Ok(comm)
     }
 
