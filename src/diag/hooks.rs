@@ -249,7 +249,9 @@ impl CommDiag {
             .unwrap_or_else(|| tracker::for_provider(lib.provider()));
         #[cfg(not(test))]
         let tracker = tracker::for_provider(lib.provider());
-        let host_queue = (lib.provider() == Provider::Host).then(|| Shared::host_queue_for(raw));
+        // The queue of a host-provider communicator is the communicator itself.
+        let host_queue = (lib.provider() == Provider::Host)
+            .then(|| Arc::new(QueueWatch::new(Queue::Host(raw as usize))));
         let s = Arc::new(Shared {
             rank,
             world_size,
@@ -1040,13 +1042,6 @@ mod tests {
         }
     }
 
-    /// Host operations below this are known complete.
-    fn host_retired(s: &Shared) -> u64 {
-        s.host_queue
-            .as_ref()
-            .map_or(0, |q| q.retired.load(Ordering::Acquire))
-    }
-
     /// The host provider's (created, destroyed, aborted, misused) of `id`'s communicators.
     fn counts(id: &UniqueId) -> (u64, u64, u64, u64) {
         let s = crate::host::stats_for(&id.to_raw());
@@ -1160,7 +1155,7 @@ mod tests {
             "{marks_during_ops} markers in {ticks} ticks for {OPS} operations"
         );
         let s = Arc::clone(c.diag.shared(c.diag_view()));
-        let retired = || host_retired(&s);
+        let retired = || (s.host_queue.as_ref()).map_or(0, |q| q.retired.load(Ordering::Acquire));
         wait_for(Duration::from_secs(10), Duration::from_millis(5), || {
             retired() >= OPS
         });

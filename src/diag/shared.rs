@@ -414,11 +414,6 @@ impl Shared {
         late.map(|(_, r)| r)
     }
 
-    /// The queue of a host-provider communicator is the communicator itself.
-    pub(super) fn host_queue_for(raw: ncclComm_t) -> Arc<QueueWatch> {
-        Arc::new(QueueWatch::new(Queue::Host(raw as usize)))
-    }
-
     /// Adds a queue the owner has not used before (or notes it again); returns its watch.
     ///
     /// At most [`MAX_QUEUES`] are kept, the least recently noted dropped first, so a rank
