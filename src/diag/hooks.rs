@@ -708,17 +708,8 @@ impl CommDiag {
             },
             Agreement::TimedOut(Some(first)) => s.peer_timeout(&rec, &first),
             Agreement::TimedOut(None) => {
-                let report = s.clique.report(
-                    s.rank,
-                    &rec,
-                    s.settings.timeout,
-                    "waited for the other ranks in the fingerprint check",
-                    true,
-                );
-                let report = s
-                    .clique
-                    .set_timed_out(&TimeoutReport::of(s.rank, &rec, report));
-                s.timeout_error(&report)
+                let what = "waited for the other ranks in the fingerprint check";
+                s.timeout_error(&s.time_out(&rec, what, true))
             }
         };
         Err(self.fail(s, pos, start, e))
@@ -933,13 +924,7 @@ fn explain(s: &Shared, rec: &OpRecord, e: Error) -> Error {
     // rank's report names the rank behind, as theirs do, rather than "rank N called
     // ncclCommAbort". (With no such post, the provider's error stands: "rank N died", say.)
     if s.clique.remote_waiting(rec.seq) {
-        let what = "failed with a peer's remote error";
-        let report = s
-            .clique
-            .report(s.rank, rec, s.settings.timeout, what, false);
-        let first = s
-            .clique
-            .set_timed_out(&TimeoutReport::of(s.rank, rec, report));
+        let first = s.time_out(rec, "failed with a peer's remote error", false);
         return s.peer_timeout(rec, &first);
     }
     e

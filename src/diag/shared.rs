@@ -658,6 +658,15 @@ impl Shared {
             .fail_for_departure(&d, Some(self.rank), rec.as_ref());
     }
 
+    /// Times the clique out (unless it already was) for `rec`, this rank's operation, which
+    /// `what` says happened to: the desync report ([`Clique::report`], `ours` as there).
+    /// Returns the clique's first report.
+    pub(super) fn time_out(&self, rec: &OpRecord, what: &str, ours: bool) -> Arc<TimeoutReport> {
+        let report = (self.clique).report(self.rank, rec, self.settings.timeout, what, ours);
+        self.clique
+            .set_timed_out(&TimeoutReport::of(self.rank, rec, report))
+    }
+
     /// The report this communicator's failure is about, if the clique timed out.
     pub(super) fn timed_out(&self) -> Option<Arc<TimeoutReport>> {
         if self.aborted_by_watchdog.load(Ordering::Acquire) {
