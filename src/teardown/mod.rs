@@ -102,20 +102,19 @@ pub(crate) struct Job {
     #[cfg_attr(not(feature = "diag"), allow(dead_code))]
     deadline: Instant,
     action: OnAbortTimeout,
-    done: Mutex<bool>,
+    /// Its work's result (the first failed NCCL result, or success) once it finished.
+    result: Mutex<Option<ncclResult_t>>,
     cv: Condvar,
     overdue: AtomicBool,
     /// When its call began (`None` while queued).
     started: Mutex<Option<Instant>>,
-    /// The first failed result of its calls (success when none failed).
-    result: Mutex<ncclResult_t>,
 }
 
 impl Job {
     /// Waits until the job finished or `until`: `true` when it finished.
     pub(crate) fn wait(&self, until: Instant) -> bool {
-        let mut done = lock(&self.done);
-        while !*done {
+        let mut done = lock(&self.result);
+        while done.is_none() {
             let now = Instant::now();
             if now >= until {
                 return false;
@@ -130,7 +129,7 @@ impl Job {
 
     /// The calls' result (meaningful once done).
     pub(crate) fn result(&self) -> ncclResult_t {
-        *lock(&self.result)
+        lock(&self.result).unwrap_or(nccl_sys::bindings::ncclSuccess)
     }
 
     /// The bound it was given.
@@ -140,17 +139,11 @@ impl Job {
     }
 
     pub(crate) fn is_done(&self) -> bool {
-        *lock(&self.done)
+        lock(&self.result).is_some()
     }
 
     fn finish(&self, r: ncclResult_t) {
-        {
-            let mut first = lock(&self.result);
-            if *first == nccl_sys::bindings::ncclSuccess {
-                *first = r;
-            }
-        }
-        *lock(&self.done) = true;
+        *lock(&self.result) = Some(r);
         self.cv.notify_all();
     }
 
@@ -234,11 +227,10 @@ pub(crate) fn submit(lane: TeardownLane, b: Bound, what: String, work: Work) -> 
         bound: b.bound,
         deadline: Instant::now() + b.bound,
         action: b.action,
-        done: Mutex::new(false),
+        result: Mutex::new(None),
         cv: Condvar::new(),
         overdue: AtomicBool::new(false),
         started: Mutex::new(None),
-        result: Mutex::new(nccl_sys::bindings::ncclSuccess),
     });
     {
         let mut j = lock(&JOBS);
