@@ -382,10 +382,9 @@ impl CommDiag {
         false
     }
 
-    /// A group's call ran out of time. Its communicators were pinned against the watchdog
-    /// for the call, so the watchdog could not time it out: the clique is timed out here as
-    /// the watchdog would have (every rank's `is_failed()` then reads true, and its next
-    /// call fails with this report), and the caller gets the error.
+    /// A group's call ran out of time with its communicators pinned (so the watchdog could
+    /// not time it out): the clique is timed out here as the watchdog would have (every rank
+    /// fails fast with this report), and the caller gets the error.
     #[cold]
     pub(crate) fn group_timed_out(&self, what: String) -> Error {
         #[cfg(feature = "diag")]
@@ -399,10 +398,9 @@ impl CommDiag {
         }
     }
 
-    /// A group's end failed with `e`, not a timeout (the group's communicators were pinned
-    /// through the call, so this is where its failure is judged). NCCL's remote error after
-    /// a rank left fails the clique for that departure, as [`end_error`](Self::end_error)
-    /// does for a single call: the caller keeps its error.
+    /// A group's end failed with `e`, not a timeout (its communicators were pinned through
+    /// the call): NCCL's remote error after a rank left fails the clique for that departure,
+    /// as [`end_error`](Self::end_error) does for a single call; the caller keeps its error.
     #[cold]
     pub(crate) fn group_failed(&self, e: &Error) {
         #[cfg(feature = "diag")]
@@ -414,10 +412,9 @@ impl CommDiag {
         let _ = e;
     }
 
-    /// For a group's end on the host provider, which runs the group inside the call with
-    /// its communicators pinned (so the watchdog cannot abort them when a peer leaves): a
-    /// check, polled during the call, that is `true` once a rank this communicator's staged
-    /// operations need has left, having failed the clique for that departure (so the error
+    /// Polled during a host-provider group's end (run inside the call, its communicators
+    /// pinned, so the watchdog cannot abort them): `true` once a rank this communicator's
+    /// staged operations need has left, the clique failed for that departure (the error
     /// names the rank).
     #[cfg_attr(not(feature = "host"), allow(dead_code))]
     pub(crate) fn peer_departed(&self) -> bool {

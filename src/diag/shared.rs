@@ -114,10 +114,8 @@ const OLDEST_SCAN: u64 = 256;
 const RECENT_COLLECTIVES: usize = 64;
 
 /// One communicator's diagnostics state, shared with the watchdog thread and its clique.
-///
-/// The per-operation path (the owning thread) takes no lock and makes no read-modify-write:
-/// the journal is a sequence-locked ring, the counters have one writer, and the owner and
-/// the watchdog agree on who may use the handle through an asymmetric fence (`fence`).
+/// The owner's per-operation path takes no lock and makes no read-modify-write (the
+/// module docs of `diag`).
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(super) rank: usize,
@@ -636,11 +634,10 @@ impl Shared {
 
     /// The group being ended failed with NCCL's remote error (a peer's abort broke the
     /// clique while the group waited): as `end_error` does for a single call, when a rank
-    /// left (in this process, or another one that posted its departure to the board), the
-    /// clique is failed for that departure, so that every rank sees `is_failed()`, an idle
-    /// one too. The departed rank may well have issued the group's collectives (its part
-    /// was done when it aborted), which `staged_waits_for_departed` does not count: but a
-    /// communicator that returned NCCL's remote error can run no collective any more.
+    /// left (here, or in a process that posted its departure to the board) the clique is
+    /// failed for that departure, so every rank, an idle one too, sees `is_failed()`: even
+    /// if the departed rank issued the group's collectives, a communicator that returned
+    /// NCCL's remote error can run no collective any more.
     pub(super) fn group_remote_error(&self) {
         if self.clique.any_timeout() {
             return;
@@ -797,9 +794,9 @@ impl Shared {
     }
 
     /// Claims this communicator for an abort at `now`: an operation inside its NCCL call
-    /// for at least `min_age` (so its thread is blocked in NCCL, not about to enter; its
-    /// age read with the clock's lag at its start added), or
-    /// idle with CUDA work in flight. `false` when it may not be aborted now.
+    /// for at least `min_age` (so its thread is blocked in NCCL, not about to enter; its age
+    /// read with the clock's lag at its start added), or idle with CUDA work in flight.
+    /// `false` when it may not be aborted now.
     pub(super) fn claim(&self, now: Instant, min_age: Duration) -> bool {
         self.claim_seen(self.current.load(Ordering::Acquire), now, min_age)
     }
