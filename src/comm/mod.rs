@@ -1,10 +1,6 @@
-//! [`Communicator`]: the RAII owner of an `ncclComm_t`.
-//!
-//! By concern: `raw` holds [`RawComm`], the one owner of the handle; this file holds the
-//! type built on it, its accessors and the one checked path of its
-//! calls (`issue`, `pinned`, the failure state); `init` makes communicators (and
-//! [`PendingCommunicator`]), `family` makes children (split, shrink), `teardown` ends them
-//! (destroy, abort, finalize, `Drop`). Raw-handle interop is in `comm_ref`.
+//! [`Communicator`]: the RAII owner of an `ncclComm_t`, a file per concern (ARCHITECTURE.md,
+//! "comm, comm_ref"): this one holds the type, its accessors and the one checked path of
+//! its calls (`issue`, `pinned`, the failure state).
 
 use std::cell::OnceCell;
 use std::ffi::c_int;
