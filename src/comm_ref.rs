@@ -24,9 +24,9 @@ use std::sync::Arc;
 
 use nccl_sys::ncclComm_t;
 
-use crate::comm::{CommDevice, Communicator, RawComm, DEFAULT_INIT_TIMEOUT};
+use crate::comm::{invalid, CommDevice, Communicator, RawComm, DEFAULT_INIT_TIMEOUT};
 use crate::config::Config;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::id::{UniqueId, UNIQUE_ID_BYTES};
 use crate::library::{CallContext, Library};
 use crate::nccl_call;
@@ -261,18 +261,17 @@ fn wrap(
         caller: Some(caller),
     };
     let shape = (|| {
-        let invalid = |reason: String| Err(Error::InvalidArgument { call, reason });
         if raw.is_null() {
-            return invalid("the communicator handle is null".into());
+            return Err(invalid(call, "the communicator handle is null"));
         }
         crate::comm::check_device(call, &lib, &device)?;
         if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
-            return invalid(reason);
+            return Err(invalid(call, reason));
         }
         // A handle made with resource sharing shares an abort flag with its parent and
         // children, which the crate cannot keep apart (see `Config::split_share`).
         if let Some(field) = config.shared_resources() {
-            return invalid(format!("a communicator made with {field} on shares NCCL's abort flag with its family, whose abort would make its collectives return success without moving data: adopt only one made without resource sharing"));
+            return Err(invalid(call, format!("a communicator made with {field} on shares NCCL's abort flag with its family, whose abort would make its collectives return success without moving data: adopt only one made without resource sharing")));
         }
         // NCCL_COMM_BLOCKING=0 made the handle non-blocking whatever its creator asked,
         // and its ncclCommInitRank returned ncclSuccess with the init still running
@@ -297,16 +296,22 @@ fn wrap(
             nccl_call!(&lib, ncclCommCount(raw, &mut count), ctx)?;
         }
         if count < 1 || rank < 0 || rank >= count {
-            return invalid(format!("NCCL reports rank {rank} of {count}"));
+            return Err(invalid(
+                call,
+                format!("NCCL reports rank {rank} of {count}"),
+            ));
         }
         if let CommDevice::Cuda(cuda) = &device {
             let mut dev: c_int = -1;
             // SAFETY: as above; `dev` is writable.
             unsafe { nccl_call!(&lib, ncclCommCuDevice(raw, &mut dev), ctx)? };
             if usize::try_from(dev).ok() != Some(cuda.ordinal()) {
-                return invalid(format!(
-                    "the communicator is on CUDA device {dev}, the context on {}",
-                    cuda.ordinal()
+                return Err(invalid(
+                    call,
+                    format!(
+                        "the communicator is on CUDA device {dev}, the context on {}",
+                        cuda.ordinal()
+                    ),
                 ));
             }
         }

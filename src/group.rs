@@ -7,8 +7,8 @@ use std::panic::Location;
 use std::sync::Arc;
 
 use crate::buffer::BufferGuard;
-use crate::comm::Communicator;
-use crate::error::{Error, Result};
+use crate::comm::{invalid, Communicator};
+use crate::error::Result;
 use crate::library::{CallContext, Library};
 use crate::nccl_call;
 use crate::ops::{Guards, Op};
@@ -122,10 +122,10 @@ impl<'a> Group<'a> {
     #[inline(never)]
     fn start(&mut self, comm: &'a Communicator, call: &'static str) -> Result<()> {
         if self.lib.is_some() {
-            return Err(Error::InvalidArgument {
+            return Err(invalid(
                 call,
-                reason: "all communicators of a group must come from one NCCL library".into(),
-            });
+                "all communicators of a group must come from one NCCL library",
+            ));
         }
         let lib = comm.library();
         // SAFETY: ncclGroupStart takes no arguments; it is paired with the ncclGroupEnd of

@@ -37,10 +37,7 @@ impl Communicator {
         let revoke = self.optional(|t| t.ncclCommRevoke, OP)?;
         refuse_in_group(OP)?;
         if self.is_revoked() {
-            return Err(Error::InvalidArgument {
-                call: OP,
-                reason: "the communicator was already revoked".into(),
-            });
+            return Err(invalid(OP, "the communicator was already revoked"));
         }
         crate::teardown::check_lane(OP, self.lane())?;
         self.diag.check_alive()?;
@@ -212,14 +209,8 @@ impl Communicator {
         refuse_in_group(OP)?;
         super::params::refuse_blocking(OP)?;
         if world_size <= self.world_size || world_size > c_int::MAX as usize {
-            return Err(Error::InvalidArgument {
-                call: OP,
-                reason: format!(
-                    "a grown communicator has more than the current {} ranks and at most {}; got {world_size}",
-                    self.world_size,
-                    c_int::MAX
-                ),
-            });
+            let (now, max) = (self.world_size, c_int::MAX);
+            return Err(invalid(OP, format!("a grown communicator has more than the current {now} ranks and at most {max}; got {world_size}")));
         }
         crate::teardown::check_lane(OP, self.lane())?;
         let tag = crate::diag::shrink_tag(&[-1, -(world_size as c_int)]);
@@ -245,7 +236,7 @@ impl Communicator {
                 )
             }
         })?;
-        child.ok_or_else(|| Communicator::no_child(OP))
+        child.ok_or_else(|| invalid(OP, "NCCL returned no communicator"))
     }
 
     /// Joins a communicator that existing ranks [`grow`](Self::grow) as its rank `rank`
@@ -311,10 +302,7 @@ impl Communicator {
             }
         }
         if raw.is_null() {
-            return Err(Error::InvalidArgument {
-                call: OP,
-                reason: "NCCL returned success but no communicator".into(),
-            });
+            return Err(invalid(OP, "NCCL returned success but no communicator"));
         }
         diag.arrive(rank, world_size);
         let comm = Communicator::new(handle, device.clone(), rank, world_size, diag)
@@ -344,31 +332,25 @@ impl Communicator {
                 });
             }
             if r == self.rank {
-                return Err(Error::InvalidArgument {
+                return Err(invalid(
                     call,
-                    reason: format!("rank {r} is excluded, so it must not call shrink"),
-                });
+                    format!("rank {r} is excluded, so it must not call shrink"),
+                ));
             }
             if list.contains(&(r as c_int)) {
-                return Err(Error::InvalidArgument {
-                    call,
-                    reason: format!("rank {r} is listed twice"),
-                });
+                return Err(invalid(call, format!("rank {r} is listed twice")));
             }
             list.push(r as c_int);
         }
         if list.is_empty() {
             // As NCCL, which refuses an empty list (init.cc:2561-2562 of 2.28.9).
-            return Err(Error::InvalidArgument {
+            return Err(invalid(
                 call,
-                reason: "no rank is excluded: a shrink removes at least one".into(),
-            });
+                "no rank is excluded: a shrink removes at least one",
+            ));
         }
         if list.len() >= self.world_size {
-            return Err(Error::InvalidArgument {
-                call,
-                reason: "every rank is excluded".into(),
-            });
+            return Err(invalid(call, "every rank is excluded"));
         }
         Ok(list)
     }

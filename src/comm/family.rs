@@ -32,10 +32,10 @@ impl Communicator {
             None => nccl_sys::bindings::NCCL_SPLIT_NOCOLOR,
             Some(c) if c <= c_int::MAX as u32 => c as c_int,
             Some(c) => {
-                return Err(Error::InvalidArgument {
-                    call: OP,
-                    reason: format!("color {c} does not fit NCCL's int (max {})", c_int::MAX),
-                })
+                return Err(invalid(
+                    OP,
+                    format!("color {c} does not fit NCCL's int (max {})", c_int::MAX),
+                ))
             }
         };
         refuse_in_group(OP)?;
@@ -80,14 +80,6 @@ impl Communicator {
                 Err(e)
             }
             Err(e) => Err(self.orphan_child(slot, e)),
-        }
-    }
-
-    /// The error of a split, shrink or grow whose job stored no child.
-    pub(super) fn no_child(call: &'static str) -> Error {
-        Error::InvalidArgument {
-            call,
-            reason: "NCCL returned no communicator".into(),
         }
     }
 
@@ -151,7 +143,7 @@ impl Communicator {
                 )
             }
         })?;
-        child.ok_or_else(|| Communicator::no_child(CALL.name()))
+        child.ok_or_else(|| invalid(CALL.name(), "NCCL returned no communicator"))
     }
 
     /// After a split or shrink that failed (`e`): NCCL's job stores the child even after a

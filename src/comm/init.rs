@@ -93,10 +93,7 @@ impl Communicator {
             lib.check(OP, r, ctx)?;
         }
         if raw.is_null() {
-            return Err(Error::InvalidArgument {
-                call: OP,
-                reason: "NCCL returned success but no communicator".into(),
-            });
+            return Err(invalid(OP, "NCCL returned success but no communicator"));
         }
         // Until its init completes, the communicator counts as failed: dropped, it is aborted.
         diag.arrive(rank, world_size);
@@ -112,10 +109,7 @@ impl Communicator {
         const OP: &str = "ncclCommInitAll";
         let caller = Location::caller();
         refuse_in_group(OP)?;
-        let first = devices.first().ok_or(Error::InvalidArgument {
-            call: OP,
-            reason: "no devices given".into(),
-        })?;
+        let first = devices.first().ok_or(invalid(OP, "no devices given"))?;
         let lib = first.library()?;
         check_world(OP, devices.len(), 0)?;
         let mut ordinals = Vec::with_capacity(devices.len());

@@ -45,10 +45,7 @@ impl Communicator {
         // error, and then leaves this thread inside a group level (see
         // `teardown::destroy_or_abort`): such a one comes back failed (dropping it aborts).
         if self.poll_async(OP, caller)? {
-            return Err(self.fail(Error::InvalidArgument {
-                call: OP,
-                reason: "NCCL still has work of this communicator in flight (ncclCommGetAsyncError says ncclInProgress): it cannot be destroyed now; drop it to abort it, or wait for the work".into(),
-            }));
+            return Err(self.fail(invalid(OP, "NCCL still has work of this communicator in flight (ncclCommGetAsyncError says ncclInProgress): it cannot be destroyed now; drop it to abort it, or wait for the work")));
         }
         // Pinned from before the call until the handle is out of its slot: a watchdog
         // claim can never fall between the destroy and the take.
