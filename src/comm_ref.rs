@@ -358,12 +358,6 @@ mod tests {
             .unwrap();
     }
 
-    fn ensure_send<T: Send>() {}
-    #[test]
-    fn a_view_is_send() {
-        ensure_send::<CommRef<'static>>();
-    }
-
     /// `into_raw` and a view's drop leave no diagnostics behind: nothing (the watchdog's
     /// registry, the clique) keeps the communicator's shared state alive.
     #[test]

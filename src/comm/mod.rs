@@ -744,5 +744,6 @@ mod tests {
     fn communicator_is_send() {
         ensure_send::<Communicator>();
         ensure_send::<PendingCommunicator>();
+        ensure_send::<crate::CommRef<'static>>();
     }
 }
