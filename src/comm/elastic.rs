@@ -144,21 +144,19 @@ impl Communicator {
         // communicator (a rank left: the error that rank's abort sets may reach NCCL
         // only during the shrink, which would then refuse the parent). A revoke clears
         // NCCL's error for good.
+        let nccl_reports_error = || {
+            let no_error = [
+                nccl_sys::bindings::ncclSuccess,
+                nccl_sys::bindings::ncclInProgress,
+            ];
+            self.async_state()
+                .is_some_and(|state| !no_error.contains(&state))
+        };
         let revoke_available = self.handle.table().ncclCommRevoke.is_some();
-        if revoke_available
-            && !self.revoked.get()
-            && (self.is_failed() || self.nccl_reports_error())
-        {
+        if revoke_available && !self.revoked.get() && (self.is_failed() || nccl_reports_error()) {
             self.revoke()?;
         }
         self.shrink_call(shrink, list, nccl_sys::bindings::NCCL_SHRINK_ABORT, caller)
-    }
-
-    /// Whether `ncclCommGetAsyncError` reports an error (not success, not in progress).
-    fn nccl_reports_error(&self) -> bool {
-        self.async_state().is_some_and(|state| {
-            state != nccl_sys::bindings::ncclSuccess && state != nccl_sys::bindings::ncclInProgress
-        })
     }
 
     /// A new id for growing this communicator (`ncclCommGetUniqueId`, NCCL 2.29+), called
