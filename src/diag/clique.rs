@@ -484,7 +484,7 @@ impl Clique {
     /// watchdog's notice): so that the first rank of another process to time out finds
     /// every rank that waits with it on the board, and only the rank behind silent. Ranks
     /// otherwise post only at their own timeout, which the first to time out never sees.
-    /// Not posted: the report says these ranks posted nothing.
+    /// (When nothing could be posted, the report says these ranks posted nothing.)
     pub(crate) fn post_waiting(&self) {
         if self.board.get().is_none() {
             return;
