@@ -132,10 +132,11 @@ impl Communicator {
 ///   view to a borrow of the owner (whatever keeps the handle alive); the owner cannot be
 ///   dropped or moved while the view exists.
 /// * **The watchdog never aborts it.** When an operation through the view runs out of
-///   time, the watchdog marks the view failed (later operations return [`Error::Timeout`]
-///   with the desync report) and, when configured, dumps the flight record, but the
-///   handle is the owner's to abort; a call blocked inside NCCL stays blocked until the
-///   owner aborts it (then it returns [`Error::Timeout`] with the report).
+///   time, the watchdog marks the view failed (later operations return
+///   [`Error::Timeout`](crate::Error::Timeout) with the desync report) and, when
+///   configured, dumps the flight record, but the handle is the owner's to abort; a call
+///   blocked inside NCCL stays blocked until the owner aborts it (then it returns
+///   [`Error::Timeout`](crate::Error::Timeout) with the report).
 /// * Like [`Communicator`], `Send` but not `Sync`.
 ///
 /// A child made by [`Communicator::split`] or [`Communicator::shrink`] through a view is a

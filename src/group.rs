@@ -27,8 +27,8 @@ use crate::ops::{Guards, Op};
 /// * `!Send`: NCCL's group state belongs to the calling thread.
 /// * Only operations: once the group has started (at its first `push`), creating a
 ///   communicator on this thread (`init_rank`, `split`, `shrink`, `grow`, ...) or revoking
-///   one is refused with [`Error::InvalidArgument`], since NCCL would only queue it until
-///   the group's end.
+///   one is refused with [`Error::InvalidArgument`](crate::Error::InvalidArgument), since
+///   NCCL would only queue it until the group's end.
 ///
 /// ```
 /// use nccl_safe::{Communicator, CommDevice, Group, Stream};
