@@ -24,9 +24,9 @@ use std::sync::Arc;
 
 use nccl_sys::ncclComm_t;
 
-use crate::comm::{CommDevice, Communicator, RawComm, DEFAULT_INIT_TIMEOUT};
+use crate::comm::{invalid, CommDevice, Communicator, RawComm, DEFAULT_INIT_TIMEOUT};
 use crate::config::Config;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::id::{UniqueId, UNIQUE_ID_BYTES};
 use crate::library::{CallContext, Library};
 use crate::nccl_call;
@@ -132,10 +132,11 @@ impl Communicator {
 ///   view to a borrow of the owner (whatever keeps the handle alive); the owner cannot be
 ///   dropped or moved while the view exists.
 /// * **The watchdog never aborts it.** When an operation through the view runs out of
-///   time, the watchdog marks the view failed (later operations return [`Error::Timeout`]
-///   with the desync report) and, when configured, dumps the flight record, but the
-///   handle is the owner's to abort; a call blocked inside NCCL stays blocked until the
-///   owner aborts it (then it returns [`Error::Timeout`] with the report).
+///   time, the watchdog marks the view failed (later operations return
+///   [`Error::Timeout`](crate::Error::Timeout) with the desync report) and, when
+///   configured, dumps the flight record, but the handle is the owner's to abort; a call
+///   blocked inside NCCL stays blocked until the owner aborts it (then it returns
+///   [`Error::Timeout`](crate::Error::Timeout) with the report).
 /// * Like [`Communicator`], `Send` but not `Sync`.
 ///
 /// A child made by [`Communicator::split`] or [`Communicator::shrink`] through a view is a
@@ -255,38 +256,24 @@ fn wrap(
     caller: &'static Location<'static>,
 ) -> Result<Communicator> {
     let (raw, lib) = (handle.get(), Arc::clone(handle.lib()));
-    // On an error the handle goes back untouched (still the caller's or its owner's).
-    let give_back = |handle: RawComm, e: Error| {
-        let _ = handle.into_raw();
-        Err(e)
-    };
-    if raw.is_null() {
-        return give_back(
-            handle,
-            Error::InvalidArgument {
-                call,
-                reason: "the communicator handle is null".into(),
-            },
-        );
-    }
-    if let Err(e) = crate::comm::check_device(call, &lib, &device) {
-        return give_back(handle, e);
-    }
-    if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
-        return give_back(handle, Error::InvalidArgument { call, reason });
-    }
-    // A handle made with resource sharing shares an abort flag with its parent and
-    // children, which the crate cannot keep apart (see `Config::split_share`).
-    if let Some(field) = config.shared_resources() {
-        let reason = format!("a communicator made with {field} on shares NCCL's abort flag with its family, whose abort would make its collectives return success without moving data: adopt only one made without resource sharing");
-        return give_back(handle, Error::InvalidArgument { call, reason });
-    }
     let ctx = CallContext {
         comm: raw,
         rank: None,
         caller: Some(caller),
     };
     let shape = (|| {
+        if raw.is_null() {
+            return Err(invalid(call, "the communicator handle is null"));
+        }
+        crate::comm::check_device(call, &lib, &device)?;
+        if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
+            return Err(invalid(call, reason));
+        }
+        // A handle made with resource sharing shares an abort flag with its parent and
+        // children, which the crate cannot keep apart (see `Config::split_share`).
+        if let Some(field) = config.shared_resources() {
+            return Err(invalid(call, format!("a communicator made with {field} on shares NCCL's abort flag with its family, whose abort would make its collectives return success without moving data: adopt only one made without resource sharing")));
+        }
         // NCCL_COMM_BLOCKING=0 made the handle non-blocking whatever its creator asked,
         // and its ncclCommInitRank returned ncclSuccess with the init still running
         // (init.cc:2055).
@@ -310,30 +297,34 @@ fn wrap(
             nccl_call!(&lib, ncclCommCount(raw, &mut count), ctx)?;
         }
         if count < 1 || rank < 0 || rank >= count {
-            return Err(Error::InvalidArgument {
+            return Err(invalid(
                 call,
-                reason: format!("NCCL reports rank {rank} of {count}"),
-            });
+                format!("NCCL reports rank {rank} of {count}"),
+            ));
         }
         if let CommDevice::Cuda(cuda) = &device {
             let mut dev: c_int = -1;
             // SAFETY: as above; `dev` is writable.
             unsafe { nccl_call!(&lib, ncclCommCuDevice(raw, &mut dev), ctx)? };
             if usize::try_from(dev).ok() != Some(cuda.ordinal()) {
-                return Err(Error::InvalidArgument {
+                return Err(invalid(
                     call,
-                    reason: format!(
+                    format!(
                         "the communicator is on CUDA device {dev}, the context on {}",
                         cuda.ordinal()
                     ),
-                });
+                ));
             }
         }
         Ok((rank as usize, count as usize))
     })();
     let (rank, world_size) = match shape {
         Ok(s) => s,
-        Err(e) => return give_back(handle, e),
+        Err(e) => {
+            // The handle goes back untouched (still the caller's or its owner's).
+            let _ = handle.into_raw();
+            return Err(e);
+        }
     };
     // The handle the watchdog may take and abort: none for a borrowed one, so a timeout
     // only marks the view failed.
@@ -366,12 +357,6 @@ mod tests {
         let mut x = vec![1.0f32; 4];
         c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
             .unwrap();
-    }
-
-    fn ensure_send<T: Send>() {}
-    #[test]
-    fn a_view_is_send() {
-        ensure_send::<CommRef<'static>>();
     }
 
     /// `into_raw` and a view's drop leave no diagnostics behind: nothing (the watchdog's

@@ -7,8 +7,8 @@ use std::panic::Location;
 use std::sync::Arc;
 
 use crate::buffer::BufferGuard;
-use crate::comm::Communicator;
-use crate::error::{Error, Result};
+use crate::comm::{invalid, Communicator};
+use crate::error::Result;
 use crate::library::{CallContext, Library};
 use crate::nccl_call;
 use crate::ops::{Guards, Op};
@@ -27,8 +27,8 @@ use crate::ops::{Guards, Op};
 /// * `!Send`: NCCL's group state belongs to the calling thread.
 /// * Only operations: once the group has started (at its first `push`), creating a
 ///   communicator on this thread (`init_rank`, `split`, `shrink`, `grow`, ...) or revoking
-///   one is refused with [`Error::InvalidArgument`], since NCCL would only queue it until
-///   the group's end.
+///   one is refused with [`Error::InvalidArgument`](crate::Error::InvalidArgument), since
+///   NCCL would only queue it until the group's end.
 ///
 /// ```
 /// use nccl_safe::{Communicator, CommDevice, Group, Stream};
@@ -49,10 +49,9 @@ pub struct Group<'a> {
     /// The library of the started group, borrowed from its first communicator (no
     /// reference count traffic per group).
     lib: Option<&'a Arc<Library>>,
-    /// The distinct communicators used (inline for up to 8: no allocation per group).
-    /// The communicators of its operations, each pinned (claimed against the watchdog)
-    /// from its first operation until the group's end, so no handle is aborted under
-    /// `ncclGroupEnd`.
+    /// The distinct communicators of its operations (inline for up to 8), each pinned
+    /// (claimed against the watchdog) from its first operation until the group's end, so
+    /// no handle is aborted under `ncclGroupEnd`.
     comms: SmallVec<[&'a Communicator; 8]>,
     /// cudarc guards, released after `ncclGroupEnd` (host buffers have none).
     guards: SmallVec<[BufferGuard<'a>; 8]>,
@@ -123,10 +122,10 @@ impl<'a> Group<'a> {
     #[inline(never)]
     fn start(&mut self, comm: &'a Communicator, call: &'static str) -> Result<()> {
         if self.lib.is_some() {
-            return Err(Error::InvalidArgument {
+            return Err(invalid(
                 call,
-                reason: "all communicators of a group must come from one NCCL library".into(),
-            });
+                "all communicators of a group must come from one NCCL library",
+            ));
         }
         let lib = comm.library();
         // SAFETY: ncclGroupStart takes no arguments; it is paired with the ncclGroupEnd of
@@ -135,15 +134,6 @@ impl<'a> Group<'a> {
         crate::diag::group_started();
         self.lib = Some(lib);
         Ok(())
-    }
-
-    #[inline(always)]
-    fn keep(&mut self, comm: &'a Communicator, guards: Guards<'a>) {
-        self.operations += 1;
-        let _ = comm;
-        if guards.iter().any(acts) {
-            self.keep_guards(guards);
-        }
     }
 
     /// Notes (and pins) the communicator of an operation about to be enqueued.
@@ -299,7 +289,10 @@ impl<'a> Group<'a> {
             self.note(comm)?;
         }
         let guards = op.enqueue()?;
-        self.keep(comm, guards);
+        self.operations += 1;
+        if guards.iter().any(acts) {
+            self.keep_guards(guards);
+        }
         Ok(())
     }
 }

@@ -462,7 +462,7 @@ impl<T: NcclType> NcclMemory<T> {
                         // device's work has completed, so nothing uses it any more.
                         unsafe { free(p as *mut c_void) }
                     });
-                let (_, r) = crate::teardown::run_bounded(
+                let r = crate::teardown::run_bounded(
                     crate::teardown::TeardownLane::Device(device),
                     b,
                     format!("ncclMemFree of {bytes} bytes on CUDA device {device}"),

@@ -428,8 +428,8 @@ impl<B: ?Sized> Registration<'_, '_, B> {
             let until = std::time::Instant::now() + bound;
             match crate::teardown::run_bounded(crate::teardown::TeardownLane::Device(device), b, what, work, until)
             {
-                (_, Some(r)) => lib.check(OP, r, self.comm.context(caller)),
-                (_, None) => {
+                Some(r) => lib.check(OP, r, self.comm.context(caller)),
+                None => {
                     let e = Error::Timeout {
                         what: format!(
                             "ncclCommDeregister on CUDA device {device} waited behind the device's work for longer than the abort timeout: left to the background, and the communicator is failed"

@@ -3,45 +3,9 @@
 //! growth ([`Communicator::grow_id`], [`Communicator::grow`] and
 //! [`Communicator::join_grown`], 2.29).
 //!
-//! What NCCL 2.29.7 does in each call, from its source (`src/init.cc` at tag
-//! `v2.29.7-1`; the table in ARCHITECTURE.md has the rows):
-//!
-//! * `ncclCommRevoke` (init.cc:2602-2693) refuses flags other than 0, a finalized or
-//!   destroyed communicator and a second revoke with ncclInvalidArgument before anything
-//!   changes. Otherwise it sets the abort flags (the communicator's kernels end), joins a
-//!   job in flight, marks the communicator revoked and finalized, and launches a job that
-//!   waits for the streams, stops the proxy, clears the abort flags and stores **its own
-//!   result** as the communicator's asynchronous state (:2635): a failure seen before no
-//!   longer shows once the revoke ended. On a non-blocking communicator the state reads
-//!   ncclInProgress until then, and the call returns the state it reads after launching
-//!   the job (:2686-2688), so usually ncclInProgress. No out-pointer. Collectives are
-//!   refused from then on with ncclInvalidUsage (enqueue.cc:2983-2986), finalize with
-//!   ncclInvalidArgument (:2474); destroy, split and shrink may follow.
-//! * `ncclCommShrink` with `NCCL_SHRINK_ABORT` (init.cc:2838-2858) first sets the abort
-//!   flags, waits for the device stream and clears the flags (:2844-2848), then makes the
-//!   child as a default shrink does (`ncclCommInitChildComm`, :2745-2836), resources never
-//!   shared with the parent (:2776). Its `ncclCommEnsureReady` (:2762, 400-416) refuses a
-//!   parent in progress (ncclInvalidArgument) **and a parent whose asynchronous error is
-//!   set** (that error), in both modes: a communicator NCCL itself flagged can be shrunk
-//!   only after a revoke cleared the flag. `*newcomm` is NULL during the call (:2780) and
-//!   the child is stored by the job at its end (:1747-1750), after the parent read
-//!   ncclInProgress meanwhile; the call returns ncclSuccess (as for a split).
-//! * `ncclCommGetUniqueId` (init.cc:2860-2875) is synchronous, on one existing rank (the
-//!   grow's root): `ncclCommEnsureReady` first; the id is derived from the communicator
-//!   and its next grow (bootstrap.cc:438-467), sent to ranks 0 and n-1 during the call
-//!   (`bcastGrowHandle`, bootstrap.cc:470-486), and written to `*uniqueId` at the end of a
-//!   successful call only. The header (nccl.h.in:237-243): one id at a time, each used
-//!   once, the next only after the grow completed.
-//! * `ncclCommGrow` (init.cc:2877-3038) checks `newcomm`, `nRanks > 0` and (existing ranks)
-//!   `nRanks` above the current size before writing anything; then `*newcomm = NULL`
-//!   (:2895). Existing ranks pass `rank = -1` (the root its id, the others NULL); ranks 0
-//!   and n-1 **block in the call** until the root's `ncclCommGetUniqueId` sent them the id
-//!   (:2913-2924). New ranks pass NULL, the id and their rank. Every rank gets a new
-//!   communicator, written to `*newcomm` **during the call** (:2997) and stored again by
-//!   the job at its end (:1747-1750, so the out-pointer must outlive the job); the job runs
-//!   on the new communicator, which reads ncclInProgress until it ends; the parent is not
-//!   touched (stays usable, its state unchanged); the call returns ncclSuccess (the group
-//!   end's ncclInProgress is dropped, :3016). Existing ranks keep their rank.
+//! What NCCL does in each call, read from its source (`src/init.cc` at tag `v2.29.7-1`), is
+//! in ARCHITECTURE.md's table ("NCCL's asynchronous contract"); each method below cites the
+//! lines its own behaviour rests on.
 
 use std::ffi::c_int;
 
@@ -73,10 +37,7 @@ impl Communicator {
         let revoke = self.optional(|t| t.ncclCommRevoke, OP)?;
         refuse_in_group(OP)?;
         if self.is_revoked() {
-            return Err(Error::InvalidArgument {
-                call: OP,
-                reason: "the communicator was already revoked".into(),
-            });
+            return Err(invalid(OP, "the communicator was already revoked"));
         }
         crate::teardown::check_lane(OP, self.lane())?;
         self.diag.check_alive()?;
@@ -183,21 +144,19 @@ impl Communicator {
         // communicator (a rank left: the error that rank's abort sets may reach NCCL
         // only during the shrink, which would then refuse the parent). A revoke clears
         // NCCL's error for good.
+        let nccl_reports_error = || {
+            let no_error = [
+                nccl_sys::bindings::ncclSuccess,
+                nccl_sys::bindings::ncclInProgress,
+            ];
+            self.async_state()
+                .is_some_and(|state| !no_error.contains(&state))
+        };
         let revoke_available = self.handle.table().ncclCommRevoke.is_some();
-        if revoke_available
-            && !self.revoked.get()
-            && (self.is_failed() || self.nccl_reports_error())
-        {
+        if revoke_available && !self.revoked.get() && (self.is_failed() || nccl_reports_error()) {
             self.revoke()?;
         }
         self.shrink_call(shrink, list, nccl_sys::bindings::NCCL_SHRINK_ABORT, caller)
-    }
-
-    /// Whether `ncclCommGetAsyncError` reports an error (not success, not in progress).
-    fn nccl_reports_error(&self) -> bool {
-        self.async_state().is_some_and(|state| {
-            state != nccl_sys::bindings::ncclSuccess && state != nccl_sys::bindings::ncclInProgress
-        })
     }
 
     /// A new id for growing this communicator (`ncclCommGetUniqueId`, NCCL 2.29+), called
@@ -248,60 +207,34 @@ impl Communicator {
         refuse_in_group(OP)?;
         super::params::refuse_blocking(OP)?;
         if world_size <= self.world_size || world_size > c_int::MAX as usize {
-            return Err(Error::InvalidArgument {
-                call: OP,
-                reason: format!(
-                    "a grown communicator has more than the current {} ranks and at most {}; got {world_size}",
-                    self.world_size,
-                    c_int::MAX
-                ),
-            });
+            let (now, max) = (self.world_size, c_int::MAX);
+            return Err(invalid(OP, format!("a grown communicator has more than the current {now} ranks and at most {max}; got {world_size}")));
         }
         crate::teardown::check_lane(OP, self.lane())?;
         let tag = crate::diag::shrink_tag(&[-1, -(world_size as c_int)]);
         let raw_id = id.map(UniqueId::to_raw);
-        let slot = JobSlot::new();
-        let out = slot.out();
-        let mut adopted = None;
         // NCCL's grow leaves this communicator's state alone (its job runs on the new
         // one), so the wait on it after the call returns at once; the new communicator
-        // is waited for in `adopt_child`, inside the operation (watched).
-        let r = self.issue_job(
-            CALL,
-            caller,
-            |_, comm| {
-                // SAFETY: `out` is a heap slot that outlives NCCL's job (it stores the
-                // handle again at its end), freed only after the new communicator left
-                // ncclInProgress, else leaked; `raw_id` lives across the call (NCCL copies
-                // it); rank -1 = an existing rank; null config inherits this one's.
-                unsafe {
-                    grow(
-                        comm,
-                        world_size as c_int,
-                        raw_id.as_ref().map_or(std::ptr::null(), |r| r as *const _),
-                        -1,
-                        out,
-                        std::ptr::null_mut(),
-                    )
-                }
-            },
-            || {
-                adopted = self.adopt_child(OP, slot.take(), caller, tag)?;
-                Ok(())
-            },
-        );
-        match r {
-            Ok(()) => adopted.ok_or(Error::InvalidArgument {
-                call: OP,
-                reason: "NCCL returned no communicator".into(),
-            }),
-            Err(e) => {
-                // The new handle (if any) was taken from the slot and is aborted by its
-                // drop; NCCL's job may still store into the slot: leave it to the job.
-                slot.leak();
-                Err(e)
+        // is waited for in `adopt_child`, inside the operation (watched). On an error the
+        // new handle (if any) was taken from the slot and is aborted by its drop, and the
+        // slot is left to NCCL's job, which may still store into it.
+        let child = self.issue_child(CALL, caller, tag, true, true, |_, comm, out| {
+            // SAFETY: `out` is a heap slot that outlives NCCL's job (it stores the handle
+            // again at its end), freed only after the new communicator left
+            // ncclInProgress, else leaked; `raw_id` lives across the call (NCCL copies
+            // it); rank -1 = an existing rank; null config inherits this one's.
+            unsafe {
+                grow(
+                    comm,
+                    world_size as c_int,
+                    raw_id.as_ref().map_or(std::ptr::null(), |r| r as *const _),
+                    -1,
+                    out,
+                    std::ptr::null_mut(),
+                )
             }
-        }
+        })?;
+        child.ok_or_else(|| invalid(OP, "NCCL returned no communicator"))
     }
 
     /// Joins a communicator that existing ranks [`grow`](Self::grow) as its rank `rank`
@@ -367,10 +300,7 @@ impl Communicator {
             }
         }
         if raw.is_null() {
-            return Err(Error::InvalidArgument {
-                call: OP,
-                reason: "NCCL returned success but no communicator".into(),
-            });
+            return Err(invalid(OP, "NCCL returned success but no communicator"));
         }
         diag.arrive(rank, world_size);
         let comm = Communicator::new(handle, device.clone(), rank, world_size, diag)
@@ -400,31 +330,25 @@ impl Communicator {
                 });
             }
             if r == self.rank {
-                return Err(Error::InvalidArgument {
+                return Err(invalid(
                     call,
-                    reason: format!("rank {r} is excluded, so it must not call shrink"),
-                });
+                    format!("rank {r} is excluded, so it must not call shrink"),
+                ));
             }
             if list.contains(&(r as c_int)) {
-                return Err(Error::InvalidArgument {
-                    call,
-                    reason: format!("rank {r} is listed twice"),
-                });
+                return Err(invalid(call, format!("rank {r} is listed twice")));
             }
             list.push(r as c_int);
         }
         if list.is_empty() {
             // As NCCL, which refuses an empty list (init.cc:2561-2562 of 2.28.9).
-            return Err(Error::InvalidArgument {
+            return Err(invalid(
                 call,
-                reason: "no rank is excluded: a shrink removes at least one".into(),
-            });
+                "no rank is excluded: a shrink removes at least one",
+            ));
         }
         if list.len() >= self.world_size {
-            return Err(Error::InvalidArgument {
-                call,
-                reason: "every rank is excluded".into(),
-            });
+            return Err(invalid(call, "every rank is excluded"));
         }
         Ok(list)
     }

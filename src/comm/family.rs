@@ -32,35 +32,53 @@ impl Communicator {
             None => nccl_sys::bindings::NCCL_SPLIT_NOCOLOR,
             Some(c) if c <= c_int::MAX as u32 => c as c_int,
             Some(c) => {
-                return Err(Error::InvalidArgument {
-                    call: OP,
-                    reason: format!("color {c} does not fit NCCL's int (max {})", c_int::MAX),
-                })
+                return Err(invalid(
+                    OP,
+                    format!("color {c} does not fit NCCL's int (max {})", c_int::MAX),
+                ))
             }
         };
         refuse_in_group(OP)?;
         super::params::refuse_blocking(OP)?;
         super::params::refuse_sharing(OP, self.names.share, false)?;
         crate::teardown::check_lane(OP, self.lane())?;
+        self.issue_child(CALL, caller, color as u64, true, false, |t, comm, out| {
+            // SAFETY: `out` is the heap slot NCCL's job writes; it outlives the job (freed
+            // only after the job ended, else leaked); a null config means "inherit the
+            // parent's".
+            unsafe { (t.ncclCommSplit)(comm, color, key, out, std::ptr::null_mut()) }
+        })
+    }
+
+    /// Issues `f` (a split, shrink or grow, given the out-pointer its NCCL job writes the
+    /// child into) as an operation of this communicator (refused on a failed one when
+    /// `gate`: see `issue_inner`), and adopts the child (clique tag `tag`) once the job
+    /// ended, inside the operation. On an error the slot is orphaned
+    /// ([`orphan_child`](Self::orphan_child)), or leaked when `leak` (a grow, whose job
+    /// runs on the child and stores into the slot at its end).
+    pub(super) fn issue_child(
+        &self,
+        call: EntryPoint,
+        caller: &'static Location<'static>,
+        tag: u64,
+        gate: bool,
+        leak: bool,
+        f: impl FnOnce(&FunctionTable, ncclComm_t, *mut ncclComm_t) -> ncclResult_t,
+    ) -> Result<Option<Communicator>> {
         let slot = JobSlot::new();
         let out = slot.out();
         let mut adopted = None;
-        let r = self.issue_job(
-            CALL,
-            caller,
-            |t, comm| {
-                // SAFETY: `out` is the heap slot NCCL's job writes; it outlives the job
-                // (freed only after the job ended, else leaked); a null config means
-                // "inherit the parent's".
-                unsafe { (t.ncclCommSplit)(comm, color, key, out, std::ptr::null_mut()) }
-            },
-            || {
-                adopted = self.adopt_child(OP, slot.take(), caller, color as u64)?;
-                Ok(())
-            },
-        );
+        let then = || {
+            adopted = self.adopt_child(call.name(), slot.take(), caller, tag)?;
+            Ok(())
+        };
+        let r = self.issue_inner(call, caller, |t, comm| f(t, comm, out), true, then, gate);
         match r {
             Ok(()) => Ok(adopted),
+            Err(e) if leak => {
+                slot.leak();
+                Err(e)
+            }
             Err(e) => Err(self.orphan_child(slot, e)),
         }
     }
@@ -105,12 +123,11 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Communicator> {
         const CALL: EntryPoint = EntryPoint::ncclCommShrink;
-        const OP: &str = CALL.name();
         let tag = crate::diag::shrink_tag(&list);
-        let slot = JobSlot::new();
-        let out = slot.out();
-        let mut adopted = None;
-        let call = |_: &FunctionTable, comm| {
+        // A shrink in NCCL's abort mode is made for a communicator that failed (or was
+        // revoked): it is not refused for that.
+        let gate = flags != nccl_sys::bindings::NCCL_SHRINK_ABORT;
+        let child = self.issue_child(CALL, caller, tag, gate, false, |_, comm, out| {
             // SAFETY: `list` holds `list.len()` in-range ranks (NCCL copies it for its job,
             // init.cc:2615-2618); `out` is the heap slot NCCL's job writes, alive until the
             // job ended (else leaked); null config inherits the parent's; `flags` is
@@ -125,22 +142,8 @@ impl Communicator {
                     flags as c_int,
                 )
             }
-        };
-        let then = || {
-            adopted = self.adopt_child(OP, slot.take(), caller, tag)?;
-            Ok(())
-        };
-        // A shrink in NCCL's abort mode is made for a communicator that failed (or was
-        // revoked): it is not refused for that.
-        let gate = flags != nccl_sys::bindings::NCCL_SHRINK_ABORT;
-        let r = self.issue_inner(CALL, caller, call, true, then, gate);
-        if let Err(e) = r {
-            return Err(self.orphan_child(slot, e));
-        }
-        adopted.ok_or(Error::InvalidArgument {
-            call: OP,
-            reason: "NCCL returned no communicator".into(),
-        })
+        })?;
+        child.ok_or_else(|| invalid(CALL.name(), "NCCL returned no communicator"))
     }
 
     /// After a split or shrink that failed (`e`): NCCL's job stores the child even after a

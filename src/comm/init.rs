@@ -93,17 +93,13 @@ impl Communicator {
             lib.check(OP, r, ctx)?;
         }
         if raw.is_null() {
-            return Err(Error::InvalidArgument {
-                call: OP,
-                reason: "NCCL returned success but no communicator".into(),
-            });
+            return Err(invalid(OP, "NCCL returned success but no communicator"));
         }
         // Until its init completes, the communicator counts as failed: dropped, it is aborted.
         diag.arrive(rank, world_size);
         let comm = Communicator::new(handle, device.clone(), rank, world_size, diag)
             .keeping(config.names());
-        comm.mark_pending();
-        Ok(PendingCommunicator { comm })
+        Ok(PendingCommunicator::pending(comm))
     }
 
     /// Creates one communicator per device in this process (`ncclCommInitAll`): rank `i`
@@ -113,10 +109,7 @@ impl Communicator {
         const OP: &str = "ncclCommInitAll";
         let caller = Location::caller();
         refuse_in_group(OP)?;
-        let first = devices.first().ok_or(Error::InvalidArgument {
-            call: OP,
-            reason: "no devices given".into(),
-        })?;
+        let first = devices.first().ok_or(invalid(OP, "no devices given"))?;
         let lib = first.library()?;
         check_world(OP, devices.len(), 0)?;
         let mut ordinals = Vec::with_capacity(devices.len());
@@ -177,20 +170,6 @@ impl Communicator {
 /// The failure a communicator carries until its init completes (so dropping it aborts).
 const PENDING: &str = "its initialization did not complete";
 
-impl Communicator {
-    /// Counts the communicator as failed until its init completes (dropped, it aborts).
-    fn mark_pending(&self) {
-        let _ = self.failure.set(PENDING.to_string());
-    }
-
-    /// Its init completed: healthy again, unless something else failed it meanwhile.
-    fn clear_pending(&mut self) {
-        if self.failure.get().map(String::as_str) == Some(PENDING) {
-            self.failure.take();
-        }
-    }
-}
-
 /// A communicator whose non-blocking init is under way. Dropping it aborts the handle
 /// (the communicator counts as failed until [`wait`](Self::wait) succeeds).
 #[derive(Debug)]
@@ -206,9 +185,10 @@ impl PendingCommunicator {
         self.wait_as("ncclCommInitRankConfig", Location::caller(), timeout)
     }
 
-    /// `comm`, whose init (or grow) was just issued: failed until it completes.
+    /// `comm`, whose init (or grow) was just issued: failed until it completes (dropped,
+    /// it aborts).
     pub(super) fn pending(comm: Communicator) -> PendingCommunicator {
-        comm.mark_pending();
+        let _ = comm.failure.set(PENDING.to_string());
         PendingCommunicator { comm }
     }
 
@@ -230,7 +210,10 @@ impl PendingCommunicator {
                 .init_failed(comm.rank, comm.world_size, &e.to_string());
             return Err(e);
         }
-        comm.clear_pending();
+        // Healthy again, unless something else failed it meanwhile.
+        if comm.failure.get().map(String::as_str) == Some(PENDING) {
+            comm.failure.take();
+        }
         Ok(comm)
     }
 

@@ -1,10 +1,6 @@
-//! [`Communicator`]: the RAII owner of an `ncclComm_t`.
-//!
-//! By concern: `raw` holds [`RawComm`], the one owner of the handle; this file holds the
-//! type built on it, its accessors and the one checked path of its
-//! calls (`issue`, `pinned`, the failure state); `init` makes communicators (and
-//! [`PendingCommunicator`]), `family` makes children (split, shrink), `teardown` ends them
-//! (destroy, abort, finalize, `Drop`). Raw-handle interop is in `comm_ref`.
+//! [`Communicator`]: the RAII owner of an `ncclComm_t`, a file per concern (ARCHITECTURE.md,
+//! "comm, comm_ref"): this one holds the type, its accessors and the one checked path of
+//! its calls (`issue`, `pinned`, the failure state).
 
 use std::cell::OnceCell;
 use std::ffi::c_int;
@@ -86,10 +82,10 @@ impl CommDevice {
             #[cfg(feature = "host")]
             CommDevice::Host => Ok(Library::host()),
             #[cfg(not(feature = "host"))]
-            CommDevice::Host => Err(Error::InvalidArgument {
-                call: "CommDevice::library",
-                reason: "nccl-safe was built without its `host` feature (the host provider)".into(),
-            }),
+            CommDevice::Host => Err(invalid(
+                "CommDevice::library",
+                "nccl-safe was built without its `host` feature (the host provider)",
+            )),
         }
     }
 
@@ -187,15 +183,23 @@ impl std::fmt::Debug for Communicator {
     }
 }
 
+/// [`Error::InvalidArgument`] of `call`, for `reason`.
+pub(crate) fn invalid(call: &'static str, reason: impl Into<String>) -> Error {
+    Error::InvalidArgument {
+        call,
+        reason: reason.into(),
+    }
+}
+
 fn check_world(call: &'static str, world_size: usize, rank: usize) -> Result<()> {
     if world_size == 0 || world_size > c_int::MAX as usize {
-        return Err(Error::InvalidArgument {
+        return Err(invalid(
             call,
-            reason: format!(
+            format!(
                 "world size {world_size} must be between 1 and {}",
                 c_int::MAX
             ),
-        });
+        ));
     }
     if rank >= world_size {
         return Err(Error::RankOutOfRange {
@@ -215,10 +219,7 @@ fn check_world(call: &'static str, world_size: usize, rank: usize) -> Result<()>
 /// the group's end, after this call returned.
 pub(crate) fn refuse_in_group(call: &'static str) -> Result<()> {
     if crate::diag::in_group() {
-        return Err(Error::InvalidArgument {
-            call,
-            reason: "called inside an open Group, where NCCL only queues it until the group's end: call it before or after the group".into(),
-        });
+        return Err(invalid(call, "called inside an open Group, where NCCL only queues it until the group's end: call it before or after the group"));
     }
     Ok(())
 }
@@ -227,16 +228,16 @@ pub(crate) fn refuse_in_group(call: &'static str) -> Result<()> {
 pub(crate) fn check_device(call: &'static str, lib: &Library, device: &CommDevice) -> Result<()> {
     match (lib.provider(), device) {
         (p, d) if p == d.provider() => Ok(()),
-        (p, d) => Err(Error::InvalidArgument {
+        (p, d) => Err(invalid(
             call,
-            reason: format!(
+            format!(
                 "a {} device cannot use the {p:?} provider",
                 match d {
                     CommDevice::Cuda(_) => "CUDA",
                     CommDevice::Host => "host",
                 }
             ),
-        }),
+        )),
     }
 }
 
@@ -258,7 +259,7 @@ fn prepare_new(
     check_device(call, lib, device)?;
     params::refuse_blocking(call)?;
     if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
-        return Err(Error::InvalidArgument { call, reason });
+        return Err(invalid(call, reason));
     }
     let diag = crate::diag::CommDiag::for_id(&config.diag, id, rank, world_size);
     crate::teardown::check_lane(
@@ -743,5 +744,6 @@ mod tests {
     fn communicator_is_send() {
         ensure_send::<Communicator>();
         ensure_send::<PendingCommunicator>();
+        ensure_send::<crate::CommRef<'static>>();
     }
 }

@@ -13,10 +13,7 @@ pub(super) fn refuse_blocking(call: &'static str) -> Result<()> {
     if param("NCCL_COMM_BLOCKING") != Some(1) {
         return Ok(());
     }
-    Err(Error::InvalidArgument {
-        call,
-        reason: "NCCL_COMM_BLOCKING=1 (in the environment or an nccl.conf) makes NCCL wait inside this call, for ever if a rank never joins, where Config::timeout cannot end it: unset it (the crate's communicators already behave as blocking ones, bounded by Config::timeout)".into(),
-    })
+    Err(invalid(call, "NCCL_COMM_BLOCKING=1 (in the environment or an nccl.conf) makes NCCL wait inside this call, for ever if a rank never joins, where Config::timeout cannot end it: unset it (the crate's communicators already behave as blocking ones, bounded by Config::timeout)"))
 }
 
 /// Refuses a split (`shrink` false) or a shrink whose child would share its parent's
@@ -46,12 +43,7 @@ pub(super) fn refuse_sharing(
         Some(v) => format!("{var}={v}"),
         None => format!("the communicator's config ({field} = {value})"),
     };
-    Err(Error::InvalidArgument {
-        call,
-        reason: format!(
-            "{what} makes the child share its parent's abort flag, so aborting one (a failure, a timeout, a drop after an error) makes the other's collectives return success without moving data: leave resource sharing off"
-        ),
-    })
+    Err(invalid(call, format!("{what} makes the child share its parent's abort flag, so aborting one (a failure, a timeout, a drop after an error) makes the other's collectives return success without moving data: leave resource sharing off")))
 }
 
 /// NCCL's value of `name` as the `int` of a config override.

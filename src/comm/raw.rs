@@ -1,16 +1,9 @@
 //! [`RawComm`]: the one owner of an `ncclComm_t`, on which [`Communicator`] and
-//! [`crate::CommRef`] are built.
-//!
-//! It holds what ownership needs and nothing else: the handle, the library that made it,
-//! and whether its teardown is this crate's (owned) or someone else's (borrowed). Taking
-//! the handle out ([`RawComm::take`]) is the only way to tear it down or give it away, and
-//! it yields an owned handle once, so no path can tear a handle down twice or tear down
-//! one it borrowed. The communicator's failure state and diagnostics live beside it in
-//! [`Communicator`]; the choice between destroy and abort, and its bound, is
-//! `Communicator`'s `Drop`, and the abort of a handle never taken is `RawComm`'s own
-//! `Drop` (both in src/comm/teardown.rs).
-//!
-//! The shape is rusqlite's `InnerConnection` under `Connection` (`from_handle` /
+//! [`crate::CommRef`] are built: the handle, the library that made it, and whether its
+//! teardown is this crate's (owned) or someone else's (borrowed). Taking the handle out
+//! ([`RawComm::take`]) is the only way to tear it down or give it away, and it yields an
+//! owned handle once, so no path can tear a handle down twice or tear down one it
+//! borrowed. The shape is rusqlite's `InnerConnection` under `Connection` (`from_handle` /
 //! `from_handle_owned`).
 
 use std::sync::Arc;
@@ -87,15 +80,6 @@ impl RawComm {
     /// (or stays its owner's). Null when already taken.
     pub(crate) fn into_raw(mut self) -> ncclComm_t {
         std::mem::replace(&mut self.raw, std::ptr::null_mut())
-    }
-}
-
-impl std::fmt::Debug for RawComm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RawComm")
-            .field("raw", &self.raw)
-            .field("owned", &self.owned)
-            .finish()
     }
 }
 

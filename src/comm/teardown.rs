@@ -27,39 +27,29 @@ impl Communicator {
     #[track_caller]
     #[allow(clippy::result_large_err)] // the shape of rusqlite's `Connection::close`
     pub fn destroy(mut self) -> std::result::Result<(), (Communicator, Error)> {
+        match self.try_destroy(Location::caller()) {
+            Ok(()) => Ok(()),
+            Err(e) => Err((self, e)),
+        }
+    }
+
+    /// [`destroy`](Self::destroy), with the communicator left in place on an error.
+    fn try_destroy(&mut self, caller: &'static Location<'static>) -> Result<()> {
         const OP: &str = "ncclCommDestroy";
-        let caller = Location::caller();
-        if let Err(e) = self.ensure_usable(OP) {
-            return Err((self, e));
-        }
+        self.ensure_usable(OP)?;
         if let Err(e) = self.diag.before_teardown() {
-            self.mark_failed(&e);
-            return Err((self, e));
+            return Err(self.fail(e));
         }
-        if let Err(e) = bind(&self.device) {
-            return Err((self, e));
-        }
+        bind(&self.device)?;
         // NCCL refuses to destroy a communicator with work in flight or an asynchronous
         // error, and then leaves this thread inside a group level (see
         // `teardown::destroy_or_abort`): such a one comes back failed (dropping it aborts).
-        match self.poll_async(OP, caller) {
-            Ok(false) => {}
-            Ok(true) => {
-                let e = Error::InvalidArgument {
-                    call: OP,
-                    reason: "NCCL still has work of this communicator in flight (ncclCommGetAsyncError says ncclInProgress): it cannot be destroyed now; drop it to abort it, or wait for the work".into(),
-                };
-                self.mark_failed(&e);
-                return Err((self, e));
-            }
-            Err(e) => return Err((self, e)),
+        if self.poll_async(OP, caller)? {
+            return Err(self.fail(invalid(OP, "NCCL still has work of this communicator in flight (ncclCommGetAsyncError says ncclInProgress): it cannot be destroyed now; drop it to abort it, or wait for the work")));
         }
         // Pinned from before the call until the handle is out of its slot: a watchdog
         // claim can never fall between the destroy and the take.
-        let pinned = match self.diag.pin() {
-            Ok(p) => p,
-            Err(e) => return Err((self, e)),
-        };
+        let pinned = self.diag.pin()?;
         // SAFETY: the handle is live (pinned: the watchdog cannot take it during the call)
         // and used by nothing else; on success it is never used again (taken below, still
         // pinned). A refused destroy leaves this thread outside any group level.
@@ -75,10 +65,7 @@ impl Communicator {
         if pinned {
             self.diag.unpin();
         }
-        match destroyed {
-            Ok(()) => Ok(()),
-            Err(e) => Err((self, e)),
-        }
+        destroyed
     }
 
     /// Aborts the communicator (`ncclCommAbort`): pending operations on every rank end
@@ -122,8 +109,11 @@ impl Communicator {
         }
     }
 
-    /// Tears the taken handle `raw` down on the teardown lane (abort, or destroy), waiting
-    /// until `until`: the bound, and the call's result when it returned in time.
+    /// Tears the taken handle `raw` down on the teardown lane (`ncclCommAbort` when
+    /// `abort`, else [`destroy_or_abort`](crate::teardown::destroy_or_abort), with the
+    /// device's context current), waiting until `until` (at least `MIN_WAIT`): the bound,
+    /// and the call's result when it returned in time (past that, the policy applied).
+    /// `raw` must have been taken out of this communicator: this is its one teardown.
     pub(super) fn teardown(
         &self,
         raw: ncclComm_t,
@@ -131,22 +121,41 @@ impl Communicator {
         why: &str,
         until: Instant,
     ) -> (Duration, Option<ncclResult_t>) {
-        let what = format!("rank {} of {} ({why})", self.rank, self.world_size);
+        let call = if abort {
+            "ncclCommAbort"
+        } else {
+            "ncclCommDestroy"
+        };
+        let what = format!(
+            "{call} of rank {} of {} ({why})",
+            self.rank, self.world_size
+        );
         let ctx = match &self.device {
             CommDevice::Cuda(c) => Some(Arc::clone(c)),
             CommDevice::Host => None,
         };
+        let lib = Arc::clone(self.handle.lib());
+        let raw = raw as usize;
+        let work = Box::new(move || {
+            if let Some(ctx) = ctx {
+                // Not `bind_to_thread`: it would take the context's recorded error away
+                // from the user's `check_err`.
+                let _ = crate::stream::make_current(&ctx);
+            }
+            let t = lib.table();
+            let raw = raw as ncclComm_t;
+            // SAFETY: `raw` was taken out of its communicator's slot (the caller's
+            // contract): this is its one teardown, and no one uses it afterwards.
+            unsafe {
+                if abort {
+                    (t.ncclCommAbort)(raw)
+                } else {
+                    crate::teardown::destroy_or_abort(t, raw)
+                }
+            }
+        });
         let b = self.diag.bound();
-        let (_, r) = crate::teardown::teardown_bounded(
-            self.lane(),
-            b,
-            self.handle.lib(),
-            raw,
-            abort,
-            ctx,
-            what,
-            until,
-        );
+        let r = crate::teardown::run_bounded(self.lane(), b, what, work, until);
         (b.bound, r)
     }
 

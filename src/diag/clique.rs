@@ -101,6 +101,11 @@ pub(crate) struct RankView {
 /// The shape of a collective that every rank must agree on, and where it was called.
 pub(crate) type Fingerprint = OpRecord;
 
+/// Whether two ranks' fingerprints agree: the same call, type, count and root.
+fn same_shape(a: &Fingerprint, b: &Fingerprint) -> bool {
+    (a.op, a.dtype, a.count, a.root) == (b.op, b.dtype, b.count, b.root)
+}
+
 #[derive(Debug)]
 pub(crate) struct CliqueState {
     board: Vec<[Option<Fingerprint>; BOARD_DEPTH]>,
@@ -225,13 +230,17 @@ impl Clique {
         }
     }
 
+    /// The ranks in this process whose communicator is not torn down, with their views.
+    fn here(&self) -> impl Iterator<Item = (usize, RankView)> + '_ {
+        (0..self.world_size)
+            .map(|r| (r, self.view(r)))
+            .filter(|(_, v)| v.present && !v.gone)
+    }
+
     /// The ranks in this process, not torn down, that have not issued collective `seq`.
     pub(crate) fn behind_here(&self, seq: u64) -> Vec<usize> {
-        (0..self.views.len())
-            .filter(|&r| {
-                let v = self.view(r);
-                v.present && !v.gone && v.issued <= seq
-            })
+        (self.here().filter(|(_, v)| v.issued <= seq))
+            .map(|(r, _)| r)
             .collect()
     }
 
@@ -318,14 +327,10 @@ impl Clique {
         }
         // A rank of this process already in such a collective (the watchdog finds the
         // others, and later ones, within a tick).
-        let (waiting, rec) = (0..self.world_size)
-            .filter(|&r| r != rank)
-            .filter_map(|r| {
-                let v = self.view(r);
-                let l = v.last.filter(|l| l.state == OpState::Enqueued)?;
-                (v.present && !v.gone && self.waits_for_departed(r, &l).is_some()).then_some((r, l))
-            })
-            .next()?;
+        let (waiting, rec) = self.here().find_map(|(r, v)| {
+            let l = v.last.filter(|l| l.state == OpState::Enqueued)?;
+            (r != rank && self.waits_for_departed(r, &l).is_some()).then_some((r, l))
+        })?;
         Some(self.fail_for_departure(d, Some(waiting), Some(&rec)))
     }
 
@@ -439,31 +444,39 @@ impl Clique {
     /// process) left: in the background, so a teardown keeps its bound; the process's exit
     /// waits for the post until its deadline.
     fn post_departure(&self, d: &Departure) {
-        let Some(board) = self.board.get() else {
-            return;
-        };
-        let deadline = Instant::now() + BOARD_IO;
-        let Some(posting) = crate::teardown::exit::posting(deadline) else {
-            return;
-        };
-        let board = Arc::clone(board);
         let post = DesyncPost::departure(self.key, d.issued, &d.how);
-        let rank = d.rank;
-        let (posted, done) = std::sync::mpsc::channel();
-        // A thread that cannot start: the peers fall back to their timeout.
-        let started = std::thread::Builder::new()
-            .name("nccl-safe-depart".into())
-            .spawn(move || {
-                let _posting = posting;
-                let _ = board.post(rank, &post, deadline);
-                let _ = posted.send(());
-            });
         // Wait a little for it, so that it is on the board before the teardown that follows
         // wakes the peers through the provider: they then read why this rank left
-        // ([`Clique::remote_departure`]) rather than the provider's words.
-        if started.is_ok() {
+        // ([`Clique::remote_departure`]) rather than the provider's words. Not posted (no
+        // thread): the peers fall back to their timeout.
+        if let Some(done) = self.post_in_background(vec![(d.rank, post)]) {
             let _ = done.recv_timeout(DEPARTURE_POST_WAIT);
         }
+    }
+
+    /// Posts `posts` (rank, post) to the board on a thread of its own, each bounded by
+    /// [`BOARD_IO`] (the process's exit waits for them until then). `None` (nothing posted)
+    /// without a board, while the process exits, or when no thread starts; else the
+    /// receiver hears when they are done.
+    fn post_in_background(
+        &self,
+        posts: Vec<(usize, DesyncPost)>,
+    ) -> Option<std::sync::mpsc::Receiver<()>> {
+        let board = Arc::clone(self.board.get()?);
+        let deadline = Instant::now() + BOARD_IO;
+        let posting = crate::teardown::exit::posting(deadline)?;
+        let (posted, done) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("nccl-safe-post".into())
+            .spawn(move || {
+                let _posting = posting;
+                for (rank, post) in &posts {
+                    let _ = board.post(*rank, post, deadline);
+                }
+                let _ = posted.send(());
+            })
+            .ok()?;
+        Some(done)
     }
 
     /// Posts this process's ranks' last operations to the board (in the background, bounded
@@ -471,30 +484,16 @@ impl Clique {
     /// watchdog's notice): so that the first rank of another process to time out finds
     /// every rank that waits with it on the board, and only the rank behind silent. Ranks
     /// otherwise post only at their own timeout, which the first to time out never sees.
+    /// (When nothing could be posted, the report says these ranks posted nothing.)
     pub(crate) fn post_waiting(&self) {
-        let Some(board) = self.board.get() else {
+        if self.board.get().is_none() {
             return;
-        };
-        let deadline = Instant::now() + BOARD_IO;
-        let Some(posting) = crate::teardown::exit::posting(deadline) else {
-            return;
-        };
+        }
         let now = Instant::now();
-        let posts: Vec<(usize, DesyncPost)> = (0..self.views.len())
-            .map(|r| (r, self.view(r)))
-            .filter(|(_, v)| v.present && !v.gone)
+        let posts: Vec<(usize, DesyncPost)> = (self.here())
             .map(|(r, v)| (r, DesyncPost::new(self.key, v.issued, &describe(&v, now))))
             .collect();
-        let board = Arc::clone(board);
-        // A thread that cannot start: the report says these ranks posted nothing.
-        let _ = std::thread::Builder::new()
-            .name("nccl-safe-post".into())
-            .spawn(move || {
-                let _posting = posting;
-                for (rank, post) in &posts {
-                    let _ = board.post(*rank, post, deadline);
-                }
-            });
+        let _ = self.post_in_background(posts);
     }
 
     /// The departure of a rank in another process that the job's desync board holds, read
@@ -507,40 +506,32 @@ impl Clique {
     pub(crate) fn remote_departure(&self, rank: usize) -> Option<&Departure> {
         let board = self.board.get()?;
         if self.departed.get().is_none() && !self.any_timeout() {
-            let posts = board.fetch(Instant::now() + BOARD_IO).ok()?;
-            for (r, p) in posts.into_iter().enumerate() {
-                let Some(p) = p else {
-                    continue;
-                };
-                if p.left && p.clique == self.key && r < self.world_size && !self.view(r).present {
-                    self.depart_remote(r, p.issued, &p.text);
-                }
-            }
+            self.read_departures(board.fetch(Instant::now() + BOARD_IO).ok()?);
         }
         self.departed_other_than(rank)
             .filter(|d| !self.view(d.rank).present)
     }
 
-    /// Rank `rank` of another process left, having issued `issued` collectives, as its post
-    /// on the board says (`how`). The first departure is kept; the watchdog then fails, at
-    /// its next tick, every rank of this process that waits in a collective it never
-    /// issued.
-    fn depart_remote(&self, rank: usize, issued: u64, how: &str) {
-        if self.any_timeout() {
-            return;
-        }
-        let _ = self.departed.get_or_init(|| Departure {
-            rank,
-            issued,
-            how: format!("{how} (another process, from the desync board)"),
-            recent: Vec::new(),
+    /// The first departure posted in `posts` (the board's, as fetched) by a rank of another
+    /// process becomes the clique's, unless it timed out or has one: the watchdog then
+    /// fails, at its next tick, every rank of this process that waits in a collective that
+    /// rank never issued.
+    fn read_departures(&self, posts: Vec<Option<DesyncPost>>) {
+        let left = (posts.into_iter().enumerate()).find_map(|(r, p)| {
+            let mine = |p: &DesyncPost| p.left && p.clique == self.key && r < self.world_size;
+            p.filter(|p| mine(p) && !self.view(r).present)
+                .map(|p| (r, p))
         });
+        if let Some((rank, p)) = left.filter(|_| !self.any_timeout()) {
+            let how = format!("{} (another process, from the desync board)", p.text);
+            self.depart_elsewhere(rank, p.issued, how);
+        }
     }
 
-    /// Rank `rank` of another process died (the provider saw its process gone) in or
-    /// before collective `issued`: the clique's departure, unless one is known already
-    /// (the first is kept, and returned).
-    pub(crate) fn depart_dead(&self, rank: usize, issued: u64, how: String) -> &Departure {
+    /// Rank `rank` of another process left (its post on the board) or died (the provider
+    /// saw its process gone) in or before collective `issued`: the clique's departure,
+    /// unless one is known already (the first is kept, and returned).
+    pub(crate) fn depart_elsewhere(&self, rank: usize, issued: u64, how: String) -> &Departure {
         self.departed.get_or_init(|| Departure {
             rank,
             issued,
@@ -551,12 +542,9 @@ impl Clique {
 
     /// Whether a rank of this process has waited in an operation for at least `age`.
     fn waiting_for(&self, age: Duration) -> bool {
-        (0..self.world_size).any(|r| {
-            let v = self.view(r);
-            v.present
-                && !v.gone
-                && v.last
-                    .is_some_and(|l| l.state == OpState::Enqueued && l.enqueued.elapsed() >= age)
+        self.here().any(|(_, v)| {
+            v.last
+                .is_some_and(|l| l.state == OpState::Enqueued && l.enqueued.elapsed() >= age)
         })
     }
 
@@ -598,15 +586,10 @@ impl Clique {
                 .iter()
                 .all(|b| b[slot].is_some_and(|p| p.seq == fp.seq));
             if posted {
-                let same = s.board.iter().all(|b| {
-                    b[slot].is_some_and(|p| {
-                        p.op == fp.op
-                            && p.dtype == fp.dtype
-                            && p.count == fp.count
-                            && p.root == fp.root
-                    })
-                });
-                if same {
+                if s.board
+                    .iter()
+                    .all(|b| b[slot].is_some_and(|p| same_shape(&p, &fp)))
+                {
                     return Agreement::Agree;
                 }
                 return Agreement::Mismatch(self.table(&s, slot));
@@ -629,9 +612,7 @@ impl Clique {
         for (r, b) in s.board.iter().enumerate() {
             match b[slot] {
                 Some(p) => {
-                    let differs = first.is_some_and(|f| {
-                        f.op != p.op || f.dtype != p.dtype || f.count != p.count || f.root != p.root
-                    });
+                    let differs = first.is_some_and(|f| !same_shape(&f, &p));
                     let _ = writeln!(
                         t,
                         "  {r:>4}  {:<4}  {:<40}  {}{}",
@@ -654,20 +635,10 @@ impl Clique {
         t
     }
 
-    /// The desync report for rank `rank` stuck in `stuck` (its operation `stuck.seq`).
+    /// The desync report for rank `rank` stuck in `stuck` (its operation `stuck.seq`),
+    /// ending with why this clique was aborted: by this rank's watchdog (`ours`), or by a
+    /// rank of another process.
     pub(crate) fn report(
-        &self,
-        rank: usize,
-        stuck: &OpRecord,
-        timeout: Duration,
-        what: &str,
-    ) -> Report {
-        self.report_as(rank, stuck, timeout, what, true)
-    }
-
-    /// [`report`](Self::report), ending with why this clique was aborted: by this rank's
-    /// watchdog (`ours`), or by a rank of another process.
-    pub(crate) fn report_as(
         &self,
         rank: usize,
         stuck: &OpRecord,
@@ -835,16 +806,8 @@ fn watch_departures(clique: Weak<Clique>) {
         let Some(board) = c.board.get().cloned() else {
             continue;
         };
-        let Ok(posts) = board.fetch(Instant::now() + BOARD_IO) else {
-            continue;
-        };
-        for (r, p) in posts.into_iter().enumerate() {
-            let Some(p) = p else {
-                continue;
-            };
-            if p.left && p.clique == c.key && r < c.world_size && !c.view(r).present {
-                c.depart_remote(r, p.issued, &p.text);
-            }
+        if let Ok(posts) = board.fetch(Instant::now() + BOARD_IO) {
+            c.read_departures(posts);
         }
     }
 }
@@ -852,28 +815,17 @@ fn watch_departures(clique: Weak<Clique>) {
 /// What a rank was last doing, one line: `ncclAllReduce(f32 x 4) seq 1 at x.rs:9 (in
 /// progress for 1.002s)`.
 fn describe(v: &RankView, now: Instant) -> String {
-    match v.last {
-        Some(l) => format!(
-            "{} seq {} at {} ({}{})",
-            l.signature(),
-            l.seq,
-            l.at(),
-            match l.state {
-                OpState::Enqueued => "in progress",
-                OpState::Completed => "completed",
-                OpState::Failed => "failed",
-            },
-            if l.state == OpState::Enqueued {
-                format!(
-                    " for {:.3}s",
-                    now.saturating_duration_since(l.enqueued).as_secs_f64()
-                )
-            } else {
-                String::new()
-            }
-        ),
-        None => "nothing".to_string(),
-    }
+    let Some(l) = v.last else {
+        return "nothing".to_string();
+    };
+    let state = match l.state {
+        OpState::Enqueued => {
+            let age = now.saturating_duration_since(l.enqueued).as_secs_f64();
+            format!("in progress for {age:.3}s")
+        }
+        s => s.name().to_string(),
+    };
+    format!("{} seq {} at {} ({state})", l.signature(), l.seq, l.at())
 }
 
 #[cfg(test)]
@@ -882,6 +834,16 @@ mod tests {
     use crate::diag::key::fresh_key;
     #[cfg(feature = "launch")]
     use crate::launch::desync::{BoardClient, DesyncBoard};
+
+    /// A rank's view: attached, `issued` collectives, last doing `last`.
+    fn seen(issued: u64, last: Option<OpRecord>) -> RankView {
+        RankView {
+            present: true,
+            gone: false,
+            issued,
+            last,
+        }
+    }
 
     /// An all-reduce of 4 `f32` at `seq`, enqueued `age` ago and not yet started.
     #[track_caller]
@@ -916,11 +878,7 @@ mod tests {
             .post(1, &DesyncPost::new(c.key ^ 1, 9, "elsewhere"))
             .unwrap();
         let stuck = enqueued_all_reduce(1, Duration::ZERO);
-        c.update(0, |v| {
-            v.present = true;
-            v.issued = 2;
-            v.last = Some(stuck);
-        });
+        c.update(0, |v| *v = seen(2, Some(stuck)));
         c.set_board(&(Arc::new(client.clone()) as Arc<dyn RemoteBoard>));
         let t = Instant::now();
         let report = c.report(
@@ -928,6 +886,7 @@ mod tests {
             &stuck,
             Duration::from_millis(400),
             "did not complete in time",
+            true,
         );
         let r = &report.text;
         eprintln!("{r}");
@@ -972,15 +931,12 @@ mod tests {
         // Posting: rank 2 here leaves after 5 collectives.
         let here = join(fresh_key(), 3);
         here.set_board(&as_board());
-        here.update(2, |v| {
-            v.present = true;
-            v.issued = 5;
-        });
-        let mut view = here.view(2);
-        view.last = Some(OpRecord {
+        here.update(2, |v| *v = seen(5, None));
+        let last = OpRecord {
             state: OpState::Completed,
             ..enqueued_all_reduce(4, Duration::ZERO)
-        });
+        };
+        let view = seen(5, Some(last));
         assert!(here
             .depart(2, view, Vec::new(), "its launcher closure returned", false)
             .is_none());
@@ -1003,9 +959,7 @@ mod tests {
         // rank 1 of another process posts that it left after 3 collectives.
         let there = join(fresh_key(), 3);
         there.update(0, |v| {
-            v.present = true;
-            v.issued = 4;
-            v.last = Some(enqueued_all_reduce(3, Duration::from_secs(1)));
+            *v = seen(4, Some(enqueued_all_reduce(3, Duration::from_secs(1))));
         });
         client
             .post(
@@ -1050,9 +1004,7 @@ mod tests {
     #[test]
     fn a_collective_numbered_as_another_call_of_the_departed_rank_waits_for_it() {
         let c = join(fresh_key(), 3);
-        let mut view = c.view(1);
-        view.present = true;
-        view.issued = 2;
+        let view = seen(2, None);
         let recent = vec![
             (0, EntryPoint::ncclCommWindowRegister),
             (1, EntryPoint::ncclCommWindowDeregister),
@@ -1077,9 +1029,7 @@ mod tests {
         assert!(c.waits_for_departed(0, &dereg).is_none());
         // Beyond what the departure recorded: the number alone decides, as before.
         let c = join(fresh_key(), 2);
-        let mut view = c.view(1);
-        view.present = true;
-        view.issued = 5;
+        let view = seen(5, None);
         c.depart(
             1,
             view,
@@ -1103,9 +1053,7 @@ mod tests {
     #[test]
     fn a_broken_departure_after_another_fails_the_clique() {
         let c = join(fresh_key(), 3);
-        let mut view = c.view(1);
-        view.present = true;
-        view.issued = 2;
+        let view = seen(2, None);
         assert!(c
             .depart(1, view, Vec::new(), "it aborted its communicator", false)
             .is_none());
@@ -1138,12 +1086,8 @@ mod tests {
             root: Some(0),
             ..enqueued_all_reduce(0, Duration::ZERO)
         };
-        c.update(0, |v| {
-            v.present = true;
-            v.issued = 1;
-            v.last = Some(stuck);
-        });
-        let r = c.report(0, &stuck, Duration::from_secs(1), "x").text;
+        c.update(0, |v| *v = seen(1, Some(stuck)));
+        let r = c.report(0, &stuck, Duration::from_secs(1), "x", true).text;
         assert!(
             r.contains("  rank 1: no record (not in this process"),
             "{r}"

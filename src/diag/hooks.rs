@@ -26,7 +26,7 @@ use {
     super::clique::{self, Agreement, RankView, TimeoutReport},
     super::journal::{Entry, Journal},
     super::op::in_group,
-    super::recorder::{FlightRecord, OpState},
+    super::recorder::{FlightRecord, OpRecord, OpState},
     super::remote,
     super::shared::{QueueWatch, Shared, IDLE, MAX_QUEUES, PINNED, UNCLAIMED},
     super::tracker::{self, Queue},
@@ -183,14 +183,13 @@ impl CommDiag {
     /// For a child from split (`tag` = color) or shrink ([`shrink_tag`]): same settings,
     /// the key derived from the parent's, its last collective's sequence number and `tag`.
     pub(crate) fn child(&self, tag: u64) -> CommDiag {
-        #[cfg(not(feature = "diag"))]
-        let key = self.key;
         #[cfg(feature = "diag")]
         let key = self.child_key(tag);
+        #[cfg(not(feature = "diag"))]
+        let key = self.key;
         CommDiag::new(self.settings.clone(), key, self.root)
     }
 
-    /// The clique key of a child (see [`child`](Self::child)).
     #[cfg(feature = "diag")]
     fn child_key(&self, tag: u64) -> CliqueKey {
         let seq = self
@@ -250,7 +249,9 @@ impl CommDiag {
             .unwrap_or_else(|| tracker::for_provider(lib.provider()));
         #[cfg(not(test))]
         let tracker = tracker::for_provider(lib.provider());
-        let host_queue = (lib.provider() == Provider::Host).then(|| Shared::host_queue_for(raw));
+        // The queue of a host-provider communicator is the communicator itself.
+        let host_queue = (lib.provider() == Provider::Host)
+            .then(|| Arc::new(QueueWatch::new(Queue::Host(raw as usize))));
         let s = Arc::new(Shared {
             rank,
             world_size,
@@ -381,10 +382,9 @@ impl CommDiag {
         false
     }
 
-    /// A group's call ran out of time. Its communicators were pinned against the watchdog
-    /// for the call, so the watchdog could not time it out: the clique is timed out here as
-    /// the watchdog would have (every rank's `is_failed()` then reads true, and its next
-    /// call fails with this report), and the caller gets the error.
+    /// A group's call ran out of time with its communicators pinned (so the watchdog could
+    /// not time it out): the clique is timed out here as the watchdog would have (every rank
+    /// fails fast with this report), and the caller gets the error.
     #[cold]
     pub(crate) fn group_timed_out(&self, what: String) -> Error {
         #[cfg(feature = "diag")]
@@ -398,10 +398,9 @@ impl CommDiag {
         }
     }
 
-    /// A group's end failed with `e`, not a timeout (the group's communicators were pinned
-    /// through the call, so this is where its failure is judged). NCCL's remote error after
-    /// a rank left fails the clique for that departure, as [`end_error`](Self::end_error)
-    /// does for a single call: the caller keeps its error.
+    /// A group's end failed with `e`, not a timeout (its communicators were pinned through
+    /// the call): NCCL's remote error after a rank left fails the clique for that departure,
+    /// as [`end_error`](Self::end_error) does for a single call; the caller keeps its error.
     #[cold]
     pub(crate) fn group_failed(&self, e: &Error) {
         #[cfg(feature = "diag")]
@@ -413,10 +412,9 @@ impl CommDiag {
         let _ = e;
     }
 
-    /// For a group's end on the host provider, which runs the group inside the call with
-    /// its communicators pinned (so the watchdog cannot abort them when a peer leaves): a
-    /// check, polled during the call, that is `true` once a rank this communicator's staged
-    /// operations need has left, having failed the clique for that departure (so the error
+    /// Polled during a host-provider group's end (run inside the call, its communicators
+    /// pinned, so the watchdog cannot abort them): `true` once a rank this communicator's
+    /// staged operations need has left, the clique failed for that departure (the error
     /// names the rank).
     #[cfg_attr(not(feature = "host"), allow(dead_code))]
     pub(crate) fn peer_departed(&self) -> bool {
@@ -707,16 +705,8 @@ impl CommDiag {
             },
             Agreement::TimedOut(Some(first)) => s.peer_timeout(&rec, &first),
             Agreement::TimedOut(None) => {
-                let report = s.clique.report(
-                    s.rank,
-                    &rec,
-                    s.settings.timeout,
-                    "waited for the other ranks in the fingerprint check",
-                );
-                let report = s
-                    .clique
-                    .set_timed_out(&TimeoutReport::of(s.rank, &rec, report));
-                s.timeout_error(&report)
+                let what = "waited for the other ranks in the fingerprint check";
+                s.timeout_error(&s.time_out(&rec, what, true))
             }
         };
         Err(self.fail(s, pos, start, e))
@@ -772,90 +762,9 @@ impl CommDiag {
     #[cfg(feature = "diag")]
     #[cold]
     fn end_error(&self, s: &Shared, pos: u64, e: Error) -> Error {
-        let rec = s.journal.get(pos);
-        let e = match (&rec, s.aborted_by_watchdog.load(Ordering::Acquire)) {
-            (Some(rec), true) => {
-                let r = s.abort_report();
-                if r.is_about(s.rank, rec.op, rec.seq) {
-                    s.timeout_error(&r)
-                } else {
-                    s.peer_timeout(rec, &r)
-                }
-            }
-            (Some(rec), false) => match s.clique.timed_out() {
-                Some(first) => s.peer_timeout(rec, &first),
-                None => {
-                    // A collective that a departed rank never issued failed at once (a
-                    // provider that breaks the clique with a peer's abort, as the host
-                    // provider does): no collective of the clique can complete any more,
-                    // as when the departure finds a rank already waiting. Fail the clique
-                    // so that every rank sees it (`is_failed()`); the caller keeps the
-                    // provider's own error. The same for a call the departed rank did
-                    // issue that NCCL failed with its remote error (a peer's abort, say,
-                    // while this rank's part of it was still in flight): a communicator
-                    // that returned an error can run no collective any more.
-                    //
-                    // A peer's remote error with no departure known here: a rank of another
-                    // process that left (say, it panicked) posted why to the job's desync
-                    // board before its teardown woke this rank. Then the error names it and
-                    // how it left, as for a rank of this process.
-                    let remote = e.code() == Some(crate::error::ResultCode::RemoteError);
-                    let d = s.clique.waits_for_departed(s.rank, rec).or_else(|| {
-                        remote
-                            .then(|| s.clique.departed_other_than(s.rank))
-                            .flatten()
-                    });
-                    match d {
-                        Some(d) => {
-                            s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
-                            e
-                        }
-                        None => {
-                            let died = remote.then(|| died_rank(s)).flatten();
-                            match remote.then(|| s.clique.remote_departure(s.rank)).flatten() {
-                                Some(d) => {
-                                    let first =
-                                        s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
-                                    s.peer_timeout(rec, &first)
-                                }
-                                // No departure on the board, but the provider names a rank whose
-                                // process is gone (a SIGKILLed process posts nothing): that rank
-                                // is the clique's departure, so that every survivor knows which
-                                // rank it lost (`lost_rank()`); the provider's words stand.
-                                None if died.is_some() => {
-                                    if let Some((r, how)) = died {
-                                        let d = s.clique.depart_dead(r, rec.seq, how);
-                                        s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
-                                    }
-                                    e
-                                }
-                                // No departure on the board either, but ranks of other
-                                // processes posted that they wait in this collective: one of them
-                                // aborted the clique, its watchdog timed out (say) a moment
-                                // before this rank's would have. The board tells whom they waited
-                                // for: this rank's report names the rank behind, as theirs do,
-                                // rather than "rank N called ncclCommAbort". (With no such post,
-                                // the provider's error stands: "rank N died", say.)
-                                None if remote && s.clique.remote_waiting(rec.seq) => {
-                                    let report = s.clique.report_as(
-                                        s.rank,
-                                        rec,
-                                        s.settings.timeout,
-                                        "failed with a peer's remote error",
-                                        false,
-                                    );
-                                    let first = s
-                                        .clique
-                                        .set_timed_out(&TimeoutReport::of(s.rank, rec, report));
-                                    s.peer_timeout(rec, &first)
-                                }
-                                None => e,
-                            }
-                        }
-                    }
-                }
-            },
-            (None, _) => e,
+        let e = match s.journal.get(pos) {
+            Some(rec) => explain(s, &rec, e),
+            None => e,
         };
         s.dump();
         e
@@ -951,6 +860,71 @@ impl CommDiag {
                 .depart(s.rank, s.rank_view(), s.recent_collectives(), how, false);
         }
     }
+}
+
+/// The error of `rec`, this rank's operation that NCCL failed with `e`: the watchdog's
+/// report when it aborted the communicator or its clique timed out, else `e`, having failed
+/// the clique for a departure the failure shows.
+#[cfg(feature = "diag")]
+#[cold]
+fn explain(s: &Shared, rec: &OpRecord, e: Error) -> Error {
+    if s.aborted_by_watchdog.load(Ordering::Acquire) {
+        let r = s.abort_report();
+        if r.is_about(s.rank, rec.op, rec.seq) {
+            return s.timeout_error(&r);
+        }
+        return s.peer_timeout(rec, &r);
+    }
+    if let Some(first) = s.clique.timed_out() {
+        return s.peer_timeout(rec, &first);
+    }
+    // A collective that a departed rank never issued failed at once (a provider that breaks
+    // the clique with a peer's abort, as the host provider does): no collective of the
+    // clique can complete any more, as when the departure finds a rank already waiting.
+    // Fail the clique so that every rank sees it (`is_failed()`); the caller keeps the
+    // provider's own error. The same for a call the departed rank did issue that NCCL
+    // failed with its remote error (a peer's abort, say, while this rank's part of it was
+    // still in flight): a communicator that returned an error can run no collective any
+    // more.
+    let remote = e.code() == Some(crate::error::ResultCode::RemoteError);
+    let departed = s.clique.waits_for_departed(s.rank, rec).or_else(|| {
+        remote
+            .then(|| s.clique.departed_other_than(s.rank))
+            .flatten()
+    });
+    if let Some(d) = departed {
+        s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
+        return e;
+    }
+    if !remote {
+        return e;
+    }
+    let died = died_rank(s);
+    // A peer's remote error with no departure known here: a rank of another process that
+    // left (say, it panicked) posted why to the job's desync board before its teardown woke
+    // this rank. Then the error names it and how it left, as for a rank of this process.
+    if let Some(d) = s.clique.remote_departure(s.rank) {
+        let first = s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
+        return s.peer_timeout(rec, &first);
+    }
+    // No departure on the board, but the provider names a rank whose process is gone (a
+    // SIGKILLed process posts nothing): that rank is the clique's departure, so that every
+    // survivor knows which rank it lost (`lost_rank()`); the provider's words stand.
+    if let Some((r, how)) = died {
+        let d = s.clique.depart_elsewhere(r, rec.seq, how);
+        s.clique.fail_for_departure(d, Some(s.rank), Some(rec));
+        return e;
+    }
+    // No departure on the board either, but ranks of other processes posted that they wait
+    // in this collective: one of them aborted the clique, its watchdog timed out (say) a
+    // moment before this rank's would have. The board tells whom they waited for: this
+    // rank's report names the rank behind, as theirs do, rather than "rank N called
+    // ncclCommAbort". (With no such post, the provider's error stands: "rank N died", say.)
+    if s.clique.remote_waiting(rec.seq) {
+        let first = s.time_out(rec, "failed with a peer's remote error", false);
+        return s.peer_timeout(rec, &first);
+    }
+    e
 }
 
 /// The rank whose process the host provider saw gone while this communicator's clique
@@ -1050,11 +1024,10 @@ mod tests {
         }
     }
 
-    /// Host operations below this are known complete.
-    fn host_retired(s: &Shared) -> u64 {
-        s.host_queue
-            .as_ref()
-            .map_or(0, |q| q.retired.load(Ordering::Acquire))
+    /// The host provider's (created, destroyed, aborted, misused) of `id`'s communicators.
+    fn counts(id: &UniqueId) -> (u64, u64, u64, u64) {
+        let s = crate::host::stats_for(&id.to_raw());
+        (s.created, s.destroyed, s.aborted, s.misused)
     }
 
     fn comm() -> (Communicator, UniqueId) {
@@ -1068,6 +1041,21 @@ mod tests {
         c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
     }
 
+    /// In 30 ms, the watchdog's verdict on a claim of `s`: it aborts the communicator with
+    /// `report`, as its sweep would.
+    fn abort_soon(s: &Arc<Shared>, report: &'static str) -> std::thread::JoinHandle<()> {
+        let s = Arc::clone(s);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            s.claim.store(ABORTING, Ordering::Release);
+            let h = s.take_for_abort(&TimeoutReport::text(report));
+            assert_ne!(h, 0);
+            // SAFETY: the handle was taken out of the communicator above: its one teardown.
+            let r = unsafe { (s.lib.table().ncclCommAbort)(h as ncclComm_t) };
+            assert_eq!(r, nccl_sys::bindings::ncclSuccess);
+        })
+    }
+
     /// The owner's side of the claim: an operation that finds the watchdog deciding waits
     /// for the verdict; let be, it runs; aborted, it fails without reaching NCCL.
     #[test]
@@ -1075,24 +1063,13 @@ mod tests {
         let (c, id) = comm();
         let s = Arc::clone(c.diag.shared(c.diag_view()));
         s.claim.store(DECIDING, Ordering::SeqCst);
-        let decide = |verdict: u8| {
+        let t = {
             let s = Arc::clone(&s);
             std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(30));
-                if verdict == ABORTING {
-                    s.claim.store(ABORTING, Ordering::Release);
-                    let h = s.take_for_abort(&TimeoutReport::text("the test's report"));
-                    assert_ne!(h, 0);
-                    // SAFETY: the handle was taken out of the communicator above: this is
-                    // its one teardown.
-                    let r = unsafe { (s.lib.table().ncclCommAbort)(h as ncclComm_t) };
-                    assert_eq!(r, nccl_sys::bindings::ncclSuccess);
-                } else {
-                    s.claim.store(verdict, Ordering::Release);
-                }
+                s.claim.store(UNCLAIMED, Ordering::Release);
             })
         };
-        let t = decide(UNCLAIMED);
         let start = Instant::now();
         sum(&c).expect("the watchdog let it be");
         assert!(start.elapsed() >= Duration::from_millis(25));
@@ -1100,7 +1077,7 @@ mod tests {
         assert_eq!(crate::host::stats_for(&id.to_raw()).misused, 0);
 
         s.claim.store(DECIDING, Ordering::SeqCst);
-        let t = decide(ABORTING);
+        let t = abort_soon(&s, "the test's report");
         let e = sum(&c).expect_err("aborted");
         t.join().unwrap();
         assert!(
@@ -1111,11 +1088,7 @@ mod tests {
         let last = c.flight_record().entries.last().copied().unwrap();
         assert_eq!(last.state, OpState::Failed);
         drop(c);
-        let st = crate::host::stats_for(&id.to_raw());
-        assert_eq!(
-            (st.created, st.destroyed, st.aborted, st.misused),
-            (1, 0, 1, 0)
-        );
+        assert_eq!(counts(&id), (1, 0, 1, 0));
     }
 
     /// A counting tracker that expects its calls on this thread.
@@ -1164,7 +1137,7 @@ mod tests {
             "{marks_during_ops} markers in {ticks} ticks for {OPS} operations"
         );
         let s = Arc::clone(c.diag.shared(c.diag_view()));
-        let retired = || host_retired(&s);
+        let retired = || (s.host_queue.as_ref()).map_or(0, |q| q.retired.load(Ordering::Acquire));
         wait_for(Duration::from_secs(10), Duration::from_millis(5), || {
             retired() >= OPS
         });
@@ -1214,40 +1187,6 @@ mod tests {
         c.destroy().map_err(|(_, e)| e).unwrap();
     }
 
-    /// Work on a queue that is being captured into a CUDA graph is never timed out, and is
-    /// tracked again once the capture ends. (The host queue is marked by the watchdog: the
-    /// marker recorded at enqueue, on a capturing CUDA stream, is `cuda_path`'s.)
-    #[test]
-    fn captured_work_is_never_timed_out() {
-        let counting = counting_here();
-        counting.capturing.store(true, Ordering::SeqCst);
-        counting.complete.store(false, Ordering::SeqCst);
-        let (c, id) = counted(&counting, Duration::from_millis(50));
-        sum(&c).unwrap();
-        std::thread::sleep(Duration::from_millis(400)); // 8 timeouts' worth
-        assert!(!c.is_failed(), "captured work must not time out");
-        let s = Arc::clone(c.diag.shared(c.diag_view()));
-        assert_eq!(host_retired(&s), 0);
-        assert_eq!(
-            counting.queries_in_capture.load(Ordering::SeqCst),
-            0,
-            "a marker was queried while the capture was open"
-        );
-        // The capture ends; the work it captured never runs on the stream, so the first
-        // marker after it completes.
-        counting.capturing.store(false, Ordering::SeqCst);
-        counting.complete.store(true, Ordering::SeqCst);
-        wait_for(Duration::from_secs(10), Duration::from_millis(5), || {
-            host_retired(&s) >= 1
-        });
-        assert_eq!(host_retired(&s), 1);
-        assert!(!c.is_failed());
-        drop(s);
-        c.destroy().map_err(|(_, e)| e).unwrap();
-        let st = crate::host::stats_for(&id.to_raw());
-        assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
-    }
-
     /// The queues a communicator's watch keeps are bounded, the least recently noted going
     /// first: a rank that makes a new stream per step leaks nothing.
     #[test]
@@ -1267,30 +1206,6 @@ mod tests {
         assert!(!k.contains(&26) && k.ends_with(&[25, 41]), "{k:?}");
         drop(s);
         c.destroy().map_err(|(_, e)| e).unwrap();
-    }
-
-    /// Work that never completes is timed out by the watchdog, and the communicator fails.
-    #[test]
-    fn incomplete_work_times_out() {
-        let counting = counting_here();
-        counting.complete.store(false, Ordering::SeqCst);
-        let (c, id) = counted(&counting, Duration::from_millis(50));
-        sum(&c).unwrap();
-        wait_for(Duration::from_secs(2), Duration::from_millis(2), || {
-            c.is_failed()
-        });
-        assert!(c.is_failed());
-        assert!(matches!(sum(&c), Err(Error::Timeout { .. })));
-        drop(c);
-        // The watchdog took the handle; its abort thread may run only now.
-        wait_for(Duration::from_secs(10), Duration::from_millis(2), || {
-            crate::host::stats_for(&id.to_raw()).live == 0
-        });
-        let st = crate::host::stats_for(&id.to_raw());
-        assert_eq!(
-            (st.created, st.destroyed, st.aborted, st.misused),
-            (1, 0, 1, 0)
-        );
     }
 
     /// The watchdog's side: an idle host communicator is never claimed, an operation only
@@ -1329,8 +1244,7 @@ mod tests {
         s.current.store(IDLE, Ordering::Release);
         drop(s);
         c.destroy().map_err(|(_, e)| e).unwrap();
-        let st = crate::host::stats_for(&id.to_raw());
-        assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
+        assert_eq!(counts(&id), (1, 1, 0, 0));
     }
 
     /// Two children of one parent made at the same sequence number with the same tag
@@ -1391,17 +1305,7 @@ mod tests {
         // Idle with work in flight: claimable again (then the claim is undone).
         assert!(s.claim(later, Duration::ZERO));
         s.claim.store(DECIDING, Ordering::SeqCst);
-        let t = {
-            let s = Arc::clone(&s);
-            std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(30));
-                s.claim.store(ABORTING, Ordering::Release);
-                let h = s.take_for_abort(&TimeoutReport::text("the test's abort"));
-                // SAFETY: taken out of the communicator above: its one teardown.
-                let r = unsafe { (s.lib.table().ncclCommAbort)(h as ncclComm_t) };
-                assert_eq!(r, nccl_sys::bindings::ncclSuccess);
-            })
-        };
+        let t = abort_soon(&s, "the test's abort");
         let e = c.diag.pin().expect_err("the watchdog aborts it");
         assert!(
             matches!(&e, Error::Timeout { what, .. } if what.contains("the test's abort")),
@@ -1411,7 +1315,6 @@ mod tests {
         counting.complete.store(true, Ordering::SeqCst);
         drop(s);
         drop(c);
-        let st = crate::host::stats_for(&id.to_raw());
-        assert_eq!((st.created, st.aborted, st.misused), (1, 1, 0));
+        assert_eq!(counts(&id), (1, 0, 1, 0));
     }
 }

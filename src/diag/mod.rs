@@ -33,15 +33,10 @@
 //!   collectives.
 //!
 //! **Cost.** The per-operation path takes no lock, makes no read-modify-write, reads no
-//! system clock and allocates nothing: about a dozen plain stores into the record's ring
-//! slot (a sequence lock: `journal`), a load of the coarse clock (`clock`, advanced by the
-//! watchdog every 10 ms; [`Config::timing`](crate::Config::timing) switches to `Instant::now()`), and a compiler
-//! fence paired with the watchdog's `membarrier(2)` (`fence`) to keep the owner and the
-//! watchdog from ever both using a handle (where membarrier is refused, or with
-//! `NCCL_SAFE_NO_MEMBARRIER=1`, a full fence on each side instead). An operation on a
-//! CUDA stream also records an event after itself (events are reused) and queues it under
-//! a per-communicator lock that only the watchdog shares. `cargo bench --bench overhead`
-//! measures the host path against a raw call.
+//! system clock and allocates nothing: a sequence-locked ring slot (`journal`), the coarse
+//! clock (`clock`; [`Config::timing`](crate::Config::timing) switches to `Instant::now()`)
+//! and an asymmetric fence (`fence`), each measured in ARCHITECTURE.md. An operation on a
+//! CUDA stream also records an event after itself (events are reused: `tracker`).
 //!
 //! Not done: the cross-process fingerprint exchange, watching `ncclGroupEnd`, and
 //! fingerprints of operations inside a [`crate::Group`] (they are recorded, not compared).

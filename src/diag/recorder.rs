@@ -26,7 +26,7 @@ pub enum OpState {
 }
 
 impl OpState {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             OpState::Enqueued => "enqueued",
             OpState::Completed => "completed",

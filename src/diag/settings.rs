@@ -73,33 +73,23 @@ impl Settings {
     pub(crate) fn invalid(c: &DiagConfig, provider: crate::Provider) -> Option<String> {
         let s = Settings::resolve(c);
         let from = |set: bool, var: &'static str| if set { "Config" } else { var };
-        if s.timeout.is_zero() {
-            return Some(format!(
-                "the timeout ({}) is zero: every operation would time out at once",
-                from(c.timeout.is_some(), "NCCL_SAFE_TIMEOUT_MS")
-            ));
-        }
-        if s.abort_timeout.is_zero() {
-            return Some(format!(
-                "the abort timeout ({}) is zero: no teardown could ever complete in time",
-                from(c.abort_timeout.is_some(), "NCCL_SAFE_ABORT_TIMEOUT_MS")
-            ));
-        }
-        if provider == crate::Provider::Nccl && s.abort_timeout < MIN_NCCL_ABORT_TIMEOUT {
-            return Some(format!(
-                "the abort timeout {:?} ({}) is below the minimum of {MIN_NCCL_ABORT_TIMEOUT:?} for NVIDIA's NCCL: its destroy takes about 0.5 s and its abort about 1 s even for an idle communicator (NCCL 2.28.9 on an H100), so healthy teardowns would be reported as timed out",
-                s.abort_timeout,
-                from(c.abort_timeout.is_some(), "NCCL_SAFE_ABORT_TIMEOUT_MS")
-            ));
-        }
-        if s.ring > MAX_FLIGHT_RECORD_LEN {
-            return Some(format!(
-                "the flight record length {} ({}) is above the maximum of {MAX_FLIGHT_RECORD_LEN}",
-                s.ring,
-                from(c.ring.is_some(), "NCCL_SAFE_FLIGHT_RECORD_LEN")
-            ));
-        }
-        None
+        let timeout_from = from(c.timeout.is_some(), "NCCL_SAFE_TIMEOUT_MS");
+        let abort_from = from(c.abort_timeout.is_some(), "NCCL_SAFE_ABORT_TIMEOUT_MS");
+        let ring_from = from(c.ring.is_some(), "NCCL_SAFE_FLIGHT_RECORD_LEN");
+        let (abort, ring) = (s.abort_timeout, s.ring);
+        Some(if s.timeout.is_zero() {
+            format!("the timeout ({timeout_from}) is zero: every operation would time out at once")
+        } else if abort.is_zero() {
+            format!(
+                "the abort timeout ({abort_from}) is zero: no teardown could ever complete in time"
+            )
+        } else if provider == crate::Provider::Nccl && abort < MIN_NCCL_ABORT_TIMEOUT {
+            format!("the abort timeout {abort:?} ({abort_from}) is below the minimum of {MIN_NCCL_ABORT_TIMEOUT:?} for NVIDIA's NCCL: its destroy takes about 0.5 s and its abort about 1 s even for an idle communicator (NCCL 2.28.9 on an H100), so healthy teardowns would be reported as timed out")
+        } else if ring > MAX_FLIGHT_RECORD_LEN {
+            format!("the flight record length {ring} ({ring_from}) is above the maximum of {MAX_FLIGHT_RECORD_LEN}")
+        } else {
+            return None;
+        })
     }
 
     pub(super) fn resolve(c: &DiagConfig) -> Settings {

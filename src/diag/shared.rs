@@ -114,10 +114,8 @@ const OLDEST_SCAN: u64 = 256;
 const RECENT_COLLECTIVES: usize = 64;
 
 /// One communicator's diagnostics state, shared with the watchdog thread and its clique.
-///
-/// The per-operation path (the owning thread) takes no lock and makes no read-modify-write:
-/// the journal is a sequence-locked ring, the counters have one writer, and the owner and
-/// the watchdog agree on who may use the handle through an asymmetric fence (`fence`).
+/// The owner's per-operation path takes no lock and makes no read-modify-write (the
+/// module docs of `diag`).
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(super) rank: usize,
@@ -138,11 +136,9 @@ pub(crate) struct Shared {
     /// [`IDLE`], or the journal position + 1 of the operation inside its NCCL call.
     /// Written only by the owner.
     pub(super) current: AtomicU64,
-    /// [`UNCLAIMED`], [`DECIDING`] or [`ABORTING`]. Written only by the watchdog. The
-    /// owner stores `current`, fences ([`fence::light`]) and loads this before each NCCL
-    /// call; the watchdog stores this, fences ([`fence::heavy`]) and loads `current`
-    /// before it aborts. So either the owner sees the claim and does not make the call, or
-    /// the watchdog sees the owner's new operation and lets it be.
+    /// [`UNCLAIMED`], [`DECIDING`] or [`ABORTING`]. Written only by the watchdog, read by
+    /// the owner after it stored `current` and fenced (ARCHITECTURE.md, "Who may use a
+    /// handle: the claim").
     pub(super) claim: AtomicU8,
     /// Whether [`fence::asymmetric`] is in use.
     pub(super) asym: bool,
@@ -334,13 +330,10 @@ impl Shared {
             .or_else(|| self.journal.get(upto.checked_sub(1)?))
     }
 
-    /// Retires the oldest ranges of `q` whose marker completed.
-    ///
-    /// Asks first whether the queue is capturing into a graph: markers recorded at enqueue
-    /// are recorded without that question, so one may belong to the open capture, and
-    /// CUDA calls its query invalid. While a capture is open nothing is queried (nor timed
-    /// out: [`Watch::capturing`]). The owner adds markers under `w`'s lock, which the
-    /// caller holds, so every marker queried here was recorded before the answer.
+    /// Retires the oldest ranges of `q` whose marker completed. Asks first whether the queue
+    /// is capturing into a graph, and then queries nothing (`tracker`'s module docs); the
+    /// caller holds `w`'s lock, under which the owner adds markers, so every marker queried
+    /// was recorded before the answer.
     fn retire_done(&self, q: &QueueWatch, w: &mut Watch) {
         if w.pending.iter().any(|p| p.marker.is_some()) {
             match self.tracker.capturing(&q.queue) {
@@ -417,11 +410,6 @@ impl Shared {
             }
         }
         late.map(|(_, r)| r)
-    }
-
-    /// The queue of a host-provider communicator is the communicator itself.
-    pub(super) fn host_queue_for(raw: ncclComm_t) -> Arc<QueueWatch> {
-        Arc::new(QueueWatch::new(Queue::Host(raw as usize)))
     }
 
     /// Adds a queue the owner has not used before (or notes it again); returns its watch.
@@ -621,35 +609,35 @@ impl Shared {
         if self.clique.any_timeout() {
             return true;
         }
-        let queues: smallvec::SmallVec<[Arc<QueueWatch>; MAX_QUEUES]> =
-            self.queue_list().iter().cloned().collect();
-        for q in &queues {
-            let (from, to) = (
-                q.published.load(Ordering::Acquire),
-                q.staged.load(Ordering::Acquire),
-            );
-            for pos in from..to {
-                let Some(rec) = self.journal.get(pos) else {
-                    continue;
-                };
-                if let Some(d) = self.clique.waits_for_departed(self.rank, &rec) {
-                    let d = d.clone();
-                    self.clique
-                        .fail_for_departure(&d, Some(self.rank), Some(&rec));
-                    return true;
-                }
+        for rec in self.staged() {
+            if let Some(d) = self.clique.waits_for_departed(self.rank, &rec) {
+                let d = d.clone();
+                self.clique
+                    .fail_for_departure(&d, Some(self.rank), Some(&rec));
+                return true;
             }
         }
         false
     }
 
+    /// The records of the operations of the group being ended (staged on a queue, not yet
+    /// published), queue by queue.
+    fn staged(&self) -> Vec<OpRecord> {
+        let mut staged = Vec::new();
+        for q in self.queue_list().iter() {
+            let from = q.published.load(Ordering::Acquire);
+            let to = q.staged.load(Ordering::Acquire);
+            staged.extend((from..to).filter_map(|pos| self.journal.get(pos)));
+        }
+        staged
+    }
+
     /// The group being ended failed with NCCL's remote error (a peer's abort broke the
     /// clique while the group waited): as `end_error` does for a single call, when a rank
-    /// left (in this process, or another one that posted its departure to the board), the
-    /// clique is failed for that departure, so that every rank sees `is_failed()`, an idle
-    /// one too. The departed rank may well have issued the group's collectives (its part
-    /// was done when it aborted), which `staged_waits_for_departed` does not count: but a
-    /// communicator that returned NCCL's remote error can run no collective any more.
+    /// left (here, or in a process that posted its departure to the board) the clique is
+    /// failed for that departure, so every rank, an idle one too, sees `is_failed()`: even
+    /// if the departed rank issued the group's collectives, a communicator that returned
+    /// NCCL's remote error can run no collective any more.
     pub(super) fn group_remote_error(&self) {
         if self.clique.any_timeout() {
             return;
@@ -662,15 +650,18 @@ impl Shared {
         };
         // The group's first operation on this communicator, still staged (the failed end
         // published nothing), for the report.
-        let rec = self.queue_list().iter().find_map(|q| {
-            let (from, to) = (
-                q.published.load(Ordering::Acquire),
-                q.staged.load(Ordering::Acquire),
-            );
-            (from..to).find_map(|pos| self.journal.get(pos))
-        });
+        let rec = self.staged().into_iter().next();
         self.clique
             .fail_for_departure(&d, Some(self.rank), rec.as_ref());
+    }
+
+    /// Times the clique out (unless it already was) for `rec`, this rank's operation, which
+    /// `what` says happened to: the desync report ([`Clique::report`], `ours` as there).
+    /// Returns the clique's first report.
+    pub(super) fn time_out(&self, rec: &OpRecord, what: &str, ours: bool) -> Arc<TimeoutReport> {
+        let report = (self.clique).report(self.rank, rec, self.settings.timeout, what, ours);
+        self.clique
+            .set_timed_out(&TimeoutReport::of(self.rank, rec, report))
     }
 
     /// The report this communicator's failure is about, if the clique timed out.
@@ -694,6 +685,11 @@ impl Shared {
     /// clique already timed out.
     #[cold]
     pub(super) fn peer_timeout(&self, rec: &OpRecord, first: &str) -> Error {
+        let done = if self.settings.elastic && !self.aborted_by_watchdog.load(Ordering::Acquire) {
+            "the watchdog revoked the communicators of its clique (Config::elastic: shrink_after_failure makes one of the ranks left)"
+        } else {
+            "the watchdog aborted this communicator"
+        };
         let why = match self.timed_out().and_then(|r| r.left) {
             Some(r) => {
                 // In this rank's words: who left, and how (it panicked, returned, failed).
@@ -701,20 +697,9 @@ impl Shared {
                     .filter(|d| d.rank == r)
                     .and_then(|d| d.how.lines().next().map(|l| format!(" ({l})")))
                     .unwrap_or_default();
-                if self.settings.elastic && !self.aborted_by_watchdog.load(Ordering::Acquire) {
-                    format!("rank {r} left{how}, so the watchdog revoked the communicators of its clique (Config::elastic: shrink_after_failure makes one of the ranks left)")
-                } else {
-                    format!("rank {r} left{how}, so the watchdog aborted this communicator")
-                }
+                format!("rank {r} left{how}, so {done}")
             }
-            None if self.settings.elastic && !self.aborted_by_watchdog.load(Ordering::Acquire) => {
-                "a peer timed out, so the watchdog revoked the communicators of its clique (Config::elastic: shrink_after_failure makes one of the ranks left). The first timeout"
-                    .into()
-            }
-            None => {
-                "a peer timed out, so the watchdog aborted this communicator. The first timeout"
-                    .into()
-            }
+            None => format!("a peer timed out, so {done}. The first timeout"),
         };
         let what = format!(
             "{} (seq {}) on rank {}, called at {}: {why}:\n{first}\n=> {} seq {} on rank {}",
@@ -809,9 +794,9 @@ impl Shared {
     }
 
     /// Claims this communicator for an abort at `now`: an operation inside its NCCL call
-    /// for at least `min_age` (so its thread is blocked in NCCL, not about to enter; its
-    /// age read with the clock's lag at its start added), or
-    /// idle with CUDA work in flight. `false` when it may not be aborted now.
+    /// for at least `min_age` (so its thread is blocked in NCCL, not about to enter; its age
+    /// read with the clock's lag at its start added), or idle with CUDA work in flight.
+    /// `false` when it may not be aborted now.
     pub(super) fn claim(&self, now: Instant, min_age: Duration) -> bool {
         self.claim_seen(self.current.load(Ordering::Acquire), now, min_age)
     }

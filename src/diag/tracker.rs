@@ -1,52 +1,42 @@
 //! How the watchdog learns that queued work finished: markers recorded after the work on
 //! each queue (a CUDA stream, or a host-provider communicator), behind one small interface.
+//! Tests swap in a counting tracker to prove who calls what, and on which thread.
 //!
 //! Two ways to place a marker, chosen by [`crate::Config::exact_completion`]:
 //!
 //! - **At enqueue (the default).** The owner records a marker on the operation's stream
-//!   right after its NCCL call returned (for a group, after `ncclGroupEnd`, once per
-//!   stream), on its own thread ([`Tracker::mark_now`]). The marker covers that work and
-//!   nothing the caller enqueues later, so a stream blocked *after* a collective never
-//!   times the collective out; and `CU_STREAM_PER_THREAD` (candle's stream, handle 0x2)
-//!   resolves to the caller's stream, which is where NCCL enqueued. Cost: one
-//!   `cuEventRecord` per operation or group, with the stream's context current on the
-//!   caller's thread (as it is after cudarc used a buffer there; otherwise a failed try
-//!   and a `cuCtxGetCurrent` more). PyTorch's ProcessGroupNCCL records an event per
-//!   collective too, no allocation (events come from the tracker's spare pool; past
-//!   [`MAX_PENDING`] markers in flight on a stream, the newest is recorded again rather
-//!   than a new one made).
-//! - **Lazily, on the watchdog's tick.** The per-operation path publishes its journal
-//!   position with a plain store and touches no tracker (no CUDA driver call of ours): the
+//!   right after its NCCL call returned (for a group, once per stream after
+//!   `ncclGroupEnd`), on its own thread ([`Tracker::mark_now`]). It covers that work and
+//!   nothing enqueued later, so a stream blocked *after* a collective never times the
+//!   collective out; and `CU_STREAM_PER_THREAD` (candle's stream, handle 0x2) resolves to
+//!   the caller's stream, where NCCL enqueued. Cost: one `cuEventRecord` per operation or
+//!   group, as PyTorch's ProcessGroupNCCL, and no allocation (events come from the
+//!   tracker's spare pool; past [`MAX_PENDING`] markers in flight on a stream, the newest
+//!   is recorded again).
+//! - **Lazily, on the watchdog's tick.** The per-operation path makes no CUDA call: the
 //!   watchdog records at most one event per stream per tick, after whatever was published
-//!   by then. Cheaper, but work the caller enqueued on the same stream between the
-//!   operation and the tick is behind that marker and counts against the operation, and a
-//!   per-thread stream (0x2) is not watched (the watchdog's own 0x2 is another stream).
+//!   by then. Cheaper, but work the caller enqueued on the same stream before the tick
+//!   counts against the operation, and a per-thread stream (0x2) is not watched (the
+//!   watchdog's own 0x2 is another stream).
 //!
-//! Tests swap in a counting tracker to prove who calls what, and on which thread.
+//! CUDA graph capture. A captured collective never runs on the stream, so it must never
+//! time out, and nothing of ours may change the user's graph or invalidate the capture:
 //!
-//! CUDA graph capture. A collective captured into a graph is never run on the stream, so it
-//! must never time out, and nothing of ours may change the user's graph or invalidate the
-//! capture:
-//!
-//! - **At enqueue**, the marker is recorded without asking whether the stream is
-//!   capturing (that question was a second driver call per operation). On a capturing
-//!   stream a plain `cuEventRecord` adds no node to the graph (only
-//!   `CU_EVENT_RECORD_EXTERNAL` would): it makes a *captured event*, as cudarc's own
-//!   write-event record beside it does. CUDA then refuses to query it
-//!   (`CUDA_ERROR_CAPTURED_EVENT`: "not permitted on an event which was last recorded in
-//!   a capturing stream") until it is recorded again outside a capture, and calls a query
-//!   made while that capture is open invalid.
-//! - **The watchdog asks instead**, off the caller's thread: before it queries a queue's
-//!   markers it asks `cuStreamIsCapturing` of the stream ([`Tracker::capturing`]), in
-//!   relaxed capture mode. While a capture is open it queries none of them and times
+//! - **At enqueue**, the marker is recorded without asking whether the stream is capturing
+//!   (a second driver call per operation). On a capturing stream a plain `cuEventRecord`
+//!   adds no graph node (only `CU_EVENT_RECORD_EXTERNAL` would): it makes a *captured
+//!   event*, which CUDA refuses to query (`CUDA_ERROR_CAPTURED_EVENT`) until it is recorded
+//!   again outside a capture, and whose query while that capture is open it calls invalid.
+//! - **The watchdog asks instead**, off the caller's thread and in relaxed capture mode:
+//!   before it queries a queue's markers it asks `cuStreamIsCapturing` of the stream
+//!   ([`Tracker::capturing`]); while a capture is open it queries none of them and times
 //!   nothing out on that stream. Every marker it holds was recorded before that question
-//!   (the queue's lock keeps the owner from adding one meanwhile), so when no capture is
-//!   open, any captured marker among them belongs to a capture that has ended, and its
-//!   query's capture error reads as complete ([`RawEvent::query`]).
-//! - **The per-thread stream** (`CU_STREAM_PER_THREAD`, 0x2) is the exception: on the
-//!   watchdog's thread that handle is the watchdog's own stream, so it cannot ask about
-//!   the caller's. For it (and the legacy stream) the owner asks `cuStreamIsCapturing` at
-//!   enqueue, as before, and records no marker into a capture.
+//!   (the queue's lock keeps the owner from adding one), so with no capture open a
+//!   captured marker belongs to a capture that has ended, and its query's capture error
+//!   reads as complete ([`RawEvent::query`]).
+//! - **The per-thread stream** (0x2) is the exception: on the watchdog's thread that handle
+//!   is the watchdog's own stream. For it (and the legacy stream) the owner asks
+//!   `cuStreamIsCapturing` at enqueue and records no marker into a capture.
 //! - **Lazily**, the watchdog asks before it records, and records nothing on a capturing
 //!   stream; the first marker after the capture completes at once.
 //!
@@ -165,9 +155,9 @@ impl Drop for RawEvent {
 pub(crate) enum Marker {
     Cuda(RawEvent),
     Host(usize),
-    /// The counting tracker's; `true`: recorded while its queue reported a capture.
+    /// The counting tracker's.
     #[cfg(test)]
-    Fake(bool),
+    Fake,
 }
 
 /// What [`Tracker::mark`] could do.
@@ -271,22 +261,18 @@ fn is_capturing(stream: &CudaStream) -> Result<bool, DriverError> {
 
 impl CudaTracker {
     /// Records `reuse` ([`Mark::Again`]), or a spare or new event, after the work queued on
-    /// `stream` so far, from the calling thread.
+    /// `stream` so far, from the calling thread; when `ask` (the watchdog's
+    /// [`Tracker::mark`]) it first asks whether the stream is capturing, and records
+    /// nothing then.
     ///
-    /// A stream of its own carries its context, and on the owner's thread that context is
-    /// almost always current already (cudarc binds it at every tracked use of a buffer, and
-    /// the buffers were made there), so the calls are tried as they are and the context is
-    /// made current, and the calls tried again, only when one fails: a `cuCtxGetCurrent`
-    /// per operation saved. The driver does not say whether a stream's calls need its
-    /// context current (the fake driver says they do, the unkind answer), and a failed
-    /// `cuStreamIsCapturing` or `cuEventRecord` changes nothing, so trying again is safe.
-    /// The legacy and per-thread streams (handles 0, 1, 2) are the current context's: for
-    /// them the context is made current first.
-    ///
-    /// `ask`: whether to ask first if the stream is capturing, and record nothing then
-    /// (the watchdog's [`Tracker::mark`]). The legacy and per-thread streams are always
-    /// asked about here, on the caller's thread: on the watchdog's, 0x2 is another stream
-    /// (see [`Tracker::capturing`]).
+    /// The calls are tried as they are, and again with the stream's context made current
+    /// only when one fails: on the owner's thread it almost always is already (cudarc binds
+    /// it at every tracked use of a buffer), so a `cuCtxGetCurrent` per operation is saved;
+    /// the driver does not say whether the calls need it (the fake driver says they do), and
+    /// a failed `cuStreamIsCapturing` or `cuEventRecord` changes nothing. The legacy and
+    /// per-thread streams (handles 0, 1, 2) are the current context's: it is made current
+    /// first, and they are always asked about here (on the watchdog's thread 0x2 is another
+    /// stream: see [`Tracker::capturing`]).
     fn record_on(&self, stream: &CudaStream, reuse: Option<&Marker>, ask: bool) -> Mark {
         let implicit = implicit(stream);
         let ask = ask || implicit;
@@ -436,10 +422,6 @@ pub(crate) mod counting {
         pub owner_now_marks: AtomicU64,
         /// Markers complete only while this is set.
         pub complete: AtomicBool,
-        /// While set, every queue reports a capture in progress.
-        pub capturing: AtomicBool,
-        /// Markers queried while `capturing` was set (the watchdog must make none).
-        pub queries_in_capture: AtomicU64,
     }
 
     impl Counting {
@@ -453,8 +435,6 @@ pub(crate) mod counting {
                 now_marks: AtomicU64::new(0),
                 owner_now_marks: AtomicU64::new(0),
                 complete: AtomicBool::new(true),
-                capturing: AtomicBool::new(false),
-                queries_in_capture: AtomicU64::new(0),
             }
         }
 
@@ -469,10 +449,7 @@ pub(crate) mod counting {
             if self.on_owner() {
                 self.owner_marks.fetch_add(1, Ordering::SeqCst);
             }
-            if self.capturing.load(Ordering::SeqCst) {
-                return Mark::Capturing;
-            }
-            Mark::Marker(Marker::Fake(false))
+            Mark::Marker(Marker::Fake)
         }
 
         fn mark_now(&self, _q: &Queue, reuse: Option<&Marker>) -> Mark {
@@ -483,24 +460,15 @@ pub(crate) mod counting {
             if reuse.is_some() {
                 return Mark::Again;
             }
-            // As the CUDA tracker's: recorded without asking, captured while capturing.
-            Mark::Marker(Marker::Fake(self.capturing.load(Ordering::SeqCst)))
+            Mark::Marker(Marker::Fake)
         }
 
-        fn capturing(&self, _q: &Queue) -> Result<bool, DriverError> {
-            Ok(self.capturing.load(Ordering::SeqCst))
-        }
-
-        fn done(&self, m: &Marker) -> Result<bool, DriverError> {
+        fn done(&self, _m: &Marker) -> Result<bool, DriverError> {
             self.queries.fetch_add(1, Ordering::SeqCst);
             if self.on_owner() {
                 self.owner_queries.fetch_add(1, Ordering::SeqCst);
             }
-            if self.capturing.load(Ordering::SeqCst) {
-                self.queries_in_capture.fetch_add(1, Ordering::SeqCst);
-            }
-            // A captured marker's query fails, which reads as complete.
-            Ok(matches!(m, Marker::Fake(true)) || self.complete.load(Ordering::SeqCst))
+            Ok(self.complete.load(Ordering::SeqCst))
         }
     }
 }

@@ -1,24 +1,13 @@
 //! The watchdog: one thread per process, started with the first communicator, that aborts
-//! the communicators of a clique whose operation ran out of time.
+//! the communicators of a clique whose operation ran out of time. Each tick it also
+//! advances the coarse clock (`clock`), records and queries the completion markers of
+//! queued work (`tracker`), and applies the teardown bound (`crate::teardown`).
 //!
-//! It also advances the coarse diagnostics clock each tick (`clock`), records and queries
-//! the completion markers of queued work (`tracker`), and applies the abort bound
-//! (`crate::teardown`).
-//!
-//! Order on a timeout: first the clique is marked timed out, so every rank of it in this
-//! process fails fast (`is_failed()`, and every later call returns [`crate::Error::Timeout`]
-//! without reaching NCCL or CUDA); then the handles are claimed and taken; then they are
-//! aborted on a thread of their own, so a blocking abort stalls neither a caller nor the
-//! watchdog's service of other cliques.
-//!
-//! Ownership: the watchdog first *claims* a communicator (`Shared::claim`): it may, when an
-//! operation has been inside its NCCL call long enough or the communicator is idle with
-//! CUDA work in flight; it marks the claim, fences against the owner (`fence`), and keeps
-//! the claim only if the owner is still where it saw it; an owner that moved on meanwhile
-//! sees the claim before its next call and waits for the verdict. Then the watchdog
-//! *takes* the handle out of the shared slot with a swap. The owner's teardown takes the
-//! handle with a swap of the same slot, so whichever comes first tears it down and the
-//! other does nothing.
+//! On a timeout it first marks the clique timed out, so every rank of it in this process
+//! fails fast (`is_failed()`, and every later call returns [`crate::Error::Timeout`] without
+//! reaching NCCL or CUDA); then it claims and takes the handles (ARCHITECTURE.md, "Who may
+//! use a handle: the claim"); then it aborts them on a teardown lane, so a blocking abort
+//! stalls neither a caller nor the watchdog's service of other cliques.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -30,15 +19,13 @@ use super::shared::Shared;
 use crate::library::Library;
 use crate::teardown::{self, exit, lock};
 
-fn registry() -> &'static Mutex<Vec<Weak<Shared>>> {
-    static R: OnceLock<Mutex<Vec<Weak<Shared>>>> = OnceLock::new();
-    R.get_or_init(|| Mutex::new(Vec::new()))
-}
+/// The communicators under watch.
+static REGISTRY: Mutex<Vec<Weak<Shared>>> = Mutex::new(Vec::new());
 
 /// Puts `s` under watch (and starts the thread on first use).
 pub(super) fn watch(s: &Arc<Shared>) {
     {
-        let mut r = lock(registry());
+        let mut r = lock(&REGISTRY);
         r.retain(|w| w.strong_count() > 0);
         r.push(Arc::downgrade(s));
     }
@@ -77,7 +64,7 @@ fn grace(s: &Shared) -> Duration {
 /// One tick: `false` once the process is exiting (then nothing was done).
 fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
     {
-        let r = lock(registry());
+        let r = lock(&REGISTRY);
         list.extend(r.iter().filter_map(Weak::upgrade));
     }
     // The tracker's calls into CUDA count as busy for the exit guard (bounded like a
@@ -135,7 +122,9 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
                     ),
                     _ => "did not complete in time".to_string(),
                 };
-                let mut report = s.clique.report(s.rank, &rec, s.settings.timeout, &what);
+                let mut report = s
+                    .clique
+                    .report(s.rank, &rec, s.settings.timeout, &what, true);
                 if matches!(why, Expiry::Fault(_)) {
                     report.behind = None; // this rank's GPU failed: no peer is to blame
                 }

@@ -28,24 +28,20 @@ static EXITING: AtomicBool = AtomicBool::new(false);
 /// The calls in flight: (id, when it began, its bound).
 static BUSY: Mutex<Vec<(u64, Instant, Duration)>> = Mutex::new(Vec::new());
 
-fn busy_list() -> std::sync::MutexGuard<'static, Vec<(u64, Instant, Duration)>> {
-    lock(&BUSY)
-}
-
 /// A background thread's permission to be inside NCCL or CUDA; dropping it ends the call.
 #[derive(Debug)]
 pub(crate) struct Busy(u64);
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        busy_list().retain(|b| b.0 != self.0);
+        lock(&BUSY).retain(|b| b.0 != self.0);
     }
 }
 
 /// Enters a background NCCL/CUDA call that should return within `bound`: `None` once the
 /// process is exiting (then the call must not be made).
 pub(crate) fn busy(bound: Duration) -> Option<Busy> {
-    enter(busy_list(), |id| (id, Instant::now(), bound)).map(Busy)
+    enter(lock(&BUSY), |id| (id, Instant::now(), bound)).map(Busy)
 }
 
 /// Adds `entry(id)` to `list` (held) under a fresh id, unless the process is exiting:
@@ -66,10 +62,6 @@ fn enter<E>(
 /// Network posts in flight (a departure to the desync board): (id, deadline).
 static POSTS: Mutex<Vec<(u64, Instant)>> = Mutex::new(Vec::new());
 
-fn post_list() -> std::sync::MutexGuard<'static, Vec<(u64, Instant)>> {
-    lock(&POSTS)
-}
-
 /// A background post to the desync board that exit waits for (until `deadline`);
 /// dropping it ends the post.
 #[derive(Debug)]
@@ -78,14 +70,14 @@ pub(crate) struct Posting(u64);
 
 impl Drop for Posting {
     fn drop(&mut self) {
-        post_list().retain(|p| p.0 != self.0);
+        lock(&POSTS).retain(|p| p.0 != self.0);
     }
 }
 
 /// Enters a post that should end by `deadline`: `None` once the process is exiting.
 #[cfg_attr(not(feature = "diag"), allow(dead_code))]
 pub(crate) fn posting(deadline: Instant) -> Option<Posting> {
-    enter(post_list(), |id| (id, deadline)).map(Posting)
+    enter(lock(&POSTS), |id| (id, deadline)).map(Posting)
 }
 
 /// Registers the guard, once. Call it after the library was initialized (its runtime's own
@@ -135,21 +127,21 @@ fn register() {
 fn settle() -> bool {
     {
         // Under the lists' locks: a call or post entering after this sees EXITING.
-        let _b = busy_list();
-        let _p = post_list();
+        let _b = lock(&BUSY);
+        let _p = lock(&POSTS);
         EXITING.store(true, Ordering::SeqCst);
     }
     loop {
         let now = Instant::now();
         let (left, overdue) = {
-            let b = busy_list();
+            let b = lock(&BUSY);
             (
                 b.len(),
                 b.iter().any(|&(_, start, bound)| now >= start + bound),
             )
         };
         // Posts are waited for until their deadline, and never end the process early.
-        let posting = post_list().iter().any(|&(_, deadline)| now < deadline);
+        let posting = lock(&POSTS).iter().any(|&(_, deadline)| now < deadline);
         if left == 0 && !posting {
             return true;
         }

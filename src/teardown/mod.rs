@@ -20,10 +20,7 @@
 //! also keeps a handle's calls in sequence: a teardown queued after a deregistration of
 //! the same communicator runs after it.
 //!
-//! Below `diag` and the wrapper, which both tear handles down: the watchdog aborts a
-//! clique's handles here, and a communicator's own teardown (src/comm/teardown.rs) runs
-//! here. `exit` is the process-exit guard every call on a lane (and each watchdog query)
-//! enters.
+//! `exit` is the process-exit guard every call on a lane (and each watchdog query) enters.
 
 pub(crate) mod exit;
 
@@ -105,20 +102,19 @@ pub(crate) struct Job {
     #[cfg_attr(not(feature = "diag"), allow(dead_code))]
     deadline: Instant,
     action: OnAbortTimeout,
-    done: Mutex<bool>,
+    /// Its work's result (the first failed NCCL result, or success) once it finished.
+    result: Mutex<Option<ncclResult_t>>,
     cv: Condvar,
     overdue: AtomicBool,
     /// When its call began (`None` while queued).
     started: Mutex<Option<Instant>>,
-    /// The first failed result of its calls (success when none failed).
-    result: Mutex<ncclResult_t>,
 }
 
 impl Job {
     /// Waits until the job finished or `until`: `true` when it finished.
     pub(crate) fn wait(&self, until: Instant) -> bool {
-        let mut done = lock(&self.done);
-        while !*done {
+        let mut done = lock(&self.result);
+        while done.is_none() {
             let now = Instant::now();
             if now >= until {
                 return false;
@@ -133,7 +129,7 @@ impl Job {
 
     /// The calls' result (meaningful once done).
     pub(crate) fn result(&self) -> ncclResult_t {
-        *lock(&self.result)
+        lock(&self.result).unwrap_or(nccl_sys::bindings::ncclSuccess)
     }
 
     /// The bound it was given.
@@ -143,17 +139,11 @@ impl Job {
     }
 
     pub(crate) fn is_done(&self) -> bool {
-        *lock(&self.done)
+        lock(&self.result).is_some()
     }
 
     fn finish(&self, r: ncclResult_t) {
-        {
-            let mut first = lock(&self.result);
-            if *first == nccl_sys::bindings::ncclSuccess {
-                *first = r;
-            }
-        }
-        *lock(&self.done) = true;
+        *lock(&self.result) = Some(r);
         self.cv.notify_all();
     }
 
@@ -175,15 +165,17 @@ impl Job {
         } else {
             String::new()
         };
+        let late = format!(
+            "nccl-safe: {} did not return within {:?}{queued} (Config::abort_timeout, NCCL_SAFE_ABORT_TIMEOUT_MS)",
+            self.what, self.bound
+        );
         match self.action {
             OnAbortTimeout::Report => eprintln!(
-                "nccl-safe: {} did not return within {:?}{queued} (Config::abort_timeout, NCCL_SAFE_ABORT_TIMEOUT_MS): what it holds is left, and the communicators stay failed. NCCL_SAFE_ON_ABORT_TIMEOUT=exit ends the process instead.",
-                self.what, self.bound
+                "{late}: what it holds is left, and the communicators stay failed. NCCL_SAFE_ON_ABORT_TIMEOUT=exit ends the process instead."
             ),
             OnAbortTimeout::ExitProcess => {
                 eprintln!(
-                    "nccl-safe: {} did not return within {:?}{queued} (Config::abort_timeout, NCCL_SAFE_ABORT_TIMEOUT_MS): ending the process with status {ABORT_TIMEOUT_EXIT_STATUS} (NCCL_SAFE_ON_ABORT_TIMEOUT=exit)",
-                    self.what, self.bound
+                    "{late}: ending the process with status {ABORT_TIMEOUT_EXIT_STATUS} (NCCL_SAFE_ON_ABORT_TIMEOUT=exit)"
                 );
                 // SAFETY: `_exit` ends the process at once. The normal exit path would run
                 // the CUDA runtime's teardown under the blocked call.
@@ -216,10 +208,7 @@ fn lanes() -> &'static Mutex<HashMap<TeardownLane, LaneState>> {
 }
 
 /// Every job not yet finished, for the watchdog's overdue check.
-fn jobs() -> &'static Mutex<Vec<Arc<Job>>> {
-    static J: OnceLock<Mutex<Vec<Arc<Job>>>> = OnceLock::new();
-    J.get_or_init(|| Mutex::new(Vec::new()))
-}
+static JOBS: Mutex<Vec<Arc<Job>>> = Mutex::new(Vec::new());
 
 /// A teardown's options: its bound and what happens past it.
 #[derive(Debug, Clone, Copy)]
@@ -238,14 +227,13 @@ pub(crate) fn submit(lane: TeardownLane, b: Bound, what: String, work: Work) -> 
         bound: b.bound,
         deadline: Instant::now() + b.bound,
         action: b.action,
-        done: Mutex::new(false),
+        result: Mutex::new(None),
         cv: Condvar::new(),
         overdue: AtomicBool::new(false),
         started: Mutex::new(None),
-        result: Mutex::new(nccl_sys::bindings::ncclSuccess),
     });
     {
-        let mut j = lock(jobs());
+        let mut j = lock(&JOBS);
         j.retain(|j| !j.is_done());
         j.push(Arc::clone(&job));
     }
@@ -368,55 +356,6 @@ pub(crate) fn abort(
     )
 }
 
-/// Tears the handle `raw` of `lib` down on `lane` (`ncclCommAbort` when `abort`, else
-/// `ncclCommDestroy`, with `ctx` current on the lane's thread) and waits until `until` (at
-/// least [`MIN_WAIT`]): the job, and the call's result if it returned in time (past that,
-/// the policy has been applied). `raw` must have been taken out of its communicator: this
-/// is its one teardown.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn teardown_bounded(
-    lane: TeardownLane,
-    b: Bound,
-    lib: &Arc<Library>,
-    raw: ncclComm_t,
-    abort: bool,
-    ctx: Option<Arc<cudarc::driver::CudaContext>>,
-    what: String,
-    until: Instant,
-) -> (Arc<Job>, Option<ncclResult_t>) {
-    let lib = Arc::clone(lib);
-    let raw = raw as usize;
-    let call = if abort {
-        "ncclCommAbort"
-    } else {
-        "ncclCommDestroy"
-    };
-    run_bounded(
-        lane,
-        b,
-        format!("{call} of {what}"),
-        Box::new(move || {
-            if let Some(ctx) = ctx {
-                // Not `bind_to_thread`: it would take the context's recorded error away
-                // from the user's `check_err`.
-                let _ = crate::stream::make_current(&ctx);
-            }
-            let t = lib.table();
-            let raw = raw as ncclComm_t;
-            // SAFETY: `raw` was taken out of its communicator's slot: this is its one
-            // teardown, and no one uses it afterwards.
-            unsafe {
-                if abort {
-                    (t.ncclCommAbort)(raw)
-                } else {
-                    destroy_or_abort(t, raw)
-                }
-            }
-        }),
-        until,
-    )
-}
-
 /// `ncclCommDestroy` of `raw`, or its abort when NCCL refuses to destroy it.
 ///
 /// NCCL 2.28's destroy enters a group level, then returns `ncclCommEnsureReady`'s error
@@ -474,29 +413,28 @@ pub(crate) unsafe fn destroy_closing_level(
     }
 }
 
-/// Queues `work` on `lane` and waits until `until` (at least [`MIN_WAIT`]): the job, and
-/// its result if it returned in time (past that, the policy has been applied).
+/// Queues `work` on `lane` and waits until `until` (at least [`MIN_WAIT`]): its result if
+/// it returned in time (past that, the policy has been applied).
 pub(crate) fn run_bounded(
     lane: TeardownLane,
     b: Bound,
     what: String,
     work: Work,
     until: Instant,
-) -> (Arc<Job>, Option<ncclResult_t>) {
+) -> Option<ncclResult_t> {
     let job = submit(lane, b, what, work);
     let done = job.wait(until.max(Instant::now() + MIN_WAIT));
     if !done {
         job.handle_overdue();
     }
-    let r = done.then(|| job.result());
-    (job, r)
+    done.then(|| job.result())
 }
 
 /// Applies the policy to every job past its bound (the watchdog calls it each tick).
 #[cfg(feature = "diag")]
 pub(crate) fn check_overdue(now: Instant) {
     let overdue: Vec<Arc<Job>> = {
-        let mut j = lock(jobs());
+        let mut j = lock(&JOBS);
         j.retain(|j| !j.is_done());
         j.iter()
             .filter(|j| now >= j.deadline && !j.overdue.load(Ordering::Acquire))
