@@ -270,10 +270,7 @@ impl<T> StreamBound<T> {
         let own = Arc::clone(DeviceSlice::stream(&slice));
         let stream = own.cu_stream() as usize;
         if stream == crate::stream::PER_THREAD_STREAM {
-            let e = crate::Error::InvalidArgument {
-                call: "StreamBound::new",
-                reason: "the slice's stream is CU_STREAM_PER_THREAD, a different stream on every thread: allocate it on a stream of its own".into(),
-            };
+            let e = crate::error::invalid("StreamBound::new", "the slice's stream is CU_STREAM_PER_THREAD, a different stream on every thread: allocate it on a stream of its own");
             return Err((slice, e));
         }
         // cudarc's waits for the slice's last read and write, made on its own stream; the

@@ -24,8 +24,9 @@ use std::sync::Arc;
 
 use nccl_sys::ncclComm_t;
 
-use crate::comm::{invalid, CommDevice, Communicator, RawComm, DEFAULT_INIT_TIMEOUT};
+use crate::comm::{CommDevice, Communicator, RawComm, DEFAULT_INIT_TIMEOUT};
 use crate::config::Config;
+use crate::error::invalid;
 use crate::error::Result;
 use crate::id::{UniqueId, UNIQUE_ID_BYTES};
 use crate::library::{CallContext, Library};

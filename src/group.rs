@@ -7,7 +7,8 @@ use std::panic::Location;
 use std::sync::Arc;
 
 use crate::buffer::BufferGuard;
-use crate::comm::{invalid, Communicator};
+use crate::comm::Communicator;
+use crate::error::invalid;
 use crate::error::Result;
 use crate::library::{CallContext, Library};
 use crate::nccl_call;

@@ -5,7 +5,7 @@ use std::str::FromStr;
 
 use nccl_sys::ncclUniqueId;
 
-use crate::error::{Error, Result};
+use crate::error::{invalid, Error, Result};
 use crate::library::{CallContext, Library};
 use crate::nccl_call;
 
@@ -48,12 +48,12 @@ impl UniqueId {
 
     /// The id from exactly [`UNIQUE_ID_BYTES`] bytes.
     pub fn from_bytes(bytes: &[u8]) -> Result<UniqueId> {
-        let arr: [u8; UNIQUE_ID_BYTES] = bytes.try_into().map_err(|_| Error::InvalidArgument {
-            call: "UniqueId::from_bytes",
-            reason: format!(
+        let arr: [u8; UNIQUE_ID_BYTES] = bytes.try_into().map_err(|_| {
+            let reason = format!(
                 "a unique id is {UNIQUE_ID_BYTES} bytes, got {}",
                 bytes.len()
-            ),
+            );
+            invalid("UniqueId::from_bytes", reason)
         })?;
         Ok(UniqueId(arr))
     }
@@ -104,10 +104,7 @@ impl FromStr for UniqueId {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<UniqueId> {
-        let bad = |reason: String| Error::InvalidArgument {
-            call: "UniqueId::from_str",
-            reason,
-        };
+        let bad = |reason: String| invalid("UniqueId::from_str", reason);
         let s = s.trim();
         if s.len() != 2 * UNIQUE_ID_BYTES {
             return Err(bad(format!(

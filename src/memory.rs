@@ -24,7 +24,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, De
 
 use crate::buffer::{sealed, BufferGuard, Memory, RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
-use crate::error::{check_len, BufferRole, Error, Result};
+use crate::error::{check_len, invalid, BufferRole, Error, Result};
 use crate::library::{CallContext, Library, Provider};
 use crate::stream::{AsStream, Stream, StreamRef};
 use crate::types::NcclType;
@@ -93,13 +93,6 @@ impl From<&Arc<CudaStream>> for Stream {
 impl From<&Stream> for Stream {
     fn from(s: &Stream) -> Stream {
         s.clone()
-    }
-}
-
-fn invalid(call: &'static str, reason: impl Into<String>) -> Error {
-    Error::InvalidArgument {
-        call,
-        reason: reason.into(),
     }
 }
 

@@ -41,7 +41,7 @@ use nccl_sys::EntryPoint;
 
 use crate::buffer::{sealed, BufferGuard, Memory, RecvBuffer, SendBuffer};
 use crate::comm::{CommDevice, Communicator};
-use crate::error::{Error, Result};
+use crate::error::{invalid, Error, Result};
 use crate::library::Provider;
 use crate::memory::NcclMemory;
 use crate::stream::{AsStream, StreamRef};
@@ -170,13 +170,13 @@ impl Communicator {
     ) -> Result<Target> {
         let reason = unregistrable(self.library().provider(), self.cuda_ordinal(), buf.memory());
         if let Some(reason) = reason {
-            return Err(Error::InvalidArgument { call, reason });
+            return Err(invalid(call, reason));
         }
         if buf.is_empty() {
-            return Err(Error::InvalidArgument {
+            return Err(invalid(
                 call,
-                reason: "the buffer is empty: there is nothing to register".into(),
-            });
+                "the buffer is empty: there is nothing to register",
+            ));
         }
         // A buffer that exists cannot overflow its own byte size.
         let bytes = buf.len().saturating_mul(std::mem::size_of::<T>());
@@ -321,7 +321,7 @@ impl Communicator {
                 Some(_) => None,
             };
             if let Some(reason) = refusal {
-                return Err(Error::InvalidArgument { call: OP, reason });
+                return Err(invalid(OP, reason));
             }
         }
         self.ensure_usable(OP)?;
@@ -527,10 +527,10 @@ impl<B: ?Sized> Drop for Window<'_, '_, B> {
 /// The failure a registration dropped during a panic leaves on its communicator.
 #[cold]
 fn unwinding(call: &'static str) -> Error {
-    Error::InvalidArgument {
+    invalid(
         call,
-        reason: "dropped while its thread panicked: skipped, and the communicator is aborted when dropped".into(),
-    }
+        "dropped while its thread panicked: skipped, and the communicator is aborted when dropped",
+    )
 }
 
 /// Buffer behaviour shared by [`Registration`] and [`Window`]: they stand for their buffer.

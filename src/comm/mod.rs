@@ -12,7 +12,7 @@ use cudarc::driver::CudaContext;
 use nccl_sys::{ncclComm_t, ncclResult_t, FunctionTable};
 
 use crate::config::Config;
-use crate::error::{Error, Result, ResultCode};
+use crate::error::{invalid, Error, Result, ResultCode};
 use crate::id::UniqueId;
 use crate::library::{CallContext, Library, Provider};
 use crate::nccl_call;
@@ -180,14 +180,6 @@ impl std::fmt::Debug for Communicator {
             .field("provider", &self.handle.lib().provider())
             .field("failed", &self.failure.get().is_some())
             .finish()
-    }
-}
-
-/// [`Error::InvalidArgument`] of `call`, for `reason`.
-pub(crate) fn invalid(call: &'static str, reason: impl Into<String>) -> Error {
-    Error::InvalidArgument {
-        call,
-        reason: reason.into(),
     }
 }
 

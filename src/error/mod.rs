@@ -374,6 +374,14 @@ pub enum Error {
     },
 }
 
+/// [`Error::InvalidArgument`] of `call`, for `reason`.
+pub(crate) fn invalid(call: &'static str, reason: impl Into<String>) -> Error {
+    Error::InvalidArgument {
+        call,
+        reason: reason.into(),
+    }
+}
+
 impl Error {
     /// NCCL's result code, when the error came from NCCL.
     pub fn code(&self) -> Option<ResultCode> {

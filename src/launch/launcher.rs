@@ -11,7 +11,7 @@ use cudarc::driver::CudaContext;
 
 use crate::comm::{CommDevice, Communicator};
 use crate::config::Config;
-use crate::error::{Error, Result};
+use crate::error::{invalid, Error, Result};
 use crate::id::UniqueId;
 use crate::launch::desync::DesyncBoard;
 use crate::library::Provider;
@@ -284,12 +284,11 @@ impl Launcher {
     pub fn all_devices() -> Result<Launcher> {
         let n = cuda_device_count();
         if n == 0 {
-            return Err(Error::InvalidArgument {
-                call: "Launcher::all_devices",
-                reason: "no CUDA device is visible (no driver, or CUDA_VISIBLE_DEVICES is empty); \
-                         use Launcher::host(n) to run on the host provider"
-                    .into(),
-            });
+            return Err(invalid(
+                "Launcher::all_devices",
+                "no CUDA device is visible (no driver, or CUDA_VISIBLE_DEVICES is empty); \
+                 use Launcher::host(n) to run on the host provider",
+            ));
         }
         Launcher::devices(&(0..n).collect::<Vec<_>>())
     }
@@ -297,10 +296,7 @@ impl Launcher {
     /// One rank per listed CUDA device ordinal.
     pub fn devices(ordinals: &[usize]) -> Result<Launcher> {
         if ordinals.is_empty() || cuda_device_count() == 0 {
-            return Err(Error::InvalidArgument {
-                call: "Launcher::devices",
-                reason: "no CUDA device to launch on".into(),
-            });
+            return Err(invalid("Launcher::devices", "no CUDA device to launch on"));
         }
         let devices = ordinals
             .iter()
@@ -490,10 +486,7 @@ impl Launcher {
         };
         let n = self.devices.len();
         let Some(first) = self.devices.first() else {
-            return Err(Error::InvalidArgument {
-                call: "Launcher::run",
-                reason: "no ranks to launch".into(),
-            });
+            return Err(invalid("Launcher::run", "no ranks to launch"));
         };
         let id = first.unique_id()?;
         let tally = Tally::new(n);
@@ -684,10 +677,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 fn spawn_failed(tally: &Tally, rank: usize, e: std::io::Error) -> Error {
     let reason = format!("cannot spawn a rank thread: {e}");
     tally.set(rank, Outcome::Failed(reason.clone()), None);
-    Error::InvalidArgument {
-        call: "Launcher::run",
-        reason,
-    }
+    invalid("Launcher::run", reason)
 }
 
 /// [`Tally::wait_settled`]'s note on the ranks it found stuck.

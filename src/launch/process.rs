@@ -8,7 +8,7 @@ use cudarc::driver::CudaContext;
 
 use crate::comm::CommDevice;
 use crate::config::Config;
-use crate::error::{Error, Result};
+use crate::error::{invalid, Error, Result};
 use crate::id::UniqueId;
 use crate::launch::desync::{BoardClient, DesyncBoard};
 use crate::launch::env::ProcessEnv;
@@ -192,14 +192,14 @@ impl ProcessLauncher {
                 "it needs the GPU of its local rank but this process sees {visible} CUDA {gpus} ({cvd})"
             ),
         };
-        Err(Error::InvalidArgument {
-            call: "ProcessLauncher::join",
-            reason: format!(
-                "rank {} (local rank {local}) has no CUDA device: {why}. To run on the CPU, \
-                 use the host provider: Launcher::from_env()?.host().init()",
-                self.env.rank
+        let rank = self.env.rank;
+        Err(invalid(
+            "ProcessLauncher::join",
+            format!(
+                "rank {rank} (local rank {local}) has no CUDA device: {why}. To run on the CPU, \
+             use the host provider: Launcher::from_env()?.host().init()"
             ),
-        })
+        ))
     }
 }
 

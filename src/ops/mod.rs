@@ -32,7 +32,7 @@ pub use reduce_op::{PreMulSum, Reduction};
 
 use crate::buffer::{Memory, RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
-use crate::error::{BufferRole, Error, Result};
+use crate::error::{invalid, BufferRole, Error, Result};
 use crate::library::Provider;
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
@@ -142,7 +142,7 @@ impl Communicator {
             }
             (_, _) => "NVIDIA's NCCL needs a CUDA stream, not Stream::Host".into(),
         };
-        Error::InvalidArgument { call, reason }
+        invalid(call, reason)
     }
 
     #[inline(always)]
@@ -174,7 +174,7 @@ impl Communicator {
             }
             (_, Memory::Host) => format!("the {role} is host memory"),
         };
-        Error::InvalidArgument { call, reason }
+        invalid(call, reason)
     }
 }
 

@@ -9,7 +9,7 @@ use super::{Call, Reduction};
 use crate::buffer::{BufferGuard, RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
 use crate::diag::OpInfo;
-use crate::error::{check_len, BufferRole, Error, Result};
+use crate::error::{check_len, invalid, BufferRole, Error, Result};
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
 
@@ -209,9 +209,9 @@ impl<'a> OpChecks<'a> {
         let n = self.world_size();
         (count.checked_mul(n))
             .filter(|total| total.checked_mul(16).is_some())
-            .ok_or_else(|| Error::InvalidArgument {
-                call: self.call.name(),
-                reason: format!("{count} elements x {n} ranks overflows the address space"),
+            .ok_or_else(|| {
+                let reason = format!("{count} elements x {n} ranks overflows the address space");
+                invalid(self.call.name(), reason)
             })
     }
 
@@ -280,13 +280,10 @@ impl<'a> OpChecks<'a> {
 
     #[cold]
     fn wrong_stream(&self, role: BufferRole, bound: usize) -> crate::Error {
-        crate::Error::InvalidArgument {
-            call: self.call.name(),
-            reason: format!(
-                "the {role} is a StreamBound of stream {bound:#x}, but the operation runs on stream {:#x}: run it on the buffer's stream, or take the slice back with into_inner",
-                self.stream.raw() as usize
-            ),
-        }
+        invalid(self.call.name(), format!(
+            "the {role} is a StreamBound of stream {bound:#x}, but the operation runs on stream {:#x}: run it on the buffer's stream, or take the slice back with into_inner",
+            self.stream.raw() as usize
+        ))
     }
 
     /// Checks only where a buffer lives: one NCCL ignores on a non-root rank.

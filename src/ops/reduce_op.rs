@@ -44,10 +44,7 @@ impl<T> Reduction<'_, T> {
 
 #[cold]
 fn foreign_pre_mul_sum(call: &'static str) -> Error {
-    Error::InvalidArgument {
-        call,
-        reason: "this PreMulSum was created on another communicator".into(),
-    }
+    crate::error::invalid(call, "this PreMulSum was created on another communicator")
 }
 
 /// `sum over ranks of (scalar x input)`: an operator created with
