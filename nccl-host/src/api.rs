@@ -158,11 +158,7 @@ macro_rules! forward {
 fn known(g: &mut Global, comm: ncclComm_t, what: &str) -> Result<Handle, Fail> {
     let h = comm as usize;
     if comm.is_null() {
-        return Err(g.misuse(
-            None,
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: comm is NULL"),
-        ));
+        return Err(g.invalid(None, what, "comm is NULL"));
     }
     if g.comms.contains_key(&h) {
         return Ok(h);
@@ -171,14 +167,11 @@ fn known(g: &mut Global, comm: ncclComm_t, what: &str) -> Result<Handle, Fail> {
         return Err(g.misuse(
             Some(root),
             ncclInvalidUsage,
-            format!("invalid usage: {what}: communicator {h:#x} was already destroyed or aborted"),
+            what,
+            format!("communicator {h:#x} was already destroyed or aborted"),
         ));
     }
-    Err(g.misuse(
-        None,
-        ncclInvalidArgument,
-        format!("invalid argument: {what}: {h:#x} is not a communicator handle"),
-    ))
+    Err(g.invalid(None, what, format!("{h:#x} is not a communicator handle")))
 }
 
 /// A usable communicator.
@@ -192,12 +185,8 @@ struct Ready {
 
 impl Ready {
     /// An invalid-argument failure of entry point `name` on this communicator.
-    fn invalid(&self, g: &mut Global, name: &str, m: String) -> Fail {
-        g.misuse(
-            Some(self.root),
-            ncclInvalidArgument,
-            format!("invalid argument: {name}: {m}"),
-        )
+    fn invalid(&self, g: &mut Global, name: &str, m: impl std::fmt::Display) -> Fail {
+        g.invalid(Some(self.root), name, m)
     }
 
     /// Takes this communicator's next collective sequence number, with its device.
@@ -241,29 +230,17 @@ fn ready(g: &mut Global, comm: ncclComm_t, what: &str, ops: bool) -> Result<Read
     // NCCL's ncclCommEnsureReady (init.cc:373): asynchronous work in flight refuses the
     // call with ncclInvalidArgument; a failed one is the communicator's error from then on.
     match c.job.clone() {
-        Job::Busy { .. } => return Err(g.misuse(
-            Some(root),
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: Attempt to use communicator before the previous operation returned ncclSuccess (an asynchronous split, shrink or window registration is in progress: poll ncclCommGetAsyncError until it is no longer ncclInProgress)"),
-        )),
+        Job::Busy { .. } => return Err(g.invalid(Some(root), what, "Attempt to use communicator before the previous operation returned ncclSuccess (an asynchronous split, shrink or window registration is in progress: poll ncclCommGetAsyncError until it is no longer ncclInProgress)")),
         Job::Failed(f) if ops => return Err(f),
         _ => {}
     }
     match c.state.clone() {
         // ncclCommEnsureReady turns the init's ncclInProgress into ncclInvalidArgument.
-        CommState::Pending => Err(g.misuse(
-            Some(root),
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: Attempt to use communicator before the previous operation returned ncclSuccess (it is still initializing: poll ncclCommGetAsyncError)"),
-        )),
+        CommState::Pending => Err(g.invalid(Some(root), what, "Attempt to use communicator before the previous operation returned ncclSuccess (it is still initializing: poll ncclCommGetAsyncError)")),
         CommState::Failed(f) => Err(f),
         CommState::Ready { clique, rank } => {
             if ops && finalized {
-                return Err(g.misuse(
-                    Some(root),
-                    ncclInvalidUsage,
-                    format!("invalid usage: {what}: communicator was finalized"),
-                ));
+                return Err(g.misuse(Some(root), ncclInvalidUsage, what, "communicator was finalized"));
             }
             let Some(cl) = g.cliques.get(&clique) else {
                 return Err(Fail::new(ncclRemoteError, format!("remote error: {what}: communicator is gone")));
@@ -306,28 +283,17 @@ fn parse_config(
         )
     };
     if magic != NCCL_API_MAGIC {
-        return Err(g.misuse(
-            root,
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: config magic {magic:#x} is not NCCL_API_MAGIC (0xcafebeef): initialize it with NCCL_CONFIG_INITIALIZER"),
-        ));
+        return Err(g.invalid(root, what, format!("config magic {magic:#x} is not NCCL_API_MAGIC (0xcafebeef): initialize it with NCCL_CONFIG_INITIALIZER")));
     }
-    if size < super::MIN_CONFIG_SIZE || size > core::mem::size_of::<ncclConfig_t>() {
-        return Err(g.misuse(
-            root,
-            ncclInvalidArgument,
-            format!(
-                "invalid argument: {what}: config size {size} is not a known ncclConfig_t layout ({}..={} bytes, NCCL 2.17..2.32)",
-                super::MIN_CONFIG_SIZE,
-                core::mem::size_of::<ncclConfig_t>()
-            ),
-        ));
+    let known = super::MIN_CONFIG_SIZE..=core::mem::size_of::<ncclConfig_t>();
+    if !known.contains(&size) {
+        return Err(g.invalid(root, what, format!("config size {size} is not a known ncclConfig_t layout ({known:?} bytes, NCCL 2.17..2.32)")));
     }
     if !(21700..30000).contains(&version) {
-        return Err(g.misuse(
+        return Err(g.invalid(
             root,
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: config version {version} is not an NCCL 2.17+ version code"),
+            what,
+            format!("config version {version} is not an NCCL 2.17+ version code"),
         ));
     }
     // SAFETY: `blocking` is at offset 16 in every layout, inside `size` (>= 48) bytes.
@@ -337,10 +303,10 @@ fn parse_config(
         nccl_sys::NCCL_CONFIG_UNDEF_INT => Ok(forced),
         0 => Ok(forced.or(Some(false))),
         1 => Ok(forced.or(Some(true))),
-        b => Err(g.misuse(
+        b => Err(g.invalid(
             root,
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: config.blocking = {b} (must be 0 or 1)"),
+            what,
+            format!("config.blocking = {b} (must be 0 or 1)"),
         )),
     }
 }
@@ -566,15 +532,6 @@ fn asynchronous(g: &Global, h: Handle) -> bool {
     !in_group() && g.comms.get(&h).is_some_and(|c| c.nonblocking)
 }
 
-/// The failure of entry point `name`, outside any communicator, given a NULL `arg`.
-fn null_arg(g: &mut Global, name: &str, arg: &str) -> Fail {
-    g.misuse(
-        None,
-        ncclInvalidArgument,
-        format!("invalid argument: {name}: {arg} is NULL"),
-    )
-}
-
 pub(crate) unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
     get_version(version, 23203)
 }
@@ -582,7 +539,7 @@ pub(crate) unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResul
 pub(crate) fn get_version(version: *mut c_int, code: c_int) -> ncclResult_t {
     ffi(|| {
         if version.is_null() {
-            return Err(null_arg(&mut lock(), "ncclGetVersion", "version"));
+            return Err(lock().invalid(None, "ncclGetVersion", "version is NULL"));
         }
         put(version, code);
         Ok(ncclSuccess)
@@ -592,7 +549,7 @@ pub(crate) fn get_version(version: *mut c_int, code: c_int) -> ncclResult_t {
 pub(crate) unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclResult_t {
     ffi(|| {
         if unique_id.is_null() {
-            return Err(null_arg(&mut lock(), "ncclGetUniqueId", "uniqueId"));
+            return Err(lock().invalid(None, "ncclGetUniqueId", "uniqueId is NULL"));
         }
         put(
             unique_id,
@@ -676,18 +633,14 @@ fn init_rank(
         let idb = id_bytes(&id);
         let root = g.root_of(&idb);
         if comm.is_null() {
-            return Err(g.misuse(
-                Some(root),
-                ncclInvalidArgument,
-                format!("invalid argument: {what}: comm is NULL"),
-            ));
+            return Err(g.invalid(Some(root), what, "comm is NULL"));
         }
         if nranks < 1 || rank < 0 || rank >= nranks {
-            return Err(g.misuse(
-            Some(root),
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: rank {rank} / nranks {nranks} out of range (need 0 <= rank < nranks)"),
-        ));
+            return Err(g.invalid(
+                Some(root),
+                what,
+                format!("rank {rank} / nranks {nranks} out of range (need 0 <= rank < nranks)"),
+            ));
         }
         new_rank(g, idb, nranks, rank, root, config, what, comm)
     });
@@ -810,10 +763,10 @@ pub(crate) unsafe extern "C" fn ncclCommInitAll(
     ffi(|| {
         let mut g = lock();
         if comm.is_null() || ndev < 1 {
-            return Err(g.misuse(
+            return Err(g.invalid(
                 None,
-                ncclInvalidArgument,
-                format!("invalid argument: ncclCommInitAll: comms is NULL or ndev ({ndev}) < 1"),
+                "ncclCommInitAll",
+                format!("comms is NULL or ndev ({ndev}) < 1"),
             ));
         }
         let idb = id_bytes(&fresh_id());
@@ -856,10 +809,10 @@ pub(crate) unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult
         // A second finalize, or one after a revoke (which finalizes): init.cc:2274-2278.
         let finalized = g.comms.get(&r.h).is_some_and(|c| c.finalized);
         if finalized {
-            return Err(g.misuse(
+            return Err(g.invalid(
                 Some(r.root),
-                ncclInvalidArgument,
-                "invalid argument: ncclCommFinalize: already finalized (or revoked)".into(),
+                "ncclCommFinalize",
+                "already finalized (or revoked)",
             ));
         }
         if let Some(c) = g.comms.get_mut(&r.h) {
@@ -979,10 +932,10 @@ fn destroy_refusal(g: &mut Global, h: Handle) -> Option<Fail> {
     let root = c.root;
     let in_flight = matches!(c.job, Job::Busy { .. }) || matches!(c.state, CommState::Pending);
     if in_flight {
-        return Some(g.misuse(
+        return Some(g.invalid(
             Some(root),
-            ncclInvalidArgument,
-            "invalid argument: ncclCommDestroy: Attempt to use communicator before the previous operation returned ncclSuccess".into(),
+            "ncclCommDestroy",
+            "Attempt to use communicator before the previous operation returned ncclSuccess",
         ));
     }
     // The state ncclCommGetAsyncError reads: a revoke's result replaces a failed clique's.
@@ -1362,11 +1315,7 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
             None
         };
         if let Some(m) = refusal {
-            return Err(g.misuse(
-                Some(root),
-                ncclInvalidArgument,
-                format!("invalid argument: ncclCommRevoke: {m}"),
-            ));
+            return Err(g.invalid(Some(root), "ncclCommRevoke", m));
         }
         g = end_job_for_abort(g, h);
         let h = known(&mut g, comm, "ncclCommRevoke")?;
@@ -1458,7 +1407,7 @@ pub(crate) unsafe extern "C" fn ncclCommGetUniqueId(
             return Err(f);
         }
         if unique_id.is_null() {
-            return Err(r.invalid(&mut g, "ncclCommGetUniqueId", "uniqueId is NULL".into()));
+            return Err(r.invalid(&mut g, "ncclCommGetUniqueId", "uniqueId is NULL"));
         }
         let id = next_grow_id(&g, &r);
         g.alias_root(&id, r.root);
@@ -1536,10 +1485,10 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
         const NAME: &str = "ncclCommGrow";
         let mut g = lock();
         if newcomm.is_null() || n_ranks <= 0 {
-            return Err(g.misuse(
+            return Err(g.invalid(
                 None,
-                ncclInvalidArgument,
-                format!("invalid argument: {NAME}: newcomm is NULL or nRanks {n_ranks} <= 0"),
+                NAME,
+                format!("newcomm is NULL or nRanks {n_ranks} <= 0"),
             ));
         }
         let given = (!unique_id.is_null()).then(|| {
@@ -1582,8 +1531,7 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
                     return Err(r.invalid(
                         &mut g,
                         NAME,
-                        "the grow id received from the root is not this grow's (magic mismatch)"
-                            .into(),
+                        "the grow id received from the root is not this grow's (magic mismatch)",
                     ));
                 }
             }
@@ -1591,8 +1539,7 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
                 return Err(r.invalid(
                     &mut g,
                     NAME,
-                    "uniqueId is not this communicator's next grow id (from ncclCommGetUniqueId)"
-                        .into(),
+                    "uniqueId is not this communicator's next grow id (from ncclCommGetUniqueId)",
                 ));
             }
             let blocking = r.child_blocking(&mut g, config, NAME)?;
@@ -1607,18 +1554,14 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
             return finish_new(g, h, newcomm, !blocking).map(grow_result);
         }
         let Some(id) = given else {
-            return Err(g.misuse(
-                None,
-                ncclInvalidArgument,
-                format!("invalid argument: {NAME}: new ranks must pass a uniqueId"),
-            ));
+            return Err(g.invalid(None, NAME, "new ranks must pass a uniqueId"));
         };
         let root = g.root_of(&id);
         if rank < 0 || rank >= n_ranks {
-            return Err(g.misuse(
+            return Err(g.invalid(
                 Some(root),
-                ncclInvalidArgument,
-                format!("invalid argument: {NAME}: new rank {rank} is not in 0..{n_ranks}"),
+                NAME,
+                format!("new rank {rank} is not in 0..{n_ranks}"),
             ));
         }
         put(newcomm, core::ptr::null_mut());
@@ -1646,11 +1589,7 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
         let h = known(&mut g, comm, "ncclCommGetAsyncError")?;
         let root = g.comms.get(&h).map(|c| c.root);
         if async_error.is_null() {
-            return Err(g.misuse(
-                root,
-                ncclInvalidArgument,
-                "invalid argument: ncclCommGetAsyncError: asyncError is NULL".into(),
-            ));
+            return Err(g.invalid(root, "ncclCommGetAsyncError", "asyncError is NULL"));
         }
         g.check_pending_deadline(h);
         // Asynchronous work in flight, or its sticky failure, first (see `start_job`); then
@@ -1682,11 +1621,7 @@ fn comm_query(
         let mut g = lock();
         let r = ensure_ready(&mut g, comm, what)?;
         if out.is_null() {
-            return Err(g.misuse(
-                Some(r.root),
-                ncclInvalidArgument,
-                format!("invalid argument: {what}: output pointer is NULL"),
-            ));
+            return Err(g.invalid(Some(r.root), what, "output pointer is NULL"));
         }
         put(out, f(&g, &r));
         Ok(ncclSuccess)
@@ -1711,20 +1646,20 @@ pub(crate) unsafe extern "C" fn ncclRedOpCreatePreMulSum(
         let mut g = lock();
         let r = ensure_ready(&mut g, comm, "ncclRedOpCreatePreMulSum")?;
         let Some(es) = dtype::size_of(datatype) else {
-            return Err(g.misuse(
+            return Err(g.invalid(
                 Some(r.root),
-                ncclInvalidArgument,
-                format!("invalid argument: ncclRedOpCreatePreMulSum: unknown datatype {datatype}"),
+                "ncclRedOpCreatePreMulSum",
+                format!("unknown datatype {datatype}"),
             ));
         };
         if op.is_null()
             || scalar.is_null()
             || (residence != ncclScalarDevice && residence != ncclScalarHostImmediate)
         {
-            return Err(g.misuse(
+            return Err(g.invalid(
                 Some(r.root),
-                ncclInvalidArgument,
-                format!("invalid argument: ncclRedOpCreatePreMulSum: op or scalar is NULL, or unknown residence {residence}"),
+                "ncclRedOpCreatePreMulSum",
+                format!("op or scalar is NULL, or unknown residence {residence}"),
             ));
         }
         let scalar = if residence == ncclScalarHostImmediate {
@@ -1762,10 +1697,10 @@ pub(crate) unsafe extern "C" fn ncclRedOpDestroy(
             .and_then(|c| c.redops.remove(&op))
             .is_none()
         {
-            return Err(g.misuse(
+            return Err(g.invalid(
                 Some(r.root),
-                ncclInvalidArgument,
-                format!("invalid argument: ncclRedOpDestroy: op {op} is not a PreMulSum op created on this communicator"),
+                "ncclRedOpDestroy",
+                format!("op {op} is not a PreMulSum op created on this communicator"),
             ));
         }
         Ok(ncclSuccess)
@@ -1789,7 +1724,8 @@ fn operation(
             return Err(g.misuse(
                 Some(r.root),
                 ncclInvalidUsage,
-                format!("invalid usage: {name}: communicator was revoked"),
+                name,
+                "communicator was revoked",
             ));
         }
         let Some(es) = dtype::size_of(dt) else {
@@ -2101,7 +2037,8 @@ pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
             0 => Err(lock().misuse(
                 None,
                 ncclInvalidUsage,
-                "invalid usage: ncclGroupEnd without a matching ncclGroupStart".into(),
+                "ncclGroupEnd",
+                "without a matching ncclGroupStart",
             )),
             1 => {
                 // The queued jobs first, as NCCL's groupLaunch (group.cc:537), then the
@@ -2139,14 +2076,10 @@ pub(crate) unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize)
     ffi(|| {
         let mut g = lock();
         if ptr.is_null() {
-            return Err(null_arg(&mut g, "ncclMemAlloc", "ptr"));
+            return Err(g.invalid(None, "ncclMemAlloc", "ptr is NULL"));
         }
         let Ok(layout) = std::alloc::Layout::from_size_align(size.max(1), 4096) else {
-            return Err(g.misuse(
-                None,
-                ncclInvalidArgument,
-                format!("invalid argument: ncclMemAlloc: size {size} too large"),
-            ));
+            return Err(g.invalid(None, "ncclMemAlloc", format!("size {size} too large")));
         };
         // SAFETY: the layout has a non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -2170,7 +2103,11 @@ pub(crate) unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
         }
         let mut g = lock();
         let Some(layout) = g.mem.remove(&(ptr as usize)) else {
-            return Err(g.misuse(None, ncclInvalidArgument, format!("invalid argument: ncclMemFree: {ptr:p} was not returned by ncclMemAlloc (or was freed already)")));
+            return Err(g.invalid(
+                None,
+                "ncclMemFree",
+                format!("{ptr:p} was not returned by ncclMemAlloc (or was freed already)"),
+            ));
         };
         // SAFETY: `ptr` came from `alloc_zeroed` with this layout and was not freed (it was
         // still in the table, which we just removed it from).
@@ -2191,11 +2128,7 @@ pub(crate) unsafe extern "C" fn ncclCommRegister(
         let mut g = lock();
         let r = ready(&mut g, comm, "ncclCommRegister", false)?;
         if handle.is_null() || (buff.is_null() && size > 0) {
-            return Err(g.misuse(
-                Some(r.root),
-                ncclInvalidArgument,
-                "invalid argument: ncclCommRegister: buff or handle is NULL".into(),
-            ));
+            return Err(g.invalid(Some(r.root), "ncclCommRegister", "buff or handle is NULL"));
         }
         g.next_reg += 1;
         let token = 0x7e60_0000usize + 16 * g.next_reg;
@@ -2237,24 +2170,20 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
         let mut g = lock();
         let r = ready(&mut g, comm, "ncclCommWindowRegister", false)?;
         if win.is_null() {
-            return Err(g.misuse(
-                Some(r.root),
-                ncclInvalidArgument,
-                "invalid argument: ncclCommWindowRegister: win is NULL".into(),
-            ));
+            return Err(g.invalid(Some(r.root), "ncclCommWindowRegister", "win is NULL"));
         }
         if buff.is_null() || size == 0 {
-            return Err(g.misuse(
+            return Err(g.invalid(
                 Some(r.root),
-                ncclInvalidArgument,
-                format!("invalid argument: ncclCommWindowRegister: invalid pointer {buff:p} / size {size}"),
+                "ncclCommWindowRegister",
+                format!("invalid pointer {buff:p} / size {size}"),
             ));
         }
         if win_flags & !KNOWN_WIN_FLAGS != 0 {
-            return Err(g.misuse(
+            return Err(g.invalid(
                 Some(r.root),
-                ncclInvalidArgument,
-                format!("invalid argument: ncclCommWindowRegister: unknown flags {win_flags:#x}"),
+                "ncclCommWindowRegister",
+                format!("unknown flags {win_flags:#x}"),
             ));
         }
         if win_flags & NCCL_WIN_COLL_SYMMETRIC as c_int != 0 {
@@ -2262,11 +2191,7 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
                 None => return Err(super::registry::not_nccl_memory(&mut g, r.root, buff)),
                 // As NCCL (dev_runtime.cc:605-611 of 2.28.9), which refuses it in its job.
                 Some(at) if at % NCCL_WIN_REQUIRED_ALIGNMENT as usize != 0 => {
-                    return Err(g.misuse(
-                        Some(r.root),
-                        ncclInvalidArgument,
-                        format!("invalid argument: ncclCommWindowRegister: Window address must be suitably aligned ({at} bytes into its allocation, not a multiple of {NCCL_WIN_REQUIRED_ALIGNMENT})"),
-                    ));
+                    return Err(g.invalid(Some(r.root), "ncclCommWindowRegister", format!("Window address must be suitably aligned ({at} bytes into its allocation, not a multiple of {NCCL_WIN_REQUIRED_ALIGNMENT})")));
                 }
                 Some(_) => {}
             }

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use core::ffi::c_void;
-use nccl_sys::bindings::{ncclInvalidArgument, ncclInvalidUsage};
+use nccl_sys::bindings::ncclInvalidUsage;
 
 use super::state::{Fail, Global, Handle, RootIdx};
 
@@ -60,31 +60,19 @@ impl What {
 /// A deregistration of a handle that was deregistered before: misuse, counted.
 fn double(g: &mut Global, root: RootIdx, what: What, token: usize) -> Fail {
     g.count(Some(root), |s| s.double_deregistered += 1);
-    g.misuse(
-        Some(root),
-        ncclInvalidUsage,
-        format!(
-            "invalid usage: {}: {token:#x} was already deregistered",
-            what.call()
-        ),
-    )
+    let m = format!("{token:#x} was already deregistered");
+    g.misuse(Some(root), ncclInvalidUsage, what.call(), m)
 }
 
 /// A deregistration of a handle this communicator never handed out: misuse, counted.
 fn unknown(g: &mut Global, root: RootIdx, what: What, token: usize) -> Fail {
     g.count(Some(root), |s| s.unknown_deregistered += 1);
-    g.misuse(
-        Some(root),
-        ncclInvalidUsage,
-        format!(
-            "invalid usage: {}: {token:#x} is not a {} of this communicator",
-            what.call(),
-            match what {
-                What::Registration => "registration",
-                What::Window => "window",
-            }
-        ),
-    )
+    let kind = match what {
+        What::Registration => "registration",
+        What::Window => "window",
+    };
+    let m = format!("{token:#x} is not a {kind} of this communicator");
+    g.misuse(Some(root), ncclInvalidUsage, what.call(), m)
 }
 
 /// `ncclCommDeregister(comm = h, handle = token)`: removes a live registration of `h`, or
@@ -161,13 +149,8 @@ pub(crate) fn nccl_memory_offset(g: &Global, buff: *mut c_void, size: usize) -> 
 
 /// The misuse of registering a symmetric window on other memory.
 pub(crate) fn not_nccl_memory(g: &mut Global, root: RootIdx, buff: *mut c_void) -> Fail {
-    g.misuse(
-        Some(root),
-        ncclInvalidArgument,
-        format!(
-            "invalid argument: ncclCommWindowRegister: NCCL_WIN_COLL_SYMMETRIC needs memory from ncclMemAlloc, and {buff:p} is not in such an allocation"
-        ),
-    )
+    let m = format!("NCCL_WIN_COLL_SYMMETRIC needs memory from ncclMemAlloc, and {buff:p} is not in such an allocation");
+    g.invalid(Some(root), "ncclCommWindowRegister", m)
 }
 
 /// Communicator `h` is being destroyed or aborted: releases its live registrations and

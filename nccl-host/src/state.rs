@@ -265,19 +265,38 @@ impl Global {
         }
     }
 
-    /// Records a misuse and returns the failure to report.
+    /// Records a misuse of entry point `what` and returns the failure to report: `code`
+    /// (ncclInvalidArgument or ncclInvalidUsage) and "invalid argument: {what}: {m}" (or
+    /// "invalid usage: ...").
     pub(crate) fn misuse(
         &mut self,
         root: Option<RootIdx>,
         code: ncclResult_t,
-        msg: String,
+        what: &str,
+        m: impl std::fmt::Display,
     ) -> Fail {
+        let kind = if code == ncclInvalidUsage {
+            "invalid usage"
+        } else {
+            "invalid argument"
+        };
+        let msg = format!("{kind}: {what}: {m}");
         self.count(root, |s| s.misused += 1);
         if self.misuse_log.len() >= 64 {
             self.misuse_log.pop_front();
         }
         self.misuse_log.push_back(msg.clone());
         Fail::new(code, msg)
+    }
+
+    /// [`Global::misuse`] with ncclInvalidArgument.
+    pub(crate) fn invalid(
+        &mut self,
+        root: Option<RootIdx>,
+        what: &str,
+        m: impl std::fmt::Display,
+    ) -> Fail {
+        self.misuse(root, ncclInvalidArgument, what, m)
     }
 
     /// A new handle in state `Pending`, not yet counted as created.
