@@ -8,7 +8,7 @@ use nccl_sys::{Block, BlockSource, Extent, Sender};
 use super::dtype::{self, RedKind};
 use super::state::{
     lock, notify, wait, wait_limit, CollPost, CollSlot, CommState, CommWorld, Fail, Global, Handle,
-    P2pPost, P2pSlot, SlotState,
+    P2pPost, P2pSlot, Slot, SlotState,
 };
 
 /// An operation queued by a thread (inside a group, or the single op of a plain call).
@@ -114,7 +114,6 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
             let n = cl.nranks as usize;
             let slot = cl.colls.entry(seq).or_insert_with(|| CollSlot {
                 posts: vec![None; n],
-                nposted: 0,
                 state: SlotState::Waiting,
                 waiters: n,
             });
@@ -126,9 +125,8 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
                 ));
             }
             slot.posts[r] = Some(post);
-            slot.nposted += 1;
             let w = Wait::Coll(clique, seq);
-            if slot.nposted < n {
+            if slot.posts.iter().any(Option::is_none) {
                 return Ok((w, None));
             }
             let posts: Vec<CollPost> = slot.posts.iter().flatten().cloned().collect();
@@ -151,16 +149,11 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
             let cl = open_clique(g, clique)?;
             let key = (src, dst, seq);
             let slot = cl.p2p.entry(key).or_insert_with(|| P2pSlot {
-                send: None,
-                recv: None,
+                posts: [None, None],
                 state: SlotState::Waiting,
                 waiters: 2,
             });
-            let side = if is_send {
-                &mut slot.send
-            } else {
-                &mut slot.recv
-            };
+            let side = &mut slot.posts[usize::from(!is_send)];
             if side.is_some() {
                 return Err(Fail::new(
                     ncclInternalError,
@@ -169,8 +162,8 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
             }
             *side = Some(post);
             let w = Wait::P2p(clique, key);
-            match (&slot.send, &slot.recv) {
-                (Some(s), Some(r)) => {
+            match &slot.posts {
+                [Some(s), Some(r)] => {
                     if s.count != r.count || s.dtype != r.dtype {
                         slot.state = SlotState::Done(Err(Fail::new(
                             ncclInvalidUsage,
@@ -741,42 +734,17 @@ fn poll(g: &mut Global, w: &Wait, deadline: Instant) -> Option<Result<(), Fail>>
     }
 }
 
-/// A slot that waits poll: a collective's or a send/recv pair's.
-trait Slot {
-    fn state(&self) -> &SlotState;
-    /// How many waits have yet to take the slot's result.
-    fn waiters(&mut self) -> &mut usize;
-}
-
-impl Slot for CollSlot {
-    fn state(&self) -> &SlotState {
-        &self.state
-    }
-    fn waiters(&mut self) -> &mut usize {
-        &mut self.waiters
-    }
-}
-
-impl Slot for P2pSlot {
-    fn state(&self) -> &SlotState {
-        &self.state
-    }
-    fn waiters(&mut self) -> &mut usize {
-        &mut self.waiters
-    }
-}
-
 /// The state of the slot at `key` (`None`: no such slot). A done slot's result is taken
 /// for one waiter; the last waiter removes the slot.
-fn take_done<K: Eq + std::hash::Hash, S: Slot>(
-    slots: &mut std::collections::HashMap<K, S>,
+fn take_done<K: Eq + std::hash::Hash, P>(
+    slots: &mut std::collections::HashMap<K, Slot<P>>,
     key: &K,
 ) -> Option<SlotState> {
     let slot = slots.get_mut(key)?;
-    let state = slot.state().clone();
+    let state = slot.state.clone();
     if let SlotState::Done(_) = state {
-        *slot.waiters() -= 1;
-        if *slot.waiters() == 0 {
+        slot.waiters -= 1;
+        if slot.waiters == 0 {
             slots.remove(key);
         }
     }

@@ -114,21 +114,19 @@ pub(crate) enum SlotState {
     Done(Result<(), Fail>),
 }
 
+/// A posted operation: the ranks' posts, its state, and how many waits have yet to take
+/// its result (the last one removes it).
 #[derive(Debug)]
-pub(crate) struct CollSlot {
-    pub posts: Vec<Option<CollPost>>,
-    pub nposted: usize,
+pub(crate) struct Slot<P> {
+    pub posts: P,
     pub state: SlotState,
     pub waiters: usize,
 }
 
-#[derive(Debug)]
-pub(crate) struct P2pSlot {
-    pub send: Option<P2pPost>,
-    pub recv: Option<P2pPost>,
-    pub state: SlotState,
-    pub waiters: usize,
-}
+/// A collective: one post per rank.
+pub(crate) type CollSlot = Slot<Vec<Option<CollPost>>>;
+/// A send/recv pair: the send's post, then the receive's.
+pub(crate) type P2pSlot = Slot<[Option<P2pPost>; 2]>;
 
 /// A split or shrink rendezvous over a parent clique.
 #[derive(Debug)]
