@@ -340,16 +340,11 @@ fn config_name(cfg: *const ncclConfig_t) -> usize {
     }
 }
 
-/// Sets a new handle's kept `commName` pointer: its config's, else `inherit`'s.
-fn set_name(g: &mut Global, h: Handle, cfg: *const ncclConfig_t, inherit: Option<Handle>) {
-    let own = config_name(cfg);
-    let name = if own != 0 {
-        own
-    } else {
-        inherit.and_then(|p| g.comms.get(&p)).map_or(0, |c| c.name)
-    };
-    if let Some(c) = g.comms.get_mut(&h) {
-        c.name = name;
+/// The `commName` pointer a new handle keeps: its config's, else `inherit`'s.
+fn name_of(g: &Global, cfg: *const ncclConfig_t, inherit: Option<Handle>) -> usize {
+    match config_name(cfg) {
+        0 => inherit.and_then(|p| g.comms.get(&p)).map_or(0, |c| c.name),
+        own => own,
     }
 }
 
@@ -642,7 +637,7 @@ fn init_rank(
                 format!("rank {rank} / nranks {nranks} out of range (need 0 <= rank < nranks)"),
             ));
         }
-        new_rank(g, idb, nranks, rank, root, config, what, comm)
+        new_rank(g, idb, nranks, rank, root, None, config, what, comm)
     });
     // ncclCommInitRank's NCCLCHECK lets ncclInProgress through and it returns ncclSuccess
     // (init.cc:2055, checks.h:124): made non-blocking by NCCL_COMM_BLOCKING=0, its init
@@ -654,8 +649,9 @@ fn init_rank(
     }
 }
 
-/// A rank that joins with a unique id (init, or a rank new to a grow): its handle, named
-/// from `config`, joined (through shared memory when the id is a shared one) and written
+/// A rank that joins with a unique id (init, or grow): its handle, blocking and named as
+/// `config` says, else as `parent` (a grow's existing rank), on `parent`'s device or else
+/// this thread's, joined (through shared memory when the id is a shared one) and written
 /// to `out`.
 #[allow(clippy::too_many_arguments)]
 fn new_rank(
@@ -664,13 +660,18 @@ fn new_rank(
     nranks: c_int,
     rank: c_int,
     root: RootIdx,
+    parent: Option<Handle>,
     config: *const ncclConfig_t,
     what: &str,
     out: *mut ncclComm_t,
 ) -> Result<ncclResult_t, Fail> {
-    let blocking = parse_config(&mut g, config, Some(root), what)?.unwrap_or(true);
-    let h = g.new_handle(root, DEVICE.with(|d| d.get()), !blocking);
-    set_name(&mut g, h, config, None);
+    let (parent_blocking, dev) = match parent.and_then(|p| g.comms.get(&p)) {
+        Some(c) => (!c.nonblocking, c.device),
+        None => (true, DEVICE.with(|d| d.get())),
+    };
+    let blocking = parse_config(&mut g, config, Some(root), what)?.unwrap_or(parent_blocking);
+    let name = name_of(&g, config, parent);
+    let h = g.new_handle(root, dev, !blocking, name);
     if super::shm::is_shared(&idb) {
         join_shared(&mut g, idb, nranks, rank, h, root)?;
     } else {
@@ -783,7 +784,7 @@ pub(crate) unsafe extern "C" fn ncclCommInitAll(
                 // SAFETY: a non-null devlist has ndev entries (NCCL's contract).
                 unsafe { devlist.add(i).read() }
             };
-            handles.push(g.new_handle(root, dev, nonblocking));
+            handles.push(g.new_handle(root, dev, nonblocking, 0));
         }
         g.new_clique(root, &handles);
         for (i, &h) in handles.iter().enumerate() {
@@ -1024,10 +1025,7 @@ fn shared_split(
         .position(|&(_, q)| q == rank as usize)
         .unwrap_or(0);
     let mut g = lock();
-    let h = g.new_handle(root, dev, !blocking);
-    if let Some(c) = g.comms.get_mut(&h) {
-        c.name = name;
-    }
+    let h = g.new_handle(root, dev, !blocking, name);
     join_shared(
         &mut g,
         id,
@@ -1073,12 +1071,7 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
         let out = newcomm as usize;
         let (clique, rank, root) = (r.clique, r.rank, r.root);
         if let Some(seg) = shared_of(&g, r.clique) {
-            let own = config_name(config);
-            let name = if own != 0 {
-                own
-            } else {
-                g.comms.get(&r.h).map_or(0, |c| c.name)
-            };
+            let name = name_of(&g, config, Some(r.h));
             let split = move || {
                 shared_split(
                     seg,
@@ -1119,8 +1112,8 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
             }
             return Ok(ncclSuccess);
         }
-        let h = g.new_handle(r.root, dev, !blocking);
-        set_name(&mut g, h, config, Some(r.h));
+        let name = name_of(&g, config, Some(r.h));
+        let h = g.new_handle(r.root, dev, !blocking, name);
         g.post_rdv(r.clique, seq, None, (r.rank, color, key, Some(h)))?;
         if asynchronous(&g, r.h) {
             return start_job(&mut g, r.h, Some(h), "split", out, move || {
@@ -1223,8 +1216,8 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
         } else {
             r.next_coll(&mut g)?
         };
-        let h = g.new_handle(r.root, dev, !blocking);
-        set_name(&mut g, h, config, Some(r.h));
+        let name = name_of(&g, config, Some(r.h));
+        let h = g.new_handle(r.root, dev, !blocking, name);
         // As NCCL (init.cc:2571-2572): NULL until the shrink is complete.
         put(newcomm, core::ptr::null_mut());
         if let Some(seg) = shared_of(&g, r.clique) {
@@ -1542,16 +1535,9 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
                     "uniqueId is not this communicator's next grow id (from ncclCommGetUniqueId)",
                 ));
             }
-            let blocking = r.child_blocking(&mut g, config, NAME)?;
-            let dev = g.comms.get(&r.h).map_or(0, |c| c.device);
-            let h = g.new_handle(r.root, dev, !blocking);
-            set_name(&mut g, h, config, Some(r.h));
-            if shared.is_some() {
-                join_shared(&mut g, id, n_ranks, r.rank, h, r.root)?;
-            } else {
-                g.post_init(id, n_ranks, r.rank, h);
-            }
-            return finish_new(g, h, newcomm, !blocking).map(grow_result);
+            let (root, parent) = (r.root, Some(r.h));
+            return new_rank(g, id, n_ranks, r.rank, root, parent, config, NAME, newcomm)
+                .map(grow_result);
         }
         let Some(id) = given else {
             return Err(g.invalid(None, NAME, "new ranks must pass a uniqueId"));
@@ -1565,7 +1551,7 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
             ));
         }
         put(newcomm, core::ptr::null_mut());
-        new_rank(g, id, n_ranks, rank, root, config, NAME, newcomm).map(grow_result)
+        new_rank(g, id, n_ranks, rank, root, None, config, NAME, newcomm).map(grow_result)
     })
 }
 

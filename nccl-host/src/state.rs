@@ -297,8 +297,15 @@ impl Global {
         self.misuse(root, ncclInvalidArgument, what, m)
     }
 
-    /// A new handle in state `Pending`, not yet counted as created.
-    pub(crate) fn new_handle(&mut self, root: RootIdx, device: c_int, nonblocking: bool) -> Handle {
+    /// A new handle in state `Pending`, not yet counted as created, keeping `commName`
+    /// pointer `name`.
+    pub(crate) fn new_handle(
+        &mut self,
+        root: RootIdx,
+        device: c_int,
+        nonblocking: bool,
+        name: usize,
+    ) -> Handle {
         self.next_handle += 1;
         let h = HANDLE_BASE + 16 * self.next_handle;
         self.comms.insert(
@@ -318,7 +325,7 @@ impl Global {
                 pending_on: PendingOn::Nothing,
                 deadline: Instant::now() + wait_limit(),
                 job: Job::Idle,
-                name: 0,
+                name,
                 revoked: false,
                 error_cleared: false,
                 grows: 0,
