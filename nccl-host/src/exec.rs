@@ -1,11 +1,13 @@
 //! Posting, executing and waiting for operations (collectives, send/recv, rendezvous).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use nccl_sys::bindings::*;
 use nccl_sys::{Block, BlockSource, Extent, Sender};
 
 use super::dtype::{self, RedKind};
+use super::shm::{P2pWork, Segment};
 use super::state::{
     lock, notify, wait, wait_limit, CollPost, CollSlot, CommState, CommWorld, Fail, Global, Handle,
     P2pPost, P2pSlot, Slot, SlotState,
@@ -452,20 +454,10 @@ impl Reduction<'_> {
             .iter()
             .map(|&s| unsafe { snapshot(s) })
             .collect();
-        let total = self.elems * es;
-        let mut result = Vec::with_capacity(total);
-        let mut acc = vec![0u8; REDUCE_CHUNK.min(total) / es * es];
-        let step = acc.len();
-        let mut off = 0;
-        while off < total {
-            let n = step.min(total - off);
-            let ins: smallvec::SmallVec<[&[u8]; 8]> =
-                copies.iter().map(|c| &c[off..off + n]).collect();
-            if !dtype::reduce(self.dt, self.kind, &ins, self.scalars, &mut acc[..n]) {
-                return Err(bad_reduce());
-            }
-            result.extend_from_slice(&acc[..n]);
-            off += n;
+        let ins: Vec<&[u8]> = copies.iter().map(Vec::as_slice).collect();
+        let mut result = vec![0u8; self.elems * es];
+        if !dtype::reduce(self.dt, self.kind, &ins, self.scalars, &mut result) {
+            return Err(bad_reduce());
         }
         for &(o, first) in &self.outputs {
             let from = first * es;
@@ -809,58 +801,46 @@ pub(crate) fn run_items(
         }
     }
     let mut res = run_local(g, local);
+    // A failure fails the communicator on every rank: later calls fail at once.
+    let mut check = |clique, r: Result<(), Fail>| {
+        if let Err(f) = r {
+            lock().abort_clique(clique, f.clone());
+            res = res.clone().and(Err(f));
+        }
+    };
     // Collectives in order, then every send and receive together (per communicator), the
     // same on every rank.
-    let mut p2p: Vec<(
-        u64,
-        std::sync::Arc<super::shm::Segment>,
-        Vec<super::shm::P2pWork>,
-    )> = Vec::new();
-    shared.retain(|(seg, it)| match it {
-        Item::P2p {
-            clique,
-            src,
-            dst,
-            is_send,
-            post,
-            ..
-        } => {
-            let w = super::shm::P2pWork {
-                peer: if *is_send { *dst } else { *src } as usize,
-                is_send: *is_send,
-                ptr: post.ptr,
-                bytes: post.count * dtype::size_of(post.dtype).unwrap_or(0),
-                dtype: post.dtype,
-            };
-            match p2p.iter_mut().find(|(c, _, _)| c == clique) {
-                Some((_, _, ws)) => ws.push(w),
-                None => p2p.push((*clique, seg.clone(), vec![w])),
-            }
-            false
-        }
-        _ => true,
-    });
+    let mut p2p: Vec<(u64, Arc<Segment>, Vec<P2pWork>)> = Vec::new();
     for (seg, it) in shared {
-        if let Item::Coll {
-            clique, seq, post, ..
-        } = it
-        {
-            if let Err(f) = seg.run_coll(seq, &post) {
-                // The communicator failed on every rank: later calls fail at once.
-                lock().abort_clique(clique, f.clone());
-                if res.is_ok() {
-                    res = Err(f);
+        match it {
+            Item::Coll {
+                clique, seq, post, ..
+            } => check(clique, seg.run_coll(seq, &post)),
+            Item::P2p {
+                clique,
+                src,
+                dst,
+                is_send,
+                post,
+                ..
+            } => {
+                let w = P2pWork {
+                    peer: if is_send { dst } else { src } as usize,
+                    is_send,
+                    ptr: post.ptr,
+                    bytes: post.count * dtype::size_of(post.dtype).unwrap_or(0),
+                    dtype: post.dtype,
+                };
+                match p2p.iter_mut().find(|(c, ..)| *c == clique) {
+                    Some((.., ws)) => ws.push(w),
+                    None => p2p.push((clique, seg, vec![w])),
                 }
             }
+            Item::Handle(_) => {}
         }
     }
     for (clique, seg, work) in p2p {
-        if let Err(f) = seg.run_p2p(&work) {
-            lock().abort_clique(clique, f.clone());
-            if res.is_ok() {
-                res = Err(f);
-            }
-        }
+        check(clique, seg.run_p2p(&work));
     }
     res
 }
@@ -1102,8 +1082,8 @@ mod tests {
     }
 
     /// Runs `kind` over `layout` with the fast path and with [`reference`] on the same
-    /// random arena, and compares every byte of the arena.
-    #[allow(clippy::too_many_arguments)]
+    /// random arena, and compares every byte of the arena. Returns whether the fast path
+    /// ran straight from the posted buffers.
     fn check(
         kind: Collective,
         dt: ncclDataType_t,
@@ -1112,8 +1092,7 @@ mod tests {
         count: usize,
         root: usize,
         layout: Layout,
-        expect_direct: Option<bool>,
-    ) {
+    ) -> bool {
         let es = dtype::size_of(dt).unwrap();
         let bytes = count * es;
         let offs = offsets(layout, kind, n, bytes, root);
@@ -1152,15 +1131,11 @@ mod tests {
                 .collect()
         };
         let fast = posts(&mut arena);
-        if let Some(direct) = expect_direct {
-            let sc: Vec<Vec<u8>> = fast.iter().map(|p| p.scalar.clone()).collect();
-            let got = match plan(&fast, &sc).unwrap() {
-                Plan::Reduce(r) => r.direct_ok(),
-                Plan::Moves(s, m) => moves_direct_ok(&s, &m),
-                Plan::SwapBlocks(..) => true,
-            };
-            assert_eq!(got, direct, "{kind:?} {layout:?} n={n}: direct path");
-        }
+        let direct = match plan(&fast, &scalars).unwrap() {
+            Plan::Reduce(r) => r.direct_ok(),
+            Plan::Moves(s, m) => moves_direct_ok(&s, &m),
+            Plan::SwapBlocks(..) => true,
+        };
         run_coll(&fast).unwrap();
         reference(&posts(&mut want));
         if arena != want {
@@ -1170,6 +1145,7 @@ mod tests {
                 arena.len()
             );
         }
+        direct
     }
 
     /// A shift larger than a chunk (the same as [`Layout::Separate`] for small counts).
@@ -1195,7 +1171,7 @@ mod tests {
                     for n in [1usize, 2, 3, 4] {
                         for layout in LAYOUTS.into_iter().filter(|l| !is_far(l)) {
                             for count in [0usize, 5] {
-                                check(kind, dt, red, n, count, n / 2, layout, None);
+                                check(kind, dt, red, n, count, n / 2, layout);
                             }
                         }
                     }
@@ -1211,7 +1187,7 @@ mod tests {
                 let count = REDUCE_CHUNK / dtype::size_of(dt).unwrap() + 3;
                 for red in [RedKind::Sum, RedKind::Min, RedKind::PreMulSum] {
                     for layout in LAYOUTS.into_iter().filter(|l| !is_copy_far(l)) {
-                        check(kind, dt, red, 3, count, 2, layout, None);
+                        check(kind, dt, red, 3, count, 2, layout);
                     }
                 }
             }
@@ -1231,7 +1207,6 @@ mod tests {
                         COPY_CHUNK + 5,
                         n - 1,
                         layout,
-                        None,
                     );
                 }
             }
@@ -1256,16 +1231,8 @@ mod tests {
                 (Collective::Broadcast, 3, 0, Layout::SharedSend, true),
             ]);
         for (kind, n, root, layout, direct) in cases {
-            check(
-                kind,
-                ncclFloat32,
-                RedKind::Sum,
-                n,
-                100,
-                root,
-                layout,
-                Some(direct),
-            );
+            let got = check(kind, ncclFloat32, RedKind::Sum, n, 100, root, layout);
+            assert_eq!(got, direct, "{kind:?} {layout:?} n={n}: direct path");
         }
     }
 
@@ -1283,9 +1250,9 @@ mod tests {
                 count,
                 0,
                 layout,
-                None,
             );
         }
+        let in_place = Layout::InPlace;
         check(
             Collective::ReduceScatter,
             ncclFloat16,
@@ -1293,8 +1260,7 @@ mod tests {
             2,
             count,
             0,
-            Layout::InPlace,
-            None,
+            in_place,
         );
         check(
             Collective::Reduce,
@@ -1303,8 +1269,7 @@ mod tests {
             2,
             4 * count,
             1,
-            Layout::InPlace,
-            None,
+            in_place,
         );
     }
 
