@@ -16,6 +16,7 @@
 //! gone (once seen alive from this process: pids of another namespace are not watched), when a peer destroyed or aborted its communicator, when ranks disagree on the
 //! operation, or at the deadline (`NCCL_SAFE_HOST_TIMEOUT_MS`); every error names the rank.
 
+use core::ffi::c_int;
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
@@ -217,39 +218,25 @@ fn alive(pid: u32) -> bool {
     }
 }
 
+/// Waits (at most `d`) while `word` holds `val`; a spurious or early return is handled by
+/// the caller's loop.
 fn futex_wait(word: &AtomicU32, val: u32, d: Duration) {
     let ts = libc::timespec {
         tv_sec: d.as_secs() as libc::time_t,
         tv_nsec: d.subsec_nanos() as libc::c_long,
     };
-    // SAFETY: `word` is a live, aligned u32 in a shared mapping (so no FUTEX_PRIVATE flag);
-    // FUTEX_WAIT only reads it. A spurious or early return is handled by the caller's loop.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            val,
-            &ts as *const libc::timespec,
-            core::ptr::null::<u32>(),
-            0,
-        )
-    };
+    futex(word, libc::FUTEX_WAIT, val, &ts);
 }
 
+/// Wakes every waiter on `word`.
 fn futex_wake(word: &AtomicU32) {
-    // SAFETY: as in `futex_wait`; FUTEX_WAKE touches no memory.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAKE,
-            i32::MAX,
-            core::ptr::null::<libc::timespec>(),
-            core::ptr::null::<u32>(),
-            0,
-        )
-    };
+    futex(word, libc::FUTEX_WAKE, i32::MAX as u32, core::ptr::null());
+}
+
+fn futex(word: &AtomicU32, op: c_int, val: u32, timeout: *const libc::timespec) {
+    // SAFETY: `word` is a live, aligned u32 in a shared mapping (so no FUTEX_PRIVATE flag);
+    // FUTEX_WAIT only reads it, FUTEX_WAKE touches no memory; `timeout` is null or live.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), op, val, timeout, 0usize, 0) };
 }
 
 /// Removes segments in `/dev/shm` whose id's maker process is gone and that no init can
@@ -1094,7 +1081,7 @@ impl Segment {
                     continue;
                 }
                 let msg = (w.bytes as u64) << 8 | (w.dtype as u64 & 0xff);
-                if w.is_send {
+                let l = if w.is_send {
                     let (c, data) = self.chan(me, w.peer);
                     if c.posted.load(Acquire) != c.taken.load(Acquire) {
                         continue;
@@ -1106,10 +1093,7 @@ impl Segment {
                     c.len.store(l as u64, Relaxed);
                     c.msg.store(msg, Relaxed);
                     c.posted.fetch_add(1, Release);
-                    moved[i] += l;
-                    done[i] = moved[i] == w.bytes;
-                    self.ring(w.peer);
-                    progressed = true;
+                    l
                 } else {
                     let (c, data) = self.chan(w.peer, me);
                     if c.posted.load(Acquire) == c.taken.load(Acquire) {
@@ -1131,11 +1115,12 @@ impl Segment {
                     // SAFETY: the chunk was posted (Acquire above) and stays until taken.
                     unsafe { copy(data as usize, w.ptr + moved[i], l) };
                     c.taken.fetch_add(1, Release);
-                    moved[i] += l;
-                    done[i] = moved[i] == w.bytes;
-                    self.ring(w.peer);
-                    progressed = true;
-                }
+                    l
+                };
+                moved[i] += l;
+                done[i] = moved[i] == w.bytes;
+                self.ring(w.peer);
+                progressed = true;
             }
             if done.iter().all(|&d| d) {
                 return Ok(());
