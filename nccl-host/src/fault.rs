@@ -34,7 +34,7 @@
 //! with `SIGSEGV`, as a thread left inside `cudaFree` does while the CUDA runtime is torn
 //! down. A process whose exit is guarded (the crate's diagnostics are) never reaches it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Condvar, Mutex, MutexGuard, Once, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -68,12 +68,12 @@ pub enum Fault {
 
 #[derive(Debug, Default)]
 struct Faults {
-    stuck: HashMap<RootIdx, ()>,
-    stalled: HashMap<RootIdx, ()>,
+    stuck: HashSet<RootIdx>,
+    stalled: HashSet<RootIdx>,
     blocking_abort: HashMap<RootIdx, Option<Duration>>,
     slow_calls: HashMap<RootIdx, Duration>,
-    silent: HashMap<RootIdx, ()>,
-    held_jobs: HashMap<RootIdx, ()>,
+    silent: HashSet<RootIdx>,
+    held_jobs: HashSet<RootIdx>,
     /// Per handle: operations that were accepted and will never complete.
     stuck_ops: HashMap<Handle, u64>,
     /// Per handle: operations that ran but are not yet seen complete, and their root.
@@ -112,10 +112,10 @@ pub fn inject(id: &ncclUniqueId, fault: Fault) {
     let mut f = lock();
     match fault {
         Fault::StuckWork => {
-            f.stuck.insert(root, ());
+            f.stuck.insert(root);
         }
         Fault::StalledWork => {
-            f.stalled.insert(root, ());
+            f.stalled.insert(root);
         }
         Fault::BlockingAbort(d) => {
             f.blocking_abort.insert(root, d);
@@ -124,10 +124,10 @@ pub fn inject(id: &ncclUniqueId, fault: Fault) {
             f.slow_calls.insert(root, d);
         }
         Fault::SilentPeers => {
-            f.silent.insert(root, ());
+            f.silent.insert(root);
         }
         Fault::HeldJobs => {
-            f.held_jobs.insert(root, ());
+            f.held_jobs.insert(root);
         }
     }
 }
@@ -158,7 +158,7 @@ pub fn release_jobs(id: &ncclUniqueId) {
 pub(crate) fn wait_jobs_released(root: RootIdx) {
     let deadline = Instant::now() + super::defs::wait_limit();
     let mut f = lock();
-    while f.held_jobs.contains_key(&root) {
+    while f.held_jobs.contains(&root) {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return;
@@ -192,17 +192,17 @@ pub fn blocked_aborts(id: &ncclUniqueId) -> usize {
 
 /// Whether [`Fault::SilentPeers`] holds for the communicators of `root`.
 pub(crate) fn silent_peers(root: RootIdx) -> bool {
-    lock().silent.contains_key(&root)
+    lock().silent.contains(&root)
 }
 
 /// Called by an operation of `h` (root `root`) that passed its checks: `true` when it is
 /// to be accepted and never completed (a stalled one runs: `false`, and it is counted).
 pub(crate) fn take_stuck(root: RootIdx, h: Handle) -> bool {
     let mut f = lock();
-    if f.stalled.contains_key(&root) {
+    if f.stalled.contains(&root) {
         f.stalled_ops.entry(h).or_insert((root, 0)).1 += 1;
     }
-    if !f.stuck.contains_key(&root) {
+    if !f.stuck.contains(&root) {
         return false;
     }
     *f.stuck_ops.entry(h).or_default() += 1;
