@@ -114,8 +114,12 @@ fn in_group() -> bool {
     GROUP.with(|g| g.borrow().0 > 0)
 }
 
-/// Queues an item in this thread's group, or runs it now.
-fn submit(g: std::sync::MutexGuard<'static, Global>, item: Item) -> Result<ncclResult_t, Fail> {
+/// Queues an item in this thread's group, or runs it now; where a test staged
+/// `Fault::StuckWork`, accepts it and never completes it.
+fn submit(g: MutexGuard<'static, Global>, r: &Ready, item: Item) -> Result<ncclResult_t, Fail> {
+    if super::fault::take_stuck(r.root, r.h) {
+        return Ok(ncclSuccess);
+    }
     if in_group() {
         drop(g);
         GROUP.with(|gr| gr.borrow_mut().1.push(item));
@@ -125,22 +129,19 @@ fn submit(g: std::sync::MutexGuard<'static, Global>, item: Item) -> Result<ncclR
     }
 }
 
-/// Records an argument error raised inside a group so that ncclGroupEnd reports it too.
-fn group_err(r: Result<ncclResult_t, Fail>) -> Result<ncclResult_t, Fail> {
-    if let Err(f) = &r {
-        GROUP.with(|g| {
-            let mut g = g.borrow_mut();
-            if g.0 > 0 && g.2.is_none() {
-                g.2 = Some(f.clone());
-            }
-        });
-    }
-    r
-}
-
-/// [`ffi`] of an entry point whose argument errors inside a group are kept for its end.
+/// [`ffi`] of an entry point whose errors inside a group are kept for ncclGroupEnd to
+/// report too.
 fn ffi_grouped(f: impl FnOnce() -> Result<ncclResult_t, Fail>) -> ncclResult_t {
-    ffi(|| group_err(f()))
+    ffi(|| {
+        f().inspect_err(|f| {
+            GROUP.with(|g| {
+                let mut g = g.borrow_mut();
+                if g.0 > 0 && g.2.is_none() {
+                    g.2 = Some(f.clone());
+                }
+            })
+        })
+    })
 }
 
 /// NCCL's entry points that only hand their arguments to the function that checks and posts
@@ -187,6 +188,16 @@ impl Ready {
     /// An invalid-argument failure of entry point `name` on this communicator.
     fn invalid(&self, g: &mut Global, name: &str, m: impl std::fmt::Display) -> Fail {
         g.invalid(Some(self.root), name, m)
+    }
+
+    /// An operation's argument error, which on a non-blocking communicator NCCL also stores
+    /// as its asynchronous error (ncclEnqueueCheck's `fail:`, enqueue.cc:2660-2661 of
+    /// 2.28.9): from then on ncclCommGetAsyncError reports it and every call that ensures
+    /// readiness is refused.
+    fn refuse(&self, g: &mut Global, name: &str, m: impl std::fmt::Display) -> Fail {
+        let f = self.invalid(g, name, m);
+        set_async_error(g, self.h, &f);
+        f
     }
 
     /// Takes this communicator's next collective sequence number, with its device.
@@ -1715,19 +1726,10 @@ fn operation(
             ));
         }
         let Some(es) = dtype::size_of(dt) else {
-            let f = r.invalid(&mut g, name, format!("unknown datatype {dt}"));
-            return Err(sticky(&mut g, &r, f));
+            return Err(r.refuse(&mut g, name, format!("unknown datatype {dt}")));
         };
         post(g, r, es)
     })
-}
-
-/// An operation's argument error, which on a non-blocking communicator NCCL also stores as
-/// its asynchronous error (ncclEnqueueCheck's `fail:`, enqueue.cc:2660-2661 of 2.28.9): from
-/// then on ncclCommGetAsyncError reports it and every call that ensures readiness is refused.
-fn sticky(g: &mut Global, r: &Ready, f: Fail) -> Fail {
-    set_async_error(g, r.h, &f);
-    f
 }
 
 /// NCCL's `ncclCommSetAsyncError` on a non-blocking communicator `h`: `f` becomes its
@@ -1738,19 +1740,6 @@ fn set_async_error(g: &mut Global, h: Handle, f: &Fail) {
             c.job = Job::Failed(f.clone());
         }
     }
-}
-
-/// Queues `item`, or, where a test staged `Fault::StuckWork`, accepts it
-/// and never completes it.
-fn submit_unless_stuck(
-    g: MutexGuard<'static, Global>,
-    r: &Ready,
-    item: Item,
-) -> Result<ncclResult_t, Fail> {
-    if super::fault::take_stuck(r.root, r.h) {
-        return Ok(ncclSuccess);
-    }
-    submit(g, item)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1766,10 +1755,7 @@ fn coll(
     root: Option<c_int>,
 ) -> ncclResult_t {
     operation(name, comm, dt, |mut g, r, es| {
-        let bad = |g: &mut Global, m: String| {
-            let f = r.invalid(g, name, m);
-            sticky(g, &r, f)
-        };
+        let bad = |g: &mut Global, m: String| r.refuse(g, name, m);
         let rt = root.unwrap_or(0);
         if rt < 0 || rt >= r.nranks {
             return Err(bad(
@@ -1870,7 +1856,7 @@ fn coll(
             seq,
             post,
         };
-        submit_unless_stuck(g, &r, item)
+        submit(g, &r, item)
     })
 }
 
@@ -1884,10 +1870,7 @@ fn p2p(
     comm: ncclComm_t,
 ) -> ncclResult_t {
     operation(name, comm, dt, |mut g, r, es| {
-        let bad = |g: &mut Global, m: String| {
-            let f = r.invalid(g, name, m);
-            sticky(g, &r, f)
-        };
+        let bad = |g: &mut Global, m: String| r.refuse(g, name, m);
         if peer < 0 || peer >= r.nranks {
             return Err(bad(
                 &mut g,
@@ -1901,11 +1884,7 @@ fn p2p(
             return Err(bad(&mut g, "buffer is NULL".into()));
         }
         let c = g.comms.get_mut(&r.h).ok_or_else(vanished)?;
-        let ctr = if is_send {
-            c.send_seq.entry(peer).or_insert(0)
-        } else {
-            c.recv_seq.entry(peer).or_insert(0)
-        };
+        let ctr = c.p2p_seq.entry((is_send, peer)).or_insert(0);
         let seq = *ctr;
         *ctr += 1;
         let (src, dst) = if is_send {
@@ -1925,7 +1904,7 @@ fn p2p(
                 dtype: dt,
             },
         };
-        submit_unless_stuck(g, &r, item)
+        submit(g, &r, item)
     })
 }
 

@@ -82,8 +82,8 @@ pub(crate) struct Comm {
     /// numbers, apart from the collectives' (the ranks left may differ in what they
     /// issued before the failure).
     pub abort_shrinks: u64,
-    pub send_seq: HashMap<i32, u64>,
-    pub recv_seq: HashMap<i32, u64>,
+    /// The next send/recv sequence number per (is it a send, peer).
+    pub p2p_seq: HashMap<(bool, i32), u64>,
     pub redops: HashMap<ncclRedOp_t, PreMul>,
     pub next_redop: ncclRedOp_t,
     pub pending_on: PendingOn,
@@ -318,8 +318,7 @@ impl Global {
                 finalized: false,
                 coll_seq: 0,
                 abort_shrinks: 0,
-                send_seq: HashMap::new(),
-                recv_seq: HashMap::new(),
+                p2p_seq: HashMap::new(),
                 redops: HashMap::new(),
                 next_redop: ncclNumOps,
                 pending_on: PendingOn::Nothing,
@@ -351,28 +350,15 @@ impl Global {
     }
 
     /// A new clique with `handles[i]` as rank i (all set `Ready`).
-    pub(crate) fn new_clique(&mut self, root: RootIdx, handles: &[Handle]) -> u64 {
-        self.next_clique += 1;
-        let id = self.next_clique;
-        self.cliques.insert(
-            id,
-            CommWorld {
-                nranks: handles.len() as i32,
-                root,
-                members: handles.len(),
-                ..Default::default()
-            },
-        );
-        for (rank, h) in handles.iter().enumerate() {
-            if let Some(c) = self.comms.get_mut(h) {
-                c.state = CommState::Ready {
-                    clique: id,
-                    rank: rank as i32,
-                };
-                c.pending_on = PendingOn::Nothing;
-            }
-        }
-        id
+    pub(crate) fn new_clique(&mut self, root: RootIdx, handles: &[Handle]) {
+        let n = handles.len();
+        let world = CommWorld {
+            nranks: n as i32,
+            root,
+            members: n,
+            ..Default::default()
+        };
+        self.add_clique(world, handles.iter().copied().zip(0..))
     }
 
     /// A clique for handle `h`, rank `rank` of a communicator across processes.
@@ -382,25 +368,29 @@ impl Global {
         h: Handle,
         seg: std::sync::Arc<super::shm::Segment>,
         nranks: i32,
-    ) -> u64 {
-        self.next_clique += 1;
-        let id = self.next_clique;
+    ) {
         let rank = seg.rank() as i32;
-        self.cliques.insert(
-            id,
-            CommWorld {
-                nranks,
-                root,
-                members: 1,
-                shared: Some(seg),
-                ..Default::default()
-            },
-        );
-        if let Some(c) = self.comms.get_mut(&h) {
-            c.state = CommState::Ready { clique: id, rank };
-            c.pending_on = PendingOn::Nothing;
+        let world = CommWorld {
+            nranks,
+            root,
+            members: 1,
+            shared: Some(seg),
+            ..Default::default()
+        };
+        self.add_clique(world, [(h, rank)])
+    }
+
+    /// Adds clique `world` and sets each of its `(handle, rank)` members `Ready`.
+    fn add_clique(&mut self, world: CommWorld, members: impl IntoIterator<Item = (Handle, i32)>) {
+        self.next_clique += 1;
+        let clique = self.next_clique;
+        self.cliques.insert(clique, world);
+        for (h, rank) in members {
+            if let Some(c) = self.comms.get_mut(&h) {
+                c.state = CommState::Ready { clique, rank };
+                c.pending_on = PendingOn::Nothing;
+            }
         }
-        id
     }
 
     /// One member handle of `clique` is gone; drop the clique when it has none and no
