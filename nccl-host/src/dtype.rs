@@ -1,8 +1,5 @@
-//! Element types and reduction arithmetic of the host provider.
-//!
-//! Every reduction folds the ranks' inputs element by element in rank order 0, 1, 2, ...
-//! rounding each step to the element type: integers wrap, `f32`/`f64` use their own
-//! arithmetic, `f16`/`bf16`/fp8 compute each step in `f32` and round back.
+//! Element types and reduction arithmetic of the host provider (the rounding rules: the
+//! crate docs).
 
 use float8::{F8E4M3, F8E5M2};
 use half::slice::HalfFloatSliceExt;

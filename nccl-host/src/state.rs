@@ -1,12 +1,8 @@
 //! The process-wide registry of the host provider: handles, cliques, rendezvous and
-//! posted operations, all behind one mutex and one condition variable.
-//!
-//! An operation is "posted" into its clique's slot (collectives by the communicator's
-//! sequence number, send/recv by (source, destination, per-pair sequence)). The thread
-//! whose post completes a slot marks it `Executing`, releases the lock, does every rank's
-//! copy and reduction, and marks it `Done`. A rank's buffers are only touched while that
-//! rank still waits for the op: once a clique is aborted no new execution starts, and a
-//! waiter whose op is executing waits for it to finish even when the clique was aborted.
+//! posted operations, all behind one mutex and one condition variable (how an operation is
+//! posted and run: the crate docs). A rank's buffers are only touched while that rank
+//! still waits for the op: once a clique is aborted no new execution starts, and a waiter
+//! whose op is executing waits for it to finish even when the clique was aborted.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_int;
