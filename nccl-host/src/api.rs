@@ -176,6 +176,7 @@ fn known(g: &mut Global, comm: ncclComm_t, what: &str) -> Result<Handle, Fail> {
 }
 
 /// A usable communicator.
+#[derive(Clone, Copy)]
 struct Ready {
     h: Handle,
     clique: u64,
@@ -400,22 +401,15 @@ fn finish_new(
     }
 }
 
-/// NCCL's asynchronous work on a non-blocking communicator, as 2.28.9 does it:
-/// `ncclCommSplit` and `ncclCommShrink` (`ncclCommInitChildComm`, init.cc:2550-2642) and
-/// `ncclCommWindowRegister` (dev_runtime.cc:891-922) queue a job that holds the caller's
-/// out-pointer; the `ncclGroupEndInternal` that ends the call (group.cc:706-738) marks the
-/// communicator ncclInProgress, starts a thread for the job and returns ncclInProgress, which
-/// the entry point's `NCCLCHECK` lets through and drops, so the caller sees **ncclSuccess**
-/// with the out-pointer not yet written. The job stores its result at its end
-/// (`__atomic_store_n(job->newcomm, comm, __ATOMIC_RELEASE)`, init.cc:1612-1614), after a
-/// failure too, and only then does the communicator leave ncclInProgress.
-///
-/// Here: `parent` is marked busy (`ready` refuses every call but ncclCommGetAsyncError and
-/// ncclCommAbort meanwhile, as `ncclCommEnsureReady` does), and a thread runs `body`, waits
-/// until at least [`job_latency`](super::defs::job_latency) has passed since the call (and
-/// while [`Fault::HeldJobs`](super::fault::Fault::HeldJobs) holds it), then
-/// stores `body`'s value into `out` (when `out` is not 0) with a release store and ends the
-/// job (a failure stays as the communicator's error, as NCCL's `asyncResult`).
+/// NCCL's asynchronous job on a non-blocking communicator (split and shrink, init.cc:
+/// 2550-2642 of 2.28.9; window registration, dev_runtime.cc:891-922), whose call returns
+/// ncclSuccess before the job writes the out-pointer (ARCHITECTURE.md, "NCCL's asynchronous
+/// contract"). Here `parent` is marked busy (`ready` then refuses every call but
+/// ncclCommGetAsyncError and ncclCommAbort, as `ncclCommEnsureReady` does) and a thread runs
+/// `body`, waits until [`job_latency`](super::defs::job_latency) has passed since the call
+/// (and while [`Fault::HeldJobs`](super::fault::Fault::HeldJobs) holds it), stores `body`'s
+/// value into `out` (unless 0) with a release store, after a failure too, as NCCL's job
+/// does (init.cc:1612-1614), and ends the job: a failure stays the communicator's error.
 fn start_job(
     g: &mut Global,
     parent: Handle,
@@ -428,40 +422,42 @@ fn start_job(
     c.job = Job::Busy { child };
     let root = c.root;
     let start = std::time::Instant::now();
-    let spawned = std::thread::Builder::new()
-        .name(format!("nccl-host-{what}"))
-        .spawn(move || {
-            let (value, r) = body();
-            std::thread::sleep(super::defs::job_latency().saturating_sub(start.elapsed()));
-            super::fault::wait_jobs_released(root);
-            let mut g = lock();
-            if out != 0 {
-                // SAFETY: NCCL's contract: the caller's out-pointer stays valid (and, as a
-                // pointer's slot, aligned) until the job ends, that is until the
-                // communicator leaves ncclInProgress, which happens below, after the store.
-                let slot = unsafe { core::sync::atomic::AtomicUsize::from_ptr(out as *mut usize) };
-                slot.store(value, core::sync::atomic::Ordering::Release);
-            }
-            if let Some(c) = g.comms.get_mut(&parent) {
-                c.job = match r {
-                    Ok(()) => Job::Idle,
-                    Err(f) => Job::Failed(f),
-                };
-            }
-            drop(g);
-            super::state::notify();
-        });
-    match spawned {
-        Ok(_) => Ok(ncclSuccess),
-        Err(e) => {
-            if let Some(c) = g.comms.get_mut(&parent) {
-                c.job = Job::Idle;
-            }
-            Err(Fail::new(
-                ncclSystemError,
-                format!("system error: cannot start the thread of an asynchronous {what}: {e}"),
-            ))
+    let spawned = spawn(format!("nccl-host-{what}"), move || {
+        let (value, r) = body();
+        std::thread::sleep(super::defs::job_latency().saturating_sub(start.elapsed()));
+        super::fault::wait_jobs_released(root);
+        let mut g = lock();
+        if out != 0 {
+            // SAFETY: NCCL's contract: the caller's out-pointer stays valid (and, as a
+            // pointer's slot, aligned) until the job ends, that is until the
+            // communicator leaves ncclInProgress, which happens below, after the store.
+            let slot = unsafe { core::sync::atomic::AtomicUsize::from_ptr(out as *mut usize) };
+            slot.store(value, core::sync::atomic::Ordering::Release);
         }
+        if let Some(c) = g.comms.get_mut(&parent) {
+            c.job = match r {
+                Ok(()) => Job::Idle,
+                Err(f) => Job::Failed(f),
+            };
+        }
+        drop(g);
+        super::state::notify();
+    });
+    spawned.map(|()| ncclSuccess).inspect_err(|_| {
+        if let Some(c) = g.comms.get_mut(&parent) {
+            c.job = Job::Idle;
+        }
+    })
+}
+
+/// Runs `f` on a new thread named `name`; `ncclSystemError` when it cannot start.
+fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<(), Fail> {
+    match std::thread::Builder::new().name(name.clone()).spawn(f) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(Fail::new(
+            ncclSystemError,
+            format!("system error: cannot start thread {name}: {e}"),
+        )),
     }
 }
 
@@ -708,40 +704,29 @@ fn join_shared(
         c.deadline = deadline + std::time::Duration::from_secs(1);
     }
     let silent = super::fault::silent_peers(root);
-    let spawned = std::thread::Builder::new()
-        .name("nccl-safe-shm-init".into())
-        .spawn(move || {
-            let r = super::shm::Segment::join(&idb, nranks as usize, rank as usize, deadline);
-            let mut g = lock();
-            let pending = matches!(g.comms.get(&h).map(|c| &c.state), Some(CommState::Pending));
-            match r {
-                Ok(mut seg) if pending => {
-                    seg.silent = silent;
-                    g.new_shared_clique(root, h, std::sync::Arc::new(seg), nranks);
-                }
-                // Destroyed or failed meanwhile: the peers must not wait for this rank.
-                Ok(seg) => seg.abort(),
-                Err(f) => {
-                    if let Some(c) = g.comms.get_mut(&h) {
-                        if pending {
-                            c.state = CommState::Failed(f);
-                        }
+    spawn("nccl-safe-shm-init".into(), move || {
+        let r = super::shm::Segment::join(&idb, nranks as usize, rank as usize, deadline);
+        let mut g = lock();
+        let pending = matches!(g.comms.get(&h).map(|c| &c.state), Some(CommState::Pending));
+        match r {
+            Ok(mut seg) if pending => {
+                seg.silent = silent;
+                g.new_shared_clique(root, h, std::sync::Arc::new(seg), nranks);
+            }
+            // Destroyed or failed meanwhile: the peers must not wait for this rank.
+            Ok(seg) => seg.abort(),
+            Err(f) => {
+                if let Some(c) = g.comms.get_mut(&h) {
+                    if pending {
+                        c.state = CommState::Failed(f);
                     }
                 }
             }
-            drop(g);
-            super::state::notify();
-        });
-    match spawned {
-        Ok(_) => Ok(()),
-        Err(e) => {
-            g.forget_handle(h);
-            Err(Fail::new(
-                ncclSystemError,
-                format!("system error: cannot start the shared-memory init thread: {e}"),
-            ))
         }
-    }
+        drop(g);
+        super::state::notify();
+    })
+    .inspect_err(|_| g.forget_handle(h))
 }
 
 /// The shared segment of a communicator across processes, if `clique` is one.
@@ -1005,46 +990,30 @@ pub(crate) unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t 
 /// A split across processes: every rank's (color, key) through the parent, then the
 /// child's id derived alike on every rank and joined as any shared init. The child's
 /// pending handle, or `None` for NOCOLOR.
-#[allow(clippy::too_many_arguments)]
 fn shared_split(
     seg: std::sync::Arc<super::shm::Segment>,
-    clique: u64,
+    r: Ready,
     seq: u64,
     (color, key): (c_int, c_int),
-    rank: i32,
-    root: RootIdx,
-    dev: c_int,
-    blocking: bool,
-    name: usize,
+    (dev, blocking, name): (c_int, bool, usize),
 ) -> Result<Option<Handle>, Fail> {
     let all = seg.exchange_split(seq, color, key).inspect_err(|f| {
-        lock().abort_clique(clique, f.clone());
+        lock().abort_clique(r.clique, f.clone());
     })?;
     let id = seg.child_id(&format!("split {color}"));
     if color == NCCL_SPLIT_NOCOLOR {
         return Ok(None);
     }
-    let mut members: Vec<(i32, usize)> = all
-        .iter()
-        .enumerate()
+    let mut members: Vec<(i32, usize)> = (all.iter().enumerate())
         .filter(|(_, &(c, _))| c == color)
         .map(|(q, &(_, k))| (k, q))
         .collect();
     members.sort_unstable();
-    let new_rank = members
-        .iter()
-        .position(|&(_, q)| q == rank as usize)
-        .unwrap_or(0);
+    let me = members.iter().position(|&(_, q)| q == r.rank as usize);
+    let (n, me) = (members.len() as c_int, me.unwrap_or(0) as c_int);
     let mut g = lock();
-    let h = g.new_handle(root, dev, !blocking, name);
-    join_shared(
-        &mut g,
-        id,
-        members.len() as c_int,
-        new_rank as c_int,
-        h,
-        root,
-    )?;
+    let h = g.new_handle(r.root, dev, !blocking, name);
+    join_shared(&mut g, id, n, me, h, r.root)?;
     Ok(Some(h))
 }
 
@@ -1080,22 +1049,10 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
         // As NCCL (init.cc:2571-2572): NULL until the split is complete.
         put(newcomm, core::ptr::null_mut());
         let out = newcomm as usize;
-        let (clique, rank, root) = (r.clique, r.rank, r.root);
+        let clique = r.clique;
         if let Some(seg) = shared_of(&g, r.clique) {
-            let name = name_of(&g, config, Some(r.h));
-            let split = move || {
-                shared_split(
-                    seg,
-                    clique,
-                    seq,
-                    (color, key),
-                    rank,
-                    root,
-                    dev,
-                    blocking,
-                    name,
-                )
-            };
+            let child = (dev, blocking, name_of(&g, config, Some(r.h)));
+            let split = move || shared_split(seg, r, seq, (color, key), child);
             if asynchronous(&g, r.h) {
                 return start_job(&mut g, r.h, None, "split", out, move || match split() {
                     Ok(Some(h)) => {
