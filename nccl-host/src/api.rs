@@ -855,8 +855,7 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
             GROUP.with(|gr| gr.borrow_mut().0 += 1);
             return Err(f);
         }
-    }
-    if abort {
+    } else {
         // NCCL's abort sets the abort flags (the child of a split in flight sees them too)
         // and joins the job in flight (ncclCommEnsureReady -> ncclGroupJobAbort,
         // init.cc:2503-2520) before it tears down.
@@ -1101,44 +1100,33 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
     shrink_flags: c_int,
 ) -> ncclResult_t {
     ffi_grouped(|| {
+        const NAME: &str = "ncclCommShrink";
         let mut g = lock();
-        let r = ready(&mut g, comm, "ncclCommShrink", false)?;
-        let bad = |g: &mut Global, m: String| r.invalid(g, "ncclCommShrink", m);
+        let r = ready(&mut g, comm, NAME, false)?;
         if newcomm.is_null() {
-            return Err(bad(&mut g, "newcomm is NULL".into()));
+            return Err(r.invalid(&mut g, NAME, "newcomm is NULL"));
         }
-        if shrink_flags != NCCL_SHRINK_DEFAULT as c_int
-            && shrink_flags != NCCL_SHRINK_ABORT as c_int
-        {
-            return Err(bad(&mut g, format!("unknown shrinkFlags {shrink_flags}")));
+        let abort_mode = shrink_flags == NCCL_SHRINK_ABORT as c_int;
+        if shrink_flags != NCCL_SHRINK_DEFAULT as c_int && !abort_mode {
+            return Err(r.invalid(&mut g, NAME, format!("unknown shrinkFlags {shrink_flags}")));
         }
         // As NCCL (init.cc:2561-2562 of 2.28.9): a list, and at least one rank in it.
         if exclude_ranks_count <= 0 || exclude_ranks_list.is_null() {
-            return Err(bad(
-                &mut g,
-                "excludeRanksList is NULL or excludeRanksCount < 1".into(),
-            ));
+            let m = "excludeRanksList is NULL or excludeRanksCount < 1";
+            return Err(r.invalid(&mut g, NAME, m));
         }
-        let mut excl = Vec::new();
-        for i in 0..exclude_ranks_count as usize {
-            // SAFETY: the list is non-null and holds excludeRanksCount entries (NCCL's contract).
-            excl.push(unsafe { exclude_ranks_list.add(i).read() });
-        }
+        let n = exclude_ranks_count as usize;
+        // SAFETY: the list is non-null and holds excludeRanksCount entries (NCCL's contract).
+        let mut excl = unsafe { core::slice::from_raw_parts(exclude_ranks_list, n) }.to_vec();
         excl.sort_unstable();
         excl.dedup();
-        if excl.len() != exclude_ranks_count as usize
-            || excl.iter().any(|&x| x < 0 || x >= r.nranks || x == r.rank)
-        {
-            return Err(bad(
-                &mut g,
-                format!(
-                "exclude list {excl:?} has duplicates, ranks outside 0..{}, or the calling rank {}",
-                r.nranks, r.rank
-            ),
-            ));
+        if excl.len() != n || excl.iter().any(|&x| x < 0 || x >= r.nranks || x == r.rank) {
+            let (nranks, rank) = (r.nranks, r.rank);
+            let m = format!("exclude list {excl:?} has duplicates, ranks outside 0..{nranks}, or the calling rank {rank}");
+            return Err(r.invalid(&mut g, NAME, m));
         }
-        let blocking = r.child_blocking(&mut g, config, "ncclCommShrink")?;
-        if shrink_flags == NCCL_SHRINK_ABORT as c_int {
+        let blocking = r.child_blocking(&mut g, config, NAME)?;
+        if abort_mode {
             // NCCL sets the abort flags, waits for the parent's kernels to end and
             // clears the flags (init.cc:2844-2848 of 2.29.7): its work in flight ends.
             super::fault::torn_down(r.h);
@@ -1177,7 +1165,7 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
         // in flight on the parent when it failed (some never issued the collective the
         // others waited in), so it gets a number of its own, the same on every rank
         // left: the how-many-th abort shrink of this parent.
-        let (seq, dev) = if shrink_flags == NCCL_SHRINK_ABORT as c_int {
+        let (seq, dev) = if abort_mode {
             let c = g.comms.get_mut(&r.h).ok_or_else(vanished)?;
             c.abort_shrinks += 1;
             ((1u64 << 62) + c.abort_shrinks - 1, c.device)
@@ -1201,14 +1189,8 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
             g.post_rdv(r.clique, seq, Some(excl), (r.rank, 0, r.rank, Some(h)))?;
         }
         if asynchronous(&g, r.h) {
-            return start_job(
-                &mut g,
-                r.h,
-                Some(h),
-                "shrink",
-                newcomm as usize,
-                move || end_child_job(h, None),
-            );
+            let job = move || end_child_job(h, None);
+            return start_job(&mut g, r.h, Some(h), "shrink", newcomm as usize, job);
         }
         finish_new(g, h, newcomm, !blocking)
     })
@@ -1234,24 +1216,16 @@ fn async_failure(g: &mut Global, h: Handle) -> Option<Fail> {
     g.cliques.get(&clique).and_then(|c| c.aborted.clone())
 }
 
-/// `ncclCommRevoke` as NCCL 2.29.7 has it (init.cc:2602-2693): NULL is a no-op; flags
-/// other than NCCL_REVOKE_DEFAULT, a finalized (or destroyed) communicator and a second
-/// revoke are refused with ncclInvalidArgument before anything changes. Otherwise it sets
-/// the abort flags and joins a job in flight (`ncclCommEnsureReady` ->
-/// `ncclGroupJobAbort`), marks the communicator revoked and finalized, and launches
-/// `commRevokeAsync`, which waits for the communicator's streams (its kernels end on the
-/// abort flag), stops the proxy, clears the abort flags and stores its own result as the
-/// communicator's asynchronous state (`ncclCommSetAsyncError(comm, res)`, :2635). On a
-/// non-blocking communicator the group's thread runs that job: the state reads
-/// ncclInProgress until it ends, and the call returns that state (ncclInProgress, read
-/// at :2686-2688); a blocking one runs it in the call. Collectives are refused from then
-/// on (ncclInvalidUsage, enqueue.cc:2983-2986), as is ncclCommFinalize; a destroy, split
-/// or shrink may follow once the state is ncclSuccess.
-///
-/// Here: the in-flight work of `comm` ([`Fault::StuckWork`](super::fault::Fault::StuckWork)
-/// and `StalledWork`) ends at once, the job ends no sooner than the job latency, and then
-/// a failure of its clique no longer shows on this handle. Inside a user's group it runs
-/// as on a blocking communicator.
+/// `ncclCommRevoke` as NCCL 2.29.7 has it (init.cc:2602-2693; ARCHITECTURE.md's table has
+/// the whole contract): NULL is a no-op; other flags, a finalized (or destroyed) or already
+/// revoked communicator are ncclInvalidArgument, with nothing changed (:2647-2658). Else
+/// it joins a job in flight, marks the communicator revoked and finalized, and its job
+/// stores its own result as the asynchronous state (`ncclCommSetAsyncError`, :2635); the
+/// call returns ncclInProgress, the state read after launching it (:2686-2688), or runs
+/// the job in the call when blocking. Here the in-flight work of `comm`
+/// ([`Fault::StuckWork`](super::fault::Fault::StuckWork) and `StalledWork`) ends at once,
+/// the job ends no sooner than the job latency and clears a failure of its clique for this
+/// handle; inside a user's group it runs as on a blocking communicator.
 pub(crate) unsafe extern "C" fn ncclCommRevoke(
     comm: ncclComm_t,
     revoke_flags: c_int,
@@ -1349,14 +1323,11 @@ fn next_grow_id(g: &Global, r: &Ready) -> IdBytes {
     }
 }
 
-/// `ncclCommGetUniqueId` as NCCL 2.29.7 has it (init.cc:2860-2875): synchronous, on one
-/// rank (the grow's root). `ncclCommEnsureReady` first (ncclInvalidArgument while a job
-/// is in flight, the communicator's error once it has one); the id is derived from the
-/// communicator and its next grow (bootstrap.cc:438-467: magic `hashCombine(comm->magic,
-/// comm->childCount + 1)`), sent to the boundary ranks 0 and n-1 during the call
-/// (`bcastGrowHandle`, bootstrap.cc:470-486), and written to `*uniqueId` at the end of a
-/// successful call only. Here the boundary ranks' copies wait in the clique's mailbox
-/// (in-process communicators only: across processes every rank derives the id itself).
+/// `ncclCommGetUniqueId` as NCCL 2.29.7 has it (init.cc:2860-2875): on the grow's root,
+/// after `ncclCommEnsureReady`, the id of the communicator's next grow (bootstrap.cc:438-467,
+/// `hashCombine(comm->magic, comm->childCount + 1)`), sent to ranks 0 and n-1 during the call
+/// (`bcastGrowHandle`, :470-486; here through the clique's mailbox, in-process only: across
+/// processes every rank derives it) and written to `*uniqueId` on success only.
 pub(crate) unsafe extern "C" fn ncclCommGetUniqueId(
     comm: ncclComm_t,
     unique_id: *mut ncclUniqueId,
@@ -1419,20 +1390,15 @@ fn receive_grow_id(
     }
 }
 
-/// `ncclCommGrow` as NCCL 2.29.7 has it (init.cc:2877-3038). Checked first, with nothing
-/// written: a NULL `newcomm`, `nRanks <= 0`, or (existing ranks) `nRanks` not above the
-/// current size are ncclInvalidArgument. Then `*newcomm = NULL` (:2895). Existing ranks
-/// (`comm` set) pass `rank = -1`, after `ncclCommEnsureReady`; the boundary ranks 0 and
-/// n-1 receive the root's id during the call and check it (:2911-2924); the others need
-/// no id. New ranks (`comm` NULL) pass the id and their rank, below `nRanks`. Every rank
-/// gets a new communicator (the parent is untouched and stays usable), written to
-/// `*newcomm` during the call (:2997), before the job; the job (an init over the id,
-/// existing ranks keeping their rank) runs on the new communicator, which reads
-/// ncclInProgress until it ends; the call returns ncclSuccess (the group end's
-/// ncclInProgress is dropped by `NCCLCHECK`, :3016). A failure after the handle was
-/// written frees it and writes NULL again (:3027-3036).
-///
-/// Here: stricter in one point: an id passed by an existing rank must be this grow's.
+/// `ncclCommGrow` as NCCL 2.29.7 has it (init.cc:2877-3038; ARCHITECTURE.md's table has the
+/// whole contract). Refused with nothing written: a NULL `newcomm`, `nRanks <= 0`, or (an
+/// existing rank) `nRanks` not above the size; then `*newcomm = NULL` (:2895). Existing
+/// ranks (`comm` set) pass `rank = -1`, and ranks 0 and n-1 wait for the root's id
+/// (:2911-2924); new ranks (`comm` NULL) pass the id and their rank. Every rank's new
+/// communicator is written during the call (:2997) and reads ncclInProgress until its job
+/// (an init over the id) ends; the call returns ncclSuccess (:3016), and a later failure
+/// writes NULL again (:3027-3036). Stricter in one point: an id passed by an existing rank
+/// must be this grow's.
 pub(crate) unsafe extern "C" fn ncclCommGrow(
     comm: ncclComm_t,
     n_ranks: c_int,
