@@ -44,8 +44,9 @@ enum Wait {
 
 /// Work that the completing poster runs outside the lock.
 enum Job {
-    Coll(u64, u64, Vec<CollPost>),
-    P2p(u64, (i32, i32, u64), P2pPost, P2pPost),
+    Coll(Vec<CollPost>),
+    /// The send's post, then the receive's.
+    P2p(P2pPost, P2pPost),
 }
 
 fn aborted_fail(g: &Global, clique: u64) -> Option<Fail> {
@@ -138,7 +139,7 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
                 return Ok((w, None));
             }
             slot.state = SlotState::Executing;
-            Ok((w, Some(Job::Coll(clique, seq, posts))))
+            Ok((w, Some(Job::Coll(posts))))
         }
         Item::P2p {
             clique,
@@ -180,7 +181,7 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
                         notify();
                         return Ok((w, None));
                     }
-                    let job = Job::P2p(clique, key, s.clone(), r.clone());
+                    let job = Job::P2p(s.clone(), r.clone());
                     slot.state = SlotState::Executing;
                     Ok((w, Some(job)))
                 }
@@ -662,10 +663,11 @@ fn pairwise_disjoint(spans: &[Span]) -> bool {
     v.windows(2).all(|w| w[0].end() <= w[1].addr)
 }
 
-fn run_job(job: Job) {
-    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &job {
-        Job::Coll(_, _, posts) => run_coll(posts),
-        Job::P2p(_, _, s, r) => {
+/// Runs `job`, then marks the slot that `w` waits on done with its result.
+fn run_job(w: &Wait, job: Job) {
+    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match job {
+        Job::Coll(posts) => run_coll(&posts),
+        Job::P2p(s, r) => {
             let n = s.count * dtype::size_of(s.dtype).unwrap_or(0);
             if n > 0 && s.ptr != r.ptr {
                 // SAFETY: both ranks wait for this op, so both buffers are alive and, by
@@ -678,21 +680,17 @@ fn run_job(job: Job) {
     }));
     let res = res.unwrap_or_else(|_| Err(panicked()));
     let mut g = lock();
-    match job {
-        Job::Coll(clique, seq, _) => {
-            if let Some(s) = g
-                .cliques
-                .get_mut(&clique)
-                .and_then(|c| c.colls.get_mut(&seq))
-            {
-                s.state = SlotState::Done(res);
-            }
-        }
-        Job::P2p(clique, key, _, _) => {
-            if let Some(s) = g.cliques.get_mut(&clique).and_then(|c| c.p2p.get_mut(&key)) {
-                s.state = SlotState::Done(res);
-            }
-        }
+    let state = match w {
+        Wait::Coll(clique, seq) => (g.cliques.get_mut(clique))
+            .and_then(|c| c.colls.get_mut(seq))
+            .map(|s| &mut s.state),
+        Wait::P2p(clique, key) => (g.cliques.get_mut(clique))
+            .and_then(|c| c.p2p.get_mut(key))
+            .map(|s| &mut s.state),
+        Wait::Handle(_) => None,
+    };
+    if let Some(state) = state {
+        *state = SlotState::Done(res);
     }
     drop(g);
     notify();
@@ -854,8 +852,8 @@ fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) ->
     for it in items {
         match post(&mut g, it) {
             Ok((w, job)) => {
+                jobs.extend(job.map(|j| (w.clone(), j)));
                 waits.push(w);
-                jobs.extend(job);
             }
             Err(f) => {
                 first.get_or_insert(f);
@@ -864,8 +862,8 @@ fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) ->
     }
     if !jobs.is_empty() {
         drop(g);
-        for j in jobs {
-            run_job(j);
+        for (w, j) in jobs {
+            run_job(&w, j);
         }
         g = lock();
     }

@@ -480,22 +480,21 @@ impl Global {
             nranks,
             posts: Vec::new(),
         });
-        if p.nranks != nranks {
-            let msg = format!(
-                "invalid argument: ranks disagree on nranks for one unique id ({} vs {nranks})",
-                p.nranks
-            );
-            p.posts.push((rank, h));
-            self.fail_pending(PendingOn::Init(id), Fail::new(ncclInvalidArgument, msg));
-            return;
-        }
-        if p.posts.iter().any(|&(r, _)| r == rank) {
-            let msg = format!("invalid argument: rank {rank} joined the same unique id twice");
-            p.posts.push((rank, h));
-            self.fail_pending(PendingOn::Init(id), Fail::new(ncclInvalidArgument, msg));
-            return;
-        }
+        let clash = if p.nranks != nranks {
+            let theirs = p.nranks;
+            Some(format!("invalid argument: ranks disagree on nranks for one unique id ({theirs} vs {nranks})"))
+        } else if p.posts.iter().any(|&(r, _)| r == rank) {
+            Some(format!(
+                "invalid argument: rank {rank} joined the same unique id twice"
+            ))
+        } else {
+            None
+        };
         p.posts.push((rank, h));
+        if let Some(msg) = clash {
+            self.fail_pending(PendingOn::Init(id), Fail::new(ncclInvalidArgument, msg));
+            return;
+        }
         if p.posts.len() == nranks as usize {
             let mut posts = match self.inits.remove(&id) {
                 Some(p) => p.posts,
