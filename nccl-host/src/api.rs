@@ -1583,10 +1583,8 @@ pub(crate) unsafe extern "C" fn ncclRedOpCreatePreMulSum(
             ));
         }
         let scalar = if residence == ncclScalarHostImmediate {
-            let mut v = vec![0u8; es];
             // SAFETY: a host-immediate scalar points at one element of `datatype` (NCCL's contract).
-            unsafe { core::ptr::copy_nonoverlapping(scalar as *const u8, v.as_mut_ptr(), es) };
-            Ok(v)
+            Ok(unsafe { core::slice::from_raw_parts(scalar as *const u8, es) }.to_vec())
         } else {
             Err(scalar as usize)
         };
@@ -1700,53 +1698,34 @@ fn coll(
                 }
             }
         }
+        let op = op.unwrap_or(ncclSum);
+        let made = g.comms.get(&r.h).and_then(|c| c.redops.get(&op)).cloned();
+        let unknown = |g: &mut Global| bad(g, format!("unknown reduction op {op}"));
         if count == 0 {
             // After NCCL's ArgsCheck (the root, and an op that exists: argcheck.cc), an
             // empty collective is discarded (taskAppend, enqueue.cc:2554-2555 of 2.28.9):
             // no sequence number, no peer, nothing else checked.
-            let built_in = matches!(
-                op,
-                None | Some(ncclSum | ncclProd | ncclMax | ncclMin | ncclAvg)
-            );
-            let made = |o| g.comms.get(&r.h).is_some_and(|c| c.redops.contains_key(&o));
-            return match op {
-                Some(o) if !built_in && !made(o) => {
-                    Err(bad(&mut g, format!("unknown reduction op {o}")))
-                }
+            return match (RedKind::of(op), made) {
+                (None, None) => Err(unknown(&mut g)),
                 _ => Ok(ncclSuccess),
             };
         }
-        let (red, scalar) = match op {
-            None => (RedKind::Sum, Vec::new()),
-            Some(ncclSum) => (RedKind::Sum, Vec::new()),
-            Some(ncclProd) => (RedKind::Prod, Vec::new()),
-            Some(ncclMax) => (RedKind::Max, Vec::new()),
-            Some(ncclMin) => (RedKind::Min, Vec::new()),
-            Some(ncclAvg) => (RedKind::Avg, Vec::new()),
-            Some(o) => match g.comms.get(&r.h).and_then(|c| c.redops.get(&o)).cloned() {
-                None => return Err(bad(&mut g, format!("unknown reduction op {o}"))),
-                Some(p) if p.dtype != dt => {
-                    return Err(bad(
-                        &mut g,
-                        format!(
-                            "PreMulSum op {o} was created for datatype {} but used with {dt}",
-                            p.dtype
-                        ),
-                    ))
-                }
-                Some(PreMul { scalar: Ok(v), .. }) => (RedKind::PreMulSum, v),
-                Some(PreMul {
-                    scalar: Err(addr), ..
-                }) => {
-                    let mut v = vec![0u8; es];
-                    // SAFETY: a "device" scalar is read at op time; the caller keeps it
-                    // valid for the life of the op (NCCL's contract for ncclScalarDevice).
-                    unsafe {
-                        core::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), es)
-                    };
-                    (RedKind::PreMulSum, v)
-                }
-            },
+        let (red, scalar) = match (RedKind::of(op), made) {
+            (Some(k), _) => (k, Vec::new()),
+            (None, None) => return Err(unknown(&mut g)),
+            (None, Some(p)) if p.dtype != dt => {
+                let made_for = p.dtype;
+                let m = format!(
+                    "PreMulSum op {op} was created for datatype {made_for} but used with {dt}"
+                );
+                return Err(bad(&mut g, m));
+            }
+            (None, Some(p)) => {
+                // SAFETY: a "device" scalar (its address) is read at op time; the caller keeps
+                // it valid for the life of the op (NCCL's contract for ncclScalarDevice).
+                let read = |a| unsafe { core::slice::from_raw_parts(a as *const u8, es) }.to_vec();
+                (RedKind::PreMulSum, p.scalar.unwrap_or_else(read))
+            }
         };
         let is_root = root.is_none_or(|x| x == r.rank);
         let Some((ns, nr)) = kind.elements(count, r.nranks as usize, is_root) else {

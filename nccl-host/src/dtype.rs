@@ -93,6 +93,18 @@ impl RedKind {
         RedKind::PreMulSum,
     ];
 
+    /// NCCL's built-in reduction `op`, if it is one.
+    pub(crate) fn of(op: ncclRedOp_t) -> Option<RedKind> {
+        Some(match op {
+            ncclSum => RedKind::Sum,
+            ncclProd => RedKind::Prod,
+            ncclMax => RedKind::Max,
+            ncclMin => RedKind::Min,
+            ncclAvg => RedKind::Avg,
+            _ => return None,
+        })
+    }
+
     /// Its name in messages.
     pub(crate) fn name(self) -> &'static str {
         match self {
