@@ -41,38 +41,23 @@ fn registry() -> MutexGuard<'static, Registry> {
         .unwrap_or_else(|e| e.into_inner())
 }
 
-/// Which kind of deregistration failed, for the message and the counter.
-#[derive(Debug, Clone, Copy)]
-enum What {
-    Registration,
-    Window,
-}
-
-impl What {
-    fn call(self) -> &'static str {
-        match self {
-            What::Registration => "ncclCommDeregister",
-            What::Window => "ncclCommWindowDeregister",
-        }
-    }
-}
+/// A deregistration entry point and what it deregisters, for the messages.
+type What = (&'static str, &'static str);
+const REGISTRATION: What = ("ncclCommDeregister", "registration");
+const WINDOW: What = ("ncclCommWindowDeregister", "window");
 
 /// A deregistration of a handle that was deregistered before: misuse, counted.
-fn double(g: &mut Global, root: RootIdx, what: What, token: usize) -> Fail {
+fn double(g: &mut Global, root: RootIdx, (call, _): What, token: usize) -> Fail {
     g.count(Some(root), |s| s.double_deregistered += 1);
     let m = format!("{token:#x} was already deregistered");
-    g.misuse(Some(root), ncclInvalidUsage, what.call(), m)
+    g.misuse(Some(root), ncclInvalidUsage, call, m)
 }
 
 /// A deregistration of a handle this communicator never handed out: misuse, counted.
-fn unknown(g: &mut Global, root: RootIdx, what: What, token: usize) -> Fail {
+fn unknown(g: &mut Global, root: RootIdx, (call, kind): What, token: usize) -> Fail {
     g.count(Some(root), |s| s.unknown_deregistered += 1);
-    let kind = match what {
-        What::Registration => "registration",
-        What::Window => "window",
-    };
     let m = format!("{token:#x} is not a {kind} of this communicator");
-    g.misuse(Some(root), ncclInvalidUsage, what.call(), m)
+    g.misuse(Some(root), ncclInvalidUsage, call, m)
 }
 
 /// `ncclCommDeregister(comm = h, handle = token)`: removes a live registration of `h`, or
@@ -91,9 +76,9 @@ pub(crate) fn deregister(
     }
     let retired = registry().retired.get(&token) == Some(&h);
     Err(if retired {
-        double(g, root, What::Registration, token)
+        double(g, root, REGISTRATION, token)
     } else {
-        unknown(g, root, What::Registration, token)
+        unknown(g, root, REGISTRATION, token)
     })
 }
 
@@ -132,8 +117,8 @@ pub(crate) fn deregister_window(
             g.count(Some(root), |s| s.windows_deregistered += 1);
             Ok(())
         }
-        Some(false) => Err(double(g, root, What::Window, token)),
-        None => Err(unknown(g, root, What::Window, token)),
+        Some(false) => Err(double(g, root, WINDOW, token)),
+        None => Err(unknown(g, root, WINDOW, token)),
     }
 }
 
