@@ -302,11 +302,8 @@ fn parse_config(
         return Err(g.invalid(root, what, format!("config size {size} is not a known ncclConfig_t layout ({known:?} bytes, NCCL 2.17..2.32)")));
     }
     if !(21700..30000).contains(&version) {
-        return Err(g.invalid(
-            root,
-            what,
-            format!("config version {version} is not an NCCL 2.17+ version code"),
-        ));
+        let m = format!("config version {version} is not an NCCL 2.17+ version code");
+        return Err(g.invalid(root, what, m));
     }
     // SAFETY: `blocking` is at offset 16 in every layout, inside `size` (>= 48) bytes.
     let blocking = unsafe { (base.add(16) as *const c_int).read_unaligned() };
@@ -638,11 +635,8 @@ fn init_rank(
             return Err(g.invalid(Some(root), what, "comm is NULL"));
         }
         if nranks < 1 || rank < 0 || rank >= nranks {
-            return Err(g.invalid(
-                Some(root),
-                what,
-                format!("rank {rank} / nranks {nranks} out of range (need 0 <= rank < nranks)"),
-            ));
+            let m = format!("rank {rank} / nranks {nranks} out of range (need 0 <= rank < nranks)");
+            return Err(g.invalid(Some(root), what, m));
         }
         new_rank(g, idb, nranks, rank, root, None, config, what, comm)
     });
@@ -760,11 +754,8 @@ pub(crate) unsafe extern "C" fn ncclCommInitAll(
     ffi(|| {
         let mut g = lock();
         if comm.is_null() || ndev < 1 {
-            return Err(g.invalid(
-                None,
-                "ncclCommInitAll",
-                format!("comms is NULL or ndev ({ndev}) < 1"),
-            ));
+            let m = format!("comms is NULL or ndev ({ndev}) < 1");
+            return Err(g.invalid(None, "ncclCommInitAll", m));
         }
         let idb = id_bytes(&fresh_id());
         let root = g.root_of(&idb);
@@ -806,11 +797,8 @@ pub(crate) unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult
         // A second finalize, or one after a revoke (which finalizes): init.cc:2274-2278.
         let finalized = g.comms.get(&r.h).is_some_and(|c| c.finalized);
         if finalized {
-            return Err(g.invalid(
-                Some(r.root),
-                "ncclCommFinalize",
-                "already finalized (or revoked)",
-            ));
+            let m = "already finalized (or revoked)";
+            return Err(g.invalid(Some(r.root), "ncclCommFinalize", m));
         }
         if let Some(c) = g.comms.get_mut(&r.h) {
             c.finalized = true;
@@ -928,11 +916,8 @@ fn destroy_refusal(g: &mut Global, h: Handle) -> Option<Fail> {
     let root = c.root;
     let in_flight = matches!(c.job, Job::Busy { .. }) || matches!(c.state, CommState::Pending);
     if in_flight {
-        return Some(g.invalid(
-            Some(root),
-            "ncclCommDestroy",
-            "Attempt to use communicator before the previous operation returned ncclSuccess",
-        ));
+        let m = "Attempt to use communicator before the previous operation returned ncclSuccess";
+        return Some(g.invalid(Some(root), "ncclCommDestroy", m));
     }
     // The state ncclCommGetAsyncError reads: a revoke's result replaces a failed clique's.
     match &c.state {
@@ -1029,11 +1014,8 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
         // or revoked parent may be split (2.29.7 only shares no resources with a revoked one).
         let r = ensure_ready(&mut g, comm, "ncclCommSplit")?;
         if newcomm.is_null() || color < NCCL_SPLIT_NOCOLOR {
-            return Err(r.invalid(
-                &mut g,
-                "ncclCommSplit",
-                format!("newcomm is NULL or color {color} < 0 (and not NCCL_SPLIT_NOCOLOR)"),
-            ));
+            let m = format!("newcomm is NULL or color {color} < 0 (and not NCCL_SPLIT_NOCOLOR)");
+            return Err(r.invalid(&mut g, "ncclCommSplit", m));
         }
         let blocking = r.child_blocking(&mut g, config, "ncclCommSplit")?;
         if in_group() {
@@ -1412,11 +1394,8 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
         const NAME: &str = "ncclCommGrow";
         let mut g = lock();
         if newcomm.is_null() || n_ranks <= 0 {
-            return Err(g.invalid(
-                None,
-                NAME,
-                format!("newcomm is NULL or nRanks {n_ranks} <= 0"),
-            ));
+            let m = format!("newcomm is NULL or nRanks {n_ranks} <= 0");
+            return Err(g.invalid(None, NAME, m));
         }
         let given = (!unique_id.is_null()).then(|| {
             // SAFETY: non-null, so a readable ncclUniqueId (NCCL's contract).
@@ -1425,25 +1404,19 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
         if !comm.is_null() {
             let r = ready(&mut g, comm, NAME, false)?;
             if n_ranks <= r.nranks {
-                return Err(r.invalid(
-                    &mut g,
-                    NAME,
-                    format!(
-                        "total ranks {n_ranks} is not above the current {}",
-                        r.nranks
-                    ),
-                ));
+                let m = format!(
+                    "total ranks {n_ranks} is not above the current {}",
+                    r.nranks
+                );
+                return Err(r.invalid(&mut g, NAME, m));
             }
             put(newcomm, core::ptr::null_mut());
             if let Some(f) = async_failure(&mut g, r.h) {
                 return Err(f);
             }
             if rank != -1 {
-                return Err(r.invalid(
-                    &mut g,
-                    NAME,
-                    format!("existing ranks must pass rank = -1, got {rank}"),
-                ));
+                let m = format!("existing ranks must pass rank = -1, got {rank}");
+                return Err(r.invalid(&mut g, NAME, m));
             }
             let id = next_grow_id(&g, &r);
             if let Some(c) = g.comms.get_mut(&r.h) {
@@ -1455,19 +1428,15 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
                 let (g2, got) = receive_grow_id(g, r.clique, r.rank);
                 g = g2;
                 if got? != id {
-                    return Err(r.invalid(
-                        &mut g,
-                        NAME,
-                        "the grow id received from the root is not this grow's (magic mismatch)",
-                    ));
+                    let m =
+                        "the grow id received from the root is not this grow's (magic mismatch)";
+                    return Err(r.invalid(&mut g, NAME, m));
                 }
             }
             if given.is_some_and(|x| x != id) {
-                return Err(r.invalid(
-                    &mut g,
-                    NAME,
-                    "uniqueId is not this communicator's next grow id (from ncclCommGetUniqueId)",
-                ));
+                let m =
+                    "uniqueId is not this communicator's next grow id (from ncclCommGetUniqueId)";
+                return Err(r.invalid(&mut g, NAME, m));
             }
             let (root, parent) = (r.root, Some(r.h));
             return new_rank(g, id, n_ranks, r.rank, root, parent, config, NAME, newcomm)
@@ -1478,11 +1447,8 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
         };
         let root = g.root_of(&id);
         if rank < 0 || rank >= n_ranks {
-            return Err(g.invalid(
-                Some(root),
-                NAME,
-                format!("new rank {rank} is not in 0..{n_ranks}"),
-            ));
+            let m = format!("new rank {rank} is not in 0..{n_ranks}");
+            return Err(g.invalid(Some(root), NAME, m));
         }
         put(newcomm, core::ptr::null_mut());
         new_rank(g, id, n_ranks, rank, root, None, config, NAME, newcomm).map(grow_result)
@@ -1566,21 +1532,15 @@ pub(crate) unsafe extern "C" fn ncclRedOpCreatePreMulSum(
         let mut g = lock();
         let r = ensure_ready(&mut g, comm, "ncclRedOpCreatePreMulSum")?;
         let Some(es) = dtype::size_of(datatype) else {
-            return Err(g.invalid(
-                Some(r.root),
-                "ncclRedOpCreatePreMulSum",
-                format!("unknown datatype {datatype}"),
-            ));
+            let m = format!("unknown datatype {datatype}");
+            return Err(g.invalid(Some(r.root), "ncclRedOpCreatePreMulSum", m));
         };
         if op.is_null()
             || scalar.is_null()
             || (residence != ncclScalarDevice && residence != ncclScalarHostImmediate)
         {
-            return Err(g.invalid(
-                Some(r.root),
-                "ncclRedOpCreatePreMulSum",
-                format!("op or scalar is NULL, or unknown residence {residence}"),
-            ));
+            let m = format!("op or scalar is NULL, or unknown residence {residence}");
+            return Err(g.invalid(Some(r.root), "ncclRedOpCreatePreMulSum", m));
         }
         let scalar = if residence == ncclScalarHostImmediate {
             // SAFETY: a host-immediate scalar points at one element of `datatype` (NCCL's contract).
@@ -1615,11 +1575,8 @@ pub(crate) unsafe extern "C" fn ncclRedOpDestroy(
             .and_then(|c| c.redops.remove(&op))
             .is_none()
         {
-            return Err(g.invalid(
-                Some(r.root),
-                "ncclRedOpDestroy",
-                format!("op {op} is not a PreMulSum op created on this communicator"),
-            ));
+            let m = format!("op {op} is not a PreMulSum op created on this communicator");
+            return Err(g.invalid(Some(r.root), "ncclRedOpDestroy", m));
         }
         Ok(ncclSuccess)
     })
@@ -1679,10 +1636,8 @@ fn coll(
         let bad = |g: &mut Global, m: String| r.refuse(g, name, m);
         let rt = root.unwrap_or(0);
         if rt < 0 || rt >= r.nranks {
-            return Err(bad(
-                &mut g,
-                format!("root {rt} out of range 0..{}", r.nranks),
-            ));
+            let m = format!("root {rt} out of range 0..{}", r.nranks);
+            return Err(bad(&mut g, m));
         }
         // NCCL_CHECK_POINTERS=1 checks both buffers whatever the count, but a broadcast's
         // send and a reduce's recv only on the root (ArgsCheck, misc/argcheck.cc:71-83 of
@@ -1774,10 +1729,8 @@ fn p2p(
     operation(name, comm, dt, |mut g, r, es| {
         let bad = |g: &mut Global, m: String| r.refuse(g, name, m);
         if peer < 0 || peer >= r.nranks {
-            return Err(bad(
-                &mut g,
-                format!("peer {peer} out of range 0..{}", r.nranks),
-            ));
+            let m = format!("peer {peer} out of range 0..{}", r.nranks);
+            return Err(bad(&mut g, m));
         }
         if count.checked_mul(es).is_none() {
             return Err(bad(&mut g, format!("count {count} too large")));
@@ -1889,52 +1842,43 @@ pub(crate) unsafe extern "C" fn ncclGroupStart() -> ncclResult_t {
 
 pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
     ffi(|| {
-        let (depth, items, err) = GROUP.with(|g| {
+        // `None` without a group; `Some(None)` for an inner level; else the group's work.
+        let ended = GROUP.with(|g| {
             let mut g = g.borrow_mut();
-            if g.0 == 0 {
-                return (0, Vec::new(), None);
-            }
-            g.0 -= 1;
-            if g.0 > 0 {
-                return (g.0 + 1, Vec::new(), None);
-            }
-            (1, std::mem::take(&mut g.1), g.2.take())
+            g.0 = g.0.checked_sub(1)?;
+            Some((g.0 == 0).then(|| (std::mem::take(&mut g.1), g.2.take())))
         });
-        match depth {
-            0 => Err(lock().misuse(
-                None,
-                ncclInvalidUsage,
-                "ncclGroupEnd",
-                "without a matching ncclGroupStart",
-            )),
-            1 => {
-                // The queued jobs first, as NCCL's groupLaunch (group.cc:537), then the
-                // group's operations. A job of a non-blocking parent runs on, as outside a
-                // group (its ncclInProgress is its start, not a failure).
-                let queued = QUEUED.with(|q| std::mem::take(&mut *q.borrow_mut()));
-                let deferred = DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut()));
-                if let Some(f) = err {
-                    drop(deferred); // NCCL destroys the reclaim jobs unrun
-                    return Err(group_failed(f, queued, &items));
-                }
-                let mut failed = None;
-                for (_, job) in queued {
-                    let code = job();
-                    if code != ncclSuccess && code != ncclInProgress && failed.is_none() {
-                        let msg = LAST.with(|l| l.borrow().0.to_string_lossy().into_owned());
-                        failed = Some(Fail::new(code, msg));
-                    }
-                }
-                let r = run_items(lock(), items);
-                for (h, abort) in deferred {
-                    let _ = teardown(h as ncclComm_t, abort);
-                }
-                match (failed, r) {
-                    (Some(f), _) | (None, Err(f)) => Err(f),
-                    (None, Ok(())) => Ok(ncclSuccess),
-                }
+        let Some(ended) = ended else {
+            let m = "without a matching ncclGroupStart";
+            return Err(lock().misuse(None, ncclInvalidUsage, "ncclGroupEnd", m));
+        };
+        let Some((items, err)) = ended else {
+            return Ok(ncclSuccess);
+        };
+        // The queued jobs first, as NCCL's groupLaunch (group.cc:537), then the group's
+        // operations. A job of a non-blocking parent runs on, as outside a group (its
+        // ncclInProgress is its start, not a failure).
+        let queued = QUEUED.with(|q| std::mem::take(&mut *q.borrow_mut()));
+        let deferred = DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut()));
+        if let Some(f) = err {
+            drop(deferred); // NCCL destroys the reclaim jobs unrun
+            return Err(group_failed(f, queued, &items));
+        }
+        let mut failed = None;
+        for (_, job) in queued {
+            let code = job();
+            if code != ncclSuccess && code != ncclInProgress && failed.is_none() {
+                let msg = LAST.with(|l| l.borrow().0.to_string_lossy().into_owned());
+                failed = Some(Fail::new(code, msg));
             }
-            _ => Ok(ncclSuccess),
+        }
+        let r = run_items(lock(), items);
+        for (h, abort) in deferred {
+            let _ = teardown(h as ncclComm_t, abort);
+        }
+        match failed {
+            Some(f) => Err(f),
+            None => r.map(|()| ncclSuccess),
         }
     })
 }
@@ -1970,11 +1914,8 @@ pub(crate) unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
         }
         let mut g = lock();
         let Some(layout) = g.mem.remove(&(ptr as usize)) else {
-            return Err(g.invalid(
-                None,
-                "ncclMemFree",
-                format!("{ptr:p} was not returned by ncclMemAlloc (or was freed already)"),
-            ));
+            let m = format!("{ptr:p} was not returned by ncclMemAlloc (or was freed already)");
+            return Err(g.invalid(None, "ncclMemFree", m));
         };
         // SAFETY: `ptr` came from `alloc_zeroed` with this layout and was not freed (it was
         // still in the table, which we just removed it from).
@@ -2040,18 +1981,12 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
             return Err(g.invalid(Some(r.root), "ncclCommWindowRegister", "win is NULL"));
         }
         if buff.is_null() || size == 0 {
-            return Err(g.invalid(
-                Some(r.root),
-                "ncclCommWindowRegister",
-                format!("invalid pointer {buff:p} / size {size}"),
-            ));
+            let m = format!("invalid pointer {buff:p} / size {size}");
+            return Err(g.invalid(Some(r.root), "ncclCommWindowRegister", m));
         }
         if win_flags & !KNOWN_WIN_FLAGS != 0 {
-            return Err(g.invalid(
-                Some(r.root),
-                "ncclCommWindowRegister",
-                format!("unknown flags {win_flags:#x}"),
-            ));
+            let m = format!("unknown flags {win_flags:#x}");
+            return Err(g.invalid(Some(r.root), "ncclCommWindowRegister", m));
         }
         if win_flags & NCCL_WIN_COLL_SYMMETRIC as c_int != 0 {
             match super::registry::nccl_memory_offset(&g, buff, size) {
