@@ -59,7 +59,7 @@ fn ffi(f: impl FnOnce() -> Result<ncclResult_t, Fail>) -> ncclResult_t {
 
 /// The failure of a handle looked up under the lock that was checked live before (a bug).
 fn vanished() -> Fail {
-    Fail::new(ncclInternalError, "internal error: handle vanished")
+    Fail::new(ncclInternalError, "handle vanished")
 }
 
 /// A split or shrink inside a group, as NCCL has it: `ncclAsyncLaunch` at a group depth
@@ -255,11 +255,11 @@ fn ready(g: &mut Global, comm: ncclComm_t, what: &str, ops: bool) -> Result<Read
                 return Err(g.misuse(Some(root), ncclInvalidUsage, what, "communicator was finalized"));
             }
             let Some(cl) = g.cliques.get(&clique) else {
-                return Err(Fail::new(ncclRemoteError, format!("remote error: {what}: communicator is gone")));
+                return Err(Fail::new(ncclRemoteError, format!("{what}: communicator is gone")));
             };
             if ops {
                 if let Some(f) = &cl.aborted {
-                    return Err(Fail::new(f.code, format!("{what}: communicator is in error: {}", f.msg)));
+                    return Err(Fail::raw(f.code, format!("{what}: communicator is in error: {}", f.msg)));
                 }
             }
             Ok(Ready {
@@ -453,7 +453,7 @@ fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<(), Fail> {
         Ok(_) => Ok(()),
         Err(e) => Err(Fail::new(
             ncclSystemError,
-            format!("system error: cannot start thread {name}: {e}"),
+            format!("cannot start thread {name}: {e}"),
         )),
     }
 }
@@ -469,10 +469,7 @@ fn end_child_job(h: Handle, split_of: Option<u64>) -> (usize, Result<(), Fail>) 
     let r = loop {
         g.check_pending_deadline(h);
         let Some(c) = g.comms.get(&h) else {
-            break Err(Fail::new(
-                ncclInternalError,
-                "internal error: the child vanished",
-            ));
+            break Err(Fail::new(ncclInternalError, "the child vanished"));
         };
         match &c.state {
             CommState::Ready { .. } => break Ok(()),
@@ -514,7 +511,10 @@ fn end_nocolor_job(clique: u64, seq: u64) -> (usize, Result<(), Fail>) {
         if std::time::Instant::now() >= deadline {
             let f = Fail::new(
                 ncclTimeout,
-                format!("NCCL timeout: ncclCommSplit: not every rank joined within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)", super::defs::wait_limit()),
+                format!(
+                    "ncclCommSplit: not every rank joined within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)",
+                    super::defs::wait_limit()
+                ),
             );
             g.fail_pending(PendingOn::Rdv { clique, seq }, f.clone());
             return (0, Err(f));
@@ -570,7 +570,7 @@ fn fixed_id(at: &str) -> Result<ncclUniqueId, Fail> {
     let addr = (at.to_socket_addrs().ok().and_then(|mut a| a.next())).ok_or_else(|| {
         Fail::new(
             ncclInvalidArgument,
-            format!("invalid argument: Invalid NCCL_COMM_ID {at:?}, please use format: <ipv4>:<port> or [<ipv6>]:<port> or <hostname>:<port>"),
+            format!("Invalid NCCL_COMM_ID {at:?}, please use format: <ipv4>:<port> or [<ipv6>]:<port> or <hostname>:<port>"),
         )
     })?;
     let mut b = [0 as c_char; 128];
@@ -810,10 +810,7 @@ pub(crate) unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult
 
 /// The failure that `rank`'s ncclCommAbort gives its clique.
 fn aborted_by(rank: i32) -> Fail {
-    Fail::new(
-        ncclRemoteError,
-        format!("remote error: rank {rank} called ncclCommAbort"),
-    )
+    Fail::new(ncclRemoteError, format!("rank {rank} called ncclCommAbort"))
 }
 
 fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
@@ -895,7 +892,7 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
         CommState::Pending => {
             let why = Fail::new(
                 ncclRemoteError,
-                format!("remote error: a rank called {what} during initialization"),
+                format!("a rank called {what} during initialization"),
             );
             g.fail_pending(c.pending_on, why);
         }
@@ -936,7 +933,7 @@ fn end_job_for_abort(
     let deadline = std::time::Instant::now() + super::defs::wait_limit();
     let why = Fail::new(
         ncclRemoteError,
-        "remote error: the parent communicator was aborted during the split/shrink",
+        "the parent communicator was aborted during the split/shrink",
     );
     loop {
         let Some(c) = g.comms.get(&h) else { return g };
@@ -1251,7 +1248,7 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
                     if posted && matches!(slot.state, super::state::SlotState::Waiting) {
                         slot.state = super::state::SlotState::Done(Err(Fail::new(
                             ncclRemoteError,
-                            format!("remote error: rank {rank} revoked its communicator while this collective waited for a peer"),
+                            format!("rank {rank} revoked its communicator while this collective waited for a peer"),
                         )));
                     }
                 }
@@ -1364,7 +1361,7 @@ fn receive_grow_id(
         if std::time::Instant::now() >= deadline {
             let f = Fail::new(
                 ncclTimeout,
-                format!("NCCL timeout: ncclCommGrow: rank {rank} did not receive the grow id (no rank called ncclCommGetUniqueId) within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)", super::defs::wait_limit()),
+                format!("ncclCommGrow: rank {rank} did not receive the grow id (no rank called ncclCommGetUniqueId) within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)", super::defs::wait_limit()),
             );
             return (g, Err(f));
         }
@@ -1869,7 +1866,7 @@ pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
             let code = job();
             if code != ncclSuccess && code != ncclInProgress && failed.is_none() {
                 let msg = LAST.with(|l| l.borrow().0.to_string_lossy().into_owned());
-                failed = Some(Fail::new(code, msg));
+                failed = Some(Fail::raw(code, msg));
             }
         }
         let r = run_items(lock(), items);
@@ -1895,10 +1892,8 @@ pub(crate) unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize)
         // SAFETY: the layout has a non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
         if p.is_null() {
-            return Err(Fail::new(
-                ncclSystemError,
-                format!("system error: ncclMemAlloc: out of host memory ({size} bytes)"),
-            ));
+            let m = format!("ncclMemAlloc: out of host memory ({size} bytes)");
+            return Err(Fail::new(ncclSystemError, m));
         }
         g.mem.insert(p as usize, layout);
         g.count(None, |s| s.mem_allocated += 1);
@@ -2028,10 +2023,8 @@ pub(crate) unsafe extern "C" fn ncclCommWindowDeregister(
         let waited = super::fault::wait_for_work(comm as Handle, super::defs::wait_limit());
         let mut g = lock();
         if waited && g.dead.contains_key(&(comm as Handle)) {
-            return Err(Fail::new(
-                ncclRemoteError,
-                "remote error: ncclCommWindowDeregister: the communicator was aborted while the deregistration waited behind its work",
-            ));
+            let m = "ncclCommWindowDeregister: the communicator was aborted while the deregistration waited behind its work";
+            return Err(Fail::new(ncclRemoteError, m));
         }
         let r = ready(&mut g, comm, "ncclCommWindowDeregister", false)?;
         if win.is_null() {

@@ -53,7 +53,7 @@ fn aborted_fail(g: &Global, clique: u64) -> Option<Fail> {
     match g.cliques.get(&clique) {
         None => Some(Fail::new(
             ncclRemoteError,
-            "remote error: every rank of this communicator was destroyed or aborted",
+            "every rank of this communicator was destroyed or aborted",
         )),
         Some(c) => c.aborted.clone(),
     }
@@ -66,7 +66,7 @@ fn consistent(posts: &[CollPost]) -> Result<(), Fail> {
             return Err(Fail::new(
                 ncclInvalidUsage,
                 format!(
-                    "invalid usage: ranks disagree on a collective: rank 0 called {:?}(count={}, {}, root={}) but rank {r} called {:?}(count={}, {}, root={})",
+                    "ranks disagree on a collective: rank 0 called {:?}(count={}, {}, root={}) but rank {r} called {:?}(count={}, {}, root={})",
                     a.kind,
                     a.count,
                     dtype::name(a.dtype),
@@ -85,7 +85,7 @@ fn consistent(posts: &[CollPost]) -> Result<(), Fail> {
             return Err(Fail::new(
                 ncclInvalidUsage,
                 format!(
-                    "invalid usage: ranks disagree on the reduction ({:?} vs {:?})",
+                    "ranks disagree on the reduction ({:?} vs {:?})",
                     a.red, p.red
                 ),
             ));
@@ -101,7 +101,7 @@ fn open_clique(g: &mut Global, clique: u64) -> Result<&mut CommWorld, Fail> {
     }
     g.cliques
         .get_mut(&clique)
-        .ok_or_else(|| Fail::new(ncclInternalError, "internal error: clique vanished"))
+        .ok_or_else(|| Fail::new(ncclInternalError, "clique vanished"))
 }
 
 fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
@@ -122,10 +122,7 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
             });
             let r = rank as usize;
             if slot.posts.get(r).is_none_or(|p| p.is_some()) {
-                return Err(Fail::new(
-                    ncclInternalError,
-                    "internal error: rank posted twice",
-                ));
+                return Err(Fail::new(ncclInternalError, "rank posted twice"));
             }
             slot.posts[r] = Some(post);
             let w = Wait::Coll(clique, seq);
@@ -158,10 +155,7 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
             });
             let side = &mut slot.posts[usize::from(!is_send)];
             if side.is_some() {
-                return Err(Fail::new(
-                    ncclInternalError,
-                    "internal error: p2p posted twice",
-                ));
+                return Err(Fail::new(ncclInternalError, "p2p posted twice"));
             }
             *side = Some(post);
             let w = Wait::P2p(clique, key);
@@ -171,7 +165,7 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
                         slot.state = SlotState::Done(Err(Fail::new(
                             ncclInvalidUsage,
                             format!(
-                                "invalid usage: ncclSend from rank {src} (count={}, {}) does not match ncclRecv on rank {dst} (count={}, {})",
+                                "ncclSend from rank {src} (count={}, {}) does not match ncclRecv on rank {dst} (count={}, {})",
                                 s.count,
                                 dtype::name(s.dtype),
                                 r.count,
@@ -278,10 +272,7 @@ fn threads_for(bytes: usize) -> usize {
 
 /// The failure of an operation whose execution panicked (a bug).
 fn panicked() -> Fail {
-    Fail::new(
-        ncclInternalError,
-        "internal error: panic while executing an operation",
-    )
+    Fail::new(ncclInternalError, "panic while executing an operation")
 }
 
 /// Runs `f` over a partition of `0..len` into ranges that start at multiples of `align`:
@@ -352,7 +343,7 @@ struct Reduction<'a> {
 fn bad_reduce() -> Fail {
     Fail::new(
         ncclInternalError,
-        "internal error: malformed reduction (short input or PreMulSum scalar)",
+        "malformed reduction (short input or PreMulSum scalar)",
     )
 }
 
@@ -704,7 +695,7 @@ fn poll(g: &mut Global, w: &Wait, deadline: Instant) -> Option<Result<(), Fail>>
             match g.comms.get(h).map(|c| &c.state) {
                 None => Some(Err(Fail::new(
                     ncclInvalidUsage,
-                    "invalid usage: communicator was destroyed or aborted while it was initializing",
+                    "communicator was destroyed or aborted while it was initializing",
                 ))),
                 Some(CommState::Pending) => None,
                 Some(CommState::Ready { .. }) => Some(Ok(())),
@@ -751,10 +742,8 @@ fn wait_slot(
     deadline: Instant,
 ) -> Option<Result<(), Fail>> {
     let Some(state) = state else {
-        return Some(Err(Fail::new(
-            ncclRemoteError,
-            "remote error: communicator torn down during the operation",
-        )));
+        let m = "communicator torn down during the operation";
+        return Some(Err(Fail::new(ncclRemoteError, m)));
     };
     match state {
         SlotState::Executing => None,
@@ -765,7 +754,7 @@ fn wait_slot(
                 let f = Fail::new(
                     ncclTimeout,
                     format!(
-                        "NCCL timeout: an operation did not complete by its deadline (the caller's timeout, at most {:?}: NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
+                        "an operation did not complete by its deadline (the caller's timeout, at most {:?}: NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
                         wait_limit()
                     ),
                 );

@@ -199,7 +199,7 @@ fn slot_for(asked: Option<usize>, nranks: usize) -> usize {
 fn sys_fail(what: &str, e: std::io::Error) -> Fail {
     Fail::new(
         ncclSystemError,
-        format!("system error: host provider shared memory: {what}: {e}"),
+        format!("host provider shared memory: {what}: {e}"),
     )
 }
 
@@ -407,10 +407,10 @@ impl Segment {
         deadline: Instant,
     ) -> Result<Segment, Fail> {
         if nranks > MAX_RANKS {
-            return Err(Fail::new(
-                ncclInvalidArgument,
-                format!("invalid argument: a communicator across processes has at most {MAX_RANKS} ranks, not {nranks}"),
-            ));
+            let m = format!(
+                "a communicator across processes has at most {MAX_RANKS} ranks, not {nranks}"
+            );
+            return Err(Fail::new(ncclInvalidArgument, m));
         }
         let path = name_of(id);
         let r = Self::join_inner(id, &path, nranks, rank, deadline);
@@ -449,10 +449,7 @@ impl Segment {
         if creator {
             sweep();
             let Some((_, _, len)) = layout(nranks, slot) else {
-                return Err(Fail::new(
-                    ncclInvalidArgument,
-                    "invalid argument: segment too large",
-                ));
+                return Err(Fail::new(ncclInvalidArgument, "segment too large"));
             };
             file.set_len(len as u64)
                 .map_err(|e| sys_fail(&format!("size {path} to {len} bytes"), e))?;
@@ -476,7 +473,8 @@ impl Segment {
                 break l;
             }
             if Instant::now() >= deadline {
-                return Err(Fail::new(ncclTimeout, format!("NCCL timeout: the shared memory segment {path} was never sized by its creator")));
+                let m = format!("the shared memory segment {path} was never sized by its creator");
+                return Err(Fail::new(ncclTimeout, m));
             }
             std::thread::sleep(Duration::from_millis(2));
         };
@@ -524,21 +522,23 @@ impl Segment {
         }
         while h.magic.load(Acquire) != MAGIC {
             if Instant::now() >= deadline {
-                return Err(Fail::new(ncclTimeout, format!("NCCL timeout: the shared memory segment {path} was never initialized by its creator")));
+                let m = format!(
+                    "the shared memory segment {path} was never initialized by its creator"
+                );
+                return Err(Fail::new(ncclTimeout, m));
             }
             std::thread::sleep(Duration::from_millis(2));
         }
         let theirs = h.nranks.load(Relaxed) as usize;
         if theirs != nranks {
-            return Err(Fail::new(
-                ncclInvalidArgument,
-                format!("invalid argument: ranks disagree on nranks for one unique id ({theirs} vs {nranks})"),
-            ));
+            let m = format!("ranks disagree on nranks for one unique id ({theirs} vs {nranks})");
+            return Err(Fail::new(ncclInvalidArgument, m));
         }
         let slot = h.slot.load(Relaxed) as usize;
-        let (data, chans, _) = layout(nranks, slot)
-            .filter(|&(_, _, need)| need <= len)
-            .ok_or_else(|| Fail::new(ncclInternalError, format!("internal error: shared memory segment {path} is smaller than its header says")))?;
+        let Some((data, chans, _)) = layout(nranks, slot).filter(|&(.., need)| need <= len) else {
+            let m = format!("shared memory segment {path} is smaller than its header says");
+            return Err(Fail::new(ncclInternalError, m));
+        };
         seg.data = data;
         seg.chans = chans;
         seg.slot = slot;
@@ -548,10 +548,8 @@ impl Segment {
             .compare_exchange(0, std::process::id(), AcqRel, Acquire)
             .is_err()
         {
-            return Err(Fail::new(
-                ncclInvalidArgument,
-                format!("invalid argument: rank {rank} joined the same unique id twice"),
-            ));
+            let m = format!("rank {rank} joined the same unique id twice");
+            return Err(Fail::new(ncclInvalidArgument, m));
         }
         me.state.store(1, Release);
         let h = seg.header();
@@ -581,7 +579,7 @@ impl Segment {
                 return Err(Fail::new(
                     ncclTimeout,
                     format!(
-                        "NCCL timeout: communicator initialization did not complete within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS): rank(s) {missing:?} never joined",
+                        "communicator initialization did not complete within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS): rank(s) {missing:?} never joined",
                         wait_limit()
                     ),
                 ));
@@ -607,7 +605,7 @@ impl Segment {
     fn fail_err(&self, why: Why, rank: usize, seq: u64) -> Fail {
         self.fail(why, rank, seq);
         self.failure()
-            .unwrap_or_else(|| Fail::new(ncclRemoteError, "remote error: a rank is gone"))
+            .unwrap_or_else(|| Fail::new(ncclRemoteError, "a rank is gone"))
     }
 
     /// The rank whose process the communicator saw gone (it died or was killed) and its
@@ -640,35 +638,29 @@ impl Segment {
         } else {
             0
         };
-        let remote = |what: String| {
-            Fail::new(
-                ncclRemoteError,
-                format!("remote error: rank {r} (pid {pid}) {what}"),
-            )
-        };
+        let remote =
+            |what: String| Fail::new(ncclRemoteError, format!("rank {r} (pid {pid}) {what}"));
         Some(match why {
             Why::Abort => remote("called ncclCommAbort".to_string()),
             Why::Died => remote(format!("died: its process is gone ({at})")),
             Why::Revoked => remote(format!("revoked its communicator ({at})")),
-            Why::Left => remote(format!(
-                "destroyed its communicator while the others waited for it ({at})"
-            )),
+            Why::Left => remote(format!("destroyed its communicator while the others waited for it ({at})")),
             Why::Timeout => Fail::new(
                 ncclTimeout,
                 format!(
-                    "NCCL timeout: rank {r} (pid {pid}) did not reach {} by the deadline (the caller's timeout, at most {:?}: NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
+                    "rank {r} (pid {pid}) did not reach {} by the deadline (the caller's timeout, at most {:?}: NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
                     if seq == P2P_SEQ { "its matching send/recv".to_string() } else { format!("collective #{seq}") },
                     wait_limit()
                 ),
             ),
             Why::P2p => Fail::new(
                 ncclInvalidUsage,
-                format!("invalid usage: a send and its receive disagree on the size or data type (rank {r} received it)"),
+                format!("a send and its receive disagree on the size or data type (rank {r} received it)"),
             ),
             Why::Mismatch => Fail::new(
                 ncclInvalidUsage,
                 self.mismatch(seq).map(|m| m.1).unwrap_or_else(|| {
-                    format!("invalid usage: ranks disagree on collective #{seq}: rank {r} called something else")
+                    format!("ranks disagree on collective #{seq}: rank {r} called something else")
                 }),
             ),
         })
@@ -834,7 +826,7 @@ impl Segment {
         Some((
             culprits.first().copied().unwrap_or(self.rank),
             format!(
-                "invalid usage: ranks disagree on collective #{seq}: rank(s) {culprits:?} called something else; {}",
+                "ranks disagree on collective #{seq}: rank(s) {culprits:?} called something else; {}",
                 lines.join("; ")
             ),
         ))
@@ -859,10 +851,7 @@ impl Segment {
         }
         let deadline = super::defs::call_deadline();
         let es = dtype::size_of(p.dtype).ok_or_else(|| {
-            Fail::new(
-                ncclInvalidArgument,
-                format!("invalid argument: unknown datatype {}", p.dtype),
-            )
+            Fail::new(ncclInvalidArgument, format!("unknown datatype {}", p.dtype))
         })?;
         self.seq.store(seq, Release);
         let me = self.op(self.rank, seq);
@@ -909,7 +898,7 @@ impl Segment {
                 // Point-to-point calls go through the pair channels, never the slots.
                 Fail::new(
                     ncclInternalError,
-                    "internal error: a point-to-point call posted as a collective",
+                    "a point-to-point call posted as a collective",
                 )
             })?;
         // Rounds alternate between the two halves of every slot, so a rank may copy the
@@ -983,10 +972,8 @@ impl Segment {
                         })
                         .collect();
                     if !dtype::reduce(p.dtype, p.red, &ins, &scalars, out) {
-                        return Err(Fail::new(
-                            ncclInternalError,
-                            "internal error: malformed reduction (short PreMulSum scalar)",
-                        ));
+                        let m = "malformed reduction (short PreMulSum scalar)";
+                        return Err(Fail::new(ncclInternalError, m));
                     }
                     drop(ins);
                     // SAFETY: as above; `out` is ours, written back to our own slot's share.
@@ -1056,10 +1043,10 @@ impl Segment {
         }
         let cb = chan_bytes(self.nranks);
         if cb == 0 {
-            return Err(Fail::new(
-                ncclInvalidUsage,
-                format!("invalid usage: send/recv across processes needs at most {MAX_P2P_RANKS} ranks, not {}", self.nranks),
-            ));
+            let n = self.nranks;
+            let m =
+                format!("send/recv across processes needs at most {MAX_P2P_RANKS} ranks, not {n}");
+            return Err(Fail::new(ncclInvalidUsage, m));
         }
         let me = self.rank;
         let deadline = super::defs::call_deadline();
@@ -1102,7 +1089,7 @@ impl Segment {
                     let l = c.len.load(Relaxed) as usize;
                     if c.msg.load(Relaxed) != msg || moved[i] + l > w.bytes {
                         let text = format!(
-                            "invalid usage: ncclSend from rank {} ({} bytes, dtype {}) does not match ncclRecv on rank {me} ({} bytes, dtype {})",
+                            "ncclSend from rank {} ({} bytes, dtype {}) does not match ncclRecv on rank {me} ({} bytes, dtype {})",
                             w.peer,
                             c.msg.load(Relaxed) >> 8,
                             c.msg.load(Relaxed) & 0xff,

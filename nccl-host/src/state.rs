@@ -269,18 +269,13 @@ impl Global {
         what: &str,
         m: impl std::fmt::Display,
     ) -> Fail {
-        let kind = if code == ncclInvalidUsage {
-            "invalid usage"
-        } else {
-            "invalid argument"
-        };
-        let msg = format!("{kind}: {what}: {m}");
+        let f = Fail::new(code, format!("{what}: {m}"));
         self.count(root, |s| s.misused += 1);
         if self.misuse_log.len() >= 64 {
             self.misuse_log.pop_front();
         }
-        self.misuse_log.push_back(msg.clone());
-        Fail::new(code, msg)
+        self.misuse_log.push_back(f.msg.clone());
+        f
     }
 
     /// [`Global::misuse`] with ncclInvalidArgument.
@@ -444,7 +439,7 @@ impl Global {
         let Some(c) = self.comms.get(&h) else { return };
         if matches!(c.state, CommState::Pending) && Instant::now() >= c.deadline {
             let msg = format!(
-                "NCCL timeout: communicator initialization did not complete within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)",
+                "communicator initialization did not complete within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)",
                 wait_limit()
             );
             self.fail_handle(h, Fail::new(ncclTimeout, msg));
@@ -482,11 +477,11 @@ impl Global {
         });
         let clash = if p.nranks != nranks {
             let theirs = p.nranks;
-            Some(format!("invalid argument: ranks disagree on nranks for one unique id ({theirs} vs {nranks})"))
-        } else if p.posts.iter().any(|&(r, _)| r == rank) {
             Some(format!(
-                "invalid argument: rank {rank} joined the same unique id twice"
+                "ranks disagree on nranks for one unique id ({theirs} vs {nranks})"
             ))
+        } else if p.posts.iter().any(|&(r, _)| r == rank) {
+            Some(format!("rank {rank} joined the same unique id twice"))
         } else {
             None
         };
@@ -518,12 +513,7 @@ impl Global {
     ) -> Result<(), Fail> {
         let (nranks, root) = match self.cliques.get(&clique) {
             Some(c) => (c.nranks, c.root),
-            None => {
-                return Err(Fail::new(
-                    ncclInvalidUsage,
-                    "invalid usage: communicator's clique is gone",
-                ))
-            }
+            None => return Err(Fail::new(ncclInvalidUsage, "communicator's clique is gone")),
         };
         if let Some(h) = post.3 {
             if let Some(c) = self.comms.get_mut(&h) {
@@ -541,7 +531,8 @@ impl Global {
         });
         slot.posts.push(post);
         if slot.shrink != shrink {
-            let msg = "invalid argument: ranks disagree on the split/shrink (different exclude lists or split vs shrink)";
+            let msg =
+                "ranks disagree on the split/shrink (different exclude lists or split vs shrink)";
             self.fail_pending(
                 PendingOn::Rdv { clique, seq },
                 Fail::new(ncclInvalidArgument, msg),
