@@ -248,15 +248,6 @@ unsafe fn write(dst: usize, src: &[u8]) {
     }
 }
 
-/// A copy of the bytes of `s` (empty for an empty span).
-///
-/// # Safety
-/// As for [`bytes`].
-unsafe fn snapshot(s: Span) -> Vec<u8> {
-    // SAFETY: forwarded to the caller.
-    unsafe { bytes(s) }.to_vec()
-}
-
 /// How many threads share a collective that touches `bytes` bytes per rank: one below
 /// [`PARALLEL_MIN`], else up to the machine's parallelism with at least half of
 /// `PARALLEL_MIN` each.
@@ -297,30 +288,17 @@ fn for_parts(
         .collect();
     let f = &f;
     std::thread::scope(|s| {
-        let mut spawned = Vec::new();
-        let mut inline = vec![parts[0].clone()];
-        for p in &parts[1..] {
+        let spawn = |p: &core::ops::Range<usize>| {
             let p = p.clone();
-            match std::thread::Builder::new().spawn_scoped(s, {
-                let p = p.clone();
-                move || f(p)
-            }) {
-                Ok(h) => spawned.push(h),
-                Err(_) => inline.push(p),
-            }
-        }
-        let mut res = Ok(());
-        for p in inline {
-            let r = f(p);
-            if res.is_ok() {
-                res = r;
-            }
-        }
-        for h in spawned {
-            let r = h.join().unwrap_or_else(|_| Err(panicked()));
-            if res.is_ok() {
-                res = r;
-            }
+            std::thread::Builder::new().spawn_scoped(s, move || f(p))
+        };
+        let threads: Vec<_> = parts[1..].iter().map(spawn).collect();
+        let mut res = f(parts[0].clone());
+        for (p, thread) in parts[1..].iter().zip(threads) {
+            res = res.and(match thread {
+                Ok(h) => h.join().unwrap_or_else(|_| Err(panicked())),
+                Err(_) => f(p.clone()),
+            });
         }
         res
     })
@@ -444,7 +422,7 @@ impl Reduction<'_> {
         let copies: Vec<Vec<u8>> = self
             .inputs
             .iter()
-            .map(|&s| unsafe { snapshot(s) })
+            .map(|&s| unsafe { bytes(s) }.to_vec())
             .collect();
         let ins: Vec<&[u8]> = copies.iter().map(Vec::as_slice).collect();
         let mut result = vec![0u8; self.elems * es];
@@ -529,7 +507,10 @@ fn run_moves(sources: &[Span], mut moves: Vec<Move>) {
         return;
     }
     // SAFETY: the sources are posted by waiting ranks; nothing is written yet.
-    let copies: Vec<Vec<u8>> = sources.iter().map(|&s| unsafe { snapshot(s) }).collect();
+    let copies: Vec<Vec<u8>> = sources
+        .iter()
+        .map(|&s| unsafe { bytes(s) }.to_vec())
+        .collect();
     for m in moves {
         let Some((buf, base)) = sources
             .iter()
@@ -916,7 +897,7 @@ mod tests {
         let root = a.root as usize;
         // SAFETY: the tests post buffers they own, alive and sized for `len` bytes, and run
         // one collective at a time.
-        let read = |p: usize, len: usize| unsafe { snapshot(Span::new(p, len)) };
+        let read = |p: usize, len: usize| unsafe { super::bytes(Span::new(p, len)) }.to_vec();
         // SAFETY: as above, for writes of `src.len()` bytes.
         let put = |p: usize, src: &[u8]| unsafe { write(p, src) };
         let scalars: Vec<Vec<u8>> = posts.iter().map(|p| p.scalar.clone()).collect();
