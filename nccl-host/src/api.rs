@@ -13,8 +13,8 @@ pub(crate) use super::defs::{fresh_id, id_bytes};
 use super::dtype::{self, RedKind};
 use super::exec::{run_items, Item};
 use super::state::{
-    lock, CollPost, Collective, CommState, Fail, Global, Handle, IdBytes, Job, P2pPost, PendingOn,
-    PreMul, RootIdx,
+    lock, wait_until, CollPost, Collective, CommState, Fail, Global, Handle, IdBytes, Job, P2pPost,
+    PendingOn, PreMul, RootIdx,
 };
 
 /// A split or shrink queued for the outermost ncclGroupEnd: the call it makes there.
@@ -494,33 +494,22 @@ fn end_child_job(h: Handle, split_of: Option<u64>) -> (usize, Result<(), Fail>) 
 /// (every rank of the parent takes part in NCCL's `bootstrapSplit`), failed, or past the
 /// provider's wait limit; it stores NULL.
 fn end_nocolor_job(clique: u64, seq: u64) -> (usize, Result<(), Fail>) {
-    let deadline = std::time::Instant::now() + super::defs::wait_limit();
-    let mut g = lock();
-    loop {
-        match g.cliques.get(&clique) {
-            None => return (0, Ok(())),
-            Some(cl) => {
-                if let Some(f) = &cl.aborted {
-                    return (0, Err(f.clone()));
-                }
-                if !cl.rdv.contains_key(&seq) {
-                    return (0, Ok(()));
-                }
-            }
+    let (mut g, end) = wait_until(lock(), |g| match g.cliques.get(&clique) {
+        None => Some(Ok(())),
+        Some(cl) => {
+            (cl.aborted.clone().map(Err)).or_else(|| (!cl.rdv.contains_key(&seq)).then_some(Ok(())))
         }
-        if std::time::Instant::now() >= deadline {
-            let f = Fail::new(
-                ncclTimeout,
-                format!(
-                    "ncclCommSplit: not every rank joined within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)",
-                    super::defs::wait_limit()
-                ),
-            );
-            g.fail_pending(PendingOn::Rdv { clique, seq }, f.clone());
-            return (0, Err(f));
-        }
-        g = super::state::wait(g, deadline);
-    }
+    });
+    let r = end.unwrap_or_else(|| {
+        let limit = super::defs::wait_limit();
+        let m = format!(
+            "ncclCommSplit: not every rank joined within {limit:?} (NCCL_SAFE_HOST_TIMEOUT_MS)"
+        );
+        let f = Fail::new(ncclTimeout, m);
+        g.fail_pending(PendingOn::Rdv { clique, seq }, f.clone());
+        Err(f)
+    });
+    (0, r)
 }
 
 /// Whether a split/shrink/window registration on `h` runs as NCCL's asynchronous job: on a
@@ -926,38 +915,30 @@ fn destroy_refusal(g: &mut Global, h: Handle) -> Option<Fail> {
 /// An abort of `h` while asynchronous work is in flight: fails the child the job waits for
 /// (NCCL's `childAbortFlag`), or the parent's clique for a NOCOLOR rank, and waits (within
 /// the provider's wait limit) until the job has ended and stored its result.
-fn end_job_for_abort(
-    mut g: std::sync::MutexGuard<'static, Global>,
-    h: Handle,
-) -> std::sync::MutexGuard<'static, Global> {
-    let deadline = std::time::Instant::now() + super::defs::wait_limit();
+fn end_job_for_abort(g: MutexGuard<'static, Global>, h: Handle) -> MutexGuard<'static, Global> {
     let why = Fail::new(
         ncclRemoteError,
         "the parent communicator was aborted during the split/shrink",
     );
-    loop {
-        let Some(c) = g.comms.get(&h) else { return g };
-        let Job::Busy { child } = c.job.clone() else {
-            return g;
+    wait_until(g, |g| {
+        // Until the job ended (or the handle is gone).
+        let job = g.comms.get(&h).map(|c| (c.job.clone(), c.state.clone()));
+        let Some((Job::Busy { child }, state)) = job else {
+            return Some(());
         };
-        match child.filter(|k| g.comms.contains_key(k)) {
-            Some(k) => g.fail_handle(k, why.clone()),
-            None => {
-                if let Some(CommState::Ready { clique, .. }) =
-                    g.comms.get(&h).map(|c| c.state.clone())
-                {
-                    if let Some(seg) = shared_of(&g, clique) {
-                        seg.abort();
-                    }
-                    g.abort_clique(clique, why.clone());
+        match (child.filter(|k| g.comms.contains_key(k)), state) {
+            (Some(k), _) => g.fail_handle(k, why.clone()),
+            (None, CommState::Ready { clique, .. }) => {
+                if let Some(seg) = shared_of(g, clique) {
+                    seg.abort();
                 }
+                g.abort_clique(clique, why.clone());
             }
+            (None, _) => {}
         }
-        if std::time::Instant::now() >= deadline {
-            return g;
-        }
-        g = super::state::wait(g, deadline);
-    }
+        None
+    })
+    .0
 }
 
 pub(crate) unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
@@ -1342,31 +1323,20 @@ pub(crate) unsafe extern "C" fn ncclCommGetUniqueId(
 /// init.cc:2913-2923): blocks until the root's `ncclCommGetUniqueId` sent it, the clique
 /// fails, or the provider's wait limit.
 fn receive_grow_id(
-    mut g: MutexGuard<'static, Global>,
+    g: MutexGuard<'static, Global>,
     clique: u64,
     rank: i32,
 ) -> (MutexGuard<'static, Global>, Result<IdBytes, Fail>) {
-    let deadline = std::time::Instant::now() + super::defs::wait_limit();
-    loop {
-        if let Some(id) = g
+    let (g, got) = wait_until(g, |g| {
+        let mail = g
             .grow_mail
             .get_mut(&(clique, rank))
-            .and_then(|q| q.pop_front())
-        {
-            return (g, Ok(id));
-        }
-        if let Some(f) = g.cliques.get(&clique).and_then(|c| c.aborted.clone()) {
-            return (g, Err(f));
-        }
-        if std::time::Instant::now() >= deadline {
-            let f = Fail::new(
-                ncclTimeout,
-                format!("ncclCommGrow: rank {rank} did not receive the grow id (no rank called ncclCommGetUniqueId) within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)", super::defs::wait_limit()),
-            );
-            return (g, Err(f));
-        }
-        g = super::state::wait(g, deadline);
-    }
+            .and_then(|q| q.pop_front());
+        (mail.map(Ok)).or_else(|| g.cliques.get(&clique)?.aborted.clone().map(Err))
+    });
+    let limit = super::defs::wait_limit();
+    let m = format!("ncclCommGrow: rank {rank} did not receive the grow id (no rank called ncclCommGetUniqueId) within {limit:?} (NCCL_SAFE_HOST_TIMEOUT_MS)");
+    (g, got.unwrap_or_else(|| Err(Fail::new(ncclTimeout, m))))
 }
 
 /// `ncclCommGrow` as NCCL 2.29.7 has it (init.cc:2877-3038; ARCHITECTURE.md's table has the

@@ -218,6 +218,24 @@ pub(crate) fn wait(g: MutexGuard<'static, Global>, until: Instant) -> MutexGuard
     }
 }
 
+/// Waits, asking `done` again after every change, until it gives a value, or for at most
+/// the provider's wait limit (then `None`); returns the re-acquired lock.
+pub(crate) fn wait_until<R>(
+    mut g: MutexGuard<'static, Global>,
+    mut done: impl FnMut(&mut Global) -> Option<R>,
+) -> (MutexGuard<'static, Global>, Option<R>) {
+    let deadline = Instant::now() + wait_limit();
+    loop {
+        if let Some(r) = done(&mut g) {
+            return (g, Some(r));
+        }
+        if Instant::now() >= deadline {
+            return (g, None);
+        }
+        g = wait(g, deadline);
+    }
+}
+
 impl Global {
     /// The stats index of a root unique id (interned on first use).
     pub(crate) fn root_of(&mut self, id: &IdBytes) -> RootIdx {
