@@ -227,10 +227,7 @@ impl Ready {
 /// Split, ncclRedOpCreatePreMulSum) read the same state as ncclCommGetAsyncError.
 fn ensure_ready(g: &mut Global, comm: ncclComm_t, what: &str) -> Result<Ready, Fail> {
     let r = ready(g, comm, what, false)?;
-    match async_failure(g, r.h) {
-        Some(f) => Err(f),
-        None => Ok(r),
-    }
+    async_failure(g, r.h).map_or(Ok(r), Err)
 }
 
 /// Checks `comm` is initialized (and, with `ops`, not finalized and its clique not aborted).

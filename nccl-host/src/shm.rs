@@ -196,7 +196,7 @@ fn slot_for(asked: Option<usize>, nranks: usize) -> usize {
 }
 
 /// A system call's failure as a typed NCCL error with its context.
-fn sys_fail(what: &str, e: std::io::Error) -> Fail {
+fn sys_fail(what: impl std::fmt::Display, e: std::io::Error) -> Fail {
     Fail::new(
         ncclSystemError,
         format!("host provider shared memory: {what}: {e}"),
@@ -441,10 +441,10 @@ impl Segment {
                     .read(true)
                     .write(true)
                     .open(path)
-                    .map_err(|e| sys_fail(&format!("open {path}"), e))?,
+                    .map_err(|e| sys_fail(format!("open {path}"), e))?,
                 false,
             ),
-            Err(e) => return Err(sys_fail(&format!("create {path}"), e)),
+            Err(e) => return Err(sys_fail(format!("create {path}"), e)),
         };
         if creator {
             sweep();
@@ -452,14 +452,15 @@ impl Segment {
                 return Err(Fail::new(ncclInvalidArgument, "segment too large"));
             };
             file.set_len(len as u64)
-                .map_err(|e| sys_fail(&format!("size {path} to {len} bytes"), e))?;
+                .map_err(|e| sys_fail(format!("size {path} to {len} bytes"), e))?;
             // Reserve the pages now: a full /dev/shm is this error, not a SIGBUS later.
             // SAFETY: a valid open descriptor and a range inside the file's size.
             let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
             if rc != 0 && rc != libc::EOPNOTSUPP && rc != libc::EINVAL {
+                let e = std::io::Error::from_raw_os_error(rc);
                 return Err(sys_fail(
-                    &format!("reserve {len} bytes for {path} (is /dev/shm full?)"),
-                    std::io::Error::from_raw_os_error(rc),
+                    format!("reserve {len} bytes for {path} (is /dev/shm full?)"),
+                    e,
                 ));
             }
         }
@@ -467,7 +468,7 @@ impl Segment {
         let len = loop {
             let l = file
                 .metadata()
-                .map_err(|e| sys_fail(&format!("stat {path}"), e))?
+                .map_err(|e| sys_fail(format!("stat {path}"), e))?
                 .len() as usize;
             if l >= 4096 {
                 break l;
@@ -490,10 +491,8 @@ impl Segment {
             )
         };
         if base == libc::MAP_FAILED {
-            return Err(sys_fail(
-                &format!("map {path}"),
-                std::io::Error::last_os_error(),
-            ));
+            let e = std::io::Error::last_os_error();
+            return Err(sys_fail(format!("map {path}"), e));
         }
         let mut seg = Segment {
             base: base.cast(),
