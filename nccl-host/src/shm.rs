@@ -625,12 +625,10 @@ impl Segment {
         }
         let (why, r) = (why_of(f >> 32)?, (f & 0xffff_ffff) as usize);
         let seq = h.failed_seq.load(Acquire);
-        let at = if seq == u64::MAX {
-            "during initialization".to_string()
-        } else if seq == P2P_SEQ {
-            "in a send/recv".to_string()
-        } else {
-            format!("at collective #{seq}")
+        let at = match seq {
+            u64::MAX => "during initialization".to_string(),
+            P2P_SEQ => "in a send/recv".to_string(),
+            _ => format!("at collective #{seq}"),
         };
         let pid = if r < self.nranks {
             self.info(r).pid.load(Acquire)
@@ -785,23 +783,20 @@ impl Segment {
             let kind = ((d & 0xff) as u8)
                 .checked_sub(1)
                 .and_then(Collective::from_index);
-            let (dt, red, root) = ((d >> 8) & 0xff, (d >> 16) & 0xff, (d >> 32) as i64 - 1);
-            let reduces = kind.is_some_and(Collective::reduces);
+            let red = match kind {
+                Some(k) if k.reduces() => format!(", {}", dtype::red_name((d >> 16) & 0xff)),
+                _ => String::new(),
+            };
+            // The root is stored plus one: 0 for none.
+            let root = match d >> 32 {
+                0 => String::new(),
+                r => format!(", root={}", r - 1),
+            };
+            let dt = dtype::name(((d >> 8) & 0xff) as ncclDataType_t);
             let kind = kind.map_or("nothing", Collective::name);
             format!(
-                "collective #{} {kind}(count={c}, {}{}{})",
-                s.wrapping_sub(1),
-                dtype::name(dt as ncclDataType_t),
-                if reduces {
-                    format!(", {}", dtype::red_name(red))
-                } else {
-                    String::new()
-                },
-                if root >= 0 {
-                    format!(", root={root}")
-                } else {
-                    String::new()
-                }
+                "collective #{} {kind}(count={c}, {dt}{red}{root})",
+                s.wrapping_sub(1)
             )
         };
         let majority = all
