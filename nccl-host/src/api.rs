@@ -165,12 +165,8 @@ fn known(g: &mut Global, comm: ncclComm_t, what: &str) -> Result<Handle, Fail> {
         return Ok(h);
     }
     if let Some(&root) = g.dead.get(&h) {
-        return Err(g.misuse(
-            Some(root),
-            ncclInvalidUsage,
-            what,
-            format!("communicator {h:#x} was already destroyed or aborted"),
-        ));
+        let m = format!("communicator {h:#x} was already destroyed or aborted");
+        return Err(g.misuse(Some(root), ncclInvalidUsage, what, m));
     }
     Err(g.invalid(None, what, format!("{h:#x} is not a communicator handle")))
 }
@@ -876,11 +872,8 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
             g.leave_clique(clique);
         }
         CommState::Pending => {
-            let why = Fail::new(
-                ncclRemoteError,
-                format!("a rank called {what} during initialization"),
-            );
-            g.fail_pending(c.pending_on, why);
+            let m = format!("a rank called {what} during initialization");
+            g.fail_pending(c.pending_on, Fail::new(ncclRemoteError, m));
         }
         CommState::Failed(_) => {}
     }
@@ -913,10 +906,8 @@ fn destroy_refusal(g: &mut Global, h: Handle) -> Option<Fail> {
 /// (NCCL's `childAbortFlag`), or the parent's clique for a NOCOLOR rank, and waits (within
 /// the provider's wait limit) until the job has ended and stored its result.
 fn end_job_for_abort(g: MutexGuard<'static, Global>, h: Handle) -> MutexGuard<'static, Global> {
-    let why = Fail::new(
-        ncclRemoteError,
-        "the parent communicator was aborted during the split/shrink",
-    );
+    let m = "the parent communicator was aborted during the split/shrink";
+    let why = Fail::new(ncclRemoteError, m);
     wait_until(g, |g| {
         // Until the job ended (or the handle is gone).
         let job = g.comms.get(&h).map(|c| (c.job.clone(), c.state.clone()));
@@ -1560,12 +1551,8 @@ fn operation(
         let r = ready(&mut g, comm, name, true)?;
         if g.comms.get(&r.h).is_some_and(|c| c.revoked) {
             // As NCCL's ncclEnqueueCheck (enqueue.cc:2983-2986 of 2.29.7).
-            return Err(g.misuse(
-                Some(r.root),
-                ncclInvalidUsage,
-                name,
-                "communicator was revoked",
-            ));
+            let m = "communicator was revoked";
+            return Err(g.misuse(Some(r.root), ncclInvalidUsage, name, m));
         }
         let Some(es) = dtype::size_of(dt) else {
             return Err(r.refuse(&mut g, name, format!("unknown datatype {dt}")));
