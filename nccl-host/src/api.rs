@@ -1925,26 +1925,27 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
 ) -> ncclResult_t {
     ffi(|| {
         let mut g = lock();
-        let r = ready(&mut g, comm, "ncclCommWindowRegister", false)?;
+        const NAME: &str = "ncclCommWindowRegister";
+        let r = ready(&mut g, comm, NAME, false)?;
         if win.is_null() {
-            return Err(g.invalid(Some(r.root), "ncclCommWindowRegister", "win is NULL"));
+            return Err(r.invalid(&mut g, NAME, "win is NULL"));
         }
         if buff.is_null() || size == 0 {
             let m = format!("invalid pointer {buff:p} / size {size}");
-            return Err(g.invalid(Some(r.root), "ncclCommWindowRegister", m));
+            return Err(r.invalid(&mut g, NAME, m));
         }
         if win_flags & !KNOWN_WIN_FLAGS != 0 {
-            let m = format!("unknown flags {win_flags:#x}");
-            return Err(g.invalid(Some(r.root), "ncclCommWindowRegister", m));
+            return Err(r.invalid(&mut g, NAME, format!("unknown flags {win_flags:#x}")));
         }
         if win_flags & NCCL_WIN_COLL_SYMMETRIC as c_int != 0 {
-            match super::registry::nccl_memory_offset(&g, buff, size) {
-                None => return Err(super::registry::not_nccl_memory(&mut g, r.root, buff)),
+            let refusal = match super::registry::nccl_memory_offset(&g, buff, size) {
+                None => Some(format!("NCCL_WIN_COLL_SYMMETRIC needs memory from ncclMemAlloc, and {buff:p} is not in such an allocation")),
                 // As NCCL (dev_runtime.cc:605-611 of 2.28.9), which refuses it in its job.
-                Some(at) if at % NCCL_WIN_REQUIRED_ALIGNMENT as usize != 0 => {
-                    return Err(g.invalid(Some(r.root), "ncclCommWindowRegister", format!("Window address must be suitably aligned ({at} bytes into its allocation, not a multiple of {NCCL_WIN_REQUIRED_ALIGNMENT})")));
-                }
-                Some(_) => {}
+                Some(at) if at % NCCL_WIN_REQUIRED_ALIGNMENT as usize != 0 => Some(format!("Window address must be suitably aligned ({at} bytes into its allocation, not a multiple of {NCCL_WIN_REQUIRED_ALIGNMENT})")),
+                Some(_) => None,
+            };
+            if let Some(m) = refusal {
+                return Err(r.invalid(&mut g, NAME, m));
             }
         }
         if asynchronous(&g, r.h) {

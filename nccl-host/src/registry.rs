@@ -132,12 +132,6 @@ pub(crate) fn nccl_memory_offset(g: &Global, buff: *mut c_void, size: usize) -> 
         .map(|(&base, _)| start - base)
 }
 
-/// The misuse of registering a symmetric window on other memory.
-pub(crate) fn not_nccl_memory(g: &mut Global, root: RootIdx, buff: *mut c_void) -> Fail {
-    let m = format!("NCCL_WIN_COLL_SYMMETRIC needs memory from ncclMemAlloc, and {buff:p} is not in such an allocation");
-    g.invalid(Some(root), "ncclCommWindowRegister", m)
-}
-
 /// Communicator `h` is being destroyed or aborted: releases its live registrations and
 /// windows (as NCCL does) and counts them in `live_at_teardown`.
 pub(crate) fn teardown(g: &mut Global, h: Handle, root: RootIdx) {
