@@ -529,19 +529,13 @@ impl Global {
         shrink: Option<Vec<i32>>,
         post: (i32, c_int, c_int, Option<Handle>),
     ) -> Result<(), Fail> {
-        let (nranks, root) = match self.cliques.get(&clique) {
-            Some(c) => (c.nranks, c.root),
-            None => return Err(Fail::new(ncclInvalidUsage, "communicator's clique is gone")),
-        };
-        if let Some(h) = post.3 {
-            if let Some(c) = self.comms.get_mut(&h) {
-                c.pending_on = PendingOn::Rdv { clique, seq };
-            }
-        }
-        let expected = nranks as usize - shrink.as_ref().map_or(0, |e| e.len());
         let Some(cl) = self.cliques.get_mut(&clique) else {
-            return Ok(());
+            return Err(Fail::new(ncclInvalidUsage, "communicator's clique is gone"));
         };
+        if let Some(c) = post.3.and_then(|h| self.comms.get_mut(&h)) {
+            c.pending_on = PendingOn::Rdv { clique, seq };
+        }
+        let expected = cl.nranks as usize - shrink.as_ref().map_or(0, |e| e.len());
         let slot = cl.rdv.entry(seq).or_insert(RdvSlot {
             shrink: shrink.clone(),
             expected,
@@ -560,22 +554,17 @@ impl Global {
         if slot.posts.len() < slot.expected {
             return Ok(());
         }
-        let Some(slot) = cl.rdv.remove(&seq) else {
+        let root = cl.root;
+        let Some(mut slot) = cl.rdv.remove(&seq) else {
             return Ok(());
         };
-        let mut colors: Vec<c_int> = slot
-            .posts
-            .iter()
-            .map(|p| p.1)
-            .filter(|&c| c != NCCL_SPLIT_NOCOLOR)
-            .collect();
-        colors.sort_unstable();
-        colors.dedup();
-        for color in colors {
-            let mut members: Vec<_> = slot.posts.iter().filter(|p| p.1 == color).collect();
-            members.sort_by_key(|p| (p.2, p.0));
-            let handles: Vec<Handle> = members.iter().filter_map(|p| p.3).collect();
-            self.new_clique(root, &handles);
+        // One child per color (NOCOLOR makes none), its ranks ordered by (key, parent rank).
+        slot.posts.sort_by_key(|p| (p.1, p.2, p.0));
+        for members in slot.posts.chunk_by(|a, b| a.1 == b.1) {
+            if members[0].1 != NCCL_SPLIT_NOCOLOR {
+                let handles: Vec<Handle> = members.iter().filter_map(|p| p.3).collect();
+                self.new_clique(root, &handles);
+            }
         }
         notify();
         Ok(())
