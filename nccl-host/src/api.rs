@@ -489,9 +489,8 @@ fn end_child_job(h: Handle, split_of: Option<u64>) -> (usize, Result<(), Fail>) 
 fn end_nocolor_job(clique: u64, seq: u64) -> (usize, Result<(), Fail>) {
     let (mut g, end) = wait_until(lock(), |g| match g.cliques.get(&clique) {
         None => Some(Ok(())),
-        Some(cl) => {
-            (cl.aborted.clone().map(Err)).or_else(|| (!cl.rdv.contains_key(&seq)).then_some(Ok(())))
-        }
+        Some(cl) if cl.aborted.is_some() => cl.aborted.clone().map(Err),
+        Some(cl) => (!cl.rdv.contains_key(&seq)).then_some(Ok(())),
     });
     let r = end.unwrap_or_else(|| {
         let limit = super::defs::wait_limit();
