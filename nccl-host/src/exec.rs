@@ -61,34 +61,25 @@ fn aborted_fail(g: &Global, clique: u64) -> Option<Fail> {
 
 fn consistent(posts: &[CollPost]) -> Result<(), Fail> {
     let a = &posts[0];
+    let call = |p: &CollPost| {
+        let dt = dtype::name(p.dtype);
+        format!("{:?}(count={}, {dt}, root={})", p.kind, p.count, p.root)
+    };
     for (r, p) in posts.iter().enumerate() {
         if p.kind != a.kind || p.count != a.count || p.dtype != a.dtype || p.root != a.root {
-            return Err(Fail::new(
-                ncclInvalidUsage,
-                format!(
-                    "ranks disagree on a collective: rank 0 called {:?}(count={}, {}, root={}) but rank {r} called {:?}(count={}, {}, root={})",
-                    a.kind,
-                    a.count,
-                    dtype::name(a.dtype),
-                    a.root,
-                    p.kind,
-                    p.count,
-                    dtype::name(p.dtype),
-                    p.root
-                ),
-            ));
+            let (first, this) = (call(a), call(p));
+            let m = format!(
+                "ranks disagree on a collective: rank 0 called {first} but rank {r} called {this}"
+            );
+            return Err(Fail::new(ncclInvalidUsage, m));
         }
-        let reduces = a.kind.reduces();
-        if reduces && (p.red == RedKind::PreMulSum) != (a.red == RedKind::PreMulSum)
-            || reduces && p.red != RedKind::PreMulSum && p.red != a.red
-        {
-            return Err(Fail::new(
-                ncclInvalidUsage,
-                format!(
-                    "ranks disagree on the reduction ({:?} vs {:?})",
-                    a.red, p.red
-                ),
-            ));
+        // (A PreMulSum's scalar may differ per rank: the kind alone must agree.)
+        if a.kind.reduces() && p.red != a.red {
+            let m = format!(
+                "ranks disagree on the reduction ({:?} vs {:?})",
+                a.red, p.red
+            );
+            return Err(Fail::new(ncclInvalidUsage, m));
         }
     }
     Ok(())
