@@ -153,16 +153,11 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
             match &slot.posts {
                 [Some(s), Some(r)] => {
                     if s.count != r.count || s.dtype != r.dtype {
-                        slot.state = SlotState::Done(Err(Fail::new(
-                            ncclInvalidUsage,
-                            format!(
-                                "ncclSend from rank {src} (count={}, {}) does not match ncclRecv on rank {dst} (count={}, {})",
-                                s.count,
-                                dtype::name(s.dtype),
-                                r.count,
-                                dtype::name(r.dtype)
-                            ),
-                        )));
+                        let side =
+                            |p: &P2pPost| format!("count={}, {}", p.count, dtype::name(p.dtype));
+                        let (sent, received) = (side(s), side(r));
+                        let m = format!("ncclSend from rank {src} ({sent}) does not match ncclRecv on rank {dst} ({received})");
+                        slot.state = SlotState::Done(Err(Fail::new(ncclInvalidUsage, m)));
                         notify();
                         return Ok((w, None));
                     }
