@@ -1081,15 +1081,11 @@ impl Segment {
                         continue;
                     }
                     let l = c.len.load(Relaxed) as usize;
-                    if c.msg.load(Relaxed) != msg || moved[i] + l > w.bytes {
-                        let text = format!(
-                            "ncclSend from rank {} ({} bytes, dtype {}) does not match ncclRecv on rank {me} ({} bytes, dtype {})",
-                            w.peer,
-                            c.msg.load(Relaxed) >> 8,
-                            c.msg.load(Relaxed) & 0xff,
-                            w.bytes,
-                            w.dtype
-                        );
+                    let sent = c.msg.load(Relaxed);
+                    if sent != msg || moved[i] + l > w.bytes {
+                        let (peer, bytes, dt) = (w.peer, w.bytes, w.dtype);
+                        let (sent, sent_dt) = (sent >> 8, sent & 0xff);
+                        let text = format!("ncclSend from rank {peer} ({sent} bytes, dtype {sent_dt}) does not match ncclRecv on rank {me} ({bytes} bytes, dtype {dt})");
                         self.fail(Why::P2p, me, P2P_SEQ);
                         return Err(Fail::new(ncclInvalidUsage, text));
                     }
