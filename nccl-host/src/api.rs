@@ -13,8 +13,8 @@ pub(crate) use super::defs::{fresh_id, id_bytes};
 use super::dtype::{self, RedKind};
 use super::exec::{run_items, Item};
 use super::state::{
-    lock, CollPost, Collective, CommState, Fail, Global, Handle, IdBytes, Job, P2pPost, PendingOn,
-    PreMul, RootIdx,
+    lock, wait_until, CollPost, Collective, CommState, Fail, Global, Handle, IdBytes, Job, P2pPost,
+    PendingOn, PreMul, RootIdx,
 };
 
 /// A split or shrink queued for the outermost ncclGroupEnd: the call it makes there.
@@ -59,7 +59,7 @@ fn ffi(f: impl FnOnce() -> Result<ncclResult_t, Fail>) -> ncclResult_t {
 
 /// The failure of a handle looked up under the lock that was checked live before (a bug).
 fn vanished() -> Fail {
-    Fail::new(ncclInternalError, "internal error: handle vanished")
+    Fail::new(ncclInternalError, "handle vanished")
 }
 
 /// A split or shrink inside a group, as NCCL has it: `ncclAsyncLaunch` at a group depth
@@ -114,8 +114,12 @@ fn in_group() -> bool {
     GROUP.with(|g| g.borrow().0 > 0)
 }
 
-/// Queues an item in this thread's group, or runs it now.
-fn submit(g: std::sync::MutexGuard<'static, Global>, item: Item) -> Result<ncclResult_t, Fail> {
+/// Queues an item in this thread's group, or runs it now; where a test staged
+/// `Fault::StuckWork`, accepts it and never completes it.
+fn submit(g: MutexGuard<'static, Global>, r: &Ready, item: Item) -> Result<ncclResult_t, Fail> {
+    if super::fault::take_stuck(r.root, r.h) {
+        return Ok(ncclSuccess);
+    }
     if in_group() {
         drop(g);
         GROUP.with(|gr| gr.borrow_mut().1.push(item));
@@ -125,22 +129,19 @@ fn submit(g: std::sync::MutexGuard<'static, Global>, item: Item) -> Result<ncclR
     }
 }
 
-/// Records an argument error raised inside a group so that ncclGroupEnd reports it too.
-fn group_err(r: Result<ncclResult_t, Fail>) -> Result<ncclResult_t, Fail> {
-    if let Err(f) = &r {
-        GROUP.with(|g| {
-            let mut g = g.borrow_mut();
-            if g.0 > 0 && g.2.is_none() {
-                g.2 = Some(f.clone());
-            }
-        });
-    }
-    r
-}
-
-/// [`ffi`] of an entry point whose argument errors inside a group are kept for its end.
+/// [`ffi`] of an entry point whose errors inside a group are kept for ncclGroupEnd to
+/// report too.
 fn ffi_grouped(f: impl FnOnce() -> Result<ncclResult_t, Fail>) -> ncclResult_t {
-    ffi(|| group_err(f()))
+    ffi(|| {
+        f().inspect_err(|f| {
+            GROUP.with(|g| {
+                let mut g = g.borrow_mut();
+                if g.0 > 0 && g.2.is_none() {
+                    g.2 = Some(f.clone());
+                }
+            })
+        })
+    })
 }
 
 /// NCCL's entry points that only hand their arguments to the function that checks and posts
@@ -158,30 +159,20 @@ macro_rules! forward {
 fn known(g: &mut Global, comm: ncclComm_t, what: &str) -> Result<Handle, Fail> {
     let h = comm as usize;
     if comm.is_null() {
-        return Err(g.misuse(
-            None,
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: comm is NULL"),
-        ));
+        return Err(g.invalid(None, what, "comm is NULL"));
     }
     if g.comms.contains_key(&h) {
         return Ok(h);
     }
     if let Some(&root) = g.dead.get(&h) {
-        return Err(g.misuse(
-            Some(root),
-            ncclInvalidUsage,
-            format!("invalid usage: {what}: communicator {h:#x} was already destroyed or aborted"),
-        ));
+        let m = format!("communicator {h:#x} was already destroyed or aborted");
+        return Err(g.misuse(Some(root), ncclInvalidUsage, what, m));
     }
-    Err(g.misuse(
-        None,
-        ncclInvalidArgument,
-        format!("invalid argument: {what}: {h:#x} is not a communicator handle"),
-    ))
+    Err(g.invalid(None, what, format!("{h:#x} is not a communicator handle")))
 }
 
 /// A usable communicator.
+#[derive(Clone, Copy)]
 struct Ready {
     h: Handle,
     clique: u64,
@@ -192,12 +183,18 @@ struct Ready {
 
 impl Ready {
     /// An invalid-argument failure of entry point `name` on this communicator.
-    fn invalid(&self, g: &mut Global, name: &str, m: String) -> Fail {
-        g.misuse(
-            Some(self.root),
-            ncclInvalidArgument,
-            format!("invalid argument: {name}: {m}"),
-        )
+    fn invalid(&self, g: &mut Global, name: &str, m: impl std::fmt::Display) -> Fail {
+        g.invalid(Some(self.root), name, m)
+    }
+
+    /// An operation's argument error, which on a non-blocking communicator NCCL also stores
+    /// as its asynchronous error (ncclEnqueueCheck's `fail:`, enqueue.cc:2660-2661 of
+    /// 2.28.9): from then on ncclCommGetAsyncError reports it and every call that ensures
+    /// readiness is refused.
+    fn refuse(&self, g: &mut Global, name: &str, m: impl std::fmt::Display) -> Fail {
+        let f = self.invalid(g, name, m);
+        set_async_error(g, self.h, &f);
+        f
     }
 
     /// Takes this communicator's next collective sequence number, with its device.
@@ -226,10 +223,7 @@ impl Ready {
 /// Split, ncclRedOpCreatePreMulSum) read the same state as ncclCommGetAsyncError.
 fn ensure_ready(g: &mut Global, comm: ncclComm_t, what: &str) -> Result<Ready, Fail> {
     let r = ready(g, comm, what, false)?;
-    match async_failure(g, r.h) {
-        Some(f) => Err(f),
-        None => Ok(r),
-    }
+    async_failure(g, r.h).map_or(Ok(r), Err)
 }
 
 /// Checks `comm` is initialized (and, with `ops`, not finalized and its clique not aborted).
@@ -241,36 +235,24 @@ fn ready(g: &mut Global, comm: ncclComm_t, what: &str, ops: bool) -> Result<Read
     // NCCL's ncclCommEnsureReady (init.cc:373): asynchronous work in flight refuses the
     // call with ncclInvalidArgument; a failed one is the communicator's error from then on.
     match c.job.clone() {
-        Job::Busy { .. } => return Err(g.misuse(
-            Some(root),
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: Attempt to use communicator before the previous operation returned ncclSuccess (an asynchronous split, shrink or window registration is in progress: poll ncclCommGetAsyncError until it is no longer ncclInProgress)"),
-        )),
+        Job::Busy { .. } => return Err(g.invalid(Some(root), what, "Attempt to use communicator before the previous operation returned ncclSuccess (an asynchronous split, shrink or window registration is in progress: poll ncclCommGetAsyncError until it is no longer ncclInProgress)")),
         Job::Failed(f) if ops => return Err(f),
         _ => {}
     }
     match c.state.clone() {
         // ncclCommEnsureReady turns the init's ncclInProgress into ncclInvalidArgument.
-        CommState::Pending => Err(g.misuse(
-            Some(root),
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: Attempt to use communicator before the previous operation returned ncclSuccess (it is still initializing: poll ncclCommGetAsyncError)"),
-        )),
+        CommState::Pending => Err(g.invalid(Some(root), what, "Attempt to use communicator before the previous operation returned ncclSuccess (it is still initializing: poll ncclCommGetAsyncError)")),
         CommState::Failed(f) => Err(f),
         CommState::Ready { clique, rank } => {
             if ops && finalized {
-                return Err(g.misuse(
-                    Some(root),
-                    ncclInvalidUsage,
-                    format!("invalid usage: {what}: communicator was finalized"),
-                ));
+                return Err(g.misuse(Some(root), ncclInvalidUsage, what, "communicator was finalized"));
             }
             let Some(cl) = g.cliques.get(&clique) else {
-                return Err(Fail::new(ncclRemoteError, format!("remote error: {what}: communicator is gone")));
+                return Err(Fail::new(ncclRemoteError, format!("{what}: communicator is gone")));
             };
             if ops {
                 if let Some(f) = &cl.aborted {
-                    return Err(Fail::new(f.code, format!("{what}: communicator is in error: {}", f.msg)));
+                    return Err(Fail::raw(f.code, format!("{what}: communicator is in error: {}", f.msg)));
                 }
             }
             Ok(Ready {
@@ -306,29 +288,15 @@ fn parse_config(
         )
     };
     if magic != NCCL_API_MAGIC {
-        return Err(g.misuse(
-            root,
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: config magic {magic:#x} is not NCCL_API_MAGIC (0xcafebeef): initialize it with NCCL_CONFIG_INITIALIZER"),
-        ));
+        return Err(g.invalid(root, what, format!("config magic {magic:#x} is not NCCL_API_MAGIC (0xcafebeef): initialize it with NCCL_CONFIG_INITIALIZER")));
     }
-    if size < super::MIN_CONFIG_SIZE || size > core::mem::size_of::<ncclConfig_t>() {
-        return Err(g.misuse(
-            root,
-            ncclInvalidArgument,
-            format!(
-                "invalid argument: {what}: config size {size} is not a known ncclConfig_t layout ({}..={} bytes, NCCL 2.17..2.32)",
-                super::MIN_CONFIG_SIZE,
-                core::mem::size_of::<ncclConfig_t>()
-            ),
-        ));
+    let known = super::MIN_CONFIG_SIZE..=core::mem::size_of::<ncclConfig_t>();
+    if !known.contains(&size) {
+        return Err(g.invalid(root, what, format!("config size {size} is not a known ncclConfig_t layout ({known:?} bytes, NCCL 2.17..2.32)")));
     }
     if !(21700..30000).contains(&version) {
-        return Err(g.misuse(
-            root,
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: config version {version} is not an NCCL 2.17+ version code"),
-        ));
+        let m = format!("config version {version} is not an NCCL 2.17+ version code");
+        return Err(g.invalid(root, what, m));
     }
     // SAFETY: `blocking` is at offset 16 in every layout, inside `size` (>= 48) bytes.
     let blocking = unsafe { (base.add(16) as *const c_int).read_unaligned() };
@@ -337,10 +305,10 @@ fn parse_config(
         nccl_sys::NCCL_CONFIG_UNDEF_INT => Ok(forced),
         0 => Ok(forced.or(Some(false))),
         1 => Ok(forced.or(Some(true))),
-        b => Err(g.misuse(
+        b => Err(g.invalid(
             root,
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: config.blocking = {b} (must be 0 or 1)"),
+            what,
+            format!("config.blocking = {b} (must be 0 or 1)"),
         )),
     }
 }
@@ -374,16 +342,11 @@ fn config_name(cfg: *const ncclConfig_t) -> usize {
     }
 }
 
-/// Sets a new handle's kept `commName` pointer: its config's, else `inherit`'s.
-fn set_name(g: &mut Global, h: Handle, cfg: *const ncclConfig_t, inherit: Option<Handle>) {
-    let own = config_name(cfg);
-    let name = if own != 0 {
-        own
-    } else {
-        inherit.and_then(|p| g.comms.get(&p)).map_or(0, |c| c.name)
-    };
-    if let Some(c) = g.comms.get_mut(&h) {
-        c.name = name;
+/// The `commName` pointer a new handle keeps: its config's, else `inherit`'s.
+fn name_of(g: &Global, cfg: *const ncclConfig_t, inherit: Option<Handle>) -> usize {
+    match config_name(cfg) {
+        0 => inherit.and_then(|p| g.comms.get(&p)).map_or(0, |c| c.name),
+        own => own,
     }
 }
 
@@ -428,22 +391,15 @@ fn finish_new(
     }
 }
 
-/// NCCL's asynchronous work on a non-blocking communicator, as 2.28.9 does it:
-/// `ncclCommSplit` and `ncclCommShrink` (`ncclCommInitChildComm`, init.cc:2550-2642) and
-/// `ncclCommWindowRegister` (dev_runtime.cc:891-922) queue a job that holds the caller's
-/// out-pointer; the `ncclGroupEndInternal` that ends the call (group.cc:706-738) marks the
-/// communicator ncclInProgress, starts a thread for the job and returns ncclInProgress, which
-/// the entry point's `NCCLCHECK` lets through and drops, so the caller sees **ncclSuccess**
-/// with the out-pointer not yet written. The job stores its result at its end
-/// (`__atomic_store_n(job->newcomm, comm, __ATOMIC_RELEASE)`, init.cc:1612-1614), after a
-/// failure too, and only then does the communicator leave ncclInProgress.
-///
-/// Here: `parent` is marked busy (`ready` refuses every call but ncclCommGetAsyncError and
-/// ncclCommAbort meanwhile, as `ncclCommEnsureReady` does), and a thread runs `body`, waits
-/// until at least [`job_latency`](super::defs::job_latency) has passed since the call (and
-/// while [`Fault::HeldJobs`](super::fault::Fault::HeldJobs) holds it), then
-/// stores `body`'s value into `out` (when `out` is not 0) with a release store and ends the
-/// job (a failure stays as the communicator's error, as NCCL's `asyncResult`).
+/// NCCL's asynchronous job on a non-blocking communicator (split and shrink, init.cc:
+/// 2550-2642 of 2.28.9; window registration, dev_runtime.cc:891-922), whose call returns
+/// ncclSuccess before the job writes the out-pointer (ARCHITECTURE.md, "NCCL's asynchronous
+/// contract"). Here `parent` is marked busy (`ready` then refuses every call but
+/// ncclCommGetAsyncError and ncclCommAbort, as `ncclCommEnsureReady` does) and a thread runs
+/// `body`, waits until [`job_latency`](super::defs::job_latency) has passed since the call
+/// (and while [`Fault::HeldJobs`](super::fault::Fault::HeldJobs) holds it), stores `body`'s
+/// value into `out` (unless 0) with a release store, after a failure too, as NCCL's job
+/// does (init.cc:1612-1614), and ends the job: a failure stays the communicator's error.
 fn start_job(
     g: &mut Global,
     parent: Handle,
@@ -456,40 +412,42 @@ fn start_job(
     c.job = Job::Busy { child };
     let root = c.root;
     let start = std::time::Instant::now();
-    let spawned = std::thread::Builder::new()
-        .name(format!("nccl-host-{what}"))
-        .spawn(move || {
-            let (value, r) = body();
-            std::thread::sleep(super::defs::job_latency().saturating_sub(start.elapsed()));
-            super::fault::wait_jobs_released(root);
-            let mut g = lock();
-            if out != 0 {
-                // SAFETY: NCCL's contract: the caller's out-pointer stays valid (and, as a
-                // pointer's slot, aligned) until the job ends, that is until the
-                // communicator leaves ncclInProgress, which happens below, after the store.
-                let slot = unsafe { core::sync::atomic::AtomicUsize::from_ptr(out as *mut usize) };
-                slot.store(value, core::sync::atomic::Ordering::Release);
-            }
-            if let Some(c) = g.comms.get_mut(&parent) {
-                c.job = match r {
-                    Ok(()) => Job::Idle,
-                    Err(f) => Job::Failed(f),
-                };
-            }
-            drop(g);
-            super::state::notify();
-        });
-    match spawned {
-        Ok(_) => Ok(ncclSuccess),
-        Err(e) => {
-            if let Some(c) = g.comms.get_mut(&parent) {
-                c.job = Job::Idle;
-            }
-            Err(Fail::new(
-                ncclSystemError,
-                format!("system error: cannot start the thread of an asynchronous {what}: {e}"),
-            ))
+    let spawned = spawn(format!("nccl-host-{what}"), move || {
+        let (value, r) = body();
+        std::thread::sleep(super::defs::job_latency().saturating_sub(start.elapsed()));
+        super::fault::wait_jobs_released(root);
+        let mut g = lock();
+        if out != 0 {
+            // SAFETY: NCCL's contract: the caller's out-pointer stays valid (and, as a
+            // pointer's slot, aligned) until the job ends, that is until the
+            // communicator leaves ncclInProgress, which happens below, after the store.
+            let slot = unsafe { core::sync::atomic::AtomicUsize::from_ptr(out as *mut usize) };
+            slot.store(value, core::sync::atomic::Ordering::Release);
         }
+        if let Some(c) = g.comms.get_mut(&parent) {
+            c.job = match r {
+                Ok(()) => Job::Idle,
+                Err(f) => Job::Failed(f),
+            };
+        }
+        drop(g);
+        super::state::notify();
+    });
+    spawned.map(|()| ncclSuccess).inspect_err(|_| {
+        if let Some(c) = g.comms.get_mut(&parent) {
+            c.job = Job::Idle;
+        }
+    })
+}
+
+/// Runs `f` on a new thread named `name`; `ncclSystemError` when it cannot start.
+fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<(), Fail> {
+    match std::thread::Builder::new().name(name.clone()).spawn(f) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(Fail::new(
+            ncclSystemError,
+            format!("cannot start thread {name}: {e}"),
+        )),
     }
 }
 
@@ -504,10 +462,7 @@ fn end_child_job(h: Handle, split_of: Option<u64>) -> (usize, Result<(), Fail>) 
     let r = loop {
         g.check_pending_deadline(h);
         let Some(c) = g.comms.get(&h) else {
-            break Err(Fail::new(
-                ncclInternalError,
-                "internal error: the child vanished",
-            ));
+            break Err(Fail::new(ncclInternalError, "the child vanished"));
         };
         match &c.state {
             CommState::Ready { .. } => break Ok(()),
@@ -532,30 +487,21 @@ fn end_child_job(h: Handle, split_of: Option<u64>) -> (usize, Result<(), Fail>) 
 /// (every rank of the parent takes part in NCCL's `bootstrapSplit`), failed, or past the
 /// provider's wait limit; it stores NULL.
 fn end_nocolor_job(clique: u64, seq: u64) -> (usize, Result<(), Fail>) {
-    let deadline = std::time::Instant::now() + super::defs::wait_limit();
-    let mut g = lock();
-    loop {
-        match g.cliques.get(&clique) {
-            None => return (0, Ok(())),
-            Some(cl) => {
-                if let Some(f) = &cl.aborted {
-                    return (0, Err(f.clone()));
-                }
-                if !cl.rdv.contains_key(&seq) {
-                    return (0, Ok(()));
-                }
-            }
-        }
-        if std::time::Instant::now() >= deadline {
-            let f = Fail::new(
-                ncclTimeout,
-                format!("NCCL timeout: ncclCommSplit: not every rank joined within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)", super::defs::wait_limit()),
-            );
-            g.fail_pending(PendingOn::Rdv { clique, seq }, f.clone());
-            return (0, Err(f));
-        }
-        g = super::state::wait(g, deadline);
-    }
+    let (mut g, end) = wait_until(lock(), |g| match g.cliques.get(&clique) {
+        None => Some(Ok(())),
+        Some(cl) if cl.aborted.is_some() => cl.aborted.clone().map(Err),
+        Some(cl) => (!cl.rdv.contains_key(&seq)).then_some(Ok(())),
+    });
+    let r = end.unwrap_or_else(|| {
+        let limit = super::defs::wait_limit();
+        let m = format!(
+            "ncclCommSplit: not every rank joined within {limit:?} (NCCL_SAFE_HOST_TIMEOUT_MS)"
+        );
+        let f = Fail::new(ncclTimeout, m);
+        g.fail_pending(PendingOn::Rdv { clique, seq }, f.clone());
+        Err(f)
+    });
+    (0, r)
 }
 
 /// Whether a split/shrink/window registration on `h` runs as NCCL's asynchronous job: on a
@@ -566,15 +512,6 @@ fn asynchronous(g: &Global, h: Handle) -> bool {
     !in_group() && g.comms.get(&h).is_some_and(|c| c.nonblocking)
 }
 
-/// The failure of entry point `name`, outside any communicator, given a NULL `arg`.
-fn null_arg(g: &mut Global, name: &str, arg: &str) -> Fail {
-    g.misuse(
-        None,
-        ncclInvalidArgument,
-        format!("invalid argument: {name}: {arg} is NULL"),
-    )
-}
-
 pub(crate) unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
     get_version(version, 23203)
 }
@@ -582,7 +519,7 @@ pub(crate) unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResul
 pub(crate) fn get_version(version: *mut c_int, code: c_int) -> ncclResult_t {
     ffi(|| {
         if version.is_null() {
-            return Err(null_arg(&mut lock(), "ncclGetVersion", "version"));
+            return Err(lock().invalid(None, "ncclGetVersion", "version is NULL"));
         }
         put(version, code);
         Ok(ncclSuccess)
@@ -592,7 +529,7 @@ pub(crate) fn get_version(version: *mut c_int, code: c_int) -> ncclResult_t {
 pub(crate) unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut ncclUniqueId) -> ncclResult_t {
     ffi(|| {
         if unique_id.is_null() {
-            return Err(null_arg(&mut lock(), "ncclGetUniqueId", "uniqueId"));
+            return Err(lock().invalid(None, "ncclGetUniqueId", "uniqueId is NULL"));
         }
         put(
             unique_id,
@@ -614,7 +551,7 @@ fn fixed_id(at: &str) -> Result<ncclUniqueId, Fail> {
     let addr = (at.to_socket_addrs().ok().and_then(|mut a| a.next())).ok_or_else(|| {
         Fail::new(
             ncclInvalidArgument,
-            format!("invalid argument: Invalid NCCL_COMM_ID {at:?}, please use format: <ipv4>:<port> or [<ipv6>]:<port> or <hostname>:<port>"),
+            format!("Invalid NCCL_COMM_ID {at:?}, please use format: <ipv4>:<port> or [<ipv6>]:<port> or <hostname>:<port>"),
         )
     })?;
     let mut b = [0 as c_char; 128];
@@ -676,20 +613,13 @@ fn init_rank(
         let idb = id_bytes(&id);
         let root = g.root_of(&idb);
         if comm.is_null() {
-            return Err(g.misuse(
-                Some(root),
-                ncclInvalidArgument,
-                format!("invalid argument: {what}: comm is NULL"),
-            ));
+            return Err(g.invalid(Some(root), what, "comm is NULL"));
         }
         if nranks < 1 || rank < 0 || rank >= nranks {
-            return Err(g.misuse(
-            Some(root),
-            ncclInvalidArgument,
-            format!("invalid argument: {what}: rank {rank} / nranks {nranks} out of range (need 0 <= rank < nranks)"),
-        ));
+            let m = format!("rank {rank} / nranks {nranks} out of range (need 0 <= rank < nranks)");
+            return Err(g.invalid(Some(root), what, m));
         }
-        new_rank(g, idb, nranks, rank, root, config, what, comm)
+        new_rank(g, idb, nranks, rank, root, None, config, what, comm)
     });
     // ncclCommInitRank's NCCLCHECK lets ncclInProgress through and it returns ncclSuccess
     // (init.cc:2055, checks.h:124): made non-blocking by NCCL_COMM_BLOCKING=0, its init
@@ -701,8 +631,9 @@ fn init_rank(
     }
 }
 
-/// A rank that joins with a unique id (init, or a rank new to a grow): its handle, named
-/// from `config`, joined (through shared memory when the id is a shared one) and written
+/// A rank that joins with a unique id (init, or grow): its handle, blocking and named as
+/// `config` says, else as `parent` (a grow's existing rank), on `parent`'s device or else
+/// this thread's, joined (through shared memory when the id is a shared one) and written
 /// to `out`.
 #[allow(clippy::too_many_arguments)]
 fn new_rank(
@@ -711,13 +642,18 @@ fn new_rank(
     nranks: c_int,
     rank: c_int,
     root: RootIdx,
+    parent: Option<Handle>,
     config: *const ncclConfig_t,
     what: &str,
     out: *mut ncclComm_t,
 ) -> Result<ncclResult_t, Fail> {
-    let blocking = parse_config(&mut g, config, Some(root), what)?.unwrap_or(true);
-    let h = g.new_handle(root, DEVICE.with(|d| d.get()), !blocking);
-    set_name(&mut g, h, config, None);
+    let (parent_blocking, dev) = match parent.and_then(|p| g.comms.get(&p)) {
+        Some(c) => (!c.nonblocking, c.device),
+        None => (true, DEVICE.with(|d| d.get())),
+    };
+    let blocking = parse_config(&mut g, config, Some(root), what)?.unwrap_or(parent_blocking);
+    let name = name_of(&g, config, parent);
+    let h = g.new_handle(root, dev, !blocking, name);
     if super::shm::is_shared(&idb) {
         join_shared(&mut g, idb, nranks, rank, h, root)?;
     } else {
@@ -743,40 +679,29 @@ fn join_shared(
         c.deadline = deadline + std::time::Duration::from_secs(1);
     }
     let silent = super::fault::silent_peers(root);
-    let spawned = std::thread::Builder::new()
-        .name("nccl-safe-shm-init".into())
-        .spawn(move || {
-            let r = super::shm::Segment::join(&idb, nranks as usize, rank as usize, deadline);
-            let mut g = lock();
-            let pending = matches!(g.comms.get(&h).map(|c| &c.state), Some(CommState::Pending));
-            match r {
-                Ok(mut seg) if pending => {
-                    seg.silent = silent;
-                    g.new_shared_clique(root, h, std::sync::Arc::new(seg), nranks);
-                }
-                // Destroyed or failed meanwhile: the peers must not wait for this rank.
-                Ok(seg) => seg.abort(),
-                Err(f) => {
-                    if let Some(c) = g.comms.get_mut(&h) {
-                        if pending {
-                            c.state = CommState::Failed(f);
-                        }
+    spawn("nccl-safe-shm-init".into(), move || {
+        let r = super::shm::Segment::join(&idb, nranks as usize, rank as usize, deadline);
+        let mut g = lock();
+        let pending = matches!(g.comms.get(&h).map(|c| &c.state), Some(CommState::Pending));
+        match r {
+            Ok(mut seg) if pending => {
+                seg.silent = silent;
+                g.new_shared_clique(root, h, std::sync::Arc::new(seg), nranks);
+            }
+            // Destroyed or failed meanwhile: the peers must not wait for this rank.
+            Ok(seg) => seg.abort(),
+            Err(f) => {
+                if let Some(c) = g.comms.get_mut(&h) {
+                    if pending {
+                        c.state = CommState::Failed(f);
                     }
                 }
             }
-            drop(g);
-            super::state::notify();
-        });
-    match spawned {
-        Ok(_) => Ok(()),
-        Err(e) => {
-            g.forget_handle(h);
-            Err(Fail::new(
-                ncclSystemError,
-                format!("system error: cannot start the shared-memory init thread: {e}"),
-            ))
         }
-    }
+        drop(g);
+        super::state::notify();
+    })
+    .inspect_err(|_| g.forget_handle(h))
 }
 
 /// The shared segment of a communicator across processes, if `clique` is one.
@@ -810,11 +735,8 @@ pub(crate) unsafe extern "C" fn ncclCommInitAll(
     ffi(|| {
         let mut g = lock();
         if comm.is_null() || ndev < 1 {
-            return Err(g.misuse(
-                None,
-                ncclInvalidArgument,
-                format!("invalid argument: ncclCommInitAll: comms is NULL or ndev ({ndev}) < 1"),
-            ));
+            let m = format!("comms is NULL or ndev ({ndev}) < 1");
+            return Err(g.invalid(None, "ncclCommInitAll", m));
         }
         let idb = id_bytes(&fresh_id());
         let root = g.root_of(&idb);
@@ -830,7 +752,7 @@ pub(crate) unsafe extern "C" fn ncclCommInitAll(
                 // SAFETY: a non-null devlist has ndev entries (NCCL's contract).
                 unsafe { devlist.add(i).read() }
             };
-            handles.push(g.new_handle(root, dev, nonblocking));
+            handles.push(g.new_handle(root, dev, nonblocking, 0));
         }
         g.new_clique(root, &handles);
         for (i, &h) in handles.iter().enumerate() {
@@ -856,11 +778,8 @@ pub(crate) unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult
         // A second finalize, or one after a revoke (which finalizes): init.cc:2274-2278.
         let finalized = g.comms.get(&r.h).is_some_and(|c| c.finalized);
         if finalized {
-            return Err(g.misuse(
-                Some(r.root),
-                ncclInvalidArgument,
-                "invalid argument: ncclCommFinalize: already finalized (or revoked)".into(),
-            ));
+            let m = "already finalized (or revoked)";
+            return Err(g.invalid(Some(r.root), "ncclCommFinalize", m));
         }
         if let Some(c) = g.comms.get_mut(&r.h) {
             c.finalized = true;
@@ -872,10 +791,7 @@ pub(crate) unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult
 
 /// The failure that `rank`'s ncclCommAbort gives its clique.
 fn aborted_by(rank: i32) -> Fail {
-    Fail::new(
-        ncclRemoteError,
-        format!("remote error: rank {rank} called ncclCommAbort"),
-    )
+    Fail::new(ncclRemoteError, format!("rank {rank} called ncclCommAbort"))
 }
 
 fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
@@ -905,8 +821,7 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
             GROUP.with(|gr| gr.borrow_mut().0 += 1);
             return Err(f);
         }
-    }
-    if abort {
+    } else {
         // NCCL's abort sets the abort flags (the child of a split in flight sees them too)
         // and joins the job in flight (ncclCommEnsureReady -> ncclGroupJobAbort,
         // init.cc:2503-2520) before it tears down.
@@ -956,11 +871,8 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
             g.leave_clique(clique);
         }
         CommState::Pending => {
-            let why = Fail::new(
-                ncclRemoteError,
-                format!("remote error: a rank called {what} during initialization"),
-            );
-            g.fail_pending(c.pending_on, why);
+            let m = format!("a rank called {what} during initialization");
+            g.fail_pending(c.pending_on, Fail::new(ncclRemoteError, m));
         }
         CommState::Failed(_) => {}
     }
@@ -979,11 +891,8 @@ fn destroy_refusal(g: &mut Global, h: Handle) -> Option<Fail> {
     let root = c.root;
     let in_flight = matches!(c.job, Job::Busy { .. }) || matches!(c.state, CommState::Pending);
     if in_flight {
-        return Some(g.misuse(
-            Some(root),
-            ncclInvalidArgument,
-            "invalid argument: ncclCommDestroy: Attempt to use communicator before the previous operation returned ncclSuccess".into(),
-        ));
+        let m = "Attempt to use communicator before the previous operation returned ncclSuccess";
+        return Some(g.invalid(Some(root), "ncclCommDestroy", m));
     }
     // The state ncclCommGetAsyncError reads: a revoke's result replaces a failed clique's.
     match &c.state {
@@ -995,38 +904,28 @@ fn destroy_refusal(g: &mut Global, h: Handle) -> Option<Fail> {
 /// An abort of `h` while asynchronous work is in flight: fails the child the job waits for
 /// (NCCL's `childAbortFlag`), or the parent's clique for a NOCOLOR rank, and waits (within
 /// the provider's wait limit) until the job has ended and stored its result.
-fn end_job_for_abort(
-    mut g: std::sync::MutexGuard<'static, Global>,
-    h: Handle,
-) -> std::sync::MutexGuard<'static, Global> {
-    let deadline = std::time::Instant::now() + super::defs::wait_limit();
-    let why = Fail::new(
-        ncclRemoteError,
-        "remote error: the parent communicator was aborted during the split/shrink",
-    );
-    loop {
-        let Some(c) = g.comms.get(&h) else { return g };
-        let Job::Busy { child } = c.job.clone() else {
-            return g;
+fn end_job_for_abort(g: MutexGuard<'static, Global>, h: Handle) -> MutexGuard<'static, Global> {
+    let m = "the parent communicator was aborted during the split/shrink";
+    let why = Fail::new(ncclRemoteError, m);
+    wait_until(g, |g| {
+        // Until the job ended (or the handle is gone).
+        let job = g.comms.get(&h).map(|c| (c.job.clone(), c.state.clone()));
+        let Some((Job::Busy { child }, state)) = job else {
+            return Some(());
         };
-        match child.filter(|k| g.comms.contains_key(k)) {
-            Some(k) => g.fail_handle(k, why.clone()),
-            None => {
-                if let Some(CommState::Ready { clique, .. }) =
-                    g.comms.get(&h).map(|c| c.state.clone())
-                {
-                    if let Some(seg) = shared_of(&g, clique) {
-                        seg.abort();
-                    }
-                    g.abort_clique(clique, why.clone());
+        match (child.filter(|k| g.comms.contains_key(k)), state) {
+            (Some(k), _) => g.fail_handle(k, why.clone()),
+            (None, CommState::Ready { clique, .. }) => {
+                if let Some(seg) = shared_of(g, clique) {
+                    seg.abort();
                 }
+                g.abort_clique(clique, why.clone());
             }
+            (None, _) => {}
         }
-        if std::time::Instant::now() >= deadline {
-            return g;
-        }
-        g = super::state::wait(g, deadline);
-    }
+        None
+    })
+    .0
 }
 
 pub(crate) unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
@@ -1040,49 +939,30 @@ pub(crate) unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t 
 /// A split across processes: every rank's (color, key) through the parent, then the
 /// child's id derived alike on every rank and joined as any shared init. The child's
 /// pending handle, or `None` for NOCOLOR.
-#[allow(clippy::too_many_arguments)]
 fn shared_split(
     seg: std::sync::Arc<super::shm::Segment>,
-    clique: u64,
+    r: Ready,
     seq: u64,
     (color, key): (c_int, c_int),
-    rank: i32,
-    root: RootIdx,
-    dev: c_int,
-    blocking: bool,
-    name: usize,
+    (dev, blocking, name): (c_int, bool, usize),
 ) -> Result<Option<Handle>, Fail> {
     let all = seg.exchange_split(seq, color, key).inspect_err(|f| {
-        lock().abort_clique(clique, f.clone());
+        lock().abort_clique(r.clique, f.clone());
     })?;
     let id = seg.child_id(&format!("split {color}"));
     if color == NCCL_SPLIT_NOCOLOR {
         return Ok(None);
     }
-    let mut members: Vec<(i32, usize)> = all
-        .iter()
-        .enumerate()
+    let mut members: Vec<(i32, usize)> = (all.iter().enumerate())
         .filter(|(_, &(c, _))| c == color)
         .map(|(q, &(_, k))| (k, q))
         .collect();
     members.sort_unstable();
-    let new_rank = members
-        .iter()
-        .position(|&(_, q)| q == rank as usize)
-        .unwrap_or(0);
+    let me = members.iter().position(|&(_, q)| q == r.rank as usize);
+    let (n, me) = (members.len() as c_int, me.unwrap_or(0) as c_int);
     let mut g = lock();
-    let h = g.new_handle(root, dev, !blocking);
-    if let Some(c) = g.comms.get_mut(&h) {
-        c.name = name;
-    }
-    join_shared(
-        &mut g,
-        id,
-        members.len() as c_int,
-        new_rank as c_int,
-        h,
-        root,
-    )?;
+    let h = g.new_handle(r.root, dev, !blocking, name);
+    join_shared(&mut g, id, n, me, h, r.root)?;
     Ok(Some(h))
 }
 
@@ -1099,11 +979,8 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
         // or revoked parent may be split (2.29.7 only shares no resources with a revoked one).
         let r = ensure_ready(&mut g, comm, "ncclCommSplit")?;
         if newcomm.is_null() || color < NCCL_SPLIT_NOCOLOR {
-            return Err(r.invalid(
-                &mut g,
-                "ncclCommSplit",
-                format!("newcomm is NULL or color {color} < 0 (and not NCCL_SPLIT_NOCOLOR)"),
-            ));
+            let m = format!("newcomm is NULL or color {color} < 0 (and not NCCL_SPLIT_NOCOLOR)");
+            return Err(r.invalid(&mut g, "ncclCommSplit", m));
         }
         let blocking = r.child_blocking(&mut g, config, "ncclCommSplit")?;
         if in_group() {
@@ -1118,27 +995,10 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
         // As NCCL (init.cc:2571-2572): NULL until the split is complete.
         put(newcomm, core::ptr::null_mut());
         let out = newcomm as usize;
-        let (clique, rank, root) = (r.clique, r.rank, r.root);
+        let clique = r.clique;
         if let Some(seg) = shared_of(&g, r.clique) {
-            let own = config_name(config);
-            let name = if own != 0 {
-                own
-            } else {
-                g.comms.get(&r.h).map_or(0, |c| c.name)
-            };
-            let split = move || {
-                shared_split(
-                    seg,
-                    clique,
-                    seq,
-                    (color, key),
-                    rank,
-                    root,
-                    dev,
-                    blocking,
-                    name,
-                )
-            };
+            let child = (dev, blocking, name_of(&g, config, Some(r.h)));
+            let split = move || shared_split(seg, r, seq, (color, key), child);
             if asynchronous(&g, r.h) {
                 return start_job(&mut g, r.h, None, "split", out, move || match split() {
                     Ok(Some(h)) => {
@@ -1166,8 +1026,8 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
             }
             return Ok(ncclSuccess);
         }
-        let h = g.new_handle(r.root, dev, !blocking);
-        set_name(&mut g, h, config, Some(r.h));
+        let name = name_of(&g, config, Some(r.h));
+        let h = g.new_handle(r.root, dev, !blocking, name);
         g.post_rdv(r.clique, seq, None, (r.rank, color, key, Some(h)))?;
         if asynchronous(&g, r.h) {
             return start_job(&mut g, r.h, Some(h), "split", out, move || {
@@ -1187,44 +1047,33 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
     shrink_flags: c_int,
 ) -> ncclResult_t {
     ffi_grouped(|| {
+        const NAME: &str = "ncclCommShrink";
         let mut g = lock();
-        let r = ready(&mut g, comm, "ncclCommShrink", false)?;
-        let bad = |g: &mut Global, m: String| r.invalid(g, "ncclCommShrink", m);
+        let r = ready(&mut g, comm, NAME, false)?;
         if newcomm.is_null() {
-            return Err(bad(&mut g, "newcomm is NULL".into()));
+            return Err(r.invalid(&mut g, NAME, "newcomm is NULL"));
         }
-        if shrink_flags != NCCL_SHRINK_DEFAULT as c_int
-            && shrink_flags != NCCL_SHRINK_ABORT as c_int
-        {
-            return Err(bad(&mut g, format!("unknown shrinkFlags {shrink_flags}")));
+        let abort_mode = shrink_flags == NCCL_SHRINK_ABORT as c_int;
+        if shrink_flags != NCCL_SHRINK_DEFAULT as c_int && !abort_mode {
+            return Err(r.invalid(&mut g, NAME, format!("unknown shrinkFlags {shrink_flags}")));
         }
         // As NCCL (init.cc:2561-2562 of 2.28.9): a list, and at least one rank in it.
         if exclude_ranks_count <= 0 || exclude_ranks_list.is_null() {
-            return Err(bad(
-                &mut g,
-                "excludeRanksList is NULL or excludeRanksCount < 1".into(),
-            ));
+            let m = "excludeRanksList is NULL or excludeRanksCount < 1";
+            return Err(r.invalid(&mut g, NAME, m));
         }
-        let mut excl = Vec::new();
-        for i in 0..exclude_ranks_count as usize {
-            // SAFETY: the list is non-null and holds excludeRanksCount entries (NCCL's contract).
-            excl.push(unsafe { exclude_ranks_list.add(i).read() });
-        }
+        let n = exclude_ranks_count as usize;
+        // SAFETY: the list is non-null and holds excludeRanksCount entries (NCCL's contract).
+        let mut excl = unsafe { core::slice::from_raw_parts(exclude_ranks_list, n) }.to_vec();
         excl.sort_unstable();
         excl.dedup();
-        if excl.len() != exclude_ranks_count as usize
-            || excl.iter().any(|&x| x < 0 || x >= r.nranks || x == r.rank)
-        {
-            return Err(bad(
-                &mut g,
-                format!(
-                "exclude list {excl:?} has duplicates, ranks outside 0..{}, or the calling rank {}",
-                r.nranks, r.rank
-            ),
-            ));
+        if excl.len() != n || excl.iter().any(|&x| x < 0 || x >= r.nranks || x == r.rank) {
+            let (nranks, rank) = (r.nranks, r.rank);
+            let m = format!("exclude list {excl:?} has duplicates, ranks outside 0..{nranks}, or the calling rank {rank}");
+            return Err(r.invalid(&mut g, NAME, m));
         }
-        let blocking = r.child_blocking(&mut g, config, "ncclCommShrink")?;
-        if shrink_flags == NCCL_SHRINK_ABORT as c_int {
+        let blocking = r.child_blocking(&mut g, config, NAME)?;
+        if abort_mode {
             // NCCL sets the abort flags, waits for the parent's kernels to end and
             // clears the flags (init.cc:2844-2848 of 2.29.7): its work in flight ends.
             super::fault::torn_down(r.h);
@@ -1263,15 +1112,15 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
         // in flight on the parent when it failed (some never issued the collective the
         // others waited in), so it gets a number of its own, the same on every rank
         // left: the how-many-th abort shrink of this parent.
-        let (seq, dev) = if shrink_flags == NCCL_SHRINK_ABORT as c_int {
+        let (seq, dev) = if abort_mode {
             let c = g.comms.get_mut(&r.h).ok_or_else(vanished)?;
             c.abort_shrinks += 1;
             ((1u64 << 62) + c.abort_shrinks - 1, c.device)
         } else {
             r.next_coll(&mut g)?
         };
-        let h = g.new_handle(r.root, dev, !blocking);
-        set_name(&mut g, h, config, Some(r.h));
+        let name = name_of(&g, config, Some(r.h));
+        let h = g.new_handle(r.root, dev, !blocking, name);
         // As NCCL (init.cc:2571-2572): NULL until the shrink is complete.
         put(newcomm, core::ptr::null_mut());
         if let Some(seg) = shared_of(&g, r.clique) {
@@ -1287,14 +1136,8 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
             g.post_rdv(r.clique, seq, Some(excl), (r.rank, 0, r.rank, Some(h)))?;
         }
         if asynchronous(&g, r.h) {
-            return start_job(
-                &mut g,
-                r.h,
-                Some(h),
-                "shrink",
-                newcomm as usize,
-                move || end_child_job(h, None),
-            );
+            let job = move || end_child_job(h, None);
+            return start_job(&mut g, r.h, Some(h), "shrink", newcomm as usize, job);
         }
         finish_new(g, h, newcomm, !blocking)
     })
@@ -1320,24 +1163,16 @@ fn async_failure(g: &mut Global, h: Handle) -> Option<Fail> {
     g.cliques.get(&clique).and_then(|c| c.aborted.clone())
 }
 
-/// `ncclCommRevoke` as NCCL 2.29.7 has it (init.cc:2602-2693): NULL is a no-op; flags
-/// other than NCCL_REVOKE_DEFAULT, a finalized (or destroyed) communicator and a second
-/// revoke are refused with ncclInvalidArgument before anything changes. Otherwise it sets
-/// the abort flags and joins a job in flight (`ncclCommEnsureReady` ->
-/// `ncclGroupJobAbort`), marks the communicator revoked and finalized, and launches
-/// `commRevokeAsync`, which waits for the communicator's streams (its kernels end on the
-/// abort flag), stops the proxy, clears the abort flags and stores its own result as the
-/// communicator's asynchronous state (`ncclCommSetAsyncError(comm, res)`, :2635). On a
-/// non-blocking communicator the group's thread runs that job: the state reads
-/// ncclInProgress until it ends, and the call returns that state (ncclInProgress, read
-/// at :2686-2688); a blocking one runs it in the call. Collectives are refused from then
-/// on (ncclInvalidUsage, enqueue.cc:2983-2986), as is ncclCommFinalize; a destroy, split
-/// or shrink may follow once the state is ncclSuccess.
-///
-/// Here: the in-flight work of `comm` ([`Fault::StuckWork`](super::fault::Fault::StuckWork)
-/// and `StalledWork`) ends at once, the job ends no sooner than the job latency, and then
-/// a failure of its clique no longer shows on this handle. Inside a user's group it runs
-/// as on a blocking communicator.
+/// `ncclCommRevoke` as NCCL 2.29.7 has it (init.cc:2602-2693; ARCHITECTURE.md's table has
+/// the whole contract): NULL is a no-op; other flags, a finalized (or destroyed) or already
+/// revoked communicator are ncclInvalidArgument, with nothing changed (:2647-2658). Else
+/// it joins a job in flight, marks the communicator revoked and finalized, and its job
+/// stores its own result as the asynchronous state (`ncclCommSetAsyncError`, :2635); the
+/// call returns ncclInProgress, the state read after launching it (:2686-2688), or runs
+/// the job in the call when blocking. Here the in-flight work of `comm`
+/// ([`Fault::StuckWork`](super::fault::Fault::StuckWork) and `StalledWork`) ends at once,
+/// the job ends no sooner than the job latency and clears a failure of its clique for this
+/// handle; inside a user's group it runs as on a blocking communicator.
 pub(crate) unsafe extern "C" fn ncclCommRevoke(
     comm: ncclComm_t,
     revoke_flags: c_int,
@@ -1362,11 +1197,7 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
             None
         };
         if let Some(m) = refusal {
-            return Err(g.misuse(
-                Some(root),
-                ncclInvalidArgument,
-                format!("invalid argument: ncclCommRevoke: {m}"),
-            ));
+            return Err(g.invalid(Some(root), "ncclCommRevoke", m));
         }
         g = end_job_for_abort(g, h);
         let h = known(&mut g, comm, "ncclCommRevoke")?;
@@ -1385,7 +1216,7 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
                     if posted && matches!(slot.state, super::state::SlotState::Waiting) {
                         slot.state = super::state::SlotState::Done(Err(Fail::new(
                             ncclRemoteError,
-                            format!("remote error: rank {rank} revoked its communicator while this collective waited for a peer"),
+                            format!("rank {rank} revoked its communicator while this collective waited for a peer"),
                         )));
                     }
                 }
@@ -1439,14 +1270,11 @@ fn next_grow_id(g: &Global, r: &Ready) -> IdBytes {
     }
 }
 
-/// `ncclCommGetUniqueId` as NCCL 2.29.7 has it (init.cc:2860-2875): synchronous, on one
-/// rank (the grow's root). `ncclCommEnsureReady` first (ncclInvalidArgument while a job
-/// is in flight, the communicator's error once it has one); the id is derived from the
-/// communicator and its next grow (bootstrap.cc:438-467: magic `hashCombine(comm->magic,
-/// comm->childCount + 1)`), sent to the boundary ranks 0 and n-1 during the call
-/// (`bcastGrowHandle`, bootstrap.cc:470-486), and written to `*uniqueId` at the end of a
-/// successful call only. Here the boundary ranks' copies wait in the clique's mailbox
-/// (in-process communicators only: across processes every rank derives the id itself).
+/// `ncclCommGetUniqueId` as NCCL 2.29.7 has it (init.cc:2860-2875): on the grow's root,
+/// after `ncclCommEnsureReady`, the id of the communicator's next grow (bootstrap.cc:438-467,
+/// `hashCombine(comm->magic, comm->childCount + 1)`), sent to ranks 0 and n-1 during the call
+/// (`bcastGrowHandle`, :470-486; here through the clique's mailbox, in-process only: across
+/// processes every rank derives it) and written to `*uniqueId` on success only.
 pub(crate) unsafe extern "C" fn ncclCommGetUniqueId(
     comm: ncclComm_t,
     unique_id: *mut ncclUniqueId,
@@ -1458,7 +1286,7 @@ pub(crate) unsafe extern "C" fn ncclCommGetUniqueId(
             return Err(f);
         }
         if unique_id.is_null() {
-            return Err(r.invalid(&mut g, "ncclCommGetUniqueId", "uniqueId is NULL".into()));
+            return Err(r.invalid(&mut g, "ncclCommGetUniqueId", "uniqueId is NULL"));
         }
         let id = next_grow_id(&g, &r);
         g.alias_root(&id, r.root);
@@ -1482,47 +1310,31 @@ pub(crate) unsafe extern "C" fn ncclCommGetUniqueId(
 /// init.cc:2913-2923): blocks until the root's `ncclCommGetUniqueId` sent it, the clique
 /// fails, or the provider's wait limit.
 fn receive_grow_id(
-    mut g: MutexGuard<'static, Global>,
+    g: MutexGuard<'static, Global>,
     clique: u64,
     rank: i32,
 ) -> (MutexGuard<'static, Global>, Result<IdBytes, Fail>) {
-    let deadline = std::time::Instant::now() + super::defs::wait_limit();
-    loop {
-        if let Some(id) = g
+    let (g, got) = wait_until(g, |g| {
+        let mail = g
             .grow_mail
             .get_mut(&(clique, rank))
-            .and_then(|q| q.pop_front())
-        {
-            return (g, Ok(id));
-        }
-        if let Some(f) = g.cliques.get(&clique).and_then(|c| c.aborted.clone()) {
-            return (g, Err(f));
-        }
-        if std::time::Instant::now() >= deadline {
-            let f = Fail::new(
-                ncclTimeout,
-                format!("NCCL timeout: ncclCommGrow: rank {rank} did not receive the grow id (no rank called ncclCommGetUniqueId) within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)", super::defs::wait_limit()),
-            );
-            return (g, Err(f));
-        }
-        g = super::state::wait(g, deadline);
-    }
+            .and_then(|q| q.pop_front());
+        (mail.map(Ok)).or_else(|| g.cliques.get(&clique)?.aborted.clone().map(Err))
+    });
+    let limit = super::defs::wait_limit();
+    let m = format!("ncclCommGrow: rank {rank} did not receive the grow id (no rank called ncclCommGetUniqueId) within {limit:?} (NCCL_SAFE_HOST_TIMEOUT_MS)");
+    (g, got.unwrap_or_else(|| Err(Fail::new(ncclTimeout, m))))
 }
 
-/// `ncclCommGrow` as NCCL 2.29.7 has it (init.cc:2877-3038). Checked first, with nothing
-/// written: a NULL `newcomm`, `nRanks <= 0`, or (existing ranks) `nRanks` not above the
-/// current size are ncclInvalidArgument. Then `*newcomm = NULL` (:2895). Existing ranks
-/// (`comm` set) pass `rank = -1`, after `ncclCommEnsureReady`; the boundary ranks 0 and
-/// n-1 receive the root's id during the call and check it (:2911-2924); the others need
-/// no id. New ranks (`comm` NULL) pass the id and their rank, below `nRanks`. Every rank
-/// gets a new communicator (the parent is untouched and stays usable), written to
-/// `*newcomm` during the call (:2997), before the job; the job (an init over the id,
-/// existing ranks keeping their rank) runs on the new communicator, which reads
-/// ncclInProgress until it ends; the call returns ncclSuccess (the group end's
-/// ncclInProgress is dropped by `NCCLCHECK`, :3016). A failure after the handle was
-/// written frees it and writes NULL again (:3027-3036).
-///
-/// Here: stricter in one point: an id passed by an existing rank must be this grow's.
+/// `ncclCommGrow` as NCCL 2.29.7 has it (init.cc:2877-3038; ARCHITECTURE.md's table has the
+/// whole contract). Refused with nothing written: a NULL `newcomm`, `nRanks <= 0`, or (an
+/// existing rank) `nRanks` not above the size; then `*newcomm = NULL` (:2895). Existing
+/// ranks (`comm` set) pass `rank = -1`, and ranks 0 and n-1 wait for the root's id
+/// (:2911-2924); new ranks (`comm` NULL) pass the id and their rank. Every rank's new
+/// communicator is written during the call (:2997) and reads ncclInProgress until its job
+/// (an init over the id) ends; the call returns ncclSuccess (:3016), and a later failure
+/// writes NULL again (:3027-3036). Stricter in one point: an id passed by an existing rank
+/// must be this grow's.
 pub(crate) unsafe extern "C" fn ncclCommGrow(
     comm: ncclComm_t,
     n_ranks: c_int,
@@ -1536,11 +1348,8 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
         const NAME: &str = "ncclCommGrow";
         let mut g = lock();
         if newcomm.is_null() || n_ranks <= 0 {
-            return Err(g.misuse(
-                None,
-                ncclInvalidArgument,
-                format!("invalid argument: {NAME}: newcomm is NULL or nRanks {n_ranks} <= 0"),
-            ));
+            let m = format!("newcomm is NULL or nRanks {n_ranks} <= 0");
+            return Err(g.invalid(None, NAME, m));
         }
         let given = (!unique_id.is_null()).then(|| {
             // SAFETY: non-null, so a readable ncclUniqueId (NCCL's contract).
@@ -1549,25 +1358,19 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
         if !comm.is_null() {
             let r = ready(&mut g, comm, NAME, false)?;
             if n_ranks <= r.nranks {
-                return Err(r.invalid(
-                    &mut g,
-                    NAME,
-                    format!(
-                        "total ranks {n_ranks} is not above the current {}",
-                        r.nranks
-                    ),
-                ));
+                let m = format!(
+                    "total ranks {n_ranks} is not above the current {}",
+                    r.nranks
+                );
+                return Err(r.invalid(&mut g, NAME, m));
             }
             put(newcomm, core::ptr::null_mut());
             if let Some(f) = async_failure(&mut g, r.h) {
                 return Err(f);
             }
             if rank != -1 {
-                return Err(r.invalid(
-                    &mut g,
-                    NAME,
-                    format!("existing ranks must pass rank = -1, got {rank}"),
-                ));
+                let m = format!("existing ranks must pass rank = -1, got {rank}");
+                return Err(r.invalid(&mut g, NAME, m));
             }
             let id = next_grow_id(&g, &r);
             if let Some(c) = g.comms.get_mut(&r.h) {
@@ -1579,50 +1382,30 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
                 let (g2, got) = receive_grow_id(g, r.clique, r.rank);
                 g = g2;
                 if got? != id {
-                    return Err(r.invalid(
-                        &mut g,
-                        NAME,
-                        "the grow id received from the root is not this grow's (magic mismatch)"
-                            .into(),
-                    ));
+                    let m =
+                        "the grow id received from the root is not this grow's (magic mismatch)";
+                    return Err(r.invalid(&mut g, NAME, m));
                 }
             }
             if given.is_some_and(|x| x != id) {
-                return Err(r.invalid(
-                    &mut g,
-                    NAME,
-                    "uniqueId is not this communicator's next grow id (from ncclCommGetUniqueId)"
-                        .into(),
-                ));
+                let m =
+                    "uniqueId is not this communicator's next grow id (from ncclCommGetUniqueId)";
+                return Err(r.invalid(&mut g, NAME, m));
             }
-            let blocking = r.child_blocking(&mut g, config, NAME)?;
-            let dev = g.comms.get(&r.h).map_or(0, |c| c.device);
-            let h = g.new_handle(r.root, dev, !blocking);
-            set_name(&mut g, h, config, Some(r.h));
-            if shared.is_some() {
-                join_shared(&mut g, id, n_ranks, r.rank, h, r.root)?;
-            } else {
-                g.post_init(id, n_ranks, r.rank, h);
-            }
-            return finish_new(g, h, newcomm, !blocking).map(grow_result);
+            let (root, parent) = (r.root, Some(r.h));
+            return new_rank(g, id, n_ranks, r.rank, root, parent, config, NAME, newcomm)
+                .map(grow_result);
         }
         let Some(id) = given else {
-            return Err(g.misuse(
-                None,
-                ncclInvalidArgument,
-                format!("invalid argument: {NAME}: new ranks must pass a uniqueId"),
-            ));
+            return Err(g.invalid(None, NAME, "new ranks must pass a uniqueId"));
         };
         let root = g.root_of(&id);
         if rank < 0 || rank >= n_ranks {
-            return Err(g.misuse(
-                Some(root),
-                ncclInvalidArgument,
-                format!("invalid argument: {NAME}: new rank {rank} is not in 0..{n_ranks}"),
-            ));
+            let m = format!("new rank {rank} is not in 0..{n_ranks}");
+            return Err(g.invalid(Some(root), NAME, m));
         }
         put(newcomm, core::ptr::null_mut());
-        new_rank(g, id, n_ranks, rank, root, config, NAME, newcomm).map(grow_result)
+        new_rank(g, id, n_ranks, rank, root, None, config, NAME, newcomm).map(grow_result)
     })
 }
 
@@ -1646,11 +1429,7 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
         let h = known(&mut g, comm, "ncclCommGetAsyncError")?;
         let root = g.comms.get(&h).map(|c| c.root);
         if async_error.is_null() {
-            return Err(g.misuse(
-                root,
-                ncclInvalidArgument,
-                "invalid argument: ncclCommGetAsyncError: asyncError is NULL".into(),
-            ));
+            return Err(g.invalid(root, "ncclCommGetAsyncError", "asyncError is NULL"));
         }
         g.check_pending_deadline(h);
         // Asynchronous work in flight, or its sticky failure, first (see `start_job`); then
@@ -1682,11 +1461,7 @@ fn comm_query(
         let mut g = lock();
         let r = ensure_ready(&mut g, comm, what)?;
         if out.is_null() {
-            return Err(g.misuse(
-                Some(r.root),
-                ncclInvalidArgument,
-                format!("invalid argument: {what}: output pointer is NULL"),
-            ));
+            return Err(g.invalid(Some(r.root), what, "output pointer is NULL"));
         }
         put(out, f(&g, &r));
         Ok(ncclSuccess)
@@ -1711,27 +1486,19 @@ pub(crate) unsafe extern "C" fn ncclRedOpCreatePreMulSum(
         let mut g = lock();
         let r = ensure_ready(&mut g, comm, "ncclRedOpCreatePreMulSum")?;
         let Some(es) = dtype::size_of(datatype) else {
-            return Err(g.misuse(
-                Some(r.root),
-                ncclInvalidArgument,
-                format!("invalid argument: ncclRedOpCreatePreMulSum: unknown datatype {datatype}"),
-            ));
+            let m = format!("unknown datatype {datatype}");
+            return Err(g.invalid(Some(r.root), "ncclRedOpCreatePreMulSum", m));
         };
         if op.is_null()
             || scalar.is_null()
             || (residence != ncclScalarDevice && residence != ncclScalarHostImmediate)
         {
-            return Err(g.misuse(
-                Some(r.root),
-                ncclInvalidArgument,
-                format!("invalid argument: ncclRedOpCreatePreMulSum: op or scalar is NULL, or unknown residence {residence}"),
-            ));
+            let m = format!("op or scalar is NULL, or unknown residence {residence}");
+            return Err(g.invalid(Some(r.root), "ncclRedOpCreatePreMulSum", m));
         }
         let scalar = if residence == ncclScalarHostImmediate {
-            let mut v = vec![0u8; es];
             // SAFETY: a host-immediate scalar points at one element of `datatype` (NCCL's contract).
-            unsafe { core::ptr::copy_nonoverlapping(scalar as *const u8, v.as_mut_ptr(), es) };
-            Ok(v)
+            Ok(unsafe { core::slice::from_raw_parts(scalar as *const u8, es) }.to_vec())
         } else {
             Err(scalar as usize)
         };
@@ -1762,11 +1529,8 @@ pub(crate) unsafe extern "C" fn ncclRedOpDestroy(
             .and_then(|c| c.redops.remove(&op))
             .is_none()
         {
-            return Err(g.misuse(
-                Some(r.root),
-                ncclInvalidArgument,
-                format!("invalid argument: ncclRedOpDestroy: op {op} is not a PreMulSum op created on this communicator"),
-            ));
+            let m = format!("op {op} is not a PreMulSum op created on this communicator");
+            return Err(g.invalid(Some(r.root), "ncclRedOpDestroy", m));
         }
         Ok(ncclSuccess)
     })
@@ -1786,26 +1550,14 @@ fn operation(
         let r = ready(&mut g, comm, name, true)?;
         if g.comms.get(&r.h).is_some_and(|c| c.revoked) {
             // As NCCL's ncclEnqueueCheck (enqueue.cc:2983-2986 of 2.29.7).
-            return Err(g.misuse(
-                Some(r.root),
-                ncclInvalidUsage,
-                format!("invalid usage: {name}: communicator was revoked"),
-            ));
+            let m = "communicator was revoked";
+            return Err(g.misuse(Some(r.root), ncclInvalidUsage, name, m));
         }
         let Some(es) = dtype::size_of(dt) else {
-            let f = r.invalid(&mut g, name, format!("unknown datatype {dt}"));
-            return Err(sticky(&mut g, &r, f));
+            return Err(r.refuse(&mut g, name, format!("unknown datatype {dt}")));
         };
         post(g, r, es)
     })
-}
-
-/// An operation's argument error, which on a non-blocking communicator NCCL also stores as
-/// its asynchronous error (ncclEnqueueCheck's `fail:`, enqueue.cc:2660-2661 of 2.28.9): from
-/// then on ncclCommGetAsyncError reports it and every call that ensures readiness is refused.
-fn sticky(g: &mut Global, r: &Ready, f: Fail) -> Fail {
-    set_async_error(g, r.h, &f);
-    f
 }
 
 /// NCCL's `ncclCommSetAsyncError` on a non-blocking communicator `h`: `f` becomes its
@@ -1816,19 +1568,6 @@ fn set_async_error(g: &mut Global, h: Handle, f: &Fail) {
             c.job = Job::Failed(f.clone());
         }
     }
-}
-
-/// Queues `item`, or, where a test staged `Fault::StuckWork`, accepts it
-/// and never completes it.
-fn submit_unless_stuck(
-    g: MutexGuard<'static, Global>,
-    r: &Ready,
-    item: Item,
-) -> Result<ncclResult_t, Fail> {
-    if super::fault::take_stuck(r.root, r.h) {
-        return Ok(ncclSuccess);
-    }
-    submit(g, item)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1844,16 +1583,11 @@ fn coll(
     root: Option<c_int>,
 ) -> ncclResult_t {
     operation(name, comm, dt, |mut g, r, es| {
-        let bad = |g: &mut Global, m: String| {
-            let f = r.invalid(g, name, m);
-            sticky(g, &r, f)
-        };
+        let bad = |g: &mut Global, m: String| r.refuse(g, name, m);
         let rt = root.unwrap_or(0);
         if rt < 0 || rt >= r.nranks {
-            return Err(bad(
-                &mut g,
-                format!("root {rt} out of range 0..{}", r.nranks),
-            ));
+            let m = format!("root {rt} out of range 0..{}", r.nranks);
+            return Err(bad(&mut g, m));
         }
         // NCCL_CHECK_POINTERS=1 checks both buffers whatever the count, but a broadcast's
         // send and a reduce's recv only on the root (ArgsCheck, misc/argcheck.cc:71-83 of
@@ -1869,53 +1603,34 @@ fn coll(
                 }
             }
         }
+        let op = op.unwrap_or(ncclSum);
+        let made = g.comms.get(&r.h).and_then(|c| c.redops.get(&op)).cloned();
+        let unknown = |g: &mut Global| bad(g, format!("unknown reduction op {op}"));
         if count == 0 {
             // After NCCL's ArgsCheck (the root, and an op that exists: argcheck.cc), an
             // empty collective is discarded (taskAppend, enqueue.cc:2554-2555 of 2.28.9):
             // no sequence number, no peer, nothing else checked.
-            let built_in = matches!(
-                op,
-                None | Some(ncclSum | ncclProd | ncclMax | ncclMin | ncclAvg)
-            );
-            let made = |o| g.comms.get(&r.h).is_some_and(|c| c.redops.contains_key(&o));
-            return match op {
-                Some(o) if !built_in && !made(o) => {
-                    Err(bad(&mut g, format!("unknown reduction op {o}")))
-                }
+            return match (RedKind::of(op), made) {
+                (None, None) => Err(unknown(&mut g)),
                 _ => Ok(ncclSuccess),
             };
         }
-        let (red, scalar) = match op {
-            None => (RedKind::Sum, Vec::new()),
-            Some(ncclSum) => (RedKind::Sum, Vec::new()),
-            Some(ncclProd) => (RedKind::Prod, Vec::new()),
-            Some(ncclMax) => (RedKind::Max, Vec::new()),
-            Some(ncclMin) => (RedKind::Min, Vec::new()),
-            Some(ncclAvg) => (RedKind::Avg, Vec::new()),
-            Some(o) => match g.comms.get(&r.h).and_then(|c| c.redops.get(&o)).cloned() {
-                None => return Err(bad(&mut g, format!("unknown reduction op {o}"))),
-                Some(p) if p.dtype != dt => {
-                    return Err(bad(
-                        &mut g,
-                        format!(
-                            "PreMulSum op {o} was created for datatype {} but used with {dt}",
-                            p.dtype
-                        ),
-                    ))
-                }
-                Some(PreMul { scalar: Ok(v), .. }) => (RedKind::PreMulSum, v),
-                Some(PreMul {
-                    scalar: Err(addr), ..
-                }) => {
-                    let mut v = vec![0u8; es];
-                    // SAFETY: a "device" scalar is read at op time; the caller keeps it
-                    // valid for the life of the op (NCCL's contract for ncclScalarDevice).
-                    unsafe {
-                        core::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), es)
-                    };
-                    (RedKind::PreMulSum, v)
-                }
-            },
+        let (red, scalar) = match (RedKind::of(op), made) {
+            (Some(k), _) => (k, Vec::new()),
+            (None, None) => return Err(unknown(&mut g)),
+            (None, Some(p)) if p.dtype != dt => {
+                let made_for = p.dtype;
+                let m = format!(
+                    "PreMulSum op {op} was created for datatype {made_for} but used with {dt}"
+                );
+                return Err(bad(&mut g, m));
+            }
+            (None, Some(p)) => {
+                // SAFETY: a "device" scalar (its address) is read at op time; the caller keeps
+                // it valid for the life of the op (NCCL's contract for ncclScalarDevice).
+                let read = |a| unsafe { core::slice::from_raw_parts(a as *const u8, es) }.to_vec();
+                (RedKind::PreMulSum, p.scalar.unwrap_or_else(read))
+            }
         };
         let is_root = root.is_none_or(|x| x == r.rank);
         let Some((ns, nr)) = kind.elements(count, r.nranks as usize, is_root) else {
@@ -1948,7 +1663,7 @@ fn coll(
             seq,
             post,
         };
-        submit_unless_stuck(g, &r, item)
+        submit(g, &r, item)
     })
 }
 
@@ -1962,15 +1677,10 @@ fn p2p(
     comm: ncclComm_t,
 ) -> ncclResult_t {
     operation(name, comm, dt, |mut g, r, es| {
-        let bad = |g: &mut Global, m: String| {
-            let f = r.invalid(g, name, m);
-            sticky(g, &r, f)
-        };
+        let bad = |g: &mut Global, m: String| r.refuse(g, name, m);
         if peer < 0 || peer >= r.nranks {
-            return Err(bad(
-                &mut g,
-                format!("peer {peer} out of range 0..{}", r.nranks),
-            ));
+            let m = format!("peer {peer} out of range 0..{}", r.nranks);
+            return Err(bad(&mut g, m));
         }
         if count.checked_mul(es).is_none() {
             return Err(bad(&mut g, format!("count {count} too large")));
@@ -1979,11 +1689,7 @@ fn p2p(
             return Err(bad(&mut g, "buffer is NULL".into()));
         }
         let c = g.comms.get_mut(&r.h).ok_or_else(vanished)?;
-        let ctr = if is_send {
-            c.send_seq.entry(peer).or_insert(0)
-        } else {
-            c.recv_seq.entry(peer).or_insert(0)
-        };
+        let ctr = c.p2p_seq.entry((is_send, peer)).or_insert(0);
         let seq = *ctr;
         *ctr += 1;
         let (src, dst) = if is_send {
@@ -2003,7 +1709,7 @@ fn p2p(
                 dtype: dt,
             },
         };
-        submit_unless_stuck(g, &r, item)
+        submit(g, &r, item)
     })
 }
 
@@ -2086,51 +1792,43 @@ pub(crate) unsafe extern "C" fn ncclGroupStart() -> ncclResult_t {
 
 pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
     ffi(|| {
-        let (depth, items, err) = GROUP.with(|g| {
+        // `None` without a group; `Some(None)` for an inner level; else the group's work.
+        let ended = GROUP.with(|g| {
             let mut g = g.borrow_mut();
-            if g.0 == 0 {
-                return (0, Vec::new(), None);
-            }
-            g.0 -= 1;
-            if g.0 > 0 {
-                return (g.0 + 1, Vec::new(), None);
-            }
-            (1, std::mem::take(&mut g.1), g.2.take())
+            g.0 = g.0.checked_sub(1)?;
+            Some((g.0 == 0).then(|| (std::mem::take(&mut g.1), g.2.take())))
         });
-        match depth {
-            0 => Err(lock().misuse(
-                None,
-                ncclInvalidUsage,
-                "invalid usage: ncclGroupEnd without a matching ncclGroupStart".into(),
-            )),
-            1 => {
-                // The queued jobs first, as NCCL's groupLaunch (group.cc:537), then the
-                // group's operations. A job of a non-blocking parent runs on, as outside a
-                // group (its ncclInProgress is its start, not a failure).
-                let queued = QUEUED.with(|q| std::mem::take(&mut *q.borrow_mut()));
-                let deferred = DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut()));
-                if let Some(f) = err {
-                    drop(deferred); // NCCL destroys the reclaim jobs unrun
-                    return Err(group_failed(f, queued, &items));
-                }
-                let mut failed = None;
-                for (_, job) in queued {
-                    let code = job();
-                    if code != ncclSuccess && code != ncclInProgress && failed.is_none() {
-                        let msg = LAST.with(|l| l.borrow().0.to_string_lossy().into_owned());
-                        failed = Some(Fail::new(code, msg));
-                    }
-                }
-                let r = run_items(lock(), items);
-                for (h, abort) in deferred {
-                    let _ = teardown(h as ncclComm_t, abort);
-                }
-                match (failed, r) {
-                    (Some(f), _) | (None, Err(f)) => Err(f),
-                    (None, Ok(())) => Ok(ncclSuccess),
-                }
+        let Some(ended) = ended else {
+            let m = "without a matching ncclGroupStart";
+            return Err(lock().misuse(None, ncclInvalidUsage, "ncclGroupEnd", m));
+        };
+        let Some((items, err)) = ended else {
+            return Ok(ncclSuccess);
+        };
+        // The queued jobs first, as NCCL's groupLaunch (group.cc:537), then the group's
+        // operations. A job of a non-blocking parent runs on, as outside a group (its
+        // ncclInProgress is its start, not a failure).
+        let queued = QUEUED.with(|q| std::mem::take(&mut *q.borrow_mut()));
+        let deferred = DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut()));
+        if let Some(f) = err {
+            drop(deferred); // NCCL destroys the reclaim jobs unrun
+            return Err(group_failed(f, queued, &items));
+        }
+        let mut failed = None;
+        for (_, job) in queued {
+            let code = job();
+            if code != ncclSuccess && code != ncclInProgress && failed.is_none() {
+                let msg = LAST.with(|l| l.borrow().0.to_string_lossy().into_owned());
+                failed = Some(Fail::raw(code, msg));
             }
-            _ => Ok(ncclSuccess),
+        }
+        let r = run_items(lock(), items);
+        for (h, abort) in deferred {
+            let _ = teardown(h as ncclComm_t, abort);
+        }
+        match failed {
+            Some(f) => Err(f),
+            None => r.map(|()| ncclSuccess),
         }
     })
 }
@@ -2139,22 +1837,16 @@ pub(crate) unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize)
     ffi(|| {
         let mut g = lock();
         if ptr.is_null() {
-            return Err(null_arg(&mut g, "ncclMemAlloc", "ptr"));
+            return Err(g.invalid(None, "ncclMemAlloc", "ptr is NULL"));
         }
         let Ok(layout) = std::alloc::Layout::from_size_align(size.max(1), 4096) else {
-            return Err(g.misuse(
-                None,
-                ncclInvalidArgument,
-                format!("invalid argument: ncclMemAlloc: size {size} too large"),
-            ));
+            return Err(g.invalid(None, "ncclMemAlloc", format!("size {size} too large")));
         };
         // SAFETY: the layout has a non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
         if p.is_null() {
-            return Err(Fail::new(
-                ncclSystemError,
-                format!("system error: ncclMemAlloc: out of host memory ({size} bytes)"),
-            ));
+            let m = format!("ncclMemAlloc: out of host memory ({size} bytes)");
+            return Err(Fail::new(ncclSystemError, m));
         }
         g.mem.insert(p as usize, layout);
         g.count(None, |s| s.mem_allocated += 1);
@@ -2170,7 +1862,8 @@ pub(crate) unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
         }
         let mut g = lock();
         let Some(layout) = g.mem.remove(&(ptr as usize)) else {
-            return Err(g.misuse(None, ncclInvalidArgument, format!("invalid argument: ncclMemFree: {ptr:p} was not returned by ncclMemAlloc (or was freed already)")));
+            let m = format!("{ptr:p} was not returned by ncclMemAlloc (or was freed already)");
+            return Err(g.invalid(None, "ncclMemFree", m));
         };
         // SAFETY: `ptr` came from `alloc_zeroed` with this layout and was not freed (it was
         // still in the table, which we just removed it from).
@@ -2191,11 +1884,7 @@ pub(crate) unsafe extern "C" fn ncclCommRegister(
         let mut g = lock();
         let r = ready(&mut g, comm, "ncclCommRegister", false)?;
         if handle.is_null() || (buff.is_null() && size > 0) {
-            return Err(g.misuse(
-                Some(r.root),
-                ncclInvalidArgument,
-                "invalid argument: ncclCommRegister: buff or handle is NULL".into(),
-            ));
+            return Err(g.invalid(Some(r.root), "ncclCommRegister", "buff or handle is NULL"));
         }
         g.next_reg += 1;
         let token = 0x7e60_0000usize + 16 * g.next_reg;
@@ -2235,40 +1924,27 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
 ) -> ncclResult_t {
     ffi(|| {
         let mut g = lock();
-        let r = ready(&mut g, comm, "ncclCommWindowRegister", false)?;
+        const NAME: &str = "ncclCommWindowRegister";
+        let r = ready(&mut g, comm, NAME, false)?;
         if win.is_null() {
-            return Err(g.misuse(
-                Some(r.root),
-                ncclInvalidArgument,
-                "invalid argument: ncclCommWindowRegister: win is NULL".into(),
-            ));
+            return Err(r.invalid(&mut g, NAME, "win is NULL"));
         }
         if buff.is_null() || size == 0 {
-            return Err(g.misuse(
-                Some(r.root),
-                ncclInvalidArgument,
-                format!("invalid argument: ncclCommWindowRegister: invalid pointer {buff:p} / size {size}"),
-            ));
+            let m = format!("invalid pointer {buff:p} / size {size}");
+            return Err(r.invalid(&mut g, NAME, m));
         }
         if win_flags & !KNOWN_WIN_FLAGS != 0 {
-            return Err(g.misuse(
-                Some(r.root),
-                ncclInvalidArgument,
-                format!("invalid argument: ncclCommWindowRegister: unknown flags {win_flags:#x}"),
-            ));
+            return Err(r.invalid(&mut g, NAME, format!("unknown flags {win_flags:#x}")));
         }
         if win_flags & NCCL_WIN_COLL_SYMMETRIC as c_int != 0 {
-            match super::registry::nccl_memory_offset(&g, buff, size) {
-                None => return Err(super::registry::not_nccl_memory(&mut g, r.root, buff)),
+            let refusal = match super::registry::nccl_memory_offset(&g, buff, size) {
+                None => Some(format!("NCCL_WIN_COLL_SYMMETRIC needs memory from ncclMemAlloc, and {buff:p} is not in such an allocation")),
                 // As NCCL (dev_runtime.cc:605-611 of 2.28.9), which refuses it in its job.
-                Some(at) if at % NCCL_WIN_REQUIRED_ALIGNMENT as usize != 0 => {
-                    return Err(g.misuse(
-                        Some(r.root),
-                        ncclInvalidArgument,
-                        format!("invalid argument: ncclCommWindowRegister: Window address must be suitably aligned ({at} bytes into its allocation, not a multiple of {NCCL_WIN_REQUIRED_ALIGNMENT})"),
-                    ));
-                }
-                Some(_) => {}
+                Some(at) if at % NCCL_WIN_REQUIRED_ALIGNMENT as usize != 0 => Some(format!("Window address must be suitably aligned ({at} bytes into its allocation, not a multiple of {NCCL_WIN_REQUIRED_ALIGNMENT})")),
+                Some(_) => None,
+            };
+            if let Some(m) = refusal {
+                return Err(r.invalid(&mut g, NAME, m));
             }
         }
         if asynchronous(&g, r.h) {
@@ -2301,10 +1977,8 @@ pub(crate) unsafe extern "C" fn ncclCommWindowDeregister(
         let waited = super::fault::wait_for_work(comm as Handle, super::defs::wait_limit());
         let mut g = lock();
         if waited && g.dead.contains_key(&(comm as Handle)) {
-            return Err(Fail::new(
-                ncclRemoteError,
-                "remote error: ncclCommWindowDeregister: the communicator was aborted while the deregistration waited behind its work",
-            ));
+            let m = "ncclCommWindowDeregister: the communicator was aborted while the deregistration waited behind its work";
+            return Err(Fail::new(ncclRemoteError, m));
         }
         let r = ready(&mut g, comm, "ncclCommWindowDeregister", false)?;
         if win.is_null() {

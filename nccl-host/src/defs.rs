@@ -59,11 +59,24 @@ pub(crate) struct Fail {
 }
 
 impl Fail {
-    pub(crate) fn new(code: ncclResult_t, msg: impl Into<String>) -> Self {
-        Fail {
-            code,
-            msg: msg.into(),
-        }
+    /// A failure with `code` and the text "{what the code is}: {m}", as NCCL's messages
+    /// start: "internal error: ...", "remote error: ...", "NCCL timeout: ...".
+    pub(crate) fn new(code: ncclResult_t, m: impl std::fmt::Display) -> Self {
+        let kind = match code {
+            ncclInternalError => "internal error",
+            ncclRemoteError => "remote error",
+            ncclInvalidUsage => "invalid usage",
+            ncclInvalidArgument => "invalid argument",
+            ncclSystemError => "system error",
+            ncclTimeout => "NCCL timeout",
+            _ => return Fail::raw(code, m.to_string()),
+        };
+        Fail::raw(code, format!("{kind}: {m}"))
+    }
+
+    /// A failure with `code` and the text `msg` as it is.
+    pub(crate) fn raw(code: ncclResult_t, msg: String) -> Self {
+        Fail { code, msg }
     }
 }
 

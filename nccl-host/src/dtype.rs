@@ -1,8 +1,5 @@
-//! Element types and reduction arithmetic of the host provider.
-//!
-//! Every reduction folds the ranks' inputs element by element in rank order 0, 1, 2, ...
-//! rounding each step to the element type: integers wrap, `f32`/`f64` use their own
-//! arithmetic, `f16`/`bf16`/fp8 compute each step in `f32` and round back.
+//! Element types and reduction arithmetic of the host provider (the rounding rules: the
+//! crate docs).
 
 use float8::{F8E4M3, F8E5M2};
 use half::slice::HalfFloatSliceExt;
@@ -95,6 +92,18 @@ impl RedKind {
         RedKind::Avg,
         RedKind::PreMulSum,
     ];
+
+    /// NCCL's built-in reduction `op`, if it is one.
+    pub(crate) fn of(op: ncclRedOp_t) -> Option<RedKind> {
+        Some(match op {
+            ncclSum => RedKind::Sum,
+            ncclProd => RedKind::Prod,
+            ncclMax => RedKind::Max,
+            ncclMin => RedKind::Min,
+            ncclAvg => RedKind::Avg,
+            _ => return None,
+        })
+    }
 
     /// Its name in messages.
     pub(crate) fn name(self) -> &'static str {
@@ -350,13 +359,16 @@ fn reduce_via<T: ViaF32>(
         let (lo, k) = (bi * BLOCK, a.len());
         let (a32, x32, t32, tr) = (&mut a32[..k], &mut x32[..k], &mut t32[..k], &mut tr[..k]);
         let x = |r: usize| T::raws(inputs[r]).get(lo..lo + k).unwrap_or(&[]);
+        // Every kind but PreMulSum starts from rank 0's input.
+        if kind != RedKind::PreMulSum {
+            for (a, &x) in a.iter_mut().zip(x(0)) {
+                *a = x;
+            }
+            T::widen(a, a32);
+        }
         match kind {
             RedKind::Max | RedKind::Min => {
                 let max = kind == RedKind::Max;
-                for (a, &x) in a.iter_mut().zip(x(0)) {
-                    *a = x;
-                }
-                T::widen(a, a32);
                 for r in 1..n {
                     let xr = x(r);
                     T::widen(xr, x32);
@@ -373,10 +385,6 @@ fn reduce_via<T: ViaF32>(
             // (A float average arrives as a PreMulSum: see `float_avg_scalars`.)
             RedKind::Sum | RedKind::Avg | RedKind::Prod => {
                 let prod = kind == RedKind::Prod;
-                for (a, &x) in a.iter_mut().zip(x(0)) {
-                    *a = x;
-                }
-                T::widen(a, a32);
                 for r in 1..n {
                     T::widen(x(r), x32);
                     if prod {
@@ -818,31 +826,14 @@ mod tests {
 
     #[test]
     fn malformed_reductions_are_refused_without_panicking() {
-        let a = [0u8; 8];
-        let short = [0u8; 4];
-        let mut out = [0u8; 8];
-        assert!(!reduce(
-            ncclFloat32,
-            RedKind::Sum,
-            &[&a, &short],
-            &[],
-            &mut out
-        ));
-        assert!(!reduce(
-            ncclFloat32,
-            RedKind::PreMulSum,
-            &[&a, &a],
-            &[vec![0; 4]],
-            &mut out
-        ));
-        assert!(!reduce(
-            ncclFloat64,
-            RedKind::PreMulSum,
-            &[&a],
-            &[vec![0; 4]],
-            &mut out
-        ));
-        assert!(reduce(ncclFloat32, RedKind::Sum, &[], &[], &mut out));
-        assert!(reduce(u32::MAX, RedKind::Sum, &[&a], &[], &mut out));
+        let (a, short, four) = ([0u8; 8], [0u8; 4], vec![vec![0u8; 4]]);
+        let ok = |dt, kind, inputs: &[&[u8]], scalars: &[Vec<u8>]| {
+            reduce(dt, kind, inputs, scalars, &mut [0u8; 8])
+        };
+        assert!(!ok(ncclFloat32, RedKind::Sum, &[&a, &short], &[]));
+        assert!(!ok(ncclFloat32, RedKind::PreMulSum, &[&a, &a], &four));
+        assert!(!ok(ncclFloat64, RedKind::PreMulSum, &[&a], &four));
+        assert!(ok(ncclFloat32, RedKind::Sum, &[], &[]));
+        assert!(ok(u32::MAX, RedKind::Sum, &[&a], &[]));
     }
 }

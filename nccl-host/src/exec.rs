@@ -1,14 +1,16 @@
 //! Posting, executing and waiting for operations (collectives, send/recv, rendezvous).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use nccl_sys::bindings::*;
 use nccl_sys::{Block, BlockSource, Extent, Sender};
 
 use super::dtype::{self, RedKind};
+use super::shm::{P2pWork, Segment};
 use super::state::{
     lock, notify, wait, wait_limit, CollPost, CollSlot, CommState, CommWorld, Fail, Global, Handle,
-    P2pPost, P2pSlot, SlotState,
+    P2pPost, P2pSlot, Slot, SlotState,
 };
 
 /// An operation queued by a thread (inside a group, or the single op of a plain call).
@@ -42,15 +44,16 @@ enum Wait {
 
 /// Work that the completing poster runs outside the lock.
 enum Job {
-    Coll(u64, u64, Vec<CollPost>),
-    P2p(u64, (i32, i32, u64), P2pPost, P2pPost),
+    Coll(Vec<CollPost>),
+    /// The send's post, then the receive's.
+    P2p(P2pPost, P2pPost),
 }
 
 fn aborted_fail(g: &Global, clique: u64) -> Option<Fail> {
     match g.cliques.get(&clique) {
         None => Some(Fail::new(
             ncclRemoteError,
-            "remote error: every rank of this communicator was destroyed or aborted",
+            "every rank of this communicator was destroyed or aborted",
         )),
         Some(c) => c.aborted.clone(),
     }
@@ -58,34 +61,25 @@ fn aborted_fail(g: &Global, clique: u64) -> Option<Fail> {
 
 fn consistent(posts: &[CollPost]) -> Result<(), Fail> {
     let a = &posts[0];
+    let call = |p: &CollPost| {
+        let dt = dtype::name(p.dtype);
+        format!("{:?}(count={}, {dt}, root={})", p.kind, p.count, p.root)
+    };
     for (r, p) in posts.iter().enumerate() {
         if p.kind != a.kind || p.count != a.count || p.dtype != a.dtype || p.root != a.root {
-            return Err(Fail::new(
-                ncclInvalidUsage,
-                format!(
-                    "invalid usage: ranks disagree on a collective: rank 0 called {:?}(count={}, {}, root={}) but rank {r} called {:?}(count={}, {}, root={})",
-                    a.kind,
-                    a.count,
-                    dtype::name(a.dtype),
-                    a.root,
-                    p.kind,
-                    p.count,
-                    dtype::name(p.dtype),
-                    p.root
-                ),
-            ));
+            let (first, this) = (call(a), call(p));
+            let m = format!(
+                "ranks disagree on a collective: rank 0 called {first} but rank {r} called {this}"
+            );
+            return Err(Fail::new(ncclInvalidUsage, m));
         }
-        let reduces = a.kind.reduces();
-        if reduces && (p.red == RedKind::PreMulSum) != (a.red == RedKind::PreMulSum)
-            || reduces && p.red != RedKind::PreMulSum && p.red != a.red
-        {
-            return Err(Fail::new(
-                ncclInvalidUsage,
-                format!(
-                    "invalid usage: ranks disagree on the reduction ({:?} vs {:?})",
-                    a.red, p.red
-                ),
-            ));
+        // (A PreMulSum's scalar may differ per rank: the kind alone must agree.)
+        if a.kind.reduces() && p.red != a.red {
+            let m = format!(
+                "ranks disagree on the reduction ({:?} vs {:?})",
+                a.red, p.red
+            );
+            return Err(Fail::new(ncclInvalidUsage, m));
         }
     }
     Ok(())
@@ -98,7 +92,7 @@ fn open_clique(g: &mut Global, clique: u64) -> Result<&mut CommWorld, Fail> {
     }
     g.cliques
         .get_mut(&clique)
-        .ok_or_else(|| Fail::new(ncclInternalError, "internal error: clique vanished"))
+        .ok_or_else(|| Fail::new(ncclInternalError, "clique vanished"))
 }
 
 fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
@@ -114,21 +108,16 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
             let n = cl.nranks as usize;
             let slot = cl.colls.entry(seq).or_insert_with(|| CollSlot {
                 posts: vec![None; n],
-                nposted: 0,
                 state: SlotState::Waiting,
                 waiters: n,
             });
             let r = rank as usize;
             if slot.posts.get(r).is_none_or(|p| p.is_some()) {
-                return Err(Fail::new(
-                    ncclInternalError,
-                    "internal error: rank posted twice",
-                ));
+                return Err(Fail::new(ncclInternalError, "rank posted twice"));
             }
             slot.posts[r] = Some(post);
-            slot.nposted += 1;
             let w = Wait::Coll(clique, seq);
-            if slot.nposted < n {
+            if slot.posts.iter().any(Option::is_none) {
                 return Ok((w, None));
             }
             let posts: Vec<CollPost> = slot.posts.iter().flatten().cloned().collect();
@@ -138,7 +127,7 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
                 return Ok((w, None));
             }
             slot.state = SlotState::Executing;
-            Ok((w, Some(Job::Coll(clique, seq, posts))))
+            Ok((w, Some(Job::Coll(posts))))
         }
         Item::P2p {
             clique,
@@ -151,41 +140,28 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
             let cl = open_clique(g, clique)?;
             let key = (src, dst, seq);
             let slot = cl.p2p.entry(key).or_insert_with(|| P2pSlot {
-                send: None,
-                recv: None,
+                posts: [None, None],
                 state: SlotState::Waiting,
                 waiters: 2,
             });
-            let side = if is_send {
-                &mut slot.send
-            } else {
-                &mut slot.recv
-            };
+            let side = &mut slot.posts[usize::from(!is_send)];
             if side.is_some() {
-                return Err(Fail::new(
-                    ncclInternalError,
-                    "internal error: p2p posted twice",
-                ));
+                return Err(Fail::new(ncclInternalError, "p2p posted twice"));
             }
             *side = Some(post);
             let w = Wait::P2p(clique, key);
-            match (&slot.send, &slot.recv) {
-                (Some(s), Some(r)) => {
+            match &slot.posts {
+                [Some(s), Some(r)] => {
                     if s.count != r.count || s.dtype != r.dtype {
-                        slot.state = SlotState::Done(Err(Fail::new(
-                            ncclInvalidUsage,
-                            format!(
-                                "invalid usage: ncclSend from rank {src} (count={}, {}) does not match ncclRecv on rank {dst} (count={}, {})",
-                                s.count,
-                                dtype::name(s.dtype),
-                                r.count,
-                                dtype::name(r.dtype)
-                            ),
-                        )));
+                        let side =
+                            |p: &P2pPost| format!("count={}, {}", p.count, dtype::name(p.dtype));
+                        let (sent, received) = (side(s), side(r));
+                        let m = format!("ncclSend from rank {src} ({sent}) does not match ncclRecv on rank {dst} ({received})");
+                        slot.state = SlotState::Done(Err(Fail::new(ncclInvalidUsage, m)));
                         notify();
                         return Ok((w, None));
                     }
-                    let job = Job::P2p(clique, key, s.clone(), r.clone());
+                    let job = Job::P2p(s.clone(), r.clone());
                     slot.state = SlotState::Executing;
                     Ok((w, Some(job)))
                 }
@@ -258,15 +234,6 @@ unsafe fn write(dst: usize, src: &[u8]) {
     }
 }
 
-/// A copy of the bytes of `s` (empty for an empty span).
-///
-/// # Safety
-/// As for [`bytes`].
-unsafe fn snapshot(s: Span) -> Vec<u8> {
-    // SAFETY: forwarded to the caller.
-    unsafe { bytes(s) }.to_vec()
-}
-
 /// How many threads share a collective that touches `bytes` bytes per rank: one below
 /// [`PARALLEL_MIN`], else up to the machine's parallelism with at least half of
 /// `PARALLEL_MIN` each.
@@ -282,10 +249,7 @@ fn threads_for(bytes: usize) -> usize {
 
 /// The failure of an operation whose execution panicked (a bug).
 fn panicked() -> Fail {
-    Fail::new(
-        ncclInternalError,
-        "internal error: panic while executing an operation",
-    )
+    Fail::new(ncclInternalError, "panic while executing an operation")
 }
 
 /// Runs `f` over a partition of `0..len` into ranges that start at multiples of `align`:
@@ -310,30 +274,17 @@ fn for_parts(
         .collect();
     let f = &f;
     std::thread::scope(|s| {
-        let mut spawned = Vec::new();
-        let mut inline = vec![parts[0].clone()];
-        for p in &parts[1..] {
+        let spawn = |p: &core::ops::Range<usize>| {
             let p = p.clone();
-            match std::thread::Builder::new().spawn_scoped(s, {
-                let p = p.clone();
-                move || f(p)
-            }) {
-                Ok(h) => spawned.push(h),
-                Err(_) => inline.push(p),
-            }
-        }
-        let mut res = Ok(());
-        for p in inline {
-            let r = f(p);
-            if res.is_ok() {
-                res = r;
-            }
-        }
-        for h in spawned {
-            let r = h.join().unwrap_or_else(|_| Err(panicked()));
-            if res.is_ok() {
-                res = r;
-            }
+            std::thread::Builder::new().spawn_scoped(s, move || f(p))
+        };
+        let threads: Vec<_> = parts[1..].iter().map(spawn).collect();
+        let mut res = f(parts[0].clone());
+        for (p, thread) in parts[1..].iter().zip(threads) {
+            res = res.and(match thread {
+                Ok(h) => h.join().unwrap_or_else(|_| Err(panicked())),
+                Err(_) => f(p.clone()),
+            });
         }
         res
     })
@@ -356,7 +307,7 @@ struct Reduction<'a> {
 fn bad_reduce() -> Fail {
     Fail::new(
         ncclInternalError,
-        "internal error: malformed reduction (short input or PreMulSum scalar)",
+        "malformed reduction (short input or PreMulSum scalar)",
     )
 }
 
@@ -457,22 +408,12 @@ impl Reduction<'_> {
         let copies: Vec<Vec<u8>> = self
             .inputs
             .iter()
-            .map(|&s| unsafe { snapshot(s) })
+            .map(|&s| unsafe { bytes(s) }.to_vec())
             .collect();
-        let total = self.elems * es;
-        let mut result = Vec::with_capacity(total);
-        let mut acc = vec![0u8; REDUCE_CHUNK.min(total) / es * es];
-        let step = acc.len();
-        let mut off = 0;
-        while off < total {
-            let n = step.min(total - off);
-            let ins: smallvec::SmallVec<[&[u8]; 8]> =
-                copies.iter().map(|c| &c[off..off + n]).collect();
-            if !dtype::reduce(self.dt, self.kind, &ins, self.scalars, &mut acc[..n]) {
-                return Err(bad_reduce());
-            }
-            result.extend_from_slice(&acc[..n]);
-            off += n;
+        let ins: Vec<&[u8]> = copies.iter().map(Vec::as_slice).collect();
+        let mut result = vec![0u8; self.elems * es];
+        if !dtype::reduce(self.dt, self.kind, &ins, self.scalars, &mut result) {
+            return Err(bad_reduce());
         }
         for &(o, first) in &self.outputs {
             let from = first * es;
@@ -552,7 +493,10 @@ fn run_moves(sources: &[Span], mut moves: Vec<Move>) {
         return;
     }
     // SAFETY: the sources are posted by waiting ranks; nothing is written yet.
-    let copies: Vec<Vec<u8>> = sources.iter().map(|&s| unsafe { snapshot(s) }).collect();
+    let copies: Vec<Vec<u8>> = sources
+        .iter()
+        .map(|&s| unsafe { bytes(s) }.to_vec())
+        .collect();
     for m in moves {
         let Some((buf, base)) = sources
             .iter()
@@ -677,10 +621,11 @@ fn pairwise_disjoint(spans: &[Span]) -> bool {
     v.windows(2).all(|w| w[0].end() <= w[1].addr)
 }
 
-fn run_job(job: Job) {
-    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &job {
-        Job::Coll(_, _, posts) => run_coll(posts),
-        Job::P2p(_, _, s, r) => {
+/// Runs `job`, then marks the slot that `w` waits on done with its result.
+fn run_job(w: &Wait, job: Job) {
+    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match job {
+        Job::Coll(posts) => run_coll(&posts),
+        Job::P2p(s, r) => {
             let n = s.count * dtype::size_of(s.dtype).unwrap_or(0);
             if n > 0 && s.ptr != r.ptr {
                 // SAFETY: both ranks wait for this op, so both buffers are alive and, by
@@ -693,21 +638,17 @@ fn run_job(job: Job) {
     }));
     let res = res.unwrap_or_else(|_| Err(panicked()));
     let mut g = lock();
-    match job {
-        Job::Coll(clique, seq, _) => {
-            if let Some(s) = g
-                .cliques
-                .get_mut(&clique)
-                .and_then(|c| c.colls.get_mut(&seq))
-            {
-                s.state = SlotState::Done(res);
-            }
-        }
-        Job::P2p(clique, key, _, _) => {
-            if let Some(s) = g.cliques.get_mut(&clique).and_then(|c| c.p2p.get_mut(&key)) {
-                s.state = SlotState::Done(res);
-            }
-        }
+    let state = match w {
+        Wait::Coll(clique, seq) => (g.cliques.get_mut(clique))
+            .and_then(|c| c.colls.get_mut(seq))
+            .map(|s| &mut s.state),
+        Wait::P2p(clique, key) => (g.cliques.get_mut(clique))
+            .and_then(|c| c.p2p.get_mut(key))
+            .map(|s| &mut s.state),
+        Wait::Handle(_) => None,
+    };
+    if let Some(state) = state {
+        *state = SlotState::Done(res);
     }
     drop(g);
     notify();
@@ -721,7 +662,7 @@ fn poll(g: &mut Global, w: &Wait, deadline: Instant) -> Option<Result<(), Fail>>
             match g.comms.get(h).map(|c| &c.state) {
                 None => Some(Err(Fail::new(
                     ncclInvalidUsage,
-                    "invalid usage: communicator was destroyed or aborted while it was initializing",
+                    "communicator was destroyed or aborted while it was initializing",
                 ))),
                 Some(CommState::Pending) => None,
                 Some(CommState::Ready { .. }) => Some(Ok(())),
@@ -741,42 +682,17 @@ fn poll(g: &mut Global, w: &Wait, deadline: Instant) -> Option<Result<(), Fail>>
     }
 }
 
-/// A slot that waits poll: a collective's or a send/recv pair's.
-trait Slot {
-    fn state(&self) -> &SlotState;
-    /// How many waits have yet to take the slot's result.
-    fn waiters(&mut self) -> &mut usize;
-}
-
-impl Slot for CollSlot {
-    fn state(&self) -> &SlotState {
-        &self.state
-    }
-    fn waiters(&mut self) -> &mut usize {
-        &mut self.waiters
-    }
-}
-
-impl Slot for P2pSlot {
-    fn state(&self) -> &SlotState {
-        &self.state
-    }
-    fn waiters(&mut self) -> &mut usize {
-        &mut self.waiters
-    }
-}
-
 /// The state of the slot at `key` (`None`: no such slot). A done slot's result is taken
 /// for one waiter; the last waiter removes the slot.
-fn take_done<K: Eq + std::hash::Hash, S: Slot>(
-    slots: &mut std::collections::HashMap<K, S>,
+fn take_done<K: Eq + std::hash::Hash, P>(
+    slots: &mut std::collections::HashMap<K, Slot<P>>,
     key: &K,
 ) -> Option<SlotState> {
     let slot = slots.get_mut(key)?;
-    let state = slot.state().clone();
+    let state = slot.state.clone();
     if let SlotState::Done(_) = state {
-        *slot.waiters() -= 1;
-        if *slot.waiters() == 0 {
+        slot.waiters -= 1;
+        if slot.waiters == 0 {
             slots.remove(key);
         }
     }
@@ -793,10 +709,8 @@ fn wait_slot(
     deadline: Instant,
 ) -> Option<Result<(), Fail>> {
     let Some(state) = state else {
-        return Some(Err(Fail::new(
-            ncclRemoteError,
-            "remote error: communicator torn down during the operation",
-        )));
+        let m = "communicator torn down during the operation";
+        return Some(Err(Fail::new(ncclRemoteError, m)));
     };
     match state {
         SlotState::Executing => None,
@@ -807,7 +721,7 @@ fn wait_slot(
                 let f = Fail::new(
                     ncclTimeout,
                     format!(
-                        "NCCL timeout: an operation did not complete by its deadline (the caller's timeout, at most {:?}: NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
+                        "an operation did not complete by its deadline (the caller's timeout, at most {:?}: NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
                         wait_limit()
                     ),
                 );
@@ -841,58 +755,46 @@ pub(crate) fn run_items(
         }
     }
     let mut res = run_local(g, local);
+    // A failure fails the communicator on every rank: later calls fail at once.
+    let mut check = |clique, r: Result<(), Fail>| {
+        if let Err(f) = r {
+            lock().abort_clique(clique, f.clone());
+            res = res.clone().and(Err(f));
+        }
+    };
     // Collectives in order, then every send and receive together (per communicator), the
     // same on every rank.
-    let mut p2p: Vec<(
-        u64,
-        std::sync::Arc<super::shm::Segment>,
-        Vec<super::shm::P2pWork>,
-    )> = Vec::new();
-    shared.retain(|(seg, it)| match it {
-        Item::P2p {
-            clique,
-            src,
-            dst,
-            is_send,
-            post,
-            ..
-        } => {
-            let w = super::shm::P2pWork {
-                peer: if *is_send { *dst } else { *src } as usize,
-                is_send: *is_send,
-                ptr: post.ptr,
-                bytes: post.count * dtype::size_of(post.dtype).unwrap_or(0),
-                dtype: post.dtype,
-            };
-            match p2p.iter_mut().find(|(c, _, _)| c == clique) {
-                Some((_, _, ws)) => ws.push(w),
-                None => p2p.push((*clique, seg.clone(), vec![w])),
-            }
-            false
-        }
-        _ => true,
-    });
+    let mut p2p: Vec<(u64, Arc<Segment>, Vec<P2pWork>)> = Vec::new();
     for (seg, it) in shared {
-        if let Item::Coll {
-            clique, seq, post, ..
-        } = it
-        {
-            if let Err(f) = seg.run_coll(seq, &post) {
-                // The communicator failed on every rank: later calls fail at once.
-                lock().abort_clique(clique, f.clone());
-                if res.is_ok() {
-                    res = Err(f);
+        match it {
+            Item::Coll {
+                clique, seq, post, ..
+            } => check(clique, seg.run_coll(seq, &post)),
+            Item::P2p {
+                clique,
+                src,
+                dst,
+                is_send,
+                post,
+                ..
+            } => {
+                let w = P2pWork {
+                    peer: if is_send { dst } else { src } as usize,
+                    is_send,
+                    ptr: post.ptr,
+                    bytes: post.count * dtype::size_of(post.dtype).unwrap_or(0),
+                    dtype: post.dtype,
+                };
+                match p2p.iter_mut().find(|(c, ..)| *c == clique) {
+                    Some((.., ws)) => ws.push(w),
+                    None => p2p.push((clique, seg, vec![w])),
                 }
             }
+            Item::Handle(_) => {}
         }
     }
     for (clique, seg, work) in p2p {
-        if let Err(f) = seg.run_p2p(&work) {
-            lock().abort_clique(clique, f.clone());
-            if res.is_ok() {
-                res = Err(f);
-            }
-        }
+        check(clique, seg.run_p2p(&work));
     }
     res
 }
@@ -906,8 +808,8 @@ fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) ->
     for it in items {
         match post(&mut g, it) {
             Ok((w, job)) => {
+                jobs.extend(job.map(|j| (w.clone(), j)));
                 waits.push(w);
-                jobs.extend(job);
             }
             Err(f) => {
                 first.get_or_insert(f);
@@ -916,8 +818,8 @@ fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) ->
     }
     if !jobs.is_empty() {
         drop(g);
-        for j in jobs {
-            run_job(j);
+        for (w, j) in jobs {
+            run_job(&w, j);
         }
         g = lock();
     }
@@ -981,7 +883,7 @@ mod tests {
         let root = a.root as usize;
         // SAFETY: the tests post buffers they own, alive and sized for `len` bytes, and run
         // one collective at a time.
-        let read = |p: usize, len: usize| unsafe { snapshot(Span::new(p, len)) };
+        let read = |p: usize, len: usize| unsafe { super::bytes(Span::new(p, len)) }.to_vec();
         // SAFETY: as above, for writes of `src.len()` bytes.
         let put = |p: usize, src: &[u8]| unsafe { write(p, src) };
         let scalars: Vec<Vec<u8>> = posts.iter().map(|p| p.scalar.clone()).collect();
@@ -1134,8 +1036,8 @@ mod tests {
     }
 
     /// Runs `kind` over `layout` with the fast path and with [`reference`] on the same
-    /// random arena, and compares every byte of the arena.
-    #[allow(clippy::too_many_arguments)]
+    /// random arena, and compares every byte of the arena. Returns whether the fast path
+    /// ran straight from the posted buffers.
     fn check(
         kind: Collective,
         dt: ncclDataType_t,
@@ -1144,8 +1046,7 @@ mod tests {
         count: usize,
         root: usize,
         layout: Layout,
-        expect_direct: Option<bool>,
-    ) {
+    ) -> bool {
         let es = dtype::size_of(dt).unwrap();
         let bytes = count * es;
         let offs = offsets(layout, kind, n, bytes, root);
@@ -1184,15 +1085,11 @@ mod tests {
                 .collect()
         };
         let fast = posts(&mut arena);
-        if let Some(direct) = expect_direct {
-            let sc: Vec<Vec<u8>> = fast.iter().map(|p| p.scalar.clone()).collect();
-            let got = match plan(&fast, &sc).unwrap() {
-                Plan::Reduce(r) => r.direct_ok(),
-                Plan::Moves(s, m) => moves_direct_ok(&s, &m),
-                Plan::SwapBlocks(..) => true,
-            };
-            assert_eq!(got, direct, "{kind:?} {layout:?} n={n}: direct path");
-        }
+        let direct = match plan(&fast, &scalars).unwrap() {
+            Plan::Reduce(r) => r.direct_ok(),
+            Plan::Moves(s, m) => moves_direct_ok(&s, &m),
+            Plan::SwapBlocks(..) => true,
+        };
         run_coll(&fast).unwrap();
         reference(&posts(&mut want));
         if arena != want {
@@ -1202,6 +1099,7 @@ mod tests {
                 arena.len()
             );
         }
+        direct
     }
 
     /// A shift larger than a chunk (the same as [`Layout::Separate`] for small counts).
@@ -1227,7 +1125,7 @@ mod tests {
                     for n in [1usize, 2, 3, 4] {
                         for layout in LAYOUTS.into_iter().filter(|l| !is_far(l)) {
                             for count in [0usize, 5] {
-                                check(kind, dt, red, n, count, n / 2, layout, None);
+                                check(kind, dt, red, n, count, n / 2, layout);
                             }
                         }
                     }
@@ -1243,7 +1141,7 @@ mod tests {
                 let count = REDUCE_CHUNK / dtype::size_of(dt).unwrap() + 3;
                 for red in [RedKind::Sum, RedKind::Min, RedKind::PreMulSum] {
                     for layout in LAYOUTS.into_iter().filter(|l| !is_copy_far(l)) {
-                        check(kind, dt, red, 3, count, 2, layout, None);
+                        check(kind, dt, red, 3, count, 2, layout);
                     }
                 }
             }
@@ -1263,7 +1161,6 @@ mod tests {
                         COPY_CHUNK + 5,
                         n - 1,
                         layout,
-                        None,
                     );
                 }
             }
@@ -1288,16 +1185,8 @@ mod tests {
                 (Collective::Broadcast, 3, 0, Layout::SharedSend, true),
             ]);
         for (kind, n, root, layout, direct) in cases {
-            check(
-                kind,
-                ncclFloat32,
-                RedKind::Sum,
-                n,
-                100,
-                root,
-                layout,
-                Some(direct),
-            );
+            let got = check(kind, ncclFloat32, RedKind::Sum, n, 100, root, layout);
+            assert_eq!(got, direct, "{kind:?} {layout:?} n={n}: direct path");
         }
     }
 
@@ -1315,9 +1204,9 @@ mod tests {
                 count,
                 0,
                 layout,
-                None,
             );
         }
+        let in_place = Layout::InPlace;
         check(
             Collective::ReduceScatter,
             ncclFloat16,
@@ -1325,8 +1214,7 @@ mod tests {
             2,
             count,
             0,
-            Layout::InPlace,
-            None,
+            in_place,
         );
         check(
             Collective::Reduce,
@@ -1335,8 +1223,7 @@ mod tests {
             2,
             4 * count,
             1,
-            Layout::InPlace,
-            None,
+            in_place,
         );
     }
 

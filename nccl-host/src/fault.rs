@@ -1,30 +1,6 @@
 //! Fault injection: the GPU's failure modes, reproduced on the host provider so that the
-//! crate's failure handling runs in tests on any machine.
-//!
-//! * [`Fault::StuckWork`]: every collective and send/recv of the communicators born from
-//!   an id returns `ncclSuccess` at once but never completes, as work queued on a CUDA
-//!   stream behind a kernel that never ends. The watchdog sees it as work in flight.
-//! * [`Fault::StalledWork`]: collectives and send/recv run as usual (they wait for their
-//!   peers and move the data) but are not seen complete until [`release_stalls`], as work
-//!   on a stream stalled behind other work that later drains. The watchdog sees work in
-//!   flight until the release; no peer waits for it.
-//! * [`Fault::BlockingAbort`]: `ncclCommAbort` blocks *before* doing its work, as NVIDIA's
-//!   abort does in `cudaFree` behind a stalled stream: for the given time (a slow but
-//!   finite abort), or until [`release_aborts`] (`None`: a stuck one), which also lifts the
-//!   fault. Meanwhile nothing of it has happened: its stuck work stays stuck, waiters in
-//!   its clique stay waiting, and the handle is not yet counted as torn down. Then it
-//!   does its work (the clique is aborted, waiters wake, stuck work is released, as NCCL's
-//!   kernels end on the abort flag).
-//! * [`Fault::SlowCalls`]: `ncclCommRegister`, `ncclCommDeregister` and
-//!   `ncclCommGetAsyncError` on the communicators wait the given time before their work, as
-//!   a call the driver holds up (a deregistration that unmaps behind the device's work).
-//!   The wait holds no lock of the provider, and the handle is looked up after it, so a
-//!   handle torn down meanwhile (an abort from another thread) is a use after teardown and
-//!   counted as misuse.
-//! * [`Fault::SilentPeers`]: across processes (shared memory), a rank whose process left
-//!   its communicator or died is not seen by its peers, as with NVIDIA's NCCL, whose
-//!   peers are not told and wait for it: they learn of it only through the crate's
-//!   diagnostics (the desync board), or at the provider's deadline.
+//! crate's failure handling runs in tests on any machine: the variants of [`Fault`], each
+//! [`inject`]ed into the communicators of one unique id.
 //!
 //! A missing peer needs no fault: a rank that never calls init is one.
 //!
@@ -34,7 +10,7 @@
 //! with `SIGSEGV`, as a thread left inside `cudaFree` does while the CUDA runtime is torn
 //! down. A process whose exit is guarded (the crate's diagnostics are) never reaches it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Condvar, Mutex, MutexGuard, Once, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -43,22 +19,34 @@ use nccl_sys::bindings::ncclUniqueId;
 use super::state::{Handle, RootIdx};
 
 /// A fault to inject into the communicators born from one unique id (their split and
-/// shrink children included). See the module docs.
+/// shrink children included).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Fault {
-    /// Collectives and send/recv return at once and never complete.
+    /// Every collective and send/recv returns `ncclSuccess` at once but never completes, as
+    /// work queued on a CUDA stream behind a kernel that never ends. The watchdog sees it as
+    /// work in flight.
     StuckWork,
-    /// Collectives and send/recv run, but are seen complete only after [`release_stalls`].
+    /// Collectives and send/recv run as usual (they wait for their peers and move the data)
+    /// but are seen complete only after [`release_stalls`], as work on a stream stalled
+    /// behind other work that later drains. No peer waits for it.
     StalledWork,
-    /// `ncclCommAbort` blocks before doing its work: for this long, or until
-    /// [`release_aborts`] when `None`.
+    /// `ncclCommAbort` blocks *before* doing its work, as NVIDIA's abort does in `cudaFree`
+    /// behind a stalled stream: for this long (a slow but finite abort), or until
+    /// [`release_aborts`] when `None` (a stuck one). Meanwhile nothing of it has happened:
+    /// its stuck work stays stuck, waiters in its clique stay waiting, and the handle is not
+    /// yet counted as torn down. Then it does its work (the clique is aborted, waiters
+    /// wake, stuck work is released, as NCCL's kernels end on the abort flag).
     BlockingAbort(Option<Duration>),
     /// `ncclCommRegister`, `ncclCommDeregister` and `ncclCommGetAsyncError` wait this long
-    /// before their work.
+    /// before their work, as a call the driver holds up. The wait holds no lock of the
+    /// provider, and the handle is looked up after it, so a handle torn down meanwhile (an
+    /// abort from another thread) is a use after teardown and counted as misuse.
     SlowCalls(Duration),
-    /// Across processes, peers are not told that a rank left or its process died. Inject
-    /// it before the communicator's init.
+    /// Across processes, a rank whose process left its communicator or died is not seen by
+    /// its peers, as with NVIDIA's NCCL: they learn of it only through the crate's
+    /// diagnostics (the desync board), or at the provider's deadline. Inject it before the
+    /// communicator's init.
     SilentPeers,
     /// NCCL's asynchronous jobs (a split, shrink or window registration on a non-blocking
     /// communicator) do their work but do not end (store their out-pointer, leave
@@ -68,12 +56,12 @@ pub enum Fault {
 
 #[derive(Debug, Default)]
 struct Faults {
-    stuck: HashMap<RootIdx, ()>,
-    stalled: HashMap<RootIdx, ()>,
+    stuck: HashSet<RootIdx>,
+    stalled: HashSet<RootIdx>,
     blocking_abort: HashMap<RootIdx, Option<Duration>>,
     slow_calls: HashMap<RootIdx, Duration>,
-    silent: HashMap<RootIdx, ()>,
-    held_jobs: HashMap<RootIdx, ()>,
+    silent: HashSet<RootIdx>,
+    held_jobs: HashSet<RootIdx>,
     /// Per handle: operations that were accepted and will never complete.
     stuck_ops: HashMap<Handle, u64>,
     /// Per handle: operations that ran but are not yet seen complete, and their root.
@@ -112,10 +100,10 @@ pub fn inject(id: &ncclUniqueId, fault: Fault) {
     let mut f = lock();
     match fault {
         Fault::StuckWork => {
-            f.stuck.insert(root, ());
+            f.stuck.insert(root);
         }
         Fault::StalledWork => {
-            f.stalled.insert(root, ());
+            f.stalled.insert(root);
         }
         Fault::BlockingAbort(d) => {
             f.blocking_abort.insert(root, d);
@@ -124,10 +112,10 @@ pub fn inject(id: &ncclUniqueId, fault: Fault) {
             f.slow_calls.insert(root, d);
         }
         Fault::SilentPeers => {
-            f.silent.insert(root, ());
+            f.silent.insert(root);
         }
         Fault::HeldJobs => {
-            f.held_jobs.insert(root, ());
+            f.held_jobs.insert(root);
         }
     }
 }
@@ -158,7 +146,7 @@ pub fn release_jobs(id: &ncclUniqueId) {
 pub(crate) fn wait_jobs_released(root: RootIdx) {
     let deadline = Instant::now() + super::defs::wait_limit();
     let mut f = lock();
-    while f.held_jobs.contains_key(&root) {
+    while f.held_jobs.contains(&root) {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return;
@@ -192,17 +180,17 @@ pub fn blocked_aborts(id: &ncclUniqueId) -> usize {
 
 /// Whether [`Fault::SilentPeers`] holds for the communicators of `root`.
 pub(crate) fn silent_peers(root: RootIdx) -> bool {
-    lock().silent.contains_key(&root)
+    lock().silent.contains(&root)
 }
 
 /// Called by an operation of `h` (root `root`) that passed its checks: `true` when it is
 /// to be accepted and never completed (a stalled one runs: `false`, and it is counted).
 pub(crate) fn take_stuck(root: RootIdx, h: Handle) -> bool {
     let mut f = lock();
-    if f.stalled.contains_key(&root) {
+    if f.stalled.contains(&root) {
         f.stalled_ops.entry(h).or_insert((root, 0)).1 += 1;
     }
-    if !f.stuck.contains_key(&root) {
+    if !f.stuck.contains(&root) {
         return false;
     }
     *f.stuck_ops.entry(h).or_default() += 1;

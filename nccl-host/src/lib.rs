@@ -55,9 +55,8 @@
 //!    (or the outermost `ncclGroupEnd`) runs, so an operation is complete when that call
 //!    returns (a reduction of 4 MiB or more also uses scoped threads, up to the machine's
 //!    parallelism, that end before it returns). This holds for non-blocking communicators
-//!    too: only init/split/shrink are asynchronous (they return `ncclInProgress` and are
-//!    polled with `ncclCommGetAsyncError`); there is no background thread, the last rank to
-//!    join completes the rendezvous for everyone.
+//!    too: only init, split, shrink, window registration and revoke finish after their call
+//!    (polled with `ncclCommGetAsyncError`, as on NCCL).
 //! 2. `ncclCommAbort` (from any thread) wakes every rank blocked on that communicator's
 //!    clique with `ncclRemoteError`; later operations on the surviving ranks return
 //!    `ncclRemoteError` and `ncclCommGetAsyncError` reports it. An operation whose copy had

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use core::ffi::c_void;
-use nccl_sys::bindings::{ncclInvalidArgument, ncclInvalidUsage};
+use nccl_sys::bindings::ncclInvalidUsage;
 
 use super::state::{Fail, Global, Handle, RootIdx};
 
@@ -41,50 +41,23 @@ fn registry() -> MutexGuard<'static, Registry> {
         .unwrap_or_else(|e| e.into_inner())
 }
 
-/// Which kind of deregistration failed, for the message and the counter.
-#[derive(Debug, Clone, Copy)]
-enum What {
-    Registration,
-    Window,
-}
-
-impl What {
-    fn call(self) -> &'static str {
-        match self {
-            What::Registration => "ncclCommDeregister",
-            What::Window => "ncclCommWindowDeregister",
-        }
-    }
-}
+/// A deregistration entry point and what it deregisters, for the messages.
+type What = (&'static str, &'static str);
+const REGISTRATION: What = ("ncclCommDeregister", "registration");
+const WINDOW: What = ("ncclCommWindowDeregister", "window");
 
 /// A deregistration of a handle that was deregistered before: misuse, counted.
-fn double(g: &mut Global, root: RootIdx, what: What, token: usize) -> Fail {
+fn double(g: &mut Global, root: RootIdx, (call, _): What, token: usize) -> Fail {
     g.count(Some(root), |s| s.double_deregistered += 1);
-    g.misuse(
-        Some(root),
-        ncclInvalidUsage,
-        format!(
-            "invalid usage: {}: {token:#x} was already deregistered",
-            what.call()
-        ),
-    )
+    let m = format!("{token:#x} was already deregistered");
+    g.misuse(Some(root), ncclInvalidUsage, call, m)
 }
 
 /// A deregistration of a handle this communicator never handed out: misuse, counted.
-fn unknown(g: &mut Global, root: RootIdx, what: What, token: usize) -> Fail {
+fn unknown(g: &mut Global, root: RootIdx, (call, kind): What, token: usize) -> Fail {
     g.count(Some(root), |s| s.unknown_deregistered += 1);
-    g.misuse(
-        Some(root),
-        ncclInvalidUsage,
-        format!(
-            "invalid usage: {}: {token:#x} is not a {} of this communicator",
-            what.call(),
-            match what {
-                What::Registration => "registration",
-                What::Window => "window",
-            }
-        ),
-    )
+    let m = format!("{token:#x} is not a {kind} of this communicator");
+    g.misuse(Some(root), ncclInvalidUsage, call, m)
 }
 
 /// `ncclCommDeregister(comm = h, handle = token)`: removes a live registration of `h`, or
@@ -103,9 +76,9 @@ pub(crate) fn deregister(
     }
     let retired = registry().retired.get(&token) == Some(&h);
     Err(if retired {
-        double(g, root, What::Registration, token)
+        double(g, root, REGISTRATION, token)
     } else {
-        unknown(g, root, What::Registration, token)
+        unknown(g, root, REGISTRATION, token)
     })
 }
 
@@ -144,8 +117,8 @@ pub(crate) fn deregister_window(
             g.count(Some(root), |s| s.windows_deregistered += 1);
             Ok(())
         }
-        Some(false) => Err(double(g, root, What::Window, token)),
-        None => Err(unknown(g, root, What::Window, token)),
+        Some(false) => Err(double(g, root, WINDOW, token)),
+        None => Err(unknown(g, root, WINDOW, token)),
     }
 }
 
@@ -157,17 +130,6 @@ pub(crate) fn nccl_memory_offset(g: &Global, buff: *mut c_void, size: usize) -> 
     (g.mem.iter())
         .find(|(&base, layout)| base <= start && end <= base + layout.size())
         .map(|(&base, _)| start - base)
-}
-
-/// The misuse of registering a symmetric window on other memory.
-pub(crate) fn not_nccl_memory(g: &mut Global, root: RootIdx, buff: *mut c_void) -> Fail {
-    g.misuse(
-        Some(root),
-        ncclInvalidArgument,
-        format!(
-            "invalid argument: ncclCommWindowRegister: NCCL_WIN_COLL_SYMMETRIC needs memory from ncclMemAlloc, and {buff:p} is not in such an allocation"
-        ),
-    )
 }
 
 /// Communicator `h` is being destroyed or aborted: releases its live registrations and

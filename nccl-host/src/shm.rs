@@ -16,6 +16,7 @@
 //! gone (once seen alive from this process: pids of another namespace are not watched), when a peer destroyed or aborted its communicator, when ranks disagree on the
 //! operation, or at the deadline (`NCCL_SAFE_HOST_TIMEOUT_MS`); every error names the rank.
 
+use core::ffi::c_int;
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
@@ -195,10 +196,10 @@ fn slot_for(asked: Option<usize>, nranks: usize) -> usize {
 }
 
 /// A system call's failure as a typed NCCL error with its context.
-fn sys_fail(what: &str, e: std::io::Error) -> Fail {
+fn sys_fail(what: impl std::fmt::Display, e: std::io::Error) -> Fail {
     Fail::new(
         ncclSystemError,
-        format!("system error: host provider shared memory: {what}: {e}"),
+        format!("host provider shared memory: {what}: {e}"),
     )
 }
 
@@ -217,39 +218,25 @@ fn alive(pid: u32) -> bool {
     }
 }
 
+/// Waits (at most `d`) while `word` holds `val`; a spurious or early return is handled by
+/// the caller's loop.
 fn futex_wait(word: &AtomicU32, val: u32, d: Duration) {
     let ts = libc::timespec {
         tv_sec: d.as_secs() as libc::time_t,
         tv_nsec: d.subsec_nanos() as libc::c_long,
     };
-    // SAFETY: `word` is a live, aligned u32 in a shared mapping (so no FUTEX_PRIVATE flag);
-    // FUTEX_WAIT only reads it. A spurious or early return is handled by the caller's loop.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            val,
-            &ts as *const libc::timespec,
-            core::ptr::null::<u32>(),
-            0,
-        )
-    };
+    futex(word, libc::FUTEX_WAIT, val, &ts);
 }
 
+/// Wakes every waiter on `word`.
 fn futex_wake(word: &AtomicU32) {
-    // SAFETY: as in `futex_wait`; FUTEX_WAKE touches no memory.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAKE,
-            i32::MAX,
-            core::ptr::null::<libc::timespec>(),
-            core::ptr::null::<u32>(),
-            0,
-        )
-    };
+    futex(word, libc::FUTEX_WAKE, i32::MAX as u32, core::ptr::null());
+}
+
+fn futex(word: &AtomicU32, op: c_int, val: u32, timeout: *const libc::timespec) {
+    // SAFETY: `word` is a live, aligned u32 in a shared mapping (so no FUTEX_PRIVATE flag);
+    // FUTEX_WAIT only reads it, FUTEX_WAKE touches no memory; `timeout` is null or live.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), op, val, timeout, 0usize, 0) };
 }
 
 /// Removes segments in `/dev/shm` whose id's maker process is gone and that no init can
@@ -420,10 +407,10 @@ impl Segment {
         deadline: Instant,
     ) -> Result<Segment, Fail> {
         if nranks > MAX_RANKS {
-            return Err(Fail::new(
-                ncclInvalidArgument,
-                format!("invalid argument: a communicator across processes has at most {MAX_RANKS} ranks, not {nranks}"),
-            ));
+            let m = format!(
+                "a communicator across processes has at most {MAX_RANKS} ranks, not {nranks}"
+            );
+            return Err(Fail::new(ncclInvalidArgument, m));
         }
         let path = name_of(id);
         let r = Self::join_inner(id, &path, nranks, rank, deadline);
@@ -454,28 +441,26 @@ impl Segment {
                     .read(true)
                     .write(true)
                     .open(path)
-                    .map_err(|e| sys_fail(&format!("open {path}"), e))?,
+                    .map_err(|e| sys_fail(format!("open {path}"), e))?,
                 false,
             ),
-            Err(e) => return Err(sys_fail(&format!("create {path}"), e)),
+            Err(e) => return Err(sys_fail(format!("create {path}"), e)),
         };
         if creator {
             sweep();
             let Some((_, _, len)) = layout(nranks, slot) else {
-                return Err(Fail::new(
-                    ncclInvalidArgument,
-                    "invalid argument: segment too large",
-                ));
+                return Err(Fail::new(ncclInvalidArgument, "segment too large"));
             };
             file.set_len(len as u64)
-                .map_err(|e| sys_fail(&format!("size {path} to {len} bytes"), e))?;
+                .map_err(|e| sys_fail(format!("size {path} to {len} bytes"), e))?;
             // Reserve the pages now: a full /dev/shm is this error, not a SIGBUS later.
             // SAFETY: a valid open descriptor and a range inside the file's size.
             let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
             if rc != 0 && rc != libc::EOPNOTSUPP && rc != libc::EINVAL {
+                let e = std::io::Error::from_raw_os_error(rc);
                 return Err(sys_fail(
-                    &format!("reserve {len} bytes for {path} (is /dev/shm full?)"),
-                    std::io::Error::from_raw_os_error(rc),
+                    format!("reserve {len} bytes for {path} (is /dev/shm full?)"),
+                    e,
                 ));
             }
         }
@@ -483,13 +468,14 @@ impl Segment {
         let len = loop {
             let l = file
                 .metadata()
-                .map_err(|e| sys_fail(&format!("stat {path}"), e))?
+                .map_err(|e| sys_fail(format!("stat {path}"), e))?
                 .len() as usize;
             if l >= 4096 {
                 break l;
             }
             if Instant::now() >= deadline {
-                return Err(Fail::new(ncclTimeout, format!("NCCL timeout: the shared memory segment {path} was never sized by its creator")));
+                let m = format!("the shared memory segment {path} was never sized by its creator");
+                return Err(Fail::new(ncclTimeout, m));
             }
             std::thread::sleep(Duration::from_millis(2));
         };
@@ -505,10 +491,8 @@ impl Segment {
             )
         };
         if base == libc::MAP_FAILED {
-            return Err(sys_fail(
-                &format!("map {path}"),
-                std::io::Error::last_os_error(),
-            ));
+            let e = std::io::Error::last_os_error();
+            return Err(sys_fail(format!("map {path}"), e));
         }
         let mut seg = Segment {
             base: base.cast(),
@@ -537,21 +521,23 @@ impl Segment {
         }
         while h.magic.load(Acquire) != MAGIC {
             if Instant::now() >= deadline {
-                return Err(Fail::new(ncclTimeout, format!("NCCL timeout: the shared memory segment {path} was never initialized by its creator")));
+                let m = format!(
+                    "the shared memory segment {path} was never initialized by its creator"
+                );
+                return Err(Fail::new(ncclTimeout, m));
             }
             std::thread::sleep(Duration::from_millis(2));
         }
         let theirs = h.nranks.load(Relaxed) as usize;
         if theirs != nranks {
-            return Err(Fail::new(
-                ncclInvalidArgument,
-                format!("invalid argument: ranks disagree on nranks for one unique id ({theirs} vs {nranks})"),
-            ));
+            let m = format!("ranks disagree on nranks for one unique id ({theirs} vs {nranks})");
+            return Err(Fail::new(ncclInvalidArgument, m));
         }
         let slot = h.slot.load(Relaxed) as usize;
-        let (data, chans, _) = layout(nranks, slot)
-            .filter(|&(_, _, need)| need <= len)
-            .ok_or_else(|| Fail::new(ncclInternalError, format!("internal error: shared memory segment {path} is smaller than its header says")))?;
+        let Some((data, chans, _)) = layout(nranks, slot).filter(|&(.., need)| need <= len) else {
+            let m = format!("shared memory segment {path} is smaller than its header says");
+            return Err(Fail::new(ncclInternalError, m));
+        };
         seg.data = data;
         seg.chans = chans;
         seg.slot = slot;
@@ -561,10 +547,8 @@ impl Segment {
             .compare_exchange(0, std::process::id(), AcqRel, Acquire)
             .is_err()
         {
-            return Err(Fail::new(
-                ncclInvalidArgument,
-                format!("invalid argument: rank {rank} joined the same unique id twice"),
-            ));
+            let m = format!("rank {rank} joined the same unique id twice");
+            return Err(Fail::new(ncclInvalidArgument, m));
         }
         me.state.store(1, Release);
         let h = seg.header();
@@ -594,7 +578,7 @@ impl Segment {
                 return Err(Fail::new(
                     ncclTimeout,
                     format!(
-                        "NCCL timeout: communicator initialization did not complete within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS): rank(s) {missing:?} never joined",
+                        "communicator initialization did not complete within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS): rank(s) {missing:?} never joined",
                         wait_limit()
                     ),
                 ));
@@ -620,7 +604,7 @@ impl Segment {
     fn fail_err(&self, why: Why, rank: usize, seq: u64) -> Fail {
         self.fail(why, rank, seq);
         self.failure()
-            .unwrap_or_else(|| Fail::new(ncclRemoteError, "remote error: a rank is gone"))
+            .unwrap_or_else(|| Fail::new(ncclRemoteError, "a rank is gone"))
     }
 
     /// The rank whose process the communicator saw gone (it died or was killed) and its
@@ -641,47 +625,39 @@ impl Segment {
         }
         let (why, r) = (why_of(f >> 32)?, (f & 0xffff_ffff) as usize);
         let seq = h.failed_seq.load(Acquire);
-        let at = if seq == u64::MAX {
-            "during initialization".to_string()
-        } else if seq == P2P_SEQ {
-            "in a send/recv".to_string()
-        } else {
-            format!("at collective #{seq}")
+        let at = match seq {
+            u64::MAX => "during initialization".to_string(),
+            P2P_SEQ => "in a send/recv".to_string(),
+            _ => format!("at collective #{seq}"),
         };
         let pid = if r < self.nranks {
             self.info(r).pid.load(Acquire)
         } else {
             0
         };
-        let remote = |what: String| {
-            Fail::new(
-                ncclRemoteError,
-                format!("remote error: rank {r} (pid {pid}) {what}"),
-            )
-        };
+        let remote =
+            |what: String| Fail::new(ncclRemoteError, format!("rank {r} (pid {pid}) {what}"));
         Some(match why {
             Why::Abort => remote("called ncclCommAbort".to_string()),
             Why::Died => remote(format!("died: its process is gone ({at})")),
             Why::Revoked => remote(format!("revoked its communicator ({at})")),
-            Why::Left => remote(format!(
-                "destroyed its communicator while the others waited for it ({at})"
-            )),
+            Why::Left => remote(format!("destroyed its communicator while the others waited for it ({at})")),
             Why::Timeout => Fail::new(
                 ncclTimeout,
                 format!(
-                    "NCCL timeout: rank {r} (pid {pid}) did not reach {} by the deadline (the caller's timeout, at most {:?}: NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
+                    "rank {r} (pid {pid}) did not reach {} by the deadline (the caller's timeout, at most {:?}: NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted",
                     if seq == P2P_SEQ { "its matching send/recv".to_string() } else { format!("collective #{seq}") },
                     wait_limit()
                 ),
             ),
             Why::P2p => Fail::new(
                 ncclInvalidUsage,
-                format!("invalid usage: a send and its receive disagree on the size or data type (rank {r} received it)"),
+                format!("a send and its receive disagree on the size or data type (rank {r} received it)"),
             ),
             Why::Mismatch => Fail::new(
                 ncclInvalidUsage,
                 self.mismatch(seq).map(|m| m.1).unwrap_or_else(|| {
-                    format!("invalid usage: ranks disagree on collective #{seq}: rank {r} called something else")
+                    format!("ranks disagree on collective #{seq}: rank {r} called something else")
                 }),
             ),
         })
@@ -807,23 +783,20 @@ impl Segment {
             let kind = ((d & 0xff) as u8)
                 .checked_sub(1)
                 .and_then(Collective::from_index);
-            let (dt, red, root) = ((d >> 8) & 0xff, (d >> 16) & 0xff, (d >> 32) as i64 - 1);
-            let reduces = kind.is_some_and(Collective::reduces);
+            let red = match kind {
+                Some(k) if k.reduces() => format!(", {}", dtype::red_name((d >> 16) & 0xff)),
+                _ => String::new(),
+            };
+            // The root is stored plus one: 0 for none.
+            let root = match d >> 32 {
+                0 => String::new(),
+                r => format!(", root={}", r - 1),
+            };
+            let dt = dtype::name(((d >> 8) & 0xff) as ncclDataType_t);
             let kind = kind.map_or("nothing", Collective::name);
             format!(
-                "collective #{} {kind}(count={c}, {}{}{})",
-                s.wrapping_sub(1),
-                dtype::name(dt as ncclDataType_t),
-                if reduces {
-                    format!(", {}", dtype::red_name(red))
-                } else {
-                    String::new()
-                },
-                if root >= 0 {
-                    format!(", root={root}")
-                } else {
-                    String::new()
-                }
+                "collective #{} {kind}(count={c}, {dt}{red}{root})",
+                s.wrapping_sub(1)
             )
         };
         let majority = all
@@ -847,7 +820,7 @@ impl Segment {
         Some((
             culprits.first().copied().unwrap_or(self.rank),
             format!(
-                "invalid usage: ranks disagree on collective #{seq}: rank(s) {culprits:?} called something else; {}",
+                "ranks disagree on collective #{seq}: rank(s) {culprits:?} called something else; {}",
                 lines.join("; ")
             ),
         ))
@@ -872,10 +845,7 @@ impl Segment {
         }
         let deadline = super::defs::call_deadline();
         let es = dtype::size_of(p.dtype).ok_or_else(|| {
-            Fail::new(
-                ncclInvalidArgument,
-                format!("invalid argument: unknown datatype {}", p.dtype),
-            )
+            Fail::new(ncclInvalidArgument, format!("unknown datatype {}", p.dtype))
         })?;
         self.seq.store(seq, Release);
         let me = self.op(self.rank, seq);
@@ -922,7 +892,7 @@ impl Segment {
                 // Point-to-point calls go through the pair channels, never the slots.
                 Fail::new(
                     ncclInternalError,
-                    "internal error: a point-to-point call posted as a collective",
+                    "a point-to-point call posted as a collective",
                 )
             })?;
         // Rounds alternate between the two halves of every slot, so a rank may copy the
@@ -996,10 +966,8 @@ impl Segment {
                         })
                         .collect();
                     if !dtype::reduce(p.dtype, p.red, &ins, &scalars, out) {
-                        return Err(Fail::new(
-                            ncclInternalError,
-                            "internal error: malformed reduction (short PreMulSum scalar)",
-                        ));
+                        let m = "malformed reduction (short PreMulSum scalar)";
+                        return Err(Fail::new(ncclInternalError, m));
                     }
                     drop(ins);
                     // SAFETY: as above; `out` is ours, written back to our own slot's share.
@@ -1069,10 +1037,10 @@ impl Segment {
         }
         let cb = chan_bytes(self.nranks);
         if cb == 0 {
-            return Err(Fail::new(
-                ncclInvalidUsage,
-                format!("invalid usage: send/recv across processes needs at most {MAX_P2P_RANKS} ranks, not {}", self.nranks),
-            ));
+            let n = self.nranks;
+            let m =
+                format!("send/recv across processes needs at most {MAX_P2P_RANKS} ranks, not {n}");
+            return Err(Fail::new(ncclInvalidUsage, m));
         }
         let me = self.rank;
         let deadline = super::defs::call_deadline();
@@ -1094,7 +1062,7 @@ impl Segment {
                     continue;
                 }
                 let msg = (w.bytes as u64) << 8 | (w.dtype as u64 & 0xff);
-                if w.is_send {
+                let l = if w.is_send {
                     let (c, data) = self.chan(me, w.peer);
                     if c.posted.load(Acquire) != c.taken.load(Acquire) {
                         continue;
@@ -1106,36 +1074,30 @@ impl Segment {
                     c.len.store(l as u64, Relaxed);
                     c.msg.store(msg, Relaxed);
                     c.posted.fetch_add(1, Release);
-                    moved[i] += l;
-                    done[i] = moved[i] == w.bytes;
-                    self.ring(w.peer);
-                    progressed = true;
+                    l
                 } else {
                     let (c, data) = self.chan(w.peer, me);
                     if c.posted.load(Acquire) == c.taken.load(Acquire) {
                         continue;
                     }
                     let l = c.len.load(Relaxed) as usize;
-                    if c.msg.load(Relaxed) != msg || moved[i] + l > w.bytes {
-                        let text = format!(
-                            "invalid usage: ncclSend from rank {} ({} bytes, dtype {}) does not match ncclRecv on rank {me} ({} bytes, dtype {})",
-                            w.peer,
-                            c.msg.load(Relaxed) >> 8,
-                            c.msg.load(Relaxed) & 0xff,
-                            w.bytes,
-                            w.dtype
-                        );
+                    let sent = c.msg.load(Relaxed);
+                    if sent != msg || moved[i] + l > w.bytes {
+                        let (peer, bytes, dt) = (w.peer, w.bytes, w.dtype);
+                        let (sent, sent_dt) = (sent >> 8, sent & 0xff);
+                        let text = format!("ncclSend from rank {peer} ({sent} bytes, dtype {sent_dt}) does not match ncclRecv on rank {me} ({bytes} bytes, dtype {dt})");
                         self.fail(Why::P2p, me, P2P_SEQ);
                         return Err(Fail::new(ncclInvalidUsage, text));
                     }
                     // SAFETY: the chunk was posted (Acquire above) and stays until taken.
                     unsafe { copy(data as usize, w.ptr + moved[i], l) };
                     c.taken.fetch_add(1, Release);
-                    moved[i] += l;
-                    done[i] = moved[i] == w.bytes;
-                    self.ring(w.peer);
-                    progressed = true;
-                }
+                    l
+                };
+                moved[i] += l;
+                done[i] = moved[i] == w.bytes;
+                self.ring(w.peer);
+                progressed = true;
             }
             if done.iter().all(|&d| d) {
                 return Ok(());

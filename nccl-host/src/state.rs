@@ -1,12 +1,8 @@
 //! The process-wide registry of the host provider: handles, cliques, rendezvous and
-//! posted operations, all behind one mutex and one condition variable.
-//!
-//! An operation is "posted" into its clique's slot (collectives by the communicator's
-//! sequence number, send/recv by (source, destination, per-pair sequence)). The thread
-//! whose post completes a slot marks it `Executing`, releases the lock, does every rank's
-//! copy and reduction, and marks it `Done`. A rank's buffers are only touched while that
-//! rank still waits for the op: once a clique is aborted no new execution starts, and a
-//! waiter whose op is executing waits for it to finish even when the clique was aborted.
+//! posted operations, all behind one mutex and one condition variable (how an operation is
+//! posted and run: the crate docs). A rank's buffers are only touched while that rank
+//! still waits for the op: once a clique is aborted no new execution starts, and a waiter
+//! whose op is executing waits for it to finish even when the clique was aborted.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_int;
@@ -82,8 +78,8 @@ pub(crate) struct Comm {
     /// numbers, apart from the collectives' (the ranks left may differ in what they
     /// issued before the failure).
     pub abort_shrinks: u64,
-    pub send_seq: HashMap<i32, u64>,
-    pub recv_seq: HashMap<i32, u64>,
+    /// The next send/recv sequence number per (is it a send, peer).
+    pub p2p_seq: HashMap<(bool, i32), u64>,
     pub redops: HashMap<ncclRedOp_t, PreMul>,
     pub next_redop: ncclRedOp_t,
     pub pending_on: PendingOn,
@@ -114,21 +110,19 @@ pub(crate) enum SlotState {
     Done(Result<(), Fail>),
 }
 
+/// A posted operation: the ranks' posts, its state, and how many waits have yet to take
+/// its result (the last one removes it).
 #[derive(Debug)]
-pub(crate) struct CollSlot {
-    pub posts: Vec<Option<CollPost>>,
-    pub nposted: usize,
+pub(crate) struct Slot<P> {
+    pub posts: P,
     pub state: SlotState,
     pub waiters: usize,
 }
 
-#[derive(Debug)]
-pub(crate) struct P2pSlot {
-    pub send: Option<P2pPost>,
-    pub recv: Option<P2pPost>,
-    pub state: SlotState,
-    pub waiters: usize,
-}
+/// A collective: one post per rank.
+pub(crate) type CollSlot = Slot<Vec<Option<CollPost>>>;
+/// A send/recv pair: the send's post, then the receive's.
+pub(crate) type P2pSlot = Slot<[Option<P2pPost>; 2]>;
 
 /// A split or shrink rendezvous over a parent clique.
 #[derive(Debug)]
@@ -224,6 +218,24 @@ pub(crate) fn wait(g: MutexGuard<'static, Global>, until: Instant) -> MutexGuard
     }
 }
 
+/// Waits, asking `done` again after every change, until it gives a value, or for at most
+/// the provider's wait limit (then `None`); returns the re-acquired lock.
+pub(crate) fn wait_until<R>(
+    mut g: MutexGuard<'static, Global>,
+    mut done: impl FnMut(&mut Global) -> Option<R>,
+) -> (MutexGuard<'static, Global>, Option<R>) {
+    let deadline = Instant::now() + wait_limit();
+    loop {
+        if let Some(r) = done(&mut g) {
+            return (g, Some(r));
+        }
+        if Instant::now() >= deadline {
+            return (g, None);
+        }
+        g = wait(g, deadline);
+    }
+}
+
 impl Global {
     /// The stats index of a root unique id (interned on first use).
     pub(crate) fn root_of(&mut self, id: &IdBytes) -> RootIdx {
@@ -265,23 +277,44 @@ impl Global {
         }
     }
 
-    /// Records a misuse and returns the failure to report.
+    /// Records a misuse of entry point `what` and returns the failure to report: `code`
+    /// (ncclInvalidArgument or ncclInvalidUsage) and "invalid argument: {what}: {m}" (or
+    /// "invalid usage: ...").
     pub(crate) fn misuse(
         &mut self,
         root: Option<RootIdx>,
         code: ncclResult_t,
-        msg: String,
+        what: &str,
+        m: impl std::fmt::Display,
     ) -> Fail {
+        let f = Fail::new(code, format!("{what}: {m}"));
         self.count(root, |s| s.misused += 1);
         if self.misuse_log.len() >= 64 {
             self.misuse_log.pop_front();
         }
-        self.misuse_log.push_back(msg.clone());
-        Fail::new(code, msg)
+        self.misuse_log.push_back(f.msg.clone());
+        f
     }
 
-    /// A new handle in state `Pending`, not yet counted as created.
-    pub(crate) fn new_handle(&mut self, root: RootIdx, device: c_int, nonblocking: bool) -> Handle {
+    /// [`Global::misuse`] with ncclInvalidArgument.
+    pub(crate) fn invalid(
+        &mut self,
+        root: Option<RootIdx>,
+        what: &str,
+        m: impl std::fmt::Display,
+    ) -> Fail {
+        self.misuse(root, ncclInvalidArgument, what, m)
+    }
+
+    /// A new handle in state `Pending`, not yet counted as created, keeping `commName`
+    /// pointer `name`.
+    pub(crate) fn new_handle(
+        &mut self,
+        root: RootIdx,
+        device: c_int,
+        nonblocking: bool,
+        name: usize,
+    ) -> Handle {
         self.next_handle += 1;
         let h = HANDLE_BASE + 16 * self.next_handle;
         self.comms.insert(
@@ -294,14 +327,13 @@ impl Global {
                 finalized: false,
                 coll_seq: 0,
                 abort_shrinks: 0,
-                send_seq: HashMap::new(),
-                recv_seq: HashMap::new(),
+                p2p_seq: HashMap::new(),
                 redops: HashMap::new(),
                 next_redop: ncclNumOps,
                 pending_on: PendingOn::Nothing,
                 deadline: Instant::now() + wait_limit(),
                 job: Job::Idle,
-                name: 0,
+                name,
                 revoked: false,
                 error_cleared: false,
                 grows: 0,
@@ -327,28 +359,15 @@ impl Global {
     }
 
     /// A new clique with `handles[i]` as rank i (all set `Ready`).
-    pub(crate) fn new_clique(&mut self, root: RootIdx, handles: &[Handle]) -> u64 {
-        self.next_clique += 1;
-        let id = self.next_clique;
-        self.cliques.insert(
-            id,
-            CommWorld {
-                nranks: handles.len() as i32,
-                root,
-                members: handles.len(),
-                ..Default::default()
-            },
-        );
-        for (rank, h) in handles.iter().enumerate() {
-            if let Some(c) = self.comms.get_mut(h) {
-                c.state = CommState::Ready {
-                    clique: id,
-                    rank: rank as i32,
-                };
-                c.pending_on = PendingOn::Nothing;
-            }
-        }
-        id
+    pub(crate) fn new_clique(&mut self, root: RootIdx, handles: &[Handle]) {
+        let n = handles.len();
+        let world = CommWorld {
+            nranks: n as i32,
+            root,
+            members: n,
+            ..Default::default()
+        };
+        self.add_clique(world, handles.iter().copied().zip(0..))
     }
 
     /// A clique for handle `h`, rank `rank` of a communicator across processes.
@@ -358,25 +377,29 @@ impl Global {
         h: Handle,
         seg: std::sync::Arc<super::shm::Segment>,
         nranks: i32,
-    ) -> u64 {
-        self.next_clique += 1;
-        let id = self.next_clique;
+    ) {
         let rank = seg.rank() as i32;
-        self.cliques.insert(
-            id,
-            CommWorld {
-                nranks,
-                root,
-                members: 1,
-                shared: Some(seg),
-                ..Default::default()
-            },
-        );
-        if let Some(c) = self.comms.get_mut(&h) {
-            c.state = CommState::Ready { clique: id, rank };
-            c.pending_on = PendingOn::Nothing;
+        let world = CommWorld {
+            nranks,
+            root,
+            members: 1,
+            shared: Some(seg),
+            ..Default::default()
+        };
+        self.add_clique(world, [(h, rank)])
+    }
+
+    /// Adds clique `world` and sets each of its `(handle, rank)` members `Ready`.
+    fn add_clique(&mut self, world: CommWorld, members: impl IntoIterator<Item = (Handle, i32)>) {
+        self.next_clique += 1;
+        let clique = self.next_clique;
+        self.cliques.insert(clique, world);
+        for (h, rank) in members {
+            if let Some(c) = self.comms.get_mut(&h) {
+                c.state = CommState::Ready { clique, rank };
+                c.pending_on = PendingOn::Nothing;
+            }
         }
-        id
     }
 
     /// One member handle of `clique` is gone; drop the clique when it has none and no
@@ -434,7 +457,7 @@ impl Global {
         let Some(c) = self.comms.get(&h) else { return };
         if matches!(c.state, CommState::Pending) && Instant::now() >= c.deadline {
             let msg = format!(
-                "NCCL timeout: communicator initialization did not complete within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)",
+                "communicator initialization did not complete within {:?} (NCCL_SAFE_HOST_TIMEOUT_MS)",
                 wait_limit()
             );
             self.fail_handle(h, Fail::new(ncclTimeout, msg));
@@ -470,22 +493,21 @@ impl Global {
             nranks,
             posts: Vec::new(),
         });
-        if p.nranks != nranks {
-            let msg = format!(
-                "invalid argument: ranks disagree on nranks for one unique id ({} vs {nranks})",
-                p.nranks
-            );
-            p.posts.push((rank, h));
-            self.fail_pending(PendingOn::Init(id), Fail::new(ncclInvalidArgument, msg));
-            return;
-        }
-        if p.posts.iter().any(|&(r, _)| r == rank) {
-            let msg = format!("invalid argument: rank {rank} joined the same unique id twice");
-            p.posts.push((rank, h));
-            self.fail_pending(PendingOn::Init(id), Fail::new(ncclInvalidArgument, msg));
-            return;
-        }
+        let clash = if p.nranks != nranks {
+            let theirs = p.nranks;
+            Some(format!(
+                "ranks disagree on nranks for one unique id ({theirs} vs {nranks})"
+            ))
+        } else if p.posts.iter().any(|&(r, _)| r == rank) {
+            Some(format!("rank {rank} joined the same unique id twice"))
+        } else {
+            None
+        };
         p.posts.push((rank, h));
+        if let Some(msg) = clash {
+            self.fail_pending(PendingOn::Init(id), Fail::new(ncclInvalidArgument, msg));
+            return;
+        }
         if p.posts.len() == nranks as usize {
             let mut posts = match self.inits.remove(&id) {
                 Some(p) => p.posts,
@@ -507,24 +529,13 @@ impl Global {
         shrink: Option<Vec<i32>>,
         post: (i32, c_int, c_int, Option<Handle>),
     ) -> Result<(), Fail> {
-        let (nranks, root) = match self.cliques.get(&clique) {
-            Some(c) => (c.nranks, c.root),
-            None => {
-                return Err(Fail::new(
-                    ncclInvalidUsage,
-                    "invalid usage: communicator's clique is gone",
-                ))
-            }
-        };
-        if let Some(h) = post.3 {
-            if let Some(c) = self.comms.get_mut(&h) {
-                c.pending_on = PendingOn::Rdv { clique, seq };
-            }
-        }
-        let expected = nranks as usize - shrink.as_ref().map_or(0, |e| e.len());
         let Some(cl) = self.cliques.get_mut(&clique) else {
-            return Ok(());
+            return Err(Fail::new(ncclInvalidUsage, "communicator's clique is gone"));
         };
+        if let Some(c) = post.3.and_then(|h| self.comms.get_mut(&h)) {
+            c.pending_on = PendingOn::Rdv { clique, seq };
+        }
+        let expected = cl.nranks as usize - shrink.as_ref().map_or(0, |e| e.len());
         let slot = cl.rdv.entry(seq).or_insert(RdvSlot {
             shrink: shrink.clone(),
             expected,
@@ -532,7 +543,8 @@ impl Global {
         });
         slot.posts.push(post);
         if slot.shrink != shrink {
-            let msg = "invalid argument: ranks disagree on the split/shrink (different exclude lists or split vs shrink)";
+            let msg =
+                "ranks disagree on the split/shrink (different exclude lists or split vs shrink)";
             self.fail_pending(
                 PendingOn::Rdv { clique, seq },
                 Fail::new(ncclInvalidArgument, msg),
@@ -542,22 +554,17 @@ impl Global {
         if slot.posts.len() < slot.expected {
             return Ok(());
         }
-        let Some(slot) = cl.rdv.remove(&seq) else {
+        let root = cl.root;
+        let Some(mut slot) = cl.rdv.remove(&seq) else {
             return Ok(());
         };
-        let mut colors: Vec<c_int> = slot
-            .posts
-            .iter()
-            .map(|p| p.1)
-            .filter(|&c| c != NCCL_SPLIT_NOCOLOR)
-            .collect();
-        colors.sort_unstable();
-        colors.dedup();
-        for color in colors {
-            let mut members: Vec<_> = slot.posts.iter().filter(|p| p.1 == color).collect();
-            members.sort_by_key(|p| (p.2, p.0));
-            let handles: Vec<Handle> = members.iter().filter_map(|p| p.3).collect();
-            self.new_clique(root, &handles);
+        // One child per color (NOCOLOR makes none), its ranks ordered by (key, parent rank).
+        slot.posts.sort_by_key(|p| (p.1, p.2, p.0));
+        for members in slot.posts.chunk_by(|a, b| a.1 == b.1) {
+            if members[0].1 != NCCL_SPLIT_NOCOLOR {
+                let handles: Vec<Handle> = members.iter().filter_map(|p| p.3).collect();
+                self.new_clique(root, &handles);
+            }
         }
         notify();
         Ok(())
