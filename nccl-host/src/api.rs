@@ -12,6 +12,7 @@ use nccl_sys::FunctionTable;
 pub(crate) use super::defs::{fresh_id, id_bytes};
 use super::dtype::{self, RedKind};
 use super::exec::{run_items, Item};
+use super::registry;
 use super::state::{
     lock, wait_until, CollPost, Collective, CommState, Fail, Global, Handle, IdBytes, Job, P2pPost,
     PendingOn, PreMul, RootIdx,
@@ -848,7 +849,7 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     }
     let c = g.comms.remove(&h).ok_or_else(vanished)?;
     g.dead.insert(h, c.root);
-    super::registry::teardown(&mut g, h, c.root);
+    registry::teardown(&mut g, h, c.root);
     g.count(Some(c.root), |s| {
         if abort {
             s.aborted += 1
@@ -1886,10 +1887,7 @@ pub(crate) unsafe extern "C" fn ncclCommRegister(
         if handle.is_null() || (buff.is_null() && size > 0) {
             return Err(g.invalid(Some(r.root), "ncclCommRegister", "buff or handle is NULL"));
         }
-        g.next_reg += 1;
-        let token = 0x7e60_0000usize + 16 * g.next_reg;
-        g.regs.insert(token, r.h);
-        g.count(Some(r.root), |s| s.registered += 1);
+        let token = registry::register(&mut g, registry::Kind::Buffer, r.h, r.root);
         put(handle, token as *mut c_void);
         Ok(ncclSuccess)
     })
@@ -1906,7 +1904,9 @@ pub(crate) unsafe extern "C" fn ncclCommDeregister(
         if handle.is_null() {
             return Ok(ncclSuccess); // as NCCL: a registration NCCL skipped is NULL
         }
-        super::registry::deregister(&mut g, r.h, r.root, handle as usize).map(|()| ncclSuccess)
+        let token = handle as usize;
+        registry::deregister(&mut g, registry::Kind::Buffer, r.h, r.root, token)?;
+        Ok(ncclSuccess)
     })
 }
 
@@ -1937,7 +1937,7 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
             return Err(r.invalid(&mut g, NAME, format!("unknown flags {win_flags:#x}")));
         }
         if win_flags & NCCL_WIN_COLL_SYMMETRIC as c_int != 0 {
-            let refusal = match super::registry::nccl_memory_offset(&g, buff, size) {
+            let refusal = match registry::nccl_memory_offset(&g, buff, size) {
                 None => Some(format!("NCCL_WIN_COLL_SYMMETRIC needs memory from ncclMemAlloc, and {buff:p} is not in such an allocation")),
                 // As NCCL (dev_runtime.cc:605-611 of 2.28.9), which refuses it in its job.
                 Some(at) if at % NCCL_WIN_REQUIRED_ALIGNMENT as usize != 0 => Some(format!("Window address must be suitably aligned ({at} bytes into its allocation, not a multiple of {NCCL_WIN_REQUIRED_ALIGNMENT})")),
@@ -1956,10 +1956,13 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
                 if !g.comms.contains_key(&h) {
                     return (0, Err(vanished()));
                 }
-                (super::registry::register_window(&mut g, h, root), Ok(()))
+                (
+                    registry::register(&mut g, registry::Kind::Window, h, root),
+                    Ok(()),
+                )
             });
         }
-        let token = super::registry::register_window(&mut g, r.h, r.root);
+        let token = registry::register(&mut g, registry::Kind::Window, r.h, r.root);
         put(win, token as ncclWindow_t);
         Ok(ncclSuccess)
     })
@@ -1984,7 +1987,8 @@ pub(crate) unsafe extern "C" fn ncclCommWindowDeregister(
         if win.is_null() {
             return Ok(ncclSuccess); // as NCCL: nothing was registered
         }
-        super::registry::deregister_window(&mut g, r.h, r.root, win as usize).map(|()| ncclSuccess)
+        registry::deregister(&mut g, registry::Kind::Window, r.h, r.root, win as usize)?;
+        Ok(ncclSuccess)
     })
 }
 

@@ -1,9 +1,8 @@
 //! Registration bookkeeping of the host provider: what `ncclCommRegister` and
 //! `ncclCommWindowRegister` handed out, what was deregistered, and the misuse that shows.
 //!
-//! Live buffer registrations are the global state's `regs` (token -> communicator); this
-//! registry adds the tokens already deregistered (to tell a double deregistration from a
-//! handle that was never one) and the windows. It is locked only while the global lock is
+//! Every token ever handed out stays, marked live or not, to tell a double deregistration
+//! from a handle that was never one. The registry is locked only while the global lock is
 //! held (global first), so it never deadlocks with it.
 
 use std::collections::HashMap;
@@ -13,24 +12,39 @@ use core::ffi::c_void;
 use nccl_sys::bindings::ncclInvalidUsage;
 
 use super::state::{Fail, Global, Handle, RootIdx};
+use super::HostStats;
 
-/// First window token (distinct from communicator handles and registration tokens).
-const WINDOW_BASE: usize = 0x71d0_0000;
-
-/// A window handed out by `ncclCommWindowRegister`.
-#[derive(Debug, Clone, Copy)]
-struct Win {
-    comm: Handle,
-    live: bool,
+/// What is registered: a buffer (`ncclCommRegister`) or a window (`ncclCommWindowRegister`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Kind {
+    Buffer,
+    Window,
 }
 
+impl Kind {
+    /// Its first token (distinct from communicator handles and the other kind's tokens),
+    /// its deregistration's entry point and its name, for the messages.
+    fn info(self) -> (usize, &'static str, &'static str) {
+        match self {
+            Kind::Buffer => (0x7e60_0000, "ncclCommDeregister", "registration"),
+            Kind::Window => (0x71d0_0000, "ncclCommWindowDeregister", "window"),
+        }
+    }
+
+    /// Its (registered, deregistered) counters.
+    fn counters(self, s: &mut HostStats) -> (&mut u64, &mut u64) {
+        match self {
+            Kind::Buffer => (&mut s.registered, &mut s.deregistered),
+            Kind::Window => (&mut s.windows_registered, &mut s.windows_deregistered),
+        }
+    }
+}
+
+/// A token handed out: its communicator, and whether it is still live.
 #[derive(Debug, Default)]
 struct Registry {
-    /// Buffer registrations deregistered (or released at teardown): token -> communicator.
-    retired: HashMap<usize, Handle>,
-    /// Every window ever handed out, by token.
-    windows: HashMap<usize, Win>,
-    next_window: usize,
+    tokens: HashMap<(Kind, usize), (Handle, bool)>,
+    next: usize,
 }
 
 fn registry() -> MutexGuard<'static, Registry> {
@@ -41,85 +55,46 @@ fn registry() -> MutexGuard<'static, Registry> {
         .unwrap_or_else(|e| e.into_inner())
 }
 
-/// A deregistration entry point and what it deregisters, for the messages.
-type What = (&'static str, &'static str);
-const REGISTRATION: What = ("ncclCommDeregister", "registration");
-const WINDOW: What = ("ncclCommWindowDeregister", "window");
-
-/// A deregistration of a handle that was deregistered before: misuse, counted.
-fn double(g: &mut Global, root: RootIdx, (call, _): What, token: usize) -> Fail {
-    g.count(Some(root), |s| s.double_deregistered += 1);
-    let m = format!("{token:#x} was already deregistered");
-    g.misuse(Some(root), ncclInvalidUsage, call, m)
-}
-
-/// A deregistration of a handle this communicator never handed out: misuse, counted.
-fn unknown(g: &mut Global, root: RootIdx, (call, kind): What, token: usize) -> Fail {
-    g.count(Some(root), |s| s.unknown_deregistered += 1);
-    let m = format!("{token:#x} is not a {kind} of this communicator");
-    g.misuse(Some(root), ncclInvalidUsage, call, m)
-}
-
-/// `ncclCommDeregister(comm = h, handle = token)`: removes a live registration of `h`, or
-/// reports the misuse (a double deregistration, or a handle `h` never handed out).
-pub(crate) fn deregister(
-    g: &mut Global,
-    h: Handle,
-    root: RootIdx,
-    token: usize,
-) -> Result<(), Fail> {
-    if g.regs.get(&token) == Some(&h) {
-        g.regs.remove(&token);
-        registry().retired.insert(token, h);
-        g.count(Some(root), |s| s.deregistered += 1);
-        return Ok(());
-    }
-    let retired = registry().retired.get(&token) == Some(&h);
-    Err(if retired {
-        double(g, root, REGISTRATION, token)
-    } else {
-        unknown(g, root, REGISTRATION, token)
-    })
-}
-
-/// `ncclCommWindowRegister`: a new window of `h`.
-pub(crate) fn register_window(g: &mut Global, h: Handle, root: RootIdx) -> usize {
+/// A new live registration of `kind` of `h`: its token.
+pub(crate) fn register(g: &mut Global, kind: Kind, h: Handle, root: RootIdx) -> usize {
     let mut r = registry();
-    r.next_window += 1;
-    let token = WINDOW_BASE + 16 * r.next_window;
-    r.windows.insert(
-        token,
-        Win {
-            comm: h,
-            live: true,
-        },
-    );
+    r.next += 1;
+    let token = kind.info().0 + 16 * r.next;
+    r.tokens.insert((kind, token), (h, true));
     drop(r);
-    g.count(Some(root), |s| s.windows_registered += 1);
+    g.count(Some(root), |s| *kind.counters(s).0 += 1);
     token
 }
 
-/// `ncclCommWindowDeregister(comm = h, win = token)`.
-pub(crate) fn deregister_window(
+/// The deregistration of `token` (of `kind`) on `h`: ends a live registration of `h`, or
+/// reports the misuse, counted (a double deregistration, or a token `h` never handed out).
+pub(crate) fn deregister(
     g: &mut Global,
+    kind: Kind,
     h: Handle,
     root: RootIdx,
     token: usize,
 ) -> Result<(), Fail> {
-    // Whether the window of `h` was live, now that it is not; `None`: not a window of `h`.
-    let was_live = registry()
-        .windows
-        .get_mut(&token)
-        .filter(|w| w.comm == h)
-        .map(|w| std::mem::replace(&mut w.live, false));
-    match was_live {
+    // Whether it was live, now that it is not; `None`: not one of `h`'s.
+    let was_live = (registry().tokens.get_mut(&(kind, token)))
+        .filter(|t| t.0 == h)
+        .map(|t| std::mem::replace(&mut t.1, false));
+    let (_, call, name) = kind.info();
+    let m = match was_live {
         Some(true) => {
-            g.count(Some(root), |s| s.windows_deregistered += 1);
-            Ok(())
+            g.count(Some(root), |s| *kind.counters(s).1 += 1);
+            return Ok(());
         }
-        Some(false) => Err(double(g, root, WINDOW, token)),
-        None => Err(unknown(g, root, WINDOW, token)),
-    }
+        Some(false) => {
+            g.count(Some(root), |s| s.double_deregistered += 1);
+            format!("{token:#x} was already deregistered")
+        }
+        None => {
+            g.count(Some(root), |s| s.unknown_deregistered += 1);
+            format!("{token:#x} is not a {name} of this communicator")
+        }
+    };
+    Err(g.misuse(Some(root), ncclInvalidUsage, call, m))
 }
 
 /// Where `[buff, buff + size)` starts inside the one `ncclMemAlloc` allocation that holds it,
@@ -135,20 +110,11 @@ pub(crate) fn nccl_memory_offset(g: &Global, buff: *mut c_void, size: usize) -> 
 /// Communicator `h` is being destroyed or aborted: releases its live registrations and
 /// windows (as NCCL does) and counts them in `live_at_teardown`.
 pub(crate) fn teardown(g: &mut Global, h: Handle, root: RootIdx) {
-    let mut r = registry();
     let mut n = 0u64;
-    g.regs.retain(|&t, &mut c| {
-        if c == h {
-            r.retired.insert(t, h);
-            n += 1;
-        }
-        c != h
-    });
-    for w in r.windows.values_mut().filter(|w| w.comm == h && w.live) {
-        w.live = false;
+    for t in registry().tokens.values_mut().filter(|t| t.0 == h && t.1) {
+        t.1 = false;
         n += 1;
     }
-    drop(r);
     if n > 0 {
         g.count(Some(root), |s| s.live_at_teardown += n);
     }

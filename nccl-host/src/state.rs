@@ -183,8 +183,6 @@ pub(crate) struct Global {
     pub total: HostStats,
     pub misuse_log: VecDeque<String>,
     pub mem: HashMap<usize, std::alloc::Layout>,
-    pub regs: HashMap<usize, Handle>,
-    pub next_reg: usize,
     /// Grow ids sent by `ncclCommGetUniqueId` to the boundary ranks (0 and n-1) of a
     /// clique, keyed by (clique, rank): NCCL's `bcastGrowHandle` (bootstrap.cc:470-486),
     /// received by those ranks' `ncclCommGrow`.
