@@ -6,15 +6,64 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use nccl_sys::bindings::*;
 
-/// Bytes per element of `dt`; `None` for an unknown data type.
-pub(crate) fn size_of(dt: ncclDataType_t) -> Option<usize> {
-    Some(match dt {
-        ncclInt8 | ncclUint8 | ncclFloat8e4m3 | ncclFloat8e5m2 => 1,
-        ncclFloat16 | ncclBfloat16 => 2,
-        ncclInt32 | ncclUint32 | ncclFloat32 => 4,
-        ncclInt64 | ncclUint64 | ncclFloat64 => 8,
-        _ => return None,
-    })
+/// The data types as one table: NCCL's constant, its name in messages, the element type
+/// and the kernel that reduces it ([`reduce_t`], or [`reduce_via`] for a type whose every
+/// step is computed in `f32` a block at a time). Makes [`size_of`], [`name`], the kernel
+/// dispatch and, for the tests, the reference dispatch and `ALL_DTYPES`.
+macro_rules! data_types {
+    ($($dt:ident: $name:literal, $t:ty, $kernel:ident;)*) => {
+        /// Bytes per element of `dt`; `None` for an unknown data type.
+        pub(crate) fn size_of(dt: ncclDataType_t) -> Option<usize> {
+            match dt {
+                $($dt => Some(core::mem::size_of::<<$t as Elem>::Raw>()),)*
+                _ => None,
+            }
+        }
+
+        /// NCCL's name for an element type (`ncclFloat32` -> "float32"), for messages.
+        pub(crate) fn name(dt: ncclDataType_t) -> std::borrow::Cow<'static, str> {
+            match dt {
+                $($dt => $name.into(),)*
+                other => format!("unknown type {other}").into(),
+            }
+        }
+
+        /// Reduces with `dt`'s kernel; an unknown data type leaves `out` untouched.
+        fn kernel(dt: ncclDataType_t, kind: RedKind, inputs: &[&[u8]], scalars: &[Vec<u8>], out: &mut [u8]) -> bool {
+            match dt {
+                $($dt => $kernel::<$t>(kind, inputs, scalars, out),)*
+                _ => true,
+            }
+        }
+
+        /// [`kernel`]'s element-at-a-time form, [`reference_t`].
+        #[cfg(test)]
+        fn reference_kernel(dt: ncclDataType_t, kind: RedKind, inputs: &[&[u8]], scalars: &[Vec<u8>], out: &mut [u8]) {
+            match dt {
+                $($dt => reference_t::<$t>(kind, inputs, scalars, out),)*
+                _ => {}
+            }
+        }
+
+        /// Every data type the host provider reduces.
+        #[cfg(test)]
+        pub(crate) const ALL_DTYPES: &[ncclDataType_t] = &[$($dt),*];
+    };
+}
+
+data_types! {
+    ncclInt8: "int8", i8, reduce_t;
+    ncclUint8: "uint8", u8, reduce_t;
+    ncclInt32: "int32", i32, reduce_t;
+    ncclUint32: "uint32", u32, reduce_t;
+    ncclInt64: "int64", i64, reduce_t;
+    ncclUint64: "uint64", u64, reduce_t;
+    ncclFloat16: "float16", f16, reduce_via;
+    ncclFloat32: "float32", f32, reduce_t;
+    ncclFloat64: "float64", f64, reduce_t;
+    ncclBfloat16: "bfloat16", bf16, reduce_t;
+    ncclFloat8e4m3: "float8e4m3", E4M3, reduce_via;
+    ncclFloat8e5m2: "float8e5m2", E5M2, reduce_via;
 }
 
 /// Decodes an fp8 value (`e5m2 == false`: E4M3 "fn", no infinities; `true`: E5M2, IEEE-like).
@@ -41,26 +90,6 @@ pub(crate) fn f32_to_fp8(x: f32, e5m2: bool) -> u8 {
         true => F8E5M2::from_f32(x).to_bits(),
         false => F8E4M3::from_f32(x).to_bits(),
     }
-}
-
-/// NCCL's name for an element type (`ncclFloat32` -> "float32"), for messages.
-pub(crate) fn name(dt: ncclDataType_t) -> std::borrow::Cow<'static, str> {
-    let n = match dt {
-        ncclInt8 => "int8",
-        ncclUint8 => "uint8",
-        ncclInt32 => "int32",
-        ncclUint32 => "uint32",
-        ncclInt64 => "int64",
-        ncclUint64 => "uint64",
-        ncclFloat16 => "float16",
-        ncclFloat32 => "float32",
-        ncclFloat64 => "float64",
-        ncclBfloat16 => "bfloat16",
-        ncclFloat8e4m3 => "float8e4m3",
-        ncclFloat8e5m2 => "float8e5m2",
-        other => return format!("unknown type {other}").into(),
-    };
-    n.into()
 }
 
 /// A reduction's name for messages, from the code a shared-memory slot stores for it
@@ -609,21 +638,7 @@ pub(crate) fn reduce(
         Some(avg) => (RedKind::PreMulSum, &avg[..]),
         None => (kind, scalars),
     };
-    match dt {
-        ncclInt8 => reduce_t::<i8>(kind, inputs, scalars, out),
-        ncclUint8 => reduce_t::<u8>(kind, inputs, scalars, out),
-        ncclInt32 => reduce_t::<i32>(kind, inputs, scalars, out),
-        ncclUint32 => reduce_t::<u32>(kind, inputs, scalars, out),
-        ncclInt64 => reduce_t::<i64>(kind, inputs, scalars, out),
-        ncclUint64 => reduce_t::<u64>(kind, inputs, scalars, out),
-        ncclFloat16 => reduce_via::<f16>(kind, inputs, scalars, out),
-        ncclFloat32 => reduce_t::<f32>(kind, inputs, scalars, out),
-        ncclFloat64 => reduce_t::<f64>(kind, inputs, scalars, out),
-        ncclBfloat16 => reduce_t::<bf16>(kind, inputs, scalars, out),
-        ncclFloat8e4m3 => reduce_via::<E4M3>(kind, inputs, scalars, out),
-        ncclFloat8e5m2 => reduce_via::<E5M2>(kind, inputs, scalars, out),
-        _ => true,
-    }
+    kernel(dt, kind, inputs, scalars, out)
 }
 
 /// The element-at-a-time form of [`reduce`] (the kind matched per element, each element
@@ -678,39 +693,8 @@ pub(crate) fn reference_reduce(
         Some(avg) => (RedKind::PreMulSum, &avg[..]),
         None => (kind, scalars),
     };
-    match dt {
-        ncclInt8 => reference_t::<i8>(kind, inputs, scalars, out),
-        ncclUint8 => reference_t::<u8>(kind, inputs, scalars, out),
-        ncclInt32 => reference_t::<i32>(kind, inputs, scalars, out),
-        ncclUint32 => reference_t::<u32>(kind, inputs, scalars, out),
-        ncclInt64 => reference_t::<i64>(kind, inputs, scalars, out),
-        ncclUint64 => reference_t::<u64>(kind, inputs, scalars, out),
-        ncclFloat16 => reference_t::<f16>(kind, inputs, scalars, out),
-        ncclFloat32 => reference_t::<f32>(kind, inputs, scalars, out),
-        ncclFloat64 => reference_t::<f64>(kind, inputs, scalars, out),
-        ncclBfloat16 => reference_t::<bf16>(kind, inputs, scalars, out),
-        ncclFloat8e4m3 => reference_t::<E4M3>(kind, inputs, scalars, out),
-        ncclFloat8e5m2 => reference_t::<E5M2>(kind, inputs, scalars, out),
-        _ => {}
-    }
+    reference_kernel(dt, kind, inputs, scalars, out)
 }
-
-/// Every data type the host provider reduces.
-#[cfg(test)]
-pub(crate) const ALL_DTYPES: [ncclDataType_t; 12] = [
-    ncclInt8,
-    ncclUint8,
-    ncclInt32,
-    ncclUint32,
-    ncclInt64,
-    ncclUint64,
-    ncclFloat16,
-    ncclFloat32,
-    ncclFloat64,
-    ncclBfloat16,
-    ncclFloat8e4m3,
-    ncclFloat8e5m2,
-];
 
 /// Deterministic pseudo-random bytes (xorshift64*), every bit pattern possible.
 #[cfg(test)]
@@ -797,7 +781,7 @@ mod tests {
 
     #[test]
     fn kernels_match_the_element_at_a_time_reduction() {
-        for dt in ALL_DTYPES {
+        for &dt in ALL_DTYPES {
             let es = size_of(dt).unwrap();
             for kind in RedKind::ALL {
                 for nranks in [1usize, 2, 3, 4, 5, 8, 9] {

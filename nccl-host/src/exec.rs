@@ -1115,7 +1115,7 @@ mod tests {
     #[test]
     fn every_collective_matches_the_read_everything_first_form_on_every_layout() {
         for kind in kinds() {
-            for dt in ALL_DTYPES {
+            for &dt in ALL_DTYPES {
                 let kinds: &[RedKind] = if kind.reduces() {
                     &RedKind::ALL
                 } else {
