@@ -1153,15 +1153,8 @@ mod tests {
         for kind in kinds().filter(|k| !k.reduces()) {
             for n in [1usize, 3] {
                 for layout in LAYOUTS {
-                    check(
-                        kind,
-                        ncclInt8,
-                        RedKind::Sum,
-                        n,
-                        COPY_CHUNK + 5,
-                        n - 1,
-                        layout,
-                    );
+                    let (count, root) = (COPY_CHUNK + 5, n - 1);
+                    check(kind, ncclInt8, RedKind::Sum, n, count, root, layout);
                 }
             }
         }
@@ -1194,37 +1187,14 @@ mod tests {
     fn large_reductions_split_across_threads_match() {
         // Over PARALLEL_MIN per rank, so the element range is split where the machine
         // has more than one core.
-        let count = PARALLEL_MIN / 4 + REDUCE_CHUNK / 4 + 3;
+        use Collective::{AllReduce, Reduce, ReduceScatter};
+        use RedKind::{Avg, PreMulSum, Sum};
+        let c = PARALLEL_MIN / 4 + REDUCE_CHUNK / 4 + 3;
         for layout in [Layout::Separate, Layout::InPlace] {
-            check(
-                Collective::AllReduce,
-                ncclFloat32,
-                RedKind::Sum,
-                3,
-                count,
-                0,
-                layout,
-            );
+            check(AllReduce, ncclFloat32, Sum, 3, c, 0, layout);
         }
-        let in_place = Layout::InPlace;
-        check(
-            Collective::ReduceScatter,
-            ncclFloat16,
-            RedKind::Avg,
-            2,
-            count,
-            0,
-            in_place,
-        );
-        check(
-            Collective::Reduce,
-            ncclInt8,
-            RedKind::PreMulSum,
-            2,
-            4 * count,
-            1,
-            in_place,
-        );
+        check(ReduceScatter, ncclFloat16, Avg, 2, c, 0, Layout::InPlace);
+        check(Reduce, ncclInt8, PreMulSum, 2, 4 * c, 1, Layout::InPlace);
     }
 
     #[test]
