@@ -175,6 +175,8 @@ fn known(g: &mut Global, comm: ncclComm_t, what: &str) -> Result<Handle, Fail> {
 /// A usable communicator.
 #[derive(Clone, Copy)]
 struct Ready {
+    /// The entry point that found it ready, for its messages.
+    name: &'static str,
     h: Handle,
     clique: u64,
     rank: i32,
@@ -183,17 +185,17 @@ struct Ready {
 }
 
 impl Ready {
-    /// An invalid-argument failure of entry point `name` on this communicator.
-    fn invalid(&self, g: &mut Global, name: &str, m: impl std::fmt::Display) -> Fail {
-        g.invalid(Some(self.root), name, m)
+    /// An invalid-argument failure of its entry point on this communicator.
+    fn invalid(&self, g: &mut Global, m: impl std::fmt::Display) -> Fail {
+        g.invalid(Some(self.root), self.name, m)
     }
 
     /// An operation's argument error, which on a non-blocking communicator NCCL also stores
     /// as its asynchronous error (ncclEnqueueCheck's `fail:`, enqueue.cc:2660-2661 of
     /// 2.28.9): from then on ncclCommGetAsyncError reports it and every call that ensures
     /// readiness is refused.
-    fn refuse(&self, g: &mut Global, name: &str, m: impl std::fmt::Display) -> Fail {
-        let f = self.invalid(g, name, m);
+    fn refuse(&self, g: &mut Global, m: impl std::fmt::Display) -> Fail {
+        let f = self.invalid(g, m);
         set_async_error(g, self.h, &f);
         f
     }
@@ -205,16 +207,10 @@ impl Ready {
         Ok((c.coll_seq - 1, c.device))
     }
 
-    /// Whether a child of this communicator blocks: as `config` says (checked as
-    /// entry point `name` checks it), else as this parent does.
-    fn child_blocking(
-        &self,
-        g: &mut Global,
-        config: *const ncclConfig_t,
-        name: &str,
-    ) -> Result<bool, Fail> {
+    /// Whether a child of this communicator blocks: as `config` says, else as this parent.
+    fn child_blocking(&self, g: &mut Global, config: *const ncclConfig_t) -> Result<bool, Fail> {
         let parent_nb = g.comms.get(&self.h).is_some_and(|c| c.nonblocking);
-        Ok(parse_config(g, config, Some(self.root), name)?.unwrap_or(!parent_nb))
+        Ok(parse_config(g, config, Some(self.root), self.name)?.unwrap_or(!parent_nb))
     }
 }
 
@@ -222,13 +218,13 @@ impl Ready {
 /// communicator's asynchronous error, as ncclCommGetAsyncError reads it, refuses the call.
 /// The calls that make it their first check (ncclCommCount, CuDevice, UserRank, Finalize,
 /// Split, ncclRedOpCreatePreMulSum) read the same state as ncclCommGetAsyncError.
-fn ensure_ready(g: &mut Global, comm: ncclComm_t, what: &str) -> Result<Ready, Fail> {
+fn ensure_ready(g: &mut Global, comm: ncclComm_t, what: &'static str) -> Result<Ready, Fail> {
     let r = ready(g, comm, what, false)?;
     async_failure(g, r.h).map_or(Ok(r), Err)
 }
 
 /// Checks `comm` is initialized (and, with `ops`, not finalized and its clique not aborted).
-fn ready(g: &mut Global, comm: ncclComm_t, what: &str, ops: bool) -> Result<Ready, Fail> {
+fn ready(g: &mut Global, comm: ncclComm_t, what: &'static str, ops: bool) -> Result<Ready, Fail> {
     let h = known(g, comm, what)?;
     let c = g.comms.get(&h).ok_or_else(vanished)?;
     let root = c.root;
@@ -257,6 +253,7 @@ fn ready(g: &mut Global, comm: ncclComm_t, what: &str, ops: bool) -> Result<Read
                 }
             }
             Ok(Ready {
+                name: what,
                 h,
                 clique,
                 rank,
@@ -625,8 +622,8 @@ fn init_rank(
     // ncclCommInitRank's NCCLCHECK lets ncclInProgress through and it returns ncclSuccess
     // (init.cc:2055, checks.h:124): made non-blocking by NCCL_COMM_BLOCKING=0, its init
     // goes on after the call.
-    if config.is_null() && r == ncclInProgress {
-        ncclSuccess
+    if config.is_null() {
+        in_progress_as_success(r)
     } else {
         r
     }
@@ -780,7 +777,7 @@ pub(crate) unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult
         let finalized = g.comms.get(&r.h).is_some_and(|c| c.finalized);
         if finalized {
             let m = "already finalized (or revoked)";
-            return Err(g.invalid(Some(r.root), "ncclCommFinalize", m));
+            return Err(r.invalid(&mut g, m));
         }
         if let Some(c) = g.comms.get_mut(&r.h) {
             c.finalized = true;
@@ -981,9 +978,9 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
         let r = ensure_ready(&mut g, comm, "ncclCommSplit")?;
         if newcomm.is_null() || color < NCCL_SPLIT_NOCOLOR {
             let m = format!("newcomm is NULL or color {color} < 0 (and not NCCL_SPLIT_NOCOLOR)");
-            return Err(r.invalid(&mut g, "ncclCommSplit", m));
+            return Err(r.invalid(&mut g, m));
         }
-        let blocking = r.child_blocking(&mut g, config, "ncclCommSplit")?;
+        let blocking = r.child_blocking(&mut g, config)?;
         if in_group() {
             let (parent, out, mut cfg) = (comm as usize, newcomm as usize, copy_config(config));
             return queue_for_group_end(r.h, newcomm, move || {
@@ -1052,16 +1049,16 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
         let mut g = lock();
         let r = ready(&mut g, comm, NAME, false)?;
         if newcomm.is_null() {
-            return Err(r.invalid(&mut g, NAME, "newcomm is NULL"));
+            return Err(r.invalid(&mut g, "newcomm is NULL"));
         }
         let abort_mode = shrink_flags == NCCL_SHRINK_ABORT as c_int;
         if shrink_flags != NCCL_SHRINK_DEFAULT as c_int && !abort_mode {
-            return Err(r.invalid(&mut g, NAME, format!("unknown shrinkFlags {shrink_flags}")));
+            return Err(r.invalid(&mut g, format!("unknown shrinkFlags {shrink_flags}")));
         }
         // As NCCL (init.cc:2561-2562 of 2.28.9): a list, and at least one rank in it.
         if exclude_ranks_count <= 0 || exclude_ranks_list.is_null() {
             let m = "excludeRanksList is NULL or excludeRanksCount < 1";
-            return Err(r.invalid(&mut g, NAME, m));
+            return Err(r.invalid(&mut g, m));
         }
         let n = exclude_ranks_count as usize;
         // SAFETY: the list is non-null and holds excludeRanksCount entries (NCCL's contract).
@@ -1071,9 +1068,9 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
         if excl.len() != n || excl.iter().any(|&x| x < 0 || x >= r.nranks || x == r.rank) {
             let (nranks, rank) = (r.nranks, r.rank);
             let m = format!("exclude list {excl:?} has duplicates, ranks outside 0..{nranks}, or the calling rank {rank}");
-            return Err(r.invalid(&mut g, NAME, m));
+            return Err(r.invalid(&mut g, m));
         }
-        let blocking = r.child_blocking(&mut g, config, NAME)?;
+        let blocking = r.child_blocking(&mut g, config)?;
         if abort_mode {
             // NCCL sets the abort flags, waits for the parent's kernels to end and
             // clears the flags (init.cc:2844-2848 of 2.29.7): its work in flight ends.
@@ -1089,20 +1086,10 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
             let (parent, out, mut cfg) = (comm as usize, newcomm as usize, copy_config(config));
             let mut list = excl.clone();
             return queue_for_group_end(r.h, newcomm, move || {
-                let n = list.len() as c_int;
-                let cfg = config_ptr(&mut cfg);
+                let (n, cfg, list) = (list.len() as c_int, config_ptr(&mut cfg), list.as_mut_ptr());
                 // SAFETY: the caller keeps `comm` and `newcomm` valid until the group's end
                 // (NCCL's job uses both then); the list and the config are this call's copies.
-                unsafe {
-                    ncclCommShrink(
-                        parent as _,
-                        list.as_mut_ptr(),
-                        n,
-                        out as _,
-                        cfg,
-                        shrink_flags,
-                    )
-                }
+                unsafe { ncclCommShrink(parent as _, list, n, out as _, cfg, shrink_flags) }
             });
         }
         // NCCL's abort flags are this rank's and cleared again before the child is made
@@ -1165,15 +1152,9 @@ fn async_failure(g: &mut Global, h: Handle) -> Option<Fail> {
 }
 
 /// `ncclCommRevoke` as NCCL 2.29.7 has it (init.cc:2602-2693; ARCHITECTURE.md's table has
-/// the whole contract): NULL is a no-op; other flags, a finalized (or destroyed) or already
-/// revoked communicator are ncclInvalidArgument, with nothing changed (:2647-2658). Else
-/// it joins a job in flight, marks the communicator revoked and finalized, and its job
-/// stores its own result as the asynchronous state (`ncclCommSetAsyncError`, :2635); the
-/// call returns ncclInProgress, the state read after launching it (:2686-2688), or runs
-/// the job in the call when blocking. Here the in-flight work of `comm`
-/// ([`Fault::StuckWork`](super::fault::Fault::StuckWork) and `StalledWork`) ends at once,
-/// the job ends no sooner than the job latency and clears a failure of its clique for this
-/// handle; inside a user's group it runs as on a blocking communicator.
+/// the whole contract): a refusal changes nothing (:2647-2658), the job stores its own
+/// result as the asynchronous state (:2635), and the call returns the state read after
+/// launching it (:2686-2688).
 pub(crate) unsafe extern "C" fn ncclCommRevoke(
     comm: ncclComm_t,
     revoke_flags: c_int,
@@ -1282,12 +1263,9 @@ pub(crate) unsafe extern "C" fn ncclCommGetUniqueId(
 ) -> ncclResult_t {
     ffi(|| {
         let mut g = lock();
-        let r = ready(&mut g, comm, "ncclCommGetUniqueId", false)?;
-        if let Some(f) = async_failure(&mut g, r.h) {
-            return Err(f);
-        }
+        let r = ensure_ready(&mut g, comm, "ncclCommGetUniqueId")?;
         if unique_id.is_null() {
-            return Err(r.invalid(&mut g, "ncclCommGetUniqueId", "uniqueId is NULL"));
+            return Err(r.invalid(&mut g, "uniqueId is NULL"));
         }
         let id = next_grow_id(&g, &r);
         g.alias_root(&id, r.root);
@@ -1363,7 +1341,7 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
                     "total ranks {n_ranks} is not above the current {}",
                     r.nranks
                 );
-                return Err(r.invalid(&mut g, NAME, m));
+                return Err(r.invalid(&mut g, m));
             }
             put(newcomm, core::ptr::null_mut());
             if let Some(f) = async_failure(&mut g, r.h) {
@@ -1371,7 +1349,7 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
             }
             if rank != -1 {
                 let m = format!("existing ranks must pass rank = -1, got {rank}");
-                return Err(r.invalid(&mut g, NAME, m));
+                return Err(r.invalid(&mut g, m));
             }
             let id = next_grow_id(&g, &r);
             if let Some(c) = g.comms.get_mut(&r.h) {
@@ -1385,17 +1363,17 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
                 if got? != id {
                     let m =
                         "the grow id received from the root is not this grow's (magic mismatch)";
-                    return Err(r.invalid(&mut g, NAME, m));
+                    return Err(r.invalid(&mut g, m));
                 }
             }
             if given.is_some_and(|x| x != id) {
                 let m =
                     "uniqueId is not this communicator's next grow id (from ncclCommGetUniqueId)";
-                return Err(r.invalid(&mut g, NAME, m));
+                return Err(r.invalid(&mut g, m));
             }
             let (root, parent) = (r.root, Some(r.h));
             return new_rank(g, id, n_ranks, r.rank, root, parent, config, NAME, newcomm)
-                .map(grow_result);
+                .map(in_progress_as_success);
         }
         let Some(id) = given else {
             return Err(g.invalid(None, NAME, "new ranks must pass a uniqueId"));
@@ -1406,13 +1384,15 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
             return Err(g.invalid(Some(root), NAME, m));
         }
         put(newcomm, core::ptr::null_mut());
-        new_rank(g, id, n_ranks, rank, root, None, config, NAME, newcomm).map(grow_result)
+        new_rank(g, id, n_ranks, rank, root, None, config, NAME, newcomm)
+            .map(in_progress_as_success)
     })
 }
 
-/// What `ncclCommGrow` returns where `finish_new` says ncclInProgress: ncclSuccess, the
-/// new communicator's state reading ncclInProgress (init.cc:3016).
-fn grow_result(r: ncclResult_t) -> ncclResult_t {
+/// ncclSuccess for ncclInProgress, as NCCL's `NCCLCHECK` lets it through: what
+/// `ncclCommGrow` (init.cc:3016) and `ncclCommInitRank` return where `finish_new` says
+/// ncclInProgress, the new communicator's state reading ncclInProgress.
+fn in_progress_as_success(r: ncclResult_t) -> ncclResult_t {
     if r == ncclInProgress {
         ncclSuccess
     } else {
@@ -1453,7 +1433,7 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
 }
 
 fn comm_query(
-    what: &str,
+    what: &'static str,
     comm: ncclComm_t,
     out: *mut c_int,
     f: impl FnOnce(&Global, &Ready) -> c_int,
@@ -1462,7 +1442,7 @@ fn comm_query(
         let mut g = lock();
         let r = ensure_ready(&mut g, comm, what)?;
         if out.is_null() {
-            return Err(g.invalid(Some(r.root), what, "output pointer is NULL"));
+            return Err(r.invalid(&mut g, "output pointer is NULL"));
         }
         put(out, f(&g, &r));
         Ok(ncclSuccess)
@@ -1488,14 +1468,14 @@ pub(crate) unsafe extern "C" fn ncclRedOpCreatePreMulSum(
         let r = ensure_ready(&mut g, comm, "ncclRedOpCreatePreMulSum")?;
         let Some(es) = dtype::size_of(datatype) else {
             let m = format!("unknown datatype {datatype}");
-            return Err(g.invalid(Some(r.root), "ncclRedOpCreatePreMulSum", m));
+            return Err(r.invalid(&mut g, m));
         };
         if op.is_null()
             || scalar.is_null()
             || (residence != ncclScalarDevice && residence != ncclScalarHostImmediate)
         {
             let m = format!("op or scalar is NULL, or unknown residence {residence}");
-            return Err(g.invalid(Some(r.root), "ncclRedOpCreatePreMulSum", m));
+            return Err(r.invalid(&mut g, m));
         }
         let scalar = if residence == ncclScalarHostImmediate {
             // SAFETY: a host-immediate scalar points at one element of `datatype` (NCCL's contract).
@@ -1531,7 +1511,7 @@ pub(crate) unsafe extern "C" fn ncclRedOpDestroy(
             .is_none()
         {
             let m = format!("op {op} is not a PreMulSum op created on this communicator");
-            return Err(g.invalid(Some(r.root), "ncclRedOpDestroy", m));
+            return Err(r.invalid(&mut g, m));
         }
         Ok(ncclSuccess)
     })
@@ -1541,7 +1521,7 @@ pub(crate) unsafe extern "C" fn ncclRedOpDestroy(
 /// datatype `dt`, `post` checks the rest and queues the work, given the lock, the
 /// communicator and `dt`'s element size. A failure inside a group is kept for its end.
 fn operation(
-    name: &str,
+    name: &'static str,
     comm: ncclComm_t,
     dt: ncclDataType_t,
     post: impl FnOnce(MutexGuard<'static, Global>, Ready, usize) -> Result<ncclResult_t, Fail>,
@@ -1555,7 +1535,7 @@ fn operation(
             return Err(g.misuse(Some(r.root), ncclInvalidUsage, name, m));
         }
         let Some(es) = dtype::size_of(dt) else {
-            return Err(r.refuse(&mut g, name, format!("unknown datatype {dt}")));
+            return Err(r.refuse(&mut g, format!("unknown datatype {dt}")));
         };
         post(g, r, es)
     })
@@ -1573,7 +1553,7 @@ fn set_async_error(g: &mut Global, h: Handle, f: &Fail) {
 
 #[allow(clippy::too_many_arguments)]
 fn coll(
-    name: &str,
+    name: &'static str,
     kind: Collective,
     comm: ncclComm_t,
     send: *const c_void,
@@ -1584,11 +1564,10 @@ fn coll(
     root: Option<c_int>,
 ) -> ncclResult_t {
     operation(name, comm, dt, |mut g, r, es| {
-        let bad = |g: &mut Global, m: String| r.refuse(g, name, m);
         let rt = root.unwrap_or(0);
         if rt < 0 || rt >= r.nranks {
             let m = format!("root {rt} out of range 0..{}", r.nranks);
-            return Err(bad(&mut g, m));
+            return Err(r.refuse(&mut g, m));
         }
         // NCCL_CHECK_POINTERS=1 checks both buffers whatever the count, but a broadcast's
         // send and a reduce's recv only on the root (ArgsCheck, misc/argcheck.cc:71-83 of
@@ -1600,13 +1579,13 @@ fn coll(
                 (recv.is_null(), "recvbuff", root_only(Collective::Reduce)),
             ] {
                 if ptr && !exempt {
-                    return Err(bad(&mut g, format!("{arg} (nil) is not a valid pointer")));
+                    return Err(r.refuse(&mut g, format!("{arg} (nil) is not a valid pointer")));
                 }
             }
         }
         let op = op.unwrap_or(ncclSum);
         let made = g.comms.get(&r.h).and_then(|c| c.redops.get(&op)).cloned();
-        let unknown = |g: &mut Global| bad(g, format!("unknown reduction op {op}"));
+        let unknown = |g: &mut Global| r.refuse(g, format!("unknown reduction op {op}"));
         if count == 0 {
             // After NCCL's ArgsCheck (the root, and an op that exists: argcheck.cc), an
             // empty collective is discarded (taskAppend, enqueue.cc:2554-2555 of 2.28.9):
@@ -1624,7 +1603,7 @@ fn coll(
                 let m = format!(
                     "PreMulSum op {op} was created for datatype {made_for} but used with {dt}"
                 );
-                return Err(bad(&mut g, m));
+                return Err(r.refuse(&mut g, m));
             }
             (None, Some(p)) => {
                 // SAFETY: a "device" scalar (its address) is read at op time; the caller keeps
@@ -1635,16 +1614,16 @@ fn coll(
         };
         let is_root = root.is_none_or(|x| x == r.rank);
         let Some((ns, nr)) = kind.elements(count, r.nranks as usize, is_root) else {
-            return Err(bad(&mut g, format!("count {count} too large")));
+            return Err(r.refuse(&mut g, format!("count {count} too large")));
         };
         if ns.checked_mul(es).is_none() || nr.checked_mul(es).is_none() {
-            return Err(bad(&mut g, format!("count {count} too large")));
+            return Err(r.refuse(&mut g, format!("count {count} too large")));
         }
         if ns > 0 && send.is_null() {
-            return Err(bad(&mut g, "sendbuff is NULL".into()));
+            return Err(r.refuse(&mut g, "sendbuff is NULL"));
         }
         if nr > 0 && recv.is_null() {
-            return Err(bad(&mut g, "recvbuff is NULL".into()));
+            return Err(r.refuse(&mut g, "recvbuff is NULL"));
         }
         let post = CollPost {
             kind,
@@ -1669,7 +1648,7 @@ fn coll(
 }
 
 fn p2p(
-    name: &str,
+    name: &'static str,
     is_send: bool,
     ptr: usize,
     count: usize,
@@ -1678,16 +1657,15 @@ fn p2p(
     comm: ncclComm_t,
 ) -> ncclResult_t {
     operation(name, comm, dt, |mut g, r, es| {
-        let bad = |g: &mut Global, m: String| r.refuse(g, name, m);
         if peer < 0 || peer >= r.nranks {
             let m = format!("peer {peer} out of range 0..{}", r.nranks);
-            return Err(bad(&mut g, m));
+            return Err(r.refuse(&mut g, m));
         }
         if count.checked_mul(es).is_none() {
-            return Err(bad(&mut g, format!("count {count} too large")));
+            return Err(r.refuse(&mut g, format!("count {count} too large")));
         }
         if count > 0 && ptr == 0 {
-            return Err(bad(&mut g, "buffer is NULL".into()));
+            return Err(r.refuse(&mut g, "buffer is NULL"));
         }
         let c = g.comms.get_mut(&r.h).ok_or_else(vanished)?;
         let ctr = c.p2p_seq.entry((is_send, peer)).or_insert(0);
@@ -1885,7 +1863,7 @@ pub(crate) unsafe extern "C" fn ncclCommRegister(
         let mut g = lock();
         let r = ready(&mut g, comm, "ncclCommRegister", false)?;
         if handle.is_null() || (buff.is_null() && size > 0) {
-            return Err(g.invalid(Some(r.root), "ncclCommRegister", "buff or handle is NULL"));
+            return Err(r.invalid(&mut g, "buff or handle is NULL"));
         }
         let token = registry::register(&mut g, registry::Kind::Buffer, r.h, r.root);
         put(handle, token as *mut c_void);
@@ -1927,14 +1905,14 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
         const NAME: &str = "ncclCommWindowRegister";
         let r = ready(&mut g, comm, NAME, false)?;
         if win.is_null() {
-            return Err(r.invalid(&mut g, NAME, "win is NULL"));
+            return Err(r.invalid(&mut g, "win is NULL"));
         }
         if buff.is_null() || size == 0 {
             let m = format!("invalid pointer {buff:p} / size {size}");
-            return Err(r.invalid(&mut g, NAME, m));
+            return Err(r.invalid(&mut g, m));
         }
         if win_flags & !KNOWN_WIN_FLAGS != 0 {
-            return Err(r.invalid(&mut g, NAME, format!("unknown flags {win_flags:#x}")));
+            return Err(r.invalid(&mut g, format!("unknown flags {win_flags:#x}")));
         }
         if win_flags & NCCL_WIN_COLL_SYMMETRIC as c_int != 0 {
             let refusal = match registry::nccl_memory_offset(&g, buff, size) {
@@ -1944,7 +1922,7 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
                 Some(_) => None,
             };
             if let Some(m) = refusal {
-                return Err(r.invalid(&mut g, NAME, m));
+                return Err(r.invalid(&mut g, m));
             }
         }
         if asynchronous(&g, r.h) {
