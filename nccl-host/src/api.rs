@@ -9,7 +9,7 @@ use std::sync::MutexGuard;
 use nccl_sys::bindings::*;
 use nccl_sys::FunctionTable;
 
-pub(crate) use super::defs::{fresh_id, id_bytes};
+pub(crate) use super::defs::{fresh_id, id_bytes, unique_id_of};
 use super::dtype::{self, RedKind};
 use super::exec::{run_items, Item};
 use super::registry;
@@ -1275,12 +1275,7 @@ pub(crate) unsafe extern "C" fn ncclCommGetUniqueId(
             }
             super::state::notify();
         }
-        put(
-            unique_id,
-            ncclUniqueId {
-                internal: id.map(|x| x as c_char),
-            },
-        );
+        put(unique_id, unique_id_of(id));
         Ok(ncclSuccess)
     })
 }

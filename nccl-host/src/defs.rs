@@ -42,13 +42,17 @@ pub(crate) fn fresh_id() -> ncclUniqueId {
         let v = h.finish().to_le_bytes();
         chunk.copy_from_slice(&v[..chunk.len()]);
     }
-    ncclUniqueId {
-        internal: b.map(|x| x as c_char),
-    }
+    unique_id_of(b)
 }
 
 pub(crate) fn id_bytes(id: &ncclUniqueId) -> IdBytes {
     id.internal.map(|x| x as u8)
+}
+
+pub(crate) fn unique_id_of(b: IdBytes) -> ncclUniqueId {
+    ncclUniqueId {
+        internal: b.map(|x| x as c_char),
+    }
 }
 
 /// An error to report through the C ABI: a result code and the last-error text.

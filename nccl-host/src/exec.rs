@@ -951,11 +951,6 @@ mod tests {
         Collective::ALL.iter().copied().filter(|c| c.every_rank())
     }
 
-    /// Send and receive bytes of one rank (as the API sizes them).
-    fn extents(kind: Collective, count: usize, n: usize, is_root: bool) -> (usize, usize) {
-        kind.elements(count, n, is_root).expect("small test sizes")
-    }
-
     /// Where each rank's buffers lie (byte offsets into one arena).
     #[derive(Debug, Clone, Copy)]
     enum Layout {
@@ -1000,7 +995,13 @@ mod tests {
         bytes: usize,
         root: usize,
     ) -> Vec<(Option<isize>, Option<isize>)> {
-        let ext: Vec<(usize, usize)> = (0..n).map(|r| extents(kind, bytes, n, r == root)).collect();
+        // Send and receive bytes of each rank (as the API sizes them).
+        let ext: Vec<(usize, usize)> = (0..n)
+            .map(|r| {
+                kind.elements(bytes, n, r == root)
+                    .expect("small test sizes")
+            })
+            .collect();
         let shift = match layout {
             Layout::Shifted(d) => d.unsigned_abs(),
             _ => 0,

@@ -259,12 +259,8 @@ impl Global {
 
     /// The unique id interned as `r`.
     pub(crate) fn root_id(&self, r: RootIdx) -> Option<ncclUniqueId> {
-        self.roots
-            .iter()
-            .find(|(_, &v)| v == r)
-            .map(|(k, _)| ncclUniqueId {
-                internal: k.map(|x| x as core::ffi::c_char),
-            })
+        let id = self.roots.iter().find(|(_, &v)| v == r)?.0;
+        Some(super::defs::unique_id_of(*id))
     }
 
     /// Applies `f` to the process totals and to `root`'s stats.
