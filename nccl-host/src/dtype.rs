@@ -151,7 +151,7 @@ impl RedKind {
 /// requirement, so posted buffers need not be aligned) and its arithmetic.
 trait Elem: Copy {
     /// The element's bytes, `[u8; size]`.
-    type Raw: Copy;
+    type Raw: Copy + Default;
     /// `b` as whole elements (a trailing partial element is left out).
     fn raws(b: &[u8]) -> &[Self::Raw];
     fn raws_mut(b: &mut [u8]) -> &mut [Self::Raw];
@@ -247,12 +247,7 @@ float_elem!(f32, f64);
 const BLOCK: usize = 256;
 
 /// A type whose arithmetic goes through `f32`, rounding back after every step.
-trait ViaF32: Copy {
-    type Raw: Copy + Default;
-    fn raws(b: &[u8]) -> &[Self::Raw];
-    fn raws_mut(b: &mut [u8]) -> &mut [Self::Raw];
-    fn from_raw(r: Self::Raw) -> Self;
-    fn to_raw(self) -> Self::Raw;
+trait ViaF32: Elem {
     fn to32(self) -> f32;
     fn from32(x: f32) -> Self;
     /// `dst[i] = to32(src[i])` over the common length (at most [`BLOCK`]).
@@ -271,20 +266,59 @@ trait ViaF32: Copy {
     }
 }
 
-/// [`ViaF32`] for a `half` type: its bits as the raw bytes, `half`'s own conversions to and
-/// from f32, and after them any block conversions of its own.
-macro_rules! half_via_f32 {
-    ($t:ident $($block:tt)*) => {
-        impl ViaF32 for $t {
-            raw_view!(2);
+/// [`Elem`] of a [`ViaF32`] type of `$n` bytes, read by `$from` and written by `$to`: each
+/// step computed in `f32` and rounded back.
+macro_rules! via_f32_elem {
+    ($t:ty, $n:expr, |$r:ident| $from:expr, |$x:ident| $to:expr) => {
+        impl Elem for $t {
+            raw_view!($n);
             #[inline(always)]
-            fn from_raw(r: Self::Raw) -> Self {
-                $t::from_bits(u16::from_ne_bytes(r))
+            fn from_raw($r: Self::Raw) -> Self {
+                $from
             }
             #[inline(always)]
             fn to_raw(self) -> Self::Raw {
-                self.to_bits().to_ne_bytes()
+                let $x = self;
+                $to
             }
+            #[inline(always)]
+            fn add(self, o: Self) -> Self {
+                Self::from32(self.to32() + o.to32())
+            }
+            #[inline(always)]
+            fn mul(self, o: Self) -> Self {
+                Self::from32(self.to32() * o.to32())
+            }
+            #[inline(always)]
+            fn max(self, o: Self) -> Self {
+                if o.to32() > self.to32() {
+                    o
+                } else {
+                    self
+                }
+            }
+            #[inline(always)]
+            fn min(self, o: Self) -> Self {
+                if o.to32() < self.to32() {
+                    o
+                } else {
+                    self
+                }
+            }
+            #[inline(always)]
+            fn div_n(self, n: usize) -> Self {
+                Self::from32(self.to32() / n as f32)
+            }
+        }
+    };
+}
+
+/// A `half` type: its bits as the raw bytes, `half`'s own conversions to and from f32, and
+/// after them any block conversions of its own.
+macro_rules! half_via_f32 {
+    ($t:ident $($block:tt)*) => {
+        via_f32_elem!($t, 2, |r| $t::from_bits(u16::from_ne_bytes(r)), |x| x.to_bits().to_ne_bytes());
+        impl ViaF32 for $t {
             #[inline(always)]
             fn to32(self) -> f32 {
                 self.to_f32()
@@ -308,7 +342,7 @@ half_via_f32! {
         let k = src.len().min(dst.len()).min(BLOCK);
         let mut h = [f16::ZERO; BLOCK];
         for (h, &s) in h.iter_mut().zip(&src[..k]) {
-            *h = <Self as ViaF32>::from_raw(s);
+            *h = <Self as Elem>::from_raw(s);
         }
         h[..k].convert_to_f32_slice(&mut dst[..k]);
     }
@@ -318,7 +352,7 @@ half_via_f32! {
         let mut h = [f16::ZERO; BLOCK];
         h[..k].convert_from_f32_slice(&src[..k]);
         for (d, h) in dst[..k].iter_mut().zip(&h[..k]) {
-            *d = <Self as ViaF32>::to_raw(*h);
+            *d = <Self as Elem>::to_raw(*h);
         }
     }
 }
@@ -337,12 +371,8 @@ fn fp8_table(e5m2: bool) -> &'static [f32; 256] {
 
 macro_rules! fp8_via_f32 {
     ($($t:ident => $e5m2:expr),*) => {$(
+        via_f32_elem!($t, 1, |r| $t(r[0]), |x| [x.0]);
         impl ViaF32 for $t {
-            raw_view!(1);
-            #[inline(always)]
-            fn from_raw(r: Self::Raw) -> Self { $t(r[0]) }
-            #[inline(always)]
-            fn to_raw(self) -> Self::Raw { [self.0] }
             #[inline(always)]
             fn to32(self) -> f32 { fp8_to_f32(self.0, $e5m2) }
             #[inline(always)]
@@ -454,54 +484,6 @@ fn reduce_via<T: ViaF32>(
         }
     }
     true
-}
-
-impl<T: ViaF32> Elem for T {
-    type Raw = <T as ViaF32>::Raw;
-    #[inline(always)]
-    fn raws(b: &[u8]) -> &[Self::Raw] {
-        <T as ViaF32>::raws(b)
-    }
-    #[inline(always)]
-    fn raws_mut(b: &mut [u8]) -> &mut [Self::Raw] {
-        <T as ViaF32>::raws_mut(b)
-    }
-    #[inline(always)]
-    fn from_raw(r: Self::Raw) -> Self {
-        <T as ViaF32>::from_raw(r)
-    }
-    #[inline(always)]
-    fn to_raw(self) -> Self::Raw {
-        <T as ViaF32>::to_raw(self)
-    }
-    #[inline(always)]
-    fn add(self, o: Self) -> Self {
-        T::from32(self.to32() + o.to32())
-    }
-    #[inline(always)]
-    fn mul(self, o: Self) -> Self {
-        T::from32(self.to32() * o.to32())
-    }
-    #[inline(always)]
-    fn max(self, o: Self) -> Self {
-        if o.to32() > self.to32() {
-            o
-        } else {
-            self
-        }
-    }
-    #[inline(always)]
-    fn min(self, o: Self) -> Self {
-        if o.to32() < self.to32() {
-            o
-        } else {
-            self
-        }
-    }
-    #[inline(always)]
-    fn div_n(self, n: usize) -> Self {
-        T::from32(self.to32() / n as f32)
-    }
 }
 
 /// One step of a fold, chosen at compile time so the per-element loop has no branch on
