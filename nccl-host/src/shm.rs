@@ -560,15 +560,13 @@ impl Segment {
         // Wait for every rank (the futex word is bumped by the last one).
         loop {
             let g = h.bar_gen.load(Acquire);
+            // Also marks the peers' processes seen alive; a peer gone after every rank
+            // joined fails the first operation instead.
+            let gone = seg.peer_gone();
             if h.joined.load(Acquire) as usize >= nranks {
-                seg.peer_gone(); // marks the peers' processes seen alive
                 return Ok(seg);
             }
-            if let Some((why, r)) = seg.peer_gone() {
-                if h.joined.load(Acquire) as usize >= nranks {
-                    seg.peer_gone(); // marks the peers' processes seen alive
-                    return Ok(seg);
-                }
+            if let Some((why, r)) = gone {
                 return Err(seg.fail_err(why, r, u64::MAX));
             }
             if Instant::now() >= deadline {
