@@ -1633,6 +1633,7 @@ fn coll(
         };
         let (seq, _) = r.next_coll(&mut g)?;
         let item = Item::Coll {
+            h: r.h,
             clique: r.clique,
             rank: r.rank,
             seq,
@@ -1672,6 +1673,7 @@ fn p2p(
             (peer, r.rank)
         };
         let item = Item::P2p {
+            h: r.h,
             clique: r.clique,
             src,
             dst,
@@ -1732,26 +1734,10 @@ forward! {
 /// dropped split, gets the error as its asynchronous state. Returns the error.
 fn group_failed(f: Fail, queued: Vec<(Handle, QueuedJob)>, items: &[Item]) -> Fail {
     let mut g = lock();
-    let of_rank = |g: &Global, clique: u64, rank: i32| {
-        (g.comms.iter())
-            .find(|(_, c)| matches!(c.state, CommState::Ready { clique: k, rank: r } if k == clique && r == rank))
-            .map(|(&h, _)| h)
-    };
-    let mut joined: Vec<Handle> = queued.iter().map(|(h, _)| *h).collect();
-    for item in items {
-        joined.extend(match *item {
-            Item::Coll { clique, rank, .. } => of_rank(&g, clique, rank),
-            Item::P2p {
-                clique,
-                src,
-                dst,
-                is_send,
-                ..
-            } => of_rank(&g, clique, if is_send { src } else { dst }),
-            Item::Handle(h) => Some(h),
-        });
-    }
-    for h in joined {
+    let posted = items.iter().map(|item| match *item {
+        Item::Coll { h, .. } | Item::P2p { h, .. } | Item::Handle(h) => h,
+    });
+    for h in queued.iter().map(|(h, _)| *h).chain(posted) {
         set_async_error(&mut g, h, &f);
     }
     f

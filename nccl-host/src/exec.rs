@@ -15,14 +15,17 @@ use super::state::{
 
 /// An operation queued by a thread (inside a group, or the single op of a plain call).
 #[derive(Debug, Clone)]
+/// `h` is the handle that posts it.
 pub(crate) enum Item {
     Coll {
+        h: Handle,
         clique: u64,
         rank: i32,
         seq: u64,
         post: CollPost,
     },
     P2p {
+        h: Handle,
         clique: u64,
         src: i32,
         dst: i32,
@@ -103,6 +106,7 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
             rank,
             seq,
             post,
+            ..
         } => {
             let cl = open_clique(g, clique)?;
             let n = cl.nranks as usize;
@@ -136,6 +140,7 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
             seq,
             is_send,
             post,
+            ..
         } => {
             let cl = open_clique(g, clique)?;
             let key = (src, dst, seq);
