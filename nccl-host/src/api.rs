@@ -552,16 +552,13 @@ fn fixed_id(at: &str) -> Result<ncclUniqueId, Fail> {
             format!("Invalid NCCL_COMM_ID {at:?}, please use format: <ipv4>:<port> or [<ipv6>]:<port> or <hostname>:<port>"),
         )
     })?;
-    let mut b = [0 as c_char; 128];
+    let mut b = [0u8; 128];
     let text = addr.to_string();
-    let bytes = nccl_sys::NCCL_MAGIC
-        .to_ne_bytes()
-        .into_iter()
-        .chain(text.bytes());
-    for (slot, byte) in b.iter_mut().zip(bytes) {
-        *slot = byte as c_char;
+    let bytes = nccl_sys::NCCL_MAGIC.to_ne_bytes().into_iter();
+    for (slot, byte) in b.iter_mut().zip(bytes.chain(text.bytes())) {
+        *slot = byte;
     }
-    Ok(ncclUniqueId { internal: b })
+    Ok(unique_id_of(b))
 }
 
 /// NCCL's text for a result code (the same strings as libnccl).
