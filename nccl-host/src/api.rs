@@ -14,7 +14,7 @@ use super::dtype::{self, RedKind};
 use super::exec::{run_items, Item};
 use super::registry;
 use super::state::{
-    lock, wait_until, CollPost, Collective, CommState, Fail, Global, Handle, IdBytes, Job, P2pPost,
+    lock, wait_until, CollPost, Collective, CommState, Fail, Global, Handle, IdBytes, Job, OpKey,
     PendingOn, PreMul, RootIdx,
 };
 
@@ -1190,8 +1190,9 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
         // it, as their kernels would end on their own revoke or abort.
         if let Some(CommState::Ready { clique, rank }) = g.comms.get(&h).map(|c| c.state.clone()) {
             if let Some(cl) = g.cliques.get_mut(&clique) {
-                for slot in cl.colls.values_mut() {
-                    let posted = slot.posts.get(rank as usize).is_some_and(|p| p.is_some());
+                for (key, slot) in cl.ops.iter_mut() {
+                    let posted = matches!(key, OpKey::Coll(_))
+                        && slot.posts.get(rank as usize).is_some_and(|p| p.is_some());
                     if posted && matches!(slot.state, super::state::SlotState::Waiting) {
                         slot.state = super::state::SlotState::Done(Err(Fail::new(
                             ncclRemoteError,
@@ -1629,11 +1630,11 @@ fn coll(
             caller: super::current_caller(),
         };
         let (seq, _) = r.next_coll(&mut g)?;
-        let item = Item::Coll {
+        let item = Item::Op {
             h: r.h,
             clique: r.clique,
             rank: r.rank,
-            seq,
+            key: OpKey::Coll(seq),
             post,
         };
         submit(g, &r, item)
@@ -1664,23 +1665,29 @@ fn p2p(
         let ctr = c.p2p_seq.entry((is_send, peer)).or_insert(0);
         let seq = *ctr;
         *ctr += 1;
-        let (src, dst) = if is_send {
-            (r.rank, peer)
+        // A send is rank (source, destination) of its pair and has its buffer in `send`.
+        let (kind, (src, dst), (send, recv)) = if is_send {
+            (Collective::Send, (r.rank, peer), (ptr, 0))
         } else {
-            (peer, r.rank)
+            (Collective::Recv, (peer, r.rank), (0, ptr))
         };
-        let item = Item::P2p {
+        let post = CollPost {
+            kind,
+            send,
+            recv,
+            count,
+            dtype: dt,
+            red: RedKind::Sum,
+            scalar: Vec::new(),
+            root: peer,
+            caller: super::current_caller(),
+        };
+        let item = Item::Op {
             h: r.h,
             clique: r.clique,
-            src,
-            dst,
-            seq,
-            is_send,
-            post: P2pPost {
-                ptr,
-                count,
-                dtype: dt,
-            },
+            rank: r.rank,
+            key: OpKey::P2p(src, dst, seq),
+            post,
         };
         submit(g, &r, item)
     })
@@ -1732,7 +1739,7 @@ forward! {
 fn group_failed(f: Fail, queued: Vec<(Handle, QueuedJob)>, items: &[Item]) -> Fail {
     let mut g = lock();
     let posted = items.iter().map(|item| match *item {
-        Item::Coll { h, .. } | Item::P2p { h, .. } | Item::Handle(h) => h,
+        Item::Op { h, .. } | Item::Handle(h) => h,
     });
     for h in queued.iter().map(|(h, _)| *h).chain(posted) {
         set_async_error(&mut g, h, &f);

@@ -84,7 +84,8 @@ impl Fail {
     }
 }
 
-/// One rank's part of a collective.
+/// One rank's part of a collective, or one side of a send/recv pair (`Send` with its
+/// buffer in `send`, `Recv` with it in `recv`).
 #[derive(Debug, Clone)]
 pub(crate) struct CollPost {
     pub kind: Collective,
@@ -97,14 +98,6 @@ pub(crate) struct CollPost {
     pub root: i32,
     /// The user's line that called it, when the safe layer made the call.
     pub caller: Option<&'static std::panic::Location<'static>>,
-}
-
-/// One side of a send/recv pair.
-#[derive(Debug, Clone)]
-pub(crate) struct P2pPost {
-    pub ptr: usize,
-    pub count: usize,
-    pub dtype: ncclDataType_t,
 }
 
 /// How long a wait may last before it fails with `ncclTimeout`.

@@ -9,29 +9,21 @@ use nccl_sys::{Block, BlockSource, Extent, Sender};
 use super::dtype::{self, RedKind};
 use super::shm::{P2pWork, Segment};
 use super::state::{
-    lock, notify, wait, wait_limit, CollPost, CollSlot, CommState, CommWorld, Fail, Global, Handle,
-    P2pPost, P2pSlot, Slot, SlotState,
+    lock, notify, wait, wait_limit, CollPost, Collective, CommState, CommWorld, Fail, Global,
+    Handle, OpKey, Slot, SlotState,
 };
 
 /// An operation queued by a thread (inside a group, or the single op of a plain call).
 #[derive(Debug, Clone)]
-/// `h` is the handle that posts it.
 pub(crate) enum Item {
-    Coll {
+    /// A collective, or one side of a send/recv pair, posted under `key` by handle `h`,
+    /// rank `rank` of `clique`.
+    Op {
         h: Handle,
         clique: u64,
         rank: i32,
-        seq: u64,
+        key: OpKey,
         post: CollPost,
-    },
-    P2p {
-        h: Handle,
-        clique: u64,
-        src: i32,
-        dst: i32,
-        seq: u64,
-        is_send: bool,
-        post: P2pPost,
     },
     /// A handle whose init/split/shrink rendezvous must complete before group end returns.
     Handle(Handle),
@@ -40,16 +32,8 @@ pub(crate) enum Item {
 /// What a posted item waits on.
 #[derive(Debug, Clone)]
 enum Wait {
-    Coll(u64, u64),
-    P2p(u64, (i32, i32, u64)),
+    Op(u64, OpKey),
     Handle(Handle),
-}
-
-/// Work that the completing poster runs outside the lock.
-enum Job {
-    Coll(Vec<CollPost>),
-    /// The send's post, then the receive's.
-    P2p(P2pPost, P2pPost),
 }
 
 fn aborted_fail(g: &Global, clique: u64) -> Option<Fail> {
@@ -62,8 +46,22 @@ fn aborted_fail(g: &Global, clique: u64) -> Option<Fail> {
     }
 }
 
-fn consistent(posts: &[CollPost]) -> Result<(), Fail> {
+/// Whether the posts of a complete slot agree: a collective's on the call, a send/recv
+/// pair's on its count and data type.
+fn consistent(key: OpKey, posts: &[CollPost]) -> Result<(), Fail> {
     let a = &posts[0];
+    if let OpKey::P2p(src, dst, _) = key {
+        let b = &posts[1];
+        if a.count == b.count && a.dtype == b.dtype {
+            return Ok(());
+        }
+        let side = |p: &CollPost| format!("count={}, {}", p.count, dtype::name(p.dtype));
+        let (sent, received) = (side(a), side(b));
+        let m = format!(
+            "ncclSend from rank {src} ({sent}) does not match ncclRecv on rank {dst} ({received})"
+        );
+        return Err(Fail::new(ncclInvalidUsage, m));
+    }
     let call = |p: &CollPost| {
         let dt = dtype::name(p.dtype);
         format!("{:?}(count={}, {dt}, root={})", p.kind, p.count, p.root)
@@ -98,82 +96,45 @@ fn open_clique(g: &mut Global, clique: u64) -> Result<&mut CommWorld, Fail> {
         .ok_or_else(|| Fail::new(ncclInternalError, "clique vanished"))
 }
 
-fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Job>), Fail> {
-    match item {
-        Item::Handle(h) => Ok((Wait::Handle(h), None)),
-        Item::Coll {
+/// Posts `item`; the posts of the slot it completes are the work this thread then runs.
+fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Vec<CollPost>>), Fail> {
+    let (clique, rank, key, post) = match item {
+        Item::Handle(h) => return Ok((Wait::Handle(h), None)),
+        Item::Op {
             clique,
             rank,
-            seq,
+            key,
             post,
             ..
-        } => {
-            let cl = open_clique(g, clique)?;
-            let n = cl.nranks as usize;
-            let slot = cl.colls.entry(seq).or_insert_with(|| CollSlot {
-                posts: vec![None; n],
-                state: SlotState::Waiting,
-                waiters: n,
-            });
-            let r = rank as usize;
-            if slot.posts.get(r).is_none_or(|p| p.is_some()) {
-                return Err(Fail::new(ncclInternalError, "rank posted twice"));
-            }
-            slot.posts[r] = Some(post);
-            let w = Wait::Coll(clique, seq);
-            if slot.posts.iter().any(Option::is_none) {
-                return Ok((w, None));
-            }
-            let posts: Vec<CollPost> = slot.posts.iter().flatten().cloned().collect();
-            if let Err(f) = consistent(&posts) {
-                slot.state = SlotState::Done(Err(f));
-                notify();
-                return Ok((w, None));
-            }
-            slot.state = SlotState::Executing;
-            Ok((w, Some(Job::Coll(posts))))
-        }
-        Item::P2p {
-            clique,
-            src,
-            dst,
-            seq,
-            is_send,
-            post,
-            ..
-        } => {
-            let cl = open_clique(g, clique)?;
-            let key = (src, dst, seq);
-            let slot = cl.p2p.entry(key).or_insert_with(|| P2pSlot {
-                posts: [None, None],
-                state: SlotState::Waiting,
-                waiters: 2,
-            });
-            let side = &mut slot.posts[usize::from(!is_send)];
-            if side.is_some() {
-                return Err(Fail::new(ncclInternalError, "p2p posted twice"));
-            }
-            *side = Some(post);
-            let w = Wait::P2p(clique, key);
-            match &slot.posts {
-                [Some(s), Some(r)] => {
-                    if s.count != r.count || s.dtype != r.dtype {
-                        let side =
-                            |p: &P2pPost| format!("count={}, {}", p.count, dtype::name(p.dtype));
-                        let (sent, received) = (side(s), side(r));
-                        let m = format!("ncclSend from rank {src} ({sent}) does not match ncclRecv on rank {dst} ({received})");
-                        slot.state = SlotState::Done(Err(Fail::new(ncclInvalidUsage, m)));
-                        notify();
-                        return Ok((w, None));
-                    }
-                    let job = Job::P2p(s.clone(), r.clone());
-                    slot.state = SlotState::Executing;
-                    Ok((w, Some(job)))
-                }
-                _ => Ok((w, None)),
-            }
-        }
+        } => (clique, rank, key, post),
+    };
+    let cl = open_clique(g, clique)?;
+    // A collective's posts by rank; a pair's send, then its receive.
+    let (n, at) = match key {
+        OpKey::Coll(_) => (cl.nranks as usize, rank as usize),
+        OpKey::P2p(..) => (2, usize::from(post.kind == Collective::Recv)),
+    };
+    let slot = cl.ops.entry(key).or_insert_with(|| Slot {
+        posts: vec![None; n],
+        state: SlotState::Waiting,
+        waiters: n,
+    });
+    if slot.posts.get(at).is_none_or(|p| p.is_some()) {
+        return Err(Fail::new(ncclInternalError, "rank posted twice"));
     }
+    slot.posts[at] = Some(post);
+    let w = Wait::Op(clique, key);
+    if slot.posts.iter().any(Option::is_none) {
+        return Ok((w, None));
+    }
+    let posts: Vec<CollPost> = slot.posts.iter().flatten().cloned().collect();
+    if let Err(f) = consistent(key, &posts) {
+        slot.state = SlotState::Done(Err(f));
+        notify();
+        return Ok((w, None));
+    }
+    slot.state = SlotState::Executing;
+    Ok((w, Some(posts)))
 }
 
 /// Output bytes reduced per step: the partial result stays in L1 while every rank's
@@ -627,28 +588,25 @@ fn pairwise_disjoint(spans: &[Span]) -> bool {
 }
 
 /// Runs `job`, then marks the slot that `w` waits on done with its result.
-fn run_job(w: &Wait, job: Job) {
-    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match job {
-        Job::Coll(posts) => run_coll(&posts),
-        Job::P2p(s, r) => {
+fn run_job(w: &Wait, posts: Vec<CollPost>) {
+    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &posts[..] {
+        [s, r] if s.kind == Collective::Send => {
             let n = s.count * dtype::size_of(s.dtype).unwrap_or(0);
-            if n > 0 && s.ptr != r.ptr {
+            if n > 0 && s.send != r.recv {
                 // SAFETY: both ranks wait for this op, so both buffers are alive and, by
                 // NCCL's contract, hold `n` bytes; `copy` handles overlap like reading the
                 // whole source before writing.
-                unsafe { core::ptr::copy(s.ptr as *const u8, r.ptr as *mut u8, n) };
+                unsafe { core::ptr::copy(s.send as *const u8, r.recv as *mut u8, n) };
             }
             Ok(())
         }
+        _ => run_coll(&posts),
     }));
     let res = res.unwrap_or_else(|_| Err(panicked()));
     let mut g = lock();
     let state = match w {
-        Wait::Coll(clique, seq) => (g.cliques.get_mut(clique))
-            .and_then(|c| c.colls.get_mut(seq))
-            .map(|s| &mut s.state),
-        Wait::P2p(clique, key) => (g.cliques.get_mut(clique))
-            .and_then(|c| c.p2p.get_mut(key))
+        Wait::Op(clique, key) => (g.cliques.get_mut(clique))
+            .and_then(|c| c.ops.get_mut(key))
             .map(|s| &mut s.state),
         Wait::Handle(_) => None,
     };
@@ -674,14 +632,8 @@ fn poll(g: &mut Global, w: &Wait, deadline: Instant) -> Option<Result<(), Fail>>
                 Some(CommState::Failed(f)) => Some(Err(f.clone())),
             }
         }
-        Wait::Coll(clique, seq) => {
-            let slots = g.cliques.get_mut(clique).map(|c| &mut c.colls);
-            let state = slots.and_then(|s| take_done(s, seq));
-            wait_slot(g, *clique, state, deadline)
-        }
-        Wait::P2p(clique, key) => {
-            let slots = g.cliques.get_mut(clique).map(|c| &mut c.p2p);
-            let state = slots.and_then(|s| take_done(s, key));
+        Wait::Op(clique, key) => {
+            let state = (g.cliques.get_mut(clique)).and_then(|c| take_done(&mut c.ops, key));
             wait_slot(g, *clique, state, deadline)
         }
     }
@@ -689,10 +641,7 @@ fn poll(g: &mut Global, w: &Wait, deadline: Instant) -> Option<Result<(), Fail>>
 
 /// The state of the slot at `key` (`None`: no such slot). A done slot's result is taken
 /// for one waiter; the last waiter removes the slot.
-fn take_done<K: Eq + std::hash::Hash, P>(
-    slots: &mut std::collections::HashMap<K, Slot<P>>,
-    key: &K,
-) -> Option<SlotState> {
+fn take_done(slots: &mut std::collections::HashMap<OpKey, Slot>, key: &OpKey) -> Option<SlotState> {
     let slot = slots.get_mut(key)?;
     let state = slot.state.clone();
     if let SlotState::Done(_) = state {
@@ -749,14 +698,17 @@ pub(crate) fn run_items(
     let mut shared = Vec::new();
     for it in items {
         let seg = match &it {
-            Item::Coll { clique, .. } | Item::P2p { clique, .. } => {
-                g.cliques.get(clique).and_then(|c| c.shared.clone())
-            }
-            _ => None,
+            Item::Op { clique, .. } => g.cliques.get(clique).and_then(|c| c.shared.clone()),
+            Item::Handle(_) => None,
         };
-        match seg {
-            Some(seg) => shared.push((seg, it)),
-            None => local.push(it),
+        match (seg, it) {
+            (
+                Some(seg),
+                Item::Op {
+                    clique, key, post, ..
+                },
+            ) => shared.push((seg, clique, key, post)),
+            (_, it) => local.push(it),
         }
     }
     let mut res = run_local(g, local);
@@ -770,23 +722,15 @@ pub(crate) fn run_items(
     // Collectives in order, then every send and receive together (per communicator), the
     // same on every rank.
     let mut p2p: Vec<(u64, Arc<Segment>, Vec<P2pWork>)> = Vec::new();
-    for (seg, it) in shared {
-        match it {
-            Item::Coll {
-                clique, seq, post, ..
-            } => check(clique, seg.run_coll(seq, &post)),
-            Item::P2p {
-                clique,
-                src,
-                dst,
-                is_send,
-                post,
-                ..
-            } => {
+    for (seg, clique, key, post) in shared {
+        match key {
+            OpKey::Coll(seq) => check(clique, seg.run_coll(seq, &post)),
+            OpKey::P2p(src, dst, _) => {
+                let is_send = post.kind == Collective::Send;
                 let w = P2pWork {
                     peer: if is_send { dst } else { src } as usize,
                     is_send,
-                    ptr: post.ptr,
+                    ptr: if is_send { post.send } else { post.recv },
                     bytes: post.count * dtype::size_of(post.dtype).unwrap_or(0),
                     dtype: post.dtype,
                 };
@@ -795,7 +739,6 @@ pub(crate) fn run_items(
                     None => p2p.push((clique, seg, vec![w])),
                 }
             }
-            Item::Handle(_) => {}
         }
     }
     for (clique, seg, work) in p2p {
@@ -813,7 +756,7 @@ fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) ->
     for it in items {
         match post(&mut g, it) {
             Ok((w, job)) => {
-                jobs.extend(job.map(|j| (w.clone(), j)));
+                jobs.extend(job.map(|posts| (w.clone(), posts)));
                 waits.push(w);
             }
             Err(f) => {

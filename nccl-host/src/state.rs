@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use nccl_sys::bindings::*;
 
-pub(crate) use super::defs::{wait_limit, CollPost, Collective, Fail, IdBytes, P2pPost};
+pub(crate) use super::defs::{wait_limit, CollPost, Collective, Fail, IdBytes};
 use super::HostStats;
 
 /// The opaque value behind an `ncclComm_t`.
@@ -110,19 +110,23 @@ pub(crate) enum SlotState {
     Done(Result<(), Fail>),
 }
 
-/// A posted operation: the ranks' posts, its state, and how many waits have yet to take
-/// its result (the last one removes it).
+/// What a posted operation is found by in its clique: a collective by its sequence number,
+/// a send/recv pair by (source, destination, the pair's sequence number).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum OpKey {
+    Coll(u64),
+    P2p(i32, i32, u64),
+}
+
+/// A posted operation: the posts (a collective's one per rank, a send/recv pair's send
+/// then receive), its state, and how many waits have yet to take its result (the last one
+/// removes it).
 #[derive(Debug)]
-pub(crate) struct Slot<P> {
-    pub posts: P,
+pub(crate) struct Slot {
+    pub posts: Vec<Option<CollPost>>,
     pub state: SlotState,
     pub waiters: usize,
 }
-
-/// A collective: one post per rank.
-pub(crate) type CollSlot = Slot<Vec<Option<CollPost>>>;
-/// A send/recv pair: the send's post, then the receive's.
-pub(crate) type P2pSlot = Slot<[Option<P2pPost>; 2]>;
 
 /// A split or shrink rendezvous over a parent clique.
 #[derive(Debug)]
@@ -141,8 +145,7 @@ pub(crate) struct CommWorld {
     pub root: RootIdx,
     pub members: usize,
     pub aborted: Option<Fail>,
-    pub colls: HashMap<u64, CollSlot>,
-    pub p2p: HashMap<(i32, i32, u64), P2pSlot>,
+    pub ops: HashMap<OpKey, Slot>,
     pub rdv: HashMap<u64, RdvSlot>,
     /// For a communicator across processes: this rank's view of the shared segment (the
     /// clique then holds this one rank of the communicator).
@@ -151,13 +154,7 @@ pub(crate) struct CommWorld {
 
 impl CommWorld {
     fn executing(&self) -> bool {
-        self.colls
-            .values()
-            .any(|s| matches!(s.state, SlotState::Executing))
-            || self
-                .p2p
-                .values()
-                .any(|s| matches!(s.state, SlotState::Executing))
+        (self.ops.values()).any(|s| matches!(s.state, SlotState::Executing))
     }
 }
 
