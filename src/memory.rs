@@ -20,7 +20,7 @@ use std::panic::Location;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 
 use crate::buffer::{sealed, BufferGuard, Memory, RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
@@ -291,35 +291,22 @@ impl<T: NcclType> NcclMemory<T> {
     /// Elements `range` as a buffer of their own, for any collective. An out-of-range or
     /// reversed range is [`Error::InvalidArgument`].
     pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<NcclView<'_, T>> {
-        const OP: &str = "NcclMemory::slice";
-        let (a, b) = bounds(OP, range, self.len)?;
-        match &self.storage {
-            Some(Storage::Host(_)) => {
-                Ok(NcclView(ViewInner::Host(&self.as_host_slice()?[a..b]), a))
-            }
-            Some(Storage::Cuda(s)) => match s.try_slice(a..b) {
-                Some(v) => Ok(NcclView(ViewInner::Cuda(v), a)),
-                None => Err(invalid(OP, format!("{a}..{b} is out of range"))),
-            },
-            None => Err(invalid(OP, "the memory was freed")),
-        }
+        let (a, b) = bounds("NcclMemory::slice", range, self.len)?;
+        let view = match &self.storage {
+            Some(Storage::Cuda(s)) => ViewInner::Cuda(s.slice(a..b)),
+            _ => ViewInner::Host(&self.as_host_slice()?[a..b]),
+        };
+        Ok(NcclView(view, a))
     }
 
     /// Elements `range` as a mutable buffer of their own, for any collective.
     pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<NcclViewMut<'_, T>> {
-        const OP: &str = "NcclMemory::slice_mut";
-        let (a, b) = bounds(OP, range, self.len)?;
-        if matches!(self.storage, Some(Storage::Host(_))) {
-            let all = self.as_host_slice_mut()?;
-            return Ok(NcclViewMut(ViewMutInner::Host(&mut all[a..b]), a));
-        }
-        match &mut self.storage {
-            Some(Storage::Cuda(s)) => match s.try_slice_mut(a..b) {
-                Some(v) => Ok(NcclViewMut(ViewMutInner::Cuda(v), a)),
-                None => Err(invalid(OP, format!("{a}..{b} is out of range"))),
-            },
-            _ => Err(invalid(OP, "the memory was freed")),
-        }
+        let (a, b) = bounds("NcclMemory::slice_mut", range, self.len)?;
+        let view = match self.storage {
+            Some(Storage::Cuda(ref mut s)) => ViewMutInner::Cuda(s.slice_mut(a..b)),
+            _ => ViewMutInner::Host(&mut self.as_host_slice_mut()?[a..b]),
+        };
+        Ok(NcclViewMut(view, a))
     }
 
     /// Copies `src` (exactly [`len`](Self::len) elements) into the buffer on `stream`
@@ -337,13 +324,7 @@ impl<T: NcclType> NcclMemory<T> {
                 Ok(())
             }
             (Some(Storage::Cuda(slice)), StreamRef::Cuda(s)) if same_device(slice, s) => {
-                s.context().bind_to_thread()?;
-                {
-                    let (dst, _record) = slice.device_ptr_mut(s);
-                    // SAFETY: `dst` holds `len` == src.len() elements of T on this device;
-                    // the stream is synchronized below, before `src` can be touched again.
-                    unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, s.cu_stream()) }?;
-                }
+                s.memcpy_htod(src, slice)?;
                 Ok(s.synchronize()?)
             }
             (_, stream) => Err(self.stream_mismatch(OP, stream)),
@@ -362,13 +343,7 @@ impl<T: NcclType> NcclMemory<T> {
                 Ok(())
             }
             (Some(Storage::Cuda(slice)), StreamRef::Cuda(s)) if same_device(slice, s) => {
-                s.context().bind_to_thread()?;
-                {
-                    let (src, _record) = slice.device_ptr(s);
-                    // SAFETY: `src` holds `len` == dst.len() elements of T; `dst` stays
-                    // borrowed until the stream is synchronized below.
-                    unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, s.cu_stream()) }?;
-                }
+                s.memcpy_dtoh(slice, dst)?;
                 Ok(s.synchronize()?)
             }
             (_, stream) => Err(self.stream_mismatch(OP, stream)),
