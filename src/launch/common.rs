@@ -99,12 +99,10 @@ impl Conn<'_> {
 /// bounded by `io_timeout`), reads the server's hello of `magic` and proves `token` for
 /// `rank` of `world`, every wait ending by `deadline`. A busy server is
 /// [`Refusal::Busy`]; `label` and `addr` name the server in errors.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn dial<'t>(
     addrs: Vec<SocketAddr>,
     addr: &str,
-    label: &str,
-    magic: &[u8; 16],
+    (label, magic): (&str, &[u8; 16]),
     token: &'t [u8],
     (rank, world): (u32, u32),
     io_timeout: Duration,
@@ -135,15 +133,11 @@ pub(crate) fn dial<'t>(
 }
 
 /// A client's pause before its next try: sleeps `backoff` (at most until `deadline`) and
-/// doubles it, up to `max`; `false`, at once, when the deadline has passed.
+/// doubles it, up to `max`; whether time is left for that try.
 pub(crate) fn pause(deadline: Instant, backoff: &mut Duration, max: Duration) -> bool {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return false;
-    }
-    thread::sleep((*backoff).min(left));
+    thread::sleep((*backoff).min(deadline.saturating_duration_since(Instant::now())));
     *backoff = (*backoff * 2).min(max);
-    true
+    Instant::now() < deadline
 }
 
 /// Refuses a token shorter than [`MIN_TOKEN_LEN`].

@@ -281,14 +281,12 @@ impl BoardClient {
         let addrs: Vec<_> = addrs.collect();
         let mut backoff = Duration::from_millis(10);
         loop {
-            let (token, io) = (&self.token, self.io_timeout);
-            let label = "desync board";
+            let (proto, io) = (("desync board", MAGIC), self.io_timeout);
             match dial(
                 addrs.clone(),
                 &self.addr,
-                label,
-                MAGIC,
-                token,
+                proto,
+                &self.token,
                 (r32, w32),
                 io,
                 deadline,

@@ -52,7 +52,6 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
-use std::thread;
 use std::time::{Duration, Instant};
 
 /// Default deadline of one connection: its connect, and its whole handshake on either side.
@@ -205,9 +204,9 @@ impl TcpRendezvous {
         loop {
             // One deadline for this connection: its connect and handshake.
             let by = (Instant::now() + self.io_timeout).min(deadline);
-            let (token, io) = (&self.token, self.io_timeout);
+            let (proto, io) = (("rank 0", wire::MAGIC), self.io_timeout);
             let got = (self.resolve())
-                .and_then(|a| dial(a, &addr, "rank 0", wire::MAGIC, token, (r32, w32), io, by))
+                .and_then(|a| dial(a, &addr, proto, &self.token, (r32, w32), io, by))
                 .and_then(|c| self.receive(&c, rank));
             let last_error = match got {
                 Ok(id) => return Ok(id),
@@ -493,7 +492,7 @@ impl FileRendezvous {
 
     /// Ranks other than 0: waits for the file and reads the id, checking the world size.
     pub fn read(&self, world_size: usize) -> Result<[u8; ID_LEN], RendezvousError> {
-        let deadline = Instant::now() + self.timeout;
+        let (deadline, mut poll) = (Instant::now() + self.timeout, self.poll);
         loop {
             match fs::read(&self.path) {
                 Ok(data) => return self.parse(&data, world_size),
@@ -505,14 +504,12 @@ impl FileRendezvous {
                     })
                 }
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            if !pause(deadline, &mut poll, self.poll) {
                 return Err(RendezvousError::FileTimeout {
                     path: self.path.clone(),
                     timeout: self.timeout,
                 });
             }
-            thread::sleep(self.poll.min(left));
         }
     }
 
