@@ -378,13 +378,7 @@ impl<B: ?Sized> Registration<'_, '_, B> {
 
     fn release(&mut self, caller: &'static Location<'static>) -> Result<()> {
         const OP: &str = "ncclCommDeregister";
-        if !std::mem::replace(&mut self.live, false) {
-            return Ok(());
-        }
-        // Dropped during a panic: the communicator will be aborted (which releases its
-        // registrations), so mark it failed and leave the deregistration to the abort.
-        if std::thread::panicking() {
-            self.comm.mark_failed(&unwinding(OP));
+        if !deregister_now(&mut self.live, self.comm, OP) {
             return Ok(());
         }
         // A communicator the watchdog aborted has no handle left: NCCL released its
@@ -474,14 +468,7 @@ impl<B: ?Sized> Window<'_, '_, B> {
     fn release(&mut self, caller: &'static Location<'static>, dropping: bool) -> Result<()> {
         const CALL: EntryPoint = EntryPoint::ncclCommWindowDeregister;
         const OP: &str = CALL.name();
-        if !std::mem::replace(&mut self.live, false) {
-            return Ok(());
-        }
-        // Dropped during a panic: this rank's peers may never reach the collective
-        // deregistration, so it is skipped; the communicator is marked failed, and its
-        // abort releases the window.
-        if std::thread::panicking() {
-            self.comm.mark_failed(&unwinding(OP));
+        if !deregister_now(&mut self.live, self.comm, OP) {
             return Ok(());
         }
         // Dropped: NCCL's deregistration unmaps through the driver, behind the
@@ -524,13 +511,19 @@ impl<B: ?Sized> Drop for Window<'_, '_, B> {
     }
 }
 
-/// The failure a registration dropped during a panic leaves on its communicator.
-#[cold]
-fn unwinding(call: &'static str) -> Error {
-    invalid(
-        call,
-        "dropped while its thread panicked: skipped, and the communicator is aborted when dropped",
-    )
+/// Whether a registration still to deregister (`live`, cleared here) is deregistered now:
+/// not during a panic, when `comm` is marked failed instead and its abort releases the
+/// registration (a window's peers may never reach its collective deregistration).
+fn deregister_now(live: &mut bool, comm: &Communicator, call: &'static str) -> bool {
+    if !std::mem::replace(live, false) {
+        return false;
+    }
+    if std::thread::panicking() {
+        let why = "dropped while its thread panicked: skipped, and the communicator is aborted when dropped";
+        comm.mark_failed(&invalid(call, why));
+        return false;
+    }
+    true
 }
 
 /// Buffer behaviour shared by [`Registration`] and [`Window`]: they stand for their buffer.
@@ -652,17 +645,5 @@ mod tests {
         );
         let gpu_on_host = unregistrable(Provider::Host, None, Memory::Device(0)).unwrap();
         assert!(gpu_on_host.contains("GPU memory"), "{gpu_on_host}");
-    }
-
-    #[test]
-    fn newer_window_flags_name_their_release() {
-        assert_eq!(WindowFlags::COLL_SYMMETRIC.newest(), None);
-        assert_eq!(WindowFlags::empty().newest(), None);
-        assert_eq!(
-            (WindowFlags::COLL_SYMMETRIC | WindowFlags::STRICT_ORDERING).newest(),
-            Some(("NCCL_WIN_STRICT_ORDERING", Version::new(2, 30, 0)))
-        );
-        assert_eq!(WindowFlags::COLL_SYMMETRIC.bits(), 1);
-        assert_eq!(WindowFlags::STRICT_ORDERING.bits(), 2);
     }
 }
