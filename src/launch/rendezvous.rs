@@ -141,11 +141,10 @@ impl TcpRendezvous {
     /// the port is the last one).
     pub(crate) fn board(&self) -> Option<(String, Vec<u8>)> {
         let port = self.port.checked_add(super::desync::BOARD_PORT_OFFSET)?;
-        let at = Self {
-            port,
-            ..self.clone()
-        };
-        Some((at.addr(), self.token.to_vec()))
+        Some((
+            super::store::host_port(&self.host, port),
+            self.token.to_vec(),
+        ))
     }
 
     fn resolve(&self) -> Result<Vec<SocketAddr>, RendezvousError> {
