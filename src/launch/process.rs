@@ -156,9 +156,7 @@ impl ProcessLauncher {
         let env = &self.env;
         Rank::init(&device, env.world_size, env.rank, id, &self.config)
     }
-}
 
-impl ProcessLauncher {
     /// Whether this node has a GPU for the local rank, given `visible` CUDA devices: an
     /// error naming `CUDA_VISIBLE_DEVICES` and the count otherwise. When the launcher says
     /// how many processes run on this node (`LOCAL_WORLD_SIZE` and the like), every one of
