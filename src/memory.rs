@@ -191,16 +191,8 @@ impl<T: NcclType> NcclMemory<T> {
                 }
                 Ok(mem)
             }
-            (p, _) => Err(invalid(
-                OP,
-                format!(
-                    "the {p:?} provider needs {}",
-                    match p {
-                        Provider::Host => "Stream::Host",
-                        _ => "a CUDA stream",
-                    }
-                ),
-            )),
+            (Provider::Host, _) => Err(invalid(OP, "the Host provider needs Stream::Host")),
+            (Provider::Nccl, _) => Err(invalid(OP, "the Nccl provider needs a CUDA stream")),
         }
     }
 
