@@ -153,21 +153,15 @@ fn unregistrable(provider: Provider, device: Option<usize>, memory: Memory) -> O
     }
 }
 
-/// What a registration call needs to know about the buffer.
-struct Target {
-    ptr: *mut c_void,
-    bytes: usize,
-}
-
 impl Communicator {
-    /// The buffer's address and size, after checking it is memory this communicator's
+    /// The buffer's address and byte size, after checking it is memory this communicator's
     /// NCCL can register: device memory of its device (NVIDIA's NCCL) or host memory (the
     /// host provider), not empty.
     fn registration_target<T: NcclType, B: SendBuffer<T> + ?Sized>(
         &self,
         call: &'static str,
         buf: &B,
-    ) -> Result<Target> {
+    ) -> Result<(*mut c_void, usize)> {
         let reason = unregistrable(self.library().provider(), self.cuda_ordinal(), buf.memory());
         if let Some(reason) = reason {
             return Err(invalid(call, reason));
@@ -183,10 +177,7 @@ impl Communicator {
         if let CommDevice::Cuda(ctx) = self.device() {
             ctx.bind_to_thread()?;
         }
-        Ok(Target {
-            ptr: buf.base_ptr().cast_mut(),
-            bytes,
-        })
+        Ok((buf.base_ptr().cast_mut(), bytes))
     }
 
     /// Registers `buf` with this communicator (`ncclCommRegister`, NCCL 2.19+) until the
@@ -227,17 +218,17 @@ impl Communicator {
         let register = lib.optional(lib.table().ncclCommRegister, OP)?;
         lib.optional(lib.table().ncclCommDeregister, "ncclCommDeregister")?;
         self.ensure_usable(OP)?;
-        let target = self.registration_target::<T, B>(OP, buf)?;
+        let (ptr, bytes) = self.registration_target::<T, B>(OP, buf)?;
         let mut handle: *mut c_void = std::ptr::null_mut();
         // Not `issue`: registration is local (no sequence number, nothing to watch), and a
         // refused registration does not break the communicator. Pinned: the watchdog
         // cannot abort the handle during the call.
         self.pinned(|| {
             // SAFETY: the communicator is live (borrowed, and pinned against the
-            // watchdog); `target` is the address and byte size of memory this NCCL can
+            // watchdog); `ptr` and `bytes` are the address and size of memory this NCCL can
             // register (checked above), kept alive and in place by the borrow the
             // Registration holds; `handle` is writable.
-            let r = unsafe { register(self.as_raw(), target.ptr, target.bytes, &mut handle) };
+            let r = unsafe { register(self.as_raw(), ptr, bytes, &mut handle) };
             lib.check(OP, r, self.context(caller))
         })?;
         Ok(Registration {
@@ -325,7 +316,7 @@ impl Communicator {
             }
         }
         self.ensure_usable(OP)?;
-        let target = self.registration_target::<T, B>(OP, buf)?;
+        let (ptr, bytes) = self.registration_target::<T, B>(OP, buf)?;
         // NCCL's group thread writes the window at the end of its job, after the call
         // returned ncclSuccess (dev_runtime.cc:891-922, 533): a heap slot, read once the
         // communicator left ncclInProgress (see `Communicator::issue_job`).
@@ -339,7 +330,7 @@ impl Communicator {
                 // SAFETY: as in `register`; `out` is the heap slot the job writes, alive
                 // until the job ended (else leaked); the flags are NCCL_WIN_* bits this
                 // NCCL knows (checked above).
-                unsafe { register(comm, target.ptr, target.bytes, out, flags.bits()) }
+                unsafe { register(comm, ptr, bytes, out, flags.bits()) }
             },
             || {
                 win = slot.take();
