@@ -28,6 +28,7 @@ use super::common::{check_token, dial, listen, pause, refused, Background, Conn,
 use super::wire::{self, N};
 use crate::diag::DesyncPost;
 use crate::diag::RemoteBoard;
+use crate::teardown::lock;
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::AtomicBool;
@@ -178,20 +179,14 @@ impl BoardServer {
                 }
                 let post = DesyncPost::decode(body).ok_or_else(|| invalid("not a post"))?;
                 let post = clean_post(post);
-                match self.posts.lock() {
-                    Ok(mut g) => g[session.rank as usize] = Some(post),
-                    Err(_) => return Err(invalid("poisoned")),
-                }
+                lock(&self.posts)[session.rank as usize] = Some(post);
                 wire::write_frame(&mut s, &[wire::ACK])
             }
             Some(&FETCH) if req.len() == 1 + N => {
                 if !wire::ct_eq(&req[1..], &fetch_mac(&session)) {
                     return Err(invalid("bad fetch MAC"));
                 }
-                let posts = match self.posts.lock() {
-                    Ok(g) => g.clone(),
-                    Err(_) => return Err(invalid("poisoned")),
-                };
+                let posts = lock(&self.posts).clone();
                 let head = [&[BOARD][..], &session.world.to_be_bytes()].concat();
                 wire::write_frame(&mut s, &head)?;
                 for (r, p) in posts.iter().enumerate() {

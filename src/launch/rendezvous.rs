@@ -45,6 +45,7 @@ use super::env::ProcessEnv;
 use super::store::StoreRendezvous;
 use super::wire::{self, N};
 use crate::error::Error;
+use crate::teardown::lock;
 use std::fmt;
 use std::fs;
 use std::io::{self, Write};
@@ -332,9 +333,7 @@ impl Server {
         // when the server waits for it (or for that rank to come back).
         let mut grace: Option<Instant> = None;
         let tick = || {
-            let Ok(states) = slots.lock().map(|s| s.clone()) else {
-                return Some(Err(RendezvousError::ServerPanicked));
-            };
+            let states = lock(&slots).clone();
             if states.iter().all(|&s| s == Slot::Served) {
                 return Some(Ok(())); // dropping `listener` stops serving
             }
@@ -379,7 +378,7 @@ impl Server {
         };
         let r = session.rank as usize;
         let before = {
-            let mut g = slots.lock().map_err(|_| io::Error::other("poisoned"))?;
+            let mut g = lock(slots);
             let before = g[r];
             if matches!(before, Slot::Pending | Slot::Delivered) {
                 g[r] = Slot::InProgress;
@@ -405,9 +404,7 @@ impl Server {
             (Ok(()), true) => Slot::Served,
             (Ok(()), false) => Slot::Delivered,
         };
-        if let Ok(mut g) = slots.lock() {
-            g[r] = after;
-        }
+        lock(slots)[r] = after;
         sent
     }
 }
