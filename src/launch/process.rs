@@ -203,9 +203,7 @@ impl ProcessLauncher {
 
 impl Launcher {
     /// One rank per process: reads torchrun / Open MPI / Slurm variables and picks the GPU
-    /// of the local rank; [`ProcessLauncher::init`] then exchanges the unique id through
-    /// torchrun's agent store ([`crate::launch::store`]) or, under Slurm and mpirun, over the
-    /// authenticated TCP rendezvous hosted by rank 0 ([`crate::launch::rendezvous`]).
+    /// of the local rank; [`ProcessLauncher::init`] then joins the job.
     pub fn from_env() -> Result<ProcessLauncher> {
         Ok(ProcessLauncher::new(ProcessEnv::from_process_env()?))
     }

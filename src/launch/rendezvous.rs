@@ -1,6 +1,6 @@
 //! Getting rank 0's unique id to every other rank of a multi-process job.
 //!
-//! [`Rendezvous`] is one entry point over three transports:
+//! [`Rendezvous`] is one entry point over four transports:
 //! - [`TcpRendezvous`]: rank 0 serves the id on `MASTER_ADDR:MASTER_PORT` from a background
 //!   thread; the other ranks fetch it. Peers prove they hold a job token (HMAC-SHA-256
 //!   challenge/response over fresh nonces; the token never crosses the network and the id
