@@ -190,11 +190,9 @@ impl TcpRendezvous {
     /// rank 0 is not reachable yet, is busy, or is still serving an earlier connection of
     /// this rank. A refusal (wrong token, duplicate rank, ...) is returned at once.
     pub fn fetch(&self, rank: usize, world_size: usize) -> Result<[u8; ID_LEN], RendezvousError> {
-        if rank == 0 || rank >= world_size {
-            return Err(RendezvousError::InvalidRank { rank, world_size });
-        }
-        let (Ok(r32), Ok(w32)) = (u32::try_from(rank), u32::try_from(world_size)) else {
-            return Err(RendezvousError::InvalidRank { rank, world_size });
+        let (r32, w32) = match (u32::try_from(rank), u32::try_from(world_size)) {
+            (Ok(r), Ok(w)) if (1..w).contains(&r) => (r, w),
+            _ => return Err(RendezvousError::InvalidRank { rank, world_size }),
         };
         check_token(&self.token)?;
         let addr = self.addr();
