@@ -401,46 +401,57 @@ impl<T: NcclType> NcclMemory<T> {
                 // communicator's abort timeout: behind a stalled stream the
                 // memory is leaked and reported, and this returns; it never waits unbounded.
                 let cuda = Arc::clone(slice.context());
-                let device = cuda.ordinal();
                 let bytes = self.len * std::mem::size_of::<T>();
+                let what = format!(
+                    "ncclMemFree of {bytes} bytes on CUDA device {}",
+                    cuda.ordinal()
+                );
                 // Makes the slice's stream wait for its pending reads and writes, and hands
                 // the pointer back without freeing it.
                 let p = slice.leak() as usize;
-                let b = self.bound;
-                let work: Box<dyn FnOnce() -> nccl_sys::ncclResult_t + Send> =
-                    Box::new(move || {
-                        // Not cudarc's `bind_to_thread`/`synchronize`: they take the
-                        // context's recorded error, which is the user's to see.
-                        let synced = crate::stream::make_current(&cuda)
-                            .and_then(|()| cudarc::driver::result::ctx::synchronize());
-                        if synced.is_err() {
-                            // The wait failed: leak rather than free memory still in use.
-                            return nccl_sys::bindings::ncclUnhandledCudaError;
-                        }
-                        // SAFETY: `p` came from this library's ncclMemAlloc, is freed here
-                        // exactly once (the storage was taken out of `self`), and the
-                        // device's work has completed, so nothing uses it any more.
-                        unsafe { free(p as *mut c_void) }
-                    });
-                let r = crate::teardown::run_bounded(
-                    crate::teardown::TeardownLane::Device(device),
-                    b,
-                    format!("ncclMemFree of {bytes} bytes on CUDA device {device}"),
-                    work,
-                    std::time::Instant::now() + b.bound,
-                );
-                match r {
-                    Some(r) => self.lib.check("ncclMemFree", r, ctx),
-                    None => Err(Error::Timeout {
-                        what: format!(
-                            "ncclMemFree of {bytes} bytes on CUDA device {device} waited behind the device's work for longer than the bound: the memory is left to the background"
-                        ),
-                        timeout: b.bound,
-                    }),
-                }
+                let free = move || {
+                    // Not cudarc's `synchronize` (see `on_device_lane`). A failed wait
+                    // leaks rather than frees memory still in use.
+                    if cudarc::driver::result::ctx::synchronize().is_err() {
+                        return nccl_sys::bindings::ncclUnhandledCudaError;
+                    }
+                    // SAFETY: `p` came from this library's ncclMemAlloc, is freed here
+                    // exactly once (the storage was taken out of `self`), and the device's
+                    // work has completed, so nothing uses it any more.
+                    unsafe { free(p as *mut c_void) }
+                };
+                let then = "the memory is left to the background";
+                let r = on_device_lane(cuda, self.bound, what, then, free)?;
+                self.lib.check("ncclMemFree", r, ctx)
             }
         }
     }
+}
+
+/// Runs `call` (`what`) on CUDA device `cuda`'s teardown lane, bounded by `b`, with the
+/// context made current (`ncclUnhandledCudaError` when it cannot be). Not cudarc's
+/// `bind_to_thread`: it takes the context's recorded error, the user's to see. Past the
+/// bound the call is left to the background, and this is [`Error::Timeout`] ending with
+/// `then`.
+pub(crate) fn on_device_lane(
+    cuda: Arc<cudarc::driver::CudaContext>,
+    b: crate::teardown::Bound,
+    what: String,
+    then: &str,
+    call: impl FnOnce() -> nccl_sys::ncclResult_t + Send + 'static,
+) -> Result<nccl_sys::ncclResult_t> {
+    let lane = crate::teardown::TeardownLane::Device(cuda.ordinal());
+    let work = Box::new(move || match crate::stream::make_current(&cuda) {
+        Ok(()) => call(),
+        Err(_) => nccl_sys::bindings::ncclUnhandledCudaError,
+    });
+    let until = std::time::Instant::now() + b.bound;
+    let late = format!("{what} waited behind the device's work for longer than its bound: {then}");
+    let r = crate::teardown::run_bounded(lane, b, what, work, until);
+    r.ok_or(Error::Timeout {
+        what: late,
+        timeout: b.bound,
+    })
 }
 
 impl<T: NcclType> Drop for NcclMemory<T> {

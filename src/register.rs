@@ -37,13 +37,13 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use nccl_sys::bindings::ncclWindow_t;
-use nccl_sys::EntryPoint;
+use nccl_sys::{ncclComm_t, EntryPoint};
 
 use crate::buffer::{sealed, BufferGuard, Memory, RecvBuffer, SendBuffer};
 use crate::comm::{CommDevice, Communicator};
 use crate::error::{invalid, Error, Result};
 use crate::library::Provider;
-use crate::memory::NcclMemory;
+use crate::memory::{on_device_lane, NcclMemory};
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
 use crate::version::Version;
@@ -392,35 +392,18 @@ impl<B: ?Sized> Registration<'_, '_, B> {
         // by the communicator's abort timeout. Past it the communicator is marked failed,
         // so its teardown (an abort, queued on the same lane behind this call, never beside
         // it) releases the rest, and this returns.
-        let ctx = Arc::clone(ctx);
-        let device = ctx.ordinal();
-        let b = self.comm.diag.bound();
-        let bound = b.bound;
+        let what = format!("ncclCommDeregister on CUDA device {}", ctx.ordinal());
+        let then = "left to the background, and the communicator is failed";
         self.comm.pinned(|| {
-            let raw = self.comm.as_raw() as usize;
-            let handle = handle as usize;
-            let work: Box<dyn FnOnce() -> nccl_sys::ncclResult_t + Send> = Box::new(move || {
-                // Not `bind_to_thread`: it takes the context's recorded error, the user's.
-                if crate::stream::make_current(&ctx).is_err() {
-                    return nccl_sys::bindings::ncclUnhandledCudaError;
-                }
-                // SAFETY: the communicator is live: it was pinned when this was queued,
-                // and any teardown of it runs on this lane after this call; `handle` came
-                // from its ncclCommRegister and is deregistered exactly once.
-                unsafe { deregister(raw as nccl_sys::ncclComm_t, handle as *mut c_void) }
-            });
-            let what = format!("ncclCommDeregister on CUDA device {device}");
-            let until = std::time::Instant::now() + bound;
-            match crate::teardown::run_bounded(crate::teardown::TeardownLane::Device(device), b, what, work, until)
-            {
-                Some(r) => lib.check(OP, r, self.comm.context(caller)),
-                None => {
-                    let e = Error::Timeout {
-                        what: format!(
-                            "ncclCommDeregister on CUDA device {device} waited behind the device's work for longer than the abort timeout: left to the background, and the communicator is failed"
-                        ),
-                        timeout: bound,
-                    };
+            let (raw, handle) = (self.comm.as_raw() as usize, handle as usize);
+            // SAFETY: the communicator is live: it was pinned when this was queued, and any
+            // teardown of it runs on this lane after this call; `handle` came from its
+            // ncclCommRegister and is deregistered exactly once.
+            let call = move || unsafe { deregister(raw as ncclComm_t, handle as *mut c_void) };
+            let b = self.comm.diag.bound();
+            match on_device_lane(Arc::clone(ctx), b, what, then, call) {
+                Ok(r) => lib.check(OP, r, self.comm.context(caller)),
+                Err(e) => {
                     self.comm.mark_failed(&e);
                     Err(e)
                 }
