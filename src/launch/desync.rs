@@ -93,7 +93,6 @@ pub struct DesyncBoard(Background<Option<()>>);
 struct BoardServer {
     world_size: usize,
     token: Vec<u8>,
-    io_timeout: Duration,
     posts: Mutex<Vec<Option<DesyncPost>>>,
 }
 
@@ -117,7 +116,6 @@ impl DesyncBoard {
         let server = Arc::new(BoardServer {
             world_size,
             token,
-            io_timeout: DEFAULT_BOARD_IO_TIMEOUT,
             posts: Mutex::new(vec![None; world_size]),
         });
         let handle = move |stream, slot: &wire::Slot| {
@@ -159,17 +157,17 @@ impl Drop for DesyncBoard {
 
 impl BoardServer {
     fn handle(&self, s: TcpStream, conn: &wire::Slot) -> io::Result<()> {
-        wire::bound_waits(&s, self.io_timeout)?;
+        wire::bound_waits(&s, DEFAULT_BOARD_IO_TIMEOUT)?;
         // One deadline for the whole connection, whatever the peer's pace.
         let start = Instant::now();
-        let mut s = wire::Deadlined::new(&s, start + self.io_timeout);
+        let mut s = wire::Deadlined::new(&s, start + DEFAULT_BOARD_IO_TIMEOUT);
         let Some(session) =
             wire::accept_peer(&mut s, MAGIC, &self.token, conn, self.world_size, 0)?
         else {
             return Ok(());
         };
         // A token holder's fetch sends one frame per rank: as long as a client gives it.
-        s.extend_to(start + fetch_time(self.io_timeout, self.world_size));
+        s.extend_to(start + fetch_time(DEFAULT_BOARD_IO_TIMEOUT, self.world_size));
         let req = wire::read_frame(&mut s)?;
         match req.first() {
             Some(&POST) if req.len() > N => {
