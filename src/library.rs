@@ -342,17 +342,22 @@ fn try_open(source: Source, path: &Path, tried: &mut Vec<Tried>) -> Result<Optio
     // loaded again, even if its file has since gone.
     let mapped = source == Source::AlreadyLoaded;
     let no_load = if mapped { libc::RTLD_NOLOAD } else { 0 };
-    if !is_bare_name && !mapped && !path.is_file() {
+    let mut passed_over = |outcome: String| {
+        let location = path.to_path_buf();
         tried.push(Tried {
             source,
-            location: path.to_path_buf(),
-            outcome: if path.exists() {
-                "not a file".into()
-            } else {
-                "no such file".into()
-            },
+            location,
+            outcome,
         });
-        return Ok(None);
+        Ok(None)
+    };
+    if !is_bare_name && !mapped && !path.is_file() {
+        let why = if path.exists() {
+            "not a file"
+        } else {
+            "no such file"
+        };
+        return passed_over(why.into());
     }
     // SAFETY: opening a library runs its initialisers; we only open files named like (or
     // pointed to as) NCCL, whose initialisers have no preconditions.
@@ -364,17 +369,10 @@ fn try_open(source: Source, path: &Path, tried: &mut Vec<Tried>) -> Result<Optio
     };
     let handle = match opened {
         Ok(h) => h,
-        Err(e) => {
-            tried.push(Tried {
-                source,
-                location: path.to_path_buf(),
-                outcome: match std::error::Error::source(&e) {
-                    Some(cause) => format!("{e}: {cause}"),
-                    None => e.to_string(),
-                },
-            });
-            return Ok(None);
-        }
+        Err(e) => match std::error::Error::source(&e) {
+            Some(cause) => return passed_over(format!("{e}: {cause}")),
+            None => return passed_over(e.to_string()),
+        },
     };
     // For a bare name, the file the loader found: the libnccl it mapped last.
     let loaded_path = (is_bare_name.then(mapped_nccl).and_then(|mut m| m.pop()))
