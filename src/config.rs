@@ -177,11 +177,8 @@ impl Config {
     /// The resource-sharing field this config turns on, if any (see [`shares`]).
     pub(crate) fn shared_resources(&self) -> Option<&'static str> {
         let (split, shrink) = self.names().share;
-        (shares(split.unwrap_or(0), false).then_some("splitShare")).or(shares(
-            shrink.unwrap_or(0),
-            true,
-        )
-        .then_some("shrinkShare"))
+        let split = shares(split.unwrap_or(0), false).then_some("splitShare");
+        split.or(shares(shrink.unwrap_or(0), true).then_some("shrinkShare"))
     }
 
     /// `netName`: the network plugin or transport to use (e.g. `"IB"`, `"Socket"`).

@@ -7,13 +7,10 @@
 //! loading it is the library cudarc would open (its first candidates are these names), and
 //! under linking it is already mapped, so opening it again only takes a reference.
 
-/// The driver library's names, most specific first.
-#[cfg(windows)]
-const DRIVER_NAMES: &[&str] = &["nvcuda.dll"];
-#[cfg(not(windows))]
+/// The driver library's names, most specific first (NCCL runs on Linux only).
 const DRIVER_NAMES: &[&str] = &["libcuda.so.1", "libcuda.so"];
 
-/// Whether the CUDA driver library (`libcuda.so.1` / `nvcuda.dll`) can be opened. Never
+/// Whether the CUDA driver library (`libcuda.so.1`) can be opened. Never
 /// panics; the library is closed again (a linked or already loaded one stays mapped).
 pub(crate) fn driver_present() -> bool {
     any_opens(DRIVER_NAMES)
@@ -37,19 +34,11 @@ mod tests {
     /// first in the list.
     #[test]
     fn the_probe_opens_what_exists_and_only_that() {
-        assert!(!any_opens(&["libnccl-safe-no-such-driver.so.1"]));
+        const MISSING: &str = "libnccl-safe-no-such-driver.so.1";
+        assert!(!any_opens(&[MISSING]));
         assert!(!any_opens(&[]));
-        #[cfg(target_os = "linux")]
-        {
-            assert!(any_opens(&[
-                "libnccl-safe-no-such-driver.so.1",
-                "libc.so.6"
-            ]));
-            assert!(any_opens(&[
-                "libc.so.6",
-                "libnccl-safe-no-such-driver.so.1"
-            ]));
-        }
+        assert!(any_opens(&[MISSING, "libc.so.6"]));
+        assert!(any_opens(&["libc.so.6", MISSING]));
         // Whatever this machine has, the device count follows the probe without panicking.
         let n = crate::launch::cuda_device_count();
         if !driver_present() {

@@ -115,15 +115,12 @@ impl FromStr for UniqueId {
         }
         let mut out = [0u8; UNIQUE_ID_BYTES];
         for (i, pair) in s.as_bytes().chunks(2).enumerate() {
-            if !pair.iter().all(u8::is_ascii_hexdigit) {
-                return Err(bad(format!(
-                    "{:?} at byte {i} is not two hex digits",
-                    String::from_utf8_lossy(pair)
-                )));
+            let text = String::from_utf8_lossy(pair);
+            // Digits only: `from_str_radix` alone would take a sign ("+f").
+            match u8::from_str_radix(&text, 16) {
+                Ok(b) if pair.iter().all(u8::is_ascii_hexdigit) => out[i] = b,
+                _ => return Err(bad(format!("{text:?} at byte {i} is not two hex digits"))),
             }
-            let text = std::str::from_utf8(pair).map_err(|_| bad("not ASCII hex".into()))?;
-            out[i] = u8::from_str_radix(text, 16)
-                .map_err(|_| bad(format!("{text:?} at byte {i} is not hex")))?;
         }
         Ok(UniqueId(out))
     }

@@ -342,17 +342,22 @@ fn try_open(source: Source, path: &Path, tried: &mut Vec<Tried>) -> Result<Optio
     // loaded again, even if its file has since gone.
     let mapped = source == Source::AlreadyLoaded;
     let no_load = if mapped { libc::RTLD_NOLOAD } else { 0 };
-    if !is_bare_name && !mapped && !path.is_file() {
+    let mut passed_over = |outcome: String| {
+        let location = path.to_path_buf();
         tried.push(Tried {
             source,
-            location: path.to_path_buf(),
-            outcome: if path.exists() {
-                "not a file".into()
-            } else {
-                "no such file".into()
-            },
+            location,
+            outcome,
         });
-        return Ok(None);
+        Ok(None)
+    };
+    if !is_bare_name && !mapped && !path.is_file() {
+        let why = if path.exists() {
+            "not a file"
+        } else {
+            "no such file"
+        };
+        return passed_over(why.into());
     }
     // SAFETY: opening a library runs its initialisers; we only open files named like (or
     // pointed to as) NCCL, whose initialisers have no preconditions.
@@ -364,23 +369,14 @@ fn try_open(source: Source, path: &Path, tried: &mut Vec<Tried>) -> Result<Optio
     };
     let handle = match opened {
         Ok(h) => h,
-        Err(e) => {
-            tried.push(Tried {
-                source,
-                location: path.to_path_buf(),
-                outcome: match std::error::Error::source(&e) {
-                    Some(cause) => format!("{e}: {cause}"),
-                    None => e.to_string(),
-                },
-            });
-            return Ok(None);
-        }
+        Err(e) => match std::error::Error::source(&e) {
+            Some(cause) => return passed_over(format!("{e}: {cause}")),
+            None => return passed_over(e.to_string()),
+        },
     };
-    let loaded_path = if is_bare_name {
-        resolved_path(&handle).unwrap_or_else(|| path.to_path_buf())
-    } else {
-        path.to_path_buf()
-    };
+    // For a bare name, the file the loader found: the libnccl it mapped last.
+    let loaded_path = (is_bare_name.then(mapped_nccl).and_then(|mut m| m.pop()))
+        .unwrap_or_else(|| path.to_path_buf());
     let lookup = |name: &CStr| -> *const c_void {
         // SAFETY: we only read the symbol's address; it is typed by the FunctionTable.
         match unsafe { handle.get::<*const c_void>(name) } {
@@ -395,29 +391,6 @@ fn try_open(source: Source, path: &Path, tried: &mut Vec<Tried>) -> Result<Optio
     // Never dlclose NCCL: its proxy and bootstrap threads may outlive the communicators.
     std::mem::forget(handle);
     Ok(Some(lib))
-}
-
-/// The file the loader actually opened for a bare name (from `dladdr` on a symbol).
-fn resolved_path(handle: &libloading::os::unix::Library) -> Option<PathBuf> {
-    // SAFETY: only the address is read.
-    let sym = unsafe { handle.get::<*const c_void>(c"ncclGetVersion") }.ok()?;
-    let addr = sym.into_raw() as *const c_void;
-    let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
-    // SAFETY: dladdr writes a Dl_info for an address inside a loaded object; `info` is
-    // zeroed, sized and aligned as Dl_info.
-    let ok = unsafe { libc::dladdr(addr, info.as_mut_ptr()) };
-    if ok == 0 {
-        return None;
-    }
-    // SAFETY: dladdr returned non-zero, so it filled `info`.
-    let info = unsafe { info.assume_init() };
-    if info.dli_fname.is_null() {
-        return None;
-    }
-    // SAFETY: dli_fname is a NUL-terminated path owned by the loader.
-    let name = unsafe { CStr::from_ptr(info.dli_fname) };
-    use std::os::unix::ffi::OsStrExt;
-    Some(PathBuf::from(std::ffi::OsStr::from_bytes(name.to_bytes())))
 }
 
 /// The libnccl files the process has mapped, in load order (the dynamic linker's list of

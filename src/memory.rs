@@ -20,7 +20,7 @@ use std::panic::Location;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 
 use crate::buffer::{sealed, BufferGuard, Memory, RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
@@ -191,16 +191,8 @@ impl<T: NcclType> NcclMemory<T> {
                 }
                 Ok(mem)
             }
-            (p, _) => Err(invalid(
-                OP,
-                format!(
-                    "the {p:?} provider needs {}",
-                    match p {
-                        Provider::Host => "Stream::Host",
-                        _ => "a CUDA stream",
-                    }
-                ),
-            )),
+            (Provider::Host, _) => Err(invalid(OP, "the Host provider needs Stream::Host")),
+            (Provider::Nccl, _) => Err(invalid(OP, "the Nccl provider needs a CUDA stream")),
         }
     }
 
@@ -291,35 +283,22 @@ impl<T: NcclType> NcclMemory<T> {
     /// Elements `range` as a buffer of their own, for any collective. An out-of-range or
     /// reversed range is [`Error::InvalidArgument`].
     pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<NcclView<'_, T>> {
-        const OP: &str = "NcclMemory::slice";
-        let (a, b) = bounds(OP, range, self.len)?;
-        match &self.storage {
-            Some(Storage::Host(_)) => {
-                Ok(NcclView(ViewInner::Host(&self.as_host_slice()?[a..b]), a))
-            }
-            Some(Storage::Cuda(s)) => match s.try_slice(a..b) {
-                Some(v) => Ok(NcclView(ViewInner::Cuda(v), a)),
-                None => Err(invalid(OP, format!("{a}..{b} is out of range"))),
-            },
-            None => Err(invalid(OP, "the memory was freed")),
-        }
+        let (a, b) = bounds("NcclMemory::slice", range, self.len)?;
+        let view = match &self.storage {
+            Some(Storage::Cuda(s)) => ViewInner::Cuda(s.slice(a..b)),
+            _ => ViewInner::Host(&self.as_host_slice()?[a..b]),
+        };
+        Ok(NcclView(view, a))
     }
 
     /// Elements `range` as a mutable buffer of their own, for any collective.
     pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<NcclViewMut<'_, T>> {
-        const OP: &str = "NcclMemory::slice_mut";
-        let (a, b) = bounds(OP, range, self.len)?;
-        if matches!(self.storage, Some(Storage::Host(_))) {
-            let all = self.as_host_slice_mut()?;
-            return Ok(NcclViewMut(ViewMutInner::Host(&mut all[a..b]), a));
-        }
-        match &mut self.storage {
-            Some(Storage::Cuda(s)) => match s.try_slice_mut(a..b) {
-                Some(v) => Ok(NcclViewMut(ViewMutInner::Cuda(v), a)),
-                None => Err(invalid(OP, format!("{a}..{b} is out of range"))),
-            },
-            _ => Err(invalid(OP, "the memory was freed")),
-        }
+        let (a, b) = bounds("NcclMemory::slice_mut", range, self.len)?;
+        let view = match self.storage {
+            Some(Storage::Cuda(ref mut s)) => ViewMutInner::Cuda(s.slice_mut(a..b)),
+            _ => ViewMutInner::Host(&mut self.as_host_slice_mut()?[a..b]),
+        };
+        Ok(NcclViewMut(view, a))
     }
 
     /// Copies `src` (exactly [`len`](Self::len) elements) into the buffer on `stream`
@@ -337,13 +316,7 @@ impl<T: NcclType> NcclMemory<T> {
                 Ok(())
             }
             (Some(Storage::Cuda(slice)), StreamRef::Cuda(s)) if same_device(slice, s) => {
-                s.context().bind_to_thread()?;
-                {
-                    let (dst, _record) = slice.device_ptr_mut(s);
-                    // SAFETY: `dst` holds `len` == src.len() elements of T on this device;
-                    // the stream is synchronized below, before `src` can be touched again.
-                    unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, s.cu_stream()) }?;
-                }
+                s.memcpy_htod(src, slice)?;
                 Ok(s.synchronize()?)
             }
             (_, stream) => Err(self.stream_mismatch(OP, stream)),
@@ -362,13 +335,7 @@ impl<T: NcclType> NcclMemory<T> {
                 Ok(())
             }
             (Some(Storage::Cuda(slice)), StreamRef::Cuda(s)) if same_device(slice, s) => {
-                s.context().bind_to_thread()?;
-                {
-                    let (src, _record) = slice.device_ptr(s);
-                    // SAFETY: `src` holds `len` == dst.len() elements of T; `dst` stays
-                    // borrowed until the stream is synchronized below.
-                    unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, s.cu_stream()) }?;
-                }
+                s.memcpy_dtoh(slice, dst)?;
                 Ok(s.synchronize()?)
             }
             (_, stream) => Err(self.stream_mismatch(OP, stream)),
@@ -434,46 +401,57 @@ impl<T: NcclType> NcclMemory<T> {
                 // communicator's abort timeout: behind a stalled stream the
                 // memory is leaked and reported, and this returns; it never waits unbounded.
                 let cuda = Arc::clone(slice.context());
-                let device = cuda.ordinal();
                 let bytes = self.len * std::mem::size_of::<T>();
+                let what = format!(
+                    "ncclMemFree of {bytes} bytes on CUDA device {}",
+                    cuda.ordinal()
+                );
                 // Makes the slice's stream wait for its pending reads and writes, and hands
                 // the pointer back without freeing it.
                 let p = slice.leak() as usize;
-                let b = self.bound;
-                let work: Box<dyn FnOnce() -> nccl_sys::ncclResult_t + Send> =
-                    Box::new(move || {
-                        // Not cudarc's `bind_to_thread`/`synchronize`: they take the
-                        // context's recorded error, which is the user's to see.
-                        let synced = crate::stream::make_current(&cuda)
-                            .and_then(|()| cudarc::driver::result::ctx::synchronize());
-                        if synced.is_err() {
-                            // The wait failed: leak rather than free memory still in use.
-                            return nccl_sys::bindings::ncclUnhandledCudaError;
-                        }
-                        // SAFETY: `p` came from this library's ncclMemAlloc, is freed here
-                        // exactly once (the storage was taken out of `self`), and the
-                        // device's work has completed, so nothing uses it any more.
-                        unsafe { free(p as *mut c_void) }
-                    });
-                let r = crate::teardown::run_bounded(
-                    crate::teardown::TeardownLane::Device(device),
-                    b,
-                    format!("ncclMemFree of {bytes} bytes on CUDA device {device}"),
-                    work,
-                    std::time::Instant::now() + b.bound,
-                );
-                match r {
-                    Some(r) => self.lib.check("ncclMemFree", r, ctx),
-                    None => Err(Error::Timeout {
-                        what: format!(
-                            "ncclMemFree of {bytes} bytes on CUDA device {device} waited behind the device's work for longer than the bound: the memory is left to the background"
-                        ),
-                        timeout: b.bound,
-                    }),
-                }
+                let free = move || {
+                    // Not cudarc's `synchronize` (see `on_device_lane`). A failed wait
+                    // leaks rather than frees memory still in use.
+                    if cudarc::driver::result::ctx::synchronize().is_err() {
+                        return nccl_sys::bindings::ncclUnhandledCudaError;
+                    }
+                    // SAFETY: `p` came from this library's ncclMemAlloc, is freed here
+                    // exactly once (the storage was taken out of `self`), and the device's
+                    // work has completed, so nothing uses it any more.
+                    unsafe { free(p as *mut c_void) }
+                };
+                let then = "the memory is left to the background";
+                let r = on_device_lane(cuda, self.bound, what, then, free)?;
+                self.lib.check("ncclMemFree", r, ctx)
             }
         }
     }
+}
+
+/// Runs `call` (`what`) on CUDA device `cuda`'s teardown lane, bounded by `b`, with the
+/// context made current (`ncclUnhandledCudaError` when it cannot be). Not cudarc's
+/// `bind_to_thread`: it takes the context's recorded error, the user's to see. Past the
+/// bound the call is left to the background, and this is [`Error::Timeout`] ending with
+/// `then`.
+pub(crate) fn on_device_lane(
+    cuda: Arc<cudarc::driver::CudaContext>,
+    b: crate::teardown::Bound,
+    what: String,
+    then: &str,
+    call: impl FnOnce() -> nccl_sys::ncclResult_t + Send + 'static,
+) -> Result<nccl_sys::ncclResult_t> {
+    let lane = crate::teardown::TeardownLane::Device(cuda.ordinal());
+    let work = Box::new(move || match crate::stream::make_current(&cuda) {
+        Ok(()) => call(),
+        Err(_) => nccl_sys::bindings::ncclUnhandledCudaError,
+    });
+    let until = std::time::Instant::now() + b.bound;
+    let late = format!("{what} waited behind the device's work for longer than its bound: {then}");
+    let r = crate::teardown::run_bounded(lane, b, what, work, until);
+    r.ok_or(Error::Timeout {
+        what: late,
+        timeout: b.bound,
+    })
 }
 
 impl<T: NcclType> Drop for NcclMemory<T> {

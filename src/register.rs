@@ -37,13 +37,13 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use nccl_sys::bindings::ncclWindow_t;
-use nccl_sys::EntryPoint;
+use nccl_sys::{ncclComm_t, EntryPoint};
 
 use crate::buffer::{sealed, BufferGuard, Memory, RecvBuffer, SendBuffer};
 use crate::comm::{CommDevice, Communicator};
 use crate::error::{invalid, Error, Result};
 use crate::library::Provider;
-use crate::memory::NcclMemory;
+use crate::memory::{on_device_lane, NcclMemory};
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
 use crate::version::Version;
@@ -153,21 +153,15 @@ fn unregistrable(provider: Provider, device: Option<usize>, memory: Memory) -> O
     }
 }
 
-/// What a registration call needs to know about the buffer.
-struct Target {
-    ptr: *mut c_void,
-    bytes: usize,
-}
-
 impl Communicator {
-    /// The buffer's address and size, after checking it is memory this communicator's
+    /// The buffer's address and byte size, after checking it is memory this communicator's
     /// NCCL can register: device memory of its device (NVIDIA's NCCL) or host memory (the
     /// host provider), not empty.
     fn registration_target<T: NcclType, B: SendBuffer<T> + ?Sized>(
         &self,
         call: &'static str,
         buf: &B,
-    ) -> Result<Target> {
+    ) -> Result<(*mut c_void, usize)> {
         let reason = unregistrable(self.library().provider(), self.cuda_ordinal(), buf.memory());
         if let Some(reason) = reason {
             return Err(invalid(call, reason));
@@ -183,10 +177,7 @@ impl Communicator {
         if let CommDevice::Cuda(ctx) = self.device() {
             ctx.bind_to_thread()?;
         }
-        Ok(Target {
-            ptr: buf.base_ptr().cast_mut(),
-            bytes,
-        })
+        Ok((buf.base_ptr().cast_mut(), bytes))
     }
 
     /// Registers `buf` with this communicator (`ncclCommRegister`, NCCL 2.19+) until the
@@ -227,17 +218,17 @@ impl Communicator {
         let register = lib.optional(lib.table().ncclCommRegister, OP)?;
         lib.optional(lib.table().ncclCommDeregister, "ncclCommDeregister")?;
         self.ensure_usable(OP)?;
-        let target = self.registration_target::<T, B>(OP, buf)?;
+        let (ptr, bytes) = self.registration_target::<T, B>(OP, buf)?;
         let mut handle: *mut c_void = std::ptr::null_mut();
         // Not `issue`: registration is local (no sequence number, nothing to watch), and a
         // refused registration does not break the communicator. Pinned: the watchdog
         // cannot abort the handle during the call.
         self.pinned(|| {
             // SAFETY: the communicator is live (borrowed, and pinned against the
-            // watchdog); `target` is the address and byte size of memory this NCCL can
+            // watchdog); `ptr` and `bytes` are the address and size of memory this NCCL can
             // register (checked above), kept alive and in place by the borrow the
             // Registration holds; `handle` is writable.
-            let r = unsafe { register(self.as_raw(), target.ptr, target.bytes, &mut handle) };
+            let r = unsafe { register(self.as_raw(), ptr, bytes, &mut handle) };
             lib.check(OP, r, self.context(caller))
         })?;
         Ok(Registration {
@@ -325,7 +316,7 @@ impl Communicator {
             }
         }
         self.ensure_usable(OP)?;
-        let target = self.registration_target::<T, B>(OP, buf)?;
+        let (ptr, bytes) = self.registration_target::<T, B>(OP, buf)?;
         // NCCL's group thread writes the window at the end of its job, after the call
         // returned ncclSuccess (dev_runtime.cc:891-922, 533): a heap slot, read once the
         // communicator left ncclInProgress (see `Communicator::issue_job`).
@@ -339,7 +330,7 @@ impl Communicator {
                 // SAFETY: as in `register`; `out` is the heap slot the job writes, alive
                 // until the job ended (else leaked); the flags are NCCL_WIN_* bits this
                 // NCCL knows (checked above).
-                unsafe { register(comm, target.ptr, target.bytes, out, flags.bits()) }
+                unsafe { register(comm, ptr, bytes, out, flags.bits()) }
             },
             || {
                 win = slot.take();
@@ -378,13 +369,7 @@ impl<B: ?Sized> Registration<'_, '_, B> {
 
     fn release(&mut self, caller: &'static Location<'static>) -> Result<()> {
         const OP: &str = "ncclCommDeregister";
-        if !std::mem::replace(&mut self.live, false) {
-            return Ok(());
-        }
-        // Dropped during a panic: the communicator will be aborted (which releases its
-        // registrations), so mark it failed and leave the deregistration to the abort.
-        if std::thread::panicking() {
-            self.comm.mark_failed(&unwinding(OP));
+        if !deregister_now(&mut self.live, self.comm, OP) {
             return Ok(());
         }
         // A communicator the watchdog aborted has no handle left: NCCL released its
@@ -407,35 +392,18 @@ impl<B: ?Sized> Registration<'_, '_, B> {
         // by the communicator's abort timeout. Past it the communicator is marked failed,
         // so its teardown (an abort, queued on the same lane behind this call, never beside
         // it) releases the rest, and this returns.
-        let ctx = Arc::clone(ctx);
-        let device = ctx.ordinal();
-        let b = self.comm.diag.bound();
-        let bound = b.bound;
+        let what = format!("ncclCommDeregister on CUDA device {}", ctx.ordinal());
+        let then = "left to the background, and the communicator is failed";
         self.comm.pinned(|| {
-            let raw = self.comm.as_raw() as usize;
-            let handle = handle as usize;
-            let work: Box<dyn FnOnce() -> nccl_sys::ncclResult_t + Send> = Box::new(move || {
-                // Not `bind_to_thread`: it takes the context's recorded error, the user's.
-                if crate::stream::make_current(&ctx).is_err() {
-                    return nccl_sys::bindings::ncclUnhandledCudaError;
-                }
-                // SAFETY: the communicator is live: it was pinned when this was queued,
-                // and any teardown of it runs on this lane after this call; `handle` came
-                // from its ncclCommRegister and is deregistered exactly once.
-                unsafe { deregister(raw as nccl_sys::ncclComm_t, handle as *mut c_void) }
-            });
-            let what = format!("ncclCommDeregister on CUDA device {device}");
-            let until = std::time::Instant::now() + bound;
-            match crate::teardown::run_bounded(crate::teardown::TeardownLane::Device(device), b, what, work, until)
-            {
-                Some(r) => lib.check(OP, r, self.comm.context(caller)),
-                None => {
-                    let e = Error::Timeout {
-                        what: format!(
-                            "ncclCommDeregister on CUDA device {device} waited behind the device's work for longer than the abort timeout: left to the background, and the communicator is failed"
-                        ),
-                        timeout: bound,
-                    };
+            let (raw, handle) = (self.comm.as_raw() as usize, handle as usize);
+            // SAFETY: the communicator is live: it was pinned when this was queued, and any
+            // teardown of it runs on this lane after this call; `handle` came from its
+            // ncclCommRegister and is deregistered exactly once.
+            let call = move || unsafe { deregister(raw as ncclComm_t, handle as *mut c_void) };
+            let b = self.comm.diag.bound();
+            match on_device_lane(Arc::clone(ctx), b, what, then, call) {
+                Ok(r) => lib.check(OP, r, self.comm.context(caller)),
+                Err(e) => {
                     self.comm.mark_failed(&e);
                     Err(e)
                 }
@@ -474,14 +442,7 @@ impl<B: ?Sized> Window<'_, '_, B> {
     fn release(&mut self, caller: &'static Location<'static>, dropping: bool) -> Result<()> {
         const CALL: EntryPoint = EntryPoint::ncclCommWindowDeregister;
         const OP: &str = CALL.name();
-        if !std::mem::replace(&mut self.live, false) {
-            return Ok(());
-        }
-        // Dropped during a panic: this rank's peers may never reach the collective
-        // deregistration, so it is skipped; the communicator is marked failed, and its
-        // abort releases the window.
-        if std::thread::panicking() {
-            self.comm.mark_failed(&unwinding(OP));
+        if !deregister_now(&mut self.live, self.comm, OP) {
             return Ok(());
         }
         // Dropped: NCCL's deregistration unmaps through the driver, behind the
@@ -524,13 +485,19 @@ impl<B: ?Sized> Drop for Window<'_, '_, B> {
     }
 }
 
-/// The failure a registration dropped during a panic leaves on its communicator.
-#[cold]
-fn unwinding(call: &'static str) -> Error {
-    invalid(
-        call,
-        "dropped while its thread panicked: skipped, and the communicator is aborted when dropped",
-    )
+/// Whether a registration still to deregister (`live`, cleared here) is deregistered now:
+/// not during a panic, when `comm` is marked failed instead and its abort releases the
+/// registration (a window's peers may never reach its collective deregistration).
+fn deregister_now(live: &mut bool, comm: &Communicator, call: &'static str) -> bool {
+    if !std::mem::replace(live, false) {
+        return false;
+    }
+    if std::thread::panicking() {
+        let why = "dropped while its thread panicked: skipped, and the communicator is aborted when dropped";
+        comm.mark_failed(&invalid(call, why));
+        return false;
+    }
+    true
 }
 
 /// Buffer behaviour shared by [`Registration`] and [`Window`]: they stand for their buffer.
@@ -652,17 +619,5 @@ mod tests {
         );
         let gpu_on_host = unregistrable(Provider::Host, None, Memory::Device(0)).unwrap();
         assert!(gpu_on_host.contains("GPU memory"), "{gpu_on_host}");
-    }
-
-    #[test]
-    fn newer_window_flags_name_their_release() {
-        assert_eq!(WindowFlags::COLL_SYMMETRIC.newest(), None);
-        assert_eq!(WindowFlags::empty().newest(), None);
-        assert_eq!(
-            (WindowFlags::COLL_SYMMETRIC | WindowFlags::STRICT_ORDERING).newest(),
-            Some(("NCCL_WIN_STRICT_ORDERING", Version::new(2, 30, 0)))
-        );
-        assert_eq!(WindowFlags::COLL_SYMMETRIC.bits(), 1);
-        assert_eq!(WindowFlags::STRICT_ORDERING.bits(), 2);
     }
 }

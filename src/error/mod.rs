@@ -19,63 +19,57 @@ pub use launch::{EnvError, EnvSource, Refusal, RendezvousError, StoreError};
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// NCCL's `ncclResult_t`, one variant per failure code.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum ResultCode {
-    /// `ncclUnhandledCudaError` (1): a CUDA call inside NCCL failed.
-    UnhandledCudaError,
-    /// `ncclSystemError` (2): a system call (socket, memory, ...) failed.
-    SystemError,
-    /// `ncclInternalError` (3): a bug or inconsistency inside NCCL.
-    InternalError,
-    /// `ncclInvalidArgument` (4): a bad argument reached NCCL.
-    InvalidArgument,
-    /// `ncclInvalidUsage` (5): a call made in a state that does not allow it.
-    InvalidUsage,
-    /// `ncclRemoteError` (6): a peer failed or the network broke.
-    RemoteError,
-    /// `ncclInProgress` (7): a non-blocking operation has not finished.
-    InProgress,
-    /// `ncclTimeout` (8): NCCL gave up waiting.
-    Timeout,
-    /// A code this crate does not know (a newer NCCL).
-    Unknown(u32),
+/// Declares [`ResultCode`], one row per failure code (the variant and its C name); each
+/// conversion below is a column.
+macro_rules! result_codes {
+    ($($(#[$doc:meta])* $v:ident = $c:ident;)*) => {
+        /// NCCL's `ncclResult_t`, one variant per failure code.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum ResultCode {
+            $($(#[$doc])* $v,)*
+            /// A code this crate does not know (a newer NCCL).
+            Unknown(u32),
+        }
+
+        impl ResultCode {
+            /// The code for a raw `ncclResult_t`; `None` for `ncclSuccess`.
+            pub fn from_raw(raw: nccl_sys::ncclResult_t) -> Option<ResultCode> {
+                Some(match raw {
+                    nccl_sys::bindings::ncclSuccess => return None,
+                    $(nccl_sys::bindings::$c => ResultCode::$v,)*
+                    other => ResultCode::Unknown(other),
+                })
+            }
+
+            /// The raw `ncclResult_t`.
+            pub fn to_raw(self) -> nccl_sys::ncclResult_t {
+                match self {
+                    $(ResultCode::$v => nccl_sys::bindings::$c,)*
+                    ResultCode::Unknown(raw) => raw,
+                }
+            }
+        }
+    };
 }
 
-impl ResultCode {
-    /// The code for a raw `ncclResult_t`; `None` for `ncclSuccess`.
-    pub fn from_raw(raw: nccl_sys::ncclResult_t) -> Option<ResultCode> {
-        use nccl_sys::bindings as b;
-        Some(match raw {
-            b::ncclSuccess => return None,
-            b::ncclUnhandledCudaError => ResultCode::UnhandledCudaError,
-            b::ncclSystemError => ResultCode::SystemError,
-            b::ncclInternalError => ResultCode::InternalError,
-            b::ncclInvalidArgument => ResultCode::InvalidArgument,
-            b::ncclInvalidUsage => ResultCode::InvalidUsage,
-            b::ncclRemoteError => ResultCode::RemoteError,
-            b::ncclInProgress => ResultCode::InProgress,
-            b::ncclTimeout => ResultCode::Timeout,
-            other => ResultCode::Unknown(other),
-        })
-    }
-
-    /// The raw `ncclResult_t`.
-    pub fn to_raw(self) -> nccl_sys::ncclResult_t {
-        use nccl_sys::bindings as b;
-        match self {
-            ResultCode::UnhandledCudaError => b::ncclUnhandledCudaError,
-            ResultCode::SystemError => b::ncclSystemError,
-            ResultCode::InternalError => b::ncclInternalError,
-            ResultCode::InvalidArgument => b::ncclInvalidArgument,
-            ResultCode::InvalidUsage => b::ncclInvalidUsage,
-            ResultCode::RemoteError => b::ncclRemoteError,
-            ResultCode::InProgress => b::ncclInProgress,
-            ResultCode::Timeout => b::ncclTimeout,
-            ResultCode::Unknown(raw) => raw,
-        }
-    }
+result_codes! {
+    /// `ncclUnhandledCudaError` (1): a CUDA call inside NCCL failed.
+    UnhandledCudaError = ncclUnhandledCudaError;
+    /// `ncclSystemError` (2): a system call (socket, memory, ...) failed.
+    SystemError = ncclSystemError;
+    /// `ncclInternalError` (3): a bug or inconsistency inside NCCL.
+    InternalError = ncclInternalError;
+    /// `ncclInvalidArgument` (4): a bad argument reached NCCL.
+    InvalidArgument = ncclInvalidArgument;
+    /// `ncclInvalidUsage` (5): a call made in a state that does not allow it.
+    InvalidUsage = ncclInvalidUsage;
+    /// `ncclRemoteError` (6): a peer failed or the network broke.
+    RemoteError = ncclRemoteError;
+    /// `ncclInProgress` (7): a non-blocking operation has not finished.
+    InProgress = ncclInProgress;
+    /// `ncclTimeout` (8): NCCL gave up waiting.
+    Timeout = ncclTimeout;
 }
 
 /// A failed NCCL call: the code and everything NCCL said about it.

@@ -23,16 +23,16 @@
 //! carriage returns, bidirectional overrides) are replaced with `?` where a post is received,
 //! by the server and by a fetching client alike, so a report never prints them.
 
-use super::common::{check_token, io_err, listen, refused, Refusal, RendezvousError};
+use super::common::RendezvousError;
+use super::common::{check_token, dial, listen, pause, refused, Background, Conn, Refusal};
 use super::wire::{self, N};
 use crate::diag::DesyncPost;
 use crate::diag::RemoteBoard;
-use std::fmt;
+use crate::teardown::lock;
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
-use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 /// The board listens on the rendezvous port plus this.
@@ -87,24 +87,12 @@ fn invalid(what: &str) -> io::Error {
 }
 
 /// Rank 0's running desync board. Dropping it (or [`stop`](Self::stop)) closes the listener.
-pub struct DesyncBoard {
-    local_addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl fmt::Debug for DesyncBoard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DesyncBoard")
-            .field("local_addr", &self.local_addr)
-            .finish_non_exhaustive()
-    }
-}
+#[derive(Debug)]
+pub struct DesyncBoard(Background<Option<()>>);
 
 struct BoardServer {
     world_size: usize,
     token: Vec<u8>,
-    io_timeout: Duration,
     posts: Mutex<Vec<Option<DesyncPost>>>,
 }
 
@@ -124,83 +112,62 @@ impl DesyncBoard {
         }
         let token = token.into();
         check_token(&token)?;
-        let (listener, local_addr) =
-            listen(addr, "the desync board's address".into(), "desync board")?;
+        let listener = listen(addr, "the desync board's address".into(), "desync board")?;
         let server = Arc::new(BoardServer {
             world_size,
             token,
-            io_timeout: DEFAULT_BOARD_IO_TIMEOUT,
             posts: Mutex::new(vec![None; world_size]),
         });
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop2 = Arc::clone(&stop);
-        let thread = thread::Builder::new()
-            .name("nccl-desync-board".into())
-            .spawn(move || {
-                let conns = Arc::new(wire::Conns::default());
-                while !stop2.load(Ordering::Acquire) {
-                    let s = Arc::clone(&server);
-                    wire::accept_one(
-                        &listener,
-                        &conns,
-                        wire::LIMITS,
-                        "nccl-desync-peer",
-                        move |stream, slot| {
-                            // A peer's read in flight when this process exits (rank 0 that
-                            // failed first, say) is served to its end: exit waits for it.
-                            let _serving =
-                                crate::teardown::exit::posting(Instant::now() + SERVE_AT_EXIT);
-                            // Errors only mean this peer is dropped; the board goes on.
-                            let _ = s.handle(stream, &slot);
-                        },
-                    );
-                }
-            })
-            .map_err(io_err("spawning the desync board thread"))?;
-        Ok(DesyncBoard {
-            local_addr,
-            stop,
-            thread: Some(thread),
-        })
+        let handle = move |stream, slot: &wire::Slot| {
+            // A peer's read in flight when this process exits (rank 0 that failed first,
+            // say) is served to its end: exit waits for it.
+            let _serving = crate::teardown::exit::posting(Instant::now() + SERVE_AT_EXIT);
+            // Errors only mean this peer is dropped; the board goes on.
+            let _ = server.handle(stream, slot);
+        };
+        let run = move |listener, stop: &AtomicBool| {
+            wire::serve(
+                listener,
+                wire::LIMITS,
+                stop,
+                "nccl-desync-peer",
+                || None,
+                handle,
+            )
+        };
+        Background::spawn("nccl-desync-board", listener, run).map(DesyncBoard)
     }
 
     /// The address actually bound.
     pub fn local_addr(&self) -> SocketAddr {
-        self.local_addr
+        self.0.local_addr
     }
 
     /// Stops serving and closes the listener (within a few milliseconds).
-    pub fn stop(mut self) {
-        self.shutdown();
-    }
-
-    fn shutdown(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+    pub fn stop(self) {
+        drop(self);
     }
 }
 
 impl Drop for DesyncBoard {
     fn drop(&mut self) {
-        self.shutdown();
+        self.0.join(true);
     }
 }
 
 impl BoardServer {
     fn handle(&self, s: TcpStream, conn: &wire::Slot) -> io::Result<()> {
-        wire::bound_waits(&s, self.io_timeout)?;
+        wire::bound_waits(&s, DEFAULT_BOARD_IO_TIMEOUT)?;
         // One deadline for the whole connection, whatever the peer's pace.
         let start = Instant::now();
-        let mut s = wire::Deadlined::new(&s, start + self.io_timeout);
+        let mut s = wire::Deadlined::new(&s, start + DEFAULT_BOARD_IO_TIMEOUT);
         let Some(session) =
             wire::accept_peer(&mut s, MAGIC, &self.token, conn, self.world_size, 0)?
         else {
             return Ok(());
         };
         // A token holder's fetch sends one frame per rank: as long as a client gives it.
-        s.extend_to(start + fetch_time(self.io_timeout, self.world_size));
+        s.extend_to(start + fetch_time(DEFAULT_BOARD_IO_TIMEOUT, self.world_size));
         let req = wire::read_frame(&mut s)?;
         match req.first() {
             Some(&POST) if req.len() > N => {
@@ -210,20 +177,14 @@ impl BoardServer {
                 }
                 let post = DesyncPost::decode(body).ok_or_else(|| invalid("not a post"))?;
                 let post = clean_post(post);
-                match self.posts.lock() {
-                    Ok(mut g) => g[session.rank as usize] = Some(post),
-                    Err(_) => return Err(invalid("poisoned")),
-                }
+                lock(&self.posts)[session.rank as usize] = Some(post);
                 wire::write_frame(&mut s, &[wire::ACK])
             }
             Some(&FETCH) if req.len() == 1 + N => {
                 if !wire::ct_eq(&req[1..], &fetch_mac(&session)) {
                     return Err(invalid("bad fetch MAC"));
                 }
-                let posts = match self.posts.lock() {
-                    Ok(g) => g.clone(),
-                    Err(_) => return Err(invalid("poisoned")),
-                };
+                let posts = lock(&self.posts).clone();
                 let head = [&[BOARD][..], &session.world.to_be_bytes()].concat();
                 wire::write_frame(&mut s, &head)?;
                 for (r, p) in posts.iter().enumerate() {
@@ -306,58 +267,30 @@ impl BoardClient {
             });
         };
         check_token(&self.token)?;
+        let addrs = (self.addr.to_socket_addrs()).map_err(|source| RendezvousError::Resolve {
+            addr: self.addr.clone(),
+            source,
+        })?;
+        let addrs: Vec<_> = addrs.collect();
         let mut backoff = Duration::from_millis(10);
         loop {
-            match self.connect_once(r32, w32, deadline)? {
-                Some(c) => return Ok(c),
-                None => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(RendezvousError::Refused {
-                            addr: self.addr.clone(),
-                            rank,
-                            reason: Refusal::Busy,
-                        });
-                    }
-                    thread::sleep(backoff.min(left));
-                    backoff = (backoff * 2).min(Duration::from_millis(200));
-                }
+            let (proto, io) = (("desync board", MAGIC), self.io_timeout);
+            match dial(
+                addrs.clone(),
+                &self.addr,
+                proto,
+                &self.token,
+                (r32, w32),
+                io,
+                deadline,
+            ) {
+                Err(RendezvousError::Refused {
+                    reason: Refusal::Busy,
+                    ..
+                }) if pause(deadline, &mut backoff, Duration::from_millis(200)) => {}
+                r => return r,
             }
         }
-    }
-
-    /// One connection; `None` when the server was busy.
-    fn connect_once(
-        &self,
-        r32: u32,
-        w32: u32,
-        deadline: Instant,
-    ) -> Result<Option<Conn<'_>>, RendezvousError> {
-        let addrs = self
-            .addr
-            .to_socket_addrs()
-            .map_err(|source| RendezvousError::Resolve {
-                addr: self.addr.clone(),
-                source,
-            })?;
-        let s = wire::connect_any(addrs, self.io_timeout, Some(deadline))
-            .map_err(self.io("connecting"))?;
-        wire::bound_waits(&s, self.io_timeout).map_err(self.io("setting timeouts"))?;
-        let mut d = wire::Deadlined::new(&s, deadline);
-        let hello = wire::read_frame(&mut d).map_err(self.io("reading the hello"))?;
-        if wire::is_busy(&hello) {
-            return Ok(None);
-        }
-        let sn =
-            wire::parse_hello(&hello, MAGIC).ok_or_else(|| self.protocol("unexpected hello"))?;
-        let cn = wire::nonce().map_err(self.io("drawing a nonce"))?;
-        let session = wire::Session::new(&self.token, sn, cn, r32, w32);
-        wire::write_frame(&mut d, &session.auth_frame()).map_err(self.io("authenticating"))?;
-        Ok(Some(Conn {
-            s,
-            session,
-            deadline,
-        }))
     }
 
     /// The error for a frame that is not the expected answer: a refusal, else a protocol
@@ -373,7 +306,7 @@ impl BoardClient {
         deadline: Instant,
     ) -> Result<(), RendezvousError> {
         let c = self.connect(rank, deadline)?;
-        let mut s = wire::Deadlined::new(&c.s, c.deadline);
+        let mut s = c.io();
         let body = post.encode();
         let req = [&[POST][..], &body, &post_mac(&c.session, &body)].concat();
         // A refusal (e.g. wrong token) arrives instead of the ACK; the request may then be
@@ -389,7 +322,7 @@ impl BoardClient {
 
     fn fetch_by(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, RendezvousError> {
         let c = self.connect(0, deadline)?;
-        let mut s = wire::Deadlined::new(&c.s, c.deadline);
+        let mut s = c.io();
         let req = [&[FETCH][..], &fetch_mac(&c.session)].concat();
         let sent = wire::write_frame(&mut s, &req);
         let head = match (sent, wire::read_frame(&mut s)) {
@@ -421,13 +354,6 @@ impl BoardClient {
         }
         Ok(posts)
     }
-}
-
-/// An authenticated connection to the board.
-struct Conn<'a> {
-    s: TcpStream,
-    session: wire::Session<'a>,
-    deadline: Instant,
 }
 
 impl RemoteBoard for BoardClient {

@@ -295,8 +295,9 @@ impl<'a> Lookup<'a> {
     }
 
     /// The place of this process: its rank from `rank_var`, below `world_size` (read from
-    /// `size_var`), and its local rank and local size as [`Self::local`] reads them. The
-    /// caller fills in where the job meets (and whether torchrun's agent runs it).
+    /// `size_var`), its local rank from `local_var`, and the local size from
+    /// `local_size_var` when set (above the local rank). The caller fills in where the job
+    /// meets (and whether torchrun's agent runs it).
     fn place(
         &self,
         world_size: usize,
@@ -305,8 +306,28 @@ impl<'a> Lookup<'a> {
         local_var: &'static str,
         local_size_var: &'static str,
     ) -> Result<ProcessEnv, EnvError> {
-        let rank = self.rank(rank_var, size_var, world_size)?;
-        let (local_rank, local_world_size) = self.local(local_var, local_size_var)?;
+        let below = |var, n: usize, what, size_var, size| {
+            (n < size).then_some(n).ok_or_else(|| EnvError::Invalid {
+                var,
+                value: n.to_string(),
+                reason: format!("{what} must be less than {size_var}={size}"),
+            })
+        };
+        let rank = below(
+            rank_var,
+            self.number(rank_var)?,
+            "rank",
+            size_var,
+            world_size,
+        )?;
+        let local_rank = self.number(local_var)?;
+        let local_world_size = match self.get(local_size_var) {
+            None => None,
+            Some(_) => Some(self.size(local_size_var)?),
+        };
+        if let Some(n) = local_world_size {
+            below(local_var, local_rank, "local rank", local_size_var, n)?;
+        }
         Ok(ProcessEnv {
             source: self.source,
             rank,
@@ -317,45 +338,6 @@ impl<'a> Lookup<'a> {
             master_port: 0,
             elastic: None,
         })
-    }
-
-    fn rank(
-        &self,
-        var: &'static str,
-        size_var: &'static str,
-        size: usize,
-    ) -> Result<usize, EnvError> {
-        let r = self.number(var)?;
-        if r >= size {
-            return Err(EnvError::Invalid {
-                var,
-                value: r.to_string(),
-                reason: format!("rank must be less than {size_var}={size}"),
-            });
-        }
-        Ok(r)
-    }
-
-    fn local(
-        &self,
-        var: &'static str,
-        size_var: &'static str,
-    ) -> Result<(usize, Option<usize>), EnvError> {
-        let local = self.number(var)?;
-        let size = match self.get(size_var) {
-            None => None,
-            Some(_) => Some(self.size(size_var)?),
-        };
-        if let Some(size) = size {
-            if local >= size {
-                return Err(EnvError::Invalid {
-                    var,
-                    value: local.to_string(),
-                    reason: format!("local rank must be less than {size_var}={size}"),
-                });
-            }
-        }
-        Ok((local, size))
     }
 
     fn addr(&self, var: &'static str) -> Result<String, EnvError> {

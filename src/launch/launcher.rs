@@ -211,10 +211,8 @@ impl Tally {
     }
 
     /// Waits until no rank is running. Ranks still running [`STUCK_AFTER`] after every
-    /// other rank ended, one of them failed, are stuck in their own code (their
-    /// communicator failed with the clique, so a collective of theirs would have failed at
-    /// once): a note on stderr names them, once, and with `detach` it stops waiting for them.
-    /// Returns the ranks it stopped waiting for.
+    /// other rank ended, one of them failed, are stuck in their own code: a note on stderr
+    /// names them, once, and with `detach` it stops waiting for them and returns them.
     fn wait_settled(&self, detach: bool) -> Vec<usize> {
         let mut s = lock(&self.ranks);
         // Since when the ranks running now are the only ones left, after a failure.

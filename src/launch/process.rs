@@ -156,9 +156,7 @@ impl ProcessLauncher {
         let env = &self.env;
         Rank::init(&device, env.world_size, env.rank, id, &self.config)
     }
-}
 
-impl ProcessLauncher {
     /// Whether this node has a GPU for the local rank, given `visible` CUDA devices: an
     /// error naming `CUDA_VISIBLE_DEVICES` and the count otherwise. When the launcher says
     /// how many processes run on this node (`LOCAL_WORLD_SIZE` and the like), every one of
@@ -205,9 +203,7 @@ impl ProcessLauncher {
 
 impl Launcher {
     /// One rank per process: reads torchrun / Open MPI / Slurm variables and picks the GPU
-    /// of the local rank; [`ProcessLauncher::init`] then exchanges the unique id through
-    /// torchrun's agent store ([`crate::launch::store`]) or, under Slurm and mpirun, over the
-    /// authenticated TCP rendezvous hosted by rank 0 ([`crate::launch::rendezvous`]).
+    /// of the local rank; [`ProcessLauncher::init`] then joins the job.
     pub fn from_env() -> Result<ProcessLauncher> {
         Ok(ProcessLauncher::new(ProcessEnv::from_process_env()?))
     }

@@ -1,6 +1,6 @@
 //! Getting rank 0's unique id to every other rank of a multi-process job.
 //!
-//! [`Rendezvous`] is one entry point over three transports:
+//! [`Rendezvous`] is one entry point over four transports:
 //! - [`TcpRendezvous`]: rank 0 serves the id on `MASTER_ADDR:MASTER_PORT` from a background
 //!   thread; the other ranks fetch it. Peers prove they hold a job token (HMAC-SHA-256
 //!   challenge/response over fresh nonces; the token never crosses the network and the id
@@ -37,7 +37,7 @@
 //!   0 reports it missing only if it was never delivered (and serves it again if it comes
 //!   back for it).
 
-use super::common::{check_token, io_err, listen, refused};
+use super::common::{check_token, dial, io_err, listen, pause, refused, Background, Conn};
 pub use super::common::{
     Refusal, RendezvousError, DEFAULT_TIMEOUT, ID_LEN, MIN_TOKEN_LEN, TOKEN_VAR,
 };
@@ -45,14 +45,14 @@ use super::env::ProcessEnv;
 use super::store::StoreRendezvous;
 use super::wire::{self, N};
 use crate::error::Error;
+use crate::teardown::lock;
 use std::fmt;
 use std::fs;
 use std::io::{self, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
-use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 /// Default deadline of one connection: its connect, and its whole handshake on either side.
@@ -142,11 +142,10 @@ impl TcpRendezvous {
     /// the port is the last one).
     pub(crate) fn board(&self) -> Option<(String, Vec<u8>)> {
         let port = self.port.checked_add(super::desync::BOARD_PORT_OFFSET)?;
-        let at = Self {
-            port,
-            ..self.clone()
-        };
-        Some((at.addr(), self.token.to_vec()))
+        Some((
+            super::store::host_port(&self.host, port),
+            self.token.to_vec(),
+        ))
     }
 
     fn resolve(&self) -> Result<Vec<SocketAddr>, RendezvousError> {
@@ -172,8 +171,7 @@ impl TcpRendezvous {
             });
         }
         check_token(&self.token)?;
-        let (listener, local_addr) = listen(&self.resolve()?[..], self.addr(), "rendezvous")?;
-        let stop = Arc::new(AtomicBool::new(false));
+        let listener = listen(&self.resolve()?[..], self.addr(), "rendezvous")?;
         let server = Server {
             world_size,
             id,
@@ -182,61 +180,49 @@ impl TcpRendezvous {
             timeout: self.timeout,
             io_timeout: self.io_timeout,
             limits: self.limits,
-            addr: local_addr.to_string(),
-            stop: Arc::clone(&stop),
+            addr: listener.1.to_string(),
         };
-        let thread = thread::Builder::new()
-            .name("nccl-rendezvous".into())
-            .spawn(move || server.run(listener))
-            .map_err(io_err("spawning the rendezvous server thread"))?;
-        Ok(ServerHandle {
-            local_addr,
-            thread,
-            stop,
-        })
+        let run = move |listener, stop: &AtomicBool| server.run(listener, stop);
+        Background::spawn("nccl-rendezvous", listener, run).map(ServerHandle)
     }
 
     /// Ranks `1..world_size`: fetches the id from rank 0, retrying until the deadline when
     /// rank 0 is not reachable yet, is busy, or is still serving an earlier connection of
     /// this rank. A refusal (wrong token, duplicate rank, ...) is returned at once.
     pub fn fetch(&self, rank: usize, world_size: usize) -> Result<[u8; ID_LEN], RendezvousError> {
-        if rank == 0 || rank >= world_size {
-            return Err(RendezvousError::InvalidRank { rank, world_size });
-        }
-        let (Ok(r32), Ok(w32)) = (u32::try_from(rank), u32::try_from(world_size)) else {
-            return Err(RendezvousError::InvalidRank { rank, world_size });
+        let (r32, w32) = match (u32::try_from(rank), u32::try_from(world_size)) {
+            (Ok(r), Ok(w)) if (1..w).contains(&r) => (r, w),
+            _ => return Err(RendezvousError::InvalidRank { rank, world_size }),
         };
         check_token(&self.token)?;
         let addr = self.addr();
         let start = Instant::now();
         let deadline = start + self.timeout;
         let mut backoff = Duration::from_millis(10);
-        let mut last_error = String::from("no attempt finished");
         loop {
-            match self.resolve() {
-                Err(e) => last_error = e.to_string(),
-                Ok(addrs) => {
-                    for a in addrs {
-                        let left = deadline.saturating_duration_since(Instant::now());
-                        if left.is_zero() {
-                            break;
-                        }
-                        // One deadline for this connection: its connect and handshake.
-                        let t = left.min(self.io_timeout);
-                        let by = Instant::now() + t;
-                        match TcpStream::connect_timeout(&a, t) {
-                            Err(e) => last_error = format!("connecting to {a}: {e}"),
-                            Ok(s) => match self.attempt(s, by, r32, w32) {
-                                Ok(id) => return Ok(id),
-                                Err(Attempt::Fatal(e)) => return Err(e),
-                                Err(Attempt::Retry(e)) => last_error = e,
-                            },
-                        }
+            // One deadline for this connection: its connect and handshake.
+            let by = (Instant::now() + self.io_timeout).min(deadline);
+            let (proto, io) = (("rank 0", wire::MAGIC), self.io_timeout);
+            let got = (self.resolve())
+                .and_then(|a| dial(a, &addr, proto, &self.token, (r32, w32), io, by))
+                .and_then(|c| self.receive(&c, rank));
+            let last_error = match got {
+                Ok(id) => return Ok(id),
+                Err(RendezvousError::Refused {
+                    reason: Refusal::Busy,
+                    ..
+                }) => "rank 0 was busy (too many connections open)".to_string(),
+                Err(
+                    e @ (RendezvousError::Refused {
+                        reason: Refusal::InProgress,
+                        ..
                     }
-                }
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+                    | RendezvousError::Io { .. }
+                    | RendezvousError::Resolve { .. }),
+                ) => e.to_string(),
+                Err(e) => return Err(e),
+            };
+            if !pause(deadline, &mut backoff, Duration::from_millis(500)) {
                 return Err(RendezvousError::ClientTimeout {
                     addr,
                     rank,
@@ -245,117 +231,70 @@ impl TcpRendezvous {
                     last_error,
                 });
             }
-            thread::sleep(backoff.min(left));
-            backoff = (backoff * 2).min(Duration::from_millis(500));
         }
     }
 
-    fn attempt(
-        &self,
-        s: TcpStream,
-        deadline: Instant,
-        rank: u32,
-        world: u32,
-    ) -> Result<[u8; ID_LEN], Attempt> {
-        wire::bound_waits(&s, self.io_timeout).map_err(retry("setting a timeout"))?;
-        let mut s = wire::Deadlined::new(&s, deadline);
-        let hello = wire::read_frame(&mut s).map_err(retry("reading rank 0's hello"))?;
-        if wire::is_busy(&hello) {
-            return Err(Attempt::Retry(
-                "rank 0 was busy (too many connections open)".into(),
-            ));
+    /// Step 3 on an authenticated connection: the id, or rank 0's refusal.
+    fn receive(&self, c: &Conn, rank: usize) -> Result<[u8; ID_LEN], RendezvousError> {
+        let mut s = c.io();
+        let reply = wire::read_frame(&mut s).map_err(io_err("reading rank 0's reply"))?;
+        if let Some(e) = refused(&reply, &c.session, &self.addr(), rank) {
+            return Err(e);
         }
-        let protocol = |detail: &str| {
-            Attempt::Fatal(RendezvousError::Protocol {
-                addr: self.addr(),
-                detail: detail.into(),
-            })
-        };
-        let sn = wire::parse_hello(&hello, wire::MAGIC).ok_or(protocol("unexpected hello"))?;
-        let cn = wire::nonce().map_err(|source| {
-            Attempt::Fatal(RendezvousError::Io {
-                context: "drawing a rendezvous nonce".into(),
-                source,
-            })
-        })?;
-        let session = wire::Session::new(&self.token, sn, cn, rank, world);
-        let auth = session.auth_frame();
-        wire::write_frame(&mut s, &auth).map_err(retry("sending the authentication"))?;
-        let reply = wire::read_frame(&mut s).map_err(retry("reading rank 0's reply"))?;
-        if let Some(e) = refused(&reply, &session, &self.addr(), rank as usize) {
-            return Err(match e {
-                RendezvousError::Refused {
-                    reason: reason @ (Refusal::Busy | Refusal::InProgress),
-                    ..
-                } => Attempt::Retry(format!("rank 0 refused: {reason}")),
-                e => Attempt::Fatal(e),
-            });
-        }
+        let addr = self.addr();
         match reply.first() {
             Some(&wire::ID) if reply.len() == 1 + ID_LEN + N => {
                 let (ct, mac) = reply[1..].split_at(ID_LEN);
-                if !wire::ct_eq(mac, &session.server_mac(ct)) {
-                    let addr = self.addr();
-                    return Err(Attempt::Fatal(RendezvousError::ServerAuthentication {
-                        addr,
-                    }));
+                if !wire::ct_eq(mac, &c.session.server_mac(ct)) {
+                    return Err(RendezvousError::ServerAuthentication { addr });
                 }
                 let mut masked = [0u8; ID_LEN];
                 masked.copy_from_slice(ct);
-                let id = session.mask(&masked);
+                let id = c.session.mask(&masked);
                 // The id is ours whether or not the acknowledgement arrives.
                 let _ = wire::write_frame(&mut s, &[wire::ACK]);
                 Ok(id)
             }
-            _ => Err(protocol("unexpected reply to authentication")),
+            _ => {
+                let detail = "unexpected reply to authentication".into();
+                Err(RendezvousError::Protocol { addr, detail })
+            }
         }
     }
-}
-
-fn retry(what: &'static str) -> impl Fn(io::Error) -> Attempt {
-    move |e| Attempt::Retry(format!("{what}: {e}"))
-}
-
-enum Attempt {
-    Retry(String),
-    Fatal(RendezvousError),
 }
 
 /// Rank 0's running server. Dropping it leaves the server running in the background until
 /// every rank has the id or the deadline passes.
 #[derive(Debug)]
-pub struct ServerHandle {
-    local_addr: SocketAddr,
-    thread: JoinHandle<Result<(), RendezvousError>>,
-    stop: Arc<AtomicBool>,
-}
+pub struct ServerHandle(Background<Result<(), RendezvousError>>);
 
 impl ServerHandle {
     /// The address actually bound (its port is the real one when port 0 was asked for).
     pub fn local_addr(&self) -> SocketAddr {
-        self.local_addr
+        self.0.local_addr
     }
 
     /// Whether the server has stopped (all ranks served, or the deadline passed).
     pub fn is_finished(&self) -> bool {
-        self.thread.is_finished()
+        self.0.is_finished()
     }
 
     /// Waits for the server to stop. `Ok` once every rank `1..world_size` has the id (a
     /// rank whose final acknowledgement was lost counts once its id was sent);
     /// [`RendezvousError::ServerTimeout`] lists the ranks that never got it.
-    pub fn wait(self) -> Result<(), RendezvousError> {
-        self.thread
-            .join()
-            .map_err(|_| RendezvousError::ServerPanicked)?
+    pub fn wait(mut self) -> Result<(), RendezvousError> {
+        match self.0.join(false) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err(RendezvousError::ServerPanicked),
+            None => Ok(()),
+        }
     }
 
     /// Stops serving now and closes the listener (within a few milliseconds), for when
     /// something else proved that every rank has the id (e.g. the communicator of all ranks
     /// was created).
-    pub fn stop(self) {
-        self.stop.store(true, Ordering::Release);
-        let _ = self.thread.join();
+    pub fn stop(mut self) {
+        self.0.join(true);
     }
 }
 
@@ -380,29 +319,21 @@ struct Server {
     io_timeout: Duration,
     limits: wire::Limits,
     addr: String,
-    stop: Arc<AtomicBool>,
 }
 
 impl Server {
-    fn run(self, listener: TcpListener) -> Result<(), RendezvousError> {
+    fn run(self, listener: TcpListener, stop: &AtomicBool) -> Result<(), RendezvousError> {
         let mut slots = vec![Slot::Pending; self.world_size];
         slots[0] = Slot::Served;
         let slots = Arc::new(Mutex::new(slots));
-        let conns = Arc::new(wire::Conns::default());
         let this = Arc::new(self);
         // When every rank has been sent the id but some acknowledgement is missing: until
         // when the server waits for it (or for that rank to come back).
         let mut grace: Option<Instant> = None;
-        loop {
-            if this.stop.load(Ordering::Acquire) {
-                return Ok(());
-            }
-            let states = match slots.lock() {
-                Ok(s) => s.clone(),
-                Err(_) => return Err(RendezvousError::ServerPanicked),
-            };
+        let tick = || {
+            let states = lock(&slots).clone();
             if states.iter().all(|&s| s == Slot::Served) {
-                return Ok(()); // dropping `listener` stops serving
+                return Some(Ok(())); // dropping `listener` stops serving
             }
             let missing: Vec<usize> = (0..states.len())
                 .filter(|&r| matches!(states[r], Slot::Pending | Slot::InProgress))
@@ -412,31 +343,25 @@ impl Server {
                 let until =
                     *grace.get_or_insert_with(|| (now + this.io_timeout).min(this.deadline));
                 if now >= until {
-                    return Ok(());
+                    return Some(Ok(()));
                 }
             } else {
                 grace = None;
             }
-            if now >= this.deadline {
-                return Err(RendezvousError::ServerTimeout {
+            (now >= this.deadline).then(|| {
+                Err(RendezvousError::ServerTimeout {
                     addr: this.addr.clone(),
                     missing,
                     world_size: this.world_size,
                     timeout: this.timeout,
-                });
-            }
-            let (this2, slots2) = (Arc::clone(&this), Arc::clone(&slots));
-            wire::accept_one(
-                &listener,
-                &conns,
-                this.limits,
-                "nccl-rendezvous-peer",
-                move |stream, slot| {
-                    // Errors only mean this peer is dropped; the server goes on.
-                    let _ = this2.handle(stream, &slot, &slots2);
-                },
-            );
-        }
+                })
+            })
+        };
+        let (this2, slots2) = (Arc::clone(&this), Arc::clone(&slots));
+        // Errors only mean this peer is dropped; the server goes on.
+        let handle = move |stream, slot: &wire::Slot| drop(this2.handle(stream, slot, &slots2));
+        let limits = this.limits;
+        wire::serve(listener, limits, stop, "nccl-rendezvous-peer", tick, handle).unwrap_or(Ok(()))
     }
 
     fn handle(&self, s: TcpStream, conn: &wire::Slot, slots: &Mutex<Vec<Slot>>) -> io::Result<()> {
@@ -451,7 +376,7 @@ impl Server {
         };
         let r = session.rank as usize;
         let before = {
-            let mut g = slots.lock().map_err(|_| io::Error::other("poisoned"))?;
+            let mut g = lock(slots);
             let before = g[r];
             if matches!(before, Slot::Pending | Slot::Delivered) {
                 g[r] = Slot::InProgress;
@@ -470,26 +395,15 @@ impl Server {
         let ct = session.mask(&self.id);
         let msg = [&[wire::ID][..], &ct, &session.server_mac(&ct)].concat();
         let sent = wire::write_frame(&mut s, &msg);
-        let acked = sent.as_ref().ok().map(|()| {
-            let ack = wire::read_frame(&mut s)?;
-            if ack != [wire::ACK] {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "not an acknowledgement",
-                ));
-            }
-            Ok(())
-        });
-        let after = match &acked {
-            Some(Ok(())) => Slot::Served,
-            Some(Err(_)) => Slot::Delivered,
-            None => before,
+        let acked = sent.is_ok() && wire::read_frame(&mut s).is_ok_and(|a| a == [wire::ACK]);
+        // Sent but not acknowledged: delivered (served again if the rank comes back for it).
+        let after = match (&sent, acked) {
+            (Err(_), _) => before,
+            (Ok(()), true) => Slot::Served,
+            (Ok(()), false) => Slot::Delivered,
         };
-        if let Ok(mut g) = slots.lock() {
-            g[r] = after;
-        }
-        sent?;
-        acked.unwrap_or(Ok(()))
+        lock(slots)[r] = after;
+        sent
     }
 }
 
@@ -563,7 +477,7 @@ impl FileRendezvous {
 
     /// Ranks other than 0: waits for the file and reads the id, checking the world size.
     pub fn read(&self, world_size: usize) -> Result<[u8; ID_LEN], RendezvousError> {
-        let deadline = Instant::now() + self.timeout;
+        let (deadline, mut poll) = (Instant::now() + self.timeout, self.poll);
         loop {
             match fs::read(&self.path) {
                 Ok(data) => return self.parse(&data, world_size),
@@ -575,14 +489,12 @@ impl FileRendezvous {
                     })
                 }
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            if !pause(deadline, &mut poll, self.poll) {
                 return Err(RendezvousError::FileTimeout {
                     path: self.path.clone(),
                     timeout: self.timeout,
                 });
             }
-            thread::sleep(self.poll.min(left));
         }
     }
 
@@ -798,14 +710,6 @@ mod tests {
         assert!(took < Duration::from_secs(3), "{took:?}");
         drop(held);
         server.wait().unwrap();
-        // After an acknowledged fetch, the slot is taken for good.
-        let late = TcpRendezvous::new("127.0.0.1", 0, TOKEN)
-            .serve(2, id())
-            .unwrap();
-        let p2 = late.local_addr().port();
-        let c = TcpRendezvous::new("127.0.0.1", p2, TOKEN).timeout(Duration::from_secs(5));
-        c.fetch(1, 2).unwrap();
-        late.wait().unwrap();
     }
 
     /// The refusal of an authenticated peer carries a MAC the client checks.

@@ -234,10 +234,10 @@ impl StoreClient {
             .map_err(self.err(call))
     }
 
-    fn read_u8(&self, call: &str, by: Instant) -> Result<u8, StoreError> {
-        let mut b = [0u8; 1];
+    fn read_n<const N: usize>(&self, call: &str, by: Instant) -> Result<[u8; N], StoreError> {
+        let mut b = [0u8; N];
         self.read_exact_by(call, &mut b, by)?;
-        Ok(b[0])
+        Ok(b)
     }
 
     fn read_bytes(&self, call: &str, by: Instant) -> Result<Vec<u8>, StoreError> {
@@ -277,6 +277,22 @@ impl StoreClient {
         Ok(())
     }
 
+    /// Sends query `kind` of `key` (`op` names it in errors), then `values` and `tail`.
+    fn key_query(
+        &self,
+        (kind, op): (u8, &str),
+        key: &str,
+        values: &[&[u8]],
+        tail: &[u8],
+    ) -> Result<(), StoreError> {
+        let mut q = vec![kind];
+        self.put_bytes(&mut q, op, "key", &wire_key(key))?;
+        for v in values {
+            self.put_bytes(&mut q, op, "value", v)?;
+        }
+        self.send(op, &[&q[..], tail].concat())
+    }
+
     fn keys_query(&self, kind: u8, call: &str, keys: &[&str]) -> Result<Vec<u8>, StoreError> {
         let mut q = vec![kind];
         q.extend_from_slice(&(keys.len() as u64).to_le_bytes());
@@ -297,9 +313,7 @@ impl StoreClient {
             .map_or(0, |d| d.subsec_nanos());
         let nonce = std::process::id().rotate_left(16) ^ nanos;
         self.send("PING", &[&[PING][..], &nonce.to_le_bytes()].concat())?;
-        let mut b = [0u8; 4];
-        self.read_exact_by("PING", &mut b, self.op_deadline(self.timeout))?;
-        let got = u32::from_le_bytes(b);
+        let got = u32::from_le_bytes(self.read_n("PING", self.op_deadline(self.timeout))?);
         if got != nonce {
             return Err(self.protocol("PING", format!("the nonce {got:#x} instead of {nonce:#x}")));
         }
@@ -308,11 +322,7 @@ impl StoreClient {
 
     /// Stores `value` under `key` (replacing any value).
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        let op = format!("SET {key:?}");
-        let mut q = vec![SET];
-        self.put_bytes(&mut q, &op, "key", &wire_key(key))?;
-        self.put_bytes(&mut q, &op, "value", value)?;
-        self.send(&op, &q)
+        self.key_query((SET, &format!("SET {key:?}")), key, &[value], &[])
     }
 
     /// The value of `key`, waiting up to `timeout` for it to be set.
@@ -325,21 +335,15 @@ impl StoreClient {
     /// otherwise, or create the key).
     fn get_now(&mut self, key: &str) -> Result<Vec<u8>, StoreError> {
         let op = format!("GET {key:?}");
-        let mut q = vec![GET];
-        self.put_bytes(&mut q, &op, "key", &wire_key(key))?;
-        self.send(&op, &q)?;
+        self.key_query((GET, &op), key, &[], &[])?;
         self.read_bytes(&op, self.op_deadline(self.timeout))
     }
 
     /// Deletes `key`; `true` when it was set.
     pub fn delete_key(&mut self, key: &str) -> Result<bool, StoreError> {
         let op = format!("DELETE_KEY {key:?}");
-        let mut q = vec![DELETE_KEY];
-        self.put_bytes(&mut q, &op, "key", &wire_key(key))?;
-        self.send(&op, &q)?;
-        let mut b = [0u8; 8];
-        self.read_exact_by(&op, &mut b, self.op_deadline(self.timeout))?;
-        Ok(i64::from_le_bytes(b) > 0)
+        self.key_query((DELETE_KEY, &op), key, &[], &[])?;
+        Ok(i64::from_le_bytes(self.read_n(&op, self.op_deadline(self.timeout))?) > 0)
     }
 
     /// Sets `key` to `desired` if it holds `expected` (or, with `expected` empty, if it is
@@ -358,24 +362,17 @@ impl StoreClient {
         desired: &[u8],
     ) -> Result<Vec<u8>, StoreError> {
         let op = format!("COMPARE_SET {key:?}");
-        let mut q = vec![COMPARE_SET];
-        self.put_bytes(&mut q, &op, "key", &wire_key(key))?;
-        self.put_bytes(&mut q, &op, "value", expected)?;
-        self.put_bytes(&mut q, &op, "value", desired)?;
-        self.send(&op, &q)?;
+        self.key_query((COMPARE_SET, &op), key, &[expected, desired], &[])?;
         self.read_bytes(&op, self.op_deadline(self.timeout))
     }
 
     /// Adds `delta` to the integer under `key` (0 when unset); returns the new value.
     pub fn add(&mut self, key: &str, delta: i64) -> Result<i64, StoreError> {
         let op = format!("ADD {key:?}");
-        let mut q = vec![ADD];
-        self.put_bytes(&mut q, &op, "key", &wire_key(key))?;
-        q.extend_from_slice(&delta.to_le_bytes());
-        self.send(&op, &q)?;
-        let mut b = [0u8; 8];
-        self.read_exact_by(&op, &mut b, self.op_deadline(self.timeout))?;
-        Ok(i64::from_le_bytes(b))
+        self.key_query((ADD, &op), key, &[], &delta.to_le_bytes())?;
+        Ok(i64::from_le_bytes(
+            self.read_n(&op, self.op_deadline(self.timeout))?,
+        ))
     }
 
     /// Whether every key in `keys` is set, without waiting.
@@ -383,7 +380,7 @@ impl StoreClient {
         let op = format!("CHECK {keys:?}");
         let q = self.keys_query(CHECK, &op, keys)?;
         self.send(&op, &q)?;
-        match self.read_u8(&op, self.op_deadline(self.timeout))? {
+        match self.read_n::<1>(&op, self.op_deadline(self.timeout))?[0] {
             READY => Ok(true),
             NOT_READY => Ok(false),
             b => Err(self.protocol(
@@ -400,7 +397,7 @@ impl StoreClient {
         let q = self.keys_query(WAIT, &op, keys)?;
         self.send(&op, &q)?;
         let by = self.op_deadline(timeout);
-        match self.read_u8(&op, by) {
+        match self.read_n::<1>(&op, by).map(|[b]| b) {
             Ok(STOP_WAITING) => return Ok(()),
             Ok(b) => {
                 return Err(self.protocol(&op, format!("the byte {b} instead of stop-waiting (0)")))
@@ -424,10 +421,10 @@ impl StoreClient {
         // the keys appeared meanwhile.
         self.send("CANCEL_WAIT", &[CANCEL_WAIT])?;
         let by = self.op_deadline(self.timeout);
-        let mut b = self.read_u8("CANCEL_WAIT", by)?;
+        let [mut b] = self.read_n("CANCEL_WAIT", by)?;
         let appeared = b == STOP_WAITING;
         if appeared {
-            b = self.read_u8("CANCEL_WAIT", by)?;
+            [b] = self.read_n("CANCEL_WAIT", by)?;
         }
         if b != WAIT_CANCELED {
             let detail = format!("the byte {b} instead of wait-canceled (1)");

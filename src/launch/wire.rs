@@ -7,6 +7,7 @@ use sha2::{Digest, Sha256};
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -382,33 +383,40 @@ impl Drop for Slot {
     }
 }
 
-/// Accepts at most one connection from the non-blocking `listener` and hands it to
-/// `handle` on its own thread (errors of `handle` only drop that peer), after making room
-/// for it under `limits` (see [`Conns`]); when there is none, the peer gets an `R_BUSY`
-/// refusal in place of the hello. With nothing to accept (or a transient error such as
-/// `EMFILE`) it sleeps 5 ms.
-pub(crate) fn accept_one(
-    listener: &TcpListener,
-    conns: &Arc<Conns>,
+/// Serves the non-blocking `listener` until `stop` is set or `tick`, called before each
+/// accept, returns a result. Each connection is admitted under `limits` (see [`Conns`]; with
+/// no room the peer gets an `R_BUSY` refusal in place of the hello) and handed to `handle`
+/// on a thread of its own named `peer_thread` (an error there only drops that peer). With
+/// nothing to accept (or a transient error such as `EMFILE`) it sleeps 5 ms.
+pub(crate) fn serve<T>(
+    listener: TcpListener,
     limits: Limits,
-    thread_name: &str,
-    handle: impl FnOnce(TcpStream, Slot) + Send + 'static,
-) {
-    match listener.accept() {
-        Ok((mut stream, peer)) => {
-            let Some(slot) = conns.admit(&stream, peer.ip(), limits) else {
-                let _ = stream.set_nonblocking(false);
-                let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
-                let _ = write_frame(&mut stream, &refuse(R_BUSY, 0, 0));
-                return;
-            };
-            // A failed spawn drops the closure, and with it the stream and the slot.
-            let _ = thread::Builder::new()
-                .name(thread_name.into())
-                .spawn(move || handle(stream, slot));
+    stop: &AtomicBool,
+    peer_thread: &str,
+    mut tick: impl FnMut() -> Option<T>,
+    handle: impl Fn(TcpStream, &Slot) + Send + Sync + 'static,
+) -> Option<T> {
+    let (conns, handle) = (Arc::new(Conns::default()), Arc::new(handle));
+    while !stop.load(Ordering::Acquire) {
+        if let Some(t) = tick() {
+            return Some(t);
         }
-        Err(_) => thread::sleep(Duration::from_millis(5)),
+        let Ok((mut stream, peer)) = listener.accept() else {
+            thread::sleep(Duration::from_millis(5));
+            continue;
+        };
+        let Some(slot) = conns.admit(&stream, peer.ip(), limits) else {
+            let _ = stream.set_nonblocking(false);
+            let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+            let _ = write_frame(&mut stream, &refuse(R_BUSY, 0, 0));
+            continue;
+        };
+        let handle = Arc::clone(&handle);
+        // A failed spawn drops the closure, and with it the stream and the slot.
+        let _ =
+            (thread::Builder::new().name(peer_thread.into())).spawn(move || handle(stream, &slot));
     }
+    None
 }
 
 /// Client side, step 1: the server nonce of a `HELLO` frame carrying `magic`.

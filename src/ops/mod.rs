@@ -16,10 +16,7 @@
 //! are the buffers' pointers taken (with cudarc's guards, kept until the work is enqueued). A
 //! failed check is a typed error and leaves the communicator usable.
 //!
-//! Adding a collective touches `nccl-sys`'s `table.rs` (its entry point's row and its
-//! `Collective` row, where the diagnostics read whether every rank takes part), this file
-//! (a `Call` variant, its `make` arm, and its two methods), its host-provider
-//! implementation, and its tests.
+//! Adding a collective: ARCHITECTURE.md, "Adding a collective".
 
 mod op;
 mod reduce_op;
