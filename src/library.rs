@@ -374,9 +374,11 @@ fn try_open(source: Source, path: &Path, tried: &mut Vec<Tried>) -> Result<Optio
             None => return passed_over(e.to_string()),
         },
     };
-    // For a bare name, the file the loader found: the libnccl it mapped last.
-    let loaded_path = (is_bare_name.then(mapped_nccl).and_then(|mut m| m.pop()))
-        .unwrap_or_else(|| path.to_path_buf());
+    let loaded_path = if is_bare_name {
+        resolved_path(&handle).unwrap_or_else(|| path.to_path_buf())
+    } else {
+        path.to_path_buf()
+    };
     let lookup = |name: &CStr| -> *const c_void {
         // SAFETY: we only read the symbol's address; it is typed by the FunctionTable.
         match unsafe { handle.get::<*const c_void>(name) } {
@@ -391,6 +393,29 @@ fn try_open(source: Source, path: &Path, tried: &mut Vec<Tried>) -> Result<Optio
     // Never dlclose NCCL: its proxy and bootstrap threads may outlive the communicators.
     std::mem::forget(handle);
     Ok(Some(lib))
+}
+
+/// The file the loader actually opened for a bare name (from `dladdr` on a symbol).
+fn resolved_path(handle: &libloading::os::unix::Library) -> Option<PathBuf> {
+    // SAFETY: only the address is read.
+    let sym = unsafe { handle.get::<*const c_void>(c"ncclGetVersion") }.ok()?;
+    let addr = sym.into_raw() as *const c_void;
+    let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
+    // SAFETY: dladdr writes a Dl_info for an address inside a loaded object; `info` is
+    // zeroed, sized and aligned as Dl_info.
+    let ok = unsafe { libc::dladdr(addr, info.as_mut_ptr()) };
+    if ok == 0 {
+        return None;
+    }
+    // SAFETY: dladdr returned non-zero, so it filled `info`.
+    let info = unsafe { info.assume_init() };
+    if info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dli_fname is a NUL-terminated path owned by the loader.
+    let name = unsafe { CStr::from_ptr(info.dli_fname) };
+    use std::os::unix::ffi::OsStrExt;
+    Some(PathBuf::from(std::ffi::OsStr::from_bytes(name.to_bytes())))
 }
 
 /// The libnccl files the process has mapped, in load order (the dynamic linker's list of
