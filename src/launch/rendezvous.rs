@@ -477,7 +477,7 @@ impl FileRendezvous {
 
     /// Ranks other than 0: waits for the file and reads the id, checking the world size.
     pub fn read(&self, world_size: usize) -> Result<[u8; ID_LEN], RendezvousError> {
-        let (deadline, mut poll) = (Instant::now() + self.timeout, self.poll);
+        let deadline = Instant::now() + self.timeout;
         loop {
             match fs::read(&self.path) {
                 Ok(data) => return self.parse(&data, world_size),
@@ -489,12 +489,15 @@ impl FileRendezvous {
                     })
                 }
             }
-            if !pause(deadline, &mut poll, self.poll) {
+            // The last read is at the deadline: a file written during the last sleep counts.
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
                 return Err(RendezvousError::FileTimeout {
                     path: self.path.clone(),
                     timeout: self.timeout,
                 });
             }
+            std::thread::sleep(self.poll.min(left));
         }
     }
 
