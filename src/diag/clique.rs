@@ -5,7 +5,7 @@
 //! ranks of it that live in this process share one [`Clique`]. Ranks in other processes are
 //! reported from the job's desync board when the clique has one, else as "no record".
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
@@ -162,14 +162,12 @@ impl Departure {
     }
 }
 
-fn registry() -> &'static Mutex<HashMap<CliqueKey, Weak<Clique>>> {
-    static R: OnceLock<Mutex<HashMap<CliqueKey, Weak<Clique>>>> = OnceLock::new();
-    R.get_or_init(|| Mutex::new(HashMap::new()))
-}
+/// Every clique of this process, by key.
+static REGISTRY: Mutex<BTreeMap<CliqueKey, Weak<Clique>>> = Mutex::new(BTreeMap::new());
 
 /// The clique `key` of `world_size` ranks, shared by every rank of it in this process.
 pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
-    let mut r = lock(registry());
+    let mut r = lock(&REGISTRY);
     r.retain(|_, w| w.strong_count() > 0);
     if let Some(c) = r.get(&key).and_then(Weak::upgrade) {
         if c.world_size == world_size {

@@ -44,10 +44,8 @@ const MAX_ARRIVAL_BOARDS: usize = 256;
 
 /// Per clique key: which ranks began their init in this process.
 #[cfg(feature = "diag")]
-fn arrivals() -> &'static Mutex<std::collections::HashMap<CliqueKey, Vec<bool>>> {
-    static A: OnceLock<Mutex<std::collections::HashMap<CliqueKey, Vec<bool>>>> = OnceLock::new();
-    A.get_or_init(|| Mutex::new(std::collections::HashMap::new()))
-}
+static ARRIVALS: Mutex<std::collections::BTreeMap<CliqueKey, Vec<bool>>> =
+    Mutex::new(std::collections::BTreeMap::new());
 
 /// A communicator's diagnostics: its settings and clique, attached (with its handle, rank
 /// and size) once they are known.
@@ -565,7 +563,7 @@ impl CommDiag {
     pub(crate) fn arrive(&self, rank: usize, world_size: usize) {
         #[cfg(feature = "diag")]
         {
-            let mut a = lock(arrivals());
+            let mut a = lock(&ARRIVALS);
             if a.len() >= MAX_ARRIVAL_BOARDS && !a.contains_key(&self.key) {
                 a.clear(); // old jobs' boards: bounded memory in a long run
             }
@@ -579,7 +577,7 @@ impl CommDiag {
     /// The report of a wait for `call` (an init, a split child) that ran out of time.
     pub(crate) fn wait_timeout_report(&self, call: &str, rank: usize, world_size: usize) -> String {
         #[cfg(feature = "diag")]
-        if let Some(seen) = lock(arrivals())
+        if let Some(seen) = lock(&ARRIVALS)
             .get(&self.key)
             .filter(|v| v.len() == world_size && world_size > 0)
         {

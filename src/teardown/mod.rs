@@ -24,9 +24,9 @@
 
 pub(crate) mod exit;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use nccl_sys::{ncclComm_t, ncclResult_t};
@@ -76,7 +76,7 @@ pub enum OnAbortTimeout {
 }
 
 /// Which lane a teardown runs on (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum TeardownLane {
     /// A CUDA device, by ordinal.
     Device(usize),
@@ -113,18 +113,11 @@ pub(crate) struct Job {
 impl Job {
     /// Waits until the job finished or `until`: `true` when it finished.
     pub(crate) fn wait(&self, until: Instant) -> bool {
-        let mut done = lock(&self.result);
-        while done.is_none() {
-            let now = Instant::now();
-            if now >= until {
-                return false;
-            }
-            done = match self.cv.wait_timeout(done, until - now) {
-                Ok((g, _)) => g,
-                Err(e) => e.into_inner().0,
-            };
-        }
-        true
+        let left = until.saturating_duration_since(Instant::now());
+        let waited = self
+            .cv
+            .wait_timeout_while(lock(&self.result), left, |r| r.is_none());
+        waited.unwrap_or_else(|e| e.into_inner()).0.is_some()
     }
 
     /// The calls' result (meaningful once done).
@@ -202,10 +195,8 @@ struct LaneState {
     served: bool,
 }
 
-fn lanes() -> &'static Mutex<HashMap<TeardownLane, LaneState>> {
-    static L: OnceLock<Mutex<HashMap<TeardownLane, LaneState>>> = OnceLock::new();
-    L.get_or_init(|| Mutex::new(HashMap::new()))
-}
+/// Every lane with a queue or a job running.
+static LANES: Mutex<BTreeMap<TeardownLane, LaneState>> = Mutex::new(BTreeMap::new());
 
 /// Every job not yet finished, for the watchdog's overdue check.
 static JOBS: Mutex<Vec<Arc<Job>>> = Mutex::new(Vec::new());
@@ -238,7 +229,7 @@ pub(crate) fn submit(lane: TeardownLane, b: Bound, what: String, work: Work) -> 
         j.push(Arc::clone(&job));
     }
     let spawn = {
-        let mut l = lock(lanes());
+        let mut l = lock(&LANES);
         let st = l.entry(lane).or_default();
         st.queue.push_back((Arc::clone(&job), work));
         !std::mem::replace(&mut st.served, true)
@@ -259,7 +250,7 @@ pub(crate) fn submit(lane: TeardownLane, b: Bound, what: String, work: Work) -> 
 fn serve(lane: TeardownLane) {
     loop {
         let next = {
-            let mut l = lock(lanes());
+            let mut l = lock(&LANES);
             let Some(st) = l.get_mut(&lane) else {
                 return;
             };
@@ -286,7 +277,7 @@ fn serve(lane: TeardownLane) {
         };
         // The lane is free before anyone waiting for the job learns that it finished, so
         // a caller that saw its teardown end never meets that teardown as wedged.
-        if let Some(st) = lock(lanes()).get_mut(&lane) {
+        if let Some(st) = lock(&LANES).get_mut(&lane) {
             st.running = None;
         }
         job.finish(r);
@@ -296,7 +287,7 @@ fn serve(lane: TeardownLane) {
 /// Whether `lane` holds a teardown that has been running past its bound: then a new
 /// communicator there would queue its own teardown behind it. Its description when so.
 pub(crate) fn wedged(lane: TeardownLane) -> Option<String> {
-    let l = lock(lanes());
+    let l = lock(&LANES);
     let job = l.get(&lane)?.running.as_ref()?;
     job.wedged(Instant::now()).then(|| {
         format!(
