@@ -233,38 +233,6 @@ pub(crate) fn check_device(call: &'static str, lib: &Library, device: &CommDevic
     }
 }
 
-/// What every new communicator (an init, a join of a grown one) checks and prepares before
-/// its NCCL call: the ranks, the device against the provider, the diagnostics settings, a
-/// free teardown lane on the device, and the device's context bound to this thread.
-/// Returns the new communicator's diagnostics.
-fn prepare_new(
-    call: &'static str,
-    lib: &Library,
-    device: &CommDevice,
-    world_size: usize,
-    rank: usize,
-    id: &UniqueId,
-    config: &Config,
-) -> Result<crate::diag::CommDiag> {
-    refuse_in_group(call)?;
-    check_world(call, world_size, rank)?;
-    check_device(call, lib, device)?;
-    params::refuse_blocking(call)?;
-    if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
-        return Err(invalid(call, reason));
-    }
-    let diag = crate::diag::CommDiag::for_id(&config.diag, id, rank, world_size);
-    crate::teardown::check_lane(
-        call,
-        match device {
-            CommDevice::Cuda(c) => crate::teardown::TeardownLane::Device(c.ordinal()),
-            CommDevice::Host => diag.host_lane(),
-        },
-    )?;
-    bind(device)?;
-    Ok(diag)
-}
-
 #[inline(always)]
 fn bind(device: &CommDevice) -> Result<()> {
     match device {
