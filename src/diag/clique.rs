@@ -113,16 +113,18 @@ pub(crate) struct CliqueState {
     pub timed_out: Option<Arc<TimeoutReport>>,
 }
 
+/// A rank of a clique: its live communicator's diagnostics, and its recorded view.
+type Member = (Option<Weak<dyn LiveRank>>, RankView);
+
 #[derive(Debug)]
 pub(crate) struct Clique {
     pub key: CliqueKey,
     pub world_size: usize,
     state: Mutex<CliqueState>,
-    /// Per rank: what was recorded when its communicator was torn down (or set directly).
-    views: Vec<Mutex<RankView>>,
-    /// Per rank: its live communicator's diagnostics, read when a report is built. The
-    /// per-operation path writes nothing here.
-    live: Vec<Mutex<Option<Weak<dyn LiveRank>>>>,
+    /// Per rank: its live communicator's diagnostics, read when a report is built (the
+    /// per-operation path writes nothing here), and what was recorded when it was torn
+    /// down (or set directly).
+    ranks: Vec<Mutex<Member>>,
     cv: Condvar,
     /// Mirrors `CliqueState::timed_out.is_some()`, so the per-operation check takes no lock.
     any_timeout: AtomicBool,
@@ -181,10 +183,7 @@ pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
             board: vec![[None; BOARD_DEPTH]; world_size],
             timed_out: None,
         }),
-        views: (0..world_size)
-            .map(|_| Mutex::new(RankView::default()))
-            .collect(),
-        live: (0..world_size).map(|_| Mutex::new(None)).collect(),
+        ranks: (0..world_size).map(|_| Mutex::default()).collect(),
         cv: Condvar::new(),
         any_timeout: AtomicBool::new(false),
         board: OnceLock::new(),
@@ -218,14 +217,14 @@ impl Clique {
 
     /// Rank `rank`'s view: its live communicator's, else the one recorded last.
     fn view(&self, rank: usize) -> RankView {
-        let live = (self.live.get(rank)).and_then(|l| lock(l).as_ref().and_then(Weak::upgrade));
-        match live {
-            Some(s) => s.view(),
-            None => self
-                .views
-                .get(rank)
-                .map_or_else(RankView::default, |v| *lock(v)),
-        }
+        let Some(m) = self.ranks.get(rank) else {
+            return RankView::default();
+        };
+        let (live, last) = {
+            let m = lock(m);
+            (m.0.as_ref().and_then(Weak::upgrade), m.1)
+        };
+        live.map_or(last, |s| s.view())
     }
 
     /// The ranks in this process whose communicator is not torn down, with their views.
@@ -244,22 +243,22 @@ impl Clique {
 
     /// How many ranks of the clique have had a communicator in this process.
     pub(crate) fn local_ranks(&self) -> usize {
-        self.views.iter().filter(|v| lock(v).present).count()
+        self.ranks.iter().filter(|m| lock(m).1.present).count()
     }
 
     /// Rank `rank`'s communicator joined with its diagnostics `s`.
     pub(crate) fn attach(&self, rank: usize, s: Weak<dyn LiveRank>) {
-        if let Some(l) = self.live.get(rank) {
-            *lock(l) = Some(s);
+        if let Some(m) = self.ranks.get(rank) {
+            let mut m = lock(m);
+            m.0 = Some(s);
+            m.1.present = true;
         }
-        self.update(rank, |v| v.present = true);
     }
 
     /// Rank `rank`'s communicator is torn down; `last` is what it was last seen doing.
     pub(crate) fn detach(&self, rank: usize, last: RankView) {
-        self.update(rank, |v| *v = last);
-        if let Some(l) = self.live.get(rank) {
-            *lock(l) = None;
+        if let Some(m) = self.ranks.get(rank) {
+            *lock(m) = (None, last);
         }
     }
 
@@ -418,10 +417,11 @@ impl Clique {
         self.any_timeout.load(Ordering::Acquire)
     }
 
-    /// Updates rank `rank`'s view (no allocation).
-    pub(crate) fn update(&self, rank: usize, f: impl FnOnce(&mut RankView)) {
-        if let Some(v) = self.views.get(rank) {
-            f(&mut lock(v));
+    /// Updates rank `rank`'s recorded view (the tests' stand-in for a rank's communicator).
+    #[cfg(test)]
+    fn update(&self, rank: usize, f: impl FnOnce(&mut RankView)) {
+        if let Some(m) = self.ranks.get(rank) {
+            f(&mut lock(m).1);
         }
     }
 
@@ -654,7 +654,7 @@ impl Clique {
             self.world_size,
         );
         let mut behind = Vec::new();
-        let views: Vec<RankView> = (0..self.views.len()).map(|r| self.view(r)).collect();
+        let views: Vec<RankView> = (0..self.world_size).map(|r| self.view(r)).collect();
         // Cross-process: post our ranks' last operations, read the others' (bounded).
         let remote = self.board.get().map(|b| {
             // A rank of ours that left keeps its departure on the board.

@@ -71,7 +71,7 @@ pub(crate) struct CommDiag {
     /// ([`shrink_tag`]): part of each shrink child's clique key, so two shrinks at the same
     /// sequence number never share one.
     #[cfg(feature = "diag")]
-    children: RefCell<Vec<(u64, u64)>>,
+    children: RefCell<std::collections::BTreeMap<u64, u64>>,
     /// Inside `shrink_after_failure` (see [`CommDiag::set_recovering`]).
     #[cfg(feature = "diag")]
     recovering: Cell<bool>,
@@ -143,7 +143,7 @@ impl CommDiag {
             #[cfg(feature = "diag")]
             recent_queues: RefCell::new(Default::default()),
             #[cfg(feature = "diag")]
-            children: RefCell::new(Vec::new()),
+            children: RefCell::default(),
             #[cfg(feature = "diag")]
             recovering: Cell::new(false),
             #[cfg(feature = "diag")]
@@ -190,31 +190,22 @@ impl CommDiag {
 
     #[cfg(feature = "diag")]
     fn child_key(&self, tag: u64) -> CliqueKey {
-        let seq = self
-            .shared
-            .get()
-            .map_or(0, |s| s.seq.load(Ordering::Relaxed));
-        // A shrink does not advance the sequence number: number the shrinks of each
-        // exclude list (every rank of the child made the parent's shrinks of that list,
-        // in the same order; a rank excluded from another list never made that one). A
-        // split is a collective (its own sequence number), and its excluded ranks call it
-        // too.
-        let shrink = tag & SHRINK_TAG != 0;
-        let mut made = self.children.borrow_mut();
-        let nth = match made.iter().position(|(t, _)| *t == tag) {
-            _ if !shrink => 0,
-            Some(i) => {
-                made[i].1 += 1;
-                made[i].1
-            }
-            None => {
-                made.push((tag, 0));
-                0
-            }
+        // A split is a collective (its own sequence number), and its excluded ranks call it
+        // too. A shrink does not advance the sequence number, and the ranks left after a
+        // failure may differ in the collectives they issued on the parent: its child is
+        // numbered by the shrinks of its exclude list alone (every rank of the child made
+        // the parent's shrinks of that list, in the same order; a rank excluded from
+        // another list never made that one).
+        let (seq, nth) = if tag & SHRINK_TAG == 0 {
+            let seq = self.shared.get().map(|s| s.seq.load(Ordering::Relaxed));
+            (seq.unwrap_or(0), 0)
+        } else {
+            let mut made = self.children.borrow_mut();
+            let n = made.entry(tag).or_insert(0);
+            *n += 1;
+            (0, *n - 1)
         };
-        // A shrink's child is numbered by `nth` alone: the ranks left after a failure may
-        // differ in the collectives they issued on the parent.
-        key::key_of((self.key, if shrink { 0 } else { seq }, tag, nth))
+        key::key_of((self.key, seq, tag, nth))
     }
 
     /// Attaches the communicator once its handle, rank and size are known: it joins its
