@@ -51,7 +51,7 @@ impl Communicator {
                 )
             })
         })?;
-        if r != nccl_sys::bindings::ncclSuccess && r != nccl_sys::bindings::ncclInProgress {
+        if r != ncclSuccess && r != ncclInProgress {
             // Refused before anything changed (init.cc:2647-2658).
             return Err(self
                 .handle
@@ -145,10 +145,7 @@ impl Communicator {
         // only during the shrink, which would then refuse the parent). A revoke clears
         // NCCL's error for good.
         let nccl_reports_error = || {
-            let no_error = [
-                nccl_sys::bindings::ncclSuccess,
-                nccl_sys::bindings::ncclInProgress,
-            ];
+            let no_error = [ncclSuccess, ncclInProgress];
             self.async_state()
                 .is_some_and(|state| !no_error.contains(&state))
         };

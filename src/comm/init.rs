@@ -125,7 +125,7 @@ impl Communicator {
         // config, which the variable overrides: init.cc:2068, 1646-1649): the call then
         // returns ncclInProgress, every handle written, and each is waited for as a
         // non-blocking init is.
-        let in_progress = r == nccl_sys::bindings::ncclInProgress;
+        let in_progress = r == ncclInProgress;
         if !in_progress {
             lib.check(OP, r, ctx)?;
         }
@@ -198,7 +198,7 @@ pub(super) fn start_new(
     // A handle NCCL gave out is ours from here on: if the init failed, dropping it aborts
     // it, once.
     let handle = RawComm::owned(raw, Arc::clone(lib));
-    if r != nccl_sys::bindings::ncclInProgress {
+    if r != ncclInProgress {
         lib.check(call, r, CallContext::at(Some(rank), Location::caller()))?;
     }
     if raw.is_null() {

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
+use nccl_sys::bindings::{ncclInProgress, ncclSuccess};
 use nccl_sys::{ncclComm_t, ncclResult_t, FunctionTable};
 
 use crate::config::Config;
@@ -308,7 +309,7 @@ impl Communicator {
     /// One `ncclCommGetAsyncError`, pinned: `Ok(true)` while in progress, `Ok(false)` when
     /// done; an error state marks the communicator failed with `call`.
     fn poll_async(&self, call: &'static str, caller: &'static Location<'static>) -> Result<bool> {
-        let mut state = nccl_sys::bindings::ncclSuccess;
+        let mut state = ncclSuccess;
         self.pinned(|| {
             // SAFETY: `state` is writable; the handle is live (not torn down: pinned, so the
             // watchdog cannot take it during the call).
@@ -329,20 +330,20 @@ impl Communicator {
     /// final. False when that cannot be known: the watchdog has the handle.
     pub(crate) fn job_ended(&self) -> bool {
         self.async_state()
-            .is_some_and(|state| state != nccl_sys::bindings::ncclInProgress)
+            .is_some_and(|state| state != ncclInProgress)
     }
 
     /// What `ncclCommGetAsyncError` says, read once; `None` when it cannot be read (the
     /// watchdog has the handle, or the call failed).
     pub(crate) fn async_state(&self) -> Option<ncclResult_t> {
-        let mut state = nccl_sys::bindings::ncclInProgress;
+        let mut state = ncclInProgress;
         let polled = self.pinned(|| {
             // SAFETY: `state` is writable; the handle is live (pinned).
             Ok(unsafe {
                 (self.handle.table().ncclCommGetAsyncError)(self.handle.get(), &mut state)
             })
         });
-        matches!(polled, Ok(r) if r == nccl_sys::bindings::ncclSuccess).then_some(state)
+        matches!(polled, Ok(r) if r == ncclSuccess).then_some(state)
     }
 
     /// NCCL's error `raw` for `call`, which fails the communicator ([`fail`](Self::fail)).
@@ -390,7 +391,7 @@ impl Communicator {
         r: ncclResult_t,
         caller: &'static Location<'static>,
     ) -> Result<()> {
-        if r == nccl_sys::bindings::ncclSuccess {
+        if r == ncclSuccess {
             Ok(())
         } else {
             Err(self.fail_nccl(call, r, caller))
@@ -462,11 +463,11 @@ impl Communicator {
         };
         let r = f(self.handle.table(), self.handle.get());
         // NCCL's communicator is always non-blocking (see init_rank): wait out progress.
-        let r = if job && r == nccl_sys::bindings::ncclSuccess {
+        let r = if job && r == ncclSuccess {
             // The watchdog's timeout of this operation (with its report of who is behind)
             // normally ends the wait for a job first; its own limit is a margin later.
             self.wait_ready(call, caller, self.diag.timeout() + CHILD_WAIT_MARGIN)
-        } else if r == nccl_sys::bindings::ncclInProgress {
+        } else if r == ncclInProgress {
             self.wait_ready(call, caller, self.diag.timeout())
         } else {
             self.checked(call, r, caller)

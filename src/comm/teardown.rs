@@ -181,7 +181,7 @@ impl Communicator {
         self.pinned(|| {
             // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile).
             let r = unsafe { (self.handle.table().ncclCommFinalize)(self.handle.get()) };
-            if r != nccl_sys::bindings::ncclInProgress {
+            if r != ncclInProgress {
                 self.checked(OP, r, caller)?;
             }
             Ok(())

@@ -29,6 +29,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use nccl_sys::bindings::{ncclInProgress, ncclSuccess};
 use nccl_sys::{ncclComm_t, ncclResult_t};
 
 use crate::library::Library;
@@ -122,7 +123,7 @@ impl Job {
 
     /// The calls' result (meaningful once done).
     pub(crate) fn result(&self) -> ncclResult_t {
-        lock(&self.result).unwrap_or(nccl_sys::bindings::ncclSuccess)
+        lock(&self.result).unwrap_or(ncclSuccess)
     }
 
     /// The bound it was given.
@@ -273,7 +274,7 @@ fn serve(lane: TeardownLane) {
         // exit guard); one within its bound is waited for.
         let r = match exit::busy(job.bound) {
             Some(_busy) => work(),
-            None => nccl_sys::bindings::ncclSuccess, // the process is exiting
+            None => ncclSuccess, // the process is exiting
         };
         // The lane is free before anyone waiting for the job learns that it finished, so
         // a caller that saw its teardown end never meets that teardown as wedged.
@@ -324,25 +325,20 @@ pub(crate) fn abort(
         b,
         format!("ncclCommAbort of {what}"),
         Box::new(move || {
-            let t = lib.table();
-            let mut first = nccl_sys::bindings::ncclSuccess;
+            let (t, group) = (lib.table(), handles.len() > 1);
             // SAFETY: each handle was taken out of its communicator's slot, so this is its
             // one teardown and no one uses it afterwards; group start/end are paired.
             unsafe {
-                if handles.len() > 1 {
+                if group {
                     let _ = (t.ncclGroupStart)();
                 }
-                for &h in &handles {
-                    let r = (t.ncclCommAbort)(h as ncclComm_t);
-                    if first == nccl_sys::bindings::ncclSuccess {
-                        first = r;
-                    }
-                }
-                if handles.len() > 1 {
+                let aborted = handles.iter().map(|&h| (t.ncclCommAbort)(h as ncclComm_t));
+                let first = aborted.fold(ncclSuccess, |f, r| if f == ncclSuccess { r } else { f });
+                if group {
                     let _ = (t.ncclGroupEnd)();
                 }
+                first
             }
-            first
         }),
     )
 }
@@ -366,13 +362,13 @@ pub(crate) unsafe fn destroy_or_abort(
     t: &nccl_sys::FunctionTable,
     raw: ncclComm_t,
 ) -> ncclResult_t {
-    let mut state = nccl_sys::bindings::ncclInProgress;
+    let mut state = ncclInProgress;
     // SAFETY: `raw` is live (the caller's contract); `state` is writable.
     let polled = unsafe { (t.ncclCommGetAsyncError)(raw, &mut state) };
-    if polled == nccl_sys::bindings::ncclSuccess && state == nccl_sys::bindings::ncclSuccess {
+    if polled == ncclSuccess && state == ncclSuccess {
         // SAFETY: as above.
         let r = unsafe { destroy_closing_level(t, raw) };
-        if r == nccl_sys::bindings::ncclSuccess {
+        if r == ncclSuccess {
             return r;
         }
     }
@@ -392,16 +388,13 @@ pub(crate) unsafe fn destroy_closing_level(
     raw: ncclComm_t,
 ) -> ncclResult_t {
     // SAFETY: `raw` is live (the caller's contract).
-    match unsafe { (t.ncclCommDestroy)(raw) } {
-        nccl_sys::bindings::ncclSuccess | nccl_sys::bindings::ncclInProgress => {
-            nccl_sys::bindings::ncclSuccess
-        }
-        r => {
-            // SAFETY: closes the level the refused destroy left open; no handle involved.
-            let _ = unsafe { (t.ncclGroupEnd)() };
-            r
-        }
+    let r = unsafe { (t.ncclCommDestroy)(raw) };
+    if r == ncclSuccess || r == ncclInProgress {
+        return ncclSuccess;
     }
+    // SAFETY: closes the level the refused destroy left open; no handle involved.
+    let _ = unsafe { (t.ncclGroupEnd)() };
+    r
 }
 
 /// Queues `work` on `lane` and waits until `until` (at least [`MIN_WAIT`]): its result if
@@ -468,7 +461,7 @@ mod tests {
                 while !*open {
                     open = g.1.wait(open).unwrap();
                 }
-                nccl_sys::bindings::ncclSuccess
+                ncclSuccess
             }),
         );
         let o = Arc::clone(&order);
