@@ -180,9 +180,7 @@ pub(super) fn start_new(
     check_world(call, world_size, rank)?;
     check_device(call, lib, device)?;
     super::params::refuse_blocking(call)?;
-    if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
-        return Err(invalid(call, reason));
-    }
+    crate::diag::check_settings(call, &config.diag, lib.provider())?;
     let diag = crate::diag::CommDiag::for_id(&config.diag, id, rank, world_size);
     crate::teardown::check_lane(
         call,
