@@ -182,13 +182,7 @@ pub(super) fn start_new(
     super::params::refuse_blocking(call)?;
     crate::diag::check_settings(call, &config.diag, lib.provider())?;
     let diag = crate::diag::CommDiag::for_id(&config.diag, id, rank, world_size);
-    crate::teardown::check_lane(
-        call,
-        match device {
-            CommDevice::Cuda(c) => crate::teardown::TeardownLane::Device(c.ordinal()),
-            CommDevice::Host => diag.host_lane(),
-        },
-    )?;
+    crate::teardown::check_lane(call, diag.lane(device.cuda_ordinal()))?;
     bind(device)?;
     let config = config.clone().blocking(false);
     let mut raw_config = config.to_raw(lib)?;

@@ -99,6 +99,14 @@ impl CommDevice {
         }
     }
 
+    /// The CUDA device's ordinal (`None` for the host provider).
+    pub(crate) fn cuda_ordinal(&self) -> Option<usize> {
+        match self {
+            CommDevice::Cuda(c) => Some(c.ordinal()),
+            CommDevice::Host => None,
+        }
+    }
+
     /// A fresh unique id from this device's library.
     pub fn unique_id(&self) -> Result<UniqueId> {
         UniqueId::new_with(&*self.library()?)
@@ -653,10 +661,7 @@ impl Communicator {
     ) -> Communicator {
         Communicator {
             handle,
-            cuda_device: match &device {
-                CommDevice::Cuda(c) => Some(c.ordinal()),
-                CommDevice::Host => None,
-            },
+            cuda_device: device.cuda_ordinal(),
             device,
             rank,
             world_size,

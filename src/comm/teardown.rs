@@ -100,13 +100,9 @@ impl Communicator {
         self.handle.lib().check("ncclCommAbort", r, ctx)
     }
 
-    /// The lane this communicator's teardowns run on: its CUDA device, or on the host
-    /// provider the unique id its family was born from.
+    /// The lane this communicator's teardowns run on (`CommDiag::lane`).
     pub(crate) fn lane(&self) -> crate::teardown::TeardownLane {
-        match self.cuda_device {
-            Some(d) => crate::teardown::TeardownLane::Device(d),
-            None => self.diag.host_lane(),
-        }
+        self.diag.lane(self.cuda_device)
     }
 
     /// Tears the taken handle `raw` down on the teardown lane (`ncclCommAbort` when

@@ -471,9 +471,10 @@ impl CommDiag {
         self.settings.timeout
     }
 
-    /// The lane of a host-provider communicator's teardowns.
-    pub(crate) fn host_lane(&self) -> TeardownLane {
-        TeardownLane::Host(self.root)
+    /// The lane of the communicator's teardowns: its CUDA device (`cuda`: its ordinal), or
+    /// on the host provider the unique id its family was born from.
+    pub(crate) fn lane(&self, cuda: Option<usize>) -> TeardownLane {
+        cuda.map_or(TeardownLane::Host(self.root), TeardownLane::Device)
     }
 
     /// The bound on its teardowns ([`Config::abort_timeout`](crate::Config::abort_timeout),
