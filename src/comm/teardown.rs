@@ -77,13 +77,10 @@ impl Communicator {
     /// watchdog's abort and returns its outcome.
     #[track_caller]
     pub fn abort(mut self) -> Result<()> {
-        let ctx = self.context(Location::caller());
         let until = Instant::now() + self.diag.abort_timeout();
         let raw = self.take("it aborted its communicator", false);
-        let ctx = CallContext {
-            comm: std::ptr::null_mut(),
-            ..ctx
-        };
+        // Taken: the context names no handle.
+        let ctx = self.context(Location::caller());
         let (bound, r) = if raw.is_null() {
             match self.diag.watchdog_abort(until) {
                 Some(outcome) => outcome,

@@ -210,7 +210,6 @@ impl CommDiag {
 
     /// Attaches the communicator once its handle, rank and size are known: it joins its
     /// clique and the watchdog's registry. Allocates the flight recorder.
-    #[cfg_attr(not(feature = "diag"), allow(unused_variables))]
     pub(crate) fn attach(&self, h: CommView<'_>) {
         #[cfg(feature = "diag")]
         self.shared.get_or_init(|| self.watch(h));
