@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use nccl_sys::EntryPoint;
@@ -211,10 +211,6 @@ pub(crate) trait LiveRank: Send + Sync {
 }
 
 impl Clique {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, CliqueState> {
-        lock(&self.state)
-    }
-
     /// Rank `rank`'s view: its live communicator's, else the one recorded last.
     fn view(&self, rank: usize) -> RankView {
         let Some(m) = self.ranks.get(rank) else {
@@ -550,12 +546,12 @@ impl Clique {
         if !self.any_timeout.load(Ordering::Acquire) {
             return None;
         }
-        self.lock().timed_out.clone()
+        lock(&self.state).timed_out.clone()
     }
 
     /// Records the clique's first timeout and wakes everyone waiting on the board.
     pub(crate) fn set_timed_out(&self, report: &Arc<TimeoutReport>) -> Arc<TimeoutReport> {
-        let mut s = self.lock();
+        let mut s = lock(&self.state);
         let r = s
             .timed_out
             .get_or_insert_with(|| Arc::clone(report))
@@ -570,7 +566,7 @@ impl Clique {
     /// of the same sequence number, then compares them.
     pub(crate) fn agree(&self, rank: usize, fp: Fingerprint, deadline: Instant) -> Agreement {
         let slot = (fp.seq % BOARD_DEPTH as u64) as usize;
-        let mut s = self.lock();
+        let mut s = lock(&self.state);
         if let Some(b) = s.board.get_mut(rank) {
             b[slot] = Some(fp);
         }

@@ -23,7 +23,7 @@ use crate::stream::StreamRef;
 use crate::teardown::{Bound, TeardownLane};
 #[cfg(feature = "diag")]
 use {
-    super::clique::{self, Agreement, RankView, TimeoutReport},
+    super::clique::{self, Agreement, LiveRank, RankView, TimeoutReport},
     super::journal::{Entry, Journal},
     super::op::in_group,
     super::recorder::{FlightRecord, OpRecord, OpState},
@@ -267,10 +267,7 @@ impl CommDiag {
             wait_ns: AtomicU64::new(0),
             checks: AtomicU64::new(0),
         });
-        clique.attach(
-            rank,
-            Arc::downgrade(&s) as Weak<dyn super::clique::LiveRank>,
-        );
+        clique.attach(rank, Arc::downgrade(&s) as Weak<dyn LiveRank>);
         watchdog::watch(&s);
         s
     }
@@ -811,7 +808,7 @@ impl CommDiag {
             s.gone.store(true, Ordering::Release);
             let mine = s.handle.swap(0, Ordering::AcqRel) != 0;
             drop(held);
-            let view = s.rank_view();
+            let view = s.view();
             s.clique.detach(s.rank, view);
             if let Some((how, broken)) = departing {
                 s.clique
@@ -846,7 +843,7 @@ impl CommDiag {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             s.clique
-                .depart(s.rank, s.rank_view(), s.recent_collectives(), how, false);
+                .depart(s.rank, s.view(), s.recent_collectives(), how, false);
         }
     }
 }

@@ -502,16 +502,6 @@ impl Shared {
         Some(r)
     }
 
-    /// What the clique's desync report shows for this rank.
-    pub(super) fn rank_view(&self) -> RankView {
-        RankView {
-            present: true,
-            gone: self.gone.load(Ordering::Acquire),
-            issued: self.seq.load(Ordering::Relaxed),
-            last: self.journal.last_pos().and_then(|p| self.record(p)),
-        }
-    }
-
     /// The last collectives this rank issued (sequence number, call), oldest first, as
     /// far as the journal still holds them (at most [`RECENT_COLLECTIVES`]): what a
     /// departure compares its peers' collectives with. None with the fingerprint check
@@ -897,7 +887,13 @@ impl Shared {
 }
 
 impl LiveRank for Shared {
+    /// What the clique's desync report shows for this rank.
     fn view(&self) -> RankView {
-        self.rank_view()
+        RankView {
+            present: true,
+            gone: self.gone.load(Ordering::Acquire),
+            issued: self.seq.load(Ordering::Relaxed),
+            last: self.journal.last_pos().and_then(|p| self.record(p)),
+        }
     }
 }
