@@ -722,7 +722,6 @@ impl Shared {
 
     // ---- the watchdog's side ------------------------------------------------------------
 
-    /// The operation that ran out of time at `now` (diagnostics clock), if any.
     /// When the tracker met a driver error for this communicator's work: the oldest
     /// operation not known complete (else the latest), with the error.
     pub(super) fn faulted(&self) -> Option<(OpRecord, cudarc::driver::DriverError)> {
@@ -737,6 +736,7 @@ impl Shared {
         Some((rec, e))
     }
 
+    /// The operation that ran out of time at `now`, if any.
     pub(super) fn late(&self, now: Instant) -> Option<OpRecord> {
         self.late_by(now, self.settings.timeout)
     }
