@@ -384,37 +384,71 @@ impl CommDiag {
     }
 
     /// A group's end failed with `e`, not a timeout (its communicators were pinned through
-    /// the call): NCCL's remote error after a rank left fails the clique for that departure,
-    /// as [`end_error`](Self::end_error) does for a single call; the caller keeps its error.
+    /// the call). NCCL's remote error (a peer's abort broke the clique while the group
+    /// waited) after a rank left (here, or in a process that posted its departure to the
+    /// board) fails the clique for that departure, as [`end_error`](Self::end_error) does
+    /// for a single call, so every rank, an idle one too, sees `is_failed()`: even if the
+    /// departed rank issued the group's collectives, a communicator that returned NCCL's
+    /// remote error can run no collective any more. The caller keeps its error.
     #[cold]
     pub(crate) fn group_failed(&self, e: &Error) {
         #[cfg(feature = "diag")]
-        if let Some(s) = self.shared.get() {
-            if e.code() == Some(crate::error::ResultCode::RemoteError) {
-                s.group_remote_error();
+        if let Some(s) = self.shared.get().filter(|s| !s.clique.any_timeout()) {
+            if e.code() != Some(crate::error::ResultCode::RemoteError) {
+                return;
             }
+            let c = &s.clique;
+            let Some(d) = (c.departed_other_than(s.rank))
+                .or_else(|| c.remote_departure(s.rank))
+                .cloned()
+            else {
+                return;
+            };
+            // The group's first operation on this communicator, still staged (the failed
+            // end published nothing), for the report.
+            let rec = s.staged().into_iter().next();
+            c.fail_for_departure(&d, Some(s.rank), rec.as_ref());
         }
         let _ = e;
     }
 
     /// Polled during a host-provider group's end (run inside the call, its communicators
-    /// pinned, so the watchdog cannot abort them): `true` once a rank this communicator's
-    /// staged operations need has left, the clique failed for that departure (the error
-    /// names the rank).
+    /// pinned, so the watchdog cannot abort them): `true` once an operation of the group
+    /// (staged on a queue, not yet published) needs a rank that left, the clique failed
+    /// for that departure, once, naming the rank. Reads only the diagnostics' own state
+    /// (never the provider's), so a provider's wait may poll it.
     #[cfg_attr(not(feature = "host"), allow(dead_code))]
     pub(crate) fn peer_departed(&self) -> bool {
         #[cfg(feature = "diag")]
-        if let Some(s) = self.shared.get() {
-            return s.staged_waits_for_departed();
+        if let Some(s) = self.shared.get().filter(|s| s.clique.has_departure()) {
+            if s.clique.any_timeout() {
+                return true;
+            }
+            for rec in s.staged() {
+                if let Some(d) = s.clique.waits_for_departed(s.rank, &rec) {
+                    let d = d.clone();
+                    s.clique.fail_for_departure(&d, Some(s.rank), Some(&rec));
+                    return true;
+                }
+            }
         }
         false
     }
 
-    /// After `ncclGroupEnd` enqueued a group's operations: they are now on their streams.
+    /// After `ncclGroupEnd` enqueued a group's operations: they are now on their streams,
+    /// published on every queue they used (marked first, with exact completion).
     pub(crate) fn publish_group(&self) {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
-            s.publish_staged();
+            for q in s.queue_list().iter() {
+                let staged = q.staged.load(Ordering::Acquire);
+                if staged > q.published.load(Ordering::Acquire) {
+                    if s.settings.exact {
+                        s.mark_at_enqueue(q, staged);
+                    }
+                    q.published.store(staged, Ordering::Release);
+                }
+            }
         }
     }
 

@@ -207,7 +207,7 @@ impl Shared {
         b
     }
 
-    fn queue_list(&self) -> MutexGuard<'_, Vec<Arc<QueueWatch>>> {
+    pub(super) fn queue_list(&self) -> MutexGuard<'_, Vec<Arc<QueueWatch>>> {
         lock(&self.queues)
     }
 
@@ -435,20 +435,6 @@ impl Shared {
         q
     }
 
-    /// Publishes the work of a group that just ended, on every queue it used (marking
-    /// each first, with exact completion: the group's work is on its streams now).
-    pub(super) fn publish_staged(&self) {
-        for q in self.queue_list().iter() {
-            let staged = q.staged.load(Ordering::Acquire);
-            if staged > q.published.load(Ordering::Acquire) {
-                if self.settings.exact {
-                    self.mark_at_enqueue(q, staged);
-                }
-                q.published.store(staged, Ordering::Release);
-            }
-        }
-    }
-
     /// The owner's wait for its own work, at teardown: on each queue with work in flight
     /// (only those: another stream's backlog is not this communicator's), marks what is not
     /// marked yet (nothing, with exact completion) and polls the markers until `limit`, an
@@ -588,31 +574,9 @@ impl Shared {
         self.clique.waits_for_departed(self.rank, &rec).map(|_| rec)
     }
 
-    /// Whether an operation of the group being ended (staged on a queue, not yet
-    /// published) needs a rank that left: then the clique is failed for that departure,
-    /// once, naming the rank, and this returns `true`. Reads only the diagnostics' own
-    /// state (never the provider's), so a provider's wait may poll it.
-    pub(super) fn staged_waits_for_departed(&self) -> bool {
-        if !self.clique.has_departure() {
-            return false;
-        }
-        if self.clique.any_timeout() {
-            return true;
-        }
-        for rec in self.staged() {
-            if let Some(d) = self.clique.waits_for_departed(self.rank, &rec) {
-                let d = d.clone();
-                self.clique
-                    .fail_for_departure(&d, Some(self.rank), Some(&rec));
-                return true;
-            }
-        }
-        false
-    }
-
     /// The records of the operations of the group being ended (staged on a queue, not yet
     /// published), queue by queue.
-    fn staged(&self) -> Vec<OpRecord> {
+    pub(super) fn staged(&self) -> Vec<OpRecord> {
         let mut staged = Vec::new();
         for q in self.queue_list().iter() {
             let from = q.published.load(Ordering::Acquire);
@@ -620,29 +584,6 @@ impl Shared {
             staged.extend((from..to).filter_map(|pos| self.journal.get(pos)));
         }
         staged
-    }
-
-    /// The group being ended failed with NCCL's remote error (a peer's abort broke the
-    /// clique while the group waited): as `end_error` does for a single call, when a rank
-    /// left (here, or in a process that posted its departure to the board) the clique is
-    /// failed for that departure, so every rank, an idle one too, sees `is_failed()`: even
-    /// if the departed rank issued the group's collectives, a communicator that returned
-    /// NCCL's remote error can run no collective any more.
-    pub(super) fn group_remote_error(&self) {
-        if self.clique.any_timeout() {
-            return;
-        }
-        let Some(d) = (self.clique.departed_other_than(self.rank))
-            .or_else(|| self.clique.remote_departure(self.rank))
-            .cloned()
-        else {
-            return;
-        };
-        // The group's first operation on this communicator, still staged (the failed end
-        // published nothing), for the report.
-        let rec = self.staged().into_iter().next();
-        self.clique
-            .fail_for_departure(&d, Some(self.rank), rec.as_ref());
     }
 
     /// Times the clique out (unless it already was) for `rec`, this rank's operation, which
