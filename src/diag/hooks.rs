@@ -790,19 +790,38 @@ impl CommDiag {
         e
     }
 
-    /// Before teardown: waits (bounded by the watchdog) until no work of this communicator
-    /// is in flight. `false` when it must be aborted rather than destroyed (its clique
-    /// timed out, or the watchdog already took it).
+    /// Before teardown: the owner's wait for its own work, until `limit`, an abort, or a
+    /// timeout of the clique. On each queue with work in flight (only those: another
+    /// stream's backlog is not this communicator's) it marks what is not marked yet
+    /// (nothing, with exact completion) and polls the markers; a queue capturing into a
+    /// graph is not waited for. `false` when the communicator must be aborted rather than
+    /// destroyed (its work did not complete, a driver error, its clique timed out, or the
+    /// watchdog took it).
     pub(crate) fn drain(&self, limit: Instant) -> bool {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             if s.current.load(Ordering::Acquire) != IDLE {
                 return false; // left inside a call (an unwinding panic): abort
             }
-            let done = s.wait_own_work(limit);
-            return done
-                && !s.aborted_by_watchdog.load(Ordering::Acquire)
-                && s.clique.timed_out().is_none();
+            let busy: Vec<(Arc<QueueWatch>, u64)> = (s.queue_list().iter())
+                .filter(|q| q.in_flight())
+                .map(|q| (Arc::clone(q), q.published.load(Ordering::Acquire)))
+                .collect();
+            loop {
+                let mut all = true;
+                for (q, upto) in &busy {
+                    s.track_queue(q);
+                    let capturing = q.watch().capturing;
+                    all &= capturing || q.retired.load(Ordering::Acquire) >= *upto;
+                }
+                let failed = s.cuda_fault.get().is_some()
+                    || s.aborted_by_watchdog.load(Ordering::Acquire)
+                    || s.clique.any_timeout();
+                if all || failed || Instant::now() >= limit {
+                    return all && !failed;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
         true
     }

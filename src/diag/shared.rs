@@ -435,43 +435,6 @@ impl Shared {
         q
     }
 
-    /// The owner's wait for its own work, at teardown: on each queue with work in flight
-    /// (only those: another stream's backlog is not this communicator's), marks what is not
-    /// marked yet (nothing, with exact completion) and polls the markers until `limit`, an
-    /// abort, or a timeout of the clique. `true` when done. A queue capturing into a graph
-    /// is not waited for.
-    pub(super) fn wait_own_work(&self, limit: Instant) -> bool {
-        let busy: Vec<(Arc<QueueWatch>, u64)> = self
-            .queue_list()
-            .iter()
-            .filter(|q| q.in_flight())
-            .map(|q| (Arc::clone(q), q.published.load(Ordering::Acquire)))
-            .collect();
-        loop {
-            let mut all = true;
-            for (q, upto) in &busy {
-                self.track_queue(q);
-                let capturing = q.watch().capturing;
-                if !capturing && q.retired.load(Ordering::Acquire) < *upto {
-                    all = false;
-                }
-            }
-            if self.cuda_fault.get().is_some() {
-                return false;
-            }
-            if all {
-                return true;
-            }
-            if self.aborted_by_watchdog.load(Ordering::Acquire)
-                || self.clique.any_timeout()
-                || Instant::now() >= limit
-            {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-
     /// The record at journal position `pos`, with completion of tracked work applied.
     pub(super) fn record(&self, pos: u64) -> Option<OpRecord> {
         let mut r = self.journal.get(pos)?;
