@@ -285,28 +285,20 @@ fn serve(lane: TeardownLane) {
     }
 }
 
-/// Whether `lane` holds a teardown that has been running past its bound: then a new
-/// communicator there would queue its own teardown behind it. Its description when so.
-pub(crate) fn wedged(lane: TeardownLane) -> Option<String> {
-    let l = lock(&LANES);
-    let job = l.get(&lane)?.running.as_ref()?;
-    job.wedged(Instant::now()).then(|| {
-        format!(
-            "{} has been blocked for longer than its bound of {:?}",
-            job.what, job.bound
-        )
-    })
-}
-
-/// [`wedged`] as the error of `call`.
+/// Refuses `call` when `lane` holds a teardown that has been running past its bound: a new
+/// communicator there would queue its own teardown behind it.
 pub(crate) fn check_lane(call: &'static str, lane: TeardownLane) -> crate::error::Result<()> {
-    match wedged(lane) {
-        None => Ok(()),
-        Some(what) => Err(crate::error::Error::TeardownWedged {
+    let l = lock(&LANES);
+    match l.get(&lane).and_then(|st| st.running.as_ref()) {
+        Some(job) if job.wedged(Instant::now()) => Err(crate::error::Error::TeardownWedged {
             call,
             lane: lane.to_string(),
-            what,
+            what: format!(
+                "{} has been blocked for longer than its bound of {:?}",
+                job.what, job.bound
+            ),
         }),
+        _ => Ok(()),
     }
 }
 
@@ -480,13 +472,15 @@ mod tests {
         );
         assert!(!first.is_done());
         let limit = Instant::now() + Duration::from_secs(5);
-        while wedged(lane).is_none() && Instant::now() < limit {
+        let check = || check_lane("ncclCommInitRankConfig", lane);
+        while check().is_ok() && Instant::now() < limit {
             std::thread::sleep(Duration::from_millis(5));
         }
-        let w = wedged(lane).expect("the lane is wedged past the bound");
-        assert!(w.contains("the blocked job"), "{w}");
-        let e = check_lane("ncclCommInitRankConfig", lane).unwrap_err();
-        assert!(matches!(e, crate::Error::TeardownWedged { .. }), "{e}");
+        let e = check().expect_err("the lane is wedged past the bound");
+        assert!(
+            matches!(&e, crate::Error::TeardownWedged { what, .. } if what.contains("the blocked job")),
+            "{e}"
+        );
         assert!(check_lane("ncclCommInitRankConfig", TeardownLane::Host(0x5eed_0002)).is_ok());
         *gate.0.lock().unwrap() = true;
         gate.1.notify_all();
@@ -495,6 +489,6 @@ mod tests {
         let order = order.lock().unwrap();
         assert_eq!(order.iter().map(|o| o.0).collect::<Vec<_>>(), [1, 2]);
         assert_eq!(order[0].1, order[1].1, "one thread served the lane");
-        assert!(wedged(lane).is_none());
+        assert!(check().is_ok());
     }
 }
