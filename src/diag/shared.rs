@@ -645,18 +645,12 @@ impl Shared {
         self.late_by(now, self.settings.timeout)
     }
 
-    /// How long an operation waits before the watchdog prints a notice about it (once):
-    /// a quarter of the timeout, at most a minute. So a stuck rank shows within a minute,
-    /// long before the timeout (10 minutes by default) turns it into an error.
-    pub(super) fn notice_after(&self) -> Duration {
-        (self.settings.timeout / 4).min(NOTICE_AFTER)
-    }
-
-    /// The notice of an operation that has waited [`notice_after`](Self::notice_after),
-    /// once per operation: what this rank waits in and, of the ranks in this process,
-    /// which have not called it yet.
+    /// The notice of an operation that has waited a quarter of the timeout, at most
+    /// [`NOTICE_AFTER`] (so a stuck rank shows long before the timeout turns it into an
+    /// error), once per operation: what this rank waits in and, of the ranks in this
+    /// process, which have not called it yet.
     pub(super) fn notice(&self, now: Instant) -> Option<String> {
-        let rec = self.late_by(now, self.notice_after())?;
+        let rec = self.late_by(now, (self.settings.timeout / 4).min(NOTICE_AFTER))?;
         if self.noticed.fetch_max(rec.seq + 1, Ordering::AcqRel) > rec.seq {
             return None;
         }
