@@ -105,10 +105,8 @@ impl Communicator {
         let mut ordinals = Vec::with_capacity(devices.len());
         for d in devices {
             check_device(OP, &lib, d)?;
-            ordinals.push(match d {
-                CommDevice::Cuda(c) => c.ordinal() as c_int,
-                CommDevice::Host => ordinals.len() as c_int,
-            });
+            // The host provider's "devices" are the ranks.
+            ordinals.push(d.cuda_ordinal().unwrap_or(ordinals.len()) as c_int);
         }
         let mut raws: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
         let clique = crate::diag::CommDiag::init_all_key();
