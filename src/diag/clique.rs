@@ -571,31 +571,22 @@ impl Clique {
             b[slot] = Some(fp);
         }
         self.cv.notify_all();
-        loop {
-            if let Some(r) = &s.timed_out {
-                return Agreement::TimedOut(Some(Arc::clone(r)));
-            }
-            let posted = s
-                .board
-                .iter()
-                .all(|b| b[slot].is_some_and(|p| p.seq == fp.seq));
-            if posted {
-                if s.board
-                    .iter()
-                    .all(|b| b[slot].is_some_and(|p| same_shape(&p, &fp)))
-                {
-                    return Agreement::Agree;
-                }
-                return Agreement::Mismatch(self.table(&s, slot));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Agreement::TimedOut(None);
-            }
-            s = match self.cv.wait_timeout(s, deadline - now) {
-                Ok((g, _)) => g,
-                Err(e) => e.into_inner().0,
-            };
+        // Every rank's fingerprint of this sequence number is on the board.
+        let posted =
+            |s: &CliqueState| (s.board.iter()).all(|b| b[slot].is_some_and(|p| p.seq == fp.seq));
+        let left = deadline.saturating_duration_since(Instant::now());
+        let waited = self
+            .cv
+            .wait_timeout_while(s, left, |s| s.timed_out.is_none() && !posted(s));
+        let s = waited.unwrap_or_else(|e| e.into_inner()).0;
+        if let Some(r) = &s.timed_out {
+            Agreement::TimedOut(Some(Arc::clone(r)))
+        } else if !posted(&s) {
+            Agreement::TimedOut(None)
+        } else if (s.board.iter()).all(|b| b[slot].is_some_and(|p| same_shape(&p, &fp))) {
+            Agreement::Agree
+        } else {
+            Agreement::Mismatch(self.table(&s, slot))
         }
     }
 
