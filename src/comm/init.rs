@@ -109,7 +109,7 @@ impl Communicator {
             ordinals.push(d.cuda_ordinal().unwrap_or(ordinals.len()) as c_int);
         }
         let mut raws: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
-        let clique = crate::diag::CommDiag::init_all_key();
+        let diag = crate::diag::CommDiag::for_init_all();
         let ctx = CallContext::at(None, caller);
         // SAFETY: `raws` has room for `devices.len()` handles and `ordinals` that many ints.
         let r = unsafe {
@@ -137,7 +137,7 @@ impl Communicator {
                     d.clone(),
                     rank,
                     devices.len(),
-                    crate::diag::CommDiag::for_init_all(clique),
+                    diag(),
                 )
             });
         if !in_progress {

@@ -168,14 +168,10 @@ impl CommDiag {
         d
     }
 
-    /// For one of the communicators of one `ncclCommInitAll` (pass the same `key`).
-    pub(crate) fn for_init_all(key: u64) -> CommDiag {
-        CommDiag::new(Settings::resolve(&DiagConfig::default()), key, key)
-    }
-
-    /// A fresh key for [`for_init_all`](Self::for_init_all).
-    pub(crate) fn init_all_key() -> u64 {
-        key::fresh_key()
+    /// For the communicators of one `ncclCommInitAll`: one clique, of a fresh key.
+    pub(crate) fn for_init_all() -> impl Fn() -> CommDiag {
+        let key = key::fresh_key();
+        move || CommDiag::new(Settings::resolve(&DiagConfig::default()), key, key)
     }
 
     /// For a child from split (`tag` = color) or shrink ([`shrink_tag`]): same settings,
