@@ -271,10 +271,7 @@ impl CommDiag {
     #[cfg(feature = "diag")]
     #[inline(always)]
     pub(crate) fn shared(&self, h: CommView<'_>) -> &Arc<Shared> {
-        match self.shared.get() {
-            Some(s) => s,
-            None => self.attach_late(h),
-        }
+        self.shared.get().unwrap_or_else(|| self.attach_late(h))
     }
 
     #[cfg(feature = "diag")]
