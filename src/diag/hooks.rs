@@ -541,7 +541,7 @@ impl CommDiag {
                 }
             };
             let done = job.wait(until.max(Instant::now() + teardown::MIN_WAIT));
-            return Some((job.bound(), done.then(|| job.result())));
+            return Some((job.bound, done.then(|| job.result())));
         }
         None
     }

@@ -99,7 +99,7 @@ impl std::fmt::Display for TeardownLane {
 pub(crate) struct Job {
     what: String,
     lane: TeardownLane,
-    bound: Duration,
+    pub(crate) bound: Duration,
     #[cfg_attr(not(feature = "diag"), allow(dead_code))]
     deadline: Instant,
     action: OnAbortTimeout,
@@ -124,12 +124,6 @@ impl Job {
     /// The calls' result (meaningful once done).
     pub(crate) fn result(&self) -> ncclResult_t {
         lock(&self.result).unwrap_or(ncclSuccess)
-    }
-
-    /// The bound it was given.
-    #[cfg_attr(not(feature = "diag"), allow(dead_code))]
-    pub(crate) fn bound(&self) -> Duration {
-        self.bound
     }
 
     pub(crate) fn is_done(&self) -> bool {
