@@ -267,9 +267,7 @@ fn wrap(
             return Err(invalid(call, "the communicator handle is null"));
         }
         crate::comm::check_device(call, &lib, &device)?;
-        if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
-            return Err(invalid(call, reason));
-        }
+        crate::diag::check_settings(call, &config.diag, lib.provider())?;
         // A handle made with resource sharing shares an abort flag with its parent and
         // children, which the crate cannot keep apart (see `Config::split_share`).
         if let Some(field) = config.shared_resources() {

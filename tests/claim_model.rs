@@ -546,7 +546,7 @@ impl Owner {
         true
     }
 
-    /// `CommDiag::drain` with `Shared::wait_own_work`.
+    /// `CommDiag::drain`.
     fn drain(&self) -> bool {
         let s = &*self.s;
         if s.current.load(SC) != IDLE {

@@ -51,7 +51,7 @@ impl Communicator {
                 )
             })
         })?;
-        if r != nccl_sys::bindings::ncclSuccess && r != nccl_sys::bindings::ncclInProgress {
+        if r != ncclSuccess && r != ncclInProgress {
             // Refused before anything changed (init.cc:2647-2658).
             return Err(self
                 .handle
@@ -145,10 +145,7 @@ impl Communicator {
         // only during the shrink, which would then refuse the parent). A revoke clears
         // NCCL's error for good.
         let nccl_reports_error = || {
-            let no_error = [
-                nccl_sys::bindings::ncclSuccess,
-                nccl_sys::bindings::ncclInProgress,
-            ];
+            let no_error = [ncclSuccess, ncclInProgress];
             self.async_state()
                 .is_some_and(|state| !no_error.contains(&state))
         };
@@ -269,51 +266,32 @@ impl Communicator {
         const OP: &str = EntryPoint::ncclCommGrow.name();
         let caller = Location::caller();
         let grow = lib.optional(lib.table().ncclCommGrow, OP)?;
-        let diag = prepare_new(OP, lib, device, world_size, rank, id, config)?;
-        // Non-blocking, as every communicator of this crate, so the wait is bounded.
-        let config = config.clone().blocking(false);
-        let mut raw_config = config.to_raw(lib)?;
         let raw_id = id.to_raw();
         let slot: JobSlot<nccl_sys::bindings::ncclComm> = JobSlot::new();
-        // SAFETY: `slot.out()` is a heap slot that outlives NCCL's job (stored again at its
-        // end), freed only after the communicator left ncclInProgress, else leaked;
-        // `raw_id` and `raw_config` live across the call, the config's name strings as
-        // long as the communicator; ranks checked above.
-        let r = unsafe {
-            grow(
-                std::ptr::null_mut(),
-                world_size as c_int,
-                &raw_id,
-                rank as c_int,
-                slot.out(),
-                &mut raw_config,
-            )
-        };
-        let raw = slot.take();
-        let ctx = CallContext::at(Some(rank), caller);
-        // A handle NCCL gave out is ours from here on: dropped after a failure, it aborts.
-        let handle = RawComm::owned(raw, Arc::clone(lib));
-        if r != nccl_sys::bindings::ncclInProgress {
-            if let Err(e) = lib.check(OP, r, ctx) {
-                slot.leak();
-                return Err(e);
-            }
-        }
-        if raw.is_null() {
-            return Err(invalid(OP, "NCCL returned success but no communicator"));
-        }
-        diag.arrive(rank, world_size);
-        let comm = Communicator::new(handle, device.clone(), rank, world_size, diag)
-            .keeping(config.names());
-        let pending = PendingCommunicator::pending(comm);
-        let timeout = pending.timeout();
-        match pending.wait_as(OP, caller, timeout) {
-            Ok(c) => Ok(c),
-            Err(e) => {
-                slot.leak();
-                Err(e)
-            }
-        }
+        let new = super::init::start_new(OP, lib, device, world_size, rank, id, config, |c| {
+            // SAFETY: `slot.out()` is a heap slot that outlives NCCL's job (stored again at
+            // its end), freed only after the communicator left ncclInProgress, else
+            // leaked; `raw_id` and the config `c` live across the call (see `start_new`);
+            // ranks checked.
+            let r = unsafe {
+                grow(
+                    std::ptr::null_mut(),
+                    world_size as c_int,
+                    &raw_id,
+                    rank as c_int,
+                    slot.out(),
+                    c,
+                )
+            };
+            (r, slot.take())
+        });
+        let joined = new.and_then(|pending| {
+            let timeout = pending.timeout();
+            pending.wait_as(OP, caller, timeout)
+        });
+        // On any error the slot is left to a job that may still store into it (a failure
+        // before the call leaks its eight bytes too).
+        joined.inspect_err(|_| slot.leak())
     }
 
     /// The checked exclude list of a shrink: in range, not this rank, no duplicates, not

@@ -66,40 +66,30 @@ impl Communicator {
         config: &Config,
     ) -> Result<PendingCommunicator> {
         const OP: &str = "ncclCommInitRankConfig";
-        let diag = prepare_new(OP, lib, device, world_size, rank, id, config)?;
-        // Always NCCL's non-blocking mode, so that no init can wait for ever (see init_rank).
-        // The raw struct points into `config`'s name strings, which the communicator keeps
-        // (NCCL reads `commName` after the call returns).
-        let config = config.clone().blocking(false);
-        let mut raw_config = config.to_raw(lib)?;
-        let mut raw: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: `raw` is writable; `raw_config` is a valid ncclConfig_t for this library
-        // whose name pointers point into `config`'s strings, alive for the call and then
-        // kept by the communicator; ranks checked above.
-        let r = unsafe {
-            (lib.table().ncclCommInitRankConfig)(
-                &mut raw,
-                world_size as c_int,
-                id.to_raw(),
-                rank as c_int,
-                &mut raw_config,
-            )
-        };
-        let ctx = CallContext::at(Some(rank), Location::caller());
-        // A handle NCCL gave out is ours from here on: if the init failed, dropping it
-        // aborts it, once.
-        let handle = RawComm::owned(raw, Arc::clone(lib));
-        if r != nccl_sys::bindings::ncclInProgress {
-            lib.check(OP, r, ctx)?;
-        }
-        if raw.is_null() {
-            return Err(invalid(OP, "NCCL returned success but no communicator"));
-        }
-        // Until its init completes, the communicator counts as failed: dropped, it is aborted.
-        diag.arrive(rank, world_size);
-        let comm = Communicator::new(handle, device.clone(), rank, world_size, diag)
-            .keeping(config.names());
-        Ok(PendingCommunicator::pending(comm))
+        start_new(
+            OP,
+            lib,
+            device,
+            world_size,
+            rank,
+            id,
+            config,
+            |raw_config| {
+                let mut raw: ncclComm_t = std::ptr::null_mut();
+                // SAFETY: `raw` is writable; `raw_config` is a valid ncclConfig_t for this
+                // library (see `start_new`); ranks checked.
+                let r = unsafe {
+                    (lib.table().ncclCommInitRankConfig)(
+                        &mut raw,
+                        world_size as c_int,
+                        id.to_raw(),
+                        rank as c_int,
+                        raw_config,
+                    )
+                };
+                (r, raw)
+            },
+        )
     }
 
     /// Creates one communicator per device in this process (`ncclCommInitAll`): rank `i`
@@ -115,13 +105,11 @@ impl Communicator {
         let mut ordinals = Vec::with_capacity(devices.len());
         for d in devices {
             check_device(OP, &lib, d)?;
-            ordinals.push(match d {
-                CommDevice::Cuda(c) => c.ordinal() as c_int,
-                CommDevice::Host => ordinals.len() as c_int,
-            });
+            // The host provider's "devices" are the ranks.
+            ordinals.push(d.cuda_ordinal().unwrap_or(ordinals.len()) as c_int);
         }
         let mut raws: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
-        let clique = crate::diag::CommDiag::init_all_key();
+        let diag = crate::diag::CommDiag::for_init_all();
         let ctx = CallContext::at(None, caller);
         // SAFETY: `raws` has room for `devices.len()` handles and `ordinals` that many ints.
         let r = unsafe {
@@ -135,7 +123,7 @@ impl Communicator {
         // config, which the variable overrides: init.cc:2068, 1646-1649): the call then
         // returns ncclInProgress, every handle written, and each is waited for as a
         // non-blocking init is.
-        let in_progress = r == nccl_sys::bindings::ncclInProgress;
+        let in_progress = r == ncclInProgress;
         if !in_progress {
             lib.check(OP, r, ctx)?;
         }
@@ -149,7 +137,7 @@ impl Communicator {
                     d.clone(),
                     rank,
                     devices.len(),
-                    crate::diag::CommDiag::for_init_all(clique),
+                    diag(),
                 )
             });
         if !in_progress {
@@ -165,6 +153,51 @@ impl Communicator {
             })
             .collect()
     }
+}
+
+/// What every new communicator (an init, a new rank of a grown one) does around its NCCL
+/// call: checks the ranks, the device against the provider, the diagnostics settings and a
+/// free teardown lane on the device, binds the device's context, and makes the call with
+/// `make` in NCCL's non-blocking mode, so that no init can wait for ever (see
+/// `init_rank`). `make` gets the raw config, whose name pointers point into strings the
+/// communicator keeps (NCCL reads `commName` after the call), and returns NCCL's result
+/// and the handle it gave out. The communicator counts as failed until its init completes.
+#[allow(clippy::too_many_arguments)]
+#[track_caller]
+pub(super) fn start_new(
+    call: &'static str,
+    lib: &Arc<Library>,
+    device: &CommDevice,
+    world_size: usize,
+    rank: usize,
+    id: &UniqueId,
+    config: &Config,
+    make: impl FnOnce(&mut nccl_sys::bindings::ncclConfig_t) -> (ncclResult_t, ncclComm_t),
+) -> Result<PendingCommunicator> {
+    refuse_in_group(call)?;
+    check_world(call, world_size, rank)?;
+    check_device(call, lib, device)?;
+    super::params::refuse_blocking(call)?;
+    crate::diag::check_settings(call, &config.diag, lib.provider())?;
+    let diag = crate::diag::CommDiag::for_id(&config.diag, id, rank, world_size);
+    crate::teardown::check_lane(call, diag.lane(device.cuda_ordinal()))?;
+    bind(device)?;
+    let config = config.clone().blocking(false);
+    let mut raw_config = config.to_raw(lib)?;
+    let (r, raw) = make(&mut raw_config);
+    // A handle NCCL gave out is ours from here on: if the init failed, dropping it aborts
+    // it, once.
+    let handle = RawComm::owned(raw, Arc::clone(lib));
+    if r != ncclInProgress {
+        lib.check(call, r, CallContext::at(Some(rank), Location::caller()))?;
+    }
+    if raw.is_null() {
+        return Err(invalid(call, "NCCL returned success but no communicator"));
+    }
+    diag.arrive(rank, world_size);
+    let comm =
+        Communicator::new(handle, device.clone(), rank, world_size, diag).keeping(config.names());
+    Ok(PendingCommunicator::pending(comm))
 }
 
 /// The failure a communicator carries until its init completes (so dropping it aborts).

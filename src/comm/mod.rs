@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
+use nccl_sys::bindings::{ncclInProgress, ncclSuccess};
 use nccl_sys::{ncclComm_t, ncclResult_t, FunctionTable};
 
 use crate::config::Config;
@@ -95,6 +96,14 @@ impl CommDevice {
         match self {
             CommDevice::Cuda(_) => Provider::Nccl,
             CommDevice::Host => Provider::Host,
+        }
+    }
+
+    /// The CUDA device's ordinal (`None` for the host provider).
+    pub(crate) fn cuda_ordinal(&self) -> Option<usize> {
+        match self {
+            CommDevice::Cuda(c) => Some(c.ordinal()),
+            CommDevice::Host => None,
         }
     }
 
@@ -233,38 +242,6 @@ pub(crate) fn check_device(call: &'static str, lib: &Library, device: &CommDevic
     }
 }
 
-/// What every new communicator (an init, a join of a grown one) checks and prepares before
-/// its NCCL call: the ranks, the device against the provider, the diagnostics settings, a
-/// free teardown lane on the device, and the device's context bound to this thread.
-/// Returns the new communicator's diagnostics.
-fn prepare_new(
-    call: &'static str,
-    lib: &Library,
-    device: &CommDevice,
-    world_size: usize,
-    rank: usize,
-    id: &UniqueId,
-    config: &Config,
-) -> Result<crate::diag::CommDiag> {
-    refuse_in_group(call)?;
-    check_world(call, world_size, rank)?;
-    check_device(call, lib, device)?;
-    params::refuse_blocking(call)?;
-    if let Some(reason) = crate::diag::invalid_settings(&config.diag, lib.provider()) {
-        return Err(invalid(call, reason));
-    }
-    let diag = crate::diag::CommDiag::for_id(&config.diag, id, rank, world_size);
-    crate::teardown::check_lane(
-        call,
-        match device {
-            CommDevice::Cuda(c) => crate::teardown::TeardownLane::Device(c.ordinal()),
-            CommDevice::Host => diag.host_lane(),
-        },
-    )?;
-    bind(device)?;
-    Ok(diag)
-}
-
 #[inline(always)]
 fn bind(device: &CommDevice) -> Result<()> {
     match device {
@@ -340,7 +317,7 @@ impl Communicator {
     /// One `ncclCommGetAsyncError`, pinned: `Ok(true)` while in progress, `Ok(false)` when
     /// done; an error state marks the communicator failed with `call`.
     fn poll_async(&self, call: &'static str, caller: &'static Location<'static>) -> Result<bool> {
-        let mut state = nccl_sys::bindings::ncclSuccess;
+        let mut state = ncclSuccess;
         self.pinned(|| {
             // SAFETY: `state` is writable; the handle is live (not torn down: pinned, so the
             // watchdog cannot take it during the call).
@@ -361,20 +338,20 @@ impl Communicator {
     /// final. False when that cannot be known: the watchdog has the handle.
     pub(crate) fn job_ended(&self) -> bool {
         self.async_state()
-            .is_some_and(|state| state != nccl_sys::bindings::ncclInProgress)
+            .is_some_and(|state| state != ncclInProgress)
     }
 
     /// What `ncclCommGetAsyncError` says, read once; `None` when it cannot be read (the
     /// watchdog has the handle, or the call failed).
     pub(crate) fn async_state(&self) -> Option<ncclResult_t> {
-        let mut state = nccl_sys::bindings::ncclInProgress;
+        let mut state = ncclInProgress;
         let polled = self.pinned(|| {
             // SAFETY: `state` is writable; the handle is live (pinned).
             Ok(unsafe {
                 (self.handle.table().ncclCommGetAsyncError)(self.handle.get(), &mut state)
             })
         });
-        matches!(polled, Ok(r) if r == nccl_sys::bindings::ncclSuccess).then_some(state)
+        matches!(polled, Ok(r) if r == ncclSuccess).then_some(state)
     }
 
     /// NCCL's error `raw` for `call`, which fails the communicator ([`fail`](Self::fail)).
@@ -422,7 +399,7 @@ impl Communicator {
         r: ncclResult_t,
         caller: &'static Location<'static>,
     ) -> Result<()> {
-        if r == nccl_sys::bindings::ncclSuccess {
+        if r == ncclSuccess {
             Ok(())
         } else {
             Err(self.fail_nccl(call, r, caller))
@@ -494,11 +471,11 @@ impl Communicator {
         };
         let r = f(self.handle.table(), self.handle.get());
         // NCCL's communicator is always non-blocking (see init_rank): wait out progress.
-        let r = if job && r == nccl_sys::bindings::ncclSuccess {
+        let r = if job && r == ncclSuccess {
             // The watchdog's timeout of this operation (with its report of who is behind)
             // normally ends the wait for a job first; its own limit is a margin later.
             self.wait_ready(call, caller, self.diag.timeout() + CHILD_WAIT_MARGIN)
-        } else if r == nccl_sys::bindings::ncclInProgress {
+        } else if r == ncclInProgress {
             self.wait_ready(call, caller, self.diag.timeout())
         } else {
             self.checked(call, r, caller)
@@ -684,10 +661,7 @@ impl Communicator {
     ) -> Communicator {
         Communicator {
             handle,
-            cuda_device: match &device {
-                CommDevice::Cuda(c) => Some(c.ordinal()),
-                CommDevice::Host => None,
-            },
+            cuda_device: device.cuda_ordinal(),
             device,
             rank,
             world_size,

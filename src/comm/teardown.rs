@@ -77,13 +77,10 @@ impl Communicator {
     /// watchdog's abort and returns its outcome.
     #[track_caller]
     pub fn abort(mut self) -> Result<()> {
-        let ctx = self.context(Location::caller());
         let until = Instant::now() + self.diag.abort_timeout();
         let raw = self.take("it aborted its communicator", false);
-        let ctx = CallContext {
-            comm: std::ptr::null_mut(),
-            ..ctx
-        };
+        // Taken: the context names no handle.
+        let ctx = self.context(Location::caller());
         let (bound, r) = if raw.is_null() {
             match self.diag.watchdog_abort(until) {
                 Some(outcome) => outcome,
@@ -100,13 +97,9 @@ impl Communicator {
         self.handle.lib().check("ncclCommAbort", r, ctx)
     }
 
-    /// The lane this communicator's teardowns run on: its CUDA device, or on the host
-    /// provider the unique id its family was born from.
+    /// The lane this communicator's teardowns run on (`CommDiag::lane`).
     pub(crate) fn lane(&self) -> crate::teardown::TeardownLane {
-        match self.cuda_device {
-            Some(d) => crate::teardown::TeardownLane::Device(d),
-            None => self.diag.host_lane(),
-        }
+        self.diag.lane(self.cuda_device)
     }
 
     /// Tears the taken handle `raw` down on the teardown lane (`ncclCommAbort` when
@@ -181,7 +174,7 @@ impl Communicator {
         self.pinned(|| {
             // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile).
             let r = unsafe { (self.handle.table().ncclCommFinalize)(self.handle.get()) };
-            if r != nccl_sys::bindings::ncclInProgress {
+            if r != ncclInProgress {
                 self.checked(OP, r, caller)?;
             }
             Ok(())

@@ -5,10 +5,10 @@
 //! ranks of it that live in this process share one [`Clique`]. Ranks in other processes are
 //! reported from the job's desync board when the clique has one, else as "no record".
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use nccl_sys::EntryPoint;
@@ -113,16 +113,18 @@ pub(crate) struct CliqueState {
     pub timed_out: Option<Arc<TimeoutReport>>,
 }
 
+/// A rank of a clique: its live communicator's diagnostics, and its recorded view.
+type Member = (Option<Weak<dyn LiveRank>>, RankView);
+
 #[derive(Debug)]
 pub(crate) struct Clique {
     pub key: CliqueKey,
     pub world_size: usize,
     state: Mutex<CliqueState>,
-    /// Per rank: what was recorded when its communicator was torn down (or set directly).
-    views: Vec<Mutex<RankView>>,
-    /// Per rank: its live communicator's diagnostics, read when a report is built. The
-    /// per-operation path writes nothing here.
-    live: Vec<Mutex<Option<Weak<dyn LiveRank>>>>,
+    /// Per rank: its live communicator's diagnostics, read when a report is built (the
+    /// per-operation path writes nothing here), and what was recorded when it was torn
+    /// down (or set directly).
+    ranks: Vec<Mutex<Member>>,
     cv: Condvar,
     /// Mirrors `CliqueState::timed_out.is_some()`, so the per-operation check takes no lock.
     any_timeout: AtomicBool,
@@ -162,14 +164,12 @@ impl Departure {
     }
 }
 
-fn registry() -> &'static Mutex<HashMap<CliqueKey, Weak<Clique>>> {
-    static R: OnceLock<Mutex<HashMap<CliqueKey, Weak<Clique>>>> = OnceLock::new();
-    R.get_or_init(|| Mutex::new(HashMap::new()))
-}
+/// Every clique of this process, by key.
+static REGISTRY: Mutex<BTreeMap<CliqueKey, Weak<Clique>>> = Mutex::new(BTreeMap::new());
 
 /// The clique `key` of `world_size` ranks, shared by every rank of it in this process.
 pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
-    let mut r = lock(registry());
+    let mut r = lock(&REGISTRY);
     r.retain(|_, w| w.strong_count() > 0);
     if let Some(c) = r.get(&key).and_then(Weak::upgrade) {
         if c.world_size == world_size {
@@ -183,10 +183,7 @@ pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
             board: vec![[None; BOARD_DEPTH]; world_size],
             timed_out: None,
         }),
-        views: (0..world_size)
-            .map(|_| Mutex::new(RankView::default()))
-            .collect(),
-        live: (0..world_size).map(|_| Mutex::new(None)).collect(),
+        ranks: (0..world_size).map(|_| Mutex::default()).collect(),
         cv: Condvar::new(),
         any_timeout: AtomicBool::new(false),
         board: OnceLock::new(),
@@ -214,20 +211,16 @@ pub(crate) trait LiveRank: Send + Sync {
 }
 
 impl Clique {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, CliqueState> {
-        lock(&self.state)
-    }
-
     /// Rank `rank`'s view: its live communicator's, else the one recorded last.
     fn view(&self, rank: usize) -> RankView {
-        let live = (self.live.get(rank)).and_then(|l| lock(l).as_ref().and_then(Weak::upgrade));
-        match live {
-            Some(s) => s.view(),
-            None => self
-                .views
-                .get(rank)
-                .map_or_else(RankView::default, |v| *lock(v)),
-        }
+        let Some(m) = self.ranks.get(rank) else {
+            return RankView::default();
+        };
+        let (live, last) = {
+            let m = lock(m);
+            (m.0.as_ref().and_then(Weak::upgrade), m.1)
+        };
+        live.map_or(last, |s| s.view())
     }
 
     /// The ranks in this process whose communicator is not torn down, with their views.
@@ -246,22 +239,22 @@ impl Clique {
 
     /// How many ranks of the clique have had a communicator in this process.
     pub(crate) fn local_ranks(&self) -> usize {
-        self.views.iter().filter(|v| lock(v).present).count()
+        self.ranks.iter().filter(|m| lock(m).1.present).count()
     }
 
     /// Rank `rank`'s communicator joined with its diagnostics `s`.
     pub(crate) fn attach(&self, rank: usize, s: Weak<dyn LiveRank>) {
-        if let Some(l) = self.live.get(rank) {
-            *lock(l) = Some(s);
+        if let Some(m) = self.ranks.get(rank) {
+            let mut m = lock(m);
+            m.0 = Some(s);
+            m.1.present = true;
         }
-        self.update(rank, |v| v.present = true);
     }
 
     /// Rank `rank`'s communicator is torn down; `last` is what it was last seen doing.
     pub(crate) fn detach(&self, rank: usize, last: RankView) {
-        self.update(rank, |v| *v = last);
-        if let Some(l) = self.live.get(rank) {
-            *lock(l) = None;
+        if let Some(m) = self.ranks.get(rank) {
+            *lock(m) = (None, last);
         }
     }
 
@@ -420,10 +413,11 @@ impl Clique {
         self.any_timeout.load(Ordering::Acquire)
     }
 
-    /// Updates rank `rank`'s view (no allocation).
-    pub(crate) fn update(&self, rank: usize, f: impl FnOnce(&mut RankView)) {
-        if let Some(v) = self.views.get(rank) {
-            f(&mut lock(v));
+    /// Updates rank `rank`'s recorded view (the tests' stand-in for a rank's communicator).
+    #[cfg(test)]
+    fn update(&self, rank: usize, f: impl FnOnce(&mut RankView)) {
+        if let Some(m) = self.ranks.get(rank) {
+            f(&mut lock(m).1);
         }
     }
 
@@ -552,12 +546,12 @@ impl Clique {
         if !self.any_timeout.load(Ordering::Acquire) {
             return None;
         }
-        self.lock().timed_out.clone()
+        lock(&self.state).timed_out.clone()
     }
 
     /// Records the clique's first timeout and wakes everyone waiting on the board.
     pub(crate) fn set_timed_out(&self, report: &Arc<TimeoutReport>) -> Arc<TimeoutReport> {
-        let mut s = self.lock();
+        let mut s = lock(&self.state);
         let r = s
             .timed_out
             .get_or_insert_with(|| Arc::clone(report))
@@ -572,36 +566,27 @@ impl Clique {
     /// of the same sequence number, then compares them.
     pub(crate) fn agree(&self, rank: usize, fp: Fingerprint, deadline: Instant) -> Agreement {
         let slot = (fp.seq % BOARD_DEPTH as u64) as usize;
-        let mut s = self.lock();
+        let mut s = lock(&self.state);
         if let Some(b) = s.board.get_mut(rank) {
             b[slot] = Some(fp);
         }
         self.cv.notify_all();
-        loop {
-            if let Some(r) = &s.timed_out {
-                return Agreement::TimedOut(Some(Arc::clone(r)));
-            }
-            let posted = s
-                .board
-                .iter()
-                .all(|b| b[slot].is_some_and(|p| p.seq == fp.seq));
-            if posted {
-                if s.board
-                    .iter()
-                    .all(|b| b[slot].is_some_and(|p| same_shape(&p, &fp)))
-                {
-                    return Agreement::Agree;
-                }
-                return Agreement::Mismatch(self.table(&s, slot));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Agreement::TimedOut(None);
-            }
-            s = match self.cv.wait_timeout(s, deadline - now) {
-                Ok((g, _)) => g,
-                Err(e) => e.into_inner().0,
-            };
+        // Every rank's fingerprint of this sequence number is on the board.
+        let posted =
+            |s: &CliqueState| (s.board.iter()).all(|b| b[slot].is_some_and(|p| p.seq == fp.seq));
+        let left = deadline.saturating_duration_since(Instant::now());
+        let waited = self
+            .cv
+            .wait_timeout_while(s, left, |s| s.timed_out.is_none() && !posted(s));
+        let s = waited.unwrap_or_else(|e| e.into_inner()).0;
+        if let Some(r) = &s.timed_out {
+            Agreement::TimedOut(Some(Arc::clone(r)))
+        } else if !posted(&s) {
+            Agreement::TimedOut(None)
+        } else if (s.board.iter()).all(|b| b[slot].is_some_and(|p| same_shape(&p, &fp))) {
+            Agreement::Agree
+        } else {
+            Agreement::Mismatch(self.table(&s, slot))
         }
     }
 
@@ -656,7 +641,7 @@ impl Clique {
             self.world_size,
         );
         let mut behind = Vec::new();
-        let views: Vec<RankView> = (0..self.views.len()).map(|r| self.view(r)).collect();
+        let views: Vec<RankView> = (0..self.world_size).map(|r| self.view(r)).collect();
         // Cross-process: post our ranks' last operations, read the others' (bounded).
         let remote = self.board.get().map(|b| {
             // A rank of ours that left keeps its departure on the board.

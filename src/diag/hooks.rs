@@ -23,7 +23,7 @@ use crate::stream::StreamRef;
 use crate::teardown::{Bound, TeardownLane};
 #[cfg(feature = "diag")]
 use {
-    super::clique::{self, Agreement, RankView, TimeoutReport},
+    super::clique::{self, Agreement, LiveRank, RankView, TimeoutReport},
     super::journal::{Entry, Journal},
     super::op::in_group,
     super::recorder::{FlightRecord, OpRecord, OpState},
@@ -44,10 +44,8 @@ const MAX_ARRIVAL_BOARDS: usize = 256;
 
 /// Per clique key: which ranks began their init in this process.
 #[cfg(feature = "diag")]
-fn arrivals() -> &'static Mutex<std::collections::HashMap<CliqueKey, Vec<bool>>> {
-    static A: OnceLock<Mutex<std::collections::HashMap<CliqueKey, Vec<bool>>>> = OnceLock::new();
-    A.get_or_init(|| Mutex::new(std::collections::HashMap::new()))
-}
+static ARRIVALS: Mutex<std::collections::BTreeMap<CliqueKey, Vec<bool>>> =
+    Mutex::new(std::collections::BTreeMap::new());
 
 /// A communicator's diagnostics: its settings and clique, attached (with its handle, rank
 /// and size) once they are known.
@@ -73,7 +71,7 @@ pub(crate) struct CommDiag {
     /// ([`shrink_tag`]): part of each shrink child's clique key, so two shrinks at the same
     /// sequence number never share one.
     #[cfg(feature = "diag")]
-    children: RefCell<Vec<(u64, u64)>>,
+    children: RefCell<std::collections::BTreeMap<u64, u64>>,
     /// Inside `shrink_after_failure` (see [`CommDiag::set_recovering`]).
     #[cfg(feature = "diag")]
     recovering: Cell<bool>,
@@ -145,7 +143,7 @@ impl CommDiag {
             #[cfg(feature = "diag")]
             recent_queues: RefCell::new(Default::default()),
             #[cfg(feature = "diag")]
-            children: RefCell::new(Vec::new()),
+            children: RefCell::default(),
             #[cfg(feature = "diag")]
             recovering: Cell::new(false),
             #[cfg(feature = "diag")]
@@ -170,14 +168,10 @@ impl CommDiag {
         d
     }
 
-    /// For one of the communicators of one `ncclCommInitAll` (pass the same `key`).
-    pub(crate) fn for_init_all(key: u64) -> CommDiag {
-        CommDiag::new(Settings::resolve(&DiagConfig::default()), key, key)
-    }
-
-    /// A fresh key for [`for_init_all`](Self::for_init_all).
-    pub(crate) fn init_all_key() -> u64 {
-        key::fresh_key()
+    /// For the communicators of one `ncclCommInitAll`: one clique, of a fresh key.
+    pub(crate) fn for_init_all() -> impl Fn() -> CommDiag {
+        let key = key::fresh_key();
+        move || CommDiag::new(Settings::resolve(&DiagConfig::default()), key, key)
     }
 
     /// For a child from split (`tag` = color) or shrink ([`shrink_tag`]): same settings,
@@ -192,36 +186,26 @@ impl CommDiag {
 
     #[cfg(feature = "diag")]
     fn child_key(&self, tag: u64) -> CliqueKey {
-        let seq = self
-            .shared
-            .get()
-            .map_or(0, |s| s.seq.load(Ordering::Relaxed));
-        // A shrink does not advance the sequence number: number the shrinks of each
-        // exclude list (every rank of the child made the parent's shrinks of that list,
-        // in the same order; a rank excluded from another list never made that one). A
-        // split is a collective (its own sequence number), and its excluded ranks call it
-        // too.
-        let shrink = tag & SHRINK_TAG != 0;
-        let mut made = self.children.borrow_mut();
-        let nth = match made.iter().position(|(t, _)| *t == tag) {
-            _ if !shrink => 0,
-            Some(i) => {
-                made[i].1 += 1;
-                made[i].1
-            }
-            None => {
-                made.push((tag, 0));
-                0
-            }
+        // A split is a collective (its own sequence number), and its excluded ranks call it
+        // too. A shrink does not advance the sequence number, and the ranks left after a
+        // failure may differ in the collectives they issued on the parent: its child is
+        // numbered by the shrinks of its exclude list alone (every rank of the child made
+        // the parent's shrinks of that list, in the same order; a rank excluded from
+        // another list never made that one).
+        let (seq, nth) = if tag & SHRINK_TAG == 0 {
+            let seq = self.shared.get().map(|s| s.seq.load(Ordering::Relaxed));
+            (seq.unwrap_or(0), 0)
+        } else {
+            let mut made = self.children.borrow_mut();
+            let n = made.entry(tag).or_insert(0);
+            *n += 1;
+            (0, *n - 1)
         };
-        // A shrink's child is numbered by `nth` alone: the ranks left after a failure may
-        // differ in the collectives they issued on the parent.
-        key::key_of((self.key, if shrink { 0 } else { seq }, tag, nth))
+        key::key_of((self.key, seq, tag, nth))
     }
 
     /// Attaches the communicator once its handle, rank and size are known: it joins its
     /// clique and the watchdog's registry. Allocates the flight recorder.
-    #[cfg_attr(not(feature = "diag"), allow(unused_variables))]
     pub(crate) fn attach(&self, h: CommView<'_>) {
         #[cfg(feature = "diag")]
         self.shared.get_or_init(|| self.watch(h));
@@ -279,10 +263,7 @@ impl CommDiag {
             wait_ns: AtomicU64::new(0),
             checks: AtomicU64::new(0),
         });
-        clique.attach(
-            rank,
-            Arc::downgrade(&s) as Weak<dyn super::clique::LiveRank>,
-        );
+        clique.attach(rank, Arc::downgrade(&s) as Weak<dyn LiveRank>);
         watchdog::watch(&s);
         s
     }
@@ -290,10 +271,7 @@ impl CommDiag {
     #[cfg(feature = "diag")]
     #[inline(always)]
     pub(crate) fn shared(&self, h: CommView<'_>) -> &Arc<Shared> {
-        match self.shared.get() {
-            Some(s) => s,
-            None => self.attach_late(h),
-        }
+        self.shared.get().unwrap_or_else(|| self.attach_late(h))
     }
 
     #[cfg(feature = "diag")]
@@ -399,37 +377,71 @@ impl CommDiag {
     }
 
     /// A group's end failed with `e`, not a timeout (its communicators were pinned through
-    /// the call): NCCL's remote error after a rank left fails the clique for that departure,
-    /// as [`end_error`](Self::end_error) does for a single call; the caller keeps its error.
+    /// the call). NCCL's remote error (a peer's abort broke the clique while the group
+    /// waited) after a rank left (here, or in a process that posted its departure to the
+    /// board) fails the clique for that departure, as [`end_error`](Self::end_error) does
+    /// for a single call, so every rank, an idle one too, sees `is_failed()`: even if the
+    /// departed rank issued the group's collectives, a communicator that returned NCCL's
+    /// remote error can run no collective any more. The caller keeps its error.
     #[cold]
     pub(crate) fn group_failed(&self, e: &Error) {
         #[cfg(feature = "diag")]
-        if let Some(s) = self.shared.get() {
-            if e.code() == Some(crate::error::ResultCode::RemoteError) {
-                s.group_remote_error();
+        if let Some(s) = self.shared.get().filter(|s| !s.clique.any_timeout()) {
+            if e.code() != Some(crate::error::ResultCode::RemoteError) {
+                return;
             }
+            let c = &s.clique;
+            let Some(d) = (c.departed_other_than(s.rank))
+                .or_else(|| c.remote_departure(s.rank))
+                .cloned()
+            else {
+                return;
+            };
+            // The group's first operation on this communicator, still staged (the failed
+            // end published nothing), for the report.
+            let rec = s.staged().into_iter().next();
+            c.fail_for_departure(&d, Some(s.rank), rec.as_ref());
         }
         let _ = e;
     }
 
     /// Polled during a host-provider group's end (run inside the call, its communicators
-    /// pinned, so the watchdog cannot abort them): `true` once a rank this communicator's
-    /// staged operations need has left, the clique failed for that departure (the error
-    /// names the rank).
+    /// pinned, so the watchdog cannot abort them): `true` once an operation of the group
+    /// (staged on a queue, not yet published) needs a rank that left, the clique failed
+    /// for that departure, once, naming the rank. Reads only the diagnostics' own state
+    /// (never the provider's), so a provider's wait may poll it.
     #[cfg_attr(not(feature = "host"), allow(dead_code))]
     pub(crate) fn peer_departed(&self) -> bool {
         #[cfg(feature = "diag")]
-        if let Some(s) = self.shared.get() {
-            return s.staged_waits_for_departed();
+        if let Some(s) = self.shared.get().filter(|s| s.clique.has_departure()) {
+            if s.clique.any_timeout() {
+                return true;
+            }
+            for rec in s.staged() {
+                if let Some(d) = s.clique.waits_for_departed(s.rank, &rec) {
+                    let d = d.clone();
+                    s.clique.fail_for_departure(&d, Some(s.rank), Some(&rec));
+                    return true;
+                }
+            }
         }
         false
     }
 
-    /// After `ncclGroupEnd` enqueued a group's operations: they are now on their streams.
+    /// After `ncclGroupEnd` enqueued a group's operations: they are now on their streams,
+    /// published on every queue they used (marked first, with exact completion).
     pub(crate) fn publish_group(&self) {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
-            s.publish_staged();
+            for q in s.queue_list().iter() {
+                let staged = q.staged.load(Ordering::Acquire);
+                if staged > q.published.load(Ordering::Acquire) {
+                    if s.settings.exact {
+                        s.mark_at_enqueue(q, staged);
+                    }
+                    q.published.store(staged, Ordering::Release);
+                }
+            }
         }
     }
 
@@ -482,9 +494,10 @@ impl CommDiag {
         self.settings.timeout
     }
 
-    /// The lane of a host-provider communicator's teardowns.
-    pub(crate) fn host_lane(&self) -> TeardownLane {
-        TeardownLane::Host(self.root)
+    /// The lane of the communicator's teardowns: its CUDA device (`cuda`: its ordinal), or
+    /// on the host provider the unique id its family was born from.
+    pub(crate) fn lane(&self, cuda: Option<usize>) -> TeardownLane {
+        cuda.map_or(TeardownLane::Host(self.root), TeardownLane::Device)
     }
 
     /// The bound on its teardowns ([`Config::abort_timeout`](crate::Config::abort_timeout),
@@ -528,7 +541,7 @@ impl CommDiag {
                 }
             };
             let done = job.wait(until.max(Instant::now() + teardown::MIN_WAIT));
-            return Some((job.bound(), done.then(|| job.result())));
+            return Some((job.bound, done.then(|| job.result())));
         }
         None
     }
@@ -565,7 +578,7 @@ impl CommDiag {
     pub(crate) fn arrive(&self, rank: usize, world_size: usize) {
         #[cfg(feature = "diag")]
         {
-            let mut a = lock(arrivals());
+            let mut a = lock(&ARRIVALS);
             if a.len() >= MAX_ARRIVAL_BOARDS && !a.contains_key(&self.key) {
                 a.clear(); // old jobs' boards: bounded memory in a long run
             }
@@ -579,7 +592,7 @@ impl CommDiag {
     /// The report of a wait for `call` (an init, a split child) that ran out of time.
     pub(crate) fn wait_timeout_report(&self, call: &str, rank: usize, world_size: usize) -> String {
         #[cfg(feature = "diag")]
-        if let Some(seen) = lock(arrivals())
+        if let Some(seen) = lock(&ARRIVALS)
             .get(&self.key)
             .filter(|v| v.len() == world_size && world_size > 0)
         {
@@ -770,19 +783,38 @@ impl CommDiag {
         e
     }
 
-    /// Before teardown: waits (bounded by the watchdog) until no work of this communicator
-    /// is in flight. `false` when it must be aborted rather than destroyed (its clique
-    /// timed out, or the watchdog already took it).
+    /// Before teardown: the owner's wait for its own work, until `limit`, an abort, or a
+    /// timeout of the clique. On each queue with work in flight (only those: another
+    /// stream's backlog is not this communicator's) it marks what is not marked yet
+    /// (nothing, with exact completion) and polls the markers; a queue capturing into a
+    /// graph is not waited for. `false` when the communicator must be aborted rather than
+    /// destroyed (its work did not complete, a driver error, its clique timed out, or the
+    /// watchdog took it).
     pub(crate) fn drain(&self, limit: Instant) -> bool {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             if s.current.load(Ordering::Acquire) != IDLE {
                 return false; // left inside a call (an unwinding panic): abort
             }
-            let done = s.wait_own_work(limit);
-            return done
-                && !s.aborted_by_watchdog.load(Ordering::Acquire)
-                && s.clique.timed_out().is_none();
+            let busy: Vec<(Arc<QueueWatch>, u64)> = (s.queue_list().iter())
+                .filter(|q| q.in_flight())
+                .map(|q| (Arc::clone(q), q.published.load(Ordering::Acquire)))
+                .collect();
+            loop {
+                let mut all = true;
+                for (q, upto) in &busy {
+                    s.track_queue(q);
+                    let capturing = q.watch().capturing;
+                    all &= capturing || q.retired.load(Ordering::Acquire) >= *upto;
+                }
+                let failed = s.cuda_fault.get().is_some()
+                    || s.aborted_by_watchdog.load(Ordering::Acquire)
+                    || s.clique.any_timeout();
+                if all || failed || Instant::now() >= limit {
+                    return all && !failed;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
         true
     }
@@ -822,7 +854,7 @@ impl CommDiag {
             s.gone.store(true, Ordering::Release);
             let mine = s.handle.swap(0, Ordering::AcqRel) != 0;
             drop(held);
-            let view = s.rank_view();
+            let view = s.view();
             s.clique.detach(s.rank, view);
             if let Some((how, broken)) = departing {
                 s.clique
@@ -857,7 +889,7 @@ impl CommDiag {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             s.clique
-                .depart(s.rank, s.rank_view(), s.recent_collectives(), how, false);
+                .depart(s.rank, s.view(), s.recent_collectives(), how, false);
         }
     }
 }

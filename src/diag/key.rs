@@ -42,16 +42,15 @@ impl Hasher for Fnv1a {
 /// the communicators of that id in the same order; a process that starts again (not the
 /// whole job) counts from 0, and its diagnostics then name a clique apart from its peers'.
 pub(crate) fn of_id(id: &[u8], rank: usize, world_size: usize) -> CliqueKey {
-    use std::collections::HashMap;
-    use std::sync::{Mutex, OnceLock};
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
     let key = key_of(id);
     let fixed = id.first_chunk().map(|m| u64::from_ne_bytes(*m)) == Some(nccl_sys::NCCL_MAGIC);
     if !fixed {
         return key;
     }
-    type Made = HashMap<(CliqueKey, usize, usize), u64>;
-    static MADE: OnceLock<Mutex<Made>> = OnceLock::new();
-    let mut made = crate::teardown::lock(MADE.get_or_init(Default::default));
+    static MADE: Mutex<BTreeMap<(CliqueKey, usize, usize), u64>> = Mutex::new(BTreeMap::new());
+    let mut made = crate::teardown::lock(&MADE);
     let n = made.entry((key, rank, world_size)).or_insert(0);
     *n += 1;
     key_of((key, world_size, *n - 1))

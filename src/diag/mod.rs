@@ -74,12 +74,7 @@ pub use crate::teardown::{
 pub use settings::DEFAULT_TIMEOUT;
 
 pub(crate) use op::{group_ended, group_started, in_group, is_collective, OpInfo};
-pub(crate) use settings::{default_bound, DiagConfig};
-
-/// Why the options of `c` (or the environment) cannot make a communicator, if so.
-pub(crate) fn invalid_settings(c: &DiagConfig, provider: crate::Provider) -> Option<String> {
-    settings::Settings::invalid(c, provider)
-}
+pub(crate) use settings::{check_settings, default_bound, DiagConfig};
 
 #[cfg(feature = "diag")]
 pub use hooks::Diagnostics;

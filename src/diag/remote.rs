@@ -99,12 +99,6 @@ pub trait RemoteBoard: Send + Sync + fmt::Debug {
     fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>>;
 }
 
-/// How long a report waits for the other processes' posts (they post when their own
-/// watchdog fires, which is about when ours did).
-pub(crate) fn grace(timeout: Duration) -> Duration {
-    (timeout / 2).min(Duration::from_secs(2))
-}
-
 /// What the board said, for the ranks not in this process.
 #[derive(Debug, Default)]
 pub(crate) struct Remote {
@@ -115,7 +109,8 @@ pub(crate) struct Remote {
 }
 
 /// Posts `ours` (rank, post) and fetches the board until every rank in `wanted` has a post
-/// of `clique` or the grace period ends. Every wait is bounded.
+/// of `clique` or the grace period ends (half the timeout, at most 2 s: the other processes
+/// post when their own watchdog fires, which is about when ours did). Every wait is bounded.
 pub(crate) fn exchange(
     board: &dyn RemoteBoard,
     clique: u64,
@@ -131,7 +126,7 @@ pub(crate) fn exchange(
             remote.error = Some(e);
         }
     }
-    let until = start + grace(timeout);
+    let until = start + (timeout / 2).min(Duration::from_secs(2));
     loop {
         match board.fetch(Instant::now() + io) {
             Ok(posts) => {

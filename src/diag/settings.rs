@@ -67,31 +67,6 @@ impl Settings {
         }
     }
 
-    /// Values no communicator can work with: a zero timeout or abort bound, an abort bound
-    /// below [`MIN_NCCL_ABORT_TIMEOUT`] for NVIDIA's NCCL (`provider`), or a flight record
-    /// longer than [`MAX_FLIGHT_RECORD_LEN`]. The reason, naming where the value came from.
-    pub(crate) fn invalid(c: &DiagConfig, provider: crate::Provider) -> Option<String> {
-        let s = Settings::resolve(c);
-        let from = |set: bool, var: &'static str| if set { "Config" } else { var };
-        let timeout_from = from(c.timeout.is_some(), "NCCL_SAFE_TIMEOUT_MS");
-        let abort_from = from(c.abort_timeout.is_some(), "NCCL_SAFE_ABORT_TIMEOUT_MS");
-        let ring_from = from(c.ring.is_some(), "NCCL_SAFE_FLIGHT_RECORD_LEN");
-        let (abort, ring) = (s.abort_timeout, s.ring);
-        Some(if s.timeout.is_zero() {
-            format!("the timeout ({timeout_from}) is zero: every operation would time out at once")
-        } else if abort.is_zero() {
-            format!(
-                "the abort timeout ({abort_from}) is zero: no teardown could ever complete in time"
-            )
-        } else if provider == crate::Provider::Nccl && abort < MIN_NCCL_ABORT_TIMEOUT {
-            format!("the abort timeout {abort:?} ({abort_from}) is below the minimum of {MIN_NCCL_ABORT_TIMEOUT:?} for NVIDIA's NCCL: its destroy takes about 0.5 s and its abort about 1 s even for an idle communicator (NCCL 2.28.9 on an H100), so healthy teardowns would be reported as timed out")
-        } else if ring > MAX_FLIGHT_RECORD_LEN {
-            format!("the flight record length {ring} ({ring_from}) is above the maximum of {MAX_FLIGHT_RECORD_LEN}")
-        } else {
-            return None;
-        })
-    }
-
     pub(super) fn resolve(c: &DiagConfig) -> Settings {
         let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
         // A word or a number: trimmed and lower-cased (not the flight record's directory).
@@ -132,6 +107,35 @@ impl Settings {
             elastic: c.elastic.unwrap_or(false),
         }
     }
+}
+
+/// Refuses `call` (a communicator's creation or adoption) for options no communicator can
+/// work with: a zero timeout or abort bound, an abort bound below
+/// [`MIN_NCCL_ABORT_TIMEOUT`] for NVIDIA's NCCL (`provider`), or a flight record longer than
+/// [`MAX_FLIGHT_RECORD_LEN`]. The error names where the value came from.
+pub(crate) fn check_settings(
+    call: &'static str,
+    c: &DiagConfig,
+    provider: crate::Provider,
+) -> crate::error::Result<()> {
+    let s = Settings::resolve(c);
+    let from = |set: bool, var: &'static str| if set { "Config" } else { var };
+    let timeout_from = from(c.timeout.is_some(), "NCCL_SAFE_TIMEOUT_MS");
+    let abort_from = from(c.abort_timeout.is_some(), "NCCL_SAFE_ABORT_TIMEOUT_MS");
+    let ring_from = from(c.ring.is_some(), "NCCL_SAFE_FLIGHT_RECORD_LEN");
+    let (abort, ring) = (s.abort_timeout, s.ring);
+    let reason = if s.timeout.is_zero() {
+        format!("the timeout ({timeout_from}) is zero: every operation would time out at once")
+    } else if abort.is_zero() {
+        format!("the abort timeout ({abort_from}) is zero: no teardown could ever complete in time")
+    } else if provider == crate::Provider::Nccl && abort < MIN_NCCL_ABORT_TIMEOUT {
+        format!("the abort timeout {abort:?} ({abort_from}) is below the minimum of {MIN_NCCL_ABORT_TIMEOUT:?} for NVIDIA's NCCL: its destroy takes about 0.5 s and its abort about 1 s even for an idle communicator (NCCL 2.28.9 on an H100), so healthy teardowns would be reported as timed out")
+    } else if ring > MAX_FLIGHT_RECORD_LEN {
+        format!("the flight record length {ring} ({ring_from}) is above the maximum of {MAX_FLIGHT_RECORD_LEN}")
+    } else {
+        return Ok(());
+    };
+    Err(crate::error::invalid(call, reason))
 }
 
 /// The bound of teardowns that belong to no communicator (NCCL memory): the

@@ -207,7 +207,7 @@ impl Shared {
         b
     }
 
-    fn queue_list(&self) -> MutexGuard<'_, Vec<Arc<QueueWatch>>> {
+    pub(super) fn queue_list(&self) -> MutexGuard<'_, Vec<Arc<QueueWatch>>> {
         lock(&self.queues)
     }
 
@@ -435,57 +435,6 @@ impl Shared {
         q
     }
 
-    /// Publishes the work of a group that just ended, on every queue it used (marking
-    /// each first, with exact completion: the group's work is on its streams now).
-    pub(super) fn publish_staged(&self) {
-        for q in self.queue_list().iter() {
-            let staged = q.staged.load(Ordering::Acquire);
-            if staged > q.published.load(Ordering::Acquire) {
-                if self.settings.exact {
-                    self.mark_at_enqueue(q, staged);
-                }
-                q.published.store(staged, Ordering::Release);
-            }
-        }
-    }
-
-    /// The owner's wait for its own work, at teardown: on each queue with work in flight
-    /// (only those: another stream's backlog is not this communicator's), marks what is not
-    /// marked yet (nothing, with exact completion) and polls the markers until `limit`, an
-    /// abort, or a timeout of the clique. `true` when done. A queue capturing into a graph
-    /// is not waited for.
-    pub(super) fn wait_own_work(&self, limit: Instant) -> bool {
-        let busy: Vec<(Arc<QueueWatch>, u64)> = self
-            .queue_list()
-            .iter()
-            .filter(|q| q.in_flight())
-            .map(|q| (Arc::clone(q), q.published.load(Ordering::Acquire)))
-            .collect();
-        loop {
-            let mut all = true;
-            for (q, upto) in &busy {
-                self.track_queue(q);
-                let capturing = q.watch().capturing;
-                if !capturing && q.retired.load(Ordering::Acquire) < *upto {
-                    all = false;
-                }
-            }
-            if self.cuda_fault.get().is_some() {
-                return false;
-            }
-            if all {
-                return true;
-            }
-            if self.aborted_by_watchdog.load(Ordering::Acquire)
-                || self.clique.any_timeout()
-                || Instant::now() >= limit
-            {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-
     /// The record at journal position `pos`, with completion of tracked work applied.
     pub(super) fn record(&self, pos: u64) -> Option<OpRecord> {
         let mut r = self.journal.get(pos)?;
@@ -500,16 +449,6 @@ impl Shared {
             }
         }
         Some(r)
-    }
-
-    /// What the clique's desync report shows for this rank.
-    pub(super) fn rank_view(&self) -> RankView {
-        RankView {
-            present: true,
-            gone: self.gone.load(Ordering::Acquire),
-            issued: self.seq.load(Ordering::Relaxed),
-            last: self.journal.last_pos().and_then(|p| self.record(p)),
-        }
     }
 
     /// The last collectives this rank issued (sequence number, call), oldest first, as
@@ -598,31 +537,9 @@ impl Shared {
         self.clique.waits_for_departed(self.rank, &rec).map(|_| rec)
     }
 
-    /// Whether an operation of the group being ended (staged on a queue, not yet
-    /// published) needs a rank that left: then the clique is failed for that departure,
-    /// once, naming the rank, and this returns `true`. Reads only the diagnostics' own
-    /// state (never the provider's), so a provider's wait may poll it.
-    pub(super) fn staged_waits_for_departed(&self) -> bool {
-        if !self.clique.has_departure() {
-            return false;
-        }
-        if self.clique.any_timeout() {
-            return true;
-        }
-        for rec in self.staged() {
-            if let Some(d) = self.clique.waits_for_departed(self.rank, &rec) {
-                let d = d.clone();
-                self.clique
-                    .fail_for_departure(&d, Some(self.rank), Some(&rec));
-                return true;
-            }
-        }
-        false
-    }
-
     /// The records of the operations of the group being ended (staged on a queue, not yet
     /// published), queue by queue.
-    fn staged(&self) -> Vec<OpRecord> {
+    pub(super) fn staged(&self) -> Vec<OpRecord> {
         let mut staged = Vec::new();
         for q in self.queue_list().iter() {
             let from = q.published.load(Ordering::Acquire);
@@ -630,29 +547,6 @@ impl Shared {
             staged.extend((from..to).filter_map(|pos| self.journal.get(pos)));
         }
         staged
-    }
-
-    /// The group being ended failed with NCCL's remote error (a peer's abort broke the
-    /// clique while the group waited): as `end_error` does for a single call, when a rank
-    /// left (here, or in a process that posted its departure to the board) the clique is
-    /// failed for that departure, so every rank, an idle one too, sees `is_failed()`: even
-    /// if the departed rank issued the group's collectives, a communicator that returned
-    /// NCCL's remote error can run no collective any more.
-    pub(super) fn group_remote_error(&self) {
-        if self.clique.any_timeout() {
-            return;
-        }
-        let Some(d) = (self.clique.departed_other_than(self.rank))
-            .or_else(|| self.clique.remote_departure(self.rank))
-            .cloned()
-        else {
-            return;
-        };
-        // The group's first operation on this communicator, still staged (the failed end
-        // published nothing), for the report.
-        let rec = self.staged().into_iter().next();
-        self.clique
-            .fail_for_departure(&d, Some(self.rank), rec.as_ref());
     }
 
     /// Times the clique out (unless it already was) for `rec`, this rank's operation, which
@@ -732,7 +626,6 @@ impl Shared {
 
     // ---- the watchdog's side ------------------------------------------------------------
 
-    /// The operation that ran out of time at `now` (diagnostics clock), if any.
     /// When the tracker met a driver error for this communicator's work: the oldest
     /// operation not known complete (else the latest), with the error.
     pub(super) fn faulted(&self) -> Option<(OpRecord, cudarc::driver::DriverError)> {
@@ -747,22 +640,17 @@ impl Shared {
         Some((rec, e))
     }
 
+    /// The operation that ran out of time at `now`, if any.
     pub(super) fn late(&self, now: Instant) -> Option<OpRecord> {
         self.late_by(now, self.settings.timeout)
     }
 
-    /// How long an operation waits before the watchdog prints a notice about it (once):
-    /// a quarter of the timeout, at most a minute. So a stuck rank shows within a minute,
-    /// long before the timeout (10 minutes by default) turns it into an error.
-    pub(super) fn notice_after(&self) -> Duration {
-        (self.settings.timeout / 4).min(NOTICE_AFTER)
-    }
-
-    /// The notice of an operation that has waited [`notice_after`](Self::notice_after),
-    /// once per operation: what this rank waits in and, of the ranks in this process,
-    /// which have not called it yet.
+    /// The notice of an operation that has waited a quarter of the timeout, at most
+    /// [`NOTICE_AFTER`] (so a stuck rank shows long before the timeout turns it into an
+    /// error), once per operation: what this rank waits in and, of the ranks in this
+    /// process, which have not called it yet.
     pub(super) fn notice(&self, now: Instant) -> Option<String> {
-        let rec = self.late_by(now, self.notice_after())?;
+        let rec = self.late_by(now, (self.settings.timeout / 4).min(NOTICE_AFTER))?;
         if self.noticed.fetch_max(rec.seq + 1, Ordering::AcqRel) > rec.seq {
             return None;
         }
@@ -897,7 +785,13 @@ impl Shared {
 }
 
 impl LiveRank for Shared {
+    /// What the clique's desync report shows for this rank.
     fn view(&self) -> RankView {
-        self.rank_view()
+        RankView {
+            present: true,
+            gone: self.gone.load(Ordering::Acquire),
+            issued: self.seq.load(Ordering::Relaxed),
+            last: self.journal.last_pos().and_then(|p| self.record(p)),
+        }
     }
 }

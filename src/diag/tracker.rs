@@ -438,25 +438,23 @@ pub(crate) mod counting {
             }
         }
 
-        fn on_owner(&self) -> bool {
-            std::thread::current().id() == self.owner
+        /// Counts a call in `all`, and in `owners` when it comes from the owner.
+        fn count(&self, all: &AtomicU64, owners: &AtomicU64) {
+            all.fetch_add(1, Ordering::SeqCst);
+            if std::thread::current().id() == self.owner {
+                owners.fetch_add(1, Ordering::SeqCst);
+            }
         }
     }
 
     impl Tracker for Counting {
         fn mark(&self, _q: &Queue) -> Mark {
-            self.marks.fetch_add(1, Ordering::SeqCst);
-            if self.on_owner() {
-                self.owner_marks.fetch_add(1, Ordering::SeqCst);
-            }
+            self.count(&self.marks, &self.owner_marks);
             Mark::Marker(Marker::Fake)
         }
 
         fn mark_now(&self, _q: &Queue, reuse: Option<&Marker>) -> Mark {
-            self.now_marks.fetch_add(1, Ordering::SeqCst);
-            if self.on_owner() {
-                self.owner_now_marks.fetch_add(1, Ordering::SeqCst);
-            }
+            self.count(&self.now_marks, &self.owner_now_marks);
             if reuse.is_some() {
                 return Mark::Again;
             }
@@ -464,10 +462,7 @@ pub(crate) mod counting {
         }
 
         fn done(&self, _m: &Marker) -> Result<bool, DriverError> {
-            self.queries.fetch_add(1, Ordering::SeqCst);
-            if self.on_owner() {
-                self.owner_queries.fetch_add(1, Ordering::SeqCst);
-            }
+            self.count(&self.queries, &self.owner_queries);
             Ok(self.complete.load(Ordering::SeqCst))
         }
     }

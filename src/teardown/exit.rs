@@ -19,65 +19,50 @@
 //! (other C libraries than glibc) the guard only waits.
 
 use super::lock;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, Once};
 use std::time::{Duration, Instant};
 
 static EXITING: AtomicBool = AtomicBool::new(false);
 
-/// The calls in flight: (id, when it began, its bound).
-static BUSY: Mutex<Vec<(u64, Instant, Duration)>> = Mutex::new(Vec::new());
+/// What is in flight: (id, when it began, its bound, whether it is a call into NCCL or
+/// CUDA rather than a post to the desync board).
+static IN_FLIGHT: Mutex<Vec<(u64, Instant, Duration, bool)>> = Mutex::new(Vec::new());
 
-/// A background thread's permission to be inside NCCL or CUDA; dropping it ends the call.
+/// A background thread's permission to be inside NCCL or CUDA ([`busy`]), or to post to
+/// the desync board ([`posting`]); dropping it ends the call or the post.
 #[derive(Debug)]
 pub(crate) struct Busy(u64);
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        lock(&BUSY).retain(|b| b.0 != self.0);
+        lock(&IN_FLIGHT).retain(|b| b.0 != self.0);
     }
 }
 
 /// Enters a background NCCL/CUDA call that should return within `bound`: `None` once the
 /// process is exiting (then the call must not be made).
 pub(crate) fn busy(bound: Duration) -> Option<Busy> {
-    enter(lock(&BUSY), |id| (id, Instant::now(), bound)).map(Busy)
+    enter(bound, true)
 }
 
-/// Adds `entry(id)` to `list` (held) under a fresh id, unless the process is exiting:
-/// checked under the list's lock, which the exit takes to set [`EXITING`].
-fn enter<E>(
-    mut list: std::sync::MutexGuard<'_, Vec<E>>,
-    entry: impl FnOnce(u64) -> E,
-) -> Option<u64> {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+/// Enters a post that exit waits for until `deadline`: `None` once the process is exiting.
+#[cfg_attr(not(feature = "diag"), allow(dead_code))]
+pub(crate) fn posting(deadline: Instant) -> Option<Busy> {
+    enter(deadline.saturating_duration_since(Instant::now()), false)
+}
+
+/// Adds a call or a post under a fresh id, unless the process is exiting: checked under
+/// the list's lock, which the exit takes to set [`EXITING`].
+fn enter(bound: Duration, call: bool) -> Option<Busy> {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
     let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    let mut list = lock(&IN_FLIGHT);
     if EXITING.load(Ordering::SeqCst) {
         return None;
     }
-    list.push(entry(id));
-    Some(id)
-}
-
-/// Network posts in flight (a departure to the desync board): (id, deadline).
-static POSTS: Mutex<Vec<(u64, Instant)>> = Mutex::new(Vec::new());
-
-/// A background post to the desync board that exit waits for (until `deadline`);
-/// dropping it ends the post.
-#[derive(Debug)]
-#[cfg_attr(not(feature = "diag"), allow(dead_code))]
-pub(crate) struct Posting(u64);
-
-impl Drop for Posting {
-    fn drop(&mut self) {
-        lock(&POSTS).retain(|p| p.0 != self.0);
-    }
-}
-
-/// Enters a post that should end by `deadline`: `None` once the process is exiting.
-#[cfg_attr(not(feature = "diag"), allow(dead_code))]
-pub(crate) fn posting(deadline: Instant) -> Option<Posting> {
-    enter(lock(&POSTS), |id| (id, deadline)).map(Posting)
+    list.push((id, Instant::now(), bound, call));
+    Some(Busy(id))
 }
 
 /// Registers the guard, once. Call it after the library was initialized (its runtime's own
@@ -126,23 +111,20 @@ fn register() {
 /// runs past its bound: `true` when none is left, `false` when one is blocked past it.
 fn settle() -> bool {
     {
-        // Under the lists' locks: a call or post entering after this sees EXITING.
-        let _b = lock(&BUSY);
-        let _p = lock(&POSTS);
+        // Under the list's lock: a call or post entering after this sees EXITING.
+        let _list = lock(&IN_FLIGHT);
         EXITING.store(true, Ordering::SeqCst);
     }
     loop {
         let now = Instant::now();
-        let (left, overdue) = {
-            let b = lock(&BUSY);
-            (
-                b.len(),
-                b.iter().any(|&(_, start, bound)| now >= start + bound),
-            )
-        };
-        // Posts are waited for until their deadline, and never end the process early.
-        let posting = lock(&POSTS).iter().any(|&(_, deadline)| now < deadline);
-        if left == 0 && !posting {
+        let (mut left, mut overdue) = (false, false);
+        for &(_, start, bound, call) in lock(&IN_FLIGHT).iter() {
+            let late = now >= start + bound;
+            // Posts are waited for until their deadline, and never end the process early.
+            left |= call || !late;
+            overdue |= call && late;
+        }
+        if !left {
             return true;
         }
         if overdue {

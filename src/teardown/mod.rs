@@ -24,11 +24,12 @@
 
 pub(crate) mod exit;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use nccl_sys::bindings::{ncclInProgress, ncclSuccess};
 use nccl_sys::{ncclComm_t, ncclResult_t};
 
 use crate::library::Library;
@@ -76,7 +77,7 @@ pub enum OnAbortTimeout {
 }
 
 /// Which lane a teardown runs on (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum TeardownLane {
     /// A CUDA device, by ordinal.
     Device(usize),
@@ -98,7 +99,7 @@ impl std::fmt::Display for TeardownLane {
 pub(crate) struct Job {
     what: String,
     lane: TeardownLane,
-    bound: Duration,
+    pub(crate) bound: Duration,
     #[cfg_attr(not(feature = "diag"), allow(dead_code))]
     deadline: Instant,
     action: OnAbortTimeout,
@@ -113,29 +114,16 @@ pub(crate) struct Job {
 impl Job {
     /// Waits until the job finished or `until`: `true` when it finished.
     pub(crate) fn wait(&self, until: Instant) -> bool {
-        let mut done = lock(&self.result);
-        while done.is_none() {
-            let now = Instant::now();
-            if now >= until {
-                return false;
-            }
-            done = match self.cv.wait_timeout(done, until - now) {
-                Ok((g, _)) => g,
-                Err(e) => e.into_inner().0,
-            };
-        }
-        true
+        let left = until.saturating_duration_since(Instant::now());
+        let waited = self
+            .cv
+            .wait_timeout_while(lock(&self.result), left, |r| r.is_none());
+        waited.unwrap_or_else(|e| e.into_inner()).0.is_some()
     }
 
     /// The calls' result (meaningful once done).
     pub(crate) fn result(&self) -> ncclResult_t {
-        lock(&self.result).unwrap_or(nccl_sys::bindings::ncclSuccess)
-    }
-
-    /// The bound it was given.
-    #[cfg_attr(not(feature = "diag"), allow(dead_code))]
-    pub(crate) fn bound(&self) -> Duration {
-        self.bound
+        lock(&self.result).unwrap_or(ncclSuccess)
     }
 
     pub(crate) fn is_done(&self) -> bool {
@@ -202,10 +190,8 @@ struct LaneState {
     served: bool,
 }
 
-fn lanes() -> &'static Mutex<HashMap<TeardownLane, LaneState>> {
-    static L: OnceLock<Mutex<HashMap<TeardownLane, LaneState>>> = OnceLock::new();
-    L.get_or_init(|| Mutex::new(HashMap::new()))
-}
+/// Every lane with a queue or a job running.
+static LANES: Mutex<BTreeMap<TeardownLane, LaneState>> = Mutex::new(BTreeMap::new());
 
 /// Every job not yet finished, for the watchdog's overdue check.
 static JOBS: Mutex<Vec<Arc<Job>>> = Mutex::new(Vec::new());
@@ -238,7 +224,7 @@ pub(crate) fn submit(lane: TeardownLane, b: Bound, what: String, work: Work) -> 
         j.push(Arc::clone(&job));
     }
     let spawn = {
-        let mut l = lock(lanes());
+        let mut l = lock(&LANES);
         let st = l.entry(lane).or_default();
         st.queue.push_back((Arc::clone(&job), work));
         !std::mem::replace(&mut st.served, true)
@@ -259,7 +245,7 @@ pub(crate) fn submit(lane: TeardownLane, b: Bound, what: String, work: Work) -> 
 fn serve(lane: TeardownLane) {
     loop {
         let next = {
-            let mut l = lock(lanes());
+            let mut l = lock(&LANES);
             let Some(st) = l.get_mut(&lane) else {
                 return;
             };
@@ -282,39 +268,31 @@ fn serve(lane: TeardownLane) {
         // exit guard); one within its bound is waited for.
         let r = match exit::busy(job.bound) {
             Some(_busy) => work(),
-            None => nccl_sys::bindings::ncclSuccess, // the process is exiting
+            None => ncclSuccess, // the process is exiting
         };
         // The lane is free before anyone waiting for the job learns that it finished, so
         // a caller that saw its teardown end never meets that teardown as wedged.
-        if let Some(st) = lock(lanes()).get_mut(&lane) {
+        if let Some(st) = lock(&LANES).get_mut(&lane) {
             st.running = None;
         }
         job.finish(r);
     }
 }
 
-/// Whether `lane` holds a teardown that has been running past its bound: then a new
-/// communicator there would queue its own teardown behind it. Its description when so.
-pub(crate) fn wedged(lane: TeardownLane) -> Option<String> {
-    let l = lock(lanes());
-    let job = l.get(&lane)?.running.as_ref()?;
-    job.wedged(Instant::now()).then(|| {
-        format!(
-            "{} has been blocked for longer than its bound of {:?}",
-            job.what, job.bound
-        )
-    })
-}
-
-/// [`wedged`] as the error of `call`.
+/// Refuses `call` when `lane` holds a teardown that has been running past its bound: a new
+/// communicator there would queue its own teardown behind it.
 pub(crate) fn check_lane(call: &'static str, lane: TeardownLane) -> crate::error::Result<()> {
-    match wedged(lane) {
-        None => Ok(()),
-        Some(what) => Err(crate::error::Error::TeardownWedged {
+    let l = lock(&LANES);
+    match l.get(&lane).and_then(|st| st.running.as_ref()) {
+        Some(job) if job.wedged(Instant::now()) => Err(crate::error::Error::TeardownWedged {
             call,
             lane: lane.to_string(),
-            what,
+            what: format!(
+                "{} has been blocked for longer than its bound of {:?}",
+                job.what, job.bound
+            ),
         }),
+        _ => Ok(()),
     }
 }
 
@@ -333,25 +311,20 @@ pub(crate) fn abort(
         b,
         format!("ncclCommAbort of {what}"),
         Box::new(move || {
-            let t = lib.table();
-            let mut first = nccl_sys::bindings::ncclSuccess;
+            let (t, group) = (lib.table(), handles.len() > 1);
             // SAFETY: each handle was taken out of its communicator's slot, so this is its
             // one teardown and no one uses it afterwards; group start/end are paired.
             unsafe {
-                if handles.len() > 1 {
+                if group {
                     let _ = (t.ncclGroupStart)();
                 }
-                for &h in &handles {
-                    let r = (t.ncclCommAbort)(h as ncclComm_t);
-                    if first == nccl_sys::bindings::ncclSuccess {
-                        first = r;
-                    }
-                }
-                if handles.len() > 1 {
+                let aborted = handles.iter().map(|&h| (t.ncclCommAbort)(h as ncclComm_t));
+                let first = aborted.fold(ncclSuccess, |f, r| if f == ncclSuccess { r } else { f });
+                if group {
                     let _ = (t.ncclGroupEnd)();
                 }
+                first
             }
-            first
         }),
     )
 }
@@ -375,13 +348,13 @@ pub(crate) unsafe fn destroy_or_abort(
     t: &nccl_sys::FunctionTable,
     raw: ncclComm_t,
 ) -> ncclResult_t {
-    let mut state = nccl_sys::bindings::ncclInProgress;
+    let mut state = ncclInProgress;
     // SAFETY: `raw` is live (the caller's contract); `state` is writable.
     let polled = unsafe { (t.ncclCommGetAsyncError)(raw, &mut state) };
-    if polled == nccl_sys::bindings::ncclSuccess && state == nccl_sys::bindings::ncclSuccess {
+    if polled == ncclSuccess && state == ncclSuccess {
         // SAFETY: as above.
         let r = unsafe { destroy_closing_level(t, raw) };
-        if r == nccl_sys::bindings::ncclSuccess {
+        if r == ncclSuccess {
             return r;
         }
     }
@@ -401,16 +374,13 @@ pub(crate) unsafe fn destroy_closing_level(
     raw: ncclComm_t,
 ) -> ncclResult_t {
     // SAFETY: `raw` is live (the caller's contract).
-    match unsafe { (t.ncclCommDestroy)(raw) } {
-        nccl_sys::bindings::ncclSuccess | nccl_sys::bindings::ncclInProgress => {
-            nccl_sys::bindings::ncclSuccess
-        }
-        r => {
-            // SAFETY: closes the level the refused destroy left open; no handle involved.
-            let _ = unsafe { (t.ncclGroupEnd)() };
-            r
-        }
+    let r = unsafe { (t.ncclCommDestroy)(raw) };
+    if r == ncclSuccess || r == ncclInProgress {
+        return ncclSuccess;
     }
+    // SAFETY: closes the level the refused destroy left open; no handle involved.
+    let _ = unsafe { (t.ncclGroupEnd)() };
+    r
 }
 
 /// Queues `work` on `lane` and waits until `until` (at least [`MIN_WAIT`]): its result if
@@ -477,7 +447,7 @@ mod tests {
                 while !*open {
                     open = g.1.wait(open).unwrap();
                 }
-                nccl_sys::bindings::ncclSuccess
+                ncclSuccess
             }),
         );
         let o = Arc::clone(&order);
@@ -496,13 +466,15 @@ mod tests {
         );
         assert!(!first.is_done());
         let limit = Instant::now() + Duration::from_secs(5);
-        while wedged(lane).is_none() && Instant::now() < limit {
+        let check = || check_lane("ncclCommInitRankConfig", lane);
+        while check().is_ok() && Instant::now() < limit {
             std::thread::sleep(Duration::from_millis(5));
         }
-        let w = wedged(lane).expect("the lane is wedged past the bound");
-        assert!(w.contains("the blocked job"), "{w}");
-        let e = check_lane("ncclCommInitRankConfig", lane).unwrap_err();
-        assert!(matches!(e, crate::Error::TeardownWedged { .. }), "{e}");
+        let e = check().expect_err("the lane is wedged past the bound");
+        assert!(
+            matches!(&e, crate::Error::TeardownWedged { what, .. } if what.contains("the blocked job")),
+            "{e}"
+        );
         assert!(check_lane("ncclCommInitRankConfig", TeardownLane::Host(0x5eed_0002)).is_ok());
         *gate.0.lock().unwrap() = true;
         gate.1.notify_all();
@@ -511,6 +483,6 @@ mod tests {
         let order = order.lock().unwrap();
         assert_eq!(order.iter().map(|o| o.0).collect::<Vec<_>>(), [1, 2]);
         assert_eq!(order[0].1, order[1].1, "one thread served the lane");
-        assert!(wedged(lane).is_none());
+        assert!(check().is_ok());
     }
 }
