@@ -268,7 +268,9 @@ impl Communicator {
         let grow = lib.optional(lib.table().ncclCommGrow, OP)?;
         let raw_id = id.to_raw();
         let slot: JobSlot<nccl_sys::bindings::ncclComm> = JobSlot::new();
+        let called = std::cell::Cell::new(false);
         let new = super::init::start_new(OP, lib, device, world_size, rank, id, config, |c| {
+            called.set(true);
             // SAFETY: `slot.out()` is a heap slot that outlives NCCL's job (stored again at
             // its end), freed only after the communicator left ncclInProgress, else
             // leaked; `raw_id` and the config `c` live across the call (see `start_new`);
@@ -289,9 +291,13 @@ impl Communicator {
             let timeout = pending.timeout();
             pending.wait_as(OP, caller, timeout)
         });
-        // On any error the slot is left to a job that may still store into it (a failure
-        // before the call leaks its eight bytes too).
-        joined.inspect_err(|_| slot.leak())
+        // After the call, an error leaves the slot to a job that may still store into it;
+        // before it, the slot is freed.
+        joined.inspect_err(|_| {
+            if called.get() {
+                slot.leak()
+            }
+        })
     }
 
     /// The checked exclude list of a shrink: in range, not this rank, no duplicates, not
