@@ -8,7 +8,7 @@ use cudarc::driver::CudaContext;
 
 use crate::comm::CommDevice;
 use crate::config::Config;
-use crate::error::{invalid, Error, Result};
+use crate::error::{invalid, Result};
 use crate::id::UniqueId;
 use crate::launch::desync::{BoardClient, DesyncBoard};
 use crate::launch::env::ProcessEnv;
@@ -133,7 +133,9 @@ impl ProcessLauncher {
         #[cfg(feature = "host")]
         if self.host {
             let exchanged = rendezvous.exchange(self.env.rank, self.env.world_size, || {
-                Ok::<_, Error>(UniqueId::from_raw(crate::host::shared_unique_id()).to_bytes())
+                Ok::<_, crate::Error>(
+                    UniqueId::from_raw(crate::host::shared_unique_id()).to_bytes(),
+                )
             })?;
             return Ok((UniqueId::from_bytes(&exchanged.id)?, exchanged.server));
         }
