@@ -271,7 +271,10 @@ impl CommDiag {
     #[cfg(feature = "diag")]
     #[inline(always)]
     pub(crate) fn shared(&self, h: CommView<'_>) -> &Arc<Shared> {
-        self.shared.get().unwrap_or_else(|| self.attach_late(h))
+        match self.shared.get() {
+            Some(s) => s,
+            None => self.attach_late(h),
+        }
     }
 
     #[cfg(feature = "diag")]
