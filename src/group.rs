@@ -104,7 +104,9 @@ impl<'a> Group<'a> {
         let mut g = Group::new();
         let out = f(&mut g);
         let end = g.end();
-        out.and_then(|out| end.map(|()| out))
+        let out = out?;
+        end?;
+        Ok(out)
     }
 
     /// Starts the group on `comm`'s library if needed; all operations of a group must use
@@ -194,7 +196,8 @@ impl<'a> Group<'a> {
             // Timed out inside the call (host provider): as the watchdog would, time out
             // the cliques of the group's communicators, so that every rank fails fast.
             Err(e) if e.code() == Some(crate::ResultCode::Timeout) => {
-                let first = self.comms.iter().fold(None, |first, c| {
+                let mut first = None;
+                for c in &self.comms {
                     let what = format!(
                         "the group ended at {caller} did not complete within {:?} on rank {} \
                          of {}: a peer never joined it (it skipped the group, left, or is \
@@ -203,8 +206,9 @@ impl<'a> Group<'a> {
                         c.rank(),
                         c.world_size()
                     );
-                    first.or(Some(c.diag.group_timed_out(what)))
-                });
+                    let err = c.diag.group_timed_out(what);
+                    first.get_or_insert(err);
+                }
                 Err(first.unwrap_or(e))
             }
             r => r,
