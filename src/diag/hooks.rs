@@ -436,15 +436,7 @@ impl CommDiag {
     pub(crate) fn publish_group(&self) {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
-            for q in s.queue_list().iter() {
-                let staged = q.staged.load(Ordering::Acquire);
-                if staged > q.published.load(Ordering::Acquire) {
-                    if s.settings.exact {
-                        s.mark_at_enqueue(q, staged);
-                    }
-                    q.published.store(staged, Ordering::Release);
-                }
-            }
+            s.publish_staged();
         }
     }
 

@@ -537,6 +537,20 @@ impl Shared {
         self.clique.waits_for_departed(self.rank, &rec).map(|_| rec)
     }
 
+    /// Publishes the work of a group that just ended on every queue it used (marking each
+    /// first, with exact completion: the group's work is on its streams now).
+    pub(super) fn publish_staged(&self) {
+        for q in self.queue_list().iter() {
+            let staged = q.staged.load(Ordering::Acquire);
+            if staged > q.published.load(Ordering::Acquire) {
+                if self.settings.exact {
+                    self.mark_at_enqueue(q, staged);
+                }
+                q.published.store(staged, Ordering::Release);
+            }
+        }
+    }
+
     /// The records of the operations of the group being ended (staged on a queue, not yet
     /// published), queue by queue.
     pub(super) fn staged(&self) -> Vec<OpRecord> {
