@@ -12,7 +12,7 @@ use crate::error::invalid;
 use crate::error::Result;
 use crate::library::{CallContext, Library};
 use crate::nccl_call;
-use crate::ops::{Guards, Op};
+use crate::ops::Op;
 
 /// Operations fused between `ncclGroupStart` and `ncclGroupEnd`: send/receive pairs that
 /// must progress together, or one thread driving several communicators (one per device).
@@ -20,16 +20,20 @@ use crate::ops::{Guards, Op};
 /// Any operation goes in, in place or not: describe it with its `*_op` method (such as
 /// [`Communicator::all_reduce_op`]) and [`push`](Self::push) the [`Op`].
 ///
-/// * `ncclGroupEnd` runs on every path out: [`end`](Self::end), an early `?`, an error or a
-///   panic (in `Drop`).
+/// * **NCCL sees the group only at its end.** [`push`](Self::push) keeps the checked
+///   operation; [`end`](Self::end) makes `ncclGroupStart`, every operation's call and
+///   `ncclGroupEnd` in one go. NCCL's group state belongs to the calling thread, and
+///   inside it NCCL only queues every call (on any communicator) until the outermost end:
+///   so no NCCL group is ever open while the caller's code runs. A collective, a
+///   registration, a window, a new communicator or another `Group` made while this one is
+///   being filled runs on its own, at once, as it would outside (it is not part of this
+///   group); and a group leaked with `std::mem::forget` leaves nothing queued in NCCL.
+/// * The group is enqueued on every path out: [`end`](Self::end), an early `?`, an error
+///   or a panic (in `Drop`).
 /// * Every buffer passed to the group stays borrowed until the group ends, so none can be
 ///   freed, moved or read while NCCL may still use it; cudarc's event guards are released
-///   only after `ncclGroupEnd`.
+///   only after NCCL launched the group's work.
 /// * `!Send`: NCCL's group state belongs to the calling thread.
-/// * Only operations: once the group has started (at its first `push`), creating a
-///   communicator on this thread (`init_rank`, `split`, `shrink`, `grow`, ...) or revoking
-///   one is refused with [`Error::InvalidArgument`](crate::Error::InvalidArgument), since
-///   NCCL would only queue it until the group's end.
 ///
 /// ```
 /// use nccl_safe::{Communicator, CommDevice, Group, Stream};
@@ -47,24 +51,17 @@ use crate::ops::{Guards, Op};
 /// # Ok::<(), nccl_safe::Error>(())
 /// ```
 pub struct Group<'a> {
-    /// The library of the started group, borrowed from its first communicator (no
-    /// reference count traffic per group).
-    lib: Option<&'a Arc<Library>>,
-    /// The distinct communicators of its operations (inline for up to 8), each pinned
-    /// (claimed against the watchdog) from its first operation until the group's end, so
-    /// no handle is aborted under `ncclGroupEnd`.
-    comms: SmallVec<[&'a Communicator; 8]>,
-    /// cudarc guards, released after `ncclGroupEnd` (host buffers have none).
-    guards: SmallVec<[BufferGuard<'a>; 8]>,
-    operations: usize,
+    /// The operations, in the order they were pushed: described and checked, their
+    /// buffers borrowed, and not yet seen by NCCL. They are enqueued together at the
+    /// group's end (inline for up to 8).
+    ops: SmallVec<[Op<'a>; 8]>,
     _not_send: PhantomData<*const ()>,
 }
 
 impl std::fmt::Debug for Group<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Group")
-            .field("started", &self.lib.is_some())
-            .field("operations", &self.operations)
+            .field("operations", &self.ops.len())
             .finish()
     }
 }
@@ -87,14 +84,10 @@ fn acts(g: &BufferGuard<'_>) -> bool {
 }
 
 impl<'a> Group<'a> {
-    /// An empty group. `ncclGroupStart` is called with the first operation (on that
-    /// communicator's library).
+    /// An empty group. Nothing reaches NCCL until it ends.
     pub fn new() -> Group<'a> {
         Group {
-            lib: None,
-            comms: SmallVec::new(),
-            guards: SmallVec::new(),
-            operations: 0,
+            ops: SmallVec::new(),
             _not_send: PhantomData,
         }
     }
@@ -109,130 +102,77 @@ impl<'a> Group<'a> {
         Ok(out)
     }
 
-    /// Starts the group on `comm`'s library if needed; all operations of a group must use
-    /// one library. (A failed communicator is refused by the operation's description, and
-    /// again in `issue`.)
-    #[inline(always)]
-    fn enter(&mut self, comm: &'a Communicator, call: &'static str) -> Result<()> {
-        match self.lib {
-            Some(lib) if Arc::ptr_eq(lib, comm.library()) => Ok(()),
-            _ => self.start(comm, call),
-        }
-    }
-
-    #[inline(never)]
-    fn start(&mut self, comm: &'a Communicator, call: &'static str) -> Result<()> {
-        if self.lib.is_some() {
-            return Err(invalid(
-                call,
-                "all communicators of a group must come from one NCCL library",
-            ));
-        }
-        let lib = comm.library();
-        // SAFETY: ncclGroupStart takes no arguments; it is paired with the ncclGroupEnd of
-        // `end` or `Drop`.
-        unsafe { nccl_call!(lib, ncclGroupStart(), CallContext::NONE) }?;
-        crate::diag::group_started();
-        self.lib = Some(lib);
-        Ok(())
-    }
-
-    /// Notes (and pins) the communicator of an operation about to be enqueued.
-    #[inline(never)]
-    fn note(&mut self, comm: &'a Communicator) -> Result<()> {
-        if !self.comms.iter().any(|c| std::ptr::eq(*c, comm)) {
-            // Inside the group the communicator is never between operations, so the pin
-            // always takes (or fails because the watchdog aborts it).
-            comm.diag.pin()?;
-            self.comms.push(comm);
-        }
-        Ok(())
-    }
-
-    #[inline(never)]
-    fn keep_guards(&mut self, guards: Guards<'a>) {
-        for g in guards {
-            if acts(&g) {
-                self.guards.push(g);
-            }
-        }
-    }
-
-    /// Ends the group (`ncclGroupEnd`): the operations are launched (host provider: run)
-    /// now. An error marks every communicator of the group failed; NCCL's remote error
-    /// after a rank of a communicator's clique left fails that clique too (every rank's
-    /// `is_failed()`), as for a single call.
+    /// Ends the group: `ncclGroupStart`, the operations in the order they were pushed, and
+    /// `ncclGroupEnd`, which launches them (host provider: runs them) now. An error of one
+    /// operation's call ends the group with nothing launched, as NCCL does. An error marks
+    /// every communicator of the group failed; NCCL's remote error after a rank of a
+    /// communicator's clique left fails that clique too (every rank's `is_failed()`), as
+    /// for a single call.
     #[track_caller]
     pub fn end(mut self) -> Result<()> {
         self.finish(Location::caller())
     }
 
     fn finish(&mut self, caller: &'static Location<'static>) -> Result<()> {
-        let Some(lib) = self.lib.take() else {
+        let ops = std::mem::take(&mut self.ops);
+        let Some(first) = ops.first() else {
             return Ok(());
         };
-        let ctx = CallContext::at(None, caller);
-        // The group's communicators stay pinned through the call, so the watchdog cannot
-        // abort them to end it: its waits end by their tightest timeout instead. NVIDIA's
-        // NCCL returns `ncclInProgress` at once (its communicators are non-blocking) and
-        // `settle` bounds the wait; the host provider runs the group inside the call, so it
-        // is given that deadline.
-        let timeout = self.comms.iter().map(|c| c.diag.timeout()).min();
-        // SAFETY: closes the ncclGroupStart of `enter`; every buffer of the group is still
-        // borrowed by `self`.
-        let end = || unsafe { nccl_call!(lib, ncclGroupEnd(), ctx) };
-        let r = match timeout {
-            #[cfg(feature = "host")]
-            Some(t) if lib.provider() == crate::Provider::Host => {
-                // A peer that leaves while the group waits for it ends the wait at once
-                // (the watchdog would abort an unpinned communicator for it). The check
-                // reads each communicator's diagnostics in place: nothing is allocated.
-                let cancel = || self.comms.iter().any(|c| c.diag.peer_departed());
-                crate::host::with_deadline(std::time::Instant::now() + t, Some(&cancel), end)
+        let lib = first.comm().library();
+        // Every communicator of the group is pinned (claimed against the watchdog) from
+        // before `ncclGroupStart` until its work is launched, so none is aborted under it.
+        let mut comms = Pinned(SmallVec::new());
+        for op in &ops {
+            let c = op.comm();
+            if !comms.0.iter().any(|p| std::ptr::eq(*p, c)) {
+                c.diag.pin()?;
+                comms.0.push(c);
             }
-            _ => end(),
-        };
-        let r = match r {
-            // Timed out inside the call (host provider): as the watchdog would, time out
-            // the cliques of the group's communicators, so that every rank fails fast.
-            Err(e) if e.code() == Some(crate::ResultCode::Timeout) => {
-                let mut first = None;
-                for c in &self.comms {
-                    let what = format!(
-                        "the group ended at {caller} did not complete within {:?} on rank {} \
-                         of {}: a peer never joined it (it skipped the group, left, or is \
-                         late) ({e})",
-                        c.diag.timeout(),
-                        c.rank(),
-                        c.world_size()
-                    );
-                    let err = c.diag.group_timed_out(what);
-                    first.get_or_insert(err);
+        }
+        // cudarc's guards of tracked buffers, dropped (their events recorded) only after
+        // the launch: declared before `open`, so that on every path out, an unwind
+        // included, `ncclGroupEnd` comes first.
+        let mut guards: SmallVec<[BufferGuard<'a>; 8]> = SmallVec::new();
+        let mut open = Open::start(lib)?;
+        let mut first_error = None;
+        for op in ops {
+            match op.enqueue() {
+                Ok(gs) => guards.extend(gs.into_iter().filter(acts)),
+                // As NCCL (group.cc groupCleanup): after a failed call the group launches
+                // nothing, so the rest is not issued; the end returns the error.
+                Err(e) => {
+                    first_error = Some(e);
+                    break;
                 }
-                Err(first.unwrap_or(e))
             }
-            r => r,
+        }
+        let r = open.end(&comms.0, caller);
+        let r = match first_error {
+            Some(e) => Err(e),
+            None => r,
         };
-        crate::diag::group_ended();
-        let r = self.settle(r, caller);
+        let r = self.settle(&comms.0, r, caller);
         // Only now may cudarc record its events: the work is enqueued. On non-blocking
         // communicators NCCL's ncclGroupEnd returns ncclInProgress and its group thread
         // launches the kernels afterwards (group.cc:706-738), so an event recorded before
         // `settle` saw them launched would come before them on the stream.
-        self.guards.clear();
-        for c in &self.comms {
-            c.diag.unpin();
-        }
+        drop(guards);
+        drop(comms);
         r
     }
 
     /// Waits for the group's launch and publishes its work, with its communicators still
     /// pinned.
-    fn settle(&self, r: Result<()>, caller: &'static Location<'static>) -> Result<()> {
+    fn settle(
+        &self,
+        comms: &[&'a Communicator],
+        r: Result<()>,
+        caller: &'static Location<'static>,
+    ) -> Result<()> {
         match r {
             Err(e) if e.code() == Some(crate::ResultCode::InProgress) => {
                 // Non-blocking communicators: wait (bounded) until each has launched its part.
-                for c in self.comms.iter() {
+                for c in comms {
                     if let Err(e) = c.wait_ready("ncclGroupEnd", caller, c.diag.timeout()) {
                         // As below: a peer's remote error fails the clique too.
                         c.diag.group_failed(&e);
@@ -243,7 +183,7 @@ impl<'a> Group<'a> {
                 Ok(())
             }
             Err(e) => {
-                for c in &self.comms {
+                for c in comms {
                     c.diag.group_failed(&e);
                     c.mark_failed(&e);
                 }
@@ -251,7 +191,7 @@ impl<'a> Group<'a> {
             }
             Ok(()) => {
                 // The operations are on their streams now: the watchdog may track them.
-                for c in &self.comms {
+                for c in comms {
                     c.diag.publish_group();
                 }
                 Ok(())
@@ -259,8 +199,9 @@ impl<'a> Group<'a> {
         }
     }
 
-    /// Enqueues `op` inside this group (starting the group with the first operation). Its
-    /// buffers stay borrowed, and cudarc's guards held, until the group ends; an operation
+    /// Adds `op` to this group. NCCL sees it only when the group ends, with the group's
+    /// other operations between one `ncclGroupStart` and its `ncclGroupEnd`; until then
+    /// its buffers stay borrowed, and after that until its work is launched. An operation
     /// on a communicator of another NCCL library than the group's is refused.
     ///
     /// ```
@@ -283,24 +224,111 @@ impl<'a> Group<'a> {
     /// ```
     #[inline(always)]
     pub fn push(&mut self, op: Op<'a>) -> Result<()> {
-        let comm = op.comm();
-        self.enter(comm, op.name())?;
-        // Consecutive operations usually share their communicator.
-        if !self.comms.last().is_some_and(|c| std::ptr::eq(*c, comm)) {
-            self.note(comm)?;
+        if let Some(first) = self.ops.first() {
+            if !Arc::ptr_eq(first.comm().library(), op.comm().library()) {
+                return Err(invalid(
+                    op.name(),
+                    "all communicators of a group must come from one NCCL library",
+                ));
+            }
         }
-        let guards = op.enqueue()?;
-        self.operations += 1;
-        if guards.iter().any(acts) {
-            self.keep_guards(guards);
-        }
+        self.ops.push(op);
         Ok(())
+    }
+}
+
+/// The communicators of a group being enqueued, each pinned; unpinned when dropped.
+struct Pinned<'a>(SmallVec<[&'a Communicator; 8]>);
+
+impl Drop for Pinned<'_> {
+    fn drop(&mut self) {
+        for c in &self.0 {
+            c.diag.unpin();
+        }
+    }
+}
+
+/// NCCL's group, open on this thread between [`Open::start`] and [`Open::end`] only, with
+/// no code of the caller's in between: so no call of the caller's can fall into it, and a
+/// leaked [`Group`] leaves nothing queued. Dropped unended (an unwind), it still ends.
+struct Open<'l> {
+    lib: &'l Library,
+    open: bool,
+}
+
+impl<'l> Open<'l> {
+    fn start(lib: &'l Library) -> Result<Open<'l>> {
+        // SAFETY: ncclGroupStart takes no arguments; it is paired with the ncclGroupEnd of
+        // `end` or `Drop`.
+        unsafe { nccl_call!(lib, ncclGroupStart(), CallContext::NONE) }?;
+        crate::diag::group_started();
+        Ok(Open { lib, open: true })
+    }
+
+    /// `ncclGroupEnd`: the operations enqueued since `start` are launched (host provider:
+    /// run) now, with `comms` (the group's communicators) pinned.
+    fn end(&mut self, comms: &[&Communicator], caller: &'static Location<'static>) -> Result<()> {
+        self.open = false;
+        let lib = self.lib;
+        let ctx = CallContext::at(None, caller);
+        // The group's communicators stay pinned through the call, so the watchdog cannot
+        // abort them to end it: its waits end by their tightest timeout instead. NVIDIA's
+        // NCCL returns `ncclInProgress` at once (its communicators are non-blocking) and
+        // `settle` bounds the wait; the host provider runs the group inside the call, so it
+        // is given that deadline.
+        let timeout = comms.iter().map(|c| c.diag.timeout()).min();
+        // SAFETY: closes the ncclGroupStart of `start`; every buffer of the group is still
+        // borrowed by the group's operations' guards.
+        let end = || unsafe { nccl_call!(lib, ncclGroupEnd(), ctx) };
+        let r = match timeout {
+            #[cfg(feature = "host")]
+            Some(t) if lib.provider() == crate::Provider::Host => {
+                // A peer that leaves while the group waits for it ends the wait at once
+                // (the watchdog would abort an unpinned communicator for it). The check
+                // reads each communicator's diagnostics in place: nothing is allocated.
+                let cancel = || comms.iter().any(|c| c.diag.peer_departed());
+                crate::host::with_deadline(std::time::Instant::now() + t, Some(&cancel), end)
+            }
+            _ => end(),
+        };
+        crate::diag::group_ended();
+        match r {
+            // Timed out inside the call (host provider): as the watchdog would, time out
+            // the cliques of the group's communicators, so that every rank fails fast.
+            Err(e) if e.code() == Some(crate::ResultCode::Timeout) => {
+                let mut first = None;
+                for c in comms {
+                    let what = format!(
+                        "the group ended at {caller} did not complete within {:?} on rank {} \
+                         of {}: a peer never joined it (it skipped the group, left, or is \
+                         late) ({e})",
+                        c.diag.timeout(),
+                        c.rank(),
+                        c.world_size()
+                    );
+                    let err = c.diag.group_timed_out(what);
+                    first.get_or_insert(err);
+                }
+                Err(first.unwrap_or(e))
+            }
+            r => r,
+        }
+    }
+}
+
+impl Drop for Open<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            // SAFETY: closes the ncclGroupStart of `start`.
+            let _ = unsafe { nccl_call!(self.lib, ncclGroupEnd(), CallContext::NONE) };
+            crate::diag::group_ended();
+        }
     }
 }
 
 impl Drop for Group<'_> {
     fn drop(&mut self) {
-        // On `?`, an error or a panic: still close the group, exactly once.
+        // On `?`, an error or a panic: still enqueue the group, exactly once.
         let _ = self.finish(Location::caller());
     }
 }

@@ -35,7 +35,6 @@ impl Communicator {
         const OP: &str = EntryPoint::ncclCommRevoke.name();
         let caller = Location::caller();
         let revoke = self.optional(|t| t.ncclCommRevoke, OP)?;
-        refuse_in_group(OP)?;
         if self.is_revoked() {
             return Err(invalid(OP, "the communicator was already revoked"));
         }
@@ -115,7 +114,6 @@ impl Communicator {
         const OP: &str = CALL.name();
         let caller = Location::caller();
         let shrink = self.optional(|t| t.ncclCommShrink, OP)?;
-        refuse_in_group(OP)?;
         super::params::refuse_blocking(OP)?;
         let list = self.exclude_list(OP, exclude)?;
         crate::teardown::check_lane(OP, self.lane())?;
@@ -201,7 +199,6 @@ impl Communicator {
         const OP: &str = CALL.name();
         let caller = Location::caller();
         let grow = self.optional(|t| t.ncclCommGrow, OP)?;
-        refuse_in_group(OP)?;
         super::params::refuse_blocking(OP)?;
         if world_size <= self.world_size || world_size > c_int::MAX as usize {
             let (now, max) = (self.world_size, c_int::MAX);

@@ -38,7 +38,6 @@ impl Communicator {
                 ))
             }
         };
-        refuse_in_group(OP)?;
         super::params::refuse_blocking(OP)?;
         super::params::refuse_sharing(OP, self.names.share, false)?;
         crate::teardown::check_lane(OP, self.lane())?;
@@ -91,7 +90,6 @@ impl Communicator {
         const OP: &str = CALL.name();
         let caller = Location::caller();
         let shrink = self.optional(|t| t.ncclCommShrink, OP)?;
-        refuse_in_group(OP)?;
         super::params::refuse_blocking(OP)?;
         super::params::refuse_sharing(OP, self.names.share, true)?;
         let list = self.exclude_list(OP, exclude)?;

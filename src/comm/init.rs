@@ -98,7 +98,6 @@ impl Communicator {
     pub fn init_all(devices: &[CommDevice]) -> Result<Vec<Communicator>> {
         const OP: &str = "ncclCommInitAll";
         let caller = Location::caller();
-        refuse_in_group(OP)?;
         let first = devices.first().ok_or(invalid(OP, "no devices given"))?;
         let lib = first.library()?;
         check_world(OP, devices.len(), 0)?;
@@ -174,7 +173,6 @@ pub(super) fn start_new(
     config: &Config,
     make: impl FnOnce(&mut nccl_sys::bindings::ncclConfig_t) -> (ncclResult_t, ncclComm_t),
 ) -> Result<PendingCommunicator> {
-    refuse_in_group(call)?;
     check_world(call, world_size, rank)?;
     check_device(call, lib, device)?;
     super::params::refuse_blocking(call)?;

@@ -213,18 +213,6 @@ fn check_world(call: &'static str, world_size: usize, rank: usize) -> Result<()>
     Ok(())
 }
 
-/// Refuses `call` (a communicator's creation, or a revoke) inside an open [`crate::Group`]
-/// of this thread: NCCL only queues such a call until the group's end (`ncclAsyncLaunch`
-/// at a group depth above 0, group.cc:37-66 of 2.28.9) and returns ncclSuccess, so the
-/// call's wait would see nothing in flight, and NCCL would write the child's handle at
-/// the group's end, after this call returned.
-pub(crate) fn refuse_in_group(call: &'static str) -> Result<()> {
-    if crate::diag::in_group() {
-        return Err(invalid(call, "called inside an open Group, where NCCL only queues it until the group's end: call it before or after the group"));
-    }
-    Ok(())
-}
-
 /// Refuses a device of a provider other than the library's.
 pub(crate) fn check_device(call: &'static str, lib: &Library, device: &CommDevice) -> Result<()> {
     match (lib.provider(), device) {

@@ -12,8 +12,9 @@ thread_local! {
     static GROUP_DEPTH: Cell<u32> = const { Cell::new(0) };
 }
 
-/// Called after `ncclGroupStart` by [`crate::Group`]: operations are only queued until the
-/// group ends, so they are not fingerprint-checked (one thread may drive several ranks).
+/// Called after `ncclGroupStart` by [`crate::Group`]'s end: the operations it then issues
+/// are only queued until its `ncclGroupEnd`, so they are not fingerprint-checked (one
+/// thread may drive several ranks).
 pub(crate) fn group_started() {
     GROUP_DEPTH.with(|d| d.set(d.get() + 1));
 }
@@ -23,7 +24,9 @@ pub(crate) fn group_ended() {
     GROUP_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
 }
 
-/// Whether this thread is inside a [`crate::Group`] that has called `ncclGroupStart`.
+/// Whether this thread is inside a [`crate::Group`]'s end, between its `ncclGroupStart`
+/// and `ncclGroupEnd` (no code of the caller's runs there).
+#[cfg_attr(not(feature = "diag"), allow(dead_code))]
 pub(crate) fn in_group() -> bool {
     GROUP_DEPTH.with(|d| d.get() > 0)
 }

@@ -23,7 +23,6 @@ mod reduce_op;
 
 use std::ffi::{c_int, c_void};
 
-pub(crate) use op::Guards;
 pub use op::Op;
 pub use reduce_op::{PreMulSum, Reduction};
 
