@@ -133,10 +133,18 @@ impl<'a> Group<'a> {
         // the launch: declared before `open`, so that on every path out, an unwind
         // included, `ncclGroupEnd` comes first.
         let mut guards: SmallVec<[BufferGuard<'a>; 8]> = SmallVec::new();
+        // The relays of operations on the per-thread stream (`Op::enqueue`), left once
+        // the group's work is launched.
+        let mut relays: SmallVec<[&'a crate::stream::Relay; 2]> = SmallVec::new();
         let mut open = Open::start(lib)?;
         let mut first_error = None;
         for op in ops {
-            match op.enqueue() {
+            let mut relay = None;
+            let r = op.enqueue(&mut relay);
+            if let Some(relay) = relay.filter(|r| !relays.iter().any(|x| std::ptr::eq(*x, *r))) {
+                relays.push(relay);
+            }
+            match r {
                 Ok(gs) => guards.extend(gs.into_iter().filter(acts)),
                 // As NCCL (group.cc groupCleanup): after a failed call the group launches
                 // nothing, so the rest is not issued; the end returns the error.
@@ -151,7 +159,10 @@ impl<'a> Group<'a> {
             Some(e) => Err(e),
             None => r,
         };
-        let r = self.settle(&comms.0, r, caller);
+        let mut r = self.settle(&comms.0, r, caller);
+        for relay in relays {
+            r = Op::leave(relay, r);
+        }
         // Only now may cudarc record its events: the work is enqueued. On non-blocking
         // communicators NCCL's ncclGroupEnd returns ncclInProgress and its group thread
         // launches the kernels afterwards (group.cc:706-738), so an event recorded before

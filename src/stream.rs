@@ -103,3 +103,131 @@ pub(crate) fn make_current(
     }
     Ok(())
 }
+
+/// A stream of the communicator's own that stands in for `CU_STREAM_PER_THREAD` (0x2)
+/// when NCCL launches from a thread of its own, joined to and from the caller's
+/// per-thread stream by events.
+///
+/// On a non-blocking communicator of two or more ranks NCCL launches a collective from its
+/// group's thread (group.cc:705-738 → `doLaunches`, enqueue.cc of 2.28.9), where 0x2 means
+/// *that* thread's per-thread stream: the collective would be ordered with nothing the
+/// caller enqueued, and every event recorded on the caller's 0x2 would cover nothing. So
+/// the collective goes to this stream instead: [`enter`](Self::enter) (on the caller's
+/// thread, before NCCL's call) makes it wait for the caller's per-thread stream, and
+/// [`leave`](Self::leave) (after NCCL launched the work) makes the caller's per-thread
+/// stream wait for it. Made, recorded and destroyed through the driver's calls directly,
+/// with the context made current without cudarc's `bind_to_thread` (which would take the
+/// user's recorded error).
+pub(crate) struct Relay {
+    /// `raw`, as cudarc's borrowed wrapper: the stream the diagnostics watch.
+    stream: Arc<CudaStream>,
+    raw: cudarc::driver::sys::CUstream,
+    into: cudarc::driver::sys::CUevent,
+    out: cudarc::driver::sys::CUevent,
+    ctx: Arc<cudarc::driver::CudaContext>,
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay").field("stream", &self.raw).finish()
+    }
+}
+
+impl Relay {
+    /// A non-blocking stream and two events of `ctx`.
+    pub(crate) fn new(
+        ctx: &Arc<cudarc::driver::CudaContext>,
+    ) -> Result<Relay, cudarc::driver::DriverError> {
+        use cudarc::driver::result::{event, stream};
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        make_current(ctx)?;
+        let raw = stream::create(stream::StreamKind::NonBlocking)?;
+        let events = event::create(CU_EVENT_DISABLE_TIMING).and_then(|into| {
+            match event::create(CU_EVENT_DISABLE_TIMING) {
+                Ok(out) => Ok((into, out)),
+                Err(e) => {
+                    // SAFETY: made just above, used by nothing.
+                    let _ = unsafe { event::destroy(into) };
+                    Err(e)
+                }
+            }
+        });
+        let (into, out) = match events {
+            Ok(ev) => ev,
+            Err(e) => {
+                // SAFETY: made just above, used by nothing.
+                let _ = unsafe { stream::destroy(raw) };
+                return Err(e);
+            }
+        };
+        // SAFETY: `raw` is a live stream of `ctx`, destroyed only by this relay's `Drop`,
+        // after the wrapper (a field of the relay, never handed out by value) is gone.
+        let stream = unsafe { ctx.wrap_borrowed_stream(raw) };
+        Ok(Relay {
+            stream,
+            raw,
+            into,
+            out,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    /// The relay stream, for the operation's call and its diagnostics.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// On the caller's thread: the relay waits for the work enqueued so far on the
+    /// caller's per-thread stream (of the relay's context).
+    pub(crate) fn enter(&self) -> Result<(), cudarc::driver::DriverError> {
+        self.join(PER_THREAD_STREAM as _, self.into, self.raw)
+    }
+
+    /// On the caller's thread, once NCCL launched the work: the caller's per-thread stream
+    /// waits for the relay.
+    pub(crate) fn leave(&self) -> Result<(), cudarc::driver::DriverError> {
+        self.join(self.raw, self.out, PER_THREAD_STREAM as _)
+    }
+
+    /// `to` waits for `from`'s work so far, through `event`.
+    fn join(
+        &self,
+        from: cudarc::driver::sys::CUstream,
+        event: cudarc::driver::sys::CUevent,
+        to: cudarc::driver::sys::CUstream,
+    ) -> Result<(), cudarc::driver::DriverError> {
+        use cudarc::driver::result::{event as ev, stream};
+        // 0x2 is the per-thread stream of the current context.
+        make_current(&self.ctx)?;
+        // SAFETY: the event and the relay stream are live (owned by `self`), of the
+        // current context, as the per-thread stream is.
+        unsafe {
+            ev::record(event, from)?;
+            stream::wait_event(
+                to,
+                event,
+                cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        use cudarc::driver::result::{event, stream};
+        if make_current(&self.ctx).is_err() {
+            return; // the context is gone with its streams and events
+        }
+        // SAFETY: owned by this relay and used by nothing else any more; CUDA releases a
+        // stream with work pending once that work is done.
+        unsafe {
+            let _ = event::destroy(self.into);
+            let _ = event::destroy(self.out);
+            let _ = stream::destroy(self.raw);
+        }
+    }
+}
+
+// SAFETY: CUDA streams and events may be used from any thread; the context they belong
+// to is kept alive by `ctx`.
+unsafe impl Send for Relay {}

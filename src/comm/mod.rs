@@ -174,6 +174,9 @@ pub struct Communicator {
     refused: std::cell::Cell<u64>,
     /// `ncclCommRevoke` was called: NCCL refuses its collectives, and a second revoke.
     revoked: std::cell::Cell<bool>,
+    /// The stand-in for the per-thread stream (`crate::stream::Relay`), made at its first
+    /// use; dropped after the handle's teardown.
+    relay: OnceCell<crate::stream::Relay>,
 }
 
 // SAFETY: NCCL allows a communicator to be used from any thread, one at a time; `!Sync`
@@ -638,6 +641,43 @@ impl Communicator {
 }
 
 impl Communicator {
+    /// The relay an operation on `stream` runs on, entered (it waits for the caller's
+    /// per-thread stream): for `CU_STREAM_PER_THREAD` with two or more ranks, where NCCL
+    /// launches from a thread of its own (`crate::stream::Relay`). `None` for any other
+    /// stream, and for one rank, whose launch NCCL runs inside the call.
+    #[inline(always)]
+    pub(crate) fn relay_for(
+        &self,
+        stream: crate::stream::StreamRef<'_>,
+    ) -> Result<Option<&crate::stream::Relay>> {
+        if stream.raw() as usize != crate::stream::PER_THREAD_STREAM || self.world_size < 2 {
+            return Ok(None);
+        }
+        self.enter_relay().map(Some)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn enter_relay(&self) -> Result<&crate::stream::Relay> {
+        let relay = match self.relay.get() {
+            Some(r) => r,
+            None => {
+                let CommDevice::Cuda(ctx) = &self.device else {
+                    return Err(invalid(
+                        "CU_STREAM_PER_THREAD",
+                        "a CUDA stream on a host communicator",
+                    ));
+                };
+                let r = crate::stream::Relay::new(ctx)?;
+                self.relay.get_or_init(|| r)
+            }
+        };
+        relay.enter()?;
+        Ok(relay)
+    }
+}
+
+impl Communicator {
     /// A communicator around `handle` on `device`, healthy, with `diag` (attached by the
     /// caller once rank and size are known).
     pub(crate) fn new(
@@ -659,6 +699,7 @@ impl Communicator {
             orphans: Default::default(),
             refused: Default::default(),
             revoked: Default::default(),
+            relay: OnceCell::new(),
         }
     }
 

@@ -68,6 +68,12 @@ impl<'a> OpInfo<'a> {
     pub(crate) fn name(&self) -> &'static str {
         self.name.name()
     }
+
+    /// The same operation, run on `stream` instead (a relay of the per-thread stream).
+    #[inline]
+    pub(crate) fn on(self, stream: StreamRef<'a>) -> OpInfo<'a> {
+        OpInfo { stream, ..self }
+    }
 }
 
 /// Collectives get a sequence number and a fingerprint; point-to-point calls (made by two

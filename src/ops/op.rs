@@ -75,7 +75,22 @@ impl<'a> Op<'a> {
     /// communicator's one checked call path). The buffers are released when it returns.
     #[inline(always)]
     pub fn run(self) -> Result<()> {
-        self.enqueue().map(drop)
+        let mut relay = None;
+        let r = self.enqueue(&mut relay).map(drop);
+        match relay {
+            None => r,
+            Some(relay) => Self::leave(relay, r),
+        }
+    }
+
+    /// The caller's per-thread stream waits for the relay's work, whatever the call's
+    /// outcome (what NCCL launched must be behind it before the buffers are released).
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn leave(relay: &crate::stream::Relay, r: Result<()>) -> Result<()> {
+        let left = relay.leave();
+        r?;
+        Ok(left?)
     }
 
     /// The communicator it runs on.
@@ -98,9 +113,15 @@ impl<'a> Op<'a> {
     }
 
     /// Makes the call, and hands back the guards to keep until the work is enqueued (the
-    /// end of the group inside one).
+    /// end of the group inside one). An operation on the per-thread stream that NCCL
+    /// launches from a thread of its own runs on the communicator's relay instead, set in
+    /// `relay` (entered): the caller must [`leave`](Self::leave) it once the work is
+    /// launched, before the guards go.
     #[inline(always)]
-    pub(crate) fn enqueue(self) -> Result<Guards<'a>> {
+    pub(crate) fn enqueue(
+        self,
+        relay: &mut Option<&'a crate::stream::Relay>,
+    ) -> Result<Guards<'a>> {
         let Op {
             comm,
             call,
@@ -121,6 +142,14 @@ impl<'a> Op<'a> {
             // peers never call).
             return Ok(guards);
         }
+        let (stream, info) = match comm.relay_for(stream)? {
+            None => (stream, info),
+            Some(r) => {
+                *relay = Some(r);
+                let on = crate::stream::StreamRef::Cuda(r.stream());
+                (on, info.on(on))
+            }
+        };
         comm.issue(
             info,
             caller,

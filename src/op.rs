@@ -1,0 +1,101 @@
+//! What an operation is, as the per-operation hooks record and check it, and whether the
+//! calling thread is inside a group.
+
+use std::cell::Cell;
+
+use nccl_sys::EntryPoint;
+
+use crate::stream::StreamRef;
+use crate::types::DataType;
+
+thread_local! {
+    static GROUP_DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Called after `ncclGroupStart` by [`crate::Group`]'s end: the operations it then issues
+/// are only queued until its `ncclGroupEnd`, so they are not fingerprint-checked (one
+/// thread may drive several ranks).
+pub(crate) fn group_started() {
+    GROUP_DEPTH.with(|d| d.set(d.get() + 1));
+}
+
+/// Called after `ncclGroupEnd` by [`crate::Group`].
+pub(crate) fn group_ended() {
+    GROUP_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+}
+
+/// Whether this thread is inside a [`crate::Group`]'s end, between its `ncclGroupStart`
+/// and `ncclGroupEnd` (no code of the caller's runs there).
+#[cfg_attr(not(feature = "diag"), allow(dead_code))]
+pub(crate) fn in_group() -> bool {
+    GROUP_DEPTH.with(|d| d.get() > 0)
+}
+
+/// What an operation is, as `issue` records and checks it.
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "diag"), allow(dead_code))]
+pub(crate) struct OpInfo<'a> {
+    pub(super) name: EntryPoint,
+    pub(super) collective: bool,
+    pub(super) dtype: Option<DataType>,
+    pub(super) count: usize,
+    pub(super) root: Option<usize>,
+    pub(super) stream: StreamRef<'a>,
+}
+
+impl<'a> OpInfo<'a> {
+    /// A collective moving `count` elements of `dtype` on `stream`, with its root or peer.
+    #[inline]
+    pub(crate) fn new(
+        call: nccl_sys::Collective,
+        dtype: DataType,
+        count: usize,
+        root: Option<usize>,
+        stream: StreamRef<'a>,
+    ) -> OpInfo<'a> {
+        OpInfo {
+            name: call.entry_point(),
+            collective: call.every_rank(),
+            dtype: Some(dtype),
+            count,
+            root,
+            stream,
+        }
+    }
+
+    /// The NCCL call.
+    #[inline]
+    pub(crate) fn name(&self) -> &'static str {
+        self.name.name()
+    }
+
+    /// The same operation, run on `stream` instead (a relay of the per-thread stream).
+    #[inline]
+    pub(crate) fn on(self, stream: StreamRef<'a>) -> OpInfo<'a> {
+        OpInfo { stream, ..self }
+    }
+}
+
+/// Collectives get a sequence number and a fingerprint; point-to-point calls (made by two
+/// ranks) and shrink (not called by the excluded ranks) do not.
+#[inline]
+pub(crate) fn is_collective(call: EntryPoint) -> bool {
+    match call.collective() {
+        Some(c) => c.every_rank(),
+        None => call != EntryPoint::ncclCommShrink,
+    }
+}
+
+impl From<EntryPoint> for OpInfo<'static> {
+    #[inline]
+    fn from(name: EntryPoint) -> Self {
+        OpInfo {
+            name,
+            collective: is_collective(name),
+            dtype: None,
+            count: 0,
+            root: None,
+            stream: StreamRef::Host,
+        }
+    }
+}
