@@ -405,7 +405,8 @@ fn config(blocking: c_int) -> ncclConfig_t {
 }
 
 /// The calls NCCL starts with `ncclCommEnsureReady` (init.cc:373-389 of 2.28.9: Count,
-/// CuDevice, UserRank, Finalize, Split, ncclRedOpCreatePreMulSum) read the state
+/// CuDevice, UserRank, Finalize, Split, ncclRedOpCreatePreMulSum, and
+/// ncclCommWindowRegister, dev_runtime.cc:904) read the state
 /// ncclCommGetAsyncError reads: on a communicator still initializing they are refused
 /// with ncclInvalidArgument, and after a peer's abort with that abort's ncclRemoteError.
 /// A finalize of NULL is ncclSuccess (init.cc:2271), a second one ncclInvalidArgument.
@@ -416,7 +417,10 @@ fn calls_that_ensure_ready_read_the_asynchronous_state() {
         let (mut n, mut op) = (0, ncclSum);
         let mut scalar = 1.0f32;
         let mut child: ncclComm_t = core::ptr::null_mut();
-        // SAFETY: a live handle and writable outputs; the scalar outlives the call.
+        let register = t.ncclCommWindowRegister.expect("window API");
+        let (mut buf, mut win) = ([0u8; 64], core::ptr::null_mut());
+        // SAFETY: a live handle and writable outputs; the scalar and the buffer outlive the
+        // calls (a window registered by mistake is released by the teardown).
         unsafe {
             [
                 (t.ncclCommCount)(c, &mut n),
@@ -431,6 +435,7 @@ fn calls_that_ensure_ready_read_the_asynchronous_state() {
                     c,
                 ),
                 (t.ncclCommFinalize)(c),
+                register(c, buf.as_mut_ptr().cast(), 64, &mut win, 0),
             ]
         }
     };
@@ -441,7 +446,7 @@ fn calls_that_ensure_ready_read_the_asynchronous_state() {
     // SAFETY: valid pointers.
     let rc = unsafe { (t.ncclCommInitRankConfig)(&mut pending, 2, id, 0, &mut cfg) };
     assert_eq!(rc, ncclInProgress);
-    assert_eq!(refusals(pending), [ncclInvalidArgument; 6]);
+    assert_eq!(refusals(pending), [ncclInvalidArgument; 7]);
     // SAFETY: the handle, torn down once.
     assert_eq!(unsafe { (t.ncclCommAbort)(pending) }, ncclSuccess);
     // After a peer's abort.
@@ -466,7 +471,7 @@ fn calls_that_ensure_ready_read_the_asynchronous_state() {
         assert_eq!(unsafe { (t.ncclCommAbort)(comm) }, ncclSuccess);
         Some(got)
     });
-    assert_eq!(out[0], Some((ncclRemoteError, [ncclRemoteError; 6])));
+    assert_eq!(out[0], Some((ncclRemoteError, [ncclRemoteError; 7])));
     assert_eq!(tuple(host::stats_for(&id)).1, 2);
     // SAFETY: NULL is a no-op for NCCL.
     assert_eq!(
@@ -1302,4 +1307,99 @@ fn a_window_is_written_later_and_destroy_in_progress_leaves_a_group_open() {
     });
     // The in-progress destroy counts as misuse.
     assert_eq!(tuple(host::stats_for(&id)), stats(0, 1, 1, 0, 1));
+}
+
+/// A window registration inside a group, as NCCL 2.28.9 has it: the call only queues the
+/// task with the caller's out-pointer (dev_runtime.cc:902-915) and returns ncclSuccess with
+/// `*win` untouched and the communicator's state unchanged; an inner ncclGroupEnd only
+/// counts the depth down (group.cc:669); the group's job writes `*win` at the outermost
+/// ncclGroupEnd (group.cc:540-567 -> dev_runtime.cc:596, :533), in the call for a blocking
+/// communicator and from the group's thread for a non-blocking one (group.cc:706-738),
+/// whose state reads ncclInProgress until then. A call that fails inside the group fails
+/// the group's end too (`ncclGroupErrCheck`, dev_runtime.cc:918).
+#[test]
+fn a_window_registered_inside_a_group_is_written_at_its_end() {
+    use core::sync::atomic::{AtomicPtr, Ordering::Acquire};
+    let t = table();
+    let register = t.ncclCommWindowRegister.expect("window API");
+    let deregister = t.ncclCommWindowDeregister.expect("window API");
+    const UNTOUCHED: usize = 0x8;
+    let untouched = || UNTOUCHED as ncclWindow_t;
+    let state = |comm: ncclComm_t| {
+        let mut st = ncclInternalError;
+        // SAFETY: a live comm, a writable result.
+        assert_eq!(
+            unsafe { (t.ncclCommGetAsyncError)(comm, &mut st) },
+            ncclSuccess
+        );
+        st
+    };
+    for nonblocking in [false, true] {
+        let body = |_, comm: ncclComm_t| {
+            let root = host::root_id_of(comm).expect("a live host communicator");
+            if nonblocking {
+                host::fault::inject(&root, host::fault::Fault::HeldJobs);
+            }
+            let mut buf = vec![0u8; 64];
+            // A heap slot the group's thread may write after this function looked at it.
+            let slot = Box::new(AtomicPtr::<ncclWindow_vidmem>::new(untouched()));
+            // SAFETY: balanced group calls on this thread; a live comm and buffer; the slot
+            // outlives the group's job (it is read after the wait).
+            unsafe {
+                assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+                assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+                let rc = register(comm, buf.as_mut_ptr().cast(), 64, slot.as_ptr(), 0);
+                assert_eq!(rc, ncclSuccess, "{}", last_error(&t));
+                assert_eq!(slot.load(Acquire), untouched(), "queued, not registered");
+                assert_eq!(
+                    state(comm),
+                    ncclSuccess,
+                    "the state is the group end's to set"
+                );
+                assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
+                assert_eq!(
+                    slot.load(Acquire),
+                    untouched(),
+                    "an inner end launches nothing"
+                );
+                assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
+            }
+            if nonblocking {
+                assert_eq!(
+                    slot.load(Acquire),
+                    untouched(),
+                    "the group's thread writes it"
+                );
+                assert_eq!(state(comm), ncclInProgress);
+                host::fault::release_jobs(&root);
+                assert_eq!(wait_out_of_progress(&t, comm), ncclSuccess);
+            }
+            let win = slot.load(Acquire);
+            assert!(
+                win != untouched() && !win.is_null(),
+                "written at the group's end"
+            );
+            // SAFETY: live comm and window.
+            assert_eq!(unsafe { deregister(comm, win) }, ncclSuccess);
+            // A call refused inside the group (a symmetric window outside any ncclMemAlloc
+            // allocation, which NCCL refuses in the group's job) fails the group's end.
+            slot.store(untouched(), core::sync::atomic::Ordering::Release);
+            let sym = NCCL_WIN_COLL_SYMMETRIC as c_int;
+            // SAFETY: as above.
+            unsafe {
+                assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+                let rc = register(comm, buf.as_mut_ptr().cast(), 64, slot.as_ptr(), sym);
+                assert_eq!(rc, ncclInvalidArgument);
+                assert_eq!((t.ncclGroupEnd)(), ncclInvalidArgument);
+            }
+            assert_eq!(slot.load(Acquire), untouched());
+            // SAFETY: the handle, torn down once.
+            assert_eq!(unsafe { (t.ncclCommAbort)(comm) }, ncclSuccess);
+        };
+        if nonblocking {
+            with_non_blocking_ranks(&t, 1, body);
+        } else {
+            with_ranks(&t, 1, body);
+        }
+    }
 }

@@ -18,7 +18,8 @@ use super::state::{
     PendingOn, PreMul, RootIdx,
 };
 
-/// A split or shrink queued for the outermost ncclGroupEnd: the call it makes there.
+/// A split, shrink or window registration queued for the outermost ncclGroupEnd: the call
+/// it makes there.
 type QueuedJob = Box<dyn FnOnce() -> ncclResult_t>;
 
 thread_local! {
@@ -31,8 +32,8 @@ thread_local! {
     /// so a group level left open (a refused ncclCommDestroy leaves one: see `teardown`)
     /// means they never run.
     static DEFERRED: RefCell<Vec<(usize, bool)>> = const { RefCell::new(Vec::new()) };
-    /// Splits and shrinks called inside a group, as the calls they make at the outermost
-    /// ncclGroupEnd (see `queue_for_group_end`).
+    /// Splits, shrinks and window registrations called inside a group, as the calls they
+    /// make at the outermost ncclGroupEnd (see `queue_for_group_end`, `queue_window`).
     static QUEUED: RefCell<Vec<(Handle, QueuedJob)>> = const { RefCell::new(Vec::new()) };
     /// The "current device" recorded by ncclCommInitRank(Config) (see `set_current_device`).
     pub(crate) static DEVICE: Cell<c_int> = const { Cell::new(0) };
@@ -1885,10 +1886,14 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
     win: *mut ncclWindow_t,
     win_flags: c_int,
 ) -> ncclResult_t {
-    ffi(|| {
+    // Grouped: a refusal inside a group fails the group's end too, as NCCL's
+    // `ncclGroupErrCheck` (dev_runtime.cc:918 of 2.28.9).
+    ffi_grouped(|| {
         let mut g = lock();
         const NAME: &str = "ncclCommWindowRegister";
-        let r = ready(&mut g, comm, NAME, false)?;
+        // NCCL's `ncclCommEnsureReady` (dev_runtime.cc:904): refused while in progress,
+        // and with the communicator's asynchronous error once it has one.
+        let r = ensure_ready(&mut g, comm, NAME)?;
         if win.is_null() {
             return Err(r.invalid(&mut g, "win is NULL"));
         }
@@ -1910,6 +1915,9 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
                 return Err(r.invalid(&mut g, m));
             }
         }
+        if in_group() {
+            return Ok(queue_window(r.h, comm, buff, size, win, win_flags));
+        }
         if asynchronous(&g, r.h) {
             // As NCCL (dev_runtime.cc:900-921): the registration is a task of the group that
             // ends the call, run by its thread, which writes the window later.
@@ -1929,6 +1937,44 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
         put(win, token as ncclWindow_t);
         Ok(ncclSuccess)
     })
+}
+
+/// A window registration inside a group, as NCCL 2.28.9 has it: the call queues the task
+/// with the caller's out-pointer (dev_runtime.cc:909-915) and returns ncclSuccess, writing
+/// nothing and leaving the communicator's state alone; the group's job registers it at the
+/// outermost ncclGroupEnd (group.cc:540-567 -> `ncclCommGroupRegisterSymmetric`, :223-236)
+/// and writes `*win` there (dev_runtime.cc:596, or :533 with symmetric support), or NULL if
+/// it fails (:646). Here the job is the call made again outside the group: on a blocking
+/// communicator it writes `*win` in the group's end, on a non-blocking one it starts the
+/// asynchronous registration, which a thread of the provider's writes later, the
+/// communicator reading ncclInProgress until then (NCCL's group thread, group.cc:706-738).
+/// Stricter than NCCL in one point: the queued jobs run in call order, so a registration
+/// queued with a split or shrink of the same non-blocking communicator is refused at the
+/// group's end (its communicator is then busy with the other job), where NCCL runs both
+/// on its group thread. A group that fails runs none of them and writes nothing; NCCL
+/// leaves them queued on the communicator (`groupCleanup`, group.cc:340-397, does not
+/// empty `devrState.regTaskQueue`), to run, and write through their out-pointers, in the
+/// next group that registers a window there.
+fn queue_window(
+    h: Handle,
+    comm: ncclComm_t,
+    buff: *mut c_void,
+    size: usize,
+    win: *mut ncclWindow_t,
+    win_flags: c_int,
+) -> ncclResult_t {
+    let (comm, buff, out) = (comm as usize, buff as usize, win as usize);
+    let job = move || {
+        // SAFETY: NCCL's contract: the caller keeps the communicator, the buffer and the
+        // out-pointer valid until the group's job has written it.
+        let rc = unsafe { ncclCommWindowRegister(comm as _, buff as _, size, out as _, win_flags) };
+        if rc != ncclSuccess && rc != ncclInProgress {
+            put(out as *mut ncclWindow_t, core::ptr::null_mut());
+        }
+        rc
+    };
+    QUEUED.with(|q| q.borrow_mut().push((h, Box::new(job))));
+    ncclSuccess
 }
 
 pub(crate) unsafe extern "C" fn ncclCommWindowDeregister(
