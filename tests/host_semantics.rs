@@ -1403,3 +1403,55 @@ fn a_window_registered_inside_a_group_is_written_at_its_end() {
         }
     }
 }
+
+/// `ncclCommDestroy` sets the communicator's `destroyFlag` before `ncclCommEnsureReady`
+/// refuses it (init.cc:2379-2381 of 2.28.9), inside a group too (the check runs in the
+/// call, before the reclaim job is queued, :2384), and nothing clears the flag: a revoke of
+/// that communicator is refused from then on (init.cc:2457 of 2.28.9, :2651 of 2.29.7).
+/// Each refused destroy leaves its own group level open.
+#[test]
+fn a_refused_destroy_keeps_its_destroy_flag() {
+    let t = table();
+    let register = t.ncclCommWindowRegister.expect("window API");
+    let deregister = t.ncclCommWindowDeregister.expect("window API");
+    let revoke = t.ncclCommRevoke.expect("revoke API");
+    with_non_blocking_ranks(&t, 1, |_, comm| {
+        let root = host::root_id_of(comm).expect("a live host communicator");
+        host::fault::inject(&root, host::fault::Fault::HeldJobs);
+        let mut buf = vec![0u8; 64];
+        let slot = Box::new(core::sync::atomic::AtomicPtr::<ncclWindow_vidmem>::new(
+            core::ptr::null_mut(),
+        ));
+        // SAFETY: live comm, live buffer, the slot outlives the job; the group levels are
+        // closed below.
+        unsafe {
+            let rc = register(comm, buf.as_mut_ptr().cast(), 64, slot.as_ptr(), 0);
+            assert_eq!(rc, ncclSuccess);
+            // Inside a group the destroy is refused in the call as well, and not queued.
+            assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+            let rc = (t.ncclCommDestroy)(comm);
+            assert_eq!(rc, ncclInvalidArgument, "{}", last_error(&t));
+            assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
+            assert_eq!((t.ncclGroupEnd)(), ncclSuccess, "the destroy's own level");
+            assert_eq!(host::stats_for(&root).live, 1, "nothing was queued");
+            // Outside a group.
+            assert_eq!((t.ncclCommDestroy)(comm), ncclInvalidArgument);
+            assert_eq!((t.ncclGroupEnd)(), ncclSuccess, "the destroy's own level");
+        }
+        host::fault::release_jobs(&root);
+        assert_eq!(wait_out_of_progress(&t, comm), ncclSuccess);
+        let win = slot.load(core::sync::atomic::Ordering::Acquire);
+        // SAFETY: live comm and window; then the refused revoke changes nothing.
+        unsafe {
+            assert_eq!(deregister(comm, win), ncclSuccess);
+            let rc = revoke(comm, NCCL_REVOKE_DEFAULT as c_int);
+            assert_eq!(rc, ncclInvalidArgument, "the destroy flag stays set");
+            assert!(
+                last_error(&t).contains("ncclCommDestroy"),
+                "{}",
+                last_error(&t)
+            );
+            assert_eq!((t.ncclCommAbort)(comm), ncclSuccess);
+        }
+    });
+}

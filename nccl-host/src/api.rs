@@ -801,23 +801,30 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     };
     let mut g = lock();
     let mut h = known(&mut g, comm, what)?;
+    if !abort {
+        // NCCL's ncclCommDestroy sets `destroyFlag` first (init.cc:2379), and nothing clears
+        // it: a later revoke is refused (:2457).
+        if let Some(c) = g.comms.get_mut(&h) {
+            c.destroy_called = true;
+        }
+        if let Some(f) = destroy_refusal(&mut g, h) {
+            // NCCL's ncclCommDestroy (init.cc:2358-2391) enters a group level
+            // (ncclGroupStartInternal), then returns ncclCommEnsureReady's error through
+            // `NCCLCHECK`, before the `exit:` that would leave it: the communicator is not
+            // torn down, and this thread stays one group level deep, so its later calls are
+            // queued for a ncclGroupEnd that never comes. Inside a group too: the check
+            // runs in the call, before the reclaim job is queued (:2381-2384).
+            GROUP.with(|gr| gr.borrow_mut().0 += 1);
+            return Err(f);
+        }
+    }
     if in_group() {
         // NCCL queues the reclaim job with the caller's group (ncclAsyncLaunch at depth > 0,
         // group.cc:37-66): it runs at the outermost ncclGroupEnd, or never.
         DEFERRED.with(|d| d.borrow_mut().push((h, abort)));
         return Ok(ncclSuccess);
     }
-    if !abort {
-        if let Some(f) = destroy_refusal(&mut g, h) {
-            // NCCL's ncclCommDestroy (init.cc:2358-2391) enters a group level
-            // (ncclGroupStartInternal), then returns ncclCommEnsureReady's error through
-            // `NCCLCHECK`, before the `exit:` that would leave it: the communicator is not
-            // torn down, and this thread stays one group level deep, so its later calls are
-            // queued for a ncclGroupEnd that never comes.
-            GROUP.with(|gr| gr.borrow_mut().0 += 1);
-            return Err(f);
-        }
-    } else {
+    if abort {
         // NCCL's abort sets the abort flags (the child of a split in flight sees them too)
         // and joins the job in flight (ncclCommEnsureReady -> ncclGroupJobAbort,
         // init.cc:2503-2520) before it tears down.
@@ -1169,6 +1176,10 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
             Some(format!(
                 "revokeFlags {revoke_flags} (must be NCCL_REVOKE_DEFAULT)"
             ))
+        } else if c.destroy_called {
+            // NCCL's `destroyFlag` (init.cc:2457 of 2.28.9, :2651 of 2.29.7), which a
+            // refused destroy leaves set (init.cc:2379).
+            Some("ncclCommDestroy was called on the communicator".to_string())
         } else if c.revoked {
             Some("the communicator was already revoked".to_string())
         } else if c.finalized {

@@ -101,6 +101,10 @@ pub(crate) struct Comm {
     /// init.cc:2909): the next grow's id is derived from it, as NCCL derives the grow
     /// handle's magic (`hashCombine(comm->magic, comm->childCount)`).
     pub grows: u64,
+    /// `ncclCommDestroy` was called on it (NCCL's `destroyFlag`, set before the readiness
+    /// check that may refuse the destroy, init.cc:2379 of 2.28.9, and never cleared): a
+    /// revoke is refused from then on (:2457).
+    pub destroy_called: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -328,6 +332,7 @@ impl Global {
                 revoked: false,
                 error_cleared: false,
                 grows: 0,
+                destroy_called: false,
             },
         );
         h
