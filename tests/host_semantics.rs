@@ -1455,3 +1455,91 @@ fn a_refused_destroy_keeps_its_destroy_flag() {
         }
     });
 }
+
+/// NCCL skips registrations its parameters turn off: `ncclCommRegister` under
+/// `NCCL_LOCAL_REGISTER=0` writes a NULL handle and returns ncclSuccess
+/// (register/register.cc:118-121 of 2.28.9), and `ncclCommWindowRegister` without
+/// symmetric support (`NCCL_WIN_ENABLE=0`, init.cc:1376) and without local registration
+/// returns ncclSuccess at once, writing nothing, inside a group too (dev_runtime.cc:902).
+/// NCCL reads its parameters once per process, and so does the provider: each case runs
+/// in a child process.
+#[test]
+fn registrations_are_skipped_where_nccls_parameters_turn_them_off() {
+    for (local, win) in [("0", "0"), ("0", "1"), ("1", "0")] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child_under_registration_parameters"])
+            .args(["--ignored", "--nocapture"])
+            .env("NCCL_LOCAL_REGISTER", local)
+            .env("NCCL_WIN_ENABLE", win)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        let what = format!("NCCL_LOCAL_REGISTER={local} NCCL_WIN_ENABLE={win}");
+        assert!(out.status.success(), "{what}: {stderr}");
+        assert!(stdout.contains("child: checked"), "{what}: {stdout}");
+    }
+}
+
+#[test]
+#[ignore = "run as a child process by registrations_are_skipped_where_nccls_parameters_turn_them_off"]
+fn child_under_registration_parameters() {
+    let on = |v: &str| std::env::var(v).expect("run only as a child process") != "0";
+    let (local, win_enable) = (on("NCCL_LOCAL_REGISTER"), on("NCCL_WIN_ENABLE"));
+    let t = table();
+    let register = t.ncclCommRegister.expect("registration API");
+    let deregister = t.ncclCommDeregister.expect("registration API");
+    let window = t.ncclCommWindowRegister.expect("window API");
+    let unwindow = t.ncclCommWindowDeregister.expect("window API");
+    let untouched = 0x8usize;
+    let (id, _) = with_ranks(&t, 1, |_, comm| {
+        let mut buf = vec![0u8; 64];
+        let (mut handle, mut win) = (untouched as *mut c_void, untouched as ncclWindow_t);
+        // SAFETY: a live comm and buffer, writable out-pointers; each registration made is
+        // released once.
+        unsafe {
+            assert_eq!(
+                register(comm, buf.as_mut_ptr().cast(), 64, &mut handle),
+                ncclSuccess
+            );
+            assert_eq!(
+                handle.is_null(),
+                !local,
+                "a skipped registration's handle is NULL"
+            );
+            assert_eq!(deregister(comm, handle), ncclSuccess);
+            for grouped in [false, true] {
+                win = untouched as ncclWindow_t;
+                if grouped {
+                    assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+                }
+                let rc = window(comm, buf.as_mut_ptr().cast(), 64, &mut win, 0);
+                assert_eq!(rc, ncclSuccess, "{}", last_error(&t));
+                if grouped {
+                    assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
+                }
+                let skipped = !(local || win_enable);
+                assert_eq!(win as usize == untouched, skipped, "grouped: {grouped}");
+                if !skipped {
+                    assert_eq!(unwindow(comm, win), ncclSuccess);
+                }
+            }
+        }
+        destroy(&t, comm);
+    });
+    let st = host::stats_for(&id);
+    let (buffers, windows) = (local as u64, 2 * (local || win_enable) as u64);
+    assert_eq!(
+        (st.registered, st.deregistered, st.misused),
+        (buffers, buffers, 0),
+        "{st:?}"
+    );
+    assert_eq!(
+        (st.windows_registered, st.windows_deregistered),
+        (windows, windows),
+        "{st:?}"
+    );
+    println!("child: checked");
+}

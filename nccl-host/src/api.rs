@@ -1862,6 +1862,11 @@ pub(crate) unsafe extern "C" fn ncclCommRegister(
         if handle.is_null() || (buff.is_null() && size > 0) {
             return Err(r.invalid(&mut g, "buff or handle is NULL"));
         }
+        if !super::defs::local_register() {
+            // As NCCL under NCCL_LOCAL_REGISTER=0 (register/register.cc:118-121 of 2.28.9).
+            put(handle, core::ptr::null_mut());
+            return Ok(ncclSuccess);
+        }
         let token = registry::register(&mut g, registry::Kind::Buffer, r.h, r.root);
         put(handle, token as *mut c_void);
         Ok(ncclSuccess)
@@ -1914,6 +1919,11 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
         }
         if win_flags & !KNOWN_WIN_FLAGS != 0 {
             return Err(r.invalid(&mut g, format!("unknown flags {win_flags:#x}")));
+        }
+        if !(super::defs::win_enable() || super::defs::local_register()) {
+            // As NCCL without symmetric support or local registration: ncclSuccess at
+            // once, inside a group too, writing nothing (dev_runtime.cc:902 of 2.28.9).
+            return Ok(ncclSuccess);
         }
         if win_flags & NCCL_WIN_COLL_SYMMETRIC as c_int != 0 {
             let refusal = match registry::nccl_memory_offset(&g, buff, size) {
