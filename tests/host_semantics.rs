@@ -1496,7 +1496,7 @@ fn child_under_registration_parameters() {
     let untouched = 0x8usize;
     let (id, _) = with_ranks(&t, 1, |_, comm| {
         let mut buf = vec![0u8; 64];
-        let (mut handle, mut win) = (untouched as *mut c_void, untouched as ncclWindow_t);
+        let mut handle = untouched as *mut c_void;
         // SAFETY: a live comm and buffer, writable out-pointers; each registration made is
         // released once.
         unsafe {
@@ -1511,7 +1511,7 @@ fn child_under_registration_parameters() {
             );
             assert_eq!(deregister(comm, handle), ncclSuccess);
             for grouped in [false, true] {
-                win = untouched as ncclWindow_t;
+                let mut win = untouched as ncclWindow_t;
                 if grouped {
                     assert_eq!((t.ncclGroupStart)(), ncclSuccess);
                 }
@@ -1542,4 +1542,54 @@ fn child_under_registration_parameters() {
         "{st:?}"
     );
     println!("child: checked");
+}
+
+/// A window registration queued in a group that fails is not run, and writes nothing; NCCL
+/// leaves its task queued on the communicator (`groupCleanup`, group.cc:340-397 of 2.28.9,
+/// does not empty dev_runtime's `regTaskQueue`, which only the communicator's teardown
+/// frees, dev_runtime.cc:114-117), to run first, writing through its stale out-pointer, at
+/// the next group end that registers a window there. The provider refuses that next
+/// registration instead (ncclInvalidUsage, counted as misuse), once.
+#[test]
+fn a_window_queued_in_a_failed_group_is_reported_at_the_next_registration() {
+    let t = table();
+    let register = t.ncclCommWindowRegister.expect("window API");
+    let deregister = t.ncclCommWindowDeregister.expect("window API");
+    let (id, _) = with_ranks(&t, 1, |_, comm| {
+        let mut buf = vec![0u8; 64];
+        let (send, mut recv) = ([1.0f32; 2], [0.0f32; 2]);
+        let untouched = 0x8 as ncclWindow_t;
+        let (mut stale, mut next, mut last) = (untouched, untouched, untouched);
+        // SAFETY: balanced group calls; a live comm and buffers that outlive the calls.
+        unsafe {
+            assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+            let rc = register(comm, buf.as_mut_ptr().cast(), 64, &mut stale, 0);
+            assert_eq!(rc, ncclSuccess);
+            let bad_type = 99;
+            let rc = (t.ncclAllReduce)(
+                send.as_ptr().cast(),
+                recv.as_mut_ptr().cast(),
+                2,
+                bad_type,
+                ncclSum,
+                comm,
+                null_stream(),
+            );
+            assert_eq!(rc, ncclInvalidArgument);
+            assert_eq!((t.ncclGroupEnd)(), ncclInvalidArgument);
+            assert_eq!(stale, untouched, "a failed group registers nothing");
+            let rc = register(comm, buf.as_mut_ptr().cast(), 64, &mut next, 0);
+            assert_eq!(rc, ncclInvalidUsage, "the stale registration is reported");
+            assert!(last_error(&t).contains("failed"), "{}", last_error(&t));
+            assert_eq!((stale, next), (untouched, untouched));
+            let rc = register(comm, buf.as_mut_ptr().cast(), 64, &mut last, 0);
+            assert_eq!(rc, ncclSuccess, "once");
+            assert!(last != untouched && !last.is_null());
+            assert_eq!(deregister(comm, last), ncclSuccess);
+        }
+        destroy(&t, comm);
+    });
+    let st = host::stats_for(&id);
+    // Misuse: the unknown datatype, and the stale registration.
+    assert_eq!((st.windows_registered, st.misused), (1, 2), "{st:?}");
 }

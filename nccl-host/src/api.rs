@@ -22,6 +22,15 @@ use super::state::{
 /// it makes there.
 type QueuedJob = Box<dyn FnOnce() -> ncclResult_t>;
 
+/// A [`QueuedJob`] with the communicator it was called on.
+struct Queued {
+    parent: Handle,
+    /// A window registration (NCCL runs them after the group's other jobs, group.cc:537
+    /// then 540-567 of 2.28.9), not a split or shrink.
+    window: bool,
+    job: QueuedJob,
+}
+
 thread_local! {
     /// (latest error text, the copy last handed out by ncclGetLastError)
     static LAST: RefCell<(CString, CString)> = RefCell::new((CString::default(), CString::default()));
@@ -34,7 +43,7 @@ thread_local! {
     static DEFERRED: RefCell<Vec<(usize, bool)>> = const { RefCell::new(Vec::new()) };
     /// Splits, shrinks and window registrations called inside a group, as the calls they
     /// make at the outermost ncclGroupEnd (see `queue_for_group_end`, `queue_window`).
-    static QUEUED: RefCell<Vec<(Handle, QueuedJob)>> = const { RefCell::new(Vec::new()) };
+    static QUEUED: RefCell<Vec<Queued>> = const { RefCell::new(Vec::new()) };
     /// The "current device" recorded by ncclCommInitRank(Config) (see `set_current_device`).
     pub(crate) static DEVICE: Cell<c_int> = const { Cell::new(0) };
 }
@@ -77,7 +86,14 @@ fn queue_for_group_end(
     job: impl FnOnce() -> ncclResult_t + 'static,
 ) -> Result<ncclResult_t, Fail> {
     put(out, core::ptr::null_mut());
-    QUEUED.with(|q| q.borrow_mut().push((parent, Box::new(job))));
+    let (window, job) = (false, Box::new(job));
+    QUEUED.with(|q| {
+        q.borrow_mut().push(Queued {
+            parent,
+            window,
+            job,
+        })
+    });
     Ok(ncclSuccess)
 }
 
@@ -1746,17 +1762,32 @@ forward! {
 /// (`ncclGroupError`, group.cc:671, then `groupCleanup`, 340-394 of 2.28.9): nothing runs.
 /// The operations are discarded (their peers wait for them in vain, as on a GPU), the queued
 /// splits and shrinks and the teardowns called in the group are dropped unrun (NCCL destroys
-/// their jobs), and every non-blocking communicator of the group, and the parent of each
-/// dropped split, gets the error as its asynchronous state. Returns the error.
-fn group_failed(f: Fail, queued: Vec<(Handle, QueuedJob)>, items: &[Item]) -> Fail {
+/// their jobs), the queued window registrations are left stale (see [`stale_window`]), and
+/// every non-blocking communicator of the group, and the parent of each dropped split, gets
+/// the error as its asynchronous state. Returns the error.
+fn group_failed(f: Fail, queued: Vec<Queued>, items: &[Item]) -> Fail {
     let mut g = lock();
     let posted = items.iter().map(|item| match *item {
         Item::Op { h, .. } | Item::Handle(h) => h,
     });
-    for h in queued.iter().map(|(h, _)| *h).chain(posted) {
+    for q in queued.iter().filter(|q| q.window) {
+        stale_window(&mut g, q.parent);
+    }
+    for h in queued.iter().map(|q| q.parent).chain(posted) {
         set_async_error(&mut g, h, &f);
     }
     f
+}
+
+/// A window registration of `h` that a failed group left queued, unrun: NCCL leaves its task
+/// on the communicator (`groupCleanup`, group.cc:340-397 of 2.28.9, does not empty
+/// `devrState.regTaskQueue`; only the teardown frees it, dev_runtime.cc:114-117) and runs
+/// it first, writing through its out-pointer, at the next group end that registers a window
+/// there. The provider refuses that next registration instead (stricter: no stale write).
+fn stale_window(g: &mut Global, h: Handle) {
+    if let Some(c) = g.comms.get_mut(&h) {
+        c.stale_windows += 1;
+    }
 }
 
 pub(crate) unsafe extern "C" fn ncclGroupStart() -> ncclResult_t {
@@ -1790,9 +1821,17 @@ pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
             drop(deferred); // NCCL destroys the reclaim jobs unrun
             return Err(group_failed(f, queued, &items));
         }
+        // Splits and shrinks first, then the window registrations (group.cc:537, 540-567);
+        // after a failure NCCL's group goes to its cleanup, leaving the registrations not yet
+        // run queued (see `stale_window`).
+        let (windows, jobs): (Vec<_>, Vec<_>) = queued.into_iter().partition(|q| q.window);
         let mut failed = None;
-        for (_, job) in queued {
-            let code = job();
+        for q in jobs.into_iter().chain(windows) {
+            if q.window && failed.is_some() {
+                stale_window(&mut lock(), q.parent);
+                continue;
+            }
+            let code = (q.job)();
             if code != ncclSuccess && code != ncclInProgress && failed.is_none() {
                 let msg = LAST.with(|l| l.borrow().0.to_string_lossy().into_owned());
                 failed = Some(Fail::raw(code, msg));
@@ -1910,6 +1949,14 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
         // NCCL's `ncclCommEnsureReady` (dev_runtime.cc:904): refused while in progress,
         // and with the communicator's asynchronous error once it has one.
         let r = ensure_ready(&mut g, comm, NAME)?;
+        let stale = g
+            .comms
+            .get_mut(&r.h)
+            .map_or(0, |c| std::mem::take(&mut c.stale_windows));
+        if stale > 0 {
+            let m = format!("{stale} window registration(s) queued in a group that failed are still queued on this communicator: NCCL would run them first, at this registration's group end, writing through their out-pointers (group.cc:340-397 of 2.28.9 leaves them queued)");
+            return Err(g.misuse(Some(r.root), ncclInvalidUsage, NAME, m));
+        }
         if win.is_null() {
             return Err(r.invalid(&mut g, "win is NULL"));
         }
@@ -1972,10 +2019,8 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
 /// Stricter than NCCL in one point: the queued jobs run in call order, so a registration
 /// queued with a split or shrink of the same non-blocking communicator is refused at the
 /// group's end (its communicator is then busy with the other job), where NCCL runs both
-/// on its group thread. A group that fails runs none of them and writes nothing; NCCL
-/// leaves them queued on the communicator (`groupCleanup`, group.cc:340-397, does not
-/// empty `devrState.regTaskQueue`), to run, and write through their out-pointers, in the
-/// next group that registers a window there.
+/// on its group thread. A group that fails runs none of them and writes nothing, and the
+/// next registration on their communicator is refused ([`stale_window`]).
 fn queue_window(
     h: Handle,
     comm: ncclComm_t,
@@ -1994,7 +2039,14 @@ fn queue_window(
         }
         rc
     };
-    QUEUED.with(|q| q.borrow_mut().push((h, Box::new(job))));
+    let (parent, window, job) = (h, true, Box::new(job));
+    QUEUED.with(|q| {
+        q.borrow_mut().push(Queued {
+            parent,
+            window,
+            job,
+        })
+    });
     ncclSuccess
 }
 
