@@ -2016,10 +2016,10 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
 /// communicator it writes `*win` in the group's end, on a non-blocking one it starts the
 /// asynchronous registration, which a thread of the provider's writes later, the
 /// communicator reading ncclInProgress until then (NCCL's group thread, group.cc:706-738).
-/// Stricter than NCCL in one point: the queued jobs run in call order, so a registration
-/// queued with a split or shrink of the same non-blocking communicator is refused at the
-/// group's end (its communicator is then busy with the other job), where NCCL runs both
-/// on its group thread. A group that fails runs none of them and writes nothing, and the
+/// Stricter than NCCL in one point: the queued calls run one after the other (splits and
+/// shrinks first, as NCCL's), so a registration queued with a split or shrink of the same
+/// non-blocking communicator is refused at the group's end (its communicator is then busy
+/// with the other job), where NCCL runs both on its group thread. A group that fails runs none of them and writes nothing, and the
 /// next registration on their communicator is refused ([`stale_window`]).
 fn queue_window(
     h: Handle,
