@@ -405,7 +405,8 @@ fn config(blocking: c_int) -> ncclConfig_t {
 }
 
 /// The calls NCCL starts with `ncclCommEnsureReady` (init.cc:373-389 of 2.28.9: Count,
-/// CuDevice, UserRank, Finalize, Split, ncclRedOpCreatePreMulSum) read the state
+/// CuDevice, UserRank, Finalize, Split, ncclRedOpCreatePreMulSum, and
+/// ncclCommWindowRegister, dev_runtime.cc:904) read the state
 /// ncclCommGetAsyncError reads: on a communicator still initializing they are refused
 /// with ncclInvalidArgument, and after a peer's abort with that abort's ncclRemoteError.
 /// A finalize of NULL is ncclSuccess (init.cc:2271), a second one ncclInvalidArgument.
@@ -416,7 +417,10 @@ fn calls_that_ensure_ready_read_the_asynchronous_state() {
         let (mut n, mut op) = (0, ncclSum);
         let mut scalar = 1.0f32;
         let mut child: ncclComm_t = core::ptr::null_mut();
-        // SAFETY: a live handle and writable outputs; the scalar outlives the call.
+        let register = t.ncclCommWindowRegister.expect("window API");
+        let (mut buf, mut win) = ([0u8; 64], core::ptr::null_mut());
+        // SAFETY: a live handle and writable outputs; the scalar and the buffer outlive the
+        // calls (a window registered by mistake is released by the teardown).
         unsafe {
             [
                 (t.ncclCommCount)(c, &mut n),
@@ -431,6 +435,7 @@ fn calls_that_ensure_ready_read_the_asynchronous_state() {
                     c,
                 ),
                 (t.ncclCommFinalize)(c),
+                register(c, buf.as_mut_ptr().cast(), 64, &mut win, 0),
             ]
         }
     };
@@ -441,7 +446,7 @@ fn calls_that_ensure_ready_read_the_asynchronous_state() {
     // SAFETY: valid pointers.
     let rc = unsafe { (t.ncclCommInitRankConfig)(&mut pending, 2, id, 0, &mut cfg) };
     assert_eq!(rc, ncclInProgress);
-    assert_eq!(refusals(pending), [ncclInvalidArgument; 6]);
+    assert_eq!(refusals(pending), [ncclInvalidArgument; 7]);
     // SAFETY: the handle, torn down once.
     assert_eq!(unsafe { (t.ncclCommAbort)(pending) }, ncclSuccess);
     // After a peer's abort.
@@ -466,7 +471,7 @@ fn calls_that_ensure_ready_read_the_asynchronous_state() {
         assert_eq!(unsafe { (t.ncclCommAbort)(comm) }, ncclSuccess);
         Some(got)
     });
-    assert_eq!(out[0], Some((ncclRemoteError, [ncclRemoteError; 6])));
+    assert_eq!(out[0], Some((ncclRemoteError, [ncclRemoteError; 7])));
     assert_eq!(tuple(host::stats_for(&id)).1, 2);
     // SAFETY: NULL is a no-op for NCCL.
     assert_eq!(
@@ -1302,4 +1307,289 @@ fn a_window_is_written_later_and_destroy_in_progress_leaves_a_group_open() {
     });
     // The in-progress destroy counts as misuse.
     assert_eq!(tuple(host::stats_for(&id)), stats(0, 1, 1, 0, 1));
+}
+
+/// A window registration inside a group, as NCCL 2.28.9 has it: the call only queues the
+/// task with the caller's out-pointer (dev_runtime.cc:902-915) and returns ncclSuccess with
+/// `*win` untouched and the communicator's state unchanged; an inner ncclGroupEnd only
+/// counts the depth down (group.cc:669); the group's job writes `*win` at the outermost
+/// ncclGroupEnd (group.cc:540-567 -> dev_runtime.cc:596, :533), in the call for a blocking
+/// communicator and from the group's thread for a non-blocking one (group.cc:706-738),
+/// whose state reads ncclInProgress until then. A call that fails inside the group fails
+/// the group's end too (`ncclGroupErrCheck`, dev_runtime.cc:918).
+#[test]
+fn a_window_registered_inside_a_group_is_written_at_its_end() {
+    use core::sync::atomic::{AtomicPtr, Ordering::Acquire};
+    let t = table();
+    let register = t.ncclCommWindowRegister.expect("window API");
+    let deregister = t.ncclCommWindowDeregister.expect("window API");
+    const UNTOUCHED: usize = 0x8;
+    let untouched = || UNTOUCHED as ncclWindow_t;
+    let state = |comm: ncclComm_t| {
+        let mut st = ncclInternalError;
+        // SAFETY: a live comm, a writable result.
+        assert_eq!(
+            unsafe { (t.ncclCommGetAsyncError)(comm, &mut st) },
+            ncclSuccess
+        );
+        st
+    };
+    for nonblocking in [false, true] {
+        let body = |_, comm: ncclComm_t| {
+            let root = host::root_id_of(comm).expect("a live host communicator");
+            if nonblocking {
+                host::fault::inject(&root, host::fault::Fault::HeldJobs);
+            }
+            let mut buf = vec![0u8; 64];
+            // A heap slot the group's thread may write after this function looked at it.
+            let slot = Box::new(AtomicPtr::<ncclWindow_vidmem>::new(untouched()));
+            // SAFETY: balanced group calls on this thread; a live comm and buffer; the slot
+            // outlives the group's job (it is read after the wait).
+            unsafe {
+                assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+                assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+                let rc = register(comm, buf.as_mut_ptr().cast(), 64, slot.as_ptr(), 0);
+                assert_eq!(rc, ncclSuccess, "{}", last_error(&t));
+                assert_eq!(slot.load(Acquire), untouched(), "queued, not registered");
+                assert_eq!(
+                    state(comm),
+                    ncclSuccess,
+                    "the state is the group end's to set"
+                );
+                assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
+                assert_eq!(
+                    slot.load(Acquire),
+                    untouched(),
+                    "an inner end launches nothing"
+                );
+                assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
+            }
+            if nonblocking {
+                assert_eq!(
+                    slot.load(Acquire),
+                    untouched(),
+                    "the group's thread writes it"
+                );
+                assert_eq!(state(comm), ncclInProgress);
+                host::fault::release_jobs(&root);
+                assert_eq!(wait_out_of_progress(&t, comm), ncclSuccess);
+            }
+            let win = slot.load(Acquire);
+            assert!(
+                win != untouched() && !win.is_null(),
+                "written at the group's end"
+            );
+            // SAFETY: live comm and window.
+            assert_eq!(unsafe { deregister(comm, win) }, ncclSuccess);
+            // A call refused inside the group (a symmetric window outside any ncclMemAlloc
+            // allocation, which NCCL refuses in the group's job) fails the group's end.
+            slot.store(untouched(), core::sync::atomic::Ordering::Release);
+            let sym = NCCL_WIN_COLL_SYMMETRIC as c_int;
+            // SAFETY: as above.
+            unsafe {
+                assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+                let rc = register(comm, buf.as_mut_ptr().cast(), 64, slot.as_ptr(), sym);
+                assert_eq!(rc, ncclInvalidArgument);
+                assert_eq!((t.ncclGroupEnd)(), ncclInvalidArgument);
+            }
+            assert_eq!(slot.load(Acquire), untouched());
+            // SAFETY: the handle, torn down once.
+            assert_eq!(unsafe { (t.ncclCommAbort)(comm) }, ncclSuccess);
+        };
+        if nonblocking {
+            with_non_blocking_ranks(&t, 1, body);
+        } else {
+            with_ranks(&t, 1, body);
+        }
+    }
+}
+
+/// `ncclCommDestroy` sets the communicator's `destroyFlag` before `ncclCommEnsureReady`
+/// refuses it (init.cc:2379-2381 of 2.28.9), inside a group too (the check runs in the
+/// call, before the reclaim job is queued, :2384), and nothing clears the flag: a revoke of
+/// that communicator is refused from then on (init.cc:2457 of 2.28.9, :2651 of 2.29.7).
+/// Each refused destroy leaves its own group level open.
+#[test]
+fn a_refused_destroy_keeps_its_destroy_flag() {
+    let t = table();
+    let register = t.ncclCommWindowRegister.expect("window API");
+    let deregister = t.ncclCommWindowDeregister.expect("window API");
+    let revoke = t.ncclCommRevoke.expect("revoke API");
+    with_non_blocking_ranks(&t, 1, |_, comm| {
+        let root = host::root_id_of(comm).expect("a live host communicator");
+        host::fault::inject(&root, host::fault::Fault::HeldJobs);
+        let mut buf = vec![0u8; 64];
+        let slot = Box::new(core::sync::atomic::AtomicPtr::<ncclWindow_vidmem>::new(
+            core::ptr::null_mut(),
+        ));
+        // SAFETY: live comm, live buffer, the slot outlives the job; the group levels are
+        // closed below.
+        unsafe {
+            let rc = register(comm, buf.as_mut_ptr().cast(), 64, slot.as_ptr(), 0);
+            assert_eq!(rc, ncclSuccess);
+            // Inside a group the destroy is refused in the call as well, and not queued.
+            assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+            let rc = (t.ncclCommDestroy)(comm);
+            assert_eq!(rc, ncclInvalidArgument, "{}", last_error(&t));
+            assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
+            assert_eq!((t.ncclGroupEnd)(), ncclSuccess, "the destroy's own level");
+            assert_eq!(host::stats_for(&root).live, 1, "nothing was queued");
+            // Outside a group.
+            assert_eq!((t.ncclCommDestroy)(comm), ncclInvalidArgument);
+            assert_eq!((t.ncclGroupEnd)(), ncclSuccess, "the destroy's own level");
+        }
+        host::fault::release_jobs(&root);
+        assert_eq!(wait_out_of_progress(&t, comm), ncclSuccess);
+        let win = slot.load(core::sync::atomic::Ordering::Acquire);
+        // SAFETY: live comm and window; then the refused revoke changes nothing.
+        unsafe {
+            assert_eq!(deregister(comm, win), ncclSuccess);
+            let rc = revoke(comm, NCCL_REVOKE_DEFAULT as c_int);
+            assert_eq!(rc, ncclInvalidArgument, "the destroy flag stays set");
+            assert!(
+                last_error(&t).contains("ncclCommDestroy"),
+                "{}",
+                last_error(&t)
+            );
+            assert_eq!((t.ncclCommAbort)(comm), ncclSuccess);
+        }
+    });
+}
+
+/// NCCL skips registrations its parameters turn off: `ncclCommRegister` under
+/// `NCCL_LOCAL_REGISTER=0` writes a NULL handle and returns ncclSuccess
+/// (register/register.cc:118-121 of 2.28.9), and `ncclCommWindowRegister` without
+/// symmetric support (`NCCL_WIN_ENABLE=0`, init.cc:1376) and without local registration
+/// returns ncclSuccess at once, writing nothing, inside a group too (dev_runtime.cc:902).
+/// NCCL reads its parameters once per process, and so does the provider: each case runs
+/// in a child process.
+#[test]
+fn registrations_are_skipped_where_nccls_parameters_turn_them_off() {
+    for (local, win) in [("0", "0"), ("0", "1"), ("1", "0")] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child_under_registration_parameters"])
+            .args(["--ignored", "--nocapture"])
+            .env("NCCL_LOCAL_REGISTER", local)
+            .env("NCCL_WIN_ENABLE", win)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        let what = format!("NCCL_LOCAL_REGISTER={local} NCCL_WIN_ENABLE={win}");
+        assert!(out.status.success(), "{what}: {stderr}");
+        assert!(stdout.contains("child: checked"), "{what}: {stdout}");
+    }
+}
+
+#[test]
+#[ignore = "run as a child process by registrations_are_skipped_where_nccls_parameters_turn_them_off"]
+fn child_under_registration_parameters() {
+    let on = |v: &str| std::env::var(v).expect("run only as a child process") != "0";
+    let (local, win_enable) = (on("NCCL_LOCAL_REGISTER"), on("NCCL_WIN_ENABLE"));
+    let t = table();
+    let register = t.ncclCommRegister.expect("registration API");
+    let deregister = t.ncclCommDeregister.expect("registration API");
+    let window = t.ncclCommWindowRegister.expect("window API");
+    let unwindow = t.ncclCommWindowDeregister.expect("window API");
+    let untouched = 0x8usize;
+    let (id, _) = with_ranks(&t, 1, |_, comm| {
+        let mut buf = vec![0u8; 64];
+        let mut handle = untouched as *mut c_void;
+        // SAFETY: a live comm and buffer, writable out-pointers; each registration made is
+        // released once.
+        unsafe {
+            assert_eq!(
+                register(comm, buf.as_mut_ptr().cast(), 64, &mut handle),
+                ncclSuccess
+            );
+            assert_eq!(
+                handle.is_null(),
+                !local,
+                "a skipped registration's handle is NULL"
+            );
+            assert_eq!(deregister(comm, handle), ncclSuccess);
+            for grouped in [false, true] {
+                let mut win = untouched as ncclWindow_t;
+                if grouped {
+                    assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+                }
+                let rc = window(comm, buf.as_mut_ptr().cast(), 64, &mut win, 0);
+                assert_eq!(rc, ncclSuccess, "{}", last_error(&t));
+                if grouped {
+                    assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
+                }
+                let skipped = !(local || win_enable);
+                assert_eq!(win as usize == untouched, skipped, "grouped: {grouped}");
+                if !skipped {
+                    assert_eq!(unwindow(comm, win), ncclSuccess);
+                }
+            }
+        }
+        destroy(&t, comm);
+    });
+    let st = host::stats_for(&id);
+    let (buffers, windows) = (local as u64, 2 * (local || win_enable) as u64);
+    assert_eq!(
+        (st.registered, st.deregistered, st.misused),
+        (buffers, buffers, 0),
+        "{st:?}"
+    );
+    assert_eq!(
+        (st.windows_registered, st.windows_deregistered),
+        (windows, windows),
+        "{st:?}"
+    );
+    println!("child: checked");
+}
+
+/// A window registration queued in a group that fails is not run, and writes nothing; NCCL
+/// leaves its task queued on the communicator (`groupCleanup`, group.cc:340-397 of 2.28.9,
+/// does not empty dev_runtime's `regTaskQueue`, which only the communicator's teardown
+/// frees, dev_runtime.cc:114-117), to run first, writing through its stale out-pointer, at
+/// the next group end that registers a window there. The provider refuses that next
+/// registration instead (ncclInvalidUsage, counted as misuse), once.
+#[test]
+fn a_window_queued_in_a_failed_group_is_reported_at_the_next_registration() {
+    let t = table();
+    let register = t.ncclCommWindowRegister.expect("window API");
+    let deregister = t.ncclCommWindowDeregister.expect("window API");
+    let (id, _) = with_ranks(&t, 1, |_, comm| {
+        let mut buf = vec![0u8; 64];
+        let (send, mut recv) = ([1.0f32; 2], [0.0f32; 2]);
+        let untouched = 0x8 as ncclWindow_t;
+        let (mut stale, mut next, mut last) = (untouched, untouched, untouched);
+        // SAFETY: balanced group calls; a live comm and buffers that outlive the calls.
+        unsafe {
+            assert_eq!((t.ncclGroupStart)(), ncclSuccess);
+            let rc = register(comm, buf.as_mut_ptr().cast(), 64, &mut stale, 0);
+            assert_eq!(rc, ncclSuccess);
+            let bad_type = 99;
+            let rc = (t.ncclAllReduce)(
+                send.as_ptr().cast(),
+                recv.as_mut_ptr().cast(),
+                2,
+                bad_type,
+                ncclSum,
+                comm,
+                null_stream(),
+            );
+            assert_eq!(rc, ncclInvalidArgument);
+            assert_eq!((t.ncclGroupEnd)(), ncclInvalidArgument);
+            assert_eq!(stale, untouched, "a failed group registers nothing");
+            let rc = register(comm, buf.as_mut_ptr().cast(), 64, &mut next, 0);
+            assert_eq!(rc, ncclInvalidUsage, "the stale registration is reported");
+            assert!(last_error(&t).contains("failed"), "{}", last_error(&t));
+            assert_eq!((stale, next), (untouched, untouched));
+            let rc = register(comm, buf.as_mut_ptr().cast(), 64, &mut last, 0);
+            assert_eq!(rc, ncclSuccess, "once");
+            assert!(last != untouched && !last.is_null());
+            assert_eq!(deregister(comm, last), ncclSuccess);
+        }
+        destroy(&t, comm);
+    });
+    let st = host::stats_for(&id);
+    // Misuse: the unknown datatype, and the stale registration.
+    assert_eq!((st.windows_registered, st.misused), (1, 2), "{st:?}");
 }

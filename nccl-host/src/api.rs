@@ -18,8 +18,18 @@ use super::state::{
     PendingOn, PreMul, RootIdx,
 };
 
-/// A split or shrink queued for the outermost ncclGroupEnd: the call it makes there.
+/// A split, shrink or window registration queued for the outermost ncclGroupEnd: the call
+/// it makes there.
 type QueuedJob = Box<dyn FnOnce() -> ncclResult_t>;
+
+/// A [`QueuedJob`] with the communicator it was called on.
+struct Queued {
+    parent: Handle,
+    /// A window registration (NCCL runs them after the group's other jobs, group.cc:537
+    /// then 540-567 of 2.28.9), not a split or shrink.
+    window: bool,
+    job: QueuedJob,
+}
 
 thread_local! {
     /// (latest error text, the copy last handed out by ncclGetLastError)
@@ -31,9 +41,9 @@ thread_local! {
     /// so a group level left open (a refused ncclCommDestroy leaves one: see `teardown`)
     /// means they never run.
     static DEFERRED: RefCell<Vec<(usize, bool)>> = const { RefCell::new(Vec::new()) };
-    /// Splits and shrinks called inside a group, as the calls they make at the outermost
-    /// ncclGroupEnd (see `queue_for_group_end`).
-    static QUEUED: RefCell<Vec<(Handle, QueuedJob)>> = const { RefCell::new(Vec::new()) };
+    /// Splits, shrinks and window registrations called inside a group, as the calls they
+    /// make at the outermost ncclGroupEnd (see `queue_for_group_end`, `queue_window`).
+    static QUEUED: RefCell<Vec<Queued>> = const { RefCell::new(Vec::new()) };
     /// The "current device" recorded by ncclCommInitRank(Config) (see `set_current_device`).
     pub(crate) static DEVICE: Cell<c_int> = const { Cell::new(0) };
 }
@@ -76,7 +86,14 @@ fn queue_for_group_end(
     job: impl FnOnce() -> ncclResult_t + 'static,
 ) -> Result<ncclResult_t, Fail> {
     put(out, core::ptr::null_mut());
-    QUEUED.with(|q| q.borrow_mut().push((parent, Box::new(job))));
+    let (window, job) = (false, Box::new(job));
+    QUEUED.with(|q| {
+        q.borrow_mut().push(Queued {
+            parent,
+            window,
+            job,
+        })
+    });
     Ok(ncclSuccess)
 }
 
@@ -800,23 +817,30 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     };
     let mut g = lock();
     let mut h = known(&mut g, comm, what)?;
+    if !abort {
+        // NCCL's ncclCommDestroy sets `destroyFlag` first (init.cc:2379), and nothing clears
+        // it: a later revoke is refused (:2457).
+        if let Some(c) = g.comms.get_mut(&h) {
+            c.destroy_called = true;
+        }
+        if let Some(f) = destroy_refusal(&mut g, h) {
+            // NCCL's ncclCommDestroy (init.cc:2358-2391) enters a group level
+            // (ncclGroupStartInternal), then returns ncclCommEnsureReady's error through
+            // `NCCLCHECK`, before the `exit:` that would leave it: the communicator is not
+            // torn down, and this thread stays one group level deep, so its later calls are
+            // queued for a ncclGroupEnd that never comes. Inside a group too: the check
+            // runs in the call, before the reclaim job is queued (:2381-2384).
+            GROUP.with(|gr| gr.borrow_mut().0 += 1);
+            return Err(f);
+        }
+    }
     if in_group() {
         // NCCL queues the reclaim job with the caller's group (ncclAsyncLaunch at depth > 0,
         // group.cc:37-66): it runs at the outermost ncclGroupEnd, or never.
         DEFERRED.with(|d| d.borrow_mut().push((h, abort)));
         return Ok(ncclSuccess);
     }
-    if !abort {
-        if let Some(f) = destroy_refusal(&mut g, h) {
-            // NCCL's ncclCommDestroy (init.cc:2358-2391) enters a group level
-            // (ncclGroupStartInternal), then returns ncclCommEnsureReady's error through
-            // `NCCLCHECK`, before the `exit:` that would leave it: the communicator is not
-            // torn down, and this thread stays one group level deep, so its later calls are
-            // queued for a ncclGroupEnd that never comes.
-            GROUP.with(|gr| gr.borrow_mut().0 += 1);
-            return Err(f);
-        }
-    } else {
+    if abort {
         // NCCL's abort sets the abort flags (the child of a split in flight sees them too)
         // and joins the job in flight (ncclCommEnsureReady -> ncclGroupJobAbort,
         // init.cc:2503-2520) before it tears down.
@@ -1168,6 +1192,10 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
             Some(format!(
                 "revokeFlags {revoke_flags} (must be NCCL_REVOKE_DEFAULT)"
             ))
+        } else if c.destroy_called {
+            // NCCL's `destroyFlag` (init.cc:2457 of 2.28.9, :2651 of 2.29.7), which a
+            // refused destroy leaves set (init.cc:2379).
+            Some("ncclCommDestroy was called on the communicator".to_string())
         } else if c.revoked {
             Some("the communicator was already revoked".to_string())
         } else if c.finalized {
@@ -1734,17 +1762,32 @@ forward! {
 /// (`ncclGroupError`, group.cc:671, then `groupCleanup`, 340-394 of 2.28.9): nothing runs.
 /// The operations are discarded (their peers wait for them in vain, as on a GPU), the queued
 /// splits and shrinks and the teardowns called in the group are dropped unrun (NCCL destroys
-/// their jobs), and every non-blocking communicator of the group, and the parent of each
-/// dropped split, gets the error as its asynchronous state. Returns the error.
-fn group_failed(f: Fail, queued: Vec<(Handle, QueuedJob)>, items: &[Item]) -> Fail {
+/// their jobs), the queued window registrations are left stale (see [`stale_window`]), and
+/// every non-blocking communicator of the group, and the parent of each dropped split, gets
+/// the error as its asynchronous state. Returns the error.
+fn group_failed(f: Fail, queued: Vec<Queued>, items: &[Item]) -> Fail {
     let mut g = lock();
     let posted = items.iter().map(|item| match *item {
         Item::Op { h, .. } | Item::Handle(h) => h,
     });
-    for h in queued.iter().map(|(h, _)| *h).chain(posted) {
+    for q in queued.iter().filter(|q| q.window) {
+        stale_window(&mut g, q.parent);
+    }
+    for h in queued.iter().map(|q| q.parent).chain(posted) {
         set_async_error(&mut g, h, &f);
     }
     f
+}
+
+/// A window registration of `h` that a failed group left queued, unrun: NCCL leaves its task
+/// on the communicator (`groupCleanup`, group.cc:340-397 of 2.28.9, does not empty
+/// `devrState.regTaskQueue`; only the teardown frees it, dev_runtime.cc:114-117) and runs
+/// it first, writing through its out-pointer, at the next group end that registers a window
+/// there. The provider refuses that next registration instead (stricter: no stale write).
+fn stale_window(g: &mut Global, h: Handle) {
+    if let Some(c) = g.comms.get_mut(&h) {
+        c.stale_windows += 1;
+    }
 }
 
 pub(crate) unsafe extern "C" fn ncclGroupStart() -> ncclResult_t {
@@ -1778,9 +1821,17 @@ pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
             drop(deferred); // NCCL destroys the reclaim jobs unrun
             return Err(group_failed(f, queued, &items));
         }
+        // Splits and shrinks first, then the window registrations (group.cc:537, 540-567);
+        // after a failure NCCL's group goes to its cleanup, leaving the registrations not yet
+        // run queued (see `stale_window`).
+        let (windows, jobs): (Vec<_>, Vec<_>) = queued.into_iter().partition(|q| q.window);
         let mut failed = None;
-        for (_, job) in queued {
-            let code = job();
+        for q in jobs.into_iter().chain(windows) {
+            if q.window && failed.is_some() {
+                stale_window(&mut lock(), q.parent);
+                continue;
+            }
+            let code = (q.job)();
             if code != ncclSuccess && code != ncclInProgress && failed.is_none() {
                 let msg = LAST.with(|l| l.borrow().0.to_string_lossy().into_owned());
                 failed = Some(Fail::raw(code, msg));
@@ -1850,6 +1901,11 @@ pub(crate) unsafe extern "C" fn ncclCommRegister(
         if handle.is_null() || (buff.is_null() && size > 0) {
             return Err(r.invalid(&mut g, "buff or handle is NULL"));
         }
+        if !super::defs::local_register() {
+            // As NCCL under NCCL_LOCAL_REGISTER=0 (register/register.cc:118-121 of 2.28.9).
+            put(handle, core::ptr::null_mut());
+            return Ok(ncclSuccess);
+        }
         let token = registry::register(&mut g, registry::Kind::Buffer, r.h, r.root);
         put(handle, token as *mut c_void);
         Ok(ncclSuccess)
@@ -1885,10 +1941,22 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
     win: *mut ncclWindow_t,
     win_flags: c_int,
 ) -> ncclResult_t {
-    ffi(|| {
+    // Grouped: a refusal inside a group fails the group's end too, as NCCL's
+    // `ncclGroupErrCheck` (dev_runtime.cc:918 of 2.28.9).
+    ffi_grouped(|| {
         let mut g = lock();
         const NAME: &str = "ncclCommWindowRegister";
-        let r = ready(&mut g, comm, NAME, false)?;
+        // NCCL's `ncclCommEnsureReady` (dev_runtime.cc:904): refused while in progress,
+        // and with the communicator's asynchronous error once it has one.
+        let r = ensure_ready(&mut g, comm, NAME)?;
+        let stale = g
+            .comms
+            .get_mut(&r.h)
+            .map_or(0, |c| std::mem::take(&mut c.stale_windows));
+        if stale > 0 {
+            let m = format!("{stale} window registration(s) queued in a group that failed are still queued on this communicator: NCCL would run them first, at this registration's group end, writing through their out-pointers (group.cc:340-397 of 2.28.9 leaves them queued)");
+            return Err(g.misuse(Some(r.root), ncclInvalidUsage, NAME, m));
+        }
         if win.is_null() {
             return Err(r.invalid(&mut g, "win is NULL"));
         }
@@ -1898,6 +1966,11 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
         }
         if win_flags & !KNOWN_WIN_FLAGS != 0 {
             return Err(r.invalid(&mut g, format!("unknown flags {win_flags:#x}")));
+        }
+        if !(super::defs::win_enable() || super::defs::local_register()) {
+            // As NCCL without symmetric support or local registration: ncclSuccess at
+            // once, inside a group too, writing nothing (dev_runtime.cc:902 of 2.28.9).
+            return Ok(ncclSuccess);
         }
         if win_flags & NCCL_WIN_COLL_SYMMETRIC as c_int != 0 {
             let refusal = match registry::nccl_memory_offset(&g, buff, size) {
@@ -1909,6 +1982,9 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
             if let Some(m) = refusal {
                 return Err(r.invalid(&mut g, m));
             }
+        }
+        if in_group() {
+            return Ok(queue_window(r.h, comm, buff, size, win, win_flags));
         }
         if asynchronous(&g, r.h) {
             // As NCCL (dev_runtime.cc:900-921): the registration is a task of the group that
@@ -1929,6 +2005,49 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
         put(win, token as ncclWindow_t);
         Ok(ncclSuccess)
     })
+}
+
+/// A window registration inside a group, as NCCL 2.28.9 has it: the call queues the task
+/// with the caller's out-pointer (dev_runtime.cc:909-915) and returns ncclSuccess, writing
+/// nothing and leaving the communicator's state alone; the group's job registers it at the
+/// outermost ncclGroupEnd (group.cc:540-567 -> `ncclCommGroupRegisterSymmetric`, :223-236)
+/// and writes `*win` there (dev_runtime.cc:596, or :533 with symmetric support), or NULL if
+/// it fails (:646). Here the job is the call made again outside the group: on a blocking
+/// communicator it writes `*win` in the group's end, on a non-blocking one it starts the
+/// asynchronous registration, which a thread of the provider's writes later, the
+/// communicator reading ncclInProgress until then (NCCL's group thread, group.cc:706-738).
+/// Stricter than NCCL in one point: the queued calls run one after the other (splits and
+/// shrinks first, as NCCL's), so a registration queued with a split or shrink of the same
+/// non-blocking communicator is refused at the group's end (its communicator is then busy
+/// with the other job), where NCCL runs both on its group thread. A group that fails runs none of them and writes nothing, and the
+/// next registration on their communicator is refused ([`stale_window`]).
+fn queue_window(
+    h: Handle,
+    comm: ncclComm_t,
+    buff: *mut c_void,
+    size: usize,
+    win: *mut ncclWindow_t,
+    win_flags: c_int,
+) -> ncclResult_t {
+    let (comm, buff, out) = (comm as usize, buff as usize, win as usize);
+    let job = move || {
+        // SAFETY: NCCL's contract: the caller keeps the communicator, the buffer and the
+        // out-pointer valid until the group's job has written it.
+        let rc = unsafe { ncclCommWindowRegister(comm as _, buff as _, size, out as _, win_flags) };
+        if rc != ncclSuccess && rc != ncclInProgress {
+            put(out as *mut ncclWindow_t, core::ptr::null_mut());
+        }
+        rc
+    };
+    let (parent, window, job) = (h, true, Box::new(job));
+    QUEUED.with(|q| {
+        q.borrow_mut().push(Queued {
+            parent,
+            window,
+            job,
+        })
+    });
+    ncclSuccess
 }
 
 pub(crate) unsafe extern "C" fn ncclCommWindowDeregister(

@@ -124,6 +124,23 @@ pub(crate) fn check_pointers() -> bool {
     *CHECK.get_or_init(|| nccl_sys::param("NCCL_CHECK_POINTERS") == Some(1))
 }
 
+/// `NCCL_LOCAL_REGISTER` (default 1, register/register.cc:15 of 2.28.9), read once per
+/// process as NCCL's parameter is: with 0, `ncclCommRegister` registers nothing and hands
+/// out a NULL handle (:118-121), and so does `ncclCommWindowRegister` without symmetric
+/// support ([`win_enable`]; dev_runtime.cc:902).
+pub(crate) fn local_register() -> bool {
+    static LOCAL: OnceLock<bool> = OnceLock::new();
+    *LOCAL.get_or_init(|| nccl_sys::param("NCCL_LOCAL_REGISTER").unwrap_or(1) != 0)
+}
+
+/// Whether a communicator has symmetric support: NCCL's `isAllCudaP2p && NCCL_WIN_ENABLE
+/// && cuMem` (init.cc:1376 of 2.28.9), of which the provider has all but the parameter
+/// (default 1, init.cc:58), read once per process.
+pub(crate) fn win_enable() -> bool {
+    static WIN: OnceLock<bool> = OnceLock::new();
+    *WIN.get_or_init(|| nccl_sys::param("NCCL_WIN_ENABLE").unwrap_or(1) != 0)
+}
+
 /// `NCCL_COMM_BLOCKING` when it is 0 or 1, read once per process as NCCL's parameter is
 /// (init.cc:56 of 2.28.9). It overrides every new communicator's `blocking`, whether from
 /// its config or its parent's (`envConfigOverride`, init.cc:1646-1649; a split's child

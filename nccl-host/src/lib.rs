@@ -32,7 +32,10 @@
 //!   queued and posted at the outermost `ncclGroupEnd`, which then waits for all of them.
 //!   A split or shrink is queued whole, as NCCL queues its job: the call writes NULL and
 //!   returns ncclSuccess, and the job runs (and writes the child) at the outermost
-//!   `ncclGroupEnd`, before the operations. An init inside a group joins its clique during
+//!   `ncclGroupEnd`, before the operations. A window registration likewise: the call
+//!   returns ncclSuccess with `*win` untouched, and the window is written at the outermost
+//!   `ncclGroupEnd` (from a thread of the provider's, later, on a non-blocking
+//!   communicator). An init inside a group joins its clique during
 //!   the call and writes its handle then (NCCL writes the handle then too, but joins at the
 //!   group's end) and returns ncclSuccess; a blocking group's `ncclGroupEnd` waits for it, a
 //!   non-blocking one leaves it to `ncclCommGetAsyncError`.
@@ -89,8 +92,12 @@
 //!     Windows are not collective here (each rank registers on its own, no rank waits), any
 //!     host memory may be registered, and `NCCL_WIN_COLL_SYMMETRIC` needs a range inside
 //!     one `ncclMemAlloc` allocation, starting a multiple of `NCCL_WIN_REQUIRED_ALIGNMENT`
-//!     (4096) bytes into it; it is refused in the call (NCCL refuses it in the job). Other optional entry points (RMA, `*Config`
-//!     collectives, ...) are not provided (`lookup` returns null).
+//!     (4096) bytes into it; it is refused in the call (NCCL refuses it in the job). A NULL
+//!     buffer or a size of 0 is refused too (NCCL returns ncclSuccess and writes nothing).
+//!     As NCCL, `NCCL_LOCAL_REGISTER=0` makes `ncclCommRegister` hand out a NULL handle, and
+//!     with `NCCL_WIN_ENABLE=0` too (no symmetric support) `ncclCommWindowRegister` returns
+//!     ncclSuccess and writes nothing (both read once per process). Other optional entry
+//!     points (RMA, `*Config` collectives, ...) are not provided (`lookup` returns null).
 //! 11. `ncclGetLastError` ignores its `comm` argument: the text is per thread, and the
 //!     pointer stays valid until the same thread calls `ncclGetLastError` again.
 //! 12. `ncclCommRevoke`, `ncclCommGetUniqueId` and `ncclCommGrow` follow NCCL 2.29.7 (see
@@ -137,11 +144,12 @@ pub struct HostStats {
     pub mem_allocated: u64,
     /// Successful `ncclMemFree` calls (process totals only).
     pub mem_freed: u64,
-    /// Successful `ncclCommRegister` calls.
+    /// Buffers `ncclCommRegister` registered (not those `NCCL_LOCAL_REGISTER=0` skipped).
     pub registered: u64,
     /// Successful `ncclCommDeregister` calls (of a live registration).
     pub deregistered: u64,
-    /// Successful `ncclCommWindowRegister` calls.
+    /// Windows `ncclCommWindowRegister` registered (at the group's end for a call inside a
+    /// group; not those skipped without symmetric support or local registration).
     pub windows_registered: u64,
     /// Successful `ncclCommWindowDeregister` calls (of a live window).
     pub windows_deregistered: u64,

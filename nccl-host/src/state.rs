@@ -101,6 +101,16 @@ pub(crate) struct Comm {
     /// init.cc:2909): the next grow's id is derived from it, as NCCL derives the grow
     /// handle's magic (`hashCombine(comm->magic, comm->childCount)`).
     pub grows: u64,
+    /// `ncclCommDestroy` was called on it (NCCL's `destroyFlag`, set before the readiness
+    /// check that may refuse the destroy, init.cc:2379 of 2.28.9, and never cleared): a
+    /// revoke is refused from then on (:2457).
+    pub destroy_called: bool,
+    /// Window registrations queued in a group that failed, or left behind by one that
+    /// failed at the group's end: NCCL keeps their tasks queued on the communicator
+    /// (`groupCleanup`, group.cc:340-397 of 2.28.9) and runs them, writing through their
+    /// stale out-pointers, at the next group end that registers a window there. The
+    /// provider refuses that next registration instead.
+    pub stale_windows: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -328,6 +338,8 @@ impl Global {
                 revoked: false,
                 error_cleared: false,
                 grows: 0,
+                destroy_called: false,
+                stale_windows: 0,
             },
         );
         h
