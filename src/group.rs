@@ -146,8 +146,10 @@ impl<'a> Group<'a> {
             }
             match r {
                 Ok(gs) => guards.extend(gs.into_iter().filter(acts)),
-                // As NCCL (group.cc groupCleanup): after a failed call the group launches
-                // nothing, so the rest is not issued; the end returns the error.
+                // The rest is not issued, and the group's end returns this error. NCCL
+                // launches nothing after a failed call of its own (group.cc groupCleanup),
+                // but what the crate refused before NCCL saw it leaves the operations
+                // issued so far to be launched: they are waited for like any.
                 Err(e) => {
                     first_error = Some(e);
                     break;
@@ -155,11 +157,11 @@ impl<'a> Group<'a> {
             }
         }
         let r = open.end(&comms.0, caller);
-        let r = match first_error {
+        let r = self.settle(&comms.0, r, caller);
+        let mut r = match first_error {
             Some(e) => Err(e),
             None => r,
         };
-        let mut r = self.settle(&comms.0, r, caller);
         for relay in relays {
             r = Op::leave(relay, r);
         }
@@ -187,6 +189,8 @@ impl<'a> Group<'a> {
                     if let Err(e) = c.wait_ready("ncclGroupEnd", caller, c.diag.timeout()) {
                         // As below: a peer's remote error fails the clique too.
                         c.diag.group_failed(&e);
+                        // The group's buffers stay borrowed until NCCL's launch has ended.
+                        Communicator::end_launches(comms, "ncclGroupEnd");
                         return Err(e);
                     }
                     c.diag.publish_group();

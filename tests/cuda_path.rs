@@ -1578,3 +1578,70 @@ fn a_stream_bound_needs_a_stream_of_its_own() {
     let x = x.into_inner();
     assert_eq!(r.stream.clone_dtoh(&x).unwrap(), vec![2.0f32; 8]);
 }
+
+/// Restores the fake NCCL's launch delay when dropped.
+struct LaunchDelay;
+
+impl LaunchDelay {
+    fn set(d: Duration) -> LaunchDelay {
+        support::fakes::set_launch_delay(d);
+        LaunchDelay
+    }
+}
+
+impl Drop for LaunchDelay {
+    fn drop(&mut self) {
+        support::fakes::set_launch_delay(Duration::from_millis(2));
+    }
+}
+
+/// A wait for NCCL's launch that fails (here the launch, on NCCL's group thread, outlasts
+/// the timeout: a peer late to connect) must not end the buffers' borrows or release
+/// cudarc's guards while the launch may still come: the call returns only once the launch
+/// has ended (the communicator aborted, which joins it), within the bounds. Alone and in a
+/// group, on two ranks.
+#[test]
+fn a_failed_wait_returns_only_once_nccls_launch_has_ended() {
+    let _serial = serial();
+    driver();
+    let lib = nccl();
+    let _delay = LaunchDelay::set(Duration::from_secs(30));
+    within(Duration::from_secs(120), move || {
+        for grouped in [false, true] {
+            let id = UniqueId::new_with(&lib).unwrap();
+            std::thread::scope(|sc| {
+                for r in 0..2 {
+                    let lib = Arc::clone(&lib);
+                    sc.spawn(move || {
+                        let ctx = CudaContext::new(0).unwrap();
+                        let stream = ctx.new_stream().unwrap();
+                        let cfg = Config::new().timeout(TIMEOUT);
+                        let dev = CommDevice::Cuda(ctx.clone());
+                        let comm = Communicator::init_rank_in(&lib, &dev, 2, r, &id, &cfg).unwrap();
+                        let raw = comm.as_raw() as usize;
+                        let mut x = stream.clone_htod(&[1.0f32; 8]).unwrap();
+                        let t0 = Instant::now();
+                        let r_op = if grouped {
+                            Group::run(|g| {
+                                g.push(comm.all_reduce_in_place_op(&mut x, ReduceOp::Sum, &stream)?)
+                            })
+                        } else {
+                            comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &stream)
+                        };
+                        let e = r_op.expect_err("the launch outlasts the timeout");
+                        assert_eq!(
+                            support::fakes::launches_pending(raw),
+                            0,
+                            "rank {r} (grouped: {grouped}): returned with NCCL's launch still to come: {e}"
+                        );
+                        let bound = TIMEOUT + MIN_NCCL_ABORT_TIMEOUT + BOUND;
+                        assert!(t0.elapsed() < bound, "{:?}", t0.elapsed());
+                        assert!(comm.is_failed());
+                        drop(x);
+                        drop(comm);
+                    });
+                }
+            });
+        }
+    });
+}

@@ -467,7 +467,12 @@ impl Communicator {
             // normally ends the wait for a job first; its own limit is a margin later.
             self.wait_ready(call, caller, self.diag.timeout() + CHILD_WAIT_MARGIN)
         } else if r == ncclInProgress {
-            self.wait_ready(call, caller, self.diag.timeout())
+            let waited = self.wait_ready(call, caller, self.diag.timeout());
+            if waited.is_err() {
+                // The buffers stay borrowed until NCCL's launch has ended.
+                Communicator::end_launches(&[self], call);
+            }
+            waited
         } else {
             self.checked(call, r, caller)
         };

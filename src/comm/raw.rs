@@ -6,6 +6,7 @@
 //! borrowed. The shape is rusqlite's `InnerConnection` under `Connection` (`from_handle` /
 //! `from_handle_owned`).
 
+use std::cell::Cell;
 use std::sync::Arc;
 
 use nccl_sys::{ncclComm_t, FunctionTable};
@@ -14,8 +15,9 @@ use crate::library::Library;
 
 /// An `ncclComm_t` and the library that made it, owned or borrowed.
 pub(crate) struct RawComm {
-    /// Null once taken.
-    raw: ncclComm_t,
+    /// Null once taken. A `Cell`: a communicator whose launch must end at once is aborted
+    /// in place, through a shared reference (`Communicator::end_launches`).
+    raw: Cell<ncclComm_t>,
     lib: Arc<Library>,
     owned: bool,
 }
@@ -24,7 +26,7 @@ impl RawComm {
     /// A handle whose one teardown is ours.
     pub(crate) fn owned(raw: ncclComm_t, lib: Arc<Library>) -> RawComm {
         RawComm {
-            raw,
+            raw: Cell::new(raw),
             lib,
             owned: true,
         }
@@ -34,7 +36,7 @@ impl RawComm {
     /// tears it down.
     pub(crate) fn borrowed(raw: ncclComm_t, lib: Arc<Library>) -> RawComm {
         RawComm {
-            raw,
+            raw: Cell::new(raw),
             lib,
             owned: false,
         }
@@ -43,7 +45,7 @@ impl RawComm {
     /// The handle for a call (null once taken).
     #[inline(always)]
     pub(crate) fn get(&self) -> ncclComm_t {
-        self.raw
+        self.raw.get()
     }
 
     /// The library that made the handle.
@@ -65,21 +67,21 @@ impl RawComm {
 
     /// Whether the handle is still here (not taken).
     pub(crate) fn is_live(&self) -> bool {
-        !self.raw.is_null()
+        !self.raw.get().is_null()
     }
 
     /// Takes the handle out for its one teardown (or to give it away): `Some` once for an
     /// owned handle, `None` for a borrowed one or when already taken. Afterwards
     /// [`get`](Self::get) is null.
-    pub(crate) fn take(&mut self) -> Option<ncclComm_t> {
-        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+    pub(crate) fn take(&self) -> Option<ncclComm_t> {
+        let raw = self.raw.replace(std::ptr::null_mut());
         (self.owned && !raw.is_null()).then_some(raw)
     }
 
     /// Gives the handle up with no teardown, owned or not: afterwards it is the caller's
     /// (or stays its owner's). Null when already taken.
-    pub(crate) fn into_raw(mut self) -> ncclComm_t {
-        std::mem::replace(&mut self.raw, std::ptr::null_mut())
+    pub(crate) fn into_raw(self) -> ncclComm_t {
+        self.raw.replace(std::ptr::null_mut())
     }
 }
 
@@ -105,7 +107,7 @@ mod tests {
     #[test]
     fn an_owned_handle_is_taken_once_and_a_borrowed_one_never() {
         let (raw, id) = one_rank();
-        let mut owned = RawComm::owned(raw, Library::host());
+        let owned = RawComm::owned(raw, Library::host());
         assert_eq!(owned.take(), Some(raw));
         assert!(!owned.is_live());
         assert_eq!(owned.take(), None);
@@ -114,7 +116,7 @@ mod tests {
         // Given up: neither torn down here nor taken again.
         assert_eq!(RawComm::owned(raw, Library::host()).into_raw(), raw);
 
-        let mut view = RawComm::borrowed(raw, Library::host());
+        let view = RawComm::borrowed(raw, Library::host());
         assert_eq!(view.get(), raw);
         assert_eq!(view.take(), None);
         drop(view);

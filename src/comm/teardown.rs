@@ -11,7 +11,7 @@ impl Communicator {
     /// a panic: then the whole clique fails. An explicit `abort()` may be a normal ending,
     /// and a failed communicator's failure may be its peers' too (a fingerprint mismatch
     /// every rank reports), so those fail only the peers that wait for the rank.
-    fn take(&mut self, how: &str, broken: bool) -> ncclComm_t {
+    fn take(&self, how: &str, broken: bool) -> ncclComm_t {
         let raw = self.handle.take();
         // Null when the watchdog already aborted it (its one teardown).
         match raw {
@@ -76,7 +76,7 @@ impl Communicator {
     /// watchdog already took the handle, this waits (with the same bound) for the
     /// watchdog's abort and returns its outcome.
     #[track_caller]
-    pub fn abort(mut self) -> Result<()> {
+    pub fn abort(self) -> Result<()> {
         let until = Instant::now() + self.diag.abort_timeout();
         let raw = self.take("it aborted its communicator", false);
         // Taken: the context names no handle.
@@ -95,6 +95,75 @@ impl Communicator {
         self.reap_orphans(r.is_some());
         let r = r.ok_or_else(|| self.abort_overdue(bound))?;
         self.handle.lib().check("ncclCommAbort", r, ctx)
+    }
+
+    /// Ends NCCL's launch of work on `comms` after a wait for it failed (it timed out, the
+    /// watchdog failed the clique, a peer left): while a communicator's asynchronous state
+    /// still reads ncclInProgress, NCCL's group thread may still launch the work that
+    /// reads and writes the caller's buffers (group.cc:705-738; the state leaves
+    /// ncclInProgress only once `doLaunches` returned, :604-630), so the buffers' borrows
+    /// and cudarc's guards must not end yet. Those communicators are aborted in place,
+    /// together (`ncclCommAbort` sets the abort flags and joins the job in flight,
+    /// init.cc:2502-2541), and the caller waits for it, bounded by
+    /// [`Config::abort_timeout`]; one the watchdog already took is waited for the same
+    /// way. One the watchdog revoked (`Config::elastic`) keeps its handle for
+    /// `shrink_after_failure` if its launch ends within the bound. Past the bound the
+    /// abort goes on on its lane under [`Config::on_abort_timeout`].
+    ///
+    /// A communicator whose state is final (an error, or ncclSuccess) is left alone: its
+    /// launch has ended.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn end_launches(comms: &[&Communicator], call: &'static str) {
+        let Some(first) = comms.first() else {
+            return;
+        };
+        let until = Instant::now() + first.diag.abort_timeout();
+        let mut running: Vec<&Communicator> = comms
+            .iter()
+            .copied()
+            .filter(|c| c.launch_may_run())
+            .collect();
+        // A revoked communicator stays its owner's for a shrink when its launch ends.
+        while running.iter().any(|c| c.diag.revoked_by_watchdog()) && Instant::now() < until {
+            running.retain(|c| !c.diag.revoked_by_watchdog() || c.launch_may_run());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if running.is_empty() {
+            return;
+        }
+        let how = "its operation's launch did not end after a failed wait (aborted)";
+        let (mut taken, mut watched) = (Vec::new(), Vec::new());
+        for c in &running {
+            c.mark_failed(&invalid(call, how));
+            match c.take(how, false) {
+                raw if raw.is_null() => watched.push(*c),
+                raw => taken.push(raw as usize),
+            }
+        }
+        let aborted = (!taken.is_empty()).then(|| {
+            let what = format!(
+                "{} communicator(s) of rank {} whose launch of {call} did not end",
+                taken.len(),
+                first.rank
+            );
+            let lib = Arc::clone(first.handle.lib());
+            crate::teardown::abort(first.lane(), lib, taken, first.diag.bound(), what)
+                .outcome(until)
+                .is_some()
+        });
+        for c in watched {
+            let _ = c.diag.watchdog_abort(until);
+        }
+        for c in running {
+            c.reap_orphans(aborted.unwrap_or(true));
+        }
+    }
+
+    /// Whether NCCL's launch of this communicator's work may still run: its asynchronous
+    /// state reads ncclInProgress, or cannot be read (the watchdog has the handle).
+    fn launch_may_run(&self) -> bool {
+        self.handle.is_live() && self.async_state().is_none_or(|s| s == ncclInProgress)
     }
 
     /// The lane this communicator's teardowns run on (`CommDiag::lane`).

@@ -121,6 +121,16 @@ impl Job {
         waited.unwrap_or_else(|e| e.into_inner()).0.is_some()
     }
 
+    /// Waits until `until` (at least [`MIN_WAIT`]): its result if it finished in time
+    /// (past that, the policy has been applied).
+    pub(crate) fn outcome(&self, until: Instant) -> Option<ncclResult_t> {
+        let done = self.wait(until.max(Instant::now() + MIN_WAIT));
+        if !done {
+            self.handle_overdue();
+        }
+        done.then(|| self.result())
+    }
+
     /// The calls' result (meaningful once done).
     pub(crate) fn result(&self) -> ncclResult_t {
         lock(&self.result).unwrap_or(ncclSuccess)
@@ -392,12 +402,7 @@ pub(crate) fn run_bounded(
     work: Work,
     until: Instant,
 ) -> Option<ncclResult_t> {
-    let job = submit(lane, b, what, work);
-    let done = job.wait(until.max(Instant::now() + MIN_WAIT));
-    if !done {
-        job.handle_overdue();
-    }
-    done.then(|| job.result())
+    submit(lane, b, what, work).outcome(until)
 }
 
 /// Applies the policy to every job past its bound (the watchdog calls it each tick).

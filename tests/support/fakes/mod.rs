@@ -399,6 +399,42 @@ fn launching() -> std::sync::MutexGuard<'static, std::collections::HashMap<usize
         .unwrap_or_else(|e| e.into_inner())
 }
 
+/// How long the fake NCCL's launch thread takes before it launches (ms): 2 by default.
+static LAUNCH_DELAY_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(2);
+
+/// Sets how long each asynchronous launch takes (a launch NCCL's group thread is slow to
+/// make: a peer late to connect). An abort of its communicator ends it early.
+pub fn set_launch_delay(d: std::time::Duration) {
+    LAUNCH_DELAY_MS.store(d.as_millis() as u64, std::sync::atomic::Ordering::Release);
+}
+
+/// Launches of `comm` (a raw handle) still running on NCCL's group thread.
+pub fn launches_pending(comm: usize) -> usize {
+    launching().get(&comm).copied().unwrap_or(0)
+}
+
+/// Communicators aborted while a launch of theirs ran: the launch ends without launching
+/// (NCCL's abort flag).
+fn aborting() -> std::sync::MutexGuard<'static, std::collections::HashSet<usize>> {
+    static A: OnceLock<std::sync::Mutex<std::collections::HashSet<usize>>> = OnceLock::new();
+    A.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// As NCCL's `ncclCommAbort` (init.cc:2502-2541): sets the abort flag and joins the job in
+/// flight, so no launch of `comm` runs after it returns.
+fn abort_launches(comm: usize) {
+    if launches_pending(comm) == 0 {
+        return;
+    }
+    aborting().insert(comm);
+    while launches_pending(comm) > 0 {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    aborting().remove(&comm);
+}
+
 /// Launches `calls` as NVIDIA's NCCL 2.28 does on non-blocking communicators (the crate's):
 /// with one rank, in the call (enqueue.cc:2569-2571); with more, on the group's own thread
 /// after the call returned ncclInProgress (group.cc:706-738, enqueue.cc:2658), with the
@@ -417,8 +453,17 @@ fn launch(calls: Vec<NcclCall>) -> bool {
         }
     }
     std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(2));
-        calls.iter().for_each(accessed);
+        let delay = LAUNCH_DELAY_MS.load(std::sync::atomic::Ordering::Acquire);
+        let until = std::time::Instant::now() + std::time::Duration::from_millis(delay);
+        let aborted = || calls.iter().any(|c| aborting().contains(&c.comm));
+        while std::time::Instant::now() < until && !aborted() {
+            std::thread::sleep(
+                std::time::Duration::from_millis(1).min(until - std::time::Instant::now()),
+            );
+        }
+        if !aborted() {
+            calls.iter().for_each(accessed);
+        }
         let mut l = launching();
         for c in &calls {
             if let Some(n) = l.get_mut(&c.comm) {
@@ -634,6 +679,7 @@ mod wrap {
     pub unsafe extern "C" fn abort(c: ncclComm_t) -> ncclResult_t {
         // Stricter than NCCL for a communicator that is not the last of its id here (NCCL
         // frees nothing in its teardown): every teardown waits for its device first.
+        super::abort_launches(c as usize);
         release_through_the_driver(device_of(c as usize));
         // SAFETY: forwarded unchanged to the host provider's entry point.
         let r = unsafe { (host().ncclCommAbort)(c) };
