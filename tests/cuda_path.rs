@@ -657,6 +657,68 @@ fn a_sticky_cuda_error_fails_fast_as_a_cuda_error_and_stays_the_users() {
     });
 }
 
+/// cudarc keeps a context's asynchronous failure (a failed event record in a buffer's drop,
+/// say) for the user's next `check_err`, and its `bind_to_thread` takes it: made on the
+/// owner's thread, it would hand the user's error to the crate's call, which would fail
+/// with it, and leave the user's `check_err` clean. So init, registration and its release,
+/// NCCL memory and destroy make the context current without taking it: each succeeds, and
+/// the user's `check_err` still returns the error recorded before it (here by hand, as
+/// cudarc records one), with event tracking on, as cudarc's default.
+#[test]
+fn the_owners_recorded_cuda_error_stays_the_users_through_init_register_and_destroy() {
+    use cudarc::driver::{sys::CUresult, DriverError};
+    let _serial = serial();
+    driver();
+    within(Duration::from_secs(60), move || {
+        let lib = nccl();
+        let ctx = CudaContext::new(6).unwrap();
+        set_tracking(&ctx, true);
+        let stream = ctx.new_stream().unwrap();
+        let mut buf = stream.alloc_zeros::<f32>(256).unwrap();
+        stream.synchronize().unwrap();
+        let users = || Err::<(), _>(DriverError(CUresult::CUDA_ERROR_LAUNCH_FAILED));
+        let kept = |what: &str| {
+            assert_eq!(ctx.check_err(), users(), "{what} took the user's recorded error");
+        };
+        let id = UniqueId::new_with(&lib).unwrap();
+
+        ctx.record_err(users());
+        let device = CommDevice::Cuda(ctx.clone());
+        let comm = Communicator::init_rank_in(&lib, &device, 1, 0, &id, &Config::new())
+            .unwrap_or_else(|e| panic!("init failed with the user's error: {e}"));
+        kept("init");
+
+        ctx.record_err(users());
+        let reg = comm
+            .register(&mut buf)
+            .unwrap_or_else(|e| panic!("register failed with the user's error: {e}"));
+        kept("register");
+        ctx.record_err(users());
+        drop(reg);
+        kept("the registration's release");
+
+        if lib.table().ncclMemAlloc.is_some() {
+            ctx.record_err(users());
+            let mem = nccl_safe::NcclMemory::<f32>::alloc_zeros(&comm, 16, &stream)
+                .unwrap_or_else(|e| panic!("ncclMemAlloc failed with the user's error: {e}"));
+            kept("NcclMemory::alloc_zeros");
+            stream.synchronize().unwrap();
+            ctx.record_err(users());
+            drop(mem);
+            kept("NcclMemory's release");
+        }
+
+        ctx.record_err(users());
+        comm.destroy()
+            .map_err(|(_, e)| e)
+            .unwrap_or_else(|e| panic!("destroy failed with the user's error: {e}"));
+        kept("destroy");
+        let st = support::assert_balanced(&id);
+        assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
+        drop((buf, stream));
+    });
+}
+
 /// A GPU's stuck stream, on the CUDA path: the collective is accepted, the watchdog's
 /// events on the stream never complete, the communicator fails fast, and the watchdog's
 /// abort runs on a thread of its own, where it blocks in the driver behind the stalled

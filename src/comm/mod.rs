@@ -242,6 +242,10 @@ pub(crate) fn check_device(call: &'static str, lib: &Library, device: &CommDevic
     }
 }
 
+/// Makes the device's context current on the calling thread (the owner's, for init and
+/// its teardown calls), without cudarc's `bind_to_thread`: that takes the error cudarc
+/// recorded for the context (a failed asynchronous call of the user's), which is the
+/// user's `check_err` to report, not this call's.
 #[inline(always)]
 fn bind(device: &CommDevice) -> Result<()> {
     match device {
@@ -252,7 +256,7 @@ fn bind(device: &CommDevice) -> Result<()> {
 
 #[inline(never)]
 fn bind_cuda(ctx: &CudaContext) -> Result<()> {
-    Ok(ctx.bind_to_thread()?)
+    Ok(crate::stream::make_current(ctx)?)
 }
 
 impl Communicator {
