@@ -685,10 +685,13 @@ impl Communicator {
     }
 
     /// Gives the handle up with no teardown (`into_raw`, and a wrap that failed): detaches
-    /// the diagnostics (clique and watchdog) and drops everything else. Null when the
-    /// handle was not this communicator's to give: the watchdog took it (and aborted it),
-    /// or it was borrowed.
+    /// the diagnostics (clique and watchdog) and drops everything else but the config's
+    /// name strings, which NCCL may read as long as the handle (or a child of it) lives:
+    /// those are leaked ([`ConfigNames::leak`](crate::config::ConfigNames::leak); a wrap
+    /// has none). Null when the handle was not this communicator's to give: the watchdog
+    /// took it (and aborted it), or it was borrowed.
     pub(crate) fn release_handle(mut self) -> ncclComm_t {
+        std::mem::take(&mut self.names).leak();
         self.release_in_place()
         // `self` drops here with its handle taken, which `Drop` leaves alone.
     }
