@@ -768,11 +768,12 @@ fn a_comm_name_outlives_into_raw_for_nccls_later_reads() {
     let lib = nccl_safe::Library::host();
     let t = lib.table();
     let id = CommDevice::Host.unique_id().unwrap();
+    // The caller's Config goes with the block, the communicator with `into_raw`.
     let raw = {
         let cfg = Config::new().comm_name(NAME);
         let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &cfg).unwrap();
         comm.into_raw()
-    }; // the caller's Config is gone here
+    };
     // Churn the allocator at the size of the string's allocation (an `Arc<CStr>`: two
     // counts, then the bytes), so that a freed string would be reused.
     let size = 2 * std::mem::size_of::<usize>() + NAME.len() + 1;
@@ -788,7 +789,10 @@ fn a_comm_name_outlives_into_raw_for_nccls_later_reads() {
     let mut state = ncclInProgress;
     while state == ncclInProgress {
         // SAFETY: `raw` is live; `state` is writable.
-        assert_eq!(unsafe { (t.ncclCommGetAsyncError)(raw, &mut state) }, ncclSuccess);
+        assert_eq!(
+            unsafe { (t.ncclCommGetAsyncError)(raw, &mut state) },
+            ncclSuccess
+        );
     }
     assert_eq!(state, ncclSuccess);
     assert!(!child.is_null());

@@ -71,10 +71,11 @@ impl Rank {
             // cudarc's `new_stream` binds the context to this thread, and that bind would
             // take an error recorded on it by the rank's code of an earlier run: the
             // user's, kept for its `check_err`.
-            CommDevice::Cuda(ctx) => Stream::Cuda(crate::stream::keeping_recorded_error(
-                ctx,
-                || ctx.new_stream(),
-            )?),
+            CommDevice::Cuda(ctx) => {
+                Stream::Cuda(crate::stream::keeping_recorded_error(ctx, || {
+                    ctx.new_stream()
+                })?)
+            }
             CommDevice::Host => Stream::Host,
         };
         let comm = Communicator::init_rank(device, world_size, rank, id, config)?;
