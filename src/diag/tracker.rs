@@ -84,7 +84,9 @@ pub(crate) struct RawEvent {
     event: cudarc::driver::sys::CUevent,
     ctx: Arc<cudarc::driver::CudaContext>,
     /// Its last query failed with a stream-capture error: it was recorded in a capture, so
-    /// the work it covered went into a CUDA graph ([`RawEvent::query`]).
+    /// the work it covered went into a CUDA graph ([`RawEvent::query`]). Such a marker is
+    /// retired at once, and the flag cleared when it is recycled (not at each record: the
+    /// owner's per-operation path makes no store of it).
     captured: std::sync::atomic::AtomicBool,
 }
 
@@ -108,8 +110,6 @@ impl RawEvent {
     /// Records it on `stream`, of the event's context (the driver may ask for that
     /// context current: see [`CudaTracker::record_on`]).
     fn record(&self, stream: &CudaStream) -> Result<(), DriverError> {
-        self.captured
-            .store(false, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: the event and the stream are live, and of one context (checked by the
         // caller: the stream's context made it).
         unsafe { cudarc::driver::result::event::record(self.event, stream.cu_stream()) }
@@ -387,6 +387,8 @@ impl Tracker for CudaTracker {
 
     fn recycle(&self, m: Marker) {
         if let Marker::Cuda(ev) = m {
+            ev.captured
+                .store(false, std::sync::atomic::Ordering::Relaxed);
             let mut spare = lock(&self.spare);
             if spare.len() < SPARE_EVENTS {
                 spare.push(ev);
