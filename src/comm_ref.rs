@@ -96,6 +96,12 @@ impl Communicator {
     /// must destroy, finalize or abort it once). No diagnostics stay behind: the watchdog
     /// no longer watches it and its desync clique forgets it.
     ///
+    /// The name strings of the [`Config`] it was made with ([`Config::comm_name`],
+    /// [`Config::net_name`]) stay alive for the rest of the process: NCCL keeps `commName`
+    /// by pointer and reads it again later (2.28.9 profiler.cc:192, at a split), and a
+    /// child split from the handle without a config inherits the pointer, for as long as
+    /// the caller keeps them, which this crate cannot see.
+    ///
     /// Returns null when the handle is no longer there to give: the watchdog already aborted
     /// it after a timeout (that was its one teardown). A communicator that saw an error is
     /// given back as it is; [`is_failed`](Self::is_failed) says so beforehand, and NCCL

@@ -46,6 +46,18 @@ pub(crate) struct ConfigNames {
     pub(crate) share: (Option<i32>, Option<i32>),
 }
 
+impl ConfigNames {
+    /// Leaves the name strings alive for the rest of the process: for a handle given away
+    /// (`Communicator::into_raw`). NCCL keeps `commName` by pointer and reads it again
+    /// after the call (2.28.9 init.cc:1251; a split's profiler init, profiler.cc:192), and
+    /// a child made without a config inherits the pointer (init.cc:1798-1801), so it must
+    /// live as long as the handle and every child of it, which the crate no longer sees.
+    /// A few bytes per name set, once per handle given away.
+    pub(crate) fn leak(self) {
+        std::mem::forget(self);
+    }
+}
+
 /// Whether NCCL 2.28.9 shares a parent's resources (and abort flag) with its split
 /// (`shrink` false) or shrink child for this value of `splitShare` or `shrinkShare`: a
 /// `splitShare` other than 1 counts as 0 (init.cc:1775-1778), any `shrinkShare` but 0 as
@@ -424,6 +436,35 @@ mod tests {
             layout_size(Version::new(2, 32, 3)),
             size_of::<ncclConfig_t>()
         );
+    }
+
+    /// NCCL keeps `commName` by pointer (2.28.9 init.cc:1251) and reads it again after the
+    /// handle left this crate (a split's profiler init, profiler.cc:192; a child made
+    /// without a config inherits the pointer, init.cc:1798-1801): `into_raw` must leave
+    /// the string alive, though the caller's `Config` and the communicator are gone.
+    #[cfg(all(feature = "host", feature = "diag"))]
+    #[test]
+    fn into_raw_leaves_the_name_nccl_points_to_alive() {
+        use crate::{CommDevice, Communicator};
+        let id = CommDevice::Host.unique_id().unwrap();
+        let (comm, name) = {
+            let cfg = Config::new().comm_name("given-away");
+            let name = Arc::downgrade(cfg.comm_name.as_ref().unwrap());
+            let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &cfg).unwrap();
+            (comm, name)
+        };
+        assert!(name.upgrade().is_some(), "the communicator keeps its name");
+        let raw = comm.into_raw();
+        assert!(
+            name.upgrade().is_some(),
+            "into_raw freed the name NCCL still points to"
+        );
+        // SAFETY: `raw` is a live host communicator whose name is alive (checked above).
+        let read = unsafe { crate::host::comm_name(raw) };
+        assert_eq!(read.as_deref(), Some("given-away"));
+        // SAFETY: `raw` is live and ours: its one teardown.
+        let r = unsafe { (Library::host().table().ncclCommDestroy)(raw) };
+        assert_eq!(r, nccl_sys::bindings::ncclSuccess);
     }
 
     /// Every row's setter writes its own C field, and nothing else.

@@ -167,7 +167,10 @@ impl<T: NcclType> NcclMemory<T> {
                 Ok(mem)
             }
             (Provider::Nccl, Stream::Cuda(s)) => {
-                s.context().bind_to_thread()?;
+                // Not `bind_to_thread`, here or in cudarc's calls below (their binds run
+                // with it set aside): the context's recorded error stays the user's.
+                use crate::stream::keeping_recorded_error as keeping;
+                crate::stream::make_current(s.context())?;
                 // SAFETY: `raw` is a writable pointer slot; the size is checked above; the
                 // stream's device is current, so NCCL allocates there.
                 let r = unsafe { alloc(&mut raw, bytes) };
@@ -178,7 +181,9 @@ impl<T: NcclType> NcclMemory<T> {
                 // SAFETY: `raw` is a live device allocation of `bytes` = len * size_of::<T>()
                 // bytes on the stream's device. The slice never frees it: `release` leaks it
                 // back before `ncclMemFree`. Its contents are zeroed below before any read.
-                let slice = unsafe { s.upgrade_device_ptr::<T>(raw as usize as u64, len) };
+                let slice = keeping(s.context(), || unsafe {
+                    s.upgrade_device_ptr::<T>(raw as usize as u64, len)
+                });
                 let mut mem = NcclMemory {
                     lib: Arc::clone(lib),
                     len,
@@ -187,7 +192,7 @@ impl<T: NcclType> NcclMemory<T> {
                 };
                 if let Some(Storage::Cuda(slice)) = mem.storage.as_mut() {
                     // On error `mem` is dropped, which frees the memory (once).
-                    s.memset_zeros(slice)?;
+                    keeping(s.context(), || s.memset_zeros(slice))?;
                 }
                 Ok(mem)
             }

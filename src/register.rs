@@ -175,7 +175,8 @@ impl Communicator {
         // A buffer that exists cannot overflow its own byte size.
         let bytes = buf.len().saturating_mul(std::mem::size_of::<T>());
         if let CommDevice::Cuda(ctx) = self.device() {
-            ctx.bind_to_thread()?;
+            // Not `bind_to_thread`: the context's recorded error stays the user's.
+            crate::stream::make_current(ctx)?;
         }
         Ok((buf.base_ptr().cast_mut(), bytes))
     }

@@ -231,3 +231,17 @@ impl Drop for Relay {
 // SAFETY: CUDA streams and events may be used from any thread; the context they belong
 // to is kept alive by `ctx`.
 unsafe impl Send for Relay {}
+/// Runs `f`, cudarc calls of the crate's on `ctx` that begin with cudarc's own
+/// `bind_to_thread` (a new stream or event, a memset), with the error cudarc recorded for
+/// the context set aside, and recorded again afterwards: such a call would otherwise fail
+/// with the user's error (or panic, as cudarc's `upgrade_device_ptr` does on it) and leave
+/// the user's `check_err` clean. An error `f` records meanwhile gives way to the user's.
+pub(crate) fn keeping_recorded_error<R>(
+    ctx: &cudarc::driver::CudaContext,
+    f: impl FnOnce() -> R,
+) -> R {
+    let recorded = ctx.check_err();
+    let r = f();
+    ctx.record_err(recorded);
+    r
+}

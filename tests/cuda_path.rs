@@ -657,6 +657,72 @@ fn a_sticky_cuda_error_fails_fast_as_a_cuda_error_and_stays_the_users() {
     });
 }
 
+/// cudarc keeps a context's asynchronous failure (a failed event record in a buffer's drop,
+/// say) for the user's next `check_err`, and its `bind_to_thread` takes it: made on the
+/// owner's thread, it would hand the user's error to the crate's call, which would fail
+/// with it, and leave the user's `check_err` clean. So init, registration and its release,
+/// NCCL memory and destroy make the context current without taking it: each succeeds, and
+/// the user's `check_err` still returns the error recorded before it (here by hand, as
+/// cudarc records one), with event tracking on, as cudarc's default.
+#[test]
+fn the_owners_recorded_cuda_error_stays_the_users_through_init_register_and_destroy() {
+    use cudarc::driver::{sys::CUresult, DriverError};
+    let _serial = serial();
+    driver();
+    within(Duration::from_secs(60), move || {
+        let lib = nccl();
+        let ctx = CudaContext::new(6).unwrap();
+        set_tracking(&ctx, true);
+        let stream = ctx.new_stream().unwrap();
+        let mut buf = stream.alloc_zeros::<f32>(256).unwrap();
+        stream.synchronize().unwrap();
+        let users = || Err::<(), _>(DriverError(CUresult::CUDA_ERROR_LAUNCH_FAILED));
+        let kept = |what: &str| {
+            assert_eq!(
+                ctx.check_err(),
+                users(),
+                "{what} took the user's recorded error"
+            );
+        };
+        let id = UniqueId::new_with(&lib).unwrap();
+
+        ctx.record_err(users());
+        let device = CommDevice::Cuda(ctx.clone());
+        let comm = Communicator::init_rank_in(&lib, &device, 1, 0, &id, &Config::new())
+            .unwrap_or_else(|e| panic!("init failed with the user's error: {e}"));
+        kept("init");
+
+        ctx.record_err(users());
+        let reg = comm
+            .register(&mut buf)
+            .unwrap_or_else(|e| panic!("register failed with the user's error: {e}"));
+        kept("register");
+        ctx.record_err(users());
+        drop(reg);
+        kept("the registration's release");
+
+        if lib.table().ncclMemAlloc.is_some() {
+            ctx.record_err(users());
+            let mem = nccl_safe::NcclMemory::<f32>::alloc_zeros(&comm, 16, &stream)
+                .unwrap_or_else(|e| panic!("ncclMemAlloc failed with the user's error: {e}"));
+            kept("NcclMemory::alloc_zeros");
+            stream.synchronize().unwrap();
+            ctx.record_err(users());
+            drop(mem);
+            kept("NcclMemory's release");
+        }
+
+        ctx.record_err(users());
+        comm.destroy()
+            .map_err(|(_, e)| e)
+            .unwrap_or_else(|e| panic!("destroy failed with the user's error: {e}"));
+        kept("destroy");
+        let st = support::assert_balanced(&id);
+        assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
+        drop((buf, stream));
+    });
+}
+
 /// A GPU's stuck stream, on the CUDA path: the collective is accepted, the watchdog's
 /// events on the stream never complete, the communicator fails fast, and the watchdog's
 /// abort runs on a thread of its own, where it blocks in the driver behind the stalled
@@ -798,6 +864,9 @@ fn a_capturing_stream_raises_no_timeout_and_its_markers_are_not_queried_during_t
             .unwrap();
         std::thread::sleep(TIMEOUT * 2);
         assert!(!r.comm.is_failed());
+        // The graph holds the captured collectives until it is destroyed, and NCCL's destroy
+        // waits for that (the next test): the user destroys the graph first.
+        assert_eq!(support::fakes::destroy_graphs(&r.stream), 10);
         let id = r.id;
         r.comm.destroy().map_err(|(_, e)| e).unwrap();
         let st = support::assert_balanced(&id);
@@ -853,6 +922,7 @@ fn captures_that_come_and_go_under_the_watchdog_are_never_queried_inside() {
             in_capture,
             "a marker was queried inside the capture that recorded it"
         );
+        assert_eq!(support::fakes::destroy_graphs(&r.stream), captured as usize);
         let id = r.id;
         r.comm.destroy().map_err(|(_, e)| e).unwrap();
         let st = support::assert_balanced(&id);
@@ -1090,11 +1160,125 @@ fn a_capture_of_the_per_thread_stream_is_asked_about_on_the_callers_thread() {
             (r.comm.flight_record().entries.iter()).all(|e| e.state == OpState::Completed)
         })
         .expect("the captured collectives are seen complete");
+        assert_eq!(support::fakes::destroy_graphs(&pts), 5);
         let id = r.id;
         r.comm.destroy().map_err(|(_, e)| e).unwrap();
         let st = support::assert_balanced(&id);
         assert_eq!((st.created, st.aborted, st.destroyed), (1, 0, 1));
         drop(x);
+    });
+}
+
+/// What a teardown beside a live graph may take past its bound before the test calls it
+/// unbounded (the fake's destroy takes 0.5 s of it).
+const GRAPH_SLACK: Duration = Duration::from_millis(1500);
+
+/// Whether a teardown's error names a live CUDA graph holding the communicator's work as
+/// the likely cause.
+fn names_the_graph(e: &Error) -> bool {
+    let text = e.to_string();
+    text.contains("CUDA graph") && text.contains("destroy the graph")
+}
+
+/// One captured all-reduce on rank `r`'s stream, whose capture then ends: the graph it
+/// made lives on (the user keeps it to replay), holding the communicator's work.
+fn capture_one(d: &support::fakes::FakeDriver, r: &Rank) {
+    let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
+    r.stream.synchronize().unwrap();
+    d.set_capturing(&r.stream, true);
+    r.comm
+        .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
+        .unwrap();
+    d.set_capturing(&r.stream, false);
+}
+
+/// Device `ordinal`'s teardown lane is wedged by a teardown (queued just before the call
+/// that returned at its bound) whose report names the graph; once the graph is destroyed
+/// (`destroy_graphs`, which must release one launch), the teardown completes and the lane
+/// frees up.
+fn wedged_until_the_graph_goes(ordinal: usize, config: &Config, stream: &CudaStream) {
+    // The teardown began a few milliseconds after the bound started: past that, it counts
+    // as wedged.
+    std::thread::sleep(Duration::from_millis(500));
+    let e = match try_rank(ordinal, config, false) {
+        Err(e @ Error::TeardownWedged { .. }) => e,
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a new communicator on the device was not refused: the lane is free"),
+    };
+    assert!(names_the_graph(&e), "{e}");
+    assert_eq!(support::fakes::destroy_graphs(stream), 1);
+    let free = until(Duration::from_secs(10), || {
+        try_rank(ordinal, config, false).is_ok_and(|r| r.comm.destroy().is_ok())
+    });
+    free.expect("the lane frees up once the graph is destroyed");
+}
+
+/// A CUDA graph that captured a collective holds its communicator: NVIDIA's destroy and
+/// abort wait until every such graph is destroyed (`commDestroySync`, init.cc:2232-2234 of
+/// 2.28.9, which the fake NCCL follows). `destroy()` runs on the device's teardown lane,
+/// like every other teardown: it returns at `Config::abort_timeout` with `Error::Timeout`
+/// naming the captured work's graph as the likely cause, and hands back a communicator
+/// without its handle (the destroy goes on in the background; dropping what came back tears
+/// nothing down again). A new communicator on the device is refused as wedged, for the same
+/// cause, until the user destroys the graph; then the destroy completes, once.
+#[test]
+fn destroy_beside_a_live_graph_is_bounded_and_names_the_graph() {
+    let _serial = serial();
+    let d = driver();
+    within(Duration::from_secs(40), move || {
+        let config = Config::new()
+            .timeout(TIMEOUT)
+            .abort_timeout(MIN_NCCL_ABORT_TIMEOUT);
+        let r = rank(2, &config, false);
+        capture_one(d, &r);
+        let t = Instant::now();
+        let (back, e) = r
+            .comm
+            .destroy()
+            .expect_err("NCCL's destroy waits for the graph");
+        let took = t.elapsed();
+        assert!(
+            took < MIN_NCCL_ABORT_TIMEOUT + GRAPH_SLACK,
+            "destroy took {took:?}"
+        );
+        assert!(is_timeout(&e) && names_the_graph(&e), "{e}");
+        assert!(back.is_failed());
+        let t = Instant::now();
+        drop(back);
+        assert!(
+            t.elapsed() < Duration::from_millis(200),
+            "{:?}",
+            t.elapsed()
+        );
+        wedged_until_the_graph_goes(2, &config, &r.stream);
+        let st = support::assert_balanced(&r.id);
+        assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
+    });
+}
+
+/// The same for a communicator dropped beside a live graph: the drop returns within
+/// `Config::abort_timeout`, and the teardown left blocked on the lane is reported (and
+/// refuses new communicators on the device) naming the graph, until the graph is destroyed.
+#[test]
+fn drop_beside_a_live_graph_is_bounded_and_names_the_graph() {
+    let _serial = serial();
+    let d = driver();
+    within(Duration::from_secs(40), move || {
+        let config = Config::new()
+            .timeout(TIMEOUT)
+            .abort_timeout(MIN_NCCL_ABORT_TIMEOUT);
+        let r = rank(3, &config, false);
+        capture_one(d, &r);
+        let t = Instant::now();
+        drop(r.comm);
+        let took = t.elapsed();
+        assert!(
+            took < MIN_NCCL_ABORT_TIMEOUT + GRAPH_SLACK,
+            "drop took {took:?}"
+        );
+        wedged_until_the_graph_goes(3, &config, &r.stream);
+        let st = support::assert_balanced(&r.id);
+        assert_eq!((st.created, st.destroyed, st.aborted), (1, 1, 0));
     });
 }
 

@@ -581,6 +581,80 @@ fn a_captured_group_replays() {
     ctx.check_err().unwrap();
 }
 
+/// NCCL's destroy waits until every CUDA graph that captured work of the communicator is
+/// destroyed (`commDestroySync`, init.cc:2232-2234 of 2.28.9), which the fake NCCL follows
+/// (`tests/cuda_path.rs`, `destroy_beside_a_live_graph_is_bounded_and_names_the_graph`):
+/// here NVIDIA's own. `destroy()` beside a live graph returns at `Config::abort_timeout`
+/// with `Error::Timeout` naming the graph; a new communicator on the device is refused as
+/// wedged, naming it too, until the graph is dropped; then the destroy left on the lane
+/// completes and the lane frees up.
+#[test]
+#[ignore = "needs a GPU: cargo test --test gpu -- --ignored"]
+fn destroy_beside_a_live_graph_returns_at_its_bound_naming_the_graph() {
+    let bound = nccl_safe::diag::MIN_NCCL_ABORT_TIMEOUT;
+    let lib = Library::load().expect("NVIDIA's NCCL");
+    let ctx = CudaContext::new(0).unwrap();
+    // SAFETY: every buffer here is used on the one stream made below.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().unwrap();
+    let device = CommDevice::Cuda(ctx.clone());
+    let config = Config::new().timeout(TIMEOUT).abort_timeout(bound);
+    let init = || {
+        let id = UniqueId::new_with(&lib).unwrap();
+        Communicator::init_rank_in(&lib, &device, 1, 0, &id, &config)
+    };
+    let comm = init().unwrap();
+    let send = stream.clone_htod(&[1.0f32; 256]).unwrap();
+    let mut recv = stream.alloc_zeros::<f32>(256).unwrap();
+    stream.synchronize().unwrap();
+    stream.begin_capture(GLOBAL).unwrap();
+    comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &stream)
+        .expect("an all_reduce under capture");
+    let graph = stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("the capture made a graph");
+    graph.launch().unwrap();
+    stream.synchronize().unwrap();
+
+    let t = Instant::now();
+    let (back, e) = comm
+        .destroy()
+        .expect_err("NCCL's destroy waits for the graph");
+    let took = t.elapsed();
+    assert!(
+        took < bound + Duration::from_secs(2),
+        "destroy took {took:?}"
+    );
+    assert!(
+        matches!(e, Error::Timeout { .. }) && e.to_string().contains("CUDA graph"),
+        "{e}"
+    );
+    drop(back);
+    std::thread::sleep(Duration::from_millis(500));
+    match init() {
+        Err(e @ Error::TeardownWedged { .. }) => {
+            assert!(e.to_string().contains("CUDA graph"), "{e}")
+        }
+        other => panic!("a new communicator beside the blocked destroy: {other:?}"),
+    }
+
+    drop(graph);
+    let limit = Instant::now() + Duration::from_secs(30);
+    let next = loop {
+        match init() {
+            Ok(c) => break c,
+            Err(Error::TeardownWedged { .. }) if Instant::now() < limit => {
+                std::thread::sleep(Duration::from_millis(50))
+            }
+            Err(e) => panic!("the lane did not free up once the graph was dropped: {e}"),
+        }
+    };
+    next.destroy().map_err(|(_, e)| e).unwrap();
+    drop((send, recv));
+    ctx.check_err().unwrap();
+}
+
 /// Completion is learned per stream: a compute stream blocked behind a long backlog (here a
 /// wait on a host word) after one broadcast on it does not time out the communicator,
 /// whose all-reduces on its own stream complete.

@@ -753,6 +753,61 @@ fn a_comm_name_outlives_the_init_call_and_reaches_split_children() {
     assert_balanced(&id);
 }
 
+/// `into_raw` gives the handle away, and NCCL still holds the `commName` pointer of the
+/// config it was made with and reads it again later: a split's profiler init reads the
+/// parent's (2.28.9 profiler.cc:192), and a child made without a config inherits the
+/// pointer (init.cc:1798-1801). So the name outlives the communicator given away, its
+/// caller's `Config`, and allocations of its size made since, as the host provider (which
+/// keeps the pointer as NCCL does) reads it through the raw handle and through a child
+/// split from it in C. (A freed name is a use after free here, which valgrind reports:
+/// `scripts/valgrind-host.sh`; `config.rs` shows the string's life without reading it.)
+#[test]
+fn a_comm_name_outlives_into_raw_for_nccls_later_reads() {
+    use nccl_sys::bindings::{ncclInProgress, ncclSuccess};
+    const NAME: &str = "handed-over-to-c";
+    let lib = nccl_safe::Library::host();
+    let t = lib.table();
+    let id = CommDevice::Host.unique_id().unwrap();
+    // The caller's Config goes with the block, the communicator with `into_raw`.
+    let raw = {
+        let cfg = Config::new().comm_name(NAME);
+        let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &cfg).unwrap();
+        comm.into_raw()
+    };
+    // Churn the allocator at the size of the string's allocation (an `Arc<CStr>`: two
+    // counts, then the bytes), so that a freed string would be reused.
+    let size = 2 * std::mem::size_of::<usize>() + NAME.len() + 1;
+    let noise: Vec<Vec<u8>> = (0..256).map(|i| vec![i as u8; size]).collect();
+    // SAFETY: `raw` is a live host communicator; its name is alive (what is tested).
+    let name = unsafe { nccl_safe::host::comm_name(raw) };
+    assert_eq!(name.as_deref(), Some(NAME));
+    // A split in C, without a config: the child keeps the parent's pointer.
+    let mut child = std::ptr::null_mut();
+    // SAFETY: `raw` is live and ours; `child` is writable; a null config is allowed.
+    let r = unsafe { (t.ncclCommSplit)(raw, 0, 0, &mut child, std::ptr::null_mut()) };
+    assert!(r == ncclSuccess || r == ncclInProgress, "{r}");
+    let mut state = ncclInProgress;
+    while state == ncclInProgress {
+        // SAFETY: `raw` is live; `state` is writable.
+        assert_eq!(
+            unsafe { (t.ncclCommGetAsyncError)(raw, &mut state) },
+            ncclSuccess
+        );
+    }
+    assert_eq!(state, ncclSuccess);
+    assert!(!child.is_null());
+    drop(noise);
+    let _more: Vec<Vec<u8>> = (0..256).map(|i| vec![i as u8; size]).collect();
+    // SAFETY: as above, through the child.
+    let name = unsafe { nccl_safe::host::comm_name(child) };
+    assert_eq!(name.as_deref(), Some(NAME), "the child's");
+    for c in [child, raw] {
+        // SAFETY: each is live and ours: its one teardown.
+        assert_eq!(unsafe { (t.ncclCommDestroy)(c) }, ncclSuccess);
+    }
+    assert_balanced(&id);
+}
+
 /// NCCL discards an empty collective after checking its arguments (taskAppend,
 /// enqueue.cc:2554-2555 of 2.28.9): it takes no sequence number and waits for no peer, so
 /// one rank's empty all-reduce and broadcast do not pair with its peer's next collective,

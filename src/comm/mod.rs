@@ -233,6 +233,10 @@ pub(crate) fn check_device(call: &'static str, lib: &Library, device: &CommDevic
     }
 }
 
+/// Makes the device's context current on the calling thread (the owner's, for init and
+/// its teardown calls), without cudarc's `bind_to_thread`: that takes the error cudarc
+/// recorded for the context (a failed asynchronous call of the user's), which is the
+/// user's `check_err` to report, not this call's.
 #[inline(always)]
 fn bind(device: &CommDevice) -> Result<()> {
     match device {
@@ -243,7 +247,7 @@ fn bind(device: &CommDevice) -> Result<()> {
 
 #[inline(never)]
 fn bind_cuda(ctx: &CudaContext) -> Result<()> {
-    Ok(ctx.bind_to_thread()?)
+    Ok(crate::stream::make_current(ctx)?)
 }
 
 impl Communicator {
@@ -715,10 +719,13 @@ impl Communicator {
     }
 
     /// Gives the handle up with no teardown (`into_raw`, and a wrap that failed): detaches
-    /// the diagnostics (clique and watchdog) and drops everything else. Null when the
-    /// handle was not this communicator's to give: the watchdog took it (and aborted it),
-    /// or it was borrowed.
+    /// the diagnostics (clique and watchdog) and drops everything else but the config's
+    /// name strings, which NCCL may read as long as the handle (or a child of it) lives:
+    /// those are leaked ([`ConfigNames::leak`](crate::config::ConfigNames::leak); a wrap
+    /// has none). Null when the handle was not this communicator's to give: the watchdog
+    /// took it (and aborted it), or it was borrowed.
     pub(crate) fn release_handle(mut self) -> ncclComm_t {
+        std::mem::take(&mut self.names).leak();
         self.release_in_place()
         // `self` drops here with its handle taken, which `Drop` leaves alone.
     }

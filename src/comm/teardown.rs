@@ -24,6 +24,16 @@ impl Communicator {
     /// back with the error (marked failed, so dropping it aborts), as rusqlite's
     /// `Connection::close` does. A communicator that already failed is not destroyed but
     /// handed back with [`Error::CommunicatorFailed`].
+    ///
+    /// Bounded like every other teardown: its wait for the communicator's work by
+    /// [`Config::timeout`], the call itself by [`Config::abort_timeout`] (it runs on the
+    /// device's teardown lane, and past the bound [`Config::on_abort_timeout`] applies).
+    /// NCCL's destroy blocks until every CUDA graph that captured work of the communicator
+    /// is destroyed (`commDestroySync`, init.cc:2232-2234 of 2.28.9): destroy such graphs
+    /// first. A destroy that did not return in time is [`Error::Timeout`], which names a
+    /// graph as the likely cause when the communicator's work was seen captured; the call
+    /// goes on in the background as the handle's one teardown, and the communicator that
+    /// comes back no longer holds the handle (dropping it tears nothing down).
     #[track_caller]
     #[allow(clippy::result_large_err)] // the shape of rusqlite's `Connection::close`
     pub fn destroy(mut self) -> std::result::Result<(), (Communicator, Error)> {
@@ -40,23 +50,32 @@ impl Communicator {
         if let Err(e) = self.diag.before_teardown() {
             return Err(self.fail(e));
         }
-        bind(&self.device)?;
         // NCCL refuses to destroy a communicator with work in flight or an asynchronous
-        // error, and then leaves this thread inside a group level (see
+        // error, and then leaves the calling thread inside a group level (see
         // `teardown::destroy_or_abort`): such a one comes back failed (dropping it aborts).
         if self.poll_async(OP, caller)? {
             return Err(self.fail(invalid(OP, "NCCL still has work of this communicator in flight (ncclCommGetAsyncError says ncclInProgress): it cannot be destroyed now; drop it to abort it, or wait for the work")));
         }
+        let until = Instant::now() + self.diag.abort_timeout();
         // Pinned from before the call until the handle is out of its slot: a watchdog
         // claim can never fall between the destroy and the take.
         let pinned = self.diag.pin()?;
-        // SAFETY: the handle is live (pinned: the watchdog cannot take it during the call)
-        // and used by nothing else; on success it is never used again (taken below, still
-        // pinned). A refused destroy leaves this thread outside any group level.
-        let r = unsafe {
-            crate::teardown::destroy_closing_level(self.handle.table(), self.handle.get())
+        let raw = self.handle.get();
+        // The lane's call is the only user of the handle until it returned (pinned, and
+        // this thread waits for it), or, past the bound, until the handle is taken below.
+        let (bound, r) = self.teardown_call(raw, Call::Destroy, "destroy", until);
+        let destroyed = match r {
+            Some(r) => self.checked(OP, r, caller),
+            None => {
+                // Still running on the lane: that call is the handle's one teardown, and
+                // nothing here may use the handle again.
+                self.take("its destroy did not return in time", false);
+                // Its jobs may still run while the destroy does: their slots are leaked.
+                self.reap_orphans(false);
+                let e = self.teardown_overdue(OP, bound);
+                Err(self.fail(e))
+            }
         };
-        let destroyed = self.checked(OP, r, caller);
         if destroyed.is_ok() {
             self.take("it destroyed its communicator", false);
             // NCCL destroyed it, so no job of it is running (a destroy needs it ready).
@@ -93,7 +112,7 @@ impl Communicator {
             self.teardown(raw, true, "abort", until)
         };
         self.reap_orphans(r.is_some());
-        let r = r.ok_or_else(|| self.abort_overdue(bound))?;
+        let r = r.ok_or_else(|| self.teardown_overdue("ncclCommAbort", bound))?;
         self.handle.lib().check("ncclCommAbort", r, ctx)
     }
 
@@ -184,13 +203,32 @@ impl Communicator {
         until: Instant,
     ) -> (Duration, Option<ncclResult_t>) {
         let call = if abort {
-            "ncclCommAbort"
+            Call::Abort
         } else {
-            "ncclCommDestroy"
+            Call::DestroyOrAbort
+        };
+        self.teardown_call(raw, call, why, until)
+    }
+
+    /// [`teardown`](Self::teardown) with `call`. For [`Call::Destroy`] `raw` may still be
+    /// in its slot, pinned: the lane's call is its only user until it returned in time,
+    /// and past the bound the caller takes it (the call left running is its teardown).
+    fn teardown_call(
+        &self,
+        raw: ncclComm_t,
+        call: Call,
+        why: &str,
+        until: Instant,
+    ) -> (Duration, Option<ncclResult_t>) {
+        let name = match call {
+            Call::Abort => "ncclCommAbort",
+            Call::DestroyOrAbort | Call::Destroy => "ncclCommDestroy",
         };
         let what = format!(
-            "{call} of rank {} of {} ({why})",
-            self.rank, self.world_size
+            "{name} of rank {} of {} ({why}{})",
+            self.rank,
+            self.world_size,
+            self.graph_note()
         );
         let ctx = match &self.device {
             CommDevice::Cuda(c) => Some(Arc::clone(c)),
@@ -206,13 +244,15 @@ impl Communicator {
             }
             let t = lib.table();
             let raw = raw as ncclComm_t;
-            // SAFETY: `raw` was taken out of its communicator's slot (the caller's
-            // contract): this is its one teardown, and no one uses it afterwards.
+            // SAFETY: `raw` was taken out of its communicator's slot, or is pinned in it
+            // with this call its only user (the caller's contract): this is its one
+            // teardown (a refused destroy tears nothing down and closes the group level
+            // it left on this thread), and no one uses it afterwards.
             unsafe {
-                if abort {
-                    (t.ncclCommAbort)(raw)
-                } else {
-                    crate::teardown::destroy_or_abort(t, raw)
+                match call {
+                    Call::Abort => (t.ncclCommAbort)(raw),
+                    Call::DestroyOrAbort => crate::teardown::destroy_or_abort(t, raw),
+                    Call::Destroy => crate::teardown::destroy_closing_level(t, raw),
                 }
             }
         });
@@ -221,14 +261,30 @@ impl Communicator {
         (b.bound, r)
     }
 
+    /// The error of `call` (an abort or a destroy) still running on the lane at `bound`.
     #[cold]
-    fn abort_overdue(&self, bound: Duration) -> Error {
+    fn teardown_overdue(&self, call: &str, bound: Duration) -> Error {
         Error::Timeout {
             what: format!(
-                "ncclCommAbort on rank {} did not return within the abort bound (Config::abort_timeout): it goes on in the background",
-                self.rank
+                "{call} on rank {} did not return within the abort bound (Config::abort_timeout): it goes on in the background{}",
+                self.rank,
+                self.graph_note()
             ),
             timeout: bound,
+        }
+    }
+
+    /// What a teardown's report adds when work of this communicator was seen captured into
+    /// a CUDA graph: NCCL's destroy and abort wait until every graph holding its work is
+    /// destroyed, so a graph still alive is the likely cause of one that does not return.
+    fn graph_note(&self) -> &'static str {
+        if self.diag.captured() {
+            ", and work of this communicator was captured into a CUDA graph: NCCL's destroy \
+             and abort wait until every CUDA graph holding its work is destroyed \
+             (commDestroySync, init.cc:2232-2234 of NCCL 2.28.9), so a graph still alive is \
+             the likely cause: destroy the graph before the communicator"
+        } else {
+            ""
         }
     }
 
@@ -251,6 +307,18 @@ impl Communicator {
         self.wait_ready(OP, caller, timeout)?;
         self.destroy().map_err(|(_, e)| e)
     }
+}
+
+/// Which NCCL call a teardown on the lane makes.
+#[derive(Clone, Copy)]
+enum Call {
+    /// `ncclCommAbort`.
+    Abort,
+    /// [`destroy_or_abort`](crate::teardown::destroy_or_abort): a drop's.
+    DestroyOrAbort,
+    /// [`destroy_closing_level`](crate::teardown::destroy_closing_level): `destroy()`'s,
+    /// whose refusal comes back to the caller.
+    Destroy,
 }
 
 impl Drop for Communicator {

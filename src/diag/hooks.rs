@@ -259,6 +259,7 @@ impl CommDiag {
             cuda_fault: std::sync::OnceLock::new(),
             gone: AtomicBool::new(false),
             noticed: AtomicU64::new(0),
+            captured: AtomicBool::new(false),
             seq: AtomicU64::new(0),
             wait_ns: AtomicU64::new(0),
             checks: AtomicU64::new(0),
@@ -359,6 +360,17 @@ impl CommDiag {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             return s.clique.any_timeout() || s.aborted_by_watchdog.load(Ordering::Acquire);
+        }
+        false
+    }
+
+    /// Whether work of this communicator was seen captured into a CUDA graph (a capturing
+    /// stream, or a marker that read back as a captured event: `Shared::captured`). One
+    /// load; no driver call.
+    pub(crate) fn captured(&self) -> bool {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            return s.captured.load(Ordering::Relaxed);
         }
         false
     }

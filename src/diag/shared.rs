@@ -167,6 +167,12 @@ pub(crate) struct Shared {
     pub(super) cuda_fault: std::sync::OnceLock<cudarc::driver::DriverError>,
     /// Sequence number + 1 of the last operation the watchdog printed a notice about.
     pub(super) noticed: AtomicU64,
+    /// Work of this communicator was seen captured into a CUDA graph: a stream of it was
+    /// capturing when marked or queried, or a marker read back as a captured event. NCCL's
+    /// destroy and abort wait until every graph holding its work is destroyed
+    /// (`commDestroySync`, init.cc:2232-2234 of 2.28.9), so a teardown past its bound names
+    /// the graph as the likely cause. Never cleared: the crate cannot see the graph go.
+    pub(super) captured: AtomicBool,
 }
 
 impl Shared {
@@ -246,6 +252,7 @@ impl Shared {
                 // Nothing of this range reaches the stream before the capture ends: try
                 // again next tick. Only this queue's watching pauses.
                 w.capturing = true;
+                self.captured.store(true, Ordering::Relaxed);
                 return;
             }
             Mark::Unwatched => None,
@@ -295,7 +302,10 @@ impl Shared {
             // Captured from the per-thread stream (asked at enqueue there: never run on
             // it), or not watchable: complete once what is before it is. Joined to a range
             // of the same kind at the back, so a long capture does not grow the queue.
-            Mark::Capturing | Mark::Unwatched => {
+            m @ (Mark::Capturing | Mark::Unwatched) => {
+                if matches!(m, Mark::Capturing) {
+                    self.captured.store(true, Ordering::Relaxed);
+                }
                 if let Some(back) = w.pending.back_mut().filter(|p| p.marker.is_none()) {
                     back.upto = upto;
                     w.marked = upto;
@@ -340,6 +350,7 @@ impl Shared {
                 Ok(false) => w.capturing = false,
                 Ok(true) => {
                     w.capturing = true;
+                    self.captured.store(true, Ordering::Relaxed);
                     return;
                 }
                 Err(e) => {
@@ -365,6 +376,9 @@ impl Shared {
             };
             // The event is spare again before the work shows complete.
             if let Some(m) = p.marker {
+                if self.tracker.was_captured(&m) {
+                    self.captured.store(true, Ordering::Relaxed);
+                }
                 self.tracker.recycle(m);
             }
             q.retired.store(p.upto, Ordering::Release);

@@ -83,6 +83,11 @@ impl Queue {
 pub(crate) struct RawEvent {
     event: cudarc::driver::sys::CUevent,
     ctx: Arc<cudarc::driver::CudaContext>,
+    /// Its last query failed with a stream-capture error: it was recorded in a capture, so
+    /// the work it covered went into a CUDA graph ([`RawEvent::query`]). Such a marker is
+    /// retired at once, and the flag cleared when it is recycled (not at each record: the
+    /// owner's per-operation path makes no store of it).
+    captured: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: a CUDA event handle may be used from any thread; the context it belongs to is
@@ -98,6 +103,7 @@ impl RawEvent {
         Ok(RawEvent {
             event: cudarc::driver::result::event::create(flags)?,
             ctx: Arc::clone(ctx),
+            captured: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -118,6 +124,7 @@ impl RawEvent {
     /// stream-capture errors (900 to 908): each says a capture was in the way, none says
     /// the work failed, and reading one as a fault would fail a healthy communicator.
     /// Callers ask [`Tracker::capturing`] first, so the capture that recorded it has ended.
+    /// Such an answer is noted ([`Tracker::was_captured`]): the graph holds the work.
     fn query(&self) -> Result<bool, DriverError> {
         use cudarc::driver::sys::CUresult as R;
         // SAFETY: the event is live.
@@ -134,7 +141,11 @@ impl RawEvent {
                 | R::CUDA_ERROR_STREAM_CAPTURE_ISOLATION
                 | R::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
                 | R::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD,
-            )) => Ok(true),
+            )) => {
+                self.captured
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+                Ok(true)
+            }
             Err(e) => Err(e),
         }
     }
@@ -200,6 +211,11 @@ pub(crate) trait Tracker: Send + Sync + std::fmt::Debug {
     fn done(&self, m: &Marker) -> Result<bool, DriverError>;
     /// Takes back a marker that is no longer needed (events are reused).
     fn recycle(&self, _m: Marker) {}
+    /// Whether [`done`](Self::done) read `m` as complete because it was recorded in a
+    /// capture: the work it covered went into a CUDA graph, not onto the stream.
+    fn was_captured(&self, _m: &Marker) -> bool {
+        false
+    }
 }
 
 /// The tracker for a library's provider.
@@ -365,8 +381,14 @@ impl Tracker for CudaTracker {
         }
     }
 
+    fn was_captured(&self, m: &Marker) -> bool {
+        matches!(m, Marker::Cuda(ev) if ev.captured.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     fn recycle(&self, m: Marker) {
         if let Marker::Cuda(ev) = m {
+            ev.captured
+                .store(false, std::sync::atomic::Ordering::Relaxed);
             let mut spare = lock(&self.spare);
             if spare.len() < SPARE_EVENTS {
                 spare.push(ev);

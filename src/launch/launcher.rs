@@ -68,9 +68,13 @@ impl Rank {
         config: &Config,
     ) -> Result<Rank> {
         let stream = match device {
+            // cudarc's `new_stream` binds the context to this thread, and that bind would
+            // take an error recorded on it by the rank's code of an earlier run: the
+            // user's, kept for its `check_err`.
             CommDevice::Cuda(ctx) => {
-                ctx.bind_to_thread()?;
-                Stream::Cuda(ctx.new_stream()?)
+                Stream::Cuda(crate::stream::keeping_recorded_error(ctx, || {
+                    ctx.new_stream()
+                })?)
             }
             CommDevice::Host => Stream::Host,
         };

@@ -16,7 +16,8 @@
  *   event, counted: as CUDA's, it stands for no work on the stream, and a query or a
  *   synchronization of it fails with CUDA_ERROR_CAPTURED_EVENT until it is recorded again
  *   outside a capture. A query made while the capture that recorded it is still open
- *   (which CUDA calls invalid) is counted as well, so that tests can forbid it;
+ *   (which CUDA calls invalid) is counted as well, so that tests can forbid it; and the
+ *   fake NCCL asks which capture a launch falls in (`fake_cuda_capture_of`, uncounted);
  * - streams, events and allocations alive now, to find leaks and double releases;
  * - on request (`fake_cuda_check_order`), the order CUDA guarantees between streams: see
  *   "stream order" below. Work still runs inside the call, in the order the host issued it
@@ -1207,6 +1208,27 @@ int fake_cuda_set_capturing(CUstream s, int on) {
     pthread_mutex_unlock(&lock);
     __atomic_store_n(&st->capturing, on, __ATOMIC_RELEASE);
     return 0;
+}
+
+/* The capture `s` is in (not counted as a driver call): its stream as the driver resolves
+ * the handle (0x2: the calling thread's own) in `*resolved`, and the number of the capture
+ * in progress on it, or 0 when none is (or -1 when `s` is no stream). What NCCL asks at a
+ * launch (`ncclCudaGetCapturingGraph`, a capture's graph holds the launch's plans): the
+ * fake NCCL asks here, so the caller's counted calls stay the crate's own. */
+int64_t fake_cuda_capture_of(CUstream s, void **resolved) {
+    /* As `stream_of`, without counting a bad handle (the caller's, not the driver's). */
+    struct fake_stream *st = s == (CUstream)2                    ? per_thread_stream()
+                             : (s == NULL || s == (CUstream)1) ? &default_stream
+                             : (s >= &streams[0] && s < &streams[MAX_STREAMS] && s->in_use) ? s
+                                                                                            : NULL;
+    if (resolved)
+        *resolved = st;
+    if (!st)
+        return -1;
+    pthread_mutex_lock(&lock);
+    int64_t gen = st->capturing ? (int64_t)st->capture_gen : 0;
+    pthread_mutex_unlock(&lock);
+    return gen;
 }
 
 /* Gauges: 0 live streams, 1 live events, 2 live device allocations, 3 live pinned host

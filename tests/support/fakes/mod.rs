@@ -27,6 +27,7 @@ pub struct FakeDriver {
     stall: unsafe extern "C" fn(*mut std::ffi::c_void, c_int) -> c_int,
     sticky: unsafe extern "C" fn(c_int),
     set_capturing: unsafe extern "C" fn(*mut std::ffi::c_void, c_int) -> c_int,
+    capture_of: unsafe extern "C" fn(*mut std::ffi::c_void, *mut *mut std::ffi::c_void) -> i64,
     gauge: unsafe extern "C" fn(c_int) -> i64,
     release_wait: unsafe extern "C" fn(c_int),
     check_order: unsafe extern "C" fn(c_int),
@@ -117,6 +118,7 @@ pub fn driver() -> &'static FakeDriver {
                 stall: *lib.get(b"fake_cuda_stall\0").unwrap(),
                 sticky: *lib.get(b"fake_cuda_sticky_error\0").unwrap(),
                 set_capturing: *lib.get(b"fake_cuda_set_capturing\0").unwrap(),
+                capture_of: *lib.get(b"fake_cuda_capture_of\0").unwrap(),
                 gauge: *lib.get(b"fake_cuda_gauge\0").unwrap(),
                 release_wait: *lib.get(b"fake_cuda_release_wait\0").unwrap(),
                 check_order: *lib.get(b"fake_cuda_check_order\0").unwrap(),
@@ -171,6 +173,17 @@ impl FakeDriver {
         // SAFETY: as in `stall`.
         let r = unsafe { (self.set_capturing)(stream.cu_stream() as *mut _, on as c_int) };
         assert_eq!(r, 0, "not a stream of the fake driver");
+    }
+
+    /// The capture the raw stream handle `stream` is in, asked without a counted driver
+    /// call: the stream as the driver resolves the handle (0x2: the calling thread's own),
+    /// and the number of the capture in progress on it (`None` when none is, or when
+    /// `stream` is no stream of the fake).
+    pub fn capture_of(&self, stream: usize) -> (usize, Option<i64>) {
+        let mut resolved = std::ptr::null_mut();
+        // SAFETY: reads the fake's stream table; `resolved` is writable.
+        let gen = unsafe { (self.capture_of)(stream as *mut _, &mut resolved) };
+        (resolved as usize, (gen > 0).then_some(gen))
     }
 
     /// Turns the stream-order model on or off (`cuda.c`, "stream order"): process-wide, so
@@ -248,7 +261,9 @@ impl std::fmt::Display for Counts {
 /// The host provider presented as NVIDIA's NCCL (`Provider::Nccl`): communicators on CUDA
 /// devices, whose collectives run on the calling thread over the fake driver's "device"
 /// memory (host memory) and ignore the stream. Its `ncclAllReduce`, `ncclAllGather` and
-/// `ncclBroadcast` also log their arguments on threads that [`record_calls`].
+/// `ncclBroadcast` also log their arguments on threads that [`record_calls`], and one
+/// launched on a stream under capture is held by that capture's graph: the last teardown
+/// of its communicators waits until the test destroys it ([`destroy_graphs`]), as NCCL's.
 pub fn nccl() -> Arc<Library> {
     static LIB: OnceLock<Arc<Library>> = OnceLock::new();
     driver();
@@ -435,6 +450,58 @@ fn abort_launches(comm: usize) {
     aborting().remove(&comm);
 }
 
+/// CUDA graphs that hold communicators' work, as NVIDIA's NCCL counts them: a launch on a
+/// stream under capture makes its plans persistent, each counted in its communicator's
+/// `localPersistentRefs` (enqueue.cc:1542-1546 of 2.28.9), until the graph is destroyed and
+/// its destructor has the plans reclaimed (`reclaimPlan`, enqueue.cc:1334-1338). Per graph
+/// (the stream it was captured from, as the driver resolves the handle, and the number of
+/// its capture), the communicators of the launches it holds, one entry per launch.
+type Graphs = std::collections::HashMap<(usize, i64), Vec<usize>>;
+
+fn graphs() -> (
+    std::sync::MutexGuard<'static, Graphs>,
+    &'static std::sync::Condvar,
+) {
+    static G: OnceLock<(std::sync::Mutex<Graphs>, std::sync::Condvar)> = OnceLock::new();
+    let g = G.get_or_init(Default::default);
+    (g.0.lock().unwrap_or_else(|e| e.into_inner()), &g.1)
+}
+
+/// Notes each of `calls` launched on a stream under capture in that capture's graph (NCCL
+/// asks at the launch: `ncclCudaGetCapturingGraph`, on the calling thread).
+fn capture(calls: &[NcclCall]) {
+    for c in calls {
+        if let (stream, Some(gen)) = driver().capture_of(c.stream) {
+            graphs().0.entry((stream, gen)).or_default().push(c.comm);
+        }
+    }
+}
+
+/// Destroys every graph captured from `stream` so far (the user's `cudaGraphDestroy`; 0x2:
+/// the calling thread's per-thread stream): NCCL reclaims their plans, and a teardown that
+/// waited for them goes on. The number of launches they held.
+pub fn destroy_graphs(stream: &CudaStream) -> usize {
+    let (resolved, _) = driver().capture_of(stream.cu_stream() as usize);
+    let (mut g, changed) = graphs();
+    let mut released = 0;
+    g.retain(|&(s, _), held| {
+        released += if s == resolved { held.len() } else { 0 };
+        s != resolved
+    });
+    changed.notify_all();
+    released
+}
+
+/// NCCL's `commDestroySync` (init.cc:2232-2234 of 2.28.9), which its destroy and its abort
+/// both run for each communicator they reclaim: "keep polling until all graphs referencing
+/// us die". Blocks until no graph holds a launch of `comm`.
+fn wait_for_graphs(comm: usize) {
+    let (mut g, changed) = graphs();
+    while g.values().any(|held| held.contains(&comm)) {
+        g = changed.wait(g).unwrap_or_else(|e| e.into_inner());
+    }
+}
+
 /// Launches `calls` as NVIDIA's NCCL 2.28 does on non-blocking communicators (the crate's):
 /// with one rank, in the call (enqueue.cc:2569-2571); with more, on the group's own thread
 /// after the call returned ncclInProgress (group.cc:706-738, enqueue.cc:2658), with the
@@ -442,6 +509,7 @@ fn abort_launches(comm: usize) {
 /// learns of the buffers' accesses, so an event recorded on the stream before the launch
 /// ends does not order them. True when the launch is asynchronous.
 fn launch(calls: Vec<NcclCall>) -> bool {
+    capture(&calls);
     if calls.iter().all(|c| nranks(c.comm) <= 1) {
         calls.iter().for_each(accessed);
         return false;
@@ -592,7 +660,9 @@ mod wrap {
     /// communicators of its unique id in this process to be destroyed or aborted frees
     /// them all, each on its own device (through the driver: behind a stalled stream of
     /// that device it waits), taking `each` per communicator; the others return at once.
-    /// A communicator the fake did not see made (a split child) is alone.
+    /// A communicator the fake did not see made (a split child) is alone. Before it frees
+    /// any, it waits, for each, until no CUDA graph holds its work (`commDestroySync` for
+    /// each, init.cc:2324-2335, then `commCleanup`: [`wait_for_graphs`]).
     fn reclaim(c: ncclComm_t, each: std::time::Duration) {
         let members = {
             let mut l = locals();
@@ -611,7 +681,11 @@ mod wrap {
                 }
             }
         };
-        for (_, device) in members.into_iter().flatten() {
+        let members = members.unwrap_or_default();
+        for &(comm, _) in &members {
+            super::wait_for_graphs(comm);
+        }
+        for (_, device) in members {
             release_through_the_driver(device);
             std::thread::sleep(each);
         }
