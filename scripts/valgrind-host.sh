@@ -12,7 +12,8 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}"
 VALGRIND="${VALGRIND:-/usr/bin/valgrind}"
 
 mapfile -t bins < <(cargo test --no-run --message-format=json --test host_conformance --test host_semantics \
-    --test safe_collectives --test diag --test cuda_path --test stream_order \
+    --test safe_collectives --test diag --test cuda_path --test stream_order --test group_rule \
+    --test per_thread_stream \
     | grep -o '"executable":"[^"]*"' | sed 's/"executable":"\(.*\)"/\1/')
 if [ "${#bins[@]}" -eq 0 ]; then
     echo "no test binaries found" >&2
