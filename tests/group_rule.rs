@@ -123,3 +123,27 @@ fn registration_windows_and_creation_while_a_group_is_filled_run_at_once() {
         })
         .unwrap();
 }
+
+/// A window registered while a `Group` holds operations is registered by its call, its
+/// handle written before it returns: inside an open NCCL group the registration would only
+/// be queued with the caller's out-pointer, written at the group's end (dev_runtime.cc:
+/// 909-915, :533/:596 of 2.28.9; the host provider does the same), after the call had
+/// returned and freed it.
+#[test]
+fn a_window_registered_while_a_group_is_filled_has_its_handle_on_return() {
+    Launcher::host(2)
+        .run(|rank| {
+            let comm = rank.comm();
+            let mut x = vec![1.0f32; 4];
+            let mut g = Group::new();
+            g.push(comm.all_reduce_in_place_op(&mut x, ReduceOp::Sum, &S)?)?;
+            let mut w = vec![0u8; 64];
+            let win = comm.register_window(&mut w, WindowFlags::empty())?;
+            assert!(!win.as_raw().is_null(), "the window's handle on return");
+            win.deregister()?;
+            g.end()?;
+            assert_eq!(x, vec![rank.world_size() as f32; 4]);
+            Ok(())
+        })
+        .unwrap();
+}
