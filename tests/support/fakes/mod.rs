@@ -27,6 +27,7 @@ pub struct FakeDriver {
     stall: unsafe extern "C" fn(*mut std::ffi::c_void, c_int) -> c_int,
     sticky: unsafe extern "C" fn(c_int),
     set_capturing: unsafe extern "C" fn(*mut std::ffi::c_void, c_int) -> c_int,
+    hold_completion: unsafe extern "C" fn(c_int),
     gauge: unsafe extern "C" fn(c_int) -> i64,
     release_wait: unsafe extern "C" fn(c_int),
     check_order: unsafe extern "C" fn(c_int),
@@ -117,6 +118,7 @@ pub fn driver() -> &'static FakeDriver {
                 stall: *lib.get(b"fake_cuda_stall\0").unwrap(),
                 sticky: *lib.get(b"fake_cuda_sticky_error\0").unwrap(),
                 set_capturing: *lib.get(b"fake_cuda_set_capturing\0").unwrap(),
+                hold_completion: *lib.get(b"fake_cuda_hold_completion\0").unwrap(),
                 gauge: *lib.get(b"fake_cuda_gauge\0").unwrap(),
                 release_wait: *lib.get(b"fake_cuda_release_wait\0").unwrap(),
                 check_order: *lib.get(b"fake_cuda_check_order\0").unwrap(),
@@ -171,6 +173,14 @@ impl FakeDriver {
         // SAFETY: as in `stall`.
         let r = unsafe { (self.set_capturing)(stream.cu_stream() as *mut _, on as c_int) };
         assert_eq!(r, 0, "not a stream of the fake driver");
+    }
+
+    /// Holds the device behind (every event query reads not ready, as while the GPU still
+    /// runs the work before it) or releases it: what completes once released is what a
+    /// stall did not hold. Process-wide: for tests that run alone (`serial`).
+    pub fn hold_completion(&self, on: bool) {
+        // SAFETY: sets a flag.
+        unsafe { (self.hold_completion)(on as c_int) }
     }
 
     /// Turns the stream-order model on or off (`cuda.c`, "stream order"): process-wide, so
