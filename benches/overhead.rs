@@ -1354,7 +1354,7 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
                     if worst <= 0.0 { "met" } else { "NOT met" }
                 );
                 if worst > 0.0 {
-                    println!("#   the gap: the completion marker's cuEventRecord (which later work on the stream never counts against), one per operation or group, against the cuCtxGetCurrent nccl-safe saves before each of cudarc's event records");
+                    println!("#   the gap: the completion marker's cuEventRecord (which later work on the stream never counts against), one per operation or group, against the cuCtxGetCurrent nccl-safe saves before each of cudarc's event records; and, while more than 64 markers are in flight on a stream (a loop that outruns the watchdog's 10 ms tick, as this one), a cuStreamIsCapturing per operation or group: the question before the newest marker is recorded again over earlier work, which must never go into a graph capture");
                 }
             } else {
                 println!("# target: two streams, tracking on: nccl-safe <= cudarc::nccl -> not measured (cudarc::nccl n/a)");

@@ -367,8 +367,9 @@ impl Config {
     /// never times it out, and work on `CU_STREAM_PER_THREAD` (candle's stream) is watched.
     /// It costs a `cuEventRecord` per operation or group, as PyTorch's ProcessGroupNCCL
     /// pays (plus a `cuCtxGetCurrent` and `cuCtxSetCurrent` when the stream's context is not
-    /// current, and a `cuStreamIsCapturing` on `CU_STREAM_PER_THREAD`). Under graph capture
-    /// the record adds no node, and the watchdog does not query it while the capture is open.
+    /// current, and a `cuStreamIsCapturing` on `CU_STREAM_PER_THREAD`, or while more than
+    /// 64 markers are in flight on the stream). Under graph capture the record adds no
+    /// node, and the watchdog does not query it while the capture is open.
     ///
     /// Off, the per-operation path makes no CUDA driver call of its own: the watchdog
     /// records one event per stream per tick, behind whatever was enqueued by then, so

@@ -12,7 +12,8 @@
 //! - the watchdog learns about GPU work from events it records on its own thread, fails a
 //!   stalled stream's communicator fast and aborts behind it, without ever synchronizing
 //!   the stalled stream;
-//! - a stream under graph capture gets no event and no timeout;
+//! - a stream under graph capture gets no event and no timeout, and past the 64 markers a
+//!   stream keeps in flight, none that covers work the stream runs goes into a capture;
 //! - a long run with a new stream per step releases every event and stream it made;
 //! - a process that exits while the abort behind a stalled stream blocks ends with its own
 //!   status, not a signal.
@@ -928,6 +929,102 @@ fn captures_that_come_and_go_under_the_watchdog_are_never_queried_inside() {
         let st = support::assert_balanced(&id);
         assert_eq!((st.created, st.aborted, st.destroyed), (1, 0, 1));
         drop((x, r.stream, r.ctx));
+    });
+}
+
+/// Past the 64 markers a stream keeps in flight (work enqueued faster than the watchdog's
+/// tick retires it), a marker is recorded again after later work, covering what it covered
+/// before. Such a marker must never be recorded into a capture: it would become a captured
+/// event, which reads as complete once the capture ended, and the stuck work it covered
+/// would be retired (no timeout, and a teardown that destroys instead of aborting). Here
+/// the device is held behind while 64 collectives are enqueued (none is seen complete),
+/// the stream stalls under 64 more, and 40 are captured. Once the device catches up, the
+/// first collectives are seen complete, the stalled ones (and the captured ones behind
+/// them) never are: they time out, and the watchdog aborts the communicator. The owner
+/// asks whether the stream is capturing for none of the first 64 collectives, and before
+/// each marker it records again after them.
+#[test]
+fn a_marker_recorded_again_under_capture_never_retires_stuck_work() {
+    let _serial = serial();
+    let d = driver();
+    within(Duration::from_secs(60), move || {
+        const TIMEOUT: Duration = Duration::from_secs(1);
+        const FRESH: usize = 64; // the markers a stream keeps in flight
+        const STUCK: usize = 64;
+        const CAPTURED: usize = 40;
+        let config = Config::new()
+            .timeout(TIMEOUT)
+            .abort_timeout(Duration::from_secs(20))
+            .flight_record_len(256);
+        let r = rank(2, &config, false);
+        let mut x = r.stream.alloc_zeros::<f32>(16).unwrap();
+        r.stream.synchronize().unwrap();
+        let mut all_reduce = |n: usize| {
+            for _ in 0..n {
+                r.comm
+                    .all_reduce_in_place(&mut x, ReduceOp::Sum, &r.stream)
+                    .unwrap();
+            }
+        };
+
+        d.mark_this_thread(true);
+        let c0 = d.counts(true);
+        d.hold_completion(true);
+        all_reduce(FRESH); // done on the device, not yet seen so
+        let c1 = d.counts(true);
+        d.stall(&r.stream, true);
+        all_reduce(STUCK);
+        let c2 = d.counts(true);
+        d.set_capturing(&r.stream, true);
+        all_reduce(CAPTURED); // never run on the stream
+        d.set_capturing(&r.stream, false);
+        d.mark_this_thread(false);
+        d.hold_completion(false);
+
+        let ours = || {
+            let e = r.comm.flight_record().entries;
+            let ours = e[e.len() - (FRESH + STUCK + CAPTURED)..].to_vec();
+            assert!(ours
+                .iter()
+                .all(|o| o.op == nccl_sys::EntryPoint::ncclAllReduce));
+            ours
+        };
+        until(Duration::from_secs(10), || {
+            ours()[0].state == OpState::Completed
+        })
+        .expect("the work before the stall is seen complete");
+        std::thread::sleep(Duration::from_millis(50)); // five of the watchdog's ticks
+        let retired = (ours()[FRESH..].iter())
+            .filter(|e| e.state == OpState::Completed)
+            .count();
+        assert_eq!(
+            retired,
+            0,
+            "{retired} of the {STUCK} stalled collectives and the {CAPTURED} captured ones behind them were retired"
+        );
+        until(TIMEOUT + BOUND, || r.comm.is_failed()).expect("the stalled collectives time out");
+
+        d.stall(&r.stream, false);
+        let Rank {
+            ctx,
+            stream,
+            comm,
+            id,
+        } = r;
+        drop(comm);
+        let st = support::assert_balanced(&id);
+        assert_eq!(
+            (st.created, st.aborted, st.destroyed),
+            (1, 1, 0),
+            "the stalled work's communicator is aborted, not destroyed"
+        );
+        drop((x, stream, ctx));
+
+        // The cost: no question while fewer markers are in flight, one per marker recorded
+        // again past them.
+        let (fresh, stuck) = (c1.since(&c0), c2.since(&c1));
+        assert_eq!(fresh.of("cuStreamIsCapturing"), 0, "[{fresh}]");
+        assert_eq!(stuck.of("cuStreamIsCapturing"), STUCK as u64, "[{stuck}]");
     });
 }
 

@@ -1226,6 +1226,52 @@ mod tests {
         c.destroy().map_err(|(_, e)| e).unwrap();
     }
 
+    /// Past `MAX_PENDING` in flight, on a stream whose captures alternate with work that
+    /// runs: a marker is not recorded again into a capture (the tracker refuses, and the
+    /// captured operation gets a range without a marker), and the next one recorded again
+    /// outside takes that range in, so the queue stays within `MAX_PENDING` + 1 ranges, no
+    /// range without a marker follows another, and everything retires once complete.
+    #[test]
+    fn markers_at_enqueue_stay_bounded_when_captures_alternate_with_work() {
+        let counting = counting_here();
+        counting.complete.store(false, Ordering::SeqCst);
+        let (c, _id) = counted(&counting, Duration::from_secs(600));
+        let s = Arc::clone(c.diag.shared(c.diag_view()));
+        let q = Arc::new(QueueWatch::new(Queue::Host(7)));
+        const N: u64 = 4 * tracker::MAX_PENDING as u64;
+        for upto in 1..=N {
+            // Work first, then alternately one captured operation and one that runs.
+            let captured = upto > tracker::MAX_PENDING as u64 && upto % 2 == 0;
+            counting.capturing.store(captured, Ordering::SeqCst);
+            s.mark_at_enqueue(&q, upto);
+            q.published.store(upto, Ordering::Release);
+            let w = q.watch();
+            assert!(
+                w.pending.len() <= tracker::MAX_PENDING + 1,
+                "{} ranges after operation {upto}",
+                w.pending.len()
+            );
+            let unmarked: Vec<bool> = w.pending.iter().map(|p| p.marker.is_none()).collect();
+            assert!(
+                !unmarked.windows(2).any(|p| p[0] && p[1]),
+                "two ranges without a marker in a row after operation {upto}"
+            );
+            assert_eq!(w.pending.back().map(|p| p.upto), Some(upto));
+            assert_eq!(
+                w.pending.back().is_some_and(|p| p.marker.is_none()),
+                captured,
+                "operation {upto}: a captured one (only) is in a range without a marker"
+            );
+        }
+        counting.capturing.store(false, Ordering::SeqCst);
+        counting.complete.store(true, Ordering::SeqCst);
+        s.track_queue(&q);
+        assert_eq!(q.retired.load(Ordering::Acquire), N);
+        assert!(q.watch().pending.is_empty());
+        drop(s);
+        c.destroy().map_err(|(_, e)| e).unwrap();
+    }
+
     /// The queues a communicator's watch keeps are bounded, the least recently noted going
     /// first: a rank that makes a new stream per step leaks nothing.
     #[test]

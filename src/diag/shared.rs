@@ -279,29 +279,50 @@ impl Shared {
     /// position is published, so the watchdog never marks that work itself. Past
     /// [`MAX_PENDING`] markers in flight, the newest is recorded again and its range
     /// extended (no allocation, no new event).
+    ///
+    /// A marker recorded again covers work queued before this operation, which may run on
+    /// the stream: the tracker records it again only when the stream is not capturing
+    /// ([`Tracker::mark_now`]), since a captured event reads as complete once its capture
+    /// ended and would retire that work unrun. While the stream captures, this operation
+    /// gets a range without a marker instead (it never runs on the stream), and the next
+    /// marker recorded again outside the capture takes that range into its own, so the
+    /// queue stays within [`MAX_PENDING`] + 1 ranges however captures and work alternate.
     pub(super) fn mark_at_enqueue(&self, q: &QueueWatch, upto: u64) {
         let mut w = q.watch();
         if upto <= w.marked {
             return;
         }
+        // The newest marker: at the back, or before a range without one at the back.
         let reuse = if w.pending.len() >= MAX_PENDING {
-            w.pending.back().and_then(|p| p.marker.as_ref())
+            w.pending
+                .iter()
+                .rev()
+                .take(2)
+                .find_map(|p| p.marker.as_ref())
         } else {
             None
         };
         let marker = match self.tracker.mark_now(&q.queue, reuse) {
             Mark::Again => {
+                // Recorded again outside a capture: it covers the range without a marker
+                // at the back too, if there is one.
+                if w.pending.back().is_some_and(|p| p.marker.is_none()) {
+                    w.pending.pop_back();
+                }
                 if let Some(back) = w.pending.back_mut() {
                     back.upto = upto;
                 }
                 w.marked = upto;
                 return;
             }
-            // Recorded without asking whether the stream is capturing: see `retire_done`.
+            // A new marker, recorded without asking whether the stream is capturing (it
+            // covers only the work of this operation, or group, on the stream): see
+            // `retire_done`.
             Mark::Marker(m) => Some(m),
-            // Captured from the per-thread stream (asked at enqueue there: never run on
-            // it), or not watchable: complete once what is before it is. Joined to a range
-            // of the same kind at the back, so a long capture does not grow the queue.
+            // Captured (asked at enqueue on the per-thread stream, and before recording a
+            // marker again: never run on the stream), or not watchable: complete once what
+            // is before it is. Joined to a range of the same kind at the back, so a long
+            // capture does not grow the queue.
             m @ (Mark::Capturing | Mark::Unwatched) => {
                 if matches!(m, Mark::Capturing) {
                     self.captured.store(true, Ordering::Relaxed);

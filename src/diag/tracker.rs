@@ -12,7 +12,7 @@
 //!   the caller's stream, where NCCL enqueued. Cost: one `cuEventRecord` per operation or
 //!   group, as PyTorch's ProcessGroupNCCL, and no allocation (events come from the
 //!   tracker's spare pool; past [`MAX_PENDING`] markers in flight on a stream, the newest
-//!   is recorded again).
+//!   is recorded again, once the stream is known not to be capturing: see below).
 //! - **Lazily, on the watchdog's tick.** The per-operation path makes no CUDA call: the
 //!   watchdog records at most one event per stream per tick, after whatever was published
 //!   by then. Cheaper, but work the caller enqueued on the same stream before the tick
@@ -22,18 +22,29 @@
 //! CUDA graph capture. A captured collective never runs on the stream, so it must never
 //! time out, and nothing of ours may change the user's graph or invalidate the capture:
 //!
-//! - **At enqueue**, the marker is recorded without asking whether the stream is capturing
-//!   (a second driver call per operation). On a capturing stream a plain `cuEventRecord`
-//!   adds no graph node (only `CU_EVENT_RECORD_EXTERNAL` would): it makes a *captured
-//!   event*, which CUDA refuses to query (`CUDA_ERROR_CAPTURED_EVENT`) until it is recorded
-//!   again outside a capture, and whose query while that capture is open it calls invalid.
+//! - **At enqueue**, a new marker is recorded without asking whether the stream is
+//!   capturing (a second driver call per operation). On a capturing stream a plain
+//!   `cuEventRecord` adds no graph node (only `CU_EVENT_RECORD_EXTERNAL` would): it makes a
+//!   *captured event*, which CUDA refuses to query (`CUDA_ERROR_CAPTURED_EVENT`) until it is
+//!   recorded again outside a capture, and whose query while that capture is open it calls
+//!   invalid. A new marker covers only the operation (or group) just enqueued, so a
+//!   captured one covers captured work alone.
+//! - **A marker recorded again** (past [`MAX_PENDING`] in flight: work enqueued faster than
+//!   the watchdog's tick retires it) covers earlier work too, which may run on the stream:
+//!   recorded into a capture, it would read as complete once the capture ended and retire
+//!   that work unrun (no timeout, and a teardown that destroys instead of aborting). So
+//!   the owner asks `cuStreamIsCapturing` first, for these only (one driver call per
+//!   operation while so many are in flight), and while the stream captures records
+//!   nothing: the operation's range has no marker (it never runs on the stream), and the
+//!   next marker recorded again outside the capture takes that range into its own
+//!   (`tests/cuda_path.rs`: `a_marker_recorded_again_under_capture_never_retires_stuck_work`).
 //! - **The watchdog asks instead**, off the caller's thread and in relaxed capture mode:
 //!   before it queries a queue's markers it asks `cuStreamIsCapturing` of the stream
 //!   ([`Tracker::capturing`]); while a capture is open it queries none of them and times
 //!   nothing out on that stream. Every marker it holds was recorded before that question
 //!   (the queue's lock keeps the owner from adding one), so with no capture open a
-//!   captured marker belongs to a capture that has ended, and its query's capture error
-//!   reads as complete ([`RawEvent::query`]).
+//!   captured marker belongs to a capture that has ended, covers only work that capture
+//!   took, and its query's capture error reads as complete ([`RawEvent::query`]).
 //! - **The per-thread stream** (0x2) is the exception: on the watchdog's thread that handle
 //!   is the watchdog's own stream. For it (and the legacy stream) the owner asks
 //!   `cuStreamIsCapturing` at enqueue and records no marker into a capture.
@@ -62,7 +73,8 @@ use crate::stream::PER_THREAD_STREAM;
 use crate::teardown::lock;
 
 /// Markers in flight on one stream past which [`Tracker::mark_now`] records the newest
-/// again instead of taking another event (the GPU runs far behind the caller).
+/// again instead of taking another event (the caller runs far ahead of the GPU, or of the
+/// watchdog's tick).
 pub(crate) const MAX_PENDING: usize = 64;
 
 impl Queue {
@@ -194,9 +206,12 @@ pub(crate) trait Tracker: Send + Sync + std::fmt::Debug {
     fn mark(&self, q: &Queue) -> Mark;
     /// Records a marker after the work the calling thread just enqueued on `q` (the owner,
     /// right after its NCCL call): `reuse` again when given ([`Mark::Again`]), else a
-    /// spare or new one. Does not ask whether `q` is capturing (the marker is then a
-    /// captured event: see the module docs), except for the legacy and per-thread
-    /// streams, and never changes the thread's capture mode.
+    /// spare or new one. A new marker is recorded without asking whether `q` is capturing
+    /// (it is then a captured event: see the module docs), except on the legacy and
+    /// per-thread streams. Before recording `reuse` again it asks, and records nothing
+    /// while `q` captures ([`Mark::Capturing`]): `reuse` covers earlier work that may run
+    /// on the stream, which a captured event would show complete once the capture ended.
+    /// Never changes the thread's capture mode.
     fn mark_now(&self, q: &Queue, reuse: Option<&Marker>) -> Mark;
     /// Whether `q` is being captured into a graph now: its markers must not be queried
     /// (one recorded by this capture would be a query CUDA calls invalid), and its work
@@ -278,8 +293,8 @@ fn is_capturing(stream: &CudaStream) -> Result<bool, DriverError> {
 impl CudaTracker {
     /// Records `reuse` ([`Mark::Again`]), or a spare or new event, after the work queued on
     /// `stream` so far, from the calling thread; when `ask` (the watchdog's
-    /// [`Tracker::mark`]) it first asks whether the stream is capturing, and records
-    /// nothing then.
+    /// [`Tracker::mark`]), or to record `reuse` again, it first asks whether the stream is
+    /// capturing, and records nothing then.
     ///
     /// The calls are tried as they are, and again with the stream's context made current
     /// only when one fails: on the owner's thread it almost always is already (cudarc binds
@@ -291,7 +306,8 @@ impl CudaTracker {
     /// stream: see [`Tracker::capturing`]).
     fn record_on(&self, stream: &CudaStream, reuse: Option<&Marker>, ask: bool) -> Mark {
         let implicit = implicit(stream);
-        let ask = ask || implicit;
+        // A marker recorded again covers earlier work: never into a capture.
+        let ask = ask || implicit || reuse.is_some();
         let current = || crate::stream::make_current(stream.context()).is_ok();
         if implicit && !current() {
             return Mark::Unwatched;
@@ -444,6 +460,10 @@ pub(crate) mod counting {
         pub owner_now_marks: AtomicU64,
         /// Markers complete only while this is set.
         pub complete: AtomicBool,
+        /// The stream captures: [`Tracker::mark_now`] answers as [`CudaTracker`]'s on a
+        /// stream of the user's (a new marker is recorded, a captured event; one to record
+        /// again is not).
+        pub capturing: AtomicBool,
     }
 
     impl Counting {
@@ -457,6 +477,7 @@ pub(crate) mod counting {
                 now_marks: AtomicU64::new(0),
                 owner_now_marks: AtomicU64::new(0),
                 complete: AtomicBool::new(true),
+                capturing: AtomicBool::new(false),
             }
         }
 
@@ -478,6 +499,9 @@ pub(crate) mod counting {
         fn mark_now(&self, _q: &Queue, reuse: Option<&Marker>) -> Mark {
             self.count(&self.now_marks, &self.owner_now_marks);
             if reuse.is_some() {
+                if self.capturing.load(Ordering::SeqCst) {
+                    return Mark::Capturing;
+                }
                 return Mark::Again;
             }
             Mark::Marker(Marker::Fake)

@@ -12,6 +12,9 @@
  * - a stream can be stalled: events recorded on it stay incomplete, and synchronizing it
  *   blocks, as behind a kernel that never ends (the wait gives up after a bound, counted,
  *   so that a test fails rather than hangs);
+ * - the device can be held behind (`fake_cuda_hold_completion`): every event's query reads
+ *   not ready, as while a GPU still runs the work before it, until released; so a test
+ *   decides when the watchdog may first see work complete;
  * - a stream can report a capture in progress. An event recorded on it then is a captured
  *   event, counted: as CUDA's, it stands for no work on the stream, and a query or a
  *   synchronization of it fails with CUDA_ERROR_CAPTURED_EVENT until it is recorded again
@@ -119,6 +122,10 @@ static int device_count = 8;
  * copies, frees, launches) returns it, as CUDA's do after, say, an illegal address. Set
  * by `fake_cuda_sticky_error`. */
 static int sticky_error;
+
+/* Set by `fake_cuda_hold_completion`: every event query reads not ready (captured events
+ * still fail as CUDA's do: the hold models a device behind, not a capture). */
+static int completion_held;
 #define STICKY()                                                                          \
     do {                                                                                  \
         int sticky_ = __atomic_load_n(&sticky_error, __ATOMIC_ACQUIRE);                   \
@@ -822,7 +829,7 @@ CUresult cuEventQuery(CUevent e) {
         pthread_mutex_unlock(&lock);
         return CUDA_ERROR_CAPTURED_EVENT;
     }
-    int done = !e->stream || event_done(e);
+    int done = !e->stream || (event_done(e) && !__atomic_load_n(&completion_held, __ATOMIC_ACQUIRE));
     pthread_mutex_unlock(&lock);
     return done ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
@@ -1195,6 +1202,12 @@ int fake_cuda_stall(CUstream s, int on) {
     __atomic_store_n(&st->stalled, on, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&lock);
     return 0;
+}
+
+/* Holds (1) or releases (0) the device behind: while held, every event query reads not
+ * ready (its work still runs); stalls still decide what completes once released. */
+void fake_cuda_hold_completion(int on) {
+    __atomic_store_n(&completion_held, on, __ATOMIC_RELEASE);
 }
 
 /* Makes a stream report a capture in progress (1: a new capture begins) or none (0). */

@@ -28,6 +28,7 @@ pub struct FakeDriver {
     sticky: unsafe extern "C" fn(c_int),
     set_capturing: unsafe extern "C" fn(*mut std::ffi::c_void, c_int) -> c_int,
     capture_of: unsafe extern "C" fn(*mut std::ffi::c_void, *mut *mut std::ffi::c_void) -> i64,
+    hold_completion: unsafe extern "C" fn(c_int),
     gauge: unsafe extern "C" fn(c_int) -> i64,
     release_wait: unsafe extern "C" fn(c_int),
     check_order: unsafe extern "C" fn(c_int),
@@ -119,6 +120,7 @@ pub fn driver() -> &'static FakeDriver {
                 sticky: *lib.get(b"fake_cuda_sticky_error\0").unwrap(),
                 set_capturing: *lib.get(b"fake_cuda_set_capturing\0").unwrap(),
                 capture_of: *lib.get(b"fake_cuda_capture_of\0").unwrap(),
+                hold_completion: *lib.get(b"fake_cuda_hold_completion\0").unwrap(),
                 gauge: *lib.get(b"fake_cuda_gauge\0").unwrap(),
                 release_wait: *lib.get(b"fake_cuda_release_wait\0").unwrap(),
                 check_order: *lib.get(b"fake_cuda_check_order\0").unwrap(),
@@ -184,6 +186,14 @@ impl FakeDriver {
         // SAFETY: reads the fake's stream table; `resolved` is writable.
         let gen = unsafe { (self.capture_of)(stream as *mut _, &mut resolved) };
         (resolved as usize, (gen > 0).then_some(gen))
+    }
+
+    /// Holds the device behind (every event query reads not ready, as while the GPU still
+    /// runs the work before it) or releases it: what completes once released is what a
+    /// stall did not hold. Process-wide: for tests that run alone (`serial`).
+    pub fn hold_completion(&self, on: bool) {
+        // SAFETY: sets a flag.
+        unsafe { (self.hold_completion)(on as c_int) }
     }
 
     /// Turns the stream-order model on or off (`cuda.c`, "stream order"): process-wide, so
