@@ -979,6 +979,9 @@ fn a_marker_recorded_again_under_capture_never_retires_stuck_work() {
         all_reduce(CAPTURED); // never run on the stream
         d.set_capturing(&r.stream, false);
         d.mark_this_thread(false);
+        // The graph goes before the communicator, as NCCL requires (its teardown waits for
+        // every graph that holds work of it).
+        assert_eq!(support::fakes::destroy_graphs(&r.stream), CAPTURED);
         d.hold_completion(false);
 
         let ours = || {

@@ -4,8 +4,8 @@
 //! `broadcast_in_place_op`, ...) checks its arguments and returns an [`Op`] holding its
 //! buffers' borrows and pointers, and the method of the same name without `_op`
 //! ([`Communicator::all_reduce`], ...) is that description then [`Op::run`], which enqueues
-//! it alone. [`crate::Group::push`] enqueues an [`Op`] inside a group; both go through the
-//! one generic path [`Communicator::issue`]. So every form, in place or not, works on its own
+//! it alone. [`crate::Group::push`] adds an [`Op`] to a group, which enqueues it at its end;
+//! both go through the one generic path [`Communicator::issue`]. So every form, in place or not, works on its own
 //! and in a group.
 //!
 //! Checks, in this order, before NCCL sees anything: the communicator has not failed, the

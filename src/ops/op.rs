@@ -25,8 +25,8 @@ pub(crate) type Guards<'a> = [BufferGuard<'a>; 2];
 ///
 /// * [`run`](Self::run) enqueues it on its own (what [`Communicator::all_reduce`] and the
 ///   other plain methods do), or
-/// * [`Group::push`](crate::Group::push) enqueues it inside a group, which keeps the
-///   borrows until `ncclGroupEnd`.
+/// * [`Group::push`](crate::Group::push) adds it to a group, which keeps it (and its
+///   borrows) and enqueues it with the group's other operations at the group's end.
 ///
 /// The value holds no allocation. Dropping it without running it enqueues no NCCL work (it
 /// releases its buffers, as the end of any operation does).
