@@ -1473,8 +1473,93 @@ fn host_bandwidth() -> Result<()> {
     Ok(())
 }
 
+/// `--backend launch`: what NCCL's launch from a thread of its own (a non-blocking
+/// communicator's, the crate's: group.cc:705-738 of 2.28.9) costs a collective of two
+/// ranks, against the same launch inside the call (a blocking communicator's), on the fake
+/// NCCL over the fake CUDA driver. Rank 0's time per 1-element `all_reduce_in_place`, the
+/// two launches alternated. Both include the host provider's meeting of the two ranks.
+fn launch_overhead() -> Result<()> {
+    const OPS: usize = 2_000;
+    fakes::driver();
+    let lib = fakes::nccl();
+    fakes::set_launch_delay(std::time::Duration::ZERO);
+    fakes::set_teardown_time(std::time::Duration::ZERO, std::time::Duration::ZERO);
+    println!("# nccl-safe launch cost: 1-element all_reduce_in_place on 2 ranks (threads), fake NCCL over the fake CUDA driver, {OPS} operations per run, rank 0's time per operation");
+    println!("#   inline: the launch inside the call (a blocking communicator's)");
+    println!("#   thread: a thread per launch, the communicator ncclInProgress until it ends (NCCL's non-blocking launch), waited out by the crate");
+    println!("# launch     p50 us    p99 us  p99.9 us   mean us");
+    let mut medians = [Vec::new(), Vec::new()];
+    for round in 0..6 {
+        let inline = round % 2 == 0;
+        fakes::set_inline_launch(inline);
+        let mut t = two_ranks(&lib, OPS)?;
+        t.sort_unstable();
+        let at = |q: f64| t[((t.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e6;
+        let mean = t.iter().map(|d| d.as_secs_f64()).sum::<f64>() / t.len() as f64 * 1e6;
+        medians[usize::from(!inline)].push(at(0.5));
+        println!(
+            "  {:<8} {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}",
+            if inline { "inline" } else { "thread" },
+            at(0.5),
+            at(0.99),
+            at(0.999),
+            mean
+        );
+    }
+    fakes::set_inline_launch(false);
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (inline, thread) = (med(&mut medians[0]), med(&mut medians[1]));
+    println!(
+        "# median of the runs' p50: thread {thread:.2} us, inline {inline:.2} us: the thread-per-launch path costs {:.2} us ({:.1}x) per collective",
+        thread - inline,
+        thread / inline
+    );
+    Ok(())
+}
+
+/// Two ranks in threads, each running `ops` 1-element in-place all_reduces on a stream of
+/// its own: rank 0's time per operation.
+fn two_ranks(lib: &Arc<Library>, ops: usize) -> Result<Vec<std::time::Duration>> {
+    let ctx = CudaContext::new(0)?;
+    let id = UniqueId::new_with(lib)?;
+    let rank = |r: usize| -> std::result::Result<Vec<std::time::Duration>, String> {
+        let run = || -> Result<Vec<std::time::Duration>> {
+            let dev = CommDevice::Cuda(Arc::clone(&ctx));
+            let comm = Communicator::init_rank_in(lib, &dev, 2, r, &id, &Config::new())?;
+            let stream = ctx.new_stream()?;
+            let mut x = stream.alloc_zeros::<f32>(1)?;
+            let mut t = Vec::with_capacity(ops);
+            for _ in 0..ops {
+                let t0 = Instant::now();
+                comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &stream)?;
+                t.push(t0.elapsed());
+            }
+            stream.synchronize()?;
+            drop(x);
+            comm.destroy().map_err(|(_, e)| e)?;
+            Ok(t)
+        };
+        run().map_err(|e| e.to_string())
+    };
+    let (t0, t1) = std::thread::scope(|s| {
+        let other = s.spawn(|| rank(1));
+        let t0 = rank(0);
+        (
+            t0,
+            other
+                .join()
+                .unwrap_or_else(|_| Err("rank 1 panicked".into())),
+        )
+    });
+    t1?;
+    Ok(t0?)
+}
+
 const HELP: &str = "\
-usage: cargo bench --bench overhead -- [--backend host|nccl|fake-cuda] [--no-host] [--lazy-completion]
+usage: cargo bench --bench overhead -- [--backend host|nccl|fake-cuda|launch] [--no-host] [--lazy-completion]
 
   --backend host   the safe layer on a null provider against raw calls (target 20 ns)  [default]
   --backend nccl   NVIDIA's NCCL on CUDA device 0: the all_reduce_in_place enqueue of a raw
@@ -1485,6 +1570,9 @@ usage: cargo bench --bench overhead -- [--backend host|nccl|fake-cuda] [--no-hos
                    the same on a fake CUDA driver (compiled from the tests' C source with
                    `cc`) and a null NCCL, with the driver calls per operation counted: the
                    CPU cost of the CUDA code path on any machine
+  --backend launch what a collective of 2 ranks pays for NCCL's launch from a thread of its
+                   own (a non-blocking communicator's) against a launch inside the call, on
+                   the fake NCCL over the fake driver: p50, p99 and p99.9 per operation
   --no-host        host backend: skip the host provider's bandwidth against memcpy
   --lazy-completion
                    CUDA backends: the crate's communicator with Config::exact_completion(false)
@@ -1494,6 +1582,7 @@ usage: cargo bench --bench overhead -- [--backend host|nccl|fake-cuda] [--no-hos
 
 fn main() -> ExitCode {
     let mut cuda = None;
+    let mut launch = false;
     let mut no_host = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -1505,7 +1594,11 @@ fn main() -> ExitCode {
                 println!("{HELP}");
                 return ExitCode::SUCCESS;
             }
-            "--backend" | "--backend=host" | "--backend=nccl" | "--backend=fake-cuda" => {
+            "--backend"
+            | "--backend=host"
+            | "--backend=nccl"
+            | "--backend=fake-cuda"
+            | "--backend=launch" => {
                 let v = match a.split_once('=') {
                     Some((_, v)) => Some(v.to_string()),
                     None => args.next(),
@@ -1514,8 +1607,11 @@ fn main() -> ExitCode {
                     Some("host") => cuda = None,
                     Some("nccl") => cuda = Some(Cuda::Real),
                     Some("fake-cuda") => cuda = Some(Cuda::Fake),
+                    Some("launch") => launch = true,
                     _ => {
-                        eprintln!("error: --backend takes host, nccl or fake-cuda\n\n{HELP}");
+                        eprintln!(
+                            "error: --backend takes host, nccl, fake-cuda or launch\n\n{HELP}"
+                        );
                         return ExitCode::from(2);
                     }
                 }
@@ -1527,6 +1623,7 @@ fn main() -> ExitCode {
         }
     }
     let result = match cuda {
+        _ if launch => launch_overhead(),
         Some(source) => cuda_overhead(source),
         None => run(no_host),
     };

@@ -433,6 +433,17 @@ pub fn set_launch_delay(d: std::time::Duration) {
     LAUNCH_DELAY_MS.store(d.as_millis() as u64, std::sync::atomic::Ordering::Release);
 }
 
+/// Whether launches run inside the call, as a blocking communicator's do (group.cc:740-745
+/// of 2.28.9), instead of from a thread of their own: for measuring what the thread costs.
+static INLINE_LAUNCH: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes every launch run inside the call (`true`), as on a blocking communicator, or
+/// (`false`, the default) from a thread per launch with two or more ranks, as NCCL's
+/// non-blocking communicators (the crate's) do.
+pub fn set_inline_launch(on: bool) {
+    INLINE_LAUNCH.store(on, std::sync::atomic::Ordering::Release);
+}
+
 /// Launches of `comm` (a raw handle) still running on NCCL's group thread.
 pub fn launches_pending(comm: usize) -> usize {
     launching().get(&comm).copied().unwrap_or(0)
@@ -520,7 +531,9 @@ fn wait_for_graphs(comm: usize) {
 /// ends does not order them. True when the launch is asynchronous.
 fn launch(calls: Vec<NcclCall>) -> bool {
     capture(&calls);
-    if calls.iter().all(|c| nranks(c.comm) <= 1) {
+    if INLINE_LAUNCH.load(std::sync::atomic::Ordering::Acquire)
+        || calls.iter().all(|c| nranks(c.comm) <= 1)
+    {
         calls.iter().for_each(accessed);
         return false;
     }
@@ -530,6 +543,7 @@ fn launch(calls: Vec<NcclCall>) -> bool {
             *l.entry(c.comm).or_default() += 1;
         }
     }
+    // NCCL's group end starts a thread per group (pthread_create, group.cc:734).
     std::thread::spawn(move || {
         let delay = LAUNCH_DELAY_MS.load(std::sync::atomic::Ordering::Acquire);
         let until = std::time::Instant::now() + std::time::Duration::from_millis(delay);
