@@ -114,7 +114,7 @@ impl<'a> Group<'a> {
     }
 
     fn finish(&mut self, caller: &'static Location<'static>) -> Result<()> {
-        let ops = std::mem::take(&mut self.ops);
+        let ops = &mut self.ops;
         let Some(first) = ops.first() else {
             return Ok(());
         };
@@ -122,10 +122,13 @@ impl<'a> Group<'a> {
         // Every communicator of the group is pinned (claimed against the watchdog) from
         // before `ncclGroupStart` until its work is launched, so none is aborted under it.
         let mut comms = Pinned(SmallVec::new());
-        for op in &ops {
+        for op in ops.iter() {
             let c = op.comm();
             if !comms.0.iter().any(|p| std::ptr::eq(*p, c)) {
-                c.diag.pin()?;
+                if let Err(e) = c.diag.pin() {
+                    ops.clear();
+                    return Err(e);
+                }
                 comms.0.push(c);
             }
         }
@@ -133,19 +136,35 @@ impl<'a> Group<'a> {
         // the launch: declared before `open`, so that on every path out, an unwind
         // included, `ncclGroupEnd` comes first.
         let mut guards: SmallVec<[BufferGuard<'a>; 8]> = SmallVec::new();
-        // The relays of operations on the per-thread stream (`Op::enqueue`), left once
+        // The relays of operations on the per-thread stream (`Op::onto_relay`), left once
         // the group's work is launched.
         let mut relays: SmallVec<[&'a crate::stream::Relay; 2]> = SmallVec::new();
-        let mut open = Open::start(lib)?;
-        let mut first_error = None;
-        for op in ops {
-            let mut relay = None;
-            let r = op.enqueue(&mut relay);
-            if let Some(relay) = relay.filter(|r| !relays.iter().any(|x| std::ptr::eq(*x, *r))) {
-                relays.push(relay);
+        let mut open = match Open::start(lib) {
+            Ok(open) => open,
+            Err(e) => {
+                ops.clear();
+                return Err(e);
             }
-            match r {
-                Ok(gs) => guards.extend(gs.into_iter().filter(acts)),
+        };
+        let mut first_error = None;
+        for op in ops.drain(..) {
+            let op = if op.needs_relay() {
+                match Self::relayed(op, &mut relays) {
+                    Ok(op) => op,
+                    Err(e) => {
+                        first_error = Some(e);
+                        break;
+                    }
+                }
+            } else {
+                op
+            };
+            match op.enqueue() {
+                Ok(gs) => {
+                    if gs.iter().any(acts) {
+                        guards.extend(gs.into_iter().filter(acts));
+                    }
+                }
                 // The rest is not issued, and the group's end returns this error. NCCL
                 // launches nothing after a failed call of its own (group.cc groupCleanup),
                 // but what the crate refused before NCCL saw it leaves the operations
@@ -157,7 +176,7 @@ impl<'a> Group<'a> {
             }
         }
         let r = open.end(&comms.0, caller);
-        let r = self.settle(&comms.0, r, caller);
+        let r = Self::settle(&comms.0, r, caller);
         let mut r = match first_error {
             Some(e) => Err(e),
             None => r,
@@ -174,10 +193,21 @@ impl<'a> Group<'a> {
         r
     }
 
+    /// `op` moved onto its communicator's relay, noted in `relays` to be left after the
+    /// launch.
+    #[cold]
+    #[inline(never)]
+    fn relayed(op: Op<'a>, relays: &mut SmallVec<[&'a crate::stream::Relay; 2]>) -> Result<Op<'a>> {
+        let (op, relay) = op.onto_relay()?;
+        if !relays.iter().any(|r| std::ptr::eq(*r, relay)) {
+            relays.push(relay);
+        }
+        Ok(op)
+    }
+
     /// Waits for the group's launch and publishes its work, with its communicators still
     /// pinned.
     fn settle(
-        &self,
         comms: &[&'a Communicator],
         r: Result<()>,
         caller: &'static Location<'static>,

@@ -650,24 +650,11 @@ impl Communicator {
 }
 
 impl Communicator {
-    /// The relay an operation on `stream` runs on, entered (it waits for the caller's
-    /// per-thread stream): for `CU_STREAM_PER_THREAD` with two or more ranks, where NCCL
-    /// launches from a thread of its own (`crate::stream::Relay`). `None` for any other
-    /// stream, and for one rank, whose launch NCCL runs inside the call.
-    #[inline(always)]
-    pub(crate) fn relay_for(
-        &self,
-        stream: crate::stream::StreamRef<'_>,
-    ) -> Result<Option<&crate::stream::Relay>> {
-        if stream.raw() as usize != crate::stream::PER_THREAD_STREAM || self.world_size < 2 {
-            return Ok(None);
-        }
-        self.enter_relay().map(Some)
-    }
-
+    /// The communicator's relay of the per-thread stream (`crate::stream::Relay`, made at
+    /// its first use), entered: it waits for the caller's per-thread stream.
     #[cold]
     #[inline(never)]
-    fn enter_relay(&self) -> Result<&crate::stream::Relay> {
+    pub(crate) fn enter_relay(&self) -> Result<&crate::stream::Relay> {
         let relay = match self.relay.get() {
             Some(r) => r,
             None => {

@@ -75,12 +75,45 @@ impl<'a> Op<'a> {
     /// communicator's one checked call path). The buffers are released when it returns.
     #[inline(always)]
     pub fn run(self) -> Result<()> {
-        let mut relay = None;
-        let r = self.enqueue(&mut relay).map(drop);
-        match relay {
-            None => r,
-            Some(relay) => Self::leave(relay, r),
+        if self.needs_relay() {
+            return self.run_relayed();
         }
+        self.enqueue().map(drop)
+    }
+
+    /// Whether NCCL would launch it from a thread of its own on the per-thread stream
+    /// (`CU_STREAM_PER_THREAD` with two or more ranks): then it runs on the communicator's
+    /// relay instead ([`onto_relay`](Self::onto_relay), `crate::stream::Relay`).
+    #[inline(always)]
+    pub(crate) fn needs_relay(&self) -> bool {
+        self.stream.raw() as usize == crate::stream::PER_THREAD_STREAM && self.comm.world_size() > 1
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn run_relayed(self) -> Result<()> {
+        let (op, relay) = self.onto_relay()?;
+        let r = op.enqueue().map(drop);
+        Self::leave(relay, r)
+    }
+
+    /// The operation moved onto its communicator's relay, entered (it waits for the
+    /// caller's per-thread stream). The caller must [`leave`](Self::leave) the relay once
+    /// the work is launched, before the guards go.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn onto_relay(self) -> Result<(Op<'a>, &'a crate::stream::Relay)> {
+        let relay = self.comm.enter_relay()?;
+        let on = crate::stream::StreamRef::Cuda(relay.stream());
+        let info = self.info.on(on);
+        Ok((
+            Op {
+                stream: on,
+                info,
+                ..self
+            },
+            relay,
+        ))
     }
 
     /// The caller's per-thread stream waits for the relay's work, whatever the call's
@@ -113,15 +146,10 @@ impl<'a> Op<'a> {
     }
 
     /// Makes the call, and hands back the guards to keep until the work is enqueued (the
-    /// end of the group inside one). An operation on the per-thread stream that NCCL
-    /// launches from a thread of its own runs on the communicator's relay instead, set in
-    /// `relay` (entered): the caller must [`leave`](Self::leave) it once the work is
-    /// launched, before the guards go.
+    /// end of the group inside one). On its own stream: one that [`needs_relay`](Self::needs_relay)
+    /// is moved [`onto_relay`](Self::onto_relay) first.
     #[inline(always)]
-    pub(crate) fn enqueue(
-        self,
-        relay: &mut Option<&'a crate::stream::Relay>,
-    ) -> Result<Guards<'a>> {
+    pub(crate) fn enqueue(self) -> Result<Guards<'a>> {
         let Op {
             comm,
             call,
@@ -142,14 +170,6 @@ impl<'a> Op<'a> {
             // peers never call).
             return Ok(guards);
         }
-        let (stream, info) = match comm.relay_for(stream)? {
-            None => (stream, info),
-            Some(r) => {
-                *relay = Some(r);
-                let on = crate::stream::StreamRef::Cuda(r.stream());
-                (on, info.on(on))
-            }
-        };
         comm.issue(
             info,
             caller,
