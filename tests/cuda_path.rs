@@ -1883,7 +1883,8 @@ impl Drop for LaunchDelay {
 /// the timeout: a peer late to connect) must not end the buffers' borrows or release
 /// cudarc's guards while the launch may still come: the call returns only once the launch
 /// has ended (the communicator aborted, which joins it), within the bounds. Alone and in a
-/// group, on two ranks.
+/// group, on two ranks; and with `Config::elastic`, where the watchdog's revoke (which
+/// joins the launch too) leaves the handle to its owner for a shrink.
 #[test]
 fn a_failed_wait_returns_only_once_nccls_launch_has_ended() {
     let _serial = serial();
@@ -1891,7 +1892,7 @@ fn a_failed_wait_returns_only_once_nccls_launch_has_ended() {
     let lib = nccl();
     let _delay = LaunchDelay::set(Duration::from_secs(30));
     within(Duration::from_secs(120), move || {
-        for grouped in [false, true] {
+        for (grouped, elastic) in [(false, false), (true, false), (false, true)] {
             let id = UniqueId::new_with(&lib).unwrap();
             std::thread::scope(|sc| {
                 for r in 0..2 {
@@ -1899,7 +1900,7 @@ fn a_failed_wait_returns_only_once_nccls_launch_has_ended() {
                     sc.spawn(move || {
                         let ctx = CudaContext::new(0).unwrap();
                         let stream = ctx.new_stream().unwrap();
-                        let cfg = Config::new().timeout(TIMEOUT);
+                        let cfg = Config::new().timeout(TIMEOUT).elastic(elastic);
                         let dev = CommDevice::Cuda(ctx.clone());
                         let comm = Communicator::init_rank_in(&lib, &dev, 2, r, &id, &cfg).unwrap();
                         let raw = comm.as_raw() as usize;
@@ -1921,6 +1922,10 @@ fn a_failed_wait_returns_only_once_nccls_launch_has_ended() {
                         let bound = TIMEOUT + MIN_NCCL_ABORT_TIMEOUT + BOUND;
                         assert!(t0.elapsed() < bound, "{:?}", t0.elapsed());
                         assert!(comm.is_failed());
+                        if elastic {
+                            assert!(comm.is_revoked(), "rank {r}: not revoked: {e}");
+                            assert!(!comm.as_raw().is_null(), "rank {r}: the revoked handle was taken");
+                        }
                         drop(x);
                         drop(comm);
                     });

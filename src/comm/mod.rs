@@ -471,7 +471,9 @@ impl Communicator {
             // normally ends the wait for a job first; its own limit is a margin later.
             self.wait_ready(call, caller, self.diag.timeout() + CHILD_WAIT_MARGIN)
         } else if r == ncclInProgress {
-            let waited = self.wait_ready(call, caller, self.diag.timeout());
+            // The same margin: the watchdog's timeout comes first, with its report, and
+            // with `Config::elastic` its revoke, which leaves the handle for a shrink.
+            let waited = self.wait_ready(call, caller, self.diag.timeout() + CHILD_WAIT_MARGIN);
             if waited.is_err() {
                 // The buffers stay borrowed until NCCL's launch has ended.
                 Communicator::end_launches(&[self], call);

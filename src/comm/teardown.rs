@@ -126,8 +126,9 @@ impl Communicator {
     /// init.cc:2502-2541), and the caller waits for it, bounded by
     /// [`Config::abort_timeout`]; one the watchdog already took is waited for the same
     /// way. One the watchdog revoked (`Config::elastic`) keeps its handle for
-    /// `shrink_after_failure` if its launch ends within the bound. Past the bound the
-    /// abort goes on on its lane under [`Config::on_abort_timeout`].
+    /// `shrink_after_failure` if its launch ends within one more such bound, and is
+    /// aborted the same way otherwise. Past a bound the abort goes on on its lane under
+    /// [`Config::on_abort_timeout`].
     ///
     /// A communicator whose state is final (an error, or ncclSuccess) is left alone: its
     /// launch has ended.
@@ -137,23 +138,32 @@ impl Communicator {
         let Some(first) = comms.first() else {
             return;
         };
-        let until = Instant::now() + first.diag.abort_timeout();
-        let mut running: Vec<&Communicator> = comms
+        let bound = first.diag.abort_timeout();
+        let (mut revoked, others): (Vec<&Communicator>, Vec<&Communicator>) = comms
             .iter()
             .copied()
             .filter(|c| c.launch_may_run())
-            .collect();
-        // A revoked communicator stays its owner's for a shrink when its launch ends.
-        while running.iter().any(|c| c.diag.revoked_by_watchdog()) && Instant::now() < until {
-            running.retain(|c| !c.diag.revoked_by_watchdog() || c.launch_may_run());
+            .partition(|c| c.diag.revoked_by_watchdog());
+        Self::abort_launching(&others, call, Instant::now() + bound);
+        // A revoked communicator stays its owner's for a shrink when its launch ends
+        // within the bound (the revoke set its abort flags); aborted otherwise.
+        let until = Instant::now() + bound;
+        while !revoked.is_empty() && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(1));
+            revoked.retain(|c| c.launch_may_run());
         }
-        if running.is_empty() {
+        Self::abort_launching(&revoked, call, Instant::now() + bound);
+    }
+
+    /// Aborts `comms` in place, together, and waits for it until `until` (one the watchdog
+    /// took: for the watchdog's abort).
+    fn abort_launching(comms: &[&Communicator], call: &'static str, until: Instant) {
+        let Some(first) = comms.first() else {
             return;
-        }
+        };
         let how = "its operation's launch did not end after a failed wait (aborted)";
         let (mut taken, mut watched) = (Vec::new(), Vec::new());
-        for c in &running {
+        for c in comms {
             c.mark_failed(&invalid(call, how));
             match c.take(how, false) {
                 raw if raw.is_null() => watched.push(*c),
@@ -174,7 +184,7 @@ impl Communicator {
         for c in watched {
             let _ = c.diag.watchdog_abort(until);
         }
-        for c in running {
+        for c in comms {
             c.reap_orphans(aborted.unwrap_or(true));
         }
     }

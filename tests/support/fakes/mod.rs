@@ -923,6 +923,18 @@ mod wrap {
         in_progress_if(asynchronous, r)
     }
 
+    /// NCCL's revoke sets the communicator's abort flags and joins its group's job
+    /// (init.cc:2662-2664 → group.cc:875-877 of v2.29.7-1): no launch of it runs after.
+    pub unsafe extern "C" fn revoke(c: ncclComm_t, flags: std::ffi::c_int) -> ncclResult_t {
+        super::abort_launches(c as usize);
+        // SAFETY: forwarded unchanged to the host provider's entry point.
+        unsafe {
+            (host()
+                .ncclCommRevoke
+                .expect("the host provider has ncclCommRevoke"))(c, flags)
+        }
+    }
+
     /// A communicator whose launch still runs reads ncclInProgress.
     pub unsafe extern "C" fn async_error(c: ncclComm_t, out: *mut ncclResult_t) -> ncclResult_t {
         if launching().contains_key(&(c as usize)) && !out.is_null() {
@@ -951,6 +963,7 @@ fn recording_lookup(name: &CStr) -> *const std::ffi::c_void {
         b"ncclGroupStart" => wrap::group_start as *const std::ffi::c_void,
         b"ncclGroupEnd" => wrap::group_end as *const std::ffi::c_void,
         b"ncclCommGetAsyncError" => wrap::async_error as *const std::ffi::c_void,
+        b"ncclCommRevoke" => wrap::revoke as *const std::ffi::c_void,
         _ => nccl_safe::host::lookup(name),
     }
 }
