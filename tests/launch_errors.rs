@@ -200,10 +200,13 @@ fn the_boards_rank_0_serves_fail_with_error_rendezvous() {
         .io_timeout(Duration::from_millis(300));
     let by = Instant::now() + Duration::from_millis(500);
     let err = RemoteBoard::fetch(&client, by).unwrap_err();
-    assert!(
-        matches!(err.as_rendezvous(), Some(RendezvousError::Io { .. })),
-        "{err:?}"
-    );
+    // Tried until the deadline; the last error says why.
+    match err.as_rendezvous() {
+        Some(RendezvousError::BoardTimeout { last_error, .. }) => {
+            assert!(last_error.contains("Connection refused"), "{err}")
+        }
+        _ => panic!("not Error::Rendezvous(RendezvousError::BoardTimeout): {err:?}"),
+    }
 }
 
 /// A board of the user's own reports its failure as `Error::Board`.
