@@ -136,18 +136,17 @@ fn wrong_token_gets_nothing_and_garbage_is_dropped() {
     let good = BoardClient::new(&addr, 2, TOKEN);
     good.post(1, &summary(1)).unwrap();
 
-    let bad = BoardClient::new(&addr, 2, "not-the-job-token-at-all");
+    // The wrong-token refusal proves nothing (a server without the token can send it), so
+    // the client tries until its deadline, and says what the board answered.
+    let bad = BoardClient::new(&addr, 2, "not-the-job-token-at-all")
+        .io_timeout(Duration::from_millis(200));
     for r in [bad.fetch().map(|_| ()), bad.post(0, &summary(0))] {
-        assert!(
-            matches!(
-                r,
-                Err(RendezvousError::Refused {
-                    reason: Refusal::BadToken,
-                    ..
-                })
-            ),
-            "{r:?}"
-        );
+        match &r {
+            Err(RendezvousError::BoardTimeout { last_error, .. }) => {
+                assert!(last_error.contains(&Refusal::BadToken.to_string()), "{r:?}")
+            }
+            _ => panic!("not a BoardTimeout: {r:?}"),
+        }
     }
     let wrong_world = BoardClient::new(&addr, 3, TOKEN).fetch();
     assert!(matches!(
@@ -289,4 +288,192 @@ fn a_board_clients_debug_output_never_shows_the_token() {
     let shown = format!("{:?}", BoardClient::new("127.0.0.1:1", 2, TOKEN));
     assert!(!shown.contains(TOKEN), "{shown}");
     assert!(shown.contains("<redacted>"), "{shown}");
+}
+
+// ---- strangers on the node ------------------------------------------------------------
+
+fn free_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+    s.read_exact(&mut body)?;
+    Ok(body)
+}
+
+fn write_frame(s: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
+    s.write_all(&(body.len() as u32).to_be_bytes())?;
+    s.write_all(body)
+}
+
+/// A post made before rank 0's board listens (its connection refused) is retried until
+/// the post's deadline, not given up at the first refused connect.
+#[test]
+fn a_post_before_the_board_listens_is_retried() {
+    let addr = free_addr();
+    let client = BoardClient::new(addr.to_string(), 2, TOKEN).io_timeout(Duration::from_secs(1));
+    let c2 = client.clone();
+    let poster = std::thread::spawn(move || c2.post(1, &summary(1)));
+    std::thread::sleep(Duration::from_millis(300));
+    let board = DesyncBoard::serve(addr, 2, TOKEN).unwrap();
+    poster.join().unwrap().unwrap();
+    assert_eq!(client.fetch().unwrap(), vec![None, Some(summary(1))]);
+    board.stop();
+}
+
+/// A server on the board's address that does not hold the token (a squatter before rank 0
+/// binds, a relay) answers with the wrong-token refusal: that proves nothing, so the post
+/// is retried and reaches the real board once it listens there.
+#[test]
+fn an_unauthenticated_refusal_from_the_board_is_retried() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let client = BoardClient::new(addr.to_string(), 2, TOKEN).io_timeout(Duration::from_secs(1));
+    let c2 = client.clone();
+    let t0 = Instant::now();
+    let poster = std::thread::spawn(move || c2.post(1, &summary(1)));
+    listener.set_nonblocking(true).unwrap();
+    for _ in 0..2 {
+        let mut s = loop {
+            match listener.accept() {
+                Ok((s, _)) => break s,
+                Err(_) if t0.elapsed() < Duration::from_secs(5) && !poster.is_finished() => {
+                    std::thread::sleep(Duration::from_millis(2))
+                }
+                Err(_) => panic!("the poster gave up: {:?}", poster.join().unwrap()),
+            }
+        };
+        s.set_nonblocking(false).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let hello = [&[1u8][..], b"nccl-safe-board1", &[7u8; 32]].concat();
+        write_frame(&mut s, &hello).unwrap();
+        let _auth = read_frame(&mut s).unwrap();
+        write_frame(&mut s, &[4, 1, 0, 0, 0, 0, 0, 0, 0, 0]).unwrap();
+    }
+    drop(listener);
+    let board = DesyncBoard::serve(addr, 2, TOKEN).unwrap();
+    let posted = poster.join().unwrap();
+    posted.unwrap_or_else(|e| panic!("after {:?}: {e}", t0.elapsed()));
+    assert_eq!(client.fetch().unwrap(), vec![None, Some(summary(1))]);
+    board.stop();
+}
+
+/// The MACs name their protocol: a rank's AUTH frame for the board, relayed to the
+/// rendezvous under the rendezvous's own challenge, is a wrong token there (so a relay
+/// cannot spend a rank's board connection on the rendezvous).
+#[test]
+fn the_rendezvous_does_not_take_a_boards_auth_frame() {
+    use nccl_safe::launch::rendezvous::TcpRendezvous;
+    let server = TcpRendezvous::new("127.0.0.1", 0, TOKEN)
+        .timeout(Duration::from_secs(5))
+        .serve(2, [5u8; 128])
+        .unwrap();
+    let relay = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let client = BoardClient::new(relay.local_addr().unwrap().to_string(), 2, TOKEN)
+        .io_timeout(Duration::from_millis(500));
+    let poster = std::thread::spawn(move || client.post(1, &summary(1)));
+    let (mut c, _) = relay.accept().unwrap();
+    let mut s = TcpStream::connect(server.local_addr()).unwrap();
+    for x in [&mut c, &mut s] {
+        x.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    }
+    let mut hello = read_frame(&mut s).unwrap();
+    hello[1..17].copy_from_slice(b"nccl-safe-board1");
+    write_frame(&mut c, &hello).unwrap();
+    let auth = read_frame(&mut c).unwrap();
+    write_frame(&mut s, &auth).unwrap();
+    let reply = read_frame(&mut s).unwrap();
+    assert!(
+        reply.len() == 10 && reply[..2] == [4, 1],
+        "the rendezvous took the board's AUTH frame and answered kind {} ({} bytes)",
+        reply[0],
+        reply.len()
+    );
+    drop((c, relay));
+    let _ = poster.join().unwrap();
+    server.stop();
+}
+
+const EXIT_CHILD: &str = "NCCL_SAFE_TEST_BOARD_EXIT_CHILD";
+
+/// Rank 0 hosting the board: serves it on the address the parent gives, and when the
+/// parent writes a line, ends the process (its exit guard installed by a communicator's
+/// teardown).
+#[test]
+#[ignore = "run as a child process by the test below"]
+fn child_board_host_that_exits() {
+    use nccl_safe::{CommDevice, Communicator, Config};
+    let Ok(addr) = std::env::var(EXIT_CHILD) else {
+        panic!("run only as a child process ({EXIT_CHILD} unset)");
+    };
+    let id = CommDevice::Host.unique_id().unwrap();
+    drop(Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &Config::new()).unwrap());
+    let board = DesyncBoard::serve(addr.as_str(), 2, TOKEN).unwrap();
+    println!("\n@@SERVING");
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    board.stop();
+    println!("\n@@EXITING");
+}
+
+/// A stranger's connection to the board, which never authenticates, does not hold up the
+/// exit of rank 0's process: only a token holder's request is waited for.
+#[test]
+fn a_strangers_connection_does_not_hold_up_rank_0s_exit() {
+    use std::io::BufRead;
+    let addr = free_addr();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_board_host_that_exits",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(EXIT_CHILD, addr.to_string())
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut wait_for = |mark: &str| {
+        let mut line = String::new();
+        while !line.starts_with(mark) {
+            line.clear();
+            assert!(out.read_line(&mut line).unwrap() > 0, "no {mark}");
+        }
+    };
+    wait_for("@@SERVING");
+    // The stranger connects and reads the hello: the board is serving it.
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    read_frame(&mut s).unwrap();
+    child.stdin.as_mut().unwrap().write_all(b"exit\n").unwrap();
+    wait_for("@@EXITING");
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the child did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let took = t0.elapsed();
+    assert!(status.success(), "{status}");
+    assert!(
+        took < Duration::from_millis(500),
+        "the exit waited {took:?}"
+    );
+    drop(s);
 }

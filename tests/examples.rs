@@ -173,11 +173,17 @@ fn mismatch_reports_every_ranks_call_and_line_and_fails_fast() {
 /// Starts `name` as `n` processes with the variables torchrun sets (as torchrun, srun or
 /// mpirun would), on the host provider: they meet in shared memory.
 fn as_processes(name: &str, n: usize, args: &[&str]) -> Vec<Output> {
-    // A free port (rank 0 also serves the desync board on the next one).
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap();
+    // A free port, and the next one free too: rank 0 serves the desync board there (and
+    // fails its init when it cannot).
+    let port = loop {
+        let p = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            break p;
+        }
+    };
     let exe = std::env::current_exe().unwrap();
     let bin = exe
         .parent()

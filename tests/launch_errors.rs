@@ -102,6 +102,13 @@ fn child_launcher_from_env() {
             RendezvousError::MissingToken { var } if var == TOKEN_VAR => "Error::Rendezvous",
             e => panic!("no-token: unexpected rendezvous error {e:?}"),
         },
+        ("board-port-taken", Err(Error::Rendezvous(e))) => match *e {
+            RendezvousError::Bind { addr, .. } => {
+                println!("\nBIND={addr}");
+                "Error::Rendezvous"
+            }
+            e => panic!("board-port-taken: unexpected rendezvous error {e:?}"),
+        },
         (s, Err(e)) => panic!("{s}: unexpected error {e:?}"),
         (s, Ok(_)) => panic!("{s}: init succeeded"),
     };
@@ -146,6 +153,60 @@ fn launcher_from_env_fails_with_typed_variants() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+/// Rank 0 that cannot host the desync board (its port, `MASTER_PORT + 1`, is taken) fails
+/// its init with the bind error, before any rank waits on it, rather than going on while
+/// every rank posts to whatever holds that port.
+#[test]
+fn a_board_that_cannot_bind_fails_rank_0s_init() {
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let board_port = taken.local_addr().unwrap().port();
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_launcher_from_env",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_VAR, "board-port-taken")
+        .env("RUST_BACKTRACE", "0")
+        .env_remove("OMPI_COMM_WORLD_RANK")
+        .env_remove("SLURM_PROCID")
+        .env_remove("TORCHELASTIC_USE_AGENT_STORE")
+        .env_remove("TORCHELASTIC_RUN_ID")
+        .env_remove("TORCHELASTIC_RESTART_COUNT")
+        .env(TOKEN_VAR, TOKEN)
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .env("LOCAL_RANK", "0")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", (board_port - 1).to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let mut child = child;
+    while child.try_wait().unwrap().is_none() && t0.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success()
+            && stdout.contains("VERDICT=Error::Rendezvous")
+            && stdout.contains(&format!("BIND=127.0.0.1:{board_port}")),
+        "after {:?}: {}\n{stdout}\n{stderr}",
+        t0.elapsed(),
+        out.status
+    );
+    drop(taken);
 }
 
 #[test]
@@ -200,10 +261,13 @@ fn the_boards_rank_0_serves_fail_with_error_rendezvous() {
         .io_timeout(Duration::from_millis(300));
     let by = Instant::now() + Duration::from_millis(500);
     let err = RemoteBoard::fetch(&client, by).unwrap_err();
-    assert!(
-        matches!(err.as_rendezvous(), Some(RendezvousError::Io { .. })),
-        "{err:?}"
-    );
+    // Tried until the deadline; the last error says why.
+    match err.as_rendezvous() {
+        Some(RendezvousError::BoardTimeout { last_error, .. }) => {
+            assert!(last_error.contains("Connection refused"), "{err}")
+        }
+        _ => panic!("not Error::Rendezvous(RendezvousError::BoardTimeout): {err:?}"),
+    }
 }
 
 /// A board of the user's own reports its failure as `Error::Board`.

@@ -1,5 +1,6 @@
 //! Launch environment parsing and the id rendezvous, on loopback only.
 
+use nccl_safe::launch::desync::{BoardClient, DesyncBoard};
 use nccl_safe::launch::env::{
     first_slurm_host, slurm_default_port, EnvError, EnvSource, ProcessEnv, DEFAULT_PORT,
 };
@@ -159,27 +160,33 @@ fn four_ranks_as_processes_get_the_same_id() {
     assert!(ids.iter().all(|id| id == &ids[0]), "ids differ: {ids:?}");
 }
 
+/// A wrong token gets the wrong-token refusal, never the id. A server without the token
+/// could send that refusal as well as rank 0, so the rank tries until its deadline, and
+/// the timeout says what rank 0 answered.
 #[test]
 fn wrong_token_is_refused_without_the_id() {
     let server = tcp(0).serve(2, sample_id(1)).unwrap();
     let port = server.local_addr().port();
+    let t0 = Instant::now();
     let err = TcpRendezvous::new("127.0.0.1", port, b"not-the-job-token-at-all".to_vec())
-        .timeout(Duration::from_secs(3))
+        .timeout(Duration::from_millis(500))
         .fetch(1, 2)
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            RendezvousError::Refused {
-                rank: 1,
-                reason: Refusal::BadToken,
-                ..
-            }
+    assert!(t0.elapsed() >= Duration::from_millis(500), "{err}");
+    let RendezvousError::ClientTimeout {
+        rank: 1,
+        last_error,
+        ..
+    } = &err
+    else {
+        panic!("not a ClientTimeout: {err}");
+    };
+    assert_eq!(
+        last_error,
+        &format!(
+            "rank 0 at 127.0.0.1:{port} refused rank 1: {}",
+            Refusal::BadToken
         ),
-        "{err}"
-    );
-    assert!(
-        err.to_string().contains(&format!("127.0.0.1:{port}")),
         "{err}"
     );
 
@@ -1105,41 +1112,512 @@ fn a_slow_fake_rank_0_cannot_hold_a_rank_past_its_deadline() {
     assert!(err.to_string().contains("gave up after 1.0"), "{err}");
 }
 
-/// A relay between a rank and rank 0 cannot forge a refusal: the rank sees that the
-/// answer does not come from a holder of the token.
-#[test]
-fn a_relay_cannot_forge_a_refusal() {
-    let server = tcp(0).serve(2, sample_id(16)).unwrap();
-    let real = server.local_addr().port();
-    let relay = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = relay.local_addr().unwrap().port();
-    let forger = thread::spawn(move || {
-        let (mut c, _) = relay.accept().unwrap();
-        let mut s = TcpStream::connect(("127.0.0.1", real)).unwrap();
-        for x in [&mut c, &mut s] {
-            x.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-        }
-        let hello = read_frame(&mut s).unwrap();
-        write_frame(&mut c, &hello).unwrap();
-        let auth = read_frame(&mut c).unwrap();
-        write_frame(&mut s, &auth).unwrap();
-        let _id = read_frame(&mut s).unwrap();
-        // "rank already claimed", unauthenticated, in place of the id.
-        write_frame(&mut c, &[4, 4, 0, 0, 0, 2, 0, 0, 0, 1]).unwrap();
-    });
-    let err = tcp(port).fetch(1, 2).unwrap_err();
-    forger.join().unwrap();
-    assert!(
-        matches!(err, RendezvousError::ServerAuthentication { .. }),
-        "{err}"
-    );
-    drop(server);
-}
-
 #[test]
 fn debug_output_never_shows_the_token() {
     let token = "a-secret-job-token-of-enough-length";
     let shown = format!("{:?}", TcpRendezvous::new("127.0.0.1", 1, token));
     assert!(!shown.contains(token), "{shown}");
     assert!(shown.contains("<redacted>"), "{shown}");
+}
+
+// ---- strangers on the node: descriptors, a second address, forged refusals ------------
+
+/// A fake server on `addr` that answers every connection as `answer` says (given the
+/// connection's number), until `stop` is set; how many it answered.
+fn fake_server(
+    listener: TcpListener,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    answer: impl Fn(usize, &mut TcpStream) + Send + 'static,
+) -> thread::JoinHandle<usize> {
+    listener.set_nonblocking(true).unwrap();
+    thread::spawn(move || {
+        let mut n = 0;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            match listener.accept() {
+                Ok((mut s, _)) => {
+                    s.set_nonblocking(false).unwrap();
+                    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                    answer(n, &mut s);
+                    n += 1;
+                }
+                Err(_) => thread::sleep(Duration::from_millis(2)),
+            }
+        }
+        n
+    })
+}
+
+/// What a squatter that does not hold the token can answer: a hello of the right magic and
+/// then the wrong-token refusal, a hello that is not the protocol's, or rank 0's busy.
+fn squat(n: usize, s: &mut TcpStream) {
+    match n % 3 {
+        0 => {
+            let mut hello = vec![1u8];
+            hello.extend_from_slice(b"nccl-safe-rdzv/1");
+            hello.extend_from_slice(&[9u8; 32]);
+            let _ = write_frame(s, &hello);
+            let _ = read_frame(s); // the rank's AUTH
+            let _ = write_frame(s, &[4, 1, 0, 0, 0, 0, 0, 0, 0, 0]);
+        }
+        1 => {
+            let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+        }
+        _ => {
+            let _ = write_frame(s, &BUSY);
+        }
+    }
+}
+
+/// A rendezvous host that stands for two addresses, of which a stranger holds the first
+/// (listening on the job's port before rank 0 starts, as under mpirun): the ranks still get
+/// the id once rank 0 listens on the other, and the stranger's answers never end them.
+#[test]
+fn a_squatter_on_a_second_address_costs_no_rank_its_id() {
+    let squatter = TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = squatter.local_addr().unwrap().port();
+    let ips = ["127.0.0.2".parse().unwrap(), "127.0.0.1".parse().unwrap()];
+    let rdzv = move || {
+        TcpRendezvous::new("rdzv-node", port, TOKEN)
+            .resolve_to(ips)
+            .timeout(Duration::from_secs(10))
+            .io_timeout(Duration::from_secs(1))
+    };
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let fake = fake_server(squatter, Arc::clone(&stop), squat);
+    let t0 = Instant::now();
+    let ranks: Vec<_> = (1..3)
+        .map(|r| thread::spawn(move || (rdzv().fetch(r, 3), t0.elapsed())))
+        .collect();
+    thread::sleep(Duration::from_secs(1));
+    let server = rdzv().serve(3, sample_id(17)).unwrap();
+    assert_eq!(
+        server.local_addr(),
+        format!("127.0.0.1:{port}").parse().unwrap()
+    );
+    for (r, rank) in ranks.into_iter().enumerate() {
+        let (got, took) = rank.join().unwrap();
+        let got = got.unwrap_or_else(|e| panic!("rank {} after {took:?}: {e}", r + 1));
+        assert_eq!(got, sample_id(17));
+        assert!(took < Duration::from_secs(3), "rank {}: {took:?}", r + 1);
+    }
+    server.wait().unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(fake.join().unwrap() >= 2, "the squatter was asked");
+}
+
+/// With only the squatter answering, a rank tries until its own deadline (not less), and
+/// the error names the address that answered and what it said.
+#[test]
+fn a_squatter_alone_costs_the_deadline_and_is_named() {
+    let squatter = TcpListener::bind("127.0.0.2:0").unwrap();
+    let port = squatter.local_addr().unwrap().port();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Only wrong-token refusals, so the last answer is one.
+    let fake = fake_server(squatter, Arc::clone(&stop), |_, s| squat(0, s));
+    let t0 = Instant::now();
+    let err = TcpRendezvous::new("rdzv-node", port, TOKEN)
+        .resolve_to(["127.0.0.2".parse().unwrap()])
+        .timeout(Duration::from_millis(800))
+        .fetch(1, 2)
+        .unwrap_err();
+    let took = t0.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    fake.join().unwrap();
+    assert!(took >= Duration::from_millis(800), "{took:?}: {err}");
+    assert!(took < Duration::from_secs(3), "{took:?}: {err}");
+    let RendezvousError::ClientTimeout { last_error, .. } = &err else {
+        panic!("not a ClientTimeout: {err}");
+    };
+    assert!(
+        last_error.contains(&format!("127.0.0.2:{port}")) && last_error.contains("wrong job token"),
+        "{err}"
+    );
+}
+
+/// A relay between a rank and rank 0 that replaces rank 0's answer with a refusal of its
+/// own: the refusal proves nothing, so the rank tries again and gets the id.
+#[test]
+fn a_forged_refusal_is_retried_until_rank_0_answers() {
+    let server = tcp(0).serve(2, sample_id(16)).unwrap();
+    let real = server.local_addr().port();
+    let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = relay.local_addr().unwrap().port();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // The first two connections get a forged "rank already claimed" in place of the id;
+    // later ones are relayed as they are.
+    let forger = fake_server(relay, Arc::clone(&stop), move |n, c| {
+        let mut s = TcpStream::connect(("127.0.0.1", real)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let hello = read_frame(&mut s).unwrap();
+        write_frame(c, &hello).unwrap();
+        let auth = read_frame(c).unwrap();
+        write_frame(&mut s, &auth).unwrap();
+        if n < 2 {
+            // Rank 0 is still serving this rank on the relay's connection: dropped here.
+            write_frame(c, &[4, 4, 0, 0, 0, 2, 0, 0, 0, 1]).unwrap();
+            return;
+        }
+        let id = read_frame(&mut s).unwrap();
+        write_frame(c, &id).unwrap();
+        let ack = read_frame(c).unwrap();
+        let _ = write_frame(&mut s, &ack);
+    });
+    let t0 = Instant::now();
+    let got = tcp(port).fetch(1, 2);
+    let took = t0.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let got = got.unwrap_or_else(|e| panic!("after {took:?}: {e}"));
+    assert_eq!(got, sample_id(16));
+    assert!(forger.join().unwrap() >= 3);
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    server.wait().unwrap();
+}
+
+/// A relay that forges every refusal costs the rank its whole deadline, not less, and the
+/// error says the server at that address did not prove it holds the token.
+#[test]
+fn a_relay_forging_every_answer_costs_the_deadline() {
+    let server = tcp(0).serve(2, sample_id(18)).unwrap();
+    let real = server.local_addr().port();
+    let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = relay.local_addr().unwrap().port();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let forger = fake_server(relay, Arc::clone(&stop), move |_, c| {
+        let mut s = TcpStream::connect(("127.0.0.1", real)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let hello = read_frame(&mut s).unwrap();
+        write_frame(c, &hello).unwrap();
+        let auth = read_frame(c).unwrap();
+        write_frame(&mut s, &auth).unwrap();
+        let _ = write_frame(c, &[4, 4, 0, 0, 0, 2, 0, 0, 0, 1]);
+    });
+    let t0 = Instant::now();
+    let err = tcp(port)
+        .timeout(Duration::from_millis(800))
+        .fetch(1, 2)
+        .unwrap_err();
+    let took = t0.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    forger.join().unwrap();
+    assert!(took >= Duration::from_millis(800), "{took:?}: {err}");
+    let RendezvousError::ClientTimeout { last_error, .. } = &err else {
+        panic!("not a ClientTimeout: {err}");
+    };
+    assert!(
+        last_error.contains(&format!("127.0.0.1:{port}"))
+            && last_error.contains("did not prove it holds the job token"),
+        "{err}"
+    );
+    // The real rank 1 still gets its id.
+    assert_eq!(tcp(real).fetch(1, 2).unwrap(), sample_id(18));
+    server.wait().unwrap();
+}
+
+// ---- a stranger at the open-file limit ------------------------------------------------
+
+const FD_CHILD: &str = "NCCL_SAFE_TEST_FD_LIMIT_CHILD";
+/// Rank 0's open-file limit in the child, soft and hard (so it cannot raise it).
+const FD_LIMIT: u64 = 256;
+/// Files rank 0 opens while the stranger holds its connections (NCCL's init would).
+const FILES: usize = 64;
+
+/// Rank 0 under an open-file limit of [`FD_LIMIT`]: serves the id to ranks 1 and 2 on the
+/// port the parent gives, and the desync board on the next; when the parent writes a
+/// line, opens [`FILES`] files and says how many it could.
+#[test]
+#[ignore = "run as a child process by the test below"]
+fn child_rank_0_under_a_low_open_file_limit() {
+    let Some(port) = std::env::var(FD_CHILD)
+        .ok()
+        .and_then(|p| p.parse::<u16>().ok())
+    else {
+        panic!("run only as a child process ({FD_CHILD} unset)");
+    };
+    let limit = libc::rlimit {
+        rlim_cur: FD_LIMIT as libc::rlim_t,
+        rlim_max: FD_LIMIT as libc::rlim_t,
+    };
+    // SAFETY: setrlimit reads the struct it is given.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) }, 0);
+    let server = TcpRendezvous::new("127.0.0.1", port, TOKEN)
+        .timeout(Duration::from_secs(60))
+        .serve(3, sample_id(19))
+        .unwrap();
+    let board = DesyncBoard::serve(("127.0.0.1", port + 1), 3, TOKEN).unwrap();
+    println!("\n@@READY");
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    let files: Vec<_> = (0..FILES)
+        .map(|_| std::fs::File::open("/dev/null"))
+        .collect();
+    let opened = files.iter().filter(|f| f.is_ok()).count();
+    let error = files
+        .iter()
+        .find_map(|f| f.as_ref().err().map(|e| e.to_string()));
+    println!("\n@@OPENED {opened} {error:?}");
+    drop(files);
+    println!("\n@@SERVED {:?}", server.wait().map_err(|e| e.to_string()));
+    let _ = std::io::stdin().read_to_end(&mut Vec::new());
+    board.stop();
+}
+
+/// A TCP connection to `127.0.0.1:port` from the loopback address `from`.
+fn connect_from(from: std::net::Ipv4Addr, port: u16) -> std::io::Result<TcpStream> {
+    use std::os::fd::FromRawFd;
+    let addr = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: a fresh socket, owned by the TcpStream from here on.
+    let s = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        TcpStream::from_raw_fd(fd)
+    };
+    use std::os::fd::AsRawFd;
+    let (src, dst) = (addr(from, 0), addr(std::net::Ipv4Addr::LOCALHOST, port));
+    // SAFETY: bind and connect read the address they are given, of the length given.
+    unsafe {
+        if libc::bind(
+            s.as_raw_fd(),
+            (&src as *const libc::sockaddr_in).cast(),
+            len,
+        ) != 0
+            || libc::connect(
+                s.as_raw_fd(),
+                (&dst as *const libc::sockaddr_in).cast(),
+                len,
+            ) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(s)
+}
+
+/// A stranger holding `per_source` connections to each of `ports` from each of `sources`
+/// loopback addresses, reopening every one the server closes (every 50 ms), until `stop`.
+/// Returns how many connections it opened in all.
+fn hold_connections(
+    ports: Vec<u16>,
+    sources: u8,
+    per_source: usize,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    opened: Arc<std::sync::atomic::AtomicUsize>,
+) -> thread::JoinHandle<()> {
+    thread::spawn(move || {
+        let targets: Vec<(std::net::Ipv4Addr, u16)> = (0..sources)
+            .flat_map(|i| {
+                let ports = ports.clone();
+                ports.into_iter().flat_map(move |p| {
+                    (0..per_source).map(move |_| (std::net::Ipv4Addr::new(127, 0, 0, 10 + i), p))
+                })
+            })
+            .collect();
+        let mut held: Vec<Option<TcpStream>> = targets.iter().map(|_| None).collect();
+        let mut buf = [0u8; 256];
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            for (slot, &(from, port)) in held.iter_mut().zip(&targets) {
+                let closed = match slot {
+                    None => true,
+                    Some(s) => loop {
+                        match s.read(&mut buf) {
+                            Ok(0) => break true,
+                            Ok(_) => continue,
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break false,
+                            Err(_) => break true,
+                        }
+                    },
+                };
+                if closed {
+                    *slot = connect_from(from, port).ok();
+                    if let Some(s) = slot {
+                        s.set_nonblocking(true).unwrap();
+                        opened.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    })
+}
+
+/// A stranger holding more connections to rank 0's rendezvous and desync board than rank
+/// 0 has descriptors, from 8 loopback addresses: every rank still gets the id in its normal
+/// time, a post to the board goes through, and rank 0 can still open files.
+#[test]
+fn a_stranger_at_the_open_file_limit_keeps_no_rank_out() {
+    // Two free neighbouring ports: the rendezvous and the board.
+    let port = loop {
+        let p = free_port();
+        if p < u16::MAX && TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            break p;
+        }
+    };
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_rank_0_under_a_low_open_file_limit",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(FD_CHILD, port.to_string())
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let (tx, lines) = std::sync::mpsc::channel::<String>();
+    let stdout = child.stdout.take().unwrap();
+    thread::spawn(move || {
+        use std::io::BufRead;
+        for l in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(l);
+        }
+    });
+    let wait_for = |mark: &str| -> String {
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            match lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(mark) => return l,
+                Ok(_) => {}
+                Err(e) => panic!("the child never printed {mark}: {e}"),
+            }
+        }
+    };
+    wait_for("@@READY");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let opened = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    // 8 x 24 connections to each server: 384 in all, over the child's 256 descriptors.
+    let stranger = hold_connections(
+        vec![port, port + 1],
+        8,
+        24,
+        Arc::clone(&stop),
+        Arc::clone(&opened),
+    );
+    let held = support_until(Duration::from_secs(10), || {
+        opened.load(std::sync::atomic::Ordering::Relaxed) >= 384
+    });
+    assert!(held, "the stranger could not open its connections");
+    thread::sleep(Duration::from_millis(500));
+    let child_stdin = child.stdin.as_mut().unwrap();
+    child_stdin.write_all(b"open\n").unwrap();
+    let files = wait_for("@@OPENED");
+    let t0 = Instant::now();
+    let ranks: Vec<_> = (1..3)
+        .map(|r| {
+            thread::spawn(move || {
+                let got = TcpRendezvous::new("127.0.0.1", port, TOKEN)
+                    .timeout(Duration::from_secs(8))
+                    .io_timeout(Duration::from_secs(2))
+                    .fetch(r, 3);
+                (got, t0.elapsed())
+            })
+        })
+        .collect();
+    let results: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+    let board = BoardClient::new(format!("127.0.0.1:{}", port + 1), 3, TOKEN);
+    let t1 = Instant::now();
+    let posted = board.post(2, &nccl_safe::diag::DesyncPost::new(1, 1, "x"));
+    let post_took = t1.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    stranger.join().unwrap();
+    drop(child.stdin.take());
+    let served = wait_for("@@SERVED");
+    let _ = child.wait();
+    eprintln!(
+        "ranks: {:?}; board post: {post_took:?}; {files}; {served}",
+        results.iter().map(|r| r.1).collect::<Vec<_>>()
+    );
+    for (r, (got, took)) in results.into_iter().enumerate() {
+        let got = got.unwrap_or_else(|e| panic!("rank {} after {took:?}: {e}", r + 1));
+        assert_eq!(got, sample_id(19));
+        assert!(took < Duration::from_secs(2), "rank {}: {took:?}", r + 1);
+    }
+    posted.unwrap_or_else(|e| panic!("the board post after {post_took:?}: {e}"));
+    assert!(post_took < Duration::from_secs(2), "{post_took:?}");
+    assert_eq!(files, format!("@@OPENED {FILES} None"));
+    assert_eq!(served, "@@SERVED Ok(())");
+}
+
+fn support_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
+/// When a server must close a connection that has not authenticated, it closes one of the
+/// source holding the most: a rank slow to answer its challenge (here held back by a relay)
+/// keeps its connection while a stranger floods from another address, though it is the
+/// oldest.
+#[test]
+fn a_strangers_flood_closes_its_own_connections_first() {
+    let server = tcp(0)
+        .max_connections(8, 64)
+        .io_timeout(Duration::from_secs(5))
+        .serve(2, sample_id(20))
+        .unwrap();
+    let real = server.local_addr().port();
+    let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = relay.local_addr().unwrap().port();
+    let (got_auth, go) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+    let (got_auth_tx, got_auth_rx) = got_auth;
+    let (go_tx, go_rx) = go;
+    let relayer = thread::spawn(move || -> std::io::Result<()> {
+        let (mut c, _) = relay.accept()?;
+        let mut s = TcpStream::connect(("127.0.0.1", real))?;
+        for x in [&mut c, &mut s] {
+            x.set_read_timeout(Some(Duration::from_secs(5)))?;
+        }
+        let hello = read_frame(&mut s)?;
+        write_frame(&mut c, &hello)?;
+        let auth = read_frame(&mut c)?;
+        let _ = got_auth_tx.send(());
+        let _ = go_rx.recv_timeout(Duration::from_secs(10));
+        write_frame(&mut s, &auth)?;
+        let id = read_frame(&mut s)?;
+        write_frame(&mut c, &id)?;
+        let ack = read_frame(&mut c)?;
+        write_frame(&mut s, &ack)
+    });
+    let rank = thread::spawn(move || tcp(port).timeout(Duration::from_secs(3)).fetch(1, 2));
+    got_auth_rx.recv_timeout(Duration::from_secs(5)).unwrap();
+    // 16 connections from another address, each accepted (its hello read) or closed.
+    let flood: Vec<TcpStream> = (0..16)
+        .map(|_| {
+            let mut s = connect_from(std::net::Ipv4Addr::new(127, 0, 0, 10), real).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let _ = read_frame(&mut s);
+            s
+        })
+        .collect();
+    go_tx.send(()).unwrap();
+    let relayed = relayer.join().unwrap();
+    let got = rank.join().unwrap();
+    assert!(
+        relayed.is_ok(),
+        "the rank's connection was closed: {relayed:?}"
+    );
+    assert_eq!(got.unwrap(), sample_id(20));
+    drop(flood);
+    server.wait().unwrap();
 }

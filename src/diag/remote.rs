@@ -110,7 +110,10 @@ pub(crate) struct Remote {
 
 /// Posts `ours` (rank, post) and fetches the board until every rank in `wanted` has a post
 /// of `clique` or the grace period ends (half the timeout, at most 2 s: the other processes
-/// post when their own watchdog fires, which is about when ours did). Every wait is bounded.
+/// post when their own watchdog fires, which is about when ours did). Every wait is bounded:
+/// a board client tries again until the deadline it is given (its server may not answer
+/// at all, rank 0's process gone, say), so the posts and the fetches share one deadline,
+/// 2 s from the start.
 pub(crate) fn exchange(
     board: &dyn RemoteBoard,
     clique: u64,
@@ -122,13 +125,13 @@ pub(crate) fn exchange(
     let io = Duration::from_secs(2);
     let mut remote = Remote::default();
     for (rank, post) in ours {
-        if let Err(e) = board.post(*rank, post, Instant::now() + io) {
+        if let Err(e) = board.post(*rank, post, start + io) {
             remote.error = Some(e);
         }
     }
     let until = start + (timeout / 2).min(Duration::from_secs(2));
     loop {
-        match board.fetch(Instant::now() + io) {
+        match board.fetch(start + io) {
             Ok(posts) => {
                 remote.posts = posts
                     .into_iter()

@@ -73,7 +73,9 @@ pub enum EnvError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Refusal {
-    /// The peer did not prove it holds the job token.
+    /// The peer did not prove it holds the job token. A server without the token can send
+    /// this refusal as well as rank 0, so a client tries again until its deadline and
+    /// reports it as its timeout's last error.
     BadToken,
     /// The peer believes the job has a different number of ranks.
     WorldSizeMismatch {
@@ -166,7 +168,7 @@ pub enum RendezvousError {
     },
     /// Rank 0 could not listen on the address it was given.
     #[error(
-        "rank 0 could not listen on {addr}: {source}; check that MASTER_ADDR names an address of this host and that MASTER_PORT is free"
+        "rank 0 could not listen on {addr}: {source}; check that MASTER_ADDR names an address of this host and that MASTER_PORT and the next port (the desync board's) are free"
     )]
     Bind {
         /// `host:port` rank 0 tried to bind.
@@ -204,10 +206,29 @@ pub enum RendezvousError {
         timeout: Duration,
         /// How long the rank actually tried.
         elapsed: Duration,
-        /// The last connection error seen.
+        /// The last error seen, naming the address that gave it.
         last_error: String,
     },
-    /// Rank 0 refused this peer.
+    /// A post to the desync board, or a fetch of it, got no answer that proved the token
+    /// before its deadline.
+    #[error(
+        "could not {action} the desync board at {addr} within {:.2}s (last error: {last_error}): \
+         check that rank 0 is running and hosts the board on MASTER_PORT+1",
+        elapsed.as_secs_f64()
+    )]
+    BoardTimeout {
+        /// `host:port` of the board.
+        addr: String,
+        /// "post to" or "fetch".
+        action: &'static str,
+        /// How long it tried.
+        elapsed: Duration,
+        /// The last error seen, naming the address that gave it.
+        last_error: String,
+    },
+    /// Rank 0 refused this peer. Returned when rank 0 proved the token with its refusal
+    /// (world size, rank out of range, duplicate rank); a refusal that proves nothing (the
+    /// wrong token, busy) is tried again and shows in the timeout's last error.
     #[error("rank 0 at {addr} refused rank {rank}: {reason}")]
     Refused {
         /// `host:port` of rank 0.
@@ -217,7 +238,8 @@ pub enum RendezvousError {
         /// Why.
         reason: Refusal,
     },
-    /// The server at the address does not hold the job token.
+    /// The server at the address does not hold the job token (its answer's MAC failed).
+    /// Clients try again until their deadline, so it shows as a timeout's last error.
     #[error(
         "the server at {addr} did not prove it holds the job token: another job or program may be listening there; check MASTER_PORT and the token"
     )]

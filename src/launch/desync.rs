@@ -4,27 +4,37 @@
 //!
 //! It speaks the rendezvous's wire format and authentication (length-prefixed frames of at
 //! most 4 KiB, the job token proved by HMAC-SHA-256 over fresh nonces, see
-//! [`super::rendezvous`]), with its own magic `nccl-safe-board1` so neither protocol is
-//! mistaken for the other. [`ProcessLauncher::init`](super::ProcessLauncher::init) hosts
-//! it on `MASTER_PORT + 1` ([`BOARD_PORT_OFFSET`]) under Slurm and mpirun; under torchrun the
-//! board is kept in the agent's store instead ([`super::store::StoreBoard`]).
+//! [`super::rendezvous`]), with its own magic `nccl-safe-board1`, which begins every MAC, so
+//! neither protocol takes the other's frames. [`ProcessLauncher::init`](super::ProcessLauncher::init)
+//! hosts it on `MASTER_PORT + 1` ([`BOARD_PORT_OFFSET`]) under Slurm and mpirun, and fails
+//! when it cannot bind it; under torchrun the board is kept in the agent's store instead
+//! ([`super::store::StoreBoard`]).
 //!
 //! One request per connection, after the handshake (`HELLO`, `AUTH` as in the rendezvous;
 //! a wrong token, world size or rank gets a `REFUSE`):
-//! - `POST | post | HMAC(token, "post" | sn | cn | rank | post)`, answered by `ACK`;
-//! - `FETCH | HMAC(token, "fetch" | sn | cn)`, answered by `BOARD | world` and one frame per
-//!   rank `ENTRY | present | post | HMAC(token, "entry" | sn | cn | rank | present | post)`.
+//! - `POST | post | HMAC(token, magic | "post" | sn | cn | rank | post)`, answered by
+//!   `ACK | HMAC(token, magic | "posted" | sn | cn | rank | post)`;
+//! - `FETCH | HMAC(token, magic | "fetch" | sn | cn)`, answered by `BOARD | world` and one
+//!   frame per rank `ENTRY | present | post | HMAC(token, magic | "entry" | sn | cn | rank |
+//!   present | post)`.
 //!
 //! Each connection has one deadline for all its reads and writes (2 s by default), on both
-//! sides; garbage, oversized frames and failed MACs only drop that connection. Connection
-//! limits, short tokens and refusals are handled as in the rendezvous (its module docs).
+//! sides; garbage, oversized frames and failed MACs only drop that connection. The
+//! descriptor budget, connection limits, short tokens and the addresses bound are as in
+//! the rendezvous (its module docs). A client tries every address of the board in turn
+//! until its deadline (a post: twice the connection deadline), through connection errors,
+//! a busy board and every answer that proves nothing (a wrong-token refusal, another
+//! protocol, a failed MAC); only a refusal carrying the board's MAC ends it early, and
+//! [`RendezvousError::BoardTimeout`] carries the last error. The exit of rank 0's process
+//! waits (up to 1 s) for a request the board is serving, once its peer has proved the
+//! token: a stranger's connection never holds it up.
 //!
 //! Posts are text from other processes: control characters (terminal escape sequences,
 //! carriage returns, bidirectional overrides) are replaced with `?` where a post is received,
 //! by the server and by a fetching client alike, so a report never prints them.
 
 use super::common::RendezvousError;
-use super::common::{check_token, dial, listen, pause, refused, Background, Conn, Refusal};
+use super::common::{check_token, dial, listen, refused, retry, Background, Conn};
 use super::wire::{self, N};
 use crate::diag::DesyncPost;
 use crate::diag::RemoteBoard;
@@ -58,6 +68,10 @@ fn fetch_mac(s: &wire::Session) -> [u8; N] {
 
 fn entry_mac(s: &wire::Session, rank: u32, e: &[u8]) -> [u8; N] {
     s.keyed(b"entry", &[&rank.to_be_bytes(), e])
+}
+
+fn posted_mac(s: &wire::Session, body: &[u8]) -> [u8; N] {
+    s.keyed(b"posted", &[&s.rank.to_be_bytes(), body])
 }
 
 /// How long a fetch of a board of `world_size` ranks may take.
@@ -112,35 +126,41 @@ impl DesyncBoard {
         }
         let token = token.into();
         check_token(&token)?;
-        let listener = listen(addr, "the desync board's address".into(), "desync board")?;
+        let addrs: Vec<SocketAddr> = (addr.to_socket_addrs())
+            .map_err(|source| RendezvousError::Resolve {
+                addr: "the desync board's address".into(),
+                source,
+            })?
+            .collect();
+        let name = match addrs.first() {
+            Some(a) => a.to_string(),
+            None => "the desync board's address".into(),
+        };
+        let listeners = listen(&addrs, name, "desync board")?;
         let server = Arc::new(BoardServer {
             world_size,
             token,
             posts: Mutex::new(vec![None; world_size]),
         });
-        let handle = move |stream, slot: &wire::Slot| {
-            // A peer's read in flight when this process exits (rank 0 that failed first,
-            // say) is served to its end: exit waits for it.
-            let _serving = crate::teardown::exit::posting(Instant::now() + SERVE_AT_EXIT);
+        let handle = move |stream: &TcpStream, slot: &wire::Slot| {
             // Errors only mean this peer is dropped; the board goes on.
             let _ = server.handle(stream, slot);
         };
-        let run = move |listener, stop: &AtomicBool| {
-            wire::serve(
-                listener,
-                wire::LIMITS,
-                stop,
-                "nccl-desync-peer",
-                || None,
-                handle,
-            )
+        let run = move |listeners, stop: &AtomicBool| {
+            let thread = "nccl-desync-peer";
+            wire::serve(listeners, wire::LIMITS, stop, thread, || None, handle)
         };
-        Background::spawn("nccl-desync-board", listener, run).map(DesyncBoard)
+        Background::spawn("nccl-desync-board", listeners, run).map(DesyncBoard)
     }
 
-    /// The address actually bound.
+    /// The first address bound.
     pub fn local_addr(&self) -> SocketAddr {
-        self.0.local_addr
+        self.0.local_addr()
+    }
+
+    /// Every address bound: each `addr` stands for that could be bound.
+    pub fn local_addrs(&self) -> &[SocketAddr] {
+        &self.0.local_addrs
     }
 
     /// Stops serving and closes the listener (within a few milliseconds).
@@ -156,16 +176,20 @@ impl Drop for DesyncBoard {
 }
 
 impl BoardServer {
-    fn handle(&self, s: TcpStream, conn: &wire::Slot) -> io::Result<()> {
-        wire::bound_waits(&s, DEFAULT_BOARD_IO_TIMEOUT)?;
+    fn handle(&self, s: &TcpStream, conn: &wire::Slot) -> io::Result<()> {
+        wire::bound_waits(s, DEFAULT_BOARD_IO_TIMEOUT)?;
         // One deadline for the whole connection, whatever the peer's pace.
         let start = Instant::now();
-        let mut s = wire::Deadlined::new(&s, start + DEFAULT_BOARD_IO_TIMEOUT);
+        let mut s = wire::Deadlined::new(s, start + DEFAULT_BOARD_IO_TIMEOUT);
         let Some(session) =
             wire::accept_peer(&mut s, MAGIC, &self.token, conn, self.world_size, 0)?
         else {
             return Ok(());
         };
+        // A token holder's request in flight when this process exits (rank 0 that failed
+        // first, say) is served to its end: exit waits for it. Only a token holder's: a
+        // stranger's connection never holds up the exit.
+        let _serving = crate::teardown::exit::posting(Instant::now() + SERVE_AT_EXIT);
         // A token holder's fetch sends one frame per rank: as long as a client gives it.
         s.extend_to(start + fetch_time(DEFAULT_BOARD_IO_TIMEOUT, self.world_size));
         let req = wire::read_frame(&mut s)?;
@@ -178,7 +202,8 @@ impl BoardServer {
                 let post = DesyncPost::decode(body).ok_or_else(|| invalid("not a post"))?;
                 let post = clean_post(post);
                 lock(&self.posts)[session.rank as usize] = Some(post);
-                wire::write_frame(&mut s, &[wire::ACK])
+                let ack = [&[wire::ACK][..], &posted_mac(&session, body)].concat();
+                wire::write_frame(&mut s, &ack)
             }
             Some(&FETCH) if req.len() == 1 + N => {
                 if !wire::ct_eq(&req[1..], &fetch_mac(&session)) {
@@ -235,7 +260,8 @@ impl BoardClient {
         &self.addr
     }
 
-    /// Posts `post` as rank `rank`'s latest (replacing its earlier one).
+    /// Posts `post` as rank `rank`'s latest (replacing its earlier one), trying again until
+    /// twice the connection deadline has passed.
     pub fn post(&self, rank: usize, post: &DesyncPost) -> Result<(), RendezvousError> {
         self.post_by(rank, post, Instant::now() + 2 * self.io_timeout)
     }
@@ -245,21 +271,30 @@ impl BoardClient {
         self.fetch_by(Instant::now() + fetch_time(self.io_timeout, self.world_size))
     }
 
-    fn protocol(&self, detail: &str) -> RendezvousError {
+    fn protocol(&self, addr: &str, detail: &str) -> RendezvousError {
         RendezvousError::Protocol {
-            addr: self.addr.clone(),
+            addr: addr.to_string(),
             detail: format!("desync board: {detail}"),
         }
     }
 
-    fn io(&self, what: &str) -> impl FnOnce(io::Error) -> RendezvousError {
-        let context = format!("desync board at {}: {what}", self.addr);
+    fn io(&self, addr: &str, what: &str) -> impl FnOnce(io::Error) -> RendezvousError {
+        let context = format!("desync board at {addr}: {what}");
         move |source| RendezvousError::Io { context, source }
     }
 
-    /// Connects and authenticates as `rank`; every wait ends by `deadline`. A busy server is
-    /// retried until then.
-    fn connect(&self, rank: usize, deadline: Instant) -> Result<Conn<'_>, RendezvousError> {
+    /// Runs `request` on an authenticated connection as `rank` (its handshake bounded by
+    /// the connection deadline), on each address of the board in turn, until it succeeds,
+    /// the board refuses with proof of the token, or `deadline` passes
+    /// ([`RendezvousError::BoardTimeout`] with the last error). A busy board, a connection
+    /// error, and every answer that proves nothing (a wrong-token refusal, another
+    /// protocol, a failed MAC) are tried again.
+    fn exchange<T>(
+        &self,
+        rank: usize,
+        (action, deadline): (&'static str, Instant),
+        mut request: impl FnMut(Conn, &str) -> Result<T, RendezvousError>,
+    ) -> Result<T, RendezvousError> {
         let (Ok(r32), Ok(w32)) = (u32::try_from(rank), u32::try_from(self.world_size)) else {
             return Err(RendezvousError::InvalidRank {
                 rank,
@@ -267,88 +302,119 @@ impl BoardClient {
             });
         };
         check_token(&self.token)?;
-        let addrs = (self.addr.to_socket_addrs()).map_err(|source| RendezvousError::Resolve {
-            addr: self.addr.clone(),
-            source,
-        })?;
-        let addrs: Vec<_> = addrs.collect();
-        let mut backoff = Duration::from_millis(10);
-        loop {
-            let (proto, io) = (("desync board", MAGIC), self.io_timeout);
-            match dial(
-                addrs.clone(),
-                &self.addr,
+        let start = Instant::now();
+        let resolve = || {
+            let addrs = self.addr.to_socket_addrs();
+            let addrs = addrs.map_err(|source| RendezvousError::Resolve {
+                addr: self.addr.clone(),
+                source,
+            })?;
+            Ok(addrs.collect())
+        };
+        let attempt = |to, named: &str| {
+            let by = (Instant::now() + self.io_timeout).min(deadline);
+            let proto = ("desync board", MAGIC);
+            let c = dial(
+                to,
+                named,
                 proto,
                 &self.token,
                 (r32, w32),
-                io,
-                deadline,
-            ) {
-                Err(RendezvousError::Refused {
-                    reason: Refusal::Busy,
-                    ..
-                }) if pause(deadline, &mut backoff, Duration::from_millis(200)) => {}
-                r => return r,
-            }
-        }
+                self.io_timeout,
+                by,
+            )?;
+            request(c, named)
+        };
+        let timed_out = |last_error| RendezvousError::BoardTimeout {
+            addr: self.addr.clone(),
+            action,
+            elapsed: start.elapsed(),
+            last_error,
+        };
+        let pause = Duration::from_millis(200);
+        retry(&self.addr, resolve, deadline, pause, attempt, timed_out)
     }
 
-    /// The error for a frame that is not the expected answer: a refusal, else a protocol
-    /// error.
-    fn refused_or(&self, c: &Conn, frame: &[u8], rank: usize, detail: &str) -> RendezvousError {
-        refused(frame, &c.session, &self.addr, rank).unwrap_or_else(|| self.protocol(detail))
+    /// The error for a frame from `addr` that is not the expected answer: a refusal, else a
+    /// protocol error.
+    fn refused_or(
+        &self,
+        c: &Conn,
+        addr: &str,
+        frame: &[u8],
+        rank: usize,
+        detail: &str,
+    ) -> RendezvousError {
+        refused(frame, &c.session, addr, rank).unwrap_or_else(|| self.protocol(addr, detail))
     }
 
+    /// [`post`](Self::post) with its own deadline: each try's connection is bounded by the
+    /// connection deadline, and the tries by `deadline`.
     fn post_by(
         &self,
         rank: usize,
         post: &DesyncPost,
         deadline: Instant,
     ) -> Result<(), RendezvousError> {
-        let c = self.connect(rank, deadline)?;
-        let mut s = c.io();
         let body = post.encode();
-        let req = [&[POST][..], &body, &post_mac(&c.session, &body)].concat();
-        // A refusal (e.g. wrong token) arrives instead of the ACK; the request may then be
-        // unread, so a failed write is not yet an error.
-        let sent = wire::write_frame(&mut s, &req);
-        let reply = wire::read_frame(&mut s);
-        match (sent, reply) {
-            (_, Ok(r)) if r == [wire::ACK] => Ok(()),
-            (_, Ok(r)) => Err(self.refused_or(&c, &r, rank, "unexpected reply to a post")),
-            (Err(e), Err(_)) | (Ok(()), Err(e)) => Err(self.io("posting")(e)),
-        }
+        self.exchange(rank, ("post to", deadline), |c, addr| {
+            let mut s = c.io();
+            let req = [&[POST][..], &body, &post_mac(&c.session, &body)].concat();
+            // A refusal (e.g. wrong token) arrives instead of the ACK; the request may then
+            // be unread, so a failed write is not yet an error.
+            let sent = wire::write_frame(&mut s, &req);
+            let reply = wire::read_frame(&mut s);
+            let ack = [&[wire::ACK][..], &posted_mac(&c.session, &body)].concat();
+            match (sent, reply) {
+                (_, Ok(r)) if wire::ct_eq(&r, &ack) => Ok(()),
+                (_, Ok(r)) if r.first() == Some(&wire::ACK) => {
+                    let addr = addr.to_string();
+                    Err(RendezvousError::ServerAuthentication { addr })
+                }
+                (_, Ok(r)) => {
+                    Err(self.refused_or(&c, addr, &r, rank, "unexpected reply to a post"))
+                }
+                (Err(e), Err(_)) | (Ok(()), Err(e)) => Err(self.io(addr, "posting")(e)),
+            }
+        })
     }
 
+    /// [`fetch`](Self::fetch) with its own deadline, for the whole fetch and its tries.
     fn fetch_by(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>, RendezvousError> {
-        let c = self.connect(0, deadline)?;
+        self.exchange(0, ("fetch", deadline), |mut c, addr| {
+            // A token holder's board sends one frame per rank: as long as the fetch has.
+            c.extend_to(deadline);
+            self.read_board(&c, addr)
+        })
+    }
+
+    fn read_board(&self, c: &Conn, addr: &str) -> Result<Vec<Option<DesyncPost>>, RendezvousError> {
         let mut s = c.io();
         let req = [&[FETCH][..], &fetch_mac(&c.session)].concat();
         let sent = wire::write_frame(&mut s, &req);
         let head = match (sent, wire::read_frame(&mut s)) {
             (_, Ok(h)) => h,
-            (Err(e), Err(_)) | (Ok(()), Err(e)) => return Err(self.io("fetching")(e)),
+            (Err(e), Err(_)) | (Ok(()), Err(e)) => return Err(self.io(addr, "fetching")(e)),
         };
         let want = c.session.world.to_be_bytes();
         if head.len() != 5 || head[0] != BOARD || head[1..] != want {
-            return Err(self.refused_or(&c, &head, 0, "unexpected reply to a fetch"));
+            return Err(self.refused_or(c, addr, &head, 0, "unexpected reply to a fetch"));
         }
         let mut posts = Vec::with_capacity(self.world_size.min(1 << 16));
         for r in 0..self.world_size {
-            let f = wire::read_frame(&mut s).map_err(self.io("reading an entry"))?;
+            let f = wire::read_frame(&mut s).map_err(self.io(addr, "reading an entry"))?;
             if f.len() < 2 + N || f[0] != ENTRY {
-                return Err(self.protocol("not a board entry"));
+                return Err(self.protocol(addr, "not a board entry"));
             }
             let (e, mac) = f[1..].split_at(f.len() - 1 - N);
             if !wire::ct_eq(mac, &entry_mac(&c.session, r as u32, e)) {
-                return Err(RendezvousError::ServerAuthentication {
-                    addr: self.addr.clone(),
-                });
+                let addr = addr.to_string();
+                return Err(RendezvousError::ServerAuthentication { addr });
             }
             posts.push(match e[0] {
                 0 => None,
                 _ => Some(clean_post(
-                    DesyncPost::decode(&e[1..]).ok_or_else(|| self.protocol("bad post"))?,
+                    DesyncPost::decode(&e[1..]).ok_or_else(|| self.protocol(addr, "bad post"))?,
                 )),
             });
         }

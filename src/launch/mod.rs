@@ -6,6 +6,7 @@
 mod common;
 pub mod desync;
 pub mod env;
+mod fds;
 mod launcher;
 mod process;
 pub mod rendezvous;

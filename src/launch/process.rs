@@ -63,7 +63,8 @@ impl ProcessLauncher {
     /// is bound and no token is needed. Otherwise the id goes over the authenticated TCP
     /// rendezvous, and rank 0 hosts the desync board on `MASTER_ADDR:MASTER_PORT+1`
     /// ([`crate::launch::desync`], same token) while its [`Rank`] lives (after
-    /// [`Rank::into_comm`], for the rest of the process), or says on stderr that it cannot.
+    /// [`Rank::into_comm`], for the rest of the process); a board rank 0 cannot bind fails
+    /// its init ([`RendezvousError::Bind`](crate::launch::rendezvous::RendezvousError::Bind)).
     /// Every rank's communicator gets the board, so a timeout report shows what the ranks
     /// in other processes were last doing.
     pub fn init(mut self) -> Result<Rank> {
@@ -79,10 +80,9 @@ impl ProcessLauncher {
         let mut board = None;
         if let Some((addr, token)) = tcp.board() {
             if self.env.rank == 0 {
-                match DesyncBoard::serve(addr.as_str(), world, token.clone()) {
-                    Ok(b) => board = Some(b),
-                    Err(e) => eprintln!("nccl-safe: no desync board at {addr}: {e}"),
-                }
+                // Before the rendezvous: a board that cannot bind fails rank 0 before any
+                // rank waits on it, rather than leaving the port to whatever holds it.
+                board = Some(DesyncBoard::serve(addr.as_str(), world, token.clone())?);
             }
             let client = BoardClient::new(addr, world, token);
             self.config = self.config.desync_board(client);

@@ -9,35 +9,57 @@
 //! - [`StoreRendezvous`]: through torchrun's c10d store (see [`super::store`]).
 //! - [`Rendezvous::custom`]: a closure of yours (an `MPI_Bcast`, a key-value store, ...).
 //!
-//! The TCP protocol (each message is a big-endian `u32` length and a body of at most 4 KiB):
+//! The TCP protocol (each message is a big-endian `u32` length and a body of at most 4 KiB;
+//! every MAC is keyed by the token and begins with the protocol's magic, so no MAC of the
+//! rendezvous is one of the desync board's, which speaks the same handshake):
 //! 1. server -> client `HELLO`: magic `nccl-safe-rdzv/1` and a 32-byte server nonce `sn`.
 //! 2. client -> server `AUTH`: rank, world size, client nonce `cn`,
-//!    `HMAC(token, "client" | sn | cn | rank | world)`.
-//! 3. server -> client `REFUSE` or `ID`: the id XORed with `HMAC(token, "stream" | sn | cn | i)`
-//!    blocks and `HMAC(token, "server" | sn | cn | rank | world | masked id)`. A refusal of an
+//!    `HMAC(token, magic | "client" | sn | cn | rank | world)`.
+//! 3. server -> client `REFUSE` or `ID`: the id XORed with
+//!    `HMAC(token, magic | "stream" | sn | cn | i)` blocks and
+//!    `HMAC(token, magic | "server" | sn | cn | rank | world | masked id)`. A refusal of an
 //!    authenticated peer (world-size mismatch, rank out of range, duplicate rank, rank being
-//!    served) carries `HMAC(token, "refuse" | sn | cn | rank | world | refusal)`, so a relay
-//!    cannot forge one; only the wrong-token refusal cannot be authenticated.
+//!    served) carries `HMAC(token, magic | "refuse" | sn | cn | rank | world | refusal)`, so
+//!    a relay cannot forge one; only the wrong-token refusal cannot be authenticated.
 //! 4. client -> server `ACK`; the rank counts as served. Once all ranks are, the server
 //!    closes its listener and its thread ends.
 //!
-//! What a hostile peer can and cannot do:
+//! What a hostile peer can and cannot do. Any user of the node (or of the network that
+//! reaches `MASTER_ADDR`) is a stranger; only the token makes a peer a rank.
 //! - Tokens shorter than [`MIN_TOKEN_LEN`] bytes are refused ([`RendezvousError::WeakToken`]):
 //!   one captured handshake would let a stranger search a short token offline.
 //! - Each connection has one deadline for its whole handshake, on both sides
 //!   ([`TcpRendezvous::io_timeout`]): a peer sending a byte at a time is cut off there,
 //!   and a client never waits past its own overall deadline.
-//! - The server keeps at most 256 connections open, at most 64 per peer address. When a new
-//!   one would pass a limit, the oldest connection that has not authenticated yet is closed
-//!   to make room, so a stranger holding idle connections (or flooding new ones) cannot keep
-//!   a rank out. Only when every open connection has authenticated does a newcomer get a
-//!   busy refusal (in place of the hello); clients retry busy until their deadline.
+//! - Rank 0 cannot be made to run out of descriptors. When its first server starts, its
+//!   soft open-file limit is raised toward the hard limit (to at most 65,536), and its
+//!   servers (this one and the desync board) together hold at most the descriptors left
+//!   once half of the limit, and what was open then, is kept back for NCCL's init and the
+//!   process's own files. Each connection costs one descriptor, taken from that budget
+//!   before the server accepts it. With the budget spent, connections that have not
+//!   authenticated are closed to make room: those of the source (an IPv4 address, or an
+//!   IPv6 /64) holding the most of them, oldest first, so a stranger's connections go
+//!   before a rank's. The nonces come from `getrandom(2)`, with no file opened.
+//! - Each server keeps at most 256 connections open, and at most 64 not yet authenticated
+//!   from one source (and a quarter of the budget). When a new one would pass a limit, one
+//!   that has not authenticated is closed to make room (as above), so a stranger holding
+//!   idle connections (or flooding new ones) cannot keep a rank out. Only when every open
+//!   connection has authenticated does a newcomer get a busy refusal (in place of the
+//!   hello); clients retry busy until their deadline.
+//! - Rank 0 binds every address the host resolves to (`localhost` may be `::1` and
+//!   `127.0.0.1`), each it can; the clients try every one in turn. An address another
+//!   program holds costs a rank time, never its id: only an answer that proves the token
+//!   (the id, or a refusal of this rank with its MAC) ends a rank before its deadline.
+//!   A wrong-token refusal, another protocol's hello, or a refusal or id whose MAC fails
+//!   (a relay's forgery) is tried again, and the last of them, naming the address that
+//!   gave it, is in the [`RendezvousError::ClientTimeout`] at the deadline. (So a rank
+//!   with the wrong token, too, tries until its deadline.)
 //! - A rank whose slot is still being served on another connection is told so and retries.
 //! - A rank whose final acknowledgement is lost still counts: its id was delivered, so rank
 //!   0 reports it missing only if it was never delivered (and serves it again if it comes
 //!   back for it).
 
-use super::common::{check_token, dial, io_err, listen, pause, refused, Background, Conn};
+use super::common::{check_token, dial, io_err, listen, refused, retry, Background, Conn};
 pub use super::common::{
     Refusal, RendezvousError, DEFAULT_TIMEOUT, ID_LEN, MIN_TOKEN_LEN, TOKEN_VAR,
 };
@@ -49,7 +71,7 @@ use crate::teardown::lock;
 use std::fmt;
 use std::fs;
 use std::io::{self, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
@@ -67,11 +89,13 @@ pub struct TcpRendezvous {
     timeout: Duration,
     io_timeout: Duration,
     limits: wire::Limits,
+    ips: Vec<IpAddr>,
 }
 
 impl TcpRendezvous {
     /// A rendezvous at `host:port` authenticated by `token`, with the default timeouts.
-    /// Rank 0 binds exactly `host` (give `0.0.0.0` to listen on every interface). A token
+    /// Rank 0 binds exactly the addresses `host` resolves to (give `0.0.0.0` to listen on
+    /// every interface). A token
     /// shorter than [`MIN_TOKEN_LEN`] makes [`serve`](Self::serve) and [`fetch`](Self::fetch)
     /// fail with [`RendezvousError::WeakToken`].
     pub fn new(host: impl Into<String>, port: u16, token: impl Into<Vec<u8>>) -> Self {
@@ -82,6 +106,7 @@ impl TcpRendezvous {
             timeout: DEFAULT_TIMEOUT,
             io_timeout: DEFAULT_IO_TIMEOUT,
             limits: wire::LIMITS,
+            ips: Vec::new(),
         }
     }
 
@@ -125,11 +150,19 @@ impl TcpRendezvous {
         self
     }
 
-    /// Sets how many connections rank 0 keeps open at once, in all (default 256) and from
-    /// one peer address (default 64); see the [module docs](self) for what happens at the
-    /// limits. Values below 1 count as 1.
+    /// Sets how many connections rank 0 keeps open at once, in all (default 256), and not
+    /// yet authenticated from one source, an IPv4 address or an IPv6 /64 (default 64, and
+    /// at most a quarter of the process's descriptor budget); see the [module docs](self)
+    /// for what happens at the limits. Values below 1 count as 1.
     pub fn max_connections(mut self, total: usize, per_peer: usize) -> Self {
         self.limits = wire::Limits { total, per_peer };
+        self
+    }
+
+    /// Takes `ips`, in this order, as the addresses the host stands for, instead of asking
+    /// the system's resolver (an empty list: ask it again).
+    pub fn resolve_to(mut self, ips: impl IntoIterator<Item = IpAddr>) -> Self {
+        self.ips = ips.into_iter().collect();
         self
     }
 
@@ -149,6 +182,13 @@ impl TcpRendezvous {
     }
 
     fn resolve(&self) -> Result<Vec<SocketAddr>, RendezvousError> {
+        if !self.ips.is_empty() {
+            return Ok(self
+                .ips
+                .iter()
+                .map(|&ip| SocketAddr::new(ip, self.port))
+                .collect());
+        }
         let addr = self.addr();
         let host = self.host.trim_start_matches('[').trim_end_matches(']');
         (host, self.port)
@@ -157,8 +197,9 @@ impl TcpRendezvous {
             .map_err(|source| RendezvousError::Resolve { addr, source })
     }
 
-    /// Rank 0: listens on the address and serves `id` to ranks `1..world_size` from a
-    /// background thread, until each has it (then closes the listener) or the deadline passes.
+    /// Rank 0: listens on every address the host stands for (each it can bind; an error
+    /// only when none) and serves `id` to ranks `1..world_size` from a background thread,
+    /// until each has it (then closes the listeners) or the deadline passes.
     pub fn serve(
         &self,
         world_size: usize,
@@ -171,7 +212,7 @@ impl TcpRendezvous {
             });
         }
         check_token(&self.token)?;
-        let listener = listen(&self.resolve()?[..], self.addr(), "rendezvous")?;
+        let listeners = listen(&self.resolve()?, self.addr(), "rendezvous")?;
         let server = Server {
             world_size,
             id,
@@ -180,15 +221,22 @@ impl TcpRendezvous {
             timeout: self.timeout,
             io_timeout: self.io_timeout,
             limits: self.limits,
-            addr: listener.1.to_string(),
+            addr: (listeners.1.iter().map(ToString::to_string))
+                .collect::<Vec<_>>()
+                .join(", "),
         };
-        let run = move |listener, stop: &AtomicBool| server.run(listener, stop);
-        Background::spawn("nccl-rendezvous", listener, run).map(ServerHandle)
+        let run = move |listeners, stop: &AtomicBool| server.run(listeners, stop);
+        Background::spawn("nccl-rendezvous", listeners, run).map(ServerHandle)
     }
 
-    /// Ranks `1..world_size`: fetches the id from rank 0, retrying until the deadline when
-    /// rank 0 is not reachable yet, is busy, or is still serving an earlier connection of
-    /// this rank. A refusal (wrong token, duplicate rank, ...) is returned at once.
+    /// Ranks `1..world_size`: fetches the id from rank 0, trying each address the host
+    /// stands for in turn, until the deadline. Only an answer rank 0 proves the token with
+    /// ends it early: the id, or a refusal of this rank (world size, rank out of range,
+    /// duplicate rank). Everything else is tried again until the deadline, and the last of
+    /// it is in the [`RendezvousError::ClientTimeout`]: rank 0 not reachable yet, busy, or
+    /// still serving an earlier connection of this rank, and any answer that proves
+    /// nothing (a wrong-token refusal, which a server without the token can send as well
+    /// as rank 0, another protocol, a refusal or id whose MAC fails).
     pub fn fetch(&self, rank: usize, world_size: usize) -> Result<[u8; ID_LEN], RendezvousError> {
         let (r32, w32) = match (u32::try_from(rank), u32::try_from(world_size)) {
             (Ok(r), Ok(w)) if (1..w).contains(&r) => (r, w),
@@ -198,50 +246,48 @@ impl TcpRendezvous {
         let addr = self.addr();
         let start = Instant::now();
         let deadline = start + self.timeout;
-        let mut backoff = Duration::from_millis(10);
-        loop {
+        let attempt = |to, named: &str| {
             // One deadline for this connection: its connect and handshake.
             let by = (Instant::now() + self.io_timeout).min(deadline);
-            let (proto, io) = (("rank 0", wire::MAGIC), self.io_timeout);
-            let got = (self.resolve())
-                .and_then(|a| dial(a, &addr, proto, &self.token, (r32, w32), io, by))
-                .and_then(|c| self.receive(&c, rank));
-            let last_error = match got {
-                Ok(id) => return Ok(id),
-                Err(RendezvousError::Refused {
-                    reason: Refusal::Busy,
-                    ..
-                }) => "rank 0 was busy (too many connections open)".to_string(),
-                Err(
-                    e @ (RendezvousError::Refused {
-                        reason: Refusal::InProgress,
-                        ..
-                    }
-                    | RendezvousError::Io { .. }
-                    | RendezvousError::Resolve { .. }),
-                ) => e.to_string(),
-                Err(e) => return Err(e),
-            };
-            if !pause(deadline, &mut backoff, Duration::from_millis(500)) {
-                return Err(RendezvousError::ClientTimeout {
-                    addr,
-                    rank,
-                    timeout: self.timeout,
-                    elapsed: start.elapsed(),
-                    last_error,
-                });
-            }
-        }
+            let proto = ("rank 0", wire::MAGIC);
+            let c = dial(
+                to,
+                named,
+                proto,
+                &self.token,
+                (r32, w32),
+                self.io_timeout,
+                by,
+            )?;
+            self.receive(&c, named, rank)
+        };
+        let timed_out = |last_error| RendezvousError::ClientTimeout {
+            addr: addr.clone(),
+            rank,
+            timeout: self.timeout,
+            elapsed: start.elapsed(),
+            last_error,
+        };
+        let resolve = || self.resolve();
+        retry(
+            &addr,
+            resolve,
+            deadline,
+            Duration::from_millis(500),
+            attempt,
+            timed_out,
+        )
     }
 
-    /// Step 3 on an authenticated connection: the id, or rank 0's refusal.
-    fn receive(&self, c: &Conn, rank: usize) -> Result<[u8; ID_LEN], RendezvousError> {
+    /// Step 3 on an authenticated connection to `addr`: the id, or rank 0's refusal.
+    fn receive(&self, c: &Conn, addr: &str, rank: usize) -> Result<[u8; ID_LEN], RendezvousError> {
         let mut s = c.io();
-        let reply = wire::read_frame(&mut s).map_err(io_err("reading rank 0's reply"))?;
-        if let Some(e) = refused(&reply, &c.session, &self.addr(), rank) {
+        let context = format!("rank 0 at {addr}: reading its reply");
+        let reply = wire::read_frame(&mut s).map_err(io_err(context))?;
+        if let Some(e) = refused(&reply, &c.session, addr, rank) {
             return Err(e);
         }
-        let addr = self.addr();
+        let addr = addr.to_string();
         match reply.first() {
             Some(&wire::ID) if reply.len() == 1 + ID_LEN + N => {
                 let (ct, mac) = reply[1..].split_at(ID_LEN);
@@ -269,9 +315,14 @@ impl TcpRendezvous {
 pub struct ServerHandle(Background<Result<(), RendezvousError>>);
 
 impl ServerHandle {
-    /// The address actually bound (its port is the real one when port 0 was asked for).
+    /// The first address bound (its port is the real one when port 0 was asked for).
     pub fn local_addr(&self) -> SocketAddr {
-        self.0.local_addr
+        self.0.local_addr()
+    }
+
+    /// Every address bound: each the host stands for that rank 0 could bind.
+    pub fn local_addrs(&self) -> &[SocketAddr] {
+        &self.0.local_addrs
     }
 
     /// Whether the server has stopped (all ranks served, or the deadline passed).
@@ -322,7 +373,7 @@ struct Server {
 }
 
 impl Server {
-    fn run(self, listener: TcpListener, stop: &AtomicBool) -> Result<(), RendezvousError> {
+    fn run(self, listeners: Vec<TcpListener>, stop: &AtomicBool) -> Result<(), RendezvousError> {
         let mut slots = vec![Slot::Pending; self.world_size];
         slots[0] = Slot::Served;
         let slots = Arc::new(Mutex::new(slots));
@@ -359,16 +410,17 @@ impl Server {
         };
         let (this2, slots2) = (Arc::clone(&this), Arc::clone(&slots));
         // Errors only mean this peer is dropped; the server goes on.
-        let handle = move |stream, slot: &wire::Slot| drop(this2.handle(stream, slot, &slots2));
-        let limits = this.limits;
-        wire::serve(listener, limits, stop, "nccl-rendezvous-peer", tick, handle).unwrap_or(Ok(()))
+        let handle =
+            move |stream: &TcpStream, slot: &wire::Slot| drop(this2.handle(stream, slot, &slots2));
+        let (limits, thread) = (this.limits, "nccl-rendezvous-peer");
+        wire::serve(listeners, limits, stop, thread, tick, handle).unwrap_or(Ok(()))
     }
 
-    fn handle(&self, s: TcpStream, conn: &wire::Slot, slots: &Mutex<Vec<Slot>>) -> io::Result<()> {
+    fn handle(&self, s: &TcpStream, conn: &wire::Slot, slots: &Mutex<Vec<Slot>>) -> io::Result<()> {
         // One deadline for the whole connection, whatever the peer's pace.
         let deadline = (Instant::now() + self.io_timeout).min(self.deadline);
-        wire::bound_waits(&s, self.io_timeout)?;
-        let mut s = wire::Deadlined::new(&s, deadline);
+        wire::bound_waits(s, self.io_timeout)?;
+        let mut s = wire::Deadlined::new(s, deadline);
         let Some(session) =
             wire::accept_peer(&mut s, wire::MAGIC, &self.token, conn, self.world_size, 1)?
         else {
@@ -659,7 +711,7 @@ mod tests {
         let mut r = &s;
         let sn = wire::parse_hello(&wire::read_frame(&mut r).unwrap(), wire::MAGIC).unwrap();
         let cn = wire::nonce().unwrap();
-        let session = wire::Session::new(TOKEN, sn, cn, rank, world);
+        let session = wire::Session::new((wire::MAGIC, TOKEN), sn, cn, rank, world);
         wire::write_frame(&mut r, &session.auth_frame()).unwrap();
         let reply = wire::read_frame(&mut r).unwrap();
         assert_eq!(reply[0], wire::ID);
@@ -719,7 +771,8 @@ mod tests {
     #[test]
     fn refusals_after_authentication_are_authenticated() {
         let (sn, cn) = (wire::nonce().unwrap(), wire::nonce().unwrap());
-        let session = |token: &'static [u8], rank| wire::Session::new(token, sn, cn, rank, 2);
+        let session =
+            |token: &'static [u8], rank| wire::Session::new((wire::MAGIC, token), sn, cn, rank, 2);
         let f = session(TOKEN, 1).refuse(wire::R_DUPLICATE, 2, 1);
         assert!(session(TOKEN, 1).refuse_is_authentic(&f));
         assert!(!session(b"another-token-0123456", 1).refuse_is_authentic(&f));

@@ -3,11 +3,13 @@
 //! Every frame is a big-endian `u32` length followed by that many bytes, at most
 //! [`MAX_FRAME`]; a longer prefix is refused before anything is allocated.
 
+use super::fds::{self, Budget, Socket};
+use crate::teardown::lock;
 use sha2::{Digest, Sha256};
 use std::fmt;
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::net::{IpAddr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -104,17 +106,32 @@ pub(crate) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-/// 32 unpredictable bytes from the operating system.
+/// 32 unpredictable bytes from the operating system (`getrandom(2)`: no file is opened).
 pub(crate) fn nonce() -> io::Result<[u8; N]> {
     let mut n = [0u8; N];
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut n)?;
+    let mut got = 0;
+    while got < N {
+        let rest = &mut n[got..];
+        // SAFETY: getrandom writes at most `rest.len()` bytes into `rest`.
+        let r = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        match usize::try_from(r) {
+            Ok(k) => got += k,
+            Err(_) => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
     Ok(n)
 }
 
-/// What every MAC of one connection is taken over: the token, both nonces, and the rank and
-/// world the client claims.
+/// What every MAC of one connection is taken over: the protocol (its magic), the token,
+/// both nonces, and the rank and world the client claims.
 #[derive(Clone, Copy)]
 pub(crate) struct Session<'a> {
+    magic: &'a [u8; 16],
     token: &'a [u8],
     sn: [u8; N],
     cn: [u8; N],
@@ -123,8 +140,16 @@ pub(crate) struct Session<'a> {
 }
 
 impl<'a> Session<'a> {
-    pub(crate) fn new(token: &'a [u8], sn: [u8; N], cn: [u8; N], rank: u32, world: u32) -> Self {
+    /// The session of one connection of the protocol of `magic`.
+    pub(crate) fn new(
+        (magic, token): (&'a [u8; 16], &'a [u8]),
+        sn: [u8; N],
+        cn: [u8; N],
+        rank: u32,
+        world: u32,
+    ) -> Self {
         Session {
+            magic,
             token,
             sn,
             cn,
@@ -133,14 +158,15 @@ impl<'a> Session<'a> {
         }
     }
 
-    /// `HMAC(token, label | sn | cn | parts)`.
+    /// `HMAC(token, magic | label | sn | cn | parts)`: the magic names the protocol, so a
+    /// MAC of the rendezvous is never one of the desync board's, or the reverse.
     pub(crate) fn keyed(&self, label: &[u8], parts: &[&[u8]]) -> [u8; N] {
-        let mut all: Vec<&[u8]> = vec![label, &self.sn, &self.cn];
+        let mut all: Vec<&[u8]> = vec![self.magic, label, &self.sn, &self.cn];
         all.extend_from_slice(parts);
         hmac(self.token, &all)
     }
 
-    /// `HMAC(token, label | sn | cn | rank | world | tail)`.
+    /// `HMAC(token, magic | label | sn | cn | rank | world | tail)`.
     fn mac(&self, label: &[u8], tail: &[u8]) -> [u8; N] {
         let (rank, world) = (self.rank.to_be_bytes(), self.world.to_be_bytes());
         self.keyed(label, &[&rank, &world, tail])
@@ -163,7 +189,8 @@ impl<'a> Session<'a> {
     }
 
     /// A `REFUSE` frame sent after the peer authenticated: followed by
-    /// `HMAC(token, "refuse" | sn | cn | rank | world | frame)`, so a relay cannot forge it.
+    /// `HMAC(token, magic | "refuse" | sn | cn | rank | world | frame)`, so a relay cannot
+    /// forge it.
     pub(crate) fn refuse(&self, code: u8, a: u32, b: u32) -> Vec<u8> {
         let v = refuse(code, a, b);
         [&v[..], &self.mac(b"refuse", &v)].concat()
@@ -179,10 +206,7 @@ impl<'a> Session<'a> {
     pub(crate) fn mask(&self, id: &[u8; 128]) -> [u8; 128] {
         let mut out = *id;
         for (i, chunk) in out.chunks_mut(N).enumerate() {
-            let ks = hmac(
-                self.token,
-                &[b"stream", &self.sn, &self.cn, &(i as u32).to_be_bytes()],
-            );
+            let ks = self.keyed(b"stream", &[&(i as u32).to_be_bytes()]);
             for (o, k) in chunk.iter_mut().zip(ks) {
                 *o ^= k;
             }
@@ -284,137 +308,205 @@ impl Write for Deadlined<'_> {
     }
 }
 
-/// How many connections a server keeps open at once: in all, and from one peer address.
+/// How many connections a server keeps open at once: in all, and not yet authenticated
+/// from one source (see [`serve`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Limits {
     pub total: usize,
     pub per_peer: usize,
 }
 
-/// The default [`Limits`] (see [`Conns`]).
+/// The default [`Limits`].
 pub(crate) const LIMITS: Limits = Limits {
     total: 256,
     per_peer: 64,
 };
 
+/// Where a connection comes from, for the per-source cap: its IPv4 address, or the /64
+/// prefix of its IPv6 address (one host commonly holds a whole /64).
+fn source(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let mut seg = v6.segments();
+                seg[4..].fill(0);
+                IpAddr::V6(Ipv6Addr::from(seg))
+            }
+        },
+        v4 => v4,
+    }
+}
+
 struct Entry {
     id: u64,
-    peer: IpAddr,
+    /// Which server of the process accepted it.
+    server: u64,
+    source: IpAddr,
     authenticated: bool,
-    /// A handle on the same socket, to close it when the connection is evicted.
-    stream: TcpStream,
+    /// The socket, shared with the connection's thread, to shut it down when evicted.
+    socket: Arc<Socket>,
 }
 
-/// The connections a server has open. When a new one would pass a limit, the oldest
-/// connection that has not yet authenticated (of that peer address, or of all) is closed to
-/// make room: a stranger's idle or slow connections cannot keep a rank out, since a rank
-/// authenticates one round trip after connecting. Only when every open connection has
-/// authenticated is the newcomer told `R_BUSY` (it retries until its deadline).
-#[derive(Default)]
-pub(crate) struct Conns {
-    inner: Mutex<(u64, Vec<Entry>)>,
-}
+/// Every connection the servers of this process hold, oldest first.
+static OPEN: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-impl Conns {
-    fn evict_oldest(open: &mut Vec<Entry>, peer: Option<IpAddr>) -> bool {
-        let victim = open
-            .iter()
-            .position(|e| !e.authenticated && peer.is_none_or(|p| e.peer == p));
-        match victim {
-            Some(i) => {
-                let e = open.remove(i);
-                let _ = e.stream.shutdown(Shutdown::Both);
-                true
-            }
-            None => false,
+/// Which of the `open` connections that `within` selects to close to make room: one that
+/// has not authenticated, of the source holding the most of those (ties: the source of
+/// the oldest), its oldest. A stranger's connections go before a rank's pending one as
+/// long as the stranger holds more of them from one source.
+fn victim(open: &[Entry], within: impl Fn(&Entry) -> bool) -> Option<usize> {
+    let mut sources: Vec<(IpAddr, usize, usize)> = Vec::new(); // (source, count, oldest)
+    for (i, e) in open.iter().enumerate() {
+        if e.authenticated || !within(e) {
+            continue;
+        }
+        match sources.iter_mut().find(|s| s.0 == e.source) {
+            Some(s) => s.1 += 1,
+            None => sources.push((e.source, 1, i)),
         }
     }
+    let best = sources
+        .iter()
+        .max_by_key(|s| (s.1, std::cmp::Reverse(s.2)))?;
+    Some(best.2)
+}
 
-    /// Registers a new connection from `peer`, making room under `limits`; `None` when
-    /// there is none to make.
-    fn admit(self: &Arc<Self>, stream: &TcpStream, peer: IpAddr, limits: Limits) -> Option<Slot> {
-        let handle = stream.try_clone().ok()?;
-        let mut g = self.inner.lock().ok()?;
-        let (next, open) = &mut *g;
-        if open.iter().filter(|e| e.peer == peer).count() >= limits.per_peer.max(1)
-            && !Self::evict_oldest(open, Some(peer))
-        {
-            return None;
+/// Closes the connection at `i` of `open`: its thread sees the end of the stream and lets
+/// go of the socket, whose descriptor then returns to the budget.
+fn evict(open: &mut Vec<Entry>, i: usize) {
+    let e = open.remove(i);
+    let _ = e.socket.shutdown(Shutdown::Both);
+}
+
+/// When the servers hold their whole descriptor budget: closes an eighth of it (at least
+/// one connection, each chosen by [`victim`]), unless connections closed before are still
+/// being let go of. Closing several at once lets the accepts drain a backlog a stranger
+/// filled at the pace of `accept`, not at one connection per close.
+fn make_room(budget: &Budget) {
+    let mut open = lock(&OPEN);
+    if budget.open() > open.len() {
+        return;
+    }
+    for _ in 0..(budget.cap / 8).max(1) {
+        match victim(&open, |_| true) {
+            Some(i) => evict(&mut open, i),
+            None => break,
         }
-        if open.len() >= limits.total.max(1) && !Self::evict_oldest(open, None) {
-            return None;
-        }
-        *next += 1;
-        open.push(Entry {
-            id: *next,
-            peer,
-            authenticated: false,
-            stream: handle,
-        });
-        Some(Slot {
-            conns: Arc::clone(self),
-            id: *next,
-        })
     }
 }
 
-/// One admitted connection's place in [`Conns`]; freed when dropped.
+/// Registers a connection of `server` from `peer`, making room under `limits` (at most
+/// `per_source` unauthenticated connections from one source, `limits.total` in all);
+/// `None` when the server's connections have all authenticated.
+fn admit(
+    server: u64,
+    socket: &Arc<Socket>,
+    peer: IpAddr,
+    limits: Limits,
+    per_source: usize,
+) -> Option<Slot> {
+    let source = source(peer);
+    let mut open = lock(&OPEN);
+    let strangers = |e: &Entry| e.server == server && !e.authenticated && e.source == source;
+    if open.iter().filter(|e| strangers(e)).count() >= per_source {
+        if let Some(i) = open.iter().position(strangers) {
+            evict(&mut open, i);
+        }
+    }
+    if open.iter().filter(|e| e.server == server).count() >= limits.total.max(1) {
+        let i = victim(&open, |e| e.server == server)?;
+        evict(&mut open, i);
+    }
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    open.push(Entry {
+        id,
+        server,
+        source,
+        authenticated: false,
+        socket: Arc::clone(socket),
+    });
+    Some(Slot { id })
+}
+
+/// One admitted connection's place among the open ones; freed when dropped.
 pub(crate) struct Slot {
-    conns: Arc<Conns>,
     id: u64,
 }
 
 impl Slot {
     /// The peer proved it holds the token: it is no longer evicted to make room.
     pub(crate) fn authenticated(&self) {
-        if let Ok(mut g) = self.conns.inner.lock() {
-            if let Some(e) = g.1.iter_mut().find(|e| e.id == self.id) {
-                e.authenticated = true;
-            }
+        if let Some(e) = lock(&OPEN).iter_mut().find(|e| e.id == self.id) {
+            e.authenticated = true;
         }
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        if let Ok(mut g) = self.conns.inner.lock() {
-            g.1.retain(|e| e.id != self.id);
-        }
+        lock(&OPEN).retain(|e| e.id != self.id);
     }
 }
 
-/// Serves the non-blocking `listener` until `stop` is set or `tick`, called before each
-/// accept, returns a result. Each connection is admitted under `limits` (see [`Conns`]; with
-/// no room the peer gets an `R_BUSY` refusal in place of the hello) and handed to `handle`
-/// on a thread of its own named `peer_thread` (an error there only drops that peer). With
-/// nothing to accept (or a transient error such as `EMFILE`) it sleeps 5 ms.
+/// Serves the non-blocking `listeners` until `stop` is set or `tick`, called before each
+/// accept, returns a result.
+///
+/// Each accept first takes a descriptor of the process's budget ([`fds`](super::fds));
+/// when the servers hold it all, one connection that has not authenticated is closed (of
+/// the source holding the most, see [`victim`]) and the accept waits until its descriptor
+/// is back. Each connection is then admitted under `limits`: a source past its share of
+/// unauthenticated connections (`per_peer`, and at most a quarter of the budget) loses its
+/// oldest one, and a server holding `total` connections closes one that has not
+/// authenticated; a rank authenticates one round trip after connecting, so a stranger's
+/// idle or slow connections cannot keep it out. Only when all of a server's connections
+/// have authenticated is the newcomer told `R_BUSY` in place of the hello (it retries
+/// until its deadline). Each admitted connection is handed to `handle` on a thread of its
+/// own named `peer_thread` (an error there only drops that peer). With nothing to accept
+/// (or a transient error such as `EMFILE`) it sleeps 5 ms.
 pub(crate) fn serve<T>(
-    listener: TcpListener,
+    listeners: Vec<TcpListener>,
     limits: Limits,
     stop: &AtomicBool,
     peer_thread: &str,
     mut tick: impl FnMut() -> Option<T>,
-    handle: impl Fn(TcpStream, &Slot) + Send + Sync + 'static,
+    handle: impl Fn(&TcpStream, &Slot) + Send + Sync + 'static,
 ) -> Option<T> {
-    let (conns, handle) = (Arc::new(Conns::default()), Arc::new(handle));
+    static SERVERS: AtomicU64 = AtomicU64::new(1);
+    let server = SERVERS.fetch_add(1, Ordering::Relaxed);
+    let budget = fds::budget();
+    let per_source = limits.per_peer.max(1).min((budget.cap / 4).max(1));
+    let handle = Arc::new(handle);
+    let mut first = 0;
     while !stop.load(Ordering::Acquire) {
         if let Some(t) = tick() {
             return Some(t);
         }
-        let Ok((mut stream, peer)) = listener.accept() else {
+        let Some(held) = budget.take() else {
+            make_room(budget);
+            thread::sleep(Duration::from_micros(200));
+            continue;
+        };
+        // The listeners in turn, from a different one each time, so none starves another.
+        first = (first + 1) % listeners.len().max(1);
+        let (back, front) = listeners.split_at(first);
+        let Some((stream, peer)) = front.iter().chain(back).find_map(|l| l.accept().ok()) else {
+            drop(held);
             thread::sleep(Duration::from_millis(5));
             continue;
         };
-        let Some(slot) = conns.admit(&stream, peer.ip(), limits) else {
-            let _ = stream.set_nonblocking(false);
-            let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
-            let _ = write_frame(&mut stream, &refuse(R_BUSY, 0, 0));
+        let socket = Arc::new(Socket::new(stream, held));
+        let Some(slot) = admit(server, &socket, peer.ip(), limits, per_source) else {
+            let _ = socket.set_nonblocking(false);
+            let _ = socket.set_write_timeout(Some(Duration::from_millis(100)));
+            let _ = write_frame(&mut &**socket, &refuse(R_BUSY, 0, 0));
             continue;
         };
         let handle = Arc::clone(&handle);
-        // A failed spawn drops the closure, and with it the stream and the slot.
+        // A failed spawn drops the closure, and with it the socket and the slot.
         let _ =
-            (thread::Builder::new().name(peer_thread.into())).spawn(move || handle(stream, &slot));
+            (thread::Builder::new().name(peer_thread.into())).spawn(move || handle(&socket, &slot));
     }
     None
 }
@@ -436,7 +528,7 @@ pub(crate) fn parse_hello(frame: &[u8], magic: &[u8; 16]) -> Option<[u8; N]> {
 /// not an `AUTH` frame at all (drop the peer).
 pub(crate) fn accept_peer<'a>(
     s: &mut (impl Read + Write),
-    magic: &[u8; 16],
+    magic: &'a [u8; 16],
     token: &'a [u8],
     conn: &Slot,
     world_size: usize,
@@ -455,7 +547,7 @@ pub(crate) fn accept_peer<'a>(
     let world = u32::from_be_bytes([auth[5], auth[6], auth[7], auth[8]]);
     let mut cn = [0u8; N];
     cn.copy_from_slice(&auth[9..9 + N]);
-    let session = Session::new(token, sn, cn, rank, world);
+    let session = Session::new((magic, token), sn, cn, rank, world);
     if !ct_eq(&auth[9 + N..], &session.client_mac()) {
         write_frame(s, &refuse(R_TOKEN, 0, 0))?;
         return Ok(None);
@@ -540,7 +632,7 @@ mod tests {
     fn mask_is_an_involution() {
         let id = [7u8; 128];
         let (sn, cn) = (nonce().unwrap(), nonce().unwrap());
-        let s = Session::new(b"t", sn, cn, 1, 2);
+        let s = Session::new((MAGIC, b"t"), sn, cn, 1, 2);
         let m = s.mask(&id);
         assert_ne!(m, id);
         assert_eq!(s.mask(&m), id);
