@@ -5,7 +5,10 @@
 //! the `cuda` feature NVIDIA's NCCL reads and writes the `CudaSlice` inside `CudaStorage`,
 //! on candle's own stream, with no copy to the host. Work on candle's stream is ordered
 //! after the kernels that produced the tensor and before the ones that read it, so no
-//! synchronization is needed.
+//! synchronization is needed. candle's stream is the per-thread stream, which NCCL, when it
+//! launches from a thread of its own (two or more ranks), would take for that thread's:
+//! nccl-safe then runs the collective on a stream of its own, joined to and from the
+//! caller's per-thread stream by events.
 //!
 //! In-place operations ([`all_reduce`], [`broadcast`]) change the tensor's storage: every
 //! tensor that shares it (a `reshape`, a `narrow`, a `Tensor::cat` of one tensor) sees
