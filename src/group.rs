@@ -85,6 +85,7 @@ fn acts(g: &BufferGuard<'_>) -> bool {
 
 impl<'a> Group<'a> {
     /// An empty group. Nothing reaches NCCL until it ends.
+    #[inline(always)]
     pub fn new() -> Group<'a> {
         Group {
             ops: SmallVec::new(),
@@ -109,6 +110,7 @@ impl<'a> Group<'a> {
     /// communicator's clique left fails that clique too (every rank's `is_failed()`), as
     /// for a single call.
     #[track_caller]
+    #[inline(always)] // the group's inline operations are not copied into the call
     pub fn end(mut self) -> Result<()> {
         self.finish(Location::caller())
     }
