@@ -4,9 +4,11 @@
 //! communicator: nccl-safe's diagnostics see it and name it,
 //! [`Communicator::lost_rank`]), the ranks left
 //!
-//! 1. agree on who is gone: each shrinks its communicator without the rank it names
-//!    ([`Communicator::shrink_after_failure`]), then they check on the new communicator
-//!    that they all named the same rank (a disagreement is an error, not a guess);
+//! 1. agree on who is gone: each names every rank known gone, agreed with the ranks of its
+//!    process that recover ([`Communicator::agree_lost_ranks`]), shrinks its communicator
+//!    without them ([`Communicator::shrink_after_failure`]), then they check on the new
+//!    communicator that they all excluded the same ranks (a disagreement is an error, not a
+//!    guess);
 //! 2. agree on the step: the new rank 0's step counter is every rank's (a step is applied
 //!    by all of them or by none: the data-parallel objects are rebuilt from rank 0's
 //!    parameters, [`DistributedDataParallel::new`](crate::DistributedDataParallel::new) and
@@ -36,8 +38,13 @@
 //! the only copy); an optimizer built with `new` (or candle_nn's AdamW, whose state is private)
 //! starts its state afresh on the smaller world (SGD without momentum carries on exactly); a
 //! replacement rank joins only between two `run_elastic` runs ([`grow`] and [`join`]: the
-//! loop does not decide when by itself); one rank is lost per recovery (the first that
-//! left); a rank that is alive but stuck counts as lost only when the watchdog's
+//! loop does not decide when by itself); a shrink that waits for a rank lost after the
+//! survivors agreed on the list is not tried again on NCCL 2.29 (it refuses a second shrink
+//! while the first one's job is in progress, init.cc:2762 and 400-416), and ranks of other
+//! processes agree only through what each sees (the host provider's records, the desync
+//! board), so a rank lost at the moment they read them may end the job with
+//! [`DistErrorKind::RecoveryFailed`](crate::DistErrorKind::RecoveryFailed) after
+//! [`Config::timeout`](nccl_safe::Config::timeout); a rank that is alive but stuck counts as lost only when the watchdog's
 //! timeout finds it the one rank behind (with two or more behind, `run_elastic` returns
 //! the step's error). A
 //! rank of another process that dies (SIGKILL, the OOM killer) is named by the host
