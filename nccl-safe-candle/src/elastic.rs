@@ -281,7 +281,7 @@ fn shrink_without_lost(
             world_size: comm.world_size(),
             lost: now,
             attempts: *shrinks,
-            cause,
+            cause: Box::new(cause),
         }
         .into());
     }

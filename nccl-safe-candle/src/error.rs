@@ -98,7 +98,7 @@ pub enum DistErrorKind {
         attempts: usize,
         /// The last shrink's error.
         #[source]
-        cause: nccl_safe::Error,
+        cause: Box<nccl_safe::Error>,
     },
     /// An argument out of its range.
     #[error("{call}: {reason}")]
