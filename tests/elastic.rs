@@ -667,3 +667,65 @@ fn a_rank_stuck_past_the_timeout_is_the_lost_rank() {
     let st = assert_balanced(&id);
     assert_eq!(st.created, 5, "{st:?}");
 }
+
+/// Four ranks with `Config::elastic`; ranks 1 and 2 drop their communicators at once while
+/// ranks 0 and 3 wait in an all-reduce, then rank 2's drop is delayed by 10 ms (it is lost
+/// while the survivors begin their recovery). Either way `agree_lost_ranks()` is `[1, 2]`
+/// on both survivors and their shrink makes a working communicator of two. With
+/// `lost_rank()` (the first departure only) they named rank 1 alone, and the shrink
+/// excluding it waited for rank 2 until the timeout.
+#[cfg(feature = "diag")]
+fn survivors_of_two_departures(stagger: Duration) {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let ready = Barrier::new(4);
+    let cfg = Config::new().elastic(true).timeout(Duration::from_secs(2));
+    support::within(Duration::from_secs(20), move || {
+        std::thread::scope(|s| {
+            for rank in 0..4 {
+                let (ready, cfg) = (&ready, cfg.clone());
+                s.spawn(move || {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 4, rank, &id, &cfg).unwrap();
+                    let mut x = vec![1.0f32; 4];
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                    ready.wait();
+                    if rank == 1 || rank == 2 {
+                        std::thread::sleep(Duration::from_millis(50)); // the others wait
+                        if rank == 2 {
+                            std::thread::sleep(stagger);
+                        }
+                        drop(comm);
+                        return;
+                    }
+                    let e = comm
+                        .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+                        .unwrap_err();
+                    assert!(comm.is_failed(), "{e}");
+                    assert_eq!(comm.agree_lost_ranks(), vec![1, 2], "{e}");
+                    let small = comm.shrink_after_failure(&[1, 2]).unwrap();
+                    assert_eq!((small.world_size(), small.rank()), (2, rank.min(1)));
+                    let mut y = vec![rank as f32; 4];
+                    small
+                        .all_reduce_in_place(&mut y, ReduceOp::Sum, &S)
+                        .unwrap();
+                    assert_eq!(y, vec![3.0; 4]);
+                    small.destroy().map_err(|(_, e)| e).unwrap();
+                });
+            }
+        });
+    });
+    let st = assert_balanced(&id);
+    assert_eq!(st.created, 6, "{st:?}");
+}
+
+#[test]
+#[cfg(feature = "diag")]
+fn two_ranks_lost_at_once_are_both_excluded() {
+    survivors_of_two_departures(Duration::ZERO);
+}
+
+#[test]
+#[cfg(feature = "diag")]
+fn a_rank_lost_while_the_survivors_recover_is_excluded_too() {
+    survivors_of_two_departures(Duration::from_millis(10));
+}

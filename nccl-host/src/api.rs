@@ -726,6 +726,16 @@ pub(crate) fn dead_peer(comm: ncclComm_t) -> Option<(usize, u32)> {
     shared_of(&g, clique)?.dead_peer()
 }
 
+/// [`crate::dead_peers`]: the shared segment of `comm`'s clique, asked for every peer gone.
+pub(crate) fn dead_peers(comm: ncclComm_t) -> Vec<(usize, u32)> {
+    let g = lock();
+    let Some(CommState::Ready { clique, .. }) = g.comms.get(&(comm as usize)).map(|c| &c.state)
+    else {
+        return Vec::new();
+    };
+    shared_of(&g, *clique).map_or_else(Vec::new, |s| s.dead_peers())
+}
+
 fn shared_of(g: &Global, clique: u64) -> Option<std::sync::Arc<super::shm::Segment>> {
     g.cliques.get(&clique).and_then(|c| c.shared.clone())
 }

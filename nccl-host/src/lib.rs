@@ -249,6 +249,15 @@ pub fn dead_peer(comm: ncclComm_t) -> Option<(usize, u32)> {
     api::dead_peer(comm)
 }
 
+/// Every rank of the live host communicator `comm`'s clique (across processes) that it
+/// knows gone, and its pid: a peer whose process died or was killed, or that destroyed or
+/// aborted its communicator; empty for a clique within one process and an unknown handle.
+/// For nccl-safe only (a recovery excludes every rank lost, not only the first).
+#[doc(hidden)]
+pub fn dead_peers(comm: ncclComm_t) -> Vec<(usize, u32)> {
+    api::dead_peers(comm)
+}
+
 /// Operations of the host handle `comm` not seen complete: accepted and never completing
 /// ([`fault::Fault::StuckWork`]) or held back until released ([`fault::Fault::StalledWork`]);
 /// 0 for an unknown handle. For nccl-safe only (its

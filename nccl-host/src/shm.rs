@@ -614,6 +614,24 @@ impl Segment {
             .then(|| (r, self.info(r).pid.load(Acquire)))
     }
 
+    /// Every peer whose process the communicator has seen gone (alive once, not now) or
+    /// that left it (destroyed or aborted its communicator), with its pid: the failure
+    /// records of the whole clique, not only the first one that failed it.
+    pub(crate) fn dead_peers(&self) -> Vec<(usize, u32)> {
+        let me = std::process::id();
+        (0..self.nranks)
+            .filter(|&r| r != self.rank)
+            .filter_map(|r| {
+                let i = self.info(r);
+                let pid = i.pid.load(Acquire);
+                let left = i.state.load(Acquire) == 2;
+                let died = pid != 0 && pid != me && self.seen[r].load(Relaxed) && !alive(pid);
+                (left || died).then_some((r, pid))
+            })
+            .chain(self.dead_peer())
+            .collect()
+    }
+
     /// The error every rank reports once the communicator failed, if it did.
     pub(crate) fn failure(&self) -> Option<Fail> {
         let h = self.header();

@@ -4,9 +4,11 @@
 //! communicator: nccl-safe's diagnostics see it and name it,
 //! [`Communicator::lost_rank`]), the ranks left
 //!
-//! 1. agree on who is gone: each shrinks its communicator without the rank it names
-//!    ([`Communicator::shrink_after_failure`]), then they check on the new communicator
-//!    that they all named the same rank (a disagreement is an error, not a guess);
+//! 1. agree on who is gone: each names every rank known gone, agreed with the ranks of its
+//!    process that recover ([`Communicator::agree_lost_ranks`]), shrinks its communicator
+//!    without them ([`Communicator::shrink_after_failure`]), then they check on the new
+//!    communicator that they all excluded the same ranks (a disagreement is an error, not a
+//!    guess);
 //! 2. agree on the step: the new rank 0's step counter is every rank's (a step is applied
 //!    by all of them or by none: the data-parallel objects are rebuilt from rank 0's
 //!    parameters, [`DistributedDataParallel::new`](crate::DistributedDataParallel::new) and
@@ -36,8 +38,13 @@
 //! the only copy); an optimizer built with `new` (or candle_nn's AdamW, whose state is private)
 //! starts its state afresh on the smaller world (SGD without momentum carries on exactly); a
 //! replacement rank joins only between two `run_elastic` runs ([`grow`] and [`join`]: the
-//! loop does not decide when by itself); one rank is lost per recovery (the first that
-//! left); a rank that is alive but stuck counts as lost only when the watchdog's
+//! loop does not decide when by itself); a shrink that waits for a rank lost after the
+//! survivors agreed on the list is not tried again on NCCL 2.29 (it refuses a second shrink
+//! while the first one's job is in progress, init.cc:2762 and 400-416), and ranks of other
+//! processes agree only through what each sees (the host provider's records, the desync
+//! board), so a rank lost at the moment they read them may end the job with
+//! [`DistErrorKind::RecoveryFailed`](crate::DistErrorKind::RecoveryFailed) after
+//! [`Config::timeout`](nccl_safe::Config::timeout); a rank that is alive but stuck counts as lost only when the watchdog's
 //! timeout finds it the one rank behind (with two or more behind, `run_elastic` returns
 //! the step's error). A
 //! rank of another process that dies (SIGKILL, the OOM killer) is named by the host
@@ -91,14 +98,20 @@ use crate::error::{DistError, DistErrorKind as K, DistResult as Result};
 /// One recovery of [`run_elastic`] / [`recover`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Recovery {
-    /// The rank that was lost (its number in the communicator it left).
+    /// The lowest-numbered rank that was lost (its number in the communicator it left).
     pub lost: usize,
+    /// Every rank that was lost, sorted (numbers in the communicator they left): all the
+    /// ranks known gone when the recovery began, and any lost while it ran.
+    pub lost_ranks: Vec<usize>,
     /// The step the ranks left carry on from (the step that failed).
     pub step: u64,
     /// The number of ranks before and after.
     pub world_sizes: (usize, usize),
     /// This rank's number before and after.
     pub ranks: (usize, usize),
+    /// The shrinks it took: 1 when every rank left named the same ranks at once; more when
+    /// a rank was lost during a shrink, or the ranks left first named different ranks.
+    pub shrinks: usize,
     /// From the call to `recover` to the new communicator's agreement.
     pub took: Duration,
 }
@@ -117,9 +130,10 @@ pub struct ElasticRun<T> {
 }
 
 /// Whether `e`, the error of a step on `comm`, is the loss of a rank that the ranks left
-/// can recover from: the communicator failed, and nccl-safe knows which rank left.
+/// can recover from: the communicator failed, and nccl-safe knows a rank that left
+/// ([`Communicator::lost_ranks`]).
 pub fn is_rank_loss(comm: &Communicator, e: &DistError) -> bool {
-    e.as_nccl().is_some() && comm.is_failed() && comm.lost_rank().is_some()
+    e.as_nccl().is_some() && comm.is_failed() && !comm.lost_ranks().is_empty()
 }
 
 /// Runs `session(comm, &mut step)` from step `start`, and after the loss of a rank
@@ -157,15 +171,24 @@ pub fn run_elastic<T>(
     }
 }
 
-/// After the loss of a rank ([`is_rank_loss`]): shrinks `comm` without the lost rank,
-/// checks on the new communicator that every rank left named the same rank, sets `step`
-/// to the new rank 0's, and drops `comm` (revoked, so it is aborted, once). Collective over
-/// the ranks left.
+/// After the loss of ranks ([`is_rank_loss`]): shrinks `comm` without every rank known
+/// gone ([`Communicator::lost_ranks`]), checks on the new communicator that every rank left
+/// excluded the same ranks, sets `step` to the new rank 0's, and drops `comm` (revoked, so
+/// it is aborted, once). Collective over the ranks left.
 ///
-/// Errors: nothing known to be lost ([`DistErrorKind::InvalidArgument`](crate::DistErrorKind::InvalidArgument)),
-/// the shrink's error (a communicator made without
-/// [`Config::elastic`](nccl_safe::Config::elastic) has had its handle aborted), or ranks
-/// that named different ranks.
+/// A rank lost while this runs is survived too: a shrink that fails (a rank it keeps never
+/// came) is tried again on `comm` excluding every rank then known gone, as long as the list
+/// grew, and once more with the same list (another rank may have named more ranks and
+/// failed the same shrink: each rank tries each list at most twice, so the ranks left meet
+/// on the union); a rank lost after the shrink (the agreement on the new communicator
+/// fails for it) is shrunk away from the new communicator in turn. Each shrink is bounded
+/// by the communicator's [`Config::timeout`](nccl_safe::Config::timeout).
+///
+/// Errors: nothing known to be lost ([`DistErrorKind::InvalidArgument`](crate::DistErrorKind::InvalidArgument));
+/// [`DistErrorKind::RecoveryFailed`](crate::DistErrorKind::RecoveryFailed), naming the ranks
+/// lost and the last shrink's error, when no shrink made a communicator (a communicator
+/// made without [`Config::elastic`](nccl_safe::Config::elastic) has had its handle
+/// aborted); ranks that excluded different ranks.
 #[track_caller]
 pub fn recover(comm: Communicator, step: &mut u64) -> Result<(Communicator, Recovery)> {
     let (at, _scope) = crate::error::caller_scope();
@@ -174,45 +197,133 @@ pub fn recover(comm: Communicator, step: &mut u64) -> Result<(Communicator, Reco
 
 fn recover_inner(comm: Communicator, step: &mut u64) -> Result<(Communicator, Recovery)> {
     let t0 = Instant::now();
-    let Some(lost) = comm.lost_rank() else {
-        return Err(K::InvalidArgument {
-            call: "recover",
-            reason: "no rank of this communicator is known to have left".into(),
+    let (world, rank) = (comm.world_size(), comm.rank());
+    // `kept[i]`: the rank of `comm` that rank i of the current communicator is.
+    let mut kept: Vec<usize> = (0..world).collect();
+    let mut lost_ranks = Vec::new();
+    let mut shrinks = 0;
+    let mut cur = comm;
+    // Each round removes at least one rank: bounded by the world's size.
+    loop {
+        let lost = cur.agree_lost_ranks();
+        if lost.is_empty() {
+            return Err(K::InvalidArgument {
+                call: "recover",
+                reason: "no rank of this communicator is known to have left".into(),
+            }
+            .into());
+        }
+        let (small, lost) = shrink_without_lost(&cur, lost, &mut shrinks)?;
+        lost_ranks.extend(lost.iter().map(|&r| kept[r]));
+        lost_ranks.sort_unstable();
+        kept.retain(|r| !lost_ranks.contains(r));
+        match agree(&small, &lost_ranks, world, step) {
+            Ok(()) => {
+                let r = Recovery {
+                    lost: lost_ranks[0],
+                    lost_ranks,
+                    step: *step,
+                    world_sizes: (world, small.world_size()),
+                    ranks: (rank, small.rank()),
+                    shrinks,
+                    took: t0.elapsed(),
+                };
+                drop(cur);
+                return Ok((small, r));
+            }
+            // A rank lost after it joined the shrink: the new communicator failed in turn.
+            Err(e) if is_rank_loss(&small, &e) => {
+                drop(cur);
+                cur = small;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Shrinks `comm` without `lost` (every rank it knows gone), again while further ranks are
+/// found gone (see [`recover`]). Returns the new communicator and the list it excluded.
+fn shrink_without_lost(
+    comm: &Communicator,
+    mut lost: Vec<usize>,
+    shrinks: &mut usize,
+) -> Result<(Communicator, Vec<usize>)> {
+    let mut tries_of_this_list = 0;
+    loop {
+        *shrinks += 1;
+        tries_of_this_list += 1;
+        let cause = match comm.shrink_after_failure(&lost) {
+            Ok(small) => return Ok((small, lost)),
+            Err(e) => e,
+        };
+        let mut now = comm.lost_ranks();
+        now.extend(&lost);
+        now.sort_unstable();
+        now.dedup();
+        let grew = now.len() > lost.len();
+        // Nothing to exclude any more but this rank itself: a communicator of one would do,
+        // but the shrink's own refusals (bad lists) are no loss to retry.
+        let retryable = !matches!(
+            cause,
+            nccl_safe::Error::InvalidArgument { .. }
+                | nccl_safe::Error::RankOutOfRange { .. }
+                | nccl_safe::Error::Unsupported { .. }
+        );
+        if retryable && (grew || tries_of_this_list < 2) && now.len() < comm.world_size() {
+            if grew {
+                tries_of_this_list = 0;
+            }
+            lost = now;
+            continue;
+        }
+        return Err(K::RecoveryFailed {
+            rank: comm.rank(),
+            world_size: comm.world_size(),
+            lost: now,
+            attempts: *shrinks,
+            cause: Box::new(cause),
         }
         .into());
-    };
-    let small = comm.shrink_after_failure(&[lost])?;
-    let device = device_of(&small)?;
-    // Rank 0's view of (lost, step) to everyone; each compares the lost rank with its own.
-    let theirs = Tensor::new(&[lost as f64, *step as f64], &device)?;
-    crate::tensor::broadcast(&small, &theirs, 0)?;
-    let theirs = theirs.to_vec1::<f64>()?;
-    let named = Tensor::new(lost as f64, &device)?;
+    }
+}
+
+/// On the new communicator `small`: every rank excluded the same ranks (`lost`, numbered in
+/// the communicator of `world` ranks the recovery began with), and `step` becomes the new
+/// rank 0's.
+fn agree(small: &Communicator, lost: &[usize], world: usize, step: &mut u64) -> Result<()> {
+    let device = device_of(small)?;
+    let mut mine = vec![0f64; world + 1];
+    mine[0] = *step as f64;
+    for &r in lost {
+        mine[r + 1] = 1.0;
+    }
+    // Rank 0's step to everyone; the lists' least and greatest entries, which are equal
+    // only when every rank's list is the same.
+    let theirs = Tensor::new(mine.as_slice(), &device)?;
+    crate::tensor::broadcast(small, &theirs, 0)?;
     let (lo, hi) = (
-        crate::tensor::all_reduce_scalar(&small, &named, ReduceOp::Min)?,
-        crate::tensor::all_reduce_scalar(&small, &named, ReduceOp::Max)?,
+        Tensor::new(&mine[1..], &device)?,
+        Tensor::new(&mine[1..], &device)?,
     );
-    if lo != hi || theirs[0] != lost as f64 {
+    crate::tensor::all_reduce(small, &lo, ReduceOp::Min)?;
+    crate::tensor::all_reduce(small, &hi, ReduceOp::Max)?;
+    let (lo, hi) = (lo.to_vec1::<f64>()?, hi.to_vec1::<f64>()?);
+    if lo != hi {
+        let named = |v: &[f64]| -> Vec<usize> { (0..world).filter(|&r| v[r] > 0.5).collect() };
         return Err(K::InvalidArgument {
             call: "recover",
             reason: format!(
-                "the ranks left disagree on the rank that was lost: rank {} of {} named {lost}, others between {lo} and {hi}",
-                comm.rank(),
-                comm.world_size()
+                "the ranks left disagree on the ranks that were lost: rank {} of {} excluded {lost:?}; every rank excluded {:?}, some {:?}",
+                small.rank(),
+                small.world_size(),
+                named(&lo),
+                named(&hi),
             ),
         }
         .into());
     }
-    *step = theirs[1] as u64;
-    let r = Recovery {
-        lost,
-        step: *step,
-        world_sizes: (comm.world_size(), small.world_size()),
-        ranks: (comm.rank(), small.rank()),
-        took: t0.elapsed(),
-    };
-    drop(comm);
-    Ok((small, r))
+    *step = theirs.to_vec1::<f64>()?[0] as u64;
+    Ok(())
 }
 
 /// The candle device of a communicator's rank.

@@ -77,6 +77,29 @@ pub enum DistErrorKind {
         /// This rank's first parameters, for the report.
         first: String,
     },
+    /// A recovery ([`recover`](crate::recover), [`run_elastic`](crate::run_elastic)) made
+    /// no communicator of the ranks left: every shrink it tried, each excluding every rank
+    /// then known gone, failed (a rank that stays never came, or the ranks left disagreed
+    /// on who is gone and no further loss explains it).
+    #[error(
+        "recover on rank {rank} of {world_size}: rank(s) {lost:?} were lost, and {attempts} shrink(s) \
+         excluding them made no communicator of the ranks left; the last failed with: {cause}. \
+         A rank this one keeps is unreachable without having left (stuck, or in another network \
+         partition): restart the job from its last checkpoint on the ranks that are alive"
+    )]
+    RecoveryFailed {
+        /// This rank, in the communicator that failed.
+        rank: usize,
+        /// That communicator's number of ranks.
+        world_size: usize,
+        /// The ranks known gone, in that communicator's numbering: the last exclude list.
+        lost: Vec<usize>,
+        /// The shrinks tried.
+        attempts: usize,
+        /// The last shrink's error.
+        #[source]
+        cause: Box<nccl_safe::Error>,
+    },
     /// An argument out of its range.
     #[error("{call}: {reason}")]
     InvalidArgument {

@@ -445,3 +445,136 @@ fn two_ranks_lost_one_after_the_other() {
     assert_eq!(st.created, st.destroyed + st.aborted, "{st:?}");
     assert_eq!((st.live, st.misused), (0, 0), "{st:?}");
 }
+
+/// How the second of two ranks is lost.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Second {
+    /// Ranks 1 and 2 return an error at the same moment of step 10.
+    AtOnce,
+    /// Rank 1 returns an error at step 10; rank 2 takes part in the step (it fails with the
+    /// loss of rank 1, as the survivors' does) and is lost 10 ms later, while the survivors
+    /// recover.
+    DuringRecovery,
+}
+
+/// Four ranks lose ranks 1 and 2 at step 10 (`second`); ranks 0 and 3 end at step 30 on 2
+/// ranks, with one recovery that excluded both, bit-identical parameters equal to one
+/// process's 30 steps, and every handle torn down once. Bounded: a 2 s timeout, the whole
+/// run within 30 s.
+fn lose_two(second: Second) {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let config = Config::new().elastic(true).timeout(Duration::from_secs(2));
+    let both = std::sync::Barrier::new(2);
+    type Out = (Vec<f32>, Vec<f32>, usize, Vec<Recovery>);
+    let t0 = Instant::now();
+    let results: Vec<DistResult<Out>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..RANKS)
+            .map(|rank| {
+                let (config, both) = (config.clone(), &both);
+                s.spawn(move || -> DistResult<Out> {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, RANKS, rank, &id, &config)?;
+                    let map = VarMap::new();
+                    let model = Mlp::new(&map)?;
+                    init_fixed(&map)?;
+                    let (x, y) = data();
+                    let mut losses = Vec::new();
+                    let run = run_elastic(comm, 0, |comm, step| {
+                        let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, &map, LR)?;
+                        let (xs, ys) = (opt.shard_batch(&x)?, opt.shard_batch(&y)?);
+                        while *step < STEPS {
+                            let l = loss::mse(&model.forward(&xs)?, &ys)?;
+                            let lost = |r: usize| {
+                                candle_core::Error::Msg(format!("rank {r} is lost")).into()
+                            };
+                            if *step == LOST_AT && comm.world_size() == RANKS {
+                                match (rank, second) {
+                                    (1, Second::DuringRecovery) => return Err(lost(1)),
+                                    (1 | 2, Second::AtOnce) => {
+                                        both.wait();
+                                        return Err(lost(rank));
+                                    }
+                                    (2, Second::DuringRecovery) => {
+                                        let e = opt.backward_step(&l).unwrap_err();
+                                        assert!(comm.is_failed(), "{e}");
+                                        std::thread::sleep(Duration::from_millis(10));
+                                        return Err(lost(2));
+                                    }
+                                    _ => {}
+                                }
+                            }
+                            opt.backward_step(&l)?;
+                            *step += 1;
+                            losses.push(loss::mse(&model.forward(&x)?, &y)?.to_scalar::<f32>()?);
+                        }
+                        Ok(())
+                    })?;
+                    assert_eq!(run.step, STEPS);
+                    Ok((
+                        flat_params(&map)?,
+                        losses,
+                        run.comm.world_size(),
+                        run.recoveries,
+                    ))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, res) in results.iter().enumerate() {
+        if let Err(e) = res {
+            eprintln!("{second:?}: rank {r}: {e}");
+        }
+    }
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    let reference = reference();
+    let p0 = &results[0].as_ref().expect("rank 0 carries on").0;
+    for (r, res) in results.iter().enumerate() {
+        match (r, res) {
+            (0 | 3, Ok((params, losses, world, recoveries))) => {
+                assert_eq!(*world, 2, "rank {r}");
+                let seen: Vec<_> = recoveries
+                    .iter()
+                    .map(|x| (x.lost_ranks.clone(), x.step, x.world_sizes, x.ranks))
+                    .collect();
+                let new_rank = if r == 0 { 0 } else { 1 };
+                assert_eq!(
+                    seen,
+                    vec![(vec![1, 2], LOST_AT, (4, 2), (r, new_rank))],
+                    "rank {r}"
+                );
+                assert_eq!(params, p0, "rank {r}'s parameters differ from rank 0's");
+                let worst = params
+                    .iter()
+                    .zip(&reference)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(worst < 1e-5, "rank {r}: {worst}");
+                assert_eq!(losses.len(), STEPS as usize, "rank {r}");
+                assert!(losses.last() < losses.first(), "rank {r}: {losses:?}");
+            }
+            (1 | 2, Err(e)) => assert!(e.to_string().contains(&format!("rank {r} is lost")), "{e}"),
+            (_, other) => panic!("rank {r}: {:?}", other.as_ref().map(|o| o.2)),
+        }
+    }
+    let limit = Instant::now() + Duration::from_secs(10);
+    let st = loop {
+        let st = nccl_safe::host::stats_for(&id.to_raw());
+        if st.live == 0 || Instant::now() >= limit {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    assert_eq!(st.created, st.destroyed + st.aborted, "{st:?}");
+    assert_eq!((st.live, st.misused), (0, 0), "{st:?}");
+}
+
+#[test]
+fn two_ranks_lost_at_once() {
+    lose_two(Second::AtOnce);
+}
+
+#[test]
+fn a_rank_lost_during_the_recovery() {
+    lose_two(Second::DuringRecovery);
+}

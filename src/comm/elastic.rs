@@ -83,12 +83,51 @@ impl Communicator {
     ///   nothing on the desync board): a rank stuck past [`Config::timeout`] counts as
     ///   lost. With two or more ranks behind, none is named.
     ///
-    /// Only the first is kept. `None` without the `diag` feature, on the rank that was
-    /// itself behind, and after a failure of this rank's own GPU work.
+    /// Only the first is kept: [`lost_ranks`](Self::lost_ranks) has every rank known
+    /// gone. `None` without the `diag` feature, on the rank that was itself behind, and
+    /// after a failure of this rank's own GPU work.
     ///
     /// [`Config::timeout`]: crate::Config::timeout
     pub fn lost_rank(&self) -> Option<usize> {
         self.diag.lost_rank()
+    }
+
+    /// Every rank of this communicator known gone, sorted, this rank never among them:
+    /// the exclude list of a [`shrink_after_failure`](Self::shrink_after_failure) that
+    /// leaves none of them behind. It holds
+    ///
+    /// - [`lost_rank`](Self::lost_rank);
+    /// - every rank of this process whose communicator of this clique was torn down
+    ///   (dropped, destroyed or aborted: a thread that returned, failed or panicked);
+    /// - every rank of another process that posted its departure on the job's desync
+    ///   board ([`Launcher`](crate::Launcher); read once, bounded);
+    /// - on the host provider across processes, every rank whose process it saw gone
+    ///   (SIGKILLed, say) or that tore its communicator down.
+    ///
+    /// Read it after the failure, before the shrink: ranks that shrink together tear the
+    /// parent down afterwards, and then count as gone here. Each rank reads its own view,
+    /// at its own moment: two ranks may read different lists when a rank is lost while
+    /// they read (agree on the list before or after the shrink; NCCL does not compare
+    /// them, init.cc:2758 of 2.29.7, and a shrink whose ranks disagree waits until the
+    /// timeout). Empty without the `diag` feature; NVIDIA's NCCL names no rank itself.
+    pub fn lost_ranks(&self) -> Vec<usize> {
+        self.diag.lost_ranks()
+    }
+
+    /// [`lost_ranks`](Self::lost_ranks), agreed among the ranks that recover: this rank
+    /// says which ranks it found gone, and waits (bounded by the communicator's timeout)
+    /// until every other rank of this clique in this process has said so too or has torn
+    /// its communicator down; it returns the union, with the ranks torn down meanwhile.
+    /// Call it on every rank that stays, before
+    /// [`shrink_after_failure`](Self::shrink_after_failure): the ranks of one process then
+    /// exclude the same ranks, even when a further rank is lost while they begin (a rank
+    /// that never says, and tears down, is excluded). Ranks of other processes are not
+    /// waited for (each reads its own [`lost_ranks`](Self::lost_ranks): a rank lost at
+    /// that moment may be named by some only, and their shrink then fails). Call it once
+    /// per communicator. Empty without the `diag` feature.
+    pub fn agree_lost_ranks(&self) -> Vec<usize> {
+        let deadline = std::time::Instant::now() + self.diag.timeout();
+        self.diag.agree_lost_ranks(deadline)
     }
 
     /// Removes `exclude` ranks from a communicator that may have failed (`ncclCommShrink`

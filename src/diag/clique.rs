@@ -133,6 +133,9 @@ pub(crate) struct Clique {
     /// The first rank that left (its communicator torn down, or its launcher closure
     /// returned) while the clique was healthy.
     departed: OnceLock<Departure>,
+    /// Per rank of this process: the ranks it found gone when it began its recovery
+    /// ([`Clique::agree_lost`]).
+    recovering: Mutex<BTreeMap<usize, Vec<usize>>>,
 }
 
 /// A rank that left its clique: no collective of sequence number `issued` or later will
@@ -188,6 +191,7 @@ pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
         any_timeout: AtomicBool::new(false),
         board: OnceLock::new(),
         departed: OnceLock::new(),
+        recovering: Mutex::new(BTreeMap::new()),
     });
     r.insert(key, Arc::downgrade(&c));
     c
@@ -325,6 +329,88 @@ impl Clique {
             (r != rank && self.waits_for_departed(r, &l).is_some()).then_some((r, l))
         })?;
         Some(self.fail_for_departure(d, Some(waiting), Some(&rec)))
+    }
+
+    /// Rank `rank` begins its recovery having found `lost` gone (`lost_now`, read again
+    /// while it waits): it waits until every other rank of this process in the clique also
+    /// began its recovery or tore its communicator down (until `deadline` at most), and
+    /// returns the union of what they found, with the ranks torn down meanwhile. The ranks
+    /// of this process that recover together thus exclude the same ranks, however their
+    /// losses were staggered; ranks of other processes are not waited for.
+    pub(crate) fn agree_lost(
+        &self,
+        rank: usize,
+        mut lost_now: impl FnMut() -> Vec<usize>,
+        deadline: Instant,
+    ) -> Vec<usize> {
+        let post = |mine: Vec<usize>| {
+            let mut posts = lock(&self.recovering);
+            let v = posts.entry(rank).or_default();
+            v.extend(mine);
+            v.sort_unstable();
+            v.dedup();
+        };
+        post(lost_now());
+        loop {
+            let torn = self.torn_down();
+            let union = {
+                let posts = lock(&self.recovering);
+                let mut u: Vec<usize> = posts.values().flatten().copied().collect();
+                u.extend(&torn);
+                u.retain(|&r| r != rank);
+                u.sort_unstable();
+                u.dedup();
+                // A rank named lost (stuck, say) is not waited for.
+                let waiting = self.here().any(|(r, _)| {
+                    r != rank && !posts.contains_key(&r) && u.binary_search(&r).is_err()
+                });
+                (!waiting).then_some(u)
+            };
+            if let Some(u) = union {
+                return u;
+            }
+            if Instant::now() >= deadline {
+                post(lost_now());
+                let mut u: Vec<usize> =
+                    lock(&self.recovering).values().flatten().copied().collect();
+                u.extend(self.torn_down());
+                u.retain(|&r| r != rank);
+                u.sort_unstable();
+                u.dedup();
+                return u;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+            post(lost_now());
+        }
+    }
+
+    /// The ranks of this process whose communicator of this clique was torn down.
+    pub(crate) fn torn_down(&self) -> Vec<usize> {
+        (0..self.world_size)
+            .filter(|&r| {
+                let v = self.view(r);
+                v.present && v.gone
+            })
+            .collect()
+    }
+
+    /// The ranks of other processes that posted their departure from this clique on the
+    /// job's desync board, read once (bounded); empty without a board.
+    pub(crate) fn departed_on_board(&self) -> Vec<usize> {
+        let Some(board) = self.board.get() else {
+            return Vec::new();
+        };
+        let Ok(posts) = board.fetch(Instant::now() + BOARD_IO) else {
+            return Vec::new();
+        };
+        (posts.into_iter().enumerate())
+            .filter(|(r, p)| {
+                *r < self.world_size
+                    && !self.view(*r).present
+                    && p.as_ref().is_some_and(|p| p.left && p.clique == self.key)
+            })
+            .map(|(r, _)| r)
+            .collect()
     }
 
     /// The rank that left this clique first, other than `rank`, if any.

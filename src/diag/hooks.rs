@@ -353,6 +353,39 @@ impl CommDiag {
         None
     }
 
+    /// Every rank of this communicator's clique known gone, other than this one, sorted:
+    /// [`lost_rank`](Self::lost_rank), every rank of this process whose communicator of the
+    /// clique was torn down, every rank of another process that posted its departure on
+    /// the job's desync board (read once, bounded), and every rank the host provider saw
+    /// gone (its process died, or it tore its communicator down).
+    pub(crate) fn lost_ranks(&self) -> Vec<usize> {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            let mut v: Vec<usize> = self.lost_rank().into_iter().collect();
+            v.extend(s.clique.torn_down());
+            v.extend(s.clique.departed_on_board());
+            v.extend(dead_ranks(s));
+            v.retain(|&r| r != s.rank && r < s.world_size);
+            v.sort_unstable();
+            v.dedup();
+            return v;
+        }
+        Vec::new()
+    }
+
+    /// [`lost_ranks`](Self::lost_ranks), agreed with the ranks of this process that
+    /// recover too (`Clique::agree_lost`), waiting for them until `deadline` at most.
+    pub(crate) fn agree_lost_ranks(&self, deadline: std::time::Instant) -> Vec<usize> {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            let mut v = s.clique.agree_lost(s.rank, || self.lost_ranks(), deadline);
+            v.retain(|&r| r < s.world_size);
+            return v;
+        }
+        let _ = deadline;
+        Vec::new()
+    }
+
     /// Whether the watchdog failed this communicator: its clique timed out (set before any
     /// abort starts) or it was aborted. Two loads; no NCCL call.
     #[inline]
@@ -986,6 +1019,27 @@ fn died_rank(s: &Shared) -> Option<(usize, String)> {
     #[cfg(not(feature = "host"))]
     let _ = s;
     None
+}
+
+/// Every rank of this communicator's clique that the host provider knows gone (across
+/// processes: a process that died, a communicator torn down). Empty for NVIDIA's NCCL,
+/// which names no rank, and for a handle the watchdog already took.
+#[cfg(feature = "diag")]
+fn dead_ranks(s: &Shared) -> Vec<usize> {
+    #[cfg(feature = "host")]
+    if s.lib.provider() == Provider::Host {
+        let raw = s.handle.load(Ordering::Acquire) as ncclComm_t;
+        if raw.is_null() {
+            return Vec::new();
+        }
+        return crate::host::dead_peers(raw)
+            .into_iter()
+            .map(|(r, _)| r)
+            .collect();
+    }
+    #[cfg(not(feature = "host"))]
+    let _ = s;
+    Vec::new()
 }
 
 /// [`publish`] of a CUDA operation's work: marked first, at enqueue, when completion is
