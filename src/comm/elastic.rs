@@ -100,7 +100,7 @@ impl Communicator {
     /// - every rank of this process whose communicator of this clique was torn down
     ///   (dropped, destroyed or aborted: a thread that returned, failed or panicked);
     /// - every rank of another process that posted its departure on the job's desync
-    ///   board ([`Launcher`](crate::Launcher); read once, bounded);
+    ///   board (`launch::Launcher`; read once, bounded);
     /// - on the host provider across processes, every rank whose process it saw gone
     ///   (SIGKILLed, say) or that tore its communicator down.
     ///
