@@ -679,7 +679,7 @@ impl CommDiag {
                 name: op.name,
                 dtype: op.dtype,
                 count: op.count,
-                root: op.root,
+                root: op.root.map(|r| r as usize),
                 caller,
                 enqueued: start,
                 queue: match op.stream {

@@ -39,7 +39,8 @@ pub(crate) struct OpInfo<'a> {
     pub(super) collective: bool,
     pub(super) dtype: Option<DataType>,
     pub(super) count: usize,
-    pub(super) root: Option<usize>,
+    /// A rank (a `c_int` for NCCL): 32 bits keep an `Op` within 128 bytes.
+    pub(super) root: Option<u32>,
     pub(super) stream: StreamRef<'a>,
 }
 
@@ -58,7 +59,7 @@ impl<'a> OpInfo<'a> {
             collective: call.every_rank(),
             dtype: Some(dtype),
             count,
-            root,
+            root: root.map(|r| r as u32),
             stream,
         }
     }
@@ -67,6 +68,24 @@ impl<'a> OpInfo<'a> {
     #[inline]
     pub(crate) fn name(&self) -> &'static str {
         self.name.name()
+    }
+
+    /// The number of elements.
+    #[inline(always)]
+    pub(crate) fn count(&self) -> usize {
+        self.count
+    }
+
+    /// The element type (`None` for an operation that moves no elements).
+    #[inline(always)]
+    pub(crate) fn data_type(&self) -> Option<DataType> {
+        self.dtype
+    }
+
+    /// The stream it runs on.
+    #[inline(always)]
+    pub(crate) fn stream(&self) -> StreamRef<'a> {
+        self.stream
     }
 
     /// The same operation, run on `stream` instead (a relay of the per-thread stream).
