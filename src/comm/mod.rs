@@ -628,6 +628,10 @@ impl Communicator {
     ) -> Result<()> {
         let start = Instant::now();
         let mut pause = Duration::from_micros(50);
+        // NCCL's non-blocking launch is a thread of its own (group.cc:705-738 of 2.28.9),
+        // done within microseconds: yield to it first, and sleep only once it has taken
+        // longer than `SPIN_WAIT` (the overhead bench's `--backend launch` measures it).
+        const SPIN_WAIT: Duration = Duration::from_micros(200);
         loop {
             // The watchdog may have failed it (and taken the handle) meanwhile.
             self.diag.check_alive()?;
@@ -644,6 +648,10 @@ impl Communicator {
                 };
                 self.mark_failed(&e);
                 return Err(e);
+            }
+            if start.elapsed() < SPIN_WAIT {
+                std::thread::yield_now();
+                continue;
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(10));
