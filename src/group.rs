@@ -126,6 +126,10 @@ impl<'a> Group<'a> {
         let mut comms = Pinned(SmallVec::new());
         for op in ops.iter() {
             let c = op.comm();
+            // Consecutive operations usually share their communicator.
+            if comms.0.last().is_some_and(|p| std::ptr::eq(*p, c)) {
+                continue;
+            }
             if !comms.0.iter().any(|p| std::ptr::eq(*p, c)) {
                 if let Err(e) = c.diag.pin() {
                     ops.clear();
@@ -272,7 +276,9 @@ impl<'a> Group<'a> {
     #[inline(always)]
     pub fn push(&mut self, op: Op<'a>) -> Result<()> {
         if let Some(first) = self.ops.first() {
-            if !Arc::ptr_eq(first.comm().library(), op.comm().library()) {
+            let same = std::ptr::eq(first.comm(), op.comm())
+                || Arc::ptr_eq(first.comm().library(), op.comm().library());
+            if !same {
                 return Err(invalid(
                     op.name(),
                     "all communicators of a group must come from one NCCL library",
