@@ -1,4 +1,5 @@
-//! [`Group`]: `ncclGroupStart` / `ncclGroupEnd` as a guard.
+//! [`Group`]: operations kept, then enqueued together between one `ncclGroupStart` and
+//! its `ncclGroupEnd`.
 
 use std::marker::PhantomData;
 
@@ -105,8 +106,10 @@ impl<'a> Group<'a> {
 
     /// Ends the group: `ncclGroupStart`, the operations in the order they were pushed, and
     /// `ncclGroupEnd`, which launches them (host provider: runs them) now. An error of one
-    /// operation's call ends the group with nothing launched, as NCCL does. An error marks
-    /// every communicator of the group failed; NCCL's remote error after a rank of a
+    /// operation's NCCL call ends the group with nothing launched, as NCCL does, and marks
+    /// every communicator of the group failed; an operation the crate refuses before NCCL
+    /// sees it (its communicator failed meanwhile) stops the group there, and what was
+    /// issued before it is launched and waited for; NCCL's remote error after a rank of a
     /// communicator's clique left fails that clique too (every rank's `is_failed()`), as
     /// for a single call.
     #[track_caller]
