@@ -51,6 +51,8 @@ pub const BOARD_PORT_OFFSET: u16 = 1;
 pub const DEFAULT_BOARD_IO_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long the exit of rank 0's process waits for a connection the board is serving.
 const SERVE_AT_EXIT: Duration = Duration::from_secs(1);
+/// How long it waits for a connection whose peer has not proven the token yet.
+const HANDSHAKE_AT_EXIT: Duration = Duration::from_millis(250);
 
 const MAGIC: &[u8; 16] = b"nccl-safe-board1";
 const POST: u8 = 16;
@@ -181,15 +183,20 @@ impl BoardServer {
         // One deadline for the whole connection, whatever the peer's pace.
         let start = Instant::now();
         let mut s = wire::Deadlined::new(s, start + DEFAULT_BOARD_IO_TIMEOUT);
+        // A peer's handshake in flight when this process exits (rank 0 that failed first,
+        // while the others, failed by the same peer's abort, come to read why) holds the
+        // exit for `HANDSHAKE_AT_EXIT` at most: long enough for a token holder's, short
+        // for a stranger's.
+        let handshake = crate::teardown::exit::posting(Instant::now() + HANDSHAKE_AT_EXIT);
         let Some(session) =
             wire::accept_peer(&mut s, MAGIC, &self.token, conn, self.world_size, 0)?
         else {
             return Ok(());
         };
-        // A token holder's request in flight when this process exits (rank 0 that failed
-        // first, say) is served to its end: exit waits for it. Only a token holder's: a
-        // stranger's connection never holds up the exit.
+        // A token holder's request in flight when this process exits is served to its end:
+        // exit waits for it.
         let _serving = crate::teardown::exit::posting(Instant::now() + SERVE_AT_EXIT);
+        drop(handshake);
         // A token holder's fetch sends one frame per rank: as long as a client gives it.
         s.extend_to(start + fetch_time(DEFAULT_BOARD_IO_TIMEOUT, self.world_size));
         let req = wire::read_frame(&mut s)?;
