@@ -65,6 +65,37 @@ impl Communicator {
         self.wait_ready(OP, caller, self.diag.timeout())
     }
 
+    /// For a failed wait of a `Config::elastic` communicator (`end_launches`): revokes it
+    /// where it is, from the owner's thread and whatever its clique's state, so that NCCL's
+    /// revoke ends its launch (it sets the abort flags and joins the group's job,
+    /// group.cc:875-877 of v2.29.7-1) while the handle stays for a shrink. `true` when it
+    /// is revoked (now or before); `false` when it could not be (no `ncclCommRevoke`, the
+    /// watchdog has the handle, or NCCL refused): then it is aborted.
+    pub(crate) fn revoke_for_launch(&self) -> bool {
+        if self.is_revoked() {
+            return true;
+        }
+        let Some(revoke) = self.handle.table().ncclCommRevoke else {
+            return false;
+        };
+        let r = self.pinned(|| {
+            // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile);
+            // flags 0 = NCCL_REVOKE_DEFAULT, the only value NCCL accepts.
+            Ok(unsafe {
+                revoke(
+                    self.handle.get(),
+                    nccl_sys::bindings::NCCL_REVOKE_DEFAULT as c_int,
+                )
+            })
+        });
+        if !matches!(r, Ok(r) if r == ncclSuccess || r == ncclInProgress) {
+            return false;
+        }
+        self.revoked.set(true);
+        self.failure.get_or_init(|| REVOKED.to_string());
+        true
+    }
+
     /// Whether [`revoke`](Self::revoke) was called on this communicator, or the watchdog
     /// revoked it ([`Config::elastic`]).
     pub fn is_revoked(&self) -> bool {

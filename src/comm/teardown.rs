@@ -125,8 +125,9 @@ impl Communicator {
     /// together (`ncclCommAbort` sets the abort flags and joins the job in flight,
     /// init.cc:2502-2541), and the caller waits for it, bounded by
     /// [`Config::abort_timeout`]; one the watchdog already took is waited for the same
-    /// way. One the watchdog revoked (`Config::elastic`) keeps its handle for
-    /// `shrink_after_failure` if its launch ends within one more such bound, and is
+    /// way. A `Config::elastic` one is revoked instead (by the watchdog, or here if it has
+    /// not been: NCCL's revoke joins the launch too) and keeps its handle for
+    /// `shrink_after_failure` if its launch ends within one more such bound; it is
     /// aborted the same way otherwise. Past a bound the abort goes on on its lane under
     /// [`Config::on_abort_timeout`].
     ///
@@ -139,14 +140,20 @@ impl Communicator {
             return;
         };
         let bound = first.diag.abort_timeout();
+        // A `Config::elastic` communicator is revoked rather than aborted (the watchdog's
+        // revoke may come after a peer's timeout ended this wait): its handle stays for a
+        // shrink.
         let (mut revoked, others): (Vec<&Communicator>, Vec<&Communicator>) = comms
             .iter()
             .copied()
             .filter(|c| c.launch_may_run())
-            .partition(|c| c.diag.revoked_by_watchdog());
+            .partition(|c| {
+                c.diag.revoked_by_watchdog() || (c.diag.elastic() && c.revoke_for_launch())
+            });
         Self::abort_launching(&others, call, Instant::now() + bound);
         // A revoked communicator stays its owner's for a shrink when its launch ends
-        // within the bound (the revoke set its abort flags); aborted otherwise.
+        // within the bound (the revoke set its abort flags and joins the launch); aborted
+        // otherwise.
         let until = Instant::now() + bound;
         while !revoked.is_empty() && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(1));

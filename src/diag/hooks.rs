@@ -329,6 +329,12 @@ impl CommDiag {
         self.recovering.set(on);
     }
 
+    /// Whether the communicator was made with `Config::elastic` (a failed clique's handles
+    /// are revoked rather than aborted, for a shrink).
+    pub(crate) fn elastic(&self) -> bool {
+        self.settings.elastic
+    }
+
     /// Whether the watchdog revoked the handle in place (`Config::elastic`).
     pub(crate) fn revoked_by_watchdog(&self) -> bool {
         #[cfg(feature = "diag")]
