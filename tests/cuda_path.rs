@@ -1920,7 +1920,7 @@ fn a_failed_wait_returns_only_once_nccls_launch_has_ended() {
                             "rank {r} (grouped: {grouped}): returned with NCCL's launch still to come: {e}"
                         );
                         let bound = TIMEOUT + MIN_NCCL_ABORT_TIMEOUT + BOUND;
-                        assert!(t0.elapsed() < bound, "{:?}", t0.elapsed());
+                        assert!(t0.elapsed() < bound, "rank {r} (grouped: {grouped}, elastic: {elastic}): {:?}: {e}", t0.elapsed());
                         assert!(comm.is_failed());
                         if elastic {
                             assert!(comm.is_revoked(), "rank {r}: not revoked: {e}");

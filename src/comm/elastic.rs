@@ -79,6 +79,8 @@ impl Communicator {
             return false;
         };
         let r = self.pinned(|| {
+            // Marked first, under the pin: the watchdog leaves a revoked handle be.
+            self.diag.revoked_in_place();
             // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile);
             // flags 0 = NCCL_REVOKE_DEFAULT, the only value NCCL accepts.
             Ok(unsafe {

@@ -155,7 +155,8 @@ impl Communicator {
         // within the bound (the revoke set its abort flags and joins the launch); aborted
         // otherwise.
         let until = Instant::now() + bound;
-        while !revoked.is_empty() && Instant::now() < until {
+        // (One the watchdog took after all is left to its abort, waited for below.)
+        while revoked.iter().any(|c| !c.diag.aborted_by_watchdog()) && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(1));
             revoked.retain(|c| c.launch_may_run());
         }

@@ -335,6 +335,26 @@ impl CommDiag {
         self.settings.elastic
     }
 
+    /// The owner revoked the handle where it is (a failed wait of an elastic
+    /// communicator): the watchdog leaves it be, as after a revoke of its own (NCCL would
+    /// refuse the watchdog's second revoke, init.cc:2655-2657 of v2.29.7-1, and it would
+    /// abort instead, taking the handle a shrink needs).
+    pub(crate) fn revoked_in_place(&self) {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            s.revoked_by_watchdog.store(true, Ordering::Release);
+        }
+    }
+
+    /// Whether the watchdog aborted the handle (it took it: only its abort tears it down).
+    pub(crate) fn aborted_by_watchdog(&self) -> bool {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            return s.aborted_by_watchdog.load(Ordering::Acquire);
+        }
+        false
+    }
+
     /// Whether the watchdog revoked the handle in place (`Config::elastic`).
     pub(crate) fn revoked_by_watchdog(&self) -> bool {
         #[cfg(feature = "diag")]
