@@ -218,11 +218,11 @@ impl<'a> Group<'a> {
     /// pinned.
     fn settle(
         comms: &[&'a Communicator],
-        r: Result<()>,
+        r: Result<bool>,
         caller: &'static Location<'static>,
     ) -> Result<()> {
         match r {
-            Err(e) if e.code() == Some(crate::ResultCode::InProgress) => {
+            Ok(true) => {
                 // Non-blocking communicators: wait (bounded) until each has launched its part.
                 for c in comms {
                     if let Err(e) = c.wait_ready("ncclGroupEnd", caller, c.diag.timeout()) {
@@ -243,7 +243,7 @@ impl<'a> Group<'a> {
                 }
                 Err(e)
             }
-            Ok(()) => {
+            Ok(false) => {
                 // The operations are on their streams now: the watchdog may track them.
                 for c in comms {
                     c.diag.publish_group();
@@ -322,8 +322,9 @@ impl<'l> Open<'l> {
     }
 
     /// `ncclGroupEnd`: the operations enqueued since `start` are launched (host provider:
-    /// run) now, with `comms` (the group's communicators) pinned.
-    fn end(&mut self, comms: &[&Communicator], caller: &'static Location<'static>) -> Result<()> {
+    /// run) now, with `comms` (the group's communicators) pinned. `Ok(true)` while NCCL's
+    /// thread launches them (ncclInProgress).
+    fn end(&mut self, comms: &[&Communicator], caller: &'static Location<'static>) -> Result<bool> {
         self.open = false;
         let lib = self.lib;
         let ctx = CallContext::at(None, caller);
@@ -334,8 +335,18 @@ impl<'l> Open<'l> {
         // is given that deadline.
         let timeout = comms.iter().map(|c| c.diag.timeout()).min();
         // SAFETY: closes the ncclGroupStart of `start`; every buffer of the group is still
-        // borrowed by the group's operations' guards.
-        let end = || unsafe { nccl_call!(lib, ncclGroupEnd(), ctx) };
+        // borrowed by the group's operations' guards. `Ok(true)`: ncclInProgress, NCCL's
+        // answer for every group of two or more ranks (its launch runs on the group's
+        // thread, which `settle` waits for), taken apart before the check, which would
+        // build an error (strings, NCCL's last error) for it on every group.
+        let end = || {
+            let raw = unsafe { (lib.table().ncclGroupEnd)() };
+            if raw == nccl_sys::bindings::ncclInProgress {
+                Ok(true)
+            } else {
+                lib.check("ncclGroupEnd", raw, ctx).map(|()| false)
+            }
+        };
         let r = match timeout {
             #[cfg(feature = "host")]
             Some(t) if lib.provider() == crate::Provider::Host => {

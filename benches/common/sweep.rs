@@ -241,7 +241,7 @@ fn raw_in_place<R: Rank, T: Elem>(
                 // provider reads (the safe layer checked the same buffer kind for the
                 // out-of-place run); send == recv is NCCL's in-place form.
                 let r = unsafe { f(p, p, len / n, dt, raw_comm, stream) };
-                lib.check("ncclAlltoAll", r, ctx)?;
+                launched(comm, lib, "ncclAlltoAll", r, ctx)?;
             }
             _ => {
                 let (next, prev) = (((me + 1) % n) as i32, ((me + n - 1) % n) as i32);
@@ -254,12 +254,41 @@ fn raw_in_place<R: Rank, T: Elem>(
                     let end = (t.ncclGroupEnd)();
                     lib.check("ncclSend", a, ctx)?;
                     lib.check("ncclRecv", b, ctx)?;
-                    lib.check("ncclGroupEnd", end, ctx)?;
+                    launched(comm, lib, "ncclGroupEnd", end, ctx)?;
                 }
             }
         }
         Ok(())
     }
+}
+
+/// The result `r` of a launching call `name`: NCCL's ncclInProgress on a non-blocking
+/// communicator of two or more ranks (the crate's are: its group's thread launches the work)
+/// is waited out, as the safe layer does, before the buffer's guard records the stream's use.
+fn launched(
+    comm: &Communicator,
+    lib: &Library,
+    name: &'static str,
+    r: nccl_sys::bindings::ncclResult_t,
+    ctx: CallContext,
+) -> Result<()> {
+    if r != nccl_sys::bindings::ncclInProgress {
+        return Ok(lib.check(name, r, ctx)?);
+    }
+    let limit = std::time::Duration::from_secs(60);
+    let until = Instant::now() + limit;
+    while comm.async_error()? {
+        if Instant::now() > until {
+            let what = format!("the launch of {name}");
+            return Err(nccl_safe::Error::Timeout {
+                what,
+                timeout: limit,
+            }
+            .into());
+        }
+        std::thread::yield_now();
+    }
+    Ok(())
 }
 
 /// A buffer's contents, element by element (generated on demand, never stored as `f64`).
