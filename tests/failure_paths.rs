@@ -737,6 +737,12 @@ fn a_rank_that_returns_early_fails_the_run_at_once() {
                 rank.comm()
                     .all_reduce_in_place(&mut g, ReduceOp::Sum, rank.stream())?;
             }
+            if rank.rank() == 2 {
+                // The others finish the collectives rank 2 shared with them first: one
+                // still waiting for NCCL's launch of one (ncclInProgress) when rank 2
+                // leaves is aborted with the clique, and its count would say nothing.
+                std::thread::sleep(Duration::from_millis(200));
+            }
             Ok(())
         })
         .expect_err("ranks 0, 1 and 3 wait for rank 2");
@@ -784,6 +790,10 @@ fn one_extra_collective_on_one_rank_fails_at_once() {
             if rank.rank() == 0 {
                 rank.comm()
                     .all_reduce_in_place(&mut g, ReduceOp::Sum, rank.stream())?;
+            } else {
+                // As in `a_rank_that_returns_early_fails_the_run_at_once`: every rank ends
+                // the shared collective's launch before the first leaves.
+                std::thread::sleep(Duration::from_millis(200));
             }
             Ok(())
         })

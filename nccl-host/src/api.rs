@@ -143,7 +143,40 @@ fn submit(g: MutexGuard<'static, Global>, r: &Ready, item: Item) -> Result<ncclR
         GROUP.with(|gr| gr.borrow_mut().1.push(item));
         Ok(ncclSuccess)
     } else {
-        run_items(g, vec![item]).map(|()| ncclSuccess)
+        let h = r.h;
+        run_items(g, vec![item])?;
+        Ok(launched([h]))
+    }
+}
+
+/// After the collectives of these communicators ran, outside a group or at its outermost
+/// end: NCCL launches a non-blocking communicator's work of two or more ranks from its
+/// group's thread and returns ncclInProgress (a single collective is an implicit group,
+/// enqueue.cc:2633-2660 of 2.28.9; one rank launches inline, ncclSuccess). Marks each such
+/// communicator [`Job::Launching`]; ncclInProgress when one was.
+fn launched(handles: impl IntoIterator<Item = Handle>) -> ncclResult_t {
+    let mut g = lock();
+    let mut any = false;
+    for h in handles {
+        let many = match g.comms.get(&h).map(|c| (c.nonblocking, c.state.clone())) {
+            Some((true, CommState::Ready { clique, .. })) => {
+                g.cliques.get(&clique).is_some_and(|cl| cl.nranks > 1)
+            }
+            _ => false,
+        };
+        if let Some(c) = g
+            .comms
+            .get_mut(&h)
+            .filter(|c| many && matches!(c.job, Job::Idle))
+        {
+            c.job = Job::Launching;
+            any = true;
+        }
+    }
+    if any {
+        ncclInProgress
+    } else {
+        ncclSuccess
     }
 }
 
@@ -250,6 +283,7 @@ fn ready(g: &mut Global, comm: ncclComm_t, what: &'static str, ops: bool) -> Res
     // call with ncclInvalidArgument; a failed one is the communicator's error from then on.
     match c.job.clone() {
         Job::Busy { .. } => return Err(g.invalid(Some(root), what, "Attempt to use communicator before the previous operation returned ncclSuccess (an asynchronous split, shrink or window registration is in progress: poll ncclCommGetAsyncError until it is no longer ncclInProgress)")),
+        Job::Launching => return Err(g.invalid(Some(root), what, "Attempt to use communicator before the previous operation returned ncclSuccess (its collectives' launch, which returned ncclInProgress, may still run: poll ncclCommGetAsyncError until it is no longer ncclInProgress)")),
         Job::Failed(f) if ops => return Err(f),
         _ => {}
     }
@@ -797,17 +831,29 @@ pub(crate) unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult
         }
         let mut g = lock();
         let r = ensure_ready(&mut g, comm, "ncclCommFinalize")?;
-        // A second finalize, or one after a revoke (which finalizes): init.cc:2274-2278.
+        // A second finalize, or one after a revoke (which finalizes): init.cc:2274-2278,
+        // whose `fail:` (:2298-2299) also makes the refusal a non-blocking communicator's
+        // asynchronous error, so that its destroy is refused from then on.
         let finalized = g.comms.get(&r.h).is_some_and(|c| c.finalized);
         if finalized {
             let m = "already finalized (or revoked)";
-            return Err(r.invalid(&mut g, m));
+            return Err(r.refuse(&mut g, m));
         }
-        if let Some(c) = g.comms.get_mut(&r.h) {
-            c.finalized = true;
-        }
+        let nonblocking = match g.comms.get_mut(&r.h) {
+            Some(c) => {
+                c.finalized = true;
+                c.nonblocking
+            }
+            None => false,
+        };
         g.count(Some(r.root), |s| s.finalized += 1);
-        Ok(ncclSuccess)
+        if !nonblocking {
+            return Ok(ncclSuccess);
+        }
+        // Non-blocking: NCCL's flush (`commDestroySync`) is an asynchronous job (:2286),
+        // the call returns the state read after its launch, ncclInProgress (:2291-2292).
+        start_job(&mut g, r.h, None, "finalize", 0, || (0, Ok(())))?;
+        Ok(ncclInProgress)
     })
 }
 
@@ -918,7 +964,8 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
 fn destroy_refusal(g: &mut Global, h: Handle) -> Option<Fail> {
     let c = g.comms.get(&h)?;
     let root = c.root;
-    let in_flight = matches!(c.job, Job::Busy { .. }) || matches!(c.state, CommState::Pending);
+    let in_flight =
+        matches!(c.job, Job::Busy { .. } | Job::Launching) || matches!(c.state, CommState::Pending);
     if in_flight {
         let m = "Attempt to use communicator before the previous operation returned ncclSuccess";
         return Some(g.invalid(Some(root), "ncclCommDestroy", m));
@@ -1444,6 +1491,17 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
             return Err(g.invalid(root, "ncclCommGetAsyncError", "asyncError is NULL"));
         }
         g.check_pending_deadline(h);
+        // A launch the caller learns of now has ended (NCCL's thread joined), with the
+        // launch's own result: its work ran in the call that returned ncclInProgress. A
+        // failure of the clique since (a peer's abort) is not this launch's: NCCL's state
+        // shows it only once this rank's next work meets it, and so does the provider's.
+        if let Some(c) = g.comms.get_mut(&h) {
+            if matches!(c.job, Job::Launching) {
+                c.job = Job::Idle;
+                put(async_error, ncclSuccess);
+                return Ok(ncclSuccess);
+            }
+        }
         // Asynchronous work in flight, or its sticky failure, first (see `start_job`); then
         // the communicator's own state.
         let report = |f: Fail| {
@@ -1452,7 +1510,9 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
         };
         let code = match g.comms.get(&h).map(|c| (c.job.clone(), c.state.clone())) {
             None => ncclInternalError,
-            Some((Job::Busy { .. }, _) | (Job::Idle, CommState::Pending)) => ncclInProgress,
+            Some((Job::Busy { .. } | Job::Launching, _) | (Job::Idle, CommState::Pending)) => {
+                ncclInProgress
+            }
             Some((Job::Failed(f), _) | (Job::Idle, CommState::Failed(f))) => report(f),
             Some((Job::Idle, CommState::Ready { .. })) => {
                 async_failure(&mut g, h).map_or(ncclSuccess, report)
@@ -1847,13 +1907,20 @@ pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
                 failed = Some(Fail::raw(code, msg));
             }
         }
+        let ops: Vec<Handle> = items
+            .iter()
+            .filter_map(|it| match it {
+                Item::Op { h, .. } => Some(*h),
+                Item::Handle(_) => None,
+            })
+            .collect();
         let r = run_items(lock(), items);
         for (h, abort) in deferred {
             let _ = teardown(h as ncclComm_t, abort);
         }
         match failed {
             Some(f) => Err(f),
-            None => r.map(|()| ncclSuccess),
+            None => r.map(|()| launched(ops)),
         }
     })
 }

@@ -47,6 +47,13 @@ pub(crate) enum Job {
     Busy { child: Option<Handle> },
     /// Ended with an error: sticky, as NCCL's `asyncResult`.
     Failed(Fail),
+    /// Collectives of a non-blocking communicator of two or more ranks were run, and NCCL
+    /// would now launch them from its group's thread (`groupLaunchNonBlocking`, group.cc:
+    /// 705-738 of 2.28.9): the call returned ncclInProgress, and until the caller's next
+    /// `ncclCommGetAsyncError` (which "joins" the thread: it reads ncclSuccess and clears
+    /// this) every call that checks readiness is refused, as while NCCL's thread still runs.
+    /// Of NCCL's possible schedules, the strictest: the thread ends only when asked.
+    Launching,
 }
 
 /// What a pending handle waits on (so a timeout can fail the whole rendezvous).
