@@ -2,9 +2,9 @@
 # nccl-safe-candle's and examples/candle_ddp's `cuda` feature (candle's CudaStorage reduced
 # in place, DDP's buckets on a communication stream ordered against candle's by events) on
 # a machine without a GPU or a CUDA toolkit:
-# - installs nvcc and the CUDA 13.0 headers from PyPI's wheels into a cache (nvvm and crt
-#   pinned to the same release: a newer nvvm emits PTX that 13.0's ptxas rejects), which
-#   candle's kernels need to build (about 10 minutes on 2 cores);
+# - installs nvcc and the CUDA 13.0 headers from PyPI's wheels into a cache
+#   (scripts/cuda-wheels.sh), which candle's kernels need to build (about 10 minutes on 2
+#   cores);
 # - builds nccl-safe-candle's tests and bench, linked against nccl-safe's fake CUDA driver
 #   as libcuda.so and against stubs for cuBLAS, cuBLASLt, cuRAND, NVRTC and the CUDA
 #   runtime (tests/fakes/cuda_libs.c: what candle's device set-up calls works; every other
@@ -19,13 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
-cache="${NCCL_SAFE_CUDA_WHEELS:-$HOME/.cache/nccl-safe/cuda-13.0}"
-cuda="$cache/nvidia/cu13"
-if [ ! -x "$cuda/bin/nvcc" ]; then
-  python3 -m pip install -q --target "$cache" "nvidia-cuda-nvcc==13.0.*" \
-    "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cccl==13.0.*" "nvidia-nvvm==13.0.*" \
-    "nvidia-cuda-crt==13.0.*"
-fi
+cuda="$(scripts/cuda-wheels.sh)"
 export PATH="$cuda/bin:$PATH" CUDA_ROOT="$cuda" CUDA_PATH="$cuda"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}"
 # candle-kernels' build script (cudaforge) runs nvcc on half the cores by default: one of 2,

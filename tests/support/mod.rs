@@ -5,11 +5,15 @@
 //! * [`ranks`] (the host provider): ranks as threads, element values every dtype holds
 //!   exactly, and teardown accounting;
 //! * [`fakes`] (the host provider): the fake CUDA driver (`fakes/cuda.c`) and the host
-//!   provider presented as NCCL;
+//!   provider presented as NCCL; NCCL built from source over the fake CUDA runtime;
+//! * [`differential`]: a call sequence run on NCCL built from source and on the host
+//!   provider, each rank's trace compared;
 //! * [`c10d`]: a PyTorch `TCPStore` server written from its protocol, which can misbehave.
 #![allow(dead_code)]
 
 pub mod c10d;
+#[cfg(feature = "host")]
+pub mod differential;
 #[cfg(feature = "host")]
 pub mod fakes;
 #[cfg(feature = "host")]

@@ -66,50 +66,78 @@ pub enum Gauge {
     QueriesInCapture = 14,
 }
 
+/// The fake's C source `name` (beside this file): where it was built, else under the
+/// current folder (a binary carried to another machine and run from a checkout there).
+fn fake_source(name: &str) -> PathBuf {
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/support/fakes")
+        .join(name);
+    if built.exists() {
+        built
+    } else {
+        PathBuf::from("tests/support/fakes").join(name)
+    }
+}
+
+/// Compiles `src` into a shared object named `soname` and loads it with RTLD_GLOBAL, so
+/// that the dynamic loader answers a later `dlopen(soname)` (cudarc's, NCCL's) and later
+/// objects' undefined symbols with it.
+fn compile_and_load(
+    src: &std::path::Path,
+    soname: &str,
+    args: &[String],
+) -> libloading::os::unix::Library {
+    let mut dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-cuda");
+    if std::fs::create_dir_all(&dir).is_err() {
+        dir = std::env::temp_dir();
+    }
+    // Its own file per process: test binaries may build it at the same time.
+    let so = dir.join(format!("{soname}-{}", std::process::id()));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let out = Command::new(&cc)
+        .args(["-shared", "-fPIC", "-O2", "-pthread", "-Wall", "-Wextra"])
+        .args(args)
+        .arg(format!("-Wl,-soname,{soname}"))
+        .arg("-o")
+        .arg(&so)
+        .arg(src)
+        .output()
+        .unwrap_or_else(|e| panic!("running the C compiler `{cc}`: {e}"));
+    assert!(
+        out.status.success(),
+        "compiling {}: {}\n{}",
+        src.display(),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // SAFETY: the fakes' initialisers are C's defaults.
+    let lib = unsafe {
+        libloading::os::unix::Library::open(
+            Some(&so),
+            libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+        )
+    }
+    .unwrap_or_else(|e| panic!("loading {}: {e}", so.display()));
+    let _ = std::fs::remove_file(&so);
+    lib
+}
+
+/// With the CUDA runtime's headers here (set by [`source_nccl`] before the driver is
+/// loaded), the fake driver is built with the fake runtime (`cudart.c`) in the same object.
+static RUNTIME_HEADERS: OnceLock<PathBuf> = OnceLock::new();
+
 /// Compiles (once per process) and loads the fake driver.
 pub fn driver() -> &'static FakeDriver {
     static DRIVER: OnceLock<FakeDriver> = OnceLock::new();
     DRIVER.get_or_init(|| {
-        // The source where it was built, else under the current folder (a binary carried
-        // to another machine and run from a checkout there).
-        let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support/fakes/cuda.c");
-        let src = if built.exists() {
-            built
-        } else {
-            PathBuf::from("tests/support/fakes/cuda.c")
+        let lib = match RUNTIME_HEADERS.get() {
+            None => compile_and_load(&fake_source("cuda.c"), "libcuda.so", &[]),
+            Some(headers) => compile_and_load(
+                &fake_source("cudart.c"),
+                "libcuda.so",
+                &[format!("-I{}", headers.display())],
+            ),
         };
-        let mut dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-cuda");
-        if std::fs::create_dir_all(&dir).is_err() {
-            dir = std::env::temp_dir();
-        }
-        // Its own file per process: test binaries may build it at the same time.
-        let so = dir.join(format!("libcuda-{}.so", std::process::id()));
-        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-        let out = Command::new(&cc)
-            .args(["-shared", "-fPIC", "-O2", "-pthread", "-Wall", "-Wextra"])
-            .arg("-Wl,-soname,libcuda.so")
-            .arg("-o")
-            .arg(&so)
-            .arg(&src)
-            .output()
-            .unwrap_or_else(|e| panic!("running the C compiler `{cc}`: {e}"));
-        assert!(
-            out.status.success(),
-            "compiling {}: {}\n{}",
-            src.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        // SAFETY: the fake's initialisers are C's defaults; RTLD_GLOBAL so that the loader
-        // answers cudarc's `dlopen("libcuda.so")` with this object.
-        let lib = unsafe {
-            libloading::os::unix::Library::open(
-                Some(&so),
-                libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
-            )
-        }
-        .expect("loading the fake driver");
-        let _ = std::fs::remove_file(&so);
         // SAFETY: each symbol is the C function of that name in cuda.c, with this signature.
         unsafe {
             FakeDriver {
@@ -216,6 +244,17 @@ impl FakeDriver {
         // SAFETY: reads a counter.
         unsafe { (self.gauge)(g as c_int) }
     }
+
+    /// A gauge of the fake runtime; `None` when the driver was built without it.
+    pub fn runtime_gauge(&self, g: RuntimeGauge) -> Option<i64> {
+        // SAFETY: `fake_cudart_gauge(int) -> int64_t`, when the object has it.
+        let f = unsafe {
+            self._lib
+                .get::<unsafe extern "C" fn(c_int) -> i64>(b"fake_cudart_gauge\0")
+        };
+        // SAFETY: reads a counter.
+        f.ok().map(|f| unsafe { f(g as c_int) })
+    }
 }
 
 /// Calls per driver entry point.
@@ -284,6 +323,81 @@ pub fn nccl() -> Arc<Library> {
         unsafe { Library::from_lookup(Provider::Nccl, None, recording_lookup) }
             .expect("the host provider exports NCCL's API")
     }))
+}
+
+/// NVIDIA's NCCL `version` (a tag without its `v`: "2.28.9-1") built from source by
+/// `scripts/build-nccl.sh`, over the fake CUDA runtime and driver (one object: `cudart.c`
+/// includes `cuda.c`) and the fake NVML (`nvml.c`): NCCL's own host code, with kernels that
+/// are recorded and never run. The folders the script printed are in
+/// `NCCL_SAFE_SOURCE_NCCL` (`:`-separated; `scripts/test.sh` sets it).
+///
+/// Sets NCCL's variables for a machine without a GPU (sockets between ranks, no peer
+/// access, no shared memory, no VMM, no InfiniBand, no RAS thread), then loads it. One NCCL
+/// per process: call it first, before anything touches CUDA, with one version per test
+/// binary. Panics (failing the test, never skipping it) when the build is absent.
+pub fn source_nccl(version: &str) -> Arc<Library> {
+    static LIB: OnceLock<(String, Arc<Library>)> = OnceLock::new();
+    let (v, lib) = LIB.get_or_init(|| {
+        let dirs = std::env::var("NCCL_SAFE_SOURCE_NCCL").unwrap_or_else(|_| {
+            panic!(
+                "NCCL_SAFE_SOURCE_NCCL is not set: run scripts/test.sh (it builds NCCL \
+                 {version} from source with scripts/build-nccl.sh and sets it)"
+            )
+        });
+        let dir = std::env::split_paths(&dirs)
+            .find(|d| {
+                d.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(&format!("{version}-")))
+            })
+            .unwrap_or_else(|| {
+                panic!("no build of NCCL {version} in NCCL_SAFE_SOURCE_NCCL={dirs}")
+            });
+        let headers = std::fs::read_to_string(dir.join("cuda-include"))
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.join("cuda-include").display()));
+        assert!(
+            RUNTIME_HEADERS.set(PathBuf::from(headers.trim())).is_ok(),
+            "the fake driver's headers were set twice"
+        );
+        for (k, v) in [
+            ("NCCL_P2P_DISABLE", "1"),
+            ("NCCL_SHM_DISABLE", "1"),
+            ("NCCL_CUMEM_ENABLE", "0"),
+            ("NCCL_IB_DISABLE", "1"),
+            ("NCCL_NVLS_ENABLE", "0"),
+            ("NCCL_RAS_ENABLE", "0"),
+            ("NCCL_SOCKET_IFNAME", "lo"),
+        ] {
+            // Before NCCL is loaded and before any thread of this binary reads the
+            // environment through it: every test here calls this first.
+            std::env::set_var(k, v);
+        }
+        let d = driver();
+        assert!(
+            d.runtime_gauge(RuntimeGauge::KernelLaunches).is_some(),
+            "the fake driver was loaded without its runtime: call source_nccl first"
+        );
+        static NVML: OnceLock<libloading::os::unix::Library> = OnceLock::new();
+        NVML.get_or_init(|| compile_and_load(&fake_source("nvml.c"), "libnvidia-ml.so.1", &[]));
+        let lib = Library::load_from(dir.join("lib/libnccl.so.2"))
+            .unwrap_or_else(|e| panic!("loading NCCL {version} built from source: {e}"));
+        (version.to_string(), lib)
+    });
+    assert_eq!(v, version, "one NCCL per process");
+    Arc::clone(lib)
+}
+
+/// What [`FakeDriver::runtime_gauge`] reads (`cudart.c`'s `fake_cudart_gauge`).
+#[derive(Debug, Clone, Copy)]
+pub enum RuntimeGauge {
+    /// NCCL kernels launched (recorded, not run).
+    KernelLaunches = 0,
+    /// Host functions enqueued through the runtime.
+    HostFuncs = 1,
+    /// Memory pools alive.
+    LivePools = 2,
+    /// Host ranges registered now.
+    RegisteredHostRanges = 3,
 }
 
 /// How long the fake NCCL's destroy and abort take, in ms (destroy, abort).
@@ -891,7 +1005,8 @@ mod wrap {
         })
     }
 
-    /// ncclInProgress for a successful call whose launch is asynchronous.
+    /// ncclInProgress for a successful call whose launch is asynchronous (the host
+    /// provider's own answer, ncclInProgress for work of two ranks or more, included).
     fn in_progress_if(asynchronous: bool, r: ncclResult_t) -> ncclResult_t {
         if asynchronous && r == nccl_sys::bindings::ncclSuccess {
             nccl_sys::bindings::ncclInProgress
@@ -917,9 +1032,11 @@ mod wrap {
                 Vec::new()
             }
         });
+        // Before the host provider's end, which leaves its communicators refusing
+        // ncclCommCount (as NCCL's launch thread does) until their state is read.
+        let asynchronous = !calls.is_empty() && launch(calls);
         // SAFETY: forwarded unchanged to the host provider's entry point.
         let r = unsafe { (host().ncclGroupEnd)() };
-        let asynchronous = !calls.is_empty() && launch(calls);
         in_progress_if(asynchronous, r)
     }
 
