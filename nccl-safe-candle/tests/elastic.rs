@@ -16,7 +16,7 @@ use candle_core::Tensor;
 use candle_nn::{loss, Module, Optimizer, VarMap, SGD};
 use common::*;
 use nccl_safe::{CommDevice, Communicator, Config, UniqueId};
-use nccl_safe_candle::{run_elastic, DistResult, Recovery, ZeroRedundancyOptimizer};
+use nccl_safe_candle::{run_elastic, DdpOptimizer, DistResult, Recovery, ZeroRedundancyOptimizer};
 
 const RANKS: usize = 4;
 const STEPS: u64 = 30;
@@ -44,13 +44,72 @@ fn reference() -> Vec<f32> {
     flat_params(&map).unwrap()
 }
 
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy, PartialEq, Debug)]
 enum Loss {
     /// Rank 3's session returns an error: its communicator is dropped (destroyed) while
     /// the others wait in the step's reduce-scatter.
     Returns,
     /// Rank 3 panics in the middle of the step: its communicator is aborted.
     Panics,
+    /// Rank 3 is stuck (alive, calling nothing) for 3 s, three times the 1 s timeout,
+    /// then tries its step: the watchdog's timeout finds it the one rank behind.
+    Stuck,
+}
+
+/// The data-parallel optimizer a session steps.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Dp {
+    /// ZeRO-1 (a reduce-scatter and an all-gather per step).
+    Zero,
+    /// DDP (its buckets' all-reduces as one NCCL group on the host provider).
+    Ddp,
+}
+
+/// How a session steps it.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Via {
+    /// The optimizer's own `backward_step` (a `DistResult`).
+    Inherent,
+    /// Code generic over `candle_nn::Optimizer` (a `candle_core::Result`), `?` into a
+    /// `DistResult`.
+    Trait,
+}
+
+/// Either optimizer, stepped either way.
+enum AnyOpt<'c> {
+    Zero(ZeroRedundancyOptimizer<'c, SGD>),
+    Ddp(DdpOptimizer<'c, SGD>),
+}
+
+/// A step through candle's trait, as code generic over any optimizer writes it.
+fn generic_step<O: Optimizer>(opt: &mut O, l: &Tensor) -> candle_core::Result<()> {
+    opt.backward_step(l)
+}
+
+impl<'c> AnyOpt<'c> {
+    fn new(dp: Dp, comm: &'c Communicator, map: &VarMap) -> DistResult<AnyOpt<'c>> {
+        Ok(match dp {
+            Dp::Zero => AnyOpt::Zero(ZeroRedundancyOptimizer::new(comm, map, LR)?),
+            // Buckets of 64 bytes: several all-reduces in the step's group.
+            Dp::Ddp => AnyOpt::Ddp(DdpOptimizer::with_bucket_cap(comm, map, 64, LR)?),
+        })
+    }
+
+    fn shard_batch(&self, t: &Tensor) -> DistResult<Tensor> {
+        match self {
+            AnyOpt::Zero(o) => o.shard_batch(t),
+            AnyOpt::Ddp(o) => o.shard_batch(t),
+        }
+    }
+
+    fn step(&mut self, l: &Tensor, via: Via) -> DistResult<()> {
+        match (self, via) {
+            (AnyOpt::Zero(o), Via::Inherent) => o.backward_step(l),
+            (AnyOpt::Ddp(o), Via::Inherent) => o.backward_step(l),
+            (AnyOpt::Zero(o), Via::Trait) => Ok(generic_step(o, l)?),
+            (AnyOpt::Ddp(o), Via::Trait) => Ok(generic_step(o, l)?),
+        }
+    }
 }
 
 struct Survivor {
@@ -66,7 +125,7 @@ struct Survivor {
 fn train(
     rank: usize,
     id: UniqueId,
-    how: Loss,
+    (how, dp, via): (Loss, Dp, Via),
     config: Config,
     lost_at: &Mutex<Option<Instant>>,
 ) -> DistResult<Survivor> {
@@ -80,7 +139,7 @@ fn train(
     let run = run_elastic(comm, 0, |comm, step| {
         // The three lines of an elastic loop: the optimizer (re)built on the communicator
         // it is given, the batch sharded over its world, `step` counted here.
-        let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, &map, LR)?;
+        let mut opt = AnyOpt::new(dp, comm, &map)?;
         let (xs, ys) = (opt.shard_batch(&x)?, opt.shard_batch(&y)?);
         while *step < STEPS {
             let l = loss::mse(&model.forward(&xs)?, &ys)?;
@@ -91,9 +150,14 @@ fn train(
                         return Err(candle_core::Error::Msg("rank 3 is lost".into()).into())
                     }
                     Loss::Panics => panic!("rank 3 is lost"),
+                    Loss::Stuck => {
+                        std::thread::sleep(Duration::from_secs(3));
+                        opt.step(&l, via)?;
+                        return Err(candle_core::Error::Msg("rank 3 stepped again".into()).into());
+                    }
                 }
             }
-            opt.backward_step(&l)?;
+            opt.step(&l, via)?;
             *step += 1;
             if comm.world_size() < RANKS && first_small_step.is_none() {
                 first_small_step = Some(Instant::now());
@@ -113,15 +177,17 @@ fn train(
     })
 }
 
-fn lose_a_rank(how: Loss) {
+fn lose_a_rank(how: Loss, dp: Dp, via: Via) {
+    let t0 = Instant::now();
     let id = CommDevice::Host.unique_id().unwrap();
-    let config = Config::new().elastic(true).timeout(Duration::from_secs(30));
+    let timeout = Duration::from_secs(if how == Loss::Stuck { 1 } else { 30 });
+    let config = Config::new().elastic(true).timeout(timeout);
     let lost_at = Mutex::new(None);
     let results: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..RANKS)
             .map(|rank| {
                 let (config, lost_at) = (config.clone(), &lost_at);
-                s.spawn(move || train(rank, id, how, config, lost_at))
+                s.spawn(move || train(rank, id, (how, dp, via), config, lost_at))
             })
             .collect();
         handles.into_iter().map(|h| h.join()).collect()
@@ -143,6 +209,7 @@ fn lose_a_rank(how: Loss) {
     match (how, results.next().unwrap()) {
         (Loss::Returns, Ok(Err(e))) => assert!(e.to_string().contains("rank 3 is lost"), "{e}"),
         (Loss::Panics, Err(_)) => {}
+        (Loss::Stuck, Ok(r)) => eprintln!("the stuck rank 3 ended with {:?}", r.map(|s| s.world)),
         (_, other) => panic!("rank 3 should be lost, got {:?}", other.map(|r| r.is_ok())),
     }
     let lost_at = lost_at.lock().unwrap().expect("rank 3 was lost");
@@ -187,9 +254,18 @@ fn lose_a_rank(how: Loss) {
         .filter_map(|s| s.first_small_step)
         .max()
         .unwrap();
+    if how == Loss::Stuck {
+        // Within a few timeouts, not at the stuck rank's return.
+        let first = survivors.iter().filter_map(|s| s.first_small_step).max();
+        eprintln!(
+            "{dp:?}, stuck: from the start to the first step on 3 ranks {:?}",
+            first.map(|f| f - t0)
+        );
+        return;
+    }
     eprintln!(
-        "{}: lost at step {LOST_AT}; recover() took {:?} (rank 0); from the loss to the first step on 3 ranks (every survivor): {:?}",
-        if how == Loss::Panics { "panic" } else { "error" },
+        "{dp:?} via {via:?}, {:?}: lost at step {LOST_AT}; recover() took {:?} (rank 0); from the loss to the first step on 3 ranks (every survivor): {:?}",
+        how,
         survivors[0].recoveries[0].took,
         first.duration_since(lost_at)
     );
@@ -209,12 +285,48 @@ fn lose_a_rank(how: Loss) {
 
 #[test]
 fn three_ranks_carry_on_after_one_returns_an_error() {
-    lose_a_rank(Loss::Returns);
+    lose_a_rank(Loss::Returns, Dp::Zero, Via::Inherent);
 }
 
 #[test]
 fn three_ranks_carry_on_after_one_panics() {
-    lose_a_rank(Loss::Panics);
+    lose_a_rank(Loss::Panics, Dp::Zero, Via::Inherent);
+}
+
+#[test]
+fn ddp_three_ranks_carry_on_after_one_returns_an_error() {
+    lose_a_rank(Loss::Returns, Dp::Ddp, Via::Inherent);
+}
+
+#[test]
+fn ddp_three_ranks_carry_on_after_one_panics() {
+    lose_a_rank(Loss::Panics, Dp::Ddp, Via::Inherent);
+}
+
+#[test]
+fn three_ranks_carry_on_after_one_is_stuck() {
+    lose_a_rank(Loss::Stuck, Dp::Zero, Via::Inherent);
+}
+
+/// A DDP step waits in its buckets' all-reduces for a rank that is stuck: the watchdog's
+/// timeout names it and `run_elastic` recovers without it, as with ZeRO-1 (before, the
+/// buckets' NCCL group timed out with no rank named and `run_elastic` returned the error).
+#[test]
+fn ddp_three_ranks_carry_on_after_one_is_stuck() {
+    lose_a_rank(Loss::Stuck, Dp::Ddp, Via::Inherent);
+}
+
+/// Stepped through code generic over `candle_nn::Optimizer`: the rank loss comes back
+/// as a `candle_core::Error` and `?` turns it into a `DistError` again; `run_elastic`
+/// still recovers (before, it returned `candle: rank 3 left: ...`).
+#[test]
+fn zero_stepped_through_candles_optimizer_trait_recovers() {
+    lose_a_rank(Loss::Returns, Dp::Zero, Via::Trait);
+}
+
+#[test]
+fn ddp_stepped_through_candles_optimizer_trait_recovers() {
+    lose_a_rank(Loss::Panics, Dp::Ddp, Via::Trait);
 }
 
 /// One rank's steps up to `end` with a ZeRO-1 SGD built on `comm`; `lose_at`: this rank
