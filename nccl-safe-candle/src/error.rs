@@ -100,6 +100,24 @@ pub enum DistErrorKind {
         #[source]
         cause: Box<nccl_safe::Error>,
     },
+    /// A rank was lost, but the communicator was made without
+    /// [`Config::elastic(true)`](nccl_safe::Config::elastic): the watchdog aborted its
+    /// clique's handles rather than keeping them for a shrink, so no recovery
+    /// ([`recover`](crate::recover), [`run_elastic`](crate::run_elastic)) can make a
+    /// communicator of the ranks left. The same for DDP and ZeRO-1, on every rank left.
+    #[error("{}", not_elastic_text(.call, *.rank, *.world_size, .lost, .cause.as_deref()))]
+    NotElastic {
+        /// The call that refused (`run_elastic` or `recover`).
+        call: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The communicator's number of ranks.
+        world_size: usize,
+        /// The ranks known lost.
+        lost: Vec<usize>,
+        /// The step's error (`run_elastic`).
+        cause: Option<Box<DistError>>,
+    },
     /// An argument out of its range.
     #[error("{call}: {reason}")]
     InvalidArgument {
@@ -179,6 +197,25 @@ pub enum DistErrorKind {
         /// Every rank's fingerprint, by rank.
         fingerprints: Vec<u64>,
     },
+}
+
+fn not_elastic_text(
+    call: &str,
+    rank: usize,
+    world_size: usize,
+    lost: &[usize],
+    cause: Option<&DistError>,
+) -> String {
+    format!(
+        "{call} on rank {rank} of {world_size}: rank(s) {lost:?} were lost, but this communicator \
+         was made without Config::elastic(true), so its clique's handles were aborted rather than \
+         kept for a shrink and no communicator of the ranks left can be made: make every rank's \
+         communicator with Config::new().elastic(true) (Launcher::config too) to carry on \
+         without a lost rank{}",
+        cause
+            .map(|c| format!("; the step failed with: {c}"))
+            .unwrap_or_default()
+    )
 }
 
 fn drift_text(

@@ -690,3 +690,67 @@ fn two_ranks_lost_at_once() {
 fn a_rank_lost_during_the_recovery() {
     lose_two(Second::DuringRecovery);
 }
+
+/// Without `Config::elastic(true)`, rank 3 lost at step 10: every rank left gets
+/// `NotElastic`, naming the setting, the lost rank (and any rank left that already
+/// returned this error), and the step's error, for DDP and
+/// ZeRO-1 alike (before, DDP recovered on the host provider, hiding the mistake, and
+/// ZeRO-1 returned the step's error with no hint).
+fn without_elastic(dp: Dp) {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let config = Config::new().timeout(Duration::from_secs(30));
+    let results: Vec<DistResult<u64>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..RANKS)
+            .map(|rank| {
+                let config = config.clone();
+                s.spawn(move || -> DistResult<u64> {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, RANKS, rank, &id, &config)?;
+                    let map = VarMap::new();
+                    let model = Mlp::new(&map)?;
+                    init_fixed(&map)?;
+                    let (x, y) = data();
+                    let run = run_elastic(comm, 0, |comm, step| {
+                        let mut opt = AnyOpt::new(dp, comm, &map)?;
+                        let (xs, ys) = (opt.shard_batch(&x)?, opt.shard_batch(&y)?);
+                        while *step < STEPS {
+                            if rank == 3 && *step == LOST_AT {
+                                return Err(candle_core::Error::Msg("rank 3 is lost".into()).into());
+                            }
+                            opt.step(&loss::mse(&model.forward(&xs)?, &ys)?, Via::Inherent)?;
+                            *step += 1;
+                        }
+                        Ok(())
+                    })?;
+                    Ok(run.step)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, res) in results.iter().enumerate().take(3) {
+        let e = res
+            .as_ref()
+            .expect_err("no recovery without Config::elastic");
+        assert!(
+            matches!(e.kind(), nccl_safe_candle::DistErrorKind::NotElastic { lost, .. } if lost.contains(&3)),
+            "{dp:?}: rank {r}: {e}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("Config::elastic(true)") && text.contains("rank 3 left"),
+            "{dp:?}: rank {r}: {text}"
+        );
+        assert_eq!(e.step(), Some(LOST_AT), "{dp:?}: rank {r}: {text}");
+    }
+}
+
+#[test]
+fn zero_without_elastic_is_refused_naming_the_setting() {
+    without_elastic(Dp::Zero);
+}
+
+#[test]
+fn ddp_without_elastic_is_refused_naming_the_setting() {
+    without_elastic(Dp::Ddp);
+}
