@@ -321,3 +321,64 @@ fn ddp_in_processes_survives_a_sigkilled_rank_through_the_optimizer_trait() {
         "ddp-trait",
     );
 }
+
+const NOTICE_ENV: &str = "NCCL_SAFE_CANDLE_TEST_NOTICE";
+
+/// 4 DDP ranks in threads of one process, the timeout 2 s; rank 3 calls its third step
+/// 1.5 s late (past the notice at a quarter of the timeout, before the timeout itself).
+fn notice_child() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let config = Config::new().timeout(Duration::from_secs(2));
+    std::thread::scope(|s| {
+        for rank in 0..RANKS {
+            let config = config.clone();
+            s.spawn(move || {
+                let comm =
+                    Communicator::init_rank(&CommDevice::Host, RANKS, rank, &id, &config).unwrap();
+                let map = VarMap::new();
+                let model = Mlp::new(&map).unwrap();
+                init_fixed(&map).unwrap();
+                let (x, y) = data();
+                let mut opt = DdpOptimizer::<SGD>::with_bucket_cap(&comm, &map, 64, LR).unwrap();
+                let (xs, ys) = (opt.shard_batch(&x).unwrap(), opt.shard_batch(&y).unwrap());
+                for step in 0..4 {
+                    let l = loss::mse(&model.forward(&xs).unwrap(), &ys).unwrap();
+                    if rank == 3 && step == 2 {
+                        std::thread::sleep(Duration::from_millis(1500));
+                    }
+                    opt.backward_step(&l).unwrap();
+                }
+            });
+        }
+    });
+    println!("NOTICE_CHILD done");
+}
+
+/// A rank late in a DDP step gets the watchdog's notice, naming it and the line of the
+/// step, long before the timeout (a quarter of it, at most a minute: within 60 s with the
+/// default 10 minutes), as a ZeRO-1 step does (before, the buckets' NCCL group waited
+/// without a notice until the timeout).
+#[test]
+fn a_late_rank_in_a_ddp_step_gets_the_watchdogs_notice() {
+    if std::env::var(NOTICE_ENV).is_ok() {
+        notice_child();
+        return;
+    }
+    let kids = run_ranks(
+        "a_late_rank_in_a_ddp_step_gets_the_watchdogs_notice",
+        NOTICE_ENV,
+        &["1".to_string()],
+    );
+    let (code, out, err) = &kids[0];
+    assert_eq!(*code, Some(0), "{out}\n{err}");
+    assert!(out.contains("NOTICE_CHILD done"), "{out}\n{err}");
+    let notice = err
+        .lines()
+        .find(|l| l.starts_with("nccl-safe: rank 0 has waited"))
+        .unwrap_or_else(|| panic!("no notice for rank 0:\n{err}"));
+    assert!(
+        notice.contains("rank(s) [3] of this process have not called it yet")
+            && notice.contains("called at tests/processes.rs:"),
+        "{notice}"
+    );
+}
