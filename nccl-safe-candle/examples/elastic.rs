@@ -1,6 +1,7 @@
 //! An elastic training job in processes: 4 ranks train a small model with ZeRO-1 and
 //! AdamW over the host provider (`Config::elastic`, `run_elastic`, the optimizer's state
-//! carried by `resume`); when one of them is killed from outside (SIGKILL) the 3 left carry
+//! carried by `resume`, each step's samples from a `DistributedSampler` whose global
+//! batches of 10 split over 4 ranks and then 3); when one of them is killed from outside (SIGKILL) the 3 left carry
 //! on with the state they hold, then a standby process joins through `grow`, receives its
 //! part of it, and the job ends on 4 ranks. `scripts/test-processes.sh` runs it under mpirun and srun as 5
 //! processes and kills rank 1 by its pid:
@@ -35,15 +36,19 @@ use candle_nn::{linear, loss, Linear, Module, ParamsAdamW, VarBuilder, VarMap};
 use nccl_safe::{CommDevice, UniqueId};
 use nccl_safe_candle::state::AdamW;
 use nccl_safe_candle::{
-    run_elastic, Communicator, Config, DistResult, StateCarry, ZeroRedundancyOptimizer,
+    run_elastic, BatchSplit, Communicator, Config, DistResult, DistributedSampler, StateCarry,
+    ZeroRedundancyOptimizer,
 };
 
 /// The job's ranks (the standby is the launcher's rank `RANKS`).
 const RANKS: usize = 4;
 /// The lost rank.
 const VICTIM: usize = 1;
-/// Divides by 4 and by 3.
-const ROWS: usize = 24;
+/// The samples: neither they nor a global batch divide by 4 or by 3 (the sampler splits
+/// them unevenly and weights each rank's loss).
+const ROWS: usize = 26;
+/// Samples per step over all ranks (10, 10, 6 per epoch).
+const GLOBAL_BATCH: usize = 10;
 const INPUTS: usize = 8;
 const HIDDEN: usize = 16;
 const LR: f64 = 0.01;
@@ -162,7 +167,8 @@ fn uniform(seed: u64) -> impl FnMut() -> f32 {
     }
 }
 
-/// The whole batch (every rank trains on its shard of it): inputs and a smooth target.
+/// The data set (each step, every rank trains on its part of the step's global batch):
+/// inputs and a smooth target.
 fn batch() -> candle_core::Result<(Tensor, Tensor)> {
     let mut next = uniform(0x9E37_79B9_7F4A_7C15);
     let xs: Vec<f32> = (0..ROWS * INPUTS).map(|_| next()).collect();
@@ -210,6 +216,9 @@ struct Trainer<'a> {
     /// The optimizer's state between two sessions (AdamW's moments, re-sharded by
     /// `resume` over each new world).
     carry: StateCarry,
+    /// Each step's samples, on any world: the step the ranks agree on after a recovery
+    /// picks the global batch the lost rank never finished.
+    sampler: DistributedSampler,
 }
 
 impl Trainer<'_> {
@@ -230,7 +239,6 @@ impl Trainer<'_> {
         };
         let mut opt =
             ZeroRedundancyOptimizer::<AdamW>::resume(comm, &self.map, config, &self.carry)?;
-        let (xs, ys) = (opt.shard_batch(&self.x)?, opt.shard_batch(&self.y)?);
         let small = comm.world_size() < RANKS;
         if small && self.lost_at.is_none() {
             self.lost_at = Some(*step);
@@ -249,7 +257,10 @@ impl Trainer<'_> {
                 // Slow from here: the others wait for this rank in the next collective.
                 std::thread::sleep(Duration::from_millis(self.args.slow_ms));
             }
-            opt.backward_step(&loss::mse(&self.model.forward(&xs)?, &ys)?)?;
+            let part = self.sampler.part_for(comm, *step)?;
+            let (xs, ys) = (part.select(&self.x)?, part.select(&self.y)?);
+            let l = (loss::mse(&self.model.forward(&xs)?, &ys)? * part.weight)?;
+            opt.backward_step(&l)?;
             *step += 1;
             self.losses
                 .push(loss::mse(&self.model.forward(&self.x)?, &self.y)?.to_scalar::<f32>()?);
@@ -287,6 +298,9 @@ fn run(args: &Args, me: usize) -> Result<(), Error> {
         victim: me == VICTIM,
         lost_at: None,
         carry: StateCarry::new(),
+        sampler: DistributedSampler::new(ROWS, GLOBAL_BATCH)?
+            .shuffle(0x5EED)
+            .split(BatchSplit::Uneven),
     };
     let (comm, mut step) = if me < RANKS {
         let id_file = args.dir.join("id");

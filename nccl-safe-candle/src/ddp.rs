@@ -179,9 +179,12 @@ fn per_bucket(lens: impl Iterator<Item = usize>, buckets: &[Range<usize>]) -> Re
 /// The gradients of one element type are packed in reverse parameter order, and each
 /// bucket of them (up to [`DEFAULT_BUCKET_CAP`] bytes, see
 /// [`with_bucket_cap`](Self::with_bucket_cap)) is all-reduced with NCCL's average as its
-/// own call. On the host provider they are packed into one fresh buffer and all buckets
-/// run as one NCCL group. The gradients handed back are views of the packed buffers: no
-/// tensor of the caller's is ever written.
+/// own call. On the host provider they are packed into one fresh buffer, whose buckets
+/// are reduced one after the other. Each bucket is an operation the watchdog follows like
+/// any: a stuck rank gets its notice and its timeout (naming the rank behind and your
+/// line), and a lost rank fails the step as a rank loss that
+/// [`run_elastic`](crate::run_elastic) recovers from, as with ZeRO-1. The gradients handed
+/// back are views of the packed buffers: no tensor of the caller's is ever written.
 ///
 /// # Ordering on CUDA
 ///

@@ -30,8 +30,9 @@
 //! through [`grow`] / [`join`] comes with an empty carry and receives its part.
 //!
 //! The communicator must be made with [`Config::elastic`](nccl_safe::Config::elastic)
-//! (without it the watchdog aborts the survivors' handles, and [`recover`] returns the
-//! step's error). NCCL 2.27+ (the shrink's abort mode) and, for a rank that left while its
+//! (without it the watchdog aborts the survivors' handles, and [`run_elastic`] and
+//! [`recover`] refuse with [`DistErrorKind::NotElastic`](crate::DistErrorKind::NotElastic),
+//! naming the setting, for DDP and ZeRO-1 alike). NCCL 2.27+ (the shrink's abort mode) and, for a rank that left while its
 //! peers waited, 2.29+ (the watchdog's revoke); the host provider has both.
 //!
 //! What it does not do (yet): bring back the state of a lost rank's ZeRO-1 range (it had
@@ -131,7 +132,10 @@ pub struct ElasticRun<T> {
 
 /// Whether `e`, the error of a step on `comm`, is the loss of a rank that the ranks left
 /// can recover from: the communicator failed, and nccl-safe knows a rank that left
-/// ([`Communicator::lost_ranks`]).
+/// ([`Communicator::lost_ranks`]). Also through a `candle_core::Error` (a step through
+/// `candle_nn::Optimizer`, `?` back into a [`DistError`]). [`recover`] refuses it on a
+/// communicator made without [`Config::elastic`](nccl_safe::Config::elastic)
+/// ([`DistErrorKind::NotElastic`](crate::DistErrorKind::NotElastic)).
 pub fn is_rank_loss(comm: &Communicator, e: &DistError) -> bool {
     e.as_nccl().is_some() && comm.is_failed() && !comm.lost_ranks().is_empty()
 }
@@ -141,13 +145,17 @@ pub fn is_rank_loss(comm: &Communicator, e: &DistError) -> bool {
 /// step the ranks left agree on. `session` builds its data-parallel objects on the
 /// communicator it is given (so that they take the new world's shards), runs steps while
 /// `*step` is below the end, and increments `*step` after each step that returned `Ok`.
-/// Any other error is returned as it is.
+/// Any other error is returned as it is. A rank loss on a communicator made without
+/// [`Config::elastic`](nccl_safe::Config::elastic) is
+/// [`DistErrorKind::NotElastic`](crate::DistErrorKind::NotElastic), the step's error
+/// inside, on every rank left.
 #[track_caller]
 pub fn run_elastic<T>(
     comm: Communicator,
     start: u64,
     mut session: impl FnMut(&Communicator, &mut u64) -> Result<T>,
 ) -> Result<ElasticRun<T>> {
+    let (at, _scope) = crate::error::caller_scope();
     let mut comm = comm;
     let mut step = start;
     let mut recoveries = Vec::new();
@@ -160,6 +168,9 @@ pub fn run_elastic<T>(
                     step,
                     recoveries,
                 })
+            }
+            Err(e) if is_rank_loss(&comm, &e) && !comm.is_elastic() => {
+                return Err(not_elastic("run_elastic", &comm, Some(e)).at(at, Some(step)));
             }
             Err(e) if is_rank_loss(&comm, &e) => {
                 let (next, r) = recover(comm, &mut step)?;
@@ -184,18 +195,35 @@ pub fn run_elastic<T>(
 /// fails for it) is shrunk away from the new communicator in turn. Each shrink is bounded
 /// by the communicator's [`Config::timeout`](nccl_safe::Config::timeout).
 ///
-/// Errors: nothing known to be lost ([`DistErrorKind::InvalidArgument`](crate::DistErrorKind::InvalidArgument));
+/// Errors: a communicator made without [`Config::elastic`](nccl_safe::Config::elastic)
+/// ([`DistErrorKind::NotElastic`](crate::DistErrorKind::NotElastic), naming the setting);
+/// nothing known to be lost ([`DistErrorKind::InvalidArgument`](crate::DistErrorKind::InvalidArgument));
 /// [`DistErrorKind::RecoveryFailed`](crate::DistErrorKind::RecoveryFailed), naming the ranks
-/// lost and the last shrink's error, when no shrink made a communicator (a communicator
-/// made without [`Config::elastic`](nccl_safe::Config::elastic) has had its handle
-/// aborted); ranks that excluded different ranks.
+/// lost and the last shrink's error, when no shrink made a communicator (an elastic
+/// communicator's handle is still aborted without `ncclCommRevoke`, NCCL before 2.29);
+/// ranks that excluded different ranks.
 #[track_caller]
 pub fn recover(comm: Communicator, step: &mut u64) -> Result<(Communicator, Recovery)> {
     let (at, _scope) = crate::error::caller_scope();
     recover_inner(comm, step).map_err(|e| e.at(at, Some(*step)))
 }
 
+/// [`DistErrorKind::NotElastic`](crate::DistErrorKind::NotElastic) for `comm`.
+fn not_elastic(call: &'static str, comm: &Communicator, cause: Option<DistError>) -> DistError {
+    K::NotElastic {
+        call,
+        rank: comm.rank(),
+        world_size: comm.world_size(),
+        lost: comm.lost_ranks(),
+        cause: cause.map(Box::new),
+    }
+    .into()
+}
+
 fn recover_inner(comm: Communicator, step: &mut u64) -> Result<(Communicator, Recovery)> {
+    if !comm.is_elastic() {
+        return Err(not_elastic("recover", &comm, None));
+    }
     let t0 = Instant::now();
     let (world, rank) = (comm.world_size(), comm.rank());
     // `kept[i]`: the rank of `comm` that rank i of the current communicator is.

@@ -100,6 +100,24 @@ pub enum DistErrorKind {
         #[source]
         cause: Box<nccl_safe::Error>,
     },
+    /// A rank was lost, but the communicator was made without
+    /// [`Config::elastic(true)`](nccl_safe::Config::elastic): the watchdog aborted its
+    /// clique's handles rather than keeping them for a shrink, so no recovery
+    /// ([`recover`](crate::recover), [`run_elastic`](crate::run_elastic)) can make a
+    /// communicator of the ranks left. The same for DDP and ZeRO-1, on every rank left.
+    #[error("{}", not_elastic_text(.call, *.rank, *.world_size, .lost, .cause.as_deref()))]
+    NotElastic {
+        /// The call that refused (`run_elastic` or `recover`).
+        call: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The communicator's number of ranks.
+        world_size: usize,
+        /// The ranks known lost.
+        lost: Vec<usize>,
+        /// The step's error (`run_elastic`).
+        cause: Option<Box<DistError>>,
+    },
     /// An argument out of its range.
     #[error("{call}: {reason}")]
     InvalidArgument {
@@ -181,6 +199,25 @@ pub enum DistErrorKind {
     },
 }
 
+fn not_elastic_text(
+    call: &str,
+    rank: usize,
+    world_size: usize,
+    lost: &[usize],
+    cause: Option<&DistError>,
+) -> String {
+    format!(
+        "{call} on rank {rank} of {world_size}: rank(s) {lost:?} were lost, but this communicator \
+         was made without Config::elastic(true), so its clique's handles were aborted rather than \
+         kept for a shrink and no communicator of the ranks left can be made: make every rank's \
+         communicator with Config::new().elastic(true) (Launcher::config too) to carry on \
+         without a lost rank{}",
+        cause
+            .map(|c| format!("; the step failed with: {c}"))
+            .unwrap_or_default()
+    )
+}
+
 fn drift_text(
     rank: usize,
     after_step: u64,
@@ -257,10 +294,31 @@ impl DistError {
         self.step
     }
 
-    /// The nccl-safe error, when NCCL or nccl-safe's checks failed.
+    /// The nccl-safe error, when NCCL or nccl-safe's checks failed: also when this error
+    /// is a candle error that carries one of this crate's (see
+    /// [`in_candle`](Self::in_candle)), such as a step through `candle_nn::Optimizer`
+    /// whose result came back through `?`, with context added on the way or not.
     pub fn as_nccl(&self) -> Option<&nccl_safe::Error> {
         match &self.kind {
             DistErrorKind::Nccl(e) => Some(e),
+            DistErrorKind::Candle(c) => DistError::in_candle(c).and_then(DistError::as_nccl),
+            _ => None,
+        }
+    }
+
+    /// The error of this crate that a candle error carries, if any: `?` from a
+    /// [`DistError`] into a `candle_core::Error` keeps it whole (in candle's `Io` variant,
+    /// an `std::io::Error` of kind `Other` around it, whose text is this error's), and it
+    /// is found here under candle's context, path and backtrace wrappers too. `?` back
+    /// into a [`DistError`] gives it back as it was (kind, caller's line, step).
+    pub fn in_candle(e: &candle_core::Error) -> Option<&DistError> {
+        use candle_core::Error as C;
+        match e {
+            C::Io(io) => io.get_ref()?.downcast_ref::<DistError>(),
+            C::WrappedContext { wrapped, .. } => wrapped.downcast_ref::<DistError>(),
+            C::Context { inner, .. }
+            | C::WithPath { inner, .. }
+            | C::WithBacktrace { inner, .. } => DistError::in_candle(inner),
             _ => None,
         }
     }
@@ -330,15 +388,52 @@ impl From<nccl_safe::Error> for DistError {
     }
 }
 
+/// A candle error that carries one of this crate's errors (`?` from a [`DistError`] into
+/// candle's, then back: a step through `candle_nn::Optimizer`) gives that error back, its
+/// kind, line and step as they were, so that [`is_rank_loss`](crate::is_rank_loss) and
+/// `run_elastic` see a lost rank whichever way the step was made. Any other candle error
+/// becomes [`DistErrorKind::Candle`].
 impl From<candle_core::Error> for DistError {
     #[track_caller]
     fn from(e: candle_core::Error) -> DistError {
-        DistError::new(DistErrorKind::Candle(e))
+        match take_carried(e) {
+            Ok(d) => d,
+            Err(e) => DistError::new(DistErrorKind::Candle(e)),
+        }
+    }
+}
+
+/// Whether `io` is the carrier of one of this crate's errors.
+fn carries(io: &std::io::Error) -> bool {
+    io.get_ref().is_some_and(|x| x.is::<DistError>())
+}
+
+/// The error of this crate that `e` carries at its top (under a backtrace candle may
+/// have added), else `e` itself.
+fn take_carried(e: candle_core::Error) -> Result<DistError, candle_core::Error> {
+    use candle_core::Error as C;
+    match e {
+        C::Io(io) if carries(&io) => match io.into_inner().map(|x| x.downcast::<DistError>()) {
+            Some(Ok(d)) => Ok(*d),
+            // Not reached: `carries` checked both.
+            Some(Err(x)) => Err(C::Io(std::io::Error::other(x))),
+            None => Err(C::Msg("an I/O error without its cause".into())),
+        },
+        C::WithBacktrace { inner, backtrace } => {
+            take_carried(*inner).map_err(|inner| C::WithBacktrace {
+                inner: Box::new(inner),
+                backtrace,
+            })
+        }
+        e => Err(e),
     }
 }
 
 /// So that a candle loop (`candle_core::Result`) can use `?` on this crate's calls. A
-/// candle error stays candle's, with the caller's line (and step) as its context.
+/// candle error stays candle's, with the caller's line (and step) as its context. Any
+/// other error of this crate is carried whole, its text unchanged, in candle's `Io`
+/// variant (an `std::io::Error` of kind `Other` around it): [`DistError::in_candle`] finds
+/// it, and `?` back into a [`DistError`] gives it back, a rank loss still a rank loss.
 impl From<DistError> for candle_core::Error {
     fn from(e: DistError) -> candle_core::Error {
         let at = format!(
@@ -350,8 +445,9 @@ impl From<DistError> for candle_core::Error {
         match e.kind {
             DistErrorKind::Candle(inner) => inner.context(at),
             // Not `Error::wrap`, which appends a backtrace under RUST_BACKTRACE: the
-            // message already names the caller's line.
-            _ => candle_core::Error::Wrapped(Box::new(e)),
+            // message already names the caller's line. An `io::Error` of kind `Other`
+            // shows the text of the error it holds, and hands it back by downcast.
+            _ => candle_core::Error::Io(std::io::Error::other(e)),
         }
     }
 }

@@ -28,6 +28,10 @@
 //!   `Config::elastic`). Built with `resume` and a [`StateCarry`], the optimizer's state
 //!   comes along, re-sharded over the new world (module [`state`]: [`ShardableState`],
 //!   this crate's [`AdamW`](state::AdamW)); a lost rank's ZeRO-1 range of it is lost.
+//! - [`DistributedSampler`]: each step's global batch split over any number of ranks
+//!   (padded, dropped or uneven, as PyTorch's `DistributedSampler`), the same samples
+//!   after a recovery changed the world: what an elastic loop shards its data with
+//!   (`shard_batch` refuses a batch that does not split evenly).
 //! - Drift detection (`check_drift`, `with_drift_check(every)`): a fingerprint of every
 //!   rank's parameters compared across ranks, naming the step and the ranks that differ.
 //!
@@ -84,6 +88,7 @@ mod ddp;
 pub mod elastic;
 pub mod error;
 mod optim;
+pub mod sampler;
 pub mod state;
 pub mod tensor;
 mod zero;
@@ -96,6 +101,7 @@ pub use nccl_safe;
 pub use nccl_safe::launch::{Launcher, Rank};
 pub use nccl_safe::{Communicator, Config, ReduceOp};
 pub use optim::DdpOptimizer;
+pub use sampler::{BatchPart, BatchSplit, DistributedSampler};
 pub use state::{CarriedState, FlatState, ShardableState, StateCarry};
 pub use tensor::{
     all_gather, all_reduce, all_reduce_scalar, broadcast, reduce_scatter, shard_batch,

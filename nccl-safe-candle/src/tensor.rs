@@ -24,7 +24,7 @@ use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, DeviceLocation, InplaceOp1, InplaceOp2, Layout, Tensor};
-use nccl_safe::{Communicator, Group, NcclType, ReduceOp, Stream};
+use nccl_safe::{Communicator, NcclType, ReduceOp, Stream};
 
 use std::panic::Location;
 
@@ -38,8 +38,8 @@ use candle_core::cuda_backend::cudarc;
 enum Kind<'r> {
     AllReduce(ReduceOp),
     Broadcast(usize),
-    /// One all-reduce per range of the tensor's elements (the buckets of a flat buffer): as
-    /// one group on host memory, back to back on the stream on CUDA.
+    /// One all-reduce per range of the tensor's elements (the buckets of a flat buffer), back
+    /// to back (on CUDA, on the stream).
     Buckets(ReduceOp, &'r [Range<usize>]),
     /// Into the mutable (first) tensor, from the second.
     AllGather,
@@ -105,19 +105,14 @@ impl<'a> Collective<'a> {
         match self.kind {
             Kind::AllReduce(op) => comm.all_reduce_in_place_op(v, op, s)?.at(caller).run(),
             Kind::Broadcast(root) => comm.broadcast_in_place_op(v, root, s)?.at(caller).run(),
-            // The buckets as one NCCL group: the host provider runs them together at its end.
-            Kind::Buckets(op, ranges) => Group::run(|g| {
-                let (mut rest, mut at) = (v, 0);
-                for r in ranges {
-                    let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - at);
-                    let (bucket, tail) = tail.split_at_mut(r.len());
-                    g.push(
-                        comm.all_reduce_in_place_op(bucket, op, &Stream::Host)?
-                            .at(caller),
-                    )?;
-                    (rest, at) = (tail, r.end);
-                }
-                Ok(())
+            // One call per bucket, back to back, as on CUDA: each is an operation of its
+            // own that the watchdog follows (its notice, its timeout naming the rank
+            // behind, `Config::elastic`'s revoke) and that names the caller's line. (As
+            // one NCCL group, a stuck or lost rank failed the step in a way no recovery
+            // took for a rank loss, with neither notice nor report.)
+            Kind::Buckets(op, ranges) => ranges.iter().try_for_each(|r| {
+                let bucket = v.get_mut(r.clone()).ok_or_else(|| out_of_range(r))?;
+                comm.all_reduce_in_place_op(bucket, op, s)?.at(caller).run()
             }),
             Kind::AllGather | Kind::ReduceScatter(_) => unreachable!("two-tensor kinds"),
         }
@@ -201,7 +196,6 @@ fn view<T>(
     slice.try_slice_mut(r).ok_or_else(|| out_of_range(&bounds))
 }
 
-#[cfg(feature = "cuda")]
 fn out_of_range(r: &Range<usize>) -> nccl_safe::Error {
     nccl_safe::Error::InvalidArgument {
         call: "nccl-safe-candle",

@@ -16,7 +16,7 @@ use candle_core::Tensor;
 use candle_nn::{loss, Module, Optimizer, VarMap, SGD};
 use common::*;
 use nccl_safe::{CommDevice, Communicator, Config, UniqueId};
-use nccl_safe_candle::{run_elastic, DistResult, Recovery, ZeroRedundancyOptimizer};
+use nccl_safe_candle::{run_elastic, DdpOptimizer, DistResult, Recovery, ZeroRedundancyOptimizer};
 
 const RANKS: usize = 4;
 const STEPS: u64 = 30;
@@ -44,13 +44,72 @@ fn reference() -> Vec<f32> {
     flat_params(&map).unwrap()
 }
 
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy, PartialEq, Debug)]
 enum Loss {
     /// Rank 3's session returns an error: its communicator is dropped (destroyed) while
     /// the others wait in the step's reduce-scatter.
     Returns,
     /// Rank 3 panics in the middle of the step: its communicator is aborted.
     Panics,
+    /// Rank 3 is stuck (alive, calling nothing) for 3 s, three times the 1 s timeout,
+    /// then tries its step: the watchdog's timeout finds it the one rank behind.
+    Stuck,
+}
+
+/// The data-parallel optimizer a session steps.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Dp {
+    /// ZeRO-1 (a reduce-scatter and an all-gather per step).
+    Zero,
+    /// DDP (its buckets' all-reduces as one NCCL group on the host provider).
+    Ddp,
+}
+
+/// How a session steps it.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Via {
+    /// The optimizer's own `backward_step` (a `DistResult`).
+    Inherent,
+    /// Code generic over `candle_nn::Optimizer` (a `candle_core::Result`), `?` into a
+    /// `DistResult`.
+    Trait,
+}
+
+/// Either optimizer, stepped either way.
+enum AnyOpt<'c> {
+    Zero(ZeroRedundancyOptimizer<'c, SGD>),
+    Ddp(DdpOptimizer<'c, SGD>),
+}
+
+/// A step through candle's trait, as code generic over any optimizer writes it.
+fn generic_step<O: Optimizer>(opt: &mut O, l: &Tensor) -> candle_core::Result<()> {
+    opt.backward_step(l)
+}
+
+impl<'c> AnyOpt<'c> {
+    fn new(dp: Dp, comm: &'c Communicator, map: &VarMap) -> DistResult<AnyOpt<'c>> {
+        Ok(match dp {
+            Dp::Zero => AnyOpt::Zero(ZeroRedundancyOptimizer::new(comm, map, LR)?),
+            // Buckets of 64 bytes: several all-reduces in the step's group.
+            Dp::Ddp => AnyOpt::Ddp(DdpOptimizer::with_bucket_cap(comm, map, 64, LR)?),
+        })
+    }
+
+    fn shard_batch(&self, t: &Tensor) -> DistResult<Tensor> {
+        match self {
+            AnyOpt::Zero(o) => o.shard_batch(t),
+            AnyOpt::Ddp(o) => o.shard_batch(t),
+        }
+    }
+
+    fn step(&mut self, l: &Tensor, via: Via) -> DistResult<()> {
+        match (self, via) {
+            (AnyOpt::Zero(o), Via::Inherent) => o.backward_step(l),
+            (AnyOpt::Ddp(o), Via::Inherent) => o.backward_step(l),
+            (AnyOpt::Zero(o), Via::Trait) => Ok(generic_step(o, l)?),
+            (AnyOpt::Ddp(o), Via::Trait) => Ok(generic_step(o, l)?),
+        }
+    }
 }
 
 struct Survivor {
@@ -66,7 +125,7 @@ struct Survivor {
 fn train(
     rank: usize,
     id: UniqueId,
-    how: Loss,
+    (how, dp, via): (Loss, Dp, Via),
     config: Config,
     lost_at: &Mutex<Option<Instant>>,
 ) -> DistResult<Survivor> {
@@ -80,7 +139,7 @@ fn train(
     let run = run_elastic(comm, 0, |comm, step| {
         // The three lines of an elastic loop: the optimizer (re)built on the communicator
         // it is given, the batch sharded over its world, `step` counted here.
-        let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, &map, LR)?;
+        let mut opt = AnyOpt::new(dp, comm, &map)?;
         let (xs, ys) = (opt.shard_batch(&x)?, opt.shard_batch(&y)?);
         while *step < STEPS {
             let l = loss::mse(&model.forward(&xs)?, &ys)?;
@@ -91,9 +150,14 @@ fn train(
                         return Err(candle_core::Error::Msg("rank 3 is lost".into()).into())
                     }
                     Loss::Panics => panic!("rank 3 is lost"),
+                    Loss::Stuck => {
+                        std::thread::sleep(Duration::from_secs(3));
+                        opt.step(&l, via)?;
+                        return Err(candle_core::Error::Msg("rank 3 stepped again".into()).into());
+                    }
                 }
             }
-            opt.backward_step(&l)?;
+            opt.step(&l, via)?;
             *step += 1;
             if comm.world_size() < RANKS && first_small_step.is_none() {
                 first_small_step = Some(Instant::now());
@@ -113,15 +177,17 @@ fn train(
     })
 }
 
-fn lose_a_rank(how: Loss) {
+fn lose_a_rank(how: Loss, dp: Dp, via: Via) {
+    let t0 = Instant::now();
     let id = CommDevice::Host.unique_id().unwrap();
-    let config = Config::new().elastic(true).timeout(Duration::from_secs(30));
+    let timeout = Duration::from_secs(if how == Loss::Stuck { 1 } else { 30 });
+    let config = Config::new().elastic(true).timeout(timeout);
     let lost_at = Mutex::new(None);
     let results: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..RANKS)
             .map(|rank| {
                 let (config, lost_at) = (config.clone(), &lost_at);
-                s.spawn(move || train(rank, id, how, config, lost_at))
+                s.spawn(move || train(rank, id, (how, dp, via), config, lost_at))
             })
             .collect();
         handles.into_iter().map(|h| h.join()).collect()
@@ -143,6 +209,7 @@ fn lose_a_rank(how: Loss) {
     match (how, results.next().unwrap()) {
         (Loss::Returns, Ok(Err(e))) => assert!(e.to_string().contains("rank 3 is lost"), "{e}"),
         (Loss::Panics, Err(_)) => {}
+        (Loss::Stuck, Ok(r)) => eprintln!("the stuck rank 3 ended with {:?}", r.map(|s| s.world)),
         (_, other) => panic!("rank 3 should be lost, got {:?}", other.map(|r| r.is_ok())),
     }
     let lost_at = lost_at.lock().unwrap().expect("rank 3 was lost");
@@ -187,9 +254,18 @@ fn lose_a_rank(how: Loss) {
         .filter_map(|s| s.first_small_step)
         .max()
         .unwrap();
+    if how == Loss::Stuck {
+        // Within a few timeouts, not at the stuck rank's return.
+        let first = survivors.iter().filter_map(|s| s.first_small_step).max();
+        eprintln!(
+            "{dp:?}, stuck: from the start to the first step on 3 ranks {:?}",
+            first.map(|f| f - t0)
+        );
+        return;
+    }
     eprintln!(
-        "{}: lost at step {LOST_AT}; recover() took {:?} (rank 0); from the loss to the first step on 3 ranks (every survivor): {:?}",
-        if how == Loss::Panics { "panic" } else { "error" },
+        "{dp:?} via {via:?}, {:?}: lost at step {LOST_AT}; recover() took {:?} (rank 0); from the loss to the first step on 3 ranks (every survivor): {:?}",
+        how,
         survivors[0].recoveries[0].took,
         first.duration_since(lost_at)
     );
@@ -209,12 +285,48 @@ fn lose_a_rank(how: Loss) {
 
 #[test]
 fn three_ranks_carry_on_after_one_returns_an_error() {
-    lose_a_rank(Loss::Returns);
+    lose_a_rank(Loss::Returns, Dp::Zero, Via::Inherent);
 }
 
 #[test]
 fn three_ranks_carry_on_after_one_panics() {
-    lose_a_rank(Loss::Panics);
+    lose_a_rank(Loss::Panics, Dp::Zero, Via::Inherent);
+}
+
+#[test]
+fn ddp_three_ranks_carry_on_after_one_returns_an_error() {
+    lose_a_rank(Loss::Returns, Dp::Ddp, Via::Inherent);
+}
+
+#[test]
+fn ddp_three_ranks_carry_on_after_one_panics() {
+    lose_a_rank(Loss::Panics, Dp::Ddp, Via::Inherent);
+}
+
+#[test]
+fn three_ranks_carry_on_after_one_is_stuck() {
+    lose_a_rank(Loss::Stuck, Dp::Zero, Via::Inherent);
+}
+
+/// A DDP step waits in its buckets' all-reduces for a rank that is stuck: the watchdog's
+/// timeout names it and `run_elastic` recovers without it, as with ZeRO-1 (before, the
+/// buckets' NCCL group timed out with no rank named and `run_elastic` returned the error).
+#[test]
+fn ddp_three_ranks_carry_on_after_one_is_stuck() {
+    lose_a_rank(Loss::Stuck, Dp::Ddp, Via::Inherent);
+}
+
+/// Stepped through code generic over `candle_nn::Optimizer`: the rank loss comes back
+/// as a `candle_core::Error` and `?` turns it into a `DistError` again; `run_elastic`
+/// still recovers (before, it returned `candle: rank 3 left: ...`).
+#[test]
+fn zero_stepped_through_candles_optimizer_trait_recovers() {
+    lose_a_rank(Loss::Returns, Dp::Zero, Via::Trait);
+}
+
+#[test]
+fn ddp_stepped_through_candles_optimizer_trait_recovers() {
+    lose_a_rank(Loss::Panics, Dp::Ddp, Via::Trait);
 }
 
 /// One rank's steps up to `end` with a ZeRO-1 SGD built on `comm`; `lose_at`: this rank
@@ -577,4 +689,147 @@ fn two_ranks_lost_at_once() {
 #[test]
 fn a_rank_lost_during_the_recovery() {
     lose_two(Second::DuringRecovery);
+}
+
+/// Without `Config::elastic(true)`, rank 3 lost at step 10: every rank left gets
+/// `NotElastic`, naming the setting, the lost rank (and any rank left that already
+/// returned this error), and the step's error, for DDP and
+/// ZeRO-1 alike (before, DDP recovered on the host provider, hiding the mistake, and
+/// ZeRO-1 returned the step's error with no hint).
+fn without_elastic(dp: Dp) {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let config = Config::new().timeout(Duration::from_secs(30));
+    let results: Vec<DistResult<u64>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..RANKS)
+            .map(|rank| {
+                let config = config.clone();
+                s.spawn(move || -> DistResult<u64> {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, RANKS, rank, &id, &config)?;
+                    let map = VarMap::new();
+                    let model = Mlp::new(&map)?;
+                    init_fixed(&map)?;
+                    let (x, y) = data();
+                    let run = run_elastic(comm, 0, |comm, step| {
+                        let mut opt = AnyOpt::new(dp, comm, &map)?;
+                        let (xs, ys) = (opt.shard_batch(&x)?, opt.shard_batch(&y)?);
+                        while *step < STEPS {
+                            if rank == 3 && *step == LOST_AT {
+                                return Err(candle_core::Error::Msg("rank 3 is lost".into()).into());
+                            }
+                            opt.step(&loss::mse(&model.forward(&xs)?, &ys)?, Via::Inherent)?;
+                            *step += 1;
+                        }
+                        Ok(())
+                    })?;
+                    Ok(run.step)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, res) in results.iter().enumerate().take(3) {
+        let e = res
+            .as_ref()
+            .expect_err("no recovery without Config::elastic");
+        assert!(
+            matches!(e.kind(), nccl_safe_candle::DistErrorKind::NotElastic { lost, .. } if lost.contains(&3)),
+            "{dp:?}: rank {r}: {e}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("Config::elastic(true)") && text.contains("rank 3 left"),
+            "{dp:?}: rank {r}: {text}"
+        );
+        assert_eq!(e.step(), Some(LOST_AT), "{dp:?}: rank {r}: {text}");
+    }
+}
+
+#[test]
+fn zero_without_elastic_is_refused_naming_the_setting() {
+    without_elastic(Dp::Zero);
+}
+
+#[test]
+fn ddp_without_elastic_is_refused_naming_the_setting() {
+    without_elastic(Dp::Ddp);
+}
+
+/// The sampler in an elastic loop: 26 samples, global batches of 10 (10, 10, 6 per
+/// epoch), shuffled, split unevenly with each rank's loss weighted (`BatchPart::weight`):
+/// 10 over 4 ranks is 3, 3, 2, 2; after rank 3 is lost at step 10, over 3 ranks 4, 3, 3.
+/// The survivors end bit-identical, within 1e-5 of one process stepping on each global
+/// batch whole: no sample skipped or taken twice across the recovery. (`shard_batch`
+/// refuses these batches: 10 rows do not split into 4 or 3 equal parts.)
+#[test]
+fn ddp_with_the_sampler_recovers_on_batches_that_do_not_divide() {
+    use nccl_safe_candle::{BatchSplit, DistributedSampler};
+    const LEN: usize = 26;
+    let sampler = DistributedSampler::new(LEN, 10)
+        .unwrap()
+        .shuffle(7)
+        .split(BatchSplit::Uneven);
+    let (x, y) = batch().unwrap();
+    let (x, y) = (x.narrow(0, 0, LEN).unwrap(), y.narrow(0, 0, LEN).unwrap());
+    let reference = {
+        let map = VarMap::new();
+        let model = Mlp::new(&map).unwrap();
+        init_fixed(&map).unwrap();
+        let mut opt = SGD::new(map.all_vars(), LR).unwrap();
+        let whole = DistributedSampler::new(LEN, 10).unwrap().shuffle(7);
+        for step in 0..STEPS {
+            let part = whole.part(step, 0, 1).unwrap();
+            let (xs, ys) = (part.select(&x).unwrap(), part.select(&y).unwrap());
+            opt.backward_step(&loss::mse(&model.forward(&xs).unwrap(), &ys).unwrap())
+                .unwrap();
+        }
+        flat_params(&map).unwrap()
+    };
+    let id = CommDevice::Host.unique_id().unwrap();
+    let config = Config::new().elastic(true).timeout(Duration::from_secs(30));
+    type Out = (Vec<f32>, usize, Vec<Recovery>);
+    let results: Vec<DistResult<Out>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..RANKS)
+            .map(|rank| {
+                let (config, sampler, x, y) = (config.clone(), &sampler, &x, &y);
+                s.spawn(move || -> DistResult<Out> {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, RANKS, rank, &id, &config)?;
+                    let map = VarMap::new();
+                    let model = Mlp::new(&map)?;
+                    init_fixed(&map)?;
+                    let run = run_elastic(comm, 0, |comm, step| {
+                        let mut opt = DdpOptimizer::<SGD>::new(comm, &map, LR)?;
+                        while *step < STEPS {
+                            if rank == 3 && *step == LOST_AT {
+                                return Err(candle_core::Error::Msg("rank 3 is lost".into()).into());
+                            }
+                            let part = sampler.part_for(comm, *step)?;
+                            let (xs, ys) = (part.select(x)?, part.select(y)?);
+                            let l = (loss::mse(&model.forward(&xs)?, &ys)? * part.weight)?;
+                            opt.backward_step(&l)?;
+                            *step += 1;
+                        }
+                        Ok(())
+                    })?;
+                    Ok((flat_params(&map)?, run.comm.world_size(), run.recoveries))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let p0 = results[0].as_ref().expect("rank 0 carries on").0.clone();
+    for (r, res) in results.iter().enumerate().take(3) {
+        let (params, world, recoveries) = res.as_ref().expect("every survivor recovers");
+        assert_eq!(*world, 3, "rank {r}");
+        assert_eq!(recoveries.len(), 1, "rank {r}");
+        assert_eq!(recoveries[0].step, LOST_AT, "rank {r}");
+        assert_eq!(params, &p0, "rank {r}'s parameters differ from rank 0's");
+        let worst = params
+            .iter()
+            .zip(&reference)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-5, "rank {r}: {worst} from one process");
+    }
 }

@@ -410,3 +410,41 @@ fn zero1_accumulates_like_ddp_and_reports_its_optimizer_state() {
         assert_eq!(*zero_state, 2 * zero_shard);
     }
 }
+
+/// A DDP step that times out (rank 1 stuck for 2.5 s, the timeout 1 s): rank 0's error
+/// names the line of the step in this file and rank 1 as the one behind (before, the
+/// buckets' NCCL group timed out naming nccl-safe's src/group.rs and no rank).
+#[test]
+fn a_ddp_steps_timeout_names_the_callers_line_and_the_rank_behind() {
+    use nccl_safe::{CommDevice, Communicator, Config};
+    let id = CommDevice::Host.unique_id().unwrap();
+    let config = Config::new().timeout(Duration::from_secs(1));
+    let errors: Vec<(String, u32)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let config = config.clone();
+                s.spawn(move || {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &config).unwrap();
+                    let map = VarMap::new();
+                    let m = model(&map, rank).unwrap();
+                    // Buckets of 64 bytes: several all-reduces in the step.
+                    let mut opt =
+                        DdpOptimizer::<SGD>::with_bucket_cap(&comm, &map, 64, 0.1).unwrap();
+                    let (x, y) = my_batch(rank).unwrap();
+                    let l = loss::mse(&m.forward(&x).unwrap(), &y).unwrap();
+                    if rank == 1 {
+                        std::thread::sleep(Duration::from_millis(2500));
+                    }
+                    let e = opt.backward_step(&l).unwrap_err();
+                    (e.to_string(), line!() - 1)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let (e, line) = &errors[0];
+    assert!(e.contains(&format!("misuse.rs:{line}")), "{e}");
+    assert!(!e.contains("group.rs"), "{e}");
+    assert!(e.contains("rank(s) [1] are behind"), "{e}");
+}

@@ -1,7 +1,9 @@
 //! DDP with its 4 ranks in 4 processes (the host provider meeting in shared memory, as
 //! under torchrun, srun or mpirun) gives the same parameters, to the bit, as 4 ranks in
-//! threads. The test re-runs this test binary as its ranks: a child runs only this test,
-//! with `NCCL_SAFE_CANDLE_TEST_MP=rank:world:id` set, and prints its parameters' bits.
+//! threads; and DDP and ZeRO-1 in 4 processes carry on in 3 after one is SIGKILLed
+//! (`run_elastic`). The tests re-run this test binary as their ranks: a child runs only
+//! its test, with `NCCL_SAFE_CANDLE_TEST_MP=rank:world:id` (or `..._ELASTIC`) set, and
+//! prints its parameters' bits.
 
 mod common;
 
@@ -9,10 +11,13 @@ use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::train_ddp;
+use candle_core::Tensor;
+use candle_nn::{loss, Module, Optimizer, VarMap, SGD};
+use common::{batch, flat_params, init_fixed, train_ddp, Mlp};
 use nccl_safe::host::shared_unique_id;
 use nccl_safe::launch::Launcher;
 use nccl_safe::{CommDevice, Communicator, Config, UniqueId};
+use nccl_safe_candle::{run_elastic, DdpOptimizer, DistResult, ZeroRedundancyOptimizer};
 
 const ENV: &str = "NCCL_SAFE_CANDLE_TEST_MP";
 const RANKS: usize = 4;
@@ -25,8 +30,8 @@ fn hex(bytes: impl IntoIterator<Item = u8>) -> String {
     bytes.into_iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A child's part: join the communicator, train, print the parameters' bits.
-fn child(spec: &str) {
+/// `rank:world:id[:rest]`, parsed.
+fn parse(spec: &str) -> (usize, usize, UniqueId, Option<&str>) {
     let mut it = spec.split(':');
     let rank: usize = it.next().and_then(|v| v.parse().ok()).expect("rank");
     let world: usize = it.next().and_then(|v| v.parse().ok()).expect("world size");
@@ -35,6 +40,12 @@ fn child(spec: &str) {
         .map(|i| u8::from_str_radix(&id[2 * i..2 * i + 2], 16).expect("hex"))
         .collect();
     let id = UniqueId::from_bytes(&bytes).expect("a unique id");
+    (rank, world, id, it.next())
+}
+
+/// A child's part: join the communicator, train, print the parameters' bits.
+fn child(spec: &str) {
+    let (rank, world, id, _) = parse(spec);
     let comm = Communicator::init_rank(&CommDevice::Host, world, rank, &id, &Config::new())
         .expect("init the rank");
     let params = train_ddp(&comm, CAP, STEPS).expect("training");
@@ -57,25 +68,64 @@ fn ddp_in_four_processes_matches_four_ranks_in_threads() {
         .as_bytes()
         .iter()
         .copied());
+    let kids = run_ranks(
+        "ddp_in_four_processes_matches_four_ranks_in_threads",
+        ENV,
+        &(0..RANKS)
+            .map(|r| format!("{r}:{RANKS}:{id}"))
+            .collect::<Vec<_>>(),
+    );
+    let want = hex(threads[0].iter().flat_map(|v| v.to_le_bytes()));
+    for (r, (code, out, err)) in kids.into_iter().enumerate() {
+        assert_eq!(code, Some(0), "rank {r} failed:\n{out}\n{err}");
+        let got = out
+            .lines()
+            .find_map(|l| l.split_once("PARAMS ").map(|(_, p)| p.trim()))
+            .unwrap_or_else(|| panic!("rank {r} printed no parameters:\n{out}\n{err}"));
+        assert_eq!(
+            got, want,
+            "rank {r} in a process differs from the ranks in threads"
+        );
+    }
+}
+
+/// Runs this test binary's test `test` once per spec, each in a process of its own with
+/// `env=spec`, and returns each one's exit code, stdout and stderr. Kills them all and
+/// panics after [`HUNG`].
+fn run_ranks(test: &str, env: &str, specs: &[String]) -> Vec<(Option<i32>, String, String)> {
     let exe = std::env::current_exe().expect("the test binary");
-    let mut kids: Vec<_> = (0..RANKS)
-        .map(|r| {
+    let mut kids: Vec<_> = specs
+        .iter()
+        .map(|spec| {
             Command::new(&exe)
-                .args([
-                    "ddp_in_four_processes_matches_four_ranks_in_threads",
-                    "--exact",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env(ENV, format!("{r}:{RANKS}:{id}"))
+                .args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(env, spec)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
                 .expect("spawn a rank")
         })
         .collect();
+    // Read their output as it comes (a full pipe would block a child).
+    let readers: Vec<_> = kids
+        .iter_mut()
+        .map(|k| {
+            let (mut o, mut e) = (k.stdout.take().unwrap(), k.stderr.take().unwrap());
+            let out = std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = o.read_to_string(&mut s);
+                s
+            });
+            let err = std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = e.read_to_string(&mut s);
+                s
+            });
+            (out, err)
+        })
+        .collect();
     let start = Instant::now();
-    let mut codes = vec![None; RANKS];
+    let mut codes = vec![None; kids.len()];
     while codes.iter().any(Option::is_none) {
         for (k, code) in kids.iter_mut().zip(codes.iter_mut()) {
             if code.is_none() {
@@ -89,23 +139,246 @@ fn ddp_in_four_processes_matches_four_ranks_in_threads() {
                 let _ = k.kill();
                 let _ = k.wait();
             }
-            panic!("a rank hung for {HUNG:?}: exit codes so far {codes:?}");
+            let outs: Vec<_> = readers
+                .into_iter()
+                .map(|(o, e)| (o.join().unwrap(), e.join().unwrap()))
+                .collect();
+            panic!("a rank hung for {HUNG:?}: exit codes so far {codes:?}; output: {outs:#?}");
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    let want = hex(threads[0].iter().flat_map(|v| v.to_le_bytes()));
-    for (r, (k, code)) in kids.iter_mut().zip(codes).enumerate() {
-        let (mut out, mut err) = (String::new(), String::new());
-        k.stdout.as_mut().map(|o| o.read_to_string(&mut out));
-        k.stderr.as_mut().map(|e| e.read_to_string(&mut err));
-        assert_eq!(code, Some(Some(0)), "rank {r} failed:\n{out}\n{err}");
-        let got = out
-            .lines()
-            .find_map(|l| l.split_once("PARAMS ").map(|(_, p)| p.trim()))
-            .unwrap_or_else(|| panic!("rank {r} printed no parameters:\n{out}\n{err}"));
-        assert_eq!(
-            got, want,
-            "rank {r} in a process differs from the ranks in threads"
-        );
+    codes
+        .into_iter()
+        .zip(readers)
+        .map(|(c, (o, e))| (c.flatten(), o.join().unwrap(), e.join().unwrap()))
+        .collect()
+}
+
+const ELASTIC_ENV: &str = "NCCL_SAFE_CANDLE_TEST_MP_ELASTIC";
+/// The step at which rank 3 SIGKILLs itself.
+const LOST_AT: u64 = 6;
+const ELASTIC_STEPS: u64 = 15;
+/// Divides by 4 and by 3.
+const ROWS: usize = 24;
+const LR: f64 = 0.05;
+
+fn data() -> (Tensor, Tensor) {
+    let (x, y) = batch().unwrap();
+    (x.narrow(0, 0, ROWS).unwrap(), y.narrow(0, 0, ROWS).unwrap())
+}
+
+/// A rank of the elastic job: `run_elastic` with DDP (buckets of 64 bytes: several
+/// all-reduces in each step's group) or ZeRO-1, stepped through its own `backward_step`
+/// or through `candle_nn::Optimizer`; rank 3 SIGKILLs itself at step [`LOST_AT`]. Prints
+/// `RESULT world W step S recoveries [(lost, step, before, after)] params HEX`.
+fn elastic_child(spec: &str) {
+    let (rank, world, id, how) = parse(spec);
+    let how = how.expect("ddp or zero, then inherent or trait");
+    let config = Config::new().elastic(true).timeout(Duration::from_secs(20));
+    let comm = Communicator::init_rank(&CommDevice::Host, world, rank, &id, &config)
+        .expect("init the rank");
+    let map = VarMap::new();
+    let model = Mlp::new(&map).unwrap();
+    init_fixed(&map).unwrap();
+    let (x, y) = data();
+    fn generic<O: Optimizer>(o: &mut O, l: &Tensor) -> candle_core::Result<()> {
+        o.backward_step(l)
     }
+    let run = run_elastic(comm, 0, |comm, step| -> DistResult<()> {
+        let (mut ddp, mut zero) = (None, None);
+        let shard = |t: &Tensor| nccl_safe_candle::shard_batch(comm, t);
+        if how.starts_with("ddp") {
+            ddp = Some(DdpOptimizer::<SGD>::with_bucket_cap(comm, &map, 64, LR)?);
+        } else {
+            zero = Some(ZeroRedundancyOptimizer::<SGD>::new(comm, &map, LR)?);
+        }
+        let (xs, ys) = (shard(&x)?, shard(&y)?);
+        while *step < ELASTIC_STEPS {
+            let l = loss::mse(&model.forward(&xs)?, &ys)?;
+            if rank == 3 && *step == LOST_AT {
+                let me = std::process::id().to_string();
+                let _ = Command::new("kill").args(["-9", &me]).status();
+                std::thread::sleep(HUNG);
+            }
+            match (&mut ddp, &mut zero, how.ends_with("trait")) {
+                (Some(o), _, false) => o.backward_step(&l)?,
+                (Some(o), _, true) => generic(o, &l)?,
+                (_, Some(o), false) => o.backward_step(&l)?,
+                (_, Some(o), true) => generic(o, &l)?,
+                _ => unreachable!(),
+            }
+            *step += 1;
+        }
+        Ok(())
+    });
+    let run = match run {
+        Ok(run) => run,
+        Err(e) => {
+            println!("ERROR {e}");
+            std::process::exit(1);
+        }
+    };
+    let recoveries: Vec<_> = (run.recoveries.iter())
+        .map(|r| (r.lost, r.step, r.world_sizes.0, r.world_sizes.1))
+        .collect();
+    println!(
+        "RESULT world {} step {} recoveries {recoveries:?} params {}",
+        run.comm.world_size(),
+        run.step,
+        hex(flat_params(&map)
+            .unwrap()
+            .iter()
+            .flat_map(|v| v.to_le_bytes()))
+    );
+}
+
+/// One process training on the whole batch.
+fn elastic_reference() -> Vec<f32> {
+    let map = VarMap::new();
+    let model = Mlp::new(&map).unwrap();
+    init_fixed(&map).unwrap();
+    let (x, y) = data();
+    let mut opt = SGD::new(map.all_vars(), LR).unwrap();
+    for _ in 0..ELASTIC_STEPS {
+        let l = loss::mse(&model.forward(&x).unwrap(), &y).unwrap();
+        opt.backward_step(&l).unwrap();
+    }
+    flat_params(&map).unwrap()
+}
+
+/// 4 ranks in processes; rank 3 is SIGKILLed at step 6 (while the others wait for it in
+/// the step's collectives); ranks 0-2 recover in `run_elastic` and end at step 15 on 3
+/// ranks, bit-identical, within 1e-5 of one process's 15 steps.
+fn lose_a_process(test: &str, how: &str) {
+    if let Ok(spec) = std::env::var(ELASTIC_ENV) {
+        elastic_child(&spec);
+        return;
+    }
+    let id = hex(UniqueId::from_raw(shared_unique_id())
+        .as_bytes()
+        .iter()
+        .copied());
+    let specs: Vec<_> = (0..RANKS)
+        .map(|r| format!("{r}:{RANKS}:{id}:{how}"))
+        .collect();
+    let kids = run_ranks(test, ELASTIC_ENV, &specs);
+    let reference = elastic_reference();
+    let mut first = None;
+    for (r, (code, out, err)) in kids.into_iter().enumerate() {
+        if r == 3 {
+            assert_eq!(code, None, "rank 3 was to be SIGKILLed:\n{out}\n{err}");
+            continue;
+        }
+        assert_eq!(code, Some(0), "{how}: rank {r} failed:\n{out}\n{err}");
+        let line = (out.lines())
+            .find_map(|l| l.split_once("RESULT ").map(|(_, r)| r))
+            .unwrap_or_else(|| panic!("rank {r} printed no result:\n{out}\n{err}"))
+            .to_string();
+        let (head, params) = line.split_once(" params ").unwrap();
+        assert_eq!(
+            head,
+            format!("world 3 step {ELASTIC_STEPS} recoveries [(3, {LOST_AT}, 4, 3)]"),
+            "{how}: rank {r}:\n{out}\n{err}"
+        );
+        let bytes: Vec<u8> = (0..params.len() / 2)
+            .map(|i| u8::from_str_radix(&params[2 * i..2 * i + 2], 16).unwrap())
+            .collect();
+        let got: Vec<f32> = bytes
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let worst = got
+            .iter()
+            .zip(&reference)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-5, "{how}: rank {r}: {worst} from one process");
+        match &first {
+            None => first = Some(params.to_string()),
+            Some(p) => assert_eq!(p, params, "{how}: rank {r} differs from rank 0"),
+        }
+    }
+}
+
+#[test]
+fn ddp_in_processes_survives_a_sigkilled_rank() {
+    lose_a_process("ddp_in_processes_survives_a_sigkilled_rank", "ddp-inherent");
+}
+
+#[test]
+fn zero_in_processes_survives_a_sigkilled_rank() {
+    lose_a_process(
+        "zero_in_processes_survives_a_sigkilled_rank",
+        "zero-inherent",
+    );
+}
+
+/// Through `candle_nn::Optimizer` (a `candle_core::Result`, `?` back into a `DistResult`).
+#[test]
+fn ddp_in_processes_survives_a_sigkilled_rank_through_the_optimizer_trait() {
+    lose_a_process(
+        "ddp_in_processes_survives_a_sigkilled_rank_through_the_optimizer_trait",
+        "ddp-trait",
+    );
+}
+
+const NOTICE_ENV: &str = "NCCL_SAFE_CANDLE_TEST_NOTICE";
+
+/// 4 DDP ranks in threads of one process, the timeout 2 s; rank 3 calls its third step
+/// 1.5 s late (past the notice at a quarter of the timeout, before the timeout itself).
+fn notice_child() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let config = Config::new().timeout(Duration::from_secs(2));
+    std::thread::scope(|s| {
+        for rank in 0..RANKS {
+            let config = config.clone();
+            s.spawn(move || {
+                let comm =
+                    Communicator::init_rank(&CommDevice::Host, RANKS, rank, &id, &config).unwrap();
+                let map = VarMap::new();
+                let model = Mlp::new(&map).unwrap();
+                init_fixed(&map).unwrap();
+                let (x, y) = data();
+                let mut opt = DdpOptimizer::<SGD>::with_bucket_cap(&comm, &map, 64, LR).unwrap();
+                let (xs, ys) = (opt.shard_batch(&x).unwrap(), opt.shard_batch(&y).unwrap());
+                for step in 0..4 {
+                    let l = loss::mse(&model.forward(&xs).unwrap(), &ys).unwrap();
+                    if rank == 3 && step == 2 {
+                        std::thread::sleep(Duration::from_millis(1500));
+                    }
+                    opt.backward_step(&l).unwrap();
+                }
+            });
+        }
+    });
+    println!("NOTICE_CHILD done");
+}
+
+/// A rank late in a DDP step gets the watchdog's notice, naming it and the line of the
+/// step, long before the timeout (a quarter of it, at most a minute: within 60 s with the
+/// default 10 minutes), as a ZeRO-1 step does (before, the buckets' NCCL group waited
+/// without a notice until the timeout).
+#[test]
+fn a_late_rank_in_a_ddp_step_gets_the_watchdogs_notice() {
+    if std::env::var(NOTICE_ENV).is_ok() {
+        notice_child();
+        return;
+    }
+    let kids = run_ranks(
+        "a_late_rank_in_a_ddp_step_gets_the_watchdogs_notice",
+        NOTICE_ENV,
+        &["1".to_string()],
+    );
+    let (code, out, err) = &kids[0];
+    assert_eq!(*code, Some(0), "{out}\n{err}");
+    assert!(out.contains("NOTICE_CHILD done"), "{out}\n{err}");
+    let notice = err
+        .lines()
+        .find(|l| l.starts_with("nccl-safe: rank 0 has waited"))
+        .unwrap_or_else(|| panic!("no notice for rank 0:\n{err}"));
+    assert!(
+        notice.contains("rank(s) [3] of this process have not called it yet")
+            && notice.contains("called at tests/processes.rs:"),
+        "{notice}"
+    );
 }

@@ -292,6 +292,14 @@ impl Communicator {
         self.handle.get()
     }
 
+    /// Whether it was made with [`Config::elastic`] (inherited by its children): a failed
+    /// clique's handle is revoked and kept for
+    /// [`shrink_after_failure`](Self::shrink_after_failure) rather than aborted. No NCCL
+    /// call.
+    pub fn is_elastic(&self) -> bool {
+        self.diag.elastic()
+    }
+
     /// Whether an error was seen (drop will abort). True as soon as the watchdog timed
     /// out this communicator's clique, before any abort starts. No NCCL call.
     pub fn is_failed(&self) -> bool {
