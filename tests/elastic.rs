@@ -729,3 +729,59 @@ fn two_ranks_lost_at_once_are_both_excluded() {
 fn a_rank_lost_while_the_survivors_recover_is_excluded_too() {
     survivors_of_two_departures(Duration::from_millis(10));
 }
+
+/// Two ranks grow to three, but the standby the root handed the id to dies before it
+/// joins (it never calls `join_grown`). Each existing rank's grow fails with a timeout
+/// within its own bound, and the parent is untouched: not failed, its all-reduce works,
+/// and it is destroyed (not aborted). The new communicators are aborted before the
+/// parents are torn down (NCCL's grow job uses the parent until it ends; the host
+/// provider counts a parent torn down under a pending grow as misuse). With and without
+/// `Config::elastic`. Before, the grow was watched as an operation of the parent: the
+/// watchdog's timeout failed the parent (aborted it, or revoked it with elastic), with
+/// the grow's job still pending.
+#[cfg(feature = "diag")]
+fn a_standby_that_never_joins(elastic: bool) {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let cfg = Config::new()
+        .elastic(elastic)
+        .timeout(Duration::from_millis(500));
+    support::within(Duration::from_secs(20), move || {
+        std::thread::scope(|s| {
+            for rank in 0..2 {
+                let cfg = cfg.clone();
+                s.spawn(move || {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &cfg).unwrap();
+                    let grow_id = (rank == 0).then(|| comm.grow_id().unwrap());
+                    // The standby got the id and died: nobody joins.
+                    // A timeout, or NCCL's error once the other rank gave up on its grow.
+                    let e = comm.grow(3, grow_id.as_ref()).unwrap_err();
+                    assert!(matches!(e, Error::Timeout { .. } | Error::Nccl(_)), "{e:?}");
+                    let text = e.to_string();
+                    assert!(text.contains("ncclCommGrow"), "{text}");
+                    assert!(text.contains("stays usable"), "{text}");
+                    assert!(!comm.is_failed(), "the grow failed the parent: {e}");
+                    assert!(!comm.is_revoked(), "the grow revoked the parent: {e}");
+                    let mut x = vec![rank as f32 + 1.0; 4];
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                    assert_eq!(x, vec![3.0; 4]);
+                    comm.destroy().map_err(|(_, e)| e).unwrap();
+                });
+            }
+        });
+    });
+    let st = assert_balanced(&id);
+    assert_eq!((st.created, st.destroyed, st.aborted), (4, 2, 2), "{st:?}");
+}
+
+#[test]
+#[cfg(feature = "diag")]
+fn a_standby_that_never_joins_costs_the_grow_only() {
+    a_standby_that_never_joins(false);
+}
+
+#[test]
+#[cfg(feature = "diag")]
+fn a_standby_that_never_joins_leaves_an_elastic_parent_usable() {
+    a_standby_that_never_joins(true);
+}

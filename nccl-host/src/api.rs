@@ -666,6 +666,9 @@ fn new_rank(
     let blocking = parse_config(&mut g, config, Some(root), what)?.unwrap_or(parent_blocking);
     let name = name_of(&g, config, parent);
     let h = g.new_handle(root, dev, !blocking, name);
+    if let Some(c) = g.comms.get_mut(&h) {
+        c.grow_parent = parent;
+    }
     if super::shm::is_shared(&idb) {
         join_shared(&mut g, idb, nranks, rank, h, root)?;
     } else {
@@ -827,6 +830,7 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     };
     let mut g = lock();
     let mut h = known(&mut g, comm, what)?;
+    grow_in_flight(&mut g, h, what);
     if !abort {
         // NCCL's ncclCommDestroy sets `destroyFlag` first (init.cc:2379), and nothing clears
         // it: a later revoke is refused (:2457).
@@ -909,6 +913,23 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     drop(g);
     super::fault::torn_down(h);
     Ok(ncclSuccess)
+}
+
+/// A teardown of `h` while a grow of it is still pending on this rank: NCCL's grow job
+/// keeps using its parent (bootstrap.cc:713-714, 777-779; init.cc:1707, 1716 of
+/// v2.29.7-1) and is linked to the new communicator only, so the parent's teardown neither
+/// stops nor joins it, and the job then touches freed memory. Counted as misuse (the
+/// teardown goes on: here nothing is freed that the grow reads); the new communicator's
+/// abort, which joins its job, must come first.
+fn grow_in_flight(g: &mut Global, h: Handle, what: &str) {
+    let pending = g.comms.iter().any(|(_, c)| {
+        c.grow_parent == Some(h) && matches!(c.state, CommState::Pending)
+    });
+    if pending {
+        let root = g.comms.get(&h).map(|c| c.root);
+        let m = "the parent of a grow whose job still runs (the job uses the parent until it ends: a use after free in NCCL); tear the new communicator down first";
+        g.misuse(root, ncclInvalidUsage, what, m);
+    }
 }
 
 /// What `ncclCommEnsureReady` (init.cc:373-389) says of `h` before a destroy: ncclInvalidArgument

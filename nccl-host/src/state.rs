@@ -101,6 +101,13 @@ pub(crate) struct Comm {
     /// init.cc:2909): the next grow's id is derived from it, as NCCL derives the grow
     /// handle's magic (`hashCombine(comm->magic, comm->childCount)`).
     pub grows: u64,
+    /// The communicator this one grows (an existing rank's `ncclCommGrow`): NCCL's grow
+    /// job keeps using it until the job ends (its bootstrap sends through the parent's,
+    /// bootstrap.cc:777-779, and it clears the parent's `childAbortFlag` at its end,
+    /// init.cc:1716 of v2.29.7-1), and the parent's abort neither stops nor joins that job
+    /// (it is linked to the new communicator). A teardown of the parent while this one is
+    /// still pending is a use after free in NCCL: counted as misuse here.
+    pub grow_parent: Option<Handle>,
     /// `ncclCommDestroy` was called on it (NCCL's `destroyFlag`, set before the readiness
     /// check that may refuse the destroy, init.cc:2379 of 2.28.9, and never cleared): a
     /// revoke is refused from then on (:2457).
@@ -338,6 +345,7 @@ impl Global {
                 revoked: false,
                 error_cleared: false,
                 grows: 0,
+                grow_parent: None,
                 destroy_called: false,
                 stale_windows: 0,
             },
