@@ -447,6 +447,38 @@ fn the_host_abi_follows_nccl_2_29s_contract() {
     );
 }
 
+/// NCCL's grow job keeps using the parent until it ends (bootstrap.cc:777-779, init.cc:1716
+/// of v2.29.7-1), and the parent's abort neither stops nor joins it: the host provider
+/// counts a teardown of a parent whose grow is still pending as misuse (NCCL would touch
+/// freed memory), and none once the new communicator was aborted first.
+#[test]
+fn the_host_counts_a_parent_torn_down_under_a_pending_grow() {
+    use nccl_sys::bindings::*;
+    let lib = Library::host();
+    let t = lib.table();
+    let (get_id, grow) = (t.ncclCommGetUniqueId.unwrap(), t.ncclCommGrow.unwrap());
+    for parent_first in [false, true] {
+        let id = CommDevice::Host.unique_id().unwrap();
+        let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &config()).unwrap();
+        let raw = comm.into_raw();
+        let mut gid = ncclUniqueId { internal: [0; 128] };
+        // SAFETY: live handle, writable id.
+        assert_eq!(unsafe { get_id(raw, &mut gid) }, ncclSuccess);
+        let mut out: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: live handle, the id from it, writable out-pointer; no new rank joins.
+        let r = unsafe { grow(raw, 2, &gid, -1, &mut out, std::ptr::null_mut()) };
+        assert_eq!(r, ncclSuccess);
+        let order = if parent_first { [raw, out] } else { [out, raw] };
+        for c in order {
+            // SAFETY: live handles, each torn down once.
+            assert_eq!(unsafe { (t.ncclCommAbort)(c) }, ncclSuccess);
+        }
+        let st = support::settled_stats(&id);
+        assert_eq!((st.created, st.aborted), (2, 2), "{st:?}");
+        assert_eq!(st.misused, u64::from(parent_first), "{st:?}");
+    }
+}
+
 /// NCCL refuses a shrink that excludes no rank, and a NULL list, with ncclInvalidArgument
 /// before it writes anything (`PtrCheck(excludeRanksList)` and `excludeRanksCount > 0`,
 /// init.cc:2561-2562 of 2.28.9); the host provider did a shrink to the whole world.
