@@ -817,3 +817,43 @@ fn a_standby_that_never_joins_costs_the_grow_only() {
 fn a_standby_that_never_joins_leaves_an_elastic_parent_usable() {
     a_standby_that_never_joins(true);
 }
+
+/// A failed grow across processes' shared memory leaves nothing in `/dev/shm`: two ranks
+/// on a shared id grow to three, nobody joins, and once both grows failed the grown
+/// communicator's segment is gone (before, it stayed until the provider's own wait limit,
+/// 300 s, ran out, or for good when the process exited first). So does a failed init's:
+/// one rank of two inits and the other never comes.
+#[test]
+#[cfg(feature = "diag")]
+fn a_failed_grow_or_init_leaves_nothing_in_dev_shm() {
+    let path = |id: &UniqueId| nccl_safe::host::shared_segment_path(&id.to_raw()).unwrap();
+    let cfg = Config::new().timeout(Duration::from_millis(500));
+    let id = UniqueId::from_raw(nccl_safe::host::shared_unique_id());
+    let grow_path = support::within(Duration::from_secs(20), move || {
+        std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..2)
+                .map(|rank| {
+                    let cfg = cfg.clone();
+                    s.spawn(move || {
+                        let comm = Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &cfg)
+                            .unwrap();
+                        let grow_id = (rank == 0).then(|| comm.grow_id().unwrap());
+                        comm.grow(3, grow_id.as_ref()).unwrap_err();
+                        comm.destroy().map_err(|(_, e)| e).unwrap();
+                        grow_id
+                    })
+                })
+                .collect();
+            let ids: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+            path(ids[0].as_ref().unwrap())
+        })
+    });
+    assert!(!std::path::Path::new(&grow_path).exists(), "{grow_path} was left");
+    assert!(!std::path::Path::new(&path(&id)).exists());
+    assert_balanced(&id);
+
+    let id = UniqueId::from_raw(nccl_safe::host::shared_unique_id());
+    let cfg = Config::new().timeout(Duration::from_millis(300));
+    Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &cfg).unwrap_err();
+    assert!(!std::path::Path::new(&path(&id)).exists(), "{} was left", path(&id));
+}

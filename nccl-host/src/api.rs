@@ -689,13 +689,15 @@ fn join_shared(
     root: RootIdx,
 ) -> Result<(), Fail> {
     let deadline = std::time::Instant::now() + super::defs::wait_limit();
+    let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     if let Some(c) = g.comms.get_mut(&h) {
         // The segment's own deadline reports first, naming the missing ranks.
         c.deadline = deadline + std::time::Duration::from_secs(1);
+        c.shared_join = Some((cancel.clone(), super::shm::name_of(&idb)));
     }
     let silent = super::fault::silent_peers(root);
     spawn("nccl-safe-shm-init".into(), move || {
-        let r = super::shm::Segment::join(&idb, nranks as usize, rank as usize, deadline);
+        let r = super::shm::Segment::join(&idb, nranks as usize, rank as usize, deadline, &cancel);
         let mut g = lock();
         let pending = matches!(g.comms.get(&h).map(|c| &c.state), Some(CommState::Pending));
         match r {
@@ -906,6 +908,12 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
         CommState::Pending => {
             let m = format!("a rank called {what} during initialization");
             g.fail_pending(c.pending_on, Fail::new(ncclRemoteError, m));
+            if let Some((cancel, path)) = &c.shared_join {
+                // The join's thread tells the peers and gives up; the name goes now, so
+                // that a process that exits at once leaves nothing in /dev/shm.
+                cancel.store(true, std::sync::atomic::Ordering::Release);
+                let _ = std::fs::remove_file(path);
+            }
         }
         CommState::Failed(_) => {}
     }

@@ -223,6 +223,15 @@ pub fn root_id_of(comm: ncclComm_t) -> Option<ncclUniqueId> {
     g.root_id(root)
 }
 
+/// The path in `/dev/shm` of the shared memory segment `id`'s communicator meets in
+/// (see [`shared_unique_id`]), for a shared id; `None` for any other. The segment's name
+/// is removed once every rank joined, and when an init fails or is torn down meanwhile.
+#[doc(hidden)]
+pub fn shared_segment_path(id: &ncclUniqueId) -> Option<String> {
+    let b = api::id_bytes(id);
+    shm::is_shared(&b).then(|| shm::name_of(&b))
+}
+
 /// A unique id for a host communicator whose ranks may be in several processes of this
 /// machine (and threads of each): `ncclCommInitRank` with it meets the other ranks in a
 /// shared memory segment named from the id instead of inside this process. Hand it to

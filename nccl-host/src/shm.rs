@@ -20,7 +20,7 @@ use core::ffi::c_int;
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*};
 use std::time::{Duration, Instant};
 
 use nccl_sys::bindings::*;
@@ -308,7 +308,8 @@ pub(crate) fn is_shared(id: &IdBytes) -> bool {
     id[..15] == super::defs::ID_MAGIC[..15] && id[15] == SHARED_TAG
 }
 
-fn name_of(id: &IdBytes) -> String {
+/// The path of `id`'s segment in `/dev/shm`.
+pub(crate) fn name_of(id: &IdBytes) -> String {
     use sha2::Digest;
     let h = sha2::Sha256::digest(id);
     let pid = u32::from_le_bytes([id[16], id[17], id[18], id[19]]);
@@ -399,12 +400,15 @@ impl Segment {
     }
 
     /// Joins (creating when first) the segment of `id` as `rank` of `nranks`, waiting for
-    /// every rank until `deadline`.
+    /// every rank until `deadline`, or until `cancel` is set (the rank's communicator was
+    /// torn down while it joined: the peers are told it left). On a failure the segment's
+    /// name is removed, so that nothing stays in `/dev/shm`.
     pub(crate) fn join(
         id: &IdBytes,
         nranks: usize,
         rank: usize,
         deadline: Instant,
+        cancel: &AtomicBool,
     ) -> Result<Segment, Fail> {
         if nranks > MAX_RANKS {
             let m = format!(
@@ -413,7 +417,7 @@ impl Segment {
             return Err(Fail::new(ncclInvalidArgument, m));
         }
         let path = name_of(id);
-        let r = Self::join_inner(id, &path, nranks, rank, deadline);
+        let r = Self::join_inner(id, &path, nranks, rank, deadline, cancel);
         if r.is_err() {
             let _ = std::fs::remove_file(&path);
         }
@@ -426,7 +430,12 @@ impl Segment {
         nranks: usize,
         rank: usize,
         deadline: Instant,
+        cancel: &AtomicBool,
     ) -> Result<Segment, Fail> {
+        let torn_down = || {
+            let m = format!("rank {rank}'s communicator was torn down during its initialization");
+            Fail::new(ncclRemoteError, m)
+        };
         let slot = slot_bytes(nranks);
         let created = OpenOptions::new()
             .read(true)
@@ -472,6 +481,9 @@ impl Segment {
                 .len() as usize;
             if l >= 4096 {
                 break l;
+            }
+            if cancel.load(Acquire) {
+                return Err(torn_down());
             }
             if Instant::now() >= deadline {
                 let m = format!("the shared memory segment {path} was never sized by its creator");
@@ -520,6 +532,9 @@ impl Segment {
             h.magic.store(MAGIC, Release);
         }
         while h.magic.load(Acquire) != MAGIC {
+            if cancel.load(Acquire) {
+                return Err(torn_down());
+            }
             if Instant::now() >= deadline {
                 let m = format!(
                     "the shared memory segment {path} was never initialized by its creator"
@@ -568,6 +583,11 @@ impl Segment {
             }
             if let Some((why, r)) = gone {
                 return Err(seg.fail_err(why, r, u64::MAX));
+            }
+            if cancel.load(Acquire) {
+                // As a destroy during the init: the peers waiting for it fail at once.
+                seg.info(rank).state.store(2, Release);
+                return Err(torn_down());
             }
             if Instant::now() >= deadline {
                 let missing: Vec<usize> = (0..nranks)

@@ -108,6 +108,10 @@ pub(crate) struct Comm {
     /// (it is linked to the new communicator). A teardown of the parent while this one is
     /// still pending is a use after free in NCCL: counted as misuse here.
     pub grow_parent: Option<Handle>,
+    /// While it joins a shared segment (`join_shared`): the join's cancel flag and the
+    /// segment's path, so that a teardown during the join ends it and leaves nothing in
+    /// `/dev/shm`, even when the process exits right after.
+    pub shared_join: Option<(std::sync::Arc<std::sync::atomic::AtomicBool>, String)>,
     /// `ncclCommDestroy` was called on it (NCCL's `destroyFlag`, set before the readiness
     /// check that may refuse the destroy, init.cc:2379 of 2.28.9, and never cleared): a
     /// revoke is refused from then on (:2457).
@@ -346,6 +350,7 @@ impl Global {
                 error_cleared: false,
                 grows: 0,
                 grow_parent: None,
+                shared_join: None,
                 destroy_called: false,
                 stale_windows: 0,
             },
