@@ -961,6 +961,79 @@ fn a_process_joins_a_communicator_grown_across_processes() {
     }
 }
 
+/// As above, but the standby process SIGKILLs itself once it has the id, before it joins.
+/// Ranks 0 and 1 (timeout 1 s) see their grow fail, and carry on: their communicator is
+/// untouched (an all-reduce on it is right), nothing is left in /dev/shm (the grown
+/// communicator's segment neither), and both exit 0. Before, the grow's timeout failed the
+/// parent (the watchdog aborted it) and the segment stayed.
+#[test]
+fn a_standby_killed_before_it_joins_costs_the_grow_only() {
+    if let Some((r, id)) = child_spec() {
+        let file = std::path::PathBuf::from(std::env::var(GROW_FILE_ENV).expect("file"));
+        if r == 2 {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while std::fs::metadata(&file).is_err() {
+                assert!(Instant::now() < deadline, "no grow id");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            // SAFETY: signals this process, which ends here.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let run = || -> Result<f32> {
+            let cfg = Config::new().timeout(Duration::from_secs(1));
+            let c = Communicator::init_rank(&CommDevice::Host, 2, r, &id, &cfg)?;
+            let gid = if r == 0 {
+                let gid = c.grow_id()?;
+                let path = nccl_safe::host::shared_segment_path(&gid.to_raw()).expect("shared");
+                println!("GROW_SEGMENT {path}");
+                let tmp = file.with_extension("tmp");
+                std::fs::write(&tmp, gid.as_bytes()).expect("write the id");
+                std::fs::rename(&tmp, &file).expect("publish the id");
+                Some(gid)
+            } else {
+                None
+            };
+            let e = c.grow(3, gid.as_ref()).map(drop).expect_err("nobody joined");
+            println!("GROW_FAILED rank {r}: {e}");
+            assert!(!c.is_failed(), "{e}");
+            let mut y = vec![(r + 1) as f32; 1000];
+            c.all_reduce_in_place(&mut y, ReduceOp::Sum, &Stream::Host)?;
+            c.destroy().map_err(|(_, e)| e)?;
+            Ok(y[999])
+        };
+        match run() {
+            Ok(sum) => {
+                println!("CARRIED_ON rank {r}: sum {sum}");
+                std::process::exit(0)
+            }
+            Err(e) => {
+                eprintln!("rank {r}: {e}");
+                std::process::exit(3)
+            }
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("nccl-safe-standby-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("id");
+    let outs = spawn(
+        "a_standby_killed_before_it_joins_costs_the_grow_only",
+        3,
+        &[(GROW_FILE_ENV, file.to_str().unwrap())],
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(outs[2].code, None, "the standby was killed: {}", outs[2].stderr);
+    for (r, o) in outs.iter().take(2).enumerate() {
+        assert_eq!(o.code, Some(0), "rank {r}: {}", o.stderr);
+        assert!(o.stdout.contains(&format!("GROW_FAILED rank {r}: ")), "rank {r}: {}", o.stdout);
+        assert!(o.stdout.contains("stays usable"), "rank {r}: {}", o.stdout);
+        assert!(o.stdout.contains(&format!("CARRIED_ON rank {r}: sum 3")), "rank {r}: {}", o.stdout);
+    }
+    let segment = (outs[0].stdout.lines())
+        .find_map(|l| Some(l.split_once("GROW_SEGMENT ")?.1.trim()));
+    let segment = segment.expect("rank 0 named the grow's segment");
+    assert!(!std::path::Path::new(segment).exists(), "{segment} was left");
+}
+
 /// Three processes; rank 1 SIGKILLs itself between two all-reduces. The survivors'
 /// all_reduce fails naming it (NCCL records the error), they shrink in abort mode (on the
 /// host provider, as NCCL 2.29: a revoke first clears the error) and carry on with two

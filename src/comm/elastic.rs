@@ -399,8 +399,8 @@ impl Communicator {
         let (rank, now) = (self.rank, self.world_size);
         let then = format!("this communicator of {now} ranks is untouched and stays usable: carry on at {now} ranks, or grow again with a new grow_id");
         match e {
-            Error::Timeout { timeout, what } => Error::Timeout {
-                what: format!("ncclCommGrow on rank {rank}: the grown communicator of {world_size} ranks was not complete within {timeout:?} (Config::timeout): a new rank never joined (it died or never got the id, or the job is stuck); {then}. The grown communicator's wait: {what}"),
+            Error::Timeout { timeout, .. } => Error::Timeout {
+                what: format!("ncclCommGrow on rank {rank}: the grown communicator of {world_size} ranks (a new rank never joined: it died or never got the id, or the grow's job is stuck; {then})"),
                 timeout,
             },
             Error::Nccl(mut n) => {
