@@ -428,6 +428,7 @@ fn faulty(fault: &str) {
         }
         if let Err(e) = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host) {
             println!("LOST_RANK {:?}", c.lost_rank());
+            println!("LOST_RANKS {:?}", c.lost_ranks());
             drop(c);
             fail(step, e);
         }
@@ -692,6 +693,37 @@ fn a_stuck_rank_is_named_by_every_survivor_when_the_watchdog_fires() {
             "rank {r}: {}",
             outs[r].stdout
         );
+    }
+}
+
+/// The stuck rank with no desync board (a plain `init_rank`, as the elastic example
+/// makes it): rank 3's watchdog fires first (1 s) and aborts its communicator, which
+/// fails the collective for everyone. Ranks 0 and 2 are told rank 1 had not reached it
+/// (stuck or gone) and count it in `lost_ranks()`, not rank 3, a healthy rank whose
+/// watchdog fired first. Before, they were told only "rank 3 (pid P) called
+/// ncclCommAbort", and rank 1 was named nowhere.
+#[test]
+fn a_stuck_rank_is_named_without_a_board() {
+    faulty("stuck");
+    let outs = spawn(
+        "a_stuck_rank_is_named_without_a_board",
+        4,
+        &[
+            (STAGGER_ENV, "1000"),
+            ("NCCL_SAFE_HOST_TIMEOUT_MS", "8000"),
+            (STUCK_MS_ENV, "4000"),
+        ],
+    );
+    for r in [0, 2] {
+        let o = &outs[r];
+        assert_eq!(o.code, Some(1), "rank {r} must fail: {}", o.stderr);
+        let pid = "rank 1 (pid ";
+        let stuck = "had not reached that collective: it is stuck or gone";
+        assert!(o.stderr.contains(pid) && o.stderr.contains(stuck), "rank {r}: {}", o.stderr);
+        let lost = (o.stdout.lines())
+            .find_map(|l| Some(l.split_once("LOST_RANKS ")?.1.trim().to_string()))
+            .unwrap_or_default();
+        assert!(lost.contains('1') && !lost.contains('3'), "rank {r}: {lost}");
     }
 }
 

@@ -59,6 +59,11 @@ struct Header {
     failed: AtomicU64,
     /// The operation sequence number that failed.
     failed_seq: AtomicU64,
+    /// When a rank's revoke or abort failed the communicator while it waited in a
+    /// collective: `count << 32 | rank` of the ranks that had not reached it then (the
+    /// first of them), so that the peers' error names the stuck rank, not the one whose
+    /// watchdog fired first; 0 when none was behind.
+    behind: AtomicU64,
 }
 
 #[repr(C)]
@@ -612,6 +617,18 @@ impl Segment {
             .compare_exchange(0, (why as u64) << 32 | rank as u64, AcqRel, Acquire)
             .is_ok()
         {
+            if matches!(why, Why::Revoked | Why::Abort) && rank == self.rank {
+                // Inside a collective this rank's epoch is ahead of the ranks that never
+                // reached it.
+                let mine = self.info(rank).epoch.load(Acquire);
+                let late: Vec<usize> = (0..self.nranks)
+                    .filter(|&r| self.info(r).epoch.load(Acquire) < mine)
+                    .collect();
+                if let Some(&first) = late.first() {
+                    h.behind
+                        .store((late.len() as u64) << 32 | first as u64, Release);
+                }
+            }
             h.failed_seq.store(seq, Release);
         }
         h.bar_gen.fetch_add(1, AcqRel);
@@ -649,7 +666,24 @@ impl Segment {
                 (left || died).then_some((r, pid))
             })
             .chain(self.dead_peer())
+            .chain(self.stuck_peer())
             .collect()
+    }
+
+    /// The ranks that had not reached the collective in which a rank's revoke or abort
+    /// failed the communicator: (the first of them, how many), if any.
+    fn behind(&self) -> Option<(usize, usize)> {
+        let b = self.header().behind.load(Acquire);
+        let (count, first) = ((b >> 32) as usize, (b & 0xffff_ffff) as usize);
+        (count > 0 && first < self.nranks).then_some((first, count))
+    }
+
+    /// The rank that had not reached the collective in which a peer's revoke or abort
+    /// (its watchdog's, say) failed the communicator, when it was the only one: stuck or
+    /// gone, so counted with [`dead_peers`](Self::dead_peers).
+    fn stuck_peer(&self) -> Option<(usize, u32)> {
+        let (r, n) = self.behind()?;
+        (n == 1 && r != self.rank).then(|| (r, self.info(r).pid.load(Acquire)))
     }
 
     /// The error every rank reports once the communicator failed, if it did.
@@ -671,8 +705,17 @@ impl Segment {
         } else {
             0
         };
-        let remote =
-            |what: String| Fail::new(ncclRemoteError, format!("rank {r} (pid {pid}) {what}"));
+        let behind = match self.behind() {
+            Some((b, 1)) => format!(
+                "; rank {b} (pid {}) had not reached that collective: it is stuck or gone",
+                self.info(b).pid.load(Acquire)
+            ),
+            Some((b, n)) => format!("; {n} ranks had not reached that collective, rank {b} first: stuck or gone"),
+            None => String::new(),
+        };
+        let remote = |what: String| {
+            Fail::new(ncclRemoteError, format!("rank {r} (pid {pid}) {what}{behind}"))
+        };
         Some(match why {
             Why::Abort => remote("called ncclCommAbort".to_string()),
             Why::Died => remote(format!("died: its process is gone ({at})")),
