@@ -835,8 +835,8 @@ fn a_failed_grow_or_init_leaves_nothing_in_dev_shm() {
                 .map(|rank| {
                     let cfg = cfg.clone();
                     s.spawn(move || {
-                        let comm = Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &cfg)
-                            .unwrap();
+                        let comm =
+                            Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &cfg).unwrap();
                         let grow_id = (rank == 0).then(|| comm.grow_id().unwrap());
                         comm.grow(3, grow_id.as_ref()).unwrap_err();
                         comm.destroy().map_err(|(_, e)| e).unwrap();
@@ -848,12 +848,19 @@ fn a_failed_grow_or_init_leaves_nothing_in_dev_shm() {
             path(ids[0].as_ref().unwrap())
         })
     });
-    assert!(!std::path::Path::new(&grow_path).exists(), "{grow_path} was left");
+    assert!(
+        !std::path::Path::new(&grow_path).exists(),
+        "{grow_path} was left"
+    );
     assert!(!std::path::Path::new(&path(&id)).exists());
     assert_balanced(&id);
 
     let id = UniqueId::from_raw(nccl_safe::host::shared_unique_id());
     let cfg = Config::new().timeout(Duration::from_millis(300));
     Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &cfg).unwrap_err();
-    assert!(!std::path::Path::new(&path(&id)).exists(), "{} was left", path(&id));
+    assert!(
+        !std::path::Path::new(&path(&id)).exists(),
+        "{} was left",
+        path(&id)
+    );
 }

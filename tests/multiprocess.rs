@@ -719,11 +719,18 @@ fn a_stuck_rank_is_named_without_a_board() {
         assert_eq!(o.code, Some(1), "rank {r} must fail: {}", o.stderr);
         let pid = "rank 1 (pid ";
         let stuck = "had not reached that collective: it is stuck or gone";
-        assert!(o.stderr.contains(pid) && o.stderr.contains(stuck), "rank {r}: {}", o.stderr);
+        assert!(
+            o.stderr.contains(pid) && o.stderr.contains(stuck),
+            "rank {r}: {}",
+            o.stderr
+        );
         let lost = (o.stdout.lines())
             .find_map(|l| Some(l.split_once("LOST_RANKS ")?.1.trim().to_string()))
             .unwrap_or_default();
-        assert!(lost.contains('1') && !lost.contains('3'), "rank {r}: {lost}");
+        assert!(
+            lost.contains('1') && !lost.contains('3'),
+            "rank {r}: {lost}"
+        );
     }
 }
 
@@ -1025,7 +1032,10 @@ fn a_standby_killed_before_it_joins_costs_the_grow_only() {
             } else {
                 None
             };
-            let e = c.grow(3, gid.as_ref()).map(drop).expect_err("nobody joined");
+            let e = c
+                .grow(3, gid.as_ref())
+                .map(drop)
+                .expect_err("nobody joined");
             println!("GROW_FAILED rank {r}: {e}");
             assert!(!c.is_failed(), "{e}");
             let mut y = vec![(r + 1) as f32; 1000];
@@ -1053,17 +1063,32 @@ fn a_standby_killed_before_it_joins_costs_the_grow_only() {
         &[(GROW_FILE_ENV, file.to_str().unwrap())],
     );
     let _ = std::fs::remove_dir_all(&dir);
-    assert_eq!(outs[2].code, None, "the standby was killed: {}", outs[2].stderr);
+    assert_eq!(
+        outs[2].code, None,
+        "the standby was killed: {}",
+        outs[2].stderr
+    );
     for (r, o) in outs.iter().take(2).enumerate() {
         assert_eq!(o.code, Some(0), "rank {r}: {}", o.stderr);
-        assert!(o.stdout.contains(&format!("GROW_FAILED rank {r}: ")), "rank {r}: {}", o.stdout);
+        assert!(
+            o.stdout.contains(&format!("GROW_FAILED rank {r}: ")),
+            "rank {r}: {}",
+            o.stdout
+        );
         assert!(o.stdout.contains("stays usable"), "rank {r}: {}", o.stdout);
-        assert!(o.stdout.contains(&format!("CARRIED_ON rank {r}: sum 3")), "rank {r}: {}", o.stdout);
+        assert!(
+            o.stdout.contains(&format!("CARRIED_ON rank {r}: sum 3")),
+            "rank {r}: {}",
+            o.stdout
+        );
     }
-    let segment = (outs[0].stdout.lines())
-        .find_map(|l| Some(l.split_once("GROW_SEGMENT ")?.1.trim()));
+    let segment =
+        (outs[0].stdout.lines()).find_map(|l| Some(l.split_once("GROW_SEGMENT ")?.1.trim()));
     let segment = segment.expect("rank 0 named the grow's segment");
-    assert!(!std::path::Path::new(segment).exists(), "{segment} was left");
+    assert!(
+        !std::path::Path::new(segment).exists(),
+        "{segment} was left"
+    );
 }
 
 /// Three processes; rank 1 SIGKILLs itself between two all-reduces. The survivors'

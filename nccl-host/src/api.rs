@@ -930,9 +930,10 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
 /// teardown goes on: here nothing is freed that the grow reads); the new communicator's
 /// abort, which joins its job, must come first.
 fn grow_in_flight(g: &mut Global, h: Handle, what: &str) {
-    let pending = g.comms.iter().any(|(_, c)| {
-        c.grow_parent == Some(h) && matches!(c.state, CommState::Pending)
-    });
+    let pending = g
+        .comms
+        .iter()
+        .any(|(_, c)| c.grow_parent == Some(h) && matches!(c.state, CommState::Pending));
     if pending {
         let root = g.comms.get(&h).map(|c| c.root);
         let m = "the parent of a grow whose job still runs (the job uses the parent until it ends: a use after free in NCCL); tear the new communicator down first";

@@ -710,11 +710,16 @@ impl Segment {
                 "; rank {b} (pid {}) had not reached that collective: it is stuck or gone",
                 self.info(b).pid.load(Acquire)
             ),
-            Some((b, n)) => format!("; {n} ranks had not reached that collective, rank {b} first: stuck or gone"),
+            Some((b, n)) => format!(
+                "; {n} ranks had not reached that collective, rank {b} first: stuck or gone"
+            ),
             None => String::new(),
         };
         let remote = |what: String| {
-            Fail::new(ncclRemoteError, format!("rank {r} (pid {pid}) {what}{behind}"))
+            Fail::new(
+                ncclRemoteError,
+                format!("rank {r} (pid {pid}) {what}{behind}"),
+            )
         };
         Some(match why {
             Why::Abort => remote("called ncclCommAbort".to_string()),
