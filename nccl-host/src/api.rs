@@ -741,6 +741,17 @@ pub(crate) fn dead_peers(comm: ncclComm_t) -> Vec<(usize, u32)> {
     shared_of(&g, *clique).map_or_else(Vec::new, |s| s.dead_peers())
 }
 
+/// [`crate::behind_peers`]: the shared segment of `comm`'s clique, asked which ranks have
+/// not reached the collective `comm`'s rank waits in.
+pub(crate) fn behind_peers(comm: ncclComm_t) -> Vec<usize> {
+    let g = lock();
+    let Some(CommState::Ready { clique, .. }) = g.comms.get(&(comm as usize)).map(|c| &c.state)
+    else {
+        return Vec::new();
+    };
+    shared_of(&g, *clique).map_or_else(Vec::new, |s| s.behind_now())
+}
+
 fn shared_of(g: &Global, clique: u64) -> Option<std::sync::Arc<super::shm::Segment>> {
     g.cliques.get(&clique).and_then(|c| c.shared.clone())
 }

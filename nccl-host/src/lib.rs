@@ -267,6 +267,16 @@ pub fn dead_peers(comm: ncclComm_t) -> Vec<(usize, u32)> {
     api::dead_peers(comm)
 }
 
+/// The ranks of the live host communicator `comm`'s clique (across processes) that have
+/// not reached the collective `comm`'s rank waits in, else the ones a peer's revoke or
+/// abort found behind; empty for a clique within one process and an unknown handle. For
+/// nccl-safe only (a timeout report with no desync board, or one that cannot be read,
+/// names a stuck rank of another process from it).
+#[doc(hidden)]
+pub fn behind_peers(comm: ncclComm_t) -> Vec<usize> {
+    api::behind_peers(comm)
+}
+
 /// Operations of the host handle `comm` not seen complete: accepted and never completing
 /// ([`fault::Fault::StuckWork`]) or held back until released ([`fault::Fault::StalledWork`]);
 /// 0 for an unknown handle. For nccl-safe only (its

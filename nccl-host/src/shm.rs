@@ -686,6 +686,21 @@ impl Segment {
         (n == 1 && r != self.rank).then(|| (r, self.info(r).pid.load(Acquire)))
     }
 
+    /// The ranks that have not reached the collective this rank waits in (their barrier
+    /// count is behind this rank's), else those a peer's revoke or abort found behind
+    /// (the first of them): what the provider knows of a rank that is stuck, for a report
+    /// that has no desync board to ask, or whose board is gone.
+    pub(crate) fn behind_now(&self) -> Vec<usize> {
+        let mine = self.info(self.rank).epoch.load(Acquire);
+        let late: Vec<usize> = (0..self.nranks)
+            .filter(|&r| self.info(r).epoch.load(Acquire) < mine)
+            .collect();
+        if !late.is_empty() {
+            return late;
+        }
+        self.behind().map(|(r, _)| r).into_iter().collect()
+    }
+
     /// The error every rank reports once the communicator failed, if it did.
     pub(crate) fn failure(&self) -> Option<Fail> {
         let h = self.header();
