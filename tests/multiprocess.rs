@@ -59,7 +59,12 @@ fn child() -> Option<(usize, usize, Communicator)> {
         .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
         .collect();
     let id = UniqueId::from_bytes(&bytes).expect("a unique id");
-    // A desync board when the test serves one (as a launcher's rank 0 does).
+    // A desync board when the test serves one, or rank 0 does (as under a launcher).
+    if let (0, Ok(addr), Ok(_)) = (rank, std::env::var(BOARD_ENV), std::env::var(BOARD_SERVE_ENV))
+    {
+        let board = DesyncBoard::serve(&addr, n, BOARD_TOKEN).expect("serve the board");
+        std::mem::forget(board); // served until the process ends
+    }
     let config = match std::env::var(BOARD_ENV) {
         Ok(addr) => Config::new().desync_board(BoardClient::new(addr, n, BOARD_TOKEN)),
         Err(_) => Config::new(),
@@ -369,7 +374,10 @@ fn faulty(fault: &str) {
         "kill-first-attempt" => "none",
         f => f,
     };
-    let bad = 1;
+    let bad: usize = std::env::var(BAD_RANK_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
     let fail = |step: usize, e: nccl_safe::Error| -> ! {
         // One write, so that lines of ranks under mpirun do not interleave.
         let text = format!("ERROR_AT_MS {:.1}\nrank {r} step {step}: {e}\n", now_ms());
@@ -388,6 +396,20 @@ fn faulty(fault: &str) {
                     unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
                 }
                 "skip" => continue,
+                "stop" => {
+                    // The whole process stops (SIGSTOP), its board server included; a
+                    // shell sends SIGCONT after `STUCK_MS_ENV`.
+                    let ms: u64 = std::env::var(STUCK_MS_ENV)
+                        .ok()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(4000);
+                    let pid = std::process::id();
+                    let wake = format!("sleep {}; kill -CONT {pid}", ms as f64 / 1e3);
+                    Command::new("sh").args(["-c", &wake]).spawn().expect("sh");
+                    println!("STUCK_AT_MS {:.1}", now_ms());
+                    // SAFETY: kill(2) on our own pid; nothing is touched.
+                    unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+                }
                 "none" => {}
                 "panic" => {
                     println!("PANICKED_AT_MS {:.1}", now_ms());
@@ -735,6 +757,47 @@ fn a_stuck_rank_is_named_without_a_board() {
     assert!(o.stderr.contains("rank(s) [1] are behind"), "rank 3: {}", o.stderr);
     assert!(o.stdout.contains("LOST_RANK Some(1)"), "rank 3: {}", o.stdout);
 }
+
+/// Rank 0 stopped (SIGSTOP) while it hosts the desync board, as under a launcher: the
+/// survivors cannot read the board, and name rank 0 from the host provider's shared memory
+/// instead (the report of rank 3, whose watchdog fires first, finds it behind, without
+/// waiting on the board, and the others are told it had not reached the collective):
+/// `lost_ranks()` has 0 on every survivor. Before, the reports said "the desync board
+/// could not be read" and named nobody.
+#[test]
+fn a_stopped_rank_0_that_hosts_the_board_is_named() {
+    faulty("stop");
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let outs = spawn(
+        "a_stopped_rank_0_that_hosts_the_board_is_named",
+        4,
+        &[
+            (BOARD_ENV, &addr),
+            (BOARD_SERVE_ENV, "1"),
+            (BAD_RANK_ENV, "0"),
+            (STAGGER_ENV, "1000"),
+            ("NCCL_SAFE_HOST_TIMEOUT_MS", "8000"),
+            (STUCK_MS_ENV, "4000"),
+        ],
+    );
+    for (r, o) in outs.iter().enumerate().skip(1) {
+        assert_eq!(o.code, Some(1), "rank {r} must fail: {}", o.stderr);
+        assert!(!o.stderr.contains("could not be read"), "rank {r}: {}", o.stderr);
+        let lost = (o.stdout.lines())
+            .find_map(|l| Some(l.split_once("LOST_RANKS ")?.1.trim().to_string()))
+            .unwrap_or_default();
+        assert!(lost.starts_with("[0"), "rank {r}: {}", o.stdout);
+    }
+    assert!(outs[3].stdout.contains("LOST_RANK Some(0)"), "{}", outs[3].stdout);
+}
+
+/// Which rank [`faulty`] makes the bad one (1 when unset).
+const BAD_RANK_ENV: &str = "NCCL_SAFE_TEST_BAD_RANK";
+/// When set, rank 0 serves the desync board at [`BOARD_ENV`]'s address.
+const BOARD_SERVE_ENV: &str = "NCCL_SAFE_TEST_MP_BOARD_SERVE";
 
 /// The desync board's address for [`silent_leave`]'s children.
 const BOARD_ENV: &str = "NCCL_SAFE_TEST_MP_BOARD";

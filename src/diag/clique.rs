@@ -748,7 +748,7 @@ impl Clique {
                 })
                 .collect();
             let wanted: Vec<usize> = (0..views.len()).filter(|&r| !views[r].present).collect();
-            remote::exchange(&**b, self.key, &ours, &wanted, timeout)
+            remote::exchange(&**b, self.key, &ours, &wanted, timeout, host.is_some())
         });
         let mut silent = Vec::new();
         for (r, v) in views.iter().enumerate() {
