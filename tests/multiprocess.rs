@@ -60,8 +60,11 @@ fn child() -> Option<(usize, usize, Communicator)> {
         .collect();
     let id = UniqueId::from_bytes(&bytes).expect("a unique id");
     // A desync board when the test serves one, or rank 0 does (as under a launcher).
-    if let (0, Ok(addr), Ok(_)) = (rank, std::env::var(BOARD_ENV), std::env::var(BOARD_SERVE_ENV))
-    {
+    if let (0, Ok(addr), Ok(_)) = (
+        rank,
+        std::env::var(BOARD_ENV),
+        std::env::var(BOARD_SERVE_ENV),
+    ) {
         let board = DesyncBoard::serve(&addr, n, BOARD_TOKEN).expect("serve the board");
         std::mem::forget(board); // served until the process ends
     }
@@ -748,14 +751,26 @@ fn a_stuck_rank_is_named_without_a_board() {
         assert_eq!(o.code, Some(1), "rank {r} must fail: {}", o.stderr);
         let pid = "rank 1 (pid ";
         let stuck = "had not reached that collective: it is stuck or gone";
-        assert!(o.stderr.contains(pid) && o.stderr.contains(stuck), "rank {r}: {}", o.stderr);
+        assert!(
+            o.stderr.contains(pid) && o.stderr.contains(stuck),
+            "rank {r}: {}",
+            o.stderr
+        );
         // (Rank 3 may be counted too: it exits once it failed.)
         assert!(lost(o).contains('1'), "rank {r}: {}", o.stdout);
     }
     let o = &outs[3];
     assert_eq!(o.code, Some(1), "rank 3 must fail: {}", o.stderr);
-    assert!(o.stderr.contains("rank(s) [1] are behind"), "rank 3: {}", o.stderr);
-    assert!(o.stdout.contains("LOST_RANK Some(1)"), "rank 3: {}", o.stdout);
+    assert!(
+        o.stderr.contains("rank(s) [1] are behind"),
+        "rank 3: {}",
+        o.stderr
+    );
+    assert!(
+        o.stdout.contains("LOST_RANK Some(1)"),
+        "rank 3: {}",
+        o.stdout
+    );
 }
 
 /// Rank 0 stopped (SIGSTOP) while it hosts the desync board, as under a launcher: the
@@ -785,13 +800,21 @@ fn a_stopped_rank_0_that_hosts_the_board_is_named() {
     );
     for (r, o) in outs.iter().enumerate().skip(1) {
         assert_eq!(o.code, Some(1), "rank {r} must fail: {}", o.stderr);
-        assert!(!o.stderr.contains("could not be read"), "rank {r}: {}", o.stderr);
+        assert!(
+            !o.stderr.contains("could not be read"),
+            "rank {r}: {}",
+            o.stderr
+        );
         let lost = (o.stdout.lines())
             .find_map(|l| Some(l.split_once("LOST_RANKS ")?.1.trim().to_string()))
             .unwrap_or_default();
         assert!(lost.starts_with("[0"), "rank {r}: {}", o.stdout);
     }
-    assert!(outs[3].stdout.contains("LOST_RANK Some(0)"), "{}", outs[3].stdout);
+    assert!(
+        outs[3].stdout.contains("LOST_RANK Some(0)"),
+        "{}",
+        outs[3].stdout
+    );
 }
 
 /// Which rank [`faulty`] makes the bad one (1 when unset).

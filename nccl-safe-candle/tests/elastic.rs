@@ -274,9 +274,10 @@ fn a_standby_that_dies_before_it_joins_costs_the_grow_only() {
                     let mut step = run.step;
                     // The standby the id was for died: nobody joins.
                     let grow_id = (rank == 0).then(|| run.comm.grow_id()).transpose()?;
-                    let (comm, e) = nccl_safe_candle::grow(run.comm, 4, grow_id.as_ref(), &mut step)
-                        .err()
-                        .expect("nobody joined the grow");
+                    let (comm, e) =
+                        nccl_safe_candle::grow(run.comm, 4, grow_id.as_ref(), &mut step)
+                            .err()
+                            .expect("nobody joined the grow");
                     assert!(e.to_string().contains("stays usable"), "{e}");
                     assert!(!comm.is_failed(), "{e}");
                     assert_eq!((comm.rank(), comm.world_size(), step), (rank, 3, REJOIN_AT));
@@ -294,14 +295,24 @@ fn a_standby_that_dies_before_it_joins_costs_the_grow_only() {
     let outs: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
     for (r, (params, losses, step, world)) in outs.iter().enumerate() {
         assert_eq!((*step, *world), (STEPS, 3), "rank {r}");
-        assert_eq!(params, &outs[0].0, "rank {r}'s parameters differ from rank 0's");
-        assert_eq!(losses.len(), STEPS as usize, "one loss per step, none twice");
+        assert_eq!(
+            params, &outs[0].0,
+            "rank {r}'s parameters differ from rank 0's"
+        );
+        assert_eq!(
+            losses.len(),
+            STEPS as usize,
+            "one loss per step, none twice"
+        );
         let k = REJOIN_AT as usize;
         assert!(losses[k - 1] < losses[0] && losses[STEPS as usize - 1] < losses[k - 1]);
         let worst = (params.iter().zip(&reference))
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
-        assert!(worst < 1e-5, "rank {r}: {worst} from one process's 30 steps");
+        assert!(
+            worst < 1e-5,
+            "rank {r}: {worst} from one process's 30 steps"
+        );
     }
     let limit = Instant::now() + Duration::from_secs(10);
     let st = loop {
@@ -376,9 +387,11 @@ fn a_replacement_rank_rejoins_through_grow() {
                         let big = if run.comm.rank() == 0 {
                             let grow_id = run.comm.grow_id()?;
                             tx.send((grow_id, sent)).unwrap();
-                            nccl_safe_candle::grow(run.comm, RANKS, Some(&grow_id), &mut step).map_err(|(_, e)| e)?
+                            nccl_safe_candle::grow(run.comm, RANKS, Some(&grow_id), &mut step)
+                                .map_err(|(_, e)| e)?
                         } else {
-                            nccl_safe_candle::grow(run.comm, RANKS, None, &mut step).map_err(|(_, e)| e)?
+                            nccl_safe_candle::grow(run.comm, RANKS, None, &mut step)
+                                .map_err(|(_, e)| e)?
                         };
                         assert_eq!(
                             (big.rank(), big.world_size(), step),

@@ -1179,7 +1179,9 @@ mod tests {
             ..enqueued_all_reduce(0, Duration::ZERO)
         };
         c.update(0, |v| *v = seen(1, Some(stuck)));
-        let r = c.report(0, &stuck, Duration::from_secs(1), "x", true, None).text;
+        let r = c
+            .report(0, &stuck, Duration::from_secs(1), "x", true, None)
+            .text;
         assert!(
             r.contains("  rank 1: no record (not in this process"),
             "{r}"
