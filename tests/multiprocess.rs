@@ -408,10 +408,11 @@ fn faulty(fault: &str) {
                         .unwrap_or(4000);
                     let pid = std::process::id();
                     let wake = format!("sleep {}; kill -CONT {pid}", ms as f64 / 1e3);
-                    Command::new("sh").args(["-c", &wake]).spawn().expect("sh");
+                    let mut waker = Command::new("sh").args(["-c", &wake]).spawn().expect("sh");
                     println!("STUCK_AT_MS {:.1}", now_ms());
                     // SAFETY: kill(2) on our own pid; nothing is touched.
                     unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+                    let _ = waker.wait(); // it woke us: reaped here
                 }
                 "none" => {}
                 "panic" => {
