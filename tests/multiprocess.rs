@@ -684,8 +684,8 @@ const STAGGER_ENV: &str = "NCCL_SAFE_TEST_STAGGER_MS";
 /// a desync board as under a launcher. Watchdogs fire apart (on GPUs by the moments each
 /// rank enqueued; here rank 3's at 1 s, the others' 1 s later each), so the first to abort
 /// gives the others NCCL's remote error ("rank 3 called ncclCommAbort") before their own
-/// timeout. Every survivor still names rank 1, from the board: it posted nothing while the
-/// others waited in collective #3.
+/// timeout. Every survivor still names rank 1 as behind: the host provider's shared memory
+/// says it never reached collective #3 (and it posted nothing on the board).
 #[test]
 fn a_stuck_rank_is_named_by_every_survivor_when_the_watchdog_fires() {
     faulty("stuck");
@@ -701,11 +701,7 @@ fn a_stuck_rank_is_named_by_every_survivor_when_the_watchdog_fires() {
             (STUCK_MS_ENV, "4000"),
         ],
     );
-    let t = survivors_name_rank_1(
-        &outs,
-        "STUCK_AT_MS",
-        "rank(s) [1] in other processes posted nothing",
-    )
+    let t = survivors_name_rank_1(&outs, "STUCK_AT_MS", "rank(s) [1] are behind")
     .expect("stuck and error times");
     eprintln!("time from rank 1's stop to the last survivor's error: {t:.1} ms");
     // Rank 3 at its 1 s timeout; the others after their report waited for rank 1's post
