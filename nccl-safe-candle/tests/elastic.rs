@@ -258,7 +258,8 @@ const REJOIN_AT: u64 = 20;
 fn a_standby_that_dies_before_it_joins_costs_the_grow_only() {
     let id = CommDevice::Host.unique_id().unwrap();
     let config = Config::new().elastic(true).timeout(Duration::from_secs(1));
-    let results: Vec<DistResult<(Vec<f32>, Vec<f32>, u64, usize)>> = std::thread::scope(|s| {
+    type Out = (Vec<f32>, Vec<f32>, u64, usize);
+    let results: Vec<DistResult<Out>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..3)
             .map(|rank| {
                 let config = config.clone();
@@ -274,10 +275,11 @@ fn a_standby_that_dies_before_it_joins_costs_the_grow_only() {
                     let mut step = run.step;
                     // The standby the id was for died: nobody joins.
                     let grow_id = (rank == 0).then(|| run.comm.grow_id()).transpose()?;
-                    let (comm, e) =
+                    let Err((comm, e)) =
                         nccl_safe_candle::grow(run.comm, 4, grow_id.as_ref(), &mut step)
-                            .err()
-                            .expect("nobody joined the grow");
+                    else {
+                        panic!("nobody joined the grow, yet it succeeded");
+                    };
                     assert!(e.to_string().contains("stays usable"), "{e}");
                     assert!(!comm.is_failed(), "{e}");
                     assert_eq!((comm.rank(), comm.world_size(), step), (rank, 3, REJOIN_AT));
