@@ -227,16 +227,16 @@ echo "  rank 1 is stuck in its own code: ranks 0, 2, 3 failed naming it as behin
 
 # The same, found by the watchdogs (rank 3's after 1 s, rank 0's, which serves the board,
 # last; the provider's 8 s never comes): rank 3's abort reaches the others before their own
-# timeout, and they still name rank 1, from the board.
+# timeout, and they still name rank 1 as behind, from the provider's shared memory.
 NCCL_SAFE_TEST_STAGGER_MS=1000 NCCL_SAFE_TEST_STUCK_MS=4000 run stuck-watchdog --tolerate-a-dead-rank "$exe" --exact a_stuck_rank_is_named_by_every_survivor_when_the_watchdog_fires --nocapture --test-threads=1
 # (The report is several lines: each survivor's first line names the call and its line,
 # and a line of each report names rank 1.)
 survivors_say "$logs/stuck-watchdog" ''
-[ "$(count "$logs/stuck-watchdog" '^=> rank\(s\) \[1\] in other processes posted nothing')" -eq 3 ] \
+[ "$(count "$logs/stuck-watchdog" '^=> rank\(s\) \[1\] are behind')" -eq 3 ] \
   || { cat "$logs/stuck-watchdog"; fail "stuck-watchdog: expected 3 reports naming rank 1"; }
 t="$(delay "$logs/stuck-watchdog" STUCK_AT_MS)"
 awk -v t="$t" 'BEGIN { exit !(t < 6000) }' || { cat "$logs/stuck-watchdog"; fail "stuck-watchdog: errors took $t ms"; }
-echo "  rank 1 is stuck, found by the watchdogs: ranks 0, 2, 3 failed naming it from the desync board; last error $t ms after it stopped"
+echo "  rank 1 is stuck, found by the watchdogs: ranks 0, 2, 3 failed naming it as behind; last error $t ms after it stopped"
 echo "  nothing left in /dev/shm"
 
 echo "3. an elastic job (nccl-safe-candle's examples/elastic.rs): 4 $launcher ranks and a standby; rank 1 is SIGKILLed from outside, 3 carry on, the standby rejoins through grow"

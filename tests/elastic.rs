@@ -447,6 +447,38 @@ fn the_host_abi_follows_nccl_2_29s_contract() {
     );
 }
 
+/// NCCL's grow job keeps using the parent until it ends (bootstrap.cc:777-779, init.cc:1716
+/// of v2.29.7-1), and the parent's abort neither stops nor joins it: the host provider
+/// counts a teardown of a parent whose grow is still pending as misuse (NCCL would touch
+/// freed memory), and none once the new communicator was aborted first.
+#[test]
+fn the_host_counts_a_parent_torn_down_under_a_pending_grow() {
+    use nccl_sys::bindings::*;
+    let lib = Library::host();
+    let t = lib.table();
+    let (get_id, grow) = (t.ncclCommGetUniqueId.unwrap(), t.ncclCommGrow.unwrap());
+    for parent_first in [false, true] {
+        let id = CommDevice::Host.unique_id().unwrap();
+        let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &config()).unwrap();
+        let raw = comm.into_raw();
+        let mut gid = ncclUniqueId { internal: [0; 128] };
+        // SAFETY: live handle, writable id.
+        assert_eq!(unsafe { get_id(raw, &mut gid) }, ncclSuccess);
+        let mut out: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: live handle, the id from it, writable out-pointer; no new rank joins.
+        let r = unsafe { grow(raw, 2, &gid, -1, &mut out, std::ptr::null_mut()) };
+        assert_eq!(r, ncclSuccess);
+        let order = if parent_first { [raw, out] } else { [out, raw] };
+        for c in order {
+            // SAFETY: live handles, each torn down once.
+            assert_eq!(unsafe { (t.ncclCommAbort)(c) }, ncclSuccess);
+        }
+        let st = support::settled_stats(&id);
+        assert_eq!((st.created, st.aborted), (2, 2), "{st:?}");
+        assert_eq!(st.misused, u64::from(parent_first), "{st:?}");
+    }
+}
+
 /// NCCL refuses a shrink that excludes no rank, and a NULL list, with ncclInvalidArgument
 /// before it writes anything (`PtrCheck(excludeRanksList)` and `excludeRanksCount > 0`,
 /// init.cc:2561-2562 of 2.28.9); the host provider did a shrink to the whole world.
@@ -728,4 +760,107 @@ fn two_ranks_lost_at_once_are_both_excluded() {
 #[cfg(feature = "diag")]
 fn a_rank_lost_while_the_survivors_recover_is_excluded_too() {
     survivors_of_two_departures(Duration::from_millis(10));
+}
+
+/// Two ranks grow to three, but the standby the root handed the id to dies before it
+/// joins (it never calls `join_grown`). Each existing rank's grow fails with a timeout
+/// within its own bound, and the parent is untouched: not failed, its all-reduce works,
+/// and it is destroyed (not aborted). The new communicators are aborted before the
+/// parents are torn down (NCCL's grow job uses the parent until it ends; the host
+/// provider counts a parent torn down under a pending grow as misuse). With and without
+/// `Config::elastic`. Before, the grow was watched as an operation of the parent: the
+/// watchdog's timeout failed the parent (aborted it, or revoked it with elastic), with
+/// the grow's job still pending.
+#[cfg(feature = "diag")]
+fn a_standby_that_never_joins(elastic: bool) {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let cfg = Config::new()
+        .elastic(elastic)
+        .timeout(Duration::from_millis(500));
+    support::within(Duration::from_secs(20), move || {
+        std::thread::scope(|s| {
+            for rank in 0..2 {
+                let cfg = cfg.clone();
+                s.spawn(move || {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &cfg).unwrap();
+                    let grow_id = (rank == 0).then(|| comm.grow_id().unwrap());
+                    // The standby got the id and died: nobody joins.
+                    // A timeout, or NCCL's error once the other rank gave up on its grow.
+                    let e = comm.grow(3, grow_id.as_ref()).unwrap_err();
+                    assert!(matches!(e, Error::Timeout { .. } | Error::Nccl(_)), "{e:?}");
+                    let text = e.to_string();
+                    assert!(text.contains("ncclCommGrow"), "{text}");
+                    assert!(text.contains("stays usable"), "{text}");
+                    assert!(!comm.is_failed(), "the grow failed the parent: {e}");
+                    assert!(!comm.is_revoked(), "the grow revoked the parent: {e}");
+                    let mut x = vec![rank as f32 + 1.0; 4];
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                    assert_eq!(x, vec![3.0; 4]);
+                    comm.destroy().map_err(|(_, e)| e).unwrap();
+                });
+            }
+        });
+    });
+    let st = assert_balanced(&id);
+    assert_eq!((st.created, st.destroyed, st.aborted), (4, 2, 2), "{st:?}");
+}
+
+#[test]
+#[cfg(feature = "diag")]
+fn a_standby_that_never_joins_costs_the_grow_only() {
+    a_standby_that_never_joins(false);
+}
+
+#[test]
+#[cfg(feature = "diag")]
+fn a_standby_that_never_joins_leaves_an_elastic_parent_usable() {
+    a_standby_that_never_joins(true);
+}
+
+/// A failed grow across processes' shared memory leaves nothing in `/dev/shm`: two ranks
+/// on a shared id grow to three, nobody joins, and once both grows failed the grown
+/// communicator's segment is gone (before, it stayed until the provider's own wait limit,
+/// 300 s, ran out, or for good when the process exited first). So does a failed init's:
+/// one rank of two inits and the other never comes.
+#[test]
+#[cfg(feature = "diag")]
+fn a_failed_grow_or_init_leaves_nothing_in_dev_shm() {
+    let path = |id: &UniqueId| nccl_safe::host::shared_segment_path(&id.to_raw()).unwrap();
+    let cfg = Config::new().timeout(Duration::from_millis(500));
+    let id = UniqueId::from_raw(nccl_safe::host::shared_unique_id());
+    let grow_path = support::within(Duration::from_secs(20), move || {
+        std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..2)
+                .map(|rank| {
+                    let cfg = cfg.clone();
+                    s.spawn(move || {
+                        let comm =
+                            Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &cfg).unwrap();
+                        let grow_id = (rank == 0).then(|| comm.grow_id().unwrap());
+                        comm.grow(3, grow_id.as_ref()).unwrap_err();
+                        comm.destroy().map_err(|(_, e)| e).unwrap();
+                        grow_id
+                    })
+                })
+                .collect();
+            let ids: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+            path(ids[0].as_ref().unwrap())
+        })
+    });
+    assert!(
+        !std::path::Path::new(&grow_path).exists(),
+        "{grow_path} was left"
+    );
+    assert!(!std::path::Path::new(&path(&id)).exists());
+    assert_balanced(&id);
+
+    let id = UniqueId::from_raw(nccl_safe::host::shared_unique_id());
+    let cfg = Config::new().timeout(Duration::from_millis(300));
+    Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &cfg).unwrap_err();
+    assert!(
+        !std::path::Path::new(&path(&id)).exists(),
+        "{} was left",
+        path(&id)
+    );
 }

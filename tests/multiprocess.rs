@@ -59,7 +59,15 @@ fn child() -> Option<(usize, usize, Communicator)> {
         .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
         .collect();
     let id = UniqueId::from_bytes(&bytes).expect("a unique id");
-    // A desync board when the test serves one (as a launcher's rank 0 does).
+    // A desync board when the test serves one, or rank 0 does (as under a launcher).
+    if let (0, Ok(addr), Ok(_)) = (
+        rank,
+        std::env::var(BOARD_ENV),
+        std::env::var(BOARD_SERVE_ENV),
+    ) {
+        let board = DesyncBoard::serve(&addr, n, BOARD_TOKEN).expect("serve the board");
+        std::mem::forget(board); // served until the process ends
+    }
     let config = match std::env::var(BOARD_ENV) {
         Ok(addr) => Config::new().desync_board(BoardClient::new(addr, n, BOARD_TOKEN)),
         Err(_) => Config::new(),
@@ -369,7 +377,10 @@ fn faulty(fault: &str) {
         "kill-first-attempt" => "none",
         f => f,
     };
-    let bad = 1;
+    let bad: usize = std::env::var(BAD_RANK_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
     let fail = |step: usize, e: nccl_safe::Error| -> ! {
         // One write, so that lines of ranks under mpirun do not interleave.
         let text = format!("ERROR_AT_MS {:.1}\nrank {r} step {step}: {e}\n", now_ms());
@@ -388,6 +399,21 @@ fn faulty(fault: &str) {
                     unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
                 }
                 "skip" => continue,
+                "stop" => {
+                    // The whole process stops (SIGSTOP), its board server included; a
+                    // shell sends SIGCONT after `STUCK_MS_ENV`.
+                    let ms: u64 = std::env::var(STUCK_MS_ENV)
+                        .ok()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(4000);
+                    let pid = std::process::id();
+                    let wake = format!("sleep {}; kill -CONT {pid}", ms as f64 / 1e3);
+                    let mut waker = Command::new("sh").args(["-c", &wake]).spawn().expect("sh");
+                    println!("STUCK_AT_MS {:.1}", now_ms());
+                    // SAFETY: kill(2) on our own pid; nothing is touched.
+                    unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+                    let _ = waker.wait(); // it woke us: reaped here
+                }
                 "none" => {}
                 "panic" => {
                     println!("PANICKED_AT_MS {:.1}", now_ms());
@@ -428,6 +454,7 @@ fn faulty(fault: &str) {
         }
         if let Err(e) = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host) {
             println!("LOST_RANK {:?}", c.lost_rank());
+            println!("LOST_RANKS {:?}", c.lost_ranks());
             drop(c);
             fail(step, e);
         }
@@ -657,8 +684,8 @@ const STAGGER_ENV: &str = "NCCL_SAFE_TEST_STAGGER_MS";
 /// a desync board as under a launcher. Watchdogs fire apart (on GPUs by the moments each
 /// rank enqueued; here rank 3's at 1 s, the others' 1 s later each), so the first to abort
 /// gives the others NCCL's remote error ("rank 3 called ncclCommAbort") before their own
-/// timeout. Every survivor still names rank 1, from the board: it posted nothing while the
-/// others waited in collective #3.
+/// timeout. Every survivor still names rank 1 as behind: the host provider's shared memory
+/// says it never reached collective #3 (and it posted nothing on the board).
 #[test]
 fn a_stuck_rank_is_named_by_every_survivor_when_the_watchdog_fires() {
     faulty("stuck");
@@ -674,11 +701,7 @@ fn a_stuck_rank_is_named_by_every_survivor_when_the_watchdog_fires() {
             (STUCK_MS_ENV, "4000"),
         ],
     );
-    let t = survivors_name_rank_1(
-        &outs,
-        "STUCK_AT_MS",
-        "rank(s) [1] in other processes posted nothing",
-    )
+    let t = survivors_name_rank_1(&outs, "STUCK_AT_MS", "rank(s) [1] are behind")
     .expect("stuck and error times");
     eprintln!("time from rank 1's stop to the last survivor's error: {t:.1} ms");
     // Rank 3 at its 1 s timeout; the others after their report waited for rank 1's post
@@ -694,6 +717,107 @@ fn a_stuck_rank_is_named_by_every_survivor_when_the_watchdog_fires() {
         );
     }
 }
+
+/// The stuck rank with no desync board (a plain `init_rank`, as the elastic example
+/// makes it): rank 3's watchdog fires first (1 s) and aborts its communicator, which
+/// fails the collective for everyone. Every survivor names rank 1: rank 3's report finds
+/// it behind from the host provider's shared memory (`lost_rank()` is 1), and ranks 0 and
+/// 2 are told that rank 1 had not reached the collective (stuck or gone), which
+/// `lost_ranks()` counts. Before, ranks 0 and 2 were told only "rank 3 (pid P) called
+/// ncclCommAbort" (a healthy rank whose watchdog fired first), and rank 3's report said
+/// that no rank in this process was behind: rank 1 was named nowhere.
+#[test]
+fn a_stuck_rank_is_named_without_a_board() {
+    faulty("stuck");
+    let outs = spawn(
+        "a_stuck_rank_is_named_without_a_board",
+        4,
+        &[
+            (STAGGER_ENV, "1000"),
+            ("NCCL_SAFE_HOST_TIMEOUT_MS", "8000"),
+            (STUCK_MS_ENV, "4000"),
+        ],
+    );
+    let lost = |o: &Out| {
+        (o.stdout.lines())
+            .find_map(|l| Some(l.split_once("LOST_RANKS ")?.1.trim().to_string()))
+            .unwrap_or_default()
+    };
+    for r in [0, 2] {
+        let o = &outs[r];
+        assert_eq!(o.code, Some(1), "rank {r} must fail: {}", o.stderr);
+        let pid = "rank 1 (pid ";
+        let stuck = "had not reached that collective: it is stuck or gone";
+        assert!(
+            o.stderr.contains(pid) && o.stderr.contains(stuck),
+            "rank {r}: {}",
+            o.stderr
+        );
+        // (Rank 3 may be counted too: it exits once it failed.)
+        assert!(lost(o).contains('1'), "rank {r}: {}", o.stdout);
+    }
+    let o = &outs[3];
+    assert_eq!(o.code, Some(1), "rank 3 must fail: {}", o.stderr);
+    assert!(
+        o.stderr.contains("rank(s) [1] are behind"),
+        "rank 3: {}",
+        o.stderr
+    );
+    assert!(
+        o.stdout.contains("LOST_RANK Some(1)"),
+        "rank 3: {}",
+        o.stdout
+    );
+}
+
+/// Rank 0 stopped (SIGSTOP) while it hosts the desync board, as under a launcher: the
+/// survivors cannot read the board, and name rank 0 from the host provider's shared memory
+/// instead (the report of rank 3, whose watchdog fires first, finds it behind, without
+/// waiting on the board, and the others are told it had not reached the collective):
+/// `lost_ranks()` has 0 on every survivor. Before, the reports said "the desync board
+/// could not be read" and named nobody.
+#[test]
+fn a_stopped_rank_0_that_hosts_the_board_is_named() {
+    faulty("stop");
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let outs = spawn(
+        "a_stopped_rank_0_that_hosts_the_board_is_named",
+        4,
+        &[
+            (BOARD_ENV, &addr),
+            (BOARD_SERVE_ENV, "1"),
+            (BAD_RANK_ENV, "0"),
+            (STAGGER_ENV, "1000"),
+            ("NCCL_SAFE_HOST_TIMEOUT_MS", "8000"),
+            (STUCK_MS_ENV, "4000"),
+        ],
+    );
+    for (r, o) in outs.iter().enumerate().skip(1) {
+        assert_eq!(o.code, Some(1), "rank {r} must fail: {}", o.stderr);
+        assert!(
+            !o.stderr.contains("could not be read"),
+            "rank {r}: {}",
+            o.stderr
+        );
+        let lost = (o.stdout.lines())
+            .find_map(|l| Some(l.split_once("LOST_RANKS ")?.1.trim().to_string()))
+            .unwrap_or_default();
+        assert!(lost.starts_with("[0"), "rank {r}: {}", o.stdout);
+    }
+    assert!(
+        outs[3].stdout.contains("LOST_RANK Some(0)"),
+        "{}",
+        outs[3].stdout
+    );
+}
+
+/// Which rank [`faulty`] makes the bad one (1 when unset).
+const BAD_RANK_ENV: &str = "NCCL_SAFE_TEST_BAD_RANK";
+/// When set, rank 0 serves the desync board at [`BOARD_ENV`]'s address.
+const BOARD_SERVE_ENV: &str = "NCCL_SAFE_TEST_MP_BOARD_SERVE";
 
 /// The desync board's address for [`silent_leave`]'s children.
 const BOARD_ENV: &str = "NCCL_SAFE_TEST_MP_BOARD";
@@ -959,6 +1083,97 @@ fn a_process_joins_a_communicator_grown_across_processes() {
             o.stdout
         );
     }
+}
+
+/// As above, but the standby process SIGKILLs itself once it has the id, before it joins.
+/// Ranks 0 and 1 (timeout 1 s) see their grow fail, and carry on: their communicator is
+/// untouched (an all-reduce on it is right), nothing is left in /dev/shm (the grown
+/// communicator's segment neither), and both exit 0. Before, the grow's timeout failed the
+/// parent (the watchdog aborted it) and the segment stayed.
+#[test]
+fn a_standby_killed_before_it_joins_costs_the_grow_only() {
+    if let Some((r, id)) = child_spec() {
+        let file = std::path::PathBuf::from(std::env::var(GROW_FILE_ENV).expect("file"));
+        if r == 2 {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while std::fs::metadata(&file).is_err() {
+                assert!(Instant::now() < deadline, "no grow id");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            // SAFETY: signals this process, which ends here.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let run = || -> Result<f32> {
+            let cfg = Config::new().timeout(Duration::from_secs(1));
+            let c = Communicator::init_rank(&CommDevice::Host, 2, r, &id, &cfg)?;
+            let gid = if r == 0 {
+                let gid = c.grow_id()?;
+                let path = nccl_safe::host::shared_segment_path(&gid.to_raw()).expect("shared");
+                println!("GROW_SEGMENT {path}");
+                let tmp = file.with_extension("tmp");
+                std::fs::write(&tmp, gid.as_bytes()).expect("write the id");
+                std::fs::rename(&tmp, &file).expect("publish the id");
+                Some(gid)
+            } else {
+                None
+            };
+            let e = c
+                .grow(3, gid.as_ref())
+                .map(drop)
+                .expect_err("nobody joined");
+            println!("GROW_FAILED rank {r}: {e}");
+            assert!(!c.is_failed(), "{e}");
+            let mut y = vec![(r + 1) as f32; 1000];
+            c.all_reduce_in_place(&mut y, ReduceOp::Sum, &Stream::Host)?;
+            c.destroy().map_err(|(_, e)| e)?;
+            Ok(y[999])
+        };
+        match run() {
+            Ok(sum) => {
+                println!("CARRIED_ON rank {r}: sum {sum}");
+                std::process::exit(0)
+            }
+            Err(e) => {
+                eprintln!("rank {r}: {e}");
+                std::process::exit(3)
+            }
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("nccl-safe-standby-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("id");
+    let outs = spawn(
+        "a_standby_killed_before_it_joins_costs_the_grow_only",
+        3,
+        &[(GROW_FILE_ENV, file.to_str().unwrap())],
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(
+        outs[2].code, None,
+        "the standby was killed: {}",
+        outs[2].stderr
+    );
+    for (r, o) in outs.iter().take(2).enumerate() {
+        assert_eq!(o.code, Some(0), "rank {r}: {}", o.stderr);
+        assert!(
+            o.stdout.contains(&format!("GROW_FAILED rank {r}: ")),
+            "rank {r}: {}",
+            o.stdout
+        );
+        assert!(o.stdout.contains("stays usable"), "rank {r}: {}", o.stdout);
+        assert!(
+            o.stdout.contains(&format!("CARRIED_ON rank {r}: sum 3")),
+            "rank {r}: {}",
+            o.stdout
+        );
+    }
+    let segment =
+        (outs[0].stdout.lines()).find_map(|l| Some(l.split_once("GROW_SEGMENT ")?.1.trim()));
+    let segment = segment.expect("rank 0 named the grow's segment");
+    assert!(
+        !std::path::Path::new(segment).exists(),
+        "{segment} was left"
+    );
 }
 
 /// Three processes; rank 1 SIGKILLs itself between two all-reduces. The survivors'

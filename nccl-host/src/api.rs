@@ -700,6 +700,9 @@ fn new_rank(
     let blocking = parse_config(&mut g, config, Some(root), what)?.unwrap_or(parent_blocking);
     let name = name_of(&g, config, parent);
     let h = g.new_handle(root, dev, !blocking, name);
+    if let Some(c) = g.comms.get_mut(&h) {
+        c.grow_parent = parent;
+    }
     if super::shm::is_shared(&idb) {
         join_shared(&mut g, idb, nranks, rank, h, root)?;
     } else {
@@ -720,13 +723,15 @@ fn join_shared(
     root: RootIdx,
 ) -> Result<(), Fail> {
     let deadline = std::time::Instant::now() + super::defs::wait_limit();
+    let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     if let Some(c) = g.comms.get_mut(&h) {
         // The segment's own deadline reports first, naming the missing ranks.
         c.deadline = deadline + std::time::Duration::from_secs(1);
+        c.shared_join = Some((cancel.clone(), super::shm::name_of(&idb)));
     }
     let silent = super::fault::silent_peers(root);
     spawn("nccl-safe-shm-init".into(), move || {
-        let r = super::shm::Segment::join(&idb, nranks as usize, rank as usize, deadline);
+        let r = super::shm::Segment::join(&idb, nranks as usize, rank as usize, deadline, &cancel);
         let mut g = lock();
         let pending = matches!(g.comms.get(&h).map(|c| &c.state), Some(CommState::Pending));
         match r {
@@ -768,6 +773,17 @@ pub(crate) fn dead_peers(comm: ncclComm_t) -> Vec<(usize, u32)> {
         return Vec::new();
     };
     shared_of(&g, *clique).map_or_else(Vec::new, |s| s.dead_peers())
+}
+
+/// [`crate::behind_peers`]: the shared segment of `comm`'s clique, asked which ranks have
+/// not reached the collective `comm`'s rank waits in.
+pub(crate) fn behind_peers(comm: ncclComm_t) -> Vec<usize> {
+    let g = lock();
+    let Some(CommState::Ready { clique, .. }) = g.comms.get(&(comm as usize)).map(|c| &c.state)
+    else {
+        return Vec::new();
+    };
+    shared_of(&g, *clique).map_or_else(Vec::new, |s| s.behind_now())
 }
 
 fn shared_of(g: &Global, clique: u64) -> Option<std::sync::Arc<super::shm::Segment>> {
@@ -873,6 +889,7 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     };
     let mut g = lock();
     let mut h = known(&mut g, comm, what)?;
+    grow_in_flight(&mut g, h, what);
     if !abort {
         // NCCL's ncclCommDestroy sets `destroyFlag` first (init.cc:2379), and nothing clears
         // it: a later revoke is refused (:2457).
@@ -948,6 +965,12 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
         CommState::Pending => {
             let m = format!("a rank called {what} during initialization");
             g.fail_pending(c.pending_on, Fail::new(ncclRemoteError, m));
+            if let Some((cancel, path)) = &c.shared_join {
+                // The join's thread tells the peers and gives up; the name goes now, so
+                // that a process that exits at once leaves nothing in /dev/shm.
+                cancel.store(true, std::sync::atomic::Ordering::Release);
+                let _ = std::fs::remove_file(path);
+            }
         }
         CommState::Failed(_) => {}
     }
@@ -955,6 +978,24 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     drop(g);
     super::fault::torn_down(h);
     Ok(ncclSuccess)
+}
+
+/// A teardown of `h` while a grow of it is still pending on this rank: NCCL's grow job
+/// keeps using its parent (bootstrap.cc:713-714, 777-779; init.cc:1707, 1716 of
+/// v2.29.7-1) and is linked to the new communicator only, so the parent's teardown neither
+/// stops nor joins it, and the job then touches freed memory. Counted as misuse (the
+/// teardown goes on: here nothing is freed that the grow reads); the new communicator's
+/// abort, which joins its job, must come first.
+fn grow_in_flight(g: &mut Global, h: Handle, what: &str) {
+    let pending = g
+        .comms
+        .iter()
+        .any(|(_, c)| c.grow_parent == Some(h) && matches!(c.state, CommState::Pending));
+    if pending {
+        let root = g.comms.get(&h).map(|c| c.root);
+        let m = "the parent of a grow whose job still runs (the job uses the parent until it ends: a use after free in NCCL); tear the new communicator down first";
+        g.misuse(root, ncclInvalidUsage, what, m);
+    }
 }
 
 /// What `ncclCommEnsureReady` (init.cc:373-389) says of `h` before a destroy: ncclInvalidArgument

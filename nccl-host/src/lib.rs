@@ -223,6 +223,15 @@ pub fn root_id_of(comm: ncclComm_t) -> Option<ncclUniqueId> {
     g.root_id(root)
 }
 
+/// The path in `/dev/shm` of the shared memory segment `id`'s communicator meets in
+/// (see [`shared_unique_id`]), for a shared id; `None` for any other. The segment's name
+/// is removed once every rank joined, and when an init fails or is torn down meanwhile.
+#[doc(hidden)]
+pub fn shared_segment_path(id: &ncclUniqueId) -> Option<String> {
+    let b = api::id_bytes(id);
+    shm::is_shared(&b).then(|| shm::name_of(&b))
+}
+
 /// A unique id for a host communicator whose ranks may be in several processes of this
 /// machine (and threads of each): `ncclCommInitRank` with it meets the other ranks in a
 /// shared memory segment named from the id instead of inside this process. Hand it to
@@ -256,6 +265,16 @@ pub fn dead_peer(comm: ncclComm_t) -> Option<(usize, u32)> {
 #[doc(hidden)]
 pub fn dead_peers(comm: ncclComm_t) -> Vec<(usize, u32)> {
     api::dead_peers(comm)
+}
+
+/// The ranks of the live host communicator `comm`'s clique (across processes) that have
+/// not reached the collective `comm`'s rank waits in, else the ones a peer's revoke or
+/// abort found behind; empty for a clique within one process and an unknown handle. For
+/// nccl-safe only (a timeout report with no desync board, or one that cannot be read,
+/// names a stuck rank of another process from it).
+#[doc(hidden)]
+pub fn behind_peers(comm: ncclComm_t) -> Vec<usize> {
+    api::behind_peers(comm)
 }
 
 /// Operations of the host handle `comm` not seen complete: accepted and never completing

@@ -20,7 +20,7 @@ use core::ffi::c_int;
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*};
 use std::time::{Duration, Instant};
 
 use nccl_sys::bindings::*;
@@ -59,6 +59,11 @@ struct Header {
     failed: AtomicU64,
     /// The operation sequence number that failed.
     failed_seq: AtomicU64,
+    /// When a rank's revoke or abort failed the communicator while it waited in a
+    /// collective: `count << 32 | rank` of the ranks that had not reached it then (the
+    /// first of them), so that the peers' error names the stuck rank, not the one whose
+    /// watchdog fired first; 0 when none was behind.
+    behind: AtomicU64,
 }
 
 #[repr(C)]
@@ -308,7 +313,8 @@ pub(crate) fn is_shared(id: &IdBytes) -> bool {
     id[..15] == super::defs::ID_MAGIC[..15] && id[15] == SHARED_TAG
 }
 
-fn name_of(id: &IdBytes) -> String {
+/// The path of `id`'s segment in `/dev/shm`.
+pub(crate) fn name_of(id: &IdBytes) -> String {
     use sha2::Digest;
     let h = sha2::Sha256::digest(id);
     let pid = u32::from_le_bytes([id[16], id[17], id[18], id[19]]);
@@ -399,12 +405,15 @@ impl Segment {
     }
 
     /// Joins (creating when first) the segment of `id` as `rank` of `nranks`, waiting for
-    /// every rank until `deadline`.
+    /// every rank until `deadline`, or until `cancel` is set (the rank's communicator was
+    /// torn down while it joined: the peers are told it left). On a failure the segment's
+    /// name is removed, so that nothing stays in `/dev/shm`.
     pub(crate) fn join(
         id: &IdBytes,
         nranks: usize,
         rank: usize,
         deadline: Instant,
+        cancel: &AtomicBool,
     ) -> Result<Segment, Fail> {
         if nranks > MAX_RANKS {
             let m = format!(
@@ -413,7 +422,7 @@ impl Segment {
             return Err(Fail::new(ncclInvalidArgument, m));
         }
         let path = name_of(id);
-        let r = Self::join_inner(id, &path, nranks, rank, deadline);
+        let r = Self::join_inner(id, &path, nranks, rank, deadline, cancel);
         if r.is_err() {
             let _ = std::fs::remove_file(&path);
         }
@@ -426,7 +435,12 @@ impl Segment {
         nranks: usize,
         rank: usize,
         deadline: Instant,
+        cancel: &AtomicBool,
     ) -> Result<Segment, Fail> {
+        let torn_down = || {
+            let m = format!("rank {rank}'s communicator was torn down during its initialization");
+            Fail::new(ncclRemoteError, m)
+        };
         let slot = slot_bytes(nranks);
         let created = OpenOptions::new()
             .read(true)
@@ -472,6 +486,9 @@ impl Segment {
                 .len() as usize;
             if l >= 4096 {
                 break l;
+            }
+            if cancel.load(Acquire) {
+                return Err(torn_down());
             }
             if Instant::now() >= deadline {
                 let m = format!("the shared memory segment {path} was never sized by its creator");
@@ -520,6 +537,9 @@ impl Segment {
             h.magic.store(MAGIC, Release);
         }
         while h.magic.load(Acquire) != MAGIC {
+            if cancel.load(Acquire) {
+                return Err(torn_down());
+            }
             if Instant::now() >= deadline {
                 let m = format!(
                     "the shared memory segment {path} was never initialized by its creator"
@@ -569,6 +589,11 @@ impl Segment {
             if let Some((why, r)) = gone {
                 return Err(seg.fail_err(why, r, u64::MAX));
             }
+            if cancel.load(Acquire) {
+                // As a destroy during the init: the peers waiting for it fail at once.
+                seg.info(rank).state.store(2, Release);
+                return Err(torn_down());
+            }
             if Instant::now() >= deadline {
                 let missing: Vec<usize> = (0..nranks)
                     .filter(|&r| seg.info(r).state.load(Acquire) == 0)
@@ -592,6 +617,18 @@ impl Segment {
             .compare_exchange(0, (why as u64) << 32 | rank as u64, AcqRel, Acquire)
             .is_ok()
         {
+            if matches!(why, Why::Revoked | Why::Abort) && rank == self.rank {
+                // Inside a collective this rank's epoch is ahead of the ranks that never
+                // reached it.
+                let mine = self.info(rank).epoch.load(Acquire);
+                let late: Vec<usize> = (0..self.nranks)
+                    .filter(|&r| self.info(r).epoch.load(Acquire) < mine)
+                    .collect();
+                if let Some(&first) = late.first() {
+                    h.behind
+                        .store((late.len() as u64) << 32 | first as u64, Release);
+                }
+            }
             h.failed_seq.store(seq, Release);
         }
         h.bar_gen.fetch_add(1, AcqRel);
@@ -629,7 +666,39 @@ impl Segment {
                 (left || died).then_some((r, pid))
             })
             .chain(self.dead_peer())
+            .chain(self.stuck_peer())
             .collect()
+    }
+
+    /// The ranks that had not reached the collective in which a rank's revoke or abort
+    /// failed the communicator: (the first of them, how many), if any.
+    fn behind(&self) -> Option<(usize, usize)> {
+        let b = self.header().behind.load(Acquire);
+        let (count, first) = ((b >> 32) as usize, (b & 0xffff_ffff) as usize);
+        (count > 0 && first < self.nranks).then_some((first, count))
+    }
+
+    /// The rank that had not reached the collective in which a peer's revoke or abort
+    /// (its watchdog's, say) failed the communicator, when it was the only one: stuck or
+    /// gone, so counted with [`dead_peers`](Self::dead_peers).
+    fn stuck_peer(&self) -> Option<(usize, u32)> {
+        let (r, n) = self.behind()?;
+        (n == 1 && r != self.rank).then(|| (r, self.info(r).pid.load(Acquire)))
+    }
+
+    /// The ranks that have not reached the collective this rank waits in (their barrier
+    /// count is behind this rank's), else those a peer's revoke or abort found behind
+    /// (the first of them): what the provider knows of a rank that is stuck, for a report
+    /// that has no desync board to ask, or whose board is gone.
+    pub(crate) fn behind_now(&self) -> Vec<usize> {
+        let mine = self.info(self.rank).epoch.load(Acquire);
+        let late: Vec<usize> = (0..self.nranks)
+            .filter(|&r| self.info(r).epoch.load(Acquire) < mine)
+            .collect();
+        if !late.is_empty() {
+            return late;
+        }
+        self.behind().map(|(r, _)| r).into_iter().collect()
     }
 
     /// The error every rank reports once the communicator failed, if it did.
@@ -651,8 +720,22 @@ impl Segment {
         } else {
             0
         };
-        let remote =
-            |what: String| Fail::new(ncclRemoteError, format!("rank {r} (pid {pid}) {what}"));
+        let behind = match self.behind() {
+            Some((b, 1)) => format!(
+                "; rank {b} (pid {}) had not reached that collective: it is stuck or gone",
+                self.info(b).pid.load(Acquire)
+            ),
+            Some((b, n)) => format!(
+                "; {n} ranks had not reached that collective, rank {b} first: stuck or gone"
+            ),
+            None => String::new(),
+        };
+        let remote = |what: String| {
+            Fail::new(
+                ncclRemoteError,
+                format!("rank {r} (pid {pid}) {what}{behind}"),
+            )
+        };
         Some(match why {
             Why::Abort => remote("called ncclCommAbort".to_string()),
             Why::Died => remote(format!("died: its process is gone ({at})")),

@@ -108,6 +108,17 @@ pub(crate) struct Comm {
     /// init.cc:2909): the next grow's id is derived from it, as NCCL derives the grow
     /// handle's magic (`hashCombine(comm->magic, comm->childCount)`).
     pub grows: u64,
+    /// The communicator this one grows (an existing rank's `ncclCommGrow`): NCCL's grow
+    /// job keeps using it until the job ends (its bootstrap sends through the parent's,
+    /// bootstrap.cc:777-779, and it clears the parent's `childAbortFlag` at its end,
+    /// init.cc:1716 of v2.29.7-1), and the parent's abort neither stops nor joins that job
+    /// (it is linked to the new communicator). A teardown of the parent while this one is
+    /// still pending is a use after free in NCCL: counted as misuse here.
+    pub grow_parent: Option<Handle>,
+    /// While it joins a shared segment (`join_shared`): the join's cancel flag and the
+    /// segment's path, so that a teardown during the join ends it and leaves nothing in
+    /// `/dev/shm`, even when the process exits right after.
+    pub shared_join: Option<(std::sync::Arc<std::sync::atomic::AtomicBool>, String)>,
     /// `ncclCommDestroy` was called on it (NCCL's `destroyFlag`, set before the readiness
     /// check that may refuse the destroy, init.cc:2379 of 2.28.9, and never cleared): a
     /// revoke is refused from then on (:2457).
@@ -345,6 +356,8 @@ impl Global {
                 revoked: false,
                 error_cleared: false,
                 grows: 0,
+                grow_parent: None,
+                shared_join: None,
                 destroy_called: false,
                 stale_windows: 0,
             },

@@ -325,15 +325,24 @@ fn run(args: &Args, me: usize) -> Result<(), Error> {
         }
         // Back to 4: the new rank 0 hands the standby the grow id.
         let mut step = run.step;
-        let big = if run.comm.rank() == 0 {
+        let grown = if run.comm.rank() == 0 {
             let gid = run.comm.grow_id()?;
             println!("GROW_ID at {:.1}", now_ms());
             publish(&args.dir.join("grow"), gid.as_bytes())?;
-            nccl_safe_candle::grow(run.comm, RANKS, Some(&gid), &mut step)?
+            nccl_safe_candle::grow(run.comm, RANKS, Some(&gid), &mut step)
         } else {
-            nccl_safe_candle::grow(run.comm, RANKS, None, &mut step)?
+            nccl_safe_candle::grow(run.comm, RANKS, None, &mut step)
         };
-        (big, step)
+        // A standby that never joins costs the grow only: carry on at the old size.
+        let comm = grown.unwrap_or_else(|(comm, e)| {
+            println!(
+                "GROW_FAILED rank {}: carrying on at {} ranks: {e}",
+                comm.rank(),
+                comm.world_size()
+            );
+            comm
+        });
+        (comm, step)
     } else {
         // The standby: joins as the last rank once the job has shrunk.
         let gid = read_id(&args.dir.join("grow"), args.timeout)?;

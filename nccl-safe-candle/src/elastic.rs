@@ -374,25 +374,44 @@ fn agree_on_step(comm: &Communicator, step: &mut u64) -> Result<()> {
 /// grows `comm` to `world_size` ranks ([`Communicator::grow`]; the root, the rank that
 /// called [`Communicator::grow_id`] and handed the id to the new ranks, passes `Some(id)`,
 /// the others `None`), then gives the new ranks rank 0's step (`step`). The new ranks call
-/// [`join`]. `comm` is destroyed once the grown communicator works. Run the next session
-/// on the grown communicator: its optimizer, built there, takes rank 0's parameters to the
-/// new ranks and re-shards over the larger world (with `resume`, the optimizer state too:
-/// each new rank receives its ZeRO-1 part, or DDP's whole state).
+/// [`join`]. `comm` is torn down once the grown communicator works (destroyed; aborted by
+/// its drop when NCCL refuses the destroy). Run the next session on the grown
+/// communicator: its optimizer, built there, takes rank 0's parameters to the new ranks
+/// and re-shards over the larger world (with `resume`, the optimizer state too: each new
+/// rank receives its ZeRO-1 part, or DDP's whole state).
+///
+/// On an error `comm` is handed back with it, untouched and usable (as
+/// [`Communicator::destroy`] hands back its communicator): a new rank that dies before or
+/// while it joins, or right after, costs this call at most `comm`'s timeout
+/// (`Config::timeout`), and training carries on at the old size, or grows again with a
+/// new id. `step` is then as it was.
 #[track_caller]
+#[allow(clippy::result_large_err)]
 pub fn grow(
     comm: Communicator,
     world_size: usize,
     id: Option<&UniqueId>,
     step: &mut u64,
-) -> Result<Communicator> {
+) -> std::result::Result<Communicator, (Communicator, DistError)> {
     let (at, _scope) = crate::error::caller_scope();
-    (|| {
+    let before = *step;
+    let grown = (|| -> Result<Communicator> {
         let big = comm.grow(world_size, id)?;
         agree_on_step(&big, step)?;
-        comm.destroy().map_err(|(_, e)| e)?;
         Ok(big)
-    })()
-    .map_err(|e: DistError| e.at(at, Some(*step)))
+    })();
+    match grown {
+        Ok(big) => {
+            // The grown communicator works: the old one goes (a refused destroy hands it
+            // back, and its drop aborts it).
+            drop(comm.destroy());
+            Ok(big)
+        }
+        Err(e) => {
+            *step = before;
+            Err((comm, e.at(at, Some(before))))
+        }
+    }
 }
 
 /// A new rank's part of [`grow`]: joins as rank `rank` of `world_size` with the root's id

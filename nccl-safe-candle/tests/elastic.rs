@@ -5,7 +5,8 @@
 //! parameters; the loss falls before and after the loss of the rank; the parameters match
 //! one process training on the whole batch for 30 steps (so no step was skipped or
 //! applied twice); every communicator is torn down once. And a replacement rank 3 that
-//! rejoins through `grow` at step 20, and two ranks lost one after the other.
+//! rejoins through `grow` at step 20, a standby that dies before it joins (the grow hands
+//! the communicator back and training carries on), and two ranks lost one after the other.
 
 mod common;
 
@@ -358,6 +359,87 @@ fn steps(
 
 const REJOIN_AT: u64 = 20;
 
+/// Three ranks train to step 20, then grow to 4, but the standby rank 0 would hand the id
+/// to died before it joined. `grow` fails within the timeout (1 s) and hands each rank its
+/// communicator back, untouched and healthy, with the step as it was; the 3 train on it
+/// to step 30, and end with bit-identical parameters, equal to one process's 30 steps,
+/// the loss falling. Each handle (3 inits, 3 grown ones aborted) is torn down once, the
+/// grown ones before their parents. Before, `grow` consumed the communicator on error
+/// (and the grow's timeout failed it besides): nothing was left to train on.
+#[test]
+fn a_standby_that_dies_before_it_joins_costs_the_grow_only() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let config = Config::new().elastic(true).timeout(Duration::from_secs(1));
+    type Out = (Vec<f32>, Vec<f32>, u64, usize);
+    let results: Vec<DistResult<Out>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                let config = config.clone();
+                s.spawn(move || {
+                    let comm = Communicator::init_rank(&CommDevice::Host, 3, rank, &id, &config)?;
+                    let map = VarMap::new();
+                    Mlp::new(&map)?;
+                    init_fixed(&map)?;
+                    let mut losses = Vec::new();
+                    let run = run_elastic(comm, 0, |comm, step| {
+                        steps(comm, step, REJOIN_AT, &map, None, &mut losses)
+                    })?;
+                    let mut step = run.step;
+                    // The standby the id was for died: nobody joins.
+                    let grow_id = (rank == 0).then(|| run.comm.grow_id()).transpose()?;
+                    let Err((comm, e)) =
+                        nccl_safe_candle::grow(run.comm, 4, grow_id.as_ref(), &mut step)
+                    else {
+                        panic!("nobody joined the grow, yet it succeeded");
+                    };
+                    assert!(e.to_string().contains("stays usable"), "{e}");
+                    assert!(!comm.is_failed(), "{e}");
+                    assert_eq!((comm.rank(), comm.world_size(), step), (rank, 3, REJOIN_AT));
+                    let run = run_elastic(comm, step, |comm, step| {
+                        steps(comm, step, STEPS, &map, None, &mut losses)
+                    })?;
+                    assert!(run.recoveries.is_empty());
+                    Ok((flat_params(&map)?, losses, run.step, run.comm.world_size()))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let reference = reference();
+    let outs: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+    for (r, (params, losses, step, world)) in outs.iter().enumerate() {
+        assert_eq!((*step, *world), (STEPS, 3), "rank {r}");
+        assert_eq!(
+            params, &outs[0].0,
+            "rank {r}'s parameters differ from rank 0's"
+        );
+        assert_eq!(
+            losses.len(),
+            STEPS as usize,
+            "one loss per step, none twice"
+        );
+        let k = REJOIN_AT as usize;
+        assert!(losses[k - 1] < losses[0] && losses[STEPS as usize - 1] < losses[k - 1]);
+        let worst = (params.iter().zip(&reference))
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst < 1e-5,
+            "rank {r}: {worst} from one process's 30 steps"
+        );
+    }
+    let limit = Instant::now() + Duration::from_secs(10);
+    let st = loop {
+        let st = nccl_safe::host::stats_for(&id.to_raw());
+        if st.live == 0 || Instant::now() >= limit {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    assert_eq!((st.created, st.destroyed, st.aborted), (6, 3, 3), "{st:?}");
+    assert_eq!((st.live, st.misused), (0, 0), "{st:?}");
+}
+
 /// Rank 3 of 4 is lost at step 10; the 3 left carry on to step 20, then take a new rank 3
 /// back through `grow` (rank 0 hands it the id) and all 4 train to step 30. The new rank
 /// starts at step 20 with rank 0's parameters (its own initialization differs); at the end
@@ -419,9 +501,11 @@ fn a_replacement_rank_rejoins_through_grow() {
                         let big = if run.comm.rank() == 0 {
                             let grow_id = run.comm.grow_id()?;
                             tx.send((grow_id, sent)).unwrap();
-                            nccl_safe_candle::grow(run.comm, RANKS, Some(&grow_id), &mut step)?
+                            nccl_safe_candle::grow(run.comm, RANKS, Some(&grow_id), &mut step)
+                                .map_err(|(_, e)| e)?
                         } else {
-                            nccl_safe_candle::grow(run.comm, RANKS, None, &mut step)?
+                            nccl_safe_candle::grow(run.comm, RANKS, None, &mut step)
+                                .map_err(|(_, e)| e)?
                         };
                         assert_eq!(
                             (big.rank(), big.world_size(), step),

@@ -452,9 +452,11 @@ fn a_rejoining_rank_receives_its_zero1_shard_of_the_state() {
                     let big = if run.comm.rank() == 0 {
                         let grow_id = run.comm.grow_id()?;
                         tx.send(grow_id).unwrap();
-                        nccl_safe_candle::grow(run.comm, RANKS, Some(&grow_id), &mut step)?
+                        nccl_safe_candle::grow(run.comm, RANKS, Some(&grow_id), &mut step)
+                            .map_err(|(_, e)| e)?
                     } else {
-                        nccl_safe_candle::grow(run.comm, RANKS, None, &mut step)?
+                        nccl_safe_candle::grow(run.comm, RANKS, None, &mut step)
+                            .map_err(|(_, e)| e)?
                     };
                     let run = run_elastic(big, step, |comm, step| {
                         steps(Kind::Zero, comm, step, STEPS, &map, &carry, None, &mut seen)
@@ -578,9 +580,10 @@ fn two_ranks_lost_then_one_rejoins_with_the_state_carried_each_time() {
                     let big = if run.comm.rank() == 0 {
                         let grow_id = run.comm.grow_id()?;
                         tx.send(grow_id).unwrap();
-                        nccl_safe_candle::grow(run.comm, 3, Some(&grow_id), &mut step)?
+                        nccl_safe_candle::grow(run.comm, 3, Some(&grow_id), &mut step)
+                            .map_err(|(_, e)| e)?
                     } else {
-                        nccl_safe_candle::grow(run.comm, 3, None, &mut step)?
+                        nccl_safe_candle::grow(run.comm, 3, None, &mut step).map_err(|(_, e)| e)?
                     };
                     let run = run_elastic(big, step, |comm, step| {
                         steps(Kind::Zero, comm, step, STEPS, &map, &carry, None, &mut seen)

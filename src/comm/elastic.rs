@@ -257,14 +257,24 @@ impl Communicator {
     /// ranks call [`join_grown`](Self::join_grown) with the id. Existing ranks keep their
     /// rank; new ranks take `self.world_size()..world_size`.
     ///
-    /// Returns the grown communicator once every rank joined (bounded by the timeout).
-    /// This communicator is untouched and stays usable; both have their own exactly-once
-    /// teardown. Ranks 0 and n-1 wait in the call until the root's `grow_id` returned.
+    /// Returns the grown communicator once every rank joined. This communicator is
+    /// untouched and stays usable, whatever the grow does: only the call itself is an
+    /// operation of it (ranks 0 and n-1 wait in it until the root's `grow_id` returned,
+    /// bounded by its watchdog as any of its operations); the wait for the new ranks is
+    /// the new communicator's, bounded by the timeout ([`Config::timeout`]), and on a
+    /// failure the new communicator is aborted (which ends NCCL's grow job, that uses this
+    /// communicator until it ends) before the call returns. So a new rank that dies
+    /// before, or while, it joins costs the existing ranks at most the timeout, and they
+    /// carry on at their size or grow again. Both communicators have their own
+    /// exactly-once teardown.
     ///
     /// Errors: [`Error::Unsupported`] before NCCL 2.29 (nothing is called);
     /// [`Error::InvalidArgument`] when `world_size` is not above the current size (or past
-    /// NCCL's `int`); a failed communicator's error; [`Error::Timeout`] when a rank never
-    /// joins.
+    /// NCCL's `int`); a failed communicator's error; [`Error::Timeout`] when a new rank
+    /// never joins, or NCCL's error of the new communicator (another rank gave up on the
+    /// grow), each saying this communicator stays usable.
+    ///
+    /// [`Config::timeout`]: crate::Config::timeout
     #[track_caller]
     pub fn grow(&self, world_size: usize, id: Option<&UniqueId>) -> Result<Communicator> {
         const CALL: EntryPoint = EntryPoint::ncclCommGrow;
@@ -279,28 +289,127 @@ impl Communicator {
         crate::teardown::check_lane(OP, self.lane())?;
         let tag = crate::diag::shrink_tag(&[-1, -(world_size as c_int)]);
         let raw_id = id.map(UniqueId::to_raw);
-        // NCCL's grow leaves this communicator's state alone (its job runs on the new
-        // one), so the wait on it after the call returns at once; the new communicator
-        // is waited for in `adopt_child`, inside the operation (watched). On an error the
-        // new handle (if any) was taken from the slot and is aborted by its drop, and the
-        // slot is left to NCCL's job, which may still store into it.
-        let child = self.issue_child(CALL, caller, tag, true, true, |_, comm, out| {
-            // SAFETY: `out` is a heap slot that outlives NCCL's job (it stores the handle
-            // again at its end), freed only after the new communicator left
-            // ncclInProgress, else leaked; `raw_id` lives across the call (NCCL copies
-            // it); rank -1 = an existing rank; null config inherits this one's.
-            unsafe {
-                grow(
-                    comm,
-                    world_size as c_int,
-                    raw_id.as_ref().map_or(std::ptr::null(), |r| r as *const _),
-                    -1,
-                    out,
-                    std::ptr::null_mut(),
-                )
+        // NCCL writes the new handle into the slot during the call (init.cc:2997 of
+        // v2.29.7-1) and its job stores it again at its end (:1747-1750): the slot lives
+        // until the new communicator left ncclInProgress, else it is leaked.
+        let slot: JobSlot<nccl_sys::bindings::ncclComm> = JobSlot::new();
+        let out = slot.out();
+        // The call is an operation of this communicator: ranks 0 and n-1 wait in it for
+        // the root's id (:2913-2924), through this communicator, and its watchdog's
+        // timeout ends that wait as any other of its operations. NCCL's result is kept
+        // apart: an error of the call leaves this communicator as it was (the grow's own
+        // group holds nothing of it), so it does not fail it.
+        let called = std::cell::Cell::new(ncclSuccess);
+        let issued = self.issue_inner(
+            CALL,
+            caller,
+            |_, comm| {
+                // SAFETY: `out` is the heap slot above (see there); `raw_id` lives across
+                // the call (NCCL copies it); rank -1 = an existing rank; null config
+                // inherits this one's.
+                called.set(unsafe {
+                    grow(
+                        comm,
+                        world_size as c_int,
+                        raw_id.as_ref().map_or(std::ptr::null(), |r| r as *const _),
+                        -1,
+                        out,
+                        std::ptr::null_mut(),
+                    )
+                });
+                ncclSuccess
+            },
+            false,
+            || Ok(()),
+            true,
+        );
+        if let Err(e) = issued {
+            // The watchdog failed this communicator while the call ran (a rank of it never
+            // came, say): a job the call launched is ended by the new communicator's abort.
+            let raw = slot.take();
+            if !raw.is_null() {
+                drop(self.grown(raw, tag));
             }
-        })?;
-        child.ok_or_else(|| invalid(OP, "NCCL returned no communicator"))
+            slot.leak();
+            return Err(e);
+        }
+        let raw = slot.take();
+        let r = called.get();
+        if r != ncclSuccess {
+            if !raw.is_null() {
+                drop(self.grown(raw, tag));
+            }
+            slot.leak();
+            let e: Error = self
+                .handle
+                .lib()
+                .error_for(OP, r, self.context(caller))
+                .into();
+            // NCCL's error of this communicator itself (ncclCommEnsureReady) fails it.
+            let no_error = [ncclSuccess, ncclInProgress];
+            if self.async_state().is_some_and(|s| !no_error.contains(&s)) {
+                self.mark_failed(&e);
+            }
+            return Err(e);
+        }
+        if raw.is_null() {
+            slot.leak();
+            return Err(invalid(OP, "NCCL returned no communicator"));
+        }
+        // The wait for the new ranks is the new communicator's alone, bounded by the
+        // timeout: a new rank that never comes costs this grow, not this communicator.
+        // On a failure the new communicator's drop aborts it, which joins NCCL's job
+        // (ncclCommAbort -> ncclCommEnsureReady -> ncclGroupJobAbort, init.cc:2713, 404)
+        // before this returns: the job uses this communicator until it ends
+        // (bootstrap.cc:777-779, init.cc:1716), and its abort runs on the same teardown
+        // lane as this one's, ahead of it.
+        let mut big = self.grown(raw, tag);
+        let timeout = self.diag.timeout();
+        let joined = big
+            .wait_ready(OP, caller, timeout)
+            .and_then(|()| big.read_shape(caller));
+        match joined {
+            Ok(()) => Ok(big),
+            Err(e) => {
+                drop(big);
+                slot.leak();
+                Err(self.grow_failed(e, world_size))
+            }
+        }
+    }
+
+    /// The new communicator of a grow, from NCCL's handle `raw` (its rank and size are
+    /// read once it is ready).
+    fn grown(&self, raw: ncclComm_t, tag: u64) -> Communicator {
+        Communicator::new(
+            RawComm::owned(raw, Arc::clone(self.handle.lib())),
+            self.device.clone(),
+            0,
+            0,
+            self.diag.child(tag),
+        )
+        .keeping(self.names.clone())
+    }
+
+    /// The error of a grow whose new communicator failed (`e`): a timeout says that a new
+    /// rank never joined, and NCCL's error (say, another rank gave up and aborted its new
+    /// communicator) is kept with that said; both say that this communicator is untouched.
+    #[cold]
+    fn grow_failed(&self, e: Error, world_size: usize) -> Error {
+        let (rank, now) = (self.rank, self.world_size);
+        let then = format!("this communicator of {now} ranks is untouched and stays usable: carry on at {now} ranks, or grow again with a new grow_id");
+        match e {
+            Error::Timeout { timeout, .. } => Error::Timeout {
+                what: format!("ncclCommGrow on rank {rank}: the grown communicator of {world_size} ranks (a new rank never joined: it died or never got the id, or the grow's job is stuck; {then})"),
+                timeout,
+            },
+            Error::Nccl(mut n) => {
+                let said = n.last_error.take().map_or_else(String::new, |l| format!("{l}; "));
+                n.last_error = Some(format!("{said}the grown communicator of {world_size} ranks failed (a new rank never joined, or a rank gave up on the grow); {then}"));
+                Error::Nccl(n)
+            }
+            e => e,
+        }
     }
 
     /// Joins a communicator that existing ranks [`grow`](Self::grow) as its rank `rank`

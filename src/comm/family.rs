@@ -41,7 +41,7 @@ impl Communicator {
         super::params::refuse_blocking(OP)?;
         super::params::refuse_sharing(OP, self.names.share, false)?;
         crate::teardown::check_lane(OP, self.lane())?;
-        self.issue_child(CALL, caller, color as u64, true, false, |t, comm, out| {
+        self.issue_child(CALL, caller, color as u64, true, |t, comm, out| {
             // SAFETY: `out` is the heap slot NCCL's job writes; it outlives the job (freed
             // only after the job ended, else leaked); a null config means "inherit the
             // parent's".
@@ -49,19 +49,18 @@ impl Communicator {
         })
     }
 
-    /// Issues `f` (a split, shrink or grow, given the out-pointer its NCCL job writes the
-    /// child into) as an operation of this communicator (refused on a failed one when
-    /// `gate`: see `issue_inner`), and adopts the child (clique tag `tag`) once the job
-    /// ended, inside the operation. On an error the slot is orphaned
-    /// ([`orphan_child`](Self::orphan_child)), or leaked when `leak` (a grow, whose job
-    /// runs on the child and stores into the slot at its end).
+    /// Issues `f` (a split or shrink, given the out-pointer its NCCL job writes the child
+    /// into) as an operation of this communicator (refused on a failed one when `gate`:
+    /// see `issue_inner`), and adopts the child (clique tag `tag`) once the job ended,
+    /// inside the operation. On an error the slot is orphaned
+    /// ([`orphan_child`](Self::orphan_child)). (A grow's job runs on the new communicator,
+    /// which is waited for outside this one's operation: `Communicator::grow`.)
     pub(super) fn issue_child(
         &self,
         call: EntryPoint,
         caller: &'static Location<'static>,
         tag: u64,
         gate: bool,
-        leak: bool,
         f: impl FnOnce(&FunctionTable, ncclComm_t, *mut ncclComm_t) -> ncclResult_t,
     ) -> Result<Option<Communicator>> {
         let slot = JobSlot::new();
@@ -74,10 +73,6 @@ impl Communicator {
         let r = self.issue_inner(call, caller, |t, comm| f(t, comm, out), true, then, gate);
         match r {
             Ok(()) => Ok(adopted),
-            Err(e) if leak => {
-                slot.leak();
-                Err(e)
-            }
             Err(e) => Err(self.orphan_child(slot, e)),
         }
     }
@@ -125,7 +120,7 @@ impl Communicator {
         // A shrink in NCCL's abort mode is made for a communicator that failed (or was
         // revoked): it is not refused for that.
         let gate = flags != nccl_sys::bindings::NCCL_SHRINK_ABORT;
-        let child = self.issue_child(CALL, caller, tag, gate, false, |_, comm, out| {
+        let child = self.issue_child(CALL, caller, tag, gate, |_, comm, out| {
             // SAFETY: `list` holds `list.len()` in-range ranks (NCCL copies it for its job,
             // init.cc:2615-2618); `out` is the heap slot NCCL's job writes, alive until the
             // job ended (else leaked); null config inherits the parent's; `flags` is

@@ -708,7 +708,9 @@ impl Clique {
 
     /// The desync report for rank `rank` stuck in `stuck` (its operation `stuck.seq`),
     /// ending with why this clique was aborted: by this rank's watchdog (`ours`), or by a
-    /// rank of another process.
+    /// rank of another process. `host`: the ranks of other processes the host provider
+    /// says have not reached the collective, when it knows (used for a rank the desync
+    /// board has no post of: there is no board, or it cannot be read).
     pub(crate) fn report(
         &self,
         rank: usize,
@@ -716,6 +718,7 @@ impl Clique {
         timeout: Duration,
         what: &str,
         ours: bool,
+        host: Option<&[usize]>,
     ) -> Report {
         let now = Instant::now();
         let mut out = format!(
@@ -745,7 +748,7 @@ impl Clique {
                 })
                 .collect();
             let wanted: Vec<usize> = (0..views.len()).filter(|&r| !views[r].present).collect();
-            remote::exchange(&**b, self.key, &ours, &wanted, timeout)
+            remote::exchange(&**b, self.key, &ours, &wanted, timeout, host.is_some())
         });
         let mut silent = Vec::new();
         for (r, v) in views.iter().enumerate() {
@@ -763,6 +766,23 @@ impl Clique {
                     p.text.clone(),
                     " (another process, from the desync board)",
                 )
+            } else if let Some(h) = host {
+                // The host provider's shared memory knows who reached the collective.
+                if h.contains(&r) {
+                    behind.push(r);
+                    let _ = writeln!(
+                        out,
+                        "BEHIND: never reached seq {} (another process; the host provider's shared memory says so)",
+                        stuck.seq
+                    );
+                } else {
+                    let _ = writeln!(
+                        out,
+                        "reached seq {} (another process; the host provider's shared memory says so)",
+                        stuck.seq
+                    );
+                }
+                continue;
             } else {
                 match &remote {
                     None => {
@@ -958,6 +978,7 @@ mod tests {
             Duration::from_millis(400),
             "did not complete in time",
             true,
+            None,
         );
         let r = &report.text;
         eprintln!("{r}");
@@ -1158,7 +1179,9 @@ mod tests {
             ..enqueued_all_reduce(0, Duration::ZERO)
         };
         c.update(0, |v| *v = seen(1, Some(stuck)));
-        let r = c.report(0, &stuck, Duration::from_secs(1), "x", true).text;
+        let r = c
+            .report(0, &stuck, Duration::from_secs(1), "x", true, None)
+            .text;
         assert!(
             r.contains("  rank 1: no record (not in this process"),
             "{r}"

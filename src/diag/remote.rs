@@ -113,16 +113,23 @@ pub(crate) struct Remote {
 /// post when their own watchdog fires, which is about when ours did). Every wait is bounded:
 /// a board client tries again until the deadline it is given (its server may not answer
 /// at all, rank 0's process gone, say), so the posts and the fetches share one deadline,
-/// 2 s from the start.
+/// 2 s from the start. `quick` (the host provider already says who is behind): one post
+/// and one fetch, within 200 ms, so that a board that does not answer (rank 0's process
+/// stopped) does not hold the report and the abort behind it.
 pub(crate) fn exchange(
     board: &dyn RemoteBoard,
     clique: u64,
     ours: &[(usize, DesyncPost)],
     wanted: &[usize],
     timeout: Duration,
+    quick: bool,
 ) -> Remote {
     let start = Instant::now();
-    let io = Duration::from_secs(2);
+    let io = if quick {
+        Duration::from_millis(200)
+    } else {
+        Duration::from_secs(2)
+    };
     let mut remote = Remote::default();
     for (rank, post) in ours {
         if let Err(e) = board.post(*rank, post, start + io) {
@@ -145,7 +152,7 @@ pub(crate) fn exchange(
             && wanted
                 .iter()
                 .all(|&r| remote.posts.get(r).is_some_and(Option::is_some));
-        if all || Instant::now() >= until {
+        if all || quick || Instant::now() >= until {
             break;
         }
         std::thread::sleep(Duration::from_millis(100).min(until - Instant::now()));

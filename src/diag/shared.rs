@@ -598,11 +598,36 @@ impl Shared {
         staged
     }
 
+    /// The ranks of another process that the host provider says have not reached the
+    /// collective this rank waits in (its shared memory's barrier counts), for a timeout
+    /// report with no desync board or one that cannot be read; `None` for NVIDIA's NCCL,
+    /// a clique within one process, and a handle the watchdog already took.
+    pub(super) fn host_behind(&self) -> Option<Vec<usize>> {
+        #[cfg(feature = "host")]
+        if self.lib.provider() == crate::library::Provider::Host {
+            let raw = self.handle.load(Ordering::Acquire) as ncclComm_t;
+            if raw.is_null() {
+                return None;
+            }
+            let behind = crate::host::behind_peers(raw);
+            return (!behind.is_empty()).then_some(behind);
+        }
+        None
+    }
+
     /// Times the clique out (unless it already was) for `rec`, this rank's operation, which
     /// `what` says happened to: the desync report ([`Clique::report`], `ours` as there).
     /// Returns the clique's first report.
     pub(super) fn time_out(&self, rec: &OpRecord, what: &str, ours: bool) -> Arc<TimeoutReport> {
-        let report = (self.clique).report(self.rank, rec, self.settings.timeout, what, ours);
+        let host = self.host_behind();
+        let report = (self.clique).report(
+            self.rank,
+            rec,
+            self.settings.timeout,
+            what,
+            ours,
+            host.as_deref(),
+        );
         self.clique
             .set_timed_out(&TimeoutReport::of(self.rank, rec, report))
     }

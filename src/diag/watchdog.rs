@@ -122,9 +122,15 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
                     ),
                     _ => "did not complete in time".to_string(),
                 };
-                let mut report = s
-                    .clique
-                    .report(s.rank, &rec, s.settings.timeout, &what, true);
+                let host = s.host_behind();
+                let mut report = (s.clique).report(
+                    s.rank,
+                    &rec,
+                    s.settings.timeout,
+                    &what,
+                    true,
+                    host.as_deref(),
+                );
                 if matches!(why, Expiry::Fault(_)) {
                     report.behind = None; // this rank's GPU failed: no peer is to blame
                 }
