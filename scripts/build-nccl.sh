@@ -15,11 +15,15 @@
 # Usage: scripts/build-nccl.sh [TAG...] (default: every tarball in third_party/nccl).
 # Prints, last, one line per tag: the folder holding lib/libnccl.so.2 and include/nccl.h.
 # Cached under ${NCCL_SAFE_CACHE:-~/.cache/nccl-safe}/nccl-src/TAG-HASH, HASH covering the
-# tarball, this script and the compiler: a second run prints the folder at once.
+# tarball, the recipe number below and the compiler: a second run prints the folder at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
 cache="${NCCL_SAFE_CACHE:-$HOME/.cache/nccl-safe}"
+. scripts/ci-lib.sh
+for need in g++:g++ make:make xz:xz-utils; do
+  command -v "${need%%:*}" >/dev/null 2>&1 || { echo "installing Debian's ${need#*:}" >&2; apt_install "${need#*:}"; }
+done
 cuda="$(scripts/cuda-wheels.sh)"
 
 tags=("$@")
@@ -31,12 +35,15 @@ if [ ${#tags[@]} = 0 ]; then
 fi
 
 cxx="${CXX:-g++}"
+# The build's recipe: bump it with any change below that changes what is built, so that
+# caches built by the old one are not used.
+recipe=1
 built=()
 for tag in "${tags[@]}"; do
   ver="${tag#v}"
   tarball="$root/third_party/nccl/nccl-$ver-host.tar.xz"
   [ -f "$tarball" ] || { echo "no source for NCCL $tag: $tarball" >&2; exit 1; }
-  hash=$( { sha256sum <"$tarball"; sha256sum <"$0"; "$cxx" --version | head -n 1; } | sha256sum | cut -c1-16)
+  hash=$( { sha256sum <"$tarball"; echo "$recipe"; "$cxx" --version | head -n 1; } | sha256sum | cut -c1-16)
   out="$cache/nccl-src/$ver-$hash"
   if [ ! -f "$out/lib/libnccl.so.2" ]; then
     work="$(mktemp -d)"

@@ -426,3 +426,162 @@ fn two_processes_init_split_and_destroy() {
         support::check_child_exit(child, &mark, 0, Duration::from_secs(90));
     }
 }
+
+/// ncclCommShrink of a non-blocking parent (init.cc:2550-2680, 2.27+): as a split, ncclSuccess
+/// with the job running, the child NULL in the call and stored by the job; the excluded
+/// rank takes no part.
+#[test]
+fn contract_shrink_returns_success_and_its_job_writes_the_child() {
+    same("ncclCommShrink", 3, |k| {
+        let parent = k.init(3, k.r);
+        k.settle(parent, "init");
+        k.seq.wait();
+        let shrink = k.t.ncclCommShrink.expect("NCCL 2.28 has ncclCommShrink");
+        let mut child: ncclComm_t = core::ptr::null_mut();
+        let mut exclude = [2];
+        let mut call = |k: &mut support::differential::Rank, child: &mut ncclComm_t| {
+            // SAFETY: a ready parent; the out-pointer outlives the job (waited for below);
+            // the exclude list lives across the call.
+            let got = unsafe {
+                shrink(
+                    parent,
+                    exclude.as_mut_ptr(),
+                    1,
+                    child,
+                    core::ptr::null_mut(),
+                    0,
+                )
+            };
+            k.call("shrink", got);
+        };
+        match k.r {
+            0 => {
+                call(k, &mut child);
+                k.check("child written in the call", !child.is_null());
+                k.state(parent, "parent before the peer shrinks");
+                k.seq.wait();
+            }
+            1 => {
+                k.seq.wait();
+                call(k, &mut child);
+            }
+            _ => {
+                k.seq.wait();
+            }
+        }
+        if k.r < 2 {
+            k.settle(parent, "parent after the shrink");
+            // SAFETY: the job has ended (the parent left ncclInProgress): it wrote `child`.
+            let child = unsafe { core::ptr::read_volatile(&child) };
+            k.check("child written by the job", !child.is_null());
+            k.settle(child, "child");
+            k.count(child, "child");
+            // SAFETY: destroyed once.
+            k.call("destroy child", unsafe { (k.t.ncclCommDestroy)(child) });
+        }
+        k.seq.wait();
+        // SAFETY: destroyed once.
+        k.call("destroy parent", unsafe { (k.t.ncclCommDestroy)(parent) });
+    });
+}
+
+/// ncclCommWindowRegister on a non-blocking communicator without symmetric support
+/// (dev_runtime.cc:891-922): ncclSuccess with the registration still running, `*win`
+/// written by the group's job (the local registration's handle, :596), the communicator in
+/// progress meanwhile; deregistration in the call. On memory from ncclMemAlloc.
+#[test]
+fn contract_window_registration_is_written_by_its_job() {
+    same("ncclCommWindowRegister", 2, |k| {
+        let comm = k.init(2, k.r);
+        k.settle(comm, "init");
+        let register = k.t.ncclCommWindowRegister.expect("2.28 has windows");
+        let deregister = k.t.ncclCommWindowDeregister.expect("2.28 has windows");
+        let mut mem: *mut core::ffi::c_void = core::ptr::null_mut();
+        let alloc = k.t.ncclMemAlloc.expect("2.28 has ncclMemAlloc");
+        let free = k.t.ncclMemFree.expect("2.28 has ncclMemFree");
+        // SAFETY: a valid out-pointer.
+        k.call("ncclMemAlloc", unsafe { alloc(&mut mem, 1 << 16) });
+        let mut win: ncclWindow_t = core::ptr::null_mut();
+        // SAFETY: live memory of 64 KiB; the out-pointer outlives the job (waited below).
+        k.call("window register", unsafe {
+            register(comm, mem, 1 << 16, &mut win, 0)
+        });
+        k.settle(comm, "registration");
+        // SAFETY: the job has ended: it wrote `win`.
+        let win = unsafe { core::ptr::read_volatile(&win) };
+        k.check("window written by the job", !win.is_null());
+        // SAFETY: the window of this communicator, deregistered once.
+        k.call("window deregister", unsafe { deregister(comm, win) });
+        // SAFETY: from ncclMemAlloc, freed once after the deregistration.
+        k.call("ncclMemFree", unsafe { free(mem) });
+        k.seq.wait();
+        // SAFETY: destroyed once.
+        k.call("destroy", unsafe { (k.t.ncclCommDestroy)(comm) });
+    });
+}
+
+/// ncclCommRegister / ncclCommDeregister (register/register.cc:116-168): local, in the call,
+/// the handle written in it.
+#[test]
+fn contract_local_registration_is_in_the_call() {
+    same("ncclCommRegister", 2, |k| {
+        let comm = k.init(2, k.r);
+        k.settle(comm, "init");
+        let register = k.t.ncclCommRegister.expect("2.28 has ncclCommRegister");
+        let deregister = k.t.ncclCommDeregister.expect("2.28 has ncclCommDeregister");
+        let alloc = k.t.ncclMemAlloc.expect("2.28 has ncclMemAlloc");
+        let free = k.t.ncclMemFree.expect("2.28 has ncclMemFree");
+        let mut mem: *mut core::ffi::c_void = core::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        k.call("ncclMemAlloc", unsafe { alloc(&mut mem, 1 << 16) });
+        let mut handle: *mut core::ffi::c_void = core::ptr::null_mut();
+        // SAFETY: live memory of 64 KiB, a valid out-pointer.
+        k.call("register", unsafe {
+            register(comm, mem, 1 << 16, &mut handle)
+        });
+        k.check("handle written in the call", !handle.is_null());
+        k.state(comm, "after the registration");
+        // SAFETY: the handle of this communicator, deregistered once.
+        k.call("deregister", unsafe { deregister(comm, handle) });
+        // SAFETY: from ncclMemAlloc, freed once.
+        k.call("ncclMemFree", unsafe { free(mem) });
+        k.seq.wait();
+        // SAFETY: destroyed once.
+        k.call("destroy", unsafe { (k.t.ncclCommDestroy)(comm) });
+    });
+}
+
+/// ncclCommAbort of a parent whose split job waits for a peer that never splits
+/// (init.cc:2502-2541): the abort fails the job's child and joins the job, which stores its
+/// out-pointer at its end (init.cc:1612-1614); then the abort returns.
+#[test]
+fn contract_abort_during_a_split_joins_its_job() {
+    same("ncclCommAbort (split in flight)", 2, |k| {
+        let parent = k.init(2, k.r);
+        k.settle(parent, "init");
+        k.seq.wait();
+        if k.r == 0 {
+            let mut child: ncclComm_t = core::ptr::null_mut();
+            // SAFETY: a ready parent; `child` outlives the job (the abort joins it).
+            let got =
+                unsafe { (k.t.ncclCommSplit)(parent, 0, 0, &mut child, core::ptr::null_mut()) };
+            k.call("split", got);
+            std::thread::sleep(Duration::from_millis(100));
+            k.state(parent, "the peer never splits");
+            // SAFETY: aborted once; the job is joined by it.
+            k.call("abort", unsafe { (k.t.ncclCommAbort)(parent) });
+            // SAFETY: the job has ended (joined by the abort).
+            let child = unsafe { core::ptr::read_volatile(&child) };
+            k.check("child stored by the failed job", !child.is_null());
+            if !child.is_null() {
+                // SAFETY: a child NCCL handed out, torn down once.
+                k.call("abort child", unsafe { (k.t.ncclCommAbort)(child) });
+            }
+        }
+        k.seq.wait();
+        if k.r == 1 {
+            // SAFETY: destroyed once (its peer is gone: abort, which never blocks on it).
+            k.call("abort", unsafe { (k.t.ncclCommAbort)(parent) });
+        }
+    });
+}

@@ -10,9 +10,9 @@
  * - kernels that are recorded (counted) and never run: NCCL's device code is not built
  *   (its kernels are empty host functions), so no collective moves data between ranks.
  *   A kernel launch completes at once on its stream, as a stream op of the fake;
- * - no peer access, no IPC handles and no VMM (`cuMemCreate` and the multicast calls are
- *   not found): NCCL then uses `cudaMalloc` and the socket transport, as set up by the
- *   tests (`NCCL_P2P_DISABLE`, `NCCL_SHM_DISABLE`, `NCCL_CUMEM_ENABLE=0`);
+ * - no peer access, no IPC handles and no VMM (the device's attributes say so, and those
+ *   entry points fail): NCCL then uses `cudaMalloc` and the socket transport, as set up by
+ *   the tests (`NCCL_P2P_DISABLE`, `NCCL_SHM_DISABLE`, `NCCL_CUMEM_ENABLE=0`);
  * - PCI bus ids `0000:f<d>:00.0` for device d, which no machine's sysfs has (NCCL's
  *   topology then comes from `NCCL_TOPO_FILE` or its own defaults).
  *
@@ -629,9 +629,37 @@ static CUresult fake_cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) 
     }
 }
 
-/* The driver entry points NCCL fetches (misc/cudawrap.cc). Those the fake lacks (VMM,
- * multicast, stream memory operations, DMA-BUF) are not found, as on a driver without them:
- * NCCL then keeps to cudaMalloc, sockets and host-side flags. */
+/* cuMemGetAllocationGranularity: 2 MiB, an H100's. NCCL 2.28 asks it unconditionally when
+ * it sets up windows (dev_runtime.cc:87), as every driver since CUDA 10.2 has it. */
+static CUresult fake_cuMemGetAllocationGranularity(size_t *granularity, const void *prop,
+                                                   int option) {
+    (void)option;
+    if (!granularity || !prop)
+        return CUDA_ERROR_INVALID_VALUE;
+    *granularity = (size_t)2 << 20;
+    return CUDA_SUCCESS;
+}
+
+/* Every other entry point NCCL fetches exists, as on a real driver, and fails: VMM,
+ * multicast, stream memory operations, DMA-BUF. The device's attributes say it has none of
+ * them (cuDeviceGetAttribute answers 0), so NCCL keeps to cudaMalloc, sockets and
+ * host-side flags; a call made anyway gets CUDA_ERROR_NOT_SUPPORTED, not a null pointer.
+ * (One function for every signature: its arguments are ignored, which the x86-64 and
+ * AArch64 calling conventions allow.) */
+static CUresult not_modelled(void) { return CUDA_ERROR_NOT_SUPPORTED; }
+
+static const char *const not_modelled_names[] = {
+    "cuCtxCreate", "cuCtxDestroy", "cuMemAddressReserve", "cuMemAddressFree", "cuMemCreate",
+    "cuMemExportToShareableHandle", "cuMemImportFromShareableHandle", "cuMemMap",
+    "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", "cuMemUnmap",
+    "cuMemGetAllocationPropertiesFromHandle", "cuMemGetHandleForAddressRange",
+    "cuMulticastAddDevice", "cuMulticastBindMem", "cuMulticastBindAddr", "cuMulticastCreate",
+    "cuMulticastGetGranularity", "cuMulticastUnbind", "cuStreamBatchMemOp",
+    "cuStreamWaitValue32", "cuStreamWaitValue64", "cuStreamWriteValue32",
+    "cuStreamWriteValue64",
+};
+
+/* The driver entry points NCCL fetches (misc/cudawrap.cc). */
 static void *entry_point(const char *symbol) {
     static const struct {
         const char *name;
@@ -648,10 +676,14 @@ static void *entry_point(const char *symbol) {
         {"cuLaunchKernel", (void *)fake_cuLaunchKernel},
         {"cuLaunchKernelEx", (void *)fake_cuLaunchKernelEx},
         {"cuPointerGetAttribute", (void *)fake_cuPointerGetAttribute},
+        {"cuMemGetAllocationGranularity", (void *)fake_cuMemGetAllocationGranularity},
     };
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
         if (strcmp(table[i].name, symbol) == 0)
             return table[i].fn;
+    for (size_t i = 0; i < sizeof not_modelled_names / sizeof not_modelled_names[0]; i++)
+        if (strcmp(not_modelled_names[i], symbol) == 0)
+            return (void *)not_modelled;
     return NULL;
 }
 
