@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs .ci/run as a fresh CI machine would: in a fresh clone of this repository's HEAD, with
-# an empty CARGO_TARGET_DIR, an empty NCCL cache and LIBCLANG_PATH unset.
+# an empty CARGO_TARGET_DIR, an empty NCCL cache (NVIDIA's wheels and NCCL built from
+# source) and LIBCLANG_PATH unset.
 #
 #   scripts/ci-fresh.sh [--hide-libclang] [--keep]
 #
@@ -60,7 +61,7 @@ t0=$(date +%s)
 status=0
 (
   cd "$scratch/repo"
-  unset LIBCLANG_PATH NCCL_SAFE_TEST_NCCL_DIR NCCL_LIBRARY NCCL_HOME NCCL_ROOT CUDA_HOME VIRTUAL_ENV CONDA_PREFIX
+  unset LIBCLANG_PATH NCCL_SAFE_TEST_NCCL_DIR NCCL_SAFE_SOURCE_NCCL NCCL_LIBRARY NCCL_HOME NCCL_ROOT CUDA_HOME VIRTUAL_ENV CONDA_PREFIX
   export CARGO_TARGET_DIR="$scratch/target" NCCL_SAFE_CACHE="$scratch/nccl-cache" CI=true
   export CI_STEP_TIMES="$times"
   bash .ci/run </dev/null
