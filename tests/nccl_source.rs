@@ -27,6 +27,8 @@ fn config() -> Config {
     Config::new().timeout(Duration::from_secs(30))
 }
 
+/// One rank: NCCL's init over the fakes, an out-of-place all_reduce (NCCL's one-rank path
+/// copies, through the fake runtime's `cudaMemcpyAsync`: the data does move), and destroy.
 #[test]
 fn one_rank_inits_reduces_and_destroys_on_nccls_own_host_code() {
     let lib = source_nccl(VERSION);
@@ -38,10 +40,11 @@ fn one_rank_inits_reduces_and_destroys_on_nccls_own_host_code() {
         let comm =
             Communicator::init_rank_in(&lib, &CommDevice::Cuda(ctx.clone()), 1, 0, &id, &config())
                 .expect("NCCL's init over the fakes");
-        let mut x = s.clone_htod(&[1.0f32, 2.0, 3.0]).unwrap();
-        comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &s).unwrap();
+        let x = s.clone_htod(&[1.0f32, 2.0, 3.0]).unwrap();
+        let mut y = s.alloc_zeros::<f32>(3).unwrap();
+        comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s).unwrap();
         s.synchronize().unwrap();
-        assert_eq!(s.clone_dtoh(&x).unwrap(), vec![1.0, 2.0, 3.0]);
+        assert_eq!(s.clone_dtoh(&y).unwrap(), vec![1.0, 2.0, 3.0]);
         comm.destroy().map_err(|(_, e)| e).unwrap();
     });
 }
