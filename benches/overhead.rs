@@ -1,7 +1,7 @@
 //! What the safe layer costs per collective call, against a raw call through the same
 //! function table.
 //!
-//! `cargo bench --bench overhead [-- --backend host|nccl|fake-cuda] [--no-host]` (`-h` for
+//! `cargo bench --bench overhead [-- --backend host|nccl|fake-cuda|launch|nccl-source] [--no-host]` (`-h` for
 //! help).
 //!
 //! - `--backend host` (the default): on a "null provider" whose entry points return at
@@ -24,6 +24,14 @@
 //!   each caller's CPU work on the CUDA code path costs, with every driver call returning at
 //!   once, and the driver calls each makes per operation on its thread, by entry point (the
 //!   first target is then judged by those calls).
+//! - `--backend launch`: NCCL's thread-per-group launch as the fake NCCL models it.
+//! - `--backend nccl-source`: NCCL's own host code, built from source by
+//!   `scripts/build-nccl.sh` (named in `NCCL_SAFE_SOURCE_NCCL`; without it the bench says
+//!   so and exits 0) over the fake CUDA runtime, 2 ranks in threads: an 8-byte all_reduce
+//!   by the crate on its non-blocking communicator, by raw calls on a blocking one, and by
+//!   raw calls on a non-blocking one with ways of waiting for `ncclInProgress` to end (a
+//!   tight poll, a yielding poll, the crate's yield-then-sleep wait alone): p50, p99 and
+//!   p99.9 per call, and their ratios.
 
 mod common;
 #[path = "../tests/support/fakes/mod.rs"]
@@ -35,14 +43,14 @@ use std::hint::black_box;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
 use nccl_safe::{
     CommDevice, Communicator, Config, Group, Library, Provider, ReduceOp, Stream, StreamBound,
     UniqueId,
 };
-use nccl_sys::bindings::{ncclFloat32, ncclSuccess, ncclSum};
+use nccl_sys::bindings::{ncclFloat32, ncclInProgress, ncclSuccess, ncclSum};
 use nccl_sys::{
     cudaStream_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t,
     ncclScalarResidence_t, ncclUniqueId,
@@ -1558,8 +1566,403 @@ fn two_ranks(lib: &Arc<Library>, ops: usize) -> Result<Vec<std::time::Duration>>
     Ok(t0?)
 }
 
+// ---- NCCL built from source: its own launch path ---------------------------------------
+
+/// The NCCL `--backend nccl-source` runs (a tag built by `scripts/build-nccl.sh`).
+const SOURCE_VERSION: &str = "2.28.9-1";
+
+/// How a raw caller on a non-blocking communicator waits for it to leave
+/// `ncclInProgress` (`ncclCommGetAsyncError` polled).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// Polls in a tight loop.
+    Tight,
+    /// `sched_yield` (`std::thread::yield_now`) between polls.
+    Yield,
+    /// Yields between polls for its first `spin`, then sleeps 50 µs doubling up to
+    /// 10 ms between polls: the crate's `wait_ready_for` (src/comm/mod.rs) with its
+    /// spin, without the crate's other work.
+    Backoff { spin: Duration },
+}
+
+/// Who calls `ncclAllReduce` in `--backend nccl-source`, and on what communicator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Launch {
+    /// The crate: its non-blocking communicator, `all_reduce_in_place` and its wait for
+    /// the communicator to leave `ncclInProgress` (`wait_ready_for`).
+    Safe,
+    /// Raw `ncclAllReduce` on a blocking communicator (`ncclCommInitRank`): NCCL launches
+    /// inside the call.
+    Blocking,
+    /// Raw `ncclAllReduce` on a non-blocking communicator, then a wait.
+    NonBlocking(Wait),
+}
+
+const LAUNCHES: [Launch; 6] = [
+    Launch::Safe,
+    Launch::Blocking,
+    Launch::NonBlocking(Wait::Tight),
+    Launch::NonBlocking(Wait::Yield),
+    Launch::NonBlocking(Wait::Backoff {
+        spin: Duration::from_micros(200),
+    }),
+    Launch::NonBlocking(Wait::Backoff {
+        spin: Duration::from_millis(2),
+    }),
+];
+
+impl Launch {
+    fn name(self) -> String {
+        match self {
+            Launch::Safe => "nccl-safe".into(),
+            Launch::Blocking => "blocking".into(),
+            Launch::NonBlocking(Wait::Tight) => "polled".into(),
+            Launch::NonBlocking(Wait::Yield) => "yielded".into(),
+            Launch::NonBlocking(Wait::Backoff { spin }) => {
+                format!("backoff-{}us", spin.as_micros())
+            }
+        }
+    }
+}
+
+/// The folder of NCCL [`SOURCE_VERSION`] built from source, named in
+/// `NCCL_SAFE_SOURCE_NCCL`; `Err` says why there is none.
+fn source_build() -> std::result::Result<std::path::PathBuf, String> {
+    let dirs =
+        std::env::var_os("NCCL_SAFE_SOURCE_NCCL").ok_or("NCCL_SAFE_SOURCE_NCCL is not set")?;
+    std::env::split_paths(&dirs)
+        .find(|d| {
+            d.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(&format!("{SOURCE_VERSION}-")))
+                && d.join("lib/libnccl.so.2").exists()
+        })
+        .ok_or_else(|| {
+            format!(
+                "no build of NCCL {SOURCE_VERSION} in NCCL_SAFE_SOURCE_NCCL={}",
+                dirs.to_string_lossy()
+            )
+        })
+}
+
+/// `ncclConfig_t` of NCCL 2.28 (`NCCL_CONFIG_INITIALIZER`), every field unset but
+/// `blocking`.
+fn source_config(blocking: c_int) -> ncclConfig_t {
+    // SAFETY: plain data; all-zero is a valid value, and every int is then set.
+    let mut c: ncclConfig_t = unsafe { std::mem::zeroed() };
+    let base = &mut c as *mut ncclConfig_t as *mut u8;
+    let ptrs = [
+        std::mem::offset_of!(ncclConfig_t, netName),
+        std::mem::offset_of!(ncclConfig_t, commName),
+    ];
+    let first = std::mem::offset_of!(ncclConfig_t, blocking);
+    for off in (first..std::mem::size_of::<ncclConfig_t>()).step_by(4) {
+        if !ptrs.iter().any(|p| (*p..*p + 8).contains(&off)) {
+            // SAFETY: an i32 field of the struct, inside it.
+            unsafe {
+                base.add(off)
+                    .cast::<i32>()
+                    .write(nccl_sys::NCCL_CONFIG_UNDEF_INT)
+            };
+        }
+    }
+    c.size = 80; // sizeof(ncclConfig_t) in NCCL 2.28's nccl.h
+    c.magic = nccl_sys::bindings::NCCL_API_MAGIC;
+    c.version = 22809;
+    c.blocking = blocking;
+    c
+}
+
+/// Polls `ncclCommGetAsyncError` until `comm` leaves `ncclInProgress`, waiting between
+/// polls as `wait` says; fails on an error or after `bound`.
+fn poll_ready(
+    t: &nccl_sys::FunctionTable,
+    comm: ncclComm_t,
+    bound: Duration,
+    wait: Wait,
+) -> Result<()> {
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(50);
+    loop {
+        let mut e = ncclSuccess;
+        // SAFETY: a live communicator, a writable out-pointer.
+        raw_check(unsafe { (t.ncclCommGetAsyncError)(comm, &mut e) })?;
+        if e == ncclSuccess {
+            return Ok(());
+        }
+        if e != ncclInProgress {
+            return Err(format!("asynchronous error {e}").into());
+        }
+        let waited = start.elapsed();
+        if waited > bound {
+            return Err("still in progress after its bound".into());
+        }
+        match wait {
+            Wait::Tight => {}
+            Wait::Yield => std::thread::yield_now(),
+            Wait::Backoff { spin } if waited < spin => std::thread::yield_now(),
+            Wait::Backoff { .. } => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+/// `--backend nccl-source`: a collective's launch on NCCL's own host code (built from
+/// source, over the fake CUDA runtime: its kernels are launched and never run), 2 ranks
+/// in threads, one 8-byte all_reduce per call, by the three callers of [`Launch`].
+fn source_launch() -> Result<()> {
+    // Per run: warm-up calls, then timed ones (each rank), in rounds alternating callers.
+    const WARMUP: usize = 200;
+    const OPS: usize = 5_000;
+    const ROUNDS: usize = 3;
+    let dir = match source_build() {
+        Ok(d) => d,
+        Err(why) => {
+            println!(
+                "# no NCCL-source run: {why}; build it with `export NCCL_SAFE_SOURCE_NCCL=\"$(scripts/build-nccl.sh | paste -sd:)\"`"
+            );
+            return Ok(());
+        }
+    };
+    let lib = fakes::source_nccl(SOURCE_VERSION);
+    println!(
+        "# NCCL {SOURCE_VERSION} built from source ({}) over the fake CUDA runtime: kernels launched, never run",
+        dir.display()
+    );
+    println!("# 8-byte all_reduce (2 x f32, in place) on 2 ranks (threads, sockets on lo), {OPS} timed calls per run after {WARMUP}, rank 0's time per call");
+    println!("#   nccl-safe: the crate's non-blocking communicator, all_reduce_in_place and its wait for ncclInProgress to end");
+    println!("#   blocking:  raw ncclAllReduce on a blocking communicator (ncclCommInitRank): NCCL launches inside the call");
+    println!("#   polled:    raw ncclAllReduce on a non-blocking communicator, then ncclCommGetAsyncError in a tight loop");
+    println!("#   yielded:   the same with sched_yield between polls");
+    println!("#   backoff-Nus: the same yielding for N us, then sleeping 50 us doubling to 10 ms between polls (the crate's wait, N = 200, alone)");
+    println!("#   kernels: NCCL kernels launched per call and rank (recorded by the fake runtime, never run): every call launched");
+    println!("#   in-progress: the raw non-blocking calls that returned ncclInProgress (the others found NCCL's launch thread done and joined it)");
+    println!(
+        "# machine: {} CPUs, load average {:.2}",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        load_average()
+    );
+    println!("# caller          p50 us    p99 us  p99.9 us   mean us  kernels  in-progress");
+    let mut all: [Vec<Duration>; LAUNCHES.len()] = Default::default();
+    for _ in 0..ROUNDS {
+        for (i, who) in LAUNCHES.into_iter().enumerate() {
+            let launched = || {
+                fakes::driver()
+                    .runtime_gauge(fakes::RuntimeGauge::KernelLaunches)
+                    .unwrap_or(0)
+            };
+            let before = launched();
+            let (mut t, in_progress) = source_ranks(&lib, who, WARMUP, OPS)?;
+            let kernels = (launched() - before) as f64 / (2 * (WARMUP + OPS)) as f64;
+            t.sort_unstable();
+            let s = Stats::of(&t);
+            println!(
+                "  {:<13} {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}  {:>7.2}  {}",
+                who.name(),
+                s.p50,
+                s.p99,
+                s.p999,
+                s.mean,
+                kernels,
+                match who {
+                    Launch::NonBlocking(_) =>
+                        format!("{:>5.1}%", 100.0 * in_progress as f64 / OPS as f64),
+                    _ => "    -".into(),
+                }
+            );
+            all[i].extend(t);
+        }
+    }
+    let stats: Vec<Stats> = all
+        .iter_mut()
+        .map(|t| {
+            t.sort_unstable();
+            Stats::of(t)
+        })
+        .collect();
+    println!("# all runs together:");
+    println!("# caller          p50 us    p99 us  p99.9 us   mean us");
+    for (who, s) in LAUNCHES.iter().zip(&stats) {
+        println!(
+            "  {:<13} {:>8.2}  {:>8.2}  {:>8.2}  {:>8.2}",
+            who.name(),
+            s.p50,
+            s.p99,
+            s.p999,
+            s.mean
+        );
+    }
+    println!(
+        "# the crate's non-blocking launch costs {:.1} us per collective more than a blocking launch at p50 ({:.1} us more than a yielding poll)",
+        stats[0].p50 - stats[1].p50,
+        stats[0].p50 - stats[3].p50
+    );
+    // Each pair: (numerator, denominator) as indices of `LAUNCHES`.
+    for (a, b) in [(0, 1), (3, 1), (0, 3), (2, 3), (0, 4), (5, 4)] {
+        let (x, y) = (&stats[a], &stats[b]);
+        println!(
+            "# ratio {:>13} / {:<13}: p50 {:.2}x, p99 {:.2}x, p99.9 {:.2}x",
+            LAUNCHES[a].name(),
+            LAUNCHES[b].name(),
+            x.p50 / y.p50,
+            x.p99 / y.p99,
+            x.p999 / y.p999
+        );
+    }
+    Ok(())
+}
+
+/// Percentiles and mean of sorted durations, in µs.
+struct Stats {
+    p50: f64,
+    p99: f64,
+    p999: f64,
+    mean: f64,
+}
+
+impl Stats {
+    fn of(sorted: &[Duration]) -> Stats {
+        let at = |q: f64| sorted[((sorted.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e6;
+        Stats {
+            p50: at(0.5),
+            p99: at(0.99),
+            p999: at(0.999),
+            mean: sorted.iter().map(|d| d.as_secs_f64()).sum::<f64>() / sorted.len() as f64 * 1e6,
+        }
+    }
+}
+
+/// The 1-minute load average (0 where unknown).
+fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(0.0)
+}
+
+/// Two ranks in threads on NCCL built from source, each with a communicator of `who`'s
+/// kind on its own fake device, `warmup` then `ops` 8-byte in-place all_reduces started
+/// together: rank 0's time per timed call, and how many of its calls returned
+/// `ncclInProgress` (raw non-blocking caller only). Each rank aborts at the end: no kernel
+/// runs, so NCCL's proxy waits for them forever and a destroy would wait with it.
+fn source_ranks(
+    lib: &Arc<Library>,
+    who: Launch,
+    warmup: usize,
+    ops: usize,
+) -> Result<(Vec<Duration>, usize)> {
+    const BOUND: Duration = Duration::from_secs(60);
+    let id = UniqueId::new_with(lib)?;
+    // Both ranks start their calls together; a rank that failed before never arrives,
+    // and its peer gives up after `BOUND` instead of waiting forever.
+    let arrived = std::sync::atomic::AtomicUsize::new(0);
+    let meet = || -> Result<()> {
+        arrived.fetch_add(1, Ordering::AcqRel);
+        let t0 = Instant::now();
+        while arrived.load(Ordering::Acquire) < 2 {
+            if t0.elapsed() > BOUND {
+                return Err("the peer rank never started".into());
+            }
+            std::thread::yield_now();
+        }
+        Ok(())
+    };
+    let rank = |r: usize| -> std::result::Result<(Vec<Duration>, usize), String> {
+        let run = || -> Result<(Vec<Duration>, usize)> {
+            let ctx = CudaContext::new(r)?;
+            // NCCL's raw init takes the thread's current device.
+            ctx.bind_to_thread()?;
+            let stream = ctx.new_stream()?;
+            let mut x = stream.alloc_zeros::<f32>(2)?;
+            let mut t = Vec::with_capacity(ops);
+            let mut in_progress = 0;
+            if who == Launch::Safe {
+                let dev = CommDevice::Cuda(Arc::clone(&ctx));
+                let cfg = Config::new().timeout(BOUND);
+                let comm = Communicator::init_rank_in(lib, &dev, 2, r, &id, &cfg)?;
+                meet()?;
+                for i in 0..warmup + ops {
+                    let t0 = Instant::now();
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &stream)?;
+                    if i >= warmup {
+                        t.push(t0.elapsed());
+                    }
+                }
+                comm.abort()?;
+            } else {
+                let table = lib.table();
+                let mut comm: ncclComm_t = std::ptr::null_mut();
+                if who == Launch::Blocking {
+                    // SAFETY: a writable out-pointer; this run's id, 2 ranks.
+                    raw_check(unsafe {
+                        (table.ncclCommInitRank)(&mut comm, 2, id.to_raw(), r as c_int)
+                    })?;
+                } else {
+                    let mut c = source_config(0);
+                    // SAFETY: a writable out-pointer, a valid config; this run's id.
+                    let got = unsafe {
+                        (table.ncclCommInitRankConfig)(
+                            &mut comm,
+                            2,
+                            id.to_raw(),
+                            r as c_int,
+                            &mut c,
+                        )
+                    };
+                    if got != ncclInProgress {
+                        raw_check(got)?;
+                    }
+                    poll_ready(table, comm, BOUND, Wait::Yield)?;
+                }
+                let (p, _record) = x.device_ptr_mut(&stream);
+                let p = p as usize as *mut c_void;
+                let s: cudaStream_t = stream.cu_stream().cast();
+                meet()?;
+                for i in 0..warmup + ops {
+                    let t0 = Instant::now();
+                    // SAFETY: `p` is a live 2-element f32 buffer of this rank's device,
+                    // used in place on `s`, a stream of that device.
+                    let got =
+                        unsafe { (table.ncclAllReduce)(p, p, 2, ncclFloat32, ncclSum, comm, s) };
+                    if let (true, Launch::NonBlocking(wait)) = (got == ncclInProgress, who) {
+                        in_progress += usize::from(i >= warmup);
+                        poll_ready(table, comm, BOUND, wait)?;
+                    } else {
+                        raw_check(got)?;
+                    }
+                    if i >= warmup {
+                        t.push(t0.elapsed());
+                    }
+                }
+                // SAFETY: a live communicator, given up here.
+                let got = unsafe { (table.ncclCommAbort)(comm) };
+                if got != ncclInProgress {
+                    raw_check(got)?;
+                }
+            }
+            drop(x);
+            Ok((t, in_progress))
+        };
+        run().map_err(|e| format!("rank {r}: {e}"))
+    };
+    let (t0, t1) = std::thread::scope(|s| {
+        let other = s.spawn(|| rank(1));
+        let t0 = rank(0);
+        (
+            t0,
+            other
+                .join()
+                .unwrap_or_else(|_| Err("rank 1 panicked".into())),
+        )
+    });
+    t1?;
+    Ok(t0?)
+}
+
 const HELP: &str = "\
-usage: cargo bench --bench overhead -- [--backend host|nccl|fake-cuda|launch] [--no-host] [--lazy-completion]
+usage: cargo bench --bench overhead -- [--backend host|nccl|fake-cuda|launch|nccl-source] [--no-host] [--lazy-completion]
 
   --backend host   the safe layer on a null provider against raw calls (target 20 ns)  [default]
   --backend nccl   NVIDIA's NCCL on CUDA device 0: the all_reduce_in_place enqueue of a raw
@@ -1570,6 +1973,12 @@ usage: cargo bench --bench overhead -- [--backend host|nccl|fake-cuda|launch] [-
                    the same on a fake CUDA driver (compiled from the tests' C source with
                    `cc`) and a null NCCL, with the driver calls per operation counted: the
                    CPU cost of the CUDA code path on any machine
+  --backend nccl-source
+                   an 8-byte all_reduce on 2 ranks (threads) on NCCL's own host code, built
+                   from source by scripts/build-nccl.sh (NCCL_SAFE_SOURCE_NCCL; without it
+                   it says so and exits 0) over the fake CUDA runtime: the crate on its
+                   non-blocking communicator against raw calls on a blocking one and on a
+                   non-blocking one polled in a tight loop: p50, p99 and p99.9 per call
   --backend launch what a collective of 2 ranks pays for NCCL's launch from a thread of its
                    own (a non-blocking communicator's) against a launch inside the call, on
                    the fake NCCL over the fake driver: p50, p99 and p99.9 per operation
@@ -1583,6 +1992,7 @@ usage: cargo bench --bench overhead -- [--backend host|nccl|fake-cuda|launch] [-
 fn main() -> ExitCode {
     let mut cuda = None;
     let mut launch = false;
+    let mut source = false;
     let mut no_host = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -1598,7 +2008,8 @@ fn main() -> ExitCode {
             | "--backend=host"
             | "--backend=nccl"
             | "--backend=fake-cuda"
-            | "--backend=launch" => {
+            | "--backend=launch"
+            | "--backend=nccl-source" => {
                 let v = match a.split_once('=') {
                     Some((_, v)) => Some(v.to_string()),
                     None => args.next(),
@@ -1608,9 +2019,10 @@ fn main() -> ExitCode {
                     Some("nccl") => cuda = Some(Cuda::Real),
                     Some("fake-cuda") => cuda = Some(Cuda::Fake),
                     Some("launch") => launch = true,
+                    Some("nccl-source") => source = true,
                     _ => {
                         eprintln!(
-                            "error: --backend takes host, nccl, fake-cuda or launch\n\n{HELP}"
+                            "error: --backend takes host, nccl, fake-cuda, launch or nccl-source\n\n{HELP}"
                         );
                         return ExitCode::from(2);
                     }
@@ -1623,6 +2035,7 @@ fn main() -> ExitCode {
         }
     }
     let result = match cuda {
+        _ if source => source_launch(),
         _ if launch => launch_overhead(),
         Some(source) => cuda_overhead(source),
         None => run(no_host),
