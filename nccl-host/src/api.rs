@@ -153,8 +153,12 @@ fn submit(g: MutexGuard<'static, Global>, r: &Ready, item: Item) -> Result<ncclR
 /// end: NCCL launches a non-blocking communicator's work of two or more ranks from its
 /// group's thread and returns ncclInProgress (a single collective is an implicit group,
 /// enqueue.cc:2633-2660 of 2.28.9; one rank launches inline, ncclSuccess). Marks each such
-/// communicator [`Job::Launching`]; ncclInProgress when one was.
+/// communicator [`Job::Launching`]; ncclInProgress when one was. Only with
+/// [`crate::set_launch_in_progress`] on: off, ncclSuccess.
 fn launched(handles: impl IntoIterator<Item = Handle>) -> ncclResult_t {
+    if !super::defs::launch_in_progress() {
+        return ncclSuccess;
+    }
     let mut g = lock();
     let mut any = false;
     for h in handles {

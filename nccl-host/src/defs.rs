@@ -154,6 +154,33 @@ pub(crate) fn comm_blocking() -> Option<bool> {
     })
 }
 
+/// [`crate::set_launch_in_progress`]: unset (0), off (1) or on (2).
+static LAUNCH_IN_PROGRESS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+pub(crate) fn set_launch_in_progress(on: bool) {
+    LAUNCH_IN_PROGRESS.store(1 + on as u8, std::sync::atomic::Ordering::Release);
+}
+
+/// Whether a launch of two ranks or more answers ncclInProgress (see
+/// [`crate::set_launch_in_progress`]).
+pub(crate) fn launch_in_progress() -> bool {
+    match LAUNCH_IN_PROGRESS.load(std::sync::atomic::Ordering::Acquire) {
+        0 => {
+            let on =
+                std::env::var("NCCL_SAFE_HOST_LAUNCH_IN_PROGRESS").is_ok_and(|v| v.trim() == "1");
+            // A set_launch_in_progress racing this keeps its own value.
+            let _ = LAUNCH_IN_PROGRESS.compare_exchange(
+                0,
+                1 + on as u8,
+                std::sync::atomic::Ordering::AcqRel,
+                std::sync::atomic::Ordering::Acquire,
+            );
+            LAUNCH_IN_PROGRESS.load(std::sync::atomic::Ordering::Acquire) == 2
+        }
+        v => v == 2,
+    }
+}
+
 /// The milliseconds in environment variable `name`, or `default` when unset or unparsable.
 fn env_ms(name: &str, default: u64) -> Duration {
     let ms = std::env::var(name).ok().and_then(|v| v.trim().parse().ok());

@@ -208,6 +208,8 @@ pub fn same(
     scenario: impl Fn(&mut Rank) + Sync + Send + Copy + 'static,
 ) {
     let lib = source_nccl(target.version);
+    // The provider's launch answered as NCCL's (ncclInProgress with two ranks or more).
+    nccl_safe::host::set_launch_in_progress(true);
     // SAFETY: the host provider's lookup returns functions with NCCL's signatures.
     let host = unsafe {
         FunctionTable::load(nccl_safe::host::lookup_as_version(
