@@ -702,7 +702,7 @@ fn a_stuck_rank_is_named_by_every_survivor_when_the_watchdog_fires() {
         ],
     );
     let t = survivors_name_rank_1(&outs, "STUCK_AT_MS", "rank(s) [1] are behind")
-    .expect("stuck and error times");
+        .expect("stuck and error times");
     eprintln!("time from rank 1's stop to the last survivor's error: {t:.1} ms");
     // Rank 3 at its 1 s timeout; the others after their report waited for rank 1's post
     // (half their own timeout): all before the provider gives up at 8 s.
