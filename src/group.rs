@@ -56,6 +56,9 @@ pub struct Group<'a> {
     /// buffers borrowed, and not yet seen by NCCL. They are enqueued together at the
     /// group's end (inline for up to 8).
     ops: SmallVec<[Op<'a>; 8]>,
+    /// Where the group was made: the line its `Drop` (a `?` out of the caller's function)
+    /// names, since a `Drop` has no caller of its own.
+    made_at: &'static Location<'static>,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -68,6 +71,7 @@ impl std::fmt::Debug for Group<'_> {
 }
 
 impl Default for Group<'_> {
+    #[track_caller]
     fn default() -> Self {
         Self::new()
     }
@@ -85,20 +89,27 @@ fn acts(g: &BufferGuard<'_>) -> bool {
 }
 
 impl<'a> Group<'a> {
-    /// An empty group. Nothing reaches NCCL until it ends.
+    /// An empty group. Nothing reaches NCCL until it ends. An error of a group that is
+    /// dropped unended (it is ended then) names this line.
+    #[track_caller]
     #[inline(always)]
     pub fn new() -> Group<'a> {
         Group {
             ops: SmallVec::new(),
+            made_at: Location::caller(),
             _not_send: PhantomData,
         }
     }
 
-    /// Runs `f` inside a group and ends it, whatever `f` returns.
+    /// Runs `f` inside a group and ends it, whatever `f` returns. The group's errors
+    /// name the line of this call.
+    #[track_caller]
     pub fn run<R>(f: impl FnOnce(&mut Group<'a>) -> Result<R>) -> Result<R> {
+        let caller = Location::caller();
         let mut g = Group::new();
+        g.made_at = caller;
         let out = f(&mut g);
-        let end = g.end();
+        let end = g.finish(caller);
         let out = out?;
         end?;
         Ok(out)
@@ -138,6 +149,7 @@ impl<'a> Group<'a> {
                     ops.clear();
                     return Err(e);
                 }
+                c.diag.group_end_begins();
                 comms.0.push(c);
             }
         }
@@ -227,7 +239,7 @@ impl<'a> Group<'a> {
                 for c in comms {
                     if let Err(e) = c.wait_ready("ncclGroupEnd", caller, c.diag.timeout()) {
                         // As below: a peer's remote error fails the clique too.
-                        c.diag.group_failed(&e);
+                        let e = c.diag.group_failed(&e).unwrap_or(e);
                         // The group's buffers stay borrowed until NCCL's launch has ended.
                         Communicator::end_launches(comms, "ncclGroupEnd");
                         return Err(e);
@@ -236,10 +248,24 @@ impl<'a> Group<'a> {
                 }
                 Ok(())
             }
-            Err(e) => {
+            Err(mut e) => {
+                let timed_out = e.code() == Some(crate::ResultCode::Timeout);
+                let mut peer_timeout = None;
                 for c in comms {
-                    c.diag.group_failed(&e);
+                    let mine = c.diag.group_failed(&e);
+                    peer_timeout = peer_timeout.or(mine);
                     c.mark_failed(&e);
+                    // As the watchdog does for a single collective: a `Config::elastic`
+                    // communicator whose clique timed out or lost a rank is revoked where it
+                    // is (its handle stays for `shrink_after_failure`). Still pinned, and
+                    // NCCL's group call has returned: nothing of the group is in flight
+                    // that a revoke would not end.
+                    if c.diag.elastic() && (timed_out || c.diag.failed()) {
+                        c.revoke_after_failed_group("ncclGroupEnd");
+                    }
+                }
+                if let Some(p) = peer_timeout {
+                    e = p;
                 }
                 Err(e)
             }
@@ -299,6 +325,7 @@ struct Pinned<'a>(SmallVec<[&'a Communicator; 8]>);
 impl Drop for Pinned<'_> {
     fn drop(&mut self) {
         for c in &self.0 {
+            c.diag.group_end_done();
             c.diag.unpin();
         }
     }
@@ -366,9 +393,9 @@ impl<'l> Open<'l> {
                 let mut first = None;
                 for c in comms {
                     let what = format!(
-                        "the group ended at {caller} did not complete within {:?} on rank {} \
-                         of {}: a peer never joined it (it skipped the group, left, or is \
-                         late) ({e})",
+                        "in the group ended at {caller}, did not complete within {:?} on \
+                         rank {} of {}: a peer never joined it (it skipped the group, left, \
+                         or is late) ({e})",
                         c.diag.timeout(),
                         c.rank(),
                         c.world_size()
@@ -396,6 +423,6 @@ impl Drop for Open<'_> {
 impl Drop for Group<'_> {
     fn drop(&mut self) {
         // On `?`, an error or a panic: still enqueue the group, exactly once.
-        let _ = self.finish(Location::caller());
+        let _ = self.finish(self.made_at);
     }
 }

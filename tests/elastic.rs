@@ -864,3 +864,70 @@ fn a_failed_grow_or_init_leaves_nothing_in_dev_shm() {
         path(&id)
     );
 }
+
+/// The same with the survivors' all-reduce in a [`nccl_safe::Group`] (`Group::run`): the
+/// group pins its communicators against the watchdog for its end, so the end times itself
+/// out. It must do what the watchdog does for a single collective: name rank 2 behind (so
+/// `lost_rank()` is 2), revoke the elastic handles in place, and leave them to a shrink;
+/// its error names the caller's line, not nccl-safe's `src/group.rs`. Before, the report
+/// named no rank behind (`lost_rank()` was `None`), the handles were not revoked, and the
+/// line was `src/group.rs`'s.
+#[test]
+#[cfg(feature = "diag")]
+fn a_rank_stuck_past_the_timeout_of_a_group_is_the_lost_rank() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let ready = Barrier::new(3);
+    // Survivors done (counted on a panic too, so that rank 2 never waits forever).
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    struct Done<'a>(&'a std::sync::atomic::AtomicUsize);
+    impl Drop for Done<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    let cfg = Config::new()
+        .elastic(true)
+        .timeout(Duration::from_millis(300));
+    std::thread::scope(|s| {
+        for rank in 0..3 {
+            let (ready, done, cfg) = (&ready, &done, cfg.clone());
+            s.spawn(move || {
+                let comm = Communicator::init_rank(&CommDevice::Host, 3, rank, &id, &cfg).unwrap();
+                let mut x = vec![1.0f32; 4];
+                comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                ready.wait();
+                if rank == 2 {
+                    // Stuck in its own code until the others recovered.
+                    support::until(Duration::from_secs(30), || {
+                        done.load(std::sync::atomic::Ordering::SeqCst) == 2
+                    });
+                    assert!(comm.is_failed());
+                    return;
+                }
+                let _done = Done(done);
+                let e = nccl_safe::Group::run(|g| {
+                    g.push(comm.all_reduce_in_place_op(&mut x, ReduceOp::Sum, &S)?)
+                })
+                .unwrap_err();
+                let text = e.to_string();
+                assert!(matches!(e, Error::Timeout { .. }), "{e}");
+                assert!(text.contains("rank(s) [2] are behind"), "{e}");
+                assert!(text.contains("tests/elastic.rs"), "the caller's line: {e}");
+                assert!(!text.contains("src/group.rs"), "nccl-safe's line: {e}");
+                assert!(comm.is_revoked(), "the elastic handle was not revoked: {e}");
+                assert_eq!(comm.lost_rank(), Some(2), "{e}");
+                assert_eq!(comm.lost_ranks(), vec![2], "{e}");
+                let small = comm.shrink_after_failure(&comm.lost_ranks()).unwrap();
+                assert_eq!((small.world_size(), small.rank()), (2, rank));
+                let mut y = vec![rank as f32 + 1.0; 4];
+                small
+                    .all_reduce_in_place(&mut y, ReduceOp::Sum, &S)
+                    .unwrap();
+                assert_eq!(y, vec![3.0; 4]);
+                small.destroy().map_err(|(_, e)| e).unwrap();
+            });
+        }
+    });
+    let st = assert_balanced(&id);
+    assert_eq!(st.created, 5, "{st:?}");
+}

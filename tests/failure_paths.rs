@@ -1187,6 +1187,98 @@ fn child_waits_long_for_rank_2() {
         .expect("rank 2 arrives within the timeout");
 }
 
+/// The same notice for a collective in a [`nccl_safe::Group`]: the group's end pins its
+/// communicators against the watchdog, and the watchdog looked only at operations inside
+/// their own call or published on a stream, so a group waiting for a stuck rank printed
+/// nothing until its timeout.
+#[test]
+fn a_group_that_waits_long_gets_a_notice_naming_the_rank_behind() {
+    let child = support::spawn_child("child_group_waits_long_for_rank_2", NOTICE_VAR, "1");
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let notices: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("nccl-safe: rank "))
+        .collect();
+    assert!(!notices.is_empty(), "no notice: {err}");
+    for n in &notices {
+        assert!(n.contains("has waited"), "{n}");
+        assert!(
+            n.contains("rank(s) [2] of this process have not called it yet"),
+            "{n}"
+        );
+        assert!(
+            n.contains("tests/failure_paths.rs:"),
+            "the caller's line: {n}"
+        );
+    }
+    assert_eq!(notices.len(), 2, "{err}");
+}
+
+#[test]
+#[ignore = "run as a child process by a_group_that_waits_long_gets_a_notice_naming_the_rank_behind"]
+fn child_group_waits_long_for_rank_2() {
+    if std::env::var_os(NOTICE_VAR).is_none() {
+        return;
+    }
+    const TIMEOUT: Duration = Duration::from_secs(8);
+    Launcher::host(3)
+        .config(Config::new().timeout(TIMEOUT))
+        .run(|rank| {
+            if rank.rank() == 2 {
+                // Past the notice (TIMEOUT / 4), well within the timeout.
+                std::thread::sleep(TIMEOUT / 2);
+            }
+            let mut g = vec![1.0f32; 4];
+            let (comm, s) = (rank.comm(), rank.stream());
+            nccl_safe::Group::run(|grp| {
+                grp.push(comm.all_reduce_in_place_op(&mut g, ReduceOp::Sum, s)?)
+            })?;
+            Ok(())
+        })
+        .expect("rank 2 arrives within the timeout");
+}
+
+/// A group left by `?` (never ended: its `Drop` ends it) whose peer never joins names the
+/// line that made the group, not nccl-safe's `Drop`, and the rank behind.
+#[test]
+fn a_dropped_group_names_its_line_and_the_rank_behind() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let e = within(Duration::from_secs(30), move || {
+        let (joined, done) = (Barrier::new(2), Barrier::new(2));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let c = Communicator::init_rank(&CommDevice::Host, 2, 1, &id, &config()).unwrap();
+                joined.wait();
+                done.wait();
+                drop(c);
+            });
+            let c = Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &config()).unwrap();
+            joined.wait();
+            let (send, mut recv) = (vec![1.0f32; 8], vec![0.0f32; 8]);
+            let mut g = nccl_safe::Group::new();
+            g.push(
+                c.all_reduce_op(&send, &mut recv, ReduceOp::Sum, &S)
+                    .unwrap(),
+            )
+            .unwrap();
+            drop(g); // as a `?` out of the function would
+                     // The drop's error is lost; the next call returns the clique's report.
+            let e = c
+                .all_reduce(&send, &mut recv, ReduceOp::Sum, &S)
+                .unwrap_err();
+            done.wait();
+            e
+        })
+    });
+    let text = e.to_string();
+    assert!(is_timeout(&e), "{e}");
+    assert!(text.contains("rank(s) [1] are behind"), "{e}");
+    assert!(!text.contains("src/group.rs"), "nccl-safe's line: {e}");
+    assert_balanced(&id);
+}
+
 /// Rank 2 of `stuck_run` sleeps in its own code until this is set (or 60 s).
 static RELEASE_RANK_2: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// Set when rank 2 of `stuck_run` got its collective's result, after its release.

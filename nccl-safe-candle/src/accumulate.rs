@@ -30,6 +30,9 @@ struct TrackerState {
     drift_every: u64,
     /// The step after which the last drift check passed.
     last_good: u64,
+    /// With the drift check on: a sample of the parameters at the last `shard_batch`,
+    /// and the steps completed then (`outside_step`).
+    sharded: Option<(u64, u64)>,
 }
 
 impl Tracker {
@@ -108,6 +111,24 @@ impl Tracker {
         s.abandoned = Some((micro_batches, done));
     }
 
+    /// Whether the drift check is on.
+    pub(crate) fn drift_checked(&self) -> bool {
+        self.lock().drift_every > 0
+    }
+
+    /// At a batch's sharding, with the drift check on: `true` when the parameters'
+    /// `sample` changed since the previous batch's with no step in between (an optimizer
+    /// stepped outside the data-parallel object). Keeps `sample` for the next batch.
+    pub(crate) fn outside_step(&self, sample: u64) -> bool {
+        let mut s = self.lock();
+        let steps = s.steps;
+        let outside = s
+            .sharded
+            .is_some_and(|(before, at)| at == steps && before != sample);
+        s.sharded = Some((sample, steps));
+        outside
+    }
+
     /// A step completed; returns the steps completed when a drift check is due now.
     pub(crate) fn stepped(&self) -> Option<u64> {
         let mut s = self.lock();
@@ -129,6 +150,9 @@ impl Tracker {
 pub(crate) mod private {
     use super::*;
 
+    /// Seals [`MicroBatchLoss`](super::MicroBatchLoss).
+    pub trait SealedLoss {}
+
     /// What an [`Accumulation`] steps: the parameters, the tracker, and the step of
     /// summed, unreduced gradients.
     pub trait Target {
@@ -145,6 +169,35 @@ pub(crate) mod private {
     }
 }
 
+/// A micro-batch's loss as the model computed it (its mean over the micro-batch), **not**
+/// divided by the number of micro-batches: the only thing
+/// [`Accumulation::backward`] takes, which divides it by `micro_batches` itself.
+///
+/// The wrapper is the guard's API, so that code written when the loss had to be scaled by
+/// hand (`acc.backward(&(loss / n as f64)?)`, which would now scale it twice) does not
+/// compile: the compiler's error names `Unscaled`. Drop the division when adding it.
+#[derive(Debug, Clone, Copy)]
+pub struct Unscaled<'t>(pub &'t Tensor);
+
+/// What [`Accumulation::backward`] takes: [`Unscaled`] only. Sealed.
+#[diagnostic::on_unimplemented(
+    message = "`Accumulation::backward` takes `Unscaled(&loss)`, not `{Self}`",
+    label = "wrap the micro-batch's loss, not divided by the micro-batch count: `Unscaled(&loss)`",
+    note = "the guard divides each micro-batch's loss by the micro-batch count itself: code that divided it too (as it had to before) would scale it twice"
+)]
+pub trait MicroBatchLoss: private::SealedLoss {
+    /// The unscaled loss.
+    fn loss(&self) -> &Tensor;
+}
+
+impl MicroBatchLoss for Unscaled<'_> {
+    fn loss(&self) -> &Tensor {
+        self.0
+    }
+}
+
+impl private::SealedLoss for Unscaled<'_> {}
+
 /// What [`Accumulation`] works on: [`DdpStep`](crate::DdpStep) (a
 /// [`DistributedDataParallel`](crate::DistributedDataParallel) with your optimizer),
 /// [`DdpOptimizer`](crate::DdpOptimizer) and
@@ -155,11 +208,12 @@ pub trait Accumulate: private::Target {}
 /// reduction and one optimizer step at the end (PyTorch's `no_sync`), made so that it
 /// cannot be misused:
 ///
-/// - **The guard takes the backward.** [`backward(&loss)`](Self::backward) runs
+/// - **The guard takes the backward.** [`backward(Unscaled(&loss))`](Self::backward) runs
 ///   `(loss / micro_batches).backward()` and adds the gradients to the guard's local sum:
 ///   **each micro-batch's loss is scaled by `1 / micro_batches`**, so that the step applies
 ///   the mean gradient over the whole accumulated batch, as one step on it would (pass
-///   the unscaled mean loss of the micro-batch). A plain `loss.backward()` produces
+///   the unscaled mean loss of the micro-batch, wrapped in [`Unscaled`]: a bare `&Tensor`,
+///   as code that scaled the loss by hand passed, does not compile). A plain `loss.backward()` produces
 ///   gradients the guard never sees, and [`step`](Self::step) then refuses
 ///   ([`DistErrorKind::MicroBatchCount`](crate::DistErrorKind::MicroBatchCount)): no
 ///   gradient is dropped silently.
@@ -221,14 +275,56 @@ impl<T: Accumulate> Accumulation<T> {
     }
 
     /// One micro-batch: `(loss / micro_batches).backward()`, its gradients added to the
-    /// local sum (no communication). `loss` is the micro-batch's mean loss, unscaled. More
-    /// calls than micro-batches is
+    /// local sum (no communication). `loss` is the micro-batch's mean loss, unscaled, in
+    /// [`Unscaled`]. More calls than micro-batches is
     /// [`DistErrorKind::MicroBatchCount`](crate::DistErrorKind::MicroBatchCount).
+    ///
+    /// A bare tensor, as code that divided the loss by the micro-batch count itself
+    /// passed, does not compile (it would be scaled twice):
+    ///
+    /// ```compile_fail
+    /// # use candle_core::{DType, Device, Tensor};
+    /// # use candle_nn::{VarMap, SGD, Optimizer};
+    /// # use nccl_safe_candle::{DistributedDataParallel, DistResult, Launcher};
+    /// # Launcher::host(1).try_run(|rank| -> DistResult<()> {
+    /// # let map = VarMap::new();
+    /// # let w = map.get(4, "w", candle_nn::Init::Const(1.0), DType::F32, &Device::Cpu)?;
+    /// # let ddp = DistributedDataParallel::new(rank.comm(), &map)?;
+    /// # let mut sgd = SGD::new(ddp.vars(), 0.1)?;
+    /// let mut acc = ddp.no_sync(2, &mut sgd)?;
+    /// for _ in 0..2 {
+    ///     let loss = w.sum_all()?;
+    ///     acc.backward(&(loss / 2.0)?)?; // error: `Unscaled(&loss)` expected
+    /// }
+    /// acc.step()
+    /// # })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    ///
+    /// ```
+    /// # use candle_core::{DType, Device, Tensor};
+    /// # use candle_nn::{VarMap, SGD, Optimizer};
+    /// # use nccl_safe_candle::{DistributedDataParallel, DistResult, Launcher, Unscaled};
+    /// # Launcher::host(1).try_run(|rank| -> DistResult<()> {
+    /// # let map = VarMap::new();
+    /// # let w = map.get(4, "w", candle_nn::Init::Const(1.0), DType::F32, &Device::Cpu)?;
+    /// # let ddp = DistributedDataParallel::new(rank.comm(), &map)?;
+    /// # let mut sgd = SGD::new(ddp.vars(), 0.1)?;
+    /// let mut acc = ddp.no_sync(2, &mut sgd)?;
+    /// for _ in 0..2 {
+    ///     let loss = w.sum_all()?;
+    ///     acc.backward(Unscaled(&loss))?; // scaled by 1/2 here
+    /// }
+    /// acc.step()
+    /// # })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
     #[track_caller]
-    pub fn backward(&mut self, loss: &Tensor) -> DistResult<()> {
+    pub fn backward(&mut self, loss: impl MicroBatchLoss) -> DistResult<()> {
         let (at, _scope) = crate::error::caller_scope();
         let step = self.target.tracker().current();
-        self.backward_inner(loss).map_err(|e| e.at(at, Some(step)))
+        self.backward_inner(loss.loss())
+            .map_err(|e| e.at(at, Some(step)))
     }
 
     fn backward_inner(&mut self, loss: &Tensor) -> DistResult<()> {
@@ -309,6 +405,27 @@ impl OptimizerState for candle_nn::SGD {
 
 impl OptimizerState for candle_nn::AdamW {
     const COPIES: usize = 2;
+}
+
+/// A cheap sample of the parameters for [`Tracker::outside_step`]: the first element of
+/// each, read in one copy (an optimizer step moves every parameter with a gradient).
+pub(crate) fn sample(params: &[(String, Var)]) -> DistResult<u64> {
+    let firsts = params
+        .iter()
+        .filter(|(_, v)| v.as_tensor().elem_count() > 0)
+        .map(|(_, v)| {
+            let t = v.as_tensor().flatten_all()?.narrow(0, 0, 1)?;
+            t.to_dtype(DType::F64)
+        })
+        .collect::<candle_core::Result<Vec<Tensor>>>()?;
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    if firsts.is_empty() {
+        return Ok(h);
+    }
+    for x in Tensor::cat(&firsts, 0)?.to_vec1::<f64>()? {
+        fnv(&mut h, &x.to_bits().to_le_bytes());
+    }
+    Ok(h)
 }
 
 /// FNV-1a, 64 bits: stable across builds and processes (unlike std's hasher).

@@ -344,8 +344,30 @@ impl<'c> DistributedDataParallel<'c> {
     /// This rank's equal part of a batch along its first dimension ([`shard_batch`]):
     /// the first dimension must divide by the number of ranks (so that the average of
     /// the ranks' mean gradients is the whole batch's). A view: no copy.
+    ///
+    /// With the drift check on ([`with_drift_check`](Self::with_drift_check)) it also
+    /// reads the first element of each parameter, and fails with
+    /// [`DistErrorKind::SteppedOutside`](crate::DistErrorKind::SteppedOutside) when they
+    /// changed since the previous batch with no step of this object in between: an
+    /// optimizer stepped on local gradients, a path the drift check inside the steps
+    /// never sees.
     #[track_caller]
     pub fn shard_batch(&self, batch: &Tensor) -> Result<Tensor> {
+        if self.tracker.drift_checked() {
+            let (at, _scope) = crate::error::caller_scope();
+            let step = self.tracker.current();
+            let outside = crate::accumulate::sample(&self.params)
+                .map(|s| self.tracker.outside_step(s))
+                .map_err(|e| e.at(at, Some(step)))?;
+            if outside {
+                return Err(DistError::from(K::SteppedOutside {
+                    call: "shard_batch",
+                    rank: self.comm.rank(),
+                    steps: self.tracker.completed(),
+                })
+                .at(at, Some(step)));
+            }
+        }
         shard_batch(self.comm, batch)
     }
 
@@ -526,7 +548,7 @@ impl<'c> DistributedDataParallel<'c> {
     /// ```
     /// # use candle_core::{DType, Device, Tensor};
     /// # use candle_nn::{linear, loss, Module, Optimizer, VarBuilder, VarMap, SGD};
-    /// # use nccl_safe_candle::{DistributedDataParallel, DistResult, Launcher};
+    /// # use nccl_safe_candle::{DistributedDataParallel, DistResult, Launcher, Unscaled};
     /// Launcher::host(2).try_run(|rank| -> DistResult<()> {
     ///     let map = VarMap::new();
     ///     let model = linear(4, 1, VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu))?;
@@ -537,7 +559,7 @@ impl<'c> DistributedDataParallel<'c> {
     ///     let mut acc = ddp.no_sync(4, &mut sgd)?;
     ///     for i in 0..4 {
     ///         let (xi, yi) = (x.narrow(0, 2 * i, 2)?, y.narrow(0, 2 * i, 2)?);
-    ///         acc.backward(&loss::mse(&model.forward(&xi)?, &yi)?)?; // scaled by 1/4
+    ///         acc.backward(Unscaled(&loss::mse(&model.forward(&xi)?, &yi)?))?; // scaled by 1/4
     ///     }
     ///     acc.step() // one all-reduce, one SGD step
     /// })?;

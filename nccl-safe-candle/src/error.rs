@@ -180,6 +180,26 @@ pub enum DistErrorKind {
         /// How many its `backward` took.
         done: usize,
     },
+    /// With the drift check on ([`DistributedDataParallel::with_drift_check`](crate::DistributedDataParallel::with_drift_check)),
+    /// the parameters changed between two batches sharded by the data-parallel object
+    /// with no step of it in between: an optimizer stepped on this rank's local gradients
+    /// (`opt.backward_step(&loss)` on a plain optimizer), so the ranks drift apart and the
+    /// drift check, which runs inside the data-parallel object's steps, never ran.
+    #[error(
+        "{call} on rank {rank}: the parameters changed since the previous batch without a \
+         step of the data-parallel object ({steps} step(s) completed): an optimizer stepped \
+         on local gradients, so the ranks drift apart. Step through it: \
+         ddp.backward_step(&mut opt, &loss), ddp.sync_grads(&mut grads) before opt.step, \
+         DdpOptimizer or ZeroRedundancyOptimizer"
+    )]
+    SteppedOutside {
+        /// The call that found it (`shard_batch`).
+        call: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The data-parallel object's steps completed.
+        steps: u64,
+    },
     /// The drift check found ranks whose parameters are not bit-identical to the others'
     /// (see [`DistributedDataParallel::check_drift`](crate::DistributedDataParallel::check_drift)).
     /// Every rank gets this error, naming the same ranks.

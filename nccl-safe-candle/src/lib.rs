@@ -93,7 +93,7 @@ pub mod state;
 pub mod tensor;
 mod zero;
 
-pub use accumulate::{Accumulate, Accumulation, OptimizerState};
+pub use accumulate::{Accumulate, Accumulation, MicroBatchLoss, OptimizerState, Unscaled};
 pub use ddp::{BucketPlan, DdpStep, DistributedDataParallel, DEFAULT_BUCKET_CAP};
 pub use elastic::{grow, is_rank_loss, join, recover, run_elastic, ElasticRun, Recovery};
 pub use error::{DistError, DistErrorKind, DistResult};

@@ -29,7 +29,7 @@ use crate::state::{reshard, CarriedState, Export, ShardableState, StateCarry};
 /// ```
 /// use candle_core::{DType, Device, Tensor};
 /// use candle_nn::{linear, loss, Module, Optimizer, VarBuilder, VarMap, SGD};
-/// use nccl_safe_candle::{DdpOptimizer, DistResult, Launcher};
+/// use nccl_safe_candle::{DdpOptimizer, DistResult, Launcher, Unscaled};
 ///
 /// Launcher::host(2).try_run(|rank| -> DistResult<()> {
 ///     let map = VarMap::new();
@@ -44,7 +44,7 @@ use crate::state::{reshard, CarriedState, Export, ShardableState, StateCarry};
 ///     let mut acc = opt.no_sync(2)?;
 ///     for half in [x.narrow(0, 0, 2)?, x.narrow(0, 2, 2)?] {
 ///         let y = Tensor::zeros((2, 1), DType::F32, &Device::Cpu)?;
-///         acc.backward(&loss::mse(&model.forward(&half)?, &y)?)?;
+///         acc.backward(Unscaled(&loss::mse(&model.forward(&half)?, &y)?))?;
 ///     }
 ///     acc.step()
 /// })?;

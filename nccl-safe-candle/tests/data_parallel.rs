@@ -12,8 +12,8 @@ use common::*;
 use nccl_safe::launch::Launcher;
 use nccl_safe_candle::{
     all_gather, all_reduce, all_reduce_scalar, broadcast, reduce_scatter, DistError,
-    DistErrorKind as K, DistResult, DistributedDataParallel, ReduceOp, ZeroRedundancyOptimizer,
-    DEFAULT_BUCKET_CAP,
+    DistErrorKind as K, DistResult, DistributedDataParallel, ReduceOp, Unscaled,
+    ZeroRedundancyOptimizer, DEFAULT_BUCKET_CAP,
 };
 
 /// What went wrong, when something did.
@@ -236,9 +236,9 @@ fn no_sync_accumulates_scaled_micro_batches_then_reduces_the_sum() {
             let mut acc = ddp.no_sync(2, &mut sgd)?;
             // d(sum(w * c))/dw = c; each micro-batch's loss is scaled by 1/2.
             let c1 = Tensor::full(local, 4, &Device::Cpu)?;
-            acc.backward(&(w.as_tensor() * &c1)?.sum_all()?)?;
+            acc.backward(Unscaled(&(w.as_tensor() * &c1)?.sum_all()?))?;
             let c2 = Tensor::full(10f32, 4, &Device::Cpu)?;
-            acc.backward(&(w.as_tensor() * &c2)?.sum_all()?)?;
+            acc.backward(Unscaled(&(w.as_tensor() * &c2)?.sum_all()?))?;
             // Nothing stepped before the accumulation's step.
             assert_eq!(w.as_tensor().to_vec1::<f32>()?, start);
             acc.step()?;

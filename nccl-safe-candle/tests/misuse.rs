@@ -13,7 +13,7 @@ use candle_nn::{loss, AdamW, Module, Optimizer, ParamsAdamW, VarMap, SGD};
 use common::*;
 use nccl_safe_candle::{
     DdpOptimizer, DistError, DistErrorKind as K, DistResult, DistributedDataParallel, Launcher,
-    ReduceOp, ZeroRedundancyOptimizer,
+    ReduceOp, Unscaled, ZeroRedundancyOptimizer,
 };
 
 const RANKS: usize = 4;
@@ -109,7 +109,7 @@ fn mistake_2_a_step_inside_no_sync_is_a_typed_error() {
             let mut other = SGD::new(ddp.vars(), 0.1)?;
             let before = flat_params(&map)?;
             let mut acc = ddp.no_sync(2, &mut sgd)?;
-            acc.backward(&loss::mse(&m.forward(&x)?, &y)?)?;
+            acc.backward(Unscaled(&loss::mse(&m.forward(&x)?, &y)?))?;
             let e = ddp
                 .backward_step(&mut other, &loss::mse(&m.forward(&x)?, &y)?)
                 .expect_err("a step inside an accumulation");
@@ -131,7 +131,7 @@ fn mistake_2_a_step_inside_no_sync_is_a_typed_error() {
             assert!(matches!(e.kind(), K::AccumulationOpen { .. }), "{e}");
             assert_eq!(flat_params(&map)?, before, "nothing may be stepped");
             // The accumulation itself still ends normally.
-            acc.backward(&loss::mse(&m.forward(&x)?, &y)?)?;
+            acc.backward(Unscaled(&loss::mse(&m.forward(&x)?, &y)?))?;
             acc.step()?;
             assert_eq!(ddp.steps(), 1);
             ddp.check_drift()?;
@@ -151,7 +151,7 @@ fn an_accumulation_dropped_without_its_step_fails_the_next_step() {
             let mut opt = ZeroRedundancyOptimizer::<SGD>::new(rank.comm(), &map, 0.1)?;
             {
                 let mut acc = opt.no_sync(3)?;
-                acc.backward(&loss::mse(&m.forward(&x)?, &y)?)?;
+                acc.backward(Unscaled(&loss::mse(&m.forward(&x)?, &y)?))?;
             }
             let e = opt
                 .backward_step(&loss::mse(&m.forward(&x)?, &y)?)
@@ -376,7 +376,7 @@ fn zero1_accumulates_like_ddp_and_reports_its_optimizer_state() {
                     let mut opt = ZeroRedundancyOptimizer::<AdamW>::new(rank.comm(), &map, cfg)?;
                     for _ in 0..3 {
                         let mut acc = opt.no_sync(2)?;
-                        accumulate(&mut |l| acc.backward(l))?;
+                        accumulate(&mut |l| acc.backward(Unscaled(l)))?;
                         acc.step()?;
                     }
                     Ok((
@@ -388,7 +388,7 @@ fn zero1_accumulates_like_ddp_and_reports_its_optimizer_state() {
                     let mut opt = DdpOptimizer::<AdamW>::new(rank.comm(), &map, cfg)?;
                     for _ in 0..3 {
                         let mut acc = opt.no_sync(2)?;
-                        accumulate(&mut |l| acc.backward(l))?;
+                        accumulate(&mut |l| acc.backward(Unscaled(l)))?;
                         acc.step()?;
                     }
                     Ok((flat_params(&map)?, opt.optimizer_state_bytes(), 0))
@@ -447,4 +447,38 @@ fn a_ddp_steps_timeout_names_the_callers_line_and_the_rank_behind() {
     assert!(e.contains(&format!("misuse.rs:{line}")), "{e}");
     assert!(!e.contains("group.rs"), "{e}");
     assert!(e.contains("rank(s) [1] are behind"), "{e}");
+}
+
+/// Issue 53 item 8: raw DDP with the drift check on, stepped by the plain optimizer
+/// (`sgd.backward_step`: its gradients never reduced, so the ranks drift apart). The drift
+/// check runs inside the DDP's steps, and this step is not one of them: it never ran, and
+/// the ranks ended 8.9e-2 apart. The next batch's `shard_batch` now finds the parameters
+/// moved with no DDP step and fails on every rank, naming the caller's line; steps through
+/// the DDP (x and y sharded apart, as loops do) are not mistaken for it.
+#[test]
+fn a_step_outside_the_ddp_fails_loudly_with_the_drift_check_on() {
+    launcher()
+        .try_run(|rank| -> DistResult<()> {
+            let map = VarMap::new();
+            let m = model(&map, rank.rank())?;
+            let (x, y) = batch()?;
+            let ddp = DistributedDataParallel::new(rank.comm(), &map)?.with_drift_check(10);
+            let mut sgd = SGD::new(ddp.vars(), 0.1)?;
+            for _ in 0..3 {
+                let (xs, ys) = (ddp.shard_batch(&x)?, ddp.shard_batch(&y)?);
+                ddp.backward_step(&mut sgd, &loss::mse(&m.forward(&xs)?, &ys)?)?;
+            }
+            let (xs, ys) = (ddp.shard_batch(&x)?, ddp.shard_batch(&y)?);
+            sgd.backward_step(&loss::mse(&m.forward(&xs)?, &ys)?)?; // the mistake
+            let e = ddp
+                .shard_batch(&x)
+                .expect_err("a step outside the DDP with the drift check on");
+            assert!(
+                matches!(e.kind(), K::SteppedOutside { steps: 3, .. }),
+                "{e}"
+            );
+            assert!(e.to_string().contains("misuse.rs"), "{e}");
+            Ok(())
+        })
+        .unwrap();
 }

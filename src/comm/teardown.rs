@@ -163,6 +163,30 @@ impl Communicator {
         Self::abort_launching(&revoked, call, Instant::now() + bound);
     }
 
+    /// A `Config::elastic` communicator whose group end failed with its clique timed out
+    /// or a rank lost (the group pinned it, so the watchdog could not revoke it): revoked
+    /// where it is, as the watchdog revokes one whose single collective failed so, and the
+    /// revoke's job waited for (bounded by [`Config::abort_timeout`]), so that
+    /// `shrink_after_failure` can follow at once. Left failed (its drop aborts it) when it
+    /// cannot be revoked; aborted in place, as [`end_launches`](Self::end_launches) does,
+    /// when the revoke's job does not end within the bound.
+    ///
+    /// [`Config::abort_timeout`]: crate::Config::abort_timeout
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn revoke_after_failed_group(&self, call: &'static str) {
+        if !self.handle.is_live() || !self.revoke_for_launch() {
+            return;
+        }
+        let until = Instant::now() + self.diag.abort_timeout();
+        while self.launch_may_run() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if self.launch_may_run() {
+            Self::abort_launching(&[self], call, Instant::now() + self.diag.abort_timeout());
+        }
+    }
+
     /// Aborts `comms` in place, together, and waits for it until `until` (one the watchdog
     /// took: for the watchdog's abort).
     fn abort_launching(comms: &[&Communicator], call: &'static str, until: Instant) {

@@ -259,6 +259,7 @@ impl CommDiag {
             cuda_fault: std::sync::OnceLock::new(),
             gone: AtomicBool::new(false),
             noticed: AtomicU64::new(0),
+            group_ending: AtomicBool::new(false),
             captured: AtomicBool::new(false),
             seq: AtomicU64::new(0),
             wait_ns: AtomicU64::new(0),
@@ -437,11 +438,19 @@ impl CommDiag {
     /// A group's call ran out of time with its communicators pinned (so the watchdog could
     /// not time it out): the clique is timed out here as the watchdog would have (every rank
     /// fails fast with this report), and the caller gets the error.
+    ///
+    /// The report is the desync report of the group's first collective on this
+    /// communicator, as the watchdog's for a single collective: it names the ranks behind
+    /// (so [`lost_rank`](Self::lost_rank) names the one rank behind, for a shrink).
     #[cold]
     pub(crate) fn group_timed_out(&self, what: String) -> Error {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
-            let report = s.clique.set_timed_out(&TimeoutReport::text(&what));
+            let first = s.staged().into_iter().min_by_key(|r| (r.seq, r.enqueued));
+            let report = match first {
+                Some(rec) => s.time_out(&rec, &what, true),
+                None => s.clique.set_timed_out(&TimeoutReport::text(&what)),
+            };
             return s.timeout_error(&report.text);
         }
         Error::Timeout {
@@ -457,26 +466,39 @@ impl CommDiag {
     /// for a single call, so every rank, an idle one too, sees `is_failed()`: even if the
     /// departed rank issued the group's collectives, a communicator that returned NCCL's
     /// remote error can run no collective any more. The caller keeps its error.
+    ///
+    /// When the clique had already timed out (another rank's group or operation timed out,
+    /// and its abort or revoke failed this group), returns the error the crate gives for
+    /// such a peer timeout ([`Error::Timeout`] with the first report), as for a single
+    /// call, in place of NCCL's remote error.
     #[cold]
-    pub(crate) fn group_failed(&self, e: &Error) {
+    pub(crate) fn group_failed(&self, e: &Error) -> Option<Error> {
         #[cfg(feature = "diag")]
-        if let Some(s) = self.shared.get().filter(|s| !s.clique.any_timeout()) {
+        if let Some(s) = self.shared.get() {
+            if let Some(first) = s.clique.timed_out() {
+                if e.code() == Some(crate::error::ResultCode::Timeout) {
+                    return None;
+                }
+                let rec = s.staged().into_iter().min_by_key(|r| (r.seq, r.enqueued))?;
+                return Some(s.peer_timeout(&rec, &first));
+            }
+        }
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
             if e.code() != Some(crate::error::ResultCode::RemoteError) {
-                return;
+                return None;
             }
             let c = &s.clique;
-            let Some(d) = (c.departed_other_than(s.rank))
+            let d = (c.departed_other_than(s.rank))
                 .or_else(|| c.remote_departure(s.rank))
-                .cloned()
-            else {
-                return;
-            };
+                .cloned()?;
             // The group's first operation on this communicator, still staged (the failed
             // end published nothing), for the report.
             let rec = s.staged().into_iter().next();
             c.fail_for_departure(&d, Some(s.rank), rec.as_ref());
         }
         let _ = e;
+        None
     }
 
     /// Polled during a host-provider group's end (run inside the call, its communicators
@@ -541,6 +563,24 @@ impl CommDiag {
             return Ok(true);
         }
         Ok(false)
+    }
+
+    /// A group's end begins with this communicator pinned: until
+    /// [`group_end_done`](Self::group_end_done), the watchdog's notice looks at the
+    /// group's operations (staged, not yet published) as at an operation inside its call.
+    pub(crate) fn group_end_begins(&self) {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            s.group_ending.store(true, Ordering::Release);
+        }
+    }
+
+    /// The group's end is over (launched, or failed).
+    pub(crate) fn group_end_done(&self) {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            s.group_ending.store(false, Ordering::Release);
+        }
     }
 
     /// Ends a [`pin`](Self::pin) that returned `Ok(true)`: `current` is again what it was

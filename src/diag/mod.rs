@@ -38,7 +38,13 @@
 //! and an asymmetric fence (`fence`), each measured in ARCHITECTURE.md. An operation on a
 //! CUDA stream also records an event after itself (events are reused: `tracker`).
 //!
-//! Not done: the cross-process fingerprint exchange, watching `ncclGroupEnd`, and
+//! A [`crate::Group`]'s end pins its communicators (the watchdog cannot abort them under
+//! it): the watchdog's notice reads the group's operations as it reads one inside its call,
+//! and the end's own timeout (host provider) or wait for the launch makes the same report,
+//! naming the ranks behind, and revokes a `Config::elastic` communicator as the watchdog
+//! would.
+//!
+//! Not done: the cross-process fingerprint exchange, and
 //! fingerprints of operations inside a [`crate::Group`] (they are recorded, not compared).
 
 mod hooks;

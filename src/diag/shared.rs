@@ -167,6 +167,9 @@ pub(crate) struct Shared {
     pub(super) cuda_fault: std::sync::OnceLock<cudarc::driver::DriverError>,
     /// Sequence number + 1 of the last operation the watchdog printed a notice about.
     pub(super) noticed: AtomicU64,
+    /// The owner is inside a group's end with this communicator pinned (its operations
+    /// staged): the watchdog's notice looks at them.
+    pub(super) group_ending: AtomicBool,
     /// Work of this communicator was seen captured into a CUDA graph: a stream of it was
     /// capturing when marked or queried, or a marker read back as a captured event. NCCL's
     /// destroy and abort wait until every graph holding its work is destroyed
@@ -724,7 +727,8 @@ impl Shared {
     /// error), once per operation: what this rank waits in and, of the ranks in this
     /// process, which have not called it yet.
     pub(super) fn notice(&self, now: Instant) -> Option<String> {
-        let rec = self.late_by(now, (self.settings.timeout / 4).min(NOTICE_AFTER))?;
+        let limit = (self.settings.timeout / 4).min(NOTICE_AFTER);
+        let rec = (self.late_by(now, limit)).or_else(|| self.group_late_by(now, limit))?;
         if self.noticed.fetch_max(rec.seq + 1, Ordering::AcqRel) > rec.seq {
             return None;
         }
@@ -753,6 +757,21 @@ impl Shared {
         (self.in_call())
             .filter(|r| now.saturating_duration_since(r.enqueued) >= limit + self.slack(r.enqueued))
             .or_else(|| self.late_work(now, limit, true))
+    }
+
+    /// The oldest operation of the group whose end the owner is inside (its communicators
+    /// pinned, so none is in a call of its own, and its work staged, not published), when
+    /// it has waited `limit`. A group's end is watched by its own timeout (`Group::end`,
+    /// host provider) or its wait for the launch (`settle`); the notice is the watchdog's.
+    fn group_late_by(&self, now: Instant, limit: Duration) -> Option<OpRecord> {
+        if !self.group_ending.load(Ordering::Acquire)
+            || self.current.load(Ordering::Acquire) != PINNED
+        {
+            return None;
+        }
+        (self.staged().into_iter())
+            .filter(|r| now.saturating_duration_since(r.enqueued) >= limit + self.slack(r.enqueued))
+            .min_by_key(|r| r.enqueued)
     }
 
     /// Claims this communicator for an abort at `now`: an operation inside its NCCL call

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{linear, Linear, Module, Optimizer, VarBuilder, VarMap, SGD};
-use nccl_safe_candle::{DdpOptimizer, DistributedDataParallel, Launcher, Rank, ReduceOp};
+use nccl_safe_candle::{DdpOptimizer, DistributedDataParallel, Launcher, Rank, ReduceOp, Unscaled};
 
 const INPUTS: usize = 8;
 const HIDDEN: usize = 32;
@@ -169,7 +169,7 @@ fn train(rank: &Rank, device: &Device, opts: &Opts) -> candle_core::Result<Outco
                         x.narrow(0, k * micro, micro)?,
                         y.narrow(0, k * micro, micro)?,
                     );
-                    acc.backward(&candle_nn::loss::mse(&model.forward(&xk)?, &yk)?)?;
+                    acc.backward(Unscaled(&candle_nn::loss::mse(&model.forward(&xk)?, &yk)?))?;
                 }
                 acc.step()?;
             }
