@@ -110,7 +110,10 @@ cleanup() {
 }
 trap cleanup EXIT
 shm_before="$(ls /dev/shm | grep '^nccl-safe-' || true)"
-port=$(( 20000 + RANDOM % 20000 ))
+# Below Linux's ephemeral range (32768 and up by default), from which every outgoing
+# connection takes its local port: a port drawn there was once held by such a connection,
+# and rank 0 could not listen on it ("Address already in use").
+port=$(( 20000 + RANDOM % 10000 ))
 # run NAME [--tolerate-a-dead-rank] PROGRAM ARGS...: 4 ranks under the launcher; sets $rc;
 # fails on a hang.
 run() {
