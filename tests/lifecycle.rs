@@ -661,7 +661,9 @@ fn a_communicator_dropped_while_panicking_aborts_and_wakes_its_peer() {
         waiter.join().unwrap();
     });
     assert!(started.elapsed() < Duration::from_secs(10));
-    let st = stats_for(&id.to_raw());
+    // The watchdog may still be aborting the peer's communicator (it takes the handle when
+    // the panicking rank leaves, so that drop returns at once): its counters once settled.
+    let st = support::settled_stats(&id);
     assert_eq!((st.created, st.live, st.misused), (2, 0, 0), "{st:?}");
     assert!(st.aborted >= 1, "{st:?}");
 }
