@@ -367,6 +367,7 @@ impl<'l> Open<'l> {
         // thread, which `settle` waits for), taken apart before the check, which would
         // build an error (strings, NCCL's last error) for it on every group.
         let end = || {
+            // SAFETY: as above: closes `start`'s ncclGroupStart, the buffers still borrowed.
             let raw = unsafe { (lib.table().ncclGroupEnd)() };
             if raw == nccl_sys::bindings::ncclInProgress {
                 Ok(true)
