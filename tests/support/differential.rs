@@ -11,7 +11,7 @@
 #![allow(non_upper_case_globals)]
 
 use core::ffi::{c_int, c_void};
-use std::sync::Barrier;
+use std::sync::{Barrier, Mutex};
 use std::time::Duration;
 
 use cudarc::driver::CudaContext;
@@ -86,6 +86,8 @@ pub struct Rank<'a> {
     pub n: usize,
     pub id: ncclUniqueId,
     pub seq: &'a Barrier,
+    /// An id one rank hands to the others (a grow's), between barriers.
+    pub handed: &'a Mutex<Option<ncclUniqueId>>,
     pub trace: Vec<String>,
 }
 
@@ -108,6 +110,11 @@ impl Rank<'_> {
             !comm.is_null()
         ));
         comm
+    }
+
+    /// A non-blocking config of the target's NCCL, every other field unset.
+    pub fn config(&self) -> ncclConfig_t {
+        config(self.target, 0)
     }
 
     /// The asynchronous state, once (`ncclCommGetAsyncError`).
@@ -166,10 +173,11 @@ pub fn run(
     // SAFETY: a valid out-pointer.
     assert_eq!(unsafe { (t.ncclGetUniqueId)(&mut id) }, ncclSuccess);
     let seq = Barrier::new(n);
+    let handed = Mutex::new(None);
     std::thread::scope(|sc| {
         let hs: Vec<_> = (0..n)
             .map(|r| {
-                let (scenario, seq) = (&scenario, &seq);
+                let (scenario, seq, handed) = (&scenario, &seq, &handed);
                 sc.spawn(move || {
                     // NCCL takes the thread's current device (its runtime's
                     // cudaGetDevice): the fake driver's current context.
@@ -185,6 +193,7 @@ pub fn run(
                         n,
                         id,
                         seq,
+                        handed,
                         trace: Vec::new(),
                     };
                     debug_assert!(rank.n > rank.r);
@@ -225,6 +234,12 @@ pub fn same(
     let stand_in = within(Duration::from_secs(120), move || {
         run(target, &host, false, n, scenario)
     });
+    for (r, lines) in nccl.iter().enumerate() {
+        eprintln!("row `{row}`, rank {r} on NCCL {}:", target.version);
+        for l in lines {
+            eprintln!("  {l}");
+        }
+    }
     for r in 0..n {
         assert_eq!(
             nccl[r], stand_in[r],
