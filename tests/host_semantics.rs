@@ -1593,3 +1593,59 @@ fn a_window_queued_in_a_failed_group_is_reported_at_the_next_registration() {
     // Misuse: the unknown datatype, and the stale registration.
     assert_eq!((st.windows_registered, st.misused), (1, 2), "{st:?}");
 }
+
+/// Ranks meeting in the shared segment (`host::shared_unique_id`, as ranks in processes
+/// do): a rank whose all-reduce returned aborts at once, while its peer may still be
+/// between the collective's last barrier and its return. The peer's all-reduce completes
+/// with the sum: its barrier had completed, as a kernel that received its peer's data
+/// completes whatever the peer does next. Before, the peer read the abort before the
+/// barrier's completion and failed the all-reduce with "rank 1 called ncclCommAbort" (found
+/// by the differential row `ncclGroupEnd` in processes).
+#[test]
+fn a_peer_aborting_right_after_a_shared_collective_does_not_fail_it() {
+    let t = table();
+    let mut failed = Vec::new();
+    for round in 0..300 {
+        let id = host::shared_unique_id();
+        let got = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|r| {
+                    let t = &t;
+                    s.spawn(move || {
+                        let mut comm: ncclComm_t = core::ptr::null_mut();
+                        // SAFETY: valid out pointer; the same id for both ranks.
+                        let init = unsafe { (t.ncclCommInitRank)(&mut comm, 2, id, r) };
+                        assert_eq!(init, ncclSuccess, "{}", last_error(t));
+                        let mut x = [1f32; 4];
+                        let p = x.as_mut_ptr().cast::<c_void>();
+                        // SAFETY: a live buffer; the call runs in place and returns after.
+                        let rc = unsafe {
+                            (t.ncclAllReduce)(p, p, 4, ncclFloat32, ncclSum, comm, null_stream())
+                        };
+                        let why = if rc == ncclSuccess {
+                            String::new()
+                        } else {
+                            last_error(t)
+                        };
+                        // SAFETY: aborted once.
+                        assert_eq!(unsafe { (t.ncclCommAbort)(comm) }, ncclSuccess);
+                        (rc, x, why)
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        for (r, (rc, x, why)) in got.into_iter().enumerate() {
+            if rc != ncclSuccess || x != [2.0; 4] {
+                failed.push(format!("round {round}, rank {r}: {rc} {x:?} {why}"));
+            }
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of 300 rounds: {failed:?}",
+        failed.len()
+    );
+}

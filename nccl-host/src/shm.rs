@@ -788,6 +788,12 @@ impl Segment {
         None
     }
 
+    /// Whether every rank entered the barrier this rank entered as its `epoch`-th (each
+    /// rank counts its own before it joins one, after its part of the round is written).
+    fn all_entered(&self, epoch: u64) -> bool {
+        (0..self.nranks).all(|r| self.info(r).epoch.load(Acquire) >= epoch)
+    }
+
     /// Waits until every rank entered this barrier; fails on a failed communicator, a
     /// gone peer, or the deadline.
     fn barrier(&self, seq: u64, deadline: Instant) -> Result<(), Fail> {
@@ -808,7 +814,14 @@ impl Segment {
         let mut next_check = Instant::now() + Duration::from_millis(10);
         loop {
             let g = h.bar_gen.load(Acquire);
+            // The word moves when the barrier completes and when the communicator fails.
+            // A barrier every rank entered has completed, failure or not: a peer that
+            // passed it may abort or revoke right after (its part of the collective done),
+            // and this rank's part still completes, as a kernel that had its peer's data.
             if let Some(f) = self.failure() {
+                if self.all_entered(epoch) {
+                    return Ok(());
+                }
                 return Err(f);
             }
             if g != gen {
