@@ -1035,7 +1035,16 @@ fn end_job_for_abort(g: MutexGuard<'static, Global>, h: Handle) -> MutexGuard<'s
             return Some(());
         };
         match (child.filter(|k| g.comms.contains_key(k)), state) {
-            (Some(k), _) => g.fail_handle(k, why.clone()),
+            (Some(k), state) => {
+                g.fail_handle(k, why.clone());
+                // A split across processes waits for the peers' colors in the parent's
+                // segment before its child joins anything: the abort ends that wait.
+                if let CommState::Ready { clique, .. } = state {
+                    if let Some(seg) = shared_of(g, clique) {
+                        seg.abort();
+                    }
+                }
+            }
             (None, CommState::Ready { clique, .. }) => {
                 if let Some(seg) = shared_of(g, clique) {
                     seg.abort();
@@ -1060,12 +1069,16 @@ pub(crate) unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t 
 /// A split across processes: every rank's (color, key) through the parent, then the
 /// child's id derived alike on every rank and joined as any shared init. The child's
 /// pending handle, or `None` for NOCOLOR.
+///
+/// `made`: the child's handle when the call already made it (a non-blocking split, whose
+/// job stores the child failed or not, as NCCL's), else made here.
 fn shared_split(
     seg: std::sync::Arc<super::shm::Segment>,
     r: Ready,
     seq: u64,
     (color, key): (c_int, c_int),
     (dev, blocking, name): (c_int, bool, usize),
+    made: Option<Handle>,
 ) -> Result<Option<Handle>, Fail> {
     let all = seg.exchange_split(seq, color, key).inspect_err(|f| {
         lock().abort_clique(r.clique, f.clone());
@@ -1082,7 +1095,7 @@ fn shared_split(
     let me = members.iter().position(|&(_, q)| q == r.rank as usize);
     let (n, me) = (members.len() as c_int, me.unwrap_or(0) as c_int);
     let mut g = lock();
-    let h = g.new_handle(r.root, dev, !blocking, name);
+    let h = made.unwrap_or_else(|| g.new_handle(r.root, dev, !blocking, name));
     join_shared(&mut g, id, n, me, h, r.root)?;
     Ok(Some(h))
 }
@@ -1119,20 +1132,29 @@ pub(crate) unsafe extern "C" fn ncclCommSplit(
         let clique = r.clique;
         if let Some(seg) = shared_of(&g, r.clique) {
             let child = (dev, blocking, name_of(&g, config, Some(r.h)));
-            let split = move || shared_split(seg, r, seq, (color, key), child);
             if asynchronous(&g, r.h) {
-                return start_job(&mut g, r.h, None, "split", out, move || match split() {
-                    Ok(Some(h)) => {
-                        if let Some(c) = lock().comms.get_mut(&r.h) {
-                            c.job = Job::Busy { child: Some(h) };
-                        }
-                        end_child_job(h, Some(clique))
-                    }
+                // As NCCL's (init.cc:2571-2590 of 2.28.9): the child exists from the call
+                // on, and the job stores it whether the split succeeds or fails (an abort
+                // of the parent while a peer never splits, say).
+                let made = (color != NCCL_SPLIT_NOCOLOR)
+                    .then(|| g.new_handle(r.root, dev, !blocking, child.2));
+                let split = move || shared_split(seg, r, seq, (color, key), child, made);
+                return start_job(&mut g, r.h, made, "split", out, move || match split() {
+                    Ok(Some(h)) => end_child_job(h, Some(clique)),
                     Ok(None) => (0, Ok(())),
-                    Err(f) => (0, Err(f)),
+                    Err(f) => match made {
+                        Some(h) => {
+                            let mut g = lock();
+                            g.fail_handle(h, f.clone());
+                            g.count_created(h);
+                            (h, Err(f))
+                        }
+                        None => (0, Err(f)),
+                    },
                 });
             }
             drop(g);
+            let split = move || shared_split(seg, r, seq, (color, key), child, None);
             return match split()? {
                 Some(h) => finish_new(lock(), h, newcomm, !blocking),
                 None => Ok(ncclSuccess),
