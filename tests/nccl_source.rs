@@ -190,6 +190,16 @@ fn same(
     support::differential::same(&TARGET, row, n, scenario)
 }
 
+/// [`same`], then with each rank in a process of its own (`test`: the calling test).
+fn same_in_processes(
+    test: &str,
+    row: &str,
+    n: usize,
+    scenario: impl Fn(&mut support::differential::Rank) + Sync + Send + Copy + 'static,
+) {
+    support::differential::same_in_processes(&TARGET, test, row, n, scenario)
+}
+
 use nccl_sys::bindings::*;
 
 /// ncclCommInitRankConfig (init.cc:1964-2042): the handle is written in the call, the call
@@ -197,22 +207,27 @@ use nccl_sys::bindings::*;
 /// init job ends.
 #[test]
 fn contract_init_is_in_progress_and_refuses_calls_until_ready() {
-    same("ncclCommInitRankConfig", 2, |k| {
-        let comm = if k.r == 0 {
-            let c = k.init(2, 0);
-            k.state(c, "before the peer arrives");
-            k.count(c, "before the peer arrives");
-            k.seq.wait();
-            c
-        } else {
-            k.seq.wait();
-            k.init(2, 1)
-        };
-        k.settle(comm, "init");
-        k.count(comm, "ready");
-        // SAFETY: a ready handle, destroyed once.
-        k.call("destroy", unsafe { (k.t.ncclCommDestroy)(comm) });
-    });
+    same_in_processes(
+        "contract_init_is_in_progress_and_refuses_calls_until_ready",
+        "ncclCommInitRankConfig",
+        2,
+        |k| {
+            let comm = if k.r == 0 {
+                let c = k.init(2, 0);
+                k.state(c, "before the peer arrives");
+                k.count(c, "before the peer arrives");
+                k.seq.wait();
+                c
+            } else {
+                k.seq.wait();
+                k.init(2, 1)
+            };
+            k.settle(comm, "init");
+            k.count(comm, "ready");
+            // SAFETY: a ready handle, destroyed once.
+            k.call("destroy", unsafe { (k.t.ncclCommDestroy)(comm) });
+        },
+    );
 }
 
 /// ncclCommDestroy on a communicator still initializing (init.cc:2357-2392): refused with
@@ -220,27 +235,32 @@ fn contract_init_is_in_progress_and_refuses_calls_until_ready() {
 /// ncclGroupEnd of the thread closes.
 #[test]
 fn contract_destroy_while_in_progress_is_refused_and_leaves_a_group_level_open() {
-    same("ncclCommDestroy", 2, |k| {
-        let comm = if k.r == 0 {
-            let c = k.init(2, 0);
-            // SAFETY: a live handle; NCCL refuses it (nothing is freed).
-            k.call("destroy while in progress", unsafe {
-                (k.t.ncclCommDestroy)(c)
-            });
-            // SAFETY: closes the level the refused destroy left open, if any.
-            k.call("group end after it", unsafe { (k.t.ncclGroupEnd)() });
-            // SAFETY: no group is open now.
-            k.call("a second group end", unsafe { (k.t.ncclGroupEnd)() });
-            k.seq.wait();
-            c
-        } else {
-            k.seq.wait();
-            k.init(2, 1)
-        };
-        k.settle(comm, "init");
-        // SAFETY: a ready handle, destroyed once.
-        k.call("destroy when ready", unsafe { (k.t.ncclCommDestroy)(comm) });
-    });
+    same_in_processes(
+        "contract_destroy_while_in_progress_is_refused_and_leaves_a_group_level_open",
+        "ncclCommDestroy",
+        2,
+        |k| {
+            let comm = if k.r == 0 {
+                let c = k.init(2, 0);
+                // SAFETY: a live handle; NCCL refuses it (nothing is freed).
+                k.call("destroy while in progress", unsafe {
+                    (k.t.ncclCommDestroy)(c)
+                });
+                // SAFETY: closes the level the refused destroy left open, if any.
+                k.call("group end after it", unsafe { (k.t.ncclGroupEnd)() });
+                // SAFETY: no group is open now.
+                k.call("a second group end", unsafe { (k.t.ncclGroupEnd)() });
+                k.seq.wait();
+                c
+            } else {
+                k.seq.wait();
+                k.init(2, 1)
+            };
+            k.settle(comm, "init");
+            // SAFETY: a ready handle, destroyed once.
+            k.call("destroy when ready", unsafe { (k.t.ncclCommDestroy)(comm) });
+        },
+    );
 }
 
 /// ncclCommSplit on a non-blocking parent (init.cc:2550-2680): ncclSuccess with the job
@@ -248,57 +268,67 @@ fn contract_destroy_while_in_progress_is_refused_and_leaves_a_group_level_open()
 /// meanwhile.
 #[test]
 fn contract_split_returns_success_and_its_job_writes_the_child() {
-    same("ncclCommSplit", 2, |k| {
-        let parent = k.init(2, k.r);
-        k.settle(parent, "init");
-        k.seq.wait();
-        let mut child: ncclComm_t = core::ptr::null_mut();
-        if k.r == 0 {
-            // SAFETY: a ready parent, a valid out-pointer that outlives the job (this
-            // function waits for the job below).
-            let got =
-                unsafe { (k.t.ncclCommSplit)(parent, 0, 0, &mut child, core::ptr::null_mut()) };
-            k.call("split", got);
-            k.check("child written in the call", !child.is_null());
-            k.state(parent, "parent before the peer splits");
-            k.count(parent, "parent before the peer splits");
+    same_in_processes(
+        "contract_split_returns_success_and_its_job_writes_the_child",
+        "ncclCommSplit",
+        2,
+        |k| {
+            let parent = k.init(2, k.r);
+            k.settle(parent, "init");
             k.seq.wait();
-        } else {
-            k.seq.wait();
-            // SAFETY: as above.
-            let got =
-                unsafe { (k.t.ncclCommSplit)(parent, 0, 1, &mut child, core::ptr::null_mut()) };
-            k.call("split", got);
-        }
-        k.settle(parent, "parent after the split");
-        // SAFETY: the job has ended (the parent left ncclInProgress): it wrote `child`.
-        let child = unsafe { core::ptr::read_volatile(&child) };
-        k.check("child written by the job", !child.is_null());
-        k.settle(child, "child");
-        k.count(child, "child");
-        // SAFETY: ready handles, each destroyed once.
-        unsafe {
-            k.call("destroy child", (k.t.ncclCommDestroy)(child));
-            k.call("destroy parent", (k.t.ncclCommDestroy)(parent));
-        }
-    });
+            let mut child: ncclComm_t = core::ptr::null_mut();
+            if k.r == 0 {
+                // SAFETY: a ready parent, a valid out-pointer that outlives the job (this
+                // function waits for the job below).
+                let got =
+                    unsafe { (k.t.ncclCommSplit)(parent, 0, 0, &mut child, core::ptr::null_mut()) };
+                k.call("split", got);
+                k.check("child written in the call", !child.is_null());
+                k.state(parent, "parent before the peer splits");
+                k.count(parent, "parent before the peer splits");
+                k.seq.wait();
+            } else {
+                k.seq.wait();
+                // SAFETY: as above.
+                let got =
+                    unsafe { (k.t.ncclCommSplit)(parent, 0, 1, &mut child, core::ptr::null_mut()) };
+                k.call("split", got);
+            }
+            k.settle(parent, "parent after the split");
+            // SAFETY: the job has ended (the parent left ncclInProgress): it wrote `child`.
+            let child = unsafe { core::ptr::read_volatile(&child) };
+            k.check("child written by the job", !child.is_null());
+            k.settle(child, "child");
+            k.count(child, "child");
+            // SAFETY: ready handles, each destroyed once.
+            unsafe {
+                k.call("destroy child", (k.t.ncclCommDestroy)(child));
+                k.call("destroy parent", (k.t.ncclCommDestroy)(parent));
+            }
+        },
+    );
 }
 
 /// ncclCommFinalize (init.cc:2263-2302): ncclInProgress, then ready; a second finalize is
 /// refused.
 #[test]
 fn contract_finalize_is_in_progress_then_a_second_is_refused() {
-    same("ncclCommFinalize", 2, |k| {
-        let comm = k.init(2, k.r);
-        k.settle(comm, "init");
-        // SAFETY: a ready handle.
-        k.call("finalize", unsafe { (k.t.ncclCommFinalize)(comm) });
-        k.settle(comm, "finalize");
-        // SAFETY: as above.
-        k.call("second finalize", unsafe { (k.t.ncclCommFinalize)(comm) });
-        // SAFETY: destroyed once.
-        k.call("destroy", unsafe { (k.t.ncclCommDestroy)(comm) });
-    });
+    same_in_processes(
+        "contract_finalize_is_in_progress_then_a_second_is_refused",
+        "ncclCommFinalize",
+        2,
+        |k| {
+            let comm = k.init(2, k.r);
+            k.settle(comm, "init");
+            // SAFETY: a ready handle.
+            k.call("finalize", unsafe { (k.t.ncclCommFinalize)(comm) });
+            k.settle(comm, "finalize");
+            // SAFETY: as above.
+            k.call("second finalize", unsafe { (k.t.ncclCommFinalize)(comm) });
+            // SAFETY: destroyed once.
+            k.call("destroy", unsafe { (k.t.ncclCommDestroy)(comm) });
+        },
+    );
 }
 
 /// A collective in a group of a non-blocking communicator with two ranks (group.cc:646-765,
@@ -308,31 +338,36 @@ fn contract_finalize_is_in_progress_then_a_second_is_refused() {
 /// aborted rather than destroyed (a destroy waits for the proxy's work).
 #[test]
 fn contract_a_group_of_a_collective_ends_in_progress_with_two_ranks() {
-    same("ncclGroupEnd", 2, |k| {
-        let comm = k.init(2, k.r);
-        k.settle(comm, "init");
-        let mut x = buf(16);
-        // SAFETY: live buffers; the communicator is aborted before `x` is dropped.
-        unsafe {
-            k.call("group start", (k.t.ncclGroupStart)());
-            k.call(
-                "all_reduce in the group",
-                (k.t.ncclAllReduce)(
-                    ptr(&mut x),
-                    ptr(&mut x),
-                    16,
-                    ncclFloat32,
-                    ncclSum,
-                    comm,
-                    core::ptr::null_mut(),
-                ),
-            );
-            k.call("group end", (k.t.ncclGroupEnd)());
-        }
-        k.settle(comm, "launch");
-        // SAFETY: aborted once.
-        k.call("abort", unsafe { (k.t.ncclCommAbort)(comm) });
-    });
+    same_in_processes(
+        "contract_a_group_of_a_collective_ends_in_progress_with_two_ranks",
+        "ncclGroupEnd",
+        2,
+        |k| {
+            let comm = k.init(2, k.r);
+            k.settle(comm, "init");
+            let mut x = buf(16);
+            // SAFETY: live buffers; the communicator is aborted before `x` is dropped.
+            unsafe {
+                k.call("group start", (k.t.ncclGroupStart)());
+                k.call(
+                    "all_reduce in the group",
+                    (k.t.ncclAllReduce)(
+                        ptr(&mut x),
+                        ptr(&mut x),
+                        16,
+                        ncclFloat32,
+                        ncclSum,
+                        comm,
+                        core::ptr::null_mut(),
+                    ),
+                );
+                k.call("group end", (k.t.ncclGroupEnd)());
+            }
+            k.settle(comm, "launch");
+            // SAFETY: aborted once.
+            k.call("abort", unsafe { (k.t.ncclCommAbort)(comm) });
+        },
+    );
 }
 
 /// A collective on one rank (enqueue.cc:2620-2663): ncclSuccess, run in the call.
@@ -435,57 +470,62 @@ fn two_processes_init_split_and_destroy() {
 /// rank takes no part.
 #[test]
 fn contract_shrink_returns_success_and_its_job_writes_the_child() {
-    same("ncclCommShrink", 3, |k| {
-        let parent = k.init(3, k.r);
-        k.settle(parent, "init");
-        k.seq.wait();
-        let shrink = k.t.ncclCommShrink.expect("NCCL 2.28 has ncclCommShrink");
-        let mut child: ncclComm_t = core::ptr::null_mut();
-        let mut exclude = [2];
-        let mut call = |k: &mut support::differential::Rank, child: &mut ncclComm_t| {
-            // SAFETY: a ready parent; the out-pointer outlives the job (waited for below);
-            // the exclude list lives across the call.
-            let got = unsafe {
-                shrink(
-                    parent,
-                    exclude.as_mut_ptr(),
-                    1,
-                    child,
-                    core::ptr::null_mut(),
-                    0,
-                )
+    same_in_processes(
+        "contract_shrink_returns_success_and_its_job_writes_the_child",
+        "ncclCommShrink",
+        3,
+        |k| {
+            let parent = k.init(3, k.r);
+            k.settle(parent, "init");
+            k.seq.wait();
+            let shrink = k.t.ncclCommShrink.expect("NCCL 2.28 has ncclCommShrink");
+            let mut child: ncclComm_t = core::ptr::null_mut();
+            let mut exclude = [2];
+            let mut call = |k: &mut support::differential::Rank, child: &mut ncclComm_t| {
+                // SAFETY: a ready parent; the out-pointer outlives the job (waited for below);
+                // the exclude list lives across the call.
+                let got = unsafe {
+                    shrink(
+                        parent,
+                        exclude.as_mut_ptr(),
+                        1,
+                        child,
+                        core::ptr::null_mut(),
+                        0,
+                    )
+                };
+                k.call("shrink", got);
             };
-            k.call("shrink", got);
-        };
-        match k.r {
-            0 => {
-                call(k, &mut child);
-                k.check("child written in the call", !child.is_null());
-                k.state(parent, "parent before the peer shrinks");
-                k.seq.wait();
+            match k.r {
+                0 => {
+                    call(k, &mut child);
+                    k.check("child written in the call", !child.is_null());
+                    k.state(parent, "parent before the peer shrinks");
+                    k.seq.wait();
+                }
+                1 => {
+                    k.seq.wait();
+                    call(k, &mut child);
+                }
+                _ => {
+                    k.seq.wait();
+                }
             }
-            1 => {
-                k.seq.wait();
-                call(k, &mut child);
+            if k.r < 2 {
+                k.settle(parent, "parent after the shrink");
+                // SAFETY: the job has ended (the parent left ncclInProgress): it wrote `child`.
+                let child = unsafe { core::ptr::read_volatile(&child) };
+                k.check("child written by the job", !child.is_null());
+                k.settle(child, "child");
+                k.count(child, "child");
+                // SAFETY: destroyed once.
+                k.call("destroy child", unsafe { (k.t.ncclCommDestroy)(child) });
             }
-            _ => {
-                k.seq.wait();
-            }
-        }
-        if k.r < 2 {
-            k.settle(parent, "parent after the shrink");
-            // SAFETY: the job has ended (the parent left ncclInProgress): it wrote `child`.
-            let child = unsafe { core::ptr::read_volatile(&child) };
-            k.check("child written by the job", !child.is_null());
-            k.settle(child, "child");
-            k.count(child, "child");
+            k.seq.wait();
             // SAFETY: destroyed once.
-            k.call("destroy child", unsafe { (k.t.ncclCommDestroy)(child) });
-        }
-        k.seq.wait();
-        // SAFETY: destroyed once.
-        k.call("destroy parent", unsafe { (k.t.ncclCommDestroy)(parent) });
-    });
+            k.call("destroy parent", unsafe { (k.t.ncclCommDestroy)(parent) });
+        },
+    );
 }
 
 /// ncclCommWindowRegister on a non-blocking communicator without symmetric support
@@ -494,64 +534,74 @@ fn contract_shrink_returns_success_and_its_job_writes_the_child() {
 /// progress meanwhile; deregistration in the call. On memory from ncclMemAlloc.
 #[test]
 fn contract_window_registration_is_written_by_its_job() {
-    same("ncclCommWindowRegister", 2, |k| {
-        let comm = k.init(2, k.r);
-        k.settle(comm, "init");
-        let register = k.t.ncclCommWindowRegister.expect("2.28 has windows");
-        let deregister = k.t.ncclCommWindowDeregister.expect("2.28 has windows");
-        let mut mem: *mut core::ffi::c_void = core::ptr::null_mut();
-        let alloc = k.t.ncclMemAlloc.expect("2.28 has ncclMemAlloc");
-        let free = k.t.ncclMemFree.expect("2.28 has ncclMemFree");
-        // SAFETY: a valid out-pointer.
-        k.call("ncclMemAlloc", unsafe { alloc(&mut mem, 1 << 16) });
-        let mut win: ncclWindow_t = core::ptr::null_mut();
-        // SAFETY: live memory of 64 KiB; the out-pointer outlives the job (waited below).
-        k.call("window register", unsafe {
-            register(comm, mem, 1 << 16, &mut win, 0)
-        });
-        k.settle(comm, "registration");
-        // SAFETY: the job has ended: it wrote `win`.
-        let win = unsafe { core::ptr::read_volatile(&win) };
-        k.check("window written by the job", !win.is_null());
-        // SAFETY: the window of this communicator, deregistered once.
-        k.call("window deregister", unsafe { deregister(comm, win) });
-        // SAFETY: from ncclMemAlloc, freed once after the deregistration.
-        k.call("ncclMemFree", unsafe { free(mem) });
-        k.seq.wait();
-        // SAFETY: destroyed once.
-        k.call("destroy", unsafe { (k.t.ncclCommDestroy)(comm) });
-    });
+    same_in_processes(
+        "contract_window_registration_is_written_by_its_job",
+        "ncclCommWindowRegister",
+        2,
+        |k| {
+            let comm = k.init(2, k.r);
+            k.settle(comm, "init");
+            let register = k.t.ncclCommWindowRegister.expect("2.28 has windows");
+            let deregister = k.t.ncclCommWindowDeregister.expect("2.28 has windows");
+            let mut mem: *mut core::ffi::c_void = core::ptr::null_mut();
+            let alloc = k.t.ncclMemAlloc.expect("2.28 has ncclMemAlloc");
+            let free = k.t.ncclMemFree.expect("2.28 has ncclMemFree");
+            // SAFETY: a valid out-pointer.
+            k.call("ncclMemAlloc", unsafe { alloc(&mut mem, 1 << 16) });
+            let mut win: ncclWindow_t = core::ptr::null_mut();
+            // SAFETY: live memory of 64 KiB; the out-pointer outlives the job (waited below).
+            k.call("window register", unsafe {
+                register(comm, mem, 1 << 16, &mut win, 0)
+            });
+            k.settle(comm, "registration");
+            // SAFETY: the job has ended: it wrote `win`.
+            let win = unsafe { core::ptr::read_volatile(&win) };
+            k.check("window written by the job", !win.is_null());
+            // SAFETY: the window of this communicator, deregistered once.
+            k.call("window deregister", unsafe { deregister(comm, win) });
+            // SAFETY: from ncclMemAlloc, freed once after the deregistration.
+            k.call("ncclMemFree", unsafe { free(mem) });
+            k.seq.wait();
+            // SAFETY: destroyed once.
+            k.call("destroy", unsafe { (k.t.ncclCommDestroy)(comm) });
+        },
+    );
 }
 
 /// ncclCommRegister / ncclCommDeregister (register/register.cc:116-168): local, in the call,
 /// the handle written in it.
 #[test]
 fn contract_local_registration_is_in_the_call() {
-    same("ncclCommRegister", 2, |k| {
-        let comm = k.init(2, k.r);
-        k.settle(comm, "init");
-        let register = k.t.ncclCommRegister.expect("2.28 has ncclCommRegister");
-        let deregister = k.t.ncclCommDeregister.expect("2.28 has ncclCommDeregister");
-        let alloc = k.t.ncclMemAlloc.expect("2.28 has ncclMemAlloc");
-        let free = k.t.ncclMemFree.expect("2.28 has ncclMemFree");
-        let mut mem: *mut core::ffi::c_void = core::ptr::null_mut();
-        // SAFETY: a valid out-pointer.
-        k.call("ncclMemAlloc", unsafe { alloc(&mut mem, 1 << 16) });
-        let mut handle: *mut core::ffi::c_void = core::ptr::null_mut();
-        // SAFETY: live memory of 64 KiB, a valid out-pointer.
-        k.call("register", unsafe {
-            register(comm, mem, 1 << 16, &mut handle)
-        });
-        k.check("handle written in the call", !handle.is_null());
-        k.state(comm, "after the registration");
-        // SAFETY: the handle of this communicator, deregistered once.
-        k.call("deregister", unsafe { deregister(comm, handle) });
-        // SAFETY: from ncclMemAlloc, freed once.
-        k.call("ncclMemFree", unsafe { free(mem) });
-        k.seq.wait();
-        // SAFETY: destroyed once.
-        k.call("destroy", unsafe { (k.t.ncclCommDestroy)(comm) });
-    });
+    same_in_processes(
+        "contract_local_registration_is_in_the_call",
+        "ncclCommRegister",
+        2,
+        |k| {
+            let comm = k.init(2, k.r);
+            k.settle(comm, "init");
+            let register = k.t.ncclCommRegister.expect("2.28 has ncclCommRegister");
+            let deregister = k.t.ncclCommDeregister.expect("2.28 has ncclCommDeregister");
+            let alloc = k.t.ncclMemAlloc.expect("2.28 has ncclMemAlloc");
+            let free = k.t.ncclMemFree.expect("2.28 has ncclMemFree");
+            let mut mem: *mut core::ffi::c_void = core::ptr::null_mut();
+            // SAFETY: a valid out-pointer.
+            k.call("ncclMemAlloc", unsafe { alloc(&mut mem, 1 << 16) });
+            let mut handle: *mut core::ffi::c_void = core::ptr::null_mut();
+            // SAFETY: live memory of 64 KiB, a valid out-pointer.
+            k.call("register", unsafe {
+                register(comm, mem, 1 << 16, &mut handle)
+            });
+            k.check("handle written in the call", !handle.is_null());
+            k.state(comm, "after the registration");
+            // SAFETY: the handle of this communicator, deregistered once.
+            k.call("deregister", unsafe { deregister(comm, handle) });
+            // SAFETY: from ncclMemAlloc, freed once.
+            k.call("ncclMemFree", unsafe { free(mem) });
+            k.seq.wait();
+            // SAFETY: destroyed once.
+            k.call("destroy", unsafe { (k.t.ncclCommDestroy)(comm) });
+        },
+    );
 }
 
 /// ncclCommAbort of a parent whose split job waits for a peer that never splits
@@ -559,32 +609,37 @@ fn contract_local_registration_is_in_the_call() {
 /// out-pointer at its end (init.cc:1612-1614); then the abort returns.
 #[test]
 fn contract_abort_during_a_split_joins_its_job() {
-    same("ncclCommAbort (split in flight)", 2, |k| {
-        let parent = k.init(2, k.r);
-        k.settle(parent, "init");
-        k.seq.wait();
-        if k.r == 0 {
-            let mut child: ncclComm_t = core::ptr::null_mut();
-            // SAFETY: a ready parent; `child` outlives the job (the abort joins it).
-            let got =
-                unsafe { (k.t.ncclCommSplit)(parent, 0, 0, &mut child, core::ptr::null_mut()) };
-            k.call("split", got);
-            std::thread::sleep(Duration::from_millis(100));
-            k.state(parent, "the peer never splits");
-            // SAFETY: aborted once; the job is joined by it.
-            k.call("abort", unsafe { (k.t.ncclCommAbort)(parent) });
-            // SAFETY: the job has ended (joined by the abort).
-            let child = unsafe { core::ptr::read_volatile(&child) };
-            k.check("child stored by the failed job", !child.is_null());
-            if !child.is_null() {
-                // SAFETY: a child NCCL handed out, torn down once.
-                k.call("abort child", unsafe { (k.t.ncclCommAbort)(child) });
+    same_in_processes(
+        "contract_abort_during_a_split_joins_its_job",
+        "ncclCommAbort (split in flight)",
+        2,
+        |k| {
+            let parent = k.init(2, k.r);
+            k.settle(parent, "init");
+            k.seq.wait();
+            if k.r == 0 {
+                let mut child: ncclComm_t = core::ptr::null_mut();
+                // SAFETY: a ready parent; `child` outlives the job (the abort joins it).
+                let got =
+                    unsafe { (k.t.ncclCommSplit)(parent, 0, 0, &mut child, core::ptr::null_mut()) };
+                k.call("split", got);
+                std::thread::sleep(Duration::from_millis(100));
+                k.state(parent, "the peer never splits");
+                // SAFETY: aborted once; the job is joined by it.
+                k.call("abort", unsafe { (k.t.ncclCommAbort)(parent) });
+                // SAFETY: the job has ended (joined by the abort).
+                let child = unsafe { core::ptr::read_volatile(&child) };
+                k.check("child stored by the failed job", !child.is_null());
+                if !child.is_null() {
+                    // SAFETY: a child NCCL handed out, torn down once.
+                    k.call("abort child", unsafe { (k.t.ncclCommAbort)(child) });
+                }
             }
-        }
-        k.seq.wait();
-        if k.r == 1 {
-            // SAFETY: destroyed once (its peer is gone: abort, which never blocks on it).
-            k.call("abort", unsafe { (k.t.ncclCommAbort)(parent) });
-        }
-    });
+            k.seq.wait();
+            if k.r == 1 {
+                // SAFETY: destroyed once (its peer is gone: abort, which never blocks on it).
+                k.call("abort", unsafe { (k.t.ncclCommAbort)(parent) });
+            }
+        },
+    );
 }

@@ -30,6 +30,16 @@ fn same(row: &str, n: usize, scenario: impl Fn(&mut Rank) + Sync + Send + Copy +
     support::differential::same(&TARGET, row, n, scenario)
 }
 
+/// [`same`], then with each rank in a process of its own (`test`: the calling test).
+fn same_in_processes(
+    test: &str,
+    row: &str,
+    n: usize,
+    scenario: impl Fn(&mut Rank) + Sync + Send + Copy + 'static,
+) {
+    support::differential::same_in_processes(&TARGET, test, row, n, scenario)
+}
+
 fn config() -> Config {
     Config::new().timeout(Duration::from_secs(30))
 }
@@ -39,27 +49,32 @@ fn config() -> Config {
 /// refused afterwards (ncclInvalidUsage, enqueue.cc:2983-2986), destroy allowed.
 #[test]
 fn contract_revoke_is_in_progress_then_refuses_collectives_and_allows_destroy() {
-    same("ncclCommRevoke", 2, |k| {
-        let comm = k.init(2, k.r);
-        k.settle(comm, "init");
-        k.seq.wait();
-        let t = k.t;
-        let revoke = t.ncclCommRevoke.expect("NCCL 2.29 has ncclCommRevoke");
-        // SAFETY: a ready handle; flags 0.
-        k.call("revoke", unsafe { revoke(comm, 0) });
-        k.settle(comm, "revoke");
-        // SAFETY: as above.
-        k.call("second revoke", unsafe { revoke(comm, 0) });
-        let mut x = support::differential::buf(4);
-        let p = support::differential::ptr(&mut x);
-        // SAFETY: live buffers; NCCL refuses the call before touching them.
-        k.call("all_reduce after the revoke", unsafe {
-            (t.ncclAllReduce)(p, p, 4, ncclFloat32, ncclSum, comm, core::ptr::null_mut())
-        });
-        k.seq.wait();
-        // SAFETY: destroyed once.
-        k.call("destroy", unsafe { (t.ncclCommDestroy)(comm) });
-    });
+    same_in_processes(
+        "contract_revoke_is_in_progress_then_refuses_collectives_and_allows_destroy",
+        "ncclCommRevoke",
+        2,
+        |k| {
+            let comm = k.init(2, k.r);
+            k.settle(comm, "init");
+            k.seq.wait();
+            let t = k.t;
+            let revoke = t.ncclCommRevoke.expect("NCCL 2.29 has ncclCommRevoke");
+            // SAFETY: a ready handle; flags 0.
+            k.call("revoke", unsafe { revoke(comm, 0) });
+            k.settle(comm, "revoke");
+            // SAFETY: as above.
+            k.call("second revoke", unsafe { revoke(comm, 0) });
+            let mut x = support::differential::buf(4);
+            let p = support::differential::ptr(&mut x);
+            // SAFETY: live buffers; NCCL refuses the call before touching them.
+            k.call("all_reduce after the revoke", unsafe {
+                (t.ncclAllReduce)(p, p, 4, ncclFloat32, ncclSum, comm, core::ptr::null_mut())
+            });
+            k.seq.wait();
+            // SAFETY: destroyed once.
+            k.call("destroy", unsafe { (t.ncclCommDestroy)(comm) });
+        },
+    );
 }
 
 /// ncclCommRevoke with flags other than 0: refused with nothing changed.
@@ -194,74 +209,79 @@ fn grow_adds_a_rank_and_leaves_the_parent_usable() {
 /// written in the call or by the job, and the states of parent and child.
 #[test]
 fn contract_shrink_abort_after_a_revoke_excludes_the_lost_rank() {
-    same("ncclCommShrink (NCCL_SHRINK_ABORT)", 3, |k| {
-        let parent = k.init(3, k.r);
-        k.settle(parent, "init");
-        k.seq.wait();
-        if k.r == 2 {
-            // SAFETY: aborted once, never used again.
-            k.call("abort (the lost rank)", unsafe {
-                (k.t.ncclCommAbort)(parent)
-            });
-        }
-        k.seq.wait();
-        let revoke = k.t.ncclCommRevoke.expect("NCCL 2.29 has ncclCommRevoke");
-        let shrink = k.t.ncclCommShrink.expect("NCCL 2.29 has ncclCommShrink");
-        if k.r < 2 {
-            // SAFETY: a ready handle; flags 0.
-            k.call("revoke", unsafe { revoke(parent, 0) });
-            k.settle(parent, "revoke");
-        }
-        k.seq.wait();
-        let mut child: ncclComm_t = core::ptr::null_mut();
-        let mut exclude = [2];
-        let abort = NCCL_SHRINK_ABORT as core::ffi::c_int;
-        let mut call = |k: &mut Rank, child: &mut ncclComm_t| {
-            // SAFETY: a revoked parent; the out-pointer outlives the job (waited for
-            // below); the exclude list lives across the call.
-            let got = unsafe {
-                shrink(
-                    parent,
-                    exclude.as_mut_ptr(),
-                    1,
-                    child,
-                    core::ptr::null_mut(),
-                    abort,
-                )
+    same_in_processes(
+        "contract_shrink_abort_after_a_revoke_excludes_the_lost_rank",
+        "ncclCommShrink (NCCL_SHRINK_ABORT)",
+        3,
+        |k| {
+            let parent = k.init(3, k.r);
+            k.settle(parent, "init");
+            k.seq.wait();
+            if k.r == 2 {
+                // SAFETY: aborted once, never used again.
+                k.call("abort (the lost rank)", unsafe {
+                    (k.t.ncclCommAbort)(parent)
+                });
+            }
+            k.seq.wait();
+            let revoke = k.t.ncclCommRevoke.expect("NCCL 2.29 has ncclCommRevoke");
+            let shrink = k.t.ncclCommShrink.expect("NCCL 2.29 has ncclCommShrink");
+            if k.r < 2 {
+                // SAFETY: a ready handle; flags 0.
+                k.call("revoke", unsafe { revoke(parent, 0) });
+                k.settle(parent, "revoke");
+            }
+            k.seq.wait();
+            let mut child: ncclComm_t = core::ptr::null_mut();
+            let mut exclude = [2];
+            let abort = NCCL_SHRINK_ABORT as core::ffi::c_int;
+            let mut call = |k: &mut Rank, child: &mut ncclComm_t| {
+                // SAFETY: a revoked parent; the out-pointer outlives the job (waited for
+                // below); the exclude list lives across the call.
+                let got = unsafe {
+                    shrink(
+                        parent,
+                        exclude.as_mut_ptr(),
+                        1,
+                        child,
+                        core::ptr::null_mut(),
+                        abort,
+                    )
+                };
+                k.call("shrink (abort)", got);
             };
-            k.call("shrink (abort)", got);
-        };
-        match k.r {
-            0 => {
-                call(k, &mut child);
-                k.check("child written in the call", !child.is_null());
-                k.state(parent, "parent before the peer shrinks");
-                k.seq.wait();
+            match k.r {
+                0 => {
+                    call(k, &mut child);
+                    k.check("child written in the call", !child.is_null());
+                    k.state(parent, "parent before the peer shrinks");
+                    k.seq.wait();
+                }
+                1 => {
+                    k.seq.wait();
+                    call(k, &mut child);
+                }
+                _ => {
+                    k.seq.wait();
+                }
             }
-            1 => {
-                k.seq.wait();
-                call(k, &mut child);
+            if k.r < 2 {
+                k.settle(parent, "parent after the shrink");
+                // SAFETY: the job has ended (the parent left ncclInProgress): it wrote `child`.
+                let child = unsafe { core::ptr::read_volatile(&child) };
+                k.check("child written by the job", !child.is_null());
+                k.settle(child, "child");
+                k.count(child, "child");
+                // SAFETY: destroyed once.
+                k.call("destroy child", unsafe { (k.t.ncclCommDestroy)(child) });
             }
-            _ => {
-                k.seq.wait();
+            k.seq.wait();
+            if k.r < 2 {
+                // SAFETY: destroyed once.
+                k.call("destroy parent", unsafe { (k.t.ncclCommDestroy)(parent) });
             }
-        }
-        if k.r < 2 {
-            k.settle(parent, "parent after the shrink");
-            // SAFETY: the job has ended (the parent left ncclInProgress): it wrote `child`.
-            let child = unsafe { core::ptr::read_volatile(&child) };
-            k.check("child written by the job", !child.is_null());
-            k.settle(child, "child");
-            k.count(child, "child");
-            // SAFETY: destroyed once.
-            k.call("destroy child", unsafe { (k.t.ncclCommDestroy)(child) });
-        }
-        k.seq.wait();
-        if k.r < 2 {
-            // SAFETY: destroyed once.
-            k.call("destroy parent", unsafe { (k.t.ncclCommDestroy)(parent) });
-        }
-    });
+        },
+    );
 }
 
 /// ncclCommGetUniqueId then ncclCommGrow (init.cc:2860-3010 of 2.29.7): ranks 0 and 1 grow
@@ -270,78 +290,83 @@ fn contract_shrink_abort_after_a_revoke_excludes_the_lost_rank() {
 /// state and size, and the parent's size after it.
 #[test]
 fn contract_grow_is_in_progress_until_every_rank_joined() {
-    same("ncclCommGrow", 3, |k| {
-        let parent = (k.r < 2).then(|| k.init(2, k.r));
-        if let Some(p) = parent {
-            k.settle(p, "init");
-        }
-        k.seq.wait();
-        if k.r == 0 {
-            let get =
-                k.t.ncclCommGetUniqueId
-                    .expect("NCCL 2.29 has ncclCommGetUniqueId");
-            let mut id = ncclUniqueId { internal: [0; 128] };
-            // SAFETY: a ready parent, a valid out-pointer.
-            k.call("get grow id", unsafe { get(parent.unwrap(), &mut id) });
-            k.check("id written", id.internal.iter().any(|&b| b != 0));
-            *k.handed.lock().unwrap() = Some(id);
-        }
-        k.seq.wait();
-        let grow = k.t.ncclCommGrow.expect("NCCL 2.29 has ncclCommGrow");
-        let id = k.handed.lock().unwrap().unwrap();
-        let mut big: ncclComm_t = core::ptr::null_mut();
-        let mut config = k.config();
-        for turn in 0..3 {
-            if turn == k.r {
-                // SAFETY: a ready parent (or none, for the new rank); the id lives across
-                // the call (NCCL copies it); the out-pointer outlives the job (waited for
-                // below); a null config inherits the parent's.
-                let got = unsafe {
-                    match parent {
-                        Some(p) => grow(
-                            p,
-                            3,
-                            if k.r == 0 { &id } else { core::ptr::null() },
-                            -1,
-                            &mut big,
-                            core::ptr::null_mut(),
-                        ),
-                        None => grow(core::ptr::null_mut(), 3, &id, 2, &mut big, &mut config),
-                    }
-                };
-                k.call("grow", got);
-                k.check("new handle written in the call", !big.is_null());
-                if let Some(p) = parent {
-                    k.state(p, "parent during the grow");
-                    // The new rank has not called yet: the grown communicator waits.
-                    k.state(big, "grown before the new rank called");
-                }
+    same_in_processes(
+        "contract_grow_is_in_progress_until_every_rank_joined",
+        "ncclCommGrow",
+        3,
+        |k| {
+            let parent = (k.r < 2).then(|| k.init(2, k.r));
+            if let Some(p) = parent {
+                k.settle(p, "init");
             }
             k.seq.wait();
-        }
-        if let Some(p) = parent {
-            k.settle(p, "parent after the grow");
-        }
-        // SAFETY: every rank has called: the job ends (bounded by `settle`) and writes
-        // the handle before its state leaves ncclInProgress.
-        let big = unsafe { core::ptr::read_volatile(&big) };
-        k.check("new handle written", !big.is_null());
-        if !big.is_null() {
-            k.settle(big, "grown");
-            k.count(big, "grown");
-        }
-        if let Some(p) = parent {
-            k.count(p, "parent after the grow");
-        }
-        k.seq.wait();
-        if !big.is_null() {
-            // SAFETY: destroyed once.
-            k.call("destroy grown", unsafe { (k.t.ncclCommDestroy)(big) });
-        }
-        k.seq.wait();
-        if let Some(p) = parent {
-            // SAFETY: destroyed once.
-            k.call("destroy parent", unsafe { (k.t.ncclCommDestroy)(p) });
-        }
-    });
+            if k.r == 0 {
+                let get =
+                    k.t.ncclCommGetUniqueId
+                        .expect("NCCL 2.29 has ncclCommGetUniqueId");
+                let mut id = ncclUniqueId { internal: [0; 128] };
+                // SAFETY: a ready parent, a valid out-pointer.
+                k.call("get grow id", unsafe { get(parent.unwrap(), &mut id) });
+                k.check("id written", id.internal.iter().any(|&b| b != 0));
+                k.seq.hand(id);
+            }
+            k.seq.wait();
+            let grow = k.t.ncclCommGrow.expect("NCCL 2.29 has ncclCommGrow");
+            let id = k.seq.handed();
+            let mut big: ncclComm_t = core::ptr::null_mut();
+            let mut config = k.config();
+            for turn in 0..3 {
+                if turn == k.r {
+                    // SAFETY: a ready parent (or none, for the new rank); the id lives across
+                    // the call (NCCL copies it); the out-pointer outlives the job (waited for
+                    // below); a null config inherits the parent's.
+                    let got = unsafe {
+                        match parent {
+                            Some(p) => grow(
+                                p,
+                                3,
+                                if k.r == 0 { &id } else { core::ptr::null() },
+                                -1,
+                                &mut big,
+                                core::ptr::null_mut(),
+                            ),
+                            None => grow(core::ptr::null_mut(), 3, &id, 2, &mut big, &mut config),
+                        }
+                    };
+                    k.call("grow", got);
+                    k.check("new handle written in the call", !big.is_null());
+                    if let Some(p) = parent {
+                        k.state(p, "parent during the grow");
+                        // The new rank has not called yet: the grown communicator waits.
+                        k.state(big, "grown before the new rank called");
+                    }
+                }
+                k.seq.wait();
+            }
+            if let Some(p) = parent {
+                k.settle(p, "parent after the grow");
+            }
+            // SAFETY: every rank has called: the job ends (bounded by `settle`) and writes
+            // the handle before its state leaves ncclInProgress.
+            let big = unsafe { core::ptr::read_volatile(&big) };
+            k.check("new handle written", !big.is_null());
+            if !big.is_null() {
+                k.settle(big, "grown");
+                k.count(big, "grown");
+            }
+            if let Some(p) = parent {
+                k.count(p, "parent after the grow");
+            }
+            k.seq.wait();
+            if !big.is_null() {
+                // SAFETY: destroyed once.
+                k.call("destroy grown", unsafe { (k.t.ncclCommDestroy)(big) });
+            }
+            k.seq.wait();
+            if let Some(p) = parent {
+                // SAFETY: destroyed once.
+                k.call("destroy parent", unsafe { (k.t.ncclCommDestroy)(p) });
+            }
+        },
+    );
 }

@@ -77,6 +77,64 @@ pub fn rc(r: ncclResult_t) -> String {
     }
 }
 
+/// The ranks' barrier: threads of one process, or processes (a file per rank and turn in
+/// a folder they share, bounded).
+pub enum Seq {
+    /// The barrier, and the id one rank hands to the others.
+    Threads(Barrier, Mutex<Option<ncclUniqueId>>),
+    Files {
+        dir: std::path::PathBuf,
+        n: usize,
+        rank: usize,
+        turn: std::sync::atomic::AtomicUsize,
+    },
+}
+
+impl Seq {
+    /// Hands `id` (a grow's) to the other ranks, which read it after the next barrier.
+    pub fn hand(&self, id: ncclUniqueId) {
+        match self {
+            Seq::Threads(_, slot) => *slot.lock().unwrap() = Some(id),
+            Seq::Files { dir, .. } => {
+                std::fs::write(dir.join("handed"), id.internal.map(|b| b as u8)).unwrap()
+            }
+        }
+    }
+
+    /// The id a rank handed before the last barrier.
+    pub fn handed(&self) -> ncclUniqueId {
+        match self {
+            Seq::Threads(_, slot) => slot.lock().unwrap().expect("an id was handed"),
+            Seq::Files { dir, .. } => {
+                let bytes = std::fs::read(dir.join("handed")).expect("an id was handed");
+                ncclUniqueId {
+                    internal: core::array::from_fn(|i| bytes[i] as core::ffi::c_char),
+                }
+            }
+        }
+    }
+
+    pub fn wait(&self) {
+        match self {
+            Seq::Threads(b, _) => {
+                b.wait();
+            }
+            Seq::Files { dir, n, rank, turn } => {
+                let t = turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                std::fs::write(dir.join(format!("{t}-{rank}")), b"").unwrap();
+                let deadline = std::time::Instant::now() + Duration::from_secs(60);
+                while (0..*n).any(|r| !dir.join(format!("{t}-{r}")).exists()) {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "rank {rank}: the other processes never reached barrier {t}"
+                    );
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+    }
+}
+
 /// One rank's view of the run: what it saw, in order.
 pub struct Rank<'a> {
     pub target: &'a Target,
@@ -85,9 +143,8 @@ pub struct Rank<'a> {
     /// The world size.
     pub n: usize,
     pub id: ncclUniqueId,
-    pub seq: &'a Barrier,
-    /// An id one rank hands to the others (a grow's), between barriers.
-    pub handed: &'a Mutex<Option<ncclUniqueId>>,
+    /// Every rank waits here (threads: a barrier; processes: files).
+    pub seq: &'a Seq,
     pub trace: Vec<String>,
 }
 
@@ -172,12 +229,11 @@ pub fn run(
     let mut id = ncclUniqueId { internal: [0; 128] };
     // SAFETY: a valid out-pointer.
     assert_eq!(unsafe { (t.ncclGetUniqueId)(&mut id) }, ncclSuccess);
-    let seq = Barrier::new(n);
-    let handed = Mutex::new(None);
+    let seq = Seq::Threads(Barrier::new(n), Mutex::new(None));
     std::thread::scope(|sc| {
         let hs: Vec<_> = (0..n)
             .map(|r| {
-                let (scenario, seq, handed) = (&scenario, &seq, &handed);
+                let (scenario, seq) = (&scenario, &seq);
                 sc.spawn(move || {
                     // NCCL takes the thread's current device (its runtime's
                     // cudaGetDevice): the fake driver's current context.
@@ -193,7 +249,6 @@ pub fn run(
                         n,
                         id,
                         seq,
-                        handed,
                         trace: Vec::new(),
                     };
                     debug_assert!(rank.n > rank.r);
@@ -256,4 +311,162 @@ pub fn buf(n: usize) -> Vec<f32> {
 
 pub fn ptr(v: &mut [f32]) -> *mut c_void {
     v.as_mut_ptr().cast()
+}
+
+/// The variable that makes a test binary one rank of a differential row in processes:
+/// `PROVIDER:RANK:N:DIR:ID` (the id's bytes in hex).
+const CHILD: &str = "NCCL_SAFE_DIFF_CHILD";
+
+/// [`same`] in threads, then the same scenario with each rank in a process of its own, on
+/// NCCL and on the host provider (`test`: the calling test's name, which the children
+/// run): NCCL's bootstrap across processes and the provider's shared segment must answer
+/// as each other. In a child (`NCCL_SAFE_DIFF_CHILD` set) it runs that child's rank only.
+pub fn same_in_processes(
+    target: &'static Target,
+    test: &str,
+    row: &str,
+    n: usize,
+    scenario: impl Fn(&mut Rank) + Sync + Send + Copy + 'static,
+) {
+    if let Ok(spec) = std::env::var(CHILD) {
+        child(target, &spec, scenario);
+        return;
+    }
+    same(target, row, n, scenario);
+    let nccl = processes(target, test, "nccl", n);
+    let stand_in = processes(target, test, "host", n);
+    for r in 0..n {
+        assert_eq!(
+            nccl[r], stand_in[r],
+            "contract row `{row}` in processes, rank {r}: NCCL {} (left) and the host \
+             provider (right) differ",
+            target.version
+        );
+    }
+}
+
+/// One rank of a row in processes: its trace, a line each behind `DIFF `.
+fn child(target: &'static Target, spec: &str, scenario: impl Fn(&mut Rank)) {
+    let mut it = spec.splitn(5, ':');
+    let (provider, r, n, dir, hex) = (
+        it.next().unwrap(),
+        it.next().unwrap().parse::<usize>().unwrap(),
+        it.next().unwrap().parse::<usize>().unwrap(),
+        it.next().unwrap(),
+        it.next().unwrap(),
+    );
+    let mut id = ncclUniqueId { internal: [0; 128] };
+    for (i, b) in id.internal.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap() as core::ffi::c_char;
+    }
+    let lib;
+    let host;
+    let (t, _ctx) = if provider == "nccl" {
+        lib = source_nccl(target.version);
+        let ctx = CudaContext::new(r).unwrap();
+        ctx.bind_to_thread().unwrap();
+        (lib.table(), Some(ctx))
+    } else {
+        nccl_safe::host::set_launch_in_progress(true);
+        // SAFETY: the host provider's lookup returns functions with NCCL's signatures.
+        host = unsafe {
+            FunctionTable::load(nccl_safe::host::lookup_as_version(
+                target.host.0,
+                target.host.1,
+            ))
+        }
+        .expect("the host provider's table");
+        (&host, None)
+    };
+    let seq = Seq::Files {
+        dir: dir.into(),
+        n,
+        rank: r,
+        turn: Default::default(),
+    };
+    let mut rank = Rank {
+        target,
+        t,
+        r,
+        n,
+        id,
+        seq: &seq,
+        trace: Vec::new(),
+    };
+    scenario(&mut rank);
+    // The test harness's "test NAME ... " has no newline of its own.
+    println!();
+    for line in rank.trace {
+        println!("DIFF {line}");
+    }
+}
+
+/// Runs the calling test's row with each of `n` ranks in a child process on `provider`
+/// ("nccl" or "host"); each rank's trace.
+fn processes(target: &Target, test: &str, provider: &str, n: usize) -> Vec<Vec<String>> {
+    let lib = source_nccl(target.version);
+    let mut id = ncclUniqueId { internal: [0; 128] };
+    if provider == "nccl" {
+        // SAFETY: a valid out-pointer. NCCL's bootstrap root runs in this process until
+        // `lib` is dropped, after the children ended.
+        assert_eq!(
+            unsafe { (lib.table().ncclGetUniqueId)(&mut id) },
+            ncclSuccess
+        );
+    } else {
+        id = nccl_safe::host::shared_unique_id();
+    }
+    let hex: String = id
+        .internal
+        .iter()
+        .map(|&b| format!("{:02x}", b as u8))
+        .collect();
+    let dir = std::env::temp_dir().join(format!(
+        "nccl-safe-diff-{}-{provider}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let children: Vec<_> = (0..n)
+        .map(|r| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", test, "--nocapture", "--test-threads", "1"])
+                .env(CHILD, format!("{provider}:{r}:{n}:{}:{hex}", dir.display()))
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let traces = children
+        .into_iter()
+        .enumerate()
+        .map(|(r, mut child)| {
+            let deadline = std::time::Instant::now() + Duration::from_secs(120);
+            while child.try_wait().unwrap().is_none() {
+                if std::time::Instant::now() > deadline {
+                    let _ = child.kill();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let out = child.wait_with_output().unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{provider}, rank {r} of {n} in its own process: {}\n{text}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+            text.lines()
+                .filter_map(|l| l.strip_prefix("DIFF ").map(str::to_string))
+                .collect()
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    drop(lib);
+    traces
 }
