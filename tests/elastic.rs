@@ -30,11 +30,17 @@ fn config() -> Config {
 fn revoke_stops_work_in_flight_and_refuses_what_follows() {
     let id = CommDevice::Host.unique_id().unwrap();
     fault::inject(&id.to_raw(), Fault::StuckWork);
+    // Both inits have ended before either rank goes on (and aborts in the end): the stuck
+    // collective does not wait for the peer, so a fast rank's abort could otherwise fail
+    // its peer's init, still being polled.
+    let inited = std::sync::Barrier::new(2);
     std::thread::scope(|s| {
         for rank in 0..2 {
+            let inited = &inited;
             s.spawn(move || {
                 let comm =
                     Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &config()).unwrap();
+                inited.wait();
                 let mut x = vec![1.0f32; 8];
                 comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
                 let raw = comm.as_raw() as usize;
