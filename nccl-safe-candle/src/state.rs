@@ -224,9 +224,10 @@ pub struct CarriedState {
     pub(crate) dtype: DType,
     /// The state after the last step this rank's optimizer took.
     pub(crate) now: FlatState,
-    /// ZeRO-1, when a step failed after this rank's optimizer had stepped (its all-gather
-    /// failed): the state from before that step.
+    /// ZeRO-1 resumed: the state from before the last step this rank's optimizer took.
     pub(crate) before: Option<FlatState>,
+    /// Whether that step failed after the optimizer had stepped (its all-gather failed).
+    pub(crate) failed: bool,
 }
 
 impl CarriedState {
@@ -249,6 +250,7 @@ impl CarriedState {
             dtype,
             now,
             before: None,
+            failed: false,
         })
     }
 
@@ -320,12 +322,12 @@ pub(crate) fn reshard(
         }
         .into()
     };
-    // Each rank's [has, start, end, total, copies, step, before_step, dtype]: who carries
-    // what. Every rank checks every row, so that all of them return the same error (none
-    // is left waiting in a collective the others skipped).
+    // Each rank's [has, start, end, total, copies, step, before_step, dtype, failed]: who
+    // carries what. Every rank checks every row, so that all of them return the same error
+    // (none is left waiting in a collective the others skipped).
     let code = |d: DType| d as u8 as f64;
     let mine = match &carried {
-        None => [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0],
+        None => [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0, 0.0],
         Some(c) => [
             1.0,
             c.range().start as f64,
@@ -335,9 +337,10 @@ pub(crate) fn reshard(
             c.now.step as f64,
             c.before.as_ref().map_or(-1.0, |b| b.step as f64),
             code(c.dtype),
+            c.failed as u8 as f64,
         ],
     };
-    const COLS: usize = 8;
+    const COLS: usize = 9;
     let table = crate::tensor::all_gather(comm, &Tensor::new(&mine, device)?)?
         .reshape((comm.world_size(), COLS))?
         .to_vec2::<f64>()?;
@@ -355,16 +358,27 @@ pub(crate) fn reshard(
                 .collect::<candle_core::Result<_>>()?,
         });
     };
-    // The step count every rank takes (rank 0's; from before the step, when a step failed
-    // after its optimizer had stepped). Such a rank carries both states and takes the one
-    // that agrees.
-    let step = if first[6] >= 0.0 { first[6] } else { first[5] };
-    for (rank, r) in &holders {
+    // The step count every rank takes (rank 0's; from before its last step, when that step
+    // failed after its optimizer had stepped). A rank whose step completed where rank 0's
+    // failed (or the other way round) carries both states and takes the one that agrees.
+    let step = if first[8] == 1.0 && first[6] >= 0.0 {
+        first[6]
+    } else {
+        first[5]
+    };
+    let range_of = |r: &Vec<f64>| r[1] as usize..r[2] as usize;
+    for (i, (rank, r)) in holders.iter().enumerate() {
         if r[3] != total as f64 || r[4] != copies as f64 || r[7] != code(dtype) {
             return Err(bad(format!(
                 "rank {rank} carries a state of {} tensors over {} elements (dtype code {}), the optimizer has {copies} of {dtype:?} over {total}",
                 r[4], r[3], r[7]
             )));
+        }
+        // A state lower ranks carry all of is not used (DDP's beyond the first holder's):
+        // a rank whose step failed before its optimizer stepped may carry an older one.
+        let lower: Vec<Range<usize>> = holders[..i].iter().map(|(_, l)| range_of(l)).collect();
+        if uncovered(range_of(r), lower).is_empty() {
+            continue;
         }
         if r[5] != step && r[6] != step {
             return Err(bad(format!(
@@ -381,28 +395,17 @@ pub(crate) fn reshard(
         }
     });
     // The parts of this rank's range no lower rank carries.
-    let mut own = Vec::new();
-    if let Some((range, _)) = &now {
-        let mut lower: Vec<Range<usize>> = table[..comm.rank()]
-            .iter()
-            .filter(|r| r[0] == 1.0)
-            .map(|r| r[1] as usize..r[2] as usize)
-            .collect();
-        lower.sort_by_key(|r| r.start);
-        let mut at = range.start;
-        for l in lower {
-            if l.end <= at || l.start >= range.end {
-                continue;
-            }
-            if l.start > at {
-                own.push(at..l.start);
-            }
-            at = at.max(l.end);
-        }
-        if at < range.end {
-            own.push(at..range.end);
-        }
-    }
+    let own = match &now {
+        Some((range, _)) => uncovered(
+            range.clone(),
+            table[..comm.rank()]
+                .iter()
+                .filter(|r| r[0] == 1.0)
+                .map(range_of)
+                .collect(),
+        ),
+        None => Vec::new(),
+    };
     let mut tensors = Vec::with_capacity(copies);
     for k in 0..copies {
         let mut parts = Vec::new();
@@ -441,4 +444,24 @@ pub(crate) fn reshard(
         step: step as u64,
         tensors,
     })
+}
+
+/// The parts of `range` that none of `lower` covers, in order.
+fn uncovered(range: Range<usize>, mut lower: Vec<Range<usize>>) -> Vec<Range<usize>> {
+    lower.sort_by_key(|r| r.start);
+    let mut own = Vec::new();
+    let mut at = range.start;
+    for l in lower {
+        if l.end <= at || l.start >= range.end {
+            continue;
+        }
+        if l.start > at {
+            own.push(at..l.start);
+        }
+        at = at.max(l.end);
+    }
+    if at < range.end {
+        own.push(at..range.end);
+    }
+    own
 }

@@ -63,11 +63,13 @@ pub struct ZeroRedundancyOptimizer<'c, O> {
     shard: Var,
     opt: O,
     tracker: Tracker,
-    /// Set by [`resume`](Self::resume): exports `opt`'s state before each step, kept in
-    /// `before` until the step's all-gather succeeds.
+    /// Set by [`resume`](Self::resume): exports `opt`'s state before each step into
+    /// `before`.
     exporter: Option<Export<O>>,
-    /// The state from before a step whose all-gather has not succeeded (yet).
+    /// The state from before the last step `opt` took.
     before: Option<FlatState>,
+    /// Whether that step failed after `opt` stepped (its all-gather failed).
+    failed: bool,
     /// Set by [`resume`](Self::resume): where the state goes when this is dropped.
     carry: Option<&'c StateCarry>,
 }
@@ -163,6 +165,7 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
             tracker: Tracker::default(),
             exporter: None,
             before: None,
+            failed: false,
             carry: None,
         })
     }
@@ -292,8 +295,12 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
             self.before = Some(export(&self.opt)?);
         }
         self.opt.step(&mine)?;
+        self.failed = true;
         let all = all_gather(self.comm, self.shard.as_tensor())?;
-        self.before = None;
+        // `before` stays: a peer's all-gather of this step may have failed (its wait for
+        // NCCL's launch of it ended by the clique's abort) while this one's completed,
+        // and the survivors then resume from that peer's count, before this step.
+        self.failed = false;
         let mut offset = 0;
         for (_, v) in &self.params {
             let len = v.as_tensor().elem_count();
@@ -353,11 +360,14 @@ impl<'c, O: ShardableState> ZeroRedundancyOptimizer<'c, O> {
     /// zero: **the state of a lost rank's range is lost** (it held the only copy); there,
     /// AdamW's moments start again from zero, with the step count (bias correction) of the
     /// others. A new rank (after [`grow`](crate::grow)) comes with an empty carry and
-    /// receives its part. The step count is rank 0's. A state from before a step that
-    /// failed after this rank's optimizer had stepped (the all-gather failed) is the one
-    /// carried, as the parameters are those from before that step: so each step of a
-    /// resumed optimizer keeps the state from before it (for this crate's AdamW, the
-    /// previous moments, no copy) until its all-gather succeeds.
+    /// receives its part. The step count is rank 0's (the first rank that carries a
+    /// state): from before its last step when that step failed after its optimizer had
+    /// stepped (the all-gather failed), as its parameters are those from before that step.
+    /// So each step of a resumed optimizer keeps the state from before it (for this
+    /// crate's AdamW, the previous moments, no copy: one more state of this rank's part
+    /// held between steps), and every rank carries the state at rank 0's count, the one
+    /// before its last step included: with NCCL's launch thread one rank's step can fail
+    /// (its wait for the launch ended by the clique's abort) where its peers' completed.
     ///
     /// ```
     /// use candle_core::{DType, Device, Tensor};
@@ -445,6 +455,7 @@ fn carried_with<O>(z: &ZeroRedundancyOptimizer<'_, O>, export: Export<O>) -> Res
         cut(export(&z.opt)?)?,
     )?;
     c.before = z.before.clone().map(cut).transpose()?;
+    c.failed = z.failed;
     Ok(c)
 }
 

@@ -160,14 +160,28 @@ enum Kind {
 /// What a rank saw.
 #[derive(Default)]
 struct Seen {
-    /// The state this rank's optimizer held after each step (the step count, the range of
-    /// the flat parameters it covered, the state).
+    /// The state this rank's optimizer held after each step it took, the step's
+    /// collectives failed or not (the optimizer's step count, the range of the flat
+    /// parameters it covered, the state).
     held: Vec<(u64, std::ops::Range<usize>, FlatState)>,
     /// After each `resume`: the world, this rank's range and the state it got.
     resumed: Vec<(usize, std::ops::Range<usize>, FlatState)>,
     params: Vec<f32>,
     losses: Vec<f32>,
+    /// The step the losses began at.
+    from: Option<u64>,
+    /// The step each recovery resumed at (rank 0's count).
+    recovered_at: Vec<u64>,
     world: usize,
+}
+
+/// Whether a recovery from a rank lost at step `lost` resumed at `step`: at `lost`, or at
+/// `lost - 1` when a survivor was still waiting for NCCL's launch of the last step every
+/// rank took (a non-blocking communicator of two or more ranks launches from NCCL's own
+/// thread) as the clique was aborted. That step then failed on that survivor only, and
+/// every survivor resumes at rank 0's step, with the state at that step.
+fn resumes_at(step: u64, lost: u64) -> bool {
+    step == lost || step + 1 == lost
 }
 
 /// One rank's steps from `*step` to `end`, its optimizer resumed from `carry`.
@@ -203,16 +217,27 @@ fn steps(
             let r = $range(&opt);
             seen.resumed
                 .push((world, r.clone(), cut(opt.optimizer().export_state()?, &r)));
+            // One loss per step since the first: a rank whose last step failed while rank
+            // 0's completed records that step's loss now, from rank 0's parameters; one
+            // whose step completed while rank 0's failed drops it (the step is taken again).
+            let done = (*step - *seen.from.get_or_insert(*step)) as usize;
+            seen.losses.truncate(done);
+            if seen.losses.len() + 1 == done {
+                seen.losses
+                    .push(loss::mse(&model.forward(&x)?, &y)?.to_scalar::<f32>()?);
+            }
+            assert_eq!(seen.losses.len(), done, "one step off rank 0 at most");
             let (xs, ys) = (opt.shard_batch(&x)?, opt.shard_batch(&y)?);
             while *step < end {
                 let l = loss::mse(&model.forward(&xs)?, &ys)?;
                 if kind != Kind::ZeroMidStep && lose_at == Some(*step) {
                     return Err(candle_core::Error::Msg("rank 3 is lost".into()).into());
                 }
-                opt.backward_step(&l)?;
+                let stepped = opt.backward_step(&l);
+                let held = cut(opt.optimizer().export_state()?, &r);
+                seen.held.push((held.step, r.clone(), held));
+                stepped?;
                 *step += 1;
-                seen.held
-                    .push((*step, r.clone(), cut(opt.optimizer().export_state()?, &r)));
                 seen.losses
                     .push(loss::mse(&model.forward(&x)?, &y)?.to_scalar::<f32>()?);
             }
@@ -250,6 +275,7 @@ fn rank_of(rank: usize, kind: Kind, id: UniqueId) -> DistResult<Seen> {
     })?;
     assert_eq!(run.step, STEPS);
     assert_eq!(run.recoveries.len(), 1);
+    seen.recovered_at = run.recoveries.iter().map(|r| r.step).collect();
     seen.params = flat_params(&map)?;
     seen.world = run.comm.world_size();
     Ok(seen)
@@ -274,7 +300,7 @@ fn assemble(held: &[(std::ops::Range<usize>, FlatState)], total: usize, k: usize
     full
 }
 
-/// What `s`'s optimizer held after `step` steps.
+/// What `s`'s optimizer held after `step` steps (the first time).
 fn held_at(s: &Seen, step: u64) -> (std::ops::Range<usize>, FlatState) {
     let (_, r, f) = s.held.iter().find(|h| h.0 == step).expect("held");
     (r.clone(), f.clone())
@@ -291,6 +317,8 @@ fn check_survivors(kind: Kind, results: Vec<DistResult<Seen>>) -> Vec<Seen> {
     );
     for (r, s) in survivors.iter().enumerate() {
         assert_eq!(s.world, 3, "rank {r}");
+        assert_eq!(s.recovered_at, survivors[0].recovered_at, "rank {r}");
+        assert!(resumes_at(s.recovered_at[0], LOST_AT), "rank {r}");
         assert_eq!(s.params, survivors[0].params, "rank {r}'s parameters");
         assert_eq!(s.losses.len(), STEPS as usize, "rank {r}");
         let l = &s.losses;
@@ -313,12 +341,13 @@ fn check_survivors(kind: Kind, results: Vec<DistResult<Seen>>) -> Vec<Seen> {
 fn zero(kind: Kind) {
     let survivors = check_survivors(kind, four_ranks(kind));
     let total = survivors[0].params.len();
-    let held: Vec<_> = survivors.iter().map(|s| held_at(s, LOST_AT)).collect();
+    let at = survivors[0].recovered_at[0];
+    let held: Vec<_> = survivors.iter().map(|s| held_at(s, at)).collect();
     // The survivors' old ranges, then the lost rank's.
     let q = total.div_ceil(RANKS);
     for (r, h) in held.iter().enumerate() {
         assert_eq!(h.0, r * q..(r + 1) * q);
-        assert_eq!(h.1.step, LOST_AT);
+        assert_eq!(h.1.step, at);
     }
     for k in 0..2 {
         let full = assemble(&held, total, k);
@@ -327,7 +356,7 @@ fn zero(kind: Kind) {
         for (r, s) in survivors.iter().enumerate() {
             let (world, range, state) = &s.resumed[1];
             assert_eq!(*world, 3);
-            assert_eq!(state.step, LOST_AT, "rank {r}: rank 0's step count");
+            assert_eq!(state.step, at, "rank {r}: rank 0's step count");
             assert_eq!(
                 bits(&state.tensors[k]),
                 full[range.clone()],
@@ -364,10 +393,11 @@ fn reference_adamw() -> Vec<f32> {
 #[test]
 fn ddp_adamw_state_carries_over_whole() {
     let survivors = check_survivors(Kind::Ddp, four_ranks(Kind::Ddp));
-    let before = held_at(&survivors[0], LOST_AT);
+    let at = survivors[0].recovered_at[0];
+    let before = held_at(&survivors[0], at);
     for (r, s) in survivors.iter().enumerate() {
         let (world, range, state) = &s.resumed[1];
-        assert_eq!((*world, range, state.step), (3, &before.0, LOST_AT));
+        assert_eq!((*world, range, state.step), (3, &before.0, at));
         for k in 0..2 {
             assert_eq!(
                 bits(&state.tensors[k]),
@@ -576,6 +606,7 @@ fn two_ranks_lost_then_one_rejoins_with_the_state_carried_each_time() {
                         )
                     })?;
                     assert_eq!(run.recoveries.len(), 2);
+                    seen.recovered_at = run.recoveries.iter().map(|r| r.step).collect();
                     let mut step = run.step;
                     let big = if run.comm.rank() == 0 {
                         let grow_id = run.comm.grow_id()?;
@@ -609,7 +640,12 @@ fn two_ranks_lost_then_one_rejoins_with_the_state_carried_each_time() {
         assert_eq!(worlds, [4, 3, 2, 3]);
     }
     // At each re-shard, what the survivors held before it, zeros for the lost range.
-    for (session, at) in [(2, SECOND_LOSS), (3, REJOIN_AT)] {
+    let second = survivors[0].recovered_at[1];
+    assert!(resumes_at(second, SECOND_LOSS), "{second}");
+    for s in &survivors {
+        assert_eq!(s.recovered_at, survivors[0].recovered_at);
+    }
+    for (session, at) in [(2, second), (3, REJOIN_AT)] {
         let held: Vec<_> = survivors.iter().map(|s| held_at(s, at)).collect();
         let taking: Vec<&(usize, std::ops::Range<usize>, FlatState)> = survivors
             .iter()
