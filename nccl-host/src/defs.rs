@@ -166,8 +166,9 @@ pub(crate) fn set_launch_in_progress(on: bool) {
 pub(crate) fn launch_in_progress() -> bool {
     match LAUNCH_IN_PROGRESS.load(std::sync::atomic::Ordering::Acquire) {
         0 => {
-            let on =
-                std::env::var("NCCL_SAFE_HOST_LAUNCH_IN_PROGRESS").is_ok_and(|v| v.trim() == "1");
+            // On unless the environment turns it off.
+            let on = std::env::var("NCCL_SAFE_HOST_LAUNCH_IN_PROGRESS")
+                .map_or(true, |v| v.trim() != "0");
             // A set_launch_in_progress racing this keeps its own value.
             let _ = LAUNCH_IN_PROGRESS.compare_exchange(
                 0,

@@ -312,14 +312,12 @@ pub fn set_current_device(device: c_int) {
     api::DEVICE.with(|d| d.set(device));
 }
 
-/// Makes the provider answer a non-blocking group end or collective of two ranks or more as
-/// NCCL does (on) or as it did before (off, the default): ncclInProgress, every call that
-/// checks readiness refused until the caller reads the state with
-/// `ncclCommGetAsyncError` (see `state::Job::Launching`), where off returns ncclSuccess.
-/// Process-wide; also on with `NCCL_SAFE_HOST_LAUNCH_IN_PROGRESS=1`. The tests that check the
-/// provider against NCCL's own host code turn it on; the rest of the suite runs with it off
-/// until the timing-dependent tests written against the kinder answer (a rank leaving while
-/// its peers still wait for a launch it shared) are made to hold under NCCL's.
+/// Whether the provider answers a non-blocking group end or collective of two ranks or more
+/// as NCCL does (on, the default): ncclInProgress, every call that checks readiness refused
+/// until the caller reads the state with `ncclCommGetAsyncError` (see
+/// `state::Job::Launching`); off returns ncclSuccess, kinder than NCCL (a rank then never
+/// sees its step fail while it waits for NCCL's launch of it, as it can on NCCL when a peer
+/// leaves). Process-wide; off also with `NCCL_SAFE_HOST_LAUNCH_IN_PROGRESS=0`.
 pub fn set_launch_in_progress(on: bool) {
     defs::set_launch_in_progress(on);
 }
