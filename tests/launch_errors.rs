@@ -299,3 +299,85 @@ fn a_board_of_ones_own_fails_with_error_board() {
     // A communicator takes it like nccl-safe's own boards.
     let _config = nccl_safe::Config::default().desync_board(DownBoard);
 }
+
+/// The environment `vars` as a launcher would set it.
+fn env_of(vars: &[(&str, &str)]) -> ProcessEnv {
+    ProcessEnv::from_lookup(|v| {
+        vars.iter()
+            .find(|(k, _)| *k == v)
+            .map(|(_, x)| x.to_string())
+    })
+    .unwrap()
+}
+
+/// An elastic rank under a launcher that ends every process once one exits is refused
+/// before any rendezvous, naming what to start it with: mpirun (Open MPI 4) without
+/// `--enable-recovery`, torchrun's agent, srun with `SLURM_KILL_ON_BAD_EXIT=1`. The same
+/// launchers with recovery on, torchrun's variables set by hand, and plain srun pass.
+#[test]
+fn an_elastic_rank_under_a_launcher_that_ends_survivors_is_refused() {
+    let mpi: &[(&str, &str)] = &[
+        ("OMPI_COMM_WORLD_RANK", "0"),
+        ("OMPI_COMM_WORLD_SIZE", "2"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        (
+            "OMPI_MCA_orte_hnp_uri",
+            "1147011072.0;tcp://192.0.2.2:58587",
+        ),
+    ];
+    let recovering = [mpi, &[("OMPI_MCA_orte_enable_recovery", "1")]].concat();
+    let by_hand: &[(&str, &str)] = &[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ];
+    let agent = [
+        by_hand,
+        &[
+            ("TORCHELASTIC_USE_AGENT_STORE", "False"),
+            ("TORCHELASTIC_RUN_ID", "job"),
+            ("TORCHELASTIC_RESTART_COUNT", "0"),
+        ],
+    ]
+    .concat();
+    let srun: &[(&str, &str)] = &[
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_LOCALID", "0"),
+        ("SLURM_JOB_NODELIST", "node1"),
+    ];
+    let killing = [srun, &[("SLURM_KILL_ON_BAD_EXIT", "1")]].concat();
+    for (vars, refused) in [
+        (mpi, Some("mpirun --enable-recovery")),
+        (&recovering[..], None),
+        (&agent[..], Some("torchrun's agent stops every worker")),
+        (by_hand, None),
+        (&killing[..], Some("srun --kill-on-bad-exit=0")),
+        (srun, None),
+    ] {
+        let env = env_of(vars);
+        let Some(hint) = refused else {
+            assert_eq!(env.keeps_survivors(), Ok(()), "{vars:?}");
+            continue;
+        };
+        let got = ProcessLauncher::new(env.clone())
+            .host()
+            .config(nccl_safe::Config::new().elastic(true))
+            .init();
+        match got {
+            Err(Error::Env(e @ EnvError::EndsSurvivors { .. })) => {
+                let text = e.to_string();
+                assert!(text.contains(hint), "{text}");
+                assert!(text.contains("Config::elastic(true)"), "{text}");
+                assert_eq!(env.keeps_survivors(), Err(e));
+            }
+            other => panic!(
+                "{vars:?}: expected EndsSurvivors, got {:?}",
+                other.map(|_| ())
+            ),
+        }
+    }
+}

@@ -559,6 +559,7 @@ fn torchrun_environment() {
             master_addr: "10.0.0.1".into(),
             master_port: 29400,
             elastic: None,
+            ends_survivors: None,
         }
     );
     assert_eq!(e.cuda_ordinal(), 1);

@@ -57,6 +57,15 @@ pub enum EnvError {
         /// What to do about it.
         hint: &'static str,
     },
+    /// An elastic communicator (`Config::elastic(true)`) under a launcher that ends every
+    /// rank when one exits, so no rank could survive a loss.
+    #[error("Config::elastic(true) under {launcher}, which ends every process of the job when one of them exits: no rank would survive a loss to recover from it; {hint}")]
+    EndsSurvivors {
+        /// The launcher that was detected.
+        launcher: EnvSource,
+        /// What to do about it.
+        hint: &'static str,
+    },
     /// A variable is set to a value that cannot be used.
     #[error("environment variable {var}={value:?} is invalid: {reason}")]
     Invalid {

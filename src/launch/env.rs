@@ -41,6 +41,10 @@ pub struct ProcessEnv {
     pub master_port: u16,
     /// torchrun's elastic-agent variables, when set.
     pub elastic: Option<Elastic>,
+    /// When the launcher ends every process of the job once one exits (so an elastic job
+    /// cannot survive a loss): what to start it with instead. See
+    /// [`keeps_survivors`](Self::keeps_survivors).
+    pub ends_survivors: Option<&'static str>,
 }
 
 /// What torchrun's elastic agent tells its workers about itself.
@@ -114,7 +118,7 @@ impl ProcessEnv {
     /// unset), so that tests and embedders need not touch the process environment.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
         let set = |var| lookup(var).is_some();
-        if set("RANK") || set("WORLD_SIZE") {
+        let mut env = if set("RANK") || set("WORLD_SIZE") {
             Self::torchrun(&lookup)
         } else if set("OMPI_COMM_WORLD_RANK") {
             Self::open_mpi(&lookup)
@@ -122,12 +126,56 @@ impl ProcessEnv {
             Self::slurm(&lookup)
         } else {
             Err(EnvError::NotLaunched)
-        }
+        }?;
+        env.ends_survivors = env.ends_survivors(&lookup);
+        Ok(env)
     }
 
     /// The CUDA device ordinal this rank should use: its local rank.
     pub fn cuda_ordinal(&self) -> usize {
         self.local_rank
+    }
+
+    /// [`EnvError::EndsSurvivors`] when the launcher ends every process of the job once
+    /// one of them exits ([`ends_survivors`](Self::ends_survivors)), which an elastic job
+    /// (`Config::elastic(true)`) cannot survive; `ProcessLauncher::init` checks it for an
+    /// elastic configuration.
+    pub fn keeps_survivors(&self) -> Result<(), EnvError> {
+        match self.ends_survivors {
+            None => Ok(()),
+            Some(hint) => Err(EnvError::EndsSurvivors {
+                launcher: self.source,
+                hint,
+            }),
+        }
+    }
+
+    /// What the launcher needs to let the other processes run on when one exits, when it
+    /// can tell that they will not:
+    /// - mpirun (Open MPI 4, which sets `OMPI_MCA_orte_*`) ends the job when a process
+    ///   exits unless started with `--enable-recovery` (`OMPI_MCA_orte_enable_recovery=1`);
+    ///   Open MPI 5 tells its processes nothing of it, so there it is not checked;
+    /// - torchrun's agent (`TORCHELASTIC_*` set) stops every worker when one fails, and
+    ///   restarts them all with `--max-restarts`: no recovery inside the job there;
+    /// - srun keeps the others unless `--kill-on-bad-exit` (or Slurm's `KillOnBadExit`) is
+    ///   on, which the tasks cannot see: told only by `SLURM_KILL_ON_BAD_EXIT=1`.
+    fn ends_survivors(&self, get: &dyn Fn(&str) -> Option<String>) -> Option<&'static str> {
+        let on = |v: &str| get(v).is_some_and(|v| matches!(v.trim(), "1" | "true" | "yes" | "on"));
+        match self.source {
+            EnvSource::OpenMpi
+                if get("OMPI_MCA_orte_hnp_uri").is_some()
+                    && !on("OMPI_MCA_orte_enable_recovery") =>
+            {
+                Some("start it with `mpirun --enable-recovery`")
+            }
+            EnvSource::Torchrun if self.elastic.is_some() => Some(
+                "torchrun's agent stops every worker when one fails (and restarts them all with --max-restarts): for recovery inside the job start the ranks with `mpirun --enable-recovery` or srun, or recover from a checkpoint with --max-restarts",
+            ),
+            EnvSource::Slurm if on("SLURM_KILL_ON_BAD_EXIT") => Some(
+                "unset SLURM_KILL_ON_BAD_EXIT and start the job with `srun --kill-on-bad-exit=0`",
+            ),
+            _ => None,
+        }
     }
 
     fn torchrun(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, EnvError> {
@@ -337,6 +385,7 @@ impl<'a> Lookup<'a> {
             master_addr: String::new(),
             master_port: 0,
             elastic: None,
+            ends_survivors: None,
         })
     }
 

@@ -71,6 +71,9 @@ impl ProcessLauncher {
         if !self.host {
             self.check_devices(cuda_device_count())?;
         }
+        if self.config.diag.elastic == Some(true) {
+            self.env.keeps_survivors()?;
+        }
         let world = self.env.world_size;
         if let Some(store) = StoreRendezvous::from_env(&self.env) {
             self.config = self.config.remote_board(Arc::new(store.board(world)));
