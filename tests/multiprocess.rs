@@ -1297,6 +1297,85 @@ fn survivors_of_a_process_killed_mid_collective_know_which_rank_they_lost() {
     }
 }
 
+/// Four processes with elastic communicators; rank 3 is SIGKILLed while the others wait
+/// for it in an all-reduce, and rank 2 SIGKILLs itself as soon as its all-reduce failed.
+/// Ranks 0 and 1 shrink excluding rank 3 only: the shrink needs rank 2, whose process is
+/// gone, and fails at once (NCCL's bootstrap fails its connection to a dead rank), after
+/// which both know ranks 2 and 3 lost. Before, the shrink waited out the whole timeout
+/// (20 s here) for rank 2 to join the new communicator.
+#[test]
+fn a_shrink_that_needs_a_dead_process_fails_at_once() {
+    if let Some((r, id)) = child_spec() {
+        let config = Config::new().elastic(true).timeout(Duration::from_secs(20));
+        let c =
+            Communicator::init_rank(&CommDevice::Host, 4, r, &id, &config).unwrap_or_else(|e| {
+                eprintln!("rank {r}: init failed: {e}");
+                std::process::exit(2)
+            });
+        let mut x = vec![1.0f32; 1000];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect("all_reduce");
+        if r == 3 {
+            std::thread::sleep(Duration::from_millis(300));
+            // SAFETY: kill(2) on our own pid; nothing is touched.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let e = c
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect_err("rank 3 is dead");
+        if r == 2 {
+            // SAFETY: as above.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        println!("FAILED {e}");
+        // Until rank 2 is seen gone (at most a few ticks), then the shrink that needs it.
+        let t0 = Instant::now();
+        while !c.lost_ranks().contains(&2) && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let t0 = Instant::now();
+        let got = c.shrink_after_failure(&[3]);
+        println!(
+            "SHRINK {} after {} ms; LOST {:?}",
+            if got.is_ok() {
+                "made a communicator"
+            } else {
+                "failed"
+            },
+            t0.elapsed().as_millis(),
+            c.lost_ranks()
+        );
+        std::process::exit(0)
+    }
+    let outs = spawn("a_shrink_that_needs_a_dead_process_fails_at_once", 4, &[]);
+    assert_eq!(
+        (outs[2].code, outs[3].code),
+        (None, None),
+        "ranks 2 and 3 were killed"
+    );
+    for r in [0, 1] {
+        let o = &outs[r];
+        assert_eq!(o.code, Some(0), "rank {r}: {}{}", o.stdout, o.stderr);
+        let line = o
+            .stdout
+            .lines()
+            .find(|l| l.starts_with("SHRINK "))
+            .unwrap_or_else(|| panic!("rank {r}: {}{}", o.stdout, o.stderr));
+        assert!(line.contains("SHRINK failed"), "rank {r}: {line}");
+        // Both losses known (a rank that had not called the failed shrink yet may be named
+        // behind in it as well).
+        assert!(line.ends_with("2, 3]"), "rank {r}: {line}");
+        let ms: u64 = line
+            .split(" after ")
+            .nth(1)
+            .and_then(|t| t.split(' ').next())
+            .and_then(|t| t.parse().ok())
+            .unwrap();
+        // Well within the 20 s timeout it waited out before.
+        assert!(ms < 10_000, "rank {r}: {line}");
+    }
+}
+
 /// Three processes with elastic communicators and a 1 s watchdog; rank 1 is stuck in its
 /// own code for 4 s while ranks 0 and 2 wait for it in an all-reduce. Their watchdogs
 /// revoke their handles in place at about 1 s, and the revoke ends the wait in shared

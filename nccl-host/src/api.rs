@@ -708,7 +708,7 @@ fn new_rank(
         c.grow_parent = parent;
     }
     if super::shm::is_shared(&idb) {
-        join_shared(&mut g, idb, nranks, rank, h, root)?;
+        join_shared(&mut g, idb, nranks, rank, h, root, None)?;
     } else {
         g.post_init(idb, nranks, rank, h);
     }
@@ -718,6 +718,10 @@ fn new_rank(
 /// Joins a communicator whose ranks may be in other processes: the shared segment's
 /// rendezvous runs on a thread of its own, and the handle stays `Pending` until it ends
 /// (so blocking, non-blocking and grouped inits all wait the usual way).
+///
+/// `watch`: a parent's segment and the parent ranks the new communicator needs (a shrink's
+/// kept ranks): one whose process is gone fails the join at once, naming it, as NCCL's
+/// bootstrap fails its connection to a dead rank, rather than at the deadline.
 fn join_shared(
     g: &mut Global,
     idb: IdBytes,
@@ -725,6 +729,7 @@ fn join_shared(
     rank: c_int,
     h: Handle,
     root: RootIdx,
+    watch: Option<(std::sync::Arc<super::shm::Segment>, Vec<usize>)>,
 ) -> Result<(), Fail> {
     let deadline = std::time::Instant::now() + super::defs::wait_limit();
     let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -735,7 +740,31 @@ fn join_shared(
     }
     let silent = super::fault::silent_peers(root);
     spawn("nccl-safe-shm-init".into(), move || {
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let why = std::sync::Arc::new(std::sync::Mutex::new(None::<Fail>));
+        if let Some((parent, members)) = watch {
+            let (done, why, cancel) = (done.clone(), why.clone(), cancel.clone());
+            // Without the watch (no thread to spare) the join waits for its deadline.
+            let _ = spawn("nccl-safe-shm-watch".into(), move || {
+                while !done.load(std::sync::atomic::Ordering::Acquire) {
+                    let gone = members.iter().find_map(|&r| parent.died(r).map(|p| (r, p)));
+                    if let Some((r, pid)) = gone {
+                        let m = format!("rank {r} (pid {pid}) of the parent died: its process is gone, so the communicator it was to join can never be complete (exclude it too)");
+                        *why.lock().unwrap_or_else(|e| e.into_inner()) =
+                            Some(Fail::new(ncclRemoteError, m));
+                        cancel.store(true, std::sync::atomic::Ordering::Release);
+                        return;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+            });
+        }
         let r = super::shm::Segment::join(&idb, nranks as usize, rank as usize, deadline, &cancel);
+        done.store(true, std::sync::atomic::Ordering::Release);
+        let r = match (r, why.lock().unwrap_or_else(|e| e.into_inner()).take()) {
+            (Err(_), Some(why)) => Err(why),
+            (r, _) => r,
+        };
         let mut g = lock();
         let pending = matches!(g.comms.get(&h).map(|c| &c.state), Some(CommState::Pending));
         match r {
@@ -1096,7 +1125,7 @@ fn shared_split(
     let (n, me) = (members.len() as c_int, me.unwrap_or(0) as c_int);
     let mut g = lock();
     let h = made.unwrap_or_else(|| g.new_handle(r.root, dev, !blocking, name));
-    join_shared(&mut g, id, n, me, h, r.root)?;
+    join_shared(&mut g, id, n, me, h, r.root, None)?;
     Ok(Some(h))
 }
 
@@ -1264,7 +1293,19 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
                 .filter(|q| !excl.contains(q))
                 .position(|q| q == r.rank);
             let n = r.nranks - excl.len() as c_int;
-            join_shared(&mut g, id, n, new_rank.unwrap_or(0) as c_int, h, r.root)?;
+            let kept = (0..r.nranks as usize)
+                .filter(|&q| q != r.rank as usize && !excl.contains(&(q as c_int)))
+                .collect();
+            let watch = Some((seg, kept));
+            join_shared(
+                &mut g,
+                id,
+                n,
+                new_rank.unwrap_or(0) as c_int,
+                h,
+                r.root,
+                watch,
+            )?;
         } else {
             g.post_rdv(r.clique, seq, Some(excl), (r.rank, 0, r.rank, Some(h)))?;
         }

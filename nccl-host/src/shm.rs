@@ -651,6 +651,17 @@ impl Segment {
             .then(|| (r, self.info(r).pid.load(Acquire)))
     }
 
+    /// Rank `r`'s pid when its process is gone (seen alive once, not now).
+    pub(crate) fn died(&self, r: usize) -> Option<u32> {
+        let pid = self.info(r).pid.load(Acquire);
+        (r < self.nranks
+            && pid != 0
+            && pid != std::process::id()
+            && self.seen[r].load(Relaxed)
+            && !alive(pid))
+        .then_some(pid)
+    }
+
     /// Every peer whose process the communicator has seen gone (alive once, not now) or
     /// that left it (destroyed or aborted its communicator), with its pid: the failure
     /// records of the whole clique, not only the first one that failed it.
