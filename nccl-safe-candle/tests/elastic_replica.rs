@@ -83,7 +83,7 @@ fn flat(map: &VarMap) -> Vec<f64> {
 
 /// Step `step`'s global batch (the same on every rank and in every run).
 fn batch(step: u64) -> candle_core::Result<(Tensor, Tensor)> {
-    let mut next = uniform(0x9E37_79B9 ^ (step + 1) * 0x1000_0001);
+    let mut next = uniform(0x9E37_79B9 ^ ((step + 1) * 0x1000_0001));
     let xs: Vec<f64> = (0..BATCH * INPUTS).map(|_| next() as f64).collect();
     let ys: Vec<f64> = xs
         .chunks(INPUTS)
