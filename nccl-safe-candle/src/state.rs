@@ -629,3 +629,65 @@ pub(crate) fn reshard_pieces(
         })
         .collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use nccl_safe::launch::Launcher;
+
+    fn state(step: u64, base: f32, len: usize) -> FlatState {
+        let v: Vec<f32> = (0..len).map(|i| base + i as f32).collect();
+        FlatState {
+            step,
+            tensors: vec![Tensor::new(v.as_slice(), &Device::Cpu).unwrap()],
+        }
+    }
+
+    /// 3 old ranks of 3 elements each (9 in all); old rank 1 is lost after a step whose
+    /// exchange reached everyone but whose all-gather failed: every piece carries both
+    /// versions (step 5, and step 4 from before), the first holder's before is step 4. On
+    /// the 2 ranks left (old ranks 0 and 2), parts of 5: the lost range 3..6 comes from
+    /// old rank 0's copy, at step 4 (its `before`), never at step 5; so does everything.
+    /// Without the copy's `before` taken, 3..6 would hold 50..53; without the copy, zeros.
+    #[test]
+    fn a_lost_range_comes_from_the_copy_at_the_agreed_step() {
+        let got = Launcher::host(2)
+            .try_run(|rank| -> crate::DistResult<Vec<Vec<f32>>> {
+                let comm = rank.comm();
+                let (own_start, base) = if comm.rank() == 0 { (0, 0.0) } else { (6, 20.0) };
+                let mut c = CarriedState::new(
+                    own_start,
+                    9,
+                    DType::F32,
+                    state(5, base + 100.0, 3),
+                )?;
+                c.before = Some(state(4, base, 3));
+                if comm.rank() == 0 {
+                    // Old rank 0's copy of old rank 1's range.
+                    c.replica = Some(Replica {
+                        start: 3,
+                        now: state(5, 50.0, 3),
+                        before: Some(state(4, 10.0, 3)),
+                    });
+                }
+                let want = [comm.rank() * 5..(comm.rank() + 1) * 5];
+                let out = reshard_pieces(
+                    comm,
+                    Some(c),
+                    9,
+                    DType::F32,
+                    1,
+                    &want,
+                    true,
+                    &Device::Cpu,
+                )?;
+                assert_eq!(out[0].step, 4);
+                Ok(vec![out[0].tensors[0].to_vec1::<f32>()?])
+            })
+            .unwrap();
+        assert_eq!(got[0][0], [0.0, 1.0, 2.0, 10.0, 11.0]);
+        // 12.0, then old rank 2's 20, 21, 22, then the padding.
+        assert_eq!(got[1][0], [12.0, 20.0, 21.0, 22.0, 0.0]);
+    }
+}
