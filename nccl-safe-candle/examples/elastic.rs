@@ -2,8 +2,9 @@
 //! AdamW over the host provider (`Config::elastic`, `run_elastic`, the optimizer's state
 //! carried by `resume`, each step's samples from a `DistributedSampler` whose global
 //! batches of 10 split over 4 ranks and then 3); when one of them is killed from outside (SIGKILL) the 3 left carry
-//! on with the state they hold, then a standby process joins through `grow`, receives its
-//! part of it, and the job ends on 4 ranks. `scripts/test-processes.sh` runs it under mpirun and srun as 5
+//! on with the state they hold and the killed rank's, rebuilt from the copy the rank before
+//! it kept (`StateCarry::with_replica`, on by default), then a standby process joins
+//! through `grow`, receives its part of it, and the job ends on 4 ranks. `scripts/test-processes.sh` runs it under mpirun and srun as 5
 //! processes and kills rank 1 by its pid:
 //!
 //! ```text

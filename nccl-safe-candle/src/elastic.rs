@@ -24,10 +24,12 @@
 //! be exported ([`ShardableState`](crate::ShardableState): this crate's
 //! [`AdamW`](crate::state::AdamW), candle's `SGD`): the optimizer dropped by the failed
 //! session leaves its state in the carry, and the next one re-shards it over the new world.
-//! DDP's state is whole on every rank, so nothing of it is lost. ZeRO-1's is not: each
-//! survivor keeps the state of its old range, and **the lost rank's range starts again
-//! from zero** (AdamW's moments there; the step count is rank 0's). A rank that joins
-//! through [`grow`] / [`join`] comes with an empty carry and receives its part.
+//! DDP's state is whole on every rank, so nothing of it is lost. ZeRO-1's is sharded: each
+//! survivor keeps the state of its old range, and the copy each rank keeps of the next
+//! rank's ([`StateCarry::with_replica`](crate::StateCarry::with_replica), on by default)
+//! gives back the lost rank's range, bit for bit (the step count is rank 0's); only two
+//! neighbouring ranks lost at once, or no copy, restart a range's state from zero. A rank
+//! that joins through [`grow`] / [`join`] comes with an empty carry and receives its part.
 //!
 //! The communicator must be made with [`Config::elastic`](nccl_safe::Config::elastic)
 //! (without it the watchdog aborts the survivors' handles, and [`run_elastic`] and
@@ -35,9 +37,11 @@
 //! naming the setting, for DDP and ZeRO-1 alike). NCCL 2.27+ (the shrink's abort mode) and, for a rank that left while its
 //! peers waited, 2.29+ (the watchdog's revoke); the host provider has both.
 //!
-//! What it does not do (yet): bring back the state of a lost rank's ZeRO-1 range (it had
-//! the only copy); an optimizer built with `new` (or candle_nn's AdamW, whose state is private)
-//! starts its state afresh on the smaller world (SGD without momentum carries on exactly); a
+//! What it does not do (yet): bring back the state of two neighbouring ranks lost at once
+//! (the copy of the first's range died with the second); an optimizer built with `new`
+//! starts its state afresh on the smaller world (SGD without momentum carries on exactly;
+//! candle_nn's AdamW, whose state is private, does not compile with `resume`: its drop-in is
+//! [`state::AdamW`](crate::state::AdamW)); a
 //! replacement rank joins only between two `run_elastic` runs ([`grow`] and [`join`]: the
 //! loop does not decide when by itself); a shrink that waits for a rank lost after the
 //! survivors agreed on the list is not tried again on NCCL 2.29 (it refuses a second shrink

@@ -27,7 +27,8 @@
 //!   run the session again on the smaller world (communicators made with
 //!   `Config::elastic`). Built with `resume` and a [`StateCarry`], the optimizer's state
 //!   comes along, re-sharded over the new world (module [`state`]: [`ShardableState`],
-//!   this crate's [`AdamW`](state::AdamW)); a lost rank's ZeRO-1 range of it is lost.
+//!   this crate's [`AdamW`](state::AdamW), candle_nn's AdamW's drop-in); ZeRO-1 keeps a
+//!   copy of each rank's state on the rank before it, so a lost rank's range is rebuilt.
 //! - [`DistributedSampler`]: each step's global batch split over any number of ranks
 //!   (padded, dropped or uneven, as PyTorch's `DistributedSampler`), the same samples
 //!   after a recovery changed the world: what an elastic loop shards its data with

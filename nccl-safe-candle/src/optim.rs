@@ -203,7 +203,9 @@ impl<'c, O: Optimizer> DdpOptimizer<'c, O> {
     }
 }
 
-impl<'c, O: ShardableState> DdpOptimizer<'c, O> {
+/// The bound [`ShardableState`] sits on each method, so that the compiler's error for
+/// candle_nn's `AdamW` names its drop-in, [`state::AdamW`](crate::state::AdamW).
+impl<'c, O: Optimizer> DdpOptimizer<'c, O> {
     /// [`new`](Self::new), then the optimizer state left in `carry` by the previous
     /// optimizer of this rank (dropped when its session ended or a step failed), taken from
     /// rank 0 (each rank holds the whole state, so a lost rank loses none of it; a new rank,
@@ -217,7 +219,10 @@ impl<'c, O: ShardableState> DdpOptimizer<'c, O> {
         map: &VarMap,
         config: O::Config,
         carry: &'c StateCarry,
-    ) -> Result<Self> {
+    ) -> Result<Self>
+    where
+        O: ShardableState,
+    {
         let (at, _scope) = crate::error::caller_scope();
         (|| {
             let mut d = Self::from_ddp(DistributedDataParallel::new(comm, map)?, config)?;
@@ -235,7 +240,10 @@ impl<'c, O: ShardableState> DdpOptimizer<'c, O> {
     /// [`resume`](Self::resume) or [`ZeroRedundancyOptimizer::resume`](crate::ZeroRedundancyOptimizer::resume)
     /// on another communicator (put it in a [`StateCarry`]).
     #[track_caller]
-    pub fn into_state(mut self) -> Result<CarriedState> {
+    pub fn into_state(mut self) -> Result<CarriedState>
+    where
+        O: ShardableState,
+    {
         let (at, _scope) = crate::error::caller_scope();
         self.carry = None;
         carried_with(&self, O::export_state).map_err(|e| e.at(at, None))

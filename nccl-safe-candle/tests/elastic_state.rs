@@ -3,16 +3,22 @@
 //! - this crate's AdamW makes candle_nn's AdamW's updates bit for bit, and its exported
 //!   state, imported into another, carries on the same;
 //! - ZeRO-1 + AdamW: after the re-shard over 3 ranks each survivor holds, for its new range,
-//!   the state the survivors held for their old ranges (bit-identical), zeros for the lost
-//!   rank's range, and rank 0's step count; also when rank 3 fails inside its optimizer's
-//!   step (after the reduce-scatter: the survivors' all-gather fails after their optimizers
-//!   stepped, and they carry the state from before that step); the parameters stay
+//!   the state the survivors held for their old ranges and, for the lost rank's range, the
+//!   state rank 3 held, from the copy rank 2 kept (bit-identical), and rank 0's step count;
+//!   also when rank 3 fails inside its optimizer's step (after the reduce-scatter: the
+//!   survivors' replica exchange fails after their optimizers stepped, and they carry the
+//!   state, and the copy, from before that step); without the replica
+//!   (`with_replica(false)`), zeros for the lost rank's range; the parameters stay
 //!   bit-identical and the loss falls;
 //! - DDP + AdamW: the whole state carries over (bit-identical to the state before the
 //!   loss), and the parameters follow one process's AdamW on the whole batch;
 //! - a replacement rank that rejoins through `grow` receives its ZeRO-1 shard of the state;
 //! - several recoveries in one run (4 -> 3 -> 2, then a rank rejoins: 3), the state
-//!   re-sharded each time.
+//!   re-sharded each time (without the replica, so that each re-shard holds exactly what
+//!   the survivors held).
+//!
+//! With the replica on, the first two failed before it (the lost range was zeros, not
+//! rank 3's state).
 //!
 //! Each was seen to fail with the re-shard broken on purpose (its new range off by one, the
 //! state not left in the carry on drop, no state kept from before a step, a joiner ignoring
@@ -21,6 +27,7 @@
 
 mod common;
 
+use std::sync::Mutex;
 use std::time::Duration;
 
 use candle_core::backprop::GradStore;
@@ -108,7 +115,8 @@ fn adamw_is_candle_nns_bit_for_bit_and_its_state_moves() {
 }
 
 /// AdamW failing its step on one rank at its `fail_at`-th step, after the reduce-scatter:
-/// the others' all-gather fails after their optimizers stepped.
+/// the others' next collective (the replica's exchange, or without it the all-gather) fails
+/// after their optimizers stepped.
 struct Flaky {
     inner: AdamW,
     steps: u64,
@@ -261,18 +269,32 @@ fn steps(
     Ok(())
 }
 
-fn rank_of(rank: usize, kind: Kind, id: UniqueId) -> DistResult<Seen> {
+/// One rank's run; the lost rank leaves what it saw in `lost`.
+fn rank_of(
+    rank: usize,
+    kind: Kind,
+    id: UniqueId,
+    replica: bool,
+    lost: &Mutex<Option<Seen>>,
+) -> DistResult<Seen> {
     let config = Config::new().elastic(true).timeout(Duration::from_secs(30));
     let comm = Communicator::init_rank(&CommDevice::Host, RANKS, rank, &id, &config)?;
     let map = VarMap::new();
     Mlp::new(&map)?;
     init_fixed(&map)?;
-    let carry = StateCarry::new();
+    let carry = StateCarry::new().with_replica(replica);
     let mut seen = Seen::default();
     let lose_at = (rank == 3).then_some(LOST_AT);
     let run = run_elastic(comm, 0, |comm, step| {
         steps(kind, comm, step, STEPS, &map, &carry, lose_at, &mut seen)
-    })?;
+    });
+    let run = match run {
+        Ok(run) => run,
+        Err(e) => {
+            *lost.lock().unwrap() = Some(seen);
+            return Err(e);
+        }
+    };
     assert_eq!(run.step, STEPS);
     assert_eq!(run.recoveries.len(), 1);
     seen.recovered_at = run.recoveries.iter().map(|r| r.step).collect();
@@ -281,14 +303,20 @@ fn rank_of(rank: usize, kind: Kind, id: UniqueId) -> DistResult<Seen> {
     Ok(seen)
 }
 
-fn four_ranks(kind: Kind) -> Vec<DistResult<Seen>> {
+/// The ranks' results, and what the lost rank saw.
+fn four_ranks(kind: Kind, replica: bool) -> (Vec<DistResult<Seen>>, Seen) {
     let id = CommDevice::Host.unique_id().unwrap();
-    std::thread::scope(|s| {
+    let lost = Mutex::new(None);
+    let results = std::thread::scope(|s| {
         let handles: Vec<_> = (0..RANKS)
-            .map(|rank| s.spawn(move || rank_of(rank, kind, id)))
+            .map(|rank| {
+                let lost = &lost;
+                s.spawn(move || rank_of(rank, kind, id, replica, lost))
+            })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    });
+    (results, lost.into_inner().unwrap().expect("rank 3's"))
 }
 
 /// The flat vector of `total` elements with each held range's tensor `k`, zeros elsewhere.
@@ -338,21 +366,33 @@ fn check_survivors(kind: Kind, results: Vec<DistResult<Seen>>) -> Vec<Seen> {
     survivors
 }
 
-fn zero(kind: Kind) {
-    let survivors = check_survivors(kind, four_ranks(kind));
+/// `replica`: the lost rank's range is rebuilt from the copy rank 2 kept (bit for bit what
+/// rank 3 held); without it, zeros.
+fn zero(kind: Kind, replica: bool) {
+    let (results, lost) = four_ranks(kind, replica);
+    let survivors = check_survivors(kind, results);
     let total = survivors[0].params.len();
     let at = survivors[0].recovered_at[0];
-    let held: Vec<_> = survivors.iter().map(|s| held_at(s, at)).collect();
+    let mut held: Vec<_> = survivors.iter().map(|s| held_at(s, at)).collect();
     // The survivors' old ranges, then the lost rank's.
     let q = total.div_ceil(RANKS);
     for (r, h) in held.iter().enumerate() {
         assert_eq!(h.0, r * q..(r + 1) * q);
         assert_eq!(h.1.step, at);
     }
+    let lost_held = held_at(&lost, at);
+    assert_eq!(lost_held.0, 3 * q..total);
+    if replica {
+        held.push(lost_held);
+    }
     for k in 0..2 {
         let full = assemble(&held, total, k);
         assert!(full[..3 * q].iter().any(|b| *b != 0), "some state was held");
-        assert!(full[3 * q..].iter().all(|b| *b == 0));
+        assert_eq!(
+            full[3 * q..].iter().any(|b| *b != 0),
+            replica,
+            "the lost range's state"
+        );
         for (r, s) in survivors.iter().enumerate() {
             let (world, range, state) = &s.resumed[1];
             assert_eq!(*world, 3);
@@ -368,12 +408,17 @@ fn zero(kind: Kind) {
 
 #[test]
 fn zero1_adamw_state_is_resharded_over_the_survivors() {
-    zero(Kind::Zero);
+    zero(Kind::Zero, true);
 }
 
 #[test]
 fn zero1_adamw_state_from_before_a_step_whose_all_gather_failed() {
-    zero(Kind::ZeroMidStep);
+    zero(Kind::ZeroMidStep, true);
+}
+
+#[test]
+fn zero1_adamw_without_the_replica_the_lost_range_restarts_from_zero() {
+    zero(Kind::Zero, false);
 }
 
 /// One process, this crate's AdamW on the whole batch.
@@ -392,7 +437,7 @@ fn reference_adamw() -> Vec<f32> {
 
 #[test]
 fn ddp_adamw_state_carries_over_whole() {
-    let survivors = check_survivors(Kind::Ddp, four_ranks(Kind::Ddp));
+    let survivors = check_survivors(Kind::Ddp, four_ranks(Kind::Ddp, true).0);
     let at = survivors[0].recovered_at[0];
     let before = held_at(&survivors[0], at);
     for (r, s) in survivors.iter().enumerate() {
@@ -546,8 +591,9 @@ fn a_rejoining_rank_receives_its_zero1_shard_of_the_state() {
     assert!(new.losses.last() < new.losses.first(), "{:?}", new.losses);
 }
 
-/// Several recoveries in one run: rank 3 lost at step 10 (4 -> 3), rank 2 at step 15
-/// (3 -> 2), and at step 20 a new rank joins through `grow` (2 -> 3). After each loss the
+/// Several recoveries in one run, without the replica: rank 3 lost at step 10 (4 -> 3),
+/// rank 2 at step 15 (3 -> 2), and at step 20 a new rank joins through `grow` (2 -> 3).
+/// After each loss the
 /// survivors hold the state they held for their old ranges and zeros for the lost one's;
 /// the new rank receives its part of the 2 ranks' state; the 3 end at step 30 with
 /// bit-identical parameters.
@@ -567,7 +613,7 @@ fn two_ranks_lost_then_one_rejoins_with_the_state_carried_each_time() {
                     nccl_safe_candle::join(&CommDevice::Host, 3, 2, &grow_id, &config)?;
                 let map = VarMap::new();
                 Mlp::new(&map)?;
-                let carry = StateCarry::new();
+                let carry = StateCarry::new().with_replica(false);
                 let mut seen = Seen::default();
                 let run = run_elastic(comm, start, |comm, step| {
                     steps(Kind::Zero, comm, step, STEPS, &map, &carry, None, &mut seen)
@@ -586,7 +632,7 @@ fn two_ranks_lost_then_one_rejoins_with_the_state_carried_each_time() {
                     let map = VarMap::new();
                     Mlp::new(&map)?;
                     init_fixed(&map)?;
-                    let carry = StateCarry::new();
+                    let carry = StateCarry::new().with_replica(false);
                     let mut seen = Seen::default();
                     let lose_at = match rank {
                         3 => Some(LOST_AT),
