@@ -520,3 +520,12 @@ fn a_late_rank_in_a_ddp_step_gets_the_watchdogs_notice() {
         "{notice}"
     );
 }
+/// Rank 2 SIGKILLed 10 ms after its step failed with the loss of rank 3, while the others
+/// recover from that loss: they recover again, without it.
+#[test]
+fn ddp_in_processes_survives_a_rank_sigkilled_during_the_recovery() {
+    lose_a_process(
+        "ddp_in_processes_survives_a_rank_sigkilled_during_the_recovery",
+        "ddp-inherent/during-recovery",
+    );
+}

@@ -155,9 +155,13 @@ impl Communicator {
     /// [`shrink_after_failure`](Self::shrink_after_failure): the ranks of one process then
     /// exclude the same ranks, even when a further rank is lost while they begin (a rank
     /// that never says, and tears down, is excluded). Ranks of other processes are not
-    /// waited for (each reads its own [`lost_ranks`](Self::lost_ranks): a rank lost at
-    /// that moment may be named by some only, and their shrink then fails). Call it once
-    /// per communicator. Empty without the `diag` feature.
+    /// waited for (each reads its own [`lost_ranks`](Self::lost_ranks)); when there are
+    /// any, it returns only once no further rank was found lost for 50 ms, so that ranks
+    /// lost within moments of each other (two processes killed at once, a rank dying as
+    /// the recovery begins) are named by every survivor: NCCL cannot shrink a parent again
+    /// after a shrink failed (it sets the parent's error, and a revoke happens once). A rank
+    /// lost later than that may still be named by some only, and their shrink then fails.
+    /// Call it once per communicator. Empty without the `diag` feature.
     pub fn agree_lost_ranks(&self) -> Vec<usize> {
         let deadline = std::time::Instant::now() + self.diag.timeout();
         self.diag.agree_lost_ranks(deadline)

@@ -167,6 +167,10 @@ impl Departure {
     }
 }
 
+/// How long no further rank must be found lost before a recovery across processes shrinks
+/// ([`Clique::settled`]).
+pub(crate) const SETTLE: Duration = Duration::from_millis(50);
+
 /// Every clique of this process, by key.
 static REGISTRY: Mutex<BTreeMap<CliqueKey, Weak<Clique>>> = Mutex::new(BTreeMap::new());
 
@@ -367,7 +371,7 @@ impl Clique {
                 (!waiting).then_some(u)
             };
             if let Some(u) = union {
-                return u;
+                return self.settled(rank, u, &mut lost_now, deadline);
             }
             if Instant::now() >= deadline {
                 post(lost_now());
@@ -381,6 +385,45 @@ impl Clique {
             }
             std::thread::sleep(Duration::from_millis(1));
             post(lost_now());
+        }
+    }
+
+    /// `lost` once no further rank has been found lost for [`SETTLE`], when the clique has
+    /// ranks in other processes (until `deadline` at most): nothing tells them which ranks
+    /// this one excludes, and ranks lost within moments of each other (two processes
+    /// killed at once, a rank dying as the recovery begins) are seen a few milliseconds
+    /// apart. A shrink must name them all the first time: NCCL sets the parent's error
+    /// when a shrink fails (group.cc:700-701 of 2.29.7), and a communicator is revoked at
+    /// most once (init.cc:2655-2657), so a failed shrink cannot be tried again.
+    fn settled(
+        &self,
+        rank: usize,
+        mut lost: Vec<usize>,
+        lost_now: &mut impl FnMut() -> Vec<usize>,
+        deadline: Instant,
+    ) -> Vec<usize> {
+        let present = (0..self.world_size)
+            .filter(|&r| self.view(r).present)
+            .count();
+        if present == self.world_size {
+            return lost;
+        }
+        let mut quiet_since = Instant::now();
+        loop {
+            let now = Instant::now();
+            if now.duration_since(quiet_since) >= SETTLE || now >= deadline {
+                return lost;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+            let mut more = lost_now();
+            more.extend(self.torn_down());
+            more.retain(|&r| r != rank && lost.binary_search(&r).is_err());
+            if !more.is_empty() {
+                lost.extend(more);
+                lost.sort_unstable();
+                lost.dedup();
+                quiet_since = Instant::now();
+            }
         }
     }
 
