@@ -26,7 +26,12 @@
 #      the others wait for it in a collective; they shrink without it and train on 3 ranks,
 #      then the standby joins through grow and the 4 end at step 60 with bit-identical
 #      parameters and a falling loss. The times from the kill to the first step on 3 ranks
-#      and from the grow id to the first step on 4 are printed.
+#      and from the grow id to the first step on 4 are printed;
+#   4. the same job with ranks 1 and 2 SIGKILLed at once (one kill command) and no standby:
+#      the 2 left exclude both and end at step 60, bit-identical;
+#   5. the same job with the standby SIGKILLed before it joins, then rank 1: the 3 left
+#      recover, their grow fails within its timeout (3 s) and hands each its communicator
+#      back, and they end at step 60 on 3 ranks, bit-identical.
 # Installs Debian's openmpi-bin when mpirun is missing; for srun, scripts/slurm-local.sh
 # installs and starts the cluster, and stops it afterwards. Takes a few seconds once built.
 set -euo pipefail
@@ -292,5 +297,77 @@ t4="$(awk -v a="$grow_at" -v b="$on4" 'BEGIN { printf "%.1f", b - a }')"
 echo "  rank 1 (pid $victim) SIGKILLed: ranks 0, 2, 3 shrank without it and carried on; the standby joined as rank 3"
 echo "  4 ranks at step 60, parameters bit-identical ($(printf '%s\n' "$finals" | awk 'NR == 1 {print $9}')), loss ${loss% *} -> ${loss#* }, nothing left in /dev/shm"
 echo "  from the kill to the first step on 3 ranks (the last survivor's): $t3 ms; from the grow id to the first step on 4 ranks: $t4 ms; the job took $job_ms ms (launcher exit $rc)"
+
+# elastic_job NAME N ARGS...: starts the elastic example as N launcher ranks in the
+# background (its pid in $job_pid), in the folder $job.
+elastic_job() {
+  local name="$1" n="$2"
+  shift 2
+  job="$logs/$name-job"
+  mkdir "$job"
+  port=$(( port + 2 ))
+  launchn "$n" --tolerate-a-dead-rank "$elastic_exe" --dir "$job" "$@"
+  job_s=$(date +%s)
+  timeout --kill-after=5 60 "${cmd[@]}" >"$logs/$name" 2>&1 &
+  job_pid=$!
+}
+# await_files NAME FILE...: waits (30 s at most) until the job wrote each file.
+await_files() {
+  local name="$1" f ok
+  shift
+  for ((i = 0; i < 3000; i++)); do
+    ok=1
+    for f in "$@"; do [ -s "$job/$f" ] || ok=0; done
+    [ "$ok" = 1 ] && return 0
+    sleep 0.01
+  done
+  kill "$job_pid" 2>/dev/null || true
+  wait "$job_pid" || true
+  cat "$logs/$name"
+  fail "$name: the job wrote no $* within 30 s"
+}
+# job_ends NAME RANKS WORLD: the job ended within 60 s, nothing failed, launcher ranks RANKS
+# (digits) exited 0, and ranks 0.. of WORLD ended at step 60 bit-identical, the loss falling.
+job_ends() {
+  local name="$1" ranks="$2" world="$3" finals loss
+  set +e
+  wait "$job_pid"
+  set -e
+  [ $(( $(date +%s) - job_s )) -lt 60 ] || { cat "$logs/$name"; fail "$name hung (killed after 60 s)"; }
+  shm_clean "$name"
+  [ "$(count "$logs/$name" '^ERROR ')" -eq 0 ] || { cat "$logs/$name"; fail "$name: a rank failed"; }
+  [ "$(grep -E '^EXIT 0 launcher rank [0-9]$' "$logs/$name" | awk '{print $5}' | sort | tr -d '\n')" = "$ranks" ] \
+    || { cat "$logs/$name"; fail "$name: expected launcher ranks $ranks to exit 0"; }
+  finals="$(grep -E "^FINAL rank [0-9] of $world step 60 params [0-9a-f]{16} " "$logs/$name" || true)"
+  [ "$(printf '%s\n' "$finals" | awk '{print $3}' | sort -u | grep -c .)" -eq "$world" ] \
+    || { cat "$logs/$name"; fail "$name: expected ranks 0-$(( world - 1 )) of $world to end at step 60"; }
+  [ "$(printf '%s\n' "$finals" | awk '{print $9}' | sort -u | wc -l)" -eq 1 ] \
+    || { cat "$logs/$name"; fail "$name: the $world ranks' parameters differ"; }
+  loss="$(printf '%s\n' "$finals" | awk '$3 == 0 {print $11, $13}')"
+  awk -v f="${loss% *}" -v l="${loss#* }" 'BEGIN { exit !(l < f / 2) }' \
+    || { cat "$logs/$name"; fail "$name: the loss did not fall ($loss)"; }
+  echo "  $world ranks at step 60, parameters bit-identical ($(printf '%s\n' "$finals" | awk 'NR == 1 {print $9}')), loss ${loss% *} -> ${loss#* }, nothing left in /dev/shm"
+}
+
+echo "4. the elastic job with ranks 1 and 2 SIGKILLed at once, no standby: the 2 left carry on"
+elastic_job elastic-two 4 --timeout-s 20 --victims 2 --standbys 0
+await_files elastic-two victim.pid victim2.pid
+kill -9 "$(cat "$job/victim.pid")" "$(cat "$job/victim2.pid")" \
+  || { wait "$job_pid" || true; cat "$logs/elastic-two"; fail "elastic-two: could not kill ranks 1 and 2"; }
+job_ends elastic-two 03 2
+grep -E '^RECOVERY rank 0 ' "$logs/elastic-two" | sed 's/^/  /'
+
+echo "5. the elastic job with the standby SIGKILLed before it joins, then rank 1: the 3 left carry on"
+elastic_job elastic-standby 5 --timeout-s 3
+await_files elastic-standby standby.pid
+kill -9 "$(cat "$job/standby.pid")" \
+  || { wait "$job_pid" || true; cat "$logs/elastic-standby"; fail "elastic-standby: could not kill the standby"; }
+await_files elastic-standby victim.pid
+kill -9 "$(cat "$job/victim.pid")" \
+  || { wait "$job_pid" || true; cat "$logs/elastic-standby"; fail "elastic-standby: could not kill rank 1"; }
+job_ends elastic-standby 023 3
+[ "$(count "$logs/elastic-standby" '^GROW_FAILED rank [0-2]: carrying on at 3 ranks')" -eq 3 ] \
+  || { cat "$logs/elastic-standby"; fail "elastic-standby: expected the 3 ranks' grow to fail and hand back their communicator"; }
+echo "  the standby died before it joined: each of the 3 grows failed within the 3 s timeout, and they carried on"
 
 echo "test-processes ($launcher): OK in $(( $(date +%s) - t0 ))s"

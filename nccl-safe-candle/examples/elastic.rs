@@ -22,6 +22,10 @@
 //! - all 4 train to `--steps`.
 //!
 //! `--timeout-s` (30 s) bounds each wait: the watchdog's timeout, and the wait for a file.
+//! `--victims 2`: ranks 1 and 2 are killed (rank 2 writes `DIR/victim2.pid`), with
+//! `--standbys 0`: the 2 left train to the end. The standby writes `DIR/standby.pid` as it
+//! starts (for a job that kills it before it joins: the others' `grow` fails within the
+//! timeout, and they train to the end on 3 ranks).
 //!
 //! Each rank prints lines the script checks (times in ms since the epoch):
 //! `LOST rank R at step S after the loss of rank L: first step on 3 ranks at T`,
@@ -63,6 +67,10 @@ struct Args {
     small_steps: u64,
     slow_ms: u64,
     timeout: Duration,
+    /// Ranks 1..=victims are killed from outside (1 or 2).
+    victims: usize,
+    /// Launcher ranks after the job's 4 that wait to join through `grow` (0 or 1).
+    standbys: usize,
 }
 
 fn args() -> Result<Args, Error> {
@@ -73,6 +81,8 @@ fn args() -> Result<Args, Error> {
         small_steps: 10,
         slow_ms: 100,
         timeout: Duration::from_secs(30),
+        victims: 1,
+        standbys: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -85,6 +95,8 @@ fn args() -> Result<Args, Error> {
             "--small-steps" => a.small_steps = n()?,
             "--slow-ms" => a.slow_ms = n()?,
             "--timeout-s" => a.timeout = Duration::from_secs(n()?),
+            "--victims" => a.victims = n()? as usize,
+            "--standbys" => a.standbys = n()? as usize,
             _ => return Err(format!("unknown argument {k}").into()),
         }
     }
@@ -93,6 +105,9 @@ fn args() -> Result<Args, Error> {
     }
     if a.kill_at + a.small_steps >= a.steps {
         return Err("--kill-at + --small-steps must stay below --steps".into());
+    }
+    if !(1..=2).contains(&a.victims) || a.standbys > 1 || (a.victims == 2 && a.standbys > 0) {
+        return Err("--victims is 1 or 2, --standbys 0 or 1 (0 with 2 victims)".into());
     }
     Ok(a)
 }
@@ -210,8 +225,8 @@ struct Trainer<'a> {
     y: Tensor,
     /// The whole batch's loss after each step.
     losses: Vec<f32>,
-    /// This process is the rank that is killed.
-    victim: bool,
+    /// This process is a rank that is killed (its rank).
+    victim: Option<usize>,
     /// The step at which the job lost a rank, once it did.
     lost_at: Option<u64>,
     /// The optimizer's state between two sessions (AdamW's moments, re-sharded by
@@ -249,12 +264,18 @@ impl Trainer<'_> {
             if until_small && small && *step >= self.lost_at.unwrap_or(0) + self.args.small_steps {
                 break;
             }
-            if self.victim && *step == self.args.kill_at {
-                let path = self.args.dir.join("victim.pid");
+            if let (Some(v), true) = (self.victim, *step == self.args.kill_at) {
+                // Rank 1's `victim.pid`, rank 2's `victim2.pid`.
+                let name = if v == 1 {
+                    "victim.pid".to_string()
+                } else {
+                    format!("victim{v}.pid")
+                };
+                let path = self.args.dir.join(name);
                 publish(&path, std::process::id().to_string().as_bytes())
                     .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))?;
             }
-            if self.victim && *step >= self.args.kill_at {
+            if self.victim.is_some() && *step >= self.args.kill_at {
                 // Slow from here: the others wait for this rank in the next collective.
                 std::thread::sleep(Duration::from_millis(self.args.slow_ms));
             }
@@ -296,7 +317,7 @@ fn run(args: &Args, me: usize) -> Result<(), Error> {
         x,
         y,
         losses: Vec::new(),
-        victim: me == VICTIM,
+        victim: (VICTIM..VICTIM + args.victims).contains(&me).then_some(me),
         lost_at: None,
         carry: StateCarry::new(),
         sampler: DistributedSampler::new(ROWS, GLOBAL_BATCH)?
@@ -320,32 +341,41 @@ fn run(args: &Args, me: usize) -> Result<(), Error> {
         }
         for r in &run.recoveries {
             println!(
-                "RECOVERY rank {} lost rank {} at step {}: {} -> {} ranks, recover() took {:?}",
-                r.ranks.0, r.lost, r.step, r.world_sizes.0, r.world_sizes.1, r.took
+                "RECOVERY rank {} lost rank {} at step {}: {} -> {} ranks, recover() took {:?} (lost {:?})",
+                r.ranks.0, r.lost, r.step, r.world_sizes.0, r.world_sizes.1, r.took, r.lost_ranks
             );
         }
-        // Back to 4: the new rank 0 hands the standby the grow id.
         let mut step = run.step;
-        let grown = if run.comm.rank() == 0 {
-            let gid = run.comm.grow_id()?;
-            println!("GROW_ID at {:.1}", now_ms());
-            publish(&args.dir.join("grow"), gid.as_bytes())?;
-            nccl_safe_candle::grow(run.comm, RANKS, Some(&gid), &mut step)
+        if args.standbys == 0 {
+            (run.comm, step)
         } else {
-            nccl_safe_candle::grow(run.comm, RANKS, None, &mut step)
-        };
-        // A standby that never joins costs the grow only: carry on at the old size.
-        let comm = grown.unwrap_or_else(|(comm, e)| {
-            println!(
-                "GROW_FAILED rank {}: carrying on at {} ranks: {e}",
-                comm.rank(),
-                comm.world_size()
-            );
-            comm
-        });
-        (comm, step)
+            // Back to 4: the new rank 0 hands the standby the grow id.
+            let grown = if run.comm.rank() == 0 {
+                let gid = run.comm.grow_id()?;
+                println!("GROW_ID at {:.1}", now_ms());
+                publish(&args.dir.join("grow"), gid.as_bytes())?;
+                nccl_safe_candle::grow(run.comm, RANKS, Some(&gid), &mut step)
+            } else {
+                nccl_safe_candle::grow(run.comm, RANKS, None, &mut step)
+            };
+            // A standby that never joins costs the grow only: carry on at the old size.
+            let comm = grown.unwrap_or_else(|(comm, e)| {
+                println!(
+                    "GROW_FAILED rank {}: carrying on at {} ranks: {e}",
+                    comm.rank(),
+                    comm.world_size()
+                );
+                comm
+            });
+            (comm, step)
+        }
     } else {
-        // The standby: joins as the last rank once the job has shrunk.
+        // The standby: joins as the last rank once the job has shrunk. Its pid first, for
+        // a job that kills it before it joins.
+        publish(
+            &args.dir.join("standby.pid"),
+            std::process::id().to_string().as_bytes(),
+        )?;
         let gid = read_id(&args.dir.join("grow"), args.timeout)?;
         nccl_safe_candle::join(&CommDevice::Host, RANKS, RANKS - 1, &gid, &config)?
     };
