@@ -61,6 +61,8 @@ mod fence;
 #[cfg(feature = "diag")]
 mod journal;
 #[cfg(feature = "diag")]
+mod ranges;
+#[cfg(feature = "diag")]
 mod recorder;
 #[cfg(feature = "diag")]
 pub(crate) mod remote;
