@@ -28,7 +28,6 @@
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
 use std::time::Instant;
 
 use super::recorder::OpRecord;
@@ -57,9 +56,13 @@ pub(crate) struct Info {
 #[derive(Debug)]
 struct Slot {
     word: AtomicU64,
-    /// The slot's event, made at its first use and recorded again at each (the events of a
-    /// queue are reused in place: no allocation, no new event in a steady run).
-    event: OnceLock<Marker>,
+    /// The range's marker. The producer has it while the slot is free (it fills it, or
+    /// moves the newest retired range's event here), and records it again, shared, while
+    /// its range is the newest. The consumer queries it, shared, once it read the word as
+    /// [`MARKED`]; and takes it (to recycle) before it retires a range that is not the
+    /// newest, which the producer no longer touches. A range retired as the newest keeps
+    /// its event for the producer's next range.
+    event: UnsafeCell<Option<Marker>>,
     /// Written by the producer while the slot is free; read by the consumer while the
     /// slot's position is in `tail..head`.
     info: UnsafeCell<Info>,
@@ -78,11 +81,32 @@ pub(crate) struct Ranges {
     newest: AtomicU64,
 }
 
-// SAFETY: `info` is the only field that is not `Sync`. It is written by the one producer
-// only while its slot is free (its word read as `TAKEN` with `Acquire`, which synchronizes
-// with the consumer's exchange that freed it, after the consumer's last read of it), and
-// read by a consumer (under the queue's `Watch` lock) only for a published position not
-// yet retired, whose slot the producer does not write until the consumer frees it.
+/// A slot's event as the producer may use it.
+#[derive(Debug)]
+pub(crate) enum Event<'a> {
+    /// Its own (the slot is free, or its range is the newest and has no marker): it may
+    /// make one.
+    Own(&'a mut Option<Marker>),
+    /// The newest range's marker, which the consumer may be querying.
+    Shared(&'a Marker),
+}
+
+// SAFETY: a slot's `info` and `event` are what is not `Sync`; who may touch them when is
+// the protocol of the module docs, whose two parties are the one producer (the owner, a
+// `CommDiag` being `!Sync`; or the holder of the queue's `Watch` lock, when the owner
+// does not mark) and the one consumer (the holder of that lock):
+// * the producer writes `info`, and uses `event` as its own, only while the slot is free:
+//   its word read as `TAKEN` with `Acquire`, which synchronizes with the consumer's
+//   exchange that freed it, after the consumer's last use of them; it publishes the slot
+//   by `head` (`Release`);
+// * while its range is the newest, the producer uses `event` shared when the range is
+//   marked (the consumer may query it), and as its own when it is not (the consumer
+//   touches the event of a range it read as marked only, and the producer marks it with a
+//   `Release` swap after);
+// * the consumer reads `info` and uses `event` shared for a published position not yet
+//   retired (under the lock, which alone retires), and takes `event` only from a range
+//   that is not the newest (it read `head` past it with `Acquire`: the producer is done
+//   with it until it is freed).
 unsafe impl Sync for Ranges {}
 
 impl Ranges {
@@ -92,7 +116,7 @@ impl Ranges {
             slots: (0..SLOTS)
                 .map(|_| Slot {
                     word: AtomicU64::new(TAKEN),
-                    event: OnceLock::new(),
+                    event: UnsafeCell::new(None),
                     info: UnsafeCell::new(Info {
                         oldest: None,
                         since: now,
@@ -116,23 +140,61 @@ impl Ranges {
         self.marked.load(Ordering::Relaxed)
     }
 
-    /// The event of the slot the next range goes into, when that slot is free; `None` when
-    /// every slot is in use.
-    pub(crate) fn free_event(&self) -> Option<&OnceLock<Marker>> {
+    /// Whether the slot the next range goes into is free (else every slot is in use).
+    pub(crate) fn has_free(&self) -> bool {
         let slot = self.slot(self.head.load(Ordering::Relaxed));
-        (slot.word.load(Ordering::Acquire) == TAKEN).then_some(&slot.event)
+        slot.word.load(Ordering::Acquire) == TAKEN
     }
 
-    /// The newest range's event and whether the range is marked, unless the producer knows
-    /// it retired.
-    pub(crate) fn newest(&self) -> Option<(&OnceLock<Marker>, bool)> {
-        let w = self.newest.load(Ordering::Relaxed);
+    /// Runs `f` with the event of the slot the next range goes into (free: see
+    /// [`has_free`](Self::has_free)). A slot without one takes the event the newest range
+    /// kept, if that range retired: a steady run reuses one event.
+    pub(crate) fn with_free_event<R>(&self, f: impl FnOnce(Event<'_>) -> R) -> R {
         let head = self.head.load(Ordering::Relaxed);
-        (w != TAKEN).then(|| (&self.slot(head - 1).event, w & MARKED != 0))
+        let slot = self.slot(head);
+        debug_assert_eq!(slot.word.load(Ordering::Relaxed), TAKEN);
+        // SAFETY: the slot is free (the caller saw it so in `has_free`, `Acquire`): the
+        // producer's own (the `Sync` impl's first point), and this is the producer.
+        let ev = unsafe { &mut *slot.event.get() };
+        if ev.is_none() && head > 0 && SLOTS > 1 {
+            let prev = self.slot(head - 1);
+            if prev.word.load(Ordering::Acquire) == TAKEN {
+                // SAFETY: as above: that slot is free too.
+                *ev = unsafe { &mut *prev.event.get() }.take();
+            }
+        }
+        f(Event::Own(ev))
+    }
+
+    /// Whether there is a newest range the producer does not know retired.
+    pub(crate) fn has_newest(&self) -> bool {
+        self.newest.load(Ordering::Relaxed) != TAKEN
+    }
+
+    /// Runs `f` with the newest range's event, unless the producer knows that range
+    /// retired (`None`).
+    pub(crate) fn with_newest_event<R>(&self, f: impl FnOnce(Event<'_>) -> R) -> Option<R> {
+        let w = self.newest.load(Ordering::Relaxed);
+        if w == TAKEN {
+            return None;
+        }
+        let slot = self.slot(self.head.load(Ordering::Relaxed) - 1);
+        let ev = if w & MARKED != 0 {
+            // SAFETY: the newest range, marked: shared with the consumer, which only
+            // queries it (the `Sync` impl's second point). A marked range has its marker.
+            match unsafe { &*slot.event.get() } {
+                Some(m) => Event::Shared(m),
+                None => return None,
+            }
+        } else {
+            // SAFETY: the newest range, not marked: the producer's own until it marks it.
+            Event::Own(unsafe { &mut *slot.event.get() })
+        };
+        Some(f(ev))
     }
 
     /// Publishes a range of the queue's work below `upto`, in the slot
-    /// [`free_event`](Self::free_event) gave (its event recorded when `marked`).
+    /// [`with_free_event`](Self::with_free_event) gave (its event recorded when `marked`).
     pub(crate) fn push(&self, upto: u64, marked: bool, info: Info) {
         let head = self.head.load(Ordering::Relaxed);
         let slot = self.slot(head);
@@ -183,7 +245,22 @@ impl Ranges {
 
     /// The marker of published position `pos`, once its word read [`MARKED`].
     pub(crate) fn marker(&self, pos: u64) -> Option<&Marker> {
-        self.slot(pos).event.get()
+        // SAFETY: published, not retired, read as marked: the consumer's to query, shared
+        // with the producer's record again (the `Sync` impl's third point).
+        unsafe { (*self.slot(pos).event.get()).as_ref() }
+    }
+
+    /// Takes the marker of published position `pos` when a later range is published
+    /// (below `head`, as the caller read it): the producer is done with it. The caller
+    /// retires the range next (and it cannot fail then: only the newest range changes).
+    pub(crate) fn take_marker(&self, pos: u64, head: u64) -> Option<Marker> {
+        if pos + 1 >= head {
+            return None;
+        }
+        // SAFETY: published, not retired, and not the newest: the producer no longer
+        // touches it, and the consumer (the caller, under the lock) holds no reference to
+        // it (the `Sync` impl's third point).
+        unsafe { (*self.slot(pos).event.get()).take() }
     }
 
     /// The info of published position `pos` (not retired).
@@ -204,6 +281,6 @@ impl Ranges {
 
     /// The events of the slots, taken out (when the queue's watch is dropped).
     pub(crate) fn take_events(&mut self) -> impl Iterator<Item = Marker> + '_ {
-        self.slots.iter_mut().filter_map(|s| s.event.take())
+        self.slots.iter_mut().filter_map(|s| s.event.get_mut().take())
     }
 }

@@ -298,14 +298,15 @@ impl Shared {
         let r = &q.ranges;
         // Twice at most: an extension that finds its range retired leaves the ring empty.
         loop {
-            let Some(free) = r.free_event() else {
-                // Every slot in use: the newest range is extended (the newest is the only
-                // one that may lack a marker only when it is the only one).
-                let Some((ev, _)) = r.newest() else {
-                    return; // not reached: a full ring has a newest range
-                };
+            if !r.has_free() {
+                // Every slot in use: the newest range is extended (only a range that is the
+                // only one may lack a marker, so the newest has one here).
                 let how = if tick.is_some() { How::Tick } else { How::Again };
-                let marked = match self.tracker.record(&q.queue, ev, how) {
+                let Some(mark) = r.with_newest_event(|ev| self.tracker.record(&q.queue, ev, how))
+                else {
+                    return; // not reached: a full ring has a newest range, marked
+                };
+                let marked = match mark {
                     Mark::Recorded => true,
                     Mark::Capturing if tick.is_some() => {
                         self.note_capturing(tick.as_deref_mut());
@@ -329,9 +330,10 @@ impl Shared {
                     return;
                 }
                 continue;
-            };
+            }
             let how = if tick.is_some() { How::Tick } else { How::Enqueue };
-            let marked = match self.tracker.record(&q.queue, free, how) {
+            let mark = r.with_free_event(|ev| self.tracker.record(&q.queue, ev, how));
+            let marked = match mark {
                 // A new marker, recorded without asking whether the stream is capturing
                 // (it covers only the work of this operation, or group, on the stream):
                 // see `retire_done`.
@@ -349,7 +351,7 @@ impl Shared {
                     if matches!(m, Mark::Capturing) {
                         self.note_capturing(None);
                     }
-                    if r.newest().is_some() && r.extend(upto, false) {
+                    if r.has_newest() && r.extend(upto, false) {
                         return;
                     }
                     false
@@ -434,11 +436,22 @@ impl Shared {
             if marker.is_some_and(|m| self.tracker.take_captured(m)) {
                 self.captured.store(true, Ordering::Relaxed);
             }
+            // A range that is not the newest gives its event back (the newest keeps it for
+            // the owner's next range). The event is spare again before the work shows
+            // complete.
+            let spare = if word & MARKED != 0 {
+                r.take_marker(pos, head)
+            } else {
+                None
+            };
             // The owner extended it meanwhile (its marker recorded again after the
-            // query): looked at again next time. Once retired, the slot is the owner's
-            // again (its event reused in place) before the work shows complete.
+            // query): looked at again next time. Once retired, the slot is the owner's.
             if !r.retire(pos, word) {
+                debug_assert!(spare.is_none(), "only the newest range changes");
                 break;
+            }
+            if let Some(m) = spare {
+                self.tracker.recycle(m);
             }
             w.tail = pos + 1;
             q.retired.store(word >> 1, Ordering::Release);

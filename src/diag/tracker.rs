@@ -59,7 +59,11 @@
 //! driver (`a_marker_recorded_under_capture_can_be_checked_from_the_watchdogs_thread`).
 
 use std::cell::Cell;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+pub(crate) use super::ranges::Event;
 
 use cudarc::driver::{CudaStream, DriverError};
 
@@ -222,7 +226,7 @@ pub(crate) trait Tracker: Send + Sync + std::fmt::Debug {
     /// Records `ev` (a range's slot's event: made, or taken from the spare pool, when the
     /// slot has none yet) after the work queued on `q` so far, as `how` says: see [`How`].
     /// Never changes the calling thread's capture mode.
-    fn record(&self, q: &Queue, ev: &OnceLock<Marker>, how: How) -> Mark;
+    fn record(&self, q: &Queue, ev: Event<'_>, how: How) -> Mark;
     /// Whether `q` is being captured into a graph now: its markers must not be queried
     /// (one recorded by this capture would be a query CUDA calls invalid), and its work
     /// must not time out. Asked before each round of [`Tracker::done`] on a queue's
@@ -260,7 +264,74 @@ const SPARE_EVENTS: usize = MAX_PENDING;
 /// CUDA events on the communicator's streams.
 #[derive(Debug, Default)]
 pub(crate) struct CudaTracker {
-    spare: Mutex<Vec<RawEvent>>,
+    spare: Spare,
+}
+
+/// The spare events: a ring that any thread gives events back to (one at a time, under
+/// `give`'s lock: the watchdog's retirements, a teardown's, a dropped queue's watch) and
+/// the owner takes them from without a lock (a slot of its ranges without an event: a
+/// burst of work in flight). Takers are one at a time too, by `taking`: one that finds it
+/// held makes an event instead of waiting.
+#[derive(Debug)]
+struct Spare {
+    slots: Box<[UnsafeCell<Option<RawEvent>>]>,
+    /// Events given back below it (written under `give`).
+    head: AtomicUsize,
+    /// Events taken below it (written by the one holding `taking`).
+    tail: AtomicUsize,
+    give: Mutex<()>,
+    taking: AtomicBool,
+}
+
+impl Default for Spare {
+    fn default() -> Spare {
+        Spare {
+            slots: (0..SPARE_EVENTS).map(|_| UnsafeCell::new(None)).collect(),
+            head: AtomicUsize::new(0),
+            tail: AtomicUsize::new(0),
+            give: Mutex::new(()),
+            taking: AtomicBool::new(false),
+        }
+    }
+}
+
+// SAFETY: a slot is written by the giver (under `give`) only while it is free (below
+// `tail + SPARE_EVENTS`, `tail` read `Acquire` after the taker's `Release` store that freed
+// it), then published by `head` (`Release`); and taken by the one taker (`taking` held)
+// only once published (`head` read `Acquire`), then freed by `tail`. A `RawEvent` may be
+// sent between threads.
+unsafe impl Sync for Spare {}
+
+impl Spare {
+    /// Gives `ev` back; the event is destroyed when the ring is full.
+    fn give(&self, ev: RawEvent) {
+        let _held = lock(&self.give);
+        let head = self.head.load(Ordering::Relaxed);
+        if head - self.tail.load(Ordering::Acquire) >= SPARE_EVENTS {
+            return;
+        }
+        // SAFETY: a free slot, the giver's (see the `Sync` impl).
+        unsafe { *self.slots[head % SPARE_EVENTS].get() = Some(ev) };
+        self.head.store(head + 1, Ordering::Release);
+    }
+
+    /// A spare event, if there is one (and no other thread is taking one now).
+    fn take(&self) -> Option<RawEvent> {
+        if self.taking.swap(true, Ordering::Acquire) {
+            return None;
+        }
+        let tail = self.tail.load(Ordering::Relaxed);
+        let ev = if tail == self.head.load(Ordering::Acquire) {
+            None
+        } else {
+            // SAFETY: a published slot, the taker's (see the `Sync` impl).
+            let ev = unsafe { (*self.slots[tail % SPARE_EVENTS].get()).take() };
+            self.tail.store(tail + 1, Ordering::Release);
+            ev
+        };
+        self.taking.store(false, Ordering::Release);
+        ev
+    }
 }
 
 thread_local! {
@@ -315,20 +386,20 @@ impl CudaTracker {
     /// per-thread streams (handles 0, 1, 2) are the current context's: it is made current
     /// first, and they are always asked about here (on the watchdog's thread 0x2 is another
     /// stream: see [`Tracker::capturing`]).
-    fn record_on(&self, stream: &CudaStream, ev: &OnceLock<Marker>, ask: bool) -> Mark {
+    fn record_on(&self, stream: &CudaStream, mut ev: Event<'_>, ask: bool) -> Mark {
         let implicit = implicit(stream);
         let ask = ask || implicit;
         let current = || crate::stream::make_current(stream.context()).is_ok();
         if implicit && !current() {
             return Mark::Unwatched;
         }
-        match self.try_record(stream, ev, ask) {
+        match self.try_record(stream, &mut ev, ask) {
             Ok(mark) => mark,
             Err(_) if !implicit => {
                 if !current() {
                     return Mark::Unwatched;
                 }
-                self.try_record(stream, ev, ask)
+                self.try_record(stream, &mut ev, ask)
                     .unwrap_or_else(Mark::Failed)
             }
             Err(e) => Mark::Failed(e),
@@ -339,26 +410,30 @@ impl CudaTracker {
     fn try_record(
         &self,
         stream: &CudaStream,
-        ev: &OnceLock<Marker>,
+        ev: &mut Event<'_>,
         ask: bool,
     ) -> Result<Mark, DriverError> {
         if ask && is_capturing(stream)? {
             return Ok(Mark::Capturing);
         }
-        let event = match ev.get() {
-            Some(Marker::Cuda(e)) => e,
-            Some(_) => return Ok(Mark::Unwatched),
-            None => {
-                let spare = lock(&self.spare).pop();
-                let event = match spare {
-                    Some(e) => e,
-                    None => RawEvent::new(stream.context())?,
-                };
-                match ev.get_or_init(|| Marker::Cuda(event)) {
-                    Marker::Cuda(e) => e,
-                    _ => return Ok(Mark::Unwatched),
+        let m: &Marker = match ev {
+            Event::Shared(m) => m,
+            Event::Own(slot) => {
+                if slot.is_none() {
+                    let event = match self.spare.take() {
+                        Some(e) => e,
+                        None => RawEvent::new(stream.context())?,
+                    };
+                    **slot = Some(Marker::Cuda(event));
+                }
+                match slot.as_ref() {
+                    Some(m) => m,
+                    None => return Ok(Mark::Unwatched),
                 }
             }
+        };
+        let Marker::Cuda(event) = m else {
+            return Ok(Mark::Unwatched);
         };
         event.record(stream)?;
         Ok(Mark::Recorded)
@@ -366,7 +441,7 @@ impl CudaTracker {
 }
 
 impl Tracker for CudaTracker {
-    fn record(&self, q: &Queue, ev: &OnceLock<Marker>, how: How) -> Mark {
+    fn record(&self, q: &Queue, ev: Event<'_>, how: How) -> Mark {
         let Queue::Cuda(stream) = q else {
             return Mark::Unwatched;
         };
@@ -404,17 +479,13 @@ impl Tracker for CudaTracker {
     }
 
     fn take_captured(&self, m: &Marker) -> bool {
-        matches!(m, Marker::Cuda(ev) if ev.captured.swap(false, std::sync::atomic::Ordering::Relaxed))
+        matches!(m, Marker::Cuda(ev) if ev.captured.swap(false, Ordering::Relaxed))
     }
 
     fn recycle(&self, m: Marker) {
         if let Marker::Cuda(ev) = m {
-            ev.captured
-                .store(false, std::sync::atomic::Ordering::Relaxed);
-            let mut spare = lock(&self.spare);
-            if spare.len() < SPARE_EVENTS {
-                spare.push(ev);
-            }
+            ev.captured.store(false, Ordering::Relaxed);
+            self.spare.give(ev);
         }
     }
 }
@@ -424,12 +495,13 @@ impl Tracker for CudaTracker {
 pub(crate) struct HostTracker;
 
 impl Tracker for HostTracker {
-    fn record(&self, q: &Queue, ev: &OnceLock<Marker>, _how: How) -> Mark {
-        match q {
-            Queue::Host(h) => {
-                ev.get_or_init(|| Marker::Host(*h));
+    fn record(&self, q: &Queue, ev: Event<'_>, _how: How) -> Mark {
+        match (q, ev) {
+            (Queue::Host(h), Event::Own(slot)) => {
+                slot.get_or_insert(Marker::Host(*h));
                 Mark::Recorded
             }
+            (Queue::Host(_), Event::Shared(_)) => Mark::Recorded,
             _ => Mark::Unwatched,
         }
     }
@@ -496,7 +568,7 @@ pub(crate) mod counting {
     }
 
     impl Tracker for Counting {
-        fn record(&self, _q: &Queue, ev: &OnceLock<Marker>, how: How) -> Mark {
+        fn record(&self, _q: &Queue, ev: Event<'_>, how: How) -> Mark {
             if how == How::Tick {
                 self.count(&self.marks, &self.owner_marks);
             } else {
@@ -505,7 +577,9 @@ pub(crate) mod counting {
             if how == How::Again && self.capturing.load(Ordering::SeqCst) {
                 return Mark::Capturing;
             }
-            ev.get_or_init(|| Marker::Fake);
+            if let Event::Own(slot) = ev {
+                slot.get_or_insert(Marker::Fake);
+            }
             Mark::Recorded
         }
 
