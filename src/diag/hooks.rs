@@ -662,6 +662,11 @@ impl CommDiag {
     fn note_stream(&self, s: &Shared, stream: &Arc<cudarc::driver::CudaStream>) -> Arc<QueueWatch> {
         let q = s.note_queue(Queue::Cuda(Arc::clone(stream)));
         let mut recent = self.recent_queues.borrow_mut();
+        if let Some(old) = recent[RECENT_QUEUES - 1].take() {
+            // Leaving the cache: its newest range's event, once retired, is spare again
+            // (else every stream used once would keep one).
+            s.reclaim_parked(&old);
+        }
         recent.rotate_right(1);
         recent[0] = Some(Arc::clone(&q));
         q

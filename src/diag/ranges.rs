@@ -166,6 +166,18 @@ impl Ranges {
         f(Event::Own(ev))
     }
 
+    /// The event the newest range kept, if that range retired (the producer's).
+    pub(crate) fn take_parked(&self) -> Option<Marker> {
+        let head = self.head.load(Ordering::Relaxed);
+        let slot = self.slot(head.checked_sub(1)?);
+        if slot.word.load(Ordering::Acquire) != TAKEN {
+            return None;
+        }
+        self.newest.store(TAKEN, Ordering::Relaxed);
+        // SAFETY: the slot is free: the producer's own (the `Sync` impl's first point).
+        unsafe { &mut *slot.event.get() }.take()
+    }
+
     /// Whether there is a newest range the producer does not know retired.
     pub(crate) fn has_newest(&self) -> bool {
         self.newest.load(Ordering::Relaxed) != TAKEN

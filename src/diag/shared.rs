@@ -376,6 +376,16 @@ impl Shared {
         }
     }
 
+    /// The owner's, for a queue it no longer uses often: gives back the event its retired
+    /// newest range kept for the next one.
+    pub(super) fn reclaim_parked(&self, q: &QueueWatch) {
+        if q.by_owner {
+            if let Some(m) = q.ranges.take_parked() {
+                self.tracker.recycle(m);
+            }
+        }
+    }
+
     /// Notes that work of this communicator met a capture (and, for the watchdog, that
     /// this queue is capturing now).
     fn note_capturing(&self, w: Option<&mut Watch>) {
