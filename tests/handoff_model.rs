@@ -321,11 +321,7 @@ impl World {
             }
             if p.retire_with_store {
                 s.word.store(TAKEN, SC);
-            } else if s
-                .word
-                .compare_exchange(word, TAKEN, SC, SC)
-                .is_err()
-            {
+            } else if s.word.compare_exchange(word, TAKEN, SC, SC).is_err() {
                 break;
             }
             tail += 1;
@@ -562,4 +558,3 @@ fn mutant_push_without_the_free_check_overwrites_a_range() {
         "",
     );
 }
-

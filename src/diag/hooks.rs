@@ -234,11 +234,10 @@ impl CommDiag {
         #[cfg(not(test))]
         let tracker = tracker::for_provider(lib.provider());
         // The queue of a host-provider communicator is the communicator itself.
-        let host_queue = (lib.provider() == Provider::Host)
-            .then(|| {
-                let q = Queue::Host(raw as usize);
-                Arc::new(QueueWatch::new(q, false, Arc::clone(&tracker)))
-            });
+        let host_queue = (lib.provider() == Provider::Host).then(|| {
+            let q = Queue::Host(raw as usize);
+            Arc::new(QueueWatch::new(q, false, Arc::clone(&tracker)))
+        });
         let s = Arc::new(Shared {
             rank,
             world_size,
@@ -1328,7 +1327,11 @@ mod tests {
         counting.complete.store(false, Ordering::SeqCst);
         let (c, _id) = counted(&counting, Duration::from_secs(600));
         let s = Arc::clone(c.diag.shared(c.diag_view()));
-        let q = Arc::new(QueueWatch::new(Queue::Host(7), true, Arc::clone(&s.tracker)));
+        let q = Arc::new(QueueWatch::new(
+            Queue::Host(7),
+            true,
+            Arc::clone(&s.tracker),
+        ));
         const N: u64 = 3 * tracker::MAX_PENDING as u64;
         for upto in 1..=N {
             s.mark_at_enqueue(&q, upto);
@@ -1364,7 +1367,11 @@ mod tests {
         counting.complete.store(false, Ordering::SeqCst);
         let (c, _id) = counted(&counting, Duration::from_secs(600));
         let s = Arc::clone(c.diag.shared(c.diag_view()));
-        let q = Arc::new(QueueWatch::new(Queue::Host(7), true, Arc::clone(&s.tracker)));
+        let q = Arc::new(QueueWatch::new(
+            Queue::Host(7),
+            true,
+            Arc::clone(&s.tracker),
+        ));
         const N: u64 = 4 * tracker::MAX_PENDING as u64;
         for upto in 1..=N {
             // Work first, then alternately one captured operation and one that runs.

@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use super::recorder::OpRecord;
-use super::tracker::{Marker, MAX_PENDING};
+use super::tracker::{Event, Marker, MAX_PENDING};
 
 /// Slots per queue: at most this many ranges are in flight on one queue.
 pub(crate) const SLOTS: usize = MAX_PENDING;
@@ -79,16 +79,6 @@ pub(crate) struct Ranges {
     /// The producer's own: the word it last wrote into the newest range's slot (position
     /// `head - 1`), or [`TAKEN`] once it learned that range was retired.
     newest: AtomicU64,
-}
-
-/// A slot's event as the producer may use it.
-#[derive(Debug)]
-pub(crate) enum Event<'a> {
-    /// Its own (the slot is free, or its range is the newest and has no marker): it may
-    /// make one.
-    Own(&'a mut Option<Marker>),
-    /// The newest range's marker, which the consumer may be querying.
-    Shared(&'a Marker),
 }
 
 // SAFETY: a slot's `info` and `event` are what is not `Sync`; who may touch them when is
@@ -293,6 +283,8 @@ impl Ranges {
 
     /// The events of the slots, taken out (when the queue's watch is dropped).
     pub(crate) fn take_events(&mut self) -> impl Iterator<Item = Marker> + '_ {
-        self.slots.iter_mut().filter_map(|s| s.event.get_mut().take())
+        self.slots
+            .iter_mut()
+            .filter_map(|s| s.event.get_mut().take())
     }
 }

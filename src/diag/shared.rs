@@ -131,8 +131,7 @@ const OLDEST_SCAN: u64 = 256;
 const RECENT_COLLECTIVES: usize = 64;
 
 /// One communicator's diagnostics state, shared with the watchdog thread and its clique.
-/// The owner's per-operation path takes no lock and makes no read-modify-write (the
-/// module docs of `diag`).
+/// The owner's per-operation path takes no lock (the module docs of `diag`).
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(super) rank: usize,
@@ -301,7 +300,11 @@ impl Shared {
             if !r.has_free() {
                 // Every slot in use: the newest range is extended (only a range that is the
                 // only one may lack a marker, so the newest has one here).
-                let how = if tick.is_some() { How::Tick } else { How::Again };
+                let how = if tick.is_some() {
+                    How::Tick
+                } else {
+                    How::Again
+                };
                 let Some(mark) = r.with_newest_event(|ev| self.tracker.record(&q.queue, ev, how))
                 else {
                     return; // not reached: a full ring has a newest range, marked
@@ -331,7 +334,11 @@ impl Shared {
                 }
                 continue;
             }
-            let how = if tick.is_some() { How::Tick } else { How::Enqueue };
+            let how = if tick.is_some() {
+                How::Tick
+            } else {
+                How::Enqueue
+            };
             let mark = r.with_free_event(|ev| self.tracker.record(&q.queue, ev, how));
             let marked = match mark {
                 // A new marker, recorded without asking whether the stream is capturing
@@ -494,9 +501,7 @@ impl Shared {
             let Some((upto, p)) = Self::front(q, &w) else {
                 continue;
             };
-            let rec = p
-                .oldest
-                .or_else(|| self.journal.get(upto.checked_sub(1)?));
+            let rec = p.oldest.or_else(|| self.journal.get(upto.checked_sub(1)?));
             let Some(rec) = rec else {
                 continue;
             };
@@ -776,8 +781,7 @@ impl Shared {
         let pending = self.queue_list().iter().find_map(|q| {
             let w = q.watch();
             let (upto, p) = Self::front(q, &w)?;
-            p.oldest
-                .or_else(|| self.journal.get(upto.checked_sub(1)?))
+            p.oldest.or_else(|| self.journal.get(upto.checked_sub(1)?))
         });
         let rec = pending.or_else(|| self.journal.get(self.journal.last_pos()?))?;
         Some((rec, e))

@@ -63,8 +63,6 @@ use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-pub(crate) use super::ranges::Event;
-
 use cudarc::driver::{CudaStream, DriverError};
 
 /// Where an operation's work is queued.
@@ -189,6 +187,16 @@ pub(crate) enum Marker {
     /// The counting tracker's.
     #[cfg(test)]
     Fake,
+}
+
+/// A range's slot's event as the producer of the queue's ring (`ranges`) may use it.
+#[derive(Debug)]
+pub(crate) enum Event<'a> {
+    /// Its own (the slot is free, or its range is the newest and has no marker): it may
+    /// make one.
+    Own(&'a mut Option<Marker>),
+    /// The newest range's marker, which the consumer may be querying.
+    Shared(&'a Marker),
 }
 
 /// How [`Tracker::record`] is asked to record a marker.
