@@ -11,10 +11,10 @@
 //!   collective out; and `CU_STREAM_PER_THREAD` (candle's stream, handle 0x2) resolves to
 //!   the caller's stream, where NCCL enqueued. Cost: one `cuEventRecord` per operation or
 //!   group, as PyTorch's ProcessGroupNCCL, and no allocation and no lock: the marker goes
-//!   to the watchdog through the queue's ring of ranges (`ranges`), whose slots keep their
-//!   events (a slot's first one comes from the tracker's spare pool); past [`MAX_PENDING`]
-//!   markers in flight on a stream, the newest is recorded again, once the stream is known
-//!   not to be capturing: see below).
+//!   to the watchdog through the queue's ring of ranges (`ranges`); its event is the one
+//!   the newest retired range kept, or one from the tracker's spare ring, to which retired
+//!   ranges give theirs back; past [`MAX_PENDING`] markers in flight on a stream, the
+//!   newest is recorded again, once the stream is known not to be capturing: see below).
 //! - **Lazily, on the watchdog's tick.** The per-operation path makes no CUDA call: the
 //!   watchdog records at most one event per stream per tick, after whatever was published
 //!   by then. Cheaper, but work the caller enqueued on the same stream before the tick
