@@ -317,8 +317,10 @@ impl Shared {
                     }
                     // Captured (never runs on the stream) or not watchable: complete once
                     // what is before it is, as the newest range's work.
-                    Mark::Capturing | Mark::Unwatched => {
-                        self.note_capturing(None);
+                    m @ (Mark::Capturing | Mark::Unwatched) => {
+                        if matches!(m, Mark::Capturing) {
+                            self.note_capturing(None);
+                        }
                         false
                     }
                     Mark::Failed(e) => {
@@ -326,8 +328,8 @@ impl Shared {
                         return;
                     }
                 };
-                if let (true, Some(w)) = (marked, tick.as_deref_mut()) {
-                    w.capturing = false;
+                if let Some(w) = tick.as_deref_mut() {
+                    w.capturing = false; // it was asked: not capturing now
                 }
                 if r.extend(upto, marked) {
                     return;
@@ -370,8 +372,8 @@ impl Shared {
                     return;
                 }
             };
-            if let (true, Some(w)) = (marked, tick.as_deref_mut()) {
-                w.capturing = false;
+            if let Some(w) = tick.as_deref_mut() {
+                w.capturing = false; // it was asked: not capturing now
             }
             let oldest = self.oldest_on(q.key, r.marked(), upto);
             let since = match (&tick, oldest) {
