@@ -234,8 +234,10 @@ impl CommDiag {
         #[cfg(not(test))]
         let tracker = tracker::for_provider(lib.provider());
         // The queue of a host-provider communicator is the communicator itself.
-        let host_queue = (lib.provider() == Provider::Host)
-            .then(|| Arc::new(QueueWatch::new(Queue::Host(raw as usize))));
+        let host_queue = (lib.provider() == Provider::Host).then(|| {
+            let q = Queue::Host(raw as usize);
+            Arc::new(QueueWatch::new(q, false, Arc::clone(&tracker)))
+        });
         let s = Arc::new(Shared {
             rank,
             world_size,
@@ -659,6 +661,11 @@ impl CommDiag {
     fn note_stream(&self, s: &Shared, stream: &Arc<cudarc::driver::CudaStream>) -> Arc<QueueWatch> {
         let q = s.note_queue(Queue::Cuda(Arc::clone(stream)));
         let mut recent = self.recent_queues.borrow_mut();
+        if let Some(old) = recent[RECENT_QUEUES - 1].take() {
+            // Leaving the cache: its newest range's event, once retired, is spare again
+            // (else every stream used once would keep one).
+            s.reclaim_parked(&old);
+        }
         recent.rotate_right(1);
         recent[0] = Some(Arc::clone(&q));
         q
@@ -1320,18 +1327,20 @@ mod tests {
         counting.complete.store(false, Ordering::SeqCst);
         let (c, _id) = counted(&counting, Duration::from_secs(600));
         let s = Arc::clone(c.diag.shared(c.diag_view()));
-        let q = Arc::new(QueueWatch::new(Queue::Host(7)));
+        let q = Arc::new(QueueWatch::new(
+            Queue::Host(7),
+            true,
+            Arc::clone(&s.tracker),
+        ));
         const N: u64 = 3 * tracker::MAX_PENDING as u64;
         for upto in 1..=N {
             s.mark_at_enqueue(&q, upto);
             q.published.store(upto, Ordering::Release);
         }
-        {
-            let w = q.watch();
-            assert_eq!(w.pending.len(), tracker::MAX_PENDING);
-            assert_eq!(w.marked, N);
-            assert_eq!(w.pending.back().map(|p| p.upto), Some(N));
-        }
+        let pending = q.pending();
+        assert_eq!(pending.len(), tracker::MAX_PENDING);
+        assert_eq!(q.ranges.marked(), N);
+        assert_eq!(pending.last(), Some(&(N, true)));
         assert_eq!(counting.owner_now_marks.load(Ordering::SeqCst), N);
         // Marked already: the watchdog's tick records nothing for this queue.
         let marks = counting.marks.load(Ordering::SeqCst);
@@ -1341,23 +1350,28 @@ mod tests {
         counting.complete.store(true, Ordering::SeqCst);
         s.track_queue(&q);
         assert_eq!(q.retired.load(Ordering::Acquire), N);
-        assert!(q.watch().pending.is_empty());
+        assert!(q.pending().is_empty());
         drop(s);
         c.destroy().map_err(|(_, e)| e).unwrap();
     }
 
     /// Past `MAX_PENDING` in flight, on a stream whose captures alternate with work that
     /// runs: a marker is not recorded again into a capture (the tracker refuses, and the
-    /// captured operation gets a range without a marker), and the next one recorded again
-    /// outside takes that range in, so the queue stays within `MAX_PENDING` + 1 ranges, no
-    /// range without a marker follows another, and everything retires once complete.
+    /// captured operation joins the newest range as it is), and the next one recorded again
+    /// outside covers it, so the queue stays within `MAX_PENDING` ranges, each with a
+    /// marker, and everything retires once complete; while the watchdog retires some of
+    /// them, the owner's next ranges take the freed slots.
     #[test]
     fn markers_at_enqueue_stay_bounded_when_captures_alternate_with_work() {
         let counting = counting_here();
         counting.complete.store(false, Ordering::SeqCst);
         let (c, _id) = counted(&counting, Duration::from_secs(600));
         let s = Arc::clone(c.diag.shared(c.diag_view()));
-        let q = Arc::new(QueueWatch::new(Queue::Host(7)));
+        let q = Arc::new(QueueWatch::new(
+            Queue::Host(7),
+            true,
+            Arc::clone(&s.tracker),
+        ));
         const N: u64 = 4 * tracker::MAX_PENDING as u64;
         for upto in 1..=N {
             // Work first, then alternately one captured operation and one that runs.
@@ -1365,29 +1379,27 @@ mod tests {
             counting.capturing.store(captured, Ordering::SeqCst);
             s.mark_at_enqueue(&q, upto);
             q.published.store(upto, Ordering::Release);
-            let w = q.watch();
+            let pending = q.pending();
             assert!(
-                w.pending.len() <= tracker::MAX_PENDING + 1,
+                pending.len() <= tracker::MAX_PENDING,
                 "{} ranges after operation {upto}",
-                w.pending.len()
+                pending.len()
             );
-            let unmarked: Vec<bool> = w.pending.iter().map(|p| p.marker.is_none()).collect();
-            assert!(
-                !unmarked.windows(2).any(|p| p[0] && p[1]),
-                "two ranges without a marker in a row after operation {upto}"
-            );
-            assert_eq!(w.pending.back().map(|p| p.upto), Some(upto));
-            assert_eq!(
-                w.pending.back().is_some_and(|p| p.marker.is_none()),
-                captured,
-                "operation {upto}: a captured one (only) is in a range without a marker"
-            );
+            assert!(pending.iter().all(|p| p.1), "a range without a marker");
+            assert_eq!(pending.last().map(|p| p.0), Some(upto));
+            if upto == 2 * tracker::MAX_PENDING as u64 {
+                // The watchdog retires everything so far: the ring empties and refills.
+                counting.complete.store(true, Ordering::SeqCst);
+                s.track_queue(&q);
+                assert_eq!(q.retired.load(Ordering::Acquire), upto);
+                counting.complete.store(false, Ordering::SeqCst);
+            }
         }
         counting.capturing.store(false, Ordering::SeqCst);
         counting.complete.store(true, Ordering::SeqCst);
         s.track_queue(&q);
         assert_eq!(q.retired.load(Ordering::Acquire), N);
-        assert!(q.watch().pending.is_empty());
+        assert!(q.pending().is_empty());
         drop(s);
         c.destroy().map_err(|(_, e)| e).unwrap();
     }

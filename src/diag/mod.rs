@@ -32,11 +32,15 @@
 //! * **Straggler view.** [`Communicator::diagnostics`](crate::Communicator::diagnostics) reports the time spent inside
 //!   collectives.
 //!
-//! **Cost.** The per-operation path takes no lock, makes no read-modify-write, reads no
-//! system clock and allocates nothing: a sequence-locked ring slot (`journal`), the coarse
-//! clock (`clock`; [`Config::timing`](crate::Config::timing) switches to `Instant::now()`)
-//! and an asymmetric fence (`fence`), each measured in ARCHITECTURE.md. An operation on a
-//! CUDA stream also records an event after itself (events are reused: `tracker`).
+//! **Cost.** The per-operation path takes no lock, reads no system clock and allocates
+//! nothing: a sequence-locked ring slot (`journal`), the coarse clock (`clock`;
+//! [`Config::timing`](crate::Config::timing) switches to `Instant::now()`) and an
+//! asymmetric fence (`fence`), each measured in ARCHITECTURE.md. An operation on a CUDA
+//! stream also records an event after itself (events are reused: `tracker`) and hands it
+//! to the watchdog through the stream's lock-free ring (`ranges`), which makes a
+//! read-modify-write only while 64 markers are in flight on the stream (or a range needs a
+//! spare event). A group's end takes the list of streams' lock, which the watchdog holds
+//! only to copy the list.
 //!
 //! A [`crate::Group`]'s end pins its communicators (the watchdog cannot abort them under
 //! it): the watchdog's notice reads the group's operations as it reads one inside its call,
@@ -60,6 +64,8 @@ mod clock;
 mod fence;
 #[cfg(feature = "diag")]
 mod journal;
+#[cfg(feature = "diag")]
+mod ranges;
 #[cfg(feature = "diag")]
 mod recorder;
 #[cfg(feature = "diag")]

@@ -2,7 +2,6 @@
 //! clique: the flight record, the claim protocol, the tracking of queued work, and the
 //! reports.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -11,9 +10,10 @@ use nccl_sys::{ncclComm_t, EntryPoint};
 
 use super::clique::{Clique, LiveRank, RankView, TimeoutReport};
 use super::journal::Journal;
+use super::ranges::{Info, Ranges, MARKED};
 use super::recorder::{FlightRecord, OpRecord, OpState};
 use super::settings::Settings;
-use super::tracker::{Mark, Marker, Queue, Tracker, MAX_PENDING};
+use super::tracker::{How, Mark, Queue, Tracker};
 use super::{clock, fence};
 use crate::error::Error;
 use crate::library::Library;
@@ -53,19 +53,31 @@ pub(crate) struct QueueWatch {
     pub(super) staged: AtomicU64,
     /// This queue's operations below this position are known complete.
     pub(super) retired: AtomicU64,
-    /// The watchdog's (and teardown's) state.
+    /// Whether the owner marks this queue's ranges at enqueue (exact completion, on a CUDA
+    /// stream): then it is the ring's one producer, and the watchdog only retires. Else the
+    /// watchdog's tick (or a teardown's wait) marks, under `watch`'s lock.
+    pub(super) by_owner: bool,
+    /// Marked ranges not yet known complete: the owner's lock-free hand-off to the
+    /// watchdog (`ranges`).
+    pub(super) ranges: Ranges,
+    /// The watchdog's (and teardown's) state; the owner never takes it.
     pub(super) watch: Mutex<Watch>,
+    /// Takes the ring's events back when the watch is dropped.
+    tracker: Arc<dyn Tracker>,
 }
 
 impl QueueWatch {
-    pub(super) fn new(queue: Queue) -> QueueWatch {
+    pub(super) fn new(queue: Queue, by_owner: bool, tracker: Arc<dyn Tracker>) -> QueueWatch {
         QueueWatch {
             key: queue.key(),
             queue,
             published: AtomicU64::new(0),
             staged: AtomicU64::new(0),
             retired: AtomicU64::new(0),
+            by_owner,
+            ranges: Ranges::new(),
             watch: Mutex::new(Watch::default()),
+            tracker,
         }
     }
 
@@ -77,30 +89,35 @@ impl QueueWatch {
     pub(super) fn in_flight(&self) -> bool {
         self.retired.load(Ordering::Acquire) < self.published.load(Ordering::Acquire)
     }
+
+    /// The ranges not retired (their end, and whether a marker covers them), oldest first.
+    #[cfg(test)]
+    pub(super) fn pending(&self) -> Vec<(u64, bool)> {
+        let w = self.watch();
+        (w.tail..self.ranges.head())
+            .map(|p| self.ranges.word(p))
+            .map(|word| (word >> 1, word & MARKED != 0))
+            .collect()
+    }
 }
 
-/// Work in flight on one queue as the watchdog tracks it (see `tracker`).
+impl Drop for QueueWatch {
+    fn drop(&mut self) {
+        let tracker = Arc::clone(&self.tracker);
+        for m in self.ranges.take_events() {
+            tracker.recycle(m);
+        }
+    }
+}
+
+/// The watchdog's side of one queue's ranges (see `ranges`).
 #[derive(Debug, Default)]
 pub(super) struct Watch {
-    /// Positions below this have a marker recorded after them (or were retired).
-    pub(super) marked: u64,
-    /// Marked ranges not yet known complete, oldest first.
-    pub(super) pending: VecDeque<Pending>,
+    /// Ring positions below this are retired.
+    pub(super) tail: u64,
     /// The queue was capturing into a CUDA graph at the last attempt to mark, or to
     /// query its markers.
     pub(super) capturing: bool,
-}
-
-/// This queue's operations below `upto`, behind one marker.
-#[derive(Debug)]
-pub(super) struct Pending {
-    pub(super) upto: u64,
-    /// The oldest operation of the range on this queue, if its record is still known.
-    pub(super) oldest: Option<OpRecord>,
-    /// When the range was marked (its start, when no record is left).
-    pub(super) since: Instant,
-    /// `None`: the work cannot be watched (treated as done).
-    pub(super) marker: Option<Marker>,
 }
 
 /// The longest an operation waits before the watchdog's notice about it.
@@ -114,8 +131,7 @@ const OLDEST_SCAN: u64 = 256;
 const RECENT_COLLECTIVES: usize = 64;
 
 /// One communicator's diagnostics state, shared with the watchdog thread and its clique.
-/// The owner's per-operation path takes no lock and makes no read-modify-write (the
-/// module docs of `diag`).
+/// The owner's per-operation path takes no lock (the module docs of `diag`).
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(super) rank: usize,
@@ -241,116 +257,151 @@ impl Shared {
     pub(super) fn track_queue(&self, q: &QueueWatch) {
         let published = q.published.load(Ordering::Acquire);
         let mut w = q.watch();
-        if w.pending.is_empty() && w.marked >= published {
+        let r = &q.ranges;
+        let marks = !q.by_owner && published > r.marked();
+        if w.tail == r.head() && !marks {
             return;
         }
         self.retire_done(q, &mut w);
-        if published <= w.marked {
-            return;
+        if marks {
+            self.produce(q, published, Some(&mut w));
+            self.retire_done(q, &mut w);
         }
-        let marker = match self.tracker.mark(&q.queue) {
-            Mark::Marker(m) => Some(m),
-            Mark::Again => return, // only `mark_now` records a marker again
-            Mark::Capturing => {
-                // Nothing of this range reaches the stream before the capture ends: try
-                // again next tick. Only this queue's watching pauses.
-                w.capturing = true;
-                self.captured.store(true, Ordering::Relaxed);
-                return;
-            }
-            Mark::Unwatched => None,
-            Mark::Failed(e) => {
-                // The range stays pending: the fault, not a retirement, ends it.
-                let _ = self.cuda_fault.set(e);
-                return;
-            }
-        };
-        w.capturing = false;
-        let oldest = self.oldest_on(q.key, w.marked, published);
-        w.pending.push_back(Pending {
-            upto: published,
-            oldest,
-            since: Instant::now(),
-            marker,
-        });
-        w.marked = published;
-        self.retire_done(q, &mut w);
     }
 
     /// The owner's marker right after its NCCL call (exact completion): one on `q`'s stream
     /// for this queue's work below `upto`, recorded from the calling thread before the
-    /// position is published, so the watchdog never marks that work itself. Past
-    /// [`MAX_PENDING`] markers in flight, the newest is recorded again and its range
-    /// extended (no allocation, no new event).
+    /// position is published, so the watchdog never marks that work itself. It takes no
+    /// lock: the range goes to the watchdog through the queue's ring (`ranges`), whose one
+    /// producer the owner is. With every slot in use ([`SLOTS`](super::ranges::SLOTS)
+    /// markers in flight), the newest is recorded again and its range extended (no
+    /// allocation, no new event).
     ///
     /// A marker recorded again covers work queued before this operation, which may run on
     /// the stream: the tracker records it again only when the stream is not capturing
-    /// ([`Tracker::mark_now`]), since a captured event reads as complete once its capture
-    /// ended and would retire that work unrun. While the stream captures, this operation
-    /// gets a range without a marker instead (it never runs on the stream), and the next
-    /// marker recorded again outside the capture takes that range into its own, so the
-    /// queue stays within [`MAX_PENDING`] + 1 ranges however captures and work alternate.
+    /// ([`How::Again`]), since a captured event reads as complete once its capture ended
+    /// and would retire that work unrun. While the stream captures, this operation joins
+    /// the newest range as it is (it never runs on the stream: complete once the work
+    /// before it is), so the queue stays within its slots however captures and work
+    /// alternate.
     pub(super) fn mark_at_enqueue(&self, q: &QueueWatch, upto: u64) {
-        let mut w = q.watch();
-        if upto <= w.marked {
-            return;
+        if upto > q.ranges.marked() {
+            self.produce(q, upto, None);
         }
-        // The newest marker: at the back, or before a range without one at the back.
-        let reuse = if w.pending.len() >= MAX_PENDING {
-            w.pending
-                .iter()
-                .rev()
-                .take(2)
-                .find_map(|p| p.marker.as_ref())
-        } else {
-            None
-        };
-        let marker = match self.tracker.mark_now(&q.queue, reuse) {
-            Mark::Again => {
-                // Recorded again outside a capture: it covers the range without a marker
-                // at the back too, if there is one.
-                if w.pending.back().is_some_and(|p| p.marker.is_none()) {
-                    w.pending.pop_back();
+    }
+
+    /// Puts this queue's work below `upto` in a range: the producer's side of the ring, the
+    /// owner's at enqueue (`tick` `None`), else the watchdog's tick or a teardown's wait,
+    /// holding the queue's watch (`tick`).
+    fn produce(&self, q: &QueueWatch, upto: u64, mut tick: Option<&mut Watch>) {
+        let r = &q.ranges;
+        // Twice at most: an extension that finds its range retired leaves the ring empty.
+        loop {
+            if !r.has_free() {
+                // Every slot in use: the newest range is extended (only a range that is the
+                // only one may lack a marker, so the newest has one here).
+                let how = if tick.is_some() {
+                    How::Tick
+                } else {
+                    How::Again
+                };
+                let Some(mark) = r.with_newest_event(|ev| self.tracker.record(&q.queue, ev, how))
+                else {
+                    return; // not reached: a full ring has a newest range, marked
+                };
+                let marked = match mark {
+                    Mark::Recorded => true,
+                    Mark::Capturing if tick.is_some() => {
+                        self.note_capturing(tick.as_deref_mut());
+                        return;
+                    }
+                    // Captured (never runs on the stream) or not watchable: complete once
+                    // what is before it is, as the newest range's work.
+                    m @ (Mark::Capturing | Mark::Unwatched) => {
+                        if matches!(m, Mark::Capturing) {
+                            self.note_capturing(None);
+                        }
+                        false
+                    }
+                    Mark::Failed(e) => {
+                        let _ = self.cuda_fault.set(e);
+                        return;
+                    }
+                };
+                if let Some(w) = tick.as_deref_mut() {
+                    w.capturing = false; // it was asked: not capturing now
                 }
-                if let Some(back) = w.pending.back_mut() {
-                    back.upto = upto;
-                }
-                w.marked = upto;
-                return;
-            }
-            // A new marker, recorded without asking whether the stream is capturing (it
-            // covers only the work of this operation, or group, on the stream): see
-            // `retire_done`.
-            Mark::Marker(m) => Some(m),
-            // Captured (asked at enqueue on the per-thread stream, and before recording a
-            // marker again: never run on the stream), or not watchable: complete once what
-            // is before it is. Joined to a range of the same kind at the back, so a long
-            // capture does not grow the queue.
-            m @ (Mark::Capturing | Mark::Unwatched) => {
-                if matches!(m, Mark::Capturing) {
-                    self.captured.store(true, Ordering::Relaxed);
-                }
-                if let Some(back) = w.pending.back_mut().filter(|p| p.marker.is_none()) {
-                    back.upto = upto;
-                    w.marked = upto;
+                if r.extend(upto, marked) {
                     return;
                 }
-                None
+                continue;
             }
-            Mark::Failed(e) => {
-                // Left to the watchdog, which fails the communicator for the fault.
-                let _ = self.cuda_fault.set(e);
-                return;
+            let how = if tick.is_some() {
+                How::Tick
+            } else {
+                How::Enqueue
+            };
+            let mark = r.with_free_event(|ev| self.tracker.record(&q.queue, ev, how));
+            let marked = match mark {
+                // A new marker, recorded without asking whether the stream is capturing
+                // (it covers only the work of this operation, or group, on the stream):
+                // see `retire_done`.
+                Mark::Recorded => true,
+                Mark::Capturing if tick.is_some() => {
+                    // Nothing of this range reaches the stream before the capture ends:
+                    // try again next tick. Only this queue's watching pauses.
+                    self.note_capturing(tick.as_deref_mut());
+                    return;
+                }
+                // Captured (asked at enqueue on the per-thread stream: never run on the
+                // stream), or not watchable: complete once what is before it is. Joined
+                // to the newest range, so a long capture does not grow the queue.
+                m @ (Mark::Capturing | Mark::Unwatched) => {
+                    if matches!(m, Mark::Capturing) {
+                        self.note_capturing(None);
+                    }
+                    if r.has_newest() && r.extend(upto, false) {
+                        return;
+                    }
+                    false
+                }
+                Mark::Failed(e) => {
+                    // Left to the watchdog, which fails the communicator for the fault; the
+                    // range stays pending: the fault, not a retirement, ends it.
+                    let _ = self.cuda_fault.set(e);
+                    return;
+                }
+            };
+            if let Some(w) = tick.as_deref_mut() {
+                w.capturing = false; // it was asked: not capturing now
             }
-        };
-        let oldest = self.oldest_on(q.key, w.marked, upto);
-        w.pending.push_back(Pending {
-            upto,
-            since: oldest.map_or_else(Instant::now, |r| r.enqueued),
-            oldest,
-            marker,
-        });
-        w.marked = upto;
+            let oldest = self.oldest_on(q.key, r.marked(), upto);
+            let since = match (&tick, oldest) {
+                (None, Some(rec)) => rec.enqueued,
+                _ => Instant::now(),
+            };
+            r.push(upto, marked, Info { oldest, since });
+            return;
+        }
+    }
+
+    /// The owner's, for a queue it no longer uses often: gives back the event its retired
+    /// newest range kept for the next one.
+    pub(super) fn reclaim_parked(&self, q: &QueueWatch) {
+        if q.by_owner {
+            if let Some(m) = q.ranges.take_parked() {
+                self.tracker.recycle(m);
+            }
+        }
+    }
+
+    /// Notes that work of this communicator met a capture (and, for the watchdog, that
+    /// this queue is capturing now).
+    fn note_capturing(&self, w: Option<&mut Watch>) {
+        if let Some(w) = w {
+            w.capturing = true;
+        }
+        self.captured.store(true, Ordering::Relaxed);
     }
 
     /// The record of the oldest operation on queue `key` at positions `from..upto` still
@@ -364,17 +415,20 @@ impl Shared {
             .or_else(|| self.journal.get(upto.checked_sub(1)?))
     }
 
-    /// Retires the oldest ranges of `q` whose marker completed. Asks first whether the queue
-    /// is capturing into a graph, and then queries nothing (`tracker`'s module docs); the
-    /// caller holds `w`'s lock, under which the owner adds markers, so every marker queried
-    /// was recorded before the answer.
+    /// Retires the oldest ranges of `q` whose marker completed (the consumer's side of the
+    /// ring; the caller holds `w`). Reads the ring's head, then asks whether the queue is
+    /// capturing into a graph, and then queries nothing (`tracker`'s module docs); it
+    /// queries only ranges published before the question, so every new marker queried was
+    /// recorded before the answer (one recorded again later was recorded outside a capture:
+    /// [`How::Again`] asks).
     fn retire_done(&self, q: &QueueWatch, w: &mut Watch) {
-        if w.pending.iter().any(|p| p.marker.is_some()) {
+        let r = &q.ranges;
+        let head = r.head();
+        if (w.tail..head).any(|p| r.word(p) & MARKED != 0) {
             match self.tracker.capturing(&q.queue) {
                 Ok(false) => w.capturing = false,
                 Ok(true) => {
-                    w.capturing = true;
-                    self.captured.store(true, Ordering::Relaxed);
+                    self.note_capturing(Some(w));
                     return;
                 }
                 Err(e) => {
@@ -383,8 +437,11 @@ impl Shared {
                 }
             }
         }
-        while let Some(p) = w.pending.front() {
-            let done = match p.marker.as_ref().map(|m| self.tracker.done(m)) {
+        while w.tail < head {
+            let pos = w.tail;
+            let word = r.word(pos);
+            let marker = (word & MARKED != 0).then(|| r.marker(pos)).flatten();
+            let done = match marker.map(|m| self.tracker.done(m)) {
                 None | Some(Ok(true)) => true,
                 Some(Ok(false)) => false,
                 Some(Err(e)) => {
@@ -395,18 +452,35 @@ impl Shared {
             if !done {
                 break;
             }
-            let Some(p) = w.pending.pop_front() else {
-                break;
+            if marker.is_some_and(|m| self.tracker.take_captured(m)) {
+                self.captured.store(true, Ordering::Relaxed);
+            }
+            // A range that is not the newest gives its event back (the newest keeps it for
+            // the owner's next range). The event is spare again before the work shows
+            // complete.
+            let spare = if word & MARKED != 0 {
+                r.take_marker(pos, head)
+            } else {
+                None
             };
-            // The event is spare again before the work shows complete.
-            if let Some(m) = p.marker {
-                if self.tracker.was_captured(&m) {
-                    self.captured.store(true, Ordering::Relaxed);
-                }
+            // The owner extended it meanwhile (its marker recorded again after the
+            // query): looked at again next time. Once retired, the slot is the owner's.
+            if !r.retire(pos, word) {
+                debug_assert!(spare.is_none(), "only the newest range changes");
+                break;
+            }
+            if let Some(m) = spare {
                 self.tracker.recycle(m);
             }
-            q.retired.store(p.upto, Ordering::Release);
+            w.tail = pos + 1;
+            q.retired.store(word >> 1, Ordering::Release);
         }
+    }
+
+    /// The oldest range of `q` not retired: its end and info (the caller holds `w`).
+    fn front(q: &QueueWatch, w: &Watch) -> Option<(u64, Info)> {
+        let r = &q.ranges;
+        (w.tail < r.head()).then(|| (r.word(w.tail) >> 1, r.info(w.tail)))
     }
 
     /// The oldest tracked operation not known complete, on a queue not capturing, if it is
@@ -426,12 +500,10 @@ impl Shared {
             if w.capturing {
                 continue;
             }
-            let Some(p) = w.pending.front() else {
+            let Some((upto, p)) = Self::front(q, &w) else {
                 continue;
             };
-            let rec = p
-                .oldest
-                .or_else(|| self.journal.get(p.upto.checked_sub(1)?));
+            let rec = p.oldest.or_else(|| self.journal.get(upto.checked_sub(1)?));
             let Some(rec) = rec else {
                 continue;
             };
@@ -468,7 +540,8 @@ impl Shared {
         if qs.len() >= MAX_QUEUES {
             qs.remove(0);
         }
-        let q = Arc::new(QueueWatch::new(q));
+        let by_owner = self.settings.exact && matches!(q, Queue::Cuda(_));
+        let q = Arc::new(QueueWatch::new(q, by_owner, Arc::clone(&self.tracker)));
         qs.push(Arc::clone(&q));
         q
     }
@@ -581,7 +654,7 @@ impl Shared {
         for q in self.queue_list().iter() {
             let staged = q.staged.load(Ordering::Acquire);
             if staged > q.published.load(Ordering::Acquire) {
-                if self.settings.exact {
+                if q.by_owner {
                     self.mark_at_enqueue(q, staged);
                 }
                 q.published.store(staged, Ordering::Release);
@@ -709,9 +782,8 @@ impl Shared {
         let e = *self.cuda_fault.get()?;
         let pending = self.queue_list().iter().find_map(|q| {
             let w = q.watch();
-            let p = w.pending.front()?;
-            p.oldest
-                .or_else(|| self.journal.get(p.upto.checked_sub(1)?))
+            let (upto, p) = Self::front(q, &w)?;
+            p.oldest.or_else(|| self.journal.get(upto.checked_sub(1)?))
         });
         let rec = pending.or_else(|| self.journal.get(self.journal.last_pos()?))?;
         Some((rec, e))

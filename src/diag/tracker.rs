@@ -6,13 +6,15 @@
 //!
 //! - **At enqueue (the default).** The owner records a marker on the operation's stream
 //!   right after its NCCL call returned (for a group, once per stream after
-//!   `ncclGroupEnd`), on its own thread ([`Tracker::mark_now`]). It covers that work and
+//!   `ncclGroupEnd`), on its own thread ([`Tracker::record`], [`How::Enqueue`]). It covers that work and
 //!   nothing enqueued later, so a stream blocked *after* a collective never times the
 //!   collective out; and `CU_STREAM_PER_THREAD` (candle's stream, handle 0x2) resolves to
 //!   the caller's stream, where NCCL enqueued. Cost: one `cuEventRecord` per operation or
-//!   group, as PyTorch's ProcessGroupNCCL, and no allocation (events come from the
-//!   tracker's spare pool; past [`MAX_PENDING`] markers in flight on a stream, the newest
-//!   is recorded again, once the stream is known not to be capturing: see below).
+//!   group, as PyTorch's ProcessGroupNCCL, and no allocation and no lock: the marker goes
+//!   to the watchdog through the queue's ring of ranges (`ranges`); its event is the one
+//!   the newest retired range kept, or one from the tracker's spare ring, to which retired
+//!   ranges give theirs back; past [`MAX_PENDING`] markers in flight on a stream, the
+//!   newest is recorded again, once the stream is known not to be capturing: see below).
 //! - **Lazily, on the watchdog's tick.** The per-operation path makes no CUDA call: the
 //!   watchdog records at most one event per stream per tick, after whatever was published
 //!   by then. Cheaper, but work the caller enqueued on the same stream before the tick
@@ -35,16 +37,18 @@
 //!   that work unrun (no timeout, and a teardown that destroys instead of aborting). So
 //!   the owner asks `cuStreamIsCapturing` first, for these only (one driver call per
 //!   operation while so many are in flight), and while the stream captures records
-//!   nothing: the operation's range has no marker (it never runs on the stream), and the
-//!   next marker recorded again outside the capture takes that range into its own
+//!   nothing: the operation (which never runs on the stream) joins the newest range as it
+//!   is, complete once the work before it is, and the next marker recorded again outside
+//!   the capture covers it too
 //!   (`tests/cuda_path.rs`: `a_marker_recorded_again_under_capture_never_retires_stuck_work`).
 //! - **The watchdog asks instead**, off the caller's thread and in relaxed capture mode:
 //!   before it queries a queue's markers it asks `cuStreamIsCapturing` of the stream
 //!   ([`Tracker::capturing`]); while a capture is open it queries none of them and times
-//!   nothing out on that stream. Every marker it holds was recorded before that question
-//!   (the queue's lock keeps the owner from adding one), so with no capture open a
-//!   captured marker belongs to a capture that has ended, covers only work that capture
-//!   took, and its query's capture error reads as complete ([`RawEvent::query`]).
+//!   nothing out on that stream. It queries only the ranges published before it asked
+//!   (it reads the ring's head first), and a marker recorded again later was recorded
+//!   outside a capture (the owner asked), so with no capture open a captured marker
+//!   belongs to a capture that has ended, covers only work that capture took, and its
+//!   query's capture error reads as complete ([`RawEvent::query`]).
 //! - **The per-thread stream** (0x2) is the exception: on the watchdog's thread that handle
 //!   is the watchdog's own stream. For it (and the legacy stream) the owner asks
 //!   `cuStreamIsCapturing` at enqueue and records no marker into a capture.
@@ -55,6 +59,8 @@
 //! driver (`a_marker_recorded_under_capture_can_be_checked_from_the_watchdogs_thread`).
 
 use std::cell::Cell;
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaStream, DriverError};
@@ -72,8 +78,8 @@ pub(crate) enum Queue {
 use crate::stream::PER_THREAD_STREAM;
 use crate::teardown::lock;
 
-/// Markers in flight on one stream past which [`Tracker::mark_now`] records the newest
-/// again instead of taking another event (the caller runs far ahead of the GPU, or of the
+/// Markers in flight on one stream (the slots of its ring of ranges) past which the owner
+/// records the newest again instead of taking another slot (the caller runs far ahead of the GPU, or of the
 /// watchdog's tick).
 pub(crate) const MAX_PENDING: usize = 64;
 
@@ -183,14 +189,38 @@ pub(crate) enum Marker {
     Fake,
 }
 
-/// What [`Tracker::mark`] could do.
+/// A range's slot's event as the producer of the queue's ring (`ranges`) may use it.
+#[derive(Debug)]
+pub(crate) enum Event<'a> {
+    /// Its own (the slot is free, or its range is the newest and has no marker): it may
+    /// make one.
+    Own(&'a mut Option<Marker>),
+    /// The newest range's marker, which the consumer may be querying.
+    Shared(&'a Marker),
+}
+
+/// How [`Tracker::record`] is asked to record a marker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum How {
+    /// The owner, right after its NCCL call, into a new range: recorded without asking
+    /// whether the stream is capturing (it covers only this operation's work: a captured
+    /// one went into the graph), except on the legacy and per-thread streams.
+    Enqueue,
+    /// The owner, recording the newest range's marker again to extend it (every slot in
+    /// use): it covers earlier work too, so never into a capture (it asks first).
+    Again,
+    /// The watchdog's tick (lazy completion), or a teardown's wait: any thread; asks first,
+    /// and never marks the per-thread stream (on this thread it is another stream).
+    Tick,
+}
+
+/// What [`Tracker::record`] could do.
 #[derive(Debug)]
 pub(crate) enum Mark {
-    Marker(Marker),
-    /// The marker passed to [`Tracker::mark_now`] was recorded again, here.
-    Again,
+    /// The event was recorded (made first, when its slot had none).
+    Recorded,
     /// The stream is being captured into a CUDA graph: nothing was recorded (only
-    /// [`Tracker::mark`] asks).
+    /// [`How::Again`], [`How::Tick`] and the implicit streams ask).
     Capturing,
     /// The work cannot be watched: treat it as done.
     Unwatched,
@@ -201,18 +231,10 @@ pub(crate) enum Mark {
 
 /// Records and queries completion markers. See the module docs for who may call it.
 pub(crate) trait Tracker: Send + Sync + std::fmt::Debug {
-    /// Records a marker after everything queued on `q` so far (the watchdog's tick, or a
-    /// teardown's wait: any thread).
-    fn mark(&self, q: &Queue) -> Mark;
-    /// Records a marker after the work the calling thread just enqueued on `q` (the owner,
-    /// right after its NCCL call): `reuse` again when given ([`Mark::Again`]), else a
-    /// spare or new one. A new marker is recorded without asking whether `q` is capturing
-    /// (it is then a captured event: see the module docs), except on the legacy and
-    /// per-thread streams. Before recording `reuse` again it asks, and records nothing
-    /// while `q` captures ([`Mark::Capturing`]): `reuse` covers earlier work that may run
-    /// on the stream, which a captured event would show complete once the capture ended.
-    /// Never changes the thread's capture mode.
-    fn mark_now(&self, q: &Queue, reuse: Option<&Marker>) -> Mark;
+    /// Records `ev` (a range's slot's event: made, or taken from the spare pool, when the
+    /// slot has none yet) after the work queued on `q` so far, as `how` says: see [`How`].
+    /// Never changes the calling thread's capture mode.
+    fn record(&self, q: &Queue, ev: Event<'_>, how: How) -> Mark;
     /// Whether `q` is being captured into a graph now: its markers must not be queried
     /// (one recorded by this capture would be a query CUDA calls invalid), and its work
     /// must not time out. Asked before each round of [`Tracker::done`] on a queue's
@@ -227,8 +249,9 @@ pub(crate) trait Tracker: Send + Sync + std::fmt::Debug {
     /// Takes back a marker that is no longer needed (events are reused).
     fn recycle(&self, _m: Marker) {}
     /// Whether [`done`](Self::done) read `m` as complete because it was recorded in a
-    /// capture: the work it covered went into a CUDA graph, not onto the stream.
-    fn was_captured(&self, _m: &Marker) -> bool {
+    /// capture (the work it covered went into a CUDA graph, not onto the stream); the note
+    /// is cleared, as the marker's range retires (its event is recorded again later).
+    fn take_captured(&self, _m: &Marker) -> bool {
         false
     }
 }
@@ -241,14 +264,82 @@ pub(crate) fn for_provider(provider: crate::library::Provider) -> Arc<dyn Tracke
     }
 }
 
-/// Completed events kept for reuse, per tracker: as many as one stream may have in flight
-/// at enqueue, so a steady run makes no event.
+/// Events kept for reuse, per tracker: the ring of a queue whose watch is dropped (a
+/// stream no longer used) gives its events back here, for the slots of the next queue's,
+/// so a rank that makes a new stream per step makes no event.
 const SPARE_EVENTS: usize = MAX_PENDING;
 
 /// CUDA events on the communicator's streams.
 #[derive(Debug, Default)]
 pub(crate) struct CudaTracker {
-    spare: Mutex<Vec<RawEvent>>,
+    spare: Spare,
+}
+
+/// The spare events: a ring that any thread gives events back to (one at a time, under
+/// `give`'s lock: the watchdog's retirements, a teardown's, a dropped queue's watch) and
+/// the owner takes them from without a lock (a slot of its ranges without an event: a
+/// burst of work in flight). Takers are one at a time too, by `taking`: one that finds it
+/// held makes an event instead of waiting.
+#[derive(Debug)]
+struct Spare {
+    slots: Box<[UnsafeCell<Option<RawEvent>>]>,
+    /// Events given back below it (written under `give`).
+    head: AtomicUsize,
+    /// Events taken below it (written by the one holding `taking`).
+    tail: AtomicUsize,
+    give: Mutex<()>,
+    taking: AtomicBool,
+}
+
+impl Default for Spare {
+    fn default() -> Spare {
+        Spare {
+            slots: (0..SPARE_EVENTS).map(|_| UnsafeCell::new(None)).collect(),
+            head: AtomicUsize::new(0),
+            tail: AtomicUsize::new(0),
+            give: Mutex::new(()),
+            taking: AtomicBool::new(false),
+        }
+    }
+}
+
+// SAFETY: a slot is written by the giver (under `give`) only while it is free (below
+// `tail + SPARE_EVENTS`, `tail` read `Acquire` after the taker's `Release` store that freed
+// it), then published by `head` (`Release`); and taken by the one taker (`taking` held)
+// only once published (`head` read `Acquire`), then freed by `tail`. A `RawEvent` may be
+// sent between threads.
+unsafe impl Sync for Spare {}
+
+impl Spare {
+    /// Gives `ev` back; the event is destroyed when the ring is full.
+    fn give(&self, ev: RawEvent) {
+        let _held = lock(&self.give);
+        let head = self.head.load(Ordering::Relaxed);
+        if head - self.tail.load(Ordering::Acquire) >= SPARE_EVENTS {
+            return;
+        }
+        // SAFETY: a free slot, the giver's (see the `Sync` impl).
+        unsafe { *self.slots[head % SPARE_EVENTS].get() = Some(ev) };
+        self.head.store(head + 1, Ordering::Release);
+    }
+
+    /// A spare event, if there is one (and no other thread is taking one now).
+    fn take(&self) -> Option<RawEvent> {
+        if self.taking.swap(true, Ordering::Acquire) {
+            return None;
+        }
+        let tail = self.tail.load(Ordering::Relaxed);
+        let ev = if tail == self.head.load(Ordering::Acquire) {
+            None
+        } else {
+            // SAFETY: a published slot, the taker's (see the `Sync` impl).
+            let ev = unsafe { (*self.slots[tail % SPARE_EVENTS].get()).take() };
+            self.tail.store(tail + 1, Ordering::Release);
+            ev
+        };
+        self.taking.store(false, Ordering::Release);
+        ev
+    }
 }
 
 thread_local! {
@@ -291,10 +382,9 @@ fn is_capturing(stream: &CudaStream) -> Result<bool, DriverError> {
 }
 
 impl CudaTracker {
-    /// Records `reuse` ([`Mark::Again`]), or a spare or new event, after the work queued on
-    /// `stream` so far, from the calling thread; when `ask` (the watchdog's
-    /// [`Tracker::mark`]), or to record `reuse` again, it first asks whether the stream is
-    /// capturing, and records nothing then.
+    /// Records `ev` (made, or taken from the spare pool, when it has none) after the work
+    /// queued on `stream` so far, from the calling thread; when `ask`, it first asks
+    /// whether the stream is capturing, and records nothing then.
     ///
     /// The calls are tried as they are, and again with the stream's context made current
     /// only when one fails: on the owner's thread it almost always is already (cudarc binds
@@ -304,74 +394,73 @@ impl CudaTracker {
     /// per-thread streams (handles 0, 1, 2) are the current context's: it is made current
     /// first, and they are always asked about here (on the watchdog's thread 0x2 is another
     /// stream: see [`Tracker::capturing`]).
-    fn record_on(&self, stream: &CudaStream, reuse: Option<&Marker>, ask: bool) -> Mark {
+    fn record_on(&self, stream: &CudaStream, mut ev: Event<'_>, ask: bool) -> Mark {
         let implicit = implicit(stream);
-        // A marker recorded again covers earlier work: never into a capture.
-        let ask = ask || implicit || reuse.is_some();
+        let ask = ask || implicit;
         let current = || crate::stream::make_current(stream.context()).is_ok();
         if implicit && !current() {
             return Mark::Unwatched;
         }
-        match self.try_record(stream, reuse, ask) {
+        match self.try_record(stream, &mut ev, ask) {
             Ok(mark) => mark,
             Err(_) if !implicit => {
                 if !current() {
                     return Mark::Unwatched;
                 }
-                self.try_record(stream, reuse, ask)
+                self.try_record(stream, &mut ev, ask)
                     .unwrap_or_else(Mark::Failed)
             }
             Err(e) => Mark::Failed(e),
         }
     }
 
-    /// [`CudaTracker::record_on`]'s calls, once: a failed record gives its event back.
+    /// [`CudaTracker::record_on`]'s calls, once.
     fn try_record(
         &self,
         stream: &CudaStream,
-        reuse: Option<&Marker>,
+        ev: &mut Event<'_>,
         ask: bool,
     ) -> Result<Mark, DriverError> {
         if ask && is_capturing(stream)? {
             return Ok(Mark::Capturing);
         }
-        if let Some(Marker::Cuda(ev)) = reuse {
-            ev.record(stream)?;
-            return Ok(Mark::Again);
-        }
-        let spare = lock(&self.spare).pop();
-        let event = match spare {
-            Some(ev) => ev,
-            None => RawEvent::new(stream.context())?,
-        };
-        match event.record(stream) {
-            Ok(()) => Ok(Mark::Marker(Marker::Cuda(event))),
-            Err(e) => {
-                self.recycle(Marker::Cuda(event));
-                Err(e)
+        let m: &Marker = match ev {
+            Event::Shared(m) => m,
+            Event::Own(slot) => {
+                if slot.is_none() {
+                    let event = match self.spare.take() {
+                        Some(e) => e,
+                        None => RawEvent::new(stream.context())?,
+                    };
+                    **slot = Some(Marker::Cuda(event));
+                }
+                match slot.as_ref() {
+                    Some(m) => m,
+                    None => return Ok(Mark::Unwatched),
+                }
             }
-        }
+        };
+        let Marker::Cuda(event) = m else {
+            return Ok(Mark::Unwatched);
+        };
+        event.record(stream)?;
+        Ok(Mark::Recorded)
     }
 }
 
 impl Tracker for CudaTracker {
-    fn mark(&self, q: &Queue) -> Mark {
+    fn record(&self, q: &Queue, ev: Event<'_>, how: How) -> Mark {
         let Queue::Cuda(stream) = q else {
             return Mark::Unwatched;
         };
-        if stream.cu_stream() as usize == PER_THREAD_STREAM {
-            // This thread's per-thread stream is not the one the work went to.
-            return Mark::Unwatched;
+        if how == How::Tick {
+            if stream.cu_stream() as usize == PER_THREAD_STREAM {
+                // This thread's per-thread stream is not the one the work went to.
+                return Mark::Unwatched;
+            }
+            relaxed_capture_mode();
         }
-        relaxed_capture_mode();
-        self.record_on(stream, None, true)
-    }
-
-    fn mark_now(&self, q: &Queue, reuse: Option<&Marker>) -> Mark {
-        match q {
-            Queue::Cuda(stream) => self.record_on(stream, reuse, false),
-            Queue::Host(_) => Mark::Unwatched,
-        }
+        self.record_on(stream, ev, how != How::Enqueue)
     }
 
     fn capturing(&self, q: &Queue) -> Result<bool, DriverError> {
@@ -379,7 +468,7 @@ impl Tracker for CudaTracker {
             return Ok(false);
         };
         if implicit(stream) {
-            // Asked at enqueue instead (`mark_now`): their markers are never captured.
+            // Asked at enqueue instead: their markers are never captured.
             return Ok(false);
         }
         relaxed_capture_mode();
@@ -397,18 +486,14 @@ impl Tracker for CudaTracker {
         }
     }
 
-    fn was_captured(&self, m: &Marker) -> bool {
-        matches!(m, Marker::Cuda(ev) if ev.captured.load(std::sync::atomic::Ordering::Relaxed))
+    fn take_captured(&self, m: &Marker) -> bool {
+        matches!(m, Marker::Cuda(ev) if ev.captured.swap(false, Ordering::Relaxed))
     }
 
     fn recycle(&self, m: Marker) {
         if let Marker::Cuda(ev) = m {
-            ev.captured
-                .store(false, std::sync::atomic::Ordering::Relaxed);
-            let mut spare = lock(&self.spare);
-            if spare.len() < SPARE_EVENTS {
-                spare.push(ev);
-            }
+            ev.captured.store(false, Ordering::Relaxed);
+            self.spare.give(ev);
         }
     }
 }
@@ -418,15 +503,15 @@ impl Tracker for CudaTracker {
 pub(crate) struct HostTracker;
 
 impl Tracker for HostTracker {
-    fn mark(&self, q: &Queue) -> Mark {
-        match q {
-            Queue::Host(h) => Mark::Marker(Marker::Host(*h)),
+    fn record(&self, q: &Queue, ev: Event<'_>, _how: How) -> Mark {
+        match (q, ev) {
+            (Queue::Host(h), Event::Own(slot)) => {
+                slot.get_or_insert(Marker::Host(*h));
+                Mark::Recorded
+            }
+            (Queue::Host(_), Event::Shared(_)) => Mark::Recorded,
             _ => Mark::Unwatched,
         }
-    }
-
-    fn mark_now(&self, q: &Queue, _reuse: Option<&Marker>) -> Mark {
-        self.mark(q)
     }
 
     fn done(&self, m: &Marker) -> Result<bool, DriverError> {
@@ -455,12 +540,12 @@ pub(crate) mod counting {
         pub queries: AtomicU64,
         pub owner_marks: AtomicU64,
         pub owner_queries: AtomicU64,
-        /// Markers recorded at enqueue ([`Tracker::mark_now`]), and those on the owner.
+        /// Markers recorded by the owner's path ([`How::Enqueue`], [`How::Again`]), and those on the owner.
         pub now_marks: AtomicU64,
         pub owner_now_marks: AtomicU64,
         /// Markers complete only while this is set.
         pub complete: AtomicBool,
-        /// The stream captures: [`Tracker::mark_now`] answers as [`CudaTracker`]'s on a
+        /// The stream captures: [`Tracker::record`] answers as [`CudaTracker`]'s on a
         /// stream of the user's (a new marker is recorded, a captured event; one to record
         /// again is not).
         pub capturing: AtomicBool,
@@ -491,20 +576,19 @@ pub(crate) mod counting {
     }
 
     impl Tracker for Counting {
-        fn mark(&self, _q: &Queue) -> Mark {
-            self.count(&self.marks, &self.owner_marks);
-            Mark::Marker(Marker::Fake)
-        }
-
-        fn mark_now(&self, _q: &Queue, reuse: Option<&Marker>) -> Mark {
-            self.count(&self.now_marks, &self.owner_now_marks);
-            if reuse.is_some() {
-                if self.capturing.load(Ordering::SeqCst) {
-                    return Mark::Capturing;
-                }
-                return Mark::Again;
+        fn record(&self, _q: &Queue, ev: Event<'_>, how: How) -> Mark {
+            if how == How::Tick {
+                self.count(&self.marks, &self.owner_marks);
+            } else {
+                self.count(&self.now_marks, &self.owner_now_marks);
             }
-            Mark::Marker(Marker::Fake)
+            if how == How::Again && self.capturing.load(Ordering::SeqCst) {
+                return Mark::Capturing;
+            }
+            if let Event::Own(slot) = ev {
+                slot.get_or_insert(Marker::Fake);
+            }
+            Mark::Recorded
         }
 
         fn done(&self, _m: &Marker) -> Result<bool, DriverError> {
