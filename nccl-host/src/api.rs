@@ -2234,7 +2234,7 @@ pub(crate) unsafe extern "C" fn ncclCommWindowDeregister(
 /// `NCCL_SUSPEND_MEM` do nothing (:938); with it, a disabled memory manager is refused
 /// (:939-943) and the suspend runs as a task of the call's group (:950-954, run at its end,
 /// group.cc:289-294): a second suspend is refused there (`ncclCommMemSuspend`,
-/// mem_manager.cc:404-407), else every rank meets in a barrier (:417) and the memory is
+/// mem_manager.cc:404-407), else every rank meets in a barrier (:418) and the memory is
 /// released (:505). On a non-blocking communicator the call returns the asynchronous
 /// state read after its group end (:960): ncclInProgress while the task runs.
 pub(crate) unsafe extern "C" fn ncclCommSuspend(comm: ncclComm_t, flags: c_int) -> ncclResult_t {
@@ -2249,7 +2249,7 @@ pub(crate) unsafe extern "C" fn ncclCommSuspend(comm: ncclComm_t, flags: c_int) 
 /// `ncclCommResume` as NCCL 2.30.7 has it (mem_manager.cc:968-1007): as
 /// [`ncclCommSuspend`] with the flag set, its task (`ncclCommMemResume`, :527-905) refusing a
 /// communicator that is not suspended (:536-539), and meeting every rank (its exchange of
-/// handles and final barrier, :860-905) before the memory is back (:890).
+/// handles and final barrier, :687, :896) before the memory is back (:890).
 pub(crate) unsafe extern "C" fn ncclCommResume(comm: ncclComm_t) -> ncclResult_t {
     mem_task(comm, "ncclCommResume", true, false)
 }

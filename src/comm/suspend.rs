@@ -59,7 +59,7 @@ impl Communicator {
     /// Releases NCCL's device memory of this communicator (`ncclCommSuspend` with
     /// `NCCL_SUSPEND_MEM`, NCCL 2.30+), for another job to use the same GPUs until
     /// [`SuspendedCommunicator::resume`]. Collective over all its ranks: NCCL's suspend waits
-    /// for the device and meets every rank in a barrier (mem_manager.cc:416-417 of 2.30.7),
+    /// for the device and meets every rank in a barrier (mem_manager.cc:417-418 of 2.30.7),
     /// watched by the watchdog as any operation.
     ///
     /// Taking `self` is what makes the rules hold: a suspended communicator has no
@@ -173,7 +173,7 @@ impl Communicator {
 impl SuspendedCommunicator {
     /// Gives NCCL its memory back (`ncclCommResume`, NCCL 2.30+) and the communicator with
     /// it. Collective over all its ranks, as the suspend: NCCL re-imports its peers' buffers
-    /// and meets every rank (mem_manager.cc:860-905 of 2.30.7).
+    /// and meets every rank (its allgather and barrier, mem_manager.cc:687, 896 of 2.30.7).
     ///
     /// Errors (the suspended communicator comes back with the error, marked failed, so
     /// that dropping it aborts): NCCL's error, or the watchdog's [`Error::Timeout`] when a
