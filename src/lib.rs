@@ -84,8 +84,8 @@ pub mod version;
 
 pub use buffer::{BufferGuard, Memory, RecvBuffer, SendBuffer, StreamBound};
 pub use comm::{
-    CommDevice, Communicator, MemStats, PendingCommunicator, SuspendedCommunicator,
-    DEFAULT_INIT_TIMEOUT,
+    CommDevice, Communicator, GinType, MemStats, PendingCommunicator, Properties,
+    SuspendedCommunicator, DEFAULT_INIT_TIMEOUT,
 };
 pub use comm_ref::CommRef;
 pub use config::Config;

@@ -3,15 +3,16 @@
 //! see their resident memory fall, resume, see it rise, and run collectives again; a
 //! suspended communicator is torn down exactly once; a peer that never suspends ends in
 //! the watchdog's timeout, not a hang; each call on an NCCL before 2.30 is `Unsupported`;
-//! the host provider's C ABI follows NCCL 2.30.7's contract.
+//! the host provider's C ABI follows NCCL 2.30.7's contract. The properties of
+//! `ncclCommQueryProperties` (NCCL 2.29+) likewise.
 
 mod support;
 
 use std::time::{Duration, Instant};
 
 use nccl_safe::{
-    CommDevice, Communicator, Config, Error, Library, ReduceOp, Stream, SuspendedCommunicator,
-    UniqueId, Version,
+    CommDevice, Communicator, Config, Error, GinType, Library, ReduceOp, Stream,
+    SuspendedCommunicator, UniqueId, Version,
 };
 use support::assert_balanced;
 
@@ -260,4 +261,93 @@ fn the_host_abi_follows_nccl_2_30s_contract() {
     assert_eq!(settle(c), ncclSuccess);
     assert_eq!(stat(c, ncclStatGpuMemSuspended), (ncclSuccess, 0));
     assert_eq!(unsafe { (t.ncclCommDestroy)(c) }, ncclSuccess);
+}
+
+/// Each rank's properties on the host provider: its rank and size, the device API (its
+/// windows), no multicast, no GPU-initiated networking, one LSA team, no host RMA.
+#[test]
+fn properties_across_ranks_in_threads() {
+    let id = ranks(3, config(), |comm| {
+        let p = comm.properties().unwrap();
+        assert_eq!((p.rank, p.world_size), (comm.rank(), 3));
+        assert!(p.device_api && !p.multimem, "{p:?}");
+        assert_eq!(
+            (p.gin, p.railed_gin, p.lsa_teams, p.host_rma),
+            (
+                Some(GinType::None),
+                Some(GinType::None),
+                Some(1),
+                Some(false)
+            )
+        );
+        comm.destroy().map_err(|(_, e)| e).unwrap();
+    });
+    assert_balanced(&id);
+}
+
+/// Before NCCL 2.29 the properties are `Unsupported`; NCCL 2.29.2 writes only the fields up
+/// to the GIN type, which come back `None`.
+#[test]
+fn properties_follow_the_version() {
+    let lib = Library::host_as_version(2, 28).unwrap();
+    let id = UniqueId::new_with(&lib).unwrap();
+    let comm = Communicator::init_rank_in(&lib, &CommDevice::Host, 1, 0, &id, &config()).unwrap();
+    match comm.properties() {
+        Err(Error::Unsupported { symbol, needs, .. })
+            if symbol == "ncclCommQueryProperties" && needs == Version::new(2, 29, 0) => {}
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
+    assert!(!comm.is_failed());
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+    assert_balanced(&id);
+
+    let lib = Library::host_as_version(2, 29).unwrap();
+    assert_eq!(lib.version(), Version::new(2, 29, 2));
+    let id = UniqueId::new_with(&lib).unwrap();
+    let comm = Communicator::init_rank_in(&lib, &CommDevice::Host, 1, 0, &id, &config()).unwrap();
+    let p = comm.properties().unwrap();
+    assert_eq!((p.rank, p.world_size), (0, 1));
+    assert_eq!((p.gin, p.lsa_teams, p.host_rma), (None, None, None));
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+    assert_balanced(&id);
+}
+
+/// The host provider's `ncclCommQueryProperties` follows NCCL 2.30.7 (dev_runtime.cc:
+/// 1459-1498): NULL props is ncclInvalidArgument, a bad magic or a version newer than the
+/// library ncclInvalidUsage, and a 2.29.3 caller's fields after `ginType` are not written.
+#[test]
+fn the_host_abi_of_properties_follows_nccl_2_30() {
+    use nccl_sys::bindings::*;
+    use nccl_sys::device::ncclCommProperties_t;
+    let lib = Library::host();
+    let query = lib.table().ncclCommQueryProperties.unwrap();
+    let id = CommDevice::Host.unique_id().unwrap();
+    let comm = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &config()).unwrap();
+    let raw = comm.as_raw();
+    // SAFETY (every call below): a live handle, and a properties struct or NULL.
+    assert_eq!(
+        unsafe { query(raw, std::ptr::null_mut()) },
+        ncclInvalidArgument
+    );
+    let mut p = ncclCommProperties_t::initializer(NCCL_VERSION_CODE);
+    p.magic = 0;
+    assert_eq!(unsafe { query(raw, &mut p) }, ncclInvalidUsage, "magic");
+    let mut p = ncclCommProperties_t::initializer(NCCL_VERSION_CODE + 1);
+    assert_eq!(unsafe { query(raw, &mut p) }, ncclInvalidUsage, "too new");
+    let mut p = ncclCommProperties_t::initializer(22903);
+    p.nLsaTeams = -7;
+    assert_eq!(unsafe { query(raw, &mut p) }, ncclSuccess);
+    assert_eq!(
+        (p.nRanks, p.nLsaTeams),
+        (1, -7),
+        "2.29.3's layout stops at ginType"
+    );
+    let mut p = ncclCommProperties_t::initializer(NCCL_VERSION_CODE);
+    assert_eq!(unsafe { query(raw, &mut p) }, ncclSuccess);
+    assert_eq!(p.nLsaTeams, 1);
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+    // NULL props, the bad magic and the version too new count as misuse.
+    let st = support::settled_stats(&id);
+    let counts = (st.created, st.destroyed, st.live, st.misused);
+    assert_eq!(counts, (1, 1, 0, 3), "{st:?}");
 }

@@ -2357,6 +2357,53 @@ pub(crate) unsafe extern "C" fn ncclCommMemStats(
     })
 }
 
+/// `ncclCommQueryProperties` as NCCL 2.30.7 has it (dev_runtime.cc:1459-1498): NULL comm
+/// or props: ncclInvalidArgument (:1461-1462); `ncclCommEnsureReady` (:1464); a magic
+/// other than `NCCL_API_MAGIC`: ncclInvalidUsage (:1466-1470); a caller's `version` newer
+/// than the library, or older than the device API (2.29.2): ncclInvalidUsage
+/// (`getNcclVersionCompat`, :1423-1453); then the fields, those after `ginType` only for a
+/// version after 2.29.3 (:1483-1492). The provider's communicator: symmetric support as
+/// `NCCL_WIN_ENABLE` says (its windows), no multicast, no GIN, no host RMA, one LSA team
+/// (every rank can reach every other's memory).
+pub(crate) unsafe extern "C" fn ncclCommQueryProperties(
+    comm: ncclComm_t,
+    props: *mut nccl_sys::device::ncclCommProperties_t,
+) -> ncclResult_t {
+    ffi(|| {
+        const NAME: &str = "ncclCommQueryProperties";
+        let mut g = lock();
+        let r = ensure_ready(&mut g, comm, NAME)?;
+        if props.is_null() {
+            return Err(r.invalid(&mut g, "props argument is NULL"));
+        }
+        // SAFETY: NCCL's contract: `props` points to an initialized ncclCommProperties_t.
+        let p = unsafe { &mut *props };
+        if p.magic != NCCL_API_MAGIC {
+            let m = "ncclCommProperties_t argument must be initialized via NCCL_COMM_PROPERTIES_INITIALIZER";
+            return Err(g.misuse(Some(r.root), ncclInvalidUsage, NAME, m));
+        }
+        let version = p.version as c_int;
+        if version > NCCL_VERSION_CODE as c_int || version < nccl_sys::nccl_version_code(2, 29, 2) {
+            let m = format!("no compatibility with a caller of NCCL version code {version}");
+            return Err(g.misuse(Some(r.root), ncclInvalidUsage, NAME, m));
+        }
+        let dev = g.comms.get(&r.h).ok_or_else(vanished)?.device;
+        p.rank = r.rank;
+        p.nRanks = r.nranks;
+        p.cudaDev = dev;
+        p.nvmlDev = dev;
+        p.deviceApiSupport = super::defs::win_enable();
+        p.multimemSupport = false;
+        if version > nccl_sys::nccl_version_code(2, 29, 3) {
+            p.hostRmaSupport = false;
+            p.ginType = nccl_sys::device::NCCL_GIN_TYPE_NONE;
+            p.railedGinType = nccl_sys::device::NCCL_GIN_TYPE_NONE;
+            p.nLsaTeams = 1;
+        }
+        Ok(ncclSuccess)
+    })
+}
+
 /// The table of host entry points (each defined above: a new entry point is one function
 /// and its row here), built as a struct literal so the compiler checks every
 /// signature against `nccl-sys`.
@@ -2405,6 +2452,7 @@ pub(crate) fn table() -> FunctionTable {
         ncclCommSuspend: Some(ncclCommSuspend),
         ncclCommResume: Some(ncclCommResume),
         ncclCommMemStats: Some(ncclCommMemStats),
+        ncclCommQueryProperties: Some(ncclCommQueryProperties),
         ncclWinGetUserPtr: None,
         ncclCommGetUniqueId: Some(ncclCommGetUniqueId),
         ncclCommGrow: Some(ncclCommGrow),

@@ -9,6 +9,7 @@ use core::ffi::{c_char, c_int, c_void, CStr};
 use core::fmt;
 
 use crate::bindings::*;
+use crate::device::*;
 
 /// An entry point that the table knows, with the NCCL version that introduced it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -327,6 +328,7 @@ function_table! {
         [2 . 30] fn ncclCommSuspend(comm: ncclComm_t, flags: c_int) -> ncclResult_t;
         [2 . 30] fn ncclCommResume(comm: ncclComm_t) -> ncclResult_t;
         [2 . 30] fn ncclCommMemStats(comm: ncclComm_t, stat: ncclCommMemStat_t, value: *mut u64) -> ncclResult_t;
+        [2 . 29] fn ncclCommQueryProperties(comm: ncclComm_t, props: *mut ncclCommProperties_t) -> ncclResult_t;
         [2 . 29] fn ncclWinGetUserPtr(comm: ncclComm_t, win: ncclWindow_t, out_user_ptr: *mut *mut c_void) -> ncclResult_t;
         [2 . 29] fn ncclCommGetUniqueId(comm: ncclComm_t, unique_id: *mut ncclUniqueId) -> ncclResult_t;
         [2 . 29] fn ncclCommGrow(comm: ncclComm_t, n_ranks: c_int, unique_id: *const ncclUniqueId, rank: c_int, newcomm: *mut ncclComm_t, config: *mut ncclConfig_t) -> ncclResult_t;

@@ -22,6 +22,7 @@ mod elastic;
 mod family;
 mod init;
 mod params;
+mod properties;
 mod raw;
 mod suspend;
 mod teardown;
@@ -29,6 +30,7 @@ mod teardown;
 pub(crate) use raw::RawComm;
 
 pub use init::PendingCommunicator;
+pub use properties::{GinType, Properties};
 pub use suspend::{MemStats, SuspendedCommunicator};
 
 /// An out-pointer that NCCL's asynchronous job writes (a split or shrink child, a window):
