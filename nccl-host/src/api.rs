@@ -1692,14 +1692,18 @@ fn operation(
     ffi_grouped(|| {
         let mut g = lock();
         let r = ready(&mut g, comm, name, true)?;
-        if g.comms.get(&r.h).is_some_and(|c| c.revoked) {
+        let (revoked, suspended) = g
+            .comms
+            .get(&r.h)
+            .map_or((false, false), |c| (c.revoked, c.suspended));
+        if revoked {
             // As NCCL's ncclEnqueueCheck (enqueue.cc:2983-2986 of 2.29.7).
             let m = "communicator was revoked";
             return Err(g.misuse(Some(r.root), ncclInvalidUsage, name, m));
         }
-        if g.comms.get(&r.h).is_some_and(|c| c.suspended) {
+        if suspended {
             // NCCL 2.30 checks nothing here: its kernels would use memory the suspend
-            // unmapped (mem_manager.cc:484-488). Refused instead of emulating that fault.
+            // unmapped (mem_manager.cc:493-496 of 2.30.7). Refused instead of emulating that fault.
             let m = "communicator is suspended (ncclCommSuspend): resume it first";
             return Err(g.misuse(Some(r.root), ncclInvalidUsage, name, m));
         }
