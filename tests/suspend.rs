@@ -83,8 +83,12 @@ fn suspend_and_resume_across_ranks_in_threads() {
 #[test]
 fn a_suspended_communicator_is_torn_down_once() {
     for how in 0..3 {
+        // Both suspends end before either rank tears down: the host provider fails a
+        // clique whose rank aborts while a peer's call still runs.
+        let both = std::sync::Barrier::new(2);
         let id = ranks(2, config(), |comm| {
             let suspended: SuspendedCommunicator = comm.suspend().map_err(|(_, e)| e).unwrap();
+            both.wait();
             match how {
                 0 => drop(suspended),
                 1 => suspended.abort().unwrap(),
