@@ -2456,7 +2456,6 @@ pub(crate) fn table() -> FunctionTable {
         ncclCommSuspend: Some(ncclCommSuspend),
         ncclCommResume: Some(ncclCommResume),
         ncclCommMemStats: Some(ncclCommMemStats),
-        ncclCommQueryProperties: Some(ncclCommQueryProperties),
         ncclWinGetUserPtr: None,
         ncclCommGetUniqueId: Some(ncclCommGetUniqueId),
         ncclCommGrow: Some(ncclCommGrow),
@@ -2472,5 +2471,6 @@ pub(crate) fn table() -> FunctionTable {
         ncclGatherConfig: None,
         ncclScatterConfig: None,
         ncclSetEncryption: None,
+        ncclCommQueryProperties: Some(ncclCommQueryProperties),
     }
 }

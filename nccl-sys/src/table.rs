@@ -328,7 +328,6 @@ function_table! {
         [2 . 30] fn ncclCommSuspend(comm: ncclComm_t, flags: c_int) -> ncclResult_t;
         [2 . 30] fn ncclCommResume(comm: ncclComm_t) -> ncclResult_t;
         [2 . 30] fn ncclCommMemStats(comm: ncclComm_t, stat: ncclCommMemStat_t, value: *mut u64) -> ncclResult_t;
-        [2 . 29] fn ncclCommQueryProperties(comm: ncclComm_t, props: *mut ncclCommProperties_t) -> ncclResult_t;
         [2 . 29] fn ncclWinGetUserPtr(comm: ncclComm_t, win: ncclWindow_t, out_user_ptr: *mut *mut c_void) -> ncclResult_t;
         [2 . 29] fn ncclCommGetUniqueId(comm: ncclComm_t, unique_id: *mut ncclUniqueId) -> ncclResult_t;
         [2 . 29] fn ncclCommGrow(comm: ncclComm_t, n_ranks: c_int, unique_id: *const ncclUniqueId, rank: c_int, newcomm: *mut ncclComm_t, config: *mut ncclConfig_t) -> ncclResult_t;
@@ -344,6 +343,8 @@ function_table! {
         [2 . 31] fn ncclGatherConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) -> ncclResult_t;
         [2 . 31] fn ncclScatterConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) -> ncclResult_t;
         [2 . 32] fn ncclSetEncryption(config: *const ncclEncryptionConfig_t) -> ncclResult_t;
+        // Added after the 2.32 rows so that earlier entry points keep their index.
+        [2 . 29] fn ncclCommQueryProperties(comm: ncclComm_t, props: *mut ncclCommProperties_t) -> ncclResult_t;
     }
 }
 
