@@ -83,7 +83,10 @@ mod types;
 pub mod version;
 
 pub use buffer::{BufferGuard, Memory, RecvBuffer, SendBuffer, StreamBound};
-pub use comm::{CommDevice, Communicator, PendingCommunicator, DEFAULT_INIT_TIMEOUT};
+pub use comm::{
+    CommDevice, Communicator, GinType, MemStats, PendingCommunicator, Properties,
+    SuspendedCommunicator, DEFAULT_INIT_TIMEOUT,
+};
 pub use comm_ref::CommRef;
 pub use config::Config;
 pub use error::{Error, NcclError, Result, ResultCode};

@@ -883,13 +883,24 @@ fn version_emulation_hides_newer_symbols() {
     assert!(t.ncclAlltoAll.is_some() && t.ncclGather.is_some() && t.ncclCommRegister.is_some());
     assert!(!host::lookup(c"ncclCommWindowRegister").is_null());
     assert!(!host::lookup(c"ncclCommRevoke").is_null() && !host::lookup(c"ncclCommGrow").is_null());
-    assert!(host::lookup(c"ncclCommSuspend").is_null());
+    assert!(
+        !host::lookup(c"ncclCommSuspend").is_null() && host::lookup(c"ncclPutSignal").is_null()
+    );
+    // SAFETY: as above.
+    let v229 = unsafe { FunctionTable::load(host::lookup_as_version(2, 29)) }.unwrap();
+    assert!(
+        v229.ncclCommSuspend.is_none()
+            && v229.ncclCommResume.is_none()
+            && v229.ncclCommMemStats.is_none()
+            && v229.ncclCommQueryProperties.is_some()
+    );
     // SAFETY: as above.
     let v228 = unsafe { FunctionTable::load(host::lookup_as_version(2, 28)) }.unwrap();
     assert!(
         v228.ncclCommRevoke.is_none()
             && v228.ncclCommGrow.is_none()
             && v228.ncclCommGetUniqueId.is_none()
+            && v228.ncclCommQueryProperties.is_none()
     );
     // SAFETY: as above.
     let pre = unsafe { FunctionTable::load(host::lookup_as_version(2, 26)) }.unwrap();

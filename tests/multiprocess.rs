@@ -1431,3 +1431,39 @@ fn a_watchdog_revoke_ends_a_wait_in_shared_memory() {
         "no watchdog revoked a handle"
     );
 }
+
+/// Suspend and resume (NCCL 2.30) across processes: every rank's suspend and resume meet
+/// its peers' through the shared segment, the memory figures fall and rise, and an
+/// all-reduce after the resume gives the sum.
+#[test]
+fn suspend_and_resume_across_processes() {
+    if let Some((rank, n, c)) = child() {
+        let run = || -> Result<bool> {
+            let before = c.mem_stats()?;
+            let suspended = c.suspend().map_err(|(_, e)| e)?;
+            let during = suspended.mem_stats()?;
+            let c = suspended.resume().map_err(|(_, e)| e)?;
+            let after = c.mem_stats()?;
+            let mut x = vec![rank as f32 + 1.0; 16];
+            c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)?;
+            let sum = (n * (n + 1) / 2) as f32;
+            let ok = during.suspended
+                && during.resident() < before.resident()
+                && !after.suspended
+                && after.resident() == before.resident()
+                && x == vec![sum; 16];
+            eprintln!("rank {rank}: {before:?} {during:?} {after:?} ok={ok}");
+            c.destroy().map_err(|(_, e)| e)?;
+            Ok(ok)
+        };
+        let ok = run().unwrap_or_else(|e| {
+            eprintln!("rank {rank}: {e}");
+            false
+        });
+        std::process::exit(if ok { 0 } else { 1 });
+    }
+    let outs = spawn("suspend_and_resume_across_processes", 3, &[]);
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(0), "rank {r}: {}", o.stderr);
+    }
+}

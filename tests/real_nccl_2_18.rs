@@ -109,3 +109,48 @@ fn join_grown_is_unsupported_on_2_18() {
         other => panic!("expected Unsupported, got {other:?}"),
     }
 }
+
+/// Suspend, resume, the memory figures (2.30) and the properties (2.29) are absent from
+/// NVIDIA's 2.18.3 and `Unsupported` through the one gate the safe calls use, naming the
+/// release that introduced each (their `Communicator` methods take that gate first).
+#[test]
+fn suspend_mem_stats_and_properties_are_unsupported_on_2_18() {
+    let lib = Library::load_from(support::real_nccl("2.18.3")).expect("2.18.3 loads");
+    let t = lib.table();
+    let gates = [
+        (
+            "ncclCommSuspend",
+            lib.optional(t.ncclCommSuspend, "ncclCommSuspend").map(drop),
+            30,
+        ),
+        (
+            "ncclCommResume",
+            lib.optional(t.ncclCommResume, "ncclCommResume").map(drop),
+            30,
+        ),
+        (
+            "ncclCommMemStats",
+            lib.optional(t.ncclCommMemStats, "ncclCommMemStats")
+                .map(drop),
+            30,
+        ),
+        (
+            "ncclCommQueryProperties",
+            lib.optional(t.ncclCommQueryProperties, "ncclCommQueryProperties")
+                .map(drop),
+            29,
+        ),
+    ];
+    for (symbol, r, minor) in gates {
+        match r {
+            Err(Error::Unsupported {
+                symbol: s,
+                needs,
+                found,
+            }) if s == symbol
+                && needs == Version::new(2, minor, 0)
+                && found == Version::new(2, 18, 3) => {}
+            other => panic!("{symbol}: expected Unsupported, got {other:?}"),
+        }
+    }
+}

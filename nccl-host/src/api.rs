@@ -540,21 +540,26 @@ fn end_child_job(h: Handle, split_of: Option<u64>) -> (usize, Result<(), Fail>) 
 /// (every rank of the parent takes part in NCCL's `bootstrapSplit`), failed, or past the
 /// provider's wait limit; it stores NULL.
 fn end_nocolor_job(clique: u64, seq: u64) -> (usize, Result<(), Fail>) {
+    (0, end_rdv(clique, seq, "ncclCommSplit"))
+}
+
+/// Waits until rendezvous `seq` of `clique` is over (every rank posted to it), failed, or
+/// past the provider's wait limit (then `ncclTimeout` for `name`, and the rendezvous fails
+/// for every rank in it).
+fn end_rdv(clique: u64, seq: u64, name: &str) -> Result<(), Fail> {
     let (mut g, end) = wait_until(lock(), |g| match g.cliques.get(&clique) {
         None => Some(Ok(())),
         Some(cl) if cl.aborted.is_some() => cl.aborted.clone().map(Err),
         Some(cl) => (!cl.rdv.contains_key(&seq)).then_some(Ok(())),
     });
-    let r = end.unwrap_or_else(|| {
+    end.unwrap_or_else(|| {
         let limit = super::defs::wait_limit();
-        let m = format!(
-            "ncclCommSplit: not every rank joined within {limit:?} (NCCL_SAFE_HOST_TIMEOUT_MS)"
-        );
+        let m =
+            format!("{name}: not every rank joined within {limit:?} (NCCL_SAFE_HOST_TIMEOUT_MS)");
         let f = Fail::new(ncclTimeout, m);
         g.fail_pending(PendingOn::Rdv { clique, seq }, f.clone());
         Err(f)
-    });
-    (0, r)
+    })
 }
 
 /// Whether a split/shrink/window registration on `h` runs as NCCL's asynchronous job: on a
@@ -1728,9 +1733,19 @@ fn operation(
     ffi_grouped(|| {
         let mut g = lock();
         let r = ready(&mut g, comm, name, true)?;
-        if g.comms.get(&r.h).is_some_and(|c| c.revoked) {
+        let (revoked, suspended) = g
+            .comms
+            .get(&r.h)
+            .map_or((false, false), |c| (c.revoked, c.suspended));
+        if revoked {
             // As NCCL's ncclEnqueueCheck (enqueue.cc:2983-2986 of 2.29.7).
             let m = "communicator was revoked";
+            return Err(g.misuse(Some(r.root), ncclInvalidUsage, name, m));
+        }
+        if suspended {
+            // NCCL 2.30 checks nothing here: its kernels would use memory the suspend
+            // unmapped (mem_manager.cc:493-496 of 2.30.7). Refused instead of emulating that fault.
+            let m = "communicator is suspended (ncclCommSuspend): resume it first";
             return Err(g.misuse(Some(r.root), ncclInvalidUsage, name, m));
         }
         let Some(es) = dtype::size_of(dt) else {
@@ -2259,6 +2274,181 @@ pub(crate) unsafe extern "C" fn ncclCommWindowDeregister(
     })
 }
 
+/// `ncclCommSuspend` as NCCL 2.30.7 has it (mem_manager.cc:925-966; ARCHITECTURE.md's
+/// table has the whole contract): the communicator must be ready (:929-930); flags without
+/// `NCCL_SUSPEND_MEM` do nothing (:938); with it, a disabled memory manager is refused
+/// (:939-943) and the suspend runs as a task of the call's group (:950-954, run at its end,
+/// group.cc:289-294): a second suspend is refused there (`ncclCommMemSuspend`,
+/// mem_manager.cc:404-407), else every rank meets in a barrier (:418) and the memory is
+/// released (:505). On a non-blocking communicator the call returns the asynchronous
+/// state read after its group end (:960): ncclInProgress while the task runs.
+pub(crate) unsafe extern "C" fn ncclCommSuspend(comm: ncclComm_t, flags: c_int) -> ncclResult_t {
+    mem_task(
+        comm,
+        "ncclCommSuspend",
+        flags & NCCL_SUSPEND_MEM as c_int != 0,
+        true,
+    )
+}
+
+/// `ncclCommResume` as NCCL 2.30.7 has it (mem_manager.cc:968-1007): as
+/// [`ncclCommSuspend`] with the flag set, its task (`ncclCommMemResume`, :527-905) refusing a
+/// communicator that is not suspended (:536-539), and meeting every rank (its exchange of
+/// handles and final barrier, :687, :896) before the memory is back (:890).
+pub(crate) unsafe extern "C" fn ncclCommResume(comm: ncclComm_t) -> ncclResult_t {
+    mem_task(comm, "ncclCommResume", true, false)
+}
+
+/// The body of [`ncclCommSuspend`] (`suspend`) and [`ncclCommResume`]; `act` false: a
+/// suspend without `NCCL_SUSPEND_MEM`, which checks readiness and does nothing.
+fn mem_task(comm: ncclComm_t, name: &'static str, act: bool, suspend: bool) -> ncclResult_t {
+    ffi_grouped(|| {
+        let mut g = lock();
+        let r = ensure_ready(&mut g, comm, name)?;
+        if !act {
+            return Ok(ncclSuccess);
+        }
+        if super::defs::mem_manager_disabled() {
+            let m = "the memory manager is disabled (NCCL_DISABLE_MEM_MANAGER)";
+            return Err(g.misuse(Some(r.root), ncclInvalidUsage, name, m));
+        }
+        if in_group() {
+            // The task waits for the outermost group end (ncclGroupCommJoin, :954).
+            let h = comm as usize;
+            let job: QueuedJob = Box::new(move || mem_task(h as ncclComm_t, name, true, suspend));
+            QUEUED.with(|q| {
+                q.borrow_mut().push(Queued {
+                    parent: r.h,
+                    window: false,
+                    job,
+                })
+            });
+            return Ok(ncclSuccess);
+        }
+        let (seq, _) = r.next_coll(&mut g)?;
+        let task = move || mem_task_run(r, seq, name, suspend);
+        if asynchronous(&g, r.h) {
+            start_job(&mut g, r.h, None, "suspend", 0, move || (0, task()))?;
+            return Ok(ncclInProgress);
+        }
+        drop(g);
+        task().map(|()| ncclSuccess)
+    })
+}
+
+/// `ncclCommMemSuspend` / `ncclCommMemResume` (mem_manager.cc:395-525, 527-905 of 2.30.7):
+/// the state check, then every rank's barrier, then the flip of `released`.
+fn mem_task_run(r: Ready, seq: u64, name: &'static str, suspend: bool) -> Result<(), Fail> {
+    let mut g = lock();
+    let suspended = g.comms.get(&r.h).ok_or_else(vanished)?.suspended;
+    if suspended == suspend {
+        let m = if suspend {
+            "MemManager: Already suspended"
+        } else {
+            "MemManager: Not in suspended state"
+        };
+        return Err(g.misuse(Some(r.root), ncclInvalidUsage, name, m));
+    }
+    if let Some(seg) = shared_of(&g, r.clique) {
+        drop(g);
+        // Across processes: the exchange of a split in which no rank takes a color is a
+        // barrier of every rank.
+        seg.exchange_split(seq, NCCL_SPLIT_NOCOLOR, 0)
+            .inspect_err(|f| lock().abort_clique(r.clique, f.clone()))?;
+    } else {
+        g.post_rdv(r.clique, seq, None, (r.rank, NCCL_SPLIT_NOCOLOR, 0, None))?;
+        drop(g);
+        end_rdv(r.clique, seq, name)?;
+    }
+    let mut g = lock();
+    let c = g.comms.get_mut(&r.h).ok_or_else(vanished)?;
+    c.suspended = suspend;
+    Ok(())
+}
+
+/// `ncclCommMemStats` as NCCL 2.30.7 has it (mem_manager.cc:1009-1047): a ready
+/// communicator (:1013-1014), a non-NULL `value` (:1015, ncclInvalidArgument without a
+/// message), an enabled memory manager (:1017-1020), a known `stat` (:1046); the figures
+/// are [`HOST_MEM_PERSIST`](super::defs::HOST_MEM_PERSIST) and
+/// [`HOST_MEM_SUSPENDABLE`](super::defs::HOST_MEM_SUSPENDABLE), which, as NCCL's counters,
+/// a suspend leaves as they are: only `ncclStatGpuMemSuspended` says it happened.
+pub(crate) unsafe extern "C" fn ncclCommMemStats(
+    comm: ncclComm_t,
+    stat: ncclCommMemStat_t,
+    value: *mut u64,
+) -> ncclResult_t {
+    ffi(|| {
+        const NAME: &str = "ncclCommMemStats";
+        let mut g = lock();
+        let r = ensure_ready(&mut g, comm, NAME)?;
+        if value.is_null() {
+            return Err(Fail::raw(ncclInvalidArgument, String::new()));
+        }
+        if super::defs::mem_manager_disabled() {
+            let m = "the memory manager is disabled (NCCL_DISABLE_MEM_MANAGER)";
+            return Err(g.misuse(Some(r.root), ncclInvalidUsage, NAME, m));
+        }
+        let suspended = g.comms.get(&r.h).ok_or_else(vanished)?.suspended;
+        use super::defs::{HOST_MEM_PERSIST as P, HOST_MEM_SUSPENDABLE as S};
+        let v = match stat {
+            ncclStatGpuMemTotal => P + S,
+            ncclStatGpuMemPersist => P,
+            ncclStatGpuMemSuspend => S,
+            ncclStatGpuMemSuspended => suspended as u64,
+            _ => return Err(Fail::raw(ncclInvalidArgument, String::new())),
+        };
+        put(value, v);
+        Ok(ncclSuccess)
+    })
+}
+
+/// `ncclCommQueryProperties` as NCCL 2.30.7 has it (dev_runtime.cc:1459-1498): NULL comm
+/// or props: ncclInvalidArgument (:1461-1462); `ncclCommEnsureReady` (:1464); a magic
+/// other than `NCCL_API_MAGIC`: ncclInvalidUsage (:1466-1470); a caller's `version` newer
+/// than the library, or older than the device API (2.29.2): ncclInvalidUsage
+/// (`getNcclVersionCompat`, :1423-1453); then the fields, those after `ginType` only for a
+/// version after 2.29.3 (:1483-1492). The provider's communicator: symmetric support as
+/// `NCCL_WIN_ENABLE` says (its windows), no multicast, no GIN, no host RMA, one LSA team
+/// (every rank can reach every other's memory).
+pub(crate) unsafe extern "C" fn ncclCommQueryProperties(
+    comm: ncclComm_t,
+    props: *mut nccl_sys::device::ncclCommProperties_t,
+) -> ncclResult_t {
+    ffi(|| {
+        const NAME: &str = "ncclCommQueryProperties";
+        let mut g = lock();
+        let r = ensure_ready(&mut g, comm, NAME)?;
+        if props.is_null() {
+            return Err(r.invalid(&mut g, "props argument is NULL"));
+        }
+        // SAFETY: NCCL's contract: `props` points to an initialized ncclCommProperties_t.
+        let p = unsafe { &mut *props };
+        if p.magic != NCCL_API_MAGIC {
+            let m = "ncclCommProperties_t argument must be initialized via NCCL_COMM_PROPERTIES_INITIALIZER";
+            return Err(g.misuse(Some(r.root), ncclInvalidUsage, NAME, m));
+        }
+        let version = p.version as c_int;
+        if version > NCCL_VERSION_CODE as c_int || version < nccl_sys::nccl_version_code(2, 29, 2) {
+            let m = format!("no compatibility with a caller of NCCL version code {version}");
+            return Err(g.misuse(Some(r.root), ncclInvalidUsage, NAME, m));
+        }
+        let dev = g.comms.get(&r.h).ok_or_else(vanished)?.device;
+        p.rank = r.rank;
+        p.nRanks = r.nranks;
+        p.cudaDev = dev;
+        p.nvmlDev = dev;
+        p.deviceApiSupport = super::defs::win_enable();
+        p.multimemSupport = false;
+        if version > nccl_sys::nccl_version_code(2, 29, 3) {
+            p.hostRmaSupport = false;
+            p.ginType = nccl_sys::device::NCCL_GIN_TYPE_NONE;
+            p.railedGinType = nccl_sys::device::NCCL_GIN_TYPE_NONE;
+            p.nLsaTeams = 1;
+        }
+        Ok(ncclSuccess)
+    })
+}
+
 /// The table of host entry points (each defined above: a new entry point is one function
 /// and its row here), built as a struct literal so the compiler checks every
 /// signature against `nccl-sys`.
@@ -2304,9 +2494,9 @@ pub(crate) fn table() -> FunctionTable {
         ncclGather: Some(ncclGather),
         ncclScatter: Some(ncclScatter),
         ncclCommRevoke: Some(ncclCommRevoke),
-        ncclCommSuspend: None,
-        ncclCommResume: None,
-        ncclCommMemStats: None,
+        ncclCommSuspend: Some(ncclCommSuspend),
+        ncclCommResume: Some(ncclCommResume),
+        ncclCommMemStats: Some(ncclCommMemStats),
         ncclWinGetUserPtr: None,
         ncclCommGetUniqueId: Some(ncclCommGetUniqueId),
         ncclCommGrow: Some(ncclCommGrow),
@@ -2322,5 +2512,6 @@ pub(crate) fn table() -> FunctionTable {
         ncclGatherConfig: None,
         ncclScatterConfig: None,
         ncclSetEncryption: None,
+        ncclCommQueryProperties: Some(ncclCommQueryProperties),
     }
 }

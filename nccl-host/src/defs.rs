@@ -141,6 +141,24 @@ pub(crate) fn win_enable() -> bool {
     *WIN.get_or_init(|| nccl_sys::param("NCCL_WIN_ENABLE").unwrap_or(1) != 0)
 }
 
+/// `NCCL_DISABLE_MEM_MANAGER` (default 0, mem_manager.cc:28 of 2.30.7), read once per
+/// process as NCCL's parameter is: set, `ncclCommSuspend(NCCL_SUSPEND_MEM)`,
+/// `ncclCommResume` and `ncclCommMemStats` return ncclInvalidUsage (:939-943, :981-985,
+/// :1017-1020).
+pub(crate) fn mem_manager_disabled() -> bool {
+    static DISABLED: OnceLock<bool> = OnceLock::new();
+    *DISABLED.get_or_init(|| nccl_sys::param("NCCL_DISABLE_MEM_MANAGER").unwrap_or(0) != 0)
+}
+
+/// What `ncclCommMemStats` reports for one host communicator: NCCL's memory manager counts
+/// the bytes of its own device allocations, persistent (`totalPersist`: never released)
+/// and suspendable (`totalScratch + totalOffload`: released by a suspend, mem_manager.cc:
+/// 1029-1040 of 2.30.7). The provider allocates no device memory; these are its stand-in
+/// figures, fixed per communicator, so that a caller sees the shape NCCL reports.
+pub(crate) const HOST_MEM_PERSIST: u64 = 64 << 10;
+/// See [`HOST_MEM_PERSIST`]: the suspendable part.
+pub(crate) const HOST_MEM_SUSPENDABLE: u64 = 4 << 20;
+
 /// `NCCL_COMM_BLOCKING` when it is 0 or 1, read once per process as NCCL's parameter is
 /// (init.cc:56 of 2.28.9). It overrides every new communicator's `blocking`, whether from
 /// its config or its parent's (`envConfigOverride`, init.cc:1646-1649; a split's child

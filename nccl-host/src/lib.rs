@@ -104,6 +104,11 @@
 //!     each function's docs); a revoke inside a user's group runs as on a blocking
 //!     communicator; across processes the boundary ranks' grow does not wait for the
 //!     root's id (every rank derives it), and an existing rank's id must be this grow's.
+//! 13. `ncclCommSuspend`, `ncclCommResume` and `ncclCommMemStats` follow NCCL 2.30.7
+//!     (mem_manager.cc): the suspend and resume meet every rank, in threads and across
+//!     processes; the memory figures are fixed stand-ins (the provider has no device
+//!     memory), and a collective on a suspended communicator is refused (NCCL's kernels
+//!     would use unmapped memory).
 
 #![deny(missing_docs)]
 // NCCL constants (ncclSum, ncclInt8, ...) keep their C names in match patterns.

@@ -129,6 +129,9 @@ pub(crate) struct Comm {
     /// stale out-pointers, at the next group end that registers a window there. The
     /// provider refuses that next registration instead.
     pub stale_windows: usize,
+    /// `ncclCommSuspend(NCCL_SUSPEND_MEM)` completed and no `ncclCommResume` since: NCCL's
+    /// `memManager->released` (mem_manager.cc:505 and :890 of 2.30.7).
+    pub suspended: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -360,6 +363,7 @@ impl Global {
                 shared_join: None,
                 destroy_called: false,
                 stale_windows: 0,
+                suspended: false,
             },
         );
         h

@@ -30,6 +30,7 @@ pub mod bindings {
     include!("bindings.rs");
 }
 
+pub mod device;
 mod param;
 mod table;
 

@@ -9,6 +9,7 @@ use core::ffi::{c_char, c_int, c_void, CStr};
 use core::fmt;
 
 use crate::bindings::*;
+use crate::device::*;
 
 /// An entry point that the table knows, with the NCCL version that introduced it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -342,6 +343,8 @@ function_table! {
         [2 . 31] fn ncclGatherConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) -> ncclResult_t;
         [2 . 31] fn ncclScatterConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t, config: *const ncclCollConfig_t) -> ncclResult_t;
         [2 . 32] fn ncclSetEncryption(config: *const ncclEncryptionConfig_t) -> ncclResult_t;
+        // Added after the 2.32 rows so that earlier entry points keep their index.
+        [2 . 29] fn ncclCommQueryProperties(comm: ncclComm_t, props: *mut ncclCommProperties_t) -> ncclResult_t;
     }
 }
 

@@ -22,12 +22,16 @@ mod elastic;
 mod family;
 mod init;
 mod params;
+mod properties;
 mod raw;
+mod suspend;
 mod teardown;
 
 pub(crate) use raw::RawComm;
 
 pub use init::PendingCommunicator;
+pub use properties::{GinType, Properties};
+pub use suspend::{MemStats, SuspendedCommunicator};
 
 /// An out-pointer that NCCL's asynchronous job writes (a split or shrink child, a window):
 /// on the heap, so that it outlives the call that handed it to NCCL. NCCL stores into it
