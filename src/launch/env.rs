@@ -127,7 +127,7 @@ impl ProcessEnv {
         } else {
             Err(EnvError::NotLaunched)
         }?;
-        env.ends_survivors = env.ends_survivors(&lookup);
+        env.ends_survivors = env.launcher_ends_survivors(&lookup);
         Ok(env)
     }
 
@@ -137,7 +137,7 @@ impl ProcessEnv {
     }
 
     /// [`EnvError::EndsSurvivors`] when the launcher ends every process of the job once
-    /// one of them exits ([`ends_survivors`](Self::ends_survivors)), which an elastic job
+    /// one of them exits (its field `ends_survivors`), which an elastic job
     /// (`Config::elastic(true)`) cannot survive; `ProcessLauncher::init` checks it for an
     /// elastic configuration.
     pub fn keeps_survivors(&self) -> Result<(), EnvError> {
@@ -159,7 +159,10 @@ impl ProcessEnv {
     ///   restarts them all with `--max-restarts`: no recovery inside the job there;
     /// - srun keeps the others unless `--kill-on-bad-exit` (or Slurm's `KillOnBadExit`) is
     ///   on, which the tasks cannot see: told only by `SLURM_KILL_ON_BAD_EXIT=1`.
-    fn ends_survivors(&self, get: &dyn Fn(&str) -> Option<String>) -> Option<&'static str> {
+    fn launcher_ends_survivors(
+        &self,
+        get: &dyn Fn(&str) -> Option<String>,
+    ) -> Option<&'static str> {
         let on = |v: &str| get(v).is_some_and(|v| matches!(v.trim(), "1" | "true" | "yes" | "on"));
         match self.source {
             EnvSource::OpenMpi
