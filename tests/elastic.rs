@@ -931,3 +931,64 @@ fn a_rank_stuck_past_the_timeout_of_a_group_is_the_lost_rank() {
     let st = assert_balanced(&id);
     assert_eq!(st.created, 5, "{st:?}");
 }
+
+/// Four ranks shrink with exclude lists that disagree: ranks 0 and 1 exclude rank 3,
+/// rank 2 excludes ranks 1 and 3 (rank 3 is not told). NCCL compares no lists
+/// (init.cc:2758, 1609-1622 of v2.29.7-1), so ranks 0 and 1 would wait for rank 2 in a
+/// child of three, rank 2 for rank 0 in a child of two, until the timeout. Each of ranks
+/// 0-2 gets `Error::ExcludeMismatch` naming every rank's list, nothing is called, and the
+/// parent is as it was: they shrink again with the list they agree on, and their child
+/// works. Before, the shrinks ran out of time (or, where the host provider saw both posts
+/// of one rendezvous, failed with its `InvalidArgument`) and the retry found the
+/// communicator failed.
+#[test]
+#[cfg(feature = "diag")]
+fn shrinks_that_disagree_on_the_excluded_ranks_fail_naming_each_list() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let cfg = Config::new()
+        .elastic(true)
+        .timeout(Duration::from_millis(500));
+    let done = Arc::new(Barrier::new(4));
+    support::within(Duration::from_secs(20), move || {
+        std::thread::scope(|s| {
+            for rank in 0..4 {
+                let (cfg, done) = (cfg.clone(), Arc::clone(&done));
+                s.spawn(move || {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 4, rank, &id, &cfg).unwrap();
+                    let mut x = vec![1.0f32; 4];
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                    if rank == 3 {
+                        done.wait();
+                        return;
+                    }
+                    let exclude: &[usize] = if rank == 2 { &[3, 1] } else { &[3] };
+                    let e = comm.shrink_after_failure(exclude).unwrap_err();
+                    let Error::ExcludeMismatch { rank: r, lists, .. } = &e else {
+                        panic!("expected ExcludeMismatch, got {e:?}");
+                    };
+                    assert_eq!(*r, rank);
+                    // Rank 2's list (sorted) and at least one of the others' are named.
+                    assert!(lists.contains(&(2, vec![1, 3])), "{e}");
+                    assert!(
+                        lists.contains(&(0, vec![3])) || lists.contains(&(1, vec![3])),
+                        "{e}"
+                    );
+                    assert!(e.to_string().contains("rank 2 excludes [1, 3]"), "{e}");
+                    assert!(!comm.is_failed(), "{e}");
+                    let small = comm.shrink_after_failure(&[3]).unwrap();
+                    assert_eq!((small.world_size(), small.rank()), (3, rank));
+                    let mut y = vec![rank as f32; 4];
+                    small
+                        .all_reduce_in_place(&mut y, ReduceOp::Sum, &S)
+                        .unwrap();
+                    assert_eq!(y, vec![3.0; 4]);
+                    small.destroy().map_err(|(_, e)| e).unwrap();
+                    done.wait();
+                });
+            }
+        });
+    });
+    let st = assert_balanced(&id);
+    assert_eq!(st.created, 7, "{st:?}");
+}

@@ -41,6 +41,11 @@ impl Communicator {
         crate::teardown::check_lane(OP, self.lane())?;
         self.diag.check_alive()?;
         let r = self.pinned(|| {
+            // Marked first, under the pin: the watchdog leaves a revoked handle be. NCCL
+            // refuses a second revoke (init.cc:2655-2657 of v2.29.7-1): the watchdog's own,
+            // for work it still saw in flight, would fail and it would abort the handle a
+            // shrink needs.
+            self.diag.revoked_in_place();
             // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile);
             // flags 0 = NCCL_REVOKE_DEFAULT, the only value NCCL accepts.
             Ok(unsafe {
@@ -51,7 +56,8 @@ impl Communicator {
             })
         })?;
         if r != ncclSuccess && r != ncclInProgress {
-            // Refused before anything changed (init.cc:2647-2658).
+            // Refused before anything changed (init.cc:2647-2658): the watchdog's again.
+            self.diag.revoke_refused();
             return Err(self
                 .handle
                 .lib()

@@ -116,6 +116,11 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Communicator> {
         const CALL: EntryPoint = EntryPoint::ncclCommShrink;
+        // NCCL compares no exclude lists (init.cc:2758, 1609-1622 of v2.29.7-1): ranks that
+        // disagree would wait in the child's bootstrap until the timeout. The ranks of
+        // this process compare theirs first.
+        let excluded: Vec<usize> = list.iter().map(|&r| r as usize).collect();
+        self.diag.agree_exclude(CALL.name(), &excluded)?;
         let tag = crate::diag::shrink_tag(&list);
         // A shrink in NCCL's abort mode is made for a communicator that failed (or was
         // revoked): it is not refused for that.
