@@ -147,8 +147,10 @@ impl Communicator {
     /// parent down afterwards, and then count as gone here. Each rank reads its own view,
     /// at its own moment: two ranks may read different lists when a rank is lost while
     /// they read (agree on the list before or after the shrink; NCCL does not compare
-    /// them, init.cc:2758 of 2.29.7, and a shrink whose ranks disagree waits until the
-    /// timeout). Empty without the `diag` feature; NVIDIA's NCCL names no rank itself.
+    /// them, init.cc:2758 of 2.29.7: the ranks of one process compare theirs before the
+    /// shrink, which fails with [`Error::ExcludeMismatch`] on a difference, but ranks of
+    /// different processes that disagree wait in it until the timeout). Empty without the
+    /// `diag` feature; NVIDIA's NCCL names no rank itself.
     pub fn lost_ranks(&self) -> Vec<usize> {
         self.diag.lost_ranks()
     }
@@ -183,7 +185,8 @@ impl Communicator {
     /// The parent stays as it was (failed or revoked: dropped, it aborts; healthy: it is
     /// destroyed), and the child is a new, healthy communicator with its own exactly-once
     /// teardown. Errors: [`Error::Unsupported`] before NCCL 2.27 (nothing is called); the
-    /// exclude list's errors as [`shrink`](Self::shrink)'s; [`Error::Timeout`] when the
+    /// exclude list's errors as [`shrink`](Self::shrink)'s ([`Error::ExcludeMismatch`]
+    /// included); [`Error::Timeout`] when the
     /// watchdog already aborted the communicator (its handle is gone) or a rank that
     /// stays never calls.
     #[track_caller]
@@ -266,7 +269,8 @@ impl Communicator {
     /// Returns the grown communicator once every rank joined. This communicator is
     /// untouched and stays usable, whatever the grow does: only the call itself is an
     /// operation of it (ranks 0 and n-1 wait in it until the root's `grow_id` returned,
-    /// bounded by its watchdog as any of its operations); the wait for the new ranks is
+    /// bounded by its watchdog, which revokes it there rather than abort it under the
+    /// call, init.cc:2913-2924 of v2.29.7-1: then this communicator is failed); the wait for the new ranks is
     /// the new communicator's, bounded by the timeout ([`Config::timeout`]), and on a
     /// failure the new communicator is aborted (which ends NCCL's grow job, that uses this
     /// communicator until it ends) before the call returns. So a new rank that dies

@@ -78,7 +78,14 @@ impl Communicator {
     }
 
     /// Removes `exclude` ranks (`ncclCommShrink`, NCCL 2.27+); collective over the ranks
-    /// that stay. The calling rank must not be in `exclude`.
+    /// that stay, which must all pass the same list. The calling rank must not be in
+    /// `exclude`.
+    ///
+    /// NCCL compares no lists: before its call the ranks of this process that stay by
+    /// this rank's list compare theirs (bounded by the timeout), and a difference fails
+    /// each of them with [`Error::ExcludeMismatch`] naming every list, nothing called (a
+    /// rank of this process that stays but never calls is an [`Error::Timeout`] naming
+    /// it). Ranks of other processes are not compared (with the `diag` feature only).
     #[track_caller]
     pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
         const CALL: EntryPoint = EntryPoint::ncclCommShrink;
