@@ -937,3 +937,164 @@ fn a_rank_stuck_past_the_timeout_of_a_group_is_the_lost_rank() {
     let st = assert_balanced(&id);
     assert_eq!(st.created, 5, "{st:?}");
 }
+
+/// Four ranks shrink with exclude lists that disagree: ranks 0 and 1 exclude rank 3,
+/// rank 2 excludes ranks 1 and 3 (rank 3 is not told). NCCL compares no lists
+/// (init.cc:2758, 1609-1622 of v2.29.7-1), so ranks 0 and 1 would wait for rank 2 in a
+/// child of three, rank 2 for rank 0 in a child of two, until the timeout. Each of ranks
+/// 0-2 gets `Error::ExcludeMismatch` naming every rank's list, nothing is called, and the
+/// parent is as it was: they shrink again with the list they agree on, and their child
+/// works. Before, the shrinks ran out of time (or, where the host provider saw both posts
+/// of one rendezvous, failed with its `InvalidArgument`) and the retry found the
+/// communicator failed.
+#[test]
+#[cfg(feature = "diag")]
+fn shrinks_that_disagree_on_the_excluded_ranks_fail_naming_each_list() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let cfg = Config::new()
+        .elastic(true)
+        .timeout(Duration::from_millis(500));
+    let done = Arc::new(Barrier::new(4));
+    support::within(Duration::from_secs(20), move || {
+        std::thread::scope(|s| {
+            for rank in 0..4 {
+                let (cfg, done) = (cfg.clone(), Arc::clone(&done));
+                s.spawn(move || {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 4, rank, &id, &cfg).unwrap();
+                    let mut x = vec![1.0f32; 4];
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                    if rank == 3 {
+                        done.wait();
+                        return;
+                    }
+                    let exclude: &[usize] = if rank == 2 { &[3, 1] } else { &[3] };
+                    let e = comm.shrink_after_failure(exclude).unwrap_err();
+                    let Error::ExcludeMismatch { rank: r, lists, .. } = &e else {
+                        panic!("expected ExcludeMismatch, got {e:?}");
+                    };
+                    assert_eq!(*r, rank);
+                    // Rank 2's list (sorted) and at least one of the others' are named.
+                    assert!(lists.contains(&(2, vec![1, 3])), "{e}");
+                    assert!(
+                        lists.contains(&(0, vec![3])) || lists.contains(&(1, vec![3])),
+                        "{e}"
+                    );
+                    assert!(e.to_string().contains("rank 2 excludes [1, 3]"), "{e}");
+                    assert!(!comm.is_failed(), "{e}");
+                    let small = comm.shrink_after_failure(&[3]).unwrap();
+                    assert_eq!((small.world_size(), small.rank()), (3, rank));
+                    let mut y = vec![rank as f32; 4];
+                    small
+                        .all_reduce_in_place(&mut y, ReduceOp::Sum, &S)
+                        .unwrap();
+                    assert_eq!(y, vec![3.0; 4]);
+                    small.destroy().map_err(|(_, e)| e).unwrap();
+                    done.wait();
+                });
+            }
+        });
+    });
+    let st = assert_balanced(&id);
+    assert_eq!(st.created, 7, "{st:?}");
+}
+
+/// A boundary rank's grow waits in NCCL's call for the root's id through the parent
+/// (init.cc:2913-2924 of v2.29.7-1) and uses the parent after the wait: without
+/// `Config::elastic`, two ranks and a 300 ms timeout, rank 1 grows while rank 0 (the
+/// root) never calls `grow_id`. The watchdog times the call out and revokes the parent
+/// (its abort flags end the wait) rather than aborting it under the call: rank 1's grow
+/// fails within the bound, and the host provider counts no misuse. Before, the watchdog
+/// aborted the parent while the call still waited in it (the host provider counts it: a
+/// use after free in NCCL).
+#[test]
+#[cfg(feature = "diag")]
+fn the_watchdog_never_aborts_a_parent_under_its_grow_call() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let cfg = Config::new().timeout(Duration::from_millis(300));
+    let grown = std::sync::atomic::AtomicBool::new(false);
+    support::within(Duration::from_secs(20), move || {
+        std::thread::scope(|s| {
+            for rank in 0..2 {
+                let (cfg, grown) = (cfg.clone(), &grown);
+                s.spawn(move || {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &cfg).unwrap();
+                    if rank == 0 {
+                        // The root never hands out the id; it waits for rank 1's grow.
+                        while !grown.load(std::sync::atomic::Ordering::SeqCst) {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                        return;
+                    }
+                    let t0 = Instant::now();
+                    let e = comm.grow(3, None).unwrap_err();
+                    grown.store(true, std::sync::atomic::Ordering::SeqCst);
+                    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+                    assert!(e.to_string().contains("ncclCommGrow"), "{e}");
+                    assert!(comm.is_failed(), "{e}");
+                });
+            }
+        });
+    });
+    let st = support::settled_stats(&id);
+    assert_eq!(
+        st.misused,
+        0,
+        "{st:?}: {:?}",
+        nccl_safe::host::recent_misuse()
+    );
+    assert_eq!((st.created, st.live), (2, 0), "{st:?}");
+}
+
+/// A standby that dies during the grow, after it registered: two ranks grow to three; the
+/// standby joins with the id (its rank posted to the new communicator's init) and dies
+/// before the others come (its join gives up after 50 ms and aborts its communicator, as
+/// its process's end would). The existing ranks' grow then fails within its own bound
+/// (`Config::timeout`, 500 ms, plus the teardown), the parents are untouched (not failed,
+/// their all-reduce works, destroyed), and nothing is misused.
+#[test]
+#[cfg(feature = "diag")]
+fn a_standby_that_dies_after_it_registered_costs_the_grow_only() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let cfg = Config::new().timeout(Duration::from_millis(500));
+    let (tx, rx) = std::sync::mpsc::channel::<UniqueId>();
+    let gone = Barrier::new(3);
+    support::within(Duration::from_secs(20), move || {
+        std::thread::scope(|s| {
+            let (cfg2, gone2) = (cfg.clone(), &gone);
+            s.spawn(move || {
+                let grow_id = rx.recv().unwrap();
+                let short = cfg2.timeout(Duration::from_millis(50));
+                let e = Communicator::join_grown(&CommDevice::Host, 3, 2, &grow_id, &short)
+                    .unwrap_err();
+                assert!(matches!(e, Error::Timeout { .. } | Error::Nccl(_)), "{e:?}");
+                gone2.wait(); // dead: its communicator was aborted
+            });
+            for rank in 0..2 {
+                let (cfg, gone, tx) = (cfg.clone(), &gone, tx.clone());
+                s.spawn(move || {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &cfg).unwrap();
+                    let grow_id = (rank == 0).then(|| comm.grow_id().unwrap());
+                    if let Some(g) = &grow_id {
+                        tx.send(*g).unwrap();
+                    }
+                    gone.wait();
+                    let t0 = Instant::now();
+                    let e = comm.grow(3, grow_id.as_ref()).unwrap_err();
+                    let bound = Duration::from_millis(500) + Duration::from_secs(3);
+                    assert!(t0.elapsed() < bound, "{:?}: {e}", t0.elapsed());
+                    assert!(e.to_string().contains("stays usable"), "{e}");
+                    assert!(!comm.is_failed(), "the grow failed the parent: {e}");
+                    let mut x = vec![rank as f32 + 1.0; 4];
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                    assert_eq!(x, vec![3.0; 4]);
+                    comm.destroy().map_err(|(_, e)| e).unwrap();
+                });
+            }
+        });
+    });
+    let st = assert_balanced(&id);
+    assert_eq!((st.created, st.destroyed), (5, 2), "{st:?}");
+}

@@ -1176,6 +1176,109 @@ fn a_standby_killed_before_it_joins_costs_the_grow_only() {
     );
 }
 
+/// As above, but the standby dies after it registered: it joins with the id (its rank
+/// posted to the grown communicator's shared segment), and SIGKILLs itself 200 ms later,
+/// before ranks 0 and 1 call their grow. Their grow (or, on the host provider, the grown
+/// communicator's first all-reduce) fails within its bound, and they carry on at their
+/// size (an all-reduce on the parent is right) and exit 0.
+#[test]
+fn a_standby_killed_after_it_registered_costs_the_grow_only() {
+    if let Some((r, id)) = child_spec() {
+        let file = std::path::PathBuf::from(std::env::var(GROW_FILE_ENV).expect("file"));
+        let killed = file.with_extension("killed");
+        if r == 2 {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let bytes = loop {
+                if let Ok(b) = std::fs::read(&file) {
+                    break b;
+                }
+                assert!(Instant::now() < deadline, "no grow id");
+                std::thread::sleep(Duration::from_millis(5));
+            };
+            let gid = UniqueId::from_bytes(&bytes).expect("a grow id");
+            std::thread::spawn(move || {
+                let cfg = Config::new().timeout(Duration::from_secs(30));
+                let _ = Communicator::join_grown(&CommDevice::Host, 3, 2, &gid, &cfg);
+            });
+            std::thread::sleep(Duration::from_millis(200));
+            std::fs::write(&killed, b"").expect("write the marker");
+            // SAFETY: signals this process, which ends here.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let run = || -> Result<f32> {
+            let cfg = Config::new().timeout(Duration::from_secs(1));
+            let c = Communicator::init_rank(&CommDevice::Host, 2, r, &id, &cfg)?;
+            let gid = if r == 0 {
+                let gid = c.grow_id()?;
+                let tmp = file.with_extension("tmp");
+                std::fs::write(&tmp, gid.as_bytes()).expect("write the id");
+                std::fs::rename(&tmp, &file).expect("publish the id");
+                Some(gid)
+            } else {
+                None
+            };
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while std::fs::metadata(&killed).is_err() {
+                assert!(Instant::now() < deadline, "the standby never registered");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let t0 = Instant::now();
+            // NCCL's init over the id needs every rank after it registered (its bootstrap),
+            // so the grow fails. The host provider completes the join once every rank
+            // posted to the segment, and the dead standby is seen only by the grown
+            // communicator's first collective: either way the failure costs the bound.
+            let e = match c.grow(3, gid.as_ref()) {
+                Err(e) => e,
+                Ok(big) => {
+                    let mut z = vec![1.0f32; 4];
+                    big.all_reduce_in_place(&mut z, ReduceOp::Sum, &Stream::Host)
+                        .expect_err("the standby died")
+                }
+            };
+            let took = t0.elapsed();
+            println!("GROW_FAILED rank {r} after {took:?}: {e}");
+            assert!(took < Duration::from_secs(5), "{took:?}: {e}");
+            assert!(!c.is_failed(), "{e}");
+            let mut y = vec![(r + 1) as f32; 1000];
+            c.all_reduce_in_place(&mut y, ReduceOp::Sum, &Stream::Host)?;
+            c.destroy().map_err(|(_, e)| e)?;
+            Ok(y[999])
+        };
+        match run() {
+            Ok(sum) => {
+                println!("CARRIED_ON rank {r}: sum {sum}");
+                std::process::exit(0)
+            }
+            Err(e) => {
+                eprintln!("rank {r}: {e}");
+                std::process::exit(3)
+            }
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("nccl-safe-registered-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("id");
+    let outs = spawn(
+        "a_standby_killed_after_it_registered_costs_the_grow_only",
+        3,
+        &[(GROW_FILE_ENV, file.to_str().unwrap())],
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(
+        outs[2].code, None,
+        "the standby was killed: {}",
+        outs[2].stderr
+    );
+    for (r, o) in outs.iter().take(2).enumerate() {
+        assert_eq!(o.code, Some(0), "rank {r}: {}\n{}", o.stderr, o.stdout);
+        assert!(
+            o.stdout.contains(&format!("CARRIED_ON rank {r}: sum 3")),
+            "rank {r}: {}",
+            o.stdout
+        );
+    }
+}
+
 /// Three processes; rank 1 SIGKILLs itself between two all-reduces. The survivors'
 /// all_reduce fails naming it (NCCL records the error), they shrink in abort mode (on the
 /// host provider, as NCCL 2.29: a revoke first clears the error) and carry on with two

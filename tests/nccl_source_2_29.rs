@@ -370,3 +370,39 @@ fn contract_grow_is_in_progress_until_every_rank_joined() {
         },
     );
 }
+
+/// A boundary rank's grow waits in NCCL's call for the root's id (init.cc:2913-2924,
+/// `bcastGrowHandle`'s bootstrap receive, bootstrap.cc:481): without `Config::elastic`,
+/// rank 1 grows while rank 0 never calls `grow_id`. The watchdog revokes rank 1's
+/// communicator where it is (it never aborts one under its grow call), NCCL's abort flags
+/// end the receive, and the grow returns an error with the handle still rank 1's.
+#[test]
+fn a_grow_waiting_for_its_id_is_ended_by_the_watchdogs_revoke() {
+    let lib = source_nccl(VERSION);
+    let id = UniqueId::new_with(&lib).unwrap();
+    let grown = std::sync::atomic::AtomicBool::new(false);
+    within(Duration::from_secs(120), move || {
+        std::thread::scope(|sc| {
+            for r in 0..2 {
+                let (lib, id, grown) = (&lib, &id, &grown);
+                sc.spawn(move || {
+                    let ctx = CudaContext::new(r).unwrap();
+                    let cfg = Config::new().timeout(Duration::from_secs(1));
+                    let comm =
+                        Communicator::init_rank_in(lib, &CommDevice::Cuda(ctx), 2, r, id, &cfg)
+                            .unwrap();
+                    if r == 0 {
+                        while !grown.load(std::sync::atomic::Ordering::SeqCst) {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                        return;
+                    }
+                    let e = comm.grow(3, None).unwrap_err();
+                    grown.store(true, std::sync::atomic::Ordering::SeqCst);
+                    assert!(comm.is_revoked(), "not revoked: {e}");
+                    assert!(!comm.as_raw().is_null(), "the handle was taken: {e}");
+                });
+            }
+        });
+    });
+}

@@ -928,6 +928,13 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     let mut g = lock();
     let mut h = known(&mut g, comm, what)?;
     grow_in_flight(&mut g, h, what);
+    if g.blocked_in_grow.contains(&h) {
+        // Another thread is inside this communicator's ncclCommGrow, waiting for the id:
+        // NCCL's teardown frees the communicator that call reads when its wait ends.
+        let root = g.comms.get(&h).map(|c| c.root);
+        let m = "a communicator whose ncclCommGrow waits for the grow id in another thread (init.cc:2913-2924 of v2.29.7-1: the call uses the communicator after its wait, a use after free in NCCL); revoke it instead, which ends the wait";
+        g.misuse(root, ncclInvalidUsage, what, m);
+    }
     if !abort {
         // NCCL's ncclCommDestroy sets `destroyFlag` first (init.cc:2379), and nothing clears
         // it: a later revoke is refused (:2457).
@@ -1480,17 +1487,30 @@ pub(crate) unsafe extern "C" fn ncclCommGetUniqueId(
 /// init.cc:2913-2923): blocks until the root's `ncclCommGetUniqueId` sent it, the clique
 /// fails, or the provider's wait limit.
 fn receive_grow_id(
-    g: MutexGuard<'static, Global>,
+    mut g: MutexGuard<'static, Global>,
+    h: Handle,
     clique: u64,
     rank: i32,
 ) -> (MutexGuard<'static, Global>, Result<IdBytes, Fail>) {
-    let (g, got) = wait_until(g, |g| {
+    g.blocked_in_grow.insert(h);
+    let (mut g, got) = wait_until(g, |g| {
         let mail = g
             .grow_mail
             .get_mut(&(clique, rank))
             .and_then(|q| q.pop_front());
-        (mail.map(Ok)).or_else(|| g.cliques.get(&clique)?.aborted.clone().map(Err))
+        // A revoke (from another thread) sets the abort flags, which end the bootstrap's
+        // receive (bootstrap.cc:481 of v2.29.7-1) without freeing anything.
+        let revoked = || {
+            g.comms.get(&h).is_some_and(|c| c.revoked).then(|| {
+                let m = "ncclCommGrow: the communicator was revoked while this rank waited for the grow id (its abort flags end the wait)";
+                Fail::new(ncclInternalError, m)
+            })
+        };
+        (mail.map(Ok))
+            .or_else(|| g.cliques.get(&clique)?.aborted.clone().map(Err))
+            .or_else(|| revoked().map(Err))
     });
+    g.blocked_in_grow.remove(&h);
     let limit = super::defs::wait_limit();
     let m = format!("ncclCommGrow: rank {rank} did not receive the grow id (no rank called ncclCommGetUniqueId) within {limit:?} (NCCL_SAFE_HOST_TIMEOUT_MS)");
     (g, got.unwrap_or_else(|| Err(Fail::new(ncclTimeout, m))))
@@ -1549,7 +1569,7 @@ pub(crate) unsafe extern "C" fn ncclCommGrow(
             g.alias_root(&id, r.root);
             let shared = shared_of(&g, r.clique);
             if shared.is_none() && r.nranks > 1 && (r.rank == 0 || r.rank == r.nranks - 1) {
-                let (g2, got) = receive_grow_id(g, r.clique, r.rank);
+                let (g2, got) = receive_grow_id(g, r.h, r.clique, r.rank);
                 g = g2;
                 if got? != id {
                     let m =

@@ -4,7 +4,7 @@
 //! still waits for the op: once a clique is aborted no new execution starts, and a waiter
 //! whose op is executing waits for it to finish even when the clique was aborted.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ffi::c_int;
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -215,6 +215,10 @@ pub(crate) struct Global {
     /// clique, keyed by (clique, rank): NCCL's `bcastGrowHandle` (bootstrap.cc:470-486),
     /// received by those ranks' `ncclCommGrow`.
     pub grow_mail: HashMap<(u64, i32), VecDeque<IdBytes>>,
+    /// Handles whose `ncclCommGrow` waits for the grow id in its call (a boundary rank,
+    /// init.cc:2913-2924 of v2.29.7-1): NCCL's abort frees the communicator that call
+    /// still uses, so a teardown meanwhile is counted as misuse.
+    pub blocked_in_grow: HashSet<Handle>,
 }
 
 static GLOBAL: OnceLock<(Mutex<Global>, Condvar)> = OnceLock::new();

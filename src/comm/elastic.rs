@@ -41,6 +41,11 @@ impl Communicator {
         crate::teardown::check_lane(OP, self.lane())?;
         self.diag.check_alive()?;
         let r = self.pinned(|| {
+            // Marked first, under the pin: the watchdog leaves a revoked handle be. NCCL
+            // refuses a second revoke (init.cc:2655-2657 of v2.29.7-1): the watchdog's own,
+            // for work it still saw in flight, would fail and it would abort the handle a
+            // shrink needs.
+            self.diag.revoked_in_place();
             // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile);
             // flags 0 = NCCL_REVOKE_DEFAULT, the only value NCCL accepts.
             Ok(unsafe {
@@ -51,7 +56,8 @@ impl Communicator {
             })
         })?;
         if r != ncclSuccess && r != ncclInProgress {
-            // Refused before anything changed (init.cc:2647-2658).
+            // Refused before anything changed (init.cc:2647-2658): the watchdog's again.
+            self.diag.revoke_refused();
             return Err(self
                 .handle
                 .lib()
@@ -141,8 +147,10 @@ impl Communicator {
     /// parent down afterwards, and then count as gone here. Each rank reads its own view,
     /// at its own moment: two ranks may read different lists when a rank is lost while
     /// they read (agree on the list before or after the shrink; NCCL does not compare
-    /// them, init.cc:2758 of 2.29.7, and a shrink whose ranks disagree waits until the
-    /// timeout). Empty without the `diag` feature; NVIDIA's NCCL names no rank itself.
+    /// them, init.cc:2758 of 2.29.7: the ranks of one process compare theirs before the
+    /// shrink, which fails with [`Error::ExcludeMismatch`] on a difference, but ranks of
+    /// different processes that disagree wait in it until the timeout). Empty without the
+    /// `diag` feature; NVIDIA's NCCL names no rank itself.
     pub fn lost_ranks(&self) -> Vec<usize> {
         self.diag.lost_ranks()
     }
@@ -181,7 +189,8 @@ impl Communicator {
     /// The parent stays as it was (failed or revoked: dropped, it aborts; healthy: it is
     /// destroyed), and the child is a new, healthy communicator with its own exactly-once
     /// teardown. Errors: [`Error::Unsupported`] before NCCL 2.27 (nothing is called); the
-    /// exclude list's errors as [`shrink`](Self::shrink)'s; [`Error::Timeout`] when the
+    /// exclude list's errors as [`shrink`](Self::shrink)'s ([`Error::ExcludeMismatch`]
+    /// included); [`Error::Timeout`] when the
     /// watchdog already aborted the communicator (its handle is gone) or a rank that
     /// stays never calls.
     #[track_caller]
@@ -264,7 +273,8 @@ impl Communicator {
     /// Returns the grown communicator once every rank joined. This communicator is
     /// untouched and stays usable, whatever the grow does: only the call itself is an
     /// operation of it (ranks 0 and n-1 wait in it until the root's `grow_id` returned,
-    /// bounded by its watchdog as any of its operations); the wait for the new ranks is
+    /// bounded by its watchdog, which revokes it there rather than abort it under the
+    /// call, init.cc:2913-2924 of v2.29.7-1: then this communicator is failed); the wait for the new ranks is
     /// the new communicator's, bounded by the timeout ([`Config::timeout`]), and on a
     /// failure the new communicator is aborted (which ends NCCL's grow job, that uses this
     /// communicator until it ends) before the call returns. So a new rank that dies

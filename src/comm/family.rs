@@ -78,7 +78,14 @@ impl Communicator {
     }
 
     /// Removes `exclude` ranks (`ncclCommShrink`, NCCL 2.27+); collective over the ranks
-    /// that stay. The calling rank must not be in `exclude`.
+    /// that stay, which must all pass the same list. The calling rank must not be in
+    /// `exclude`.
+    ///
+    /// NCCL compares no lists: before its call the ranks of this process that stay by
+    /// this rank's list compare theirs (bounded by the timeout), and a difference fails
+    /// each of them with [`Error::ExcludeMismatch`] naming every list, nothing called (a
+    /// rank of this process that stays but never calls is an [`Error::Timeout`] naming
+    /// it). Ranks of other processes are not compared (with the `diag` feature only).
     #[track_caller]
     pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
         const CALL: EntryPoint = EntryPoint::ncclCommShrink;
@@ -116,6 +123,11 @@ impl Communicator {
         caller: &'static Location<'static>,
     ) -> Result<Communicator> {
         const CALL: EntryPoint = EntryPoint::ncclCommShrink;
+        // NCCL compares no exclude lists (init.cc:2758, 1609-1622 of v2.29.7-1): ranks that
+        // disagree would wait in the child's bootstrap until the timeout. The ranks of
+        // this process compare theirs first.
+        let excluded: Vec<usize> = list.iter().map(|&r| r as usize).collect();
+        self.diag.agree_exclude(CALL.name(), &excluded)?;
         let tag = crate::diag::shrink_tag(&list);
         // A shrink in NCCL's abort mode is made for a communicator that failed (or was
         // revoked): it is not refused for that.

@@ -136,6 +136,9 @@ pub(crate) struct Clique {
     /// Per rank of this process: the ranks it found gone when it began its recovery
     /// ([`Clique::agree_lost`]).
     recovering: Mutex<BTreeMap<usize, Vec<usize>>>,
+    /// Per rank of this process: the exclude list of each of its shrinks of this clique's
+    /// communicator, in call order ([`Clique::agree_exclude`]).
+    shrinks: Mutex<BTreeMap<usize, Vec<Vec<usize>>>>,
 }
 
 /// A rank that left its clique: no collective of sequence number `issued` or later will
@@ -196,9 +199,21 @@ pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
         board: OnceLock::new(),
         departed: OnceLock::new(),
         recovering: Mutex::new(BTreeMap::new()),
+        shrinks: Mutex::new(BTreeMap::new()),
     });
     r.insert(key, Arc::downgrade(&c));
     c
+}
+
+/// How the comparison of a shrink's exclude list ended ([`Clique::agree_exclude`]).
+pub(crate) enum ExcludeAgreement {
+    /// Every other rank of this process that stays shrinks with the same list.
+    Agree,
+    /// Two ranks listed different ranks: every list posted for this shrink, by rank.
+    Mismatch(Vec<(usize, Vec<usize>)>),
+    /// These ranks of this process, staying by this rank's list, never called their
+    /// shrink before the deadline.
+    Missing(Vec<usize>),
 }
 
 /// How a fingerprint comparison ended.
@@ -424,6 +439,56 @@ impl Clique {
                 lost.dedup();
                 quiet_since = Instant::now();
             }
+        }
+    }
+
+    /// Rank `rank` shrinks this clique's communicator excluding `exclude` (sorted): it
+    /// posts the list as its next shrink's and compares it with the lists that the ranks
+    /// of this process staying by its list (not excluded, not torn down) posted for their
+    /// shrink of the same number, until each of them has posted (or `deadline`). Two
+    /// ranks that would build one child thus both see a mismatch, or both agree. NCCL
+    /// compares nothing (init.cc:2758, 1609-1622 of v2.29.7-1: each rank's job builds its
+    /// child from its own list), so ranks that disagree would wait in the child's
+    /// bootstrap until a timeout; here each of them sees the other's list first. Ranks of
+    /// other processes are not compared, nor ranks whose init has not returned yet (not
+    /// attached: they may be in another process).
+    pub(crate) fn agree_exclude(
+        &self,
+        rank: usize,
+        exclude: &[usize],
+        deadline: Instant,
+    ) -> ExcludeAgreement {
+        let n = {
+            let mut posts = lock(&self.shrinks);
+            let mine = posts.entry(rank).or_default();
+            mine.push(exclude.to_vec());
+            mine.len() - 1
+        };
+        let stays = |r: usize| r != rank && exclude.binary_search(&r).is_err();
+        loop {
+            {
+                let posts = lock(&self.shrinks);
+                let posted = || posts.iter().filter_map(|(&r, v)| Some((r, v.get(n)?)));
+                // Only the lists of the ranks this one's child would hold matter: a rank
+                // this one excludes builds no child with it (and, listing this rank among
+                // those that stay, sees the mismatch itself).
+                if posted().any(|(r, l)| stays(r) && l.as_slice() != exclude) {
+                    return ExcludeAgreement::Mismatch(
+                        posted().map(|(r, l)| (r, l.clone())).collect(),
+                    );
+                }
+                let missing: Vec<usize> = (self.here().map(|(r, _)| r))
+                    .filter(|&r| stays(r))
+                    .filter(|r| posts.get(r).is_none_or(|v| v.len() <= n))
+                    .collect();
+                if missing.is_empty() {
+                    return ExcludeAgreement::Agree;
+                }
+                if Instant::now() >= deadline {
+                    return ExcludeAgreement::Missing(missing);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 

@@ -338,14 +338,23 @@ impl CommDiag {
         self.settings.elastic
     }
 
-    /// The owner revoked the handle where it is (a failed wait of an elastic
-    /// communicator): the watchdog leaves it be, as after a revoke of its own (NCCL would
+    /// The owner revoked the handle where it is ([`Communicator::revoke`](crate::Communicator::revoke), or a failed wait
+    /// of an elastic communicator): the watchdog leaves it be, as after a revoke of its own (NCCL would
     /// refuse the watchdog's second revoke, init.cc:2655-2657 of v2.29.7-1, and it would
     /// abort instead, taking the handle a shrink needs).
     pub(crate) fn revoked_in_place(&self) {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             s.revoked_by_watchdog.store(true, Ordering::Release);
+        }
+    }
+
+    /// The owner's revoke, marked by [`revoked_in_place`](Self::revoked_in_place), was
+    /// refused by NCCL (nothing changed): the handle is the watchdog's to act on again.
+    pub(crate) fn revoke_refused(&self) {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            s.revoked_by_watchdog.store(false, Ordering::Release);
         }
     }
 
@@ -413,6 +422,36 @@ impl CommDiag {
         }
         let _ = deadline;
         Vec::new()
+    }
+
+    /// Before the NCCL call of a shrink (`call`) excluding `exclude` (checked, unsorted):
+    /// `Ok` when every other rank of this process that stays by this list shrinks with the
+    /// same list (`Clique::agree_exclude`, waiting until the timeout at most);
+    /// [`Error::ExcludeMismatch`] naming each rank's list when two ranks disagree (NCCL
+    /// does not compare them and its shrink would wait until a timeout); a timeout naming
+    /// the ranks that never called their shrink. Nothing to compare without the `diag`
+    /// feature, or for ranks of other processes.
+    pub(crate) fn agree_exclude(&self, call: &'static str, exclude: &[usize]) -> Result<()> {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            let mut list = exclude.to_vec();
+            list.sort_unstable();
+            let deadline = std::time::Instant::now() + s.settings.timeout;
+            return match s.clique.agree_exclude(s.rank, &list, deadline) {
+                clique::ExcludeAgreement::Agree => Ok(()),
+                clique::ExcludeAgreement::Mismatch(lists) => Err(Error::ExcludeMismatch {
+                    call,
+                    rank: s.rank,
+                    lists,
+                }),
+                clique::ExcludeAgreement::Missing(ranks) => Err(Error::Timeout {
+                    what: format!("{call} on rank {}: {} of this process, staying by this rank's exclude list {list:?}, never called the shrink (stuck, or not told to recover); nothing was called, the communicator is as it was", s.rank, (ranks.iter().map(|r| format!("rank {r}"))).collect::<Vec<_>>().join(", ")),
+                    timeout: s.settings.timeout,
+                }),
+            };
+        }
+        let _ = (call, exclude);
+        Ok(())
     }
 
     /// Whether the watchdog failed this communicator: its clique timed out (set before any
@@ -1533,5 +1572,65 @@ mod tests {
         drop(s);
         drop(c);
         assert_eq!(counts(&id), (1, 0, 1, 0));
+    }
+
+    /// A user's revoke is the watchdog's too: three ranks with `Config::elastic` and a
+    /// 200 ms timeout whose work stays in flight after the revoke (markers that never
+    /// complete, as a GPU's may not by the watchdog's next tick). Ranks 0 and 1 revoke;
+    /// past the timeout the watchdog leaves their handles be (NCCL would refuse its own
+    /// revoke, init.cc:2655-2657 of v2.29.7-1, and it would abort them instead), and their
+    /// `shrink_after_failure(&[2])` makes a working communicator of two. Before, the
+    /// watchdog's revoke was refused (a misuse the host provider counts), it aborted the
+    /// handles, and the shrink failed.
+    #[test]
+    fn the_watchdog_leaves_a_users_revoke_be() {
+        let id = CommDevice::Host.unique_id().unwrap();
+        let cfg = Config::new()
+            .elastic(true)
+            .timeout(Duration::from_millis(200));
+        // Ranks 0 and 1 count themselves done; rank 2 waits for them (bounded: a rank
+        // that panicked never counts).
+        let done = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|sc| {
+            for rank in 0..3 {
+                let (cfg, done) = (cfg.clone(), &done);
+                sc.spawn(move || {
+                    let counting = counting_here();
+                    counting.complete.store(false, Ordering::SeqCst);
+                    TEST_TRACKER.with(|t| {
+                        *t.borrow_mut() = Some(Arc::clone(&counting) as Arc<dyn Tracker>)
+                    });
+                    let c = Communicator::init_rank(&CommDevice::Host, 3, rank, &id, &cfg);
+                    TEST_TRACKER.with(|t| *t.borrow_mut() = None);
+                    let c = c.unwrap();
+                    let mut x = vec![1.0f32; 4];
+                    c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+                        .unwrap();
+                    if rank < 2 {
+                        c.revoke().unwrap();
+                    }
+                    // Past the timeout, with the work still in flight to the watchdog.
+                    std::thread::sleep(Duration::from_millis(800));
+                    if rank < 2 {
+                        assert!(!c.diag.aborted_by_watchdog(), "rank {rank}: aborted");
+                        let small = c.shrink_after_failure(&[2]).unwrap();
+                        let mut y = vec![rank as f32 + 1.0; 4];
+                        small
+                            .all_reduce_in_place(&mut y, ReduceOp::Sum, &Stream::Host)
+                            .unwrap();
+                        assert_eq!(y, vec![3.0; 4]);
+                        small.destroy().map_err(|(_, e)| e).unwrap();
+                        done.fetch_add(1, Ordering::SeqCst);
+                    } else {
+                        wait_for(Duration::from_secs(10), Duration::from_millis(5), || {
+                            done.load(Ordering::SeqCst) == 2
+                        });
+                    }
+                    drop(c);
+                });
+            }
+        });
+        let (created, _, _, misused) = counts(&id);
+        assert_eq!((created, misused), (5, 0));
     }
 }

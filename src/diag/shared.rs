@@ -880,11 +880,23 @@ impl Shared {
         same
     }
 
-    /// Whether the operation inside its call is a shrink (with `Config::elastic`, the
-    /// recovery a rank left already began: the watchdog leaves it be).
+    /// Whether the operation inside its call is a shrink: the watchdog leaves it be, with
+    /// or without `Config::elastic` (the recovery a rank left already began; in NCCL's
+    /// abort mode the call waits for the device stream with the abort flags it set itself,
+    /// init.cc:2844-2848 of v2.29.7-1, and an abort would free the communicator under it;
+    /// the wait for the child after the call is bounded by the shrink itself).
     pub(super) fn in_shrink(&self) -> bool {
         self.in_call()
             .is_some_and(|r| r.op == EntryPoint::ncclCommShrink)
+    }
+
+    /// Whether the operation inside its call is a grow: a boundary rank waits there for
+    /// the root's id through this communicator (init.cc:2913-2924 of v2.29.7-1) and uses
+    /// it after the wait, so an abort would free it under the call; the watchdog revokes
+    /// it instead, with or without `Config::elastic` (the abort flags end the wait).
+    pub(super) fn in_grow(&self) -> bool {
+        self.in_call()
+            .is_some_and(|r| r.op == EntryPoint::ncclCommGrow)
     }
 
     /// Whether the watchdog aborted or revoked this communicator (it is done with it).
@@ -934,6 +946,11 @@ impl Shared {
         }
         self.claim.store(UNCLAIMED, Ordering::Release);
         true
+    }
+
+    /// Gives a successful [`claim`](Self::claim) up: the owner carries on.
+    pub(super) fn release_claim(&self) {
+        self.claim.store(UNCLAIMED, Ordering::Release);
     }
 
     /// After a successful [`claim`](Self::claim): takes the handle (0 when the owner's

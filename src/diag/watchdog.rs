@@ -146,9 +146,14 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
                 continue;
             }
             let elastic = t.settings.elastic && !matches!(why, Expiry::Fault(_));
-            if elastic && t.in_shrink() {
-                continue; // its rank already recovers: shrink_after_failure
+            if t.in_shrink() {
+                // Its rank already recovers (shrink_after_failure), or shrinks: never
+                // aborted under the call (`Shared::in_shrink`).
+                continue;
             }
+            // A grow's call uses the handle after its wait: revoked, never aborted under
+            // it (`Shared::in_grow`), in either mode.
+            let in_place = elastic || t.in_grow();
             let min_age = match why {
                 _ if !Arc::ptr_eq(t, s) => grace(t),
                 Expiry::Late => t.settings.timeout,
@@ -160,7 +165,13 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
             }
             // `Config::elastic`: revoked where it is, the handle left to its owner for a
             // shrink (a GPU fault leaves nothing to shrink: aborted).
-            if elastic && t.revoke_in_place(&report) {
+            if in_place && t.revoke_in_place(&report) {
+                continue;
+            }
+            if t.in_grow() {
+                // NCCL refused the revoke (it was revoked already: its abort flags end the
+                // wait) or has none: let the call end on its own, not abort under it.
+                t.release_claim();
                 continue;
             }
             let h = t.take_for_abort(&report);

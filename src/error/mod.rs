@@ -281,6 +281,22 @@ pub enum Error {
         /// What every rank called, and from which line.
         table: String,
     },
+    /// Ranks of one communicator shrank it with different exclude lists (compared among
+    /// the ranks of this process before NCCL's call; NCCL compares nothing and its shrink
+    /// would wait until the timeout): nothing was called and the communicator is as it
+    /// was. `lists` has each rank's list (sorted) for this shrink: agree on one list
+    /// (say with [`Communicator::agree_lost_ranks`](crate::Communicator::agree_lost_ranks))
+    /// and shrink again.
+    #[error("{call} on rank {rank}: the ranks disagree on the ranks to exclude ({}); nothing was called and the communicator is as it was: agree on one list (agree_lost_ranks) and shrink again", fmt_lists(.lists))]
+    ExcludeMismatch {
+        /// The shrink.
+        call: &'static str,
+        /// This rank.
+        rank: usize,
+        /// Each rank's exclude list for this shrink, by rank (this process's ranks that
+        /// called it so far).
+        lists: Vec<(usize, Vec<usize>)>,
+    },
     /// A CUDA driver call failed (making a context or a stream, binding a device): check
     /// that the device exists and is visible (`CUDA_VISIBLE_DEVICES`) and that the driver
     /// works (`nvidia-smi`).
@@ -366,6 +382,14 @@ pub enum Error {
         /// The loader's message.
         reason: String,
     },
+}
+
+/// "rank 0 excludes [3], rank 1 excludes [2, 3]".
+fn fmt_lists(lists: &[(usize, Vec<usize>)]) -> String {
+    (lists.iter())
+        .map(|(r, l)| format!("rank {r} excludes {l:?}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// [`Error::InvalidArgument`] of `call`, for `reason`.
