@@ -1174,8 +1174,17 @@ fn squat(n: usize, s: &mut TcpStream) {
 /// the id once rank 0 listens on the other, and the stranger's answers never end them.
 #[test]
 fn a_squatter_on_a_second_address_costs_no_rank_its_id() {
-    let squatter = TcpListener::bind("127.0.0.2:0").unwrap();
-    let port = squatter.local_addr().unwrap().port();
+    // A port free on both addresses: the one the system gives 127.0.0.2 may be held on
+    // 127.0.0.1 by another process (rank 0 could then not serve there).
+    let (squatter, port) = (0..50)
+        .find_map(|_| {
+            let squatter = TcpListener::bind("127.0.0.2:0").unwrap();
+            let port = squatter.local_addr().unwrap().port();
+            TcpListener::bind(("127.0.0.1", port))
+                .ok()
+                .map(|_| (squatter, port))
+        })
+        .expect("a port free on 127.0.0.1 and 127.0.0.2");
     let ips = ["127.0.0.2".parse().unwrap(), "127.0.0.1".parse().unwrap()];
     let rdzv = move || {
         TcpRendezvous::new("rdzv-node", port, TOKEN)
