@@ -77,7 +77,7 @@ impl Communicator {
     /// use nccl_safe::{Communicator, Config, CommDevice, Stream, ReduceOp};
     /// let id = CommDevice::Host.unique_id()?;
     /// std::thread::scope(|s| {
-    ///     for rank in 0..2 {
+    ///     let ranks: Vec<_> = (0..2).map(|rank| {
     ///         s.spawn(move || -> nccl_safe::Result<()> {
     ///             let comm = Communicator::init_rank(&CommDevice::Host, 2, rank, &id, &Config::new())?;
     ///             let before = comm.mem_stats()?;
@@ -88,9 +88,10 @@ impl Communicator {
     ///             comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)?;
     ///             assert_eq!(x, vec![2.0; 4]);
     ///             Ok(())
-    ///         });
-    ///     }
-    /// });
+    ///         })
+    ///     }).collect();
+    ///     ranks.into_iter().try_for_each(|r| r.join().unwrap())
+    /// })?;
     /// # Ok::<(), nccl_safe::Error>(())
     /// ```
     #[track_caller]
