@@ -102,6 +102,7 @@ fn a_suspended_communicator_is_torn_down_once() {
 /// A rank whose peer never suspends does not hang: the watchdog's timeout ends the
 /// suspend, the communicator comes back failed, and dropping it aborts it once.
 #[test]
+#[cfg(feature = "diag")]
 fn a_peer_that_never_suspends_ends_in_a_timeout() {
     let started = Instant::now();
     let short = Config::new().timeout(Duration::from_millis(500));

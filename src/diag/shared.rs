@@ -91,7 +91,7 @@ impl QueueWatch {
     }
 
     /// The ranges not retired (their end, and whether a marker covers them), oldest first.
-    #[cfg(test)]
+    #[cfg(all(test, feature = "host"))]
     pub(super) fn pending(&self) -> Vec<(u64, bool)> {
         let w = self.watch();
         (w.tail..self.ranges.head())
