@@ -45,33 +45,6 @@ fn reference() -> Vec<f32> {
     flat_params(&map).unwrap()
 }
 
-/// Whether a recovery from a rank lost at step `lost` resumed at `step`: at `lost`, or at
-/// `lost - 1` when a survivor was still waiting for NCCL's launch of the last step every
-/// rank took (a non-blocking communicator of two or more ranks launches from NCCL's own
-/// thread) as the clique was aborted. That step then failed on that survivor only, and
-/// every survivor resumes at rank 0's step.
-fn resumes_at(step: u64, lost: u64) -> bool {
-    step == lost || step + 1 == lost
-}
-
-/// `losses` once a session resumed at `done` steps since the losses began (rank 0's
-/// count): a rank whose last step failed while rank 0's completed records that step's
-/// loss now, from rank 0's parameters (`whole`); one whose last step completed while rank
-/// 0's failed drops that step's loss, as the step is taken again.
-fn catch_up(
-    losses: &mut Vec<f32>,
-    done: u64,
-    whole: impl FnOnce() -> DistResult<f32>,
-) -> DistResult<()> {
-    let done = done as usize;
-    losses.truncate(done);
-    if losses.len() + 1 == done {
-        losses.push(whole()?);
-    }
-    assert_eq!(losses.len(), done, "a rank is at most one step off rank 0");
-    Ok(())
-}
-
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Loss {
     /// Rank 3's session returns an error: its communicator is dropped (destroyed) while

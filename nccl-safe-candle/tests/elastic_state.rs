@@ -183,15 +183,6 @@ struct Seen {
     world: usize,
 }
 
-/// Whether a recovery from a rank lost at step `lost` resumed at `step`: at `lost`, or at
-/// `lost - 1` when a survivor was still waiting for NCCL's launch of the last step every
-/// rank took (a non-blocking communicator of two or more ranks launches from NCCL's own
-/// thread) as the clique was aborted. That step then failed on that survivor only, and
-/// every survivor resumes at rank 0's step, with the state at that step.
-fn resumes_at(step: u64, lost: u64) -> bool {
-    step == lost || step + 1 == lost
-}
-
 /// One rank's steps from `*step` to `end`, its optimizer resumed from `carry`.
 #[allow(clippy::too_many_arguments)]
 fn steps(
@@ -228,13 +219,10 @@ fn steps(
             // One loss per step since the first: a rank whose last step failed while rank
             // 0's completed records that step's loss now, from rank 0's parameters; one
             // whose step completed while rank 0's failed drops it (the step is taken again).
-            let done = (*step - *seen.from.get_or_insert(*step)) as usize;
-            seen.losses.truncate(done);
-            if seen.losses.len() + 1 == done {
-                seen.losses
-                    .push(loss::mse(&model.forward(&x)?, &y)?.to_scalar::<f32>()?);
-            }
-            assert_eq!(seen.losses.len(), done, "one step off rank 0 at most");
+            let done = *step - *seen.from.get_or_insert(*step);
+            catch_up(&mut seen.losses, done, || {
+                Ok(loss::mse(&model.forward(&x)?, &y)?.to_scalar::<f32>()?)
+            })?;
             let (xs, ys) = (opt.shard_batch(&x)?, opt.shard_batch(&y)?);
             while *step < end {
                 let l = loss::mse(&model.forward(&xs)?, &ys)?;

@@ -404,18 +404,21 @@ fn child(target: &'static Target, spec: &str, scenario: impl Fn(&mut Rank)) {
 /// Runs the calling test's row with each of `n` ranks in a child process on `provider`
 /// ("nccl" or "host"); each rank's trace.
 fn processes(target: &Target, test: &str, provider: &str, n: usize) -> Vec<Vec<String>> {
-    let lib = source_nccl(target.version);
-    let mut id = ncclUniqueId { internal: [0; 128] };
-    if provider == "nccl" {
-        // SAFETY: a valid out-pointer. NCCL's bootstrap root runs in this process until
-        // `lib` is dropped, after the children ended.
-        assert_eq!(
-            unsafe { (lib.table().ncclGetUniqueId)(&mut id) },
-            ncclSuccess
-        );
-    } else {
-        id = nccl_safe::host::shared_unique_id();
-    }
+    // NCCL's bootstrap root runs in this process until `lib` is dropped, after the
+    // children ended.
+    let lib = (provider == "nccl").then(|| source_nccl(target.version));
+    let id = match &lib {
+        Some(lib) => {
+            let mut id = ncclUniqueId { internal: [0; 128] };
+            // SAFETY: a valid out-pointer.
+            assert_eq!(
+                unsafe { (lib.table().ncclGetUniqueId)(&mut id) },
+                ncclSuccess
+            );
+            id
+        }
+        None => nccl_safe::host::shared_unique_id(),
+    };
     let hex: String = id
         .internal
         .iter()

@@ -174,3 +174,30 @@ pub fn train_ddp(
     }
     Ok(flat_params(&map)?)
 }
+
+/// Whether a recovery from a rank lost at step `lost` resumed at `step`: at `lost`, or at
+/// `lost - 1` when a survivor was still waiting for NCCL's launch of the last step every
+/// rank took (a non-blocking communicator of two or more ranks launches from NCCL's own
+/// thread) as the clique was aborted. That step then failed on that survivor only, and
+/// every survivor resumes at rank 0's step (and carries the state at that step).
+pub fn resumes_at(step: u64, lost: u64) -> bool {
+    step == lost || step + 1 == lost
+}
+
+/// `losses` once a session resumed at `done` steps since the losses began (rank 0's
+/// count): a rank whose last step failed while rank 0's completed records that step's
+/// loss now, from rank 0's parameters (`whole`); one whose last step completed while rank
+/// 0's failed drops that step's loss, as the step is taken again.
+pub fn catch_up(
+    losses: &mut Vec<f32>,
+    done: u64,
+    whole: impl FnOnce() -> nccl_safe_candle::DistResult<f32>,
+) -> nccl_safe_candle::DistResult<()> {
+    let done = done as usize;
+    losses.truncate(done);
+    if losses.len() + 1 == done {
+        losses.push(whole()?);
+    }
+    assert_eq!(losses.len(), done, "a rank is at most one step off rank 0");
+    Ok(())
+}
