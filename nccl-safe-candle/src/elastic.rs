@@ -359,7 +359,7 @@ fn agree(small: &Communicator, lost: &[usize], world: usize, step: &mut u64) -> 
 }
 
 /// The candle device of a communicator's rank.
-fn device_of(comm: &Communicator) -> Result<Device> {
+pub(crate) fn device_of(comm: &Communicator) -> Result<Device> {
     Ok(match comm.cuda_ordinal() {
         None => Device::Cpu,
         Some(d) => Device::new_cuda(d)?,

@@ -88,6 +88,7 @@ mod comm_stream;
 mod ddp;
 pub mod elastic;
 pub mod error;
+pub mod job;
 mod optim;
 pub mod sampler;
 pub mod state;
@@ -98,6 +99,7 @@ pub use accumulate::{Accumulate, Accumulation, MicroBatchLoss, OptimizerState, U
 pub use ddp::{BucketPlan, DdpStep, DistributedDataParallel, DEFAULT_BUCKET_CAP};
 pub use elastic::{grow, is_rank_loss, join, recover, run_elastic, ElasticRun, Recovery};
 pub use error::{DistError, DistErrorKind, DistResult};
+pub use job::{ElasticJob, ElasticRank, GrowPolicy};
 pub use nccl_safe;
 pub use nccl_safe::launch::{Launcher, Rank};
 pub use nccl_safe::{Communicator, Config, ReduceOp};

@@ -1,0 +1,321 @@
+//! `ElasticJob`: one call starts the ranks of an elastic job, in threads and in processes
+//! (as mpirun starts them: `OMPI_COMM_WORLD_*`, the TCP rendezvous), and `ElasticRank::train`
+//! survives the loss of a member and takes the standby back by the grow policy, the grow's
+//! id going through the job's own rendezvous. Checked: the member that leaves at step 6
+//! is recovered from at step 6 on 3 ranks, the standby joins at the first check point
+//! after it (step 8), and the 4 ranks end at step 20 bit-identical, within 1e-5 of one
+//! process training on the whole batch; with `GrowPolicy::Never` (or no loss) the standby
+//! is released at the end and returns `None`.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+use candle_nn::{loss, Module, Optimizer, VarMap, SGD};
+use common::*;
+use nccl_safe::Config;
+use nccl_safe_candle::{
+    BatchSplit, DistResult, DistributedSampler, ElasticJob, ElasticRank, GrowPolicy,
+    ZeroRedundancyOptimizer,
+};
+
+const MEMBERS: usize = 4;
+const STEPS: u64 = 20;
+const LOST_AT: u64 = 6;
+/// The first check point after the loss (every 4 steps).
+const GROWN_AT: u64 = 8;
+const ROWS: usize = 24;
+const LR: f64 = 0.05;
+const CHILD: &str = "NCCL_SAFE_CANDLE_TEST_JOB";
+
+fn data() -> (Tensor, Tensor) {
+    let (x, y) = batch().unwrap();
+    (x.narrow(0, 0, ROWS).unwrap(), y.narrow(0, 0, ROWS).unwrap())
+}
+
+/// One process, the whole batch.
+fn reference() -> Vec<f32> {
+    let map = VarMap::new();
+    let model = Mlp::new(&map).unwrap();
+    init_fixed(&map).unwrap();
+    let (x, y) = data();
+    let mut opt = SGD::new(map.all_vars(), LR).unwrap();
+    for _ in 0..STEPS {
+        opt.backward_step(&loss::mse(&model.forward(&x).unwrap(), &y).unwrap())
+            .unwrap();
+    }
+    flat_params(&map).unwrap()
+}
+
+/// What a rank ended with: its parameters, step, world size, recoveries' steps, and the
+/// step it joined at (a standby).
+#[derive(Debug, Clone)]
+struct End {
+    params: Vec<f32>,
+    step: u64,
+    world: usize,
+    recovered_at: Vec<u64>,
+    joined_at: Option<u64>,
+}
+
+/// One rank's training: ZeRO-1 with SGD over the sampler's parts of the whole batch; the
+/// member that is rank 1 at the start leaves at `LOST_AT` by `leave` when `lose`.
+fn train(rank: ElasticRank, lose: bool, slow: bool, leave: &dyn Fn()) -> DistResult<Option<End>> {
+    let standby = rank.is_standby();
+    let map = VarMap::new();
+    let model = Mlp::new(&map)?;
+    init_fixed(&map)?;
+    let (x, y) = data();
+    let sampler = DistributedSampler::new(ROWS, ROWS)?.split(BatchSplit::Uneven);
+    let mut first: Option<(u64, usize)> = None;
+    let mut joined_at = None;
+    let run = rank.train(STEPS, |comm, step, stop| {
+        let first = *first.get_or_insert((*step, comm.rank()));
+        if standby && joined_at.is_none() {
+            joined_at = Some(*step);
+        }
+        let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, &map, LR)?;
+        while *step < stop {
+            if lose && !standby && first.1 == 1 && *step == LOST_AT {
+                leave();
+                return Err(candle_core::Error::Msg("rank 1 leaves".into()).into());
+            }
+            if slow && comm.world_size() < MEMBERS {
+                // Steps of a real job's length while short: the standby, polling its
+                // rendezvous, has time to take the place offered before the job ends.
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let part = sampler.part_for(comm, *step)?;
+            let l =
+                (loss::mse(&model.forward(&part.select(&x)?)?, &part.select(&y)?)? * part.weight)?;
+            opt.backward_step(&l)?;
+            *step += 1;
+        }
+        Ok(())
+    })?;
+    let Some(run) = run else {
+        return Ok(None);
+    };
+    Ok(Some(End {
+        params: flat_params(&map)?,
+        step: run.step,
+        world: run.comm.world_size(),
+        recovered_at: run.recoveries.iter().map(|r| r.step).collect(),
+        joined_at,
+    }))
+}
+
+fn job(policy: GrowPolicy) -> ElasticJob {
+    ElasticJob::host(MEMBERS)
+        .standbys(1)
+        .config(Config::new().timeout(Duration::from_secs(20)))
+        .grow_policy(policy)
+        .standby_timeout(Duration::from_secs(60))
+}
+
+/// The survivors and the standby end on 4 ranks at `STEPS`, bit-identical, near the
+/// reference.
+fn check_grown(ends: &[&End]) {
+    assert_eq!(ends.len(), 4, "{ends:?}");
+    let reference = reference();
+    for e in ends {
+        assert_eq!((e.step, e.world), (STEPS, MEMBERS), "{e:?}");
+        assert_eq!(e.params, ends[0].params, "the ranks' parameters differ");
+        match e.joined_at {
+            Some(at) => assert_eq!((at, &e.recovered_at[..]), (GROWN_AT, &[][..])),
+            None => assert!(
+                e.recovered_at.len() == 1 && resumes_at(e.recovered_at[0], LOST_AT),
+                "{e:?}"
+            ),
+        }
+    }
+    assert_eq!(ends.iter().filter(|e| e.joined_at.is_some()).count(), 1);
+    let d = max_rel_diff(&ends[0].params, &reference);
+    assert!(d < 1e-5, "{d:e} from one process");
+}
+
+#[test]
+fn threads_take_the_standby_back_after_a_loss() {
+    let results =
+        job(GrowPolicy::WhenStandbyWaits { every: 4 }).run(|r| train(r, true, false, &|| ()));
+    assert_eq!(results.len(), 5);
+    assert!(results[1].is_err(), "rank 1 left");
+    let ends: Vec<End> = [0, 2, 3, 4]
+        .iter()
+        .map(|&r| {
+            let e = results[r]
+                .as_ref()
+                .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+            e.clone()
+                .unwrap_or_else(|| panic!("rank {r} ended without training"))
+        })
+        .collect();
+    check_grown(&ends.iter().collect::<Vec<_>>());
+}
+
+#[test]
+fn threads_without_a_grow_policy_release_the_standby() {
+    let results = job(GrowPolicy::Never).run(|r| train(r, true, false, &|| ()));
+    let ends: Vec<_> = results
+        .into_iter()
+        .map(|r| r.map_err(|e| e.to_string()))
+        .collect();
+    assert!(ends[1].is_err());
+    for r in [0, 2, 3] {
+        let e = ends[r].as_ref().unwrap().as_ref().unwrap();
+        assert_eq!((e.step, e.world), (STEPS, 3));
+    }
+    assert!(
+        matches!(ends[4], Ok(None)),
+        "the standby is released: {:?}",
+        ends[4]
+    );
+}
+
+#[test]
+fn threads_without_a_loss_release_the_standby() {
+    let results = job(GrowPolicy::default()).run(|r| train(r, false, false, &|| ()));
+    for (r, e) in results.iter().enumerate().take(MEMBERS) {
+        let e = e.as_ref().unwrap().as_ref().unwrap();
+        assert_eq!((e.step, e.world), (STEPS, MEMBERS), "rank {r}");
+    }
+    assert!(matches!(results[4], Ok(None)));
+}
+
+/// A child process: one launcher rank (the parent set mpirun's variables).
+fn child() {
+    let job = ElasticJob::from_env()
+        .unwrap()
+        .host_provider()
+        .standbys(1)
+        .config(Config::new().timeout(Duration::from_secs(20)))
+        .grow_policy(GrowPolicy::WhenStandbyWaits { every: 4 })
+        .standby_timeout(Duration::from_secs(50));
+    // Rank 1 dies as a SIGKILLed process would: no destructor runs.
+    let out = job.run(|r| train(r, true, true, &|| std::process::exit(3)));
+    match &out[0] {
+        Ok(Some(e)) => println!(
+            "END step {} world {} recovered {:?} joined {:?} params {}",
+            e.step,
+            e.world,
+            e.recovered_at,
+            e.joined_at,
+            e.params
+                .iter()
+                .map(|v| format!("{:08x}", v.to_bits()))
+                .collect::<String>()
+        ),
+        Ok(None) => println!("END released"),
+        Err(e) => println!("END error {e}"),
+    }
+}
+
+/// Four free ports in a row below the ephemeral range (the rendezvous, the desync board,
+/// the standby's rendezvous and a spare).
+fn free_ports() -> u16 {
+    let base = 20000 + (std::process::id() % 5000) as u16 * 2;
+    (0..2000u16)
+        .map(|k| base.wrapping_add(k * 4) % 30000 + 2000)
+        .find(|&p| (p..p + 4).all(|q| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok()))
+        .expect("four free ports")
+}
+
+#[test]
+fn processes_take_the_standby_back_through_the_rendezvous() {
+    if std::env::var(CHILD).is_ok() {
+        child();
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let port = free_ports();
+    let token = format!(
+        "{:032x}",
+        std::process::id() as u128 * 0x9E37_79B9_7F4A_7C15
+    );
+    let ranks = MEMBERS + 1;
+    let kids: Vec<_> = (0..ranks)
+        .map(|r| {
+            let mut c = Command::new(&exe);
+            c.args([
+                "processes_take_the_standby_back_through_the_rendezvous",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ]);
+            for v in [
+                "RANK",
+                "WORLD_SIZE",
+                "SLURM_PROCID",
+                "OMPI_MCA_orte_hnp_uri",
+                "TORCHELASTIC_RUN_ID",
+            ] {
+                c.env_remove(v);
+            }
+            c.env(CHILD, "1")
+                .env("OMPI_COMM_WORLD_RANK", r.to_string())
+                .env("OMPI_COMM_WORLD_SIZE", ranks.to_string())
+                .env("OMPI_COMM_WORLD_LOCAL_RANK", r.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("NCCL_SAFE_RENDEZVOUS_TOKEN", &token)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn a rank")
+        })
+        .collect();
+    let start = Instant::now();
+    let outs: Vec<_> = kids
+        .into_iter()
+        .map(|k| {
+            let out = k.wait_with_output().unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+            )
+        })
+        .collect();
+    assert!(start.elapsed() < Duration::from_secs(90), "{outs:#?}");
+    assert_eq!(outs[1].0, Some(3), "rank 1 died: {outs:#?}");
+    let mut params = Vec::new();
+    for r in [0, 2, 3, 4] {
+        let line = outs[r]
+            .1
+            .lines()
+            .find_map(|l| l.find("END ").map(|i| &l[i..]))
+            .unwrap_or_else(|| panic!("rank {r} printed no end: {outs:#?}"));
+        assert_eq!(outs[r].0, Some(0), "rank {r}: {line}");
+        // The standby joins at a check point (every 4 steps) after the loss, once it
+        // took the place offered (its rendezvous is polled twice a second).
+        let want = if r == 4 {
+            format!("END step {STEPS} world {MEMBERS} recovered [] joined Some(")
+        } else {
+            format!("END step {STEPS} world {MEMBERS} recovered [")
+        };
+        assert!(line.starts_with(&want), "rank {r}: {line}");
+        if r == 4 {
+            let at: u64 = line["END step 20 world 4 recovered [] joined Some(".len()..]
+                .split(')')
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{line}"));
+            assert!(at % 4 == 0 && (GROWN_AT..STEPS).contains(&at), "{line}");
+        }
+        params.push(line.rsplit(' ').next().unwrap().to_string());
+    }
+    assert!(params.iter().all(|p| *p == params[0]), "{outs:#?}");
+    let reference: String = reference()
+        .iter()
+        .map(|v| format!("{:08x}", v.to_bits()))
+        .collect();
+    let ours: Vec<f32> = (0..params[0].len() / 8)
+        .map(|i| f32::from_bits(u32::from_str_radix(&params[0][8 * i..8 * i + 8], 16).unwrap()))
+        .collect();
+    let theirs: Vec<f32> = (0..reference.len() / 8)
+        .map(|i| f32::from_bits(u32::from_str_radix(&reference[8 * i..8 * i + 8], 16).unwrap()))
+        .collect();
+    let d = max_rel_diff(&ours, &theirs);
+    assert!(d < 1e-5, "{d:e} from one process");
+}
