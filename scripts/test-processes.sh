@@ -31,7 +31,11 @@
 #      the 2 left exclude both and end at step 60, bit-identical;
 #   5. the same job with the standby SIGKILLed before it joins, then rank 1: the 3 left
 #      recover, their grow fails within its timeout (3 s) and hands each its communicator
-#      back, and they end at step 60 on 3 ranks, bit-identical.
+#      back, and they end at step 60 on 3 ranks, bit-identical;
+#   6. the README's elastic program, nccl-safe-candle's examples/elastic_job.rs (ElasticJob),
+#      as 4 ranks and a standby: rank 1 is SIGKILLed at step 40 (its pid from its log line),
+#      the 3 left carry on, the grow policy takes the standby back (its grow id over the
+#      job's TCP rendezvous), and the 4 end at step 200 with the same final loss.
 # Installs Debian's openmpi-bin when mpirun is missing; for srun, scripts/slurm-local.sh
 # installs and starts the cluster, and stops it afterwards. Takes a few seconds once built.
 set -euo pipefail
@@ -53,7 +57,7 @@ case "$launcher" in
     eval "$(scripts/slurm-local.sh start)"
     echo "$(srun --version) at $(command -v srun), SLURM_CONF=$SLURM_CONF"
     ;;
-  *) sed -n '2,28p' "$0"; exit 2 ;;
+  *) sed -n '2,38p' "$0"; exit 2 ;;
 esac
 # launch4 [--tolerate-a-dead-rank] PROGRAM ARGS...: sets $cmd to run 4 ranks of PROGRAM
 # under the launcher. With --tolerate-a-dead-rank the launcher must not kill the survivors
@@ -99,7 +103,7 @@ for line in sys.stdin:
 # so only the example is left to build), made absolute: the build runs in the crate's folder.
 candle_target="$(realpath -m "$target")/candle"
 echo "building nccl-safe-candle's examples/elastic.rs (its own workspace, in $candle_target) ..."
-(cd nccl-safe-candle && CARGO_TARGET_DIR="$candle_target" cargo build --quiet --example elastic)
+(cd nccl-safe-candle && CARGO_TARGET_DIR="$candle_target" cargo build --quiet --example elastic --example elastic_job)
 elastic_exe="$candle_target/debug/examples/elastic"
 exe="$(test_exe multiprocess)"
 [ -x "$exe" ] || fail "could not build tests/multiprocess.rs"
@@ -369,5 +373,38 @@ job_ends elastic-standby 023 3
 [ "$(count "$logs/elastic-standby" '^GROW_FAILED rank [0-2]: carrying on at 3 ranks')" -eq 3 ] \
   || { cat "$logs/elastic-standby"; fail "elastic-standby: expected the 3 ranks' grow to fail and hand back their communicator"; }
 echo "  the standby died before it joined: each of the 3 grows failed within the 3 s timeout, and they carried on"
+
+echo "6. the README's elastic program (nccl-safe-candle/examples/elastic_job.rs) as 4 $launcher ranks and a standby: rank 1 is SIGKILLed at step 40, the 3 left carry on, the standby is taken back"
+port=$(( port + 4 )) # the rendezvous, the desync board, the standby's rendezvous
+launchn 5 --tolerate-a-dead-rank "$candle_target/debug/examples/elastic_job"
+where=()
+[ "$launcher" != mpirun ] || where=(MASTER_ADDR=127.0.0.1 MASTER_PORT="$port")
+job_s=$(date +%s)
+env "${where[@]}" timeout --kill-after=5 60 "${cmd[@]}" >"$logs/readme" 2>&1 &
+job_pid=$!
+victim=""
+for ((i = 0; i < 3000; i++)); do
+  victim="$(grep -m1 -E '^rank 1 of 4 \(pid [0-9]+\): step 40$' "$logs/readme" 2>/dev/null | grep -oE '[0-9]+\)' | tr -d ')' || true)"
+  [ -n "$victim" ] && break
+  sleep 0.01
+done
+[ -n "$victim" ] || { kill "$job_pid" 2>/dev/null || true; wait "$job_pid" || true; cat "$logs/readme"; fail "readme: rank 1 did not reach step 40 within 30 s"; }
+kill -9 "$victim" || { wait "$job_pid" || true; cat "$logs/readme"; fail "readme: could not kill rank 1 (pid $victim)"; }
+set +e
+wait "$job_pid"
+set -e
+[ $(( $(date +%s) - job_s )) -lt 60 ] || { cat "$logs/readme"; fail "readme hung (killed after 60 s)"; }
+shm_clean readme
+# Each of the 4 ranks at the end prints its final loss: equal parameters, equal losses.
+finals="$(grep -E '^done: rank [0-3] of 4 at step 200, ' "$logs/readme" || true)"
+[ "$(count "$logs/readme" '^Error')" -eq 0 ] || { cat "$logs/readme"; fail "readme: a rank failed"; }
+[ "$(printf '%s\n' "$finals" | awk '{print $3}' | sort -u | grep -c .)" -eq 4 ] \
+  || { cat "$logs/readme"; fail "readme: expected ranks 0-3 of 4 to end at step 200"; }
+[ "$(printf '%s\n' "$finals" | awk '{print $NF}' | sort -u | wc -l)" -eq 1 ] \
+  || { cat "$logs/readme"; fail "readme: the 4 ranks' final losses differ"; }
+[ "$(count "$logs/readme" '^done: rank [0-3] of 4 at step 200, 1 recoveries, ')" -eq 3 ] \
+  && [ "$(count "$logs/readme" '^rank [0-2] of 3 ')" -gt 0 ] \
+  || { cat "$logs/readme"; fail "readme: expected 3 ranks to recover once and step on 3 ranks"; }
+echo "  rank 1 (pid $victim) SIGKILLed at step 40: 3 ranks carried on, the standby joined; 4 ranks at step 200, final loss $(printf '%s\n' "$finals" | awk 'NR == 1 {print $NF}') on each"
 
 echo "test-processes ($launcher): OK in $(( $(date +%s) - t0 ))s"
