@@ -319,3 +319,23 @@ fn processes_take_the_standby_back_through_the_rendezvous() {
     let d = max_rel_diff(&ours, &theirs);
     assert!(d < 1e-5, "{d:e} from one process");
 }
+
+/// The README's elastic program is `examples/elastic_job.rs`, character for character
+/// (CI runs the example: the README shows what was run).
+#[test]
+fn the_readme_shows_the_example_program() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
+    let example =
+        std::fs::read_to_string(format!("{root}/nccl-safe-candle/examples/elastic_job.rs"))
+            .unwrap();
+    let marker = "<!-- nccl-safe-candle/examples/elastic_job.rs -->\n```rust,ignore\n";
+    let start = readme.find(marker).expect("the README's marker") + marker.len();
+    let len = readme[start..]
+        .find("```\n")
+        .expect("the end of the code block");
+    assert!(
+        readme[start..start + len] == example,
+        "the README's copy of examples/elastic_job.rs differs from the file: copy the file into it"
+    );
+}
