@@ -42,8 +42,9 @@
 //! starts its state afresh on the smaller world (SGD without momentum carries on exactly;
 //! candle_nn's AdamW, whose state is private, does not compile with `resume`: its drop-in is
 //! [`state::AdamW`](crate::state::AdamW)); a
-//! replacement rank joins only between two `run_elastic` runs ([`grow`] and [`join`]: the
-//! loop does not decide when by itself); a shrink that waits for a rank lost after the
+//! replacement rank joins only between two `run_elastic` runs ([`grow`] and [`join`];
+//! [`ElasticRank::train`](crate::ElasticRank::train) decides when, by its
+//! [`GrowPolicy`](crate::GrowPolicy), and moves the grow id through the job's rendezvous); a shrink that waits for a rank lost after the
 //! survivors agreed on the list is not tried again on NCCL 2.29 (it refuses a second shrink
 //! while the first one's job is in progress, init.cc:2762 and 400-416), and ranks of other
 //! processes agree only through what each sees (the host provider's records, the desync

@@ -1,5 +1,5 @@
 //! [`ElasticJob`]: the launcher of an elastic job, as threads or as the processes of
-//! torchrun, srun or mpirun, handing each rank what [`run_elastic`](crate::run_elastic)
+//! torchrun, srun or mpirun, handing each rank what [`run_elastic`]
 //! needs, with standbys that the job takes back by a [`GrowPolicy`].
 //!
 //! One call starts a rank whichever way the job runs: [`ElasticJob::run`] runs its closure
@@ -8,13 +8,13 @@
 //! elastic communicator ([`Config::elastic`] is set for it), or a standby that waits to be
 //! taken back. [`ElasticRank::train`] runs the training loop: the session closure steps
 //! until the step it is told to stop at; after the loss of a rank it runs again on the
-//! ranks left ([`run_elastic`](crate::run_elastic)); at the policy's check points, while
+//! ranks left ([`run_elastic`]); at the policy's check points, while
 //! the job is below its size, it takes a waiting standby back in ([`grow`](crate::grow) /
 //! [`join`](crate::join)).
 //!
 //! The grow's id moves through the job's own rendezvous, not by hand: in threads through
 //! memory; in processes over the job's authenticated TCP rendezvous
-//! ([`TcpRendezvous`](nccl_safe::launch::rendezvous::TcpRendezvous), the same token,
+//! ([`TcpRendezvous`], the same token,
 //! `NCCL_SAFE_RENDEZVOUS_TOKEN`): standby `i` (launcher rank `members + i`) is reached on
 //! `MASTER_ADDR:MASTER_PORT + 2 + i` (after the id's port and the desync board's), where
 //! the communicator's rank 0 offers it a place (the new world size), then the grow's id,
@@ -78,6 +78,34 @@ const RELEASE_WAIT: Duration = Duration::from_secs(5);
 const POLL: Duration = Duration::from_millis(1000);
 
 /// The launcher of an elastic job: its members and standbys, in threads or processes.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{linear, loss, Module, VarBuilder, VarMap, SGD};
+/// use nccl_safe_candle::{ElasticJob, ZeroRedundancyOptimizer};
+///
+/// // 2 ranks in threads (under mpirun: `ElasticJob::from_env()?`, the same closure) and a
+/// // standby, which nothing needs here: it is released at the end.
+/// let ends = ElasticJob::host(2).standbys(1).run(|rank| {
+///     let map = VarMap::new();
+///     let model = linear(4, 1, VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu))?;
+///     let x = Tensor::ones((6, 4), DType::F32, &Device::Cpu)?;
+///     let y = Tensor::zeros((6, 1), DType::F32, &Device::Cpu)?;
+///     let run = rank.train(5, |comm, step, stop| {
+///         let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, &map, 0.1)?;
+///         let (x, y) = (opt.shard_batch(&x)?, opt.shard_batch(&y)?);
+///         while *step < stop {
+///             opt.backward_step(&loss::mse(&model.forward(&x)?, &y)?)?;
+///             *step += 1;
+///         }
+///         Ok(())
+///     })?;
+///     Ok(run.map(|r| (r.step, r.comm.world_size())))
+/// });
+/// let ends: Vec<_> = ends.into_iter().collect::<Result<_, _>>()?;
+/// assert_eq!(ends, vec![Some((5, 2)), Some((5, 2)), None]);
+/// # Ok::<(), nccl_safe_candle::DistError>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct ElasticJob {
     kind: Kind,
@@ -238,11 +266,15 @@ impl ElasticJob {
             Err(e) => return vec![Err(e.into())],
         };
         let mail = Arc::new(Mailboxes::new(self.standbys));
+        // Members still running: the last to end releases the standbys (when rank 0
+        // failed before it could).
+        let running = std::sync::atomic::AtomicUsize::new(members);
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..members + self.standbys)
                 .map(|r| {
-                    let (id, mail) = (&id, Arc::clone(&mail));
+                    let (id, mail, running) = (&id, Arc::clone(&mail), &running);
                     s.spawn(move || {
+                        let _last = (r < members).then(|| LastOut(running, Arc::clone(&mail)));
                         let role = if r < members {
                             let comm = Communicator::init_rank(
                                 &CommDevice::Host,
@@ -251,7 +283,7 @@ impl ElasticJob {
                                 id,
                                 &self.config,
                             )?;
-                            Role::Member(comm)
+                            Role::Member(Box::new(comm))
                         } else {
                             Role::Standby(r - members)
                         };
@@ -288,7 +320,7 @@ impl ElasticJob {
             launcher = launcher.host();
         }
         let comm = launcher.init()?.into_comm();
-        Ok(self.rank(Role::Member(comm), device, members, channel))
+        Ok(self.rank(Role::Member(Box::new(comm)), device, members, channel))
     }
 }
 
@@ -318,7 +350,7 @@ fn invalid(reason: String) -> DistError {
 /// A member, or a standby (its index among the standbys).
 #[derive(Debug)]
 enum Role {
-    Member(Communicator),
+    Member(Box<Communicator>),
     Standby(usize),
 }
 
@@ -342,10 +374,10 @@ impl ElasticRank {
     }
 
     /// The member's communicator, for a loop of your own around
-    /// [`run_elastic`](crate::run_elastic) (`None` for a standby).
+    /// [`run_elastic`] (`None` for a standby).
     pub fn into_comm(self) -> Option<Communicator> {
         match self.role {
-            Role::Member(c) => Some(c),
+            Role::Member(c) => Some(*c),
             Role::Standby(_) => None,
         }
     }
@@ -353,7 +385,7 @@ impl ElasticRank {
     /// Trains to step `end`: runs `session(comm, &mut step, stop)`, which steps while
     /// `*step < stop` and increments `*step` after each step, from step 0 (a standby: from
     /// the step it joins at), again on the ranks left after the loss of a rank
-    /// ([`run_elastic`](crate::run_elastic)), and, while the job is below its size, at each
+    /// ([`run_elastic`]), and, while the job is below its size, at each
     /// check point of the [`GrowPolicy`] (`stop` is the next one), where a waiting standby
     /// is taken back ([`grow`](crate::grow)). Build the optimizer in the session (with
     /// `resume` and a [`StateCarry`](crate::StateCarry) to keep its state), and the batch
@@ -364,6 +396,7 @@ impl ElasticRank {
     /// then trains with the others; `Ok(None)` when the job ended without it. A grow that
     /// fails (the standby died while it joined) leaves the job at its size. A member
     /// returns the last communicator, its step and the recoveries.
+    #[track_caller]
     pub fn train(
         self,
         end: u64,
@@ -379,10 +412,12 @@ impl ElasticRank {
             standby_timeout,
             mut channel,
         } = self;
+        let (at, _scope) = crate::error::caller_scope();
         let (mut comm, mut step) = match role {
-            Role::Member(c) => (c, 0),
+            Role::Member(c) => (*c, 0),
             Role::Standby(i) => {
-                match channel.standby_wait(i, &device, &config, standby_timeout)? {
+                let joined = channel.standby_wait(i, &device, &config, standby_timeout);
+                match joined.map_err(|e| e.at(at, None))? {
                     Some(joined) => joined,
                     None => return Ok(None),
                 }
@@ -391,8 +426,12 @@ impl ElasticRank {
         // Which standbys are members now (rank 0's list, shared at each session's start).
         let mut joined = vec![false; standbys];
         let mut recoveries = Vec::new();
+        // Whether this rank was rank 0 at its last session's start: it releases the
+        // standbys when it fails (else they would wait for their timeout).
+        let mut lead = false;
         loop {
             let run = run_elastic(comm, step, |c, s| {
+                lead = c.rank() == 0;
                 if standbys > 0 {
                     share_joined(c, &mut joined)?;
                 }
@@ -423,7 +462,16 @@ impl ElasticRank {
                 crate::tensor::broadcast(c, &t, 0)?;
                 let i = t.to_vec1::<f64>()?[0];
                 Ok((i >= 0.0).then_some(i as usize))
-            })?;
+            });
+            let run = match run {
+                Ok(run) => run,
+                Err(e) => {
+                    if lead && standbys > 0 {
+                        channel.release(&joined);
+                    }
+                    return Err(e);
+                }
+            };
             comm = run.comm;
             step = run.step;
             recoveries.extend(run.recoveries);
@@ -520,7 +568,7 @@ impl Channel {
         let w = comm.world_size() + 1;
         match self {
             Channel::Threads(m) => {
-                m.post(i, Mail::Id(w, id.clone()));
+                m.post(i, Mail::Id(w, id));
                 Ok((id, None))
             }
             Channel::Tcp(t) => {
@@ -532,12 +580,11 @@ impl Channel {
 
     /// Rank 0, after the grow: the id's server is done with.
     fn handed(&mut self, server: Option<ServerHandle>, grew: bool) {
+        // After a failed grow too: a standby that fetched the id late would only fail to
+        // join it (and wait again).
+        let _ = grew;
         if let Some(s) = server {
-            if grew {
-                s.stop();
-            }
-            // Else it serves on, in the background, until its deadline: a standby that
-            // fetches the id late fails to join it, and waits again.
+            s.stop();
         }
     }
 
@@ -566,7 +613,7 @@ impl Channel {
         loop {
             let offer = match self {
                 Channel::Threads(m) => m.wait(i, deadline),
-                Channel::Tcp(t) => t.wait(i, deadline),
+                Channel::Tcp(t) => t.wait(i, deadline)?,
             };
             let (w, id) = match offer {
                 Some(Some(o)) => o,
@@ -585,6 +632,21 @@ impl Channel {
                 // shrank): wait for the next offer.
                 Err(_) if Instant::now() < deadline => continue,
                 Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// A member's thread: the last to end (returned, failed or panicked) releases every
+/// standby still waiting.
+struct LastOut<'a>(&'a std::sync::atomic::AtomicUsize, Arc<Mailboxes>);
+
+impl Drop for LastOut<'_> {
+    fn drop(&mut self) {
+        if self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            let n = self.1.lock().len();
+            for i in 0..n {
+                self.1.post(i, Mail::Done);
             }
         }
     }
@@ -632,7 +694,7 @@ impl Mailboxes {
         }
         loop {
             match &g[i] {
-                Mail::Id(w, id) => return Some(Some((*w, id.clone()))),
+                Mail::Id(w, id) => return Some(Some((*w, *id))),
                 Mail::Done => return Some(None),
                 _ => {}
             }
@@ -770,21 +832,19 @@ impl TcpGrow {
 
     /// Standby `i`: polls its rendezvous until an id comes after an offer
     /// (`Some(Some((world, id)))`), a release (`Some(None)`), or the deadline (`None`).
-    fn wait(&self, i: usize, deadline: Instant) -> Option<Option<(usize, UniqueId)>> {
+    fn wait(&self, i: usize, deadline: Instant) -> Result<Option<Option<(usize, UniqueId)>>> {
         let mut world = None;
         while Instant::now() < deadline {
             let left = deadline.saturating_duration_since(Instant::now());
-            let Ok(r) = self.rendezvous(i, POLL.min(left)) else {
-                return None;
-            };
+            let r = self.rendezvous(i, POLL.min(left))?;
             match r.fetch(1, 2) {
                 Ok(m) => match (parse(&m), world) {
-                    (Some((DONE, _)), _) => return Some(None),
+                    (Some((DONE, _)), _) => return Ok(Some(None)),
                     (Some((OFFER, w)), _) if w >= 2 => world = Some(w),
                     (Some(_), _) => {}
                     (None, Some(w)) => {
                         if let Ok(id) = UniqueId::from_bytes(&m) {
-                            return Some(Some((w, id)));
+                            return Ok(Some(Some((w, id))));
                         }
                     }
                     // An id without an offer: not for us.
@@ -798,6 +858,6 @@ impl TcpGrow {
                 Err(_) => {}
             }
         }
-        None
+        Ok(None)
     }
 }

@@ -29,6 +29,11 @@
 //!   comes along, re-sharded over the new world (module [`state`]: [`ShardableState`],
 //!   this crate's [`AdamW`](state::AdamW), candle_nn's AdamW's drop-in); ZeRO-1 keeps a
 //!   copy of each rank's state on the rank before it, so a lost rank's range is rebuilt.
+//! - [`ElasticJob`] (module [`job`]): the launcher of an elastic job, one call in threads
+//!   or under mpirun, srun or torchrun, handing each rank an owned elastic communicator
+//!   or a standby; [`ElasticRank::train`] is `run_elastic` with a [`GrowPolicy`] that
+//!   takes a waiting standby back, its grow id over the job's own rendezvous
+//!   (`examples/elastic_job.rs`, the README's program).
 //! - [`DistributedSampler`]: each step's global batch split over any number of ranks
 //!   (padded, dropped or uneven, as PyTorch's `DistributedSampler`), the same samples
 //!   after a recovery changed the world: what an elastic loop shards its data with

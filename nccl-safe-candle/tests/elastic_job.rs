@@ -301,7 +301,10 @@ fn processes_take_the_standby_back_through_the_rendezvous() {
                 .next()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or_else(|| panic!("{line}"));
-            assert!(at % 4 == 0 && (GROWN_AT..STEPS).contains(&at), "{line}");
+            assert!(
+                at.is_multiple_of(4) && (GROWN_AT..STEPS).contains(&at),
+                "{line}"
+            );
         }
         params.push(line.rsplit(' ').next().unwrap().to_string());
     }
@@ -337,5 +340,27 @@ fn the_readme_shows_the_example_program() {
     assert!(
         readme[start..start + len] == example,
         "the README's copy of examples/elastic_job.rs differs from the file: copy the file into it"
+    );
+}
+
+/// Every member fails before it trains: the standby is released when the last member's
+/// thread ends, not after its own timeout.
+#[test]
+fn threads_release_the_standby_when_every_member_failed() {
+    let started = Instant::now();
+    let results = job(GrowPolicy::default())
+        .standby_timeout(Duration::from_secs(30))
+        .run(|r| {
+            if !r.is_standby() {
+                return Err(candle_core::Error::Msg("a member fails".into()).into());
+            }
+            r.train(STEPS, |_, _, _| Ok(())).map(|run| run.is_none())
+        });
+    assert!(results[..MEMBERS].iter().all(Result::is_err));
+    assert!(
+        matches!(results[MEMBERS], Ok(true)),
+        "the standby is released, after {:?}: {:?}",
+        started.elapsed(),
+        results[MEMBERS]
     );
 }
