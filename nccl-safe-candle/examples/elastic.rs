@@ -27,6 +27,11 @@
 //! starts (for a job that kills it before it joins: the others' `grow` fails within the
 //! timeout, and they train to the end on 3 ranks).
 //!
+//! It drives the lower-level calls by hand (`run_elastic`, `grow`, `join`, the grow id in a
+//! file) so that the script can kill a standby before it joins; a job of your own uses
+//! `ElasticJob` (`examples/elastic_job.rs`, the README's program), which moves the grow id
+//! through the job's rendezvous and takes the standby back by a grow policy.
+//!
 //! Each rank prints lines the script checks (times in ms since the epoch):
 //! `LOST rank R at step S after the loss of rank L: first step on 3 ranks at T`,
 //! `GROW_ID at T`, `FIRST_STEP_ON_4 rank R at T`, and at the end
