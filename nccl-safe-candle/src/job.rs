@@ -457,11 +457,20 @@ impl ElasticRank {
                 } else {
                     None
                 };
-                let mine = [ready.map_or(-1.0, |i| i as f64)];
-                let t = Tensor::new(&mine[..], &device_of(c)?)?;
-                crate::tensor::broadcast(c, &t, 0)?;
-                let i = t.to_vec1::<f64>()?[0];
-                Ok((i >= 0.0).then_some(i as usize))
+                let i = bcast_from_0(c, ready.map_or(-1.0, |i| i as f64))?;
+                if i < 0.0 {
+                    return Ok(None);
+                }
+                // Rank 0 takes the grow's id, then says whether it could (NCCL sends it to
+                // ranks 0 and n-1 in the call, and they wait for it in their grow: only a
+                // grow whose id exists is started).
+                let id = if c.rank() == 0 {
+                    c.grow_id().ok()
+                } else {
+                    None
+                };
+                let ok = bcast_from_0(c, if id.is_some() { 1.0 } else { 0.0 })?;
+                Ok((ok > 0.5).then_some((i as usize, id)))
             });
             let run = match run {
                 Ok(run) => run,
@@ -475,26 +484,23 @@ impl ElasticRank {
             comm = run.comm;
             step = run.step;
             recoveries.extend(run.recoveries);
-            let i = match run.value {
-                Some(i) => i,
+            let (i, id) = match run.value {
+                Some(ready) => ready,
                 None if step >= end => break,
                 // A check point without a standby ready: the next session.
                 None => continue,
             };
             let w = comm.world_size() + 1;
-            let grown = if comm.rank() == 0 {
-                match channel.hand_id(&comm, i) {
-                    Ok((id, server)) => {
-                        let grown = crate::elastic::grow(comm, w, Some(&id), &mut step);
-                        channel.handed(server, grown.is_ok());
-                        grown
-                    }
-                    // Rank 0 could not serve the id: its grow fails at the timeout, as the
-                    // others' (they wait for the new rank), and the job carries on.
-                    Err(_) => crate::elastic::grow(comm, w, None, &mut step),
+            let grown = match id {
+                Some(id) => {
+                    // A server that cannot start leaves the standby without the id: the
+                    // grow fails at its timeout on every rank, and the job carries on.
+                    let server = channel.hand_id(&id, w, i).ok().flatten();
+                    let grown = crate::elastic::grow(comm, w, Some(&id), &mut step);
+                    channel.handed(server);
+                    grown
                 }
-            } else {
-                crate::elastic::grow(comm, w, None, &mut step)
+                None => crate::elastic::grow(comm, w, None, &mut step),
             };
             comm = match grown {
                 Ok(big) => {
@@ -514,6 +520,13 @@ impl ElasticRank {
             recoveries,
         }))
     }
+}
+
+/// Rank 0's `v` to every rank of `c`.
+fn bcast_from_0(c: &Communicator, v: f64) -> Result<f64> {
+    let t = Tensor::new(&[v][..], &device_of(c)?)?;
+    crate::tensor::broadcast(c, &t, 0)?;
+    Ok(t.to_vec1::<f64>()?[0])
 }
 
 /// Rank 0's list of the standbys that joined, to every rank.
@@ -557,32 +570,21 @@ impl Channel {
         }
     }
 
-    /// Rank 0: a grow id for `comm`, handed to standby `i` (a server that serves it, in
-    /// processes).
-    fn hand_id(
-        &mut self,
-        comm: &Communicator,
-        i: usize,
-    ) -> Result<(UniqueId, Option<ServerHandle>)> {
-        let id = comm.grow_id()?;
-        let w = comm.world_size() + 1;
+    /// Rank 0: the grow's id `id` to standby `i`, which joins as rank `w - 1` of `w` (a
+    /// server that serves it, in processes).
+    fn hand_id(&mut self, id: &UniqueId, w: usize, i: usize) -> Result<Option<ServerHandle>> {
         match self {
             Channel::Threads(m) => {
-                m.post(i, Mail::Id(w, id));
-                Ok((id, None))
+                m.post(i, Mail::Id(w, *id));
+                Ok(None)
             }
-            Channel::Tcp(t) => {
-                let server = t.serve(i, *id.as_bytes(), w)?;
-                Ok((id, Some(server)))
-            }
+            Channel::Tcp(t) => Ok(Some(t.serve(i, *id.as_bytes(), w)?)),
         }
     }
 
-    /// Rank 0, after the grow: the id's server is done with.
-    fn handed(&mut self, server: Option<ServerHandle>, grew: bool) {
-        // After a failed grow too: a standby that fetched the id late would only fail to
-        // join it (and wait again).
-        let _ = grew;
+    /// Rank 0, after the grow (made or failed: a standby that fetched the id late would
+    /// only fail to join it, and wait again): the id's server is done with.
+    fn handed(&mut self, server: Option<ServerHandle>) {
         if let Some(s) = server {
             s.stop();
         }
