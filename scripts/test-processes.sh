@@ -397,7 +397,7 @@ set -e
 shm_clean readme
 # Each of the 4 ranks at the end prints its final loss: equal parameters, equal losses.
 finals="$(grep -E '^done: rank [0-3] of 4 at step 200, ' "$logs/readme" || true)"
-[ "$(count "$logs/readme" '^Error')" -eq 0 ] || { cat "$logs/readme"; fail "readme: a rank failed"; }
+[ "$(count "$logs/readme" '^Error: ')" -eq 0 ] || { cat "$logs/readme"; fail "readme: a rank failed"; }
 [ "$(printf '%s\n' "$finals" | awk '{print $3}' | sort -u | grep -c .)" -eq 4 ] \
   || { cat "$logs/readme"; fail "readme: expected ranks 0-3 of 4 to end at step 200"; }
 [ "$(printf '%s\n' "$finals" | awk '{print $NF}' | sort -u | wc -l)" -eq 1 ] \
