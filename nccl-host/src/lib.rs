@@ -121,6 +121,7 @@ mod defs;
 mod dtype;
 mod exec;
 pub mod fault;
+mod params;
 mod registry;
 mod shm;
 mod state;
