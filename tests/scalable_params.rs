@@ -379,3 +379,88 @@ fn several_roots_in_processes() {
         );
     }
 }
+
+/// The thread launcher with several roots: each rank's communicator comes from a scalable
+/// init over that many ids, and a collective spans every rank; a count of roots of 0 or
+/// above the ranks is refused before any rank starts.
+#[test]
+fn the_launcher_runs_with_several_roots() {
+    use nccl_safe::launch::Launcher;
+    let sums = Launcher::host(5)
+        .roots(2)
+        .config(config())
+        .run(|rank| {
+            let mut x = vec![rank.rank() as f32 + 1.0; 3];
+            rank.comm()
+                .all_reduce_in_place(&mut x, ReduceOp::Sum, rank.stream())?;
+            Ok(x[0])
+        })
+        .unwrap();
+    assert_eq!(sums, vec![15.0; 5]);
+    for roots in [0, 6] {
+        match Launcher::host(5).roots(roots).run(|_| Ok(())) {
+            Err(Error::InvalidArgument { call, .. }) => assert_eq!(call, "Launcher::roots"),
+            other => panic!("{roots} roots: {other:?}"),
+        }
+    }
+}
+
+/// A process launcher's rank joins with several ids it was given (`join_scalable`): three
+/// ranks' launchers (in threads here, on the host provider) over two shared ids; no ids is
+/// refused before NCCL.
+#[test]
+fn a_process_rank_joins_with_several_ids() {
+    use nccl_safe::launch::env::{EnvSource, ProcessEnv};
+    use nccl_safe::launch::ProcessLauncher;
+    let env = |rank| ProcessEnv {
+        source: EnvSource::Torchrun,
+        rank,
+        world_size: 3,
+        local_rank: rank,
+        local_world_size: Some(3),
+        master_addr: "127.0.0.1".into(),
+        master_port: 1,
+        elastic: None,
+        ends_survivors: None,
+    };
+    let ids: Vec<UniqueId> = (0..2)
+        .map(|_| UniqueId::from_raw(shared_unique_id()))
+        .collect();
+    std::thread::scope(|s| {
+        for rank in 0..3 {
+            let ids = &ids;
+            s.spawn(move || {
+                let launcher = ProcessLauncher::new(env(rank)).host().config(config());
+                let r = launcher.join_scalable(ids).unwrap();
+                assert_eq!((r.rank(), r.world_size()), (rank, 3));
+                check_sum(r.comm());
+            });
+        }
+    });
+    let launcher = ProcessLauncher::new(env(0)).host();
+    assert!(matches!(
+        launcher.join_scalable(&[]),
+        Err(Error::InvalidArgument { .. })
+    ));
+}
+
+/// Ranks that pass different ids do not meet (NCCL's roots would wait for ranks that
+/// check in elsewhere): each init ends at its timeout, no handle is left live.
+#[test]
+fn ranks_with_different_ids_time_out() {
+    let [a, b, c] = [(); 3].map(|_| CommDevice::Host.unique_id().unwrap());
+    let short = Config::new().timeout(Duration::from_millis(300));
+    std::thread::scope(|s| {
+        for (rank, ids) in [(0, [a, b]), (1, [a, c])] {
+            let short = &short;
+            s.spawn(move || {
+                match Communicator::init_rank_scalable(&CommDevice::Host, 2, rank, &ids, short) {
+                    Err(Error::Timeout { .. }) => {}
+                    other => panic!("rank {rank}: {other:?}"),
+                }
+            });
+        }
+    });
+    let st = support::settled_stats(&a);
+    assert_eq!(st.live, 0, "{st:?}");
+}
