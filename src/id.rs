@@ -126,34 +126,6 @@ impl FromStr for UniqueId {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn text_round_trips_and_debug_is_short() {
-        let mut b = [0u8; 128];
-        for (i, x) in b.iter_mut().enumerate() {
-            *x = (i * 37 % 256) as u8;
-        }
-        let id = UniqueId::from_bytes(&b).unwrap();
-        assert_eq!(id.to_string().len(), 256);
-        assert_eq!(id.to_string().parse::<UniqueId>().unwrap(), id);
-        assert_eq!(UniqueId::from_raw(id.to_raw()), id);
-        let dbg = format!("{id:?}");
-        assert!(
-            dbg.chars().count() <= 40 && dbg.contains("128 bytes"),
-            "{dbg}"
-        );
-        assert!("zz".repeat(128).parse::<UniqueId>().is_err());
-        assert!("ab".parse::<UniqueId>().is_err());
-        assert!(matches!(
-            UniqueId::from_bytes(&b[..127]),
-            Err(Error::InvalidArgument { .. })
-        ));
-    }
-}
-
 /// The most ranks one root of a scalable init serves in the launchers
 /// ([`scalable_roots`]): NCCL's `NCCL_UID_STAGGER_THRESHOLD` default (bootstrap.cc:670 of
 /// 2.30.7), above which NCCL delays each rank's connection to its root by its place in
@@ -192,4 +164,32 @@ pub fn scalable_root_rank(world_size: usize, roots: usize, root: usize) -> Optio
         return None;
     }
     Some(root * (world_size / roots) + root.min(world_size % roots))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_round_trips_and_debug_is_short() {
+        let mut b = [0u8; 128];
+        for (i, x) in b.iter_mut().enumerate() {
+            *x = (i * 37 % 256) as u8;
+        }
+        let id = UniqueId::from_bytes(&b).unwrap();
+        assert_eq!(id.to_string().len(), 256);
+        assert_eq!(id.to_string().parse::<UniqueId>().unwrap(), id);
+        assert_eq!(UniqueId::from_raw(id.to_raw()), id);
+        let dbg = format!("{id:?}");
+        assert!(
+            dbg.chars().count() <= 40 && dbg.contains("128 bytes"),
+            "{dbg}"
+        );
+        assert!("zz".repeat(128).parse::<UniqueId>().is_err());
+        assert!("ab".parse::<UniqueId>().is_err());
+        assert!(matches!(
+            UniqueId::from_bytes(&b[..127]),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
 }

@@ -55,7 +55,7 @@ fn set_last(msg: &str) {
 }
 
 /// Runs an entry point body: records the error text, turns a panic into `ncclInternalError`.
-pub(crate) fn ffi(f: impl FnOnce() -> Result<ncclResult_t, Fail>) -> ncclResult_t {
+fn ffi(f: impl FnOnce() -> Result<ncclResult_t, Fail>) -> ncclResult_t {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(Ok(code)) => code,
         Ok(Err(fail)) => {
@@ -674,12 +674,12 @@ fn init_rank(
     }
 }
 
-/// `ncclCommInitRankScalable` as NCCL 2.30.7 has it (init.cc:2693-2725, 2477-2481): `nId`
+/// `ncclCommInitRankScalable` as NCCL 2.30.7 has it (init.cc:2693-2728, 2477-2481): `nId`
 /// outside `1..=nranks` is ncclInvalidArgument before anything is checked or written; else
 /// it is `ncclCommInitRankConfig` (a NULL config is NCCL's default one, and a non-blocking
 /// init returns ncclInProgress) with `nId` ids, rank `r` checking in with root
 /// `rootIdFromRank(r)` (bootstrap.cc:59-69) and the communicator named by the first id's
-/// hash (init.cc:1896). Here the ranks meet on the first id extended with a digest of all
+/// hash (init.cc:1905). Here the ranks meet on the first id extended with a digest of all
 /// of them ([`scalable_key`]): ranks must pass the same ids in the same order (NCCL's
 /// roots need that too), one that passes others waits, as on NCCL, until its timeout. One
 /// id is exactly `ncclCommInitRankConfig`'s rendezvous.
@@ -697,7 +697,7 @@ pub(crate) unsafe extern "C" fn ncclCommInitRankScalable(
         return ffi_grouped(|| Err(lock().invalid(None, WHAT, m)));
     }
     if comm_ids.is_null() {
-        // NCCL copies from it (init.cc:2520): a crash there.
+        // NCCL copies from it (init.cc:2531): a crash there.
         return ffi_grouped(|| Err(lock().invalid(None, WHAT, "commId is NULL")));
     }
     // SAFETY: NCCL's contract: `comm_ids` points to `n_id` (> 0) unique ids.

@@ -20,7 +20,6 @@ use std::sync::OnceLock;
 
 use nccl_sys::bindings::{ncclInvalidArgument, ncclParamHandle_t, ncclResult_t, ncclSuccess};
 
-use super::api::ffi;
 use super::defs::Fail;
 
 /// `NCCL_PARAM_FLAG_PUBLISHED` (param/common.h:24).
@@ -238,6 +237,16 @@ fn cache_disabled(key: &CStr) -> bool {
     };
     list.split(',')
         .any(|k| k == "ALL" || k.as_bytes() == key.to_bytes())
+}
+
+/// Runs an entry point body: its failure's code (NCCL logs these at INFO level, so
+/// `ncclGetLastError` is left as it is), a panic `ncclInternalError`.
+fn ffi(f: impl FnOnce() -> Result<ncclResult_t, Fail>) -> ncclResult_t {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(code)) => code,
+        Ok(Err(fail)) => fail.code,
+        Err(_) => nccl_sys::bindings::ncclInternalError,
+    }
 }
 
 fn invalid(m: impl std::fmt::Display) -> Fail {

@@ -161,7 +161,7 @@ impl Communicator {
             |raw_config| {
                 let mut raw: ncclComm_t = std::ptr::null_mut();
                 // SAFETY: `raw` is writable; `raw_ids` holds `ids.len()` ids (checked to be
-                // in 1..=world_size) that NCCL copies during the call (init.cc:2520);
+                // in 1..=world_size) that NCCL copies during the call (init.cc:2531);
                 // `raw_config` is a valid ncclConfig_t for this library; ranks checked.
                 let r = unsafe {
                     init(
