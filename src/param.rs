@@ -24,6 +24,13 @@ pub struct Param {
     name: String,
 }
 
+// SAFETY: the handle names an entry of NCCL's process-wide registry, never freed; NCCL
+// loads a value under the entry's mutex and hands text out in buffers of the calling
+// thread (param.h:139-158, c_api.cc:108-111), so any thread may read through it.
+unsafe impl Send for Param {}
+// SAFETY: as for `Send`: every read through the handle is NCCL's own thread-safe getter.
+unsafe impl Sync for Param {}
+
 impl std::fmt::Debug for Param {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Param").field("name", &self.name).finish()

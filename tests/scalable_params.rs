@@ -88,10 +88,31 @@ fn one_id_meets_init_rank() {
     assert_balanced(&id);
 }
 
+/// Runs this binary's test `name` alone in a child process (for process-wide counters or
+/// variables), with `env`; fails when it fails.
+fn in_child(name: &str, env: &[(&str, &str)]) {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args([name, "--exact", "--nocapture"]).env(CHILD, name);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.env_remove("NCCL_PARAM_DUMP_ALL").output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// No ids, more ids than ranks and an id given twice are `InvalidArgument` before NCCL is
-/// called (no handle is made, nothing counted as misuse), as are ranks out of range.
+/// called (no handle is made, nothing counted as misuse, in a process of its own), as are
+/// ranks out of range.
 #[test]
 fn bad_ids_are_typed_errors_before_nccl() {
+    if std::env::var_os(CHILD).is_none() {
+        return in_child("bad_ids_are_typed_errors_before_nccl", &[]);
+    }
     let a = CommDevice::Host.unique_id().unwrap();
     let b = CommDevice::Host.unique_id().unwrap();
     let c = CommDevice::Host.unique_id().unwrap();
@@ -122,14 +143,15 @@ fn bad_ids_are_typed_errors_before_nccl() {
 }
 
 /// The host provider's C entry point follows init.cc:2477-2481 of 2.30.7: `nId` outside
-/// `1..=nranks` is ncclInvalidArgument, `*newcomm` untouched.
+/// `1..=nranks` is ncclInvalidArgument, `*newcomm` untouched (NCCL reads the slot after
+/// the refusal, init.cc:2717-2718, so a caller passes it NULL, as the crate does).
 #[test]
 fn the_c_entry_point_refuses_a_bad_id_count() {
     let lib = Library::host();
     let init = lib.table().ncclCommInitRankScalable.unwrap();
     let mut ids = [CommDevice::Host.unique_id().unwrap().to_raw(); 3];
     for (nranks, n_id) in [(2, 0), (2, 3), (1, -1)] {
-        let mut comm = 0x5a5a as nccl_sys::ncclComm_t;
+        let mut comm: nccl_sys::ncclComm_t = std::ptr::null_mut();
         // SAFETY: `comm` is a writable slot, `ids` holds 3 ids; a NULL config is allowed.
         let r = unsafe {
             init(
@@ -142,7 +164,7 @@ fn the_c_entry_point_refuses_a_bad_id_count() {
             )
         };
         assert_eq!(r, nccl_sys::bindings::ncclInvalidArgument, "nId {n_id}");
-        assert_eq!(comm as usize, 0x5a5a);
+        assert!(comm.is_null());
     }
 }
 
@@ -233,23 +255,15 @@ fn each_call_on_an_older_nccl_is_unsupported() {
 #[test]
 fn parameters_as_typed_values() {
     if std::env::var_os(CHILD).is_none() {
-        let out = Command::new(std::env::current_exe().unwrap())
-            .args(["parameters_as_typed_values", "--exact", "--nocapture"])
-            .env(CHILD, "params")
-            .env("NCCL_DEBUG_FILE", "/tmp/nccl.%h.%p")
-            .env("NCCL_DEBUG_TIMESTAMP_LEVELS", "warn, TRACE")
-            .env("NCCL_WARN_ENABLE_DEBUG_INFO", "t")
-            .env("NCCL_SET_THREAD_NAME", "maybe")
-            .env_remove("NCCL_PARAM_DUMP_ALL")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
+        return in_child(
+            "parameters_as_typed_values",
+            &[
+                ("NCCL_DEBUG_FILE", "/tmp/nccl.%h.%p"),
+                ("NCCL_DEBUG_TIMESTAMP_LEVELS", "warn, TRACE"),
+                ("NCCL_WARN_ENABLE_DEBUG_INFO", "t"),
+                ("NCCL_SET_THREAD_NAME", "maybe"),
+            ],
         );
-        return;
     }
     let lib = Library::host();
     assert_eq!(lib.param("NCCL_DEBUG_FILE").unwrap(), "/tmp/nccl.%h.%p");
@@ -281,6 +295,9 @@ fn parameters_as_typed_values() {
 
     let levels = lib.bind_param("NCCL_DEBUG_TIMESTAMP_LEVELS").unwrap();
     assert_eq!(levels.name(), "NCCL_DEBUG_TIMESTAMP_LEVELS");
+    // A bound parameter may be read from another thread.
+    let from_another = std::thread::scope(|s| s.spawn(|| levels.get::<u32>()).join().unwrap());
+    assert_eq!(from_another.unwrap(), (1 << 2) | (1 << 5));
     assert_eq!(levels.get::<u32>().unwrap(), (1 << 2) | (1 << 5));
     assert_eq!(
         levels.raw().unwrap(),
