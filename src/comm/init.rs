@@ -99,8 +99,9 @@ impl Communicator {
     /// the root of `ids[r * ids.len() / world_size]`, roughly (`rootIdFromRank`,
     /// bootstrap.cc:59-69 of 2.30.7); the communicator is named by `ids[0]`. Every rank
     /// passes the same ids in the same order; each id is best made by a rank of its own
-    /// block ([`scalable_roots`](crate::scalable_roots) says how many, and which rank
-    /// makes which). Bounded like [`init_rank`](Self::init_rank).
+    /// block ([`scalable_roots`](crate::scalable_roots) says how many,
+    /// [`scalable_root_rank`](crate::scalable_root_rank) which rank makes which). Bounded
+    /// like [`init_rank`](Self::init_rank).
     ///
     /// Errors, before NCCL is called: [`Error::Unsupported`] before NCCL 2.23;
     /// [`Error::InvalidArgument`] for no ids, more ids than ranks (NCCL refuses them too,
@@ -359,8 +360,9 @@ fn check_scalable_ids(call: &'static str, ids: &[UniqueId], world_size: usize) -
         );
         return Err(invalid(call, m));
     }
+    let mut seen = std::collections::HashMap::with_capacity(ids.len());
     for (i, id) in ids.iter().enumerate() {
-        if let Some(j) = ids[..i].iter().position(|other| other == id) {
+        if let Some(j) = seen.insert(id, i) {
             let m = format!("ids[{j}] and ids[{i}] are the same unique id: each block of ranks needs a root of its own");
             return Err(invalid(call, m));
         }
