@@ -401,6 +401,7 @@ fn several_roots_in_processes() {
 /// init over that many ids, and a collective spans every rank; a count of roots of 0 or
 /// above the ranks is refused before any rank starts.
 #[test]
+#[cfg(feature = "launch")]
 fn the_launcher_runs_with_several_roots() {
     use nccl_safe::launch::Launcher;
     let sums = Launcher::host(5)
@@ -426,6 +427,7 @@ fn the_launcher_runs_with_several_roots() {
 /// ranks' launchers (in threads here, on the host provider) over two shared ids; no ids is
 /// refused before NCCL.
 #[test]
+#[cfg(feature = "launch")]
 fn a_process_rank_joins_with_several_ids() {
     use nccl_safe::launch::env::{EnvSource, ProcessEnv};
     use nccl_safe::launch::ProcessLauncher;
