@@ -31,7 +31,7 @@ CYCLE_ONLY_CRATES = [os.path.join(ROOT, "nccl-host", "src")]
 # no cycle may form inside a layer.
 LAYERS = [
     ("leaves", ["version", "discovery", "error"]),
-    ("provider and library", ["types", "library", "id", "stream", "cuda_probe"]),
+    ("provider and library", ["types", "library", "id", "stream", "cuda_probe", "param"]),
     ("teardown lanes", ["teardown"]),
     ("diagnostics hooks", ["diag"]),
     ("the wrapper", ["config", "buffer", "comm", "ops", "group", "memory", "register", "comm_ref"]),

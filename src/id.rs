@@ -126,6 +126,46 @@ impl FromStr for UniqueId {
     }
 }
 
+/// The most ranks one root of a scalable init serves in the launchers
+/// ([`scalable_roots`]): NCCL's `NCCL_UID_STAGGER_THRESHOLD` default (bootstrap.cc:670 of
+/// 2.30.7), above which NCCL delays each rank's connection to its root by its place in
+/// the root's block (7000 connections a second, bootstrap.cc:754-760).
+pub const RANKS_PER_ROOT: usize = 256;
+
+/// How many unique ids (roots) the launchers give a `world_size`-rank job's
+/// [`Communicator::init_rank_scalable`](crate::Communicator::init_rank_scalable): one per
+/// [`RANKS_PER_ROOT`] ranks (so no root serves more than NCCL's stagger threshold), at
+/// least one, at most one per rank. A job of up to 256 ranks has one, which is exactly
+/// `ncclCommInitRankConfig`'s init.
+///
+/// ```
+/// assert_eq!(nccl_safe::scalable_roots(8), 1);
+/// assert_eq!(nccl_safe::scalable_roots(257), 2);
+/// assert_eq!(nccl_safe::scalable_roots(32_768), 128);
+/// ```
+pub fn scalable_roots(world_size: usize) -> usize {
+    world_size
+        .div_ceil(RANKS_PER_ROOT)
+        .clamp(1, world_size.max(1))
+}
+
+/// The rank that makes id `root` of a scalable init of `world_size` ranks with `roots`
+/// ids: the first rank of the block that root serves (`firstRankFromRoot`,
+/// bootstrap.cc:51-56 of 2.30.7), so each root runs in a process of its own block.
+/// `None` when `root >= roots` or `roots` is not in `1..=world_size`.
+///
+/// ```
+/// // 10 ranks, 3 roots: blocks 0-3, 4-6, 7-9.
+/// let makers: Vec<_> = (0..3).map(|i| nccl_safe::scalable_root_rank(10, 3, i)).collect();
+/// assert_eq!(makers, [Some(0), Some(4), Some(7)]);
+/// ```
+pub fn scalable_root_rank(world_size: usize, roots: usize, root: usize) -> Option<usize> {
+    if roots == 0 || roots > world_size || root >= roots {
+        return None;
+    }
+    Some(root * (world_size / roots) + root.min(world_size % roots))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

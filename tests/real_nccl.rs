@@ -400,3 +400,55 @@ fn fp8_is_supported_and_nccl_memory_needs_a_cuda_stream() {
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
 }
+
+/// NCCL 2.32.3's parameter API needs no GPU: the registry's parameters as typed values, a
+/// name outside it (`NCCL_COMM_BLOCKING` too: NCCL reads it with the older `NCCL_PARAM`,
+/// which registers nothing) `UnknownParam`, a wrong type `InvalidArgument` (c_api.cc).
+#[test]
+fn parameters_of_the_real_nccl() {
+    let lib = Library::load_from(support::real_nccl(WHEEL)).expect("the wheel loads");
+    let names = lib.param_names().unwrap();
+    for n in [
+        "NCCL_DEBUG_FILE",
+        "NCCL_DEBUG_TIMESTAMP_FORMAT",
+        "NCCL_DEBUG_TIMESTAMP_LEVELS",
+    ] {
+        assert!(names.iter().any(|k| k == n), "{n}: {names:?}");
+    }
+    for n in &names {
+        lib.param(n).unwrap();
+    }
+    for n in ["NCCL_NO_SUCH_PARAM", "NCCL_COMM_BLOCKING"] {
+        assert!(
+            matches!(lib.param(n), Err(Error::UnknownParam { ref name }) if name == n),
+            "{n}"
+        );
+        assert!(
+            matches!(lib.bind_param(n), Err(Error::UnknownParam { .. })),
+            "{n}"
+        );
+    }
+    let levels = lib.bind_param("NCCL_DEBUG_TIMESTAMP_LEVELS").unwrap();
+    let bits = levels.get::<u32>().unwrap();
+    assert_eq!(levels.raw().unwrap(), bits.to_ne_bytes());
+    assert!(matches!(
+        levels.get::<u64>(),
+        Err(Error::InvalidArgument {
+            call: "ncclParamGetU64",
+            ..
+        })
+    ));
+    let format = lib.bind_param("NCCL_DEBUG_TIMESTAMP_FORMAT").unwrap();
+    let text = format.get::<String>().unwrap();
+    assert_eq!(text, lib.param("NCCL_DEBUG_TIMESTAMP_FORMAT").unwrap());
+    let mut raw = text.into_bytes();
+    raw.push(0);
+    assert_eq!(format.raw().unwrap(), raw);
+    if std::env::var_os("NCCL_DEBUG_TIMESTAMP_FORMAT").is_none() {
+        assert_eq!(
+            lib.param("NCCL_DEBUG_TIMESTAMP_FORMAT").unwrap(),
+            "[%F %T] "
+        );
+    }
+    assert!(format.get::<i32>().is_err());
+}

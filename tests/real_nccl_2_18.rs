@@ -110,9 +110,10 @@ fn join_grown_is_unsupported_on_2_18() {
     }
 }
 
-/// Suspend, resume, the memory figures (2.30) and the properties (2.29) are absent from
-/// NVIDIA's 2.18.3 and `Unsupported` through the one gate the safe calls use, naming the
-/// release that introduced each (their `Communicator` methods take that gate first).
+/// Suspend, resume, the memory figures (2.30), the properties (2.29), scalable init (2.23)
+/// and the parameters (2.30) are absent from NVIDIA's 2.18.3 and `Unsupported` through the
+/// one gate the safe calls use, naming the release that introduced each (their safe calls
+/// take that gate first: a scalable init with no ids is `Unsupported`, not refused).
 #[test]
 fn suspend_mem_stats_and_properties_are_unsupported_on_2_18() {
     let lib = Library::load_from(support::real_nccl("2.18.3")).expect("2.18.3 loads");
@@ -140,6 +141,30 @@ fn suspend_mem_stats_and_properties_are_unsupported_on_2_18() {
                 .map(drop),
             29,
         ),
+        (
+            "ncclCommInitRankScalable",
+            nccl_safe::Communicator::init_rank_scalable_in(
+                &lib,
+                &nccl_safe::CommDevice::Host,
+                1,
+                0,
+                &[],
+                &nccl_safe::Config::new(),
+            )
+            .map(drop),
+            23,
+        ),
+        (
+            "ncclParamGetParameter",
+            lib.param("NCCL_DEBUG").map(drop),
+            30,
+        ),
+        (
+            "ncclParamGetAllParameterKeys",
+            lib.param_names().map(drop),
+            30,
+        ),
+        ("ncclParamBind", lib.bind_param("NCCL_DEBUG").map(drop), 30),
     ];
     for (symbol, r, minor) in gates {
         match r {

@@ -12,6 +12,7 @@ use nccl_sys::FunctionTable;
 pub(crate) use super::defs::{fresh_id, id_bytes, unique_id_of};
 use super::dtype::{self, RedKind};
 use super::exec::{run_items, Item};
+use super::params;
 use super::registry;
 use super::state::{
     lock, wait_until, CollPost, Collective, CommState, Fail, Global, Handle, IdBytes, Job, OpKey,
@@ -662,10 +663,83 @@ fn init_rank(
     rank: c_int,
     config: *const ncclConfig_t,
 ) -> ncclResult_t {
-    let r = ffi_grouped(|| {
+    let r = init_rank_on(what, comm, nranks, id_bytes(&id), rank, config);
+    // ncclCommInitRank's NCCLCHECK lets ncclInProgress through and it returns ncclSuccess
+    // (init.cc:2055, checks.h:124): made non-blocking by NCCL_COMM_BLOCKING=0, its init
+    // goes on after the call.
+    if config.is_null() {
+        in_progress_as_success(r)
+    } else {
+        r
+    }
+}
+
+/// `ncclCommInitRankScalable` as NCCL 2.30.7 has it (init.cc:2693-2728, 2477-2481): `nId`
+/// outside `1..=nranks` is ncclInvalidArgument before anything is checked or written; else
+/// it is `ncclCommInitRankConfig` (a NULL config is NCCL's default one, and a non-blocking
+/// init returns ncclInProgress) with `nId` ids, rank `r` checking in with root
+/// `rootIdFromRank(r)` (bootstrap.cc:59-69) and the communicator named by the first id's
+/// hash (init.cc:1905). Here the ranks meet on the first id extended with a digest of all
+/// of them ([`scalable_key`]): ranks must pass the same ids in the same order (NCCL's
+/// roots need that too), one that passes others waits, as on NCCL, until its timeout. One
+/// id is exactly `ncclCommInitRankConfig`'s rendezvous.
+pub(crate) unsafe extern "C" fn ncclCommInitRankScalable(
+    comm: *mut ncclComm_t,
+    nranks: c_int,
+    rank: c_int,
+    n_id: c_int,
+    comm_ids: *mut ncclUniqueId,
+    config: *mut ncclConfig_t,
+) -> ncclResult_t {
+    const WHAT: &str = "ncclCommInitRankScalable";
+    if n_id <= 0 || n_id > nranks {
+        let m = format!("improper usage of ncclCommInitRank: nId = {n_id}, nranks={nranks}");
+        return ffi_grouped(|| Err(lock().invalid(None, WHAT, m)));
+    }
+    if comm_ids.is_null() {
+        // NCCL copies from it (init.cc:2531): a crash there.
+        return ffi_grouped(|| Err(lock().invalid(None, WHAT, "commId is NULL")));
+    }
+    // SAFETY: NCCL's contract: `comm_ids` points to `n_id` (> 0) unique ids.
+    let ids = unsafe { core::slice::from_raw_parts(comm_ids, n_id as usize) };
+    let key = scalable_key(ids);
+    // Counted under the first id, which names the communicator.
+    let mut g = lock();
+    let first = g.root_of(&id_bytes(&ids[0]));
+    g.alias_root(&key, first);
+    drop(g);
+    init_rank_on(WHAT, comm, nranks, key, rank, config)
+}
+
+/// Where the ranks of a scalable init meet: the first id, its last 32 bytes replaced by a
+/// SHA-256 of every id, so a shared (cross-process) first id stays one, named after its
+/// maker's process; the first id itself when there is one.
+fn scalable_key(ids: &[ncclUniqueId]) -> IdBytes {
+    use sha2::Digest;
+    let mut key = id_bytes(&ids[0]);
+    if ids.len() > 1 {
+        let mut h = sha2::Sha256::new();
+        for id in ids {
+            h.update(id_bytes(id));
+        }
+        let tail = key.len() - 32;
+        key[tail..].copy_from_slice(&h.finalize());
+    }
+    key
+}
+
+/// The body of an init by unique id: checks, then joins the rendezvous of `idb`.
+fn init_rank_on(
+    what: &str,
+    comm: *mut ncclComm_t,
+    nranks: c_int,
+    idb: IdBytes,
+    rank: c_int,
+    config: *const ncclConfig_t,
+) -> ncclResult_t {
+    ffi_grouped(|| {
         super::fault::ensure_runtime();
         let mut g = lock();
-        let idb = id_bytes(&id);
         let root = g.root_of(&idb);
         if comm.is_null() {
             return Err(g.invalid(Some(root), what, "comm is NULL"));
@@ -675,15 +749,7 @@ fn init_rank(
             return Err(g.invalid(Some(root), what, m));
         }
         new_rank(g, idb, nranks, rank, root, None, config, what, comm)
-    });
-    // ncclCommInitRank's NCCLCHECK lets ncclInProgress through and it returns ncclSuccess
-    // (init.cc:2055, checks.h:124): made non-blocking by NCCL_COMM_BLOCKING=0, its init
-    // goes on after the call.
-    if config.is_null() {
-        in_progress_as_success(r)
-    } else {
-        r
-    }
+    })
 }
 
 /// A rank that joins with a unique id (init, or grow): its handle, blocking and named as
@@ -2506,7 +2572,7 @@ pub(crate) fn table() -> FunctionTable {
         ncclCommRegister: Some(ncclCommRegister),
         ncclCommDeregister: Some(ncclCommDeregister),
         ncclGroupSimulateEnd: None,
-        ncclCommInitRankScalable: None,
+        ncclCommInitRankScalable: Some(ncclCommInitRankScalable),
         ncclCommShrink: Some(ncclCommShrink),
         ncclCommWindowRegister: Some(ncclCommWindowRegister),
         ncclCommWindowDeregister: Some(ncclCommWindowDeregister),
@@ -2533,5 +2599,19 @@ pub(crate) fn table() -> FunctionTable {
         ncclScatterConfig: None,
         ncclSetEncryption: None,
         ncclCommQueryProperties: Some(ncclCommQueryProperties),
+        ncclParamBind: Some(params::ncclParamBind),
+        ncclParamGetI8: Some(params::ncclParamGetI8),
+        ncclParamGetI16: Some(params::ncclParamGetI16),
+        ncclParamGetI32: Some(params::ncclParamGetI32),
+        ncclParamGetI64: Some(params::ncclParamGetI64),
+        ncclParamGetU8: Some(params::ncclParamGetU8),
+        ncclParamGetU16: Some(params::ncclParamGetU16),
+        ncclParamGetU32: Some(params::ncclParamGetU32),
+        ncclParamGetU64: Some(params::ncclParamGetU64),
+        ncclParamGetStr: Some(params::ncclParamGetStr),
+        ncclParamGet: Some(params::ncclParamGet),
+        ncclParamGetParameter: Some(params::ncclParamGetParameter),
+        ncclParamGetAllParameterKeys: Some(params::ncclParamGetAllParameterKeys),
+        ncclParamDumpAll: Some(params::ncclParamDumpAll),
     }
 }

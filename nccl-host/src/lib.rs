@@ -109,6 +109,13 @@
 //!     processes; the memory figures are fixed stand-ins (the provider has no device
 //!     memory), and a collective on a suspended communicator is refused (NCCL's kernels
 //!     would use unmapped memory).
+//! 14. `ncclCommInitRankScalable` follows NCCL 2.30.7 (init.cc:2477-2560, 2693-2728): its
+//!     ranks meet on the first id extended with a digest of every id, so ranks must pass
+//!     the same ids in the same order (others wait until their timeout, as NCCL's roots
+//!     would); one id is `ncclCommInitRankConfig`'s rendezvous. The `ncclParam*` calls
+//!     follow param/c_api.cc of 2.30.7 over the parameters of its registry whose parsers
+//!     are a boolean, a string or the timestamp-levels set (not `NCCL_DEBUG` or
+//!     `NCCL_DEBUG_SUBSYS`: the provider has no debug log).
 
 #![deny(missing_docs)]
 // NCCL constants (ncclSum, ncclInt8, ...) keep their C names in match patterns.
@@ -121,6 +128,7 @@ mod defs;
 mod dtype;
 mod exec;
 pub mod fault;
+mod params;
 mod registry;
 mod shm;
 mod state;

@@ -345,6 +345,22 @@ function_table! {
         [2 . 32] fn ncclSetEncryption(config: *const ncclEncryptionConfig_t) -> ncclResult_t;
         // Added after the 2.32 rows so that earlier entry points keep their index.
         [2 . 29] fn ncclCommQueryProperties(comm: ncclComm_t, props: *mut ncclCommProperties_t) -> ncclResult_t;
+        // NCCL 2.30's parameter API (param/c_api.cc of v2.30.7-1), after the rows above
+        // for the same reason.
+        [2 . 30] fn ncclParamBind(out: *mut ncclParamHandle_t, key: *const c_char) -> ncclResult_t;
+        [2 . 30] fn ncclParamGetI8(h: ncclParamHandle_t, out: *mut i8) -> ncclResult_t;
+        [2 . 30] fn ncclParamGetI16(h: ncclParamHandle_t, out: *mut i16) -> ncclResult_t;
+        [2 . 30] fn ncclParamGetI32(h: ncclParamHandle_t, out: *mut i32) -> ncclResult_t;
+        [2 . 30] fn ncclParamGetI64(h: ncclParamHandle_t, out: *mut i64) -> ncclResult_t;
+        [2 . 30] fn ncclParamGetU8(h: ncclParamHandle_t, out: *mut u8) -> ncclResult_t;
+        [2 . 30] fn ncclParamGetU16(h: ncclParamHandle_t, out: *mut u16) -> ncclResult_t;
+        [2 . 30] fn ncclParamGetU32(h: ncclParamHandle_t, out: *mut u32) -> ncclResult_t;
+        [2 . 30] fn ncclParamGetU64(h: ncclParamHandle_t, out: *mut u64) -> ncclResult_t;
+        [2 . 30] fn ncclParamGetStr(h: ncclParamHandle_t, out: *mut *const c_char) -> ncclResult_t;
+        [2 . 30] fn ncclParamGet(h: ncclParamHandle_t, out: *mut c_void, max_len: c_int, len: *mut c_int) -> ncclResult_t;
+        [2 . 30] fn ncclParamGetParameter(key: *const c_char, value: *mut *const c_char, value_len: *mut c_int) -> ncclResult_t;
+        [2 . 30] fn ncclParamGetAllParameterKeys(table: *mut *mut *const c_char, table_len: *mut c_int) -> ncclResult_t;
+        [2 . 30] fn ncclParamDumpAll() -> ();
     }
 }
 

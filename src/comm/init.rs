@@ -2,6 +2,7 @@
 //! [`PendingCommunicator`]) or all of a process's ranks at once.
 
 use super::*;
+use nccl_sys::{ncclUniqueId, EntryPoint};
 
 impl Communicator {
     /// Joins rank `rank` of a `world_size`-rank communicator (`ncclCommInitRankConfig`),
@@ -90,6 +91,94 @@ impl Communicator {
                 (r, raw)
             },
         )
+    }
+
+    /// Joins rank `rank` of a `world_size`-rank communicator with several unique ids
+    /// (`ncclCommInitRankScalable`, NCCL 2.23+), so that no single root serves every rank:
+    /// NCCL splits the ranks into `ids.len()` contiguous blocks, rank `r` checking in with
+    /// the root of `ids[r * ids.len() / world_size]`, roughly (`rootIdFromRank`,
+    /// bootstrap.cc:59-69 of 2.30.7); the communicator is named by `ids[0]`. Every rank
+    /// passes the same ids in the same order; each id is best made by a rank of its own
+    /// block ([`scalable_roots`](crate::scalable_roots) says how many,
+    /// [`scalable_root_rank`](crate::scalable_root_rank) which rank makes which). Bounded
+    /// like [`init_rank`](Self::init_rank).
+    ///
+    /// Errors, before NCCL is called: [`Error::Unsupported`] before NCCL 2.23;
+    /// [`Error::InvalidArgument`] for no ids, more ids than ranks (NCCL refuses them too,
+    /// init.cc:2479), or an id given twice (two blocks on one root, which NCCL's root
+    /// cannot tell apart: the init would wait until its timeout).
+    ///
+    /// ```
+    /// use nccl_safe::{CommDevice, Communicator, Config, UniqueId};
+    /// let ids = [CommDevice::Host.unique_id()?, CommDevice::Host.unique_id()?];
+    /// let comms = std::thread::scope(|s| {
+    ///     let joins: Vec<_> = (0..4)
+    ///         .map(|r| {
+    ///             let ids = &ids;
+    ///             s.spawn(move || {
+    ///                 Communicator::init_rank_scalable(&CommDevice::Host, 4, r, ids, &Config::new())
+    ///             })
+    ///         })
+    ///         .collect();
+    ///     joins.into_iter().map(|j| j.join().unwrap()).collect::<Result<Vec<_>, _>>()
+    /// })?;
+    /// assert_eq!(comms[3].rank(), 3);
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn init_rank_scalable(
+        device: &CommDevice,
+        world_size: usize,
+        rank: usize,
+        ids: &[UniqueId],
+        config: &Config,
+    ) -> Result<Communicator> {
+        let lib = device.library()?;
+        Communicator::init_rank_scalable_in(&lib, device, world_size, rank, ids, config)
+    }
+
+    /// [`init_rank_scalable`](Self::init_rank_scalable) with an explicit library.
+    #[track_caller]
+    pub fn init_rank_scalable_in(
+        lib: &Arc<Library>,
+        device: &CommDevice,
+        world_size: usize,
+        rank: usize,
+        ids: &[UniqueId],
+        config: &Config,
+    ) -> Result<Communicator> {
+        const OP: &str = EntryPoint::ncclCommInitRankScalable.name();
+        let init = lib.optional(lib.table().ncclCommInitRankScalable, OP)?;
+        check_scalable_ids(OP, ids, world_size)?;
+        let mut raw_ids: Vec<ncclUniqueId> = ids.iter().map(UniqueId::to_raw).collect();
+        let pending = start_new(
+            OP,
+            lib,
+            device,
+            world_size,
+            rank,
+            &ids[0],
+            config,
+            |raw_config| {
+                let mut raw: ncclComm_t = std::ptr::null_mut();
+                // SAFETY: `raw` is writable; `raw_ids` holds `ids.len()` ids (checked to be
+                // in 1..=world_size) that NCCL copies during the call (init.cc:2531);
+                // `raw_config` is a valid ncclConfig_t for this library; ranks checked.
+                let r = unsafe {
+                    init(
+                        &mut raw,
+                        world_size as c_int,
+                        rank as c_int,
+                        raw_ids.len() as c_int,
+                        raw_ids.as_mut_ptr(),
+                        raw_config,
+                    )
+                };
+                (r, raw)
+            },
+        )?;
+        let timeout = pending.timeout();
+        pending.wait_as(OP, Location::caller(), timeout)
     }
 
     /// Creates one communicator per device in this process (`ncclCommInitAll`): rank `i`
@@ -257,4 +346,26 @@ impl PendingCommunicator {
     pub(super) fn timeout(&self) -> Duration {
         self.comm.diag.timeout()
     }
+}
+
+/// The ids of a scalable init: at least one, at most one per rank, none twice.
+fn check_scalable_ids(call: &'static str, ids: &[UniqueId], world_size: usize) -> Result<()> {
+    if ids.is_empty() {
+        return Err(invalid(call, "no unique ids given: pass at least one"));
+    }
+    if ids.len() > world_size {
+        let m = format!(
+            "{} unique ids for {world_size} ranks: at most one id per rank",
+            ids.len()
+        );
+        return Err(invalid(call, m));
+    }
+    let mut seen = std::collections::HashMap::with_capacity(ids.len());
+    for (i, id) in ids.iter().enumerate() {
+        if let Some(j) = seen.insert(id, i) {
+            let m = format!("ids[{j}] and ids[{i}] are the same unique id: each block of ranks needs a root of its own");
+            return Err(invalid(call, m));
+        }
+    }
+    Ok(())
 }

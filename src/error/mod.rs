@@ -382,6 +382,15 @@ pub enum Error {
         /// The loader's message.
         reason: String,
     },
+    /// NCCL's parameter registry holds no parameter of this name
+    /// ([`Library::param`](crate::Library::param), [`Library::bind_param`](crate::Library::bind_param)):
+    /// check the spelling against [`Library::param_names`](crate::Library::param_names)
+    /// (many `NCCL_*` variables are read without being registered, NCCL 2.30.7 registers few).
+    #[error("NCCL has no parameter named {name:?} in its registry (Library::param_names lists those it has)")]
+    UnknownParam {
+        /// The name asked for.
+        name: String,
+    },
 }
 
 /// "rank 0 excludes [3], rank 1 excludes [2, 3]".

@@ -12,7 +12,7 @@ use cudarc::driver::CudaContext;
 use crate::comm::{CommDevice, Communicator};
 use crate::config::Config;
 use crate::error::{invalid, Error, Result};
-use crate::id::UniqueId;
+use crate::id::{scalable_roots, UniqueId};
 use crate::launch::desync::DesyncBoard;
 use crate::library::Provider;
 use crate::stream::Stream;
@@ -45,6 +45,8 @@ pub struct Launcher {
     devices: Vec<CommDevice>,
     config: Config,
     timeout: Duration,
+    /// The number of unique ids (roots) of the init; `None`: [`scalable_roots`].
+    roots: Option<usize>,
 }
 
 /// What each rank's closure receives.
@@ -59,12 +61,13 @@ pub struct Rank {
 
 impl Rank {
     /// Rank `rank` of `world_size` on `device`: a stream of its own (made in the device's
-    /// context, bound to this thread), then its communicator.
+    /// context, bound to this thread), then its communicator, made with `ids`: one id is
+    /// `init_rank`'s init, several `init_rank_scalable`'s.
     pub(super) fn init(
         device: &CommDevice,
         world_size: usize,
         rank: usize,
-        id: &UniqueId,
+        ids: &[UniqueId],
         config: &Config,
     ) -> Result<Rank> {
         let stream = match device {
@@ -78,7 +81,10 @@ impl Rank {
             }
             CommDevice::Host => Stream::Host,
         };
-        let comm = Communicator::init_rank(device, world_size, rank, id, config)?;
+        let comm = match ids {
+            [id] => Communicator::init_rank(device, world_size, rank, id, config)?,
+            ids => Communicator::init_rank_scalable(device, world_size, rank, ids, config)?,
+        };
         Ok(Rank {
             comm,
             stream,
@@ -156,7 +162,7 @@ struct Ranks {
 /// What the ranks of one run share.
 struct Run {
     config: Config,
-    id: UniqueId,
+    ids: Vec<UniqueId>,
     tally: Tally,
 }
 
@@ -326,6 +332,7 @@ impl Launcher {
             devices,
             config: Config::new(),
             timeout: DEFAULT_LAUNCH_TIMEOUT,
+            roots: None,
         }
     }
 
@@ -344,6 +351,17 @@ impl Launcher {
     /// The number of ranks.
     pub fn world_size(&self) -> usize {
         self.devices.len()
+    }
+
+    /// How many unique ids (roots) the ranks' init uses (default
+    /// [`scalable_roots`]`(world_size)`: one per [`RANKS_PER_ROOT`](crate::RANKS_PER_ROOT)
+    /// ranks). One is `ncclCommInitRankConfig`'s init; more are
+    /// [`Communicator::init_rank_scalable`]'s (NCCL 2.23+), each id made by this process.
+    /// A run refuses a count of 0 or above the number of ranks
+    /// ([`Error::InvalidArgument`](crate::Error::InvalidArgument)).
+    pub fn roots(mut self, roots: usize) -> Launcher {
+        self.roots = Some(roots);
+        self
     }
 
     /// Runs `f` on every rank, each in its own thread, and returns each rank's value.
@@ -490,9 +508,16 @@ impl Launcher {
         let Some(first) = self.devices.first() else {
             return Err(invalid("Launcher::run", "no ranks to launch"));
         };
-        let id = first.unique_id()?;
+        let roots = self.roots.unwrap_or_else(|| scalable_roots(n));
+        if roots == 0 || roots > n {
+            let m = format!("{roots} roots for {n} ranks: pass 1 to {n}");
+            return Err(invalid("Launcher::roots", m));
+        }
+        let ids = (0..roots)
+            .map(|_| first.unique_id())
+            .collect::<Result<Vec<_>>>()?;
         let tally = Tally::new(n);
-        Ok(Run { config, id, tally })
+        Ok(Run { config, ids, tally })
     }
 
     /// Runs `f` on every rank; a rank's error, of any type, fails the run with its text.
@@ -530,7 +555,7 @@ impl Launcher {
         F: Fn(&Rank) -> std::result::Result<R, E>,
     {
         let (tally, n) = (&run.tally, self.devices.len());
-        let r = match Rank::init(&self.devices[rank], n, rank, &run.id, &run.config) {
+        let r = match Rank::init(&self.devices[rank], n, rank, &run.ids, &run.config) {
             Ok(r) => r,
             Err(e) => {
                 tally.set(rank, Outcome::Failed(format!("init failed: {e}")), None);

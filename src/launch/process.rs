@@ -152,6 +152,17 @@ impl ProcessLauncher {
     /// Step two: joins the communicator with `id` on the GPU of the local rank. Without a
     /// GPU for it, a clear error (on every rank alike), never a hang.
     pub fn join(&self, id: &UniqueId) -> Result<Rank> {
+        self.join_scalable(std::slice::from_ref(id))
+    }
+
+    /// [`join`](Self::join) with several unique ids
+    /// ([`Communicator::init_rank_scalable`](crate::Communicator::init_rank_scalable),
+    /// NCCL 2.23+), for a job that distributes them itself: every rank passes the same
+    /// ids, id `i` best made by rank [`scalable_root_rank`](crate::scalable_root_rank)`(world_size,
+    /// ids.len(), i)` and gathered by every rank (an `MPI_Allgather`, say). The launcher's
+    /// own rendezvous ([`init`](Self::init)) moves one id from rank 0, so its jobs have
+    /// one root.
+    pub fn join_scalable(&self, ids: &[UniqueId]) -> Result<Rank> {
         let device = if self.host {
             CommDevice::Host
         } else {
@@ -159,7 +170,7 @@ impl ProcessLauncher {
             CommDevice::Cuda(CudaContext::new(self.env.cuda_ordinal())?)
         };
         let env = &self.env;
-        Rank::init(&device, env.world_size, env.rank, id, &self.config)
+        Rank::init(&device, env.world_size, env.rank, ids, &self.config)
     }
 
     /// Whether this node has a GPU for the local rank, given `visible` CUDA devices: an
