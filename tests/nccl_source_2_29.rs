@@ -388,10 +388,20 @@ fn a_grow_waiting_for_its_id_is_ended_by_the_watchdogs_revoke() {
                 let (lib, id, grown) = (&lib, &id, &grown);
                 sc.spawn(move || {
                     let ctx = CudaContext::new(r).unwrap();
+                    // The grow's bound is the communicator's timeout (1 s); NCCL's own init
+                    // gets a wider one, since it can take longer than that on a loaded machine.
                     let cfg = Config::new().timeout(Duration::from_secs(1));
-                    let comm =
-                        Communicator::init_rank_in(lib, &CommDevice::Cuda(ctx), 2, r, id, &cfg)
-                            .unwrap();
+                    let comm = Communicator::init_rank_nonblocking_in(
+                        lib,
+                        &CommDevice::Cuda(ctx),
+                        2,
+                        r,
+                        id,
+                        &cfg,
+                    )
+                    .unwrap()
+                    .wait(Duration::from_secs(60))
+                    .unwrap();
                     if r == 0 {
                         while !grown.load(std::sync::atomic::Ordering::SeqCst) {
                             std::thread::sleep(Duration::from_millis(5));

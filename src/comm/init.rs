@@ -53,8 +53,21 @@ impl Communicator {
         config: &Config,
     ) -> Result<PendingCommunicator> {
         let lib = device.library()?;
+        Communicator::init_rank_nonblocking_in(&lib, device, world_size, rank, id, config)
+    }
+
+    /// [`init_rank_nonblocking`](Self::init_rank_nonblocking) with an explicit library.
+    #[track_caller]
+    pub fn init_rank_nonblocking_in(
+        lib: &Arc<Library>,
+        device: &CommDevice,
+        world_size: usize,
+        rank: usize,
+        id: &UniqueId,
+        config: &Config,
+    ) -> Result<PendingCommunicator> {
         let config = config.clone().blocking(false);
-        Communicator::start_init(&lib, device, world_size, rank, id, &config)
+        Communicator::start_init(lib, device, world_size, rank, id, &config)
     }
 
     #[track_caller]
