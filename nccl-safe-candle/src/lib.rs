@@ -102,7 +102,10 @@ mod zero;
 
 pub use accumulate::{Accumulate, Accumulation, MicroBatchLoss, OptimizerState, Unscaled};
 pub use ddp::{BucketPlan, DdpStep, DistributedDataParallel, DEFAULT_BUCKET_CAP};
-pub use elastic::{grow, is_rank_loss, join, recover, run_elastic, ElasticRun, Recovery};
+pub use elastic::{
+    grow, is_rank_loss, join, recover, recover_with, run_elastic, run_elastic_with, ElasticRun,
+    MinRanks, Recovery,
+};
 pub use error::{DistError, DistErrorKind, DistResult};
 pub use job::{ElasticJob, ElasticRank, GrowPolicy};
 pub use nccl_safe;

@@ -429,3 +429,121 @@ fn threads_release_the_standby_when_every_member_failed() {
         results[MEMBERS]
     );
 }
+
+const STALL_CHILD: &str = "NCCL_SAFE_CANDLE_TEST_STALL";
+
+/// A rank of [`processes_a_stuck_rank_that_wakes_exits_with_no_quorum`]: 4 members, the
+/// timeout 1 s; rank 1 stalls for 4 s at `LOST_AT`, then carries on with its loop. Prints
+/// `END step S world W` or `END error E`, and exits 4 on an error.
+fn stall_child() {
+    let job = ElasticJob::from_env()
+        .unwrap()
+        .host_provider()
+        .config(Config::new().timeout(Duration::from_secs(1)));
+    let out = job.run(|rank| {
+        let map = VarMap::new();
+        let model = Mlp::new(&map)?;
+        init_fixed(&map)?;
+        let (x, y) = data();
+        let sampler = DistributedSampler::new(ROWS, ROWS)?.split(BatchSplit::Uneven);
+        let mut stalled = false;
+        let run = rank.train(STEPS, |comm, step, stop| {
+            let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, &map, LR)?;
+            while *step < stop {
+                if comm.world_size() == MEMBERS && comm.rank() == 1 && *step == LOST_AT && !stalled
+                {
+                    // A long stall (as a SIGSTOPped process): the others time out, name
+                    // this rank, and shrink without it meanwhile.
+                    stalled = true;
+                    std::thread::sleep(Duration::from_secs(4));
+                }
+                let part = sampler.part_for(comm, *step)?;
+                let l = (loss::mse(&model.forward(&part.select(&x)?)?, &part.select(&y)?)?
+                    * part.weight)?;
+                opt.backward_step(&l)?;
+                *step += 1;
+            }
+            Ok(())
+        })?;
+        Ok(run.map(|r| (r.step, r.comm.world_size())))
+    });
+    match &out[0] {
+        Ok(Some((step, world))) => println!("END step {step} world {world}"),
+        Ok(None) => println!("END released"),
+        Err(e) => {
+            println!("END error {e}");
+            std::process::exit(4);
+        }
+    }
+}
+
+/// In processes (as mpirun starts them): rank 1 stalls past the timeout, ranks 0, 2 and 3
+/// recover without it and end at step 20 on 3 ranks; rank 1 wakes to a failed communicator
+/// with every other rank gone, and exits non-zero with the quorum error
+/// (`DistErrorKind::NoQuorum`, naming `min_ranks`) rather than training alone. Before, it
+/// recovered into a world of one and ended at step 20 too: two models.
+#[test]
+fn processes_a_stuck_rank_that_wakes_exits_with_no_quorum() {
+    if std::env::var(STALL_CHILD).is_ok() {
+        stall_child();
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let port = free_ports();
+    let token = format!(
+        "{:032x}",
+        std::process::id() as u128 * 0x9E37_79B9_7F4A_7C15 + 1
+    );
+    let kids: Vec<_> = (0..MEMBERS)
+        .map(|r| {
+            let mut c = Command::new("timeout");
+            c.arg("--kill-after=5").arg("90").arg(&exe).args([
+                "processes_a_stuck_rank_that_wakes_exits_with_no_quorum",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ]);
+            for v in [
+                "RANK",
+                "WORLD_SIZE",
+                "SLURM_PROCID",
+                "OMPI_MCA_orte_hnp_uri",
+                "TORCHELASTIC_RUN_ID",
+            ] {
+                c.env_remove(v);
+            }
+            c.env(STALL_CHILD, "1")
+                .env("OMPI_COMM_WORLD_RANK", r.to_string())
+                .env("OMPI_COMM_WORLD_SIZE", MEMBERS.to_string())
+                .env("OMPI_COMM_WORLD_LOCAL_RANK", r.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("NCCL_SAFE_RENDEZVOUS_TOKEN", &token)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn a rank")
+        })
+        .collect();
+    let outs: Vec<_> = kids
+        .into_iter()
+        .map(|k| {
+            let out = k.wait_with_output().unwrap();
+            let end = String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .find_map(|l| l.find("END ").map(|i| l[i..].to_string()));
+            (out.status.code(), end)
+        })
+        .collect();
+    for r in [0, 2, 3] {
+        let want = format!("END step {STEPS} world 3");
+        assert_eq!(outs[r], (Some(0), Some(want)), "rank {r}: {outs:#?}");
+    }
+    let (code, end) = &outs[1];
+    let end = end.as_deref().unwrap_or("");
+    assert_eq!(*code, Some(4), "the woken rank 1: {outs:#?}");
+    assert!(
+        end.starts_with("END error recover on rank 1 of 4: no quorum") && end.contains("min_ranks"),
+        "{end}"
+    );
+}
