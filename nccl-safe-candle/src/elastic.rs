@@ -52,7 +52,11 @@
 //! [`DistErrorKind::RecoveryFailed`](crate::DistErrorKind::RecoveryFailed) after
 //! [`Config::timeout`](nccl_safe::Config::timeout); a rank that is alive but stuck counts as lost only when the watchdog's
 //! timeout finds it the one rank behind (with two or more behind, `run_elastic` returns
-//! the step's error). A
+//! the step's error); when it wakes, it finds every other rank gone, and the quorum rule
+//! ([`MinRanks`], default half of the ranks and at least 2) refuses its recovery into a world
+//! of one with [`DistErrorKind::NoQuorum`](crate::DistErrorKind::NoQuorum) rather than let it
+//! train a divergent model alone (two halves of an even world stuck apart may both carry on
+//! under the default: ask for more with [`run_elastic_with`]). A
 //! rank of another process that dies (SIGKILL, the OOM killer) is named by the host
 //! provider and recovered from: `examples/elastic.rs`, run under mpirun and srun by
 //! `scripts/test-processes.sh`, loses one to an outside SIGKILL and takes a standby back.
