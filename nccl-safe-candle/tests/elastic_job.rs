@@ -279,8 +279,15 @@ fn child() {
 /// Four free ports in a row below the ephemeral range (the rendezvous, the desync board,
 /// the standby's rendezvous and a spare).
 fn free_ports() -> u16 {
+    free_ports_from(0)
+}
+
+/// [`free_ports`], searched from the `first`-th candidate: the two tests of processes run
+/// at once in one test binary (one pid), so each searches its own range, or both could
+/// pick the same ports before either binds them.
+fn free_ports_from(first: u16) -> u16 {
     let base = 20000 + (std::process::id() % 5000) as u16 * 2;
-    (0..2000u16)
+    (first..first + 2000u16)
         .map(|k| base.wrapping_add(k * 4) % 30000 + 2000)
         .find(|&p| (p..p + 4).all(|q| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok()))
         .expect("four free ports")
@@ -489,7 +496,7 @@ fn processes_a_stuck_rank_that_wakes_exits_with_no_quorum() {
         return;
     }
     let exe = std::env::current_exe().unwrap();
-    let port = free_ports();
+    let port = free_ports_from(2000);
     let token = format!(
         "{:032x}",
         std::process::id() as u128 * 0x9E37_79B9_7F4A_7C15 + 1
