@@ -5,7 +5,9 @@
 //! is recovered from at step 6 on 3 ranks, the standby joins at the first check point
 //! after it (step 8), and the 4 ranks end at step 20 bit-identical, within 1e-5 of one
 //! process training on the whole batch; with `GrowPolicy::Never` (or no loss) the standby
-//! is released at the end and returns `None`.
+//! is released at the end and returns `None`. And the quorum rule in processes: a rank
+//! stuck past the timeout (a stalled thread, or its process SIGSTOPped) that wakes after
+//! the others recovered without it exits with `NoQuorum` rather than training alone.
 
 mod common;
 
@@ -438,11 +440,16 @@ fn threads_release_the_standby_when_every_member_failed() {
 }
 
 const STALL_CHILD: &str = "NCCL_SAFE_CANDLE_TEST_STALL";
+/// With it, the folder where rank 1 writes its pid at `LOST_AT` (`pid`) and then waits
+/// for `continued`: the parent SIGSTOPs it meanwhile, and SIGCONTs it 4 s later.
+const STOP_DIR: &str = "NCCL_SAFE_CANDLE_TEST_STOP_DIR";
 
-/// A rank of [`processes_a_stuck_rank_that_wakes_exits_with_no_quorum`]: 4 members, the
-/// timeout 1 s; rank 1 stalls for 4 s at `LOST_AT`, then carries on with its loop. Prints
-/// `END step S world W` or `END error E`, and exits 4 on an error.
+/// A rank of the tests of a stuck rank that wakes: 4 members, the timeout 1 s; rank 1 is
+/// stuck at `LOST_AT` (it sleeps 4 s, or it is SIGSTOPped from outside for 4 s), then
+/// carries on with its loop. Prints `END step S world W` or `END error E`, and exits 4 on
+/// an error.
 fn stall_child() {
+    let stop_dir = std::env::var_os(STOP_DIR).map(std::path::PathBuf::from);
     let job = ElasticJob::from_env()
         .unwrap()
         .host_provider()
@@ -459,10 +466,20 @@ fn stall_child() {
             while *step < stop {
                 if comm.world_size() == MEMBERS && comm.rank() == 1 && *step == LOST_AT && !stalled
                 {
-                    // A long stall (as a SIGSTOPped process): the others time out, name
-                    // this rank, and shrink without it meanwhile.
+                    // The others time out, name this rank, and shrink without it meanwhile.
                     stalled = true;
-                    std::thread::sleep(Duration::from_secs(4));
+                    match &stop_dir {
+                        // Stopped whole (its watchdog too) by the parent's SIGSTOP.
+                        Some(dir) => {
+                            let pid = std::process::id().to_string();
+                            std::fs::write(dir.join("pid"), pid).unwrap();
+                            while !dir.join("continued").exists() {
+                                std::thread::sleep(Duration::from_millis(10));
+                            }
+                        }
+                        // A long stall of the training thread.
+                        None => std::thread::sleep(Duration::from_secs(4)),
+                    }
                 }
                 let part = sampler.part_for(comm, *step)?;
                 let l = (loss::mse(&model.forward(&part.select(&x)?)?, &part.select(&y)?)?
@@ -484,28 +501,25 @@ fn stall_child() {
     }
 }
 
-/// In processes (as mpirun starts them): rank 1 stalls past the timeout, ranks 0, 2 and 3
-/// recover without it and end at step 20 on 3 ranks; rank 1 wakes to a failed communicator
-/// with every other rank gone, and exits non-zero with the quorum error
-/// (`DistErrorKind::NoQuorum`, naming `min_ranks`) rather than training alone. Before, it
-/// recovered into a world of one and ended at step 20 too: two models.
-#[test]
-fn processes_a_stuck_rank_that_wakes_exits_with_no_quorum() {
-    if std::env::var(STALL_CHILD).is_ok() {
-        stall_child();
-        return;
-    }
+/// Runs the 4 ranks of [`stall_child`] as processes (as mpirun starts them), from the
+/// test `name`, its ports the `ports`-th candidates on; with `sigstop`, SIGSTOPs rank 1
+/// when it writes its pid and SIGCONTs it 4 s later. Checks that ranks 0, 2 and 3 end at
+/// step 20 on 3 ranks and that rank 1 exits non-zero with the quorum error.
+fn stuck_rank_wakes(name: &str, ports: u16, sigstop: bool) {
     let exe = std::env::current_exe().unwrap();
-    let port = free_ports_from(2000);
+    let port = free_ports_from(ports);
     let token = format!(
         "{:032x}",
-        std::process::id() as u128 * 0x9E37_79B9_7F4A_7C15 + 1
+        std::process::id() as u128 * 0x9E37_79B9_7F4A_7C15 + 1 + ports as u128
     );
+    let dir = std::env::temp_dir().join(format!("nccl-safe-stall-{}-{ports}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
     let kids: Vec<_> = (0..MEMBERS)
         .map(|r| {
             let mut c = Command::new("timeout");
             c.arg("--kill-after=5").arg("90").arg(&exe).args([
-                "processes_a_stuck_rank_that_wakes_exits_with_no_quorum",
+                name,
                 "--exact",
                 "--nocapture",
                 "--test-threads=1",
@@ -518,6 +532,9 @@ fn processes_a_stuck_rank_that_wakes_exits_with_no_quorum() {
                 "TORCHELASTIC_RUN_ID",
             ] {
                 c.env_remove(v);
+            }
+            if sigstop {
+                c.env(STOP_DIR, &dir);
             }
             c.env(STALL_CHILD, "1")
                 .env("OMPI_COMM_WORLD_RANK", r.to_string())
@@ -532,6 +549,24 @@ fn processes_a_stuck_rank_that_wakes_exits_with_no_quorum() {
                 .expect("spawn a rank")
         })
         .collect();
+    if sigstop {
+        let limit = Instant::now() + Duration::from_secs(60);
+        let pid = loop {
+            match std::fs::read_to_string(dir.join("pid")) {
+                Ok(p) if !p.is_empty() => break p,
+                _ if Instant::now() < limit => std::thread::sleep(Duration::from_millis(5)),
+                _ => panic!("rank 1 wrote no pid within 60 s"),
+            }
+        };
+        let signal = |sig: &str| {
+            let ok = Command::new("kill").args([sig, &pid]).status().unwrap();
+            assert!(ok.success(), "kill {sig} {pid}");
+        };
+        signal("-STOP");
+        std::thread::sleep(Duration::from_secs(4));
+        std::fs::write(dir.join("continued"), "").unwrap();
+        signal("-CONT");
+    }
     let outs: Vec<_> = kids
         .into_iter()
         .map(|k| {
@@ -542,6 +577,7 @@ fn processes_a_stuck_rank_that_wakes_exits_with_no_quorum() {
             (out.status.code(), end)
         })
         .collect();
+    let _ = std::fs::remove_dir_all(&dir);
     for r in [0, 2, 3] {
         let want = format!("END step {STEPS} world 3");
         assert_eq!(outs[r], (Some(0), Some(want)), "rank {r}: {outs:#?}");
@@ -552,5 +588,38 @@ fn processes_a_stuck_rank_that_wakes_exits_with_no_quorum() {
     assert!(
         end.starts_with("END error recover on rank 1 of 4: no quorum") && end.contains("min_ranks"),
         "{end}"
+    );
+}
+
+/// In processes (as mpirun starts them): rank 1's training thread stalls past the
+/// timeout, ranks 0, 2 and 3 recover without it and end at step 20 on 3 ranks; rank 1
+/// wakes to a failed communicator with every other rank gone, and exits non-zero with the
+/// quorum error (`DistErrorKind::NoQuorum`, naming `min_ranks`) rather than training
+/// alone. Before, it recovered into a world of one and ended at step 20 too: two models.
+#[test]
+fn processes_a_stuck_rank_that_wakes_exits_with_no_quorum() {
+    if std::env::var(STALL_CHILD).is_ok() {
+        stall_child();
+        return;
+    }
+    stuck_rank_wakes(
+        "processes_a_stuck_rank_that_wakes_exits_with_no_quorum",
+        2000,
+        false,
+    );
+}
+
+/// The same with rank 1's whole process SIGSTOPped for 4 s (its watchdog too), then
+/// SIGCONTed.
+#[test]
+fn processes_a_sigstopped_rank_that_continues_exits_with_no_quorum() {
+    if std::env::var(STALL_CHILD).is_ok() {
+        stall_child();
+        return;
+    }
+    stuck_rank_wakes(
+        "processes_a_sigstopped_rank_that_continues_exits_with_no_quorum",
+        4000,
+        true,
     );
 }
