@@ -20,8 +20,8 @@ use common::*;
 use nccl_safe::Config;
 use nccl_safe_candle::state::AdamW;
 use nccl_safe_candle::{
-    BatchSplit, DistResult, DistributedSampler, ElasticJob, ElasticRank, GrowPolicy, StateCarry,
-    ZeroRedundancyOptimizer,
+    BatchSplit, DistErrorKind, DistResult, DistributedSampler, ElasticJob, ElasticRank, GrowPolicy,
+    MinRanks, StateCarry, ZeroRedundancyOptimizer,
 };
 
 const MEMBERS: usize = 4;
@@ -444,6 +444,49 @@ const STALL_CHILD: &str = "NCCL_SAFE_CANDLE_TEST_STALL";
 /// for `continued`: the parent SIGSTOPs it meanwhile, and SIGCONTs it 4 s later.
 const STOP_DIR: &str = "NCCL_SAFE_CANDLE_TEST_STOP_DIR";
 
+/// The training of [`stall_child`]'s ranks (and of the threads of
+/// [`threads_a_quorum_above_the_ranks_left_refuses_every_recovery`]): rank 1 is stuck at
+/// `LOST_AT`, by a sleep of 4 s, or (`stop_dir`) until the parent continues it.
+fn stall_train(
+    rank: ElasticRank,
+    stop_dir: Option<&std::path::Path>,
+) -> DistResult<Option<(u64, usize)>> {
+    let map = VarMap::new();
+    let model = Mlp::new(&map)?;
+    init_fixed(&map)?;
+    let (x, y) = data();
+    let sampler = DistributedSampler::new(ROWS, ROWS)?.split(BatchSplit::Uneven);
+    let mut stalled = false;
+    let run = rank.train(STEPS, |comm, step, stop| {
+        let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, &map, LR)?;
+        while *step < stop {
+            if comm.world_size() == MEMBERS && comm.rank() == 1 && *step == LOST_AT && !stalled {
+                // The others time out, name this rank, and shrink without it meanwhile.
+                stalled = true;
+                match &stop_dir {
+                    // Stopped whole (its watchdog too) by the parent's SIGSTOP.
+                    Some(dir) => {
+                        let pid = std::process::id().to_string();
+                        std::fs::write(dir.join("pid"), pid).unwrap();
+                        while !dir.join("continued").exists() {
+                            std::thread::sleep(Duration::from_millis(10));
+                        }
+                    }
+                    // A long stall of the training thread.
+                    None => std::thread::sleep(Duration::from_secs(4)),
+                }
+            }
+            let part = sampler.part_for(comm, *step)?;
+            let l =
+                (loss::mse(&model.forward(&part.select(&x)?)?, &part.select(&y)?)? * part.weight)?;
+            opt.backward_step(&l)?;
+            *step += 1;
+        }
+        Ok(())
+    })?;
+    Ok(run.map(|r| (r.step, r.comm.world_size())))
+}
+
 /// A rank of the tests of a stuck rank that wakes: 4 members, the timeout 1 s; rank 1 is
 /// stuck at `LOST_AT` (it sleeps 4 s, or it is SIGSTOPped from outside for 4 s), then
 /// carries on with its loop. Prints `END step S world W` or `END error E`, and exits 4 on
@@ -454,43 +497,7 @@ fn stall_child() {
         .unwrap()
         .host_provider()
         .config(Config::new().timeout(Duration::from_secs(1)));
-    let out = job.run(|rank| {
-        let map = VarMap::new();
-        let model = Mlp::new(&map)?;
-        init_fixed(&map)?;
-        let (x, y) = data();
-        let sampler = DistributedSampler::new(ROWS, ROWS)?.split(BatchSplit::Uneven);
-        let mut stalled = false;
-        let run = rank.train(STEPS, |comm, step, stop| {
-            let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, &map, LR)?;
-            while *step < stop {
-                if comm.world_size() == MEMBERS && comm.rank() == 1 && *step == LOST_AT && !stalled
-                {
-                    // The others time out, name this rank, and shrink without it meanwhile.
-                    stalled = true;
-                    match &stop_dir {
-                        // Stopped whole (its watchdog too) by the parent's SIGSTOP.
-                        Some(dir) => {
-                            let pid = std::process::id().to_string();
-                            std::fs::write(dir.join("pid"), pid).unwrap();
-                            while !dir.join("continued").exists() {
-                                std::thread::sleep(Duration::from_millis(10));
-                            }
-                        }
-                        // A long stall of the training thread.
-                        None => std::thread::sleep(Duration::from_secs(4)),
-                    }
-                }
-                let part = sampler.part_for(comm, *step)?;
-                let l = (loss::mse(&model.forward(&part.select(&x)?)?, &part.select(&y)?)?
-                    * part.weight)?;
-                opt.backward_step(&l)?;
-                *step += 1;
-            }
-            Ok(())
-        })?;
-        Ok(run.map(|r| (r.step, r.comm.world_size())))
-    });
+    let out = job.run(|rank| stall_train(rank, stop_dir.as_deref()));
     match &out[0] {
         Ok(Some((step, world))) => println!("END step {step} world {world}"),
         Ok(None) => println!("END released"),
@@ -622,4 +629,32 @@ fn processes_a_sigstopped_rank_that_continues_exits_with_no_quorum() {
         4000,
         true,
     );
+}
+
+/// `ElasticJob::min_ranks` reaches every recovery: with `MinRanks::AtLeast(4)` on 4 ranks,
+/// the 3 that stay after rank 1 stalls are refused too (3 or fewer < 4), as is rank 1 when it
+/// wakes (1 < 4): every rank ends with `NoQuorum` naming `MinRanks::AtLeast(4)`. Under the
+/// default the 3 carry on (`processes_a_stuck_rank_that_wakes_exits_with_no_quorum`).
+#[test]
+fn threads_a_quorum_above_the_ranks_left_refuses_every_recovery() {
+    let outs = ElasticJob::host(MEMBERS)
+        .config(Config::new().timeout(Duration::from_secs(1)))
+        .min_ranks(MinRanks::AtLeast(4))
+        .run(|rank| stall_train(rank, None));
+    assert_eq!(outs.len(), MEMBERS);
+    for (r, out) in outs.iter().enumerate() {
+        let e = out.as_ref().expect_err("no quorum");
+        // Rank 1 finds every other rank gone; the others rank 1, and those of them that
+        // refused (and tore down) before they read.
+        let fits = |l: usize| if r == 1 { l == 1 } else { (1..=3).contains(&l) };
+        assert!(
+            matches!(e.kind(), DistErrorKind::NoQuorum { left, min_ranks: 4, lost, .. }
+                if fits(*left) && lost.contains(&1) != (r == 1)),
+            "rank {r}: {e}"
+        );
+        assert!(
+            e.to_string().contains("MinRanks::AtLeast(4)"),
+            "rank {r}: {e}"
+        );
+    }
 }
