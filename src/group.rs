@@ -242,6 +242,9 @@ impl<'a> Group<'a> {
                         let e = c.diag.group_failed(&e).unwrap_or(e);
                         // The group's buffers stay borrowed until NCCL's launch has ended.
                         Communicator::end_launches(comms, "ncclGroupEnd");
+                        for c in comms {
+                            c.diag.group_end_failed();
+                        }
                         return Err(e);
                     }
                     c.diag.publish_group();
@@ -254,6 +257,7 @@ impl<'a> Group<'a> {
                 for c in comms {
                     let mine = c.diag.group_failed(&e);
                     peer_timeout = peer_timeout.or(mine);
+                    c.diag.group_end_failed();
                     c.mark_failed(&e);
                     // As the watchdog does for a single collective: a `Config::elastic`
                     // communicator whose clique timed out or lost a rank is revoked where it

@@ -678,6 +678,64 @@ fn a_group_whose_peer_never_joins_ends_at_the_timeout() {
     assert_balanced(&id);
 }
 
+/// The flight record tells a group's operations by how the group's end went: completed
+/// when it ran (the host provider runs the group inside its end), failed when its end
+/// failed. Before, the host provider's operations were marked completed as they were
+/// queued in the open group, so a group that timed out reported its all-reduce
+/// "(completed)".
+#[test]
+fn a_failed_groups_operations_are_reported_failed_not_completed() {
+    use nccl_safe::diag::OpState;
+    let id = CommDevice::Host.unique_id().unwrap();
+    let (ran, failed, text) = within(Duration::from_secs(30), move || {
+        let (joined, done) = (Barrier::new(2), Barrier::new(2));
+        std::thread::scope(|s| {
+            let (joined, done) = (&joined, &done);
+            let group = |c: &Communicator| {
+                let (send, mut sum, mut max) = (vec![1.0f32; 8], vec![0.0f32; 8], vec![0.0; 8]);
+                let mut g = nccl_safe::Group::new();
+                g.push(c.all_reduce_op(&send, &mut sum, ReduceOp::Sum, &S)?)?;
+                g.push(c.all_reduce_op(&send, &mut max, ReduceOp::Max, &S)?)?;
+                g.end()
+            };
+            s.spawn(move || {
+                let c = Communicator::init_rank(&CommDevice::Host, 2, 1, &id, &config()).unwrap();
+                joined.wait();
+                group(&c).unwrap();
+                // Never joins the second group.
+                done.wait();
+            });
+            let c = Communicator::init_rank(&CommDevice::Host, 2, 0, &id, &config()).unwrap();
+            joined.wait();
+            group(&c).unwrap();
+            let ran: Vec<OpState> = (c.flight_record().entries.iter())
+                .filter(|e| e.op == "ncclAllReduce")
+                .map(|e| e.state)
+                .collect();
+            let e = group(&c).expect_err("the peer never joins");
+            let fr = c.flight_record();
+            let failed: Vec<OpState> = (fr.entries.iter().filter(|e| e.op == "ncclAllReduce"))
+                .skip(2)
+                .map(|e| e.state)
+                .collect();
+            done.wait();
+            (ran, failed, format!("{fr}\n{e}"))
+        })
+    });
+    assert_eq!(ran, [OpState::Completed; 2], "the group that ran");
+    assert_eq!(
+        failed,
+        [OpState::Failed; 2],
+        "the group that timed out:\n{text}"
+    );
+    // The desync report describes rank 0's last operation, the timed-out group's, as
+    // under way when it timed out, not completed.
+    let rank0 = (text.lines().find(|l| l.trim_start().starts_with("rank 0:")))
+        .unwrap_or_else(|| panic!("no desync report: {text}"));
+    assert!(!rank0.contains("(completed)"), "{rank0}\n{text}");
+    assert_balanced(&id);
+}
+
 /// The same when the peer does not stay: it drops its communicator at once, while rank 0
 /// is inside `Group::end` waiting for it (on the host provider the group runs inside that
 /// call, with its communicators pinned against the watchdog). The group fails at once with

@@ -52,7 +52,11 @@
 //! [`DistErrorKind::RecoveryFailed`](crate::DistErrorKind::RecoveryFailed) after
 //! [`Config::timeout`](nccl_safe::Config::timeout); a rank that is alive but stuck counts as lost only when the watchdog's
 //! timeout finds it the one rank behind (with two or more behind, `run_elastic` returns
-//! the step's error). A
+//! the step's error); when it wakes, it finds every other rank gone, and the quorum rule
+//! ([`MinRanks`], default half of the ranks and at least 2) refuses its recovery into a world
+//! of one with [`DistErrorKind::NoQuorum`](crate::DistErrorKind::NoQuorum) rather than let it
+//! train a divergent model alone (two halves of an even world stuck apart may both carry on
+//! under the default: ask for more with [`run_elastic_with`]). A
 //! rank of another process that dies (SIGKILL, the OOM killer) is named by the host
 //! provider and recovered from: `examples/elastic.rs`, run under mpirun and srun by
 //! `scripts/test-processes.sh`, loses one to an outside SIGKILL and takes a standby back.
@@ -122,6 +126,55 @@ pub struct Recovery {
     pub took: Duration,
 }
 
+/// The quorum rule of a recovery (as torchft's `min_replicas`): the fewest ranks a
+/// recovery may leave. A recovery that would leave fewer is refused with
+/// [`DistErrorKind::NoQuorum`](crate::DistErrorKind::NoQuorum) before any shrink, so the
+/// rank ends with that error instead of training on.
+///
+/// Why: a rank stuck past [`Config::timeout`](nccl_safe::Config::timeout) (a SIGSTOPped
+/// process, a long stall) is named and excluded by the others, who shrink and train on.
+/// When it wakes, its communicator has failed and every other rank is gone from its view:
+/// without a quorum it would recover into a world of one and train a second, divergent
+/// model (split brain).
+///
+/// The default, [`MinRanks::Half`], keeps at least half of the ranks the recovery began
+/// with, and at least 2: 4 ranks survive two losses at once (4 -> 2) and one after the
+/// other (4 -> 3 -> 2), 3 ranks one loss; a rank that woke alone is refused, and so is a
+/// survivor of a job of 2 (it cannot tell its peer's death from its own isolation: pass
+/// `MinRanks::AtLeast(1)` to let it carry on). Exactly half of an even world may still
+/// split in two halves that both carry on (two ranks of 4 stuck together and woken); ask
+/// for `AtLeast(n / 2 + 1)` to rule that out, at the price of surviving fewer losses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MinRanks {
+    /// At least half of the ranks the recovery began with (rounded up), and at least 2.
+    #[default]
+    Half,
+    /// At least this many ranks (1: a lone survivor carries on; 0 counts as 1).
+    AtLeast(usize),
+}
+
+impl MinRanks {
+    /// The fewest ranks a recovery that begins with `world` ranks may leave.
+    pub fn of(self, world: usize) -> usize {
+        match self {
+            MinRanks::Half => world.div_ceil(2).max(2),
+            MinRanks::AtLeast(n) => n.max(1),
+        }
+    }
+}
+
+impl std::fmt::Display for MinRanks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MinRanks::Half => write!(
+                f,
+                "MinRanks::Half (half of the ranks the recovery began with, at least 2; the default)"
+            ),
+            MinRanks::AtLeast(n) => write!(f, "MinRanks::AtLeast({n})"),
+        }
+    }
+}
+
 /// What [`run_elastic`] ends with.
 #[derive(Debug)]
 pub struct ElasticRun<T> {
@@ -154,10 +207,29 @@ pub fn is_rank_loss(comm: &Communicator, e: &DistError) -> bool {
 /// [`Config::elastic`](nccl_safe::Config::elastic) is
 /// [`DistErrorKind::NotElastic`](crate::DistErrorKind::NotElastic), the step's error
 /// inside, on every rank left.
+///
+/// A recovery must leave at least [`MinRanks::default`] ranks (half of the ranks it began
+/// with, and at least 2; [`run_elastic_with`] sets another rule): one that would leave
+/// fewer ends the run with [`DistErrorKind::NoQuorum`](crate::DistErrorKind::NoQuorum).
+/// That is what a rank stuck past the timeout gets when it wakes after the others
+/// recovered without it, rather than training alone in a world of one.
 #[track_caller]
 pub fn run_elastic<T>(
     comm: Communicator,
     start: u64,
+    session: impl FnMut(&Communicator, &mut u64) -> Result<T>,
+) -> Result<ElasticRun<T>> {
+    run_elastic_with(comm, start, MinRanks::default(), session)
+}
+
+/// [`run_elastic`] with the quorum rule `min_ranks`: each recovery must leave at least
+/// `min_ranks.of(n)` ranks of the `n` it began with, or the run ends with
+/// [`DistErrorKind::NoQuorum`](crate::DistErrorKind::NoQuorum) (see [`MinRanks`]).
+#[track_caller]
+pub fn run_elastic_with<T>(
+    comm: Communicator,
+    start: u64,
+    min_ranks: MinRanks,
     mut session: impl FnMut(&Communicator, &mut u64) -> Result<T>,
 ) -> Result<ElasticRun<T>> {
     let (at, _scope) = crate::error::caller_scope();
@@ -178,7 +250,8 @@ pub fn run_elastic<T>(
                 return Err(not_elastic("run_elastic", &comm, Some(e)).at(at, Some(step)));
             }
             Err(e) if is_rank_loss(&comm, &e) => {
-                let (next, r) = recover(comm, &mut step)?;
+                let (next, r) =
+                    recover_inner(comm, &mut step, min_ranks).map_err(|e| e.at(at, Some(step)))?;
                 comm = next;
                 recoveries.push(r);
             }
@@ -206,11 +279,24 @@ pub fn run_elastic<T>(
 /// [`DistErrorKind::RecoveryFailed`](crate::DistErrorKind::RecoveryFailed), naming the ranks
 /// lost and the last shrink's error, when no shrink made a communicator (an elastic
 /// communicator's handle is still aborted without `ncclCommRevoke`, NCCL before 2.29);
-/// ranks that excluded different ranks.
+/// ranks that excluded different ranks; [`DistErrorKind::NoQuorum`](crate::DistErrorKind::NoQuorum)
+/// when the ranks left would be fewer than [`MinRanks::default`] allows (before any
+/// shrink; [`recover_with`] sets another rule).
 #[track_caller]
 pub fn recover(comm: Communicator, step: &mut u64) -> Result<(Communicator, Recovery)> {
     let (at, _scope) = crate::error::caller_scope();
-    recover_inner(comm, step).map_err(|e| e.at(at, Some(*step)))
+    recover_inner(comm, step, MinRanks::default()).map_err(|e| e.at(at, Some(*step)))
+}
+
+/// [`recover`] with the quorum rule `min_ranks` (see [`MinRanks`]).
+#[track_caller]
+pub fn recover_with(
+    comm: Communicator,
+    step: &mut u64,
+    min_ranks: MinRanks,
+) -> Result<(Communicator, Recovery)> {
+    let (at, _scope) = crate::error::caller_scope();
+    recover_inner(comm, step, min_ranks).map_err(|e| e.at(at, Some(*step)))
 }
 
 /// [`DistErrorKind::NotElastic`](crate::DistErrorKind::NotElastic) for `comm`.
@@ -225,12 +311,17 @@ fn not_elastic(call: &'static str, comm: &Communicator, cause: Option<DistError>
     .into()
 }
 
-fn recover_inner(comm: Communicator, step: &mut u64) -> Result<(Communicator, Recovery)> {
+fn recover_inner(
+    comm: Communicator,
+    step: &mut u64,
+    rule: MinRanks,
+) -> Result<(Communicator, Recovery)> {
     if !comm.is_elastic() {
         return Err(not_elastic("recover", &comm, None));
     }
     let t0 = Instant::now();
     let (world, rank) = (comm.world_size(), comm.rank());
+    let quorum = (rule, rule.of(world));
     // `kept[i]`: the rank of `comm` that rank i of the current communicator is.
     let mut kept: Vec<usize> = (0..world).collect();
     let mut lost_ranks = Vec::new();
@@ -246,7 +337,7 @@ fn recover_inner(comm: Communicator, step: &mut u64) -> Result<(Communicator, Re
             }
             .into());
         }
-        let (small, lost) = shrink_without_lost(&cur, lost, &mut shrinks)?;
+        let (small, lost) = shrink_without_lost(&cur, lost, &mut shrinks, quorum)?;
         lost_ranks.extend(lost.iter().map(|&r| kept[r]));
         lost_ranks.sort_unstable();
         kept.retain(|r| !lost_ranks.contains(r));
@@ -276,13 +367,28 @@ fn recover_inner(comm: Communicator, step: &mut u64) -> Result<(Communicator, Re
 
 /// Shrinks `comm` without `lost` (every rank it knows gone), again while further ranks are
 /// found gone (see [`recover`]). Returns the new communicator and the list it excluded.
+/// Refuses a list that would leave fewer ranks than `quorum`'s (its rule, and the count for
+/// the world the recovery began with) before shrinking.
 fn shrink_without_lost(
     comm: &Communicator,
     mut lost: Vec<usize>,
     shrinks: &mut usize,
+    (rule, min_ranks): (MinRanks, usize),
 ) -> Result<(Communicator, Vec<usize>)> {
     let mut tries_of_this_list = 0;
     loop {
+        let left = comm.world_size().saturating_sub(lost.len());
+        if left < min_ranks {
+            return Err(K::NoQuorum {
+                rank: comm.rank(),
+                world_size: comm.world_size(),
+                lost,
+                left,
+                min_ranks,
+                rule,
+            }
+            .into());
+        }
         *shrinks += 1;
         tries_of_this_list += 1;
         let cause = match comm.shrink_after_failure(&lost) {

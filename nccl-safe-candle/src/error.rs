@@ -100,6 +100,34 @@ pub enum DistErrorKind {
         #[source]
         cause: Box<nccl_safe::Error>,
     },
+    /// A recovery ([`recover_with`](crate::recover_with),
+    /// [`run_elastic_with`](crate::run_elastic_with), [`ElasticRank::train`](crate::ElasticRank::train))
+    /// would leave fewer ranks than its quorum rule ([`MinRanks`](crate::MinRanks)) allows,
+    /// so it is refused before any shrink: this rank may be the one cut off (a rank stuck
+    /// past the timeout that woke after the others recovered without it sees every other
+    /// rank gone), and training on alone would make a second, divergent model.
+    #[error(
+        "recover on rank {rank} of {world_size}: no quorum: excluding the lost rank(s) {lost:?} \
+         would leave {left} rank(s), fewer than the {min_ranks} that the quorum rule {rule} asks for \
+         (the min_ranks setting: run_elastic_with, recover_with, ElasticJob::min_ranks). This rank \
+         may be the one cut off (stuck past Config::timeout while the others recovered without it), \
+         so it stops rather than train a divergent model on its own; MinRanks::AtLeast(1) lets a \
+         lone survivor carry on"
+    )]
+    NoQuorum {
+        /// This rank, in the communicator that failed.
+        rank: usize,
+        /// That communicator's number of ranks.
+        world_size: usize,
+        /// The ranks it found lost, in that communicator's numbering.
+        lost: Vec<usize>,
+        /// The ranks the recovery would leave.
+        left: usize,
+        /// The fewest ranks the rule allows for this recovery.
+        min_ranks: usize,
+        /// The rule.
+        rule: crate::MinRanks,
+    },
     /// A rank was lost, but the communicator was made without
     /// [`Config::elastic(true)`](nccl_safe::Config::elastic): the watchdog aborted its
     /// clique's handles rather than keeping them for a shrink, so no recovery

@@ -1,5 +1,5 @@
 //! [`ElasticJob`]: the launcher of an elastic job, as threads or as the processes of
-//! torchrun, srun or mpirun, handing each rank what [`run_elastic`]
+//! torchrun, srun or mpirun, handing each rank what [`run_elastic`](crate::run_elastic)
 //! needs, with standbys that the job takes back by a [`GrowPolicy`].
 //!
 //! One call starts a rank whichever way the job runs: [`ElasticJob::run`] runs its closure
@@ -8,7 +8,7 @@
 //! elastic communicator ([`Config::elastic`] is set for it), or a standby that waits to be
 //! taken back. [`ElasticRank::train`] runs the training loop: the session closure steps
 //! until the step it is told to stop at; after the loss of a rank it runs again on the
-//! ranks left ([`run_elastic`]); at the policy's check points, while
+//! ranks left ([`run_elastic`](crate::run_elastic)); at the policy's check points, while
 //! the job is below its size, it takes a waiting standby back in ([`grow`](crate::grow) /
 //! [`join`](crate::join)).
 //!
@@ -39,7 +39,7 @@ use nccl_safe::launch::env::ProcessEnv;
 use nccl_safe::launch::rendezvous::{Refusal, RendezvousError, ServerHandle, TcpRendezvous};
 use nccl_safe::{CommDevice, Communicator, Config, UniqueId};
 
-use crate::elastic::{device_of, run_elastic, ElasticRun};
+use crate::elastic::{device_of, run_elastic_with, ElasticRun, MinRanks};
 use crate::error::{DistError, DistErrorKind as K, DistResult as Result};
 
 /// When the ranks of an elastic job take a standby back.
@@ -113,6 +113,7 @@ pub struct ElasticJob {
     config: Config,
     policy: GrowPolicy,
     standby_timeout: Duration,
+    min_ranks: MinRanks,
 }
 
 #[derive(Debug, Clone)]
@@ -156,6 +157,7 @@ impl ElasticJob {
             config: Config::new().elastic(true),
             policy: GrowPolicy::default(),
             standby_timeout: DEFAULT_STANDBY_TIMEOUT,
+            min_ranks: MinRanks::default(),
         }
     }
 
@@ -191,6 +193,17 @@ impl ElasticJob {
     /// (default [`DEFAULT_STANDBY_TIMEOUT`]).
     pub fn standby_timeout(mut self, timeout: Duration) -> ElasticJob {
         self.standby_timeout = timeout;
+        self
+    }
+
+    /// The quorum rule of each recovery (default [`MinRanks::Half`]: at least half of the
+    /// ranks it began with, and at least 2): a recovery that would leave fewer ends the
+    /// rank's [`ElasticRank::train`] with
+    /// [`DistErrorKind::NoQuorum`](crate::DistErrorKind::NoQuorum), so a rank stuck past
+    /// the timeout that wakes after the others recovered without it exits with an error
+    /// rather than training alone. See [`MinRanks`].
+    pub fn min_ranks(mut self, rule: MinRanks) -> ElasticJob {
+        self.min_ranks = rule;
         self
     }
 
@@ -252,6 +265,7 @@ impl ElasticJob {
             config: self.config.clone(),
             policy: self.policy,
             standby_timeout: self.standby_timeout,
+            min_ranks: self.min_ranks,
             channel,
         }
     }
@@ -364,6 +378,7 @@ pub struct ElasticRank {
     config: Config,
     policy: GrowPolicy,
     standby_timeout: Duration,
+    min_ranks: MinRanks,
     channel: Channel,
 }
 
@@ -374,7 +389,7 @@ impl ElasticRank {
     }
 
     /// The member's communicator, for a loop of your own around
-    /// [`run_elastic`] (`None` for a standby).
+    /// [`run_elastic`](crate::run_elastic) (`None` for a standby).
     pub fn into_comm(self) -> Option<Communicator> {
         match self.role {
             Role::Member(c) => Some(*c),
@@ -385,7 +400,7 @@ impl ElasticRank {
     /// Trains to step `end`: runs `session(comm, &mut step, stop)`, which steps while
     /// `*step < stop` and increments `*step` after each step, from step 0 (a standby: from
     /// the step it joins at), again on the ranks left after the loss of a rank
-    /// ([`run_elastic`]), and, while the job is below its size, at each
+    /// ([`run_elastic`](crate::run_elastic)), and, while the job is below its size, at each
     /// check point of the [`GrowPolicy`] (`stop` is the next one), where a waiting standby
     /// is taken back ([`grow`](crate::grow)). Build the optimizer in the session (with
     /// `resume` and a [`StateCarry`](crate::StateCarry) to keep its state), and the batch
@@ -395,7 +410,9 @@ impl ElasticRank {
     /// A standby waits (up to [`ElasticJob::standby_timeout`]) until rank 0 takes it back,
     /// then trains with the others; `Ok(None)` when the job ended without it. A grow that
     /// fails (the standby died while it joined) leaves the job at its size. A member
-    /// returns the last communicator, its step and the recoveries.
+    /// returns the last communicator, its step and the recoveries. A recovery that would
+    /// leave fewer ranks than [`ElasticJob::min_ranks`] allows ends it with
+    /// [`DistErrorKind::NoQuorum`](crate::DistErrorKind::NoQuorum).
     #[track_caller]
     pub fn train(
         self,
@@ -410,6 +427,7 @@ impl ElasticRank {
             config,
             policy,
             standby_timeout,
+            min_ranks,
             mut channel,
         } = self;
         let (at, _scope) = crate::error::caller_scope();
@@ -430,7 +448,7 @@ impl ElasticRank {
         // standbys when it fails (else they would wait for their timeout).
         let mut lead = false;
         loop {
-            let run = run_elastic(comm, step, |c, s| {
+            let run = run_elastic_with(comm, step, min_ranks, |c, s| {
                 lead = c.rank() == 0;
                 if standbys > 0 {
                     share_joined(c, &mut joined)?;

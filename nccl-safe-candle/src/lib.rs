@@ -29,6 +29,8 @@
 //!   comes along, re-sharded over the new world (module [`state`]: [`ShardableState`],
 //!   this crate's [`AdamW`](state::AdamW), candle_nn's AdamW's drop-in); ZeRO-1 keeps a
 //!   copy of each rank's state on the rank before it, so a lost rank's range is rebuilt.
+//!   A recovery keeps a quorum ([`MinRanks`], default half of the ranks and at least 2):
+//!   a stuck rank that wakes alone gets [`DistErrorKind::NoQuorum`] instead of training on.
 //! - [`ElasticJob`] (module [`job`]): the launcher of an elastic job, one call in threads
 //!   or under mpirun, srun or torchrun, handing each rank an owned elastic communicator
 //!   or a standby; [`ElasticRank::train`] is `run_elastic` with a [`GrowPolicy`] that
@@ -102,7 +104,10 @@ mod zero;
 
 pub use accumulate::{Accumulate, Accumulation, MicroBatchLoss, OptimizerState, Unscaled};
 pub use ddp::{BucketPlan, DdpStep, DistributedDataParallel, DEFAULT_BUCKET_CAP};
-pub use elastic::{grow, is_rank_loss, join, recover, run_elastic, ElasticRun, Recovery};
+pub use elastic::{
+    grow, is_rank_loss, join, recover, recover_with, run_elastic, run_elastic_with, ElasticRun,
+    MinRanks, Recovery,
+};
 pub use error::{DistError, DistErrorKind, DistResult};
 pub use job::{ElasticJob, ElasticRank, GrowPolicy};
 pub use nccl_safe;

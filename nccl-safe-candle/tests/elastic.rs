@@ -213,7 +213,16 @@ fn lose_a_rank(how: Loss, dp: Dp, via: Via) {
     match (how, results.next().unwrap()) {
         (Loss::Returns, Ok(Err(e))) => assert!(e.to_string().contains("rank 3 is lost"), "{e}"),
         (Loss::Panics, Err(_)) => {}
-        (Loss::Stuck, Ok(r)) => eprintln!("the stuck rank 3 ended with {:?}", r.map(|s| s.world)),
+        // When it wakes, its step fails and every other rank is gone from its view: the
+        // quorum rule refuses its recovery into a world of one (before, it recovered alone
+        // and ended on its second try at step 10 with "rank 3 stepped again").
+        (Loss::Stuck, Ok(Err(e))) => assert!(
+            matches!(
+                e.kind(),
+                nccl_safe_candle::DistErrorKind::NoQuorum { left: 1, .. }
+            ),
+            "the stuck rank 3: {e}"
+        ),
         (_, other) => panic!("rank 3 should be lost, got {:?}", other.map(|r| r.is_ok())),
     }
     let lost_at = lost_at.lock().unwrap().expect("rank 3 was lost");
@@ -951,4 +960,70 @@ fn ddp_with_the_sampler_recovers_on_batches_that_do_not_divide() {
             .fold(0f32, f32::max);
         assert!(worst < 1e-5, "rank {r}: {worst} from one process");
     }
+}
+
+/// What the stuck rank of [`a_stuck_rank_that_wakes_after_the_recovery_does_not_train_alone`]
+/// ended with: its world and step, or its error.
+fn stalled_rank(rank: usize, id: UniqueId, config: Config) -> DistResult<(usize, u64)> {
+    let comm = Communicator::init_rank(&CommDevice::Host, RANKS, rank, &id, &config)?;
+    let map = VarMap::new();
+    let model = Mlp::new(&map)?;
+    init_fixed(&map)?;
+    let (x, y) = data();
+    let mut stalled = false;
+    let run = run_elastic(comm, 0, |comm, step| {
+        let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, &map, LR)?;
+        let (xs, ys) = (opt.shard_batch(&x)?, opt.shard_batch(&y)?);
+        while *step < STEPS {
+            let l = loss::mse(&model.forward(&xs)?, &ys)?;
+            if rank == 3 && *step == LOST_AT && !stalled {
+                // Stuck (as a SIGSTOPped process or a long stall) for three timeouts;
+                // then it wakes and carries on with its loop as if nothing happened.
+                stalled = true;
+                std::thread::sleep(Duration::from_secs(3));
+            }
+            opt.backward_step(&l)?;
+            *step += 1;
+        }
+        Ok(())
+    })?;
+    Ok((run.comm.world_size(), run.step))
+}
+
+/// Rank 3 stalls past the timeout at step 10; ranks 0-2 time out, name it, shrink without
+/// it and train on to step 30 on 3 ranks. When rank 3 wakes, its communicator has failed
+/// and every other rank is gone from its view: a recovery would leave it in a world of 1
+/// (split brain: a second, divergent model). The quorum rule refuses that recovery with
+/// `DistErrorKind::NoQuorum`, naming the rule and the setting, so the woken rank ends with
+/// an error. Before, it recovered into a world of one and trained alone to step 30.
+#[test]
+fn a_stuck_rank_that_wakes_after_the_recovery_does_not_train_alone() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let config = Config::new().elastic(true).timeout(Duration::from_secs(1));
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..RANKS)
+            .map(|rank| {
+                let config = config.clone();
+                s.spawn(move || stalled_rank(rank, id, config))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, res) in results.iter().take(3).enumerate() {
+        assert_eq!(res.as_ref().ok(), Some(&(3, STEPS)), "rank {r}: {res:?}");
+    }
+    let woken = results[3]
+        .as_ref()
+        .expect_err("the woken rank trained alone");
+    assert!(
+        matches!(
+            woken.kind(),
+            nccl_safe_candle::DistErrorKind::NoQuorum { .. }
+        ),
+        "{woken}"
+    );
+    let text = woken.to_string();
+    eprintln!("the woken rank 3: {text}");
+    assert!(text.contains("min_ranks"), "names the setting: {text}");
+    assert!(text.contains("MinRanks::Half"), "names the rule: {text}");
 }

@@ -5,7 +5,9 @@
 //! is recovered from at step 6 on 3 ranks, the standby joins at the first check point
 //! after it (step 8), and the 4 ranks end at step 20 bit-identical, within 1e-5 of one
 //! process training on the whole batch; with `GrowPolicy::Never` (or no loss) the standby
-//! is released at the end and returns `None`.
+//! is released at the end and returns `None`. And the quorum rule in processes: a rank
+//! stuck past the timeout (a stalled thread, or its process SIGSTOPped) that wakes after
+//! the others recovered without it exits with `NoQuorum` rather than training alone.
 
 mod common;
 
@@ -18,8 +20,8 @@ use common::*;
 use nccl_safe::Config;
 use nccl_safe_candle::state::AdamW;
 use nccl_safe_candle::{
-    BatchSplit, DistResult, DistributedSampler, ElasticJob, ElasticRank, GrowPolicy, StateCarry,
-    ZeroRedundancyOptimizer,
+    BatchSplit, DistErrorKind, DistResult, DistributedSampler, ElasticJob, ElasticRank, GrowPolicy,
+    MinRanks, StateCarry, ZeroRedundancyOptimizer,
 };
 
 const MEMBERS: usize = 4;
@@ -279,8 +281,15 @@ fn child() {
 /// Four free ports in a row below the ephemeral range (the rendezvous, the desync board,
 /// the standby's rendezvous and a spare).
 fn free_ports() -> u16 {
+    free_ports_from(0)
+}
+
+/// [`free_ports`], searched from the `first`-th candidate: the two tests of processes run
+/// at once in one test binary (one pid), so each searches its own range, or both could
+/// pick the same ports before either binds them.
+fn free_ports_from(first: u16) -> u16 {
     let base = 20000 + (std::process::id() % 5000) as u16 * 2;
-    (0..2000u16)
+    (first..first + 2000u16)
         .map(|k| base.wrapping_add(k * 4) % 30000 + 2000)
         .find(|&p| (p..p + 4).all(|q| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok()))
         .expect("four free ports")
@@ -428,4 +437,224 @@ fn threads_release_the_standby_when_every_member_failed() {
         started.elapsed(),
         results[MEMBERS]
     );
+}
+
+const STALL_CHILD: &str = "NCCL_SAFE_CANDLE_TEST_STALL";
+/// With it, the folder where rank 1 writes its pid at `LOST_AT` (`pid`) and then waits
+/// for `continued`: the parent SIGSTOPs it meanwhile, and SIGCONTs it 4 s later.
+const STOP_DIR: &str = "NCCL_SAFE_CANDLE_TEST_STOP_DIR";
+
+/// The training of [`stall_child`]'s ranks (and of the threads of
+/// [`threads_a_quorum_above_the_ranks_left_refuses_every_recovery`]): rank 1 is stuck at
+/// `LOST_AT`, by a sleep of 4 s, or (`stop_dir`) until the parent continues it.
+fn stall_train(
+    rank: ElasticRank,
+    stop_dir: Option<&std::path::Path>,
+) -> DistResult<Option<(u64, usize)>> {
+    let map = VarMap::new();
+    let model = Mlp::new(&map)?;
+    init_fixed(&map)?;
+    let (x, y) = data();
+    let sampler = DistributedSampler::new(ROWS, ROWS)?.split(BatchSplit::Uneven);
+    let mut stalled = false;
+    let run = rank.train(STEPS, |comm, step, stop| {
+        let mut opt = ZeroRedundancyOptimizer::<SGD>::new(comm, &map, LR)?;
+        while *step < stop {
+            if comm.world_size() == MEMBERS && comm.rank() == 1 && *step == LOST_AT && !stalled {
+                // The others time out, name this rank, and shrink without it meanwhile.
+                stalled = true;
+                match &stop_dir {
+                    // Stopped whole (its watchdog too) by the parent's SIGSTOP.
+                    Some(dir) => {
+                        let pid = std::process::id().to_string();
+                        std::fs::write(dir.join("pid"), pid).unwrap();
+                        while !dir.join("continued").exists() {
+                            std::thread::sleep(Duration::from_millis(10));
+                        }
+                    }
+                    // A long stall of the training thread.
+                    None => std::thread::sleep(Duration::from_secs(4)),
+                }
+            }
+            let part = sampler.part_for(comm, *step)?;
+            let l =
+                (loss::mse(&model.forward(&part.select(&x)?)?, &part.select(&y)?)? * part.weight)?;
+            opt.backward_step(&l)?;
+            *step += 1;
+        }
+        Ok(())
+    })?;
+    Ok(run.map(|r| (r.step, r.comm.world_size())))
+}
+
+/// A rank of the tests of a stuck rank that wakes: 4 members, the timeout 1 s; rank 1 is
+/// stuck at `LOST_AT` (it sleeps 4 s, or it is SIGSTOPped from outside for 4 s), then
+/// carries on with its loop. Prints `END step S world W` or `END error E`, and exits 4 on
+/// an error.
+fn stall_child() {
+    let stop_dir = std::env::var_os(STOP_DIR).map(std::path::PathBuf::from);
+    let job = ElasticJob::from_env()
+        .unwrap()
+        .host_provider()
+        .config(Config::new().timeout(Duration::from_secs(1)));
+    let out = job.run(|rank| stall_train(rank, stop_dir.as_deref()));
+    match &out[0] {
+        Ok(Some((step, world))) => println!("END step {step} world {world}"),
+        Ok(None) => println!("END released"),
+        Err(e) => {
+            println!("END error {e}");
+            std::process::exit(4);
+        }
+    }
+}
+
+/// Runs the 4 ranks of [`stall_child`] as processes (as mpirun starts them), from the
+/// test `name`, its ports the `ports`-th candidates on; with `sigstop`, SIGSTOPs rank 1
+/// when it writes its pid and SIGCONTs it 4 s later. Checks that ranks 0, 2 and 3 end at
+/// step 20 on 3 ranks and that rank 1 exits non-zero with the quorum error.
+fn stuck_rank_wakes(name: &str, ports: u16, sigstop: bool) {
+    let exe = std::env::current_exe().unwrap();
+    let port = free_ports_from(ports);
+    let token = format!(
+        "{:032x}",
+        std::process::id() as u128 * 0x9E37_79B9_7F4A_7C15 + 1 + ports as u128
+    );
+    let dir = std::env::temp_dir().join(format!("nccl-safe-stall-{}-{ports}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let kids: Vec<_> = (0..MEMBERS)
+        .map(|r| {
+            let mut c = Command::new("timeout");
+            c.arg("--kill-after=5").arg("90").arg(&exe).args([
+                name,
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ]);
+            for v in [
+                "RANK",
+                "WORLD_SIZE",
+                "SLURM_PROCID",
+                "OMPI_MCA_orte_hnp_uri",
+                "TORCHELASTIC_RUN_ID",
+            ] {
+                c.env_remove(v);
+            }
+            if sigstop {
+                c.env(STOP_DIR, &dir);
+            }
+            c.env(STALL_CHILD, "1")
+                .env("OMPI_COMM_WORLD_RANK", r.to_string())
+                .env("OMPI_COMM_WORLD_SIZE", MEMBERS.to_string())
+                .env("OMPI_COMM_WORLD_LOCAL_RANK", r.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("NCCL_SAFE_RENDEZVOUS_TOKEN", &token)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn a rank")
+        })
+        .collect();
+    if sigstop {
+        let limit = Instant::now() + Duration::from_secs(60);
+        let pid = loop {
+            match std::fs::read_to_string(dir.join("pid")) {
+                Ok(p) if !p.is_empty() => break p,
+                _ if Instant::now() < limit => std::thread::sleep(Duration::from_millis(5)),
+                _ => panic!("rank 1 wrote no pid within 60 s"),
+            }
+        };
+        let signal = |sig: &str| {
+            let ok = Command::new("kill").args([sig, &pid]).status().unwrap();
+            assert!(ok.success(), "kill {sig} {pid}");
+        };
+        signal("-STOP");
+        std::thread::sleep(Duration::from_secs(4));
+        std::fs::write(dir.join("continued"), "").unwrap();
+        signal("-CONT");
+    }
+    let outs: Vec<_> = kids
+        .into_iter()
+        .map(|k| {
+            let out = k.wait_with_output().unwrap();
+            let end = String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .find_map(|l| l.find("END ").map(|i| l[i..].to_string()));
+            (out.status.code(), end)
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    for r in [0, 2, 3] {
+        let want = format!("END step {STEPS} world 3");
+        assert_eq!(outs[r], (Some(0), Some(want)), "rank {r}: {outs:#?}");
+    }
+    let (code, end) = &outs[1];
+    let end = end.as_deref().unwrap_or("");
+    assert_eq!(*code, Some(4), "the woken rank 1: {outs:#?}");
+    assert!(
+        end.starts_with("END error recover on rank 1 of 4: no quorum") && end.contains("min_ranks"),
+        "{end}"
+    );
+}
+
+/// In processes (as mpirun starts them): rank 1's training thread stalls past the
+/// timeout, ranks 0, 2 and 3 recover without it and end at step 20 on 3 ranks; rank 1
+/// wakes to a failed communicator with every other rank gone, and exits non-zero with the
+/// quorum error (`DistErrorKind::NoQuorum`, naming `min_ranks`) rather than training
+/// alone. Before, it recovered into a world of one and ended at step 20 too: two models.
+#[test]
+fn processes_a_stuck_rank_that_wakes_exits_with_no_quorum() {
+    if std::env::var(STALL_CHILD).is_ok() {
+        stall_child();
+        return;
+    }
+    stuck_rank_wakes(
+        "processes_a_stuck_rank_that_wakes_exits_with_no_quorum",
+        2000,
+        false,
+    );
+}
+
+/// The same with rank 1's whole process SIGSTOPped for 4 s (its watchdog too), then
+/// SIGCONTed.
+#[test]
+fn processes_a_sigstopped_rank_that_continues_exits_with_no_quorum() {
+    if std::env::var(STALL_CHILD).is_ok() {
+        stall_child();
+        return;
+    }
+    stuck_rank_wakes(
+        "processes_a_sigstopped_rank_that_continues_exits_with_no_quorum",
+        4000,
+        true,
+    );
+}
+
+/// `ElasticJob::min_ranks` reaches every recovery: with `MinRanks::AtLeast(4)` on 4 ranks,
+/// the 3 that stay after rank 1 stalls are refused too (3 or fewer < 4), as is rank 1 when it
+/// wakes (1 < 4): every rank ends with `NoQuorum` naming `MinRanks::AtLeast(4)`. Under the
+/// default the 3 carry on (`processes_a_stuck_rank_that_wakes_exits_with_no_quorum`).
+#[test]
+fn threads_a_quorum_above_the_ranks_left_refuses_every_recovery() {
+    let outs = ElasticJob::host(MEMBERS)
+        .config(Config::new().timeout(Duration::from_secs(1)))
+        .min_ranks(MinRanks::AtLeast(4))
+        .run(|rank| stall_train(rank, None));
+    assert_eq!(outs.len(), MEMBERS);
+    for (r, out) in outs.iter().enumerate() {
+        let e = out.as_ref().expect_err("no quorum");
+        // Rank 1 finds every other rank gone; the others rank 1, and those of them that
+        // refused (and tore down) before they read.
+        let fits = |l: usize| if r == 1 { l == 1 } else { (1..=3).contains(&l) };
+        assert!(
+            matches!(e.kind(), DistErrorKind::NoQuorum { left, min_ranks: 4, lost, .. }
+                if fits(*left) && lost.contains(&1) != (r == 1)),
+            "rank {r}: {e}"
+        );
+        assert!(
+            e.to_string().contains("MinRanks::AtLeast(4)"),
+            "rank {r}: {e}"
+        );
+    }
 }

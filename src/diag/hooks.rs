@@ -567,10 +567,32 @@ impl CommDiag {
 
     /// After `ncclGroupEnd` enqueued a group's operations: they are now on their streams,
     /// published on every queue they used (marked first, with exact completion).
+    /// On the host provider, whose group's end ran the work inside the call, the group's
+    /// operations are marked completed.
     pub(crate) fn publish_group(&self) {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
+            let ran = s.host_queue.as_ref().map(|q| {
+                let from = q.published.load(Ordering::Acquire);
+                from..q.staged.load(Ordering::Acquire)
+            });
             s.publish_staged();
+            if let Some(ran) = ran {
+                finish_queued(s, ran, OpState::Completed);
+            }
+        }
+    }
+
+    /// A group's end failed (NCCL launched nothing of it, or its wait timed out or was
+    /// broken): its operations still queued on this communicator are marked failed, so its
+    /// flight record and reports never show them completed.
+    pub(crate) fn group_end_failed(&self) {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            for q in s.queue_list().iter() {
+                let from = q.published.load(Ordering::Acquire);
+                finish_queued(s, from..q.staged.load(Ordering::Acquire), OpState::Failed);
+            }
         }
     }
 
@@ -914,7 +936,13 @@ impl CommDiag {
                     if let Some(q) = &s.host_queue {
                         publish(q, t.pos + 1);
                     }
-                    OpState::Completed
+                    // Inside an open group the operation is only queued: the group's end
+                    // runs it, and marks it (`publish_group`, `group_end_failed`).
+                    if in_group() {
+                        OpState::Enqueued
+                    } else {
+                        OpState::Completed
+                    }
                 }
             };
             s.journal.finish(t.pos, state, took);
@@ -1163,6 +1191,19 @@ fn mark_then_publish(s: &Shared, q: &QueueWatch, upto: u64) {
         s.mark_at_enqueue(q, upto);
     }
     publish(q, upto);
+}
+
+/// Marks the operations at journal positions `range` that are still enqueued (a group's,
+/// whose end decided their fate) `state`, with the time since they were issued.
+#[cfg(feature = "diag")]
+#[cold]
+fn finish_queued(s: &Shared, range: std::ops::Range<u64>, state: OpState) {
+    for pos in range {
+        if let Some(rec) = s.journal.get(pos).filter(|r| r.state == OpState::Enqueued) {
+            let took = u64::try_from(rec.enqueued.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            s.journal.finish(pos, state, took);
+        }
+    }
 }
 
 /// Publishes an operation's work on its queue (staged until the end of an open group).
