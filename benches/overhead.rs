@@ -23,7 +23,9 @@
 //!   and a null NCCL (`benches/common/null_nccl.c`, compiled at start), on any machine: what
 //!   each caller's CPU work on the CUDA code path costs, with every driver call returning at
 //!   once, and the driver calls each makes per operation on its thread, by entry point (the
-//!   first target is then judged by those calls).
+//!   first target is then judged by those calls); the marker's record alone; and the tail
+//!   with the watchdog busy (p50, p99 and p99.9 of single calls on 8 streams whose marker
+//!   rings stay full, beside cudarc::nccl: target p99.9 <= 2x p50).
 //! - `--backend launch`: NCCL's thread-per-group launch as the fake NCCL models it.
 //! - `--backend nccl-source`: NCCL's own host code, built from source by
 //!   `scripts/build-nccl.sh` (named in `NCCL_SAFE_SOURCE_NCCL`; without it the bench says
