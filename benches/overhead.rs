@@ -1512,7 +1512,9 @@ fn tail_latency(
         .into_iter()
         .filter(|c| *c != Caller::Cudarc || peers.iter().all(Option::is_some))
         .collect();
-    let mut samples: Vec<Vec<u32>> = vec![Vec::with_capacity(ROUNDS * BATCHES * BATCH); 4];
+    let mut samples: Vec<Vec<u32>> = (0..4)
+        .map(|_| Vec::with_capacity(ROUNDS * BATCHES * BATCH))
+        .collect();
     let mut run = |who: Caller, batches: usize, keep: bool| -> Result<()> {
         for _ in 0..batches {
             for lane in lanes.iter_mut() {
