@@ -38,8 +38,8 @@
 //! asymmetric fence (`fence`), each measured in ARCHITECTURE.md. An operation on a CUDA
 //! stream also records an event after itself (events are reused: `tracker`) and hands it
 //! to the watchdog through the stream's lock-free ring (`ranges`), which makes a
-//! read-modify-write only while 64 markers are in flight on the stream (or a range needs a
-//! spare event). A group's end takes the list of streams' lock, which the watchdog holds
+//! read-modify-write only while 64 markers are in flight on the stream (or a slot never
+//! used needs a spare event). A group's end takes the list of streams' lock, which the watchdog holds
 //! only to copy the list.
 //!
 //! A [`crate::Group`]'s end pins its communicators (the watchdog cannot abort them under

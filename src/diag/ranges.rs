@@ -59,9 +59,11 @@ struct Slot {
     /// The range's marker. The producer has it while the slot is free (it fills it, or
     /// moves the newest retired range's event here), and records it again, shared, while
     /// its range is the newest. The consumer queries it, shared, once it read the word as
-    /// [`MARKED`]; and takes it (to recycle) before it retires a range that is not the
-    /// newest, which the producer no longer touches. A range retired as the newest keeps
-    /// its event for the producer's next range.
+    /// [`MARKED`], and leaves it in the slot: a retired range's event is the producer's
+    /// for the next range in that slot, so no event passes between the threads (each
+    /// had cost the producer an event made or cache lines the consumer had just written,
+    /// and a tracker's spare ring of 64 overflowed with two streams refilling, making and
+    /// destroying an event per range).
     event: UnsafeCell<Option<Marker>>,
     /// Written by the producer while the slot is free; read by the consumer while the
     /// slot's position is in `tail..head`.
@@ -156,16 +158,23 @@ impl Ranges {
         f(Event::Own(ev))
     }
 
-    /// The event the newest range kept, if that range retired (the producer's).
-    pub(crate) fn take_parked(&self) -> Option<Marker> {
+    /// Gives `give` the events of the free slots (the producer's), for a queue it no longer
+    /// uses often: the events its retired ranges kept.
+    pub(crate) fn take_free_events(&self, mut give: impl FnMut(Marker)) {
         let head = self.head.load(Ordering::Relaxed);
-        let slot = self.slot(head.checked_sub(1)?);
-        if slot.word.load(Ordering::Acquire) != TAKEN {
-            return None;
+        let newest = head.checked_sub(1).map(|p| (p % SLOTS as u64) as usize);
+        for (i, slot) in self.slots.iter().enumerate() {
+            if slot.word.load(Ordering::Acquire) != TAKEN {
+                continue;
+            }
+            if Some(i) == newest {
+                self.newest.store(TAKEN, Ordering::Relaxed);
+            }
+            // SAFETY: the slot is free: the producer's own (the `Sync` impl's first point).
+            if let Some(m) = unsafe { &mut *slot.event.get() }.take() {
+                give(m);
+            }
         }
-        self.newest.store(TAKEN, Ordering::Relaxed);
-        // SAFETY: the slot is free: the producer's own (the `Sync` impl's first point).
-        unsafe { &mut *slot.event.get() }.take()
     }
 
     /// Whether there is a newest range the producer does not know retired.
@@ -250,19 +259,6 @@ impl Ranges {
         // SAFETY: published, not retired, read as marked: the consumer's to query, shared
         // with the producer's record again (the `Sync` impl's third point).
         unsafe { (*self.slot(pos).event.get()).as_ref() }
-    }
-
-    /// Takes the marker of published position `pos` when a later range is published
-    /// (below `head`, as the caller read it): the producer is done with it. The caller
-    /// retires the range next (and it cannot fail then: only the newest range changes).
-    pub(crate) fn take_marker(&self, pos: u64, head: u64) -> Option<Marker> {
-        if pos + 1 >= head {
-            return None;
-        }
-        // SAFETY: published, not retired, and not the newest: the producer no longer
-        // touches it, and the consumer (the caller, under the lock) holds no reference to
-        // it (the `Sync` impl's third point).
-        unsafe { (*self.slot(pos).event.get()).take() }
     }
 
     /// The info of published position `pos` (not retired).

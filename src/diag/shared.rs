@@ -385,13 +385,12 @@ impl Shared {
         }
     }
 
-    /// The owner's, for a queue it no longer uses often: gives back the event its retired
-    /// newest range kept for the next one.
+    /// The owner's, for a queue it no longer uses often: gives back the events its retired
+    /// ranges kept for the next ones (to the tracker's spare ring, which destroys what it
+    /// has no room for).
     pub(super) fn reclaim_parked(&self, q: &QueueWatch) {
         if q.by_owner {
-            if let Some(m) = q.ranges.take_parked() {
-                self.tracker.recycle(m);
-            }
+            q.ranges.take_free_events(|m| self.tracker.recycle(m));
         }
     }
 
@@ -455,22 +454,11 @@ impl Shared {
             if marker.is_some_and(|m| self.tracker.take_captured(m)) {
                 self.captured.store(true, Ordering::Relaxed);
             }
-            // A range that is not the newest gives its event back (the newest keeps it for
-            // the owner's next range). The event is spare again before the work shows
-            // complete.
-            let spare = if word & MARKED != 0 {
-                r.take_marker(pos, head)
-            } else {
-                None
-            };
             // The owner extended it meanwhile (its marker recorded again after the
-            // query): looked at again next time. Once retired, the slot is the owner's.
+            // query): looked at again next time. Once retired, the slot is the owner's,
+            // its event with it (kept for the slot's next range).
             if !r.retire(pos, word) {
-                debug_assert!(spare.is_none(), "only the newest range changes");
                 break;
-            }
-            if let Some(m) = spare {
-                self.tracker.recycle(m);
             }
             w.tail = pos + 1;
             q.retired.store(word >> 1, Ordering::Release);

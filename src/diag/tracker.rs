@@ -12,8 +12,10 @@
 //!   the caller's stream, where NCCL enqueued. Cost: one `cuEventRecord` per operation or
 //!   group, as PyTorch's ProcessGroupNCCL, and no allocation and no lock: the marker goes
 //!   to the watchdog through the queue's ring of ranges (`ranges`); its event is the one
-//!   the newest retired range kept, or one from the tracker's spare ring, to which retired
-//!   ranges give theirs back; past [`MAX_PENDING`] markers in flight on a stream, the
+//!   its slot's retired range kept (or the newest retired range's, or one from the
+//!   tracker's spare ring, for a slot never used), so a steady run, on any number of
+//!   streams, makes no event and no event passes between the threads; past
+//!   [`MAX_PENDING`] markers in flight on a stream, the
 //!   newest is recorded again, once the stream is known not to be capturing: see below).
 //! - **Lazily, on the watchdog's tick.** The per-operation path makes no CUDA call: the
 //!   watchdog records at most one event per stream per tick, after whatever was published
@@ -103,8 +105,8 @@ pub(crate) struct RawEvent {
     ctx: Arc<cudarc::driver::CudaContext>,
     /// Its last query failed with a stream-capture error: it was recorded in a capture, so
     /// the work it covered went into a CUDA graph ([`RawEvent::query`]). Such a marker is
-    /// retired at once, and the flag cleared when it is recycled (not at each record: the
-    /// owner's per-operation path makes no store of it).
+    /// retired at once, and the flag cleared as it retires, or when it is recycled (not at
+    /// each record: the owner's per-operation path makes no store of it).
     captured: std::sync::atomic::AtomicBool,
 }
 
@@ -276,7 +278,7 @@ pub(crate) struct CudaTracker {
 }
 
 /// The spare events: a ring that any thread gives events back to (one at a time, under
-/// `give`'s lock: the watchdog's retirements, a teardown's, a dropped queue's watch) and
+/// `give`'s lock: a dropped queue's watch, the owner's queue leaving its cache) and
 /// the owner takes them from without a lock (a slot of its ranges without an event: a
 /// burst of work in flight). Takers are one at a time too, by `taking`: one that finds it
 /// held makes an event instead of waiting.
