@@ -2209,19 +2209,19 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
         if asynchronous(&g, r.h) {
             // As NCCL (dev_runtime.cc:900-921): the registration is a task of the group that
             // ends the call, run by its thread, which writes the window later.
-            let (h, root) = (r.h, r.root);
+            let (h, root, at) = (r.h, r.root, buff as usize);
             return start_job(&mut g, r.h, None, "window", win as usize, move || {
                 let mut g = lock();
                 if !g.comms.contains_key(&h) {
                     return (0, Err(vanished()));
                 }
                 (
-                    registry::register(&mut g, registry::Kind::Window, h, root),
+                    registry::register_window(&mut g, h, root, at, size, win_flags),
                     Ok(()),
                 )
             });
         }
-        let token = registry::register(&mut g, registry::Kind::Window, r.h, r.root);
+        let token = registry::register_window(&mut g, r.h, r.root, buff as usize, size, win_flags);
         put(win, token as ncclWindow_t);
         Ok(ncclSuccess)
     })
@@ -2291,6 +2291,315 @@ pub(crate) unsafe extern "C" fn ncclCommWindowDeregister(
         }
         registry::deregister(&mut g, registry::Kind::Window, r.h, r.root, win as usize)?;
         Ok(ncclSuccess)
+    })
+}
+
+/// The checks NCCL 2.30.7's one-sided calls share after `ArgsCheck` (`rmaTaskAppend`,
+/// enqueue.cc:2807-2845): host RMA support (here: windows enabled), then the context, the
+/// signal index and the flags, each refused with ncclInvalidArgument. Every refusal is the
+/// communicator's asynchronous error too (ncclEnqueueCheck's `fail:`, enqueue.cc:3170).
+/// A communicator across processes is refused: the provider's shared segments carry no
+/// one-sided traffic.
+fn rma_checks(
+    g: &mut Global,
+    r: &Ready,
+    sig_idx: c_int,
+    ctx: c_int,
+    flags: u32,
+) -> Result<(), Fail> {
+    if !super::defs::win_enable() {
+        return Err(r.refuse(
+            g,
+            "One sided RMA: host RMA is not supported in this communicator.",
+        ));
+    }
+    if g.cliques.get(&r.clique).is_some_and(|c| c.shared.is_some()) {
+        let m = "one-sided calls are not supported by the host provider across processes";
+        return Err(g.misuse(Some(r.root), ncclInvalidUsage, r.name, m));
+    }
+    if ctx != 0 {
+        return Err(r.refuse(g, format!("Context {ctx} is invalid (must be 0)")));
+    }
+    if sig_idx != 0 {
+        return Err(r.refuse(g, format!("Signal index {sig_idx} is invalid (must be 0)")));
+    }
+    if flags != 0 {
+        return Err(r.refuse(g, format!("Flags {flags} is invalid (must be 0)")));
+    }
+    Ok(())
+}
+
+/// `ArgsCheck`'s root check (misc/argcheck.cc:203-206 of 2.30.7), the peer of a put or
+/// signal.
+fn rma_peer(g: &mut Global, r: &Ready, peer: c_int) -> Result<(), Fail> {
+    if peer < 0 || peer >= r.nranks {
+        let m = format!(
+            "invalid root {peer} (root should be in the 0..{} range)",
+            r.nranks
+        );
+        return Err(r.refuse(g, m));
+    }
+    Ok(())
+}
+
+/// The handle of rank `rank` of `clique` in this process.
+fn rank_handle(g: &Global, clique: u64, rank: i32) -> Option<Handle> {
+    (g.comms.iter())
+        .find(|(_, c)| matches!(c.state, CommState::Ready { clique: k, rank: q } if k == clique && q == rank))
+        .map(|(h, _)| *h)
+}
+
+/// Queues a one-sided call made inside a group for the outermost ncclGroupEnd, as NCCL
+/// does (`ncclGroupCommJoin`, enqueue.cc:2915-2921 of 2.30.7: the task is planned and
+/// launched by the group's end): the call made again there, outside the group.
+fn queue_rma(h: Handle, job: impl FnOnce() -> ncclResult_t + 'static) -> ncclResult_t {
+    let q = Queued {
+        parent: h,
+        window: false,
+        job: Box::new(job),
+    };
+    QUEUED.with(|x| x.borrow_mut().push(q));
+    ncclSuccess
+}
+
+/// `ncclPutSignal` as NCCL 2.30.7 has it (collectives.cc:315-344 -> ncclEnqueueCheck ->
+/// `rmaTaskAppend`, enqueue.cc:2807-3000): the peer in range, then [`rma_checks`], then
+/// `peerWin` not null, `localbuff` not null and inside a `NCCL_WIN_COLL_SYMMETRIC` window
+/// of this communicator. Here the stream reaches the put inside the call (host streams are
+/// synchronous): the source is read now and the data travels with the signal to the peer,
+/// whose `ncclWaitSignal` lands it. Stricter than NCCL, which checks neither: a put past
+/// the end of the peer's window (its counterpart of the same registration order), or to a
+/// peer that has no such window, is refused and fails the communicator, where NCCL would
+/// write past it.
+pub(crate) unsafe extern "C" fn ncclPutSignal(
+    localbuff: *const c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    peer: c_int,
+    peer_win: ncclWindow_t,
+    peer_win_offset: usize,
+    sig_idx: c_int,
+    ctx: c_int,
+    flags: u32,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    operation("ncclPutSignal", comm, datatype, |mut g, r, es| {
+        rma_peer(&mut g, &r, peer)?;
+        rma_checks(&mut g, &r, sig_idx, ctx, flags)?;
+        if peer_win.is_null() {
+            return Err(r.refuse(&mut g, "ncclPutSignal: peerWin is NULL"));
+        }
+        let Some(win) = registry::window(r.h, peer_win as usize) else {
+            let m = format!("{peer_win:p} is not a live window of this communicator");
+            return Err(r.refuse(&mut g, m));
+        };
+        if localbuff.is_null() {
+            return Err(r.refuse(&mut g, "ncclPutSignal: srcBuff is NULL"));
+        }
+        let Some(bytes) = count.checked_mul(es) else {
+            return Err(r.refuse(&mut g, format!("count {count} too large")));
+        };
+        let sym = NCCL_WIN_COLL_SYMMETRIC as c_int;
+        if registry::window_holding(r.h, localbuff as usize, bytes)
+            .is_none_or(|w| w.flags & sym == 0)
+        {
+            return Err(r.refuse(
+                &mut g,
+                "ncclPutSignal: srcWinHost is not in a valid symmetric window",
+            ));
+        }
+        let target =
+            rank_handle(&g, r.clique, peer).and_then(|ph| registry::window_of_order(ph, win.order));
+        let Some((_, target)) = target else {
+            let m = format!("peer {peer} has no window of this window's registration order");
+            return Err(r.refuse(&mut g, m));
+        };
+        if peer_win_offset
+            .checked_add(bytes)
+            .is_none_or(|end| end > target.size)
+        {
+            let m = format!(
+                "the put of {bytes} bytes at offset {peer_win_offset} ends past peer {peer}'s window of {} bytes (NCCL does not check: it would write past the window)",
+                target.size
+            );
+            return Err(r.refuse(&mut g, m));
+        }
+        if in_group() {
+            drop(g);
+            let (src, c) = (localbuff as usize, comm as usize);
+            let (w, st) = (peer_win as usize, stream as usize);
+            return Ok(queue_rma(r.h, move || {
+                // SAFETY: NCCL's contract: the caller keeps the buffer, the window and the
+                // communicator valid until the group's work is done.
+                unsafe {
+                    ncclPutSignal(
+                        src as _,
+                        count,
+                        datatype,
+                        peer,
+                        w as _,
+                        peer_win_offset,
+                        0,
+                        0,
+                        0,
+                        c as _,
+                        st as _,
+                    )
+                }
+            }));
+        }
+        // SAFETY: `[localbuff, localbuff + bytes)` lies in a live window of this
+        // communicator (checked above), readable by NCCL's contract.
+        let data = unsafe { core::slice::from_raw_parts(localbuff as *const u8, bytes) }.to_vec();
+        let a = registry::Arrival {
+            from: r.rank,
+            data: Some((win.order, peer_win_offset, data)),
+        };
+        registry::post_signal(r.clique, peer, a);
+        drop(g);
+        super::state::notify();
+        Ok(launched([r.h]))
+    })
+}
+
+/// `ncclSignal` as NCCL 2.30.7 has it (collectives.cc:346-371, `rmaTaskAppend`): the peer
+/// in range, then [`rma_checks`]; a signal with no data, counted by the peer's
+/// `ncclWaitSignal`.
+pub(crate) unsafe extern "C" fn ncclSignal(
+    peer: c_int,
+    sig_idx: c_int,
+    ctx: c_int,
+    flags: u32,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    operation("ncclSignal", comm, ncclInt8, |mut g, r, _| {
+        rma_peer(&mut g, &r, peer)?;
+        rma_checks(&mut g, &r, sig_idx, ctx, flags)?;
+        if in_group() {
+            drop(g);
+            let (c, st) = (comm as usize, stream as usize);
+            // SAFETY: NCCL's contract: the communicator stays valid until the group ends.
+            return Ok(queue_rma(r.h, move || unsafe {
+                ncclSignal(peer, 0, 0, 0, c as _, st as _)
+            }));
+        }
+        registry::post_signal(
+            r.clique,
+            peer,
+            registry::Arrival {
+                from: r.rank,
+                data: None,
+            },
+        );
+        drop(g);
+        super::state::notify();
+        Ok(launched([r.h]))
+    })
+}
+
+/// `ncclWaitSignal` as NCCL 2.30.7 has it (collectives.cc:373-398, `rmaTaskAppend`,
+/// enqueue.cc:2888-2908 and 2925-2953): [`rma_checks`], then the descriptors: not null,
+/// `nDesc` not 0, each `opCnt` above 0, `sigIdx` and `ctx` 0; NCCL copies them at the call.
+/// Stricter than NCCL, which does not check it: a descriptor's peer outside the
+/// communicator is refused. Here the stream reaches the wait inside the call: it returns
+/// once `opCnt` signals from each peer arrived (taking them, and landing their puts' data),
+/// the clique is aborted, or the call's deadline passed (then the clique is aborted, as a
+/// collective's wait).
+pub(crate) unsafe extern "C" fn ncclWaitSignal(
+    n_desc: c_int,
+    signal_descs: *mut ncclWaitSignalDesc_t,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    operation("ncclWaitSignal", comm, ncclInt32, |mut g, r, _| {
+        rma_checks(&mut g, &r, 0, 0, 0)?;
+        if signal_descs.is_null() || n_desc <= 0 {
+            return Err(r.refuse(&mut g, "ncclWaitSignal: invalid arguments"));
+        }
+        // SAFETY: NCCL's contract: `n_desc` readable descriptors (checked not null).
+        let descs = unsafe { core::slice::from_raw_parts(signal_descs, n_desc as usize) }.to_vec();
+        for (i, d) in descs.iter().enumerate() {
+            let m = if d.opCnt <= 0 {
+                format!(
+                    "ncclWaitSignal: descriptor {i} has invalid opCnt {}",
+                    d.opCnt
+                )
+            } else if d.sigIdx != 0 {
+                format!(
+                    "ncclWaitSignal: descriptor {i} has invalid sigIdx {} (must be 0)",
+                    d.sigIdx
+                )
+            } else if d.ctx != 0 {
+                format!(
+                    "ncclWaitSignal: descriptor {i} has invalid context {} (must be 0)",
+                    d.ctx
+                )
+            } else if d.peer < 0 || d.peer >= r.nranks {
+                format!("ncclWaitSignal: descriptor {i} has peer {} outside 0..{} (NCCL does not check it)", d.peer, r.nranks)
+            } else {
+                continue;
+            };
+            return Err(r.refuse(&mut g, m));
+        }
+        let landing = super::current_landing();
+        if in_group() {
+            drop(g);
+            let (c, st) = (comm as usize, stream as usize);
+            return Ok(queue_rma(r.h, move || {
+                let mut descs = descs;
+                let n = descs.len() as c_int;
+                let mut call =
+                    move || unsafe { ncclWaitSignal(n, descs.as_mut_ptr(), c as _, st as _) };
+                // SAFETY: NCCL's contract: the communicator stays valid until the group ends.
+                match landing {
+                    Some(w) => super::with_landing(w as _, call),
+                    None => call(),
+                }
+            }));
+        }
+        let wants: Vec<(i32, usize)> = descs.iter().map(|d| (d.peer, d.opCnt as usize)).collect();
+        let deadline = super::defs::call_deadline();
+        let (clique, me) = (r.clique, r.rank);
+        let (mut g, got) = wait_until(g, |g| {
+            if let Some(f) = g.cliques.get(&clique).map_or_else(
+                || {
+                    Some(Fail::new(
+                        ncclRemoteError,
+                        "every rank of this communicator was destroyed or aborted",
+                    ))
+                },
+                |c| c.aborted.clone(),
+            ) {
+                return Some(Err(f));
+            }
+            if let Some(data) = registry::take_signals(clique, me, &wants) {
+                return Some(Ok(data));
+            }
+            if std::time::Instant::now() >= deadline {
+                let m = format!("ncclWaitSignal: the signals waited for did not arrive by the call's deadline (at most {:?}: NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted", super::defs::wait_limit());
+                let f = Fail::new(ncclTimeout, m);
+                g.abort_clique(clique, f.clone());
+                return Some(Err(f));
+            }
+            None
+        });
+        let data = match got {
+            Some(Ok(data)) => data,
+            Some(Err(f)) => return Err(f),
+            None => {
+                let f = Fail::new(ncclTimeout, "ncclWaitSignal: the signals waited for did not arrive within the provider's wait limit; the communicator was aborted");
+                g.abort_clique(clique, f.clone());
+                return Err(f);
+            }
+        };
+        // SAFETY: the windows of this communicator are writable memory of their size by
+        // NCCL's contract; with a landing window, only it is written, which nccl-safe holds
+        // mutably during the call.
+        unsafe { registry::land(r.h, data, landing) };
+        drop(g);
+        Ok(launched([r.h]))
     })
 }
 
@@ -2520,9 +2829,9 @@ pub(crate) fn table() -> FunctionTable {
         ncclWinGetUserPtr: None,
         ncclCommGetUniqueId: Some(ncclCommGetUniqueId),
         ncclCommGrow: Some(ncclCommGrow),
-        ncclPutSignal: None,
-        ncclSignal: None,
-        ncclWaitSignal: None,
+        ncclPutSignal: Some(ncclPutSignal),
+        ncclSignal: Some(ncclSignal),
+        ncclWaitSignal: Some(ncclWaitSignal),
         ncclAllReduceConfig: None,
         ncclBroadcastConfig: None,
         ncclReduceConfig: None,
