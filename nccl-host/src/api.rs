@@ -2409,9 +2409,24 @@ pub(crate) unsafe extern "C" fn ncclPutSignal(
                 "ncclPutSignal: srcWinHost is not in a valid symmetric window",
             ));
         }
-        let target =
-            rank_handle(&g, r.clique, peer).and_then(|ph| registry::window_of_order(ph, win.order));
-        let Some((_, target)) = target else {
+        // NCCL's window registration is collective (its allgather returns once every rank
+        // registered); the provider's is not, so the peer's counterpart may still be on its
+        // way: waited for, up to the call's deadline.
+        let (clique, order, deadline) = (r.clique, win.order, super::defs::call_deadline());
+        let (mut g, target) = wait_until(g, |g| {
+            let found =
+                rank_handle(g, clique, peer).and_then(|ph| registry::window_of_order(ph, order));
+            match found {
+                Some((_, w)) => Some(Some(w)),
+                None if std::time::Instant::now() >= deadline => Some(None),
+                None => g
+                    .cliques
+                    .get(&clique)
+                    .and_then(|c| c.aborted.as_ref())
+                    .map(|_| None),
+            }
+        });
+        let Some(target) = target.flatten() else {
             let m = format!("peer {peer} has no window of this window's registration order");
             return Err(r.refuse(&mut g, m));
         };

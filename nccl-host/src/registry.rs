@@ -119,6 +119,9 @@ pub(crate) fn register_window(
         order,
     };
     r.windows.insert(token, info);
+    drop(r);
+    // A peer's put may wait for this window (see `ncclPutSignal`).
+    super::state::notify();
     token
 }
 
