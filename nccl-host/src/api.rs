@@ -2784,7 +2784,9 @@ pub(crate) unsafe extern "C" fn ncclCommQueryProperties(
         p.deviceApiSupport = super::defs::win_enable();
         p.multimemSupport = false;
         if version > nccl_sys::nccl_version_code(2, 29, 3) {
-            p.hostRmaSupport = false;
+            // The one-sided calls run where windows do, in threads (not across processes).
+            let shared = g.cliques.get(&r.clique).is_some_and(|c| c.shared.is_some());
+            p.hostRmaSupport = super::defs::win_enable() && !shared;
             p.ginType = nccl_sys::device::NCCL_GIN_TYPE_NONE;
             p.railedGinType = nccl_sys::device::NCCL_GIN_TYPE_NONE;
             p.nLsaTeams = 1;
