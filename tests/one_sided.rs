@@ -1,5 +1,6 @@
 //! One-sided puts and signals on windows (`ncclPutSignal`, `ncclSignal`, `ncclWaitSignal`,
-//! NCCL 2.29+) on the host provider, ranks in threads: data moves between ranks with put and
+//! NCCL 2.29+) on the host provider, ranks in threads and in processes (the shared-memory
+//! segment's path, also from threads on a shared id): data moves between ranks with put and
 //! wait, a bare signal is counted like a put's, each misuse is a typed error before NCCL
 //! sees it (the communicator stays usable), each call on an NCCL before 2.29 is
 //! `Unsupported`, and the provider's C ABI refuses what NCCL 2.30.7's `rmaTaskAppend`
@@ -319,4 +320,102 @@ fn the_providers_one_sided_calls_refuse_what_nccl_refuses() {
             });
         }
     });
+}
+
+/// One rank of a ring on communicator `comm` (`n` ranks): rank r puts 8 values into block
+/// r of the next rank's window and signals the rank before it; every rank waits for both
+/// and checks the block of the rank before it; twice.
+fn ring_round_trip(comm: &Communicator, n: usize) -> nccl_safe::Result<()> {
+    let s = &Stream::Host;
+    let me = comm.rank();
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    let mut src = NcclMemory::<f64>::alloc_zeros(comm, 8, s.clone())?;
+    let mut dst = NcclMemory::<f64>::alloc_zeros(comm, 8 * n, s.clone())?;
+    let mut src = comm.register_window(&mut src, SYM)?;
+    let mut dst = comm.register_window(&mut dst, SYM)?;
+    for round in 0..2 {
+        let vals: Vec<f64> = (0..8).map(|i| (100 * round + 10 * me + i) as f64).collect();
+        src.copy_from_host(&vals, s)?;
+        dst.put_signal(&src, 0..8, next, 8 * me, Signal::DEFAULT, s)?;
+        comm.signal(prev, Signal::DEFAULT, s)?;
+        dst.wait_signal(&[SignalWait::new(prev, 1), SignalWait::new(next, 1)], s)?;
+        let got = dst.buffer().to_vec(s)?;
+        let want: Vec<f64> = (0..8)
+            .map(|i| (100 * round + 10 * prev + i) as f64)
+            .collect();
+        assert_eq!(
+            got[8 * prev..8 * prev + 8],
+            want[..],
+            "rank {me} round {round}"
+        );
+        // The next round's puts start after every rank read this one's.
+        let mut sync = [0u8; 1];
+        comm.all_reduce_in_place(&mut sync, ReduceOp::Sum, s)?;
+    }
+    Ok(())
+}
+
+/// The ring on a shared id (`host::shared_unique_id`), ranks in threads: every one-sided
+/// call goes through the shared-memory segment's path, as across processes; nothing is left
+/// in `/dev/shm`.
+#[test]
+fn puts_and_signals_through_the_shared_segment() {
+    let id = UniqueId::from_raw(nccl_safe::host::shared_unique_id());
+    let seg = nccl_safe::host::shared_segment_path(&id.to_raw()).unwrap();
+    std::thread::scope(|s| {
+        for rank in 0..3 {
+            let id = &id;
+            s.spawn(move || {
+                let comm =
+                    Communicator::init_rank(&CommDevice::Host, 3, rank, id, &config()).unwrap();
+                ring_round_trip(&comm, 3).unwrap();
+                comm.destroy().map_err(|(_, e)| e).unwrap();
+            });
+        }
+    });
+    let left: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.path().display().to_string())
+        .filter(|p| p.starts_with(&seg))
+        .collect();
+    assert!(left.is_empty(), "left in /dev/shm: {left:?}");
+}
+
+const CHILD_VAR: &str = "NCCL_SAFE_TEST_ONE_SIDED";
+
+/// The ring across processes: this test binary re-run as 3 ranks (`rank:n:id` in
+/// [`CHILD_VAR`]), each exiting 0 once its checks passed.
+#[test]
+fn puts_and_signals_between_ranks_in_processes() {
+    let id = UniqueId::from_raw(nccl_safe::host::shared_unique_id());
+    let hex: String = id.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    let children: Vec<_> = (0..3)
+        .map(|r| support::spawn_child("one_sided_child", CHILD_VAR, &format!("{r}:3:{hex}")))
+        .collect();
+    for c in children {
+        support::check_child_exit(c, "one-sided child done", 0, Duration::from_secs(60));
+    }
+}
+
+/// A rank of [`puts_and_signals_between_ranks_in_processes`] (only run as its child).
+#[test]
+#[ignore]
+fn one_sided_child() {
+    let Ok(spec) = std::env::var(CHILD_VAR) else {
+        return;
+    };
+    let mut it = spec.split(':');
+    let rank: usize = it.next().unwrap().parse().unwrap();
+    let n: usize = it.next().unwrap().parse().unwrap();
+    let hex = it.next().unwrap();
+    let bytes: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    let id = UniqueId::from_bytes(&bytes).unwrap();
+    let comm = Communicator::init_rank(&CommDevice::Host, n, rank, &id, &config()).unwrap();
+    assert_eq!(comm.properties().unwrap().host_rma, Some(true));
+    ring_round_trip(&comm, n).unwrap();
+    comm.destroy().map_err(|(_, e)| e).unwrap();
+    println!("one-sided child done");
 }

@@ -270,7 +270,7 @@ fn the_host_abi_follows_nccl_2_30s_contract() {
 
 /// Each rank's properties on the host provider: its rank and size, the device API (its
 /// windows), no multicast, no GPU-initiated networking, one LSA team, host RMA (the
-/// one-sided calls, in threads).
+/// one-sided calls).
 #[test]
 fn properties_across_ranks_in_threads() {
     let id = ranks(3, config(), |comm| {

@@ -2298,8 +2298,6 @@ pub(crate) unsafe extern "C" fn ncclCommWindowDeregister(
 /// enqueue.cc:2807-2845): host RMA support (here: windows enabled), then the context, the
 /// signal index and the flags, each refused with ncclInvalidArgument. Every refusal is the
 /// communicator's asynchronous error too (ncclEnqueueCheck's `fail:`, enqueue.cc:3170).
-/// A communicator across processes is refused: the provider's shared segments carry no
-/// one-sided traffic.
 fn rma_checks(
     g: &mut Global,
     r: &Ready,
@@ -2312,10 +2310,6 @@ fn rma_checks(
             g,
             "One sided RMA: host RMA is not supported in this communicator.",
         ));
-    }
-    if g.cliques.get(&r.clique).is_some_and(|c| c.shared.is_some()) {
-        let m = "one-sided calls are not supported by the host provider across processes";
-        return Err(g.misuse(Some(r.root), ncclInvalidUsage, r.name, m));
     }
     if ctx != 0 {
         return Err(r.refuse(g, format!("Context {ctx} is invalid (must be 0)")));
@@ -2409,6 +2403,38 @@ pub(crate) unsafe extern "C" fn ncclPutSignal(
                 "ncclPutSignal: srcWinHost is not in a valid symmetric window",
             ));
         }
+        if let Some(seg) = shared_of(&g, r.clique) {
+            // Across processes the peer's window is out of sight: its counterpart has this
+            // window's size (symmetric windows), and the peer's wait lands nothing past it.
+            if peer_win_offset
+                .checked_add(bytes)
+                .is_none_or(|end| end > win.size)
+            {
+                let m = format!(
+                    "the put of {bytes} bytes at offset {peer_win_offset} ends past the window's {} bytes (NCCL does not check: it would write past the peer's window)",
+                    win.size
+                );
+                return Err(r.refuse(&mut g, m));
+            }
+            drop(g);
+            if in_group() {
+                return Ok(queue_put(
+                    r.h,
+                    localbuff,
+                    count,
+                    datatype,
+                    peer,
+                    peer_win,
+                    peer_win_offset,
+                    comm,
+                    stream,
+                ));
+            }
+            // SAFETY: as below.
+            let data = unsafe { core::slice::from_raw_parts(localbuff as *const u8, bytes) };
+            seg.rma_post(peer as usize, Some((win.order, peer_win_offset, data)))?;
+            return Ok(launched([r.h]));
+        }
         // NCCL's window registration is collective (its allgather returns once every rank
         // registered); the provider's is not, so the peer's counterpart may still be on its
         // way: waited for, up to the call's deadline.
@@ -2442,27 +2468,17 @@ pub(crate) unsafe extern "C" fn ncclPutSignal(
         }
         if in_group() {
             drop(g);
-            let (src, c) = (localbuff as usize, comm as usize);
-            let (w, st) = (peer_win as usize, stream as usize);
-            return Ok(queue_rma(r.h, move || {
-                // SAFETY: NCCL's contract: the caller keeps the buffer, the window and the
-                // communicator valid until the group's work is done.
-                unsafe {
-                    ncclPutSignal(
-                        src as _,
-                        count,
-                        datatype,
-                        peer,
-                        w as _,
-                        peer_win_offset,
-                        0,
-                        0,
-                        0,
-                        c as _,
-                        st as _,
-                    )
-                }
-            }));
+            return Ok(queue_put(
+                r.h,
+                localbuff,
+                count,
+                datatype,
+                peer,
+                peer_win,
+                peer_win_offset,
+                comm,
+                stream,
+            ));
         }
         // SAFETY: `[localbuff, localbuff + bytes)` lies in a live window of this
         // communicator (checked above), readable by NCCL's contract.
@@ -2475,6 +2491,36 @@ pub(crate) unsafe extern "C" fn ncclPutSignal(
         drop(g);
         super::state::notify();
         Ok(launched([r.h]))
+    })
+}
+
+/// A put inside a group, queued for the outermost ncclGroupEnd (see [`queue_rma`]).
+#[allow(clippy::too_many_arguments)]
+fn queue_put(
+    h: Handle,
+    localbuff: *const c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    peer: c_int,
+    peer_win: ncclWindow_t,
+    offset: usize,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    let (src, c, w, st) = (
+        localbuff as usize,
+        comm as usize,
+        peer_win as usize,
+        stream as usize,
+    );
+    queue_rma(h, move || {
+        // SAFETY: NCCL's contract: the caller keeps the buffer, the window and the
+        // communicator valid until the group's work is done.
+        unsafe {
+            ncclPutSignal(
+                src as _, count, datatype, peer, w as _, offset, 0, 0, 0, c as _, st as _,
+            )
+        }
     })
 }
 
@@ -2500,14 +2546,16 @@ pub(crate) unsafe extern "C" fn ncclSignal(
                 ncclSignal(peer, 0, 0, 0, c as _, st as _)
             }));
         }
-        registry::post_signal(
-            r.clique,
-            peer,
-            registry::Arrival {
-                from: r.rank,
-                data: None,
-            },
-        );
+        if let Some(seg) = shared_of(&g, r.clique) {
+            drop(g);
+            seg.rma_post(peer as usize, None)?;
+            return Ok(launched([r.h]));
+        }
+        let a = registry::Arrival {
+            from: r.rank,
+            data: None,
+        };
+        registry::post_signal(r.clique, peer, a);
         drop(g);
         super::state::notify();
         Ok(launched([r.h]))
@@ -2576,6 +2624,29 @@ pub(crate) unsafe extern "C" fn ncclWaitSignal(
         }
         let wants: Vec<(i32, usize)> = descs.iter().map(|d| (d.peer, d.opCnt as usize)).collect();
         let deadline = super::defs::call_deadline();
+        if let Some(seg) = shared_of(&g, r.clique) {
+            drop(g);
+            let wants: Vec<(usize, usize)> = wants.iter().map(|&(p, n)| (p as usize, n)).collect();
+            let clique = r.clique;
+            let aborted = || {
+                let g = lock();
+                g.cliques.get(&clique).map_or_else(
+                    || {
+                        Some(Fail::new(
+                            ncclRemoteError,
+                            "every rank of this communicator was destroyed or aborted",
+                        ))
+                    },
+                    |c| c.aborted.clone(),
+                )
+            };
+            let data = seg.rma_take(&wants, deadline, aborted)?;
+            let g = lock();
+            // SAFETY: as below.
+            unsafe { registry::land(r.h, data, landing) };
+            drop(g);
+            return Ok(launched([r.h]));
+        }
         let (clique, me) = (r.clique, r.rank);
         let (mut g, got) = wait_until(g, |g| {
             if let Some(f) = g.cliques.get(&clique).map_or_else(
@@ -2784,9 +2855,8 @@ pub(crate) unsafe extern "C" fn ncclCommQueryProperties(
         p.deviceApiSupport = super::defs::win_enable();
         p.multimemSupport = false;
         if version > nccl_sys::nccl_version_code(2, 29, 3) {
-            // The one-sided calls run where windows do, in threads (not across processes).
-            let shared = g.cliques.get(&r.clique).is_some_and(|c| c.shared.is_some());
-            p.hostRmaSupport = super::defs::win_enable() && !shared;
+            // The one-sided calls run where windows do.
+            p.hostRmaSupport = super::defs::win_enable();
             p.ginType = nccl_sys::device::NCCL_GIN_TYPE_NONE;
             p.railedGinType = nccl_sys::device::NCCL_GIN_TYPE_NONE;
             p.nLsaTeams = 1;
