@@ -369,6 +369,12 @@ fn puts_and_signals_through_the_shared_segment() {
                 let comm =
                     Communicator::init_rank(&CommDevice::Host, 3, rank, id, &config()).unwrap();
                 ring_round_trip(&comm, 3).unwrap();
+                // A signal no wait takes: its file goes with its receiver's communicator.
+                comm.signal((rank + 1) % 3, Signal::DEFAULT, &Stream::Host)
+                    .unwrap();
+                let mut sync = [0u8; 1];
+                comm.all_reduce_in_place(&mut sync, ReduceOp::Sum, &Stream::Host)
+                    .unwrap();
                 comm.destroy().map_err(|(_, e)| e).unwrap();
             });
         }

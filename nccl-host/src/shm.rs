@@ -306,6 +306,15 @@ unsafe impl Sync for Segment {}
 
 impl Drop for Segment {
     fn drop(&mut self) {
+        // Signals to this rank that no wait took (a wait never made, or cut short).
+        let mine = format!("{}-rma-{}-", self.path, self.rank);
+        if let Ok(dir) = std::fs::read_dir(DIR) {
+            for e in dir.flatten() {
+                if e.path().to_str().is_some_and(|p| p.starts_with(&mine)) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
         // SAFETY: `base..base+len` is our mapping; nothing borrowed from it outlives self.
         unsafe { libc::munmap(self.base.cast(), self.len) };
     }
