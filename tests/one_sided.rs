@@ -99,6 +99,40 @@ fn a_put_into_another_window_lands_in_a_wait_on_that_window() {
         .unwrap();
 }
 
+/// A wait for a signal that never comes ends in the watchdog's timeout, not a hang: rank 0
+/// waits for rank 1, which sends nothing; rank 0's wait fails within a few timeouts, and
+/// its communicator is failed.
+#[test]
+#[cfg(feature = "diag")]
+fn a_wait_for_a_signal_that_never_comes_times_out() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let cfg = Config::new().timeout(Duration::from_millis(500));
+    let done = std::sync::Barrier::new(2);
+    support::within(Duration::from_secs(30), move || {
+        std::thread::scope(|s| {
+            for rank in 0..2 {
+                let (id, cfg, done) = (&id, cfg.clone(), &done);
+                s.spawn(move || {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 2, rank, id, &cfg).unwrap();
+                    let mut m = NcclMemory::<f32>::alloc_zeros(&comm, 8, Stream::Host).unwrap();
+                    let mut w = comm.register_window(&mut m, SYM).unwrap();
+                    if rank == 0 {
+                        let started = std::time::Instant::now();
+                        let e = w
+                            .wait_signal(&[SignalWait::new(1, 1)], &Stream::Host)
+                            .unwrap_err();
+                        assert!(started.elapsed() < Duration::from_secs(10), "{e}");
+                        assert!(comm.is_failed(), "{e}");
+                    }
+                    done.wait();
+                    drop(w);
+                });
+            }
+        })
+    });
+}
+
 /// Every misuse is a typed error before NCCL sees it, and the communicator stays usable:
 /// a put past the window's end, a source range past the source's end, a peer outside the
 /// communicator, a signal index or context NCCL does not have, a window that is not
