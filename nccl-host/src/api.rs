@@ -986,6 +986,9 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     let c = g.comms.remove(&h).ok_or_else(vanished)?;
     g.dead.insert(h, c.root);
     registry::teardown(&mut g, h, c.root);
+    if let CommState::Ready { clique, rank } = c.state {
+        registry::drop_signals(clique, rank);
+    }
     g.count(Some(c.root), |s| {
         if abort {
             s.aborted += 1

@@ -189,6 +189,11 @@ pub(crate) fn take_signals(
     Some(data)
 }
 
+/// Rank `rank` of `clique` is torn down: the signals to it that no wait took go.
+pub(crate) fn drop_signals(clique: u64, rank: i32) {
+    registry().signals.remove(&(clique, rank));
+}
+
 /// Lands data of counted puts on `h`: into `only`'s window (a token) when the caller named
 /// one, else into each window of `h` they target; data for another window than `only` is
 /// staged until a wait names it. A window deregistered since is skipped (NCCL would write
@@ -258,6 +263,8 @@ pub(crate) fn deregister(
     token: usize,
 ) -> Result<(), Fail> {
     // Whether it was live, now that it is not; `None`: not one of `h`'s.
+    // Data of puts kept for a wait on this window has nowhere to land any more.
+    registry().staged.remove(&token);
     let was_live = (registry().tokens.get_mut(&(kind, token)))
         .filter(|t| t.0 == h)
         .map(|t| std::mem::replace(&mut t.1, false));
