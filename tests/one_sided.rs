@@ -99,6 +99,37 @@ fn a_put_into_another_window_lands_in_a_wait_on_that_window() {
         .unwrap();
 }
 
+/// The group rule: while a `Group` holds an operation, a put, a signal and a wait run at
+/// once, alone (the crate leaves no NCCL group open while the caller's code runs), so the
+/// put's source window can be deregistered and freed before the group's end.
+#[test]
+fn one_sided_calls_while_a_group_is_filled_run_at_once() {
+    Launcher::host(2)
+        .run(|rank| {
+            let (comm, s) = (rank.comm(), rank.stream());
+            let (me, peer) = (rank.rank(), 1 - rank.rank());
+            let mut grads = vec![1.0f32; 4];
+            let mut dst = NcclMemory::<u32>::alloc_zeros(comm, 8, s.clone())?;
+            let mut dst = comm.register_window(&mut dst, SYM)?;
+            nccl_safe::Group::run(|g| {
+                g.push(comm.all_reduce_in_place_op(&mut grads, ReduceOp::Sum, s)?)?;
+                let mut src = NcclMemory::<u32>::alloc_zeros(comm, 8, s.clone())?;
+                let mut w = comm.register_window(&mut src, SYM)?;
+                w.copy_from_host(&[me as u32 + 7; 8], s)?;
+                dst.put_signal(&w, 0..8, peer, 0, Signal::DEFAULT, s)?;
+                comm.signal(peer, Signal::DEFAULT, s)?;
+                dst.wait_signal(&[SignalWait::new(peer, 2)], s)?;
+                assert_eq!(dst.buffer().to_vec(s)?, vec![peer as u32 + 7; 8]);
+                drop(w);
+                src.free()?; // before the group's end: NCCL must be done with it
+                Ok(())
+            })?;
+            assert_eq!(grads, vec![2.0; 4], "the group's own work");
+            Ok(())
+        })
+        .unwrap();
+}
+
 /// A wait for a signal that never comes ends in the watchdog's timeout, not a hang: rank 0
 /// waits for rank 1, which sends nothing; rank 0's wait fails within a few timeouts, and
 /// its communicator is failed.
