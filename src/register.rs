@@ -44,6 +44,7 @@ use crate::comm::{CommDevice, Communicator};
 use crate::error::{invalid, Error, Result};
 use crate::library::Provider;
 use crate::memory::{on_device_lane, NcclMemory};
+use crate::ops::Op;
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
 use crate::version::Version;
@@ -565,26 +566,41 @@ impl Communicator {
     /// refused.
     #[track_caller]
     pub fn signal(&self, peer: usize, signal: Signal, stream: &impl AsStream) -> Result<()> {
+        self.signal_op(peer, signal, stream)?.run()
+    }
+
+    /// [`signal`](Self::signal) described, for [`Op::run`] or a [`Group`](crate::Group),
+    /// which makes it at its end with the group's other operations (NCCL plans a group's
+    /// puts and signals together).
+    #[track_caller]
+    pub fn signal_op<'a>(
+        &'a self,
+        peer: usize,
+        signal: Signal,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
         const CALL: EntryPoint = EntryPoint::ncclSignal;
         const OP: &str = CALL.name();
         let caller = Location::caller();
         let lib = self.library();
-        let f = lib.optional(lib.table().ncclSignal, OP)?;
+        lib.optional(lib.table().ncclSignal, OP)?;
         self.ensure_usable_for(CALL)?;
         let stream = stream.as_stream();
         self.check_stream(OP, stream)?;
         let p = self.one_sided_peer(OP, peer)?;
-        let (sig, ctx) = signal.raw(OP)?;
+        signal.raw(OP)?;
         let info = crate::diag::OpInfo::one_sided(CALL, None, 0, Some(peer), stream);
-        self.issue(info, caller, |_, comm| {
-            // SAFETY: the communicator is live; the peer is in range and the signal one
-            // NCCL has (checked above); the stream is this communicator's kind and device.
-            let make = || unsafe { f(p, sig, ctx, 0, comm, stream.raw()) };
-            #[cfg(feature = "host")]
-            return crate::host::with_caller(caller, make);
-            #[cfg(not(feature = "host"))]
-            make()
-        })
+        // The peer is in range and the signal the one NCCL has (checked above).
+        let call = crate::ops::Call::Signal { peer: p };
+        let none = (std::ptr::null(), BufferGuard::Host);
+        Ok(Op::one_sided(
+            self,
+            call,
+            none,
+            std::ptr::null_mut(),
+            info,
+            caller,
+        ))
     }
 }
 
@@ -650,18 +666,43 @@ impl<'comm, B: ?Sized> Window<'comm, '_, B> {
         B: SendBuffer<T>,
         S: SendBuffer<T> + ?Sized,
     {
+        self.put_signal_op(src, src_range, peer, offset, signal, stream)?
+            .run()
+    }
+
+    /// [`put_signal`](Self::put_signal) described, for [`Op::run`] or a
+    /// [`Group`](crate::Group), which makes it at its end with the group's other operations
+    /// (puts to several peers planned together, as NCCL does). The [`Op`] borrows both
+    /// windows until it has run, so neither can be deregistered or freed before the group's
+    /// end.
+    #[track_caller]
+    #[allow(clippy::too_many_arguments)]
+    pub fn put_signal_op<'a, T, S>(
+        &'a self,
+        src: &'a Window<'_, '_, S>,
+        src_range: std::ops::Range<usize>,
+        peer: usize,
+        offset: usize,
+        signal: Signal,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        B: SendBuffer<T>,
+        S: SendBuffer<T> + ?Sized,
+    {
         const CALL: EntryPoint = EntryPoint::ncclPutSignal;
         const OP: &str = CALL.name();
         let caller = Location::caller();
         let comm = self.comm;
         let lib = comm.library();
-        let f = lib.optional(lib.table().ncclPutSignal, OP)?;
+        lib.optional(lib.table().ncclPutSignal, OP)?;
         comm.ensure_usable_for(CALL)?;
         let stream = stream.as_stream();
         comm.check_stream(OP, stream)?;
         T::DATA_TYPE.check_supported(lib)?;
         let p = comm.one_sided_peer(OP, peer)?;
-        let (sig, ctx) = signal.raw(OP)?;
+        signal.raw(OP)?;
         if !std::ptr::eq(src.comm, comm) {
             return Err(invalid(
                 OP,
@@ -703,38 +744,23 @@ impl<'comm, B: ?Sized> Window<'comm, '_, B> {
             .cast::<u8>()
             .wrapping_add(src_range.start * size)
             .cast::<c_void>();
-        let (win, bytes_at) = (self.win, offset * size);
-        let dtype = T::DATA_TYPE.to_raw();
+        // The source range and the target's end were checked against both windows, the
+        // peer and the signal (the one NCCL has) too; the Op keeps the source's guard and
+        // both windows borrowed until it ran.
+        let call = crate::ops::Call::PutSignal {
+            peer: p,
+            at: offset * size,
+        };
         let info =
             crate::diag::OpInfo::one_sided(CALL, Some(T::DATA_TYPE), count, Some(peer), stream);
-        let r = comm.issue(info, caller, |_, raw| {
-            // SAFETY: the communicator is live; `local` and `count` lie in the source
-            // window (checked), kept borrowed with its guard until the call returned and
-            // ordered behind the read on `stream` by that guard; `win` is this
-            // communicator's live window and the write's end is inside its counterparts
-            // (symmetric windows have the same size on every rank); peer and signal checked.
-            let make = || unsafe {
-                f(
-                    local,
-                    count,
-                    dtype,
-                    p,
-                    win,
-                    bytes_at,
-                    sig,
-                    ctx,
-                    0,
-                    raw,
-                    stream.raw(),
-                )
-            };
-            #[cfg(feature = "host")]
-            return crate::host::with_caller(caller, make);
-            #[cfg(not(feature = "host"))]
-            make()
-        });
-        drop(guard);
-        r
+        Ok(Op::one_sided(
+            comm,
+            call,
+            (local, guard),
+            self.win.cast(),
+            info,
+            caller,
+        ))
     }
 
     /// Makes `stream` wait until the signals in `waits` have arrived (`ncclWaitSignal`,

@@ -99,6 +99,41 @@ fn a_put_into_another_window_lands_in_a_wait_on_that_window() {
         .unwrap();
 }
 
+/// Puts to every peer in one `Group` (an all-to-all dispatch): rank r writes its block into
+/// block r of every other rank's window at the group's end, then waits for one signal from
+/// each peer and finds each peer's block in place. The group keeps both windows borrowed
+/// until its end.
+#[test]
+fn puts_to_every_peer_in_a_group() {
+    Launcher::host(4)
+        .run(|rank| {
+            let (comm, s) = (rank.comm(), rank.stream());
+            let (me, n) = (rank.rank(), rank.world_size());
+            let mut src = NcclMemory::<i64>::alloc_zeros(comm, 4, s.clone())?;
+            let mut dst = NcclMemory::<i64>::alloc_zeros(comm, 4 * n, s.clone())?;
+            let mut src = comm.register_window(&mut src, SYM)?;
+            let mut dst = comm.register_window(&mut dst, SYM)?;
+            src.copy_from_host(&[me as i64 * 11 + 1; 4], s)?;
+            let peers: Vec<usize> = (0..n).filter(|&p| p != me).collect();
+            let mut g = nccl_safe::Group::new();
+            for &p in &peers {
+                g.push(dst.put_signal_op(&src, 0..4, p, 4 * me, Signal::DEFAULT, s)?)?;
+            }
+            g.end()?;
+            let waits: Vec<SignalWait> = peers.iter().map(|&p| SignalWait::new(p, 1)).collect();
+            dst.wait_signal(&waits, s)?;
+            let got = dst.buffer().to_vec(s)?;
+            for p in 0..n {
+                let want = if p == me { 0 } else { p as i64 * 11 + 1 };
+                assert_eq!(got[4 * p..4 * p + 4], [want; 4], "rank {me}, block {p}");
+            }
+            // A signal described and run on its own, like any operation.
+            comm.signal_op(peers[0], Signal::DEFAULT, s)?.run()?;
+            Ok(())
+        })
+        .unwrap();
+}
+
 /// The group rule: while a `Group` holds an operation, a put, a signal and a wait run at
 /// once, alone (the crate leaves no NCCL group open while the caller's code runs), so the
 /// put's source window can be deregistered and freed before the group's end.

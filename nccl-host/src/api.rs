@@ -28,6 +28,9 @@ struct Queued {
     /// A window registration (NCCL runs them after the group's other jobs, group.cc:537
     /// then 540-567 of 2.28.9), not a split or shrink.
     window: bool,
+    /// A one-sided put, signal or wait: its communicator's launch is the group's, as a
+    /// collective's.
+    rma: bool,
     job: QueuedJob,
 }
 
@@ -91,6 +94,7 @@ fn queue_for_group_end(
         q.borrow_mut().push(Queued {
             parent,
             window,
+            rma: false,
             job,
         })
     });
@@ -2041,6 +2045,8 @@ pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
         // after a failure NCCL's group goes to its cleanup, leaving the registrations not yet
         // run queued (see `stale_window`).
         let (windows, jobs): (Vec<_>, Vec<_>) = queued.into_iter().partition(|q| q.window);
+        // One-sided calls' communicators launch with the group, as a collective's.
+        let rma: Vec<Handle> = jobs.iter().filter(|q| q.rma).map(|q| q.parent).collect();
         let mut failed = None;
         for q in jobs.into_iter().chain(windows) {
             if q.window && failed.is_some() {
@@ -2066,7 +2072,7 @@ pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
         }
         match failed {
             Some(f) => Err(f),
-            None => r.map(|()| launched(ops)),
+            None => r.map(|()| launched(ops.into_iter().chain(rma))),
         }
     })
 }
@@ -2267,6 +2273,7 @@ fn queue_window(
         q.borrow_mut().push(Queued {
             parent,
             window,
+            rma: false,
             job,
         })
     });
@@ -2346,28 +2353,50 @@ fn rank_handle(g: &Global, clique: u64, rank: i32) -> Option<Handle> {
         .map(|(h, _)| *h)
 }
 
-/// Queues a one-sided call made inside a group for the outermost ncclGroupEnd, as NCCL
-/// does (`ncclGroupCommJoin`, enqueue.cc:2915-2921 of 2.30.7: the task is planned and
-/// launched by the group's end): the call made again there, outside the group.
-fn queue_rma(h: Handle, job: impl FnOnce() -> ncclResult_t + 'static) -> ncclResult_t {
-    let q = Queued {
-        parent: h,
-        window: false,
-        job: Box::new(job),
-    };
-    QUEUED.with(|x| x.borrow_mut().push(q));
-    ncclSuccess
+/// The work of a one-sided call whose checks passed: run now, or at the outermost
+/// ncclGroupEnd.
+type RmaAct = Box<dyn FnOnce() -> Result<(), Fail>>;
+
+/// Runs a one-sided call's work: inside a group, queued for the outermost ncclGroupEnd, as
+/// NCCL does (`ncclGroupCommJoin`, enqueue.cc:2920 of 2.30.7: the task is planned and
+/// launched by the group's end, which then reads as after a collective); else now, then
+/// the launch as a collective's.
+fn run_rma(h: Handle, act: RmaAct) -> Result<ncclResult_t, Fail> {
+    if in_group() {
+        let q = Queued {
+            parent: h,
+            window: false,
+            rma: true,
+            job: Box::new(move || ffi(|| act().map(|()| ncclSuccess))),
+        };
+        QUEUED.with(|x| x.borrow_mut().push(q));
+        return Ok(ncclSuccess);
+    }
+    act()?;
+    Ok(launched([h]))
+}
+
+/// The clique's abort, or its absence, as a wait sees it.
+fn clique_gone(g: &Global, clique: u64) -> Option<Fail> {
+    g.cliques.get(&clique).map_or_else(
+        || {
+            let m = "every rank of this communicator was destroyed or aborted";
+            Some(Fail::new(ncclRemoteError, m))
+        },
+        |c| c.aborted.clone(),
+    )
 }
 
 /// `ncclPutSignal` as NCCL 2.30.7 has it (collectives.cc:315-344 -> ncclEnqueueCheck ->
-/// `rmaTaskAppend`, enqueue.cc:2807-3000): the peer in range, then [`rma_checks`], then
+/// `rmaTaskAppend`, enqueue.cc:2807-3008): the peer in range, then [`rma_checks`], then
 /// `peerWin` not null, `localbuff` not null and inside a `NCCL_WIN_COLL_SYMMETRIC` window
-/// of this communicator. Here the stream reaches the put inside the call (host streams are
-/// synchronous): the source is read now and the data travels with the signal to the peer,
-/// whose `ncclWaitSignal` lands it. Stricter than NCCL, which checks neither: a put past
-/// the end of the peer's window (its counterpart of the same registration order), or to a
-/// peer that has no such window, is refused and fails the communicator, where NCCL would
-/// write past it.
+/// of this communicator. Here the stream reaches the put when it runs (in the call, or at
+/// the group's end): the source is read then and the data travels with the signal to the
+/// peer, whose `ncclWaitSignal` lands it (across processes, through a file beside the
+/// shared segment). Stricter than NCCL, which checks neither: a put past the end of the
+/// peer's window (its counterpart of the same registration order; across processes, this
+/// rank's own, of the same size), or to a peer that has no such window, is refused and
+/// fails the communicator, where NCCL would write past it.
 pub(crate) unsafe extern "C" fn ncclPutSignal(
     localbuff: *const c_void,
     count: usize,
@@ -2379,7 +2408,7 @@ pub(crate) unsafe extern "C" fn ncclPutSignal(
     ctx: c_int,
     flags: u32,
     comm: ncclComm_t,
-    stream: cudaStream_t,
+    _stream: cudaStream_t,
 ) -> ncclResult_t {
     operation("ncclPutSignal", comm, datatype, |mut g, r, es| {
         rma_peer(&mut g, &r, peer)?;
@@ -2401,129 +2430,66 @@ pub(crate) unsafe extern "C" fn ncclPutSignal(
         if registry::window_holding(r.h, localbuff as usize, bytes)
             .is_none_or(|w| w.flags & sym == 0)
         {
-            return Err(r.refuse(
-                &mut g,
-                "ncclPutSignal: srcWinHost is not in a valid symmetric window",
-            ));
+            let m = "ncclPutSignal: srcWinHost is not in a valid symmetric window";
+            return Err(r.refuse(&mut g, m));
         }
+        let (src, off, order) = (localbuff as usize, peer_win_offset, win.order);
+        // SAFETY (both reads below): `[src, src + bytes)` lies in a live window of this
+        // communicator (checked), readable by NCCL's contract until the work ran.
+        let read = move || unsafe { core::slice::from_raw_parts(src as *const u8, bytes) };
         if let Some(seg) = shared_of(&g, r.clique) {
             // Across processes the peer's window is out of sight: its counterpart has this
             // window's size (symmetric windows), and the peer's wait lands nothing past it.
-            if peer_win_offset
-                .checked_add(bytes)
-                .is_none_or(|end| end > win.size)
-            {
+            if off.checked_add(bytes).is_none_or(|end| end > win.size) {
                 let m = format!(
-                    "the put of {bytes} bytes at offset {peer_win_offset} ends past the window's {} bytes (NCCL does not check: it would write past the peer's window)",
+                    "the put of {bytes} bytes at offset {off} ends past the window's {} bytes (NCCL does not check: it would write past the peer's window)",
                     win.size
                 );
                 return Err(r.refuse(&mut g, m));
             }
             drop(g);
-            if in_group() {
-                return Ok(queue_put(
-                    r.h,
-                    localbuff,
-                    count,
-                    datatype,
-                    peer,
-                    peer_win,
-                    peer_win_offset,
-                    comm,
-                    stream,
-                ));
-            }
-            // SAFETY: as below.
-            let data = unsafe { core::slice::from_raw_parts(localbuff as *const u8, bytes) };
-            seg.rma_post(peer as usize, Some((win.order, peer_win_offset, data)))?;
-            return Ok(launched([r.h]));
+            let to = peer as usize;
+            return run_rma(
+                r.h,
+                Box::new(move || seg.rma_post(to, Some((order, off, read())))),
+            );
         }
         // NCCL's window registration is collective (its allgather returns once every rank
         // registered); the provider's is not, so the peer's counterpart may still be on its
         // way: waited for, up to the call's deadline.
-        let (clique, order, deadline) = (r.clique, win.order, super::defs::call_deadline());
+        let (clique, deadline) = (r.clique, super::defs::call_deadline());
         let (mut g, target) = wait_until(g, |g| {
             let found =
                 rank_handle(g, clique, peer).and_then(|ph| registry::window_of_order(ph, order));
             match found {
                 Some((_, w)) => Some(Some(w)),
                 None if std::time::Instant::now() >= deadline => Some(None),
-                None => g
-                    .cliques
-                    .get(&clique)
-                    .and_then(|c| c.aborted.as_ref())
-                    .map(|_| None),
+                None => clique_gone(g, clique).map(|_| None),
             }
         });
         let Some(target) = target.flatten() else {
             let m = format!("peer {peer} has no window of this window's registration order");
             return Err(r.refuse(&mut g, m));
         };
-        if peer_win_offset
-            .checked_add(bytes)
-            .is_none_or(|end| end > target.size)
-        {
+        if off.checked_add(bytes).is_none_or(|end| end > target.size) {
             let m = format!(
-                "the put of {bytes} bytes at offset {peer_win_offset} ends past peer {peer}'s window of {} bytes (NCCL does not check: it would write past the window)",
+                "the put of {bytes} bytes at offset {off} ends past peer {peer}'s window of {} bytes (NCCL does not check: it would write past the window)",
                 target.size
             );
             return Err(r.refuse(&mut g, m));
         }
-        if in_group() {
-            drop(g);
-            return Ok(queue_put(
-                r.h,
-                localbuff,
-                count,
-                datatype,
-                peer,
-                peer_win,
-                peer_win_offset,
-                comm,
-                stream,
-            ));
-        }
-        // SAFETY: `[localbuff, localbuff + bytes)` lies in a live window of this
-        // communicator (checked above), readable by NCCL's contract.
-        let data = unsafe { core::slice::from_raw_parts(localbuff as *const u8, bytes) }.to_vec();
-        let a = registry::Arrival {
-            from: r.rank,
-            data: Some((win.order, peer_win_offset, data)),
-        };
-        registry::post_signal(r.clique, peer, a);
         drop(g);
-        super::state::notify();
-        Ok(launched([r.h]))
-    })
-}
-
-/// A put inside a group, queued for the outermost ncclGroupEnd (see [`queue_rma`]).
-#[allow(clippy::too_many_arguments)]
-fn queue_put(
-    h: Handle,
-    localbuff: *const c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    peer: c_int,
-    peer_win: ncclWindow_t,
-    offset: usize,
-    comm: ncclComm_t,
-    stream: cudaStream_t,
-) -> ncclResult_t {
-    let (src, c, w, st) = (
-        localbuff as usize,
-        comm as usize,
-        peer_win as usize,
-        stream as usize,
-    );
-    queue_rma(h, move || {
-        // SAFETY: NCCL's contract: the caller keeps the buffer, the window and the
-        // communicator valid until the group's work is done.
-        unsafe {
-            ncclPutSignal(
-                src as _, count, datatype, peer, w as _, offset, 0, 0, 0, c as _, st as _,
-            )
-        }
+        let from = r.rank;
+        run_rma(
+            r.h,
+            Box::new(move || {
+                let data = Some((order, off, read().to_vec()));
+                let _g = lock();
+                registry::post_signal(clique, peer, registry::Arrival { from, data });
+                super::state::notify();
+                Ok(())
+            }),
+        )
     })
 }
 
@@ -2536,32 +2502,27 @@ pub(crate) unsafe extern "C" fn ncclSignal(
     ctx: c_int,
     flags: u32,
     comm: ncclComm_t,
-    stream: cudaStream_t,
+    _stream: cudaStream_t,
 ) -> ncclResult_t {
     operation("ncclSignal", comm, ncclInt8, |mut g, r, _| {
         rma_peer(&mut g, &r, peer)?;
         rma_checks(&mut g, &r, sig_idx, ctx, flags)?;
-        if in_group() {
-            drop(g);
-            let (c, st) = (comm as usize, stream as usize);
-            // SAFETY: NCCL's contract: the communicator stays valid until the group ends.
-            return Ok(queue_rma(r.h, move || unsafe {
-                ncclSignal(peer, 0, 0, 0, c as _, st as _)
-            }));
-        }
-        if let Some(seg) = shared_of(&g, r.clique) {
-            drop(g);
-            seg.rma_post(peer as usize, None)?;
-            return Ok(launched([r.h]));
-        }
-        let a = registry::Arrival {
-            from: r.rank,
-            data: None,
-        };
-        registry::post_signal(r.clique, peer, a);
+        let shared = shared_of(&g, r.clique);
         drop(g);
-        super::state::notify();
-        Ok(launched([r.h]))
+        let (clique, from) = (r.clique, r.rank);
+        run_rma(
+            r.h,
+            Box::new(move || match shared {
+                Some(seg) => seg.rma_post(peer as usize, None),
+                None => {
+                    let _g = lock();
+                    let a = registry::Arrival { from, data: None };
+                    registry::post_signal(clique, peer, a);
+                    super::state::notify();
+                    Ok(())
+                }
+            }),
+        )
     })
 }
 
@@ -2569,15 +2530,15 @@ pub(crate) unsafe extern "C" fn ncclSignal(
 /// enqueue.cc:2888-2908 and 2925-2953): [`rma_checks`], then the descriptors: not null,
 /// `nDesc` not 0, each `opCnt` above 0, `sigIdx` and `ctx` 0; NCCL copies them at the call.
 /// Stricter than NCCL, which does not check it: a descriptor's peer outside the
-/// communicator is refused. Here the stream reaches the wait inside the call: it returns
-/// once `opCnt` signals from each peer arrived (taking them, and landing their puts' data),
-/// the clique is aborted, or the call's deadline passed (then the clique is aborted, as a
-/// collective's wait).
+/// communicator is refused. Here the stream reaches the wait when it runs (in the call, or
+/// at the group's end): it returns once `opCnt` signals from each peer arrived (taking
+/// them, and landing their puts' data), the clique is aborted, or the call's deadline
+/// passed (then the clique is aborted, as a collective's wait).
 pub(crate) unsafe extern "C" fn ncclWaitSignal(
     n_desc: c_int,
     signal_descs: *mut ncclWaitSignalDesc_t,
     comm: ncclComm_t,
-    stream: cudaStream_t,
+    _stream: cudaStream_t,
 ) -> ncclResult_t {
     operation("ncclWaitSignal", comm, ncclInt32, |mut g, r, _| {
         rma_checks(&mut g, &r, 0, 0, 0)?;
@@ -2585,7 +2546,7 @@ pub(crate) unsafe extern "C" fn ncclWaitSignal(
             return Err(r.refuse(&mut g, "ncclWaitSignal: invalid arguments"));
         }
         // SAFETY: NCCL's contract: `n_desc` readable descriptors (checked not null).
-        let descs = unsafe { core::slice::from_raw_parts(signal_descs, n_desc as usize) }.to_vec();
+        let descs = unsafe { core::slice::from_raw_parts(signal_descs, n_desc as usize) };
         for (i, d) in descs.iter().enumerate() {
             let m = if d.opCnt <= 0 {
                 format!(
@@ -2609,58 +2570,34 @@ pub(crate) unsafe extern "C" fn ncclWaitSignal(
             };
             return Err(r.refuse(&mut g, m));
         }
-        let landing = super::current_landing();
-        if in_group() {
-            drop(g);
-            let (c, st) = (comm as usize, stream as usize);
-            return Ok(queue_rma(r.h, move || {
-                let mut descs = descs;
-                let n = descs.len() as c_int;
-                let mut call =
-                    move || unsafe { ncclWaitSignal(n, descs.as_mut_ptr(), c as _, st as _) };
-                // SAFETY: NCCL's contract: the communicator stays valid until the group ends.
-                match landing {
-                    Some(w) => super::with_landing(w as _, call),
-                    None => call(),
-                }
-            }));
-        }
         let wants: Vec<(i32, usize)> = descs.iter().map(|d| (d.peer, d.opCnt as usize)).collect();
-        let deadline = super::defs::call_deadline();
-        if let Some(seg) = shared_of(&g, r.clique) {
-            drop(g);
-            let wants: Vec<(usize, usize)> = wants.iter().map(|&(p, n)| (p as usize, n)).collect();
-            let clique = r.clique;
-            let aborted = || {
-                let g = lock();
-                g.cliques.get(&clique).map_or_else(
-                    || {
-                        Some(Fail::new(
-                            ncclRemoteError,
-                            "every rank of this communicator was destroyed or aborted",
-                        ))
-                    },
-                    |c| c.aborted.clone(),
-                )
-            };
-            let data = seg.rma_take(&wants, deadline, aborted)?;
-            let g = lock();
-            // SAFETY: as below.
-            unsafe { registry::land(r.h, data, landing) };
-            drop(g);
-            return Ok(launched([r.h]));
-        }
-        let (clique, me) = (r.clique, r.rank);
-        let (mut g, got) = wait_until(g, |g| {
-            if let Some(f) = g.cliques.get(&clique).map_or_else(
-                || {
-                    Some(Fail::new(
-                        ncclRemoteError,
-                        "every rank of this communicator was destroyed or aborted",
-                    ))
-                },
-                |c| c.aborted.clone(),
-            ) {
+        let landing = super::current_landing();
+        let shared = shared_of(&g, r.clique);
+        drop(g);
+        let (h, clique, me) = (r.h, r.clique, r.rank);
+        run_rma(
+            h,
+            Box::new(move || wait_signals(h, clique, me, wants, landing, shared)),
+        )
+    })
+}
+
+/// The work of `ncclWaitSignal` (see there), from the moment the stream reaches it.
+fn wait_signals(
+    h: Handle,
+    clique: u64,
+    me: i32,
+    wants: Vec<(i32, usize)>,
+    landing: Option<usize>,
+    shared: Option<std::sync::Arc<super::shm::Segment>>,
+) -> Result<(), Fail> {
+    let deadline = super::defs::call_deadline();
+    let data = if let Some(seg) = shared {
+        let wants: Vec<(usize, usize)> = wants.iter().map(|&(p, n)| (p as usize, n)).collect();
+        seg.rma_take(&wants, deadline, || clique_gone(&lock(), clique))?
+    } else {
+        let (mut g, got) = wait_until(lock(), |g| {
+            if let Some(f) = clique_gone(g, clique) {
                 return Some(Err(f));
             }
             if let Some(data) = registry::take_signals(clique, me, &wants) {
@@ -2674,22 +2611,21 @@ pub(crate) unsafe extern "C" fn ncclWaitSignal(
             }
             None
         });
-        let data = match got {
-            Some(Ok(data)) => data,
-            Some(Err(f)) => return Err(f),
+        match got {
+            Some(r) => r?,
             None => {
                 let f = Fail::new(ncclTimeout, "ncclWaitSignal: the signals waited for did not arrive within the provider's wait limit; the communicator was aborted");
                 g.abort_clique(clique, f.clone());
                 return Err(f);
             }
-        };
-        // SAFETY: the windows of this communicator are writable memory of their size by
-        // NCCL's contract; with a landing window, only it is written, which nccl-safe holds
-        // mutably during the call.
-        unsafe { registry::land(r.h, data, landing) };
-        drop(g);
-        Ok(launched([r.h]))
-    })
+        }
+    };
+    let _g = lock();
+    // SAFETY: the windows of this communicator are writable memory of their size by
+    // NCCL's contract; with a landing window, only it is written, which nccl-safe holds
+    // mutably during the call.
+    unsafe { registry::land(h, data, landing) };
+    Ok(())
 }
 
 /// `ncclCommSuspend` as NCCL 2.30.7 has it (mem_manager.cc:925-966; ARCHITECTURE.md's
@@ -2738,6 +2674,7 @@ fn mem_task(comm: ncclComm_t, name: &'static str, act: bool, suspend: bool) -> n
                 q.borrow_mut().push(Queued {
                     parent: r.h,
                     window: false,
+                    rma: false,
                     job,
                 })
             });
