@@ -28,6 +28,11 @@
 //! # Ok::<(), nccl_safe::Error>(())
 //! ```
 //!
+//! Symmetric windows also carry NCCL's one-sided calls (NCCL 2.29+): [`Window::put_signal`]
+//! writes into a peer's counterpart of a window, [`Communicator::signal`] signals a peer,
+//! and [`Window::wait_signal`] waits for the peers' signals, with the window held mutably
+//! while their data lands.
+//!
 //! On the host provider registration is bookkeeping (counted in `nccl_safe::host::stats`),
 //! so every rule here is tested without a GPU.
 

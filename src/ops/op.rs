@@ -162,11 +162,15 @@ impl<'a> Op<'a> {
         let dtype = info
             .data_type()
             .map_or(nccl_sys::bindings::ncclInt8, |d| d.to_raw());
-        let kept = matches!(
-            call,
-            Call::Send { .. } | Call::Recv { .. } | Call::PutSignal { .. } | Call::Signal { .. }
-        );
-        if count == 0 && !kept {
+        if count == 0
+            && !matches!(
+                call,
+                Call::Send { .. }
+                    | Call::Recv { .. }
+                    | Call::PutSignal { .. }
+                    | Call::Signal { .. }
+            )
+        {
             // NCCL discards an empty collective after its argument checks (taskAppend,
             // enqueue.cc:2554-2555 of 2.28.9): no work and no peer. So it is not issued,
             // and the diagnostics do not count it either: their sequence numbers must match
