@@ -97,7 +97,7 @@ pub use library::{CallContext, Discovery, Library, Provider};
 pub use memory::{NcclMemory, NcclView, NcclViewMut};
 pub use ops::{Op, PreMulSum, Reduction};
 pub use param::{Param, ParamType};
-pub use register::{Registration, Window, WindowFlags};
+pub use register::{Registration, Signal, SignalWait, Window, WindowFlags};
 pub use stream::{AsStream, Stream};
 pub use types::{DataType, NcclType, ReduceOp};
 pub use version::Version;

@@ -28,6 +28,11 @@
 //! # Ok::<(), nccl_safe::Error>(())
 //! ```
 //!
+//! Symmetric windows also carry NCCL's one-sided calls (NCCL 2.29+): [`Window::put_signal`]
+//! writes into a peer's counterpart of a window, [`Communicator::signal`] signals a peer,
+//! and [`Window::wait_signal`] waits for the peers' signals, with the window held mutably
+//! while their data lands.
+//!
 //! On the host provider registration is bookkeeping (counted in `nccl_safe::host::stats`),
 //! so every rule here is tested without a GPU.
 
@@ -44,6 +49,7 @@ use crate::comm::{CommDevice, Communicator};
 use crate::error::{invalid, Error, Result};
 use crate::library::Provider;
 use crate::memory::{on_device_lane, NcclMemory};
+use crate::ops::Op;
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
 use crate::version::Version;
@@ -483,6 +489,356 @@ impl<B: ?Sized> Window<'_, '_, B> {
 impl<B: ?Sized> Drop for Window<'_, '_, B> {
     fn drop(&mut self) {
         let _ = self.release(Location::caller(), true);
+    }
+}
+
+/// A signal of NCCL's one-sided calls ([`Window::put_signal`], [`Communicator::signal`],
+/// [`Window::wait_signal`]): its index and its context. NCCL 2.29 and 2.30 accept index 0
+/// of context 0 only (`rmaTaskAppend`, enqueue.cc:2825-2838 of 2.30.7); any other is
+/// refused before NCCL sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Signal {
+    /// The signal index (`sigIdx`).
+    pub index: u32,
+    /// The context (`ctx`).
+    pub ctx: u32,
+}
+
+impl Signal {
+    /// Index 0 of context 0, the one signal NCCL 2.29-2.30 has.
+    pub const DEFAULT: Signal = Signal { index: 0, ctx: 0 };
+
+    /// `(sigIdx, ctx)` for NCCL, or the typed error of a signal NCCL does not have.
+    fn raw(self, call: &'static str) -> Result<(c_int, c_int)> {
+        if self != Signal::DEFAULT {
+            return Err(invalid(
+                call,
+                format!(
+                    "signal index {} of context {}: NCCL 2.29-2.30 has signal index 0 of context 0 only",
+                    self.index, self.ctx
+                ),
+            ));
+        }
+        Ok((0, 0))
+    }
+}
+
+/// What [`Window::wait_signal`] waits for: `count` signals from rank `peer` on `signal`
+/// (one `ncclWaitSignalDesc_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SignalWait {
+    /// The rank whose puts and signals are counted.
+    pub peer: usize,
+    /// How many (at least 1).
+    pub count: u32,
+    /// On which signal.
+    pub signal: Signal,
+}
+
+impl SignalWait {
+    /// `count` signals from `peer` on [`Signal::DEFAULT`].
+    pub fn new(peer: usize, count: u32) -> SignalWait {
+        SignalWait {
+            peer,
+            count,
+            signal: Signal::DEFAULT,
+        }
+    }
+}
+
+impl Communicator {
+    /// `rank` as the peer of a one-sided call, or [`Error::RankOutOfRange`].
+    fn one_sided_peer(&self, call: &'static str, rank: usize) -> Result<c_int> {
+        if rank < self.world_size() {
+            return Ok(rank as c_int);
+        }
+        Err(Error::RankOutOfRange {
+            call,
+            what: "peer",
+            rank,
+            world_size: self.world_size(),
+        })
+    }
+
+    /// Sends `signal` to rank `peer` without data (`ncclSignal`, NCCL 2.29+), ordered on
+    /// `stream` after this rank's earlier puts to it: the peer's [`Window::wait_signal`]
+    /// counts it as it counts a put's.
+    ///
+    /// Errors, before NCCL sees the call: [`Error::Unsupported`] before NCCL 2.29;
+    /// [`Error::RankOutOfRange`] for a peer outside the communicator;
+    /// [`Error::InvalidArgument`] for a signal NCCL does not have (see [`Signal`]) or a
+    /// stream of another device. As any operation, a failed or revoked communicator is
+    /// refused.
+    #[track_caller]
+    pub fn signal(&self, peer: usize, signal: Signal, stream: &impl AsStream) -> Result<()> {
+        self.signal_op(peer, signal, stream)?.run()
+    }
+
+    /// [`signal`](Self::signal) described, for [`Op::run`] or a [`Group`](crate::Group),
+    /// which makes it at its end with the group's other operations (NCCL plans a group's
+    /// puts and signals together).
+    #[track_caller]
+    pub fn signal_op<'a>(
+        &'a self,
+        peer: usize,
+        signal: Signal,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>> {
+        const CALL: EntryPoint = EntryPoint::ncclSignal;
+        const OP: &str = CALL.name();
+        let caller = Location::caller();
+        let lib = self.library();
+        lib.optional(lib.table().ncclSignal, OP)?;
+        self.ensure_usable_for(CALL)?;
+        let stream = stream.as_stream();
+        self.check_stream(OP, stream)?;
+        let p = self.one_sided_peer(OP, peer)?;
+        signal.raw(OP)?;
+        let info = crate::diag::OpInfo::one_sided(CALL, None, 0, Some(peer), stream);
+        // The peer is in range and the signal the one NCCL has (checked above).
+        let call = crate::ops::Call::Signal { peer: p };
+        let none = (std::ptr::null(), BufferGuard::Host);
+        Ok(Op::one_sided(
+            self,
+            call,
+            none,
+            std::ptr::null_mut(),
+            info,
+            caller,
+        ))
+    }
+}
+
+impl<'comm, B: ?Sized> Window<'comm, '_, B> {
+    /// Writes elements `src_range` of the window `src` into rank `peer`'s counterpart of
+    /// this window, starting `offset` elements into it, then signals the peer
+    /// (`ncclPutSignal`, NCCL 2.29+): a one-sided write that the peer does not match with a
+    /// receive; its [`wait_signal`](Self::wait_signal) counts the signal, and the data is
+    /// there when that wait returns.
+    ///
+    /// **Which window is written.** NCCL finds the peer's window from this rank's: its
+    /// counterpart of the same registration order. Both windows must be
+    /// [`WindowFlags::COLL_SYMMETRIC`], which every rank registers over buffers of the same
+    /// size, so `offset + src_range.len()` is checked against this window's length; the
+    /// element type is the windows' own (`T` of both buffers). As for the collectives on
+    /// symmetric windows, nothing checks across ranks that they registered the same sizes
+    /// in the same order (see [`Communicator::register_window`]).
+    ///
+    /// **Borrows.** `src` is read on `stream` after the call returns; it is borrowed for the
+    /// call, and its buffer's guard (cudarc's event tracking, or NCCL memory freed behind
+    /// the stream) orders later writes and its free behind the read, as for a collective's
+    /// send buffer. Nothing else is left in NCCL's hands: `mem::forget` of either window
+    /// leaks its registration, never its memory.
+    ///
+    /// Errors, before NCCL sees the call: [`Error::Unsupported`] before NCCL 2.29;
+    /// [`Error::RankOutOfRange`] for a peer outside the communicator;
+    /// [`Error::InvalidArgument`] for a range past `src`'s end, a put past the end of this
+    /// window, a window that is not symmetric (or that NCCL registered as nothing), windows
+    /// of two communicators, a signal NCCL does not have (see [`Signal`]), or a stream of
+    /// another device.
+    ///
+    /// ```
+    /// use nccl_safe::{launch::Launcher, NcclMemory, SignalWait, Signal, WindowFlags};
+    /// Launcher::host(2).run(|rank| {
+    ///     let (comm, s) = (rank.comm(), rank.stream());
+    ///     let (me, peer) = (rank.rank(), 1 - rank.rank());
+    ///     let mut src = NcclMemory::<f32>::alloc_zeros(comm, 1024, s.clone())?;
+    ///     src.copy_from_host(&vec![me as f32; 1024], s)?;
+    ///     let mut dst = NcclMemory::<f32>::alloc_zeros(comm, 1024, s.clone())?;
+    ///     let src = comm.register_window(&mut src, WindowFlags::COLL_SYMMETRIC)?;
+    ///     let mut dst = comm.register_window(&mut dst, WindowFlags::COLL_SYMMETRIC)?;
+    ///     // Elements 0..4 of my source into the peer's `dst`, at element 8.
+    ///     dst.put_signal(&src, 0..4, peer, 8, Signal::DEFAULT, s)?;
+    ///     dst.wait_signal(&[SignalWait::new(peer, 1)], s)?;
+    ///     assert_eq!(dst.buffer().to_vec(s)?[8..12], [peer as f32; 4]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), nccl_safe::Error>(())
+    /// ```
+    #[track_caller]
+    #[allow(clippy::too_many_arguments)]
+    pub fn put_signal<T, S>(
+        &self,
+        src: &Window<'_, '_, S>,
+        src_range: std::ops::Range<usize>,
+        peer: usize,
+        offset: usize,
+        signal: Signal,
+        stream: &impl AsStream,
+    ) -> Result<()>
+    where
+        T: NcclType,
+        B: SendBuffer<T>,
+        S: SendBuffer<T> + ?Sized,
+    {
+        self.put_signal_op(src, src_range, peer, offset, signal, stream)?
+            .run()
+    }
+
+    /// [`put_signal`](Self::put_signal) described, for [`Op::run`] or a
+    /// [`Group`](crate::Group), which makes it at its end with the group's other operations
+    /// (puts to several peers planned together, as NCCL does). The [`Op`] borrows both
+    /// windows until it has run, so neither can be deregistered or freed before the group's
+    /// end.
+    #[track_caller]
+    #[allow(clippy::too_many_arguments)]
+    pub fn put_signal_op<'a, T, S>(
+        &'a self,
+        src: &'a Window<'_, '_, S>,
+        src_range: std::ops::Range<usize>,
+        peer: usize,
+        offset: usize,
+        signal: Signal,
+        stream: &'a impl AsStream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        B: SendBuffer<T>,
+        S: SendBuffer<T> + ?Sized,
+    {
+        const CALL: EntryPoint = EntryPoint::ncclPutSignal;
+        const OP: &str = CALL.name();
+        let caller = Location::caller();
+        let comm = self.comm;
+        let lib = comm.library();
+        lib.optional(lib.table().ncclPutSignal, OP)?;
+        comm.ensure_usable_for(CALL)?;
+        let stream = stream.as_stream();
+        comm.check_stream(OP, stream)?;
+        T::DATA_TYPE.check_supported(lib)?;
+        let p = comm.one_sided_peer(OP, peer)?;
+        signal.raw(OP)?;
+        if !std::ptr::eq(src.comm, comm) {
+            return Err(invalid(
+                OP,
+                "the source window is registered with another communicator than the target window",
+            ));
+        }
+        for (what, w) in [("target", self.flags), ("source", src.flags)] {
+            if !w.contains(WindowFlags::COLL_SYMMETRIC) {
+                return Err(invalid(OP, format!(
+                    "the {what} window is not symmetric: one-sided puts need windows registered with WindowFlags::COLL_SYMMETRIC"
+                )));
+            }
+        }
+        if self.win.is_null() {
+            return Err(invalid(
+                OP,
+                "NCCL registered nothing for the target window (no symmetric memory support)",
+            ));
+        }
+        let (src_len, dst_len) = (SendBuffer::len(src), SendBuffer::len(self));
+        if src_range.start > src_range.end || src_range.end > src_len {
+            return Err(invalid(
+                OP,
+                format!(
+                    "source range {src_range:?} is outside the source window's {src_len} elements"
+                ),
+            ));
+        }
+        let count = src_range.len();
+        if offset.checked_add(count).is_none_or(|end| end > dst_len) {
+            return Err(invalid(OP, format!(
+                "a put of {count} elements at element {offset} ends past the window's end ({dst_len} elements)"
+            )));
+        }
+        comm.check_memory(OP, crate::error::BufferRole::Send, src.memory())?;
+        let size = std::mem::size_of::<T>();
+        let (base, guard) = src.send_ptr(stream);
+        let local = base
+            .cast::<u8>()
+            .wrapping_add(src_range.start * size)
+            .cast::<c_void>();
+        // The source range and the target's end were checked against both windows, the
+        // peer and the signal (the one NCCL has) too; the Op keeps the source's guard and
+        // both windows borrowed until it ran.
+        let call = crate::ops::Call::PutSignal {
+            peer: p,
+            at: offset * size,
+        };
+        let info =
+            crate::diag::OpInfo::one_sided(CALL, Some(T::DATA_TYPE), count, Some(peer), stream);
+        Ok(Op::one_sided(
+            comm,
+            call,
+            (local, guard),
+            self.win.cast(),
+            info,
+            caller,
+        ))
+    }
+
+    /// Makes `stream` wait until the signals in `waits` have arrived (`ncclWaitSignal`,
+    /// NCCL 2.29+): `count` from each `peer`, counting their puts into any window of this
+    /// communicator and their [`Communicator::signal`]s. After it, the data of the counted
+    /// puts into this window is in it, on `stream`.
+    ///
+    /// It takes the window mutably, so no reference into its buffer lives while peers'
+    /// data lands. The host provider lands data only in this window during the call (data
+    /// of counted puts into another window lands in the next wait on that window); NVIDIA's
+    /// NCCL writes device memory, which no Rust reference sees.
+    ///
+    /// A wait for signals that never come is a stuck operation like any other: the
+    /// watchdog's timeout fails the communicator.
+    ///
+    /// Errors, before NCCL sees the call: [`Error::Unsupported`] before NCCL 2.29;
+    /// [`Error::RankOutOfRange`] for a peer outside the communicator;
+    /// [`Error::InvalidArgument`] for no waits, a count of 0 or above `i32::MAX`, a signal
+    /// NCCL does not have (see [`Signal`]), or a stream of another device.
+    #[track_caller]
+    pub fn wait_signal(&mut self, waits: &[SignalWait], stream: &impl AsStream) -> Result<()> {
+        const CALL: EntryPoint = EntryPoint::ncclWaitSignal;
+        const OP: &str = CALL.name();
+        let caller = Location::caller();
+        let comm = self.comm;
+        let lib = comm.library();
+        let f = lib.optional(lib.table().ncclWaitSignal, OP)?;
+        comm.ensure_usable_for(CALL)?;
+        let stream = stream.as_stream();
+        comm.check_stream(OP, stream)?;
+        if waits.is_empty() || waits.len() > c_int::MAX as usize {
+            return Err(invalid(
+                OP,
+                format!("{} waits: give 1 to {}", waits.len(), c_int::MAX),
+            ));
+        }
+        let mut descs = Vec::with_capacity(waits.len());
+        for w in waits {
+            let peer = comm.one_sided_peer(OP, w.peer)?;
+            let (sig_idx, ctx) = w.signal.raw(OP)?;
+            if w.count == 0 || w.count > c_int::MAX as u32 {
+                return Err(invalid(
+                    OP,
+                    format!(
+                        "a wait for {} signals from peer {}: the count is 1 to {}",
+                        w.count,
+                        w.peer,
+                        c_int::MAX
+                    ),
+                ));
+            }
+            descs.push(nccl_sys::bindings::ncclWaitSignalDesc_t {
+                opCnt: w.count as c_int,
+                peer,
+                sigIdx: sig_idx,
+                ctx,
+            });
+        }
+        let (n, ptr) = (descs.len() as c_int, descs.as_mut_ptr());
+        let win = self.win;
+        let info = crate::diag::OpInfo::one_sided(CALL, None, 0, None, stream);
+        comm.issue(info, caller, |_, raw| {
+            // SAFETY: the communicator is live; `descs` holds `n` checked descriptors,
+            // which NCCL copies during the call (enqueue.cc:2942-2948 of 2.30.7).
+            let make = || unsafe { f(n, ptr, raw, stream.raw()) };
+            #[cfg(feature = "host")]
+            return crate::host::with_caller(caller, || crate::host::with_landing(win, make));
+            #[cfg(not(feature = "host"))]
+            {
+                let _ = win;
+                make()
+            }
+        })
     }
 }
 

@@ -52,6 +52,24 @@ fn allreduce_runs_on_the_host_provider_and_verifies_every_rank() {
 }
 
 #[test]
+fn one_sided_runs_on_the_host_provider_and_verifies_every_rank() {
+    let o = example("one_sided", &["--backend", "host", "--count", "64"]);
+    let out = stdout(&o);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{out}{err}");
+    assert!(
+        out.lines().next().unwrap().contains("host provider"),
+        "{out}"
+    );
+    // Rank r received block r-1, whose first value is 1000 (r - 1).
+    for (rank, from) in [(0, 3), (1, 0), (2, 1), (3, 2)] {
+        let row = format!("    {rank}  host        {:>14}  ok", 1000 * from);
+        assert!(out.contains(&row), "{out}");
+    }
+    assert!(out.contains("all 4 ranks verified"), "{out}");
+}
+
+#[test]
 fn allreduce_flags_change_the_result() {
     let o = example(
         "allreduce",

@@ -884,7 +884,7 @@ fn version_emulation_hides_newer_symbols() {
     assert!(!host::lookup(c"ncclCommWindowRegister").is_null());
     assert!(!host::lookup(c"ncclCommRevoke").is_null() && !host::lookup(c"ncclCommGrow").is_null());
     assert!(
-        !host::lookup(c"ncclCommSuspend").is_null() && host::lookup(c"ncclPutSignal").is_null()
+        !host::lookup(c"ncclCommSuspend").is_null() && !host::lookup(c"ncclPutSignal").is_null()
     );
     // SAFETY: as above.
     let v229 = unsafe { FunctionTable::load(host::lookup_as_version(2, 29)) }.unwrap();
@@ -893,6 +893,8 @@ fn version_emulation_hides_newer_symbols() {
             && v229.ncclCommResume.is_none()
             && v229.ncclCommMemStats.is_none()
             && v229.ncclCommQueryProperties.is_some()
+            && v229.ncclPutSignal.is_some()
+            && v229.ncclWaitSignal.is_some()
     );
     // SAFETY: as above.
     let v228 = unsafe { FunctionTable::load(host::lookup_as_version(2, 28)) }.unwrap();
@@ -901,6 +903,8 @@ fn version_emulation_hides_newer_symbols() {
             && v228.ncclCommGrow.is_none()
             && v228.ncclCommGetUniqueId.is_none()
             && v228.ncclCommQueryProperties.is_none()
+            && v228.ncclPutSignal.is_none()
+            && v228.ncclSignal.is_none()
     );
     // SAFETY: as above.
     let pre = unsafe { FunctionTable::load(host::lookup_as_version(2, 26)) }.unwrap();

@@ -388,6 +388,9 @@ fn fp8_is_supported_and_nccl_memory_needs_a_cuda_stream() {
         assert!(d.check_supported(&lib).is_ok(), "{d:?}");
     }
     assert!(lib.table().ncclCommRegister.is_some() && lib.table().ncclCommWindowRegister.is_some());
+    // The one-sided calls (2.29) resolve.
+    let t = lib.table();
+    assert!(t.ncclPutSignal.is_some() && t.ncclSignal.is_some() && t.ncclWaitSignal.is_some());
     // Refused before NCCL (or CUDA) is touched: NVIDIA's NCCL allocates device memory.
     let mem = nccl_safe::NcclMemory::<f32>::alloc_zeros_in(&lib, 4, nccl_safe::Stream::Host);
     match mem {

@@ -82,6 +82,41 @@ fn fp8_nccl_memory_and_registration_are_unsupported_on_2_18() {
     }
 }
 
+/// The one-sided calls (`ncclPutSignal`, `ncclSignal`, `ncclWaitSignal`) came with 2.29:
+/// absent from 2.18.3, and `Unsupported` naming 2.29 and the release found (the gate each
+/// of `Window::put_signal`, `Communicator::signal` and `Window::wait_signal` passes first).
+#[test]
+fn one_sided_calls_are_unsupported_on_2_18() {
+    let lib = Library::load_from(support::real_nccl("2.18.3")).expect("2.18.3 loads");
+    let t = lib.table();
+    let gates = [
+        (
+            "ncclPutSignal",
+            lib.optional(t.ncclPutSignal, "ncclPutSignal").map(drop),
+        ),
+        (
+            "ncclSignal",
+            lib.optional(t.ncclSignal, "ncclSignal").map(drop),
+        ),
+        (
+            "ncclWaitSignal",
+            lib.optional(t.ncclWaitSignal, "ncclWaitSignal").map(drop),
+        ),
+    ];
+    for (symbol, r) in gates {
+        match r {
+            Err(Error::Unsupported {
+                symbol: s,
+                needs,
+                found,
+            }) if s == symbol
+                && needs == Version::new(2, 29, 0)
+                && found == Version::new(2, 18, 3) => {}
+            other => panic!("{symbol}: expected Unsupported, got {other:?}"),
+        }
+    }
+}
+
 /// Joining a grown communicator needs `ncclCommGrow` (2.29): on NVIDIA's 2.18.3 it is
 /// `Unsupported` before anything reaches NCCL (no device needed: the gate comes first).
 #[test]

@@ -269,7 +269,8 @@ fn the_host_abi_follows_nccl_2_30s_contract() {
 }
 
 /// Each rank's properties on the host provider: its rank and size, the device API (its
-/// windows), no multicast, no GPU-initiated networking, one LSA team, no host RMA.
+/// windows), no multicast, no GPU-initiated networking, one LSA team, host RMA (the
+/// one-sided calls).
 #[test]
 fn properties_across_ranks_in_threads() {
     let id = ranks(3, config(), |comm| {
@@ -282,7 +283,7 @@ fn properties_across_ranks_in_threads() {
                 Some(GinType::None),
                 Some(GinType::None),
                 Some(1),
-                Some(false)
+                Some(true)
             )
         );
         comm.destroy().map_err(|(_, e)| e).unwrap();

@@ -29,6 +29,9 @@ struct Queued {
     /// A window registration (NCCL runs them after the group's other jobs, group.cc:537
     /// then 540-567 of 2.28.9), not a split or shrink.
     window: bool,
+    /// A one-sided put, signal or wait: its communicator's launch is the group's, as a
+    /// collective's.
+    rma: bool,
     job: QueuedJob,
 }
 
@@ -92,6 +95,7 @@ fn queue_for_group_end(
         q.borrow_mut().push(Queued {
             parent,
             window,
+            rma: false,
             job,
         })
     });
@@ -1052,6 +1056,9 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
     let c = g.comms.remove(&h).ok_or_else(vanished)?;
     g.dead.insert(h, c.root);
     registry::teardown(&mut g, h, c.root);
+    if let CommState::Ready { clique, rank } = c.state {
+        registry::drop_signals(clique, rank);
+    }
     g.count(Some(c.root), |s| {
         if abort {
             s.aborted += 1
@@ -2104,6 +2111,8 @@ pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
         // after a failure NCCL's group goes to its cleanup, leaving the registrations not yet
         // run queued (see `stale_window`).
         let (windows, jobs): (Vec<_>, Vec<_>) = queued.into_iter().partition(|q| q.window);
+        // One-sided calls' communicators launch with the group, as a collective's.
+        let rma: Vec<Handle> = jobs.iter().filter(|q| q.rma).map(|q| q.parent).collect();
         let mut failed = None;
         for q in jobs.into_iter().chain(windows) {
             if q.window && failed.is_some() {
@@ -2129,7 +2138,7 @@ pub(crate) unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
         }
         match failed {
             Some(f) => Err(f),
-            None => r.map(|()| launched(ops)),
+            None => r.map(|()| launched(ops.into_iter().chain(rma))),
         }
     })
 }
@@ -2275,19 +2284,19 @@ pub(crate) unsafe extern "C" fn ncclCommWindowRegister(
         if asynchronous(&g, r.h) {
             // As NCCL (dev_runtime.cc:900-921): the registration is a task of the group that
             // ends the call, run by its thread, which writes the window later.
-            let (h, root) = (r.h, r.root);
+            let (h, root, at) = (r.h, r.root, buff as usize);
             return start_job(&mut g, r.h, None, "window", win as usize, move || {
                 let mut g = lock();
                 if !g.comms.contains_key(&h) {
                     return (0, Err(vanished()));
                 }
                 (
-                    registry::register(&mut g, registry::Kind::Window, h, root),
+                    registry::register_window(&mut g, h, root, at, size, win_flags),
                     Ok(()),
                 )
             });
         }
-        let token = registry::register(&mut g, registry::Kind::Window, r.h, r.root);
+        let token = registry::register_window(&mut g, r.h, r.root, buff as usize, size, win_flags);
         put(win, token as ncclWindow_t);
         Ok(ncclSuccess)
     })
@@ -2330,6 +2339,7 @@ fn queue_window(
         q.borrow_mut().push(Queued {
             parent,
             window,
+            rma: false,
             job,
         })
     });
@@ -2358,6 +2368,330 @@ pub(crate) unsafe extern "C" fn ncclCommWindowDeregister(
         registry::deregister(&mut g, registry::Kind::Window, r.h, r.root, win as usize)?;
         Ok(ncclSuccess)
     })
+}
+
+/// The checks NCCL 2.30.7's one-sided calls share after `ArgsCheck` (`rmaTaskAppend`,
+/// enqueue.cc:2807-2845): host RMA support (here: windows enabled), then the context, the
+/// signal index and the flags, each refused with ncclInvalidArgument. Every refusal is the
+/// communicator's asynchronous error too (ncclEnqueueCheck's `fail:`, enqueue.cc:3170).
+fn rma_checks(
+    g: &mut Global,
+    r: &Ready,
+    sig_idx: c_int,
+    ctx: c_int,
+    flags: u32,
+) -> Result<(), Fail> {
+    if !super::defs::win_enable() {
+        return Err(r.refuse(
+            g,
+            "One sided RMA: host RMA is not supported in this communicator.",
+        ));
+    }
+    if ctx != 0 {
+        return Err(r.refuse(g, format!("Context {ctx} is invalid (must be 0)")));
+    }
+    if sig_idx != 0 {
+        return Err(r.refuse(g, format!("Signal index {sig_idx} is invalid (must be 0)")));
+    }
+    if flags != 0 {
+        return Err(r.refuse(g, format!("Flags {flags} is invalid (must be 0)")));
+    }
+    Ok(())
+}
+
+/// `ArgsCheck`'s root check (misc/argcheck.cc:203-206 of 2.30.7), the peer of a put or
+/// signal.
+fn rma_peer(g: &mut Global, r: &Ready, peer: c_int) -> Result<(), Fail> {
+    if peer < 0 || peer >= r.nranks {
+        let m = format!(
+            "invalid root {peer} (root should be in the 0..{} range)",
+            r.nranks
+        );
+        return Err(r.refuse(g, m));
+    }
+    Ok(())
+}
+
+/// The handle of rank `rank` of `clique` in this process.
+fn rank_handle(g: &Global, clique: u64, rank: i32) -> Option<Handle> {
+    (g.comms.iter())
+        .find(|(_, c)| matches!(c.state, CommState::Ready { clique: k, rank: q } if k == clique && q == rank))
+        .map(|(h, _)| *h)
+}
+
+/// The work of a one-sided call whose checks passed: run now, or at the outermost
+/// ncclGroupEnd.
+type RmaAct = Box<dyn FnOnce() -> Result<(), Fail>>;
+
+/// Runs a one-sided call's work: inside a group, queued for the outermost ncclGroupEnd, as
+/// NCCL does (`ncclGroupCommJoin`, enqueue.cc:2920 of 2.30.7: the task is planned and
+/// launched by the group's end, which then reads as after a collective); else now, then
+/// the launch as a collective's.
+fn run_rma(h: Handle, act: RmaAct) -> Result<ncclResult_t, Fail> {
+    if in_group() {
+        let q = Queued {
+            parent: h,
+            window: false,
+            rma: true,
+            job: Box::new(move || ffi(|| act().map(|()| ncclSuccess))),
+        };
+        QUEUED.with(|x| x.borrow_mut().push(q));
+        return Ok(ncclSuccess);
+    }
+    act()?;
+    Ok(launched([h]))
+}
+
+/// The clique's abort, or its absence, as a wait sees it.
+fn clique_gone(g: &Global, clique: u64) -> Option<Fail> {
+    g.cliques.get(&clique).map_or_else(
+        || {
+            let m = "every rank of this communicator was destroyed or aborted";
+            Some(Fail::new(ncclRemoteError, m))
+        },
+        |c| c.aborted.clone(),
+    )
+}
+
+/// `ncclPutSignal` as NCCL 2.30.7 has it (collectives.cc:315-344 -> ncclEnqueueCheck ->
+/// `rmaTaskAppend`, enqueue.cc:2807-3008): the peer in range, then [`rma_checks`], then
+/// `peerWin` not null, `localbuff` not null and inside a `NCCL_WIN_COLL_SYMMETRIC` window
+/// of this communicator. Here the stream reaches the put when it runs (in the call, or at
+/// the group's end): the source is read then and the data travels with the signal to the
+/// peer, whose `ncclWaitSignal` lands it (across processes, through a file beside the
+/// shared segment). Stricter than NCCL, which checks neither: a put past the end of the
+/// peer's window (its counterpart of the same registration order; across processes, this
+/// rank's own, of the same size), or to a peer that has no such window, is refused and
+/// fails the communicator, where NCCL would write past it.
+pub(crate) unsafe extern "C" fn ncclPutSignal(
+    localbuff: *const c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    peer: c_int,
+    peer_win: ncclWindow_t,
+    peer_win_offset: usize,
+    sig_idx: c_int,
+    ctx: c_int,
+    flags: u32,
+    comm: ncclComm_t,
+    _stream: cudaStream_t,
+) -> ncclResult_t {
+    operation("ncclPutSignal", comm, datatype, |mut g, r, es| {
+        rma_peer(&mut g, &r, peer)?;
+        rma_checks(&mut g, &r, sig_idx, ctx, flags)?;
+        if peer_win.is_null() {
+            return Err(r.refuse(&mut g, "ncclPutSignal: peerWin is NULL"));
+        }
+        let Some(win) = registry::window(r.h, peer_win as usize) else {
+            let m = format!("{peer_win:p} is not a live window of this communicator");
+            return Err(r.refuse(&mut g, m));
+        };
+        if localbuff.is_null() {
+            return Err(r.refuse(&mut g, "ncclPutSignal: srcBuff is NULL"));
+        }
+        let Some(bytes) = count.checked_mul(es) else {
+            return Err(r.refuse(&mut g, format!("count {count} too large")));
+        };
+        let sym = NCCL_WIN_COLL_SYMMETRIC as c_int;
+        if registry::window_holding(r.h, localbuff as usize, bytes)
+            .is_none_or(|w| w.flags & sym == 0)
+        {
+            let m = "ncclPutSignal: srcWinHost is not in a valid symmetric window";
+            return Err(r.refuse(&mut g, m));
+        }
+        let (src, off, order) = (localbuff as usize, peer_win_offset, win.order);
+        // SAFETY (both reads below): `[src, src + bytes)` lies in a live window of this
+        // communicator (checked), readable by NCCL's contract until the work ran.
+        let read = move || unsafe { core::slice::from_raw_parts(src as *const u8, bytes) };
+        if let Some(seg) = shared_of(&g, r.clique) {
+            // Across processes the peer's window is out of sight: its counterpart has this
+            // window's size (symmetric windows), and the peer's wait lands nothing past it.
+            if off.checked_add(bytes).is_none_or(|end| end > win.size) {
+                let m = format!(
+                    "the put of {bytes} bytes at offset {off} ends past the window's {} bytes (NCCL does not check: it would write past the peer's window)",
+                    win.size
+                );
+                return Err(r.refuse(&mut g, m));
+            }
+            drop(g);
+            let to = peer as usize;
+            return run_rma(
+                r.h,
+                Box::new(move || seg.rma_post(to, Some((order, off, read())))),
+            );
+        }
+        // NCCL's window registration is collective (its allgather returns once every rank
+        // registered); the provider's is not, so the peer's counterpart may still be on its
+        // way: waited for, up to the call's deadline.
+        let (clique, deadline) = (r.clique, super::defs::call_deadline());
+        let (mut g, target) = wait_until(g, |g| {
+            let found =
+                rank_handle(g, clique, peer).and_then(|ph| registry::window_of_order(ph, order));
+            match found {
+                Some((_, w)) => Some(Some(w)),
+                None if std::time::Instant::now() >= deadline => Some(None),
+                None => clique_gone(g, clique).map(|_| None),
+            }
+        });
+        let Some(target) = target.flatten() else {
+            let m = format!("peer {peer} has no window of this window's registration order");
+            return Err(r.refuse(&mut g, m));
+        };
+        if off.checked_add(bytes).is_none_or(|end| end > target.size) {
+            let m = format!(
+                "the put of {bytes} bytes at offset {off} ends past peer {peer}'s window of {} bytes (NCCL does not check: it would write past the window)",
+                target.size
+            );
+            return Err(r.refuse(&mut g, m));
+        }
+        drop(g);
+        let from = r.rank;
+        run_rma(
+            r.h,
+            Box::new(move || {
+                let data = Some((order, off, read().to_vec()));
+                let _g = lock();
+                registry::post_signal(clique, peer, registry::Arrival { from, data });
+                super::state::notify();
+                Ok(())
+            }),
+        )
+    })
+}
+
+/// `ncclSignal` as NCCL 2.30.7 has it (collectives.cc:346-371, `rmaTaskAppend`): the peer
+/// in range, then [`rma_checks`]; a signal with no data, counted by the peer's
+/// `ncclWaitSignal`.
+pub(crate) unsafe extern "C" fn ncclSignal(
+    peer: c_int,
+    sig_idx: c_int,
+    ctx: c_int,
+    flags: u32,
+    comm: ncclComm_t,
+    _stream: cudaStream_t,
+) -> ncclResult_t {
+    operation("ncclSignal", comm, ncclInt8, |mut g, r, _| {
+        rma_peer(&mut g, &r, peer)?;
+        rma_checks(&mut g, &r, sig_idx, ctx, flags)?;
+        let shared = shared_of(&g, r.clique);
+        drop(g);
+        let (clique, from) = (r.clique, r.rank);
+        run_rma(
+            r.h,
+            Box::new(move || match shared {
+                Some(seg) => seg.rma_post(peer as usize, None),
+                None => {
+                    let _g = lock();
+                    let a = registry::Arrival { from, data: None };
+                    registry::post_signal(clique, peer, a);
+                    super::state::notify();
+                    Ok(())
+                }
+            }),
+        )
+    })
+}
+
+/// `ncclWaitSignal` as NCCL 2.30.7 has it (collectives.cc:373-398, `rmaTaskAppend`,
+/// enqueue.cc:2888-2908 and 2925-2953): [`rma_checks`], then the descriptors: not null,
+/// `nDesc` not 0, each `opCnt` above 0, `sigIdx` and `ctx` 0; NCCL copies them at the call.
+/// Stricter than NCCL, which does not check it: a descriptor's peer outside the
+/// communicator is refused. Here the stream reaches the wait when it runs (in the call, or
+/// at the group's end): it returns once `opCnt` signals from each peer arrived (taking
+/// them, and landing their puts' data), the clique is aborted, or the call's deadline
+/// passed (then the clique is aborted, as a collective's wait).
+pub(crate) unsafe extern "C" fn ncclWaitSignal(
+    n_desc: c_int,
+    signal_descs: *mut ncclWaitSignalDesc_t,
+    comm: ncclComm_t,
+    _stream: cudaStream_t,
+) -> ncclResult_t {
+    operation("ncclWaitSignal", comm, ncclInt32, |mut g, r, _| {
+        rma_checks(&mut g, &r, 0, 0, 0)?;
+        if signal_descs.is_null() || n_desc <= 0 {
+            return Err(r.refuse(&mut g, "ncclWaitSignal: invalid arguments"));
+        }
+        // SAFETY: NCCL's contract: `n_desc` readable descriptors (checked not null).
+        let descs = unsafe { core::slice::from_raw_parts(signal_descs, n_desc as usize) };
+        for (i, d) in descs.iter().enumerate() {
+            let m = if d.opCnt <= 0 {
+                format!(
+                    "ncclWaitSignal: descriptor {i} has invalid opCnt {}",
+                    d.opCnt
+                )
+            } else if d.sigIdx != 0 {
+                format!(
+                    "ncclWaitSignal: descriptor {i} has invalid sigIdx {} (must be 0)",
+                    d.sigIdx
+                )
+            } else if d.ctx != 0 {
+                format!(
+                    "ncclWaitSignal: descriptor {i} has invalid context {} (must be 0)",
+                    d.ctx
+                )
+            } else if d.peer < 0 || d.peer >= r.nranks {
+                format!("ncclWaitSignal: descriptor {i} has peer {} outside 0..{} (NCCL does not check it)", d.peer, r.nranks)
+            } else {
+                continue;
+            };
+            return Err(r.refuse(&mut g, m));
+        }
+        let wants: Vec<(i32, usize)> = descs.iter().map(|d| (d.peer, d.opCnt as usize)).collect();
+        let landing = super::current_landing();
+        let shared = shared_of(&g, r.clique);
+        drop(g);
+        let (h, clique, me) = (r.h, r.clique, r.rank);
+        run_rma(
+            h,
+            Box::new(move || wait_signals(h, clique, me, wants, landing, shared)),
+        )
+    })
+}
+
+/// The work of `ncclWaitSignal` (see there), from the moment the stream reaches it.
+fn wait_signals(
+    h: Handle,
+    clique: u64,
+    me: i32,
+    wants: Vec<(i32, usize)>,
+    landing: Option<usize>,
+    shared: Option<std::sync::Arc<super::shm::Segment>>,
+) -> Result<(), Fail> {
+    let deadline = super::defs::call_deadline();
+    let data = if let Some(seg) = shared {
+        let wants: Vec<(usize, usize)> = wants.iter().map(|&(p, n)| (p as usize, n)).collect();
+        seg.rma_take(&wants, deadline, || clique_gone(&lock(), clique))?
+    } else {
+        let (mut g, got) = wait_until(lock(), |g| {
+            if let Some(f) = clique_gone(g, clique) {
+                return Some(Err(f));
+            }
+            if let Some(data) = registry::take_signals(clique, me, &wants) {
+                return Some(Ok(data));
+            }
+            if std::time::Instant::now() >= deadline {
+                let m = format!("ncclWaitSignal: the signals waited for did not arrive by the call's deadline (at most {:?}: NCCL_SAFE_HOST_TIMEOUT_MS); the communicator was aborted", super::defs::wait_limit());
+                let f = Fail::new(ncclTimeout, m);
+                g.abort_clique(clique, f.clone());
+                return Some(Err(f));
+            }
+            None
+        });
+        match got {
+            Some(r) => r?,
+            None => {
+                let f = Fail::new(ncclTimeout, "ncclWaitSignal: the signals waited for did not arrive within the provider's wait limit; the communicator was aborted");
+                g.abort_clique(clique, f.clone());
+                return Err(f);
+            }
+        }
+    };
+    let _g = lock();
+    // SAFETY: the windows of this communicator are writable memory of their size by
+    // NCCL's contract; with a landing window, only it is written, which nccl-safe holds
+    // mutably during the call.
+    unsafe { registry::land(h, data, landing) };
+    Ok(())
 }
 
 /// `ncclCommSuspend` as NCCL 2.30.7 has it (mem_manager.cc:925-966; ARCHITECTURE.md's
@@ -2406,6 +2740,7 @@ fn mem_task(comm: ncclComm_t, name: &'static str, act: bool, suspend: bool) -> n
                 q.borrow_mut().push(Queued {
                     parent: r.h,
                     window: false,
+                    rma: false,
                     job,
                 })
             });
@@ -2526,7 +2861,8 @@ pub(crate) unsafe extern "C" fn ncclCommQueryProperties(
         p.deviceApiSupport = super::defs::win_enable();
         p.multimemSupport = false;
         if version > nccl_sys::nccl_version_code(2, 29, 3) {
-            p.hostRmaSupport = false;
+            // The one-sided calls run where windows do.
+            p.hostRmaSupport = super::defs::win_enable();
             p.ginType = nccl_sys::device::NCCL_GIN_TYPE_NONE;
             p.railedGinType = nccl_sys::device::NCCL_GIN_TYPE_NONE;
             p.nLsaTeams = 1;
@@ -2586,9 +2922,9 @@ pub(crate) fn table() -> FunctionTable {
         ncclWinGetUserPtr: None,
         ncclCommGetUniqueId: Some(ncclCommGetUniqueId),
         ncclCommGrow: Some(ncclCommGrow),
-        ncclPutSignal: None,
-        ncclSignal: None,
-        ncclWaitSignal: None,
+        ncclPutSignal: Some(ncclPutSignal),
+        ncclSignal: Some(ncclSignal),
+        ncclWaitSignal: Some(ncclWaitSignal),
         ncclAllReduceConfig: None,
         ncclBroadcastConfig: None,
         ncclReduceConfig: None,

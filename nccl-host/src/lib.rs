@@ -204,6 +204,29 @@ pub fn with_caller<R>(caller: &'static std::panic::Location<'static>, f: impl Fn
     r
 }
 
+std::thread_local! {
+    /// The window a wait of nccl-safe's holds mutably (see [`with_landing`]).
+    static LANDING: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` (one `ncclWaitSignal` into this provider) with `win` as the only window the
+/// wait may write into: nccl-safe's `Window::wait_signal` holds that window mutably, so no
+/// reference of the caller's sees it change; data of counted puts into another window is
+/// kept until a wait names that one. Raw calls without it land every counted put, as NCCL.
+/// For nccl-safe only.
+#[doc(hidden)]
+pub fn with_landing<R>(win: nccl_sys::bindings::ncclWindow_t, f: impl FnOnce() -> R) -> R {
+    LANDING.with(|c| c.set(Some(win as usize)));
+    let r = f();
+    LANDING.with(|c| c.set(None));
+    r
+}
+
+/// The window [`with_landing`] named for this thread's call, if any.
+pub(crate) fn current_landing() -> Option<usize> {
+    LANDING.with(|c| c.get())
+}
+
 #[doc(hidden)]
 pub use defs::{with_deadline, CallCancel};
 

@@ -293,6 +293,9 @@ pub(crate) struct Segment {
     children: AtomicU64,
     /// Peers that leave or die are not seen ([`super::fault::Fault::SilentPeers`]).
     pub(crate) silent: bool,
+    /// One-sided signals: those this rank sent to each rank (`0..nranks`), then those it
+    /// took from each (`nranks..2 nranks`); see [`Segment::rma_post`].
+    rma: Vec<AtomicU64>,
 }
 
 // SAFETY: the mapping is process-wide memory accessed through atomics (header, rank
@@ -303,6 +306,15 @@ unsafe impl Sync for Segment {}
 
 impl Drop for Segment {
     fn drop(&mut self) {
+        // Signals to this rank that no wait took (a wait never made, or cut short).
+        let mine = format!("{}-rma-{}-", self.path, self.rank);
+        if let Ok(dir) = std::fs::read_dir(DIR) {
+            for e in dir.flatten() {
+                if e.path().to_str().is_some_and(|p| p.starts_with(&mine)) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
         // SAFETY: `base..base+len` is our mapping; nothing borrowed from it outlives self.
         unsafe { libc::munmap(self.base.cast(), self.len) };
     }
@@ -528,6 +540,7 @@ impl Segment {
             id: *id,
             children: AtomicU64::new(0),
             silent: false,
+            rma: (0..2 * nranks).map(|_| AtomicU64::new(0)).collect(),
         };
         let h = seg.header();
         if creator {
@@ -1122,6 +1135,114 @@ impl Segment {
                 return Ok(());
             }
         }
+    }
+}
+
+/// One-sided signals across processes: each put or signal is a file of its own beside the
+/// segment's name (`<segment>-rma-<to>-<from>-<n>`, written under another name and renamed,
+/// so a reader sees it whole), read and removed by the receiver's wait. A put never waits
+/// for its peer, as NCCL's does not. The files carry the maker's pid like the segment's
+/// name, so [`sweep`] removes those a dead job left.
+impl Segment {
+    fn rma_name(&self, to: usize, from: usize, n: u64) -> String {
+        format!("{}-rma-{to}-{from}-{n}", self.path)
+    }
+
+    /// Posts a signal to rank `to`, with a put's data: the destination window's
+    /// registration order, the byte offset into it, the bytes.
+    pub(crate) fn rma_post(
+        &self,
+        to: usize,
+        data: Option<(u64, usize, &[u8])>,
+    ) -> Result<(), Fail> {
+        use std::io::Write;
+        let n = self.rma[to].fetch_add(1, AcqRel);
+        let (order, off, bytes) = data.map_or((u64::MAX, 0, &[][..]), |(o, f, b)| (o, f, b));
+        let mut head = Vec::with_capacity(24 + bytes.len());
+        head.extend_from_slice(&order.to_le_bytes());
+        head.extend_from_slice(&(off as u64).to_le_bytes());
+        head.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        let (tmp, name) = (
+            format!("{}-tmp", self.rma_name(to, self.rank, n)),
+            self.rma_name(to, self.rank, n),
+        );
+        let write = || -> std::io::Result<()> {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            f.write_all(&head)?;
+            f.write_all(bytes)?;
+            std::fs::rename(&tmp, &name)
+        };
+        write().map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            sys_fail(format!("post a one-sided signal in {name}"), e)
+        })?;
+        self.ring(to);
+        Ok(())
+    }
+
+    /// Waits until `(from, count)` signals each arrived (the same peer named twice counts
+    /// the sum), then takes them, returning their puts' data in order; fails on a failed
+    /// communicator, a gone peer, `aborted` (this process's abort), or the deadline (which
+    /// fails the communicator, as a collective's).
+    pub(crate) fn rma_take(
+        &self,
+        wants: &[(usize, usize)],
+        deadline: Instant,
+        aborted: impl Fn() -> Option<Fail>,
+    ) -> Result<Vec<(u64, usize, Vec<u8>)>, Fail> {
+        let mut need = vec![0u64; self.nranks];
+        for &(p, c) in wants {
+            need[p] += c as u64;
+        }
+        let taken = |p: usize| self.rma[self.nranks + p].load(Acquire);
+        let present = |p: usize| {
+            (0..need[p])
+                .all(|k| std::path::Path::new(&self.rma_name(self.rank, p, taken(p) + k)).exists())
+        };
+        let bell = &self.info(self.rank).bell;
+        loop {
+            let ring = bell.load(Acquire);
+            if (0..self.nranks).all(present) {
+                break;
+            }
+            if let Some(f) = self.failure().or_else(&aborted) {
+                return Err(f);
+            }
+            if let Some((why, r)) = self.peer_gone() {
+                return Err(self.fail_err(why, r, P2P_SEQ));
+            }
+            if Instant::now() >= deadline {
+                let late = (0..self.nranks).find(|&p| !present(p)).unwrap_or(self.rank);
+                return Err(self.fail_err(Why::Timeout, late, P2P_SEQ));
+            }
+            futex_wait(bell, ring, Duration::from_millis(10));
+        }
+        let mut data = Vec::new();
+        for (p, &count) in need.iter().enumerate() {
+            for k in 0..count {
+                let name = self.rma_name(self.rank, p, taken(p) + k);
+                let raw = std::fs::read(&name).map_err(|e| sys_fail(format!("read {name}"), e))?;
+                let _ = std::fs::remove_file(&name);
+                let word = |i: usize| {
+                    u64::from_le_bytes(raw[8 * i..8 * i + 8].try_into().unwrap_or([0; 8]))
+                };
+                if raw.len() < 24 || raw.len() as u64 != 24 + word(2) {
+                    return Err(Fail::new(
+                        ncclSystemError,
+                        format!("{name} is not a whole signal"),
+                    ));
+                }
+                if word(0) != u64::MAX {
+                    data.push((word(0), word(1) as usize, raw[24..].to_vec()));
+                }
+            }
+            self.rma[self.nranks + p].fetch_add(count, AcqRel);
+        }
+        Ok(data)
     }
 }
 

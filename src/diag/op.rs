@@ -64,6 +64,27 @@ impl<'a> OpInfo<'a> {
         }
     }
 
+    /// A one-sided call (`ncclPutSignal`, `ncclSignal`, `ncclWaitSignal`): made by one
+    /// rank, so neither sequence-numbered nor fingerprinted; `peer` is its target (none for
+    /// a wait, which may name several).
+    #[inline]
+    pub(crate) fn one_sided(
+        name: EntryPoint,
+        dtype: Option<DataType>,
+        count: usize,
+        peer: Option<usize>,
+        stream: StreamRef<'a>,
+    ) -> OpInfo<'a> {
+        OpInfo {
+            name,
+            collective: false,
+            dtype,
+            count,
+            root: peer.map(|r| r as u32),
+            stream,
+        }
+    }
+
     /// The NCCL call.
     #[inline]
     pub(crate) fn name(&self) -> &'static str {
@@ -96,12 +117,19 @@ impl<'a> OpInfo<'a> {
 }
 
 /// Collectives get a sequence number and a fingerprint; point-to-point calls (made by two
-/// ranks) and shrink (not called by the excluded ranks) do not.
+/// ranks), the one-sided calls (made by one) and shrink (not called by the excluded ranks)
+/// do not.
 #[inline]
 pub(crate) fn is_collective(call: EntryPoint) -> bool {
     match call.collective() {
         Some(c) => c.every_rank(),
-        None => call != EntryPoint::ncclCommShrink,
+        None => !matches!(
+            call,
+            EntryPoint::ncclCommShrink
+                | EntryPoint::ncclPutSignal
+                | EntryPoint::ncclSignal
+                | EntryPoint::ncclWaitSignal
+        ),
     }
 }
 

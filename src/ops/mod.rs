@@ -62,15 +62,34 @@ type RootedFn = unsafe extern "C" fn(
 #[derive(Clone, Copy)]
 pub(crate) enum Call {
     AllReduce(ncclRedOp_t),
-    Broadcast { root: c_int },
+    Broadcast {
+        root: c_int,
+    },
     Reduce(ncclRedOp_t, c_int),
     AllGather,
     ReduceScatter(ncclRedOp_t),
-    Send { peer: c_int },
-    Recv { peer: c_int },
+    Send {
+        peer: c_int,
+    },
+    Recv {
+        peer: c_int,
+    },
     AllToAll(AllToAllFn),
     Gather(RootedFn, c_int),
     Scatter(RootedFn, c_int),
+    /// A one-sided put into the counterpart on `peer` of the window passed as the
+    /// operation's `recv` (an `ncclWindow_t`), `at` bytes in (signal index 0 of context 0,
+    /// the one NCCL 2.29-2.30 has). The entry point is the table's (checked present when
+    /// the operation was described): a function pointer here would take an `Op` past 128
+    /// bytes.
+    PutSignal {
+        peer: c_int,
+        at: usize,
+    },
+    /// A one-sided signal to `peer` (index 0 of context 0).
+    Signal {
+        peer: c_int,
+    },
 }
 
 impl Call {
@@ -78,7 +97,8 @@ impl Call {
     ///
     /// # Safety
     /// `send` and `recv` are valid for what the call reads and writes with `count` elements
-    /// of `dtype` (an [`Op`]'s description checked it), and stay so until the work is done.
+    /// of `dtype` (an [`Op`]'s description checked it), and stay so until the work is done;
+    /// for a put, `recv` is the live target window (`ncclWindow_t`) of this communicator.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn make(
@@ -106,6 +126,14 @@ impl Call {
                 Call::Recv { peer } => (t.ncclRecv)(r, n, d, peer, comm, stream),
                 Call::AllToAll(f) => f(s, r, n, d, comm, stream),
                 Call::Gather(f, root) | Call::Scatter(f, root) => f(s, r, n, d, root, comm, stream),
+                Call::PutSignal { peer, at } => match t.ncclPutSignal {
+                    Some(f) => f(s, n, d, peer, r.cast(), at, 0, 0, 0, comm, stream),
+                    None => nccl_sys::bindings::ncclInvalidUsage,
+                },
+                Call::Signal { peer } => match t.ncclSignal {
+                    Some(f) => f(peer, 0, 0, 0, comm, stream),
+                    None => nccl_sys::bindings::ncclInvalidUsage,
+                },
             }
         }
     }

@@ -162,7 +162,15 @@ impl<'a> Op<'a> {
         let dtype = info
             .data_type()
             .map_or(nccl_sys::bindings::ncclInt8, |d| d.to_raw());
-        if count == 0 && !matches!(call, Call::Send { .. } | Call::Recv { .. }) {
+        if count == 0
+            && !matches!(
+                call,
+                Call::Send { .. }
+                    | Call::Recv { .. }
+                    | Call::PutSignal { .. }
+                    | Call::Signal { .. }
+            )
+        {
             // NCCL discards an empty collective after its argument checks (taskAppend,
             // enqueue.cc:2554-2555 of 2.28.9): no work and no peer. So it is not issued,
             // and the diagnostics do not count it either: their sequence numbers must match
@@ -186,6 +194,30 @@ impl<'a> Op<'a> {
             },
         )?;
         Ok(guards)
+    }
+}
+
+impl<'a> Op<'a> {
+    /// A one-sided operation (a put or a signal), its arguments checked by its description
+    /// (`crate::register`): `send` read from, kept by its guard, and `recv` the target
+    /// window (`ncclWindow_t`) of a put, on `info`'s stream.
+    pub(crate) fn one_sided(
+        comm: &'a Communicator,
+        call: Call,
+        send: (*const c_void, BufferGuard<'a>),
+        recv: *mut c_void,
+        info: OpInfo<'a>,
+        caller: &'static Location<'static>,
+    ) -> Op<'a> {
+        Op {
+            comm,
+            call,
+            send: send.0,
+            recv,
+            info,
+            caller,
+            guards: [send.1, BufferGuard::Host],
+        }
     }
 }
 
