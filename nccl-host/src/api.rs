@@ -1361,6 +1361,15 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
         if comm.is_null() {
             return Ok(ncclSuccess);
         }
+        // `Fault::BlockingRevoke`: NCCL's revoke joins the group job first (group.cc:875-877
+        // of v2.29.7-1), outside any lock of the provider; the handle is looked up again
+        // after it (a teardown meanwhile is a use after teardown, counted as misuse).
+        let root = {
+            let mut g = lock();
+            let h = known(&mut g, comm, "ncclCommRevoke")?;
+            g.comms.get(&h).ok_or_else(vanished)?.root
+        };
+        super::fault::block_revoke(root);
         let mut g = lock();
         let h = known(&mut g, comm, "ncclCommRevoke")?;
         let c = g.comms.get(&h).ok_or_else(vanished)?;

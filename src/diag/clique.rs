@@ -139,6 +139,10 @@ pub(crate) struct Clique {
     /// Per rank of this process: the exclude list of each of its shrinks of this clique's
     /// communicator, in call order ([`Clique::agree_exclude`]).
     shrinks: Mutex<BTreeMap<usize, Vec<Vec<usize>>>>,
+    /// A worker of the watchdog handles a timeout of this clique right now (its report,
+    /// claims, revokes): the watchdog hands it no second one meanwhile
+    /// (`watchdog::sweep`), so each communicator has one claimer at a time.
+    pub(crate) expiring: AtomicBool,
 }
 
 /// A rank that left its clique: no collective of sequence number `issued` or later will
@@ -200,6 +204,7 @@ pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
         departed: OnceLock::new(),
         recovering: Mutex::new(BTreeMap::new()),
         shrinks: Mutex::new(BTreeMap::new()),
+        expiring: AtomicBool::new(false),
     });
     r.insert(key, Arc::downgrade(&c));
     c

@@ -258,6 +258,7 @@ impl CommDiag {
             aborted_by_watchdog: AtomicBool::new(false),
             revoked_by_watchdog: AtomicBool::new(false),
             in_place: Mutex::new(()),
+            revoking: AtomicU8::new(super::shared::NOT_REVOKING),
             cuda_fault: std::sync::OnceLock::new(),
             gone: AtomicBool::new(false),
             noticed: AtomicU64::new(0),
@@ -1002,10 +1003,18 @@ impl CommDiag {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             // Under `in_place`: a watchdog's revoke in place never meets a handle taken here.
-            let held = lock(&s.in_place);
-            s.gone.store(true, Ordering::Release);
-            let mine = s.handle.swap(0, Ordering::AcqRel) != 0;
-            drop(held);
+            // A revoke that blocks in NCCL holds it: waited for at most the abort bound,
+            // then the handle is the watchdog's worker's to abort once the revoke returns
+            // (`Shared::lock_in_place`), and `abort()` waits for that as for any it took.
+            let mine = match s.lock_in_place(self.settings.abort_timeout) {
+                Some(held) => {
+                    s.gone.store(true, Ordering::Release);
+                    let mine = s.handle.swap(0, Ordering::AcqRel) != 0;
+                    drop(held);
+                    mine
+                }
+                None => false,
+            };
             let view = s.view();
             s.clique.detach(s.rank, view);
             if let Some((how, broken)) = departing {
