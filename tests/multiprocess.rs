@@ -1570,3 +1570,109 @@ fn suspend_and_resume_across_processes() {
         assert_eq!(o.code, Some(0), "rank {r}: {}", o.stderr);
     }
 }
+
+/// Four processes with elastic communicators (`Config::timeout` 1 s) and a desync board
+/// that rank 0 hosts, as under a launcher; rank 0 stops (SIGSTOP, its board server too)
+/// while the others wait for it in an all-reduce. The survivors agree that rank 0 is lost
+/// (`agree_lost_ranks`, naming it from the host provider's shared memory, the board
+/// unreadable), shrink without it and run an all-reduce on three ranks; each prints how
+/// long after rank 0 stopped it got there (`RECOVERED_AFTER_MS`), within the timeout plus
+/// 0.5 s (780 ms measured). Rank 0, woken after 6 s, finds its communicator failed.
+/// Before, every read of the stopped board cost its bound (1 s), from the watchdog's
+/// report, the error of a call a peer's revoke ended, and `agree_lost_ranks`' settling:
+/// the survivors disagreed on the lost ranks (one named all three others) and their
+/// shrinks failed.
+#[test]
+fn an_elastic_job_recovers_from_a_stopped_rank_0_that_hosts_the_board() {
+    if let Some((r, id)) = child_spec() {
+        const N: usize = 4;
+        let addr = std::env::var(BOARD_ENV).expect("the board's address");
+        if r == 0 {
+            let board = DesyncBoard::serve(&addr, N, BOARD_TOKEN).expect("serve the board");
+            std::mem::forget(board); // served until the process ends
+        }
+        let config = Config::new()
+            .elastic(true)
+            .timeout(Duration::from_secs(1))
+            .desync_board(BoardClient::new(addr, N, BOARD_TOKEN));
+        let c =
+            Communicator::init_rank(&CommDevice::Host, N, r, &id, &config).unwrap_or_else(|e| {
+                eprintln!("rank {r}: init failed: {e}");
+                std::process::exit(2)
+            });
+        let mut x = vec![1.0f32; 1000];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect("all_reduce");
+        if r == 0 {
+            // Let the others reach the next all-reduce first.
+            std::thread::sleep(Duration::from_millis(300));
+            let pid = std::process::id();
+            let mut waker = Command::new("sh")
+                .args(["-c", &format!("sleep 6; kill -CONT {pid}")])
+                .spawn()
+                .expect("sh");
+            println!("STUCK_AT_MS {:.1}", now_ms());
+            // SAFETY: kill(2) on our own pid; nothing is touched.
+            unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+            let _ = waker.wait();
+            let e = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host);
+            println!("RANK 0 AFTER ITS STOP: failed {}: {e:?}", c.is_failed());
+            std::process::exit(0);
+        }
+        let e = c
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect_err("rank 0 is stopped");
+        println!("FAILED_AT_MS {:.1}", now_ms());
+        let run = || -> Result<(usize, usize, f32, Vec<usize>)> {
+            let lost = c.agree_lost_ranks();
+            println!("AGREED_AT_MS {:.1}", now_ms());
+            let small = c.shrink_after_failure(&lost)?;
+            println!("SHRUNK_AT_MS {:.1}", now_ms());
+            let mut y = vec![r as f32; 1000];
+            small.all_reduce_in_place(&mut y, ReduceOp::Sum, &Stream::Host)?;
+            Ok((small.rank(), small.world_size(), y[999], lost))
+        };
+        match run() {
+            Ok((sr, sn, sum, lost)) => {
+                println!("RECOVERED_AT_MS {:.1}", now_ms());
+                println!("SHRUNK rank {sr} of {sn}: sum {sum}, lost {lost:?}");
+                std::process::exit(0)
+            }
+            Err(e2) => {
+                eprintln!("rank {r}: after {e}: recovery: {e2}");
+                std::process::exit(3)
+            }
+        }
+    }
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let outs = spawn(
+        "an_elastic_job_recovers_from_a_stopped_rank_0_that_hosts_the_board",
+        4,
+        &[(BOARD_ENV, &addr)],
+    );
+    let t0 = stamp(&outs[0], "STUCK_AT_MS").expect("rank 0 stopped");
+    for (r, o) in outs.iter().enumerate().skip(1) {
+        assert_eq!(o.code, Some(0), "rank {r}: {}", o.stderr);
+        assert!(
+            o.stdout
+                .contains(&format!("SHRUNK rank {} of 3: sum 6, lost [0]", r - 1)),
+            "rank {r}: {}",
+            o.stdout
+        );
+        let t = stamp(o, "RECOVERED_AT_MS").unwrap();
+        let at = |k| stamp(o, k).map_or(-1.0, |t| t - t0);
+        println!(
+            "rank {r}: RECOVERED_AFTER_MS {:.0} (failed {:.0}, agreed {:.0}, shrunk {:.0})",
+            t - t0,
+            at("FAILED_AT_MS"),
+            at("AGREED_AT_MS"),
+            at("SHRUNK_AT_MS")
+        );
+        // The bound: `Config::timeout` plus 0.5 s (from the stop, which comes
+        // 0.3 s after the survivors' call began).
+        assert!(t - t0 < 1500.0, "rank {r}: {:.0} ms: {}", t - t0, o.stdout);
+    }
+}
