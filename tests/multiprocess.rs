@@ -18,7 +18,8 @@ use nccl_safe::host::shared_unique_id;
 use nccl_safe::launch::desync::{BoardClient, DesyncBoard};
 use nccl_safe::launch::Launcher;
 use nccl_safe::{
-    AsStream, CommDevice, Communicator, Config, Group, NcclType, ReduceOp, Result, Stream, UniqueId,
+    AsStream, CommDevice, Communicator, Config, Error, Group, NcclType, ReduceOp, Result, Stream,
+    UniqueId,
 };
 
 const ENV: &str = "NCCL_SAFE_TEST_MP";
@@ -1674,5 +1675,89 @@ fn an_elastic_job_recovers_from_a_stopped_rank_0_that_hosts_the_board() {
         // The bound: `Config::timeout` plus 0.5 s (from the stop, which comes
         // 0.3 s after the survivors' call began).
         assert!(t - t0 < 1500.0, "rank {r}: {:.0} ms: {}", t - t0, o.stdout);
+    }
+}
+
+/// Four processes with a desync board (rank 0 serves it) shrink with exclude lists that
+/// disagree: ranks 0 and 2 exclude rank 3, ranks 1 and 3 exclude rank 2, so each keeps a
+/// rank whose list differs. NCCL compares no lists (init.cc:2758, 1609-1622 of
+/// v2.29.7-1); the crate compares them through the board before NCCL's call, so every
+/// rank fails with `Error::ExcludeMismatch` naming the lists, nothing called, and the
+/// retry of ranks 0, 1 and 2 with one list shrinks to three ranks.
+/// Before, ranks of other processes were not compared: the shrinks went to NCCL's call
+/// with different lists and waited or failed there, and no retry could shrink that parent.
+#[test]
+fn exclude_lists_that_disagree_across_processes_fail_before_the_call() {
+    if let Some((r, id)) = child_spec() {
+        const N: usize = 4;
+        let addr = std::env::var(BOARD_ENV).expect("the board's address");
+        if r == 0 {
+            let board = DesyncBoard::serve(&addr, N, BOARD_TOKEN).expect("serve the board");
+            std::mem::forget(board); // served until the process ends
+        }
+        let config = Config::new()
+            .timeout(Duration::from_secs(20))
+            .desync_board(BoardClient::new(addr, N, BOARD_TOKEN));
+        let c =
+            Communicator::init_rank(&CommDevice::Host, N, r, &id, &config).unwrap_or_else(|e| {
+                eprintln!("rank {r}: init failed: {e}");
+                std::process::exit(2)
+            });
+        let mut x = vec![1.0f32; 8];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect("all_reduce");
+        let first: &[usize] = if r % 2 == 0 { &[3] } else { &[2] };
+        match c.shrink(first) {
+            Err(Error::ExcludeMismatch { lists, .. }) => println!("MISMATCH {lists:?}"),
+            Err(e) => {
+                eprintln!("rank {r}: expected a mismatch, got {e}");
+                std::process::exit(3)
+            }
+            Ok(_) => {
+                eprintln!("rank {r}: the shrink with lists that disagree went through");
+                std::process::exit(3)
+            }
+        }
+        if r == 3 {
+            std::thread::sleep(Duration::from_millis(500)); // the others shrink without it
+            std::process::exit(0);
+        }
+        let small = c.shrink(&[3]).unwrap_or_else(|e| {
+            eprintln!("rank {r}: the retry: {e}");
+            std::process::exit(4)
+        });
+        let mut y = vec![(r + 1) as f32; 8];
+        small
+            .all_reduce_in_place(&mut y, ReduceOp::Sum, &Stream::Host)
+            .expect("all_reduce on the child");
+        println!(
+            "SHRUNK rank {} of {}: sum {}",
+            small.rank(),
+            small.world_size(),
+            y[0]
+        );
+        std::process::exit(0)
+    }
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let outs = spawn(
+        "exclude_lists_that_disagree_across_processes_fail_before_the_call",
+        4,
+        &[(BOARD_ENV, &addr)],
+    );
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(0), "rank {r}: {}{}", o.stdout, o.stderr);
+        assert!(o.stdout.contains("MISMATCH ["), "rank {r}: {}", o.stdout);
+    }
+    for r in [0, 1, 2] {
+        assert!(
+            outs[r]
+                .stdout
+                .contains(&format!("SHRUNK rank {r} of 3: sum 6")),
+            "rank {r}: {}",
+            outs[r].stdout
+        );
     }
 }
