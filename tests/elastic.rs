@@ -1204,3 +1204,84 @@ fn a_revoke_that_blocks_in_nccl_stops_neither_other_timeouts_nor_its_owners_tear
     assert_eq!((st.created, st.aborted), (2, 2), "{st:?}");
     assert_balanced(&b);
 }
+
+/// NCCL's revoke sets only this rank's abort flags (init.cc:2662 of v2.29.7-1): it ends
+/// this rank's wait in a collective, not its peers'. Three ranks in threads (30 s
+/// timeout, so no watchdog acts); ranks 0 and 1 wait in an all-reduce rank 2 never calls.
+/// Rank 0's handle is revoked (raw, from another thread, as the watchdog does): its call
+/// fails; rank 1's still waits until its own handle is revoked. Before, the host
+/// provider's revoke ended every waiting rank's call at once.
+#[test]
+fn a_revoke_ends_only_its_own_ranks_wait() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::mpsc;
+    let id = CommDevice::Host.unique_id().unwrap();
+    let lib = Library::host();
+    let revoke = lib
+        .table()
+        .ncclCommRevoke
+        .expect("the host provider has ncclCommRevoke");
+    let done = [AtomicBool::new(false), AtomicBool::new(false)];
+    let (tx, rx) = mpsc::channel::<(usize, usize)>();
+    let end = AtomicBool::new(false);
+    let mut seen_waiting = false;
+    std::thread::scope(|s| {
+        for rank in 0..3 {
+            let (done, tx) = (&done, tx.clone());
+            let (end, wait_only) = (&end, rank == 2);
+            s.spawn(move || {
+                let comm =
+                    Communicator::init_rank(&CommDevice::Host, 3, rank, &id, &config()).unwrap();
+                if wait_only {
+                    // Never calls the all-reduce (bounded: a failed check of the test's
+                    // thread must not leave it here).
+                    let t0 = Instant::now();
+                    while !end.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(20) {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    return;
+                }
+                tx.send((rank, comm.as_raw() as usize)).unwrap();
+                let mut x = vec![1.0f32; 4];
+                let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S);
+                assert!(
+                    r.is_err(),
+                    "rank {rank}: the revoke ended the wait with an error"
+                );
+                done[rank].store(true, Ordering::Release);
+                // Kept until both revokes were made (a teardown fails the others' waits).
+                let t0 = Instant::now();
+                while !end.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(20) {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                drop(comm);
+            });
+        }
+        let mut raw = [0usize; 2];
+        for _ in 0..2 {
+            let (r, h) = rx.recv().unwrap();
+            raw[r] = h;
+        }
+        std::thread::sleep(Duration::from_millis(300)); // both wait in the all-reduce
+                                                        // SAFETY: rank 0's handle is live (its owner is inside its all-reduce, which the
+                                                        // revoke ends) and the flags are NCCL_REVOKE_DEFAULT.
+        let r = unsafe { revoke(raw[0] as nccl_sys::ncclComm_t, 0) };
+        assert!(r == nccl_sys::bindings::ncclSuccess || r == nccl_sys::bindings::ncclInProgress);
+        let t0 = Instant::now();
+        while !done[0].load(Ordering::Acquire) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "rank 0's wait never ended"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        seen_waiting = !done[1].load(Ordering::Acquire);
+        // SAFETY: as above, for rank 1.
+        let r = unsafe { revoke(raw[1] as nccl_sys::ncclComm_t, 0) };
+        assert!(r == nccl_sys::bindings::ncclSuccess || r == nccl_sys::bindings::ncclInProgress);
+        end.store(true, Ordering::Release);
+    });
+    assert!(seen_waiting, "rank 0's revoke ended rank 1's wait too");
+    assert_balanced(&id);
+}

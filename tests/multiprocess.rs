@@ -1761,3 +1761,64 @@ fn exclude_lists_that_disagree_across_processes_fail_before_the_call() {
         );
     }
 }
+
+/// NCCL's revoke sets only this rank's abort flags (init.cc:2662 of v2.29.7-1): a peer
+/// that waits for the revoked rank's kernels waits on until its own revoke, abort or
+/// timeout. Three processes with elastic communicators; rank 2 is stuck in its own code
+/// while ranks 0 (timeout 0.5 s) and 1 (timeout 2 s) wait for it. Rank 0's watchdog
+/// revokes its handle first; rank 1 still waits, and its own watchdog revokes it (its
+/// error is its own timeout, and its handle reads revoked). Before, the host provider's
+/// revoke failed the shared segment, ending rank 1's wait at rank 0's revoke (its handle
+/// not revoked, its error rank 0's).
+#[test]
+fn a_revoke_ends_only_the_revoking_ranks_wait_across_processes() {
+    if let Some((r, id)) = child_spec() {
+        let timeout = [500, 2000, 2000][r];
+        let config = Config::new()
+            .elastic(true)
+            .timeout(Duration::from_millis(timeout));
+        let c =
+            Communicator::init_rank(&CommDevice::Host, 3, r, &id, &config).unwrap_or_else(|e| {
+                eprintln!("rank {r}: init failed: {e}");
+                std::process::exit(2)
+            });
+        let mut x = vec![1.0f32; 1000];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect("all_reduce");
+        if r == 2 {
+            std::thread::sleep(Duration::from_secs(4));
+            std::process::exit(0);
+        }
+        let t0 = Instant::now();
+        let e = c
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect_err("rank 2 is stuck");
+        let own = e.to_string().contains(&format!(
+            "did not complete within {}",
+            if r == 0 { "500ms" } else { "2s" }
+        ));
+        println!(
+            "RETURNED after {} ms, revoked {}, own timeout {own}",
+            t0.elapsed().as_millis(),
+            c.is_revoked()
+        );
+        eprintln!("rank {r}: {e}");
+        // Alive until the others are done: a process that exits fails its peers' waits.
+        std::thread::sleep(Duration::from_millis(3000 - timeout));
+        std::process::exit(0)
+    }
+    let outs = spawn(
+        "a_revoke_ends_only_the_revoking_ranks_wait_across_processes",
+        3,
+        &[],
+    );
+    for r in [0, 1] {
+        assert_eq!(outs[r].code, Some(0), "rank {r}: {}", outs[r].stderr);
+        assert!(
+            outs[r].stdout.contains("revoked true, own timeout true"),
+            "rank {r}: {}{}",
+            outs[r].stdout,
+            outs[r].stderr
+        );
+    }
+}
