@@ -282,7 +282,8 @@ impl Config {
     /// Sets the remote desync board (see `launch::desync`).
     #[cfg(feature = "diag")]
     pub(crate) fn remote_board(mut self, board: Arc<dyn crate::diag::RemoteBoard>) -> Config {
-        self.diag.board = Some(board);
+        // Not asked again for a while once it failed to answer (`remote::Guarded`).
+        self.diag.board = Some(Arc::new(crate::diag::remote::Guarded::new(board)));
         self
     }
 

@@ -950,3 +950,149 @@ fn the_age_of_an_operation_is_a_timing_assumption() {
     p.old_before_the_call = true;
     assert_caught(p, &scenarios(), "used after teardown");
 }
+
+// ---- The revoke hand-off -------------------------------------------------------------
+//
+// With `Config::elastic` a worker of the watchdog revokes a claimed handle in place, under
+// the communicator's `in_place` lock (`Shared::revoke_in_place`); NCCL's revoke may block
+// there. The owner's teardown takes `in_place` to swap the handle out, waiting at most its
+// abort bound (`Shared::lock_in_place`); past it, it hands the handle to the worker with a
+// compare-exchange on `revoking` (`REVOKING` -> `OWNER_LEFT`), and the worker, when NCCL's
+// revoke returns, swaps `revoking` back and aborts the handle if it was handed over. The
+// bound is a choice shuttle makes at each failed try. Asserted: no revoke runs on a handle
+// whose teardown began, and the handle is torn down exactly once (the revoke returns).
+
+const NOT_REVOKING: u8 = 0;
+const REVOKING: u8 = 1;
+const OWNER_LEFT: u8 = 2;
+
+#[derive(Default)]
+struct InPlace {
+    lock: Mutex<()>,
+    handle: AtomicUsize,
+    gone: AtomicBool,
+    revoking: AtomicU8,
+    aborted_by_watchdog: AtomicBool,
+    torn: AtomicBool,
+    teardowns: AtomicU32,
+}
+
+impl InPlace {
+    fn teardown(&self) {
+        assert!(!self.torn.swap(true, SC), "the handle was torn down twice");
+        self.teardowns.fetch_add(1, SC);
+    }
+}
+
+/// The owner's give-up: atomic (as in `src/`), or a load then a store (a mutant).
+#[derive(Clone, Copy, Debug)]
+enum GiveUp {
+    CompareExchange,
+    LoadThenStore,
+}
+
+fn revoke_handoff(give_up: GiveUp) {
+    let s = Arc::new(InPlace::default());
+    s.handle.store(H, SC);
+    s.revoking.store(NOT_REVOKING, SC);
+    let worker = {
+        let s = Arc::clone(&s);
+        thread::spawn(move || {
+            let _held = s.lock.lock().unwrap();
+            if s.handle.load(SC) == 0 || s.gone.load(SC) {
+                return;
+            }
+            s.revoking.store(REVOKING, SC);
+            // NCCL's revoke, which may take long.
+            for _ in 0..3 {
+                assert!(!s.torn.load(SC), "a revoke ran on a torn-down handle");
+                thread::yield_now();
+            }
+            if s.revoking.swap(NOT_REVOKING, SC) == OWNER_LEFT {
+                s.aborted_by_watchdog.store(true, SC);
+                if s.handle.swap(0, SC) != 0 {
+                    s.teardown();
+                }
+            }
+        })
+    };
+    let owner = {
+        let s = Arc::clone(&s);
+        thread::spawn(move || loop {
+            if let Ok(held) = s.lock.try_lock() {
+                s.gone.store(true, SC);
+                let mine = s.handle.swap(0, SC) != 0;
+                drop(held);
+                if mine {
+                    s.teardown();
+                }
+                return;
+            }
+            let late = thread_rng().gen_bool(0.5);
+            let handed = late
+                && match give_up {
+                    GiveUp::CompareExchange => s
+                        .revoking
+                        .compare_exchange(REVOKING, OWNER_LEFT, SC, SC)
+                        .is_ok(),
+                    GiveUp::LoadThenStore => {
+                        let revoking = s.revoking.load(SC) == REVOKING;
+                        if revoking {
+                            s.revoking.store(OWNER_LEFT, SC);
+                        }
+                        revoking
+                    }
+                };
+            if handed {
+                s.aborted_by_watchdog.store(true, SC);
+                s.gone.store(true, SC);
+                return;
+            }
+            thread::yield_now();
+        })
+    };
+    worker.join().unwrap();
+    owner.join().unwrap();
+    assert_eq!(s.teardowns.load(SC), 1, "the handle was leaked");
+}
+
+fn explore_handoff(give_up: GiveUp) -> Option<String> {
+    let mut found = None;
+    for sched in [Sched::Random, Sched::Pct] {
+        let mut config = Config::default();
+        config.failure_persistence = FailurePersistence::None;
+        let f = move || revoke_handoff(give_up);
+        let r = catch_unwind(AssertUnwindSafe(|| match sched {
+            Sched::Random => {
+                Runner::new(RandomScheduler::new_from_seed(0x4e0c, ITERATIONS), config).run(f);
+            }
+            Sched::Pct => {
+                Runner::new(PctScheduler::new_from_seed(0x4e0c, 3, ITERATIONS), config).run(f);
+            }
+        }));
+        if let Err(e) = r {
+            found = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()));
+            break;
+        }
+    }
+    found
+}
+
+/// The revoke hand-off tears the handle down exactly once, never under a revoke.
+#[test]
+fn the_revoke_hand_off_tears_down_exactly_once() {
+    if let Some(m) = explore_handoff(GiveUp::CompareExchange) {
+        panic!("{m}");
+    }
+}
+
+/// With a load then a store for the give-up, the worker can swap `revoking` back between
+/// them: nobody aborts the handle.
+#[test]
+fn mutant_give_up_without_compare_exchange_is_caught() {
+    let m = explore_handoff(GiveUp::LoadThenStore).expect("the model found no violation");
+    assert!(m.contains("leaked"), "{m}");
+}

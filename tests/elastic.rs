@@ -1098,3 +1098,190 @@ fn a_standby_that_dies_after_it_registered_costs_the_grow_only() {
     let st = assert_balanced(&id);
     assert_eq!((st.created, st.destroyed), (5, 2), "{st:?}");
 }
+
+/// NCCL's revoke joins the communicator's group job (`ncclGroupJobAbort`, group.cc:875-877
+/// of v2.29.7-1) and may block there. Clique A (`Config::elastic`, 200 ms timeout, work
+/// that never completes) has its revoke blocked by the host provider
+/// (`Fault::BlockingRevoke`); meanwhile clique B's rank 0 waits in an all-reduce its peer
+/// never calls, and both of A's owners abort. B's timeout still fires (the watchdog's
+/// thread is not the one stuck in A's revoke), and A's owners' aborts return within their
+/// bound (`Config::abort_timeout`, 500 ms): the one whose revoke blocks with
+/// `Error::Timeout`, its handle left to the watchdog's worker, which aborts it once the
+/// revoke returns: each handle torn down exactly once. Before, the watchdog revoked on
+/// its one thread: B's rank 0 waited until A's revoke was released (after 8 s) and A's
+/// blocked owner waited as long on the lock its teardown shares with the revoke.
+#[test]
+#[cfg(feature = "diag")]
+fn a_revoke_that_blocks_in_nccl_stops_neither_other_timeouts_nor_its_owners_teardown() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::mpsc;
+    let (a, b) = (
+        CommDevice::Host.unique_id().unwrap(),
+        CommDevice::Host.unique_id().unwrap(),
+    );
+    fault::inject(&a.to_raw(), Fault::StuckWork);
+    fault::inject(&a.to_raw(), Fault::BlockingRevoke(None));
+    let cfg = Config::new()
+        .elastic(true)
+        .timeout(Duration::from_millis(200))
+        .abort_timeout(Duration::from_millis(500));
+    let blocked = || fault::blocked_revokes(&a.to_raw());
+    let released = AtomicBool::new(false);
+    let go_abort = Barrier::new(3);
+    let inited = Barrier::new(2);
+    let (tx, rx) = mpsc::channel::<(usize, Result<(), Error>, usize)>();
+    std::thread::scope(|s| {
+        // Bounds the test on the old code: A's revokes go on after 8 s.
+        s.spawn(|| {
+            let until = Instant::now() + Duration::from_secs(8);
+            while Instant::now() < until && !released.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            fault::release_revokes(&a.to_raw());
+        });
+        for rank in 0..2 {
+            let (cfg, go_abort, inited, tx) = (cfg.clone(), &go_abort, &inited, tx.clone());
+            s.spawn(move || {
+                let comm = Communicator::init_rank(&CommDevice::Host, 2, rank, &a, &cfg).unwrap();
+                inited.wait();
+                let mut x = vec![1.0f32; 4];
+                comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                go_abort.wait();
+                let r = comm.abort();
+                tx.send((rank, r, blocked())).unwrap();
+            });
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while blocked() == 0 {
+            assert!(Instant::now() < deadline, "A's revoke never blocked");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        // B: rank 0 waits for rank 1, which never calls.
+        let (b_out, b_tx) = {
+            let (t, r) = mpsc::channel::<()>();
+            (r, t)
+        };
+        let cfg_b = cfg.clone();
+        let waiter = s.spawn(move || {
+            let comm = Communicator::init_rank(&CommDevice::Host, 2, 1, &b, &cfg_b).unwrap();
+            let _ = b_out.recv();
+            drop(comm);
+        });
+        let comm = Communicator::init_rank(&CommDevice::Host, 2, 0, &b, &cfg).unwrap();
+        let mut x = vec![1.0f32; 4];
+        let e = comm
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &S)
+            .unwrap_err();
+        let b_still = blocked();
+        drop(comm);
+        let _ = b_tx.send(());
+        waiter.join().unwrap();
+        go_abort.wait();
+        let a_results: Vec<_> = (0..2).map(|_| rx.recv().unwrap()).collect();
+        released.store(true, Ordering::Release);
+        // Checked once every thread is done with its part (a failed check here would
+        // leave the others waiting at a barrier).
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert_eq!(b_still, 1, "B timed out only once A's revoke went on: {e}");
+        let mut overdue = 0;
+        for (rank, r, still) in a_results {
+            assert_eq!(
+                still, 1,
+                "rank {rank} of A: its abort waited for the revoke"
+            );
+            if let Err(e) = r {
+                assert!(e.to_string().contains("abort bound"), "rank {rank}: {e}");
+                overdue += 1;
+            }
+        }
+        assert_eq!(
+            overdue, 1,
+            "the owner whose revoke blocks gets the bound's error"
+        );
+    });
+    fault::clear(&a.to_raw());
+    let st = assert_balanced(&a);
+    assert_eq!((st.created, st.aborted), (2, 2), "{st:?}");
+    assert_balanced(&b);
+}
+
+/// NCCL's revoke sets only this rank's abort flags (init.cc:2662 of v2.29.7-1): it ends
+/// this rank's wait in a collective, not its peers'. Three ranks in threads (30 s
+/// timeout, so no watchdog acts); ranks 0 and 1 wait in an all-reduce rank 2 never calls.
+/// Rank 0's handle is revoked (raw, from another thread, as the watchdog does): its call
+/// fails; rank 1's still waits until its own handle is revoked. Before, the host
+/// provider's revoke ended every waiting rank's call at once.
+#[test]
+fn a_revoke_ends_only_its_own_ranks_wait() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::mpsc;
+    let id = CommDevice::Host.unique_id().unwrap();
+    let lib = Library::host();
+    let revoke = lib
+        .table()
+        .ncclCommRevoke
+        .expect("the host provider has ncclCommRevoke");
+    let done = [AtomicBool::new(false), AtomicBool::new(false)];
+    let (tx, rx) = mpsc::channel::<(usize, usize)>();
+    let end = AtomicBool::new(false);
+    let mut seen_waiting = false;
+    std::thread::scope(|s| {
+        for rank in 0..3 {
+            let (done, tx) = (&done, tx.clone());
+            let (end, wait_only) = (&end, rank == 2);
+            s.spawn(move || {
+                let comm =
+                    Communicator::init_rank(&CommDevice::Host, 3, rank, &id, &config()).unwrap();
+                if wait_only {
+                    // Never calls the all-reduce (bounded: a failed check of the test's
+                    // thread must not leave it here).
+                    let t0 = Instant::now();
+                    while !end.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(20) {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    return;
+                }
+                tx.send((rank, comm.as_raw() as usize)).unwrap();
+                let mut x = vec![1.0f32; 4];
+                let r = comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S);
+                assert!(
+                    r.is_err(),
+                    "rank {rank}: the revoke ended the wait with an error"
+                );
+                done[rank].store(true, Ordering::Release);
+                // Kept until both revokes were made (a teardown fails the others' waits).
+                let t0 = Instant::now();
+                while !end.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(20) {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                drop(comm);
+            });
+        }
+        let mut raw = [0usize; 2];
+        for _ in 0..2 {
+            let (r, h) = rx.recv().unwrap();
+            raw[r] = h;
+        }
+        std::thread::sleep(Duration::from_millis(300)); // both wait in the all-reduce
+                                                        // SAFETY: rank 0's handle is live (its owner is inside its all-reduce, which the
+                                                        // revoke ends) and the flags are NCCL_REVOKE_DEFAULT.
+        let r = unsafe { revoke(raw[0] as nccl_sys::ncclComm_t, 0) };
+        assert!(r == nccl_sys::bindings::ncclSuccess || r == nccl_sys::bindings::ncclInProgress);
+        let t0 = Instant::now();
+        while !done[0].load(Ordering::Acquire) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "rank 0's wait never ended"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        seen_waiting = !done[1].load(Ordering::Acquire);
+        // SAFETY: as above, for rank 1.
+        let r = unsafe { revoke(raw[1] as nccl_sys::ncclComm_t, 0) };
+        assert!(r == nccl_sys::bindings::ncclSuccess || r == nccl_sys::bindings::ncclInProgress);
+        end.store(true, Ordering::Release);
+    });
+    assert!(seen_waiting, "rank 0's revoke ended rank 1's wait too");
+    assert_balanced(&id);
+}

@@ -18,7 +18,8 @@ use nccl_safe::host::shared_unique_id;
 use nccl_safe::launch::desync::{BoardClient, DesyncBoard};
 use nccl_safe::launch::Launcher;
 use nccl_safe::{
-    AsStream, CommDevice, Communicator, Config, Group, NcclType, ReduceOp, Result, Stream, UniqueId,
+    AsStream, CommDevice, Communicator, Config, Error, Group, NcclType, ReduceOp, Result, Stream,
+    UniqueId,
 };
 
 const ENV: &str = "NCCL_SAFE_TEST_MP";
@@ -1481,9 +1482,9 @@ fn a_shrink_that_needs_a_dead_process_fails_at_once() {
 
 /// Three processes with elastic communicators and a 1 s watchdog; rank 1 is stuck in its
 /// own code for 4 s while ranks 0 and 2 wait for it in an all-reduce. Their watchdogs
-/// revoke their handles in place at about 1 s, and the revoke ends the wait in shared
-/// memory then, theirs and the other's (not at the provider's own 8 s limit): the
-/// all-reduce fails within 3 s.
+/// revoke their handles in place at about 1 s, and each revoke ends its own rank's wait
+/// in shared memory then (not at the provider's own 8 s limit): the all-reduce fails
+/// within 3 s.
 #[test]
 fn a_watchdog_revoke_ends_a_wait_in_shared_memory() {
     if let Some((r, id)) = child_spec() {
@@ -1526,13 +1527,14 @@ fn a_watchdog_revoke_ends_a_wait_in_shared_memory() {
             outs[r].stdout
         );
     }
-    // (One of the two may be woken by the other's revoke before its own watchdog fires.)
-    assert!(
-        [0, 2]
-            .iter()
-            .any(|&r| outs[r].stdout.contains("revoked true")),
-        "no watchdog revoked a handle"
-    );
+    // A revoke ends only its own rank's wait (as NCCL's): each was revoked by its own.
+    for r in [0, 2] {
+        assert!(
+            outs[r].stdout.contains("revoked true"),
+            "rank {r}: {}",
+            outs[r].stdout
+        );
+    }
 }
 
 /// Suspend and resume (NCCL 2.30) across processes: every rank's suspend and resume meet
@@ -1568,5 +1570,256 @@ fn suspend_and_resume_across_processes() {
     let outs = spawn("suspend_and_resume_across_processes", 3, &[]);
     for (r, o) in outs.iter().enumerate() {
         assert_eq!(o.code, Some(0), "rank {r}: {}", o.stderr);
+    }
+}
+
+/// Four processes with elastic communicators (`Config::timeout` 1 s) and a desync board
+/// that rank 0 hosts, as under a launcher; rank 0 stops (SIGSTOP, its board server too)
+/// while the others wait for it in an all-reduce. The survivors agree that rank 0 is lost
+/// (`agree_lost_ranks`, naming it from the host provider's shared memory, the board
+/// unreadable), shrink without it and run an all-reduce on three ranks; each prints how
+/// long after rank 0 stopped it got there (`RECOVERED_AFTER_MS`), within the timeout plus
+/// 0.5 s (780 ms measured). Rank 0, woken after 6 s, finds its communicator failed.
+/// Before, every read of the stopped board cost its bound (1 s), from the watchdog's
+/// report, the error of a call a peer's revoke ended, and `agree_lost_ranks`' settling:
+/// the survivors disagreed on the lost ranks (one named all three others) and their
+/// shrinks failed.
+#[test]
+fn an_elastic_job_recovers_from_a_stopped_rank_0_that_hosts_the_board() {
+    if let Some((r, id)) = child_spec() {
+        const N: usize = 4;
+        let addr = std::env::var(BOARD_ENV).expect("the board's address");
+        if r == 0 {
+            let board = DesyncBoard::serve(&addr, N, BOARD_TOKEN).expect("serve the board");
+            std::mem::forget(board); // served until the process ends
+        }
+        let config = Config::new()
+            .elastic(true)
+            .timeout(Duration::from_secs(1))
+            .desync_board(BoardClient::new(addr, N, BOARD_TOKEN));
+        let c =
+            Communicator::init_rank(&CommDevice::Host, N, r, &id, &config).unwrap_or_else(|e| {
+                eprintln!("rank {r}: init failed: {e}");
+                std::process::exit(2)
+            });
+        let mut x = vec![1.0f32; 1000];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect("all_reduce");
+        if r == 0 {
+            // Let the others reach the next all-reduce first.
+            std::thread::sleep(Duration::from_millis(300));
+            let pid = std::process::id();
+            let mut waker = Command::new("sh")
+                .args(["-c", &format!("sleep 6; kill -CONT {pid}")])
+                .spawn()
+                .expect("sh");
+            println!("STUCK_AT_MS {:.1}", now_ms());
+            // SAFETY: kill(2) on our own pid; nothing is touched.
+            unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+            let _ = waker.wait();
+            let e = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host);
+            println!("RANK 0 AFTER ITS STOP: failed {}: {e:?}", c.is_failed());
+            std::process::exit(0);
+        }
+        let e = c
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect_err("rank 0 is stopped");
+        println!("FAILED_AT_MS {:.1}", now_ms());
+        let run = || -> Result<(usize, usize, f32, Vec<usize>)> {
+            let lost = c.agree_lost_ranks();
+            println!("AGREED_AT_MS {:.1}", now_ms());
+            let small = c.shrink_after_failure(&lost)?;
+            println!("SHRUNK_AT_MS {:.1}", now_ms());
+            let mut y = vec![r as f32; 1000];
+            small.all_reduce_in_place(&mut y, ReduceOp::Sum, &Stream::Host)?;
+            Ok((small.rank(), small.world_size(), y[999], lost))
+        };
+        match run() {
+            Ok((sr, sn, sum, lost)) => {
+                println!("RECOVERED_AT_MS {:.1}", now_ms());
+                println!("SHRUNK rank {sr} of {sn}: sum {sum}, lost {lost:?}");
+                std::process::exit(0)
+            }
+            Err(e2) => {
+                eprintln!("rank {r}: after {e}: recovery: {e2}");
+                std::process::exit(3)
+            }
+        }
+    }
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let outs = spawn(
+        "an_elastic_job_recovers_from_a_stopped_rank_0_that_hosts_the_board",
+        4,
+        &[(BOARD_ENV, &addr)],
+    );
+    let t0 = stamp(&outs[0], "STUCK_AT_MS").expect("rank 0 stopped");
+    for (r, o) in outs.iter().enumerate().skip(1) {
+        assert_eq!(o.code, Some(0), "rank {r}: {}", o.stderr);
+        assert!(
+            o.stdout
+                .contains(&format!("SHRUNK rank {} of 3: sum 6, lost [0]", r - 1)),
+            "rank {r}: {}",
+            o.stdout
+        );
+        let t = stamp(o, "RECOVERED_AT_MS").unwrap();
+        let at = |k| stamp(o, k).map_or(-1.0, |t| t - t0);
+        println!(
+            "rank {r}: RECOVERED_AFTER_MS {:.0} (failed {:.0}, agreed {:.0}, shrunk {:.0})",
+            t - t0,
+            at("FAILED_AT_MS"),
+            at("AGREED_AT_MS"),
+            at("SHRUNK_AT_MS")
+        );
+        // The bound: `Config::timeout` plus 0.5 s (from the stop, which comes
+        // 0.3 s after the survivors' call began).
+        assert!(t - t0 < 1500.0, "rank {r}: {:.0} ms: {}", t - t0, o.stdout);
+    }
+}
+
+/// Four processes with a desync board (rank 0 serves it) shrink with exclude lists that
+/// disagree: ranks 0 and 2 exclude rank 3, ranks 1 and 3 exclude rank 2, so each keeps a
+/// rank whose list differs. NCCL compares no lists (init.cc:2758, 1609-1622 of
+/// v2.29.7-1); the crate compares them through the board before NCCL's call, so every
+/// rank fails with `Error::ExcludeMismatch` naming the lists, nothing called, and the
+/// retry of ranks 0, 1 and 2 with one list shrinks to three ranks.
+/// Before, ranks of other processes were not compared: the shrinks went to NCCL's call
+/// with different lists and waited or failed there, and no retry could shrink that parent.
+#[test]
+fn exclude_lists_that_disagree_across_processes_fail_before_the_call() {
+    if let Some((r, id)) = child_spec() {
+        const N: usize = 4;
+        let addr = std::env::var(BOARD_ENV).expect("the board's address");
+        if r == 0 {
+            let board = DesyncBoard::serve(&addr, N, BOARD_TOKEN).expect("serve the board");
+            std::mem::forget(board); // served until the process ends
+        }
+        let config = Config::new()
+            .timeout(Duration::from_secs(20))
+            .desync_board(BoardClient::new(addr, N, BOARD_TOKEN));
+        let c =
+            Communicator::init_rank(&CommDevice::Host, N, r, &id, &config).unwrap_or_else(|e| {
+                eprintln!("rank {r}: init failed: {e}");
+                std::process::exit(2)
+            });
+        let mut x = vec![1.0f32; 8];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect("all_reduce");
+        let first: &[usize] = if r % 2 == 0 { &[3] } else { &[2] };
+        match c.shrink(first) {
+            Err(Error::ExcludeMismatch { lists, .. }) => println!("MISMATCH {lists:?}"),
+            Err(e) => {
+                eprintln!("rank {r}: expected a mismatch, got {e}");
+                std::process::exit(3)
+            }
+            Ok(_) => {
+                eprintln!("rank {r}: the shrink with lists that disagree went through");
+                std::process::exit(3)
+            }
+        }
+        if r == 3 {
+            std::thread::sleep(Duration::from_millis(500)); // the others shrink without it
+            std::process::exit(0);
+        }
+        let small = c.shrink(&[3]).unwrap_or_else(|e| {
+            eprintln!("rank {r}: the retry: {e}");
+            std::process::exit(4)
+        });
+        let mut y = vec![(r + 1) as f32; 8];
+        small
+            .all_reduce_in_place(&mut y, ReduceOp::Sum, &Stream::Host)
+            .expect("all_reduce on the child");
+        println!(
+            "SHRUNK rank {} of {}: sum {}",
+            small.rank(),
+            small.world_size(),
+            y[0]
+        );
+        std::process::exit(0)
+    }
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let outs = spawn(
+        "exclude_lists_that_disagree_across_processes_fail_before_the_call",
+        4,
+        &[(BOARD_ENV, &addr)],
+    );
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.code, Some(0), "rank {r}: {}{}", o.stdout, o.stderr);
+        assert!(o.stdout.contains("MISMATCH ["), "rank {r}: {}", o.stdout);
+    }
+    for r in [0, 1, 2] {
+        assert!(
+            outs[r]
+                .stdout
+                .contains(&format!("SHRUNK rank {r} of 3: sum 6")),
+            "rank {r}: {}",
+            outs[r].stdout
+        );
+    }
+}
+
+/// NCCL's revoke sets only this rank's abort flags (init.cc:2662 of v2.29.7-1): a peer
+/// that waits for the revoked rank's kernels waits on until its own revoke, abort or
+/// timeout. Three processes with elastic communicators; rank 2 is stuck in its own code
+/// while ranks 0 (timeout 0.5 s) and 1 (timeout 2 s) wait for it. Rank 0's watchdog
+/// revokes its handle first; rank 1 still waits, and its own watchdog revokes it (its
+/// error is its own timeout, and its handle reads revoked). Before, the host provider's
+/// revoke failed the shared segment, ending rank 1's wait at rank 0's revoke (its handle
+/// not revoked, its error rank 0's).
+#[test]
+fn a_revoke_ends_only_the_revoking_ranks_wait_across_processes() {
+    if let Some((r, id)) = child_spec() {
+        let timeout = [500, 2000, 2000][r];
+        let config = Config::new()
+            .elastic(true)
+            .timeout(Duration::from_millis(timeout));
+        let c =
+            Communicator::init_rank(&CommDevice::Host, 3, r, &id, &config).unwrap_or_else(|e| {
+                eprintln!("rank {r}: init failed: {e}");
+                std::process::exit(2)
+            });
+        let mut x = vec![1.0f32; 1000];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect("all_reduce");
+        if r == 2 {
+            std::thread::sleep(Duration::from_secs(4));
+            std::process::exit(0);
+        }
+        let t0 = Instant::now();
+        let e = c
+            .all_reduce_in_place(&mut x, ReduceOp::Sum, &Stream::Host)
+            .expect_err("rank 2 is stuck");
+        let own = e.to_string().contains(&format!(
+            "did not complete within {}",
+            if r == 0 { "500ms" } else { "2s" }
+        ));
+        println!(
+            "RETURNED after {} ms, revoked {}, own timeout {own}",
+            t0.elapsed().as_millis(),
+            c.is_revoked()
+        );
+        eprintln!("rank {r}: {e}");
+        // Alive until the others are done: a process that exits fails its peers' waits.
+        std::thread::sleep(Duration::from_millis(3000 - timeout));
+        std::process::exit(0)
+    }
+    let outs = spawn(
+        "a_revoke_ends_only_the_revoking_ranks_wait_across_processes",
+        3,
+        &[],
+    );
+    for r in [0, 1] {
+        assert_eq!(outs[r].code, Some(0), "rank {r}: {}", outs[r].stderr);
+        assert!(
+            outs[r].stdout.contains("revoked true, own timeout true"),
+            "rank {r}: {}{}",
+            outs[r].stdout,
+            outs[r].stderr
+        );
     }
 }

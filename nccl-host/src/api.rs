@@ -1434,6 +1434,15 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
         if comm.is_null() {
             return Ok(ncclSuccess);
         }
+        // `Fault::BlockingRevoke`: NCCL's revoke joins the group job first (group.cc:875-877
+        // of v2.29.7-1), outside any lock of the provider; the handle is looked up again
+        // after it (a teardown meanwhile is a use after teardown, counted as misuse).
+        let root = {
+            let mut g = lock();
+            let h = known(&mut g, comm, "ncclCommRevoke")?;
+            g.comms.get(&h).ok_or_else(vanished)?.root
+        };
+        super::fault::block_revoke(root);
         let mut g = lock();
         let h = known(&mut g, comm, "ncclCommRevoke")?;
         let c = g.comms.get(&h).ok_or_else(vanished)?;
@@ -1462,26 +1471,26 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
             c.revoked = true;
             c.finalized = true;
         }
-        // The abort flag ends the kernels of this rank that wait for peers: here, a
+        // The abort flag ends the kernels of this rank that wait for peers, and only
+        // those (NCCL's revoke sets this rank's abort flags, init.cc:2662 of v2.29.7-1): a
         // collective of this process's clique in which this rank waits (called from
-        // another thread, the watchdog's) ends with an error for the ranks that posted to
-        // it, as their kernels would end on their own revoke or abort.
+        // another thread, the watchdog's) ends with an error for this rank, which
+        // withdraws from it; the peers that posted to it wait on (their own revoke, abort
+        // or deadline ends them), and the collective never runs.
         if let Some(CommState::Ready { clique, rank }) = g.comms.get(&h).map(|c| c.state.clone()) {
             if let Some(cl) = g.cliques.get_mut(&clique) {
                 for (key, slot) in cl.ops.iter_mut() {
                     let posted = matches!(key, OpKey::Coll(_))
                         && slot.posts.get(rank as usize).is_some_and(|p| p.is_some());
                     if posted && matches!(slot.state, super::state::SlotState::Waiting) {
-                        slot.state = super::state::SlotState::Done(Err(Fail::new(
-                            ncclRemoteError,
-                            format!("rank {rank} revoked its communicator while this collective waited for a peer"),
-                        )));
+                        if let Some(w) = slot.withdrawn.get_mut(rank as usize) {
+                            *w = true;
+                        }
                     }
                 }
                 super::state::notify();
             }
-            // Across processes: this rank's wait in shared memory, and its peers' waits
-            // for it, end at once (not at the host timeout).
+            // Across processes: this rank's wait in shared memory ends; its peers' go on.
             if let Some(seg) = shared_of(&g, clique) {
                 seg.revoke();
             }

@@ -32,7 +32,8 @@ pub(crate) enum Item {
 /// What a posted item waits on.
 #[derive(Debug, Clone)]
 enum Wait {
-    Op(u64, OpKey),
+    /// A collective's slot, and this rank's post in it.
+    Op(u64, OpKey, usize),
     Handle(Handle),
 }
 
@@ -118,13 +119,15 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Vec<CollPost>>), Fai
         posts: vec![None; n],
         state: SlotState::Waiting,
         waiters: n,
+        withdrawn: vec![false; n],
     });
     if slot.posts.get(at).is_none_or(|p| p.is_some()) {
         return Err(Fail::new(ncclInternalError, "rank posted twice"));
     }
     slot.posts[at] = Some(post);
-    let w = Wait::Op(clique, key);
-    if slot.posts.iter().any(Option::is_none) {
+    let w = Wait::Op(clique, key, at);
+    // A rank that withdrew (its revoke) never completes the collective.
+    if slot.posts.iter().any(Option::is_none) || slot.withdrawn.iter().any(|&w| w) {
         return Ok((w, None));
     }
     let posts: Vec<CollPost> = slot.posts.iter().flatten().cloned().collect();
@@ -605,7 +608,7 @@ fn run_job(w: &Wait, posts: Vec<CollPost>) {
     let res = res.unwrap_or_else(|_| Err(panicked()));
     let mut g = lock();
     let state = match w {
-        Wait::Op(clique, key) => (g.cliques.get_mut(clique))
+        Wait::Op(clique, key, _) => (g.cliques.get_mut(clique))
             .and_then(|c| c.ops.get_mut(key))
             .map(|s| &mut s.state),
         Wait::Handle(_) => None,
@@ -632,11 +635,32 @@ fn poll(g: &mut Global, w: &Wait, deadline: Instant) -> Option<Result<(), Fail>>
                 Some(CommState::Failed(f)) => Some(Err(f.clone())),
             }
         }
-        Wait::Op(clique, key) => {
+        Wait::Op(clique, key, at) => {
+            if let Some(f) = withdrawn(g, *clique, key, *at) {
+                return Some(Err(f));
+            }
             let state = (g.cliques.get_mut(clique)).and_then(|c| take_done(&mut c.ops, key));
             wait_slot(g, *clique, state, deadline)
         }
     }
+}
+
+/// This rank's post `at` in the slot at `key` was withdrawn by its revoke: its wait ends
+/// with this error (the slot stays for the others, and goes when its last waiter left).
+fn withdrawn(g: &mut Global, clique: u64, key: &OpKey, at: usize) -> Option<Fail> {
+    let slots = &mut g.cliques.get_mut(&clique)?.ops;
+    let slot = slots.get_mut(key)?;
+    if !matches!(slot.state, SlotState::Waiting) || !slot.withdrawn.get(at).copied()? {
+        return None;
+    }
+    slot.waiters -= 1;
+    if slot.waiters == 0 {
+        slots.remove(key);
+    }
+    Some(Fail::new(
+        ncclRemoteError,
+        "this rank revoked its communicator while this collective waited for a peer (its abort flags end its own wait; its peers' go on)",
+    ))
 }
 
 /// The state of the slot at `key` (`None`: no such slot). A done slot's result is taken
@@ -712,10 +736,14 @@ pub(crate) fn run_items(
         }
     }
     let mut res = run_local(g, local);
-    // A failure fails the communicator on every rank: later calls fail at once.
-    let mut check = |clique, r: Result<(), Fail>| {
+    // A failure fails the communicator on every rank: later calls fail at once. Not this
+    // rank's own revoke, which ended its wait only: its peers' waits go on (NCCL's revoke
+    // sets only this rank's abort flags).
+    let mut check = |clique, seg: &Segment, r: Result<(), Fail>| {
         if let Err(f) = r {
-            lock().abort_clique(clique, f.clone());
+            if !seg.is_revoked_here() {
+                lock().abort_clique(clique, f.clone());
+            }
             res = res.clone().and(Err(f));
         }
     };
@@ -724,7 +752,7 @@ pub(crate) fn run_items(
     let mut p2p: Vec<(u64, Arc<Segment>, Vec<P2pWork>)> = Vec::new();
     for (seg, clique, key, post) in shared {
         match key {
-            OpKey::Coll(seq) => check(clique, seg.run_coll(seq, &post)),
+            OpKey::Coll(seq) => check(clique, &seg, seg.run_coll(seq, &post)),
             OpKey::P2p(src, dst, _) => {
                 let is_send = post.kind == Collective::Send;
                 let w = P2pWork {
@@ -742,7 +770,7 @@ pub(crate) fn run_items(
         }
     }
     for (clique, seg, work) in p2p {
-        check(clique, seg.run_p2p(&work));
+        check(clique, &seg, seg.run_p2p(&work));
     }
     res
 }

@@ -52,6 +52,12 @@ pub enum Fault {
     /// communicator) do their work but do not end (store their out-pointer, leave
     /// ncclInProgress) until [`release_jobs`]: what a slow GPU does, without a race.
     HeldJobs,
+    /// `ncclCommRevoke` blocks *before* doing its work, as NCCL's revoke does while it
+    /// joins the communicator's group job (`ncclGroupJobAbort`, group.cc:875-877 of
+    /// v2.29.7-1, behind a launch that does not end): for this long, or until
+    /// [`release_revokes`] when `None`. Meanwhile nothing of it has happened. A process
+    /// that exits while one is blocked crashes as for [`Fault::BlockingAbort`].
+    BlockingRevoke(Option<Duration>),
 }
 
 #[derive(Debug, Default)]
@@ -62,12 +68,15 @@ struct Faults {
     slow_calls: HashMap<RootIdx, Duration>,
     silent: HashSet<RootIdx>,
     held_jobs: HashSet<RootIdx>,
+    blocking_revoke: HashMap<RootIdx, Option<Duration>>,
     /// Per handle: operations that were accepted and will never complete.
     stuck_ops: HashMap<Handle, u64>,
     /// Per handle: operations that ran but are not yet seen complete, and their root.
     stalled_ops: HashMap<Handle, (RootIdx, u64)>,
     /// Aborts blocked right now, per root.
     blocked: HashMap<RootIdx, usize>,
+    /// Revokes blocked right now, per root.
+    blocked_revokes: HashMap<RootIdx, usize>,
     /// The process is exiting: blocked aborts crash (see the module docs).
     torn_down: bool,
 }
@@ -117,6 +126,9 @@ pub fn inject(id: &ncclUniqueId, fault: Fault) {
         Fault::HeldJobs => {
             f.held_jobs.insert(root);
         }
+        Fault::BlockingRevoke(d) => {
+            f.blocking_revoke.insert(root, d);
+        }
     }
 }
 
@@ -132,6 +144,7 @@ pub fn clear(id: &ncclUniqueId) {
     f.slow_calls.remove(&root);
     f.silent.remove(&root);
     f.held_jobs.remove(&root);
+    f.blocking_revoke.remove(&root);
     faults().1.notify_all();
 }
 
@@ -161,6 +174,20 @@ pub fn release_aborts(id: &ncclUniqueId) {
     let root = root_of(id);
     lock().blocking_abort.remove(&root);
     faults().1.notify_all();
+}
+
+/// Lifts [`Fault::BlockingRevoke`] from `id`'s communicators: the revokes it holds go on,
+/// and later ones do not block.
+pub fn release_revokes(id: &ncclUniqueId) {
+    let root = root_of(id);
+    lock().blocking_revoke.remove(&root);
+    faults().1.notify_all();
+}
+
+/// How many revokes of `id`'s communicators are blocked right now.
+pub fn blocked_revokes(id: &ncclUniqueId) -> usize {
+    let root = root_of(id);
+    lock().blocked_revokes.get(&root).copied().unwrap_or(0)
 }
 
 /// Lifts [`Fault::StalledWork`] from `id`'s communicators: the work it held back is seen
@@ -232,18 +259,33 @@ pub(crate) fn slow_call(comm: Handle) {
 
 /// Called by `ncclCommAbort` of a handle of `root` before its work: blocks as configured.
 pub(crate) fn block_abort(root: RootIdx) {
+    block(root, |f| &mut f.blocking_abort, |f| &mut f.blocked);
+}
+
+/// Called by `ncclCommRevoke` of a handle of `root` before its work (outside the
+/// provider's lock): blocks as configured.
+pub(crate) fn block_revoke(root: RootIdx) {
+    block(root, |f| &mut f.blocking_revoke, |f| &mut f.blocked_revokes);
+}
+
+/// Blocks while `which` holds `root` (at most its duration), counted in `count`.
+fn block(
+    root: RootIdx,
+    which: fn(&mut Faults) -> &mut HashMap<RootIdx, Option<Duration>>,
+    count: fn(&mut Faults) -> &mut HashMap<RootIdx, usize>,
+) {
     let mut f = lock();
-    let Some(&limit) = f.blocking_abort.get(&root) else {
+    let Some(&limit) = which(&mut f).get(&root) else {
         return;
     };
     let until = limit.map(|d| Instant::now() + d);
-    *f.blocked.entry(root).or_default() += 1;
+    *count(&mut f).entry(root).or_default() += 1;
     loop {
         if f.torn_down {
             drop(f);
             crash();
         }
-        if !f.blocking_abort.contains_key(&root) {
+        if !which(&mut f).contains_key(&root) {
             break; // released
         }
         let wait = match until {
@@ -253,7 +295,7 @@ pub(crate) fn block_abort(root: RootIdx) {
         };
         f = wait_on(f, wait);
     }
-    if let Some(n) = f.blocked.get_mut(&root) {
+    if let Some(n) = count(&mut f).get_mut(&root) {
         *n = n.saturating_sub(1);
     }
 }

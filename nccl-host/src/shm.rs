@@ -296,6 +296,9 @@ pub(crate) struct Segment {
     /// One-sided signals: those this rank sent to each rank (`0..nranks`), then those it
     /// took from each (`nranks..2 nranks`); see [`Segment::rma_post`].
     rma: Vec<AtomicU64>,
+    /// This rank revoked its communicator: its own waits end, its peers' go on (NCCL's
+    /// revoke sets only this rank's abort flags, init.cc:2662 of v2.29.7-1).
+    revoked_here: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the mapping is process-wide memory accessed through atomics (header, rank
@@ -541,6 +544,7 @@ impl Segment {
             children: AtomicU64::new(0),
             silent: false,
             rma: (0..2 * nranks).map(|_| AtomicU64::new(0)).collect(),
+            revoked_here: std::sync::atomic::AtomicBool::new(false),
         };
         let h = seg.header();
         if creator {
@@ -824,7 +828,7 @@ impl Segment {
         let h = self.header();
         let me = self.info(self.rank);
         let epoch = me.epoch.fetch_add(1, AcqRel) + 1;
-        if let Some(f) = self.failure() {
+        if let Some(f) = self.failure_here() {
             return Err(f);
         }
         let gen = h.bar_gen.load(Acquire);
@@ -842,7 +846,7 @@ impl Segment {
             // A barrier every rank entered has completed, failure or not: a peer that
             // passed it may abort or revoke right after (its part of the collective done),
             // and this rank's part still completes, as a kernel that had its peer's data.
-            if let Some(f) = self.failure() {
+            if let Some(f) = self.failure_here() {
                 if self.all_entered(epoch) {
                     return Ok(());
                 }
@@ -893,11 +897,28 @@ impl Segment {
     }
 
     /// This rank revokes its communicator (`ncclCommRevoke`): its own wait in a collective
-    /// ends, and so do the peers' waits for it (in NCCL a revoke ends this rank's kernels,
-    /// and a peer that waits for them can only end with its own revoke or abort). Unlike
-    /// [`abort`](Self::abort) the segment's name stays for the ranks still joining it.
+    /// ends; the peers' waits for it go on, as in NCCL, where a revoke sets only this
+    /// rank's abort flags (init.cc:2662 of v2.29.7-1) and a peer that waits for its
+    /// kernels ends only with its own revoke or abort (or the provider's deadline). Unlike
+    /// [`abort`](Self::abort) the segment stays as it was.
     pub(crate) fn revoke(&self) {
-        self.fail(Why::Revoked, self.rank, self.seq.load(Acquire));
+        self.revoked_here.store(true, Release);
+    }
+
+    /// Whether this rank revoked its communicator ([`revoke`](Self::revoke)).
+    pub(crate) fn is_revoked_here(&self) -> bool {
+        self.revoked_here.load(Acquire)
+    }
+
+    /// [`failure`](Self::failure), or this rank's own revoke: what ends this rank's waits.
+    fn failure_here(&self) -> Option<Fail> {
+        if self.revoked_here.load(Acquire) {
+            return Some(Fail::new(
+                ncclRemoteError,
+                "this rank revoked its communicator while the operation waited (its abort flags end its own wait; its peers' go on)",
+            ));
+        }
+        self.failure()
     }
 
     /// When the ranks' published operations differ: the ranks that differ from the
@@ -976,7 +997,7 @@ impl Segment {
 
     /// Runs this rank's part of collective `seq`.
     pub(crate) fn run_coll(&self, seq: u64, p: &CollPost) -> Result<(), Fail> {
-        if let Some(f) = self.failure() {
+        if let Some(f) = self.failure_here() {
             return Err(f);
         }
         let deadline = super::defs::call_deadline();
@@ -1000,7 +1021,7 @@ impl Segment {
         me.seq.store(seq + 1, Release);
         let r = self.rounds(seq, p, es, deadline);
         // A failure on this rank fails the communicator for everyone.
-        if r.is_err() && self.failure().is_none() {
+        if r.is_err() && self.failure().is_none() && !self.revoked_here.load(Acquire) {
             self.fail(Why::Abort, self.rank, seq);
         }
         r
@@ -1276,7 +1297,7 @@ impl Segment {
     /// and receives in one group never waits on itself), chunk by chunk through the
     /// channels of each pair.
     pub(crate) fn run_p2p(&self, work: &[P2pWork]) -> Result<(), Fail> {
-        if let Some(f) = self.failure() {
+        if let Some(f) = self.failure_here() {
             return Err(f);
         }
         let cb = chan_bytes(self.nranks);
@@ -1349,7 +1370,7 @@ impl Segment {
             if progressed {
                 continue;
             }
-            if let Some(f) = self.failure() {
+            if let Some(f) = self.failure_here() {
                 return Err(f);
             }
             let now = Instant::now();

@@ -157,6 +157,10 @@ pub(crate) struct Slot {
     pub posts: Vec<Option<CollPost>>,
     pub state: SlotState,
     pub waiters: usize,
+    /// Per post: the rank revoked its communicator while it waited here. Its wait ends
+    /// with an error, and the slot never runs (its buffers may be gone): the other ranks
+    /// wait on, until their own revoke, an abort or their deadline.
+    pub withdrawn: Vec<bool>,
 }
 
 /// A split or shrink rendezvous over a parent clique.

@@ -148,8 +148,9 @@ impl Communicator {
     /// at its own moment: two ranks may read different lists when a rank is lost while
     /// they read (agree on the list before or after the shrink; NCCL does not compare
     /// them, init.cc:2758 of 2.29.7: the ranks of one process compare theirs before the
-    /// shrink, which fails with [`Error::ExcludeMismatch`] on a difference, but ranks of
-    /// different processes that disagree wait in it until the timeout). Empty without the
+    /// shrink, which fails with [`Error::ExcludeMismatch`] on a difference, and so do ranks
+    /// of other processes through the desync board when there is one; without one they
+    /// wait in it until the timeout). Empty without the
     /// `diag` feature; NVIDIA's NCCL names no rank itself.
     pub fn lost_ranks(&self) -> Vec<usize> {
         self.diag.lost_ranks()

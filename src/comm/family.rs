@@ -85,7 +85,9 @@ impl Communicator {
     /// this rank's list compare theirs (bounded by the timeout), and a difference fails
     /// each of them with [`Error::ExcludeMismatch`] naming every list, nothing called (a
     /// rank of this process that stays but never calls is an [`Error::Timeout`] naming
-    /// it). Ranks of other processes are not compared (with the `diag` feature only).
+    /// it). Then, with a [`Config::desync_board`], the ranks of other processes that stay
+    /// compare theirs through the board the same way (each waited for 2 s at most; a
+    /// board that cannot be read compares nothing). With the `diag` feature only.
     #[track_caller]
     pub fn shrink(&self, exclude: &[usize]) -> Result<Communicator> {
         const CALL: EntryPoint = EntryPoint::ncclCommShrink;

@@ -139,6 +139,10 @@ pub(crate) struct Clique {
     /// Per rank of this process: the exclude list of each of its shrinks of this clique's
     /// communicator, in call order ([`Clique::agree_exclude`]).
     shrinks: Mutex<BTreeMap<usize, Vec<Vec<usize>>>>,
+    /// A worker of the watchdog handles a timeout of this clique right now (its report,
+    /// claims, revokes): the watchdog hands it no second one meanwhile
+    /// (`watchdog::sweep`), so each communicator has one claimer at a time.
+    pub(crate) expiring: AtomicBool,
 }
 
 /// A rank that left its clique: no collective of sequence number `issued` or later will
@@ -200,6 +204,7 @@ pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
         departed: OnceLock::new(),
         recovering: Mutex::new(BTreeMap::new()),
         shrinks: Mutex::new(BTreeMap::new()),
+        expiring: AtomicBool::new(false),
     });
     r.insert(key, Arc::downgrade(&c));
     c
@@ -489,6 +494,85 @@ impl Clique {
                 }
             }
             std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// After [`agree_exclude`](Self::agree_exclude) agreed among the ranks of this process:
+    /// compares `exclude` (sorted; this rank's `n`-th shrink of the clique, `n` from its
+    /// count of posted lists) with the lists of the ranks of other processes that it keeps,
+    /// through the job's desync board. Each rank posts its list as a post of its own
+    /// (another key than the clique's reports, so the reports, departures and waits never
+    /// read it) and reads the board until every kept rank of another process posted its
+    /// list for the same shrink, bounded by `deadline` and [`EXCLUDE_WAIT`]. `Mismatch`
+    /// (this rank's list and every list read) when a kept rank lists others; `Agree` when
+    /// all agree, and also without a board, when it cannot be read, or when a kept rank
+    /// posted nothing in time: then NCCL's shrink decides, bounded by the timeout.
+    pub(crate) fn agree_exclude_remote(
+        &self,
+        rank: usize,
+        exclude: &[usize],
+        deadline: Instant,
+    ) -> ExcludeAgreement {
+        let Some(board) = self.board.get() else {
+            return ExcludeAgreement::Agree;
+        };
+        let n = lock(&self.shrinks)
+            .get(&rank)
+            .map_or(0, |v| v.len().saturating_sub(1)) as u64;
+        let kept: Vec<usize> = (0..self.world_size)
+            .filter(|&r| r != rank && exclude.binary_search(&r).is_err())
+            .filter(|&r| !self.view(r).present)
+            .collect();
+        if kept.is_empty() {
+            return ExcludeAgreement::Agree;
+        }
+        let key = exclude_key(self.key);
+        // The list's hash decides (a post's text is cut at 1000 bytes); the list follows
+        // it for the error's text.
+        let text = |l: &[usize]| {
+            let v: Vec<String> = l.iter().map(|r| r.to_string()).collect();
+            format!("exclude {:016x} {}", list_hash(l), v.join(","))
+        };
+        let until = deadline.min(Instant::now() + EXCLUDE_WAIT);
+        if board
+            .post(rank, &DesyncPost::new(key, n, &text(exclude)), until)
+            .is_err()
+        {
+            return ExcludeAgreement::Agree;
+        }
+        loop {
+            let Ok(posts) = board.fetch(until) else {
+                return ExcludeAgreement::Agree;
+            };
+            let list_of = |r: usize| -> Option<(u64, Vec<usize>)> {
+                let p = posts.get(r)?.as_ref()?;
+                if p.clique != key || p.issued != n || p.left {
+                    return None;
+                }
+                let (hash, l) = p.text.strip_prefix("exclude ")?.split_once(' ')?;
+                let l = l.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+                Some((u64::from_str_radix(hash, 16).ok()?, l))
+            };
+            let lists: Vec<(usize, u64, Vec<usize>)> = (0..self.world_size)
+                .filter(|&r| r != rank)
+                .filter_map(|r| {
+                    let (h, l) = list_of(r)?;
+                    Some((r, h, l))
+                })
+                .collect();
+            let mine = list_hash(exclude);
+            if lists.iter().any(|(r, h, _)| kept.contains(r) && *h != mine) {
+                let mut all: Vec<(usize, Vec<usize>)> =
+                    lists.into_iter().map(|(r, _, l)| (r, l)).collect();
+                all.push((rank, exclude.to_vec()));
+                all.sort_unstable();
+                return ExcludeAgreement::Mismatch(all);
+            }
+            let missing = kept.iter().any(|r| !lists.iter().any(|(q, ..)| q == r));
+            if !missing || Instant::now() >= until {
+                return ExcludeAgreement::Agree;
+            }
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
@@ -980,6 +1064,27 @@ pub(crate) struct Report {
 /// reads the board.
 const DEPARTURE_AFTER: Duration = Duration::from_millis(300);
 const DEPARTURE_POLL: Duration = Duration::from_millis(200);
+/// The longest a shrink waits for the exclude lists of the ranks of other processes it
+/// keeps, on the desync board ([`Clique::agree_exclude_remote`]).
+pub(crate) const EXCLUDE_WAIT: Duration = Duration::from_secs(2);
+
+/// The key of the exclude lists' posts of the clique `key` on the board: not the clique's
+/// own, so no report, departure or wait reads them.
+fn exclude_key(key: CliqueKey) -> u64 {
+    key.rotate_left(29) ^ 0x5348_524b_4558_434c // "SHRKEXCL"
+}
+
+/// FNV-1a over a sorted exclude list (the same in every process, whatever its build).
+fn list_hash(l: &[usize]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for r in l {
+        for b in (*r as u64).to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
 /// Bound on one post to, or read of, the board by the departure path.
 const BOARD_IO: Duration = Duration::from_secs(1);
 /// How long a departing rank's teardown waits for its post to the board (a loopback or LAN

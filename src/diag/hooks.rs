@@ -262,6 +262,7 @@ impl CommDiag {
             aborted_by_watchdog: AtomicBool::new(false),
             revoked_by_watchdog: AtomicBool::new(false),
             in_place: Mutex::new(()),
+            revoking: AtomicU8::new(super::shared::NOT_REVOKING),
             cuda_fault: std::sync::OnceLock::new(),
             gone: AtomicBool::new(false),
             noticed: AtomicU64::new(0),
@@ -433,15 +434,25 @@ impl CommDiag {
     /// same list (`Clique::agree_exclude`, waiting until the timeout at most);
     /// [`Error::ExcludeMismatch`] naming each rank's list when two ranks disagree (NCCL
     /// does not compare them and its shrink would wait until a timeout); a timeout naming
-    /// the ranks that never called their shrink. Nothing to compare without the `diag`
-    /// feature, or for ranks of other processes.
+    /// the ranks that never called their shrink. Then, with a desync board, with the ranks
+    /// of other processes it keeps (`Clique::agree_exclude_remote`: a mismatch fails the
+    /// same way; a board that cannot be read, or a rank that posts nothing within 2 s,
+    /// leaves it to NCCL). Nothing to compare without the `diag` feature.
     pub(crate) fn agree_exclude(&self, call: &'static str, exclude: &[usize]) -> Result<()> {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             let mut list = exclude.to_vec();
             list.sort_unstable();
             let deadline = std::time::Instant::now() + s.settings.timeout;
-            return match s.clique.agree_exclude(s.rank, &list, deadline) {
+            let here = s.clique.agree_exclude(s.rank, &list, deadline);
+            let agreed = match here {
+                // Then with the ranks of other processes, through the desync board.
+                clique::ExcludeAgreement::Agree => {
+                    s.clique.agree_exclude_remote(s.rank, &list, deadline)
+                }
+                other => other,
+            };
+            return match agreed {
                 clique::ExcludeAgreement::Agree => Ok(()),
                 clique::ExcludeAgreement::Mismatch(lists) => Err(Error::ExcludeMismatch {
                     call,
@@ -1034,10 +1045,18 @@ impl CommDiag {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {
             // Under `in_place`: a watchdog's revoke in place never meets a handle taken here.
-            let held = lock(&s.in_place);
-            s.gone.store(true, Ordering::Release);
-            let mine = s.handle.swap(0, Ordering::AcqRel) != 0;
-            drop(held);
+            // A revoke that blocks in NCCL holds it: waited for at most the abort bound,
+            // then the handle is the watchdog's worker's to abort once the revoke returns
+            // (`Shared::lock_in_place`), and `abort()` waits for that as for any it took.
+            let mine = match s.lock_in_place(self.settings.abort_timeout) {
+                Some(held) => {
+                    s.gone.store(true, Ordering::Release);
+                    let mine = s.handle.swap(0, Ordering::AcqRel) != 0;
+                    drop(held);
+                    mine
+                }
+                None => false,
+            };
             let view = s.view();
             s.clique.detach(s.rank, view);
             if let Some((how, broken)) = departing {

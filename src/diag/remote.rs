@@ -6,6 +6,7 @@
 
 use crate::error::{Error, Result};
 use std::fmt;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Most bytes of [`DesyncPost::text`] that travel (longer text is cut at a character
@@ -97,6 +98,97 @@ pub trait RemoteBoard: Send + Sync + fmt::Debug {
     fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<()>;
     /// Every rank's latest post, rank-indexed, giving up at `deadline`.
     fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>>;
+}
+
+/// A board that failed to answer is not asked again for [`BOARD_DOWN_FOR`], and one that
+/// has left a call unanswered for [`BOARD_SLOW`] is not asked meanwhile: each read of a
+/// board whose server does not answer (rank 0's process stopped, say) costs its whole
+/// bound, and a recovery reads it several times, from several threads (the departure
+/// reader, the timeout report, the error of a call a peer's revoke ended, `lost_ranks`,
+/// the settling of `agree_lost_ranks`), so a stopped board would make every survivor's
+/// recovery seconds longer. Such calls fail at once with the reason; the host provider's
+/// shared memory names the ranks behind instead. Wraps the board a [`crate::Config`] is
+/// given, so every communicator made with it shares the marks.
+#[derive(Debug)]
+pub(crate) struct Guarded {
+    inner: Arc<dyn RemoteBoard>,
+    state: Mutex<GuardState>,
+}
+
+#[derive(Debug, Default)]
+struct GuardState {
+    /// When and why the last call failed (cleared by one that succeeds).
+    down: Option<(Instant, String)>,
+    /// The calls in progress: their number and when each began.
+    calls: std::collections::BTreeMap<u64, Instant>,
+    next: u64,
+}
+
+/// How long a board that failed to answer is not asked again.
+pub(crate) const BOARD_DOWN_FOR: Duration = Duration::from_secs(30);
+/// A call unanswered this long marks the board slow: other calls fail at once meanwhile
+/// (a loopback or LAN round trip takes milliseconds).
+pub(crate) const BOARD_SLOW: Duration = Duration::from_millis(200);
+
+impl Guarded {
+    pub(crate) fn new(inner: Arc<dyn RemoteBoard>) -> Guarded {
+        Guarded {
+            inner,
+            state: Mutex::new(GuardState::default()),
+        }
+    }
+
+    fn guard<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let id = {
+            let mut st = crate::teardown::lock(&self.state);
+            if let Some((since, why)) = &st.down {
+                if since.elapsed() < BOARD_DOWN_FOR {
+                    return Err(Error::Board {
+                        reason: format!(
+                            "not asked: it failed {:.1}s ago ({why}), and is not asked again for {}s",
+                            since.elapsed().as_secs_f64(),
+                            BOARD_DOWN_FOR.as_secs()
+                        ),
+                    });
+                }
+            }
+            if let Some(t) = st
+                .calls
+                .values()
+                .min()
+                .filter(|t| t.elapsed() >= BOARD_SLOW)
+            {
+                return Err(Error::Board {
+                    reason: format!(
+                        "not asked: it has not answered a call for {:.1}s",
+                        t.elapsed().as_secs_f64()
+                    ),
+                });
+            }
+            st.next += 1;
+            let id = st.next;
+            st.calls.insert(id, Instant::now());
+            id
+        };
+        let r = f();
+        let mut st = crate::teardown::lock(&self.state);
+        st.calls.remove(&id);
+        st.down = match &r {
+            Ok(_) => None,
+            Err(e) => Some((Instant::now(), e.to_string())),
+        };
+        r
+    }
+}
+
+impl RemoteBoard for Guarded {
+    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<()> {
+        self.guard(|| self.inner.post(rank, post, deadline))
+    }
+
+    fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>> {
+        self.guard(|| self.inner.fetch(deadline))
+    }
 }
 
 /// What the board said, for the ranks not in this process.

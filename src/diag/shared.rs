@@ -30,6 +30,26 @@ pub(super) const PINNED: u64 = u64::MAX;
 /// How many queues (streams) a communicator's watch keeps.
 pub(super) const MAX_QUEUES: usize = 16;
 
+/// `Shared::revoking`: no revoke of the watchdog's runs.
+pub(super) const NOT_REVOKING: u8 = 0;
+/// `Shared::revoking`: a worker of the watchdog is inside NCCL's revoke, holding `in_place`.
+pub(super) const REVOKING: u8 = 1;
+/// `Shared::revoking`: the owner's teardown gave up waiting for that revoke: the worker
+/// aborts the handle when it returns.
+pub(super) const OWNER_LEFT: u8 = 2;
+
+/// What [`Shared::revoke_in_place`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Revoked {
+    /// Revoked in place: the handle stays with its owner.
+    Yes,
+    /// Nothing done (no revoke, the handle gone, or NCCL refused it): the claim holds.
+    No,
+    /// Revoked (or refused) while the owner's teardown gave up waiting for it: the
+    /// handle, out of its slot, is the caller's to abort (its one teardown).
+    OwnerLeft(usize),
+}
+
 /// `Shared::claim`: the watchdog leaves the communicator alone.
 pub(super) const UNCLAIMED: u8 = 0;
 /// `Shared::claim`: the watchdog is deciding whether to abort it (for microseconds).
@@ -152,7 +172,8 @@ pub(crate) struct Shared {
     /// [`IDLE`], or the journal position + 1 of the operation inside its NCCL call.
     /// Written only by the owner.
     pub(super) current: AtomicU64,
-    /// [`UNCLAIMED`], [`DECIDING`] or [`ABORTING`]. Written only by the watchdog, read by
+    /// [`UNCLAIMED`], [`DECIDING`] or [`ABORTING`]. Written only by the watchdog (the one
+    /// worker that handles its clique's timeout, `watchdog::sweep`), read by
     /// the owner after it stored `current` and fenced (ARCHITECTURE.md, "Who may use a
     /// handle: the claim").
     pub(super) claim: AtomicU8,
@@ -172,6 +193,9 @@ pub(crate) struct Shared {
     /// it takes the handle for its teardown: a revoke never runs on a handle its owner
     /// already took.
     pub(super) in_place: Mutex<()>,
+    /// Whether a revoke of the watchdog's runs under `in_place`, and whether the owner's
+    /// teardown gave up waiting for it (`NOT_REVOKING`, `REVOKING`, `OWNER_LEFT`).
+    pub(super) revoking: AtomicU8,
     /// Torn down by its owner.
     pub(super) gone: AtomicBool,
     pub(super) seq: AtomicU64,
@@ -905,35 +929,84 @@ impl Shared {
     /// After a successful [`claim`](Self::claim), with `Config::elastic`: revokes the
     /// handle where it is (`ncclCommRevoke`: its work in flight ends, its owner's call
     /// returns) and leaves it with its owner, whose teardown stays its one teardown.
-    /// `false` (nothing done, the claim still held) when the library has no revoke, the
-    /// owner already took the handle, or NCCL refused the revoke: then the caller aborts.
-    pub(super) fn revoke_in_place(&self, report: &Arc<TimeoutReport>) -> bool {
+    /// [`Revoked::No`] (nothing done, the claim still held) when the library has no
+    /// revoke, the owner already took the handle, or NCCL refused the revoke: then the
+    /// caller aborts. Runs on a worker of the watchdog (the revoke may block in NCCL);
+    /// an owner's teardown waits for it at most its abort bound (`lock_in_place`) and
+    /// then leaves the handle here: [`Revoked::OwnerLeft`], the caller's to abort.
+    pub(super) fn revoke_in_place(&self, report: &Arc<TimeoutReport>) -> Revoked {
         let Some(revoke) = self.lib.table().ncclCommRevoke else {
-            return false;
+            return Revoked::No;
         };
         let _held = lock(&self.in_place);
         let h = self.handle.load(Ordering::Acquire);
         if h == 0 || self.gone.load(Ordering::Acquire) {
-            return false;
+            return Revoked::No;
         }
         // Marked first, so that the owner's call, woken by the revoke, reports it.
         *lock(&self.report) = Some(Arc::clone(report));
         self.revoked_by_watchdog.store(true, Ordering::Release);
+        self.revoking.store(REVOKING, Ordering::SeqCst);
         // SAFETY: the handle is live: its owner takes it for a teardown only under
-        // `in_place`, held here, and the claim keeps the owner from any other call (it is
-        // blocked inside one, or idle with work in flight, which a revoke may stop).
+        // `in_place`, held here (an owner that gives up waiting leaves it in its slot,
+        // see below), and the claim keeps the owner from any other call (it is blocked
+        // inside one, or idle with work in flight, which a revoke may stop).
         let r = unsafe {
             revoke(
                 h as ncclComm_t,
                 nccl_sys::bindings::NCCL_REVOKE_DEFAULT as std::ffi::c_int,
             )
         };
-        if r != nccl_sys::bindings::ncclSuccess && r != nccl_sys::bindings::ncclInProgress {
+        let ok = r == nccl_sys::bindings::ncclSuccess || r == nccl_sys::bindings::ncclInProgress;
+        if self.revoking.swap(NOT_REVOKING, Ordering::AcqRel) == OWNER_LEFT {
+            // The owner's teardown gave up waiting while the revoke ran (`lock_in_place`):
+            // the handle is still in its slot, and this is its one teardown.
+            self.aborted_by_watchdog.store(true, Ordering::Release);
+            let h = self.handle.swap(0, Ordering::AcqRel);
+            self.claim.store(UNCLAIMED, Ordering::Release);
+            return if h == 0 {
+                Revoked::Yes
+            } else {
+                Revoked::OwnerLeft(h)
+            };
+        }
+        if !ok {
             self.revoked_by_watchdog.store(false, Ordering::Release);
-            return false;
+            return Revoked::No;
         }
         self.claim.store(UNCLAIMED, Ordering::Release);
-        true
+        Revoked::Yes
+    }
+
+    /// The owner's teardown takes `in_place`, waiting at most `bound` (a worker of the
+    /// watchdog holds it while NCCL's revoke runs, which may block). `None` past it:
+    /// then the communicator is marked gone and its handle left to the worker, which
+    /// aborts it once the revoke returned ([`Revoked::OwnerLeft`]; `revoking` decides
+    /// which side has it, exactly once): the owner must not touch the handle again.
+    pub(crate) fn lock_in_place(&self, bound: Duration) -> Option<MutexGuard<'_, ()>> {
+        let until = Instant::now() + bound;
+        loop {
+            match self.in_place.try_lock() {
+                Ok(g) => return Some(g),
+                Err(std::sync::TryLockError::Poisoned(e)) => return Some(e.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => {}
+            }
+            // Past the bound, while NCCL's revoke runs: hand the handle to the worker.
+            // (Outside the revoke, the worker holds the lock for microseconds: wait on.)
+            let late = Instant::now() >= until;
+            if late
+                && (self.revoking)
+                    .compare_exchange(REVOKING, OWNER_LEFT, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                // Marked aborted: the owner's `abort()` waits (bounded) for the worker's
+                // abort of the handle, as for any the watchdog took.
+                self.aborted_by_watchdog.store(true, Ordering::Release);
+                self.gone.store(true, Ordering::Release);
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// Gives a successful [`claim`](Self::claim) up: the owner carries on.

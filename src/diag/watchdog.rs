@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 
 use super::clique::TimeoutReport;
 use super::clock;
+use super::recorder::OpRecord;
+use super::shared::Revoked;
 use super::shared::Shared;
 use crate::library::Library;
 use crate::teardown::{self, exit, lock};
@@ -103,88 +105,150 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
         })
         .collect();
     for (i, rec, why) in expired {
-        let departed = matches!(why, Expiry::Departed);
         let s = &list[i];
-        if s.watchdog_took() {
-            continue; // aborted (or revoked) with an earlier one of this sweep
-        }
-        // Fail fast first: from here on every rank of the clique in this process gets the
-        // report without reaching NCCL, whatever the abort below does.
-        let report = match (departed, s.clique.waits_for_departed(s.rank, &rec)) {
-            (true, Some(d)) => {
-                let d = d.clone();
-                s.clique.fail_for_departure(&d, Some(s.rank), Some(&rec))
-            }
-            _ => {
-                let what = match why {
-                    Expiry::Fault(e) => format!(
-                        "failed on the GPU: the CUDA driver reports {e:?} for its stream's work (a sticky error: the context can run no more work)"
-                    ),
-                    _ => "did not complete in time".to_string(),
-                };
-                let host = s.host_behind();
-                let mut report = (s.clique).report(
-                    s.rank,
-                    &rec,
-                    s.settings.timeout,
-                    &what,
-                    true,
-                    host.as_deref(),
-                );
-                if matches!(why, Expiry::Fault(_)) {
-                    report.behind = None; // this rank's GPU failed: no peer is to blame
-                }
-                s.clique
-                    .set_timed_out(&TimeoutReport::of(s.rank, &rec, report))
-            }
-        };
-        let mut taken: Vec<(Arc<Library>, usize, Arc<Shared>)> = Vec::new();
-        // The expired one first: when it completed after all, nothing is aborted.
-        let others = list.iter().filter(|t| !Arc::ptr_eq(t, s));
-        for t in std::iter::once(s).chain(others) {
-            if !Arc::ptr_eq(&t.clique, &s.clique) || t.watchdog_took() {
-                continue;
-            }
-            let elastic = t.settings.elastic && !matches!(why, Expiry::Fault(_));
-            if t.in_shrink() {
-                // Its rank already recovers (shrink_after_failure), or shrinks: never
-                // aborted under the call (`Shared::in_shrink`).
-                continue;
-            }
-            // A grow's call uses the handle after its wait: revoked, never aborted under
-            // it (`Shared::in_grow`), in either mode.
-            let in_place = elastic || t.in_grow();
-            let min_age = match why {
-                _ if !Arc::ptr_eq(t, s) => grace(t),
-                Expiry::Late => t.settings.timeout,
-                Expiry::Fault(_) => Duration::ZERO,
-                Expiry::Departed => grace(t),
-            };
-            if !t.claim(now, min_age) {
-                continue;
-            }
-            // `Config::elastic`: revoked where it is, the handle left to its owner for a
-            // shrink (a GPU fault leaves nothing to shrink: aborted).
-            if in_place && t.revoke_in_place(&report) {
-                continue;
-            }
-            if t.in_grow() {
-                // NCCL refused the revoke (it was revoked already: its abort flags end the
-                // wait) or has none: let the call end on its own, not abort under it.
-                t.release_claim();
-                continue;
-            }
-            let h = t.take_for_abort(&report);
-            if h != 0 {
-                taken.push((Arc::clone(&t.lib), h, Arc::clone(t)));
-            }
-        }
-        if taken.is_empty() {
+        if s.watchdog_took() || s.clique.expiring.swap(true, Ordering::AcqRel) {
+            // Aborted (or revoked) with an earlier one, or a worker handles its clique.
             continue;
         }
-        abort_together(taken, s);
+        // The expired one first: when it completed after all, nothing is aborted.
+        let members: Vec<Arc<Shared>> = std::iter::once(Arc::clone(s))
+            .chain(
+                (list.iter())
+                    .filter(|t| !Arc::ptr_eq(t, s) && Arc::ptr_eq(&t.clique, &s.clique))
+                    .cloned(),
+            )
+            .collect();
+        // Off this thread: the report reads the desync board (network I/O, bounded) and a
+        // revoke may block in NCCL (it joins the group job, group.cc:875-877 of
+        // v2.29.7-1); meanwhile this thread goes on timing out other cliques, tracking
+        // work and bounding teardowns. One worker per clique at a time (`expiring`).
+        let job = Expiry::job(members, rec, why);
+        let spawned = std::thread::Builder::new()
+            .name("nccl-safe-expiry".into())
+            .spawn({
+                let job = Arc::clone(&job);
+                move || run(&job)
+            });
+        if spawned.is_err() {
+            run(&job); // no thread: here, as before
+        }
     }
     true
+}
+
+/// One timeout of a clique, handed to a worker (`expire`), which clears the clique's
+/// `expiring` at its end, whatever happened.
+struct ExpiryJob {
+    members: Vec<Arc<Shared>>,
+    rec: OpRecord,
+    why: Expiry,
+}
+
+impl Expiry {
+    fn job(members: Vec<Arc<Shared>>, rec: OpRecord, why: Expiry) -> Arc<ExpiryJob> {
+        Arc::new(ExpiryJob { members, rec, why })
+    }
+}
+
+/// Runs `job` (on the worker's thread, or the watchdog's when none started).
+fn run(job: &ExpiryJob) {
+    struct Done<'a>(&'a Shared);
+    impl Drop for Done<'_> {
+        fn drop(&mut self) {
+            self.0.clique.expiring.store(false, Ordering::Release);
+        }
+    }
+    let _done = Done(&job.members[0]);
+    expire(&job.members, &job.rec, job.why);
+}
+
+/// Fails the clique of `members[0]`, whose operation `rec` expired (`why`), and revokes
+/// or aborts its communicators in this process (`members`, `members[0]` first).
+fn expire(members: &[Arc<Shared>], rec: &OpRecord, why: Expiry) {
+    let s = &members[0];
+    let departed = matches!(why, Expiry::Departed);
+    // Fail fast first: from here on every rank of the clique in this process gets the
+    // report without reaching NCCL, whatever the abort below does.
+    let report = match (departed, s.clique.waits_for_departed(s.rank, rec)) {
+        (true, Some(d)) => {
+            let d = d.clone();
+            s.clique.fail_for_departure(&d, Some(s.rank), Some(rec))
+        }
+        _ => {
+            let what = match why {
+                Expiry::Fault(e) => format!(
+                    "failed on the GPU: the CUDA driver reports {e:?} for its stream's work (a sticky error: the context can run no more work)"
+                ),
+                _ => "did not complete in time".to_string(),
+            };
+            let host = s.host_behind();
+            let mut report = (s.clique).report(
+                s.rank,
+                rec,
+                s.settings.timeout,
+                &what,
+                true,
+                host.as_deref(),
+            );
+            if matches!(why, Expiry::Fault(_)) {
+                report.behind = None; // this rank's GPU failed: no peer is to blame
+            }
+            s.clique
+                .set_timed_out(&TimeoutReport::of(s.rank, rec, report))
+        }
+    };
+    let now = Instant::now();
+    let mut taken: Vec<(Arc<Library>, usize, Arc<Shared>)> = Vec::new();
+    for t in members {
+        if t.watchdog_took() {
+            continue;
+        }
+        let elastic = t.settings.elastic && !matches!(why, Expiry::Fault(_));
+        if t.in_shrink() {
+            // Its rank already recovers (shrink_after_failure), or shrinks: never
+            // aborted under the call (`Shared::in_shrink`).
+            continue;
+        }
+        // A grow's call uses the handle after its wait: revoked, never aborted under
+        // it (`Shared::in_grow`), in either mode.
+        let in_place = elastic || t.in_grow();
+        let min_age = match why {
+            _ if !Arc::ptr_eq(t, s) => grace(t),
+            Expiry::Late => t.settings.timeout,
+            Expiry::Fault(_) => Duration::ZERO,
+            Expiry::Departed => grace(t),
+        };
+        if !t.claim(now, min_age) {
+            continue;
+        }
+        // `Config::elastic`: revoked where it is, the handle left to its owner for a
+        // shrink (a GPU fault leaves nothing to shrink: aborted).
+        if in_place {
+            match t.revoke_in_place(&report) {
+                Revoked::Yes => continue,
+                Revoked::OwnerLeft(h) => {
+                    // The owner's teardown gave up waiting for the revoke (its bound):
+                    // this abort is the handle's one teardown.
+                    taken.push((Arc::clone(&t.lib), h, Arc::clone(t)));
+                    continue;
+                }
+                Revoked::No => {}
+            }
+        }
+        if t.in_grow() {
+            // NCCL refused the revoke (it was revoked already: its abort flags end the
+            // wait) or has none: let the call end on its own, not abort under it.
+            t.release_claim();
+            continue;
+        }
+        let h = t.take_for_abort(&report);
+        if h != 0 {
+            taken.push((Arc::clone(&t.lib), h, Arc::clone(t)));
+        }
+    }
+    if !taken.is_empty() {
+        abort_together(taken, s);
+    }
 }
 
 /// Why the watchdog fails a communicator's clique.
