@@ -596,7 +596,7 @@ impl Channel {
                 m.post(i, Mail::Id(w, *id));
                 Ok(None)
             }
-            Channel::Tcp(t) => Ok(Some(t.serve(i, *id.as_bytes(), w)?)),
+            Channel::Tcp(t) => Ok(Some(t.serve(i, *id.as_bytes())?)),
         }
     }
 
@@ -785,7 +785,7 @@ impl TcpGrow {
             .io_timeout(timeout.min(Duration::from_secs(10))))
     }
 
-    fn serve(&self, i: usize, bytes: [u8; 128], _world: usize) -> Result<ServerHandle> {
+    fn serve(&self, i: usize, bytes: [u8; 128]) -> Result<ServerHandle> {
         // The id's wait is the grow's: the communicator's timeout (and a margin).
         let timeout = Duration::from_secs(600);
         Ok(self
@@ -827,7 +827,7 @@ impl TcpGrow {
 
     /// Offers standby `i` the place of rank `w - 1` of `w` (a server that waits for it).
     fn offer(&mut self, i: usize, w: usize) {
-        if let Ok(h) = self.serve(i, message(OFFER, w), w) {
+        if let Ok(h) = self.serve(i, message(OFFER, w)) {
             self.offer = Some((i, w, h));
         }
     }

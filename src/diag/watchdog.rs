@@ -122,7 +122,7 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
         // revoke may block in NCCL (it joins the group job, group.cc:875-877 of
         // v2.29.7-1); meanwhile this thread goes on timing out other cliques, tracking
         // work and bounding teardowns. One worker per clique at a time (`expiring`).
-        let job = Expiry::job(members, rec, why);
+        let job = Arc::new(ExpiryJob { members, rec, why });
         let spawned = std::thread::Builder::new()
             .name("nccl-safe-expiry".into())
             .spawn({
@@ -142,12 +142,6 @@ struct ExpiryJob {
     members: Vec<Arc<Shared>>,
     rec: OpRecord,
     why: Expiry,
-}
-
-impl Expiry {
-    fn job(members: Vec<Arc<Shared>>, rec: OpRecord, why: Expiry) -> Arc<ExpiryJob> {
-        Arc::new(ExpiryJob { members, rec, why })
-    }
 }
 
 /// Runs `job` (on the worker's thread, or the watchdog's when none started).
