@@ -24,8 +24,9 @@ use std::sync::Arc;
 
 use nccl_sys::ncclComm_t;
 
-use crate::comm::{CommDevice, Communicator, RawComm, DEFAULT_INIT_TIMEOUT};
+use crate::comm::{CommDevice, Communicator, RawComm};
 use crate::config::Config;
+use crate::config::DEFAULT_TIMEOUT;
 use crate::error::invalid;
 use crate::error::Result;
 use crate::id::{UniqueId, UNIQUE_ID_BYTES};
@@ -41,7 +42,7 @@ impl Communicator {
     /// Rank and size are read from NCCL (`ncclCommUserRank`, `ncclCommCount`). `config`
     /// gives the diagnostics (watchdog timeout, flight recorder) and whether the handle was
     /// created non-blocking ([`Config::blocking`]; then this waits, up to
-    /// [`DEFAULT_INIT_TIMEOUT`], for its init to finish); its NCCL options are not applied
+    /// [`DEFAULT_TIMEOUT`], for its init to finish); its NCCL options are not applied
     /// (the communicator exists already). For [`CommDevice::Cuda`] the handle's device
     /// (`ncclCommCuDevice`) must be the context's.
     ///
@@ -292,7 +293,7 @@ fn wrap(
                 0,
                 crate::diag::CommDiag::for_id(&config.diag, &foreign_clique_id(), 0, 0),
             )
-            .wait_ready("ncclCommInitRankConfig", caller, DEFAULT_INIT_TIMEOUT)?;
+            .wait_ready("ncclCommInitRankConfig", caller, DEFAULT_TIMEOUT)?;
         }
         let (mut rank, mut count): (c_int, c_int) = (-1, -1);
         // SAFETY: the caller guarantees `raw` is a live communicator of `lib`; `rank` and

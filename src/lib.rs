@@ -86,10 +86,10 @@ pub mod version;
 pub use buffer::{BufferGuard, Memory, RecvBuffer, SendBuffer, StreamBound};
 pub use comm::{
     CommDevice, Communicator, GinType, MemStats, PendingCommunicator, Properties,
-    SuspendedCommunicator, DEFAULT_INIT_TIMEOUT,
+    SuspendedCommunicator,
 };
 pub use comm_ref::CommRef;
-pub use config::Config;
+pub use config::{Config, DEFAULT_TIMEOUT};
 pub use error::{Error, NcclError, Result, ResultCode};
 pub use group::Group;
 pub use id::{scalable_root_rank, scalable_roots, UniqueId, RANKS_PER_ROOT, UNIQUE_ID_BYTES};

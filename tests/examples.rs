@@ -279,3 +279,49 @@ fn allreduce_and_train_run_as_processes_on_the_host_provider() {
         );
     }
 }
+
+/// The README opens with the crate documentation's first example (src/lib.rs, which rustdoc
+/// compiles and runs), line for line less rustdoc's hidden `# ` lines: a change to one that
+/// is not made to the other fails here.
+#[test]
+fn the_readme_opens_with_lib_rs_example() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let lib = std::fs::read_to_string(format!("{root}/src/lib.rs")).unwrap();
+    let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
+    let doc: Vec<&str> = lib
+        .lines()
+        .filter_map(|l| l.strip_prefix("//!"))
+        .map(|l| l.strip_prefix(' ').unwrap_or(l))
+        .collect();
+    let start = doc
+        .iter()
+        .position(|l| *l == "```")
+        .expect("lib.rs has an example")
+        + 1;
+    let len = doc[start..].iter().position(|l| *l == "```").unwrap();
+    let example: Vec<&str> = doc[start..start + len]
+        .iter()
+        .copied()
+        .filter(|l| !l.starts_with("# ") && *l != "#")
+        .collect();
+    let marker = "<!-- src/lib.rs's example -->\n```rust\n";
+    let at = readme
+        .find(marker)
+        .expect("the README marks its copy of lib.rs's example")
+        + marker.len();
+    let copy: Vec<&str> = readme[at..]
+        .split("\n```")
+        .next()
+        .unwrap()
+        .lines()
+        .collect();
+    assert_eq!(
+        copy, example,
+        "the README's opening example differs from src/lib.rs's: copy lib.rs's into it"
+    );
+    let first_heading = readme.find("\n## ").unwrap();
+    assert!(
+        at < first_heading,
+        "the README must open with the example, before its first section"
+    );
+}

@@ -11,7 +11,7 @@ use half::{bf16, f16};
 use nccl_safe::host::{root_id_of, stats_for};
 use nccl_safe::{
     CommDevice, Communicator, Config, Error, Group, ReduceOp, ResultCode, Stream, UniqueId,
-    DEFAULT_INIT_TIMEOUT,
+    DEFAULT_TIMEOUT,
 };
 use support::{assert_balanced, run_ranks, El};
 
@@ -559,7 +559,7 @@ fn non_blocking_init_then_wait_then_collectives() {
                         .all_reduce_in_place(&mut z, ReduceOp::Sum, &S)
                         .unwrap();
                     assert_eq!(z, vec![world as f32; 2]);
-                    child.finalize(DEFAULT_INIT_TIMEOUT).unwrap();
+                    child.finalize(DEFAULT_TIMEOUT).unwrap();
                     comm.finalize(Duration::from_secs(30)).unwrap();
                 });
             }

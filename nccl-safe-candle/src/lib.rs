@@ -1,5 +1,9 @@
 //! Data parallelism for [candle](https://github.com/huggingface/candle) over nccl-safe.
 //!
+//! Where to start: [`DistributedDataParallel`] (or [`DdpOptimizer`]) for a fixed set of ranks,
+//! [`ElasticJob`] for a job that carries on without a lost rank (`examples/elastic_job.rs`,
+//! the README's program, is a complete one).
+//!
 //! - [`tensor`]: all-reduce (sum, avg, min, max, product), broadcast, all-gather and
 //!   reduce-scatter on candle [`Tensor`](candle_core::Tensor)s of f32, f64, f16 and bf16,
 //!   in place on candle's own storage: CPU tensors on nccl-safe's host provider, CUDA

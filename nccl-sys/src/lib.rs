@@ -1,5 +1,8 @@
 //! Raw bindings to NVIDIA NCCL, loaded at run time.
 //!
+//! Where to start: [`FunctionTable::load`] fills the table from any symbol lookup; nccl-safe
+//! (the safe API) is built on it, and most users want that crate instead.
+//!
 //! * [`bindings`]: every public type, enum and constant of `nccl.h` (NCCL 2.32.3), generated
 //!   by bindgen and checked in, plus the prototypes (for reference and signature checks only:
 //!   this crate never links `libnccl`).

@@ -121,9 +121,6 @@ impl CommDevice {
 /// watchdog's timeout of the parent's operation normally ends it first).
 const CHILD_WAIT_MARGIN: Duration = Duration::from_millis(500);
 
-/// Default bound on waits for non-blocking init, split and finalize.
-pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(600);
-
 /// One rank's handle on an NCCL communicator.
 ///
 /// * **Exactly one teardown.** Dropping it calls `ncclCommDestroy` on a healthy communicator

@@ -10,8 +10,7 @@ use std::time::Duration;
 use super::remote;
 use crate::teardown::{Bound, OnAbortTimeout, DEFAULT_ABORT_TIMEOUT, MIN_NCCL_ABORT_TIMEOUT};
 
-/// The watchdog's default timeout: 10 minutes, as PyTorch's.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+pub use crate::config::DEFAULT_TIMEOUT;
 
 /// The longest flight record a communicator keeps (its ring is allocated up front).
 pub const MAX_FLIGHT_RECORD_LEN: usize = 1 << 20;
