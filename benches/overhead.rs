@@ -481,6 +481,7 @@ fn run(no_host: bool) -> Result<()> {
         })
     })?;
     report("all_reduce", safe, raw);
+    #[cfg_attr(not(feature = "diag"), allow(unused_variables))]
     let raw_all_reduce = raw;
 
     let safe = measure(ITERS, REPS, || {
@@ -561,18 +562,21 @@ fn run(no_host: bool) -> Result<()> {
 
     // The same all_reduce with the precise clock (`Config::timing`): two Instant::now() an
     // operation instead of coarse-clock loads.
-    let id = UniqueId::new_with(&lib)?;
-    let precise = Communicator::init_rank_in(
-        &lib,
-        &CommDevice::Host,
-        1,
-        0,
-        &id,
-        &Config::new().timing(true),
-    )?;
-    let safe = time_all_reduce(&precise, &send, &mut recv, ITERS, REPS)?;
-    report("all_reduce precise", safe, raw_all_reduce);
-    precise.destroy().map_err(|(_, e)| e)?;
+    #[cfg(feature = "diag")]
+    {
+        let id = UniqueId::new_with(&lib)?;
+        let precise = Communicator::init_rank_in(
+            &lib,
+            &CommDevice::Host,
+            1,
+            0,
+            &id,
+            &Config::new().timing(true),
+        )?;
+        let safe = time_all_reduce(&precise, &send, &mut recv, ITERS, REPS)?;
+        report("all_reduce precise", safe, raw_all_reduce);
+        precise.destroy().map_err(|(_, e)| e)?;
+    }
 
     let (diff, allocs) = worst.get();
     let machine = Machine::probe();
@@ -655,7 +659,7 @@ impl Machine {
             cpu,
             cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
             clocksource,
-            asymmetric: nccl_safe::diag::asymmetric_fence(),
+            asymmetric: asymmetric_fence(),
             fence_ns,
             clock_ns,
             load,
@@ -1138,7 +1142,7 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
         1,
         0,
         &id,
-        &Config::new().exact_completion(exact),
+        &completion_config(exact),
     )?;
     println!(
         "# nccl-safe completion markers: {}",
@@ -1173,7 +1177,7 @@ fn cuda_overhead(source: Cuda) -> Result<()> {
     println!("# one stream: the buffers are written on the comm stream; two streams: on a compute stream beside it (as candle's DDP). cudarc's context is in multi-stream mode from its first new_stream, so with tracking on it waits on the buffer's events and records one in both");
     println!(
         "# watchdog fence on each operation: {}",
-        if nccl_safe::diag::asymmetric_fence() {
+        if asymmetric_fence() {
             "compiler fence (membarrier)"
         } else {
             "full fence(SeqCst) (membarrier refused)"
@@ -2260,5 +2264,26 @@ fn main() -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Whether the watchdog's fence on each operation is a compiler fence (membarrier); without
+/// the `diag` feature there is no watchdog and no fence.
+fn asymmetric_fence() -> bool {
+    #[cfg(feature = "diag")]
+    return nccl_safe::diag::asymmetric_fence();
+    #[cfg(not(feature = "diag"))]
+    false
+}
+
+/// The communicator's settings for the fake-cuda and nccl backends: exact completion markers
+/// or not (a setting of the watchdog's, so of the `diag` feature).
+fn completion_config(exact: bool) -> Config {
+    #[cfg(feature = "diag")]
+    return Config::new().exact_completion(exact);
+    #[cfg(not(feature = "diag"))]
+    {
+        let _ = exact;
+        Config::new()
     }
 }

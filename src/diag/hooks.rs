@@ -1217,15 +1217,18 @@ fn mark_then_publish(s: &Shared, q: &QueueWatch, upto: u64) {
 }
 
 /// Marks the operations at journal positions `range` that are still enqueued (a group's,
-/// whose end decided their fate) `state`, with the time since they were issued.
+/// whose end decided their fate) `state`, with the time since they were issued: one read
+/// of the diagnostics clock for the whole group (coarse by default, as a single
+/// operation's), none of the system clock.
 #[cfg(feature = "diag")]
-#[cold]
+#[inline]
 fn finish_queued(s: &Shared, range: std::ops::Range<u64>, state: OpState) {
+    if range.is_empty() {
+        return;
+    }
+    let now = s.now();
     for pos in range {
-        if let Some(rec) = s.journal.get(pos).filter(|r| r.state == OpState::Enqueued) {
-            let took = u64::try_from(rec.enqueued.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            s.journal.finish(pos, state, took);
-        }
+        s.journal.finish_enqueued(pos, state, now);
     }
 }
 

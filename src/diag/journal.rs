@@ -176,6 +176,25 @@ impl Journal {
         s.version.store(v.wrapping_add(2), Ordering::Release);
     }
 
+    /// Marks the record at `pos` `state`, with the time from its enqueue to `now` (both
+    /// diagnostics clock times), when it is still in the ring and still enqueued. The owner
+    /// only: it reads back its own writes, so it needs no seqlock read and no clock of its
+    /// own (a group's end marks each of its operations here, with one `now` for them all).
+    #[inline]
+    pub(crate) fn finish_enqueued(&self, pos: u64, state: OpState, now: u64) {
+        let len = self.len();
+        if pos >= len || pos + self.mask + 1 < len {
+            return;
+        }
+        let s = self.slot(pos);
+        let meta = s.meta.load(Ordering::Relaxed);
+        if s.pos.load(Ordering::Relaxed) != pos || state_of(meta >> 8 & 0xff) != OpState::Enqueued {
+            return;
+        }
+        let took = now.saturating_sub(s.enqueued.load(Ordering::Relaxed));
+        self.finish(pos, state, took);
+    }
+
     /// One consistent read of `pos`'s slot by `load`, with the position the slot held then
     /// (a seqlock read: retried while a writer is in the slot); `None` when `pos` is not
     /// written yet. Any thread.
@@ -287,6 +306,45 @@ mod tests {
             enqueued: seq * 1000,
             queue: seq as usize % 3,
         }
+    }
+
+    #[test]
+    fn finish_enqueued_marks_only_records_still_enqueued_and_in_the_ring() {
+        let j = Journal::new(4);
+        for i in 0..3u64 {
+            j.push(&entry(i, EntryPoint::ncclAllReduce));
+        }
+        j.finish(1, OpState::Failed, 5);
+        // One `now` for all: each record's time is counted from its own enqueue.
+        for p in 0..4 {
+            j.finish_enqueued(p, OpState::Completed, 2500);
+        }
+        let took = |p| j.get(p).map(|r| (r.state, r.took));
+        assert_eq!(
+            took(0),
+            Some((OpState::Completed, Some(Duration::from_nanos(2500))))
+        );
+        assert_eq!(
+            took(1),
+            Some((OpState::Failed, Some(Duration::from_nanos(5))))
+        );
+        assert_eq!(
+            took(2),
+            Some((OpState::Completed, Some(Duration::from_nanos(500))))
+        );
+        // A position not yet written, and one since overwritten, are left alone.
+        assert_eq!(j.len(), 3);
+        for i in 3..8u64 {
+            j.push(&entry(i, EntryPoint::ncclBroadcast));
+        }
+        j.finish_enqueued(2, OpState::Failed, 9000);
+        assert!(j.get(2).is_none());
+        assert_eq!(took(6), Some((OpState::Enqueued, None)));
+        j.finish_enqueued(6, OpState::Failed, 9000);
+        assert_eq!(
+            took(6),
+            Some((OpState::Failed, Some(Duration::from_nanos(3000))))
+        );
     }
 
     #[test]
