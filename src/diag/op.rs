@@ -27,6 +27,7 @@ pub(crate) fn group_ended() {
 /// Whether this thread is inside a [`crate::Group`]'s end, between its `ncclGroupStart`
 /// and `ncclGroupEnd` (no code of the caller's runs there).
 #[cfg_attr(not(feature = "diag"), allow(dead_code))]
+#[inline]
 pub(crate) fn in_group() -> bool {
     GROUP_DEPTH.with(|d| d.get() > 0)
 }
