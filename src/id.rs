@@ -220,9 +220,9 @@ mod tests {
             let (rmr, rpr) = (n % ids, n / ids);
             let rlim = rmr * (rpr + 1);
             if rank < rlim {
-                rank % (rpr + 1) == 0
+                rank.is_multiple_of(rpr + 1)
             } else {
-                (rank - rlim) % rpr == 0
+                (rank - rlim).is_multiple_of(rpr)
             }
         };
         let makers: Vec<_> = (0..7).filter_map(|r| root_made_by(7, 3, r)).collect();

@@ -1,6 +1,7 @@
 //! [`ProcessLauncher`]: one rank per process under torchrun, Slurm or mpirun: the id
-//! exchange (torchrun's store, or the authenticated TCP rendezvous), the desync board, and
-//! the device check.
+//! exchange (torchrun's store, or the authenticated TCP rendezvous; one id per 256 ranks,
+//! each made by its root rank, see [`ProcessLauncher::roots`]), the desync board, and the
+//! device check.
 
 use std::sync::Arc;
 
@@ -94,8 +95,9 @@ impl ProcessLauncher {
         &self.env
     }
 
-    /// Checks that this node has a GPU for the local rank, exchanges the id and joins the
-    /// communicator on the GPU of the local rank.
+    /// Checks that this node has a GPU for the local rank, exchanges the ids (one per root,
+    /// [`roots`](Self::roots): one up to 256 ranks) and joins the communicator on the GPU
+    /// of the local rank.
     ///
     /// Under torchrun with the agent's store (`TORCHELASTIC_USE_AGENT_STORE=True`), the id
     /// and the job's desync board go through that store ([`crate::launch::store`]): nothing
@@ -180,7 +182,7 @@ impl ProcessLauncher {
         result
     }
 
-    /// Step one of [`init_with`](Self::init_with): rank 0 creates the id
+    /// Step one of [`init_with`](Self::init_with) for one root: rank 0 creates the id
     /// (`ncclGetUniqueId`, which needs no GPU) and every rank receives it. Rank 0 also gets
     /// the server handle, whose `wait` reports ranks that never fetched the id.
     pub fn exchange_id(&self, rendezvous: Rendezvous) -> Result<(UniqueId, Option<ServerHandle>)> {

@@ -1,4 +1,5 @@
-//! Getting rank 0's unique id to every other rank of a multi-process job.
+//! Getting rank 0's unique id (or, for a scalable init, each root rank's) to every other
+//! rank of a multi-process job.
 //!
 //! [`Rendezvous`] is one entry point over four transports:
 //! - [`TcpRendezvous`]: rank 0 serves the id on `MASTER_ADDR:MASTER_PORT` from a background
@@ -23,6 +24,24 @@
 //!    a relay cannot forge one; only the wrong-token refusal cannot be authenticated.
 //! 4. client -> server `ACK`; the rank counts as served. Once all ranks are, the server
 //!    closes its listener and its thread ends.
+//!
+//! A job whose init has several unique ids (roots of `ncclCommInitRankScalable`, see
+//! [`Rendezvous::exchange_roots`]) speaks the same handshake, with bit 31 set in the world
+//! size both sides put in `AUTH` (and in its MACs): a rank of one root (or of an older
+//! nccl-safe) and a rank 0 of several then refuse each other with the authenticated
+//! world-size refusal at once, which this side reads as
+//! [`RendezvousError::RootsMismatch`]. Step 3 becomes:
+//! - to a rank that makes root `i`'s id, when rank 0 lacks it: `WANT` (the number of roots
+//!   and `i`, with `HMAC(.. | "want" | ..)`), answered by `PUT` (`i` and the id XORed with
+//!   the `"put"` keystream of `i`, with the client's MAC);
+//! - once rank 0 holds every id: `IDS` frames of up to 24 ids each (the number of roots,
+//!   the first id's number, the count, the ids XORed with the `"ids"` keystreams, a MAC),
+//!   then the rank's `ACK`;
+//! - before that: an authenticated refusal saying how many ids rank 0 holds, and the rank
+//!   tries again (within its deadline, as for a busy rank 0).
+//!
+//! A rank that finds another number of roots in an authenticated `WANT` or `IDS` (or one
+//! id where it expects several) fails at once with [`RendezvousError::RootsMismatch`].
 //!
 //! What a hostile peer can and cannot do. Any user of the node (or of the network that
 //! reaches `MASTER_ADDR`) is a stranger; only the token makes a peer a rank.
@@ -966,7 +985,9 @@ pub struct Exchanged {
     pub server: Option<ServerHandle>,
 }
 
-/// How the ranks of a job agree on one unique id: one entry point over every transport.
+/// How the ranks of a job agree on their unique id ([`exchange`](Self::exchange)), or on
+/// the ids of a scalable init ([`exchange_roots`](Self::exchange_roots)): one entry point
+/// over every transport.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Rendezvous {
