@@ -660,45 +660,64 @@ fn a_process_job_through_the_store_uses_the_roots_asked() {
     }
 }
 
-/// The TCP rendezvous in threads: three ranks over two roots (rank 2 makes root 1's id,
-/// rank 1 none) and over three, every rank getting every id in root order.
+/// Every transport in threads (TCP, a file, the c10d store): three ranks over two roots
+/// (rank 2 makes root 1's id, rank 1 none, which never calls `make_id`) and over three,
+/// every rank getting every id in root order.
 #[test]
 #[cfg(feature = "launch")]
-fn the_tcp_rendezvous_moves_every_roots_id() {
-    use nccl_safe::launch::rendezvous::{Rendezvous, TcpRendezvous};
+fn every_transport_moves_every_roots_id() {
+    use nccl_safe::launch::rendezvous::{FileRendezvous, Rendezvous, TcpRendezvous};
+    use nccl_safe::launch::store::StoreRendezvous;
     const TOKEN: &str = "roots-test-token-0123456789";
-    for roots in [2, 3] {
-        let port = free_ports();
-        let got: Vec<Vec<[u8; 128]>> = std::thread::scope(|s| {
-            let ranks: Vec<_> = (0..3)
-                .map(|rank| {
-                    s.spawn(move || {
-                        let t = TcpRendezvous::new("127.0.0.1", port, TOKEN)
-                            .timeout(Duration::from_secs(20));
-                        let make = || {
-                            let maker = |i| scalable_root_rank(3, roots, i) == Some(rank);
-                            assert!((0..roots).any(maker), "rank {rank} makes no id");
-                            Ok::<_, Error>([rank as u8 + 1; 128])
-                        };
-                        let x = Rendezvous::Tcp(t).exchange_roots(rank, 3, roots, make);
-                        let x = x.unwrap();
-                        if let Some(server) = x.server {
-                            server.wait().unwrap();
-                        }
-                        x.ids
-                    })
+    let long = Duration::from_secs(20);
+    let store = support::c10d::FakeStore::start(support::c10d::Mode::Honest);
+    let dir = support::temp_dir("every-root");
+    for transport in ["tcp", "file", "store"] {
+        for roots in [2, 3] {
+            let port = free_ports();
+            let (dir, addr) = (&dir, store.addr());
+            let rendezvous = |rank: usize| {
+                match transport {
+                    "tcp" => {
+                        Rendezvous::Tcp(TcpRendezvous::new("127.0.0.1", port, TOKEN).timeout(long))
+                    }
+                    "file" => Rendezvous::File(
+                        FileRendezvous::new(dir.join(format!("ids-{roots}"))).timeout(long),
+                    ),
+                    _ => Rendezvous::Store(
+                        StoreRendezvous::new(addr.clone(), format!("r{roots}/")).timeout(long),
+                    ),
+                }
+                .exchange_roots(rank, 3, roots, move || {
+                    let maker = |i| scalable_root_rank(3, roots, i) == Some(rank);
+                    assert!((0..roots).any(maker), "rank {rank} makes no id");
+                    Ok::<_, Error>([rank as u8 + 1; 128])
                 })
+            };
+            let got: Vec<Vec<[u8; 128]>> = std::thread::scope(|s| {
+                let ranks: Vec<_> = (0..3)
+                    .map(|rank| {
+                        s.spawn(move || {
+                            let x = rendezvous(rank).unwrap();
+                            if let Some(server) = x.server {
+                                server.wait().unwrap();
+                            }
+                            x.ids
+                        })
+                    })
+                    .collect();
+                ranks.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let want: Vec<[u8; 128]> = (0..roots)
+                .map(|i| [scalable_root_rank(3, roots, i).unwrap() as u8 + 1; 128])
                 .collect();
-            ranks.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        let want: Vec<[u8; 128]> = (0..roots)
-            .map(|i| [scalable_root_rank(3, roots, i).unwrap() as u8 + 1; 128])
-            .collect();
-        assert_eq!(want.len(), roots);
-        for (rank, ids) in got.iter().enumerate() {
-            assert!(ids == &want, "rank {rank}, {roots} roots");
+            assert_eq!(want.len(), roots);
+            for (rank, ids) in got.iter().enumerate() {
+                assert!(ids == &want, "{transport}: rank {rank}, {roots} roots");
+            }
         }
     }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Ranks that disagree on the number of roots get a typed error at once, never a wait:
