@@ -9,6 +9,8 @@
 #      error without a GPU;
 #   1. the allreduce and train examples as 4 processes (`--launcher env --backend host`):
 #      the id goes over the authenticated TCP rendezvous, the ranks meet in shared memory;
+#      then a job of 4 over 2 roots (NCCL_SAFE_ROOTS=2, tests/scalable_params.rs's child):
+#      the root ranks' 2 ids go through the rendezvous, every rank is made from both;
 #   2. the fault tests of tests/multiprocess.rs as 4 processes; each error names the culprit,
 #      rank 1, and the user's file:line:
 #      - rank 1 SIGKILLs itself mid-job: every other rank fails naming it (its process is
@@ -78,7 +80,7 @@ launchn() {
     mpirun)
       cmd=(mpirun -np "$n" "${keep[@]}" -x MASTER_ADDR -x MASTER_PORT -x NCCL_SAFE_RENDEZVOUS_TOKEN
         -x NCCL_SAFE_HOST_TIMEOUT_MS -x NCCL_SAFE_TEST_MP -x NCCL_SAFE_TEST_STAGGER_MS
-        -x NCCL_SAFE_TEST_STUCK_MS "$@") ;;
+        -x NCCL_SAFE_TEST_STUCK_MS -x NCCL_SAFE_ROOTS -x NCCL_SAFE_TEST_ROOTS_JOB "$@") ;;
     # srun passes the whole environment (--export=ALL is its default).
     srun) cmd=(srun -n "$n" --overcommit "${keep[@]}" "$@") ;;
   esac
@@ -87,7 +89,7 @@ export NCCL_SAFE_RENDEZVOUS_TOKEN="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n'
 export NCCL_SAFE_HOST_TIMEOUT_MS=8000
 unset NCCL_LIBRARY CUDA_VISIBLE_DEVICES
 
-echo "building the examples, tests/multiprocess.rs and tests/launcher.rs ..."
+echo "building the examples, tests/multiprocess.rs, tests/launcher.rs and tests/scalable_params.rs ..."
 cargo build --quiet --example allreduce --example train
 target="${CARGO_TARGET_DIR:-target}"
 # test_exe NAME: the executable of tests/NAME.rs.
@@ -109,6 +111,8 @@ exe="$(test_exe multiprocess)"
 [ -x "$exe" ] || fail "could not build tests/multiprocess.rs"
 launcher_exe="$(test_exe launcher)"
 [ -x "$launcher_exe" ] || fail "could not build tests/launcher.rs"
+roots_exe="$(test_exe scalable_params)"
+[ -x "$roots_exe" ] || fail "could not build tests/scalable_params.rs"
 nccl_lib="$(scripts/fetch-nccl.sh | tail -n 1)/2.32.3/nvidia/nccl/lib/libnccl.so.2"
 [ -f "$nccl_lib" ] || fail "no NVIDIA NCCL at $nccl_lib"
 
@@ -171,6 +175,15 @@ run train "$target/debug/examples/train" --launcher env --backend host
 [ "$rc" -eq 0 ] && [ "$(count "$logs/train" 'parameters identical on every rank: yes')" -eq 4 ] \
   || { cat "$logs/train"; fail "train: expected 4 ranks with identical parameters"; }
 echo "  train: $(grep -m1 -o 'loss .* -> [0-9.]*' "$logs/train") on each of 4 ranks, parameters identical"
+# Two roots forced (NCCL_SAFE_ROOTS): ranks 0 and 2 each make an id, the rendezvous moves
+# both, every rank inits with ncclCommInitRankScalable and prints the ids it used.
+NCCL_SAFE_ROOTS=2 NCCL_SAFE_TEST_ROOTS_JOB=1 run roots "$roots_exe" --exact a_process_job_over_tcp_uses_the_roots_asked --nocapture --test-threads=1
+roots_ids="$(grep -o 'rank [0-3] pid [0-9]* ids [0-9a-f,]*' "$logs/roots" | sed 's/.* ids //' || true)"
+[ "$rc" -eq 0 ] && [ "$(printf '%s\n' "$roots_ids" | grep -c .)" -eq 4 ] \
+  && [ "$(printf '%s\n' "$roots_ids" | sort -u | wc -l)" -eq 1 ] \
+  && [ "$(printf '%s\n' "$roots_ids" | head -n 1 | tr ',' '\n' | grep -c '^[0-9a-f]\{256\}$')" -eq 2 ] \
+  || { cat "$logs/roots"; fail "roots: expected 4 ranks made from the same 2 ids"; }
+echo "  2 roots: 4 ranks made from the same 2 ids, an all-reduce over all 4"
 
 # stamp LOG KEY: the numbers after KEY, one a line.
 stamp() { grep -oE "$2 [0-9.]+" "$1" | awk '{print $NF}'; }

@@ -166,6 +166,25 @@ pub fn scalable_root_rank(world_size: usize, roots: usize, root: usize) -> Optio
     Some(root * (world_size / roots) + root.min(world_size % roots))
 }
 
+/// The root whose id rank `rank` makes in a scalable init of `world_size` ranks with
+/// `roots` ids: `Some(i)` when `rank` is [`scalable_root_rank`]`(world_size, roots, i)`
+/// (NCCL's `rankHasRoot`, docs/userguide usage/communicators.rst of 2.30.7), else `None`.
+#[cfg_attr(not(feature = "launch"), allow(dead_code))]
+pub(crate) fn root_made_by(world_size: usize, roots: usize, rank: usize) -> Option<usize> {
+    if roots == 0 || roots > world_size || rank >= world_size {
+        return None;
+    }
+    // rootIdFromRank (bootstrap.cc:59-69 of 2.30.7), offset 0.
+    let (rmr, rpr) = (world_size % roots, world_size / roots);
+    let d = rmr * (rpr + 1);
+    let root = if rank < d {
+        rank / (rpr + 1)
+    } else {
+        (rank - d) / rpr + rmr
+    };
+    (scalable_root_rank(world_size, roots, root) == Some(rank)).then_some(root)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,5 +210,32 @@ mod tests {
             UniqueId::from_bytes(&b[..127]),
             Err(Error::InvalidArgument { .. })
         ));
+    }
+
+    /// The makers are NCCL's `rankHasRoot` (usage/communicators.rst of 2.30.7): 3 ids
+    /// over 7 ranks are made on ranks 0, 3 and 5.
+    #[test]
+    fn root_makers_follow_rank_has_root() {
+        let has_root = |rank: usize, n: usize, ids: usize| {
+            let (rmr, rpr) = (n % ids, n / ids);
+            let rlim = rmr * (rpr + 1);
+            if rank < rlim {
+                rank.is_multiple_of(rpr + 1)
+            } else {
+                (rank - rlim).is_multiple_of(rpr)
+            }
+        };
+        let makers: Vec<_> = (0..7).filter_map(|r| root_made_by(7, 3, r)).collect();
+        assert_eq!(makers, [0, 1, 2]);
+        assert_eq!(root_made_by(7, 3, 3), Some(1));
+        for n in 1..40 {
+            for ids in 1..=n {
+                for r in 0..n {
+                    assert_eq!(root_made_by(n, ids, r).is_some(), has_root(r, n, ids));
+                }
+            }
+        }
+        assert_eq!(root_made_by(4, 0, 0), None);
+        assert_eq!(root_made_by(4, 5, 0), None);
     }
 }

@@ -483,3 +483,404 @@ fn ranks_with_different_ids_time_out() {
     let st = support::settled_stats(&a);
     assert_eq!(st.live, 0, "{st:?}");
 }
+
+/// Set in the children of [`process_job`]: the launcher's variables describe their rank.
+#[cfg(feature = "launch")]
+const JOB: &str = "NCCL_SAFE_TEST_ROOTS_JOB";
+
+/// A child of [`process_job`]: joins the job through `Launcher::from_env` (the host
+/// provider), sums over every rank, and prints its pid and the ids its communicator was
+/// made from. `false` when this process is not such a child.
+#[cfg(feature = "launch")]
+fn job_child() -> bool {
+    if std::env::var_os(JOB).is_none() {
+        return false;
+    }
+    let launcher = nccl_safe::launch::Launcher::from_env().unwrap();
+    let rank = (launcher.host().config(config()).init()).unwrap_or_else(|e| {
+        println!("init failed: {e}");
+        std::process::exit(2)
+    });
+    check_sum(rank.comm());
+    let ids: Vec<String> = rank.unique_ids().iter().map(|i| i.to_string()).collect();
+    let pid = std::process::id();
+    println!("rank {} pid {pid} ids {}", rank.rank(), ids.join(","));
+    true
+}
+
+/// Runs test `name` as a job of `n` processes, torchrun's variables set for each plus
+/// `env`; each rank's pid and the ids it reported, in rank order. Fails when one hangs
+/// or fails.
+#[cfg(feature = "launch")]
+fn process_job(name: &str, n: usize, env: &[(&str, String)]) -> Vec<(u32, Vec<UniqueId>)> {
+    let exe = std::env::current_exe().unwrap();
+    let mut kids: Vec<_> = (0..n)
+        .map(|r| {
+            let mut c = Command::new(&exe);
+            c.args([name, "--exact", "--nocapture", "--test-threads=1"])
+                .env(JOB, "1")
+                .env_remove("OMPI_COMM_WORLD_RANK")
+                .env_remove("SLURM_PROCID")
+                .env_remove("TORCHELASTIC_USE_AGENT_STORE")
+                .env_remove("TORCHELASTIC_RUN_ID")
+                .env_remove("TORCHELASTIC_RESTART_COUNT")
+                .env_remove(nccl_safe::launch::ROOTS_VAR)
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("LOCAL_WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("NCCL_SAFE_HOST_TIMEOUT_MS", "20000")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in env {
+                c.env(k, v);
+            }
+            c.spawn().unwrap()
+        })
+        .collect();
+    let start = Instant::now();
+    let mut done = vec![None; n];
+    while done.iter().any(Option::is_none) {
+        for (i, k) in kids.iter_mut().enumerate() {
+            if done[i].is_none() {
+                done[i] = k.try_wait().unwrap();
+            }
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            for k in &mut kids {
+                let _ = k.kill();
+                let _ = k.wait();
+            }
+            panic!("a rank hung: {done:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pids: Vec<u32> = kids.iter().map(|k| k.id()).collect();
+    kids.into_iter()
+        .enumerate()
+        .map(|(r, k)| {
+            let out = k.wait_with_output().unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            let line = (text.lines())
+                .find_map(|l| l.split_once(&format!("rank {r} pid {} ids ", pids[r])))
+                .map(|(_, ids)| ids.trim())
+                .filter(|_| out.status.success())
+                .unwrap_or_else(|| {
+                    panic!("rank {r}: {text}{}", String::from_utf8_lossy(&out.stderr))
+                });
+            let ids = line.split(',').map(|h| h.parse().unwrap()).collect();
+            (pids[r], ids)
+        })
+        .collect()
+}
+
+/// Every rank of `job` was made from the same `roots` ids, id `i` made in the process of
+/// rank `scalable_root_rank(n, roots, i)` (a host id carries its maker's pid in bytes
+/// 16..20), so each root rank called `ncclGetUniqueId` for its own block, as NCCL's
+/// `rankHasRoot` says.
+#[cfg(feature = "launch")]
+fn assert_roots(job: &[(u32, Vec<UniqueId>)], roots: usize) {
+    let n = job.len();
+    let ids = &job[0].1;
+    assert_eq!(ids.len(), roots, "{ids:?}");
+    for (r, (_, theirs)) in job.iter().enumerate() {
+        assert_eq!(theirs, ids, "rank {r}");
+    }
+    for (i, id) in ids.iter().enumerate() {
+        let maker = scalable_root_rank(n, roots, i).unwrap();
+        let pid = u32::from_le_bytes(id.as_bytes()[16..20].try_into().unwrap());
+        assert_eq!(pid, job[maker].0, "id {i} is rank {maker}'s");
+    }
+}
+
+/// A loopback port nothing listens on, the next one free too (rank 0's desync board).
+#[cfg(feature = "launch")]
+fn free_ports() -> u16 {
+    loop {
+        let p = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+}
+
+/// A process job over the authenticated TCP rendezvous (`Launcher::from_env`, as under
+/// mpirun or srun): with `NCCL_SAFE_ROOTS` at 2 and 3, four ranks' communicators are made
+/// from that many ids, each made by its root rank and moved through rank 0, and an
+/// all-reduce spans all four; unset, a job of four has `scalable_roots(4)` = 1 id.
+#[test]
+#[cfg(feature = "launch")]
+fn a_process_job_over_tcp_uses_the_roots_asked() {
+    if job_child() {
+        return;
+    }
+    let name = "a_process_job_over_tcp_uses_the_roots_asked";
+    for roots in [Some(2), Some(3), None] {
+        let mut env = vec![
+            ("MASTER_PORT", free_ports().to_string()),
+            (
+                "NCCL_SAFE_RENDEZVOUS_TOKEN",
+                "roots-test-token-0123456789".into(),
+            ),
+        ];
+        if let Some(n) = roots {
+            env.push((nccl_safe::launch::ROOTS_VAR, n.to_string()));
+        }
+        let job = process_job(name, 4, &env);
+        assert_roots(&job, roots.unwrap_or(scalable_roots(4)));
+    }
+}
+
+/// A process job through torchrun's agent store (a c10d `TCPStore`, here the tests'
+/// server of its protocol): with 2 and 3 roots, each root rank publishes its id under
+/// its own key and every rank reads them all.
+#[test]
+#[cfg(feature = "launch")]
+fn a_process_job_through_the_store_uses_the_roots_asked() {
+    if job_child() {
+        return;
+    }
+    let name = "a_process_job_through_the_store_uses_the_roots_asked";
+    for roots in [2, 3] {
+        let store = support::c10d::FakeStore::start(support::c10d::Mode::Honest);
+        let env = [
+            ("MASTER_PORT", store.port().to_string()),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True".into()),
+            ("TORCHELASTIC_RUN_ID", format!("roots-{roots}")),
+            ("TORCHELASTIC_RESTART_COUNT", "0".into()),
+            (nccl_safe::launch::ROOTS_VAR, roots.to_string()),
+        ];
+        let job = process_job(name, 4, &env);
+        assert_roots(&job, roots);
+    }
+}
+
+/// Every transport in threads (TCP, a file, the c10d store): three ranks over two roots
+/// (rank 2 makes root 1's id, rank 1 none, which never calls `make_id`) and over three,
+/// every rank getting every id in root order.
+#[test]
+#[cfg(feature = "launch")]
+fn every_transport_moves_every_roots_id() {
+    use nccl_safe::launch::rendezvous::{FileRendezvous, Rendezvous, TcpRendezvous};
+    use nccl_safe::launch::store::StoreRendezvous;
+    const TOKEN: &str = "roots-test-token-0123456789";
+    let long = Duration::from_secs(20);
+    let store = support::c10d::FakeStore::start(support::c10d::Mode::Honest);
+    let dir = support::temp_dir("every-root");
+    for transport in ["tcp", "file", "store"] {
+        for roots in [2, 3] {
+            let port = free_ports();
+            let (dir, addr) = (&dir, store.addr());
+            let rendezvous = |rank: usize| {
+                match transport {
+                    "tcp" => {
+                        Rendezvous::Tcp(TcpRendezvous::new("127.0.0.1", port, TOKEN).timeout(long))
+                    }
+                    "file" => Rendezvous::File(
+                        FileRendezvous::new(dir.join(format!("ids-{roots}"))).timeout(long),
+                    ),
+                    _ => Rendezvous::Store(
+                        StoreRendezvous::new(addr.clone(), format!("r{roots}/")).timeout(long),
+                    ),
+                }
+                .exchange_roots(rank, 3, roots, move || {
+                    let maker = |i| scalable_root_rank(3, roots, i) == Some(rank);
+                    assert!((0..roots).any(maker), "rank {rank} makes no id");
+                    Ok::<_, Error>([rank as u8 + 1; 128])
+                })
+            };
+            let got: Vec<Vec<[u8; 128]>> = std::thread::scope(|s| {
+                let ranks: Vec<_> = (0..3)
+                    .map(|rank| {
+                        s.spawn(move || {
+                            let x = rendezvous(rank).unwrap();
+                            if let Some(server) = x.server {
+                                server.wait().unwrap();
+                            }
+                            x.ids
+                        })
+                    })
+                    .collect();
+                ranks.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let want: Vec<[u8; 128]> = (0..roots)
+                .map(|i| [scalable_root_rank(3, roots, i).unwrap() as u8 + 1; 128])
+                .collect();
+            assert_eq!(want.len(), roots);
+            for (rank, ids) in got.iter().enumerate() {
+                assert!(ids == &want, "{transport}: rank {rank}, {roots} roots");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Ranks that disagree on the number of roots get a typed error at once, never a wait:
+/// over TCP (a rank 0 of one id, whose messages are those of an older nccl-safe too, and
+/// a rank of one id, or an older nccl-safe's, against a rank 0 of two), through the store
+/// and through a file; a custom rendezvous refuses more than one root, and the launcher
+/// refuses a count outside `1..=world_size`.
+#[test]
+#[cfg(feature = "launch")]
+fn a_disagreement_on_the_roots_is_a_typed_error() {
+    use nccl_safe::launch::rendezvous::TcpRendezvous;
+    use nccl_safe::launch::rendezvous::{FileRendezvous, Rendezvous, RendezvousError};
+    use nccl_safe::launch::store::{StoreClient, StoreRendezvous};
+    const TOKEN: &str = "roots-test-token-0123456789";
+    let long = Duration::from_secs(60);
+    let make = |seed: u8| move || Ok::<_, Error>([seed; 128]);
+    let mismatch = |r: Result<_, Error>| match r {
+        Err(Error::Rendezvous(e)) => match *e {
+            RendezvousError::RootsMismatch {
+                published,
+                expected,
+                ..
+            } => (published, expected),
+            e => panic!("{e}"),
+        },
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("no error"),
+    };
+    // TCP: rank 0 serves one id; ranks 1 (no id of its own) and 2 (root 1's) expect two.
+    let tcp = |port| TcpRendezvous::new("127.0.0.1", port, TOKEN).timeout(long);
+    let server = tcp(0).serve(3, [1; 128]).unwrap();
+    let port = server.local_addr().port();
+    for rank in [1, 2] {
+        let r = Rendezvous::Tcp(tcp(port)).exchange_roots(rank, 3, 2, make(9));
+        assert_eq!(mismatch(r.map(|x| x.ids)), (Some(1), 2), "rank {rank}");
+    }
+    server.stop();
+    // TCP: rank 0 of two roots; a rank of one id (the old message, byte for byte) and one
+    // of three are refused at once; rank 0 ends at its deadline naming who never came.
+    let port = free_ports();
+    let short = tcp(port).timeout(Duration::from_secs(3));
+    let rank0 = std::thread::spawn(move || {
+        Rendezvous::Tcp(short)
+            .exchange_roots(0, 3, 2, make(1))
+            .map(|x| x.ids)
+    });
+    let r = Rendezvous::Tcp(tcp(port)).exchange(1, 3, make(9));
+    assert_eq!(mismatch(r.map(|x| vec![x.id])), (None, 1));
+    let r = Rendezvous::Tcp(tcp(port)).exchange_roots(2, 3, 3, make(9));
+    assert_eq!(mismatch(r.map(|x| x.ids)), (Some(2), 3));
+    match rank0.join().unwrap() {
+        Err(Error::Rendezvous(e)) => match *e {
+            RendezvousError::ServerTimeout { missing, .. } => assert!(missing.contains(&2)),
+            e => panic!("{e}"),
+        },
+        other => panic!("{other:?}"),
+    }
+    // Store: one id under root 0's key read as two; two read as one; a short value.
+    let store = support::c10d::FakeStore::start(support::c10d::Mode::Honest);
+    let st = |p: &str| StoreRendezvous::new(store.addr(), p).timeout(long);
+    st("a/").publish(3, &[1; 128]).unwrap();
+    let r = Rendezvous::Store(st("a/")).exchange_roots(1, 3, 2, make(9));
+    assert_eq!(mismatch(r.map(|x| x.ids)), (Some(1), 2));
+    let mut c = StoreClient::connect(&store.addr(), long).unwrap();
+    let two = [
+        &3u32.to_le_bytes()[..],
+        &2u32.to_le_bytes(),
+        &0u32.to_le_bytes(),
+        &[1; 128],
+    ]
+    .concat();
+    c.set(&st("b/").root_key(0), &two).unwrap();
+    let r = Rendezvous::Store(st("b/")).exchange(1, 3, make(9));
+    assert_eq!(mismatch(r.map(|x| vec![x.id])), (Some(2), 1));
+    c.set(&st("c/").root_key(0), &two[..139]).unwrap();
+    let r = Rendezvous::Store(st("c/")).exchange_roots(1, 3, 2, make(9));
+    assert!(matches!(r, Err(Error::Store(_))), "{r:?}");
+    // File: one id read as two; root 0's file of two read as one; a foreign root file.
+    let dir = support::temp_dir("roots");
+    let file = |name: &str| FileRendezvous::new(dir.join(name)).timeout(long);
+    file("one").publish(3, &[1; 128]).unwrap();
+    let r = Rendezvous::File(file("one")).exchange_roots(1, 3, 2, make(9));
+    assert_eq!(mismatch(r.map(|x| x.ids)), (Some(1), 2));
+    let quick = file("two").timeout(Duration::from_millis(100));
+    let r = Rendezvous::File(quick).exchange_roots(0, 3, 2, make(1));
+    match r.map(|x| x.ids) {
+        Err(Error::Rendezvous(e)) => {
+            assert!(matches!(*e, RendezvousError::FileTimeout { .. }), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    match file("two").read(3) {
+        Err(RendezvousError::FileContents { detail, .. }) => {
+            assert!(detail.contains("2 unique ids"), "{detail}")
+        }
+        other => panic!("{other:?}"),
+    }
+    std::fs::write(dir.join("two.root1"), [7u8; 100]).unwrap();
+    let r = Rendezvous::File(file("two")).exchange_roots(1, 3, 2, make(9));
+    match r.map(|x| x.ids) {
+        Err(Error::Rendezvous(e)) => {
+            assert!(matches!(*e, RendezvousError::FileContents { .. }), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    // A custom rendezvous moves one id.
+    let custom = || Rendezvous::custom(|id: Option<[u8; 128]>| Ok::<_, Error>(id.unwrap()));
+    let r = custom().exchange_roots(0, 3, 2, make(1));
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+}
+
+/// The process launcher's number of roots: `scalable_roots(world_size)` by default (two
+/// for 300 ranks; one with a custom rendezvous, which moves one id), the count asked
+/// for, and `InvalidArgument` for 0 or more roots than ranks.
+#[test]
+#[cfg(feature = "launch")]
+fn the_process_launcher_picks_the_roots_for_the_jobs_size() {
+    use nccl_safe::launch::env::{EnvSource, ProcessEnv};
+    use nccl_safe::launch::rendezvous::{Rendezvous, TcpRendezvous};
+    use nccl_safe::launch::ProcessLauncher;
+    let launcher = |world_size| {
+        ProcessLauncher::new(ProcessEnv {
+            source: EnvSource::Torchrun,
+            rank: 0,
+            world_size,
+            local_rank: 0,
+            local_world_size: None,
+            master_addr: "127.0.0.1".into(),
+            master_port: 1,
+            elastic: None,
+            ends_survivors: None,
+        })
+    };
+    let tcp = Rendezvous::Tcp(TcpRendezvous::new("127.0.0.1", 1, "x".repeat(16)));
+    let custom = Rendezvous::custom(|id: Option<[u8; 128]>| Ok::<_, Error>(id.unwrap()));
+    if std::env::var_os(CHILD).is_some() {
+        // In a child with NCCL_SAFE_ROOTS set.
+        let v = std::env::var(nccl_safe::launch::ROOTS_VAR).unwrap();
+        match (v.as_str(), launcher(4).job_roots(&tcp)) {
+            ("3", Ok(3)) => {}
+            ("abc" | "0" | "5", Err(Error::InvalidArgument { call, .. })) => {
+                assert_eq!(call, "ProcessLauncher::roots")
+            }
+            (v, other) => panic!("{v}: {other:?}"),
+        }
+        assert!(launcher(4).roots(2).job_roots(&tcp).is_ok_and(|n| n == 2));
+        return;
+    }
+    if std::env::var_os(nccl_safe::launch::ROOTS_VAR).is_none() {
+        assert_eq!(launcher(4).job_roots(&tcp).unwrap(), 1);
+        assert_eq!(launcher(300).job_roots(&tcp).unwrap(), 2);
+        assert_eq!(launcher(300).job_roots(&custom).unwrap(), 1);
+    }
+    assert_eq!(launcher(4).roots(4).job_roots(&tcp).unwrap(), 4);
+    for roots in [0, 5] {
+        match launcher(4).roots(roots).job_roots(&tcp) {
+            Err(Error::InvalidArgument { call, .. }) => assert_eq!(call, "ProcessLauncher::roots"),
+            other => panic!("{roots}: {other:?}"),
+        }
+    }
+    let name = "the_process_launcher_picks_the_roots_for_the_jobs_size";
+    for v in ["3", "abc", "0", "5"] {
+        in_child(name, &[(nccl_safe::launch::ROOTS_VAR, v)]);
+    }
+}

@@ -11,6 +11,10 @@ use std::time::Duration;
 pub const TOKEN_VAR: &str = "NCCL_SAFE_RENDEZVOUS_TOKEN";
 /// Shortest job token accepted, in bytes.
 pub const MIN_TOKEN_LEN: usize = 16;
+/// The variable that sets how many unique ids (roots) a process job's scalable init uses
+/// (`ProcessLauncher::roots` overrides it; unset: `scalable_roots(world_size)`). Every
+/// rank must see the same value.
+pub const ROOTS_VAR: &str = "NCCL_SAFE_ROOTS";
 
 /// Largest value (or key) the client sends or accepts, in bytes.
 pub const MAX_VALUE_LEN: usize = 1 << 20;
@@ -104,6 +108,14 @@ pub enum Refusal {
     Busy,
     /// Another connection for this rank was still being served; retried until the deadline.
     InProgress,
+    /// Rank 0 serves a scalable init's ids (several roots) and some root ranks have not
+    /// sent theirs yet; retried until the deadline.
+    WaitingForRoots {
+        /// How many of the ids rank 0 holds.
+        have: usize,
+        /// How many the job has.
+        roots: usize,
+    },
 }
 
 impl fmt::Display for Refusal {
@@ -129,6 +141,10 @@ impl fmt::Display for Refusal {
             Refusal::InProgress => write!(
                 f,
                 "another connection for this rank is still being served"
+            ),
+            Refusal::WaitingForRoots { have, roots } => write!(
+                f,
+                "rank 0 holds {have} of the job's {roots} unique ids: the other root ranks have not sent theirs yet"
             ),
         }
     }
@@ -255,6 +271,26 @@ pub enum RendezvousError {
     ServerAuthentication {
         /// `host:port` of the server.
         addr: String,
+    },
+    /// The rendezvous gives another number of unique ids (roots of a scalable init) than
+    /// this rank expects: the ranks disagree on [`ROOTS_VAR`] or
+    /// on `ProcessLauncher::roots`, or one runs an older nccl-safe that moves one id.
+    /// Returned as soon as a peer that proved the token (or the store, or the file) says
+    /// so; never retried.
+    #[error(
+        "{addr} gives {} unique ids but rank {rank} expects {expected}: give every rank the same number of roots \
+         (the same {ROOTS_VAR} or ProcessLauncher::roots, or none) and the same nccl-safe",
+        published.map_or_else(|| "several".to_string(), |n| n.to_string())
+    )]
+    RootsMismatch {
+        /// Where the ids come from: rank 0's `host:port`, the store's, or the file.
+        addr: String,
+        /// The rank that found it.
+        rank: usize,
+        /// How many ids the rendezvous gives (`None`: more than one, its count not told).
+        published: Option<usize>,
+        /// How many this rank expects.
+        expected: usize,
     },
     /// The server at the address does not speak this protocol.
     #[error("the server at {addr} does not speak the nccl-safe rendezvous protocol ({detail}): check MASTER_PORT")]

@@ -196,7 +196,10 @@ pub(crate) fn proves_nothing(e: &RendezvousError) -> bool {
         RendezvousError::Refused { reason, .. } => {
             matches!(
                 reason,
-                Refusal::BadToken | Refusal::Busy | Refusal::InProgress
+                Refusal::BadToken
+                    | Refusal::Busy
+                    | Refusal::InProgress
+                    | Refusal::WaitingForRoots { .. }
             )
         }
         RendezvousError::ServerAuthentication { .. }
@@ -292,6 +295,7 @@ pub(crate) fn refused(
         wire::R_DUPLICATE => Refusal::DuplicateRank,
         wire::R_BUSY => Refusal::Busy,
         wire::R_IN_PROGRESS => Refusal::InProgress,
+        wire::R_ROOTS_PENDING => Refusal::WaitingForRoots { have: a, roots: b },
         c => {
             let detail = format!("unknown refusal code {c}");
             return Some(RendezvousError::Protocol { addr, detail });

@@ -57,6 +57,8 @@ pub struct Rank {
     /// Rank 0 of [`ProcessLauncher::init`](super::ProcessLauncher::init): the job's desync
     /// board, served while it lives.
     pub(super) board: Option<DesyncBoard>,
+    /// The unique ids its communicator was made from, one per root.
+    pub(super) ids: Vec<UniqueId>,
 }
 
 impl Rank {
@@ -89,7 +91,15 @@ impl Rank {
             comm,
             stream,
             board: None,
+            ids: ids.to_vec(),
         })
+    }
+
+    /// The unique ids its communicator was made from, in root order: one for
+    /// `ncclCommInitRankConfig`'s init, several for `ncclCommInitRankScalable`'s (see
+    /// [`Launcher::roots`], [`ProcessLauncher::roots`](super::ProcessLauncher::roots)).
+    pub fn unique_ids(&self) -> &[UniqueId] {
+        &self.ids
     }
 
     /// This rank.

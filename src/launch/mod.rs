@@ -16,4 +16,4 @@ mod wire;
 pub use launcher::{
     cuda_device_count, LaunchReport, Launcher, Rank, RankStats, DEFAULT_LAUNCH_TIMEOUT, STUCK_AFTER,
 };
-pub use process::ProcessLauncher;
+pub use process::{ProcessLauncher, ROOTS_VAR};

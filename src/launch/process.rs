@@ -1,6 +1,7 @@
 //! [`ProcessLauncher`]: one rank per process under torchrun, Slurm or mpirun: the id
-//! exchange (torchrun's store, or the authenticated TCP rendezvous), the desync board, and
-//! the device check.
+//! exchange (torchrun's store, or the authenticated TCP rendezvous; one id per 256 ranks,
+//! each made by its root rank, see [`ProcessLauncher::roots`]), the desync board, and the
+//! device check.
 
 use std::sync::Arc;
 
@@ -8,8 +9,9 @@ use cudarc::driver::CudaContext;
 
 use crate::comm::CommDevice;
 use crate::config::Config;
+pub use crate::error::launch::ROOTS_VAR;
 use crate::error::{invalid, Result};
-use crate::id::UniqueId;
+use crate::id::{scalable_roots, UniqueId};
 use crate::launch::desync::{BoardClient, DesyncBoard};
 use crate::launch::env::ProcessEnv;
 use crate::launch::rendezvous::{Rendezvous, ServerHandle, TcpRendezvous};
@@ -23,6 +25,9 @@ pub struct ProcessLauncher {
     env: ProcessEnv,
     config: Config,
     host: bool,
+    /// The number of unique ids (roots) of the init; `None`: [`ROOTS_VAR`], else
+    /// [`scalable_roots`].
+    roots: Option<usize>,
 }
 
 impl ProcessLauncher {
@@ -32,6 +37,7 @@ impl ProcessLauncher {
             env,
             config: Config::new(),
             host: false,
+            roots: None,
         }
     }
 
@@ -50,13 +56,48 @@ impl ProcessLauncher {
         self
     }
 
+    /// How many unique ids (roots) the job's init uses, in `1..=world_size`; every rank
+    /// must pass the same. Without it, the variable [`ROOTS_VAR`] (`NCCL_SAFE_ROOTS`) when
+    /// set, else [`scalable_roots`]`(world_size)`: one root per
+    /// [`RANKS_PER_ROOT`](crate::RANKS_PER_ROOT) ranks, so a job of up to 256 ranks has
+    /// one (`ncclCommInitRankConfig`'s init, the same rendezvous messages as before) and a
+    /// larger one several (`ncclCommInitRankScalable`), each id made by the first rank of
+    /// the block its root serves ([`scalable_root_rank`](crate::scalable_root_rank)) and
+    /// moved by the job's rendezvous ([`Rendezvous::exchange_roots`]). Out of range:
+    /// `InvalidArgument` from [`init`](Self::init) before any rendezvous.
+    pub fn roots(mut self, roots: usize) -> ProcessLauncher {
+        self.roots = Some(roots);
+        self
+    }
+
+    /// The number of roots [`init`](Self::init) uses for `rendezvous` (see
+    /// [`roots`](Self::roots)): a custom rendezvous moves one id, so one unless asked.
+    pub fn job_roots(&self, rendezvous: &Rendezvous) -> Result<usize> {
+        let world = self.env.world_size;
+        let roots = match (self.roots, std::env::var(ROOTS_VAR)) {
+            (Some(n), _) => n,
+            (None, Ok(v)) => v.trim().parse::<usize>().map_err(|_| {
+                let m = format!("{ROOTS_VAR}={v:?} is not a number of roots (1 to {world})");
+                invalid("ProcessLauncher::roots", m)
+            })?,
+            (None, Err(_)) if matches!(rendezvous, Rendezvous::Custom(_)) => 1,
+            (None, Err(_)) => scalable_roots(world),
+        };
+        if roots == 0 || roots > world {
+            let m = format!("{roots} roots for {world} ranks: pass 1 to {world}");
+            return Err(invalid("ProcessLauncher::roots", m));
+        }
+        Ok(roots)
+    }
+
     /// The environment read.
     pub fn env(&self) -> &ProcessEnv {
         &self.env
     }
 
-    /// Checks that this node has a GPU for the local rank, exchanges the id and joins the
-    /// communicator on the GPU of the local rank.
+    /// Checks that this node has a GPU for the local rank, exchanges the ids (one per root,
+    /// [`roots`](Self::roots): one up to 256 ranks) and joins the communicator on the GPU
+    /// of the local rank.
     ///
     /// Under torchrun with the agent's store (`TORCHELASTIC_USE_AGENT_STORE=True`), the id
     /// and the job's desync board go through that store ([`crate::launch::store`]): nothing
@@ -96,23 +137,35 @@ impl ProcessLauncher {
     }
 
     /// Like [`init`](Self::init) with another rendezvous (file, or your own closure).
+    ///
+    /// The job's number of roots is [`roots`](Self::roots)'s (by default one per 256
+    /// ranks): with more than one, the ids go through `rendezvous` as
+    /// [`Rendezvous::exchange_roots`] says and the communicator is made by
+    /// `ncclCommInitRankScalable` ([`Rank::unique_ids`] holds them).
     pub fn init_with(self, rendezvous: Rendezvous) -> Result<Rank> {
         let store = match &rendezvous {
             Rendezvous::Store(s) => Some(s.clone()),
             _ => None,
         };
-        let (id, server) = self.exchange_id(rendezvous)?;
-        let result = self.join(&id);
+        let roots = self.job_roots(&rendezvous)?;
+        let (ids, server) = self.exchange_ids(rendezvous, roots)?;
+        let result = self.join_scalable(&ids);
         if let Some(store) = store {
+            let (world, rank) = (self.env.world_size, self.env.rank);
             match &result {
                 Ok(_) => store.joined(),
                 // Peers that retry must not read this id again. If the deletion fails
                 // too, a retried peer joins the dead id and fails at its init timeout:
                 // the join's own error is the one to report.
-                Err(_) if self.env.rank == 0 => {
-                    let _ = store.retract();
-                }
-                Err(_) => {}
+                Err(_) => match crate::id::root_made_by(world, roots, rank) {
+                    Some(0) => {
+                        let _ = store.retract();
+                    }
+                    Some(i) => {
+                        let _ = store.retract_root(i);
+                    }
+                    None => {}
+                },
             }
         }
         if let Some(server) = server {
@@ -129,7 +182,7 @@ impl ProcessLauncher {
         result
     }
 
-    /// Step one of [`init_with`](Self::init_with): rank 0 creates the id
+    /// Step one of [`init_with`](Self::init_with) for one root: rank 0 creates the id
     /// (`ncclGetUniqueId`, which needs no GPU) and every rank receives it. Rank 0 also gets
     /// the server handle, whose `wait` reports ranks that never fetched the id.
     pub fn exchange_id(&self, rendezvous: Rendezvous) -> Result<(UniqueId, Option<ServerHandle>)> {
@@ -147,6 +200,39 @@ impl ProcessLauncher {
             UniqueId::new_with(&lib).map(|id| id.to_bytes())
         })?;
         Ok((UniqueId::from_bytes(&exchanged.id)?, exchanged.server))
+    }
+
+    /// Step one with `roots` unique ids ([`Rendezvous::exchange_roots`]): each root's id
+    /// made by the rank [`scalable_root_rank`](crate::scalable_root_rank) names
+    /// (`ncclGetUniqueId`, or on the host provider a shared id), and every rank receives
+    /// them all; one root is [`exchange_id`](Self::exchange_id).
+    pub fn exchange_ids(
+        &self,
+        rendezvous: Rendezvous,
+        roots: usize,
+    ) -> Result<(Vec<UniqueId>, Option<ServerHandle>)> {
+        let (rank, world) = (self.env.rank, self.env.world_size);
+        let exchanged = if self.host {
+            #[cfg(feature = "host")]
+            let make = || {
+                Ok::<_, crate::Error>(
+                    UniqueId::from_raw(crate::host::shared_unique_id()).to_bytes(),
+                )
+            };
+            #[cfg(not(feature = "host"))]
+            let make = || -> Result<[u8; crate::UNIQUE_ID_BYTES]> {
+                unreachable!("`host` is set only with the host feature")
+            };
+            rendezvous.exchange_roots(rank, world, roots, make)?
+        } else {
+            let lib = crate::Library::load()?;
+            let make = || UniqueId::new_with(&lib).map(|id| id.to_bytes());
+            rendezvous.exchange_roots(rank, world, roots, make)?
+        };
+        let ids = (exchanged.ids.iter())
+            .map(|b| UniqueId::from_bytes(b))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((ids, exchanged.server))
     }
 
     /// Step two: joins the communicator with `id` on the GPU of the local rank. Without a

@@ -1,4 +1,5 @@
-//! Getting rank 0's unique id to every other rank of a multi-process job.
+//! Getting rank 0's unique id (or, for a scalable init, each root rank's) to every other
+//! rank of a multi-process job.
 //!
 //! [`Rendezvous`] is one entry point over four transports:
 //! - [`TcpRendezvous`]: rank 0 serves the id on `MASTER_ADDR:MASTER_PORT` from a background
@@ -23,6 +24,24 @@
 //!    a relay cannot forge one; only the wrong-token refusal cannot be authenticated.
 //! 4. client -> server `ACK`; the rank counts as served. Once all ranks are, the server
 //!    closes its listener and its thread ends.
+//!
+//! A job whose init has several unique ids (roots of `ncclCommInitRankScalable`, see
+//! [`Rendezvous::exchange_roots`]) speaks the same handshake, with bit 31 set in the world
+//! size both sides put in `AUTH` (and in its MACs): a rank of one root (or of an older
+//! nccl-safe) and a rank 0 of several then refuse each other with the authenticated
+//! world-size refusal at once, which this side reads as
+//! [`RendezvousError::RootsMismatch`]. Step 3 becomes:
+//! - to a rank that makes root `i`'s id, when rank 0 lacks it: `WANT` (the number of roots
+//!   and `i`, with `HMAC(.. | "want" | ..)`), answered by `PUT` (`i` and the id XORed with
+//!   the `"put"` keystream of `i`, with the client's MAC);
+//! - once rank 0 holds every id: `IDS` frames of up to 24 ids each (the number of roots,
+//!   the first id's number, the count, the ids XORed with the `"ids"` keystreams, a MAC),
+//!   then the rank's `ACK`;
+//! - before that: an authenticated refusal saying how many ids rank 0 holds, and the rank
+//!   tries again (within its deadline, as for a busy rank 0).
+//!
+//! A rank that finds another number of roots in an authenticated `WANT` or `IDS` (or one
+//! id where it expects several) fails at once with [`RendezvousError::RootsMismatch`].
 //!
 //! What a hostile peer can and cannot do. Any user of the node (or of the network that
 //! reaches `MASTER_ADDR`) is a stranger; only the token makes a peer a rank.
@@ -66,7 +85,7 @@ pub use super::common::{
 use super::env::ProcessEnv;
 use super::store::StoreRendezvous;
 use super::wire::{self, N};
-use crate::error::Error;
+use crate::error::{invalid, Error};
 use crate::teardown::lock;
 use std::fmt;
 use std::fs;
@@ -205,7 +224,21 @@ impl TcpRendezvous {
         world_size: usize,
         id: [u8; ID_LEN],
     ) -> Result<ServerHandle, RendezvousError> {
-        if world_size == 0 {
+        self.serve_roots(world_size, 1, id)
+            .map(|(server, _)| server)
+    }
+
+    /// Rank 0 of a job whose init has `roots` (in `1..=world_size`) unique ids: serves
+    /// `id` (root 0's) as [`serve`](Self::serve) does when `roots` is 1, byte for byte;
+    /// with more, takes each other root's id from the rank that makes it and serves every
+    /// id to every rank once all are in. The ids as they come in (root 0's at once).
+    pub(crate) fn serve_roots(
+        &self,
+        world_size: usize,
+        roots: usize,
+        id: [u8; ID_LEN],
+    ) -> Result<(ServerHandle, RootIds), RendezvousError> {
+        if world_size == 0 || roots == 0 || roots > world_size {
             return Err(RendezvousError::InvalidRank {
                 rank: 0,
                 world_size,
@@ -213,9 +246,13 @@ impl TcpRendezvous {
         }
         check_token(&self.token)?;
         let listeners = listen(&self.resolve()?, self.addr(), "rendezvous")?;
+        let mut ids = vec![None; roots];
+        ids[0] = Some(id);
+        let ids: RootIds = Arc::new(Mutex::new(ids));
         let server = Server {
             world_size,
             id,
+            ids: Arc::clone(&ids),
             token: self.token.to_vec(),
             deadline: Instant::now() + self.timeout,
             timeout: self.timeout,
@@ -226,7 +263,8 @@ impl TcpRendezvous {
                 .join(", "),
         };
         let run = move |listeners, stop: &AtomicBool| server.run(listeners, stop);
-        Background::spawn("nccl-rendezvous", listeners, run).map(ServerHandle)
+        let server = Background::spawn("nccl-rendezvous", listeners, run).map(ServerHandle)?;
+        Ok((server, ids))
     }
 
     /// Ranks `1..world_size`: fetches the id from rank 0, trying each address the host
@@ -238,9 +276,40 @@ impl TcpRendezvous {
     /// nothing (a wrong-token refusal, which a server without the token can send as well
     /// as rank 0, another protocol, a refusal or id whose MAC fails).
     pub fn fetch(&self, rank: usize, world_size: usize) -> Result<[u8; ID_LEN], RendezvousError> {
+        let ids = self.fetch_roots(rank, world_size, 1, None)?;
+        Ok(ids[0])
+    }
+
+    /// Ranks `1..world_size` of a job with `roots` unique ids: [`fetch`](Self::fetch)
+    /// when `roots` is 1 (the same bytes on the wire); with more, `mine` (root number and
+    /// id) on the rank that makes one of them, which rank 0 asks for, and every id once
+    /// rank 0 holds them all (until then rank 0 says so and the rank tries again). A rank
+    /// 0 that serves another number of ids is [`RendezvousError::RootsMismatch`] at once.
+    pub(crate) fn fetch_roots(
+        &self,
+        rank: usize,
+        world_size: usize,
+        roots: usize,
+        mine: Option<(usize, [u8; ID_LEN])>,
+    ) -> Result<Vec<[u8; ID_LEN]>, RendezvousError> {
         let (r32, w32) = match (u32::try_from(rank), u32::try_from(world_size)) {
-            (Ok(r), Ok(w)) if (1..w).contains(&r) => (r, w),
+            (Ok(r), Ok(w)) if (1..w).contains(&r) && w < wire::SEVERAL_ROOTS => (r, w),
             _ => return Err(RendezvousError::InvalidRank { rank, world_size }),
+        };
+        if roots == 0 || roots > world_size {
+            let (addr, published) = (self.addr(), None);
+            let expected = roots;
+            return Err(RendezvousError::RootsMismatch {
+                addr,
+                rank,
+                published,
+                expected,
+            });
+        }
+        let w32 = if roots > 1 {
+            w32 | wire::SEVERAL_ROOTS
+        } else {
+            w32
         };
         check_token(&self.token)?;
         let addr = self.addr();
@@ -259,7 +328,12 @@ impl TcpRendezvous {
                 self.io_timeout,
                 by,
             )?;
-            self.receive(&c, named, rank)
+            let got = if roots == 1 {
+                self.receive(&c, named, rank).map(|id| vec![id])
+            } else {
+                self.receive_roots(&c, named, rank, roots, mine)
+            };
+            got.map_err(|e| roots_refusal(e, roots))
         };
         let timed_out = |last_error| RendezvousError::ClientTimeout {
             addr: addr.clone(),
@@ -306,6 +380,122 @@ impl TcpRendezvous {
                 Err(RendezvousError::Protocol { addr, detail })
             }
         }
+    }
+
+    /// Step 3 of a job with several roots: sends this rank's id when rank 0 asks for it
+    /// (`WANT`, `PUT`), then reads every id (`IDS` frames) and acknowledges them.
+    fn receive_roots(
+        &self,
+        c: &Conn,
+        addr: &str,
+        rank: usize,
+        roots: usize,
+        mine: Option<(usize, [u8; ID_LEN])>,
+    ) -> Result<Vec<[u8; ID_LEN]>, RendezvousError> {
+        let mut s = c.io();
+        let forged = || RendezvousError::ServerAuthentication { addr: addr.into() };
+        let mismatch = |published| RendezvousError::RootsMismatch {
+            addr: addr.into(),
+            rank,
+            published: Some(published),
+            expected: roots,
+        };
+        let mut got = vec![None; roots];
+        loop {
+            let context = format!("rank 0 at {addr}: reading its reply");
+            let reply = wire::read_frame(&mut s).map_err(io_err(context))?;
+            if let Some(e) = refused(&reply, &c.session, addr, rank) {
+                return Err(e);
+            }
+            match reply.first() {
+                // One id, with rank 0's MAC: rank 0 serves a job of one root.
+                Some(&wire::ID) if reply.len() == 1 + ID_LEN + N => {
+                    let (ct, mac) = reply[1..].split_at(ID_LEN);
+                    if !wire::ct_eq(mac, &c.session.server_mac(ct)) {
+                        return Err(forged());
+                    }
+                    return Err(mismatch(1));
+                }
+                Some(&wire::WANT) => {
+                    let (n, root) = c.session.parse_want(&reply).ok_or_else(forged)?;
+                    if n as usize != roots {
+                        return Err(mismatch(n as usize));
+                    }
+                    let Some((_, id)) = mine.filter(|&(i, _)| i == root as usize) else {
+                        let detail = format!("it asked rank {rank} for the id of root {root}, which rank {rank} does not make");
+                        return Err(RendezvousError::Protocol {
+                            addr: addr.into(),
+                            detail,
+                        });
+                    };
+                    let context = format!("rank 0 at {addr}: sending root {root}'s id");
+                    wire::write_frame(&mut s, &c.session.put(root, &id))
+                        .map_err(io_err(context))?;
+                }
+                Some(&wire::IDS) => {
+                    let (n, first, ids) = c.session.parse_ids(&reply).ok_or_else(forged)?;
+                    if n as usize != roots {
+                        return Err(mismatch(n as usize));
+                    }
+                    for (k, id) in ids.into_iter().enumerate() {
+                        match got.get_mut(first as usize + k) {
+                            Some(slot) => *slot = Some(id),
+                            None => {
+                                let detail = format!("id {} of {roots}", first as usize + k);
+                                return Err(RendezvousError::Protocol {
+                                    addr: addr.into(),
+                                    detail,
+                                });
+                            }
+                        }
+                    }
+                    if let Some(all) = got.iter().copied().collect::<Option<Vec<_>>>() {
+                        // The ids are ours whether or not the acknowledgement arrives.
+                        let _ = wire::write_frame(&mut s, &[wire::ACK]);
+                        return Ok(all);
+                    }
+                }
+                _ => {
+                    let detail = "unexpected reply to authentication".into();
+                    return Err(RendezvousError::Protocol {
+                        addr: addr.into(),
+                        detail,
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// The ids of a job's roots as rank 0's server holds them.
+pub(crate) type RootIds = Arc<Mutex<Vec<Option<[u8; ID_LEN]>>>>;
+
+/// A world-size refusal where one side has several roots and the other one (the
+/// [`wire::SEVERAL_ROOTS`] bit differs; the sizes are the same): the roots disagree, said
+/// as such. Other refusals lose the bit from the sizes they carry.
+fn roots_refusal(e: RendezvousError, roots: usize) -> RendezvousError {
+    let bit = wire::SEVERAL_ROOTS as usize;
+    match e {
+        RendezvousError::Refused {
+            addr,
+            rank,
+            reason: Refusal::WorldSizeMismatch { server, client },
+        } => {
+            if (server ^ client) == bit {
+                let published = if server & bit == 0 { Some(1) } else { None };
+                let expected = roots;
+                return RendezvousError::RootsMismatch {
+                    addr,
+                    rank,
+                    published,
+                    expected,
+                };
+            }
+            let (server, client) = (server & !bit, client & !bit);
+            let reason = Refusal::WorldSizeMismatch { server, client };
+            RendezvousError::Refused { addr, rank, reason }
+        }
+        e => e,
     }
 }
 
@@ -364,6 +554,8 @@ enum Slot {
 struct Server {
     world_size: usize,
     id: [u8; ID_LEN],
+    /// Every root's id (root 0's is `id`), filled as root ranks send theirs.
+    ids: RootIds,
     token: Vec<u8>,
     deadline: Instant,
     timeout: Duration,
@@ -421,8 +613,13 @@ impl Server {
         let deadline = (Instant::now() + self.io_timeout).min(self.deadline);
         wire::bound_waits(s, self.io_timeout)?;
         let mut s = wire::Deadlined::new(s, deadline);
-        let Some(session) =
-            wire::accept_peer(&mut s, wire::MAGIC, &self.token, conn, self.world_size, 1)?
+        let roots = lock(&self.ids).len();
+        let mut ours = u32::try_from(self.world_size).unwrap_or(u32::MAX);
+        if roots > 1 {
+            ours |= wire::SEVERAL_ROOTS;
+        }
+        let proto = (wire::MAGIC, &self.token[..]);
+        let Some(session) = wire::accept_peer_as(&mut s, proto, conn, (self.world_size, ours), 1)?
         else {
             return Ok(());
         };
@@ -444,6 +641,9 @@ impl Server {
             let world = session.world;
             return wire::write_frame(&mut s, &session.refuse(code, world, session.rank));
         }
+        if roots > 1 {
+            return self.serve_roots(&mut s, &session, (r, before), slots);
+        }
         let ct = session.mask(&self.id);
         let msg = [&[wire::ID][..], &ct, &session.server_mac(&ct)].concat();
         let sent = wire::write_frame(&mut s, &msg);
@@ -456,6 +656,49 @@ impl Server {
         };
         lock(slots)[r] = after;
         sent
+    }
+
+    /// Step 3 with several roots, for rank `r` whose slot was `before`: asks a root rank
+    /// for its id when rank 0 lacks it (`WANT`, `PUT`), then sends every id (`IDS`) once
+    /// all are in, else refuses with `R_ROOTS_PENDING` (the rank tries again).
+    fn serve_roots(
+        &self,
+        s: &mut wire::Deadlined,
+        session: &wire::Session,
+        (r, before): (usize, Slot),
+        slots: &Mutex<Vec<Slot>>,
+    ) -> io::Result<()> {
+        let roots = lock(&self.ids).len();
+        let result = (|| {
+            if let Some(i) = crate::id::root_made_by(self.world_size, roots, r) {
+                if lock(&self.ids)[i].is_none() {
+                    wire::write_frame(s, &session.want(roots as u32, i as u32))?;
+                    let put = wire::read_frame(s)?;
+                    let id = session.parse_put(&put, i as u32).ok_or_else(|| {
+                        io::Error::new(io::ErrorKind::InvalidData, "not the root's id")
+                    })?;
+                    lock(&self.ids)[i] = Some(id);
+                }
+            }
+            let ids: Vec<Option<[u8; ID_LEN]>> = lock(&self.ids).clone();
+            let Some(all) = ids.iter().copied().collect::<Option<Vec<_>>>() else {
+                let have = ids.iter().filter(|i| i.is_some()).count() as u32;
+                let refusal = session.refuse(wire::R_ROOTS_PENDING, have, roots as u32);
+                wire::write_frame(s, &refusal)?;
+                return Ok(None);
+            };
+            for frame in session.ids_frames(&all) {
+                wire::write_frame(s, &frame)?;
+            }
+            Ok(Some(wire::read_frame(s).is_ok_and(|a| a == [wire::ACK])))
+        })();
+        // Sent but not acknowledged: delivered (served again if the rank comes back).
+        lock(slots)[r] = match result {
+            Ok(Some(true)) => Slot::Served,
+            Ok(Some(false)) => Slot::Delivered,
+            Err(_) | Ok(None) => before,
+        };
+        result.map(drop)
     }
 }
 
@@ -470,6 +713,9 @@ pub struct FileRendezvous {
 }
 
 const FILE_LEN: usize = 16 + 4 + ID_LEN;
+/// The magic of a root's file when a job has several roots.
+const ROOTS_MAGIC: &[u8; 16] = b"nccl-safe-roots1";
+const ROOTS_FILE_LEN: usize = 16 + 12 + ID_LEN;
 
 impl FileRendezvous {
     /// A rendezvous through the file at `path`, with the default deadline.
@@ -527,6 +773,150 @@ impl FileRendezvous {
         Ok(())
     }
 
+    /// The file of root `root`'s id: the path for root 0, `<path>.root<root>` for the
+    /// others.
+    fn root_path(&self, root: usize) -> PathBuf {
+        if root == 0 {
+            return self.path.clone();
+        }
+        let mut name = self.path.file_name().unwrap_or_default().to_os_string();
+        name.push(format!(".root{root}"));
+        self.path.with_file_name(name)
+    }
+
+    /// The rank that makes root `root`'s id of a job with `roots` (more than one): writes
+    /// it, with the world size, the number of roots and its number, to its own file
+    /// ([`publish`](Self::publish)'s way, under another magic, so that a reader of one id
+    /// refuses it).
+    pub(crate) fn publish_root(
+        &self,
+        world_size: usize,
+        roots: usize,
+        root: usize,
+        id: &[u8; ID_LEN],
+    ) -> Result<(), RendezvousError> {
+        let numbers = [world_size, roots, root].map(|n| u32::try_from(n).ok());
+        let [Some(world), Some(n), Some(i)] = numbers else {
+            return Err(RendezvousError::InvalidRank {
+                rank: 0,
+                world_size,
+            });
+        };
+        let data = [
+            &ROOTS_MAGIC[..],
+            &world.to_be_bytes(),
+            &n.to_be_bytes(),
+            &i.to_be_bytes(),
+            id,
+        ]
+        .concat();
+        self.write_file(&self.root_path(root), &data)
+    }
+
+    /// Every rank of a job with `roots` ids (more than one): waits for each root's file and
+    /// reads its id, checking the world size and the number of roots (a file of one id, or
+    /// of another number, is [`RendezvousError::RootsMismatch`]).
+    pub(crate) fn read_roots(
+        &self,
+        rank: usize,
+        world_size: usize,
+        roots: usize,
+    ) -> Result<Vec<[u8; ID_LEN]>, RendezvousError> {
+        let deadline = Instant::now() + self.timeout;
+        let mut ids = Vec::with_capacity(roots.min(1 << 16));
+        for root in 0..roots {
+            let path = self.root_path(root);
+            let data = self.wait_for(&path, deadline)?;
+            let bad = |detail: String| RendezvousError::FileContents {
+                path: path.clone(),
+                detail,
+            };
+            let mismatch = |n| RendezvousError::RootsMismatch {
+                addr: path.display().to_string(),
+                rank,
+                published: Some(n),
+                expected: roots,
+            };
+            if root == 0 && data.len() == FILE_LEN && &data[..16] == wire::MAGIC {
+                return Err(mismatch(1));
+            }
+            if data.len() != ROOTS_FILE_LEN || &data[..16] != ROOTS_MAGIC {
+                return Err(bad(
+                    "it was not written by nccl-safe's file rendezvous".into()
+                ));
+            }
+            let be = |at: usize| {
+                u32::from_be_bytes([data[at], data[at + 1], data[at + 2], data[at + 3]]) as usize
+            };
+            let (world, n, i) = (be(16), be(20), be(24));
+            if world != world_size {
+                return Err(bad(format!(
+                    "rank {} wrote it for {world} ranks but this rank expects {world_size}",
+                    crate::id::scalable_root_rank(world_size, roots, root).unwrap_or(0)
+                )));
+            }
+            if n != roots {
+                return Err(mismatch(n));
+            }
+            if i != root {
+                return Err(bad(format!("it holds root {i}'s id, not root {root}'s")));
+            }
+            let mut id = [0u8; ID_LEN];
+            id.copy_from_slice(&data[28..]);
+            ids.push(id);
+        }
+        Ok(ids)
+    }
+
+    /// Writes `data` (readable by the owner only) to a temporary file next to `path` and
+    /// renames it into place, so readers never see a partial file.
+    fn write_file(&self, path: &Path, data: &[u8]) -> Result<(), RendezvousError> {
+        let ferr = |source| RendezvousError::File {
+            path: path.to_path_buf(),
+            source,
+        };
+        let name = (path.file_name())
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+        let mut opts = fs::OpenOptions::new();
+        opts.write(true).create(true).truncate(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+        let written = opts.open(&tmp).and_then(|mut f| {
+            f.write_all(data)?;
+            f.sync_all()
+        });
+        if let Err(e) = written.and_then(|()| fs::rename(&tmp, path)) {
+            let _ = fs::remove_file(&tmp);
+            return Err(ferr(e));
+        }
+        Ok(())
+    }
+
+    /// The contents of the file at `path`, once it is there; polled until `deadline`.
+    fn wait_for(&self, path: &Path, deadline: Instant) -> Result<Vec<u8>, RendezvousError> {
+        loop {
+            match fs::read(path) {
+                Ok(data) => return Ok(data),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(source) => {
+                    let path = path.to_path_buf();
+                    return Err(RendezvousError::File { path, source });
+                }
+            }
+            // The last read is at the deadline: a file written during the last sleep counts.
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(RendezvousError::FileTimeout {
+                    path: path.to_path_buf(),
+                    timeout: self.timeout,
+                });
+            }
+            std::thread::sleep(self.poll.min(left));
+        }
+    }
+
     /// Ranks other than 0: waits for the file and reads the id, checking the world size.
     pub fn read(&self, world_size: usize) -> Result<[u8; ID_LEN], RendezvousError> {
         let deadline = Instant::now() + self.timeout;
@@ -558,6 +948,13 @@ impl FileRendezvous {
             path: self.path.clone(),
             detail,
         };
+        if data.len() == ROOTS_FILE_LEN && &data[..16] == ROOTS_MAGIC {
+            let n = u32::from_be_bytes([data[20], data[21], data[22], data[23]]);
+            return Err(bad(format!(
+                "it holds the first of {n} unique ids (a scalable init's) but this rank expects one: \
+                 give every rank the same number of roots"
+            )));
+        }
         if data.len() != FILE_LEN || &data[..16] != wire::MAGIC {
             return Err(bad(
                 "it was not written by nccl-safe's file rendezvous".into()
@@ -588,7 +985,9 @@ pub struct Exchanged {
     pub server: Option<ServerHandle>,
 }
 
-/// How the ranks of a job agree on one unique id: one entry point over every transport.
+/// How the ranks of a job agree on their unique id ([`exchange`](Self::exchange)), or on
+/// the ids of a scalable init ([`exchange_roots`](Self::exchange_roots)): one entry point
+/// over every transport.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Rendezvous {
@@ -674,6 +1073,111 @@ impl Rendezvous {
             }
         };
         Ok(Exchanged { id, server })
+    }
+}
+
+/// What [`Rendezvous::exchange_roots`] gives back.
+#[derive(Debug)]
+pub struct ExchangedIds {
+    /// The job's unique ids, one per root, the same on every rank, in root order.
+    pub ids: Vec<[u8; ID_LEN]>,
+    /// On rank 0 of a TCP rendezvous, the background server (others: `None`).
+    pub server: Option<ServerHandle>,
+}
+
+impl Rendezvous {
+    /// Gives every rank the same `roots` unique ids (in `1..=world_size`), for
+    /// `Communicator::init_rank_scalable`: id `i` is made (`make_id`) by rank
+    /// [`scalable_root_rank`](crate::scalable_root_rank)`(world_size, roots, i)`, NCCL's
+    /// `rankHasRoot` (docs/userguide usage/communicators.rst of 2.30.7), so each root runs
+    /// in a process of the block it serves; the other ranks never call `make_id`. One
+    /// root is [`exchange`](Self::exchange), the same messages byte for byte. With more:
+    /// - TCP: each root rank sends its id to rank 0 (which asks for it after the
+    ///   handshake, `WANT`/`PUT` under the token's MACs), and rank 0 serves every id to
+    ///   every rank once it holds them all (`IDS`); until then a rank is told so and tries
+    ///   again. The world size the ranks send carries a flag for "several roots", so a rank
+    ///   of one root (or of an older nccl-safe) and a rank 0 of several refuse each other
+    ///   at once ([`RendezvousError::RootsMismatch`] on this side).
+    /// - File: root `i`'s id in `<path>.root<i>` (root 0's in the path), each with the
+    ///   world size and the number of roots.
+    /// - Store: root `i`'s id under [`StoreRendezvous::root_key`], likewise.
+    /// - Custom: moves one id, so more roots are `InvalidArgument`.
+    ///
+    /// Every rank must ask for the same number of roots; a rendezvous that gives another
+    /// is [`RendezvousError::RootsMismatch`] (never a wait). Rank 0 of a TCP rendezvous
+    /// returns once every root's id is in.
+    pub fn exchange_roots<E: From<Error>>(
+        self,
+        rank: usize,
+        world_size: usize,
+        roots: usize,
+        make_id: impl FnOnce() -> Result<[u8; ID_LEN], E>,
+    ) -> Result<ExchangedIds, E> {
+        if rank >= world_size {
+            return lift(Err(RendezvousError::InvalidRank { rank, world_size }));
+        }
+        if roots == 0 || roots > world_size {
+            let m = format!("{roots} roots for {world_size} ranks: pass 1 to {world_size}");
+            return Err(E::from(invalid("Rendezvous::exchange_roots", m)));
+        }
+        if roots == 1 {
+            let x = self.exchange(rank, world_size, make_id)?;
+            let (ids, server) = (vec![x.id], x.server);
+            return Ok(ExchangedIds { ids, server });
+        }
+        if matches!(self, Rendezvous::Custom(_)) {
+            let m = format!(
+                "a custom rendezvous moves one unique id, not {roots}: use one root, or exchange \
+                 the ids yourself and call ProcessLauncher::join_scalable"
+            );
+            return Err(E::from(invalid("Rendezvous::exchange_roots", m)));
+        }
+        let mine = match crate::id::root_made_by(world_size, roots, rank) {
+            Some(i) => Some((i, make_id()?)),
+            None => None,
+        };
+        let (ids, server) = match self {
+            Rendezvous::Tcp(t) => match mine {
+                Some((0, id)) => {
+                    let (server, ids) = lift(t.serve_roots(world_size, roots, id))?;
+                    lift(gathered(server, &ids))?
+                }
+                _ => (lift(t.fetch_roots(rank, world_size, roots, mine))?, None),
+            },
+            Rendezvous::File(f) => {
+                if let Some((i, id)) = mine {
+                    lift(f.publish_root(world_size, roots, i, &id))?;
+                }
+                (lift(f.read_roots(rank, world_size, roots))?, None)
+            }
+            Rendezvous::Store(s) => {
+                if let Some((i, id)) = mine {
+                    lift(s.publish_root(world_size, roots, i, &id))?;
+                }
+                (lift(s.read_roots(rank, world_size, roots))?, None)
+            }
+            Rendezvous::Custom(_) => unreachable!("refused above"),
+        };
+        Ok(ExchangedIds { ids, server })
+    }
+}
+
+/// Rank 0 of a TCP rendezvous of several roots: waits until `server` holds every id,
+/// or ends (its deadline passed: its error names the ranks that never came).
+fn gathered(
+    server: ServerHandle,
+    ids: &RootIds,
+) -> Result<(Vec<[u8; ID_LEN]>, Option<ServerHandle>), RendezvousError> {
+    loop {
+        if let Some(all) = lock(ids).iter().copied().collect::<Option<Vec<_>>>() {
+            return Ok((all, Some(server)));
+        }
+        if server.is_finished() {
+            server.wait()?;
+            let (addr, detail) = (String::new(), "the server ended without every id".into());
+            return Err(RendezvousError::Protocol { addr, detail });
+        }
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
 

@@ -563,6 +563,16 @@ impl StoreRendezvous {
             }
             e
         })?;
+        if v.len() == 12 + ID_LEN {
+            let n = u32::from_le_bytes([v[4], v[5], v[6], v[7]]) as usize;
+            return Err(RendezvousError::RootsMismatch {
+                addr: self.addr.clone(),
+                rank,
+                published: Some(n),
+                expected: 1,
+            }
+            .into());
+        }
         if v.len() != 4 + ID_LEN {
             return Err(StoreError::Protocol {
                 addr: self.addr.clone(),
@@ -590,6 +600,134 @@ impl StoreRendezvous {
         let mut id = [0u8; ID_LEN];
         id.copy_from_slice(&v[4..]);
         Ok(id)
+    }
+
+    /// The key of root `root`'s id: [`id_key`](Self::id_key) for root 0, under it for the
+    /// others.
+    pub fn root_key(&self, root: usize) -> String {
+        match root {
+            0 => self.id_key(),
+            i => format!("{}unique_id/{i}", self.prefix),
+        }
+    }
+
+    /// The rank that makes root `root`'s id of a job with `roots` ids (more than one):
+    /// stores it under [`root_key`](Self::root_key) with the world size, the number of
+    /// roots and its number (140 bytes, so that a reader of one id refuses it).
+    pub(crate) fn publish_root(
+        &self,
+        world_size: usize,
+        roots: usize,
+        root: usize,
+        id: &[u8; ID_LEN],
+    ) -> NcclResult<()> {
+        let numbers = [world_size, roots, root].map(|n| u32::try_from(n).ok());
+        let [Some(world), Some(n), Some(i)] = numbers else {
+            return Err(RendezvousError::InvalidRank {
+                rank: 0,
+                world_size,
+            }
+            .into());
+        };
+        let mut c = self.connect()?;
+        let value = [
+            &world.to_le_bytes()[..],
+            &n.to_le_bytes(),
+            &i.to_le_bytes(),
+            id,
+        ]
+        .concat();
+        c.set(&self.root_key(root), &value)?;
+        c.ping()?;
+        Ok(())
+    }
+
+    /// Rank `rank` of a job with `roots` ids (more than one): waits for every root's id and
+    /// reads them, checking the world size and the number of roots (a value of one id, or
+    /// of another number, is [`RendezvousError::RootsMismatch`]).
+    pub(crate) fn read_roots(
+        &self,
+        rank: usize,
+        world_size: usize,
+        roots: usize,
+    ) -> NcclResult<Vec<[u8; ID_LEN]>> {
+        let deadline = Instant::now() + self.timeout;
+        let mut c = self.connect()?;
+        let mut ids = Vec::with_capacity(roots.min(1 << 16));
+        // Root by root, so that a root 0 of another count is told before any wait.
+        for root in 0..roots {
+            let key = &self.root_key(root);
+            let left = deadline.saturating_duration_since(Instant::now());
+            let v = c.get(key, left).map_err(|mut e| {
+                if let StoreError::WaitTimeout { hint, .. } = &mut e {
+                    let maker = crate::id::scalable_root_rank(world_size, roots, root);
+                    *hint = format!(
+                        "rank {rank} waited for rank {} to publish the unique id of root {root} of {roots}; check \
+                         that it started and reached the rendezvous (its own error says why not)",
+                        maker.unwrap_or(0)
+                    );
+                }
+                e
+            })?;
+            let mismatch = |n| RendezvousError::RootsMismatch {
+                addr: self.addr.clone(),
+                rank,
+                published: Some(n),
+                expected: roots,
+            };
+            if root == 0 && v.len() == 4 + ID_LEN {
+                return Err(mismatch(1).into());
+            }
+            if v.len() != 12 + ID_LEN {
+                return Err(StoreError::Protocol {
+                    addr: self.addr.clone(),
+                    call: format!("GET {key:?}"),
+                    detail: format!(
+                        "a value of {} bytes, not a world size, count, number and id of {} bytes",
+                        v.len(),
+                        12 + ID_LEN
+                    ),
+                }
+                .into());
+            }
+            let le =
+                |at: usize| u32::from_le_bytes([v[at], v[at + 1], v[at + 2], v[at + 3]]) as usize;
+            let (world, n, i) = (le(0), le(4), le(8));
+            if world != world_size {
+                return Err(RendezvousError::Refused {
+                    addr: self.addr.clone(),
+                    rank,
+                    reason: super::common::Refusal::WorldSizeMismatch {
+                        server: world,
+                        client: world_size,
+                    },
+                }
+                .into());
+            }
+            if n != roots {
+                return Err(mismatch(n).into());
+            }
+            if i != root {
+                return Err(StoreError::Protocol {
+                    addr: self.addr.clone(),
+                    call: format!("GET {key:?}"),
+                    detail: format!("root {i}'s id under root {root}'s key"),
+                }
+                .into());
+            }
+            let mut id = [0u8; ID_LEN];
+            id.copy_from_slice(&v[12..]);
+            ids.push(id);
+        }
+        Ok(ids)
+    }
+
+    /// The rank that made root `root`'s id, when the communicator made with it was not
+    /// initialized: deletes it, as [`retract`](Self::retract) does root 0's.
+    pub(crate) fn retract_root(&self, root: usize) -> NcclResult<()> {
+        let mut c = self.connect()?;
+        c.delete_key(&self.root_key(root))?;
+        Ok(())
     }
 
     /// The job's desync board on the same store, under the same prefix.

@@ -27,6 +27,16 @@ pub(crate) const AUTH: u8 = 2;
 pub(crate) const ID: u8 = 3;
 pub(crate) const REFUSE: u8 = 4;
 pub(crate) const ACK: u8 = 5;
+/// A scalable init's frames (rank 0 serving several ids, see the rendezvous's docs).
+pub(crate) const WANT: u8 = 6;
+pub(crate) const PUT: u8 = 7;
+pub(crate) const IDS: u8 = 8;
+
+/// Set in the world size a peer sends when the job has several roots: a peer of one root
+/// (or an older nccl-safe) is then refused with `R_WORLD` at once, each side seeing why.
+pub(crate) const SEVERAL_ROOTS: u32 = 1 << 31;
+/// Ids in one `IDS` frame (so a frame stays under [`MAX_FRAME`]).
+pub(crate) const IDS_PER_FRAME: usize = 24;
 
 /// Refusal codes carried in a REFUSE frame.
 pub(crate) const R_TOKEN: u8 = 1;
@@ -35,6 +45,7 @@ pub(crate) const R_RANGE: u8 = 3;
 pub(crate) const R_DUPLICATE: u8 = 4;
 pub(crate) const R_BUSY: u8 = 5;
 pub(crate) const R_IN_PROGRESS: u8 = 6;
+pub(crate) const R_ROOTS_PENDING: u8 = 7;
 
 /// The job token; its `Debug` is `<redacted>`.
 #[derive(Clone)]
@@ -199,6 +210,97 @@ impl<'a> Session<'a> {
     /// Whether `frame` is a `REFUSE` frame carrying a valid MAC (see [`Session::refuse`]).
     pub(crate) fn refuse_is_authentic(&self, frame: &[u8]) -> bool {
         frame.len() == 10 + N && ct_eq(&frame[10..], &self.mac(b"refuse", &frame[..10]))
+    }
+
+    /// `id` XORed with the keystream of `label` and id number `index` (HMAC in counter
+    /// mode); its own inverse.
+    fn mask_at(&self, label: &[u8], index: u32, id: &[u8; 128]) -> [u8; 128] {
+        let mut out = *id;
+        for (i, chunk) in out.chunks_mut(N).enumerate() {
+            let ks = self.keyed(label, &[&index.to_be_bytes(), &(i as u32).to_be_bytes()]);
+            for (o, k) in chunk.iter_mut().zip(ks) {
+                *o ^= k;
+            }
+        }
+        out
+    }
+
+    /// Server: `WANT` asks a root rank for the id of root `root` of `roots`.
+    pub(crate) fn want(&self, roots: u32, root: u32) -> Vec<u8> {
+        let body = [&roots.to_be_bytes()[..], &root.to_be_bytes()].concat();
+        [&[WANT][..], &body, &self.mac(b"want", &body)].concat()
+    }
+
+    /// Client: the `(roots, root)` of an authentic `WANT` frame.
+    pub(crate) fn parse_want(&self, frame: &[u8]) -> Option<(u32, u32)> {
+        if frame.len() != 1 + 8 + N || frame[0] != WANT {
+            return None;
+        }
+        let body = &frame[1..9];
+        if !ct_eq(&frame[9..], &self.mac(b"want", body)) {
+            return None;
+        }
+        let be = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+        Some((be(&body[..4]), be(&body[4..])))
+    }
+
+    /// Client: `PUT` sends root `root`'s id, masked, with a MAC of the client's.
+    pub(crate) fn put(&self, root: u32, id: &[u8; 128]) -> Vec<u8> {
+        let body = [&root.to_be_bytes()[..], &self.mask_at(b"put", root, id)].concat();
+        [&[PUT][..], &body, &self.mac(b"put", &body)].concat()
+    }
+
+    /// Server: the id of an authentic `PUT` frame for root `root`.
+    pub(crate) fn parse_put(&self, frame: &[u8], root: u32) -> Option<[u8; 128]> {
+        if frame.len() != 1 + 4 + 128 + N || frame[0] != PUT {
+            return None;
+        }
+        let body = &frame[1..5 + 128];
+        if body[..4] != root.to_be_bytes() || !ct_eq(&frame[5 + 128..], &self.mac(b"put", body)) {
+            return None;
+        }
+        let mut ct = [0u8; 128];
+        ct.copy_from_slice(&body[4..]);
+        Some(self.mask_at(b"put", root, &ct))
+    }
+
+    /// Server: the `IDS` frames carrying every id of a scalable init, masked,
+    /// [`IDS_PER_FRAME`] to a frame, each `roots | first | count | ids | MAC`.
+    pub(crate) fn ids_frames(&self, ids: &[[u8; 128]]) -> Vec<Vec<u8>> {
+        let roots = ids.len() as u32;
+        (ids.chunks(IDS_PER_FRAME).enumerate())
+            .map(|(c, chunk)| {
+                let first = (c * IDS_PER_FRAME) as u32;
+                let mut body = [roots, first, chunk.len() as u32]
+                    .map(u32::to_be_bytes)
+                    .concat();
+                for (k, id) in chunk.iter().enumerate() {
+                    body.extend_from_slice(&self.mask_at(b"ids", first + k as u32, id));
+                }
+                [&[IDS][..], &body, &self.mac(b"ids", &body)].concat()
+            })
+            .collect()
+    }
+
+    /// Client: `(roots, first, ids)` of an authentic `IDS` frame.
+    pub(crate) fn parse_ids(&self, frame: &[u8]) -> Option<(u32, u32, Vec<[u8; 128]>)> {
+        if frame.len() < 1 + 12 + N || frame[0] != IDS {
+            return None;
+        }
+        let (body, mac) = frame[1..].split_at(frame.len() - 1 - N);
+        let be = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+        let (roots, first, count) = (be(&body[..4]), be(&body[4..8]), be(&body[8..12]));
+        if body.len() != 12 + 128 * count as usize || !ct_eq(mac, &self.mac(b"ids", body)) {
+            return None;
+        }
+        let ids = (body[12..].chunks(128).enumerate())
+            .map(|(k, ct)| {
+                let mut c = [0u8; 128];
+                c.copy_from_slice(ct);
+                self.mask_at(b"ids", first.wrapping_add(k as u32), &c)
+            })
+            .collect();
+        Some((roots, first, ids))
     }
 
     /// XORs `id` with a keystream derived from the token and both nonces (HMAC in counter
@@ -534,6 +636,19 @@ pub(crate) fn accept_peer<'a>(
     world_size: usize,
     first_rank: usize,
 ) -> io::Result<Option<Session<'a>>> {
+    let ours = u32::try_from(world_size).unwrap_or(u32::MAX);
+    accept_peer_as(s, (magic, token), conn, (world_size, ours), first_rank)
+}
+
+/// [`accept_peer`] where the world size peers send is `wire_world` (the world size, with
+/// [`SEVERAL_ROOTS`] set for a scalable init's rendezvous).
+pub(crate) fn accept_peer_as<'a>(
+    s: &mut (impl Read + Write),
+    (magic, token): (&'a [u8; 16], &'a [u8]),
+    conn: &Slot,
+    (world_size, ours): (usize, u32),
+    first_rank: usize,
+) -> io::Result<Option<Session<'a>>> {
     let sn = nonce()?;
     write_frame(s, &[&[HELLO][..], magic, &sn].concat())?;
     let auth = read_frame(s)?;
@@ -553,11 +668,11 @@ pub(crate) fn accept_peer<'a>(
         return Ok(None);
     }
     conn.authenticated();
-    let ours = u32::try_from(world_size).unwrap_or(u32::MAX);
-    let refusal = if world as usize != world_size {
+    let plain = u32::try_from(world_size).unwrap_or(u32::MAX);
+    let refusal = if world != ours || u32::try_from(world_size).is_err() {
         session.refuse(R_WORLD, ours, world)
     } else if !(first_rank..world_size).contains(&(rank as usize)) {
-        session.refuse(R_RANGE, ours, rank)
+        session.refuse(R_RANGE, plain, rank)
     } else {
         return Ok(Some(session));
     };
@@ -626,6 +741,45 @@ mod tests {
             io::ErrorKind::InvalidData
         );
         assert!(write_frame(&mut Vec::new(), &[0; MAX_FRAME + 1]).is_err());
+    }
+
+    /// A scalable init's frames come back as sent, and a frame changed in any byte, cut
+    /// short, or read in another session is refused (`None`).
+    #[test]
+    fn root_frames_round_trip_and_refuse_tampering() {
+        let (sn, cn) = (nonce().unwrap(), nonce().unwrap());
+        let s = Session::new((MAGIC, b"token-token-token"), sn, cn, 2, 3 | SEVERAL_ROOTS);
+        let other = Session::new((MAGIC, b"token-token-token"), sn, cn, 1, 3 | SEVERAL_ROOTS);
+        let want = s.want(3, 1);
+        assert_eq!(s.parse_want(&want), Some((3, 1)));
+        assert_eq!(other.parse_want(&want), None);
+        let put = s.put(1, &[9; 128]);
+        assert_eq!(s.parse_put(&put, 1), Some([9; 128]));
+        assert_eq!(s.parse_put(&put, 2), None);
+        assert_ne!(&put[5..5 + 128], &[9; 128][..], "the id crosses masked");
+        let ids: Vec<[u8; 128]> = (0..30u8).map(|i| [i; 128]).collect();
+        let frames = s.ids_frames(&ids);
+        assert_eq!(frames.len(), 2);
+        assert!(frames.iter().all(|f| f.len() <= MAX_FRAME));
+        let mut back = Vec::new();
+        for f in &frames {
+            let (n, first, got) = s.parse_ids(f).unwrap();
+            assert_eq!((n, first as usize), (30, back.len()));
+            back.extend(got);
+        }
+        assert_eq!(back, ids);
+        for f in [&want, &put, &frames[1]] {
+            for at in [1, f.len() / 2, f.len() - 1] {
+                let mut bad = f.clone();
+                bad[at] ^= 1;
+                assert!(s.parse_want(&bad).is_none() && s.parse_ids(&bad).is_none());
+                assert!(s.parse_put(&bad, 1).is_none());
+            }
+            assert!(s.parse_ids(&f[..f.len() - 1]).is_none());
+            assert!(s.parse_want(&f[..f.len() - 1]).is_none());
+            assert!(s.parse_put(&f[..f.len() - 1], 1).is_none());
+        }
+        assert!(s.parse_ids(&[IDS]).is_none());
     }
 
     #[test]
