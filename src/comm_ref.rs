@@ -26,7 +26,7 @@ use nccl_sys::ncclComm_t;
 
 use crate::comm::{CommDevice, Communicator, RawComm};
 use crate::config::Config;
-use crate::config::DEFAULT_TIMEOUT;
+use crate::diag::DEFAULT_TIMEOUT;
 use crate::error::invalid;
 use crate::error::Result;
 use crate::id::{UniqueId, UNIQUE_ID_BYTES};

@@ -3,18 +3,12 @@
 use std::ffi::{CStr, CString};
 use std::mem::{offset_of, size_of};
 use std::sync::Arc;
-use std::time::Duration;
 
 use nccl_sys::{ncclConfig_t, NCCL_CONFIG_UNDEF_INT};
 
 use crate::error::{Error, Result};
 use crate::library::Library;
 use crate::version::Version;
-
-/// The default bound on a communicator's waits, 10 minutes as PyTorch's: the watchdog's
-/// timeout of an operation (`Config::timeout`, `NCCL_SAFE_TIMEOUT_MS`) and the wait for a
-/// non-blocking init, split or finalize.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Communicator options (`ncclConfig_t`). Unset fields keep NCCL's defaults.
 ///

@@ -89,7 +89,8 @@ pub use comm::{
     SuspendedCommunicator,
 };
 pub use comm_ref::CommRef;
-pub use config::{Config, DEFAULT_TIMEOUT};
+pub use config::Config;
+pub use diag::DEFAULT_TIMEOUT;
 pub use error::{Error, NcclError, Result, ResultCode};
 pub use group::Group;
 pub use id::{scalable_root_rank, scalable_roots, UniqueId, RANKS_PER_ROOT, UNIQUE_ID_BYTES};

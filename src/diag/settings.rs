@@ -10,7 +10,10 @@ use std::time::Duration;
 use super::remote;
 use crate::teardown::{Bound, OnAbortTimeout, DEFAULT_ABORT_TIMEOUT, MIN_NCCL_ABORT_TIMEOUT};
 
-pub use crate::config::DEFAULT_TIMEOUT;
+/// The default bound on a communicator's waits, 10 minutes as PyTorch's: the watchdog's
+/// timeout of an operation (`Config::timeout`, `NCCL_SAFE_TIMEOUT_MS`) and the wait for a
+/// non-blocking init, split or finalize (also `nccl_safe::DEFAULT_TIMEOUT`).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The longest flight record a communicator keeps (its ring is allocated up front).
 pub const MAX_FLIGHT_RECORD_LEN: usize = 1 << 20;
