@@ -40,21 +40,19 @@ impl Communicator {
         }
         crate::teardown::check_lane(OP, self.lane())?;
         self.diag.check_alive()?;
-        let r = self.pinned(|| {
-            // Marked first, under the pin: the watchdog leaves a revoked handle be. NCCL
-            // refuses a second revoke (init.cc:2655-2657 of v2.29.7-1): the watchdog's own,
-            // for work it still saw in flight, would fail and it would abort the handle a
-            // shrink needs.
-            self.diag.revoked_in_place();
-            // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile);
-            // flags 0 = NCCL_REVOKE_DEFAULT, the only value NCCL accepts.
-            Ok(unsafe {
-                revoke(
-                    self.handle.get(),
-                    nccl_sys::bindings::NCCL_REVOKE_DEFAULT as c_int,
-                )
-            })
-        })?;
+        if !self.handle.is_live() {
+            // Aborted already (a revoke that was not sound, a launch that did not end).
+            if self.unrevocable.get() {
+                return Err(self.communicator_failed(OP, super::UNREVOCABLE));
+            }
+            self.ensure_usable(OP)?;
+            return Err(invalid(OP, "the communicator was torn down"));
+        }
+        let Some(r) = self.revoke_if_sound(revoke)? else {
+            // A group job is linked (its launch in flight, or failed): NCCL's revoke would
+            // leave it dangling. Aborted instead, which joins the job and frees both.
+            return Err(self.abort_unrevocable(OP));
+        };
         if r != ncclSuccess && r != ncclInProgress {
             // Refused before anything changed (init.cc:2647-2658): the watchdog's again.
             self.diag.revoke_refused();
@@ -65,6 +63,9 @@ impl Communicator {
                 .into());
         }
         // From here NCCL counts it revoked: its collectives are refused, whatever follows.
+        // Its own group end linked the revoke's job (none was linked) until a poll reads
+        // its ncclSuccess.
+        self.set_job_linked(r == ncclInProgress);
         self.revoked.set(true);
         self.failure.get_or_init(|| REVOKED.to_string());
         // The revoke's job stores its result as the state (init.cc:2635): wait for it.
@@ -84,24 +85,73 @@ impl Communicator {
         let Some(revoke) = self.handle.table().ncclCommRevoke else {
             return false;
         };
-        let r = self.pinned(|| {
-            // Marked first, under the pin: the watchdog leaves a revoked handle be.
+        let r = match self.revoke_if_sound(revoke) {
+            Ok(Some(r)) => r,
+            Ok(None) => {
+                // Not sound (a group job linked: the launch in flight or failed): the
+                // caller aborts it; its errors say why it cannot be shrunk.
+                self.unrevocable.set(true);
+                self.failure.get_or_init(|| super::UNREVOCABLE.to_string());
+                return false;
+            }
+            Err(_) => return false,
+        };
+        if r != ncclSuccess && r != ncclInProgress {
+            return false;
+        }
+        // The revoke's own group end linked its job (none was linked) until a poll reads
+        // its ncclSuccess.
+        self.set_job_linked(r == ncclInProgress);
+        self.revoked.set(true);
+        self.failure.get_or_init(|| REVOKED.to_string());
+        true
+    }
+
+    /// `ncclCommRevoke` on the pinned handle if it is sound there
+    /// ([`revocable`](Self::revocable), judged by an `ncclCommGetAsyncError` just before,
+    /// under the same pin); marked revoked for the watchdog first. `None` (nothing called
+    /// but the poll) when it is not sound.
+    fn revoke_if_sound(
+        &self,
+        revoke: unsafe extern "C" fn(ncclComm_t, c_int) -> ncclResult_t,
+    ) -> Result<Option<ncclResult_t>> {
+        self.pinned(|| {
+            let mut state = ncclInProgress;
+            // SAFETY: `state` is writable; the handle is live (pinned).
+            let polled = unsafe {
+                (self.handle.table().ncclCommGetAsyncError)(self.handle.get(), &mut state)
+            };
+            if polled != ncclSuccess || !self.revocable(state) {
+                return Ok(None);
+            }
+            // Marked first, under the pin: the watchdog leaves a revoked handle be. NCCL
+            // refuses a second revoke (init.cc:2655-2657 of v2.29.7-1): the watchdog's own,
+            // for work it still saw in flight, would fail and it would abort the handle a
+            // shrink needs.
             self.diag.revoked_in_place();
             // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile);
-            // flags 0 = NCCL_REVOKE_DEFAULT, the only value NCCL accepts.
-            Ok(unsafe {
+            // flags 0 = NCCL_REVOKE_DEFAULT, the only value NCCL accepts; no group job is
+            // linked to it (`revocable`).
+            Ok(Some(unsafe {
                 revoke(
                     self.handle.get(),
                     nccl_sys::bindings::NCCL_REVOKE_DEFAULT as c_int,
                 )
-            })
-        });
-        if !matches!(r, Ok(r) if r == ncclSuccess || r == ncclInProgress) {
-            return false;
-        }
-        self.revoked.set(true);
-        self.failure.get_or_init(|| REVOKED.to_string());
-        true
+            }))
+        })
+    }
+
+    /// A revoke that was not sound ([`revocable`](Self::revocable)): the communicator is
+    /// aborted in place (bounded by [`Config::abort_timeout`](crate::Config::abort_timeout):
+    /// `ncclCommAbort` joins the job in flight and frees it with the communicator) and the
+    /// error says why, and what to do instead.
+    #[cold]
+    fn abort_unrevocable(&self, call: &'static str) -> Error {
+        let e = self.communicator_failed(call, super::UNREVOCABLE);
+        self.unrevocable.set(true);
+        self.failure.get_or_init(|| super::UNREVOCABLE.to_string());
+        Self::abort_launching(&[self], call, Instant::now() + self.diag.abort_timeout());
+        e
     }
 
     /// Whether [`revoke`](Self::revoke) was called on this communicator, or the watchdog

@@ -261,6 +261,8 @@ impl CommDiag {
             abort_job: Mutex::new(None),
             aborted_by_watchdog: AtomicBool::new(false),
             revoked_by_watchdog: AtomicBool::new(false),
+            job_linked: AtomicBool::new(false),
+            unrevocable: AtomicBool::new(false),
             in_place: Mutex::new(()),
             revoking: AtomicU8::new(super::shared::NOT_REVOKING),
             cuda_fault: std::sync::OnceLock::new(),
@@ -352,6 +354,18 @@ impl CommDiag {
         if let Some(s) = self.shared.get() {
             s.revoked_by_watchdog.store(true, Ordering::Release);
         }
+    }
+
+    /// Notes whether an NCCL group job may be linked to the communicator
+    /// (`Communicator::set_job_linked`): the watchdog then aborts it rather than revoke it.
+    #[inline]
+    pub(crate) fn set_job_linked(&self, linked: bool) {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            s.job_linked.store(linked, Ordering::Release);
+        }
+        #[cfg(not(feature = "diag"))]
+        let _ = linked;
     }
 
     /// The owner's revoke, marked by [`revoked_in_place`](Self::revoked_in_place), was

@@ -189,6 +189,12 @@ pub(crate) struct Shared {
     /// The watchdog revoked the handle in place (`Config::elastic`) and left it with its
     /// owner.
     pub(super) revoked_by_watchdog: AtomicBool,
+    /// An NCCL group job may be linked to the handle (`Communicator::set_job_linked`): a
+    /// revoke is not sound on it (`Communicator::revocable`).
+    pub(super) job_linked: AtomicBool,
+    /// The watchdog aborted the handle of an elastic communicator because NCCL's revoke
+    /// was not sound on it: its errors say it cannot be shrunk.
+    pub(super) unrevocable: AtomicBool,
     /// Held by the watchdog while it revokes the handle in place, and by the owner while
     /// it takes the handle for its teardown: a revoke never runs on a handle its owner
     /// already took.
@@ -646,8 +652,16 @@ impl Shared {
                 what: report.to_string(),
             };
         }
+        let what = if self.unrevocable.load(Ordering::Acquire) {
+            format!(
+                "{report}. This rank's communicator: {}",
+                crate::comm::UNREVOCABLE
+            )
+        } else {
+            report.to_string()
+        };
         Error::Timeout {
-            what: report.to_string(),
+            what,
             timeout: self.settings.timeout,
         }
     }
@@ -941,6 +955,25 @@ impl Shared {
         let _held = lock(&self.in_place);
         let h = self.handle.load(Ordering::Acquire);
         if h == 0 || self.gone.load(Ordering::Acquire) {
+            return Revoked::No;
+        }
+        // Sound only with no NCCL group job linked to the handle
+        // (`Communicator::revocable`): a poll that reads ncclSuccess unlinks one; one that
+        // reads ncclInProgress (the launch in flight), or an error after a launch no poll
+        // saw succeed, leaves it linked, and then the handle is aborted instead. The owner
+        // cannot poll meanwhile: the claim keeps it from pinning.
+        let mut state = nccl_sys::bindings::ncclInProgress;
+        // SAFETY: the handle is live (see the revoke below); `state` is writable.
+        let polled =
+            unsafe { (self.lib.table().ncclCommGetAsyncError)(h as ncclComm_t, &mut state) };
+        if polled == nccl_sys::bindings::ncclSuccess && state == nccl_sys::bindings::ncclSuccess {
+            self.job_linked.store(false, Ordering::Release);
+        }
+        let linked = polled != nccl_sys::bindings::ncclSuccess
+            || state == nccl_sys::bindings::ncclInProgress
+            || self.job_linked.load(Ordering::Acquire);
+        if linked {
+            self.unrevocable.store(true, Ordering::Release);
             return Revoked::No;
         }
         // Marked first, so that the owner's call, woken by the revoke, reports it.
