@@ -1285,3 +1285,68 @@ fn a_revoke_ends_only_its_own_ranks_wait() {
     assert!(seen_waiting, "rank 0's revoke ended rank 1's wait too");
     assert_balanced(&id);
 }
+
+/// NCCL 2.29-2.30's `ncclCommRevoke` aborts the group job a non-blocking group end linked
+/// to the communicator and leaves `comm->groupJob` pointing at it (init.cc:2664 -> 404,
+/// group.cc:873-884 of v2.29.7-1): the next `ncclCommGetAsyncError` that reads ncclSuccess
+/// completes the freed job (init.cc:3105-3110), a use after free. A job stays linked from
+/// its group end until a poll reads ncclSuccess, so a split whose job failed (a rank's
+/// NCCL aborted under it, unseen by the crate's diagnostics) leaves it linked for good.
+/// `shrink_after_failure`, which revokes a communicator NCCL reports in error, must then
+/// abort it instead, and say that it cannot be shrunk. The host provider links jobs as
+/// NCCL does and counts every use of a deleted one as misuse (before: the revoke went
+/// ahead, its poll completed the deleted job, one misuse on each survivor, and the
+/// shrink "succeeded" over NCCL's freed job).
+#[test]
+fn a_communicator_whose_job_failed_is_aborted_not_revoked() {
+    let lib = Library::host();
+    let id = UniqueId::new_with(&lib).unwrap();
+    let ready = Barrier::new(3);
+    std::thread::scope(|s| {
+        for rank in 0..3 {
+            let (ready, lib) = (&ready, Arc::clone(&lib));
+            s.spawn(move || {
+                let comm =
+                    Communicator::init_rank_in(&lib, &CommDevice::Host, 3, rank, &id, &config())
+                        .unwrap();
+                ready.wait(); // every init complete
+                if rank == 2 {
+                    // NCCL's abort of a rank whose process ends, once its peers' split
+                    // waits for its color.
+                    std::thread::sleep(Duration::from_millis(200));
+                    let raw = comm.into_raw();
+                    // SAFETY: the handle given up by `into_raw`, torn down once here.
+                    let r = unsafe { (lib.table().ncclCommAbort)(raw) };
+                    assert_eq!(r, nccl_sys::bindings::ncclSuccess);
+                    return;
+                }
+                let e = comm.split(Some(0), rank as i32).unwrap_err();
+                assert!(comm.is_failed(), "{e}");
+                let e = comm.shrink_after_failure(&[2]).unwrap_err();
+                assert!(
+                    !comm.is_revoked(),
+                    "rank {rank}: revoked with its failed job linked"
+                );
+                let msg = e.to_string();
+                assert!(
+                    msg.contains("could not be revoked") && msg.contains("new communicator"),
+                    "rank {rank}: {msg}"
+                );
+                // A second try says the same, and calls nothing.
+                let again = comm.shrink_after_failure(&[2]).unwrap_err();
+                assert!(
+                    again.to_string().contains("could not be revoked"),
+                    "rank {rank}: {again}"
+                );
+            });
+        }
+    });
+    let st = support::settled_stats(&id);
+    assert_eq!(
+        st.misused,
+        0,
+        "{st:?}; the process's latest misuses: {:#?}",
+        nccl_safe::host::recent_misuse()
+    );
+    assert_eq!(st.live, 0, "{st:?}");
+}
