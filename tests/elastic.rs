@@ -135,7 +135,18 @@ fn shrink_after_a_silent_death(lib: &Arc<Library>) {
     let r = unsafe { (lib.table().ncclCommAbort)(dead) };
     assert_eq!(r, nccl_sys::bindings::ncclSuccess);
     let st = assert_balanced(&id);
-    assert_eq!((st.created, st.destroyed, st.aborted), (5, 4, 1), "{st:?}");
+    // With a revoke (2.29+) the survivors revoke their parent first (its work was in
+    // flight: the shrink's own stream wait would be unbounded) and abort it at its drop.
+    let parents_aborted = if lib.table().ncclCommRevoke.is_some() {
+        2
+    } else {
+        0
+    };
+    assert_eq!(
+        (st.created, st.destroyed, st.aborted),
+        (5, 4 - parents_aborted, 1 + parents_aborted),
+        "{st:?}"
+    );
 }
 
 #[test]
@@ -1349,4 +1360,81 @@ fn a_communicator_whose_job_failed_is_aborted_not_revoked() {
         nccl_safe::host::recent_misuse()
     );
     assert_eq!(st.live, 0, "{st:?}");
+}
+
+/// NCCL's shrink in abort mode waits in the call for the communicator's device stream
+/// (init.cc:2844-2848 of v2.29.7-1), for ever when work there is stalled behind the user's
+/// own. Three ranks whose all-reduce ran but whose stream has not drained
+/// (`Fault::StalledWork`, which the host provider's shrink and revoke now wait for, as
+/// NCCL's stream synchronize does); ranks 0 and 1 (`Config::elastic`, 1 s timeout) then
+/// shrink rank 2 away at once. `shrink_after_failure` revokes first (the revoke's job
+/// waits for the same streams, off the caller's thread) and fails with `Error::Timeout`
+/// naming the work, without entering `ncclCommShrink`. Before: it entered the shrink,
+/// which waited until the test released the stalls 5 s later, then succeeded.
+#[test]
+#[cfg(feature = "diag")]
+fn a_shrink_after_failure_behind_stalled_work_fails_within_its_bound_naming_the_work() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let id = CommDevice::Host.unique_id().unwrap();
+    fault::inject(&id.to_raw(), Fault::StalledWork);
+    let released = AtomicBool::new(false);
+    let done = Barrier::new(4);
+    std::thread::scope(|s| {
+        // Bounds the test on the old code.
+        s.spawn(|| {
+            let until = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < until && !released.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            released.store(true, Ordering::Release);
+            fault::release_stalls(&id.to_raw());
+        });
+        let ranks: Vec<_> = (0..3)
+            .map(|rank| {
+                let (id, done, released) = (&id, &done, &released);
+                s.spawn(move || {
+                    let cfg = if rank == 2 {
+                        config()
+                    } else {
+                        Config::new().elastic(true).timeout(Duration::from_secs(1))
+                    };
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 3, rank, id, &cfg).unwrap();
+                    let mut x = vec![1.0f32; 4];
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                    let r = (rank < 2).then(|| {
+                        let r = comm.shrink_after_failure(&[2]).map(drop);
+                        (r, released.load(Ordering::Acquire))
+                    });
+                    done.wait();
+                    done.wait(); // the stalls released
+                    drop(comm);
+                    r
+                })
+            })
+            .collect();
+        done.wait();
+        released.store(true, Ordering::Release);
+        fault::release_stalls(&id.to_raw());
+        done.wait();
+        for (rank, h) in ranks.into_iter().enumerate().take(2) {
+            let (r, late) = h.join().unwrap().unwrap();
+            let e = r.expect_err("the shrink waited behind the stalled work");
+            assert!(
+                !late,
+                "rank {rank}: returned only once the stalls were released: {e}"
+            );
+            assert!(matches!(e, Error::Timeout { .. }), "rank {rank}: {e}");
+            let msg = e.to_string();
+            for part in [
+                "ncclStrongStreamSynchronize",
+                "ncclAllReduce(",
+                "did not enter ncclCommShrink",
+            ] {
+                assert!(msg.contains(part), "rank {rank}: no {part:?} in: {msg}");
+            }
+        }
+    });
+    fault::clear(&id.to_raw());
+    assert_balanced(&id);
 }

@@ -1342,8 +1342,15 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
         }
         let blocking = r.child_blocking(&mut g, config)?;
         if abort_mode {
-            // NCCL sets the abort flags, waits for the parent's kernels to end and
-            // clears the flags (init.cc:2844-2848 of 2.29.7): its work in flight ends.
+            // NCCL sets the abort flags, waits for the parent's device stream and clears
+            // the flags (init.cc:2844-2848 of 2.29.7), in the call: its kernels end on the
+            // flags, but work stalled behind other work on the stream is waited for (NCCL
+            // waits for ever; here the provider's wait limit).
+            super::fault::end_stuck(r.h);
+            drop(g);
+            super::fault::wait_stalled(r.h, super::defs::wait_limit());
+            g = lock();
+            known(&mut g, comm, NAME)?;
             super::fault::torn_down(r.h);
         }
         // Then `ncclCommInitChildComm`'s `ncclCommEnsureReady` (init.cc:2762, 400-416):
@@ -1509,9 +1516,13 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
                 seg.revoke();
             }
         }
-        // The abort flag ends this rank's kernels: its work in flight.
-        super::fault::torn_down(h);
+        // The abort flag ends this rank's kernels: its work in flight. Work stalled behind
+        // other work on the stream stays: the job's stream synchronize waits for it
+        // (init.cc:2616-2617 of v2.29.7-1).
+        super::fault::end_stuck(h);
         let clear = move || {
+            super::fault::wait_stalled(h, super::defs::wait_limit());
+            super::fault::torn_down(h);
             if let Some(c) = lock().comms.get_mut(&h) {
                 c.error_cleared = true;
             }

@@ -68,8 +68,21 @@ impl Communicator {
         self.set_job_linked(r == ncclInProgress);
         self.revoked.set(true);
         self.failure.get_or_init(|| REVOKED.to_string());
-        // The revoke's job stores its result as the state (init.cc:2635): wait for it.
+        // The revoke's job stores its result as the state (init.cc:2635): wait for it. The
+        // job waits for the communicator's streams (init.cc:2616-2617 of v2.29.7-1): work
+        // stalled there keeps it in progress, and the error names what it waits for.
+        let behind = self.diag.stream_behind();
         self.wait_ready(OP, caller, self.diag.timeout())
+            .map_err(|e| match (e, behind) {
+                (Error::Timeout { what, timeout }, Some(behind)) => {
+                    let now = self.diag.stream_behind().unwrap_or(behind);
+                    Error::Timeout {
+                        what: format!("{what}: NCCL's revoke waits (ncclStrongStreamSynchronize, init.cc:2616-2617 of v2.29.7-1) for {now}, not complete; NCCL waits for it for ever. Complete or end that work (the communicator stays revoked; drop it to abort it)"),
+                        timeout,
+                    }
+                }
+                (e, _) => e,
+            })
     }
 
     /// For a failed wait of a `Config::elastic` communicator (`end_launches`): revokes it
@@ -283,9 +296,24 @@ impl Communicator {
             self.async_state()
                 .is_some_and(|state| !no_error.contains(&state))
         };
+        // Revoked first too while tracked work is not complete: NCCL's shrink in abort mode
+        // waits in the call, unbounded, for the communicator's device stream
+        // (init.cc:2844-2848 of v2.29.7-1), where work stalled behind the user's own work
+        // never ends; the revoke's job waits for the same streams off this thread
+        // (init.cc:2616-2617), its wait here bounded by the timeout, and once it ended the
+        // shrink's wait has nothing left to wait for.
         let revoke_available = self.handle.table().ncclCommRevoke.is_some();
-        if revoke_available && !self.revoked.get() && (self.is_failed() || nccl_reports_error()) {
-            self.revoke()?;
+        if revoke_available
+            && !self.revoked.get()
+            && (self.is_failed() || nccl_reports_error() || self.diag.stream_behind().is_some())
+        {
+            self.revoke().map_err(|e| match e {
+                Error::Timeout { what, timeout } => Error::Timeout {
+                    what: format!("{what}. shrink_after_failure did not enter ncclCommShrink, which would wait for the same work in the call, for ever"),
+                    timeout,
+                },
+                e => e,
+            })?;
         }
         self.shrink_call(shrink, list, nccl_sys::bindings::NCCL_SHRINK_ABORT, caller)
     }

@@ -368,6 +368,27 @@ impl CommDiag {
         let _ = linked;
     }
 
+    /// The stream whose tracked work is the oldest not known complete, and that work, in
+    /// words (`None`: all of it is complete, or nothing is tracked without `diag`).
+    pub(crate) fn stream_behind(&self) -> Option<String> {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            let (key, rec) = s.stream_behind()?;
+            let what = if s.host_queue.as_ref().is_some_and(|q| q.key == key) {
+                format!("the host communicator's queue ({key:#x})")
+            } else {
+                format!("stream {key:#x}")
+            };
+            return Some(format!(
+                "{what}: the work up to {} (seq {}, called at {})",
+                rec.signature(),
+                rec.seq,
+                rec.caller
+            ));
+        }
+        None
+    }
+
     /// The owner's revoke, marked by [`revoked_in_place`](Self::revoked_in_place), was
     /// refused by NCCL (nothing changed): the handle is the watchdog's to act on again.
     pub(crate) fn revoke_refused(&self) {

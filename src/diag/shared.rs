@@ -540,6 +540,37 @@ impl Shared {
         late.map(|(_, r)| r)
     }
 
+    /// The queue (its key: a CUDA stream's handle, or a host communicator's) whose tracked
+    /// work not known complete is the oldest, with the record of that work: what a stream
+    /// synchronize of NCCL's would wait for.
+    pub(super) fn stream_behind(&self) -> Option<(usize, OpRecord)> {
+        let mut oldest: Option<(Instant, usize, OpRecord)> = None;
+        for q in self.queue_list().iter() {
+            if !q.in_flight() || !self.tracker.busy(&q.queue) {
+                continue;
+            }
+            let w = q.watch();
+            if w.capturing {
+                continue;
+            }
+            // The oldest range the watchdog marked, else (not marked yet) the last work
+            // published.
+            let rec = match Self::front(q, &w) {
+                Some((upto, p)) => p.oldest.or_else(|| self.journal.get(upto.checked_sub(1)?)),
+                None => self
+                    .journal
+                    .get(q.published.load(Ordering::Acquire).checked_sub(1)?),
+            };
+            let Some(rec) = rec else {
+                continue;
+            };
+            if oldest.as_ref().is_none_or(|(s, _, _)| rec.enqueued < *s) {
+                oldest = Some((rec.enqueued, q.key, rec));
+            }
+        }
+        oldest.map(|(_, k, r)| (k, r))
+    }
+
     /// Adds a queue the owner has not used before (or notes it again); returns its watch.
     ///
     /// At most [`MAX_QUEUES`] are kept, the least recently noted dropped first, so a rank
