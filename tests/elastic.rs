@@ -1438,3 +1438,79 @@ fn a_shrink_after_failure_behind_stalled_work_fails_within_its_bound_naming_the_
     fault::clear(&id.to_raw());
     assert_balanced(&id);
 }
+
+/// A user's `revoke()` is bounded as the watchdog's is: NCCL's revoke joins the
+/// communicator's group job (group.cc:875-877 of v2.29.7-1) and may block
+/// (`Fault::BlockingRevoke`). Two ranks (abort bound 300 ms) revoke: each call returns
+/// `Error::Timeout` within the bound while NCCL's revoke still blocks, later calls fail
+/// without reaching NCCL, and the drop hands the handle over: it is aborted once the
+/// revoke returned, once. Before: `revoke()` blocked on the owner's thread until the test
+/// released the revokes 5 s later.
+#[test]
+#[cfg(feature = "diag")]
+fn a_users_revoke_that_blocks_in_nccl_returns_within_the_abort_bound() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let id = CommDevice::Host.unique_id().unwrap();
+    fault::inject(&id.to_raw(), Fault::BlockingRevoke(None));
+    let cfg = Config::new()
+        .elastic(true)
+        .timeout(Duration::from_secs(30))
+        .abort_timeout(Duration::from_millis(300));
+    let released = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        // Bounds the test on the old code.
+        s.spawn(|| {
+            let until = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < until && !released.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            released.store(true, Ordering::Release);
+            fault::release_revokes(&id.to_raw());
+        });
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let (id, cfg, released) = (&id, cfg.clone(), &released);
+                s.spawn(move || {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 2, rank, id, &cfg).unwrap();
+                    let mut x = vec![1.0f32; 4];
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                    let e = comm.revoke().unwrap_err();
+                    let late = released.load(Ordering::Acquire);
+                    let later = comm.async_error().unwrap_err();
+                    let shrunk = comm
+                        .shrink_after_failure(&[1 - rank])
+                        .map(drop)
+                        .unwrap_err();
+                    let revoked = comm.is_revoked();
+                    drop(comm);
+                    (e, late, later, shrunk, revoked)
+                })
+            })
+            .collect();
+        let results: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        released.store(true, Ordering::Release);
+        for (rank, (e, late, later, shrunk, revoked)) in results.into_iter().enumerate() {
+            assert!(
+                !late,
+                "rank {rank}: the revoke returned only once NCCL's did: {e}"
+            );
+            assert!(matches!(e, Error::Timeout { .. }), "rank {rank}: {e}");
+            assert!(
+                e.to_string()
+                    .contains("did not return within Config::abort_timeout"),
+                "rank {rank}: {e}"
+            );
+            assert!(revoked, "rank {rank}");
+            for later in [later, shrunk] {
+                assert!(
+                    matches!(later, Error::CommunicatorFailed { .. }),
+                    "rank {rank}: {later}"
+                );
+            }
+        }
+    });
+    fault::clear(&id.to_raw());
+    let st = assert_balanced(&id);
+    assert_eq!((st.created, st.aborted), (2, 2), "{st:?}");
+}

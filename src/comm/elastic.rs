@@ -142,16 +142,36 @@ impl Communicator {
             // for work it still saw in flight, would fail and it would abort the handle a
             // shrink needs.
             self.diag.revoked_in_place();
-            // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile);
-            // flags 0 = NCCL_REVOKE_DEFAULT, the only value NCCL accepts; no group job is
-            // linked to it (`revocable`).
-            Ok(Some(unsafe {
-                revoke(
-                    self.handle.get(),
-                    nccl_sys::bindings::NCCL_REVOKE_DEFAULT as c_int,
-                )
-            }))
+            let raw = self.handle.get();
+            // On a thread of its own, waited for at most the abort bound: NCCL's revoke
+            // joins the group job (group.cc:875-877), and may block.
+            let called = self.diag.revoke_bounded(|| {
+                // SAFETY: the handle is live (pinned: the watchdog cannot take it
+                // meanwhile); flags 0 = NCCL_REVOKE_DEFAULT, the only value NCCL accepts;
+                // no group job is linked to it (`revocable`).
+                unsafe { revoke(raw, nccl_sys::bindings::NCCL_REVOKE_DEFAULT as c_int) }
+            });
+            match called {
+                Ok(r) => Ok(r),
+                Err(()) => Err(self.revoke_blocked()),
+            }
         })
+    }
+
+    /// The owner's revoke did not return within [`Config::abort_timeout`]: it goes on on a
+    /// thread of its own, and the communicator is failed and revoked for good; no later
+    /// call of it reaches NCCL (its teardown hands the handle to that thread, which aborts
+    /// it once the revoke returned).
+    ///
+    /// [`Config::abort_timeout`]: crate::Config::abort_timeout
+    #[cold]
+    fn revoke_blocked(&self) -> Error {
+        let timeout = self.diag.abort_timeout();
+        let what = format!("ncclCommRevoke on rank {} did not return within Config::abort_timeout (NCCL's revoke joins the communicator's group job, group.cc:875-877 of v2.29.7-1): it goes on on a thread of its own; the communicator is failed and can no longer be shrunk: drop it (it is aborted once the revoke returned) and make a new communicator over the ranks left", self.rank);
+        self.revoke_blocked.set(true);
+        self.revoked.set(true);
+        self.failure.get_or_init(|| what.clone());
+        Error::Timeout { what, timeout }
     }
 
     /// A revoke that was not sound ([`revocable`](Self::revocable)): the communicator is

@@ -191,6 +191,9 @@ pub struct Communicator {
     /// A revoke was not sound on it ([`Self::revocable`]), so it was aborted instead: its
     /// errors say it cannot be shrunk.
     unrevocable: std::cell::Cell<bool>,
+    /// Its own revoke did not return within the abort bound and still runs on a thread of
+    /// its own: no call reaches NCCL on the handle again (`Communicator::revoke_blocked`).
+    revoke_blocked: std::cell::Cell<bool>,
     /// The stand-in for the per-thread stream (`crate::stream::Relay`), made at its first
     /// use; dropped after the handle's teardown.
     relay: OnceCell<crate::stream::Relay>,
@@ -518,7 +521,7 @@ impl Communicator {
     ) -> Result<()> {
         let op = op.into();
         let call = op.name();
-        if gate && self.failure.get().is_some() {
+        if (gate && self.failure.get().is_some()) || self.revoke_blocked.get() {
             // The error for a failed communicator (a watchdog abort takes precedence).
             self.ensure_usable(call)?;
         }
@@ -569,12 +572,23 @@ impl Communicator {
     /// meanwhile. Fails without calling `f` when the watchdog aborts it.
     #[inline]
     pub(crate) fn pinned<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        if self.revoke_blocked.get() {
+            // Its revoke still runs in NCCL on a thread of its own (`revoke_blocked`).
+            return Err(self.revoke_still_runs());
+        }
         let pinned = self.diag.pin()?;
         let r = f();
         if pinned {
             self.diag.unpin();
         }
         r
+    }
+
+    /// The error of a call on a communicator whose revoke still runs in NCCL.
+    #[cold]
+    fn revoke_still_runs(&self) -> Error {
+        let cause = self.failure.get().cloned().unwrap_or_default();
+        self.communicator_failed("ncclCommRevoke", &cause)
     }
 
     /// Marks the communicator failed with `e` (drop will abort; the first cause is kept)
@@ -782,6 +796,7 @@ impl Communicator {
             revoked: Default::default(),
             job_linked: Default::default(),
             unrevocable: Default::default(),
+            revoke_blocked: Default::default(),
             relay: OnceCell::new(),
         }
     }

@@ -389,6 +389,21 @@ impl CommDiag {
         None
     }
 
+    /// Runs the owner's `ncclCommRevoke` on a thread of its own, waiting at most the abort
+    /// bound ([`Shared::revoke_for_owner`]); without the diagnostics, `call` here.
+    /// `Err(())`: the revoke still runs past the bound (the owner must not call NCCL on
+    /// the handle again; its teardown hands it over). `Ok(None)`: not called.
+    pub(crate) fn revoke_bounded(
+        &self,
+        call: impl FnOnce() -> nccl_sys::ncclResult_t,
+    ) -> std::result::Result<Option<nccl_sys::ncclResult_t>, ()> {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            return s.revoke_for_owner(self.abort_timeout());
+        }
+        Ok(Some(call()))
+    }
+
     /// The owner's revoke, marked by [`revoked_in_place`](Self::revoked_in_place), was
     /// refused by NCCL (nothing changed): the handle is the watchdog's to act on again.
     pub(crate) fn revoke_refused(&self) {

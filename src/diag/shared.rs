@@ -1042,6 +1042,73 @@ impl Shared {
         Revoked::Yes
     }
 
+    /// The owner's own `ncclCommRevoke` (`Communicator::revoke`, and a failed wait's or
+    /// group's revoke), run on a thread of its own under `in_place` as the watchdog's
+    /// revoke runs (NCCL's revoke may block: it joins the group job, group.cc:875-877 of
+    /// v2.29.7-1), so that the owner waits for it at most `bound`. The owner holds its pin
+    /// (the watchdog claims nothing meanwhile) and judged the revoke sound first
+    /// (`Communicator::revocable`). `Ok(None)`: the handle had been taken. `Err(())`: past
+    /// the bound, the revoke still runs: the owner must not call NCCL on the handle again;
+    /// its teardown hands the handle over (`lock_in_place`), and this thread aborts it once
+    /// the revoke returned.
+    pub(crate) fn revoke_for_owner(
+        self: &Arc<Self>,
+        bound: Duration,
+    ) -> Result<Option<nccl_sys::ncclResult_t>, ()> {
+        let Some(revoke) = self.lib.table().ncclCommRevoke else {
+            return Ok(None);
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let s = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name("nccl-safe-revoke".into())
+            .spawn(move || {
+                let held = lock(&s.in_place);
+                let h = s.handle.load(Ordering::Acquire);
+                if h == 0 || s.gone.load(Ordering::Acquire) {
+                    let _ = tx.send(None);
+                    return;
+                }
+                s.revoking.store(REVOKING, Ordering::SeqCst);
+                // SAFETY: the handle is live: its owner takes it for a teardown only under
+                // `in_place`, held here (an owner that gives up waiting leaves it in its
+                // slot); the owner makes no other call on it meanwhile (it waits for this
+                // one, or, past its bound, never calls NCCL on it again).
+                let r = unsafe {
+                    revoke(
+                        h as ncclComm_t,
+                        nccl_sys::bindings::NCCL_REVOKE_DEFAULT as std::ffi::c_int,
+                    )
+                };
+                if s.revoking.swap(NOT_REVOKING, Ordering::AcqRel) == OWNER_LEFT {
+                    // The owner's teardown gave up waiting: this is the handle's one
+                    // teardown, an abort its `abort()` waits for as for the watchdog's.
+                    s.aborted_by_watchdog.store(true, Ordering::Release);
+                    let h = s.handle.swap(0, Ordering::AcqRel);
+                    if h != 0 {
+                        let what = format!(
+                            "the communicator of rank {} whose revoke outlasted its owner's bound",
+                            s.rank
+                        );
+                        let job = crate::teardown::abort(
+                            s.lane,
+                            Arc::clone(&s.lib),
+                            vec![h],
+                            s.teardown_bound(),
+                            what,
+                        );
+                        *lock(&s.abort_job) = Some(job);
+                    }
+                }
+                drop(held);
+                let _ = tx.send(Some(r));
+            });
+        if spawned.is_err() {
+            return Ok(None);
+        }
+        rx.recv_timeout(bound).map_err(|_| ())
+    }
+
     /// The owner's teardown takes `in_place`, waiting at most `bound` (a worker of the
     /// watchdog holds it while NCCL's revoke runs, which may block). `None` past it:
     /// then the communicator is marked gone and its handle left to the worker, which
