@@ -27,9 +27,21 @@ impl Communicator {
     /// is what it is for): on NCCL 2.29 a revoke clears the error NCCL recorded, so that
     /// a shrink can follow.
     ///
+    /// Not sound, so not done, where NCCL's launch of the communicator's last operation
+    /// has not completed (in flight, or a launch or split/shrink job that failed): NCCL
+    /// 2.29-2.30's revoke would leave its group job dangling (a use after free); such a
+    /// communicator is aborted instead and cannot be shrunk (ARCHITECTURE.md, the elastic
+    /// path against NCCL's source).
+    ///
     /// Errors: [`Error::Unsupported`] before NCCL 2.29 (nothing is called);
     /// [`Error::InvalidArgument`] for a second revoke; NCCL's error for a communicator
-    /// NCCL refuses (finalized); [`Error::Timeout`] when the watchdog already aborted it.
+    /// NCCL refuses (finalized); [`Error::CommunicatorFailed`] saying it "could not be
+    /// revoked" when the revoke is not sound (it is aborted); [`Error::Timeout`] when the
+    /// watchdog already aborted it, when NCCL's call does not return within
+    /// [`Config::abort_timeout`](crate::Config::abort_timeout) (it goes on on a thread of
+    /// its own; the communicator is failed, and its drop aborts it once the call
+    /// returned), or when the revoke's job does not end within the timeout (it waits for
+    /// the communicator's streams: the error names the stream and the work).
     #[track_caller]
     pub fn revoke(&self) -> Result<()> {
         const OP: &str = EntryPoint::ncclCommRevoke.name();
@@ -272,11 +284,16 @@ impl Communicator {
     ///
     /// The parent stays as it was (failed or revoked: dropped, it aborts; healthy: it is
     /// destroyed), and the child is a new, healthy communicator with its own exactly-once
-    /// teardown. Errors: [`Error::Unsupported`] before NCCL 2.27 (nothing is called); the
+    /// teardown. On NCCL 2.29+ it also revokes first while work of the communicator is
+    /// still on its streams: NCCL's shrink waits for that work in the call, unbounded, and
+    /// the revoke's wait is bounded. Errors: [`Error::Unsupported`] before NCCL 2.27 (nothing is called); the
     /// exclude list's errors as [`shrink`](Self::shrink)'s ([`Error::ExcludeMismatch`]
     /// included); [`Error::Timeout`] when the
-    /// watchdog already aborted the communicator (its handle is gone) or a rank that
-    /// stays never calls.
+    /// watchdog already aborted the communicator (its handle is gone), a rank that
+    /// stays never calls, or the revoke waits past the timeout for work on the
+    /// communicator's streams (named; the shrink is not entered); [`revoke`](Self::revoke)'s
+    /// errors, such as a communicator that "could not be revoked" (aborted: make a new
+    /// communicator over the ranks left).
     #[track_caller]
     pub fn shrink_after_failure(&self, exclude: &[usize]) -> Result<Communicator> {
         const CALL: EntryPoint = EntryPoint::ncclCommShrink;

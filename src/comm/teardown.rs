@@ -125,10 +125,10 @@ impl Communicator {
     /// together (`ncclCommAbort` sets the abort flags and joins the job in flight,
     /// init.cc:2502-2541), and the caller waits for it, bounded by
     /// [`Config::abort_timeout`]; one the watchdog already took is waited for the same
-    /// way. A `Config::elastic` one is revoked instead (by the watchdog, or here if it has
-    /// not been: NCCL's revoke joins the launch too) and keeps its handle for
-    /// `shrink_after_failure` if its launch ends within one more such bound; it is
-    /// aborted the same way otherwise. Past a bound the abort goes on on its lane under
+    /// way. A `Config::elastic` one is revoked instead only where that is sound
+    /// ([`Self::revocable`]: no group job linked, which a launch still in flight always
+    /// has), keeping its handle for `shrink_after_failure` if its launch ends within one
+    /// more such bound; it is aborted the same way otherwise. Past a bound the abort goes on on its lane under
     /// [`Config::on_abort_timeout`].
     ///
     /// A communicator whose state is final (an error, or ncclSuccess) is left alone: its

@@ -684,10 +684,7 @@ impl Shared {
             };
         }
         let what = if self.unrevocable.load(Ordering::Acquire) {
-            format!(
-                "{report}. This rank's communicator: {}",
-                crate::comm::UNREVOCABLE
-            )
+            format!("{report}. This rank's communicator: {}", super::UNREVOCABLE)
         } else {
             report.to_string()
         };
