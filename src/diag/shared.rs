@@ -677,17 +677,14 @@ impl Shared {
             // Its own stream's work failed on the GPU: the driver's error is the cause.
             return Error::Cuda(e);
         }
-        if let Some(rank) = self.timed_out().and_then(|r| r.left) {
-            return Error::RankLeft {
-                rank,
-                what: report.to_string(),
-            };
-        }
         let what = if self.unrevocable.load(Ordering::Acquire) {
             format!("{report}. This rank's communicator: {}", super::UNREVOCABLE)
         } else {
             report.to_string()
         };
+        if let Some(rank) = self.timed_out().and_then(|r| r.left) {
+            return Error::RankLeft { rank, what };
+        }
         Error::Timeout {
             what,
             timeout: self.settings.timeout,
