@@ -235,6 +235,11 @@ impl<'a> Group<'a> {
     ) -> Result<()> {
         match r {
             Ok(true) => {
+                // NCCL's group end linked its job to each communicator until a poll reads
+                // ncclSuccess (group.cc:802-818 of v2.29.7-1): no revoke before that.
+                for c in comms {
+                    c.set_job_linked(true);
+                }
                 // Non-blocking communicators: wait (bounded) until each has launched its part.
                 for c in comms {
                     if let Err(e) = c.wait_ready("ncclGroupEnd", caller, c.diag.timeout()) {
@@ -245,7 +250,7 @@ impl<'a> Group<'a> {
                         for c in comms {
                             c.diag.group_end_failed();
                         }
-                        return Err(e);
+                        return Err(Communicator::note_unrevocable(comms, e));
                     }
                     c.diag.publish_group();
                 }

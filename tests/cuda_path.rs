@@ -1954,7 +1954,8 @@ fn a_failed_wait_returns_only_once_nccls_launch_has_ended() {
     let lib = nccl();
     let _delay = LaunchDelay::set(Duration::from_secs(30));
     within(Duration::from_secs(120), move || {
-        for (grouped, elastic) in [(false, false), (true, false), (false, true)] {
+        for (grouped, elastic) in [(false, false), (true, false), (false, true), (true, true)] {
+            let stale_before = support::fakes::stale_group_jobs().len();
             let id = UniqueId::new_with(&lib).unwrap();
             std::thread::scope(|sc| {
                 for r in 0..2 {
@@ -1985,14 +1986,25 @@ fn a_failed_wait_returns_only_once_nccls_launch_has_ended() {
                         assert!(t0.elapsed() < bound, "rank {r} (grouped: {grouped}, elastic: {elastic}): {:?}: {e}", t0.elapsed());
                         assert!(comm.is_failed());
                         if elastic {
-                            assert!(comm.is_revoked(), "rank {r}: not revoked: {e}");
-                            assert!(!comm.as_raw().is_null(), "rank {r}: the revoked handle was taken");
+                            // NCCL's group job is linked while the launch runs: a revoke
+                            // would leave it dangling, so the handle is aborted instead,
+                            // and the error says it cannot be shrunk.
+                            assert!(!comm.is_revoked(), "rank {r}: revoked with the launch in flight: {e}");
+                            assert!(e.to_string().contains("could not be revoked"), "rank {r}: {e}");
+                            let shrunk = comm.shrink_after_failure(&[1 - r]).expect_err("an aborted communicator cannot be shrunk");
+                            assert!(shrunk.to_string().contains("could not be revoked"), "rank {r}: {shrunk}");
                         }
                         drop(x);
                         drop(comm);
                     });
                 }
             });
+            let stale = support::fakes::stale_group_jobs();
+            assert_eq!(
+                stale[stale_before..],
+                [] as [String; 0],
+                "grouped: {grouped}, elastic: {elastic}"
+            );
         }
     });
 }

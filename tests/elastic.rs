@@ -135,7 +135,18 @@ fn shrink_after_a_silent_death(lib: &Arc<Library>) {
     let r = unsafe { (lib.table().ncclCommAbort)(dead) };
     assert_eq!(r, nccl_sys::bindings::ncclSuccess);
     let st = assert_balanced(&id);
-    assert_eq!((st.created, st.destroyed, st.aborted), (5, 4, 1), "{st:?}");
+    // With a revoke (2.29+) the survivors revoke their parent first (its work was in
+    // flight: the shrink's own stream wait would be unbounded) and abort it at its drop.
+    let parents_aborted = if lib.table().ncclCommRevoke.is_some() {
+        2
+    } else {
+        0
+    };
+    assert_eq!(
+        (st.created, st.destroyed, st.aborted),
+        (5, 4 - parents_aborted, 1 + parents_aborted),
+        "{st:?}"
+    );
 }
 
 #[test]
@@ -1284,4 +1295,222 @@ fn a_revoke_ends_only_its_own_ranks_wait() {
     });
     assert!(seen_waiting, "rank 0's revoke ended rank 1's wait too");
     assert_balanced(&id);
+}
+
+/// NCCL 2.29-2.30's `ncclCommRevoke` aborts the group job a non-blocking group end linked
+/// to the communicator and leaves `comm->groupJob` pointing at it (init.cc:2664 -> 404,
+/// group.cc:873-884 of v2.29.7-1): the next `ncclCommGetAsyncError` that reads ncclSuccess
+/// completes the freed job (init.cc:3105-3110), a use after free. A job stays linked from
+/// its group end until a poll reads ncclSuccess, so a split whose job failed (a rank's
+/// NCCL aborted under it, unseen by the crate's diagnostics) leaves it linked for good.
+/// `shrink_after_failure`, which revokes a communicator NCCL reports in error, must then
+/// abort it instead, and say that it cannot be shrunk. The host provider links jobs as
+/// NCCL does and counts every use of a deleted one as misuse (before: the revoke went
+/// ahead, its poll completed the deleted job, one misuse on each survivor, and the
+/// shrink "succeeded" over NCCL's freed job).
+#[test]
+fn a_communicator_whose_job_failed_is_aborted_not_revoked() {
+    let lib = Library::host();
+    let id = UniqueId::new_with(&lib).unwrap();
+    let ready = Barrier::new(3);
+    std::thread::scope(|s| {
+        for rank in 0..3 {
+            let (ready, lib) = (&ready, Arc::clone(&lib));
+            s.spawn(move || {
+                let comm =
+                    Communicator::init_rank_in(&lib, &CommDevice::Host, 3, rank, &id, &config())
+                        .unwrap();
+                ready.wait(); // every init complete
+                if rank == 2 {
+                    // NCCL's abort of a rank whose process ends, once its peers' split
+                    // waits for its color.
+                    std::thread::sleep(Duration::from_millis(200));
+                    let raw = comm.into_raw();
+                    // SAFETY: the handle given up by `into_raw`, torn down once here.
+                    let r = unsafe { (lib.table().ncclCommAbort)(raw) };
+                    assert_eq!(r, nccl_sys::bindings::ncclSuccess);
+                    return;
+                }
+                let e = comm.split(Some(0), rank as i32).unwrap_err();
+                assert!(comm.is_failed(), "{e}");
+                let e = comm.shrink_after_failure(&[2]).unwrap_err();
+                assert!(
+                    !comm.is_revoked(),
+                    "rank {rank}: revoked with its failed job linked"
+                );
+                let msg = e.to_string();
+                assert!(
+                    msg.contains("could not be revoked") && msg.contains("new communicator"),
+                    "rank {rank}: {msg}"
+                );
+                // A second try says the same, and calls nothing.
+                let again = comm.shrink_after_failure(&[2]).unwrap_err();
+                assert!(
+                    again.to_string().contains("could not be revoked"),
+                    "rank {rank}: {again}"
+                );
+            });
+        }
+    });
+    let st = support::settled_stats(&id);
+    assert_eq!(
+        st.misused,
+        0,
+        "{st:?}; the process's latest misuses: {:#?}",
+        nccl_safe::host::recent_misuse()
+    );
+    assert_eq!(st.live, 0, "{st:?}");
+}
+
+/// NCCL's shrink in abort mode waits in the call for the communicator's device stream
+/// (init.cc:2844-2848 of v2.29.7-1), for ever when work there is stalled behind the user's
+/// own. Three ranks whose all-reduce ran but whose stream has not drained
+/// (`Fault::StalledWork`, which the host provider's shrink and revoke now wait for, as
+/// NCCL's stream synchronize does); ranks 0 and 1 (`Config::elastic`, 1 s timeout) then
+/// shrink rank 2 away at once. `shrink_after_failure` revokes first (the revoke's job
+/// waits for the same streams, off the caller's thread) and fails with `Error::Timeout`
+/// naming the work, without entering `ncclCommShrink`. Before: it entered the shrink,
+/// which waited until the test released the stalls 5 s later, then succeeded.
+#[test]
+#[cfg(feature = "diag")]
+fn a_shrink_after_failure_behind_stalled_work_fails_within_its_bound_naming_the_work() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let id = CommDevice::Host.unique_id().unwrap();
+    fault::inject(&id.to_raw(), Fault::StalledWork);
+    let released = AtomicBool::new(false);
+    let done = Barrier::new(4);
+    std::thread::scope(|s| {
+        // Bounds the test on the old code.
+        s.spawn(|| {
+            let until = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < until && !released.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            released.store(true, Ordering::Release);
+            fault::release_stalls(&id.to_raw());
+        });
+        let ranks: Vec<_> = (0..3)
+            .map(|rank| {
+                let (id, done, released) = (&id, &done, &released);
+                s.spawn(move || {
+                    let cfg = if rank == 2 {
+                        config()
+                    } else {
+                        Config::new().elastic(true).timeout(Duration::from_secs(1))
+                    };
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 3, rank, id, &cfg).unwrap();
+                    let mut x = vec![1.0f32; 4];
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                    let r = (rank < 2).then(|| {
+                        let r = comm.shrink_after_failure(&[2]).map(drop);
+                        (r, released.load(Ordering::Acquire))
+                    });
+                    done.wait();
+                    done.wait(); // the stalls released
+                    drop(comm);
+                    r
+                })
+            })
+            .collect();
+        done.wait();
+        released.store(true, Ordering::Release);
+        fault::release_stalls(&id.to_raw());
+        done.wait();
+        for (rank, h) in ranks.into_iter().enumerate().take(2) {
+            let (r, late) = h.join().unwrap().unwrap();
+            let e = r.expect_err("the shrink waited behind the stalled work");
+            assert!(
+                !late,
+                "rank {rank}: returned only once the stalls were released: {e}"
+            );
+            assert!(matches!(e, Error::Timeout { .. }), "rank {rank}: {e}");
+            let msg = e.to_string();
+            for part in [
+                "ncclStrongStreamSynchronize",
+                "ncclAllReduce(",
+                "did not enter ncclCommShrink",
+            ] {
+                assert!(msg.contains(part), "rank {rank}: no {part:?} in: {msg}");
+            }
+        }
+    });
+    fault::clear(&id.to_raw());
+    assert_balanced(&id);
+}
+
+/// A user's `revoke()` is bounded as the watchdog's is: NCCL's revoke joins the
+/// communicator's group job (group.cc:875-877 of v2.29.7-1) and may block
+/// (`Fault::BlockingRevoke`). Two ranks (abort bound 300 ms) revoke: each call returns
+/// `Error::Timeout` within the bound while NCCL's revoke still blocks, later calls fail
+/// without reaching NCCL, and the drop hands the handle over: it is aborted once the
+/// revoke returned, once. Before: `revoke()` blocked on the owner's thread until the test
+/// released the revokes 5 s later.
+#[test]
+#[cfg(feature = "diag")]
+fn a_users_revoke_that_blocks_in_nccl_returns_within_the_abort_bound() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let id = CommDevice::Host.unique_id().unwrap();
+    fault::inject(&id.to_raw(), Fault::BlockingRevoke(None));
+    let cfg = Config::new()
+        .elastic(true)
+        .timeout(Duration::from_secs(30))
+        .abort_timeout(Duration::from_millis(300));
+    let released = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        // Bounds the test on the old code.
+        s.spawn(|| {
+            let until = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < until && !released.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            released.store(true, Ordering::Release);
+            fault::release_revokes(&id.to_raw());
+        });
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let (id, cfg, released) = (&id, cfg.clone(), &released);
+                s.spawn(move || {
+                    let comm =
+                        Communicator::init_rank(&CommDevice::Host, 2, rank, id, &cfg).unwrap();
+                    let mut x = vec![1.0f32; 4];
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &S).unwrap();
+                    let e = comm.revoke().unwrap_err();
+                    let late = released.load(Ordering::Acquire);
+                    let later = comm.async_error().unwrap_err();
+                    let shrunk = comm
+                        .shrink_after_failure(&[1 - rank])
+                        .map(drop)
+                        .unwrap_err();
+                    let revoked = comm.is_revoked();
+                    drop(comm);
+                    (e, late, later, shrunk, revoked)
+                })
+            })
+            .collect();
+        let results: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        released.store(true, Ordering::Release);
+        for (rank, (e, late, later, shrunk, revoked)) in results.into_iter().enumerate() {
+            assert!(
+                !late,
+                "rank {rank}: the revoke returned only once NCCL's did: {e}"
+            );
+            assert!(matches!(e, Error::Timeout { .. }), "rank {rank}: {e}");
+            assert!(
+                e.to_string()
+                    .contains("did not return within Config::abort_timeout"),
+                "rank {rank}: {e}"
+            );
+            assert!(revoked, "rank {rank}");
+            for later in [later, shrunk] {
+                assert!(
+                    matches!(later, Error::CommunicatorFailed { .. }),
+                    "rank {rank}: {later}"
+                );
+            }
+        }
+    });
+    fault::clear(&id.to_raw());
+    let st = assert_balanced(&id);
+    assert_eq!((st.created, st.aborted), (2, 2), "{st:?}");
 }

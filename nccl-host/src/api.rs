@@ -166,6 +166,7 @@ fn launched(handles: impl IntoIterator<Item = Handle>) -> ncclResult_t {
     }
     let mut g = lock();
     let mut any = false;
+    let mut linked = Vec::new();
     for h in handles {
         let many = match g.comms.get(&h).map(|c| (c.nonblocking, c.state.clone())) {
             Some((true, CommState::Ready { clique, .. })) => {
@@ -180,8 +181,10 @@ fn launched(handles: impl IntoIterator<Item = Handle>) -> ncclResult_t {
         {
             c.job = Job::Launching;
             any = true;
+            linked.push(h);
         }
     }
+    g.link_group_job(&linked);
     if any {
         ncclInProgress
     } else {
@@ -469,6 +472,9 @@ fn start_job(
     let c = g.comms.get_mut(&parent).ok_or_else(vanished)?;
     c.job = Job::Busy { child };
     let root = c.root;
+    // The job is NCCL's async job of `parent` (`job->comm`): its non-blocking group end
+    // links the group job to it (group.cc:798-806 of v2.29.7-1).
+    g.link_group_job(&[parent]);
     let start = std::time::Instant::now();
     let spawned = spawn(format!("nccl-host-{what}"), move || {
         let (value, r) = body();
@@ -1021,6 +1027,8 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
             GROUP.with(|gr| gr.borrow_mut().0 += 1);
             return Err(f);
         }
+        // Its ncclCommEnsureReady read ncclSuccess (init.cc:2578 of v2.29.7-1).
+        g.complete_group_job(h, what);
     }
     if in_group() {
         // NCCL queues the reclaim job with the caller's group (ncclAsyncLaunch at depth > 0,
@@ -1034,6 +1042,9 @@ fn teardown(comm: ncclComm_t, abort: bool) -> Result<ncclResult_t, Fail> {
         // init.cc:2503-2520) before it tears down.
         g = end_job_for_abort(g, h);
         h = known(&mut g, comm, what)?;
+        // ncclCommEnsureReady under the abort flags aborts the linked job (init.cc:2713 ->
+        // 404 of v2.29.7-1); the communicator is freed after.
+        g.abort_group_job(h, what, true);
         // As NVIDIA's abort: it first sets the abort flag, which ends the operations that
         // wait for peers in this clique (here: wakes them with the abort's error), then
         // frees its resources through the driver, which waits behind a stalled stream. So
@@ -1331,8 +1342,15 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
         }
         let blocking = r.child_blocking(&mut g, config)?;
         if abort_mode {
-            // NCCL sets the abort flags, waits for the parent's kernels to end and
-            // clears the flags (init.cc:2844-2848 of 2.29.7): its work in flight ends.
+            // NCCL sets the abort flags, waits for the parent's device stream and clears
+            // the flags (init.cc:2844-2848 of 2.29.7), in the call: its kernels end on the
+            // flags, but work stalled behind other work on the stream is waited for (NCCL
+            // waits for ever; here the provider's wait limit).
+            super::fault::end_stuck(r.h);
+            drop(g);
+            super::fault::wait_stalled(r.h, super::defs::wait_limit());
+            g = lock();
+            known(&mut g, comm, NAME)?;
             super::fault::torn_down(r.h);
         }
         // Then `ncclCommInitChildComm`'s `ncclCommEnsureReady` (init.cc:2762, 400-416):
@@ -1467,6 +1485,9 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
         }
         g = end_job_for_abort(g, h);
         let h = known(&mut g, comm, "ncclCommRevoke")?;
+        // ncclCommEnsureReady under the abort flags aborts the linked job and leaves it
+        // linked (init.cc:2664 -> 404 of v2.29.7-1).
+        g.abort_group_job(h, "ncclCommRevoke", false);
         if let Some(c) = g.comms.get_mut(&h) {
             c.revoked = true;
             c.finalized = true;
@@ -1495,9 +1516,13 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
                 seg.revoke();
             }
         }
-        // The abort flag ends this rank's kernels: its work in flight.
-        super::fault::torn_down(h);
+        // The abort flag ends this rank's kernels: its work in flight. Work stalled behind
+        // other work on the stream stays: the job's stream synchronize waits for it
+        // (init.cc:2616-2617 of v2.29.7-1).
+        super::fault::end_stuck(h);
         let clear = move || {
+            super::fault::wait_stalled(h, super::defs::wait_limit());
+            super::fault::torn_down(h);
             if let Some(c) = lock().comms.get_mut(&h) {
                 c.error_cleared = true;
             }
@@ -1714,6 +1739,7 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
             if matches!(c.job, Job::Launching) {
                 c.job = Job::Idle;
                 put(async_error, ncclSuccess);
+                g.complete_group_job(h, "ncclCommGetAsyncError");
                 return Ok(ncclSuccess);
             }
         }
@@ -1733,6 +1759,9 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
                 async_failure(&mut g, h).map_or(ncclSuccess, report)
             }
         };
+        if code == ncclSuccess {
+            g.complete_group_job(h, "ncclCommGetAsyncError");
+        }
         put(async_error, code);
         Ok(ncclSuccess)
     })

@@ -300,6 +300,30 @@ fn block(
     }
 }
 
+/// This rank's abort flags were set (a revoke's, a shrink's in abort mode): `h`'s stuck
+/// work ends (NCCL's kernels end on the flags); its stalled work, queued behind other work
+/// on the stream, stays until that drains.
+pub(crate) fn end_stuck(h: Handle) {
+    lock().stuck_ops.remove(&h);
+}
+
+/// Waits, holding no lock, until `h`'s stalled work drained ([`release_stalls`]), up to
+/// `limit`: NCCL's `ncclStrongStreamSynchronize` of the communicator's streams (a revoke's
+/// job, init.cc:2616-2617 of v2.29.7-1; a shrink in abort mode, in the call, :2844-2848),
+/// which waits for the work queued before NCCL's kernels on the user's stream. `true` when
+/// it drained.
+pub(crate) fn wait_stalled(h: Handle, limit: Duration) -> bool {
+    let stalled = |h| lock().stalled_ops.get(&h).map_or(0, |s| s.1);
+    let until = Instant::now() + limit;
+    while stalled(h) > 0 {
+        if Instant::now() >= until {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    true
+}
+
 /// Called once the handle `h` was torn down: its stuck work goes with it (NCCL's kernels
 /// end on the abort flag).
 pub(crate) fn torn_down(h: Handle) {

@@ -123,6 +123,12 @@ pub(crate) struct Comm {
     /// check that may refuse the destroy, init.cc:2379 of 2.28.9, and never cleared): a
     /// revoke is refused from then on (:2457).
     pub destroy_called: bool,
+    /// NCCL's `comm->groupJob`: the group job a non-blocking group end linked to it
+    /// (group.cc:802-818 of v2.29.7-1), until an `ncclCommGetAsyncError` that reads
+    /// ncclSuccess completes and unlinks it (init.cc:3105-3110). A revoke aborts it and
+    /// leaves it linked (init.cc:2664 -> 404), deleted once no communicator holds it
+    /// (group.cc:873-884): see [`Global::complete_group_job`].
+    pub group_job: Option<u64>,
     /// Window registrations queued in a group that failed, or left behind by one that
     /// failed at the group's end: NCCL keeps their tasks queued on the communicator
     /// (`groupCleanup`, group.cc:340-397 of 2.28.9) and runs them, writing through their
@@ -223,6 +229,10 @@ pub(crate) struct Global {
     /// init.cc:2913-2924 of v2.29.7-1): NCCL's abort frees the communicator that call
     /// still uses, so a teardown meanwhile is counted as misuse.
     pub blocked_in_grow: HashSet<Handle>,
+    /// NCCL's group jobs not yet deleted, with the number of communicators linked to each
+    /// (`groupRefCount`, group.cc:784-818 of v2.29.7-1).
+    pub group_jobs: HashMap<u64, usize>,
+    next_group_job: u64,
 }
 
 static GLOBAL: OnceLock<(Mutex<Global>, Condvar)> = OnceLock::new();
@@ -326,6 +336,66 @@ impl Global {
         f
     }
 
+    /// A non-blocking group end of `handles`: links its job to each that has none
+    /// (group.cc:802-818 of v2.29.7-1).
+    pub(crate) fn link_group_job(&mut self, handles: &[Handle]) {
+        self.next_group_job += 1;
+        let id = self.next_group_job;
+        let mut refs = 0;
+        for h in handles {
+            if let Some(c) = self
+                .comms
+                .get_mut(h)
+                .filter(|c| c.nonblocking && c.group_job.is_none())
+            {
+                c.group_job = Some(id);
+                refs += 1;
+            }
+        }
+        if refs > 0 {
+            self.group_jobs.insert(id, refs);
+        }
+    }
+
+    /// Drops a reference to `h`'s linked job (`take`: and unlinks it), deleting the job
+    /// at zero; a job already deleted is a use after free in NCCL: counted as misuse.
+    fn unref_group_job(&mut self, h: Handle, what: &str, take: bool) {
+        let Some(c) = self.comms.get_mut(&h) else {
+            return;
+        };
+        let root = c.root;
+        let Some(id) = (if take {
+            c.group_job.take()
+        } else {
+            c.group_job
+        }) else {
+            return;
+        };
+        match self.group_jobs.get_mut(&id) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                self.group_jobs.remove(&id);
+            }
+            None => {
+                let m = "the communicator's group job was deleted by an earlier ncclCommRevoke, which left it linked (ncclCommEnsureReady -> ncclGroupJobAbort, init.cc:2664 -> 404 and group.cc:873-884 of v2.29.7-1): a use after free in NCCL; revoke only a communicator whose last ncclCommGetAsyncError read ncclSuccess, abort the others";
+                self.misuse(Some(root), ncclInvalidUsage, what, m);
+            }
+        }
+    }
+
+    /// An `ncclCommGetAsyncError` (or `ncclCommEnsureReady`) that read ncclSuccess on `h`:
+    /// completes and unlinks its job (init.cc:3105-3110 of v2.29.7-1).
+    pub(crate) fn complete_group_job(&mut self, h: Handle, what: &str) {
+        self.unref_group_job(h, what, true);
+    }
+
+    /// `ncclCommEnsureReady` under the abort flags (a revoke's, an abort's): aborts `h`'s
+    /// job (init.cc:403-404 of v2.29.7-1) and leaves it linked, deleted or not (`gone`:
+    /// the communicator is freed right after, as an abort's is).
+    pub(crate) fn abort_group_job(&mut self, h: Handle, what: &str, gone: bool) {
+        self.unref_group_job(h, what, gone);
+    }
+
     /// [`Global::misuse`] with ncclInvalidArgument.
     pub(crate) fn invalid(
         &mut self,
@@ -370,6 +440,7 @@ impl Global {
                 grow_parent: None,
                 shared_join: None,
                 destroy_called: false,
+                group_job: None,
                 stale_windows: 0,
                 suspended: false,
             },

@@ -27,9 +27,21 @@ impl Communicator {
     /// is what it is for): on NCCL 2.29 a revoke clears the error NCCL recorded, so that
     /// a shrink can follow.
     ///
+    /// Not sound, so not done, where NCCL's launch of the communicator's last operation
+    /// has not completed (in flight, or a launch or split/shrink job that failed): NCCL
+    /// 2.29-2.30's revoke would leave its group job dangling (a use after free); such a
+    /// communicator is aborted instead and cannot be shrunk (ARCHITECTURE.md, the elastic
+    /// path against NCCL's source).
+    ///
     /// Errors: [`Error::Unsupported`] before NCCL 2.29 (nothing is called);
     /// [`Error::InvalidArgument`] for a second revoke; NCCL's error for a communicator
-    /// NCCL refuses (finalized); [`Error::Timeout`] when the watchdog already aborted it.
+    /// NCCL refuses (finalized); [`Error::CommunicatorFailed`] saying it "could not be
+    /// revoked" when the revoke is not sound (it is aborted); [`Error::Timeout`] when the
+    /// watchdog already aborted it, when NCCL's call does not return within
+    /// [`Config::abort_timeout`](crate::Config::abort_timeout) (it goes on on a thread of
+    /// its own; the communicator is failed, and its drop aborts it once the call
+    /// returned), or when the revoke's job does not end within the timeout (it waits for
+    /// the communicator's streams: the error names the stream and the work).
     #[track_caller]
     pub fn revoke(&self) -> Result<()> {
         const OP: &str = EntryPoint::ncclCommRevoke.name();
@@ -40,21 +52,19 @@ impl Communicator {
         }
         crate::teardown::check_lane(OP, self.lane())?;
         self.diag.check_alive()?;
-        let r = self.pinned(|| {
-            // Marked first, under the pin: the watchdog leaves a revoked handle be. NCCL
-            // refuses a second revoke (init.cc:2655-2657 of v2.29.7-1): the watchdog's own,
-            // for work it still saw in flight, would fail and it would abort the handle a
-            // shrink needs.
-            self.diag.revoked_in_place();
-            // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile);
-            // flags 0 = NCCL_REVOKE_DEFAULT, the only value NCCL accepts.
-            Ok(unsafe {
-                revoke(
-                    self.handle.get(),
-                    nccl_sys::bindings::NCCL_REVOKE_DEFAULT as c_int,
-                )
-            })
-        })?;
+        if !self.handle.is_live() {
+            // Aborted already (a revoke that was not sound, a launch that did not end).
+            if self.unrevocable.get() {
+                return Err(self.communicator_failed(OP, super::UNREVOCABLE));
+            }
+            self.ensure_usable(OP)?;
+            return Err(invalid(OP, "the communicator was torn down"));
+        }
+        let Some(r) = self.revoke_if_sound(revoke)? else {
+            // A group job is linked (its launch in flight, or failed): NCCL's revoke would
+            // leave it dangling. Aborted instead, which joins the job and frees both.
+            return Err(self.abort_unrevocable(OP));
+        };
         if r != ncclSuccess && r != ncclInProgress {
             // Refused before anything changed (init.cc:2647-2658): the watchdog's again.
             self.diag.revoke_refused();
@@ -65,10 +75,26 @@ impl Communicator {
                 .into());
         }
         // From here NCCL counts it revoked: its collectives are refused, whatever follows.
+        // Its own group end linked the revoke's job (none was linked) until a poll reads
+        // its ncclSuccess.
+        self.set_job_linked(r == ncclInProgress);
         self.revoked.set(true);
         self.failure.get_or_init(|| REVOKED.to_string());
-        // The revoke's job stores its result as the state (init.cc:2635): wait for it.
+        // The revoke's job stores its result as the state (init.cc:2635): wait for it. The
+        // job waits for the communicator's streams (init.cc:2616-2617 of v2.29.7-1): work
+        // stalled there keeps it in progress, and the error names what it waits for.
+        let behind = self.diag.stream_behind();
         self.wait_ready(OP, caller, self.diag.timeout())
+            .map_err(|e| match (e, behind) {
+                (Error::Timeout { what, timeout }, Some(behind)) => {
+                    let now = self.diag.stream_behind().unwrap_or(behind);
+                    Error::Timeout {
+                        what: format!("{what}: NCCL's revoke waits (ncclStrongStreamSynchronize, init.cc:2616-2617 of v2.29.7-1) for {now}, not complete; NCCL waits for it for ever. Complete or end that work (the communicator stays revoked; drop it to abort it)"),
+                        timeout,
+                    }
+                }
+                (e, _) => e,
+            })
     }
 
     /// For a failed wait of a `Config::elastic` communicator (`end_launches`): revokes it
@@ -84,24 +110,93 @@ impl Communicator {
         let Some(revoke) = self.handle.table().ncclCommRevoke else {
             return false;
         };
-        let r = self.pinned(|| {
-            // Marked first, under the pin: the watchdog leaves a revoked handle be.
-            self.diag.revoked_in_place();
-            // SAFETY: the handle is live (pinned: the watchdog cannot take it meanwhile);
-            // flags 0 = NCCL_REVOKE_DEFAULT, the only value NCCL accepts.
-            Ok(unsafe {
-                revoke(
-                    self.handle.get(),
-                    nccl_sys::bindings::NCCL_REVOKE_DEFAULT as c_int,
-                )
-            })
-        });
-        if !matches!(r, Ok(r) if r == ncclSuccess || r == ncclInProgress) {
+        let r = match self.revoke_if_sound(revoke) {
+            Ok(Some(r)) => r,
+            Ok(None) => {
+                // Not sound (a group job linked: the launch in flight or failed): the
+                // caller aborts it; its errors say why it cannot be shrunk.
+                self.unrevocable.set(true);
+                self.failure.get_or_init(|| super::UNREVOCABLE.to_string());
+                return false;
+            }
+            Err(_) => return false,
+        };
+        if r != ncclSuccess && r != ncclInProgress {
             return false;
         }
+        // The revoke's own group end linked its job (none was linked) until a poll reads
+        // its ncclSuccess.
+        self.set_job_linked(r == ncclInProgress);
         self.revoked.set(true);
         self.failure.get_or_init(|| REVOKED.to_string());
         true
+    }
+
+    /// `ncclCommRevoke` on the pinned handle if it is sound there
+    /// ([`revocable`](Self::revocable), judged by an `ncclCommGetAsyncError` just before,
+    /// under the same pin); marked revoked for the watchdog first. `None` (nothing called
+    /// but the poll) when it is not sound.
+    fn revoke_if_sound(
+        &self,
+        revoke: unsafe extern "C" fn(ncclComm_t, c_int) -> ncclResult_t,
+    ) -> Result<Option<ncclResult_t>> {
+        self.pinned(|| {
+            let mut state = ncclInProgress;
+            // SAFETY: `state` is writable; the handle is live (pinned).
+            let polled = unsafe {
+                (self.handle.table().ncclCommGetAsyncError)(self.handle.get(), &mut state)
+            };
+            if polled != ncclSuccess || !self.revocable(state) {
+                return Ok(None);
+            }
+            // Marked first, under the pin: the watchdog leaves a revoked handle be. NCCL
+            // refuses a second revoke (init.cc:2655-2657 of v2.29.7-1): the watchdog's own,
+            // for work it still saw in flight, would fail and it would abort the handle a
+            // shrink needs.
+            self.diag.revoked_in_place();
+            let raw = self.handle.get();
+            // On a thread of its own, waited for at most the abort bound: NCCL's revoke
+            // joins the group job (group.cc:875-877), and may block.
+            let called = self.diag.revoke_bounded(|| {
+                // SAFETY: the handle is live (pinned: the watchdog cannot take it
+                // meanwhile); flags 0 = NCCL_REVOKE_DEFAULT, the only value NCCL accepts;
+                // no group job is linked to it (`revocable`).
+                unsafe { revoke(raw, nccl_sys::bindings::NCCL_REVOKE_DEFAULT as c_int) }
+            });
+            match called {
+                Ok(r) => Ok(r),
+                Err(()) => Err(self.revoke_blocked()),
+            }
+        })
+    }
+
+    /// The owner's revoke did not return within [`Config::abort_timeout`]: it goes on on a
+    /// thread of its own, and the communicator is failed and revoked for good; no later
+    /// call of it reaches NCCL (its teardown hands the handle to that thread, which aborts
+    /// it once the revoke returned).
+    ///
+    /// [`Config::abort_timeout`]: crate::Config::abort_timeout
+    #[cold]
+    fn revoke_blocked(&self) -> Error {
+        let timeout = self.diag.abort_timeout();
+        let what = format!("ncclCommRevoke on rank {} did not return within Config::abort_timeout (NCCL's revoke joins the communicator's group job, group.cc:875-877 of v2.29.7-1): it goes on on a thread of its own; the communicator is failed and can no longer be shrunk: drop it (it is aborted once the revoke returned) and make a new communicator over the ranks left", self.rank);
+        self.revoke_blocked.set(true);
+        self.revoked.set(true);
+        self.failure.get_or_init(|| what.clone());
+        Error::Timeout { what, timeout }
+    }
+
+    /// A revoke that was not sound ([`revocable`](Self::revocable)): the communicator is
+    /// aborted in place (bounded by [`Config::abort_timeout`](crate::Config::abort_timeout):
+    /// `ncclCommAbort` joins the job in flight and frees it with the communicator) and the
+    /// error says why, and what to do instead.
+    #[cold]
+    fn abort_unrevocable(&self, call: &'static str) -> Error {
+        let e = self.communicator_failed(call, super::UNREVOCABLE);
+        self.unrevocable.set(true);
+        self.failure.get_or_init(|| super::UNREVOCABLE.to_string());
+        Self::abort_launching(&[self], call, Instant::now() + self.diag.abort_timeout());
+        e
     }
 
     /// Whether [`revoke`](Self::revoke) was called on this communicator, or the watchdog
@@ -189,11 +284,16 @@ impl Communicator {
     ///
     /// The parent stays as it was (failed or revoked: dropped, it aborts; healthy: it is
     /// destroyed), and the child is a new, healthy communicator with its own exactly-once
-    /// teardown. Errors: [`Error::Unsupported`] before NCCL 2.27 (nothing is called); the
+    /// teardown. On NCCL 2.29+ it also revokes first while work of the communicator is
+    /// still on its streams: NCCL's shrink waits for that work in the call, unbounded, and
+    /// the revoke's wait is bounded. Errors: [`Error::Unsupported`] before NCCL 2.27 (nothing is called); the
     /// exclude list's errors as [`shrink`](Self::shrink)'s ([`Error::ExcludeMismatch`]
     /// included); [`Error::Timeout`] when the
-    /// watchdog already aborted the communicator (its handle is gone) or a rank that
-    /// stays never calls.
+    /// watchdog already aborted the communicator (its handle is gone), a rank that
+    /// stays never calls, or the revoke waits past the timeout for work on the
+    /// communicator's streams (named; the shrink is not entered); [`revoke`](Self::revoke)'s
+    /// errors, such as a communicator that "could not be revoked" (aborted: make a new
+    /// communicator over the ranks left).
     #[track_caller]
     pub fn shrink_after_failure(&self, exclude: &[usize]) -> Result<Communicator> {
         const CALL: EntryPoint = EntryPoint::ncclCommShrink;
@@ -233,9 +333,24 @@ impl Communicator {
             self.async_state()
                 .is_some_and(|state| !no_error.contains(&state))
         };
+        // Revoked first too while tracked work is not complete: NCCL's shrink in abort mode
+        // waits in the call, unbounded, for the communicator's device stream
+        // (init.cc:2844-2848 of v2.29.7-1), where work stalled behind the user's own work
+        // never ends; the revoke's job waits for the same streams off this thread
+        // (init.cc:2616-2617), its wait here bounded by the timeout, and once it ended the
+        // shrink's wait has nothing left to wait for.
         let revoke_available = self.handle.table().ncclCommRevoke.is_some();
-        if revoke_available && !self.revoked.get() && (self.is_failed() || nccl_reports_error()) {
-            self.revoke()?;
+        if revoke_available
+            && !self.revoked.get()
+            && (self.is_failed() || nccl_reports_error() || self.diag.stream_behind().is_some())
+        {
+            self.revoke().map_err(|e| match e {
+                Error::Timeout { what, timeout } => Error::Timeout {
+                    what: format!("{what}. shrink_after_failure did not enter ncclCommShrink, which would wait for the same work in the call, for ever"),
+                    timeout,
+                },
+                e => e,
+            })?;
         }
         self.shrink_call(shrink, list, nccl_sys::bindings::NCCL_SHRINK_ABORT, caller)
     }

@@ -19,6 +19,8 @@ use crate::library::{CallContext, Library, Provider};
 use crate::nccl_call;
 
 mod elastic;
+
+pub(crate) use crate::diag::UNREVOCABLE;
 mod family;
 mod init;
 mod params;
@@ -175,6 +177,18 @@ pub struct Communicator {
     refused: std::cell::Cell<u64>,
     /// `ncclCommRevoke` was called: NCCL refuses its collectives, and a second revoke.
     revoked: std::cell::Cell<bool>,
+    /// A call of this communicator may have linked an NCCL group job to it (a non-blocking
+    /// group end links its job to each of its communicators, group.cc:802-818 of
+    /// v2.29.7-1) that no `ncclCommGetAsyncError` reading ncclSuccess has completed and
+    /// unlinked since (init.cc:3105-3110): its launch is in flight, or failed. NCCL's
+    /// revoke would then leave `comm->groupJob` dangling (see [`Self::revocable`]).
+    job_linked: std::cell::Cell<bool>,
+    /// A revoke was not sound on it ([`Self::revocable`]), so it was aborted instead: its
+    /// errors say it cannot be shrunk.
+    unrevocable: std::cell::Cell<bool>,
+    /// Its own revoke did not return within the abort bound and still runs on a thread of
+    /// its own: no call reaches NCCL on the handle again (`Communicator::revoke_blocked`).
+    revoke_blocked: std::cell::Cell<bool>,
     /// The stand-in for the per-thread stream (`crate::stream::Relay`), made at its first
     /// use; dropped after the handle's teardown.
     relay: OnceCell<crate::stream::Relay>,
@@ -330,6 +344,7 @@ impl Communicator {
             };
             self.checked("ncclCommGetAsyncError", r, caller)
         })?;
+        self.note_polled(state);
         match ResultCode::from_raw(state) {
             None => Ok(false),
             Some(ResultCode::InProgress) => Ok(true),
@@ -355,7 +370,47 @@ impl Communicator {
                 (self.handle.table().ncclCommGetAsyncError)(self.handle.get(), &mut state)
             })
         });
-        matches!(polled, Ok(r) if r == ncclSuccess).then_some(state)
+        let state = matches!(polled, Ok(r) if r == ncclSuccess).then_some(state)?;
+        self.note_polled(state);
+        Some(state)
+    }
+
+    /// After an `ncclCommGetAsyncError` that read `state`: one that read ncclSuccess
+    /// completed and unlinked the group job linked to the communicator, if any
+    /// (init.cc:3105-3110 of v2.29.7-1).
+    #[inline]
+    pub(crate) fn note_polled(&self, state: ncclResult_t) {
+        if state == ncclSuccess && self.job_linked.get() {
+            self.set_job_linked(false);
+        }
+    }
+
+    /// Notes whether a group job may be linked to this communicator, for its owner and its
+    /// watchdog ([`Self::revocable`]).
+    #[inline]
+    pub(crate) fn set_job_linked(&self, linked: bool) {
+        self.job_linked.set(linked);
+        self.diag.set_job_linked(linked);
+    }
+
+    /// Whether NCCL's `ncclCommRevoke` is sound on this communicator now, given `state`,
+    /// what an `ncclCommGetAsyncError` made just before (on this thread, the handle
+    /// pinned) read. A non-blocking group end links its group job to the communicator
+    /// (group.cc:802-818 of v2.29.7-1; also in v2.30.7-1, :831-847) until a poll reads
+    /// ncclSuccess (init.cc:3105-3110; :3477-3479). A revoke aborts the linked job
+    /// (`ncclCommEnsureReady`, init.cc:2664 -> 403-404), which deletes it once no
+    /// communicator holds it (group.cc:873-884), and leaves `comm->groupJob` pointing at
+    /// it: the revoke's own job is then not linked (group.cc:802), and once it stored
+    /// ncclSuccess (init.cc:2635) the next `ncclCommGetAsyncError` (the crate's poll for
+    /// the revoke, the shrink's `ncclCommEnsureReady`, init.cc:2762) completes the freed
+    /// job, and an abort's `ncclCommEnsureReady` aborts it again: a use after free. So a
+    /// revoke is sound only when no job is linked: the poll just read ncclSuccess (it
+    /// unlinked any), or it read an error with no launch left unpolled since the last
+    /// ncclSuccess (an error of the communicator's own, its job long unlinked). Never while
+    /// a launch is in flight (ncclInProgress), nor after a launch or job that failed.
+    pub(crate) fn revocable(&self, state: ncclResult_t) -> bool {
+        self.note_polled(state);
+        state != ncclInProgress && !self.job_linked.get()
     }
 
     /// NCCL's error `raw` for `call`, which fails the communicator ([`fail`](Self::fail)).
@@ -461,7 +516,7 @@ impl Communicator {
     ) -> Result<()> {
         let op = op.into();
         let call = op.name();
-        if gate && self.failure.get().is_some() {
+        if (gate && self.failure.get().is_some()) || self.revoke_blocked.get() {
             // The error for a failed communicator (a watchdog abort takes precedence).
             self.ensure_usable(call)?;
         }
@@ -474,6 +529,15 @@ impl Communicator {
             Err(e) => return Err(self.fail(e)),
         };
         let r = f(self.handle.table(), self.handle.get());
+        // A group end of this communicator that launches from NCCL's group thread (it
+        // returned ncclInProgress) or runs a job of it (a split, shrink or registration)
+        // linked its group job to it until a poll reads ncclSuccess. A grow's job is linked
+        // to the new communicator (init.cc:3000-3008 of v2.29.7-1), not to this one.
+        if (r == ncclInProgress || (job && r == ncclSuccess))
+            && call != nccl_sys::EntryPoint::ncclCommGrow.name()
+        {
+            self.set_job_linked(true);
+        }
         // NCCL's communicator is always non-blocking (see init_rank): wait out progress.
         let r = if job && r == ncclSuccess {
             // The watchdog's timeout of this operation (with its report of who is behind)
@@ -483,11 +547,11 @@ impl Communicator {
             // The same margin: the watchdog's timeout comes first, with its report, and
             // with `Config::elastic` its revoke, which leaves the handle for a shrink.
             let waited = self.wait_ready(call, caller, self.diag.timeout() + CHILD_WAIT_MARGIN);
-            if waited.is_err() {
+            waited.map_err(|e| {
                 // The buffers stay borrowed until NCCL's launch has ended.
                 Communicator::end_launches(&[self], call);
-            }
-            waited
+                Communicator::note_unrevocable(&[self], e)
+            })
         } else {
             self.checked(call, r, caller)
         };
@@ -503,12 +567,23 @@ impl Communicator {
     /// meanwhile. Fails without calling `f` when the watchdog aborts it.
     #[inline]
     pub(crate) fn pinned<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        if self.revoke_blocked.get() {
+            // Its revoke still runs in NCCL on a thread of its own (`revoke_blocked`).
+            return Err(self.revoke_still_runs());
+        }
         let pinned = self.diag.pin()?;
         let r = f();
         if pinned {
             self.diag.unpin();
         }
         r
+    }
+
+    /// The error of a call on a communicator whose revoke still runs in NCCL.
+    #[cold]
+    fn revoke_still_runs(&self) -> Error {
+        let cause = self.failure.get().cloned().unwrap_or_default();
+        self.communicator_failed("ncclCommRevoke", &cause)
     }
 
     /// Marks the communicator failed with `e` (drop will abort; the first cause is kept)
@@ -714,6 +789,9 @@ impl Communicator {
             orphans: Default::default(),
             refused: Default::default(),
             revoked: Default::default(),
+            job_linked: Default::default(),
+            unrevocable: Default::default(),
+            revoke_blocked: Default::default(),
             relay: OnceCell::new(),
         }
     }

@@ -125,10 +125,10 @@ impl Communicator {
     /// together (`ncclCommAbort` sets the abort flags and joins the job in flight,
     /// init.cc:2502-2541), and the caller waits for it, bounded by
     /// [`Config::abort_timeout`]; one the watchdog already took is waited for the same
-    /// way. A `Config::elastic` one is revoked instead (by the watchdog, or here if it has
-    /// not been: NCCL's revoke joins the launch too) and keeps its handle for
-    /// `shrink_after_failure` if its launch ends within one more such bound; it is
-    /// aborted the same way otherwise. Past a bound the abort goes on on its lane under
+    /// way. A `Config::elastic` one is revoked instead only where that is sound
+    /// ([`Self::revocable`]: no group job linked, which a launch still in flight always
+    /// has), keeping its handle for `shrink_after_failure` if its launch ends within one
+    /// more such bound; it is aborted the same way otherwise. Past a bound the abort goes on on its lane under
     /// [`Config::on_abort_timeout`].
     ///
     /// A communicator whose state is final (an error, or ncclSuccess) is left alone: its
@@ -163,6 +163,33 @@ impl Communicator {
         Self::abort_launching(&revoked, call, Instant::now() + bound);
     }
 
+    /// `e`, the error of a failed wait of `comms`, with what it did to those of them that
+    /// are `Config::elastic` but could not be revoked ([`Self::revocable`]): they were
+    /// aborted, so they cannot be shrunk.
+    pub(crate) fn note_unrevocable(comms: &[&Communicator], e: Error) -> Error {
+        let unrevocable = comms.iter().any(|c| c.unrevocable.get());
+        if !unrevocable {
+            return e;
+        }
+        let note =
+            |what: String| format!("{what}. This rank's communicator: {}", super::UNREVOCABLE);
+        match e {
+            Error::Timeout { what, timeout } if !what.contains(super::UNREVOCABLE) => {
+                Error::Timeout {
+                    what: note(what),
+                    timeout,
+                }
+            }
+            Error::RankLeft { rank, what } if !what.contains(super::UNREVOCABLE) => {
+                Error::RankLeft {
+                    rank,
+                    what: note(what),
+                }
+            }
+            e => e,
+        }
+    }
+
     /// A `Config::elastic` communicator whose group end failed with its clique timed out
     /// or a rank lost (the group pinned it, so the watchdog could not revoke it): revoked
     /// where it is, as the watchdog revokes one whose single collective failed so, and the
@@ -189,7 +216,7 @@ impl Communicator {
 
     /// Aborts `comms` in place, together, and waits for it until `until` (one the watchdog
     /// took: for the watchdog's abort).
-    fn abort_launching(comms: &[&Communicator], call: &'static str, until: Instant) {
+    pub(super) fn abort_launching(comms: &[&Communicator], call: &'static str, until: Instant) {
         let Some(first) = comms.first() else {
             return;
         };

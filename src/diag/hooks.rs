@@ -261,6 +261,8 @@ impl CommDiag {
             abort_job: Mutex::new(None),
             aborted_by_watchdog: AtomicBool::new(false),
             revoked_by_watchdog: AtomicBool::new(false),
+            job_linked: AtomicBool::new(false),
+            unrevocable: AtomicBool::new(false),
             in_place: Mutex::new(()),
             revoking: AtomicU8::new(super::shared::NOT_REVOKING),
             cuda_fault: std::sync::OnceLock::new(),
@@ -352,6 +354,54 @@ impl CommDiag {
         if let Some(s) = self.shared.get() {
             s.revoked_by_watchdog.store(true, Ordering::Release);
         }
+    }
+
+    /// Notes whether an NCCL group job may be linked to the communicator
+    /// (`Communicator::set_job_linked`): the watchdog then aborts it rather than revoke it.
+    #[inline]
+    pub(crate) fn set_job_linked(&self, linked: bool) {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            s.job_linked.store(linked, Ordering::Release);
+        }
+        #[cfg(not(feature = "diag"))]
+        let _ = linked;
+    }
+
+    /// The stream whose tracked work is the oldest not known complete, and that work, in
+    /// words (`None`: all of it is complete, or nothing is tracked without `diag`).
+    pub(crate) fn stream_behind(&self) -> Option<String> {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            let (key, rec) = s.stream_behind()?;
+            let what = if s.host_queue.as_ref().is_some_and(|q| q.key == key) {
+                format!("the host communicator's queue ({key:#x})")
+            } else {
+                format!("stream {key:#x}")
+            };
+            return Some(format!(
+                "{what}: the work up to {} (seq {}, called at {})",
+                rec.signature(),
+                rec.seq,
+                rec.caller
+            ));
+        }
+        None
+    }
+
+    /// Runs the owner's `ncclCommRevoke` on a thread of its own, waiting at most the abort
+    /// bound ([`Shared::revoke_for_owner`]); without the diagnostics, `call` here.
+    /// `Err(())`: the revoke still runs past the bound (the owner must not call NCCL on
+    /// the handle again; its teardown hands it over). `Ok(None)`: not called.
+    pub(crate) fn revoke_bounded(
+        &self,
+        call: impl FnOnce() -> nccl_sys::ncclResult_t,
+    ) -> std::result::Result<Option<nccl_sys::ncclResult_t>, ()> {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            return s.revoke_for_owner(self.abort_timeout());
+        }
+        Ok(Some(call()))
     }
 
     /// The owner's revoke, marked by [`revoked_in_place`](Self::revoked_in_place), was

@@ -189,6 +189,12 @@ pub(crate) struct Shared {
     /// The watchdog revoked the handle in place (`Config::elastic`) and left it with its
     /// owner.
     pub(super) revoked_by_watchdog: AtomicBool,
+    /// An NCCL group job may be linked to the handle (`Communicator::set_job_linked`): a
+    /// revoke is not sound on it (`Communicator::revocable`).
+    pub(super) job_linked: AtomicBool,
+    /// The watchdog aborted the handle of an elastic communicator because NCCL's revoke
+    /// was not sound on it: its errors say it cannot be shrunk.
+    pub(super) unrevocable: AtomicBool,
     /// Held by the watchdog while it revokes the handle in place, and by the owner while
     /// it takes the handle for its teardown: a revoke never runs on a handle its owner
     /// already took.
@@ -534,6 +540,37 @@ impl Shared {
         late.map(|(_, r)| r)
     }
 
+    /// The queue (its key: a CUDA stream's handle, or a host communicator's) whose tracked
+    /// work not known complete is the oldest, with the record of that work: what a stream
+    /// synchronize of NCCL's would wait for.
+    pub(super) fn stream_behind(&self) -> Option<(usize, OpRecord)> {
+        let mut oldest: Option<(Instant, usize, OpRecord)> = None;
+        for q in self.queue_list().iter() {
+            if !q.in_flight() || !self.tracker.busy(&q.queue) {
+                continue;
+            }
+            let w = q.watch();
+            if w.capturing {
+                continue;
+            }
+            // The oldest range the watchdog marked, else (not marked yet) the last work
+            // published.
+            let rec = match Self::front(q, &w) {
+                Some((upto, p)) => p.oldest.or_else(|| self.journal.get(upto.checked_sub(1)?)),
+                None => self
+                    .journal
+                    .get(q.published.load(Ordering::Acquire).checked_sub(1)?),
+            };
+            let Some(rec) = rec else {
+                continue;
+            };
+            if oldest.as_ref().is_none_or(|(s, _, _)| rec.enqueued < *s) {
+                oldest = Some((rec.enqueued, q.key, rec));
+            }
+        }
+        oldest.map(|(_, k, r)| (k, r))
+    }
+
     /// Adds a queue the owner has not used before (or notes it again); returns its watch.
     ///
     /// At most [`MAX_QUEUES`] are kept, the least recently noted dropped first, so a rank
@@ -640,14 +677,16 @@ impl Shared {
             // Its own stream's work failed on the GPU: the driver's error is the cause.
             return Error::Cuda(e);
         }
+        let what = if self.unrevocable.load(Ordering::Acquire) {
+            format!("{report}. This rank's communicator: {}", super::UNREVOCABLE)
+        } else {
+            report.to_string()
+        };
         if let Some(rank) = self.timed_out().and_then(|r| r.left) {
-            return Error::RankLeft {
-                rank,
-                what: report.to_string(),
-            };
+            return Error::RankLeft { rank, what };
         }
         Error::Timeout {
-            what: report.to_string(),
+            what,
             timeout: self.settings.timeout,
         }
     }
@@ -943,6 +982,25 @@ impl Shared {
         if h == 0 || self.gone.load(Ordering::Acquire) {
             return Revoked::No;
         }
+        // Sound only with no NCCL group job linked to the handle
+        // (`Communicator::revocable`): a poll that reads ncclSuccess unlinks one; one that
+        // reads ncclInProgress (the launch in flight), or an error after a launch no poll
+        // saw succeed, leaves it linked, and then the handle is aborted instead. The owner
+        // cannot poll meanwhile: the claim keeps it from pinning.
+        let mut state = nccl_sys::bindings::ncclInProgress;
+        // SAFETY: the handle is live (see the revoke below); `state` is writable.
+        let polled =
+            unsafe { (self.lib.table().ncclCommGetAsyncError)(h as ncclComm_t, &mut state) };
+        if polled == nccl_sys::bindings::ncclSuccess && state == nccl_sys::bindings::ncclSuccess {
+            self.job_linked.store(false, Ordering::Release);
+        }
+        let linked = polled != nccl_sys::bindings::ncclSuccess
+            || state == nccl_sys::bindings::ncclInProgress
+            || self.job_linked.load(Ordering::Acquire);
+        if linked {
+            self.unrevocable.store(true, Ordering::Release);
+            return Revoked::No;
+        }
         // Marked first, so that the owner's call, woken by the revoke, reports it.
         *lock(&self.report) = Some(Arc::clone(report));
         self.revoked_by_watchdog.store(true, Ordering::Release);
@@ -976,6 +1034,73 @@ impl Shared {
         }
         self.claim.store(UNCLAIMED, Ordering::Release);
         Revoked::Yes
+    }
+
+    /// The owner's own `ncclCommRevoke` (`Communicator::revoke`, and a failed wait's or
+    /// group's revoke), run on a thread of its own under `in_place` as the watchdog's
+    /// revoke runs (NCCL's revoke may block: it joins the group job, group.cc:875-877 of
+    /// v2.29.7-1), so that the owner waits for it at most `bound`. The owner holds its pin
+    /// (the watchdog claims nothing meanwhile) and judged the revoke sound first
+    /// (`Communicator::revocable`). `Ok(None)`: the handle had been taken. `Err(())`: past
+    /// the bound, the revoke still runs: the owner must not call NCCL on the handle again;
+    /// its teardown hands the handle over (`lock_in_place`), and this thread aborts it once
+    /// the revoke returned.
+    pub(crate) fn revoke_for_owner(
+        self: &Arc<Self>,
+        bound: Duration,
+    ) -> Result<Option<nccl_sys::ncclResult_t>, ()> {
+        let Some(revoke) = self.lib.table().ncclCommRevoke else {
+            return Ok(None);
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let s = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name("nccl-safe-revoke".into())
+            .spawn(move || {
+                let held = lock(&s.in_place);
+                let h = s.handle.load(Ordering::Acquire);
+                if h == 0 || s.gone.load(Ordering::Acquire) {
+                    let _ = tx.send(None);
+                    return;
+                }
+                s.revoking.store(REVOKING, Ordering::SeqCst);
+                // SAFETY: the handle is live: its owner takes it for a teardown only under
+                // `in_place`, held here (an owner that gives up waiting leaves it in its
+                // slot); the owner makes no other call on it meanwhile (it waits for this
+                // one, or, past its bound, never calls NCCL on it again).
+                let r = unsafe {
+                    revoke(
+                        h as ncclComm_t,
+                        nccl_sys::bindings::NCCL_REVOKE_DEFAULT as std::ffi::c_int,
+                    )
+                };
+                if s.revoking.swap(NOT_REVOKING, Ordering::AcqRel) == OWNER_LEFT {
+                    // The owner's teardown gave up waiting: this is the handle's one
+                    // teardown, an abort its `abort()` waits for as for the watchdog's.
+                    s.aborted_by_watchdog.store(true, Ordering::Release);
+                    let h = s.handle.swap(0, Ordering::AcqRel);
+                    if h != 0 {
+                        let what = format!(
+                            "the communicator of rank {} whose revoke outlasted its owner's bound",
+                            s.rank
+                        );
+                        let job = crate::teardown::abort(
+                            s.lane,
+                            Arc::clone(&s.lib),
+                            vec![h],
+                            s.teardown_bound(),
+                            what,
+                        );
+                        *lock(&s.abort_job) = Some(job);
+                    }
+                }
+                drop(held);
+                let _ = tx.send(Some(r));
+            });
+        if spawned.is_err() {
+            return Ok(None);
+        }
+        rx.recv_timeout(bound).map_err(|_| ())
     }
 
     /// The owner's teardown takes `in_place`, waiting at most `bound` (a worker of the

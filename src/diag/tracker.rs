@@ -248,6 +248,11 @@ pub(crate) trait Tracker: Send + Sync + std::fmt::Debug {
     /// driver reports for it (a sticky fault of the context). Never blocks. A marker of a
     /// capture that has ended is complete.
     fn done(&self, m: &Marker) -> Result<bool, DriverError>;
+    /// Whether `q` still has work not complete, asked now (not through markers): for
+    /// what a stream synchronize of NCCL's would wait for. Never blocks.
+    fn busy(&self, _q: &Queue) -> bool {
+        false
+    }
     /// Takes back a marker that is no longer needed (events are reused).
     fn recycle(&self, _m: Marker) {}
     /// Whether [`done`](Self::done) read `m` as complete because it was recorded in a
@@ -488,6 +493,16 @@ impl Tracker for CudaTracker {
         }
     }
 
+    fn busy(&self, q: &Queue) -> bool {
+        let Queue::Cuda(stream) = q else {
+            return false;
+        };
+        // SAFETY: the stream is alive (held by the queue's Arc); the query only reads its
+        // state.
+        let r = unsafe { cudarc::driver::sys::cuStreamQuery(stream.cu_stream()) };
+        r == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY
+    }
+
     fn take_captured(&self, m: &Marker) -> bool {
         matches!(m, Marker::Cuda(ev) if ev.captured.swap(false, Ordering::Relaxed))
     }
@@ -513,6 +528,14 @@ impl Tracker for HostTracker {
             }
             (Queue::Host(_), Event::Shared(_)) => Mark::Recorded,
             _ => Mark::Unwatched,
+        }
+    }
+
+    fn busy(&self, q: &Queue) -> bool {
+        match q {
+            #[cfg(feature = "host")]
+            Queue::Host(h) => crate::host::stuck_ops(*h) > 0,
+            _ => false,
         }
     }
 

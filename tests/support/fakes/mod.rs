@@ -585,6 +585,90 @@ fn abort_launches(comm: usize) {
     aborting().remove(&comm);
 }
 
+/// NCCL's group jobs as linked to communicators (`comm->groupJob`): a non-blocking group
+/// end that launches from its thread links its job to each of its communicators that has
+/// none (group.cc:802-818 of v2.29.7-1), an `ncclCommGetAsyncError` that reads ncclSuccess
+/// completes and unlinks it (init.cc:3105-3110), and `ncclCommEnsureReady` under the abort
+/// flags (a revoke's, init.cc:2664, an abort's, :2713) aborts it (:403-404), deleting it once
+/// no communicator holds it (group.cc:873-884) while the pointer stays. Every later use of
+/// such a freed job (the next poll that reads ncclSuccess, an abort) is a use after free in
+/// NCCL: recorded here ([`stale_group_jobs`]), as the strictest reading of NCCL.
+#[derive(Default)]
+struct GroupJobs {
+    next: u64,
+    /// Each communicator's linked job.
+    linked: std::collections::HashMap<usize, u64>,
+    /// Jobs not yet deleted, with their reference counts.
+    live: std::collections::HashMap<u64, usize>,
+    /// The uses of deleted jobs.
+    stale: Vec<String>,
+}
+
+fn group_jobs() -> std::sync::MutexGuard<'static, GroupJobs> {
+    static J: OnceLock<std::sync::Mutex<GroupJobs>> = OnceLock::new();
+    J.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Every use of an NCCL group job after its deletion so far (see [`GroupJobs`]): a
+/// revoke that left `comm->groupJob` dangling, then a call that touched it.
+pub fn stale_group_jobs() -> Vec<String> {
+    group_jobs().stale.clone()
+}
+
+/// A non-blocking group end of `comms`: links its job to each that has none.
+fn link_group_job(comms: impl IntoIterator<Item = usize>) {
+    let mut j = group_jobs();
+    j.next += 1;
+    let id = j.next;
+    let mut refs = 0;
+    for c in comms {
+        if let std::collections::hash_map::Entry::Vacant(e) = j.linked.entry(c) {
+            e.insert(id);
+            refs += 1;
+        }
+    }
+    if refs > 0 {
+        j.live.insert(id, refs);
+    }
+}
+
+/// Drops one reference to `id` (deleting it at zero), or records the use of a deleted job.
+fn unref_group_job(j: &mut GroupJobs, id: u64, what: &str) {
+    match j.live.get_mut(&id) {
+        Some(n) if *n > 1 => *n -= 1,
+        Some(_) => {
+            j.live.remove(&id);
+        }
+        None => j.stale.push(format!(
+            "{what} used group job {id}, which an earlier ncclCommRevoke had deleted and left linked (a use after free in NCCL 2.29-2.30)"
+        )),
+    }
+}
+
+/// `ncclCommGetAsyncError` read ncclSuccess on `c`: completes and unlinks its job.
+fn complete_group_job(c: usize) {
+    let mut j = group_jobs();
+    if let Some(id) = j.linked.remove(&c) {
+        unref_group_job(&mut j, id, "ncclCommGetAsyncError (ncclGroupJobComplete)");
+    }
+}
+
+/// `ncclCommEnsureReady` under the abort flags: aborts `c`'s job, and leaves it linked
+/// (`gone`: the communicator is freed after, as an abort's is).
+fn abort_group_job(c: usize, what: &str, gone: bool) {
+    let mut j = group_jobs();
+    let id = if gone {
+        j.linked.remove(&c)
+    } else {
+        j.linked.get(&c).copied()
+    };
+    if let Some(id) = id {
+        unref_group_job(&mut j, id, what);
+    }
+}
+
 /// CUDA graphs that hold communicators' work, as NVIDIA's NCCL counts them: a launch on a
 /// stream under capture makes its plans persistent, each counted in its communicator's
 /// `localPersistentRefs` (enqueue.cc:1542-1546 of 2.28.9), until the graph is destroyed and
@@ -657,6 +741,7 @@ fn launch(calls: Vec<NcclCall>) -> bool {
             *l.entry(c.comm).or_default() += 1;
         }
     }
+    link_group_job(calls.iter().map(|c| c.comm));
     // NCCL's group end starts a thread per group (pthread_create, group.cc:734).
     std::thread::spawn(move || {
         let delay = LAUNCH_DELAY_MS.load(std::sync::atomic::Ordering::Acquire);
@@ -892,6 +977,7 @@ mod wrap {
         // Stricter than NCCL for a communicator that is not the last of its id here (NCCL
         // frees nothing in its teardown): every teardown waits for its device first.
         super::abort_launches(c as usize);
+        super::abort_group_job(c as usize, "ncclCommAbort (ncclGroupJobAbort)", true);
         release_through_the_driver(device_of(c as usize));
         // SAFETY: forwarded unchanged to the host provider's entry point.
         let r = unsafe { (host().ncclCommAbort)(c) };
@@ -905,6 +991,8 @@ mod wrap {
         // SAFETY: as above.
         let r = unsafe { (host().ncclCommDestroy)(c) };
         if r == nccl_sys::bindings::ncclSuccess {
+            // Its `ncclCommEnsureReady` read ncclSuccess (init.cc:2578 of v2.29.7-1).
+            super::complete_group_job(c as usize);
             reclaim(c, super::teardown_time().0);
         }
         r
@@ -1045,11 +1133,21 @@ mod wrap {
     pub unsafe extern "C" fn revoke(c: ncclComm_t, flags: std::ffi::c_int) -> ncclResult_t {
         super::abort_launches(c as usize);
         // SAFETY: forwarded unchanged to the host provider's entry point.
-        unsafe {
+        let r = unsafe {
             (host()
                 .ncclCommRevoke
                 .expect("the host provider has ncclCommRevoke"))(c, flags)
+        };
+        // Past its refusals, NCCL's revoke aborts the linked job and leaves it linked
+        // (init.cc:2664), and its own group end links its job only where none is linked
+        // (group.cc:802).
+        if r == nccl_sys::bindings::ncclSuccess || r == nccl_sys::bindings::ncclInProgress {
+            super::abort_group_job(c as usize, "ncclCommRevoke (ncclGroupJobAbort)", false);
+            if r == nccl_sys::bindings::ncclInProgress {
+                super::link_group_job([c as usize]);
+            }
         }
+        r
     }
 
     /// A communicator whose launch still runs reads ncclInProgress.
@@ -1060,7 +1158,15 @@ mod wrap {
             return nccl_sys::bindings::ncclSuccess;
         }
         // SAFETY: forwarded unchanged to the host provider's entry point.
-        unsafe { (host().ncclCommGetAsyncError)(c, out) }
+        let r = unsafe { (host().ncclCommGetAsyncError)(c, out) };
+        // SAFETY: `out` was written by the call when it succeeded (checked non-null).
+        if r == nccl_sys::bindings::ncclSuccess
+            && !out.is_null()
+            && unsafe { out.read() } == nccl_sys::bindings::ncclSuccess
+        {
+            super::complete_group_job(c as usize);
+        }
+        r
     }
 }
 
