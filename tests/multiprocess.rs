@@ -1508,6 +1508,10 @@ fn a_watchdog_revoke_ends_a_wait_in_shared_memory() {
             c.is_revoked(),
             r.is_err()
         );
+        // Stay until the other waiting rank must have returned too (the test asks < 3 s of
+        // each): an exit before its own watchdog revoked would end its wait as a departure
+        // (`RankLeft`) instead, which is right but not what this test is about.
+        std::thread::sleep(Duration::from_millis(3500).saturating_sub(t0.elapsed()));
         std::process::exit(0)
     }
     let outs = spawn("a_watchdog_revoke_ends_a_wait_in_shared_memory", 3, &[]);
