@@ -837,6 +837,26 @@ mod tests {
                 }
             }
         }
+        // What a caller passes: on the root what NCCL uses; off it too, for every buffer
+        // NCCL uses there (only a root-only buffer has an off-root rule of its own).
+        for &c in Collective::ALL {
+            for (n, count) in [(1, 0), (3, 2), (4, 5)] {
+                for is_root in [true, false] {
+                    let (s, r) = c.lengths(count, n, is_root).unwrap();
+                    let (es, er) = c.elements(count, n, is_root).unwrap();
+                    for (len, used) in [(s, es), (r, er)] {
+                        if is_root || used > 0 {
+                            assert_eq!(len, Length::Exactly(used), "{c:?} n={n} root={is_root}");
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            Collective::Gather.lengths(2, 3, false),
+            Some((Length::Exactly(2), Length::EmptyOr(6)))
+        );
+        assert_eq!(Collective::Scatter.lengths(usize::MAX, 2, false), None);
         let mut of: Vec<Collective> = EntryPoint::ALL
             .iter()
             .filter_map(|e| e.collective())
