@@ -982,7 +982,9 @@ mod tests {
 /// # Safety
 /// NCCL's contract for the entry point: the source valid for `count` elements until the
 /// work is done, `recv` a live window of this communicator, the peer in range.
-#[inline(always)]
+// Out of line: it keeps the collectives' dispatch in `Op::enqueue` small (a group's
+// operations dispatch at run time).
+#[inline(never)]
 pub(crate) unsafe fn one_sided_call(
     entry: EntryPoint,
     t: &nccl_sys::FunctionTable,

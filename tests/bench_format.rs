@@ -27,11 +27,7 @@ fn bus_factors_are_nccl_tests() {
         ] {
             assert_eq!(c.bus_factor(n), (f - 1.0) / f, "{c:?}");
         }
-        for c in [
-            Collective::Broadcast,
-            Collective::Reduce,
-            Collective::Send,
-        ] {
+        for c in [Collective::Broadcast, Collective::Reduce, Collective::Send] {
             assert_eq!(c.bus_factor(n), 1.0, "{c:?}");
         }
     }

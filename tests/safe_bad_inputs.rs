@@ -245,11 +245,20 @@ fn every_collective_takes_the_lengths_of_its_row() {
                             let send_fixes = lens(send_ext, MAX * N).any(|x| row(x, nr));
                             let recv_fixes = lens(recv_ext, MAX * N).any(|x| row(ns, x));
                             let named_send = role == BufferRole::Send;
-                            let alone = |send: bool| (0..=MAX * N).any(|count| {
-                                let (s, r) = c.lengths(count, N, me == ROOT).unwrap();
-                                if send { s.accepts(expected) } else { r.accepts(expected) }
-                            });
-                            assert!(alone(named_send), "{at}: {role} = {expected} is not the row's");
+                            let alone = |send: bool| {
+                                (0..=MAX * N).any(|count| {
+                                    let (s, r) = c.lengths(count, N, me == ROOT).unwrap();
+                                    if send {
+                                        s.accepts(expected)
+                                    } else {
+                                        r.accepts(expected)
+                                    }
+                                })
+                            };
+                            assert!(
+                                alone(named_send),
+                                "{at}: {role} = {expected} is not the row's"
+                            );
                             if send_fixes != recv_fixes {
                                 assert_eq!(named_send, send_fixes, "{at}: names the {role}");
                             }

@@ -164,7 +164,8 @@ impl<'a> Op<'a> {
         } = self;
         let (count, stream) = (info.count(), info.stream());
         let entry = info.entry_point();
-        if count == 0 && entry.collective().is_some_and(|c| c.every_rank()) {
+        let collective = entry.collective();
+        if count == 0 && collective.is_some_and(|c| c.every_rank()) {
             // NCCL discards an empty collective after its argument checks (taskAppend,
             // enqueue.cc:2554-2555 of 2.28.9): no work and no peer. So it is not issued,
             // and the diagnostics do not count it either: their sequence numbers must match
@@ -172,7 +173,9 @@ impl<'a> Op<'a> {
             // peers never call).
             return Ok(guards);
         }
-        let args = |comm| CallArgs {
+        // Everything but the handle is known here (and, for a single operation, at compile
+        // time): the closure below only makes the call.
+        let args = CallArgs {
             send,
             recv,
             count,
@@ -182,7 +185,7 @@ impl<'a> Op<'a> {
             op: red,
             // The root or peer, checked in range by the description.
             rank: info.rank().map_or(0, |r| r as c_int),
-            comm,
+            comm: std::ptr::null_mut(),
             stream: stream.raw(),
         };
         comm.issue(
@@ -190,15 +193,16 @@ impl<'a> Op<'a> {
             caller,
             #[inline(always)]
             |t, raw| {
+                let args = CallArgs { comm: raw, ..args };
                 // SAFETY: the description checked both buffers against the row's lengths
                 // for `count` and this provider's memory, and every other argument (the
                 // rank in range, the reduction of this communicator, the entry point
                 // present); `guards` and the lifetime `'a` keep the buffers borrowed until
                 // the work is enqueued.
                 let make = || unsafe {
-                    match entry.collective() {
-                        Some(c) => c.call(t, args(raw)),
-                        None => crate::register::one_sided_call(entry, t, args(raw), offset),
+                    match collective {
+                        Some(c) => c.call(t, args),
+                        None => crate::register::one_sided_call(entry, t, args, offset),
                     }
                 };
                 #[cfg(feature = "host")]
@@ -372,7 +376,9 @@ impl<'a> OpChecks<'a> {
         let is_root = self.rank.is_none_or(|r| r == self.comm.rank());
         let (s, r) = self.call.extents();
         let fits = |e: Extent| {
-            !e.is_world() || e.on_root(count, n).is_some_and(|x| x.checked_mul(16).is_some())
+            !e.is_world()
+                || e.on_root(count, n)
+                    .is_some_and(|x| x.checked_mul(16).is_some())
         };
         match self.call.lengths(count, n, is_root) {
             Some(both) if fits(s) && fits(r) => Ok(both),
@@ -435,7 +441,11 @@ impl<'a> OpChecks<'a> {
     /// length in terms of the other buffer's.
     fn rule(&self, role: BufferRole, len: Length) -> &'static str {
         let (s, r) = self.call.extents();
-        let (mine, other) = if role == BufferRole::Send { (s, r) } else { (r, s) };
+        let (mine, other) = if role == BufferRole::Send {
+            (s, r)
+        } else {
+            (r, s)
+        };
         let world = mine.is_world() && !other.is_world();
         let on_root = matches!(
             mine,
@@ -445,7 +455,12 @@ impl<'a> OpChecks<'a> {
             ($mine:literal, $other:literal) => {
                 match (world, on_root, len) {
                     (true, true, Length::EmptyOr(_)) => {
-                        concat!("off the root, ", $mine, " is empty or world_size x ", $other)
+                        concat!(
+                            "off the root, ",
+                            $mine,
+                            " is empty or world_size x ",
+                            $other
+                        )
                     }
                     (false, true, Length::EmptyOr(_)) => {
                         concat!("off the root, ", $mine, " is empty or as long as ", $other)
@@ -496,8 +511,16 @@ impl<'a> OpChecks<'a> {
         let (send_len, recv_len) = self.lengths(count)?;
         let send_used = self.check(BufferRole::Send, send, send_len)?;
         let recv_used = self.check(BufferRole::Recv, recv, recv_len)?;
-        let s = if send_used { send.send_ptr(self.stream) } else { NO_SEND };
-        let r = if recv_used { recv.recv_ptr(self.stream) } else { NO_RECV };
+        let s = if send_used {
+            send.send_ptr(self.stream)
+        } else {
+            NO_SEND
+        };
+        let r = if recv_used {
+            recv.recv_ptr(self.stream)
+        } else {
+            NO_RECV
+        };
         Ok(self.op::<T>(count, s, r))
     }
 
