@@ -3,7 +3,7 @@
 use std::ffi::{c_int, c_void};
 use std::panic::Location;
 
-use nccl_sys::{ncclRedOp_t, CallArgs, Collective, Extent, Length, OffRoot, RankArg};
+use nccl_sys::{ncclRedOp_t, CallArgs, Collective, EntryPoint, Extent, Length, OffRoot, RankArg};
 
 use super::Reduction;
 use crate::buffer::{BufferGuard, RecvBuffer, SendBuffer};
@@ -202,7 +202,7 @@ impl<'a> Op<'a> {
                 let make = || unsafe {
                     match collective {
                         Some(c) => c.call(t, args),
-                        None => crate::register::one_sided_call(entry, t, args, offset),
+                        None => one_sided_call(entry, t, args, offset),
                     }
                 };
                 #[cfg(feature = "host")]
@@ -237,6 +237,55 @@ impl<'a> Op<'a> {
             info,
             caller,
             guards: [send.1, BufferGuard::Host],
+        }
+    }
+}
+
+/// Makes a one-sided call of an [`Op`] (`crate::register` describes them): `ncclPutSignal` of `args.count` elements from
+/// `args.send` into the window `args.recv` at byte `offset` of the peer `args.rank`, or
+/// `ncclSignal` to that peer (signal index 0 of context 0, the one NCCL 2.29-2.30 has);
+/// `ncclInvalidUsage` for another entry point or an absent one.
+///
+/// # Safety
+/// NCCL's contract for the entry point: the source valid for `count` elements until the
+/// work is done, `recv` a live window of this communicator, the peer in range.
+// Out of line: it keeps the collectives' dispatch in `Op::enqueue` small (a group's
+// operations dispatch at run time).
+#[inline(never)]
+unsafe fn one_sided_call(
+    entry: EntryPoint,
+    t: &nccl_sys::FunctionTable,
+    args: nccl_sys::CallArgs,
+    offset: usize,
+) -> nccl_sys::ncclResult_t {
+    let nccl_sys::CallArgs {
+        send,
+        recv,
+        count,
+        datatype,
+        rank: peer,
+        comm,
+        stream,
+        ..
+    } = args;
+    // SAFETY: the caller's contract.
+    unsafe {
+        match (entry, t.ncclPutSignal, t.ncclSignal) {
+            (EntryPoint::ncclPutSignal, Some(f), _) => f(
+                send,
+                count,
+                datatype,
+                peer,
+                recv.cast(),
+                offset,
+                0,
+                0,
+                0,
+                comm,
+                stream,
+            ),
+            (EntryPoint::ncclSignal, _, Some(f)) => f(peer, 0, 0, 0, comm, stream),
+            _ => nccl_sys::bindings::ncclInvalidUsage,
         }
     }
 }
