@@ -652,11 +652,14 @@ impl Collective {
     /// argument) on `nranks` ranks; `None` when one overflows.
     #[inline]
     pub fn elements(self, count: usize, nranks: usize, is_root: bool) -> Option<(usize, usize)> {
+        self.per_buffer(|e| e.elements(count, nranks, is_root))
+    }
+
+    /// `f` of its (send, receive) extents; `None` when either is.
+    #[inline(always)]
+    fn per_buffer<T>(self, f: impl Fn(Extent) -> Option<T>) -> Option<(T, T)> {
         let (send, recv) = self.extents();
-        Some((
-            send.elements(count, nranks, is_root)?,
-            recv.elements(count, nranks, is_root)?,
-        ))
+        Some((f(send)?, f(recv)?))
     }
 }
 
@@ -735,11 +738,7 @@ impl Collective {
     /// one overflows.
     #[inline]
     pub fn lengths(self, count: usize, nranks: usize, is_root: bool) -> Option<(Length, Length)> {
-        let (send, recv) = self.extents();
-        Some((
-            send.length(count, nranks, is_root)?,
-            recv.length(count, nranks, is_root)?,
-        ))
+        self.per_buffer(|e| e.length(count, nranks, is_root))
     }
 }
 
