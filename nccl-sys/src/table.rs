@@ -656,7 +656,7 @@ impl Collective {
     }
 
     /// `f` of its (send, receive) extents; `None` when either is.
-    #[inline(always)]
+    #[inline]
     fn per_buffer<T>(self, f: impl Fn(Extent) -> Option<T>) -> Option<(T, T)> {
         let (send, recv) = self.extents();
         Some((f(send)?, f(recv)?))
