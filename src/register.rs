@@ -592,17 +592,16 @@ impl Communicator {
         self.ensure_usable_for(CALL)?;
         let stream = stream.as_stream();
         self.check_stream(OP, stream)?;
-        let p = self.one_sided_peer(OP, peer)?;
+        self.one_sided_peer(OP, peer)?;
         signal.raw(OP)?;
         let info = crate::diag::OpInfo::one_sided(CALL, None, 0, Some(peer), stream);
         // The peer is in range and the signal the one NCCL has (checked above).
-        let call = crate::ops::Call::Signal { peer: p };
         let none = (std::ptr::null(), BufferGuard::Host);
         Ok(Op::one_sided(
             self,
-            call,
             none,
             std::ptr::null_mut(),
+            0,
             info,
             caller,
         ))
@@ -706,7 +705,7 @@ impl<'comm, B: ?Sized> Window<'comm, '_, B> {
         let stream = stream.as_stream();
         comm.check_stream(OP, stream)?;
         T::DATA_TYPE.check_supported(lib)?;
-        let p = comm.one_sided_peer(OP, peer)?;
+        comm.one_sided_peer(OP, peer)?;
         signal.raw(OP)?;
         if !std::ptr::eq(src.comm, comm) {
             return Err(invalid(
@@ -752,17 +751,13 @@ impl<'comm, B: ?Sized> Window<'comm, '_, B> {
         // The source range and the target's end were checked against both windows, the
         // peer and the signal (the one NCCL has) too; the Op keeps the source's guard and
         // both windows borrowed until it ran.
-        let call = crate::ops::Call::PutSignal {
-            peer: p,
-            at: offset * size,
-        };
         let info =
             crate::diag::OpInfo::one_sided(CALL, Some(T::DATA_TYPE), count, Some(peer), stream);
         Ok(Op::one_sided(
             comm,
-            call,
             (local, guard),
             self.win.cast(),
+            offset * size,
             info,
             caller,
         ))

@@ -6,7 +6,7 @@
 mod common;
 
 use common::options::{self, Backend, Command, Options, Register};
-use common::report::{self, Collective};
+use common::report::{self, Collective, Measured, MEASURED};
 
 fn opts(args: &[&str]) -> Options {
     match options::parse(args.iter().copied()) {
@@ -27,11 +27,7 @@ fn bus_factors_are_nccl_tests() {
         ] {
             assert_eq!(c.bus_factor(n), (f - 1.0) / f, "{c:?}");
         }
-        for c in [
-            Collective::Broadcast,
-            Collective::Reduce,
-            Collective::SendRecv,
-        ] {
+        for c in [Collective::Broadcast, Collective::Reduce, Collective::Send] {
             assert_eq!(c.bus_factor(n), 1.0, "{c:?}");
         }
     }
@@ -62,7 +58,7 @@ fn options_follow_nccl_tests() {
         (o.min_bytes, o.max_bytes, o.iters, o.warmup_iters),
         (32 << 20, 32 << 20, 20, 5)
     );
-    assert_eq!(o.collectives, Collective::ALL.to_vec());
+    assert_eq!(o.collectives, MEASURED.to_vec());
     let o = opts(&[
         "-b",
         "8",
@@ -101,7 +97,7 @@ fn options_follow_nccl_tests() {
         vec![
             Collective::AllReduce,
             Collective::Broadcast,
-            Collective::SendRecv,
+            Collective::Send,
             Collective::AllToAll
         ]
     );
@@ -200,7 +196,7 @@ fn tiny_host_sweep_prints_a_full_table_with_no_wrong_values() {
     );
     let sizes = o.sizes().len();
     assert_eq!(sizes, 4);
-    assert_eq!(outcome.rows.len(), sizes * Collective::ALL.len(), "{text}");
+    assert_eq!(outcome.rows.len(), sizes * MEASURED.len(), "{text}");
     assert_eq!(report::total_wrong(&outcome.rows), 0, "{text}");
     let data_rows: Vec<&str> = text
         .lines()
@@ -212,11 +208,11 @@ fn tiny_host_sweep_prints_a_full_table_with_no_wrong_values() {
     }
     assert_eq!(
         text.matches("# Out of bounds values : 0 OK").count(),
-        Collective::ALL.len()
+        MEASURED.len()
     );
     assert_eq!(
         text.matches("# Avg bus bandwidth    : ").count(),
-        Collective::ALL.len()
+        MEASURED.len()
     );
     let json = report::to_json(&outcome.info, &outcome.rows);
     assert_eq!(
@@ -263,7 +259,7 @@ fn registered_host_sweeps_allocate_with_ncclmemalloc_and_register_every_buffer()
         assert!(text.contains(line), "{text}");
         assert_eq!(
             outcome.rows.len(),
-            o.sizes().len() * Collective::ALL.len(),
+            o.sizes().len() * MEASURED.len(),
             "{text}"
         );
         assert_eq!(report::total_wrong(&outcome.rows), 0, "{text}");

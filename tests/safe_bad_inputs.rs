@@ -191,6 +191,87 @@ fn wrong_lengths_follow_each_collectives_rule() {
     });
 }
 
+/// The safe layer asks of each buffer the length its collective's row in nccl-sys gives
+/// ([`Collective::lengths`], which the host provider reads too), on the root and off it,
+/// for every collective: each rank describes each collective with every pair of buffer
+/// lengths up to `MAX`, and a pair is accepted exactly when the row accepts both for some
+/// count; a refused one names a buffer and the length that makes the pair accepted. The
+/// match below has an arm per row, so a new collective cannot be left out.
+#[test]
+fn every_collective_takes_the_lengths_of_its_row() {
+    use nccl_sys::{Collective, Extent};
+    const N: usize = 3;
+    const ROOT: usize = 1;
+    const MAX: usize = 3 * N + 1;
+    run_ranks(N, |comm| {
+        let me = comm.rank();
+        // Send to the next rank, receive from the previous one: only described, never run.
+        let peer = (me + 1) % N;
+        for &c in Collective::ALL {
+            let row = |ns: usize, nr: usize| {
+                (0..=MAX * N).any(|count| {
+                    let (s, r) = c.lengths(count, N, me == ROOT).unwrap();
+                    s.accepts(ns) && r.accepts(nr)
+                })
+            };
+            // Lengths to try, and to look for a fix among (up to a world of MAX blocks).
+            let lens = |e: Extent, up: usize| if e == Extent::Unused { 0..=0 } else { 0..=up };
+            let (send_ext, recv_ext) = c.extents();
+            for ns in lens(send_ext, MAX) {
+                for nr in lens(recv_ext, MAX) {
+                    let send = vec![1.0f32; ns];
+                    let mut recv = vec![0.0f32; nr];
+                    let (send, recv) = (&send, &mut recv);
+                    let sum = ReduceOp::Sum;
+                    let described = match c {
+                        Collective::AllReduce => comm.all_reduce_op(send, recv, sum, &S),
+                        Collective::Broadcast => comm.broadcast_op(send, recv, ROOT, &S),
+                        Collective::Reduce => comm.reduce_op(send, recv, sum, ROOT, &S),
+                        Collective::AllGather => comm.all_gather_op(send, recv, &S),
+                        Collective::ReduceScatter => comm.reduce_scatter_op(send, recv, sum, &S),
+                        Collective::AllToAll => comm.all_to_all_op(send, recv, &S),
+                        Collective::Gather => comm.gather_op(send, recv, ROOT, &S),
+                        Collective::Scatter => comm.scatter_op(send, recv, ROOT, &S),
+                        Collective::Send => comm.send_op(send, peer, &S),
+                        Collective::Recv => comm.recv_op(recv, peer, &S),
+                    }
+                    .map(drop);
+                    let at = format!("{c} on rank {me}: send {ns}, recv {nr}");
+                    match (row(ns, nr), described) {
+                        (true, Ok(())) => {}
+                        (false, Err(Error::LengthMismatch { role, expected, .. })) => {
+                            // The buffer it names could have `expected` for some count, and
+                            // when only one of the two can put the pair right, it is that one.
+                            let send_fixes = lens(send_ext, MAX * N).any(|x| row(x, nr));
+                            let recv_fixes = lens(recv_ext, MAX * N).any(|x| row(ns, x));
+                            let named_send = role == BufferRole::Send;
+                            let alone = |send: bool| {
+                                (0..=MAX * N).any(|count| {
+                                    let (s, r) = c.lengths(count, N, me == ROOT).unwrap();
+                                    if send {
+                                        s.accepts(expected)
+                                    } else {
+                                        r.accepts(expected)
+                                    }
+                                })
+                            };
+                            assert!(
+                                alone(named_send),
+                                "{at}: {role} = {expected} is not the row's"
+                            );
+                            if send_fixes != recv_fixes {
+                                assert_eq!(named_send, send_fixes, "{at}: names the {role}");
+                            }
+                        }
+                        (ok, got) => panic!("{at}: the row accepts it: {ok}, got {got:?}"),
+                    }
+                }
+            }
+        }
+        still_usable(comm);
+    });
+}
+
 #[test]
 fn roots_and_peers_out_of_range() {
     run_ranks(2, |comm| {

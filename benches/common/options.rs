@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use nccl_safe::{DataType, ReduceOp};
 
-use super::report::Collective;
+use super::report::{self, Collective, Measured, MEASURED};
 
 /// Which implementation runs the collectives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,7 +106,7 @@ impl Default for Options {
             backend: Backend::Auto,
             register: Register::None,
             event_tracking: false,
-            collectives: Collective::ALL.to_vec(),
+            collectives: MEASURED.to_vec(),
             json: None,
             plot: None,
         }
@@ -222,11 +222,11 @@ fn parse_number(flag: &str, text: &str) -> Result<usize, UsageError> {
 fn push_collectives(text: &str, to: &mut Vec<Collective>) -> Result<(), UsageError> {
     for name in text.split(',').filter(|s| !s.is_empty()) {
         if name == "all" {
-            to.extend_from_slice(&Collective::ALL);
+            to.extend_from_slice(&MEASURED);
             continue;
         }
-        let c = Collective::from_name(name).ok_or_else(|| {
-            let known: Vec<_> = Collective::ALL.iter().map(|c| c.name()).collect();
+        let c = report::from_name(name).ok_or_else(|| {
+            let known: Vec<_> = MEASURED.iter().map(|c| c.bench_name()).collect();
             UsageError(format!(
                 "unknown collective `{name}` (known: {})",
                 known.join(", ")

@@ -5,11 +5,11 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use super::ranks::Result;
-use super::report::{Collective, Row, RunInfo};
+use super::report::{Collective, Measured, Row, RunInfo, MEASURED};
 
 /// Draws the best of out-of-place and in-place bus bandwidth per size, per collective.
 pub fn draw(path: &Path, info: &RunInfo, rows: &[Row]) -> Result<()> {
-    let series: Vec<(Collective, Vec<(f64, f64)>)> = Collective::ALL
+    let series: Vec<(Collective, Vec<(f64, f64)>)> = MEASURED
         .iter()
         .map(|&c| {
             let pts = rows
@@ -62,7 +62,7 @@ pub fn draw(path: &Path, info: &RunInfo, rows: &[Row]) -> Result<()> {
         let color = Palette99::pick(i).to_rgba();
         chart
             .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))?
-            .label(c.name())
+            .label(c.bench_name())
             .legend(move |(x, y)| {
                 PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
             });

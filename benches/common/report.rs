@@ -3,24 +3,21 @@
 
 use std::fmt::Write as _;
 
-/// The collectives the bandwidth bench measures.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Collective {
-    /// `ncclAllReduce`
-    AllReduce,
-    /// `ncclAllGather`
-    AllGather,
-    /// `ncclBroadcast`
-    Broadcast,
-    /// `ncclReduce`
-    Reduce,
-    /// `ncclReduceScatter`
-    ReduceScatter,
-    /// `ncclAlltoAll`
-    AllToAll,
-    /// `ncclSend`/`ncclRecv` in a ring: to rank+1, from rank-1, in one group.
-    SendRecv,
-}
+pub use nccl_sys::Collective;
+use nccl_sys::RankArg;
+
+/// The collectives the bandwidth bench measures, in the order they run by default.
+/// [`Collective::Send`] stands for nccl-tests' sendrecv: `ncclSend`/`ncclRecv` in a ring,
+/// to rank+1 and from rank-1, in one group.
+pub const MEASURED: [Collective; 7] = [
+    Collective::AllReduce,
+    Collective::AllGather,
+    Collective::Broadcast,
+    Collective::Reduce,
+    Collective::ReduceScatter,
+    Collective::AllToAll,
+    Collective::Send,
+];
 
 /// Element counts of one measurement (nccl-tests' `getCollByteCount`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,20 +30,49 @@ pub struct Counts {
     pub param: usize,
 }
 
-impl Collective {
-    /// Every collective, in the order they run by default.
-    pub const ALL: [Collective; 7] = [
-        Collective::AllReduce,
-        Collective::AllGather,
-        Collective::Broadcast,
-        Collective::Reduce,
-        Collective::ReduceScatter,
-        Collective::AllToAll,
-        Collective::SendRecv,
-    ];
+/// The collective named `name` on the command line (nccl-tests' binary names are accepted
+/// too), among [`MEASURED`].
+pub fn from_name(name: &str) -> Option<Collective> {
+    let n = name.trim().trim_end_matches("_perf").replace('-', "_");
+    MEASURED
+        .into_iter()
+        .find(|c| c.bench_name() == n)
+        .or(match n.as_str() {
+            "alltoall" => Some(Collective::AllToAll),
+            "allreduce" => Some(Collective::AllReduce),
+            "allgather" => Some(Collective::AllGather),
+            "reducescatter" => Some(Collective::ReduceScatter),
+            "bcast" => Some(Collective::Broadcast),
+            _ => None,
+        })
+}
 
+/// What the bandwidth bench makes of a collective: its name, its root, its counts and
+/// bandwidths as nccl-tests has them. Its buffers' lengths are its row's
+/// ([`Collective::extents`]).
+pub trait Measured: Copy {
     /// The name used on the command line, in the JSON and in the plot's legend.
-    pub fn name(self) -> &'static str {
+    fn bench_name(self) -> &'static str;
+    /// Whether it has a root (else the table says `-1`).
+    fn has_root(self) -> bool;
+    /// Whether its buffers hold `n` blocks (all_gather, reduce_scatter, all_to_all): the
+    /// size is then the whole buffer.
+    fn is_world(self) -> bool;
+    /// Bus bandwidth over algorithm bandwidth for `n` ranks, exactly as nccl-tests:
+    /// all_reduce `2(n-1)/n`; all_gather, reduce_scatter, all_to_all `(n-1)/n`;
+    /// broadcast, reduce, sendrecv `1`.
+    fn bus_factor(self, n: usize) -> f64;
+    /// Element counts for a size of `count` elements on `n` ranks. For all_gather,
+    /// reduce_scatter and all_to_all the size is the whole buffer, so each rank's block
+    /// is `count / n` (rounded down, as nccl-tests does).
+    fn counts(self, count: usize, n: usize) -> Counts;
+    /// Algorithm and bus bandwidth (GB/s, decimal) for `param` elements of `elem` bytes
+    /// moved in `seconds` on `n` ranks (nccl-tests' `getBw`).
+    fn bandwidth(self, param: usize, elem: usize, seconds: f64, n: usize) -> (f64, f64);
+}
+
+impl Measured for Collective {
+    fn bench_name(self) -> &'static str {
         match self {
             Collective::AllReduce => "all_reduce",
             Collective::AllGather => "all_gather",
@@ -54,98 +80,53 @@ impl Collective {
             Collective::Reduce => "reduce",
             Collective::ReduceScatter => "reduce_scatter",
             Collective::AllToAll => "all_to_all",
-            Collective::SendRecv => "sendrecv",
+            Collective::Gather => "gather",
+            Collective::Scatter => "scatter",
+            Collective::Send => "sendrecv",
+            Collective::Recv => "recv",
         }
     }
 
-    /// The collective named `name` (nccl-tests' binary names are accepted too).
-    pub fn from_name(name: &str) -> Option<Collective> {
-        let n = name.trim().trim_end_matches("_perf").replace('-', "_");
-        Collective::ALL
-            .into_iter()
-            .find(|c| c.name() == n)
-            .or(match n.as_str() {
-                "alltoall" => Some(Collective::AllToAll),
-                "allreduce" => Some(Collective::AllReduce),
-                "allgather" => Some(Collective::AllGather),
-                "reducescatter" => Some(Collective::ReduceScatter),
-                "bcast" => Some(Collective::Broadcast),
-                _ => None,
-            })
+    fn has_root(self) -> bool {
+        self.rank_arg() == RankArg::Root
     }
 
-    /// Whether it takes a reduction operator (else the table says `none`).
-    pub fn has_redop(self) -> bool {
-        matches!(
-            self,
-            Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter
-        )
+    fn is_world(self) -> bool {
+        let (send, recv) = self.extents();
+        send.is_world() || recv.is_world()
     }
 
-    /// Whether it has a root (else the table says `-1`).
-    pub fn has_root(self) -> bool {
-        matches!(self, Collective::Broadcast | Collective::Reduce)
-    }
-
-    /// Bus bandwidth over algorithm bandwidth for `n` ranks, exactly as nccl-tests:
-    /// all_reduce `2(n-1)/n`; all_gather, reduce_scatter, all_to_all `(n-1)/n`;
-    /// broadcast, reduce, sendrecv `1`.
-    pub fn bus_factor(self, n: usize) -> f64 {
+    fn bus_factor(self, n: usize) -> f64 {
         let n = n as f64;
         match self {
             Collective::AllReduce => 2.0 * (n - 1.0) / n,
-            Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll => {
-                (n - 1.0) / n
-            }
-            Collective::Broadcast | Collective::Reduce | Collective::SendRecv => 1.0,
+            c if c.is_world() => (n - 1.0) / n,
+            _ => 1.0,
         }
     }
 
-    /// Element counts for a size of `count` elements on `n` ranks. For all_gather,
-    /// reduce_scatter and all_to_all the size is the whole buffer, so each rank's block
-    /// is `count / n` (rounded down, as nccl-tests does).
-    pub fn counts(self, count: usize, n: usize) -> Counts {
-        let block = count / n;
-        match self {
-            Collective::AllReduce
-            | Collective::Broadcast
-            | Collective::Reduce
-            | Collective::SendRecv => Counts {
-                send: count,
-                recv: count,
-                param: count,
-            },
-            Collective::AllGather => Counts {
-                send: block,
-                recv: block * n,
-                param: block,
-            },
-            Collective::ReduceScatter => Counts {
-                send: block * n,
-                recv: block,
-                param: block,
-            },
-            Collective::AllToAll => Counts {
-                send: block * n,
-                recv: block * n,
-                param: block,
-            },
+    fn counts(self, count: usize, n: usize) -> Counts {
+        let param = if self.is_world() { count / n } else { count };
+        let (send, recv) = self.extents();
+        // Sendrecv receives what its ring's sends send.
+        let recv = match self {
+            Collective::Send => Collective::Recv.extents().1,
+            _ => recv,
+        };
+        let on_root = |e: nccl_sys::Extent| e.on_root(param, n).expect("a bench size fits");
+        Counts {
+            send: on_root(send),
+            recv: on_root(recv),
+            param,
         }
     }
 
-    /// Algorithm and bus bandwidth (GB/s, decimal) for `param` elements of `elem` bytes
-    /// moved in `seconds` on `n` ranks (nccl-tests' `getBw`).
-    pub fn bandwidth(self, param: usize, elem: usize, seconds: f64, n: usize) -> (f64, f64) {
+    fn bandwidth(self, param: usize, elem: usize, seconds: f64, n: usize) -> (f64, f64) {
         if seconds <= 0.0 {
             return (0.0, 0.0);
         }
-        let bytes = match self {
-            Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll => {
-                param * elem * n
-            }
-            _ => param * elem,
-        } as f64;
-        let alg = bytes / 1.0e9 / seconds;
+        let blocks = if self.is_world() { n } else { 1 };
+        let alg = (param * elem * blocks) as f64 / 1.0e9 / seconds;
         (alg, alg * self.bus_factor(n))
     }
 }
@@ -311,7 +292,7 @@ pub fn to_json(context: &RunInfo, rows: &[Row]) -> serde_json::Value {
         "out_of_bounds": total_wrong(rows),
         "avg_busbw": average_busbw(rows),
         "results": rows.iter().map(|r| serde_json::json!({
-            "collective": r.collective.name(),
+            "collective": r.collective.bench_name(),
             "size": r.size,
             "count": r.count,
             "type": r.dtype,
@@ -396,7 +377,7 @@ pub fn tracking_comparison(off: &[Row], on: &[Row]) -> String {
         let _ = writeln!(
             s,
             "# {:>12}  {:>12}  {:>12.2}  {:>12.2}  {:>7}  {:>12.2}  {:>12.2}  {:>7}",
-            a.collective.name(),
+            a.collective.bench_name(),
             a.size,
             a.out_of_place.time_us,
             b.out_of_place.time_us,

@@ -15,7 +15,7 @@ use nccl_safe::{
 use super::data::{self, SENTINEL};
 use super::options::{Average, Backend, Options, Register};
 use super::ranks::{BoxError, CudaRank, Elem, HostRank, NcclMemRank, Rank, Result};
-use super::report::{self, Collective, Measure, Row, RunInfo};
+use super::report::{self, Collective, Measure, Measured, Row, RunInfo};
 
 /// A barrier that every rank can break: a failing rank aborts it, so the others return
 /// an error instead of waiting for ever.
@@ -189,12 +189,13 @@ fn issue<R: Rank, T: Elem>(
                 Collective::Reduce => comm.reduce(send, recv, redop, root, s)?,
                 Collective::ReduceScatter => comm.reduce_scatter(send, recv, redop, s)?,
                 Collective::AllToAll => comm.all_to_all(send, recv, s)?,
-                Collective::SendRecv => {
+                Collective::Send => {
                     let mut g = Group::new();
                     g.push(comm.send_op(send, (me + 1) % n, s)?)?;
                     g.push(comm.recv_op(recv, (me + n - 1) % n, s)?)?;
                     g.end()?;
                 }
+                other => unmeasured(other),
             }
         }
         Bufs::InPlace { buf } => match coll {
@@ -203,7 +204,8 @@ fn issue<R: Rank, T: Elem>(
             Collective::Broadcast => comm.broadcast_in_place(&mut **buf, root, s)?,
             Collective::Reduce => comm.reduce_in_place(&mut **buf, redop, root, s)?,
             Collective::ReduceScatter => comm.reduce_scatter_in_place(&mut **buf, redop, s)?,
-            Collective::AllToAll | Collective::SendRecv => raw_in_place(rank, coll, &mut **buf)?,
+            Collective::AllToAll | Collective::Send => raw_in_place(rank, coll, &mut **buf)?,
+            other => unmeasured(other),
         },
     }
     Ok(())
@@ -370,14 +372,20 @@ fn plan<'a>(
             expected: Box::new(move |k| mv(k / b, me * block + k % b)),
             checked: 0..block * n,
         },
-        Collective::SendRecv => Plan {
+        Collective::Send => Plan {
             send: (count, Box::new(move |i| mv(me, i))),
             recv: sentinel(count),
             in_place: (count, Box::new(move |i| mv(me, i))),
             expected: Box::new(move |i| mv((me + n - 1) % n, i)),
             checked: 0..count,
         },
+        other => unmeasured(other),
     }
+}
+
+/// A collective outside [`report::MEASURED`], which options never pick.
+fn unmeasured(c: Collective) -> ! {
+    unreachable!("the bandwidth bench does not measure {c}")
 }
 
 fn to_elems<T: Elem>((len, f): &(usize, Gen<'_>)) -> Vec<T> {
@@ -439,7 +447,7 @@ fn bench_time<R: Rank, T: Elem>(
     let mut wrong = None;
     // nccl-tests times in-place sendrecv (send buffer == receive buffer) but does not
     // check it: the result of a buffer both sent and overwritten is not defined.
-    let checks = if in_place && coll == Collective::SendRecv {
+    let checks = if in_place && coll == Collective::Send {
         0
     } else {
         o.check
@@ -469,7 +477,7 @@ fn bench_time<R: Rank, T: Elem>(
             0
         };
         let range = p.checked.start + offset..p.checked.end + offset;
-        let tolerant = o.redop == ReduceOp::Avg && !T::INTEGER && coll.has_redop();
+        let tolerant = o.redop == ReduceOp::Avg && !T::INTEGER && coll.reduces();
         let mine = data::count_wrong::<T>(&out[range], &p.expected, tolerant);
         let total = cx.shared.all_reduce(me, mine as f64, |v| v.iter().sum())? as u64;
         wrong = Some(total);
@@ -539,7 +547,7 @@ fn sweep_rank<R: Rank, T: Elem>(rank: &R, cx: &Ctx<'_>) -> Result<()> {
                 size: c.send.max(c.recv) * elem,
                 count: c.param,
                 dtype: T::DATA_TYPE.name(),
-                redop: if coll.has_redop() {
+                redop: if coll.reduces() {
                     o.redop.name()
                 } else {
                     "none"
@@ -747,7 +755,7 @@ pub fn run(opts: &Options, out: &mut dyn Write) -> Result<Outcome> {
                 Msg::Start(c) => writeln!(
                     out,
                     "#\n# Collective test starting: {}\n#\n{}",
-                    c.name(),
+                    c.bench_name(),
                     report::table_header()
                 ),
                 Msg::Row(row) => {
@@ -760,7 +768,7 @@ pub fn run(opts: &Options, out: &mut dyn Write) -> Result<Outcome> {
                         out,
                         "{}\n# Collective test concluded: {}",
                         report::table_footer(&table),
-                        c.name()
+                        c.bench_name()
                     );
                     rows.append(&mut table);
                     w

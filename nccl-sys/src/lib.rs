@@ -43,8 +43,8 @@ pub use bindings::{
 };
 pub use param::{param, param_str};
 pub use table::{
-    optional_since, Block, BlockSource, Collective, EntryPoint, Extent, FunctionTable,
-    MissingSymbol, RankArg, Sender, Symbol, OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS,
+    optional_since, Block, BlockSource, CallArgs, Collective, EntryPoint, Extent, FunctionTable,
+    Length, MissingSymbol, OffRoot, RankArg, Sender, Symbol, OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS,
 };
 
 /// `NCCL_CONFIG_UNDEF_INT` (`INT_MIN`): "not set" for an integer field of `ncclConfig_t`.

@@ -204,6 +204,16 @@ macro_rules! function_table {
                 }
             }
 
+            /// Whether the table has `entry`: always for a required one, for an optional
+            /// one when its provider exports it. For a constant `entry` this is one load.
+            #[inline]
+            pub const fn has(&self, entry: EntryPoint) -> bool {
+                match entry {
+                    $( EntryPoint::$rname => true, )*
+                    $( EntryPoint::$oname => self.$oname.is_some(), )*
+                }
+            }
+
             /// The names of the optional entry points this table has.
             pub fn present_optional(&self) -> Vec<&'static str> {
                 let mut v = Vec::new();
@@ -374,24 +384,91 @@ pub enum Extent {
     Count,
     /// `count x nranks` elements.
     World,
-    /// `count` elements on the root, unused on every other rank.
-    RootCount,
-    /// `count x nranks` elements on the root, unused on every other rank.
-    RootWorld,
+    /// `count` elements on the root; NCCL uses it on no other rank, where [`OffRoot`]
+    /// says what a caller passes.
+    RootCount(OffRoot),
+    /// `count x nranks` elements on the root; as [`RootCount`](Self::RootCount) off it.
+    RootWorld(OffRoot),
+}
+
+/// What a rank other than the root passes for a buffer that NCCL uses on the root only
+/// (an [`Extent::RootCount`] or [`Extent::RootWorld`]): the length the safe layer asks of
+/// it. NCCL reads and writes none of its elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OffRoot {
+    /// As long as on the root (the rule is the same on every rank).
+    AsRoot,
+    /// Empty (passed as a null pointer) or as long as on the root: NCCL refuses a null one
+    /// under `NCCL_CHECK_POINTERS=1`, and over symmetric windows it finds the root's
+    /// buffer at this one's offset, so a non-empty one is sized as the root's.
+    EmptyOrAsRoot,
+    /// Any length: only where it lives matters (NCCL is given its address, null if empty).
+    Any,
+}
+
+/// The length a rank's buffer must have, from its [`Extent`] (see [`Extent::length`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Length {
+    /// Exactly this many elements.
+    Exactly(usize),
+    /// None, or exactly this many.
+    EmptyOr(usize),
+    /// Any number.
+    Any,
+}
+
+impl Length {
+    /// Whether a buffer of `len` elements satisfies it.
+    #[inline]
+    pub const fn accepts(self, len: usize) -> bool {
+        match self {
+            Length::Exactly(n) => len == n,
+            Length::EmptyOr(n) => len == 0 || len == n,
+            Length::Any => true,
+        }
+    }
 }
 
 impl Extent {
-    /// The elements it holds on a rank (`is_root`: whether the rank is the root); `None`
-    /// when `count x nranks` overflows.
+    /// The elements NCCL reads or writes of it on a rank (`is_root`: whether the rank is
+    /// the root); `None` when `count x nranks` overflows.
     #[inline]
     pub fn elements(self, count: usize, nranks: usize, is_root: bool) -> Option<usize> {
         Some(match self {
             Extent::Unused => 0,
             Extent::Count => count,
             Extent::World => count.checked_mul(nranks)?,
-            Extent::RootCount if is_root => count,
-            Extent::RootWorld if is_root => count.checked_mul(nranks)?,
-            Extent::RootCount | Extent::RootWorld => 0,
+            Extent::RootCount(_) if is_root => count,
+            Extent::RootWorld(_) if is_root => count.checked_mul(nranks)?,
+            Extent::RootCount(_) | Extent::RootWorld(_) => 0,
+        })
+    }
+
+    /// The elements it holds on the root, where it is largest: `count`, or `count x
+    /// nranks` for a world-sized one (0 when unused); `None` when that overflows.
+    #[inline]
+    pub fn on_root(self, count: usize, nranks: usize) -> Option<usize> {
+        self.elements(count, nranks, true)
+    }
+
+    /// Whether it holds `nranks` blocks of `count` (on the root, for a rooted one).
+    #[inline]
+    pub const fn is_world(self) -> bool {
+        matches!(self, Extent::World | Extent::RootWorld(_))
+    }
+
+    /// What a caller's buffer must hold on a rank: what NCCL uses, and off the root what
+    /// its [`OffRoot`] allows; `None` when `count x nranks` overflows (on any rank).
+    #[inline]
+    pub fn length(self, count: usize, nranks: usize, is_root: bool) -> Option<Length> {
+        let n = self.on_root(count, nranks)?;
+        Some(match self {
+            Extent::RootCount(off) | Extent::RootWorld(off) if !is_root => match off {
+                OffRoot::AsRoot => Length::Exactly(n),
+                OffRoot::EmptyOrAsRoot => Length::EmptyOr(n),
+                OffRoot::Any => Length::Any,
+            },
+            _ => Length::Exactly(n),
         })
     }
 }
@@ -443,7 +520,10 @@ macro_rules! collectives {
     ($(
         $(#[doc = $doc:literal])*
         $variant:ident = $entry:ident {
-            rank: $rank:ident, send: $send:ident, recv: $recv:ident, from: $from:ident($block:ident) $(,)?
+            rank: $rank:ident,
+            send: $send:ident $(($send_off:ident))?,
+            recv: $recv:ident $(($recv_off:ident))?,
+            from: $from:ident($block:ident) $(,)?
         }
     )*) => {
         /// The collective and point-to-point calls of NCCL, one row each: everything the
@@ -501,7 +581,10 @@ macro_rules! collectives {
             #[inline]
             pub const fn extents(self) -> (Extent, Extent) {
                 match self {
-                    $( Collective::$variant => (Extent::$send, Extent::$recv), )*
+                    $( Collective::$variant => (
+                        Extent::$send $((OffRoot::$send_off))?,
+                        Extent::$recv $((OffRoot::$recv_off))?,
+                    ), )*
                 }
             }
         }
@@ -569,11 +652,93 @@ impl Collective {
     /// argument) on `nranks` ranks; `None` when one overflows.
     #[inline]
     pub fn elements(self, count: usize, nranks: usize, is_root: bool) -> Option<(usize, usize)> {
+        self.per_buffer(|e| e.elements(count, nranks, is_root))
+    }
+
+    /// `f` of its (send, receive) extents; `None` when either is.
+    #[inline]
+    fn per_buffer<T>(self, f: impl Fn(Extent) -> Option<T>) -> Option<(T, T)> {
         let (send, recv) = self.extents();
-        Some((
-            send.elements(count, nranks, is_root)?,
-            recv.elements(count, nranks, is_root)?,
-        ))
+        Some((f(send)?, f(recv)?))
+    }
+}
+
+/// The arguments of one collective or point-to-point call, as [`Collective::call`] passes
+/// them to its entry point.
+#[derive(Debug, Clone, Copy)]
+pub struct CallArgs {
+    /// `sendbuff` (unused by `ncclRecv`).
+    pub send: *const c_void,
+    /// `recvbuff` (unused by `ncclSend`).
+    pub recv: *mut c_void,
+    /// `count`: NCCL's count argument (per rank, or per block).
+    pub count: usize,
+    /// `datatype`.
+    pub datatype: ncclDataType_t,
+    /// `op`, for a collective that [`reduces`](Collective::reduces) (else not passed).
+    pub op: ncclRedOp_t,
+    /// `root` or `peer`, by its [`RankArg`] (else not passed).
+    pub rank: c_int,
+    /// `comm`.
+    pub comm: ncclComm_t,
+    /// `stream`.
+    pub stream: cudaStream_t,
+}
+
+impl Collective {
+    /// Calls its entry point in `table` with the arguments it takes from `args`;
+    /// `ncclInvalidUsage` when it is an optional entry point the table lacks (check
+    /// [`FunctionTable::has`] first to name it in an error).
+    ///
+    /// # Safety
+    /// NCCL's contract for the entry point: the buffers are valid for what it reads and
+    /// writes with `count` elements of `datatype` on this rank ([`Collective::elements`]),
+    /// until the work is done; `comm` is live; `op`, `rank` and `stream` are valid for it.
+    #[inline(always)]
+    pub unsafe fn call(self, table: &FunctionTable, args: CallArgs) -> ncclResult_t {
+        let t = table;
+        let CallArgs {
+            send: s,
+            recv: r,
+            count: n,
+            datatype: d,
+            op,
+            rank,
+            comm,
+            stream,
+        } = args;
+        // SAFETY: the caller's contract; each signature is bindgen's (checked above).
+        unsafe {
+            match self {
+                Collective::AllReduce => (t.ncclAllReduce)(s, r, n, d, op, comm, stream),
+                Collective::Broadcast => (t.ncclBroadcast)(s, r, n, d, rank, comm, stream),
+                Collective::Reduce => (t.ncclReduce)(s, r, n, d, op, rank, comm, stream),
+                Collective::AllGather => (t.ncclAllGather)(s, r, n, d, comm, stream),
+                Collective::ReduceScatter => (t.ncclReduceScatter)(s, r, n, d, op, comm, stream),
+                Collective::AllToAll => match t.ncclAlltoAll {
+                    Some(f) => f(s, r, n, d, comm, stream),
+                    None => ncclInvalidUsage,
+                },
+                Collective::Gather => match t.ncclGather {
+                    Some(f) => f(s, r, n, d, rank, comm, stream),
+                    None => ncclInvalidUsage,
+                },
+                Collective::Scatter => match t.ncclScatter {
+                    Some(f) => f(s, r, n, d, rank, comm, stream),
+                    None => ncclInvalidUsage,
+                },
+                Collective::Send => (t.ncclSend)(s, n, d, rank, comm, stream),
+                Collective::Recv => (t.ncclRecv)(r, n, d, rank, comm, stream),
+            }
+        }
+    }
+
+    /// The lengths a caller's (send, receive) buffers must have on a rank for `count`
+    /// (NCCL's count argument) on `nranks` ranks: [`Extent::length`] of each; `None` when
+    /// one overflows.
+    #[inline]
+    pub fn lengths(self, count: usize, nranks: usize, is_root: bool) -> Option<(Length, Length)> {
+        self.per_buffer(|e| e.length(count, nranks, is_root))
     }
 }
 
@@ -587,9 +752,9 @@ collectives! {
     /// `ncclAllReduce`: every rank's send reduced into every rank's receive buffer.
     AllReduce = ncclAllReduce { rank: None, send: Count, recv: Count, from: Reduced(First) }
     /// `ncclBroadcast`: the root's send buffer copied into every rank's receive buffer.
-    Broadcast = ncclBroadcast { rank: Root, send: RootCount, recv: Count, from: Root(First) }
+    Broadcast = ncclBroadcast { rank: Root, send: RootCount(AsRoot), recv: Count, from: Root(First) }
     /// `ncclReduce`: every rank's send reduced into the root's receive buffer.
-    Reduce = ncclReduce { rank: Root, send: Count, recv: RootCount, from: Reduced(First) }
+    Reduce = ncclReduce { rank: Root, send: Count, recv: RootCount(AsRoot), from: Reduced(First) }
     /// `ncclAllGather`: every rank's send, in rank order, in every rank's receive buffer.
     AllGather = ncclAllGather { rank: None, send: Count, recv: World, from: RankOfBlock(First) }
     /// `ncclReduceScatter`: block `i` of the reduction in rank `i`'s receive buffer.
@@ -597,9 +762,9 @@ collectives! {
     /// `ncclAlltoAll`: block `j` of rank `i`'s send in block `i` of rank `j`'s receive buffer.
     AllToAll = ncclAlltoAll { rank: None, send: World, recv: World, from: RankOfBlock(Receiver) }
     /// `ncclGather`: every rank's send, in rank order, in the root's receive buffer.
-    Gather = ncclGather { rank: Root, send: Count, recv: RootWorld, from: RankOfBlock(First) }
+    Gather = ncclGather { rank: Root, send: Count, recv: RootWorld(EmptyOrAsRoot), from: RankOfBlock(First) }
     /// `ncclScatter`: block `i` of the root's send in rank `i`'s receive buffer.
-    Scatter = ncclScatter { rank: Root, send: RootWorld, recv: Count, from: Root(Receiver) }
+    Scatter = ncclScatter { rank: Root, send: RootWorld(Any), recv: Count, from: Root(Receiver) }
     /// `ncclSend`: the send buffer to a peer.
     Send = ncclSend { rank: Peer, send: Count, recv: Unused, from: Peer(First) }
     /// `ncclRecv`: the receive buffer from a peer.
@@ -639,7 +804,7 @@ mod tests {
             assert_eq!(c.since(), e.since());
             let (send, recv) = c.extents();
             // Only a rooted collective leaves a buffer unused off the root.
-            let rooted = |x: Extent| matches!(x, Extent::RootCount | Extent::RootWorld);
+            let rooted = |x: Extent| matches!(x, Extent::RootCount(_) | Extent::RootWorld(_));
             assert!(
                 !(rooted(send) || rooted(recv)) || c.rank_arg() == RankArg::Root,
                 "{c:?}"
@@ -671,6 +836,26 @@ mod tests {
                 }
             }
         }
+        // What a caller passes: on the root what NCCL uses; off it too, for every buffer
+        // NCCL uses there (only a root-only buffer has an off-root rule of its own).
+        for &c in Collective::ALL {
+            for (n, count) in [(1, 0), (3, 2), (4, 5)] {
+                for is_root in [true, false] {
+                    let (s, r) = c.lengths(count, n, is_root).unwrap();
+                    let (es, er) = c.elements(count, n, is_root).unwrap();
+                    for (len, used) in [(s, es), (r, er)] {
+                        if is_root || used > 0 {
+                            assert_eq!(len, Length::Exactly(used), "{c:?} n={n} root={is_root}");
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            Collective::Gather.lengths(2, 3, false),
+            Some((Length::Exactly(2), Length::EmptyOr(6)))
+        );
+        assert_eq!(Collective::Scatter.lengths(usize::MAX, 2, false), None);
         let mut of: Vec<Collective> = EntryPoint::ALL
             .iter()
             .filter_map(|e| e.collective())

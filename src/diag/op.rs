@@ -92,6 +92,18 @@ impl<'a> OpInfo<'a> {
         self.name.name()
     }
 
+    /// The NCCL call, as its entry point.
+    #[inline(always)]
+    pub(crate) fn entry_point(&self) -> EntryPoint {
+        self.name
+    }
+
+    /// Its root or peer, if it has one.
+    #[inline(always)]
+    pub(crate) fn rank(&self) -> Option<u32> {
+        self.root
+    }
+
     /// The number of elements.
     #[inline(always)]
     pub(crate) fn count(&self) -> usize {

@@ -21,8 +21,6 @@
 mod op;
 mod reduce_op;
 
-use std::ffi::{c_int, c_void};
-
 pub use op::Op;
 pub use reduce_op::{PreMulSum, Reduction};
 
@@ -32,112 +30,8 @@ use crate::error::{invalid, BufferRole, Error, Result};
 use crate::library::Provider;
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
-use nccl_sys::{
-    cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, Collective, FunctionTable,
-};
-use op::{OpChecks, NO_RECV, NO_SEND};
-
-/// `ncclAlltoAll`'s signature (an optional entry point, NCCL 2.28+).
-type AllToAllFn = unsafe extern "C" fn(
-    *const c_void,
-    *mut c_void,
-    usize,
-    ncclDataType_t,
-    ncclComm_t,
-    cudaStream_t,
-) -> ncclResult_t;
-
-/// `ncclGather`'s and `ncclScatter`'s signature (optional entry points, NCCL 2.28+).
-type RootedFn = unsafe extern "C" fn(
-    *const c_void,
-    *mut c_void,
-    usize,
-    ncclDataType_t,
-    c_int,
-    ncclComm_t,
-    cudaStream_t,
-) -> ncclResult_t;
-
-/// Which NCCL entry point an [`Op`] calls, with the arguments only that call takes.
-#[derive(Clone, Copy)]
-pub(crate) enum Call {
-    AllReduce(ncclRedOp_t),
-    Broadcast {
-        root: c_int,
-    },
-    Reduce(ncclRedOp_t, c_int),
-    AllGather,
-    ReduceScatter(ncclRedOp_t),
-    Send {
-        peer: c_int,
-    },
-    Recv {
-        peer: c_int,
-    },
-    AllToAll(AllToAllFn),
-    Gather(RootedFn, c_int),
-    Scatter(RootedFn, c_int),
-    /// A one-sided put into the counterpart on `peer` of the window passed as the
-    /// operation's `recv` (an `ncclWindow_t`), `at` bytes in (signal index 0 of context 0,
-    /// the one NCCL 2.29-2.30 has). The entry point is the table's (checked present when
-    /// the operation was described): a function pointer here would take an `Op` past 128
-    /// bytes.
-    PutSignal {
-        peer: c_int,
-        at: usize,
-    },
-    /// A one-sided signal to `peer` (index 0 of context 0).
-    Signal {
-        peer: c_int,
-    },
-}
-
-impl Call {
-    /// Makes the call.
-    ///
-    /// # Safety
-    /// `send` and `recv` are valid for what the call reads and writes with `count` elements
-    /// of `dtype` (an [`Op`]'s description checked it), and stay so until the work is done;
-    /// for a put, `recv` is the live target window (`ncclWindow_t`) of this communicator.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn make(
-        self,
-        t: &FunctionTable,
-        send: *const c_void,
-        recv: *mut c_void,
-        count: usize,
-        dtype: ncclDataType_t,
-        comm: ncclComm_t,
-        stream: cudaStream_t,
-    ) -> ncclResult_t {
-        let (s, r, n, d) = (send, recv, count, dtype);
-        // SAFETY: the buffers' contract is the caller's; every other argument was checked
-        // by the operation's description (ranks in range, the reduction of this
-        // communicator, the entry point present).
-        unsafe {
-            match self {
-                Call::AllReduce(red) => (t.ncclAllReduce)(s, r, n, d, red, comm, stream),
-                Call::Broadcast { root } => (t.ncclBroadcast)(s, r, n, d, root, comm, stream),
-                Call::Reduce(red, root) => (t.ncclReduce)(s, r, n, d, red, root, comm, stream),
-                Call::AllGather => (t.ncclAllGather)(s, r, n, d, comm, stream),
-                Call::ReduceScatter(red) => (t.ncclReduceScatter)(s, r, n, d, red, comm, stream),
-                Call::Send { peer } => (t.ncclSend)(s, n, d, peer, comm, stream),
-                Call::Recv { peer } => (t.ncclRecv)(r, n, d, peer, comm, stream),
-                Call::AllToAll(f) => f(s, r, n, d, comm, stream),
-                Call::Gather(f, root) | Call::Scatter(f, root) => f(s, r, n, d, root, comm, stream),
-                Call::PutSignal { peer, at } => match t.ncclPutSignal {
-                    Some(f) => f(s, n, d, peer, r.cast(), at, 0, 0, 0, comm, stream),
-                    None => nccl_sys::bindings::ncclInvalidUsage,
-                },
-                Call::Signal { peer } => match t.ncclSignal {
-                    Some(f) => f(peer, 0, 0, 0, comm, stream),
-                    None => nccl_sys::bindings::ncclInvalidUsage,
-                },
-            }
-        }
-    }
-}
+use nccl_sys::Collective;
+use op::OpChecks;
 
 impl Communicator {
     #[inline(always)]
@@ -241,13 +135,9 @@ impl Communicator {
         reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = OpChecks::new(self, Collective::AllReduce, stream)?;
-        let red = at.reduction(reduction.into())?;
-        let count = send.len();
-        at.send(send, count, "recv = send")?;
-        at.recv(recv, count, "recv = send")?;
-        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
-        Ok(at.op::<T>(Call::AllReduce(red), count, None, s, r))
+        let mut at = OpChecks::new(self, Collective::AllReduce, stream)?;
+        at.reduction(reduction.into())?;
+        at.buffers(send, recv)
     }
 
     /// All-reduce in place: `buf` is both input and output (`ncclAllReduce`, send == recv).
@@ -271,12 +161,9 @@ impl Communicator {
         reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = OpChecks::new(self, Collective::AllReduce, stream)?;
-        let red = at.reduction(reduction.into())?;
-        let count = buf.len();
-        at.recv(buf, count, "in place")?;
-        let (s, r) = at.in_place(buf, 0, 0);
-        Ok(at.op::<T>(Call::AllReduce(red), count, None, s, r))
+        let mut at = OpChecks::new(self, Collective::AllReduce, stream)?;
+        at.reduction(reduction.into())?;
+        at.in_place(buf)
     }
 
     // ---- broadcast ---------------------------------------------------------------------
@@ -317,13 +204,9 @@ impl Communicator {
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = OpChecks::new(self, Collective::Broadcast, stream)?;
-        let root_c = at.rank_arg("root", root)?;
-        let count = recv.len();
-        at.send(send, count, "send = recv")?;
-        at.recv(recv, count, "send = recv")?;
-        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
-        Ok(at.op::<T>(Call::Broadcast { root: root_c }, count, Some(root), s, r))
+        let mut at = OpChecks::new(self, Collective::Broadcast, stream)?;
+        at.rank_arg(root)?;
+        at.buffers(send, recv)
     }
 
     /// Broadcast in place: `buf` is the source on the root and the destination elsewhere.
@@ -347,12 +230,9 @@ impl Communicator {
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = OpChecks::new(self, Collective::Broadcast, stream)?;
-        let root_c = at.rank_arg("root", root)?;
-        let count = buf.len();
-        at.recv(buf, count, "in place")?;
-        let (s, r) = at.in_place(buf, 0, 0);
-        Ok(at.op::<T>(Call::Broadcast { root: root_c }, count, Some(root), s, r))
+        let mut at = OpChecks::new(self, Collective::Broadcast, stream)?;
+        at.rank_arg(root)?;
+        at.in_place(buf)
     }
 
     // ---- reduce ------------------------------------------------------------------------
@@ -395,14 +275,10 @@ impl Communicator {
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = OpChecks::new(self, Collective::Reduce, stream)?;
-        let red = at.reduction(reduction.into())?;
-        let root_c = at.rank_arg("root", root)?;
-        let count = send.len();
-        at.send(send, count, "recv = send")?;
-        at.recv(recv, count, "recv = send")?;
-        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
-        Ok(at.op::<T>(Call::Reduce(red, root_c), count, Some(root), s, r))
+        let mut at = OpChecks::new(self, Collective::Reduce, stream)?;
+        at.reduction(reduction.into())?;
+        at.rank_arg(root)?;
+        at.buffers(send, recv)
     }
 
     /// Reduce in place: `buf` is every rank's input and, on the root, the result.
@@ -428,13 +304,10 @@ impl Communicator {
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = OpChecks::new(self, Collective::Reduce, stream)?;
-        let red = at.reduction(reduction.into())?;
-        let root_c = at.rank_arg("root", root)?;
-        let count = buf.len();
-        at.recv(buf, count, "in place")?;
-        let (s, r) = at.in_place(buf, 0, 0);
-        Ok(at.op::<T>(Call::Reduce(red, root_c), count, Some(root), s, r))
+        let mut at = OpChecks::new(self, Collective::Reduce, stream)?;
+        at.reduction(reduction.into())?;
+        at.rank_arg(root)?;
+        at.in_place(buf)
     }
 
     // ---- all-gather --------------------------------------------------------------------
@@ -473,13 +346,7 @@ impl Communicator {
         recv: &'a mut R,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = OpChecks::new(self, Collective::AllGather, stream)?;
-        let count = send.len();
-        let total = at.times_world(count)?;
-        at.send(send, count, "send = count")?;
-        at.recv(recv, total, "recv = world_size x send")?;
-        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
-        Ok(at.op::<T>(Call::AllGather, count, None, s, r))
+        OpChecks::new(self, Collective::AllGather, stream)?.buffers(send, recv)
     }
 
     /// All-gather in place: this rank's input is its own block of `buf`
@@ -502,12 +369,7 @@ impl Communicator {
         buf: &'a mut B,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = OpChecks::new(self, Collective::AllGather, stream)?;
-        let count = at.block_of(buf.len())?;
-        at.recv(buf, count * at.world_size(), "in place")?;
-        // NCCL's in-place form: this rank's block is the input.
-        let (s, r) = at.in_place(buf, at.rank() * count, 0);
-        Ok(at.op::<T>(Call::AllGather, count, None, s, r))
+        OpChecks::new(self, Collective::AllGather, stream)?.in_place(buf)
     }
 
     // ---- reduce-scatter ----------------------------------------------------------------
@@ -554,14 +416,9 @@ impl Communicator {
         reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = OpChecks::new(self, Collective::ReduceScatter, stream)?;
-        let red = at.reduction(reduction.into())?;
-        let count = recv.len();
-        let total = at.times_world(count)?;
-        at.send(send, total, "send = world_size x recv")?;
-        at.recv(recv, count, "recv = count")?;
-        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
-        Ok(at.op::<T>(Call::ReduceScatter(red), count, None, s, r))
+        let mut at = OpChecks::new(self, Collective::ReduceScatter, stream)?;
+        at.reduction(reduction.into())?;
+        at.buffers(send, recv)
     }
 
     /// Reduce-scatter in place: the result lands in this rank's block of `buf`.
@@ -586,13 +443,9 @@ impl Communicator {
         reduction: impl Into<Reduction<'a, T>>,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = OpChecks::new(self, Collective::ReduceScatter, stream)?;
-        let red = at.reduction(reduction.into())?;
-        let count = at.block_of(buf.len())?;
-        at.recv(buf, count * at.world_size(), "in place")?;
-        // NCCL's in-place form: the result is this rank's block.
-        let (s, r) = at.in_place(buf, 0, at.rank() * count);
-        Ok(at.op::<T>(Call::ReduceScatter(red), count, None, s, r))
+        let mut at = OpChecks::new(self, Collective::ReduceScatter, stream)?;
+        at.reduction(reduction.into())?;
+        at.in_place(buf)
     }
 
     // ---- point to point ----------------------------------------------------------------
@@ -619,12 +472,9 @@ impl Communicator {
         peer: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = OpChecks::new(self, Collective::Send, stream)?;
-        let peer_c = at.rank_arg("peer", peer)?;
-        let count = buf.len();
-        at.send(buf, count, "any length")?;
-        let s = at.send_ptr(buf);
-        Ok(at.op::<T>(Call::Send { peer: peer_c }, count, Some(peer), s, NO_RECV))
+        let mut at = OpChecks::new(self, Collective::Send, stream)?;
+        at.rank_arg(peer)?;
+        at.send_buffer(buf)
     }
 
     /// Receives `buf.len()` elements from `peer` (`ncclRecv`).
@@ -647,12 +497,9 @@ impl Communicator {
         peer: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let at = OpChecks::new(self, Collective::Recv, stream)?;
-        let peer_c = at.rank_arg("peer", peer)?;
-        let count = buf.len();
-        at.recv(buf, count, "any length")?;
-        let r = at.recv_ptr(buf);
-        Ok(at.op::<T>(Call::Recv { peer: peer_c }, count, Some(peer), NO_SEND, r))
+        let mut at = OpChecks::new(self, Collective::Recv, stream)?;
+        at.rank_arg(peer)?;
+        at.recv_buffer(buf)
     }
 
     // ---- all-to-all, gather, scatter (NCCL 2.28+) --------------------------------------
@@ -691,14 +538,7 @@ impl Communicator {
         recv: &'a mut R,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let f = self.optional(|t| t.ncclAlltoAll, "ncclAlltoAll")?;
-        let at = OpChecks::new(self, Collective::AllToAll, stream)?;
-        let total = send.len();
-        let count = at.block_of(total)?;
-        at.send(send, total, "send = world_size x block")?;
-        at.recv(recv, total, "recv = send")?;
-        let (s, r) = (at.send_ptr(send), at.recv_ptr(recv));
-        Ok(at.op::<T>(Call::AllToAll(f), count, None, s, r))
+        OpChecks::new(self, Collective::AllToAll, stream)?.buffers(send, recv)
     }
 
     /// Gathers every rank's `send` into `recv` on `root`, rank `i` at `i * send.len()`
@@ -741,32 +581,9 @@ impl Communicator {
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let f = self.optional(|t| t.ncclGather, "ncclGather")?;
-        let at = OpChecks::new(self, Collective::Gather, stream)?;
-        let root_c = at.rank_arg("root", root)?;
-        let count = send.len();
-        let total = at.times_world(count)?;
-        at.send(send, count, "send = count")?;
-        let r = if self.rank() == root {
-            at.recv(recv, total, "recv = world_size x send on the root")?;
-            at.recv_ptr(recv)
-        } else if recv.is_empty() {
-            at.ignored(BufferRole::Recv, recv)?;
-            NO_RECV
-        } else {
-            // Sized as the root's: NCCL writes none of it, but its copy-engine gather over
-            // symmetric windows writes this rank's block into the root's window at this
-            // buffer's offset, checking only where the block starts (ce_coll.cc:566-569,
-            // dev_runtime.cc:1038).
-            at.recv(
-                recv,
-                total,
-                "off the root, recv is empty or world_size x send",
-            )?;
-            at.recv_ptr(recv)
-        };
-        let s = at.send_ptr(send);
-        Ok(at.op::<T>(Call::Gather(f, root_c), count, Some(root), s, r))
+        let mut at = OpChecks::new(self, Collective::Gather, stream)?;
+        at.rank_arg(root)?;
+        at.buffers(send, recv)
     }
 
     /// Sends block `i` of `send` on `root` to rank `i`'s `recv` (`ncclScatter`, NCCL
@@ -807,19 +624,8 @@ impl Communicator {
         root: usize,
         stream: &'a impl AsStream,
     ) -> Result<Op<'a>> {
-        let f = self.optional(|t| t.ncclScatter, "ncclScatter")?;
-        let at = OpChecks::new(self, Collective::Scatter, stream)?;
-        let root_c = at.rank_arg("root", root)?;
-        let count = recv.len();
-        let total = at.times_world(count)?;
-        at.recv(recv, count, "recv = count")?;
-        let s = if self.rank() == root {
-            at.send(send, total, "send = world_size x recv on the root")?;
-            at.send_ptr(send)
-        } else {
-            at.ignored_send(send)?
-        };
-        let r = at.recv_ptr(recv);
-        Ok(at.op::<T>(Call::Scatter(f, root_c), count, Some(root), s, r))
+        let mut at = OpChecks::new(self, Collective::Scatter, stream)?;
+        at.rank_arg(root)?;
+        at.buffers(send, recv)
     }
 }

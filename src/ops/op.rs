@@ -3,13 +3,13 @@
 use std::ffi::{c_int, c_void};
 use std::panic::Location;
 
-use nccl_sys::{ncclRedOp_t, Collective};
+use nccl_sys::{ncclRedOp_t, CallArgs, Collective, EntryPoint, Extent, Length, OffRoot, RankArg};
 
-use super::{Call, Reduction};
+use super::Reduction;
 use crate::buffer::{BufferGuard, RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
 use crate::diag::OpInfo;
-use crate::error::{check_len, invalid, BufferRole, Error, Result};
+use crate::error::{invalid, BufferRole, Error, Result};
 use crate::stream::{AsStream, StreamRef};
 use crate::types::NcclType;
 
@@ -49,7 +49,10 @@ pub(crate) type Guards<'a> = [BufferGuard<'a>; 2];
 #[must_use = "an operation does nothing until it is run or pushed into a Group"]
 pub struct Op<'a> {
     comm: &'a Communicator,
-    call: Call,
+    /// The reduction, for a collective that reduces (else unused).
+    red: ncclRedOp_t,
+    /// For a put, the byte offset in the target window (else unused).
+    offset: usize,
     send: *const c_void,
     recv: *mut c_void,
     /// Its name, element type and count, root and stream (what the diagnostics record).
@@ -151,7 +154,8 @@ impl<'a> Op<'a> {
     pub(crate) fn enqueue(self) -> Result<Guards<'a>> {
         let Op {
             comm,
-            call,
+            red,
+            offset,
             send,
             recv,
             info,
@@ -159,18 +163,9 @@ impl<'a> Op<'a> {
             guards,
         } = self;
         let (count, stream) = (info.count(), info.stream());
-        let dtype = info
-            .data_type()
-            .map_or(nccl_sys::bindings::ncclInt8, |d| d.to_raw());
-        if count == 0
-            && !matches!(
-                call,
-                Call::Send { .. }
-                    | Call::Recv { .. }
-                    | Call::PutSignal { .. }
-                    | Call::Signal { .. }
-            )
-        {
+        let entry = info.entry_point();
+        let collective = entry.collective();
+        if count == 0 && collective.is_some_and(|c| c.every_rank()) {
             // NCCL discards an empty collective after its argument checks (taskAppend,
             // enqueue.cc:2554-2555 of 2.28.9): no work and no peer. So it is not issued,
             // and the diagnostics do not count it either: their sequence numbers must match
@@ -178,15 +173,38 @@ impl<'a> Op<'a> {
             // peers never call).
             return Ok(guards);
         }
+        // Everything but the handle is known here (and, for a single operation, at compile
+        // time): the closure below only makes the call.
+        let args = CallArgs {
+            send,
+            recv,
+            count,
+            datatype: info
+                .data_type()
+                .map_or(nccl_sys::bindings::ncclInt8, |d| d.to_raw()),
+            op: red,
+            // The root or peer, checked in range by the description.
+            rank: info.rank().map_or(0, |r| r as c_int),
+            comm: std::ptr::null_mut(),
+            stream: stream.raw(),
+        };
         comm.issue(
             info,
             caller,
             #[inline(always)]
             |t, raw| {
-                // SAFETY: the description checked both buffers against `count` and this
-                // provider's memory; `guards` and the lifetime `'a` keep them borrowed until
+                let args = CallArgs { comm: raw, ..args };
+                // SAFETY: the description checked both buffers against the row's lengths
+                // for `count` and this provider's memory, and every other argument (the
+                // rank in range, the reduction of this communicator, the entry point
+                // present); `guards` and the lifetime `'a` keep the buffers borrowed until
                 // the work is enqueued.
-                let make = || unsafe { call.make(t, send, recv, count, dtype, raw, stream.raw()) };
+                let make = || unsafe {
+                    match collective {
+                        Some(c) => c.call(t, args),
+                        None => one_sided_call(entry, t, args, offset),
+                    }
+                };
                 #[cfg(feature = "host")]
                 return crate::host::with_caller(caller, make);
                 #[cfg(not(feature = "host"))]
@@ -201,17 +219,19 @@ impl<'a> Op<'a> {
     /// A one-sided operation (a put or a signal), its arguments checked by its description
     /// (`crate::register`): `send` read from, kept by its guard, and `recv` the target
     /// window (`ncclWindow_t`) of a put, on `info`'s stream.
+    /// `offset` is a put's byte offset in the target window.
     pub(crate) fn one_sided(
         comm: &'a Communicator,
-        call: Call,
         send: (*const c_void, BufferGuard<'a>),
         recv: *mut c_void,
+        offset: usize,
         info: OpInfo<'a>,
         caller: &'static Location<'static>,
     ) -> Op<'a> {
         Op {
             comm,
-            call,
+            red: 0,
+            offset,
             send: send.0,
             recv,
             info,
@@ -221,18 +241,76 @@ impl<'a> Op<'a> {
     }
 }
 
-/// An operation being described: admitted on its communicator, its stream checked, with the
-/// checks and the pointers of the description's buffers to come.
+/// Makes a one-sided call of an [`Op`] (`crate::register` describes them): `ncclPutSignal` of `args.count` elements from
+/// `args.send` into the window `args.recv` at byte `offset` of the peer `args.rank`, or
+/// `ncclSignal` to that peer (signal index 0 of context 0, the one NCCL 2.29-2.30 has);
+/// `ncclInvalidUsage` for another entry point or an absent one.
+///
+/// # Safety
+/// NCCL's contract for the entry point: the source valid for `count` elements until the
+/// work is done, `recv` a live window of this communicator, the peer in range.
+// Out of line: it keeps the collectives' dispatch in `Op::enqueue` small (a group's
+// operations dispatch at run time).
+#[inline(never)]
+unsafe fn one_sided_call(
+    entry: EntryPoint,
+    t: &nccl_sys::FunctionTable,
+    args: nccl_sys::CallArgs,
+    offset: usize,
+) -> nccl_sys::ncclResult_t {
+    let nccl_sys::CallArgs {
+        send,
+        recv,
+        count,
+        datatype,
+        rank: peer,
+        comm,
+        stream,
+        ..
+    } = args;
+    // SAFETY: the caller's contract.
+    unsafe {
+        match (entry, t.ncclPutSignal, t.ncclSignal) {
+            (EntryPoint::ncclPutSignal, Some(f), _) => f(
+                send,
+                count,
+                datatype,
+                peer,
+                recv.cast(),
+                offset,
+                0,
+                0,
+                0,
+                comm,
+                stream,
+            ),
+            (EntryPoint::ncclSignal, _, Some(f)) => f(peer, 0, 0, 0, comm, stream),
+            _ => nccl_sys::bindings::ncclInvalidUsage,
+        }
+    }
+}
+
+/// An operation being described: admitted on its communicator, its stream checked, with its
+/// reduction, root or peer and buffers to come.
+///
+/// Every length it asks of a buffer comes from the collective's row in nccl-sys
+/// ([`Collective::lengths`], read with NCCL's count argument), which the host provider reads
+/// too: the safe layer writes no length rule of its own.
 pub(crate) struct OpChecks<'a> {
     comm: &'a Communicator,
     call: Collective,
     stream: StreamRef<'a>,
     caller: &'static Location<'static>,
+    /// The reduction, once checked (for a collective that reduces).
+    red: ncclRedOp_t,
+    /// The root or peer, once checked (for a collective that takes one).
+    rank: Option<usize>,
 }
 
 impl<'a> OpChecks<'a> {
-    /// The first checks of every operation, in this order: the communicator has not failed
-    /// (before any buffer or the CUDA driver is touched), then the stream.
+    /// The first checks of every operation, in this order: the loaded NCCL has its entry
+    /// point, the communicator has not failed (before any buffer or the CUDA driver is
+    /// touched), then the stream.
     #[inline(always)]
     #[track_caller]
     pub(crate) fn new(
@@ -241,7 +319,12 @@ impl<'a> OpChecks<'a> {
         stream: &'a impl AsStream,
     ) -> Result<OpChecks<'a>> {
         let caller = Location::caller();
-        comm.ensure_usable_for(call.entry_point())?;
+        let entry = call.entry_point();
+        let lib = comm.library();
+        if !lib.table().has(entry) {
+            lib.optional(None::<()>, call.name())?;
+        }
+        comm.ensure_usable_for(entry)?;
         let stream = stream.as_stream();
         comm.check_stream(call.name(), stream)?;
         Ok(OpChecks {
@@ -249,105 +332,200 @@ impl<'a> OpChecks<'a> {
             call,
             stream,
             caller,
+            red: 0,
+            rank: None,
         })
     }
 
     /// The communicator's world size.
     #[inline(always)]
-    pub(crate) fn world_size(&self) -> usize {
+    fn world_size(&self) -> usize {
         self.comm.world_size()
     }
 
-    /// This rank.
+    /// Checks the reduction: refused when it belongs to another communicator.
     #[inline(always)]
-    pub(crate) fn rank(&self) -> usize {
-        self.comm.rank()
+    pub(crate) fn reduction<T>(&mut self, op: Reduction<'a, T>) -> Result<()> {
+        self.red = op.raw_for(self.comm, self.call.name())?;
+        Ok(())
     }
 
-    /// The raw reduction, refused when it belongs to another communicator.
+    /// Checks the root or peer (the row's [`RankArg`]): refused outside the communicator.
     #[inline(always)]
-    pub(crate) fn reduction<T>(&self, op: Reduction<'a, T>) -> Result<ncclRedOp_t> {
-        op.raw_for(self.comm, self.call.name())
-    }
-
-    /// `rank` as a root or peer (`what`), refused outside the communicator.
-    #[inline(always)]
-    pub(crate) fn rank_arg(&self, what: &'static str, rank: usize) -> Result<c_int> {
+    pub(crate) fn rank_arg(&mut self, rank: usize) -> Result<()> {
         match self.world_size() {
-            n if rank < n => Ok(rank as c_int),
+            n if rank < n => {
+                self.rank = Some(rank);
+                Ok(())
+            }
             world_size => Err(Error::RankOutOfRange {
                 call: self.call.name(),
-                what,
+                what: match self.call.rank_arg() {
+                    RankArg::Peer => "peer",
+                    RankArg::Root | RankArg::None => "root",
+                },
                 rank,
                 world_size,
             }),
         }
     }
 
-    /// `count * world_size`, refused when it overflows.
+    /// The buffer NCCL's count argument is read from: by the row, the one every rank
+    /// passes at its smallest (a count, else a world of blocks; the send buffer when both
+    /// are alike).
     #[inline(always)]
-    pub(crate) fn times_world(&self, count: usize) -> Result<usize> {
-        let n = self.world_size();
-        (count.checked_mul(n))
-            .filter(|total| total.checked_mul(16).is_some())
-            .ok_or_else(|| {
-                let reason = format!("{count} elements x {n} ranks overflows the address space");
-                invalid(self.call.name(), reason)
-            })
+    fn source(&self) -> (BufferRole, Extent) {
+        match self.call.extents() {
+            (s @ Extent::Count, _) => (BufferRole::Send, s),
+            (_, r @ Extent::Count) => (BufferRole::Recv, r),
+            (s @ Extent::World, _) => (BufferRole::Send, s),
+            (_, r) => (BufferRole::Recv, r),
+        }
     }
 
-    /// `len / world_size`, refused when `len` is not a multiple of it.
+    /// NCCL's count argument for a send buffer of `send` and a receive buffer of `recv`
+    /// elements: the length of the [`source`](Self::source), or its block.
     #[inline(always)]
-    pub(crate) fn block_of(&self, len: usize) -> Result<usize> {
+    fn count(&self, send: usize, recv: usize) -> Result<usize> {
+        let (role, ext) = self.source();
+        let len = if role == BufferRole::Send { send } else { recv };
+        if ext.is_world() {
+            let rule = match role {
+                BufferRole::Send => "send = world_size x block",
+                BufferRole::Recv => "recv = world_size x block",
+            };
+            self.block_of(role, len, rule)
+        } else {
+            Ok(len)
+        }
+    }
+
+    /// `len / world_size`, refused (naming the buffer `role` and its `rule`) when `len`
+    /// is not a multiple of it.
+    #[inline(always)]
+    fn block_of(&self, role: BufferRole, len: usize, rule: &'static str) -> Result<usize> {
         let n = self.world_size();
         if !len.is_multiple_of(n) {
             return Err(Error::LengthMismatch {
                 call: self.call.name(),
-                role: BufferRole::Recv,
+                role,
                 expected: (len / n + 1) * n,
                 actual: len,
-                rule: "in place: buffer = world_size x block",
+                rule,
             });
         }
         Ok(len / n)
     }
 
-    /// Checks a buffer NCCL reads: the element type, its length against the operation's
-    /// `rule`, its memory, its stream.
+    /// The lengths the row gives this rank's (send, receive) buffers for `count`; refused
+    /// when a world-sized one overflows the address space.
     #[inline(always)]
-    pub(crate) fn send<T: NcclType, S: SendBuffer<T> + ?Sized>(
-        &self,
-        buf: &S,
-        expected: usize,
-        rule: &'static str,
-    ) -> Result<()> {
-        self.buffer(BufferRole::Send, buf, expected, rule)
+    fn lengths(&self, count: usize) -> Result<(Length, Length)> {
+        let n = self.world_size();
+        let is_root = self.rank.is_none_or(|r| r == self.comm.rank());
+        let (s, r) = self.call.extents();
+        let fits = |e: Extent| {
+            !e.is_world()
+                || e.on_root(count, n)
+                    .is_some_and(|x| x.checked_mul(16).is_some())
+        };
+        match self.call.lengths(count, n, is_root) {
+            Some(both) if fits(s) && fits(r) => Ok(both),
+            _ => Err(self.overflow(count)),
+        }
     }
 
-    /// Checks a buffer NCCL writes, as [`send`](Self::send).
-    #[inline(always)]
-    pub(crate) fn recv<T: NcclType, R: RecvBuffer<T> + ?Sized>(
-        &self,
-        buf: &R,
-        expected: usize,
-        rule: &'static str,
-    ) -> Result<()> {
-        self.buffer(BufferRole::Recv, buf, expected, rule)
+    #[cold]
+    fn overflow(&self, count: usize) -> Error {
+        let n = self.world_size();
+        let reason = format!("{count} elements x {n} ranks overflows the address space");
+        invalid(self.call.name(), reason)
     }
 
+    /// Checks a buffer against `len`, its length by the row: its element type, its length,
+    /// its memory, its stream; one that NCCL ignores on this rank (empty where the row
+    /// allows it, or of any length) only for where it lives. Whether NCCL gets its pointer
+    /// (else a null one: an empty buffer that NCCL ignores).
     #[inline(always)]
-    fn buffer<T: NcclType, B: SendBuffer<T> + ?Sized>(
+    fn check<T: NcclType, B: SendBuffer<T> + ?Sized>(
         &self,
         role: BufferRole,
         buf: &B,
-        expected: usize,
-        rule: &'static str,
-    ) -> Result<()> {
+        len: Length,
+    ) -> Result<bool> {
         let call = self.call.name();
+        match len {
+            Length::Exactly(_) => {}
+            Length::EmptyOr(_) if !buf.is_empty() => {}
+            Length::EmptyOr(_) | Length::Any => {
+                self.comm.check_memory(call, role, buf.memory())?;
+                return Ok(!buf.is_empty());
+            }
+        }
         T::DATA_TYPE.check_supported(self.comm.library())?;
-        check_len(call, role, buf.len(), expected, rule)?;
+        if !len.accepts(buf.len()) {
+            return Err(self.length_error(role, len, buf.len()));
+        }
         self.comm.check_memory(call, role, buf.memory())?;
-        self.on_its_stream(role, buf.bound_stream())
+        self.on_its_stream(role, buf.bound_stream())?;
+        Ok(true)
+    }
+
+    #[cold]
+    fn length_error(&self, role: BufferRole, len: Length, actual: usize) -> Error {
+        let expected = match len {
+            Length::Exactly(n) | Length::EmptyOr(n) => n,
+            Length::Any => actual,
+        };
+        Error::LengthMismatch {
+            call: self.call.name(),
+            role,
+            expected,
+            actual,
+            rule: self.rule(role, len),
+        }
+    }
+
+    /// The row's rule for the buffer `role`, in words (what a length error quotes): its
+    /// length in terms of the other buffer's.
+    fn rule(&self, role: BufferRole, len: Length) -> &'static str {
+        let (s, r) = self.call.extents();
+        let (mine, other) = if role == BufferRole::Send {
+            (s, r)
+        } else {
+            (r, s)
+        };
+        let world = mine.is_world() && !other.is_world();
+        let on_root = matches!(
+            mine,
+            Extent::RootCount(off) | Extent::RootWorld(off) if off != OffRoot::AsRoot
+        );
+        macro_rules! rule {
+            ($mine:literal, $other:literal) => {
+                match (world, on_root, len) {
+                    (true, true, Length::EmptyOr(_)) => {
+                        concat!(
+                            "off the root, ",
+                            $mine,
+                            " is empty or world_size x ",
+                            $other
+                        )
+                    }
+                    (false, true, Length::EmptyOr(_)) => {
+                        concat!("off the root, ", $mine, " is empty or as long as ", $other)
+                    }
+                    (true, true, _) => concat!($mine, " = world_size x ", $other, " on the root"),
+                    (false, true, _) => concat!($mine, " = ", $other, " on the root"),
+                    (true, false, _) => concat!($mine, " = world_size x ", $other),
+                    (false, false, _) => concat!($mine, " = ", $other),
+                }
+            };
+        }
+        if role == BufferRole::Send {
+            rule!("send", "recv")
+        } else {
+            rule!("recv", "send")
+        }
     }
 
     /// A buffer bound to one stream ([`crate::StreamBound`]) is used on that stream only.
@@ -367,89 +545,104 @@ impl<'a> OpChecks<'a> {
         ))
     }
 
-    /// Checks only where a buffer lives: one NCCL ignores on a non-root rank.
+    /// The operation on a send and a receive buffer, both checked against the row's
+    /// lengths (send first) before either pointer is taken. A buffer that NCCL ignores on
+    /// this rank and that is empty is passed as a null pointer; NCCL's header says it is
+    /// not used, but under `NCCL_CHECK_POINTERS=1` NCCL 2.28.9 refuses a null one for a
+    /// gather's receive and a scatter's send buffer (`ArgsCheck`, misc/argcheck.cc:71-83).
     #[inline(always)]
-    pub(crate) fn ignored<T: NcclType, B: SendBuffer<T> + ?Sized>(
-        &self,
-        role: BufferRole,
-        buf: &B,
-    ) -> Result<()> {
-        self.comm.check_memory(self.call.name(), role, buf.memory())
-    }
-
-    /// Scatter's `send` off the root: only where it lives is checked, and its pointer is
-    /// passed unless it is empty. NCCL's header says it is not used, but under
-    /// `NCCL_CHECK_POINTERS=1` NCCL 2.28.9 refuses a null one (`ArgsCheck`,
-    /// misc/argcheck.cc:71-83); it reads and writes no element of it.
-    #[inline(always)]
-    pub(crate) fn ignored_send<T: NcclType, S: SendBuffer<T> + ?Sized>(
-        &self,
-        buf: &'a S,
-    ) -> Result<(*const c_void, BufferGuard<'a>)> {
-        self.ignored(BufferRole::Send, buf)?;
-        Ok(if buf.is_empty() {
-            NO_SEND
+    pub(crate) fn buffers<T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
+        self,
+        send: &'a S,
+        recv: &'a mut R,
+    ) -> Result<Op<'a>> {
+        let count = self.count(send.len(), recv.len())?;
+        let (send_len, recv_len) = self.lengths(count)?;
+        let send_used = self.check(BufferRole::Send, send, send_len)?;
+        let recv_used = self.check(BufferRole::Recv, recv, recv_len)?;
+        let s = if send_used {
+            send.send_ptr(self.stream)
         } else {
-            self.send_ptr(buf)
-        })
+            NO_SEND
+        };
+        let r = if recv_used {
+            recv.recv_ptr(self.stream)
+        } else {
+            NO_RECV
+        };
+        Ok(self.op::<T>(count, s, r))
     }
 
-    /// A checked buffer NCCL reads: its pointer and the guard to keep.
+    /// The operation on its send buffer only (a point-to-point send).
     #[inline(always)]
-    pub(crate) fn send_ptr<T: NcclType, S: SendBuffer<T> + ?Sized>(
-        &self,
-        buf: &'a S,
-    ) -> (*const c_void, BufferGuard<'a>) {
-        buf.send_ptr(self.stream)
+    pub(crate) fn send_buffer<T: NcclType, S: SendBuffer<T> + ?Sized>(
+        self,
+        send: &'a S,
+    ) -> Result<Op<'a>> {
+        let count = self.count(send.len(), 0)?;
+        let (len, _) = self.lengths(count)?;
+        self.check(BufferRole::Send, send, len)?;
+        let s = send.send_ptr(self.stream);
+        Ok(self.op::<T>(count, s, NO_RECV))
     }
 
-    /// A checked buffer NCCL writes: its pointer and the guard to keep.
+    /// The operation on its receive buffer only (a point-to-point receive).
     #[inline(always)]
-    pub(crate) fn recv_ptr<T: NcclType, R: RecvBuffer<T> + ?Sized>(
-        &self,
-        buf: &'a mut R,
-    ) -> (*mut c_void, BufferGuard<'a>) {
-        buf.recv_ptr(self.stream)
+    pub(crate) fn recv_buffer<T: NcclType, R: RecvBuffer<T> + ?Sized>(
+        self,
+        recv: &'a mut R,
+    ) -> Result<Op<'a>> {
+        let count = self.count(0, recv.len())?;
+        let (_, len) = self.lengths(count)?;
+        self.check(BufferRole::Recv, recv, len)?;
+        let r = recv.recv_ptr(self.stream);
+        Ok(self.op::<T>(count, NO_SEND, r))
     }
 
-    /// The one buffer of an in-place operation, checked: NCCL reads it from element
-    /// `send_at` and writes it from element `recv_at` (this rank's block, or 0).
+    /// The in-place operation on `buf`, which is both buffers: by the row, a world-sized
+    /// one holds `world_size` blocks of NCCL's count and the count-sized one is this rank's
+    /// block of it (NCCL's in-place all-gather and reduce-scatter); else they coincide.
     #[inline(always)]
-    #[allow(clippy::type_complexity)]
     pub(crate) fn in_place<T: NcclType, B: RecvBuffer<T> + ?Sized>(
-        &self,
+        self,
         buf: &'a mut B,
-        send_at: usize,
-        recv_at: usize,
-    ) -> (
-        (*const c_void, BufferGuard<'a>),
-        (*mut c_void, BufferGuard<'a>),
-    ) {
+    ) -> Result<Op<'a>> {
+        let (s, r) = self.call.extents();
+        let count = if s.is_world() || r.is_world() {
+            let rule = "in place: buffer = world_size x block";
+            self.block_of(BufferRole::Recv, buf.len(), rule)?
+        } else {
+            buf.len()
+        };
+        // The block is whole (checked above), so the buffer's length is the row's.
+        self.check(BufferRole::Recv, buf, Length::Exactly(buf.len()))?;
+        let mine = self.comm.rank() * count;
+        let (send_at, recv_at) = match (s.is_world(), r.is_world()) {
+            (false, true) => (mine, 0),
+            (true, false) => (0, mine),
+            _ => (0, 0),
+        };
         let (p, guard) = buf.recv_ptr(self.stream);
         let at = |i: usize| p.cast::<T>().wrapping_add(i).cast::<c_void>();
-        (
-            (at(send_at).cast_const(), BufferGuard::Host),
-            (at(recv_at), guard),
-        )
+        let s = (at(send_at).cast_const(), BufferGuard::Host);
+        Ok(self.op::<T>(count, s, (at(recv_at), guard)))
     }
 
-    /// The described operation: `call` with `count` elements of T (and `root`, the root or
-    /// peer the diagnostics report), reading `send` and writing `recv`.
+    /// The described operation: `count` elements of T, reading `send` and writing `recv`.
     #[inline(always)]
-    pub(crate) fn op<T: NcclType>(
+    fn op<T: NcclType>(
         self,
-        call: Call,
         count: usize,
-        root: Option<usize>,
         send: (*const c_void, BufferGuard<'a>),
         recv: (*mut c_void, BufferGuard<'a>),
     ) -> Op<'a> {
         Op {
             comm: self.comm,
-            call,
+            red: self.red,
+            offset: 0,
             send: send.0,
             recv: recv.0,
-            info: OpInfo::new(self.call, T::DATA_TYPE, count, root, self.stream),
+            info: OpInfo::new(self.call, T::DATA_TYPE, count, self.rank, self.stream),
             caller: self.caller,
             guards: [send.1, recv.1],
         }
@@ -457,9 +650,7 @@ impl<'a> OpChecks<'a> {
 }
 
 /// No pointer, no guard: the buffer an operation does not have, or that NCCL ignores.
-pub(crate) const NO_SEND: (*const c_void, BufferGuard<'static>) =
-    (std::ptr::null(), BufferGuard::Host);
+const NO_SEND: (*const c_void, BufferGuard<'static>) = (std::ptr::null(), BufferGuard::Host);
 
 /// See [`NO_SEND`].
-pub(crate) const NO_RECV: (*mut c_void, BufferGuard<'static>) =
-    (std::ptr::null_mut(), BufferGuard::Host);
+const NO_RECV: (*mut c_void, BufferGuard<'static>) = (std::ptr::null_mut(), BufferGuard::Host);
