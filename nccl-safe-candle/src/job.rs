@@ -23,7 +23,7 @@
 //!
 //! In processes the launcher must let the survivors run on when a rank dies: mpirun
 //! `--enable-recovery`, srun without `--kill-on-bad-exit`; torchrun's agent stops every
-//! worker, so it is refused ([`EnvError::EndsSurvivors`](nccl_safe::launch::env::EnvError),
+//! worker, so it is refused ([`EnvError::EndsSurvivors`](nccl_launch::env::EnvError),
 //! naming what to start the job with).
 //!
 //! What it does not do (yet): a grow's rank 0 must be able to listen on `MASTER_ADDR`
@@ -35,8 +35,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use nccl_safe::launch::env::ProcessEnv;
-use nccl_safe::launch::rendezvous::{Refusal, RendezvousError, ServerHandle, TcpRendezvous};
+use nccl_launch::env::ProcessEnv;
+use nccl_launch::rendezvous::{Refusal, RendezvousError, ServerHandle, TcpRendezvous};
 use nccl_safe::{CommDevice, Communicator, Config, UniqueId};
 
 use crate::elastic::{device_of, run_elastic_with, ElasticRun, MinRanks};
@@ -132,7 +132,7 @@ impl ElasticJob {
     }
 
     /// This process's rank of a job started by torchrun, srun or mpirun (the variables of
-    /// [`nccl_safe::launch::env`]); the launcher's last [`standbys`](Self::standbys) ranks
+    /// [`nccl_launch::env`]); the launcher's last [`standbys`](Self::standbys) ranks
     /// are the standbys. On the GPU of the local rank, or the host provider with
     /// [`host_provider`](Self::host_provider).
     pub fn from_env() -> Result<ElasticJob> {
@@ -145,7 +145,7 @@ impl ElasticJob {
     pub fn from_env_or_host(members: usize) -> Result<ElasticJob> {
         match ProcessEnv::from_process_env() {
             Ok(env) => Ok(ElasticJob::with(Kind::Process { env, host: false })),
-            Err(nccl_safe::launch::env::EnvError::NotLaunched) => Ok(ElasticJob::host(members)),
+            Err(nccl_launch::env::EnvError::NotLaunched) => Ok(ElasticJob::host(members)),
             Err(e) => Err(nccl_safe::Error::from(e).into()),
         }
     }
@@ -329,7 +329,7 @@ impl ElasticJob {
         let mut member_env = env.clone();
         member_env.world_size = members;
         let mut launcher =
-            nccl_safe::launch::ProcessLauncher::new(member_env).config(self.config.clone());
+            nccl_launch::ProcessLauncher::new(member_env).config(self.config.clone());
         if host {
             launcher = launcher.host();
         }

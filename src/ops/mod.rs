@@ -209,7 +209,8 @@ impl Communicator {
     /// `recv.len() == send.len()`.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send = vec![r as f64 + 1.0; 4];
@@ -218,7 +219,7 @@ impl Communicator {
     ///     assert_eq!(recv, vec![3.0; 4]);
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn all_reduce<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -285,7 +286,8 @@ impl Communicator {
     /// buffers of the same length; `send` is read only on the root.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send = vec![10 * r as i32; 2];
@@ -294,7 +296,7 @@ impl Communicator {
     ///     assert_eq!(recv, vec![20, 20]);
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn broadcast<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -361,7 +363,8 @@ impl Communicator {
     /// passes `recv.len() == send.len()`; only the root's `recv` is written.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send = vec![r as u64 + 1; 2];
@@ -370,7 +373,7 @@ impl Communicator {
     ///     assert_eq!(recv, if r == 0 { vec![6, 6] } else { vec![0, 0] });
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn reduce<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -443,7 +446,8 @@ impl Communicator {
     /// `i * send.len()` (`ncclAllGather`). `recv.len() == world_size * send.len()`.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send = vec![r as u8; 2];
@@ -452,7 +456,7 @@ impl Communicator {
     ///     assert_eq!(recv, vec![0, 0, 1, 1, 2, 2]);
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn all_gather<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -516,7 +520,8 @@ impl Communicator {
     /// (`ncclReduceScatter`). `send.len() == world_size * recv.len()`.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send: Vec<f32> = (0..6).map(|i| i as f32).collect(); // the same on every rank
@@ -525,7 +530,7 @@ impl Communicator {
     ///     assert_eq!(recv, vec![3.0 * (2 * r) as f32, 3.0 * (2 * r + 1) as f32]);
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn reduce_scatter<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -661,7 +666,8 @@ impl Communicator {
     /// (`ncclAlltoAll`, NCCL 2.28+). Both hold `world_size` equal blocks.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send: Vec<i32> = (0..3).map(|to| (10 * r + to) as i32).collect();
@@ -670,7 +676,7 @@ impl Communicator {
     ///     assert_eq!(recv, (0..3).map(|from| (10 * from + r) as i32).collect::<Vec<_>>());
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn all_to_all<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -709,7 +715,8 @@ impl Communicator {
     /// place in its window ([`register_window`](Self::register_window) says why).
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send = vec![r as i64];
@@ -718,7 +725,7 @@ impl Communicator {
     ///     if r == 1 { assert_eq!(recv, vec![0, 1, 2]); }
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn gather<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -775,7 +782,8 @@ impl Communicator {
     /// `NCCL_CHECK_POINTERS=1` NCCL refuses an empty one, so pass device memory there.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send: Vec<u32> = if r == 0 { vec![7, 8, 9] } else { Vec::new() };
@@ -784,7 +792,7 @@ impl Communicator {
     ///     assert_eq!(recv, vec![7 + r as u32]);
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn scatter<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
