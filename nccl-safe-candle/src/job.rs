@@ -136,7 +136,7 @@ impl ElasticJob {
     /// are the standbys. On the GPU of the local rank, or the host provider with
     /// [`host_provider`](Self::host_provider).
     pub fn from_env() -> Result<ElasticJob> {
-        let env = ProcessEnv::from_process_env().map_err(nccl_safe::Error::from)?;
+        let env = ProcessEnv::from_process_env().map_err(nccl_launch::Error::from)?;
         Ok(ElasticJob::with(Kind::Process { env, host: false }))
     }
 
@@ -146,7 +146,7 @@ impl ElasticJob {
         match ProcessEnv::from_process_env() {
             Ok(env) => Ok(ElasticJob::with(Kind::Process { env, host: false })),
             Err(nccl_launch::env::EnvError::NotLaunched) => Ok(ElasticJob::host(members)),
-            Err(e) => Err(nccl_safe::Error::from(e).into()),
+            Err(e) => Err(nccl_launch::Error::from(e).into()),
         }
     }
 
@@ -323,7 +323,7 @@ impl ElasticJob {
             offer: None,
         });
         if env.rank >= members {
-            env.keeps_survivors().map_err(nccl_safe::Error::from)?;
+            env.keeps_survivors().map_err(nccl_launch::Error::from)?;
             return Ok(self.rank(Role::Standby(env.rank - members), device, members, channel));
         }
         let mut member_env = env.clone();
@@ -780,7 +780,7 @@ impl TcpGrow {
         let mut env = self.env.clone();
         env.master_port = port;
         Ok(TcpRendezvous::from_env(&env)
-            .map_err(nccl_safe::Error::from)?
+            .map_err(nccl_launch::Error::from)?
             .timeout(timeout)
             .io_timeout(timeout.min(Duration::from_secs(10))))
     }
@@ -791,7 +791,7 @@ impl TcpGrow {
         Ok(self
             .rendezvous(i, timeout)?
             .serve(2, bytes)
-            .map_err(nccl_safe::Error::from)?)
+            .map_err(nccl_launch::Error::from)?)
     }
 
     fn ready(&mut self, world: usize, joined: &[bool]) -> Option<usize> {
