@@ -2,7 +2,6 @@
 //! internals. Not an API: hidden from the docs, with no stability promise; everything a user
 //! needs is public elsewhere.
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use crate::{Communicator, Config};
@@ -36,6 +35,7 @@ pub fn leave(comm: &Communicator, how: &str) {
 }
 
 /// Collectives `comm`'s rank called: those issued and those refused after a failure.
+#[cfg(feature = "diag")]
 pub fn collectives_called(comm: &Communicator) -> u64 {
     comm.collectives_called()
 }
@@ -47,7 +47,7 @@ pub fn timing_unless_set(config: Config, precise: bool) -> Config {
 
 /// `config` with the job's desync board (shared: one board for every communicator).
 #[cfg(feature = "diag")]
-pub fn remote_board(config: Config, board: Arc<dyn crate::diag::RemoteBoard>) -> Config {
+pub fn remote_board(config: Config, board: std::sync::Arc<dyn crate::diag::RemoteBoard>) -> Config {
     config.remote_board(board)
 }
 

@@ -587,6 +587,7 @@ impl Communicator {
     /// Collectives this rank's program called: those issued (each has a sequence number)
     /// and those refused because the communicator had failed. The launcher compares ranks
     /// by it to name the one that left early, ran an extra collective, or was behind.
+    #[cfg(feature = "diag")]
     pub(crate) fn collectives_called(&self) -> u64 {
         self.diagnostics().collectives + self.refused.get()
     }
