@@ -16,8 +16,8 @@ use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Instant;
 
+use nccl_launch::Launcher;
 use nccl_safe::host::shared_unique_id;
-use nccl_safe::launch::Launcher;
 use nccl_safe::{CommDevice, Communicator, Config, ReduceOp, Result, Stream, UniqueId};
 
 const CHILD: &str = "NCCL_SAFE_BENCH_PROCESS";
@@ -76,7 +76,7 @@ fn timed(comm: &Communicator, o: Opts) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64() / o.iters as f64)
 }
 
-fn threads(o: Opts) -> Result<f64> {
+fn threads(o: Opts) -> nccl_launch::Result<f64> {
     let times = Launcher::host(o.ranks).run(move |rank| timed(rank.comm(), o))?;
     Ok(times.into_iter().fold(0.0, f64::max))
 }

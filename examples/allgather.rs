@@ -8,7 +8,7 @@ mod common;
 use std::process::ExitCode;
 
 use common::{device_name, print_table, Args, Buf, Elem, Failure};
-use nccl_safe::launch::Rank;
+use nccl_launch::Rank;
 use nccl_safe::Result;
 
 fn rank_body<T: Elem>(rank: &Rank, args: &Args) -> Result<(usize, String, f64, bool)> {
@@ -35,9 +35,9 @@ fn rank_body<T: Elem>(rank: &Rank, args: &Args) -> Result<(usize, String, f64, b
 }
 
 fn threads<T: Elem>(
-    launcher: &nccl_safe::launch::Launcher,
+    launcher: &nccl_launch::Launcher,
     args: &Args,
-) -> Result<Vec<(usize, String, f64, bool)>> {
+) -> nccl_launch::Result<Vec<(usize, String, f64, bool)>> {
     launcher.run(|rank| rank_body::<T>(rank, args))
 }
 

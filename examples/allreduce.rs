@@ -10,7 +10,7 @@ mod common;
 use std::process::ExitCode;
 
 use common::{device_name, print_table, Args, Buf, Elem, Failure};
-use nccl_safe::launch::{Launcher, Rank};
+use nccl_launch::{Launcher, Rank};
 use nccl_safe::{ReduceOp, Result};
 
 /// The average of the inputs 1, 2, ..., n as NCCL computes it: integer types divide the
@@ -56,7 +56,10 @@ fn rank_body<T: Elem>(rank: &Rank, args: &Args) -> Result<(usize, String, f64, b
     ))
 }
 
-fn threads<T: Elem>(launcher: &Launcher, args: &Args) -> Result<Vec<(usize, String, f64, bool)>> {
+fn threads<T: Elem>(
+    launcher: &Launcher,
+    args: &Args,
+) -> nccl_launch::Result<Vec<(usize, String, f64, bool)>> {
     launcher.run(|rank| rank_body::<T>(rank, args))
 }
 

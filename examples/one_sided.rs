@@ -11,7 +11,7 @@ mod common;
 use std::process::ExitCode;
 
 use common::{device_name, print_table, Args, Failure};
-use nccl_safe::launch::Rank;
+use nccl_launch::Rank;
 use nccl_safe::{NcclMemory, Result, Signal, SignalWait, WindowFlags};
 
 /// One rank's work: rank r's source holds `1000 r + i`; it puts its whole source into the

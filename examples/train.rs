@@ -12,7 +12,7 @@ mod common;
 use std::process::ExitCode;
 
 use common::{Args, Buf, Failure};
-use nccl_safe::launch::Rank;
+use nccl_launch::Rank;
 use nccl_safe::{ReduceOp, Result};
 
 const FEATURES: usize = 8;

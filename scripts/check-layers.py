@@ -13,7 +13,13 @@ followed to their module), collapses modules to their top-level module, and fail
 
 `crate::host` is the crate nccl-host (re-exported), below every layer: it depends only on
 nccl-sys, so Cargo keeps it from importing nccl-safe. Its own modules (nccl-host/src) are
-checked for cycles the same way, without layers.
+checked for cycles the same way, without layers, and so are nccl-launch's.
+
+The crates form layers too: nccl-sys, nccl-host, nccl-safe (the core), nccl-launch (the
+launchers) above it. The core must not name the launchers (`nccl_launch` in its code, a
+normal dependency on it; its tests, examples and doc examples use it as a dev-dependency)
+and holds no socket code (`std::net`, TCP/UDP types): sockets and tokens live in
+nccl-launch.
 
 Prints the layer picture with the edges found. Exit status 1 on a violation.
 Usage: scripts/check-layers.py [--dot]   (--dot: print the module graph in Graphviz form)
@@ -25,17 +31,18 @@ import sys
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SRC = os.path.join(ROOT, "src")
 # Other crates of the workspace whose modules are checked for cycles (no layers).
-CYCLE_ONLY_CRATES = [os.path.join(ROOT, "nccl-host", "src")]
+CYCLE_ONLY_CRATES = [os.path.join(ROOT, "nccl-host", "src"), os.path.join(ROOT, "nccl-launch", "src")]
 
 # Bottom first. A module may import modules of its own layer or below, never above, and
 # no cycle may form inside a layer.
 LAYERS = [
     ("leaves", ["version", "discovery", "error"]),
-    ("provider and library", ["types", "library", "id", "stream", "cuda_probe", "param"]),
+    ("provider and library", ["types", "library", "id", "stream", "param"]),
     ("teardown lanes", ["teardown"]),
     ("diagnostics hooks", ["diag"]),
     ("the wrapper", ["config", "buffer", "comm", "ops", "group", "memory", "register", "comm_ref"]),
-    ("launchers", ["launch"]),
+    # What the crate nccl-launch (the layer above the core) uses of the core's internals.
+    ("the launchers' seam", ["seam"]),
 ]
 LAYER_OF = {m: i for i, (_, ms) in enumerate(LAYERS) for m in ms}
 
@@ -270,6 +277,29 @@ def cycles(tops, edges, what):
     return graph, sccs, problems
 
 
+SOCKETS = re.compile(r"\bstd::net\b|\b(?:TcpStream|TcpListener|UdpSocket|ToSocketAddrs)\b")
+
+
+def crate_layers(files):
+    """The core above nccl-launch: it names no launcher and holds no socket code."""
+    problems = []
+    for f in sorted(files):
+        text = strip_comments(open(f).read())
+        for pat, what in ((re.compile(r"\bnccl_launch\b"), "names the launchers (nccl_launch)"),
+                          (SOCKETS, "holds socket code (sockets live in nccl-launch)")):
+            m = pat.search(text)
+            if m:
+                line = text.count("\n", 0, m.start()) + 1
+                problems.append(f"the core {what} at {os.path.relpath(f, ROOT)}:{line}")
+    deps = re.search(r"^\[dependencies\]\n(.*?)^\[", open(os.path.join(ROOT, "Cargo.toml")).read(), re.S | re.M)
+    if deps and re.search(r"^nccl-launch\b", deps.group(1), re.M):
+        problems.append("nccl-safe depends on nccl-launch (a layer above it; a dev-dependency only)")
+    launch_toml = os.path.join(ROOT, "nccl-launch", "Cargo.toml")
+    if not re.search(r"^nccl-safe\s*=", open(launch_toml).read(), re.M):
+        problems.append("nccl-launch does not depend on nccl-safe")
+    return problems
+
+
 def main():
     files = rust_files(SRC)
     tops, edges = top_level_edges(SRC, files)
@@ -303,6 +333,9 @@ def main():
                 print(f"       {m:<10} -> {deps}")
     inner = submodule_cycles(SRC, files)
     problems += inner
+    crates = crate_layers(files)
+    problems += crates
+    print(f"crates: nccl-launch above nccl-safe; {len(crates)} violations (the core names no launcher, holds no socket)")
     print(f"{len(tops)} top-level modules, {len(edges)} edges between them, "
           f"{sum(1 for c in sccs if len(c) > 1)} cycles; {len(inner)} cycles inside module folders")
     for src in CYCLE_ONLY_CRATES:
@@ -319,7 +352,7 @@ def main():
         for p in problems:
             print("  - " + p)
         return 1
-    print("OK: no import cycle (between modules, inside a module folder or inside nccl-host), every import points down")
+    print("OK: no import cycle (between modules, inside a module folder or inside nccl-host), every import points down, the core names no launcher and holds no socket")
     return 0
 
 

@@ -273,13 +273,12 @@ impl Config {
 /// [`crate::diag`]).
 impl Config {
     /// [`timing`](Self::timing), unless it was set.
-    #[cfg(feature = "launch")]
     pub(crate) fn timing_unless_set(mut self, precise: bool) -> Config {
         self.diag.precise.get_or_insert(precise);
         self
     }
 
-    /// Sets the remote desync board (see `launch::desync`).
+    /// Sets the remote desync board (see nccl-launch's `desync`).
     #[cfg(feature = "diag")]
     pub(crate) fn remote_board(mut self, board: Arc<dyn crate::diag::RemoteBoard>) -> Config {
         // Not asked again for a while once it failed to answer (`remote::Guarded`).
@@ -290,7 +289,7 @@ impl Config {
     /// Gives the communicator the job's desync board: when its clique times out, it posts
     /// what its ranks were last doing, and its report shows what the ranks in other
     /// processes posted (instead of "no record"). Nothing is sent in normal operation.
-    /// [`ProcessLauncher::init`](crate::launch::ProcessLauncher::init) sets it for you.
+    /// nccl-launch's `ProcessLauncher::init` sets it for you.
     /// Children from split/shrink do not inherit it (their ranks are numbered differently).
     #[cfg(feature = "diag")]
     pub fn desync_board(self, board: impl crate::diag::RemoteBoard + 'static) -> Config {
@@ -306,7 +305,7 @@ impl Config {
     /// all-reduce makes them wait that long (the transfer itself takes well under a second).
     /// After a quarter of the timeout (at most a minute) the watchdog prints one notice per
     /// waiting operation: what the rank waits in, from which line, and which ranks of its
-    /// process have not called it. [`Launcher::timeout`](crate::launch::Launcher::timeout) is
+    /// process have not called it. nccl-launch's `Launcher::timeout` is
     /// a bound of its own.
     pub fn timeout(mut self, timeout: std::time::Duration) -> Config {
         self.diag.timeout = Some(timeout);
@@ -352,7 +351,7 @@ impl Config {
     /// coarse clock the watchdog advances every 10 ms (see ARCHITECTURE.md for its cost):
     /// timeouts fire within a tick of their deadline, per-operation times read as whole
     /// ticks, and sums over many operations are right on average.
-    /// [`crate::launch::Launcher::run_report`] turns it on for its communicators.
+    /// nccl-launch's `Launcher::run_report` turns it on for its communicators.
     #[cfg(feature = "diag")]
     pub fn timing(mut self, precise: bool) -> Config {
         self.diag.precise = Some(precise);

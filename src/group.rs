@@ -294,7 +294,8 @@ impl<'a> Group<'a> {
     /// on a communicator of another NCCL library than the group's is refused.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, Group, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::{Group, ReduceOp};
     /// Launcher::host(3).run(|rank| {
     ///     let (r, n, comm, s) = (rank.rank(), rank.world_size(), rank.comm(), rank.stream());
     ///     let (send, mut got) = (vec![r as u8; 2], vec![0u8; 2]);
@@ -309,7 +310,7 @@ impl<'a> Group<'a> {
     ///     assert_eq!(gathered, vec![10, 11, 12]);
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[inline(always)]
     pub fn push(&mut self, op: Op<'a>) -> Result<()> {

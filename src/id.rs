@@ -169,7 +169,6 @@ pub fn scalable_root_rank(world_size: usize, roots: usize, root: usize) -> Optio
 /// The root whose id rank `rank` makes in a scalable init of `world_size` ranks with
 /// `roots` ids: `Some(i)` when `rank` is [`scalable_root_rank`]`(world_size, roots, i)`
 /// (NCCL's `rankHasRoot`, docs/userguide usage/communicators.rst of 2.30.7), else `None`.
-#[cfg_attr(not(feature = "launch"), allow(dead_code))]
 pub(crate) fn root_made_by(world_size: usize, roots: usize, rank: usize) -> Option<usize> {
     if roots == 0 || roots > world_size || rank >= world_size {
         return None;

@@ -2,12 +2,14 @@
 //!
 //! Four ranks all-reduce a gradient and broadcast a parameter, as threads of one process on
 //! the host provider (NCCL's API on the CPU, so this runs anywhere, `cargo test` included).
-//! With GPUs, `Launcher::all_devices()?` runs a rank per visible GPU (`Launcher::auto` picks
-//! GPUs or the host), and `Launcher::from_env()?.init()?` a rank per process under
-//! torchrun, Slurm or mpirun; the body stays the same.
+//! The ranks are started by the crate nccl-launch: with GPUs,
+//! `Launcher::all_devices()?` runs a rank per visible GPU (`Launcher::auto` picks GPUs or
+//! the host), and `Launcher::from_env()?.init()?` a rank per process under torchrun, Slurm
+//! or mpirun; the body stays the same.
 //!
 //! ```
-//! use nccl_safe::{launch::Launcher, Error, ReduceOp};
+//! use nccl_launch::Launcher;
+//! use nccl_safe::{Error, ReduceOp};
 //!
 //! let sums = Launcher::host(4).run(|rank| {
 //!     let (comm, stream) = (rank.comm(), rank.stream());
@@ -25,7 +27,7 @@
 //!     Ok(grad[0])
 //! })?;
 //! assert_eq!(sums, vec![10.0; 4]);
-//! # Ok::<(), nccl_safe::Error>(())
+//! # Ok::<(), nccl_launch::Error>(())
 //! ```
 //!
 //! Each [`Communicator`] is torn down exactly once, by its `Drop` (destroyed when healthy,
@@ -46,8 +48,8 @@
 //! * [`NcclMemory`], [`Registration`], [`Window`]: NCCL's allocator, buffer registration and
 //!   symmetric windows, borrows that end exactly once. fp8 element types
 //!   ([`float8::F8E4M3`], [`float8::F8E5M2`]) need NCCL 2.24.
-//! * [`launch`]: ranks as threads ([`launch::Launcher`]) or processes
-//!   ([`launch::ProcessLauncher`]), the unique-id exchange (torchrun's store, an
+//! * The crate nccl-launch (a layer above this one): ranks as threads (`Launcher`) or
+//!   processes (`ProcessLauncher`), the unique-id exchange (torchrun's store, an
 //!   authenticated TCP rendezvous) and the desync board that names diverging ranks.
 //! * [`diag`]: the watchdog, the flight recorder and straggler reports; [`Config`] sets
 //!   their timeouts.
@@ -60,8 +62,6 @@ mod buffer;
 mod comm;
 mod comm_ref;
 mod config;
-#[cfg(feature = "launch")]
-mod cuda_probe;
 pub mod diag;
 mod discovery;
 pub mod error;
@@ -71,13 +71,13 @@ mod group;
 #[doc(inline)]
 pub use nccl_host as host;
 mod id;
-#[cfg(feature = "launch")]
-pub mod launch;
 pub mod library;
 mod memory;
 mod ops;
 mod param;
 mod register;
+#[doc(hidden)]
+pub mod seam;
 mod stream;
 mod teardown;
 mod types;

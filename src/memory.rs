@@ -33,7 +33,8 @@ use crate::types::NcclType;
 /// `ncclMemFree` exactly once: on drop, or by [`free`](Self::free), which reports errors.
 ///
 /// ```
-/// use nccl_safe::{launch::Launcher, NcclMemory, ReduceOp};
+/// use nccl_launch::Launcher;
+/// use nccl_safe::{NcclMemory, ReduceOp};
 /// Launcher::host(2).run(|rank| {
 ///     let (comm, s) = (rank.comm(), rank.stream());
 ///     let mut grads = NcclMemory::<f32>::alloc_zeros(comm, 4, s.clone())?;
@@ -42,7 +43,7 @@ use crate::types::NcclType;
 ///     assert_eq!(grads.to_vec(s)?, vec![3.0; 4]);
 ///     Ok(())
 /// })?;
-/// # Ok::<(), nccl_safe::Error>(())
+/// # Ok::<(), nccl_launch::Error>(())
 /// ```
 pub struct NcclMemory<T: NcclType> {
     lib: Arc<Library>,

@@ -11,7 +11,8 @@
 //! it would move the allocation out of the borrow and let it be freed while registered).
 //!
 //! ```
-//! use nccl_safe::{launch::Launcher, NcclMemory, ReduceOp, WindowFlags};
+//! use nccl_launch::Launcher;
+//! use nccl_safe::{NcclMemory, ReduceOp, WindowFlags};
 //! Launcher::host(2).run(|rank| {
 //!     let (comm, s) = (rank.comm(), rank.stream());
 //!     let mut grads = NcclMemory::<f32>::alloc_zeros(comm, 1024, s.clone())?;
@@ -25,7 +26,7 @@
 //!     assert_eq!(grads.to_vec(s)?[0], 2.0);
 //!     Ok(())
 //! })?;
-//! # Ok::<(), nccl_safe::Error>(())
+//! # Ok::<(), nccl_launch::Error>(())
 //! ```
 //!
 //! Symmetric windows also carry NCCL's one-sided calls (NCCL 2.29+): [`Window::put_signal`]
@@ -196,7 +197,8 @@ impl Communicator {
     /// or an empty buffer. A failed registration leaves the communicator usable.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(2).run(|rank| {
     ///     let (comm, s) = (rank.comm(), rank.stream());
     ///     let mut buf = vec![1i32; 8];
@@ -208,7 +210,7 @@ impl Communicator {
     ///     assert_eq!(buf, vec![8; 8]);
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn register<'comm, 'buf, T, B>(
@@ -637,7 +639,8 @@ impl<'comm, B: ?Sized> Window<'comm, '_, B> {
     /// another device.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, NcclMemory, SignalWait, Signal, WindowFlags};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::{NcclMemory, SignalWait, Signal, WindowFlags};
     /// Launcher::host(2).run(|rank| {
     ///     let (comm, s) = (rank.comm(), rank.stream());
     ///     let (me, peer) = (rank.rank(), 1 - rank.rank());
@@ -652,7 +655,7 @@ impl<'comm, B: ?Sized> Window<'comm, '_, B> {
     ///     assert_eq!(dst.buffer().to_vec(s)?[8..12], [peer as f32; 4]);
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     #[allow(clippy::too_many_arguments)]

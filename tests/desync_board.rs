@@ -7,9 +7,9 @@ use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use nccl_launch::desync::{BoardClient, DesyncBoard};
+use nccl_launch::rendezvous::{Refusal, RendezvousError};
 use nccl_safe::diag::DesyncPost;
-use nccl_safe::launch::desync::{BoardClient, DesyncBoard};
-use nccl_safe::launch::rendezvous::{Refusal, RendezvousError};
 
 const CHILD: &str = "NCCL_SAFE_TEST_BOARD_CHILD";
 const TOKEN: &str = "board-test-token";
@@ -369,7 +369,7 @@ fn an_unauthenticated_refusal_from_the_board_is_retried() {
 /// cannot spend a rank's board connection on the rendezvous).
 #[test]
 fn the_rendezvous_does_not_take_a_boards_auth_frame() {
-    use nccl_safe::launch::rendezvous::TcpRendezvous;
+    use nccl_launch::rendezvous::TcpRendezvous;
     let server = TcpRendezvous::new("127.0.0.1", 0, TOKEN)
         .timeout(Duration::from_secs(5))
         .serve(2, [5u8; 128])

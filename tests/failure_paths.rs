@@ -16,9 +16,9 @@ use std::process::Command;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
+use nccl_launch::Launcher;
 use nccl_safe::host::fault::{self, Fault};
 use nccl_safe::host::stats_for;
-use nccl_safe::launch::Launcher;
 use nccl_safe::{CommDevice, Communicator, Config, Error, ReduceOp, ResultCode, Stream, UniqueId};
 use support::{assert_balanced, until, within};
 
@@ -808,7 +808,7 @@ fn a_rank_that_returns_early_fails_the_run_at_once() {
     assert!(took < Duration::from_secs(5), "took {took:?}");
     let text = e.to_string();
     match &e {
-        Error::RankFailed {
+        nccl_launch::Error::RankFailed {
             rank, first, cause, ..
         } => {
             assert_eq!(*rank, 2, "rank 2 left the others waiting: {text}");
@@ -822,7 +822,7 @@ fn a_rank_that_returns_early_fails_the_run_at_once() {
         e => panic!("expected RankFailed: {e}"),
     }
     // The report in the cause, then one line per rank (its error's first line).
-    let Error::RankFailed { cause, .. } = &e else {
+    let nccl_launch::Error::RankFailed { cause, .. } = &e else {
         unreachable!()
     };
     assert!(text.lines().count() <= cause.lines().count() + 4, "{text}");
@@ -862,7 +862,7 @@ fn one_extra_collective_on_one_rank_fails_at_once() {
         t.elapsed()
     );
     match &e {
-        Error::RankFailed { rank: 0, cause, .. } => {
+        nccl_launch::Error::RankFailed { rank: 0, cause, .. } => {
             assert!(cause.contains("left"), "{e}");
             assert!(cause.contains("an extra collective on rank 0"), "{e}");
         }
@@ -891,7 +891,7 @@ fn rank_failed_names_the_first_rank_to_fail_and_reports_once() {
         })
         .expect_err("rank 2 fails");
     match &e {
-        Error::RankFailed { rank, cause, .. } => {
+        nccl_launch::Error::RankFailed { rank, cause, .. } => {
             assert_eq!(*rank, 2, "{e}");
             assert!(cause.contains("rank 2 fails first"), "{e}");
         }
@@ -911,7 +911,7 @@ fn rank_failed_names_the_first_rank_to_fail_and_reports_once() {
         .expect_err("rank 1 is too late");
     let text = e.to_string();
     assert!(
-        matches!(&e, Error::RankFailed { rank: 1, .. }),
+        matches!(&e, nccl_launch::Error::RankFailed { rank: 1, .. }),
         "the straggler is the culprit: {text}"
     );
     assert!(
@@ -1159,7 +1159,7 @@ fn a_panicking_rank_is_the_culprit_and_its_peers_say_it_panicked() {
         })
         .expect_err("rank 1 panics");
     let text = e.to_string();
-    let Error::RankFailed {
+    let nccl_launch::Error::RankFailed {
         rank, cause, ranks, ..
     } = &e
     else {
@@ -1183,7 +1183,10 @@ fn a_panicking_rank_is_the_culprit_and_its_peers_say_it_panicked() {
         })
         .expect_err("rank 0 fails");
     let text = e.to_string();
-    assert!(matches!(&e, Error::RankFailed { rank: 0, .. }), "{text}");
+    assert!(
+        matches!(&e, nccl_launch::Error::RankFailed { rank: 0, .. }),
+        "{text}"
+    );
     assert!(text.contains("shape mismatch"), "{text}");
     assert!(
         !text.contains("candle_core::error"),
@@ -1344,7 +1347,7 @@ static RANK_2_DONE: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(Non
 
 /// 3 ranks; rank 2 stays in its own code (waiting for [`RELEASE_RANK_2`]) while the others
 /// wait for it in an all_reduce and time out after 500 ms.
-fn stuck_rank(rank: &nccl_safe::launch::Rank) -> nccl_safe::Result<()> {
+fn stuck_rank(rank: &nccl_launch::Rank) -> nccl_safe::Result<()> {
     use std::sync::atomic::Ordering;
     if rank.rank() == 2 {
         let t = Instant::now();
@@ -1370,7 +1373,7 @@ const STUCK_TIMEOUT: Duration = Duration::from_millis(500);
 /// others') and it tears its communicator down.
 #[test]
 fn a_rank_stuck_in_its_own_code_is_named_and_its_thread_detached() {
-    use nccl_safe::launch::STUCK_AFTER;
+    use nccl_launch::STUCK_AFTER;
     use std::sync::atomic::Ordering;
     let t = Instant::now();
     let r = within(Duration::from_secs(30), || {
@@ -1384,7 +1387,7 @@ fn a_rank_stuck_in_its_own_code_is_named_and_its_thread_detached() {
         "returned only once rank 2 was released"
     );
     match &r {
-        Err(Error::RankFailed {
+        Err(nccl_launch::Error::RankFailed {
             rank, cause, ranks, ..
         }) => {
             assert_eq!(*rank, 2, "rank 2 is the culprit: {r:?}");
@@ -1430,7 +1433,7 @@ fn run_waits_for_a_rank_stuck_in_its_own_code_and_says_so() {
 #[test]
 #[ignore = "run as a child process by run_waits_for_a_rank_stuck_in_its_own_code_and_says_so"]
 fn child_run_with_a_stuck_rank() {
-    use nccl_safe::launch::STUCK_AFTER;
+    use nccl_launch::STUCK_AFTER;
     use std::sync::atomic::Ordering;
     if std::env::var_os(STUCK_VAR).is_none() {
         return;
@@ -1449,7 +1452,9 @@ fn child_run_with_a_stuck_rank() {
         "run returned before rank 2's thread ended"
     );
     match r {
-        Err(Error::RankFailed { rank: 2, .. }) => eprintln!("RESULT rank 2 is the culprit"),
+        Err(nccl_launch::Error::RankFailed { rank: 2, .. }) => {
+            eprintln!("RESULT rank 2 is the culprit")
+        }
         other => panic!("expected RankFailed naming rank 2: {other:?}"),
     }
 }

@@ -12,7 +12,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
-use nccl_safe::launch::{cuda_device_count, Launcher};
+use nccl_launch::{cuda_device_count, Launcher};
 use nccl_safe::{CommDevice, Communicator, Config, Error, Group, Library, ReduceOp, UniqueId};
 
 #[test]

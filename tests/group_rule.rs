@@ -5,7 +5,7 @@
 //! caller's code runs. Each test here is a safe call sequence that, with a group left open
 //! across the caller's code, returned `Ok` with its work only queued and its borrows ended.
 
-use nccl_safe::launch::Launcher;
+use nccl_launch::Launcher;
 use nccl_safe::{Group, ReduceOp, Stream, WindowFlags};
 
 const S: Stream = Stream::Host;

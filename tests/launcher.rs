@@ -8,8 +8,8 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use nccl_launch::Launcher;
 use nccl_safe::host::{root_id_of, stats_for, HostStats};
-use nccl_safe::launch::Launcher;
 use nccl_safe::{Error, ReduceOp};
 
 /// Runs `f` under a launcher of `n` host ranks, returning the launch result and the host
@@ -17,8 +17,8 @@ use nccl_safe::{Error, ReduceOp};
 fn launch<R: Send>(
     n: usize,
     timeout: Duration,
-    f: impl Fn(&nccl_safe::launch::Rank) -> nccl_safe::Result<R> + Sync,
-) -> (nccl_safe::Result<Vec<R>>, HostStats) {
+    f: impl Fn(&nccl_launch::Rank) -> nccl_safe::Result<R> + Sync,
+) -> (nccl_launch::Result<Vec<R>>, HostStats) {
     let ids = Mutex::new(HashSet::new());
     let result = Launcher::host(n).timeout(timeout).run(|rank| {
         let id = root_id_of(rank.comm().as_raw()).expect("a host handle");
@@ -86,7 +86,7 @@ fn a_rank_that_errors_is_named_and_the_others_do_not_hang() {
         start.elapsed()
     );
     let err = result.unwrap_err();
-    let Error::RankFailed { rank, ranks, .. } = &err else {
+    let nccl_launch::Error::RankFailed { rank, ranks, .. } = &err else {
         panic!("{err:?}")
     };
     // The first failing rank in rank order may be a victim; the cause is rank 2's.
@@ -157,7 +157,7 @@ fn child_rank_entry() {
     }
     let launcher = Launcher::from_env().expect("torchrun variables");
     let rendezvous =
-        nccl_safe::launch::rendezvous::Rendezvous::from_env(launcher.env()).expect("rendezvous");
+        nccl_launch::rendezvous::Rendezvous::from_env(launcher.env()).expect("rendezvous");
     let (id, server) = launcher.exchange_id(rendezvous).expect("id exchange");
     println!("\n@@ID={id}");
     match launcher.join(&id) {
@@ -329,8 +329,8 @@ fn four_processes_under_torchrun_share_one_id_through_the_agent_store() {
 /// The device check names the variable, the count, and what to do.
 #[test]
 fn too_few_gpus_for_the_local_ranks_is_a_clear_error_on_every_rank() {
-    use nccl_safe::launch::env::ProcessEnv;
-    use nccl_safe::launch::ProcessLauncher;
+    use nccl_launch::env::ProcessEnv;
+    use nccl_launch::ProcessLauncher;
     let at = |local: usize| {
         let vars = [
             ("RANK", local.to_string()),

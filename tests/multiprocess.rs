@@ -14,9 +14,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use half::f16;
+use nccl_launch::desync::{BoardClient, DesyncBoard};
+use nccl_launch::Launcher;
 use nccl_safe::host::shared_unique_id;
-use nccl_safe::launch::desync::{BoardClient, DesyncBoard};
-use nccl_safe::launch::Launcher;
 use nccl_safe::{
     AsStream, CommDevice, Communicator, Config, Error, Group, NcclType, ReduceOp, Result, Stream,
     UniqueId,

@@ -10,7 +10,7 @@ mod support;
 
 use std::time::Duration;
 
-use nccl_safe::launch::Launcher;
+use nccl_launch::Launcher;
 use nccl_safe::{
     CommDevice, Communicator, Config, Error, Library, NcclMemory, ReduceOp, Signal, SignalWait,
     Stream, UniqueId, Version, WindowFlags,

@@ -335,7 +335,7 @@ fn unique_ids_are_128_bytes_and_differ() {
 /// test then runs on a GPU machine), a one-rank init succeeds and is destroyed.
 #[test]
 fn comm_init_fails_without_a_gpu_and_succeeds_with_one() {
-    let gpus = nccl_safe::launch::cuda_device_count();
+    let gpus = nccl_launch::cuda_device_count();
     let lib = Library::load_from(support::real_nccl(WHEEL)).unwrap();
     let id = unique_id(&lib);
     let lib2 = std::sync::Arc::clone(&lib);

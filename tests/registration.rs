@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use float8::{F8E4M3, F8E5M2};
+use nccl_launch::Launcher;
 use nccl_safe::host::{self, stats_for, HostStats};
-use nccl_safe::launch::Launcher;
 use nccl_safe::{
     CommDevice, Communicator, Config, DataType, Error, Group, Library, Memory, NcclMemory,
     NcclType, ReduceOp, SendBuffer, Stream, UniqueId, Version, WindowFlags,

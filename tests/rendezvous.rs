@@ -1,13 +1,13 @@
 //! Launch environment parsing and the id rendezvous, on loopback only.
 
-use nccl_safe::launch::desync::{BoardClient, DesyncBoard};
-use nccl_safe::launch::env::{
+use nccl_launch::desync::{BoardClient, DesyncBoard};
+use nccl_launch::env::{
     first_slurm_host, slurm_default_port, EnvError, EnvSource, ProcessEnv, DEFAULT_PORT,
 };
-use nccl_safe::launch::rendezvous::{
+use nccl_launch::rendezvous::{
     FileRendezvous, Refusal, Rendezvous, RendezvousError, TcpRendezvous, ID_LEN, TOKEN_VAR,
 };
-use nccl_safe::Error;
+use nccl_launch::Error;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -432,13 +432,13 @@ fn closure_rendezvous_gives_every_rank_the_id() {
     .exchange(1, 2, || Ok::<_, Error>(sample_id(0)))
     .unwrap_err();
     match err {
-        Error::Rendezvous(e) => match *e {
+        nccl_launch::Error::Rendezvous(e) => match *e {
             RendezvousError::Custom { rank: 1, reason } => {
                 assert_eq!(reason, "the broadcast failed: peer gone")
             }
             e => panic!("not RendezvousError::Custom: {e:?}"),
         },
-        other => panic!("not Error::Rendezvous: {other:?}"),
+        other => panic!("not nccl_launch::Error::Rendezvous: {other:?}"),
     }
     let err = Rendezvous::custom(|_| Ok::<_, std::io::Error>(sample_id(1)))
         .exchange(0, 2, || Ok::<_, Error>(sample_id(0)))
@@ -804,10 +804,10 @@ fn tokens_shorter_than_16_bytes_are_refused_with_the_reason() {
         Err(RendezvousError::WeakToken { len: 4 })
     ));
     assert!(matches!(
-        nccl_safe::launch::desync::DesyncBoard::serve("127.0.0.1:0", 2, "kiwi"),
+        nccl_launch::desync::DesyncBoard::serve("127.0.0.1:0", 2, "kiwi"),
         Err(RendezvousError::WeakToken { len: 4 })
     ));
-    let board = nccl_safe::launch::desync::BoardClient::new("127.0.0.1:9", 2, "kiwi");
+    let board = nccl_launch::desync::BoardClient::new("127.0.0.1:9", 2, "kiwi");
     assert!(matches!(
         board.fetch(),
         Err(RendezvousError::WeakToken { len: 4 })

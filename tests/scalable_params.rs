@@ -401,9 +401,8 @@ fn several_roots_in_processes() {
 /// init over that many ids, and a collective spans every rank; a count of roots of 0 or
 /// above the ranks is refused before any rank starts.
 #[test]
-#[cfg(feature = "launch")]
 fn the_launcher_runs_with_several_roots() {
-    use nccl_safe::launch::Launcher;
+    use nccl_launch::Launcher;
     let sums = Launcher::host(5)
         .roots(2)
         .config(config())
@@ -417,7 +416,9 @@ fn the_launcher_runs_with_several_roots() {
     assert_eq!(sums, vec![15.0; 5]);
     for roots in [0, 6] {
         match Launcher::host(5).roots(roots).run(|_| Ok(())) {
-            Err(Error::InvalidArgument { call, .. }) => assert_eq!(call, "Launcher::roots"),
+            Err(nccl_launch::Error::Core(Error::InvalidArgument { call, .. })) => {
+                assert_eq!(call, "Launcher::roots")
+            }
             other => panic!("{roots} roots: {other:?}"),
         }
     }
@@ -427,10 +428,9 @@ fn the_launcher_runs_with_several_roots() {
 /// ranks' launchers (in threads here, on the host provider) over two shared ids; no ids is
 /// refused before NCCL.
 #[test]
-#[cfg(feature = "launch")]
 fn a_process_rank_joins_with_several_ids() {
-    use nccl_safe::launch::env::{EnvSource, ProcessEnv};
-    use nccl_safe::launch::ProcessLauncher;
+    use nccl_launch::env::{EnvSource, ProcessEnv};
+    use nccl_launch::ProcessLauncher;
     let env = |rank| ProcessEnv {
         source: EnvSource::Torchrun,
         rank,
@@ -459,7 +459,7 @@ fn a_process_rank_joins_with_several_ids() {
     let launcher = ProcessLauncher::new(env(0)).host();
     assert!(matches!(
         launcher.join_scalable(&[]),
-        Err(Error::InvalidArgument { .. })
+        Err(nccl_launch::Error::Core(Error::InvalidArgument { .. }))
     ));
 }
 
@@ -485,18 +485,16 @@ fn ranks_with_different_ids_time_out() {
 }
 
 /// Set in the children of [`process_job`]: the launcher's variables describe their rank.
-#[cfg(feature = "launch")]
 const JOB: &str = "NCCL_SAFE_TEST_ROOTS_JOB";
 
 /// A child of [`process_job`]: joins the job through `Launcher::from_env` (the host
 /// provider), sums over every rank, and prints its pid and the ids its communicator was
 /// made from. `false` when this process is not such a child.
-#[cfg(feature = "launch")]
 fn job_child() -> bool {
     if std::env::var_os(JOB).is_none() {
         return false;
     }
-    let launcher = nccl_safe::launch::Launcher::from_env().unwrap();
+    let launcher = nccl_launch::Launcher::from_env().unwrap();
     let rank = (launcher.host().config(config()).init()).unwrap_or_else(|e| {
         println!("init failed: {e}");
         std::process::exit(2)
@@ -511,7 +509,6 @@ fn job_child() -> bool {
 /// Runs test `name` as a job of `n` processes, torchrun's variables set for each plus
 /// `env`; each rank's pid and the ids it reported, in rank order. Fails when one hangs
 /// or fails.
-#[cfg(feature = "launch")]
 fn process_job(name: &str, n: usize, env: &[(&str, String)]) -> Vec<(u32, Vec<UniqueId>)> {
     let exe = std::env::current_exe().unwrap();
     let mut kids: Vec<_> = (0..n)
@@ -524,7 +521,7 @@ fn process_job(name: &str, n: usize, env: &[(&str, String)]) -> Vec<(u32, Vec<Un
                 .env_remove("TORCHELASTIC_USE_AGENT_STORE")
                 .env_remove("TORCHELASTIC_RUN_ID")
                 .env_remove("TORCHELASTIC_RESTART_COUNT")
-                .env_remove(nccl_safe::launch::ROOTS_VAR)
+                .env_remove(nccl_launch::ROOTS_VAR)
                 .env("RANK", r.to_string())
                 .env("WORLD_SIZE", n.to_string())
                 .env("LOCAL_RANK", r.to_string())
@@ -579,7 +576,6 @@ fn process_job(name: &str, n: usize, env: &[(&str, String)]) -> Vec<(u32, Vec<Un
 /// rank `scalable_root_rank(n, roots, i)` (a host id carries its maker's pid in bytes
 /// 16..20), so each root rank called `ncclGetUniqueId` for its own block, as NCCL's
 /// `rankHasRoot` says.
-#[cfg(feature = "launch")]
 fn assert_roots(job: &[(u32, Vec<UniqueId>)], roots: usize) {
     let n = job.len();
     let ids = &job[0].1;
@@ -595,7 +591,6 @@ fn assert_roots(job: &[(u32, Vec<UniqueId>)], roots: usize) {
 }
 
 /// A loopback port nothing listens on, the next one free too (rank 0's desync board).
-#[cfg(feature = "launch")]
 fn free_ports() -> u16 {
     loop {
         let p = std::net::TcpListener::bind("127.0.0.1:0")
@@ -614,7 +609,6 @@ fn free_ports() -> u16 {
 /// from that many ids, each made by its root rank and moved through rank 0, and an
 /// all-reduce spans all four; unset, a job of four has `scalable_roots(4)` = 1 id.
 #[test]
-#[cfg(feature = "launch")]
 fn a_process_job_over_tcp_uses_the_roots_asked() {
     if job_child() {
         return;
@@ -629,7 +623,7 @@ fn a_process_job_over_tcp_uses_the_roots_asked() {
             ),
         ];
         if let Some(n) = roots {
-            env.push((nccl_safe::launch::ROOTS_VAR, n.to_string()));
+            env.push((nccl_launch::ROOTS_VAR, n.to_string()));
         }
         let job = process_job(name, 4, &env);
         assert_roots(&job, roots.unwrap_or(scalable_roots(4)));
@@ -640,7 +634,6 @@ fn a_process_job_over_tcp_uses_the_roots_asked() {
 /// server of its protocol): with 2 and 3 roots, each root rank publishes its id under
 /// its own key and every rank reads them all.
 #[test]
-#[cfg(feature = "launch")]
 fn a_process_job_through_the_store_uses_the_roots_asked() {
     if job_child() {
         return;
@@ -653,7 +646,7 @@ fn a_process_job_through_the_store_uses_the_roots_asked() {
             ("TORCHELASTIC_USE_AGENT_STORE", "True".into()),
             ("TORCHELASTIC_RUN_ID", format!("roots-{roots}")),
             ("TORCHELASTIC_RESTART_COUNT", "0".into()),
-            (nccl_safe::launch::ROOTS_VAR, roots.to_string()),
+            (nccl_launch::ROOTS_VAR, roots.to_string()),
         ];
         let job = process_job(name, 4, &env);
         assert_roots(&job, roots);
@@ -664,10 +657,9 @@ fn a_process_job_through_the_store_uses_the_roots_asked() {
 /// (rank 2 makes root 1's id, rank 1 none, which never calls `make_id`) and over three,
 /// every rank getting every id in root order.
 #[test]
-#[cfg(feature = "launch")]
 fn every_transport_moves_every_roots_id() {
-    use nccl_safe::launch::rendezvous::{FileRendezvous, Rendezvous, TcpRendezvous};
-    use nccl_safe::launch::store::StoreRendezvous;
+    use nccl_launch::rendezvous::{FileRendezvous, Rendezvous, TcpRendezvous};
+    use nccl_launch::store::StoreRendezvous;
     const TOKEN: &str = "roots-test-token-0123456789";
     let long = Duration::from_secs(20);
     let store = support::c10d::FakeStore::start(support::c10d::Mode::Honest);
@@ -691,7 +683,7 @@ fn every_transport_moves_every_roots_id() {
                 .exchange_roots(rank, 3, roots, move || {
                     let maker = |i| scalable_root_rank(3, roots, i) == Some(rank);
                     assert!((0..roots).any(maker), "rank {rank} makes no id");
-                    Ok::<_, Error>([rank as u8 + 1; 128])
+                    Ok::<_, nccl_launch::Error>([rank as u8 + 1; 128])
                 })
             };
             let got: Vec<Vec<[u8; 128]>> = std::thread::scope(|s| {
@@ -726,16 +718,15 @@ fn every_transport_moves_every_roots_id() {
 /// and through a file; a custom rendezvous refuses more than one root, and the launcher
 /// refuses a count outside `1..=world_size`.
 #[test]
-#[cfg(feature = "launch")]
 fn a_disagreement_on_the_roots_is_a_typed_error() {
-    use nccl_safe::launch::rendezvous::TcpRendezvous;
-    use nccl_safe::launch::rendezvous::{FileRendezvous, Rendezvous, RendezvousError};
-    use nccl_safe::launch::store::{StoreClient, StoreRendezvous};
+    use nccl_launch::rendezvous::TcpRendezvous;
+    use nccl_launch::rendezvous::{FileRendezvous, Rendezvous, RendezvousError};
+    use nccl_launch::store::{StoreClient, StoreRendezvous};
     const TOKEN: &str = "roots-test-token-0123456789";
     let long = Duration::from_secs(60);
-    let make = |seed: u8| move || Ok::<_, Error>([seed; 128]);
-    let mismatch = |r: Result<_, Error>| match r {
-        Err(Error::Rendezvous(e)) => match *e {
+    let make = |seed: u8| move || Ok::<_, nccl_launch::Error>([seed; 128]);
+    let mismatch = |r: Result<_, nccl_launch::Error>| match r {
+        Err(nccl_launch::Error::Rendezvous(e)) => match *e {
             RendezvousError::RootsMismatch {
                 published,
                 expected,
@@ -769,7 +760,7 @@ fn a_disagreement_on_the_roots_is_a_typed_error() {
     let r = Rendezvous::Tcp(tcp(port)).exchange_roots(2, 3, 3, make(9));
     assert_eq!(mismatch(r.map(|x| x.ids)), (Some(2), 3));
     match rank0.join().unwrap() {
-        Err(Error::Rendezvous(e)) => match *e {
+        Err(nccl_launch::Error::Rendezvous(e)) => match *e {
             RendezvousError::ServerTimeout { missing, .. } => assert!(missing.contains(&2)),
             e => panic!("{e}"),
         },
@@ -794,7 +785,7 @@ fn a_disagreement_on_the_roots_is_a_typed_error() {
     assert_eq!(mismatch(r.map(|x| vec![x.id])), (Some(2), 1));
     c.set(&st("c/").root_key(0), &two[..139]).unwrap();
     let r = Rendezvous::Store(st("c/")).exchange_roots(1, 3, 2, make(9));
-    assert!(matches!(r, Err(Error::Store(_))), "{r:?}");
+    assert!(matches!(r, Err(nccl_launch::Error::Store(_))), "{r:?}");
     // File: one id read as two; root 0's file of two read as one; a foreign root file.
     let dir = support::temp_dir("roots");
     let file = |name: &str| FileRendezvous::new(dir.join(name)).timeout(long);
@@ -804,7 +795,7 @@ fn a_disagreement_on_the_roots_is_a_typed_error() {
     let quick = file("two").timeout(Duration::from_millis(100));
     let r = Rendezvous::File(quick).exchange_roots(0, 3, 2, make(1));
     match r.map(|x| x.ids) {
-        Err(Error::Rendezvous(e)) => {
+        Err(nccl_launch::Error::Rendezvous(e)) => {
             assert!(matches!(*e, RendezvousError::FileTimeout { .. }), "{e}")
         }
         other => panic!("{other:?}"),
@@ -818,27 +809,33 @@ fn a_disagreement_on_the_roots_is_a_typed_error() {
     std::fs::write(dir.join("two.root1"), [7u8; 100]).unwrap();
     let r = Rendezvous::File(file("two")).exchange_roots(1, 3, 2, make(9));
     match r.map(|x| x.ids) {
-        Err(Error::Rendezvous(e)) => {
+        Err(nccl_launch::Error::Rendezvous(e)) => {
             assert!(matches!(*e, RendezvousError::FileContents { .. }), "{e}")
         }
         other => panic!("{other:?}"),
     }
     let _ = std::fs::remove_dir_all(&dir);
     // A custom rendezvous moves one id.
-    let custom = || Rendezvous::custom(|id: Option<[u8; 128]>| Ok::<_, Error>(id.unwrap()));
+    let custom =
+        || Rendezvous::custom(|id: Option<[u8; 128]>| Ok::<_, nccl_launch::Error>(id.unwrap()));
     let r = custom().exchange_roots(0, 3, 2, make(1));
-    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(nccl_launch::Error::Core(Error::InvalidArgument { .. }))
+        ),
+        "{r:?}"
+    );
 }
 
 /// The process launcher's number of roots: `scalable_roots(world_size)` by default (two
 /// for 300 ranks; one with a custom rendezvous, which moves one id), the count asked
 /// for, and `InvalidArgument` for 0 or more roots than ranks.
 #[test]
-#[cfg(feature = "launch")]
 fn the_process_launcher_picks_the_roots_for_the_jobs_size() {
-    use nccl_safe::launch::env::{EnvSource, ProcessEnv};
-    use nccl_safe::launch::rendezvous::{Rendezvous, TcpRendezvous};
-    use nccl_safe::launch::ProcessLauncher;
+    use nccl_launch::env::{EnvSource, ProcessEnv};
+    use nccl_launch::rendezvous::{Rendezvous, TcpRendezvous};
+    use nccl_launch::ProcessLauncher;
     let launcher = |world_size| {
         ProcessLauncher::new(ProcessEnv {
             source: EnvSource::Torchrun,
@@ -853,13 +850,17 @@ fn the_process_launcher_picks_the_roots_for_the_jobs_size() {
         })
     };
     let tcp = Rendezvous::Tcp(TcpRendezvous::new("127.0.0.1", 1, "x".repeat(16)));
-    let custom = Rendezvous::custom(|id: Option<[u8; 128]>| Ok::<_, Error>(id.unwrap()));
+    let custom =
+        Rendezvous::custom(|id: Option<[u8; 128]>| Ok::<_, nccl_launch::Error>(id.unwrap()));
     if std::env::var_os(CHILD).is_some() {
         // In a child with NCCL_SAFE_ROOTS set.
-        let v = std::env::var(nccl_safe::launch::ROOTS_VAR).unwrap();
+        let v = std::env::var(nccl_launch::ROOTS_VAR).unwrap();
         match (v.as_str(), launcher(4).job_roots(&tcp)) {
             ("3", Ok(3)) => {}
-            ("abc" | "0" | "5", Err(Error::InvalidArgument { call, .. })) => {
+            (
+                "abc" | "0" | "5",
+                Err(nccl_launch::Error::Core(Error::InvalidArgument { call, .. })),
+            ) => {
                 assert_eq!(call, "ProcessLauncher::roots")
             }
             (v, other) => panic!("{v}: {other:?}"),
@@ -867,7 +868,7 @@ fn the_process_launcher_picks_the_roots_for_the_jobs_size() {
         assert!(launcher(4).roots(2).job_roots(&tcp).is_ok_and(|n| n == 2));
         return;
     }
-    if std::env::var_os(nccl_safe::launch::ROOTS_VAR).is_none() {
+    if std::env::var_os(nccl_launch::ROOTS_VAR).is_none() {
         assert_eq!(launcher(4).job_roots(&tcp).unwrap(), 1);
         assert_eq!(launcher(300).job_roots(&tcp).unwrap(), 2);
         assert_eq!(launcher(300).job_roots(&custom).unwrap(), 1);
@@ -875,12 +876,14 @@ fn the_process_launcher_picks_the_roots_for_the_jobs_size() {
     assert_eq!(launcher(4).roots(4).job_roots(&tcp).unwrap(), 4);
     for roots in [0, 5] {
         match launcher(4).roots(roots).job_roots(&tcp) {
-            Err(Error::InvalidArgument { call, .. }) => assert_eq!(call, "ProcessLauncher::roots"),
+            Err(nccl_launch::Error::Core(Error::InvalidArgument { call, .. })) => {
+                assert_eq!(call, "ProcessLauncher::roots")
+            }
             other => panic!("{roots}: {other:?}"),
         }
     }
     let name = "the_process_launcher_picks_the_roots_for_the_jobs_size";
     for v in ["3", "abc", "0", "5"] {
-        in_child(name, &[(nccl_safe::launch::ROOTS_VAR, v)]);
+        in_child(name, &[(nccl_launch::ROOTS_VAR, v)]);
     }
 }

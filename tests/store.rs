@@ -3,9 +3,9 @@
 
 mod support;
 
-use nccl_safe::launch::env::ProcessEnv;
-use nccl_safe::launch::rendezvous::{Refusal, Rendezvous, RendezvousError, ID_LEN};
-use nccl_safe::launch::store::{StoreClient, StoreError, StoreRendezvous};
+use nccl_launch::env::ProcessEnv;
+use nccl_launch::rendezvous::{Refusal, Rendezvous, RendezvousError, ID_LEN};
+use nccl_launch::store::{StoreClient, StoreError, StoreRendezvous};
 use std::time::{Duration, Instant};
 use support::c10d::{FakeStore, Mode};
 
@@ -252,7 +252,7 @@ fn ranks_exchange_the_id_through_the_agent_store() {
                 let r = StoreRendezvous::new(format!("127.0.0.1:{}", env.master_port), "p/")
                     .timeout(Duration::from_secs(5));
                 Rendezvous::Store(r)
-                    .exchange(rank, world, || Ok::<_, nccl_safe::Error>(id(3)))
+                    .exchange(rank, world, || Ok::<_, nccl_launch::Error>(id(3)))
                     .unwrap()
                     .id
             })

@@ -2,7 +2,7 @@
 //! GPU buffers or host buffers.
 #![allow(dead_code)]
 
-use nccl_safe::launch::{Launcher, Rank};
+use nccl_launch::{Launcher, Rank};
 use nccl_safe::Provider;
 use nccl_safe::{Error, NcclType, ReduceOp, Result};
 
@@ -25,6 +25,8 @@ pub enum Failure {
     Usage(String),
     /// The library's error.
     Nccl(Error),
+    /// The launcher's error (starting the ranks, or a rank that failed).
+    Launch(nccl_launch::Error),
     /// The run finished but a result was wrong.
     Wrong(String),
 }
@@ -34,6 +36,7 @@ impl std::fmt::Display for Failure {
         match self {
             Failure::Usage(m) => write!(f, "command line: {m}"),
             Failure::Nccl(e) => write!(f, "{e}"),
+            Failure::Launch(e) => write!(f, "{e}"),
             Failure::Wrong(m) => write!(f, "{m}"),
         }
     }
@@ -42,6 +45,15 @@ impl std::fmt::Display for Failure {
 impl From<Error> for Failure {
     fn from(e: Error) -> Self {
         Failure::Nccl(e)
+    }
+}
+
+impl From<nccl_launch::Error> for Failure {
+    fn from(e: nccl_launch::Error) -> Self {
+        match e {
+            nccl_launch::Error::Core(e) => Failure::Nccl(e),
+            e => Failure::Launch(e),
+        }
     }
 }
 
@@ -129,7 +141,7 @@ impl Args {
     /// This process's rank of a job started by torchrun, srun or mpirun (`--launcher env`),
     /// on the host provider with `--backend host` (the job's processes meet in shared
     /// memory), else on the GPU of its local rank.
-    pub fn process_rank(&self) -> Result<Rank> {
+    pub fn process_rank(&self) -> nccl_launch::Result<Rank> {
         let launcher = Launcher::from_env()?;
         let launcher = if self.backend == "host" {
             launcher.host()
@@ -140,7 +152,7 @@ impl Args {
     }
 
     /// The launcher for `--backend` and `--ranks`, and a first line saying what runs where.
-    pub fn launcher(&self) -> Result<(Launcher, Provider, String)> {
+    pub fn launcher(&self) -> nccl_launch::Result<(Launcher, Provider, String)> {
         let (launcher, backend) = match self.backend.as_str() {
             "host" => (Launcher::host(self.ranks.unwrap_or(4)), Provider::Host),
             "nccl" => (gpu_launcher(self.ranks)?, Provider::Nccl),
@@ -165,7 +177,7 @@ impl Args {
     }
 }
 
-fn gpu_launcher(ranks: Option<usize>) -> Result<Launcher> {
+fn gpu_launcher(ranks: Option<usize>) -> nccl_launch::Result<Launcher> {
     match ranks {
         None => Launcher::all_devices(),
         Some(n) => Launcher::devices(&(0..n).collect::<Vec<_>>()),
@@ -230,7 +242,7 @@ macro_rules! with_dtype {
             other => Err(nccl_safe::Error::InvalidArgument {
                 call: "command line",
                 reason: format!("unknown --dtype {other}"),
-            }),
+            }.into()),
         }
     };
 }

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Optimizer, SGD};
-use nccl_safe::launch::Launcher;
+use nccl_launch::Launcher;
 use nccl_safe_candle::{
     all_reduce, DistributedDataParallel, ReduceOp, ZeroRedundancyOptimizer, DEFAULT_BUCKET_CAP,
 };

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{ParamsAdamW, VarBuilder, VarMap};
-use nccl_safe::launch::Launcher;
+use nccl_launch::Launcher;
 use nccl_safe_candle::state::AdamW;
 use nccl_safe_candle::{DistResult, StateCarry, ZeroRedundancyOptimizer};
 

@@ -21,6 +21,11 @@ pub enum DistErrorKind {
     /// An NCCL call (or nccl-safe's own check of it) failed.
     #[error(transparent)]
     Nccl(nccl_safe::Error),
+    /// Starting the ranks failed: the launcher's environment, the rendezvous, torchrun's
+    /// store, or a rank of a `Launcher` run ([`nccl_launch::Error`]; its core errors
+    /// become [`DistErrorKind::Nccl`]).
+    #[error(transparent)]
+    Launch(nccl_launch::Error),
     /// A candle operation failed.
     #[error("candle: {0}")]
     Candle(candle_core::Error),
@@ -426,6 +431,16 @@ impl From<DistErrorKind> for DistError {
     #[track_caller]
     fn from(kind: DistErrorKind) -> DistError {
         DistError::new(kind)
+    }
+}
+
+impl From<nccl_launch::Error> for DistError {
+    #[track_caller]
+    fn from(e: nccl_launch::Error) -> DistError {
+        match e {
+            nccl_launch::Error::Core(e) => DistError::from(e),
+            e => DistError::new(DistErrorKind::Launch(e)),
+        }
     }
 }
 

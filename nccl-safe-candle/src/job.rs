@@ -23,7 +23,7 @@
 //!
 //! In processes the launcher must let the survivors run on when a rank dies: mpirun
 //! `--enable-recovery`, srun without `--kill-on-bad-exit`; torchrun's agent stops every
-//! worker, so it is refused ([`EnvError::EndsSurvivors`](nccl_safe::launch::env::EnvError),
+//! worker, so it is refused ([`EnvError::EndsSurvivors`](nccl_launch::env::EnvError),
 //! naming what to start the job with).
 //!
 //! What it does not do (yet): a grow's rank 0 must be able to listen on `MASTER_ADDR`
@@ -35,8 +35,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use nccl_safe::launch::env::ProcessEnv;
-use nccl_safe::launch::rendezvous::{Refusal, RendezvousError, ServerHandle, TcpRendezvous};
+use nccl_launch::env::ProcessEnv;
+use nccl_launch::rendezvous::{Refusal, RendezvousError, ServerHandle, TcpRendezvous};
 use nccl_safe::{CommDevice, Communicator, Config, UniqueId};
 
 use crate::elastic::{device_of, run_elastic_with, ElasticRun, MinRanks};
@@ -132,11 +132,11 @@ impl ElasticJob {
     }
 
     /// This process's rank of a job started by torchrun, srun or mpirun (the variables of
-    /// [`nccl_safe::launch::env`]); the launcher's last [`standbys`](Self::standbys) ranks
+    /// [`nccl_launch::env`]); the launcher's last [`standbys`](Self::standbys) ranks
     /// are the standbys. On the GPU of the local rank, or the host provider with
     /// [`host_provider`](Self::host_provider).
     pub fn from_env() -> Result<ElasticJob> {
-        let env = ProcessEnv::from_process_env().map_err(nccl_safe::Error::from)?;
+        let env = ProcessEnv::from_process_env().map_err(nccl_launch::Error::from)?;
         Ok(ElasticJob::with(Kind::Process { env, host: false }))
     }
 
@@ -145,8 +145,8 @@ impl ElasticJob {
     pub fn from_env_or_host(members: usize) -> Result<ElasticJob> {
         match ProcessEnv::from_process_env() {
             Ok(env) => Ok(ElasticJob::with(Kind::Process { env, host: false })),
-            Err(nccl_safe::launch::env::EnvError::NotLaunched) => Ok(ElasticJob::host(members)),
-            Err(e) => Err(nccl_safe::Error::from(e).into()),
+            Err(nccl_launch::env::EnvError::NotLaunched) => Ok(ElasticJob::host(members)),
+            Err(e) => Err(nccl_launch::Error::from(e).into()),
         }
     }
 
@@ -323,13 +323,13 @@ impl ElasticJob {
             offer: None,
         });
         if env.rank >= members {
-            env.keeps_survivors().map_err(nccl_safe::Error::from)?;
+            env.keeps_survivors().map_err(nccl_launch::Error::from)?;
             return Ok(self.rank(Role::Standby(env.rank - members), device, members, channel));
         }
         let mut member_env = env.clone();
         member_env.world_size = members;
         let mut launcher =
-            nccl_safe::launch::ProcessLauncher::new(member_env).config(self.config.clone());
+            nccl_launch::ProcessLauncher::new(member_env).config(self.config.clone());
         if host {
             launcher = launcher.host();
         }
@@ -780,7 +780,7 @@ impl TcpGrow {
         let mut env = self.env.clone();
         env.master_port = port;
         Ok(TcpRendezvous::from_env(&env)
-            .map_err(nccl_safe::Error::from)?
+            .map_err(nccl_launch::Error::from)?
             .timeout(timeout)
             .io_timeout(timeout.min(Duration::from_secs(10))))
     }
@@ -791,7 +791,7 @@ impl TcpGrow {
         Ok(self
             .rendezvous(i, timeout)?
             .serve(2, bytes)
-            .map_err(nccl_safe::Error::from)?)
+            .map_err(nccl_launch::Error::from)?)
     }
 
     fn ready(&mut self, world: usize, joined: &[bool]) -> Option<usize> {

@@ -114,8 +114,8 @@ pub use elastic::{
 };
 pub use error::{DistError, DistErrorKind, DistResult};
 pub use job::{ElasticJob, ElasticRank, GrowPolicy};
+pub use nccl_launch::{Launcher, Rank};
 pub use nccl_safe;
-pub use nccl_safe::launch::{Launcher, Rank};
 pub use nccl_safe::{Communicator, Config, ReduceOp};
 pub use optim::DdpOptimizer;
 pub use sampler::{BatchPart, BatchSplit, DistributedSampler};

@@ -660,7 +660,7 @@ fn uncovered(range: Range<usize>, mut lower: Vec<Range<usize>>) -> Vec<Range<usi
 mod tests {
     use super::*;
     use candle_core::Device;
-    use nccl_safe::launch::Launcher;
+    use nccl_launch::Launcher;
 
     fn state(step: u64, base: f32, len: usize) -> FlatState {
         let v: Vec<f32> = (0..len).map(|i| base + i as f32).collect();

@@ -9,7 +9,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{loss, Module, Optimizer, VarMap, SGD};
 use common::*;
-use nccl_safe::launch::Launcher;
+use nccl_launch::Launcher;
 use nccl_safe_candle::{
     all_gather, all_reduce, all_reduce_scalar, broadcast, reduce_scatter, DistError,
     DistErrorKind as K, DistResult, DistributedDataParallel, ReduceOp, Unscaled,
@@ -454,7 +454,7 @@ fn a_failed_rank_fails_the_step_on_every_rank() {
             Ok(())
         });
     let e = out.expect_err("a rank failed, so the run must fail");
-    assert!(matches!(e, nccl_safe::Error::RankFailed { .. }), "{e}");
+    assert!(matches!(e, nccl_launch::Error::RankFailed { .. }), "{e}");
     assert!(e.to_string().contains("rank 2 gives up"), "{e}");
     assert_eq!(
         failed_steps.load(Ordering::SeqCst),

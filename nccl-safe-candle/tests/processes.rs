@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use candle_nn::{loss, Module, Optimizer, VarMap, SGD};
 use common::{batch, flat_params, init_fixed, train_ddp, Mlp};
+use nccl_launch::Launcher;
 use nccl_safe::host::shared_unique_id;
-use nccl_safe::launch::Launcher;
 use nccl_safe::{CommDevice, Communicator, Config, UniqueId};
 use nccl_safe_candle::state::AdamW;
 use nccl_safe_candle::{

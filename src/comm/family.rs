@@ -12,7 +12,7 @@ impl Communicator {
     /// inherits this communicator's configuration.
     ///
     /// ```
-    /// use nccl_safe::launch::Launcher;
+    /// use nccl_launch::Launcher;
     /// Launcher::host(4).run(|rank| {
     ///     let r = rank.rank();
     ///     // Even and odd ranks form two communicators of 2, ordered by descending rank.
@@ -21,7 +21,7 @@ impl Communicator {
     ///     assert!(rank.comm().split(None, 0)?.is_none());
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Communicator>> {

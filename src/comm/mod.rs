@@ -276,7 +276,7 @@ impl Communicator {
         self.world_size
     }
 
-    /// The device this rank runs on (as [`crate::launch::Rank::device`]).
+    /// The device this rank runs on (as nccl-launch's `Rank::device`).
     pub fn device(&self) -> &CommDevice {
         &self.device
     }
@@ -431,7 +431,6 @@ impl Communicator {
 
     /// This rank is done with the communicator (its launcher closure returned): peers that
     /// wait for a collective it never issued fail at once with [`Error::RankLeft`].
-    #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn leave(&self, how: &str) {
         self.diag.leave(how);
     }
@@ -663,7 +662,7 @@ impl Communicator {
     /// Collectives this rank's program called: those issued (each has a sequence number)
     /// and those refused because the communicator had failed. The launcher compares ranks
     /// by it to name the one that left early, ran an extra collective, or was behind.
-    #[cfg(feature = "launch")]
+    #[cfg(feature = "diag")]
     pub(crate) fn collectives_called(&self) -> u64 {
         self.diagnostics().collectives + self.refused.get()
     }

@@ -1136,8 +1136,38 @@ fn describe(v: &RankView, now: Instant) -> String {
 mod tests {
     use super::*;
     use crate::diag::key::fresh_key;
-    #[cfg(feature = "launch")]
-    use crate::launch::desync::{BoardClient, DesyncBoard};
+
+    /// A desync board in memory, as the crate nccl-launch's board (over TCP, tested there)
+    /// is to a report: rank-indexed latest posts.
+    #[derive(Debug, Clone)]
+    struct MemBoard(Arc<std::sync::Mutex<Vec<Option<DesyncPost>>>>);
+
+    impl MemBoard {
+        fn new(world_size: usize) -> MemBoard {
+            MemBoard(Arc::new(std::sync::Mutex::new(vec![None; world_size])))
+        }
+
+        fn post(&self, rank: usize, post: &DesyncPost) -> remote::BoardResult<()> {
+            let mut b = crate::teardown::lock(&self.0);
+            let slot = b.get_mut(rank).ok_or("rank out of range")?;
+            *slot = Some(post.clone());
+            Ok(())
+        }
+
+        fn fetch(&self) -> remote::BoardResult<Vec<Option<DesyncPost>>> {
+            Ok(crate::teardown::lock(&self.0).clone())
+        }
+    }
+
+    impl RemoteBoard for MemBoard {
+        fn post(&self, rank: usize, post: &DesyncPost, _: Instant) -> remote::BoardResult<()> {
+            MemBoard::post(self, rank, post)
+        }
+
+        fn fetch(&self, _: Instant) -> remote::BoardResult<Vec<Option<DesyncPost>>> {
+            MemBoard::fetch(self)
+        }
+    }
 
     /// A rank's view: attached, `issued` collectives, last doing `last`.
     fn seen(issued: u64, last: Option<OpRecord>) -> RankView {
@@ -1166,12 +1196,10 @@ mod tests {
     }
 
     /// A report built in "this process" (rank 0) shows what rank 2 of "another process"
-    /// posted to a real board over loopback, and names rank 1 (which posted nothing).
+    /// posted to a board, and names rank 1 (which posted nothing).
     #[test]
-    #[cfg(feature = "launch")]
     fn report_shows_remote_ranks_from_the_board() {
-        let board = DesyncBoard::serve("127.0.0.1:0", 3, "clique-test-token").unwrap();
-        let client = BoardClient::new(board.local_addr().to_string(), 3, "clique-test-token");
+        let client = MemBoard::new(3);
         let c = join(fresh_key(), 3);
         let remote_line = "ncclAllReduce(f32 x 4) seq 0 at remote.rs:7 (completed)";
         client
@@ -1227,10 +1255,8 @@ mod tests {
     /// "another process" left (the clique records that departure, which the watchdog then
     /// turns into `RankLeft` for the waiting rank).
     #[test]
-    #[cfg(feature = "launch")]
     fn departures_travel_through_the_board_both_ways() {
-        let board = DesyncBoard::serve("127.0.0.1:0", 3, "departure-test-token").unwrap();
-        let client = BoardClient::new(board.local_addr().to_string(), 3, "departure-test-token");
+        let client = MemBoard::new(3);
         let as_board = || Arc::new(client.clone()) as Arc<dyn RemoteBoard>;
 
         // Posting: rank 2 here leaves after 5 collectives.

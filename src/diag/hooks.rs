@@ -1137,7 +1137,6 @@ impl CommDiag {
 
     /// The rank's code is done with its communicator (its launcher closure returned): a
     /// peer that waits for a collective it never issued fails at once, naming it.
-    #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn leave(&self, how: &str) {
         #[cfg(feature = "diag")]
         if let Some(s) = self.shared.get() {

@@ -98,7 +98,7 @@ pub(crate) use hooks::{shrink_tag, CommDiag, CommView};
 #[cfg(feature = "diag")]
 pub use recorder::{EntryPoint, FlightRecord, OpRecord, OpState};
 #[cfg(feature = "diag")]
-pub use remote::{DesyncPost, RemoteBoard, MAX_POST_TEXT};
+pub use remote::{BoardError, BoardResult, DesyncPost, RemoteBoard, MAX_POST_TEXT};
 #[cfg(feature = "diag")]
 pub use settings::{DEFAULT_FLIGHT_RECORD_LEN, MAX_FLIGHT_RECORD_LEN};
 

@@ -1,10 +1,9 @@
 //! The cross-process half of the desync report: what a rank posts to a desync board
-//! (hosted by rank 0, see [`crate::launch::desync`]) when its clique times out, and how the
+//! (hosted by rank 0, see the crate nccl-launch's `desync`) when its clique times out, and how the
 //! report reads the other processes' posts back.
 //!
 //! Nothing here runs per operation: a rank posts only while a timeout report is built.
 
-use crate::error::{Error, Result};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -59,7 +58,6 @@ impl DesyncPost {
 
     /// The wire form: clique and issued (big-endian `u64`s; issued's top bit set for a
     /// departure), then the UTF-8 text.
-    #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn encode(&self) -> Vec<u8> {
         let p = DesyncPost::new(self.clique, self.issued, &self.text);
         let issued = (p.issued & !LEFT_BIT) | if self.left { LEFT_BIT } else { 0 };
@@ -71,7 +69,6 @@ impl DesyncPost {
     }
 
     /// The post of a wire form; `None` when it is not one.
-    #[cfg_attr(not(feature = "launch"), allow(dead_code))]
     pub(crate) fn decode(b: &[u8]) -> Option<DesyncPost> {
         if b.len() < 16 || b.len() > 16 + MAX_POST_TEXT {
             return None;
@@ -87,17 +84,23 @@ impl DesyncPost {
     }
 }
 
+/// Why a desync board could not be posted to or read: any error (a report shows its
+/// message; only the report is affected, it leaves out the ranks of other processes).
+pub type BoardError = Box<dyn std::error::Error + Send + Sync>;
+
+/// `Result` of a [`RemoteBoard`] call.
+pub type BoardResult<T> = std::result::Result<T, BoardError>;
+
 /// A job's desync board, as a timeout report uses it: where each rank posts what it was
-/// last doing, so a report can show ranks in other processes. Implemented by
-/// [`crate::launch::desync::BoardClient`] (the board rank 0 hosts; its errors are
-/// [`Error::Rendezvous`]) and the torchrun store's board ([`Error::Store`]); give one to a
-/// communicator with [`crate::Config::desync_board`]. A board of your own fails with
-/// [`Error::Board`] (or any variant that fits); a report shows the error's message.
+/// last doing, so a report can show ranks in other processes. Implemented by the crate
+/// nccl-launch (`desync::BoardClient`, the board rank 0 hosts, and the torchrun store's
+/// board); give one to a communicator with [`crate::Config::desync_board`]. A board of your
+/// own fails with any error; a report shows its message.
 pub trait RemoteBoard: Send + Sync + fmt::Debug {
     /// Posts `post` as rank `rank`'s latest, giving up at `deadline`.
-    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<()>;
+    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> BoardResult<()>;
     /// Every rank's latest post, rank-indexed, giving up at `deadline`.
-    fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>>;
+    fn fetch(&self, deadline: Instant) -> BoardResult<Vec<Option<DesyncPost>>>;
 }
 
 /// A board that failed to answer is not asked again for [`BOARD_DOWN_FOR`], and one that
@@ -138,18 +141,17 @@ impl Guarded {
         }
     }
 
-    fn guard<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    fn guard<T>(&self, f: impl FnOnce() -> BoardResult<T>) -> BoardResult<T> {
         let id = {
             let mut st = crate::teardown::lock(&self.state);
             if let Some((since, why)) = &st.down {
                 if since.elapsed() < BOARD_DOWN_FOR {
-                    return Err(Error::Board {
-                        reason: format!(
-                            "not asked: it failed {:.1}s ago ({why}), and is not asked again for {}s",
-                            since.elapsed().as_secs_f64(),
-                            BOARD_DOWN_FOR.as_secs()
-                        ),
-                    });
+                    return Err(format!(
+                        "not asked: it failed {:.1}s ago ({why}), and is not asked again for {}s",
+                        since.elapsed().as_secs_f64(),
+                        BOARD_DOWN_FOR.as_secs()
+                    )
+                    .into());
                 }
             }
             if let Some(t) = st
@@ -158,12 +160,11 @@ impl Guarded {
                 .min()
                 .filter(|t| t.elapsed() >= BOARD_SLOW)
             {
-                return Err(Error::Board {
-                    reason: format!(
-                        "not asked: it has not answered a call for {:.1}s",
-                        t.elapsed().as_secs_f64()
-                    ),
-                });
+                return Err(format!(
+                    "not asked: it has not answered a call for {:.1}s",
+                    t.elapsed().as_secs_f64()
+                )
+                .into());
             }
             st.next += 1;
             let id = st.next;
@@ -182,11 +183,11 @@ impl Guarded {
 }
 
 impl RemoteBoard for Guarded {
-    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> Result<()> {
+    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> BoardResult<()> {
         self.guard(|| self.inner.post(rank, post, deadline))
     }
 
-    fn fetch(&self, deadline: Instant) -> Result<Vec<Option<DesyncPost>>> {
+    fn fetch(&self, deadline: Instant) -> BoardResult<Vec<Option<DesyncPost>>> {
         self.guard(|| self.inner.fetch(deadline))
     }
 }
@@ -196,7 +197,7 @@ impl RemoteBoard for Guarded {
 pub(crate) struct Remote {
     pub posts: Vec<Option<DesyncPost>>,
     /// Why the board could not be read (or posted to), if so.
-    pub error: Option<Error>,
+    pub error: Option<BoardError>,
     pub waited: Duration,
 }
 

@@ -13,9 +13,6 @@ use crate::discovery::fmt_not_found;
 pub use crate::discovery::{Source, Tried};
 use crate::version::Version;
 
-pub(crate) mod launch;
-pub use launch::{EnvError, EnvSource, Refusal, RendezvousError, StoreError};
-
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -127,9 +124,9 @@ impl fmt::Display for BufferRole {
     }
 }
 
-/// Every error of nccl-safe: the one error type of its API. The launchers' errors are
-/// typed variants too ([`Error::Env`], [`Error::Rendezvous`], [`Error::Store`]), matched
-/// like any other; nothing needs a downcast. Each variant's documentation says what to do.
+/// Every error of nccl-safe: the one error type of its API. The launchers (the crate
+/// nccl-launch) have their own error, which wraps this one. Each variant's documentation
+/// says what to do.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -302,56 +299,6 @@ pub enum Error {
     /// works (`nvidia-smi`).
     #[error("CUDA: {0}")]
     Cuda(#[from] cudarc::driver::DriverError),
-    /// A rank of a [`crate::launch::Launcher`] run failed; the others were aborted. Fix
-    /// what `cause` says rank `rank` did (its error, or the collective it skipped or added);
-    /// `ranks` says what each rank did.
-    #[error("rank {rank} caused the failure: {cause}{}\n{}", if .first == .rank { String::new() } else { format!(" (rank {first} was the first to fail)") }, .ranks.join("\n"))]
-    RankFailed {
-        /// The rank that caused the failure: the first whose closure failed on its own (an
-        /// error or a panic while its communicator was healthy); else the one whose count
-        /// of collectives differs from the others' (it returned early, ran an extra
-        /// collective, or was behind); else the first to fail.
-        rank: usize,
-        /// The first rank whose closure failed (often one that waited for `rank`).
-        first: usize,
-        /// Its error or panic message, or what it did that the others did not.
-        cause: String,
-        /// One line per rank: what it did.
-        ranks: Vec<String>,
-    },
-    /// The variables a launcher (torchrun, Slurm, Open MPI) sets are absent or unusable
-    /// ([`crate::launch::ProcessLauncher`], `ProcessEnv::from_process_env`). The
-    /// [`EnvError`] names the variable and says what is wrong with it: start the process
-    /// with its launcher, or set the variable as the message says.
-    #[error(transparent)]
-    Env(#[from] EnvError),
-    /// The ranks of a multi-process job could not agree on the unique id (the TCP
-    /// rendezvous rank 0 serves, a shared file, a closure of yours) or reach the desync
-    /// board rank 0 serves. The [`RendezvousError`] says which step failed, on which rank
-    /// and at which address: check that every process started, that `MASTER_ADDR` and
-    /// `MASTER_PORT` point at rank 0, and that every process has the same token and world
-    /// size, as its message says. A timeout may be retried once the missing ranks run.
-    /// (Boxed, as [`Error::Nccl`] is, so that every `Result` of the crate stays small:
-    /// match it with `Error::Rendezvous(e)` and then `*e`.)
-    #[error(transparent)]
-    Rendezvous(Box<RendezvousError>),
-    /// A request to torchrun's c10d store (the id exchange, its desync board, or a
-    /// [`StoreClient`](crate::launch::store::StoreClient) call) failed. The [`StoreError`]
-    /// names the store's address and the request: check that torchrun's agent is running
-    /// and that `MASTER_ADDR`/`MASTER_PORT` name its store; a `WaitTimeout` means the rank
-    /// that should have set the key (its own error says why) did not. (Boxed, as
-    /// [`Error::Rendezvous`] is.)
-    #[error(transparent)]
-    Store(Box<StoreError>),
-    /// A desync board of your own ([`crate::diag::RemoteBoard`]) could not be posted to or
-    /// read; nccl-safe's boards fail with [`Error::Rendezvous`] or [`Error::Store`]. Only a
-    /// timeout report is affected (it leaves out the ranks of other processes): fix the
-    /// board's service if you need those ranks in the report.
-    #[error("desync board: {reason}")]
-    Board {
-        /// What went wrong, in the board's words.
-        reason: String,
-    },
     /// The process already holds an NCCL (loaded by other code: PyTorch, another crate, a
     /// C++ library) and a pin names a different file. Loading it too would put two NCCLs in
     /// one process, where a handle from one reaching the other is undefined behaviour.
@@ -427,40 +374,11 @@ impl Error {
             _ => None,
         }
     }
-
-    /// The rendezvous error, when the error is [`Error::Rendezvous`]: for a `match` that
-    /// names its variants, `matches!(e.as_rendezvous(), Some(RendezvousError::ClientTimeout { .. }))`.
-    pub fn as_rendezvous(&self) -> Option<&RendezvousError> {
-        match self {
-            Error::Rendezvous(e) => Some(e),
-            _ => None,
-        }
-    }
-
-    /// The store error, when the error is [`Error::Store`].
-    pub fn as_store(&self) -> Option<&StoreError> {
-        match self {
-            Error::Store(e) => Some(e),
-            _ => None,
-        }
-    }
 }
 
 impl From<NcclError> for Error {
     fn from(e: NcclError) -> Self {
         Error::Nccl(Box::new(e))
-    }
-}
-
-impl From<RendezvousError> for Error {
-    fn from(e: RendezvousError) -> Self {
-        Error::Rendezvous(Box::new(e))
-    }
-}
-
-impl From<StoreError> for Error {
-    fn from(e: StoreError) -> Self {
-        Error::Store(Box::new(e))
     }
 }
 

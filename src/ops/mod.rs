@@ -103,7 +103,8 @@ impl Communicator {
     /// `recv.len() == send.len()`.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send = vec![r as f64 + 1.0; 4];
@@ -112,7 +113,7 @@ impl Communicator {
     ///     assert_eq!(recv, vec![3.0; 4]);
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn all_reduce<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -172,7 +173,8 @@ impl Communicator {
     /// buffers of the same length; `send` is read only on the root.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send = vec![10 * r as i32; 2];
@@ -181,7 +183,7 @@ impl Communicator {
     ///     assert_eq!(recv, vec![20, 20]);
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn broadcast<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -241,7 +243,8 @@ impl Communicator {
     /// passes `recv.len() == send.len()`; only the root's `recv` is written.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send = vec![r as u64 + 1; 2];
@@ -250,7 +253,7 @@ impl Communicator {
     ///     assert_eq!(recv, if r == 0 { vec![6, 6] } else { vec![0, 0] });
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn reduce<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -316,7 +319,8 @@ impl Communicator {
     /// `i * send.len()` (`ncclAllGather`). `recv.len() == world_size * send.len()`.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send = vec![r as u8; 2];
@@ -325,7 +329,7 @@ impl Communicator {
     ///     assert_eq!(recv, vec![0, 0, 1, 1, 2, 2]);
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn all_gather<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -378,7 +382,8 @@ impl Communicator {
     /// (`ncclReduceScatter`). `send.len() == world_size * recv.len()`.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send: Vec<f32> = (0..6).map(|i| i as f32).collect(); // the same on every rank
@@ -387,7 +392,7 @@ impl Communicator {
     ///     assert_eq!(recv, vec![3.0 * (2 * r) as f32, 3.0 * (2 * r + 1) as f32]);
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn reduce_scatter<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -508,7 +513,8 @@ impl Communicator {
     /// (`ncclAlltoAll`, NCCL 2.28+). Both hold `world_size` equal blocks.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send: Vec<i32> = (0..3).map(|to| (10 * r + to) as i32).collect();
@@ -517,7 +523,7 @@ impl Communicator {
     ///     assert_eq!(recv, (0..3).map(|from| (10 * from + r) as i32).collect::<Vec<_>>());
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn all_to_all<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -549,7 +555,8 @@ impl Communicator {
     /// place in its window ([`register_window`](Self::register_window) says why).
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send = vec![r as i64];
@@ -558,7 +565,7 @@ impl Communicator {
     ///     if r == 1 { assert_eq!(recv, vec![0, 1, 2]); }
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn gather<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(
@@ -592,7 +599,8 @@ impl Communicator {
     /// `NCCL_CHECK_POINTERS=1` NCCL refuses an empty one, so pass device memory there.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// Launcher::host(3).run(|rank| {
     ///     let (r, comm, s) = (rank.rank(), rank.comm(), rank.stream());
     ///     let send: Vec<u32> = if r == 0 { vec![7, 8, 9] } else { Vec::new() };
@@ -601,7 +609,7 @@ impl Communicator {
     ///     assert_eq!(recv, vec![7 + r as u32]);
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn scatter<'a, T: NcclType, S: SendBuffer<T> + ?Sized, R: RecvBuffer<T> + ?Sized>(

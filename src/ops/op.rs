@@ -32,7 +32,8 @@ pub(crate) type Guards<'a> = [BufferGuard<'a>; 2];
 /// releases its buffers, as the end of any operation does).
 ///
 /// ```
-/// use nccl_safe::{launch::Launcher, Group, ReduceOp};
+/// use nccl_launch::Launcher;
+/// use nccl_safe::{Group, ReduceOp};
 /// Launcher::host(2).run(|rank| {
 ///     let (comm, s) = (rank.comm(), rank.stream());
 ///     let mut grads = vec![1.0f32; 4];
@@ -44,7 +45,7 @@ pub(crate) type Guards<'a> = [BufferGuard<'a>; 2];
 ///     assert_eq!((grads, stats), (vec![2.0; 4], vec![1; 2]));
 ///     Ok(())
 /// })?;
-/// # Ok::<(), nccl_safe::Error>(())
+/// # Ok::<(), nccl_launch::Error>(())
 /// ```
 #[must_use = "an operation does nothing until it is run or pushed into a Group"]
 pub struct Op<'a> {

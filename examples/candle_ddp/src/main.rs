@@ -1,6 +1,6 @@
 //! Data-parallel training of a small candle model with `nccl-safe-candle`.
 //!
-//! Every rank (a thread, from `nccl_safe::launch::Launcher`) builds the same MLP;
+//! Every rank (a thread, from `nccl_launch::Launcher`) builds the same MLP;
 //! `DistributedDataParallel` gives every rank rank 0's parameters (after checking that all
 //! ranks hold the same ones) and, each step, averages the gradients over the ranks in
 //! buckets, so every rank applies the same SGD update to its own shard of a synthetic

@@ -18,7 +18,7 @@ fn main() {
     println!(
         "cudarc CUDA {}, nccl-safe on {} CUDA device(s)",
         cudarc::driver::sys::CUDA_VERSION,
-        nccl_safe::launch::cuda_device_count()
+        nccl_launch::cuda_device_count()
     );
     let _ = reduce_gradients;
 }

@@ -56,9 +56,9 @@ pub use super::common::{StoreError, MAX_VALUE_LEN};
 use super::desync::clean_post;
 use super::env::ProcessEnv;
 use super::wire::{connect_any, Deadlined};
-use crate::diag::DesyncPost;
-use crate::diag::RemoteBoard;
-use crate::error::Result as NcclResult;
+use crate::error::Result as LaunchResult;
+use nccl_safe::diag::DesyncPost;
+use nccl_safe::diag::{BoardResult, RemoteBoard};
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -480,7 +480,7 @@ impl StoreRendezvous {
     ///
     /// Call [`joined`](Self::joined) once the communicator made with the id is
     /// initialized, and on rank 0 [`retract`](Self::retract) when it is not;
-    /// [`crate::launch::ProcessLauncher`] does both.
+    /// [`crate::ProcessLauncher`] does both.
     pub fn from_env(env: &ProcessEnv) -> Option<StoreRendezvous> {
         let e = env.elastic.as_ref().filter(|e| e.use_agent_store)?;
         let n = GENERATION.load(Ordering::Acquire);
@@ -505,7 +505,7 @@ impl StoreRendezvous {
     /// deletes the id, so a peer that retries waits for the next one rank 0 publishes
     /// under the same key, instead of reading this stale one and joining a communicator
     /// that no longer forms. Bounded by the io timeout.
-    pub fn retract(&self) -> NcclResult<()> {
+    pub fn retract(&self) -> LaunchResult<()> {
         let mut c = self.connect()?;
         c.delete_key(&self.id_key())?;
         Ok(())
@@ -538,7 +538,7 @@ impl StoreRendezvous {
     }
 
     /// Rank 0: stores `id` (with the world size) under [`id_key`](Self::id_key).
-    pub fn publish(&self, world_size: usize, id: &[u8; ID_LEN]) -> NcclResult<()> {
+    pub fn publish(&self, world_size: usize, id: &[u8; ID_LEN]) -> LaunchResult<()> {
         let world = u32::try_from(world_size).map_err(|_| RendezvousError::InvalidRank {
             rank: 0,
             world_size,
@@ -551,7 +551,7 @@ impl StoreRendezvous {
     }
 
     /// Ranks other than 0: waits for rank 0's id, checking the world size.
-    pub fn read(&self, rank: usize, world_size: usize) -> NcclResult<[u8; ID_LEN]> {
+    pub fn read(&self, rank: usize, world_size: usize) -> LaunchResult<[u8; ID_LEN]> {
         let key = self.id_key();
         let mut c = self.connect()?;
         let v = c.get(&key, self.timeout).map_err(|mut e| {
@@ -620,7 +620,7 @@ impl StoreRendezvous {
         roots: usize,
         root: usize,
         id: &[u8; ID_LEN],
-    ) -> NcclResult<()> {
+    ) -> LaunchResult<()> {
         let numbers = [world_size, roots, root].map(|n| u32::try_from(n).ok());
         let [Some(world), Some(n), Some(i)] = numbers else {
             return Err(RendezvousError::InvalidRank {
@@ -650,7 +650,7 @@ impl StoreRendezvous {
         rank: usize,
         world_size: usize,
         roots: usize,
-    ) -> NcclResult<Vec<[u8; ID_LEN]>> {
+    ) -> LaunchResult<Vec<[u8; ID_LEN]>> {
         let deadline = Instant::now() + self.timeout;
         let mut c = self.connect()?;
         let mut ids = Vec::with_capacity(roots.min(1 << 16));
@@ -660,7 +660,7 @@ impl StoreRendezvous {
             let left = deadline.saturating_duration_since(Instant::now());
             let v = c.get(key, left).map_err(|mut e| {
                 if let StoreError::WaitTimeout { hint, .. } = &mut e {
-                    let maker = crate::id::scalable_root_rank(world_size, roots, root);
+                    let maker = nccl_safe::scalable_root_rank(world_size, roots, root);
                     *hint = format!(
                         "rank {rank} waited for rank {} to publish the unique id of root {root} of {roots}; check \
                          that it started and reached the rendezvous (its own error says why not)",
@@ -724,7 +724,7 @@ impl StoreRendezvous {
 
     /// The rank that made root `root`'s id, when the communicator made with it was not
     /// initialized: deletes it, as [`retract`](Self::retract) does root 0's.
-    pub(crate) fn retract_root(&self, root: usize) -> NcclResult<()> {
+    pub(crate) fn retract_root(&self, root: usize) -> LaunchResult<()> {
         let mut c = self.connect()?;
         c.delete_key(&self.root_key(root))?;
         Ok(())
@@ -764,7 +764,7 @@ impl StoreBoard {
         deadline: Instant,
     ) -> Result<(), StoreError> {
         let mut c = StoreClient::connect_by(&self.addr, self.io_timeout, Some(deadline))?;
-        c.set(&self.key(rank), &post.encode())?;
+        c.set(&self.key(rank), &nccl_safe::seam::encode_post(post))?;
         c.ping()
     }
 
@@ -779,7 +779,7 @@ impl StoreBoard {
                 continue;
             }
             let v = c.get_now(&key)?;
-            let post = DesyncPost::decode(&v).ok_or_else(|| {
+            let post = nccl_safe::seam::decode_post(&v).ok_or_else(|| {
                 c.protocol(
                     &format!("GET {key:?}"),
                     "a value that is not a desync post".into(),
@@ -792,11 +792,13 @@ impl StoreBoard {
 }
 
 impl RemoteBoard for StoreBoard {
-    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> NcclResult<()> {
-        Ok(self.post_by(rank, post, deadline)?)
+    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> BoardResult<()> {
+        Ok(self
+            .post_by(rank, post, deadline)
+            .map_err(crate::Error::from)?)
     }
 
-    fn fetch(&self, deadline: Instant) -> NcclResult<Vec<Option<DesyncPost>>> {
-        Ok(self.fetch_by(deadline)?)
+    fn fetch(&self, deadline: Instant) -> BoardResult<Vec<Option<DesyncPost>>> {
+        Ok(self.fetch_by(deadline).map_err(crate::Error::from)?)
     }
 }

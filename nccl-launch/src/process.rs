@@ -7,15 +7,15 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
-use crate::comm::CommDevice;
-use crate::config::Config;
-pub use crate::error::launch::ROOTS_VAR;
+use crate::desync::{BoardClient, DesyncBoard};
+use crate::env::ProcessEnv;
+pub use crate::error::ROOTS_VAR;
 use crate::error::{invalid, Result};
-use crate::id::{scalable_roots, UniqueId};
-use crate::launch::desync::{BoardClient, DesyncBoard};
-use crate::launch::env::ProcessEnv;
-use crate::launch::rendezvous::{Rendezvous, ServerHandle, TcpRendezvous};
-use crate::launch::store::StoreRendezvous;
+use crate::rendezvous::{Rendezvous, ServerHandle, TcpRendezvous};
+use crate::store::StoreRendezvous;
+use nccl_safe::CommDevice;
+use nccl_safe::Config;
+use nccl_safe::{scalable_roots, UniqueId};
 
 use super::launcher::{cuda_device_count, Launcher, Rank};
 
@@ -43,7 +43,7 @@ impl ProcessLauncher {
 
     /// Runs the ranks on the host provider ([`CommDevice::Host`], CPU memory) instead of a GPU
     /// each: the processes of one machine meet in shared memory
-    /// ([`crate::host::shared_unique_id`]), so multi-process code runs on any machine.
+    /// ([`nccl_safe::host::shared_unique_id`]), so multi-process code runs on any machine.
     #[cfg(feature = "host")]
     pub fn host(mut self) -> ProcessLauncher {
         self.host = true;
@@ -59,10 +59,10 @@ impl ProcessLauncher {
     /// How many unique ids (roots) the job's init uses, in `1..=world_size`; every rank
     /// must pass the same. Without it, the variable [`ROOTS_VAR`] (`NCCL_SAFE_ROOTS`) when
     /// set, else [`scalable_roots`]`(world_size)`: one root per
-    /// [`RANKS_PER_ROOT`](crate::RANKS_PER_ROOT) ranks, so a job of up to 256 ranks has
+    /// [`RANKS_PER_ROOT`](nccl_safe::RANKS_PER_ROOT) ranks, so a job of up to 256 ranks has
     /// one (`ncclCommInitRankConfig`'s init, the same rendezvous messages as before) and a
     /// larger one several (`ncclCommInitRankScalable`), each id made by the first rank of
-    /// the block its root serves ([`scalable_root_rank`](crate::scalable_root_rank)) and
+    /// the block its root serves ([`scalable_root_rank`](nccl_safe::scalable_root_rank)) and
     /// moved by the job's rendezvous ([`Rendezvous::exchange_roots`]). Out of range:
     /// `InvalidArgument` from [`init`](Self::init) before any rendezvous.
     pub fn roots(mut self, roots: usize) -> ProcessLauncher {
@@ -100,24 +100,27 @@ impl ProcessLauncher {
     /// of the local rank.
     ///
     /// Under torchrun with the agent's store (`TORCHELASTIC_USE_AGENT_STORE=True`), the id
-    /// and the job's desync board go through that store ([`crate::launch::store`]): nothing
+    /// and the job's desync board go through that store ([`crate::store`]): nothing
     /// is bound and no token is needed. Otherwise the id goes over the authenticated TCP
     /// rendezvous, and rank 0 hosts the desync board on `MASTER_ADDR:MASTER_PORT+1`
-    /// ([`crate::launch::desync`], same token) while its [`Rank`] lives (after
+    /// ([`crate::desync`], same token) while its [`Rank`] lives (after
     /// [`Rank::into_comm`], for the rest of the process); a board rank 0 cannot bind fails
-    /// its init ([`RendezvousError::Bind`](crate::launch::rendezvous::RendezvousError::Bind)).
+    /// its init ([`RendezvousError::Bind`](crate::rendezvous::RendezvousError::Bind)).
     /// Every rank's communicator gets the board, so a timeout report shows what the ranks
     /// in other processes were last doing.
     pub fn init(mut self) -> Result<Rank> {
         if !self.host {
             self.check_devices(cuda_device_count())?;
         }
-        if self.config.diag.elastic == Some(true) {
+        if nccl_safe::seam::elastic(&self.config) == Some(true) {
             self.env.keeps_survivors()?;
         }
         let world = self.env.world_size;
         if let Some(store) = StoreRendezvous::from_env(&self.env) {
-            self.config = self.config.remote_board(Arc::new(store.board(world)));
+            self.config = nccl_safe::seam::remote_board(
+                std::mem::take(&mut self.config),
+                Arc::new(store.board(world)),
+            );
             return self.init_with(Rendezvous::Store(store));
         }
         let tcp = TcpRendezvous::from_env(&self.env)?;
@@ -157,7 +160,7 @@ impl ProcessLauncher {
                 // Peers that retry must not read this id again. If the deletion fails
                 // too, a retried peer joins the dead id and fails at its init timeout:
                 // the join's own error is the one to report.
-                Err(_) => match crate::id::root_made_by(world, roots, rank) {
+                Err(_) => match nccl_safe::seam::root_made_by(world, roots, rank) {
                     Some(0) => {
                         let _ = store.retract();
                     }
@@ -190,20 +193,20 @@ impl ProcessLauncher {
         if self.host {
             let exchanged = rendezvous.exchange(self.env.rank, self.env.world_size, || {
                 Ok::<_, crate::Error>(
-                    UniqueId::from_raw(crate::host::shared_unique_id()).to_bytes(),
+                    UniqueId::from_raw(nccl_safe::host::shared_unique_id()).to_bytes(),
                 )
             })?;
             return Ok((UniqueId::from_bytes(&exchanged.id)?, exchanged.server));
         }
-        let lib = crate::Library::load()?;
+        let lib = nccl_safe::Library::load()?;
         let exchanged = rendezvous.exchange(self.env.rank, self.env.world_size, || {
-            UniqueId::new_with(&lib).map(|id| id.to_bytes())
+            Ok::<_, crate::Error>(UniqueId::new_with(&lib)?.to_bytes())
         })?;
         Ok((UniqueId::from_bytes(&exchanged.id)?, exchanged.server))
     }
 
     /// Step one with `roots` unique ids ([`Rendezvous::exchange_roots`]): each root's id
-    /// made by the rank [`scalable_root_rank`](crate::scalable_root_rank) names
+    /// made by the rank [`scalable_root_rank`](nccl_safe::scalable_root_rank) names
     /// (`ncclGetUniqueId`, or on the host provider a shared id), and every rank receives
     /// them all; one root is [`exchange_id`](Self::exchange_id).
     pub fn exchange_ids(
@@ -216,22 +219,22 @@ impl ProcessLauncher {
             #[cfg(feature = "host")]
             let make = || {
                 Ok::<_, crate::Error>(
-                    UniqueId::from_raw(crate::host::shared_unique_id()).to_bytes(),
+                    UniqueId::from_raw(nccl_safe::host::shared_unique_id()).to_bytes(),
                 )
             };
             #[cfg(not(feature = "host"))]
-            let make = || -> Result<[u8; crate::UNIQUE_ID_BYTES]> {
+            let make = || -> Result<[u8; nccl_safe::UNIQUE_ID_BYTES]> {
                 unreachable!("`host` is set only with the host feature")
             };
             rendezvous.exchange_roots(rank, world, roots, make)?
         } else {
-            let lib = crate::Library::load()?;
-            let make = || UniqueId::new_with(&lib).map(|id| id.to_bytes());
+            let lib = nccl_safe::Library::load()?;
+            let make = || Ok::<_, crate::Error>(UniqueId::new_with(&lib)?.to_bytes());
             rendezvous.exchange_roots(rank, world, roots, make)?
         };
         let ids = (exchanged.ids.iter())
             .map(|b| UniqueId::from_bytes(b))
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<nccl_safe::Result<Vec<_>>>()?;
         Ok((ids, exchanged.server))
     }
 
@@ -242,9 +245,9 @@ impl ProcessLauncher {
     }
 
     /// [`join`](Self::join) with several unique ids
-    /// ([`Communicator::init_rank_scalable`](crate::Communicator::init_rank_scalable),
+    /// ([`Communicator::init_rank_scalable`](nccl_safe::Communicator::init_rank_scalable),
     /// NCCL 2.23+), for a job that distributes them itself: every rank passes the same
-    /// ids, id `i` best made by rank [`scalable_root_rank`](crate::scalable_root_rank)`(world_size,
+    /// ids, id `i` best made by rank [`scalable_root_rank`](nccl_safe::scalable_root_rank)`(world_size,
     /// ids.len(), i)` and gathered by every rank (an `MPI_Allgather`, say). The launcher's
     /// own rendezvous ([`init`](Self::init)) moves one id from rank 0, so its jobs have
     /// one root.
@@ -275,9 +278,9 @@ impl ProcessLauncher {
         };
         let gpus = if visible == 1 { "GPU" } else { "GPUs" };
         let local_size_var = match self.env.source {
-            crate::launch::env::EnvSource::Torchrun => "LOCAL_WORLD_SIZE",
-            crate::launch::env::EnvSource::OpenMpi => "OMPI_COMM_WORLD_LOCAL_SIZE",
-            crate::launch::env::EnvSource::Slurm => "SLURM_NTASKS_PER_NODE",
+            crate::env::EnvSource::Torchrun => "LOCAL_WORLD_SIZE",
+            crate::env::EnvSource::OpenMpi => "OMPI_COMM_WORLD_LOCAL_SIZE",
+            crate::env::EnvSource::Slurm => "SLURM_NTASKS_PER_NODE",
         };
         let why = match self.env.local_world_size {
             _ if visible == 0 => format!(

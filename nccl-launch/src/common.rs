@@ -4,8 +4,8 @@
 //! refusal's reading; their errors, from [`crate::error`].
 
 use super::wire;
-pub use crate::error::launch::{MAX_VALUE_LEN, MIN_TOKEN_LEN, TOKEN_VAR};
 pub use crate::error::{Refusal, RendezvousError, StoreError};
+pub use crate::error::{MAX_VALUE_LEN, MIN_TOKEN_LEN, TOKEN_VAR};
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -4,7 +4,7 @@
 //! [`MAX_FRAME`]; a longer prefix is refused before anything is allocated.
 
 use super::fds::{self, Budget, Socket};
-use crate::teardown::lock;
+use crate::lock;
 use sha2::{Digest, Sha256};
 use std::fmt;
 use std::io::{self, Read, Write};

@@ -86,7 +86,7 @@ use super::env::ProcessEnv;
 use super::store::StoreRendezvous;
 use super::wire::{self, N};
 use crate::error::{invalid, Error};
-use crate::teardown::lock;
+use crate::lock;
 use std::fmt;
 use std::fs;
 use std::io::{self, Write};
@@ -670,7 +670,7 @@ impl Server {
     ) -> io::Result<()> {
         let roots = lock(&self.ids).len();
         let result = (|| {
-            if let Some(i) = crate::id::root_made_by(self.world_size, roots, r) {
+            if let Some(i) = nccl_safe::seam::root_made_by(self.world_size, roots, r) {
                 if lock(&self.ids)[i].is_none() {
                     wire::write_frame(s, &session.want(roots as u32, i as u32))?;
                     let put = wire::read_frame(s)?;
@@ -852,7 +852,7 @@ impl FileRendezvous {
             if world != world_size {
                 return Err(bad(format!(
                     "rank {} wrote it for {world} ranks but this rank expects {world_size}",
-                    crate::id::scalable_root_rank(world_size, roots, root).unwrap_or(0)
+                    nccl_safe::scalable_root_rank(world_size, roots, root).unwrap_or(0)
                 )));
             }
             if n != roots {
@@ -1088,7 +1088,7 @@ pub struct ExchangedIds {
 impl Rendezvous {
     /// Gives every rank the same `roots` unique ids (in `1..=world_size`), for
     /// `Communicator::init_rank_scalable`: id `i` is made (`make_id`) by rank
-    /// [`scalable_root_rank`](crate::scalable_root_rank)`(world_size, roots, i)`, NCCL's
+    /// [`scalable_root_rank`](nccl_safe::scalable_root_rank)`(world_size, roots, i)`, NCCL's
     /// `rankHasRoot` (docs/userguide usage/communicators.rst of 2.30.7), so each root runs
     /// in a process of the block it serves; the other ranks never call `make_id`. One
     /// root is [`exchange`](Self::exchange), the same messages byte for byte. With more:
@@ -1132,7 +1132,7 @@ impl Rendezvous {
             );
             return Err(E::from(invalid("Rendezvous::exchange_roots", m)));
         }
-        let mine = match crate::id::root_made_by(world_size, roots, rank) {
+        let mine = match nccl_safe::seam::root_made_by(world_size, roots, rank) {
             Some(i) => Some((i, make_id()?)),
             None => None,
         };

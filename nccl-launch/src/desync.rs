@@ -36,9 +36,9 @@
 use super::common::RendezvousError;
 use super::common::{check_token, dial, listen, refused, retry, Background, Conn};
 use super::wire::{self, N};
-use crate::diag::DesyncPost;
-use crate::diag::RemoteBoard;
-use crate::teardown::lock;
+use crate::lock;
+use nccl_safe::diag::DesyncPost;
+use nccl_safe::diag::{BoardResult, RemoteBoard};
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::AtomicBool;
@@ -187,7 +187,7 @@ impl BoardServer {
         // while the others, failed by the same peer's abort, come to read why) holds the
         // exit for `HANDSHAKE_AT_EXIT` at most: long enough for a token holder's, short
         // for a stranger's.
-        let handshake = crate::teardown::exit::posting(Instant::now() + HANDSHAKE_AT_EXIT);
+        let handshake = nccl_safe::seam::posting(Instant::now() + HANDSHAKE_AT_EXIT);
         let Some(session) =
             wire::accept_peer(&mut s, MAGIC, &self.token, conn, self.world_size, 0)?
         else {
@@ -195,7 +195,7 @@ impl BoardServer {
         };
         // A token holder's request in flight when this process exits is served to its end:
         // exit waits for it.
-        let _serving = crate::teardown::exit::posting(Instant::now() + SERVE_AT_EXIT);
+        let _serving = nccl_safe::seam::posting(Instant::now() + SERVE_AT_EXIT);
         drop(handshake);
         // A token holder's fetch sends one frame per rank: as long as a client gives it.
         s.extend_to(start + fetch_time(DEFAULT_BOARD_IO_TIMEOUT, self.world_size));
@@ -206,7 +206,8 @@ impl BoardServer {
                 if !wire::ct_eq(mac, &post_mac(&session, body)) {
                     return Err(invalid("bad post MAC"));
                 }
-                let post = DesyncPost::decode(body).ok_or_else(|| invalid("not a post"))?;
+                let post =
+                    nccl_safe::seam::decode_post(body).ok_or_else(|| invalid("not a post"))?;
                 let post = clean_post(post);
                 lock(&self.posts)[session.rank as usize] = Some(post);
                 let ack = [&[wire::ACK][..], &posted_mac(&session, body)].concat();
@@ -222,7 +223,7 @@ impl BoardServer {
                 for (r, p) in posts.iter().enumerate() {
                     let mut e = vec![u8::from(p.is_some())];
                     if let Some(p) = p {
-                        e.extend_from_slice(&p.encode());
+                        e.extend_from_slice(&nccl_safe::seam::encode_post(p));
                     }
                     let mac = entry_mac(&session, r as u32, &e);
                     wire::write_frame(&mut s, &[&[ENTRY][..], &e, &mac].concat())?;
@@ -363,7 +364,7 @@ impl BoardClient {
         post: &DesyncPost,
         deadline: Instant,
     ) -> Result<(), RendezvousError> {
-        let body = post.encode();
+        let body = nccl_safe::seam::encode_post(post);
         self.exchange(rank, ("post to", deadline), |c, addr| {
             let mut s = c.io();
             let req = [&[POST][..], &body, &post_mac(&c.session, &body)].concat();
@@ -421,7 +422,8 @@ impl BoardClient {
             posts.push(match e[0] {
                 0 => None,
                 _ => Some(clean_post(
-                    DesyncPost::decode(&e[1..]).ok_or_else(|| self.protocol(addr, "bad post"))?,
+                    nccl_safe::seam::decode_post(&e[1..])
+                        .ok_or_else(|| self.protocol(addr, "bad post"))?,
                 )),
             });
         }
@@ -430,11 +432,13 @@ impl BoardClient {
 }
 
 impl RemoteBoard for BoardClient {
-    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> crate::Result<()> {
-        Ok(self.post_by(rank, post, deadline)?)
+    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> BoardResult<()> {
+        Ok(self
+            .post_by(rank, post, deadline)
+            .map_err(crate::Error::from)?)
     }
 
-    fn fetch(&self, deadline: Instant) -> crate::Result<Vec<Option<DesyncPost>>> {
-        Ok(self.fetch_by(deadline)?)
+    fn fetch(&self, deadline: Instant) -> BoardResult<Vec<Option<DesyncPost>>> {
+        Ok(self.fetch_by(deadline).map_err(crate::Error::from)?)
     }
 }

@@ -40,7 +40,7 @@ mod tests {
         assert!(any_opens(&[MISSING, "libc.so.6"]));
         assert!(any_opens(&["libc.so.6", MISSING]));
         // Whatever this machine has, the device count follows the probe without panicking.
-        let n = crate::launch::cuda_device_count();
+        let n = crate::cuda_device_count();
         if !driver_present() {
             assert_eq!(n, 0);
         }

@@ -9,14 +9,14 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
 
-use crate::comm::{CommDevice, Communicator};
-use crate::config::Config;
+use crate::desync::DesyncBoard;
 use crate::error::{invalid, Error, Result};
-use crate::id::{scalable_roots, UniqueId};
-use crate::launch::desync::DesyncBoard;
-use crate::library::Provider;
-use crate::stream::Stream;
-use crate::teardown::lock;
+use crate::lock;
+use nccl_safe::Config;
+use nccl_safe::Provider;
+use nccl_safe::Stream;
+use nccl_safe::{scalable_roots, UniqueId};
+use nccl_safe::{CommDevice, Communicator};
 
 /// How many CUDA devices this process can use: 0 when the CUDA driver library is absent
 /// or reports none (never panics).
@@ -31,14 +31,15 @@ pub fn cuda_device_count() -> usize {
 /// stream and communicator.
 ///
 /// ```
-/// use nccl_safe::{launch::Launcher, ReduceOp};
+/// use nccl_launch::Launcher;
+/// use nccl_safe::ReduceOp;
 /// let sums = Launcher::host(4).run(|rank| {
 ///     let mut x = vec![rank.rank() as f32; 8];
 ///     rank.comm().all_reduce_in_place(&mut x, ReduceOp::Sum, rank.stream())?;
 ///     Ok(x[0])
 /// })?;
 /// assert_eq!(sums, vec![6.0; 4]);
-/// # Ok::<(), nccl_safe::Error>(())
+/// # Ok::<(), nccl_launch::Error>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct Launcher {
@@ -77,7 +78,7 @@ impl Rank {
             // take an error recorded on it by the rank's code of an earlier run: the
             // user's, kept for its `check_err`.
             CommDevice::Cuda(ctx) => {
-                Stream::Cuda(crate::stream::keeping_recorded_error(ctx, || {
+                Stream::Cuda(nccl_safe::seam::keeping_recorded_error(ctx, || {
                     ctx.new_stream()
                 })?)
             }
@@ -298,7 +299,7 @@ pub const DEFAULT_LAUNCH_TIMEOUT: Duration = Duration::from_secs(600);
 pub const STUCK_AFTER: Duration = Duration::from_secs(2);
 
 impl Launcher {
-    /// One rank per visible CUDA device. [`Error::InvalidArgument`] when there is none.
+    /// One rank per visible CUDA device. [`Error::InvalidArgument`](nccl_safe::Error::InvalidArgument) when there is none.
     pub fn all_devices() -> Result<Launcher> {
         let n = cuda_device_count();
         if n == 0 {
@@ -364,11 +365,11 @@ impl Launcher {
     }
 
     /// How many unique ids (roots) the ranks' init uses (default
-    /// [`scalable_roots`]`(world_size)`: one per [`RANKS_PER_ROOT`](crate::RANKS_PER_ROOT)
+    /// [`scalable_roots`]`(world_size)`: one per [`RANKS_PER_ROOT`](nccl_safe::RANKS_PER_ROOT)
     /// ranks). One is `ncclCommInitRankConfig`'s init; more are
     /// [`Communicator::init_rank_scalable`]'s (NCCL 2.23+), each id made by this process.
     /// A run refuses a count of 0 or above the number of ranks
-    /// ([`Error::InvalidArgument`](crate::Error::InvalidArgument)).
+    /// ([`Error::InvalidArgument`](nccl_safe::Error::InvalidArgument)).
     pub fn roots(mut self, roots: usize) -> Launcher {
         self.roots = Some(roots);
         self
@@ -392,7 +393,7 @@ impl Launcher {
     pub fn run<R, F>(&self, f: F) -> Result<Vec<R>>
     where
         R: Send,
-        F: Fn(&Rank) -> Result<R> + Sync,
+        F: Fn(&Rank) -> nccl_safe::Result<R> + Sync,
     {
         self.launch(f, false).map(|r| r.values)
     }
@@ -405,7 +406,8 @@ impl Launcher {
     /// every closure that only uses `?` on nccl-safe calls for the caller to spell out.)
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// fn parse(s: &str) -> Result<f32, std::num::ParseFloatError> { s.parse() }
     /// let sums = Launcher::host(2).try_run(|rank| -> Result<f32, Box<dyn std::error::Error + Send + Sync>> {
     ///     let mut x = vec![parse("1.5")?; 4];
@@ -414,8 +416,8 @@ impl Launcher {
     /// })?;
     /// assert_eq!(sums, vec![3.0; 2]);
     /// let failed = Launcher::host(2).try_run(|rank| parse(if rank.rank() == 1 { "x" } else { "1" }));
-    /// assert!(matches!(failed, Err(nccl_safe::Error::RankFailed { rank: 1, .. })));
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// assert!(matches!(failed, Err(nccl_launch::Error::RankFailed { rank: 1, .. })));
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     pub fn try_run<R, E, F>(&self, f: F) -> Result<Vec<R>>
     where
@@ -435,7 +437,8 @@ impl Launcher {
     /// launcher's config says otherwise.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::ReduceOp;
     /// let report = Launcher::host(2).run_report(|rank| {
     ///     let mut x = vec![1u8; 4];
     ///     rank.comm().all_reduce_in_place(&mut x, ReduceOp::Sum, rank.stream())?;
@@ -443,12 +446,12 @@ impl Launcher {
     /// })?;
     /// assert_eq!(report.ranks[1].collectives, 1);
     /// println!("{report}");
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     pub fn run_report<R, F>(&self, f: F) -> Result<LaunchReport<R>>
     where
         R: Send,
-        F: Fn(&Rank) -> Result<R> + Sync,
+        F: Fn(&Rank) -> nccl_safe::Result<R> + Sync,
     {
         self.launch(f, true)
     }
@@ -462,7 +465,8 @@ impl Launcher {
     /// returns an error at once, and it is torn down when its closure returns.
     ///
     /// ```
-    /// use nccl_safe::{launch::Launcher, Config, ReduceOp};
+    /// use nccl_launch::Launcher;
+    /// use nccl_safe::{Config, ReduceOp};
     /// use std::time::Duration;
     /// let stuck = Launcher::host(2)
     ///     .config(Config::new().timeout(Duration::from_millis(500)))
@@ -474,7 +478,7 @@ impl Launcher {
     ///         rank.comm().all_reduce_in_place(&mut x, ReduceOp::Sum, rank.stream())?;
     ///         Ok(())
     ///     });
-    /// assert!(matches!(stuck, Err(nccl_safe::Error::RankFailed { rank: 1, .. })));
+    /// assert!(matches!(stuck, Err(nccl_launch::Error::RankFailed { rank: 1, .. })));
     /// ```
     pub fn try_run_detached<R, E, F>(&self, f: F) -> Result<Vec<R>>
     where
@@ -510,7 +514,7 @@ impl Launcher {
     /// tally for a run.
     fn prepare(&self, timing: bool) -> Result<Run> {
         let config = if timing {
-            self.config.clone().timing_unless_set(true)
+            nccl_safe::seam::timing_unless_set(self.config.clone(), true)
         } else {
             self.config.clone()
         };
@@ -525,7 +529,7 @@ impl Launcher {
         }
         let ids = (0..roots)
             .map(|_| first.unique_id())
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<nccl_safe::Result<Vec<_>>>()?;
         let tally = Tally::new(n);
         Ok(Run { config, ids, tally })
     }
@@ -576,10 +580,10 @@ impl Launcher {
         match catch_unwind(AssertUnwindSafe(|| f(&r))) {
             Ok(Ok(v)) => {
                 // Peers waiting for a collective this rank never called fail at once.
-                r.comm.leave("its launcher closure returned");
+                nccl_safe::seam::leave(&r.comm, "its launcher closure returned");
                 let d = r.comm.diagnostics();
                 let end = End {
-                    called: r.comm.collectives_called(),
+                    called: nccl_safe::seam::collectives_called(&r.comm),
                     issued: d.collectives,
                     returned: true,
                     own_failure: false,
@@ -601,7 +605,7 @@ impl Launcher {
                     failed => {
                         let _ = r.comm.abort();
                         failed.map(|_| (v, stats)).ok_or_else(|| {
-                            Error::Timeout {
+                            nccl_safe::Error::Timeout {
                                 what: format!(
                                     "rank {rank} returned, but other ranks did not finish (a collective this rank did not call?)"
                                 ),
@@ -787,15 +791,17 @@ fn report<R>(results: Vec<Option<RankEnd<R>>>, tally: &Tally) -> Result<LaunchRe
 /// it left, in its words), fails the run with `outcome` and aborts its communicator.
 fn failed(r: Rank, rank: usize, tally: &Tally, how: &str, text: &str, outcome: String) {
     let end = End {
-        called: r.comm.collectives_called(),
+        called: nccl_safe::seam::collectives_called(&r.comm),
         issued: r.comm.diagnostics().collectives,
         returned: false,
         own_failure: !r.comm.is_failed(),
     };
     if end.own_failure {
         let first = text.lines().next().unwrap_or("");
-        r.comm
-            .leave(&format!("its launcher closure {how} (\"{first}\")"));
+        nccl_safe::seam::leave(
+            &r.comm,
+            &format!("its launcher closure {how} (\"{first}\")"),
+        );
     }
     tally.set(rank, Outcome::Failed(outcome), Some(end));
     let _ = r.comm.abort();

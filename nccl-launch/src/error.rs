@@ -1,11 +1,15 @@
-//! The launchers' errors ([`EnvError`], [`RendezvousError`], [`StoreError`]), here in the
-//! leaf so that [`crate::Error`] holds them as typed variants (ARCHITECTURE.md says why);
-//! each is re-exported where users meet it (`launch::env`, `launch::rendezvous`, `launch::store`).
+//! The launchers' [`Error`]: the core's [`nccl_safe::Error`] ([`Error::Core`]) and the
+//! launchers' own failures ([`EnvError`], [`RendezvousError`], [`StoreError`], a rank of a
+//! [`Launcher`](crate::Launcher) run that failed). Each is re-exported where users meet it
+//! (`env`, `rendezvous`, `store`).
 
 use std::fmt;
 use std::io;
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// `Result` with the launchers' [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Default name of the environment variable holding the job token.
 pub const TOKEN_VAR: &str = "NCCL_SAFE_RENDEZVOUS_TOKEN";
@@ -429,4 +433,128 @@ pub enum StoreError {
         /// The operating system's error.
         source: io::Error,
     },
+}
+
+/// Every error of the launchers: the core's errors ([`Error::Core`]: NCCL, a bad argument, a
+/// timeout of an init) and the launchers' own, typed and matched like any other; nothing
+/// needs a downcast. Each variant's documentation says what to do.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An error of nccl-safe (loading NCCL, an init, a collective, a bad argument): see
+    /// [`nccl_safe::Error`].
+    #[error(transparent)]
+    Core(#[from] nccl_safe::Error),
+    /// A rank of a [`Launcher`](crate::Launcher) run failed; the others were aborted. Fix
+    /// what `cause` says rank `rank` did (its error, or the collective it skipped or added);
+    /// `ranks` says what each rank did.
+    #[error("rank {rank} caused the failure: {cause}{}\n{}", if .first == .rank { String::new() } else { format!(" (rank {first} was the first to fail)") }, .ranks.join("\n"))]
+    RankFailed {
+        /// The rank that caused the failure: the first whose closure failed on its own (an
+        /// error or a panic while its communicator was healthy); else the one whose count
+        /// of collectives differs from the others' (it returned early, ran an extra
+        /// collective, or was behind); else the first to fail.
+        rank: usize,
+        /// The first rank whose closure failed (often one that waited for `rank`).
+        first: usize,
+        /// Its error or panic message, or what it did that the others did not.
+        cause: String,
+        /// One line per rank: what it did.
+        ranks: Vec<String>,
+    },
+    /// The variables a launcher (torchrun, Slurm, Open MPI) sets are absent or unusable
+    /// ([`ProcessLauncher`](crate::ProcessLauncher), `ProcessEnv::from_process_env`). The
+    /// [`EnvError`] names the variable and says what is wrong with it: start the process
+    /// with its launcher, or set the variable as the message says.
+    #[error(transparent)]
+    Env(#[from] EnvError),
+    /// The ranks of a multi-process job could not agree on the unique id (the TCP
+    /// rendezvous rank 0 serves, a shared file, a closure of yours) or reach the desync
+    /// board rank 0 serves. The [`RendezvousError`] says which step failed, on which rank
+    /// and at which address: check that every process started, that `MASTER_ADDR` and
+    /// `MASTER_PORT` point at rank 0, and that every process has the same token and world
+    /// size, as its message says. A timeout may be retried once the missing ranks run.
+    /// (Boxed, as [`nccl_safe::Error::Nccl`] is, so that every `Result` stays small:
+    /// match it with `Error::Rendezvous(e)` and then `*e`.)
+    #[error(transparent)]
+    Rendezvous(Box<RendezvousError>),
+    /// A request to torchrun's c10d store (the id exchange, its desync board, or a
+    /// [`StoreClient`](crate::store::StoreClient) call) failed. The [`StoreError`]
+    /// names the store's address and the request: check that torchrun's agent is running
+    /// and that `MASTER_ADDR`/`MASTER_PORT` name its store; a `WaitTimeout` means the rank
+    /// that should have set the key (its own error says why) did not. (Boxed, as
+    /// [`Error::Rendezvous`] is.)
+    #[error(transparent)]
+    Store(Box<StoreError>),
+}
+
+impl Error {
+    /// The core's error, when the error is [`Error::Core`].
+    pub fn as_core(&self) -> Option<&nccl_safe::Error> {
+        match self {
+            Error::Core(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The rendezvous error, when the error is [`Error::Rendezvous`]: for a `match` that
+    /// names its variants, `matches!(e.as_rendezvous(), Some(RendezvousError::ClientTimeout { .. }))`.
+    pub fn as_rendezvous(&self) -> Option<&RendezvousError> {
+        match self {
+            Error::Rendezvous(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The store error, when the error is [`Error::Store`].
+    pub fn as_store(&self) -> Option<&StoreError> {
+        match self {
+            Error::Store(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        Error::Core(e.into())
+    }
+}
+
+impl From<RendezvousError> for Error {
+    fn from(e: RendezvousError) -> Self {
+        Error::Rendezvous(Box::new(e))
+    }
+}
+
+impl From<StoreError> for Error {
+    fn from(e: StoreError) -> Self {
+        Error::Store(Box::new(e))
+    }
+}
+
+/// An [`nccl_safe::Error::InvalidArgument`] of `call`.
+pub(crate) fn invalid(call: &'static str, reason: impl Into<String>) -> Error {
+    Error::Core(nccl_safe::Error::InvalidArgument {
+        call,
+        reason: reason.into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every launcher call returns a `Result<_, Error>`: the rendezvous's and the store's
+    /// errors are boxed (as the core's `Nccl` is) so that they do not make it larger than
+    /// the core's (nor push a wrapper such as nccl-safe-candle's `DistError` over clippy's
+    /// `result_large_err`).
+    #[test]
+    fn the_error_stays_small() {
+        assert!(
+            std::mem::size_of::<Error>() <= 80,
+            "{}",
+            std::mem::size_of::<Error>()
+        );
+    }
 }
