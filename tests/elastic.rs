@@ -6,6 +6,7 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -17,6 +18,17 @@ use nccl_safe::{
 use support::assert_balanced;
 
 const S: Stream = Stream::Host;
+
+/// Waits until `released` is set, or `bound` passed (which bounds a test on code that
+/// never sets it), then sets it and runs `release` (the fault's release).
+fn release_at_the_latest(released: &AtomicBool, bound: Duration, release: impl FnOnce()) {
+    let until = Instant::now() + bound;
+    while Instant::now() < until && !released.load(Ordering::Acquire) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    released.store(true, Ordering::Release);
+    release();
+}
 
 fn config() -> Config {
     Config::new().timeout(Duration::from_secs(30))
@@ -1144,11 +1156,9 @@ fn a_revoke_that_blocks_in_nccl_stops_neither_other_timeouts_nor_its_owners_tear
     std::thread::scope(|s| {
         // Bounds the test on the old code: A's revokes go on after 8 s.
         s.spawn(|| {
-            let until = Instant::now() + Duration::from_secs(8);
-            while Instant::now() < until && !released.load(Ordering::Acquire) {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            fault::release_revokes(&a.to_raw());
+            release_at_the_latest(&released, Duration::from_secs(8), || {
+                fault::release_revokes(&a.to_raw())
+            })
         });
         for rank in 0..2 {
             let (cfg, go_abort, inited, tx) = (cfg.clone(), &go_abort, &inited, tx.clone());
@@ -1382,12 +1392,9 @@ fn a_shrink_after_failure_behind_stalled_work_fails_within_its_bound_naming_the_
     std::thread::scope(|s| {
         // Bounds the test on the old code.
         s.spawn(|| {
-            let until = Instant::now() + Duration::from_secs(5);
-            while Instant::now() < until && !released.load(Ordering::Acquire) {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            released.store(true, Ordering::Release);
-            fault::release_stalls(&id.to_raw());
+            release_at_the_latest(&released, Duration::from_secs(5), || {
+                fault::release_stalls(&id.to_raw())
+            })
         });
         let ranks: Vec<_> = (0..3)
             .map(|rank| {
@@ -1460,12 +1467,9 @@ fn a_users_revoke_that_blocks_in_nccl_returns_within_the_abort_bound() {
     std::thread::scope(|s| {
         // Bounds the test on the old code.
         s.spawn(|| {
-            let until = Instant::now() + Duration::from_secs(5);
-            while Instant::now() < until && !released.load(Ordering::Acquire) {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            released.store(true, Ordering::Release);
-            fault::release_revokes(&id.to_raw());
+            release_at_the_latest(&released, Duration::from_secs(5), || {
+                fault::release_revokes(&id.to_raw())
+            })
         });
         let ranks: Vec<_> = (0..2)
             .map(|rank| {

@@ -33,6 +33,28 @@ fn check_sum(comm: &Communicator) {
 
 /// Seven ranks in threads over three roots, each id made by the first rank of its block:
 /// every rank joins with its rank, and an all-reduce sums over all seven.
+
+/// Waits for every child to exit, within 60 s: past that, kills them all and fails
+/// naming which had not exited.
+fn wait_for_ranks(kids: &mut [std::process::Child]) {
+    let start = Instant::now();
+    let mut done = vec![None; kids.len()];
+    while done.iter().any(Option::is_none) {
+        for (i, k) in kids.iter_mut().enumerate() {
+            if done[i].is_none() {
+                done[i] = k.try_wait().unwrap();
+            }
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            for k in kids.iter_mut() {
+                let _ = k.kill();
+                let _ = k.wait();
+            }
+            panic!("a rank hung: {done:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
 #[test]
 fn several_roots_in_threads() {
     let n = 7;
@@ -369,23 +391,7 @@ fn several_roots_in_processes() {
                 .unwrap()
         })
         .collect();
-    let start = Instant::now();
-    let mut done = vec![None; 4];
-    while done.iter().any(Option::is_none) {
-        for (i, k) in kids.iter_mut().enumerate() {
-            if done[i].is_none() {
-                done[i] = k.try_wait().unwrap();
-            }
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            for k in &mut kids {
-                let _ = k.kill();
-                let _ = k.wait();
-            }
-            panic!("a rank hung: {done:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for_ranks(&mut kids);
     for (r, k) in kids.into_iter().enumerate() {
         let out = k.wait_with_output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
@@ -536,23 +542,7 @@ fn process_job(name: &str, n: usize, env: &[(&str, String)]) -> Vec<(u32, Vec<Un
             c.spawn().unwrap()
         })
         .collect();
-    let start = Instant::now();
-    let mut done = vec![None; n];
-    while done.iter().any(Option::is_none) {
-        for (i, k) in kids.iter_mut().enumerate() {
-            if done[i].is_none() {
-                done[i] = k.try_wait().unwrap();
-            }
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            for k in &mut kids {
-                let _ = k.kill();
-                let _ = k.wait();
-            }
-            panic!("a rank hung: {done:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for_ranks(&mut kids);
     let pids: Vec<u32> = kids.iter().map(|k| k.id()).collect();
     kids.into_iter()
         .enumerate()

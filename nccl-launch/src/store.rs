@@ -587,19 +587,24 @@ impl StoreRendezvous {
         }
         let world = u32::from_le_bytes([v[0], v[1], v[2], v[3]]) as usize;
         if world != world_size {
-            return Err(RendezvousError::Refused {
-                addr: self.addr.clone(),
-                rank,
-                reason: super::common::Refusal::WorldSizeMismatch {
-                    server: world,
-                    client: world_size,
-                },
-            }
-            .into());
+            return Err(self.world_refused(rank, world, world_size).into());
         }
         let mut id = [0u8; ID_LEN];
         id.copy_from_slice(&v[4..]);
         Ok(id)
+    }
+
+    /// The refusal of a value published for `world` ranks, read by a rank of a job of
+    /// `world_size`.
+    fn world_refused(&self, rank: usize, world: usize, world_size: usize) -> RendezvousError {
+        RendezvousError::Refused {
+            addr: self.addr.clone(),
+            rank,
+            reason: super::common::Refusal::WorldSizeMismatch {
+                server: world,
+                client: world_size,
+            },
+        }
     }
 
     /// The key of root `root`'s id: [`id_key`](Self::id_key) for root 0, under it for the
@@ -694,15 +699,7 @@ impl StoreRendezvous {
                 |at: usize| u32::from_le_bytes([v[at], v[at + 1], v[at + 2], v[at + 3]]) as usize;
             let (world, n, i) = (le(0), le(4), le(8));
             if world != world_size {
-                return Err(RendezvousError::Refused {
-                    addr: self.addr.clone(),
-                    rank,
-                    reason: super::common::Refusal::WorldSizeMismatch {
-                        server: world,
-                        client: world_size,
-                    },
-                }
-                .into());
+                return Err(self.world_refused(rank, world, world_size).into());
             }
             if n != roots {
                 return Err(mismatch(n).into());
