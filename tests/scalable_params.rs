@@ -31,9 +31,6 @@ fn check_sum(comm: &Communicator) {
     assert_eq!(x, vec![n * (n + 1.0) / 2.0; 4], "rank {}", comm.rank());
 }
 
-/// Seven ranks in threads over three roots, each id made by the first rank of its block:
-/// every rank joins with its rank, and an all-reduce sums over all seven.
-
 /// Waits for every child to exit, within 60 s: past that, kills them all and fails
 /// naming which had not exited.
 fn wait_for_ranks(kids: &mut [std::process::Child]) {
@@ -55,6 +52,9 @@ fn wait_for_ranks(kids: &mut [std::process::Child]) {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// Seven ranks in threads over three roots, each id made by the first rank of its block:
+/// every rank joins with its rank, and an all-reduce sums over all seven.
 #[test]
 fn several_roots_in_threads() {
     let n = 7;
