@@ -282,7 +282,7 @@ impl<T: Accumulate> Accumulation<T> {
     /// A bare tensor, as code that divided the loss by the micro-batch count itself
     /// passed, does not compile (it would be scaled twice):
     ///
-    /// ```compile_fail
+    /// ```compile_fail,E0308
     /// # use candle_core::{DType, Device, Tensor};
     /// # use candle_nn::{VarMap, SGD, Optimizer};
     /// # use nccl_safe_candle::{DistributedDataParallel, DistResult, Launcher};
@@ -298,7 +298,7 @@ impl<T: Accumulate> Accumulation<T> {
     /// }
     /// acc.step()
     /// # })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     ///
     /// ```
@@ -317,7 +317,7 @@ impl<T: Accumulate> Accumulation<T> {
     /// }
     /// acc.step()
     /// # })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     pub fn backward(&mut self, loss: impl MicroBatchLoss) -> DistResult<()> {

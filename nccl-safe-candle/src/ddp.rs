@@ -563,12 +563,12 @@ impl<'c> DistributedDataParallel<'c> {
     ///     }
     ///     acc.step() // one all-reduce, one SGD step
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     ///
     /// A step of your own inside it does not compile (the guard holds the optimizer):
     ///
-    /// ```compile_fail
+    /// ```compile_fail,E0499
     /// # use candle_core::{DType, Device, Tensor};
     /// # use candle_nn::{linear, loss, Module, Optimizer, VarBuilder, VarMap, SGD};
     /// # use nccl_safe_candle::{DistributedDataParallel, DistResult, Launcher};
@@ -583,7 +583,7 @@ impl<'c> DistributedDataParallel<'c> {
     /// sgd.backward_step(&l)?; // error: `sgd` is borrowed by the accumulation
     /// acc.step()
     /// # })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     #[track_caller]
     #[doc(alias = "accumulate")]

@@ -80,7 +80,7 @@
 //!     sgd.all_reduce_scalar(&l, ReduceOp::Avg)
 //! })?;
 //! assert_eq!(losses[0], losses[1]);
-//! # Ok::<(), nccl_safe::Error>(())
+//! # Ok::<(), nccl_launch::Error>(())
 //! ```
 //!
 //! One rank per process (torchrun, mpirun, Slurm): [`init_from_env`] gives the rank and its

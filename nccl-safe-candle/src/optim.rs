@@ -48,7 +48,7 @@ use crate::state::{reshard, CarriedState, Export, ShardableState, StateCarry};
 ///     }
 ///     acc.step()
 /// })?;
-/// # Ok::<(), nccl_safe::Error>(())
+/// # Ok::<(), nccl_launch::Error>(())
 /// ```
 pub struct DdpOptimizer<'c, O> {
     ddp: DistributedDataParallel<'c>,

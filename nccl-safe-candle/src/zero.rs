@@ -52,7 +52,7 @@ use crate::tensor::{all_gather, reduce_scatter};
 ///     Ok(opt.param_shard().as_tensor().elem_count())
 /// })?;
 /// assert_eq!(shards, vec![3, 3]); // 5 parameters' elements over 2 ranks, padded to 6
-/// # Ok::<(), nccl_safe::Error>(())
+/// # Ok::<(), nccl_launch::Error>(())
 /// ```
 ///
 /// [`DistributedDataParallel`]: crate::DistributedDataParallel
@@ -474,7 +474,7 @@ impl<'c, O: Optimizer> ZeroRedundancyOptimizer<'c, O> {
     ///     assert!(carried.replica_range().is_some()); // the next rank's, copied
     ///     Ok(())
     /// })?;
-    /// # Ok::<(), nccl_safe::Error>(())
+    /// # Ok::<(), nccl_launch::Error>(())
     /// ```
     ///
     /// candle_nn's own `AdamW` keeps its moments private, so it cannot carry them; the
