@@ -504,7 +504,8 @@ impl Clique {
     /// (another key than the clique's reports, so the reports, departures and waits never
     /// read it) and reads the board until every kept rank of another process posted its
     /// list for the same shrink, bounded by `deadline` and [`EXCLUDE_WAIT`]. `Mismatch`
-    /// (this rank's list and every list read) when a kept rank lists others; `Agree` when
+    /// (this rank's list and every list read) when a kept rank lists others, or already
+    /// posted a later shrink's list (it left this one, and will not join it); `Agree` when
     /// all agree, and also without a board, when it cannot be read, or when a kept rank
     /// posted nothing in time: then NCCL's shrink decides, bounded by the timeout.
     pub(crate) fn agree_exclude_remote(
@@ -544,26 +545,30 @@ impl Clique {
             let Ok(posts) = board.fetch(until) else {
                 return ExcludeAgreement::Agree;
             };
-            let list_of = |r: usize| -> Option<(u64, Vec<usize>)> {
+            // A rank's list for this shrink, or for a later one of its own: a rank that
+            // posted a later shrink's list left this one (its lists disagreed with another
+            // rank's, or its call failed) and will not join this rank's child, so it
+            // counts as a disagreement at once rather than as a rank yet to post.
+            let list_of = |r: usize| -> Option<(u64, Vec<usize>, bool)> {
                 let p = posts.get(r)?.as_ref()?;
-                if p.clique != key || p.issued != n || p.left {
+                if p.clique != key || p.issued < n || p.left {
                     return None;
                 }
                 let (hash, l) = p.text.strip_prefix("exclude ")?.split_once(' ')?;
                 let l = l.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-                Some((u64::from_str_radix(hash, 16).ok()?, l))
+                Some((u64::from_str_radix(hash, 16).ok()?, l, p.issued > n))
             };
-            let lists: Vec<(usize, u64, Vec<usize>)> = (0..self.world_size)
+            let lists: Vec<(usize, u64, Vec<usize>, bool)> = (0..self.world_size)
                 .filter(|&r| r != rank)
                 .filter_map(|r| {
-                    let (h, l) = list_of(r)?;
-                    Some((r, h, l))
+                    let (h, l, later) = list_of(r)?;
+                    Some((r, h, l, later))
                 })
                 .collect();
             let mine = list_hash(exclude);
-            if lists.iter().any(|(r, h, _)| kept.contains(r) && *h != mine) {
+            if (lists.iter()).any(|(r, h, _, later)| kept.contains(r) && (*h != mine || *later)) {
                 let mut all: Vec<(usize, Vec<usize>)> =
-                    lists.into_iter().map(|(r, _, l)| (r, l)).collect();
+                    lists.into_iter().map(|(r, _, l, _)| (r, l)).collect();
                 all.push((rank, exclude.to_vec()));
                 all.sort_unstable();
                 return ExcludeAgreement::Mismatch(all);
@@ -1193,6 +1198,32 @@ mod tests {
             took: None,
             state: OpState::Enqueued,
         }
+    }
+
+    /// Rank 0 of "this process" shrinks excluding rank 2 (its first shrink) while rank 1
+    /// of "another process" already posted the list of its second shrink: rank 1 left
+    /// this shrink, so rank 0 sees a disagreement at once instead of waiting 2 s for a
+    /// post of rank 1's first shrink that never comes and then entering NCCL's call,
+    /// where rank 1 never joins it.
+    #[test]
+    fn a_rank_that_moved_on_to_a_later_shrink_is_a_disagreement() {
+        let client = MemBoard::new(3);
+        let c = join(fresh_key(), 3);
+        c.set_board(&(Arc::new(client.clone()) as Arc<dyn RemoteBoard>));
+        let text = format!("exclude {:016x} 2", list_hash(&[2]));
+        client
+            .post(1, &DesyncPost::new(exclude_key(c.key), 1, &text))
+            .unwrap();
+        let t = Instant::now();
+        let agreed = c.agree_exclude_remote(0, &[2], t + Duration::from_secs(10));
+        match agreed {
+            ExcludeAgreement::Mismatch(lists) => {
+                assert_eq!(lists, vec![(0, vec![2]), (1, vec![2])]);
+            }
+            ExcludeAgreement::Agree => panic!("expected a mismatch, got an agreement"),
+            ExcludeAgreement::Missing(r) => panic!("expected a mismatch, got {r:?} missing"),
+        }
+        assert!(t.elapsed() < EXCLUDE_WAIT, "{:?}", t.elapsed());
     }
 
     /// A report built in "this process" (rank 0) shows what rank 2 of "another process"
