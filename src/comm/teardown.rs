@@ -167,7 +167,12 @@ impl Communicator {
     /// are `Config::elastic` but could not be revoked ([`Self::revocable`]): they were
     /// aborted, so they cannot be shrunk.
     pub(crate) fn note_unrevocable(comms: &[&Communicator], e: Error) -> Error {
-        let unrevocable = comms.iter().any(|c| c.unrevocable.get());
+        // The owner's own finding, or the watchdog's: its timeout fails the clique (which
+        // can end this wait) before it tries the revoke and finds it unsound, and
+        // `end_launches` waited for its abort since.
+        let unrevocable = comms
+            .iter()
+            .any(|c| c.unrevocable.get() || c.diag.unrevocable());
         if !unrevocable {
             return e;
         }

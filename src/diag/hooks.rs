@@ -422,6 +422,16 @@ impl CommDiag {
         false
     }
 
+    /// Whether the watchdog found the handle unsound to revoke (a group job linked) and
+    /// aborted it instead: it cannot be shrunk.
+    pub(crate) fn unrevocable(&self) -> bool {
+        #[cfg(feature = "diag")]
+        if let Some(s) = self.shared.get() {
+            return s.unrevocable.load(Ordering::Acquire);
+        }
+        false
+    }
+
     /// Whether the watchdog revoked the handle in place (`Config::elastic`).
     pub(crate) fn revoked_by_watchdog(&self) -> bool {
         #[cfg(feature = "diag")]
