@@ -484,19 +484,31 @@ fn bursts_on_several_streams_make_no_event_once_warm() {
     let mut bufs: Vec<CudaSlice<f32>> = (streams.iter())
         .map(|s| s.clone_htod(&[1.0f32]).unwrap())
         .collect();
-    let mut burst = || {
+    let mut enqueue = || {
         for (s, b) in streams.iter().zip(bufs.iter_mut()) {
             for _ in 0..BURST {
                 r.comm.all_reduce_in_place(b, ReduceOp::Sum, s).unwrap();
             }
         }
+    };
+    let retired = || {
         until(Duration::from_secs(10), || {
             (r.comm.flight_record().entries.iter()).all(|e| e.state == OpState::Completed)
         })
         .expect("the burst's work is seen complete");
     };
-    // Warm-up: every slot of each ring gets its event.
-    burst();
+    // Warm-up: every slot of each ring gets its event. The device held behind, so that the
+    // watchdog retires nothing during it: a range retired mid-burst (a slow machine, or
+    // valgrind) lends its event to the next slot, which then leaves a slot without one
+    // for a later burst that outruns the watchdog further.
+    d.hold_completion(true);
+    enqueue();
+    d.hold_completion(false);
+    retired();
+    let mut burst = || {
+        enqueue();
+        retired();
+    };
     burst();
     d.mark_this_thread(true);
     let before = d.counts(true);
