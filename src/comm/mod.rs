@@ -18,6 +18,7 @@ use crate::id::UniqueId;
 use crate::library::{CallContext, Library, Provider};
 use crate::nccl_call;
 
+mod checks;
 mod elastic;
 
 pub(crate) use crate::diag::UNREVOCABLE;
@@ -626,37 +627,6 @@ impl Communicator {
     #[cfg(feature = "diag")]
     pub fn diagnostics(&self) -> crate::diag::Diagnostics {
         self.diag.diagnostics(self.diag_view())
-    }
-
-    /// [`ensure_usable`](Self::ensure_usable) as the first check of every operation, before
-    /// its buffers or the CUDA driver are touched: a failed communicator (an NCCL error, or
-    /// a timeout the watchdog declared) fails at once, and a refused collective is counted.
-    /// A few loads.
-    #[inline(always)]
-    pub(crate) fn ensure_usable_for(&self, op: nccl_sys::EntryPoint) -> Result<()> {
-        if self.failure.get().is_some() || self.diag.failed() {
-            return self.refuse(op);
-        }
-        Ok(())
-    }
-
-    #[cold]
-    fn refuse(&self, op: nccl_sys::EntryPoint) -> Result<()> {
-        let r = self.ensure_usable(op.name());
-        if r.is_err() && crate::diag::is_collective(op) {
-            self.refused.set(self.refused.get() + 1);
-        }
-        // The clique's report is shared by its ranks: say first what happened to this one.
-        r.map_err(|e| match e {
-            Error::Timeout { what, timeout } => Error::Timeout {
-                what: format!(
-                    "{op} on rank {}: refused, the watchdog had already failed this communicator. {what}",
-                    self.rank
-                ),
-                timeout,
-            },
-            e => e,
-        })
     }
 
     /// Collectives this rank's program called: those issued (each has a sequence number)

@@ -24,77 +24,13 @@ mod reduce_op;
 pub use op::Op;
 pub use reduce_op::{PreMulSum, Reduction};
 
-use crate::buffer::{Memory, RecvBuffer, SendBuffer};
+use crate::buffer::{RecvBuffer, SendBuffer};
 use crate::comm::Communicator;
-use crate::error::{invalid, BufferRole, Error, Result};
-use crate::library::Provider;
-use crate::stream::{AsStream, StreamRef};
+use crate::error::Result;
+use crate::stream::AsStream;
 use crate::types::NcclType;
 use nccl_sys::Collective;
 use op::OpChecks;
-
-impl Communicator {
-    #[inline(always)]
-    pub(crate) fn check_stream(&self, call: &'static str, stream: StreamRef<'_>) -> Result<()> {
-        match (self.library().provider(), stream) {
-            (Provider::Host, StreamRef::Host) => Ok(()),
-            (Provider::Nccl, StreamRef::Cuda(_))
-                if stream.cuda_ordinal() == self.cuda_ordinal() =>
-            {
-                Ok(())
-            }
-            _ => Err(self.stream_error(call, stream)),
-        }
-    }
-
-    #[cold]
-    fn stream_error(&self, call: &'static str, stream: StreamRef<'_>) -> Error {
-        let reason = match (self.library().provider(), stream) {
-            (Provider::Nccl, StreamRef::Cuda(_)) => format!(
-                "the stream is on CUDA device {:?} but the communicator on device {:?}",
-                stream.cuda_ordinal(),
-                self.cuda_ordinal()
-            ),
-            (Provider::Host, _) => {
-                "a host-provider communicator takes Stream::Host, not a CUDA stream".into()
-            }
-            (_, _) => "NVIDIA's NCCL needs a CUDA stream, not Stream::Host".into(),
-        };
-        invalid(call, reason)
-    }
-
-    #[inline(always)]
-    pub(crate) fn check_memory(
-        &self,
-        call: &'static str,
-        role: BufferRole,
-        memory: Memory,
-    ) -> Result<()> {
-        match (self.library().provider(), memory) {
-            (Provider::Host, Memory::Host) => Ok(()),
-            (Provider::Nccl, Memory::Device(d)) if Some(d) == self.cuda_ordinal() => Ok(()),
-            _ => Err(self.memory_error(call, role, memory)),
-        }
-    }
-
-    #[cold]
-    fn memory_error(&self, call: &'static str, role: BufferRole, memory: Memory) -> Error {
-        let reason = match (self.library().provider(), memory) {
-            (Provider::Nccl, Memory::Device(d)) => format!(
-                "the {role} is on CUDA device {d} but the communicator on device {:?}",
-                self.cuda_ordinal()
-            ),
-            (Provider::Nccl, Memory::Host) => format!(
-                "the {role} is host memory, which NVIDIA's NCCL cannot read: copy it to the device"
-            ),
-            (_, Memory::Device(_)) => {
-                format!("the {role} is GPU memory, which the host provider cannot read")
-            }
-            (_, Memory::Host) => format!("the {role} is host memory"),
-        };
-        invalid(call, reason)
-    }
-}
 
 impl Communicator {
     // ---- all-reduce --------------------------------------------------------------------
