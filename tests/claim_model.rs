@@ -5,7 +5,7 @@
 //!
 //! One handle and the parties that touch it, each step as in the crate:
 //!
-//! * **The shared slot and flags** (`src/diag/shared.rs`): `handle` (the handle while it
+//! * **The handle's holder and flags** (`src/diag/shared.rs`): `handle` (the handle while it
 //!   may be torn down, 0 once taken), `current` (`IDLE`, `PINNED` or the operation inside
 //!   its call), `claim` (`UNCLAIMED`, `DECIDING`, `ABORTING`), `aborted_by_watchdog`, the
 //!   clique's timed-out flag, whether published work is still in flight, and the
@@ -21,7 +21,7 @@
 //!   `destroy` (`before_teardown`, `ensure_usable`, the destroy call under a pin, then
 //!   `take`; on an error the communicator comes back and is dropped) and `into_raw`
 //!   (`release_handle`; the caller then tears the handle down itself).
-//! * **A borrowed view** (`src/comm_ref.rs`): its diagnostics hold no handle (the slot
+//! * **A borrowed view** (`src/comm_ref.rs`): its diagnostics hold no handle (the holder
 //!   starts at 0); it runs calls like an owner and is dropped with `release_handle`; its
 //!   owner (outside the crate) destroys the handle after the view is gone.
 //! * **The watchdog** (`src/diag/watchdog.rs`): up to two sweeps, each marking the clique
@@ -119,13 +119,13 @@ const H: usize = 0x5eed;
 /// removed (after `src/` is fixed and [`TODAY`] is set to match).
 ///
 /// * `destroy-takes-after-unpin`: `Communicator::destroy` calls `ncclCommDestroy` under a
-///   pin but takes the handle out of the shared slot only after unpinning. When the
+///   pin but takes the handle out of its holder only after unpinning. When the
 ///   watchdog claims the communicator in between (idle, with work it still counts in
 ///   flight: a stream that was capturing, or a marker that could not be recorded, which
 ///   the drain counts as done), it takes the destroyed handle and aborts it. Fix: take
 ///   the handle before the pin ends.
 /// * `abort-returns-before-the-watchdogs-abort`: `take_for_abort` swaps the handle out
-///   before it sets `aborted_by_watchdog`; an `abort()` that finds the slot empty in
+///   before it sets `aborted_by_watchdog`; an `abort()` that finds the holder empty in
 ///   between reads "not aborted by the watchdog" and returns `Ok(())` at once, while the
 ///   watchdog's abort has not even started. Fix: set `aborted_by_watchdog` (after the
 ///   report) before the swap.
@@ -343,9 +343,9 @@ struct Shared {
 }
 
 impl Shared {
-    fn new(slot: usize) -> Shared {
+    fn new(handle: usize) -> Shared {
         Shared {
-            handle: AtomicUsize::new(slot),
+            handle: AtomicUsize::new(handle),
             current: AtomicU64::new(IDLE),
             claim: AtomicU8::new(UNCLAIMED),
             aborted_by_watchdog: AtomicBool::new(false),
@@ -356,8 +356,8 @@ impl Shared {
         }
     }
 
-    /// Takes the handle out of the slot: a swap (or, mutated, a load and a store).
-    fn take_slot(&self, p: Protocol) -> usize {
+    /// Takes the handle out of its holder: a swap (or, mutated, a load and a store).
+    fn take_handle(&self, p: Protocol) -> usize {
         if p.take_without_swap {
             let h = self.handle.load(SC);
             thread::yield_now();
@@ -403,12 +403,12 @@ impl Shared {
     /// `Shared::take_for_abort`.
     fn take_for_abort(&self, p: Protocol) -> usize {
         if p.watchdog_marks_after_take {
-            let h = self.take_slot(p);
+            let h = self.take_handle(p);
             self.aborted_by_watchdog.store(true, SC);
             h
         } else {
             self.aborted_by_watchdog.store(true, SC);
-            self.take_slot(p)
+            self.take_handle(p)
         }
     }
 }
@@ -569,7 +569,7 @@ impl Owner {
 
     /// `CommDiag::release`: whether the handle was still ours to tear down.
     fn release(&self) -> bool {
-        self.s.take_slot(self.p) != 0
+        self.s.take_handle(self.p) != 0
     }
 
     /// `Communicator::take`.
@@ -694,8 +694,8 @@ fn watchdog(s: Arc<Shared>, n: Arc<Nccl>, p: Protocol) -> Option<thread::JoinHan
 
 /// One execution of `sc` under protocol `p`: panics on a violation.
 fn run(sc: Scenario, p: Protocol) {
-    let slot = if sc.ending.is_some() { H } else { 0 };
-    let s = Arc::new(Shared::new(slot));
+    let handle = if sc.ending.is_some() { H } else { 0 };
+    let s = Arc::new(Shared::new(handle));
     let n = Arc::new(Nccl::new());
     let wd = {
         let (s, n) = (Arc::clone(&s), Arc::clone(&n));

@@ -322,7 +322,7 @@ pub(crate) fn abort(
         format!("ncclCommAbort of {what}"),
         Box::new(move || {
             let (t, group) = (lib.table(), handles.len() > 1);
-            // SAFETY: each handle was taken out of its communicator's slot, so this is its
+            // SAFETY: each handle was taken out of its communicator's holder, so this is its
             // one teardown and no one uses it afterwards; group start/end are paired.
             unsafe {
                 if group {
