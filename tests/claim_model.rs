@@ -9,7 +9,7 @@
 //!   may be torn down, 0 once taken), `current` (`IDLE`, `PINNED` or the operation inside
 //!   its call), `claim` (`UNCLAIMED`, `DECIDING`, `ABORTING`), `aborted_by_watchdog`, the
 //!   clique's timed-out flag, whether published work is still in flight, and the
-//!   watchdog's abort job.
+//!   watchdog's abort task.
 //! * **The owner** (`src/comm/`, `src/diag/hooks.rs`): a few calls, each either an
 //!   operation (`begin`: the aborted and timed-out checks, `current` stored, the fence,
 //!   the claim checked and `await_decision`; the NCCL call; for an operation that left
@@ -17,7 +17,7 @@
 //!   pin that stands in for the operation and gives it back; `end`: `current` back to
 //!   `IDLE`, the work published) or a pinned call (`pin`/`unpin`, as `async_error` and
 //!   registrations do); then one of: `Drop` (healthy: `drain` then destroy; failed or
-//!   unwinding: abort), `abort()` (`take`, or wait for the watchdog's abort job),
+//!   unwinding: abort), `abort()` (`take`, or wait for the watchdog's abort task),
 //!   `destroy` (`before_teardown`, `ensure_usable`, the destroy call under a pin, then
 //!   `take`; on an error the communicator comes back and is dropped) and `into_raw`
 //!   (`release_handle`; the caller then tears the handle down itself).
@@ -28,7 +28,7 @@
 //!   timed out, then `claim` (`claim_seen`: never a pinned communicator; an idle one only
 //!   with work in flight; `DECIDING`, the fence, `current` read again, the verdict) and
 //!   `take_for_abort`; a taken handle is aborted on a thread of its own (the teardown
-//!   lane), whose job the owner's `abort()` waits for.
+//!   lane), whose task the owner's `abort()` waits for.
 //! * **NCCL** as a checker: a call asserts that the handle's teardown has not begun; a
 //!   teardown asserts that it is the first; `ncclCommDestroy` asserts that no call is in
 //!   progress (`ncclCommAbort` may interrupt one: that is how a blocked call is woken).
@@ -36,7 +36,7 @@
 //! Why shuttle rather than loom: the protocol's one cross-location ordering is the fence
 //! pair, which loom cannot express either (it has no membarrier; it would be two `SeqCst`
 //! fences, i.e. the sequential consistency shuttle gives), while the parties spin
-//! (`await_decision`, waiting for the abort job), which blows up loom's exhaustive search
+//! (`await_decision`, waiting for the abort task), which blows up loom's exhaustive search
 //! and which shuttle's randomized and PCT schedulers take in their stride, for four
 //! threads and 108 scenarios in seconds.
 //!
@@ -188,7 +188,7 @@ enum Call {
     /// An operation through `Communicator::issue` (a collective).
     Op,
     /// An operation whose call left NCCL's asynchronous work (ncclInProgress, or a split's
-    /// job): still inside it, `wait_ready` polls `ncclCommGetAsyncError` until the work
+    /// async job): still inside it, `wait_ready` polls `ncclCommGetAsyncError` until the work
     /// ends, each poll after `check_alive` and under `pinned`.
     OpThenPolls,
     /// A call under a pin (`async_error`, a registration).
@@ -321,8 +321,8 @@ impl Nccl {
     }
 }
 
-/// The watchdog's abort of a taken handle (`teardown::Job`).
-struct Job {
+/// The watchdog's abort of a taken handle (`teardown::Task`).
+struct Task {
     done: AtomicBool,
 }
 
@@ -339,7 +339,7 @@ struct Shared {
     /// Model only: the operation whose thread has entered its NCCL call (see the module
     /// docs: what the age check of a claim stands for).
     entered: AtomicU64,
-    abort_job: Mutex<Option<Arc<Job>>>,
+    abort_task: Mutex<Option<Arc<Task>>>,
 }
 
 impl Shared {
@@ -352,7 +352,7 @@ impl Shared {
             timed_out: AtomicBool::new(false),
             in_flight: AtomicBool::new(false),
             entered: AtomicU64::new(IDLE),
-            abort_job: Mutex::new(None),
+            abort_task: Mutex::new(None),
         }
     }
 
@@ -607,13 +607,13 @@ impl Owner {
         if !self.s.aborted_by_watchdog.load(SC) {
             return true; // "nothing left to tear down"
         }
-        let job = loop {
-            if let Some(j) = self.s.abort_job.lock().unwrap().clone() {
+        let task = loop {
+            if let Some(j) = self.s.abort_task.lock().unwrap().clone() {
                 break j;
             }
             thread::yield_now();
         };
-        while !job.done.load(SC) {
+        while !task.done.load(SC) {
             thread::yield_now();
         }
         true
@@ -676,15 +676,15 @@ fn watchdog(s: Arc<Shared>, n: Arc<Nccl>, p: Protocol) -> Option<thread::JoinHan
             if h == 0 {
                 return None;
             }
-            let job = Arc::new(Job {
+            let task = Arc::new(Task {
                 done: AtomicBool::new(false),
             });
-            let j = Arc::clone(&job);
+            let j = Arc::clone(&task);
             let lane = thread::spawn(move || {
                 n.teardown(h, true, true);
                 j.done.store(true, SC);
             });
-            *s.abort_job.lock().unwrap() = Some(job);
+            *s.abort_task.lock().unwrap() = Some(task);
             return Some(lane);
         }
         thread::yield_now();

@@ -17,7 +17,7 @@ use super::tracker::{How, Mark, Queue, Tracker};
 use super::{clock, fence};
 use crate::error::Error;
 use crate::library::Library;
-use crate::teardown::{lock, Job, TeardownLane};
+use crate::teardown::{lock, Task, TeardownLane};
 
 /// `Shared::current` while no operation of the communicator is inside its NCCL call.
 pub(super) const IDLE: u64 = 0;
@@ -184,7 +184,7 @@ pub(crate) struct Shared {
     /// Where its teardowns run.
     pub(super) lane: TeardownLane,
     /// The watchdog's abort of its handle, once taken (so `abort()` can wait for it).
-    pub(super) abort_job: Mutex<Option<Arc<Job>>>,
+    pub(super) abort_task: Mutex<Option<Arc<Task>>>,
     pub(super) aborted_by_watchdog: AtomicBool,
     /// The watchdog revoked the handle in place (`Config::elastic`) and left it with its
     /// owner.
@@ -1084,14 +1084,14 @@ impl Shared {
                             "the communicator of rank {} whose revoke outlasted its owner's bound",
                             s.rank
                         );
-                        let job = crate::teardown::abort(
+                        let task = crate::teardown::abort(
                             s.lane,
                             Arc::clone(&s.lib),
                             vec![h],
                             s.teardown_bound(),
                             what,
                         );
-                        *lock(&s.abort_job) = Some(job);
+                        *lock(&s.abort_task) = Some(task);
                     }
                 }
                 drop(held);
