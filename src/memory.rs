@@ -145,7 +145,7 @@ impl<T: NcclType> NcclMemory<T> {
         let mut raw: *mut c_void = std::ptr::null_mut();
         match (lib.provider(), stream.into()) {
             (Provider::Host, Stream::Host) => {
-                // SAFETY: `raw` is a writable pointer slot; the size is checked above.
+                // SAFETY: `raw` is a writable out-pointer; the size is checked above.
                 let r = unsafe { alloc(&mut raw, bytes) };
                 lib.check(OP, r, ctx)?;
                 let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
@@ -172,7 +172,7 @@ impl<T: NcclType> NcclMemory<T> {
                 // with it set aside): the context's recorded error stays the user's.
                 use crate::stream::keeping_recorded_error as keeping;
                 crate::stream::make_current(s.context())?;
-                // SAFETY: `raw` is a writable pointer slot; the size is checked above; the
+                // SAFETY: `raw` is a writable out-pointer; the size is checked above; the
                 // stream's device is current, so NCCL allocates there.
                 let r = unsafe { alloc(&mut raw, bytes) };
                 lib.check(OP, r, ctx)?;

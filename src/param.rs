@@ -94,7 +94,7 @@ impl ParamType for String {
             .optional(p.lib.table().ncclParamGetStr, Self::ENTRY.name())?;
         let mut out: *const c_char = std::ptr::null();
         // SAFETY: the handle came from ncclParamBind of this library; `out` is a writable
-        // pointer slot.
+        // out-pointer.
         let r = unsafe { get(p.handle, &mut out) };
         p.check::<Self>(r, caller)?;
         // SAFETY: on success NCCL wrote a C string in a buffer of this thread's, valid
@@ -221,7 +221,7 @@ impl Library {
         let key = c_name(OP, name)?;
         let mut value: *const c_char = std::ptr::null();
         let mut len: c_int = 0;
-        // SAFETY: `key` is a C string; `value` and `len` are writable slots.
+        // SAFETY: `key` is a C string; `value` and `len` are writable out-pointers.
         let r = unsafe { get(key.as_ptr(), &mut value, &mut len) };
         if r == ncclInvalidArgument {
             // Every pointer is valid: the key is not in the registry (c_api.cc:171-176).
@@ -246,7 +246,7 @@ impl Library {
         let get = self.optional(self.table().ncclParamGetAllParameterKeys, OP)?;
         let mut table: *mut *const c_char = std::ptr::null_mut();
         let mut len: c_int = 0;
-        // SAFETY: both are writable slots.
+        // SAFETY: both are writable out-pointers.
         let r = unsafe { get(&mut table, &mut len) };
         self.check(OP, r, CallContext::at(None, caller))?;
         if table.is_null() || len <= 0 {
@@ -277,7 +277,7 @@ impl Library {
         let bind = self.optional(self.table().ncclParamBind, OP)?;
         let key = c_name(OP, name)?;
         let mut handle: ncclParamHandle_t = std::ptr::null_mut();
-        // SAFETY: `handle` is a writable slot, `key` a C string.
+        // SAFETY: `handle` is a writable out-pointer, `key` a C string.
         let r = unsafe { bind(&mut handle, key.as_ptr()) };
         if r == ncclInvalidArgument {
             // Both pointers are valid: the key is not in the registry (c_api.cc:58-62).

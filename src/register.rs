@@ -327,30 +327,30 @@ impl Communicator {
         self.ensure_usable(OP)?;
         let (ptr, bytes) = self.registration_target::<T, B>(OP, buf)?;
         // NCCL's group thread writes the window at the end of its job, after the call
-        // returned ncclSuccess (dev_runtime.cc:891-922, 533): a heap slot, read once the
+        // returned ncclSuccess (dev_runtime.cc:891-922, 533): a heap out-pointer, read once the
         // communicator left ncclInProgress (see `Communicator::issue_job`).
-        let slot = crate::comm::JobSlot::new();
-        let out = slot.out();
+        let dest = crate::comm::AsyncOut::new();
+        let out = dest.out();
         let mut win: ncclWindow_t = std::ptr::null_mut();
         let r = self.issue_job(
             CALL,
             caller,
             |_, comm| {
-                // SAFETY: as in `register`; `out` is the heap slot the job writes, alive
+                // SAFETY: as in `register`; `out` is the heap out-pointer the job writes, alive
                 // until the job ended (else leaked); the flags are NCCL_WIN_* bits this
                 // NCCL knows (checked above).
                 unsafe { register(comm, ptr, bytes, out, flags.bits()) }
             },
             || {
-                win = slot.take();
+                win = dest.take();
                 Ok(())
             },
         );
         if let Err(e) = r {
-            // A job that may still be running keeps its slot; one that ended failed the
+            // A job that may still be running keeps its out-pointer; one that ended failed the
             // communicator, whose abort releases what it registered.
             if !self.job_ended() {
-                slot.leak();
+                dest.leak();
             }
             return Err(e);
         }

@@ -5,11 +5,11 @@
 //!
 //! One handle and the parties that touch it, each step as in the crate:
 //!
-//! * **The shared slot and flags** (`src/diag/shared.rs`): `handle` (the handle while it
+//! * **The handle's holder and flags** (`src/diag/shared.rs`): `handle` (the handle while it
 //!   may be torn down, 0 once taken), `current` (`IDLE`, `PINNED` or the operation inside
 //!   its call), `claim` (`UNCLAIMED`, `DECIDING`, `ABORTING`), `aborted_by_watchdog`, the
 //!   clique's timed-out flag, whether published work is still in flight, and the
-//!   watchdog's abort job.
+//!   watchdog's abort task.
 //! * **The owner** (`src/comm/`, `src/diag/hooks.rs`): a few calls, each either an
 //!   operation (`begin`: the aborted and timed-out checks, `current` stored, the fence,
 //!   the claim checked and `await_decision`; the NCCL call; for an operation that left
@@ -17,18 +17,18 @@
 //!   pin that stands in for the operation and gives it back; `end`: `current` back to
 //!   `IDLE`, the work published) or a pinned call (`pin`/`unpin`, as `async_error` and
 //!   registrations do); then one of: `Drop` (healthy: `drain` then destroy; failed or
-//!   unwinding: abort), `abort()` (`take`, or wait for the watchdog's abort job),
+//!   unwinding: abort), `abort()` (`take`, or wait for the watchdog's abort task),
 //!   `destroy` (`before_teardown`, `ensure_usable`, the destroy call under a pin, then
 //!   `take`; on an error the communicator comes back and is dropped) and `into_raw`
 //!   (`release_handle`; the caller then tears the handle down itself).
-//! * **A borrowed view** (`src/comm_ref.rs`): its diagnostics hold no handle (the slot
+//! * **A borrowed view** (`src/comm_ref.rs`): its diagnostics hold no handle (the holder
 //!   starts at 0); it runs calls like an owner and is dropped with `release_handle`; its
 //!   owner (outside the crate) destroys the handle after the view is gone.
 //! * **The watchdog** (`src/diag/watchdog.rs`): up to two sweeps, each marking the clique
 //!   timed out, then `claim` (`claim_seen`: never a pinned communicator; an idle one only
 //!   with work in flight; `DECIDING`, the fence, `current` read again, the verdict) and
 //!   `take_for_abort`; a taken handle is aborted on a thread of its own (the teardown
-//!   lane), whose job the owner's `abort()` waits for.
+//!   lane), whose task the owner's `abort()` waits for.
 //! * **NCCL** as a checker: a call asserts that the handle's teardown has not begun; a
 //!   teardown asserts that it is the first; `ncclCommDestroy` asserts that no call is in
 //!   progress (`ncclCommAbort` may interrupt one: that is how a blocked call is woken).
@@ -36,7 +36,7 @@
 //! Why shuttle rather than loom: the protocol's one cross-location ordering is the fence
 //! pair, which loom cannot express either (it has no membarrier; it would be two `SeqCst`
 //! fences, i.e. the sequential consistency shuttle gives), while the parties spin
-//! (`await_decision`, waiting for the abort job), which blows up loom's exhaustive search
+//! (`await_decision`, waiting for the abort task), which blows up loom's exhaustive search
 //! and which shuttle's randomized and PCT schedulers take in their stride, for four
 //! threads and 108 scenarios in seconds.
 //!
@@ -119,13 +119,13 @@ const H: usize = 0x5eed;
 /// removed (after `src/` is fixed and [`TODAY`] is set to match).
 ///
 /// * `destroy-takes-after-unpin`: `Communicator::destroy` calls `ncclCommDestroy` under a
-///   pin but takes the handle out of the shared slot only after unpinning. When the
+///   pin but takes the handle out of its holder only after unpinning. When the
 ///   watchdog claims the communicator in between (idle, with work it still counts in
 ///   flight: a stream that was capturing, or a marker that could not be recorded, which
 ///   the drain counts as done), it takes the destroyed handle and aborts it. Fix: take
 ///   the handle before the pin ends.
 /// * `abort-returns-before-the-watchdogs-abort`: `take_for_abort` swaps the handle out
-///   before it sets `aborted_by_watchdog`; an `abort()` that finds the slot empty in
+///   before it sets `aborted_by_watchdog`; an `abort()` that finds the holder empty in
 ///   between reads "not aborted by the watchdog" and returns `Ok(())` at once, while the
 ///   watchdog's abort has not even started. Fix: set `aborted_by_watchdog` (after the
 ///   report) before the swap.
@@ -188,7 +188,7 @@ enum Call {
     /// An operation through `Communicator::issue` (a collective).
     Op,
     /// An operation whose call left NCCL's asynchronous work (ncclInProgress, or a split's
-    /// job): still inside it, `wait_ready` polls `ncclCommGetAsyncError` until the work
+    /// async job): still inside it, `wait_ready` polls `ncclCommGetAsyncError` until the work
     /// ends, each poll after `check_alive` and under `pinned`.
     OpThenPolls,
     /// A call under a pin (`async_error`, a registration).
@@ -321,8 +321,8 @@ impl Nccl {
     }
 }
 
-/// The watchdog's abort of a taken handle (`teardown::Job`).
-struct Job {
+/// The watchdog's abort of a taken handle (`teardown::Task`).
+struct Task {
     done: AtomicBool,
 }
 
@@ -339,25 +339,25 @@ struct Shared {
     /// Model only: the operation whose thread has entered its NCCL call (see the module
     /// docs: what the age check of a claim stands for).
     entered: AtomicU64,
-    abort_job: Mutex<Option<Arc<Job>>>,
+    abort_task: Mutex<Option<Arc<Task>>>,
 }
 
 impl Shared {
-    fn new(slot: usize) -> Shared {
+    fn new(handle: usize) -> Shared {
         Shared {
-            handle: AtomicUsize::new(slot),
+            handle: AtomicUsize::new(handle),
             current: AtomicU64::new(IDLE),
             claim: AtomicU8::new(UNCLAIMED),
             aborted_by_watchdog: AtomicBool::new(false),
             timed_out: AtomicBool::new(false),
             in_flight: AtomicBool::new(false),
             entered: AtomicU64::new(IDLE),
-            abort_job: Mutex::new(None),
+            abort_task: Mutex::new(None),
         }
     }
 
-    /// Takes the handle out of the slot: a swap (or, mutated, a load and a store).
-    fn take_slot(&self, p: Protocol) -> usize {
+    /// Takes the handle out of its holder: a swap (or, mutated, a load and a store).
+    fn take_handle(&self, p: Protocol) -> usize {
         if p.take_without_swap {
             let h = self.handle.load(SC);
             thread::yield_now();
@@ -403,12 +403,12 @@ impl Shared {
     /// `Shared::take_for_abort`.
     fn take_for_abort(&self, p: Protocol) -> usize {
         if p.watchdog_marks_after_take {
-            let h = self.take_slot(p);
+            let h = self.take_handle(p);
             self.aborted_by_watchdog.store(true, SC);
             h
         } else {
             self.aborted_by_watchdog.store(true, SC);
-            self.take_slot(p)
+            self.take_handle(p)
         }
     }
 }
@@ -569,7 +569,7 @@ impl Owner {
 
     /// `CommDiag::release`: whether the handle was still ours to tear down.
     fn release(&self) -> bool {
-        self.s.take_slot(self.p) != 0
+        self.s.take_handle(self.p) != 0
     }
 
     /// `Communicator::take`.
@@ -607,13 +607,13 @@ impl Owner {
         if !self.s.aborted_by_watchdog.load(SC) {
             return true; // "nothing left to tear down"
         }
-        let job = loop {
-            if let Some(j) = self.s.abort_job.lock().unwrap().clone() {
+        let task = loop {
+            if let Some(j) = self.s.abort_task.lock().unwrap().clone() {
                 break j;
             }
             thread::yield_now();
         };
-        while !job.done.load(SC) {
+        while !task.done.load(SC) {
             thread::yield_now();
         }
         true
@@ -676,15 +676,15 @@ fn watchdog(s: Arc<Shared>, n: Arc<Nccl>, p: Protocol) -> Option<thread::JoinHan
             if h == 0 {
                 return None;
             }
-            let job = Arc::new(Job {
+            let task = Arc::new(Task {
                 done: AtomicBool::new(false),
             });
-            let j = Arc::clone(&job);
+            let j = Arc::clone(&task);
             let lane = thread::spawn(move || {
                 n.teardown(h, true, true);
                 j.done.store(true, SC);
             });
-            *s.abort_job.lock().unwrap() = Some(job);
+            *s.abort_task.lock().unwrap() = Some(task);
             return Some(lane);
         }
         thread::yield_now();
@@ -694,8 +694,8 @@ fn watchdog(s: Arc<Shared>, n: Arc<Nccl>, p: Protocol) -> Option<thread::JoinHan
 
 /// One execution of `sc` under protocol `p`: panics on a violation.
 fn run(sc: Scenario, p: Protocol) {
-    let slot = if sc.ending.is_some() { H } else { 0 };
-    let s = Arc::new(Shared::new(slot));
+    let handle = if sc.ending.is_some() { H } else { 0 };
+    let s = Arc::new(Shared::new(handle));
     let n = Arc::new(Nccl::new());
     let wd = {
         let (s, n) = (Arc::clone(&s), Arc::clone(&n));

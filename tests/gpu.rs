@@ -245,7 +245,7 @@ impl HostWord {
     fn new(ctx: &Arc<CudaContext>) -> HostWord {
         ctx.bind_to_thread().unwrap();
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: `p` is a writable pointer slot; 4 bytes of mapped pinned memory.
+        // SAFETY: `p` is a writable out-pointer; 4 bytes of mapped pinned memory.
         unsafe { sys::cuMemHostAlloc(&mut p, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP) }
             .result()
             .expect("cuMemHostAlloc");

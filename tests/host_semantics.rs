@@ -1043,19 +1043,19 @@ fn a_non_blocking_split_returns_success_and_stores_its_child_later() {
         // The jobs end only once every rank has looked (a slow GPU, without a race).
         let root = host::root_id_of(comm).expect("a live host communicator");
         host::fault::inject(&root, host::fault::Fault::HeldJobs);
-        // A heap slot the job may write after this function looked at it.
-        let slot = Box::new(core::sync::atomic::AtomicPtr::<ncclComm>::new(
+        // A heap out-pointer the job may write after this function looked at it.
+        let dest = Box::new(core::sync::atomic::AtomicPtr::<ncclComm>::new(
             0x1 as ncclComm_t,
         ));
         let color = if r == 1 { NCCL_SPLIT_NOCOLOR } else { 5 };
-        // SAFETY: live parent; the slot outlives the job (it is read after the wait).
-        let rc = unsafe { (t.ncclCommSplit)(comm, color, 0, slot.as_ptr(), core::ptr::null_mut()) };
+        // SAFETY: live parent; `dest` outlives the job (it is read after the wait).
+        let rc = unsafe { (t.ncclCommSplit)(comm, color, 0, dest.as_ptr(), core::ptr::null_mut()) };
         assert_eq!(
             rc, ncclSuccess,
             "NCCL's split returns ncclSuccess, not ncclInProgress"
         );
         assert!(
-            slot.load(core::sync::atomic::Ordering::Acquire).is_null(),
+            dest.load(core::sync::atomic::Ordering::Acquire).is_null(),
             "rank {r}: the child must not be there before the job ends"
         );
         let mut st = ncclSuccess;
@@ -1070,7 +1070,7 @@ fn a_non_blocking_split_returns_success_and_stores_its_child_later() {
         checked.wait();
         host::fault::release_jobs(&root);
         assert_eq!(wait_out_of_progress(&t, comm), ncclSuccess);
-        let child = slot.load(core::sync::atomic::Ordering::Acquire);
+        let child = dest.load(core::sync::atomic::Ordering::Acquire);
         let size = (!child.is_null()).then(|| {
             let mut n = 0;
             // SAFETY: the child the job stored.
@@ -1295,19 +1295,19 @@ fn a_window_is_written_later_and_destroy_in_progress_leaves_a_group_open() {
         let root = host::root_id_of(comm).expect("a live host communicator");
         host::fault::inject(&root, host::fault::Fault::HeldJobs);
         let mut buf = vec![0u8; 64];
-        let slot = Box::new(core::sync::atomic::AtomicPtr::<ncclWindow_vidmem>::new(
+        let dest = Box::new(core::sync::atomic::AtomicPtr::<ncclWindow_vidmem>::new(
             core::ptr::null_mut(),
         ));
-        // SAFETY: live comm, live buffer, the slot outlives the job.
-        let rc = unsafe { register(comm, buf.as_mut_ptr().cast(), 64, slot.as_ptr(), 0) };
+        // SAFETY: live comm, live buffer, `dest` outlives the job.
+        let rc = unsafe { register(comm, buf.as_mut_ptr().cast(), 64, dest.as_ptr(), 0) };
         assert_eq!(rc, ncclSuccess);
-        assert!(slot.load(core::sync::atomic::Ordering::Acquire).is_null());
+        assert!(dest.load(core::sync::atomic::Ordering::Acquire).is_null());
         // SAFETY: a live handle; refused (in progress) without a teardown.
         let rc = unsafe { (t.ncclCommDestroy)(comm) };
         assert_eq!(rc, ncclInvalidArgument, "{}", last_error(&t));
         host::fault::release_jobs(&root);
         assert_eq!(wait_out_of_progress(&t, comm), ncclSuccess);
-        let win = slot.load(core::sync::atomic::Ordering::Acquire);
+        let win = dest.load(core::sync::atomic::Ordering::Acquire);
         assert!(!win.is_null(), "the window is written when the job ends");
         // SAFETY: live comm and window.
         assert_eq!(unsafe { deregister(comm, win) }, ncclSuccess);
@@ -1356,16 +1356,16 @@ fn a_window_registered_inside_a_group_is_written_at_its_end() {
                 host::fault::inject(&root, host::fault::Fault::HeldJobs);
             }
             let mut buf = vec![0u8; 64];
-            // A heap slot the group's thread may write after this function looked at it.
-            let slot = Box::new(AtomicPtr::<ncclWindow_vidmem>::new(untouched()));
-            // SAFETY: balanced group calls on this thread; a live comm and buffer; the slot
+            // A heap out-pointer the group's thread may write after this function looked at it.
+            let dest = Box::new(AtomicPtr::<ncclWindow_vidmem>::new(untouched()));
+            // SAFETY: balanced group calls on this thread; a live comm and buffer; `dest`
             // outlives the group's job (it is read after the wait).
             unsafe {
                 assert_eq!((t.ncclGroupStart)(), ncclSuccess);
                 assert_eq!((t.ncclGroupStart)(), ncclSuccess);
-                let rc = register(comm, buf.as_mut_ptr().cast(), 64, slot.as_ptr(), 0);
+                let rc = register(comm, buf.as_mut_ptr().cast(), 64, dest.as_ptr(), 0);
                 assert_eq!(rc, ncclSuccess, "{}", last_error(&t));
-                assert_eq!(slot.load(Acquire), untouched(), "queued, not registered");
+                assert_eq!(dest.load(Acquire), untouched(), "queued, not registered");
                 assert_eq!(
                     state(comm),
                     ncclSuccess,
@@ -1373,7 +1373,7 @@ fn a_window_registered_inside_a_group_is_written_at_its_end() {
                 );
                 assert_eq!((t.ncclGroupEnd)(), ncclSuccess);
                 assert_eq!(
-                    slot.load(Acquire),
+                    dest.load(Acquire),
                     untouched(),
                     "an inner end launches nothing"
                 );
@@ -1381,7 +1381,7 @@ fn a_window_registered_inside_a_group_is_written_at_its_end() {
             }
             if nonblocking {
                 assert_eq!(
-                    slot.load(Acquire),
+                    dest.load(Acquire),
                     untouched(),
                     "the group's thread writes it"
                 );
@@ -1389,7 +1389,7 @@ fn a_window_registered_inside_a_group_is_written_at_its_end() {
                 host::fault::release_jobs(&root);
                 assert_eq!(wait_out_of_progress(&t, comm), ncclSuccess);
             }
-            let win = slot.load(Acquire);
+            let win = dest.load(Acquire);
             assert!(
                 win != untouched() && !win.is_null(),
                 "written at the group's end"
@@ -1398,16 +1398,16 @@ fn a_window_registered_inside_a_group_is_written_at_its_end() {
             assert_eq!(unsafe { deregister(comm, win) }, ncclSuccess);
             // A call refused inside the group (a symmetric window outside any ncclMemAlloc
             // allocation, which NCCL refuses in the group's job) fails the group's end.
-            slot.store(untouched(), core::sync::atomic::Ordering::Release);
+            dest.store(untouched(), core::sync::atomic::Ordering::Release);
             let sym = NCCL_WIN_COLL_SYMMETRIC as c_int;
             // SAFETY: as above.
             unsafe {
                 assert_eq!((t.ncclGroupStart)(), ncclSuccess);
-                let rc = register(comm, buf.as_mut_ptr().cast(), 64, slot.as_ptr(), sym);
+                let rc = register(comm, buf.as_mut_ptr().cast(), 64, dest.as_ptr(), sym);
                 assert_eq!(rc, ncclInvalidArgument);
                 assert_eq!((t.ncclGroupEnd)(), ncclInvalidArgument);
             }
-            assert_eq!(slot.load(Acquire), untouched());
+            assert_eq!(dest.load(Acquire), untouched());
             // SAFETY: the handle, torn down once.
             assert_eq!(unsafe { (t.ncclCommAbort)(comm) }, ncclSuccess);
         };
@@ -1434,13 +1434,13 @@ fn a_refused_destroy_keeps_its_destroy_flag() {
         let root = host::root_id_of(comm).expect("a live host communicator");
         host::fault::inject(&root, host::fault::Fault::HeldJobs);
         let mut buf = vec![0u8; 64];
-        let slot = Box::new(core::sync::atomic::AtomicPtr::<ncclWindow_vidmem>::new(
+        let dest = Box::new(core::sync::atomic::AtomicPtr::<ncclWindow_vidmem>::new(
             core::ptr::null_mut(),
         ));
-        // SAFETY: live comm, live buffer, the slot outlives the job; the group levels are
+        // SAFETY: live comm, live buffer, `dest` outlives the job; the group levels are
         // closed below.
         unsafe {
-            let rc = register(comm, buf.as_mut_ptr().cast(), 64, slot.as_ptr(), 0);
+            let rc = register(comm, buf.as_mut_ptr().cast(), 64, dest.as_ptr(), 0);
             assert_eq!(rc, ncclSuccess);
             // Inside a group the destroy is refused in the call as well, and not queued.
             assert_eq!((t.ncclGroupStart)(), ncclSuccess);
@@ -1455,7 +1455,7 @@ fn a_refused_destroy_keeps_its_destroy_flag() {
         }
         host::fault::release_jobs(&root);
         assert_eq!(wait_out_of_progress(&t, comm), ncclSuccess);
-        let win = slot.load(core::sync::atomic::Ordering::Acquire);
+        let win = dest.load(core::sync::atomic::Ordering::Acquire);
         // SAFETY: live comm and window; then the refused revoke changes nothing.
         unsafe {
             assert_eq!(deregister(comm, win), ncclSuccess);

@@ -958,7 +958,7 @@ fn raw_init_is_blocking() {
     config.blocking = 0;
     let id = CommDevice::Host.unique_id().unwrap();
     let mut comm = core::ptr::null_mut();
-    // SAFETY: a writable slot, a one-rank id and a valid config.
+    // SAFETY: a writable out-pointer, a one-rank id and a valid config.
     unsafe {
         let rc = (t.ncclCommInitRankConfig)(&mut comm, 1, id.to_raw(), 0, &mut config);
         assert_eq!(rc, ncclSuccess);

@@ -386,7 +386,7 @@ fn file_rendezvous_gives_every_rank_the_id() {
 
 #[test]
 fn closure_rendezvous_gives_every_rank_the_id() {
-    // A toy broadcast: a slot rank 0 fills and the others wait on.
+    // A toy broadcast: a cell rank 0 fills and the others wait on.
     let store: Arc<(Mutex<Option<[u8; ID_LEN]>>, Condvar)> = Arc::default();
     let world = 3;
     let handles: Vec<_> = (0..world)
@@ -394,8 +394,8 @@ fn closure_rendezvous_gives_every_rank_the_id() {
             let store = Arc::clone(&store);
             thread::spawn(move || {
                 let r = Rendezvous::custom(move |id: Option<[u8; ID_LEN]>| {
-                    let (slot, cv) = &*store;
-                    let mut g = slot.lock().unwrap();
+                    let (cell, cv) = &*store;
+                    let mut g = cell.lock().unwrap();
                     if let Some(id) = id {
                         *g = Some(id);
                         cv.notify_all();
@@ -934,10 +934,10 @@ fn busy_until_the_deadline_is_a_timeout_naming_the_time_taken() {
     assert!(err.to_string().contains("gave up after 0.7"), "{err}");
 }
 
-/// A stranger holding every connection slot (and more) does not keep the ranks out: the
+/// A stranger holding every connection the server admits (and more) does not keep the ranks out: the
 /// oldest connections that never authenticated make room.
 #[test]
-fn a_stranger_filling_every_slot_does_not_keep_a_rank_out() {
+fn a_stranger_filling_every_connection_does_not_keep_a_rank_out() {
     let server = tcp(0)
         .max_connections(32, 32)
         .io_timeout(Duration::from_secs(5))

@@ -923,7 +923,7 @@ fn child_checks_pointers() {
     // SAFETY: the host provider's lookup returns functions with NCCL's signatures.
     let t = unsafe { nccl_sys::FunctionTable::load(nccl_safe::host::lookup) }.unwrap();
     let mut c = [core::ptr::null_mut(); 2];
-    // SAFETY: two out-slots; a null device list means devices 0 and 1.
+    // SAFETY: two out-pointers; a null device list means devices 0 and 1.
     let rc = unsafe { (t.ncclCommInitAll)(c.as_mut_ptr(), 2, core::ptr::null()) };
     assert_eq!(rc, ncclSuccess);
     let mut b = [[1.0f32; 2]; 3];

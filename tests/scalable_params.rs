@@ -165,7 +165,7 @@ fn bad_ids_are_typed_errors_before_nccl() {
 }
 
 /// The host provider's C entry point follows init.cc:2477-2481 of 2.30.7: `nId` outside
-/// `1..=nranks` is ncclInvalidArgument, `*newcomm` untouched (NCCL reads the slot after
+/// `1..=nranks` is ncclInvalidArgument, `*newcomm` untouched (NCCL reads the out-pointer after
 /// the refusal, init.cc:2717-2718, so a caller passes it NULL, as the crate does).
 #[test]
 fn the_c_entry_point_refuses_a_bad_id_count() {
@@ -174,7 +174,7 @@ fn the_c_entry_point_refuses_a_bad_id_count() {
     let mut ids = [CommDevice::Host.unique_id().unwrap().to_raw(); 3];
     for (nranks, n_id) in [(2, 0), (2, 3), (1, -1)] {
         let mut comm: nccl_sys::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: `comm` is a writable slot, `ids` holds 3 ids; a NULL config is allowed.
+        // SAFETY: `comm` is a writable out-pointer, `ids` holds 3 ids; a NULL config is allowed.
         let r = unsafe {
             init(
                 &mut comm,

@@ -15,15 +15,15 @@ use super::exec::{run_items, Item};
 use super::params;
 use super::registry;
 use super::state::{
-    lock, wait_until, CollPost, Collective, CommState, Fail, Global, Handle, IdBytes, Job, OpKey,
-    PendingOn, PreMul, RootIdx,
+    lock, wait_until, AsyncJob, CollPost, Collective, CommState, Fail, Global, Handle, IdBytes,
+    OpKey, PendingOn, PreMul, RootIdx,
 };
 
-/// A split, shrink or window registration queued for the outermost ncclGroupEnd: the call
-/// it makes there.
-type QueuedJob = Box<dyn FnOnce() -> ncclResult_t>;
+/// A split, shrink or window registration queued for the outermost ncclGroupEnd (NCCL's
+/// `ncclAsyncJob` queued by `ncclAsyncLaunch` inside a group): the call it makes there.
+type QueuedAsyncJob = Box<dyn FnOnce() -> ncclResult_t>;
 
-/// A [`QueuedJob`] with the communicator it was called on.
+/// A [`QueuedAsyncJob`] with the communicator it was called on.
 struct Queued {
     parent: Handle,
     /// A window registration (NCCL runs them after the group's other jobs, group.cc:537
@@ -32,7 +32,7 @@ struct Queued {
     /// A one-sided put, signal or wait: its communicator's launch is the group's, as a
     /// collective's.
     rma: bool,
-    job: QueuedJob,
+    job: QueuedAsyncJob,
 }
 
 thread_local! {
@@ -158,7 +158,7 @@ fn submit(g: MutexGuard<'static, Global>, r: &Ready, item: Item) -> Result<ncclR
 /// end: NCCL launches a non-blocking communicator's work of two or more ranks from its
 /// group's thread and returns ncclInProgress (a single collective is an implicit group,
 /// enqueue.cc:2633-2660 of 2.28.9; one rank launches inline, ncclSuccess). Marks each such
-/// communicator [`Job::Launching`]; ncclInProgress when one was. Only with
+/// communicator [`AsyncJob::Launching`]; ncclInProgress when one was. Only with
 /// [`crate::set_launch_in_progress`] on: off, ncclSuccess.
 fn launched(handles: impl IntoIterator<Item = Handle>) -> ncclResult_t {
     if !super::defs::launch_in_progress() {
@@ -177,9 +177,9 @@ fn launched(handles: impl IntoIterator<Item = Handle>) -> ncclResult_t {
         if let Some(c) = g
             .comms
             .get_mut(&h)
-            .filter(|c| many && matches!(c.job, Job::Idle))
+            .filter(|c| many && matches!(c.async_job, AsyncJob::Idle))
         {
-            c.job = Job::Launching;
+            c.async_job = AsyncJob::Launching;
             any = true;
             linked.push(h);
         }
@@ -293,10 +293,10 @@ fn ready(g: &mut Global, comm: ncclComm_t, what: &'static str, ops: bool) -> Res
     let finalized = c.finalized;
     // NCCL's ncclCommEnsureReady (init.cc:373): asynchronous work in flight refuses the
     // call with ncclInvalidArgument; a failed one is the communicator's error from then on.
-    match c.job.clone() {
-        Job::Busy { .. } => return Err(g.invalid(Some(root), what, "Attempt to use communicator before the previous operation returned ncclSuccess (an asynchronous split, shrink or window registration is in progress: poll ncclCommGetAsyncError until it is no longer ncclInProgress)")),
-        Job::Launching => return Err(g.invalid(Some(root), what, "Attempt to use communicator before the previous operation returned ncclSuccess (its collectives' launch, which returned ncclInProgress, may still run: poll ncclCommGetAsyncError until it is no longer ncclInProgress)")),
-        Job::Failed(f) if ops => return Err(f),
+    match c.async_job.clone() {
+        AsyncJob::Busy { .. } => return Err(g.invalid(Some(root), what, "Attempt to use communicator before the previous operation returned ncclSuccess (an asynchronous split, shrink or window registration is in progress: poll ncclCommGetAsyncError until it is no longer ncclInProgress)")),
+        AsyncJob::Launching => return Err(g.invalid(Some(root), what, "Attempt to use communicator before the previous operation returned ncclSuccess (its collectives' launch, which returned ncclInProgress, may still run: poll ncclCommGetAsyncError until it is no longer ncclInProgress)")),
+        AsyncJob::Failed(f) if ops => return Err(f),
         _ => {}
     }
     match c.state.clone() {
@@ -470,7 +470,7 @@ fn start_job(
     body: impl FnOnce() -> (usize, Result<(), Fail>) + Send + 'static,
 ) -> Result<ncclResult_t, Fail> {
     let c = g.comms.get_mut(&parent).ok_or_else(vanished)?;
-    c.job = Job::Busy { child };
+    c.async_job = AsyncJob::Busy { child };
     let root = c.root;
     // The job is NCCL's async job of `parent` (`job->comm`): its non-blocking group end
     // links the group job to it (group.cc:798-806 of v2.29.7-1).
@@ -483,15 +483,15 @@ fn start_job(
         let mut g = lock();
         if out != 0 {
             // SAFETY: NCCL's contract: the caller's out-pointer stays valid (and, as a
-            // pointer's slot, aligned) until the job ends, that is until the
+            // pointer, aligned) until the job ends, that is until the
             // communicator leaves ncclInProgress, which happens below, after the store.
-            let slot = unsafe { core::sync::atomic::AtomicUsize::from_ptr(out as *mut usize) };
-            slot.store(value, core::sync::atomic::Ordering::Release);
+            let cell = unsafe { core::sync::atomic::AtomicUsize::from_ptr(out as *mut usize) };
+            cell.store(value, core::sync::atomic::Ordering::Release);
         }
         if let Some(c) = g.comms.get_mut(&parent) {
-            c.job = match r {
-                Ok(()) => Job::Idle,
-                Err(f) => Job::Failed(f),
+            c.async_job = match r {
+                Ok(()) => AsyncJob::Idle,
+                Err(f) => AsyncJob::Failed(f),
             };
         }
         drop(g);
@@ -499,7 +499,7 @@ fn start_job(
     });
     spawned.map(|()| ncclSuccess).inspect_err(|_| {
         if let Some(c) = g.comms.get_mut(&parent) {
-            c.job = Job::Idle;
+            c.async_job = AsyncJob::Idle;
         }
     })
 }
@@ -1134,15 +1134,15 @@ fn grow_in_flight(g: &mut Global, h: Handle, what: &str) {
 fn destroy_refusal(g: &mut Global, h: Handle) -> Option<Fail> {
     let c = g.comms.get(&h)?;
     let root = c.root;
-    let in_flight =
-        matches!(c.job, Job::Busy { .. } | Job::Launching) || matches!(c.state, CommState::Pending);
+    let in_flight = matches!(c.async_job, AsyncJob::Busy { .. } | AsyncJob::Launching)
+        || matches!(c.state, CommState::Pending);
     if in_flight {
         let m = "Attempt to use communicator before the previous operation returned ncclSuccess";
         return Some(g.invalid(Some(root), "ncclCommDestroy", m));
     }
     // The state ncclCommGetAsyncError reads: a revoke's result replaces a failed clique's.
     match &c.state {
-        CommState::Failed(f) if !matches!(c.job, Job::Failed(_)) => Some(f.clone()),
+        CommState::Failed(f) if !matches!(c.async_job, AsyncJob::Failed(_)) => Some(f.clone()),
         _ => async_failure(g, h),
     }
 }
@@ -1155,8 +1155,11 @@ fn end_job_for_abort(g: MutexGuard<'static, Global>, h: Handle) -> MutexGuard<'s
     let why = Fail::new(ncclRemoteError, m);
     wait_until(g, |g| {
         // Until the job ended (or the handle is gone).
-        let job = g.comms.get(&h).map(|c| (c.job.clone(), c.state.clone()));
-        let Some((Job::Busy { child }, state)) = job else {
+        let job = g
+            .comms
+            .get(&h)
+            .map(|c| (c.async_job.clone(), c.state.clone()));
+        let Some((AsyncJob::Busy { child }, state)) = job else {
             return Some(());
         };
         match (child.filter(|k| g.comms.contains_key(k)), state) {
@@ -1424,7 +1427,7 @@ pub(crate) unsafe extern "C" fn ncclCommShrink(
 /// failed job, or its clique's failure (across processes too), unless a revoke cleared it.
 fn async_failure(g: &mut Global, h: Handle) -> Option<Fail> {
     let c = g.comms.get(&h)?;
-    if let Job::Failed(f) = &c.job {
+    if let AsyncJob::Failed(f) = &c.async_job {
         return Some(f.clone());
     }
     let cleared = c.error_cleared;
@@ -1500,11 +1503,11 @@ pub(crate) unsafe extern "C" fn ncclCommRevoke(
         // or deadline ends them), and the collective never runs.
         if let Some(CommState::Ready { clique, rank }) = g.comms.get(&h).map(|c| c.state.clone()) {
             if let Some(cl) = g.cliques.get_mut(&clique) {
-                for (key, slot) in cl.ops.iter_mut() {
+                for (key, op) in cl.ops.iter_mut() {
                     let posted = matches!(key, OpKey::Coll(_))
-                        && slot.posts.get(rank as usize).is_some_and(|p| p.is_some());
-                    if posted && matches!(slot.state, super::state::SlotState::Waiting) {
-                        if let Some(w) = slot.withdrawn.get_mut(rank as usize) {
+                        && op.posts.get(rank as usize).is_some_and(|p| p.is_some());
+                    if posted && matches!(op.state, super::state::OpState::Waiting) {
+                        if let Some(w) = op.withdrawn.get_mut(rank as usize) {
                             *w = true;
                         }
                     }
@@ -1736,8 +1739,8 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
         // failure of the clique since (a peer's abort) is not this launch's: NCCL's state
         // shows it only once this rank's next work meets it, and so does the provider's.
         if let Some(c) = g.comms.get_mut(&h) {
-            if matches!(c.job, Job::Launching) {
-                c.job = Job::Idle;
+            if matches!(c.async_job, AsyncJob::Launching) {
+                c.async_job = AsyncJob::Idle;
                 put(async_error, ncclSuccess);
                 g.complete_group_job(h, "ncclCommGetAsyncError");
                 return Ok(ncclSuccess);
@@ -1749,13 +1752,18 @@ pub(crate) unsafe extern "C" fn ncclCommGetAsyncError(
             set_last(&f.msg);
             f.code
         };
-        let code = match g.comms.get(&h).map(|c| (c.job.clone(), c.state.clone())) {
+        let code = match g
+            .comms
+            .get(&h)
+            .map(|c| (c.async_job.clone(), c.state.clone()))
+        {
             None => ncclInternalError,
-            Some((Job::Busy { .. } | Job::Launching, _) | (Job::Idle, CommState::Pending)) => {
-                ncclInProgress
-            }
-            Some((Job::Failed(f), _) | (Job::Idle, CommState::Failed(f))) => report(f),
-            Some((Job::Idle, CommState::Ready { .. })) => {
+            Some(
+                (AsyncJob::Busy { .. } | AsyncJob::Launching, _)
+                | (AsyncJob::Idle, CommState::Pending),
+            ) => ncclInProgress,
+            Some((AsyncJob::Failed(f), _) | (AsyncJob::Idle, CommState::Failed(f))) => report(f),
+            Some((AsyncJob::Idle, CommState::Ready { .. })) => {
                 async_failure(&mut g, h).map_or(ncclSuccess, report)
             }
         };
@@ -1890,8 +1898,8 @@ fn operation(
 /// asynchronous error, unless a job already owns that state (in flight, or failed first).
 fn set_async_error(g: &mut Global, h: Handle, f: &Fail) {
     if let Some(c) = g.comms.get_mut(&h) {
-        if c.nonblocking && matches!(c.job, Job::Idle) {
-            c.job = Job::Failed(f.clone());
+        if c.nonblocking && matches!(c.async_job, AsyncJob::Idle) {
+            c.async_job = AsyncJob::Failed(f.clone());
         }
     }
 }
@@ -2773,7 +2781,8 @@ fn mem_task(comm: ncclComm_t, name: &'static str, act: bool, suspend: bool) -> n
         if in_group() {
             // The task waits for the outermost group end (ncclGroupCommJoin, :954).
             let h = comm as usize;
-            let job: QueuedJob = Box::new(move || mem_task(h as ncclComm_t, name, true, suspend));
+            let job: QueuedAsyncJob =
+                Box::new(move || mem_task(h as ncclComm_t, name, true, suspend));
             QUEUED.with(|q| {
                 q.borrow_mut().push(Queued {
                     parent: r.h,

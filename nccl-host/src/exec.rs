@@ -10,7 +10,7 @@ use super::dtype::{self, RedKind};
 use super::shm::{P2pWork, Segment};
 use super::state::{
     lock, notify, wait, wait_limit, CollPost, Collective, CommState, CommWorld, Fail, Global,
-    Handle, OpKey, Slot, SlotState,
+    Handle, OpKey, OpState, PostedOp,
 };
 
 /// An operation queued by a thread (inside a group, or the single op of a plain call).
@@ -32,7 +32,7 @@ pub(crate) enum Item {
 /// What a posted item waits on.
 #[derive(Debug, Clone)]
 enum Wait {
-    /// A collective's slot, and this rank's post in it.
+    /// A collective's posted op, and this rank's post in it.
     Op(u64, OpKey, usize),
     Handle(Handle),
 }
@@ -47,7 +47,7 @@ fn aborted_fail(g: &Global, clique: u64) -> Option<Fail> {
     }
 }
 
-/// Whether the posts of a complete slot agree: a collective's on the call, a send/recv
+/// Whether the posts of a complete op agree: a collective's on the call, a send/recv
 /// pair's on its count and data type.
 fn consistent(key: OpKey, posts: &[CollPost]) -> Result<(), Fail> {
     let a = &posts[0];
@@ -97,7 +97,7 @@ fn open_clique(g: &mut Global, clique: u64) -> Result<&mut CommWorld, Fail> {
         .ok_or_else(|| Fail::new(ncclInternalError, "clique vanished"))
 }
 
-/// Posts `item`; the posts of the slot it completes are the work this thread then runs.
+/// Posts `item`; the posts of the op it completes are the work this thread then runs.
 fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Vec<CollPost>>), Fail> {
     let (clique, rank, key, post) = match item {
         Item::Handle(h) => return Ok((Wait::Handle(h), None)),
@@ -115,28 +115,28 @@ fn post(g: &mut Global, item: Item) -> Result<(Wait, Option<Vec<CollPost>>), Fai
         OpKey::Coll(_) => (cl.nranks as usize, rank as usize),
         OpKey::P2p(..) => (2, usize::from(post.kind == Collective::Recv)),
     };
-    let slot = cl.ops.entry(key).or_insert_with(|| Slot {
+    let op = cl.ops.entry(key).or_insert_with(|| PostedOp {
         posts: vec![None; n],
-        state: SlotState::Waiting,
+        state: OpState::Waiting,
         waiters: n,
         withdrawn: vec![false; n],
     });
-    if slot.posts.get(at).is_none_or(|p| p.is_some()) {
+    if op.posts.get(at).is_none_or(|p| p.is_some()) {
         return Err(Fail::new(ncclInternalError, "rank posted twice"));
     }
-    slot.posts[at] = Some(post);
+    op.posts[at] = Some(post);
     let w = Wait::Op(clique, key, at);
     // A rank that withdrew (its revoke) never completes the collective.
-    if slot.posts.iter().any(Option::is_none) || slot.withdrawn.iter().any(|&w| w) {
+    if op.posts.iter().any(Option::is_none) || op.withdrawn.iter().any(|&w| w) {
         return Ok((w, None));
     }
-    let posts: Vec<CollPost> = slot.posts.iter().flatten().cloned().collect();
+    let posts: Vec<CollPost> = op.posts.iter().flatten().cloned().collect();
     if let Err(f) = consistent(key, &posts) {
-        slot.state = SlotState::Done(Err(f));
+        op.state = OpState::Done(Err(f));
         notify();
         return Ok((w, None));
     }
-    slot.state = SlotState::Executing;
+    op.state = OpState::Executing;
     Ok((w, Some(posts)))
 }
 
@@ -590,7 +590,7 @@ fn pairwise_disjoint(spans: &[Span]) -> bool {
     v.windows(2).all(|w| w[0].end() <= w[1].addr)
 }
 
-/// Runs `job`, then marks the slot that `w` waits on done with its result.
+/// Runs `job`, then marks the op that `w` waits on done with its result.
 fn run_job(w: &Wait, posts: Vec<CollPost>) {
     let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &posts[..] {
         [s, r] if s.kind == Collective::Send => {
@@ -614,7 +614,7 @@ fn run_job(w: &Wait, posts: Vec<CollPost>) {
         Wait::Handle(_) => None,
     };
     if let Some(state) = state {
-        *state = SlotState::Done(res);
+        *state = OpState::Done(res);
     }
     drop(g);
     notify();
@@ -640,22 +640,22 @@ fn poll(g: &mut Global, w: &Wait, deadline: Instant) -> Option<Result<(), Fail>>
                 return Some(Err(f));
             }
             let state = (g.cliques.get_mut(clique)).and_then(|c| take_done(&mut c.ops, key));
-            wait_slot(g, *clique, state, deadline)
+            wait_op(g, *clique, state, deadline)
         }
     }
 }
 
-/// This rank's post `at` in the slot at `key` was withdrawn by its revoke: its wait ends
-/// with this error (the slot stays for the others, and goes when its last waiter left).
+/// This rank's post `at` in the op at `key` was withdrawn by its revoke: its wait ends
+/// with this error (the op stays for the others, and goes when its last waiter left).
 fn withdrawn(g: &mut Global, clique: u64, key: &OpKey, at: usize) -> Option<Fail> {
-    let slots = &mut g.cliques.get_mut(&clique)?.ops;
-    let slot = slots.get_mut(key)?;
-    if !matches!(slot.state, SlotState::Waiting) || !slot.withdrawn.get(at).copied()? {
+    let ops = &mut g.cliques.get_mut(&clique)?.ops;
+    let op = ops.get_mut(key)?;
+    if !matches!(op.state, OpState::Waiting) || !op.withdrawn.get(at).copied()? {
         return None;
     }
-    slot.waiters -= 1;
-    if slot.waiters == 0 {
-        slots.remove(key);
+    op.waiters -= 1;
+    if op.waiters == 0 {
+        ops.remove(key);
     }
     Some(Fail::new(
         ncclRemoteError,
@@ -663,27 +663,27 @@ fn withdrawn(g: &mut Global, clique: u64, key: &OpKey, at: usize) -> Option<Fail
     ))
 }
 
-/// The state of the slot at `key` (`None`: no such slot). A done slot's result is taken
-/// for one waiter; the last waiter removes the slot.
-fn take_done(slots: &mut std::collections::HashMap<OpKey, Slot>, key: &OpKey) -> Option<SlotState> {
-    let slot = slots.get_mut(key)?;
-    let state = slot.state.clone();
-    if let SlotState::Done(_) = state {
-        slot.waiters -= 1;
-        if slot.waiters == 0 {
-            slots.remove(key);
+/// The state of the op at `key` (`None`: no such op). A done op's result is taken
+/// for one waiter; the last waiter removes the op.
+fn take_done(ops: &mut std::collections::HashMap<OpKey, PostedOp>, key: &OpKey) -> Option<OpState> {
+    let op = ops.get_mut(key)?;
+    let state = op.state.clone();
+    if let OpState::Done(_) = state {
+        op.waiters -= 1;
+        if op.waiters == 0 {
+            ops.remove(key);
         }
     }
     Some(state)
 }
 
-/// One poll of a wait on a slot of `clique` found in `state`: a waiting slot fails when
-/// the clique is aborted, and at `deadline` aborts it with a timeout. A slot that
+/// One poll of a wait on an op of `clique` found in `state`: a waiting one fails when
+/// the clique is aborted, and at `deadline` aborts it with a timeout. An op that
 /// vanished (`None`: its clique was dropped) can no longer touch the waiter's buffers.
-fn wait_slot(
+fn wait_op(
     g: &mut Global,
     clique: u64,
-    state: Option<SlotState>,
+    state: Option<OpState>,
     deadline: Instant,
 ) -> Option<Result<(), Fail>> {
     let Some(state) = state else {
@@ -691,9 +691,9 @@ fn wait_slot(
         return Some(Err(Fail::new(ncclRemoteError, m)));
     };
     match state {
-        SlotState::Executing => None,
-        SlotState::Done(r) => Some(r),
-        SlotState::Waiting => match aborted_fail(g, clique) {
+        OpState::Executing => None,
+        OpState::Done(r) => Some(r),
+        OpState::Waiting => match aborted_fail(g, clique) {
             Some(f) => Some(Err(f)),
             None if Instant::now() >= deadline => {
                 let f = Fail::new(
@@ -822,7 +822,7 @@ fn run_local(mut g: std::sync::MutexGuard<'static, Global>, items: Vec<Item>) ->
             // without the lock. Once it says the call can never complete, the deadline is
             // now (the clique is aborted as at the deadline, so no peer touches our
             // buffers afterwards). Each wait lasts a poll interval (or until notified),
-            // also past the deadline while a slot is still executing, so this never spins.
+            // also past the deadline while an op is still executing, so this never spins.
             g = wait(g, Instant::now() + super::defs::CANCEL_POLL);
             drop(g);
             let cancelled = super::defs::call_cancelled();

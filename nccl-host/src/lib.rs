@@ -22,9 +22,9 @@
 //! * `ncclCommInitRank(Config)` is a rendezvous on the unique id: it completes when `nranks`
 //!   ranks joined. Ranks that disagree on `nranks` (or join twice as one rank) all get
 //!   `ncclInvalidArgument`.
-//! * Every operation is *posted* into its communicator's slot (collectives by the
+//! * Every operation is *posted* into its clique as a `PostedOp` (collectives keyed by the
 //!   communicator's sequence number, send/recv by (source, destination, per-pair sequence)).
-//!   The thread whose post completes a slot performs the whole operation for every rank (all
+//!   The thread whose post completes it performs the whole operation for every rank (all
 //!   buffers are host memory of this process) and wakes the others. Nobody blocks on a peer
 //!   before posting everything, so one thread may drive every rank of a clique inside one
 //!   group, and send/recv pairs inside a group never deadlock.
@@ -351,7 +351,7 @@ pub fn set_current_device(device: c_int) {
 /// Whether the provider answers a non-blocking group end or collective of two ranks or more
 /// as NCCL does (on, the default): ncclInProgress, every call that checks readiness refused
 /// until the caller reads the state with `ncclCommGetAsyncError` (see
-/// `state::Job::Launching`); off returns ncclSuccess, kinder than NCCL (a rank then never
+/// `state::AsyncJob::Launching`); off returns ncclSuccess, kinder than NCCL (a rank then never
 /// sees its step fail while it waits for NCCL's launch of it, as it can on NCCL when a peer
 /// leaves). Process-wide; off also with `NCCL_SAFE_HOST_LAUNCH_IN_PROGRESS=0`.
 pub fn set_launch_in_progress(on: bool) {

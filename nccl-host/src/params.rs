@@ -276,7 +276,7 @@ pub(crate) unsafe extern "C" fn ncclParamBind(
         let key = unsafe { CStr::from_ptr(key) };
         let e = find(key)
             .ok_or_else(|| invalid(format!("PARAM: key {key:?} not found in registry")))?;
-        // SAFETY: checked non-NULL; the caller's slot.
+        // SAFETY: checked non-NULL; the caller's out-pointer.
         unsafe { out.write((e as *const Entry).cast_mut().cast()) };
         Ok(ncclSuccess)
     })
@@ -343,7 +343,7 @@ pub(crate) unsafe extern "C" fn ncclParamGetStr(
         STR.with(|s| {
             let mut s = s.borrow_mut();
             *s = text;
-            // SAFETY: checked non-NULL; the caller's slot.
+            // SAFETY: checked non-NULL; the caller's out-pointer.
             unsafe { out.write(s.as_ptr()) };
         });
         Ok(ncclSuccess)
@@ -366,7 +366,7 @@ pub(crate) unsafe extern "C" fn ncclParamGet(
         }
         let raw = e.raw();
         if raw.len() > max_len as usize {
-            // SAFETY: checked non-NULL; the caller's slot.
+            // SAFETY: checked non-NULL; the caller's out-pointer.
             unsafe { len.write(0) };
             return Err(invalid(format!(
                 "ncclParamGet: {:?} needs {} bytes, maxLen is {max_len}",
@@ -399,7 +399,7 @@ pub(crate) unsafe extern "C" fn ncclParamGetParameter(
         // SAFETY: NCCL's contract: a non-NULL key is a C string.
         let key = unsafe { CStr::from_ptr(key) };
         let Some(e) = find(key) else {
-            // SAFETY: checked non-NULL; the caller's slots.
+            // SAFETY: checked non-NULL; the caller's out-pointers.
             unsafe {
                 value.write(core::ptr::null());
                 value_len.write(0);
@@ -410,7 +410,7 @@ pub(crate) unsafe extern "C" fn ncclParamGetParameter(
         PARAMETER.with(|p| {
             let mut p = p.borrow_mut();
             *p = text;
-            // SAFETY: checked non-NULL; the caller's slots.
+            // SAFETY: checked non-NULL; the caller's out-pointers.
             unsafe {
                 value.write(p.as_ptr());
                 value_len.write(p.as_bytes().len() as c_int);
@@ -447,7 +447,7 @@ pub(crate) unsafe extern "C" fn ncclParamGetAllParameterKeys(
                 .map(|e| e.key.to_owned())
                 .collect();
             *ptrs = keys.iter().map(|s| s.as_ptr()).collect();
-            // SAFETY: checked non-NULL; the caller's slots.
+            // SAFETY: checked non-NULL; the caller's out-pointers.
             unsafe {
                 table.write(ptrs.as_mut_ptr());
                 table_len.write(ptrs.len() as c_int);

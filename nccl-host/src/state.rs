@@ -33,11 +33,12 @@ pub(crate) enum CommState {
     Failed(Fail),
 }
 
-/// NCCL's asynchronous work on a communicator (a split, shrink or window registration on a
-/// non-blocking communicator: NCCL 2.28's `ncclAsyncLaunch` / `ncclGroupEndInternal`
-/// return ncclSuccess to the caller and finish the work on a thread of their own).
+/// NCCL's async job on a communicator (`ncclAsyncJob`: a split, shrink or window
+/// registration on a non-blocking communicator: NCCL 2.28's `ncclAsyncLaunch` /
+/// `ncclGroupEndInternal` return ncclSuccess to the caller and finish the work on a thread
+/// of their own), or its state.
 #[derive(Debug, Clone, Default)]
-pub(crate) enum Job {
+pub(crate) enum AsyncJob {
     /// Nothing in flight.
     #[default]
     Idle,
@@ -92,7 +93,7 @@ pub(crate) struct Comm {
     pub pending_on: PendingOn,
     pub deadline: Instant,
     /// Asynchronous work in flight on this communicator, or its sticky failure.
-    pub job: Job,
+    pub async_job: AsyncJob,
     /// The config's `commName` pointer (0: none), kept, not copied, as NCCL keeps it
     /// (init.cc:1251, read by the profiler plugin after the call; a split or shrink child
     /// without a config of its own inherits its parent's).
@@ -141,7 +142,7 @@ pub(crate) struct Comm {
 }
 
 #[derive(Debug, Clone)]
-pub(crate) enum SlotState {
+pub(crate) enum OpState {
     Waiting,
     Executing,
     Done(Result<(), Fail>),
@@ -159,19 +160,19 @@ pub(crate) enum OpKey {
 /// then receive), its state, and how many waits have yet to take its result (the last one
 /// removes it).
 #[derive(Debug)]
-pub(crate) struct Slot {
+pub(crate) struct PostedOp {
     pub posts: Vec<Option<CollPost>>,
-    pub state: SlotState,
+    pub state: OpState,
     pub waiters: usize,
     /// Per post: the rank revoked its communicator while it waited here. Its wait ends
-    /// with an error, and the slot never runs (its buffers may be gone): the other ranks
+    /// with an error, and the op never runs (its buffers may be gone): the other ranks
     /// wait on, until their own revoke, an abort or their deadline.
     pub withdrawn: Vec<bool>,
 }
 
 /// A split or shrink rendezvous over a parent clique.
 #[derive(Debug)]
-pub(crate) struct RdvSlot {
+pub(crate) struct SplitRdv {
     /// `None` for split; the sorted excluded ranks for shrink.
     pub shrink: Option<Vec<i32>>,
     pub expected: usize,
@@ -186,8 +187,8 @@ pub(crate) struct CommWorld {
     pub root: RootIdx,
     pub members: usize,
     pub aborted: Option<Fail>,
-    pub ops: HashMap<OpKey, Slot>,
-    pub rdv: HashMap<u64, RdvSlot>,
+    pub ops: HashMap<OpKey, PostedOp>,
+    pub rdv: HashMap<u64, SplitRdv>,
     /// For a communicator across processes: this rank's view of the shared segment (the
     /// clique then holds this one rank of the communicator).
     pub shared: Option<std::sync::Arc<super::shm::Segment>>,
@@ -195,7 +196,7 @@ pub(crate) struct CommWorld {
 
 impl CommWorld {
     fn executing(&self) -> bool {
-        (self.ops.values()).any(|s| matches!(s.state, SlotState::Executing))
+        (self.ops.values()).any(|s| matches!(s.state, OpState::Executing))
     }
 }
 
@@ -432,7 +433,7 @@ impl Global {
                 next_redop: ncclNumOps,
                 pending_on: PendingOn::Nothing,
                 deadline: Instant::now() + wait_limit(),
-                job: Job::Idle,
+                async_job: AsyncJob::Idle,
                 name,
                 revoked: false,
                 error_cleared: false,
@@ -642,13 +643,13 @@ impl Global {
             c.pending_on = PendingOn::Rdv { clique, seq };
         }
         let expected = cl.nranks as usize - shrink.as_ref().map_or(0, |e| e.len());
-        let slot = cl.rdv.entry(seq).or_insert(RdvSlot {
+        let rdv = cl.rdv.entry(seq).or_insert(SplitRdv {
             shrink: shrink.clone(),
             expected,
             posts: Vec::new(),
         });
-        slot.posts.push(post);
-        if slot.shrink != shrink {
+        rdv.posts.push(post);
+        if rdv.shrink != shrink {
             let msg =
                 "ranks disagree on the split/shrink (different exclude lists or split vs shrink)";
             self.fail_pending(
@@ -657,16 +658,16 @@ impl Global {
             );
             return Ok(());
         }
-        if slot.posts.len() < slot.expected {
+        if rdv.posts.len() < rdv.expected {
             return Ok(());
         }
         let root = cl.root;
-        let Some(mut slot) = cl.rdv.remove(&seq) else {
+        let Some(mut rdv) = cl.rdv.remove(&seq) else {
             return Ok(());
         };
         // One child per color (NOCOLOR makes none), its ranks ordered by (key, parent rank).
-        slot.posts.sort_by_key(|p| (p.1, p.2, p.0));
-        for members in slot.posts.chunk_by(|a, b| a.1 == b.1) {
+        rdv.posts.sort_by_key(|p| (p.1, p.2, p.0));
+        for members in rdv.posts.chunk_by(|a, b| a.1 == b.1) {
             if members[0].1 != NCCL_SPLIT_NOCOLOR {
                 let handles: Vec<Handle> = members.iter().filter_map(|p| p.3).collect();
                 self.new_clique(root, &handles);

@@ -144,9 +144,9 @@ impl DesyncBoard {
             token,
             posts: Mutex::new(vec![None; world_size]),
         });
-        let handle = move |stream: &TcpStream, slot: &wire::Slot| {
+        let handle = move |stream: &TcpStream, conn: &wire::Admission| {
             // Errors only mean this peer is dropped; the board goes on.
-            let _ = server.handle(stream, slot);
+            let _ = server.handle(stream, conn);
         };
         let run = move |listeners, stop: &AtomicBool| {
             let thread = "nccl-desync-peer";
@@ -178,7 +178,7 @@ impl Drop for DesyncBoard {
 }
 
 impl BoardServer {
-    fn handle(&self, s: &TcpStream, conn: &wire::Slot) -> io::Result<()> {
+    fn handle(&self, s: &TcpStream, conn: &wire::Admission) -> io::Result<()> {
         wire::bound_waits(s, DEFAULT_BOARD_IO_TIMEOUT)?;
         // One deadline for the whole connection, whatever the peer's pace.
         let start = Instant::now();

@@ -73,7 +73,7 @@
 //!   (a relay's forgery) is tried again, and the last of them, naming the address that
 //!   gave it, is in the [`RendezvousError::ClientTimeout`] at the deadline. (So a rank
 //!   with the wrong token, too, tries until its deadline.)
-//! - A rank whose slot is still being served on another connection is told so and retries.
+//! - A rank whose id is still being delivered on another connection is told so and retries.
 //! - A rank whose final acknowledgement is lost still counts: its id was delivered, so rank
 //!   0 reports it missing only if it was never delivered (and serves it again if it comes
 //!   back for it).
@@ -439,7 +439,7 @@ impl TcpRendezvous {
                     }
                     for (k, id) in ids.into_iter().enumerate() {
                         match got.get_mut(first as usize + k) {
-                            Some(slot) => *slot = Some(id),
+                            Some(entry) => *entry = Some(id),
                             None => {
                                 let detail = format!("id {} of {roots}", first as usize + k);
                                 return Err(RendezvousError::Protocol {
@@ -539,8 +539,9 @@ impl ServerHandle {
     }
 }
 
+/// Where the delivery of the id to one rank stands (one per rank).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Slot {
+enum Delivery {
     /// Not sent yet.
     Pending,
     /// Being sent on a connection.
@@ -566,20 +567,20 @@ struct Server {
 
 impl Server {
     fn run(self, listeners: Vec<TcpListener>, stop: &AtomicBool) -> Result<(), RendezvousError> {
-        let mut slots = vec![Slot::Pending; self.world_size];
-        slots[0] = Slot::Served;
-        let slots = Arc::new(Mutex::new(slots));
+        let mut deliveries = vec![Delivery::Pending; self.world_size];
+        deliveries[0] = Delivery::Served;
+        let deliveries = Arc::new(Mutex::new(deliveries));
         let this = Arc::new(self);
         // When every rank has been sent the id but some acknowledgement is missing: until
         // when the server waits for it (or for that rank to come back).
         let mut grace: Option<Instant> = None;
         let tick = || {
-            let states = lock(&slots).clone();
-            if states.iter().all(|&s| s == Slot::Served) {
+            let states = lock(&deliveries).clone();
+            if states.iter().all(|&s| s == Delivery::Served) {
                 return Some(Ok(())); // dropping `listener` stops serving
             }
             let missing: Vec<usize> = (0..states.len())
-                .filter(|&r| matches!(states[r], Slot::Pending | Slot::InProgress))
+                .filter(|&r| matches!(states[r], Delivery::Pending | Delivery::InProgress))
                 .collect();
             let now = Instant::now();
             if missing.is_empty() {
@@ -600,15 +601,21 @@ impl Server {
                 })
             })
         };
-        let (this2, slots2) = (Arc::clone(&this), Arc::clone(&slots));
+        let (this2, deliveries2) = (Arc::clone(&this), Arc::clone(&deliveries));
         // Errors only mean this peer is dropped; the server goes on.
-        let handle =
-            move |stream: &TcpStream, slot: &wire::Slot| drop(this2.handle(stream, slot, &slots2));
+        let handle = move |stream: &TcpStream, conn: &wire::Admission| {
+            drop(this2.handle(stream, conn, &deliveries2))
+        };
         let (limits, thread) = (this.limits, "nccl-rendezvous-peer");
         wire::serve(listeners, limits, stop, thread, tick, handle).unwrap_or(Ok(()))
     }
 
-    fn handle(&self, s: &TcpStream, conn: &wire::Slot, slots: &Mutex<Vec<Slot>>) -> io::Result<()> {
+    fn handle(
+        &self,
+        s: &TcpStream,
+        conn: &wire::Admission,
+        deliveries: &Mutex<Vec<Delivery>>,
+    ) -> io::Result<()> {
         // One deadline for the whole connection, whatever the peer's pace.
         let deadline = (Instant::now() + self.io_timeout).min(self.deadline);
         wire::bound_waits(s, self.io_timeout)?;
@@ -625,24 +632,24 @@ impl Server {
         };
         let r = session.rank as usize;
         let before = {
-            let mut g = lock(slots);
+            let mut g = lock(deliveries);
             let before = g[r];
-            if matches!(before, Slot::Pending | Slot::Delivered) {
-                g[r] = Slot::InProgress;
+            if matches!(before, Delivery::Pending | Delivery::Delivered) {
+                g[r] = Delivery::InProgress;
             }
             before
         };
         let code = match before {
-            Slot::Pending | Slot::Delivered => None,
-            Slot::InProgress => Some(wire::R_IN_PROGRESS),
-            Slot::Served => Some(wire::R_DUPLICATE),
+            Delivery::Pending | Delivery::Delivered => None,
+            Delivery::InProgress => Some(wire::R_IN_PROGRESS),
+            Delivery::Served => Some(wire::R_DUPLICATE),
         };
         if let Some(code) = code {
             let world = session.world;
             return wire::write_frame(&mut s, &session.refuse(code, world, session.rank));
         }
         if roots > 1 {
-            return self.serve_roots(&mut s, &session, (r, before), slots);
+            return self.serve_roots(&mut s, &session, (r, before), deliveries);
         }
         let ct = session.mask(&self.id);
         let msg = [&[wire::ID][..], &ct, &session.server_mac(&ct)].concat();
@@ -651,22 +658,22 @@ impl Server {
         // Sent but not acknowledged: delivered (served again if the rank comes back for it).
         let after = match (&sent, acked) {
             (Err(_), _) => before,
-            (Ok(()), true) => Slot::Served,
-            (Ok(()), false) => Slot::Delivered,
+            (Ok(()), true) => Delivery::Served,
+            (Ok(()), false) => Delivery::Delivered,
         };
-        lock(slots)[r] = after;
+        lock(deliveries)[r] = after;
         sent
     }
 
-    /// Step 3 with several roots, for rank `r` whose slot was `before`: asks a root rank
+    /// Step 3 with several roots, for rank `r` whose delivery was `before`: asks a root rank
     /// for its id when rank 0 lacks it (`WANT`, `PUT`), then sends every id (`IDS`) once
     /// all are in, else refuses with `R_ROOTS_PENDING` (the rank tries again).
     fn serve_roots(
         &self,
         s: &mut wire::Deadlined,
         session: &wire::Session,
-        (r, before): (usize, Slot),
-        slots: &Mutex<Vec<Slot>>,
+        (r, before): (usize, Delivery),
+        deliveries: &Mutex<Vec<Delivery>>,
     ) -> io::Result<()> {
         let roots = lock(&self.ids).len();
         let result = (|| {
@@ -693,9 +700,9 @@ impl Server {
             Ok(Some(wire::read_frame(s).is_ok_and(|a| a == [wire::ACK])))
         })();
         // Sent but not acknowledged: delivered (served again if the rank comes back).
-        lock(slots)[r] = match result {
-            Ok(Some(true)) => Slot::Served,
-            Ok(Some(false)) => Slot::Delivered,
+        lock(deliveries)[r] = match result {
+            Ok(Some(true)) => Delivery::Served,
+            Ok(Some(false)) => Delivery::Delivered,
             Err(_) | Ok(None) => before,
         };
         result.map(drop)
@@ -1246,10 +1253,10 @@ mod tests {
         assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
     }
 
-    /// A rank whose slot is still being served on another connection retries (it is not
+    /// A rank whose id is still being delivered on another connection retries (it is not
     /// told "duplicate"), and gets the id once that connection's deadline has passed.
     #[test]
-    fn an_in_progress_slot_is_retried_not_fatal() {
+    fn an_in_progress_delivery_is_retried_not_fatal() {
         let io = Duration::from_millis(500);
         let server = TcpRendezvous::new("127.0.0.1", 0, TOKEN)
             .timeout(Duration::from_secs(20))
@@ -1257,7 +1264,7 @@ mod tests {
             .serve(2, id())
             .unwrap();
         let port = server.local_addr().port();
-        // The first connection holds rank 1's slot, waiting for an ACK it never sends.
+        // The first connection holds rank 1's delivery, waiting for an ACK it never sends.
         let (held, _) = take_id_without_ack(port, 1, 2);
         let t0 = Instant::now();
         let got = TcpRendezvous::new("127.0.0.1", port, TOKEN)

@@ -508,7 +508,7 @@ fn admit(
     peer: IpAddr,
     limits: Limits,
     per_source: usize,
-) -> Option<Slot> {
+) -> Option<Admission> {
     let source = source(peer);
     let mut open = lock(&OPEN);
     let strangers = |e: &Entry| e.server == server && !e.authenticated && e.source == source;
@@ -529,15 +529,15 @@ fn admit(
         authenticated: false,
         socket: Arc::clone(socket),
     });
-    Some(Slot { id })
+    Some(Admission { id })
 }
 
 /// One admitted connection's place among the open ones; freed when dropped.
-pub(crate) struct Slot {
+pub(crate) struct Admission {
     id: u64,
 }
 
-impl Slot {
+impl Admission {
     /// The peer proved it holds the token: it is no longer evicted to make room.
     pub(crate) fn authenticated(&self) {
         if let Some(e) = lock(&OPEN).iter_mut().find(|e| e.id == self.id) {
@@ -546,7 +546,7 @@ impl Slot {
     }
 }
 
-impl Drop for Slot {
+impl Drop for Admission {
     fn drop(&mut self) {
         lock(&OPEN).retain(|e| e.id != self.id);
     }
@@ -573,7 +573,7 @@ pub(crate) fn serve<T>(
     stop: &AtomicBool,
     peer_thread: &str,
     mut tick: impl FnMut() -> Option<T>,
-    handle: impl Fn(&TcpStream, &Slot) + Send + Sync + 'static,
+    handle: impl Fn(&TcpStream, &Admission) + Send + Sync + 'static,
 ) -> Option<T> {
     static SERVERS: AtomicU64 = AtomicU64::new(1);
     let server = SERVERS.fetch_add(1, Ordering::Relaxed);
@@ -599,16 +599,16 @@ pub(crate) fn serve<T>(
             continue;
         };
         let socket = Arc::new(Socket::new(stream, held));
-        let Some(slot) = admit(server, &socket, peer.ip(), limits, per_source) else {
+        let Some(admission) = admit(server, &socket, peer.ip(), limits, per_source) else {
             let _ = socket.set_nonblocking(false);
             let _ = socket.set_write_timeout(Some(Duration::from_millis(100)));
             let _ = write_frame(&mut &**socket, &refuse(R_BUSY, 0, 0));
             continue;
         };
         let handle = Arc::clone(&handle);
-        // A failed spawn drops the closure, and with it the socket and the slot.
-        let _ =
-            (thread::Builder::new().name(peer_thread.into())).spawn(move || handle(&socket, &slot));
+        // A failed spawn drops the closure, and with it the socket and the admission.
+        let _ = (thread::Builder::new().name(peer_thread.into()))
+            .spawn(move || handle(&socket, &admission));
     }
     None
 }
@@ -632,7 +632,7 @@ pub(crate) fn accept_peer<'a>(
     s: &mut (impl Read + Write),
     magic: &'a [u8; 16],
     token: &'a [u8],
-    conn: &Slot,
+    conn: &Admission,
     world_size: usize,
     first_rank: usize,
 ) -> io::Result<Option<Session<'a>>> {
@@ -645,7 +645,7 @@ pub(crate) fn accept_peer<'a>(
 pub(crate) fn accept_peer_as<'a>(
     s: &mut (impl Read + Write),
     (magic, token): (&'a [u8; 16], &'a [u8]),
-    conn: &Slot,
+    conn: &Admission,
     (world_size, ours): (usize, u32),
     first_rank: usize,
 ) -> io::Result<Option<Session<'a>>> {

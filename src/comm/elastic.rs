@@ -419,11 +419,11 @@ impl Communicator {
         crate::teardown::check_lane(OP, self.lane())?;
         let tag = crate::diag::shrink_tag(&[-1, -(world_size as c_int)]);
         let raw_id = id.map(UniqueId::to_raw);
-        // NCCL writes the new handle into the slot during the call (init.cc:2997 of
-        // v2.29.7-1) and its job stores it again at its end (:1747-1750): the slot lives
+        // NCCL writes the new handle into the out-pointer during the call (init.cc:2997 of
+        // v2.29.7-1) and its job stores it again at its end (:1747-1750): the out-pointer lives
         // until the new communicator left ncclInProgress, else it is leaked.
-        let slot: JobSlot<nccl_sys::bindings::ncclComm> = JobSlot::new();
-        let out = slot.out();
+        let dest: AsyncOut<nccl_sys::bindings::ncclComm> = AsyncOut::new();
+        let out = dest.out();
         // The call is an operation of this communicator: ranks 0 and n-1 wait in it for
         // the root's id (:2913-2924), through this communicator, and its watchdog's
         // timeout ends that wait as any other of its operations. NCCL's result is kept
@@ -434,7 +434,7 @@ impl Communicator {
             CALL,
             caller,
             |_, comm| {
-                // SAFETY: `out` is the heap slot above (see there); `raw_id` lives across
+                // SAFETY: `out` is the heap out-pointer above (see there); `raw_id` lives across
                 // the call (NCCL copies it); rank -1 = an existing rank; null config
                 // inherits this one's.
                 called.set(unsafe {
@@ -456,20 +456,20 @@ impl Communicator {
         if let Err(e) = issued {
             // The watchdog failed this communicator while the call ran (a rank of it never
             // came, say): a job the call launched is ended by the new communicator's abort.
-            let raw = slot.take();
+            let raw = dest.take();
             if !raw.is_null() {
                 drop(self.grown(raw, tag));
             }
-            slot.leak();
+            dest.leak();
             return Err(e);
         }
-        let raw = slot.take();
+        let raw = dest.take();
         let r = called.get();
         if r != ncclSuccess {
             if !raw.is_null() {
                 drop(self.grown(raw, tag));
             }
-            slot.leak();
+            dest.leak();
             let e: Error = self
                 .handle
                 .lib()
@@ -483,7 +483,7 @@ impl Communicator {
             return Err(e);
         }
         if raw.is_null() {
-            slot.leak();
+            dest.leak();
             return Err(invalid(OP, "NCCL returned no communicator"));
         }
         // The wait for the new ranks is the new communicator's alone, bounded by the
@@ -502,7 +502,7 @@ impl Communicator {
             Ok(()) => Ok(big),
             Err(e) => {
                 drop(big);
-                slot.leak();
+                dest.leak();
                 Err(self.grow_failed(e, world_size))
             }
         }
@@ -575,11 +575,11 @@ impl Communicator {
         let caller = Location::caller();
         let grow = lib.optional(lib.table().ncclCommGrow, OP)?;
         let raw_id = id.to_raw();
-        let slot: JobSlot<nccl_sys::bindings::ncclComm> = JobSlot::new();
+        let dest: AsyncOut<nccl_sys::bindings::ncclComm> = AsyncOut::new();
         let called = std::cell::Cell::new(false);
         let new = super::init::start_new(OP, lib, device, world_size, rank, id, config, |c| {
             called.set(true);
-            // SAFETY: `slot.out()` is a heap slot that outlives NCCL's job (stored again at
+            // SAFETY: `dest.out()` is a heap out-pointer that outlives NCCL's job (stored again at
             // its end), freed only after the communicator left ncclInProgress, else
             // leaked; `raw_id` and the config `c` live across the call (see `start_new`);
             // ranks checked.
@@ -589,21 +589,21 @@ impl Communicator {
                     world_size as c_int,
                     &raw_id,
                     rank as c_int,
-                    slot.out(),
+                    dest.out(),
                     c,
                 )
             };
-            (r, slot.take())
+            (r, dest.take())
         });
         let joined = new.and_then(|pending| {
             let timeout = pending.timeout();
             pending.wait_as(OP, caller, timeout)
         });
-        // After the call, an error leaves the slot to a job that may still store into it;
-        // before it, the slot is freed.
+        // After the call, an error leaves the out-pointer to a job that may still store into it;
+        // before it, the out-pointer is freed.
         joined.inspect_err(|_| {
             if called.get() {
-                slot.leak()
+                dest.leak()
             }
         })
     }

@@ -42,7 +42,7 @@ impl Communicator {
         super::params::refuse_sharing(OP, self.names.share, false)?;
         crate::teardown::check_lane(OP, self.lane())?;
         self.issue_child(CALL, caller, color as u64, true, |t, comm, out| {
-            // SAFETY: `out` is the heap slot NCCL's job writes; it outlives the job (freed
+            // SAFETY: `out` is the heap out-pointer NCCL's job writes; it outlives the job (freed
             // only after the job ended, else leaked); a null config means "inherit the
             // parent's".
             unsafe { (t.ncclCommSplit)(comm, color, key, out, std::ptr::null_mut()) }
@@ -52,7 +52,7 @@ impl Communicator {
     /// Issues `f` (a split or shrink, given the out-pointer its NCCL job writes the child
     /// into) as an operation of this communicator (refused on a failed one when `gate`:
     /// see `issue_inner`), and adopts the child (clique tag `tag`) once the job ended,
-    /// inside the operation. On an error the slot is orphaned
+    /// inside the operation. On an error the out-pointer is orphaned
     /// ([`orphan_child`](Self::orphan_child)). (A grow's job runs on the new communicator,
     /// which is waited for outside this one's operation: `Communicator::grow`.)
     pub(super) fn issue_child(
@@ -63,17 +63,17 @@ impl Communicator {
         gate: bool,
         f: impl FnOnce(&FunctionTable, ncclComm_t, *mut ncclComm_t) -> ncclResult_t,
     ) -> Result<Option<Communicator>> {
-        let slot = JobSlot::new();
-        let out = slot.out();
+        let dest = AsyncOut::new();
+        let out = dest.out();
         let mut adopted = None;
         let then = || {
-            adopted = self.adopt_child(call.name(), slot.take(), caller, tag)?;
+            adopted = self.adopt_child(call.name(), dest.take(), caller, tag)?;
             Ok(())
         };
         let r = self.issue_inner(call, caller, |t, comm| f(t, comm, out), true, then, gate);
         match r {
             Ok(()) => Ok(adopted),
-            Err(e) => Err(self.orphan_child(slot, e)),
+            Err(e) => Err(self.orphan_child(dest, e)),
         }
     }
 
@@ -109,7 +109,7 @@ impl Communicator {
     /// The `ncclCommShrink` call of [`shrink`](Self::shrink) (`flags` NCCL_SHRINK_DEFAULT,
     /// refused on a failed communicator) and of
     /// [`shrink_after_failure`](Self::shrink_after_failure) (NCCL_SHRINK_ABORT, run on one):
-    /// the child from NCCL's job, adopted, or the parent's error with the slot orphaned.
+    /// the child from NCCL's job, adopted, or the parent's error with the out-pointer orphaned.
     pub(super) fn shrink_call(
         &self,
         shrink: unsafe extern "C" fn(
@@ -136,7 +136,7 @@ impl Communicator {
         let gate = flags != nccl_sys::bindings::NCCL_SHRINK_ABORT;
         let child = self.issue_child(CALL, caller, tag, gate, |_, comm, out| {
             // SAFETY: `list` holds `list.len()` in-range ranks (NCCL copies it for its job,
-            // init.cc:2615-2618); `out` is the heap slot NCCL's job writes, alive until the
+            // init.cc:2615-2618); `out` is the heap out-pointer NCCL's job writes, alive until the
             // job ended (else leaked); null config inherits the parent's; `flags` is
             // NCCL_SHRINK_DEFAULT or NCCL_SHRINK_ABORT.
             unsafe {
@@ -154,35 +154,35 @@ impl Communicator {
     }
 
     /// After a split or shrink that failed (`e`): NCCL's job stores the child even after a
-    /// failure (init.cc:1612-1614), so the slot is read once the job has ended, and a child
+    /// failure (init.cc:1612-1614), so the out-pointer is read once the job has ended, and a child
     /// found there is aborted. When the parent already left ncclInProgress that is now;
     /// otherwise the job (waiting for a missing rank, say) ends only when the parent is
     /// aborted (NCCL's abort joins it first: `ncclCommEnsureReady` -> `ncclGroupJobAbort`,
-    /// init.cc:2519), so the slot stays with the parent until its teardown
+    /// init.cc:2519), so the out-pointer stays with the parent until its teardown
     /// (`reap_orphans`). Returns `e`.
     #[cold]
     pub(super) fn orphan_child(
         &self,
-        slot: JobSlot<nccl_sys::bindings::ncclComm>,
+        dest: AsyncOut<nccl_sys::bindings::ncclComm>,
         e: Error,
     ) -> Error {
         if self.job_ended() {
-            self.abort_orphan(slot.take());
+            self.abort_orphan(dest.take());
         } else {
-            self.orphans.borrow_mut().push(slot);
+            self.orphans.borrow_mut().push(dest);
         }
         e
     }
 
     /// After this communicator's teardown: `torn_down` (NCCL's teardown returned, so any
     /// job of it has ended) aborts the children its failed splits and shrinks left in their
-    /// slots; otherwise the slots are leaked to jobs that may still write them.
+    /// out-pointers; otherwise the out-pointers are leaked to jobs that may still write them.
     pub(super) fn reap_orphans(&self, torn_down: bool) {
-        for slot in self.orphans.borrow_mut().drain(..) {
+        for dest in self.orphans.borrow_mut().drain(..) {
             if torn_down {
-                self.abort_orphan(slot.take());
+                self.abort_orphan(dest.take());
             } else {
-                slot.leak();
+                dest.leak();
             }
         }
     }

@@ -36,35 +36,35 @@ pub use init::PendingCommunicator;
 pub use properties::{GinType, Properties};
 pub use suspend::{MemStats, SuspendedCommunicator};
 
-/// An out-pointer that NCCL's asynchronous job writes (a split or shrink child, a window):
-/// on the heap, so that it outlives the call that handed it to NCCL. NCCL stores into it
-/// from its own thread at the job's end (`__atomic_store_n(job->newcomm, comm,
-/// __ATOMIC_RELEASE)`, init.cc:1612-1614 of 2.28.9), so it is read with an acquire load, and
-/// only once the communicator left ncclInProgress. A slot whose job may still be running
-/// (a wait that failed before the job ended) is leaked rather than freed, so a late store
-/// never lands in freed memory.
-pub(crate) struct JobSlot<T>(Option<Box<std::sync::atomic::AtomicPtr<T>>>);
+/// An out-pointer that NCCL's async job (`ncclAsyncJob`: a split or shrink child, a
+/// window) writes: on the heap, so that it outlives the call that handed it to NCCL. NCCL
+/// stores into it from its own thread at the async job's end (`__atomic_store_n(job->newcomm,
+/// comm, __ATOMIC_RELEASE)`, init.cc:1612-1614 of 2.28.9), so it is read with an acquire
+/// load, and only once the communicator left ncclInProgress. One whose async job may still
+/// be running (a wait that failed before the job ended) is leaked rather than freed, so a
+/// late store never lands in freed memory.
+pub(crate) struct AsyncOut<T>(Option<Box<std::sync::atomic::AtomicPtr<T>>>);
 
-impl<T> JobSlot<T> {
-    pub(crate) fn new() -> JobSlot<T> {
-        JobSlot(Some(Box::new(std::sync::atomic::AtomicPtr::new(
+impl<T> AsyncOut<T> {
+    pub(crate) fn new() -> AsyncOut<T> {
+        AsyncOut(Some(Box::new(std::sync::atomic::AtomicPtr::new(
             std::ptr::null_mut(),
         ))))
     }
 
-    /// The out-pointer to hand to NCCL: valid as long as the slot (or, leaked, for ever).
+    /// The pointer to hand to NCCL: valid as long as `self` (or, leaked, for ever).
     pub(crate) fn out(&self) -> *mut *mut T {
         self.0.as_ref().map_or(std::ptr::null_mut(), |b| b.as_ptr())
     }
 
-    /// What the job stored, taken (the slot reads null afterwards), with an acquire load.
+    /// What the async job stored, taken (null afterwards), with an acquire load.
     pub(crate) fn take(&self) -> *mut T {
         self.0.as_ref().map_or(std::ptr::null_mut(), |b| {
             b.swap(std::ptr::null_mut(), std::sync::atomic::Ordering::AcqRel)
         })
     }
 
-    /// Leaves the slot to a job that may still write it.
+    /// Leaves it to an async job that may still write it.
     pub(crate) fn leak(mut self) {
         if let Some(b) = self.0.take() {
             Box::leak(b);
@@ -171,8 +171,8 @@ pub struct Communicator {
     /// The config's name strings, which NCCL reads by pointer after the init call (and a
     /// split or shrink child inherits): alive as long as the communicator.
     names: crate::config::ConfigNames,
-    /// Slots of failed splits and shrinks whose job had not ended: read at teardown.
-    orphans: std::cell::RefCell<Vec<JobSlot<nccl_sys::bindings::ncclComm>>>,
+    /// Out-pointers of failed splits and shrinks whose job had not ended: read at teardown.
+    orphans: std::cell::RefCell<Vec<AsyncOut<nccl_sys::bindings::ncclComm>>>,
     /// Collectives refused before NCCL saw them because the communicator had failed: with
     /// those issued, how far the rank's program got ([`Self::collectives_called`]).
     refused: std::cell::Cell<u64>,

@@ -57,7 +57,7 @@ impl Communicator {
             return Err(self.fail(invalid(OP, "NCCL still has work of this communicator in flight (ncclCommGetAsyncError says ncclInProgress): it cannot be destroyed now; drop it to abort it, or wait for the work")));
         }
         let until = Instant::now() + self.diag.abort_timeout();
-        // Pinned from before the call until the handle is out of its slot: a watchdog
+        // Pinned from before the call until the handle is out of its holder: a watchdog
         // claim can never fall between the destroy and the take.
         let pinned = self.diag.pin()?;
         let raw = self.handle.get();
@@ -70,7 +70,7 @@ impl Communicator {
                 // Still running on the lane: that call is the handle's one teardown, and
                 // nothing here may use the handle again.
                 self.take("its destroy did not return in time", false);
-                // Its jobs may still run while the destroy does: their slots are leaked.
+                // Its jobs may still run while the destroy does: their out-pointers are leaked.
                 self.reap_orphans(false);
                 let e = self.teardown_overdue(OP, bound);
                 Err(self.fail(e))
@@ -285,7 +285,7 @@ impl Communicator {
     }
 
     /// [`teardown`](Self::teardown) with `call`. For [`Call::Destroy`] `raw` may still be
-    /// in its slot, pinned: the lane's call is its only user until it returned in time,
+    /// in its holder, pinned: the lane's call is its only user until it returned in time,
     /// and past the bound the caller takes it (the call left running is its teardown).
     fn teardown_call(
         &self,
@@ -318,7 +318,7 @@ impl Communicator {
             }
             let t = lib.table();
             let raw = raw as ncclComm_t;
-            // SAFETY: `raw` was taken out of its communicator's slot, or is pinned in it
+            // SAFETY: `raw` was taken out of its communicator's holder, or is pinned in it
             // with this call its only user (the caller's contract): this is its one
             // teardown (a refused destroy tears nothing down and closes the group level
             // it left on this thread), and no one uses it afterwards.

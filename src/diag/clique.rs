@@ -1,5 +1,5 @@
 //! What the ranks of one communicator in this process know about each other: each rank's
-//! last operation (for the desync report) and the fingerprint board (for the opt-in check).
+//! last operation (for the desync report) and the fingerprint exchange (for the opt-in check).
 //!
 //! A clique is keyed by a hash of the unique id (plus the split path for children); all
 //! ranks of it that live in this process share one [`Clique`]. Ranks in other processes are
@@ -18,9 +18,9 @@ use super::recorder::{OpRecord, OpState};
 use super::remote::{self, DesyncPost, RemoteBoard};
 use crate::teardown::lock;
 
-/// How many sequence numbers of fingerprints each rank keeps on the board. A rank cannot
+/// How many sequence numbers of fingerprints each rank keeps in the exchange. A rank cannot
 /// post seq n+1 before every rank posted seq n, so two would do.
-const BOARD_DEPTH: usize = 4;
+const FINGERPRINT_DEPTH: usize = 4;
 
 /// The report of a clique's first timeout: which operation of which rank ran out of time,
 /// and the text every rank's error carries. It reads as its text.
@@ -108,7 +108,9 @@ fn same_shape(a: &Fingerprint, b: &Fingerprint) -> bool {
 
 #[derive(Debug)]
 pub(crate) struct CliqueState {
-    board: Vec<[Option<Fingerprint>; BOARD_DEPTH]>,
+    /// Per rank, its last [`FINGERPRINT_DEPTH`] fingerprints (a ring by sequence number): the
+    /// fingerprint exchange of [`Clique::agree`].
+    fingerprints: Vec<[Option<Fingerprint>; FINGERPRINT_DEPTH]>,
     /// Set once, by the first timeout: the report every later call returns.
     pub timed_out: Option<Arc<TimeoutReport>>,
 }
@@ -194,7 +196,7 @@ pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
         key,
         world_size,
         state: Mutex::new(CliqueState {
-            board: vec![[None; BOARD_DEPTH]; world_size],
+            fingerprints: vec![[None; FINGERPRINT_DEPTH]; world_size],
             timed_out: None,
         }),
         ranks: (0..world_size).map(|_| Mutex::default()).collect(),
@@ -832,7 +834,7 @@ impl Clique {
         lock(&self.state).timed_out.clone()
     }
 
-    /// Records the clique's first timeout and wakes everyone waiting on the board.
+    /// Records the clique's first timeout and wakes everyone waiting in the fingerprint exchange.
     pub(crate) fn set_timed_out(&self, report: &Arc<TimeoutReport>) -> Arc<TimeoutReport> {
         let mut s = lock(&self.state);
         let r = s
@@ -848,15 +850,16 @@ impl Clique {
     /// Posts `fp` for rank `rank` and waits (until `deadline`) for every rank's fingerprint
     /// of the same sequence number, then compares them.
     pub(crate) fn agree(&self, rank: usize, fp: Fingerprint, deadline: Instant) -> Agreement {
-        let slot = (fp.seq % BOARD_DEPTH as u64) as usize;
+        let slot = (fp.seq % FINGERPRINT_DEPTH as u64) as usize;
         let mut s = lock(&self.state);
-        if let Some(b) = s.board.get_mut(rank) {
+        if let Some(b) = s.fingerprints.get_mut(rank) {
             b[slot] = Some(fp);
         }
         self.cv.notify_all();
-        // Every rank's fingerprint of this sequence number is on the board.
-        let posted =
-            |s: &CliqueState| (s.board.iter()).all(|b| b[slot].is_some_and(|p| p.seq == fp.seq));
+        // Every rank's fingerprint of this sequence number has been posted.
+        let posted = |s: &CliqueState| {
+            (s.fingerprints.iter()).all(|b| b[slot].is_some_and(|p| p.seq == fp.seq))
+        };
         let left = deadline.saturating_duration_since(Instant::now());
         let waited = self
             .cv
@@ -866,7 +869,7 @@ impl Clique {
             Agreement::TimedOut(Some(Arc::clone(r)))
         } else if !posted(&s) {
             Agreement::TimedOut(None)
-        } else if (s.board.iter()).all(|b| b[slot].is_some_and(|p| same_shape(&p, &fp))) {
+        } else if (s.fingerprints.iter()).all(|b| b[slot].is_some_and(|p| same_shape(&p, &fp))) {
             Agreement::Agree
         } else {
             Agreement::Mismatch(self.table(&s, slot))
@@ -876,8 +879,8 @@ impl Clique {
     fn table(&self, s: &CliqueState, slot: usize) -> String {
         let mut t =
             String::from("  rank  seq   call                                      called at\n");
-        let first = s.board.first().and_then(|b| b[slot]);
-        for (r, b) in s.board.iter().enumerate() {
+        let first = s.fingerprints.first().and_then(|b| b[slot]);
+        for (r, b) in s.fingerprints.iter().enumerate() {
             match b[slot] {
                 Some(p) => {
                     let differs = first.is_some_and(|f| !same_shape(&f, &p));

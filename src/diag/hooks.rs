@@ -32,15 +32,15 @@ use {
     super::tracker::{self, Queue},
     super::{clock, fence, watchdog},
     crate::library::Provider,
-    crate::teardown::{self, lock, Job},
+    crate::teardown::{self, lock, Task},
     std::cell::{Cell, RefCell},
     std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering},
     std::sync::{Mutex, OnceLock, Weak},
 };
 
-/// At most this many unique ids' arrival boards are kept (see `CommDiag::arrive`).
+/// At most this many unique ids' arrival tables are kept (see `CommDiag::arrive`).
 #[cfg(feature = "diag")]
-const MAX_ARRIVAL_BOARDS: usize = 256;
+const MAX_ARRIVAL_TABLES: usize = 256;
 
 /// Per clique key: which ranks began their init in this process.
 #[cfg(feature = "diag")]
@@ -258,7 +258,7 @@ impl CommDiag {
             asym: fence::asymmetric(),
             report: Mutex::new(None),
             lane,
-            abort_job: Mutex::new(None),
+            abort_task: Mutex::new(None),
             aborted_by_watchdog: AtomicBool::new(false),
             revoked_by_watchdog: AtomicBool::new(false),
             job_linked: AtomicBool::new(false),
@@ -774,8 +774,8 @@ impl CommDiag {
             .filter(|s| s.aborted_by_watchdog.load(Ordering::Acquire))
         {
             // The watchdog queues the job right after it takes the handle.
-            let job: Arc<Job> = loop {
-                let job = lock(&s.abort_job).clone();
+            let job: Arc<Task> = loop {
+                let job = lock(&s.abort_task).clone();
                 match job {
                     Some(j) => break j,
                     None if Instant::now() >= until => {
@@ -828,8 +828,8 @@ impl CommDiag {
         #[cfg(feature = "diag")]
         {
             let mut a = lock(&ARRIVALS);
-            if a.len() >= MAX_ARRIVAL_BOARDS && !a.contains_key(&self.key) {
-                a.clear(); // old jobs' boards: bounded memory in a long run
+            if a.len() >= MAX_ARRIVAL_TABLES && !a.contains_key(&self.key) {
+                a.clear(); // old ids' tables: bounded memory in a long run
             }
             let seen = a.entry(self.key).or_insert_with(|| vec![false; world_size]);
             if seen.len() == world_size && rank < world_size {

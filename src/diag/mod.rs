@@ -10,7 +10,7 @@
 //!   CUDA: when an event recorded after it completes). One process-wide thread (started
 //!   with the first communicator) aborts, inside one NCCL group, every in-flight
 //!   communicator of a clique whose operation ran out of time. The watchdog *takes* each
-//!   handle it aborts out of the communicator's shared slot, so the communicator's own
+//!   handle it aborts out of the communicator's holder (`Shared::handle`), so the communicator's own
 //!   teardown skips it: every handle is torn down exactly once. The calls that were woken
 //!   (and any later call on that clique in this process) return [`Error::Timeout`](crate::Error::Timeout) with the
 //!   desync report.

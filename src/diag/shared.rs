@@ -17,7 +17,7 @@ use super::tracker::{How, Mark, Queue, Tracker};
 use super::{clock, fence};
 use crate::error::Error;
 use crate::library::Library;
-use crate::teardown::{lock, Job, TeardownLane};
+use crate::teardown::{lock, Task, TeardownLane};
 
 /// `Shared::current` while no operation of the communicator is inside its NCCL call.
 pub(super) const IDLE: u64 = 0;
@@ -46,7 +46,7 @@ pub(super) enum Revoked {
     /// Nothing done (no revoke, the handle gone, or NCCL refused it): the claim holds.
     No,
     /// Revoked (or refused) while the owner's teardown gave up waiting for it: the
-    /// handle, out of its slot, is the caller's to abort (its one teardown).
+    /// handle, out of its holder, is the caller's to abort (its one teardown).
     OwnerLeft(usize),
 }
 
@@ -184,7 +184,7 @@ pub(crate) struct Shared {
     /// Where its teardowns run.
     pub(super) lane: TeardownLane,
     /// The watchdog's abort of its handle, once taken (so `abort()` can wait for it).
-    pub(super) abort_job: Mutex<Option<Arc<Job>>>,
+    pub(super) abort_task: Mutex<Option<Arc<Task>>>,
     pub(super) aborted_by_watchdog: AtomicBool,
     /// The watchdog revoked the handle in place (`Config::elastic`) and left it with its
     /// owner.
@@ -1006,7 +1006,7 @@ impl Shared {
         self.revoked_by_watchdog.store(true, Ordering::Release);
         self.revoking.store(REVOKING, Ordering::SeqCst);
         // SAFETY: the handle is live: its owner takes it for a teardown only under
-        // `in_place`, held here (an owner that gives up waiting leaves it in its slot,
+        // `in_place`, held here (an owner that gives up waiting leaves it in its holder,
         // see below), and the claim keeps the owner from any other call (it is blocked
         // inside one, or idle with work in flight, which a revoke may stop).
         let r = unsafe {
@@ -1018,7 +1018,7 @@ impl Shared {
         let ok = r == nccl_sys::bindings::ncclSuccess || r == nccl_sys::bindings::ncclInProgress;
         if self.revoking.swap(NOT_REVOKING, Ordering::AcqRel) == OWNER_LEFT {
             // The owner's teardown gave up waiting while the revoke ran (`lock_in_place`):
-            // the handle is still in its slot, and this is its one teardown.
+            // the handle is still in its holder, and this is its one teardown.
             self.aborted_by_watchdog.store(true, Ordering::Release);
             let h = self.handle.swap(0, Ordering::AcqRel);
             self.claim.store(UNCLAIMED, Ordering::Release);
@@ -1066,7 +1066,7 @@ impl Shared {
                 s.revoking.store(REVOKING, Ordering::SeqCst);
                 // SAFETY: the handle is live: its owner takes it for a teardown only under
                 // `in_place`, held here (an owner that gives up waiting leaves it in its
-                // slot); the owner makes no other call on it meanwhile (it waits for this
+                // holder); the owner makes no other call on it meanwhile (it waits for this
                 // one, or, past its bound, never calls NCCL on it again).
                 let r = unsafe {
                     revoke(
@@ -1084,14 +1084,14 @@ impl Shared {
                             "the communicator of rank {} whose revoke outlasted its owner's bound",
                             s.rank
                         );
-                        let job = crate::teardown::abort(
+                        let task = crate::teardown::abort(
                             s.lane,
                             Arc::clone(&s.lib),
                             vec![h],
                             s.teardown_bound(),
                             what,
                         );
-                        *lock(&s.abort_job) = Some(job);
+                        *lock(&s.abort_task) = Some(task);
                     }
                 }
                 drop(held);
@@ -1142,8 +1142,8 @@ impl Shared {
     /// After a successful [`claim`](Self::claim): takes the handle (0 when the owner's
     /// teardown already has it) and marks the communicator aborted with `report`.
     ///
-    /// The report and the flag are set before the handle leaves its slot, so an owner's
-    /// `abort()` that finds the slot empty always sees that the watchdog took it (and
+    /// The report and the flag are set before the handle leaves its holder (`handle`), so an
+    /// owner's `abort()` that finds it empty always sees that the watchdog took it (and
     /// waits for its abort) rather than returning `Ok` at once.
     pub(super) fn take_for_abort(&self, report: &Arc<TimeoutReport>) -> usize {
         *lock(&self.report) = Some(Arc::clone(report));

@@ -122,15 +122,15 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
         // revoke may block in NCCL (it joins the group job, group.cc:875-877 of
         // v2.29.7-1); meanwhile this thread goes on timing out other cliques, tracking
         // work and bounding teardowns. One worker per clique at a time (`expiring`).
-        let job = Arc::new(ExpiryJob { members, rec, why });
+        let work = Arc::new(CliqueExpiry { members, rec, why });
         let spawned = std::thread::Builder::new()
             .name("nccl-safe-expiry".into())
             .spawn({
-                let job = Arc::clone(&job);
-                move || run(&job)
+                let work = Arc::clone(&work);
+                move || run(&work)
             });
         if spawned.is_err() {
-            run(&job); // no thread: here, as before
+            run(&work); // no thread: here, as before
         }
     }
     true
@@ -138,22 +138,22 @@ fn sweep(now: Instant, list: &mut Vec<Arc<Shared>>) -> bool {
 
 /// One timeout of a clique, handed to a worker (`expire`), which clears the clique's
 /// `expiring` at its end, whatever happened.
-struct ExpiryJob {
+struct CliqueExpiry {
     members: Vec<Arc<Shared>>,
     rec: OpRecord,
     why: Expiry,
 }
 
-/// Runs `job` (on the worker's thread, or the watchdog's when none started).
-fn run(job: &ExpiryJob) {
+/// Runs `work` (on the worker's thread, or the watchdog's when none started).
+fn run(work: &CliqueExpiry) {
     struct Done<'a>(&'a Shared);
     impl Drop for Done<'_> {
         fn drop(&mut self) {
             self.0.clique.expiring.store(false, Ordering::Release);
         }
     }
-    let _done = Done(&job.members[0]);
-    expire(&job.members, &job.rec, job.why);
+    let _done = Done(&work.members[0]);
+    expire(&work.members, &work.rec, work.why);
 }
 
 /// Fails the clique of `members[0]`, whose operation `rec` expired (`why`), and revokes
@@ -257,9 +257,9 @@ enum Expiry {
 }
 
 /// Aborts the handles inside one NCCL group per library (NCCL 2.22+ requires communicators
-/// that may wait on each other to be aborted together), each group as one job on the
+/// that may wait on each other to be aborted together), each group as one task on the
 /// expired communicator's teardown lane, bounded by its `abort_timeout`. Each
-/// communicator keeps its job, so its owner's `abort()` can wait for it.
+/// communicator keeps its task, so its owner's `abort()` can wait for it.
 fn abort_together(mut taken: Vec<(Arc<Library>, usize, Arc<Shared>)>, s: &Shared) {
     while let Some((lib, _, _)) = taken.first() {
         let lib = Arc::clone(lib);
@@ -271,7 +271,7 @@ fn abort_together(mut taken: Vec<(Arc<Library>, usize, Arc<Shared>)>, s: &Shared
             same.len(),
             s.rank
         );
-        let job = teardown::abort(
+        let task = teardown::abort(
             s.lane,
             lib,
             same.iter().map(|(_, h, _)| *h).collect(),
@@ -279,7 +279,7 @@ fn abort_together(mut taken: Vec<(Arc<Library>, usize, Arc<Shared>)>, s: &Shared
             what,
         );
         for (_, _, t) in &same {
-            *lock(&t.abort_job) = Some(Arc::clone(&job));
+            *lock(&t.abort_task) = Some(Arc::clone(&task));
         }
         taken = rest;
     }

@@ -5,16 +5,16 @@
 //! NVIDIA's abort and destroy free device memory, and `cudaFree` (like `cuCtxSynchronize`)
 //! waits for every stream of the device, a stalled one included. So neither the watchdog
 //! (which serves every clique of the process) nor a caller's `Drop` makes these calls
-//! itself: it queues a job on the lane of the communicator's device and waits for it at
-//! most until its deadline. A job still running at its bound gets the configured
+//! itself: it queues a task on the lane of the communicator's device and waits for it at
+//! most until its deadline. A task still running at its bound gets the configured
 //! [`OnAbortTimeout`] once: a report on stderr (the handle is left; every communicator
 //! involved stays failed), or the end of the process with [`ABORT_TIMEOUT_EXIT_STATUS`].
 //!
 //! **One thread per lane.** A lane is one CUDA device (a wait behind a stalled stream
 //! blocks every teardown of that device anyway) or, on the host provider, the unique id
 //! the communicators were born from (the scope of its injected faults). Each lane runs at
-//! most one thread, which takes its jobs in order and ends when the queue is empty. So a
-//! wedged GPU holds one blocked thread, not one per failed drop or restart: the jobs
+//! most one thread, which takes its tasks in order and ends when the queue is empty. So a
+//! wedged GPU holds one blocked thread, not one per failed drop or restart: the tasks
 //! behind it wait in the queue, each caller gives up at its own bound, and a new
 //! communicator on a wedged lane is refused with a typed error ([`wedged`]). The order
 //! also keeps a handle's calls in sequence: a teardown queued after a deregistration of
@@ -96,7 +96,7 @@ impl std::fmt::Display for TeardownLane {
 
 /// One teardown, queued or running.
 #[derive(Debug)]
-pub(crate) struct Job {
+pub(crate) struct Task {
     what: String,
     lane: TeardownLane,
     pub(crate) bound: Duration,
@@ -111,8 +111,8 @@ pub(crate) struct Job {
     started: Mutex<Option<Instant>>,
 }
 
-impl Job {
-    /// Waits until the job finished or `until`: `true` when it finished.
+impl Task {
+    /// Waits until the task finished or `until`: `true` when it finished.
     pub(crate) fn wait(&self, until: Instant) -> bool {
         let left = until.saturating_duration_since(Instant::now());
         let waited = self
@@ -192,19 +192,19 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// A teardown's calls: the first failed NCCL result, or success.
 pub(crate) type Work = Box<dyn FnOnce() -> ncclResult_t + Send>;
 
-/// One lane: its queue, the job its thread runs, whether a thread serves it.
+/// One lane: its queue, the task its thread runs, whether a thread serves it.
 #[derive(Default)]
 struct LaneState {
-    queue: VecDeque<(Arc<Job>, Work)>,
-    running: Option<Arc<Job>>,
+    queue: VecDeque<(Arc<Task>, Work)>,
+    running: Option<Arc<Task>>,
     served: bool,
 }
 
-/// Every lane with a queue or a job running.
+/// Every lane with a queue or a task running.
 static LANES: Mutex<BTreeMap<TeardownLane, LaneState>> = Mutex::new(BTreeMap::new());
 
-/// Every job not yet finished, for the watchdog's overdue check.
-static JOBS: Mutex<Vec<Arc<Job>>> = Mutex::new(Vec::new());
+/// Every task not yet finished, for the watchdog's overdue check.
+static TASKS: Mutex<Vec<Arc<Task>>> = Mutex::new(Vec::new());
 
 /// A teardown's options: its bound and what happens past it.
 #[derive(Debug, Clone, Copy)]
@@ -215,9 +215,9 @@ pub(crate) struct Bound {
 
 /// Queues `work` on `lane` with a deadline of `bound` from now; returns at once. The
 /// lane's thread runs it (`work` returns the first failed NCCL result, or success).
-pub(crate) fn submit(lane: TeardownLane, b: Bound, what: String, work: Work) -> Arc<Job> {
+pub(crate) fn submit(lane: TeardownLane, b: Bound, what: String, work: Work) -> Arc<Task> {
     exit::install();
-    let job = Arc::new(Job {
+    let task = Arc::new(Task {
         what,
         lane,
         bound: b.bound,
@@ -229,14 +229,14 @@ pub(crate) fn submit(lane: TeardownLane, b: Bound, what: String, work: Work) -> 
         started: Mutex::new(None),
     });
     {
-        let mut j = lock(&JOBS);
+        let mut j = lock(&TASKS);
         j.retain(|j| !j.is_done());
-        j.push(Arc::clone(&job));
+        j.push(Arc::clone(&task));
     }
     let spawn = {
         let mut l = lock(&LANES);
         let st = l.entry(lane).or_default();
-        st.queue.push_back((Arc::clone(&job), work));
+        st.queue.push_back((Arc::clone(&task), work));
         !std::mem::replace(&mut st.served, true)
     };
     if spawn {
@@ -248,10 +248,10 @@ pub(crate) fn submit(lane: TeardownLane, b: Bound, what: String, work: Work) -> 
             serve(lane);
         }
     }
-    job
+    task
 }
 
-/// A lane's thread: runs its jobs in order, ends when the queue is empty.
+/// A lane's thread: runs its tasks in order, ends when the queue is empty.
 fn serve(lane: TeardownLane) {
     loop {
         let next = {
@@ -260,9 +260,9 @@ fn serve(lane: TeardownLane) {
                 return;
             };
             match st.queue.pop_front() {
-                Some((job, work)) => {
-                    st.running = Some(Arc::clone(&job));
-                    Some((job, work))
+                Some((task, work)) => {
+                    st.running = Some(Arc::clone(&task));
+                    Some((task, work))
                 }
                 None => {
                     l.remove(&lane);
@@ -270,22 +270,22 @@ fn serve(lane: TeardownLane) {
                 }
             }
         };
-        let Some((job, work)) = next else {
+        let Some((task, work)) = next else {
             return;
         };
-        *lock(&job.started) = Some(Instant::now());
+        *lock(&task.started) = Some(Instant::now());
         // A call that outlives its bound at process exit ends the process early (the
         // exit guard); one within its bound is waited for.
-        let r = match exit::busy(job.bound) {
+        let r = match exit::busy(task.bound) {
             Some(_busy) => work(),
             None => ncclSuccess, // the process is exiting
         };
-        // The lane is free before anyone waiting for the job learns that it finished, so
+        // The lane is free before anyone waiting for the task learns that it finished, so
         // a caller that saw its teardown end never meets that teardown as wedged.
         if let Some(st) = lock(&LANES).get_mut(&lane) {
             st.running = None;
         }
-        job.finish(r);
+        task.finish(r);
     }
 }
 
@@ -294,12 +294,12 @@ fn serve(lane: TeardownLane) {
 pub(crate) fn check_lane(call: &'static str, lane: TeardownLane) -> crate::error::Result<()> {
     let l = lock(&LANES);
     match l.get(&lane).and_then(|st| st.running.as_ref()) {
-        Some(job) if job.wedged(Instant::now()) => Err(crate::error::Error::TeardownWedged {
+        Some(task) if task.wedged(Instant::now()) => Err(crate::error::Error::TeardownWedged {
             call,
             lane: lane.to_string(),
             what: format!(
                 "{} has been blocked for longer than its bound of {:?}",
-                job.what, job.bound
+                task.what, task.bound
             ),
         }),
         _ => Ok(()),
@@ -315,14 +315,14 @@ pub(crate) fn abort(
     handles: Vec<usize>,
     b: Bound,
     what: String,
-) -> Arc<Job> {
+) -> Arc<Task> {
     submit(
         lane,
         b,
         format!("ncclCommAbort of {what}"),
         Box::new(move || {
             let (t, group) = (lib.table(), handles.len() > 1);
-            // SAFETY: each handle was taken out of its communicator's slot, so this is its
+            // SAFETY: each handle was taken out of its communicator's holder, so this is its
             // one teardown and no one uses it afterwards; group start/end are paired.
             unsafe {
                 if group {
@@ -405,11 +405,11 @@ pub(crate) fn run_bounded(
     submit(lane, b, what, work).outcome(until)
 }
 
-/// Applies the policy to every job past its bound (the watchdog calls it each tick).
+/// Applies the policy to every task past its bound (the watchdog calls it each tick).
 #[cfg(feature = "diag")]
 pub(crate) fn check_overdue(now: Instant) {
-    let overdue: Vec<Arc<Job>> = {
-        let mut j = lock(&JOBS);
+    let overdue: Vec<Arc<Task>> = {
+        let mut j = lock(&TASKS);
         j.retain(|j| !j.is_done());
         j.iter()
             .filter(|j| now >= j.deadline && !j.overdue.load(Ordering::Acquire))
@@ -432,7 +432,7 @@ mod tests {
         }
     }
 
-    /// One thread per lane: jobs run in order, a blocked one holds the lane (the jobs
+    /// One thread per lane: tasks run in order, a blocked one holds the lane (the tasks
     /// behind it wait, their callers give up at their bound) and marks it wedged past its
     /// bound; once it returns, the queue drains and the lane is free again.
     #[test]
@@ -445,7 +445,7 @@ mod tests {
         let first = submit(
             lane,
             bound(100),
-            "the blocked job".into(),
+            "the blocked task".into(),
             Box::new(move || {
                 o.lock().unwrap().push((1, std::thread::current().id()));
                 let mut open = g.0.lock().unwrap();
@@ -459,7 +459,7 @@ mod tests {
         let second = submit(
             lane,
             bound(100),
-            "the queued job".into(),
+            "the queued task".into(),
             Box::new(move || {
                 o.lock().unwrap().push((2, std::thread::current().id()));
                 nccl_sys::bindings::ncclInternalError
@@ -467,7 +467,7 @@ mod tests {
         );
         assert!(
             !second.wait(Instant::now() + Duration::from_millis(150)),
-            "queued behind a blocked job"
+            "queued behind a blocked task"
         );
         assert!(!first.is_done());
         let limit = Instant::now() + Duration::from_secs(5);
@@ -477,7 +477,7 @@ mod tests {
         }
         let e = check().expect_err("the lane is wedged past the bound");
         assert!(
-            matches!(&e, crate::Error::TeardownWedged { what, .. } if what.contains("the blocked job")),
+            matches!(&e, crate::Error::TeardownWedged { what, .. } if what.contains("the blocked task")),
             "{e}"
         );
         assert!(check_lane("ncclCommInitRankConfig", TeardownLane::Host(0x5eed_0002)).is_ok());

@@ -94,7 +94,7 @@ impl Seq {
     /// Hands `id` (a grow's) to the other ranks, which read it after the next barrier.
     pub fn hand(&self, id: ncclUniqueId) {
         match self {
-            Seq::Threads(_, slot) => *slot.lock().unwrap() = Some(id),
+            Seq::Threads(_, handed) => *handed.lock().unwrap() = Some(id),
             Seq::Files { dir, .. } => {
                 std::fs::write(dir.join("handed"), id.internal.map(|b| b as u8)).unwrap()
             }
@@ -104,7 +104,7 @@ impl Seq {
     /// The id a rank handed before the last barrier.
     pub fn handed(&self) -> ncclUniqueId {
         match self {
-            Seq::Threads(_, slot) => slot.lock().unwrap().expect("an id was handed"),
+            Seq::Threads(_, handed) => handed.lock().unwrap().expect("an id was handed"),
             Seq::Files { dir, .. } => {
                 let bytes = std::fs::read(dir.join("handed")).expect("an id was handed");
                 ncclUniqueId {
