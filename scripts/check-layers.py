@@ -7,9 +7,13 @@ followed to their module), collapses modules to their top-level module, and fail
 
   * the top-level modules import each other in a cycle,
   * a module imports one from a higher layer than its own (LAYERS below, bottom first), or
-  * the submodules of a module folder (`diag/hooks.rs`, `diag/settings.rs`, ...) import
+  * the submodules of a module folder, at any depth (`diag/hooks/`, `diag/settings.rs`, ...
+    inside `diag/`; `diag/hooks/on/`, `diag/hooks/off.rs` inside `diag/hooks/`), import
     each other in a cycle (`super::x`, `crate::diag::x`, and names the folder's `mod.rs`
     re-exports from a submodule, all count).
+
+A file that is a test-only module (`#[cfg(test)] mod tests;`) is not read, as a
+`#[cfg(test)]` item inside a file is not.
 
 `crate::host` is the crate nccl-host (re-exported), below every layer: it depends only on
 nccl-sys, so Cargo keeps it from importing nccl-safe. Its own modules (nccl-host/src) are
@@ -181,26 +185,28 @@ def folder_reexports(src, folder, subs):
 
 
 def submodule_cycles(src, files):
-    """Cycles among the direct submodules of each module folder, with an example import
-    for each edge."""
+    """Cycles among the direct submodules of each module folder (at any depth), with an
+    example import for each edge."""
     by_folder = {}
     for f in files:
-        mod = module_of(f, src)
-        parts = mod.split("::")
-        if len(parts) == 2:
-            by_folder.setdefault(parts[0], set()).add(parts[1])
+        parts = module_of(f, src).split("::")
+        for d in range(1, len(parts)):
+            by_folder.setdefault("::".join(parts[:d]), set()).add(parts[d])
     problems = []
     for folder, subs in sorted(by_folder.items()):
         names = folder_reexports(src, folder, subs)
+        depth = folder.count("::") + 1
         edges = {}
         for f in files:
             parts = module_of(f, src).split("::")
-            if len(parts) < 2 or parts[0] != folder:
+            if len(parts) <= depth or "::".join(parts[:depth]) != folder:
                 continue
-            me = parts[1]
+            me = parts[depth]
             text = strip_comments(strip_test_items(open(f).read()))
             found = []
-            prefix = r"\bsuper::" if len(parts) == 2 else r"\bsuper::super::"
+            # `super::` from a direct submodule names the folder's; from one below, as many
+            # more `super::` as it stands deeper.
+            prefix = r"\b" + r"super::" * (len(parts) - depth)
             for pat in (prefix, r"\bcrate::" + folder + "::"):
                 for m in re.finditer(pat + r"\{([^;]*)\}", text):
                     found += [(h, m.start()) for h in use_tree_heads(m.group(1))]
@@ -221,11 +227,22 @@ def submodule_cycles(src, files):
     return problems
 
 
+TEST_MOD = re.compile(r"#\[cfg\((?:all\()?\s*test\b[^\]]*\]\s*(?:pub(?:\([^)]*\))?\s+)?mod ([a-z_0-9]+);")
+
+
 def rust_files(src):
+    """The crate's source files, without those of test-only modules."""
     files = []
     for root, _, names in os.walk(src):
         files += [os.path.join(root, n) for n in names if n.endswith(".rs")]
-    return files
+    test_only = set()
+    for f in files:
+        base = os.path.basename(f)
+        here = os.path.dirname(f) if base in ("mod.rs", "lib.rs", "main.rs") else f[:-3]
+        for m in TEST_MOD.finditer(strip_comments(open(f).read())):
+            test_only.add(os.path.join(here, m.group(1) + ".rs"))
+            test_only.add(os.path.join(here, m.group(1), "mod.rs"))
+    return [f for f in files if f not in test_only]
 
 
 def top_level_edges(src, files):

@@ -10,7 +10,7 @@
 //!   its call), `claim` (`UNCLAIMED`, `DECIDING`, `ABORTING`), `aborted_by_watchdog`, the
 //!   clique's timed-out flag, whether published work is still in flight, and the
 //!   watchdog's abort task.
-//! * **The owner** (`src/comm/`, `src/diag/hooks.rs`): a few calls, each either an
+//! * **The owner** (`src/comm/`, `src/diag/hooks/on/`): a few calls, each either an
 //!   operation (`begin`: the aborted and timed-out checks, `current` stored, the fence,
 //!   the claim checked and `await_decision`; the NCCL call; for an operation that left
 //!   NCCL asynchronous work, `wait_ready`'s polls, each after `check_alive` and under a
