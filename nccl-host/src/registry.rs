@@ -194,6 +194,23 @@ pub(crate) fn drop_signals(clique: u64, rank: i32) {
     registry().signals.remove(&(clique, rank));
 }
 
+/// Copies `bytes` into window `w` at byte offset `off`, when they fit inside it (a put
+/// that does not fit was refused at its call; nothing is written past the window).
+///
+/// # Safety
+/// `w` describes a live window: `w.size` bytes at `w.buff` are writable.
+unsafe fn copy_into(w: &WinInfo, off: usize, bytes: &[u8]) {
+    if off
+        .checked_add(bytes.len())
+        .is_some_and(|end| end <= w.size)
+    {
+        // SAFETY: in bounds of the live window (checked above; the caller's contract).
+        unsafe {
+            core::ptr::copy_nonoverlapping(bytes.as_ptr(), (w.buff + off) as *mut u8, bytes.len())
+        };
+    }
+}
+
 /// Lands data of counted puts on `h`: into `only`'s window (a token) when the caller named
 /// one, else into each window of `h` they target; data for another window than `only` is
 /// staged until a wait names it. A window deregistered since is skipped (NCCL would write
@@ -212,19 +229,8 @@ pub(crate) unsafe fn land(h: Handle, data: Vec<(u64, usize, Vec<u8>)>, only: Opt
             staged.push((token, off, bytes));
             continue;
         }
-        if off
-            .checked_add(bytes.len())
-            .is_some_and(|end| end <= w.size)
-        {
-            // SAFETY: in bounds of the live window (checked); the caller's contract.
-            unsafe {
-                core::ptr::copy_nonoverlapping(
-                    bytes.as_ptr(),
-                    (w.buff + off) as *mut u8,
-                    bytes.len(),
-                )
-            };
-        }
+        // SAFETY: the window is live; the caller's contract.
+        unsafe { copy_into(&w, off, &bytes) };
     }
     let mut r = registry();
     for (token, off, bytes) in staged {
@@ -236,19 +242,8 @@ pub(crate) unsafe fn land(h: Handle, data: Vec<(u64, usize, Vec<u8>)>, only: Opt
     drop(r);
     if let Some(w) = w.filter(|_| window(h, token).is_some()) {
         for (off, bytes) in earlier {
-            if off
-                .checked_add(bytes.len())
-                .is_some_and(|end| end <= w.size)
-            {
-                // SAFETY: as above.
-                unsafe {
-                    core::ptr::copy_nonoverlapping(
-                        bytes.as_ptr(),
-                        (w.buff + off) as *mut u8,
-                        bytes.len(),
-                    )
-                };
-            }
+            // SAFETY: as above.
+            unsafe { copy_into(&w, off, &bytes) };
         }
     }
 }

@@ -38,7 +38,6 @@ use super::common::{check_token, dial, listen, refused, retry, Background, Conn}
 use super::wire::{self, N};
 use crate::lock;
 use nccl_safe::diag::DesyncPost;
-use nccl_safe::diag::{BoardResult, RemoteBoard};
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::AtomicBool;
@@ -431,14 +430,31 @@ impl BoardClient {
     }
 }
 
-impl RemoteBoard for BoardClient {
-    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> BoardResult<()> {
-        Ok(self
-            .post_by(rank, post, deadline)
-            .map_err(crate::Error::from)?)
-    }
+/// `RemoteBoard` for a desync board client of this crate, whose inherent `post_by` and
+/// `fetch_by` fail with the launchers' errors (boxed for the core as a `BoardError`).
+macro_rules! remote_board_by {
+    ($client:ty) => {
+        impl nccl_safe::diag::RemoteBoard for $client {
+            fn post(
+                &self,
+                rank: usize,
+                post: &nccl_safe::diag::DesyncPost,
+                deadline: std::time::Instant,
+            ) -> nccl_safe::diag::BoardResult<()> {
+                Ok(self
+                    .post_by(rank, post, deadline)
+                    .map_err(crate::Error::from)?)
+            }
 
-    fn fetch(&self, deadline: Instant) -> BoardResult<Vec<Option<DesyncPost>>> {
-        Ok(self.fetch_by(deadline).map_err(crate::Error::from)?)
-    }
+            fn fetch(
+                &self,
+                deadline: std::time::Instant,
+            ) -> nccl_safe::diag::BoardResult<Vec<Option<nccl_safe::diag::DesyncPost>>> {
+                Ok(self.fetch_by(deadline).map_err(crate::Error::from)?)
+            }
+        }
+    };
 }
+pub(crate) use remote_board_by;
+
+remote_board_by!(BoardClient);

@@ -58,7 +58,6 @@ use super::env::ProcessEnv;
 use super::wire::{connect_any, Deadlined};
 use crate::error::Result as LaunchResult;
 use nccl_safe::diag::DesyncPost;
-use nccl_safe::diag::{BoardResult, RemoteBoard};
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -788,14 +787,4 @@ impl StoreBoard {
     }
 }
 
-impl RemoteBoard for StoreBoard {
-    fn post(&self, rank: usize, post: &DesyncPost, deadline: Instant) -> BoardResult<()> {
-        Ok(self
-            .post_by(rank, post, deadline)
-            .map_err(crate::Error::from)?)
-    }
-
-    fn fetch(&self, deadline: Instant) -> BoardResult<Vec<Option<DesyncPost>>> {
-        Ok(self.fetch_by(deadline).map_err(crate::Error::from)?)
-    }
-}
+super::desync::remote_board_by!(StoreBoard);

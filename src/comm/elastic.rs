@@ -68,11 +68,7 @@ impl Communicator {
         if r != ncclSuccess && r != ncclInProgress {
             // Refused before anything changed (init.cc:2647-2658): the watchdog's again.
             self.diag.revoke_refused();
-            return Err(self
-                .handle
-                .lib()
-                .error_for(OP, r, self.context(caller))
-                .into());
+            return Err(self.nccl_error(OP, r, caller));
         }
         // From here NCCL counts it revoked: its collectives are refused, whatever follows.
         // Its own group end linked the revoke's job (none was linked) until a poll reads
@@ -470,11 +466,7 @@ impl Communicator {
                 drop(self.grown(raw, tag));
             }
             dest.leak();
-            let e: Error = self
-                .handle
-                .lib()
-                .error_for(OP, r, self.context(caller))
-                .into();
+            let e: Error = self.nccl_error(OP, r, caller);
             // NCCL's error of this communicator itself (ncclCommEnsureReady) fails it.
             let no_error = [ncclSuccess, ncclInProgress];
             if self.async_state().is_some_and(|s| !no_error.contains(&s)) {

@@ -422,12 +422,22 @@ impl Communicator {
         raw: ncclResult_t,
         caller: &'static Location<'static>,
     ) -> Error {
-        self.fail(
-            self.handle
-                .lib()
-                .error_for(call, raw, self.context(caller))
-                .into(),
-        )
+        self.fail(self.nccl_error(call, raw, caller))
+    }
+
+    /// NCCL's error `raw` for `call` on this communicator (its rank and the caller's
+    /// line), leaving the communicator as it is: for a refusal that changed nothing.
+    #[cold]
+    pub(crate) fn nccl_error(
+        &self,
+        call: &'static str,
+        raw: ncclResult_t,
+        caller: &'static Location<'static>,
+    ) -> Error {
+        self.handle
+            .lib()
+            .error_for(call, raw, self.context(caller))
+            .into()
     }
 
     /// This rank is done with the communicator (its launcher closure returned): peers that

@@ -100,11 +100,7 @@ impl Communicator {
             Ok(unsafe { query(self.handle.get(), &mut p) })
         })?;
         if r != ncclSuccess {
-            return Err(self
-                .handle
-                .lib()
-                .error_for(OP, r, self.context(caller))
-                .into());
+            return Err(self.nccl_error(OP, r, caller));
         }
         let full = version > Version::new(2, 29, 3);
         Ok(Properties {

@@ -154,11 +154,7 @@ impl Communicator {
             })?;
             if r != ncclSuccess {
                 // A refusal changes nothing in the communicator (mem_manager.cc:1013-1020).
-                return Err(self
-                    .handle
-                    .lib()
-                    .error_for(OP, r, self.context(caller))
-                    .into());
+                return Err(self.nccl_error(OP, r, caller));
             }
             Ok(value)
         };
