@@ -61,25 +61,12 @@ mod op;
 mod settings;
 
 #[cfg(feature = "diag")]
-mod clique;
+mod observe;
 #[cfg(feature = "diag")]
-mod clock;
-#[cfg(feature = "diag")]
-mod fence;
-#[cfg(feature = "diag")]
-mod journal;
-#[cfg(feature = "diag")]
-mod ranges;
-#[cfg(feature = "diag")]
-mod recorder;
+mod supervise;
+
 #[cfg(feature = "diag")]
 pub(crate) mod remote;
-#[cfg(feature = "diag")]
-mod shared;
-#[cfg(feature = "diag")]
-mod tracker;
-#[cfg(feature = "diag")]
-mod watchdog;
 
 // The teardown options keep their public paths here (they are `Config`'s); the lanes
 // themselves are `crate::teardown`.
@@ -96,11 +83,13 @@ pub(crate) use settings::{check_settings, default_bound, DiagConfig};
 pub use hooks::Diagnostics;
 pub(crate) use hooks::{shrink_tag, CommDiag, CommView};
 #[cfg(feature = "diag")]
-pub use recorder::{EntryPoint, FlightRecord, OpRecord, OpState};
+pub use observe::flight::FlightRecord;
 #[cfg(feature = "diag")]
 pub use remote::{BoardError, BoardResult, DesyncPost, RemoteBoard, MAX_POST_TEXT};
 #[cfg(feature = "diag")]
 pub use settings::{DEFAULT_FLIGHT_RECORD_LEN, MAX_FLIGHT_RECORD_LEN};
+#[cfg(feature = "diag")]
+pub use supervise::record::{EntryPoint, OpRecord, OpState};
 
 /// Whether the owner's side of the watchdog handshake is a compiler fence paired with the
 /// watchdog's `membarrier(2)` (`true`), or a full memory fence on every operation
@@ -109,5 +98,5 @@ pub use settings::{DEFAULT_FLIGHT_RECORD_LEN, MAX_FLIGHT_RECORD_LEN};
 #[cfg(feature = "diag")]
 #[doc(hidden)]
 pub fn asymmetric_fence() -> bool {
-    fence::asymmetric()
+    supervise::fence::asymmetric()
 }

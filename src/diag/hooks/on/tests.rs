@@ -10,13 +10,15 @@ use std::time::{Duration, Instant};
 use nccl_sys::ncclComm_t;
 
 use super::TEST_TRACKER;
-use crate::diag::clique::TimeoutReport;
-use crate::diag::clock;
 use crate::diag::hooks::{shrink_tag, CommDiag};
-use crate::diag::journal::Entry;
-use crate::diag::recorder::OpState;
-use crate::diag::shared::{QueueWatch, Shared, ABORTING, DECIDING, IDLE, MAX_QUEUES, UNCLAIMED};
-use crate::diag::tracker::{self, Queue, Tracker};
+use crate::diag::supervise::clique::TimeoutReport;
+use crate::diag::supervise::clock;
+use crate::diag::supervise::journal::Entry;
+use crate::diag::supervise::record::OpState;
+use crate::diag::supervise::shared::{
+    QueueWatch, Shared, ABORTING, DECIDING, IDLE, MAX_QUEUES, UNCLAIMED,
+};
+use crate::diag::supervise::tracker::{self, Queue, Tracker};
 use crate::error::{Error, Result};
 use crate::id::UniqueId;
 use crate::{CommDevice, Communicator, Config, ReduceOp, Stream};
