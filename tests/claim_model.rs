@@ -5,9 +5,10 @@
 //!
 //! One handle and the parties that touch it, each step as in the crate:
 //!
-//! * **The handle's holder and flags** (`src/diag/supervise/shared.rs`): `handle` (the handle while it
-//!   may be torn down, 0 once taken), `current` (`IDLE`, `PINNED` or the operation inside
-//!   its call), `claim` (`UNCLAIMED`, `DECIDING`, `ABORTING`), `aborted_by_watchdog`, the
+//! * **The handle's holder and flags** (`src/diag/supervise/shared.rs`, the claim's states
+//!   and steps in `src/diag/supervise/claim.rs`): `handle` (the handle while it may be torn
+//!   down, 0 once taken), `current` (`IDLE`, `PINNED` or the operation inside its call),
+//!   `claim` (`UNCLAIMED`, `DECIDING`, `ABORTING`), `aborted_by_watchdog`, the
 //!   clique's timed-out flag, whether published work is still in flight, and the
 //!   watchdog's abort task.
 //! * **The owner** (`src/comm/`, `src/diag/hooks/on/`): a few calls, each either an

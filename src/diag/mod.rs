@@ -33,7 +33,7 @@
 //!   collectives.
 //!
 //! **Cost.** The per-operation path takes no lock, reads no system clock and allocates
-//! nothing: a sequence-locked ring slot (`journal`), the coarse clock (`clock`;
+//! nothing: a sequence-locked ring slot (`supervise::journal`), the coarse clock (`clock`;
 //! [`Config::timing`](crate::Config::timing) switches to `Instant::now()`) and an
 //! asymmetric fence (`fence`), each measured in ARCHITECTURE.md. An operation on a CUDA
 //! stream also records an event after itself (events are reused: `tracker`) and hands it
@@ -47,6 +47,15 @@
 //! and the end's own timeout (host provider) or wait for the launch makes the same report,
 //! naming the ranks behind, and revokes a `Config::elastic` communicator as the watchdog
 //! would.
+//!
+//! **Layers.** What keeps the crate correct (the watchdog, the claim, the clique's state,
+//! the journal, the tracker, the clock, the fence) is `supervise`; what the crate says
+//! about what happened (the flight record, the desync report, the fingerprint check) is
+//! `observe`, above it: `supervise` never imports `observe` (scripts/check-layers.py).
+//! Where supervision needs the observers' words, at a clique's failure or the watchdog's
+//! notice, it calls the clique's `Observers` table, which `hooks` gives every clique it
+//! joins: on those cold paths only, never on an operation's. `hooks` (the seam) uses both;
+//! `key`, `op`, `settings` and the desync board (`remote`) are below both.
 //!
 //! Not done: the cross-process fingerprint exchange, and
 //! fingerprints of operations inside a [`crate::Group`] (they are recorded, not compared).

@@ -1,8 +1,11 @@
-//! The cross-process half of the desync report: what a rank posts to a desync board
-//! (hosted by rank 0, see the crate nccl-launch's `desync`) when its clique times out, and how the
-//! report reads the other processes' posts back.
+//! The job's desync board, the cross-process transport of both diagnostics layers: what a
+//! rank posts to it (hosted by rank 0, see the crate nccl-launch's `desync`) and reads back.
+//! Supervision posts and reads departures and a shrink's exclude lists (`supervise::clique`);
+//! the observers post a rank's last operation when its clique times out or waits long, and
+//! read the other processes' posts into the desync report (`observe::desync`).
 //!
-//! Nothing here runs per operation: a rank posts only while a timeout report is built.
+//! Nothing here runs per operation: a rank posts only at a timeout, a long wait, a
+//! departure or a shrink.
 
 use std::fmt;
 use std::sync::{Arc, Mutex};

@@ -1,9 +1,12 @@
 //! What the ranks of one communicator in this process know about each other: each rank's
-//! last operation (for the desync report) and the fingerprint exchange (for the opt-in check).
+//! last operation, the clique's first timeout (the report every rank fails fast with), the
+//! rank that left and the ranks lost, the agreements of a recovery, and the fingerprint
+//! exchange (for the opt-in check, `observe::fingerprint`).
 //!
 //! A clique is keyed by a hash of the unique id (plus the split path for children); all
 //! ranks of it that live in this process share one [`Clique`]. Ranks in other processes are
-//! reported from the job's desync board when the clique has one, else as "no record".
+//! known from the job's desync board when the clique has one. The words of a failure, the
+//! desync report, are the observers' ([`Observers`], given at [`join`]).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -103,7 +106,7 @@ pub(crate) type Fingerprint = OpRecord;
 #[derive(Debug)]
 pub(crate) struct CliqueState {
     /// Per rank, its last [`FINGERPRINT_DEPTH`] fingerprints (a ring by sequence number): the
-    /// fingerprint exchange of [`Clique::agree`].
+    /// fingerprint exchange of [`Clique::exchange`].
     fingerprints: Vec<[Option<Fingerprint>; FINGERPRINT_DEPTH]>,
     /// Set once, by the first timeout: the report every later call returns.
     pub timed_out: Option<Arc<TimeoutReport>>,

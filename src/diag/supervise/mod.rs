@@ -13,6 +13,7 @@
 //! [`Observers`](clique::Observers) table, which the hooks give it when a communicator
 //! joins its clique: on the cold path only, never on an operation's.
 
+pub(crate) mod claim;
 pub(crate) mod clique;
 pub(crate) mod clock;
 pub(crate) mod fence;

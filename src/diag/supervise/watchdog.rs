@@ -13,10 +13,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+use super::claim::Revoked;
 use super::clique::TimeoutReport;
 use super::clock;
 use super::record::OpRecord;
-use super::shared::Revoked;
 use super::shared::Shared;
 use crate::library::Library;
 use crate::teardown::{self, exit, lock};

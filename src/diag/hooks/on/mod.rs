@@ -11,9 +11,10 @@ use crate::diag::key::{self, CliqueKey};
 use crate::diag::observe;
 use crate::diag::remote;
 use crate::diag::settings::DiagConfig;
+use crate::diag::supervise::claim::UNCLAIMED;
 use crate::diag::supervise::clique::{self, LiveRank};
 use crate::diag::supervise::journal::Journal;
-use crate::diag::supervise::shared::{QueueWatch, Shared, IDLE, MAX_QUEUES, UNCLAIMED};
+use crate::diag::supervise::shared::{QueueWatch, Shared, IDLE, MAX_QUEUES};
 #[cfg(test)]
 use crate::diag::supervise::tracker::Tracker;
 use crate::diag::supervise::tracker::{self, Queue};
@@ -173,7 +174,7 @@ impl CommDiag {
             job_linked: AtomicBool::new(false),
             unrevocable: AtomicBool::new(false),
             in_place: Mutex::new(()),
-            revoking: AtomicU8::new(crate::diag::supervise::shared::NOT_REVOKING),
+            revoking: AtomicU8::new(crate::diag::supervise::claim::NOT_REVOKING),
             cuda_fault: std::sync::OnceLock::new(),
             gone: AtomicBool::new(false),
             noticed: AtomicU64::new(0),

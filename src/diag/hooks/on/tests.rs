@@ -11,13 +11,12 @@ use nccl_sys::ncclComm_t;
 
 use super::TEST_TRACKER;
 use crate::diag::hooks::{shrink_tag, CommDiag};
+use crate::diag::supervise::claim::{ABORTING, DECIDING, UNCLAIMED};
 use crate::diag::supervise::clique::TimeoutReport;
 use crate::diag::supervise::clock;
 use crate::diag::supervise::journal::Entry;
 use crate::diag::supervise::record::OpState;
-use crate::diag::supervise::shared::{
-    QueueWatch, Shared, ABORTING, DECIDING, IDLE, MAX_QUEUES, UNCLAIMED,
-};
+use crate::diag::supervise::shared::{QueueWatch, Shared, IDLE, MAX_QUEUES};
 use crate::diag::supervise::tracker::{self, Queue, Tracker};
 use crate::error::{Error, Result};
 use crate::id::UniqueId;
