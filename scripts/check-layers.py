@@ -10,7 +10,10 @@ followed to their module), collapses modules to their top-level module, and fail
   * the submodules of a module folder, at any depth (`diag/hooks/`, `diag/settings.rs`, ...
     inside `diag/`; `diag/hooks/on/`, `diag/hooks/off.rs` inside `diag/hooks/`), import
     each other in a cycle (`super::x`, `crate::diag::x`, and names the folder's `mod.rs`
-    re-exports from a submodule, all count).
+    re-exports from a submodule, all count), or
+  * a submodule imports one that FOLDER_RULES below forbids it (inside `diag/`,
+    `supervise/` never imports `observe/`: supervision stays below the observers; the
+    hooks and `diag/mod.rs` may import both). Imports are counted as for the cycles.
 
 A file that is a test-only module (`#[cfg(test)] mod tests;`) is not read, as a
 `#[cfg(test)]` item inside a file is not.
@@ -49,6 +52,14 @@ LAYERS = [
     ("the launchers' seam", ["seam"]),
 ]
 LAYER_OF = {m: i for i, (_, ms) in enumerate(LAYERS) for m in ms}
+
+# Inside a module folder: (folder, submodule, submodule it must not import, why).
+FOLDER_RULES = [
+    ("diag", "supervise", "observe",
+     "supervision (the watchdog, the claim, the clique's state) stays below the observers "
+     "(flight record, desync report, fingerprint check): it asks for their words through "
+     "the clique's `Observers` table, which the hooks give it"),
+]
 
 
 def module_of(path, src):
@@ -184,9 +195,9 @@ def folder_reexports(src, folder, subs):
     return names
 
 
-def submodule_cycles(src, files):
+def submodule_cycles(src, files, rules=()):
     """Cycles among the direct submodules of each module folder (at any depth), with an
-    example import for each edge."""
+    example import for each edge; and the imports `rules` (FOLDER_RULES) forbid."""
     by_folder = {}
     for f in files:
         parts = module_of(f, src).split("::")
@@ -218,6 +229,9 @@ def submodule_cycles(src, files):
                     continue
                 line = text.count("\n", 0, pos) + 1
                 edges.setdefault((me, dest), f"{os.path.relpath(f, ROOT)}:{line}")
+        for (rule_folder, low, high, why) in rules:
+            if rule_folder == folder and (low, high) in edges:
+                problems.append(f"inside {folder}: {low} imports {high} at {edges[(low, high)]}: {why}")
         graph = {s: sorted(b for (a, b) in edges if a == s) for s in subs}
         for comp in tarjan(graph):
             if len(comp) > 1:
@@ -348,13 +362,15 @@ def main():
             if m in tops:
                 deps = ", ".join(graph.get(m, [])) or "-"
                 print(f"       {m:<10} -> {deps}")
-    inner = submodule_cycles(SRC, files)
+    inner = submodule_cycles(SRC, files, FOLDER_RULES)
     problems += inner
     crates = crate_layers(files)
     problems += crates
     print(f"crates: nccl-launch above nccl-safe; {len(crates)} violations (the core names no launcher, holds no socket)")
     print(f"{len(tops)} top-level modules, {len(edges)} edges between them, "
-          f"{sum(1 for c in sccs if len(c) > 1)} cycles; {len(inner)} cycles inside module folders")
+          f"{sum(1 for c in sccs if len(c) > 1)} cycles; {len(inner)} cycles or forbidden imports inside module folders")
+    for (folder, low, high, _) in FOLDER_RULES:
+        print(f"inside {folder}: {low} never imports {high}")
     for src in CYCLE_ONLY_CRATES:
         crate_files = rust_files(src)
         crate_tops, crate_edges = top_level_edges(src, crate_files)
@@ -369,7 +385,7 @@ def main():
         for p in problems:
             print("  - " + p)
         return 1
-    print("OK: no import cycle (between modules, inside a module folder or inside nccl-host), every import points down, the core names no launcher and holds no socket")
+    print("OK: no import cycle (between modules, inside a module folder or inside nccl-host), every import points down (supervise below observe inside diag), the core names no launcher and holds no socket")
     return 0
 
 

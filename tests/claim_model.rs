@@ -5,9 +5,10 @@
 //!
 //! One handle and the parties that touch it, each step as in the crate:
 //!
-//! * **The handle's holder and flags** (`src/diag/shared.rs`): `handle` (the handle while it
-//!   may be torn down, 0 once taken), `current` (`IDLE`, `PINNED` or the operation inside
-//!   its call), `claim` (`UNCLAIMED`, `DECIDING`, `ABORTING`), `aborted_by_watchdog`, the
+//! * **The handle's holder and flags** (`src/diag/supervise/shared.rs`, the claim's states
+//!   and steps in `src/diag/supervise/claim.rs`): `handle` (the handle while it may be torn
+//!   down, 0 once taken), `current` (`IDLE`, `PINNED` or the operation inside its call),
+//!   `claim` (`UNCLAIMED`, `DECIDING`, `ABORTING`), `aborted_by_watchdog`, the
 //!   clique's timed-out flag, whether published work is still in flight, and the
 //!   watchdog's abort task.
 //! * **The owner** (`src/comm/`, `src/diag/hooks/on/`): a few calls, each either an
@@ -24,7 +25,7 @@
 //! * **A borrowed view** (`src/comm_ref.rs`): its diagnostics hold no handle (the holder
 //!   starts at 0); it runs calls like an owner and is dropped with `release_handle`; its
 //!   owner (outside the crate) destroys the handle after the view is gone.
-//! * **The watchdog** (`src/diag/watchdog.rs`): up to two sweeps, each marking the clique
+//! * **The watchdog** (`src/diag/supervise/watchdog.rs`): up to two sweeps, each marking the clique
 //!   timed out, then `claim` (`claim_seen`: never a pinned communicator; an idle one only
 //!   with work in flight; `DECIDING`, the fence, `current` read again, the verdict) and
 //!   `take_for_abort`; a taken handle is aborted on a thread of its own (the teardown
@@ -43,7 +44,7 @@
 //! # What is abstracted
 //!
 //! * **Memory order.** shuttle runs the threads sequentially consistently. That is what
-//!   the asymmetric fence (`src/diag/fence.rs`) provides at the two places it is used:
+//!   the asymmetric fence (`src/diag/supervise/fence.rs`) provides at the two places it is used:
 //!   the owner's compiler fence paired with the watchdog's `membarrier` orders like two
 //!   `SeqCst` fences (and where membarrier is refused, both sides use one). Every other
 //!   access of the protocol is an acquire/release pair on one location.
@@ -326,7 +327,7 @@ struct Task {
     done: AtomicBool,
 }
 
-/// `src/diag/shared.rs`'s `Shared`, the parts the protocol uses.
+/// `src/diag/supervise/shared.rs`'s `Shared`, the parts the protocol uses.
 struct Shared {
     handle: AtomicUsize,
     current: AtomicU64,

@@ -804,7 +804,7 @@ fn nccl_memory_dropped_behind_a_blocked_stream_keeps_the_abort_bound_on_a_gpu() 
 /// without a `cuStreamIsCapturing` first (one driver call less per operation) and leaves
 /// the capture check to the watchdog thread, which runs in relaxed capture mode: it asks
 /// `cuStreamIsCapturing` of the stream after it took the markers to query, and queries only
-/// when no capture is open (`src/diag/tracker.rs`). That is sound only if, on that thread:
+/// when no capture is open (`src/diag/supervise/tracker.rs`). That is sound only if, on that thread:
 /// - a query of an event last recorded in a capture that has ended fails with
 ///   `CUDA_ERROR_CAPTURED_EVENT` (CUDA's documented "not permitted on an event which was
 ///   last recorded in a capturing stream"), so the watchdog can read it as complete;

@@ -1,6 +1,6 @@
 //! A model of the marker hand-off, checked with `shuttle`: how the owner gives its marked
-//! ranges to the watchdog without a lock (`src/diag/ranges.rs`, `Shared::produce` and
-//! `Shared::retire_done` in `src/diag/shared.rs`), while the watchdog retires them.
+//! ranges to the watchdog without a lock (`src/diag/supervise/ranges.rs`, `Shared::produce` and
+//! `Shared::retire_done` in `src/diag/supervise/shared.rs`), while the watchdog retires them.
 //!
 //! # What is modelled
 //!

@@ -33,7 +33,7 @@
 //!   collectives.
 //!
 //! **Cost.** The per-operation path takes no lock, reads no system clock and allocates
-//! nothing: a sequence-locked ring slot (`journal`), the coarse clock (`clock`;
+//! nothing: a sequence-locked ring slot (`supervise::journal`), the coarse clock (`clock`;
 //! [`Config::timing`](crate::Config::timing) switches to `Instant::now()`) and an
 //! asymmetric fence (`fence`), each measured in ARCHITECTURE.md. An operation on a CUDA
 //! stream also records an event after itself (events are reused: `tracker`) and hands it
@@ -48,6 +48,15 @@
 //! naming the ranks behind, and revokes a `Config::elastic` communicator as the watchdog
 //! would.
 //!
+//! **Layers.** What keeps the crate correct (the watchdog, the claim, the clique's state,
+//! the journal, the tracker, the clock, the fence) is `supervise`; what the crate says
+//! about what happened (the flight record, the desync report, the fingerprint check) is
+//! `observe`, above it: `supervise` never imports `observe` (scripts/check-layers.py).
+//! Where supervision needs the observers' words, at a clique's failure or the watchdog's
+//! notice, it calls the clique's `Observers` table, which `hooks` gives every clique it
+//! joins: on those cold paths only, never on an operation's. `hooks` (the seam) uses both;
+//! `key`, `op`, `settings` and the desync board (`remote`) are below both.
+//!
 //! Not done: the cross-process fingerprint exchange, and
 //! fingerprints of operations inside a [`crate::Group`] (they are recorded, not compared).
 
@@ -61,25 +70,12 @@ mod op;
 mod settings;
 
 #[cfg(feature = "diag")]
-mod clique;
+mod observe;
 #[cfg(feature = "diag")]
-mod clock;
-#[cfg(feature = "diag")]
-mod fence;
-#[cfg(feature = "diag")]
-mod journal;
-#[cfg(feature = "diag")]
-mod ranges;
-#[cfg(feature = "diag")]
-mod recorder;
+mod supervise;
+
 #[cfg(feature = "diag")]
 pub(crate) mod remote;
-#[cfg(feature = "diag")]
-mod shared;
-#[cfg(feature = "diag")]
-mod tracker;
-#[cfg(feature = "diag")]
-mod watchdog;
 
 // The teardown options keep their public paths here (they are `Config`'s); the lanes
 // themselves are `crate::teardown`.
@@ -96,11 +92,13 @@ pub(crate) use settings::{check_settings, default_bound, DiagConfig};
 pub use hooks::Diagnostics;
 pub(crate) use hooks::{shrink_tag, CommDiag, CommView};
 #[cfg(feature = "diag")]
-pub use recorder::{EntryPoint, FlightRecord, OpRecord, OpState};
+pub use observe::flight::FlightRecord;
 #[cfg(feature = "diag")]
 pub use remote::{BoardError, BoardResult, DesyncPost, RemoteBoard, MAX_POST_TEXT};
 #[cfg(feature = "diag")]
 pub use settings::{DEFAULT_FLIGHT_RECORD_LEN, MAX_FLIGHT_RECORD_LEN};
+#[cfg(feature = "diag")]
+pub use supervise::record::{EntryPoint, OpRecord, OpState};
 
 /// Whether the owner's side of the watchdog handshake is a compiler fence paired with the
 /// watchdog's `membarrier(2)` (`true`), or a full memory fence on every operation
@@ -109,5 +107,5 @@ pub use settings::{DEFAULT_FLIGHT_RECORD_LEN, MAX_FLIGHT_RECORD_LEN};
 #[cfg(feature = "diag")]
 #[doc(hidden)]
 pub fn asymmetric_fence() -> bool {
-    fence::asymmetric()
+    supervise::fence::asymmetric()
 }

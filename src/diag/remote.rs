@@ -1,8 +1,11 @@
-//! The cross-process half of the desync report: what a rank posts to a desync board
-//! (hosted by rank 0, see the crate nccl-launch's `desync`) when its clique times out, and how the
-//! report reads the other processes' posts back.
+//! The job's desync board, the cross-process transport of both diagnostics layers: what a
+//! rank posts to it (hosted by rank 0, see the crate nccl-launch's `desync`) and reads back.
+//! Supervision posts and reads departures and a shrink's exclude lists (`supervise::clique`);
+//! the observers post a rank's last operation when its clique times out or waits long, and
+//! read the other processes' posts into the desync report (`observe::desync`).
 //!
-//! Nothing here runs per operation: a rank posts only while a timeout report is built.
+//! Nothing here runs per operation: a rank posts only at a timeout, a long wait, a
+//! departure or a shrink.
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -15,7 +18,7 @@ pub const MAX_POST_TEXT: usize = 1000;
 /// What one rank was last doing, as posted to a desync board.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DesyncPost {
-    /// The communicator's clique key (as in [`super::FlightRecord::clique`]); posts of
+    /// The communicator's clique key (as in [`crate::diag::FlightRecord::clique`]); posts of
     /// another clique are not used by a report.
     pub clique: u64,
     /// Collectives the rank had issued (its next collective's sequence number).
@@ -190,68 +193,6 @@ impl RemoteBoard for Guarded {
     fn fetch(&self, deadline: Instant) -> BoardResult<Vec<Option<DesyncPost>>> {
         self.guard(|| self.inner.fetch(deadline))
     }
-}
-
-/// What the board said, for the ranks not in this process.
-#[derive(Debug, Default)]
-pub(crate) struct Remote {
-    pub posts: Vec<Option<DesyncPost>>,
-    /// Why the board could not be read (or posted to), if so.
-    pub error: Option<BoardError>,
-    pub waited: Duration,
-}
-
-/// Posts `ours` (rank, post) and fetches the board until every rank in `wanted` has a post
-/// of `clique` or the grace period ends (half the timeout, at most 2 s: the other processes
-/// post when their own watchdog fires, which is about when ours did). Every wait is bounded:
-/// a board client tries again until the deadline it is given (its server may not answer
-/// at all, rank 0's process gone, say), so the posts and the fetches share one deadline,
-/// 2 s from the start. `quick` (the host provider already says who is behind): one post
-/// and one fetch, within 200 ms, so that a board that does not answer (rank 0's process
-/// stopped) does not hold the report and the abort behind it.
-pub(crate) fn exchange(
-    board: &dyn RemoteBoard,
-    clique: u64,
-    ours: &[(usize, DesyncPost)],
-    wanted: &[usize],
-    timeout: Duration,
-    quick: bool,
-) -> Remote {
-    let start = Instant::now();
-    let io = if quick {
-        Duration::from_millis(200)
-    } else {
-        Duration::from_secs(2)
-    };
-    let mut remote = Remote::default();
-    for (rank, post) in ours {
-        if let Err(e) = board.post(*rank, post, start + io) {
-            remote.error = Some(e);
-        }
-    }
-    let until = start + (timeout / 2).min(Duration::from_secs(2));
-    loop {
-        match board.fetch(start + io) {
-            Ok(posts) => {
-                remote.posts = posts
-                    .into_iter()
-                    .map(|p| p.filter(|p| p.clique == clique))
-                    .collect();
-                remote.error = None;
-            }
-            Err(e) => remote.error = Some(e),
-        }
-        let all = remote.error.is_none()
-            && wanted
-                .iter()
-                .all(|&r| remote.posts.get(r).is_some_and(Option::is_some));
-        if all || quick || Instant::now() >= until {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100).min(until - Instant::now()));
-    }
-    remote.waited = start.elapsed();
-    remote
 }
 
 #[cfg(test)]

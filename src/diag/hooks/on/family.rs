@@ -5,9 +5,9 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use crate::diag::clique::ExcludeAgreement;
 use crate::diag::hooks::CommDiag;
-use crate::diag::shared::Shared;
+use crate::diag::supervise::clique::ExcludeAgreement;
+use crate::diag::supervise::shared::Shared;
 use crate::error::{Error, Result};
 #[cfg(feature = "host")]
 use {crate::library::Provider, nccl_sys::ncclComm_t};

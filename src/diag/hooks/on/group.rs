@@ -4,10 +4,10 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::diag::clique::TimeoutReport;
 use crate::diag::hooks::CommDiag;
-use crate::diag::recorder::OpState;
-use crate::diag::shared::Shared;
+use crate::diag::supervise::clique::TimeoutReport;
+use crate::diag::supervise::record::OpState;
+use crate::diag::supervise::shared::Shared;
 use crate::error::Error;
 
 impl CommDiag {

@@ -7,16 +7,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use super::{CommDiag, CommView};
-use crate::diag::clique::{self, LiveRank};
-use crate::diag::journal::Journal;
 use crate::diag::key::{self, CliqueKey};
+use crate::diag::observe;
 use crate::diag::remote;
 use crate::diag::settings::DiagConfig;
-use crate::diag::shared::{QueueWatch, Shared, IDLE, MAX_QUEUES, UNCLAIMED};
+use crate::diag::supervise::claim::UNCLAIMED;
+use crate::diag::supervise::clique::{self, LiveRank};
+use crate::diag::supervise::journal::Journal;
+use crate::diag::supervise::shared::{QueueWatch, Shared, IDLE, MAX_QUEUES};
 #[cfg(test)]
-use crate::diag::tracker::Tracker;
-use crate::diag::tracker::{self, Queue};
-use crate::diag::{clock, fence, watchdog};
+use crate::diag::supervise::tracker::Tracker;
+use crate::diag::supervise::tracker::{self, Queue};
+use crate::diag::supervise::{clock, fence, watchdog};
 use crate::error::Error;
 use crate::library::Provider;
 use crate::teardown::lock;
@@ -135,7 +137,7 @@ impl CommDiag {
             lane,
         } = h;
         clock::advance();
-        let clique = clique::join(self.key, world_size.max(1));
+        let clique = clique::join(self.key, world_size.max(1), &observe::OBSERVERS);
         if let Some(b) = &self.watched.board {
             clique.set_board(b);
         }
@@ -172,7 +174,7 @@ impl CommDiag {
             job_linked: AtomicBool::new(false),
             unrevocable: AtomicBool::new(false),
             in_place: Mutex::new(()),
-            revoking: AtomicU8::new(crate::diag::shared::NOT_REVOKING),
+            revoking: AtomicU8::new(crate::diag::supervise::claim::NOT_REVOKING),
             cuda_fault: std::sync::OnceLock::new(),
             gone: AtomicBool::new(false),
             noticed: AtomicU64::new(0),

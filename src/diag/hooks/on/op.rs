@@ -6,14 +6,17 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::{bump, RECENT_QUEUES};
-use crate::diag::clique::{Agreement, TimeoutReport};
-use crate::diag::fence;
 use crate::diag::hooks::{CommDiag, CommView, InFlight};
-use crate::diag::journal::Entry;
+use crate::diag::observe::fingerprint::{self, Agreement};
+use crate::diag::observe::flight;
 use crate::diag::op::{in_group, OpInfo};
-use crate::diag::recorder::{OpRecord, OpState};
-use crate::diag::shared::{QueueWatch, Shared, IDLE, PINNED, UNCLAIMED};
-use crate::diag::tracker::Queue;
+use crate::diag::supervise::claim::UNCLAIMED;
+use crate::diag::supervise::clique::TimeoutReport;
+use crate::diag::supervise::fence;
+use crate::diag::supervise::journal::Entry;
+use crate::diag::supervise::record::{OpRecord, OpState};
+use crate::diag::supervise::shared::{QueueWatch, Shared, IDLE, PINNED};
+use crate::diag::supervise::tracker::Queue;
 use crate::error::{Error, Result};
 use crate::stream::StreamRef;
 #[cfg(feature = "host")]
@@ -205,7 +208,7 @@ impl CommDiag {
         };
         bump(&s.checks, 1);
         let deadline = rec.enqueued + s.settings.timeout;
-        let e = match s.clique.agree(s.rank, rec, deadline) {
+        let e = match fingerprint::agree(&s.clique, s.rank, rec, deadline) {
             Agreement::Agree => return Ok(()),
             Agreement::Mismatch(table) => Error::CollectiveMismatch {
                 call: rec.op.name(),
@@ -228,7 +231,7 @@ impl CommDiag {
         let took = s.now().saturating_sub(start);
         s.journal.finish(pos, OpState::Failed, took);
         bump(&s.wait_ns, took);
-        s.dump();
+        flight::dump(s);
         e
     }
 
@@ -279,7 +282,7 @@ impl CommDiag {
             Some(rec) => explain(s, &rec, e),
             None => e,
         };
-        s.dump();
+        flight::dump(s);
         e
     }
 }

@@ -7,10 +7,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::diag::clique::{self, LiveRank, RankView, TimeoutReport};
-use crate::diag::clock;
 use crate::diag::hooks::CommDiag;
-use crate::diag::shared::{QueueWatch, IDLE};
+use crate::diag::observe;
+use crate::diag::supervise::clique::{self, LiveRank, RankView, TimeoutReport};
+use crate::diag::supervise::clock;
+use crate::diag::supervise::shared::{QueueWatch, IDLE};
 use crate::error::Result;
 use crate::teardown::{self, lock, Bound, Task};
 
@@ -110,7 +111,7 @@ impl CommDiag {
         // init completed, found by its key.
         let clique = match self.attached() {
             Some(s) => Arc::clone(&s.clique),
-            None => clique::join(self.key, world_size.max(1)),
+            None => clique::join(self.key, world_size.max(1), &observe::OBSERVERS),
         };
         let how = format!("its init failed ({why})");
         clique.depart(rank, RankView::default(), Vec::new(), &how, true);

@@ -5,12 +5,12 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::diag::hooks::{CommDiag, CommView};
-use crate::diag::recorder::FlightRecord;
+use crate::diag::observe::flight::{self, FlightRecord};
 
 impl CommDiag {
     /// A copy of the flight recorder.
     pub(crate) fn flight_record(&self, h: CommView<'_>) -> FlightRecord {
-        self.shared(h).flight_record()
+        flight::of(self.shared(h))
     }
 
     /// The diagnostics counters.

@@ -13,10 +13,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+use super::claim::Revoked;
 use super::clique::TimeoutReport;
 use super::clock;
-use super::recorder::OpRecord;
-use super::shared::Revoked;
+use super::record::OpRecord;
 use super::shared::Shared;
 use crate::library::Library;
 use crate::teardown::{self, exit, lock};
@@ -25,7 +25,7 @@ use crate::teardown::{self, exit, lock};
 static REGISTRY: Mutex<Vec<Weak<Shared>>> = Mutex::new(Vec::new());
 
 /// Puts `s` under watch (and starts the thread on first use).
-pub(super) fn watch(s: &Arc<Shared>) {
+pub(in crate::diag) fn watch(s: &Arc<Shared>) {
     {
         let mut r = lock(&REGISTRY);
         r.retain(|w| w.strong_count() > 0);

@@ -1,6 +1,6 @@
-//! One communicator's diagnostics state, shared by its owner, the watchdog thread and its
-//! clique: the flight record, the claim protocol, the tracking of queued work, and the
-//! reports.
+//! One communicator's watched state, shared by its owner, the watchdog thread and its
+//! clique: its journal, the handle and the flags of the claim protocol (`claim`), the
+//! tracking of queued work, and the reports.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -9,53 +9,26 @@ use std::time::{Duration, Instant};
 use nccl_sys::{ncclComm_t, EntryPoint};
 
 use super::clique::{Clique, LiveRank, RankView, TimeoutReport};
+use super::clock;
 use super::journal::Journal;
 use super::ranges::{Info, Ranges, MARKED};
-use super::recorder::{FlightRecord, OpRecord, OpState};
-use super::settings::Settings;
+use super::record::{OpRecord, OpState};
 use super::tracker::{How, Mark, Queue, Tracker};
-use super::{clock, fence};
+use crate::diag::settings::Settings;
 use crate::error::Error;
 use crate::library::Library;
 use crate::teardown::{lock, Task, TeardownLane};
 
 /// `Shared::current` while no operation of the communicator is inside its NCCL call.
-pub(super) const IDLE: u64 = 0;
+pub(in crate::diag) const IDLE: u64 = 0;
 
 /// `Shared::current` while the owner is inside an NCCL call on the handle that is not an
 /// operation (a poll, a registration, a destroy) or inside an open group: the watchdog
 /// never claims the communicator then.
-pub(super) const PINNED: u64 = u64::MAX;
+pub(in crate::diag) const PINNED: u64 = u64::MAX;
 
 /// How many queues (streams) a communicator's watch keeps.
-pub(super) const MAX_QUEUES: usize = 16;
-
-/// `Shared::revoking`: no revoke of the watchdog's runs.
-pub(super) const NOT_REVOKING: u8 = 0;
-/// `Shared::revoking`: a worker of the watchdog is inside NCCL's revoke, holding `in_place`.
-pub(super) const REVOKING: u8 = 1;
-/// `Shared::revoking`: the owner's teardown gave up waiting for that revoke: the worker
-/// aborts the handle when it returns.
-pub(super) const OWNER_LEFT: u8 = 2;
-
-/// What [`Shared::revoke_in_place`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Revoked {
-    /// Revoked in place: the handle stays with its owner.
-    Yes,
-    /// Nothing done (no revoke, the handle gone, or NCCL refused it): the claim holds.
-    No,
-    /// Revoked (or refused) while the owner's teardown gave up waiting for it: the
-    /// handle, out of its holder, is the caller's to abort (its one teardown).
-    OwnerLeft(usize),
-}
-
-/// `Shared::claim`: the watchdog leaves the communicator alone.
-pub(super) const UNCLAIMED: u8 = 0;
-/// `Shared::claim`: the watchdog is deciding whether to abort it (for microseconds).
-pub(super) const DECIDING: u8 = 1;
-/// `Shared::claim`: the watchdog aborts it; its handle must not be used again.
-pub(super) const ABORTING: u8 = 2;
+pub(in crate::diag) const MAX_QUEUES: usize = 16;
 
 /// One queue (stream) this communicator's operations used, and the watch of its work.
 ///
@@ -64,30 +37,34 @@ pub(super) const ABORTING: u8 = 2;
 /// one's work, and a capture pauses the watching of the captured stream only.
 #[derive(Debug)]
 pub(crate) struct QueueWatch {
-    pub(super) queue: Queue,
-    pub(super) key: usize,
+    pub(in crate::diag) queue: Queue,
+    pub(in crate::diag) key: usize,
     /// Journal position + 1 of the last operation on this queue whose work is queued (the
     /// owner's plain store after each operation; for a group's, at the group's end).
-    pub(super) published: AtomicU64,
+    pub(in crate::diag) published: AtomicU64,
     /// The same for operations inside an open group, published when it ends.
-    pub(super) staged: AtomicU64,
+    pub(in crate::diag) staged: AtomicU64,
     /// This queue's operations below this position are known complete.
-    pub(super) retired: AtomicU64,
+    pub(in crate::diag) retired: AtomicU64,
     /// Whether the owner marks this queue's ranges at enqueue (exact completion, on a CUDA
     /// stream): then it is the ring's one producer, and the watchdog only retires. Else the
     /// watchdog's tick (or a teardown's wait) marks, under `watch`'s lock.
-    pub(super) by_owner: bool,
+    pub(in crate::diag) by_owner: bool,
     /// Marked ranges not yet known complete: the owner's lock-free hand-off to the
     /// watchdog (`ranges`).
-    pub(super) ranges: Ranges,
+    pub(in crate::diag) ranges: Ranges,
     /// The watchdog's (and teardown's) state; the owner never takes it.
-    pub(super) watch: Mutex<Watch>,
+    pub(in crate::diag) watch: Mutex<Watch>,
     /// Takes the ring's events back when the watch is dropped.
     tracker: Arc<dyn Tracker>,
 }
 
 impl QueueWatch {
-    pub(super) fn new(queue: Queue, by_owner: bool, tracker: Arc<dyn Tracker>) -> QueueWatch {
+    pub(in crate::diag) fn new(
+        queue: Queue,
+        by_owner: bool,
+        tracker: Arc<dyn Tracker>,
+    ) -> QueueWatch {
         QueueWatch {
             key: queue.key(),
             queue,
@@ -101,18 +78,18 @@ impl QueueWatch {
         }
     }
 
-    pub(super) fn watch(&self) -> MutexGuard<'_, Watch> {
+    pub(in crate::diag) fn watch(&self) -> MutexGuard<'_, Watch> {
         lock(&self.watch)
     }
 
     /// Whether published work on this queue is not yet known complete.
-    pub(super) fn in_flight(&self) -> bool {
+    pub(in crate::diag) fn in_flight(&self) -> bool {
         self.retired.load(Ordering::Acquire) < self.published.load(Ordering::Acquire)
     }
 
     /// The ranges not retired (their end, and whether a marker covers them), oldest first.
     #[cfg(all(test, feature = "host"))]
-    pub(super) fn pending(&self) -> Vec<(u64, bool)> {
+    pub(in crate::diag) fn pending(&self) -> Vec<(u64, bool)> {
         let w = self.watch();
         (w.tail..self.ranges.head())
             .map(|p| self.ranges.word(p))
@@ -132,12 +109,12 @@ impl Drop for QueueWatch {
 
 /// The watchdog's side of one queue's ranges (see `ranges`).
 #[derive(Debug, Default)]
-pub(super) struct Watch {
+pub(in crate::diag) struct Watch {
     /// Ring positions below this are retired.
-    pub(super) tail: u64,
+    pub(in crate::diag) tail: u64,
     /// The queue was capturing into a CUDA graph at the last attempt to mark, or to
     /// query its markers.
-    pub(super) capturing: bool,
+    pub(in crate::diag) capturing: bool,
 }
 
 /// The longest an operation waits before the watchdog's notice about it.
@@ -154,80 +131,81 @@ const RECENT_COLLECTIVES: usize = 64;
 /// The owner's per-operation path takes no lock (the module docs of `diag`).
 #[derive(Debug)]
 pub(crate) struct Shared {
-    pub(super) rank: usize,
-    pub(super) world_size: usize,
-    pub(super) settings: Settings,
-    pub(super) lib: Arc<Library>,
-    pub(super) clique: Arc<Clique>,
+    pub(in crate::diag) rank: usize,
+    pub(in crate::diag) world_size: usize,
+    pub(in crate::diag) settings: Settings,
+    pub(in crate::diag) lib: Arc<Library>,
+    pub(in crate::diag) clique: Arc<Clique>,
     /// Learns when queued work finished (the watchdog's and teardown's only).
-    pub(super) tracker: Arc<dyn Tracker>,
+    pub(in crate::diag) tracker: Arc<dyn Tracker>,
     /// The queues (streams) this communicator's operations used, at most [`MAX_QUEUES`].
-    pub(super) queues: Mutex<Vec<Arc<QueueWatch>>>,
+    pub(in crate::diag) queues: Mutex<Vec<Arc<QueueWatch>>>,
     /// The host provider's one queue (the communicator itself).
-    pub(super) host_queue: Option<Arc<QueueWatch>>,
-    pub(super) journal: Journal,
+    pub(in crate::diag) host_queue: Option<Arc<QueueWatch>>,
+    pub(in crate::diag) journal: Journal,
     /// The raw handle while it may be torn down; 0 once taken. Whoever swaps it out (the
     /// owner's teardown or the watchdog's abort) is its one teardown.
-    pub(super) handle: AtomicUsize,
+    pub(in crate::diag) handle: AtomicUsize,
     /// [`IDLE`], or the journal position + 1 of the operation inside its NCCL call.
     /// Written only by the owner.
-    pub(super) current: AtomicU64,
-    /// [`UNCLAIMED`], [`DECIDING`] or [`ABORTING`]. Written only by the watchdog (the one
+    pub(in crate::diag) current: AtomicU64,
+    /// [`UNCLAIMED`](super::claim::UNCLAIMED), [`DECIDING`](super::claim::DECIDING) or
+    /// [`ABORTING`](super::claim::ABORTING). Written only by the watchdog (the one
     /// worker that handles its clique's timeout, `watchdog::sweep`), read by
     /// the owner after it stored `current` and fenced (ARCHITECTURE.md, "Who may use a
     /// handle: the claim").
-    pub(super) claim: AtomicU8,
-    /// Whether [`fence::asymmetric`] is in use.
-    pub(super) asym: bool,
+    pub(in crate::diag) claim: AtomicU8,
+    /// Whether [`fence::asymmetric`](super::fence::asymmetric) is in use.
+    pub(in crate::diag) asym: bool,
     /// The report of the timeout that made the watchdog abort this communicator.
-    pub(super) report: Mutex<Option<Arc<TimeoutReport>>>,
+    pub(in crate::diag) report: Mutex<Option<Arc<TimeoutReport>>>,
     /// Where its teardowns run.
-    pub(super) lane: TeardownLane,
+    pub(in crate::diag) lane: TeardownLane,
     /// The watchdog's abort of its handle, once taken (so `abort()` can wait for it).
-    pub(super) abort_task: Mutex<Option<Arc<Task>>>,
-    pub(super) aborted_by_watchdog: AtomicBool,
+    pub(in crate::diag) abort_task: Mutex<Option<Arc<Task>>>,
+    pub(in crate::diag) aborted_by_watchdog: AtomicBool,
     /// The watchdog revoked the handle in place (`Config::elastic`) and left it with its
     /// owner.
-    pub(super) revoked_by_watchdog: AtomicBool,
+    pub(in crate::diag) revoked_by_watchdog: AtomicBool,
     /// An NCCL group job may be linked to the handle (`Communicator::set_job_linked`): a
     /// revoke is not sound on it (`Communicator::revocable`).
-    pub(super) job_linked: AtomicBool,
+    pub(in crate::diag) job_linked: AtomicBool,
     /// The watchdog aborted the handle of an elastic communicator because NCCL's revoke
     /// was not sound on it: its errors say it cannot be shrunk.
-    pub(super) unrevocable: AtomicBool,
+    pub(in crate::diag) unrevocable: AtomicBool,
     /// Held by the watchdog while it revokes the handle in place, and by the owner while
     /// it takes the handle for its teardown: a revoke never runs on a handle its owner
     /// already took.
-    pub(super) in_place: Mutex<()>,
+    pub(in crate::diag) in_place: Mutex<()>,
     /// Whether a revoke of the watchdog's runs under `in_place`, and whether the owner's
     /// teardown gave up waiting for it (`NOT_REVOKING`, `REVOKING`, `OWNER_LEFT`).
-    pub(super) revoking: AtomicU8,
+    pub(in crate::diag) revoking: AtomicU8,
     /// Torn down by its owner.
-    pub(super) gone: AtomicBool,
-    pub(super) seq: AtomicU64,
-    pub(super) wait_ns: AtomicU64,
-    pub(super) checks: AtomicU64,
+    pub(in crate::diag) gone: AtomicBool,
+    pub(in crate::diag) seq: AtomicU64,
+    pub(in crate::diag) wait_ns: AtomicU64,
+    pub(in crate::diag) checks: AtomicU64,
     /// The driver's error for this communicator's stream work (a sticky fault of its
     /// context), once the tracker met one: the watchdog fails the communicator at once,
     /// and its own operations report it as `Error::Cuda`.
-    pub(super) cuda_fault: std::sync::OnceLock<cudarc::driver::DriverError>,
+    pub(in crate::diag) cuda_fault: std::sync::OnceLock<cudarc::driver::DriverError>,
     /// Sequence number + 1 of the last operation the watchdog printed a notice about.
-    pub(super) noticed: AtomicU64,
+    pub(in crate::diag) noticed: AtomicU64,
     /// The owner is inside a group's end with this communicator pinned (its operations
     /// staged): the watchdog's notice looks at them.
-    pub(super) group_ending: AtomicBool,
+    pub(in crate::diag) group_ending: AtomicBool,
     /// Work of this communicator was seen captured into a CUDA graph: a stream of it was
     /// capturing when marked or queried, or a marker read back as a captured event. NCCL's
     /// destroy and abort wait until every graph holding its work is destroyed
     /// (`commDestroySync`, init.cc:2232-2234 of 2.28.9), so a teardown past its bound names
     /// the graph as the likely cause. Never cleared: the crate cannot see the graph go.
-    pub(super) captured: AtomicBool,
+    pub(in crate::diag) captured: AtomicBool,
 }
 
 impl Shared {
     /// Diagnostics clock time (coarse unless precise timing is on).
     #[inline]
-    pub(super) fn now(&self) -> u64 {
+    pub(in crate::diag) fn now(&self) -> u64 {
         if self.settings.precise {
             clock::precise()
         } else {
@@ -241,7 +219,7 @@ impl Shared {
     ///
     /// So a stalled watchdog makes a timeout late, never false; and a stand-still that was
     /// over before the operation began does not delay its timeout.
-    pub(super) fn slack(&self, enqueued: Instant) -> Duration {
+    pub(in crate::diag) fn slack(&self, enqueued: Instant) -> Duration {
         if self.settings.precise {
             Duration::ZERO
         } else {
@@ -253,7 +231,7 @@ impl Shared {
     /// NVIDIA's NCCL by [`NCCL_RECLAIM_PER_LOCAL_RANK`](crate::teardown::NCCL_RECLAIM_PER_LOCAL_RANK)
     /// for each other rank of its clique in this process, whose resources the last
     /// teardown among them frees.
-    pub(super) fn teardown_bound(&self) -> crate::teardown::Bound {
+    pub(in crate::diag) fn teardown_bound(&self) -> crate::teardown::Bound {
         let mut b = self.settings.bound();
         if self.lib.provider() == crate::library::Provider::Nccl {
             let others = self.clique.local_ranks().saturating_sub(1) as u32;
@@ -262,19 +240,19 @@ impl Shared {
         b
     }
 
-    pub(super) fn queue_list(&self) -> MutexGuard<'_, Vec<Arc<QueueWatch>>> {
+    pub(in crate::diag) fn queue_list(&self) -> MutexGuard<'_, Vec<Arc<QueueWatch>>> {
         lock(&self.queues)
     }
 
     /// Whether published work is not yet known complete, on any of its queues.
-    pub(super) fn in_flight(&self) -> bool {
+    pub(in crate::diag) fn in_flight(&self) -> bool {
         self.queue_list().iter().any(|q| q.in_flight())
     }
 
     /// The watchdog's tick for this communicator: on each queue, retires ranges whose
     /// marker completed, then records one marker after whatever was published on it since
     /// the last tick.
-    pub(super) fn track(&self) {
+    pub(in crate::diag) fn track(&self) {
         // Not under the list's lock: the tracker calls into CUDA, and the owner takes the
         // lock when it uses a new stream.
         let queues: smallvec::SmallVec<[Arc<QueueWatch>; MAX_QUEUES]> =
@@ -284,7 +262,7 @@ impl Shared {
         }
     }
 
-    pub(super) fn track_queue(&self, q: &QueueWatch) {
+    pub(in crate::diag) fn track_queue(&self, q: &QueueWatch) {
         let published = q.published.load(Ordering::Acquire);
         let mut w = q.watch();
         let r = &q.ranges;
@@ -314,7 +292,7 @@ impl Shared {
     /// the newest range as it is (it never runs on the stream: complete once the work
     /// before it is), so the queue stays within its slots however captures and work
     /// alternate.
-    pub(super) fn mark_at_enqueue(&self, q: &QueueWatch, upto: u64) {
+    pub(in crate::diag) fn mark_at_enqueue(&self, q: &QueueWatch, upto: u64) {
         if upto > q.ranges.marked() {
             self.produce(q, upto, None);
         }
@@ -418,7 +396,7 @@ impl Shared {
     /// The owner's, for a queue it no longer uses often: gives back the events its retired
     /// ranges kept for the next ones (to the tracker's spare ring, which destroys what it
     /// has no room for).
-    pub(super) fn reclaim_parked(&self, q: &QueueWatch) {
+    pub(in crate::diag) fn reclaim_parked(&self, q: &QueueWatch) {
         if q.by_owner {
             q.ranges.take_free_events(|m| self.tracker.recycle(m));
         }
@@ -506,7 +484,7 @@ impl Shared {
     ///
     /// `lagged`: the limit is a timeout, extended by the clock's lag at the record's
     /// enqueue time ([`slack`](Self::slack)); a marking time is precise.
-    pub(super) fn late_work(
+    pub(in crate::diag) fn late_work(
         &self,
         now: Instant,
         limit: Duration,
@@ -543,7 +521,7 @@ impl Shared {
     /// The queue (its key: a CUDA stream's handle, or a host communicator's) whose tracked
     /// work not known complete is the oldest, with the record of that work: what a stream
     /// synchronize of NCCL's would wait for.
-    pub(super) fn stream_behind(&self) -> Option<(usize, OpRecord)> {
+    pub(in crate::diag) fn stream_behind(&self) -> Option<(usize, OpRecord)> {
         let mut oldest: Option<(Instant, usize, OpRecord)> = None;
         for q in self.queue_list().iter() {
             if !q.in_flight() || !self.tracker.busy(&q.queue) {
@@ -578,7 +556,7 @@ impl Shared {
     /// work per tick. Work queued on a dropped stream after its last marker is no longer
     /// watched (never falsely timed out).
     #[cold]
-    pub(super) fn note_queue(&self, q: Queue) -> Arc<QueueWatch> {
+    pub(in crate::diag) fn note_queue(&self, q: Queue) -> Arc<QueueWatch> {
         let mut qs = self.queue_list();
         let key = q.key();
         if let Some(i) = qs.iter().position(|x| x.key == key) {
@@ -596,7 +574,7 @@ impl Shared {
     }
 
     /// The record at journal position `pos`, with completion of tracked work applied.
-    pub(super) fn record(&self, pos: u64) -> Option<OpRecord> {
+    pub(in crate::diag) fn record(&self, pos: u64) -> Option<OpRecord> {
         let mut r = self.journal.get(pos)?;
         if r.state == OpState::Enqueued {
             let key = self.journal.queue_of(pos);
@@ -617,7 +595,7 @@ impl Shared {
     /// on: a peer's collective numbered as another call of this rank is then a mismatch
     /// that the check reports to every rank (`CollectiveMismatch`, with the table), which
     /// the departure must not preempt.
-    pub(super) fn recent_collectives(&self) -> Vec<(u64, EntryPoint)> {
+    pub(in crate::diag) fn recent_collectives(&self) -> Vec<(u64, EntryPoint)> {
         let Some(last) = self.journal.last_pos().filter(|_| !self.settings.check) else {
             return Vec::new();
         };
@@ -625,7 +603,7 @@ impl Shared {
         let mut out: Vec<(u64, EntryPoint)> = (first..=last)
             .rev()
             .filter_map(|p| self.journal.get(p))
-            .filter(|r| super::op::is_collective(r.op))
+            .filter(|r| crate::diag::op::is_collective(r.op))
             .map(|r| (r.seq, r.op))
             .take(RECENT_COLLECTIVES)
             .collect();
@@ -633,52 +611,17 @@ impl Shared {
         out
     }
 
-    pub(super) fn flight_record(&self) -> FlightRecord {
-        FlightRecord {
-            rank: self.rank,
-            world_size: self.world_size,
-            clique: self.clique.key,
-            entries: self
-                .journal
-                .shown()
-                .filter_map(|p| self.record(p))
-                .collect(),
-            taken: Instant::now(),
-        }
-    }
-
-    /// Prints and/or writes the flight record, as configured.
     #[cold]
-    pub(super) fn dump(&self) {
-        if !self.settings.dump_stderr && self.settings.dump_dir.is_none() {
-            return;
-        }
-        let fr = self.flight_record();
-        if self.settings.dump_stderr {
-            eprintln!("nccl-safe: {fr}");
-        }
-        if let Some(dir) = &self.settings.dump_dir {
-            match fr.write_json(dir) {
-                Ok(p) if self.settings.dump_stderr => {
-                    eprintln!("nccl-safe: flight record written to {}", p.display())
-                }
-                Ok(_) => {}
-                Err(e) => eprintln!(
-                    "nccl-safe: cannot write the flight record to {}: {e}",
-                    dir.display()
-                ),
-            }
-        }
-    }
-
-    #[cold]
-    pub(super) fn timeout_error(&self, report: &str) -> Error {
+    pub(in crate::diag) fn timeout_error(&self, report: &str) -> Error {
         if let Some(&e) = self.cuda_fault.get() {
             // Its own stream's work failed on the GPU: the driver's error is the cause.
             return Error::Cuda(e);
         }
         let what = if self.unrevocable.load(Ordering::Acquire) {
-            format!("{report}. This rank's communicator: {}", super::UNREVOCABLE)
+            format!(
+                "{report}. This rank's communicator: {}",
+                crate::diag::UNREVOCABLE
+            )
         } else {
             report.to_string()
         };
@@ -694,14 +637,14 @@ impl Shared {
     /// The operation of this communicator that waits for a collective a departed rank
     /// never issued (see `Clique::depart`), if any: the one inside its NCCL call, else the
     /// oldest tracked work not known complete.
-    pub(super) fn waits_for_departed(&self, now: Instant) -> Option<OpRecord> {
+    pub(in crate::diag) fn waits_for_departed(&self, now: Instant) -> Option<OpRecord> {
         let rec = (self.in_call()).or_else(|| self.late_work(now, Duration::ZERO, false))?;
         self.clique.waits_for_departed(self.rank, &rec).map(|_| rec)
     }
 
     /// Publishes the work of a group that just ended on every queue it used (marking each
     /// first, with exact completion: the group's work is on its streams now).
-    pub(super) fn publish_staged(&self) {
+    pub(in crate::diag) fn publish_staged(&self) {
         for q in self.queue_list().iter() {
             let staged = q.staged.load(Ordering::Acquire);
             if staged > q.published.load(Ordering::Acquire) {
@@ -715,7 +658,7 @@ impl Shared {
 
     /// The records of the operations of the group being ended (staged on a queue, not yet
     /// published), queue by queue.
-    pub(super) fn staged(&self) -> Vec<OpRecord> {
+    pub(in crate::diag) fn staged(&self) -> Vec<OpRecord> {
         let mut staged = Vec::new();
         for q in self.queue_list().iter() {
             let from = q.published.load(Ordering::Acquire);
@@ -729,7 +672,7 @@ impl Shared {
     /// collective this rank waits in (its shared memory's barrier counts), for a timeout
     /// report with no desync board or one that cannot be read; `None` for NVIDIA's NCCL,
     /// a clique within one process, and a handle the watchdog already took.
-    pub(super) fn host_behind(&self) -> Option<Vec<usize>> {
+    pub(in crate::diag) fn host_behind(&self) -> Option<Vec<usize>> {
         #[cfg(feature = "host")]
         if self.lib.provider() == crate::library::Provider::Host {
             let raw = self.handle.load(Ordering::Acquire) as ncclComm_t;
@@ -745,7 +688,12 @@ impl Shared {
     /// Times the clique out (unless it already was) for `rec`, this rank's operation, which
     /// `what` says happened to: the desync report ([`Clique::report`], `ours` as there).
     /// Returns the clique's first report.
-    pub(super) fn time_out(&self, rec: &OpRecord, what: &str, ours: bool) -> Arc<TimeoutReport> {
+    pub(in crate::diag) fn time_out(
+        &self,
+        rec: &OpRecord,
+        what: &str,
+        ours: bool,
+    ) -> Arc<TimeoutReport> {
         let host = self.host_behind();
         let report = (self.clique).report(
             self.rank,
@@ -760,7 +708,7 @@ impl Shared {
     }
 
     /// The report this communicator's failure is about, if the clique timed out.
-    pub(super) fn timed_out(&self) -> Option<Arc<TimeoutReport>> {
+    pub(in crate::diag) fn timed_out(&self) -> Option<Arc<TimeoutReport>> {
         if self.aborted_by_watchdog.load(Ordering::Acquire) {
             let r = lock(&self.report).clone();
             if r.is_some() {
@@ -771,7 +719,7 @@ impl Shared {
     }
 
     /// The report of the watchdog's abort of this communicator.
-    pub(super) fn abort_report(&self) -> Arc<TimeoutReport> {
+    pub(in crate::diag) fn abort_report(&self) -> Arc<TimeoutReport> {
         self.timed_out()
             .unwrap_or_else(|| TimeoutReport::text("the watchdog aborted it"))
     }
@@ -779,7 +727,7 @@ impl Shared {
     /// The report for an operation of this rank that was not run (or was woken) because the
     /// clique already timed out.
     #[cold]
-    pub(super) fn peer_timeout(&self, rec: &OpRecord, first: &str) -> Error {
+    pub(in crate::diag) fn peer_timeout(&self, rec: &OpRecord, first: &str) -> Error {
         let done = if self.settings.elastic && !self.aborted_by_watchdog.load(Ordering::Acquire) {
             "the watchdog revoked the communicators of its clique (Config::elastic: shrink_after_failure makes one of the ranks left)"
         } else {
@@ -809,27 +757,11 @@ impl Shared {
         self.timeout_error(&what)
     }
 
-    /// Waits for the watchdog's decision on its claim (it takes microseconds): `true`
-    /// when it let the communicator be, `false` when it aborts it (then once the abort is
-    /// visible, so the error carries its report).
-    #[cold]
-    pub(super) fn await_decision(&self) -> bool {
-        let until = Instant::now() + Duration::from_secs(5);
-        loop {
-            match self.claim.load(Ordering::Acquire) {
-                UNCLAIMED => return true,
-                ABORTING if self.aborted_by_watchdog.load(Ordering::Acquire) => return false,
-                _ if Instant::now() >= until => return false,
-                _ => std::thread::yield_now(),
-            }
-        }
-    }
-
     // ---- the watchdog's side ------------------------------------------------------------
 
     /// When the tracker met a driver error for this communicator's work: the oldest
     /// operation not known complete (else the latest), with the error.
-    pub(super) fn faulted(&self) -> Option<(OpRecord, cudarc::driver::DriverError)> {
+    pub(in crate::diag) fn faulted(&self) -> Option<(OpRecord, cudarc::driver::DriverError)> {
         let e = *self.cuda_fault.get()?;
         let pending = self.queue_list().iter().find_map(|q| {
             let w = q.watch();
@@ -841,7 +773,7 @@ impl Shared {
     }
 
     /// The operation that ran out of time at `now`, if any.
-    pub(super) fn late(&self, now: Instant) -> Option<OpRecord> {
+    pub(in crate::diag) fn late(&self, now: Instant) -> Option<OpRecord> {
         self.late_by(now, self.settings.timeout)
     }
 
@@ -849,7 +781,7 @@ impl Shared {
     /// [`NOTICE_AFTER`] (so a stuck rank shows long before the timeout turns it into an
     /// error), once per operation: what this rank waits in and, of the ranks in this
     /// process, which have not called it yet.
-    pub(super) fn notice(&self, now: Instant) -> Option<String> {
+    pub(in crate::diag) fn notice(&self, now: Instant) -> Option<String> {
         let limit = (self.settings.timeout / 4).min(NOTICE_AFTER);
         let rec = (self.late_by(now, limit)).or_else(|| self.group_late_by(now, limit))?;
         if self.noticed.fetch_max(rec.seq + 1, Ordering::AcqRel) > rec.seq {
@@ -897,258 +829,13 @@ impl Shared {
             .min_by_key(|r| r.enqueued)
     }
 
-    /// Claims this communicator for an abort at `now`: an operation inside its NCCL call
-    /// for at least `min_age` (so its thread is blocked in NCCL, not about to enter; its age
-    /// read with the clock's lag at its start added), or idle with CUDA work in flight.
-    /// `false` when it may not be aborted now.
-    pub(super) fn claim(&self, now: Instant, min_age: Duration) -> bool {
-        self.claim_seen(self.current.load(Ordering::Acquire), now, min_age)
-    }
-
-    /// [`claim`](Self::claim) from the value `cur` of `current` the watchdog saw.
-    pub(super) fn claim_seen(&self, cur: u64, now: Instant, min_age: Duration) -> bool {
-        if cur == PINNED {
-            return false;
-        }
-        if cur != IDLE {
-            let old = self.journal.get(cur - 1).is_some_and(|r| {
-                now.saturating_duration_since(r.enqueued) >= min_age + self.slack(r.enqueued)
-            });
-            if !old {
-                return false;
-            }
-        } else if !self.in_flight() {
-            return false;
-        }
-        self.claim.store(DECIDING, Ordering::SeqCst);
-        let fenced = fence::heavy(self.asym);
-        // Still the same operation (or still idle: then any operation begun meanwhile has
-        // already ended) means the owner has not passed a check since the claim was
-        // visible, and its next check will see it.
-        let same = fenced && self.current.load(Ordering::SeqCst) == cur;
-        let verdict = if same { ABORTING } else { UNCLAIMED };
-        self.claim.store(verdict, Ordering::Release);
-        same
-    }
-
-    /// Whether the operation inside its call is a shrink: the watchdog leaves it be, with
-    /// or without `Config::elastic` (the recovery a rank left already began; in NCCL's
-    /// abort mode the call waits for the device stream with the abort flags it set itself,
-    /// init.cc:2844-2848 of v2.29.7-1, and an abort would free the communicator under it;
-    /// the wait for the child after the call is bounded by the shrink itself).
-    pub(super) fn in_shrink(&self) -> bool {
-        self.in_call()
-            .is_some_and(|r| r.op == EntryPoint::ncclCommShrink)
-    }
-
-    /// Whether the operation inside its call is a grow: a boundary rank waits there for
-    /// the root's id through this communicator (init.cc:2913-2924 of v2.29.7-1) and uses
-    /// it after the wait, so an abort would free it under the call; the watchdog revokes
-    /// it instead, with or without `Config::elastic` (the abort flags end the wait).
-    pub(super) fn in_grow(&self) -> bool {
-        self.in_call()
-            .is_some_and(|r| r.op == EntryPoint::ncclCommGrow)
-    }
-
-    /// Whether the watchdog aborted or revoked this communicator (it is done with it).
-    pub(super) fn watchdog_took(&self) -> bool {
-        self.aborted_by_watchdog.load(Ordering::Acquire)
-            || self.revoked_by_watchdog.load(Ordering::Acquire)
-    }
-
     /// The operation whose NCCL call the owner is inside, if any (not while it is idle or
     /// pinned).
-    fn in_call(&self) -> Option<OpRecord> {
+    pub(in crate::diag) fn in_call(&self) -> Option<OpRecord> {
         let cur = self.current.load(Ordering::Acquire);
         (cur != IDLE && cur != PINNED)
             .then(|| self.journal.get(cur - 1))
             .flatten()
-    }
-
-    /// After a successful [`claim`](Self::claim), with `Config::elastic`: revokes the
-    /// handle where it is (`ncclCommRevoke`: its work in flight ends, its owner's call
-    /// returns) and leaves it with its owner, whose teardown stays its one teardown.
-    /// [`Revoked::No`] (nothing done, the claim still held) when the library has no
-    /// revoke, the owner already took the handle, or NCCL refused the revoke: then the
-    /// caller aborts. Runs on a worker of the watchdog (the revoke may block in NCCL);
-    /// an owner's teardown waits for it at most its abort bound (`lock_in_place`) and
-    /// then leaves the handle here: [`Revoked::OwnerLeft`], the caller's to abort.
-    pub(super) fn revoke_in_place(&self, report: &Arc<TimeoutReport>) -> Revoked {
-        let Some(revoke) = self.lib.table().ncclCommRevoke else {
-            return Revoked::No;
-        };
-        let _held = lock(&self.in_place);
-        let h = self.handle.load(Ordering::Acquire);
-        if h == 0 || self.gone.load(Ordering::Acquire) {
-            return Revoked::No;
-        }
-        // Sound only with no NCCL group job linked to the handle
-        // (`Communicator::revocable`): a poll that reads ncclSuccess unlinks one; one that
-        // reads ncclInProgress (the launch in flight), or an error after a launch no poll
-        // saw succeed, leaves it linked, and then the handle is aborted instead. The owner
-        // cannot poll meanwhile: the claim keeps it from pinning.
-        let mut state = nccl_sys::bindings::ncclInProgress;
-        // SAFETY: the handle is live (see the revoke below); `state` is writable.
-        let polled =
-            unsafe { (self.lib.table().ncclCommGetAsyncError)(h as ncclComm_t, &mut state) };
-        if polled == nccl_sys::bindings::ncclSuccess && state == nccl_sys::bindings::ncclSuccess {
-            self.job_linked.store(false, Ordering::Release);
-        }
-        let linked = polled != nccl_sys::bindings::ncclSuccess
-            || state == nccl_sys::bindings::ncclInProgress
-            || self.job_linked.load(Ordering::Acquire);
-        if linked {
-            self.unrevocable.store(true, Ordering::Release);
-            return Revoked::No;
-        }
-        // Marked first, so that the owner's call, woken by the revoke, reports it.
-        *lock(&self.report) = Some(Arc::clone(report));
-        self.revoked_by_watchdog.store(true, Ordering::Release);
-        self.revoking.store(REVOKING, Ordering::SeqCst);
-        // SAFETY: the handle is live: its owner takes it for a teardown only under
-        // `in_place`, held here (an owner that gives up waiting leaves it in its holder,
-        // see below), and the claim keeps the owner from any other call (it is blocked
-        // inside one, or idle with work in flight, which a revoke may stop).
-        let r = unsafe {
-            revoke(
-                h as ncclComm_t,
-                nccl_sys::bindings::NCCL_REVOKE_DEFAULT as std::ffi::c_int,
-            )
-        };
-        let ok = r == nccl_sys::bindings::ncclSuccess || r == nccl_sys::bindings::ncclInProgress;
-        if self.revoking.swap(NOT_REVOKING, Ordering::AcqRel) == OWNER_LEFT {
-            // The owner's teardown gave up waiting while the revoke ran (`lock_in_place`):
-            // the handle is still in its holder, and this is its one teardown.
-            self.aborted_by_watchdog.store(true, Ordering::Release);
-            let h = self.handle.swap(0, Ordering::AcqRel);
-            self.claim.store(UNCLAIMED, Ordering::Release);
-            return if h == 0 {
-                Revoked::Yes
-            } else {
-                Revoked::OwnerLeft(h)
-            };
-        }
-        if !ok {
-            self.revoked_by_watchdog.store(false, Ordering::Release);
-            return Revoked::No;
-        }
-        self.claim.store(UNCLAIMED, Ordering::Release);
-        Revoked::Yes
-    }
-
-    /// The owner's own `ncclCommRevoke` (`Communicator::revoke`, and a failed wait's or
-    /// group's revoke), run on a thread of its own under `in_place` as the watchdog's
-    /// revoke runs (NCCL's revoke may block: it joins the group job, group.cc:875-877 of
-    /// v2.29.7-1), so that the owner waits for it at most `bound`. The owner holds its pin
-    /// (the watchdog claims nothing meanwhile) and judged the revoke sound first
-    /// (`Communicator::revocable`). `Ok(None)`: the handle had been taken. `Err(())`: past
-    /// the bound, the revoke still runs: the owner must not call NCCL on the handle again;
-    /// its teardown hands the handle over (`lock_in_place`), and this thread aborts it once
-    /// the revoke returned.
-    pub(crate) fn revoke_for_owner(
-        self: &Arc<Self>,
-        bound: Duration,
-    ) -> Result<Option<nccl_sys::ncclResult_t>, ()> {
-        let Some(revoke) = self.lib.table().ncclCommRevoke else {
-            return Ok(None);
-        };
-        let (tx, rx) = std::sync::mpsc::channel();
-        let s = Arc::clone(self);
-        let spawned = std::thread::Builder::new()
-            .name("nccl-safe-revoke".into())
-            .spawn(move || {
-                let held = lock(&s.in_place);
-                let h = s.handle.load(Ordering::Acquire);
-                if h == 0 || s.gone.load(Ordering::Acquire) {
-                    let _ = tx.send(None);
-                    return;
-                }
-                s.revoking.store(REVOKING, Ordering::SeqCst);
-                // SAFETY: the handle is live: its owner takes it for a teardown only under
-                // `in_place`, held here (an owner that gives up waiting leaves it in its
-                // holder); the owner makes no other call on it meanwhile (it waits for this
-                // one, or, past its bound, never calls NCCL on it again).
-                let r = unsafe {
-                    revoke(
-                        h as ncclComm_t,
-                        nccl_sys::bindings::NCCL_REVOKE_DEFAULT as std::ffi::c_int,
-                    )
-                };
-                if s.revoking.swap(NOT_REVOKING, Ordering::AcqRel) == OWNER_LEFT {
-                    // The owner's teardown gave up waiting: this is the handle's one
-                    // teardown, an abort its `abort()` waits for as for the watchdog's.
-                    s.aborted_by_watchdog.store(true, Ordering::Release);
-                    let h = s.handle.swap(0, Ordering::AcqRel);
-                    if h != 0 {
-                        let what = format!(
-                            "the communicator of rank {} whose revoke outlasted its owner's bound",
-                            s.rank
-                        );
-                        let task = crate::teardown::abort(
-                            s.lane,
-                            Arc::clone(&s.lib),
-                            vec![h],
-                            s.teardown_bound(),
-                            what,
-                        );
-                        *lock(&s.abort_task) = Some(task);
-                    }
-                }
-                drop(held);
-                let _ = tx.send(Some(r));
-            });
-        if spawned.is_err() {
-            return Ok(None);
-        }
-        rx.recv_timeout(bound).map_err(|_| ())
-    }
-
-    /// The owner's teardown takes `in_place`, waiting at most `bound` (a worker of the
-    /// watchdog holds it while NCCL's revoke runs, which may block). `None` past it:
-    /// then the communicator is marked gone and its handle left to the worker, which
-    /// aborts it once the revoke returned ([`Revoked::OwnerLeft`]; `revoking` decides
-    /// which side has it, exactly once): the owner must not touch the handle again.
-    pub(crate) fn lock_in_place(&self, bound: Duration) -> Option<MutexGuard<'_, ()>> {
-        let until = Instant::now() + bound;
-        loop {
-            match self.in_place.try_lock() {
-                Ok(g) => return Some(g),
-                Err(std::sync::TryLockError::Poisoned(e)) => return Some(e.into_inner()),
-                Err(std::sync::TryLockError::WouldBlock) => {}
-            }
-            // Past the bound, while NCCL's revoke runs: hand the handle to the worker.
-            // (Outside the revoke, the worker holds the lock for microseconds: wait on.)
-            let late = Instant::now() >= until;
-            if late
-                && (self.revoking)
-                    .compare_exchange(REVOKING, OWNER_LEFT, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-            {
-                // Marked aborted: the owner's `abort()` waits (bounded) for the worker's
-                // abort of the handle, as for any the watchdog took.
-                self.aborted_by_watchdog.store(true, Ordering::Release);
-                self.gone.store(true, Ordering::Release);
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-
-    /// Gives a successful [`claim`](Self::claim) up: the owner carries on.
-    pub(super) fn release_claim(&self) {
-        self.claim.store(UNCLAIMED, Ordering::Release);
-    }
-
-    /// After a successful [`claim`](Self::claim): takes the handle (0 when the owner's
-    /// teardown already has it) and marks the communicator aborted with `report`.
-    ///
-    /// The report and the flag are set before the handle leaves its holder (`handle`), so an
-    /// owner's `abort()` that finds it empty always sees that the watchdog took it (and
-    /// waits for its abort) rather than returning `Ok` at once.
-    pub(super) fn take_for_abort(&self, report: &Arc<TimeoutReport>) -> usize {
-        *lock(&self.report) = Some(Arc::clone(report));
-        self.aborted_by_watchdog.store(true, Ordering::Release);
-        self.handle.swap(0, Ordering::AcqRel)
     }
 }
 

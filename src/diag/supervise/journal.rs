@@ -18,7 +18,7 @@ use std::time::Duration;
 use nccl_sys::EntryPoint;
 
 use super::clock;
-use super::recorder::{OpRecord, OpState};
+use super::record::{OpRecord, OpState};
 use crate::types::DataType;
 
 const NONE: u64 = u64::MAX;
@@ -102,7 +102,7 @@ impl Journal {
     /// A journal showing the last `cap` records (allocates its slots once, here).
     pub(crate) fn new(cap: usize) -> Journal {
         // Settings refuse longer records; clamped here too, so no length can overflow.
-        let cap = cap.min(super::settings::MAX_FLIGHT_RECORD_LEN);
+        let cap = cap.min(crate::diag::settings::MAX_FLIGHT_RECORD_LEN);
         let len = cap.max(1).next_power_of_two();
         Journal {
             slots: (0..len).map(|_| Slot::default()).collect(),

@@ -1,26 +1,28 @@
 //! What the ranks of one communicator in this process know about each other: each rank's
-//! last operation (for the desync report) and the fingerprint exchange (for the opt-in check).
+//! last operation, the clique's first timeout (the report every rank fails fast with), the
+//! rank that left and the ranks lost, the agreements of a recovery, and the fingerprint
+//! exchange (for the opt-in check, `observe::fingerprint`).
 //!
 //! A clique is keyed by a hash of the unique id (plus the split path for children); all
 //! ranks of it that live in this process share one [`Clique`]. Ranks in other processes are
-//! reported from the job's desync board when the clique has one, else as "no record".
+//! known from the job's desync board when the clique has one. The words of a failure, the
+//! desync report, are the observers' ([`Observers`], given at [`join`]).
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use nccl_sys::EntryPoint;
 
-use super::key::CliqueKey;
-use super::recorder::{OpRecord, OpState};
-use super::remote::{self, DesyncPost, RemoteBoard};
+use super::record::{OpRecord, OpState};
+use crate::diag::key::CliqueKey;
+use crate::diag::remote::{DesyncPost, RemoteBoard};
 use crate::teardown::lock;
 
 /// How many sequence numbers of fingerprints each rank keeps in the exchange. A rank cannot
 /// post seq n+1 before every rank posted seq n, so two would do.
-const FINGERPRINT_DEPTH: usize = 4;
+pub(crate) const FINGERPRINT_DEPTH: usize = 4;
 
 /// The report of a clique's first timeout: which operation of which rank ran out of time,
 /// and the text every rank's error carries. It reads as its text.
@@ -101,15 +103,10 @@ pub(crate) struct RankView {
 /// The shape of a collective that every rank must agree on, and where it was called.
 pub(crate) type Fingerprint = OpRecord;
 
-/// Whether two ranks' fingerprints agree: the same call, type, count and root.
-fn same_shape(a: &Fingerprint, b: &Fingerprint) -> bool {
-    (a.op, a.dtype, a.count, a.root) == (b.op, b.dtype, b.count, b.root)
-}
-
 #[derive(Debug)]
 pub(crate) struct CliqueState {
     /// Per rank, its last [`FINGERPRINT_DEPTH`] fingerprints (a ring by sequence number): the
-    /// fingerprint exchange of [`Clique::agree`].
+    /// fingerprint exchange of [`Clique::exchange`].
     fingerprints: Vec<[Option<Fingerprint>; FINGERPRINT_DEPTH]>,
     /// Set once, by the first timeout: the report every later call returns.
     pub timed_out: Option<Arc<TimeoutReport>>,
@@ -130,8 +127,11 @@ pub(crate) struct Clique {
     cv: Condvar,
     /// Mirrors `CliqueState::timed_out.is_some()`, so the per-operation check takes no lock.
     any_timeout: AtomicBool,
-    /// The job's desync board in another process, read and posted to by [`Clique::report`].
+    /// The job's desync board in another process, read and posted to by [`Clique::report`]
+    /// and by departures.
     board: OnceLock<Arc<dyn RemoteBoard>>,
+    /// What the observers say about a failure of this clique (its desync report).
+    observers: &'static Observers,
     /// The first rank that left (its communicator torn down, or its launcher closure
     /// returned) while the clique was healthy.
     departed: OnceLock<Departure>,
@@ -184,7 +184,12 @@ pub(crate) const SETTLE: Duration = Duration::from_millis(50);
 static REGISTRY: Mutex<BTreeMap<CliqueKey, Weak<Clique>>> = Mutex::new(BTreeMap::new());
 
 /// The clique `key` of `world_size` ranks, shared by every rank of it in this process.
-pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
+/// `observers` build its reports (`diag::observe` gives them, through the hooks).
+pub(crate) fn join(
+    key: CliqueKey,
+    world_size: usize,
+    observers: &'static Observers,
+) -> Arc<Clique> {
     let mut r = lock(&REGISTRY);
     r.retain(|_, w| w.strong_count() > 0);
     if let Some(c) = r.get(&key).and_then(Weak::upgrade) {
@@ -203,6 +208,7 @@ pub(crate) fn join(key: CliqueKey, world_size: usize) -> Arc<Clique> {
         cv: Condvar::new(),
         any_timeout: AtomicBool::new(false),
         board: OnceLock::new(),
+        observers,
         departed: OnceLock::new(),
         recovering: Mutex::new(BTreeMap::new()),
         shrinks: Mutex::new(BTreeMap::new()),
@@ -223,15 +229,6 @@ pub(crate) enum ExcludeAgreement {
     Missing(Vec<usize>),
 }
 
-/// How a fingerprint comparison ended.
-pub(crate) enum Agreement {
-    Agree,
-    /// The table of what each rank called.
-    Mismatch(String),
-    /// The clique timed out (the report), or our wait ran out (`None`: build the report).
-    TimedOut(Option<Arc<TimeoutReport>>),
-}
-
 /// A rank's live diagnostics, as the clique sees them: what it is doing now. Implemented by
 /// the communicator's shared diagnostics state, which holds the clique (so the clique holds
 /// it weakly, and only through this view).
@@ -240,9 +237,33 @@ pub(crate) trait LiveRank: Send + Sync {
     fn view(&self) -> RankView;
 }
 
+/// What the observers (`diag::observe`) say about a failure, which supervision asks for
+/// on its cold paths only (a timeout, the watchdog's notice): the one edge from
+/// supervision up to the observers, inverted. The hooks give every clique the observers'
+/// table when they join it ([`join`]); nothing on an operation's path calls through it.
+#[derive(Debug)]
+pub(crate) struct Observers {
+    /// The desync report ([`Clique::report`], with its arguments).
+    pub report: ReportFn,
+    /// Posts this process's ranks' last operations to the board ([`Clique::post_waiting`]).
+    pub post_waiting: fn(&Clique),
+}
+
+/// Builds a clique's desync report: [`Clique::report`]'s arguments, the clique first.
+pub(crate) type ReportFn =
+    fn(&Clique, usize, &OpRecord, Duration, &str, bool, Option<&[usize]>) -> Report;
+
+/// How a fingerprint exchange ended ([`Clique::exchange`]).
+pub(crate) enum Exchanged<R> {
+    /// Every rank posted its fingerprint: what the comparison made of them.
+    Posted(R),
+    /// The clique timed out (the report), or our wait ran out (`None`: build the report).
+    TimedOut(Option<Arc<TimeoutReport>>),
+}
+
 impl Clique {
     /// Rank `rank`'s view: its live communicator's, else the one recorded last.
-    fn view(&self, rank: usize) -> RankView {
+    pub(crate) fn view(&self, rank: usize) -> RankView {
         let Some(m) = self.ranks.get(rank) else {
             return RankView::default();
         };
@@ -254,7 +275,7 @@ impl Clique {
     }
 
     /// The ranks in this process whose communicator is not torn down, with their views.
-    fn here(&self) -> impl Iterator<Item = (usize, RankView)> + '_ {
+    pub(crate) fn here(&self) -> impl Iterator<Item = (usize, RankView)> + '_ {
         (0..self.world_size)
             .map(|r| (r, self.view(r)))
             .filter(|(_, v)| v.present && !v.gone)
@@ -700,7 +721,7 @@ impl Clique {
 
     /// Updates rank `rank`'s recorded view (the tests' stand-in for a rank's communicator).
     #[cfg(test)]
-    fn update(&self, rank: usize, f: impl FnOnce(&mut RankView)) {
+    pub(crate) fn update(&self, rank: usize, f: impl FnOnce(&mut RankView)) {
         if let Some(m) = self.ranks.get(rank) {
             f(&mut lock(m).1);
         }
@@ -737,7 +758,7 @@ impl Clique {
     /// [`BOARD_IO`] (the process's exit waits for them until then). `None` (nothing posted)
     /// without a board, while the process exits, or when no thread starts; else the
     /// receiver hears when they are done.
-    fn post_in_background(
+    pub(crate) fn post_in_background(
         &self,
         posts: Vec<(usize, DesyncPost)>,
     ) -> Option<std::sync::mpsc::Receiver<()>> {
@@ -756,23 +777,6 @@ impl Clique {
             })
             .ok()?;
         Some(done)
-    }
-
-    /// Posts this process's ranks' last operations to the board (in the background, bounded
-    /// like a departure's post), when one of them has waited long in an operation (the
-    /// watchdog's notice): so that the first rank of another process to time out finds
-    /// every rank that waits with it on the board, and only the rank behind silent. Ranks
-    /// otherwise post only at their own timeout, which the first to time out never sees.
-    /// (When nothing could be posted, the report says these ranks posted nothing.)
-    pub(crate) fn post_waiting(&self) {
-        if self.board.get().is_none() {
-            return;
-        }
-        let now = Instant::now();
-        let posts: Vec<(usize, DesyncPost)> = (self.here())
-            .map(|(r, v)| (r, DesyncPost::new(self.key, v.issued, &describe(&v, now))))
-            .collect();
-        let _ = self.post_in_background(posts);
     }
 
     /// The departure of a rank in another process that the job's desync board holds, read
@@ -834,6 +838,42 @@ impl Clique {
         lock(&self.state).timed_out.clone()
     }
 
+    /// The job's desync board, if the clique was given one.
+    pub(crate) fn board(&self) -> Option<&Arc<dyn RemoteBoard>> {
+        self.board.get()
+    }
+
+    /// The clique's first departure, if a rank left.
+    pub(crate) fn departure(&self) -> Option<&Departure> {
+        self.departed.get()
+    }
+
+    /// The desync report for rank `rank` stuck in `stuck` (its operation `stuck.seq`),
+    /// ending with why this clique was aborted: by this rank's watchdog (`ours`), or by a
+    /// rank of another process. `host`: the ranks of other processes the host provider
+    /// says have not reached the collective, when it knows. The observers build it
+    /// ([`Observers::report`]).
+    #[cold]
+    pub(crate) fn report(
+        &self,
+        rank: usize,
+        stuck: &OpRecord,
+        timeout: Duration,
+        what: &str,
+        ours: bool,
+        host: Option<&[usize]>,
+    ) -> Report {
+        (self.observers.report)(self, rank, stuck, timeout, what, ours, host)
+    }
+
+    /// Posts this process's ranks' last operations to the board, when one of them has
+    /// waited long in an operation (the watchdog's notice); the observers do it
+    /// ([`Observers::post_waiting`]).
+    #[cold]
+    pub(crate) fn post_waiting(&self) {
+        (self.observers.post_waiting)(self)
+    }
+
     /// Records the clique's first timeout and wakes everyone waiting in the fingerprint exchange.
     pub(crate) fn set_timed_out(&self, report: &Arc<TimeoutReport>) -> Arc<TimeoutReport> {
         let mut s = lock(&self.state);
@@ -848,8 +888,16 @@ impl Clique {
     }
 
     /// Posts `fp` for rank `rank` and waits (until `deadline`) for every rank's fingerprint
-    /// of the same sequence number, then compares them.
-    pub(crate) fn agree(&self, rank: usize, fp: Fingerprint, deadline: Instant) -> Agreement {
+    /// of the same sequence number (the fingerprint exchange); then `compare` reads them,
+    /// every rank's last ones and the slot of this sequence number, under the exchange's
+    /// lock.
+    pub(crate) fn exchange<R>(
+        &self,
+        rank: usize,
+        fp: Fingerprint,
+        deadline: Instant,
+        compare: impl FnOnce(&[[Option<Fingerprint>; FINGERPRINT_DEPTH]], usize) -> R,
+    ) -> Exchanged<R> {
         let slot = (fp.seq % FINGERPRINT_DEPTH as u64) as usize;
         let mut s = lock(&self.state);
         if let Some(b) = s.fingerprints.get_mut(rank) {
@@ -866,195 +914,11 @@ impl Clique {
             .wait_timeout_while(s, left, |s| s.timed_out.is_none() && !posted(s));
         let s = waited.unwrap_or_else(|e| e.into_inner()).0;
         if let Some(r) = &s.timed_out {
-            Agreement::TimedOut(Some(Arc::clone(r)))
+            Exchanged::TimedOut(Some(Arc::clone(r)))
         } else if !posted(&s) {
-            Agreement::TimedOut(None)
-        } else if (s.fingerprints.iter()).all(|b| b[slot].is_some_and(|p| same_shape(&p, &fp))) {
-            Agreement::Agree
+            Exchanged::TimedOut(None)
         } else {
-            Agreement::Mismatch(self.table(&s, slot))
-        }
-    }
-
-    fn table(&self, s: &CliqueState, slot: usize) -> String {
-        let mut t =
-            String::from("  rank  seq   call                                      called at\n");
-        let first = s.fingerprints.first().and_then(|b| b[slot]);
-        for (r, b) in s.fingerprints.iter().enumerate() {
-            match b[slot] {
-                Some(p) => {
-                    let differs = first.is_some_and(|f| !same_shape(&f, &p));
-                    let _ = writeln!(
-                        t,
-                        "  {r:>4}  {:<4}  {:<40}  {}{}",
-                        p.seq,
-                        p.signature(),
-                        p.at(),
-                        if differs {
-                            "   <-- differs from rank 0"
-                        } else {
-                            ""
-                        }
-                    );
-                }
-                None => {
-                    let _ = writeln!(t, "  {r:>4}  -     (nothing posted)");
-                }
-            }
-        }
-        t.truncate(t.trim_end().len());
-        t
-    }
-
-    /// The desync report for rank `rank` stuck in `stuck` (its operation `stuck.seq`),
-    /// ending with why this clique was aborted: by this rank's watchdog (`ours`), or by a
-    /// rank of another process. `host`: the ranks of other processes the host provider
-    /// says have not reached the collective, when it knows (used for a rank the desync
-    /// board has no post of: there is no board, or it cannot be read).
-    pub(crate) fn report(
-        &self,
-        rank: usize,
-        stuck: &OpRecord,
-        timeout: Duration,
-        what: &str,
-        ours: bool,
-        host: Option<&[usize]>,
-    ) -> Report {
-        let now = Instant::now();
-        let mut out = format!(
-            "{} (seq {}) on rank {rank}, called at {}, {what}.\nDesync report (clique {:016x}, {} ranks):\n",
-            stuck.signature(),
-            stuck.seq,
-            stuck.at(),
-            self.key,
-            self.world_size,
-        );
-        let mut behind = Vec::new();
-        let views: Vec<RankView> = (0..self.world_size).map(|r| self.view(r)).collect();
-        // Cross-process: post our ranks' last operations, read the others' (bounded).
-        let remote = self.board.get().map(|b| {
-            // A rank of ours that left keeps its departure on the board.
-            let left = self
-                .departed
-                .get()
-                .filter(|d| views.get(d.rank).is_some_and(|v| v.present));
-            let ours: Vec<(usize, DesyncPost)> = (views.iter().enumerate())
-                .filter(|(_, v)| v.present)
-                .map(|(r, v)| match left {
-                    Some(d) if d.rank == r => {
-                        (r, DesyncPost::departure(self.key, d.issued, &d.how))
-                    }
-                    _ => (r, DesyncPost::new(self.key, v.issued, &describe(v, now))),
-                })
-                .collect();
-            let wanted: Vec<usize> = (0..views.len()).filter(|&r| !views[r].present).collect();
-            remote::exchange(&**b, self.key, &ours, &wanted, timeout, host.is_some())
-        });
-        let mut silent = Vec::new();
-        for (r, v) in views.iter().enumerate() {
-            let _ = write!(out, "  rank {r}: ");
-            let (issued, last, gone) = if v.present {
-                let gone = if v.gone {
-                    "; communicator torn down"
-                } else {
-                    ""
-                };
-                (v.issued, describe(v, now), gone)
-            } else if let Some(p) = remote.as_ref().and_then(|x| x.posts.get(r)?.as_ref()) {
-                (
-                    p.issued,
-                    p.text.clone(),
-                    " (another process, from the desync board)",
-                )
-            } else if let Some(h) = host {
-                // The host provider's shared memory knows who reached the collective.
-                if h.contains(&r) {
-                    behind.push(r);
-                    let _ = writeln!(
-                        out,
-                        "BEHIND: never reached seq {} (another process; the host provider's shared memory says so)",
-                        stuck.seq
-                    );
-                } else {
-                    let _ = writeln!(
-                        out,
-                        "reached seq {} (another process; the host provider's shared memory says so)",
-                        stuck.seq
-                    );
-                }
-                continue;
-            } else {
-                match &remote {
-                    None => {
-                        let _ =
-                            writeln!(out, "no record (not in this process, or not attached yet)");
-                    }
-                    Some(x) => {
-                        silent.push(r);
-                        let _ = match &x.error {
-                            Some(e) => writeln!(out, "no record (another process; the desync board could not be read: {e})"),
-                            None => writeln!(out, "no post on the desync board within {:.1}s (another process that has not timed out: it is not waiting in this clique's collectives, or entered later)", x.waited.as_secs_f64()),
-                        };
-                    }
-                }
-                continue;
-            };
-            if issued <= stuck.seq {
-                behind.push(r);
-                let _ = writeln!(
-                    out,
-                    "BEHIND: has issued {issued} collective(s), never seq {}; last: {last}{gone}",
-                    stuck.seq
-                );
-            } else if issued == stuck.seq + 1 {
-                let _ = writeln!(out, "at seq {}: {last}{gone}", stuck.seq);
-            } else {
-                let _ = writeln!(out, "ahead ({issued} issued); last: {last}{gone}");
-            }
-        }
-        if !silent.is_empty() {
-            let _ = writeln!(
-                out,
-                "=> rank(s) {silent:?} in other processes posted nothing: probably behind (or hung outside this clique's collectives)"
-            );
-        }
-        if behind.is_empty() && silent.is_empty() {
-            let _ = writeln!(
-                out,
-                "=> no rank in this process is behind: a rank in another process, or the work itself, is stuck"
-            );
-        } else if !behind.is_empty() {
-            let _ = writeln!(
-                out,
-                "=> rank(s) {behind:?} are behind: they never called seq {} ({} at {}) that the others wait in",
-                stuck.seq,
-                stuck.signature(),
-                stuck.at()
-            );
-        }
-        if ours {
-            let _ = write!(
-                out,
-                "=> the watchdog aborted this clique's communicators (timeout {timeout:?}: Config::timeout or NCCL_SAFE_TIMEOUT_MS) because {} seq {} on rank {rank} (called at {})",
-                stuck.op,
-                stuck.seq,
-                stuck.at()
-            );
-        } else {
-            let _ = write!(
-                out,
-                "=> a rank of another process aborted this clique first (its own timeout, say), and NCCL failed {} seq {} on rank {rank} with its remote error",
-                stuck.op,
-                stuck.seq,
-            );
-        }
-        behind.extend(silent);
-        Report {
-            text: out,
-            behind: match behind[..] {
-                [r] if r != rank => Some(r),
-                _ => None,
-            },
+            Exchanged::Posted(compare(&s.fingerprints, slot))
         }
     }
 }
@@ -1124,45 +988,41 @@ fn watch_departures(clique: Weak<Clique>) {
     }
 }
 
-/// What a rank was last doing, one line: `ncclAllReduce(f32 x 4) seq 1 at x.rs:9 (in
-/// progress for 1.002s)`.
-fn describe(v: &RankView, now: Instant) -> String {
-    let Some(l) = v.last else {
-        return "nothing".to_string();
-    };
-    let state = match l.state {
-        OpState::Enqueued => {
-            let age = now.saturating_duration_since(l.enqueued).as_secs_f64();
-            format!("in progress for {age:.3}s")
-        }
-        s => s.name().to_string(),
-    };
-    format!("{} seq {} at {} ({state})", l.signature(), l.seq, l.at())
-}
-
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::diag::key::fresh_key;
+    use crate::diag::remote;
+
+    /// Observers for the tests of the clique's state, which build no report.
+    static NO_REPORTS: Observers = Observers {
+        report: |_, _, _, _, _, _, _| unreachable!("these tests build no desync report"),
+        post_waiting: |_| {},
+    };
+
+    /// The clique `key` of `n` ranks, without observers.
+    fn join(key: CliqueKey, n: usize) -> Arc<Clique> {
+        super::join(key, n, &NO_REPORTS)
+    }
 
     /// A desync board in memory, as the crate nccl-launch's board (over TCP, tested there)
     /// is to a report: rank-indexed latest posts.
     #[derive(Debug, Clone)]
-    struct MemBoard(Arc<std::sync::Mutex<Vec<Option<DesyncPost>>>>);
+    pub(crate) struct MemBoard(Arc<std::sync::Mutex<Vec<Option<DesyncPost>>>>);
 
     impl MemBoard {
-        fn new(world_size: usize) -> MemBoard {
+        pub(crate) fn new(world_size: usize) -> MemBoard {
             MemBoard(Arc::new(std::sync::Mutex::new(vec![None; world_size])))
         }
 
-        fn post(&self, rank: usize, post: &DesyncPost) -> remote::BoardResult<()> {
+        pub(crate) fn post(&self, rank: usize, post: &DesyncPost) -> remote::BoardResult<()> {
             let mut b = crate::teardown::lock(&self.0);
             let slot = b.get_mut(rank).ok_or("rank out of range")?;
             *slot = Some(post.clone());
             Ok(())
         }
 
-        fn fetch(&self) -> remote::BoardResult<Vec<Option<DesyncPost>>> {
+        pub(crate) fn fetch(&self) -> remote::BoardResult<Vec<Option<DesyncPost>>> {
             Ok(crate::teardown::lock(&self.0).clone())
         }
     }
@@ -1178,7 +1038,7 @@ mod tests {
     }
 
     /// A rank's view: attached, `issued` collectives, last doing `last`.
-    fn seen(issued: u64, last: Option<OpRecord>) -> RankView {
+    pub(crate) fn seen(issued: u64, last: Option<OpRecord>) -> RankView {
         RankView {
             present: true,
             gone: false,
@@ -1189,7 +1049,7 @@ mod tests {
 
     /// An all-reduce of 4 `f32` at `seq`, enqueued `age` ago and not yet started.
     #[track_caller]
-    fn enqueued_all_reduce(seq: u64, age: Duration) -> OpRecord {
+    pub(crate) fn enqueued_all_reduce(seq: u64, age: Duration) -> OpRecord {
         OpRecord {
             seq,
             op: EntryPoint::ncclAllReduce,
@@ -1227,61 +1087,6 @@ mod tests {
             ExcludeAgreement::Missing(r) => panic!("expected a mismatch, got {r:?} missing"),
         }
         assert!(t.elapsed() < EXCLUDE_WAIT, "{:?}", t.elapsed());
-    }
-
-    /// A report built in "this process" (rank 0) shows what rank 2 of "another process"
-    /// posted to a board, and names rank 1 (which posted nothing).
-    #[test]
-    fn report_shows_remote_ranks_from_the_board() {
-        let client = MemBoard::new(3);
-        let c = join(fresh_key(), 3);
-        let remote_line = "ncclAllReduce(f32 x 4) seq 0 at remote.rs:7 (completed)";
-        client
-            .post(2, &DesyncPost::new(c.key, 1, remote_line))
-            .unwrap();
-        // A post of another clique is not used.
-        client
-            .post(1, &DesyncPost::new(c.key ^ 1, 9, "elsewhere"))
-            .unwrap();
-        let stuck = enqueued_all_reduce(1, Duration::ZERO);
-        c.update(0, |v| *v = seen(2, Some(stuck)));
-        c.set_board(&(Arc::new(client.clone()) as Arc<dyn RemoteBoard>));
-        let t = Instant::now();
-        let report = c.report(
-            0,
-            &stuck,
-            Duration::from_millis(400),
-            "did not complete in time",
-            true,
-            None,
-        );
-        let r = &report.text;
-        eprintln!("{r}");
-        // Two ranks missing (one behind, one silent): neither is named the one behind.
-        assert_eq!(report.behind, None);
-        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
-        assert!(
-            r.contains("  rank 0: at seq 1: ncclAllReduce(float x 4) seq 1 at "),
-            "{r}"
-        );
-        assert!(
-            r.contains(&format!("  rank 2: BEHIND: has issued 1 collective(s), never seq 1; last: {remote_line} (another process, from the desync board)")),
-            "{r}"
-        );
-        assert!(r.contains("  rank 1: no post on the desync board"), "{r}");
-        assert!(r.contains("rank(s) [2] are behind"), "{r}");
-        assert!(
-            r.contains("rank(s) [1] in other processes posted nothing"),
-            "{r}"
-        );
-        // And rank 0's own line went to the board for the other processes.
-        let posts = client.fetch().unwrap();
-        let ours = posts[0].as_ref().expect("rank 0 posted");
-        assert_eq!((ours.clique, ours.issued), (c.key, 2));
-        assert!(
-            ours.text.starts_with("ncclAllReduce(float x 4) seq 1 at "),
-            "{ours:?}"
-        );
     }
 
     /// A rank of "this process" that leaves posts its departure to the board, and a rank
@@ -1437,27 +1242,6 @@ mod tests {
             r.text.contains("rank 0 left: its init failed"),
             "{}",
             r.text
-        );
-    }
-
-    /// Without a board the report is as before: other ranks are "no record".
-    #[test]
-    fn report_without_a_board_says_no_record() {
-        let c = join(fresh_key(), 2);
-        let stuck = OpRecord {
-            op: EntryPoint::ncclBroadcast,
-            dtype: None,
-            count: 0,
-            root: Some(0),
-            ..enqueued_all_reduce(0, Duration::ZERO)
-        };
-        c.update(0, |v| *v = seen(1, Some(stuck)));
-        let r = c
-            .report(0, &stuck, Duration::from_secs(1), "x", true, None)
-            .text;
-        assert!(
-            r.contains("  rank 1: no record (not in this process"),
-            "{r}"
         );
     }
 }

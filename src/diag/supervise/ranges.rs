@@ -30,7 +30,7 @@ use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use super::recorder::OpRecord;
+use super::record::OpRecord;
 use super::tracker::{Event, Marker, MAX_PENDING};
 
 /// Slots per queue: at most this many ranges are in flight on one queue.

@@ -1,92 +1,12 @@
-//! The flight recorder: a preallocated ring of the last operations of one communicator.
-//!
-//! Entries are `Copy` (calls are [`EntryPoint`]s, call sites `&'static Location`), the ring
-//! is allocated once when the communicator is attached, so recording an operation never
-//! allocates.
+//! The flight record: a copy of a communicator's ledger of recent operations (the
+//! supervision's journal, `supervise::journal`), printed and written as JSON on a failure.
 
 use std::fmt::{self, Write as _};
-use std::panic::Location;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Instant, SystemTime};
 
-pub use nccl_sys::EntryPoint;
-
-use crate::types::DataType;
-
-/// Where an operation stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum OpState {
-    /// Handed to NCCL (or waiting for the fingerprint check); not known to be complete.
-    Enqueued,
-    /// Complete (host provider: the call returned; CUDA: its end event completed).
-    Completed,
-    /// Failed (an NCCL error, a mismatch or a timeout).
-    Failed,
-}
-
-impl OpState {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            OpState::Enqueued => "enqueued",
-            OpState::Completed => "completed",
-            OpState::Failed => "failed",
-        }
-    }
-}
-
-/// One recorded operation.
-#[derive(Debug, Clone, Copy)]
-pub struct OpRecord {
-    /// The collective's sequence number on its communicator (point-to-point operations and
-    /// shrink carry the number of the last collective before them).
-    pub seq: u64,
-    /// The NCCL call, e.g. `ncclAllReduce`: it compares with a name (`rec.op ==
-    /// "ncclAllReduce"`), displays as one, and [`EntryPoint::name`] gives the `&'static str`.
-    pub op: EntryPoint,
-    /// The element type, when the operation moves data.
-    pub dtype: Option<DataType>,
-    /// The element count NCCL received.
-    pub count: usize,
-    /// The root (rooted collectives) or peer (send/recv).
-    pub root: Option<usize>,
-    /// The user's line that issued it.
-    pub caller: &'static Location<'static>,
-    /// When it was issued.
-    pub enqueued: Instant,
-    /// How long it took (until completion or failure); `None` while enqueued.
-    pub took: Option<Duration>,
-    /// Its state.
-    pub state: OpState,
-}
-
-impl OpRecord {
-    /// `ncclAllReduce(f32 x 4, root 0)`.
-    pub(crate) fn signature(&self) -> String {
-        let mut s = format!("{}(", self.op);
-        if let Some(d) = self.dtype {
-            let _ = write!(s, "{} x {}", d.name(), self.count);
-        }
-        if let Some(r) = self.root {
-            let _ = write!(
-                s,
-                "{}{} {r}",
-                if self.dtype.is_some() { ", " } else { "" },
-                if self.op.collective().is_some_and(|c| !c.every_rank()) {
-                    "peer"
-                } else {
-                    "root"
-                }
-            );
-        }
-        s.push(')');
-        s
-    }
-
-    pub(crate) fn at(&self) -> String {
-        format!("{}:{}", self.caller.file(), self.caller.line())
-    }
-}
+use crate::diag::supervise::record::OpRecord;
+use crate::diag::supervise::shared::Shared;
 
 /// A copy of one communicator's flight recorder, oldest operation first.
 #[derive(Debug, Clone)]
@@ -199,5 +119,41 @@ impl fmt::Display for FlightRecord {
             writeln!(f)?;
         }
         Ok(())
+    }
+}
+
+/// The flight record of communicator `s`: its journal's shown entries, with completion of
+/// tracked work applied.
+pub(crate) fn of(s: &Shared) -> FlightRecord {
+    FlightRecord {
+        rank: s.rank,
+        world_size: s.world_size,
+        clique: s.clique.key,
+        entries: s.journal.shown().filter_map(|p| s.record(p)).collect(),
+        taken: Instant::now(),
+    }
+}
+
+/// Prints and/or writes the flight record of `s`, as configured.
+#[cold]
+pub(crate) fn dump(s: &Shared) {
+    if !s.settings.dump_stderr && s.settings.dump_dir.is_none() {
+        return;
+    }
+    let fr = of(s);
+    if s.settings.dump_stderr {
+        eprintln!("nccl-safe: {fr}");
+    }
+    if let Some(dir) = &s.settings.dump_dir {
+        match fr.write_json(dir) {
+            Ok(p) if s.settings.dump_stderr => {
+                eprintln!("nccl-safe: flight record written to {}", p.display())
+            }
+            Ok(_) => {}
+            Err(e) => eprintln!(
+                "nccl-safe: cannot write the flight record to {}: {e}",
+                dir.display()
+            ),
+        }
     }
 }
