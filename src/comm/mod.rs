@@ -21,7 +21,7 @@ use crate::nccl_call;
 mod checks;
 mod elastic;
 
-pub(crate) use crate::diag::UNREVOCABLE;
+pub(crate) use crate::error::UNREVOCABLE;
 mod family;
 mod init;
 mod params;

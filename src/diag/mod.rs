@@ -60,10 +60,6 @@
 //! Not done: the cross-process fingerprint exchange, and
 //! fingerprints of operations inside a [`crate::Group`] (they are recorded, not compared).
 
-/// Why a communicator was aborted rather than revoked, and what to do instead: the
-/// revoke was not sound on it (`Communicator::revocable`).
-pub(crate) const UNREVOCABLE: &str = "it could not be revoked: NCCL's launch of its last operation had not ended, or had failed, and NCCL 2.29-2.30's ncclCommRevoke then leaves the communicator's group job dangling (init.cc:2664 -> 404, group.cc:873-884, init.cc:3105-3110 of v2.29.7-1: a use after free), so it was aborted instead and cannot be shrunk (shrink_after_failure): make a new communicator over the ranks left (init_rank with a new id, as an elastic job re-initializes after a failed recovery)";
-
 mod hooks;
 mod key;
 mod op;

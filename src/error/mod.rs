@@ -13,6 +13,11 @@ use crate::discovery::fmt_not_found;
 pub use crate::discovery::{Source, Tried};
 use crate::version::Version;
 
+/// Why a communicator was aborted rather than revoked, and what to do instead: the
+/// revoke was not sound on it (`Communicator::revocable`). The owner's error paths and
+/// the watchdog's timeout report both say it, so it lives with the errors, below both.
+pub(crate) const UNREVOCABLE: &str = "it could not be revoked: NCCL's launch of its last operation had not ended, or had failed, and NCCL 2.29-2.30's ncclCommRevoke then leaves the communicator's group job dangling (init.cc:2664 -> 404, group.cc:873-884, init.cc:3105-3110 of v2.29.7-1: a use after free), so it was aborted instead and cannot be shrunk (shrink_after_failure): make a new communicator over the ranks left (init_rank with a new id, as an elastic job re-initializes after a failed recovery)";
+
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

@@ -620,7 +620,7 @@ impl Shared {
         let what = if self.unrevocable.load(Ordering::Acquire) {
             format!(
                 "{report}. This rank's communicator: {}",
-                crate::diag::UNREVOCABLE
+                crate::error::UNREVOCABLE
             )
         } else {
             report.to_string()
