@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use nccl_sys::{ncclComm_t, EntryPoint};
+use nccl_sys::EntryPoint;
 
 use super::clique::{Clique, LiveRank, RankView, TimeoutReport};
 use super::clock;
@@ -675,7 +675,7 @@ impl Shared {
     pub(in crate::diag) fn host_behind(&self) -> Option<Vec<usize>> {
         #[cfg(feature = "host")]
         if self.lib.provider() == crate::library::Provider::Host {
-            let raw = self.handle.load(Ordering::Acquire) as ncclComm_t;
+            let raw = self.handle.load(Ordering::Acquire) as nccl_sys::ncclComm_t;
             if raw.is_null() {
                 return None;
             }
