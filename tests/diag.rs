@@ -57,27 +57,13 @@ fn ranks<R: Send>(
     config: &Config,
     f: impl Fn(usize, &Communicator) -> R + Sync,
 ) -> (Vec<R>, UniqueId) {
-    let id = CommDevice::Host.unique_id().expect("unique id");
-    let out = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..world)
-            .map(|rank| {
-                let (id, f) = (&id, &f);
-                s.spawn(move || {
-                    let comm = Communicator::init_rank(&CommDevice::Host, world, rank, id, config)
-                        .expect("init");
-                    f(rank, &comm)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("rank")).collect()
-    });
-    (out, id)
+    ranks_or_late_init(world, config, f).expect("init: timed out")
 }
 
 /// [`ranks`], for a `config` whose timeout is short enough that a rank's thread may start
 /// its init later than that (a loaded machine, valgrind): `None` when an init timed out
-/// (nothing is left of it: the caller runs the round again on a fresh id), else what
-/// `ranks` returns. Other init errors panic.
+/// (nothing is left of it: the caller may run the round again on a fresh id). Other init
+/// errors panic.
 fn ranks_or_late_init<R: Send>(
     world: usize,
     config: &Config,

@@ -70,7 +70,8 @@ impl Communicator {
                 // Still running on the lane: that call is the handle's one teardown, and
                 // nothing here may use the handle again.
                 self.take("its destroy did not return in time", false);
-                // Its jobs may still run while the destroy does: their out-pointers are leaked.
+                // Its async jobs may still run while the destroy does: their out-pointers
+                // are leaked.
                 self.reap_orphans(false);
                 let e = self.teardown_overdue(OP, bound);
                 Err(self.fail(e))
