@@ -212,6 +212,18 @@ impl Rank<'_> {
         self.note(format!("{what}: {}", rc(got)));
     }
 
+    /// A call whose answer NCCL leaves to a race: any of `either` is noted as one line
+    /// naming them all, so that NCCL and the host provider agree whichever side of the
+    /// race each ran on; any other answer is noted as itself, and then differs.
+    pub fn call_racing(&mut self, what: &str, got: ncclResult_t, either: &[ncclResult_t]) {
+        if either.contains(&got) {
+            let names: Vec<_> = either.iter().map(|&e| rc(e)).collect();
+            self.note(format!("{what}: one of {}", names.join(", ")));
+        } else {
+            self.call(what, got);
+        }
+    }
+
     pub fn check(&mut self, what: &str, v: impl std::fmt::Debug) {
         self.note(format!("{what}: {v:?}"));
     }
