@@ -82,10 +82,12 @@ impl Default for Group<'_> {
 #[inline(always)]
 fn acts(g: &BufferGuard<'_>) -> bool {
     use cudarc::driver::SyncOnDrop;
-    matches!(
-        g,
-        BufferGuard::Cuda(SyncOnDrop::Record(Some(_)) | SyncOnDrop::Sync(Some(_)))
-    )
+    match g {
+        BufferGuard::Cuda(g) => {
+            matches!(**g, SyncOnDrop::Record(Some(_)) | SyncOnDrop::Sync(Some(_)))
+        }
+        BufferGuard::Host => false,
+    }
 }
 
 impl<'a> Group<'a> {

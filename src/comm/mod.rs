@@ -534,7 +534,7 @@ impl Communicator {
         // for every operation (each is an implicit group, and one thread may drive several
         // devices inside an explicit one), so the per-operation path makes no driver call
         // of ours. Init and teardown bind.
-        let ticket = match self.diag.begin(self.diag_view(), op, caller) {
+        let ticket = match self.diag.begin(|| self.diag_view(), op, caller) {
             Ok(t) => t,
             Err(e) => return Err(self.fail(e)),
         };

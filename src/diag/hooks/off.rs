@@ -62,9 +62,9 @@ impl CommDiag {
     pub(crate) fn unpin(&self) {}
 
     #[inline(always)]
-    pub(crate) fn begin<'a>(
+    pub(crate) fn begin<'a, 'c>(
         &self,
-        _h: CommView<'_>,
+        _h: impl FnOnce() -> CommView<'c>,
         op: OpInfo<'a>,
         _caller: &'static Location<'static>,
     ) -> Result<InFlight<'a>> {

@@ -123,13 +123,17 @@ impl CommDiag {
     /// records the operation, runs the fingerprint check (when on) and registers it with
     /// the watchdog. No lock and no allocation unless it fails.
     #[inline(always)]
-    pub(crate) fn begin<'a>(
+    pub(crate) fn begin<'a, 'c>(
         &self,
-        h: CommView<'_>,
+        h: impl FnOnce() -> CommView<'c>,
         op: OpInfo<'a>,
         caller: &'static Location<'static>,
     ) -> Result<InFlight<'a>> {
-        let s = self.shared(h);
+        // The view only attaches a communicator met for the first time: not built per call.
+        let s = match self.attached() {
+            Some(s) => s,
+            None => self.attach_late(h()),
+        };
         if s.aborted_by_watchdog.load(Ordering::Acquire) {
             return Err(self.aborted_error(s));
         }
