@@ -73,7 +73,8 @@ struct Slot {
 /// A queue's ranges: see the module docs.
 #[derive(Debug)]
 pub(crate) struct Ranges {
-    slots: Box<[Slot]>,
+    /// A fixed array: a position's slot is found without a bounds check.
+    slots: Box<[Slot; SLOTS]>,
     /// Positions below it were published by the producer.
     head: AtomicU64,
     /// The producer's own: positions of the queue's work below it are in a range.
@@ -105,22 +106,21 @@ impl Ranges {
     pub(crate) fn new() -> Ranges {
         let now = Instant::now();
         Ranges {
-            slots: (0..SLOTS)
-                .map(|_| Slot {
-                    word: AtomicU64::new(TAKEN),
-                    event: UnsafeCell::new(None),
-                    info: UnsafeCell::new(Info {
-                        oldest: None,
-                        since: now,
-                    }),
-                })
-                .collect(),
+            slots: Box::new(std::array::from_fn(|_| Slot {
+                word: AtomicU64::new(TAKEN),
+                event: UnsafeCell::new(None),
+                info: UnsafeCell::new(Info {
+                    oldest: None,
+                    since: now,
+                }),
+            })),
             head: AtomicU64::new(0),
             marked: AtomicU64::new(0),
             newest: AtomicU64::new(TAKEN),
         }
     }
 
+    #[inline(always)]
     fn slot(&self, pos: u64) -> &Slot {
         &self.slots[(pos % SLOTS as u64) as usize]
     }

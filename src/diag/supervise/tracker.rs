@@ -401,27 +401,48 @@ impl CudaTracker {
     /// per-thread streams (handles 0, 1, 2) are the current context's: it is made current
     /// first, and they are always asked about here (on the watchdog's thread 0x2 is another
     /// stream: see [`Tracker::capturing`]).
+    ///
+    /// Inlined into [`Tracker::record`], with the first try: on the owner's path at
+    /// enqueue, the tracker's one call through its trait object is the only call of the
+    /// crate's between the ring and the driver; the retries and the implicit streams are
+    /// out of line.
+    #[inline(always)]
     fn record_on(&self, stream: &CudaStream, mut ev: Event<'_>, ask: bool) -> Mark {
-        let implicit = implicit(stream);
-        let ask = ask || implicit;
-        let current = || crate::stream::make_current(stream.context()).is_ok();
-        if implicit && !current() {
-            return Mark::Unwatched;
+        if implicit(stream) {
+            return self.record_on_implicit(stream, ev);
         }
         match self.try_record(stream, &mut ev, ask) {
             Ok(mark) => mark,
-            Err(_) if !implicit => {
-                if !current() {
-                    return Mark::Unwatched;
-                }
-                self.try_record(stream, &mut ev, ask)
-                    .unwrap_or_else(Mark::Failed)
-            }
-            Err(e) => Mark::Failed(e),
+            Err(_) => self.record_again(stream, ev, ask),
         }
     }
 
+    /// [`record_on`](Self::record_on) of a stream that is not explicit: the current
+    /// context's, made current first and always asked about.
+    #[cold]
+    #[inline(never)]
+    fn record_on_implicit(&self, stream: &CudaStream, mut ev: Event<'_>) -> Mark {
+        if crate::stream::make_current(stream.context()).is_err() {
+            return Mark::Unwatched;
+        }
+        self.try_record(stream, &mut ev, true)
+            .unwrap_or_else(Mark::Failed)
+    }
+
+    /// [`record_on`](Self::record_on) after a failed first try: again with the stream's
+    /// context made current.
+    #[cold]
+    #[inline(never)]
+    fn record_again(&self, stream: &CudaStream, mut ev: Event<'_>, ask: bool) -> Mark {
+        if crate::stream::make_current(stream.context()).is_err() {
+            return Mark::Unwatched;
+        }
+        self.try_record(stream, &mut ev, ask)
+            .unwrap_or_else(Mark::Failed)
+    }
+
     /// [`CudaTracker::record_on`]'s calls, once.
+    #[inline(always)]
     fn try_record(
         &self,
         stream: &CudaStream,
@@ -433,25 +454,31 @@ impl CudaTracker {
         }
         let m: &Marker = match ev {
             Event::Shared(m) => m,
-            Event::Own(slot) => {
-                if slot.is_none() {
-                    let event = match self.spare.take() {
-                        Some(e) => e,
-                        None => RawEvent::new(stream.context())?,
-                    };
-                    **slot = Some(Marker::Cuda(event));
-                }
-                match slot.as_ref() {
-                    Some(m) => m,
-                    None => return Ok(Mark::Unwatched),
-                }
-            }
+            Event::Own(slot) => match slot {
+                Some(m) => m,
+                None => self.fill(stream, slot)?,
+            },
         };
         let Marker::Cuda(event) = m else {
             return Ok(Mark::Unwatched);
         };
         event.record(stream)?;
         Ok(Mark::Recorded)
+    }
+
+    /// A slot's first event: a spare one, else made on `stream`'s context.
+    #[cold]
+    #[inline(never)]
+    fn fill<'s>(
+        &self,
+        stream: &CudaStream,
+        slot: &'s mut Option<Marker>,
+    ) -> Result<&'s Marker, DriverError> {
+        let event = match self.spare.take() {
+            Some(e) => e,
+            None => RawEvent::new(stream.context())?,
+        };
+        Ok(slot.insert(Marker::Cuda(event)))
     }
 }
 
