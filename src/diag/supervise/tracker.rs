@@ -409,31 +409,20 @@ impl CudaTracker {
     #[inline(always)]
     fn record_on(&self, stream: &CudaStream, mut ev: Event<'_>, ask: bool) -> Mark {
         if implicit(stream) {
-            return self.record_on_implicit(stream, ev);
+            // The current context's stream: made current first, and always asked about.
+            return self.record_current(stream, ev, true);
         }
         match self.try_record(stream, &mut ev, ask) {
             Ok(mark) => mark,
-            Err(_) => self.record_again(stream, ev, ask),
+            Err(_) => self.record_current(stream, ev, ask),
         }
     }
 
-    /// [`record_on`](Self::record_on) of a stream that is not explicit: the current
-    /// context's, made current first and always asked about.
+    /// [`record_on`](Self::record_on)'s calls with the stream's context made current: after
+    /// a failed first try, and first of all on an implicit stream.
     #[cold]
     #[inline(never)]
-    fn record_on_implicit(&self, stream: &CudaStream, mut ev: Event<'_>) -> Mark {
-        if crate::stream::make_current(stream.context()).is_err() {
-            return Mark::Unwatched;
-        }
-        self.try_record(stream, &mut ev, true)
-            .unwrap_or_else(Mark::Failed)
-    }
-
-    /// [`record_on`](Self::record_on) after a failed first try: again with the stream's
-    /// context made current.
-    #[cold]
-    #[inline(never)]
-    fn record_again(&self, stream: &CudaStream, mut ev: Event<'_>, ask: bool) -> Mark {
+    fn record_current(&self, stream: &CudaStream, mut ev: Event<'_>, ask: bool) -> Mark {
         if crate::stream::make_current(stream.context()).is_err() {
             return Mark::Unwatched;
         }
