@@ -273,8 +273,15 @@ impl CommDiag {
                     }
                 }
             };
-            s.journal.finish(t.pos, state, took);
-            bump(&s.wait_ns, took);
+            // The record was pushed enqueued, and an enqueued record shows no time taken:
+            // only a state that changed is written (a CUDA operation's, or a grouped one's,
+            // is not: no seqlock write on their path).
+            if state != OpState::Enqueued {
+                s.journal.finish(t.pos, state, took);
+            }
+            if took != 0 {
+                bump(&s.wait_ns, took);
+            }
             return r.map_err(|e| self.end_error(s, t.pos, e));
         }
         r
