@@ -1519,6 +1519,16 @@ fn tail_latency(
     let mut samples: Vec<Vec<u32>> = (0..4)
         .map(|_| Vec::with_capacity(ROUNDS * BATCHES * BATCH))
         .collect();
+    // On the fake driver, each of the crate's operations is told apart by the ring's path
+    // it took: a full ring's extension asks `cuStreamIsCapturing` on this thread, a new
+    // range does not (the counter is read outside the timed call).
+    let asks = (source == Cuda::Fake)
+        .then(|| fakes::driver().counter("cuStreamIsCapturing"))
+        .flatten();
+    if asks.is_some() {
+        fakes::driver().mark_this_thread(true);
+    }
+    let mut extended: Vec<bool> = Vec::with_capacity(ROUNDS * BATCHES * BATCH);
     let mut run = |who: Caller, batches: usize, keep: bool| -> Result<()> {
         for _ in 0..batches {
             for lane in lanes.iter_mut() {
@@ -1532,11 +1542,15 @@ fn tail_latency(
             }
             for i in 0..BATCH {
                 let k = i % TAIL_STREAMS;
+                let asked = asks.map(|c| fakes::driver().calls_of(c, true));
                 let t0 = Instant::now();
                 benches[k].calls(&mut lanes[k], who, false, 1)?;
                 let ns = t0.elapsed().as_nanos().min(u32::MAX as u128) as u32;
                 if keep {
                     samples[who as usize].push(ns);
+                    if let (Some(c), Some(before), Caller::Safe) = (asks, asked, who) {
+                        extended.push(fakes::driver().calls_of(c, true) != before);
+                    }
                 }
             }
         }
@@ -1558,10 +1572,21 @@ fn tail_latency(
         }
     }
     let took = t0.elapsed();
+    if asks.is_some() {
+        fakes::driver().mark_this_thread(false);
+    }
     for s in &streams {
         s.synchronize()?;
     }
     compute.synchronize()?;
+    // The crate's samples by path, before they are sorted.
+    let by_path = (!extended.is_empty()).then(|| {
+        let (mut ext, mut new) = (Vec::new(), Vec::new());
+        for (ns, e) in samples[Caller::Safe as usize].iter().zip(&extended) {
+            if *e { &mut ext } else { &mut new }.push(*ns);
+        }
+        (ext, new)
+    });
     println!(
         "# tail latency, the watchdog busy: single all_reduce_in_place, one call timed at a time (two clock reads around it), {TAIL_STREAMS} comm streams in turn (a cudarc::nccl::Comm on each), each buffer written on a compute stream before each batch of {BATCH} (two streams, tracking on); {ROUNDS} rounds x {BATCHES} batches per caller, callers alternating; every stream's marker ring stays full (64 in flight), so each 10 ms tick the watchdog retires up to 64 markers per stream while the owner enqueues (load average {:.2} on {} CPUs)",
         load_average(),
@@ -1603,6 +1628,30 @@ fn tail_latency(
             p99 / p50,
             p999 / p50
         );
+    }
+    if let Some((mut ext, mut new)) = by_path {
+        let total = (ext.len() + new.len()).max(1) as f64;
+        println!(
+            "#   nccl-safe by the path through its ring (a full ring's extension asks cuStreamIsCapturing on the caller's thread; the counter is read outside the timed call):"
+        );
+        for (what, v) in [
+            ("the newest range extended (the ring full: the capture question, the record again, a swap)", &mut ext),
+            ("a new range (a slot the watchdog freed: the record, the range's oldest record copied, the slot's lines back from the watchdog's core)", &mut new),
+        ] {
+            if v.is_empty() {
+                continue;
+            }
+            v.sort_unstable();
+            let at = |q: f64| v[((v.len() - 1) as f64 * q) as usize];
+            println!(
+                "#     {what}: {} ops ({:.2}%), p50 {} ns, p99 {} ns, p99.9 {} ns",
+                v.len(),
+                100.0 * v.len() as f64 / total,
+                at(0.5),
+                at(0.99),
+                at(0.999)
+            );
+        }
     }
     if let Some((p50, p999)) = safe {
         println!(

@@ -184,7 +184,30 @@ impl FakeDriver {
         Counts(v)
     }
 
-    /// Stalls a stream (its events stay incomplete, synchronizing it blocks) or releases it.
+    /// The counter of entry point `name` (for [`calls_of`](Self::calls_of)), if the fake
+    /// driver has it.
+    pub fn counter(&self, name: &str) -> Option<c_int> {
+        for i in 0.. {
+            // SAFETY: returns a static string or null past the last entry point.
+            let n = unsafe { (self.call_name)(i) };
+            if n.is_null() {
+                return None;
+            }
+            // SAFETY: a NUL-terminated static string.
+            if unsafe { CStr::from_ptr(n) }.to_bytes() == name.as_bytes() {
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    /// The calls so far of the entry point of `counter` ([`counter`](Self::counter)), on
+    /// marked threads only or on all: one read, cheap enough between two timed calls.
+    pub fn calls_of(&self, counter: c_int, marked: bool) -> u64 {
+        // SAFETY: reads a counter that exists (`counter` found its name).
+        unsafe { (self.calls_at)(counter, marked as c_int) as u64 }
+    }
+
     /// Makes every later call that touches the device's work fail with `code` (a sticky
     /// error, as a device fault leaves a context); 0 clears it.
     pub fn sticky_error(&self, code: i32) {
@@ -192,6 +215,7 @@ impl FakeDriver {
         unsafe { (self.sticky)(code) }
     }
 
+    /// Stalls a stream (its events stay incomplete, synchronizing it blocks) or releases it.
     pub fn stall(&self, stream: &CudaStream, on: bool) {
         // SAFETY: the handle is a live stream of the fake driver.
         let r = unsafe { (self.stall)(stream.cu_stream() as *mut _, on as c_int) };
