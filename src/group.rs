@@ -7,7 +7,6 @@ use smallvec::SmallVec;
 use std::panic::Location;
 use std::sync::Arc;
 
-use crate::buffer::BufferGuard;
 use crate::comm::Communicator;
 use crate::error::invalid;
 use crate::error::Result;
@@ -77,19 +76,6 @@ impl Default for Group<'_> {
     }
 }
 
-/// Whether dropping `g` does anything (records cudarc's event on a tracked buffer): only
-/// those guards are kept until `ncclGroupEnd`; an untracked buffer's is dropped at once.
-#[inline(always)]
-fn acts(g: &BufferGuard<'_>) -> bool {
-    use cudarc::driver::SyncOnDrop;
-    match g {
-        BufferGuard::Cuda(g) => {
-            matches!(**g, SyncOnDrop::Record(Some(_)) | SyncOnDrop::Sync(Some(_)))
-        }
-        BufferGuard::Host => false,
-    }
-}
-
 impl<'a> Group<'a> {
     /// An empty group. Nothing reaches NCCL until it ends. An error of a group that is
     /// dropped unended (it is ended then) names this line.
@@ -132,70 +118,50 @@ impl<'a> Group<'a> {
     }
 
     fn finish(&mut self, caller: &'static Location<'static>) -> Result<()> {
-        let ops = &mut self.ops;
-        let Some(first) = ops.first() else {
+        // Cleared (the operations and their guards dropped) on every path out, an unwind
+        // included, after the group's end (`open`, declared later, is dropped first): so a
+        // `Group` dropped after a panic in here issues nothing again.
+        let ops = Issued(&mut self.ops);
+        let Some(first) = ops.0.first() else {
             return Ok(());
         };
         let lib = first.comm().library();
         // Every communicator of the group is pinned (claimed against the watchdog) from
         // before `ncclGroupStart` until its work is launched, so none is aborted under it.
         let mut comms = Pinned(SmallVec::new());
-        for op in ops.iter() {
+        for op in ops.0.iter() {
             let c = op.comm();
             // Consecutive operations usually share their communicator.
             if comms.0.last().is_some_and(|p| std::ptr::eq(*p, c)) {
                 continue;
             }
             if !comms.0.iter().any(|p| std::ptr::eq(*p, c)) {
-                if let Err(e) = c.diag.pin() {
-                    ops.clear();
-                    return Err(e);
-                }
+                c.diag.pin()?;
                 c.diag.group_end_begins();
                 comms.0.push(c);
             }
         }
-        // cudarc's guards of tracked buffers, dropped (their events recorded) only after
-        // the launch: declared before `open`, so that on every path out, an unwind
-        // included, `ncclGroupEnd` comes first.
-        let mut guards: SmallVec<[BufferGuard<'a>; 8]> = SmallVec::new();
         // The relays of operations on the per-thread stream (`Op::onto_relay`), left once
         // the group's work is launched.
         let mut relays: SmallVec<[&'a crate::stream::Relay; 2]> = SmallVec::new();
-        let mut open = match Open::start(lib) {
-            Ok(open) => open,
-            Err(e) => {
-                ops.clear();
-                return Err(e);
-            }
-        };
+        let mut open = Open::start(lib)?;
         let mut first_error = None;
-        for op in ops.drain(..) {
-            let op = if op.needs_relay() {
-                match Self::relayed(op, &mut relays) {
-                    Ok(op) => op,
-                    Err(e) => {
-                        first_error = Some(e);
-                        break;
-                    }
-                }
-            } else {
-                op
-            };
-            match op.enqueue() {
-                Ok(gs) => {
-                    if gs.iter().any(acts) {
-                        guards.extend(gs.into_iter().filter(acts));
-                    }
-                }
-                // The rest is not issued, and the group's end returns this error. NCCL
-                // launches nothing after a failed call of its own (group.cc groupCleanup),
-                // but what the crate refused before NCCL saw it leaves the operations
-                // issued so far to be launched: they are waited for like any.
-                Err(e) => {
+        // Issued where they are kept (no copy of an operation); they and their guards stay
+        // until the launch.
+        for op in ops.0.iter_mut() {
+            if op.needs_relay() {
+                if let Err(e) = Self::relayed(op, &mut relays) {
                     first_error = Some(e);
                     break;
                 }
+            }
+            // The rest is not issued, and the group's end returns this error. NCCL
+            // launches nothing after a failed call of its own (group.cc groupCleanup), but
+            // what the crate refused before NCCL saw it leaves the operations issued so far
+            // to be launched: they are waited for like any.
+            if let Err(e) = op.issue() {
+                first_error = Some(e);
+                break;
             }
         }
         let r = open.end(&comms.0, caller);
@@ -207,25 +173,29 @@ impl<'a> Group<'a> {
         for relay in relays {
             r = Op::leave(relay, r);
         }
-        // Only now may cudarc record its events: the work is enqueued. On non-blocking
-        // communicators NCCL's ncclGroupEnd returns ncclInProgress and its group thread
-        // launches the kernels afterwards (group.cc:706-738), so an event recorded before
-        // `settle` saw them launched would come before them on the stream.
-        drop(guards);
+        // Only now may cudarc record its events (the operations' guards drop with them):
+        // the work is enqueued, and the per-thread stream waits for the relays. On
+        // non-blocking communicators NCCL's ncclGroupEnd returns ncclInProgress and its
+        // group thread launches the kernels afterwards (group.cc:706-738), so an event
+        // recorded before `settle` saw them launched would come before them on the stream.
+        drop(ops);
         drop(comms);
         r
     }
 
-    /// `op` moved onto its communicator's relay, noted in `relays` to be left after the
+    /// Moves `op` onto its communicator's relay, noted in `relays` to be left after the
     /// launch.
     #[cold]
     #[inline(never)]
-    fn relayed(op: Op<'a>, relays: &mut SmallVec<[&'a crate::stream::Relay; 2]>) -> Result<Op<'a>> {
-        let (op, relay) = op.onto_relay()?;
+    fn relayed(
+        op: &mut Op<'a>,
+        relays: &mut SmallVec<[&'a crate::stream::Relay; 2]>,
+    ) -> Result<()> {
+        let relay = op.onto_relay()?;
         if !relays.iter().any(|r| std::ptr::eq(*r, relay)) {
             relays.push(relay);
         }
-        Ok(op)
+        Ok(())
     }
 
     /// Waits for the group's launch and publishes its work, with its communicators still
@@ -328,6 +298,15 @@ impl<'a> Group<'a> {
         }
         self.ops.push(op);
         Ok(())
+    }
+}
+
+/// A group's operations while it ends; cleared when dropped.
+struct Issued<'x, 'a>(&'x mut SmallVec<[Op<'a>; 8]>);
+
+impl Drop for Issued<'_, '_> {
+    fn drop(&mut self) {
+        self.0.clear();
     }
 }
 

@@ -38,14 +38,21 @@ fn races_with(lib: &Arc<Library>, ctx: &Arc<CudaContext>, world: usize) -> i64 {
                 comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &s).unwrap();
                 let single = s.clone_dtoh(&x).unwrap();
                 assert_eq!(single, vec![world as f32; N]);
+                // Read on another stream too, ordered only by cudarc's event on the buffer:
+                // recorded as the operation's guard dropped, it must come after the
+                // relay's work on the per-thread stream.
+                let other = ctx.new_stream().unwrap();
+                comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &s).unwrap();
+                let elsewhere = other.clone_dtoh(&x).unwrap();
+                assert_eq!(elsewhere, vec![(world * world) as f32; N]);
                 let mut y = s.clone_htod(&[2.0f32; N]).unwrap();
                 Group::run(|g| {
                     g.push(comm.all_reduce_in_place_op(&mut x, ReduceOp::Sum, &s)?)?;
                     g.push(comm.all_reduce_in_place_op(&mut y, ReduceOp::Max, &s)?)
                 })
                 .unwrap();
-                let grouped = s.clone_dtoh(&x).unwrap();
-                assert_eq!(grouped, vec![(world * world) as f32; N]);
+                let grouped = other.clone_dtoh(&x).unwrap();
+                assert_eq!(grouped, vec![(world * world * world) as f32; N]);
                 drop((x, y)); // freed on the per-thread stream
                 s.synchronize().unwrap();
                 comm.destroy().map_err(|(_, e)| e).unwrap();

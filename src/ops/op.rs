@@ -61,6 +61,10 @@ pub struct Op<'a> {
     /// moves without a `memcpy` call.
     info: OpInfo<'a>,
     caller: &'static Location<'static>,
+    /// Never read: held for their drop, which releases the buffers (cudarc records its
+    /// events), once the work is enqueued (the operation is dropped after its call, or at
+    /// the end of its group).
+    #[allow(dead_code)]
     guards: Guards<'a>,
 }
 
@@ -87,7 +91,9 @@ impl<'a> Op<'a> {
         if self.needs_relay() {
             return self.run_relayed();
         }
-        self.enqueue().map(drop)
+        // The guards drop as `self` does, after the call: cudarc's events then come
+        // after the work on the stream.
+        self.issue()
     }
 
     /// Whether NCCL would launch it from a thread of its own on the per-thread stream
@@ -101,22 +107,27 @@ impl<'a> Op<'a> {
 
     #[cold]
     #[inline(never)]
-    fn run_relayed(self) -> Result<()> {
-        let (op, relay) = self.onto_relay()?;
-        let r = op.enqueue().map(drop);
-        Self::leave(relay, r)
+    fn run_relayed(mut self) -> Result<()> {
+        let relay = self.onto_relay()?;
+        let r = self.issue();
+        let r = Self::leave(relay, r);
+        // Only now may cudarc record its events, on the caller's per-thread stream: it
+        // waits for the relay's work since `leave` (recorded before, an event would not
+        // cover the collective, and a stream ordered by it would race it).
+        drop(self);
+        r
     }
 
-    /// The operation moved onto its communicator's relay, entered (it waits for the
+    /// Moves the operation onto its communicator's relay, entered (it waits for the
     /// caller's per-thread stream). The caller must [`leave`](Self::leave) the relay once
     /// the work is launched, before the guards go.
     #[cold]
     #[inline(never)]
-    pub(crate) fn onto_relay(self) -> Result<(Op<'a>, &'a crate::stream::Relay)> {
+    pub(crate) fn onto_relay(&mut self) -> Result<&'a crate::stream::Relay> {
         let relay = self.comm.enter_relay()?;
         let on = crate::stream::StreamRef::Cuda(relay.stream());
-        let info = self.info.on(on);
-        Ok((Op { info, ..self }, relay))
+        self.info = self.info.on(on);
+        Ok(relay)
     }
 
     /// The caller's per-thread stream waits for the relay's work, whatever the call's
@@ -148,11 +159,16 @@ impl<'a> Op<'a> {
         self.info.name()
     }
 
-    /// Makes the call, and hands back the guards to keep until the work is enqueued (the
-    /// end of the group inside one). On its own stream: one that [`needs_relay`](Self::needs_relay)
-    /// is moved [`onto_relay`](Self::onto_relay) first.
+    /// Makes the call. The guards stay with the operation: it is dropped once the work is
+    /// enqueued (after the call, or at the end of the group inside one), and they with it.
+    /// On its own stream: one that [`needs_relay`](Self::needs_relay) is moved
+    /// [`onto_relay`](Self::onto_relay) first.
+    ///
+    /// By reference: a group issues its operations where they are kept, with no copy (a
+    /// moved operation's fields were read back from the stack right after a vector store
+    /// of them, a store-to-load forwarding stall per operation).
     #[inline(always)]
-    pub(crate) fn enqueue(self) -> Result<Guards<'a>> {
+    pub(crate) fn issue(&self) -> Result<()> {
         let Op {
             comm,
             red,
@@ -161,8 +177,8 @@ impl<'a> Op<'a> {
             recv,
             info,
             caller,
-            guards,
-        } = self;
+            guards: _,
+        } = *self;
         let (count, stream) = (info.count(), info.stream());
         let entry = info.entry_point();
         let collective = entry.collective();
@@ -172,7 +188,7 @@ impl<'a> Op<'a> {
             // and the diagnostics do not count it either: their sequence numbers must match
             // the peers' (one rank's empty call would otherwise read as a collective its
             // peers never call).
-            return Ok(guards);
+            return Ok(());
         }
         // Everything but the handle is known here (and, for a single operation, at compile
         // time): the closure below only makes the call.
@@ -211,8 +227,7 @@ impl<'a> Op<'a> {
                 #[cfg(not(feature = "host"))]
                 make()
             },
-        )?;
-        Ok(guards)
+        )
     }
 }
 
