@@ -520,7 +520,10 @@ impl Tracker for CudaTracker {
     }
 
     fn take_captured(&self, m: &Marker) -> bool {
-        matches!(m, Marker::Cuda(ev) if ev.captured.swap(false, Ordering::Relaxed))
+        // Read first: a swap would write the event's cache line on every retirement, and
+        // the owner reads that line when it records the slot's next marker.
+        matches!(m, Marker::Cuda(ev)
+            if ev.captured.load(Ordering::Relaxed) && ev.captured.swap(false, Ordering::Relaxed))
     }
 
     fn recycle(&self, m: Marker) {
