@@ -45,6 +45,15 @@ fn races_with(lib: &Arc<Library>, ctx: &Arc<CudaContext>, world: usize) -> i64 {
                 comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &s).unwrap();
                 let elsewhere = other.clone_dtoh(&x).unwrap();
                 assert_eq!(elsewhere, vec![(world * world) as f32; N]);
+                // And a write on another stream into a buffer the collective read (out of
+                // place): ordered by cudarc's read event, after the relay's work.
+                let mut sum = s.clone_htod(&[0.0f32; N]).unwrap();
+                comm.all_reduce(&x, &mut sum, ReduceOp::Sum, &s).unwrap();
+                other.memcpy_htod(&[5.0f32; N], &mut x).unwrap();
+                let summed = other.clone_dtoh(&sum).unwrap();
+                assert_eq!(summed, vec![(world * world * world) as f32; N]);
+                let overwritten = other.clone_dtoh(&x).unwrap();
+                assert_eq!(overwritten, vec![5.0f32; N]);
                 let mut y = s.clone_htod(&[2.0f32; N]).unwrap();
                 Group::run(|g| {
                     g.push(comm.all_reduce_in_place_op(&mut x, ReduceOp::Sum, &s)?)?;
@@ -52,7 +61,7 @@ fn races_with(lib: &Arc<Library>, ctx: &Arc<CudaContext>, world: usize) -> i64 {
                 })
                 .unwrap();
                 let grouped = other.clone_dtoh(&x).unwrap();
-                assert_eq!(grouped, vec![(world * world * world) as f32; N]);
+                assert_eq!(grouped, vec![5.0 * world as f32; N]);
                 drop((x, y)); // freed on the per-thread stream
                 s.synchronize().unwrap();
                 comm.destroy().map_err(|(_, e)| e).unwrap();
