@@ -111,8 +111,7 @@ impl Communicator {
             Ok(None) => {
                 // Not sound (a group job linked: the launch in flight or failed): the
                 // caller aborts it; its errors say why it cannot be shrunk.
-                self.unrevocable.set(true);
-                self.failure.get_or_init(|| super::UNREVOCABLE.to_string());
+                self.mark_unrevocable();
                 return false;
             }
             Err(_) => return false,
@@ -182,6 +181,17 @@ impl Communicator {
         Error::Timeout { what, timeout }
     }
 
+    /// Notes that a revoke was not sound here ([`revocable`](Self::revocable)): the
+    /// communicator is aborted instead and cannot be shrunk. Noted in the diagnostics too,
+    /// since the watchdog may mark the handle aborted meanwhile (its claim finds the handle
+    /// taken by this abort) and then its report, not the owner's error, is what the call
+    /// returns: that report must say so as well.
+    pub(crate) fn mark_unrevocable(&self) {
+        self.unrevocable.set(true);
+        self.diag.note_unrevocable();
+        self.failure.get_or_init(|| super::UNREVOCABLE.to_string());
+    }
+
     /// A revoke that was not sound ([`revocable`](Self::revocable)): the communicator is
     /// aborted in place (bounded by [`Config::abort_timeout`](crate::Config::abort_timeout):
     /// `ncclCommAbort` joins the job in flight and frees it with the communicator) and the
@@ -189,8 +199,7 @@ impl Communicator {
     #[cold]
     fn abort_unrevocable(&self, call: &'static str) -> Error {
         let e = self.communicator_failed(call, super::UNREVOCABLE);
-        self.unrevocable.set(true);
-        self.failure.get_or_init(|| super::UNREVOCABLE.to_string());
+        self.mark_unrevocable();
         Self::abort_launching(&[self], call, Instant::now() + self.diag.abort_timeout());
         e
     }

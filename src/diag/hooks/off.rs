@@ -168,6 +168,8 @@ impl CommDiag {
 
     pub(crate) fn revoke_refused(&self) {}
 
+    pub(crate) fn note_unrevocable(&self) {}
+
     pub(crate) fn unrevocable(&self) -> bool {
         false
     }

@@ -79,8 +79,18 @@ impl CommDiag {
         }
     }
 
-    /// Whether the watchdog found the handle unsound to revoke (a group job linked) and
-    /// aborted it instead: it cannot be shrunk.
+    /// The owner found the handle unsound to revoke (a group job linked) and aborts it
+    /// instead: noted where the watchdog notes its own finding, so that every error built
+    /// from the diagnostics afterwards (the watchdog's report included, which replaces the
+    /// owner's error when the watchdog marked the handle aborted too) says so.
+    pub(crate) fn note_unrevocable(&self) {
+        if let Some(s) = self.attached() {
+            s.unrevocable.store(true, Ordering::Release);
+        }
+    }
+
+    /// Whether the handle was found unsound to revoke (a group job linked), by the
+    /// watchdog or its owner, and aborted instead: it cannot be shrunk.
     pub(crate) fn unrevocable(&self) -> bool {
         if let Some(s) = self.attached() {
             return s.unrevocable.load(Ordering::Acquire);

@@ -304,6 +304,56 @@ fn the_watchdog_claims_only_an_old_operation() {
     assert_eq!(counts(&id), (1, 1, 0, 0));
 }
 
+/// An elastic communicator whose owner found it unsound to revoke after a failed wait (its
+/// launch still in flight) and aborts it instead, while the watchdog's claim of the
+/// operation still in its call marks it aborted too (its `take_for_abort` finds the handle
+/// already taken, or takes it): the owner's call then returns the watchdog's report, which
+/// `explain` builds with `peer_timeout`, not the owner's error. That report says the
+/// communicator could not be revoked, as the owner's error did. Before, only the owner's
+/// error said so: `cuda_path.rs`'s `a_failed_wait_returns_only_once_nccls_launch_has_ended`
+/// failed about once in 40 runs under load with the report alone.
+#[test]
+fn the_watchdogs_report_says_what_its_owner_found_unrevocable() {
+    let id = CommDevice::Host.unique_id().unwrap();
+    let cfg = Config::new().elastic(true);
+    let c = Communicator::init_rank(&CommDevice::Host, 1, 0, &id, &cfg).unwrap();
+    let s = Arc::clone(c.diag.shared(c.diag_view()));
+    // The owner, inside its call, found the revoke unsound.
+    let pos = s.journal.push(&Entry {
+        seq: 0,
+        name: nccl_sys::EntryPoint::ncclAllReduce,
+        dtype: None,
+        count: 0,
+        root: None,
+        caller: Location::caller(),
+        enqueued: clock::precise(),
+        queue: 0,
+    });
+    s.current.store(pos + 1, Ordering::Release);
+    c.mark_unrevocable();
+    // The watchdog's claim of that call, and its abort.
+    let later = Instant::now() + Duration::from_secs(3600);
+    assert!(s.claim(later, Duration::ZERO));
+    let report = TimeoutReport::text("the test's report");
+    let h = s.take_for_abort(&report);
+    assert_ne!(h, 0);
+    // SAFETY: the handle was taken out of the communicator above: its one teardown.
+    let r = unsafe { (s.lib.table().ncclCommAbort)(h as ncclComm_t) };
+    assert_eq!(r, nccl_sys::bindings::ncclSuccess);
+    // The error the owner's call returns.
+    let rec = s.journal.get(pos).unwrap();
+    let e = s.peer_timeout(&rec, &report);
+    assert!(
+        matches!(&e, Error::Timeout { what, .. }
+            if what.contains("the test's report") && what.contains(crate::error::UNREVOCABLE)),
+        "{e}"
+    );
+    s.current.store(IDLE, Ordering::Release);
+    drop(s);
+    drop(c);
+    assert_eq!(counts(&id), (1, 0, 1, 0));
+}
+
 /// Two children of one parent made at the same sequence number with the same tag
 /// (two shrinks of one exclude list) get distinct clique keys, the same on every rank;
 /// a rank that was excluded from an earlier shrink (so never made it) still derives the
