@@ -13,7 +13,7 @@ use super::clock;
 use super::journal::Journal;
 use super::ranges::{Info, Ranges, MARKED};
 use super::record::{OpRecord, OpState};
-use super::tracker::{How, Mark, Queue, Tracker};
+use super::tracker::{CudaTracker, Event, How, Mark, Queue, Tracker};
 use crate::diag::settings::Settings;
 use crate::error::Error;
 use crate::library::Library;
@@ -138,6 +138,9 @@ pub(crate) struct Shared {
     pub(in crate::diag) clique: Arc<Clique>,
     /// Learns when queued work finished (the watchdog's and teardown's only).
     pub(in crate::diag) tracker: Arc<dyn Tracker>,
+    /// `tracker`, when it is the CUDA one: the owner's marking at enqueue calls it
+    /// directly (no virtual call on the per-operation path).
+    pub(in crate::diag) cuda_tracker: Option<Arc<CudaTracker>>,
     /// The queues (streams) this communicator's operations used, at most [`MAX_QUEUES`].
     pub(in crate::diag) queues: Mutex<Vec<Arc<QueueWatch>>>,
     /// The host provider's one queue (the communicator itself).
@@ -294,14 +297,36 @@ impl Shared {
     /// alternate.
     pub(in crate::diag) fn mark_at_enqueue(&self, q: &QueueWatch, upto: u64) {
         if upto > q.ranges.marked() {
-            self.produce(q, upto, None);
+            match (&self.cuda_tracker, &q.queue) {
+                // The CUDA tracker's record inlined: no virtual call, and the owner's
+                // `How` known here.
+                (Some(cuda), Queue::Cuda(stream)) => {
+                    self.produce_with(q, upto, None, |ev, how| cuda.record_stream(stream, ev, how));
+                }
+                _ => self.produce(q, upto, None),
+            }
         }
     }
 
     /// Puts this queue's work below `upto` in a range: the producer's side of the ring, the
     /// owner's at enqueue (`tick` `None`), else the watchdog's tick or a teardown's wait,
     /// holding the queue's watch (`tick`).
-    fn produce(&self, q: &QueueWatch, upto: u64, mut tick: Option<&mut Watch>) {
+    fn produce(&self, q: &QueueWatch, upto: u64, tick: Option<&mut Watch>) {
+        self.produce_with(q, upto, tick, |ev, how| {
+            self.tracker.record(&q.queue, ev, how)
+        });
+    }
+
+    /// [`produce`](Self::produce), the marker recorded by `record` (the tracker's
+    /// [`Tracker::record`] on `q`'s queue).
+    #[inline(always)]
+    fn produce_with(
+        &self,
+        q: &QueueWatch,
+        upto: u64,
+        mut tick: Option<&mut Watch>,
+        record: impl Fn(Event<'_>, How) -> Mark,
+    ) {
         let r = &q.ranges;
         // Twice at most: an extension that finds its range retired leaves the ring empty.
         loop {
@@ -313,8 +338,7 @@ impl Shared {
                 } else {
                     How::Again
                 };
-                let Some(mark) = r.with_newest_event(|ev| self.tracker.record(&q.queue, ev, how))
-                else {
+                let Some(mark) = r.with_newest_event(|ev| record(ev, how)) else {
                     return; // not reached: a full ring has a newest range, marked
                 };
                 let marked = match mark {
@@ -349,7 +373,7 @@ impl Shared {
             } else {
                 How::Enqueue
             };
-            let mark = r.with_free_event(|ev| self.tracker.record(&q.queue, ev, how));
+            let mark = r.with_free_event(|ev| record(ev, how));
             let marked = match mark {
                 // A new marker, recorded without asking whether the stream is capturing
                 // (it covers only the work of this operation, or group, on the stream):

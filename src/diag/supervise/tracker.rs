@@ -263,11 +263,17 @@ pub(crate) trait Tracker: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// The tracker for a library's provider.
-pub(crate) fn for_provider(provider: crate::library::Provider) -> Arc<dyn Tracker> {
+/// The tracker for a library's provider, and the same tracker as a [`CudaTracker`] when it
+/// is one (for the owner's marking at enqueue, which then makes no virtual call).
+pub(crate) fn for_provider(
+    provider: crate::library::Provider,
+) -> (Arc<dyn Tracker>, Option<Arc<CudaTracker>>) {
     match provider {
-        crate::library::Provider::Nccl => Arc::new(CudaTracker::default()),
-        crate::library::Provider::Host => Arc::new(HostTracker),
+        crate::library::Provider::Nccl => {
+            let cuda = Arc::new(CudaTracker::default());
+            (Arc::clone(&cuda) as Arc<dyn Tracker>, Some(cuda))
+        }
+        crate::library::Provider::Host => (Arc::new(HostTracker), None),
     }
 }
 
@@ -471,11 +477,11 @@ impl CudaTracker {
     }
 }
 
-impl Tracker for CudaTracker {
-    fn record(&self, q: &Queue, ev: Event<'_>, how: How) -> Mark {
-        let Queue::Cuda(stream) = q else {
-            return Mark::Unwatched;
-        };
+impl CudaTracker {
+    /// [`Tracker::record`] on a CUDA stream's queue, called directly (inlined) by the
+    /// owner's marking at enqueue.
+    #[inline(always)]
+    pub(crate) fn record_stream(&self, stream: &CudaStream, ev: Event<'_>, how: How) -> Mark {
         if how == How::Tick {
             if stream.cu_stream() as usize == PER_THREAD_STREAM {
                 // This thread's per-thread stream is not the one the work went to.
@@ -484,6 +490,15 @@ impl Tracker for CudaTracker {
             relaxed_capture_mode();
         }
         self.record_on(stream, ev, how != How::Enqueue)
+    }
+}
+
+impl Tracker for CudaTracker {
+    fn record(&self, q: &Queue, ev: Event<'_>, how: How) -> Mark {
+        let Queue::Cuda(stream) = q else {
+            return Mark::Unwatched;
+        };
+        self.record_stream(stream, ev, how)
     }
 
     fn capturing(&self, q: &Queue) -> Result<bool, DriverError> {

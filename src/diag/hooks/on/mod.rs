@@ -142,11 +142,12 @@ impl CommDiag {
             clique.set_board(b);
         }
         #[cfg(test)]
-        let tracker = TEST_TRACKER
-            .with(|t| t.borrow().clone())
-            .unwrap_or_else(|| tracker::for_provider(lib.provider()));
+        let (tracker, cuda_tracker) = match TEST_TRACKER.with(|t| t.borrow().clone()) {
+            Some(t) => (t, None),
+            None => tracker::for_provider(lib.provider()),
+        };
         #[cfg(not(test))]
-        let tracker = tracker::for_provider(lib.provider());
+        let (tracker, cuda_tracker) = tracker::for_provider(lib.provider());
         // The queue of a host-provider communicator is the communicator itself.
         let host_queue = (lib.provider() == Provider::Host).then(|| {
             let q = Queue::Host(raw as usize);
@@ -159,6 +160,7 @@ impl CommDiag {
             lib: Arc::clone(lib),
             clique: Arc::clone(&clique),
             tracker,
+            cuda_tracker,
             queues: Mutex::new(host_queue.iter().cloned().collect()),
             host_queue,
             journal: Journal::new(self.settings.ring),
