@@ -475,9 +475,7 @@ impl CudaTracker {
         };
         Ok(slot.insert(Marker::Cuda(event)))
     }
-}
 
-impl CudaTracker {
     /// [`Tracker::record`] on a CUDA stream's queue, called directly (inlined) by the
     /// owner's marking at enqueue.
     #[inline(always)]
