@@ -136,7 +136,8 @@ pub(crate) struct Shared {
     pub(in crate::diag) settings: Settings,
     pub(in crate::diag) lib: Arc<Library>,
     pub(in crate::diag) clique: Arc<Clique>,
-    /// Learns when queued work finished (the watchdog's and teardown's only).
+    /// Records markers and learns when queued work finished: the watchdog's and
+    /// teardown's, and the owner's marking at enqueue unless `cuda_tracker` is set.
     pub(in crate::diag) tracker: Arc<dyn Tracker>,
     /// `tracker`, when it is the CUDA one: the owner's marking at enqueue calls it
     /// directly (no virtual call on the per-operation path).
