@@ -159,7 +159,7 @@ impl<'a> Group<'a> {
             // launches nothing after a failed call of its own (group.cc groupCleanup), but
             // what the crate refused before NCCL saw it leaves the operations issued so far
             // to be launched: they are waited for like any.
-            if let Err(e) = op.issue() {
+            if let Err(e) = op.issue(true) {
                 first_error = Some(e);
                 break;
             }
@@ -335,7 +335,6 @@ impl<'l> Open<'l> {
         // SAFETY: ncclGroupStart takes no arguments; it is paired with the ncclGroupEnd of
         // `end` or `Drop`.
         unsafe { nccl_call!(lib, ncclGroupStart(), CallContext::NONE) }?;
-        crate::diag::group_started();
         Ok(Open { lib, open: true })
     }
 
@@ -377,7 +376,6 @@ impl<'l> Open<'l> {
             }
             _ => end(),
         };
-        crate::diag::group_ended();
         match r {
             // Timed out inside the call (host provider): as the watchdog would, time out
             // the cliques of the group's communicators, so that every rank fails fast.
@@ -407,7 +405,6 @@ impl Drop for Open<'_> {
         if self.open {
             // SAFETY: closes the ncclGroupStart of `start`.
             let _ = unsafe { nccl_call!(self.lib, ncclGroupEnd(), CallContext::NONE) };
-            crate::diag::group_ended();
         }
     }
 }

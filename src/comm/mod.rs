@@ -525,10 +525,12 @@ impl Communicator {
         gate: bool,
     ) -> Result<()> {
         let op = op.into();
-        let call = op.name();
+        // Its name is looked up only where it is needed: a wait, or an error (a call into
+        // a table per operation otherwise).
+        let entry = op.entry_point();
         if (gate && self.failure.get().is_some()) || self.revoke_blocked.get() {
             // The error for a failed communicator (a watchdog abort takes precedence).
-            self.ensure_usable(call)?;
+            self.ensure_usable(entry.name())?;
         }
         // No CUDA context bind here: NCCL makes the communicator's device current itself
         // for every operation (each is an implicit group, and one thread may drive several
@@ -544,16 +546,18 @@ impl Communicator {
         // linked its group job to it until a poll reads ncclSuccess. A grow's job is linked
         // to the new communicator (init.cc:3000-3008 of v2.29.7-1), not to this one.
         if (r == ncclInProgress || (job && r == ncclSuccess))
-            && call != nccl_sys::EntryPoint::ncclCommGrow.name()
+            && entry != nccl_sys::EntryPoint::ncclCommGrow
         {
             self.set_job_linked(true);
         }
         // NCCL's communicator is always non-blocking (see init_rank): wait out progress.
         let r = if job && r == ncclSuccess {
+            let call = entry.name();
             // The watchdog's timeout of this operation (with its report of who is behind)
             // normally ends the wait for a job first; its own limit is a margin later.
             self.wait_ready(call, caller, self.diag.timeout() + CHILD_WAIT_MARGIN)
         } else if r == ncclInProgress {
+            let call = entry.name();
             // The same margin: the watchdog's timeout comes first, with its report, and
             // with `Config::elastic` its revoke, which leaves the handle for a shrink.
             let waited = self.wait_ready(call, caller, self.diag.timeout() + CHILD_WAIT_MARGIN);
@@ -562,8 +566,10 @@ impl Communicator {
                 Communicator::end_launches(&[self], call);
                 Communicator::note_unrevocable(&[self], e)
             })
+        } else if r == ncclSuccess {
+            Ok(())
         } else {
-            self.checked(call, r, caller)
+            Err(self.fail_nccl(entry.name(), r, caller))
         };
         let r = r.and_then(|()| then());
         match self.diag.end(ticket, r) {

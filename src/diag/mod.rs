@@ -81,7 +81,7 @@ pub use crate::teardown::{
 };
 pub use settings::DEFAULT_TIMEOUT;
 
-pub(crate) use op::{group_ended, group_started, is_collective, OpInfo};
+pub(crate) use op::{is_collective, OpInfo};
 pub(crate) use settings::{check_settings, default_bound, DiagConfig};
 
 #[cfg(feature = "diag")]

@@ -1,36 +1,9 @@
-//! What an operation is, as the per-operation hooks record and check it, and whether the
-//! calling thread is inside a group.
-
-use std::cell::Cell;
+//! What an operation is, as the per-operation hooks record and check it.
 
 use nccl_sys::EntryPoint;
 
 use crate::stream::StreamRef;
 use crate::types::DataType;
-
-thread_local! {
-    static GROUP_DEPTH: Cell<u32> = const { Cell::new(0) };
-}
-
-/// Called after `ncclGroupStart` by [`crate::Group`]'s end: the operations it then issues
-/// are only queued until its `ncclGroupEnd`, so they are not fingerprint-checked (one
-/// thread may drive several ranks).
-pub(crate) fn group_started() {
-    GROUP_DEPTH.with(|d| d.set(d.get() + 1));
-}
-
-/// Called after `ncclGroupEnd` by [`crate::Group`].
-pub(crate) fn group_ended() {
-    GROUP_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
-}
-
-/// Whether this thread is inside a [`crate::Group`]'s end, between its `ncclGroupStart`
-/// and `ncclGroupEnd` (no code of the caller's runs there).
-#[cfg_attr(not(feature = "diag"), allow(dead_code))]
-#[inline]
-pub(crate) fn in_group() -> bool {
-    GROUP_DEPTH.with(|d| d.get() > 0)
-}
 
 /// What an operation is, as `issue` records and checks it.
 #[derive(Debug, Clone, Copy)]
@@ -43,6 +16,13 @@ pub(crate) struct OpInfo<'a> {
     /// A rank (a `c_int` for NCCL): 32 bits keep an `Op` within 128 bytes.
     pub(super) root: Option<u32>,
     pub(super) stream: StreamRef<'a>,
+    /// Issued by a [`crate::Group`]'s end, between its `ncclGroupStart` and
+    /// `ncclGroupEnd` (no code of the caller's runs there): NCCL only queues it until the
+    /// group's end, so it is not fingerprint-checked (one thread may drive several ranks),
+    /// and its work is published, and marked, by the group's end. Only a group's end issues
+    /// operations inside an NCCL group, so this flag, carried with the operation, says so
+    /// with no thread-local read on the per-operation path.
+    pub(super) grouped: bool,
 }
 
 impl<'a> OpInfo<'a> {
@@ -62,6 +42,7 @@ impl<'a> OpInfo<'a> {
             count,
             root: root.map(|r| r as u32),
             stream,
+            grouped: false,
         }
     }
 
@@ -83,6 +64,7 @@ impl<'a> OpInfo<'a> {
             count,
             root: peer.map(|r| r as u32),
             stream,
+            grouped: false,
         }
     }
 
@@ -127,6 +109,15 @@ impl<'a> OpInfo<'a> {
     pub(crate) fn on(self, stream: StreamRef<'a>) -> OpInfo<'a> {
         OpInfo { stream, ..self }
     }
+
+    /// The same operation, issued by a group's end (see [`grouped`](Self::grouped)).
+    #[inline(always)]
+    pub(crate) fn in_group(self) -> OpInfo<'a> {
+        OpInfo {
+            grouped: true,
+            ..self
+        }
+    }
 }
 
 /// Collectives get a sequence number and a fingerprint; point-to-point calls (made by two
@@ -156,6 +147,7 @@ impl From<EntryPoint> for OpInfo<'static> {
             count: 0,
             root: None,
             stream: StreamRef::Host,
+            grouped: false,
         }
     }
 }

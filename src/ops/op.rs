@@ -93,7 +93,7 @@ impl<'a> Op<'a> {
         }
         // The guards drop as `self` does, after the call: cudarc's events then come
         // after the work on the stream.
-        self.issue()
+        self.issue(false)
     }
 
     /// Whether NCCL would launch it from a thread of its own on the per-thread stream
@@ -109,7 +109,7 @@ impl<'a> Op<'a> {
     #[inline(never)]
     fn run_relayed(mut self) -> Result<()> {
         let relay = self.onto_relay()?;
-        let r = self.issue();
+        let r = self.issue(false);
         let r = Self::leave(relay, r);
         // Only now may cudarc record its events, on the caller's per-thread stream: it
         // waits for the relay's work since `leave` (recorded before, an event would not
@@ -166,9 +166,11 @@ impl<'a> Op<'a> {
     ///
     /// By reference: a group issues its operations where they are kept, with no copy (a
     /// moved operation's fields were read back from the stack right after a vector store
-    /// of them, a store-to-load forwarding stall per operation).
+    /// of them, a store-to-load forwarding stall per operation). `grouped`: issued by a
+    /// group's end, between its `ncclGroupStart` and `ncclGroupEnd` (the only place that
+    /// issues operations inside an NCCL group).
     #[inline(always)]
-    pub(crate) fn issue(&self) -> Result<()> {
+    pub(crate) fn issue(&self, grouped: bool) -> Result<()> {
         let Op {
             comm,
             red,
@@ -206,7 +208,7 @@ impl<'a> Op<'a> {
             stream: stream.raw(),
         };
         comm.issue(
-            info,
+            if grouped { info.in_group() } else { info },
             caller,
             #[inline(always)]
             |t, raw| {

@@ -92,6 +92,8 @@ pub(crate) struct InFlight<'a> {
     /// Its start (diagnostics clock).
     start: u64,
     stream: StreamRef<'a>,
+    /// Issued by a group's end ([`OpInfo`]'s `grouped`).
+    grouped: bool,
 }
 
 /// The bit that marks a child's tag as a shrink's ([`shrink_tag`]); a split's tag is its

@@ -72,6 +72,7 @@ impl CommDiag {
             pos: 0,
             start: 0,
             stream: op.stream,
+            grouped: false,
         })
     }
 

@@ -9,7 +9,7 @@ use super::{bump, RECENT_QUEUES};
 use crate::diag::hooks::{CommDiag, CommView, InFlight};
 use crate::diag::observe::fingerprint::{self, Agreement};
 use crate::diag::observe::flight;
-use crate::diag::op::{in_group, OpInfo};
+use crate::diag::op::OpInfo;
 use crate::diag::supervise::claim::UNCLAIMED;
 use crate::diag::supervise::clique::TimeoutReport;
 use crate::diag::supervise::fence;
@@ -106,17 +106,23 @@ impl CommDiag {
 
     /// The watch of `stream`'s queue: one of the recent ones, or noted now.
     #[inline(always)]
-    fn publish_on(&self, s: &Shared, stream: &Arc<cudarc::driver::CudaStream>, upto: u64) {
+    fn publish_on(
+        &self,
+        s: &Shared,
+        stream: &Arc<cudarc::driver::CudaStream>,
+        upto: u64,
+        grouped: bool,
+    ) {
         let key = stream.cu_stream() as usize;
         {
             let recent = self.watched.recent_queues.borrow();
             if let Some(q) = recent.iter().flatten().find(|q| q.key == key) {
-                mark_then_publish(s, q, upto);
+                mark_then_publish(s, q, upto, grouped);
                 return;
             }
         }
         let q = self.note_stream(s, stream);
-        mark_then_publish(s, &q, upto);
+        mark_then_publish(s, &q, upto, grouped);
     }
 
     /// Before the NCCL call of `op`: fails when the watchdog aborted the communicator,
@@ -159,7 +165,7 @@ impl CommDiag {
         if s.clique.any_timeout() && !self.watched.recovering.get() {
             return Err(self.begin_timed_out(s, pos, start));
         }
-        if s.settings.check && op.collective && !in_group() {
+        if s.settings.check && op.collective && !op.grouped {
             self.fingerprint(s, pos, start)?;
         }
         // Inside an open group the communicator is pinned (claimed) until the group ends.
@@ -174,6 +180,7 @@ impl CommDiag {
             pos,
             start,
             stream: op.stream,
+            grouped: op.grouped,
         })
     }
 
@@ -257,16 +264,16 @@ impl CommDiag {
             let state = match (&r, t.stream) {
                 (Err(_), _) => OpState::Failed,
                 (Ok(()), StreamRef::Cuda(stream)) => {
-                    self.publish_on(s, stream, t.pos + 1);
+                    self.publish_on(s, stream, t.pos + 1, t.grouped);
                     OpState::Enqueued
                 }
                 (Ok(()), StreamRef::Host) => {
                     if let Some(q) = &s.host_queue {
-                        publish(q, t.pos + 1);
+                        publish(q, t.pos + 1, t.grouped);
                     }
                     // Inside an open group the operation is only queued: the group's end
                     // runs it, and marks it (`publish_group`, `group_end_failed`).
-                    if in_group() {
+                    if t.grouped {
                         OpState::Enqueued
                     } else {
                         OpState::Completed
@@ -386,17 +393,17 @@ fn died_rank(s: &Shared) -> Option<(usize, String)> {
 /// [`publish`] of a CUDA operation's work: marked first, at enqueue, when completion is
 /// exact and no group is open (a group's work is marked when it ends).
 #[inline(always)]
-fn mark_then_publish(s: &Shared, q: &QueueWatch, upto: u64) {
-    if s.settings.exact && !in_group() {
+fn mark_then_publish(s: &Shared, q: &QueueWatch, upto: u64, grouped: bool) {
+    if s.settings.exact && !grouped {
         s.mark_at_enqueue(q, upto);
     }
-    publish(q, upto);
+    publish(q, upto, grouped);
 }
 
 /// Publishes an operation's work on its queue (staged until the end of an open group).
 #[inline(always)]
-fn publish(q: &QueueWatch, upto: u64) {
-    if in_group() {
+fn publish(q: &QueueWatch, upto: u64, grouped: bool) {
+    if grouped {
         q.staged.store(upto, Ordering::Release);
     } else {
         q.published.store(upto, Ordering::Release);
