@@ -217,19 +217,43 @@ impl<'a> Op<'a> {
                 // for `count` and this provider's memory, and every other argument (the
                 // rank in range, the reduction of this communicator, the entry point
                 // present); `guards` and the lifetime `'a` keep the buffers borrowed until
-                // the work is enqueued.
-                let make = || unsafe {
-                    match collective {
-                        Some(c) => c.call(t, args),
-                        None => one_sided_call(entry, t, args, offset),
-                    }
-                };
+                // the work is enqueued. Inlined into the caller's line: left to the
+                // compiler, the call was made out of line with its arguments passed through
+                // memory (callgrind over the overhead bench: 22 more instructions for a
+                // single operation, 9 per operation in a group).
                 #[cfg(feature = "host")]
-                return crate::host::with_caller(caller, make);
+                return crate::host::with_caller(
+                    caller,
+                    #[inline(always)]
+                    || unsafe { make_call(collective, entry, t, args, offset) },
+                );
                 #[cfg(not(feature = "host"))]
-                make()
+                unsafe {
+                    make_call(collective, entry, t, args, offset)
+                }
             },
         )
+    }
+}
+
+/// The NCCL call of an operation: its collective's entry point, or a one-sided call's.
+///
+/// # Safety
+/// As [`Collective::call`] and `one_sided_call`: `args` (and `offset`) checked for the call.
+#[inline(always)]
+unsafe fn make_call(
+    collective: Option<Collective>,
+    entry: EntryPoint,
+    t: &nccl_sys::FunctionTable,
+    args: CallArgs,
+    offset: usize,
+) -> nccl_sys::bindings::ncclResult_t {
+    // SAFETY: the caller's.
+    unsafe {
+        match collective {
+            Some(c) => c.call(t, args),
+            None => one_sided_call(entry, t, args, offset),
+        }
     }
 }
 
