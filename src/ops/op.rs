@@ -228,6 +228,7 @@ impl<'a> Op<'a> {
                     || unsafe { make_call(collective, entry, t, args, offset) },
                 );
                 #[cfg(not(feature = "host"))]
+                // SAFETY: as above.
                 unsafe {
                     make_call(collective, entry, t, args, offset)
                 }
