@@ -68,9 +68,9 @@ pub struct Op<'a> {
     guards: Guards<'a>,
 }
 
-// A group holds its operations by value and moves each twice: within 128 bytes a move is
-// a few vector stores, past it a `memcpy` call (about 40 instructions per move, measured
-// with callgrind over the overhead bench).
+// An operation is moved from where it is made into its group's storage (or into `run`):
+// within 128 bytes a move is a few stores, past it a `memcpy` call (about 40 instructions
+// per move, measured with callgrind over the overhead bench).
 const _: () = assert!(std::mem::size_of::<Op<'static>>() <= 128);
 
 impl std::fmt::Debug for Op<'_> {
