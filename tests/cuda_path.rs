@@ -535,6 +535,49 @@ fn bursts_on_several_streams_make_no_event_once_warm() {
     r.comm.destroy().map_err(|(_, e)| e).unwrap();
 }
 
+/// A group over more streams than the owner keeps among its recent ones (8): the streams
+/// it uses first leave that cache while the group is filled, with their work staged, and
+/// the group's end still publishes (and marks) the work of every stream, so all of it is
+/// seen complete. Two groups in a row: the second meets the streams the first evicted.
+#[test]
+fn a_group_over_more_streams_than_the_recent_ones_publishes_every_streams_work() {
+    let _serial = serial();
+    const STREAMS: usize = 11;
+    let r = rank(0, &Config::new(), false);
+    let streams: Vec<Arc<CudaStream>> = (0..STREAMS).map(|_| r.ctx.new_stream().unwrap()).collect();
+    let mut bufs: Vec<CudaSlice<f32>> = (streams.iter())
+        .map(|s| s.clone_htod(&[1.0f32]).unwrap())
+        .collect();
+    for round in 0..2 {
+        let mut g = Group::new();
+        for (s, b) in streams.iter().zip(bufs.iter_mut()) {
+            g.push(r.comm.all_reduce_in_place_op(b, ReduceOp::Sum, s).unwrap())
+                .unwrap();
+        }
+        g.end().unwrap();
+        let entries = r.comm.flight_record().entries.len();
+        assert_eq!(
+            entries,
+            STREAMS * (round + 1),
+            "round {round}: every operation recorded"
+        );
+        until(Duration::from_secs(10), || {
+            (r.comm.flight_record().entries.iter()).all(|e| e.state == OpState::Completed)
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "round {round}: work of the group never seen complete (unpublished):\n{}",
+                r.comm.flight_record()
+            )
+        });
+    }
+    for s in &streams {
+        s.synchronize().unwrap();
+    }
+    drop(bufs);
+    r.comm.destroy().map_err(|(_, e)| e).unwrap();
+}
+
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())

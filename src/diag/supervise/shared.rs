@@ -671,13 +671,20 @@ impl Shared {
     /// first, with exact completion: the group's work is on its streams now).
     pub(in crate::diag) fn publish_staged(&self) {
         for q in self.queue_list().iter() {
-            let staged = q.staged.load(Ordering::Acquire);
-            if staged > q.published.load(Ordering::Acquire) {
-                if q.by_owner {
-                    self.mark_at_enqueue(q, staged);
-                }
-                q.published.store(staged, Ordering::Release);
+            self.publish_staged_on(q);
+        }
+    }
+
+    /// [`publish_staged`](Self::publish_staged) for one queue: its staged work published
+    /// (marked first, with exact completion), if any. The owner only.
+    #[inline]
+    pub(in crate::diag) fn publish_staged_on(&self, q: &QueueWatch) {
+        let staged = q.staged.load(Ordering::Acquire);
+        if staged > q.published.load(Ordering::Acquire) {
+            if q.by_owner {
+                self.mark_at_enqueue(q, staged);
             }
+            q.published.store(staged, Ordering::Release);
         }
     }
 

@@ -37,7 +37,20 @@ impl CommDiag {
                 let from = q.published.load(Ordering::Acquire);
                 from..q.staged.load(Ordering::Acquire)
             });
-            s.publish_staged();
+            if self.watched.staged_evicted.replace(false) {
+                // A queue with staged work left the owner's recent ones: all of them, under
+                // the list's lock.
+                s.publish_staged();
+            } else {
+                // Every queue with staged work is a recent one (or the host provider's):
+                // no lock on the group's path.
+                if let Some(q) = &s.host_queue {
+                    s.publish_staged_on(q);
+                }
+                for q in self.watched.recent_queues.borrow().iter().flatten() {
+                    s.publish_staged_on(q);
+                }
+            }
             if let Some(ran) = ran {
                 finish_queued(s, ran, OpState::Completed);
             }

@@ -52,6 +52,10 @@ pub(in crate::diag::hooks) struct Watched {
     /// them takes the slow path. Each is among the [`RECENT_QUEUES`] most recently noted
     /// in the shared list, which keeps more, so none is dropped there while cached here.
     recent_queues: RefCell<[Option<Arc<QueueWatch>>; RECENT_QUEUES]>,
+    /// A queue left `recent_queues` with work staged on it and not yet published: the next
+    /// group's end publishes by the walk over every queue (under the list's lock) instead
+    /// of over the recent ones, and clears this.
+    staged_evicted: Cell<bool>,
     /// The shrinks made from this communicator so far, counted per exclude list
     /// ([`shrink_tag`](super::shrink_tag)): part of each shrink child's clique key, so two
     /// shrinks at the same sequence number never share one.
@@ -70,6 +74,7 @@ impl Watched {
             shared: OnceLock::new(),
             board: None,
             recent_queues: RefCell::new(Default::default()),
+            staged_evicted: Cell::new(false),
             children: RefCell::default(),
             recovering: Cell::new(false),
             pinned_from: Cell::new(IDLE),

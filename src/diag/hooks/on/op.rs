@@ -98,6 +98,11 @@ impl CommDiag {
             // Leaving the cache: the events its retired ranges kept are spare again (else
             // every stream used once would keep them).
             s.reclaim_parked(&old);
+            // Work staged on it and not yet published (a group's, being ended) is
+            // published by the walk over every queue, not over the recent ones.
+            if old.staged.load(Ordering::Acquire) > old.published.load(Ordering::Acquire) {
+                self.watched.staged_evicted.set(true);
+            }
         }
         recent.rotate_right(1);
         recent[0] = Some(Arc::clone(&q));
