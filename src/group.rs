@@ -354,32 +354,30 @@ const SPARE_KEPT: usize = 64;
 impl Spare {
     /// The thread's spare storage (empty), or a new one.
     fn take<'a>() -> Vec<Op<'a>> {
-        let v = SPARE.try_with(|s| s.take()).unwrap_or_default();
-        let mut v = std::mem::ManuallyDrop::new(v);
-        debug_assert!(v.is_empty());
-        // SAFETY: the vector is empty (only cleared vectors are kept), so it holds no
-        // value of either lifetime; `Op<'static>` and `Op<'a>` have one layout, so its
-        // allocation is valid for `Op<'a>` with the same capacity.
-        unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<Op<'a>>(), 0, v.capacity()) }
+        Spare::relabel(SPARE.try_with(|s| s.take()).unwrap_or_default())
     }
 
     /// Keeps `ops`' storage for the thread's next group, its operations dropped first
     /// (storage for more than [`SPARE_KEPT`] operations is freed instead).
     fn give_back(ops: &mut Vec<Op<'_>>) {
-        if ops.capacity() == 0 {
-            return;
-        }
-        ops.clear();
-        if ops.capacity() > SPARE_KEPT {
+        if ops.capacity() == 0 || ops.capacity() > SPARE_KEPT {
             *ops = Vec::new();
             return;
         }
-        let mut v = std::mem::ManuallyDrop::new(std::mem::take(ops));
-        // SAFETY: as in `take`: empty, one layout.
-        let v: Vec<Op<'static>> =
-            unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast(), 0, v.capacity()) };
+        let v: Vec<Op<'static>> = Spare::relabel(std::mem::take(ops));
         // A thread whose locals are being destroyed frees it instead.
         let _ = SPARE.try_with(|s| s.replace(v));
+    }
+
+    /// `v`'s allocation as an empty vector of operations of another lifetime: its
+    /// operations are dropped first.
+    fn relabel<'x, 'y>(mut v: Vec<Op<'x>>) -> Vec<Op<'y>> {
+        v.clear();
+        let mut v = std::mem::ManuallyDrop::new(v);
+        // SAFETY: the vector is empty (cleared above), so it holds no value of either
+        // lifetime; `Op<'x>` and `Op<'y>` have one layout, so its allocation (not freed:
+        // `v` is not dropped) is valid for `Op<'y>` with the same capacity.
+        unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<Op<'y>>(), 0, v.capacity()) }
     }
 }
 
