@@ -25,7 +25,8 @@
 //!   once, and the driver calls each makes per operation on its thread, by entry point (the
 //!   first target is then judged by those calls); the marker's record alone; and the tail
 //!   with the watchdog busy (p50, p99 and p99.9 of single calls on 8 streams whose marker
-//!   rings stay full, beside cudarc::nccl: target p99.9 <= 2x p50).
+//!   rings stay full, beside cudarc::nccl and a busy loop as long as the crate's median
+//!   call, the machine's own tail: target p99.9 <= 2x p50).
 //! - `--backend launch`: NCCL's thread-per-group launch as the fake NCCL models it.
 //! - `--backend nccl-source`: NCCL's own host code, built from source by
 //!   `scripts/build-nccl.sh` (named in `NCCL_SAFE_SOURCE_NCCL`; without it the bench says
@@ -1455,6 +1456,12 @@ const TAIL_STREAMS: usize = 8;
 /// races the watchdog's retirement) and the watchdog queries up to 64 markers per stream
 /// on each 10 ms tick (the fastest it runs). Each call is timed alone (two clock reads
 /// around it, the same for every caller).
+///
+/// The control, timed the same way in turn with the callers: a busy loop as long as the
+/// crate's median call, which touches no memory and calls nothing. Whatever its tail shows
+/// is the machine's (an interrupt, a host that takes the CPU away), and meets every call of
+/// that length as often: where the busy loop's own p99.9 is past 2x its p50, the target
+/// cannot be judged on that machine, and the crate's p99.9 is read against the loop's.
 fn tail_latency(
     ctx: &Arc<CudaContext>,
     comm: &Communicator,
@@ -1516,7 +1523,9 @@ fn tail_latency(
         .into_iter()
         .filter(|c| *c != Caller::Cudarc || peers.iter().all(Option::is_some))
         .collect();
-    let mut samples: Vec<Vec<u32>> = (0..4)
+    // Index 4: the machine's own tail (`machine_spin`), timed the same way, in turn with
+    // the callers.
+    let mut samples: Vec<Vec<u32>> = (0..5)
         .map(|_| Vec::with_capacity(ROUNDS * BATCHES * BATCH))
         .collect();
     // On the fake driver, each of the crate's operations is told apart by the ring's path
@@ -1529,8 +1538,26 @@ fn tail_latency(
         fakes::driver().mark_this_thread(true);
     }
     let mut extended: Vec<bool> = Vec::with_capacity(ROUNDS * BATCHES * BATCH);
-    let mut run = |who: Caller, batches: usize, keep: bool| -> Result<()> {
+    // `who` None: the control, a busy loop of `spin` steps in place of the call.
+    let mut run = |samples: &mut [Vec<u32>],
+                   extended: &mut Vec<bool>,
+                   who: Option<Caller>,
+                   spin: u64,
+                   batches: usize,
+                   keep: bool|
+     -> Result<()> {
         for _ in 0..batches {
+            let Some(who) = who else {
+                for _ in 0..BATCH {
+                    let t0 = Instant::now();
+                    machine_spin(spin);
+                    let ns = t0.elapsed().as_nanos().min(u32::MAX as u128) as u32;
+                    if keep {
+                        samples[4].push(ns);
+                    }
+                }
+                continue;
+            };
             for lane in lanes.iter_mut() {
                 for x in lane.bufs.iter_mut() {
                     compute.memset_zeros(x)?;
@@ -1562,13 +1589,41 @@ fn tail_latency(
             .map_or(0, |(_, c)| *c)
     };
     for &who in &callers {
-        run(who, 1, false)?; // warm-up: every ring full
+        run(&mut samples, &mut extended, Some(who), 0, 1, false)?; // warm-up: every ring full
     }
+    // The control: a busy loop as long as nccl-safe's median call, timed the same way, in
+    // turn with the callers. What it shows past its median is the machine's (an interrupt,
+    // a host that takes the CPU away), which any call as long meets as often.
+    let spin = {
+        run(&mut samples, &mut extended, Some(Caller::Safe), 0, 1, true)?;
+        let v = &mut samples[Caller::Safe as usize];
+        v.sort_unstable();
+        let p50 = v[v.len() / 2] as f64;
+        v.clear();
+        extended.clear();
+        // Less the two clock reads around it, which time the loop too.
+        let mut empty: Vec<u32> = (0..10_000)
+            .map(|_| {
+                let t0 = Instant::now();
+                t0.elapsed().as_nanos() as u32
+            })
+            .collect();
+        empty.sort_unstable();
+        spin_steps_for(p50 - f64::from(empty[empty.len() / 2]).min(p50 / 2.0))
+    };
     let before = (source == Cuda::Fake).then(|| fakes::driver().counts(false));
     let t0 = Instant::now();
+    let turns: Vec<Option<Caller>> = callers.iter().map(|&c| Some(c)).chain([None]).collect();
     for round in 0..ROUNDS {
-        for k in 0..callers.len() {
-            run(callers[(k + round) % callers.len()], BATCHES, true)?;
+        for k in 0..turns.len() {
+            run(
+                &mut samples,
+                &mut extended,
+                turns[(k + round) % turns.len()],
+                spin,
+                BATCHES,
+                true,
+            )?;
         }
     }
     let took = t0.elapsed();
@@ -1604,22 +1659,27 @@ fn tail_latency(
         "# {:<14} {:>8} {:>8} {:>9} {:>10} {:>9} {:>11}",
         "caller", "p50 ns", "p99 ns", "p99.9 ns", "max ns", "p99/p50", "p99.9/p50"
     );
-    let mut safe = None;
-    for &who in &callers {
-        let v = &mut samples[who as usize];
+    // (p50, p99.9) of nccl-safe and of the busy loop.
+    let mut safe: Option<(f64, f64)> = None;
+    let mut machine: Option<(f64, f64)> = None;
+    for who in turns.iter().copied() {
+        let v = &mut samples[who.map_or(4, |w| w as usize)];
         v.sort_unstable();
         let at = |q: f64| v[((v.len() - 1) as f64 * q) as usize] as f64;
         let (p50, p99, p999) = (at(0.5), at(0.99), at(0.999));
-        if who == Caller::Safe {
-            safe = Some((p50, p999));
+        match who {
+            Some(Caller::Safe) => safe = Some((p50, p999)),
+            None => machine = Some((p50, p999)),
+            _ => {}
         }
         println!(
             "  {:<14} {:>8.0} {:>8.0} {:>9.0} {:>10} {:>9.2} {:>11.2}",
             match who {
-                Caller::Raw => "raw",
-                Caller::Safe => "nccl-safe",
-                Caller::Cudarc => "cudarc::nccl",
-                Caller::Bound => "bound",
+                Some(Caller::Raw) => "raw",
+                Some(Caller::Safe) => "nccl-safe",
+                Some(Caller::Cudarc) => "cudarc::nccl",
+                Some(Caller::Bound) => "bound",
+                None => "busy loop",
             },
             p50,
             p99,
@@ -1644,26 +1704,92 @@ fn tail_latency(
             v.sort_unstable();
             let at = |q: f64| v[((v.len() - 1) as f64 * q) as usize];
             println!(
-                "#     {what}: {} ops ({:.2}%), p50 {} ns, p99 {} ns, p99.9 {} ns",
+                "#     {what}: {} ops ({:.2}%), p50 {} ns, p90 {} ns, p99 {} ns, p99.9 {} ns",
                 v.len(),
                 100.0 * v.len() as f64 / total,
                 at(0.5),
+                at(0.9),
                 at(0.99),
                 at(0.999)
             );
         }
     }
-    if let Some((p50, p999)) = safe {
+    let (pauses, pause_ns) = machine_pauses(Duration::from_millis(200));
+    println!(
+        "#   busy loop: {spin} steps, as long as nccl-safe's median call (measured before the rounds), timed the same way in turn with the callers; this machine took a spinning thread's CPU away {pauses:.0} times a second, for {pause_ns:.0} ns on average (gaps over 1 us between two clock reads, 200 ms)"
+    );
+    if let (Some((p50, p999)), Some((m50, m999))) = (safe, machine) {
+        let verdict = if p999 <= 2.0 * p50 {
+            "met"
+        } else if m999 > 2.0 * m50 {
+            "NOT met, and not to be judged on this machine: a busy loop as long is past 2x"
+        } else {
+            "NOT met"
+        };
         println!(
-            "# target: the watchdog busy: nccl-safe p99.9 <= 2x its p50: {:.2}x -> {}",
+            "# target: the watchdog busy: nccl-safe p99.9 <= 2x its p50: {:.2}x (the busy loop's {:.2}x; nccl-safe's p99.9 {:.2}x the busy loop's) -> {verdict}",
             p999 / p50,
-            if p999 <= 2.0 * p50 { "met" } else { "NOT met" }
+            m999 / m50,
+            p999 / m999,
         );
     }
     drop(benches);
     drop(lanes);
     drop(peers);
     Ok(())
+}
+
+/// A busy loop of `steps` dependent multiply-adds: the tail section's control, no memory
+/// touched and no call made.
+#[inline(never)]
+fn machine_spin(steps: u64) -> u64 {
+    let mut x = black_box(steps);
+    for _ in 0..steps {
+        x = black_box(x.wrapping_mul(3).wrapping_add(1));
+    }
+    x
+}
+
+/// The steps of [`machine_spin`] that take about `ns` nanoseconds here.
+fn spin_steps_for(ns: f64) -> u64 {
+    const TRY: u64 = 100_000;
+    let took = (0..5)
+        .map(|_| {
+            let t0 = Instant::now();
+            machine_spin(TRY);
+            t0.elapsed().as_nanos() as f64
+        })
+        .fold(f64::INFINITY, f64::min);
+    ((ns * TRY as f64 / took.max(1.0)).round() as u64).max(1)
+}
+
+/// How often a thread that only reads the clock for `over` finds more than 1 us between two
+/// reads (the CPU taken away: an interrupt, the host's scheduler), per second, and the
+/// mean length of those gaps in nanoseconds.
+fn machine_pauses(over: Duration) -> (f64, f64) {
+    let t0 = Instant::now();
+    let (mut prev, mut gaps, mut total) = (t0, 0u64, 0u128);
+    loop {
+        let now = Instant::now();
+        let gap = now.duration_since(prev).as_nanos();
+        if gap > 1_000 {
+            gaps += 1;
+            total += gap;
+        }
+        prev = now;
+        if now.duration_since(t0) >= over {
+            break;
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    (
+        gaps as f64 / secs,
+        if gaps == 0 {
+            0.0
+        } else {
+            total as f64 / gaps as f64
+        },
+    )
 }
 
 /// Nanoseconds per marker record as the crate makes it on a full ring: the capture
