@@ -918,6 +918,65 @@ fn a_stalled_stream_fails_fast_and_is_aborted_behind_it() {
     });
 }
 
+/// A group's work that never completes is reported by its first operation on the stream:
+/// the marker of a group's end covers every operation the group put on that stream, and
+/// the range keeps the oldest one's record (a single operation's range, the operation
+/// itself, is found without searching the journal; a group's is searched for).
+#[test]
+fn a_stuck_groups_timeout_names_its_first_operation_on_the_stream() {
+    let _serial = serial();
+    let d = driver();
+    within(Duration::from_secs(60), move || {
+        let config = Config::new()
+            .timeout(TIMEOUT)
+            .abort_timeout(Duration::from_secs(20));
+        let r = rank(1, &config, false);
+        let mut bufs: Vec<CudaSlice<f32>> = (1..=4)
+            .map(|n| r.stream.alloc_zeros::<f32>(n).unwrap())
+            .collect();
+        // One operation completes first: the group's range is not the queue's first.
+        r.comm
+            .all_reduce_in_place(&mut bufs[3], ReduceOp::Sum, &r.stream)
+            .unwrap();
+        r.stream.synchronize().unwrap();
+        d.stall(&r.stream, true);
+        let mut g = Group::new();
+        for b in bufs[..3].iter_mut() {
+            g.push(
+                r.comm
+                    .all_reduce_in_place_op(b, ReduceOp::Sum, &r.stream)
+                    .unwrap(),
+            )
+            .unwrap();
+        }
+        g.end()
+            .expect("a group behind a stalled stream is accepted");
+        until(BOUND, || r.comm.is_failed()).expect("is_failed() within the bound");
+        let e = r
+            .comm
+            .all_reduce_in_place(&mut bufs[3], ReduceOp::Sum, &r.stream)
+            .expect_err("the next call fails");
+        assert!(is_timeout(&e), "{e}");
+        let text = e.to_string();
+        assert!(
+            text.contains("ncclAllReduce(float x 1) (seq 1) on rank 0")
+                && text.contains("because ncclAllReduce seq 1 on rank 0"),
+            "the report names the group's first operation (seq 1, 1 element), not a later one: {text}"
+        );
+        let Rank {
+            ctx,
+            stream,
+            comm,
+            id,
+        } = r;
+        drop(comm);
+        d.stall(&stream, false);
+        let st = support::assert_balanced(&id);
+        assert_eq!((st.created, st.aborted, st.destroyed), (1, 1, 0));
+        drop((bufs, stream, ctx));
+    });
+}
+
 /// While a stream is being captured into a graph, its collectives raise no timeout however
 /// long the capture. Their markers are recorded at enqueue without asking whether the
 /// stream is capturing (no `cuStreamIsCapturing` on the caller's thread), so each is a
